@@ -1,0 +1,27 @@
+# Two commands: `make demo` and `make test`. Both create .venv and install the
+# project with its test extra when missing or when pyproject.toml changed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/testbed demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) testbed-out .pytest_cache .hypothesis

@@ -1,0 +1,60 @@
+"""The project's error type for bad input.
+
+Every user-facing mistake (a YAML file, a field, a command-line value) raises
+:class:`InputError`. The CLI turns it into one paragraph on stderr and exit
+status 2; nothing else in the project catches it. Messages name the file, the
+field and what would be valid, so the user can fix the input without reading
+code.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+__all__ = ["InputError", "closest", "unknown_key_message"]
+
+
+class InputError(ValueError):
+    """Bad user input: names the file (when known), the field and the fix."""
+
+    def __init__(self, message: str, *, field: str | None = None, file: str | None = None):
+        self.message = message
+        self.field = field
+        self.file = file
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        """One paragraph: ``FILE: field `F`: message``."""
+        parts = []
+        if self.file:
+            parts.append(f"{self.file}:")
+        if self.field:
+            parts.append(f"field `{self.field}`:")
+        parts.append(self.message)
+        return " ".join(parts)
+
+    def with_file(self, file: str) -> "InputError":
+        """The same error, attributed to ``file`` unless it already names one."""
+        if self.file:
+            return self
+        return InputError(self.message, field=self.field, file=file)
+
+    def within(self, prefix: str) -> "InputError":
+        """The same error with its field nested under ``prefix`` (``mesh`` -> ``mesh.tensor``)."""
+        field = f"{prefix}.{self.field}" if self.field else prefix
+        return InputError(self.message, field=field, file=self.file)
+
+
+def closest(word: str, options: Iterable[str]) -> str | None:
+    """The closest valid spelling of ``word`` among ``options``, if any is close."""
+    matches = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.5)
+    return matches[0] if matches else None
+
+
+def unknown_key_message(key: str, options: Iterable[str], what: str = "key") -> str:
+    """'unknown key `x`; did you mean `y`? valid keys: a, b, c'."""
+    options = sorted(str(o) for o in options)
+    hint = closest(key, options)
+    suggestion = f"; did you mean `{hint}`?" if hint else ""
+    return f"unknown {what} `{key}`{suggestion} Valid: {', '.join(options)}."

@@ -1,0 +1,25 @@
+"""Test setup: 8 emulated CPU devices before JAX starts, hypothesis profiles.
+
+HYPOTHESIS_PROFILE=ci (default, small and fast) or thorough (large).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+else:
+    os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+",
+                                     "--xla_force_host_platform_device_count=8", _flags)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("thorough", max_examples=300, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
