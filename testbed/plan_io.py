@@ -36,8 +36,8 @@ def resolve_plan_path(name_or_path: str) -> tuple[str, str]:
     if stem in names and str(path) in (stem, f"plans/{stem}.yaml", f"plans/{stem}.yml"):
         return f"plans/{stem}.yaml", resources.files("testbed.plans").joinpath(f"{stem}.yaml").read_text()
     hint = closest(stem, names)
-    suggestion = f" Did you mean the bundled plan `{hint}`?" if hint else ""
-    raise InputError(f"plan file not found.{suggestion}", file=str(path))
+    suggestion = f" (did you mean the bundled plan `{hint}`?)" if hint else ""
+    raise InputError(f"plan file not found{suggestion}; give a YAML path or a bundled plan name ({', '.join(names)})", file=str(path))
 
 
 def load_plan(name_or_path: str) -> Plan:

@@ -43,8 +43,8 @@ def resolve_topology_path(name_or_path: str) -> tuple[str, str]:
     names = bundled_names()
     if name_or_path not in names:
         hint = closest(name_or_path, names)
-        suggestion = f" Did you mean `{hint}`?" if hint else ""
-        raise InputError(f"unknown topology `{name_or_path}`.{suggestion} Bundled: {', '.join(names)}; or give a YAML path.",
+        suggestion = f" (did you mean `{hint}`?)" if hint else ""
+        raise InputError(f"unknown topology `{name_or_path}`{suggestion}. Bundled: {', '.join(names)}; or give a YAML path.",
                          field="topology")
     text = resources.files("testbed.topologies").joinpath(f"{name_or_path}.yaml").read_text()
     return f"topologies/{name_or_path}.yaml", text

@@ -1,0 +1,130 @@
+"""The CLI: JSON contract of the foundation commands and a table of bad inputs (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from testbed.cli import main
+
+PLAN = textwrap.dedent("""\
+    model: {layers: 4, d_model: 64, heads: 4, d_ff: 256, seq_len: 32, vocab: 256}
+    batch: {global_batch: 16, microbatches: 2}
+    mesh: {data: 2, tensor: 2, stage: 2}
+    """)
+TOPO = textwrap.dedent("""\
+    device: {name: x, flops: {fp32: 1TFLOP/s}, memory: 16GB, memory_bandwidth: 1TB/s}
+    levels:
+      - {name: node, size: 8, bandwidth: 100GB/s, latency: 1us, kind: nvswitch}
+    """)
+
+
+def run_cli(argv, capsys):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_topologies_json_lists_every_bundled_topology(capsys):
+    code, out, _ = run_cli(["topologies", "--json"], capsys)
+    assert code == 0
+    rows = json.loads(out)["topologies"]
+    names = {r["name"]: r["devices"] for r in rows}
+    assert names["dgx-h100-x4"] == 32 and names["tpu-v4-4x4x4"] == 64 and names["tpu-v5e-16x16"] == 256
+    assert all(set(r) >= {"name", "devices", "levels"} for r in rows)
+
+
+def test_plan_check_json_and_topology_png(tmp_path, capsys):
+    code, out, _ = run_cli(["plan", "check", "demo", "--json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["ok"] and data["placement"]["axes"]["tensor"]["first_group"] == [0, 1]
+    png = tmp_path / "t.png"
+    code, out, _ = run_cli(["topology", "show", "tpu-v4-4x4x4", "--png", str(png), "--json"], capsys)
+    assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
+    assert json.loads(out)["devices"] == 64
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def plan_with(**replace):
+    text = PLAN
+    for old, new in replace.items():
+        text = text.replace(old.replace("_", " ", 0), new)
+    return text
+
+
+BAD = [
+    # (id, plan text or None, topology text or None, extra argv, text expected in the message)
+    ("yaml-syntax", "model: {layers: 4\nbatch: [", None, [], "YAML syntax error at line"),
+    ("unknown-key", PLAN.replace("data: 2", "dta: 2"), None, [], "field `mesh.dta`"),
+    ("suggest-closest", PLAN.replace("microbatches", "microbatchs"), None, [], "did you mean `microbatches`"),
+    ("wrong-type", PLAN.replace("layers: 4", "layers: four"), None, [], "field `model.layers`"),
+    ("batch-indivisible", PLAN.replace("global_batch: 16", "global_batch: 14"), None, [], "field `batch.global_batch`"),
+    ("layers-vs-stages", PLAN.replace("layers: 4", "layers: 3"), None, [], "field `model.layers`"),
+    ("heads-vs-tensor", PLAN.replace("tensor: 2", "tensor: 2, fsdp: 1").replace("heads: 4", "heads: 2, kind: gpt")
+     .replace("d_model: 64", "d_model: 64").replace("heads: 2", "heads: 3"), None, [], "field `model.heads`"),
+    ("mesh-vs-devices", PLAN.replace("stage: 2", "stage: 1"), TOPO, [], "field `mesh`"),
+    ("zero-range", PLAN + "zero: 5\n", None, [], "field `zero`"),
+    ("unknown-schedule", PLAN + "schedule: 1f1c\n", None, [], "did you mean `1f1b`"),
+    ("bad-axis-order", PLAN.replace("stage: 2}", "stage: 2, order: [stage, data, fsdp, tensr]}"), None, [], "field `mesh.order`"),
+    ("non-positive-microbatches", PLAN.replace("microbatches: 2", "microbatches: 0"), None, [], "field `batch.microbatches`"),
+    ("unknown-topology", PLAN, None, ["--topology", "dgx-h10"], "did you mean `dgx-h100`"),
+    ("negative-bandwidth", PLAN, TOPO.replace("100GB/s", "-100GB/s"), [], "bandwidth"),
+    ("zero-bandwidth", PLAN, TOPO.replace("100GB/s", "0GB/s"), [], "bandwidth"),
+    ("topology-unknown-key", PLAN, TOPO.replace("latency: 1us", "latncy: 1us"), [], "did you mean `latency`"),
+    ("unknown-link-kind", PLAN, TOPO.replace("nvswitch", "nvswich"), [], "did you mean `nvswitch`"),
+    ("disconnected", PLAN, textwrap.dedent("""\
+        device: {flops: {fp32: 1TFLOP/s}, memory: 16GB, memory_bandwidth: 1TB/s}
+        graph:
+          devices: 8
+          links: [{a: 0, b: 1, bandwidth: 1GB/s}]
+        """), [], "disconnected"),
+    ("missing-device-field", PLAN, TOPO.replace(", memory: 16GB", ""), [], "field `device.memory`"),
+    ("bad-torus-dims", PLAN, textwrap.dedent("""\
+        device: {flops: {fp32: 1TFLOP/s}, memory: 16GB, memory_bandwidth: 1TB/s}
+        torus: {dims: [2, -4], bandwidth: 1GB/s}
+        """), [], "field `torus.dims`"),
+    ("plan-not-found", None, None, [], "plan file not found"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input_exits_2_naming_file_and_field(case, tmp_path, capsys):
+    ident, plan_text, topo_text, extra, expected = case
+    plan = write(tmp_path, "plan.yaml", plan_text) if plan_text is not None else str(tmp_path / "missing.yaml")
+    argv = ["plan", "check", plan, "--topology", write(tmp_path, "topo.yaml", topo_text) if topo_text else "host-cpu-8"]
+    if extra:
+        argv = ["plan", "check", plan, *extra]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2, err
+    assert expected in err
+    assert "Traceback" not in err and out == ""
+    assert err.count("\n") == 1, "one paragraph"
+    if "topology" not in ident and ident not in ("unknown-topology",) and topo_text is None:
+        assert "plan.yaml" in err or "missing.yaml" in err
+    if topo_text is not None and ident not in ("mesh-vs-devices",):
+        assert "topo.yaml" in err
+
+
+def test_subprocess_bad_input_has_no_traceback(tmp_path):
+    plan = write(tmp_path, "plan.yaml", PLAN.replace("data: 2", "daat: 2"))
+    proc = subprocess.run([sys.executable, "-m", "testbed.cli", "plan", "check", plan, "--topology", "host-cpu-8"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "did you mean `data`" in proc.stderr
+
+
+def test_unknown_command_suggests(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["topolgies"])
+    assert info.value.code == 2
+    assert "did you mean `topologies`" in capsys.readouterr().err

@@ -1,0 +1,106 @@
+"""Plan parsing, validation and placement."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from testbed.errors import InputError
+from testbed.placement import group_span, place
+from testbed.plan import MESH_AXES, Axis
+from testbed.plan_io import bundled_plan_names, load_plan, plan_from_dict, plan_to_dict
+from testbed.topology_io import load_topology
+
+
+def base(**over):
+    data = {"model": {"layers": 4, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256},
+            "batch": {"global_batch": 16, "microbatches": 2}, "mesh": {"data": 2, "tensor": 2, "stage": 2}}
+    for key, value in over.items():
+        data[key] = value
+    return data
+
+
+def test_bundled_plans_load_round_trip_and_fit_their_topology():
+    assert "demo" in bundled_plan_names()
+    for name in bundled_plan_names():
+        plan = load_plan(name)
+        assert plan_from_dict(plan_to_dict(plan)) == plan
+        topology = load_topology(plan.topology)
+        place(plan, topology)
+
+
+def test_demo_plan_shape():
+    plan = load_plan("plans/demo.yaml")
+    assert (plan.mesh.data, plan.mesh.tensor, plan.mesh.stage) == (2, 2, 2)
+    assert plan.microbatch_size == 2
+    assert plan.schedule.name == "1f1b"
+
+
+@pytest.mark.parametrize("data,field", [
+    (base(batch={"global_batch": 15, "microbatches": 2}), "batch.global_batch"),
+    (base(model={"layers": 3, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}), "model.layers"),
+    (base(mesh={"tensor": 3}), "model.heads"),
+    (base(zero=4), "zero"),
+    (base(schedule="1f2b"), "schedule.name"),
+    (base(precision="fp8"), "precision"),
+    (base(mesh={"dta": 2}), "mesh.dta"),
+    (base(schedule={"name": "gpipe", "virtual_stages": 2}), "schedule.virtual_stages"),
+    (base(model={"layers": 4, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": "long", "vocab": 256}), "model.seq_len"),
+])
+def test_bad_plans_name_their_field(data, field):
+    with pytest.raises(InputError) as info:
+        plan_from_dict(data)
+    assert info.value.field == field
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(InputError, match="did you mean `microbatches`"):
+        plan_from_dict(base(batch={"global_batch": 16, "microbatch": 2}))
+
+
+def factorisations(n):
+    for d, f, t, s in itertools.product(range(1, n + 1), repeat=4):
+        if d * f * t * s == n:
+            yield {"data": d, "fsdp": f, "tensor": t, "stage": s}
+
+
+@pytest.mark.parametrize("mesh", list(factorisations(8)))
+def test_placement_groups_partition_devices(mesh):
+    data = base(mesh=mesh, model={"layers": 8, "d_model": 64, "heads": 8, "d_ff": 256, "seq_len": 8, "vocab": 256},
+                batch={"global_batch": 64, "microbatches": 1})
+    plan = plan_from_dict(data)
+    placement = place(plan, num_devices=8)
+    for axis in Axis:
+        groups = placement.groups(axis)
+        assert all(len(g) == mesh[axis.value] for g in groups)
+        assert sorted(d for g in groups for d in g) == list(range(8))
+
+
+@given(st.permutations(list(MESH_AXES)))
+def test_placement_order_override_keeps_partition(order):
+    plan = plan_from_dict(base(mesh={"data": 2, "tensor": 2, "stage": 2, "order": [a.value for a in order]}))
+    placement = place(plan, num_devices=8)
+    innermost = order[-1]
+    # The innermost axis of the order gets consecutive device ids.
+    for g in placement.groups(innermost):
+        assert list(g) == list(range(g[0], g[0] + len(g)))
+    assert np.array_equal(np.sort(placement.device_ids.ravel()), np.arange(8))
+
+
+def test_tensor_groups_stay_inside_a_node_on_dgx_x4():
+    plan = load_plan("gpt-1b-cluster")
+    topology = load_topology("dgx-h100-x4")
+    placement = place(plan, topology)
+    for group in placement.groups(Axis.TENSOR):
+        assert group_span(topology, group) == "node"
+    assert group_span(topology, placement.groups(Axis.STAGE)[0]) == "cluster"
+
+
+def test_mesh_size_must_match_topology():
+    plan = load_plan("demo")
+    with pytest.raises(InputError, match="exactly the 32 devices") as info:
+        place(plan, load_topology("dgx-h100-x4"))
+    assert info.value.field == "mesh"
