@@ -1,0 +1,173 @@
+"""Devices for the runner: emulated host devices, local accelerators, many processes.
+
+``--devices emulated:N`` asks XLA for N host (CPU) devices. That count is read
+once, when JAX starts its backends, so :func:`prepare` must run before the
+first computation; a process whose JAX already started with another count
+gets an :class:`InputError` instead of a silently different mesh.
+``--devices local`` takes whatever ``jax.devices()`` gives (GPUs, TPUs or the
+CPU). With several processes (``--processes K`` locally, or SLURM / TPU pods)
+:func:`initialize_distributed` joins them first and every process sees the
+global device list.
+
+The mesh always comes from :func:`testbed.placement.place`: its
+``device_ids`` array (dims in ``MESH_AXES`` order) indexes the device list,
+so the runner and the simulator agree on which device holds which coordinate.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from testbed.errors import InputError
+from testbed.placement import Placement, place
+from testbed.plan import MESH_AXES, Plan
+
+__all__ = [
+    "DeviceRequest", "parse_devices", "prepare", "initialize_distributed", "select_devices", "build_mesh",
+    "stage_mesh", "STAGE_MESH_AXES", "describe",
+]
+
+#: Axis names of one pipeline stage's sub-mesh (the stage axis removed).
+STAGE_MESH_AXES: tuple[str, ...] = tuple(a.value for a in MESH_AXES[1:])
+
+_FLAG = "--xla_force_host_platform_device_count"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceRequest:
+    """What ``--devices`` asked for: ``emulated`` host devices (``count`` of them) or ``local``."""
+
+    kind: str
+    count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("emulated", "local"):
+            raise InputError(f"unknown device kind `{self.kind}`; valid: emulated:N, local", field="--devices")
+        if self.kind == "emulated" and (self.count is None or self.count < 1):
+            raise InputError("emulated needs a positive device count, e.g. emulated:8", field="--devices")
+
+    def __str__(self) -> str:
+        return f"emulated:{self.count}" if self.kind == "emulated" else "local"
+
+
+def parse_devices(text: str | None, plan: Plan) -> DeviceRequest:
+    """Parse ``--devices``; the default is ``emulated:<mesh size>`` (a CPU host)."""
+    if text is None or text == "":
+        return DeviceRequest(kind="emulated", count=plan.mesh.size)
+    match = re.fullmatch(r"emulated:(\d+)", text.strip())
+    if match:
+        return DeviceRequest(kind="emulated", count=int(match.group(1)))
+    if text.strip() == "local":
+        return DeviceRequest(kind="local")
+    raise InputError(f"`{text}` is not a device choice; valid: emulated:N (N host devices) or local",
+                     field="--devices")
+
+
+def _jax_started() -> bool:
+    """Whether JAX backends exist already (the device count can no longer change)."""
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def prepare(request: DeviceRequest, local_count: int | None = None) -> None:
+    """Set the host device count before JAX starts (no-op for ``local``).
+
+    ``local_count`` is this process's share with several processes (N/K).
+    Raises InputError when JAX already runs with a different device count.
+    """
+    if request.kind != "emulated":
+        return
+    count = local_count if local_count is not None else request.count
+    if _jax_started():
+        import jax
+
+        have = jax.local_device_count()
+        if have != count or jax.default_backend() != "cpu":
+            raise InputError(
+                f"JAX already started in this process with {have} {jax.default_backend()} device(s), so "
+                f"emulated:{request.count} cannot be set; run `testbed` in a fresh process or pass "
+                f"--devices emulated:{have}", field="--devices")
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = re.sub(rf"{_FLAG}=\d+", "", flags).strip()
+    os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Join the processes of one job (gloo collectives on CPU).
+
+    With all arguments ``None`` JAX reads the cluster environment itself
+    (SLURM, Open MPI, Cloud TPU).
+    """
+    import jax
+
+    if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator is None:
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=60)
+
+
+def select_devices(count: int | None = None) -> list[Any]:
+    """The global device list in a stable order (process, then id); the first ``count`` if given.
+
+    Raises InputError when fewer devices exist than asked for.
+    """
+    import jax
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if count is None:
+        return devices
+    if count > len(devices):
+        raise InputError(
+            f"the plan's mesh needs {count} devices but JAX has {len(devices)} "
+            f"({devices[0].platform}); use --devices emulated:{count} on a CPU host, or change the mesh degrees",
+            field="mesh")
+    return devices[:count]
+
+
+def build_mesh(placement: Placement, devices: list[Any]) -> Any:
+    """The full ``jax.sharding.Mesh`` (axes stage, data, fsdp, tensor) of a placement."""
+    import jax
+
+    if len(devices) != placement.num_devices:
+        raise InputError(f"the mesh uses {placement.num_devices} devices but {len(devices)} were given", field="mesh")
+    array = np.asarray(devices, dtype=object)[placement.device_ids]
+    names = tuple(a.value for a in MESH_AXES)
+    return jax.sharding.Mesh(array, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def stage_mesh(placement: Placement, devices: list[Any], stage: int) -> Any:
+    """The sub-mesh of one pipeline stage (axes data, fsdp, tensor)."""
+    import jax
+
+    array = np.asarray(devices, dtype=object)[placement.sub_mesh(stage)]
+    return jax.sharding.Mesh(array, STAGE_MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def plan_placement(plan: Plan, devices: list[Any]) -> Placement:
+    """Placement of ``plan`` on exactly ``len(devices)`` devices (InputError if they differ)."""
+    return place(plan, num_devices=len(devices))
+
+
+def describe(devices: list[Any]) -> dict[str, Any]:
+    """Platform, device count and process count (for reports)."""
+    import jax
+
+    return {"platform": devices[0].platform, "devices": len(devices), "processes": jax.process_count(),
+            "device_kind": devices[0].device_kind}
