@@ -1,0 +1,196 @@
+"""The GPT of ``testbed.model`` in JAX: pure functions over a params pytree.
+
+Layout (what ``testbed.model`` counts, exactly)::
+
+    {"embed": {"tokens": [vocab, d], "positions": [seq, d]},
+     "layers": [ {"ln1": {scale, bias}, "attn": {wqkv [d,3d], bqkv [3d], wo [d,d], bo [d]},
+                  "ln2": {scale, bias}, "mlp": {w1 [d,f], b1 [f], w2 [f,d], b2 [d]}}, ... ],
+     "head": {"norm": {scale, bias}, "w": [d, vocab]}}      # no "w" when tied
+
+Layers are a list so a pipeline stage takes ``params["layers"][r.start:r.stop]``
+for a range from :func:`testbed.model.chunk_layers`.
+
+Precision: parameters are kept in fp32 (the master copy). ``bf16-mixed``
+casts them to bf16 for compute (the bf16 parameter copy of the ZeRO paper's
+2 + 2 + 12 bytes/param; ``testbed.memory`` assumes that accounting), runs the
+blocks in bf16 and the loss in fp32. ``jax.grad`` w.r.t. the fp32 parameters
+returns fp32 gradients.
+
+Remat: ``selective`` checkpoints the core attention (scores, softmax, values),
+``full`` checkpoints each whole block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from testbed.plan import ModelSpec, Precision, Remat
+
+__all__ = [
+    "Params", "init_params", "param_count", "embed", "block", "stage_forward", "head_loss", "forward_loss",
+    "make_batch", "cast_params", "compute_dtype", "count_matmul_flops",
+]
+
+Params = dict[str, Any]
+
+_INIT_STD = 0.02
+_LN_EPS = 1e-5
+
+
+def compute_dtype(precision: Precision | str) -> jnp.dtype:
+    """bf16 for ``bf16-mixed``, fp32 otherwise."""
+    return jnp.bfloat16 if Precision(precision) is Precision.BF16_MIXED else jnp.float32
+
+
+def _norm(d: int) -> dict[str, jax.Array]:
+    return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float = _INIT_STD) -> jax.Array:
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def _init_layer(spec: ModelSpec, key: jax.Array) -> Params:
+    d, f = spec.d_model, spec.d_ff
+    k = jax.random.split(key, 4)
+    # Output projections scaled by 1/sqrt(2 layers) (GPT-2) so the residual stream stays O(1).
+    out_std = _INIT_STD / math.sqrt(2 * spec.layers)
+    return {
+        "ln1": _norm(d),
+        "attn": {"wqkv": _normal(k[0], (d, 3 * d)), "bqkv": jnp.zeros((3 * d,), jnp.float32),
+                 "wo": _normal(k[1], (d, d), out_std), "bo": jnp.zeros((d,), jnp.float32)},
+        "ln2": _norm(d),
+        "mlp": {"w1": _normal(k[2], (d, f)), "b1": jnp.zeros((f,), jnp.float32),
+                "w2": _normal(k[3], (f, d), out_std), "b2": jnp.zeros((d,), jnp.float32)},
+    }
+
+
+def init_params(spec: ModelSpec, seed: int) -> Params:
+    """Deterministic fp32 parameters from ``seed`` (same seed, same values, on any device count)."""
+    keys = jax.random.split(jax.random.key(seed), spec.layers + 3)
+    d = spec.d_model
+    head: Params = {"norm": _norm(d)}
+    if not spec.tied_embeddings:
+        head["w"] = _normal(keys[2], (d, spec.vocab))
+    return {
+        "embed": {"tokens": _normal(keys[0], (spec.vocab, d)), "positions": _normal(keys[1], (spec.seq_len, d))},
+        "layers": [_init_layer(spec, keys[3 + i]) for i in range(spec.layers)],
+        "head": head,
+    }
+
+
+def param_count(params: Any) -> int:
+    """Total elements of a params pytree (works on arrays and on ``jax.eval_shape`` results)."""
+    return int(sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params)))
+
+
+def cast_params(params: Any, precision: Precision | str) -> Any:
+    """The compute copy of the parameters (identity for fp32)."""
+    dtype = compute_dtype(precision)
+    if dtype == jnp.float32:
+        return params
+    return jax.tree.map(lambda a: a.astype(dtype), params)
+
+
+def _layer_norm(p: Params, x: jax.Array) -> jax.Array:
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    centered = x - mean
+    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
+    return centered * jax.lax.rsqrt(var + _LN_EPS) * p["scale"] + p["bias"]
+
+
+def embed(params_embed: Params, tokens: jax.Array) -> jax.Array:
+    """Token plus position embedding: int32 ``[batch, seq]`` -> ``[batch, seq, d]``."""
+    seq = tokens.shape[1]
+    return jnp.take(params_embed["tokens"], tokens, axis=0) + params_embed["positions"][:seq]
+
+
+def _core_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention on ``[batch, seq, heads, head_dim]``."""
+    seq, head_dim = q.shape[1], q.shape[3]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.asarray(jnp.finfo(scores.dtype).min, scores.dtype))
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def block(params_layer: Params, x: jax.Array, heads: int, remat: Remat | str = Remat.NONE) -> jax.Array:
+    """One pre-LN block: ``x + attn(ln1(x))`` then ``+ mlp(ln2(.))``; shape ``[batch, seq, d]``."""
+    b, s, d = x.shape
+    a = params_layer["attn"]
+    qkv = _layer_norm(params_layer["ln1"], x) @ a["wqkv"] + a["bqkv"]
+    q, k, v = (t.reshape(b, s, heads, d // heads) for t in jnp.split(qkv, 3, axis=-1))
+    core = jax.checkpoint(_core_attention) if Remat(remat) is Remat.SELECTIVE else _core_attention
+    x = x + core(q, k, v).reshape(b, s, d) @ a["wo"] + a["bo"]
+    m = params_layer["mlp"]
+    hidden = jax.nn.gelu(_layer_norm(params_layer["ln2"], x) @ m["w1"] + m["b1"])
+    return x + hidden @ m["w2"] + m["b2"]
+
+
+def stage_forward(params_layers: Sequence[Params], x: jax.Array, heads: int,
+                  remat: Remat | str = Remat.NONE) -> jax.Array:
+    """Run a contiguous run of blocks (a pipeline chunk) on activations ``x``."""
+    remat = Remat(remat)
+    step = jax.checkpoint(block, static_argnums=(2, 3)) if remat is Remat.FULL else block
+    for layer in params_layers:
+        x = step(layer, x, heads, remat)
+    return x
+
+
+def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
+              tied_tokens: jax.Array | None = None) -> jax.Array:
+    """Final LN, output projection (or the tied token table transposed), mean fp32 cross-entropy."""
+    h = _layer_norm(params_head["norm"], x)
+    logits = h @ (params_head["w"] if tied_tokens is None else tied_tokens.T)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)
+    return -jnp.mean(picked)
+
+
+def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec: ModelSpec,
+                 precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE) -> jax.Array:
+    """Mean cross-entropy of the whole model (single device or under GSPMD shardings)."""
+    p = cast_params(params, precision)
+    x = embed(p["embed"], tokens)
+    x = stage_forward(p["layers"], x, spec.heads, remat)
+    tied = p["embed"]["tokens"] if spec.tied_embeddings else None
+    return head_loss(p["head"], x, targets, tied)
+
+
+def make_batch(spec: ModelSpec, global_batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic int32 (tokens, targets) of shape ``[global_batch, seq]`` (targets = next token)."""
+    rng = np.random.default_rng(seed)
+    stream = rng.integers(0, spec.vocab, size=(global_batch, spec.seq_len + 1), dtype=np.int64).astype(np.int32)
+    return stream[:, :-1], stream[:, 1:]
+
+
+def count_matmul_flops(jaxpr: Any) -> int:
+    """``2 * prod(batch) * m * n * k`` summed over every ``dot_general`` of a (closed) jaxpr.
+
+    Recurses into sub-jaxprs (pjit, custom_jvp/vjp, checkpoint/remat, scan,
+    cond, while); a scan body counts ``length`` times. Used to check
+    ``testbed.model``'s FLOPs against what JAX actually traces.
+    """
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    total = 0
+    for eqn in inner.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lc, rc), (lb, _) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            contract = math.prod(lhs[i] for i in lc)
+            out = math.prod(eqn.outvars[0].aval.shape)
+            total += 2 * out * contract
+            continue
+        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(sub, "eqns") or (hasattr(sub, "jaxpr") and hasattr(getattr(sub, "jaxpr"), "eqns")):
+                    total += times * count_matmul_flops(sub)
+    return total
