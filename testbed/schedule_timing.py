@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from testbed.errors import InputError
+from testbed.gantt import Bar
 from testbed.schedules import Action, Schedule, dependencies, execution_order
 
-__all__ = ["ActionCosts", "Interval", "ScheduleTiming", "play"]
+__all__ = ["ActionCosts", "Interval", "ScheduleTiming", "play", "gantt_bars"]
 
 Cost = float | Sequence[float]
 
@@ -145,3 +146,11 @@ def play(schedule: Schedule, costs: ActionCosts | None = None) -> ScheduleTiming
         rows[stage].append(Interval(stage=stage, start=start, end=finish, action=action))
     step = max((r[-1].end for r in rows if r), default=0.0)
     return ScheduleTiming(schedule=schedule, intervals=tuple(tuple(r) for r in rows), step_time=step)
+
+
+def gantt_bars(timing: ScheduleTiming) -> list[Bar]:
+    """One Gantt bar per action: row = stage, label = microbatch (``mb.chunk`` when interleaved)."""
+    v = timing.schedule.virtual
+    return [Bar(row=i.stage, start=i.start, end=i.end, category=i.action.kind,
+                label=f"{i.action.microbatch}" + (f".{i.action.chunk}" if v > 1 else ""))
+            for row in timing.intervals for i in row]
