@@ -1,0 +1,185 @@
+"""Microbenchmarks for ``testbed calibrate``: matmuls, memory, dispatch, collectives.
+
+Each benchmark is compiled once, run until it has ``repeats`` timings (or a
+time budget is spent) with ``block_until_ready``, and reported as the median,
+one :class:`testbed.calibration.Sample` per benchmark. Collectives run under
+``jax.shard_map`` over the ``group`` axis of a ``(rest, group)`` mesh of
+consecutive devices, so a group of ``g`` ranks is ``g`` neighbouring device
+ids (the innermost topology level first, as placement does).
+
+Sizes follow the platform: small on the CPU (emulated devices share a few
+host cores), large on GPUs and TPUs where small kernels are launch bound.
+The fitting itself is pure and lives in :mod:`testbed.calibration`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from testbed.calibration import Sample
+
+__all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS"]
+
+COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
+_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Benchmark:
+    """One microbenchmark to run: its kind and size (see :class:`Sample`)."""
+
+    kind: str
+    size: int = 0
+    dtype: str = "fp32"
+    op: str = ""
+    ranks: int = 1
+
+    @property
+    def label(self) -> str:
+        if self.kind == "collective":
+            return f"{self.op} x{self.ranks} {self.size} B"
+        if self.kind in ("matmul", "concurrent_matmul"):
+            return f"{self.kind} {self.dtype} {self.size}^3"
+        return f"{self.kind} {self.size}" if self.size else self.kind
+
+
+def time_call(fn: Callable[[], Any], *, repeats: int = 7, budget_s: float = 1.0) -> float:
+    """Median wall time of ``fn()`` (blocked until ready) after one warm-up call."""
+    jax.block_until_ready(fn())
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < repeats and (len(times) < 3 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> list[Benchmark]:
+    """The benchmarks to run on ``num_devices`` devices of ``platform`` (cpu, gpu, tpu)."""
+    cpu = platform == "cpu"
+    if cpu:
+        sizes = [96, 192, 320, 448] if quick else [64, 128, 192, 256, 384, 512]
+        streams = [1 << 18, 1 << 21, 1 << 23] if quick else [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
+        messages = [1 << 12, 1 << 18, 1 << 21] if quick else [1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22]
+    else:
+        sizes = [512, 1024, 2048, 4096] if quick else [256, 512, 1024, 2048, 4096, 8192]
+        streams = [1 << 24, 1 << 27] if quick else [1 << 20, 1 << 23, 1 << 26, 1 << 28]
+        messages = [1 << 16, 1 << 22, 1 << 26] if quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 27]
+    dtypes = ["fp32"] if (quick and cpu) else ["fp32", "bf16"]
+    out = [Benchmark(kind="dispatch")]
+    out += [Benchmark(kind="matmul", size=n, dtype=d) for d in dtypes for n in sizes]
+    if num_devices > 1:
+        out += [Benchmark(kind="concurrent_matmul", size=n, dtype="fp32") for n in sizes[-2:]]
+    out += [Benchmark(kind="memory", size=b) for b in streams]
+    groups = [g for g in (2, 4, 8, 16, 64, 256) if g < num_devices and num_devices % g == 0] + [num_devices]
+    if quick:
+        groups = sorted({groups[0], num_devices})
+    ops = ("psum", "all_gather", "ppermute") if quick else COLLECTIVE_OPS
+    if num_devices > 1:
+        out += [Benchmark(kind="collective", op=op, ranks=g, size=b)
+                for op in ops for g in groups if g > 1 for b in messages]
+    return out
+
+
+def _matmul(bench: Benchmark, devices: Sequence[Any], concurrent: bool) -> Sample:
+    n = bench.size
+    dtype = _DTYPES[bench.dtype]
+    if concurrent:
+        k = len(devices)
+        mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices))
+        sharding = jax.NamedSharding(mesh, jax.P("d"))
+        a = jax.device_put(jnp.ones((k * n, n), dtype), sharding)
+        b = jax.device_put(jnp.ones((k * n, n), dtype), sharding)
+        fn = jax.jit(jax.shard_map(lambda x, y: x @ y.T, mesh=mesh, in_specs=(jax.P("d"), jax.P("d")),
+                                   out_specs=jax.P("d")))
+    else:
+        k = 1
+        a = jax.device_put(jnp.ones((n, n), dtype), devices[0])
+        b = jax.device_put(jnp.ones((n, n), dtype), devices[0])
+        fn = jax.jit(lambda x, y: x @ y)
+    seconds = time_call(lambda: fn(a, b))
+    return Sample(kind=bench.kind, seconds=seconds, flops=2.0 * n ** 3, dtype=bench.dtype, devices=k)
+
+
+def _dispatch(devices: Sequence[Any]) -> Sample:
+    x = jax.device_put(jnp.ones((8,), jnp.float32), devices[0])
+    fn = jax.jit(lambda v: v + 1)
+    return Sample(kind="dispatch", seconds=time_call(lambda: fn(x), repeats=50, budget_s=0.5))
+
+
+def _memory(bench: Benchmark, devices: Sequence[Any]) -> Sample:
+    x = jax.device_put(jnp.ones((bench.size // 4,), jnp.float32), devices[0])
+    fn = jax.jit(lambda v: v * 1.5 + 1.0)
+    # One read and one write of the buffer.
+    return Sample(kind="memory", seconds=time_call(lambda: fn(x)), bytes=2.0 * bench.size)
+
+
+def _collective_body(op: str, ranks: int) -> Callable[[Any], Any]:
+    if op == "psum":
+        return lambda x: jax.lax.psum(x, "group")
+    if op == "all_gather":
+        return lambda x: jax.lax.all_gather(x, "group", tiled=True)
+    if op == "psum_scatter":
+        return lambda x: jax.lax.psum_scatter(x, "group", tiled=True)
+    if op == "ppermute":
+        return lambda x: jax.lax.ppermute(x, "group", [(i, (i + 1) % ranks) for i in range(ranks)])
+    if op == "all_to_all":
+        return lambda x: jax.lax.all_to_all(x, "group", 0, 0, tiled=True)
+    raise ValueError(op)
+
+
+def _collective(bench: Benchmark, devices: Sequence[Any]) -> Sample:
+    """A collective over groups of ``ranks`` consecutive devices (every group at once).
+
+    ``bench.size`` is the buffer in the nccl-tests convention: the gathered
+    output of all_gather, the input of psum_scatter, the buffer of psum and
+    all_to_all, the message of ppermute.
+    """
+    n, g = len(devices), bench.ranks
+    mesh = jax.make_mesh((n // g, g), ("rest", "group"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=list(devices))
+    elements = max(g, bench.size // 4)
+    elements -= elements % g
+    local = elements // g if bench.op == "all_gather" else elements
+    spec = jax.P(("rest", "group"))
+    x = jax.device_put(jnp.ones((n * local,), jnp.float32), jax.NamedSharding(mesh, spec))
+    fn = jax.jit(jax.shard_map(_collective_body(bench.op, g), mesh=mesh, in_specs=spec, out_specs=spec))
+    seconds = time_call(lambda: fn(x))
+    return Sample(kind="collective", seconds=seconds, bytes=4.0 * elements, op=bench.op, ranks=g)
+
+
+def run_benchmark(bench: Benchmark, devices: Sequence[Any]) -> Sample:
+    """Run one benchmark on ``devices`` (all of them for concurrent ones and collectives)."""
+    if bench.kind == "dispatch":
+        return _dispatch(devices)
+    if bench.kind in ("matmul", "concurrent_matmul"):
+        return _matmul(bench, devices, concurrent=bench.kind == "concurrent_matmul")
+    if bench.kind == "memory":
+        return _memory(bench, devices)
+    return _collective(bench, devices)
+
+
+def measure(devices: Sequence[Any], *, quick: bool = False,
+            progress: Callable[[Benchmark, int, int], None] | None = None) -> list[Sample]:
+    """Run every planned benchmark on ``devices``; ``progress(bench, done, total)`` after each."""
+    benches = plan_benchmarks(devices[0].platform, len(devices), quick=quick)
+    samples = []
+    for i, bench in enumerate(benches):
+        samples.append(run_benchmark(bench, devices))
+        if progress is not None:
+            progress(bench, i + 1, len(benches))
+    return samples
+
+
+def as_array(samples: Sequence[Sample]) -> np.ndarray:
+    """Seconds of the samples as an array (convenience for scripts)."""
+    return np.array([s.seconds for s in samples])

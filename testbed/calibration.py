@@ -1,0 +1,425 @@
+"""Fitting a topology's calibration fields from microbenchmark tables.
+
+``runners.measure`` times matmuls, memory streams, empty programs and
+collectives on real (or emulated) devices and returns :class:`Sample` rows;
+this module turns those rows into calibration fields with (non-negative,
+relative-error weighted) least squares, numpy only:
+
+- dispatch: ``launch_overhead_s`` is the median time of an empty program;
+- compute: a kernel of ``f`` FLOPs takes ``launch + f / (peak * eff(f))`` with
+  ``eff(f) = eff_max * f / (f + half)``, i.e. ``launch + (f + half) / R`` with
+  ``R = peak * eff_max``: a straight line in ``f`` per dtype;
+- memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``;
+- host cores: ``k`` devices computing at once take ``k / cores`` times as long
+  as one device when they share ``cores`` host cores;
+- collectives: a collective's time is affine in each level's latency, each
+  level's inverse bandwidth and ``collective_overhead_s``; the coefficients
+  come from whatever timing model the caller passes (the simulator's), so the
+  fitted fields mean exactly what the simulator will do with them.
+
+Everything here is pure; :func:`calibrated_topology` returns a new Topology.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from testbed.errors import InputError
+from testbed.topology import Calibration, Form, Topology
+
+__all__ = [
+    "Sample", "Fit", "CollectiveParams", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line",
+    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "collective_columns", "fit_collectives",
+    "calibrated_topology", "samples_to_rows", "samples_from_rows", "level_groups", "with_collective_params",
+    "relative_error", "validation_summary",
+]
+
+#: Kinds of measurement rows: an empty program, a matmul on one device, the same
+#: matmul on every device at once, a memory stream, a collective.
+SAMPLE_KINDS = ("dispatch", "matmul", "concurrent_matmul", "memory", "collective")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One measured row: median ``seconds`` of a microbenchmark.
+
+    flops: FLOPs of one kernel on one device (matmul kinds).
+    bytes: bytes read + written (memory) or the collective's buffer (DESIGN.md convention).
+    devices: how many devices ran it at once (1, or all for concurrent_matmul).
+    op / ranks / over: the collective, its group size and the level names it spans.
+    """
+
+    kind: str
+    seconds: float
+    flops: float = 0.0
+    bytes: float = 0.0
+    dtype: str = "fp32"
+    devices: int = 1
+    op: str = ""
+    ranks: int = 1
+    over: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in SAMPLE_KINDS:
+            raise InputError(f"unknown sample kind `{self.kind}`; valid: {', '.join(SAMPLE_KINDS)}", field="kind")
+        if not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise InputError(f"must be a positive finite time, got {self.seconds}", field="seconds")
+        if self.flops < 0 or self.bytes < 0 or self.devices < 1 or self.ranks < 1:
+            raise InputError("flops and bytes must be non-negative, devices and ranks positive", field=self.kind)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fit:
+    """Fitted coefficients (named) and how well they explain the samples.
+
+    r2: coefficient of determination of the fitted times; rel_residuals:
+    (predicted - measured) / measured per sample, in sample order.
+    """
+
+    name: str
+    values: Mapping[str, float]
+    r2: float
+    rel_residuals: tuple[float, ...] = ()
+    samples: int = 0
+
+    @property
+    def median_abs_rel(self) -> float:
+        return float(np.median(np.abs(self.rel_residuals))) if self.rel_residuals else 0.0
+
+    @property
+    def max_abs_rel(self) -> float:
+        return float(np.max(np.abs(self.rel_residuals))) if self.rel_residuals else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"values": dict(self.values), "r2": self.r2, "median_abs_rel_residual": self.median_abs_rel,
+                "max_abs_rel_residual": self.max_abs_rel, "samples": self.samples}
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0 (Lawson-Hanson active set, small problems).
+
+    Columns that are all zero get coefficient 0. Rank-deficient passive sets
+    use the minimum-norm solution of numpy.linalg.lstsq.
+    """
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    usable = np.any(a != 0, axis=0)
+    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0.0)) * float(np.abs(b).max(initial=0.0)))
+    for _ in range(3 * n + 3):
+        gradient = a.T @ (b - a @ x)
+        candidates = np.where(~passive & usable & (gradient > tol))[0]
+        if candidates.size == 0:
+            break
+        passive[candidates[np.argmax(gradient[candidates])]] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if np.all(z[passive] > 0):
+                x = z
+                break
+            bad = passive & (z <= 0)
+            alpha = np.min(x[bad] / np.maximum(x[bad] - z[bad], 1e-300))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+            if not passive.any():
+                break
+    return x
+
+
+def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> tuple[float, tuple[float, ...]]:
+    """(R^2, relative residuals) of predicted vs measured times."""
+    p = np.asarray(predicted, dtype=float)
+    m = np.asarray(measured, dtype=float)
+    total = float(np.sum((m - m.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((p - m) ** 2)) / total if total > 0 else 1.0
+    return r2, tuple(float(v) for v in (p - m) / m)
+
+
+def _weighted_fit(columns: np.ndarray, y: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+    """Non-negative least squares on relative errors (each row divided by ``scale``, default y)."""
+    w = 1.0 / (y if scale is None else scale)
+    return nonnegative_lstsq(columns * w[:, None], y * w)
+
+
+def fit_line(x: Sequence[float], y: Sequence[float], name: str = "line",
+             scale: Sequence[float] | None = None) -> Fit:
+    """y = intercept + slope * x, both non-negative, minimising residuals relative to ``scale`` (default y)."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if len(x) < 2 or len(set(x.tolist())) < 2:
+        raise InputError("a line needs samples at two or more distinct sizes", field=name)
+    coef = _weighted_fit(np.column_stack([np.ones_like(x), x]), y, None if scale is None else np.asarray(scale, float))
+    r2, residuals = fit_quality(coef[0] + coef[1] * x, y)
+    return Fit(name=name, values={"intercept": float(coef[0]), "slope": float(coef[1])}, r2=r2,
+               rel_residuals=residuals, samples=len(x))
+
+
+def _of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
+    return [s for s in samples if s.kind == kind]
+
+
+def fit_dispatch(samples: Sequence[Sample]) -> float:
+    """Per-program dispatch overhead: median time of the empty-program samples (0 if none)."""
+    times = [s.seconds for s in _of_kind(samples, "dispatch")]
+    return float(np.median(times)) if times else 0.0
+
+
+def fit_compute(samples: Sequence[Sample], launch_s: float) -> tuple[dict[str, float], float, list[Fit]]:
+    """Sustained FLOP/s per dtype and the half-efficiency kernel size.
+
+    Per dtype, ``t - launch = (f + half) / R`` is a line in ``f`` with slope
+    ``1/R`` and intercept ``half / R``. Returns ({dtype: R}, half, fits); half
+    is the median over dtypes (Calibration has one).
+    """
+    rates: dict[str, float] = {}
+    halves: list[float] = []
+    fits: list[Fit] = []
+    by_dtype: dict[str, list[Sample]] = {}
+    for s in _of_kind(samples, "matmul"):
+        by_dtype.setdefault(s.dtype, []).append(s)
+    if not by_dtype:
+        raise InputError("no matmul samples to fit compute throughput", field="matmul")
+    for dtype, rows in sorted(by_dtype.items()):
+        f = np.array([r.flops for r in rows])
+        t = np.array([r.seconds for r in rows])
+        line = fit_line(f, t - launch_s, name=f"matmul {dtype}", scale=t)
+        slope = line.values["slope"]
+        if not slope > 0:
+            raise InputError(f"matmul times of {dtype} do not grow with size; measure larger matmuls", field="matmul")
+        rates[dtype] = 1.0 / slope
+        halves.append(line.values["intercept"] / slope)
+        predicted = launch_s + line.values["intercept"] + slope * f
+        r2, residuals = fit_quality(predicted, t)
+        fits.append(Fit(name=f"matmul {dtype}", values={"flops_per_s": rates[dtype],
+                                                          "half_flops": halves[-1]}, r2=r2,
+                        rel_residuals=residuals, samples=len(rows)))
+    return rates, float(np.median(halves)), fits
+
+
+def fit_memory(samples: Sequence[Sample], launch_s: float) -> tuple[float, Fit]:
+    """Sustained memory bandwidth (bytes/s) from streams: t = launch + c + b / B."""
+    rows = _of_kind(samples, "memory")
+    if not rows:
+        raise InputError("no memory samples to fit bandwidth", field="memory")
+    b = np.array([r.bytes for r in rows])
+    t = np.array([r.seconds for r in rows])
+    line = fit_line(b, t - launch_s, name="memory", scale=t)
+    if not line.values["slope"] > 0:
+        raise InputError("memory stream times do not grow with size; measure larger buffers", field="memory")
+    bandwidth = 1.0 / line.values["slope"]
+    r2, residuals = fit_quality(launch_s + line.values["intercept"] + b / bandwidth, t)
+    return bandwidth, Fit(name="memory", values={"bytes_per_s": bandwidth}, r2=r2, rel_residuals=residuals,
+                          samples=len(rows))
+
+
+def fit_host_cores(samples: Sequence[Sample], num_devices: int) -> int:
+    """Host cores shared by emulated devices: k devices at once over one device's time.
+
+    0 (not shared) when the concurrent run is no slower than the single one
+    within 25% (real accelerators), else round(k * t_one / t_all) >= 1.
+    """
+    single = {(s.flops, s.dtype): s.seconds for s in _of_kind(samples, "matmul")}
+    ratios = []
+    for s in _of_kind(samples, "concurrent_matmul"):
+        if (s.flops, s.dtype) in single and s.devices > 1:
+            ratios.append(s.devices * single[(s.flops, s.dtype)] / s.seconds)
+            k = s.devices
+    if not ratios:
+        return 0
+    cores = float(np.median(ratios))
+    if cores >= 0.8 * k:
+        return 0
+    return max(1, int(round(cores)))
+
+
+# -- collectives ---------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveParams:
+    """Per-level latency (s/hop) and bandwidth (bytes/s), and the per-round overhead."""
+
+    latency: Mapping[str, float]
+    bandwidth: Mapping[str, float]
+    overhead_s: float = 0.0
+
+
+def level_groups(topology: Topology) -> list[list[str]]:
+    """Levels whose link parameters are fitted together (a torus has one bandwidth in YAML)."""
+    if topology.form is Form.TORUS or topology.form is Form.GRAPH:
+        return [list(topology.level_names) or ["all"]]
+    return [[name] for name in topology.level_names]
+
+
+def with_collective_params(topology: Topology, params: CollectiveParams) -> Topology:
+    """The topology with its levels' (or explicit links') latency/bandwidth and overhead replaced."""
+    calibration = replace(topology.calibration, collective_overhead_s=params.overhead_s)
+    if topology.form is Form.GRAPH:
+        key = next(iter(params.bandwidth))
+        links = tuple(replace(l, bandwidth=params.bandwidth[key], latency=params.latency[key]) for l in topology.links)
+        return replace(topology, links=links, calibration=calibration)
+    levels = tuple(replace(l, bandwidth=params.bandwidth.get(l.name, l.bandwidth),
+                           latency=params.latency.get(l.name, l.latency)) for l in topology.levels)
+    return replace(topology, levels=levels, calibration=calibration)
+
+
+Predictor = Callable[[Topology, Sample], float]
+
+
+def collective_columns(topology: Topology, samples: Sequence[Sample], predict: Predictor,
+                       ) -> tuple[np.ndarray, list[str]]:
+    """Design matrix of collective times: d time / d parameter for each sample.
+
+    Parameters are, per fitted level group, the latency and the inverse
+    bandwidth, plus the per-round overhead; the time model (``predict``) is
+    assumed affine in them, so one probe per parameter from a zero-cost base
+    gives the exact coefficients.
+    """
+    groups = level_groups(topology)
+    names = [g[0] for g in groups]
+    huge = 1e30
+    zero = CollectiveParams(latency={n: 0.0 for g in groups for n in g},
+                            bandwidth={n: huge for g in groups for n in g}, overhead_s=0.0)
+    base_topo = with_collective_params(topology, zero)
+    base = np.array([predict(base_topo, s) for s in samples])
+    columns, labels = [], []
+    step_lat, step_inv = 1e-3, 1e-9
+    for group, label in zip(groups, names):
+        lat = dict(zero.latency, **{n: step_lat for n in group})
+        probe = with_collective_params(topology, replace(zero, latency=lat))
+        columns.append((np.array([predict(probe, s) for s in samples]) - base) / step_lat)
+        labels.append(f"latency:{label}")
+        bw = dict(zero.bandwidth, **{n: 1.0 / step_inv for n in group})
+        probe = with_collective_params(topology, replace(zero, bandwidth=bw))
+        columns.append((np.array([predict(probe, s) for s in samples]) - base) / step_inv)
+        labels.append(f"inverse_bandwidth:{label}")
+    probe = with_collective_params(topology, replace(zero, overhead_s=step_lat))
+    columns.append((np.array([predict(probe, s) for s in samples]) - base) / step_lat)
+    labels.append("overhead")
+    return np.column_stack(columns), labels
+
+
+def fit_collectives(topology: Topology, samples: Sequence[Sample], predict: Predictor,
+                    ) -> tuple[CollectiveParams, Fit]:
+    """Fit per-level latency, bandwidth and the per-round overhead to measured collectives.
+
+    Levels the samples never exercise keep the base topology's values.
+    """
+    rows = _of_kind(samples, "collective")
+    if not rows:
+        raise InputError("no collective samples to fit link latency and bandwidth", field="collective")
+    columns, labels = collective_columns(topology, rows, predict)
+    t = np.array([r.seconds for r in rows])
+    coef = _weighted_fit(columns, t)
+    latency, bandwidth = {}, {}
+    values: dict[str, float] = {}
+    for group in level_groups(topology):
+        label = group[0]
+        i_lat, i_bw = labels.index(f"latency:{label}"), labels.index(f"inverse_bandwidth:{label}")
+        base_level = next((l for l in topology.levels if l.name in group), None)
+        base_bw = base_level.bandwidth if base_level is not None and base_level.bandwidth else (
+            topology.links[0].bandwidth if topology.links else 1e9)
+        base_lat = base_level.latency if base_level is not None else (topology.links[0].latency if topology.links else 0.0)
+        used_lat, used_bw = np.any(columns[:, i_lat] != 0), np.any(columns[:, i_bw] != 0)
+        lat = float(coef[i_lat]) if used_lat else base_lat
+        bw = (1.0 / coef[i_bw] if coef[i_bw] > 0 else base_bw * 1e3) if used_bw else base_bw
+        for name in group:
+            latency[name], bandwidth[name] = lat, float(bw)
+        values[f"{label}.latency_s"], values[f"{label}.bandwidth"] = lat, float(bw)
+    params = CollectiveParams(latency=latency, bandwidth=bandwidth, overhead_s=float(coef[labels.index("overhead")]))
+    values["collective_overhead_s"] = params.overhead_s
+    fitted = with_collective_params(topology, params)
+    r2, residuals = fit_quality([predict(fitted, s) for s in rows], t)
+    return params, Fit(name="collectives", values=values, r2=r2, rel_residuals=residuals, samples=len(rows))
+
+
+# -- the calibrated topology --------------------------------------------------------
+
+def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
+                        launch_s: float, host_cores: int, collectives: CollectiveParams | None,
+                        name: str | None = None) -> Topology:
+    """The base topology with fitted device rates, calibration and link parameters.
+
+    ``compute_efficiency`` is the measured fraction of the base device's peak
+    (median over dtypes, at most 1); each dtype's peak is then set so that
+    ``peak * compute_efficiency`` equals its measured rate exactly. Memory
+    bandwidth likewise. Dtypes not measured keep their base peak.
+    """
+    device = base.device
+    ratios = [rates[d] / device.peak_flops[d] for d in rates if d in device.peak_flops]
+    efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
+    peaks = dict(device.peak_flops)
+    peaks.update({d: r / efficiency for d, r in rates.items()})
+    memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
+    device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
+    calibration = Calibration(
+        compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
+        launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
+        host_cores=host_cores)
+    out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated")
+    if collectives is not None:
+        out = with_collective_params(out, collectives)
+    return out
+
+
+def samples_to_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """Plain dicts (for the ``.measurements.json`` file), defaults left out."""
+    defaults = Sample(kind="dispatch", seconds=1.0)
+    return [{k: getattr(s, k) for k in Sample.__slots__ if k in ("kind", "seconds") or getattr(s, k) != getattr(defaults, k)}
+            for s in samples]
+
+
+def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
+    """Samples back from :func:`samples_to_rows` output (InputError naming the bad row)."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(Sample(**dict(row)))
+        except TypeError as exc:
+            raise InputError(f"bad measurement row: {exc}", field=f"samples[{i}]") from None
+        except InputError as exc:
+            raise exc.within(f"samples[{i}]") from None
+    return out
+
+
+# -- validation: predicted vs measured ------------------------------------------------
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured; 0 when both are 0, inf when only measured is."""
+    if measured == 0:
+        return 0.0 if predicted == 0 else math.inf
+    return (predicted - measured) / measured
+
+
+def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``testbed validate`` JSON object from per-plan rows.
+
+    Each row has ``plan, predicted_s, measured_s, predicted_memory,
+    measured_memory`` (memory may be None when XLA does not report it);
+    ``error`` and ``memory_error`` are added, and the median / max absolute
+    step-time errors summarise them.
+    """
+    plans = []
+    for row in rows:
+        out = dict(row)
+        out["error"] = relative_error(row["predicted_s"], row["measured_s"])
+        pm, mm = row.get("predicted_memory"), row.get("measured_memory")
+        out["memory_error"] = relative_error(pm, mm) if pm is not None and mm else None
+        plans.append(out)
+    errors = [abs(p["error"]) for p in plans]
+    memory = [abs(p["memory_error"]) for p in plans if p["memory_error"] is not None]
+    return {
+        "plans": plans,
+        "median_abs_error": float(np.median(errors)) if errors else 0.0,
+        "max_abs_error": float(np.max(errors)) if errors else 0.0,
+        "median_abs_memory_error": float(np.median(memory)) if memory else None,
+        "max_abs_memory_error": float(np.max(memory)) if memory else None,
+    }

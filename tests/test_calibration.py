@@ -1,0 +1,153 @@
+"""Calibration fitting: known parameters back from synthetic measurements, YAML round trip."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from testbed import calibration as cal
+from testbed.calibration import Sample
+from testbed.errors import InputError
+from testbed.topology import Topology
+from testbed.topology_io import dump_topology, load_topology, topology_from_dict
+
+import yaml
+
+
+def _matmul_samples(rate: dict[str, float], half: float, launch: float, noise: float = 0.0, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    out = [Sample(kind="dispatch", seconds=launch)]
+    for dtype, r in rate.items():
+        for n in (64, 128, 256, 512, 1024):
+            f = 2.0 * n ** 3
+            t = launch + (f + half) / r
+            out.append(Sample(kind="matmul", seconds=t * (1 + noise * rng.standard_normal()), flops=f, dtype=dtype))
+    return out
+
+
+@given(rate=st.floats(1e9, 1e15), half_frac=st.floats(0.0, 10.0), launch=st.floats(1e-7, 1e-3))
+def test_fit_compute_recovers_known_rate_and_half(rate, half_frac, launch):
+    half = half_frac * 2.0 * 256 ** 3
+    samples = _matmul_samples({"fp32": rate, "bf16": 2 * rate}, half, launch)
+    assert cal.fit_dispatch(samples) == pytest.approx(launch)
+    rates, fitted_half, fits = cal.fit_compute(samples, launch)
+    assert rates["fp32"] == pytest.approx(rate, rel=1e-6)
+    assert rates["bf16"] == pytest.approx(2 * rate, rel=1e-6)
+    assert fitted_half == pytest.approx(half, rel=1e-6, abs=1e-6 * 2 * 64 ** 3)
+    assert all(f.max_abs_rel < 1e-6 for f in fits)
+
+
+def test_fit_compute_with_noise_stays_close():
+    samples = _matmul_samples({"fp32": 5e10}, 4e6, 3e-5, noise=0.02, seed=1)
+    rates, half, fits = cal.fit_compute(samples, 3e-5)
+    assert rates["fp32"] == pytest.approx(5e10, rel=0.05)
+    assert fits[0].r2 > 0.99
+    assert fits[0].max_abs_rel < 0.1
+
+
+def test_fit_memory_recovers_bandwidth():
+    launch, bw = 2e-5, 1.2e10
+    samples = [Sample(kind="memory", seconds=launch + 1e-6 + b / bw, bytes=b) for b in (1e5, 1e6, 1e7, 1e8)]
+    fitted, fit = cal.fit_memory(samples, launch)
+    assert fitted == pytest.approx(bw, rel=1e-6)
+    assert fit.r2 == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("cores", [1, 2, 4])
+def test_fit_host_cores_from_concurrency(cores):
+    k, t1 = 8, 1e-3
+    samples = [Sample(kind="matmul", seconds=t1, flops=1e6),
+               Sample(kind="concurrent_matmul", seconds=t1 * k / cores, flops=1e6, devices=k)]
+    assert cal.fit_host_cores(samples, k) == cores
+    # Devices that do not share anything: no slowdown when all compute at once.
+    parallel = [samples[0], Sample(kind="concurrent_matmul", seconds=1.05 * t1, flops=1e6, devices=k)]
+    assert cal.fit_host_cores(parallel, k) == 0
+
+
+@given(st.lists(st.floats(0, 10), min_size=3, max_size=3), st.integers(0, 2**31 - 1))
+def test_nonnegative_lstsq_satisfies_kkt(x_true, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.uniform(0.1, 1.0, size=(8, 3))
+    b = a @ np.array(x_true) + rng.normal(0, 0.5, size=8)
+    x = cal.nonnegative_lstsq(a, b)
+    gradient = a.T @ (b - a @ x)
+    assert np.all(x >= 0)
+    # KKT: zero gradient on positive coefficients, non-positive gradient on clamped ones.
+    scale = 1e-7 * (1 + np.abs(a.T @ b).max())
+    assert np.all(np.abs(gradient[x > 0]) < scale)
+    assert np.all(gradient[x == 0] < scale)
+    unconstrained = np.linalg.lstsq(a, b, rcond=None)[0]
+    if np.all(unconstrained >= 0):
+        np.testing.assert_allclose(x, unconstrained, rtol=1e-6, atol=1e-9)
+
+
+def _ring_predictor(topology: Topology, sample: Sample) -> float:
+    """A ring collective model for the fit tests: rounds x (2 hops + overhead) + bytes / bandwidth."""
+    level = topology.levels[0]
+    g = sample.ranks
+    rounds = {"psum": 2 * (g - 1), "all_gather": g - 1, "psum_scatter": g - 1, "ppermute": 1,
+              "all_to_all": g - 1}[sample.op]
+    volume = {"psum": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "psum_scatter": (g - 1) / g, "ppermute": 1.0,
+              "all_to_all": (g - 1) / g}[sample.op]
+    overhead = 0.0 if sample.op == "ppermute" else topology.calibration.collective_overhead_s
+    return rounds * (2 * level.latency + overhead) + volume * sample.bytes / level.bandwidth
+
+
+def test_fit_collectives_recovers_link_parameters():
+    base = load_topology("host-cpu-8")
+    truth = cal.CollectiveParams(latency={"node": 7e-6}, bandwidth={"node": 3.3e9}, overhead_s=4e-5)
+    true_topology = cal.with_collective_params(base, truth)
+    samples = [Sample(kind="collective", op=op, ranks=g, bytes=b, seconds=_ring_predictor(true_topology, Sample(
+        kind="collective", op=op, ranks=g, bytes=b, seconds=1.0)))
+        for op in ("psum", "all_gather", "ppermute") for g in (2, 8) for b in (1e3, 1e5, 1e7)]
+    params, fit = cal.fit_collectives(base, samples, _ring_predictor)
+    assert params.latency["node"] == pytest.approx(7e-6, rel=1e-5)
+    assert params.bandwidth["node"] == pytest.approx(3.3e9, rel=1e-5)
+    assert params.overhead_s == pytest.approx(4e-5, rel=1e-5)
+    assert fit.max_abs_rel < 1e-6
+
+
+def test_calibrated_topology_round_trips_through_yaml():
+    base = load_topology("host-cpu-8")
+    rates = {"fp32": 6e10, "bf16": 4e10}
+    params = cal.CollectiveParams(latency={"node": 1.5e-5}, bandwidth={"node": 2.5e9}, overhead_s=3e-4)
+    topo = cal.calibrated_topology(base, rates=rates, half_flops=5e6, memory_bandwidth=1.1e10, launch_s=3e-5,
+                                   host_cores=1, collectives=params)
+    # Fitted rates are what the simulator sees: peak x efficiency.
+    for dtype, rate in rates.items():
+        assert topo.device.flops(dtype) * topo.calibration.compute_efficiency == pytest.approx(rate)
+    assert topo.device.memory_bandwidth * topo.calibration.memory_efficiency == pytest.approx(1.1e10)
+    assert topo.levels[0].bandwidth == 2.5e9 and topo.levels[0].latency == 1.5e-5
+    back = topology_from_dict(yaml.safe_load(dump_topology(topo)))
+    assert back.calibration == topo.calibration
+    assert back.device == topo.device
+    assert back.levels == topo.levels
+    assert back.name == topo.name
+
+
+def test_samples_round_trip_and_bad_rows_name_the_row():
+    samples = [Sample(kind="dispatch", seconds=1e-5), Sample(kind="collective", seconds=2e-3, op="psum", ranks=4,
+                                                              bytes=1024.0)]
+    assert cal.samples_from_rows(cal.samples_to_rows(samples)) == samples
+    with pytest.raises(InputError, match=r"samples\[1\]"):
+        cal.samples_from_rows([{"kind": "dispatch", "seconds": 1.0}, {"kind": "matmul", "seconds": -1.0}])
+    with pytest.raises(InputError, match="kind"):
+        Sample(kind="flops", seconds=1.0)
+
+
+def test_validation_summary_has_every_plan_and_signed_errors():
+    rows = [{"plan": f"p{i}", "predicted_s": p, "measured_s": m, "predicted_memory": 100.0, "measured_memory": mm}
+            for i, (p, m, mm) in enumerate([(1.1, 1.0, 80.0), (0.5, 1.0, None), (2.0, 2.0, 100.0)])]
+    summary = cal.validation_summary(rows)
+    assert [p["plan"] for p in summary["plans"]] == ["p0", "p1", "p2"]
+    errors = [p["error"] for p in summary["plans"]]
+    assert errors == pytest.approx([0.1, -0.5, 0.0])
+    assert summary["median_abs_error"] == pytest.approx(0.1)
+    assert summary["max_abs_error"] == pytest.approx(0.5)
+    assert summary["plans"][1]["memory_error"] is None
+    assert summary["plans"][0]["memory_error"] == pytest.approx(0.25)
+    assert math.isfinite(summary["max_abs_memory_error"])
