@@ -1,0 +1,300 @@
+"""Discrete-event simulation of a task graph on a topology: one training step.
+
+Pricing (:func:`price`) turns each task into a standalone duration and, for
+communication, the bytes it moves over each directed link:
+
+- compute: ``launch_overhead_s + max(flops / (peak * eff(f)), bytes /
+  (memory_bandwidth * memory_efficiency))`` with the precision's peak FLOP/s
+  and ``eff(f) = compute_efficiency * f / (f + efficiency_half_flops)`` for a
+  kernel of ``f`` FLOPs (the roofline of the calibrated device);
+- collectives and sends: timed by testbed.collective_timing; their link
+  loads are what every group running the task at once puts on the links the
+  representative's own traffic crosses (its ring neighbours' routes, or the
+  send route).
+
+The engine (:func:`run`) keeps every representative's streams as FIFOs; a
+task starts when it heads its stream and its dependencies are done. Tasks in
+flight progress as fluids: transfers share links max-min fairly
+(testbed.contention), re-evaluated whenever a task starts or finishes; with
+``calibration.host_cores > 0`` the devices computing at once share that many
+host cores. The result is a :class:`~testbed.timeline.Timeline` over the
+representatives (and the device -> representative map) and a
+:class:`~testbed.timeline.Report`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from testbed.contention import Flow, fair_rates, normalised_loads
+from testbed.placement import place
+from testbed.plan import Plan
+from testbed.program import STREAMS, Program, Task, TaskKind, build_program
+from testbed.timeline import CATEGORIES, Report, Timeline
+from testbed.topology import Topology
+
+__all__ = ["Priced", "Simulation", "compute_seconds", "price", "run", "simulate", "report"]
+
+#: Fraction of a task's work below which it counts as finished (rounding of the fluid steps).
+_DONE = 1e-9
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Priced:
+    """Standalone seconds per task and, for transfers, bytes per directed link (normalised)."""
+
+    durations: tuple[float, ...]
+    loads: tuple[Mapping | None, ...]
+    bandwidth: Mapping
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Simulation:
+    """What :func:`simulate` returns: the report, the timeline and the program it ran."""
+
+    report: Report
+    timeline: Timeline
+    program: Program
+
+
+def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1) -> float:
+    """Roofline time of a compute task of ``kernels`` equal kernels on one device (calibrated)."""
+    cal, dev = topology.calibration, topology.device
+    t = 0.0
+    if flops > 0:
+        per_kernel = flops / max(1, kernels)
+        eff = cal.compute_efficiency * per_kernel / (per_kernel + cal.efficiency_half_flops)
+        t = flops / (dev.flops(dtype) * eff)
+    if hbm_bytes > 0:
+        t = max(t, hbm_bytes / (dev.memory_bandwidth * cal.memory_efficiency))
+    return cal.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
+
+
+def _timing():
+    from testbed import collective_timing
+
+    return collective_timing
+
+
+def _neighbour_links(topology: Topology, group: Sequence[int], rep: int) -> set:
+    """Links on the routes between ``rep`` and its ring neighbours in ``group`` (both directions)."""
+    if len(group) < 2:
+        return set()
+    i = group.index(rep)
+    nxt, prv = group[(i + 1) % len(group)], group[i - 1]
+    return {*topology.route(rep, nxt), *topology.route(prv, rep), *topology.route(nxt, rep), *topology.route(rep, prv)}
+
+
+def price(program: Program, topology: Topology, dtype: str) -> Priced:
+    """Standalone durations and link loads of every task of ``program`` on ``topology``."""
+    timing = _timing()
+    durations: list[float] = []
+    loads: list[Mapping | None] = []
+    bandwidth: dict = {}
+    memo: dict = {}
+
+    def bw(link) -> float:
+        value = bandwidth.get(link)
+        if value is None:
+            value = bandwidth[link] = float(topology.graph.edges[link]["bandwidth"])
+        return value
+
+    for task in program.tasks:
+        if task.kind is TaskKind.COMPUTE:
+            durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels))
+            loads.append(None)
+            continue
+        key = (task.kind, task.op, task.group, task.nbytes, task.count, id(task.instances))
+        cached = memo.get(key)
+        if cached is None:
+            cached = memo[key] = _price_transfer(topology, timing, task, bw)
+        durations.append(cached[0])
+        loads.append(cached[1])
+    return Priced(durations=tuple(durations), loads=tuple(loads), bandwidth=bandwidth)
+
+
+def _price_transfer(topology: Topology, timing, task: Task, bw) -> tuple[float, dict]:
+    """(standalone seconds, normalised loads on the representative's links) of one transfer."""
+    if task.nbytes <= 0 or len(task.group) < 2:
+        return 0.0, {}
+    if task.kind is TaskKind.SEND:
+        src, dst = task.group
+        seconds = timing.send_time(topology, src, dst, task.nbytes) * task.count
+        watched = set(topology.route(src, dst))
+        own = {link: task.nbytes * task.count for link in watched}
+        total: dict = {}
+        for a, b_ in task.instances:
+            for link in topology.route(a, b_):
+                if link in watched:
+                    total[link] = total.get(link, 0.0) + task.nbytes * task.count
+    else:
+        seconds = timing.collective_time(topology, task.op, task.group, task.nbytes).time_s * task.count
+        watched = _neighbour_links(topology, task.group, task.device)
+        own = {link: b * task.count for link, b in timing.link_loads(topology, task.op, task.group, task.nbytes).items()}
+        total = {}
+        for group in task.instances:
+            for link, b in timing.link_loads(topology, task.op, group, task.nbytes).items():
+                if link in watched:
+                    total[link] = total.get(link, 0.0) + b * task.count
+    for link in total:
+        bw(link)
+    for link in own:
+        bw(link)
+    capacity = {link: bw(link) for link in own}
+    return seconds, normalised_loads(seconds, total, own, capacity)
+
+
+def run(program: Program, priced: Priced, host_cores: int = 0) -> Timeline:
+    """Play ``program`` with ``priced`` durations as a fluid discrete-event simulation."""
+    tasks, durations, task_loads = program.tasks, priced.durations, priced.loads
+    n = len(tasks)
+    row_index: dict[tuple[int, str], int] = {}
+    for t in tasks:
+        row_index.setdefault((t.device, t.stream), 0)
+    ordered = sorted(row_index, key=lambda k: (k[0], STREAMS.index(k[1]) if k[1] in STREAMS else len(STREAMS), k[1]))
+    row_index = {k: i for i, k in enumerate(ordered)}
+    row_of = [row_index[(t.device, t.stream)] for t in tasks]
+    queues: list[deque] = [deque() for _ in ordered]
+    for i, r in enumerate(row_of):
+        queues[r].append(i)
+    pending = [len(t.deps) for t in tasks]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for i, t in enumerate(tasks):
+        for d in t.deps:
+            dependents[d].append(i)
+    is_comm = [t.kind is not TaskKind.COMPUTE for t in tasks]
+    weight = [program.multiplicity[t.device] for t in tasks]
+    start = [math.nan] * n
+    end = [math.nan] * n
+    busy = [False] * len(ordered)
+    active: dict[int, float] = {}  # task -> remaining fraction of its work
+    rate: dict[int, float] = {}
+    now = 0.0
+    dirty_comm = dirty_compute = False
+
+    def try_rows(rows) -> None:
+        nonlocal dirty_comm, dirty_compute
+        work = list(rows)
+        while work:
+            r = work.pop()
+            if busy[r] or not queues[r] or pending[queues[r][0]]:
+                continue
+            i = queues[r].popleft()
+            busy[r] = True
+            start[i] = now
+            if durations[i] <= 0:
+                work.extend(finish(i))
+                continue
+            active[i] = 1.0
+            if is_comm[i]:
+                dirty_comm = True
+            else:
+                dirty_compute = True
+
+    def finish(i: int) -> list[int]:
+        end[i] = now
+        busy[row_of[i]] = False
+        rows = [row_of[i]]
+        for d in dependents[i]:
+            pending[d] -= 1
+            if pending[d] == 0:
+                rows.append(row_of[d])
+        return rows
+
+    try_rows(range(len(ordered)))
+    while active:
+        if dirty_comm:
+            comm = [i for i in active if is_comm[i]]
+            flows = [Flow(1.0 / durations[i], task_loads[i] or {}) for i in comm]
+            for i, r in zip(comm, fair_rates(flows, priced.bandwidth)):
+                rate[i] = r
+            dirty_comm = False
+        if dirty_compute:
+            comp = [i for i in active if not is_comm[i]]
+            share = 1.0
+            if host_cores > 0:
+                share = min(1.0, host_cores / max(1, sum(weight[i] for i in comp)))
+            for i in comp:
+                rate[i] = share / durations[i]
+            dirty_compute = False
+        first = min(active, key=lambda i: active[i] / rate[i])
+        dt = active[first] / rate[first]
+        now += dt
+        done = []
+        for i in active:
+            left = active[i] - rate[i] * dt
+            active[i] = left
+            if left <= _DONE or i == first:
+                done.append(i)
+        rows: list[int] = []
+        for i in done:
+            del active[i]
+            del rate[i]
+            if is_comm[i]:
+                dirty_comm = True
+            else:
+                dirty_compute = True
+            rows.extend(finish(i))
+        try_rows(rows)
+    if any(math.isnan(e) for e in end):
+        stuck = [tasks[i].name for i in range(n) if math.isnan(end[i])][:5]
+        raise RuntimeError(f"the task graph deadlocks; unfinished tasks include {stuck}")
+    return _timeline(program, ordered, row_of, start, end)
+
+
+def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end) -> Timeline:
+    tasks = program.tasks
+    starts, ends = np.asarray(start), np.asarray(end)
+    step = float(ends.max(initial=0.0))
+    pipeline = [i for i, t in enumerate(tasks) if t.pipeline]
+    phase = float(ends[pipeline].max()) if pipeline else step
+    cats = [CATEGORIES.index("compute" if t.kind is TaskKind.COMPUTE else "comm") for t in tasks]
+    labels = [t.name for t in tasks]
+    out_rows, out_start, out_end, out_cat, out_label = list(row_of), list(start), list(end), cats, labels
+    # Bubble spans: when a representative neither computes nor communicates inside the pipeline phase.
+    by_device: dict[int, list[int]] = {}
+    for i, t in enumerate(tasks):
+        by_device.setdefault(t.device, []).append(i)
+    for device, idx in by_device.items():
+        compute_row = rows.index((device, "compute")) if (device, "compute") in rows else row_of[idx[0]]
+        order = sorted(idx, key=lambda i: start[i])
+        t = 0.0
+        for i in order:
+            if start[i] > t and t < phase:
+                out_rows.append(compute_row)
+                out_start.append(t)
+                out_end.append(min(start[i], phase))
+                out_cat.append(CATEGORIES.index("bubble"))
+                out_label.append("idle")
+            t = max(t, end[i])
+    return Timeline(rows=tuple(rows), row=np.asarray(out_rows), start=np.asarray(out_start),
+                    end=np.asarray(out_end), category=np.asarray(out_cat), label=tuple(out_label),
+                    representative=program.representative, step_time_s=step, pipeline_end_s=phase)
+
+
+def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -> Report:
+    """Step time, compute, exposed comm, bubble, MFU and memory of a simulated (or measured) step."""
+    from testbed.memory import memory_breakdown
+    from testbed.model import model_flops_per_step
+
+    step = timeline.step_time_s
+    peak = topology.device.flops(plan.precision.compute_dtype)
+    mfu = model_flops_per_step(plan) / (topology.num_devices * peak * step) if step > 0 else 0.0
+    memory = memory_breakdown(plan, topology).as_dict()
+    memory.pop("per_stage", None)
+    return Report(step_time_s=step, compute_s=timeline.compute_s(), exposed_comm_s=timeline.exposed_comm_s(),
+                  bubble_fraction=timeline.bubble_fraction(), mfu=mfu, memory=memory, plan=plan.name,
+                  topology=topology.name, devices=topology.num_devices, tasks=tasks, source=timeline.source)
+
+
+def simulate(plan: Plan, topology: Topology) -> Simulation:
+    """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
+    program = build_program(plan, place(plan, topology))
+    priced = price(program, topology, plan.precision.compute_dtype)
+    timeline = run(program, priced, topology.calibration.host_cores)
+    return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)
