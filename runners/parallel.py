@@ -1,0 +1,123 @@
+"""Shardings of the GPT's parameters, gradients and optimizer state for a plan.
+
+One ``PartitionSpec`` per leaf over the axes ``data, fsdp, tensor`` (those
+of a stage's sub-mesh; on the full mesh the ``stage`` axis is left out, i.e.
+replicated, and for pipelines each stage has its own sub-mesh). XLA's SPMD
+partitioner then inserts the collectives:
+
+- tensor (Megatron): ``wqkv`` and ``w1`` split by columns, ``wo`` and ``w2``
+  by rows (one all-reduce after each), the token table and the head by vocab
+  (vocab-parallel embedding and logits);
+- fsdp: a further dim of every large leaf sharded over ``fsdp`` (gathered for
+  use, gradients reduce-scattered);
+- ZeRO over ``data``: stage 1 shards the Adam moments over ``data`` as well,
+  stage 2 also the gradients, stage 3 also the parameters.
+
+Activations: the batch dim is sharded over ``(data, fsdp)``.
+The layout follows the parameter names of :mod:`runners.model`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from testbed.plan import Plan
+
+__all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec"]
+
+#: Mesh axes the batch dim of activations is split over.
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+
+# Megatron roles by parameter name: which dim carries the tensor split.
+_COLUMN = {"wqkv", "w1", "bqkv", "b1"}   # split the output dim (last)
+_ROW = {"wo", "w2"}                       # split the input dim (first)
+
+
+def _path_names(path: tuple[Any, ...]) -> list[str]:
+    names = []
+    for entry in path:
+        key = getattr(entry, "key", getattr(entry, "name", None))
+        if isinstance(key, str):
+            names.append(key)
+    return names
+
+
+def leaf_spec(path: tuple[Any, ...], shape: tuple[int, ...], *, tensor: int, shard_axes: tuple[str, ...],
+              shard_size: int) -> P:
+    """The spec of one parameter leaf.
+
+    Args:
+      path: the leaf's key path in the params pytree (names from runners.model).
+      shape: the leaf's shape.
+      tensor: the tensor-parallel degree (1: no tensor split).
+      shard_axes: mesh axes a further dim is split over (``("fsdp",)``, ``("data", "fsdp")`` or ``()``).
+      shard_size: product of the degrees of ``shard_axes``.
+    """
+    names = _path_names(path)
+    name = names[-1] if names else ""
+    dims: list[Any] = [None] * len(shape)
+    if tensor > 1:
+        if name in _COLUMN:
+            dims[-1] = "tensor"
+        elif name in _ROW:
+            dims[0] = "tensor"
+        elif name == "tokens" and "embed" in names:
+            dims[0] = "tensor"          # vocab-parallel embedding
+        elif name == "w" and "head" in names:
+            dims[-1] = "tensor"         # vocab-parallel logits
+    if shard_axes and shard_size > 1:
+        # The largest dim left free whose size the shard count divides.
+        free = sorted((i for i in range(len(shape)) if dims[i] is None), key=lambda i: -shape[i])
+        for i in free:
+            if shape[i] % shard_size == 0:
+                dims[i] = shard_axes if len(shard_axes) > 1 else shard_axes[0]
+                break
+    return P(*dims)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """Spec trees of one params pytree for a plan: parameters, gradients, optimizer moments."""
+
+    params: Any
+    grads: Any
+    moments: Any
+
+    def shardings(self, mesh: Any, which: str = "params") -> Any:
+        """NamedShardings of ``which`` (params, grads, moments) on ``mesh``."""
+        return jax.tree.map(lambda spec: NamedSharding(mesh, spec), getattr(self, which),
+                            is_leaf=lambda x: isinstance(x, P))
+
+
+def _specs(params_shape: Any, plan: Plan, shard_axes: tuple[str, ...]) -> Any:
+    size = 1
+    for axis in shard_axes:
+        size *= plan.mesh.degree(axis)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: leaf_spec(path, tuple(leaf.shape), tensor=plan.mesh.tensor, shard_axes=shard_axes,
+                                     shard_size=size), params_shape)
+
+
+def layout_for(params_shape: Any, plan: Plan) -> Layout:
+    """The layout of ``params_shape`` (arrays or ShapeDtypeStructs) under ``plan``'s fsdp and ZeRO stage."""
+    fsdp = ("fsdp",) if plan.mesh.fsdp > 1 else ()
+    zero = tuple(a for a in ("data", "fsdp") if plan.mesh.degree(a) > 1) if plan.mesh.data > 1 else fsdp
+    plain, sharded = _specs(params_shape, plan, fsdp), _specs(params_shape, plan, zero)
+    return Layout(params=sharded if plan.zero >= 3 else plain,
+                  grads=sharded if plan.zero >= 2 else plain,
+                  moments=sharded if plan.zero >= 1 else plain)
+
+
+def batch_spec(rank: int, leading: int = 0) -> P:
+    """Spec of a batch array: ``leading`` unsplit dims, then the batch dim over (data, fsdp)."""
+    return P(*([None] * leading), BATCH_AXES, *([None] * (rank - leading - 1)))
+
+
+def constrain(tree: Any, specs: Any) -> Any:
+    """``with_sharding_constraint`` of every leaf to its spec (inside jit, under a mesh context)."""
+    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, s), tree, specs,
+                        is_leaf=lambda x: isinstance(x, P))
