@@ -1,0 +1,260 @@
+"""Execute a ``testbed.schedules`` table over the pipeline stages: MPMD and SPMD engines.
+
+MPMD (:class:`MpmdEngine`, any schedule): each model chunk has its own
+jitted programs, compiled once and reused for every microbatch and step:
+
+* ``F``: ``jax.vjp`` of the chunk (plus the caller's loss on the last chunk),
+  returning the output and the pullback (a pytree of residuals);
+* ``B``: the full pullback (parameter and input gradients) for unsplit
+  schedules, or only the input gradient for ZB schedules;
+* ``W`` (ZB only): the parameter gradient, from the residuals and the output
+  cotangent that ``B`` kept; XLA drops the half of the pullback not asked for.
+
+Actions run in a global order that respects the table (stages keep their
+order; see :func:`testbed.schedules.execution_order`). Activations and
+gradients move to the receiving stage with ``jax.device_put`` on that stage's
+sharding. Every receive slot starts as a NaN buffer, so reading a slot
+before its send would poison the loss: a correctness check built into the
+engine. JAX dispatch is asynchronous, so different stages' programs overlap
+on their own devices.
+
+SPMD (:func:`spmd_gpipe`, GPipe): one jitted program, ``jax.shard_map`` over
+the ``stage`` axis, a ``fori_loop`` over ``m + p - 1`` ticks with
+``jax.lax.ppermute`` moving activations to the next stage; autodiff of the
+loop yields GPipe's backward. Bubble ticks receive NaN activations and are
+masked out before use, so a leak shows as a non-finite result.
+
+The model is the caller's: ``stage_forward(stage, chunk, params, x)`` runs
+one chunk (the embedding belongs to stage 0 chunk 0), ``loss_fn(params, y,
+targets)`` the head and loss of the last chunk. The loss is the mean over
+microbatches and gradients are of that mean.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from testbed.schedules import Schedule, execution_order, validate
+
+__all__ = ["StageForward", "LossFn", "MpmdEngine", "run_schedule", "spmd_gpipe"]
+
+StageForward = Callable[[int, int, Any, jax.Array], jax.Array]
+LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+
+
+@jax.jit
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _forward(stage_forward: StageForward, loss_fn: LossFn, stage: int, chunk: int, first: bool, last: bool,
+             params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any]:
+    """F of one chunk: output (the loss on the last chunk) and its pullback.
+
+    Module-level with the model functions static, so engines built for the
+    same model share compiled programs.
+    """
+    def body(p: Any, h: jax.Array) -> jax.Array:
+        y = stage_forward(stage, chunk, p, h)
+        return loss_fn(p, y, targets) if last else y
+
+    if first:
+        # The first chunk's input (e.g. tokens) gets no gradient; differentiate the params only.
+        return jax.vjp(lambda p: body(p, x), params)
+    return jax.vjp(body, params, x)
+
+
+@jax.jit
+def _pull(pullback: Any, cotangent: Any) -> Any:
+    """Full backward: (param grads,) for the first chunk, else (param grads, input grad)."""
+    return pullback(cotangent)
+
+
+@jax.jit
+def _pull_input(pullback: Any, cotangent: Any) -> Any:
+    """B of a split backward: the input gradient only (XLA drops the parameter half)."""
+    return pullback(cotangent)[1]
+
+
+@jax.jit
+def _pull_weight(pullback: Any, cotangent: Any) -> Any:
+    """W of a split backward: the parameter gradient only."""
+    return pullback(cotangent)[0]
+
+
+def _nan_like(shape: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
+    value = np.full(shape.shape, np.nan, dtype=shape.dtype)
+    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+
+
+class MpmdEngine:
+    """Per-chunk jitted programs for one schedule; call :meth:`step` once per training step.
+
+    Args:
+        schedule: a valid table (checked here).
+        stage_forward: ``(stage, chunk, params, x) -> y`` for one model chunk.
+        loss_fn: ``(params_of_last_chunk, y, targets) -> scalar`` loss of one microbatch.
+        shardings: per stage, the sharding of activations arriving there
+            (e.g. a ``NamedSharding`` on the stage's sub-mesh); ``None`` leaves
+            placement to the inputs (a single device, for tests).
+    """
+
+    def __init__(self, schedule: Schedule, stage_forward: StageForward, loss_fn: LossFn,
+                 shardings: Sequence[Any] | None = None):
+        validate(schedule)
+        if shardings is not None and len(shardings) != schedule.stages:
+            raise ValueError(f"need one activation sharding per stage ({schedule.stages}), got {len(shardings)}")
+        self.schedule = schedule
+        self.shardings = tuple(shardings) if shardings is not None else (None,) * schedule.stages
+        self._order = execution_order(schedule)
+        self._last = schedule.chunks - 1
+        self._forward = stage_forward
+        self._loss = loss_fn
+
+    def _f(self, g: int, params: Any, x: jax.Array, targets: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        stage, chunk = self.schedule.locate(g)
+        return _forward(self._forward, self._loss, stage, chunk, g == 0, g == self._last, params, x, targets)
+
+    def _shapes(self, params: Sequence[Sequence[Any]], x0: Any, targets0: Any) -> list[jax.ShapeDtypeStruct]:
+        """Output shape of every chunk but the last (the receive buffers' shapes)."""
+        shapes, x = [], x0
+        for g in range(self._last):
+            s, c = self.schedule.locate(g)
+            x = jax.eval_shape(lambda p, h, g=g: self._f(g, p, h)[0], params[s][c], x)
+            shapes.append(x)
+        return shapes
+
+    def step(self, params: Sequence[Sequence[Any]], inputs: Sequence[Any], targets: Sequence[Any]
+             ) -> tuple[jax.Array, list[list[Any]]]:
+        """Run every action of the table; returns (mean loss, gradients ``[stage][chunk]``).
+
+        ``params[stage][chunk]`` must already live on the stage's devices;
+        ``inputs[mb]`` and ``targets[mb]`` are placed on the first and last
+        chunk's stage here.
+        """
+        sch = self.schedule
+        m = sch.microbatches
+        if len(inputs) != m or len(targets) != m:
+            raise ValueError(f"need {m} microbatch inputs and targets, got {len(inputs)} and {len(targets)}")
+        first_sharding, last_sharding = self.shardings[0], self.shardings[sch.locate(self._last)[0]]
+        put = (lambda a, sh: jax.device_put(a, sh) if sh is not None else jnp.asarray(a))
+        inputs = [put(x, first_sharding) for x in inputs]
+        targets = [put(t, last_sharding) for t in targets]
+        shapes = self._shapes(params, inputs[0], targets[0])
+        # Receive slots: activation into chunk g (g >= 1), cotangent of chunk g's output (g < last).
+        act = {(g, mb): _nan_like(shapes[g - 1], self.shardings[sch.locate(g)[0]])
+               for g in range(1, sch.chunks) for mb in range(m)}
+        act.update({(0, mb): inputs[mb] for mb in range(m)})
+        cot = {(g, mb): _nan_like(shapes[g], self.shardings[sch.locate(g)[0]])
+               for g in range(self._last) for mb in range(m)}
+        pullbacks: dict[tuple[int, int], Any] = {}
+        kept: dict[tuple[int, int], Any] = {}
+        grads: dict[int, Any] = {}
+        losses = []
+        for stage, action in self._order:
+            g, mb = sch.model_chunk(stage, action.chunk), action.microbatch
+            params_g = params[stage][action.chunk]
+            if action.kind == "F":
+                if g == self._last:
+                    loss, pullbacks[(g, mb)] = self._f(g, params_g, act[(g, mb)], targets[mb])
+                    losses.append(loss)
+                else:
+                    y, pullbacks[(g, mb)] = self._f(g, params_g, act[(g, mb)])
+                    act[(g + 1, mb)] = put(y, self.shardings[sch.locate(g + 1)[0]])
+                del act[(g, mb)]
+                continue
+            if action.kind == "B":
+                if g == self._last:
+                    seed = losses[0]
+                    cotangent = jnp.full(seed.shape, 1.0 / m, seed.dtype)
+                    if seed.sharding is not None:
+                        cotangent = jax.device_put(cotangent, seed.sharding)
+                else:
+                    cotangent = cot.pop((g, mb))
+                if sch.split_backward:
+                    dx = _pull_input(pullbacks[(g, mb)], cotangent) if g > 0 else None
+                    kept[(g, mb)] = cotangent
+                else:
+                    dparams, *dx = _pull(pullbacks.pop((g, mb)), cotangent)
+                    dx = dx[0] if dx else None
+                    grads[g] = dparams if g not in grads else _add(grads[g], dparams)
+                if g > 0:
+                    cot[(g - 1, mb)] = put(dx, self.shardings[sch.locate(g - 1)[0]])
+                continue
+            dparams = _pull_weight(pullbacks.pop((g, mb)), kept.pop((g, mb)))
+            grads[g] = dparams if g not in grads else _add(grads[g], dparams)
+        loss = sum(losses[1:], losses[0]) / m
+        out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] for s in range(sch.stages)]
+        return loss, out
+
+
+def run_schedule(schedule: Schedule, stage_forward: StageForward, loss_fn: LossFn,
+                 params: Sequence[Sequence[Any]], inputs: Sequence[Any], targets: Sequence[Any],
+                 shardings: Sequence[Any] | None = None) -> tuple[jax.Array, list[list[Any]]]:
+    """One step of ``schedule`` with the MPMD engine (builds it; keep an :class:`MpmdEngine` to reuse)."""
+    return MpmdEngine(schedule, stage_forward, loss_fn, shardings).step(params, inputs, targets)
+
+
+def spmd_gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callable[[jax.Array, jax.Array], jax.Array],
+               mesh: jax.sharding.Mesh, microbatches: int, stage_axis: str = "stage"
+               ) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
+    """A jitted GPipe step: ``(stacked_params, inputs, targets) -> (mean loss, grads)``.
+
+    Args:
+        stage_fn: ``(params_of_one_stage, x) -> y`` with ``y`` shaped like ``x``
+            (every stage runs the same program on its own parameters).
+        loss_fn: ``(y, targets) -> scalar`` for one microbatch, after the last stage.
+        mesh: a mesh with ``stage_axis``; other axes stay automatic.
+        microbatches: ``m``; ``inputs`` and ``targets`` lead with it.
+
+    ``stacked_params`` have a leading stage dimension sharded over ``stage_axis``.
+    """
+    p = mesh.shape[stage_axis]
+    m = microbatches
+    ticks = m + p - 1
+    perm = [(s, s + 1) for s in range(p - 1)]
+    P = jax.sharding.PartitionSpec
+
+    def local(params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        params = jax.tree.map(lambda a: a[0], params)
+        stage = jax.lax.axis_index(stage_axis)
+        nan = jnp.full(inputs.shape[1:], jnp.nan, inputs.dtype)
+
+        def tick(t, carry):
+            received, outputs = carry
+            mb = t - stage
+            valid = (mb >= 0) & (mb < m)
+            feed = jnp.where(t < m, inputs[jnp.minimum(t, m - 1)], nan)
+            x = jnp.where(stage == 0, feed, received)
+            # Bubble slots hold NaN; mask before use so no NaN reaches values or gradients.
+            y = stage_fn(params, jnp.where(valid, x, jnp.zeros_like(x)))
+            y = jnp.where(valid, y, nan)
+            write = valid & (stage == p - 1)
+            slot = jnp.clip(mb, 0, m - 1)
+            outputs = outputs.at[slot].set(jnp.where(write, y, outputs[slot]))
+            sent = jax.lax.ppermute(y, stage_axis, perm) if perm else y
+            return sent, outputs
+
+        start = jax.lax.pcast((jnp.full(inputs.shape[1:], jnp.nan, inputs.dtype),
+                               jnp.full(inputs.shape, jnp.nan, inputs.dtype)), (stage_axis,), to="varying")
+        _, outputs = jax.lax.fori_loop(0, ticks, tick, start)
+        is_last = stage == p - 1
+        safe = jnp.where(is_last, outputs, jnp.zeros_like(outputs))
+        losses = jax.vmap(loss_fn)(safe, targets)
+        local_loss = jnp.where(is_last, jnp.mean(losses), 0.0)
+        return jax.lax.psum(local_loss, stage_axis)
+
+    def total(params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        specs = jax.tree.map(lambda _: P(stage_axis), params)
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(),
+                               axis_names={stage_axis})
+        return mapped(params, inputs, targets)
+
+    return jax.jit(jax.value_and_grad(total))
