@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping, Sequence
 
-__all__ = ["Flow", "fair_rates", "normalised_loads"]
+__all__ = ["Flow", "LinkLedger", "fair_rates", "normalised_loads"]
 
 Link = Hashable
 
@@ -96,3 +96,36 @@ def fair_rates(flows: Sequence[Flow], bandwidth: Mapping[Link, float]) -> list[f
                 left -= 1
         del users[best_link]
     return [f * flow.cap if math.isfinite(flow.cap) else math.inf for f, flow in zip(factor, flows)]
+
+
+class LinkLedger:
+    """Transfers in flight and their demand per link; rates only re-filled when a link is oversubscribed."""
+
+    def __init__(self, bandwidth: Mapping[Link, float]) -> None:
+        self.bandwidth = bandwidth
+        self.flows: dict[Hashable, Flow] = {}
+        self.demand: dict[Link, float] = {}
+        self.over: set[Link] = set()
+
+    def add(self, key: Hashable, flow: Flow) -> None:
+        self.flows[key] = flow
+        for link, b in flow.loads.items():
+            d = self.demand.get(link, 0.0) + flow.cap * b
+            self.demand[link] = d
+            if d > self.bandwidth[link] * (1 + 1e-9):
+                self.over.add(link)
+
+    def remove(self, key: Hashable) -> None:
+        flow = self.flows.pop(key)
+        for link, b in flow.loads.items():
+            d = self.demand[link] - flow.cap * b
+            self.demand[link] = d
+            if d <= self.bandwidth[link] * (1 + 1e-9):
+                self.over.discard(link)
+
+    def rates(self) -> dict[Hashable, float]:
+        """Rate of every transfer in flight (its cap unless some link is oversubscribed)."""
+        if not self.over:
+            return {key: flow.cap for key, flow in self.flows.items()}
+        keys = list(self.flows)
+        return dict(zip(keys, fair_rates([self.flows[k] for k in keys], self.bandwidth)))

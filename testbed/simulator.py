@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.contention import Flow, fair_rates, normalised_loads
+from testbed.contention import Flow, LinkLedger, normalised_loads
 from testbed.placement import place
 from testbed.plan import Plan
 from testbed.program import STREAMS, Program, Task, TaskKind, build_program
 from testbed.timeline import CATEGORIES, Report, Timeline
-from testbed.topology import Topology
+from testbed.topology import Form, Topology
 
 __all__ = ["Priced", "Simulation", "compute_seconds", "price", "run", "simulate", "report"]
 
@@ -81,12 +81,16 @@ def _timing():
     return collective_timing
 
 
+def _ring_neighbours(group: Sequence[int], rep: int) -> tuple[int, int, int]:
+    i = group.index(rep)
+    return rep, group[(i + 1) % len(group)], group[i - 1]
+
+
 def _neighbour_links(topology: Topology, group: Sequence[int], rep: int) -> set:
     """Links on the routes between ``rep`` and its ring neighbours in ``group`` (both directions)."""
     if len(group) < 2:
         return set()
-    i = group.index(rep)
-    nxt, prv = group[(i + 1) % len(group)], group[i - 1]
+    _, nxt, prv = _ring_neighbours(group, rep)
     return {*topology.route(rep, nxt), *topology.route(prv, rep), *topology.route(nxt, rep), *topology.route(rep, prv)}
 
 
@@ -97,6 +101,7 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
     loads: list[Mapping | None] = []
     bandwidth: dict = {}
     memo: dict = {}
+    sym = _Symmetry(topology)
 
     def bw(link) -> float:
         value = bandwidth.get(link)
@@ -112,13 +117,91 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
         key = (task.kind, task.op, task.group, task.nbytes, task.count, id(task.instances))
         cached = memo.get(key)
         if cached is None:
-            cached = memo[key] = _price_transfer(topology, timing, task, bw)
+            cached = memo[key] = _price_transfer(topology, timing, task, bw, sym)
         durations.append(cached[0])
         loads.append(cached[1])
     return Priced(durations=tuple(durations), loads=tuple(loads), bandwidth=bandwidth)
 
 
-def _price_transfer(topology: Topology, timing, task: Task, bw) -> tuple[float, dict]:
+class _Symmetry:
+    """Locality and translation symmetry of a hierarchy, to price 4096-device programs quickly.
+
+    On a hierarchy (levels form) a route climbs from each end to the lowest
+    common switch, so it crosses a link only if one end's chain up to the top
+    contains it: instances of a transfer with no such member cannot load the
+    representative's links and are skipped. Shifting every level coordinate
+    by a constant is an automorphism of a hierarchy, so a group is timed as
+    its translate through device 0 (memoized once for all stages) and its
+    link loads are mapped back hop by hop along the members' chains. Other
+    forms check every instance and time groups as they are. Both are exact.
+    """
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.levels = topology.form is Form.LEVELS and len(topology.levels) > 0
+        self.chains: dict[int, tuple] = {}
+
+    def chain(self, device: int) -> tuple:
+        """Per level (size > 1), the nodes from ``device`` up to where its routes to that level turn."""
+        cached = self.chains.get(device)
+        if cached is None:
+            t = self.topology
+            coords = t.coords(device)
+            paths = []
+            stride = 1
+            for k, level in enumerate(t.levels):
+                if level.size > 1:
+                    partner = device + stride * ((coords[k] + 1) % level.size - coords[k])
+                    hops = t.route(device, partner)
+                    paths.append((device, *(v for _, v in hops[: len(hops) // 2])))
+                stride *= level.size
+            cached = self.chains[device] = tuple(paths)
+        return cached
+
+    def relevant(self, instances, watched: set, ends) -> list:
+        """Instances that can load a ``watched`` link (routes between the devices ``ends``)."""
+        if not self.levels:
+            return list(instances)
+        keys = {frozenset(link) for link in watched}
+        # A member shares a hop with an end's chain only if both sit in the same innermost group.
+        inner = self.topology.levels[0].size
+        near = {x // inner for x in ends}
+        out = []
+        for g in instances:
+            if any(m // inner in near and any(frozenset(h) in keys for c in self.chain(m) for h in zip(c[:-1], c[1:]))
+                   for m in g):
+                out.append(g)
+        return out
+
+    def _shift(self, device: int, by: tuple[int, ...]) -> int:
+        out, stride = 0, 1
+        for c, b, level in zip(self.topology.coords(device), by, self.topology.levels):
+            out += ((c + b) % level.size) * stride
+            stride *= level.size
+        return out
+
+    def loads(self, timing, op: str, group: tuple[int, ...], nbytes: float) -> dict:
+        """``timing.link_loads`` of ``group``, computed on its translate through device 0."""
+        if not self.levels or group[0] == 0:
+            return timing.link_loads(self.topology, op, group, nbytes)
+        back = self.topology.coords(group[0])
+        to = tuple(-c for c in back)
+        canon = tuple(self._shift(d, to) for d in group)
+        nodes = {}
+        for d, c in zip(group, canon):
+            for path_c, path_d in zip(self.chain(c), self.chain(d)):
+                nodes.update(zip(path_c, path_d))
+        return {(nodes[u], nodes[v]): b for (u, v), b in timing.link_loads(self.topology, op, canon, nbytes).items()}
+
+    def time(self, timing, op: str, group: tuple[int, ...], nbytes: float) -> float:
+        """Standalone seconds of ``op`` over ``group`` (timed on its translate through device 0)."""
+        if self.levels and group[0] != 0:
+            to = tuple(-c for c in self.topology.coords(group[0]))
+            group = tuple(self._shift(d, to) for d in group)
+        return timing.collective_time(self.topology, op, group, nbytes).time_s
+
+
+def _price_transfer(topology: Topology, timing, task: Task, bw, sym: _Symmetry) -> tuple[float, dict]:
     """(standalone seconds, normalised loads on the representative's links) of one transfer."""
     if task.nbytes <= 0 or len(task.group) < 2:
         return 0.0, {}
@@ -128,24 +211,26 @@ def _price_transfer(topology: Topology, timing, task: Task, bw) -> tuple[float, 
         watched = set(topology.route(src, dst))
         own = {link: task.nbytes * task.count for link in watched}
         total: dict = {}
-        for a, b_ in task.instances:
+        for a, b_ in sym.relevant(task.instances, watched, task.group):
             for link in topology.route(a, b_):
                 if link in watched:
                     total[link] = total.get(link, 0.0) + task.nbytes * task.count
     else:
-        seconds = timing.collective_time(topology, task.op, task.group, task.nbytes).time_s * task.count
+        seconds = sym.time(timing, task.op, task.group, task.nbytes) * task.count
         watched = _neighbour_links(topology, task.group, task.device)
-        own = {link: b * task.count for link, b in timing.link_loads(topology, task.op, task.group, task.nbytes).items()}
+        own = {link: b * task.count for link, b in sym.loads(timing, task.op, task.group, task.nbytes).items()}
         total = {}
-        for group in task.instances:
-            for link, b in timing.link_loads(topology, task.op, group, task.nbytes).items():
+        for group in sym.relevant(task.instances, watched, _ring_neighbours(task.group, task.device)):
+            if group == task.group:
+                loads = own
+            else:
+                loads = {k: b * task.count for k, b in sym.loads(timing, task.op, group, task.nbytes).items()}
+            for link, b in loads.items():
                 if link in watched:
-                    total[link] = total.get(link, 0.0) + b * task.count
+                    total[link] = total.get(link, 0.0) + b
+    capacity = {link: bw(link) for link in own}
     for link in total:
         bw(link)
-    for link in own:
-        bw(link)
-    capacity = {link: bw(link) for link in own}
     return seconds, normalised_loads(seconds, total, own, capacity)
 
 
@@ -176,6 +261,7 @@ def run(program: Program, priced: Priced, host_cores: int = 0) -> Timeline:
     rate: dict[int, float] = {}
     now = 0.0
     dirty_comm = dirty_compute = False
+    ledger = LinkLedger(priced.bandwidth)
 
     def try_rows(rows) -> None:
         nonlocal dirty_comm, dirty_compute
@@ -192,6 +278,7 @@ def run(program: Program, priced: Priced, host_cores: int = 0) -> Timeline:
                 continue
             active[i] = 1.0
             if is_comm[i]:
+                ledger.add(i, Flow(1.0 / durations[i], task_loads[i] or {}))
                 dirty_comm = True
             else:
                 dirty_compute = True
@@ -209,10 +296,7 @@ def run(program: Program, priced: Priced, host_cores: int = 0) -> Timeline:
     try_rows(range(len(ordered)))
     while active:
         if dirty_comm:
-            comm = [i for i in active if is_comm[i]]
-            flows = [Flow(1.0 / durations[i], task_loads[i] or {}) for i in comm]
-            for i, r in zip(comm, fair_rates(flows, priced.bandwidth)):
-                rate[i] = r
+            rate.update(ledger.rates())
             dirty_comm = False
         if dirty_compute:
             comp = [i for i in active if not is_comm[i]]
@@ -236,6 +320,7 @@ def run(program: Program, priced: Priced, host_cores: int = 0) -> Timeline:
             del active[i]
             del rate[i]
             if is_comm[i]:
+                ledger.remove(i)
                 dirty_comm = True
             else:
                 dirty_compute = True

@@ -1,0 +1,52 @@
+"""Simulator speed: one full step (task graph, pricing, events, report) of a 512- and a 4096-device plan.
+
+A 48-layer GPT with 1F1B over 64 microbatches on a hierarchical topology of
+H100-like devices (8 per node on NVSwitch, 400 Gb/s InfiniBand NIC per GPU):
+data 8 x tensor 8 x stage 8 on 64 nodes, and data 64 x tensor 8 x stage 8 on
+512 nodes. Goal: <= 1 s for the 4096-device plan on a 2-core machine, with the
+full timeline. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from testbed.generators import hierarchical
+from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.simulator import simulate
+from testbed.topology import Calibration, DeviceSpec, Level, LinkKind
+
+H100 = DeviceSpec(name="H100-like", peak_flops={"bf16": 989e12, "fp32": 67e12}, memory_bytes=80e9,
+                  memory_bandwidth=3.35e12)
+
+
+def case(nodes: int, data: int) -> tuple[Plan, object]:
+    topology = hierarchical([Level(name="node", size=8, bandwidth=450e9, latency=1e-6, kind=LinkKind.NVSWITCH),
+                             Level(name="cluster", size=nodes, bandwidth=50e9, latency=3e-6, kind=LinkKind.INFINIBAND)],
+                            device=H100, name=f"h100-{nodes}x8",
+                            calibration=Calibration(compute_efficiency=0.7, launch_overhead_s=5e-6,
+                                                    collective_overhead_s=5e-6))
+    plan = Plan(name=f"gpt48-{nodes * 8}", model=ModelSpec(layers=48, d_model=2048, heads=16, d_ff=8192, seq_len=2048,
+                                                          vocab=50304),
+                batch=BatchSpec(global_batch=data * 64, microbatches=64),
+                mesh=MeshSpec(data=data, tensor=8, stage=8), schedule=ScheduleSpec(name="1f1b"),
+                precision="bf16-mixed", remat="full")
+    return plan, topology
+
+
+def main() -> None:
+    results = []
+    for nodes, data in ((64, 8), (512, 64)):
+        plan, topology = case(nodes, data)
+        t0 = time.perf_counter()
+        sim = simulate(plan, topology)
+        seconds = time.perf_counter() - t0
+        results.append({"devices": topology.num_devices, "tasks": len(sim.program.tasks), "seconds": round(seconds, 3),
+                        "step_time_s": sim.report.step_time_s, "mfu": sim.report.mfu,
+                        "timeline_spans": len(sim.timeline.label)})
+    print(json.dumps({"results": results}))
+
+
+if __name__ == "__main__":
+    main()
