@@ -46,24 +46,27 @@ def _data(m: int, seed: int = 1) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return xs, ts
 
 
+@jax.jit
+@jax.value_and_grad
+def _reference_loss(flat: list[dict], xs: jax.Array, ts: jax.Array) -> jax.Array:
+    """Mean over microbatches of the loss through model chunks 0..G-1 in order (one device)."""
+    def one(x, t):
+        h = x
+        for p in flat:
+            h = _chunk(p, h)
+        return _loss(flat[-1], h, t)
+
+    return jnp.mean(jax.vmap(one)(xs, ts))
+
+
 def _reference(params: list[list[dict]], xs, ts) -> tuple[float, list[list[dict]]]:
-    """Single-device fp32: mean over microbatches of the loss through chunks 0..G-1 in order."""
+    """Single-device fp32 loss and gradients, laid out ``[stage][chunk]`` like the engines'."""
     stages, virtual = len(params), len(params[0])
     flat = [params[g % stages][g // stages] for g in range(stages * virtual)]
-
-    def total(flat):
-        losses = []
-        for x, t in zip(xs, ts):
-            h = jnp.asarray(x)
-            for p in flat:
-                h = _chunk(p, h)
-            losses.append(_loss(flat[-1], h, jnp.asarray(t)))
-        return sum(losses) / len(losses)
-
     cpu0 = jax.devices()[0]
-    loss, g = jax.jit(jax.value_and_grad(total), device=None)(jax.device_put(flat, cpu0))
-    grads = [[g[c * stages + s] for c in range(virtual)] for s in range(stages)]
-    return float(loss), grads
+    loss, g = _reference_loss(jax.device_put(flat, cpu0), jax.device_put(np.stack(xs), cpu0),
+                              jax.device_put(np.stack(ts), cpu0))
+    return float(loss), [[g[c * stages + s] for c in range(virtual)] for s in range(stages)]
 
 
 def _assert_close(got, want, rel: float = 1e-5) -> None:
@@ -102,7 +105,7 @@ def test_mpmd_matches_reference(name: str, p: int, m: int, v: int) -> None:
 
 def test_mpmd_stage_submeshes_with_data_axis_and_reuse() -> None:
     """Stages of 2 devices each (a data axis), the engine reused for a second step with new data."""
-    p, m = 4, 4
+    p, m = 2, 4
     devices = np.asarray(jax.devices()[: 2 * p]).reshape(p, 2)
     meshes = [jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=list(devices[s]))
               for s in range(p)]
@@ -116,7 +119,7 @@ def test_mpmd_stage_submeshes_with_data_axis_and_reuse() -> None:
         ref_loss, ref_grads = _reference(params, xs, ts)
         assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
         _assert_close(grads, ref_grads)
-        assert grads[2][0]["w"].sharding.mesh.devices.tolist() == list(devices[2])
+        assert grads[1][0]["w"].sharding.mesh.devices.tolist() == list(devices[1])
 
 
 def test_mpmd_receive_slots_start_as_nan() -> None:
