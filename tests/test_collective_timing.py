@@ -1,0 +1,221 @@
+"""Collective timing on topologies: lower bounds, monotonicity, published formulas, closed forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from testbed import generators
+from testbed.algorithms import SUPPORTED_OPS, step_program
+from testbed.collective_closed_form import closed_form_time, symmetry
+from testbed.collective_timing import (applicable_algorithms, collective_time, groups_time, link_loads,
+                                       program_time, send_time)
+from testbed.collectives import OPS, Op
+from testbed.errors import InputError
+from testbed.topology import Calibration, DeviceSpec, Level, LinkKind
+from testbed.topology_io import load_topology
+
+DEVICE = DeviceSpec(name="d", peak_flops={"fp32": 1e12}, memory_bytes=1e9, memory_bandwidth=1e11)
+COLLECTIVE_OPS = [op for op in OPS if op != "send"]
+
+CASES = [("dgx-h100", "node"), ("dgx-h100-x4", "all"), ("dgx-h100-x4", "node"), ("tpu-v5e-4x4", "all"),
+         ("tpu-v5e-4x4", "x"), ("tpu-v5p-2x4x4", "y,z"), ("eth-100g-8", "all"), ("a100-pcie-8", "all")]
+
+
+@pytest.fixture(scope="module")
+def topologies():
+    return {name: load_topology(name) for name in {c[0] for c in CASES}}
+
+
+def _case_groups(topologies, name, over):
+    topology = topologies[name]
+    return topology, topology.groups(over)
+
+
+@pytest.mark.parametrize("name,over", CASES)
+def test_no_algorithm_beats_the_lower_bound(topologies, name, over):
+    topology, groups = _case_groups(topologies, name, over)
+    for op in COLLECTIVE_OPS:
+        for algorithm in applicable_algorithms(topology, op, groups[0]):
+            for nbytes in (1.0, 3e5, 2.0**30):
+                t = groups_time(topology, op, groups, nbytes, algorithm)
+                assert t.bound_s > 0
+                assert t.time_s >= t.bound_s * (1 - 1e-12), (name, over, op, algorithm, nbytes)
+
+
+@pytest.mark.parametrize("name,over", CASES)
+def test_time_grows_with_bytes_and_shrinks_with_bandwidth(topologies, name, over):
+    topology, groups = _case_groups(topologies, name, over)
+    faster = topology.with_bandwidth_scaled(2)
+    sizes = [2.0**k for k in range(0, 34, 3)]
+    for op in ("all_reduce", "all_gather", "all_to_all"):
+        for algorithm in applicable_algorithms(topology, op, groups[0]):
+            times = [groups_time(topology, op, groups, s, algorithm).time_s for s in sizes]
+            assert all(a <= b for a, b in zip(times, times[1:])), (op, algorithm, times)
+            for s, slow in zip(sizes, times):
+                assert groups_time(faster, op, groups, s, algorithm).time_s <= slow
+
+
+@pytest.mark.parametrize("name,over", CASES)
+def test_tiny_messages_are_latency_dominated(topologies, name, over):
+    topology, groups = _case_groups(topologies, name, over)
+    t = groups_time(topology, "all_reduce", groups, 8.0)
+    latency_only = groups_time(topology, "all_reduce", groups, 1e-9, t.algorithm)
+    assert latency_only.time_s > 0
+    assert t.time_s == pytest.approx(latency_only.time_s, rel=1e-3)
+    big = groups_time(topology, "all_reduce", groups, 2.0**32, t.algorithm)
+    assert big.time_s > 10 * t.time_s
+
+
+@given(n=st.integers(2, 12), bandwidth=st.floats(1e9, 1e12), latency=st.floats(0, 1e-5),
+       nbytes=st.floats(1.0, 1e10))
+def test_ring_all_reduce_matches_the_textbook_formula(n, bandwidth, latency, nbytes):
+    ring = generators.ring(n, device=DEVICE, bandwidth=bandwidth, latency=latency)
+    group = tuple(range(n))
+    want = 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+    fast = collective_time(ring, "all_reduce", group, nbytes, "ring")
+    routed, rounds = program_time(ring, "all_reduce", "ring", [group], nbytes)
+    assert rounds == 2 * (n - 1)
+    assert routed == pytest.approx(want, rel=1e-9)
+    assert fast.time_s == pytest.approx(want, rel=1e-9)
+    bidir, _ = program_time(ring, "all_reduce", "bidir_ring", [group], nbytes)
+    if n > 2:  # two ranks share one link each way, so there is nothing to halve
+        assert bidir == pytest.approx(want - (n - 1) / n * nbytes / bandwidth, rel=1e-9)
+
+
+def test_torus_all_gather_slower_without_wraparound():
+    open_, closed = (generators.torus([4, 4], device=DEVICE, bandwidth=5e10, latency=1e-6, wraparound=w)
+                     for w in (False, True))
+    for algorithm in ("torus", "ring", "bidir_ring"):
+        slow = collective_time(open_, "all_gather", tuple(range(16)), 2.0**28, algorithm)
+        fast = collective_time(closed, "all_gather", tuple(range(16)), 2.0**28, algorithm)
+        assert slow.time_s > fast.time_s, algorithm
+
+
+def _symmetric_cases():
+    switch = generators.hierarchical(
+        [Level(name="node", size=8, bandwidth=4.5e11, latency=1e-6, kind=LinkKind.NVSWITCH),
+         Level(name="cluster", size=4, bandwidth=5e10, latency=3e-6, kind=LinkKind.INFINIBAND)],
+        device=DEVICE, calibration=Calibration(collective_overhead_s=5e-6))
+    ring = generators.ring(7, device=DEVICE, bandwidth=1e11, latency=2e-6,
+                           calibration=Calibration(collective_overhead_s=1e-6))
+    return [(switch, tuple(range(8))), (switch, tuple(range(5))), (switch, (3, 11, 19, 27)),
+            (switch, (0, 8, 16)), (ring, tuple(range(7)))]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_closed_form_agrees_with_routed_program(index):
+    topology, group = _symmetric_cases()[index]
+    assert symmetry(topology, group) is not None
+    covered = 0
+    for op in OPS:
+        for algorithm in applicable_algorithms(topology, op, group):
+            for nbytes in (64.0, 2.0**20, 2.0**31):
+                closed = closed_form_time(topology, op, algorithm, group, nbytes)
+                if closed is None:
+                    continue
+                covered += 1
+                routed, rounds = program_time(topology, op, algorithm, [group], nbytes)
+                assert closed[1] == rounds, (op, algorithm)
+                assert closed[0] == pytest.approx(routed, rel=0.02), (op, algorithm, nbytes)
+    assert covered >= 3 * (6 if topology.form == "torus" else 12)
+
+
+def test_asymmetric_groups_have_no_closed_form():
+    topology = _symmetric_cases()[0][0]
+    assert symmetry(topology, (0, 1, 8)) is None  # two share a node switch, one does not
+    assert closed_form_time(topology, "all_reduce", "ring", tuple(range(32)), 1e6) is None
+
+
+def test_memoized_results_equal_fresh_ones():
+    a = load_topology("dgx-h100-x4")
+    b = load_topology("dgx-h100-x4")
+    group = tuple(range(32))
+    first = collective_time(a, "all_reduce", group, 1e8)
+    again = collective_time(a, "all_reduce", group, 1e8)
+    assert again is first
+    assert collective_time(b, "all_reduce", group, 1e8) == first
+    assert groups_time(b, "all_reduce", [group], 1e8, use_closed_form=False).time_s == pytest.approx(first.time_s)
+
+
+def test_auto_picks_the_fastest_applicable(topologies):
+    topology = topologies["dgx-h100-x4"]
+    group = tuple(range(32))
+    auto = collective_time(topology, "all_reduce", group, 2.0**30)
+    times = {a: collective_time(topology, "all_reduce", group, 2.0**30, a).time_s
+             for a in applicable_algorithms(topology, "all_reduce", group)}
+    assert auto.time_s == min(times.values())
+    assert auto.algorithm == "hierarchical"  # NVSwitch inside, 50 GB/s NICs across
+
+
+def test_bus_bandwidth_is_plausible_on_dgx(topologies):
+    node = collective_time(topologies["dgx-h100"], "all_reduce", tuple(range(8)), 2.0**30)
+    assert 3.5e11 < node.busbw <= 4.5e11
+    assert node.busbw == pytest.approx(node.algbw * 2 * 7 / 8)
+    cluster = groups_time(topologies["dgx-h100-x4"], "all_reduce", [tuple(range(32))], 2.0**30)
+    assert 5e10 < cluster.busbw < node.busbw
+
+
+def test_concurrent_groups_share_links_and_report_the_slowest(topologies):
+    topology = topologies["dgx-h100-x4"]
+    nodes = topology.groups("node")
+    assert len(nodes) == 4
+    alone = groups_time(topology, "all_reduce", nodes[:1], 2.0**26, "ring", use_closed_form=False)
+    together = groups_time(topology, "all_reduce", nodes, 2.0**26, "ring")
+    assert together.groups == 4 and together.time_s == pytest.approx(alone.time_s)
+    # Lines along y of a 4x4 mesh route over disjoint links; rings across x then share the wrap path.
+    mesh = topologies["tpu-v5e-4x4"]
+    rows = mesh.groups("x")
+    one = groups_time(mesh, "all_reduce", rows[:1], 2.0**24, "ring")
+    every = groups_time(mesh, "all_reduce", rows, 2.0**24, "ring")
+    assert every.time_s >= one.time_s
+
+
+def test_link_loads_conserve_bytes(topologies):
+    topology = topologies["dgx-h100"]
+    group = tuple(range(8))
+    nbytes = 2.0**24
+    for algorithm in applicable_algorithms(topology, "all_reduce", group):
+        loads = link_loads(topology, "all_reduce", group, nbytes, algorithm)
+        program = step_program("all_reduce", algorithm, 8)
+        sent = program.chunk_bytes(nbytes) * sum(t.src != t.dst for r in program.rounds for t in r)
+        out_of_devices = sum(v for (u, _), v in loads.items() if isinstance(u, int))
+        into_devices = sum(v for (_, w), v in loads.items() if isinstance(w, int))
+        assert out_of_devices == pytest.approx(sent) and into_devices == pytest.approx(sent)
+        # Every rank must send at least (n-1)/n of the buffer.
+        for device in group:
+            assert loads[(device, "node0")] >= 7 / 8 * nbytes * (1 - 1e-12)
+
+
+def test_send_time_is_latency_plus_bottleneck(topologies):
+    topology = topologies["dgx-h100-x4"]
+    t = send_time(topology, 0, 9, 1e9)
+    assert t == pytest.approx(2 * 3e-6 + 1e9 / 5e10 + topology.calibration.collective_overhead_s)
+    assert send_time(topology, 3, 3, 1e9) == 0.0
+    assert collective_time(topology, "send", (0, 9), 1e9).time_s == pytest.approx(t)
+
+
+def test_inapplicable_algorithms_say_which_apply(topologies):
+    with pytest.raises(InputError, match="algorithms that apply: ring"):
+        collective_time(topologies["dgx-h100"], "all_reduce", tuple(range(8)), 1e6, "torus")
+    with pytest.raises(InputError, match="does not implement all_to_all"):
+        collective_time(topologies["dgx-h100"], "all_to_all", tuple(range(8)), 1e6, "ring")
+    assert "torus" in applicable_algorithms(topologies["tpu-v5e-4x4"], "all_reduce", tuple(range(16)))
+    assert "hierarchical" not in applicable_algorithms(topologies["dgx-h100"], "all_reduce", tuple(range(8)))
+    for algorithm, ops in SUPPORTED_OPS.items():
+        assert ops and all(isinstance(op, Op) for op in ops)
+
+
+@settings(max_examples=10)
+@given(op=st.sampled_from(COLLECTIVE_OPS), n=st.integers(2, 9), nbytes=st.floats(1.0, 1e10),
+       seed=st.integers(0, 10**6))
+def test_bound_holds_on_random_groups_of_a_cluster(op, n, nbytes, seed):
+    import random
+
+    topology = load_topology("dgx-h100-x4")
+    group = tuple(random.Random(seed).sample(range(32), n))
+    for algorithm in applicable_algorithms(topology, op, group):
+        t = collective_time(topology, op, group, nbytes, algorithm)
+        assert t.time_s >= t.bound_s * (1 - 1e-12) and math.isfinite(t.time_s)
