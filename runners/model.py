@@ -98,11 +98,76 @@ def cast_params(params: Any, precision: Precision | str) -> Any:
     return jax.tree.map(lambda a: a.astype(dtype), params)
 
 
-def _layer_norm(p: Params, x: jax.Array) -> jax.Array:
+@jax.custom_vjp
+def _layer_norm_core(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
+    """LayerNorm over the last dim."""
+    return _layer_norm_fwd(x, scale, bias)[0]
+
+
+def _layer_norm_fwd(x: jax.Array, scale: jax.Array, bias: jax.Array):
     mean = jnp.mean(x, axis=-1, keepdims=True)
     centered = x - mean
-    var = jnp.mean(centered * centered, axis=-1, keepdims=True)
-    return centered * jax.lax.rsqrt(var + _LN_EPS) * p["scale"] + p["bias"]
+    rstd = jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + _LN_EPS)
+    # Keep the input and two statistics per token; the backward recomputes x-hat (no extra N x d buffer).
+    return centered * rstd * scale + bias, (x, mean, rstd, scale)
+
+
+def _layer_norm_bwd(res, g: jax.Array):
+    x, mean, rstd, scale = res
+    xhat = (x - mean) * rstd
+    reduce_dims = tuple(range(x.ndim - 1))
+    dscale = jnp.sum(g * xhat, axis=reduce_dims)
+    dbias = jnp.sum(g, axis=reduce_dims)
+    gs = g * scale
+    dx = rstd * (gs - jnp.mean(gs, axis=-1, keepdims=True) - xhat * jnp.mean(gs * xhat, axis=-1, keepdims=True))
+    return dx, dscale, dbias
+
+
+_layer_norm_core.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+def _layer_norm(p: Params, x: jax.Array) -> jax.Array:
+    return _layer_norm_core(x, p["scale"], p["bias"])
+
+
+@jax.custom_vjp
+def _softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the last dim that keeps only its output for the backward."""
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _softmax_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    y = jax.nn.softmax(x, axis=-1)
+    return y, y
+
+
+def _softmax_bwd(y: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    return (y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+@jax.custom_vjp
+def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of fp32 ``logits [..., vocab]``; keeps the logits and log-sum-exp only."""
+    return _cross_entropy_fwd(logits, targets)[0]
+
+
+def _cross_entropy_fwd(logits: jax.Array, targets: jax.Array):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse - picked), (logits, lse, targets)
+
+
+def _cross_entropy_bwd(res, g: jax.Array):
+    logits, lse, targets = res
+    onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    scale = g / math.prod(targets.shape)
+    return (scale * (jnp.exp(logits - lse[..., None]) - onehot), None)
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def embed(params_embed: Params, tokens: jax.Array) -> jax.Array:
@@ -115,10 +180,19 @@ def _core_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention on ``[batch, seq, heads, head_dim]``."""
     seq, head_dim = q.shape[1], q.shape[3]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+    # An additive constant mask: its backward needs nothing saved (a boolean `where` would keep the mask).
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.asarray(jnp.finfo(scores.dtype).min, scores.dtype))
-    probs = jax.nn.softmax(scores, axis=-1)
+    bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
+    probs = _softmax(scores + bias)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def _gelu(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x)
+
+
+#: GELU keeps only its input; its tanh internals are recomputed (elementwise, no matmul FLOPs).
+_gelu_remat = jax.checkpoint(_gelu)
 
 
 def block(params_layer: Params, x: jax.Array, heads: int, remat: Remat | str = Remat.NONE) -> jax.Array:
@@ -130,7 +204,7 @@ def block(params_layer: Params, x: jax.Array, heads: int, remat: Remat | str = R
     core = jax.checkpoint(_core_attention) if Remat(remat) is Remat.SELECTIVE else _core_attention
     x = x + core(q, k, v).reshape(b, s, d) @ a["wo"] + a["bo"]
     m = params_layer["mlp"]
-    hidden = jax.nn.gelu(_layer_norm(params_layer["ln2"], x) @ m["w1"] + m["b1"])
+    hidden = _gelu_remat(_layer_norm(params_layer["ln2"], x) @ m["w1"] + m["b1"])
     return x + hidden @ m["w2"] + m["b2"]
 
 
@@ -149,9 +223,7 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
     """Final LN, output projection (or the tied token table transposed), mean fp32 cross-entropy."""
     h = _layer_norm(params_head["norm"], x)
     logits = h @ (params_head["w"] if tied_tokens is None else tied_tokens.T)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)
-    return -jnp.mean(picked)
+    return _cross_entropy(logits.astype(jnp.float32), targets)
 
 
 def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec: ModelSpec,

@@ -20,7 +20,7 @@ Activations: the bytes one microbatch-chunk keeps for its backward
 decides (:func:`inflight_microbatches`).
 
 Workspace: buffers live only inside one phase, never across microbatches —
-the largest of (a) the loss phase: the logits in fp32 and their gradient,
+the largest of (a) the loss phase: the fp32 gradient of the logits,
 (b) one layer's backward: the gradient of the score matrix and of the MLP
 hidden, plus what remat recomputes for that layer, (c) with sharded
 parameters, one layer's gathered parameters (double-buffered).
@@ -146,8 +146,9 @@ def _workspace(plan: Plan, holds_head: bool, params_sharded: bool) -> int:
     n = b * s
     phases = []
     if holds_head:
-        # fp32 logits and their gradient (plus the compute-dtype logits under bf16).
-        phases.append(n * spec.vocab // t * (8 + (c if c != 4 else 0)))
+        # The fp32 gradient of the logits (the fp32 logits are kept activations), plus the
+        # compute-dtype logits the projection writes before the fp32 cast under bf16.
+        phases.append(n * spec.vocab // t * (4 + (c if c != 4 else 0)))
     recompute = {Remat.NONE: 0,
                  Remat.SELECTIVE: c * b * spec.heads * s * s // t,
                  Remat.FULL: model.activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t)}[plan.remat]

@@ -38,7 +38,7 @@ __all__ = [
     "step_flops_per_device",
 ]
 
-#: Bytes of the fp32 log-probabilities the loss keeps (computed in fp32 for stability in every precision).
+#: Bytes per value of the logits the loss keeps (fp32 for stability in every precision).
 LOSS_BYTES = 4
 
 
@@ -179,7 +179,8 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     With ``N = microbatch * seq`` tokens and ``c`` compute bytes, no remat keeps
     the LN1 input and output, Q, K, V, the softmax output ``(heads, seq, seq)``,
     the attention output, the LN2 input and output, the MLP hidden before and
-    after GELU: ``c * (N * (4d + (4d + 2f) / t) + b * heads * seq^2 / t)``.
+    after GELU and the two LayerNorms' per-token mean and reciprocal std:
+    ``c * (N * (4d + (4d + 2f) / t + 4) + b * heads * seq^2 / t)``.
     Selective drops the softmax output (recomputed): linear in ``seq``.
     Full keeps only the block input ``c * N * d``.
     """
@@ -188,16 +189,21 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     n = b * s
     if remat is Remat.FULL:
         return c * n * d
-    linear = c * (4 * n * d + (4 * n * d + 2 * n * f) // t)
+    # Two LayerNorms keep a mean and a reciprocal std per token: 4 values per token.
+    linear = c * (4 * n * d + (4 * n * d + 2 * n * f) // t + 4 * n)
     if remat is Remat.SELECTIVE:
         return linear
     return linear + c * b * spec.heads * s * s // t
 
 
 def head_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str, tensor: int = 1) -> int:
-    """Bytes the final LN and head keep per microbatch: LN input and output, fp32 log-probs."""
+    """Bytes the final LN and loss keep per microbatch.
+
+    LN input, output and per-token statistics (compute dtype), the fp32 logits
+    and their per-token log-sum-exp.
+    """
     n, c = microbatch_size * spec.seq_len, Precision(precision).compute_bytes
-    return 2 * c * n * spec.d_model + LOSS_BYTES * n * spec.vocab // tensor
+    return c * n * (2 * spec.d_model + 2) + LOSS_BYTES * n * (spec.vocab // tensor + 1)
 
 
 # -- one chunk on one device --------------------------------------------------------------
