@@ -36,7 +36,7 @@ __all__ = [
     "Sample", "Fit", "CollectiveParams", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line",
     "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "collective_columns", "fit_collectives",
     "calibrated_topology", "samples_to_rows", "samples_from_rows", "level_groups", "with_collective_params",
-    "relative_error", "validation_summary",
+    "relative_error", "validation_summary", "simulator_collective_time", "JAX_TO_OP",
 ]
 
 #: Kinds of measurement rows: an empty program, a matmul on one device, the same
@@ -271,43 +271,46 @@ def with_collective_params(topology: Topology, params: CollectiveParams) -> Topo
     return replace(topology, levels=levels, calibration=calibration)
 
 
-Predictor = Callable[[Topology, Sample], float]
+#: predict(topology, sample, reference) -> seconds. ``reference`` fixes discrete choices
+#: (which algorithm ``auto`` picks) so the time is affine in the link parameters.
+Predictor = Callable[[Topology, Sample, "Topology | None"], float]
 
 
 def collective_columns(topology: Topology, samples: Sequence[Sample], predict: Predictor,
-                       ) -> tuple[np.ndarray, list[str]]:
+                       reference: Topology | None = None) -> tuple[np.ndarray, list[str]]:
     """Design matrix of collective times: d time / d parameter for each sample.
 
     Parameters are, per fitted level group, the latency and the inverse
     bandwidth, plus the per-round overhead; the time model (``predict``) is
-    assumed affine in them, so one probe per parameter from a zero-cost base
-    gives the exact coefficients.
+    affine in them once ``reference`` fixes the algorithm, so one probe per
+    parameter from a zero-cost base gives the exact coefficients.
     """
+    reference = reference or topology
     groups = level_groups(topology)
     names = [g[0] for g in groups]
     huge = 1e30
     zero = CollectiveParams(latency={n: 0.0 for g in groups for n in g},
                             bandwidth={n: huge for g in groups for n in g}, overhead_s=0.0)
     base_topo = with_collective_params(topology, zero)
-    base = np.array([predict(base_topo, s) for s in samples])
+    base = np.array([predict(base_topo, s, reference) for s in samples])
     columns, labels = [], []
     step_lat, step_inv = 1e-3, 1e-9
     for group, label in zip(groups, names):
         lat = dict(zero.latency, **{n: step_lat for n in group})
         probe = with_collective_params(topology, replace(zero, latency=lat))
-        columns.append((np.array([predict(probe, s) for s in samples]) - base) / step_lat)
+        columns.append((np.array([predict(probe, s, reference) for s in samples]) - base) / step_lat)
         labels.append(f"latency:{label}")
         bw = dict(zero.bandwidth, **{n: 1.0 / step_inv for n in group})
         probe = with_collective_params(topology, replace(zero, bandwidth=bw))
-        columns.append((np.array([predict(probe, s) for s in samples]) - base) / step_inv)
+        columns.append((np.array([predict(probe, s, reference) for s in samples]) - base) / step_inv)
         labels.append(f"inverse_bandwidth:{label}")
     probe = with_collective_params(topology, replace(zero, overhead_s=step_lat))
-    columns.append((np.array([predict(probe, s) for s in samples]) - base) / step_lat)
+    columns.append((np.array([predict(probe, s, reference) for s in samples]) - base) / step_lat)
     labels.append("overhead")
     return np.column_stack(columns), labels
 
 
-def fit_collectives(topology: Topology, samples: Sequence[Sample], predict: Predictor,
+def fit_collectives(topology: Topology, samples: Sequence[Sample], predict: Predictor, iterations: int = 3,
                     ) -> tuple[CollectiveParams, Fit]:
     """Fit per-level latency, bandwidth and the per-round overhead to measured collectives.
 
@@ -316,9 +319,24 @@ def fit_collectives(topology: Topology, samples: Sequence[Sample], predict: Pred
     rows = _of_kind(samples, "collective")
     if not rows:
         raise InputError("no collective samples to fit link latency and bandwidth", field="collective")
-    columns, labels = collective_columns(topology, rows, predict)
     t = np.array([r.seconds for r in rows])
-    coef = _weighted_fit(columns, t)
+    reference, best = topology, None
+    # Algorithm choices depend on the parameters: refit until the choices settle.
+    for _ in range(iterations):
+        columns, labels = collective_columns(topology, rows, predict, reference)
+        coef = _weighted_fit(columns, t)
+        params, values = _params_from(topology, columns, labels, coef)
+        fitted = with_collective_params(topology, params)
+        r2, residuals = fit_quality([predict(fitted, s, None) for s in rows], t)
+        fit = Fit(name="collectives", values=values, r2=r2, rel_residuals=residuals, samples=len(rows))
+        if best is None or fit.median_abs_rel < best[1].median_abs_rel:
+            best = (params, fit)
+        reference = fitted
+    return best
+
+
+def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coef: np.ndarray,
+                 ) -> tuple[CollectiveParams, dict[str, float]]:
     latency, bandwidth = {}, {}
     values: dict[str, float] = {}
     for group in level_groups(topology):
@@ -336,9 +354,7 @@ def fit_collectives(topology: Topology, samples: Sequence[Sample], predict: Pred
         values[f"{label}.latency_s"], values[f"{label}.bandwidth"] = lat, float(bw)
     params = CollectiveParams(latency=latency, bandwidth=bandwidth, overhead_s=float(coef[labels.index("overhead")]))
     values["collective_overhead_s"] = params.overhead_s
-    fitted = with_collective_params(topology, params)
-    r2, residuals = fit_quality([predict(fitted, s) for s in rows], t)
-    return params, Fit(name="collectives", values=values, r2=r2, rel_residuals=residuals, samples=len(rows))
+    return params, values
 
 
 # -- the calibrated topology --------------------------------------------------------
@@ -423,3 +439,26 @@ def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "median_abs_memory_error": float(np.median(memory)) if memory else None,
         "max_abs_memory_error": float(np.max(memory)) if memory else None,
     }
+
+
+#: jax collective names (runners.measure) -> testbed.collectives op names.
+JAX_TO_OP = {"psum": "all_reduce", "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
+             "all_to_all": "all_to_all", "ppermute": "send"}
+
+
+def simulator_collective_time(topology: Topology, sample: Sample, reference: Topology | None = None) -> float:
+    """What the simulator predicts for a measured collective: the group of ``ranks`` consecutive devices.
+
+    A ``ppermute`` ring shift is a send between neighbours (every device sends
+    and receives one message at once, on its own links).
+    """
+    from testbed import collective_timing
+
+    op = JAX_TO_OP.get(sample.op, sample.op)
+    if op == "send":
+        return float(collective_timing.send_time(topology, 0, 1, sample.bytes))
+    group = tuple(range(sample.ranks))
+    algorithm = "auto"
+    if reference is not None:
+        algorithm = collective_timing.collective_time(reference, op, group, sample.bytes).algorithm
+    return float(collective_timing.collective_time(topology, op, group, sample.bytes, algorithm).time_s)

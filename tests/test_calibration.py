@@ -85,7 +85,7 @@ def test_nonnegative_lstsq_satisfies_kkt(x_true, seed):
         np.testing.assert_allclose(x, unconstrained, rtol=1e-6, atol=1e-9)
 
 
-def _ring_predictor(topology: Topology, sample: Sample) -> float:
+def _ring_predictor(topology: Topology, sample: Sample, reference: Topology | None = None) -> float:
     """A ring collective model for the fit tests: rounds x (2 hops + overhead) + bytes / bandwidth."""
     level = topology.levels[0]
     g = sample.ranks

@@ -1,0 +1,331 @@
+"""``testbed calibrate`` and ``testbed validate``: fit a topology to this machine, then check it.
+
+calibrate: run the microbenchmarks of :mod:`runners.measure` on the chosen
+devices, fit the calibration fields with :mod:`testbed.calibration`, and
+write the calibrated topology YAML (plus the raw samples beside it as
+``FILE.measurements.json``), both atomically.
+
+validate: for each plan, the simulator's predicted step time and memory
+against the runner's measured median step time and XLA's compiled memory.
+
+JAX is imported only inside ``execute``, after :func:`runners.devices.prepare`
+set the device count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from testbed import calibration as cal
+from testbed.errors import InputError
+from testbed.output import CommandResult, write_atomic
+from testbed.topology import Topology
+
+__all__ = ["calibrate", "validate", "base_topology", "fit_all", "measurements_path"]
+
+
+def measurements_path(out: str | Path) -> Path:
+    """Where the raw samples go: ``FILE`` with the suffix ``.measurements.json``."""
+    return Path(out).with_suffix(".measurements.json")
+
+
+def _parse_devices(text: str) -> Any:
+    from runners.devices import DeviceRequest
+    import re
+
+    match = re.fullmatch(r"emulated:(\d+)", text.strip())
+    if match:
+        return DeviceRequest(kind="emulated", count=int(match.group(1)))
+    if text.strip() == "local":
+        return DeviceRequest(kind="local")
+    raise InputError(f"`{text}` is not a device choice; valid: emulated:N (N host devices) or local", field="--devices")
+
+
+def base_topology(base: str | None, platform: str, num_devices: int, device_kind: str = "") -> Topology:
+    """The topology to calibrate: ``--base`` if given, else one matching the detected devices.
+
+    Emulated host devices start from ``host-cpu-8`` (resized to N devices on
+    one ``node``); local accelerators from a bundled topology with the same
+    device count whose device name appears in the JAX device kind, else a
+    single switch of N such devices.
+    """
+    from testbed import generators
+    from testbed.topology_io import bundled_names, load_topology
+
+    if base is not None:
+        topo = load_topology(base)
+        if topo.num_devices != num_devices:
+            raise InputError(f"the base topology has {topo.num_devices} devices but {num_devices} are measured; "
+                             f"pass a --base with {num_devices} devices", field="--base")
+        return topo
+    candidates = []
+    if platform != "cpu":
+        kind = device_kind.lower()
+        for name in bundled_names():
+            topo = load_topology(name)
+            words = [w for w in topo.device.name.lower().replace("-", " ").split() if len(w) > 1]
+            if topo.num_devices == num_devices and words and all(w in kind for w in words):
+                candidates.append(topo)
+        if candidates:
+            return candidates[0]
+    template = load_topology("host-cpu-8" if platform == "cpu" else "dgx-h100")
+    if template.num_devices == num_devices and platform == "cpu":
+        return template
+    level = template.levels[0]
+    return generators.switch(num_devices, device=template.device, bandwidth=level.bandwidth, latency=level.latency,
+                             kind=level.kind, level=level.name, name=f"{platform}-{num_devices}",
+                             calibration=template.calibration)
+
+
+def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,
+            ) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
+    """Fit every calibration field from ``samples``; (calibrated topology, fitted values, fits)."""
+    launch = cal.fit_dispatch(samples)
+    rates, half, fits = cal.fit_compute(samples, launch)
+    memory_bw, memory_fit = cal.fit_memory(samples, launch)
+    fits.append(memory_fit)
+    cores = cal.fit_host_cores(samples, base.num_devices)
+    collectives = None
+    # A collective benchmark is its own program: its dispatch is not part of the collective.
+    rows = [replace(s, seconds=max(s.seconds - launch, 0.1 * s.seconds)) for s in samples if s.kind == "collective"]
+    if rows:
+        collectives, coll_fit = cal.fit_collectives(base, rows, cal.simulator_collective_time)
+        fits.append(coll_fit)
+    topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
+                                   host_cores=cores, collectives=collectives, name=name)
+    c = topo.calibration
+    fitted = {
+        "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
+        "memory_efficiency": c.memory_efficiency, "launch_overhead_s": c.launch_overhead_s,
+        "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores,
+        "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
+        "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
+        "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},
+    }
+    return topo, fitted, fits
+
+
+def _progress(total_hint: str):
+    """A rich progress bar on stderr (stdout stays clean for --json)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]measuring[/] {task.description}"), BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                    console=Console(stderr=True), transient=True)
+
+
+# -- calibrate -----------------------------------------------------------------------
+
+def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", default="emulated:8", help="emulated:N (N host devices) or local (default emulated:8)")
+    parser.add_argument("--processes", type=int, default=1, help="processes of one job (only 1 for now)")
+    parser.add_argument("--out", required=True, help="calibrated topology YAML to write")
+    parser.add_argument("--base", default=None, help="topology to calibrate (bundled name or YAML); "
+                                                     "default: host-cpu-8 for emulated, detected for local")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and ops (about half the time)")
+    parser.add_argument("--name", default=None, help="name of the calibrated topology (default BASE-calibrated)")
+
+
+def _calibrate(args: argparse.Namespace) -> CommandResult:
+    from runners import devices as dev
+
+    if args.processes != 1:
+        raise InputError("calibrate measures one process's devices; multi-process calibration is not supported yet, "
+                         "use --processes 1 on each host", field="--processes")
+    if not str(args.out).endswith((".yaml", ".yml")):
+        raise InputError(f"expected a .yaml path for the calibrated topology, got `{args.out}`", field="--out")
+    request = _parse_devices(args.devices)
+    dev.prepare(request)
+    from runners import measure
+
+    devices = dev.select_devices(request.count)
+    info = dev.describe(devices)
+    base = base_topology(args.base, info["platform"], len(devices), str(info.get("device_kind", "")))
+    started = time.perf_counter()
+    benches = measure.plan_benchmarks(info["platform"], len(devices), quick=args.quick)
+    samples = []
+    with _progress("") as progress:
+        task = progress.add_task("", total=len(benches))
+        for bench in benches:
+            progress.update(task, description=bench.label)
+            samples.append(measure.run_benchmark(bench, devices))
+            progress.advance(task)
+    elapsed = time.perf_counter() - started
+    topo, fitted, fits = fit_all(base, samples, name=args.name)
+    from testbed.topology_io import dump_topology
+
+    header = (f"# Calibrated by `testbed calibrate --devices {request}` on {info['devices']} {info['platform']} "
+              f"device(s) ({info.get('device_kind', '')}), base {base.name}.\n")
+    write_atomic(args.out, header + dump_topology(topo), field_name="--out")
+    raw = {"platform": info["platform"], "devices": info["devices"], "device_kind": info.get("device_kind", ""),
+           "base": base.name, "seconds": elapsed, "samples": cal.samples_to_rows(samples)}
+    mpath = measurements_path(args.out)
+    write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
+    data = {"topology": str(args.out), "name": topo.name, "measurements": str(mpath), "platform": info["platform"],
+            "devices": info["devices"], "base": base.name, "seconds": elapsed, "fitted": fitted,
+            "fits": {f.name: f.summary() for f in fits}}
+    return CommandResult(data=data, render=lambda console: _render_calibration(console, data), files=[str(args.out), str(mpath)])
+
+
+def _render_calibration(console: Any, data: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from testbed.units import format_bandwidth, format_flops, format_time
+
+    f = data["fitted"]
+    console.print(f"[bold]{data['name']}[/] from {data['devices']} {data['platform']} device(s) in "
+                  f"{data['seconds']:.1f} s -> {data['topology']} (samples: {data['measurements']})")
+    table = Table(title="fitted calibration")
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    for dtype, rate in f["sustained_flops"].items():
+        table.add_row(f"sustained FLOP/s {dtype}", format_flops(rate))
+    table.add_row("compute_efficiency", f"{f['compute_efficiency']:.3f}")
+    table.add_row("efficiency_half_flops", f"{f['efficiency_half_flops']:.3g}")
+    table.add_row("memory bandwidth", format_bandwidth(f["sustained_memory_bandwidth"]))
+    table.add_row("launch_overhead_s", format_time(f["launch_overhead_s"]))
+    table.add_row("collective_overhead_s", format_time(f["collective_overhead_s"]))
+    table.add_row("host_cores", str(f["host_cores"]))
+    for name, level in f["levels"].items():
+        table.add_row(f"level {name}", f"{format_bandwidth(level['bandwidth'])}, {format_time(level['latency'])}/hop")
+    console.print(table)
+    quality = Table(title="fit quality")
+    for col in ("fit", "samples", "R^2", "median |rel. residual|", "max |rel. residual|"):
+        quality.add_column(col, justify="right" if col != "fit" else "left")
+    for name, q in data["fits"].items():
+        quality.add_row(name, str(q["samples"]), f"{q['r2']:.4f}", f"{q['median_abs_rel_residual']:.1%}",
+                        f"{q['max_abs_rel_residual']:.1%}")
+    console.print(quality)
+
+
+calibrate = SimpleNamespace(add_arguments=_calibrate_arguments, execute=_calibrate)
+
+
+# -- validate --------------------------------------------------------------------------
+
+def _validate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan YAML files (or bundled plan names)")
+    parser.add_argument("--topology", required=True, help="calibrated topology (YAML path or bundled name)")
+    parser.add_argument("--devices", default=None, help="emulated:N or local (default emulated:<mesh size>)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan after one warm-up (default 5)")
+
+
+def _trainer(plan: Any, devices: list[Any]) -> Any:
+    """The runner's trainer for ``plan`` on ``devices`` (the runner's own step, never a second one)."""
+    from runners import devices as dev
+    from testbed.placement import place
+
+    placement = place(plan, num_devices=len(devices))
+    if plan.mesh.stage == 1:
+        from runners.step import SpmdTrainer
+
+        return SpmdTrainer(plan, dev.build_mesh(placement, devices))
+    from runners import pipeline_step  # type: ignore[attr-defined]
+
+    return pipeline_step.PipelineTrainer(plan, placement, devices)
+
+
+def compiled_memory(trainer: Any, state: Any) -> float | None:
+    """XLA's compiled bytes per device (arguments + outputs + temporaries - aliased), worst program.
+
+    None when the trainer does not expose its compiled programs.
+    """
+    programs = getattr(trainer, "compiled_programs", None)
+    compiled = []
+    if callable(programs):
+        compiled = list(programs(state))
+    elif hasattr(trainer, "_step") and hasattr(trainer, "_batch"):
+        compiled = [trainer._step.lower(*state, *trainer._batch(0)).compile()]
+    best = None
+    for program in compiled:
+        m = program.memory_analysis()
+        if m is None:
+            continue
+        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        best = total if best is None else max(best, total)
+    return None if best is None else float(best)
+
+
+def measure_plan(plan: Any, devices: list[Any], steps: int) -> tuple[float, float | None, list[float]]:
+    """(median step seconds, compiled memory per device, all step times) of the runner executing ``plan``."""
+    import jax
+
+    trainer = _trainer(plan, devices)
+    state = trainer.init()
+    state, loss = trainer.step(state, 0)  # compiles
+    jax.block_until_ready((state, loss))
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        state, loss = trainer.step(state, i + 1)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - start)
+    import statistics
+
+    return statistics.median(times), compiled_memory(trainer, state), times
+
+
+def _validate(args: argparse.Namespace) -> CommandResult:
+    from runners import devices as dev
+    from testbed.plan import check_plan
+    from testbed.plan_io import load_plan
+    from testbed.simulator import simulate
+    from testbed.topology_io import load_topology
+
+    if args.steps < 1:
+        raise InputError(f"must be at least 1, got {args.steps}", field="--steps")
+    topology = load_topology(args.topology)
+    plans = [load_plan(p) for p in args.plans]
+    for path, plan in zip(args.plans, plans):
+        try:
+            check_plan(plan, topology.num_devices, where=f"topology {topology.name}")
+        except InputError as exc:
+            raise exc.with_file(path) from None
+    request = _parse_devices(args.devices) if args.devices else _parse_devices(f"emulated:{topology.num_devices}")
+    dev.prepare(request)
+    devices = dev.select_devices(topology.num_devices)
+    rows = []
+    with _progress("") as progress:
+        task = progress.add_task("", total=len(plans))
+        for path, plan in zip(args.plans, plans):
+            progress.update(task, description=plan.name)
+            report = simulate(plan, topology).report
+            measured, memory, times = measure_plan(plan, devices, args.steps)
+            rows.append({"plan": plan.name, "file": str(path), "predicted_s": report.step_time_s, "measured_s": measured,
+                         "predicted_memory": float(report.memory["total"]), "measured_memory": memory,
+                         "step_times_s": times})
+            progress.advance(task)
+    data = {"topology": topology.name, "devices": dev.describe(devices), "steps": args.steps,
+            **cal.validation_summary(rows)}
+    return CommandResult(data=data, render=lambda console: _render_validation(console, data))
+
+
+def _render_validation(console: Any, data: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from testbed.units import format_bytes, format_time
+
+    table = Table(title=f"predicted vs measured on {data['topology']} ({data['devices']['devices']} "
+                        f"{data['devices']['platform']} devices, median of {data['steps']} steps)")
+    for col in ("plan", "predicted", "measured", "error", "pred. memory", "XLA memory", "mem. error"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for p in data["plans"]:
+        mem = p["measured_memory"]
+        table.add_row(p["plan"], format_time(p["predicted_s"]), format_time(p["measured_s"]), f"{p['error']:+.1%}",
+                      format_bytes(p["predicted_memory"]), format_bytes(mem) if mem is not None else "-",
+                      f"{p['memory_error']:+.1%}" if p["memory_error"] is not None else "-")
+    console.print(table)
+    console.print(f"step time |error|: median {data['median_abs_error']:.1%}, max {data['max_abs_error']:.1%}")
+    if data.get("median_abs_memory_error") is not None:
+        console.print(f"memory |error|: median {data['median_abs_memory_error']:.1%}, "
+                      f"max {data['max_abs_memory_error']:.1%}")
+
+
+validate = SimpleNamespace(add_arguments=_validate_arguments, execute=_validate)
