@@ -1,0 +1,141 @@
+"""The task graph of one step: conservation of FLOPs and bytes, counts, dependencies, representatives."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from testbed import model
+from testbed.memory import state_bytes_per_param
+from testbed.placement import place
+from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, TaskKind, axis_groups, build_program
+from testbed.schedules import build_schedule, sends
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
+
+
+def make_plan(*, data=1, fsdp=1, tensor=1, stage=1, schedule="1f1b", virtual=1, microbatches=4, zero=0,
+              remat="none", layers=8) -> Plan:
+    replicas = data * fsdp
+    return Plan(model=ModelSpec(layers=layers, d_model=32, heads=4, d_ff=64, seq_len=16, vocab=64),
+                batch=BatchSpec(global_batch=replicas * microbatches * 2, microbatches=microbatches),
+                mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage),
+                schedule=ScheduleSpec(name=schedule, virtual_stages=virtual), zero=zero, remat=remat)
+
+
+plans = st.builds(
+    lambda sched, stage, data, fsdp, tensor, zero, remat: make_plan(
+        data=data, fsdp=fsdp, tensor=tensor, stage=stage, schedule=sched, zero=zero, remat=remat,
+        virtual=2 if sched == "interleaved" else 1),
+    st.sampled_from(SCHEDULES), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
+    st.sampled_from([1, 2]), st.integers(0, 3), st.sampled_from(["none", "selective", "full"]))
+
+
+def _program(plan: Plan):
+    placement = place(plan, num_devices=plan.mesh.size)
+    return placement, build_program(plan, placement)
+
+
+@given(plans)
+def test_compute_flops_are_conserved(plan):
+    """Each stage's actions carry exactly the model's per-device FLOPs; the optimizer its shard's update."""
+    _, program = _program(plan)
+    reps = program.representatives
+    assert len(reps) == plan.mesh.stage
+    for s, rep in enumerate(reps):
+        actions = sum(t.flops for t in program.tasks if t.device == rep and t.pipeline and t.kind is TaskKind.COMPUTE)
+        assert math.isclose(actions, model.step_flops_per_device(plan, s), rel_tol=1e-9)
+        opt = [t for t in program.tasks if t.device == rep and t.name == "optimizer"]
+        assert len(opt) == 1
+        o_ways = plan.mesh.fsdp * (plan.mesh.data if plan.zero >= 1 else 1)
+        assert math.isclose(opt[0].flops, OPTIMIZER_FLOPS_PER_PARAM * model.device_stage_params(plan, s) / o_ways)
+
+
+@given(plans)
+def test_gradient_bytes_are_conserved(plan):
+    """The first reduction of every bucket sums to the stage's gradients (once per step)."""
+    _, program = _program(plan)
+    _, grad_b, _ = state_bytes_per_param(plan)
+    for s, rep in enumerate(program.representatives):
+        grad = [t for t in program.tasks if t.device == rep and t.stream == "grad" and t.name != "gather params"]
+        if plan.replicas == 1:
+            assert grad == []
+            continue
+        firsts = [t for t in grad if not any(program.tasks[d].stream == "grad" for d in t.deps)]
+        assert math.isclose(sum(t.nbytes for t in firsts), model.device_stage_params(plan, s) * grad_b, rel_tol=1e-9)
+        assert all(int(program.representative[d]) == rep for t in firsts for d in t.group)
+        assert len(firsts) == plan.schedule.virtual_stages * min(BUCKETS, plan.model.layers // (
+            plan.mesh.stage * plan.schedule.virtual_stages))
+
+
+@given(plans)
+def test_sends_match_the_schedule(plan):
+    """One send task per inter-stage transfer of the schedule table, each between the two representatives."""
+    _, program = _program(plan)
+    schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
+                              plan.schedule.virtual_stages)
+    tasks = [t for t in program.tasks if t.kind is TaskKind.SEND]
+    assert len(tasks) == len(sends(schedule))
+    reps = program.representatives
+    for t in tasks:
+        src, dst = t.group
+        assert src == t.device and src in reps and dst in reps and src != dst
+        assert len(t.instances) == plan.mesh.size // plan.mesh.stage
+
+
+@given(plans)
+def test_tensor_allreduces_match_the_model(plan):
+    _, program = _program(plan)
+    for s, rep in enumerate(program.representatives):
+        expected = 0
+        if plan.mesh.tensor > 1:
+            for c in range(plan.schedule.virtual_stages):
+                cost = model.chunk_cost(plan, s, c)
+                expected += plan.batch.microbatches * (cost.tensor_allreduces_forward + cost.tensor_allreduces_backward)
+        got = sum(t.count for t in program.tasks if t.device == rep and t.stream == "tensor")
+        assert got == expected
+
+
+@given(plans)
+def test_representatives_cover_every_device(plan):
+    placement, program = _program(plan)
+    assert program.num_devices == plan.mesh.size
+    for s in range(plan.mesh.stage):
+        members = placement.stage_devices(s)
+        assert {int(program.representative[d]) for d in members} == {int(placement.device_ids[s, 0, 0, 0])}
+    assert sum(program.multiplicity.values()) == plan.mesh.size
+    # Dependencies point backwards (checked by Program) and every collective's group is one of its instances.
+    for t in program.tasks:
+        if t.kind is TaskKind.COLLECTIVE:
+            assert t.group in t.instances and t.device in t.group
+
+
+def test_axis_groups_partition_each_stage():
+    plan = make_plan(data=2, fsdp=2, tensor=2, stage=2)
+    placement = place(plan, num_devices=16)
+    for axes in (["data"], ["data", "fsdp"], ["tensor"], ["fsdp", "data"]):
+        groups = axis_groups(placement, axes)
+        for s, gs in groups.items():
+            assert sorted(d for g in gs for d in g) == sorted(placement.stage_devices(s))
+            assert all(len(g) == math.prod(plan.mesh.degree(a) for a in axes) for g in gs)
+
+
+@pytest.mark.parametrize("zero,fsdp,ops", [
+    (0, 1, {"all_reduce"}), (1, 1, {"reduce_scatter", "all_gather"}), (2, 1, {"reduce_scatter", "all_gather"}),
+    (3, 1, {"reduce_scatter", "all_gather"}), (0, 2, {"reduce_scatter", "all_reduce", "all_gather"}),
+])
+def test_sharding_model(zero, fsdp, ops):
+    """Which collectives each ZeRO stage / fsdp uses (module docstring of testbed.program)."""
+    plan = make_plan(data=2, fsdp=fsdp, zero=zero)
+    _, program = _program(plan)
+    used = {t.op for t in program.tasks if t.kind is TaskKind.COLLECTIVE}
+    assert used == ops
+    gathers = [t for t in program.tasks if t.stream == "gather"]
+    sharded_params = fsdp > 1 or zero == 3
+    assert bool(gathers) == sharded_params
+    if sharded_params:  # one gather before every F and B
+        assert len(gathers) == 2 * plan.batch.microbatches
