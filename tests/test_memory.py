@@ -1,0 +1,142 @@
+"""testbed.memory: ZeRO/fsdp/tensor sharding, schedule in-flight activations, remat, OOM, the CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from testbed import model as tm
+from testbed.cli import main
+from testbed.memory import _interim_inflight, inflight_microbatches, memory_breakdown, state_bytes_per_param
+from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
+from testbed.plan_io import bundled_plan_names, load_plan
+from testbed.topology_io import bundled_names, load_topology
+
+SPEC = ModelSpec(layers=4, d_model=64, heads=4, d_ff=256, seq_len=32, vocab=256)
+HOST = load_topology("host-cpu-8")
+CONTRACT = ("params_count", "params", "grads", "optimizer", "activations", "workspace", "total", "capacity", "fits")
+
+
+def _plan(**kw) -> Plan:
+    mesh = MeshSpec(**kw.pop("mesh", {}))
+    batch = BatchSpec(global_batch=kw.pop("batch", 16), microbatches=kw.pop("mb", 1))
+    return Plan(model=kw.pop("model", SPEC), batch=batch, mesh=mesh, **kw)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_zero_stages_shard_states_in_order(precision: str) -> None:
+    m = [memory_breakdown(_plan(mesh={"data": 8}, zero=z, precision=precision), HOST) for z in range(4)]
+    assert all(a.total > b.total for a, b in zip(m, m[1:]))
+    assert m[1].optimizer < m[0].optimizer and m[1].grads == m[0].grads and m[1].params == m[0].params
+    assert m[2].grads < m[1].grads and m[2].params == m[1].params
+    assert m[3].params < m[2].params
+    assert m[0].activations == m[3].activations
+    # ZeRO paper accounting: 16 bytes per parameter of model states, unsharded.
+    assert sum(state_bytes_per_param(_plan(precision=precision))) == 16
+    assert m[0].params + m[0].grads + m[0].optimizer == 16 * tm.param_count(SPEC)
+
+
+def test_zero_without_data_parallelism_changes_nothing() -> None:
+    base = memory_breakdown(_plan(), HOST)
+    assert memory_breakdown(_plan(zero=3), HOST).total == base.total
+
+
+@pytest.mark.parametrize("axis", ["tensor", "fsdp"])
+def test_states_fall_with_tensor_and_fsdp_degree(axis: str) -> None:
+    m = [memory_breakdown(_plan(mesh={axis: n}), HOST) for n in (1, 2, 4)]
+    for a, b in zip(m, m[1:]):
+        assert b.params < a.params and b.grads < a.grads and b.optimizer < a.optimizer
+    if axis == "tensor":
+        assert all(b.activations < a.activations for a, b in zip(m, m[1:]))
+        assert all(b.total < a.total for a, b in zip(m, m[1:]))
+    else:
+        # fsdp also splits the batch: fewer sequences per device.
+        assert all(b.activations < a.activations for a, b in zip(m, m[1:]))
+
+
+@pytest.mark.parametrize("remat", list(Remat))
+def test_activations_linear_in_microbatch(remat: Remat) -> None:
+    one = memory_breakdown(_plan(batch=8, mb=4, remat=remat, mesh={"stage": 2}), HOST)
+    three = memory_breakdown(_plan(batch=24, mb=4, remat=remat, mesh={"stage": 2}), HOST)
+    for a, b in zip(one.per_stage, three.per_stage):
+        assert b.activations == 3 * a.activations
+
+
+def test_activations_in_seq_len_linear_with_remat_and_exact_quadratic_without() -> None:
+    def acts(seq: int, remat: Remat) -> int:
+        return memory_breakdown(_plan(model=replace(SPEC, seq_len=seq), remat=remat), HOST).activations
+
+    for remat in (Remat.SELECTIVE, Remat.FULL):
+        assert acts(64, remat) == 2 * acts(32, remat)
+    # No remat: linear part doubles, the score term (b * heads * seq^2 * 4 bytes per layer) quadruples.
+    score = SPEC.layers * 16 * SPEC.heads * 32 ** 2 * 4
+    assert acts(64, Remat.NONE) - 4 * score == 2 * (acts(32, Remat.NONE) - score)
+
+
+def test_remat_order() -> None:
+    m = {r: memory_breakdown(_plan(remat=r), HOST) for r in Remat}
+    assert m[Remat.FULL].activations < m[Remat.SELECTIVE].activations < m[Remat.NONE].activations
+
+
+def test_inflight_follows_schedule() -> None:
+    gpipe = _plan(model=replace(SPEC, layers=8), batch=8, mb=8, mesh={"stage": 4}, schedule=ScheduleSpec(name="gpipe"))
+    ofob = replace(gpipe, schedule=ScheduleSpec(name="1f1b"))
+    assert inflight_microbatches(gpipe) == (8, 8, 8, 8)
+    assert inflight_microbatches(ofob) == (4, 3, 2, 1)
+    assert inflight_microbatches(ofob) == _interim_inflight(ofob)
+    g, o = memory_breakdown(gpipe, HOST), memory_breakdown(ofob, HOST)
+    assert g.activations > o.activations
+    assert [s.activations for s in o.per_stage][:3] == sorted([s.activations for s in o.per_stage][:3], reverse=True)
+    inter = replace(ofob, schedule=ScheduleSpec(name="interleaved", virtual_stages=2))
+    peaks = inflight_microbatches(inter)
+    assert all(1 <= n <= 16 for n in peaks) and peaks[0] >= peaks[-1]
+
+
+def test_breakdown_parts_sum_and_per_stage_worst() -> None:
+    m = memory_breakdown(_plan(batch=8, mb=4, mesh={"stage": 2, "tensor": 2, "data": 2}, zero=1), HOST)
+    assert m.total == max(s.total for s in m.per_stage)
+    assert m.total == m.params + m.grads + m.optimizer + m.activations + m.workspace
+    assert m.params_count == tm.param_count(SPEC)
+    assert m.capacity == int(HOST.device.memory_bytes) and m.fits
+
+
+@pytest.mark.parametrize("plan_name", bundled_plan_names())
+def test_every_bundled_plan_on_every_bundled_topology(plan_name: str) -> None:
+    plan = load_plan(plan_name)
+    for name in bundled_names():
+        topology = load_topology(name)
+        m = memory_breakdown(plan, topology)
+        assert 0 < m.total and m.fits == (m.total <= topology.device.memory_bytes)
+
+
+def _write_plan(tmp_path, **fields) -> str:
+    data = {"name": "big", "topology": "dgx-h100",
+            "model": {"kind": "gpt", "layers": 32, "d_model": 5120, "heads": 40, "d_ff": 20480, "seq_len": 2048,
+                      "vocab": 50304},
+            "batch": {"global_batch": 1}, "mesh": {"data": 1}, "precision": "fp32"}
+    data.update(fields)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_cli_predicts_oom_for_10b_fp32_adam_on_one_gpu(tmp_path, capsys) -> None:
+    path = _write_plan(tmp_path)
+    assert main(["memory", "--plan", path, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(key in data for key in CONTRACT)
+    assert data["params_count"] > 10e9 and not data["fits"]
+    assert data["params"] + data["grads"] + data["optimizer"] == 16 * data["params_count"] > data["capacity"]
+    assert main(["memory", "--plan", path, "--fail-if-oom", "--json"]) == 1
+
+
+def test_cli_fits_and_bad_input(tmp_path, capsys) -> None:
+    assert main(["memory", "--plan", "demo", "--fail-if-oom"]) == 0
+    assert "fits" in capsys.readouterr().out
+    assert main(["memory", "--plan", str(tmp_path / "missing.yaml")]) == 2
+    path = _write_plan(tmp_path, topology=None)
+    assert main(["memory", "--plan", path]) == 2
+    assert "topology" in capsys.readouterr().err
