@@ -341,22 +341,29 @@ def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end)
     cats = [CATEGORIES.index("compute" if t.kind is TaskKind.COMPUTE else "comm") for t in tasks]
     labels = [t.name for t in tasks]
     out_rows, out_start, out_end, out_cat, out_label = list(row_of), list(start), list(end), cats, labels
-    # Bubble spans: when a representative neither computes nor communicates inside the pipeline phase.
+    # Bubble spans: when a stage runs no pipeline action (F/B/W and their tensor all-reduces) inside the
+    # pipeline phase -- the idle time of the schedule table, whatever else (optimizer, waits) fills it.
     by_device: dict[int, list[int]] = {}
-    for i, t in enumerate(tasks):
-        by_device.setdefault(t.device, []).append(i)
-    for device, idx in by_device.items():
-        compute_row = rows.index((device, "compute")) if (device, "compute") in rows else row_of[idx[0]]
-        order = sorted(idx, key=lambda i: start[i])
+    for i in pipeline:
+        by_device.setdefault(tasks[i].device, []).append(i)
+    for device in dict.fromkeys(t.device for t in tasks):
+        idx = by_device.get(device, [])
+        compute_row = rows.index((device, "compute")) if (device, "compute") in rows else 0
         t = 0.0
-        for i in order:
-            if start[i] > t and t < phase:
+        for i in sorted(idx, key=lambda i: start[i]):
+            if start[i] > t:
                 out_rows.append(compute_row)
                 out_start.append(t)
-                out_end.append(min(start[i], phase))
+                out_end.append(start[i])
                 out_cat.append(CATEGORIES.index("bubble"))
-                out_label.append("idle")
+                out_label.append("bubble")
             t = max(t, end[i])
+        if t < phase:
+            out_rows.append(compute_row)
+            out_start.append(t)
+            out_end.append(phase)
+            out_cat.append(CATEGORIES.index("bubble"))
+            out_label.append("bubble")
     return Timeline(rows=tuple(rows), row=np.asarray(out_rows), start=np.asarray(out_start),
                     end=np.asarray(out_end), category=np.asarray(out_cat), label=tuple(out_label),
                     representative=program.representative, step_time_s=step, pipeline_end_s=phase)

@@ -170,16 +170,18 @@ class Timeline:
         return max((self.exposed_comm(d) for d in self.representatives), default=0.0)
 
     def bubble_fraction(self) -> float:
-        """Idle time of the stages in the pipeline phase / (stages x phase length).
+        """Bubble spans / (stages x pipeline phase).
 
-        Each representative is one pipeline stage's class of devices; idle means
-        neither computing nor communicating. After the pipeline phase come the
-        trailing gradient sync and optimizer, which are not pipeline bubble.
+        A bubble span is time inside the pipeline phase (step start to the
+        last forward/backward) when a stage runs none of its schedule's
+        actions; each representative is one stage's class of devices. The
+        trailing gradient sync and optimizer are not pipeline bubble.
         """
         reps, phase = self.representatives, self.pipeline_end_s
         if not reps or phase <= 0:
             return 0.0
-        idle = sum(phase - self.active(d, until=phase) for d in reps)
+        mask = self.category == CATEGORIES.index("bubble")
+        idle = float(np.sum(np.minimum(self.end[mask], phase) - np.minimum(self.start[mask], phase)))
         return max(0.0, idle / (len(reps) * phase))
 
 

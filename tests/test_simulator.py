@@ -1,0 +1,216 @@
+"""Simulator invariants: lower bounds, monotonicity, pipeline bubble, data-parallel overlap, trace."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from testbed.generators import hierarchical, switch, torus
+from testbed.placement import place
+from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.program import TaskKind, build_program
+from testbed.schedule_timing import ActionCosts, play
+from testbed.schedules import build_schedule
+from testbed.simulator import price, run, simulate
+from testbed.timeline import CATEGORIES, chrome_trace, write_trace
+from testbed.topology import Calibration, DeviceSpec, Level, LinkKind
+from testbed.topology_io import load_topology
+
+DEVICE = DeviceSpec(name="toy", peak_flops={"fp32": 1e12, "bf16": 2e12}, memory_bytes=16e9, memory_bandwidth=1e11)
+CAL = Calibration(compute_efficiency=0.6, efficiency_half_flops=1e6, launch_overhead_s=2e-6,
+                  collective_overhead_s=1e-6)
+
+
+def topologies():
+    return {
+        "switch8": switch(8, device=DEVICE, bandwidth=5e9, latency=2e-6, calibration=CAL, name="switch8"),
+        "two-nodes": hierarchical([Level(name="node", size=4, bandwidth=2e10, latency=1e-6, kind=LinkKind.NVSWITCH),
+                                   Level(name="cluster", size=2, bandwidth=1e9, latency=5e-6, kind=LinkKind.ETHERNET,
+                                         attach="switch")], device=DEVICE, calibration=CAL, name="two-nodes"),
+        "ring8": torus([8], device=DEVICE, bandwidth=3e9, latency=1e-6, calibration=CAL, name="ring8"),
+        "host-cpu-8": load_topology("host-cpu-8"),
+    }
+
+
+TOPOLOGIES = topologies()
+
+
+def make_plan(*, data=1, fsdp=1, tensor=1, stage=1, schedule="1f1b", virtual=1, microbatches=4, zero=0,
+              remat="none", layers=16, precision="fp32") -> Plan:
+    return Plan(model=ModelSpec(layers=layers, d_model=64, heads=4, d_ff=256, seq_len=32, vocab=128),
+                batch=BatchSpec(global_batch=data * fsdp * microbatches * 2, microbatches=microbatches),
+                mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage),
+                schedule=ScheduleSpec(name=schedule, virtual_stages=virtual), zero=zero, remat=remat,
+                precision=precision)
+
+
+MESHES = [dict(data=8), dict(data=2, tensor=2, stage=2), dict(stage=4, data=2), dict(fsdp=4, data=2),
+          dict(tensor=4, stage=2), dict(stage=8), dict(data=2, fsdp=2, stage=2)]
+
+cases = st.builds(
+    lambda mesh, sched, zero, topo, prec: (make_plan(**mesh, schedule=sched, zero=zero, precision=prec,
+                                                     virtual=2 if sched == "interleaved" else 1), TOPOLOGIES[topo]),
+    st.sampled_from(MESHES), st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]),
+    st.integers(0, 3), st.sampled_from(sorted(TOPOLOGIES)), st.sampled_from(["fp32", "bf16-mixed"]))
+
+
+@given(cases)
+def test_step_time_is_at_least_every_stream_alone(case):
+    """Step >= each stream's standalone work (compute-only time; each device's communication bound)."""
+    plan, topology = case
+    sim = simulate(plan, topology)
+    priced = price(sim.program, topology, plan.precision.compute_dtype)
+    per_row: dict = {}
+    for task, seconds in zip(sim.program.tasks, priced.durations):
+        per_row[(task.device, task.stream)] = per_row.get((task.device, task.stream), 0.0) + seconds
+    step = sim.report.step_time_s
+    assert step >= max(per_row.values()) * (1 - 1e-9)
+    compute_only = max(v for (d, s), v in per_row.items() if s == "compute")
+    if topology.calibration.host_cores == 0:
+        assert sim.report.compute_s == pytest.approx(compute_only, rel=1e-9)
+    else:  # devices computing at once share the host's cores
+        assert sim.report.compute_s >= compute_only * (1 - 1e-9)
+    assert step >= sim.report.compute_s + 0.0
+    assert 0 <= sim.report.bubble_fraction < 1 and 0 < sim.report.mfu < 1
+    assert sim.report.exposed_comm_s >= 0
+    assert sim.report.compute_s + sim.report.exposed_comm_s <= step * (1 + 1e-9)
+
+
+@given(cases)
+def test_doubling_bandwidth_never_slows_a_step(case):
+    plan, topology = case
+    slow = simulate(plan, topology).report.step_time_s
+    fast = simulate(plan, topology.with_bandwidth_scaled(2)).report.step_time_s
+    assert fast <= slow * (1 + 1e-9)
+
+
+@given(cases)
+def test_halving_flops_never_speeds_a_step(case):
+    plan, topology = case
+    fast = simulate(plan, topology).report.step_time_s
+    slow = simulate(plan, topology.with_flops_scaled(0.5)).report.step_time_s
+    assert slow >= fast * (1 - 1e-9)
+
+
+def _free_comm(stages: int):
+    """Devices on one switch with (practically) free communication: no latency, overhead or bandwidth limit."""
+    from dataclasses import replace
+
+    return switch(stages, device=DEVICE, bandwidth=1e30, latency=0.0,
+                  calibration=replace(CAL, collective_overhead_s=0.0))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 8), (4, 3)])
+def test_pure_pipeline_reproduces_the_schedule_bubble(schedule, stages, microbatches):
+    """Uniform stages, free communication: the simulated bubble is the schedule table's own."""
+    plan = make_plan(stage=stages, schedule=schedule, microbatches=microbatches, layers=2 * stages)
+    topology = _free_comm(stages)
+    program = build_program(plan, place(plan, topology))
+    priced = price(program, topology, "fp32")
+    assert all(d < 1e-12 for t, d in zip(program.tasks, priced.durations) if t.kind is not TaskKind.COMPUTE)
+    timeline = run(program, priced)
+
+    def cost(stage, name):
+        rep = program.representatives[stage]
+        return next(d for t, d in zip(program.tasks, priced.durations) if t.device == rep and t.name == name)
+
+    f = [cost(s, "F0") for s in range(stages)]
+    b = [cost(s, "B0") for s in range(stages)]
+    split = build_schedule(schedule, stages, microbatches).split_backward
+    w = [cost(s, "W0") for s in range(stages)] if split else [0.0] * stages
+    reference = play(build_schedule(schedule, stages, microbatches), ActionCosts(forward=f, backward=b, weight=w))
+    assert timeline.pipeline_end_s == pytest.approx(reference.step_time, rel=1e-9)
+    assert timeline.bubble_fraction() == pytest.approx(reference.bubble_fraction, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("topology", ["switch8", "ring8", "two-nodes"])
+def test_pure_data_parallel_is_backward_plus_exposed_allreduce(topology):
+    """Data parallel: gradient buckets overlap the backward; only the tail after it is exposed."""
+    plan = make_plan(data=8, microbatches=1, layers=8)
+    topo = TOPOLOGIES[topology]
+    sim = simulate(plan, topo)
+    program, tasks = sim.program, sim.program.tasks
+    priced = price(program, topo, "fp32")
+    d = priced.durations
+    compute = [i for i, t in enumerate(tasks) if t.kind is TaskKind.COMPUTE]
+    buckets = [i for i, t in enumerate(tasks) if t.stream == "grad"]
+    assert len(buckets) == 4 and all(tasks[i].op == "all_reduce" for i in buckets)
+    # Reference: compute runs back to back; bucket k starts when its backward piece and bucket k-1 are done.
+    clock, ends = 0.0, {}
+    for i in compute[:-1]:
+        clock += d[i]
+        ends[i] = clock
+    chain = 0.0
+    for i in buckets:
+        chain = max(chain, ends[tasks[i].deps[0]]) + d[i]
+    backward_end = clock
+    step = max(chain, backward_end) + d[compute[-1]]
+    assert sim.report.step_time_s == pytest.approx(step, rel=1e-9)
+    assert sim.report.compute_s == pytest.approx(sum(d[i] for i in compute), rel=1e-9)
+    assert sim.report.exposed_comm_s == pytest.approx(max(0.0, chain - backward_end), rel=1e-9, abs=1e-15)
+    assert sim.report.exposed_comm_s >= d[buckets[-1]] * (1 - 1e-9)
+    assert sim.report.step_time_s == pytest.approx(sim.report.compute_s + sim.report.exposed_comm_s, rel=1e-9)
+
+
+def test_trace_parses_and_has_every_device(tmp_path):
+    plan = make_plan(data=2, tensor=2, stage=2)
+    sim = simulate(plan, TOPOLOGIES["two-nodes"])
+    path = write_trace(sim.timeline, tmp_path / "step.json")
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == list(range(8))
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))
+    assert {e["cat"] for e in spans} <= set(CATEGORIES) and "compute" in {e["cat"] for e in spans}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(sim.report.step_time_s * 1e6, rel=1e-9)
+    threads = {(e["pid"], e["tid"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {(e["pid"], e["tid"]) for e in spans} <= threads
+    # Every device repeats its representative's spans exactly.
+    per_device = {}
+    for e in spans:
+        per_device.setdefault(e["pid"], []).append((e["tid"], e["name"], e["ts"], e["dur"]))
+    for device in range(8):
+        rep = int(sim.timeline.representative[device])
+        assert sorted(per_device[device]) == sorted(per_device[rep])
+
+
+def test_gantt_png_is_written(tmp_path):
+    from testbed.timeline import write_gantt
+
+    sim = simulate(make_plan(data=2, tensor=2, stage=2), TOPOLOGIES["switch8"])
+    path = write_gantt(sim.timeline, tmp_path / "g.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_subset_of_devices():
+    sim = simulate(make_plan(stage=2, data=4), TOPOLOGIES["switch8"])
+    trace = chrome_trace(sim.timeline, devices=[3])
+    assert {e["pid"] for e in trace["traceEvents"]} == {3}
+
+
+def test_mismatched_mesh_is_an_input_error():
+    from testbed.errors import InputError
+
+    with pytest.raises(InputError) as err:
+        simulate(make_plan(data=2), TOPOLOGIES["switch8"])
+    assert err.value.field == "mesh"
+
+
+def test_memory_and_mfu_in_report():
+    plan = make_plan(data=2, tensor=2, stage=2)
+    topology = TOPOLOGIES["switch8"]
+    r = simulate(plan, topology).report
+    from testbed.memory import memory_breakdown
+    from testbed.model import model_flops_per_step
+
+    m = memory_breakdown(plan, topology)
+    assert r.memory["total"] == m.total and r.memory["fits"] == m.fits
+    assert r.mfu == pytest.approx(model_flops_per_step(plan) / (8 * DEVICE.flops("fp32") * r.step_time_s))
+    assert math.isfinite(r.step_time_s) and r.to_dict()["memory"]["capacity"] == m.capacity
