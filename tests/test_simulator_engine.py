@@ -1,0 +1,144 @@
+"""The event engine on hand-made task graphs, link sharing, host cores, and the Timeline/Report types."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from testbed.contention import Flow, LinkLedger, fair_rates, normalised_loads
+from testbed.program import Program, Task, TaskKind
+from testbed.simulator import Priced, compute_seconds, run
+from testbed.timeline import Report, Timeline, chrome_trace
+from testbed.generators import switch
+from testbed.topology import Calibration, DeviceSpec
+
+LINKS = ["a", "b", "c", "d"]
+flows_st = st.lists(
+    st.tuples(st.floats(0.1, 10.0), st.dictionaries(st.sampled_from(LINKS), st.floats(0.5, 100.0), min_size=1)),
+    min_size=1, max_size=6)
+bandwidth_st = st.fixed_dictionaries({link: st.floats(1.0, 200.0) for link in LINKS})
+
+
+@given(flows_st, bandwidth_st)
+def test_fair_rates_respect_links_and_caps(raw, bandwidth):
+    flows = [Flow(cap, loads) for cap, loads in raw]
+    rates = fair_rates(flows, bandwidth)
+    for link in LINKS:
+        used = sum(r * f.loads.get(link, 0.0) for r, f in zip(rates, flows))
+        assert used <= bandwidth[link] * (1 + 1e-9)
+    for r, f in zip(rates, flows):
+        assert 0 < r <= f.cap * (1 + 1e-12)
+        # Max-min: a flow below its cap crosses a full link (its bottleneck).
+        if r < f.cap * (1 - 1e-9):
+            assert any(sum(r2 * f2.loads.get(link, 0.0) for r2, f2 in zip(rates, flows))
+                       >= bandwidth[link] * (1 - 1e-6) for link in f.loads)
+
+
+def test_fair_rates_reference_values():
+    # Alone: its standalone speed. Two equal flows on a link that fits one: half each.
+    assert fair_rates([Flow(2.0, {"a": 10.0})], {"a": 100.0}) == [2.0]
+    assert fair_rates([Flow(1.0, {"a": 10.0}), Flow(1.0, {"a": 10.0})], {"a": 10.0}) == pytest.approx([0.5, 0.5])
+    # Disjoint links: independent.
+    assert fair_rates([Flow(1.0, {"a": 10.0}), Flow(1.0, {"b": 10.0})], {"a": 10.0, "b": 10.0}) == [1.0, 1.0]
+    # Progressive filling: the flow on the shared, full link is held at 1/3; the other takes what is left.
+    rates = fair_rates([Flow(1.0, {"a": 30.0}), Flow(1.0, {"a": 30.0, "b": 30.0})], {"a": 30.0, "b": 15.0})
+    assert rates == pytest.approx([0.5, 0.5])
+
+
+def test_ledger_matches_fair_rates():
+    bandwidth = {"a": 10.0, "b": 10.0}
+    ledger = LinkLedger(bandwidth)
+    ledger.add(1, Flow(1.0, {"a": 10.0}))
+    assert ledger.rates() == {1: 1.0}
+    ledger.add(2, Flow(1.0, {"a": 10.0, "b": 5.0}))
+    assert ledger.rates() == pytest.approx({1: 0.5, 2: 0.5})
+    ledger.remove(1)
+    assert ledger.rates() == {2: 1.0}
+
+
+def test_normalised_loads_keep_standalone_time():
+    own = {"a": 100.0}
+    # Closed form says 1 s though 100 B over 50 B/s would take 2 s: loads shrink so alone it takes 1 s.
+    loads = normalised_loads(1.0, {"a": 300.0}, own, {"a": 50.0})
+    assert loads == {"a": 150.0}
+    assert normalised_loads(10.0, {"a": 300.0}, own, {"a": 50.0}) == {"a": 300.0}
+
+
+def _program(tasks, devices=2, representative=None):
+    rep = np.arange(devices) if representative is None else np.asarray(representative)
+    return Program(tasks=tuple(tasks), representative=rep)
+
+
+def _compute(name, device, deps=(), stream="compute"):
+    return Task(name=name, device=device, stream=stream, kind=TaskKind.COMPUTE, deps=tuple(deps), flops=1.0,
+                pipeline=True)
+
+
+def test_streams_are_fifo_and_dependencies_wait():
+    tasks = [_compute("a", 0), _compute("b", 0), _compute("c", 1, deps=[0]), _compute("d", 1, deps=[1, 2])]
+    priced = Priced(durations=(1.0, 2.0, 0.5, 1.0), loads=(None,) * 4, bandwidth={})
+    timeline = run(_program(tasks), priced)
+    spans = {s.label: (s.start, s.end) for d in (0, 1) for s in timeline.spans(d) if s.category == "compute"}
+    assert spans == {"a": (0.0, 1.0), "b": (1.0, 3.0), "c": (1.0, 1.5), "d": (3.0, 4.0)}
+    assert timeline.step_time_s == 4.0
+    # Device 0 idles 3-4, device 1 idles 0-1 and 1.5-3 inside the pipeline phase: bubble = 3.5 / (2 x 4).
+    assert timeline.bubble_fraction() == pytest.approx(3.5 / 8)
+
+
+def test_transfers_sharing_a_link_slow_each_other():
+    send = dict(kind=TaskKind.SEND, nbytes=1.0, group=(0, 1), instances=((0, 1),))
+    tasks = [Task(name="x", device=0, stream="pipe", **send), Task(name="y", device=1, stream="pipe", **send)]
+    shared = Priced(durations=(1.0, 1.0), loads=({"l": 10.0}, {"l": 10.0}), bandwidth={"l": 10.0})
+    apart = Priced(durations=(1.0, 1.0), loads=({"l": 10.0}, {"m": 10.0}), bandwidth={"l": 10.0, "m": 10.0})
+    assert run(_program(tasks), shared).step_time_s == pytest.approx(2.0)
+    assert run(_program(tasks), apart).step_time_s == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("cores,expected", [(0, 1.0), (1, 4.0), (2, 2.0), (4, 1.0)])
+def test_host_cores_are_shared_by_devices_computing_at_once(cores, expected):
+    # Two representatives standing for 2 devices each: 4 devices compute at once.
+    tasks = [_compute("a", 0), _compute("b", 2)]
+    priced = Priced(durations=(1.0, 1.0), loads=(None, None), bandwidth={})
+    timeline = run(_program(tasks, 4, [0, 0, 2, 2]), priced, host_cores=cores)
+    assert timeline.step_time_s == pytest.approx(expected)
+
+
+def test_program_rejects_forward_dependencies():
+    """Dependencies point to earlier tasks, so streams in program order can never deadlock."""
+    with pytest.raises(ValueError):
+        _program([_compute("a", 0, deps=[1]), _compute("b", 0)])
+
+
+def test_compute_seconds_roofline():
+    device = DeviceSpec(name="d", peak_flops={"fp32": 100.0}, memory_bytes=1e9, memory_bandwidth=10.0)
+    topo = switch(2, device=device, bandwidth=1.0,
+                  calibration=Calibration(compute_efficiency=0.5, efficiency_half_flops=100.0,
+                                          memory_efficiency=0.5, launch_overhead_s=0.25))
+    # eff(100 FLOPs) = 0.5 * 100/200 = 0.25 -> 100 / (100 * 0.25) = 4 s; memory 10 B / (10 * 0.5) = 2 s.
+    assert compute_seconds(topo, "fp32", 100.0, 10.0) == pytest.approx(4.25)
+    assert compute_seconds(topo, "fp32", 100.0, 100.0) == pytest.approx(20.25)
+    assert compute_seconds(topo, "fp32", 0.0, 0.0) == 0.0
+    # Two kernels of 50 FLOPs: each at eff 0.5 * 50/150.
+    assert compute_seconds(topo, "fp32", 100.0, 0.0, kernels=2) == pytest.approx(0.25 + 100 / (100 * 0.5 / 3))
+
+
+def test_measured_timeline_and_report_share_the_types():
+    """A runner's measurement: every device its own representative, source `measured`."""
+    timeline = Timeline(rows=((0, "compute"), (1, "compute")), row=[0, 1, 1], start=[0.0, 0.0, 0.5],
+                        end=[1.0, 0.4, 1.0], category=[0, 0, 1], label=("F0", "F0", "recv"),
+                        representative=[0, 1], step_time_s=1.0, pipeline_end_s=1.0, source="measured")
+    assert timeline.busy(1, "compute") == pytest.approx(0.4)
+    assert timeline.exposed_comm(1) == pytest.approx(0.5)
+    assert timeline.compute_s() == pytest.approx(1.0)
+    trace = chrome_trace(timeline)
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    report = Report(step_time_s=1.0, compute_s=1.0, exposed_comm_s=0.5, bubble_fraction=0.0, mfu=0.1,
+                    source="measured")
+    assert report.to_dict()["source"] == "measured"
+    with pytest.raises(ValueError):
+        Report(step_time_s=1.0, compute_s=1.0, exposed_comm_s=0.0, bubble_fraction=0.0, mfu=0.0, source="guessed")
+    assert math.isfinite(timeline.bubble_fraction())
