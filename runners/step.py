@@ -9,7 +9,8 @@ steps their parameters must agree up to floating-point reduction order.
   accumulation (a ``lax.scan``), gradients are constrained to the ZeRO layout
   before the optax update.
 - :class:`ReferenceTrainer`: the whole global batch at once on one device.
-- Pipeline plans use :class:`runners.pipeline_step.PipelineTrainer` (MPMD).
+- :class:`PipelineTrainer` (pipeline plans): the schedule table executed by
+  ``runners.pipeline.MpmdEngine`` over per-stage sub-meshes.
 
 Every trainer has ``init() -> state``, ``step(state, i) -> (state, loss)``,
 ``full_params(state)`` (host numpy, in the model's layout) and
@@ -28,10 +29,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
 from runners.parallel import batch_spec, layout_for
+from testbed.errors import InputError
+from testbed.model import chunk_layers
 from testbed.plan import Plan
+from testbed.schedules import build_schedule, sends
 
 __all__ = ["make_optimizer", "step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
-           "ReferenceTrainer", "scalar"]
+           "ReferenceTrainer", "PipelineTrainer", "split_params", "merge_params", "scalar"]
 
 
 def make_optimizer(plan: Plan) -> optax.GradientTransformation:
@@ -162,6 +166,9 @@ class SpmdTrainer:
         self.last_grads = grads[0] if grads else None
         return (params, opt_state), loss
 
+    def full_grads(self) -> Any:
+        return host_tree(self.last_grads)
+
     def full_params(self, state: tuple[Any, Any]) -> Any:
         return host_tree(state[0])
 
@@ -198,3 +205,148 @@ class ReferenceTrainer:
 
     def full_params(self, state: tuple[Any, Any]) -> Any:
         return host_tree(state[0])
+
+    def full_grads(self) -> Any:
+        return host_tree(self.last_grads)
+
+
+def split_params(plan: Plan, full: Any) -> list[list[Any]]:
+    """The model's params as ``[stage][chunk]`` pieces (layers from testbed.model.chunk_layers)."""
+    p, v = plan.mesh.stage, plan.schedule.virtual_stages
+    ranges = chunk_layers(plan.model, p, v)
+    out = []
+    for s in range(p):
+        row = []
+        for c in range(v):
+            piece: dict[str, Any] = {"layers": [full["layers"][i] for i in ranges[s][c]]}
+            if s == 0 and c == 0:
+                piece["embed"] = full["embed"]
+            if s == p - 1 and c == v - 1:
+                piece["head"] = full["head"]
+            row.append(piece)
+        out.append(row)
+    return out
+
+
+def merge_params(plan: Plan, pieces: list[list[Any]]) -> Any:
+    """Inverse of :func:`split_params`."""
+    p, v = plan.mesh.stage, plan.schedule.virtual_stages
+    ranges = chunk_layers(plan.model, p, v)
+    layers: list[Any] = [None] * plan.model.layers
+    for s in range(p):
+        for c in range(v):
+            for i, layer in zip(ranges[s][c], pieces[s][c]["layers"]):
+                layers[i] = layer
+    return {"embed": pieces[0][0]["embed"], "layers": layers, "head": pieces[p - 1][v - 1]["head"]}
+
+
+class PipelineTrainer:
+    """A pipeline plan: per-stage sub-meshes, the schedule table run by runners.pipeline.MpmdEngine.
+
+    Each stage's chunks are sharded on its own (data, fsdp, tensor) sub-mesh
+    like an SPMD plan; the optimizer update runs per stage on its sub-mesh.
+    """
+
+    def __init__(self, plan: Plan, stage_meshes: list[Any], return_grads: bool = False):
+        from runners.pipeline import MpmdEngine
+
+        if plan.model.tied_embeddings:
+            raise InputError("tied embeddings across pipeline stages are not supported by the runner; "
+                             "set model.tied_embeddings false or mesh.stage 1", field="model.tied_embeddings")
+        self.plan, self.meshes, self.return_grads = plan, stage_meshes, return_grads
+        self.tx = make_optimizer(plan)
+        self.schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
+                                       plan.schedule.virtual_stages)
+        spec, precision, remat = plan.model, plan.precision, plan.remat
+
+        def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
+            params = model.cast_params(params, precision)
+            if "embed" in params:
+                x = model.embed(params["embed"], x)
+            return model.stage_forward(params["layers"], x, spec.heads, remat)
+
+        def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+            return model.head_loss(model.cast_params(params["head"], precision), y, targets)
+
+        self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
+        mb = plan.batch.global_batch // plan.batch.microbatches
+        self._act_shape = (mb, spec.seq_len, spec.d_model)
+        self._act_dtype = model.compute_dtype(precision)
+        self.act_shardings = [NamedSharding(m, batch_spec(1)) for m in stage_meshes]
+        self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings)
+        shape = split_params(plan, jax.eval_shape(lambda: model.init_params(spec, plan.seed)))
+        self.param_shardings, self.opt_shardings, self.grad_shardings, self._updates = [], [], [], []
+        for s, mesh in enumerate(stage_meshes):
+            layout = layout_for(shape[s], plan)
+            p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
+            o_sh = state_shardings(jax.eval_shape(self.tx.init, shape[s]), shape[s],
+                                   layout.shardings(mesh, "moments"), NamedSharding(mesh, P()))
+            self.param_shardings.append(p_sh)
+            self.opt_shardings.append(o_sh)
+            self.grad_shardings.append(g_sh)
+            self._updates.append(jax.jit(self._update_fn(g_sh), in_shardings=(p_sh, o_sh, g_sh),
+                                         out_shardings=(p_sh, o_sh)))
+
+    def _update_fn(self, grad_shardings: Any):
+        tx = self.tx
+
+        def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+        return update
+
+    def init(self) -> tuple[list[Any], list[Any]]:
+        pieces = split_params(self.plan, host_tree(model.init_params(self.plan.model, self.plan.seed)))
+        params = [place_tree(pieces[s], self.param_shardings[s]) for s in range(len(self.meshes))]
+        states = [jax.jit(self.tx.init, out_shardings=self.opt_shardings[s])(params[s])
+                  for s in range(len(self.meshes))]
+        return params, states
+
+    def _microbatches(self, step: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        m = self.plan.batch.microbatches
+        tokens, targets = step_batch(self.plan, step)
+        return np.split(tokens, m), np.split(targets, m)
+
+    def step(self, state: tuple[list[Any], list[Any]], step: int) -> tuple[tuple[list[Any], list[Any]], jax.Array]:
+        params, states = state
+        loss, grads = self.engine.step(params, *self._microbatches(step))
+        # The engine leaves gradients where XLA put them; move them into the ZeRO layout.
+        grads = [jax.device_put(grads[s], self.grad_shardings[s]) for s in range(len(self.meshes))]
+        new = [self._updates[s](params[s], states[s], grads[s]) for s in range(len(self.meshes))]
+        self.last_grads = grads if self.return_grads else None
+        return ([p for p, _ in new], [o for _, o in new]), loss
+
+    def full_params(self, state: tuple[list[Any], list[Any]]) -> Any:
+        return merge_params(self.plan, host_tree(state[0]))
+
+    def full_grads(self) -> Any:
+        return merge_params(self.plan, host_tree(self.last_grads))
+
+    def compiled_texts(self, state: tuple[list[Any], list[Any]]) -> list[str]:
+        """Optimized HLO of each stage's chunk-0 forward+backward and of its optimizer update."""
+        params, states = state
+        tokens, targets = (a[0] for a in self._microbatches(0))
+        texts = []
+        x = place_tree(tokens, self.act_shardings[0])
+        for s in range(len(self.meshes)):
+            piece = params[s][0]
+            last = s == len(self.meshes) - 1 and self.plan.schedule.virtual_stages == 1
+            tgt = place_tree(targets, self.act_shardings[s])
+
+            def chunk_grad(p: Any, h: jax.Array, t: jax.Array, s: int = s, last: bool = last) -> Any:
+                def f(p: Any) -> jax.Array:
+                    y = self.chunk_forward(s, 0, p, h)
+                    return self.loss_fn(p, y, t) if last else jnp.sum(y.astype(jnp.float32))
+                return jax.grad(f)(p)
+
+            h = x if s == 0 else place_tree(np.zeros(self._act_shape, np.float32).astype(self._act_dtype),
+                                            self.act_shardings[s])
+            texts.append(jax.jit(chunk_grad).lower(piece, h, tgt).compile().as_text())
+            grads = jax.tree.map(jnp.zeros_like, params[s])
+            texts.append(self._updates[s].lower(params[s], states[s], grads).compile().as_text())
+        return texts
+
+    def transfers(self) -> int:
+        """Activation and gradient transfers between stages per step (cross-mesh ``device_put``)."""
+        return len(sends(self.schedule))
