@@ -23,9 +23,12 @@ never changes a result.
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+import operator
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from testbed.algorithms import ALGORITHMS, SUPPORTED_OPS, parse_algorithm, step_program
 from testbed.collective_bounds import lower_bound
@@ -66,6 +69,7 @@ class CollectiveTiming:
 
 _MEMO: dict[int, tuple[Topology, dict]] = {}
 _MEMO_TOPOLOGIES = 64
+_MEMO_ENTRIES = 200_000
 
 
 def _memo(topology: Topology) -> dict:
@@ -101,19 +105,31 @@ def group_grid(topology: Topology, group: Sequence[int]) -> tuple[tuple[int, ...
 
 
 def applicable_algorithms(topology: Topology, op: Op | str, group: Sequence[int]) -> list[str]:
-    """Algorithms that implement ``op`` and fit ``group`` on ``topology`` (torus needs a torus sub-grid,
-    hierarchical a grid over two or more levels of a hierarchy)."""
+    """Algorithms that implement ``op`` and fit ``group`` on ``topology``.
+
+    ``torus`` needs a sub-grid of a torus, ``hierarchical`` a grid over two or
+    more levels of a hierarchy; ``direct`` and ``one_shot`` go through a switch,
+    so on tori they serve only all-to-all and send.
+    """
     op = parse_op(op)
+    group = tuple(group)
+    memo = _memo(topology)
+    key = ("applicable", op, group)
+    if key in memo:
+        return list(memo[key])
     out = []
     for name in ALGORITHMS:
         if op not in SUPPORTED_OPS[name]:
             continue
+        if name in ("direct", "one_shot") and topology.form is Form.TORUS and op not in (Op.ALL_TO_ALL, Op.SEND):
+            continue  # through a switch only: on a torus every pair would cross many shared links
         if name in ("torus", "hierarchical"):
             grid = group_grid(topology, group)
             is_torus = topology.form is Form.TORUS
             if grid is None or (name == "torus") != is_torus or (name == "hierarchical" and len(grid[0]) < 2):
                 continue
         out.append(name)
+    memo[key] = tuple(out)
     return out
 
 
@@ -137,12 +153,71 @@ def _program(topology: Topology, op: Op, algorithm: str, group: Sequence[int], r
 
 # -- profiles --------------------------------------------------------------------------------
 
+class _Links:
+    """Directed links numbered once per topology, and routes as arrays of link numbers (memoized)."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self.index: dict[Link, int] = {}
+        self.bandwidth: list[float] = []
+        self.routes: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
+        for u, v, data in topology.graph.edges(data=True):
+            for link in ((u, v), (v, u)):
+                self.index[link] = len(self.bandwidth)
+                self.bandwidth.append(float(data["bandwidth"]))
+        self.links = list(self.index)
+        self.bandwidth_array = np.asarray(self.bandwidth)
+
+    def route(self, a: int, b: int) -> tuple[np.ndarray, float]:
+        """(link numbers, latency seconds) of the route a -> b."""
+        hit = self.routes.get((a, b))
+        if hit is None:
+            hops = self.topology.route(a, b)
+            edges = self.topology.graph.edges
+            hit = (np.fromiter((self.index[h] for h in hops), np.int64, len(hops)),
+                   sum(edges[u, v]["latency"] for u, v in hops))
+            self.routes[a, b] = hit
+        return hit
+
+
+def _links(topology: Topology) -> _Links:
+    memo = _memo(topology)
+    if "links" not in memo:
+        memo["links"] = _Links(topology)
+    return memo["links"]
+
+
+def _round_profile(links: _Links, flows: dict[tuple[int, int], int]) -> tuple[tuple[tuple[float, float], ...], np.ndarray]:
+    """(upper envelope of (latency, seconds per chunk byte) over the flows, chunks per link) of one round."""
+    pairs = list(flows)
+    routed = [links.route(a, b) for a, b in pairs]
+    lengths = np.fromiter((len(r) for r, _ in routed), np.int64, len(routed))
+    ids = np.concatenate([r for r, _ in routed])
+    load = np.bincount(ids, weights=np.repeat(np.fromiter(flows.values(), float, len(pairs)), lengths),
+                       minlength=len(links.bandwidth))
+    per_link = load[ids] / links.bandwidth_array[ids]
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    coefs = np.maximum.reduceat(per_link, offsets)
+    latencies = np.fromiter((lat for _, lat in routed), float, len(routed))
+    candidates = sorted(set(zip(latencies.tolist(), coefs.tolist())), reverse=True)
+    envelope, best = [], -1.0
+    for latency, coef in candidates:
+        if coef > best:
+            envelope.append((latency, coef))
+            best = coef
+    return tuple(envelope), load
+
+
 def _profile(topology: Topology, placed: Sequence[tuple[StepProgram, tuple[int, ...]]]):
-    """(Counter of per-round envelopes, link -> chunks over all rounds, rounds) for programs run together."""
+    """(Counter of per-round envelopes, link -> chunks over all rounds, rounds) for programs run together.
+
+    Rounds with the same flows (every round of a ring) are routed once.
+    """
+    links = _links(topology)
     rounds_total = max(len(p.rounds) for p, _ in placed)
     envelopes: Counter = Counter()
-    totals: dict[Link, float] = defaultdict(float)
-    graph_edges = topology.graph.edges
+    totals = np.zeros(len(links.bandwidth))
+    seen: dict[tuple, tuple] = {}
     for k in range(rounds_total):
         flows: Counter = Counter()
         for program, devices in placed:
@@ -152,27 +227,14 @@ def _profile(topology: Topology, placed: Sequence[tuple[StepProgram, tuple[int, 
                         flows[devices[t.src], devices[t.dst]] += 1
         if not flows:
             continue
-        load: dict[Link, float] = defaultdict(float)
-        routes = {}
-        for (a, b), count in flows.items():
-            route = topology.route(a, b)
-            routes[a, b] = route
-            for link in route:
-                load[link] += count
-        pairs = set()
-        for pair, route in routes.items():
-            latency = sum(graph_edges[u, v]["latency"] for u, v in route)
-            coef = max(load[u, v] / graph_edges[u, v]["bandwidth"] for u, v in route)
-            pairs.add((latency, coef))
-        envelope, best = [], -1.0
-        for latency, coef in sorted(pairs, reverse=True):
-            if coef > best:
-                envelope.append((latency, coef))
-                best = coef
-        envelopes[tuple(envelope)] += 1
-        for link, chunks in load.items():
-            totals[link] += chunks
-    return envelopes, dict(totals), sum(envelopes.values())
+        signature = tuple(sorted(flows.items()))
+        if signature not in seen:
+            seen[signature] = _round_profile(links, flows)
+        envelope, load = seen[signature]
+        envelopes[envelope] += 1
+        totals += load
+    loads = {links.links[i]: float(totals[i]) for i in np.flatnonzero(totals)}
+    return envelopes, loads, sum(envelopes.values())
 
 
 def _cached_profile(topology: Topology, op: Op, algorithm: str, groups: tuple[tuple[int, ...], ...],
@@ -199,6 +261,16 @@ def program_time(topology: Topology, op: Op | str, algorithm: str, groups: Seque
     return total, rounds
 
 
+def _bound_per_byte(topology: Topology, op: Op, groups: tuple[tuple[int, ...], ...], root: int,
+                    peer: int | None) -> float:
+    """Lower bound seconds per byte (bounds are linear in bytes), memoized."""
+    memo = _memo(topology)
+    key = ("bound", op, groups, root, peer)
+    if key not in memo:
+        memo[key] = max(lower_bound(topology, op, g, 1.0, root, peer) for g in groups)
+    return memo[key]
+
+
 # -- public API --------------------------------------------------------------------------------
 
 def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]], nbytes: float,
@@ -208,17 +280,20 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
 
     ``algorithm='auto'`` picks the fastest applicable algorithm.
     """
-    op = parse_op(op)
-    algorithm = parse_algorithm(algorithm)
-    groups = tuple(tuple(int(d) for d in g) for g in groups)
-    if not groups or any(len(g) != len(groups[0]) for g in groups) or not groups[0]:
-        raise InputError("needs one or more groups of the same non-zero size", field="over")
+    groups = tuple(map(tuple, groups))
     nbytes = float(nbytes)
     memo = _memo(topology)
     key = ("time", op, algorithm, groups, nbytes, root, peer, use_closed_form)
     hit = memo.get(key)
     if hit is not None:
         return hit
+    if len(memo) > _MEMO_ENTRIES:
+        memo.clear()
+    op = parse_op(op)
+    algorithm = parse_algorithm(algorithm)
+    groups = tuple(tuple(map(operator.index, g)) for g in groups)
+    if not groups or any(len(g) != len(groups[0]) for g in groups) or not groups[0]:
+        raise InputError("needs one or more groups of the same non-zero size", field="over")
     n = len(groups[0])
     if algorithm == "auto":
         candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form)
@@ -232,7 +307,7 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
             time_s, rounds = closed
         else:
             time_s, rounds = program_time(topology, op, algorithm, groups, nbytes, root, peer)
-        bound = max(lower_bound(topology, op, g, nbytes, root, peer) for g in groups)
+        bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
         algbw = nbytes / time_s if time_s > 0 else 0.0
         result = CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
                                   algbw=algbw, busbw=algbw * BUS_FACTOR[op](n), bound_s=bound, rounds=rounds,
