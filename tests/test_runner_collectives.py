@@ -13,7 +13,6 @@ from testbed.algorithms import SUPPORTED_OPS, step_program
 from testbed.collectives import Op, reference
 
 BUILTIN_OPS = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL)
-PAIRS = [(alg, op) for alg, ops in SUPPORTED_OPS.items() for op in ops if op in BUILTIN_OPS]
 SIZES = (2, 3, 4, 6, 8)
 
 
@@ -37,11 +36,15 @@ def _both(op: Op, algorithm: str, n: int, x: np.ndarray):
     return np.asarray(got), np.asarray(want)
 
 
-@settings(max_examples=8)
-@given(pair=st.sampled_from(PAIRS), n=st.sampled_from(SIZES), rows=st.integers(1, 3), cols=st.integers(1, 5),
+RUNNABLE = [alg for alg, ops in SUPPORTED_OPS.items() if set(ops) & set(BUILTIN_OPS)]
+
+
+@pytest.mark.parametrize("algorithm", RUNNABLE)
+@settings(max_examples=2)
+@given(data=st.data(), n=st.sampled_from(SIZES), rows=st.integers(1, 3), cols=st.integers(1, 5),
        dtype=st.sampled_from(["float32", "int32", "bfloat16"]), seed=st.integers(0, 2**31 - 1))
-def test_programs_equal_jax_collectives(pair, n, rows, cols, dtype, seed):
-    algorithm, op = pair
+def test_programs_equal_jax_collectives(algorithm, data, n, rows, cols, dtype, seed):
+    op = data.draw(st.sampled_from([op for op in SUPPORTED_OPS[algorithm] if op in BUILTIN_OPS]))
     rows *= n if op in (Op.REDUCE_SCATTER, Op.ALL_TO_ALL) else 1
     rng = np.random.default_rng(seed)
     values = rng.integers(-8, 8, size=(n, rows, cols)) if dtype != "float32" else rng.normal(size=(n, rows, cols))
@@ -55,8 +58,7 @@ def test_programs_equal_jax_collectives(pair, n, rows, cols, dtype, seed):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("algorithm,op,n", [("double_binary_tree", Op.ALL_REDUCE, 3), ("torus", Op.ALL_REDUCE, 8),
-                                            ("direct", Op.ALL_TO_ALL, 3), ("halving_doubling", Op.ALL_GATHER, 6)])
+@pytest.mark.parametrize("algorithm,op,n", [("torus", Op.ALL_REDUCE, 6), ("halving_doubling", Op.ALL_REDUCE, 6)])
 def test_selected_algorithms_on_uneven_chunks(algorithm, op, n):
     rows = n if op is Op.ALL_TO_ALL else 1
     x = np.random.default_rng(n).normal(size=(n, rows, 7)).astype(np.float32)
