@@ -8,10 +8,11 @@ it. Two kinds of bottleneck are used (the bound is the larger):
   (n-1)/n*S; reduce-scatter: send (n-1)/n*S; all-to-all: (n-1)/n*S each way;
   broadcast: the root sends S, every other rank receives S), divided by the
   sum of the rank's link bandwidths per direction;
-- cut (hierarchical topologies): for every switch whose subtree holds some but
-  not all of the group, the bytes that must enter or leave that subtree
-  (all-reduce: S each way, since every output element depends on inputs on
-  both sides) divided by the bandwidth of the links leaving the subtree.
+- cut: for every switch whose subtree holds some but not all of the group
+  (hierarchies), and for the halves of each torus dim (bisection), the bytes
+  that must enter or leave that side (all-reduce: S each way, since every
+  output element depends on inputs on both sides) divided by the bandwidth of
+  the links crossing the cut.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 from testbed.collectives import Op, parse_op
 from testbed.topology import Form, Topology
 
-__all__ = ["lower_bound", "injection_bandwidth", "subtree_cuts"]
+__all__ = ["lower_bound", "injection_bandwidth", "subtree_cuts", "torus_cuts"]
 
 
 def injection_bandwidth(topology: Topology, device: int) -> float:
@@ -44,6 +45,23 @@ def _rank_needs(op: Op, n: int, nbytes: float, is_root: bool, is_peer: bool) -> 
     return (nbytes if is_root else 0.0), (nbytes if is_peer else 0.0)
 
 
+def _crossing(topology: Topology, nodes: set[object]) -> float:
+    return sum(data["bandwidth"] for u in nodes for _, v, data in topology.graph.edges(u, data=True) if v not in nodes)
+
+
+def torus_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
+    """(devices below the middle of a dim, bandwidth per direction across that cut) for each torus dim."""
+    if topology.form is not Form.TORUS:
+        return []
+    cuts = []
+    for i, level in enumerate(topology.levels):
+        if level.size < 2:
+            continue
+        devices = {d for d in range(topology.num_devices) if topology.coords(d)[i] < level.size // 2}
+        cuts.append((frozenset(devices), _crossing(topology, set(devices))))
+    return cuts
+
+
 def subtree_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
     """(devices under a switch, bandwidth per direction of the links leaving its subtree), levels form only."""
     if topology.form is not Form.LEVELS or len(topology.levels) < 2:
@@ -58,9 +76,7 @@ def subtree_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
             for j in range(k + 1):
                 inner = math.prod(l.size for l in topology.levels[: j + 1])
                 nodes.update(f"{topology.levels[j].name}{d // inner}" for d in devices)
-            crossing = sum(data["bandwidth"] for u in nodes for _, v, data in topology.graph.edges(u, data=True)
-                           if v not in nodes)
-            cuts.append((frozenset(devices), crossing))
+            cuts.append((frozenset(devices), _crossing(topology, nodes)))
     return cuts
 
 
@@ -111,6 +127,6 @@ def _cached_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
     key = ("__subtree_cuts__",)
     cuts = topology._routes.get(key)
     if cuts is None:
-        cuts = subtree_cuts(topology)
+        cuts = subtree_cuts(topology) + torus_cuts(topology)
         topology._routes[key] = cuts
     return cuts

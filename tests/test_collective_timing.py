@@ -219,3 +219,16 @@ def test_bound_holds_on_random_groups_of_a_cluster(op, n, nbytes, seed):
     for algorithm in applicable_algorithms(topology, op, group):
         t = collective_time(topology, op, group, nbytes, algorithm)
         assert t.time_s >= t.bound_s * (1 - 1e-12) and math.isfinite(t.time_s)
+
+
+def test_bounds_are_the_expected_cuts(topologies):
+    ring = generators.ring(8, device=DEVICE, bandwidth=1e10)
+    nbytes = 2.0**30
+    # Bisection of a ring: two links each way; it beats the injection bound 7/8 * S / (2B).
+    assert collective_time(ring, "all_reduce", tuple(range(8)), nbytes).bound_s == pytest.approx(nbytes / 2e10)
+    # Across DGX nodes: each node's 8 NICs at 50 GB/s carry the whole buffer in.
+    cluster = collective_time(topologies["dgx-h100-x4"], "all_reduce", tuple(range(32)), nbytes)
+    assert cluster.bound_s == pytest.approx(nbytes / (8 * 5e10))
+    # Inside one node only injection limits: (n-1)/n * S over 450 + 50 GB/s of links.
+    node = collective_time(topologies["dgx-h100-x4"], "all_reduce", tuple(range(8)), nbytes)
+    assert node.bound_s == pytest.approx(7 / 8 * nbytes / 5e11)
