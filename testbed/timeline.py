@@ -161,13 +161,20 @@ class Timeline:
         """Time ``device`` communicates while computing nothing."""
         return self.active(device) - self.busy(device, "compute")
 
+    def busiest(self) -> int:
+        """The representative with the most compute (ties: the most exposed communication)."""
+        reps = self.representatives
+        if not reps:
+            return 0
+        return max(reps, key=lambda d: (round(self.busy(d, "compute"), 15), self.exposed_comm(d)))
+
     def compute_s(self) -> float:
         """Busy compute time of the busiest device."""
-        return max((self.busy(d, "compute") for d in self.representatives), default=0.0)
+        return self.busy(self.busiest(), "compute") if self.representatives else 0.0
 
     def exposed_comm_s(self) -> float:
-        """Exposed communication of the device with the most of it."""
-        return max((self.exposed_comm(d) for d in self.representatives), default=0.0)
+        """Exposed communication of the busiest device (so compute + exposed comm <= step time)."""
+        return self.exposed_comm(self.busiest()) if self.representatives else 0.0
 
     def bubble_fraction(self) -> float:
         """Bubble spans / (stages x pipeline phase).

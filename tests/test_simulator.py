@@ -39,7 +39,7 @@ def topologies():
 TOPOLOGIES = topologies()
 
 
-def make_plan(*, data=1, fsdp=1, tensor=1, stage=1, schedule="1f1b", virtual=1, microbatches=4, zero=0,
+def make_plan(*, data=1, fsdp=1, tensor=1, stage=1, schedule="1f1b", virtual=1, microbatches=8, zero=0,
               remat="none", layers=16, precision="fp32") -> Plan:
     return Plan(model=ModelSpec(layers=layers, d_model=64, heads=4, d_ff=256, seq_len=32, vocab=128),
                 batch=BatchSpec(global_batch=data * fsdp * microbatches * 2, microbatches=microbatches),
