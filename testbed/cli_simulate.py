@@ -146,8 +146,9 @@ def _compare_execute(args: argparse.Namespace) -> CommandResult:
         from rich.table import Table
 
         table = Table(title=f"{plan.name}" + (" (data degree scaled)" if args.scale else ""))
-        for c in ("topology", "devices", "data", "step", "compute", "exposed comm", "bubble", "MFU", "memory"):
-            table.add_column(c)
+        table.add_column("topology", no_wrap=True)
+        for c in ("devices", "data", "step", "compute", "exp. comm", "bubble", "MFU", "memory"):
+            table.add_column(c, no_wrap=True)
         for r in rows:
             table.add_row(r["topology"], str(r["devices"]), str(r["data"]), format_time(r["step_time_s"]),
                           format_time(r["compute_s"]), format_time(r["exposed_comm_s"]), f"{r['bubble_fraction']:.1%}",

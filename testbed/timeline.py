@@ -79,7 +79,8 @@ class Timeline:
         label: one text per span.
         representative: for every device id, the representative device whose rows it repeats.
         step_time_s: end of the step (the last span may end earlier for measured steps).
-        pipeline_end_s: end of the pipeline phase (last forward/backward), for the bubble.
+        pipeline_end_s: end of the pipeline phase (last forward/backward), for the bubble
+            (default: the step time).
         source: ``predicted`` or ``measured``.
     """
 
@@ -91,7 +92,7 @@ class Timeline:
     label: tuple[str, ...]
     representative: np.ndarray
     step_time_s: float
-    pipeline_end_s: float
+    pipeline_end_s: float | None = None
     source: str = "predicted"
     _by_device: dict = field(init=False, repr=False, compare=False)
 
@@ -112,6 +113,8 @@ class Timeline:
         if n and (np.any(self.end < self.start) or self.row.min() < 0 or self.row.max() >= len(self.rows)):
             raise ValueError("spans need end >= start and a valid row")
         object.__setattr__(self, "_by_device", {})
+        if self.pipeline_end_s is None:
+            object.__setattr__(self, "pipeline_end_s", float(self.step_time_s))
 
     @property
     def num_devices(self) -> int:

@@ -214,3 +214,25 @@ def test_memory_and_mfu_in_report():
     assert r.memory["total"] == m.total and r.memory["fits"] == m.fits
     assert r.mfu == pytest.approx(model_flops_per_step(plan) / (8 * DEVICE.flops("fp32") * r.step_time_s))
     assert math.isfinite(r.step_time_s) and r.to_dict()["memory"]["capacity"] == m.capacity
+
+
+@pytest.mark.parametrize("attach,slowdown", [("switch", 4.0), ("device", 1.0)])
+def test_replicas_sharing_an_uplink_slow_each_other(attach, slowdown):
+    """Symmetry keeps contention: 4 tensor ranks' data-parallel all-reduces share one node uplink.
+
+    With ``attach: switch`` the 4 data groups (one per tensor rank) cross the
+    same node-to-cluster uplink, so each bucket's all-reduce runs ~4x slower
+    than alone; with a NIC per device they do not meet.
+    """
+    cluster = Level(name="cluster", size=2, bandwidth=1e9, latency=0.0, kind=LinkKind.ETHERNET, attach=attach)
+    node = Level(name="node", size=4, bandwidth=1e12, latency=0.0, kind=LinkKind.NVSWITCH)
+    topology = hierarchical([node, cluster], device=DEVICE, calibration=Calibration(), name=f"uplink-{attach}")
+    plan = make_plan(data=2, tensor=4, microbatches=1)
+    sim = simulate(plan, topology)
+    priced = price(sim.program, topology, "fp32")
+    tasks = sim.program.tasks
+    buckets = [i for i, t in enumerate(tasks) if t.stream == "grad"]
+    spans = {s.label: s for s in sim.timeline.spans(0)}
+    standalone = sum(priced.durations[i] for i in buckets)
+    simulated = sum(spans[tasks[i].name].duration for i in buckets)
+    assert simulated == pytest.approx(slowdown * standalone, rel=1e-6)
