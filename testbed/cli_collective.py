@@ -55,9 +55,13 @@ def plot_sweep(rows: list[dict[str, object]], title: str, path: str) -> None:
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name in dict.fromkeys(r["algorithm"] for r in rows):
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("x", "--"), ("P", "-."), ("*", ":")]
+    for i, name in enumerate(dict.fromkeys(r["algorithm"] for r in rows)):
         mine = [r for r in rows if r["algorithm"] == name]
-        ax.plot([r["bytes"] for r in mine], [r["busbw"] / 1e9 for r in mine], marker="o", label=name)
+        marker, line = styles[i % len(styles)]
+        # Distinct markers and dashes: algorithms with equal busbw would otherwise hide each other.
+        ax.plot([r["bytes"] for r in mine], [r["busbw"] / 1e9 for r in mine], marker=marker, linestyle=line,
+                markersize=5, label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")

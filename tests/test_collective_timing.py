@@ -204,6 +204,9 @@ def test_inapplicable_algorithms_say_which_apply(topologies):
         collective_time(topologies["dgx-h100"], "all_to_all", tuple(range(8)), 1e6, "ring")
     assert "torus" in applicable_algorithms(topologies["tpu-v5e-4x4"], "all_reduce", tuple(range(16)))
     assert "hierarchical" not in applicable_algorithms(topologies["dgx-h100"], "all_reduce", tuple(range(8)))
+    torus_group = tuple(range(16))
+    assert "direct" not in applicable_algorithms(topologies["tpu-v5e-4x4"], "all_reduce", torus_group)
+    assert "direct" in applicable_algorithms(topologies["tpu-v5e-4x4"], "all_to_all", torus_group)
     for algorithm, ops in SUPPORTED_OPS.items():
         assert ops and all(isinstance(op, Op) for op in ops)
 
