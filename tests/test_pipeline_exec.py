@@ -153,3 +153,62 @@ def test_spmd_gpipe_matches_reference(p: int, m: int) -> None:
     assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
     want = {"w": np.stack([g[0]["w"] for g in ref_grads]), "b": np.stack([g[0]["b"] for g in ref_grads])}
     _assert_close(grads, want)
+
+
+def _gpt_stage_forward(heads: int, stage: int, chunk: int, params: dict, x: jax.Array) -> jax.Array:
+    from runners import model
+
+    if "embed" in params:
+        x = model.embed(params["embed"], x)
+    return model.stage_forward(params["layers"], x, heads)
+
+
+def _gpt_loss(params: dict, y: jax.Array, targets: jax.Array) -> jax.Array:
+    from runners import model
+
+    return model.head_loss(params["head"], y, targets)
+
+
+def test_mpmd_runs_the_gpt_model() -> None:
+    """The project's GPT (runners.model) split into interleaved chunks by testbed.model.chunk_layers."""
+    import functools
+
+    from runners import model
+    from testbed.model import chunk_layers
+    from testbed.plan import ModelSpec
+
+    spec = ModelSpec(layers=2, d_model=8, heads=2, d_ff=16, seq_len=4, vocab=16)
+    name, p, v, m = "interleaved", 1, 2, 2
+    full = model.init_params(spec, seed=0)
+    tokens, targets = model.make_batch(spec, 2 * m, seed=1)
+    ranges = chunk_layers(spec, p, v)
+    devices = jax.devices()
+    params = []
+    for s in range(p):
+        row = []
+        for c in range(v):
+            chunk = {"layers": [full["layers"][i] for i in ranges[s][c]]}
+            if s == 0 and c == 0:
+                chunk["embed"] = full["embed"]
+            if s == p - 1 and c == v - 1:
+                chunk["head"] = full["head"]
+            row.append(jax.device_put(chunk, devices[s]))
+        params.append(row)
+    shardings = [jax.sharding.SingleDeviceSharding(devices[s]) for s in range(p)]
+    loss, grads = run_schedule(build_schedule(name, p, m, v), functools.partial(_gpt_stage_forward, spec.heads),
+                               _gpt_loss, params, list(tokens.reshape(m, 2, -1)), list(targets.reshape(m, 2, -1)),
+                               shardings)
+    per_mb = jax.jit(jax.value_and_grad(functools.partial(model.forward_loss, spec=spec)))
+    results = [per_mb(full, tokens[2 * i: 2 * i + 2], targets[2 * i: 2 * i + 2]) for i in range(m)]
+    ref_loss = sum(float(r[0]) for r in results) / m
+    ref = jax.tree.map(lambda *g: sum(g) / m, *[r[1] for r in results])
+    assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
+    for s in range(p):
+        for c in range(v):
+            want = {"layers": [ref["layers"][i] for i in ranges[s][c]]}
+            if "embed" in grads[s][c]:
+                want["embed"] = ref["embed"]
+            if "head" in grads[s][c]:
+                want["head"] = ref["head"]
+            _assert_close(grads[s][c], want)
+    assert "embed" in grads[0][0] and "head" in grads[p - 1][v - 1]
