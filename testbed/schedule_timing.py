@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from testbed.errors import InputError
 from testbed.gantt import Bar
-from testbed.schedules import Action, Schedule, dependencies, execution_order
+from testbed.schedules import Action, Schedule, _dependency_keys, execution_order
 
 __all__ = ["ActionCosts", "Interval", "ScheduleTiming", "play", "gantt_bars"]
 
@@ -59,19 +59,19 @@ class ActionCosts:
         if not self.send >= 0:
             raise InputError(f"must be >= 0, got {self.send}", field="send")
 
+    def durations(self, schedule: Schedule) -> list[dict[str, float]]:
+        """Per stage, seconds of one F, B and W action under ``schedule``'s conventions."""
+        p, v = schedule.stages, schedule.virtual
+        f = _per_stage(self.forward, p, "forward")
+        b = _per_stage(self.backward, p, "backward")
+        w = _per_stage(self.weight, p, "weight")
+        if schedule.split_backward:
+            return [{"F": f[s] / v, "B": b[s] / v, "W": w[s] / v} for s in range(p)]
+        return [{"F": f[s] / v, "B": (b[s] + w[s]) / v, "W": 0.0} for s in range(p)]
+
     def duration(self, schedule: Schedule, stage: int, action: Action) -> float:
         """Seconds ``action`` takes on ``stage`` under ``schedule``'s conventions."""
-        p = schedule.stages
-        f = _per_stage(self.forward, p, "forward")[stage]
-        b = _per_stage(self.backward, p, "backward")[stage]
-        w = _per_stage(self.weight, p, "weight")[stage]
-        if action.kind == "F":
-            t = f
-        elif action.kind == "B":
-            t = b if schedule.split_backward else b + w
-        else:
-            t = w
-        return t / schedule.virtual
+        return self.durations(schedule)[stage][action.kind]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,16 +132,17 @@ class ScheduleTiming:
 def play(schedule: Schedule, costs: ActionCosts | None = None) -> ScheduleTiming:
     """Run ``schedule`` as a dependency graph with ``costs``; raises InputError if it deadlocks."""
     costs = costs or ActionCosts()
-    end: dict[tuple[int, Action], float] = {}
+    durations = costs.durations(schedule)
+    end: dict[tuple, float] = {}
     free = [0.0] * schedule.stages
     rows: list[list[Interval]] = [[] for _ in range(schedule.stages)]
     for stage, action in execution_order(schedule):
         start = free[stage]
-        for dep_stage, dep in dependencies(schedule, stage, action):
-            arrive = end[(dep_stage, dep)] + (costs.send if dep_stage != stage else 0.0)
+        for key in _dependency_keys(schedule, stage, action.kind, action.microbatch, action.chunk):
+            arrive = end[key] + (costs.send if key[0] != stage else 0.0)
             start = max(start, arrive)
-        finish = start + costs.duration(schedule, stage, action)
-        end[(stage, action)] = finish
+        finish = start + durations[stage][action.kind]
+        end[(stage, action.kind, action.microbatch, action.chunk)] = finish
         free[stage] = finish
         rows[stage].append(Interval(stage=stage, start=start, end=finish, action=action))
     step = max((r[-1].end for r in rows if r), default=0.0)

@@ -150,6 +150,18 @@ def _expected(schedule: Schedule, stage: int) -> set[Action]:
     return {Action(k, mb, c) for k in kinds for mb in range(schedule.microbatches) for c in range(schedule.virtual)}
 
 
+def _dependency_keys(schedule: Schedule, stage: int, kind: str, mb: int, chunk: int) -> list[tuple]:
+    """:func:`dependencies` as plain ``(stage, kind, microbatch, chunk)`` tuples (fast path)."""
+    p = schedule.stages
+    g = chunk * p + stage
+    if kind == "F":
+        return [((g - 1) % p, "F", mb, (g - 1) // p)] if g > 0 else []
+    if kind == "B":
+        own = [(stage, "F", mb, chunk)]
+        return own + [((g + 1) % p, "B", mb, (g + 1) // p)] if g < schedule.chunks - 1 else own
+    return [(stage, "B", mb, chunk)]
+
+
 def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """A global order in which every action runs after its dependencies (stages keep table order).
 
@@ -157,22 +169,22 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     through the per-stage orders).
     """
     p = schedule.stages
+    rows = [[(s, a.kind, a.microbatch, a.chunk) for a in row] for s, row in enumerate(schedule.actions)]
+    deps = [[_dependency_keys(schedule, *key) for key in row] for row in rows]
     pos = [0] * p
-    done: set[tuple[int, Action]] = set()
+    done: set[tuple] = set()
     order: list[tuple[int, Action]] = []
-    total = sum(len(r) for r in schedule.actions)
+    total = sum(len(r) for r in rows)
     while len(order) < total:
         progressed = False
         for s in range(p):
-            row = schedule.actions[s]
-            while pos[s] < len(row):
-                a = row[pos[s]]
-                if not all(d in done for d in dependencies(schedule, s, a)):
-                    break
-                done.add((s, a))
-                order.append((s, a))
-                pos[s] += 1
-                progressed = True
+            row, row_deps, i = rows[s], deps[s], pos[s]
+            while i < len(row) and all(d in done for d in row_deps[i]):
+                done.add(row[i])
+                order.append((s, schedule.actions[s][i]))
+                i += 1
+            progressed |= i > pos[s]
+            pos[s] = i
         if not progressed:
             stuck = ", ".join(f"stage {s}: {schedule.actions[s][pos[s]].label(schedule.virtual)}"
                               for s in range(p) if pos[s] < len(schedule.actions[s]))
@@ -290,7 +302,8 @@ def _zero_bubble(p: int, m: int, limits: list[int], deferred: int) -> list[list[
     next_b = [0] * p
     pending_w: list[list[int]] = [[] for _ in range(p)]
     tick = 0
-    while any(len(r) < 3 * m for r in rows):
+    remaining = 3 * m * p
+    while remaining:
         for s in range(p):
             def ready(kind: str, mb: int, stage: int = s) -> bool:
                 return finished.get((stage, kind, mb), tick + 1) <= tick
@@ -311,6 +324,7 @@ def _zero_bubble(p: int, m: int, limits: list[int], deferred: int) -> list[list[
             if choice is not None:
                 rows[s].append(choice)
                 finished[(s, choice.kind, choice.microbatch)] = tick + 1
+                remaining -= 1
         tick += 1
     return rows
 
