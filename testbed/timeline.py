@@ -252,8 +252,41 @@ def chrome_trace(timeline: Timeline, devices: Sequence[int] | None = None) -> di
 
 
 def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | None = None) -> Path:
-    """Write :func:`chrome_trace` as JSON atomically."""
-    return write_atomic(path, json.dumps(chrome_trace(timeline, devices), separators=(",", ":")), "trace")
+    """Write :func:`chrome_trace` as JSON atomically, streamed device by device.
+
+    Each representative's events are serialised once and repeated with each
+    device's pid, so a 4096-device trace costs string joins, not millions of dicts.
+    """
+    from testbed.output import atomic_path
+
+    devices = range(timeline.num_devices) if devices is None else devices
+    fragments: dict[int, list[str]] = {}
+    with atomic_path(path, "trace") as tmp, open(tmp, "w") as out:
+        out.write('{"displayTimeUnit":"ms","otherData":')
+        out.write(json.dumps({"source": timeline.source, "step_time_s": timeline.step_time_s}))
+        out.write(',"traceEvents":[')
+        first = True
+        for device in devices:
+            device = int(device)
+            rep = int(timeline.representative[device])
+            cached = fragments.get(rep)
+            if cached is None:
+                one = chrome_trace(timeline, devices=[rep])["traceEvents"]
+                cached = fragments[rep] = [json.dumps({k: v for k, v in e.items() if k != "pid"},
+                                                      separators=(",", ":"))[1:] for e in one]
+            name = json.dumps(f"device {device}" + ("" if rep == device else f" (as {rep})"))
+            head = f'{{"pid":{device},'
+            parts = []
+            for text in cached:
+                if text.startswith('"ph":"M","name":"process_name"'):
+                    text = f'"ph":"M","name":"process_name","tid":0,"args":{{"name":{name}}}}}'
+                elif text.startswith('"ph":"M","name":"process_sort_index"'):
+                    text = f'"ph":"M","name":"process_sort_index","tid":0,"args":{{"sort_index":{device}}}}}'
+                parts.append(head + text)
+            out.write(("" if first else ",") + ",".join(parts))
+            first = False
+        out.write("]}")
+    return Path(path)
 
 
 def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> Path:
