@@ -85,7 +85,10 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
     plt = pyplot()
     horizon = max((b.end for b in bars), default=1.0) or 1.0
     all_bars = list(bars) + (idle_gaps(bars, len(rows), horizon) if show_idle else [])
-    width = min(40.0, max(8.0, 0.22 * len([b for b in bars if b.row == 0]) + 6.0))
+    # Wide enough that the shortest bar holds its label (~0.1 inch per character at font size 7).
+    shortest = min((b.end - b.start for b in bars if b.end > b.start and b.category != "bubble"), default=horizon)
+    longest_label = max((len(b.label) for b in bars), default=1)
+    width = min(40.0, max(8.0, 2.5 + horizon / shortest * 0.1 * (longest_label + 1.5)))
     fig, ax = plt.subplots(figsize=(width, 0.55 * len(rows) + 1.6))
     # Character budget: a label fits if its bar is wider than ~0.7 em of the axes at this size.
     char_width = horizon / (width * 72 / 7.0)
