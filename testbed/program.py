@@ -39,7 +39,7 @@ import numpy as np
 from testbed import model
 from testbed.memory import state_bytes_per_param
 from testbed.placement import Placement
-from testbed.plan import MESH_AXES, Axis, Plan
+from testbed.plan import MESH_AXES, Axis, Plan, Remat
 from testbed.schedules import Action, Schedule, build_schedule, dependencies
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
@@ -196,7 +196,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             deps.append(b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                               op="all_gather", nbytes=cost.params * param_b,
                               group=_rep_group(p_groups[s], rep), instances=p_groups[s]))
-        flops, hbm, tp = _action_work(cost, action.kind, schedule.split_backward)
+        flops, hbm, tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
         kernels = max(1, 4 * cost.layers)
         pieces = 1
         if action.kind == last_bwd_kind:
@@ -244,14 +244,20 @@ def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
     return execution_order(schedule)
 
 
-def _action_work(cost: model.ChunkCost, kind: str, split: bool) -> tuple[float, float, int]:
-    """(FLOPs, HBM bytes, tensor all-reduces) of one action on one microbatch."""
+def _action_work(cost: model.ChunkCost, kind: str, split: bool, remat: Remat) -> tuple[float, float, int]:
+    """(FLOPs, HBM bytes, tensor all-reduces) of one action on one microbatch.
+
+    Full remat reruns each layer's forward up to the MLP down projection in
+    the backward, so the attention output's tensor all-reduce runs again
+    (one per layer); selective remat redoes no all-reduce.
+    """
     if kind == "F":
         return float(cost.forward_flops), float(cost.forward_bytes), cost.tensor_allreduces_forward
     if kind == "B":
         flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
-        return float(flops), float(hbm), cost.tensor_allreduces_backward
+        redo = cost.layers if remat is Remat.FULL and cost.tensor_allreduces_backward else 0
+        return float(flops), float(hbm), cost.tensor_allreduces_backward + redo
     return float(cost.backward_weight_flops), cost.backward_bytes / 2, 0
 
 
