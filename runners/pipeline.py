@@ -225,7 +225,8 @@ def spmd_gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callabl
     def local(params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
         params = jax.tree.map(lambda a: a[0], params)
         stage = jax.lax.axis_index(stage_axis)
-        nan = jnp.full(inputs.shape[1:], jnp.nan, inputs.dtype)
+        # *_like keeps the inputs' sharding over the other (explicit) mesh axes, e.g. data.
+        nan = jnp.full_like(inputs[0], jnp.nan)
 
         def tick(t, carry):
             received, outputs = carry
@@ -242,8 +243,7 @@ def spmd_gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callabl
             sent = jax.lax.ppermute(y, stage_axis, perm) if perm else y
             return sent, outputs
 
-        start = jax.lax.pcast((jnp.full(inputs.shape[1:], jnp.nan, inputs.dtype),
-                               jnp.full(inputs.shape, jnp.nan, inputs.dtype)), (stage_axis,), to="varying")
+        start = jax.lax.pcast((nan, jnp.full_like(inputs, jnp.nan)), (stage_axis,), to="varying")
         _, outputs = jax.lax.fori_loop(0, ticks, tick, start)
         is_last = stage == p - 1
         safe = jnp.where(is_last, outputs, jnp.zeros_like(outputs))

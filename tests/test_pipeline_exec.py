@@ -137,18 +137,20 @@ def test_mpmd_receive_slots_start_as_nan() -> None:
     assert np.isnan(float(loss))
 
 
-@pytest.mark.parametrize("p,m", [(1, 3), (2, 3), (4, 5)])
-def test_spmd_gpipe_matches_reference(p: int, m: int) -> None:
-    """One jitted shard_map program over the stage axis; bubble slots carry NaN, results stay finite."""
-    mesh = jax.make_mesh((p,), ("stage",), axis_types=(jax.sharding.AxisType.Explicit,),
-                         devices=jax.devices()[:p])
+@pytest.mark.parametrize("p,m,data", [(1, 3, 1), (2, 3, 2), (4, 5, 1)])
+def test_spmd_gpipe_matches_reference(p: int, m: int, data: int) -> None:
+    """One jitted shard_map program over the stage axis (stages may have a data axis of their own);
+    bubble slots carry NaN, results stay finite."""
+    mesh = jax.make_mesh((p, data), ("stage", "data"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=jax.devices()[: p * data])
     params = _init(p, 1, seed=7)
     head = params[-1][0]["head"]
     stacked = {"w": np.stack([row[0]["w"] for row in params]), "b": np.stack([row[0]["b"] for row in params])}
     xs, ts = _data(m, seed=8)
     step = spmd_gpipe(_chunk, lambda y, t: _loss({"head": head}, y, t), mesh, m)
     sharded = jax.device_put(stacked, jax.NamedSharding(mesh, jax.P("stage")))
-    loss, grads = step(sharded, jnp.stack(xs), jnp.stack(ts))
+    batch = jax.NamedSharding(mesh, jax.P(None, "data"))
+    loss, grads = step(sharded, jax.device_put(np.stack(xs), batch), jax.device_put(np.stack(ts), batch))
     ref_loss, ref_grads = _reference(params, xs, ts)
     assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
     want = {"w": np.stack([g[0]["w"] for g in ref_grads]), "b": np.stack([g[0]["b"] for g in ref_grads])}
