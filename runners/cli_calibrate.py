@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+import numpy as np
 
 from testbed import calibration as cal
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic
 from testbed.topology import Topology
 
-__all__ = ["calibrate", "validate", "base_topology", "fit_all", "measurements_path"]
+__all__ = ["calibrate", "validate", "base_topology", "fit_all", "measurements_path", "validation_summary",
+           "relative_error"]
 
 
 def measurements_path(out: str | Path) -> Path:
@@ -88,17 +91,27 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,
     """Fit every calibration field from ``samples``; (calibrated topology, fitted values, fits)."""
     launch = cal.fit_dispatch(samples)
     rates, half, fits = cal.fit_compute(samples, launch)
-    memory_bw, memory_fit = cal.fit_memory(samples, launch)
-    fits.append(memory_fit)
+    try:
+        memory_bw, memory_fit = cal.fit_memory(samples, launch)
+        fits.append(memory_fit)
+    except InputError:  # noisy streams on a busy host: keep the base topology's bandwidth
+        memory_bw = base.device.memory_bandwidth * base.calibration.memory_efficiency
     cores = cal.fit_host_cores(samples, base.num_devices)
     collectives = None
-    # A collective benchmark is its own program: its dispatch is not part of the collective.
-    rows = [replace(s, seconds=max(s.seconds - launch, 0.1 * s.seconds)) for s in samples if s.kind == "collective"]
+    # Collective samples are already per collective inside a program (runners.measure loops them).
+    rows = [s for s in samples if s.kind == "collective"]
     if rows:
         collectives, coll_fit = cal.fit_collectives(base, rows, cal.simulator_collective_time)
         fits.append(coll_fit)
     topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
                                    host_cores=cores, collectives=collectives, name=name)
+    steps = cal.fit_step_compute(topo, samples)
+    if steps is not None:
+        efficiency, half, step_fit = steps
+        fits.append(step_fit)
+        topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw,
+                                       launch_s=launch, host_cores=cores, collectives=collectives, name=name,
+                                       efficiency=efficiency)
     c = topo.calibration
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
@@ -109,6 +122,20 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,
         "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},
     }
     return topo, fitted, fits
+
+
+def _read_measurements(path: str) -> dict[str, Any]:
+    """A ``.measurements.json`` file written by calibrate (InputError naming the file if unreadable)."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError("measurements file not found", file=path, field="--from-measurements") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputError(f"not a measurements JSON file ({exc})", file=path, field="--from-measurements") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("samples"), list):
+        raise InputError("expected an object with a `samples` list (written by `testbed calibrate`)", file=path,
+                         field="samples")
+    return raw
 
 
 def _progress(total_hint: str):
@@ -131,6 +158,8 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "default: host-cpu-8 for emulated, detected for local")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and ops (about half the time)")
     parser.add_argument("--name", default=None, help="name of the calibrated topology (default BASE-calibrated)")
+    parser.add_argument("--from-measurements", default=None, metavar="JSON",
+                        help="refit from a saved FILE.measurements.json instead of measuring (no JAX)")
 
 
 def _calibrate(args: argparse.Namespace) -> CommandResult:
@@ -141,33 +170,46 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
                          "use --processes 1 on each host", field="--processes")
     if not str(args.out).endswith((".yaml", ".yml")):
         raise InputError(f"expected a .yaml path for the calibrated topology, got `{args.out}`", field="--out")
-    request = _parse_devices(args.devices)
-    dev.prepare(request)
-    from runners import measure
+    if args.from_measurements:
+        raw = _read_measurements(args.from_measurements)
+        samples = cal.samples_from_rows(raw["samples"])
+        info = {"platform": raw.get("platform", "cpu"), "devices": raw.get("devices", 8),
+                "device_kind": raw.get("device_kind", "")}
+        from testbed.topology_io import bundled_names
 
-    devices = dev.select_devices(request.count)
-    info = dev.describe(devices)
-    base = base_topology(args.base, info["platform"], len(devices), str(info.get("device_kind", "")))
-    started = time.perf_counter()
-    benches = measure.plan_benchmarks(info["platform"], len(devices), quick=args.quick)
-    samples = []
-    with _progress("") as progress:
-        task = progress.add_task("", total=len(benches))
-        for bench in benches:
-            progress.update(task, description=bench.label)
-            samples.append(measure.run_benchmark(bench, devices))
-            progress.advance(task)
-    elapsed = time.perf_counter() - started
+        saved = raw.get("base") if raw.get("base") in bundled_names() else None
+        base = base_topology(args.base or saved, info["platform"], info["devices"], info["device_kind"])
+        elapsed, mpath = float(raw.get("seconds", 0.0)), Path(args.from_measurements)
+        request = f"... --from-measurements {mpath}"
+    else:
+        request = _parse_devices(args.devices)
+        dev.prepare(request)
+        from runners import measure
+
+        devices = dev.select_devices(request.count)
+        info = dev.describe(devices)
+        base = base_topology(args.base, info["platform"], len(devices), str(info.get("device_kind", "")))
+        started = time.perf_counter()
+        benches = measure.plan_benchmarks(info["platform"], len(devices), quick=args.quick)
+        samples = []
+        with _progress("") as progress:
+            task = progress.add_task("", total=len(benches))
+            for bench in benches:
+                progress.update(task, description=bench.label)
+                samples.append(measure.run_benchmark(bench, devices))
+                progress.advance(task)
+        elapsed = time.perf_counter() - started
+        # The raw samples first: they stay useful even when a fit fails.
+        raw = {"platform": info["platform"], "devices": info["devices"], "device_kind": info.get("device_kind", ""),
+               "base": base.name, "seconds": elapsed, "samples": cal.samples_to_rows(samples)}
+        mpath = measurements_path(args.out)
+        write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
     topo, fitted, fits = fit_all(base, samples, name=args.name)
     from testbed.topology_io import dump_topology
 
-    header = (f"# Calibrated by `testbed calibrate --devices {request}` on {info['devices']} {info['platform']} "
+    header = (f"# Fitted by `testbed calibrate --devices {request}` from {info['devices']} {info['platform']} "
               f"device(s) ({info.get('device_kind', '')}), base {base.name}.\n")
     write_atomic(args.out, header + dump_topology(topo), field_name="--out")
-    raw = {"platform": info["platform"], "devices": info["devices"], "device_kind": info.get("device_kind", ""),
-           "base": base.name, "seconds": elapsed, "samples": cal.samples_to_rows(samples)}
-    mpath = measurements_path(args.out)
-    write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
     data = {"topology": str(args.out), "name": topo.name, "measurements": str(mpath), "platform": info["platform"],
             "devices": info["devices"], "base": base.name, "seconds": elapsed, "fitted": fitted,
             "fits": {f.name: f.summary() for f in fits}}
@@ -217,59 +259,37 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan after one warm-up (default 5)")
 
 
-def _trainer(plan: Any, devices: list[Any]) -> Any:
-    """The runner's trainer for ``plan`` on ``devices`` (the runner's own step, never a second one)."""
-    from runners import devices as dev
-    from testbed.placement import place
-
-    placement = place(plan, num_devices=len(devices))
-    if plan.mesh.stage == 1:
-        from runners.step import SpmdTrainer
-
-        return SpmdTrainer(plan, dev.build_mesh(placement, devices))
-    from runners import pipeline_step  # type: ignore[attr-defined]
-
-    return pipeline_step.PipelineTrainer(plan, placement, devices)
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured; 0 when both are 0, inf when only measured is."""
+    if measured == 0:
+        return 0.0 if predicted == 0 else math.inf
+    return (predicted - measured) / measured
 
 
-def compiled_memory(trainer: Any, state: Any) -> float | None:
-    """XLA's compiled bytes per device (arguments + outputs + temporaries - aliased), worst program.
+def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``testbed validate`` JSON object from per-plan rows.
 
-    None when the trainer does not expose its compiled programs.
+    Each row has ``plan, predicted_s, measured_s, predicted_memory,
+    measured_memory`` (memory may be None when XLA does not report it);
+    ``error`` and ``memory_error`` are added, and the median / max absolute
+    step-time errors summarise them.
     """
-    programs = getattr(trainer, "compiled_programs", None)
-    compiled = []
-    if callable(programs):
-        compiled = list(programs(state))
-    elif hasattr(trainer, "_step") and hasattr(trainer, "_batch"):
-        compiled = [trainer._step.lower(*state, *trainer._batch(0)).compile()]
-    best = None
-    for program in compiled:
-        m = program.memory_analysis()
-        if m is None:
-            continue
-        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        best = total if best is None else max(best, total)
-    return None if best is None else float(best)
-
-
-def measure_plan(plan: Any, devices: list[Any], steps: int) -> tuple[float, float | None, list[float]]:
-    """(median step seconds, compiled memory per device, all step times) of the runner executing ``plan``."""
-    import jax
-
-    trainer = _trainer(plan, devices)
-    state = trainer.init()
-    state, loss = trainer.step(state, 0)  # compiles
-    jax.block_until_ready((state, loss))
-    times = []
-    for i in range(steps):
-        start = time.perf_counter()
-        state, loss = trainer.step(state, i + 1)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    import statistics
-
-    return statistics.median(times), compiled_memory(trainer, state), times
+    plans = []
+    for row in rows:
+        out = dict(row)
+        out["error"] = relative_error(row["predicted_s"], row["measured_s"])
+        pm, mm = row.get("predicted_memory"), row.get("measured_memory")
+        out["memory_error"] = relative_error(pm, mm) if pm is not None and mm else None
+        plans.append(out)
+    errors = [abs(p["error"]) for p in plans]
+    memory = [abs(p["memory_error"]) for p in plans if p["memory_error"] is not None]
+    return {
+        "plans": plans,
+        "median_abs_error": float(np.median(errors)) if errors else 0.0,
+        "max_abs_error": float(np.max(errors)) if errors else 0.0,
+        "median_abs_memory_error": float(np.median(memory)) if memory else None,
+        "max_abs_memory_error": float(np.max(memory)) if memory else None,
+    }
 
 
 def _validate(args: argparse.Namespace) -> CommandResult:
@@ -290,6 +310,8 @@ def _validate(args: argparse.Namespace) -> CommandResult:
             raise exc.with_file(path) from None
     request = _parse_devices(args.devices) if args.devices else _parse_devices(f"emulated:{topology.num_devices}")
     dev.prepare(request)
+    from runners import measure
+
     devices = dev.select_devices(topology.num_devices)
     rows = []
     with _progress("") as progress:
@@ -297,13 +319,13 @@ def _validate(args: argparse.Namespace) -> CommandResult:
         for path, plan in zip(args.plans, plans):
             progress.update(task, description=plan.name)
             report = simulate(plan, topology).report
-            measured, memory, times = measure_plan(plan, devices, args.steps)
+            measured, memory, times = measure.measure_plan(plan, devices, args.steps)
             rows.append({"plan": plan.name, "file": str(path), "predicted_s": report.step_time_s, "measured_s": measured,
                          "predicted_memory": float(report.memory["total"]), "measured_memory": memory,
                          "step_times_s": times})
             progress.advance(task)
     data = {"topology": topology.name, "devices": dev.describe(devices), "steps": args.steps,
-            **cal.validation_summary(rows)}
+            **validation_summary(rows)}
     return CommandResult(data=data, render=lambda console: _render_validation(console, data))
 
 

@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from testbed.calibration import Sample
+from testbed.calibration import STEP_SHAPES, Sample, step_plan
+from testbed.model import model_flops_per_step
 
-__all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS"]
+__all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS", "measure_plan",
+           "compiled_memory"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -46,6 +48,8 @@ class Benchmark:
     def label(self) -> str:
         if self.kind == "collective":
             return f"{self.op} x{self.ranks} {self.size} B"
+        if self.kind == "step":
+            return f"training step {self.op}"
         if self.kind in ("matmul", "concurrent_matmul"):
             return f"{self.kind} {self.dtype} {self.size}^3"
         return f"{self.kind} {self.size}" if self.size else self.kind
@@ -68,14 +72,14 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     cpu = platform == "cpu"
     if cpu:
         sizes = [96, 192, 320, 448] if quick else [64, 128, 192, 256, 384, 512]
-        streams = [1 << 18, 1 << 21, 1 << 23] if quick else [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
-        messages = [1 << 12, 1 << 18, 1 << 21] if quick else [1 << 12, 1 << 16, 1 << 19, 1 << 22]
+        streams = [1 << 20, 1 << 23] if quick else [1 << 20, 1 << 22, 1 << 24]
+        messages = [1 << 12, 1 << 18, 1 << 21] if quick else [1 << 12, 1 << 17, 1 << 21]
     else:
         sizes = [512, 1024, 2048, 4096] if quick else [256, 512, 1024, 2048, 4096, 8192]
         streams = [1 << 24, 1 << 27] if quick else [1 << 20, 1 << 23, 1 << 26, 1 << 28]
         messages = [1 << 16, 1 << 22, 1 << 26] if quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 27]
     dtypes = ["fp32"] if (quick and cpu) else ["fp32", "bf16"]
-    out = [Benchmark(kind="dispatch")]
+    out = [Benchmark(kind="dispatch", size=k) for k in sorted({1, max(1, num_devices // 2), num_devices})]
     out += [Benchmark(kind="matmul", size=n, dtype=d) for d in dtypes for n in sizes]
     if num_devices > 1:
         out += [Benchmark(kind="concurrent_matmul", size=n, dtype="fp32") for n in sizes[-2:]]
@@ -87,6 +91,8 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     if num_devices > 1:
         out += [Benchmark(kind="collective", op=op, ranks=g, size=b)
                 for op in ops for g in groups if g > 1 for b in messages]
+    shapes = [name for name in STEP_SHAPES if name.startswith("cpu-" if cpu else "acc-")]
+    out += [Benchmark(kind="step", op=name) for name in (shapes[1:3] if quick else shapes)]
     return out
 
 
@@ -110,10 +116,20 @@ def _matmul(bench: Benchmark, devices: Sequence[Any], concurrent: bool) -> Sampl
     return Sample(kind=bench.kind, seconds=seconds, flops=2.0 * n ** 3, dtype=bench.dtype, devices=k)
 
 
-def _dispatch(devices: Sequence[Any]) -> Sample:
-    x = jax.device_put(jnp.ones((8,), jnp.float32), devices[0])
+def _dispatch(bench: Benchmark, devices: Sequence[Any]) -> Sample:
+    """An almost empty program on ``bench.size`` devices (a pipeline stage's programs span several)."""
+    k = max(1, bench.size)
+    mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices[:k]))
+    x = jax.device_put(jnp.ones((8 * k,), jnp.float32), jax.NamedSharding(mesh, jax.P("d")))
     fn = jax.jit(lambda v: v + 1)
-    return Sample(kind="dispatch", seconds=time_call(lambda: fn(x), repeats=50, budget_s=0.5))
+    return Sample(kind="dispatch", seconds=time_call(lambda: fn(x), repeats=50, budget_s=0.5), devices=k)
+
+
+def _step(bench: Benchmark, devices: Sequence[Any]) -> Sample:
+    """Median training step of the single-device plan ``bench.op`` (the runner's own step)."""
+    plan = step_plan(bench.op)
+    seconds, _, _ = measure_plan(plan, list(devices[:1]), steps=5, memory=False)
+    return Sample(kind="step", seconds=seconds, op=bench.op, flops=float(model_flops_per_step(plan)))
 
 
 def _memory(bench: Benchmark, devices: Sequence[Any]) -> Sample:
@@ -176,7 +192,9 @@ def _collective(bench: Benchmark, devices: Sequence[Any], repeats: tuple[int, in
 def run_benchmark(bench: Benchmark, devices: Sequence[Any]) -> Sample:
     """Run one benchmark on ``devices`` (all of them for concurrent ones and collectives)."""
     if bench.kind == "dispatch":
-        return _dispatch(devices)
+        return _dispatch(bench, devices)
+    if bench.kind == "step":
+        return _step(bench, devices)
     if bench.kind in ("matmul", "concurrent_matmul"):
         return _matmul(bench, devices, concurrent=bench.kind == "concurrent_matmul")
     if bench.kind == "memory":
@@ -196,6 +214,51 @@ def measure(devices: Sequence[Any], *, quick: bool = False,
     return samples
 
 
-def as_array(samples: Sequence[Sample]) -> np.ndarray:
-    """Seconds of the samples as an array (convenience for scripts)."""
-    return np.array([s.seconds for s in samples])
+def _trainer(plan: Any, devices: list[Any]) -> Any:
+    """The runner's trainer for ``plan`` (``runners.cli_run.build_trainer``: the one training step there is)."""
+    from runners.cli_run import build_trainer
+
+    return build_trainer(plan, list(devices))
+
+
+def compiled_memory(trainer: Any, state: Any) -> float | None:
+    """XLA's compiled bytes per device (arguments + outputs + temporaries - aliased), worst program.
+
+    None when the trainer does not expose its compiled programs.
+    """
+    programs = getattr(trainer, "compiled_programs", None)
+    compiled = []
+    if callable(programs):
+        compiled = list(programs(state))
+    elif hasattr(trainer, "_step") and hasattr(trainer, "_batch"):
+        compiled = [trainer._step.lower(*state, *trainer._batch(0)).compile()]
+    best = None
+    for program in compiled:
+        m = program.memory_analysis()
+        if m is None:
+            continue
+        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+        best = total if best is None else max(best, total)
+    return None if best is None else float(best)
+
+
+def measure_plan(plan: Any, devices: list[Any], steps: int, memory: bool = True,
+                 ) -> tuple[float, float | None, list[float]]:
+    """(median step seconds, compiled memory per device, all step times) of the runner executing ``plan``.
+
+    One warm-up step compiles; ``memory=False`` skips the (second) compilation
+    that XLA's memory analysis needs.
+    """
+    trainer = _trainer(plan, devices)
+    state = trainer.init()
+    state, loss = trainer.step(state, 0)  # compiles
+    jax.block_until_ready((state, loss))
+    times = []
+    for i in range(steps):
+        start = time.perf_counter()
+        state, loss = trainer.step(state, i + 1)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), compiled_memory(trainer, state) if memory else None, times
+
+

@@ -6,9 +6,10 @@ this module turns those rows into calibration fields with (non-negative,
 relative-error weighted) least squares, numpy only:
 
 - dispatch: ``launch_overhead_s`` is the median time of an empty program;
-- compute: a kernel of ``f`` FLOPs takes ``launch + f / (peak * eff(f))`` with
-  ``eff(f) = eff_max * f / (f + half)``, i.e. ``launch + (f + half) / R`` with
-  ``R = peak * eff_max``: a straight line in ``f`` per dtype;
+- compute: a kernel of ``f`` FLOPs takes ``launch + (f + half) / R`` (the
+  simulator's ``eff(f) = eff_max * f / (f + half)``, ``R = peak * eff_max``):
+  a line in ``f`` per dtype; single-device training steps then refit
+  ``eff_max`` and ``half`` on the model's own kernels (:func:`fit_step_compute`);
 - memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``;
 - host cores: ``k`` devices computing at once take ``k / cores`` times as long
   as one device when they share ``cores`` host cores;
@@ -24,24 +25,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from testbed.errors import InputError
+from testbed.plan import BatchSpec, ModelSpec, Plan
 from testbed.topology import Calibration, Form, Topology
 
 __all__ = [
     "Sample", "Fit", "CollectiveParams", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line",
     "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "collective_columns", "fit_collectives",
     "calibrated_topology", "samples_to_rows", "samples_from_rows", "level_groups", "with_collective_params",
-    "relative_error", "validation_summary", "simulator_collective_time", "JAX_TO_OP",
+    "simulator_collective_time", "JAX_TO_OP", "STEP_SHAPES", "step_plan", "fit_step_compute",
 ]
 
 #: Kinds of measurement rows: an empty program, a matmul on one device, the same
 #: matmul on every device at once, a memory stream, a collective.
-SAMPLE_KINDS = ("dispatch", "matmul", "concurrent_matmul", "memory", "collective")
+SAMPLE_KINDS = ("dispatch", "matmul", "concurrent_matmul", "memory", "collective", "step")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +53,9 @@ class Sample:
     flops: FLOPs of one kernel on one device (matmul kinds).
     bytes: bytes read + written (memory) or the collective's buffer (DESIGN.md convention).
     devices: how many devices ran it at once (1, or all for concurrent_matmul).
-    op / ranks / over: the collective, its group size and the level names it spans.
+    op / ranks: the collective and its group size (consecutive device ids);
+        for a ``step`` (one training step of a single-device plan) ``op`` names the
+        plan in :data:`STEP_SHAPES`.
     """
 
     kind: str
@@ -62,7 +66,6 @@ class Sample:
     devices: int = 1
     op: str = ""
     ranks: int = 1
-    over: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in SAMPLE_KINDS:
@@ -106,13 +109,15 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     Columns that are all zero get coefficient 0. Rank-deficient passive sets
     use the minimum-norm solution of numpy.linalg.lstsq.
     """
-    a = np.asarray(a, dtype=float)
     b = np.asarray(b, dtype=float)
+    # Unit-norm columns: coefficients of very different scales (seconds vs seconds per byte).
+    norms = np.linalg.norm(np.asarray(a, dtype=float), axis=0)
+    usable = norms > 0
+    a = np.asarray(a, dtype=float) / np.where(usable, norms, 1.0)
     n = a.shape[1]
     x = np.zeros(n)
     passive = np.zeros(n, dtype=bool)
-    usable = np.any(a != 0, axis=0)
-    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0.0)) * float(np.abs(b).max(initial=0.0)))
+    tol = 1e-12 * max(float(np.linalg.norm(b)), 1e-300)
     for _ in range(3 * n + 3):
         gradient = a.T @ (b - a @ x)
         candidates = np.where(~passive & usable & (gradient > tol))[0]
@@ -132,7 +137,7 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             x[~passive] = 0.0
             if not passive.any():
                 break
-    return x
+    return x / np.where(usable, norms, 1.0)
 
 
 def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> tuple[float, tuple[float, ...]]:
@@ -168,9 +173,22 @@ def _of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
 
 
 def fit_dispatch(samples: Sequence[Sample]) -> float:
-    """Per-program dispatch overhead: median time of the empty-program samples (0 if none)."""
+    """Per-program dispatch overhead: median of the empty-program samples (on 1, N/2, N devices; 0 if none)."""
     times = [s.seconds for s in _of_kind(samples, "dispatch")]
     return float(np.median(times)) if times else 0.0
+
+
+def _rate_line(rows: Sequence[Sample], size: str, launch_s: float, name: str) -> tuple[float, float, Fit]:
+    """(rate, intercept, fit) of ``t = launch + intercept + size / rate`` over ``rows``."""
+    x = np.array([getattr(r, size) for r in rows])
+    t = np.array([r.seconds for r in rows])
+    line = fit_line(x, t - launch_s, name=name, scale=t)
+    if not line.values["slope"] > 0:
+        raise InputError(f"{name} times do not grow with size; measure larger sizes", field=name)
+    rate, intercept = 1.0 / line.values["slope"], line.values["intercept"]
+    r2, residuals = fit_quality(launch_s + intercept + x / rate, t)
+    return rate, intercept, Fit(name=name, values={f"{size}_per_s": rate, "half": intercept * rate}, r2=r2,
+                                rel_residuals=residuals, samples=len(rows))
 
 
 def fit_compute(samples: Sequence[Sample], launch_s: float) -> tuple[dict[str, float], float, list[Fit]]:
@@ -180,29 +198,14 @@ def fit_compute(samples: Sequence[Sample], launch_s: float) -> tuple[dict[str, f
     ``1/R`` and intercept ``half / R``. Returns ({dtype: R}, half, fits); half
     is the median over dtypes (Calibration has one).
     """
-    rates: dict[str, float] = {}
-    halves: list[float] = []
-    fits: list[Fit] = []
     by_dtype: dict[str, list[Sample]] = {}
     for s in _of_kind(samples, "matmul"):
         by_dtype.setdefault(s.dtype, []).append(s)
     if not by_dtype:
         raise InputError("no matmul samples to fit compute throughput", field="matmul")
-    for dtype, rows in sorted(by_dtype.items()):
-        f = np.array([r.flops for r in rows])
-        t = np.array([r.seconds for r in rows])
-        line = fit_line(f, t - launch_s, name=f"matmul {dtype}", scale=t)
-        slope = line.values["slope"]
-        if not slope > 0:
-            raise InputError(f"matmul times of {dtype} do not grow with size; measure larger matmuls", field="matmul")
-        rates[dtype] = 1.0 / slope
-        halves.append(line.values["intercept"] / slope)
-        predicted = launch_s + line.values["intercept"] + slope * f
-        r2, residuals = fit_quality(predicted, t)
-        fits.append(Fit(name=f"matmul {dtype}", values={"flops_per_s": rates[dtype],
-                                                          "half_flops": halves[-1]}, r2=r2,
-                        rel_residuals=residuals, samples=len(rows)))
-    return rates, float(np.median(halves)), fits
+    lines = {dtype: _rate_line(rows, "flops", launch_s, f"matmul {dtype}") for dtype, rows in sorted(by_dtype.items())}
+    halves = [rate * intercept for rate, intercept, _ in lines.values()]
+    return {d: v[0] for d, v in lines.items()}, float(np.median(halves)), [v[2] for v in lines.values()]
 
 
 def fit_memory(samples: Sequence[Sample], launch_s: float) -> tuple[float, Fit]:
@@ -210,15 +213,8 @@ def fit_memory(samples: Sequence[Sample], launch_s: float) -> tuple[float, Fit]:
     rows = _of_kind(samples, "memory")
     if not rows:
         raise InputError("no memory samples to fit bandwidth", field="memory")
-    b = np.array([r.bytes for r in rows])
-    t = np.array([r.seconds for r in rows])
-    line = fit_line(b, t - launch_s, name="memory", scale=t)
-    if not line.values["slope"] > 0:
-        raise InputError("memory stream times do not grow with size; measure larger buffers", field="memory")
-    bandwidth = 1.0 / line.values["slope"]
-    r2, residuals = fit_quality(launch_s + line.values["intercept"] + b / bandwidth, t)
-    return bandwidth, Fit(name="memory", values={"bytes_per_s": bandwidth}, r2=r2, rel_residuals=residuals,
-                          samples=len(rows))
+    rate, _, fit = _rate_line(rows, "bytes", launch_s, "memory")
+    return rate, fit
 
 
 def fit_host_cores(samples: Sequence[Sample], num_devices: int) -> int:
@@ -342,13 +338,11 @@ def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coe
     for group in level_groups(topology):
         label = group[0]
         i_lat, i_bw = labels.index(f"latency:{label}"), labels.index(f"inverse_bandwidth:{label}")
-        base_level = next((l for l in topology.levels if l.name in group), None)
-        base_bw = base_level.bandwidth if base_level is not None and base_level.bandwidth else (
-            topology.links[0].bandwidth if topology.links else 1e9)
-        base_lat = base_level.latency if base_level is not None else (topology.links[0].latency if topology.links else 0.0)
-        used_lat, used_bw = np.any(columns[:, i_lat] != 0), np.any(columns[:, i_bw] != 0)
-        lat = float(coef[i_lat]) if used_lat else base_lat
-        bw = (1.0 / coef[i_bw] if coef[i_bw] > 0 else base_bw * 1e3) if used_bw else base_bw
+        base = next((l for l in topology.levels if l.name in group and l.bandwidth), None) or topology.links[0]
+        # Parameters no sample exercises keep the base topology's values.
+        lat = float(coef[i_lat]) if np.any(columns[:, i_lat] != 0) else base.latency
+        bw = (1.0 / coef[i_bw] if coef[i_bw] > 0 else base.bandwidth * 1e3) if np.any(columns[:, i_bw] != 0) \
+            else base.bandwidth
         for name in group:
             latency[name], bandwidth[name] = lat, float(bw)
         values[f"{label}.latency_s"], values[f"{label}.bandwidth"] = lat, float(bw)
@@ -361,26 +355,29 @@ def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coe
 
 def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
                         launch_s: float, host_cores: int, collectives: CollectiveParams | None,
-                        name: str | None = None) -> Topology:
+                        name: str | None = None, efficiency: float | None = None) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
-    ``compute_efficiency`` is the measured fraction of the base device's peak
-    (median over dtypes, at most 1); each dtype's peak is then set so that
-    ``peak * compute_efficiency`` equals its measured rate exactly. Memory
-    bandwidth likewise. Dtypes not measured keep their base peak.
+    Peaks: the matmul rate's fraction of the base device's peak (median over
+    dtypes, at most 1) is ``e``; each dtype's peak becomes ``rate / e`` (so
+    ``peak * e`` is its measured rate and the ratios between dtypes are
+    measured). ``compute_efficiency`` is ``efficiency`` when given (the fit on
+    training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
+    likewise. Dtypes not measured keep their base peak.
     """
     device = base.device
     ratios = [rates[d] / device.peak_flops[d] for d in rates if d in device.peak_flops]
-    efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
+    matmul_efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
     peaks = dict(device.peak_flops)
-    peaks.update({d: r / efficiency for d, r in rates.items()})
+    peaks.update({d: r / matmul_efficiency for d, r in rates.items()})
     memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
     device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
     calibration = Calibration(
-        compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
+        compute_efficiency=matmul_efficiency if efficiency is None else efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
         launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
         host_cores=host_cores)
-    out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated")
+    out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
+                  description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
     if collectives is not None:
         out = with_collective_params(out, collectives)
     return out
@@ -406,41 +403,6 @@ def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
     return out
 
 
-# -- validation: predicted vs measured ------------------------------------------------
-
-def relative_error(predicted: float, measured: float) -> float:
-    """(predicted - measured) / measured; 0 when both are 0, inf when only measured is."""
-    if measured == 0:
-        return 0.0 if predicted == 0 else math.inf
-    return (predicted - measured) / measured
-
-
-def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The ``testbed validate`` JSON object from per-plan rows.
-
-    Each row has ``plan, predicted_s, measured_s, predicted_memory,
-    measured_memory`` (memory may be None when XLA does not report it);
-    ``error`` and ``memory_error`` are added, and the median / max absolute
-    step-time errors summarise them.
-    """
-    plans = []
-    for row in rows:
-        out = dict(row)
-        out["error"] = relative_error(row["predicted_s"], row["measured_s"])
-        pm, mm = row.get("predicted_memory"), row.get("measured_memory")
-        out["memory_error"] = relative_error(pm, mm) if pm is not None and mm else None
-        plans.append(out)
-    errors = [abs(p["error"]) for p in plans]
-    memory = [abs(p["memory_error"]) for p in plans if p["memory_error"] is not None]
-    return {
-        "plans": plans,
-        "median_abs_error": float(np.median(errors)) if errors else 0.0,
-        "max_abs_error": float(np.max(errors)) if errors else 0.0,
-        "median_abs_memory_error": float(np.median(memory)) if memory else None,
-        "max_abs_memory_error": float(np.max(memory)) if memory else None,
-    }
-
-
 #: jax collective names (runners.measure) -> testbed.collectives op names.
 JAX_TO_OP = {"psum": "all_reduce", "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
              "all_to_all": "all_to_all", "ppermute": "send"}
@@ -462,3 +424,76 @@ def simulator_collective_time(topology: Topology, sample: Sample, reference: Top
     if reference is not None:
         algorithm = collective_timing.collective_time(reference, op, group, sample.bytes).algorithm
     return float(collective_timing.collective_time(topology, op, group, sample.bytes, algorithm).time_s)
+
+
+# -- compute efficiency on the model's own kernels ------------------------------------------
+
+#: Single-device training steps ``calibrate`` times to fit compute efficiency on
+#: the model's own kernels: name -> (model fields, global batch). ``cpu-*`` for
+#: host devices, ``acc-*`` for GPUs and TPUs (large enough not to be launch bound).
+STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
+    "cpu-s": ({"layers": 2, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 4),
+    "cpu-m": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 2),
+    "cpu-l": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 8),
+    "cpu-xl": ({"layers": 2, "d_model": 256, "heads": 8, "d_ff": 1024, "seq_len": 64, "vocab": 512}, 4),
+    "acc-s": ({"layers": 2, "d_model": 512, "heads": 8, "d_ff": 2048, "seq_len": 256, "vocab": 8192}, 8),
+    "acc-m": ({"layers": 2, "d_model": 1024, "heads": 16, "d_ff": 4096, "seq_len": 512, "vocab": 8192}, 8),
+    "acc-l": ({"layers": 4, "d_model": 2048, "heads": 16, "d_ff": 8192, "seq_len": 512, "vocab": 16384}, 8),
+}
+
+
+def step_plan(name: str) -> Plan:
+    """The single-device fp32 plan of :data:`STEP_SHAPES` ``name``."""
+    if name not in STEP_SHAPES:
+        raise InputError(f"unknown step shape `{name}`; valid: {', '.join(STEP_SHAPES)}", field="op")
+    fields_, batch = STEP_SHAPES[name]
+    return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch, microbatches=1))
+
+
+def _step_tasks(name: str) -> list[tuple[float, float, int]]:
+    """(FLOPs, HBM bytes, kernels) of the compute tasks the simulator builds for a step shape."""
+    from testbed.placement import place
+    from testbed.program import TaskKind, build_program
+
+    plan = step_plan(name)
+    program = build_program(plan, place(plan, num_devices=1))
+    return [(t.flops, t.hbm_bytes, t.kernels) for t in program.tasks if t.kind is TaskKind.COMPUTE]
+
+
+def fit_step_compute(topology: Topology, samples: Sequence[Sample]) -> tuple[float, float, Fit] | None:
+    """``compute_efficiency`` and ``efficiency_half_flops`` that best predict measured single-device steps.
+
+    One device runs its compute tasks back to back, so the simulator's step is
+    the sum of :func:`testbed.simulator.compute_seconds` over them; a grid
+    over (efficiency, half), refined twice, minimises the squared relative
+    errors. Peaks, memory bandwidth and launch overhead stay as in
+    ``topology``. None without step samples.
+    """
+    from types import SimpleNamespace
+
+    from testbed.simulator import compute_seconds
+
+    rows = _of_kind(samples, "step")
+    if not rows:
+        return None
+    tasks = [_step_tasks(r.op) for r in rows]
+    measured = np.array([r.seconds for r in rows])
+
+    def predict(eff: float, half: float) -> np.ndarray:
+        stub = SimpleNamespace(device=topology.device, calibration=replace(
+            topology.calibration, compute_efficiency=eff, efficiency_half_flops=half))
+        return np.array([sum(compute_seconds(stub, r.dtype, f, b, k) for f, b, k in ts) for r, ts in zip(rows, tasks)])
+
+    def cost(eff: float, half: float) -> float:
+        return float(np.sum((predict(eff, half) / measured - 1.0) ** 2))
+
+    effs, halves = np.geomspace(0.01, 1.5, 40), np.concatenate([[0.0], np.geomspace(1e3, 1e11, 33)])
+    for _ in range(3):
+        best = min(((cost(e, h), e, h) for e in effs for h in halves))
+        _, e, h = best
+        effs = np.clip(np.geomspace(e / 1.3, e * 1.3, 13), 1e-3, 1.5)
+        halves = np.unique(np.concatenate([[0.0], np.geomspace(max(h, 1e3) / 3, max(h, 1e3) * 3, 13)]))
+    r2, residuals = fit_quality(predict(e, h), measured)
+    fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h)},
+              r2=r2, rel_residuals=residuals, samples=len(rows))
+    return float(e), float(h), fit

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -142,7 +144,9 @@ def test_samples_round_trip_and_bad_rows_name_the_row():
 def test_validation_summary_has_every_plan_and_signed_errors():
     rows = [{"plan": f"p{i}", "predicted_s": p, "measured_s": m, "predicted_memory": 100.0, "measured_memory": mm}
             for i, (p, m, mm) in enumerate([(1.1, 1.0, 80.0), (0.5, 1.0, None), (2.0, 2.0, 100.0)])]
-    summary = cal.validation_summary(rows)
+    from runners.cli_calibrate import validation_summary
+
+    summary = validation_summary(rows)
     assert [p["plan"] for p in summary["plans"]] == ["p0", "p1", "p2"]
     errors = [p["error"] for p in summary["plans"]]
     assert errors == pytest.approx([0.1, -0.5, 0.0])
@@ -151,3 +155,85 @@ def test_validation_summary_has_every_plan_and_signed_errors():
     assert summary["plans"][1]["memory_error"] is None
     assert summary["plans"][0]["memory_error"] == pytest.approx(0.25)
     assert math.isfinite(summary["max_abs_memory_error"])
+
+
+def _synthetic_measurements(base: Topology) -> list[Sample]:
+    """Samples a machine with known fields would produce, through the simulator's own timing."""
+    truth = cal.CollectiveParams(latency={"node": 5e-6}, bandwidth={"node": 4e9}, overhead_s=2e-5)
+    topo = cal.with_collective_params(base, truth)
+    samples = _matmul_samples({"fp32": 4e10, "bf16": 3e10}, 2e6, 2e-5)
+    samples += [Sample(kind="memory", seconds=2e-5 + b / 1.5e10, bytes=b) for b in (1e6, 4e6, 1.6e7)]
+    samples += [Sample(kind="concurrent_matmul", seconds=8 * (2e-5 + (f + 2e6) / 4e10), flops=f, devices=8)
+                for f in (2.0 * 256 ** 3, 2.0 * 512 ** 3)]
+    for op in ("psum", "all_gather", "ppermute"):
+        for g in (2, 8):
+            for b in (4096.0, 131072.0, 2097152.0):
+                probe = Sample(kind="collective", seconds=1.0, op=op, ranks=g, bytes=b)
+                samples.append(replace(probe, seconds=cal.simulator_collective_time(topo, probe)))
+    return samples
+
+
+def test_fit_collectives_through_the_simulator_recovers_parameters():
+    base = load_topology("host-cpu-8")
+    rows = [s for s in _synthetic_measurements(base) if s.kind == "collective"]
+    params, fit = cal.fit_collectives(base, rows, cal.simulator_collective_time)
+    assert fit.max_abs_rel < 1e-3
+    # ppermute (a send: latency + overhead) and rounds of the collectives separate the parameters.
+    assert params.bandwidth["node"] == pytest.approx(4e9, rel=1e-3)
+    assert params.overhead_s + 2 * params.latency["node"] == pytest.approx(2e-5 + 1e-5, rel=1e-3)
+
+
+def test_calibrate_refit_from_measurements_writes_a_loadable_topology(tmp_path, capsys):
+    from testbed.cli import main
+
+    base = load_topology("host-cpu-8")
+    raw = {"platform": "cpu", "devices": 8, "base": "host-cpu-8",
+           "samples": cal.samples_to_rows(_synthetic_measurements(base))}
+    measurements = tmp_path / "m.json"
+    measurements.write_text(json.dumps(raw))
+    out = tmp_path / "host.yaml"
+    assert main(["calibrate", "--json", "--out", str(out), "--from-measurements", str(measurements)]) == 0
+    data = json.loads(capsys.readouterr().out)
+    topo = load_topology(str(out))
+    assert data["topology"] == str(out) and topo.name == data["name"]
+    assert topo.device.flops("fp32") * data["fitted"]["compute_efficiency"] != 0
+    assert data["fitted"]["host_cores"] == 1
+    assert data["fitted"]["sustained_flops"]["fp32"] == pytest.approx(4e10, rel=1e-6)
+    assert topo.levels[0].bandwidth == pytest.approx(4e9, rel=1e-3)
+    assert set(data["fits"]) >= {"matmul fp32", "memory", "collectives"}
+    # A bad measurements file is bad input: exit 2, naming the file.
+    measurements.write_text("[1, 2]")
+    assert main(["calibrate", "--out", str(out), "--from-measurements", str(measurements)]) == 2
+    assert str(measurements) in capsys.readouterr().err
+
+
+TINY = """
+name: {name}
+model: {{kind: gpt, layers: 2, d_model: 16, heads: 2, d_ff: 32, seq_len: 8, vocab: 32}}
+batch: {{global_batch: 8, microbatches: 1}}
+mesh: {mesh}
+"""
+
+
+def test_validate_json_has_every_plan(tmp_path, capsys):
+    from testbed.cli import main
+
+    paths = []
+    for name, mesh in (("tiny-dp", "{data: 8}"), ("tiny-tp", "{data: 4, tensor: 2}")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(TINY.format(name=name, mesh=mesh))
+        paths.append(str(path))
+    assert main(["validate", "--json", "--topology", "host-cpu-8", "--steps", "1", *paths]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [p["plan"] for p in data["plans"]] == ["tiny-dp", "tiny-tp"]
+    for row in data["plans"]:
+        assert row["predicted_s"] > 0 and row["measured_s"] > 0
+        assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
+        assert row["predicted_memory"] > 0
+    errors = sorted(abs(p["error"]) for p in data["plans"])
+    assert data["max_abs_error"] == pytest.approx(errors[-1])
+    # A plan whose mesh does not fit the topology is bad input naming the plan file.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.format(name="bad", mesh="{data: 4}"))
+    assert main(["validate", "--topology", "host-cpu-8", str(bad)]) == 2
+    assert "bad.yaml" in capsys.readouterr().err
