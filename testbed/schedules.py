@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testbed.errors import InputError, closest
-from testbed.plan import ScheduleName
+from testbed.plan import Plan, ScheduleName
 
 __all__ = [
     "Action", "Schedule", "Send", "KINDS", "build_schedule", "dependencies", "validate",
     "execution_order", "peak_inflight", "peak_deferred_weight_grads", "sends", "schedule_names",
+    "schedule_for_plan",
 ]
 
 KINDS = ("F", "B", "W")
@@ -358,3 +359,8 @@ def build_schedule(name: str | ScheduleName, stages: int, microbatches: int, vir
         rows = _zero_bubble(p, m, [2 * (p - s) - 1 for s in range(p)], deferred=2 * (p - 1))
     return Schedule(name=kind.value, stages=p, microbatches=m, virtual=v, split_backward=split,
                     actions=tuple(tuple(r) for r in rows))
+
+
+def schedule_for_plan(plan: Plan) -> Schedule:
+    """The table a plan asks for: its schedule over ``mesh.stage`` stages and ``batch.microbatches``."""
+    return build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages)

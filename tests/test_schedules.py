@@ -197,3 +197,16 @@ def test_gantt_idle_gaps_are_the_bubble(tmp_path) -> None:
         Bar(row=0, start=1.0, end=0.5)
     with pytest.raises(InputError):
         draw_gantt(["only"], [Bar(row=1, start=0, end=1)], tmp_path / "h.png")
+
+
+def test_schedule_for_plan_reads_the_plan() -> None:
+    from pathlib import Path
+
+    from testbed.plan_io import load_plan
+    from testbed.schedules import schedule_for_plan
+
+    plan = load_plan(Path(__file__).parent.parent / "plans" / "demo.yaml")
+    schedule = schedule_for_plan(plan)
+    assert (schedule.name, schedule.stages, schedule.microbatches) == (str(plan.schedule.name), plan.mesh.stage,
+                                                                        plan.batch.microbatches)
+    validate(schedule)
