@@ -20,10 +20,16 @@ Activations: the bytes one microbatch-chunk keeps for its backward
 decides (:func:`inflight_microbatches`).
 
 Workspace: buffers live only inside one phase, never across microbatches —
-the largest of (a) the loss phase: the fp32 gradient of the logits,
-(b) one layer's backward: the gradient of the score matrix and of the MLP
-hidden, plus what remat recomputes for that layer, (c) with sharded
-parameters, one layer's gathered parameters (double-buffered).
+the loss backward (softmax of the logits and their gradient, fp32), one
+layer's backward (score-matrix and MLP-hidden gradients, plus what remat
+recomputes), the out-of-place data-parallel gradient reduction, and with
+sharded parameters (fsdp, ZeRO-3) the gathered weights the backward needs
+(all of the stage's, kept as autodiff residuals, unless full remat
+re-gathers them per layer: then two layers).
+
+The breakdown is taken at each stage's peak instant: without gradient
+accumulation (one microbatch) activations are freed layer by layer while
+gradients appear, so the two never peak together.
 """
 
 from __future__ import annotations
@@ -135,56 +141,115 @@ def _shard(count: int, ways: int) -> int:
 
 def _layer_param_bytes(plan: Plan) -> int:
     """One layer's parameters on one tensor rank in compute precision (what a gather materialises)."""
-    spec, t = plan.model, plan.mesh.tensor
-    d, f = spec.d_model, spec.d_ff
-    return plan.precision.compute_bytes * ((4 * d * d + 2 * d * f + 3 * d + f) // t + 6 * d)
+    return plan.precision.compute_bytes * _layer_params_per_device(plan)
 
 
-def _workspace(plan: Plan, holds_head: bool, params_sharded: bool) -> int:
+def _attention_workspace(plan: Plan) -> int:
+    """Transient score-sized buffers of one layer's attention backward.
+
+    The softmax is not fused into one kernel: its backward materialises the
+    gradient of the probabilities and of the scores (2 buffers); selective
+    remat first recomputes the scores and probabilities (2 more).
+    """
+    spec, c = plan.model, plan.precision.compute_bytes
+    score = c * plan.microbatch_size * spec.heads * spec.seq_len ** 2 // plan.mesh.tensor
+    return score * (4 if plan.remat is Remat.SELECTIVE else 2)
+
+
+def _layer_workspace(plan: Plan) -> int:
+    """One layer's backward: attention transients, MLP-hidden gradients, what full remat recomputes."""
     spec, t, c = plan.model, plan.mesh.tensor, plan.precision.compute_bytes
-    b, s, d, f = plan.microbatch_size, spec.seq_len, spec.d_model, spec.d_ff
-    n = b * s
-    phases = []
-    if holds_head:
-        # The fp32 gradient of the logits (the fp32 logits are kept activations), plus the
-        # compute-dtype logits the projection writes before the fp32 cast under bf16.
-        phases.append(n * spec.vocab // t * (4 + (c if c != 4 else 0)))
-    recompute = {Remat.NONE: 0,
-                 Remat.SELECTIVE: c * b * spec.heads * s * s // t,
-                 Remat.FULL: model.activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t)}[plan.remat]
-    phases.append(c * b * spec.heads * s * s // t + c * n * (2 * d + f // t) + recompute)
-    gathered = 2 * _layer_param_bytes(plan) if params_sharded else 0
-    return max(phases) + gathered
+    n = plan.microbatch_size * spec.seq_len
+    hidden = c * n * (2 * spec.d_model + 2 * spec.d_ff // t)
+    recompute = 0
+    if plan.remat is Remat.FULL:
+        recompute = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t)
+    return _attention_workspace(plan) + hidden + recompute
 
 
-def memory_breakdown(plan: Plan, topology: Topology) -> MemoryBreakdown:
-    """Per-device bytes of ``plan`` (worst stage), with capacity from ``topology.device``."""
+def _loss_workspace(plan: Plan) -> int:
+    """The loss backward: ``exp(logits - lse)`` and the logits gradient in fp32 (the logits are kept).
+
+    Under bf16 the projection also writes compute-dtype logits before the fp32 cast.
+    """
+    spec, c = plan.model, plan.precision.compute_bytes
+    logits = plan.microbatch_size * spec.seq_len * spec.vocab // plan.mesh.tensor
+    return logits * (2 * model.LOSS_BYTES + (c if c != model.LOSS_BYTES else 0))
+
+
+def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
+    """Bytes on one device of ``stage`` at its peak instant.
+
+    With one microbatch the step does not accumulate gradients: the backward
+    frees each layer's activations as it writes that layer's gradients, so the
+    peak is the largest of the instants (end of forward, loss backward, each
+    layer's backward, after the backward). With several microbatches the
+    gradient buffer lives through the whole step, next to the in-flight
+    activations.
+    """
     spec, mesh = plan.model, plan.mesh
     p, v = mesh.stage, plan.schedule.virtual_stages
     param_b, grad_b, opt_b = state_bytes_per_param(plan)
     param_ways = mesh.fsdp * (mesh.data if plan.zero >= 3 else 1)
     grad_ways = mesh.fsdp * (mesh.data if plan.zero >= 2 else 1)
     opt_ways = mesh.fsdp * (mesh.data if plan.zero >= 1 else 1)
-    inflight = inflight_microbatches(plan)
+    held = model.device_stage_params(plan, stage)
+    holds_head = stage == p - 1
+    layers = spec.layers // (p * v) * v
     per_layer = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor)
-    layers_per_chunk = spec.layers // (p * v)
-    stages = []
-    for s in range(p):
-        held = model.device_stage_params(plan, s)
-        holds_head = s == p - 1
-        acts = inflight[s] * layers_per_chunk * per_layer
-        if holds_head:
-            # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
-            acts += math.ceil(inflight[s] / v) * model.head_activation_bytes(
-                spec, plan.microbatch_size, plan.precision, mesh.tensor)
-        stages.append(StageMemory(
-            stage=s, params_count=_shard(held, param_ways), params=param_b * _shard(held, param_ways),
-            grads=grad_b * _shard(held, grad_ways), optimizer=opt_b * _shard(held, opt_ways), activations=acts,
-            workspace=_workspace(plan, holds_head, param_ways > 1), inflight=inflight[s]))
+    head_acts = 0
+    if holds_head:
+        # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
+        head_acts = math.ceil(inflight / v) * model.head_activation_bytes(
+            spec, plan.microbatch_size, plan.precision, mesh.tensor)
+    layer_acts = inflight * (layers // v) * per_layer
+    grads = grad_b * _shard(held, grad_ways)
+    # Sharded parameters are all-gathered for the forward, and the gathered weights are what the
+    # backward multiplies by: autodiff saves them as residuals, so they stay live from forward to
+    # backward (measured under GSPMD). Full remat recomputes the block, gather included: then only
+    # the layer in use and the next one are gathered.
+    gathered = 0
+    if param_ways > 1:
+        gathered = plan.precision.compute_bytes * (2 * _layer_params_per_device(plan) if plan.remat is Remat.FULL
+                                                   else held)
+    # Data-parallel gradient reduction is out of place: an all-reduce writes a second gradient
+    # buffer; a reduce-scatter (ZeRO >= 1) writes only the shard.
+    reduce_ws = 0
+    if mesh.data > 1 and mesh.fsdp == 1:
+        reduce_ws = grad_b * _shard(held, mesh.data if plan.zero >= 1 else 1)
+    loss_ws = _loss_workspace(plan) if holds_head else 0
+    layer_ws = _layer_workspace(plan)
+    # (activations, gradients, workspace) at each candidate peak instant.
+    if plan.batch.microbatches > 1:
+        instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered)]
+    else:
+        layer_grads = grad_b * _shard(_layer_params_per_device(plan), grad_ways)
+        head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
+        instants = [(layer_acts + head_acts, head_grads, loss_ws + gathered)]
+        for done in range(layers):
+            instants.append(((layers - done) * per_layer, head_grads + (done + 1) * layer_grads,
+                             layer_ws + gathered))
+        instants.append((0, grads, reduce_ws))
+    acts, live_grads, workspace = max(instants, key=sum)
+    return StageMemory(stage=stage, params_count=_shard(held, param_ways), params=param_b * _shard(held, param_ways),
+                       grads=live_grads, optimizer=opt_b * _shard(held, opt_ways), activations=acts,
+                       workspace=workspace, inflight=inflight)
+
+
+def _layer_params_per_device(plan: Plan) -> int:
+    spec, t = plan.model, plan.mesh.tensor
+    d, f = spec.d_model, spec.d_ff
+    return (4 * d * d + 2 * d * f + 3 * d + f) // t + 6 * d
+
+
+def memory_breakdown(plan: Plan, topology: Topology) -> MemoryBreakdown:
+    """Per-device bytes of ``plan`` (worst stage, at its peak instant), capacity from ``topology.device``."""
+    inflight = inflight_microbatches(plan)
+    stages = [_stage_memory(plan, s, inflight[s]) for s in range(plan.mesh.stage)]
     worst = max(stages, key=lambda m: m.total)
     capacity = int(topology.device.memory_bytes)
     return MemoryBreakdown(
-        params_count=model.param_count(spec), device_params_count=worst.params_count, params=worst.params,
+        params_count=model.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
         per_stage=tuple(stages))

@@ -28,7 +28,10 @@ def _plan(**kw) -> Plan:
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_zero_stages_shard_states_in_order(precision: str) -> None:
-    m = [memory_breakdown(_plan(mesh={"data": 8}, zero=z, precision=precision), HOST) for z in range(4)]
+    # Two microbatches: the gradient buffer accumulates, so all model states are live at the peak.
+    # Full remat re-gathers ZeRO-3 weights per layer (without it they are kept as residuals, below).
+    m = [memory_breakdown(_plan(mesh={"data": 8}, mb=2, zero=z, precision=precision, remat="full"), HOST)
+         for z in range(4)]
     assert all(a.total > b.total for a, b in zip(m, m[1:]))
     assert m[1].optimizer < m[0].optimizer and m[1].grads == m[0].grads and m[1].params == m[0].params
     assert m[2].grads < m[1].grads and m[2].params == m[1].params
@@ -37,6 +40,14 @@ def test_zero_stages_shard_states_in_order(precision: str) -> None:
     # ZeRO paper accounting: 16 bytes per parameter of model states, unsharded.
     assert sum(state_bytes_per_param(_plan(precision=precision))) == 16
     assert m[0].params + m[0].grads + m[0].optimizer == 16 * tm.param_count(SPEC)
+
+
+def test_zero3_without_remat_keeps_gathered_weights() -> None:
+    z2 = memory_breakdown(_plan(mesh={"data": 8}, mb=2, zero=2), HOST)
+    z3 = memory_breakdown(_plan(mesh={"data": 8}, mb=2, zero=3), HOST)
+    assert z3.params * 8 == z2.params
+    # Without remat the gathered fp32 weights of the whole stage stay live as autodiff residuals.
+    assert z3.workspace == z2.workspace + 4 * tm.param_count(SPEC)
 
 
 def test_zero_without_data_parallelism_changes_nothing() -> None:
@@ -67,17 +78,17 @@ def test_activations_linear_in_microbatch(remat: Remat) -> None:
 
 def test_activations_in_seq_len_linear_with_remat_and_exact_quadratic_without() -> None:
     def acts(seq: int, remat: Remat) -> int:
-        return memory_breakdown(_plan(model=replace(SPEC, seq_len=seq), remat=remat), HOST).activations
+        return memory_breakdown(_plan(model=replace(SPEC, seq_len=seq), remat=remat, mb=2), HOST).activations
 
     for remat in (Remat.SELECTIVE, Remat.FULL):
         assert acts(64, remat) == 2 * acts(32, remat)
     # No remat: linear part doubles, the score term (b * heads * seq^2 * 4 bytes per layer) quadruples.
-    score = SPEC.layers * 16 * SPEC.heads * 32 ** 2 * 4
+    score = SPEC.layers * 8 * SPEC.heads * 32 ** 2 * 4
     assert acts(64, Remat.NONE) - 4 * score == 2 * (acts(32, Remat.NONE) - score)
 
 
 def test_remat_order() -> None:
-    m = {r: memory_breakdown(_plan(remat=r), HOST) for r in Remat}
+    m = {r: memory_breakdown(_plan(remat=r, mb=2), HOST) for r in Remat}
     assert m[Remat.FULL].activations < m[Remat.SELECTIVE].activations < m[Remat.NONE].activations
 
 
@@ -103,6 +114,17 @@ def test_breakdown_parts_sum_and_per_stage_worst() -> None:
     assert m.capacity == int(HOST.device.memory_bytes) and m.fits
 
 
+@pytest.mark.parametrize("remat", list(Remat))
+def test_one_microbatch_peak_is_below_the_all_live_bound(remat: Remat) -> None:
+    # Without accumulation, activations are freed while gradients appear: the peak instant can hold
+    # no more than all states + all activations + the largest workspace.
+    one = memory_breakdown(_plan(batch=4, remat=remat), HOST)
+    two = memory_breakdown(_plan(batch=8, mb=2, remat=remat), HOST)
+    assert one.grads <= two.grads and one.activations <= two.activations
+    assert one.total <= two.total
+    assert one.params + one.optimizer == two.params + two.optimizer
+
+
 @pytest.mark.parametrize("plan_name", bundled_plan_names())
 def test_every_bundled_plan_on_every_bundled_topology(plan_name: str) -> None:
     plan = load_plan(plan_name)
@@ -116,7 +138,7 @@ def _write_plan(tmp_path, **fields) -> str:
     data = {"name": "big", "topology": "dgx-h100",
             "model": {"kind": "gpt", "layers": 32, "d_model": 5120, "heads": 40, "d_ff": 20480, "seq_len": 2048,
                       "vocab": 50304},
-            "batch": {"global_batch": 1}, "mesh": {"data": 1}, "precision": "fp32"}
+            "batch": {"global_batch": 2, "microbatches": 2}, "mesh": {"data": 1}, "precision": "fp32"}
     data.update(fields)
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(data))
