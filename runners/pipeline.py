@@ -104,10 +104,17 @@ class MpmdEngine:
         shardings: per stage, the sharding of activations arriving there
             (e.g. a ``NamedSharding`` on the stage's sub-mesh); ``None`` leaves
             placement to the inputs (a single device, for tests).
+        nan_slots: pre-fill every receive slot with NaN (the leak check the
+            tests rely on). ``False`` skips those ``2 m chunks`` buffers for
+            speed and memory; an out-of-order read then raises ``KeyError``.
+
+    Compiled programs are shared by engines given the same ``stage_forward``
+    and ``loss_fn`` objects (they are static arguments of one jitted
+    function), so pass the same functions every step rather than new closures.
     """
 
     def __init__(self, schedule: Schedule, stage_forward: StageForward, loss_fn: LossFn,
-                 shardings: Sequence[Any] | None = None):
+                 shardings: Sequence[Any] | None = None, nan_slots: bool = True):
         validate(schedule)
         if shardings is not None and len(shardings) != schedule.stages:
             raise ValueError(f"need one activation sharding per stage ({schedule.stages}), got {len(shardings)}")
@@ -117,12 +124,13 @@ class MpmdEngine:
         self._last = schedule.chunks - 1
         self._forward = stage_forward
         self._loss = loss_fn
+        self.nan_slots = nan_slots
 
     def _f(self, g: int, params: Any, x: jax.Array, targets: jax.Array | None = None) -> tuple[jax.Array, Any]:
         stage, chunk = self.schedule.locate(g)
         return _forward(self._forward, self._loss, stage, chunk, g == 0, g == self._last, params, x, targets)
 
-    def _shapes(self, params: Sequence[Sequence[Any]], x0: Any, targets0: Any) -> list[jax.ShapeDtypeStruct]:
+    def _shapes(self, params: Sequence[Sequence[Any]], x0: Any) -> list[jax.ShapeDtypeStruct]:
         """Output shape of every chunk but the last (the receive buffers' shapes)."""
         shapes, x = [], x0
         for g in range(self._last):
@@ -147,13 +155,16 @@ class MpmdEngine:
         put = (lambda a, sh: jax.device_put(a, sh) if sh is not None else jnp.asarray(a))
         inputs = [put(x, first_sharding) for x in inputs]
         targets = [put(t, last_sharding) for t in targets]
-        shapes = self._shapes(params, inputs[0], targets[0])
         # Receive slots: activation into chunk g (g >= 1), cotangent of chunk g's output (g < last).
-        act = {(g, mb): _nan_like(shapes[g - 1], self.shardings[sch.locate(g)[0]])
-               for g in range(1, sch.chunks) for mb in range(m)}
+        act: dict[tuple[int, int], Any] = {}
+        cot: dict[tuple[int, int], Any] = {}
+        if self.nan_slots:
+            shapes = self._shapes(params, inputs[0])
+            act = {(g, mb): _nan_like(shapes[g - 1], self.shardings[sch.locate(g)[0]])
+                   for g in range(1, sch.chunks) for mb in range(m)}
+            cot = {(g, mb): _nan_like(shapes[g], self.shardings[sch.locate(g)[0]])
+                   for g in range(self._last) for mb in range(m)}
         act.update({(0, mb): inputs[mb] for mb in range(m)})
-        cot = {(g, mb): _nan_like(shapes[g], self.shardings[sch.locate(g)[0]])
-               for g in range(self._last) for mb in range(m)}
         pullbacks: dict[tuple[int, int], Any] = {}
         kept: dict[tuple[int, int], Any] = {}
         grads: dict[int, Any] = {}
@@ -197,9 +208,9 @@ class MpmdEngine:
 
 def run_schedule(schedule: Schedule, stage_forward: StageForward, loss_fn: LossFn,
                  params: Sequence[Sequence[Any]], inputs: Sequence[Any], targets: Sequence[Any],
-                 shardings: Sequence[Any] | None = None) -> tuple[jax.Array, list[list[Any]]]:
+                 shardings: Sequence[Any] | None = None, nan_slots: bool = True) -> tuple[jax.Array, list[list[Any]]]:
     """One step of ``schedule`` with the MPMD engine (builds it; keep an :class:`MpmdEngine` to reuse)."""
-    return MpmdEngine(schedule, stage_forward, loss_fn, shardings).step(params, inputs, targets)
+    return MpmdEngine(schedule, stage_forward, loss_fn, shardings, nan_slots).step(params, inputs, targets)
 
 
 def spmd_gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callable[[jax.Array, jax.Array], jax.Array],

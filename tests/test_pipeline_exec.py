@@ -112,7 +112,7 @@ def test_mpmd_stage_submeshes_with_data_axis_and_reuse() -> None:
     act = [jax.NamedSharding(mesh, jax.P("data")) for mesh in meshes]
     rep = [jax.NamedSharding(mesh, jax.P()) for mesh in meshes]
     params = _init(p, 1, seed=3)
-    engine = MpmdEngine(build_schedule("zb-h1", p, m), _stage_forward, _loss, act)
+    engine = MpmdEngine(build_schedule("zb-h1", p, m), _stage_forward, _loss, act, nan_slots=False)
     for seed in (5, 6):
         xs, ts = _data(m, seed)
         loss, grads = engine.step(_placed(params, rep), xs, ts)
@@ -135,6 +135,9 @@ def test_mpmd_receive_slots_start_as_nan() -> None:
     xs, ts = _data(2)
     loss, _ = engine.step(_init(2, 1), xs, ts)
     assert np.isnan(float(loss))
+    engine.nan_slots = False
+    with pytest.raises(KeyError):
+        engine.step(_init(2, 1), xs, ts)
 
 
 @pytest.mark.parametrize("p,m,data", [(1, 3, 1), (2, 3, 2), (4, 5, 1)])
