@@ -30,7 +30,7 @@ from testbed.plan import MESH_AXES, Plan
 
 __all__ = [
     "DeviceRequest", "parse_devices", "prepare", "initialize_distributed", "select_devices", "build_mesh",
-    "stage_mesh", "STAGE_MESH_AXES", "describe",
+    "stage_mesh", "STAGE_MESH_AXES", "describe", "plan_placement", "owns", "transfer",
 ]
 
 #: Axis names of one pipeline stage's sub-mesh (the stage axis removed).
@@ -171,3 +171,53 @@ def describe(devices: list[Any]) -> dict[str, Any]:
 
     return {"platform": devices[0].platform, "devices": len(devices), "processes": jax.process_count(),
             "device_kind": devices[0].device_kind}
+
+
+_TRANSFERS: dict[tuple, Any] = {}
+
+
+def owns(sharding: Any) -> bool:
+    """Whether this process holds any device of ``sharding``."""
+    import jax
+
+    return any(d.process_index == jax.process_index() for d in sharding.device_set)
+
+
+def transfer(x: Any, shape: tuple[int, ...], dtype: Any, src: Any, dst: Any) -> Any:
+    """Move an array from sharding ``src`` to the same-shaped ``dst`` on other devices, across processes.
+
+    Every process holding a device of ``src`` or ``dst`` must call this, in
+    the same order (``x`` is ignored where this process holds none of
+    ``src``). The two sub-meshes become the two rows of a ``pair`` mesh and a
+    jitted ``shard_map`` ``ppermute`` moves each shard from row 0 to row 1:
+    one collective-permute, which works between processes where
+    ``jax.device_put`` cannot. Returns the array on ``dst`` (None where this
+    process holds none of ``dst``).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    spec = tuple(src.spec) + (None,) * (len(shape) - len(src.spec))
+    key = (tuple(d.id for d in src.mesh.devices.ravel()), tuple(d.id for d in dst.mesh.devices.ravel()),
+           src.mesh.axis_names, spec)
+    if key not in _TRANSFERS:
+        pair = jax.sharding.Mesh(np.stack([src.mesh.devices, dst.mesh.devices]), ("pair",) + src.mesh.axis_names,
+                                 axis_types=(jax.sharding.AxisType.Auto,) * (1 + len(src.mesh.axis_names)))
+        pspec = jax.P("pair", *spec)
+        move = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "pair", [(0, 1)]), mesh=pair,
+                                     in_specs=pspec, out_specs=pspec))
+        _TRANSFERS[key] = (jax.NamedSharding(pair, pspec), move)
+    pair_sharding, move = _TRANSFERS[key]
+    shard = dst.shard_shape(shape)
+    local = {s.device: s.data for s in x.addressable_shards} if x is not None and owns(src) else {}
+    src_devices = set(src.device_set)
+    pieces = []
+    for device in pair_sharding.addressable_devices_indices_map((2, *shape)):
+        data = local[device] if device in src_devices else jax.device_put(jnp.zeros(shard, dtype), device)
+        pieces.append(data.reshape((1, *shard)))
+    moved = move(jax.make_array_from_single_device_arrays((2, *shape), pair_sharding, pieces))
+    if not owns(dst):
+        return None
+    dst_devices = set(dst.device_set)
+    out = [s.data.reshape(shard) for s in moved.addressable_shards if s.device in dst_devices]
+    return jax.make_array_from_single_device_arrays(shape, dst, out)

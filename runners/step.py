@@ -19,6 +19,7 @@ Every trainer has ``init() -> state``, ``step(state, i) -> (state, loss)``,
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -31,8 +32,8 @@ from runners import model
 from runners.parallel import batch_spec, layout_for
 from testbed.errors import InputError
 from testbed.model import chunk_layers
-from testbed.plan import Plan
-from testbed.schedules import build_schedule, sends
+from testbed.plan import BatchSpec, Plan
+from testbed.schedules import build_schedule, execution_order, sends
 
 __all__ = ["make_optimizer", "step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
            "ReferenceTrainer", "PipelineTrainer", "split_params", "merge_params", "scalar"]
@@ -57,7 +58,7 @@ def place_tree(tree: Any, shardings: Any) -> Any:
     """Host (or single-device) arrays onto shardings; each process fills only its own shards."""
     def put(x: Any, sharding: Any) -> jax.Array:
         host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
 
     return jax.tree.map(put, tree, shardings)
 
@@ -179,20 +180,27 @@ class SpmdTrainer:
         return 0
 
 
+@functools.lru_cache(maxsize=16)
+def _reference_step(spec: Any, precision: Any, remat: Any, optimizer: Any) -> Any:
+    """One jitted reference step per model and optimizer (shared by plans that differ only in layout)."""
+    plan = Plan(model=spec, batch=BatchSpec(global_batch=1), precision=precision, remat=remat, optimizer=optimizer)
+    tx = make_optimizer(plan)
+
+    def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
+        loss, grads = jax.value_and_grad(_loss_fn(plan))(params, tokens, targets)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, grads
+
+    return jax.jit(train_step)
+
+
 class ReferenceTrainer:
     """The whole model and global batch on one device: what every plan must reproduce."""
 
     def __init__(self, plan: Plan, device: Any):
         self.plan, self.device = plan, device
         self.tx = make_optimizer(plan)
-        tx = self.tx
-
-        def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
-            loss, grads = jax.value_and_grad(_loss_fn(plan))(params, tokens, targets)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss, grads
-
-        self._step = jax.jit(train_step)
+        self._step = _reference_step(plan.model, plan.precision, plan.remat, plan.optimizer)
 
     def init(self) -> tuple[Any, Any]:
         params = jax.device_put(host_tree(model.init_params(self.plan.model, self.plan.seed)), self.device)
@@ -247,7 +255,9 @@ class PipelineTrainer:
     like an SPMD plan; the optimizer update runs per stage on its sub-mesh.
     """
 
-    def __init__(self, plan: Plan, stage_meshes: list[Any], return_grads: bool = False):
+    def __init__(self, plan: Plan, stage_meshes: list[Any], return_grads: bool = False,
+                 lockstep: bool | None = None):
+        from runners.devices import owns
         from runners.pipeline import MpmdEngine
 
         if plan.model.tied_embeddings:
@@ -274,6 +284,21 @@ class PipelineTrainer:
         self._act_dtype = model.compute_dtype(precision)
         self.act_shardings = [NamedSharding(m, batch_spec(1)) for m in stage_meshes]
         self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings)
+        # Several processes: runners.pipeline moves activations with device_put, which cannot cross
+        # processes, so the lockstep engine below (collective-permute transfers) runs the table.
+        self.lockstep = jax.process_count() > 1 if lockstep is None else lockstep
+        self.owned = [owns(sh) for sh in self.act_shardings]
+        last = self.schedule.chunks - 1
+
+        def chunk_fn(g: int):
+            stage, chunk = self.schedule.locate(g)
+
+            def forward(params: Any, x: jax.Array, targets: Any) -> jax.Array:
+                y = chunk_forward(stage, chunk, params, x)
+                return loss_fn(params, y, targets) if g == last else y
+            return forward
+
+        self.chunk_fns = [chunk_fn(g) for g in range(self.schedule.chunks)]
         shape = split_params(plan, jax.eval_shape(lambda: model.init_params(spec, plan.seed)))
         self.param_shardings, self.opt_shardings, self.grad_shardings, self._updates = [], [], [], []
         for s, mesh in enumerate(stage_meshes):
@@ -298,8 +323,9 @@ class PipelineTrainer:
 
     def init(self) -> tuple[list[Any], list[Any]]:
         pieces = split_params(self.plan, host_tree(model.init_params(self.plan.model, self.plan.seed)))
-        params = [place_tree(pieces[s], self.param_shardings[s]) for s in range(len(self.meshes))]
-        states = [jax.jit(self.tx.init, out_shardings=self.opt_shardings[s])(params[s])
+        params = [place_tree(pieces[s], self.param_shardings[s]) if self.owned[s] else None
+                  for s in range(len(self.meshes))]
+        states = [jax.jit(self.tx.init, out_shardings=self.opt_shardings[s])(params[s]) if self.owned[s] else None
                   for s in range(len(self.meshes))]
         return params, states
 
@@ -310,10 +336,16 @@ class PipelineTrainer:
 
     def step(self, state: tuple[list[Any], list[Any]], step: int) -> tuple[tuple[list[Any], list[Any]], jax.Array]:
         params, states = state
-        loss, grads = self.engine.step(params, *self._microbatches(step))
-        # The engine leaves gradients where XLA put them; move them into the ZeRO layout.
-        grads = [jax.device_put(grads[s], self.grad_shardings[s]) for s in range(len(self.meshes))]
-        new = [self._updates[s](params[s], states[s], grads[s]) for s in range(len(self.meshes))]
+        run = functools.partial(lockstep_step, self) if self.lockstep else self.engine.step
+        loss, grads = run(params, *self._microbatches(step))
+        new = []
+        for s in range(len(self.meshes)):
+            if not self.owned[s]:
+                new.append((None, None))
+                continue
+            # The engines leave gradients where XLA put them; move them into the ZeRO layout.
+            g = jax.device_put(grads[s], self.grad_shardings[s])
+            new.append(self._updates[s](params[s], states[s], g))
         self.last_grads = grads if self.return_grads else None
         return ([p for p, _ in new], [o for _, o in new]), loss
 
@@ -350,3 +382,85 @@ class PipelineTrainer:
     def transfers(self) -> int:
         """Activation and gradient transfers between stages per step (cross-mesh ``device_put``)."""
         return len(sends(self.schedule))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _chunk_vjp(forward: Any, first: bool, last: bool, params: Any, x: jax.Array, targets: Any) -> tuple:
+    """F of one chunk in the lockstep engine: output (the loss on the last chunk) and its pullback."""
+    def body(p: Any, h: jax.Array) -> jax.Array:
+        return forward(p, h, targets) if last else forward(p, h, None)
+
+    return jax.vjp(lambda p: body(p, x), params) if first else jax.vjp(body, params, x)
+
+
+@jax.jit
+def _pullback(pull: Any, cotangent: Any) -> Any:
+    return pull(cotangent)
+
+
+@jax.jit
+def _tree_add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def lockstep_step(trainer: "PipelineTrainer", params: list[list[Any]], tokens: list[np.ndarray],
+                  targets: list[np.ndarray]) -> tuple[jax.Array | None, list[list[Any] | None]]:
+    """One pass of the schedule table in a global lockstep order, for several processes.
+
+    Every process walks :func:`testbed.schedules.execution_order`; it runs the
+    compute of the stages it holds devices of, and takes part in each
+    transfer between two stages it holds devices of (``devices.transfer``, a
+    collective-permute). A split backward (ZB ``B`` then ``W``) runs whole at
+    ``B``: same gradients, different timing. Returns (mean loss or None where
+    this process holds no last-stage device, gradients ``[stage][chunk]``, None
+    for stages it does not hold).
+    """
+    from runners.devices import owns, transfer
+
+    sch, m = trainer.schedule, len(tokens)
+    last = sch.chunks - 1
+    shard = trainer.act_shardings
+    mine = [owns(s) for s in shard]
+    act: dict = {}
+    cot: dict = {}
+    pulls: dict = {}
+    grads: dict = {}
+    losses = []
+
+    def move(value: Any, g_from: int, g_to: int) -> Any:
+        src, dst = sch.locate(g_from)[0], sch.locate(g_to)[0]
+        if src == dst:
+            return value
+        return transfer(value, trainer._act_shape, trainer._act_dtype, shard[src], shard[dst])
+
+    for stage, action in execution_order(sch):
+        g, mb = sch.model_chunk(stage, action.chunk), action.microbatch
+        if action.kind == "F":
+            y = None
+            if mine[stage]:
+                x = place_tree(tokens[mb], shard[stage]) if g == 0 else act.pop((g, mb))
+                tgt = place_tree(targets[mb], shard[stage]) if g == last else None
+                y, pulls[(g, mb)] = _chunk_vjp(trainer.chunk_fns[g], g == 0, g == last,
+                                               params[stage][action.chunk], x, tgt)
+                if g == last:
+                    losses.append(y)
+            if g < last:
+                y = move(y, g, g + 1)
+                if y is not None:
+                    act[(g + 1, mb)] = y
+        elif action.kind == "B":
+            dx = None
+            if mine[stage]:
+                seed = jnp.full((), 1.0 / m, jnp.float32)
+                cotangent = jax.device_put(seed, losses[0].sharding) if g == last else cot.pop((g, mb))
+                dparams, *rest = _pullback(pulls.pop((g, mb)), cotangent)
+                grads[g] = dparams if g not in grads else _tree_add(grads[g], dparams)
+                dx = rest[0] if rest else None
+            if g > 0:
+                dx = move(dx, g, g - 1)
+                if dx is not None:
+                    cot[(g - 1, mb)] = dx
+    loss = sum(losses[1:], losses[0]) / m if losses else None
+    out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] if mine[s] else None
+           for s in range(sch.stages)]
+    return loss, out

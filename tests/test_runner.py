@@ -1,0 +1,129 @@
+"""Runner: every plan's parallel step equals the single-device reference.
+
+Small GPTs on the 8 emulated CPU devices of conftest; plans drawn by
+hypothesis over factorisations of 8 into data x fsdp x tensor x stage,
+schedules, microbatches, ZeRO stage, remat and precision, plus fixed plans on
+the first 1, 2, 3, 4, 6 devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from runners import devices as dev
+from runners.cli_run import THRESHOLDS, verify_plan
+from runners.hlo import check_collectives, count_collectives, expected_collectives
+from testbed.errors import InputError
+from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+
+MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)
+
+
+def _plan(data=1, fsdp=1, tensor=1, stage=1, microbatches=1, schedule="1f1b", virtual=1, zero=0,
+          remat="none", precision="fp32", model=MODEL) -> Plan:
+    return Plan(model=model, batch=BatchSpec(global_batch=data * fsdp * microbatches * 2, microbatches=microbatches),
+                mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage),
+                schedule=ScheduleSpec(name=schedule, virtual_stages=virtual), zero=zero, remat=remat,
+                precision=precision, name="test")
+
+
+def _assert_ok(result: dict) -> None:
+    rel_tol, step_tol = THRESHOLDS[result_precision(result)]
+    assert result["max_rel_err"] <= rel_tol, result["errors"]
+    assert result["errors"]["param_steps"] <= step_tol, result["errors"]
+    assert result["ok"], result
+
+
+def result_precision(result: dict):
+    from testbed.plan import Precision
+
+    return Precision.FP32 if result["thresholds"]["rel"] == THRESHOLDS[Precision.FP32][0] else Precision.BF16_MIXED
+
+
+@st.composite
+def plans(draw) -> Plan:
+    """A plan over all 8 devices: data x fsdp x tensor x stage = 8."""
+    tensor = draw(st.sampled_from([1, 2, 4]))
+    stage = draw(st.sampled_from([s for s in (1, 2, 4) if tensor * s <= 8]))
+    rest = 8 // (tensor * stage)
+    data = draw(st.sampled_from([d for d in (1, 2, 4, 8) if rest % d == 0]))
+    fsdp = rest // data
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"])) if stage > 1 else "1f1b"
+    virtual = 2 if schedule == "interleaved" and stage == 2 else 1
+    if schedule == "interleaved" and virtual == 1:
+        schedule = "1f1b"
+    microbatches = draw(st.sampled_from([stage, 2 * stage])) if stage > 1 else draw(st.sampled_from([1, 2]))
+    return _plan(data=data, fsdp=fsdp, tensor=tensor, stage=stage, microbatches=microbatches, schedule=schedule,
+                 virtual=virtual, zero=draw(st.integers(0, 3)), remat=draw(st.sampled_from(["none", "selective", "full"])),
+                 precision=draw(st.sampled_from(["fp32", "fp32", "bf16-mixed"])))
+
+
+@settings(max_examples=6)
+@given(plans())
+def test_random_plans_on_8_devices_match_reference(plan: Plan) -> None:
+    _assert_ok(verify_plan(plan, dev.select_devices(8), steps=2, check_hlo=False))
+
+
+@pytest.mark.parametrize("degrees", [
+    dict(),                                   # 1 device: the runner's path equals the reference exactly
+    dict(data=2),
+    dict(stage=3, microbatches=3, model=dataclasses.replace(MODEL, layers=3)),  # 3 devices: three stages
+    dict(fsdp=2, tensor=2, zero=3),
+    dict(data=3, stage=2, microbatches=2),    # 6 devices
+], ids=["1", "2", "3", "4", "6"])
+def test_device_counts(degrees: dict) -> None:
+    plan = _plan(**degrees)
+    n = plan.mesh.size
+    _assert_ok(verify_plan(plan, dev.select_devices(n), steps=2, check_hlo=False))
+
+
+def test_compiled_programs_hold_the_plans_collectives() -> None:
+    plan = _plan(data=2, fsdp=2, tensor=2, zero=1)
+    result = verify_plan(plan, dev.select_devices(8), steps=1)
+    found = result["collectives"]["found"]
+    assert result["collectives"]["ok"], result["collectives"]
+    assert found["all-reduce"] > 0 and found["all-gather"] > 0
+
+
+def test_hlo_counting_and_expectations() -> None:
+    text = ("  %ar = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups={{0,1}}\n"
+            "  %ags = (f32[2], f32[4]) all-gather-start(f32[2] %y)\n"
+            "  %agd = f32[4] all-gather-done((f32[2], f32[4]) %ags)\n"
+            "  %cp = f32[4] collective-permute(f32[4] %z), source_target_pairs={{0,1}}\n")
+    counts = count_collectives([text])
+    assert counts == {"all-reduce": 1, "reduce-scatter": 0, "all-gather": 1, "collective-permute": 1,
+                      "all-to-all": 0}
+    plan = _plan(data=2, fsdp=2, tensor=2)
+    assert expected_collectives(plan) == ["data: all-reduce|reduce-scatter", "fsdp: all-gather", "tensor: all-reduce"]
+    assert check_collectives(plan, [text])["ok"]
+    missing = check_collectives(_plan(stage=2, microbatches=2), [text.replace("collective-permute", "add")])
+    assert not missing["ok"] and missing["missing"] == ["stage: collective-permute|cross-mesh-transfer"]
+
+
+def test_mesh_follows_placement() -> None:
+    plan = _plan(data=2, tensor=2, stage=2, microbatches=2)
+    devices = dev.select_devices(8)
+    placement = dev.plan_placement(plan, devices)
+    mesh = dev.build_mesh(placement, devices)
+    assert mesh.axis_names == ("stage", "data", "fsdp", "tensor")
+    assert [[d.id for d in row.ravel()] for row in mesh.devices] == [
+        [devices[i].id for i in placement.stage_devices(s)] for s in range(2)]
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_device_errors_name_the_field() -> None:
+    plan = _plan(data=2)
+    with pytest.raises(InputError) as bad:
+        dev.parse_devices("gpu:3", plan)
+    assert bad.value.field == "--devices"
+    assert dev.parse_devices(None, plan) == dev.DeviceRequest(kind="emulated", count=2)
+    with pytest.raises(InputError) as started:
+        dev.prepare(dev.DeviceRequest(kind="emulated", count=4))  # conftest started JAX with 8
+    assert started.value.field == "--devices" and "already started" in started.value.message
+    with pytest.raises(InputError) as too_many:
+        dev.select_devices(16)
+    assert too_many.value.field == "mesh"
