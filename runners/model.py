@@ -113,7 +113,9 @@ def _layer_norm_fwd(x: jax.Array, scale: jax.Array, bias: jax.Array):
 
 
 def _layer_norm_bwd(res, g: jax.Array):
-    x, mean, rstd, scale = res
+    # The barrier stops XLA from CSE-ing this x-hat with the forward's, which would keep that
+    # N x d buffer alive from forward to backward (the memory model counts only x, mean, rstd).
+    x, mean, rstd, scale = jax.lax.optimization_barrier(res)
     xhat = (x - mean) * rstd
     reduce_dims = tuple(range(x.ndim - 1))
     dscale = jnp.sum(g * xhat, axis=reduce_dims)

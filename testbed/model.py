@@ -180,8 +180,11 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     the LN1 input and output, Q, K, V, the softmax output ``(heads, seq, seq)``,
     the attention output, the LN2 input and output, the MLP hidden before and
     after GELU and the two LayerNorms' per-token mean and reciprocal std:
-    ``c * (N * (4d + (4d + 2f) / t + 4) + b * heads * seq^2 / t)``.
-    Selective drops the softmax output (recomputed): linear in ``seq``.
+    ``c * (N * (4d + (4d + 2f) / t + 4) + 2 N d / t + b * heads * seq^2 / t)``,
+    where ``2 N d / t`` are the head-major copies of Q and K the score matmul
+    reads (layout copies XLA makes and the backward reuses; measured by
+    ``benchmarks/memory_vs_xla.py``). Selective drops the softmax output and
+    those copies (both inside the recomputed core attention): linear in ``seq``.
     Full keeps only the block input ``c * N * d``.
     """
     remat, c = Remat(remat), Precision(precision).compute_bytes
@@ -193,7 +196,9 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     linear = c * (4 * n * d + (4 * n * d + 2 * n * f) // t + 4 * n)
     if remat is Remat.SELECTIVE:
         return linear
-    return linear + c * b * spec.heads * s * s // t
+    # Without remat the score matmul's operands stay live too: XLA copies Q and K to head-major
+    # layout for the batched matmul and the backward reuses those copies.
+    return linear + c * (2 * n * d // t + b * spec.heads * s * s // t)
 
 
 def head_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str, tensor: int = 1) -> int:
