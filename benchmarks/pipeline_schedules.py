@@ -4,10 +4,12 @@
   (interleaved v=2), as the simulator does per plan.
 - bubble_p4_m8: bubble fraction (and the steady-state one, optimizer sync
   bypassed) with F=B=W=1, next to the published closed form.
-- mpmd_step_ms / spmd_gpipe_step_ms: a steady-state training step (after
+- mpmd_step_ms / spmd_step_ms: a steady-state training step (after
   compilation) of a 4-stage tanh MLP (width 256, 8 microbatches of 64 rows)
   on 4 emulated CPU devices; reference_step_ms is the same model on one
-  device in one jit. CPU devices share the host's cores, so these measure
+  device in one jit. spmd_step_ms has :func:`spmd_gpipe` and
+  :func:`spmd_schedule` (which rematerialises each stage forward in B/W).
+  CPU devices share the host's cores, so these measure
   engine overhead, not pipeline speed-up.
 Prints one JSON object.
 """
@@ -26,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runners.pipeline import MpmdEngine, spmd_gpipe  # noqa: E402
+from runners.pipeline import MpmdEngine, spmd_gpipe, spmd_schedule  # noqa: E402
 from testbed.schedule_timing import ActionCosts, play  # noqa: E402
 from testbed.schedules import build_schedule, schedule_names, validate  # noqa: E402
 
@@ -113,8 +115,12 @@ def engines() -> dict:
     stacked = jax.device_put({k: np.stack([p[k] for p in params]) for k in ("w", "b")},
                              jax.NamedSharding(mesh, jax.P("stage")))
     step(stacked, x, t)
-    return {"mpmd_step_ms": out, "spmd_gpipe_step_ms": round(_best_ms(lambda: step(stacked, x, t)), 2),
-            "reference_step_ms": round(ref_ms, 2)}
+    spmd = {"gpipe (spmd_gpipe)": round(_best_ms(lambda: step(stacked, x, t)), 2)}
+    for name in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+        table_step = spmd_schedule(build_schedule(name, P, M), _layer, lambda y, tt: jnp.mean((y - tt) ** 2), mesh)
+        table_step(stacked, x, t)
+        spmd[name] = round(_best_ms(lambda: table_step(stacked, x, t)), 2)
+    return {"mpmd_step_ms": out, "spmd_step_ms": spmd, "reference_step_ms": round(ref_ms, 2)}
 
 
 def main() -> None:

@@ -298,7 +298,9 @@ def _zero_bubble(p: int, m: int, limits: list[int], deferred: int) -> list[list[
     deferred W. Deferring W to idle ticks is what removes the bubbles.
     """
     rows: list[list[Action]] = [[] for _ in range(p)]
-    finished: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb) -> tick it ends
+    never = 1 << 62
+    f_end = [[never] * m for _ in range(p)]  # tick at which F(mb) on stage s has finished
+    b_end = [[never] * m for _ in range(p)]
     next_f = [0] * p
     next_b = [0] * p
     pending_w: list[list[int]] = [[] for _ in range(p)]
@@ -306,26 +308,23 @@ def _zero_bubble(p: int, m: int, limits: list[int], deferred: int) -> list[list[
     remaining = 3 * m * p
     while remaining:
         for s in range(p):
-            def ready(kind: str, mb: int, stage: int = s) -> bool:
-                return finished.get((stage, kind, mb), tick + 1) <= tick
-
-            b, f = next_b[s], next_f[s]
-            choice = None
-            if len(pending_w[s]) > deferred:
-                choice = Action("W", pending_w[s].pop(0))
-            elif b < m and ready("F", b) and (s == p - 1 or ready("B", b, s + 1)):
-                choice = Action("B", b)
+            b, f, waiting = next_b[s], next_f[s], pending_w[s]
+            if len(waiting) > deferred:
+                rows[s].append(Action("W", waiting.pop(0)))
+            elif b < m and f_end[s][b] <= tick and (s == p - 1 or b_end[s + 1][b] <= tick):
+                rows[s].append(Action("B", b))
+                b_end[s][b] = tick + 1
                 next_b[s] += 1
-                pending_w[s].append(b)
-            elif f < m and f - b < limits[s] and (s == 0 or ready("F", f, s - 1)):
-                choice = Action("F", f)
+                waiting.append(b)
+            elif f < m and f - b < limits[s] and (s == 0 or f_end[s - 1][f] <= tick):
+                rows[s].append(Action("F", f))
+                f_end[s][f] = tick + 1
                 next_f[s] += 1
-            elif pending_w[s]:
-                choice = Action("W", pending_w[s].pop(0))
-            if choice is not None:
-                rows[s].append(choice)
-                finished[(s, choice.kind, choice.microbatch)] = tick + 1
-                remaining -= 1
+            elif waiting:
+                rows[s].append(Action("W", waiting.pop(0)))
+            else:
+                continue
+            remaining -= 1
         tick += 1
     return rows
 
