@@ -50,13 +50,20 @@ def _parse_devices(text: str) -> Any:
     raise InputError(f"`{text}` is not a device choice; valid: emulated:N (N host devices) or local", field="--devices")
 
 
+def _chip(name: str) -> str:
+    """The chip of a device name: ``H100-SXM5-80GB`` -> ``h100``, ``TPU-v5e`` -> ``tpu v5e``."""
+    tokens = name.lower().replace("-", " ").replace("_", " ").split()
+    return " ".join(tokens[:2]) if tokens and tokens[0] == "tpu" else (tokens[0] if tokens else "")
+
+
 def base_topology(base: str | None, platform: str, num_devices: int, device_kind: str = "") -> Topology:
     """The topology to calibrate: ``--base`` if given, else one matching the detected devices.
 
-    Emulated host devices start from ``host-cpu-8`` (resized to N devices on
-    one ``node``); local accelerators from a bundled topology with the same
-    device count whose device name appears in the JAX device kind, else a
-    single switch of N such devices.
+    Emulated host devices start from ``host-cpu-8``; local accelerators from
+    the bundled topology whose device chip (``h100``, ``tpu v5e``) appears in
+    the JAX device kind, preferring one with the same device count. When the
+    count differs, the devices sit on one switch (the template's innermost
+    level) and the user should pass ``--base`` for a multi-node layout.
     """
     from testbed import generators
     from testbed.topology_io import bundled_names, load_topology
@@ -67,23 +74,21 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
             raise InputError(f"the base topology has {topo.num_devices} devices but {num_devices} are measured; "
                              f"pass a --base with {num_devices} devices", field="--base")
         return topo
-    candidates = []
-    if platform != "cpu":
-        kind = device_kind.lower()
-        for name in bundled_names():
-            topo = load_topology(name)
-            words = [w for w in topo.device.name.lower().replace("-", " ").split() if len(w) > 1]
-            if topo.num_devices == num_devices and words and all(w in kind for w in words):
-                candidates.append(topo)
-        if candidates:
-            return candidates[0]
-    template = load_topology("host-cpu-8" if platform == "cpu" else "dgx-h100")
-    if template.num_devices == num_devices and platform == "cpu":
+    kind = device_kind.lower().replace("-", " ")
+    bundled = [load_topology(name) for name in bundled_names()]
+    if platform == "cpu":
+        matches = [t for t in bundled if t.name == "host-cpu-8"]
+    else:
+        matches = [t for t in bundled if _chip(t.device.name) and _chip(t.device.name) in kind]
+        matches = matches or [t for t in bundled if t.name == ("dgx-h100" if platform == "gpu" else "tpu-v5e-4x4")]
+    matches.sort(key=lambda t: t.num_devices != num_devices)
+    template = matches[0]
+    if template.num_devices == num_devices:
         return template
     level = template.levels[0]
     return generators.switch(num_devices, device=template.device, bandwidth=level.bandwidth, latency=level.latency,
-                             kind=level.kind, level=level.name, name=f"{platform}-{num_devices}",
-                             calibration=template.calibration)
+                             kind=level.kind, level=level.name, name=f"{_chip(template.device.name).replace(' ', '-')}"
+                             f"-{num_devices}", calibration=template.calibration)
 
 
 def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,

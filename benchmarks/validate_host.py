@@ -1,0 +1,86 @@
+"""Accuracy benchmark: calibrate this host's 8 emulated devices, then validate the suite.
+
+Runs ``testbed calibrate --devices emulated:8`` and ``testbed validate`` on
+every plan of ``plans/validation/`` (each in a fresh process, as a user would)
+and prints ONE JSON object: ``median_abs_error`` and ``max_abs_error`` of the
+predicted vs measured step time (goal: <= 0.10 and <= 0.25), the same for
+memory, per-plan rows, the fitted fields, the wall time of each phase and the
+host's load average (other processes on the host's cores distort both the
+calibration and the measured steps).
+
+    python benchmarks/validate_host.py [--quick] [--topology FILE] [--steps S] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _testbed(*args: str) -> dict:
+    """Run ``testbed ARGS --json`` in a fresh process; its JSON object."""
+    cmd = [sys.executable, "-m", "testbed.cli", *args, "--json"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+        raise SystemExit(f"`testbed {' '.join(args)}` failed with status {done.returncode}")
+    return json.loads(done.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="calibrate --quick")
+    parser.add_argument("--topology", default=None, help="validate against this calibrated topology (skip calibrate)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan (default 5)")
+    parser.add_argument("--keep", default=None, help="folder to keep the calibrated topology and measurements in")
+    parser.add_argument("plans", nargs="*", help="plans (default plans/validation/*.yaml)")
+    args = parser.parse_args(argv)
+    plans = args.plans or sorted(glob.glob(str(ROOT / "plans" / "validation" / "*.yaml")))
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="validate-host-") as tmp:
+        folder = Path(args.keep or tmp)
+        started = time.perf_counter()
+        calibration = None
+        topology = args.topology
+        if topology is None:
+            topology = str(folder / "host-cpu-8-calibrated.yaml")
+            calibration = _testbed("calibrate", "--devices", "emulated:8", "--out", topology,
+                                   *(["--quick"] if args.quick else []))
+        calibrate_s = time.perf_counter() - started
+        started = time.perf_counter()
+        result = _testbed("validate", "--topology", topology, "--devices", "emulated:8", "--steps", str(args.steps),
+                          *plans)
+        validate_s = time.perf_counter() - started
+    out = {
+        "median_abs_error": result["median_abs_error"],
+        "max_abs_error": result["max_abs_error"],
+        "median_abs_memory_error": result.get("median_abs_memory_error"),
+        "max_abs_memory_error": result.get("max_abs_memory_error"),
+        "goal": {"median_abs_error": 0.10, "max_abs_error": 0.25},
+        "plans": [{k: p.get(k) for k in ("plan", "predicted_s", "measured_s", "error", "predicted_memory",
+                                         "measured_memory", "memory_error")} for p in result["plans"]],
+        "fitted": calibration["fitted"] if calibration else None,
+        "fit_quality": {k: {"r2": v["r2"], "median_abs_rel_residual": v["median_abs_rel_residual"]}
+                        for k, v in calibration["fits"].items()} if calibration else None,
+        "calibrate_s": calibrate_s,
+        "validate_s": validate_s,
+        "steps": args.steps,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+    }
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
