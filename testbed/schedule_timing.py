@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from testbed.errors import InputError
 from testbed.gantt import Bar
-from testbed.schedules import Action, Schedule, _dependency_keys, execution_order
+from testbed.schedules import Action, Schedule, dependency_keys, execution_order
 
 __all__ = ["ActionCosts", "Interval", "ScheduleTiming", "play", "gantt_bars"]
 
@@ -138,7 +138,7 @@ def play(schedule: Schedule, costs: ActionCosts | None = None) -> ScheduleTiming
     rows: list[list[Interval]] = [[] for _ in range(schedule.stages)]
     for stage, action in execution_order(schedule):
         start = free[stage]
-        for key in _dependency_keys(schedule, stage, action.kind, action.microbatch, action.chunk):
+        for key in dependency_keys(schedule, stage, action.kind, action.microbatch, action.chunk):
             arrive = end[key] + (costs.send if key[0] != stage else 0.0)
             start = max(start, arrive)
         finish = start + durations[stage][action.kind]

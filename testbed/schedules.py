@@ -28,7 +28,7 @@ from testbed.plan import Plan, ScheduleName
 __all__ = [
     "Action", "Schedule", "Send", "KINDS", "build_schedule", "dependencies", "validate",
     "execution_order", "peak_inflight", "peak_deferred_weight_grads", "sends", "schedule_names",
-    "schedule_for_plan",
+    "schedule_for_plan", "dependency_keys",
 ]
 
 KINDS = ("F", "B", "W")
@@ -151,7 +151,7 @@ def _expected(schedule: Schedule, stage: int) -> set[Action]:
     return {Action(k, mb, c) for k in kinds for mb in range(schedule.microbatches) for c in range(schedule.virtual)}
 
 
-def _dependency_keys(schedule: Schedule, stage: int, kind: str, mb: int, chunk: int) -> list[tuple]:
+def dependency_keys(schedule: Schedule, stage: int, kind: str, mb: int, chunk: int) -> list[tuple]:
     """:func:`dependencies` as plain ``(stage, kind, microbatch, chunk)`` tuples (fast path)."""
     p = schedule.stages
     g = chunk * p + stage
@@ -171,7 +171,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """
     p = schedule.stages
     rows = [[(s, a.kind, a.microbatch, a.chunk) for a in row] for s, row in enumerate(schedule.actions)]
-    deps = [[_dependency_keys(schedule, *key) for key in row] for row in rows]
+    deps = [[dependency_keys(schedule, *key) for key in row] for row in rows]
     pos = [0] * p
     done: set[tuple] = set()
     order: list[tuple[int, Action]] = []
