@@ -57,9 +57,12 @@ def idle_gaps(bars: Sequence[Bar], rows: int, until: float | None = None) -> lis
     horizon = max((b.end for b in busy), default=0.0) if until is None else until
     gaps: list[Bar] = []
     tolerance = 1e-9 * max(horizon, 1e-30)
+    by_row: dict[int, list[Bar]] = {r: [] for r in range(rows)}
+    for b in busy:
+        by_row[b.row].append(b)
     for r in range(rows):
         t = 0.0
-        for b in sorted((b for b in busy if b.row == r), key=lambda b: b.start):
+        for b in sorted(by_row[r], key=lambda b: b.start):
             if b.start > t + tolerance:
                 gaps.append(Bar(row=r, start=t, end=b.start, category="bubble"))
             t = max(t, b.end)
@@ -93,18 +96,24 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
     # Character budget: a label fits if its bar is wider than ~0.7 em of the axes at this size.
     char_width = horizon / (width * 72 / 7.0)
     used: list[str] = []
+    # One broken_barh call per (row, category): drawing bar by bar is far too slow
+    # for simulator timelines with thousands of spans.
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for b in all_bars:
-        colour = CATEGORY_COLOURS[b.category]
-        y = len(rows) - 1 - b.row
-        if b.category == "bubble":
-            ax.barh(y, b.end - b.start, left=b.start, height=0.8, color="white", edgecolor=colour,
-                    hatch="///", linewidth=0.0)
-        else:
-            ax.barh(y, b.end - b.start, left=b.start, height=0.8, color=colour, edgecolor="white", linewidth=0.6)
-        if b.label and (b.end - b.start) > char_width * (len(b.label) + 0.5):
-            ax.text((b.start + b.end) / 2, y, b.label, ha="center", va="center", fontsize=7, color="white")
+        groups.setdefault((b.row, b.category), []).append((b.start, b.end - b.start))
         if b.category not in used:
             used.append(b.category)
+    for (row, category), spans in groups.items():
+        colour = CATEGORY_COLOURS[category]
+        y = len(rows) - 1 - row
+        if category == "bubble":
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors="white", edgecolors=colour, hatch="///", linewidth=0.0)
+        else:
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.6)
+    labelled = [b for b in bars if b.label and (b.end - b.start) > char_width * (len(b.label) + 0.5)]
+    for b in labelled[:2000]:
+        ax.text((b.start + b.end) / 2, len(rows) - 1 - b.row, b.label, ha="center", va="center", fontsize=7,
+                color="white")
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(list(reversed(list(rows))))
     ax.set_xlim(0, horizon)
