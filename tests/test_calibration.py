@@ -237,3 +237,17 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
     bad.write_text(TINY.format(name="bad", mesh="{data: 4}"))
     assert main(["validate", "--topology", "host-cpu-8", str(bad)]) == 2
     assert "bad.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("platform,count,kind,expected", [
+    ("cpu", 8, "cpu", "host-cpu-8"),
+    ("gpu", 8, "NVIDIA H100 80GB HBM3", "dgx-h100"),
+    ("gpu", 2, "NVIDIA H100 80GB HBM3", "h100-2"),
+])
+def test_base_topology_matches_the_detected_devices(platform, count, kind, expected):
+    from runners.cli_calibrate import base_topology
+
+    topo = base_topology(None, platform, count, kind)
+    assert topo.name == expected and topo.num_devices == count
+    with pytest.raises(InputError, match="--base"):
+        base_topology("host-cpu-8", platform, count + 1, kind)
