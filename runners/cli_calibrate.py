@@ -121,7 +121,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
         "memory_efficiency": c.memory_efficiency, "launch_overhead_s": c.launch_overhead_s,
-        "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores,
+        "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": cores,
         "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
         "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
         "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},
@@ -239,7 +239,7 @@ def _render_calibration(console: Any, data: dict[str, Any]) -> None:
     table.add_row("memory bandwidth", format_bandwidth(f["sustained_memory_bandwidth"]))
     table.add_row("launch_overhead_s", format_time(f["launch_overhead_s"]))
     table.add_row("collective_overhead_s", format_time(f["collective_overhead_s"]))
-    table.add_row("host_cores", str(f["host_cores"]))
+    table.add_row("host_cores", f"{f['host_cores']} (measured {f['shared_host_cores']:.2f} cores' worth shared)")
     for name, level in f["levels"].items():
         table.add_row(f"level {name}", f"{format_bandwidth(level['bandwidth'])}, {format_time(level['latency'])}/hop")
     console.print(table)

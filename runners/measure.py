@@ -50,8 +50,10 @@ class Benchmark:
             return f"{self.op} x{self.ranks} {self.size} B"
         if self.kind == "step":
             return f"training step {self.op}"
-        if self.kind in ("matmul", "concurrent_matmul"):
-            return f"{self.kind} {self.dtype} {self.size}^3"
+        if self.kind == "matmul":
+            return f"matmul {self.dtype} {self.size}^3"
+        if self.kind == "concurrent":
+            return f"MLP step, {self.size} tokens, on {self.ranks} device(s) at once"
         return f"{self.kind} {self.size}" if self.size else self.kind
 
 
@@ -78,12 +80,13 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         sizes = [512, 1024, 2048, 4096] if quick else [256, 512, 1024, 2048, 4096, 8192]
         streams = [1 << 24, 1 << 27] if quick else [1 << 20, 1 << 23, 1 << 26, 1 << 28]
         messages = [1 << 16, 1 << 22, 1 << 26] if quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 27]
-    dtypes = ["fp32"] if (quick and cpu) else ["fp32", "bf16"]
+    dtypes = ["fp32", "bf16"]
     out = [Benchmark(kind="dispatch", size=k) for k in sorted({1, max(1, num_devices // 2), num_devices})]
     out += [Benchmark(kind="matmul", size=n, dtype=d) for d in dtypes for n in sizes]
     if num_devices > 1:
-        # Emulated devices share the host's cores: how much slower is everyone at once, per size.
-        out += [Benchmark(kind="concurrent_matmul", size=n, dtype="fp32") for n in (sizes[-2:] if quick else sizes[1:])]
+        # Emulated devices share the host's cores: how much slower is everyone at once.
+        out += [Benchmark(kind="concurrent", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
+                for k in (1, num_devices)]
     out += [Benchmark(kind="memory", size=b) for b in streams]
     groups = sorted({g for g in (2, 8, 64) if g < num_devices and num_devices % g == 0} | {num_devices})
     if quick:
@@ -97,24 +100,37 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     return out
 
 
-def _matmul(bench: Benchmark, devices: Sequence[Any], concurrent: bool) -> Sample:
+def _matmul(bench: Benchmark, devices: Sequence[Any]) -> Sample:
     n = bench.size
     dtype = _DTYPES[bench.dtype]
-    if concurrent:
-        k = len(devices)
-        mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices))
-        sharding = jax.NamedSharding(mesh, jax.P("d"))
-        a = jax.device_put(jnp.ones((k * n, n), dtype), sharding)
-        b = jax.device_put(jnp.ones((k * n, n), dtype), sharding)
-        fn = jax.jit(jax.shard_map(lambda x, y: x @ y.T, mesh=mesh, in_specs=(jax.P("d"), jax.P("d")),
-                                   out_specs=jax.P("d")))
-    else:
-        k = 1
-        a = jax.device_put(jnp.ones((n, n), dtype), devices[0])
-        b = jax.device_put(jnp.ones((n, n), dtype), devices[0])
-        fn = jax.jit(lambda x, y: x @ y)
+    a = jax.device_put(jnp.ones((n, n), dtype), devices[0])
+    b = jax.device_put(jnp.ones((n, n), dtype), devices[0])
+    fn = jax.jit(lambda x, y: x @ y)
     seconds = time_call(lambda: fn(a, b))
-    return Sample(kind=bench.kind, seconds=seconds, flops=2.0 * n ** 3, dtype=bench.dtype, devices=k)
+    return Sample(kind="matmul", seconds=seconds, flops=2.0 * n ** 3, dtype=bench.dtype)
+
+
+def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sample:
+    """Forward and backward of a small MLP (model-sized kernels) on each of ``ranks`` devices at once.
+
+    No communication: every device works on its own copy, so the time over
+    the one-device time shows how the devices share the host.
+    """
+    k, t, d = bench.ranks, bench.size, width
+    mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices[:k]))
+    sharding = jax.NamedSharding(mesh, jax.P("d"))
+    x = jax.device_put(jnp.ones((k * t, d), jnp.float32) * 0.01, sharding)
+    w1 = jax.device_put(jnp.ones((k * d, 4 * d), jnp.float32) * 0.01, sharding)
+    w2 = jax.device_put(jnp.ones((k * 4 * d, d), jnp.float32) * 0.01, sharding)
+
+    def loss(w1: Any, w2: Any, x: Any) -> Any:
+        return jnp.sum((jax.nn.gelu(x @ w1) @ w2) ** 2)
+
+    local = jax.grad(loss, argnums=(0, 1))
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(jax.P("d"),) * 3, out_specs=(jax.P("d"),) * 2))
+    seconds = time_call(lambda: fn(w1, w2, x))
+    # Forward 2 matmuls of 2*t*d*4d FLOPs; backward twice that.
+    return Sample(kind="concurrent", seconds=seconds, flops=3 * 2 * 2.0 * t * d * 4 * d, devices=k)
 
 
 def _dispatch(bench: Benchmark, devices: Sequence[Any]) -> Sample:
@@ -196,8 +212,10 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any]) -> Sample:
         return _dispatch(bench, devices)
     if bench.kind == "step":
         return _step(bench, devices)
-    if bench.kind in ("matmul", "concurrent_matmul"):
-        return _matmul(bench, devices, concurrent=bench.kind == "concurrent_matmul")
+    if bench.kind == "matmul":
+        return _matmul(bench, devices)
+    if bench.kind == "concurrent":
+        return _concurrent(bench, devices)
     if bench.kind == "memory":
         return _memory(bench, devices)
     return _collective(bench, devices)

@@ -41,9 +41,10 @@ __all__ = [
     "simulator_collective_time", "JAX_TO_OP", "STEP_SHAPES", "step_plan", "fit_step_compute",
 ]
 
-#: Kinds of measurement rows: an empty program, a matmul on one device, the same
-#: matmul on every device at once, a memory stream, a collective.
-SAMPLE_KINDS = ("dispatch", "matmul", "concurrent_matmul", "memory", "collective", "step")
+#: Kinds of measurement rows: an empty program, a matmul on one device, a small
+#: MLP training step on ``devices`` devices at once, a memory stream, a
+#: collective, a single-device training step of the model.
+SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "memory", "collective", "step")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +53,7 @@ class Sample:
 
     flops: FLOPs of one kernel on one device (matmul kinds).
     bytes: bytes read + written (memory) or the collective's buffer (DESIGN.md convention).
-    devices: how many devices ran it at once (1, or all for concurrent_matmul).
+    devices: how many devices ran it at once (``concurrent``: 1, or all of them).
     op / ranks: the collective and its group size (consecutive device ids);
         for a ``step`` (one training step of a single-device plan) ``op`` names the
         plan in :data:`STEP_SHAPES`.
@@ -217,24 +218,24 @@ def fit_memory(samples: Sequence[Sample], launch_s: float) -> tuple[float, Fit]:
     return rate, fit
 
 
-def fit_host_cores(samples: Sequence[Sample], num_devices: int) -> int:
-    """Host cores shared by emulated devices: k devices at once over one device's time.
+def fit_host_cores(samples: Sequence[Sample], num_devices: int) -> float:
+    """Host cores' worth of throughput emulated devices share: ``k * t(alone) / t(k at once)``.
 
-    0 (not shared) when the concurrent run is no slower than the single one
-    within 25% (real accelerators), else round(k * t_one / t_all) >= 1.
+    The ``concurrent`` samples run the same per-device work on one device
+    alone and on all ``k`` devices at once. 0 (nothing shared) when all at
+    once is within 25% of alone (real accelerators); else the median ratio,
+    at least 1. A fraction (1.5) is fine: see :func:`calibrated_topology`.
     """
-    single = {(s.flops, s.dtype): s.seconds for s in _of_kind(samples, "matmul")}
-    ratios = []
-    for s in _of_kind(samples, "concurrent_matmul"):
-        if (s.flops, s.dtype) in single and s.devices > 1:
-            ratios.append(s.devices * single[(s.flops, s.dtype)] / s.seconds)
+    alone = {(s.flops, s.dtype): s.seconds for s in _of_kind(samples, "concurrent") if s.devices == 1}
+    ratios, k = [], num_devices
+    for s in _of_kind(samples, "concurrent"):
+        if s.devices > 1 and (s.flops, s.dtype) in alone:
+            ratios.append(s.devices * alone[(s.flops, s.dtype)] / s.seconds)
             k = s.devices
     if not ratios:
-        return 0
+        return 0.0
     cores = float(np.median(ratios))
-    if cores >= 0.8 * k:
-        return 0
-    return max(1, int(round(cores)))
+    return 0.0 if cores >= 0.8 * k else max(1.0, cores)
 
 
 # -- collectives ---------------------------------------------------------------
@@ -354,7 +355,7 @@ def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coe
 # -- the calibrated topology --------------------------------------------------------
 
 def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
-                        launch_s: float, host_cores: int, collectives: CollectiveParams | None,
+                        launch_s: float, host_cores: float, collectives: CollectiveParams | None,
                         name: str | None = None, efficiency: float | None = None) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
@@ -364,6 +365,13 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     measured). ``compute_efficiency`` is ``efficiency`` when given (the fit on
     training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
     likewise. Dtypes not measured keep their base peak.
+
+    Shared host throughput ``host_cores = r`` (e.g. 1.5 cores' worth) is
+    written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
+    ``r / ceil(r)``: the simulator gives ``n`` devices computing at once
+    ``min(1, cores / n)`` of their speed each, so this is exact whenever at
+    least ``ceil(r)`` devices compute at once (a device alone is then
+    predicted up to ``r / ceil(r)`` slower).
     """
     device = base.device
     ratios = [rates[d] / device.peak_flops[d] for d in rates if d in device.peak_flops]
@@ -372,10 +380,14 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     peaks.update({d: r / matmul_efficiency for d, r in rates.items()})
     memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
     device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
+    cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
+    efficiency = matmul_efficiency if efficiency is None else efficiency
+    if cores:
+        efficiency *= host_cores / cores
     calibration = Calibration(
-        compute_efficiency=matmul_efficiency if efficiency is None else efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
+        compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
         launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
-        host_cores=host_cores)
+        host_cores=cores)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
     if collectives is not None:

@@ -59,15 +59,30 @@ def test_fit_memory_recovers_bandwidth():
     assert fit.r2 == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("cores", [1, 2, 4])
+@pytest.mark.parametrize("cores", [1.0, 1.5, 2.0, 4.0])
 def test_fit_host_cores_from_concurrency(cores):
     k, t1 = 8, 1e-3
-    samples = [Sample(kind="matmul", seconds=t1, flops=1e6),
-               Sample(kind="concurrent_matmul", seconds=t1 * k / cores, flops=1e6, devices=k)]
-    assert cal.fit_host_cores(samples, k) == cores
+    samples = [Sample(kind="concurrent", seconds=t1, flops=1e6),
+               Sample(kind="concurrent", seconds=t1 * k / cores, flops=1e6, devices=k)]
+    assert cal.fit_host_cores(samples, k) == pytest.approx(cores)
     # Devices that do not share anything: no slowdown when all compute at once.
-    parallel = [samples[0], Sample(kind="concurrent_matmul", seconds=1.05 * t1, flops=1e6, devices=k)]
+    parallel = [samples[0], Sample(kind="concurrent", seconds=1.05 * t1, flops=1e6, devices=k)]
     assert cal.fit_host_cores(parallel, k) == 0
+
+
+@pytest.mark.parametrize("shared", [1.0, 1.5, 2.0, 2.7])
+def test_fractional_host_cores_give_the_measured_throughput_when_all_devices_compute(shared):
+    base = load_topology("host-cpu-8")
+    topo = cal.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
+                                   host_cores=shared, collectives=None, efficiency=0.5)
+    cores = topo.calibration.host_cores
+    assert cores == math.ceil(shared)
+    # The peak is the matmul rate over its fraction of the base peak; 0.5 of it is one device alone.
+    alone = 0.5 * 4e10 / min(1.0, 4e10 / base.device.flops("fp32"))
+    # n >= cores devices computing at once each get cores / n of their speed (the simulator's rule).
+    per_device = topo.device.flops("fp32") * topo.calibration.compute_efficiency
+    for n in range(cores, 9):
+        assert n * per_device * cores / n == pytest.approx(shared * alone)
 
 
 @given(st.lists(st.floats(0, 10), min_size=3, max_size=3), st.integers(0, 2**31 - 1))
@@ -163,8 +178,8 @@ def _synthetic_measurements(base: Topology) -> list[Sample]:
     topo = cal.with_collective_params(base, truth)
     samples = _matmul_samples({"fp32": 4e10, "bf16": 3e10}, 2e6, 2e-5)
     samples += [Sample(kind="memory", seconds=2e-5 + b / 1.5e10, bytes=b) for b in (1e6, 4e6, 1.6e7)]
-    samples += [Sample(kind="concurrent_matmul", seconds=8 * (2e-5 + (f + 2e6) / 4e10), flops=f, devices=8)
-                for f in (2.0 * 256 ** 3, 2.0 * 512 ** 3)]
+    samples += [Sample(kind="concurrent", seconds=k * (2e-5 + (f + 2e6) / 4e10), flops=f, devices=k)
+                for f in (2.0 * 256 ** 3, 2.0 * 512 ** 3) for k in (1, 8)]
     for op in ("psum", "all_gather", "ppermute"):
         for g in (2, 8):
             for b in (4096.0, 131072.0, 2097152.0):
