@@ -57,7 +57,8 @@ def _hand_written(plan: Plan, devices: list) -> tuple:
     params = model.init_params(plan.model, plan.seed)
     p_sh = jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, _hand_spec(path, x)), params)
     params = jax.device_put(params, p_sh)
-    o_sh = jax.tree.map(lambda x: x.sharding, jax.jit(tx.init)(params))
+    shape = jax.eval_shape(tx.init, params)  # adamw: (ScaleByAdamState(count, mu, nu), EmptyState, EmptyState)
+    o_sh = (shape[0]._replace(count=NamedSharding(mesh, P()), mu=p_sh, nu=p_sh),) + tuple(shape[1:])
     opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
     batch_sh = NamedSharding(mesh, P("data"))
 
