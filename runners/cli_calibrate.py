@@ -30,7 +30,7 @@ from testbed.output import CommandResult, write_atomic
 from testbed.topology import Topology
 
 __all__ = ["calibrate", "validate", "base_topology", "fit_all", "measurements_path", "validation_summary",
-           "relative_error"]
+           "relative_error", "simulator_collective_time", "JAX_TO_OP"]
 
 
 def measurements_path(out: str | Path) -> Path:
@@ -48,6 +48,29 @@ def _parse_devices(text: str) -> Any:
     if text.strip() == "local":
         return DeviceRequest(kind="local")
     raise InputError(f"`{text}` is not a device choice; valid: emulated:N (N host devices) or local", field="--devices")
+
+
+#: jax collective names (runners.measure) -> testbed.collectives op names.
+JAX_TO_OP = {"psum": "all_reduce", "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
+             "all_to_all": "all_to_all", "ppermute": "send"}
+
+
+def simulator_collective_time(topology: Topology, sample: cal.Sample, reference: Topology | None = None) -> float:
+    """What the simulator predicts for a measured collective: the group of ``ranks`` consecutive devices.
+
+    A ``ppermute`` ring shift is a send between neighbours (every device sends
+    and receives one message at once, on its own links).
+    """
+    from testbed import collective_timing
+
+    op = JAX_TO_OP.get(sample.op, sample.op)
+    if op == "send":
+        return float(collective_timing.send_time(topology, 0, 1, sample.bytes))
+    group = tuple(range(sample.ranks))
+    algorithm = "auto"
+    if reference is not None:
+        algorithm = collective_timing.collective_time(reference, op, group, sample.bytes).algorithm
+    return float(collective_timing.collective_time(topology, op, group, sample.bytes, algorithm).time_s)
 
 
 def _chip(name: str) -> str:
@@ -106,17 +129,17 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,
     # Collective samples are already per collective inside a program (runners.measure loops them).
     rows = [s for s in samples if s.kind == "collective"]
     if rows:
-        collectives, coll_fit = cal.fit_collectives(base, rows, cal.simulator_collective_time)
+        collectives, coll_fit = cal.fit_collectives(base, rows, simulator_collective_time)
         fits.append(coll_fit)
     topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
                                    host_cores=cores, collectives=collectives, name=name)
     steps = cal.fit_step_compute(topo, samples)
     if steps is not None:
-        efficiency, half, step_fit = steps
+        efficiency, half, scales, step_fit = steps
         fits.append(step_fit)
         topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw,
                                        launch_s=launch, host_cores=cores, collectives=collectives, name=name,
-                                       efficiency=efficiency)
+                                       efficiency=efficiency, peak_scales=scales)
     c = topo.calibration
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,

@@ -97,6 +97,7 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
                 for op in ops for g in groups if g > 1 for b in messages]
     shapes = [name for name in STEP_SHAPES if name.startswith("cpu-" if cpu else "acc-")]
     out += [Benchmark(kind="step", op=name) for name in (shapes[1:3] if quick else shapes)]
+    out += [Benchmark(kind="step", op=f"{shapes[2]}-bf16")]
     return out
 
 
@@ -146,7 +147,8 @@ def _step(bench: Benchmark, devices: Sequence[Any]) -> Sample:
     """Median training step of the single-device plan ``bench.op`` (the runner's own step)."""
     plan = step_plan(bench.op)
     seconds, _, _ = measure_plan(plan, list(devices[:1]), steps=5, memory=False)
-    return Sample(kind="step", seconds=seconds, op=bench.op, flops=float(model_flops_per_step(plan)))
+    return Sample(kind="step", seconds=seconds, op=bench.op, flops=float(model_flops_per_step(plan)),
+                  dtype=plan.precision.compute_dtype)
 
 
 def _memory(bench: Benchmark, devices: Sequence[Any]) -> Sample:

@@ -13,10 +13,9 @@ relative-error weighted) least squares, numpy only:
 - memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``;
 - host cores: ``k`` devices computing at once take ``k / cores`` times as long
   as one device when they share ``cores`` host cores;
-- collectives: a collective's time is affine in each level's latency, each
-  level's inverse bandwidth and ``collective_overhead_s``; the coefficients
-  come from whatever timing model the caller passes (the simulator's), so the
-  fitted fields mean exactly what the simulator will do with them.
+- collectives: time is affine in each level's latency and inverse bandwidth
+  and ``collective_overhead_s``, with coefficients from the caller's timing
+  model (the simulator's): the fields mean what the simulator does with them.
 
 Everything here is pure; :func:`calibrated_topology` returns a new Topology.
 """
@@ -38,7 +37,7 @@ __all__ = [
     "Sample", "Fit", "CollectiveParams", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line",
     "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "collective_columns", "fit_collectives",
     "calibrated_topology", "samples_to_rows", "samples_from_rows", "level_groups", "with_collective_params",
-    "simulator_collective_time", "JAX_TO_OP", "STEP_SHAPES", "step_plan", "fit_step_compute",
+    "STEP_SHAPES", "step_plan", "fit_step_compute",
 ]
 
 #: Kinds of measurement rows: an empty program, a matmul on one device, a small
@@ -284,25 +283,23 @@ def collective_columns(topology: Topology, samples: Sequence[Sample], predict: P
     """
     reference = reference or topology
     groups = level_groups(topology)
-    names = [g[0] for g in groups]
-    huge = 1e30
     zero = CollectiveParams(latency={n: 0.0 for g in groups for n in g},
-                            bandwidth={n: huge for g in groups for n in g}, overhead_s=0.0)
+                            bandwidth={n: 1e30 for g in groups for n in g}, overhead_s=0.0)
+
+    def column(params: CollectiveParams, step: float) -> np.ndarray:
+        probe = with_collective_params(topology, params)
+        return (np.array([predict(probe, s, reference) for s in samples]) - base) / step
+
     base_topo = with_collective_params(topology, zero)
     base = np.array([predict(base_topo, s, reference) for s in samples])
     columns, labels = [], []
     step_lat, step_inv = 1e-3, 1e-9
-    for group, label in zip(groups, names):
-        lat = dict(zero.latency, **{n: step_lat for n in group})
-        probe = with_collective_params(topology, replace(zero, latency=lat))
-        columns.append((np.array([predict(probe, s, reference) for s in samples]) - base) / step_lat)
-        labels.append(f"latency:{label}")
-        bw = dict(zero.bandwidth, **{n: 1.0 / step_inv for n in group})
-        probe = with_collective_params(topology, replace(zero, bandwidth=bw))
-        columns.append((np.array([predict(probe, s, reference) for s in samples]) - base) / step_inv)
-        labels.append(f"inverse_bandwidth:{label}")
-    probe = with_collective_params(topology, replace(zero, overhead_s=step_lat))
-    columns.append((np.array([predict(probe, s, reference) for s in samples]) - base) / step_lat)
+    for group in groups:
+        columns.append(column(replace(zero, latency=dict(zero.latency, **{n: step_lat for n in group})), step_lat))
+        columns.append(column(replace(zero, bandwidth=dict(zero.bandwidth, **{n: 1 / step_inv for n in group})),
+                              step_inv))
+        labels += [f"latency:{group[0]}", f"inverse_bandwidth:{group[0]}"]
+    columns.append(column(replace(zero, overhead_s=step_lat), step_lat))
     labels.append("overhead")
     return np.column_stack(columns), labels
 
@@ -356,7 +353,8 @@ def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coe
 
 def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
                         launch_s: float, host_cores: float, collectives: CollectiveParams | None,
-                        name: str | None = None, efficiency: float | None = None) -> Topology:
+                        name: str | None = None, efficiency: float | None = None,
+                        peak_scales: Mapping[str, float] | None = None) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
     Peaks: the matmul rate's fraction of the base device's peak (median over
@@ -364,7 +362,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     ``peak * e`` is its measured rate and the ratios between dtypes are
     measured). ``compute_efficiency`` is ``efficiency`` when given (the fit on
     training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
-    likewise. Dtypes not measured keep their base peak.
+    likewise. Dtypes not measured keep their base peak; ``peak_scales``
+    (from the training steps) multiply a dtype's peak last.
 
     Shared host throughput ``host_cores = r`` (e.g. 1.5 cores' worth) is
     written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
@@ -378,6 +377,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     matmul_efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
     peaks = dict(device.peak_flops)
     peaks.update({d: r / matmul_efficiency for d, r in rates.items()})
+    peaks.update({d: peaks[d] * x for d, x in (peak_scales or {}).items() if d in peaks})
     memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
     device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
     cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
@@ -415,29 +415,6 @@ def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
     return out
 
 
-#: jax collective names (runners.measure) -> testbed.collectives op names.
-JAX_TO_OP = {"psum": "all_reduce", "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
-             "all_to_all": "all_to_all", "ppermute": "send"}
-
-
-def simulator_collective_time(topology: Topology, sample: Sample, reference: Topology | None = None) -> float:
-    """What the simulator predicts for a measured collective: the group of ``ranks`` consecutive devices.
-
-    A ``ppermute`` ring shift is a send between neighbours (every device sends
-    and receives one message at once, on its own links).
-    """
-    from testbed import collective_timing
-
-    op = JAX_TO_OP.get(sample.op, sample.op)
-    if op == "send":
-        return float(collective_timing.send_time(topology, 0, 1, sample.bytes))
-    group = tuple(range(sample.ranks))
-    algorithm = "auto"
-    if reference is not None:
-        algorithm = collective_timing.collective_time(reference, op, group, sample.bytes).algorithm
-    return float(collective_timing.collective_time(topology, op, group, sample.bytes, algorithm).time_s)
-
-
 # -- compute efficiency on the model's own kernels ------------------------------------------
 
 #: Single-device training steps ``calibrate`` times to fit compute efficiency on
@@ -455,11 +432,13 @@ STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
 
 
 def step_plan(name: str) -> Plan:
-    """The single-device fp32 plan of :data:`STEP_SHAPES` ``name``."""
-    if name not in STEP_SHAPES:
-        raise InputError(f"unknown step shape `{name}`; valid: {', '.join(STEP_SHAPES)}", field="op")
-    fields_, batch = STEP_SHAPES[name]
-    return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch, microbatches=1))
+    """The single-device plan of :data:`STEP_SHAPES` ``name`` (fp32; ``NAME-bf16``: bf16-mixed)."""
+    shape = name.removesuffix("-bf16")
+    if shape not in STEP_SHAPES:
+        raise InputError(f"unknown step shape `{name}`; valid: {', '.join(STEP_SHAPES)} (+ -bf16)", field="op")
+    fields_, batch = STEP_SHAPES[shape]
+    return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch, microbatches=1),
+                precision="bf16-mixed" if name.endswith("-bf16") else "fp32")
 
 
 def _step_tasks(name: str) -> list[tuple[float, float, int]]:
@@ -472,14 +451,16 @@ def _step_tasks(name: str) -> list[tuple[float, float, int]]:
     return [(t.flops, t.hbm_bytes, t.kernels) for t in program.tasks if t.kind is TaskKind.COMPUTE]
 
 
-def fit_step_compute(topology: Topology, samples: Sequence[Sample]) -> tuple[float, float, Fit] | None:
-    """``compute_efficiency`` and ``efficiency_half_flops`` that best predict measured single-device steps.
+def fit_step_compute(topology: Topology, samples: Sequence[Sample],
+                     ) -> tuple[float, float, dict[str, float], Fit] | None:
+    """Efficiency, half-efficiency FLOPs and per-dtype peak scales that best predict single-device steps.
 
     One device runs its compute tasks back to back, so the simulator's step is
-    the sum of :func:`testbed.simulator.compute_seconds` over them; a grid
-    over (efficiency, half), refined twice, minimises the squared relative
-    errors. Peaks, memory bandwidth and launch overhead stay as in
-    ``topology``. None without step samples.
+    the sum of :func:`testbed.simulator.compute_seconds` over them. A grid
+    over (efficiency, half), refined twice, fits the fp32 steps; then each
+    other dtype's peak is scaled (1-D grid) to fit its steps (bf16 on a CPU
+    is far slower in a model than in one matmul). Memory bandwidth and launch
+    overhead stay as in ``topology``. None without step samples.
     """
     from types import SimpleNamespace
 
@@ -488,24 +469,32 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample]) -> tuple[flo
     rows = _of_kind(samples, "step")
     if not rows:
         return None
+    plans = [step_plan(r.op) for r in rows]
     tasks = [_step_tasks(r.op) for r in rows]
     measured = np.array([r.seconds for r in rows])
+    dtypes = [p.precision.compute_dtype for p in plans]
 
-    def predict(eff: float, half: float) -> np.ndarray:
-        stub = SimpleNamespace(device=topology.device, calibration=replace(
+    def predict(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:
+        device = replace(topology.device, peak_flops={d: v * scales.get(d, 1.0) for d, v in
+                                                      topology.device.peak_flops.items()})
+        stub = SimpleNamespace(device=device, calibration=replace(
             topology.calibration, compute_efficiency=eff, efficiency_half_flops=half))
-        return np.array([sum(compute_seconds(stub, r.dtype, f, b, k) for f, b, k in ts) for r, ts in zip(rows, tasks)])
+        return np.array([sum(compute_seconds(stub, d, f, b, k) for f, b, k in ts) for d, ts in zip(dtypes, tasks)])
 
-    def cost(eff: float, half: float) -> float:
-        return float(np.sum((predict(eff, half) / measured - 1.0) ** 2))
+    def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str) -> float:
+        mask = np.array([d == dtype for d in dtypes])
+        return float(np.sum((predict(eff, half, scales)[mask] / measured[mask] - 1.0) ** 2))
 
+    main = "fp32" if "fp32" in dtypes else dtypes[0]
     effs, halves = np.geomspace(0.01, 1.5, 40), np.concatenate([[0.0], np.geomspace(1e3, 1e11, 33)])
     for _ in range(3):
-        best = min(((cost(e, h), e, h) for e in effs for h in halves))
-        _, e, h = best
+        _, e, h = min((cost(e, h, {}, main), e, h) for e in effs for h in halves)
         effs = np.clip(np.geomspace(e / 1.3, e * 1.3, 13), 1e-3, 1.5)
         halves = np.unique(np.concatenate([[0.0], np.geomspace(max(h, 1e3) / 3, max(h, 1e3) * 3, 13)]))
-    r2, residuals = fit_quality(predict(e, h), measured)
-    fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h)},
+    scales = {d: min((cost(e, h, {d: x}, d), x) for x in np.geomspace(0.02, 50, 200))[1]
+              for d in sorted(set(dtypes) - {main})}
+    r2, residuals = fit_quality(predict(e, h, scales), measured)
+    fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h),
+                                             **{f"peak_scale_{d}": float(x) for d, x in scales.items()}},
               r2=r2, rel_residuals=residuals, samples=len(rows))
-    return float(e), float(h), fit
+    return float(e), float(h), {d: float(x) for d, x in scales.items()}, fit

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runners.cli_calibrate import simulator_collective_time
 from testbed import calibration as cal
 from testbed.calibration import Sample
 from testbed.errors import InputError
@@ -184,14 +185,14 @@ def _synthetic_measurements(base: Topology) -> list[Sample]:
         for g in (2, 8):
             for b in (4096.0, 131072.0, 2097152.0):
                 probe = Sample(kind="collective", seconds=1.0, op=op, ranks=g, bytes=b)
-                samples.append(replace(probe, seconds=cal.simulator_collective_time(topo, probe)))
+                samples.append(replace(probe, seconds=simulator_collective_time(topo, probe)))
     return samples
 
 
 def test_fit_collectives_through_the_simulator_recovers_parameters():
     base = load_topology("host-cpu-8")
     rows = [s for s in _synthetic_measurements(base) if s.kind == "collective"]
-    params, fit = cal.fit_collectives(base, rows, cal.simulator_collective_time)
+    params, fit = cal.fit_collectives(base, rows, simulator_collective_time)
     assert fit.max_abs_rel < 1e-3
     # ppermute (a send: latency + overhead) and rounds of the collectives separate the parameters.
     assert params.bandwidth["node"] == pytest.approx(4e9, rel=1e-3)
