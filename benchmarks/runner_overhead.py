@@ -4,7 +4,7 @@ Two plans on 8 emulated CPU devices: data-parallel (data 8) and
 tensor-parallel (data 2 x tensor 4, Megatron splits written out by hand
 here). Both sides build each step's batch from the same generator and place
 it on the mesh, then run the optax AdamW step; the median of ``--steps``
-timed steps (after a warm-up) is compared. Prints one JSON object with
+timed steps (after a warm-up; the two sides alternate step by step) is compared. Prints one JSON object with
 ``dp_ratio`` and ``tp_ratio`` (runner / hand-written; goal <= 1.05).
 """
 
@@ -93,35 +93,28 @@ def _runner(plan: Plan, devices: list):
     return run
 
 
-def _median_step(run, steps: int) -> float:
-    jax.block_until_ready(run(0))
-    times = []
-    for i in range(1, steps + 1):
-        t = time.perf_counter()
-        jax.block_until_ready(run(i))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def _compare(plan: Plan, steps: int, rounds: int) -> dict:
+def _compare(plan: Plan, steps: int) -> dict:
+    """Median step time of each side; steps alternate so drifting machine load hits both alike."""
     devices = select_devices(8)
-    runner, hand = _runner(plan, devices), _hand_written(plan, devices)
-    # Interleave rounds so drift in machine load hits both sides alike.
-    r, h = [], []
-    for _ in range(rounds):
-        r.append(_median_step(runner, steps))
-        h.append(_median_step(hand, steps))
-    runner_s, hand_s = statistics.median(r), statistics.median(h)
+    sides = {"runner": _runner(plan, devices), "hand": _hand_written(plan, devices)}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for name, run in sides.items():
+        jax.block_until_ready(run(0))
+    for i in range(1, steps + 1):
+        for name, run in sides.items():
+            t = time.perf_counter()
+            jax.block_until_ready(run(i))
+            times[name].append(time.perf_counter() - t)
+    runner_s, hand_s = statistics.median(times["runner"]), statistics.median(times["hand"])
     return {"runner_step_s": runner_s, "hand_step_s": hand_s, "ratio": runner_s / hand_s}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
-    dp = _compare(_plan(data=8, tensor=1), args.steps, args.rounds)
-    tp = _compare(_plan(data=2, tensor=4), args.steps, args.rounds)
+    dp = _compare(_plan(data=8, tensor=1), args.steps)
+    tp = _compare(_plan(data=2, tensor=4), args.steps)
     print(json.dumps({"devices": 8, "platform": jax.devices()[0].platform, "model": f"gpt d{SPEC.d_model} "
                       f"L{SPEC.layers} seq{SPEC.seq_len} batch 32", "dp_ratio": dp["ratio"], "tp_ratio": tp["ratio"],
                       "dp": dp, "tp": tp, "goal": 1.05}))

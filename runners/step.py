@@ -58,6 +58,8 @@ def place_tree(tree: Any, shardings: Any) -> Any:
     """Host (or single-device) arrays onto shardings; each process fills only its own shards."""
     def put(x: Any, sharding: Any) -> jax.Array:
         host = np.asarray(x)
+        if jax.process_count() == 1:
+            return jax.device_put(host, sharding)
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
 
     return jax.tree.map(put, tree, shardings)
