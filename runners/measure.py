@@ -74,7 +74,7 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     cpu = platform == "cpu"
     if cpu:
         sizes = [96, 192, 320, 448] if quick else [64, 128, 192, 256, 384, 512]
-        streams = [1 << 20, 1 << 23] if quick else [1 << 20, 1 << 22, 1 << 24]
+        streams = [1 << 22, 1 << 25] if quick else [1 << 22, 1 << 24, 1 << 26]
         messages = [1 << 12, 1 << 18, 1 << 21] if quick else [1 << 12, 1 << 17, 1 << 21]
     else:
         sizes = [512, 1024, 2048, 4096] if quick else [256, 512, 1024, 2048, 4096, 8192]
