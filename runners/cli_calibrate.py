@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -114,9 +115,12 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
                              f"-{num_devices}", calibration=template.calibration)
 
 
-def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,
+def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, host_cpus: int = 0,
             ) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
-    """Fit every calibration field from ``samples``; (calibrated topology, fitted values, fits)."""
+    """Fit every calibration field from ``samples``; (calibrated topology, fitted values, fits).
+
+    ``host_cpus``: the cores of the host emulated devices run on (0: unknown).
+    """
     launch = cal.fit_dispatch(samples)
     rates, half, fits = cal.fit_compute(samples, launch)
     try:
@@ -124,7 +128,10 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,
         fits.append(memory_fit)
     except InputError:  # noisy streams on a busy host: keep the base topology's bandwidth
         memory_bw = base.device.memory_bandwidth * base.calibration.memory_efficiency
-    cores = cal.fit_host_cores(samples, base.num_devices)
+    shared = cal.fit_host_cores(samples, base.num_devices)
+    # Devices that share a host saturate its cores once that many compute at once; steps then fit the rest.
+    has_steps = any(s.kind == "step" for s in samples)
+    cores = float(host_cpus) if shared and host_cpus and has_steps else shared
     collectives = None
     # Collective samples are already per collective inside a program (runners.measure loops them).
     rows = [s for s in samples if s.kind == "collective"]
@@ -144,7 +151,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None,
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
         "memory_efficiency": c.memory_efficiency, "launch_overhead_s": c.launch_overhead_s,
-        "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": cores,
+        "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
         "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
         "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
         "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},
@@ -229,10 +236,11 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
         elapsed = time.perf_counter() - started
         # The raw samples first: they stay useful even when a fit fails.
         raw = {"platform": info["platform"], "devices": info["devices"], "device_kind": info.get("device_kind", ""),
-               "base": base.name, "seconds": elapsed, "samples": cal.samples_to_rows(samples)}
+               "base": base.name, "seconds": elapsed, "host_cpus": len(os.sched_getaffinity(0)),
+               "samples": cal.samples_to_rows(samples)}
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
-    topo, fitted, fits = fit_all(base, samples, name=args.name)
+    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)))
     from testbed.topology_io import dump_topology
 
     header = (f"# Fitted by `testbed calibrate --devices {request}` from {info['devices']} {info['platform']} "
@@ -262,7 +270,7 @@ def _render_calibration(console: Any, data: dict[str, Any]) -> None:
     table.add_row("memory bandwidth", format_bandwidth(f["sustained_memory_bandwidth"]))
     table.add_row("launch_overhead_s", format_time(f["launch_overhead_s"]))
     table.add_row("collective_overhead_s", format_time(f["collective_overhead_s"]))
-    table.add_row("host_cores", f"{f['host_cores']} (measured {f['shared_host_cores']:.2f} cores' worth shared)")
+    table.add_row("host_cores", f"{f['host_cores']} (devices alone vs all at once: {f['shared_host_cores']:.2f})")
     for name, level in f["levels"].items():
         table.add_row(f"level {name}", f"{format_bandwidth(level['bandwidth'])}, {format_time(level['latency'])}/hop")
     console.print(table)

@@ -144,11 +144,11 @@ def _dispatch(bench: Benchmark, devices: Sequence[Any]) -> Sample:
 
 
 def _step(bench: Benchmark, devices: Sequence[Any]) -> Sample:
-    """Median training step of the single-device plan ``bench.op`` (the runner's own step)."""
-    plan = step_plan(bench.op)
-    seconds, _, _ = measure_plan(plan, list(devices[:1]), steps=5, memory=False)
+    """Median training step (the runner's own) of shape ``bench.op``, data parallel over all devices."""
+    plan = step_plan(bench.op, len(devices))
+    seconds, _, _ = measure_plan(plan, list(devices), steps=5, memory=False)
     return Sample(kind="step", seconds=seconds, op=bench.op, flops=float(model_flops_per_step(plan)),
-                  dtype=plan.precision.compute_dtype)
+                  dtype=plan.precision.compute_dtype, devices=len(devices))
 
 
 def _memory(bench: Benchmark, devices: Sequence[Any]) -> Sample:

@@ -7,12 +7,11 @@ relative-error weighted) least squares, numpy only:
 
 - dispatch: ``launch_overhead_s`` is the median time of an empty program;
 - compute: a kernel of ``f`` FLOPs takes ``launch + (f + half) / R`` (the
-  simulator's ``eff(f) = eff_max * f / (f + half)``, ``R = peak * eff_max``):
-  a line in ``f`` per dtype; single-device training steps then refit
+  simulator's ``eff(f) = eff_max * f / (f + half)``, ``R = peak * eff_max``),
+  a line in ``f`` per dtype; training steps of small models then refit
   ``eff_max`` and ``half`` on the model's own kernels (:func:`fit_step_compute`);
 - memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``;
-- host cores: ``k`` devices computing at once take ``k / cores`` times as long
-  as one device when they share ``cores`` host cores;
+- host cores: ``k`` devices at once vs one alone (shared host cores);
 - collectives: time is affine in each level's latency and inverse bandwidth
   and ``collective_overhead_s``, with coefficients from the caller's timing
   model (the simulator's): the fields mean what the simulator does with them.
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from testbed.errors import InputError
-from testbed.plan import BatchSpec, ModelSpec, Plan
+from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan
 from testbed.topology import Calibration, Form, Topology
 
 __all__ = [
@@ -90,13 +89,8 @@ class Fit:
     rel_residuals: tuple[float, ...] = ()
     samples: int = 0
 
-    @property
-    def median_abs_rel(self) -> float:
-        return float(np.median(np.abs(self.rel_residuals))) if self.rel_residuals else 0.0
-
-    @property
-    def max_abs_rel(self) -> float:
-        return float(np.max(np.abs(self.rel_residuals))) if self.rel_residuals else 0.0
+    median_abs_rel = property(lambda self: float(np.median(np.abs(self.rel_residuals or (0.0,)))))
+    max_abs_rel = property(lambda self: float(np.max(np.abs(self.rel_residuals or (0.0,)))))
 
     def summary(self) -> dict[str, Any]:
         return {"values": dict(self.values), "r2": self.r2, "median_abs_rel_residual": self.median_abs_rel,
@@ -431,46 +425,49 @@ STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
 }
 
 
-def step_plan(name: str) -> Plan:
-    """The single-device plan of :data:`STEP_SHAPES` ``name`` (fp32; ``NAME-bf16``: bf16-mixed)."""
+def step_plan(name: str, devices: int = 1) -> Plan:
+    """The plan of :data:`STEP_SHAPES` ``name`` (fp32; ``NAME-bf16``: bf16-mixed), data parallel over ``devices``.
+
+    Every device runs the shape's batch, so with emulated devices this times
+    the model's kernels while all devices share the host, as in real plans.
+    """
     shape = name.removesuffix("-bf16")
     if shape not in STEP_SHAPES:
         raise InputError(f"unknown step shape `{name}`; valid: {', '.join(STEP_SHAPES)} (+ -bf16)", field="op")
     fields_, batch = STEP_SHAPES[shape]
-    return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch, microbatches=1),
-                precision="bf16-mixed" if name.endswith("-bf16") else "fp32")
-
-
-def _step_tasks(name: str) -> list[tuple[float, float, int]]:
-    """(FLOPs, HBM bytes, kernels) of the compute tasks the simulator builds for a step shape."""
-    from testbed.placement import place
-    from testbed.program import TaskKind, build_program
-
-    plan = step_plan(name)
-    program = build_program(plan, place(plan, num_devices=1))
-    return [(t.flops, t.hbm_bytes, t.kernels) for t in program.tasks if t.kind is TaskKind.COMPUTE]
+    return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch * devices, microbatches=1),
+                mesh=MeshSpec(data=devices), precision="bf16-mixed" if name.endswith("-bf16") else "fp32")
 
 
 def fit_step_compute(topology: Topology, samples: Sequence[Sample],
                      ) -> tuple[float, float, dict[str, float], Fit] | None:
-    """Efficiency, half-efficiency FLOPs and per-dtype peak scales that best predict single-device steps.
+    """Efficiency, half-efficiency FLOPs and per-dtype peak scales that best predict measured steps.
 
-    One device runs its compute tasks back to back, so the simulator's step is
-    the sum of :func:`testbed.simulator.compute_seconds` over them. A grid
-    over (efficiency, half), refined twice, fits the fp32 steps; then each
-    other dtype's peak is scaled (1-D grid) to fit its steps (bf16 on a CPU
-    is far slower in a model than in one matmul). Memory bandwidth and launch
-    overhead stay as in ``topology``. None without step samples.
+    A step sample is the data-parallel plan of a shape on ``devices`` devices.
+    Its predicted time is the representative's compute tasks
+    (:func:`testbed.simulator.compute_seconds`, slowed by ``devices /
+    host_cores`` when the devices share the host) plus the exposed
+    communication the simulator finds at the starting calibration. A grid
+    over (efficiency, half), refined twice, fits the fp32 steps; each other
+    dtype's peak is then scaled (1-D grid) to fit its steps (bf16 on a CPU is
+    far slower in a model than in one matmul). None without step samples.
     """
     from types import SimpleNamespace
 
-    from testbed.simulator import compute_seconds
+    from testbed.placement import place
+    from testbed.program import TaskKind, build_program
+    from testbed.simulator import compute_seconds, simulate
 
     rows = _of_kind(samples, "step")
     if not rows:
         return None
-    plans = [step_plan(r.op) for r in rows]
-    tasks = [_step_tasks(r.op) for r in rows]
+    plans = [step_plan(r.op, r.devices) for r in rows]
+    tasks = [[(t.flops, t.hbm_bytes, t.kernels) for t in build_program(p, place(p, num_devices=r.devices)).tasks
+              if t.kind is TaskKind.COMPUTE and t.device == 0] for p, r in zip(plans, rows)]
+    cores = topology.calibration.host_cores
+    slowdown = np.array([max(1.0, r.devices / cores) if cores else 1.0 for r in rows])
+    comm = np.array([simulate(p, topology).report.exposed_comm_s if r.devices > 1 else 0.0
+                     for p, r in zip(plans, rows)])
     measured = np.array([r.seconds for r in rows])
     dtypes = [p.precision.compute_dtype for p in plans]
 
@@ -479,7 +476,8 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
                                                       topology.device.peak_flops.items()})
         stub = SimpleNamespace(device=device, calibration=replace(
             topology.calibration, compute_efficiency=eff, efficiency_half_flops=half))
-        return np.array([sum(compute_seconds(stub, d, f, b, k) for f, b, k in ts) for d, ts in zip(dtypes, tasks)])
+        work = np.array([sum(compute_seconds(stub, d, f, b, k) for f, b, k in ts) for d, ts in zip(dtypes, tasks)])
+        return work * slowdown + comm
 
     def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str) -> float:
         mask = np.array([d == dtype for d in dtypes])
@@ -487,10 +485,11 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
 
     main = "fp32" if "fp32" in dtypes else dtypes[0]
     effs, halves = np.geomspace(0.01, 1.5, 40), np.concatenate([[0.0], np.geomspace(1e3, 1e11, 33)])
-    for _ in range(3):
+    for span in (1.3, 1.06, 1.01, None):  # refine around the best point, each grid finer
         _, e, h = min((cost(e, h, {}, main), e, h) for e in effs for h in halves)
-        effs = np.clip(np.geomspace(e / 1.3, e * 1.3, 13), 1e-3, 1.5)
-        halves = np.unique(np.concatenate([[0.0], np.geomspace(max(h, 1e3) / 3, max(h, 1e3) * 3, 13)]))
+        if span is not None:
+            effs = np.clip(np.geomspace(e / span, e * span, 13), 1e-3, 1.5)
+            halves = np.unique([0.0, *np.geomspace(max(h, 1e3) / span ** 4, max(h, 1e3) * span ** 4, 13)])
     scales = {d: min((cost(e, h, {d: x}, d), x) for x in np.geomspace(0.02, 50, 200))[1]
               for d in sorted(set(dtypes) - {main})}
     r2, residuals = fit_quality(predict(e, h, scales), measured)

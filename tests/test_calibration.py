@@ -267,3 +267,19 @@ def test_base_topology_matches_the_detected_devices(platform, count, kind, expec
     assert topo.name == expected and topo.num_devices == count
     with pytest.raises(InputError, match="--base"):
         base_topology("host-cpu-8", platform, count + 1, kind)
+
+
+def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
+    from testbed.simulator import simulate
+
+    base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+                                   memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
+    single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
+    truth = replace(single, calibration=replace(single.calibration, compute_efficiency=0.4,
+                                                efficiency_half_flops=3e6))
+    samples = [Sample(kind="step", op=name, seconds=simulate(cal.step_plan(name), truth).report.step_time_s)
+               for name in ("cpu-s", "cpu-m", "cpu-l", "cpu-xl")]
+    efficiency, half, scales, fit = cal.fit_step_compute(single, samples)
+    assert efficiency == pytest.approx(0.4, rel=0.03)
+    assert half == pytest.approx(3e6, rel=0.3)
+    assert scales == {} and fit.max_abs_rel < 0.02
