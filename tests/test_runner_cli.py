@@ -1,0 +1,48 @@
+"""`testbed run` / `testbed verify` on the command line: bad device choices exit 2 naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from testbed.cli import main
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "testbed.cli", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_local_devices_too_few_for_the_mesh() -> None:
+    # A fresh process with one CPU device; the demo mesh needs 8.
+    out = _cli("run", "--plan", "demo", "--devices", "local", env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 2
+    assert "field `mesh`" in out.stderr and "needs 8 devices but JAX has 1" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, field", [
+    (["run", "--devices", "emulated:4"], "--devices"),          # JAX already started here with 8 devices
+    (["verify", "--devices", "tpu:8"], "--devices"),
+    (["run", "--steps", "0"], "--steps"),
+    (["run", "--processes", "3"], "--processes"),               # 8 devices do not split over 3 processes
+])
+def test_bad_choices_exit_2(args: list[str], field: str, capsys: pytest.CaptureFixture) -> None:
+    assert main([*args, "--plan", "demo"]) == 2
+    assert f"field `{field}`" in capsys.readouterr().err
+
+
+def test_run_prints_the_contract_keys(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    plan = tmp_path / "dp.yaml"
+    plan.write_text("name: dp\nmodel: {kind: gpt, layers: 1, d_model: 8, heads: 2, d_ff: 16, seq_len: 4, vocab: 16}\n"
+                    "batch: {global_batch: 8}\nmesh: {data: 8}\n")
+    assert main(["run", "--plan", str(plan), "--steps", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"platform", "devices", "processes", "step_times_s", "loss", "median_step_time_s",
+            "compile_time_s"} <= set(data)
+    assert data["devices"] == 8 and data["processes"] == 1 and len(data["step_times_s"]) == 2
+    assert data["loss"] > 0
