@@ -415,6 +415,7 @@ def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
 #: the model's own kernels: name -> (model fields, global batch). ``cpu-*`` for
 #: host devices, ``acc-*`` for GPUs and TPUs (large enough not to be launch bound).
 STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
+    "cpu-xs": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 1),
     "cpu-s": ({"layers": 2, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 4),
     "cpu-m": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 2),
     "cpu-l": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 8),
