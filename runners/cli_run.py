@@ -193,7 +193,7 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
         payload = {"plan": plan_to_dict(plan), "steps": args.steps}
         try:
             results = launch.launch(payload, processes=args.processes, local_devices=request.count // args.processes,
-                                    port=args.port)
+                                    port=args.port, timeout_s=args.timeout)
         except launch.WorkerFailed as exc:
             return CommandResult({"ok": False, "error": str(exc), "worker": exc.worker}, _error_render(str(exc)),
                                  exit_code=1)
@@ -247,6 +247,8 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
     _common_arguments(parser, steps=5)
     parser.add_argument("--processes", type=int, default=1, help="local worker processes (gloo), default 1")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="with --processes: stop all workers after this many seconds (a deadlocked job)")
 
 
 run = types.SimpleNamespace(add_arguments=_run_arguments, execute=_execute_run)

@@ -215,7 +215,10 @@ def transfer(x: Any, shape: tuple[int, ...], dtype: Any, src: Any, dst: Any) -> 
     for device in pair_sharding.addressable_devices_indices_map((2, *shape)):
         data = local[device] if device in src_devices else jax.device_put(jnp.zeros(shard, dtype), device)
         pieces.append(data.reshape((1, *shard)))
-    moved = move(jax.make_array_from_single_device_arrays((2, *shape), pair_sharding, pieces))
+    # One transfer in flight at a time: gloo needs every process to issue its collectives in the same
+    # order, and asynchronously dispatched programs may otherwise start out of order.
+    moved = jax.block_until_ready(move(jax.make_array_from_single_device_arrays((2, *shape), pair_sharding,
+                                                                                 jax.block_until_ready(pieces))))
     if not owns(dst):
         return None
     dst_devices = set(dst.device_set)
