@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("runners.cli_run:verify", "check a plan's parallel step against a single-device reference"),
     "calibrate": ("runners.cli_calibrate:calibrate", "measure this machine and fit a topology's calibration"),
     "validate": ("runners.cli_calibrate:validate", "predicted vs measured step time and memory for plans"),
-    "demo": ("testbed.demo", "run the default job end to end"),
+    "demo": ("runners.demo", "run the default job end to end: check, predict, run, verify, compare"),
 }
 
 
