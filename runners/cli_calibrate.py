@@ -19,6 +19,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -173,7 +174,7 @@ def _read_measurements(path: str) -> dict[str, Any]:
     return raw
 
 
-def _progress(total_hint: str):
+def _progress() -> Any:
     """A rich progress bar on stderr (stdout stays clean for --json)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -227,7 +228,7 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
         started = time.perf_counter()
         benches = measure.plan_benchmarks(info["platform"], len(devices), quick=args.quick)
         samples = []
-        with _progress("") as progress:
+        with _progress() as progress:
             task = progress.add_task("", total=len(benches))
             for bench in benches:
                 progress.update(task, description=bench.label)
@@ -357,7 +358,7 @@ def _validate(args: argparse.Namespace) -> CommandResult:
 
     devices = dev.select_devices(topology.num_devices)
     rows = []
-    with _progress("") as progress:
+    with _progress() as progress:
         task = progress.add_task("", total=len(plans))
         for path, plan in zip(args.plans, plans):
             progress.update(task, description=plan.name)

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from testbed.calibration import STEP_SHAPES, Sample, step_plan
 from testbed.model import model_flops_per_step
