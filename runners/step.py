@@ -127,6 +127,7 @@ class SpmdTrainer:
 
     def __init__(self, plan: Plan, mesh: Any, return_grads: bool = False):
         self.plan, self.mesh, self.return_grads = plan, mesh, return_grads
+        self._compiled: Any = None
         self.tx = make_optimizer(plan)
         shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
         layout = layout_for(shape, plan)
@@ -165,7 +166,10 @@ class SpmdTrainer:
 
     def step(self, state: tuple[Any, Any], step: int) -> tuple[tuple[Any, Any], jax.Array]:
         params, opt_state = state
-        params, opt_state, loss, *grads = self._step(params, opt_state, *self._batch(step))
+        batch = self._batch(step)
+        if self._compiled is None:  # compiled ahead of time once, so its HLO text comes for free
+            self._compiled = self._step.lower(params, opt_state, *batch).compile()
+        params, opt_state, loss, *grads = self._compiled(params, opt_state, *batch)
         self.last_grads = grads[0] if grads else None
         return (params, opt_state), loss
 
@@ -176,7 +180,9 @@ class SpmdTrainer:
         return host_tree(state[0])
 
     def compiled_texts(self, state: tuple[Any, Any]) -> list[str]:
-        return [self._step.lower(*state, *self._batch(0)).compile().as_text()]
+        if self._compiled is None:
+            self.step(state, 0)
+        return [self._compiled.as_text()]
 
     def transfers(self) -> int:
         return 0

@@ -22,7 +22,7 @@ from testbed.plan_io import load_plan, plan_to_dict
 PLAN = """
 name: small-pipeline
 model: {kind: gpt, layers: 2, d_model: 16, heads: 4, d_ff: 32, seq_len: 8, vocab: 32}
-batch: {global_batch: 8, microbatches: 2}
+batch: {global_batch: 8, microbatches: 4}
 mesh: {data: 2, fsdp: 1, tensor: 2, stage: 2}
 schedule: 1f1b
 """
@@ -70,7 +70,7 @@ def test_failed_worker_stops_the_job(plan_file: Path, fault: str, words: str,
     payload = {"plan": plan_to_dict(load_plan(str(plan_file))), "steps": 2}
     start = time.monotonic()
     with pytest.raises(launch.WorkerFailed) as failed:
-        launch.launch(payload, processes=2, local_devices=4, stale_s=10.0)
+        launch.launch(payload, processes=2, local_devices=4, stale_s=6.0)
     assert time.monotonic() - start < 60
     assert failed.value.worker == 1
     assert "worker 1 of 2" in str(failed.value) and words in str(failed.value)
