@@ -125,6 +125,7 @@ def draw_breakdown(rows: list[dict], path: str, title: str = ""):
     for i, r in enumerate(rows):
         ax.text(i, r["step_time_s"] * 1e3, f"MFU {r['mfu']:.0%}" + ("" if r["fits"] else " OOM"),
                 ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, max((r["step_time_s"] * 1e3 for r in rows), default=1.0) * 1.12)
     ax.set_ylabel("step time (ms)")
     ax.set_title(title)
     ax.legend(fontsize=8)

@@ -32,6 +32,10 @@ def atomic_path(path: str | Path, field_name: str = "output") -> Iterator[Path]:
         raise InputError(f"cannot create the folder {parent} ({exc.strerror})", field=field_name) from None
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=parent)
     os.close(fd)
+    # mkstemp creates 0600; give the file the mode a plain open() would have.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     try:
         yield Path(tmp)
         os.replace(tmp, path)
