@@ -19,7 +19,7 @@ verify's errors (documented in the JSON under ``errors`` and ``thresholds``):
   or parameters moves it by whole steps.
 
 ``max_rel_err`` is the larger of the loss and gradient errors; ``ok`` needs
-each error under its threshold and the compiled programs to hold the
+each error under its threshold (:data:`THRESHOLDS`) and the compiled programs to hold the
 collectives the plan implies (:mod:`runners.hlo`).
 """
 
@@ -38,10 +38,13 @@ from testbed.plan_io import load_plan, plan_from_dict, plan_to_dict
 
 __all__ = ["run", "verify", "run_plan", "verify_plan", "build_trainer", "worker_body", "THRESHOLDS"]
 
-#: precision -> (loss and gradient relative error, parameter error in optimizer steps).
-THRESHOLDS: dict[Precision, tuple[float, float]] = {
-    Precision.FP32: (1e-5, 5e-2),
-    Precision.BF16_MIXED: (5e-2, 1.0),
+#: precision -> {loss: relative, grads: relative, param_steps: optimizer steps}. bf16-mixed gradients
+#: come out of bf16 matmuls (outputs rounded to 2^-9 relative); microbatches and shards round partial
+#: sums that can cancel, so 10% of the largest gradient is allowed, and Adam turns the sign change of
+#: a small gradient into a whole step, so parameters may be 1.5 steps apart.
+THRESHOLDS: dict[Precision, dict[str, float]] = {
+    Precision.FP32: {"loss": 1e-5, "grads": 1e-5, "param_steps": 5e-2},
+    Precision.BF16_MIXED: {"loss": 1e-3, "grads": 1e-1, "param_steps": 1.5},
 }
 
 
@@ -140,15 +143,16 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
             max_abs = max(max_abs, diff)
     param_abs, param_scale = _tree_errors(trainer.full_params(state), reference.full_params(ref_state))
     param_steps = param_abs / (plan.optimizer.learning_rate * steps)
-    rel_tol, step_tol = THRESHOLDS[plan.precision]
+    tol = THRESHOLDS[plan.precision]
     max_rel = max(loss_rel + grad_rel)
     collectives = (check_collectives(plan, trainer.compiled_texts(state), trainer.transfers()) if check_hlo
                    else {"expected": [], "found": {}, "missing": [], "ok": True, "skipped": True})
-    ok = max_rel <= rel_tol and param_steps <= step_tol and collectives["ok"]
+    ok = (max(loss_rel) <= tol["loss"] and max(grad_rel) <= tol["grads"] and param_steps <= tol["param_steps"]
+          and collectives["ok"])
     return {"ok": ok, "max_abs_err": max(max_abs, param_abs), "max_rel_err": max_rel,
             "errors": {"loss_rel": loss_rel, "grad_rel": grad_rel, "param_abs": param_abs,
                        "param_rel": param_abs / param_scale, "param_steps": param_steps},
-            "thresholds": {"rel": rel_tol, "param_steps": step_tol},
+            "thresholds": tol,
             "loss": losses, "reference_loss": ref_losses, "steps": steps, "plan": plan.name,
             "devices": len(devices), "platform": devices[0].platform, "collectives": collectives}
 
@@ -232,9 +236,10 @@ def _execute_verify(args: argparse.Namespace) -> CommandResult:
     def render(console: Any) -> None:
         verdict = "[green]ok[/green]" if data["ok"] else "[red]NOT ok[/red]"
         console.rule(f"testbed verify: plan `{plan.name}` on {data['devices']} {data['platform']} device(s)")
-        console.print(f"{verdict}: max relative error {data['max_rel_err']:.2e} (loss, gradients; threshold "
-                      f"{data['thresholds']['rel']:.0e}), parameters {data['errors']['param_steps']:.2e} optimizer "
-                      f"steps apart (threshold {data['thresholds']['param_steps']:.0e})")
+        e, t = data["errors"], data["thresholds"]
+        console.print(f"{verdict}: relative error of the loss {max(e['loss_rel']):.1e} (threshold {t['loss']:.0e}), "
+                      f"of the first step's gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.0e}); "
+                      f"parameters {e['param_steps']:.1e} optimizer steps apart (threshold {t['param_steps']:.0e})")
         console.print(f"loss plan {data['loss']} vs reference {data['reference_loss']}")
         c = data["collectives"]
         console.print(f"collectives expected {c['expected']}, found "

@@ -383,7 +383,7 @@ class PipelineTrainer:
             h = x if s == 0 else place_tree(np.zeros(self._act_shape, np.float32).astype(self._act_dtype),
                                             self.act_shardings[s])
             texts.append(jax.jit(chunk_grad).lower(piece, h, tgt).compile().as_text())
-            grads = jax.tree.map(jnp.zeros_like, params[s])
+            grads = jax.device_put(jax.tree.map(jnp.zeros_like, params[s]), self.grad_shardings[s])
             texts.append(self._updates[s].lower(params[s], states[s], grads).compile().as_text())
         return texts
 
