@@ -202,6 +202,13 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
             return CommandResult({"ok": False, "error": str(exc), "worker": exc.worker}, _error_render(str(exc)),
                                  exit_code=1)
         data = _merge(results)
+    elif args.distributed:
+        # One process per host, started by the cluster (srun, a TPU pod); JAX reads the job from the environment.
+        if request.kind != "local":
+            raise InputError("--distributed joins the hosts of a cluster job and needs --devices local",
+                             field="--distributed")
+        devices.initialize_distributed(None, None, None)
+        data = run_plan(plan, _devices_for(plan, request), args.steps)
     else:
         devices.prepare(request)
         data = run_plan(plan, _devices_for(plan, request), args.steps)
@@ -252,6 +259,9 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
     _common_arguments(parser, steps=5)
     parser.add_argument("--processes", type=int, default=1, help="local worker processes (gloo), default 1")
     parser.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    parser.add_argument("--distributed", action="store_true",
+                        help="on a cluster: join the job's processes with jax.distributed.initialize() "
+                             "(SLURM, Open MPI, Cloud TPU environment); use with --devices local")
     parser.add_argument("--timeout", type=float, default=None,
                         help="with --processes: stop all workers after this many seconds (a deadlocked job)")
 
