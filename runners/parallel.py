@@ -116,8 +116,3 @@ def batch_spec(rank: int, leading: int = 0) -> P:
     """Spec of a batch array: ``leading`` unsplit dims, then the batch dim over (data, fsdp)."""
     return P(*([None] * leading), BATCH_AXES, *([None] * (rank - leading - 1)))
 
-
-def constrain(tree: Any, specs: Any) -> Any:
-    """``with_sharding_constraint`` of every leaf to its spec (inside jit, under a mesh context)."""
-    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, s), tree, specs,
-                        is_leaf=lambda x: isinstance(x, P))
