@@ -3,7 +3,7 @@
 Layout (what ``testbed.model`` counts, exactly)::
 
     {"embed": {"tokens": [vocab, d], "positions": [seq, d]},
-     "layers": [ {"ln1": {scale, bias}, "attn": {wqkv [d,3d], bqkv [3d], wo [d,d], bo [d]},
+     "layers": [ {"ln1": {scale, bias}, "attn": {wqkv [d,3,d], bqkv [3,d], wo [d,d], bo [d]},
                   "ln2": {scale, bias}, "mlp": {w1 [d,f], b1 [f], w2 [f,d], b2 [d]}}, ... ],
      "head": {"norm": {scale, bias}, "w": [d, vocab]}}      # no "w" when tied
 
@@ -63,7 +63,9 @@ def _init_layer(spec: ModelSpec, key: jax.Array) -> Params:
     out_std = _INIT_STD / math.sqrt(2 * spec.layers)
     return {
         "ln1": _norm(d),
-        "attn": {"wqkv": _normal(k[0], (d, 3 * d)), "bqkv": jnp.zeros((3 * d,), jnp.float32),
+        # q, k, v stacked on their own axis so a tensor-parallel split of the last (heads x head_dim)
+        # axis hands each rank whole heads of all three (a clean Megatron column split).
+        "attn": {"wqkv": _normal(k[0], (d, 3, d)), "bqkv": jnp.zeros((3, d), jnp.float32),
                  "wo": _normal(k[1], (d, d), out_std), "bo": jnp.zeros((d,), jnp.float32)},
         "ln2": _norm(d),
         "mlp": {"w1": _normal(k[2], (d, f)), "b1": jnp.zeros((f,), jnp.float32),
@@ -201,8 +203,8 @@ def block(params_layer: Params, x: jax.Array, heads: int, remat: Remat | str = R
     """One pre-LN block: ``x + attn(ln1(x))`` then ``+ mlp(ln2(.))``; shape ``[batch, seq, d]``."""
     b, s, d = x.shape
     a = params_layer["attn"]
-    qkv = _layer_norm(params_layer["ln1"], x) @ a["wqkv"] + a["bqkv"]
-    q, k, v = (t.reshape(b, s, heads, d // heads) for t in jnp.split(qkv, 3, axis=-1))
+    qkv = jnp.einsum("bsd,dtk->bstk", _layer_norm(params_layer["ln1"], x), a["wqkv"]) + a["bqkv"]
+    q, k, v = (qkv[:, :, i].reshape(b, s, heads, d // heads) for i in range(3))
     core = jax.checkpoint(_core_attention) if Remat(remat) is Remat.SELECTIVE else _core_attention
     x = x + core(q, k, v).reshape(b, s, d) @ a["wo"] + a["bo"]
     m = params_layer["mlp"]

@@ -45,7 +45,7 @@ def test_init_is_deterministic_and_counts_match() -> None:
     assert jm.param_count(a) == tm.param_count(spec)
     for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        if x.ndim == 2:  # weight matrices are random: another seed gives other values
+        if np.asarray(x).std() > 0:  # weights are random (biases and norms constant): another seed differs
             assert not np.array_equal(np.asarray(x), np.asarray(z))
     tokens, targets = jm.make_batch(spec, 4, 0)
     assert tokens.dtype == np.int32 and tokens.shape == (4, 8)
