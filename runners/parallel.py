@@ -26,6 +26,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.plan import Plan
+from testbed.sharding import state_sharding
 
 __all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec"]
 
@@ -104,12 +105,10 @@ def _specs(params_shape: Any, plan: Plan, shard_axes: tuple[str, ...]) -> Any:
 
 def layout_for(params_shape: Any, plan: Plan) -> Layout:
     """The layout of ``params_shape`` (arrays or ShapeDtypeStructs) under ``plan``'s fsdp and ZeRO stage."""
-    fsdp = ("fsdp",) if plan.mesh.fsdp > 1 else ()
-    zero = tuple(a for a in ("data", "fsdp") if plan.mesh.degree(a) > 1) if plan.mesh.data > 1 else fsdp
-    plain, sharded = _specs(params_shape, plan, fsdp), _specs(params_shape, plan, zero)
-    return Layout(params=sharded if plan.zero >= 3 else plain,
-                  grads=sharded if plan.zero >= 2 else plain,
-                  moments=sharded if plan.zero >= 1 else plain)
+    sharding = state_sharding(plan)
+    return Layout(params=_specs(params_shape, plan, sharding.split_axes(plan, "params")),
+                  grads=_specs(params_shape, plan, sharding.split_axes(plan, "grads")),
+                  moments=_specs(params_shape, plan, sharding.split_axes(plan, "optimizer")))
 
 
 def batch_spec(rank: int, leading: int = 0) -> P:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from testbed import model
 from testbed.plan import Plan, Precision, Remat, ScheduleName
+from testbed.sharding import state_sharding
 from testbed.topology import Topology
 
 __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param"]
@@ -190,9 +191,8 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     spec, mesh = plan.model, plan.mesh
     p, v = mesh.stage, plan.schedule.virtual_stages
     param_b, grad_b, opt_b = state_bytes_per_param(plan)
-    param_ways = mesh.fsdp * (mesh.data if plan.zero >= 3 else 1)
-    grad_ways = mesh.fsdp * (mesh.data if plan.zero >= 2 else 1)
-    opt_ways = mesh.fsdp * (mesh.data if plan.zero >= 1 else 1)
+    sharding = state_sharding(plan)
+    param_ways, grad_ways, opt_ways = (sharding.ways(plan, w) for w in ("params", "grads", "optimizer"))
     held = model.device_stage_params(plan, stage)
     holds_head = stage == p - 1
     layers = spec.layers // (p * v) * v

@@ -41,6 +41,7 @@ from testbed.memory import state_bytes_per_param
 from testbed.placement import Placement
 from testbed.plan import MESH_AXES, Axis, Plan, Remat
 from testbed.schedules import Action, Schedule, build_schedule, dependencies
+from testbed.sharding import state_sharding
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
            "OPTIMIZER_FLOPS_PER_PARAM"]
@@ -163,11 +164,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     replicas = axis_groups(placement, replicas_ax)
     data_groups = axis_groups(placement, [Axis.DATA])
     fsdp_groups = axis_groups(placement, [Axis.FSDP])
-    p_axes = [Axis.FSDP] + ([Axis.DATA] if plan.zero >= 3 else [])
-    o_axes = [Axis.FSDP] + ([Axis.DATA] if plan.zero >= 1 else [])
-    p_groups = axis_groups(placement, p_axes)
-    p_ways = mesh.fsdp * (mesh.data if plan.zero >= 3 else 1)
-    o_ways = mesh.fsdp * (mesh.data if plan.zero >= 1 else 1)
+    sharding = state_sharding(plan)
+    p_groups = axis_groups(placement, list(sharding.params))
+    p_ways = sharding.ways(plan, "params")
+    o_ways = sharding.ways(plan, "optimizer")
     costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate.
     pairs = {(a, b): tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))

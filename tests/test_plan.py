@@ -104,3 +104,17 @@ def test_mesh_size_must_match_topology():
     with pytest.raises(InputError, match="exactly the 32 devices") as info:
         place(plan, load_topology("dgx-h100-x4"))
     assert info.value.field == "mesh"
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_state_sharding_follows_the_zero_paper(zero):
+    from testbed.sharding import state_sharding
+
+    plan = plan_from_dict(base(mesh={"data": 2, "fsdp": 2, "stage": 2}, zero=zero,
+                               batch={"global_batch": 16, "microbatches": 2}))
+    s = state_sharding(plan)
+    expect = {which: 4 if zero >= stage else 2 for which, stage in (("optimizer", 1), ("grads", 2), ("params", 3))}
+    assert {w: s.ways(plan, w) for w in expect} == expect
+    # Whatever shards the parameters also shards the gradients and the optimizer state.
+    assert set(s.params) <= set(s.grads) <= set(s.optimizer)
+    assert s.split_axes(plan, "params") == (("data", "fsdp") if zero >= 3 else ("fsdp",))

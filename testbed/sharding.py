@@ -1,0 +1,43 @@
+"""Which mesh axes shard the model state: parameters, gradients, optimizer state.
+
+One decision read by the memory model, the simulator's task graph and the
+runner's shardings alike: the ``fsdp`` axis shards all three; ZeRO over the
+``data`` axis adds the optimizer state (stage 1), the gradients (2) and the
+parameters (3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from testbed.plan import MESH_AXES, Axis, Plan
+
+__all__ = ["StateSharding", "state_sharding"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateSharding:
+    """Axes (in MESH_AXES order) over which each kind of model state is split."""
+
+    params: tuple[Axis, ...]
+    grads: tuple[Axis, ...]
+    optimizer: tuple[Axis, ...]
+
+    def ways(self, plan: Plan, which: str) -> int:
+        """How many pieces ``which`` (params, grads, optimizer) is cut into."""
+        return math.prod(plan.mesh.degree(a) for a in getattr(self, which))
+
+    def split_axes(self, plan: Plan, which: str) -> tuple[str, ...]:
+        """Names of the axes of ``which`` that really split it (degree > 1)."""
+        return tuple(a.value for a in getattr(self, which) if plan.mesh.degree(a) > 1)
+
+
+def state_sharding(plan: Plan) -> StateSharding:
+    """The state sharding a plan's fsdp degree and ZeRO stage imply."""
+
+    def axes(zero_stage: int) -> tuple[Axis, ...]:
+        chosen = {Axis.FSDP} | ({Axis.DATA} if plan.zero >= zero_stage else set())
+        return tuple(a for a in MESH_AXES if a in chosen)
+
+    return StateSharding(params=axes(3), grads=axes(2), optimizer=axes(1))
