@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from testbed.plan import Plan
+from testbed.sharding import state_sharding
 
 __all__ = ["COLLECTIVES", "count_collectives", "expected_collectives", "check_collectives"]
 
@@ -48,7 +49,7 @@ def expected_collectives(plan: Plan) -> list[str]:
     out = []
     if mesh.data > 1:
         out.append("data: all-reduce|reduce-scatter")
-    if mesh.fsdp > 1 or (mesh.data > 1 and plan.zero >= 1):
+    if state_sharding(plan).split_axes(plan, "optimizer"):  # sharded state is gathered for use
         out.append(f"{'fsdp' if mesh.fsdp > 1 else 'zero'}: all-gather")
     if mesh.tensor > 1:
         out.append("tensor: all-reduce")
