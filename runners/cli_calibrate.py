@@ -188,7 +188,9 @@ def _progress() -> Any:
 
 def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", default="emulated:8", help="emulated:N (N host devices) or local (default emulated:8)")
-    parser.add_argument("--processes", type=int, default=1, help="processes of one job (only 1 for now)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="K local worker processes (gloo) emulating K hosts of N/K devices each; fits a "
+                             "two-level topology (node inside a process, cluster between them); default 1")
     parser.add_argument("--out", required=True, help="calibrated topology YAML to write")
     parser.add_argument("--base", default=None, help="topology to calibrate (bundled name or YAML); "
                                                      "default: host-cpu-8 for emulated, detected for local")
@@ -201,11 +203,12 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 def _calibrate(args: argparse.Namespace) -> CommandResult:
     from runners import devices as dev
 
-    if args.processes != 1:
-        raise InputError("calibrate measures one process's devices; multi-process calibration is not supported yet, "
-                         "use --processes 1 on each host", field="--processes")
     if not str(args.out).endswith((".yaml", ".yml")):
         raise InputError(f"expected a .yaml path for the calibrated topology, got `{args.out}`", field="--out")
+    from runners import calibrate_multi
+
+    if calibrate_multi.wanted(args):  # --processes K: K local workers emulate K hosts
+        return calibrate_multi.calibrate(args)
     if args.from_measurements:
         raw = _read_measurements(args.from_measurements)
         samples = cal.samples_from_rows(raw["samples"])

@@ -1,10 +1,12 @@
 """Multi-process launcher: K local worker processes joined by ``jax.distributed``.
 
-``testbed run --processes K`` starts K copies of this module as workers on
-127.0.0.1 (gloo collectives on CPU, N/K emulated devices each). Worker ``i``
-calls ``jax.distributed.initialize("127.0.0.1:PORT", K, i)``, runs the same
-command body as a single process would, and writes its result as JSON to a
-file the launcher names. The launcher watches all of them:
+``testbed run --processes K`` and ``testbed calibrate --processes K`` start K
+copies of this module as workers on 127.0.0.1 (gloo collectives on CPU, N/K
+emulated devices each). Worker ``i`` calls
+``jax.distributed.initialize("127.0.0.1:PORT", K, i)``, runs the command body
+the payload names (``payload["body"]``, a key of :data:`BODIES`; ``run`` when
+absent), and writes its result as JSON to a file the launcher names. The
+launcher watches all of them:
 
 - a worker that exits non-zero, or whose heartbeat file goes stale (a hung
   process: stopped, deadlocked, swapped out), stops the job: the launcher
@@ -24,6 +26,7 @@ status 3 after joining; ``TESTBED_FAULT=hang:I`` makes it stop itself
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -33,11 +36,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["launch", "WorkerFailed", "free_port", "port_is_free", "worker_context", "WorkerContext"]
+__all__ = ["launch", "WorkerFailed", "free_port", "port_is_free", "worker_context", "WorkerContext", "BODIES"]
+
+#: Command bodies a worker can run: payload ``body`` -> ``module:function`` taking the payload, returning a dict.
+#: Named by string so the launcher imports only the body a job runs.
+BODIES: dict[str, str] = {"run": "runners.cli_run:worker_body", "calibrate": "runners.calibrate_multi:worker_body"}
 
 _ENV = "TESTBED_WORKER"
 _PORT_RETRIES = 3
@@ -163,12 +171,15 @@ def launch(payload: dict, *, processes: int, local_devices: int, port: int | Non
            stale_s: float = 15.0, timeout_s: float | None = None) -> list[dict]:
     """Run ``payload`` (a command's arguments) on ``processes`` local workers; their results in order.
 
-    ``port`` None picks a free coordinator port and retries busy ones; a given
-    busy port raises WorkerFailed with ``port_busy`` set. A dead or hung
-    worker stops the whole job within ``stale_s`` plus a second.
+    ``payload["body"]`` names the command body each worker runs (a key of
+    :data:`BODIES`, default ``run``). ``port`` None picks a free coordinator
+    port and retries busy ones; a given busy port raises InputError. A dead or
+    hung worker stops the whole job within ``stale_s`` plus a second.
     """
     from testbed.errors import InputError
 
+    if payload.get("body", "run") not in BODIES:
+        raise ValueError(f"unknown worker body {payload.get('body')!r}; known: {', '.join(BODIES)}")
     if port is not None and not port_is_free(port):
         raise InputError(f"coordinator port {port} on 127.0.0.1 is busy; pick another or leave it out "
                          f"to use a free one", field="--port")
@@ -216,20 +227,27 @@ def _inject_fault(process_id: int) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def _body(name: str) -> Callable[[dict], dict]:
+    """The worker body function registered under ``name`` in :data:`BODIES`."""
+    module, _, function = BODIES[name].partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def _worker_main() -> int:
     context = worker_context()
     if context is None:
-        sys.stderr.write("runners.launch is started by `testbed run --processes K`, not by hand\n")
+        sys.stderr.write("runners.launch is started by `testbed run --processes K` or `testbed calibrate "
+                         "--processes K`, not by hand\n")
         return 2
     _heartbeat(context.heartbeat_file)
-    from runners import cli_run, devices
+    from runners import devices
     from testbed.output import to_jsonable, write_atomic
 
     devices.prepare(devices.DeviceRequest(kind="emulated", count=context.local_devices * context.num_processes),
                     local_count=context.local_devices)
     devices.initialize_distributed(context.coordinator, context.num_processes, context.process_id)
     _inject_fault(context.process_id)
-    data = cli_run.worker_body(context.payload)
+    data = _body(context.payload.get("body", "run"))(context.payload)
     write_atomic(context.result_file, json.dumps(to_jsonable(data), default=str))
     import jax
 

@@ -1,0 +1,279 @@
+"""``testbed calibrate --processes K``: calibrate a K-host cluster emulated on this machine.
+
+K local workers (:mod:`runners.launch`, gloo over loopback TCP) hold N/K
+emulated devices each. Devices of different processes talk through gloo, a
+slower "network" than the host memory devices of one process share. The base
+topology therefore has two levels, innermost first: ``node`` (the N/K devices
+of one process, kind ``host`` as in ``host-cpu-8``) and ``cluster`` (the K
+processes on one Ethernet switch, one link per device), and the collective
+fit (:func:`testbed.calibration.fit_collectives`) fits both levels. Measured
+on a 2-core host, collectives inside one process slow to gloo's pace too once
+JAX runs multi-process (a 4 KiB psum of 2 devices: ~30 us in one process,
+0.3-4 ms in two), so the levels differ less than real hosts' would and the
+fit is noisy; the full (not ``--quick``) list measures more to average it.
+
+Every worker plans the same benchmark list (:func:`plan_benchmarks`) and runs
+it in the same order; in multi-process JAX each process must take part in
+every program over devices it owns. Which devices a benchmark uses:
+
+- programs that fit on one process's devices (matmuls, memory streams,
+  dispatch on up to N/K devices, the MLP on one device) run on worker 0's
+  devices only, while the other workers wait at a barrier: a busy peer would
+  share the host's cores and skew the numbers that stand for one device
+  alone, as in the single-process path;
+- collectives run over all N devices, on groups of consecutive devices inside
+  one process (``node``) and spanning processes (``cluster``); ring shifts
+  (``ppermute``) only inside a process, because the simulator prices a ring
+  shift as one send between neighbouring devices 0 and 1;
+- training steps run on worker 0's first device alone (``step_plan(shape,
+  1)``). They fit compute efficiency on the model's own kernels, a property
+  of the device; the step fit predicts a step on ``d > 1`` devices by
+  simulating the plan on the whole topology, so ``d`` could only be all N
+  devices, across the processes, and gloo's per-tensor gradient all-reduces
+  would then be folded into compute efficiency (measured on a 2-core host:
+  0.02 instead of about 0.4). The network is fitted by the collectives.
+
+Worker 0's samples are fitted by :func:`runners.cli_calibrate.fit_all` and
+written like the single-process path (topology YAML plus
+``FILE.measurements.json``, which records ``processes``). A refit from such a
+file (``--from-measurements``) rebuilds the same two-level base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from testbed import calibration as cal
+from testbed.errors import InputError
+from testbed.output import CommandResult, write_atomic
+from testbed.topology import Form, Level, LinkKind, Topology
+
+__all__ = ["wanted", "recorded_processes", "calibrate", "cluster_topology", "plan_benchmarks", "runs_on_all",
+           "worker_body", "OUTER_LEVEL"]
+
+#: Name of the level joining the processes (the emulated hosts).
+OUTER_LEVEL = "cluster"
+#: Starting values of the outer level before the fit (gloo over loopback TCP); kept where no sample exercises it.
+_OUTER_BANDWIDTH, _OUTER_LATENCY = 1e9, 50e-6
+
+
+def recorded_processes(path: str | None) -> int:
+    """The ``processes`` a measurements file records (1 when absent or unreadable: the single path reports it)."""
+    if not path:
+        return 1
+    try:
+        raw = json.loads(Path(path).read_text())
+        return int(raw.get("processes", 1)) if isinstance(raw, dict) else 1
+    except (OSError, ValueError, TypeError):
+        return 1
+
+
+def wanted(args: argparse.Namespace) -> bool:
+    """Whether ``testbed calibrate`` takes the multi-process path: ``--processes`` other than 1, or a refit of
+    measurements taken by several processes."""
+    return args.processes != 1 or recorded_processes(args.from_measurements) > 1
+
+
+def cluster_topology(base: Topology, processes: int) -> Topology:
+    """``base`` (one level, N devices) as K hosts of N/K devices: its level inside, ``cluster`` outside.
+
+    The inner level keeps ``base``'s innermost level (kind, bandwidth,
+    latency); the outer starts from gloo-over-loopback guesses that the
+    collective fit replaces.
+    """
+    from testbed import generators
+
+    inner = base.levels[0]
+    local = base.num_devices // processes
+    levels = [Level(name=inner.name, size=local, bandwidth=inner.bandwidth, latency=inner.latency, kind=inner.kind),
+              Level(name=OUTER_LEVEL, size=processes, bandwidth=_OUTER_BANDWIDTH, latency=_OUTER_LATENCY,
+                    kind=LinkKind.ETHERNET)]
+    stem = base.name.rsplit("-", 1)[0] if base.name.rsplit("-", 1)[-1].isdigit() else base.name
+    return generators.hierarchical(levels, device=base.device, name=f"{stem}-{local}x{processes}",
+                                   calibration=base.calibration)
+
+
+def _base(base_arg: str | None, platform: str, devices: int, processes: int, device_kind: str) -> Topology:
+    """The two-level topology to calibrate: ``--base`` when given (checked), else built from the detected devices."""
+    from runners.cli_calibrate import base_topology
+
+    local = devices // processes
+    if base_arg is None:
+        return cluster_topology(base_topology(None, platform, devices, device_kind), processes)
+    topo = base_topology(base_arg, platform, devices, device_kind)
+    if topo.form is not Form.LEVELS or len(topo.levels) < 2 or topo.levels[0].size != local:
+        raise InputError(f"with --processes {processes} the base topology needs levels whose innermost one holds "
+                         f"the {local} devices of one process (and an outer level joining the processes); "
+                         f"`{topo.name}` has {[(l.name, l.size) for l in topo.levels]}. Leave --base out to build "
+                         f"one", field="--base")
+    return topo
+
+
+def _check(args: argparse.Namespace) -> Any:
+    """The parsed ``--devices`` request for a measured run (InputError naming the bad field)."""
+    from runners.cli_calibrate import _parse_devices
+
+    if args.processes < 1:
+        raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
+    request = _parse_devices(args.devices)
+    if request.kind != "emulated":
+        raise InputError("--processes K starts K local CPU workers emulating K hosts and needs --devices emulated:N; "
+                         "to calibrate real hosts run one process per host (--processes 1 on each host)",
+                         field="--processes")
+    if request.count % args.processes:
+        raise InputError(f"emulated:{request.count} devices cannot be split evenly over {args.processes} processes; "
+                         f"pick N divisible by K", field="--processes")
+    return request
+
+
+# -- the benchmarks ------------------------------------------------------------------------
+
+def plan_benchmarks(platform: str, num_devices: int, processes: int, *, quick: bool = False) -> list[Any]:
+    """The benchmarks of a K-process calibration, in the order every worker runs them.
+
+    The single-process list (:func:`runners.measure.plan_benchmarks`) with
+    dispatch on 1, N/K and N devices, collectives on groups inside one
+    process and spanning processes, and training steps of one device
+    (none with ``quick``: compute efficiency then comes from the matmuls).
+    """
+    from runners.measure import COLLECTIVE_OPS, Benchmark
+    from runners.measure import plan_benchmarks as single
+
+    local = num_devices // processes
+    base = single(platform, num_devices, quick=quick)
+    messages = sorted({b.size for b in base if b.kind == "collective"}) or [1 << 12, 1 << 18, 1 << 21]
+    inner = sorted({g for g in (2, 8, 64) if g < local and local % g == 0} | ({local} if local > 1 else set()))
+    outer = sorted({local * m for m in (2, 8) if local * m < num_devices and num_devices % (local * m) == 0}
+                   | {num_devices})
+    if quick:
+        inner, outer = inner[:1], outer[-1:]
+    ops = ("psum", "all_gather", "ppermute") if quick else COLLECTIVE_OPS
+    out = [Benchmark(kind="dispatch", size=k) for k in sorted({1, local, num_devices})]
+    out += [b for b in base if b.kind in ("matmul", "concurrent", "memory")]
+    out += [Benchmark(kind="collective", op=op, ranks=g, size=b) for op in ops for g in inner + outer
+            if g > 1 and (op != "ppermute" or g <= local) for b in messages]
+    if not quick:
+        # Every shape: a step of one device lasts ~20 ms on a CPU, and --quick's two fp32 shapes fitted
+        # compute efficiency anywhere from 0.28 to 1.49 over four runs on a busy 2-core host.
+        out += [b for b in single(platform, 1) if b.kind == "step"]
+    return out
+
+
+def runs_on_all(bench: Any, local: int) -> bool:
+    """Whether every process takes part (over all devices), or worker 0 runs it alone on its own devices."""
+    if bench.kind == "collective":
+        return True
+    # Steps too run on one device (see the module doc); the rest use `size` or `ranks` devices.
+    needs = bench.size if bench.kind == "dispatch" else bench.ranks if bench.kind == "concurrent" else 1
+    return needs > local
+
+
+def _collective(bench: Any, devices: list[Any]) -> cal.Sample:
+    """A collective timed over loops of 1 and 9 rounds (not 1 and 5): a gloo round takes milliseconds of
+    scheduling noise on a busy host, and the longer loop averages more of it out of the per-round time."""
+    from runners import measure
+
+    return measure._collective(bench, devices, repeats=(1, 9))
+
+
+def _barrier(name: str) -> None:
+    """Wait until every process got here (a tiny all-gather over every device)."""
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
+    """What one launched worker runs (after JAX joined the job): every benchmark, in the shared order.
+
+    Returns the device description; worker 0's result also holds the samples.
+    """
+    import jax
+
+    from runners import devices as dev
+    from runners import measure
+
+    everyone = dev.select_devices()
+    me = jax.process_index()
+    mine = [d for d in everyone if d.process_index == me]
+    info = dev.describe(everyone)
+    benches = plan_benchmarks(info["platform"], len(everyone), jax.process_count(), quick=bool(payload.get("quick")))
+    samples = []
+    started = time.perf_counter()
+    for i, bench in enumerate(benches):
+        if bench.kind == "collective":
+            sample = _collective(bench, everyone)
+        elif runs_on_all(bench, len(mine)):
+            sample = measure.run_benchmark(bench, everyone)
+        else:
+            sample = measure.run_benchmark(bench, mine[:1] if bench.kind == "step" else mine) if me == 0 else None
+            _barrier(f"testbed-calibrate-{i}")
+        if me == 0:
+            samples.append(sample)
+            sys.stderr.write(f"measured {i + 1}/{len(benches)}: {bench.label}\n")
+            sys.stderr.flush()
+    return {**info, "process_id": me, "seconds": time.perf_counter() - started,
+            "samples": cal.samples_to_rows(samples) if me == 0 else []}
+
+
+# -- the command -----------------------------------------------------------------------------
+
+def _measure(args: argparse.Namespace) -> tuple[dict[str, Any], str, Topology]:
+    """Launch the workers; (raw measurements as written to the JSON file, the devices asked for, the base)."""
+    from runners import launch
+
+    request = _check(args)
+    # Emulated devices are host CPUs: the base is known (and --base checked) before minutes of measuring.
+    base = _base(args.base, "cpu", request.count, args.processes, "")
+    sys.stderr.write(f"measuring {request.count} emulated devices on {args.processes} processes...\n")
+    results = launch.launch({"body": "calibrate", "quick": bool(args.quick)}, processes=args.processes,
+                            local_devices=request.count // args.processes)
+    first = results[0]
+    raw = {"platform": first["platform"], "devices": first["devices"], "processes": args.processes,
+           "device_kind": first.get("device_kind", ""), "base": base.name, "seconds": first["seconds"],
+           "host_cpus": len(os.sched_getaffinity(0)), "samples": first["samples"]}
+    return raw, f"{request} --processes {args.processes}", base
+
+
+def calibrate(args: argparse.Namespace) -> CommandResult:
+    """``testbed calibrate`` with ``--processes K`` (K > 1) or a refit of K-process measurements."""
+    from runners import launch
+    from runners.cli_calibrate import _read_measurements, _render_calibration, fit_all, measurements_path
+    from testbed.topology_io import dump_topology
+
+    if args.processes < 1:
+        raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
+    if args.from_measurements:
+        raw = _read_measurements(args.from_measurements)
+        processes = int(raw.get("processes", 1))
+        if args.processes not in (1, processes):
+            raise InputError(f"the measurements were taken by {processes} processes, not {args.processes}; leave "
+                             f"--processes out to refit them", field="--processes")
+        mpath, request = Path(args.from_measurements), f"... --from-measurements {args.from_measurements}"
+        base = _base(args.base, raw.get("platform", "cpu"), int(raw.get("devices", 8)), processes,
+                     str(raw.get("device_kind", "")))
+    else:
+        try:
+            raw, request, base = _measure(args)
+        except launch.WorkerFailed as exc:
+            return CommandResult({"ok": False, "error": str(exc), "worker": exc.worker},
+                                 lambda console: console.print(f"[red]calibrate failed:[/red] {exc}"), exit_code=1)
+        # The raw samples first: they stay useful even when a fit fails.
+        mpath = measurements_path(args.out)
+        write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
+    samples = cal.samples_from_rows(raw["samples"])
+    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)))
+    header = (f"# Fitted by `testbed calibrate --devices {request}` from {raw['devices']} {raw['platform']} "
+              f"device(s) in {raw['processes']} processes (gloo between processes), base {base.name}.\n")
+    write_atomic(args.out, header + dump_topology(topo), field_name="--out")
+    data = {"topology": str(args.out), "name": topo.name, "measurements": str(mpath), "platform": raw["platform"],
+            "devices": raw["devices"], "processes": raw["processes"], "base": base.name,
+            "seconds": float(raw.get("seconds", 0.0)), "fitted": fitted, "fits": {f.name: f.summary() for f in fits}}
+    return CommandResult(data=data, render=lambda console: _render_calibration(console, data),
+                         files=[str(args.out), str(mpath)])
