@@ -87,13 +87,13 @@ def execute(args: argparse.Namespace) -> CommandResult:
         _stage(console, f"3/6 run {args.steps} steps on {request} (compiles first)")
         dev.prepare(request)
         devices = dev.select_devices(plan.mesh.size)
-        from runners.cli_run import run_plan, verify_plan
-        from runners.measure import measure_plan
+        from runners.cli_run import build_trainer, run_plan, verify_plan
+        from runners.measure import compiled_memory
 
         measured = run_plan(plan, devices, args.steps)
-        # XLA's memory analysis needs one more compile; MPMD pipelines have no single program to analyse.
-        measured["compiled_memory_bytes"] = (measure_plan(plan, devices, steps=1, memory=True)[1]
-                                             if plan.mesh.stage == 1 else None)
+        # XLA's memory analysis compiles without running (pipelines: every stage's programs).
+        trainer = build_trainer(plan, devices)
+        measured["compiled_memory_bytes"] = compiled_memory(trainer, trainer.init())
         _stage(console, "4/6 verify against the single-device fp32 reference (2 steps)")
         verified = verify_plan(plan, devices, steps=2)
 

@@ -242,24 +242,16 @@ def _trainer(plan: Any, devices: list[Any]) -> Any:
 
 
 def compiled_memory(trainer: Any, state: Any) -> float | None:
-    """XLA's compiled bytes per device (arguments + outputs + temporaries - aliased), worst program.
+    """XLA's compiled bytes per device at the trainer's peak (its ``compiled_memory(state)`` method).
 
-    None when the trainer does not expose its compiled programs.
+    SPMD trainers: arguments + outputs + temporaries - aliased of the step
+    program; pipeline trainers: the fullest stage's peak over its programs
+    (``runners.program_memory``). None when the trainer has no such method or
+    XLA gives no memory analysis.
     """
-    programs = getattr(trainer, "compiled_programs", None)
-    compiled = []
-    if callable(programs):
-        compiled = list(programs(state))
-    elif hasattr(trainer, "_step") and hasattr(trainer, "_batch"):
-        compiled = [trainer._step.lower(*state, *trainer._batch(0)).compile()]
-    best = None
-    for program in compiled:
-        m = program.memory_analysis()
-        if m is None:
-            continue
-        total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-        best = total if best is None else max(best, total)
-    return None if best is None else float(best)
+    method = getattr(trainer, "compiled_memory", None)
+    value = method(state) if callable(method) else None
+    return None if value is None else float(value)
 
 
 def measure_plan(plan: Any, devices: list[Any], steps: int, memory: bool = True,

@@ -13,8 +13,9 @@ steps their parameters must agree up to floating-point reduction order.
   ``runners.pipeline.MpmdEngine`` over per-stage sub-meshes.
 
 Every trainer has ``init() -> state``, ``step(state, i) -> (state, loss)``,
-``full_params(state)`` (host numpy, in the model's layout) and
-``compiled_texts(state)`` (optimized HLO of its programs).
+``full_params(state)`` (host numpy, in the model's layout); SPMD and pipeline
+trainers also ``compiled_texts(state)`` (optimized HLO of their programs) and
+``compiled_memory(state)`` (XLA's bytes per device at the step's peak).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
 from runners.parallel import batch_spec, layout_for
+from runners.program_memory import StageProgramMemory, pipeline_memory, program_bytes
 from testbed.errors import InputError
 from testbed.model import chunk_layers
 from testbed.plan import BatchSpec, Plan
@@ -158,6 +160,12 @@ class SpmdTrainer:
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         return params, opt_state
 
+    def _program(self, params: Any, opt_state: Any, batch: tuple[jax.Array, jax.Array]) -> Any:
+        """The step compiled ahead of time once, so its HLO and memory analysis come for free."""
+        if self._compiled is None:
+            self._compiled = self._step.lower(params, opt_state, *batch).compile()
+        return self._compiled
+
     def _batch(self, step: int) -> tuple[jax.Array, jax.Array]:
         m = self.plan.batch.microbatches
         tokens, targets = step_batch(self.plan, step)
@@ -167,9 +175,8 @@ class SpmdTrainer:
     def step(self, state: tuple[Any, Any], step: int) -> tuple[tuple[Any, Any], jax.Array]:
         params, opt_state = state
         batch = self._batch(step)
-        if self._compiled is None:  # compiled ahead of time once, so its HLO text comes for free
-            self._compiled = self._step.lower(params, opt_state, *batch).compile()
-        params, opt_state, loss, *grads = self._compiled(params, opt_state, *batch)
+        program = self._program(params, opt_state, batch)
+        params, opt_state, loss, *grads = program(params, opt_state, *batch)
         self.last_grads = grads[0] if grads else None
         return (params, opt_state), loss
 
@@ -179,10 +186,17 @@ class SpmdTrainer:
     def full_params(self, state: tuple[Any, Any]) -> Any:
         return host_tree(state[0])
 
+    def compiled_programs(self, state: tuple[Any, Any]) -> list[Any]:
+        """The one compiled train-step program (``jax.stages.Compiled``), compiled here on first use."""
+        return [self._program(*state, self._batch(0))]
+
     def compiled_texts(self, state: tuple[Any, Any]) -> list[str]:
-        if self._compiled is None:
-            self.step(state, 0)
-        return [self._compiled.as_text()]
+        return [program.as_text() for program in self.compiled_programs(state)]
+
+    def compiled_memory(self, state: tuple[Any, Any]) -> int | None:
+        """XLA's bytes per device of the step program (arguments + outputs + temporaries - aliased)."""
+        sizes = [program_bytes(program) for program in self.compiled_programs(state)]
+        return None if None in sizes else max(sizes)
 
     def transfers(self) -> int:
         return 0
@@ -261,10 +275,12 @@ class PipelineTrainer:
 
     Each stage's chunks are sharded on its own (data, fsdp, tensor) sub-mesh
     like an SPMD plan; the optimizer update runs per stage on its sub-mesh.
+    ``nan_slots=True`` pre-fills the engine's receive slots with NaN (a leak
+    check that costs buffers every step).
     """
 
     def __init__(self, plan: Plan, stage_meshes: list[Any], return_grads: bool = False,
-                 lockstep: bool | None = None):
+                 lockstep: bool | None = None, nan_slots: bool = False):
         from runners.devices import owns
         from runners.pipeline import MpmdEngine
 
@@ -288,10 +304,11 @@ class PipelineTrainer:
 
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
         mb = plan.batch.global_batch // plan.batch.microbatches
-        self._act_shape = (mb, spec.seq_len, spec.d_model)
-        self._act_dtype = model.compute_dtype(precision)
+        self.act_shape = (mb, spec.seq_len, spec.d_model)
+        self.act_dtype = model.compute_dtype(precision)
         self.act_shardings = [NamedSharding(m, batch_spec(1)) for m in stage_meshes]
-        self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings)
+        # NaN receive slots are the engine's leak check for tests; production steps skip their cost.
+        self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots)
         # Several processes: runners.pipeline moves activations with device_put, which cannot cross
         # processes, so the lockstep engine below (collective-permute transfers) runs the table.
         self.lockstep = jax.process_count() > 1 if lockstep is None else lockstep
@@ -308,7 +325,7 @@ class PipelineTrainer:
 
         self.chunk_fns = [chunk_fn(g) for g in range(self.schedule.chunks)]
         shape = split_params(plan, jax.eval_shape(lambda: model.init_params(spec, plan.seed)))
-        self.param_shardings, self.opt_shardings, self.grad_shardings, self._updates = [], [], [], []
+        self.param_shardings, self.opt_shardings, self.grad_shardings, self.update_programs = [], [], [], []
         for s, mesh in enumerate(stage_meshes):
             layout = layout_for(shape[s], plan)
             p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
@@ -317,8 +334,8 @@ class PipelineTrainer:
             self.param_shardings.append(p_sh)
             self.opt_shardings.append(o_sh)
             self.grad_shardings.append(g_sh)
-            self._updates.append(jax.jit(self._update_fn(g_sh), in_shardings=(p_sh, o_sh, g_sh),
-                                         out_shardings=(p_sh, o_sh)))
+            self.update_programs.append(jax.jit(self._update_fn(g_sh), in_shardings=(p_sh, o_sh, g_sh),
+                                                out_shardings=(p_sh, o_sh)))
 
     def _update_fn(self, grad_shardings: Any):
         tx = self.tx
@@ -353,7 +370,7 @@ class PipelineTrainer:
                 continue
             # The engines leave gradients where XLA put them; move them into the ZeRO layout.
             g = jax.device_put(grads[s], self.grad_shardings[s])
-            new.append(self._updates[s](params[s], states[s], g))
+            new.append(self.update_programs[s](params[s], states[s], g))
         self.last_grads = grads if self.return_grads else None
         return ([p for p, _ in new], [o for _, o in new]), loss
 
@@ -380,12 +397,21 @@ class PipelineTrainer:
                     return self.loss_fn(p, y, t) if last else jnp.sum(y.astype(jnp.float32))
                 return jax.grad(f)(p)
 
-            h = x if s == 0 else place_tree(np.zeros(self._act_shape, np.float32).astype(self._act_dtype),
+            h = x if s == 0 else place_tree(np.zeros(self.act_shape, np.float32).astype(self.act_dtype),
                                             self.act_shardings[s])
             texts.append(jax.jit(chunk_grad).lower(piece, h, tgt).compile().as_text())
             grads = jax.device_put(jax.tree.map(jnp.zeros_like, params[s]), self.grad_shardings[s])
-            texts.append(self._updates[s].lower(params[s], states[s], grads).compile().as_text())
+            texts.append(self.update_programs[s].lower(params[s], states[s], grads).compile().as_text())
         return texts
+
+    def compiled_memory(self, state: tuple[list[Any], list[Any]]) -> int | None:
+        """XLA's bytes per device at the fullest stage's peak (:meth:`compiled_memory_breakdown`)."""
+        stages = self.compiled_memory_breakdown(state)
+        return max(m.total for m in stages) if stages else None
+
+    def compiled_memory_breakdown(self, state: tuple[list[Any], list[Any]]) -> list[StageProgramMemory]:
+        """Per stage this process holds, XLA's bytes per device at its peak (``program_memory.pipeline_memory``)."""
+        return pipeline_memory(self, state)
 
     def transfers(self) -> int:
         """Activation and gradient transfers between stages per step (cross-mesh ``device_put``)."""
@@ -439,7 +465,7 @@ def lockstep_step(trainer: "PipelineTrainer", params: list[list[Any]], tokens: l
         src, dst = sch.locate(g_from)[0], sch.locate(g_to)[0]
         if src == dst:
             return value
-        return transfer(value, trainer._act_shape, trainer._act_dtype, shard[src], shard[dst])
+        return transfer(value, trainer.act_shape, trainer.act_dtype, shard[src], shard[dst])
 
     for stage, action in execution_order(sch):
         g, mb = sch.model_chunk(stage, action.chunk), action.microbatch

@@ -1,0 +1,201 @@
+"""XLA's compiled memory per device: one SPMD program, or the peak of a pipeline stage's programs.
+
+An SPMD step is one program, so its bytes per device are XLA's
+``memory_analysis()``: arguments + outputs + temporaries - aliased
+(:func:`program_bytes`).
+
+A pipeline stage (``runners.pipeline.MpmdEngine``) runs many small programs
+and keeps buffers between them, so no single program shows its peak. Per
+stage, from the compiled programs of each of its chunks:
+
+- *state*: parameters, optimizer state and accumulated gradients (the
+  gradients in the layout the backward program writes them);
+- *residuals*: what one microbatch's pullback holds from its ``F`` until the
+  backward action that drops it (``B``, or ``W`` for split schedules): the
+  forward program's output bytes minus its activation (or loss) output. The
+  jitted forward copies what its pullback needs (inputs and weights
+  included) into its outputs, so this is all the pullback holds;
+- *workspace*: the program running at that instant, its temporaries plus
+  the outputs it writes (the forward's activation, the backward's gradients,
+  the gradient accumulation).
+
+Walking the stage's row of the schedule table gives the peak of residuals
+held plus the running program (:func:`stage_peak`); the optimizer update is a
+second candidate instant (its program's bytes, plus the engine's gradients
+where the update first moves them into the ZeRO layout). Small buffers are
+left out: microbatch tokens and targets, cotangents waiting in receive slots.
+
+The programs analysed are the engine's own (``runners.pipeline``'s jitted
+``_forward``, ``_pull``, ``_pull_input``, ``_pull_weight``, ``_add``), lowered
+with the stage's parameters and abstract microbatches: compiled, never run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runners import pipeline
+from testbed.schedules import Action, peak_inflight
+
+if TYPE_CHECKING:
+    from runners.step import PipelineTrainer
+
+__all__ = ["program_bytes", "device_bytes", "abstract_outputs", "StageProgramMemory", "stage_peak",
+           "pipeline_memory"]
+
+
+def program_bytes(compiled: Any) -> int | None:
+    """Arguments + outputs + temporaries - aliased bytes per device of a compiled program; None if XLA has none."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _transient(compiled: Any) -> int:
+    """Temporaries plus outputs of a program (its arguments are counted where they live)."""
+    stats = compiled.memory_analysis()
+    return int(stats.temp_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a pytree of arrays or ``ShapeDtypeStruct`` s (its shard of each leaf)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def abstract_outputs(compiled: Any) -> Any:
+    """A compiled program's outputs as ``ShapeDtypeStruct`` s with their output shardings (to lower the next one)."""
+    infos, tree = jax.tree.flatten(compiled.out_info)
+    shardings = jax.tree.leaves(compiled.output_shardings)
+    return tree.unflatten([jax.ShapeDtypeStruct(i.shape, i.dtype, sharding=s) for i, s in zip(infos, shardings)])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageProgramMemory:
+    """Bytes on one device of a pipeline stage at its peak, from XLA's compiled programs.
+
+    ``residuals[c]`` is what one microbatch's pullback of virtual chunk ``c``
+    holds; ``activations`` and ``workspace`` are the residuals held and the
+    running program's bytes at the stage's pipeline peak; ``update`` is the
+    optimizer update's instant (state included).
+    """
+
+    stage: int
+    state: int
+    residuals: tuple[int, ...]
+    inflight: int
+    activations: int
+    workspace: int
+    update: int
+
+    def __post_init__(self) -> None:
+        if min(self.state, self.activations, self.workspace, self.update, *self.residuals) < 0:
+            raise ValueError("byte counts must be >= 0")
+
+    @property
+    def total(self) -> int:
+        """The stage's peak: the fuller of the pipeline instant and the update instant."""
+        return max(self.state + self.activations + self.workspace, self.update)
+
+
+def stage_peak(row: Sequence[Action], split_backward: bool, residuals: Sequence[int],
+               workspace: dict[tuple[str, int], int], kept: Sequence[int] = ()) -> tuple[int, int]:
+    """(residual bytes held, running program's bytes) at the fullest instant of one stage's row.
+
+    Args:
+        row: the stage's actions in execution order (``Schedule.actions[stage]``).
+        split_backward: ZB schedules: pullbacks live until ``W``, and ``B``
+            keeps the output cotangent (``kept[chunk]`` bytes) for ``W``.
+        residuals: per virtual chunk, bytes one microbatch's pullback holds.
+        workspace: ``(kind, chunk) -> bytes`` of the program an action runs.
+    """
+    live = 0
+    best = (0, 0)
+    for action in row:
+        c = action.chunk
+        if action.kind == "F":
+            live += residuals[c]  # the forward writes the residuals it returns
+        running = workspace.get((action.kind, c), 0)
+        if live + running > sum(best):
+            best = (live, running)
+        if action.kind == "B" and split_backward:
+            live += kept[c] if kept else 0
+        elif action.kind in ("B", "W"):
+            live -= residuals[c] + (kept[c] if kept and action.kind == "W" else 0)
+    return best
+
+
+def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]) -> list[StageProgramMemory]:
+    """Per stage this process holds, bytes per device at its peak, from the compiled programs.
+
+    Compiles (does not run) the MPMD engine's F, B (and W) and gradient
+    accumulation programs of each of the stage's chunks and its optimizer
+    update, then walks the stage's schedule row with :func:`stage_peak`. The
+    lockstep engine runs the same chunk computations. Empty where XLA gives
+    no memory analysis.
+    """
+    params, states = state
+    sch, last = trainer.schedule, trainer.schedule.chunks - 1
+    ids = jax.ShapeDtypeStruct(trainer.act_shape[:2], jnp.int32)
+    out = []
+    for s in range(sch.stages):
+        if params[s] is None:
+            continue
+        sh = trainer.act_shardings[s]
+        residuals: list[int] = []
+        kept: list[int] = []
+        dparams: list[Any] = []
+        work: dict[tuple[str, int], int] = {}
+        for c in range(sch.virtual):
+            g = sch.model_chunk(s, c)
+            x = (jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == 0
+                 else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh))
+            targets = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == last else None
+            forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, s, c, g == 0, g == last,
+                                              params[s][c], x, targets).compile()
+            stats = forward.memory_analysis()
+            if stats is None:
+                return []
+            y, pullback = abstract_outputs(forward)
+            residuals.append(int(stats.output_size_in_bytes) - device_bytes(y))
+            work[("F", c)] = int(stats.temp_size_in_bytes) + device_bytes(y)
+            # The output cotangent arrives on this stage's activation sharding (the loss seed: like the loss).
+            cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
+            if sch.split_backward:
+                backward = pipeline._pull_weight.lower(pullback, cot).compile()
+                dparams.append(abstract_outputs(backward))
+                kept.append(device_bytes(cot))
+                if g > 0:  # the engine skips B's input gradient on the first chunk
+                    work[("B", c)] = _transient(pipeline._pull_input.lower(pullback, cot).compile())
+            else:
+                backward = pipeline._pull.lower(pullback, cot).compile()
+                dparams.append(abstract_outputs(backward)[0])
+            # Accumulation: this microbatch's gradients and the new sum beside the accumulated ones (state).
+            add = pipeline._add.lower(dparams[c], dparams[c]).compile()
+            work[("W" if sch.split_backward else "B", c)] = max(
+                _transient(backward), (program_bytes(add) or 0) - device_bytes(dparams[c]))
+        grads = device_bytes(dparams)
+        zero = jax.tree.map(lambda d, z: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=z), dparams,
+                            trainer.grad_shardings[s])
+        # The update first moves the gradients into the ZeRO layout: a copy where the layouts differ.
+        moved = any(not d.sharding.is_equivalent_to(z.sharding, len(d.shape))
+                    for d, z in zip(jax.tree.leaves(dparams), jax.tree.leaves(zero)))
+        update = program_bytes(trainer.update_programs[s].lower(params[s], states[s], zero).compile()) or 0
+        held, running = stage_peak(sch.actions[s], sch.split_backward, residuals, work, kept)
+        out.append(StageProgramMemory(
+            stage=s, state=device_bytes(params[s]) + device_bytes(states[s]) + grads, residuals=tuple(residuals),
+            inflight=peak_inflight(sch, release="W")[s], activations=held, workspace=running,
+            update=update + (grads if moved else 0)))
+    return out
