@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from testbed import calibration as cal
+from testbed import calibration_steps as cal_steps
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic
 from testbed.topology import Topology
@@ -141,18 +142,26 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         fits.append(coll_fit)
     topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
                                    host_cores=cores, collectives=collectives, name=name)
-    steps = cal.fit_step_compute(topo, samples)
+    controller = cal_steps.fit_controller(samples)
+    controller_s = 0.0
+    if controller is not None:
+        controller_s = controller[0]
+        fits.append(controller[1])
+    steps = cal_steps.fit_step_compute(topo, samples)
+    efficiency, scales = None, None
     if steps is not None:
         efficiency, half, scales, step_fit = steps
         fits.append(step_fit)
+    if steps is not None or controller is not None:
         topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw,
                                        launch_s=launch, host_cores=cores, collectives=collectives, name=name,
-                                       efficiency=efficiency, peak_scales=scales)
+                                       efficiency=efficiency, peak_scales=scales, controller_s=controller_s)
     c = topo.calibration
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
         "memory_efficiency": c.memory_efficiency, "launch_overhead_s": c.launch_overhead_s,
         "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
+        "controller_overhead_s": c.controller_overhead_s,
         "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
         "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
         "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},

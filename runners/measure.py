@@ -23,7 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from testbed.calibration import STEP_SHAPES, Sample, step_plan
+from testbed.calibration import Sample
+from testbed.calibration_steps import PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
 from testbed.model import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS", "measure_plan",
@@ -49,6 +50,8 @@ class Benchmark:
             return f"{self.op} x{self.ranks} {self.size} B"
         if self.kind == "step":
             return f"training step {self.op}"
+        if self.kind == "pipeline":
+            return f"pipeline step {self.op}"
         if self.kind == "matmul":
             return f"matmul {self.dtype} {self.size}^3"
         if self.kind == "concurrent":
@@ -97,6 +100,9 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     shapes = [name for name in STEP_SHAPES if name.startswith("cpu-" if cpu else "acc-")]
     out += [Benchmark(kind="step", op=name) for name in (shapes[:3:2] if quick else shapes)]
     out += [Benchmark(kind="step", op=f"{shapes[-2]}-bf16")]
+    if num_devices >= 2 and num_devices % 2 == 0:
+        # The single controller's cost per program: two-stage pipelines of two microbatch counts.
+        out += [Benchmark(kind="pipeline", op=f"{shapes[1 if cpu else 0]}-m{m}") for m in PIPELINE_MICROBATCHES]
     return out
 
 
@@ -143,11 +149,13 @@ def _dispatch(bench: Benchmark, devices: Sequence[Any]) -> Sample:
 
 
 def _step(bench: Benchmark, devices: Sequence[Any]) -> Sample:
-    """Median training step (the runner's own) of shape ``bench.op``, data parallel over all devices."""
-    plan = step_plan(bench.op, len(devices))
-    seconds, _, _ = measure_plan(plan, list(devices), steps=5, memory=False)
-    return Sample(kind="step", seconds=seconds, op=bench.op, flops=float(model_flops_per_step(plan)),
-                  dtype=plan.precision.compute_dtype, devices=len(devices))
+    """Median training step (the runner's own) of shape ``bench.op``, data parallel over all devices,
+    or (``pipeline``) two stages run per action; with the controller's CPU time per step."""
+    plan = (pipeline_plan if bench.kind == "pipeline" else step_plan)(bench.op, len(devices))
+    host: list[float] = []
+    seconds, _, _ = measure_plan(plan, list(devices), steps=5, memory=False, host_times=host)
+    return Sample(kind=bench.kind, seconds=seconds, op=bench.op, flops=float(model_flops_per_step(plan)),
+                  dtype=plan.precision.compute_dtype, devices=len(devices), host_s=statistics.median(host))
 
 
 def _memory(bench: Benchmark, devices: Sequence[Any]) -> Sample:
@@ -211,7 +219,7 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any]) -> Sample:
     """Run one benchmark on ``devices`` (all of them for concurrent ones and collectives)."""
     if bench.kind == "dispatch":
         return _dispatch(bench, devices)
-    if bench.kind == "step":
+    if bench.kind in ("step", "pipeline"):
         return _step(bench, devices)
     if bench.kind == "matmul":
         return _matmul(bench, devices)
@@ -255,11 +263,13 @@ def compiled_memory(trainer: Any, state: Any) -> float | None:
 
 
 def measure_plan(plan: Any, devices: list[Any], steps: int, memory: bool = True,
-                 ) -> tuple[float, float | None, list[float]]:
+                 host_times: list[float] | None = None) -> tuple[float, float | None, list[float]]:
     """(median step seconds, compiled memory per device, all step times) of the runner executing ``plan``.
 
     One warm-up step compiles; ``memory=False`` skips the (second) compilation
-    that XLA's memory analysis needs.
+    that XLA's memory analysis needs. ``host_times`` (if given) receives the
+    CPU seconds this (the controller) thread spent in each step until it had
+    dispatched everything: what testbed's ``controller_overhead_s`` models.
     """
     trainer = _trainer(plan, devices)
     state = trainer.init()
@@ -267,8 +277,10 @@ def measure_plan(plan: Any, devices: list[Any], steps: int, memory: bool = True,
     jax.block_until_ready((state, loss))
     times = []
     for i in range(steps):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         state, loss = trainer.step(state, i + 1)
+        if host_times is not None:
+            host_times.append(time.thread_time() - cpu)
         jax.block_until_ready((state, loss))
         times.append(time.perf_counter() - start)
     return statistics.median(times), compiled_memory(trainer, state) if memory else None, times

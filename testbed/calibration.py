@@ -9,7 +9,8 @@ relative-error weighted) least squares, numpy only:
 - compute: a kernel of ``f`` FLOPs takes ``launch + (f + half) / R`` (the
   simulator's ``eff(f) = eff_max * f / (f + half)``, ``R = peak * eff_max``),
   a line in ``f`` per dtype; training steps of small models then refit
-  ``eff_max`` and ``half`` on the model's own kernels (:func:`fit_step_compute`);
+  ``eff_max`` and ``half`` on the model's own kernels
+  (:func:`testbed.calibration_steps.fit_step_compute`);
 - memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``;
 - host cores: ``k`` devices at once vs one alone (shared host cores);
 - collectives: time is affine in each level's latency and inverse bandwidth
@@ -36,13 +37,13 @@ __all__ = [
     "Sample", "Fit", "CollectiveParams", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line",
     "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "collective_columns", "fit_collectives",
     "calibrated_topology", "samples_to_rows", "samples_from_rows", "level_groups", "with_collective_params",
-    "STEP_SHAPES", "step_plan", "fit_step_compute",
 ]
 
 #: Kinds of measurement rows: an empty program, a matmul on one device, a small
 #: MLP training step on ``devices`` devices at once, a memory stream, a
-#: collective, a single-device training step of the model.
-SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "memory", "collective", "step")
+#: collective, a data-parallel training step of a model, a pipeline (MPMD)
+#: training step of a model.
+SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "memory", "collective", "step", "pipeline")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,8 +54,10 @@ class Sample:
     bytes: bytes read + written (memory) or the collective's buffer (DESIGN.md convention).
     devices: how many devices ran it at once (``concurrent``: 1, or all of them).
     op / ranks: the collective and its group size (consecutive device ids);
-        for a ``step`` (one training step of a single-device plan) ``op`` names the
-        plan in :data:`STEP_SHAPES`.
+        for a ``step`` or ``pipeline`` (one training step of a plan) ``op``
+        names the plan (testbed.calibration_steps).
+    host_s: CPU seconds the controller thread spent dispatching one step
+        (``step`` and ``pipeline`` samples; 0 if not measured).
     """
 
     kind: str
@@ -65,13 +68,14 @@ class Sample:
     devices: int = 1
     op: str = ""
     ranks: int = 1
+    host_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in SAMPLE_KINDS:
             raise InputError(f"unknown sample kind `{self.kind}`; valid: {', '.join(SAMPLE_KINDS)}", field="kind")
         if not (self.seconds > 0 and math.isfinite(self.seconds)):
             raise InputError(f"must be a positive finite time, got {self.seconds}", field="seconds")
-        if self.flops < 0 or self.bytes < 0 or self.devices < 1 or self.ranks < 1:
+        if self.flops < 0 or self.bytes < 0 or self.host_s < 0 or self.devices < 1 or self.ranks < 1:
             raise InputError("flops and bytes must be non-negative, devices and ranks positive", field=self.kind)
 
 
@@ -348,7 +352,7 @@ def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coe
 def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
                         launch_s: float, host_cores: float, collectives: CollectiveParams | None,
                         name: str | None = None, efficiency: float | None = None,
-                        peak_scales: Mapping[str, float] | None = None) -> Topology:
+                        peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
     Peaks: the matmul rate's fraction of the base device's peak (median over
@@ -357,7 +361,9 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     measured). ``compute_efficiency`` is ``efficiency`` when given (the fit on
     training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
     likewise. Dtypes not measured keep their base peak; ``peak_scales``
-    (from the training steps) multiply a dtype's peak last.
+    (from the training steps) multiply a dtype's peak last. ``controller_s``
+    is the controller's CPU time per dispatched program
+    (:func:`testbed.calibration_steps.fit_controller`).
 
     Shared host throughput ``host_cores = r`` (e.g. 1.5 cores' worth) is
     written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
@@ -381,7 +387,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     calibration = Calibration(
         compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
         launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
-        host_cores=cores)
+        host_cores=cores, controller_overhead_s=controller_s)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
     if collectives is not None:
@@ -407,94 +413,3 @@ def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
         except InputError as exc:
             raise exc.within(f"samples[{i}]") from None
     return out
-
-
-# -- compute efficiency on the model's own kernels ------------------------------------------
-
-#: Single-device training steps ``calibrate`` times to fit compute efficiency on
-#: the model's own kernels: name -> (model fields, global batch). ``cpu-*`` for
-#: host devices, ``acc-*`` for GPUs and TPUs (large enough not to be launch bound).
-STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
-    "cpu-xs": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 1),
-    "cpu-s": ({"layers": 2, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 4),
-    "cpu-m": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 2),
-    "cpu-l": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 8),
-    "cpu-xl": ({"layers": 2, "d_model": 256, "heads": 8, "d_ff": 1024, "seq_len": 64, "vocab": 512}, 4),
-    "acc-s": ({"layers": 2, "d_model": 512, "heads": 8, "d_ff": 2048, "seq_len": 256, "vocab": 8192}, 8),
-    "acc-m": ({"layers": 2, "d_model": 1024, "heads": 16, "d_ff": 4096, "seq_len": 512, "vocab": 8192}, 8),
-    "acc-l": ({"layers": 4, "d_model": 2048, "heads": 16, "d_ff": 8192, "seq_len": 512, "vocab": 16384}, 8),
-}
-
-
-def step_plan(name: str, devices: int = 1) -> Plan:
-    """The plan of :data:`STEP_SHAPES` ``name`` (fp32; ``NAME-bf16``: bf16-mixed), data parallel over ``devices``.
-
-    Every device runs the shape's batch, so with emulated devices this times
-    the model's kernels while all devices share the host, as in real plans.
-    """
-    shape = name.removesuffix("-bf16")
-    if shape not in STEP_SHAPES:
-        raise InputError(f"unknown step shape `{name}`; valid: {', '.join(STEP_SHAPES)} (+ -bf16)", field="op")
-    fields_, batch = STEP_SHAPES[shape]
-    return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch * devices, microbatches=1),
-                mesh=MeshSpec(data=devices), precision="bf16-mixed" if name.endswith("-bf16") else "fp32")
-
-
-def fit_step_compute(topology: Topology, samples: Sequence[Sample],
-                     ) -> tuple[float, float, dict[str, float], Fit] | None:
-    """Efficiency, half-efficiency FLOPs and per-dtype peak scales that best predict measured steps.
-
-    A step sample is the data-parallel plan of a shape on ``devices`` devices.
-    Its predicted time is the representative's compute tasks
-    (:func:`testbed.simulator.compute_seconds`, slowed by ``devices /
-    host_cores`` when the devices share the host) plus the exposed
-    communication the simulator finds at the starting calibration. A grid
-    over (efficiency, half), refined twice, fits the fp32 steps; each other
-    dtype's peak is then scaled (1-D grid) to fit its steps (bf16 on a CPU is
-    far slower in a model than in one matmul). None without step samples.
-    """
-    from types import SimpleNamespace
-
-    from testbed.placement import place
-    from testbed.program import TaskKind, build_program
-    from testbed.simulator import compute_seconds, simulate
-
-    rows = _of_kind(samples, "step")
-    if not rows:
-        return None
-    plans = [step_plan(r.op, r.devices) for r in rows]
-    tasks = [[(t.flops, t.hbm_bytes, t.kernels) for t in build_program(p, place(p, num_devices=r.devices)).tasks
-              if t.kind is TaskKind.COMPUTE and t.device == 0] for p, r in zip(plans, rows)]
-    cores = topology.calibration.host_cores
-    slowdown = np.array([max(1.0, r.devices / cores) if cores else 1.0 for r in rows])
-    comm = np.array([simulate(p, topology).report.exposed_comm_s if r.devices > 1 else 0.0
-                     for p, r in zip(plans, rows)])
-    measured = np.array([r.seconds for r in rows])
-    dtypes = [p.precision.compute_dtype for p in plans]
-
-    def predict(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:
-        device = replace(topology.device, peak_flops={d: v * scales.get(d, 1.0) for d, v in
-                                                      topology.device.peak_flops.items()})
-        stub = SimpleNamespace(device=device, calibration=replace(
-            topology.calibration, compute_efficiency=eff, efficiency_half_flops=half))
-        work = np.array([sum(compute_seconds(stub, d, f, b, k) for f, b, k in ts) for d, ts in zip(dtypes, tasks)])
-        return work * slowdown + comm
-
-    def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str) -> float:
-        mask = np.array([d == dtype for d in dtypes])
-        return float(np.sum((predict(eff, half, scales)[mask] / measured[mask] - 1.0) ** 2))
-
-    main = "fp32" if "fp32" in dtypes else dtypes[0]
-    effs, halves = np.geomspace(0.01, 1.5, 40), np.concatenate([[0.0], np.geomspace(1e3, 1e11, 33)])
-    for span in (1.3, 1.06, 1.01, None):  # refine around the best point, each grid finer
-        _, e, h = min((cost(e, h, {}, main), e, h) for e in effs for h in halves)
-        if span is not None:
-            effs = np.clip(np.geomspace(e / span, e * span, 13), 1e-3, 1.5)
-            halves = np.unique([0.0, *np.geomspace(max(h, 1e3) / span ** 4, max(h, 1e3) * span ** 4, 13)])
-    scales = {d: min((cost(e, h, {d: x}, d), x) for x in np.geomspace(0.02, 50, 200))[1]
-              for d in sorted(set(dtypes) - {main})}
-    r2, residuals = fit_quality(predict(e, h, scales), measured)
-    fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h),
-                                             **{f"peak_scale_{d}": float(x) for d, x in scales.items()}},
-              r2=r2, rel_residuals=residuals, samples=len(rows))
-    return float(e), float(h), {d: float(x) for d, x in scales.items()}, fit

@@ -28,9 +28,11 @@ CATEGORY_COLOURS: dict[str, str] = {
     "send": "#e15759",
     "bubble": "#d9d9d9",
     "optimizer": "#edc948",
+    "host": "#9c755f",
 }
 
-_LEGEND_NAMES = {"F": "forward (F)", "B": "backward (B)", "W": "weight gradient (W)", "bubble": "idle (bubble)"}
+_LEGEND_NAMES = {"F": "forward (F)", "B": "backward (B)", "W": "weight gradient (W)", "bubble": "idle (bubble)",
+                "host": "controller dispatch"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,6 +15,16 @@ Streams of a representative: ``compute`` (F/B/W actions, optimizer),
 parameter all-gathers). A stream runs its tasks in program order, one at a
 time; a task also waits for its ``deps``.
 
+The controller (``build_program(..., controller=True)``): one host thread
+dispatches every program of the step, one after another, on the ``host``
+stream of the first representative. A plan without pipeline stages is one
+SPMD program (one dispatch before the first action); a pipeline runs one
+program per action on its stage's devices (MPMD), so each action waits for
+its own dispatch, which also issues the action's sends (``count`` programs
+in all), and each stage's optimizer update is one more. The simulator prices
+a dispatch at ``calibration.controller_overhead_s``; on a shared host
+(``host_cores``) the controller takes a core's share like a device.
+
 Parameter and gradient sharding (same conventions as testbed.memory):
 parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
 all-gathered before each forward and backward action; optimizer state over
@@ -48,7 +58,7 @@ __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKE
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
-STREAMS = ("compute", "tensor", "gather", "pipe", "grad")
+STREAMS = ("compute", "tensor", "gather", "pipe", "grad", "host")
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
 OPTIMIZER_FLOPS_PER_PARAM = 12
 
@@ -57,6 +67,7 @@ class TaskKind(StrEnum):
     COMPUTE = "compute"
     COLLECTIVE = "collective"
     SEND = "send"
+    HOST = "host"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +79,8 @@ class Task:
     (DESIGN.md convention), ``count`` back-to-back repeats and the
     representative's ``group``; sends carry ``group = (src, dst)``.
     ``instances`` are all groups or pairs running the same task at once.
-    ``pipeline`` marks F/B/W actions and their tensor all-reduces.
+    ``pipeline`` marks F/B/W actions and their tensor all-reduces. Host tasks
+    (the controller's dispatches) carry ``count`` programs.
     """
 
     name: str
@@ -144,11 +156,13 @@ def _rep_group(groups: tuple[tuple[int, ...], ...], rep: int) -> tuple[int, ...]
     return next(g for g in groups if rep in g)
 
 
-def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None) -> Program:
+def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
+                  controller: bool = False) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
         schedule: the pipeline table to follow (default: the plan's schedule).
+        controller: add the single controller's dispatch tasks (module docstring).
     """
     mesh, v = plan.mesh, plan.schedule.virtual_stages
     p = mesh.stage
@@ -182,10 +196,16 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     remaining_bwd = {(s, c): plan.batch.microbatches for s in range(p) for c in range(v)}
 
     previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor all-reduces block)
+    host = reps[0]
+    if controller and p == 1:
+        previous[0] = b.add(name="dispatch step", device=host, stream="host", kind=TaskKind.HOST)
     for s, action in order:
         rep, cost = reps[s], costs[s][action.chunk]
         label = action.label(v)
         deps: list[int] = [previous[s]] if s in previous else []
+        if controller and p > 1:
+            deps.append(b.add(name=f"dispatch {label}@{s}", device=host, stream="host", kind=TaskKind.HOST,
+                              count=1 + len(_sends(schedule, s, action, costs))))
         for ds, dep in dependencies(schedule, s, action):
             key = (ds, dep)
             if ds != s:
@@ -227,8 +247,11 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         rep = reps[s]
         params = sum(c.params for c in costs[s])
         shard = params / o_ways
+        waits = list(reduce_tasks[s])
+        if controller and p > 1:
+            waits.append(b.add(name=f"dispatch optimizer@{s}", device=host, stream="host", kind=TaskKind.HOST))
         opt = b.add(name="optimizer", device=rep, stream="compute", kind=TaskKind.COMPUTE,
-                    deps=tuple(reduce_tasks[s]), flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
+                    deps=tuple(waits), flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
                     hbm_bytes=shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), kernels=1)
         if o_ways > p_ways and mesh.data > 1:
             b.add(name="gather params", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(opt,),

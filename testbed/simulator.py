@@ -7,6 +7,7 @@ communication, the bytes it moves over each directed link:
   (memory_bandwidth * memory_efficiency))`` with the precision's peak FLOP/s
   and ``eff(f) = compute_efficiency * f / (f + efficiency_half_flops)`` for a
   kernel of ``f`` FLOPs (the roofline of the calibrated device);
+- host (the controller's dispatches): ``count * controller_overhead_s``;
 - collectives and sends: timed by testbed.collective_timing; their link
   loads are what every group running the task at once puts on the links the
   representative's own traffic crosses (its ring neighbours' routes, or the
@@ -16,8 +17,8 @@ The engine (:func:`run`) keeps every representative's streams as FIFOs; a
 task starts when it heads its stream and its dependencies are done. Tasks in
 flight progress as fluids: transfers share links max-min fairly
 (testbed.contention), re-evaluated whenever a task starts or finishes; with
-``calibration.host_cores > 0`` the devices computing at once share that many
-host cores. The result is a :class:`~testbed.timeline.Timeline` over the
+``calibration.host_cores > 0`` the devices computing at once (and the
+controller thread while it dispatches) share that many host cores. The result is a :class:`~testbed.timeline.Timeline` over the
 representatives (and the device -> representative map) and a
 :class:`~testbed.timeline.Report`.
 """
@@ -110,6 +111,10 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
         return value
 
     for task in program.tasks:
+        if task.kind is TaskKind.HOST:
+            durations.append(task.count * topology.calibration.controller_overhead_s)
+            loads.append(None)
+            continue
         if task.kind is TaskKind.COMPUTE:
             durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels))
             loads.append(None)
@@ -252,8 +257,9 @@ def run(program: Program, priced: Priced, host_cores: int = 0) -> Timeline:
     for i, t in enumerate(tasks):
         for d in t.deps:
             dependents[d].append(i)
-    is_comm = [t.kind is not TaskKind.COMPUTE for t in tasks]
-    weight = [program.multiplicity[t.device] for t in tasks]
+    is_comm = [t.kind not in (TaskKind.COMPUTE, TaskKind.HOST) for t in tasks]
+    # Devices computing at once share the host's cores, and so does the (single-threaded) controller.
+    weight = [1 if t.kind is TaskKind.HOST else program.multiplicity[t.device] for t in tasks]
     start = [math.nan] * n
     end = [math.nan] * n
     busy = [False] * len(ordered)
@@ -338,7 +344,8 @@ def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end)
     step = float(ends.max(initial=0.0))
     pipeline = [i for i, t in enumerate(tasks) if t.pipeline]
     phase = float(ends[pipeline].max()) if pipeline else step
-    cats = [CATEGORIES.index("compute" if t.kind is TaskKind.COMPUTE else "comm") for t in tasks]
+    names = {TaskKind.COMPUTE: "compute", TaskKind.HOST: "host"}
+    cats = [CATEGORIES.index(names.get(t.kind, "comm")) for t in tasks]
     labels = [t.name for t in tasks]
     out_rows, out_start, out_end, out_cat, out_label = list(row_of), list(start), list(end), cats, labels
     # Bubble spans: when a stage runs no pipeline action (F/B/W and their tensor all-reduces) inside the
@@ -386,7 +393,7 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 
 def simulate(plan: Plan, topology: Topology) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
-    program = build_program(plan, place(plan, topology))
+    program = build_program(plan, place(plan, topology), controller=topology.calibration.controller_overhead_s > 0)
     priced = price(program, topology, plan.precision.compute_dtype)
     timeline = run(program, priced, topology.calibration.host_cores)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

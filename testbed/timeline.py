@@ -9,8 +9,8 @@ A runner that measures every device simply makes each device its own
 representative; the report types are the same, so predictions and
 measurements compare line by line (``source`` says which is which).
 
-Categories are ``compute``, ``comm`` and ``bubble`` (idle stage time inside
-the pipeline phase). The Chrome trace (opens in ui.perfetto.dev) has one
+Categories are ``compute``, ``comm``, ``bubble`` (idle stage time inside
+the pipeline phase) and ``host`` (the controller dispatching programs). The Chrome trace (opens in ui.perfetto.dev) has one
 process per device and one thread per stream; ``ts``/``dur`` are in
 microseconds.
 """
@@ -30,7 +30,7 @@ from testbed.output import write_atomic
 __all__ = ["CATEGORIES", "Span", "Timeline", "Report", "chrome_trace", "write_trace", "write_gantt"]
 
 #: Span categories, in the order of :attr:`Timeline.category` codes.
-CATEGORIES: tuple[str, ...] = ("compute", "comm", "bubble")
+CATEGORIES: tuple[str, ...] = ("compute", "comm", "bubble", "host")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +156,7 @@ class Timeline:
     def active(self, device: int, until: float | None = None) -> float:
         """Time ``device`` has any compute or comm span running, up to ``until``."""
         idx = self._indices(device)
-        idx = idx[self.category[idx] != CATEGORIES.index("bubble")]
+        idx = idx[np.isin(self.category[idx], [CATEGORIES.index("compute"), CATEGORIES.index("comm")])]
         hi = self.step_time_s if until is None else until
         return _union_length(self.start[idx], self.end[idx], 0.0, hi)
 
@@ -299,7 +299,7 @@ def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> Path:
     names = []
     for device, stream in timeline.rows:
         count = int(np.count_nonzero(timeline.representative == device))
-        names.append(f"dev {device}{f' (x{count})' if count > 1 else ''} {stream}")
+        names.append("controller" if stream == "host" else f"dev {device}{f' (x{count})' if count > 1 else ''} {stream}")
     bubble = CATEGORIES.index("bubble")
     bars = [Bar(row=int(r), start=float(s) * 1e3, end=float(e) * 1e3, label=lab, category=CATEGORIES[int(c)])
             for r, s, e, lab, c in zip(timeline.row, timeline.start, timeline.end, timeline.label, timeline.category)

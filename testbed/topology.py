@@ -134,6 +134,9 @@ class Calibration:
     collective_overhead_s: software cost per round of a collective.
     host_cores: if > 0, devices share this many host cores (emulated CPU
         devices): devices computing at once split the host's throughput.
+    controller_overhead_s: host time the single controller spends per program
+        it dispatches (one per pipeline action and its sends, testbed.program);
+        0 leaves the controller out of the simulation.
     """
 
     compute_efficiency: float = 1.0
@@ -142,13 +145,14 @@ class Calibration:
     launch_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
     host_cores: int = 0
+    controller_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("compute_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             if not 0 < value <= 1.5:
                 raise InputError(f"must be in (0, 1.5], got {value}", field=f"calibration.{name}")
-        for name in ("efficiency_half_flops", "launch_overhead_s", "collective_overhead_s"):
+        for name in ("efficiency_half_flops", "launch_overhead_s", "collective_overhead_s", "controller_overhead_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"must be non-negative, got {getattr(self, name)}", field=f"calibration.{name}")
         if self.host_cores < 0:

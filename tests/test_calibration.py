@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from runners.cli_calibrate import simulator_collective_time
 from testbed import calibration as cal
+from testbed import calibration_steps as cal_steps
 from testbed.calibration import Sample
 from testbed.errors import InputError
 from testbed.topology import Topology
@@ -277,9 +278,43 @@ def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
     single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
     truth = replace(single, calibration=replace(single.calibration, compute_efficiency=0.4,
                                                 efficiency_half_flops=3e6))
-    samples = [Sample(kind="step", op=name, seconds=simulate(cal.step_plan(name), truth).report.step_time_s)
+    samples = [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
                for name in ("cpu-s", "cpu-m", "cpu-l", "cpu-xl")]
-    efficiency, half, scales, fit = cal.fit_step_compute(single, samples)
+    efficiency, half, scales, fit = cal_steps.fit_step_compute(single, samples)
     assert efficiency == pytest.approx(0.4, rel=0.03)
     assert half == pytest.approx(3e6, rel=0.3)
     assert scales == {} and fit.max_abs_rel < 0.02
+
+
+def test_fit_controller_recovers_the_cost_per_program():
+    per = 7e-4
+    samples = [Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=8, seconds=0.1,
+                      host_s=per * cal_steps.controller_programs(cal_steps.pipeline_plan(f"cpu-s-m{m}", 8)))
+               for m in cal_steps.PIPELINE_MICROBATCHES]
+    samples.append(Sample(kind="step", op="cpu-s", devices=8, seconds=0.05, host_s=0.01))  # SPMD: not used
+    value, fit = cal_steps.fit_controller(samples)
+    assert value == pytest.approx(per, rel=1e-9) and fit.max_abs_rel < 1e-9 and fit.samples == 2
+    assert cal_steps.fit_controller([s for s in samples if s.kind == "step"]) is None
+
+
+def test_controller_programs_count_actions_sends_and_updates():
+    # 1F1B on 2 stages, m microbatches: 2 * 2m actions, 2m sends, one update per stage.
+    for m in (2, 8):
+        plan = cal_steps.pipeline_plan(f"cpu-s-m{m}", 4)
+        assert plan.mesh.stage == 2 and plan.mesh.data == 2 and plan.batch.microbatches == m
+        assert cal_steps.controller_programs(plan) == 4 * m + 2 * m + 2
+    assert cal_steps.controller_programs(cal_steps.step_plan("cpu-s", 4)) == 1
+    with pytest.raises(InputError, match="pipeline shape"):
+        cal_steps.pipeline_plan("cpu-s", 4)
+    with pytest.raises(InputError, match="even"):
+        cal_steps.pipeline_plan("cpu-s-m2", 3)
+
+
+def test_controller_overhead_round_trips_through_yaml(tmp_path):
+    topo = load_topology("host-cpu-8")
+    topo = replace(topo, calibration=replace(topo.calibration, controller_overhead_s=6.5e-4))
+    path = tmp_path / "t.yaml"
+    path.write_text(dump_topology(topo))
+    assert load_topology(str(path)).calibration.controller_overhead_s == pytest.approx(6.5e-4)
+    with pytest.raises(InputError, match="controller_overhead_s"):
+        replace(topo.calibration, controller_overhead_s=-1.0)

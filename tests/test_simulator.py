@@ -236,3 +236,46 @@ def test_replicas_sharing_an_uplink_slow_each_other(attach, slowdown):
     standalone = sum(priced.durations[i] for i in buckets)
     simulated = sum(spans[tasks[i].name].duration for i in buckets)
     assert simulated == pytest.approx(slowdown * standalone, rel=1e-6)
+
+
+def _with_controller(topology, seconds: float, cores: int | None = None):
+    from dataclasses import replace
+
+    calibration = replace(topology.calibration, controller_overhead_s=seconds)
+    if cores is not None:
+        calibration = replace(calibration, host_cores=cores)
+    return replace(topology, calibration=calibration)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_controller_dispatches_one_program_per_action_in_order(schedule):
+    plan = make_plan(stage=4, schedule=schedule, microbatches=4, layers=8)
+    topo = _with_controller(_free_comm(4), 1e-3)
+    plain = simulate(plan, _free_comm(4))
+    sim = simulate(plan, topo)
+    host = [t for t in sim.program.tasks if t.kind is TaskKind.HOST]
+    actions = [t for t in sim.program.tasks if t.kind is TaskKind.COMPUTE and t.pipeline]
+    sends = [t for t in sim.program.tasks if t.kind is TaskKind.SEND]
+    assert len(host) == len(actions) + 4 and sum(t.count for t in host) == len(actions) + len(sends) + 4
+    assert not any(t.kind is TaskKind.HOST for t in plain.program.tasks)
+    # One controller thread: its dispatches run one after another, so the step is at least their sum,
+    # and every action starts after its own dispatch.
+    total = sum(t.count for t in host) * 1e-3
+    assert sim.report.step_time_s >= total - 1e-12 and sim.report.step_time_s > plain.report.step_time_s
+    spans = list(sim.timeline.spans(0))
+    host_spans = sorted((s for s in spans if s.category == "host"), key=lambda s: s.start)
+    assert all(a.end <= b.start + 1e-12 for a, b in zip(host_spans, host_spans[1:]))
+    assert sim.report.exposed_comm_s == pytest.approx(plain.report.exposed_comm_s, abs=1e-9)
+
+
+@pytest.mark.parametrize("controller", [0.0, 2e-4])
+def test_one_shared_core_runs_all_work_back_to_back(controller):
+    """Two stages and the controller on one host core, free communication: the step is all work in a row."""
+    plan = make_plan(stage=2, microbatches=4, layers=4)
+    topo = _with_controller(_free_comm(2), controller, cores=1)
+    program = build_program(plan, place(plan, topo), controller=controller > 0)
+    priced = price(program, topo, "fp32")
+    timeline = run(program, priced, host_cores=1)
+    work = sum(d for t, d in zip(program.tasks, priced.durations) if t.kind in (TaskKind.COMPUTE, TaskKind.HOST))
+    assert timeline.step_time_s == pytest.approx(work, rel=1e-9)
+    assert simulate(plan, topo).report.step_time_s == pytest.approx(work, rel=1e-9)

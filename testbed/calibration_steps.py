@@ -1,0 +1,180 @@
+"""Fits on whole training steps: compute efficiency on the model's kernels, and the controller.
+
+Microbenchmarks (testbed.calibration) measure one kernel or one collective
+at a time; a training step also has the model's own kernel mix and, on a
+single controller, the host thread that dispatches every program. ``testbed
+calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
+
+- ``step`` samples, data parallel: :func:`fit_step_compute` refits
+  ``compute_efficiency`` and ``efficiency_half_flops`` (and per-dtype peak
+  scales) so that the simulator's compute tasks reproduce the measured steps;
+- ``pipeline`` samples, two pipeline stages run as per-action programs
+  (MPMD): :func:`fit_controller` divides the CPU time the controller thread
+  spent per step by the programs the simulator's controller dispatches
+  (testbed.program), giving ``controller_overhead_s``.
+
+Pure: plans in, numbers out (the simulator is imported lazily).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from testbed.calibration import Fit, Sample, fit_quality
+from testbed.errors import InputError
+from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.topology import Topology
+
+__all__ = ["STEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "pipeline_plan", "fit_step_compute",
+           "controller_programs", "fit_controller"]
+
+
+def _of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
+    return [s for s in samples if s.kind == kind]
+
+
+#: Single-device training steps ``calibrate`` times to fit compute efficiency on
+#: the model's own kernels: name -> (model fields, global batch). ``cpu-*`` for
+#: host devices, ``acc-*`` for GPUs and TPUs (large enough not to be launch bound).
+STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
+    "cpu-xs": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 1),
+    "cpu-s": ({"layers": 2, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 4),
+    "cpu-m": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 2),
+    "cpu-l": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 8),
+    "cpu-xl": ({"layers": 2, "d_model": 256, "heads": 8, "d_ff": 1024, "seq_len": 64, "vocab": 512}, 4),
+    "acc-s": ({"layers": 2, "d_model": 512, "heads": 8, "d_ff": 2048, "seq_len": 256, "vocab": 8192}, 8),
+    "acc-m": ({"layers": 2, "d_model": 1024, "heads": 16, "d_ff": 4096, "seq_len": 512, "vocab": 8192}, 8),
+    "acc-l": ({"layers": 4, "d_model": 2048, "heads": 16, "d_ff": 8192, "seq_len": 512, "vocab": 16384}, 8),
+}
+
+
+def step_plan(name: str, devices: int = 1) -> Plan:
+    """The plan of :data:`STEP_SHAPES` ``name`` (fp32; ``NAME-bf16``: bf16-mixed), data parallel over ``devices``.
+
+    Every device runs the shape's batch, so with emulated devices this times
+    the model's kernels while all devices share the host, as in real plans.
+    """
+    shape = name.removesuffix("-bf16")
+    if shape not in STEP_SHAPES:
+        raise InputError(f"unknown step shape `{name}`; valid: {', '.join(STEP_SHAPES)} (+ -bf16)", field="op")
+    fields_, batch = STEP_SHAPES[shape]
+    return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch * devices, microbatches=1),
+                mesh=MeshSpec(data=devices), precision="bf16-mixed" if name.endswith("-bf16") else "fp32")
+
+
+def fit_step_compute(topology: Topology, samples: Sequence[Sample],
+                     ) -> tuple[float, float, dict[str, float], Fit] | None:
+    """Efficiency, half-efficiency FLOPs and per-dtype peak scales that best predict measured steps.
+
+    A step sample is the data-parallel plan of a shape on ``devices`` devices.
+    Its predicted time is the representative's compute tasks
+    (:func:`testbed.simulator.compute_seconds`, slowed by ``devices /
+    host_cores`` when the devices share the host) plus the exposed
+    communication the simulator finds at the starting calibration. A grid
+    over (efficiency, half), refined twice, fits the fp32 steps; each other
+    dtype's peak is then scaled (1-D grid) to fit its steps (bf16 on a CPU is
+    far slower in a model than in one matmul). None without step samples.
+    """
+    from types import SimpleNamespace
+
+    from testbed.placement import place
+    from testbed.program import TaskKind, build_program
+    from testbed.simulator import compute_seconds, simulate
+
+    rows = _of_kind(samples, "step")
+    if not rows:
+        return None
+    plans = [step_plan(r.op, r.devices) for r in rows]
+    tasks = [[(t.flops, t.hbm_bytes, t.kernels) for t in build_program(p, place(p, num_devices=r.devices)).tasks
+              if t.kind is TaskKind.COMPUTE and t.device == 0] for p, r in zip(plans, rows)]
+    cores = topology.calibration.host_cores
+    slowdown = np.array([max(1.0, r.devices / cores) if cores else 1.0 for r in rows])
+    comm = np.array([simulate(p, topology).report.exposed_comm_s if r.devices > 1 else 0.0
+                     for p, r in zip(plans, rows)])
+    measured = np.array([r.seconds for r in rows])
+    dtypes = [p.precision.compute_dtype for p in plans]
+
+    def predict(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:
+        device = replace(topology.device, peak_flops={d: v * scales.get(d, 1.0) for d, v in
+                                                      topology.device.peak_flops.items()})
+        stub = SimpleNamespace(device=device, calibration=replace(
+            topology.calibration, compute_efficiency=eff, efficiency_half_flops=half))
+        work = np.array([sum(compute_seconds(stub, d, f, b, k) for f, b, k in ts) for d, ts in zip(dtypes, tasks)])
+        return work * slowdown + comm
+
+    def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str) -> float:
+        mask = np.array([d == dtype for d in dtypes])
+        return float(np.sum((predict(eff, half, scales)[mask] / measured[mask] - 1.0) ** 2))
+
+    main = "fp32" if "fp32" in dtypes else dtypes[0]
+    effs, halves = np.geomspace(0.01, 1.5, 40), np.concatenate([[0.0], np.geomspace(1e3, 1e11, 33)])
+    for span in (1.3, 1.06, 1.01, None):  # refine around the best point, each grid finer
+        _, e, h = min((cost(e, h, {}, main), e, h) for e in effs for h in halves)
+        if span is not None:
+            effs = np.clip(np.geomspace(e / span, e * span, 13), 1e-3, 1.5)
+            halves = np.unique([0.0, *np.geomspace(max(h, 1e3) / span ** 4, max(h, 1e3) * span ** 4, 13)])
+    scales = {d: min((cost(e, h, {d: x}, d), x) for x in np.geomspace(0.02, 50, 200))[1]
+              for d in sorted(set(dtypes) - {main})}
+    r2, residuals = fit_quality(predict(e, h, scales), measured)
+    fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h),
+                                             **{f"peak_scale_{d}": float(x) for d, x in scales.items()}},
+              r2=r2, rel_residuals=residuals, samples=len(rows))
+    return float(e), float(h), {d: float(x) for d, x in scales.items()}, fit
+
+
+#: Microbatch counts of the ``pipeline`` samples (different counts: the
+#: controller's programs grow with them, the devices' work does not).
+PIPELINE_MICROBATCHES = (2, 8)
+
+
+def pipeline_plan(name: str, devices: int = 2) -> Plan:
+    """A two-stage 1F1B plan of a :data:`STEP_SHAPES` shape: ``NAME-mM`` has ``M`` microbatches.
+
+    The data axis takes the rest of the devices (``devices`` even); every
+    microbatch gives each device the shape's batch, so the devices' kernels
+    are the ``step`` samples' while the controller dispatches one program
+    per action (runners.pipeline), which is what the sample measures.
+    """
+    shape, _, micro = name.rpartition("-m")
+    if shape not in STEP_SHAPES or not micro.isdigit() or int(micro) < 1:
+        raise InputError(f"unknown pipeline shape `{name}`; valid: SHAPE-mM with SHAPE one of "
+                         f"{', '.join(STEP_SHAPES)} and M microbatches", field="op")
+    if devices < 2 or devices % 2:
+        raise InputError(f"a two-stage pipeline needs an even device count, got {devices}", field="devices")
+    fields_, batch = STEP_SHAPES[shape]
+    data, m = devices // 2, int(micro)
+    return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch * data * m, microbatches=m),
+                mesh=MeshSpec(data=data, stage=2), schedule=ScheduleSpec(name="1f1b"))
+
+
+def controller_programs(plan: Plan) -> int:
+    """Programs the single controller dispatches in one step of ``plan`` (testbed.program's host tasks)."""
+    from testbed.placement import place
+    from testbed.program import TaskKind, build_program
+
+    program = build_program(plan, place(plan, num_devices=plan.mesh.size), controller=True)
+    return sum(t.count for t in program.tasks if t.kind is TaskKind.HOST)
+
+
+def fit_controller(samples: Sequence[Sample]) -> tuple[float, Fit] | None:
+    """``controller_overhead_s``: the controller's CPU time per dispatched program, from pipeline steps.
+
+    Each ``pipeline`` sample's measured controller time (``host_s``) over the
+    programs :func:`controller_programs` counts for its plan; the median over
+    samples. The programs also stand in for what the runner does per step
+    besides them (placing the microbatches, summing losses), which grows with
+    the microbatches as they do. None without pipeline samples that measured
+    the controller.
+    """
+    rows = [s for s in _of_kind(samples, "pipeline") if s.host_s > 0]
+    if not rows:
+        return None
+    programs = np.array([controller_programs(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
+    host = np.array([r.host_s for r in rows])
+    per = float(np.median(host / programs))
+    r2, residuals = fit_quality(per * programs, host)
+    return per, Fit(name="controller", values={"controller_overhead_s": per}, r2=r2, rel_residuals=residuals,
+                    samples=len(rows))
