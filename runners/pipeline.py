@@ -59,10 +59,43 @@ def _add(a: Any, b: Any) -> Any:
     return jax.tree.map(jnp.add, a, b)
 
 
+@jax.tree_util.register_pytree_node_class
+class Stored:
+    """What a forward keeps for its backward: the pullback without the chunk's parameters.
+
+    ``jax.vjp`` closes over every residual, the parameters included; returned
+    from a jitted forward those would be copied once per microbatch in flight.
+    The parameters are already on the stage, so the forward keeps only the
+    other residuals (``kept``) and :meth:`pullback` puts the parameters back
+    (``slots[i]``: index of the parameter leaf that residual ``i`` is, or -1).
+    """
+
+    def __init__(self, treedef: Any, slots: tuple[int, ...], kept: Sequence[Any]):
+        self.treedef, self.slots, self.kept = treedef, slots, list(kept)
+
+    def tree_flatten(self) -> tuple[list[Any], tuple[Any, tuple[int, ...]]]:
+        return self.kept, (self.treedef, self.slots)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, tuple[int, ...]], kept: Sequence[Any]) -> "Stored":
+        return cls(aux[0], aux[1], kept)
+
+    @classmethod
+    def split(cls, pullback: Any, params: Any) -> "Stored":
+        leaves, treedef = jax.tree.flatten(pullback)
+        index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params))}
+        slots = tuple(index.get(id(leaf), -1) for leaf in leaves)
+        return cls(treedef, slots, [leaf for leaf, i in zip(leaves, slots) if i < 0])
+
+    def pullback(self, params: Any) -> Any:
+        given, kept = jax.tree.leaves(params), iter(self.kept)
+        return jax.tree.unflatten(self.treedef, [given[i] if i >= 0 else next(kept) for i in self.slots])
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
 def _forward(stage_forward: StageForward, loss_fn: LossFn, stage: int, chunk: int, first: bool, last: bool,
-             params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Any]:
-    """F of one chunk: output (the loss on the last chunk) and its pullback.
+             params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Stored]:
+    """F of one chunk: output (the loss on the last chunk) and what its backward needs (:class:`Stored`).
 
     Module-level with the model functions static, so engines built for the
     same model share compiled programs.
@@ -73,26 +106,28 @@ def _forward(stage_forward: StageForward, loss_fn: LossFn, stage: int, chunk: in
 
     if first:
         # The first chunk's input (e.g. tokens) gets no gradient; differentiate the params only.
-        return jax.vjp(lambda p: body(p, x), params)
-    return jax.vjp(body, params, x)
+        y, pullback = jax.vjp(lambda p: body(p, x), params)
+    else:
+        y, pullback = jax.vjp(body, params, x)
+    return y, Stored.split(pullback, params)
 
 
 @jax.jit
-def _pull(pullback: Any, cotangent: Any) -> Any:
+def _pull(stored: Stored, params: Any, cotangent: Any) -> Any:
     """Full backward: (param grads,) for the first chunk, else (param grads, input grad)."""
-    return pullback(cotangent)
+    return stored.pullback(params)(cotangent)
 
 
 @jax.jit
-def _pull_input(pullback: Any, cotangent: Any) -> Any:
+def _pull_input(stored: Stored, params: Any, cotangent: Any) -> Any:
     """B of a split backward: the input gradient only (XLA drops the parameter half)."""
-    return pullback(cotangent)[1]
+    return stored.pullback(params)(cotangent)[1]
 
 
 @jax.jit
-def _pull_weight(pullback: Any, cotangent: Any) -> Any:
+def _pull_weight(stored: Stored, params: Any, cotangent: Any) -> Any:
     """W of a split backward: the parameter gradient only."""
-    return pullback(cotangent)[0]
+    return stored.pullback(params)(cotangent)[0]
 
 
 def _nan_like(shape: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
@@ -196,16 +231,16 @@ class MpmdEngine:
                 else:
                     cotangent = cot.pop((g, mb))
                 if sch.split_backward:
-                    dx = _pull_input(pullbacks[(g, mb)], cotangent) if g > 0 else None
+                    dx = _pull_input(pullbacks[(g, mb)], params_g, cotangent) if g > 0 else None
                     kept[(g, mb)] = cotangent
                 else:
-                    dparams, *dx = _pull(pullbacks.pop((g, mb)), cotangent)
+                    dparams, *dx = _pull(pullbacks.pop((g, mb)), params_g, cotangent)
                     dx = dx[0] if dx else None
                     grads[g] = dparams if g not in grads else _add(grads[g], dparams)
                 if g > 0:
                     cot[(g - 1, mb)] = put(dx, self.shardings[sch.locate(g - 1)[0]])
                 continue
-            dparams = _pull_weight(pullbacks.pop((g, mb)), kept.pop((g, mb)))
+            dparams = _pull_weight(pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)))
             grads[g] = dparams if g not in grads else _add(grads[g], dparams)
         loss = sum(losses[1:], losses[0]) / m
         out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] for s in range(sch.stages)]
