@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_abs_memory_error": result.get("max_abs_memory_error"),
         "goal": {"median_abs_error": 0.10, "max_abs_error": 0.25},
         "plans": [{**{k: p.get(k) for k in ("plan", "predicted_s", "measured_s", "error", "predicted_memory",
-                                            "measured_memory", "memory_error")},
+                                            "measured_memory", "memory_error", "predicted_controller_s",
+                                            "measured_controller_s")},
                    "fastest_step_s": min(p["step_times_s"])} for p in result["plans"]],
         "fitted": calibration["fitted"] if calibration else None,
         "fit_quality": {k: {"r2": v["r2"], "median_abs_rel_residual": v["median_abs_rel_residual"]}

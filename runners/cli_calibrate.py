@@ -284,6 +284,8 @@ def _render_calibration(console: Any, data: dict[str, Any]) -> None:
     table.add_row("launch_overhead_s", format_time(f["launch_overhead_s"]))
     table.add_row("collective_overhead_s", format_time(f["collective_overhead_s"]))
     table.add_row("host_cores", f"{f['host_cores']} (devices alone vs all at once: {f['shared_host_cores']:.2f})")
+    if f.get("controller_overhead_s"):
+        table.add_row("controller_overhead_s", f"{format_time(f['controller_overhead_s'])} per dispatched program")
     for name, level in f["levels"].items():
         table.add_row(f"level {name}", f"{format_bandwidth(level['bandwidth'])}, {format_time(level['latency'])}/hop")
     console.print(table)
@@ -371,18 +373,44 @@ def _validate(args: argparse.Namespace) -> CommandResult:
     devices = dev.select_devices(topology.num_devices)
     rows = []
     with _progress() as progress:
-        task = progress.add_task("", total=len(plans))
+        task = progress.add_task("", total=len(plans) + 1)
+        progress.update(task, description="reference step")
+        reference = _reference_step(topology, devices)
+        progress.advance(task)
         for path, plan in zip(args.plans, plans):
             progress.update(task, description=plan.name)
             report = simulate(plan, topology).report
-            measured, memory, times = measure.measure_plan(plan, devices, args.steps)
+            host: list[float] = []
+            measured, memory, times = measure.measure_plan(plan, devices, args.steps, host_times=host)
+            # The controller: CPU seconds the dispatching thread spends per step, as modelled and as measured.
+            controller = cal_steps.controller_programs(plan) * topology.calibration.controller_overhead_s
             rows.append({"plan": plan.name, "file": str(path), "predicted_s": report.step_time_s, "measured_s": measured,
                          "predicted_memory": float(report.memory["total"]), "measured_memory": memory,
-                         "step_times_s": times})
+                         "step_times_s": times, "predicted_controller_s": controller,
+                         "measured_controller_s": float(np.median(host))})
             progress.advance(task)
     data = {"topology": topology.name, "devices": dev.describe(devices), "steps": args.steps,
-            **validation_summary(rows)}
+            "reference_step": reference, **validation_summary(rows)}
     return CommandResult(data=data, render=lambda console: _render_validation(console, data))
+
+
+def _reference_step(topology: Topology, devices: Sequence[Any]) -> dict[str, Any]:
+    """One of calibrate's own training steps, predicted and measured now: is the host as fast as when calibrated?
+
+    The data-parallel step of a :data:`testbed.calibration_steps.STEP_SHAPES`
+    shape over all devices is what ``compute_efficiency`` was fitted on, so
+    ``measured / predicted`` far from 1 says the host's speed has drifted
+    since calibration (other load on a shared machine, clock changes) and
+    every plan's error carries that drift.
+    """
+    from runners import measure
+    from testbed.simulator import simulate
+
+    shape = "cpu-m" if devices[0].platform == "cpu" else "acc-m"
+    plan = cal_steps.step_plan(shape, len(devices))
+    measured = measure.run_benchmark(measure.Benchmark(kind="step", op=shape), list(devices)).seconds
+    predicted = simulate(plan, topology).report.step_time_s
+    return {"plan": plan.name, "predicted_s": predicted, "measured_s": measured, "speed": predicted / measured}
 
 
 def _render_validation(console: Any, data: dict[str, Any]) -> None:
@@ -401,6 +429,11 @@ def _render_validation(console: Any, data: dict[str, Any]) -> None:
                       f"{p['memory_error']:+.1%}" if p["memory_error"] is not None else "-")
     console.print(table)
     console.print(f"step time |error|: median {data['median_abs_error']:.1%}, max {data['max_abs_error']:.1%}")
+    ref = data.get("reference_step")
+    if ref:
+        console.print(f"reference step ({ref['plan']} over all devices, as calibrated): predicted "
+                      f"{format_time(ref['predicted_s'])}, measured {format_time(ref['measured_s'])}: the host runs at "
+                      f"{ref['speed']:.2f}x its calibrated speed")
     if data.get("median_abs_memory_error") is not None:
         console.print(f"memory |error|: median {data['median_abs_memory_error']:.1%}, "
                       f"max {data['max_abs_memory_error']:.1%}")

@@ -247,6 +247,12 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
         assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
         assert row["predicted_memory"] > 0
+        # One SPMD program per step: one dispatch predicted; the controller thread did measurable work.
+        assert row["predicted_controller_s"] == pytest.approx(load_topology("host-cpu-8").calibration.controller_overhead_s)
+        assert row["measured_controller_s"] > 0
+    ref = data["reference_step"]
+    assert ref["plan"] == "cpu-m" and ref["measured_s"] > 0
+    assert ref["speed"] == pytest.approx(ref["predicted_s"] / ref["measured_s"])
     errors = sorted(abs(p["error"]) for p in data["plans"])
     assert data["max_abs_error"] == pytest.approx(errors[-1])
     # A plan whose mesh does not fit the topology is bad input naming the plan file.
