@@ -52,6 +52,7 @@ __all__ = ["StageForward", "LossFn", "MpmdEngine", "run_schedule", "spmd_gpipe",
 
 StageForward = Callable[[int, int, Any, jax.Array], jax.Array]
 LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+Prepare = Callable[[Any], Any]
 
 
 @jax.jit
@@ -92,42 +93,54 @@ class Stored:
         return jax.tree.unflatten(self.treedef, [given[i] if i >= 0 else next(kept) for i in self.slots])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
-def _forward(stage_forward: StageForward, loss_fn: LossFn, stage: int, chunk: int, first: bool, last: bool,
-             params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Stored]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
+def _forward(stage_forward: StageForward, loss_fn: LossFn, prepare: Prepare | None, stage: int, chunk: int,
+             first: bool, last: bool, params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Stored]:
     """F of one chunk: output (the loss on the last chunk) and what its backward needs (:class:`Stored`).
 
-    Module-level with the model functions static, so engines built for the
-    same model share compiled programs.
+    ``prepare`` (e.g. the cast to the compute dtype) runs first and the
+    pullback is taken at its output, so residuals that are prepared weights
+    are left out too and redone in the backward. Module-level with the model
+    functions static, so engines built for the same model share programs.
     """
     def body(p: Any, h: jax.Array) -> jax.Array:
         y = stage_forward(stage, chunk, p, h)
         return loss_fn(p, y, targets) if last else y
 
+    prepared = params if prepare is None else prepare(params)
     if first:
         # The first chunk's input (e.g. tokens) gets no gradient; differentiate the params only.
-        y, pullback = jax.vjp(lambda p: body(p, x), params)
+        y, pullback = jax.vjp(lambda p: body(p, x), prepared)
     else:
-        y, pullback = jax.vjp(body, params, x)
-    return y, Stored.split(pullback, params)
+        y, pullback = jax.vjp(body, prepared, x)
+    return y, Stored.split(pullback, prepared)
 
 
-@jax.jit
-def _pull(stored: Stored, params: Any, cotangent: Any) -> Any:
+def _backward(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, weights: bool = True) -> Any:
+    """The pullback's outputs, parameter gradients taken back through ``prepare`` (skipped without ``weights``)."""
+    if prepare is None:
+        return stored.pullback(params)(cotangent)
+    prepared, back = jax.vjp(prepare, params)
+    out = stored.pullback(prepared)(cotangent)
+    return ((back(out[0])[0] if weights else None), *out[1:])
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _pull(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any) -> Any:
     """Full backward: (param grads,) for the first chunk, else (param grads, input grad)."""
-    return stored.pullback(params)(cotangent)
+    return _backward(prepare, stored, params, cotangent)
 
 
-@jax.jit
-def _pull_input(stored: Stored, params: Any, cotangent: Any) -> Any:
+@functools.partial(jax.jit, static_argnums=0)
+def _pull_input(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any) -> Any:
     """B of a split backward: the input gradient only (XLA drops the parameter half)."""
-    return stored.pullback(params)(cotangent)[1]
+    return _backward(prepare, stored, params, cotangent, weights=False)[1]
 
 
-@jax.jit
-def _pull_weight(stored: Stored, params: Any, cotangent: Any) -> Any:
+@functools.partial(jax.jit, static_argnums=0)
+def _pull_weight(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any) -> Any:
     """W of a split backward: the parameter gradient only."""
-    return stored.pullback(params)(cotangent)[0]
+    return _backward(prepare, stored, params, cotangent)[0]
 
 
 def _nan_like(shape: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
@@ -148,6 +161,10 @@ class MpmdEngine:
         nan_slots: pre-fill every receive slot with NaN (the leak check the
             tests rely on). ``False`` skips those ``2 m chunks`` buffers for
             speed and memory; an out-of-order read then raises ``KeyError``.
+        prepare: applied to a chunk's parameters before ``stage_forward``
+            (the cast to the compute dtype): its outputs are redone in the
+            backward instead of stored per microbatch in flight. Pass the
+            same function object every step (a static argument).
 
     Compiled programs are shared by engines given the same ``stage_forward``
     and ``loss_fn`` objects (they are static arguments of one jitted
@@ -155,7 +172,7 @@ class MpmdEngine:
     """
 
     def __init__(self, schedule: Schedule, stage_forward: StageForward, loss_fn: LossFn,
-                 shardings: Sequence[Any] | None = None, nan_slots: bool = True):
+                 shardings: Sequence[Any] | None = None, nan_slots: bool = True, prepare: Prepare | None = None):
         validate(schedule)
         if shardings is not None and len(shardings) != schedule.stages:
             raise ValueError(f"need one activation sharding per stage ({schedule.stages}), got {len(shardings)}")
@@ -166,10 +183,12 @@ class MpmdEngine:
         self._forward = stage_forward
         self._loss = loss_fn
         self.nan_slots = nan_slots
+        self._prepare = prepare
 
     def _f(self, g: int, params: Any, x: jax.Array, targets: jax.Array | None = None) -> tuple[jax.Array, Any]:
         stage, chunk = self.schedule.locate(g)
-        return _forward(self._forward, self._loss, stage, chunk, g == 0, g == self._last, params, x, targets)
+        return _forward(self._forward, self._loss, self._prepare, stage, chunk, g == 0, g == self._last, params, x,
+                        targets)
 
     def _shapes(self, params: Sequence[Sequence[Any]], x0: Any) -> list[jax.ShapeDtypeStruct]:
         """Output shape of every chunk but the last (the receive buffers' shapes)."""
@@ -231,16 +250,16 @@ class MpmdEngine:
                 else:
                     cotangent = cot.pop((g, mb))
                 if sch.split_backward:
-                    dx = _pull_input(pullbacks[(g, mb)], params_g, cotangent) if g > 0 else None
+                    dx = _pull_input(self._prepare, pullbacks[(g, mb)], params_g, cotangent) if g > 0 else None
                     kept[(g, mb)] = cotangent
                 else:
-                    dparams, *dx = _pull(pullbacks.pop((g, mb)), params_g, cotangent)
+                    dparams, *dx = _pull(self._prepare, pullbacks.pop((g, mb)), params_g, cotangent)
                     dx = dx[0] if dx else None
                     grads[g] = dparams if g not in grads else _add(grads[g], dparams)
                 if g > 0:
                     cot[(g - 1, mb)] = put(dx, self.shardings[sch.locate(g - 1)[0]])
                 continue
-            dparams = _pull_weight(pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)))
+            dparams = _pull_weight(self._prepare, pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)))
             grads[g] = dparams if g not in grads else _add(grads[g], dparams)
         loss = sum(losses[1:], losses[0]) / m
         out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] for s in range(sch.stages)]

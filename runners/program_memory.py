@@ -163,7 +163,7 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             x = (jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == 0
                  else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh))
             targets = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == last else None
-            forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, s, c, g == 0, g == last,
+            forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare, s, c, g == 0, g == last,
                                               params[s][c], x, targets).compile()
             stats = forward.memory_analysis()
             if stats is None:
@@ -174,13 +174,13 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             # The output cotangent arrives on this stage's activation sharding (the loss seed: like the loss).
             cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
             if sch.split_backward:
-                backward = pipeline._pull_weight.lower(pullback, params[s][c], cot).compile()
+                backward = pipeline._pull_weight.lower(trainer.prepare, pullback, params[s][c], cot).compile()
                 dparams.append(abstract_outputs(backward))
                 kept.append(device_bytes(cot))
                 if g > 0:  # the engine skips B's input gradient on the first chunk
-                    work[("B", c)] = _transient(pipeline._pull_input.lower(pullback, params[s][c], cot).compile())
+                    work[("B", c)] = _transient(pipeline._pull_input.lower(trainer.prepare, pullback, params[s][c], cot).compile())
             else:
-                backward = pipeline._pull.lower(pullback, params[s][c], cot).compile()
+                backward = pipeline._pull.lower(trainer.prepare, pullback, params[s][c], cot).compile()
                 dparams.append(abstract_outputs(backward)[0])
             # Accumulation: this microbatch's gradients and the new sum beside the accumulated ones (state).
             add = pipeline._add.lower(dparams[c], dparams[c]).compile()

@@ -303,12 +303,15 @@ class PipelineTrainer:
             return model.head_loss(model.cast_params(params["head"], precision), y, targets)
 
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
+        # The compute-dtype cast, redone in each backward instead of stored per microbatch in flight.
+        self.prepare = None if precision.compute_bytes == 4 else functools.partial(model.cast_params, precision=precision)
         mb = plan.batch.global_batch // plan.batch.microbatches
         self.act_shape = (mb, spec.seq_len, spec.d_model)
         self.act_dtype = model.compute_dtype(precision)
         self.act_shardings = [NamedSharding(m, batch_spec(1)) for m in stage_meshes]
         # NaN receive slots are the engine's leak check for tests; production steps skip their cost.
-        self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots)
+        self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots,
+                                 prepare=self.prepare)
         # Several processes: runners.pipeline moves activations with device_put, which cannot cross
         # processes, so the lockstep engine below (collective-permute transfers) runs the table.
         self.lockstep = jax.process_count() > 1 if lockstep is None else lockstep

@@ -258,22 +258,30 @@ def test_mpmd_runs_the_gpt_model() -> None:
     assert "embed" in grads[0][0] and "head" in grads[p - 1][v - 1]
 
 
+def _to_bf16(params: dict) -> dict:
+    return jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+
+
+@pytest.mark.parametrize("prepare", [None, _to_bf16])
 @pytest.mark.parametrize("first,last", [(True, False), (False, False), (False, True)])
-def test_forward_keeps_no_copy_of_the_parameters(first, last):
-    """The stored residuals leave the chunk's weights out (they stay on the stage) and the backward is exact."""
+def test_forward_keeps_no_copy_of_the_parameters(first, last, prepare):
+    """The stored residuals leave the chunk's (prepared) weights out and the backward is exact."""
     params = _init(1, 1)[0][0]
     if not last:
         params = {k: v for k, v in params.items() if k != "head"}
     x = jnp.asarray(_data(1)[0][0])
     targets = jnp.asarray(_data(1)[1][0]) if last else None
-    y, stored = pipeline._forward(_stage_forward, _loss, 0, 0, first, last, params, x, targets)
+    y, stored = pipeline._forward(_stage_forward, _loss, prepare, 0, 0, first, last, params, x, targets)
     names = [path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     taken = {names[i] for i in stored.slots if i >= 0}
     # The input gradient needs w (and the loss's needs head): taken out, not stored; the first chunk needs no w.
     assert taken == ({"w"} if not first else set()) | ({"head"} if last else set())
     assert (D, D) not in {tuple(np.shape(leaf)) for leaf in stored.kept}
     cotangent = jnp.ones_like(y)
-    grads = pipeline._pull(stored, params, cotangent)
-    body = (lambda p: _stage_forward(0, 0, p, x)) if not last else (lambda p: _loss(p, _stage_forward(0, 0, p, x), targets))
+    grads = pipeline._pull(prepare, stored, params, cotangent)
+    cast = prepare or (lambda p: p)
+    body = ((lambda p: _stage_forward(0, 0, cast(p), x)) if not last
+            else (lambda p: _loss(cast(p), _stage_forward(0, 0, cast(p), x), targets)))
     reference = jax.vjp(body, params)[1](cotangent)[0]
+    assert grads[0]["w"].dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(grads[0]["w"]), np.asarray(reference["w"]), rtol=1e-6, atol=1e-6)
