@@ -179,7 +179,7 @@ def _collective(bench: Any, devices: list[Any]) -> cal.Sample:
     scheduling noise on a busy host, and the longer loop averages more of it out of the per-round time."""
     from runners import measure
 
-    return measure._collective(bench, devices, repeats=(1, 9))
+    return measure.collective_sample(bench, devices, repeats=(1, 9))
 
 
 def _barrier(name: str) -> None:

@@ -28,7 +28,7 @@ from testbed.calibration_steps import PIPELINE_MICROBATCHES, STEP_SHAPES, pipeli
 from testbed.model import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS", "measure_plan",
-           "compiled_memory"]
+           "compiled_memory", "collective_sample"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -179,7 +179,7 @@ def _collective_body(op: str, ranks: int) -> Callable[[Any], Any]:
     raise ValueError(op)
 
 
-def _collective(bench: Benchmark, devices: Sequence[Any], repeats: tuple[int, int] = (1, 5)) -> Sample:
+def collective_sample(bench: Benchmark, devices: Sequence[Any], repeats: tuple[int, int] = (1, 5)) -> Sample:
     """A collective over groups of ``ranks`` consecutive devices (every group at once), inside one program.
 
     ``bench.size`` is the buffer in the nccl-tests convention: the gathered
@@ -227,7 +227,7 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any]) -> Sample:
         return _concurrent(bench, devices)
     if bench.kind == "memory":
         return _memory(bench, devices)
-    return _collective(bench, devices)
+    return collective_sample(bench, devices)
 
 
 def measure(devices: Sequence[Any], *, quick: bool = False,

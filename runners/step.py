@@ -10,7 +10,8 @@ steps their parameters must agree up to floating-point reduction order.
   before the optax update.
 - :class:`ReferenceTrainer`: the whole global batch at once on one device.
 - :class:`PipelineTrainer` (pipeline plans): the schedule table executed by
-  ``runners.pipeline.MpmdEngine`` over per-stage sub-meshes.
+  ``runners.pipeline.MpmdEngine`` over per-stage sub-meshes (with several
+  processes, by :func:`runners.lockstep.lockstep_step`).
 
 Every trainer has ``init() -> state``, ``step(state, i) -> (state, loss)``,
 ``full_params(state)`` (host numpy, in the model's layout); SPMD and pipeline
@@ -30,12 +31,13 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
+from runners.lockstep import lockstep_step
 from runners.parallel import batch_spec, layout_for
 from runners.program_memory import StageProgramMemory, pipeline_memory, program_bytes
 from testbed.errors import InputError
 from testbed.model import chunk_layers
 from testbed.plan import BatchSpec, Plan
-from testbed.schedules import build_schedule, execution_order, sends
+from testbed.schedules import build_schedule, sends
 
 __all__ = ["make_optimizer", "step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
            "ReferenceTrainer", "PipelineTrainer", "split_params", "merge_params", "scalar"]
@@ -316,17 +318,6 @@ class PipelineTrainer:
         # processes, so the lockstep engine below (collective-permute transfers) runs the table.
         self.lockstep = jax.process_count() > 1 if lockstep is None else lockstep
         self.owned = [owns(sh) for sh in self.act_shardings]
-        last = self.schedule.chunks - 1
-
-        def chunk_fn(g: int):
-            stage, chunk = self.schedule.locate(g)
-
-            def forward(params: Any, x: jax.Array, targets: Any) -> jax.Array:
-                y = chunk_forward(stage, chunk, params, x)
-                return loss_fn(params, y, targets) if g == last else y
-            return forward
-
-        self.chunk_fns = [chunk_fn(g) for g in range(self.schedule.chunks)]
         shape = split_params(plan, jax.eval_shape(lambda: model.init_params(spec, plan.seed)))
         self.param_shardings, self.opt_shardings, self.grad_shardings, self.update_programs = [], [], [], []
         for s, mesh in enumerate(stage_meshes):
@@ -419,85 +410,3 @@ class PipelineTrainer:
     def transfers(self) -> int:
         """Activation and gradient transfers between stages per step (cross-mesh ``device_put``)."""
         return len(sends(self.schedule))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _chunk_vjp(forward: Any, first: bool, last: bool, params: Any, x: jax.Array, targets: Any) -> tuple:
-    """F of one chunk in the lockstep engine: output (the loss on the last chunk) and its pullback."""
-    def body(p: Any, h: jax.Array) -> jax.Array:
-        return forward(p, h, targets) if last else forward(p, h, None)
-
-    return jax.vjp(lambda p: body(p, x), params) if first else jax.vjp(body, params, x)
-
-
-@jax.jit
-def _pullback(pull: Any, cotangent: Any) -> Any:
-    return pull(cotangent)
-
-
-@jax.jit
-def _tree_add(a: Any, b: Any) -> Any:
-    return jax.tree.map(jnp.add, a, b)
-
-
-def lockstep_step(trainer: "PipelineTrainer", params: list[list[Any]], tokens: list[np.ndarray],
-                  targets: list[np.ndarray]) -> tuple[jax.Array | None, list[list[Any] | None]]:
-    """One pass of the schedule table in a global lockstep order, for several processes.
-
-    Every process walks :func:`testbed.schedules.execution_order`; it runs the
-    compute of the stages it holds devices of, and takes part in each
-    transfer between two stages it holds devices of (``devices.transfer``, a
-    collective-permute). A split backward (ZB ``B`` then ``W``) runs whole at
-    ``B``: same gradients, different timing. Returns (mean loss or None where
-    this process holds no last-stage device, gradients ``[stage][chunk]``, None
-    for stages it does not hold).
-    """
-    from runners.devices import owns, transfer
-
-    sch, m = trainer.schedule, len(tokens)
-    last = sch.chunks - 1
-    shard = trainer.act_shardings
-    mine = [owns(s) for s in shard]
-    act: dict = {}
-    cot: dict = {}
-    pulls: dict = {}
-    grads: dict = {}
-    losses = []
-
-    def move(value: Any, g_from: int, g_to: int) -> Any:
-        src, dst = sch.locate(g_from)[0], sch.locate(g_to)[0]
-        if src == dst:
-            return value
-        return transfer(value, trainer.act_shape, trainer.act_dtype, shard[src], shard[dst])
-
-    for stage, action in execution_order(sch):
-        g, mb = sch.model_chunk(stage, action.chunk), action.microbatch
-        if action.kind == "F":
-            y = None
-            if mine[stage]:
-                x = place_tree(tokens[mb], shard[stage]) if g == 0 else act.pop((g, mb))
-                tgt = place_tree(targets[mb], shard[stage]) if g == last else None
-                y, pulls[(g, mb)] = _chunk_vjp(trainer.chunk_fns[g], g == 0, g == last,
-                                               params[stage][action.chunk], x, tgt)
-                if g == last:
-                    losses.append(y)
-            if g < last:
-                y = move(y, g, g + 1)
-                if y is not None:
-                    act[(g + 1, mb)] = y
-        elif action.kind == "B":
-            dx = None
-            if mine[stage]:
-                seed = jnp.full((), 1.0 / m, jnp.float32)
-                cotangent = jax.device_put(seed, losses[0].sharding) if g == last else cot.pop((g, mb))
-                dparams, *rest = _pullback(pulls.pop((g, mb)), cotangent)
-                grads[g] = dparams if g not in grads else _tree_add(grads[g], dparams)
-                dx = rest[0] if rest else None
-            if g > 0:
-                dx = move(dx, g, g - 1)
-                if dx is not None:
-                    cot[(g - 1, mb)] = dx
-    loss = sum(losses[1:], losses[0]) / m if losses else None
-    out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] if mine[s] else None
-           for s in range(sch.stages)]
-    return loss, out
