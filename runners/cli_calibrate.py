@@ -143,10 +143,10 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
     topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
                                    host_cores=cores, collectives=collectives, name=name)
     controller = cal_steps.fit_controller(samples)
-    controller_s = 0.0
+    controller_step_s = controller_s = 0.0
     if controller is not None:
-        controller_s = controller[0]
-        fits.append(controller[1])
+        controller_step_s, controller_s, controller_fit = controller
+        fits.append(controller_fit)
     steps = cal_steps.fit_step_compute(topo, samples)
     efficiency, scales = None, None
     if steps is not None:
@@ -155,13 +155,14 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
     if steps is not None or controller is not None:
         topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw,
                                        launch_s=launch, host_cores=cores, collectives=collectives, name=name,
-                                       efficiency=efficiency, peak_scales=scales, controller_s=controller_s)
+                                       efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
+                                       controller_step_s=controller_step_s)
     c = topo.calibration
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
         "memory_efficiency": c.memory_efficiency, "launch_overhead_s": c.launch_overhead_s,
         "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
-        "controller_overhead_s": c.controller_overhead_s,
+        "controller_overhead_s": c.controller_overhead_s, "controller_step_s": c.controller_step_s,
         "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
         "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
         "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},
@@ -286,6 +287,7 @@ def _render_calibration(console: Any, data: dict[str, Any]) -> None:
     table.add_row("host_cores", f"{f['host_cores']} (devices alone vs all at once: {f['shared_host_cores']:.2f})")
     if f.get("controller_overhead_s"):
         table.add_row("controller_overhead_s", f"{format_time(f['controller_overhead_s'])} per dispatched program")
+        table.add_row("controller_step_s", f"{format_time(f.get('controller_step_s', 0.0))} per step")
     for name, level in f["levels"].items():
         table.add_row(f"level {name}", f"{format_bandwidth(level['bandwidth'])}, {format_time(level['latency'])}/hop")
     console.print(table)
@@ -383,7 +385,8 @@ def _validate(args: argparse.Namespace) -> CommandResult:
             host: list[float] = []
             measured, memory, times = measure.measure_plan(plan, devices, args.steps, host_times=host)
             # The controller: CPU seconds the dispatching thread spends per step, as modelled and as measured.
-            controller = cal_steps.controller_programs(plan) * topology.calibration.controller_overhead_s
+            c = topology.calibration
+            controller = c.controller_step_s + cal_steps.controller_programs(plan) * c.controller_overhead_s
             rows.append({"plan": plan.name, "file": str(path), "predicted_s": report.step_time_s, "measured_s": measured,
                          "predicted_memory": float(report.memory["total"]), "measured_memory": memory,
                          "step_times_s": times, "predicted_controller_s": controller,

@@ -102,7 +102,7 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     out += [Benchmark(kind="step", op=f"{shapes[-2]}-bf16")]
     if num_devices >= 2 and num_devices % 2 == 0:
         # The single controller's cost per program: two-stage pipelines of two microbatch counts.
-        out += [Benchmark(kind="pipeline", op=f"{shapes[1 if cpu else 0]}-m{m}") for m in PIPELINE_MICROBATCHES]
+        out += [Benchmark(kind="pipeline", op=f"{'cpu-s' if cpu else 'acc-s'}-m{m}") for m in PIPELINE_MICROBATCHES]
     return out
 
 

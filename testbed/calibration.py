@@ -352,7 +352,8 @@ def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coe
 def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
                         launch_s: float, host_cores: float, collectives: CollectiveParams | None,
                         name: str | None = None, efficiency: float | None = None,
-                        peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0) -> Topology:
+                        peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0,
+                        controller_step_s: float = 0.0) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
     Peaks: the matmul rate's fraction of the base device's peak (median over
@@ -362,8 +363,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
     likewise. Dtypes not measured keep their base peak; ``peak_scales``
     (from the training steps) multiply a dtype's peak last. ``controller_s``
-    is the controller's CPU time per dispatched program
-    (:func:`testbed.calibration_steps.fit_controller`).
+    and ``controller_step_s`` are the controller's CPU time per dispatched
+    program and per step (:func:`testbed.calibration_steps.fit_controller`).
 
     Shared host throughput ``host_cores = r`` (e.g. 1.5 cores' worth) is
     written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
@@ -387,7 +388,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     calibration = Calibration(
         compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
         launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
-        host_cores=cores, controller_overhead_s=controller_s)
+        host_cores=cores, controller_overhead_s=controller_s, controller_step_s=controller_step_s)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
     if collectives is not None:

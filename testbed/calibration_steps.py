@@ -9,9 +9,10 @@ calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
   ``compute_efficiency`` and ``efficiency_half_flops`` (and per-dtype peak
   scales) so that the simulator's compute tasks reproduce the measured steps;
 - ``pipeline`` samples, two pipeline stages run as per-action programs
-  (MPMD): :func:`fit_controller` divides the CPU time the controller thread
-  spent per step by the programs the simulator's controller dispatches
-  (testbed.program), giving ``controller_overhead_s``.
+  (MPMD) with two microbatch counts: :func:`fit_controller` fits the CPU time
+  the controller thread spent per step as a line in the programs the
+  simulator's controller dispatches (testbed.program): the slope is
+  ``controller_overhead_s``, the intercept ``controller_step_s``.
 
 Pure: plans in, numbers out (the simulator is imported lazily).
 """
@@ -23,7 +24,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from testbed.calibration import Fit, Sample, fit_quality
+from testbed.calibration import Fit, Sample, fit_line, fit_quality
 from testbed.errors import InputError
 from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.topology import Topology
@@ -40,6 +41,7 @@ def _of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
 #: the model's own kernels: name -> (model fields, global batch). ``cpu-*`` for
 #: host devices, ``acc-*`` for GPUs and TPUs (large enough not to be launch bound).
 STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
+    "cpu-xxs": ({"layers": 2, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 1),
     "cpu-xs": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 1),
     "cpu-s": ({"layers": 2, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 4),
     "cpu-m": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 2),
@@ -159,22 +161,26 @@ def controller_programs(plan: Plan) -> int:
     return sum(t.count for t in program.tasks if t.kind is TaskKind.HOST)
 
 
-def fit_controller(samples: Sequence[Sample]) -> tuple[float, Fit] | None:
-    """``controller_overhead_s``: the controller's CPU time per dispatched program, from pipeline steps.
+def fit_controller(samples: Sequence[Sample]) -> tuple[float, float, Fit] | None:
+    """``(controller_step_s, controller_overhead_s)``: the controller's CPU time per step and per program.
 
-    Each ``pipeline`` sample's measured controller time (``host_s``) over the
-    programs :func:`controller_programs` counts for its plan; the median over
-    samples. The programs also stand in for what the runner does per step
-    besides them (placing the microbatches, summing losses), which grows with
-    the microbatches as they do. None without pipeline samples that measured
-    the controller.
+    Each ``pipeline`` sample measured the controller thread's time per step
+    (``host_s``); :func:`controller_programs` counts the programs its plan
+    dispatches. With two or more program counts, a non-negative line
+    ``host_s = step + programs * per_program``; with one, the ratio (and no
+    per-step part). None without pipeline samples that measured the
+    controller.
     """
     rows = [s for s in _of_kind(samples, "pipeline") if s.host_s > 0]
     if not rows:
         return None
     programs = np.array([controller_programs(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
     host = np.array([r.host_s for r in rows])
-    per = float(np.median(host / programs))
-    r2, residuals = fit_quality(per * programs, host)
-    return per, Fit(name="controller", values={"controller_overhead_s": per}, r2=r2, rel_residuals=residuals,
-                    samples=len(rows))
+    if len(set(programs.tolist())) >= 2:
+        line = fit_line(programs, host, name="controller")
+        step, per = line.values["intercept"], line.values["slope"]
+    else:
+        step, per = 0.0, float(np.median(host / programs))
+    r2, residuals = fit_quality(step + per * programs, host)
+    return step, per, Fit(name="controller", values={"controller_step_s": step, "controller_overhead_s": per},
+                          r2=r2, rel_residuals=residuals, samples=len(rows))

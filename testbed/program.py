@@ -16,14 +16,16 @@ parameter all-gathers). A stream runs its tasks in program order, one at a
 time; a task also waits for its ``deps``.
 
 The controller (``build_program(..., controller=True)``): one host thread
-dispatches every program of the step, one after another, on the ``host``
-stream of the first representative. A plan without pipeline stages is one
-SPMD program (one dispatch before the first action); a pipeline runs one
-program per action on its stage's devices (MPMD), so each action waits for
-its own dispatch, which also issues the action's sends (``count`` programs
-in all), and each stage's optimizer update is one more. The simulator prices
-a dispatch at ``calibration.controller_overhead_s``; on a shared host
-(``host_cores``) the controller takes a core's share like a device.
+prepares the step (task ``op="step"``: the batch) and then dispatches every
+program, one after another, on the ``host`` stream of the first
+representative. A plan without pipeline stages is one SPMD program (one
+dispatch before the first action); a pipeline runs one program per action on
+its stage's devices (MPMD), so each action waits for its own dispatch, which
+also issues the action's sends (``count`` programs in all), and each stage's
+optimizer update is one more. The simulator prices the step task at
+``calibration.controller_step_s`` and a dispatch at
+``controller_overhead_s``; on a shared host (``host_cores``) the controller
+takes a core's share like a device.
 
 Parameter and gradient sharding (same conventions as testbed.memory):
 parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
@@ -197,6 +199,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
 
     previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor all-reduces block)
     host = reps[0]
+    if controller:
+        b.add(name="prepare step", device=host, stream="host", kind=TaskKind.HOST, op="step", count=0)
     if controller and p == 1:
         previous[0] = b.add(name="dispatch step", device=host, stream="host", kind=TaskKind.HOST)
     for s, action in order:

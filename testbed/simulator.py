@@ -7,7 +7,8 @@ communication, the bytes it moves over each directed link:
   (memory_bandwidth * memory_efficiency))`` with the precision's peak FLOP/s
   and ``eff(f) = compute_efficiency * f / (f + efficiency_half_flops)`` for a
   kernel of ``f`` FLOPs (the roofline of the calibrated device);
-- host (the controller's dispatches): ``count * controller_overhead_s``;
+- host (the controller): ``controller_step_s`` for the step's preparation,
+  ``count * controller_overhead_s`` for a dispatch;
 - collectives and sends: timed by testbed.collective_timing; their link
   loads are what every group running the task at once puts on the links the
   representative's own traffic crosses (its ring neighbours' routes, or the
@@ -18,9 +19,9 @@ task starts when it heads its stream and its dependencies are done. Tasks in
 flight progress as fluids: transfers share links max-min fairly
 (testbed.contention), re-evaluated whenever a task starts or finishes; with
 ``calibration.host_cores > 0`` the devices computing at once (and the
-controller thread while it dispatches) share that many host cores. The result is a :class:`~testbed.timeline.Timeline` over the
-representatives (and the device -> representative map) and a
-:class:`~testbed.timeline.Report`.
+controller thread while it works) share that many host cores. The result is
+a :class:`~testbed.timeline.Timeline` over the representatives (and the
+device -> representative map) and a :class:`~testbed.timeline.Report`.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
 
     for task in program.tasks:
         if task.kind is TaskKind.HOST:
-            durations.append(task.count * topology.calibration.controller_overhead_s)
+            cal = topology.calibration
+            durations.append(cal.controller_step_s if task.op == "step" else task.count * cal.controller_overhead_s)
             loads.append(None)
             continue
         if task.kind is TaskKind.COMPUTE:
@@ -393,7 +395,9 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 
 def simulate(plan: Plan, topology: Topology) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
-    program = build_program(plan, place(plan, topology), controller=topology.calibration.controller_overhead_s > 0)
+    cal = topology.calibration
+    program = build_program(plan, place(plan, topology),
+                            controller=cal.controller_overhead_s > 0 or cal.controller_step_s > 0)
     priced = price(program, topology, plan.precision.compute_dtype)
     timeline = run(program, priced, topology.calibration.host_cores)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

@@ -136,7 +136,9 @@ class Calibration:
         devices): devices computing at once split the host's throughput.
     controller_overhead_s: host time the single controller spends per program
         it dispatches (one per pipeline action and its sends, testbed.program);
-        0 leaves the controller out of the simulation.
+    controller_step_s: host time it spends once per step besides (making and
+        placing the batch, summing the loss). Both 0 leave the controller out
+        of the simulation.
     """
 
     compute_efficiency: float = 1.0
@@ -146,13 +148,15 @@ class Calibration:
     collective_overhead_s: float = 0.0
     host_cores: int = 0
     controller_overhead_s: float = 0.0
+    controller_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("compute_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             if not 0 < value <= 1.5:
                 raise InputError(f"must be in (0, 1.5], got {value}", field=f"calibration.{name}")
-        for name in ("efficiency_half_flops", "launch_overhead_s", "collective_overhead_s", "controller_overhead_s"):
+        for name in ("efficiency_half_flops", "launch_overhead_s", "collective_overhead_s", "controller_overhead_s",
+                     "controller_step_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"must be non-negative, got {getattr(self, name)}", field=f"calibration.{name}")
         if self.host_cores < 0:

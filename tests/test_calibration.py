@@ -248,7 +248,8 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
         assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
         assert row["predicted_memory"] > 0
         # One SPMD program per step: one dispatch predicted; the controller thread did measurable work.
-        assert row["predicted_controller_s"] == pytest.approx(load_topology("host-cpu-8").calibration.controller_overhead_s)
+        c = load_topology("host-cpu-8").calibration
+        assert row["predicted_controller_s"] == pytest.approx(c.controller_step_s + c.controller_overhead_s)
         assert row["measured_controller_s"] > 0
     ref = data["reference_step"]
     assert ref["plan"] == "cpu-m" and ref["measured_s"] > 0
@@ -292,14 +293,21 @@ def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
     assert scales == {} and fit.max_abs_rel < 0.02
 
 
-def test_fit_controller_recovers_the_cost_per_program():
-    per = 7e-4
-    samples = [Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=8, seconds=0.1,
-                      host_s=per * cal_steps.controller_programs(cal_steps.pipeline_plan(f"cpu-s-m{m}", 8)))
-               for m in cal_steps.PIPELINE_MICROBATCHES]
+def test_fit_controller_recovers_the_cost_per_step_and_per_program():
+    step, per = 8e-3, 4e-4
+
+    def sample(m: int, devices: int = 8) -> Sample:
+        programs = cal_steps.controller_programs(cal_steps.pipeline_plan(f"cpu-s-m{m}", devices))
+        return Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=devices, seconds=0.1, host_s=step + per * programs)
+
+    samples = [sample(m) for m in cal_steps.PIPELINE_MICROBATCHES]
     samples.append(Sample(kind="step", op="cpu-s", devices=8, seconds=0.05, host_s=0.01))  # SPMD: not used
-    value, fit = cal_steps.fit_controller(samples)
-    assert value == pytest.approx(per, rel=1e-9) and fit.max_abs_rel < 1e-9 and fit.samples == 2
+    fitted_step, fitted_per, fit = cal_steps.fit_controller(samples)
+    assert fitted_step == pytest.approx(step, rel=1e-6) and fitted_per == pytest.approx(per, rel=1e-6)
+    assert fit.max_abs_rel < 1e-6 and fit.samples == 2
+    # One microbatch count cannot separate the two: all of it is per program.
+    only, per_only, _ = cal_steps.fit_controller(samples[:1])
+    assert only == 0.0 and per_only == pytest.approx(samples[0].host_s / 14)
     assert cal_steps.fit_controller([s for s in samples if s.kind == "step"]) is None
 
 
@@ -322,5 +330,8 @@ def test_controller_overhead_round_trips_through_yaml(tmp_path):
     path = tmp_path / "t.yaml"
     path.write_text(dump_topology(topo))
     assert load_topology(str(path)).calibration.controller_overhead_s == pytest.approx(6.5e-4)
+    topo = replace(topo, calibration=replace(topo.calibration, controller_step_s=7e-3))
+    path.write_text(dump_topology(topo))
+    assert load_topology(str(path)).calibration.controller_step_s == pytest.approx(7e-3)
     with pytest.raises(InputError, match="controller_overhead_s"):
         replace(topo.calibration, controller_overhead_s=-1.0)

@@ -256,7 +256,8 @@ def test_controller_dispatches_one_program_per_action_in_order(schedule):
     host = [t for t in sim.program.tasks if t.kind is TaskKind.HOST]
     actions = [t for t in sim.program.tasks if t.kind is TaskKind.COMPUTE and t.pipeline]
     sends = [t for t in sim.program.tasks if t.kind is TaskKind.SEND]
-    assert len(host) == len(actions) + 4 and sum(t.count for t in host) == len(actions) + len(sends) + 4
+    # One step preparation, one dispatch per action (with its sends) and per stage update.
+    assert len(host) == 1 + len(actions) + 4 and sum(t.count for t in host) == len(actions) + len(sends) + 4
     assert not any(t.kind is TaskKind.HOST for t in plain.program.tasks)
     # One controller thread: its dispatches run one after another, so the step is at least their sum,
     # and every action starts after its own dispatch.
