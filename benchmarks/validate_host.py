@@ -9,7 +9,7 @@ other processes on a shared host), the same for memory, per-plan rows, the fitte
 host's load average (other processes on the host's cores distort both the
 calibration and the measured steps).
 
-    python benchmarks/validate_host.py [--quick] [--topology FILE] [--steps S] [--keep DIR]
+    python benchmarks/validate_host.py [--quick] [--topology FILE] [--steps S] [--rounds R] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="calibrate --quick")
     parser.add_argument("--topology", default=None, help="validate against this calibrated topology (skip calibrate)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan (default 5)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="validate rounds; each plan keeps its least disturbed median (default 2)")
     parser.add_argument("--keep", default=None, help="folder to keep the calibrated topology and measurements in")
     parser.add_argument("plans", nargs="*", help="plans (default plans/validation/*.yaml)")
     args = parser.parse_args(argv)
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         calibrate_s = time.perf_counter() - started
         started = time.perf_counter()
         result = _testbed("validate", "--topology", topology, "--devices", "emulated:8", "--steps", str(args.steps),
-                          *plans)
+                          "--rounds", str(args.rounds), *plans)
         validate_s = time.perf_counter() - started
     out = {
         "median_abs_error": result["median_abs_error"],
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibrate_s": calibrate_s,
         "validate_s": validate_s,
         "steps": args.steps,
+        "rounds": args.rounds,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "cpu_count": os.cpu_count(),

@@ -240,10 +240,12 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
         path = tmp_path / f"{name}.yaml"
         path.write_text(TINY.format(name=name, mesh=mesh))
         paths.append(str(path))
-    assert main(["validate", "--json", "--topology", "host-cpu-8", "--steps", "1", *paths]) == 0
+    assert main(["validate", "--json", "--topology", "host-cpu-8", "--steps", "1", "--rounds", "2", *paths]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [p["plan"] for p in data["plans"]] == ["tiny-dp", "tiny-tp"]
+    assert [p["plan"] for p in data["plans"]] == ["tiny-dp", "tiny-tp"] and data["rounds"] == 2
     for row in data["plans"]:
+        assert len(row["round_medians_s"]) == 2 and row["measured_s"] == min(row["round_medians_s"])
+        assert len(row["step_times_s"]) == 2
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
         assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
         assert row["predicted_memory"] > 0
@@ -261,6 +263,8 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
     bad.write_text(TINY.format(name="bad", mesh="{data: 4}"))
     assert main(["validate", "--topology", "host-cpu-8", str(bad)]) == 2
     assert "bad.yaml" in capsys.readouterr().err
+    assert main(["validate", "--topology", "host-cpu-8", "--rounds", "0", paths[0]]) == 2
+    assert "--rounds" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("platform,count,kind,expected", [
