@@ -1,7 +1,11 @@
-"""Accuracy benchmark: calibrate this host's 8 emulated devices, then validate the suite.
+"""Accuracy benchmark: calibrate this host's devices, then validate a suite of plans on them.
 
-Runs ``testbed calibrate --devices emulated:8`` and ``testbed validate`` on
-every plan of ``plans/validation/`` (each in a fresh process, as a user would)
+Runs ``testbed calibrate --devices D`` and ``testbed validate`` (each in a
+fresh process, as a user would): by default on 8 emulated CPU devices with
+every plan of ``plans/validation/``; with ``--devices local`` on this
+machine's accelerator with the single-device plans of
+``plans/validation-1dev/`` (one GPU or TPU chip; pass plans whose mesh is the
+local device count for more). It
 and prints ONE JSON object: ``median_abs_error`` and ``max_abs_error`` of the
 predicted vs measured (median) step time (goal: <= 0.10 and <= 0.25), the
 same against each plan's fastest step (``*_fastest_step``: less disturbed by
@@ -9,7 +13,8 @@ other processes on a shared host), the same for memory, per-plan rows, the fitte
 host's load average (other processes on the host's cores distort both the
 calibration and the measured steps).
 
-    python benchmarks/validate_host.py [--quick] [--topology FILE] [--steps S] [--rounds R] [--keep DIR]
+    python benchmarks/validate_host.py [--devices emulated:8|local] [--quick] [--topology FILE] [--steps S]
+                                       [--rounds R] [--keep DIR] [PLAN ...]
 """
 
 from __future__ import annotations
@@ -39,15 +44,18 @@ def _testbed(*args: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", default="emulated:8", help="emulated:8 (default) or local (a GPU/TPU machine)")
     parser.add_argument("--quick", action="store_true", help="calibrate --quick")
     parser.add_argument("--topology", default=None, help="validate against this calibrated topology (skip calibrate)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan (default 5)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="validate rounds; each plan keeps its least disturbed median (default 2)")
     parser.add_argument("--keep", default=None, help="folder to keep the calibrated topology and measurements in")
-    parser.add_argument("plans", nargs="*", help="plans (default plans/validation/*.yaml)")
+    parser.add_argument("plans", nargs="*", help="plans (default plans/validation/*.yaml; with --devices local "
+                                                 "plans/validation-1dev/*.yaml)")
     args = parser.parse_args(argv)
-    plans = args.plans or sorted(glob.glob(str(ROOT / "plans" / "validation" / "*.yaml")))
+    suite = "validation-1dev" if args.devices == "local" else "validation"
+    plans = args.plans or sorted(glob.glob(str(ROOT / "plans" / suite / "*.yaml")))
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="validate-host-") as tmp:
         folder = Path(args.keep or tmp)
@@ -55,12 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         calibration = None
         topology = args.topology
         if topology is None:
-            topology = str(folder / "host-cpu-8-calibrated.yaml")
-            calibration = _testbed("calibrate", "--devices", "emulated:8", "--out", topology,
+            topology = str(folder / "calibrated.yaml")
+            calibration = _testbed("calibrate", "--devices", args.devices, "--out", topology,
                                    *(["--quick"] if args.quick else []))
         calibrate_s = time.perf_counter() - started
         started = time.perf_counter()
-        result = _testbed("validate", "--topology", topology, "--devices", "emulated:8", "--steps", str(args.steps),
+        result = _testbed("validate", "--topology", topology, "--devices", args.devices, "--steps", str(args.steps),
                           "--rounds", str(args.rounds), *plans)
         validate_s = time.perf_counter() - started
     out = {
@@ -82,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         "validate_s": validate_s,
         "steps": args.steps,
         "rounds": args.rounds,
+        "devices": args.devices,
+        "device": result.get("devices"),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "cpu_count": os.cpu_count(),

@@ -168,12 +168,19 @@ def fit_controller(samples: Sequence[Sample]) -> tuple[float, float, Fit] | None
     (``host_s``); :func:`controller_programs` counts the programs its plan
     dispatches. With two or more program counts, a non-negative line
     ``host_s = step + programs * per_program``; with one, the ratio (and no
-    per-step part). None without pipeline samples that measured the
-    controller.
+    per-step part). Without pipeline samples (one device), the ``step``
+    samples' median controller time is all per step (an SPMD step is one
+    program). None when no sample measured the controller.
     """
     rows = [s for s in _of_kind(samples, "pipeline") if s.host_s > 0]
     if not rows:
-        return None
+        steps = np.array([s.host_s for s in _of_kind(samples, "step") if s.host_s > 0])
+        if steps.size == 0:
+            return None
+        step = float(np.median(steps))
+        r2, residuals = fit_quality(np.full(steps.size, step), steps)
+        return step, 0.0, Fit(name="controller", values={"controller_step_s": step, "controller_overhead_s": 0.0},
+                              r2=r2, rel_residuals=residuals, samples=int(steps.size))
     programs = np.array([controller_programs(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
     host = np.array([r.host_s for r in rows])
     if len(set(programs.tolist())) >= 2:

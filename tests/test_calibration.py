@@ -312,7 +312,10 @@ def test_fit_controller_recovers_the_cost_per_step_and_per_program():
     # One microbatch count cannot separate the two: all of it is per program.
     only, per_only, _ = cal_steps.fit_controller(samples[:1])
     assert only == 0.0 and per_only == pytest.approx(samples[0].host_s / 14)
-    assert cal_steps.fit_controller([s for s in samples if s.kind == "step"]) is None
+    # One device (no pipeline samples): the SPMD steps' controller time is all per step.
+    steps = [Sample(kind="step", op="cpu-s", seconds=0.05, host_s=h) for h in (0.004, 0.005, 0.009)]
+    assert cal_steps.fit_controller(steps)[:2] == (pytest.approx(0.005), 0.0)
+    assert cal_steps.fit_controller([Sample(kind="step", op="cpu-s", seconds=0.05)]) is None
 
 
 def test_controller_programs_count_actions_sends_and_updates():

@@ -118,3 +118,24 @@ def test_state_sharding_follows_the_zero_paper(zero):
     # Whatever shards the parameters also shards the gradients and the optimizer state.
     assert set(s.params) <= set(s.grads) <= set(s.optimizer)
     assert s.split_axes(plan, "params") == (("data", "fsdp") if zero >= 3 else ("fsdp",))
+
+
+def test_every_bundled_plan_loads_and_simulates_on_its_mesh():
+    """plans/ (examples and both validation suites): valid YAML, a consistent plan, a finite simulated step."""
+    import glob
+    import math
+
+    from testbed.generators import switch
+    from testbed.simulator import simulate
+    from testbed.topology_io import load_topology
+
+    files = sorted(glob.glob("plans/**/*.yaml", recursive=True))
+    assert any("validation-1dev" in f for f in files) and any("/validation/" in f for f in files)
+    h100 = load_topology("dgx-h100")
+    for f in files:
+        plan = load_plan(f)
+        n = plan.mesh.size
+        topo = switch(n, device=h100.device, bandwidth=h100.levels[0].bandwidth, latency=h100.levels[0].latency,
+                      calibration=h100.calibration, name=f"h100-{n}")
+        step = simulate(plan, topo).report.step_time_s
+        assert math.isfinite(step) and step > 0, f
