@@ -82,7 +82,8 @@ class Task:
     representative's ``group``; sends carry ``group = (src, dst)``.
     ``instances`` are all groups or pairs running the same task at once.
     ``pipeline`` marks F/B/W actions and their tensor all-reduces. Host tasks
-    (the controller's dispatches) carry ``count`` programs.
+    are the controller's: a dispatch of ``count`` programs, or the step's
+    preparation (``op="step"``, ``count=0``).
     """
 
     name: str
