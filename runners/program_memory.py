@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from runners import pipeline
-from testbed.schedules import Action, peak_inflight
+from testbed.schedules import Action, held_during, peak_inflight
 
 if TYPE_CHECKING:
     from runners.step import PipelineTrainer
@@ -121,19 +121,15 @@ def stage_peak(row: Sequence[Action], split_backward: bool, residuals: Sequence[
         residuals: per virtual chunk, bytes one microbatch's pullback holds.
         workspace: ``(kind, chunk) -> bytes`` of the program an action runs.
     """
-    live = 0
+    release = "W" if split_backward else "B"
+    sets = held_during(row, "F", release)
+    cotangents = held_during(row, "B", "W") if split_backward and kept else [()] * len(row)
     best = (0, 0)
-    for action in row:
-        c = action.chunk
-        if action.kind == "F":
-            live += residuals[c]  # the forward writes the residuals it returns
-        running = workspace.get((action.kind, c), 0)
+    for action, res, cot in zip(row, sets, cotangents):
+        live = sum(residuals[c] for c in res) + sum(kept[c] for c in cot)
+        running = workspace.get((action.kind, action.chunk), 0)
         if live + running > sum(best):
             best = (live, running)
-        if action.kind == "B" and split_backward:
-            live += kept[c] if kept else 0
-        elif action.kind in ("B", "W"):
-            live -= residuals[c] + (kept[c] if kept and action.kind == "W" else 0)
     return best
 
 

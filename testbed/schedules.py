@@ -20,6 +20,7 @@ Conventions
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from testbed.errors import InputError, closest
@@ -27,7 +28,7 @@ from testbed.plan import Plan, ScheduleName
 
 __all__ = [
     "Action", "Schedule", "Send", "KINDS", "build_schedule", "dependencies", "validate",
-    "execution_order", "peak_inflight", "peak_deferred_weight_grads", "sends", "schedule_names",
+    "execution_order", "peak_inflight", "held_during", "peak_deferred_weight_grads", "sends", "schedule_names",
     "schedule_for_plan", "dependency_keys",
 ]
 
@@ -209,6 +210,29 @@ def validate(schedule: Schedule) -> None:
     execution_order(schedule)
 
 
+def held_during(row: Sequence[Action], acquire: str = "F", release: str = "B") -> list[tuple[int, ...]]:
+    """For each action of one stage's ``row``: the chunks of the microbatch sets held while it runs.
+
+    A set is taken by its ``acquire`` action (``F``: held while the forward
+    runs, since it writes it; otherwise from the next action on, e.g. the
+    cotangent a split ``B`` keeps for ``W``) and freed after its ``release``
+    action (held while that runs). One entry per held set, so a chunk repeats
+    once per microbatch. The one rule of how long activations live, shared by
+    testbed.memory (counts) and the runner's compiled-memory walk (bytes).
+    """
+    held: list[int] = []
+    out = []
+    for a in row:
+        if a.kind == acquire == "F":
+            held.append(a.chunk)
+        out.append(tuple(held))
+        if a.kind == acquire != "F":
+            held.append(a.chunk)
+        if a.kind == release:
+            held.remove(a.chunk)
+    return out
+
+
 def peak_inflight(schedule: Schedule, release: str = "B") -> tuple[int, ...]:
     """Per stage, the most (microbatch, chunk) activation sets held at once.
 
@@ -221,32 +245,14 @@ def peak_inflight(schedule: Schedule, release: str = "B") -> tuple[int, ...]:
         raise InputError(f"release must be B or W, got {release!r}", field="release")
     if not schedule.split_backward:
         release = "B"
-    peaks = []
-    for row in schedule.actions:
-        live = peak = 0
-        for a in row:
-            if a.kind == "F":
-                live += 1
-                peak = max(peak, live)
-            elif a.kind == release:
-                live -= 1
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(max((len(h) for h in held_during(row, "F", release)), default=0) for row in schedule.actions)
 
 
 def peak_deferred_weight_grads(schedule: Schedule) -> tuple[int, ...]:
     """Per stage, the most W actions waiting after their B (0 without a split backward)."""
-    peaks = []
-    for row in schedule.actions:
-        waiting = peak = 0
-        for a in row:
-            if a.kind == "B" and schedule.split_backward:
-                waiting += 1
-                peak = max(peak, waiting)
-            elif a.kind == "W":
-                waiting -= 1
-        peaks.append(peak)
-    return tuple(peaks)
+    if not schedule.split_backward:
+        return (0,) * schedule.stages
+    return tuple(max((len(h) for h in held_during(row, "B", "W")), default=0) for row in schedule.actions)
 
 
 # -- builders --------------------------------------------------------------------

@@ -210,3 +210,21 @@ def test_schedule_for_plan_reads_the_plan() -> None:
     assert (schedule.name, schedule.stages, schedule.microbatches) == (str(plan.schedule.name), plan.mesh.stage,
                                                                         plan.batch.microbatches)
     validate(schedule)
+
+
+def test_held_during_is_the_one_liveness_rule():
+    """Sets held while each action runs: F holds its own, the release frees after it; counts give the peaks."""
+    from testbed.schedules import held_during, peak_deferred_weight_grads, peak_inflight
+
+    row = [Action(kind, mb) for kind, mb in (("F", 0), ("F", 1), ("B", 0), ("W", 0), ("B", 1), ("W", 1))]
+    assert held_during(row, "F", "B") == [(0,), (0, 0), (0, 0), (0,), (0,), ()]
+    assert held_during(row, "F", "W") == [(0,), (0, 0), (0, 0), (0, 0), (0,), (0,)]
+    assert held_during(row, "B", "W") == [(), (), (), (0,), (), (0,)]
+    for name in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+        sch = build_schedule(name, 4, 8)
+        release = "W" if sch.split_backward else "B"
+        assert peak_inflight(sch, release) == tuple(max(map(len, held_during(r, "F", release))) for r in sch.actions)
+        # Only the last release's own set is still held while it runs: nothing outlives the row.
+        assert all(held_during(r, "F", release)[-1] == (r[-1].chunk,) for r in sch.actions)
+    assert peak_deferred_weight_grads(build_schedule("1f1b", 2, 4)) == (0, 0)
+    assert max(peak_deferred_weight_grads(build_schedule("zb-h1", 4, 8))) >= 1
