@@ -62,7 +62,7 @@ def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray
             if mine[stage]:
                 x = place_tree(tokens[mb], shard[stage]) if g == 0 else act.pop((g, mb))
                 tgt = place_tree(targets[mb], shard[stage]) if g == last else None
-                y, stored[(g, mb)] = pipeline._forward(trainer.chunk_forward, trainer.loss_fn, trainer.prepare,
+                y, stored[(g, mb)] = pipeline._forward(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[stage],
                                                        stage, action.chunk, g == 0, g == last, chunk_params, x, tgt)
                 if g == last:
                     losses.append(y)
@@ -75,7 +75,7 @@ def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray
             if mine[stage]:
                 seed = jnp.full((), 1.0 / m, jnp.float32)
                 cotangent = jax.device_put(seed, losses[0].sharding) if g == last else cot.pop((g, mb))
-                dparams, *rest = pipeline._pull(trainer.prepare, stored.pop((g, mb)), chunk_params, cotangent)
+                dparams, *rest = pipeline._pull(trainer.prepare[stage], stored.pop((g, mb)), chunk_params, cotangent)
                 grads[g] = dparams if g not in grads else pipeline._add(grads[g], dparams)
                 dx = rest[0] if rest else None
             if g > 0:

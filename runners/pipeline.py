@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -52,7 +53,28 @@ __all__ = ["StageForward", "LossFn", "MpmdEngine", "run_schedule", "spmd_gpipe",
 
 StageForward = Callable[[int, int, Any, jax.Array], jax.Array]
 LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
-Prepare = Callable[[Any], Any]
+
+
+@dataclass(frozen=True, eq=False)
+class Prepare:
+    """What a chunk's parameters go through before ``stage_forward``, redone in every backward.
+
+    ``spread`` (optional) turns the parameters into one copy per data replica
+    (a new leading axis sharded over the replicas); the backward does NOT take
+    its transpose, so gradients come back per replica and the caller sums them
+    once per step: the data-parallel reduction happens once, not once per
+    microbatch. ``cast`` (optional, e.g. to the compute dtype) is taken back
+    in every backward. Compared by identity (a static argument of the jitted
+    programs): build one per stage and reuse it every step.
+    """
+
+    cast: Callable[[Any], Any] | None = None
+    spread: Callable[[Any], Any] | None = None
+
+
+def _as_prepare(prepare: Prepare | Callable[[Any], Any] | None) -> Prepare:
+    """A bare callable is a cast."""
+    return prepare if isinstance(prepare, Prepare) else Prepare(cast=prepare)
 
 
 @jax.jit
@@ -98,7 +120,7 @@ def _forward(stage_forward: StageForward, loss_fn: LossFn, prepare: Prepare | No
              first: bool, last: bool, params: Any, x: jax.Array, targets: jax.Array | None) -> tuple[jax.Array, Stored]:
     """F of one chunk: output (the loss on the last chunk) and what its backward needs (:class:`Stored`).
 
-    ``prepare`` (e.g. the cast to the compute dtype) runs first and the
+    ``prepare`` (:class:`Prepare`, or a bare cast) runs first and the
     pullback is taken at its output, so residuals that are prepared weights
     are left out too and redone in the backward. Module-level with the model
     functions static, so engines built for the same model share programs.
@@ -107,7 +129,9 @@ def _forward(stage_forward: StageForward, loss_fn: LossFn, prepare: Prepare | No
         y = stage_forward(stage, chunk, p, h)
         return loss_fn(p, y, targets) if last else y
 
-    prepared = params if prepare is None else prepare(params)
+    prep = _as_prepare(prepare)
+    spread = params if prep.spread is None else prep.spread(params)
+    prepared = spread if prep.cast is None else prep.cast(spread)
     if first:
         # The first chunk's input (e.g. tokens) gets no gradient; differentiate the params only.
         y, pullback = jax.vjp(lambda p: body(p, x), prepared)
@@ -117,10 +141,15 @@ def _forward(stage_forward: StageForward, loss_fn: LossFn, prepare: Prepare | No
 
 
 def _backward(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, weights: bool = True) -> Any:
-    """The pullback's outputs, parameter gradients taken back through ``prepare`` (skipped without ``weights``)."""
-    if prepare is None:
-        return stored.pullback(params)(cotangent)
-    prepared, back = jax.vjp(prepare, params)
+    """The pullback's outputs, parameter gradients taken back through the cast (skipped without ``weights``).
+
+    Gradients stay in the spread layout (per replica) when ``prepare`` spreads.
+    """
+    prep = _as_prepare(prepare)
+    spread = params if prep.spread is None else prep.spread(params)
+    if prep.cast is None:
+        return stored.pullback(spread)(cotangent)
+    prepared, back = jax.vjp(prep.cast, spread)
     out = stored.pullback(prepared)(cotangent)
     return ((back(out[0])[0] if weights else None), *out[1:])
 
@@ -162,9 +191,12 @@ class MpmdEngine:
             tests rely on). ``False`` skips those ``2 m chunks`` buffers for
             speed and memory; an out-of-order read then raises ``KeyError``.
         prepare: applied to a chunk's parameters before ``stage_forward``
-            (the cast to the compute dtype): its outputs are redone in the
-            backward instead of stored per microbatch in flight. Pass the
-            same function object every step (a static argument).
+            (:class:`Prepare`, or a bare cast to the compute dtype), one for
+            all stages or a sequence with one per stage: its outputs are
+            redone in the backward instead of stored per microbatch in
+            flight. With a ``spread`` the gradients :meth:`step` returns are
+            per replica (the caller reduces them). Pass the same objects
+            every step (static arguments).
 
     Compiled programs are shared by engines given the same ``stage_forward``
     and ``loss_fn`` objects (they are static arguments of one jitted
@@ -172,7 +204,8 @@ class MpmdEngine:
     """
 
     def __init__(self, schedule: Schedule, stage_forward: StageForward, loss_fn: LossFn,
-                 shardings: Sequence[Any] | None = None, nan_slots: bool = True, prepare: Prepare | None = None):
+                 shardings: Sequence[Any] | None = None, nan_slots: bool = True,
+                 prepare: Prepare | Callable[[Any], Any] | Sequence[Prepare | None] | None = None):
         validate(schedule)
         if shardings is not None and len(shardings) != schedule.stages:
             raise ValueError(f"need one activation sharding per stage ({schedule.stages}), got {len(shardings)}")
@@ -183,12 +216,15 @@ class MpmdEngine:
         self._forward = stage_forward
         self._loss = loss_fn
         self.nan_slots = nan_slots
-        self._prepare = prepare
+        per_stage = isinstance(prepare, Sequence)
+        if per_stage and len(prepare) != schedule.stages:
+            raise ValueError(f"need one prepare per stage ({schedule.stages}), got {len(prepare)}")
+        self._prepare = tuple(prepare) if per_stage else (prepare,) * schedule.stages
 
     def _f(self, g: int, params: Any, x: jax.Array, targets: jax.Array | None = None) -> tuple[jax.Array, Any]:
         stage, chunk = self.schedule.locate(g)
-        return _forward(self._forward, self._loss, self._prepare, stage, chunk, g == 0, g == self._last, params, x,
-                        targets)
+        return _forward(self._forward, self._loss, self._prepare[stage], stage, chunk, g == 0, g == self._last,
+                        params, x, targets)
 
     def _shapes(self, params: Sequence[Sequence[Any]], x0: Any) -> list[jax.ShapeDtypeStruct]:
         """Output shape of every chunk but the last (the receive buffers' shapes)."""
@@ -249,17 +285,18 @@ class MpmdEngine:
                         cotangent = jax.device_put(cotangent, seed.sharding)
                 else:
                     cotangent = cot.pop((g, mb))
+                prep = self._prepare[stage]
                 if sch.split_backward:
-                    dx = _pull_input(self._prepare, pullbacks[(g, mb)], params_g, cotangent) if g > 0 else None
+                    dx = _pull_input(prep, pullbacks[(g, mb)], params_g, cotangent) if g > 0 else None
                     kept[(g, mb)] = cotangent
                 else:
-                    dparams, *dx = _pull(self._prepare, pullbacks.pop((g, mb)), params_g, cotangent)
+                    dparams, *dx = _pull(prep, pullbacks.pop((g, mb)), params_g, cotangent)
                     dx = dx[0] if dx else None
                     grads[g] = dparams if g not in grads else _add(grads[g], dparams)
                 if g > 0:
                     cot[(g - 1, mb)] = put(dx, self.shardings[sch.locate(g - 1)[0]])
                 continue
-            dparams = _pull_weight(self._prepare, pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)))
+            dparams = _pull_weight(self._prepare[stage], pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)))
             grads[g] = dparams if g not in grads else _add(grads[g], dparams)
         loss = sum(losses[1:], losses[0]) / m
         out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] for s in range(sch.stages)]

@@ -159,7 +159,7 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             x = (jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == 0
                  else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh))
             targets = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == last else None
-            forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare, s, c, g == 0, g == last,
+            forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0, g == last,
                                               params[s][c], x, targets).compile()
             stats = forward.memory_analysis()
             if stats is None:
@@ -170,22 +170,21 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             # The output cotangent arrives on this stage's activation sharding (the loss seed: like the loss).
             cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
             if sch.split_backward:
-                backward = pipeline._pull_weight.lower(trainer.prepare, pullback, params[s][c], cot).compile()
+                backward = pipeline._pull_weight.lower(trainer.prepare[s], pullback, params[s][c], cot).compile()
                 dparams.append(abstract_outputs(backward))
                 kept.append(device_bytes(cot))
                 if g > 0:  # the engine skips B's input gradient on the first chunk
-                    work[("B", c)] = _transient(pipeline._pull_input.lower(trainer.prepare, pullback, params[s][c], cot).compile())
+                    work[("B", c)] = _transient(pipeline._pull_input.lower(trainer.prepare[s], pullback, params[s][c], cot).compile())
             else:
-                backward = pipeline._pull.lower(trainer.prepare, pullback, params[s][c], cot).compile()
+                backward = pipeline._pull.lower(trainer.prepare[s], pullback, params[s][c], cot).compile()
                 dparams.append(abstract_outputs(backward)[0])
             # Accumulation: this microbatch's gradients and the new sum beside the accumulated ones (state).
             add = pipeline._add.lower(dparams[c], dparams[c]).compile()
             work[("W" if sch.split_backward else "B", c)] = max(
                 _transient(backward), (program_bytes(add) or 0) - device_bytes(dparams[c]))
         grads = device_bytes(dparams)
-        zero = jax.tree.map(lambda d, z: jax.ShapeDtypeStruct(d.shape, d.dtype, sharding=z), dparams,
-                            trainer.grad_shardings[s])
-        # The update first moves the gradients into the ZeRO layout: a copy where the layouts differ.
+        zero = trainer.engine_grads_shape(params[s], s)
+        # The update first moves the gradients into its input layout: a copy where the layouts differ.
         moved = any(not d.sharding.is_equivalent_to(z.sharding, len(d.shape))
                     for d, z in zip(jax.tree.leaves(dparams), jax.tree.leaves(zero)))
         update = program_bytes(trainer.update_programs[s].lower(params[s], states[s], zero).compile()) or 0

@@ -33,7 +33,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from runners import model
 from runners.lockstep import lockstep_step
 from runners.parallel import batch_spec, layout_for
+from runners.pipeline import Prepare
 from runners.program_memory import StageProgramMemory, pipeline_memory, program_bytes
+from runners.replicas import Spread, per_replica_forward, per_replica_loss, replicas, sum_replicas
 from testbed.errors import InputError
 from testbed.model import chunk_layers
 from testbed.plan import BatchSpec, Plan
@@ -304,37 +306,51 @@ class PipelineTrainer:
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
             return model.head_loss(model.cast_params(params["head"], precision), y, targets)
 
+        # Data replicas keep their gradients apart until the update: one reduction per step (runners.replicas).
+        self.replicas = replicas(plan)
+        if self.replicas > 1:
+            last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
+            chunk_forward = per_replica_forward(chunk_forward, self.replicas, stage_meshes)
+            loss_fn = per_replica_loss(loss_fn, self.replicas, stage_meshes[last_stage])
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
         # The compute-dtype cast, redone in each backward instead of stored per microbatch in flight.
-        self.prepare = None if precision.compute_bytes == 4 else functools.partial(model.cast_params, precision=precision)
+        cast = None if precision.compute_bytes == 4 else functools.partial(model.cast_params, precision=precision)
         mb = plan.batch.global_batch // plan.batch.microbatches
         self.act_shape = (mb, spec.seq_len, spec.d_model)
         self.act_dtype = model.compute_dtype(precision)
         self.act_shardings = [NamedSharding(m, batch_spec(1)) for m in stage_meshes]
         # NaN receive slots are the engine's leak check for tests; production steps skip their cost.
-        self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots,
-                                 prepare=self.prepare)
         # Several processes: runners.pipeline moves activations with device_put, which cannot cross
         # processes, so the lockstep engine below (collective-permute transfers) runs the table.
         self.lockstep = jax.process_count() > 1 if lockstep is None else lockstep
         self.owned = [owns(sh) for sh in self.act_shardings]
         shape = split_params(plan, jax.eval_shape(lambda: model.init_params(spec, plan.seed)))
         self.param_shardings, self.opt_shardings, self.grad_shardings, self.update_programs = [], [], [], []
+        #: Per stage: the engine's Prepare, and the sharding of the gradients it returns (the update's input).
+        self.prepare, self.engine_grad_shardings = [], []
         for s, mesh in enumerate(stage_meshes):
             layout = layout_for(shape[s], plan)
             p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
             o_sh = state_shardings(jax.eval_shape(self.tx.init, shape[s]), shape[s],
                                    layout.shardings(mesh, "moments"), NamedSharding(mesh, P()))
+            spread = Spread(mesh, p_sh, self.replicas) if self.replicas > 1 else None
+            self.prepare.append(Prepare(cast=cast, spread=spread) if cast or spread else None)
+            in_sh = spread.shardings if spread else g_sh
             self.param_shardings.append(p_sh)
             self.opt_shardings.append(o_sh)
             self.grad_shardings.append(g_sh)
-            self.update_programs.append(jax.jit(self._update_fn(g_sh), in_shardings=(p_sh, o_sh, g_sh),
-                                                out_shardings=(p_sh, o_sh)))
+            self.engine_grad_shardings.append(in_sh)
+            self.update_programs.append(jax.jit(self._update_fn(g_sh, spread is not None),
+                                                in_shardings=(p_sh, o_sh, in_sh), out_shardings=(p_sh, o_sh)))
+        self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots,
+                                 prepare=self.prepare)
 
-    def _update_fn(self, grad_shardings: Any):
+    def _update_fn(self, grad_shardings: Any, per_replica: bool):
         tx = self.tx
 
         def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+            if per_replica:
+                grads = sum_replicas(grads)  # the step's one data-parallel reduction
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
@@ -362,10 +378,13 @@ class PipelineTrainer:
             if not self.owned[s]:
                 new.append((None, None))
                 continue
-            # The engines leave gradients where XLA put them; move them into the ZeRO layout.
-            g = jax.device_put(grads[s], self.grad_shardings[s])
+            # The engines leave gradients where XLA put them; the update takes them in one layout.
+            g = jax.device_put(grads[s], self.engine_grad_shardings[s])
             new.append(self.update_programs[s](params[s], states[s], g))
-        self.last_grads = grads if self.return_grads else None
+        if self.return_grads:
+            self.last_grads = [jax.jit(sum_replicas)(g) if self.replicas > 1 and g is not None else g for g in grads]
+        else:
+            self.last_grads = None
         return ([p for p, _ in new], [o for _, o in new]), loss
 
     def full_params(self, state: tuple[list[Any], list[Any]]) -> Any:
@@ -373,6 +392,12 @@ class PipelineTrainer:
 
     def full_grads(self) -> Any:
         return merge_params(self.plan, host_tree(self.last_grads))
+
+    def engine_grads_shape(self, params: Any, stage: int) -> Any:
+        """Abstract gradients of ``stage`` as the engine returns them (per replica when spread): the update's input."""
+        lead = (self.replicas,) if self.replicas > 1 else ()
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype, sharding=sh),
+                            params, self.engine_grad_shardings[stage])
 
     def compiled_texts(self, state: tuple[list[Any], list[Any]]) -> list[str]:
         """Optimized HLO of each stage's chunk-0 forward+backward and of its optimizer update."""
@@ -389,12 +414,13 @@ class PipelineTrainer:
                 def f(p: Any) -> jax.Array:
                     y = self.chunk_forward(s, 0, p, h)
                     return self.loss_fn(p, y, t) if last else jnp.sum(y.astype(jnp.float32))
-                return jax.grad(f)(p)
+                spread = self.prepare[s].spread if self.prepare[s] is not None else None
+                return jax.grad(f)(spread(p) if spread else p)  # per replica, as the engine's backward
 
             h = x if s == 0 else place_tree(np.zeros(self.act_shape, np.float32).astype(self.act_dtype),
                                             self.act_shardings[s])
             texts.append(jax.jit(chunk_grad).lower(piece, h, tgt).compile().as_text())
-            grads = jax.device_put(jax.tree.map(jnp.zeros_like, params[s]), self.grad_shardings[s])
+            grads = self.engine_grads_shape(params[s], s)
             texts.append(self.update_programs[s].lower(params[s], states[s], grads).compile().as_text())
         return texts
 

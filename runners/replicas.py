@@ -1,0 +1,95 @@
+"""One data-parallel gradient reduction per step in the MPMD pipeline (gradients summed per replica).
+
+A pipeline stage runs its backward once per microbatch, as its own program
+(runners.pipeline). Differentiating parameters that are replicated over the
+``data`` axis makes XLA all-reduce their gradients inside every backward
+program: ``m`` reductions per step, where the plan, and testbed's simulator
+(testbed.program), reduce once after the stage's last backward.
+
+Here each stage's parameters are *spread*: one copy per data replica, on a
+new leading axis sharded over ``data``, so every device holds its own
+replica and the spread moves nothing. The chunk runs ``vmap``-ed over that
+axis, each replica on its slice of the microbatch, and the engine
+(:class:`runners.pipeline.Prepare`) hands back gradients per replica, which
+it accumulates where they are. The stage's update sums the replica axis
+once: an all-reduce (or a reduce-scatter into a ZeRO-1 layout) per step.
+
+Only for gradients not sharded over ``data`` (ZeRO 0 and 1). ZeRO-2/3 keep
+sharded gradients, so each microbatch's gradients are reduce-scattered as
+they come (what DeepSpeed does too); :func:`replicas` is 1 for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from testbed.plan import Plan
+from testbed.sharding import state_sharding
+
+__all__ = ["replicas", "Spread", "per_replica_forward", "per_replica_loss", "sum_replicas"]
+
+#: The mesh axis the replicas run over.
+AXIS = "data"
+
+
+def replicas(plan: Plan) -> int:
+    """Data replicas whose gradients a pipeline stage keeps apart until the step's end (1: reduce as they come)."""
+    if plan.mesh.data <= 1 or AXIS in state_sharding(plan).split_axes(plan, "grads"):
+        return 1
+    return plan.mesh.data
+
+
+class Spread:
+    """``params -> [R, ...]`` copies on a leading axis over ``data`` (each device keeps its own; no transfer).
+
+    Built from a stage's parameter shardings (a list with one tree per
+    chunk); called on one chunk's parameters, found by their tree structure.
+    Identity-compared, so one instance per stage is one static argument of
+    the engine's programs.
+    """
+
+    def __init__(self, mesh: Any, param_shardings: list[Any], count: int):
+        self.count = count
+        #: The stage's gradients per replica (the engine's output, the update's input).
+        self.shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(AXIS, *sh.spec)), param_shardings)
+        self._by_structure = {jax.tree.structure(chunk): chunk for chunk in self.shardings}
+
+    def __call__(self, params: Any) -> Any:
+        def spread(a: jax.Array, sh: NamedSharding) -> jax.Array:
+            return jax.lax.with_sharding_constraint(jnp.broadcast_to(a, (self.count, *a.shape)), sh)
+        return jax.tree.map(spread, params, self._by_structure[jax.tree.structure(params)])
+
+
+def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
+    """``[mb, ...] -> [R, mb / R, ...]``: replica ``r`` takes the rows its data coordinate holds."""
+    rest = tuple(a for a in ("fsdp",) if a in mesh.axis_names) or None
+    xs = x.reshape(count, x.shape[0] // count, *x.shape[1:])
+    return jax.lax.with_sharding_constraint(xs, NamedSharding(mesh, P(AXIS, rest)))
+
+
+def per_replica_forward(forward: Callable[[int, int, Any, jax.Array], jax.Array], count: int,
+                        meshes: list[Any]) -> Callable[[int, int, Any, jax.Array], jax.Array]:
+    """``forward(stage, chunk, params, x)`` on spread params: each replica on its part of the batch."""
+    def run(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
+        xs = _split(x, count, meshes[stage])
+        ys = jax.vmap(lambda p, h: forward(stage, chunk, p, h))(params, xs)
+        return ys.reshape(x.shape[0], *ys.shape[2:])
+    return run
+
+
+def per_replica_loss(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
+                     ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    """``loss(params, y, targets)`` on spread params: the mean of the replicas' equal-sized losses."""
+    def run(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+        return jnp.mean(jax.vmap(loss)(params, _split(y, count, mesh), _split(targets, count, mesh)))
+    return run
+
+
+def sum_replicas(grads: Any) -> Any:
+    """The per-replica gradients' sum: the step's one data-parallel reduction (inside a jitted update)."""
+    return jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
