@@ -13,6 +13,8 @@ axis, each replica on its slice of the microbatch, and the engine
 (:class:`runners.pipeline.Prepare`) hands back gradients per replica, which
 it accumulates where they are. The stage's update sums the replica axis
 once: an all-reduce (or a reduce-scatter into a ZeRO-1 layout) per step.
+The SPMD step's gradient accumulation (runners.step) uses the same spread
+inside its microbatch loop and sums the replicas after the loop.
 
 Only for gradients not sharded over ``data`` (ZeRO 0 and 1). ZeRO-2/3 keep
 sharded gradients, so each microbatch's gradients are reduce-scattered as

@@ -108,15 +108,33 @@ def _loss_fn(plan: Plan):
 
 
 def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
-                 grad_shardings: Any | None) -> tuple[jax.Array, Any]:
-    """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``)."""
+                 grad_shardings: Any | None, spread: Spread | None = None) -> tuple[jax.Array, Any]:
+    """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``).
+
+    With ``spread`` (data replicas, runners.replicas) the loop accumulates
+    each replica's gradients where they are and sums the replicas once after
+    it: one data-parallel reduction per step, not one per microbatch.
+    """
     value_and_grad = jax.value_and_grad(_loss_fn(plan))
     if tokens.shape[0] == 1:
         return value_and_grad(params, tokens[0], targets[0])
+    if spread is not None:
+        mesh = jax.tree.leaves(spread.shardings)[0].mesh
+        per_replica = jax.value_and_grad(per_replica_loss(_loss_fn(plan), spread.count, mesh))
+        spread_params = spread(params)
+        total, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
+                                 spread.shardings[0])
+        return total, sum_replicas(grads)
+    return _scan_sum(lambda xs: value_and_grad(params, *xs), params, tokens, targets, grad_shardings)
+
+
+def _scan_sum(value_and_grad: Any, params: Any, tokens: jax.Array, targets: jax.Array,
+              grad_shardings: Any | None) -> tuple[jax.Array, Any]:
+    """Mean of ``value_and_grad((tokens[i], targets[i]))`` over the leading (microbatch) axis."""
 
     def body(carry: tuple, xs: tuple) -> tuple:
         total, grads = carry
-        loss, g = value_and_grad(params, *xs)
+        loss, g = value_and_grad(xs)
         grads = jax.tree.map(jnp.add, grads, g)
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -144,9 +162,11 @@ class SpmdTrainer:
                                              layout.shardings(mesh, "moments"), replicated)
         self.batch_sharding = NamedSharding(mesh, batch_spec(3, leading=1))
         tx, grad_sh = self.tx, self.grad_shardings
+        count = replicas(plan)
+        spread = Spread(mesh, [self.param_shardings], count) if count > 1 else None
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
-            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh)
+            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
             updates, opt_state = tx.update(grads, opt_state, params)
             out = (optax.apply_updates(params, updates), opt_state, loss)

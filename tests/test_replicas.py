@@ -1,11 +1,13 @@
-"""MPMD pipeline: the data-parallel gradient reduction runs once per step, not once per microbatch.
+"""The data-parallel gradient reduction runs once per step, not once per microbatch (ZeRO 0/1).
 
 The plan and testbed's simulator reduce a stage's gradients after its last
-backward; the runner's backward programs keep per-replica gradients and the
-stage's update sums them (runners.replicas). These tests check the programs
-themselves (no all-reduce in any backward, one in the update) and that the
-result still equals the single-device reference, for unsplit, split (ZB)
-and interleaved schedules, fp32 and bf16, with a tensor axis inside.
+backward. The MPMD pipeline's backward programs keep per-replica gradients
+and the stage's update sums them; the SPMD step's microbatch loop does the
+same and sums after the loop (runners.replicas). These tests check the
+programs themselves (no gradient all-reduce in any backward or loop body,
+one after) for unsplit, split (ZB) and interleaved schedules, fp32 and bf16,
+with a tensor axis inside, and that the result still equals the
+single-device reference.
 """
 
 from __future__ import annotations
@@ -84,3 +86,27 @@ def test_sharded_gradients_reduce_per_microbatch() -> None:
     """ZeRO-2/3 accumulate sharded gradients, so each microbatch's are reduce-scattered as they come."""
     assert replicas(_plan(zero=2)) == 1 and replicas(_plan(zero=3)) == 1
     assert replicas(_plan(data=1)) == 1 and replicas(_plan(data=2, fsdp=2, zero=1)) == 2
+
+
+def _non_entry_gradient_reductions(text: str) -> int:
+    """All-reduces / reduce-scatters of more than a scalar outside the entry computation (in loop bodies)."""
+    count = 0
+    for computation in text.split("\n\n"):
+        if computation.lstrip().startswith("ENTRY"):
+            continue
+        for line in computation.splitlines():
+            for op in ("all-reduce", "reduce-scatter"):
+                if f" {op}(" in line or f" {op}-start(" in line:
+                    count += not line.split("=", 1)[1].strip().startswith("f32[] ")
+    return count
+
+
+@pytest.mark.parametrize("zero, inside", [(0, 0), (1, 0), (2, 1)])
+def test_spmd_accumulation_reduces_once_unless_gradients_are_sharded(zero: int, inside: int) -> None:
+    """The SPMD step's microbatch loop keeps per-replica gradients (ZeRO 0/1); ZeRO-2 reduces in the loop."""
+    plan = Plan(model=MODEL, batch=BatchSpec(global_batch=48, microbatches=2), mesh=MeshSpec(data=4), zero=zero,
+                name="accumulate")
+    trainer = build_trainer(plan, dev.select_devices(4))
+    (text,) = trainer.compiled_texts(trainer.init())
+    assert _non_entry_gradient_reductions(text) == inside
+    assert _count(text, "all-reduce") + _count(text, "reduce-scatter") >= 1
