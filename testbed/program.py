@@ -36,8 +36,12 @@ pieces, and each piece's gradients start reducing at once, overlapping the
 rest of the backward pass. The reduction is an all-reduce over the replicas
 (data x fsdp) when nothing is sharded, a reduce-scatter over them when ``O``
 spans all replicas, and a reduce-scatter over fsdp then an all-reduce over
-data otherwise (HSDP). After the optimizer, parameters sharded in ``O`` but
-not in ``P`` are all-gathered over the data axis.
+data otherwise (HSDP). Gradients sharded over an axis (fsdp; data when
+zero >= 2) accumulate sharded, so each earlier microbatch's last backward
+action also reduce-scatters the chunk's gradients over those axes (as the
+runner and DeepSpeed do); over the axes they are replicated on, gradients
+are reduced once per step. After the optimizer, parameters sharded in ``O``
+but not in ``P`` are all-gathered over the data axis.
 """
 
 from __future__ import annotations
@@ -184,6 +188,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     sharding = state_sharding(plan)
     p_groups = axis_groups(placement, list(sharding.params))
     p_ways = sharding.ways(plan, "params")
+    g_groups = axis_groups(placement, list(sharding.grads))
+    g_ways = sharding.ways(plan, "grads")
     o_ways = sharding.ways(plan, "optimizer")
     costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate.
@@ -223,11 +229,13 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                               group=_rep_group(p_groups[s], rep), instances=p_groups[s]))
         flops, hbm, tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
         kernels = max(1, 4 * cost.layers)
-        pieces = 1
+        pieces, scatter = 1, False
         if action.kind == last_bwd_kind:
             remaining_bwd[(s, action.chunk)] -= 1
             if remaining_bwd[(s, action.chunk)] == 0 and mesh.data * mesh.fsdp > 1:
                 pieces = min(BUCKETS, max(1, cost.layers))
+            # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
+            scatter = remaining_bwd[(s, action.chunk)] > 0 and g_ways > 1
         last = -1
         for k in range(pieces):
             last = b.add(name=label if pieces == 1 else f"{label}/{k}", device=rep, stream="compute",
@@ -238,6 +246,11 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                 # Bucket k holds 1/pieces of the chunk's gradients; reduce it while the backward continues.
                 reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, cost.params / pieces * grad_b,
                                                f"{label}/{k}", replicas, data_groups, fsdp_groups, o_ways))
+        if scatter:
+            reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
+                                         kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
+                                         nbytes=cost.params * grad_b, group=_rep_group(g_groups[s], rep),
+                                         instances=g_groups[s]))
         if tp and mesh.tensor > 1:
             last = b.add(name=f"tp {label}", device=rep, stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,),
                          op="all_reduce", nbytes=cost.tensor_allreduce_bytes, count=tp,

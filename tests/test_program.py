@@ -14,6 +14,7 @@ from testbed.placement import place
 from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, TaskKind, axis_groups, build_program
 from testbed.schedules import build_schedule, sends
+from testbed.sharding import state_sharding
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
 
@@ -57,7 +58,8 @@ def test_compute_flops_are_conserved(plan):
 
 @given(plans)
 def test_gradient_bytes_are_conserved(plan):
-    """The first reduction of every bucket sums to the stage's gradients (once per step)."""
+    """The first reduction of every bucket sums to the stage's gradients (once per step, plus once per
+    earlier microbatch for gradients sharded over fsdp or ZeRO-2/3)."""
     _, program = _program(plan)
     _, grad_b, _ = state_bytes_per_param(plan)
     for s, rep in enumerate(program.representatives):
@@ -66,6 +68,14 @@ def test_gradient_bytes_are_conserved(plan):
             assert grad == []
             continue
         firsts = [t for t in grad if not any(program.tasks[d].stream == "grad" for d in t.deps)]
+        # Sharded gradients: each earlier microbatch's are reduce-scattered into the accumulator.
+        accumulate = [t for t in firsts if t.name.endswith("(accumulate)")]
+        firsts = [t for t in firsts if t not in accumulate]
+        sharded = state_sharding(plan).ways(plan, "grads") > 1
+        assert len(accumulate) == (plan.schedule.virtual_stages * (plan.batch.microbatches - 1) if sharded else 0)
+        assert math.isclose(sum(t.nbytes for t in accumulate),
+                            sharded * (plan.batch.microbatches - 1) * model.device_stage_params(plan, s) * grad_b,
+                            rel_tol=1e-9)
         assert math.isclose(sum(t.nbytes for t in firsts), model.device_stage_params(plan, s) * grad_b, rel_tol=1e-9)
         assert all(int(program.representative[d]) == rep for t in firsts for d in t.group)
         assert len(firsts) == plan.schedule.virtual_stages * min(BUCKETS, plan.model.layers // (
