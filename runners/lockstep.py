@@ -75,8 +75,8 @@ def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray
             if mine[stage]:
                 seed = jnp.full((), 1.0 / m, jnp.float32)
                 cotangent = jax.device_put(seed, losses[0].sharding) if g == last else cot.pop((g, mb))
-                dparams, *rest = pipeline._pull(trainer.prepare[stage], stored.pop((g, mb)), chunk_params, cotangent)
-                grads[g] = dparams if g not in grads else pipeline._add(grads[g], dparams)
+                grads[g], *rest = pipeline._pull(trainer.prepare[stage], stored.pop((g, mb)), chunk_params, cotangent,
+                                                 grads.get(g))
                 dx = rest[0] if rest else None
             if g > 0:
                 dx = move(dx, g, g - 1)

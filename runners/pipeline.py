@@ -77,11 +77,6 @@ def _as_prepare(prepare: Prepare | Callable[[Any], Any] | None) -> Prepare:
     return prepare if isinstance(prepare, Prepare) else Prepare(cast=prepare)
 
 
-@jax.jit
-def _add(a: Any, b: Any) -> Any:
-    return jax.tree.map(jnp.add, a, b)
-
-
 @jax.tree_util.register_pytree_node_class
 class Stored:
     """What a forward keeps for its backward: the pullback without the chunk's parameters.
@@ -154,10 +149,20 @@ def _backward(prepare: Prepare | None, stored: Stored, params: Any, cotangent: A
     return ((back(out[0])[0] if weights else None), *out[1:])
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _pull(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any) -> Any:
-    """Full backward: (param grads,) for the first chunk, else (param grads, input grad)."""
-    return _backward(prepare, stored, params, cotangent)
+def _accumulate(acc: Any, grads: Any) -> Any:
+    return grads if acc is None else jax.tree.map(jnp.add, acc, grads)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _pull(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, acc: Any = None) -> Any:
+    """Full backward: (param grads,) for the first chunk, else (param grads, input grad).
+
+    ``acc`` (donated: updated in place) holds the chunk's gradients of the
+    earlier microbatches; the returned gradients include them, so
+    accumulating costs no program and no second gradient buffer.
+    """
+    grads, *rest = _backward(prepare, stored, params, cotangent)
+    return (_accumulate(acc, grads), *rest)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -166,10 +171,10 @@ def _pull_input(prepare: Prepare | None, stored: Stored, params: Any, cotangent:
     return _backward(prepare, stored, params, cotangent, weights=False)[1]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _pull_weight(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any) -> Any:
-    """W of a split backward: the parameter gradient only."""
-    return _backward(prepare, stored, params, cotangent)[0]
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
+def _pull_weight(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, acc: Any = None) -> Any:
+    """W of a split backward: the parameter gradient only, added to ``acc`` (donated) as in :func:`_pull`."""
+    return _accumulate(acc, _backward(prepare, stored, params, cotangent)[0])
 
 
 def _nan_like(shape: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
@@ -290,14 +295,13 @@ class MpmdEngine:
                     dx = _pull_input(prep, pullbacks[(g, mb)], params_g, cotangent) if g > 0 else None
                     kept[(g, mb)] = cotangent
                 else:
-                    dparams, *dx = _pull(prep, pullbacks.pop((g, mb)), params_g, cotangent)
+                    grads[g], *dx = _pull(prep, pullbacks.pop((g, mb)), params_g, cotangent, grads.get(g))
                     dx = dx[0] if dx else None
-                    grads[g] = dparams if g not in grads else _add(grads[g], dparams)
                 if g > 0:
                     cot[(g - 1, mb)] = put(dx, self.shardings[sch.locate(g - 1)[0]])
                 continue
-            dparams = _pull_weight(self._prepare[stage], pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)))
-            grads[g] = dparams if g not in grads else _add(grads[g], dparams)
+            grads[g] = _pull_weight(self._prepare[stage], pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)),
+                                    grads.get(g))
         loss = sum(losses[1:], losses[0]) / m
         out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] for s in range(sch.stages)]
         return loss, out

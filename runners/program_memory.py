@@ -16,8 +16,9 @@ stage, from the compiled programs of each of its chunks:
   jitted forward copies what its pullback needs (inputs and weights
   included) into its outputs, so this is all the pullback holds;
 - *workspace*: the program running at that instant, its temporaries plus
-  the outputs it writes (the forward's activation, the backward's gradients,
-  the gradient accumulation).
+  the outputs it writes (the forward's activation, the backward's input
+  gradient; its parameter gradients are added in place into the
+  accumulated ones, a donated argument, except on the first microbatch).
 
 Walking the stage's row of the schedule table gives the peak of residuals
 held plus the running program (:func:`stage_peak`); the optimizer update is a
@@ -26,7 +27,7 @@ where the update first moves them into the ZeRO layout). Small buffers are
 left out: microbatch tokens and targets, cotangents waiting in receive slots.
 
 The programs analysed are the engine's own (``runners.pipeline``'s jitted
-``_forward``, ``_pull``, ``_pull_input``, ``_pull_weight``, ``_add``), lowered
+``_forward``, ``_pull``, ``_pull_input``, ``_pull_weight``), lowered
 with the stage's parameters and abstract microbatches: compiled, never run.
 """
 
@@ -169,19 +170,22 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             work[("F", c)] = int(stats.temp_size_in_bytes) + device_bytes(y)
             # The output cotangent arrives on this stage's activation sharding (the loss seed: like the loss).
             cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
+            prep = trainer.prepare[s]
             if sch.split_backward:
-                backward = pipeline._pull_weight.lower(trainer.prepare[s], pullback, params[s][c], cot).compile()
-                dparams.append(abstract_outputs(backward))
+                first = pipeline._pull_weight.lower(prep, pullback, params[s][c], cot).compile()
+                dparams.append(abstract_outputs(first))
+                backward = pipeline._pull_weight.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
                 kept.append(device_bytes(cot))
                 if g > 0:  # the engine skips B's input gradient on the first chunk
-                    work[("B", c)] = _transient(pipeline._pull_input.lower(trainer.prepare[s], pullback, params[s][c], cot).compile())
+                    work[("B", c)] = _transient(pipeline._pull_input.lower(prep, pullback, params[s][c], cot).compile())
             else:
-                backward = pipeline._pull.lower(trainer.prepare[s], pullback, params[s][c], cot).compile()
-                dparams.append(abstract_outputs(backward)[0])
-            # Accumulation: this microbatch's gradients and the new sum beside the accumulated ones (state).
-            add = pipeline._add.lower(dparams[c], dparams[c]).compile()
+                first = pipeline._pull.lower(prep, pullback, params[s][c], cot).compile()
+                dparams.append(abstract_outputs(first)[0])
+                backward = pipeline._pull.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
+            # A later microbatch's backward adds into the accumulated gradients (state) in place; the
+            # first writes them: its output is not in the state yet when it runs.
             work[("W" if sch.split_backward else "B", c)] = max(
-                _transient(backward), (program_bytes(add) or 0) - device_bytes(dparams[c]))
+                _transient(backward), _transient(first) - device_bytes(dparams[c]))
         grads = device_bytes(dparams)
         zero = trainer.engine_grads_shape(params[s], s)
         # The update first moves the gradients into its input layout: a copy where the layouts differ.
