@@ -142,7 +142,12 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         fits.append(coll_fit)
     topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
                                    host_cores=cores, collectives=collectives, name=name)
-    controller = cal_steps.fit_controller(samples)
+    buffers = cal_steps.fit_controller_buffers(samples)
+    buffer_s = 0.0
+    if buffers is not None:
+        buffer_s, buffer_fit = buffers
+        fits.append(buffer_fit)
+    controller = cal_steps.fit_controller(samples, buffer_s)
     controller_step_s = controller_s = 0.0
     if controller is not None:
         controller_step_s, controller_s, controller_fit = controller
@@ -152,17 +157,18 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
     if steps is not None:
         efficiency, half, scales, step_fit = steps
         fits.append(step_fit)
-    if steps is not None or controller is not None:
+    if steps is not None or controller is not None or buffer_s:
         topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw,
                                        launch_s=launch, host_cores=cores, collectives=collectives, name=name,
                                        efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
-                                       controller_step_s=controller_step_s)
+                                       controller_step_s=controller_step_s, controller_buffer_s=buffer_s)
     c = topo.calibration
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
         "memory_efficiency": c.memory_efficiency, "launch_overhead_s": c.launch_overhead_s,
         "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
         "controller_overhead_s": c.controller_overhead_s, "controller_step_s": c.controller_step_s,
+        "controller_buffer_s": c.controller_buffer_s,
         "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
         "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
         "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},
@@ -288,6 +294,8 @@ def _render_calibration(console: Any, data: dict[str, Any]) -> None:
     if f.get("controller_overhead_s"):
         table.add_row("controller_overhead_s", f"{format_time(f['controller_overhead_s'])} per dispatched program")
         table.add_row("controller_step_s", f"{format_time(f.get('controller_step_s', 0.0))} per step")
+    if f.get("controller_buffer_s"):
+        table.add_row("controller_buffer_s", f"{format_time(f['controller_buffer_s'])} per device buffer dispatched")
     for name, level in f["levels"].items():
         table.add_row(f"level {name}", f"{format_bandwidth(level['bandwidth'])}, {format_time(level['latency'])}/hop")
     console.print(table)
@@ -382,11 +390,12 @@ def _validate(args: argparse.Namespace) -> CommandResult:
     rows = []
     for path, plan in zip(args.plans, plans):
         report = simulate(plan, topology).report
+        programs, buffers = cal_steps.controller_load(plan)
         rows.append({"plan": plan.name, "file": str(path), "predicted_s": report.step_time_s,
                      "predicted_memory": float(report.memory["total"]),
                      # The controller: CPU seconds the dispatching thread spends per step, as modelled and measured.
-                     "predicted_controller_s": c.controller_step_s
-                     + cal_steps.controller_programs(plan) * c.controller_overhead_s,
+                     "predicted_controller_s": c.controller_step_s + programs * c.controller_overhead_s
+                     + buffers * c.controller_buffer_s,
                      "round_medians_s": [], "step_times_s": [], "controller_s": []})
     with _progress() as progress:
         task = progress.add_task("", total=len(plans) * args.rounds + 1)

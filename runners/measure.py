@@ -83,7 +83,9 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         streams = [1 << 24, 1 << 27] if quick else [1 << 20, 1 << 23, 1 << 26, 1 << 28]
         messages = [1 << 16, 1 << 22, 1 << 26] if quick else [1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 27]
     dtypes = ["fp32", "bf16"]
-    out = [Benchmark(kind="dispatch", size=k) for k in sorted({1, max(1, num_devices // 2), num_devices})]
+    # Empty programs on 1, N/2, N devices, passing 1 or 32 arrays: launch cost and controller time per buffer.
+    out = [Benchmark(kind="dispatch", size=k, ranks=a) for k in sorted({1, max(1, num_devices // 2), num_devices})
+           for a in (1, DISPATCH_ARRAYS)]
     out += [Benchmark(kind="matmul", size=n, dtype=d) for d in dtypes for n in sizes]
     if num_devices > 1:
         # Emulated devices share the host's cores: how much slower is everyone at once.
@@ -139,13 +141,29 @@ def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> S
     return Sample(kind="concurrent", seconds=seconds, flops=3 * 2 * 2.0 * t * d * 4 * d, devices=k)
 
 
+#: Arrays the larger dispatch benchmark passes (and gets back).
+DISPATCH_ARRAYS = 32
+
+
 def _dispatch(bench: Benchmark, devices: Sequence[Any]) -> Sample:
-    """An almost empty program on ``bench.size`` devices (a pipeline stage's programs span several)."""
-    k = max(1, bench.size)
+    """An almost empty program on ``bench.size`` devices taking and returning ``bench.ranks`` arrays.
+
+    ``seconds``: the blocked call (launch cost); ``host_s``: the controller
+    thread's CPU time to dispatch it, which grows with the device buffers
+    passed (arrays in + out, times devices; testbed.dispatch).
+    """
+    k, arrays = max(1, bench.size), max(1, bench.ranks)
     mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices[:k]))
-    x = jax.device_put(jnp.ones((8 * k,), jnp.float32), jax.NamedSharding(mesh, jax.P("d")))
-    fn = jax.jit(lambda v: v + 1)
-    return Sample(kind="dispatch", seconds=time_call(lambda: fn(x), repeats=50, budget_s=0.5), devices=k)
+    xs = [jax.device_put(jnp.ones((8 * k,), jnp.float32), jax.NamedSharding(mesh, jax.P("d"))) for _ in range(arrays)]
+    fn = jax.jit(lambda *v: [a + 1 for a in v])
+    seconds = time_call(lambda: fn(*xs), repeats=50, budget_s=0.5)
+    host = []
+    for _ in range(30):
+        start = time.thread_time()
+        out = fn(*xs)
+        host.append(time.thread_time() - start)
+        jax.block_until_ready(out)
+    return Sample(kind="dispatch", seconds=seconds, devices=k, ranks=arrays, host_s=statistics.median(host))
 
 
 def _step(bench: Benchmark, devices: Sequence[Any]) -> Sample:

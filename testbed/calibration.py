@@ -55,9 +55,11 @@ class Sample:
     devices: how many devices ran it at once (``concurrent``: 1, or all of them).
     op / ranks: the collective and its group size (consecutive device ids);
         for a ``step`` or ``pipeline`` (one training step of a plan) ``op``
-        names the plan (testbed.calibration_steps).
+        names the plan (testbed.calibration_steps); for a ``dispatch``,
+        ``ranks`` is the arrays the program takes (and returns).
     host_s: CPU seconds the controller thread spent dispatching one step
-        (``step`` and ``pipeline`` samples; 0 if not measured).
+        (``step`` and ``pipeline`` samples) or one program (``dispatch``);
+        0 if not measured.
     """
 
     kind: str
@@ -171,8 +173,8 @@ def _of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
 
 
 def fit_dispatch(samples: Sequence[Sample]) -> float:
-    """Per-program dispatch overhead: median of the empty-program samples (on 1, N/2, N devices; 0 if none)."""
-    times = [s.seconds for s in _of_kind(samples, "dispatch")]
+    """Per-program launch overhead: median of the one-array empty-program samples (on 1, N/2, N devices; 0 if none)."""
+    times = [s.seconds for s in _of_kind(samples, "dispatch") if s.ranks == 1]
     return float(np.median(times)) if times else 0.0
 
 
@@ -353,7 +355,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         launch_s: float, host_cores: float, collectives: CollectiveParams | None,
                         name: str | None = None, efficiency: float | None = None,
                         peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0,
-                        controller_step_s: float = 0.0) -> Topology:
+                        controller_step_s: float = 0.0, controller_buffer_s: float = 0.0) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
     Peaks: the matmul rate's fraction of the base device's peak (median over
@@ -364,7 +366,9 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     likewise. Dtypes not measured keep their base peak; ``peak_scales``
     (from the training steps) multiply a dtype's peak last. ``controller_s``
     and ``controller_step_s`` are the controller's CPU time per dispatched
-    program and per step (:func:`testbed.calibration_steps.fit_controller`).
+    program and per step (:func:`testbed.calibration_steps.fit_controller`),
+    ``controller_buffer_s`` per device buffer a program passes
+    (:func:`testbed.calibration_steps.fit_controller_buffers`).
 
     Shared host throughput ``host_cores = r`` (e.g. 1.5 cores' worth) is
     written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
@@ -388,7 +392,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     calibration = Calibration(
         compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
         launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
-        host_cores=cores, controller_overhead_s=controller_s, controller_step_s=controller_step_s)
+        host_cores=cores, controller_overhead_s=controller_s, controller_step_s=controller_step_s,
+        controller_buffer_s=controller_buffer_s)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
     if collectives is not None:

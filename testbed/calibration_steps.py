@@ -8,11 +8,15 @@ calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
 - ``step`` samples, data parallel: :func:`fit_step_compute` refits
   ``compute_efficiency`` and ``efficiency_half_flops`` (and per-dtype peak
   scales) so that the simulator's compute tasks reproduce the measured steps;
+- ``dispatch`` samples, empty programs passing 1 or 32 arrays on 1 to N
+  devices: :func:`fit_controller_buffers` fits the controller thread's CPU
+  time per device buffer (``controller_buffer_s``; testbed.dispatch counts
+  the buffers of the runner's programs);
 - ``pipeline`` samples, two pipeline stages run as per-action programs
   (MPMD) with two microbatch counts: :func:`fit_controller` fits the CPU time
-  the controller thread spent per step as a line in the programs the
-  simulator's controller dispatches (testbed.program): the slope is
-  ``controller_overhead_s``, the intercept ``controller_step_s``.
+  the controller thread spent per step, less its buffers' part, as a line in
+  the programs the simulator's controller dispatches (testbed.program): the
+  slope is ``controller_overhead_s``, the intercept ``controller_step_s``.
 
 Pure: plans in, numbers out (the simulator is imported lazily).
 """
@@ -30,7 +34,7 @@ from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.topology import Topology
 
 __all__ = ["STEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "pipeline_plan", "fit_step_compute",
-           "controller_programs", "fit_controller"]
+           "controller_programs", "controller_load", "fit_controller_buffers", "fit_controller"]
 
 
 def _of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
@@ -154,35 +158,65 @@ def pipeline_plan(name: str, devices: int = 2) -> Plan:
 
 def controller_programs(plan: Plan) -> int:
     """Programs the single controller dispatches in one step of ``plan`` (testbed.program's host tasks)."""
+    return controller_load(plan)[0]
+
+
+def controller_load(plan: Plan) -> tuple[int, int]:
+    """(programs, device buffers) the single controller dispatches in one step of ``plan``."""
     from testbed.placement import place
     from testbed.program import TaskKind, build_program
 
     program = build_program(plan, place(plan, num_devices=plan.mesh.size), controller=True)
-    return sum(t.count for t in program.tasks if t.kind is TaskKind.HOST)
+    host = [t for t in program.tasks if t.kind is TaskKind.HOST]
+    return sum(t.count for t in host), sum(t.buffers for t in host)
 
 
-def fit_controller(samples: Sequence[Sample]) -> tuple[float, float, Fit] | None:
+def fit_controller_buffers(samples: Sequence[Sample]) -> tuple[float, Fit] | None:
+    """``controller_buffer_s``: the slope of the dispatch samples' controller time in device buffers.
+
+    A ``dispatch`` sample passes ``ranks`` arrays in and out on ``devices``
+    devices: ``2 * ranks * devices`` buffers. A non-negative line through
+    its ``host_s``; None without two distinct buffer counts.
+    """
+    rows = [s for s in _of_kind(samples, "dispatch") if s.host_s > 0]
+    buffers = np.array([2.0 * s.ranks * s.devices for s in rows])
+    if len(set(buffers.tolist())) < 2:
+        return None
+    host = np.array([s.host_s for s in rows])
+    line = fit_line(buffers, host, name="dispatch buffers")
+    per = max(0.0, line.values["slope"])
+    r2, residuals = fit_quality(line.values["intercept"] + per * buffers, host)
+    return per, Fit(name="dispatch buffers", values={"controller_buffer_s": per,
+                                                     "per_program_s": line.values["intercept"]},
+                    r2=r2, rel_residuals=residuals, samples=len(rows))
+
+
+def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0) -> tuple[float, float, Fit] | None:
     """``(controller_step_s, controller_overhead_s)``: the controller's CPU time per step and per program.
 
     Each ``pipeline`` sample measured the controller thread's time per step
-    (``host_s``); :func:`controller_programs` counts the programs its plan
-    dispatches. With two or more program counts, a non-negative line
-    ``host_s = step + programs * per_program``; with one, the ratio (and no
-    per-step part). Without pipeline samples (one device), the ``step``
-    samples' median controller time is all per step (an SPMD step is one
-    program). None when no sample measured the controller.
+    (``host_s``); :func:`controller_load` counts the programs its plan
+    dispatches and their device buffers, priced at ``buffer_s``
+    (:func:`fit_controller_buffers`) and taken off first. With two or more
+    program counts, a non-negative line ``host_s = step + programs *
+    per_program``; with one, the ratio (and no per-step part). Without
+    pipeline samples (one device), the ``step`` samples' median controller
+    time (less buffers) is all per step (an SPMD step is one program). None
+    when no sample measured the controller.
     """
     rows = [s for s in _of_kind(samples, "pipeline") if s.host_s > 0]
     if not rows:
-        steps = np.array([s.host_s for s in _of_kind(samples, "step") if s.host_s > 0])
+        steps = np.array([max(0.0, s.host_s - buffer_s * controller_load(step_plan(s.op, s.devices))[1])
+                          for s in _of_kind(samples, "step") if s.host_s > 0])
         if steps.size == 0:
             return None
         step = float(np.median(steps))
         r2, residuals = fit_quality(np.full(steps.size, step), steps)
         return step, 0.0, Fit(name="controller", values={"controller_step_s": step, "controller_overhead_s": 0.0},
                               r2=r2, rel_residuals=residuals, samples=int(steps.size))
-    programs = np.array([controller_programs(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
-    host = np.array([r.host_s for r in rows])
+    loads = np.array([controller_load(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
+    programs = loads[:, 0]
+    host = np.array([r.host_s for r in rows]) - buffer_s * loads[:, 1]
     if len(set(programs.tolist())) >= 2:
         line = fit_line(programs, host, name="controller")
         step, per = line.values["intercept"], line.values["slope"]

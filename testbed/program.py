@@ -52,7 +52,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from testbed import model
+from testbed import dispatch, model
 from testbed.memory import state_bytes_per_param
 from testbed.placement import Placement
 from testbed.plan import MESH_AXES, Axis, Plan, Remat
@@ -86,7 +86,8 @@ class Task:
     representative's ``group``; sends carry ``group = (src, dst)``.
     ``instances`` are all groups or pairs running the same task at once.
     ``pipeline`` marks F/B/W actions and their tensor all-reduces. Host tasks
-    are the controller's: a dispatch of ``count`` programs, or the step's
+    are the controller's: a dispatch of ``count`` programs passing
+    ``buffers`` device buffers in all (testbed.dispatch), or the step's
     preparation (``op="step"``, ``count=0``).
     """
 
@@ -104,6 +105,7 @@ class Task:
     group: tuple[int, ...] = ()
     instances: tuple[tuple[int, ...], ...] = ()
     pipeline: bool = False
+    buffers: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,14 +211,18 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     if controller:
         b.add(name="prepare step", device=host, stream="host", kind=TaskKind.HOST, op="step", count=0)
     if controller and p == 1:
-        previous[0] = b.add(name="dispatch step", device=host, stream="host", kind=TaskKind.HOST)
+        previous[0] = b.add(name="dispatch step", device=host, stream="host", kind=TaskKind.HOST,
+                            buffers=dispatch.spmd_step_buffers(plan))
     for s, action in order:
         rep, cost = reps[s], costs[s][action.chunk]
         label = action.label(v)
         deps: list[int] = [previous[s]] if s in previous else []
         if controller and p > 1:
+            n_sends = len(_sends(schedule, s, action, costs))
+            accumulated = remaining_bwd[(s, action.chunk)] < plan.batch.microbatches
             deps.append(b.add(name=f"dispatch {label}@{s}", device=host, stream="host", kind=TaskKind.HOST,
-                              count=1 + len(_sends(schedule, s, action, costs))))
+                              count=1 + n_sends, buffers=dispatch.action_buffers(
+                                  plan, s, action.chunk, action.kind, accumulated) + n_sends * dispatch.send_buffers(plan)))
         for ds, dep in dependencies(schedule, s, action):
             key = (ds, dep)
             if ds != s:
@@ -267,7 +273,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         shard = params / o_ways
         waits = list(reduce_tasks[s])
         if controller and p > 1:
-            waits.append(b.add(name=f"dispatch optimizer@{s}", device=host, stream="host", kind=TaskKind.HOST))
+            waits.append(b.add(name=f"dispatch optimizer@{s}", device=host, stream="host", kind=TaskKind.HOST,
+                               buffers=dispatch.update_buffers(plan, s)))
         opt = b.add(name="optimizer", device=rep, stream="compute", kind=TaskKind.COMPUTE,
                     deps=tuple(waits), flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
                     hbm_bytes=shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), kernels=1)

@@ -8,7 +8,8 @@ communication, the bytes it moves over each directed link:
   and ``eff(f) = compute_efficiency * f / (f + efficiency_half_flops)`` for a
   kernel of ``f`` FLOPs (the roofline of the calibrated device);
 - host (the controller): ``controller_step_s`` for the step's preparation,
-  ``count * controller_overhead_s`` for a dispatch;
+  ``count * controller_overhead_s + buffers * controller_buffer_s`` for a
+  dispatch (:func:`controller_seconds`);
 - collectives and sends: timed by testbed.collective_timing; their link
   loads are what every group running the task at once puts on the links the
   representative's own traffic crosses (its ring neighbours' routes, or the
@@ -38,9 +39,9 @@ from testbed.placement import place
 from testbed.plan import Plan
 from testbed.program import STREAMS, Program, Task, TaskKind, build_program
 from testbed.timeline import CATEGORIES, Report, Timeline
-from testbed.topology import Form, Topology
+from testbed.topology import Calibration, Form, Topology
 
-__all__ = ["Priced", "Simulation", "compute_seconds", "price", "run", "simulate", "report"]
+__all__ = ["Priced", "Simulation", "compute_seconds", "controller_seconds", "price", "run", "simulate", "report"]
 
 #: Fraction of a task's work below which it counts as finished (rounding of the fluid steps).
 _DONE = 1e-9
@@ -75,6 +76,13 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     if hbm_bytes > 0:
         t = max(t, hbm_bytes / (dev.memory_bandwidth * cal.memory_efficiency))
     return cal.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
+
+
+def controller_seconds(calibration: Calibration, task: Task) -> float:
+    """Controller time of a host task: the step's preparation, or a dispatch (per program and per device buffer)."""
+    if task.op == "step":
+        return calibration.controller_step_s
+    return task.count * calibration.controller_overhead_s + task.buffers * calibration.controller_buffer_s
 
 
 def _timing():
@@ -114,7 +122,7 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
     for task in program.tasks:
         if task.kind is TaskKind.HOST:
             cal = topology.calibration
-            durations.append(cal.controller_step_s if task.op == "step" else task.count * cal.controller_overhead_s)
+            durations.append(controller_seconds(cal, task))
             loads.append(None)
             continue
         if task.kind is TaskKind.COMPUTE:
@@ -397,7 +405,8 @@ def simulate(plan: Plan, topology: Topology) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
     cal = topology.calibration
     program = build_program(plan, place(plan, topology),
-                            controller=cal.controller_overhead_s > 0 or cal.controller_step_s > 0)
+                            controller=cal.controller_overhead_s > 0 or cal.controller_step_s > 0
+                            or cal.controller_buffer_s > 0)
     priced = price(program, topology, plan.precision.compute_dtype)
     timeline = run(program, priced, topology.calibration.host_cores)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

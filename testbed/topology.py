@@ -137,8 +137,10 @@ class Calibration:
     controller_overhead_s: host time the single controller spends per program
         it dispatches (one per pipeline action and its sends, testbed.program);
     controller_step_s: host time it spends once per step besides (making and
-        placing the batch, summing the loss). Both 0 leave the controller out
-        of the simulation.
+        placing the batch, summing the loss).
+    controller_buffer_s: host time per device buffer a dispatched program
+        takes or returns (arrays x devices, testbed.dispatch). All three 0
+        leave the controller out of the simulation.
     """
 
     compute_efficiency: float = 1.0
@@ -149,6 +151,7 @@ class Calibration:
     host_cores: int = 0
     controller_overhead_s: float = 0.0
     controller_step_s: float = 0.0
+    controller_buffer_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("compute_efficiency", "memory_efficiency"):
@@ -156,7 +159,7 @@ class Calibration:
             if not 0 < value <= 1.5:
                 raise InputError(f"must be in (0, 1.5], got {value}", field=f"calibration.{name}")
         for name in ("efficiency_half_flops", "launch_overhead_s", "collective_overhead_s", "controller_overhead_s",
-                     "controller_step_s"):
+                     "controller_step_s", "controller_buffer_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"must be non-negative, got {getattr(self, name)}", field=f"calibration.{name}")
         if self.host_cores < 0:

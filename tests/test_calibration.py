@@ -318,6 +318,38 @@ def test_fit_controller_recovers_the_cost_per_step_and_per_program():
     assert cal_steps.fit_controller([Sample(kind="step", op="cpu-s", seconds=0.05)]) is None
 
 
+def test_fit_controller_buffers_and_the_controller_without_them():
+    """The slope of dispatch samples in device buffers; the controller line fits what the buffers leave."""
+    per_buffer, per_program = 1e-6, 6e-5
+    dispatch = [Sample(kind="dispatch", seconds=2e-4, devices=d, ranks=a, host_s=per_program + per_buffer * 2 * a * d)
+                for d in (1, 4, 8) for a in (1, 32)]
+    fitted, fit = cal_steps.fit_controller_buffers(dispatch)
+    assert fitted == pytest.approx(per_buffer, rel=1e-6) and fit.values["per_program_s"] == pytest.approx(per_program)
+    assert cal_steps.fit_controller_buffers(dispatch[:1]) is None  # one buffer count: no slope
+    step, per = 3e-3, 2e-4
+
+    def sample(m: int) -> Sample:
+        programs, buffers = cal_steps.controller_load(cal_steps.pipeline_plan(f"cpu-s-m{m}", 8))
+        return Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=8, seconds=0.1,
+                      host_s=step + per * programs + per_buffer * buffers)
+
+    got_step, got_per, _ = cal_steps.fit_controller([sample(m) for m in cal_steps.PIPELINE_MICROBATCHES], per_buffer)
+    assert got_step == pytest.approx(step, rel=1e-6) and got_per == pytest.approx(per, rel=1e-6)
+
+
+def test_controller_buffers_grow_with_devices_and_layers_per_program():
+    """testbed.dispatch: an action's buffers scale with the stage's devices and its chunk's layers."""
+    from testbed import dispatch
+
+    small = cal_steps.pipeline_plan("cpu-s-m2", 4)     # 2 devices per stage, 1 layer per stage
+    wide = cal_steps.pipeline_plan("cpu-s-m2", 8)      # 4 devices per stage
+    assert dispatch.action_buffers(wide, 0, 0, "F", False) == 2 * dispatch.action_buffers(small, 0, 0, "F", False)
+    assert (dispatch.action_buffers(small, 1, 0, "B", True) - dispatch.action_buffers(small, 1, 0, "B", False)
+            == dispatch.chunk_param_arrays(small, 1, 0) * small.mesh.data)  # the accumulator, on each device
+    programs, buffers = cal_steps.controller_load(small)
+    assert programs == cal_steps.controller_programs(small) and buffers > programs
+
+
 def test_controller_programs_count_actions_sends_and_updates():
     # 1F1B on 2 stages, m microbatches: 2 * 2m actions, 2m sends, one update per stage.
     for m in (2, 8):

@@ -280,3 +280,26 @@ def test_one_shared_core_runs_all_work_back_to_back(controller):
     work = sum(d for t, d in zip(program.tasks, priced.durations) if t.kind in (TaskKind.COMPUTE, TaskKind.HOST))
     assert timeline.step_time_s == pytest.approx(work, rel=1e-9)
     assert simulate(plan, topo).report.step_time_s == pytest.approx(work, rel=1e-9)
+
+
+def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
+    from dataclasses import replace
+
+    from testbed import dispatch
+
+    plan = make_plan(data=2, stage=2, microbatches=2, layers=4)
+    base = _free_comm(4)
+    topo = replace(base, calibration=replace(base.calibration, controller_overhead_s=1e-4, controller_buffer_s=1e-6))
+    sim = simulate(plan, topo)
+    priced = price(sim.program, topo, "fp32")
+    host = [(t, d) for t, d in zip(sim.program.tasks, priced.durations) if t.kind is TaskKind.HOST]
+    first_forward = next((t, d) for t, d in host if t.name == "dispatch F0@0")
+    t, d = first_forward
+    assert t.buffers == dispatch.action_buffers(plan, 0, 0, "F", False) + dispatch.send_buffers(plan)
+    assert d == pytest.approx(t.count * 1e-4 + t.buffers * 1e-6)
+    # A later microbatch's backward also passes the accumulated gradients.
+    b0, b1 = (next(t for t, _ in host if t.name == f"dispatch B{m}@1") for m in (0, 1))
+    assert b1.buffers - b0.buffers == dispatch.chunk_param_arrays(plan, 1, 0) * plan.mesh.data  # per device
+    # Buffers alone switch the controller on.
+    only = replace(base, calibration=replace(base.calibration, controller_buffer_s=1e-6))
+    assert any(t.kind is TaskKind.HOST for t in simulate(plan, only).program.tasks)

@@ -1,0 +1,58 @@
+"""testbed.dispatch's array counts equal what the runner's programs take and return.
+
+The simulator prices the single controller per device buffer it dispatches
+(testbed.dispatch); the counts come from the runner's parameter layout and
+the residuals ``jax.vjp`` keeps, so they are checked here against the
+runner's own pytrees for every remat mode, first/middle/last chunks and
+tied embeddings.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from runners import devices as dev
+from runners import pipeline
+from runners.cli_run import build_trainer
+from testbed import dispatch
+from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan
+
+
+def _plan(remat: str, layers: int = 6, stage: int = 3, tied: bool = False) -> Plan:
+    return Plan(model=ModelSpec(layers=layers, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32,
+                                tied_embeddings=tied),
+                batch=BatchSpec(global_batch=6, microbatches=3), mesh=MeshSpec(stage=stage), remat=remat, name="d")
+
+
+@pytest.mark.parametrize("remat", ["none", "selective", "full"])
+def test_parameter_and_residual_arrays_match_the_runner(remat: str) -> None:
+    plan = _plan(remat)
+    trainer = build_trainer(plan, dev.select_devices(plan.mesh.size))
+    params, states = trainer.init()
+    sch, last = trainer.schedule, trainer.schedule.chunks - 1
+    for s in range(plan.mesh.stage):
+        sh = trainer.act_shardings[s]
+        ids = jax.ShapeDtypeStruct(trainer.act_shape[:2], jax.numpy.int32, sharding=sh)
+        x = ids if s == 0 else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh)
+        targets = ids if s == last else None
+        _, stored = jax.eval_shape(
+            lambda p, h, t, s=s: pipeline._forward(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, 0,
+                                                   s == 0, s == last, p, h, t), params[s][0], x, targets)
+        assert len(jax.tree.leaves(params[s][0])) == dispatch.chunk_param_arrays(plan, s, 0)
+        assert len(jax.tree.leaves(stored)) == dispatch.chunk_residual_arrays(plan, s, 0)
+        # The update takes parameters, optimizer state and gradients; returns parameters and state.
+        state = len(jax.tree.leaves(params[s])) + len(jax.tree.leaves(states[s]))
+        assert dispatch.update_buffers(plan, s) == (2 * state + len(jax.tree.leaves(params[s]))) * 1
+
+
+def test_tied_head_has_no_projection_and_spmd_step_counts_its_state() -> None:
+    tied = Plan(model=ModelSpec(layers=2, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32, tied_embeddings=True),
+                batch=BatchSpec(global_batch=4, microbatches=1), mesh=MeshSpec(data=2), name="t")
+    params = dispatch.chunk_param_arrays(tied, 0, 0)
+    assert params == 2 * dispatch.PARAM_ARRAYS_PER_LAYER + 2 + 2
+    trainer = build_trainer(tied, dev.select_devices(2))
+    p, o = trainer.init()
+    state = len(jax.tree.leaves(p)) + len(jax.tree.leaves(o))
+    assert len(jax.tree.leaves(p)) == params
+    assert dispatch.spmd_step_buffers(tied) == (2 * state + 3) * 2
