@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.plan import Plan
-from testbed.sharding import state_sharding
+from testbed.sharding import gradient_reduction
 
 __all__ = ["replicas", "Spread", "per_replica_forward", "per_replica_loss", "sum_replicas"]
 
@@ -40,10 +40,8 @@ AXIS = "data"
 
 
 def replicas(plan: Plan) -> int:
-    """Data replicas whose gradients a pipeline stage keeps apart until the step's end (1: reduce as they come)."""
-    if plan.mesh.data <= 1 or AXIS in state_sharding(plan).split_axes(plan, "grads"):
-        return 1
-    return plan.mesh.data
+    """Data replicas whose gradients are kept apart until the step's end (1: none, or reduced as they come)."""
+    return plan.mesh.data if AXIS in gradient_reduction(plan)[1] else 1
 
 
 class Spread:

@@ -57,7 +57,7 @@ from testbed.memory import state_bytes_per_param
 from testbed.placement import Placement
 from testbed.plan import MESH_AXES, Axis, Plan, Remat
 from testbed.schedules import Action, Schedule, build_schedule, dependencies
-from testbed.sharding import state_sharding
+from testbed.sharding import gradient_reduction, state_sharding
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
            "OPTIMIZER_FLOPS_PER_PARAM"]
@@ -190,8 +190,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     sharding = state_sharding(plan)
     p_groups = axis_groups(placement, list(sharding.params))
     p_ways = sharding.ways(plan, "params")
-    g_groups = axis_groups(placement, list(sharding.grads))
-    g_ways = sharding.ways(plan, "grads")
+    per_microbatch, _ = gradient_reduction(plan)  # reduced as each microbatch's gradients come (sharded)
+    g_groups = axis_groups(placement, [Axis(a) for a in per_microbatch])
     o_ways = sharding.ways(plan, "optimizer")
     costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate.
@@ -241,7 +241,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             if remaining_bwd[(s, action.chunk)] == 0 and mesh.data * mesh.fsdp > 1:
                 pieces = min(BUCKETS, max(1, cost.layers))
             # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
-            scatter = remaining_bwd[(s, action.chunk)] > 0 and g_ways > 1
+            scatter = remaining_bwd[(s, action.chunk)] > 0 and bool(per_microbatch)
         last = -1
         for k in range(pieces):
             last = b.add(name=label if pieces == 1 else f"{label}/{k}", device=rep, stream="compute",

@@ -3,7 +3,8 @@
 One decision read by the memory model, the simulator's task graph and the
 runner's shardings alike: the ``fsdp`` axis shards all three; ZeRO over the
 ``data`` axis adds the optimizer state (stage 1), the gradients (2) and the
-parameters (3).
+parameters (3). It also decides when gradients are reduced over each
+replica axis with several microbatches (:func:`gradient_reduction`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from testbed.plan import MESH_AXES, Axis, Plan
 
-__all__ = ["StateSharding", "state_sharding"]
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,3 +42,18 @@ def state_sharding(plan: Plan) -> StateSharding:
         return tuple(a for a in MESH_AXES if a in chosen)
 
     return StateSharding(params=axes(3), grads=axes(2), optimizer=axes(1))
+
+
+def gradient_reduction(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(axes reduced after every microbatch, axes reduced once per step) of the replica axes that split the batch.
+
+    Gradients sharded over an axis (fsdp; data when zero >= 2) accumulate
+    sharded, so every microbatch's are reduce-scattered over it as they
+    come. Over the replica axes they are replicated on (data when zero < 2)
+    each replica accumulates its own and the replicas are summed once per
+    step. testbed.program builds these reductions; runners.replicas and the
+    runner's shardings execute them.
+    """
+    sharded = state_sharding(plan).split_axes(plan, "grads")
+    replicated = tuple(a.value for a in (Axis.DATA, Axis.FSDP) if plan.mesh.degree(a) > 1 and a.value not in sharded)
+    return sharded, replicated

@@ -120,6 +120,20 @@ def test_state_sharding_follows_the_zero_paper(zero):
     assert s.split_axes(plan, "params") == (("data", "fsdp") if zero >= 3 else ("fsdp",))
 
 
+@pytest.mark.parametrize("mesh, zero, expect", [
+    ({"data": 2}, 0, ((), ("data",))),                        # replicas sum once per step
+    ({"data": 2}, 2, (("data",), ())),                        # sharded accumulator: per microbatch
+    ({"data": 2, "fsdp": 2}, 1, (("fsdp",), ("data",))),      # HSDP: fsdp as they come, data once
+    ({"data": 2, "fsdp": 2}, 3, (("data", "fsdp"), ())),
+    ({"tensor": 2, "stage": 2}, 0, ((), ())),                 # nothing splits the batch
+])
+def test_gradient_reduction_splits_replica_axes_by_sharding(mesh, zero, expect):
+    from testbed.sharding import gradient_reduction
+
+    plan = plan_from_dict(base(mesh=mesh, zero=zero, batch={"global_batch": 16, "microbatches": 2}))
+    assert gradient_reduction(plan) == expect
+
+
 def test_every_bundled_plan_loads_and_simulates_on_its_mesh():
     """plans/ (examples and both validation suites): valid YAML, a consistent plan, a finite simulated step."""
     import glob
