@@ -28,7 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runners.pipeline import MpmdEngine, spmd_gpipe, spmd_schedule  # noqa: E402
+from runners.pipeline import MpmdEngine  # noqa: E402
+from runners.pipeline_spmd import spmd_gpipe, spmd_schedule  # noqa: E402
 from testbed.schedule_timing import ActionCosts, play  # noqa: E402
 from testbed.schedules import build_schedule, schedule_names, validate  # noqa: E402
 

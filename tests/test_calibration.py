@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from runners.cli_calibrate import simulator_collective_time
 from testbed import calibration as cal
 from testbed import calibration_steps as cal_steps
+from testbed import dispatch
 from testbed.calibration import Sample
 from testbed.errors import InputError
+from testbed.plan_io import load_plan
 from testbed.topology import Topology
 from testbed.topology_io import dump_topology, load_topology, topology_from_dict
 
@@ -243,15 +245,18 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
     assert main(["validate", "--json", "--topology", "host-cpu-8", "--steps", "1", "--rounds", "2", *paths]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [p["plan"] for p in data["plans"]] == ["tiny-dp", "tiny-tp"] and data["rounds"] == 2
-    for row in data["plans"]:
+    for row, path in zip(data["plans"], paths):
         assert len(row["round_medians_s"]) == 2 and row["measured_s"] == min(row["round_medians_s"])
         assert len(row["step_times_s"]) == 2
         assert row["predicted_s"] > 0 and row["measured_s"] > 0
         assert row["error"] == pytest.approx((row["predicted_s"] - row["measured_s"]) / row["measured_s"])
         assert row["predicted_memory"] > 0
-        # One SPMD program per step: one dispatch predicted; the controller thread did measurable work.
+        # One SPMD program per step: one dispatch (and its device buffers) predicted; the controller
+        # thread did measurable work.
         c = load_topology("host-cpu-8").calibration
-        assert row["predicted_controller_s"] == pytest.approx(c.controller_step_s + c.controller_overhead_s)
+        buffers = dispatch.spmd_step_buffers(load_plan(path))
+        assert c.controller_buffer_s > 0 and row["predicted_controller_s"] == pytest.approx(
+            c.controller_step_s + c.controller_overhead_s + buffers * c.controller_buffer_s)
         assert row["measured_controller_s"] > 0
     ref = data["reference_step"]
     assert ref["plan"] == "cpu-m" and ref["measured_s"] > 0

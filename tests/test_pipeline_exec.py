@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runners import pipeline
-from runners.pipeline import MpmdEngine, run_schedule, spmd_gpipe, spmd_schedule
+from runners import pipeline, pipeline_spmd
+from runners.pipeline import MpmdEngine, run_schedule
+from runners.pipeline_spmd import spmd_gpipe, spmd_schedule
 from testbed.schedules import build_schedule
 
 D = 8          # feature width of the tiny MLP
@@ -184,7 +185,7 @@ def test_spmd_schedule_matches_reference(name: str) -> None:
 
 def test_spmd_schedule_early_read_is_nan(monkeypatch) -> None:
     """Stage 1 running F0 one tick before it arrives reads its NaN receive buffer."""
-    table = pipeline._tick_table
+    table = pipeline_spmd._tick_table
 
     def early(schedule):
         kinds, mbs = table(schedule)
@@ -193,7 +194,7 @@ def test_spmd_schedule_early_read_is_nan(monkeypatch) -> None:
         kinds[0, 1], kinds[1, 1] = 1, 0
         return kinds, mbs
 
-    monkeypatch.setattr(pipeline, "_tick_table", early)
+    monkeypatch.setattr(pipeline_spmd, "_tick_table", early)
     mesh, _, stacked, xs, ts, loss_fn = _spmd_case(2, 2)
     loss, _ = spmd_schedule(build_schedule("gpipe", 2, 2), _chunk, loss_fn, mesh)(stacked, np.stack(xs), np.stack(ts))
     assert np.isnan(float(loss))
