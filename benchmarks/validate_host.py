@@ -5,13 +5,15 @@ fresh process, as a user would): by default on 8 emulated CPU devices with
 every plan of ``plans/validation/``; with ``--devices local`` on this
 machine's accelerator with the single-device plans of
 ``plans/validation-1dev/`` (one GPU or TPU chip; pass plans whose mesh is the
-local device count for more). It
-and prints ONE JSON object: ``median_abs_error`` and ``max_abs_error`` of the
-predicted vs measured (median) step time (goal: <= 0.10 and <= 0.25), the
-same against each plan's fastest step (``*_fastest_step``: less disturbed by
-other processes on a shared host), the same for memory, per-plan rows, the fitted fields, the wall time of each phase and the
-host's load average (other processes on the host's cores distort both the
-calibration and the measured steps).
+local device count for more). It prints ONE JSON object:
+``median_abs_error`` and ``max_abs_error`` of the predicted vs measured
+(median) step time (goal: <= 0.10 and <= 0.25), the same against each plan's
+fastest step (``*_fastest_step``: less disturbed by other processes on a
+shared host), the same for memory, per-plan rows, the fitted fields,
+validate's reference step (the host's speed during validation against its
+calibration), the wall time of each phase and the host's load average (other
+processes on the host's cores distort both the calibration and the measured
+steps).
 
     python benchmarks/validate_host.py [--devices emulated:8|local] [--quick] [--topology FILE] [--steps S]
                                        [--rounds R] [--keep DIR] [PLAN ...]
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         "median_abs_memory_error": result.get("median_abs_memory_error"),
         "max_abs_memory_error": result.get("max_abs_memory_error"),
         "goal": {"median_abs_error": 0.10, "max_abs_error": 0.25},
+        # calibrate's own DP step timed during validate: speed > 1 means the host ran faster than when calibrated.
+        "reference_step": result.get("reference_step"),
         "plans": [{**{k: p.get(k) for k in ("plan", "predicted_s", "measured_s", "error", "predicted_memory",
                                             "measured_memory", "memory_error", "predicted_controller_s",
                                             "measured_controller_s")},
