@@ -367,7 +367,8 @@ def _validate(args: argparse.Namespace) -> CommandResult:
     from runners import devices as dev
     from testbed.plan import check_plan
     from testbed.plan_io import load_plan
-    from testbed.simulator import simulate
+    from testbed.program import TaskKind
+    from testbed.simulator import controller_seconds, simulate
     from testbed.topology_io import load_topology
 
     if args.steps < 1:
@@ -389,13 +390,14 @@ def _validate(args: argparse.Namespace) -> CommandResult:
     c = topology.calibration
     rows = []
     for path, plan in zip(args.plans, plans):
-        report = simulate(plan, topology).report
-        programs, buffers = cal_steps.controller_load(plan)
+        sim = simulate(plan, topology)
+        report = sim.report
         rows.append({"plan": plan.name, "file": str(path), "predicted_s": report.step_time_s,
                      "predicted_memory": float(report.memory["total"]),
-                     # The controller: CPU seconds the dispatching thread spends per step, as modelled and measured.
-                     "predicted_controller_s": c.controller_step_s + programs * c.controller_overhead_s
-                     + buffers * c.controller_buffer_s,
+                     # The controller: CPU seconds the dispatching thread spends per step, as the simulation
+                     # priced its host tasks, and as measured.
+                     "predicted_controller_s": sum(controller_seconds(c, t) for t in sim.program.tasks
+                                                   if t.kind is TaskKind.HOST),
                      "round_medians_s": [], "step_times_s": [], "controller_s": []})
     with _progress() as progress:
         task = progress.add_task("", total=len(plans) * args.rounds + 1)
