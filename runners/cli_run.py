@@ -12,11 +12,13 @@ verify's errors (documented in the JSON under ``errors`` and ``thresholds``):
   ``max|a - b| / max|b|`` over the whole gradient tree (a global norm: a
   zero-initialised bias can have an all-tiny gradient made of cancelling
   terms, where a per-leaf ratio measures only rounding);
-- parameters after the steps: ``max|a - b|`` in units of ``lr x steps``, the
-  most Adam can move a parameter. Adam's ``g / (|g| + eps)`` has slope
-  ``1 / eps`` near ``g = 0``, so fp32 rounding in a near-zero gradient moves
-  a parameter by a visible fraction of a step; a wrong shard of the moments
-  or parameters moves it by whole steps.
+- parameters after the steps (the fp32 master under bf16-mixed: bf16
+  rounding of parameters near 1.0 would dwarf a step): ``max|a - b|`` in
+  units of ``lr x steps``, the most Adam can move a parameter. Adam's
+  ``g / (|g| + eps)`` has slope ``1 / eps`` near ``g = 0``, so fp32
+  rounding in a near-zero gradient moves a parameter by a visible fraction
+  of a step; a wrong shard of the moments or parameters moves it by whole
+  steps.
 
 ``max_rel_err`` is the larger of the loss and gradient errors; ``ok`` needs
 each error under its threshold (:data:`THRESHOLDS`) and the compiled programs to hold the
@@ -112,11 +114,13 @@ def run_plan(plan: Plan, devices: list[Any], steps: int) -> dict[str, Any]:
 
 
 def _tree_errors(a: Any, b: Any) -> tuple[float, float]:
-    """(max|a - b|, max|b|) over two pytrees of numpy arrays."""
+    """(max|a - b|, max|b|) over two pytrees of numpy arrays, in float64 (bf16-mixed gradients are bf16)."""
     import jax
     import numpy as np
 
-    diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x.astype(np.float64) - y))), a, b))
+    wide = (lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t))
+    a, b = wide(a), wide(b)
+    diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), a, b))
     scale = jax.tree.leaves(jax.tree.map(lambda y: float(np.max(np.abs(y))), b))
     return max(diffs), max(scale)
 

@@ -10,11 +10,14 @@ Layout (what ``testbed.model`` counts, exactly)::
 Layers are a list so a pipeline stage takes ``params["layers"][r.start:r.stop]``
 for a range from :func:`testbed.model.chunk_layers`.
 
-Precision: parameters are kept in fp32 (the master copy). ``bf16-mixed``
-casts them to bf16 for compute (the bf16 parameter copy of the ZeRO paper's
-2 + 2 + 12 bytes/param; ``testbed.memory`` assumes that accounting), runs the
-blocks in bf16 and the loss in fp32. ``jax.grad`` w.r.t. the fp32 parameters
-returns fp32 gradients.
+Precision: :func:`init_params` makes fp32 parameters. Under ``bf16-mixed``
+the trainers hold bf16 parameters and keep the fp32 master in the optimizer
+state (runners.precision: the ZeRO paper's 2 + 2 + 12 bytes/param, what
+``testbed.memory`` counts), so the blocks run in bf16 on the held
+parameters, the loss in fp32, and ``jax.grad`` returns bf16 gradients.
+:func:`cast_params` is the identity on parameters already in the compute
+dtype; given fp32 parameters it casts them (the functions stay usable on
+fp32 parameters with a bf16 compute dtype).
 
 Remat: ``selective`` checkpoints the core attention (scores, softmax, values),
 ``full`` checkpoints each whole block.
@@ -93,7 +96,7 @@ def param_count(params: Any) -> int:
 
 
 def cast_params(params: Any, precision: Precision | str) -> Any:
-    """The compute copy of the parameters (identity for fp32)."""
+    """The parameters in the compute dtype (identity for fp32, and for leaves already in it)."""
     dtype = compute_dtype(precision)
     if dtype == jnp.float32:
         return params

@@ -149,7 +149,8 @@ def _pull(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, 
     """Full backward: (param grads,) for the first chunk, else (param grads, input grad).
 
     ``acc`` (donated: updated in place) holds the chunk's gradients of the
-    earlier microbatches; the returned gradients include them, so
+    earlier microbatches, in the parameters' dtype (bf16 when the trainer
+    holds bf16 parameters); the returned gradients include them, so
     accumulating costs no program and no second gradient buffer.
     """
     grads, *rest = _backward(prepare, stored, params, cotangent)

@@ -13,8 +13,11 @@ steps their parameters must agree up to floating-point reduction order.
   ``runners.pipeline.MpmdEngine`` over per-stage sub-meshes (with several
   processes, by :func:`runners.lockstep.lockstep_step`).
 
-Every trainer has ``init() -> state``, ``step(state, i) -> (state, loss)``,
-``full_params(state)`` (host numpy, in the model's layout); SPMD and pipeline
+Every trainer updates through :class:`runners.precision.Optimizer` (under
+bf16-mixed: bf16 parameters and gradients, an fp32 master in the optimizer
+state) and has ``init() -> state``, ``step(state, i) -> (state, loss)``,
+``full_params(state)`` (host numpy, in the model's layout; the fp32 master
+under bf16-mixed); SPMD and pipeline
 trainers also ``compiled_texts(state)`` (optimized HLO of their programs) and
 ``compiled_memory(state)`` (XLA's bytes per device at the step's peak).
 """
@@ -27,13 +30,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
 from runners.lockstep import lockstep_step
 from runners.parallel import batch_spec, layout_for
 from runners.pipeline import Prepare
+from runners.precision import Optimizer, make_optimizer
 from runners.program_memory import StageProgramMemory, pipeline_memory, program_bytes
 from runners.replicas import Spread, per_replica_forward, per_replica_loss, replicas, sum_replicas
 from testbed.errors import InputError
@@ -43,16 +46,6 @@ from testbed.schedules import build_schedule, sends
 
 __all__ = ["make_optimizer", "step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
            "ReferenceTrainer", "PipelineTrainer", "split_params", "merge_params", "scalar"]
-
-
-def make_optimizer(plan: Plan) -> optax.GradientTransformation:
-    """The plan's optax optimizer (elementwise, so it splits exactly across stages and shards)."""
-    o = plan.optimizer
-    if o.name == "sgd":
-        return optax.sgd(o.learning_rate)
-    if o.name == "adam":
-        return optax.adam(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps)
-    return optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
 
 
 def step_batch(plan: Plan, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -87,7 +80,13 @@ def _suffix_map(shardings: Any) -> dict[str, Any]:
 
 
 def state_shardings(opt_shape: Any, params: Any, moment_shardings: Any, replicated: Any) -> Any:
-    """Shardings of an optimizer state: moments like their parameter (ZeRO layout), the rest replicated."""
+    """Shardings of an optimizer state: moments like their parameter (ZeRO layout), the rest replicated.
+
+    A state leaf takes the moment sharding of the parameter whose path its
+    own path ends with: optax's ``mu``/``nu`` and the bf16-mixed master
+    (:class:`runners.precision.MasterState`) alike; the step count matches
+    none and is replicated.
+    """
     by_path = _suffix_map(moment_shardings)
 
     def pick(path: tuple, leaf: Any) -> Any:
@@ -130,7 +129,11 @@ def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
 
 def _scan_sum(value_and_grad: Any, params: Any, tokens: jax.Array, targets: jax.Array,
               grad_shardings: Any | None) -> tuple[jax.Array, Any]:
-    """Mean of ``value_and_grad((tokens[i], targets[i]))`` over the leading (microbatch) axis."""
+    """Mean of ``value_and_grad((tokens[i], targets[i]))`` over the leading (microbatch) axis.
+
+    The gradient accumulator has the parameters' dtype: bf16 under
+    bf16-mixed, as testbed.memory counts it.
+    """
 
     def body(carry: tuple, xs: tuple) -> tuple:
         total, grads = carry
@@ -152,24 +155,23 @@ class SpmdTrainer:
     def __init__(self, plan: Plan, mesh: Any, return_grads: bool = False):
         self.plan, self.mesh, self.return_grads = plan, mesh, return_grads
         self._compiled: Any = None
-        self.tx = make_optimizer(plan)
+        self.optimizer = opt = Optimizer(plan)
         shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
         layout = layout_for(shape, plan)
         self.param_shardings = layout.shardings(mesh, "params")
         self.grad_shardings = layout.shardings(mesh, "grads")
         replicated = NamedSharding(mesh, P())
-        self.opt_shardings = state_shardings(jax.eval_shape(self.tx.init, shape), shape,
+        self.opt_shardings = state_shardings(jax.eval_shape(opt.init, shape), shape,
                                              layout.shardings(mesh, "moments"), replicated)
         self.batch_sharding = NamedSharding(mesh, batch_spec(3, leading=1))
-        tx, grad_sh = self.tx, self.grad_shardings
+        grad_sh = self.grad_shardings
         count = replicas(plan)
         spread = Spread(mesh, [self.param_shardings], count) if count > 1 else None
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
             loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            out = (optax.apply_updates(params, updates), opt_state, loss)
+            out = (*opt.update(params, opt_state, grads), loss)
             return out + (grads,) if return_grads else out
 
         outs = (self.param_shardings, self.opt_shardings, replicated)
@@ -179,10 +181,10 @@ class SpmdTrainer:
                              out_shardings=outs + (self.grad_shardings,) if return_grads else outs)
 
     def init(self) -> tuple[Any, Any]:
-        params = host_tree(model.init_params(self.plan.model, self.plan.seed))
-        params = place_tree(params, self.param_shardings)
-        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
-        return params, opt_state
+        full = host_tree(model.init_params(self.plan.model, self.plan.seed))
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(
+            place_tree(full, self.param_shardings))
+        return place_tree(self.optimizer.held(full), self.param_shardings), opt_state
 
     def _program(self, params: Any, opt_state: Any, batch: tuple[jax.Array, jax.Array]) -> Any:
         """The step compiled ahead of time once, so its HLO and memory analysis come for free."""
@@ -208,7 +210,7 @@ class SpmdTrainer:
         return host_tree(self.last_grads)
 
     def full_params(self, state: tuple[Any, Any]) -> Any:
-        return host_tree(state[0])
+        return host_tree(self.optimizer.master(*state))
 
     def compiled_programs(self, state: tuple[Any, Any]) -> list[Any]:
         """The one compiled train-step program (``jax.stages.Compiled``), compiled here on first use."""
@@ -230,12 +232,11 @@ class SpmdTrainer:
 def _reference_step(spec: Any, precision: Any, remat: Any, optimizer: Any) -> Any:
     """One jitted reference step per model and optimizer (shared by plans that differ only in layout)."""
     plan = Plan(model=spec, batch=BatchSpec(global_batch=1), precision=precision, remat=remat, optimizer=optimizer)
-    tx = make_optimizer(plan)
+    opt = Optimizer(plan)
 
     def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
         loss, grads = jax.value_and_grad(_loss_fn(plan))(params, tokens, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, grads
+        return (*opt.update(params, opt_state, grads), loss, grads)
 
     return jax.jit(train_step)
 
@@ -245,12 +246,12 @@ class ReferenceTrainer:
 
     def __init__(self, plan: Plan, device: Any):
         self.plan, self.device = plan, device
-        self.tx = make_optimizer(plan)
+        self.optimizer = Optimizer(plan)
         self._step = _reference_step(plan.model, plan.precision, plan.remat, plan.optimizer)
 
     def init(self) -> tuple[Any, Any]:
-        params = jax.device_put(host_tree(model.init_params(self.plan.model, self.plan.seed)), self.device)
-        return params, jax.jit(self.tx.init)(params)
+        full = jax.device_put(host_tree(model.init_params(self.plan.model, self.plan.seed)), self.device)
+        return jax.jit(self.optimizer.held)(full), jax.jit(self.optimizer.init)(full)
 
     def step(self, state: tuple[Any, Any], step: int) -> tuple[tuple[Any, Any], jax.Array]:
         tokens, targets = jax.device_put(step_batch(self.plan, step), self.device)
@@ -258,7 +259,7 @@ class ReferenceTrainer:
         return (params, opt_state), loss
 
     def full_params(self, state: tuple[Any, Any]) -> Any:
-        return host_tree(state[0])
+        return host_tree(self.optimizer.master(*state))
 
     def full_grads(self) -> Any:
         return host_tree(self.last_grads)
@@ -299,6 +300,9 @@ class PipelineTrainer:
 
     Each stage's chunks are sharded on its own (data, fsdp, tensor) sub-mesh
     like an SPMD plan; the optimizer update runs per stage on its sub-mesh.
+    Under bf16-mixed the stages hold bf16 parameters, so the engine's
+    backward programs return bf16 gradients and add them into a bf16
+    accumulator; the update keeps the fp32 master (runners.precision).
     ``nan_slots=True`` pre-fills the engine's receive slots with NaN (a leak
     check that costs buffers every step).
     """
@@ -312,19 +316,19 @@ class PipelineTrainer:
             raise InputError("tied embeddings across pipeline stages are not supported by the runner; "
                              "set model.tied_embeddings false or mesh.stage 1", field="model.tied_embeddings")
         self.plan, self.meshes, self.return_grads = plan, stage_meshes, return_grads
-        self.tx = make_optimizer(plan)
+        self.optimizer = Optimizer(plan)
         self.schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
                                        plan.schedule.virtual_stages)
         spec, precision, remat = plan.model, plan.precision, plan.remat
 
+        # The held parameters are already in the compute dtype (runners.precision): no cast here.
         def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
-            params = model.cast_params(params, precision)
             if "embed" in params:
                 x = model.embed(params["embed"], x)
             return model.stage_forward(params["layers"], x, spec.heads, remat)
 
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-            return model.head_loss(model.cast_params(params["head"], precision), y, targets)
+            return model.head_loss(params["head"], y, targets)
 
         # Data replicas keep their gradients apart until the update: one reduction per step (runners.replicas).
         self.replicas = replicas(plan)
@@ -333,8 +337,6 @@ class PipelineTrainer:
             chunk_forward = per_replica_forward(chunk_forward, self.replicas, stage_meshes)
             loss_fn = per_replica_loss(loss_fn, self.replicas, stage_meshes[last_stage])
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
-        # The compute-dtype cast, redone in each backward instead of stored per microbatch in flight.
-        cast = None if precision.compute_bytes == 4 else functools.partial(model.cast_params, precision=precision)
         mb = plan.batch.global_batch // plan.batch.microbatches
         self.act_shape = (mb, spec.seq_len, spec.d_model)
         self.act_dtype = model.compute_dtype(precision)
@@ -351,10 +353,10 @@ class PipelineTrainer:
         for s, mesh in enumerate(stage_meshes):
             layout = layout_for(shape[s], plan)
             p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
-            o_sh = state_shardings(jax.eval_shape(self.tx.init, shape[s]), shape[s],
+            o_sh = state_shardings(jax.eval_shape(self.optimizer.init, shape[s]), shape[s],
                                    layout.shardings(mesh, "moments"), NamedSharding(mesh, P()))
             spread = Spread(mesh, p_sh, self.replicas) if self.replicas > 1 else None
-            self.prepare.append(Prepare(cast=cast, spread=spread) if cast or spread else None)
+            self.prepare.append(Prepare(spread=spread) if spread else None)
             in_sh = spread.shardings if spread else g_sh
             self.param_shardings.append(p_sh)
             self.opt_shardings.append(o_sh)
@@ -366,22 +368,26 @@ class PipelineTrainer:
                                  prepare=self.prepare)
 
     def _update_fn(self, grad_shardings: Any, per_replica: bool):
-        tx = self.tx
+        opt = self.optimizer
 
         def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
             if per_replica:
                 grads = sum_replicas(grads)  # the step's one data-parallel reduction
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+            return opt.update(params, opt_state, grads)
         return update
 
     def init(self) -> tuple[list[Any], list[Any]]:
         pieces = split_params(self.plan, host_tree(model.init_params(self.plan.model, self.plan.seed)))
-        params = [place_tree(pieces[s], self.param_shardings[s]) if self.owned[s] else None
-                  for s in range(len(self.meshes))]
-        states = [jax.jit(self.tx.init, out_shardings=self.opt_shardings[s])(params[s]) if self.owned[s] else None
-                  for s in range(len(self.meshes))]
+        params, states = [], []
+        for s in range(len(self.meshes)):
+            if not self.owned[s]:
+                params.append(None)
+                states.append(None)
+                continue
+            full = place_tree(pieces[s], self.param_shardings[s])
+            states.append(jax.jit(self.optimizer.init, out_shardings=self.opt_shardings[s])(full))
+            params.append(place_tree(self.optimizer.held(pieces[s]), self.param_shardings[s]))
         return params, states
 
     def _microbatches(self, step: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -408,7 +414,8 @@ class PipelineTrainer:
         return ([p for p, _ in new], [o for _, o in new]), loss
 
     def full_params(self, state: tuple[list[Any], list[Any]]) -> Any:
-        return merge_params(self.plan, host_tree(state[0]))
+        """The model's parameters (the fp32 master under bf16-mixed), merged from the stages."""
+        return merge_params(self.plan, host_tree([self.optimizer.master(p, o) for p, o in zip(*state)]))
 
     def full_grads(self) -> Any:
         return merge_params(self.plan, host_tree(self.last_grads))

@@ -1,0 +1,100 @@
+"""The plan's optimizer over the parameters the trainers hold: plain optax, or fp32 master weights.
+
+DESIGN.md's ``precision: bf16-mixed`` is "bf16 params+grads, fp32 master +
+Adam moments", and ``testbed.memory`` counts exactly that per parameter
+(2 + 2 + 4 + 4 x moments bytes, the master counted as optimizer state). So
+under bf16-mixed the trainers hold bf16 parameters, differentiate w.r.t.
+them (bf16 gradients, bf16 accumulators) and the optimizer state carries
+the fp32 master beside the optax moments (:class:`MasterState`). The
+update:
+
+1. casts the bf16 gradients to fp32;
+2. runs the plan's optax transformation on the master;
+3. applies it to the master in fp32 and returns ``master.astype(bf16)`` as
+   the new parameters.
+
+``optax.apply_updates`` on the bf16 parameters would round every update
+into bf16 (a 1e-3 step on a weight near 1.0 is below bf16's 2^-8 spacing
+and vanishes), which is why the master exists. Under fp32 the wrapper is
+plain optax.
+
+Shardings: the master's leaves sit under :class:`MasterState`'s ``master``
+field with the parameters' own paths, so ``runners.step.state_shardings``
+(which matches optimizer-state leaves to the moments' shardings by the
+parameter path they end with) shards the master exactly like the moments:
+over ``fsdp``, and over ``data`` for ZeRO stage >= 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from testbed.plan import Plan, Precision
+
+__all__ = ["make_optimizer", "MasterState", "Optimizer"]
+
+
+def make_optimizer(plan: Plan) -> optax.GradientTransformation:
+    """The plan's optax optimizer (elementwise, so it splits exactly across stages and shards)."""
+    o = plan.optimizer
+    if o.name == "sgd":
+        return optax.sgd(o.learning_rate)
+    if o.name == "adam":
+        return optax.adam(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps)
+    return optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+
+
+class MasterState(NamedTuple):
+    """Optimizer state under bf16-mixed: the fp32 master parameters and the optax state over them."""
+
+    master: Any
+    inner: Any
+
+
+class Optimizer:
+    """``init(params) -> state`` and ``update(params, state, grads) -> (params, state)`` for a plan.
+
+    Pure functions (jit them with the trainer's shardings); the precision
+    decides what the held parameters are:
+
+    - fp32: held parameters are the fp32 parameters; the state is optax's.
+    - bf16-mixed: held parameters are bf16; the state is a
+      :class:`MasterState` (fp32 master + optax state over it).
+    """
+
+    def __init__(self, plan: Plan):
+        self.tx = make_optimizer(plan)
+        self.mixed = plan.precision is Precision.BF16_MIXED
+        #: dtype of the parameters the trainers hold (and of their gradients).
+        self.param_dtype = jnp.bfloat16 if self.mixed else jnp.float32
+
+    def held(self, params: Any) -> Any:
+        """The parameters a trainer holds, from fp32 ones (host numpy or arrays; bf16 copies under bf16-mixed)."""
+        if not self.mixed:
+            return params
+        return jax.tree.map(lambda a: a.astype(self.param_dtype), params)
+
+    def init(self, params: Any) -> Any:
+        """The optimizer state for fp32 ``params`` (the initial values: under bf16-mixed the master is exact)."""
+        if not self.mixed:
+            return self.tx.init(params)
+        master = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+        return MasterState(master=master, inner=self.tx.init(master))
+
+    def update(self, params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+        """One optimizer step: new held parameters and state (see the module doc for bf16-mixed)."""
+        if not self.mixed:
+            updates, state = self.tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, inner = self.tx.update(grads, state.inner, state.master)
+        master = optax.apply_updates(state.master, updates)
+        return self.held(master), MasterState(master=master, inner=inner)
+
+    def master(self, params: Any, state: Any) -> Any:
+        """The full-precision parameters: the master under bf16-mixed, else ``params`` themselves."""
+        return state.master if self.mixed else params
