@@ -12,7 +12,10 @@ cannot follow.
 
 The array counts are those of the runner's programs (runners.model's
 parameter layout; the residuals ``jax.vjp`` keeps per block, per remat
-mode); tests/test_dispatch.py checks them against the runner. testbed.program
+mode; the optimizer state of runners.precision: ``moments x P + 1`` arrays
+for ``P`` parameter arrays, ``(moments + 1) x P + 1`` under bf16-mixed,
+whose state also holds the fp32 master); tests/test_dispatch.py checks them
+against the runner for both precisions. testbed.program
 puts the sum on each controller task (:attr:`testbed.program.Task.buffers`)
 and the simulator prices it at ``calibration.controller_buffer_s``.
 """
@@ -20,7 +23,7 @@ and the simulator prices it at ``calibration.controller_buffer_s``.
 from __future__ import annotations
 
 from testbed import model
-from testbed.plan import Plan, Remat, ScheduleName
+from testbed.plan import Plan, Precision, Remat, ScheduleName
 
 __all__ = ["PARAM_ARRAYS_PER_LAYER", "RESIDUAL_ARRAYS_PER_LAYER", "chunk_param_arrays", "chunk_residual_arrays",
            "action_buffers", "send_buffers", "update_buffers", "spmd_step_buffers"]
@@ -85,7 +88,9 @@ def send_buffers(plan: Plan) -> int:
 
 
 def _optimizer_arrays(plan: Plan, params: int) -> int:
-    return plan.optimizer.moments * params + 1  # optax: the moments per parameter, and the step count
+    """Optimizer-state arrays: optax's moments per parameter and its step count; bf16-mixed adds the fp32 master."""
+    master = int(plan.precision is Precision.BF16_MIXED)
+    return (plan.optimizer.moments + master) * params + 1
 
 
 def update_buffers(plan: Plan, stage: int) -> int:

@@ -3,8 +3,9 @@
 The simulator prices the single controller per device buffer it dispatches
 (testbed.dispatch); the counts come from the runner's parameter layout and
 the residuals ``jax.vjp`` keeps, so they are checked here against the
-runner's own pytrees for every remat mode, first/middle/last chunks and
-tied embeddings.
+runner's own pytrees for every remat mode, first/middle/last chunks, tied
+embeddings and both precisions (bf16-mixed's optimizer state also holds the
+fp32 master).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from testbed import dispatch
 from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan
 
 
-def _plan(remat: str, layers: int = 6, stage: int = 3, tied: bool = False) -> Plan:
+def _plan(remat: str, layers: int = 6, stage: int = 3, tied: bool = False, precision: str = "fp32") -> Plan:
     return Plan(model=ModelSpec(layers=layers, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32,
                                 tied_embeddings=tied),
-                batch=BatchSpec(global_batch=6, microbatches=3), mesh=MeshSpec(stage=stage), remat=remat, name="d")
+                batch=BatchSpec(global_batch=6, microbatches=3), mesh=MeshSpec(stage=stage), remat=remat,
+                precision=precision, name="d")
 
 
-@pytest.mark.parametrize("remat", ["none", "selective", "full"])
-def test_parameter_and_residual_arrays_match_the_runner(remat: str) -> None:
-    plan = _plan(remat)
+@pytest.mark.parametrize("remat, precision", [("none", "fp32"), ("selective", "fp32"), ("full", "fp32"),
+                                              ("none", "bf16-mixed")])
+def test_parameter_and_residual_arrays_match_the_runner(remat: str, precision: str) -> None:
+    plan = _plan(remat, precision=precision)
     trainer = build_trainer(plan, dev.select_devices(plan.mesh.size))
     params, states = trainer.init()
     sch, last = trainer.schedule, trainer.schedule.chunks - 1
@@ -46,9 +49,11 @@ def test_parameter_and_residual_arrays_match_the_runner(remat: str) -> None:
         assert dispatch.update_buffers(plan, s) == (2 * state + len(jax.tree.leaves(params[s]))) * 1
 
 
-def test_tied_head_has_no_projection_and_spmd_step_counts_its_state() -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_tied_head_has_no_projection_and_spmd_step_counts_its_state(precision: str) -> None:
     tied = Plan(model=ModelSpec(layers=2, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32, tied_embeddings=True),
-                batch=BatchSpec(global_batch=4, microbatches=1), mesh=MeshSpec(data=2), name="t")
+                batch=BatchSpec(global_batch=4, microbatches=1), mesh=MeshSpec(data=2), precision=precision,
+                name="t")
     params = dispatch.chunk_param_arrays(tied, 0, 0)
     assert params == 2 * dispatch.PARAM_ARRAYS_PER_LAYER + 2 + 2
     trainer = build_trainer(tied, dev.select_devices(2))
