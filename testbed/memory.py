@@ -4,9 +4,10 @@ Model states follow the ZeRO paper (Rajbhandari et al., 2020), per parameter:
 
 - fp32: parameters 4 B, gradients 4 B, Adam moments 2 x 4 B;
 - bf16-mixed: bf16 parameters 2 B, bf16 gradients 2 B, fp32 master weights
-  4 B and fp32 moments 2 x 4 B (counted as optimizer state): 16 B in all.
-  (The JAX runner keeps fp32 parameters as the master and makes the bf16
-  copy per step; the total is the same.)
+  4 B and fp32 moments 2 x 4 B (counted as optimizer state, so sharded
+  like the moments): 16 B in all. The JAX runner holds exactly these
+  (runners.precision: bf16 parameters and gradient accumulators, the master
+  beside the moments in the optimizer state).
 
 Sharding of model states, on top of the tensor split and the pipeline split
 (each device holds only its stage's layers, see ``testbed.model``): the fsdp
