@@ -175,7 +175,9 @@ class SpmdTrainer:
             return out + (grads,) if return_grads else out
 
         outs = (self.param_shardings, self.opt_shardings, replicated)
-        self._step = jax.jit(train_step,
+        # Parameters and optimizer state are donated: updated in place, as testbed.memory counts them
+        # (without donation XLA holds the old and the new state at once).
+        self._step = jax.jit(train_step, donate_argnums=(0, 1),
                              in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding,
                                            self.batch_sharding),
                              out_shardings=outs + (self.grad_shardings,) if return_grads else outs)
@@ -238,7 +240,7 @@ def _reference_step(spec: Any, precision: Any, remat: Any, optimizer: Any) -> An
         loss, grads = jax.value_and_grad(_loss_fn(plan))(params, tokens, targets)
         return (*opt.update(params, opt_state, grads), loss, grads)
 
-    return jax.jit(train_step)
+    return jax.jit(train_step, donate_argnums=(0, 1))
 
 
 class ReferenceTrainer:
@@ -362,7 +364,7 @@ class PipelineTrainer:
             self.opt_shardings.append(o_sh)
             self.grad_shardings.append(g_sh)
             self.engine_grad_shardings.append(in_sh)
-            self.update_programs.append(jax.jit(self._update_fn(g_sh, spread is not None),
+            self.update_programs.append(jax.jit(self._update_fn(g_sh, spread is not None), donate_argnums=(0, 1),
                                                 in_shardings=(p_sh, o_sh, in_sh), out_shardings=(p_sh, o_sh)))
         self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots,
                                  prepare=self.prepare)
