@@ -33,7 +33,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from testbed.plan import Plan
 from testbed.sharding import gradient_reduction
 
-__all__ = ["replicas", "Spread", "per_replica_forward", "per_replica_loss", "sum_replicas"]
+__all__ = ["replicas", "Spread", "per_replica_forward", "per_replica_losses", "per_replica_loss",
+           "replica_value_and_grad", "sum_replicas"]
 
 #: The mesh axis the replicas run over.
 AXIS = "data"
@@ -82,11 +83,42 @@ def per_replica_forward(forward: Callable[[int, int, Any, jax.Array], jax.Array]
     return run
 
 
+def per_replica_losses(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
+                       ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+    """``loss(params, y, targets)`` on spread params, per replica: ``[R]`` over ``data`` (nothing reduced)."""
+    def run(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+        losses = jax.vmap(loss)(params, _split(y, count, mesh), _split(targets, count, mesh))
+        return jax.lax.with_sharding_constraint(losses, NamedSharding(mesh, P(AXIS)))
+    return run
+
+
 def per_replica_loss(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
                      ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """``loss(params, y, targets)`` on spread params: the mean of the replicas' equal-sized losses."""
-    def run(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-        return jnp.mean(jax.vmap(loss)(params, _split(y, count, mesh), _split(targets, count, mesh)))
+    losses = per_replica_losses(loss, count, mesh)
+    return lambda params, y, targets: jnp.mean(losses(params, y, targets))
+
+
+def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
+                           ) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
+    """``(per-replica losses [R], grads of their mean)`` on spread params: no reduction over ``data``.
+
+    The mean's value is left unused, so XLA drops its all-reduce; the
+    gradient of a mean over replicas needs none (each replica's cotangent
+    is ``1/R``). A microbatch loop accumulates the ``[R]`` losses and reduces
+    them once, with the gradients, after it.
+    """
+    losses = per_replica_losses(loss, count, mesh)
+
+    def mean_and_losses(params: Any, y: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+        per = losses(params, y, targets)
+        return jnp.mean(per), per
+
+    value_and_grad = jax.value_and_grad(mean_and_losses, has_aux=True)
+
+    def run(params: Any, y: jax.Array, targets: jax.Array) -> tuple[jax.Array, Any]:
+        (_, per), grads = value_and_grad(params, y, targets)
+        return per, grads
     return run
 
 

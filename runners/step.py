@@ -38,7 +38,8 @@ from runners.parallel import batch_spec, layout_for
 from runners.pipeline import Prepare
 from runners.precision import Optimizer, make_optimizer
 from runners.program_memory import StageProgramMemory, pipeline_memory, program_bytes
-from runners.replicas import Spread, per_replica_forward, per_replica_loss, replicas, sum_replicas
+from runners.replicas import (Spread, per_replica_forward, per_replica_loss, replica_value_and_grad, replicas,
+                              sum_replicas)
 from testbed.errors import InputError
 from testbed.model import chunk_layers
 from testbed.plan import BatchSpec, Plan
@@ -119,20 +120,21 @@ def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
         return value_and_grad(params, tokens[0], targets[0])
     if spread is not None:
         mesh = jax.tree.leaves(spread.shardings)[0].mesh
-        per_replica = jax.value_and_grad(per_replica_loss(_loss_fn(plan), spread.count, mesh))
+        per_replica = replica_value_and_grad(_loss_fn(plan), spread.count, mesh)
         spread_params = spread(params)
-        total, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
-                                 spread.shardings[0])
-        return total, sum_replicas(grads)
+        losses, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
+                                  spread.shardings[0], loss_shape=(spread.count,))
+        return jnp.mean(losses), sum_replicas(grads)
     return _scan_sum(lambda xs: value_and_grad(params, *xs), params, tokens, targets, grad_shardings)
 
 
 def _scan_sum(value_and_grad: Any, params: Any, tokens: jax.Array, targets: jax.Array,
-              grad_shardings: Any | None) -> tuple[jax.Array, Any]:
+              grad_shardings: Any | None, loss_shape: tuple[int, ...] = ()) -> tuple[jax.Array, Any]:
     """Mean of ``value_and_grad((tokens[i], targets[i]))`` over the leading (microbatch) axis.
 
     The gradient accumulator has the parameters' dtype: bf16 under
-    bf16-mixed, as testbed.memory counts it.
+    bf16-mixed, as testbed.memory counts it. The loss may be per replica
+    (``loss_shape`` ``(R,)``): then nothing is reduced inside the loop.
     """
 
     def body(carry: tuple, xs: tuple) -> tuple:
@@ -144,7 +146,7 @@ def _scan_sum(value_and_grad: Any, params: Any, tokens: jax.Array, targets: jax.
         return (total + loss, grads), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (total, grads), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (tokens, targets))
+    (total, grads), _ = jax.lax.scan(body, (jnp.zeros(loss_shape, jnp.float32), zeros), (tokens, targets))
     m = tokens.shape[0]
     return total / m, jax.tree.map(lambda g: g / m, grads)
 

@@ -88,8 +88,9 @@ def test_sharded_gradients_reduce_per_microbatch() -> None:
     assert replicas(_plan(data=1)) == 1 and replicas(_plan(data=2, fsdp=2, zero=1)) == 2
 
 
-def _non_entry_gradient_reductions(text: str) -> int:
-    """All-reduces / reduce-scatters of more than a scalar outside the entry computation (in loop bodies)."""
+def _non_entry_gradient_reductions(text: str, scalars: bool = False) -> int:
+    """All-reduces / reduce-scatters of more than a scalar (``scalars``: of anything) outside the entry
+    computation (in loop bodies)."""
     count = 0
     for computation in text.split("\n\n"):
         if computation.lstrip().startswith("ENTRY"):
@@ -97,7 +98,7 @@ def _non_entry_gradient_reductions(text: str) -> int:
         for line in computation.splitlines():
             for op in ("all-reduce", "reduce-scatter"):
                 if f" {op}(" in line or f" {op}-start(" in line:
-                    count += not line.split("=", 1)[1].strip().startswith("f32[] ")
+                    count += scalars or not line.split("=", 1)[1].strip().startswith("f32[] ")
     return count
 
 
@@ -109,4 +110,6 @@ def test_spmd_accumulation_reduces_once_unless_gradients_are_sharded(zero: int, 
     trainer = build_trainer(plan, dev.select_devices(4))
     (text,) = trainer.compiled_texts(trainer.init())
     assert _non_entry_gradient_reductions(text) == inside
+    if inside == 0:  # the loss too is kept per replica in the loop and reduced after it
+        assert _non_entry_gradient_reductions(text, scalars=True) == 0
     assert _count(text, "all-reduce") + _count(text, "reduce-scatter") >= 1
