@@ -74,7 +74,8 @@ def _devices_for(plan: Plan, request: Any) -> list[Any]:
 def build_trainer(plan: Plan, devices: list[Any], return_grads: bool = False) -> Any:
     """The plan's trainer on ``devices`` (exactly the mesh size): SPMD, or pipeline when ``mesh.stage > 1``."""
     from runners import devices as dev
-    from runners.step import PipelineTrainer, SpmdTrainer
+    from runners.pipeline_trainer import PipelineTrainer
+    from runners.step import SpmdTrainer
 
     placement = dev.plan_placement(plan, devices)
     if plan.mesh.stage == 1:

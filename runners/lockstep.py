@@ -28,7 +28,7 @@ __all__ = ["lockstep_step"]
 
 def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray],
                   targets: list[np.ndarray]) -> tuple[jax.Array | None, list[list[Any] | None]]:
-    """One pass of ``trainer``'s (a ``runners.step.PipelineTrainer``) schedule table in lockstep.
+    """One pass of ``trainer``'s (a ``runners.pipeline_trainer.PipelineTrainer``) schedule table in lockstep.
 
     A split backward (ZB ``B`` then ``W``) runs whole at ``B``: same
     gradients, different timing. Returns (mean loss, or None where this

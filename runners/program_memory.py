@@ -46,7 +46,7 @@ from runners import pipeline
 from testbed.schedules import Action, held_during, peak_inflight
 
 if TYPE_CHECKING:
-    from runners.step import PipelineTrainer
+    from runners.pipeline_trainer import PipelineTrainer
 
 __all__ = ["program_bytes", "device_bytes", "abstract_outputs", "StageProgramMemory", "stage_peak",
            "pipeline_memory"]
