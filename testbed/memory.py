@@ -23,7 +23,9 @@ decides (:func:`inflight_microbatches`).
 Workspace: buffers live only inside one phase, never across microbatches —
 the loss backward (softmax of the logits and their gradient, fp32), one
 layer's backward (score-matrix and MLP-hidden gradients, plus what remat
-recomputes), the out-of-place data-parallel gradient reduction, and with
+recomputes), the out-of-place data-parallel gradient reduction, a
+microbatch's whole gradients before they join the accumulator (one-program
+accumulation loops; pipelines only when they reduce-scatter), and with
 sharded parameters (fsdp, ZeRO-3) the gathered weights the backward needs
 (all of the stage's, kept as autodiff residuals, unless full remat
 re-gathers them per layer: then two layers).
@@ -222,7 +224,18 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     layer_ws = _layer_workspace(plan)
     # (activations, gradients, workspace) at each candidate peak instant.
     if plan.batch.microbatches > 1:
-        instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered)]
+        # A microbatch's gradients are written whole before they join the accumulator. The
+        # one-program step's accumulation loop adds them after the microbatch's backward, and
+        # reduces over data after the loop (when activations are gone). The pipeline engine's
+        # backward adds replicated gradients into its donated accumulator in place, but
+        # reduce-scatters sharded ones (fsdp, ZeRO-2/3) after the backward; XLA combines the
+        # layers' reduce-scatters, so all are live at once. (Measured with XLA:CPU.)
+        if p == 1:
+            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws) + gathered + grad_b * held),
+                        (0, grads, reduce_ws)]
+        else:
+            whole = grad_b * held if grad_ways > 1 else 0
+            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered + whole)]
     else:
         layer_grads = grad_b * _shard(_layer_params_per_device(plan), grad_ways)
         head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
