@@ -34,12 +34,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
 from runners.parallel import batch_spec, layout_for
-from runners.precision import Optimizer, make_optimizer
+from runners.precision import Optimizer
 from runners.program_memory import program_bytes
 from runners.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
 from testbed.plan import BatchSpec, Plan
 
-__all__ = ["make_optimizer", "step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
+__all__ = ["step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
            "ReferenceTrainer", "scalar"]
 
 
