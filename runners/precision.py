@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from runners.model import compute_dtype
 from testbed.plan import Plan, Precision
 
 __all__ = ["make_optimizer", "MasterState", "Optimizer"]
@@ -70,7 +71,7 @@ class Optimizer:
         self.tx = make_optimizer(plan)
         self.mixed = plan.precision is Precision.BF16_MIXED
         #: dtype of the parameters the trainers hold (and of their gradients).
-        self.param_dtype = jnp.bfloat16 if self.mixed else jnp.float32
+        self.param_dtype = compute_dtype(plan.precision)
 
     def held(self, params: Any) -> Any:
         """The parameters a trainer holds, from fp32 ones (host numpy or arrays; bf16 copies under bf16-mixed)."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from testbed import model
 from testbed.plan import Plan, Precision, Remat, ScheduleName
-from testbed.sharding import state_sharding
+from testbed.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
 
 __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param"]
@@ -234,7 +234,8 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
             instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws) + gathered + grad_b * held),
                         (0, grads, reduce_ws)]
         else:
-            whole = grad_b * held if grad_ways > 1 else 0
+            # The axes reduced after every microbatch (testbed.sharding's one rule, as program and runner).
+            whole = grad_b * held if gradient_reduction(plan)[0] else 0
             instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered + whole)]
     else:
         layer_grads = grad_b * _shard(_layer_params_per_device(plan), grad_ways)
