@@ -148,26 +148,29 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         buffer_s, buffer_fit = buffers
         fits.append(buffer_fit)
     controller = cal_steps.fit_controller(samples, buffer_s)
-    controller_step_s = controller_s = 0.0
+    controller_step_s = controller_s = pipeline_step_s = 0.0
     if controller is not None:
-        controller_step_s, controller_s, controller_fit = controller
+        controller_step_s, controller_s, pipeline_step_s, controller_fit = controller
         fits.append(controller_fit)
     steps = cal_steps.fit_step_compute(topo, samples)
-    efficiency, scales = None, None
+    efficiency, scales, passes = None, None, (0.0, 0.0)
     if steps is not None:
-        efficiency, half, scales, step_fit = steps
+        efficiency, half, scales, passes, step_fit = steps
         fits.append(step_fit)
     if steps is not None or controller is not None or buffer_s:
         topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw,
                                        launch_s=launch, host_cores=cores, collectives=collectives, name=name,
                                        efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
-                                       controller_step_s=controller_step_s, controller_buffer_s=buffer_s)
+                                       controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
+                                       controller_pipeline_step_s=pipeline_step_s, passes=passes)
     c = topo.calibration
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
-        "memory_efficiency": c.memory_efficiency, "launch_overhead_s": c.launch_overhead_s,
+        "memory_efficiency": c.memory_efficiency, "replicated_passes": c.replicated_passes,
+        "split_passes": c.split_passes, "launch_overhead_s": c.launch_overhead_s,
         "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
         "controller_overhead_s": c.controller_overhead_s, "controller_step_s": c.controller_step_s,
+        "controller_pipeline_step_s": c.controller_pipeline_step_s,
         "controller_buffer_s": c.controller_buffer_s,
         "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
         "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
@@ -288,12 +291,17 @@ def _render_calibration(console: Any, data: dict[str, Any]) -> None:
     table.add_row("compute_efficiency", f"{f['compute_efficiency']:.3f}")
     table.add_row("efficiency_half_flops", f"{f['efficiency_half_flops']:.3g}")
     table.add_row("memory bandwidth", format_bandwidth(f["sustained_memory_bandwidth"]))
+    if f.get("replicated_passes") or f.get("split_passes"):
+        table.add_row("elementwise passes", f"{f['replicated_passes']:.1f} over replicated, "
+                                            f"{f['split_passes']:.1f} over split activation bytes")
     table.add_row("launch_overhead_s", format_time(f["launch_overhead_s"]))
     table.add_row("collective_overhead_s", format_time(f["collective_overhead_s"]))
     table.add_row("host_cores", f"{f['host_cores']} (devices alone vs all at once: {f['shared_host_cores']:.2f})")
     if f.get("controller_overhead_s"):
         table.add_row("controller_overhead_s", f"{format_time(f['controller_overhead_s'])} per dispatched program")
         table.add_row("controller_step_s", f"{format_time(f.get('controller_step_s', 0.0))} per step")
+        table.add_row("controller_pipeline_step_s",
+                      f"{format_time(f.get('controller_pipeline_step_s', 0.0))} more per pipeline step")
     if f.get("controller_buffer_s"):
         table.add_row("controller_buffer_s", f"{format_time(f['controller_buffer_s'])} per device buffer dispatched")
     for name, level in f["levels"].items():

@@ -102,6 +102,11 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     shapes = [name for name in STEP_SHAPES if name.startswith("cpu-" if cpu else "acc-")]
     out += [Benchmark(kind="step", op=name) for name in (shapes[:3:2] if quick else shapes)]
     out += [Benchmark(kind="step", op=f"{shapes[-2]}-bf16")]
+    # Tensor-parallel steps (same FLOPs per device, replicated LayerNorms and residuals): the elementwise
+    # passes over replicated activations apart from those over split ones.
+    for t in sorted({t for t in (2, num_devices) if 1 < t <= num_devices and num_devices % t == 0}):
+        wide = [name for name in shapes if STEP_SHAPES[name][0]["heads"] % t == 0][1:2 if quick else 3]
+        out += [Benchmark(kind="step", op=f"{name}-t{t}") for name in wide]
     if num_devices >= 2 and num_devices % 2 == 0:
         # The single controller's cost per program: two-stage pipelines of two microbatch counts.
         out += [Benchmark(kind="pipeline", op=f"{'cpu-s' if cpu else 'acc-s'}-m{m}") for m in PIPELINE_MICROBATCHES]

@@ -355,7 +355,9 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         launch_s: float, host_cores: float, collectives: CollectiveParams | None,
                         name: str | None = None, efficiency: float | None = None,
                         peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0,
-                        controller_step_s: float = 0.0, controller_buffer_s: float = 0.0) -> Topology:
+                        controller_step_s: float = 0.0, controller_buffer_s: float = 0.0,
+                        controller_pipeline_step_s: float = 0.0,
+                        passes: tuple[float, float] = (0.0, 0.0)) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
     Peaks: the matmul rate's fraction of the base device's peak (median over
@@ -366,9 +368,11 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     likewise. Dtypes not measured keep their base peak; ``peak_scales``
     (from the training steps) multiply a dtype's peak last. ``controller_s``
     and ``controller_step_s`` are the controller's CPU time per dispatched
-    program and per step (:func:`testbed.calibration_steps.fit_controller`),
+    program and per step, ``controller_pipeline_step_s`` a pipeline step's
+    extra (:func:`testbed.calibration_steps.fit_controller`),
     ``controller_buffer_s`` per device buffer a program passes
-    (:func:`testbed.calibration_steps.fit_controller_buffers`).
+    (:func:`testbed.calibration_steps.fit_controller_buffers`); ``passes``
+    the elementwise (replicated, split) passes fitted on the training steps.
 
     Shared host throughput ``host_cores = r`` (e.g. 1.5 cores' worth) is
     written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
@@ -391,9 +395,9 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
         efficiency *= host_cores / cores
     calibration = Calibration(
         compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
-        launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
+        replicated_passes=passes[0], split_passes=passes[1], launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
         host_cores=cores, controller_overhead_s=controller_s, controller_step_s=controller_step_s,
-        controller_buffer_s=controller_buffer_s)
+        controller_pipeline_step_s=controller_pipeline_step_s, controller_buffer_s=controller_buffer_s)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
     if collectives is not None:

@@ -16,7 +16,9 @@ calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
   (MPMD) with two microbatch counts: :func:`fit_controller` fits the CPU time
   the controller thread spent per step, less its buffers' part, as a line in
   the programs the simulator's controller dispatches (testbed.program): the
-  slope is ``controller_overhead_s``, the intercept ``controller_step_s``.
+  slope is ``controller_overhead_s``; the intercept is the step samples' own
+  per-step time (``controller_step_s``, every step) plus what only a
+  pipeline step pays (``controller_pipeline_step_s``).
 
 Pure: plans in, numbers out (the simulator is imported lazily).
 """
@@ -58,34 +60,53 @@ STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
 
 
 def step_plan(name: str, devices: int = 1) -> Plan:
-    """The plan of :data:`STEP_SHAPES` ``name`` (fp32; ``NAME-bf16``: bf16-mixed), data parallel over ``devices``.
+    """The plan of :data:`STEP_SHAPES` ``name`` on ``devices`` devices: ``SHAPE[-tK][-bf16]``.
 
-    Every device runs the shape's batch, so with emulated devices this times
-    the model's kernels while all devices share the host, as in real plans.
+    Data parallel (``-tK``: ``K``-way tensor parallel, data over the rest),
+    fp32 (``-bf16``: bf16-mixed). Every device does the FLOPs of the shape's
+    batch, so with emulated devices this times the model's kernels while all
+    devices share the host, as in real plans; a tensor-parallel sample does
+    them with its replicated activations (LayerNorms, residual adds) whole on
+    every device, which is what tells the two elementwise pass counts apart.
     """
-    shape = name.removesuffix("-bf16")
+    stem = name.removesuffix("-bf16")
+    shape, _, tensor = stem.rpartition("-t")
+    if not (shape in STEP_SHAPES and tensor.isdigit() and int(tensor) >= 1):
+        shape, tensor = stem, "1"
     if shape not in STEP_SHAPES:
-        raise InputError(f"unknown step shape `{name}`; valid: {', '.join(STEP_SHAPES)} (+ -bf16)", field="op")
+        raise InputError(f"unknown step shape `{name}`; valid: SHAPE[-tK][-bf16] with SHAPE one of "
+                         f"{', '.join(STEP_SHAPES)}", field="op")
+    t = int(tensor)
+    if devices % t:
+        raise InputError(f"`{name}` splits the tensor axis {t} ways; {devices} devices are not a multiple of it",
+                         field="devices")
     fields_, batch = STEP_SHAPES[shape]
     return Plan(name=name, model=ModelSpec(**fields_), batch=BatchSpec(global_batch=batch * devices, microbatches=1),
-                mesh=MeshSpec(data=devices), precision="bf16-mixed" if name.endswith("-bf16") else "fp32")
+                mesh=MeshSpec(data=devices // t, tensor=t),
+                precision="bf16-mixed" if name.endswith("-bf16") else "fp32")
 
 
 def fit_step_compute(topology: Topology, samples: Sequence[Sample],
-                     ) -> tuple[float, float, dict[str, float], Fit] | None:
-    """Efficiency, half-efficiency FLOPs and per-dtype peak scales that best predict measured steps.
+                     ) -> tuple[float, float, dict[str, float], tuple[float, float], Fit] | None:
+    """Efficiency, half-efficiency FLOPs, per-dtype peak scales and elementwise passes that best predict measured steps.
 
-    A step sample is the data-parallel plan of a shape on ``devices`` devices.
+    A step sample is the plan of :func:`step_plan` on ``devices`` devices.
     Its predicted time is the representative's compute tasks
     (:func:`testbed.simulator.compute_seconds`, slowed by ``devices /
     host_cores`` when the devices share the host) plus the exposed
     communication the simulator finds at the starting calibration. A grid
-    over (efficiency, half), refined twice, fits the fp32 steps; each other
-    dtype's peak is then scaled (1-D grid) to fit its steps (bf16 on a CPU is
-    far slower in a model than in one matmul). None without step samples.
+    over (efficiency, half), refined three times, fits the fp32 steps; at
+    each point the elementwise passes (``replicated_passes``,
+    ``split_passes``: the time is linear in them) are a non-negative least
+    squares of the relative errors. The two are told apart only by
+    tensor-parallel samples (their replicated share differs); without any,
+    one pass count is fitted for both. Each other dtype's peak is then
+    scaled (1-D grid) to fit its steps (bf16 on a CPU is far slower in a
+    model than in one matmul). None without step samples.
     """
     from types import SimpleNamespace
 
+    from testbed.calibration import nonnegative_lstsq
     from testbed.placement import place
     from testbed.program import TaskKind, build_program
     from testbed.simulator import compute_seconds, simulate
@@ -94,7 +115,7 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     if not rows:
         return None
     plans = [step_plan(r.op, r.devices) for r in rows]
-    tasks = [[(t.flops, t.hbm_bytes, t.kernels) for t in build_program(p, place(p, num_devices=r.devices)).tasks
+    tasks = [[t for t in build_program(p, place(p, num_devices=r.devices)).tasks
               if t.kind is TaskKind.COMPUTE and t.device == 0] for p, r in zip(plans, rows)]
     cores = topology.calibration.host_cores
     slowdown = np.array([max(1.0, r.devices / cores) if cores else 1.0 for r in rows])
@@ -102,33 +123,53 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
                      for p, r in zip(plans, rows)])
     measured = np.array([r.seconds for r in rows])
     dtypes = [p.precision.compute_dtype for p in plans]
+    bandwidth = topology.device.memory_bandwidth * topology.calibration.memory_efficiency
+    # Seconds per elementwise pass over each plan's replicated and split activation bytes.
+    traffic = np.array([[sum(t.replicated_bytes for t in ts), sum(t.split_bytes for t in ts)] for ts in tasks])
+    traffic = traffic / bandwidth * slowdown[:, None]
+    separate = any(p.mesh.tensor > 1 for p in plans)
 
-    def predict(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:
+    def matmul(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:
         device = replace(topology.device, peak_flops={d: v * scales.get(d, 1.0) for d, v in
                                                       topology.device.peak_flops.items()})
         stub = SimpleNamespace(device=device, calibration=replace(
-            topology.calibration, compute_efficiency=eff, efficiency_half_flops=half))
-        work = np.array([sum(compute_seconds(stub, d, f, b, k) for f, b, k in ts) for d, ts in zip(dtypes, tasks)])
+            topology.calibration, compute_efficiency=eff, efficiency_half_flops=half, replicated_passes=0.0,
+            split_passes=0.0))
+        work = np.array([sum(compute_seconds(stub, d, t.flops, t.hbm_bytes, t.kernels) for t in ts)
+                         for d, ts in zip(dtypes, tasks)])
         return work * slowdown + comm
 
-    def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str) -> float:
+    def passes(base: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
+        columns = traffic[mask] / measured[mask, None]
+        if not separate:
+            columns = columns.sum(axis=1, keepdims=True)
+        x = nonnegative_lstsq(columns, 1.0 - base[mask] / measured[mask])
+        return (float(x[0]), float(x[1])) if separate else (float(x[0]), float(x[0]))
+
+    def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str,
+             fixed: tuple[float, float] | None = None) -> tuple[float, tuple[float, float]]:
         mask = np.array([d == dtype for d in dtypes])
-        return float(np.sum((predict(eff, half, scales)[mask] / measured[mask] - 1.0) ** 2))
+        base = matmul(eff, half, scales)
+        x = passes(base, mask) if fixed is None else fixed
+        predicted = base + traffic @ np.array(x)
+        return float(np.sum((predicted[mask] / measured[mask] - 1.0) ** 2)), x
 
     main = "fp32" if "fp32" in dtypes else dtypes[0]
     effs, halves = np.geomspace(0.01, 1.5, 40), np.concatenate([[0.0], np.geomspace(1e3, 1e11, 33)])
     for span in (1.3, 1.06, 1.01, None):  # refine around the best point, each grid finer
-        _, e, h = min((cost(e, h, {}, main), e, h) for e in effs for h in halves)
+        _, e, h = min((cost(e, h, {}, main)[0], e, h) for e in effs for h in halves)
         if span is not None:
             effs = np.clip(np.geomspace(e / span, e * span, 13), 1e-3, 1.5)
             halves = np.unique([0.0, *np.geomspace(max(h, 1e3) / span ** 4, max(h, 1e3) * span ** 4, 13)])
-    scales = {d: min((cost(e, h, {d: x}, d), x) for x in np.geomspace(0.02, 50, 200))[1]
+    x = cost(e, h, {}, main)[1]
+    scales = {d: min((cost(e, h, {d: k}, d, x)[0], k) for k in np.geomspace(0.02, 50, 200))[1]
               for d in sorted(set(dtypes) - {main})}
-    r2, residuals = fit_quality(predict(e, h, scales), measured)
+    r2, residuals = fit_quality(matmul(e, h, scales) + traffic @ np.array(x), measured)
     fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h),
-                                             **{f"peak_scale_{d}": float(x) for d, x in scales.items()}},
+                                             "replicated_passes": x[0], "split_passes": x[1],
+                                             **{f"peak_scale_{d}": float(k) for d, k in scales.items()}},
               r2=r2, rel_residuals=residuals, samples=len(rows))
-    return float(e), float(h), {d: float(x) for d, x in scales.items()}, fit
+    return float(e), float(h), {d: float(k) for d, k in scales.items()}, x, fit
 
 
 #: Microbatch counts of the ``pipeline`` samples (different counts: the
@@ -191,37 +232,47 @@ def fit_controller_buffers(samples: Sequence[Sample]) -> tuple[float, Fit] | Non
                     r2=r2, rel_residuals=residuals, samples=len(rows))
 
 
-def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0) -> tuple[float, float, Fit] | None:
-    """``(controller_step_s, controller_overhead_s)``: the controller's CPU time per step and per program.
+def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0) -> tuple[float, float, float, Fit] | None:
+    """``(controller_step_s, controller_overhead_s, controller_pipeline_step_s)``: the controller's CPU time.
 
     Each ``pipeline`` sample measured the controller thread's time per step
     (``host_s``); :func:`controller_load` counts the programs its plan
     dispatches and their device buffers, priced at ``buffer_s``
     (:func:`fit_controller_buffers`) and taken off first. With two or more
-    program counts, a non-negative line ``host_s = step + programs *
-    per_program``; with one, the ratio (and no per-step part). Without
-    pipeline samples (one device), the ``step`` samples' median controller
-    time (less buffers) is all per step (an SPMD step is one program). None
-    when no sample measured the controller.
+    program counts, a non-negative line ``host_s = intercept + programs *
+    per_program``; with one, the ratio (and no per-step part). The ``step``
+    samples (SPMD: one program) measure the per-step part of every step,
+    ``controller_step_s``: their median controller time less buffers and one
+    program. What the pipeline line's intercept has beyond it is
+    ``controller_pipeline_step_s`` (the MPMD engine's own work per step:
+    splitting the batch into microbatches, placing them per stage). Without
+    pipeline samples (one device) the step samples' time (less buffers) is
+    all per step; without step samples the intercept is. None when no sample
+    measured the controller.
     """
+    steps = np.array([max(0.0, s.host_s - buffer_s * controller_load(step_plan(s.op, s.devices))[1])
+                      for s in _of_kind(samples, "step") if s.host_s > 0])
     rows = [s for s in _of_kind(samples, "pipeline") if s.host_s > 0]
     if not rows:
-        steps = np.array([max(0.0, s.host_s - buffer_s * controller_load(step_plan(s.op, s.devices))[1])
-                          for s in _of_kind(samples, "step") if s.host_s > 0])
         if steps.size == 0:
             return None
         step = float(np.median(steps))
         r2, residuals = fit_quality(np.full(steps.size, step), steps)
-        return step, 0.0, Fit(name="controller", values={"controller_step_s": step, "controller_overhead_s": 0.0},
-                              r2=r2, rel_residuals=residuals, samples=int(steps.size))
+        return step, 0.0, 0.0, Fit(name="controller", values={"controller_step_s": step,
+                                                              "controller_overhead_s": 0.0},
+                                   r2=r2, rel_residuals=residuals, samples=int(steps.size))
     loads = np.array([controller_load(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
     programs = loads[:, 0]
     host = np.array([r.host_s for r in rows]) - buffer_s * loads[:, 1]
     if len(set(programs.tolist())) >= 2:
         line = fit_line(programs, host, name="controller")
-        step, per = line.values["intercept"], line.values["slope"]
+        intercept, per = line.values["intercept"], line.values["slope"]
     else:
-        step, per = 0.0, float(np.median(host / programs))
-    r2, residuals = fit_quality(step + per * programs, host)
-    return step, per, Fit(name="controller", values={"controller_step_s": step, "controller_overhead_s": per},
-                          r2=r2, rel_residuals=residuals, samples=len(rows))
+        intercept, per = 0.0, float(np.median(host / programs))
+    step = float(np.clip(np.median(steps) - per, 0.0, intercept)) if steps.size else intercept
+    pipeline = intercept - step
+    predicted = np.concatenate([intercept + per * programs, np.full(steps.size, step + per)])
+    r2, residuals = fit_quality(predicted, np.concatenate([host, steps]))
+    return step, per, pipeline, Fit(name="controller", values={
+        "controller_step_s": step, "controller_overhead_s": per, "controller_pipeline_step_s": pipeline},
+        r2=r2, rel_residuals=residuals, samples=len(rows) + int(steps.size))

@@ -34,7 +34,7 @@ from testbed.plan import ModelSpec, Plan, Precision, Remat
 __all__ = [
     "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "chunk_layers",
     "stage_param_count", "device_stage_params", "layer_forward_flops", "head_forward_flops", "recompute_flops_per_layer",
-    "activation_bytes_per_layer", "head_activation_bytes", "ChunkCost", "chunk_cost", "model_flops_per_step",
+    "activation_bytes_per_layer", "layer_traffic_bytes", "head_activation_bytes", "ChunkCost", "chunk_cost", "model_flops_per_step",
     "step_flops_per_device",
 ]
 
@@ -187,18 +187,39 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     those copies (both inside the recomputed core attention): linear in ``seq``.
     Full keeps only the block input ``c * N * d``.
     """
-    remat, c = Remat(remat), Precision(precision).compute_bytes
+    remat = Remat(remat)
+    if remat is Remat.FULL:
+        return Precision(precision).compute_bytes * microbatch_size * spec.seq_len * spec.d_model
+    replicated, split = layer_traffic_bytes(spec, microbatch_size, precision, tensor)
+    if remat is Remat.NONE:
+        return replicated + split
+    c, n, d, f, t = Precision(precision).compute_bytes, microbatch_size * spec.seq_len, spec.d_model, spec.d_ff, tensor
+    # Two LayerNorms keep a mean and a reciprocal std per token: 4 values per token.
+    return c * (4 * n * d + (4 * n * d + 2 * n * f) // t + 4 * n)
+
+
+def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
+                        tensor: int = 1) -> tuple[int, int]:
+    """(replicated, split) bytes of the activations one layer's forward writes, for one microbatch.
+
+    These are the no-remat kept activations of :func:`activation_bytes_per_layer`
+    (their sum), divided by where they live under tensor parallelism:
+    *replicated* ones every tensor rank writes whole (the LayerNorms' inputs,
+    outputs and statistics over the residual stream: ``c * (4 N d + 4 N)``),
+    *split* ones each rank writes ``1/t`` of (Q, K, V, their head-major
+    copies, the softmax output, the attention output, the MLP hidden). The
+    simulator prices the elementwise passes over them (calibration
+    ``replicated_passes`` and ``split_passes``): on a tensor-parallel device
+    the replicated part does not shrink with ``t``.
+    """
+    c = Precision(precision).compute_bytes
     b, s, d, f, t = microbatch_size, spec.seq_len, spec.d_model, spec.d_ff, tensor
     n = b * s
-    if remat is Remat.FULL:
-        return c * n * d
-    # Two LayerNorms keep a mean and a reciprocal std per token: 4 values per token.
-    linear = c * (4 * n * d + (4 * n * d + 2 * n * f) // t + 4 * n)
-    if remat is Remat.SELECTIVE:
-        return linear
+    replicated = c * (4 * n * d + 4 * n)
     # Without remat the score matmul's operands stay live too: XLA copies Q and K to head-major
     # layout for the batched matmul and the backward reuses those copies.
-    return linear + c * (2 * n * d // t + b * spec.heads * s * s // t)
+    split = c * ((4 * n * d + 2 * n * f) // t + 2 * n * d // t + b * spec.heads * s * s // t)
+    return replicated, split
 
 
 def head_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str, tensor: int = 1) -> int:
@@ -224,6 +245,12 @@ class ChunkCost:
     the chunk's parameters and writes its kept activations; backward reads
     parameters and activations and writes gradients (about twice forward).
 
+    ``forward_traffic`` is (replicated, split) bytes of the activations the
+    forward writes (:func:`layer_traffic_bytes` per layer; the embedding's
+    output and the head's LayerNorm are replicated, its fp32 logits split);
+    ``recompute_traffic`` what the backward's remat writes again (full: the
+    layers' forward; selective: the softmax outputs).
+
     Tensor-parallel all-reduces (each ``tensor_allreduce_bytes``; 0 when
     tensor is 1): 2 per layer forward (after the out projection and the MLP)
     and 2 per layer backward (gradients into QKV and MLP-in), plus 1 forward
@@ -241,6 +268,8 @@ class ChunkCost:
     backward_bytes: int
     params: int
     activation_out_bytes: int
+    forward_traffic: tuple[int, int]
+    recompute_traffic: tuple[int, int]
     tensor_allreduce_bytes: int
     tensor_allreduces_forward: int
     tensor_allreduces_backward: int
@@ -280,12 +309,21 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         kept += head_activation_bytes(spec, b, plan.precision, t)
     n_bytes = b * spec.seq_len * spec.d_model * c
     forward_bytes = params * c + kept + n_bytes
+    replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t))
+    recompute = {Remat.NONE: (0, 0), Remat.FULL: (replicated, split),
+                 Remat.SELECTIVE: (0, layers * c * (b * spec.heads * spec.seq_len ** 2 // t))}[plan.remat]
+    replicated += n_bytes if embed else 0
+    if head:
+        n = b * spec.seq_len
+        replicated += c * n * (2 * spec.d_model + 2)
+        split += LOSS_BYTES * n * (spec.vocab // t + 1)
     tp = t > 1
     return ChunkCost(
         layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,
         recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t),
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
-        activation_out_bytes=0 if head else n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
+        activation_out_bytes=0 if head else n_bytes, forward_traffic=(replicated, split),
+        recompute_traffic=recompute, tensor_allreduce_bytes=n_bytes if tp else 0,
         tensor_allreduces_forward=(2 * layers + int(embed)) if tp else 0,
         tensor_allreduces_backward=(2 * layers + int(head)) if tp else 0,
         has_embedding=embed, has_head=head)

@@ -16,15 +16,17 @@ parameter all-gathers). A stream runs its tasks in program order, one at a
 time; a task also waits for its ``deps``.
 
 The controller (``build_program(..., controller=True)``): one host thread
-prepares the step (task ``op="step"``: the batch) and then dispatches every
+prepares the step (task ``op="step"``, ``"pipeline step"`` for a pipeline:
+the batch, and its microbatches per stage) and then dispatches every
 program, one after another, on the ``host`` stream of the first
 representative. A plan without pipeline stages is one SPMD program (one
 dispatch before the first action); a pipeline runs one program per action on
 its stage's devices (MPMD), so each action waits for its own dispatch, which
 also issues the action's sends (``count`` programs in all), and each stage's
 optimizer update is one more. The simulator prices the step task at
-``calibration.controller_step_s`` and a dispatch at
-``controller_overhead_s``; on a shared host (``host_cores``) the controller
+``calibration.controller_step_s`` (plus ``controller_pipeline_step_s`` for a
+pipeline) and a dispatch at ``controller_overhead_s`` per program and
+``controller_buffer_s`` per device buffer; on a shared host (``host_cores``) the controller
 takes a core's share like a device.
 
 Parameter and gradient sharding (same conventions as testbed.memory):
@@ -81,14 +83,16 @@ class Task:
     """One task on one representative device's stream.
 
     Compute tasks carry ``flops``, ``hbm_bytes`` and ``kernels`` (the FLOPs of
-    one kernel decide its efficiency). Collectives carry ``op``, ``nbytes``
+    one kernel decide its efficiency), and the activation bytes they write,
+    ``replicated_bytes`` and ``split_bytes`` over the tensor axis (priced by
+    the elementwise passes of the calibration). Collectives carry ``op``, ``nbytes``
     (DESIGN.md convention), ``count`` back-to-back repeats and the
     representative's ``group``; sends carry ``group = (src, dst)``.
     ``instances`` are all groups or pairs running the same task at once.
     ``pipeline`` marks F/B/W actions and their tensor all-reduces. Host tasks
     are the controller's: a dispatch of ``count`` programs passing
     ``buffers`` device buffers in all (testbed.dispatch), or the step's
-    preparation (``op="step"``, ``count=0``).
+    preparation (``op="step"`` or ``"pipeline step"``, ``count=0``).
     """
 
     name: str
@@ -98,6 +102,8 @@ class Task:
     deps: tuple[int, ...] = ()
     flops: float = 0.0
     hbm_bytes: float = 0.0
+    replicated_bytes: float = 0.0
+    split_bytes: float = 0.0
     kernels: int = 1
     op: str = ""
     nbytes: float = 0.0
@@ -209,7 +215,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor all-reduces block)
     host = reps[0]
     if controller:
-        b.add(name="prepare step", device=host, stream="host", kind=TaskKind.HOST, op="step", count=0)
+        b.add(name="prepare step", device=host, stream="host", kind=TaskKind.HOST,
+              op="step" if p == 1 else "pipeline step", count=0)
     if controller and p == 1:
         previous[0] = b.add(name="dispatch step", device=host, stream="host", kind=TaskKind.HOST,
                             buffers=dispatch.spmd_step_buffers(plan))
@@ -233,7 +240,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             deps.append(b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                               op="all_gather", nbytes=cost.params * param_b,
                               group=_rep_group(p_groups[s], rep), instances=p_groups[s]))
-        flops, hbm, tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
+        flops, hbm, (replicated, split), tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
         kernels = max(1, 4 * cost.layers)
         pieces, scatter = 1, False
         if action.kind == last_bwd_kind:
@@ -246,6 +253,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         for k in range(pieces):
             last = b.add(name=label if pieces == 1 else f"{label}/{k}", device=rep, stream="compute",
                          kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
+                         replicated_bytes=replicated / pieces, split_bytes=split / pieces,
                          kernels=max(1, kernels // pieces), pipeline=True)
             deps = []
             if pieces > 1:
@@ -292,21 +300,29 @@ def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
     return execution_order(schedule)
 
 
-def _action_work(cost: model.ChunkCost, kind: str, split: bool, remat: Remat) -> tuple[float, float, int]:
-    """(FLOPs, HBM bytes, tensor all-reduces) of one action on one microbatch.
+def _action_work(cost: model.ChunkCost, kind: str, split: bool, remat: Remat,
+                 ) -> tuple[float, float, tuple[float, float], int]:
+    """(FLOPs, HBM bytes, (replicated, split) activation traffic, tensor all-reduces) of one action on one microbatch.
 
-    Full remat reruns each layer's forward up to the MLP down projection in
-    the backward, so the attention output's tensor all-reduce runs again
-    (one per layer); selective remat redoes no all-reduce.
+    The backward writes about twice the forward's activation traffic (the
+    gradients of each activation and of its inputs), B and W one forward's
+    worth each when split, plus what remat writes again. Full remat reruns
+    each layer's forward up to the MLP down projection in the backward, so
+    the attention output's tensor all-reduce runs again (one per layer);
+    selective remat redoes no all-reduce.
     """
+    forward = cost.forward_traffic
     if kind == "F":
-        return float(cost.forward_flops), float(cost.forward_bytes), cost.tensor_allreduces_forward
+        return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
+            cost.tensor_allreduces_forward
     if kind == "B":
         flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
+        times = 1 if split else 2
+        traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
         redo = cost.layers if remat is Remat.FULL and cost.tensor_allreduces_backward else 0
-        return float(flops), float(hbm), cost.tensor_allreduces_backward + redo
-    return float(cost.backward_weight_flops), cost.backward_bytes / 2, 0
+        return float(flops), float(hbm), traffic, cost.tensor_allreduces_backward + redo
+    return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), 0
 
 
 def _sends(schedule: Schedule, stage: int, action: Action, costs) -> list[tuple[int, int, float]]:

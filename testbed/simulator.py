@@ -3,11 +3,15 @@
 Pricing (:func:`price`) turns each task into a standalone duration and, for
 communication, the bytes it moves over each directed link:
 
-- compute: ``launch_overhead_s + max(flops / (peak * eff(f)), bytes /
-  (memory_bandwidth * memory_efficiency))`` with the precision's peak FLOP/s
-  and ``eff(f) = compute_efficiency * f / (f + efficiency_half_flops)`` for a
-  kernel of ``f`` FLOPs (the roofline of the calibrated device);
-- host (the controller): ``controller_step_s`` for the step's preparation,
+- compute: ``launch_overhead_s + max(flops / (peak * eff(f)), bytes / bw) +
+  (replicated_passes * replicated_bytes + split_passes * split_bytes) / bw``
+  with the precision's peak FLOP/s, ``bw = memory_bandwidth *
+  memory_efficiency`` and ``eff(f) = compute_efficiency * f / (f +
+  efficiency_half_flops)`` for a kernel of ``f`` FLOPs: the roofline of the
+  calibrated device, plus the memory-bound elementwise passes over the
+  activations the task writes (0 unless calibrated);
+- host (the controller): ``controller_step_s`` for the step's preparation
+  (plus ``controller_pipeline_step_s`` for a pipeline's),
   ``count * controller_overhead_s + buffers * controller_buffer_s`` for a
   dispatch (:func:`controller_seconds`);
 - collectives and sends: timed by testbed.collective_timing; their link
@@ -65,16 +69,19 @@ class Simulation:
     program: Program
 
 
-def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1) -> float:
-    """Roofline time of a compute task of ``kernels`` equal kernels on one device (calibrated)."""
+def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
+                    replicated_bytes: float = 0.0, split_bytes: float = 0.0) -> float:
+    """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes)."""
     cal, dev = topology.calibration, topology.device
     t = 0.0
     if flops > 0:
         per_kernel = flops / max(1, kernels)
         eff = cal.compute_efficiency * per_kernel / (per_kernel + cal.efficiency_half_flops)
         t = flops / (dev.flops(dtype) * eff)
+    bandwidth = dev.memory_bandwidth * cal.memory_efficiency
     if hbm_bytes > 0:
-        t = max(t, hbm_bytes / (dev.memory_bandwidth * cal.memory_efficiency))
+        t = max(t, hbm_bytes / bandwidth)
+    t += (cal.replicated_passes * replicated_bytes + cal.split_passes * split_bytes) / bandwidth
     return cal.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
 
 
@@ -82,6 +89,8 @@ def controller_seconds(calibration: Calibration, task: Task) -> float:
     """Controller time of a host task: the step's preparation, or a dispatch (per program and per device buffer)."""
     if task.op == "step":
         return calibration.controller_step_s
+    if task.op == "pipeline step":
+        return calibration.controller_step_s + calibration.controller_pipeline_step_s
     return task.count * calibration.controller_overhead_s + task.buffers * calibration.controller_buffer_s
 
 
@@ -126,7 +135,8 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
             loads.append(None)
             continue
         if task.kind is TaskKind.COMPUTE:
-            durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels))
+            durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels,
+                                             task.replicated_bytes, task.split_bytes))
             loads.append(None)
             continue
         key = (task.kind, task.op, task.group, task.nbytes, task.count, id(task.instances))
@@ -406,7 +416,7 @@ def simulate(plan: Plan, topology: Topology) -> Simulation:
     cal = topology.calibration
     program = build_program(plan, place(plan, topology),
                             controller=cal.controller_overhead_s > 0 or cal.controller_step_s > 0
-                            or cal.controller_buffer_s > 0)
+                            or cal.controller_buffer_s > 0 or cal.controller_pipeline_step_s > 0)
     priced = price(program, topology, plan.precision.compute_dtype)
     timeline = run(program, priced, topology.calibration.host_cores)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

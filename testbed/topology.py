@@ -130,6 +130,13 @@ class Calibration:
     efficiency_half_flops: FLOPs of one kernel at which it reaches half of
         ``compute_efficiency`` (small kernels are latency bound).
     memory_efficiency: fraction of peak memory bandwidth reached.
+    replicated_passes, split_passes: memory passes, at the calibrated
+        bandwidth, over each byte of activations a compute task writes
+        (testbed.model.layer_traffic_bytes), replicated on every tensor rank
+        or split over them: the memory-bound kernels between the matmuls
+        (LayerNorm, GELU, softmax, residual adds, layout copies), added to
+        the matmul roofline. A compiler that fuses them has few passes;
+        XLA:CPU many. Both 0 (the default) leave them out.
     launch_overhead_s: fixed cost per compute task (kernel/program dispatch).
     collective_overhead_s: software cost per round of a collective.
     host_cores: if > 0, devices share this many host cores (emulated CPU
@@ -138,6 +145,9 @@ class Calibration:
         it dispatches (one per pipeline action and its sends, testbed.program);
     controller_step_s: host time it spends once per step besides (making and
         placing the batch, summing the loss).
+    controller_pipeline_step_s: what a pipeline step (MPMD: one program per
+        action) costs it per step beyond that (splitting the batch into
+        microbatches and placing them per stage).
     controller_buffer_s: host time per device buffer a dispatched program
         takes or returns (arrays x devices, testbed.dispatch). All three 0
         leave the controller out of the simulation.
@@ -146,11 +156,14 @@ class Calibration:
     compute_efficiency: float = 1.0
     efficiency_half_flops: float = 0.0
     memory_efficiency: float = 1.0
+    replicated_passes: float = 0.0
+    split_passes: float = 0.0
     launch_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
     host_cores: int = 0
     controller_overhead_s: float = 0.0
     controller_step_s: float = 0.0
+    controller_pipeline_step_s: float = 0.0
     controller_buffer_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -158,8 +171,8 @@ class Calibration:
             value = getattr(self, name)
             if not 0 < value <= 1.5:
                 raise InputError(f"must be in (0, 1.5], got {value}", field=f"calibration.{name}")
-        for name in ("efficiency_half_flops", "launch_overhead_s", "collective_overhead_s", "controller_overhead_s",
-                     "controller_step_s", "controller_buffer_s"):
+        for name in ("efficiency_half_flops", "replicated_passes", "split_passes", "launch_overhead_s", "collective_overhead_s", "controller_overhead_s",
+                     "controller_step_s", "controller_pipeline_step_s", "controller_buffer_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"must be non-negative, got {getattr(self, name)}", field=f"calibration.{name}")
         if self.host_cores < 0:

@@ -296,30 +296,65 @@ def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
                                                 efficiency_half_flops=3e6))
     samples = [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
                for name in ("cpu-s", "cpu-m", "cpu-l", "cpu-xl")]
-    efficiency, half, scales, fit = cal_steps.fit_step_compute(single, samples)
+    efficiency, half, scales, passes, fit = cal_steps.fit_step_compute(single, samples)
     assert efficiency == pytest.approx(0.4, rel=0.03)
     assert half == pytest.approx(3e6, rel=0.3)
     assert scales == {} and fit.max_abs_rel < 0.02
+    assert passes[0] == passes[1] and passes[0] < 0.5  # no tensor-parallel sample: one count; the truth has none
 
 
-def test_fit_controller_recovers_the_cost_per_step_and_per_program():
-    step, per = 8e-3, 4e-4
+def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_parallel_steps():
+    """Steps simulated with known elementwise passes (replicated 24, split 6) on 8 devices: the fit finds them.
+
+    Only the tensor-parallel samples separate the two (their replicated share
+    of the activation bytes is larger); the data-parallel ones alone get one
+    count for both.
+    """
+    from testbed.simulator import simulate
+
+    base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+                                   memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None)
+    base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
+    truth = replace(base, calibration=replace(base.calibration, compute_efficiency=0.4, replicated_passes=24.0,
+                                              split_passes=6.0))
+    names = ("cpu-s", "cpu-m", "cpu-l", "cpu-xl", "cpu-xs-t2", "cpu-m-t8", "cpu-l-t8")
+    samples = [Sample(kind="step", op=n, devices=8, seconds=simulate(cal_steps.step_plan(n, 8), truth).report.step_time_s)
+               for n in names]
+    efficiency, _, _, passes, fit = cal_steps.fit_step_compute(base, samples)
+    assert efficiency == pytest.approx(0.4, rel=0.03)
+    assert passes == (pytest.approx(24.0, rel=0.05), pytest.approx(6.0, rel=0.1))
+    assert fit.max_abs_rel < 0.02 and fit.values["replicated_passes"] == passes[0]
+    tensor = cal_steps.step_plan("cpu-m-t8", 8)
+    assert (tensor.mesh.tensor, tensor.mesh.data) == (8, 1)
+    assert cal_steps.step_plan("cpu-m", 8).model == tensor.model
+    _, _, _, same, _ = cal_steps.fit_step_compute(base, samples[:4])
+    assert same[0] == same[1] > 0
+
+
+def test_fit_controller_recovers_the_cost_per_step_per_program_and_per_pipeline_step():
+    """Pipeline samples give the line (intercept = step + pipeline extra); SPMD step samples the step alone."""
+    step, per, extra = 2e-3, 4e-4, 6e-3
 
     def sample(m: int, devices: int = 8) -> Sample:
         programs = cal_steps.controller_programs(cal_steps.pipeline_plan(f"cpu-s-m{m}", devices))
-        return Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=devices, seconds=0.1, host_s=step + per * programs)
+        return Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=devices, seconds=0.1,
+                      host_s=step + extra + per * programs)
 
-    samples = [sample(m) for m in cal_steps.PIPELINE_MICROBATCHES]
-    samples.append(Sample(kind="step", op="cpu-s", devices=8, seconds=0.05, host_s=0.01))  # SPMD: not used
-    fitted_step, fitted_per, fit = cal_steps.fit_controller(samples)
-    assert fitted_step == pytest.approx(step, rel=1e-6) and fitted_per == pytest.approx(per, rel=1e-6)
-    assert fit.max_abs_rel < 1e-6 and fit.samples == 2
-    # One microbatch count cannot separate the two: all of it is per program.
-    only, per_only, _ = cal_steps.fit_controller(samples[:1])
-    assert only == 0.0 and per_only == pytest.approx(samples[0].host_s / 14)
+    pipelines = [sample(m) for m in cal_steps.PIPELINE_MICROBATCHES]
+    spmd = [Sample(kind="step", op=op, devices=8, seconds=0.05, host_s=step + per) for op in ("cpu-s", "cpu-m-t8")]
+    fitted_step, fitted_per, fitted_extra, fit = cal_steps.fit_controller(pipelines + spmd)
+    assert (fitted_step, fitted_per, fitted_extra) == (pytest.approx(step, rel=1e-6), pytest.approx(per, rel=1e-6),
+                                                      pytest.approx(extra, rel=1e-6))
+    assert fit.max_abs_rel < 1e-6 and fit.samples == 4
+    # Without SPMD steps the whole intercept is per step (no pipeline extra).
+    only_pipelines = cal_steps.fit_controller(pipelines)
+    assert only_pipelines[0] == pytest.approx(step + extra) and only_pipelines[2] == 0.0
+    # One microbatch count cannot separate step and program: all of it is per program.
+    only, per_only, _, _ = cal_steps.fit_controller(pipelines[:1])
+    assert only == 0.0 and per_only == pytest.approx(pipelines[0].host_s / 14)
     # One device (no pipeline samples): the SPMD steps' controller time is all per step.
     steps = [Sample(kind="step", op="cpu-s", seconds=0.05, host_s=h) for h in (0.004, 0.005, 0.009)]
-    assert cal_steps.fit_controller(steps)[:2] == (pytest.approx(0.005), 0.0)
+    assert cal_steps.fit_controller(steps)[:3] == (pytest.approx(0.005), 0.0, 0.0)
     assert cal_steps.fit_controller([Sample(kind="step", op="cpu-s", seconds=0.05)]) is None
 
 
@@ -338,7 +373,8 @@ def test_fit_controller_buffers_and_the_controller_without_them():
         return Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=8, seconds=0.1,
                       host_s=step + per * programs + per_buffer * buffers)
 
-    got_step, got_per, _ = cal_steps.fit_controller([sample(m) for m in cal_steps.PIPELINE_MICROBATCHES], per_buffer)
+    got_step, got_per, _, _ = cal_steps.fit_controller([sample(m) for m in cal_steps.PIPELINE_MICROBATCHES],
+                                                       per_buffer)
     assert got_step == pytest.approx(step, rel=1e-6) and got_per == pytest.approx(per, rel=1e-6)
 
 
@@ -377,5 +413,13 @@ def test_controller_overhead_round_trips_through_yaml(tmp_path):
     topo = replace(topo, calibration=replace(topo.calibration, controller_step_s=7e-3))
     path.write_text(dump_topology(topo))
     assert load_topology(str(path)).calibration.controller_step_s == pytest.approx(7e-3)
+    topo = replace(topo, calibration=replace(topo.calibration, controller_pipeline_step_s=9e-3,
+                                             replicated_passes=17.5, split_passes=2.25))
+    path.write_text(dump_topology(topo))
+    loaded = load_topology(str(path)).calibration
+    assert (loaded.controller_pipeline_step_s, loaded.replicated_passes, loaded.split_passes) == (
+        pytest.approx(9e-3), 17.5, 2.25)
+    with pytest.raises(InputError, match="split_passes"):
+        replace(topo.calibration, split_passes=-1.0)
     with pytest.raises(InputError, match="controller_overhead_s"):
         replace(topo.calibration, controller_overhead_s=-1.0)

@@ -123,6 +123,28 @@ def test_activation_bytes_order_and_scaling() -> None:
     assert tm.activation_bytes_per_layer(spec, 2, "fp32", Remat.NONE, tensor=2) < act[Remat.NONE]
 
 
+@pytest.mark.parametrize("tensor", [1, 2, 4])
+def test_traffic_splits_the_kept_activations_into_replicated_and_split(tensor: int) -> None:
+    """layer_traffic_bytes partitions the no-remat activations; only the split part shrinks with the tensor axis."""
+    spec = ModelSpec(layers=4, d_model=64, heads=4, d_ff=256, seq_len=32, vocab=64)
+    replicated, split = tm.layer_traffic_bytes(spec, 2, "fp32", tensor)
+    assert replicated + split == tm.activation_bytes_per_layer(spec, 2, "fp32", Remat.NONE, tensor)
+    one_r, one_s = tm.layer_traffic_bytes(spec, 2, "fp32", 1)
+    assert replicated == one_r == 4 * (4 * 64 * 64 + 4 * 64) and split * tensor == one_s
+    plan = _plan(spec, mesh=MeshSpec(tensor=tensor, stage=2), batch=2)
+    first, last = tm.chunk_cost(plan, 0), tm.chunk_cost(plan, 1)
+    n = 2 * spec.seq_len
+    # Stage 0 adds the embedding's output (replicated); the last stage the head LN and the fp32 logits.
+    assert first.forward_traffic == (2 * one_r + 4 * n * spec.d_model, 2 * split)
+    assert last.forward_traffic == (2 * one_r + 4 * n * (2 * spec.d_model + 2),
+                                    2 * split + 4 * n * (spec.vocab // tensor + 1))
+    assert first.recompute_traffic == (0, 0)
+    full = tm.chunk_cost(replace(plan, remat=Remat.FULL), 0)
+    assert full.recompute_traffic == (2 * one_r, 2 * split)
+    selective = tm.chunk_cost(replace(plan, remat=Remat.SELECTIVE), 0)
+    assert selective.recompute_traffic == (0, 2 * 4 * 2 * spec.heads * spec.seq_len ** 2 // tensor)
+
+
 def test_interleaved_chunk_cost_and_bad_indices() -> None:
     spec = ModelSpec(layers=8, d_model=32, heads=4, d_ff=64, seq_len=16, vocab=48)
     plan = _plan(spec, mesh=MeshSpec(stage=2), schedule=ScheduleSpec(name="interleaved", virtual_stages=2),

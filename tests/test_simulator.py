@@ -300,6 +300,17 @@ def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
     # A later microbatch's backward also passes the accumulated gradients.
     b0, b1 = (next(t for t, _ in host if t.name == f"dispatch B{m}@1") for m in (0, 1))
     assert b1.buffers - b0.buffers == dispatch.chunk_param_arrays(plan, 1, 0) * plan.mesh.data  # per device
+    # A pipeline's step preparation costs its extra on top of every step's.
+    steps = replace(base, calibration=replace(base.calibration, controller_step_s=1e-3,
+                                              controller_pipeline_step_s=4e-3))
+    prepared = simulate(plan, steps)
+    prepare = [(t, d) for t, d in zip(prepared.program.tasks, price(prepared.program, steps, "fp32").durations)
+               if t.name == "prepare step"]
+    assert [(t.op, d) for t, d in prepare] == [("pipeline step", pytest.approx(5e-3))]
+    spmd = simulate(make_plan(data=4, layers=4), steps)
+    assert [t.op for t in spmd.program.tasks if t.name == "prepare step"] == ["step"]
+    assert spmd.timeline.step_time_s < simulate(make_plan(data=4, layers=4), replace(
+        steps, calibration=replace(steps.calibration, controller_step_s=5e-3))).timeline.step_time_s
     # Buffers alone switch the controller on.
     only = replace(base, calibration=replace(base.calibration, controller_buffer_s=1e-6))
     assert any(t.kind is TaskKind.HOST for t in simulate(plan, only).program.tasks)

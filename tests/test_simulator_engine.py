@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -124,6 +125,11 @@ def test_compute_seconds_roofline():
     assert compute_seconds(topo, "fp32", 0.0, 0.0) == 0.0
     # Two kernels of 50 FLOPs: each at eff 0.5 * 50/150.
     assert compute_seconds(topo, "fp32", 100.0, 0.0, kernels=2) == pytest.approx(0.25 + 100 / (100 * 0.5 / 3))
+    # Elementwise passes add to the roofline at the calibrated bandwidth (5 B/s): 3 x 10 B + 2 x 5 B = 8 s.
+    passes = switch(2, device=device, bandwidth=1.0, calibration=replace(
+        topo.calibration, replicated_passes=3.0, split_passes=2.0))
+    assert compute_seconds(passes, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25 + 8.0)
+    assert compute_seconds(topo, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25)  # 0 passes: none
 
 
 def test_measured_timeline_and_report_share_the_types():
