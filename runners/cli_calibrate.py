@@ -130,7 +130,8 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         fits.append(memory_fit)
     except InputError:  # noisy streams on a busy host: keep the base topology's bandwidth
         memory_bw = base.device.memory_bandwidth * base.calibration.memory_efficiency
-    shared = cal.fit_host_cores(samples, base.num_devices)
+    shared = cal.fit_host_cores(samples)
+    curve = cal.fit_host_throughput(samples)
     # Devices that share a host saturate its cores once that many compute at once; steps then fit the rest.
     has_steps = any(s.kind == "step" for s in samples)
     cores = float(host_cpus) if shared and host_cpus and has_steps else shared
@@ -141,7 +142,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         collectives, coll_fit = cal.fit_collectives(base, rows, simulator_collective_time)
         fits.append(coll_fit)
     topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
-                                   host_cores=cores, collectives=collectives, name=name)
+                                   host_cores=cores, collectives=collectives, name=name, host_throughput=curve)
     buffers = cal_steps.fit_controller_buffers(samples)
     buffer_s = 0.0
     if buffers is not None:
@@ -162,13 +163,15 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                        launch_s=launch, host_cores=cores, collectives=collectives, name=name,
                                        efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
                                        controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
-                                       controller_pipeline_step_s=pipeline_step_s, passes=passes)
+                                       controller_pipeline_step_s=pipeline_step_s, passes=passes,
+                                       host_throughput=curve)
     c = topo.calibration
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
         "memory_efficiency": c.memory_efficiency, "replicated_passes": c.replicated_passes,
         "split_passes": c.split_passes, "launch_overhead_s": c.launch_overhead_s,
         "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
+        "host_throughput": {str(n): t for n, t in c.host_throughput},
         "controller_overhead_s": c.controller_overhead_s, "controller_step_s": c.controller_step_s,
         "controller_pipeline_step_s": c.controller_pipeline_step_s,
         "controller_buffer_s": c.controller_buffer_s,
@@ -297,6 +300,8 @@ def _render_calibration(console: Any, data: dict[str, Any]) -> None:
     table.add_row("launch_overhead_s", format_time(f["launch_overhead_s"]))
     table.add_row("collective_overhead_s", format_time(f["collective_overhead_s"]))
     table.add_row("host_cores", f"{f['host_cores']} (devices alone vs all at once: {f['shared_host_cores']:.2f})")
+    if f.get("host_throughput"):
+        table.add_row("host_throughput", ", ".join(f"{n} at once: {t:.2f}" for n, t in f["host_throughput"].items()))
     if f.get("controller_overhead_s"):
         table.add_row("controller_overhead_s", f"{format_time(f['controller_overhead_s'])} per dispatched program")
         table.add_row("controller_step_s", f"{format_time(f.get('controller_step_s', 0.0))} per step")

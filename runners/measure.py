@@ -89,8 +89,9 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     out += [Benchmark(kind="matmul", size=n, dtype=d) for d in dtypes for n in sizes]
     if num_devices > 1:
         # Emulated devices share the host's cores: how much slower is everyone at once.
+        # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.fit_host_throughput).
         out += [Benchmark(kind="concurrent", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
-                for k in (1, num_devices)]
+                for k in sorted({1, 2, max(1, num_devices // 2), num_devices})]
     out += [Benchmark(kind="memory", size=b) for b in streams]
     groups = sorted({g for g in (2, 8, 64) if g < num_devices and num_devices % g == 0} | {num_devices})
     if quick:

@@ -35,7 +35,7 @@ from testbed.topology import Calibration, Form, Topology
 
 __all__ = [
     "Sample", "Fit", "CollectiveParams", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line",
-    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "collective_columns", "fit_collectives",
+    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput", "collective_columns", "fit_collectives",
     "calibrated_topology", "samples_to_rows", "samples_from_rows", "level_groups", "with_collective_params",
 ]
 
@@ -217,24 +217,44 @@ def fit_memory(samples: Sequence[Sample], launch_s: float) -> tuple[float, Fit]:
     return rate, fit
 
 
-def fit_host_cores(samples: Sequence[Sample], num_devices: int) -> float:
+def fit_host_cores(samples: Sequence[Sample]) -> float:
     """Host cores' worth of throughput emulated devices share: ``k * t(alone) / t(k at once)``.
 
     The ``concurrent`` samples run the same per-device work on one device
-    alone and on all ``k`` devices at once. 0 (nothing shared) when all at
+    alone and on ``k`` devices at once; this takes the largest ``k``. 0 (nothing shared) when all at
     once is within 25% of alone (real accelerators); else the median ratio,
     at least 1. A fraction (1.5) is fine: see :func:`calibrated_topology`.
     """
     alone = {(s.flops, s.dtype): s.seconds for s in _of_kind(samples, "concurrent") if s.devices == 1}
-    ratios, k = [], num_devices
-    for s in _of_kind(samples, "concurrent"):
-        if s.devices > 1 and (s.flops, s.dtype) in alone:
-            ratios.append(s.devices * alone[(s.flops, s.dtype)] / s.seconds)
-            k = s.devices
-    if not ratios:
+    rows = [s for s in _of_kind(samples, "concurrent") if s.devices > 1 and (s.flops, s.dtype) in alone]
+    if not rows:
         return 0.0
+    k = max(s.devices for s in rows)  # all devices at once (the curve's other counts: fit_host_throughput)
+    ratios = [k * alone[(s.flops, s.dtype)] / s.seconds for s in rows if s.devices == k]
     cores = float(np.median(ratios))
     return 0.0 if cores >= 0.8 * k else max(1.0, cores)
+
+
+def fit_host_throughput(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...]:
+    """The shared host's throughput curve: ``(k, T(k))`` with ``T(k) = k * t(alone) / t(k at once)``.
+
+    Median over the ``concurrent`` sample sizes at each device count ``k``;
+    ``T(1) = 1``, and each ``T(k)`` is kept within ``[T(previous), k]`` (more
+    devices never get less done in the model). Empty when there are no
+    concurrent samples on more than one device, or when :func:`fit_host_cores`
+    finds nothing shared (real accelerators).
+    """
+    rows = _of_kind(samples, "concurrent")
+    alone = {(s.flops, s.dtype): s.seconds for s in rows if s.devices == 1}
+    counts = sorted({s.devices for s in rows if s.devices > 1 and (s.flops, s.dtype) in alone})
+    if not counts or not fit_host_cores(samples):
+        return ()
+    curve = [(1, 1.0)]
+    for k in counts:
+        done = float(np.median([k * alone[(s.flops, s.dtype)] / s.seconds for s in rows
+                                if s.devices == k and (s.flops, s.dtype) in alone]))
+        curve.append((k, float(np.clip(done, curve[-1][1], k))))
+    return tuple(curve)
 
 
 # -- collectives ---------------------------------------------------------------
@@ -357,6 +377,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0,
                         controller_step_s: float = 0.0, controller_buffer_s: float = 0.0,
                         controller_pipeline_step_s: float = 0.0,
+                        host_throughput: tuple[tuple[int, float], ...] = (),
                         passes: tuple[float, float] = (0.0, 0.0)) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
@@ -374,7 +395,10 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     (:func:`testbed.calibration_steps.fit_controller_buffers`); ``passes``
     the elementwise (replicated, split) passes fitted on the training steps.
 
-    Shared host throughput ``host_cores = r`` (e.g. 1.5 cores' worth) is
+    A measured ``host_throughput`` curve (:func:`fit_host_throughput`) is
+    written as it is, with ``host_cores = ceil(T(N))`` beside it for the
+    reader, and no efficiency scaling. Without one, shared host throughput
+    ``host_cores = r`` (e.g. 1.5 cores' worth) is
     written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
     ``r / ceil(r)``: the simulator gives ``n`` devices computing at once
     ``min(1, cores / n)`` of their speed each, so this is exact whenever at
@@ -391,12 +415,14 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
     cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
     efficiency = matmul_efficiency if efficiency is None else efficiency
-    if cores:
+    if host_throughput:
+        cores = math.ceil(max(t for _, t in host_throughput) - 1e-9)
+    elif cores:
         efficiency *= host_cores / cores
     calibration = Calibration(
         compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
         replicated_passes=passes[0], split_passes=passes[1], launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
-        host_cores=cores, controller_overhead_s=controller_s, controller_step_s=controller_step_s,
+        host_cores=cores, host_throughput=tuple(host_throughput), controller_overhead_s=controller_s, controller_step_s=controller_step_s,
         controller_pipeline_step_s=controller_pipeline_step_s, controller_buffer_s=controller_buffer_s)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")

@@ -92,8 +92,8 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
 
     A step sample is the plan of :func:`step_plan` on ``devices`` devices.
     Its predicted time is the representative's compute tasks
-    (:func:`testbed.simulator.compute_seconds`, slowed by ``devices /
-    host_cores`` when the devices share the host) plus the exposed
+    (:func:`testbed.simulator.compute_seconds`, slowed by the host's share
+    of ``devices`` computing at once, ``Calibration.host_share``) plus the exposed
     communication the simulator finds at the starting calibration. A grid
     over (efficiency, half), refined three times, fits the fp32 steps; at
     each point the elementwise passes (``replicated_passes``,
@@ -117,8 +117,7 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     plans = [step_plan(r.op, r.devices) for r in rows]
     tasks = [[t for t in build_program(p, place(p, num_devices=r.devices)).tasks
               if t.kind is TaskKind.COMPUTE and t.device == 0] for p, r in zip(plans, rows)]
-    cores = topology.calibration.host_cores
-    slowdown = np.array([max(1.0, r.devices / cores) if cores else 1.0 for r in rows])
+    slowdown = np.array([1.0 / topology.calibration.host_share(r.devices) for r in rows])
     comm = np.array([simulate(p, topology).report.exposed_comm_s if r.devices > 1 else 0.0
                      for p, r in zip(plans, rows)])
     measured = np.array([r.seconds for r in rows])

@@ -26,7 +26,7 @@ also issues the action's sends (``count`` programs in all), and each stage's
 optimizer update is one more. The simulator prices the step task at
 ``calibration.controller_step_s`` (plus ``controller_pipeline_step_s`` for a
 pipeline) and a dispatch at ``controller_overhead_s`` per program and
-``controller_buffer_s`` per device buffer; on a shared host (``host_cores``) the controller
+``controller_buffer_s`` per device buffer; on a shared host (``host_cores``, ``host_throughput``) the controller
 takes a core's share like a device.
 
 Parameter and gradient sharding (same conventions as testbed.memory):

@@ -23,8 +23,9 @@ The engine (:func:`run`) keeps every representative's streams as FIFOs; a
 task starts when it heads its stream and its dependencies are done. Tasks in
 flight progress as fluids: transfers share links max-min fairly
 (testbed.contention), re-evaluated whenever a task starts or finishes; with
-``calibration.host_cores > 0`` the devices computing at once (and the
-controller thread while it works) share that many host cores. The result is
+a shared host (``calibration.host_cores`` or ``host_throughput``) the devices
+computing at once (and the controller thread while it works) share its
+throughput. The result is
 a :class:`~testbed.timeline.Timeline` over the representatives (and the
 device -> representative map) and a :class:`~testbed.timeline.Report`.
 """
@@ -259,8 +260,14 @@ def _price_transfer(topology: Topology, timing, task: Task, bw, sym: _Symmetry) 
     return seconds, normalised_loads(seconds, total, own, capacity)
 
 
-def run(program: Program, priced: Priced, host_cores: int = 0) -> Timeline:
-    """Play ``program`` with ``priced`` durations as a fluid discrete-event simulation."""
+def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Calibration | None = None) -> Timeline:
+    """Play ``program`` with ``priced`` durations as a fluid discrete-event simulation.
+
+    Devices computing at once share the host as ``calibration.host_share``
+    says (or, without a calibration, ``host_cores`` as in
+    :class:`~testbed.topology.Calibration`).
+    """
+    sharing = calibration if calibration is not None else Calibration(host_cores=host_cores)
     tasks, durations, task_loads = program.tasks, priced.durations, priced.loads
     n = len(tasks)
     row_index: dict[tuple[int, str], int] = {}
@@ -326,9 +333,7 @@ def run(program: Program, priced: Priced, host_cores: int = 0) -> Timeline:
             dirty_comm = False
         if dirty_compute:
             comp = [i for i in active if not is_comm[i]]
-            share = 1.0
-            if host_cores > 0:
-                share = min(1.0, host_cores / max(1, sum(weight[i] for i in comp)))
+            share = sharing.host_share(sum(weight[i] for i in comp)) if sharing.shares_host else 1.0
             for i in comp:
                 rate[i] = share / durations[i]
             dirty_compute = False
@@ -418,5 +423,5 @@ def simulate(plan: Plan, topology: Topology) -> Simulation:
                             controller=cal.controller_overhead_s > 0 or cal.controller_step_s > 0
                             or cal.controller_buffer_s > 0 or cal.controller_pipeline_step_s > 0)
     priced = price(program, topology, plan.precision.compute_dtype)
-    timeline = run(program, priced, topology.calibration.host_cores)
+    timeline = run(program, priced, calibration=topology.calibration)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

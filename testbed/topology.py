@@ -140,7 +140,14 @@ class Calibration:
     launch_overhead_s: fixed cost per compute task (kernel/program dispatch).
     collective_overhead_s: software cost per round of a collective.
     host_cores: if > 0, devices share this many host cores (emulated CPU
-        devices): devices computing at once split the host's throughput.
+        devices): ``n`` devices computing at once run at ``min(1, cores / n)``
+        of their speed alone.
+    host_throughput: measured instead (``calibrate``): pairs ``(n, T)``, the
+        work of ``T`` devices alone that ``n`` devices computing at once get
+        done (``T(1) = 1``; linear between points, flat after the last), so
+        each runs at ``T(n) / n``. On a 2-core host one XLA:CPU device alone
+        already uses more than a core, so two at once get less than twice its
+        work done. Overrides ``host_cores`` when given.
     controller_overhead_s: host time the single controller spends per program
         it dispatches (one per pipeline action and its sends, testbed.program);
     controller_step_s: host time it spends once per step besides (making and
@@ -161,6 +168,7 @@ class Calibration:
     launch_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
     host_cores: int = 0
+    host_throughput: tuple[tuple[int, float], ...] = ()
     controller_overhead_s: float = 0.0
     controller_step_s: float = 0.0
     controller_pipeline_step_s: float = 0.0
@@ -177,6 +185,31 @@ class Calibration:
                 raise InputError(f"must be non-negative, got {getattr(self, name)}", field=f"calibration.{name}")
         if self.host_cores < 0:
             raise InputError(f"must be non-negative, got {self.host_cores}", field="calibration.host_cores")
+        curve = tuple((int(n), float(t)) for n, t in self.host_throughput)
+        object.__setattr__(self, "host_throughput", curve)
+        if curve and (curve[0] != (1, 1.0) or any(b[0] <= a[0] for a, b in zip(curve, curve[1:]))
+                      or any(not 0 < t <= n for n, t in curve)):
+            raise InputError(f"must map device counts 1 < n2 < ... to 0 < T(n) <= n, starting at 1: 1.0; got "
+                             f"{dict(curve)}", field="calibration.host_throughput")
+
+    @property
+    def shares_host(self) -> bool:
+        """Whether devices computing at once slow each other (emulated devices of one host)."""
+        return bool(self.host_throughput) or self.host_cores > 0
+
+    def host_share(self, computing: float) -> float:
+        """Fraction of its speed alone each of ``computing`` devices (at once) runs at."""
+        if computing <= 1:
+            return 1.0
+        if self.host_throughput:
+            curve = self.host_throughput
+            done = curve[-1][1]
+            for (n0, t0), (n1, t1) in zip(curve, curve[1:]):
+                if computing <= n1:
+                    done = t0 + (t1 - t0) * (computing - n0) / (n1 - n0)
+                    break
+            return min(1.0, done / computing)
+        return min(1.0, self.host_cores / computing) if self.host_cores > 0 else 1.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

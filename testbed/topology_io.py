@@ -93,6 +93,13 @@ def _calibration(data: Any) -> Calibration:
             continue
         if name == "host_cores":
             values[name] = get_int(data, name, "calibration", minimum=0)
+        elif name == "host_throughput":
+            curve = expect_mapping(data[name], "calibration.host_throughput")
+            try:
+                values[name] = tuple(sorted((int(k), float(v)) for k, v in curve.items()))
+            except (TypeError, ValueError):
+                raise InputError(f"expected device counts mapped to numbers (1: 1.0, 2: 1.3, ...), got {curve!r}",
+                                 field="calibration.host_throughput") from None
         elif name.endswith("_s"):
             values[name] = parse_time(data[name], f"calibration.{name}")
         else:
@@ -202,6 +209,8 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
     defaults = Calibration()
     calib = {f.name: getattr(topology.calibration, f.name) for f in fields(Calibration)
              if getattr(topology.calibration, f.name) != getattr(defaults, f.name)}
+    if "host_throughput" in calib:
+        calib["host_throughput"] = {n: t for n, t in calib["host_throughput"]}
     if calib:
         out["calibration"] = calib
     return out

@@ -68,10 +68,32 @@ def test_fit_host_cores_from_concurrency(cores):
     k, t1 = 8, 1e-3
     samples = [Sample(kind="concurrent", seconds=t1, flops=1e6),
                Sample(kind="concurrent", seconds=t1 * k / cores, flops=1e6, devices=k)]
-    assert cal.fit_host_cores(samples, k) == pytest.approx(cores)
+    assert cal.fit_host_cores(samples) == pytest.approx(cores)
     # Devices that do not share anything: no slowdown when all compute at once.
     parallel = [samples[0], Sample(kind="concurrent", seconds=1.05 * t1, flops=1e6, devices=k)]
-    assert cal.fit_host_cores(parallel, k) == 0
+    assert cal.fit_host_cores(parallel) == 0
+
+
+def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp_path):
+    """T(k) = k * t(alone) / t(k at once), per device count, median over sizes; none when nothing is shared."""
+    truth = {1: 1.0, 2: 1.25, 4: 1.5, 8: 1.7}
+    samples = [Sample(kind="concurrent", seconds=t1 * k / done, flops=f, devices=k)
+               for t1, f in ((0.01, 1e6), (0.04, 4e6)) for k, done in truth.items()]
+    curve = cal.fit_host_throughput(samples)
+    assert dict(curve) == {k: pytest.approx(v) for k, v in truth.items()}
+    parallel = [Sample(kind="concurrent", seconds=0.01 * (1 + 0.01 * k), flops=1e6, devices=k) for k in truth]
+    assert cal.fit_host_throughput(parallel) == () and cal.fit_host_throughput(samples[:1]) == ()
+    base = load_topology("host-cpu-8")
+    topo = cal.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
+                                   host_cores=2.0, collectives=None, efficiency=0.5, host_throughput=curve)
+    # The curve is written as measured: no efficiency scaling, host_cores beside it for the reader.
+    assert topo.calibration.compute_efficiency == 0.5 and topo.calibration.host_cores == 2
+    path = tmp_path / "t.yaml"
+    path.write_text(dump_topology(topo))
+    assert load_topology(str(path)).calibration.host_throughput == topo.calibration.host_throughput
+    path.write_text(dump_topology(topo).replace("host_throughput:", "host_throughput: 3\n  old:"))
+    with pytest.raises(InputError, match="host_throughput"):
+        load_topology(str(path))
 
 
 @pytest.mark.parametrize("shared", [1.0, 1.5, 2.0, 2.7])

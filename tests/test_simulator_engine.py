@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from testbed.contention import Flow, LinkLedger, fair_rates, normalised_loads
+from testbed.errors import InputError
 from testbed.program import Program, Task, TaskKind
 from testbed.simulator import Priced, compute_seconds, run
 from testbed.timeline import Report, Timeline, chrome_trace
@@ -106,6 +107,22 @@ def test_host_cores_are_shared_by_devices_computing_at_once(cores, expected):
     priced = Priced(durations=(1.0, 1.0), loads=(None, None), bandwidth={})
     timeline = run(_program(tasks, 4, [0, 0, 2, 2]), priced, host_cores=cores)
     assert timeline.step_time_s == pytest.approx(expected)
+
+
+def test_a_measured_host_throughput_curve_sets_each_devices_share():
+    """n devices at once run at T(n)/n each: linear between measured points, flat after the last."""
+    cal = Calibration(host_throughput=((1, 1.0), (2, 1.2), (4, 1.6)))
+    assert cal.shares_host and cal.host_share(1) == 1.0
+    assert cal.host_share(2) == pytest.approx(0.6) and cal.host_share(3) == pytest.approx(1.4 / 3)
+    assert cal.host_share(8) == pytest.approx(0.2)
+    tasks = [_compute("a", 0), _compute("b", 2)]
+    priced = Priced(durations=(1.0, 1.0), loads=(None, None), bandwidth={})
+    # Two representatives of 2 devices each: 4 at once, each at 0.4 of its speed alone; one pair alone: 0.6.
+    assert run(_program(tasks, 4, [0, 0, 2, 2]), priced, calibration=cal).step_time_s == pytest.approx(2.5)
+    assert run(_program(tasks[:1], 4, [0, 0, 2, 2]), priced, calibration=cal).step_time_s == pytest.approx(1 / 0.6)
+    for bad in (((2, 1.0),), ((1, 1.0), (1, 1.0)), ((1, 1.0), (2, 3.0)), ((1, 1.0), (2, 0.0))):
+        with pytest.raises(InputError, match="host_throughput"):
+            Calibration(host_throughput=bad)
 
 
 def test_program_rejects_forward_dependencies():
