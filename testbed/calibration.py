@@ -396,8 +396,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     the elementwise (replicated, split) passes fitted on the training steps.
 
     A measured ``host_throughput`` curve (:func:`fit_host_throughput`) is
-    written as it is, with ``host_cores = ceil(T(N))`` beside it for the
-    reader, and no efficiency scaling. Without one, shared host throughput
+    written as it is, with ``host_cores`` (the host's CPUs) beside it for
+    the reader, and no efficiency scaling. Without one, shared host throughput
     ``host_cores = r`` (e.g. 1.5 cores' worth) is
     written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
     ``r / ceil(r)``: the simulator gives ``n`` devices computing at once
@@ -415,9 +415,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
     cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
     efficiency = matmul_efficiency if efficiency is None else efficiency
-    if host_throughput:
-        cores = math.ceil(max(t for _, t in host_throughput) - 1e-9)
-    elif cores:
+    if cores and not host_throughput:
         efficiency *= host_cores / cores
     calibration = Calibration(
         compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
