@@ -3,7 +3,10 @@
 Why: on the emulated host, ``tp8`` of ``plans/validation/`` runs about twice
 as long as ``dp8`` at equal FLOPs per device, and the simulator's roofline
 (``max(FLOPs time, HBM bytes time)`` per task, with ``testbed.model``'s
-minimal-traffic bytes) misses it by about -55%. XLA's ``cost_analysis()``
+minimal-traffic bytes) missed it by about -55%; the simulator now adds
+elementwise passes over the replicated and split activation bytes
+(``testbed.model.layer_traffic_bytes``, calibration ``replicated_passes`` and
+``split_passes``, fitted on training steps), which this study motivated. XLA's ``cost_analysis()``
 counts 342 MB accessed per device per step for tp8 against 139 MB for dp8:
 the LayerNorms, residual adds and biases run on the full, replicated
 activations of every tensor-parallel device. This script compiles the
@@ -20,9 +23,9 @@ the compute dtype):
 It prints ONE JSON object: the coefficients (passes over each term), the
 fit's median and max relative error, and per-shape rows. The coefficients
 are XLA:CPU's (its fusion decides how many passes an elementwise chain
-takes); a GPU compiler fuses more, so a time model built on them needs the
-passes as a per-platform calibration, fitted from step samples of varied
-shape (see issue notes).
+takes); a GPU compiler fuses more, which is why the simulator's pass counts
+are calibration fields fitted per platform from data- and tensor-parallel
+step samples (``testbed calibrate``), not these numbers.
 
     python benchmarks/traffic_vs_xla.py
 """
