@@ -73,8 +73,12 @@ def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray
         elif action.kind == "B":
             dx = None
             if mine[stage]:
-                seed = jnp.full((), 1.0 / m, jnp.float32)
-                cotangent = jax.device_put(seed, losses[0].sharding) if g == last else cot.pop((g, mb))
+                if g == last:  # per replica: each of the R losses has 1/R of the microbatch's mean
+                    seed = losses[0]
+                    cotangent = jax.device_put(jnp.full(seed.shape, 1.0 / (m * max(1, seed.size)), seed.dtype),
+                                               seed.sharding)
+                else:
+                    cotangent = cot.pop((g, mb))
                 grads[g], *rest = pipeline._pull(trainer.prepare[stage], stored.pop((g, mb)), chunk_params, cotangent,
                                                  grads.get(g))
                 dx = rest[0] if rest else None
@@ -82,7 +86,7 @@ def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray
                 dx = move(dx, g, g - 1)
                 if dx is not None:
                     cot[(g - 1, mb)] = dx
-    loss = sum(losses[1:], losses[0]) / m if losses else None
+    loss = pipeline.mean_loss(losses) if losses else None
     out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] if mine[s] else None
            for s in range(sch.stages)]
     return loss, out

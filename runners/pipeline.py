@@ -23,8 +23,9 @@ runners.pipeline_spmd.
 
 The model is the caller's: ``stage_forward(stage, chunk, params, x)`` runs
 one chunk (the embedding belongs to stage 0 chunk 0), ``loss_fn(params, y,
-targets)`` the head and loss of the last chunk. The loss is the mean over
-microbatches and gradients are of that mean.
+targets)`` the head and loss of the last chunk (a scalar, or per-replica
+losses). The loss is the mean over microbatches (and replicas) and gradients
+are of that mean.
 """
 
 from __future__ import annotations
@@ -126,6 +127,16 @@ def _forward(stage_forward: StageForward, loss_fn: LossFn, prepare: Prepare | No
     return y, Stored.split(pullback, prepared)
 
 
+def mean_loss(losses: list[jax.Array]) -> jax.Array:
+    """The step's loss: the mean over microbatches, and over replicas when each microbatch's is per replica.
+
+    The one reduction of the loss over ``data`` per step (none inside the
+    microbatches' programs).
+    """
+    total = sum(losses[1:], losses[0]) / len(losses)
+    return jnp.mean(total) if total.ndim else total
+
+
 def _backward(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, weights: bool = True) -> Any:
     """The pullback's outputs, parameter gradients taken back through the cast (skipped without ``weights``).
 
@@ -180,7 +191,9 @@ class MpmdEngine:
     Args:
         schedule: a valid table (checked here).
         stage_forward: ``(stage, chunk, params, x) -> y`` for one model chunk.
-        loss_fn: ``(params_of_last_chunk, y, targets) -> scalar`` loss of one microbatch.
+        loss_fn: ``(params_of_last_chunk, y, targets) -> loss`` of one microbatch: a scalar, or
+            ``[R]`` per-replica losses whose mean it is (then nothing is reduced over replicas
+            until the step's end, :func:`mean_loss`).
         shardings: per stage, the sharding of activations arriving there
             (e.g. a ``NamedSharding`` on the stage's sub-mesh); ``None`` leaves
             placement to the inputs (a single device, for tests).
@@ -276,8 +289,8 @@ class MpmdEngine:
                 continue
             if action.kind == "B":
                 if g == self._last:
-                    seed = losses[0]
-                    cotangent = jnp.full(seed.shape, 1.0 / m, seed.dtype)
+                    seed = losses[0]  # per replica: each of the R losses has 1/R of the microbatch's mean
+                    cotangent = jnp.full(seed.shape, 1.0 / (m * max(1, seed.size)), seed.dtype)
                     if seed.sharding is not None:
                         cotangent = jax.device_put(cotangent, seed.sharding)
                 else:
@@ -294,7 +307,7 @@ class MpmdEngine:
                 continue
             grads[g] = _pull_weight(self._prepare[stage], pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)),
                                     grads.get(g))
-        loss = sum(losses[1:], losses[0]) / m
+        loss = mean_loss(losses)
         out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] for s in range(sch.stages)]
         return loss, out
 

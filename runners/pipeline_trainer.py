@@ -25,7 +25,7 @@ from runners.parallel import batch_spec, layout_for
 from runners.pipeline import Prepare
 from runners.precision import Optimizer
 from runners.program_memory import StageProgramMemory, pipeline_memory
-from runners.replicas import Spread, per_replica_forward, per_replica_loss, replicas, sum_replicas
+from runners.replicas import Spread, per_replica_forward, per_replica_losses, replicas, sum_replicas
 from runners.step import host_tree, place_tree, state_shardings, step_batch
 from testbed.errors import InputError
 from testbed.model import chunk_layers
@@ -100,12 +100,13 @@ class PipelineTrainer:
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
             return model.head_loss(params["head"], y, targets)
 
-        # Data replicas keep their gradients apart until the update: one reduction per step (runners.replicas).
+        # Data replicas keep their gradients apart until the update, and their losses until the step's end:
+        # one reduction per step (runners.replicas), none per microbatch.
         self.replicas = replicas(plan)
         if self.replicas > 1:
             last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
             chunk_forward = per_replica_forward(chunk_forward, self.replicas, stage_meshes)
-            loss_fn = per_replica_loss(loss_fn, self.replicas, stage_meshes[last_stage])
+            loss_fn = per_replica_losses(loss_fn, self.replicas, stage_meshes[last_stage])
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
         mb = plan.batch.global_batch // plan.batch.microbatches
         self.act_shape = (mb, spec.seq_len, spec.d_model)
@@ -210,7 +211,7 @@ class PipelineTrainer:
             def chunk_grad(p: Any, h: jax.Array, t: jax.Array, s: int = s, last: bool = last) -> Any:
                 def f(p: Any) -> jax.Array:
                     y = self.chunk_forward(s, 0, p, h)
-                    return self.loss_fn(p, y, t) if last else jnp.sum(y.astype(jnp.float32))
+                    return jnp.mean(self.loss_fn(p, y, t)) if last else jnp.sum(y.astype(jnp.float32))
                 spread = self.prepare[s].spread if self.prepare[s] is not None else None
                 return jax.grad(f)(spread(p) if spread else p)  # per replica, as the engine's backward
 

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from testbed.plan import Plan
 from testbed.sharding import gradient_reduction
 
-__all__ = ["replicas", "Spread", "per_replica_forward", "per_replica_losses", "per_replica_loss",
+__all__ = ["replicas", "Spread", "per_replica_forward", "per_replica_losses",
            "replica_value_and_grad", "sum_replicas"]
 
 #: The mesh axis the replicas run over.
@@ -90,13 +90,6 @@ def per_replica_losses(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], c
         losses = jax.vmap(loss)(params, _split(y, count, mesh), _split(targets, count, mesh))
         return jax.lax.with_sharding_constraint(losses, NamedSharding(mesh, P(AXIS)))
     return run
-
-
-def per_replica_loss(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
-                     ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
-    """``loss(params, y, targets)`` on spread params: the mean of the replicas' equal-sized losses."""
-    losses = per_replica_losses(loss, count, mesh)
-    return lambda params, y, targets: jnp.mean(losses(params, y, targets))
 
 
 def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any

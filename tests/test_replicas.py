@@ -38,7 +38,11 @@ def _count(text: str, op: str) -> int:
 
 
 def _backward_texts(trainer, state) -> list[str]:
-    """Compiled text of every chunk's backward program(s) as the engine runs them."""
+    """Compiled text of every chunk's forward and backward program(s) as the engine runs them.
+
+    The last chunk's forward computes the loss: per replica, so no program of
+    a microbatch reduces anything over ``data`` (not even the scalar loss).
+    """
     params, _ = state
     sch, last = trainer.schedule, trainer.schedule.chunks - 1
     texts = []
@@ -50,6 +54,7 @@ def _backward_texts(trainer, state) -> list[str]:
         targets = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if g == last else None
         forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0,
                                           g == last, params[s][c], h, targets).compile()
+        texts.append(forward.as_text())
         y, stored = abstract_outputs(forward)
         cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
         programs = ([pipeline._pull_weight] + ([pipeline._pull_input] if g > 0 else [])
