@@ -35,7 +35,8 @@ from testbed.topology import Calibration, Form, Topology
 
 __all__ = [
     "Sample", "Fit", "CollectiveParams", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line",
-    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput", "collective_columns", "fit_collectives",
+    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput", "collective_columns",
+    "fit_collectives",
     "calibrated_topology", "samples_to_rows", "samples_from_rows", "level_groups", "with_collective_params",
 ]
 
@@ -221,9 +222,9 @@ def fit_host_cores(samples: Sequence[Sample]) -> float:
     """Host cores' worth of throughput emulated devices share: ``k * t(alone) / t(k at once)``.
 
     The ``concurrent`` samples run the same per-device work on one device
-    alone and on ``k`` devices at once; this takes the largest ``k``. 0 (nothing shared) when all at
-    once is within 25% of alone (real accelerators); else the median ratio,
-    at least 1. A fraction (1.5) is fine: see :func:`calibrated_topology`.
+    alone and on ``k`` devices at once; this takes the largest ``k``. 0
+    (nothing shared) when all at once is within 25% of alone (real
+    accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`calibrated_topology`.
     """
     alone = {(s.flops, s.dtype): s.seconds for s in _of_kind(samples, "concurrent") if s.devices == 1}
     rows = [s for s in _of_kind(samples, "concurrent") if s.devices > 1 and (s.flops, s.dtype) in alone]
@@ -419,8 +420,9 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
         efficiency *= host_cores / cores
     calibration = Calibration(
         compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
-        replicated_passes=passes[0], split_passes=passes[1], launch_overhead_s=launch_s, collective_overhead_s=base.calibration.collective_overhead_s,
-        host_cores=cores, host_throughput=tuple(host_throughput), controller_overhead_s=controller_s, controller_step_s=controller_step_s,
+        replicated_passes=passes[0], split_passes=passes[1], launch_overhead_s=launch_s,
+        collective_overhead_s=base.calibration.collective_overhead_s, host_cores=cores,
+        host_throughput=tuple(host_throughput), controller_overhead_s=controller_s, controller_step_s=controller_step_s,
         controller_pipeline_step_s=controller_pipeline_step_s, controller_buffer_s=controller_buffer_s)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")

@@ -34,8 +34,8 @@ from testbed.plan import ModelSpec, Plan, Precision, Remat
 __all__ = [
     "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "chunk_layers",
     "stage_param_count", "device_stage_params", "layer_forward_flops", "head_forward_flops", "recompute_flops_per_layer",
-    "activation_bytes_per_layer", "layer_traffic_bytes", "head_activation_bytes", "ChunkCost", "chunk_cost", "model_flops_per_step",
-    "step_flops_per_device",
+    "activation_bytes_per_layer", "layer_traffic_bytes", "head_activation_bytes", "ChunkCost", "chunk_cost",
+    "model_flops_per_step", "step_flops_per_device",
 ]
 
 #: Bytes per value of the logits the loss keeps (fp32 for stability in every precision).
@@ -193,9 +193,9 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     replicated, split = layer_traffic_bytes(spec, microbatch_size, precision, tensor)
     if remat is Remat.NONE:
         return replicated + split
-    c, n, d, f, t = Precision(precision).compute_bytes, microbatch_size * spec.seq_len, spec.d_model, spec.d_ff, tensor
-    # Two LayerNorms keep a mean and a reciprocal std per token: 4 values per token.
-    return c * (4 * n * d + (4 * n * d + 2 * n * f) // t + 4 * n)
+    # Selective keeps the replicated part and, of the split one, Q, K, V, the attention output and the MLP hidden.
+    c, n = Precision(precision).compute_bytes, microbatch_size * spec.seq_len
+    return replicated + c * ((4 * n * spec.d_model + 2 * n * spec.d_ff) // tensor)
 
 
 def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
@@ -215,6 +215,7 @@ def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precis
     c = Precision(precision).compute_bytes
     b, s, d, f, t = microbatch_size, spec.seq_len, spec.d_model, spec.d_ff, tensor
     n = b * s
+    # Two LayerNorms keep their input and output and a mean and a reciprocal std per token.
     replicated = c * (4 * n * d + 4 * n)
     # Without remat the score matmul's operands stay live too: XLA copies Q and K to head-major
     # layout for the batched matmul and the backward reuses those copies.

@@ -26,8 +26,8 @@ also issues the action's sends (``count`` programs in all), and each stage's
 optimizer update is one more. The simulator prices the step task at
 ``calibration.controller_step_s`` (plus ``controller_pipeline_step_s`` for a
 pipeline) and a dispatch at ``controller_overhead_s`` per program and
-``controller_buffer_s`` per device buffer; on a shared host (``host_cores``, ``host_throughput``) the controller
-takes a core's share like a device.
+``controller_buffer_s`` per device buffer; on a shared host (``host_cores``,
+``host_throughput``) the controller takes a core's share like a device.
 
 Parameter and gradient sharding (same conventions as testbed.memory):
 parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
@@ -302,7 +302,7 @@ def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
 
 def _action_work(cost: model.ChunkCost, kind: str, split: bool, remat: Remat,
                  ) -> tuple[float, float, tuple[float, float], int]:
-    """(FLOPs, HBM bytes, (replicated, split) activation traffic, tensor all-reduces) of one action on one microbatch.
+    """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor all-reduces) of one action, one microbatch.
 
     The backward writes about twice the forward's activation traffic (the
     gradients of each activation and of its inputs), B and W one forward's

@@ -145,9 +145,9 @@ class Calibration:
     host_throughput: measured instead (``calibrate``): pairs ``(n, T)``, the
         work of ``T`` devices alone that ``n`` devices computing at once get
         done (``T(1) = 1``; linear between points, flat after the last), so
-        each runs at ``T(n) / n``. On a 2-core host one XLA:CPU device alone
-        already uses more than a core, so two at once get less than twice its
-        work done. Overrides ``host_cores`` when given.
+        each runs at ``T(n) / n``. Measured on a 2-core host: two XLA:CPU
+        devices at once get 1.0-1.4 devices' worth done, not the 2 a core
+        count says. Overrides ``host_cores`` when given.
     controller_overhead_s: host time the single controller spends per program
         it dispatches (one per pipeline action and its sends, testbed.program);
     controller_step_s: host time it spends once per step besides (making and
@@ -179,8 +179,9 @@ class Calibration:
             value = getattr(self, name)
             if not 0 < value <= 1.5:
                 raise InputError(f"must be in (0, 1.5], got {value}", field=f"calibration.{name}")
-        for name in ("efficiency_half_flops", "replicated_passes", "split_passes", "launch_overhead_s", "collective_overhead_s", "controller_overhead_s",
-                     "controller_step_s", "controller_pipeline_step_s", "controller_buffer_s"):
+        for name in ("efficiency_half_flops", "replicated_passes", "split_passes", "launch_overhead_s",
+                     "collective_overhead_s", "controller_overhead_s", "controller_step_s",
+                     "controller_pipeline_step_s", "controller_buffer_s"):
             if getattr(self, name) < 0:
                 raise InputError(f"must be non-negative, got {getattr(self, name)}", field=f"calibration.{name}")
         if self.host_cores < 0:
