@@ -109,7 +109,7 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     from testbed.calibration import nonnegative_lstsq
     from testbed.placement import place
     from testbed.program import TaskKind, build_program
-    from testbed.simulator import compute_seconds, simulate
+    from testbed.simulator import compute_seconds, pass_seconds, simulate
 
     rows = _of_kind(samples, "step")
     if not rows:
@@ -122,10 +122,9 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
                      for p, r in zip(plans, rows)])
     measured = np.array([r.seconds for r in rows])
     dtypes = [p.precision.compute_dtype for p in plans]
-    bandwidth = topology.device.memory_bandwidth * topology.calibration.memory_efficiency
     # Seconds per elementwise pass over each plan's replicated and split activation bytes.
-    traffic = np.array([[sum(t.replicated_bytes for t in ts), sum(t.split_bytes for t in ts)] for ts in tasks])
-    traffic = traffic / bandwidth * slowdown[:, None]
+    traffic = np.array([[pass_seconds(topology, sum(t.replicated_bytes for t in ts)),
+                         pass_seconds(topology, sum(t.split_bytes for t in ts))] for ts in tasks]) * slowdown[:, None]
     separate = any(p.mesh.tensor > 1 for p in plans)
 
     def matmul(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:

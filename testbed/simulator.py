@@ -46,7 +46,7 @@ from testbed.program import STREAMS, Program, Task, TaskKind, build_program
 from testbed.timeline import CATEGORIES, Report, Timeline
 from testbed.topology import Calibration, Form, Topology
 
-__all__ = ["Priced", "Simulation", "compute_seconds", "controller_seconds", "price", "run", "simulate", "report"]
+__all__ = ["Priced", "Simulation", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run", "simulate", "report"]
 
 #: Fraction of a task's work below which it counts as finished (rounding of the fluid steps).
 _DONE = 1e-9
@@ -79,11 +79,15 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
         per_kernel = flops / max(1, kernels)
         eff = cal.compute_efficiency * per_kernel / (per_kernel + cal.efficiency_half_flops)
         t = flops / (dev.flops(dtype) * eff)
-    bandwidth = dev.memory_bandwidth * cal.memory_efficiency
     if hbm_bytes > 0:
-        t = max(t, hbm_bytes / bandwidth)
-    t += (cal.replicated_passes * replicated_bytes + cal.split_passes * split_bytes) / bandwidth
+        t = max(t, pass_seconds(topology, hbm_bytes))
+    t += pass_seconds(topology, cal.replicated_passes * replicated_bytes + cal.split_passes * split_bytes)
     return cal.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
+
+
+def pass_seconds(topology: Topology, nbytes: float) -> float:
+    """Seconds one memory pass over ``nbytes`` takes at the calibrated bandwidth (the roofline's and the passes')."""
+    return nbytes / (topology.device.memory_bandwidth * topology.calibration.memory_efficiency)
 
 
 def controller_seconds(calibration: Calibration, task: Task) -> float:
