@@ -227,6 +227,7 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
 def _measure(args: argparse.Namespace) -> tuple[dict[str, Any], str, Topology]:
     """Launch the workers; (raw measurements as written to the JSON file, the devices asked for, the base)."""
     from runners import launch
+    from runners.devices import host_cache_bytes
 
     request = _check(args)
     # Emulated devices are host CPUs: the base is known (and --base checked) before minutes of measuring.
@@ -237,7 +238,8 @@ def _measure(args: argparse.Namespace) -> tuple[dict[str, Any], str, Topology]:
     first = results[0]
     raw = {"platform": first["platform"], "devices": first["devices"], "processes": args.processes,
            "device_kind": first.get("device_kind", ""), "base": base.name, "seconds": first["seconds"],
-           "host_cpus": len(os.sched_getaffinity(0)), "samples": first["samples"]}
+           "host_cpus": len(os.sched_getaffinity(0)), "cache_bytes": host_cache_bytes(first["platform"]),
+           "samples": first["samples"]}
     return raw, f"{request} --processes {args.processes}", base
 
 
@@ -268,7 +270,8 @@ def calibrate(args: argparse.Namespace) -> CommandResult:
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
     samples = cal.samples_from_rows(raw["samples"])
-    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)))
+    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)),
+                                 cache_bytes=float(raw.get("cache_bytes", 0)))
     header = (f"# Fitted by `testbed calibrate --devices {request}` from {raw['devices']} {raw['platform']} "
               f"device(s) in {raw['processes']} processes (gloo between processes), base {base.name}.\n")
     write_atomic(args.out, header + dump_topology(topo), field_name="--out")

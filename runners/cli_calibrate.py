@@ -118,10 +118,12 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
 
 
 def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, host_cpus: int = 0,
-            ) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
+            cache_bytes: float = 0.0) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
     """Fit every calibration field from ``samples``; (calibrated topology, fitted values, fits).
 
-    ``host_cpus``: the cores of the host emulated devices run on (0: unknown).
+    ``host_cpus``: the cores of the host emulated devices run on (0: unknown);
+    ``cache_bytes``: the largest activation whose elementwise passes run from
+    the host's cache (``runners.devices.host_cache_bytes``; 0: unknown).
     """
     launch = cal.fit_dispatch(samples)
     rates, half, fits = cal.fit_compute(samples, launch)
@@ -142,7 +144,8 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         collectives, coll_fit = cal.fit_collectives(base, rows, simulator_collective_time)
         fits.append(coll_fit)
     topo = cal.calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
-                                   host_cores=cores, collectives=collectives, name=name, host_throughput=curve)
+                                   host_cores=cores, collectives=collectives, name=name, host_throughput=curve,
+                                   cache_bytes=cache_bytes)
     buffers = cal_steps.fit_controller_buffers(samples)
     buffer_s = 0.0
     if buffers is not None:
@@ -154,7 +157,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         controller_step_s, controller_s, pipeline_step_s, controller_fit = controller
         fits.append(controller_fit)
     steps = cal_steps.fit_step_compute(topo, samples)
-    efficiency, scales, passes = None, None, (0.0, 0.0)
+    efficiency, scales, passes = None, None, (0.0, 0.0, 0.0)
     if steps is not None:
         efficiency, half, scales, passes, step_fit = steps
         fits.append(step_fit)
@@ -164,12 +167,13 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                        efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
                                        controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
                                        controller_pipeline_step_s=pipeline_step_s, passes=passes,
-                                       host_throughput=curve)
+                                       host_throughput=curve, cache_bytes=cache_bytes)
     c = topo.calibration
     fitted = {
         "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
         "memory_efficiency": c.memory_efficiency, "replicated_passes": c.replicated_passes,
-        "split_passes": c.split_passes, "launch_overhead_s": c.launch_overhead_s,
+        "split_passes": c.split_passes, "cached_passes": c.cached_passes, "cache_bytes": c.cache_bytes,
+        "launch_overhead_s": c.launch_overhead_s,
         "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
         "host_throughput": {str(n): t for n, t in c.host_throughput},
         "controller_overhead_s": c.controller_overhead_s, "controller_step_s": c.controller_step_s,
@@ -263,10 +267,11 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
         # The raw samples first: they stay useful even when a fit fails.
         raw = {"platform": info["platform"], "devices": info["devices"], "device_kind": info.get("device_kind", ""),
                "base": base.name, "seconds": elapsed, "host_cpus": len(os.sched_getaffinity(0)),
-               "samples": cal.samples_to_rows(samples)}
+               "cache_bytes": dev.host_cache_bytes(info["platform"]), "samples": cal.samples_to_rows(samples)}
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
-    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)))
+    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)),
+                                 cache_bytes=float(raw.get("cache_bytes", 0)))
     from testbed.topology_io import dump_topology
 
     header = (f"# Fitted by `testbed calibrate --devices {request}` from {info['devices']} {info['platform']} "
@@ -297,6 +302,9 @@ def _render_calibration(console: Any, data: dict[str, Any]) -> None:
     if f.get("replicated_passes") or f.get("split_passes"):
         table.add_row("elementwise passes", f"{f['replicated_passes']:.1f} over replicated, "
                                             f"{f['split_passes']:.1f} over split activation bytes")
+    if f.get("cache_bytes"):
+        table.add_row("cached passes", f"{f['cached_passes']:.1f} over activations of at most "
+                                       f"{f['cache_bytes'] / 1024:.0f} KiB")
     table.add_row("launch_overhead_s", format_time(f["launch_overhead_s"]))
     table.add_row("collective_overhead_s", format_time(f["collective_overhead_s"]))
     table.add_row("host_cores", f"{f['host_cores']} (devices alone vs all at once: {f['shared_host_cores']:.2f})")

@@ -173,6 +173,30 @@ def describe(devices: list[Any]) -> dict[str, Any]:
             "device_kind": devices[0].device_kind}
 
 
+def host_cache_bytes(platform: str, root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """Largest activation whose elementwise passes run from cache on emulated CPU devices: half a core's L2.
+
+    A pass reads one tensor and writes another, so both fit in the L2 when
+    each is at most half of it (calibration ``cache_bytes``). 0 on GPUs and
+    TPUs (their passes are priced without a cache split) and when the OS
+    does not say (``root``: the kernel's cache description of CPU 0).
+    """
+    if platform != "cpu":
+        return 0
+    try:
+        for index in sorted(os.listdir(root)):
+            with open(os.path.join(root, index, "level")) as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(os.path.join(root, index, "size")) as f:
+                size = f.read().strip()
+            units = {"K": 1024, "M": 1024 ** 2}
+            return int(size[:-1]) * units[size[-1]] // 2 if size[-1] in units else int(size) // 2
+    except (OSError, ValueError):
+        return 0
+    return 0
+
+
 _TRANSFERS: dict[tuple, Any] = {}
 
 

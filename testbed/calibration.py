@@ -379,7 +379,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         controller_step_s: float = 0.0, controller_buffer_s: float = 0.0,
                         controller_pipeline_step_s: float = 0.0,
                         host_throughput: tuple[tuple[int, float], ...] = (),
-                        passes: tuple[float, float] = (0.0, 0.0)) -> Topology:
+                        passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
+                        cache_bytes: float = 0.0) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
     Peaks: the matmul rate's fraction of the base device's peak (median over
@@ -394,7 +395,9 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     extra (:func:`testbed.calibration_steps.fit_controller`),
     ``controller_buffer_s`` per device buffer a program passes
     (:func:`testbed.calibration_steps.fit_controller_buffers`); ``passes``
-    the elementwise (replicated, split) passes fitted on the training steps.
+    the elementwise (replicated, split, cached) passes fitted on the
+    training steps, ``cache_bytes`` the largest activation whose passes
+    run from cache (measured on the host).
 
     A measured ``host_throughput`` curve (:func:`fit_host_throughput`) is
     written as it is, with ``host_cores`` (the host's CPUs) beside it for
@@ -420,7 +423,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
         efficiency *= host_cores / cores
     calibration = Calibration(
         compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
-        replicated_passes=passes[0], split_passes=passes[1], launch_overhead_s=launch_s,
+        replicated_passes=passes[0], split_passes=passes[1], cached_passes=passes[2],
+        cache_bytes=cache_bytes, launch_overhead_s=launch_s,
         collective_overhead_s=base.calibration.collective_overhead_s, host_cores=cores,
         host_throughput=tuple(host_throughput), controller_overhead_s=controller_s, controller_step_s=controller_step_s,
         controller_pipeline_step_s=controller_pipeline_step_s, controller_buffer_s=controller_buffer_s)

@@ -87,7 +87,7 @@ def step_plan(name: str, devices: int = 1) -> Plan:
 
 
 def fit_step_compute(topology: Topology, samples: Sequence[Sample],
-                     ) -> tuple[float, float, dict[str, float], tuple[float, float], Fit] | None:
+                     ) -> tuple[float, float, dict[str, float], tuple[float, float, float], Fit] | None:
     """Efficiency, half-efficiency FLOPs, per-dtype peak scales and elementwise passes that best predict measured steps.
 
     A step sample is the plan of :func:`step_plan` on ``devices`` devices.
@@ -97,10 +97,14 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     communication the simulator finds at the starting calibration. A grid
     over (efficiency, half), refined three times, fits the fp32 steps; at
     each point the elementwise passes (``replicated_passes``,
-    ``split_passes``: the time is linear in them) are a non-negative least
-    squares of the relative errors. The two are told apart only by
-    tensor-parallel samples (their replicated share differs); without any,
-    one pass count is fitted for both. Each other dtype's peak is then
+    ``split_passes``; ``cached_passes`` over tasks whose activations fit in
+    ``calibration.cache_bytes``: the time is linear in them) are a
+    non-negative least squares of the relative errors. The first two are
+    told apart only by samples out of cache at two tensor degrees (their
+    replicated shares differ); without, one pass count is fitted for both,
+    and when every sample's activations
+    fit in cache, passes from memory get the cached count (they cost at
+    least as much). Each other dtype's peak is then
     scaled (1-D grid) to fit its steps (bf16 on a CPU is far slower in a
     model than in one matmul). None without step samples.
     """
@@ -122,30 +126,40 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
                      for p, r in zip(plans, rows)])
     measured = np.array([r.seconds for r in rows])
     dtypes = [p.precision.compute_dtype for p in plans]
-    # Seconds per elementwise pass over each plan's replicated and split activation bytes.
-    traffic = np.array([[pass_seconds(topology, sum(t.replicated_bytes for t in ts)),
-                         pass_seconds(topology, sum(t.split_bytes for t in ts))] for ts in tasks]) * slowdown[:, None]
-    separate = any(p.mesh.tensor > 1 for p in plans)
+    # Seconds per elementwise pass over each plan's replicated, split and cached activation bytes
+    # (the columns of the passes' least squares).
+    traffic = np.array([[pass_seconds(topology, b) for b in _pass_bytes(topology, ts)]
+                        for ts in tasks]) * slowdown[:, None]
+    # Replicated and split passes over memory are told apart by samples out of cache at two tensor
+    # degrees (their replicated shares differ); otherwise one count prices both.
+    separate = len({p.mesh.tensor for p, row in zip(plans, traffic) if row[:2].any()}) > 1
 
     def matmul(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:
         device = replace(topology.device, peak_flops={d: v * scales.get(d, 1.0) for d, v in
                                                       topology.device.peak_flops.items()})
         stub = SimpleNamespace(device=device, calibration=replace(
             topology.calibration, compute_efficiency=eff, efficiency_half_flops=half, replicated_passes=0.0,
-            split_passes=0.0))
+            split_passes=0.0, cached_passes=0.0))
         work = np.array([sum(compute_seconds(stub, d, t.flops, t.hbm_bytes, t.kernels) for t in ts)
                          for d, ts in zip(dtypes, tasks)])
         return work * slowdown + comm
 
-    def passes(base: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
+    def passes(base: np.ndarray, mask: np.ndarray) -> tuple[float, float, float]:
         columns = traffic[mask] / measured[mask, None]
-        if not separate:
-            columns = columns.sum(axis=1, keepdims=True)
-        x = nonnegative_lstsq(columns, 1.0 - base[mask] / measured[mask])
-        return (float(x[0]), float(x[1])) if separate else (float(x[0]), float(x[0]))
+        # Unknowns: (replicated, split) or one count for both, and cached; a column no sample has is left out.
+        groups = [g for g in ([[0], [1]] if separate else [[0, 1]]) + [[2]] if columns[:, g].any()]
+        x = nonnegative_lstsq(np.stack([columns[:, g].sum(axis=1) for g in groups], axis=1),
+                              1.0 - base[mask] / measured[mask]) if groups else []
+        out = [float("nan")] * 3
+        for g, value in zip(groups, x):
+            for i in g:
+                out[i] = float(value)
+        cached = 0.0 if np.isnan(out[2]) else out[2]
+        return tuple(cached if np.isnan(v) else v for v in out)
 
     def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str,
-             fixed: tuple[float, float] | None = None) -> tuple[float, tuple[float, float]]:
+             fixed: tuple[float, float, float] | None = None,
+             ) -> tuple[float, tuple[float, float, float]]:
         mask = np.array([d == dtype for d in dtypes])
         base = matmul(eff, half, scales)
         x = passes(base, mask) if fixed is None else fixed
@@ -165,9 +179,22 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     r2, residuals = fit_quality(matmul(e, h, scales) + traffic @ np.array(x), measured)
     fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h),
                                              "replicated_passes": x[0], "split_passes": x[1],
+                                             "cached_passes": x[2],
                                              **{f"peak_scale_{d}": float(k) for d, k in scales.items()}},
               r2=r2, rel_residuals=residuals, samples=len(rows))
     return float(e), float(h), {d: float(k) for d, k in scales.items()}, x, fit
+
+
+def _pass_bytes(topology: Topology, tasks: Sequence) -> list[float]:
+    """(replicated, split, cached) activation bytes of a plan's compute tasks, as the passes price them."""
+    out = [0.0, 0.0, 0.0]
+    for t in tasks:
+        if topology.calibration.caches(t.tensor_bytes):
+            out[2] += t.replicated_bytes + t.split_bytes
+        else:
+            out[0] += t.replicated_bytes
+            out[1] += t.split_bytes
+    return out
 
 
 #: Microbatch counts of the ``pipeline`` samples (different counts: the

@@ -250,7 +250,10 @@ class ChunkCost:
     forward writes (:func:`layer_traffic_bytes` per layer; the embedding's
     output and the head's LayerNorm are replicated, its fp32 logits split);
     ``recompute_traffic`` what the backward's remat writes again (full: the
-    layers' forward; selective: the softmax outputs).
+    layers' forward; selective: the softmax outputs). ``tensor_bytes`` is one
+    ``[tokens, d_model]`` activation of the microbatch: the size an
+    elementwise pass over the residual stream streams, which decides whether
+    it runs from cache (calibration ``cache_bytes``).
 
     Tensor-parallel all-reduces (each ``tensor_allreduce_bytes``; 0 when
     tensor is 1): 2 per layer forward (after the out projection and the MLP)
@@ -271,6 +274,7 @@ class ChunkCost:
     activation_out_bytes: int
     forward_traffic: tuple[int, int]
     recompute_traffic: tuple[int, int]
+    tensor_bytes: int
     tensor_allreduce_bytes: int
     tensor_allreduces_forward: int
     tensor_allreduces_backward: int
@@ -324,7 +328,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t),
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
         activation_out_bytes=0 if head else n_bytes, forward_traffic=(replicated, split),
-        recompute_traffic=recompute, tensor_allreduce_bytes=n_bytes if tp else 0,
+        recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
         tensor_allreduces_forward=(2 * layers + int(embed)) if tp else 0,
         tensor_allreduces_backward=(2 * layers + int(head)) if tp else 0,
         has_embedding=embed, has_head=head)

@@ -85,7 +85,9 @@ class Task:
     Compute tasks carry ``flops``, ``hbm_bytes`` and ``kernels`` (the FLOPs of
     one kernel decide its efficiency), and the activation bytes they write,
     ``replicated_bytes`` and ``split_bytes`` over the tensor axis (priced by
-    the elementwise passes of the calibration). Collectives carry ``op``, ``nbytes``
+    the elementwise passes of the calibration); ``tensor_bytes`` is one
+    ``[tokens, d_model]`` activation of the task's microbatch (whether its
+    passes run from cache: calibration ``cache_bytes``). Collectives carry ``op``, ``nbytes``
     (DESIGN.md convention), ``count`` back-to-back repeats and the
     representative's ``group``; sends carry ``group = (src, dst)``.
     ``instances`` are all groups or pairs running the same task at once.
@@ -104,6 +106,7 @@ class Task:
     hbm_bytes: float = 0.0
     replicated_bytes: float = 0.0
     split_bytes: float = 0.0
+    tensor_bytes: float = 0.0
     kernels: int = 1
     op: str = ""
     nbytes: float = 0.0
@@ -254,7 +257,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             last = b.add(name=label if pieces == 1 else f"{label}/{k}", device=rep, stream="compute",
                          kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
                          replicated_bytes=replicated / pieces, split_bytes=split / pieces,
-                         kernels=max(1, kernels // pieces), pipeline=True)
+                         tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True)
             deps = []
             if pieces > 1:
                 # Bucket k holds 1/pieces of the chunk's gradients; reduce it while the backward continues.

@@ -4,7 +4,9 @@ Pricing (:func:`price`) turns each task into a standalone duration and, for
 communication, the bytes it moves over each directed link:
 
 - compute: ``launch_overhead_s + max(flops / (peak * eff(f)), bytes / bw) +
-  (replicated_passes * replicated_bytes + split_passes * split_bytes) / bw``
+  (replicated_passes * replicated_bytes + split_passes * split_bytes) / bw``,
+  or ``cached_passes * (replicated_bytes + split_bytes) / bw`` when the
+  task's ``[tokens, d_model]`` activation fits in ``cache_bytes``
   with the precision's peak FLOP/s, ``bw = memory_bandwidth *
   memory_efficiency`` and ``eff(f) = compute_efficiency * f / (f +
   efficiency_half_flops)`` for a kernel of ``f`` FLOPs: the roofline of the
@@ -71,7 +73,7 @@ class Simulation:
 
 
 def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
-                    replicated_bytes: float = 0.0, split_bytes: float = 0.0) -> float:
+                    replicated_bytes: float = 0.0, split_bytes: float = 0.0, tensor_bytes: float = 0.0) -> float:
     """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes)."""
     cal, dev = topology.calibration, topology.device
     t = 0.0
@@ -81,7 +83,11 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
         t = flops / (dev.flops(dtype) * eff)
     if hbm_bytes > 0:
         t = max(t, pass_seconds(topology, hbm_bytes))
-    t += pass_seconds(topology, cal.replicated_passes * replicated_bytes + cal.split_passes * split_bytes)
+    if cal.caches(tensor_bytes):
+        activations = cal.cached_passes * (replicated_bytes + split_bytes)
+    else:
+        activations = cal.replicated_passes * replicated_bytes + cal.split_passes * split_bytes
+    t += pass_seconds(topology, activations)
     return cal.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
 
 
@@ -141,7 +147,7 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
             continue
         if task.kind is TaskKind.COMPUTE:
             durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels,
-                                             task.replicated_bytes, task.split_bytes))
+                                             task.replicated_bytes, task.split_bytes, task.tensor_bytes))
             loads.append(None)
             continue
         key = (task.kind, task.op, task.group, task.nbytes, task.count, id(task.instances))

@@ -137,6 +137,12 @@ class Calibration:
         (LayerNorm, GELU, softmax, residual adds, layout copies), added to
         the matmul roofline. A compiler that fuses them has few passes;
         XLA:CPU many. Both 0 (the default) leave them out.
+    cache_bytes, cached_passes: a compute task whose ``[tokens, d_model]``
+        activation is at most ``cache_bytes`` (a pass reads one such tensor
+        and writes another: half the core's L2) makes its passes from cache,
+        ``cached_passes`` over its replicated and split bytes instead (XLA:CPU
+        on a 512 KiB-L2 host: a pass over 256 KiB tensors costs a third of
+        one over 512 KiB ones). ``cache_bytes`` 0 (the default): none does.
     launch_overhead_s: fixed cost per compute task (kernel/program dispatch).
     collective_overhead_s: software cost per round of a collective.
     host_cores: if > 0, devices share this many host cores (emulated CPU
@@ -165,6 +171,8 @@ class Calibration:
     memory_efficiency: float = 1.0
     replicated_passes: float = 0.0
     split_passes: float = 0.0
+    cache_bytes: float = 0.0
+    cached_passes: float = 0.0
     launch_overhead_s: float = 0.0
     collective_overhead_s: float = 0.0
     host_cores: int = 0
@@ -179,7 +187,7 @@ class Calibration:
             value = getattr(self, name)
             if not 0 < value <= 1.5:
                 raise InputError(f"must be in (0, 1.5], got {value}", field=f"calibration.{name}")
-        for name in ("efficiency_half_flops", "replicated_passes", "split_passes", "launch_overhead_s",
+        for name in ("efficiency_half_flops", "replicated_passes", "split_passes", "cache_bytes", "cached_passes", "launch_overhead_s",
                      "collective_overhead_s", "controller_overhead_s", "controller_step_s",
                      "controller_pipeline_step_s", "controller_buffer_s"):
             if getattr(self, name) < 0:
@@ -192,6 +200,10 @@ class Calibration:
                       or any(not 0 < t <= n for n, t in curve)):
             raise InputError(f"must map device counts 1 < n2 < ... to 0 < T(n) <= n, starting at 1: 1.0; got "
                              f"{dict(curve)}", field="calibration.host_throughput")
+
+    def caches(self, tensor_bytes: float) -> bool:
+        """Whether a task whose ``[tokens, d_model]`` activation is ``tensor_bytes`` makes its passes from cache."""
+        return 0 < tensor_bytes <= self.cache_bytes
 
     @property
     def shares_host(self) -> bool:

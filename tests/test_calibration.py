@@ -344,13 +344,63 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
                for n in names]
     efficiency, _, _, passes, fit = cal_steps.fit_step_compute(base, samples)
     assert efficiency == pytest.approx(0.4, rel=0.03)
-    assert passes == (pytest.approx(24.0, rel=0.05), pytest.approx(6.0, rel=0.1))
+    assert passes == (pytest.approx(24.0, rel=0.05), pytest.approx(6.0, rel=0.1), 0.0)  # no cache_bytes: none cached
     assert fit.max_abs_rel < 0.02 and fit.values["replicated_passes"] == passes[0]
     tensor = cal_steps.step_plan("cpu-m-t8", 8)
     assert (tensor.mesh.tensor, tensor.mesh.data) == (8, 1)
     assert cal_steps.step_plan("cpu-m", 8).model == tensor.model
     _, _, _, same, _ = cal_steps.fit_step_compute(base, samples[:4])
-    assert same[0] == same[1] > 0
+    assert same[0] == same[1] > 0 == same[2]  # no tensor-parallel sample: one count
+
+
+def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
+    """With ``cache_bytes`` at 256 KiB the data-parallel and two-way steps' activations fit, the eight-way
+    ones' (512 KiB and 2 MiB) do not: steps simulated with 8 cached and (24, 6) uncached passes give the
+    cached count back, and the passes over memory predict a held-out eight-way plan. (The two eight-way
+    samples have one ratio of replicated to split bytes, so they fix the sum the passes cost, not each count.)"""
+    from testbed.simulator import simulate
+
+    base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+                                   memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None,
+                                   cache_bytes=256 * 1024)
+    base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
+    truth = replace(base, calibration=replace(base.calibration, compute_efficiency=0.4, replicated_passes=24.0,
+                                              split_passes=6.0, cached_passes=8.0))
+    names = ("cpu-s", "cpu-m", "cpu-l", "cpu-xl", "cpu-xs-t2", "cpu-m-t8", "cpu-l-t8")
+    plans = [cal_steps.step_plan(n, 8) for n in names]
+    fits = [base.calibration.caches(p.microbatch_size * p.model.seq_len * p.model.d_model * 4) for p in plans]
+    assert fits == [True] * 5 + [False] * 2
+    samples = [Sample(kind="step", op=n, devices=8, seconds=simulate(p, truth).report.step_time_s)
+               for n, p in zip(names, plans)]
+    efficiency, half, _, passes, fit = cal_steps.fit_step_compute(base, samples)
+    assert efficiency == pytest.approx(0.4, rel=0.03)
+    assert passes[2] == pytest.approx(8.0, rel=0.05)
+    assert fit.max_abs_rel < 0.02 and fit.values["cached_passes"] == passes[2]
+    fitted = replace(base, calibration=replace(base.calibration, compute_efficiency=efficiency,
+                                               efficiency_half_flops=half, replicated_passes=passes[0],
+                                               split_passes=passes[1], cached_passes=passes[2]))
+    held_out = load_plan("plans/validation/tp8.yaml")
+    assert simulate(held_out, fitted).report.step_time_s == pytest.approx(
+        simulate(held_out, truth).report.step_time_s, rel=0.03)
+    # Without the cache split the same steps leave a misfit: one count cannot price both regimes.
+    _, _, _, _, blind = cal_steps.fit_step_compute(replace(base, calibration=replace(base.calibration, cache_bytes=0.0)),
+                                                   samples)
+    assert blind.max_abs_rel > 5 * fit.max_abs_rel
+    # Every sample in cache: nothing tells the passes over memory, which then get the cached count.
+    _, _, _, cached_only, _ = cal_steps.fit_step_compute(base, samples[:5])
+    assert cached_only[0] == cached_only[2] == pytest.approx(8.0, rel=0.05)
+
+
+def test_host_cache_bytes_is_half_the_l2_the_os_reports(tmp_path):
+    from runners.devices import host_cache_bytes
+
+    for index, (level, size) in enumerate([("1", "32K"), ("2", "512K"), ("3", "32768K")]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(level + "\n")
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert host_cache_bytes("cpu", str(tmp_path)) == 256 * 1024
+    assert host_cache_bytes("gpu", str(tmp_path)) == 0
+    assert host_cache_bytes("cpu", str(tmp_path / "missing")) == 0
 
 
 def test_fit_controller_recovers_the_cost_per_step_per_program_and_per_pipeline_step():
@@ -436,12 +486,15 @@ def test_controller_overhead_round_trips_through_yaml(tmp_path):
     path.write_text(dump_topology(topo))
     assert load_topology(str(path)).calibration.controller_step_s == pytest.approx(7e-3)
     topo = replace(topo, calibration=replace(topo.calibration, controller_pipeline_step_s=9e-3,
-                                             replicated_passes=17.5, split_passes=2.25))
+                                             replicated_passes=17.5, split_passes=2.25, cached_passes=4.5,
+                                             cache_bytes=262144.0))
     path.write_text(dump_topology(topo))
     loaded = load_topology(str(path)).calibration
-    assert (loaded.controller_pipeline_step_s, loaded.replicated_passes, loaded.split_passes) == (
-        pytest.approx(9e-3), 17.5, 2.25)
+    assert (loaded.controller_pipeline_step_s, loaded.replicated_passes, loaded.split_passes, loaded.cached_passes,
+            loaded.cache_bytes) == (pytest.approx(9e-3), 17.5, 2.25, 4.5, 262144.0)
     with pytest.raises(InputError, match="split_passes"):
         replace(topo.calibration, split_passes=-1.0)
+    with pytest.raises(InputError, match="cache_bytes"):
+        replace(topo.calibration, cache_bytes=-1.0)
     with pytest.raises(InputError, match="controller_overhead_s"):
         replace(topo.calibration, controller_overhead_s=-1.0)

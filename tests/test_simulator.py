@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from testbed.generators import hierarchical, switch, torus
@@ -82,7 +82,16 @@ def test_step_time_is_at_least_every_stream_alone(case):
 
 @given(cases)
 def test_doubling_bandwidth_never_slows_a_step(case):
+    """Faster links never slow a step of devices that own their compute.
+
+    On a shared host (emulated devices, ``host_throughput``) it can, by a
+    hair, and the model is right to say so: an earlier arrival lets a device
+    compute while the controller dispatches, and the shared cores then serve
+    both more slowly (a stage-8 GPipe step on host-cpu-8: +9e-6 at twice the
+    bandwidth).
+    """
     plan, topology = case
+    assume(not topology.calibration.shares_host)
     slow = simulate(plan, topology).report.step_time_s
     fast = simulate(plan, topology.with_bandwidth_scaled(2)).report.step_time_s
     assert fast <= slow * (1 + 1e-9)

@@ -147,6 +147,12 @@ def test_compute_seconds_roofline():
         topo.calibration, replicated_passes=3.0, split_passes=2.0))
     assert compute_seconds(passes, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25 + 8.0)
     assert compute_seconds(topo, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25)  # 0 passes: none
+    # A task whose [tokens, d_model] activation fits in cache_bytes makes cached_passes over both: 1 x 15 B = 3 s.
+    cached = switch(2, device=device, bandwidth=1.0, calibration=replace(
+        passes.calibration, cache_bytes=64.0, cached_passes=1.0))
+    assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0, tensor_bytes=64.0) == pytest.approx(4.25 + 3.0)
+    assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0, tensor_bytes=65.0) == pytest.approx(4.25 + 8.0)
+    assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25 + 8.0)  # size unknown
 
 
 def test_measured_timeline_and_report_share_the_types():
