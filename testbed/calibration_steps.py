@@ -270,7 +270,8 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0) -> tuple[fl
     ``controller_step_s``: their median controller time less buffers and one
     program. What the pipeline line's intercept has beyond it is
     ``controller_pipeline_step_s`` (the MPMD engine's own work per step:
-    splitting the batch into microbatches, placing them per stage). Without
+    splitting the batch into microbatches, placing them per stage; 0 when
+    the intercept, a line through two noisy points, comes out lower). Without
     pipeline samples (one device) the step samples' time (less buffers) is
     all per step; without step samples the intercept is. None when no sample
     measured the controller.
@@ -294,9 +295,9 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0) -> tuple[fl
         intercept, per = line.values["intercept"], line.values["slope"]
     else:
         intercept, per = 0.0, float(np.median(host / programs))
-    step = float(np.clip(np.median(steps) - per, 0.0, intercept)) if steps.size else intercept
-    pipeline = intercept - step
-    predicted = np.concatenate([intercept + per * programs, np.full(steps.size, step + per)])
+    step = max(0.0, float(np.median(steps)) - per) if steps.size else intercept
+    pipeline = max(0.0, intercept - step)
+    predicted = np.concatenate([step + pipeline + per * programs, np.full(steps.size, step + per)])
     r2, residuals = fit_quality(predicted, np.concatenate([host, steps]))
     return step, per, pipeline, Fit(name="controller", values={
         "controller_step_s": step, "controller_overhead_s": per, "controller_pipeline_step_s": pipeline},

@@ -418,6 +418,12 @@ def test_fit_controller_recovers_the_cost_per_step_per_program_and_per_pipeline_
     assert (fitted_step, fitted_per, fitted_extra) == (pytest.approx(step, rel=1e-6), pytest.approx(per, rel=1e-6),
                                                       pytest.approx(extra, rel=1e-6))
     assert fit.max_abs_rel < 1e-6 and fit.samples == 4
+    # SPMD steps that cost more than the pipeline line's intercept are measured directly: every step pays
+    # them (a pipeline step too), and the pipeline's extra is then 0, not a negative.
+    costly = [Sample(kind="step", op=op, devices=8, seconds=0.05, host_s=step + extra + 3e-3 + per)
+              for op in ("cpu-s", "cpu-m-t8")]
+    assert cal_steps.fit_controller(pipelines + costly)[:3] == (
+        pytest.approx(step + extra + 3e-3), pytest.approx(per), 0.0)
     # Without SPMD steps the whole intercept is per step (no pipeline extra).
     only_pipelines = cal_steps.fit_controller(pipelines)
     assert only_pipelines[0] == pytest.approx(step + extra) and only_pipelines[2] == 0.0
