@@ -124,14 +124,14 @@ def _matmul(bench: Benchmark, devices: Sequence[Any]) -> Sample:
     return Sample(kind="matmul", seconds=seconds, flops=2.0 * n ** 3, dtype=bench.dtype)
 
 
-def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sample:
-    """Forward and backward of a small MLP (model-sized kernels) on each of ``ranks`` devices at once.
+#: Alternating rounds of the ``concurrent`` benchmark (one device alone, then all at once).
+CONCURRENT_ROUNDS = 15
 
-    No communication: every device works on its own copy, so the time over
-    the one-device time shows how the devices share the host.
-    """
-    k, t, d = bench.ranks, bench.size, width
-    mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices[:k]))
+
+def _mlp_program(devices: Sequence[Any], tokens: int, width: int) -> Callable[[], Any]:
+    """Forward and backward of a small MLP on each of ``devices`` at once, every device on its own copy."""
+    k, t, d = len(devices), tokens, width
+    mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices))
     sharding = jax.NamedSharding(mesh, jax.P("d"))
     x = jax.device_put(jnp.ones((k * t, d), jnp.float32) * 0.01, sharding)
     w1 = jax.device_put(jnp.ones((k * d, 4 * d), jnp.float32) * 0.01, sharding)
@@ -142,9 +142,40 @@ def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> S
 
     local = jax.grad(loss, argnums=(0, 1))
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(jax.P("d"),) * 3, out_specs=(jax.P("d"),) * 2))
-    seconds = time_call(lambda: fn(w1, w2, x))
+    return lambda: fn(w1, w2, x)
+
+
+def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sample:
+    """Forward and backward of a small MLP (model-sized kernels) on each of ``ranks`` devices at once.
+
+    No communication: every device works on its own copy, so the time over
+    the one-device time shows how the devices share the host. On several
+    devices the one-device program runs alternately with it
+    (:data:`CONCURRENT_ROUNDS` rounds) and ``alone_s`` keeps the median
+    ratio of the two: a host whose speed drifts between benchmarks (this
+    2-core VM: the one-device time moved 5.3-9.3 ms between runs) moves
+    both alike.
+    """
+    k, t, d = bench.ranks, bench.size, width
     # Forward 2 matmuls of 2*t*d*4d FLOPs; backward twice that.
-    return Sample(kind="concurrent", seconds=seconds, flops=3 * 2 * 2.0 * t * d * 4 * d, devices=k)
+    flops = 3 * 2 * 2.0 * t * d * 4 * d
+    together = _mlp_program(devices[:k], t, d)
+    if k == 1:
+        return Sample(kind="concurrent", seconds=time_call(together), flops=flops, devices=1)
+    alone = _mlp_program(devices[:1], t, d)
+    jax.block_until_ready((alone(), together()))
+    ratios, times = [], []
+    for _ in range(CONCURRENT_ROUNDS):
+        start = time.perf_counter()
+        jax.block_until_ready(alone())
+        middle = time.perf_counter()
+        jax.block_until_ready(together())
+        end = time.perf_counter()
+        ratios.append((middle - start) / (end - middle))
+        times.append(end - middle)
+    seconds = statistics.median(times)
+    return Sample(kind="concurrent", seconds=seconds, flops=flops, devices=k,
+                  alone_s=seconds * statistics.median(ratios))
 
 
 #: Arrays the larger dispatch benchmark passes (and gets back).

@@ -61,6 +61,12 @@ class Sample:
     host_s: CPU seconds the controller thread spent dispatching one step
         (``step`` and ``pipeline`` samples) or one program (``dispatch``);
         0 if not measured.
+    alone_s: ``concurrent`` on several devices: the same per-device program
+        on one device, timed in the same rounds (alternating), as
+        ``seconds`` times the median over rounds of alone / at once: the
+        ratio is what the host's throughput curve needs, and timing both
+        side by side keeps the host's drift out of it. 0: not measured (the
+        one-device ``concurrent`` sample is used instead).
     """
 
     kind: str
@@ -72,13 +78,15 @@ class Sample:
     op: str = ""
     ranks: int = 1
     host_s: float = 0.0
+    alone_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in SAMPLE_KINDS:
             raise InputError(f"unknown sample kind `{self.kind}`; valid: {', '.join(SAMPLE_KINDS)}", field="kind")
         if not (self.seconds > 0 and math.isfinite(self.seconds)):
             raise InputError(f"must be a positive finite time, got {self.seconds}", field="seconds")
-        if self.flops < 0 or self.bytes < 0 or self.host_s < 0 or self.devices < 1 or self.ranks < 1:
+        if (self.flops < 0 or self.bytes < 0 or self.host_s < 0 or self.alone_s < 0 or self.devices < 1
+                or self.ranks < 1):
             raise InputError("flops and bytes must be non-negative, devices and ranks positive", field=self.kind)
 
 
@@ -226,14 +234,28 @@ def fit_host_cores(samples: Sequence[Sample]) -> float:
     (nothing shared) when all at once is within 25% of alone (real
     accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`calibrated_topology`.
     """
-    alone = {(s.flops, s.dtype): s.seconds for s in _of_kind(samples, "concurrent") if s.devices == 1}
-    rows = [s for s in _of_kind(samples, "concurrent") if s.devices > 1 and (s.flops, s.dtype) in alone]
-    if not rows:
+    done = _work_done(samples)
+    if not done:
         return 0.0
-    k = max(s.devices for s in rows)  # all devices at once (the curve's other counts: fit_host_throughput)
-    ratios = [k * alone[(s.flops, s.dtype)] / s.seconds for s in rows if s.devices == k]
-    cores = float(np.median(ratios))
+    k = max(done)  # all devices at once (the curve's other counts: fit_host_throughput)
+    cores = float(np.median(done[k]))
     return 0.0 if cores >= 0.8 * k else max(1.0, cores)
+
+
+def _work_done(samples: Sequence[Sample]) -> dict[int, list[float]]:
+    """``k -> [k * t(alone) / t(k at once)]`` over the ``concurrent`` samples on ``k > 1`` devices.
+
+    ``t(alone)`` is the sample's own ``alone_s`` (timed in the same rounds)
+    when measured, else the one-device sample of the same program.
+    """
+    rows = _of_kind(samples, "concurrent")
+    alone = {(s.flops, s.dtype): s.seconds for s in rows if s.devices == 1}
+    done: dict[int, list[float]] = {}
+    for s in rows:
+        reference = s.alone_s or alone.get((s.flops, s.dtype), 0.0)
+        if s.devices > 1 and reference > 0:
+            done.setdefault(s.devices, []).append(s.devices * reference / s.seconds)
+    return done
 
 
 def fit_host_throughput(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...]:
@@ -245,16 +267,12 @@ def fit_host_throughput(samples: Sequence[Sample]) -> tuple[tuple[int, float], .
     concurrent samples on more than one device, or when :func:`fit_host_cores`
     finds nothing shared (real accelerators).
     """
-    rows = _of_kind(samples, "concurrent")
-    alone = {(s.flops, s.dtype): s.seconds for s in rows if s.devices == 1}
-    counts = sorted({s.devices for s in rows if s.devices > 1 and (s.flops, s.dtype) in alone})
-    if not counts or not fit_host_cores(samples):
+    done = _work_done(samples)
+    if not done or not fit_host_cores(samples):
         return ()
     curve = [(1, 1.0)]
-    for k in counts:
-        done = float(np.median([k * alone[(s.flops, s.dtype)] / s.seconds for s in rows
-                                if s.devices == k and (s.flops, s.dtype) in alone]))
-        curve.append((k, float(np.clip(done, curve[-1][1], k))))
+    for k in sorted(done):
+        curve.append((k, float(np.clip(np.median(done[k]), curve[-1][1], k))))
     return tuple(curve)
 
 

@@ -83,6 +83,14 @@ def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp
     assert dict(curve) == {k: pytest.approx(v) for k, v in truth.items()}
     parallel = [Sample(kind="concurrent", seconds=0.01 * (1 + 0.01 * k), flops=1e6, devices=k) for k in truth]
     assert cal.fit_host_throughput(parallel) == () and cal.fit_host_throughput(samples[:1]) == ()
+    # A sample's own one-device time, measured in the same rounds, wins over the one-device sample (here
+    # timed while the host ran twice as fast: alone it would halve every T).
+    paired = [Sample(kind="concurrent", seconds=0.005, flops=1e6)] + [
+        Sample(kind="concurrent", seconds=0.01 * k / done, flops=1e6, devices=k, alone_s=0.01)
+        for k, done in truth.items() if k > 1]
+    assert dict(cal.fit_host_throughput(paired)) == {k: pytest.approx(v) for k, v in truth.items()}
+    assert cal.fit_host_cores(paired) == pytest.approx(truth[8])
+    assert cal.samples_from_rows(cal.samples_to_rows(paired)) == paired
     base = load_topology("host-cpu-8")
     topo = cal.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
                                    host_cores=2.0, collectives=None, efficiency=0.5, host_throughput=curve)
