@@ -102,11 +102,10 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     non-negative least squares of the relative errors. The first two are
     told apart only by samples out of cache at two tensor degrees (their
     replicated shares differ); without, one pass count is fitted for both,
-    and when every sample's activations
-    fit in cache, passes from memory get the cached count (they cost at
-    least as much). Each other dtype's peak is then
-    scaled (1-D grid) to fit its steps (bf16 on a CPU is far slower in a
-    model than in one matmul). None without step samples.
+    and when every sample's activations fit in cache, passes from memory
+    get the cached count (they cost at least as much). Each other dtype's
+    peak is then scaled (1-D grid) to fit its steps (bf16 on a CPU is far
+    slower in a model than in one matmul). None without step samples.
     """
     from types import SimpleNamespace
 
@@ -150,12 +149,10 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
         groups = [g for g in ([[0], [1]] if separate else [[0, 1]]) + [[2]] if columns[:, g].any()]
         x = nonnegative_lstsq(np.stack([columns[:, g].sum(axis=1) for g in groups], axis=1),
                               1.0 - base[mask] / measured[mask]) if groups else []
-        out = [float("nan")] * 3
-        for g, value in zip(groups, x):
-            for i in g:
-                out[i] = float(value)
-        cached = 0.0 if np.isnan(out[2]) else out[2]
-        return tuple(cached if np.isnan(v) else v for v in out)
+        fitted = {i: float(value) for g, value in zip(groups, x) for i in g}
+        cached = fitted.get(2, 0.0)
+        # Passes from memory that no sample made (every activation fit in cache) cost at least the cached count.
+        return fitted.get(0, cached), fitted.get(1, cached), cached
 
     def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str,
              fixed: tuple[float, float, float] | None = None,
