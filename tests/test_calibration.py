@@ -512,3 +512,19 @@ def test_controller_overhead_round_trips_through_yaml(tmp_path):
         replace(topo.calibration, cache_bytes=-1.0)
     with pytest.raises(InputError, match="controller_overhead_s"):
         replace(topo.calibration, controller_overhead_s=-1.0)
+
+
+def test_concurrent_benchmark_times_one_device_alone_in_the_same_rounds():
+    """On several devices the sample carries the one-device time of its own rounds; on one device it has none."""
+    import jax
+
+    from runners.measure import Benchmark, run_benchmark
+
+    devices = jax.devices()
+    pair = run_benchmark(Benchmark(kind="concurrent", size=16, ranks=2), devices)
+    alone = run_benchmark(Benchmark(kind="concurrent", size=16, ranks=1), devices)
+    assert pair.devices == 2 and pair.alone_s > 0 and alone.alone_s == 0
+    assert pair.flops == alone.flops
+    # The curve takes the paired time; the one-device sample is only a fallback.
+    done = 2 * pair.alone_s / pair.seconds
+    assert cal._work_done([alone, pair]) == {2: [pytest.approx(done)]}
