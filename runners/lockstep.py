@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from runners import pipeline
@@ -73,10 +72,8 @@ def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray
         elif action.kind == "B":
             dx = None
             if mine[stage]:
-                if g == last:  # per replica: each of the R losses has 1/R of the microbatch's mean
-                    seed = losses[0]
-                    cotangent = jax.device_put(jnp.full(seed.shape, 1.0 / (m * max(1, seed.size)), seed.dtype),
-                                               seed.sharding)
+                if g == last:
+                    cotangent = pipeline.loss_seed(losses[0], m)
                 else:
                     cotangent = cot.pop((g, mb))
                 grads[g], *rest = pipeline._pull(trainer.prepare[stage], stored.pop((g, mb)), chunk_params, cotangent,

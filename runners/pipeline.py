@@ -137,6 +137,16 @@ def mean_loss(losses: list[jax.Array]) -> jax.Array:
     return jnp.mean(total) if total.ndim else total
 
 
+def loss_seed(loss: jax.Array, microbatches: int) -> jax.Array:
+    """The cotangent of one microbatch's ``loss`` (scalar or ``[R]`` per replica) under :func:`mean_loss`.
+
+    Each of the ``R`` per-replica losses carries ``1 / (m R)`` of the step's
+    mean; placed like ``loss`` when it is placed.
+    """
+    seed = jnp.full(loss.shape, 1.0 / (microbatches * max(1, loss.size)), loss.dtype)
+    return jax.device_put(seed, loss.sharding) if loss.sharding is not None else seed
+
+
 def _backward(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, weights: bool = True) -> Any:
     """The pullback's outputs, parameter gradients taken back through the cast (skipped without ``weights``).
 
@@ -289,10 +299,7 @@ class MpmdEngine:
                 continue
             if action.kind == "B":
                 if g == self._last:
-                    seed = losses[0]  # per replica: each of the R losses has 1/R of the microbatch's mean
-                    cotangent = jnp.full(seed.shape, 1.0 / (m * max(1, seed.size)), seed.dtype)
-                    if seed.sharding is not None:
-                        cotangent = jax.device_put(cotangent, seed.sharding)
+                    cotangent = loss_seed(losses[0], m)
                 else:
                     cotangent = cot.pop((g, mb))
                 prep = self._prepare[stage]

@@ -48,7 +48,8 @@ from testbed.program import STREAMS, Program, Task, TaskKind, build_program
 from testbed.timeline import CATEGORIES, Report, Timeline
 from testbed.topology import Calibration, Form, Topology
 
-__all__ = ["Priced", "Simulation", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run", "simulate", "report"]
+__all__ = ["Priced", "Simulation", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run", "simulate",
+           "report"]
 
 #: Fraction of a task's work below which it counts as finished (rounding of the fluid steps).
 _DONE = 1e-9
