@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from testbed.plan import Plan
 from testbed.sharding import state_sharding
 
-__all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec"]
+__all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec", "Constrain"]
 
 #: Mesh axes the batch dim of activations is split over.
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
@@ -115,3 +115,20 @@ def batch_spec(rank: int, leading: int = 0) -> P:
     """Spec of a batch array: ``leading`` unsplit dims, then the batch dim over (data, fsdp)."""
     return P(*([None] * leading), BATCH_AXES, *([None] * (rank - leading - 1)))
 
+
+
+class Constrain:
+    """``tree -> tree`` pinned to the shardings of a stage's chunk of the same tree structure.
+
+    Built from one sharding tree per chunk of a stage (a stage's chunks share
+    a structure only when they share a layout); used inside a jitted program
+    (``jax.lax.with_sharding_constraint``). Identity-compared, so one instance
+    per stage is one static argument of the pipeline's programs.
+    """
+
+    def __init__(self, shardings: list[Any]):
+        self.shardings = shardings
+        self._by_structure = {jax.tree.structure(chunk): chunk for chunk in shardings}
+
+    def __call__(self, tree: Any) -> Any:
+        return jax.lax.with_sharding_constraint(tree, self._by_structure[jax.tree.structure(tree)])

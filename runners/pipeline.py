@@ -49,19 +49,29 @@ LossFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
 
 @dataclass(frozen=True, eq=False)
 class Prepare:
-    """What a chunk's parameters go through before ``stage_forward``, redone in every backward.
+    """What a chunk's parameters go through before ``stage_forward`` (redone in every backward), and the
+    layouts its outputs leave in.
 
     ``spread`` (optional) turns the parameters into one copy per data replica
     (a new leading axis sharded over the replicas); the backward does NOT take
     its transpose, so gradients come back per replica and the caller sums them
     once per step: the data-parallel reduction happens once, not once per
     microbatch. ``cast`` (optional, e.g. to the compute dtype) is taken back
-    in every backward. Compared by identity (a static argument of the jitted
-    programs): build one per stage and reuse it every step.
+    in every backward. ``activations`` (a sharding) and ``grads`` (``tree ->
+    tree``, e.g. :class:`runners.parallel.Constrain`) pin the layout of the
+    output activation and input gradient, and of the parameter gradients,
+    where the receiving stage and the optimizer's update take them: left to
+    XLA, a layout that differs (an activation split over ``d_model``, a
+    gradient left replicated) makes ``jax.device_put`` copy it through the
+    host, blocking the controller until the program has run. Compared by
+    identity (a static argument of the jitted programs): build one per stage
+    and reuse it every step.
     """
 
     cast: Callable[[Any], Any] | None = None
     spread: Callable[[Any], Any] | None = None
+    activations: Any = None
+    grads: Callable[[Any], Any] | None = None
 
 
 def _as_prepare(prepare: Prepare | Callable[[Any], Any] | None) -> Prepare:
@@ -124,7 +134,17 @@ def _forward(stage_forward: StageForward, loss_fn: LossFn, prepare: Prepare | No
         y, pullback = jax.vjp(lambda p: body(p, x), prepared)
     else:
         y, pullback = jax.vjp(body, prepared, x)
-    return y, Stored.split(pullback, prepared)
+    return (y if last else _place(y, prep.activations)), Stored.split(pullback, prepared)
+
+
+def _place(x: Any, sharding: Any) -> Any:
+    return x if sharding is None or x is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _leave(prepare: Prepare | None, grads: Any, dx: Any = None) -> Any:
+    """Parameter gradients and input gradient in the layouts ``prepare`` pins (as they are without one)."""
+    prep = _as_prepare(prepare)
+    return (grads if prep.grads is None or grads is None else prep.grads(grads)), _place(dx, prep.activations)
 
 
 def mean_loss(losses: list[jax.Array]) -> jax.Array:
@@ -175,19 +195,21 @@ def _pull(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, 
     accumulating costs no program and no second gradient buffer.
     """
     grads, *rest = _backward(prepare, stored, params, cotangent)
-    return (_accumulate(acc, grads), *rest)
+    if not rest:
+        return (_leave(prepare, _accumulate(acc, grads))[0],)
+    return _leave(prepare, _accumulate(acc, grads), rest[0])
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _pull_input(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any) -> Any:
     """B of a split backward: the input gradient only (XLA drops the parameter half)."""
-    return _backward(prepare, stored, params, cotangent, weights=False)[1]
+    return _leave(prepare, None, _backward(prepare, stored, params, cotangent, weights=False)[1])[1]
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _pull_weight(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, acc: Any = None) -> Any:
     """W of a split backward: the parameter gradient only, added to ``acc`` (donated) as in :func:`_pull`."""
-    return _accumulate(acc, _backward(prepare, stored, params, cotangent)[0])
+    return _leave(prepare, _accumulate(acc, _backward(prepare, stored, params, cotangent)[0]))[0]
 
 
 def _nan_like(shape: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
 from runners.lockstep import lockstep_step
-from runners.parallel import batch_spec, layout_for
+from runners.parallel import Constrain, batch_spec, layout_for
 from runners.pipeline import Prepare
 from runners.precision import Optimizer
 from runners.program_memory import StageProgramMemory, pipeline_memory
@@ -127,8 +127,9 @@ class PipelineTrainer:
             o_sh = state_shardings(jax.eval_shape(self.optimizer.init, shape[s]), shape[s],
                                    layout.shardings(mesh, "moments"), NamedSharding(mesh, P()))
             spread = Spread(mesh, p_sh, self.replicas) if self.replicas > 1 else None
-            self.prepare.append(Prepare(spread=spread) if spread else None)
             in_sh = spread.shardings if spread else g_sh
+            # Outputs leave the engine's programs where the next stage and the update take them (no host copy).
+            self.prepare.append(Prepare(spread=spread, activations=self.act_shardings[s], grads=Constrain(in_sh)))
             self.param_shardings.append(p_sh)
             self.opt_shardings.append(o_sh)
             self.grad_shardings.append(g_sh)
@@ -175,7 +176,8 @@ class PipelineTrainer:
             if not self.owned[s]:
                 new.append((None, None))
                 continue
-            # The engines leave gradients where XLA put them; the update takes them in one layout.
+            # The engines' programs leave the gradients in the update's input layout (Prepare.grads): this
+            # put copies nothing (a layout XLA chose instead would go through the host here).
             g = jax.device_put(grads[s], self.engine_grad_shardings[s])
             new.append(self.update_programs[s](params[s], states[s], g))
         if self.return_grads:
@@ -212,7 +214,7 @@ class PipelineTrainer:
                 def f(p: Any) -> jax.Array:
                     y = self.chunk_forward(s, 0, p, h)
                     return jnp.mean(self.loss_fn(p, y, t)) if last else jnp.sum(y.astype(jnp.float32))
-                spread = self.prepare[s].spread if self.prepare[s] is not None else None
+                spread = self.prepare[s].spread
                 return jax.grad(f)(spread(p) if spread else p)  # per replica, as the engine's backward
 
             h = x if s == 0 else place_tree(np.zeros(self.act_shape, np.float32).astype(self.act_dtype),

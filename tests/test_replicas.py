@@ -87,6 +87,44 @@ def test_backward_programs_leave_the_data_reduction_to_the_update(kwargs: dict) 
         assert result["ok"], result["errors"]
 
 
+@pytest.mark.parametrize("kwargs", [dict(data=1, fsdp=2, tensor=2), dict(data=2, tensor=2, precision="bf16-mixed"),
+                                    dict(data=2, schedule="zb-h1")], ids=["fsdp2-tp2", "dp2-tp2-bf16", "dp2-zb-h1"])
+def test_engine_programs_leave_outputs_where_they_are_taken(kwargs: dict) -> None:
+    """Activations leave a stage in the layout the next stage receives, gradients in the update's input
+    layout: anything else makes ``jax.device_put`` copy through the host (a blocking round trip per transfer).
+
+    Left to XLA, fsdp 2 x tensor 2 put the forward's output split over d_model and most gradients replicated.
+    """
+    plan = _plan(**kwargs)
+    trainer = build_trainer(plan, dev.select_devices(plan.mesh.size))
+    params, _ = trainer.init()
+    sch, last = trainer.schedule, trainer.schedule.chunks - 1
+
+    def same(value, want) -> bool:
+        return value.sharding.is_equivalent_to(want, len(value.shape))
+
+    x = jax.ShapeDtypeStruct(trainer.act_shape[:2], jax.numpy.int32, sharding=trainer.act_shardings[0])
+    for g in range(sch.chunks):
+        s, c = sch.locate(g)
+        sh = trainer.act_shardings[s]
+        h = x if g == 0 else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh)
+        targets = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if g == last else None
+        y, stored = abstract_outputs(pipeline._forward.lower(
+            trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0, g == last, params[s][c], h,
+            targets).compile())
+        assert g == last or same(y, sh)
+        cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
+        pull = pipeline._pull_weight if sch.split_backward else pipeline._pull
+        out = abstract_outputs(pull.lower(trainer.prepare[s], stored, params[s][c], cot).compile())
+        grads = out if sch.split_backward else out[0]
+        want = jax.tree.leaves(trainer.engine_grad_shardings[s][c])
+        assert all(same(a, w) for a, w in zip(jax.tree.leaves(grads), want, strict=True))
+        if g > 0:
+            dx = (abstract_outputs(pipeline._pull_input.lower(trainer.prepare[s], stored, params[s][c], cot).compile())
+                  if sch.split_backward else out[1])
+            assert same(dx, sh)
+
+
 def test_sharded_gradients_reduce_per_microbatch() -> None:
     """ZeRO-2/3 accumulate sharded gradients, so each microbatch's are reduce-scattered as they come."""
     assert replicas(_plan(zero=2)) == 1 and replicas(_plan(zero=3)) == 1
