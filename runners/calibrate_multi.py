@@ -117,11 +117,11 @@ def _base(base_arg: str | None, platform: str, devices: int, processes: int, dev
 
 def _check(args: argparse.Namespace) -> Any:
     """The parsed ``--devices`` request for a measured run (InputError naming the bad field)."""
-    from runners.cli_calibrate import _parse_devices
+    from runners.cli_calibrate import parse_devices
 
     if args.processes < 1:
         raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
-    request = _parse_devices(args.devices)
+    request = parse_devices(args.devices)
     if request.kind != "emulated":
         raise InputError("--processes K starts K local CPU workers emulating K hosts and needs --devices emulated:N; "
                          "to calibrate real hosts run one process per host (--processes 1 on each host)",

@@ -13,9 +13,7 @@ relative-error weighted) least squares, numpy only:
   (:func:`testbed.calibration_steps.fit_step_compute`);
 - memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``;
 - host cores: ``k`` devices at once vs one alone (shared host cores);
-- collectives: time is affine in each level's latency and inverse bandwidth
-  and ``collective_overhead_s``, with coefficients from the caller's timing
-  model (the simulator's): the fields mean what the simulator does with them.
+- collectives: :mod:`testbed.calibration_collectives`.
 
 Everything here is pure; :func:`calibrated_topology` returns a new Topology.
 """
@@ -23,21 +21,23 @@ Everything here is pure; :func:`calibrated_topology` returns a new Topology.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from testbed.errors import InputError
 from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan
-from testbed.topology import Calibration, Form, Topology
+from testbed.topology import Calibration, Topology
+
+if TYPE_CHECKING:
+    from testbed.calibration_collectives import CollectiveParams
 
 __all__ = [
-    "Sample", "Fit", "CollectiveParams", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line",
-    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput", "collective_columns",
-    "fit_collectives",
-    "calibrated_topology", "samples_to_rows", "samples_from_rows", "level_groups", "with_collective_params",
+    "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
+    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput",
+    "calibrated_topology", "samples_to_rows", "samples_from_rows",
 ]
 
 #: Kinds of measurement rows: an empty program, a matmul on one device, a small
@@ -158,7 +158,7 @@ def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> tuple[
     return r2, tuple(float(v) for v in (p - m) / m)
 
 
-def _weighted_fit(columns: np.ndarray, y: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+def weighted_fit(columns: np.ndarray, y: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
     """Non-negative least squares on relative errors (each row divided by ``scale``, default y)."""
     w = 1.0 / (y if scale is None else scale)
     return nonnegative_lstsq(columns * w[:, None], y * w)
@@ -171,19 +171,20 @@ def fit_line(x: Sequence[float], y: Sequence[float], name: str = "line",
     y = np.asarray(y, dtype=float)
     if len(x) < 2 or len(set(x.tolist())) < 2:
         raise InputError("a line needs samples at two or more distinct sizes", field=name)
-    coef = _weighted_fit(np.column_stack([np.ones_like(x), x]), y, None if scale is None else np.asarray(scale, float))
+    coef = weighted_fit(np.column_stack([np.ones_like(x), x]), y, None if scale is None else np.asarray(scale, float))
     r2, residuals = fit_quality(coef[0] + coef[1] * x, y)
     return Fit(name=name, values={"intercept": float(coef[0]), "slope": float(coef[1])}, r2=r2,
                rel_residuals=residuals, samples=len(x))
 
 
-def _of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
+def of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
+    """The samples of one kind (:data:`SAMPLE_KINDS`), in order."""
     return [s for s in samples if s.kind == kind]
 
 
 def fit_dispatch(samples: Sequence[Sample]) -> float:
     """Per-program launch overhead: median of the one-array empty-program samples (on 1, N/2, N devices; 0 if none)."""
-    times = [s.seconds for s in _of_kind(samples, "dispatch") if s.ranks == 1]
+    times = [s.seconds for s in of_kind(samples, "dispatch") if s.ranks == 1]
     return float(np.median(times)) if times else 0.0
 
 
@@ -208,7 +209,7 @@ def fit_compute(samples: Sequence[Sample], launch_s: float) -> tuple[dict[str, f
     is the median over dtypes (Calibration has one).
     """
     by_dtype: dict[str, list[Sample]] = {}
-    for s in _of_kind(samples, "matmul"):
+    for s in of_kind(samples, "matmul"):
         by_dtype.setdefault(s.dtype, []).append(s)
     if not by_dtype:
         raise InputError("no matmul samples to fit compute throughput", field="matmul")
@@ -219,7 +220,7 @@ def fit_compute(samples: Sequence[Sample], launch_s: float) -> tuple[dict[str, f
 
 def fit_memory(samples: Sequence[Sample], launch_s: float) -> tuple[float, Fit]:
     """Sustained memory bandwidth (bytes/s) from streams: t = launch + c + b / B."""
-    rows = _of_kind(samples, "memory")
+    rows = of_kind(samples, "memory")
     if not rows:
         raise InputError("no memory samples to fit bandwidth", field="memory")
     rate, _, fit = _rate_line(rows, "bytes", launch_s, "memory")
@@ -248,7 +249,7 @@ def _work_done(samples: Sequence[Sample]) -> dict[int, list[float]]:
     ``t(alone)`` is the sample's own ``alone_s`` (timed in the same rounds)
     when measured, else the one-device sample of the same program.
     """
-    rows = _of_kind(samples, "concurrent")
+    rows = of_kind(samples, "concurrent")
     alone = {(s.flops, s.dtype): s.seconds for s in rows if s.devices == 1}
     done: dict[int, list[float]] = {}
     for s in rows:
@@ -274,118 +275,6 @@ def fit_host_throughput(samples: Sequence[Sample]) -> tuple[tuple[int, float], .
     for k in sorted(done):
         curve.append((k, float(np.clip(np.median(done[k]), curve[-1][1], k))))
     return tuple(curve)
-
-
-# -- collectives ---------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CollectiveParams:
-    """Per-level latency (s/hop) and bandwidth (bytes/s), and the per-round overhead."""
-
-    latency: Mapping[str, float]
-    bandwidth: Mapping[str, float]
-    overhead_s: float = 0.0
-
-
-def level_groups(topology: Topology) -> list[list[str]]:
-    """Levels whose link parameters are fitted together (a torus has one bandwidth in YAML)."""
-    if topology.form is Form.TORUS or topology.form is Form.GRAPH:
-        return [list(topology.level_names) or ["all"]]
-    return [[name] for name in topology.level_names]
-
-
-def with_collective_params(topology: Topology, params: CollectiveParams) -> Topology:
-    """The topology with its levels' (or explicit links') latency/bandwidth and overhead replaced."""
-    calibration = replace(topology.calibration, collective_overhead_s=params.overhead_s)
-    if topology.form is Form.GRAPH:
-        key = next(iter(params.bandwidth))
-        links = tuple(replace(l, bandwidth=params.bandwidth[key], latency=params.latency[key]) for l in topology.links)
-        return replace(topology, links=links, calibration=calibration)
-    levels = tuple(replace(l, bandwidth=params.bandwidth.get(l.name, l.bandwidth),
-                           latency=params.latency.get(l.name, l.latency)) for l in topology.levels)
-    return replace(topology, levels=levels, calibration=calibration)
-
-
-#: predict(topology, sample, reference) -> seconds. ``reference`` fixes discrete choices
-#: (which algorithm ``auto`` picks) so the time is affine in the link parameters.
-Predictor = Callable[[Topology, Sample, "Topology | None"], float]
-
-
-def collective_columns(topology: Topology, samples: Sequence[Sample], predict: Predictor,
-                       reference: Topology | None = None) -> tuple[np.ndarray, list[str]]:
-    """Design matrix of collective times: d time / d parameter for each sample.
-
-    Parameters are, per fitted level group, the latency and the inverse
-    bandwidth, plus the per-round overhead; the time model (``predict``) is
-    affine in them once ``reference`` fixes the algorithm, so one probe per
-    parameter from a zero-cost base gives the exact coefficients.
-    """
-    reference = reference or topology
-    groups = level_groups(topology)
-    zero = CollectiveParams(latency={n: 0.0 for g in groups for n in g},
-                            bandwidth={n: 1e30 for g in groups for n in g}, overhead_s=0.0)
-
-    def column(params: CollectiveParams, step: float) -> np.ndarray:
-        probe = with_collective_params(topology, params)
-        return (np.array([predict(probe, s, reference) for s in samples]) - base) / step
-
-    base_topo = with_collective_params(topology, zero)
-    base = np.array([predict(base_topo, s, reference) for s in samples])
-    columns, labels = [], []
-    step_lat, step_inv = 1e-3, 1e-9
-    for group in groups:
-        columns.append(column(replace(zero, latency=dict(zero.latency, **{n: step_lat for n in group})), step_lat))
-        columns.append(column(replace(zero, bandwidth=dict(zero.bandwidth, **{n: 1 / step_inv for n in group})),
-                              step_inv))
-        labels += [f"latency:{group[0]}", f"inverse_bandwidth:{group[0]}"]
-    columns.append(column(replace(zero, overhead_s=step_lat), step_lat))
-    labels.append("overhead")
-    return np.column_stack(columns), labels
-
-
-def fit_collectives(topology: Topology, samples: Sequence[Sample], predict: Predictor, iterations: int = 3,
-                    ) -> tuple[CollectiveParams, Fit]:
-    """Fit per-level latency, bandwidth and the per-round overhead to measured collectives.
-
-    Levels the samples never exercise keep the base topology's values.
-    """
-    rows = _of_kind(samples, "collective")
-    if not rows:
-        raise InputError("no collective samples to fit link latency and bandwidth", field="collective")
-    t = np.array([r.seconds for r in rows])
-    reference, best = topology, None
-    # Algorithm choices depend on the parameters: refit until the choices settle.
-    for _ in range(iterations):
-        columns, labels = collective_columns(topology, rows, predict, reference)
-        coef = _weighted_fit(columns, t)
-        params, values = _params_from(topology, columns, labels, coef)
-        fitted = with_collective_params(topology, params)
-        r2, residuals = fit_quality([predict(fitted, s, None) for s in rows], t)
-        fit = Fit(name="collectives", values=values, r2=r2, rel_residuals=residuals, samples=len(rows))
-        if best is None or fit.median_abs_rel < best[1].median_abs_rel:
-            best = (params, fit)
-        reference = fitted
-    return best
-
-
-def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coef: np.ndarray,
-                 ) -> tuple[CollectiveParams, dict[str, float]]:
-    latency, bandwidth = {}, {}
-    values: dict[str, float] = {}
-    for group in level_groups(topology):
-        label = group[0]
-        i_lat, i_bw = labels.index(f"latency:{label}"), labels.index(f"inverse_bandwidth:{label}")
-        base = next((l for l in topology.levels if l.name in group and l.bandwidth), None) or topology.links[0]
-        # Parameters no sample exercises keep the base topology's values.
-        lat = float(coef[i_lat]) if np.any(columns[:, i_lat] != 0) else base.latency
-        bw = (1.0 / coef[i_bw] if coef[i_bw] > 0 else base.bandwidth * 1e3) if np.any(columns[:, i_bw] != 0) \
-            else base.bandwidth
-        for name in group:
-            latency[name], bandwidth[name] = lat, float(bw)
-        values[f"{label}.latency_s"], values[f"{label}.bandwidth"] = lat, float(bw)
-    params = CollectiveParams(latency=latency, bandwidth=bandwidth, overhead_s=float(coef[labels.index("overhead")]))
-    values["collective_overhead_s"] = params.overhead_s
-    return params, values
 
 
 # -- the calibrated topology --------------------------------------------------------
@@ -449,6 +338,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
     if collectives is not None:
+        from testbed.calibration_collectives import with_collective_params
+
         out = with_collective_params(out, collectives)
     return out
 

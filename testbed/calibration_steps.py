@@ -30,17 +30,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from testbed.calibration import Fit, Sample, fit_line, fit_quality
+from testbed.calibration import Fit, Sample, fit_line, fit_quality, of_kind
 from testbed.errors import InputError
 from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.topology import Topology
 
 __all__ = ["STEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "pipeline_plan", "fit_step_compute",
            "controller_programs", "controller_load", "fit_controller_buffers", "fit_controller"]
-
-
-def _of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
-    return [s for s in samples if s.kind == kind]
 
 
 #: Single-device training steps ``calibrate`` times to fit compute efficiency on
@@ -114,7 +110,7 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     from testbed.program import TaskKind, build_program
     from testbed.simulator import compute_seconds, pass_seconds, simulate
 
-    rows = _of_kind(samples, "step")
+    rows = of_kind(samples, "step")
     if not rows:
         return None
     plans = [step_plan(r.op, r.devices) for r in rows]
@@ -241,7 +237,7 @@ def fit_controller_buffers(samples: Sequence[Sample]) -> tuple[float, Fit] | Non
     devices: ``2 * ranks * devices`` buffers. A non-negative line through
     its ``host_s``; None without two distinct buffer counts.
     """
-    rows = [s for s in _of_kind(samples, "dispatch") if s.host_s > 0]
+    rows = [s for s in of_kind(samples, "dispatch") if s.host_s > 0]
     buffers = np.array([2.0 * s.ranks * s.devices for s in rows])
     if len(set(buffers.tolist())) < 2:
         return None
@@ -274,8 +270,8 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0) -> tuple[fl
     measured the controller.
     """
     steps = np.array([max(0.0, s.host_s - buffer_s * controller_load(step_plan(s.op, s.devices))[1])
-                      for s in _of_kind(samples, "step") if s.host_s > 0])
-    rows = [s for s in _of_kind(samples, "pipeline") if s.host_s > 0]
+                      for s in of_kind(samples, "step") if s.host_s > 0])
+    rows = [s for s in of_kind(samples, "pipeline") if s.host_s > 0]
     if not rows:
         if steps.size == 0:
             return None

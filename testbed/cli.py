@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("runners.cli_run:run", "execute a plan with JAX and time its steps"),
     "verify": ("runners.cli_run:verify", "check a plan's parallel step against a single-device reference"),
     "calibrate": ("runners.cli_calibrate:calibrate", "measure this machine and fit a topology's calibration"),
-    "validate": ("runners.cli_calibrate:validate", "predicted vs measured step time and memory for plans"),
+    "validate": ("runners.cli_validate:validate", "predicted vs measured step time and memory for plans"),
     "demo": ("runners.demo", "run the default job end to end: check, predict, run, verify, compare"),
 }
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from runners.cli_calibrate import simulator_collective_time
 from testbed import calibration as cal
+from testbed import calibration_collectives as cal_coll
 from testbed import calibration_steps as cal_steps
 from testbed import dispatch
 from testbed.calibration import Sample
@@ -150,12 +151,12 @@ def _ring_predictor(topology: Topology, sample: Sample, reference: Topology | No
 
 def test_fit_collectives_recovers_link_parameters():
     base = load_topology("host-cpu-8")
-    truth = cal.CollectiveParams(latency={"node": 7e-6}, bandwidth={"node": 3.3e9}, overhead_s=4e-5)
-    true_topology = cal.with_collective_params(base, truth)
+    truth = cal_coll.CollectiveParams(latency={"node": 7e-6}, bandwidth={"node": 3.3e9}, overhead_s=4e-5)
+    true_topology = cal_coll.with_collective_params(base, truth)
     samples = [Sample(kind="collective", op=op, ranks=g, bytes=b, seconds=_ring_predictor(true_topology, Sample(
         kind="collective", op=op, ranks=g, bytes=b, seconds=1.0)))
         for op in ("psum", "all_gather", "ppermute") for g in (2, 8) for b in (1e3, 1e5, 1e7)]
-    params, fit = cal.fit_collectives(base, samples, _ring_predictor)
+    params, fit = cal_coll.fit_collectives(base, samples, _ring_predictor)
     assert params.latency["node"] == pytest.approx(7e-6, rel=1e-5)
     assert params.bandwidth["node"] == pytest.approx(3.3e9, rel=1e-5)
     assert params.overhead_s == pytest.approx(4e-5, rel=1e-5)
@@ -165,7 +166,7 @@ def test_fit_collectives_recovers_link_parameters():
 def test_calibrated_topology_round_trips_through_yaml():
     base = load_topology("host-cpu-8")
     rates = {"fp32": 6e10, "bf16": 4e10}
-    params = cal.CollectiveParams(latency={"node": 1.5e-5}, bandwidth={"node": 2.5e9}, overhead_s=3e-4)
+    params = cal_coll.CollectiveParams(latency={"node": 1.5e-5}, bandwidth={"node": 2.5e9}, overhead_s=3e-4)
     topo = cal.calibrated_topology(base, rates=rates, half_flops=5e6, memory_bandwidth=1.1e10, launch_s=3e-5,
                                    host_cores=1, collectives=params)
     # Fitted rates are what the simulator sees: peak x efficiency.
@@ -193,7 +194,7 @@ def test_samples_round_trip_and_bad_rows_name_the_row():
 def test_validation_summary_has_every_plan_and_signed_errors():
     rows = [{"plan": f"p{i}", "predicted_s": p, "measured_s": m, "predicted_memory": 100.0, "measured_memory": mm}
             for i, (p, m, mm) in enumerate([(1.1, 1.0, 80.0), (0.5, 1.0, None), (2.0, 2.0, 100.0)])]
-    from runners.cli_calibrate import validation_summary
+    from runners.cli_validate import validation_summary
 
     summary = validation_summary(rows)
     assert [p["plan"] for p in summary["plans"]] == ["p0", "p1", "p2"]
@@ -208,8 +209,8 @@ def test_validation_summary_has_every_plan_and_signed_errors():
 
 def _synthetic_measurements(base: Topology) -> list[Sample]:
     """Samples a machine with known fields would produce, through the simulator's own timing."""
-    truth = cal.CollectiveParams(latency={"node": 5e-6}, bandwidth={"node": 4e9}, overhead_s=2e-5)
-    topo = cal.with_collective_params(base, truth)
+    truth = cal_coll.CollectiveParams(latency={"node": 5e-6}, bandwidth={"node": 4e9}, overhead_s=2e-5)
+    topo = cal_coll.with_collective_params(base, truth)
     samples = _matmul_samples({"fp32": 4e10, "bf16": 3e10}, 2e6, 2e-5)
     samples += [Sample(kind="memory", seconds=2e-5 + b / 1.5e10, bytes=b) for b in (1e6, 4e6, 1.6e7)]
     samples += [Sample(kind="concurrent", seconds=k * (2e-5 + (f + 2e6) / 4e10), flops=f, devices=k)
@@ -225,7 +226,7 @@ def _synthetic_measurements(base: Topology) -> list[Sample]:
 def test_fit_collectives_through_the_simulator_recovers_parameters():
     base = load_topology("host-cpu-8")
     rows = [s for s in _synthetic_measurements(base) if s.kind == "collective"]
-    params, fit = cal.fit_collectives(base, rows, simulator_collective_time)
+    params, fit = cal_coll.fit_collectives(base, rows, simulator_collective_time)
     assert fit.max_abs_rel < 1e-3
     # ppermute (a send: latency + overhead) and rounds of the collectives separate the parameters.
     assert params.bandwidth["node"] == pytest.approx(4e9, rel=1e-3)
