@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topology", default=None, help="validate against this calibrated topology (skip calibrate)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan (default 5)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="validate rounds; each plan keeps its least disturbed median (default 2)")
+                        help="rounds of validate's plans and of calibrate's training steps; each keeps its "
+                             "least disturbed median (default 2)")
     parser.add_argument("--keep", default=None, help="folder to keep the calibrated topology and measurements in")
     parser.add_argument("plans", nargs="*", help="plans (default plans/validation/*.yaml; with --devices local "
                                                  "plans/validation-1dev/*.yaml)")
@@ -66,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         topology = args.topology
         if topology is None:
             topology = str(folder / "calibrated.yaml")
-            calibration = _testbed("calibrate", "--devices", args.devices, "--out", topology,
-                                   *(["--quick"] if args.quick else []))
+            calibration = _testbed("calibrate", "--devices", args.devices, "--out", topology, "--rounds",
+                                   str(args.rounds), *(["--quick"] if args.quick else []))
         calibrate_s = time.perf_counter() - started
         started = time.perf_counter()
         result = _testbed("validate", "--topology", topology, "--devices", args.devices, "--steps", str(args.steps),

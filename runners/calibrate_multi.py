@@ -204,22 +204,25 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
     mine = [d for d in everyone if d.process_index == me]
     info = dev.describe(everyone)
     benches = plan_benchmarks(info["platform"], len(everyone), jax.process_count(), quick=bool(payload.get("quick")))
-    samples = []
+    order = measure.measurement_order(benches, int(payload.get("rounds", 1)))
+    runs: dict[int, list[Any]] = {}
     started = time.perf_counter()
-    for i, bench in enumerate(benches):
+    for position, i in enumerate(order):
+        bench = benches[i]
         if bench.kind == "collective":
             sample = _collective(bench, everyone)
         elif runs_on_all(bench, len(mine)):
             sample = measure.run_benchmark(bench, everyone)
         else:
             sample = measure.run_benchmark(bench, mine[:1] if bench.kind == "step" else mine) if me == 0 else None
-            _barrier(f"testbed-calibrate-{i}")
+            _barrier(f"testbed-calibrate-{position}")
         if me == 0:
-            samples.append(sample)
-            sys.stderr.write(f"measured {i + 1}/{len(benches)}: {bench.label}\n")
+            runs.setdefault(i, []).append(sample)
+            sys.stderr.write(f"measured {position + 1}/{len(order)}: {bench.label}\n")
             sys.stderr.flush()
+    samples = [measure.least_disturbed(runs[i]) for i in range(len(benches))] if me == 0 else []
     return {**info, "process_id": me, "seconds": time.perf_counter() - started,
-            "samples": cal.samples_to_rows(samples) if me == 0 else []}
+            "samples": cal.samples_to_rows(samples)}
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -233,11 +236,13 @@ def _measure(args: argparse.Namespace) -> tuple[dict[str, Any], str, Topology]:
     # Emulated devices are host CPUs: the base is known (and --base checked) before minutes of measuring.
     base = _base(args.base, "cpu", request.count, args.processes, "")
     sys.stderr.write(f"measuring {request.count} emulated devices on {args.processes} processes...\n")
-    results = launch.launch({"body": "calibrate", "quick": bool(args.quick)}, processes=args.processes,
+    results = launch.launch({"body": "calibrate", "quick": bool(args.quick), "rounds": args.rounds},
+                            processes=args.processes,
                             local_devices=request.count // args.processes)
     first = results[0]
     raw = {"platform": first["platform"], "devices": first["devices"], "processes": args.processes,
            "device_kind": first.get("device_kind", ""), "base": base.name, "seconds": first["seconds"],
+           "rounds": args.rounds,
            "host_cpus": len(os.sched_getaffinity(0)), "cache_bytes": host_cache_bytes(first["platform"]),
            "samples": first["samples"]}
     return raw, f"{request} --processes {args.processes}", base

@@ -215,6 +215,9 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", default=None, help="topology to calibrate (bundled name or YAML); "
                                                      "default: host-cpu-8 for emulated, detected for local")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and ops (about half the time)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="time the training steps this many times (later rounds in reverse order) and keep "
+                             "each one's least disturbed median, as validate --rounds does (default 2)")
     parser.add_argument("--name", default=None, help="name of the calibrated topology (default BASE-calibrated)")
     parser.add_argument("--from-measurements", default=None, metavar="JSON",
                         help="refit from a saved FILE.measurements.json instead of measuring (no JAX)")
@@ -225,6 +228,8 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
 
     if not str(args.out).endswith((".yaml", ".yml")):
         raise InputError(f"expected a .yaml path for the calibrated topology, got `{args.out}`", field="--out")
+    if args.rounds < 1:
+        raise InputError(f"must be at least 1, got {args.rounds}", field="--rounds")
     from runners import calibrate_multi
 
     if calibrate_multi.wanted(args):  # --processes K: K local workers emulate K hosts
@@ -249,18 +254,16 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
         info = dev.describe(devices)
         base = base_topology(args.base, info["platform"], len(devices), str(info.get("device_kind", "")))
         started = time.perf_counter()
-        benches = measure.plan_benchmarks(info["platform"], len(devices), quick=args.quick)
-        samples = []
         with progress_bar() as progress:
-            task = progress.add_task("", total=len(benches))
-            for bench in benches:
-                progress.update(task, description=bench.label)
-                samples.append(measure.run_benchmark(bench, devices))
-                progress.advance(task)
+            task = progress.add_task("")
+
+            def show(bench: Any, done: int, total: int) -> None:
+                progress.update(task, description=bench.label, completed=done, total=total)
+            samples = measure.measure(devices, quick=args.quick, rounds=args.rounds, progress=show)
         elapsed = time.perf_counter() - started
         # The raw samples first: they stay useful even when a fit fails.
         raw = {"platform": info["platform"], "devices": info["devices"], "device_kind": info.get("device_kind", ""),
-               "base": base.name, "seconds": elapsed, "host_cpus": len(os.sched_getaffinity(0)),
+               "base": base.name, "seconds": elapsed, "rounds": args.rounds, "host_cpus": len(os.sched_getaffinity(0)),
                "cache_bytes": dev.host_cache_bytes(info["platform"]), "samples": cal.samples_to_rows(samples)}
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")

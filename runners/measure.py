@@ -28,7 +28,7 @@ from testbed.calibration_steps import PIPELINE_MICROBATCHES, STEP_SHAPES, pipeli
 from testbed.model import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS", "measure_plan",
-           "compiled_memory", "collective_sample"]
+           "compiled_memory", "collective_sample", "STEP_KINDS", "measurement_order", "least_disturbed"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -285,16 +285,39 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any]) -> Sample:
     return collective_sample(bench, devices)
 
 
-def measure(devices: Sequence[Any], *, quick: bool = False,
+#: Benchmarks that time whole training steps. Like ``testbed validate``'s plans they are measured in
+#: rounds and keep their least disturbed median, so the fits see the same estimate validate measures.
+STEP_KINDS = ("step", "pipeline")
+
+
+def measurement_order(benches: Sequence[Benchmark], rounds: int = 1) -> list[int]:
+    """Indices into ``benches`` in the order to run them: each once, then the training steps
+    (:data:`STEP_KINDS`) ``rounds - 1`` more times, every other round in reverse order (a slow spell of a
+    shared host does not hit the same steps twice)."""
+    order = list(range(len(benches)))
+    steps = [i for i, b in enumerate(benches) if b.kind in STEP_KINDS]
+    for r in range(1, rounds):
+        order += steps[::-1] if r % 2 else steps
+    return order
+
+
+def least_disturbed(samples: Sequence[Sample]) -> Sample:
+    """The sample of the fastest round: other load on the host only ever slows a benchmark down."""
+    return min(samples, key=lambda s: s.seconds)
+
+
+def measure(devices: Sequence[Any], *, quick: bool = False, rounds: int = 1,
             progress: Callable[[Benchmark, int, int], None] | None = None) -> list[Sample]:
-    """Run every planned benchmark on ``devices``; ``progress(bench, done, total)`` after each."""
+    """Run every planned benchmark on ``devices`` (training steps in ``rounds`` rounds, the least disturbed
+    kept); ``progress(bench, done, total)`` before each run."""
     benches = plan_benchmarks(devices[0].platform, len(devices), quick=quick)
-    samples = []
-    for i, bench in enumerate(benches):
-        samples.append(run_benchmark(bench, devices))
+    order = measurement_order(benches, rounds)
+    runs: dict[int, list[Sample]] = {}
+    for done, i in enumerate(order):
         if progress is not None:
-            progress(bench, i + 1, len(benches))
-    return samples
+            progress(benches[i], done, len(order))
+        runs.setdefault(i, []).append(run_benchmark(benches[i], devices))
+    return [least_disturbed(runs[i]) for i in range(len(benches))]
 
 
 def _trainer(plan: Any, devices: list[Any]) -> Any:

@@ -255,6 +255,25 @@ def test_calibrate_refit_from_measurements_writes_a_loadable_topology(tmp_path, 
     measurements.write_text("[1, 2]")
     assert main(["calibrate", "--out", str(out), "--from-measurements", str(measurements)]) == 2
     assert str(measurements) in capsys.readouterr().err
+    assert main(["calibrate", "--rounds", "0", "--out", str(out)]) == 2
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
+    """Like validate's plans: every step benchmark again each round (reversed every other round), the rest once."""
+    from collections import Counter
+
+    from runners.measure import STEP_KINDS, least_disturbed, measurement_order, plan_benchmarks
+
+    benches = plan_benchmarks("cpu", 8, quick=True)
+    steps = [i for i, b in enumerate(benches) if b.kind in STEP_KINDS]
+    assert len(steps) >= 3 and measurement_order(benches, 1) == list(range(len(benches)))
+    order = measurement_order(benches, 3)
+    assert order == list(range(len(benches))) + steps[::-1] + steps
+    counts = Counter(order)
+    assert all(counts[i] == (3 if benches[i].kind in STEP_KINDS else 1) for i in range(len(benches)))
+    runs = [Sample(kind="step", seconds=t, op="cpu-m", host_s=h) for t, h in ((0.31, 1e-3), (0.27, 2e-3), (0.29, 3e-3))]
+    assert least_disturbed(runs) is runs[1]
 
 
 TINY = """
