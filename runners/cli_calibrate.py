@@ -147,8 +147,8 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         fits.append(buffer_fit)
     controller = cal_steps.fit_controller(samples, buffer_s)
     controller_step_s = controller_s = pipeline_step_s = 0.0
-    if controller is not None:
-        controller_step_s, controller_s, pipeline_step_s, controller_fit = controller
+    if controller is not None:  # its buffer cost: real steps' when they tell it, else the empty programs'
+        controller_step_s, controller_s, pipeline_step_s, buffer_s, controller_fit = controller
         fits.append(controller_fit)
     steps = cal_steps.fit_step_compute(topo, samples)
     efficiency, scales, passes = None, None, (0.0, 0.0, 0.0)

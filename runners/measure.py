@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from testbed.calibration import Sample
-from testbed.calibration_steps import PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
+from testbed.calibration_steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
 from testbed.model import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS", "measure_plan",
@@ -100,8 +100,11 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     if num_devices > 1:
         out += [Benchmark(kind="collective", op=op, ranks=g, size=b)
                 for op in ops for g in groups if g > 1 for b in messages]
-    shapes = [name for name in STEP_SHAPES if name.startswith("cpu-" if cpu else "acc-")]
+    prefix = "cpu-" if cpu else "acc-"
+    shapes = [name for name in STEP_SHAPES if name.startswith(prefix) and name not in DEEP_SHAPES]
     out += [Benchmark(kind="step", op=name) for name in (shapes[:3:2] if quick else shapes)]
+    # A deep step (more arrays per program): the controller's cost per buffer on real programs.
+    out += [Benchmark(kind="step", op=name) for name in DEEP_SHAPES if name.startswith(prefix)]
     out += [Benchmark(kind="step", op=f"{shapes[-2]}-bf16")]
     # Tensor-parallel steps (same FLOPs per device, replicated LayerNorms and residuals): the elementwise
     # passes over replicated activations apart from those over split ones.

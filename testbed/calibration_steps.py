@@ -8,10 +8,12 @@ calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
 - ``step`` samples, data parallel: :func:`fit_step_compute` refits
   ``compute_efficiency`` and ``efficiency_half_flops`` (and per-dtype peak
   scales) so that the simulator's compute tasks reproduce the measured steps;
-- ``dispatch`` samples, empty programs passing 1 or 32 arrays on 1 to N
-  devices: :func:`fit_controller_buffers` fits the controller thread's CPU
-  time per device buffer (``controller_buffer_s``; testbed.dispatch counts
-  the buffers of the runner's programs);
+- the controller thread's CPU time per device buffer
+  (``controller_buffer_s``; testbed.dispatch counts the buffers of the
+  runner's programs): from the ``step`` samples' controller time when a
+  deep shape (:data:`DEEP_SHAPES`) spreads their buffer counts, else
+  :func:`fit_controller_buffers` on ``dispatch`` samples, empty programs
+  passing 1 or 32 arrays on 1 to N devices (which cost less per buffer);
 - ``pipeline`` samples, two pipeline stages run as per-action programs
   (MPMD) with two microbatch counts: :func:`fit_controller` fits the CPU time
   the controller thread spent per step, less its buffers' part, as a line in
@@ -35,7 +37,7 @@ from testbed.errors import InputError
 from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.topology import Topology
 
-__all__ = ["STEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "pipeline_plan", "fit_step_compute",
+__all__ = ["STEP_SHAPES", "DEEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "pipeline_plan", "fit_step_compute",
            "controller_programs", "controller_load", "fit_controller_buffers", "fit_controller"]
 
 
@@ -52,7 +54,14 @@ STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
     "acc-s": ({"layers": 2, "d_model": 512, "heads": 8, "d_ff": 2048, "seq_len": 256, "vocab": 8192}, 8),
     "acc-m": ({"layers": 2, "d_model": 1024, "heads": 16, "d_ff": 4096, "seq_len": 512, "vocab": 8192}, 8),
     "acc-l": ({"layers": 4, "d_model": 2048, "heads": 16, "d_ff": 8192, "seq_len": 512, "vocab": 16384}, 8),
+    # Deep and narrow: about three times the arrays per program of the two-layer shapes, so the SPMD steps'
+    # controller time gives its cost per device buffer on real programs (fit_controller).
+    "cpu-deep": ({"layers": 8, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 2),
+    "acc-deep": ({"layers": 8, "d_model": 512, "heads": 8, "d_ff": 2048, "seq_len": 256, "vocab": 8192}, 8),
 }
+
+#: The :data:`STEP_SHAPES` that are there for the controller's buffers (not among the compute grid's sizes).
+DEEP_SHAPES = ("cpu-deep", "acc-deep")
 
 
 def step_plan(name: str, devices: int = 1) -> Plan:
@@ -250,39 +259,50 @@ def fit_controller_buffers(samples: Sequence[Sample]) -> tuple[float, Fit] | Non
                     r2=r2, rel_residuals=residuals, samples=len(rows))
 
 
-def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0) -> tuple[float, float, float, Fit] | None:
-    """``(controller_step_s, controller_overhead_s, controller_pipeline_step_s)``: the controller's CPU time.
+def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0
+                   ) -> tuple[float, float, float, float, Fit] | None:
+    """``(controller_step_s, controller_overhead_s, controller_pipeline_step_s, controller_buffer_s, fit)``.
 
-    Each ``pipeline`` sample measured the controller thread's time per step
-    (``host_s``); :func:`controller_load` counts the programs its plan
-    dispatches and their device buffers, priced at ``buffer_s``
-    (:func:`fit_controller_buffers`) and taken off first. With two or more
-    program counts, a non-negative line ``host_s = intercept + programs *
-    per_program``; with one, the ratio (and no per-step part). The ``step``
-    samples (SPMD: one program) measure the per-step part of every step,
-    ``controller_step_s``: their median controller time less buffers and one
-    program. What the pipeline line's intercept has beyond it is
-    ``controller_pipeline_step_s`` (the MPMD engine's own work per step:
-    splitting the batch into microbatches, placing them per stage; 0 when
-    the intercept, a line through two noisy points, comes out lower). Without
-    pipeline samples (one device) the step samples' time (less buffers) is
-    all per step; without step samples the intercept is. None when no sample
-    measured the controller.
+    The controller's CPU time. Per device buffer: when the SPMD ``step``
+    samples span buffer counts at least twice apart (:data:`DEEP_SHAPES`
+    beside the two-layer shapes), the slope of their measured controller
+    time (``host_s``) in their buffers (:func:`controller_load`): real
+    programs, which cost 2-3x per buffer what :func:`fit_controller_buffers`
+    measures on empty ones (1.5-2.2 us against 0.6-0.9 on this project's
+    2-core host); else ``buffer_s`` (that empty-program slope). The buffers'
+    part is taken off every sample first.
+
+    Each ``pipeline`` sample measured the controller's time per step;
+    :func:`controller_load` counts the programs its plan dispatches. With
+    two or more program counts, a non-negative line ``host_s = intercept +
+    programs * per_program``; with one, the ratio (and no per-step part).
+    The ``step`` samples (SPMD: one program) measure the per-step part of
+    every step, ``controller_step_s``: their median controller time less
+    buffers and one program. What the pipeline line's intercept has beyond
+    it is ``controller_pipeline_step_s`` (the MPMD engine's own work per
+    step: splitting the batch into microbatches, placing them per stage; 0
+    when the intercept, a line through two noisy points, comes out lower).
+    Without pipeline samples (one device) the step samples' time (less
+    buffers) is all per step; without step samples the intercept is. None
+    when no sample measured the controller.
     """
-    steps = np.array([max(0.0, s.host_s - buffer_s * controller_load(step_plan(s.op, s.devices))[1])
-                      for s in of_kind(samples, "step") if s.host_s > 0])
+    spmd = [s for s in of_kind(samples, "step") if s.host_s > 0]
+    loads = np.array([controller_load(step_plan(s.op, s.devices))[1] for s in spmd], dtype=float)
+    if loads.size >= 2 and loads.max() >= 2 * loads.min():
+        buffer_s = fit_line(loads, [s.host_s for s in spmd], name="controller buffers").values["slope"]
+    steps = np.array([max(0.0, s.host_s - buffer_s * b) for s, b in zip(spmd, loads)])
     rows = [s for s in of_kind(samples, "pipeline") if s.host_s > 0]
     if not rows:
         if steps.size == 0:
             return None
         step = float(np.median(steps))
         r2, residuals = fit_quality(np.full(steps.size, step), steps)
-        return step, 0.0, 0.0, Fit(name="controller", values={"controller_step_s": step,
-                                                              "controller_overhead_s": 0.0},
-                                   r2=r2, rel_residuals=residuals, samples=int(steps.size))
-    loads = np.array([controller_load(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
-    programs = loads[:, 0]
-    host = np.array([r.host_s for r in rows]) - buffer_s * loads[:, 1]
+        return step, 0.0, 0.0, buffer_s, Fit(name="controller", values={
+            "controller_step_s": step, "controller_overhead_s": 0.0, "controller_buffer_s": buffer_s},
+            r2=r2, rel_residuals=residuals, samples=int(steps.size))
+    pipe_loads = np.array([controller_load(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
+    programs = pipe_loads[:, 0]
+    host = np.array([r.host_s for r in rows]) - buffer_s * pipe_loads[:, 1]
     if len(set(programs.tolist())) >= 2:
         line = fit_line(programs, host, name="controller")
         intercept, per = line.values["intercept"], line.values["slope"]
@@ -292,6 +312,6 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0) -> tuple[fl
     pipeline = max(0.0, intercept - step)
     predicted = np.concatenate([step + pipeline + per * programs, np.full(steps.size, step + per)])
     r2, residuals = fit_quality(predicted, np.concatenate([host, steps]))
-    return step, per, pipeline, Fit(name="controller", values={
-        "controller_step_s": step, "controller_overhead_s": per, "controller_pipeline_step_s": pipeline},
-        r2=r2, rel_residuals=residuals, samples=len(rows) + int(steps.size))
+    return step, per, pipeline, buffer_s, Fit(name="controller", values={
+        "controller_step_s": step, "controller_overhead_s": per, "controller_pipeline_step_s": pipeline,
+        "controller_buffer_s": buffer_s}, r2=r2, rel_residuals=residuals, samples=len(rows) + int(steps.size))

@@ -442,7 +442,7 @@ def test_fit_controller_recovers_the_cost_per_step_per_program_and_per_pipeline_
 
     pipelines = [sample(m) for m in cal_steps.PIPELINE_MICROBATCHES]
     spmd = [Sample(kind="step", op=op, devices=8, seconds=0.05, host_s=step + per) for op in ("cpu-s", "cpu-m-t8")]
-    fitted_step, fitted_per, fitted_extra, fit = cal_steps.fit_controller(pipelines + spmd)
+    fitted_step, fitted_per, fitted_extra, _, fit = cal_steps.fit_controller(pipelines + spmd)
     assert (fitted_step, fitted_per, fitted_extra) == (pytest.approx(step, rel=1e-6), pytest.approx(per, rel=1e-6),
                                                       pytest.approx(extra, rel=1e-6))
     assert fit.max_abs_rel < 1e-6 and fit.samples == 4
@@ -456,7 +456,7 @@ def test_fit_controller_recovers_the_cost_per_step_per_program_and_per_pipeline_
     only_pipelines = cal_steps.fit_controller(pipelines)
     assert only_pipelines[0] == pytest.approx(step + extra) and only_pipelines[2] == 0.0
     # One microbatch count cannot separate step and program: all of it is per program.
-    only, per_only, _, _ = cal_steps.fit_controller(pipelines[:1])
+    only, per_only, *_ = cal_steps.fit_controller(pipelines[:1])
     assert only == 0.0 and per_only == pytest.approx(pipelines[0].host_s / 14)
     # One device (no pipeline samples): the SPMD steps' controller time is all per step.
     steps = [Sample(kind="step", op="cpu-s", seconds=0.05, host_s=h) for h in (0.004, 0.005, 0.009)]
@@ -479,9 +479,33 @@ def test_fit_controller_buffers_and_the_controller_without_them():
         return Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=8, seconds=0.1,
                       host_s=step + per * programs + per_buffer * buffers)
 
-    got_step, got_per, _, _ = cal_steps.fit_controller([sample(m) for m in cal_steps.PIPELINE_MICROBATCHES],
-                                                       per_buffer)
+    got_step, got_per, _, got_buffer, _ = cal_steps.fit_controller(
+        [sample(m) for m in cal_steps.PIPELINE_MICROBATCHES], per_buffer)
     assert got_step == pytest.approx(step, rel=1e-6) and got_per == pytest.approx(per, rel=1e-6)
+    assert got_buffer == per_buffer  # no deep step: the empty programs' slope
+
+
+def test_fit_controller_takes_the_buffer_cost_from_deep_and_shallow_steps():
+    """Real programs cost more per buffer than empty ones: with a deep step beside the two-layer ones the
+    SPMD steps' own slope is the buffer cost, and the pipeline line fits what it leaves."""
+    step, per, extra, per_buffer = 2e-3, 3e-4, 1e-3, 1.9e-6
+
+    def host(plan) -> float:
+        programs, buffers = cal_steps.controller_load(plan)
+        return step + per * programs + per_buffer * buffers + (extra if plan.mesh.stage > 1 else 0.0)
+
+    ops = ("cpu-s", "cpu-m", "cpu-m-t8", "cpu-deep")
+    spmd = [Sample(kind="step", op=op, devices=8, seconds=0.05, host_s=host(cal_steps.step_plan(op, 8))) for op in ops]
+    pipelines = [Sample(kind="pipeline", op=f"cpu-s-m{m}", devices=8, seconds=0.1,
+                        host_s=host(cal_steps.pipeline_plan(f"cpu-s-m{m}", 8))) for m in cal_steps.PIPELINE_MICROBATCHES]
+    loads = [cal_steps.controller_load(cal_steps.step_plan(op, 8))[1] for op in ops]
+    assert max(loads) >= 2 * min(loads)
+    got = cal_steps.fit_controller(spmd + pipelines, buffer_s=0.7e-6)
+    assert got[:4] == (pytest.approx(step, rel=1e-6), pytest.approx(per, rel=1e-6), pytest.approx(extra, rel=1e-6),
+                       pytest.approx(per_buffer, rel=1e-6))
+    assert got[4].max_abs_rel < 1e-6
+    # Without the deep step the SPMD buffer counts are too close to tell: the given (empty-program) slope stays.
+    assert cal_steps.fit_controller(spmd[:3] + pipelines, buffer_s=0.7e-6)[3] == 0.7e-6
 
 
 def test_controller_buffers_grow_with_devices_and_layers_per_program():
