@@ -54,9 +54,10 @@ STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
     "acc-s": ({"layers": 2, "d_model": 512, "heads": 8, "d_ff": 2048, "seq_len": 256, "vocab": 8192}, 8),
     "acc-m": ({"layers": 2, "d_model": 1024, "heads": 16, "d_ff": 4096, "seq_len": 512, "vocab": 8192}, 8),
     "acc-l": ({"layers": 4, "d_model": 2048, "heads": 16, "d_ff": 8192, "seq_len": 512, "vocab": 16384}, 8),
-    # Deep and narrow: about three times the arrays per program of the two-layer shapes, so the SPMD steps'
-    # controller time gives its cost per device buffer on real programs (fit_controller).
-    "cpu-deep": ({"layers": 8, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 2),
+    # Deep: about three times the arrays per program of the two-layer shapes, so the SPMD steps' controller
+    # time gives its cost per device buffer on real programs (fit_controller); cpu-xs's layers, whose kernels
+    # the compute fit prices well (d_model 64 ones are launch bound).
+    "cpu-deep": ({"layers": 8, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 1),
     "acc-deep": ({"layers": 8, "d_model": 512, "heads": 8, "d_ff": 2048, "seq_len": 256, "vocab": 8192}, 8),
 }
 
