@@ -297,7 +297,7 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0
         if steps.size == 0:
             return None
         step = float(np.median(steps))
-        r2, residuals = fit_quality(np.full(steps.size, step), steps)
+        r2, residuals = fit_quality(step + buffer_s * loads, steps + buffer_s * loads)
         return step, 0.0, 0.0, buffer_s, Fit(name="controller", values={
             "controller_step_s": step, "controller_overhead_s": 0.0, "controller_buffer_s": buffer_s},
             r2=r2, rel_residuals=residuals, samples=int(steps.size))
@@ -311,8 +311,10 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0
         intercept, per = 0.0, float(np.median(host / programs))
     step = max(0.0, float(np.median(steps)) - per) if steps.size else intercept
     pipeline = max(0.0, intercept - step)
-    predicted = np.concatenate([step + pipeline + per * programs, np.full(steps.size, step + per)])
-    r2, residuals = fit_quality(predicted, np.concatenate([host, steps]))
+    # Quality on the measured totals (buffers included): a remainder near 0 would make relative errors blow up.
+    buffered = buffer_s * np.concatenate([pipe_loads[:, 1], loads])
+    predicted = np.concatenate([step + pipeline + per * programs, np.full(steps.size, step + per)]) + buffered
+    r2, residuals = fit_quality(predicted, np.concatenate([host, steps]) + buffered)
     return step, per, pipeline, buffer_s, Fit(name="controller", values={
         "controller_step_s": step, "controller_overhead_s": per, "controller_pipeline_step_s": pipeline,
         "controller_buffer_s": buffer_s}, r2=r2, rel_residuals=residuals, samples=len(rows) + int(steps.size))

@@ -37,15 +37,10 @@ def _count(text: str, op: str) -> int:
     return text.count(f" {op}(") + text.count(f" {op}-start(")
 
 
-def _backward_texts(trainer, state) -> list[str]:
-    """Compiled text of every chunk's forward and backward program(s) as the engine runs them.
-
-    The last chunk's forward computes the loss: per replica, so no program of
-    a microbatch reduces anything over ``data`` (not even the scalar loss).
-    """
-    params, _ = state
+def _forwards(trainer, params):
+    """Per model chunk ``g``: ``(g, stage, chunk, activation sharding, compiled forward, its abstract pullback,
+    the output cotangent)`` as the engine runs them."""
     sch, last = trainer.schedule, trainer.schedule.chunks - 1
-    texts = []
     x = jax.ShapeDtypeStruct(trainer.act_shape[:2], jax.numpy.int32, sharding=trainer.act_shardings[0])
     for g in range(sch.chunks):
         s, c = sch.locate(g)
@@ -54,9 +49,22 @@ def _backward_texts(trainer, state) -> list[str]:
         targets = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if g == last else None
         forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0,
                                           g == last, params[s][c], h, targets).compile()
-        texts.append(forward.as_text())
         y, stored = abstract_outputs(forward)
         cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
+        yield g, s, c, sh, forward, stored, cot
+
+
+def _backward_texts(trainer, state) -> list[str]:
+    """Compiled text of every chunk's forward and backward program(s) as the engine runs them.
+
+    The last chunk's forward computes the loss: per replica, so no program of
+    a microbatch reduces anything over ``data`` (not even the scalar loss).
+    """
+    params, _ = state
+    sch = trainer.schedule
+    texts = []
+    for g, s, c, _, forward, stored, cot in _forwards(trainer, params):
+        texts.append(forward.as_text())
         programs = ([pipeline._pull_weight] + ([pipeline._pull_input] if g > 0 else [])
                     if sch.split_backward else [pipeline._pull])
         texts += [p.lower(trainer.prepare[s], stored, params[s][c], cot).compile().as_text() for p in programs]
@@ -103,17 +111,8 @@ def test_engine_programs_leave_outputs_where_they_are_taken(kwargs: dict) -> Non
     def same(value, want) -> bool:
         return value.sharding.is_equivalent_to(want, len(value.shape))
 
-    x = jax.ShapeDtypeStruct(trainer.act_shape[:2], jax.numpy.int32, sharding=trainer.act_shardings[0])
-    for g in range(sch.chunks):
-        s, c = sch.locate(g)
-        sh = trainer.act_shardings[s]
-        h = x if g == 0 else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh)
-        targets = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if g == last else None
-        y, stored = abstract_outputs(pipeline._forward.lower(
-            trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0, g == last, params[s][c], h,
-            targets).compile())
-        assert g == last or same(y, sh)
-        cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
+    for g, s, c, sh, forward, stored, cot in _forwards(trainer, params):
+        assert g == last or same(abstract_outputs(forward)[0], sh)  # the output activation
         pull = pipeline._pull_weight if sch.split_backward else pipeline._pull
         out = abstract_outputs(pull.lower(trainer.prepare[s], stored, params[s][c], cot).compile())
         grads = out if sch.split_backward else out[0]
