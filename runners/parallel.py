@@ -116,7 +116,6 @@ def batch_spec(rank: int, leading: int = 0) -> P:
     return P(*([None] * leading), BATCH_AXES, *([None] * (rank - leading - 1)))
 
 
-
 class Constrain:
     """``tree -> tree`` pinned to the shardings of a stage's chunk of the same tree structure.
 

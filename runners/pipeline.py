@@ -195,15 +195,14 @@ def _pull(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, 
     accumulating costs no program and no second gradient buffer.
     """
     grads, *rest = _backward(prepare, stored, params, cotangent)
-    if not rest:
-        return (_leave(prepare, _accumulate(acc, grads))[0],)
-    return _leave(prepare, _accumulate(acc, grads), rest[0])
+    grads, dx = _leave(prepare, _accumulate(acc, grads), *rest)
+    return (grads, dx) if rest else (grads,)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _pull_input(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any) -> Any:
     """B of a split backward: the input gradient only (XLA drops the parameter half)."""
-    return _leave(prepare, None, _backward(prepare, stored, params, cotangent, weights=False)[1])[1]
+    return _place(_backward(prepare, stored, params, cotangent, weights=False)[1], _as_prepare(prepare).activations)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from runners.parallel import Constrain
 from testbed.plan import Plan
 from testbed.sharding import gradient_reduction
 
@@ -58,12 +59,10 @@ class Spread:
         self.count = count
         #: The stage's gradients per replica (the engine's output, the update's input).
         self.shardings = jax.tree.map(lambda sh: NamedSharding(mesh, P(AXIS, *sh.spec)), param_shardings)
-        self._by_structure = {jax.tree.structure(chunk): chunk for chunk in self.shardings}
+        self._constrain = Constrain(self.shardings)
 
     def __call__(self, params: Any) -> Any:
-        def spread(a: jax.Array, sh: NamedSharding) -> jax.Array:
-            return jax.lax.with_sharding_constraint(jnp.broadcast_to(a, (self.count, *a.shape)), sh)
-        return jax.tree.map(spread, params, self._by_structure[jax.tree.structure(params)])
+        return self._constrain(jax.tree.map(lambda a: jnp.broadcast_to(a, (self.count, *a.shape)), params))
 
 
 def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
