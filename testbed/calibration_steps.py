@@ -289,21 +289,23 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0
     """
     spmd = [s for s in of_kind(samples, "step") if s.host_s > 0]
     loads = np.array([controller_load(step_plan(s.op, s.devices))[1] for s in spmd], dtype=float)
+    spmd_host = np.array([s.host_s for s in spmd])
     if loads.size >= 2 and loads.max() >= 2 * loads.min():
-        buffer_s = fit_line(loads, [s.host_s for s in spmd], name="controller buffers").values["slope"]
-    steps = np.array([max(0.0, s.host_s - buffer_s * b) for s, b in zip(spmd, loads)])
+        buffer_s = fit_line(loads, spmd_host, name="controller buffers").values["slope"]
+    steps = np.maximum(0.0, spmd_host - buffer_s * loads)
     rows = [s for s in of_kind(samples, "pipeline") if s.host_s > 0]
     if not rows:
         if steps.size == 0:
             return None
         step = float(np.median(steps))
-        r2, residuals = fit_quality(step + buffer_s * loads, steps + buffer_s * loads)
+        r2, residuals = fit_quality(step + buffer_s * loads, spmd_host)
         return step, 0.0, 0.0, buffer_s, Fit(name="controller", values={
             "controller_step_s": step, "controller_overhead_s": 0.0, "controller_buffer_s": buffer_s},
             r2=r2, rel_residuals=residuals, samples=int(steps.size))
     pipe_loads = np.array([controller_load(pipeline_plan(r.op, r.devices)) for r in rows], dtype=float)
     programs = pipe_loads[:, 0]
-    host = np.array([r.host_s for r in rows]) - buffer_s * pipe_loads[:, 1]
+    pipe_host = np.array([r.host_s for r in rows])
+    host = pipe_host - buffer_s * pipe_loads[:, 1]
     if len(set(programs.tolist())) >= 2:
         line = fit_line(programs, host, name="controller")
         intercept, per = line.values["intercept"], line.values["slope"]
@@ -312,9 +314,9 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0
     step = max(0.0, float(np.median(steps)) - per) if steps.size else intercept
     pipeline = max(0.0, intercept - step)
     # Quality on the measured totals (buffers included): a remainder near 0 would make relative errors blow up.
-    buffered = buffer_s * np.concatenate([pipe_loads[:, 1], loads])
-    predicted = np.concatenate([step + pipeline + per * programs, np.full(steps.size, step + per)]) + buffered
-    r2, residuals = fit_quality(predicted, np.concatenate([host, steps]) + buffered)
+    predicted = np.concatenate([step + pipeline + per * programs, np.full(steps.size, step + per)])
+    predicted += buffer_s * np.concatenate([pipe_loads[:, 1], loads])
+    r2, residuals = fit_quality(predicted, np.concatenate([pipe_host, spmd_host]))
     return step, per, pipeline, buffer_s, Fit(name="controller", values={
         "controller_step_s": step, "controller_overhead_s": per, "controller_pipeline_step_s": pipeline,
         "controller_buffer_s": buffer_s}, r2=r2, rel_residuals=residuals, samples=len(rows) + int(steps.size))
