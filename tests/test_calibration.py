@@ -310,6 +310,7 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
         assert row["measured_controller_s"] > 0
     ref = data["reference_step"]
     assert ref["plan"] == "cpu-m" and ref["measured_s"] > 0
+    assert len(ref["measured_rounds_s"]) == 3 and ref["measured_s"] == min(ref["measured_rounds_s"])  # + each round
     assert ref["speed"] == pytest.approx(ref["predicted_s"] / ref["measured_s"])
     errors = sorted(abs(p["error"]) for p in data["plans"])
     assert data["max_abs_error"] == pytest.approx(errors[-1])
