@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="calibrate --quick")
     parser.add_argument("--topology", default=None, help="validate against this calibrated topology (skip calibrate)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan (default 5)")
-    parser.add_argument("--rounds", type=int, default=2,
+    parser.add_argument("--rounds", type=int, default=5,
                         help="rounds of validate's plans and of calibrate's training steps; each keeps its "
-                             "least disturbed median (default 2)")
+                             "least disturbed median (default 5)")
     parser.add_argument("--keep", default=None, help="folder to keep the calibrated topology and measurements in")
     parser.add_argument("plans", nargs="*", help="plans (default plans/validation/*.yaml; with --devices local "
                                                  "plans/validation-1dev/*.yaml)")
@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         "max_abs_error": result["max_abs_error"],
         "median_abs_error_fastest_step": result.get("median_abs_error_fastest"),
         "max_abs_error_fastest_step": result.get("max_abs_error_fastest"),
+        # The same errors with each plan's rounds scaled by the host's speed beside them (the reference step
+        # timed after each plan): what is left of the error without the host's drift since calibration.
+        "median_abs_error_at_calibrated_speed": result.get("median_abs_error_at_calibrated_speed"),
+        "max_abs_error_at_calibrated_speed": result.get("max_abs_error_at_calibrated_speed"),
         "median_abs_memory_error": result.get("median_abs_memory_error"),
         "max_abs_memory_error": result.get("max_abs_memory_error"),
         "goal": {"median_abs_error": 0.10, "max_abs_error": 0.25},
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         "reference_step": result.get("reference_step"),
         "plans": [{**{k: p.get(k) for k in ("plan", "predicted_s", "measured_s", "error", "predicted_memory",
                                             "measured_memory", "memory_error", "predicted_controller_s",
-                                            "measured_controller_s")},
+                                            "measured_controller_s", "round_medians_s", "host_speeds",
+                                            "measured_at_calibrated_speed_s", "error_at_calibrated_speed")},
                    "fastest_step_s": min(p["step_times_s"])} for p in result["plans"]],
         "fitted": calibration["fitted"] if calibration else None,
         "fit_quality": {k: {"r2": v["r2"], "median_abs_rel_residual": v["median_abs_rel_residual"]}

@@ -206,15 +206,17 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
     benches = plan_benchmarks(info["platform"], len(everyone), jax.process_count(), quick=bool(payload.get("quick")))
     order = measure.measurement_order(benches, int(payload.get("rounds", 1)))
     runs: dict[int, list[Any]] = {}
+    timers: dict[Any, Any] = {}  # training steps' compiled trainers, reused by their later rounds
     started = time.perf_counter()
     for position, i in enumerate(order):
         bench = benches[i]
         if bench.kind == "collective":
             sample = _collective(bench, everyone)
         elif runs_on_all(bench, len(mine)):
-            sample = measure.run_benchmark(bench, everyone)
+            sample = measure.run_benchmark(bench, everyone, timers)
         else:
-            sample = measure.run_benchmark(bench, mine[:1] if bench.kind == "step" else mine) if me == 0 else None
+            mine_run = mine[:1] if bench.kind == "step" else mine
+            sample = measure.run_benchmark(bench, mine_run, timers) if me == 0 else None
             _barrier(f"testbed-calibrate-{position}")
         if me == 0:
             runs.setdefault(i, []).append(sample)

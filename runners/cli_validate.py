@@ -34,9 +34,9 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", required=True, help="calibrated topology (YAML path or bundled name)")
     parser.add_argument("--devices", default=None, help="emulated:N or local (default emulated:<mesh size>)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan after one warm-up (default 5)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure every plan this many times (later rounds in reverse order) and keep each "
-                             "plan's least disturbed median: for shared hosts (default 1)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="time every plan this many times (later rounds in reverse order; each plan compiled "
+                             "once) and keep each plan's least disturbed median: for shared hosts (default 5)")
 
 
 def relative_error(predicted: float, measured: float) -> float:
@@ -54,7 +54,11 @@ def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     ``error`` and ``memory_error`` are added, and the median / max absolute
     step-time errors summarise them. Rows with ``step_times_s`` also get
     ``error_fastest`` against their fastest step (less disturbed by other
-    processes on a shared host), summarised as ``*_abs_error_fastest``.
+    processes on a shared host), summarised as ``*_abs_error_fastest``; rows
+    with ``measured_at_calibrated_speed_s`` get ``error_at_calibrated_speed``
+    (``*_abs_error_at_calibrated_speed``): the error left when each round is
+    scaled by the host's speed then, as the reference step beside it
+    measured it, i.e. without the host's drift since calibration.
     """
     plans = []
     for row in rows:
@@ -64,9 +68,12 @@ def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         out["memory_error"] = relative_error(pm, mm) if pm is not None and mm else None
         if row.get("step_times_s"):
             out["error_fastest"] = relative_error(row["predicted_s"], min(row["step_times_s"]))
+        if row.get("measured_at_calibrated_speed_s"):
+            out["error_at_calibrated_speed"] = relative_error(row["predicted_s"], row["measured_at_calibrated_speed_s"])
         plans.append(out)
     errors = [abs(p["error"]) for p in plans]
     fastest = [abs(p["error_fastest"]) for p in plans if "error_fastest" in p]
+    steady = [abs(p["error_at_calibrated_speed"]) for p in plans if "error_at_calibrated_speed" in p]
     memory = [abs(p["memory_error"]) for p in plans if p["memory_error"] is not None]
     return {
         "plans": plans,
@@ -76,6 +83,8 @@ def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "max_abs_memory_error": float(np.max(memory)) if memory else None,
         "median_abs_error_fastest": float(np.median(fastest)) if fastest else None,
         "max_abs_error_fastest": float(np.max(fastest)) if fastest else None,
+        "median_abs_error_at_calibrated_speed": float(np.median(steady)) if steady else None,
+        "max_abs_error_at_calibrated_speed": float(np.max(steady)) if steady else None,
     }
 
 
@@ -114,61 +123,70 @@ def _validate(args: argparse.Namespace) -> CommandResult:
                      # priced its host tasks, and as measured.
                      "predicted_controller_s": sum(controller_seconds(c, t) for t in sim.program.tasks
                                                    if t.kind is TaskKind.HOST),
-                     "round_medians_s": [], "step_times_s": [], "controller_s": []})
+                     "round_medians_s": [], "host_speeds": [], "step_times_s": [], "controller_s": []})
+    # Each plan's trainer is compiled once and timed in every round (runners.measure.PlanTimer) when all of
+    # them fit in a device's memory at once (half of it, by the simulator's estimates); else it is rebuilt per round.
+    keep = sum(row["predicted_memory"] for row in rows) <= 0.5 * topology.device.memory_bytes
+    timers: dict[int, Any] = {}
+
+    def timer(i: int) -> Any:
+        if i not in timers:
+            timers[i] = measure.PlanTimer(plans[i], list(devices))
+        return timers[i]
+
+    reference_plan = cal_steps.step_plan("cpu-m" if devices[0].platform == "cpu" else "acc-m", len(devices))
+    reference_timer = measure.PlanTimer(reference_plan, list(devices))
+    reference_predicted = simulate(reference_plan, topology).report.step_time_s
+    references: list[dict[str, Any]] = []
     with progress_bar() as progress:
-        task = progress.add_task("", total=(len(plans) + 1) * args.rounds + 1)
-        progress.update(task, description="reference step")
-        references = [_reference_step(topology, devices)]
-        progress.advance(task)
+        task = progress.add_task("", total=len(plans) * args.rounds)
         for r in range(args.rounds):
             # Later rounds in reverse order: a slow spell of a shared host does not hit the same plans twice.
             order = list(range(len(plans)))[::1 if r % 2 == 0 else -1]
             for i in order:
                 progress.update(task, description=f"{plans[i].name} (round {r + 1})")
-                host: list[float] = []
-                median, memory, times = measure.measure_plan(plans[i], devices, args.steps, host_times=host,
-                                                             memory=r == 0)
+                median, times, host = timer(i).round(args.steps)
+                # The reference step right after the plan: how fast the host ran for this round of the plan.
+                references.append(_reference_step(reference_timer, reference_predicted))
                 row = rows[i]
                 row["round_medians_s"].append(median)
+                row["host_speeds"].append(references[-1]["speed"])
                 row["step_times_s"] += times
                 row["controller_s"] += host
                 if r == 0:
-                    row["measured_memory"] = memory
+                    row["measured_memory"] = timer(i).memory()
+                if not keep:
+                    del timers[i]
                 progress.advance(task)
-            # Again after every round: the first plan a fresh process runs is often its slowest.
-            progress.update(task, description=f"reference step (after round {r + 1})")
-            references.append(_reference_step(topology, devices))
-            progress.advance(task)
     reference = dict(min(references, key=lambda ref: ref["measured_s"]),
                      measured_rounds_s=[ref["measured_s"] for ref in references])
     for row in rows:
         # Other load only ever slows a step: the least disturbed round is the best estimate of the plan's own time.
         row["measured_s"] = min(row["round_medians_s"])
+        # Each round's median as if the host had run at its calibrated speed (the reference step's speed
+        # beside it): the model's error apart from the host's drift since calibration.
+        row["measured_at_calibrated_speed_s"] = float(np.median(np.array(row["round_medians_s"])
+                                                                * np.array(row["host_speeds"])))
         row["measured_controller_s"] = float(np.median(row.pop("controller_s")))
     data = {"topology": topology.name, "devices": dev.describe(devices), "steps": args.steps, "rounds": args.rounds,
             "reference_step": reference, **validation_summary(rows)}
     return CommandResult(data=data, render=lambda console: _render_validation(console, data))
 
 
-def _reference_step(topology: Topology, devices: Sequence[Any]) -> dict[str, Any]:
-    """One of calibrate's own training steps, predicted and measured now: is the host as fast as when calibrated?
+def _reference_step(timer: Any, predicted_s: float) -> dict[str, Any]:
+    """One of calibrate's own training steps, measured now against its prediction: how fast is the host now?
 
     The data-parallel step of a :data:`testbed.calibration_steps.STEP_SHAPES`
-    shape over all devices is what ``compute_efficiency`` was fitted on, so
-    ``measured / predicted`` far from 1 says the host's speed has drifted
-    since calibration (other load on a shared machine, clock changes) and
-    every plan's error carries that drift. ``validate`` times it before the
-    plans and after each round and keeps the least disturbed, as it does for
-    plans (the first plan of a fresh process ran 10-20% slow in probes).
+    shape over all devices (``timer``: its runners.measure.PlanTimer;
+    ``predicted_s``: its simulated step) is what ``compute_efficiency`` was
+    fitted on, so ``speed = predicted / measured`` far from 1 says the host's
+    speed has drifted since calibration (other load on a shared machine,
+    clock changes) and every plan's error carries that drift. ``validate``
+    times it after every plan's round: the host's speed for that round.
     """
-    from runners import measure
-    from testbed.simulator import simulate
-
-    shape = "cpu-m" if devices[0].platform == "cpu" else "acc-m"
-    plan = cal_steps.step_plan(shape, len(devices))
-    measured = measure.run_benchmark(measure.Benchmark(kind="step", op=shape), list(devices)).seconds
-    predicted = simulate(plan, topology).report.step_time_s
-    return {"plan": plan.name, "predicted_s": predicted, "measured_s": measured, "speed": predicted / measured}
+    measured = timer.round(steps=5)[0]
+    return {"plan": timer.plan.name, "predicted_s": predicted_s, "measured_s": measured,
+            "speed": predicted_s / measured}
 
 
 def _render_validation(console: Any, data: dict[str, Any]) -> None:
@@ -192,8 +210,13 @@ def _render_validation(console: Any, data: dict[str, Any]) -> None:
     ref = data.get("reference_step")
     if ref:
         console.print(f"reference step ({ref['plan']} over all devices, as calibrated): predicted "
-                      f"{format_time(ref['predicted_s'])}, measured {format_time(ref['measured_s'])}: the host runs at "
-                      f"{ref['speed']:.2f}x its calibrated speed")
+                      f"{format_time(ref['predicted_s'])}, measured {format_time(ref['measured_s'])} (least "
+                      f"disturbed of {len(ref['measured_rounds_s'])}): the host runs at {ref['speed']:.2f}x its "
+                      f"calibrated speed")
+    if data.get("median_abs_error_at_calibrated_speed") is not None:
+        console.print(f"step time |error| at the calibrated host speed (each round scaled by the reference step's "
+                      f"speed beside it): median {data['median_abs_error_at_calibrated_speed']:.1%}, "
+                      f"max {data['max_abs_error_at_calibrated_speed']:.1%}")
     if data.get("median_abs_memory_error") is not None:
         console.print(f"memory |error|: median {data['median_abs_memory_error']:.1%}, "
                       f"max {data['max_abs_memory_error']:.1%}")

@@ -27,8 +27,8 @@ from testbed.calibration import Sample
 from testbed.calibration_steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
 from testbed.model import model_flops_per_step
 
-__all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS", "measure_plan",
-           "compiled_memory", "collective_sample", "STEP_KINDS", "measurement_order", "least_disturbed"]
+__all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
+           "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "measurement_order", "least_disturbed"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -206,14 +206,21 @@ def _dispatch(bench: Benchmark, devices: Sequence[Any]) -> Sample:
     return Sample(kind="dispatch", seconds=seconds, devices=k, ranks=arrays, host_s=statistics.median(host))
 
 
-def _step(bench: Benchmark, devices: Sequence[Any]) -> Sample:
+def _step(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchmark, PlanTimer] | None = None) -> Sample:
     """Median training step (the runner's own) of shape ``bench.op``, data parallel over all devices,
-    or (``pipeline``) two stages run per action; with the controller's CPU time per step."""
-    plan = (pipeline_plan if bench.kind == "pipeline" else step_plan)(bench.op, len(devices))
-    host: list[float] = []
-    seconds, _, _ = measure_plan(plan, list(devices), steps=5, memory=False, host_times=host)
-    return Sample(kind=bench.kind, seconds=seconds, op=bench.op, flops=float(model_flops_per_step(plan)),
-                  dtype=plan.precision.compute_dtype, devices=len(devices), host_s=statistics.median(host))
+    or (``pipeline``) two stages run per action; with the controller's CPU time per step.
+
+    With ``timers`` the step's compiled trainer is kept there and reused by
+    the benchmark's later rounds (one compilation, rounds seconds apart)."""
+    timer = timers.get(bench) if timers is not None else None
+    if timer is None:
+        plan = (pipeline_plan if bench.kind == "pipeline" else step_plan)(bench.op, len(devices))
+        timer = PlanTimer(plan, list(devices))
+        if timers is not None:
+            timers[bench] = timer
+    seconds, _, host = timer.round(steps=5)
+    return Sample(kind=bench.kind, seconds=seconds, op=bench.op, flops=float(model_flops_per_step(timer.plan)),
+                  dtype=timer.plan.precision.compute_dtype, devices=len(devices), host_s=statistics.median(host))
 
 
 def _memory(bench: Benchmark, devices: Sequence[Any]) -> Sample:
@@ -273,12 +280,14 @@ def collective_sample(bench: Benchmark, devices: Sequence[Any], repeats: tuple[i
     return Sample(kind="collective", seconds=seconds, bytes=4.0 * elements, op=bench.op, ranks=g)
 
 
-def run_benchmark(bench: Benchmark, devices: Sequence[Any]) -> Sample:
-    """Run one benchmark on ``devices`` (all of them for concurrent ones and collectives)."""
+def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchmark, PlanTimer] | None = None
+                  ) -> Sample:
+    """Run one benchmark on ``devices`` (all of them for concurrent ones and collectives); training steps
+    keep their compiled trainers in ``timers`` (if given) for later rounds."""
     if bench.kind == "dispatch":
         return _dispatch(bench, devices)
-    if bench.kind in ("step", "pipeline"):
-        return _step(bench, devices)
+    if bench.kind in STEP_KINDS:
+        return _step(bench, devices, timers)
     if bench.kind == "matmul":
         return _matmul(bench, devices)
     if bench.kind == "concurrent":
@@ -316,10 +325,11 @@ def measure(devices: Sequence[Any], *, quick: bool = False, rounds: int = 1,
     benches = plan_benchmarks(devices[0].platform, len(devices), quick=quick)
     order = measurement_order(benches, rounds)
     runs: dict[int, list[Sample]] = {}
+    timers: dict[Benchmark, PlanTimer] = {}
     for done, i in enumerate(order):
         if progress is not None:
             progress(benches[i], done, len(order))
-        runs.setdefault(i, []).append(run_benchmark(benches[i], devices))
+        runs.setdefault(i, []).append(run_benchmark(benches[i], devices, timers))
     return [least_disturbed(runs[i]) for i in range(len(benches))]
 
 
@@ -343,27 +353,43 @@ def compiled_memory(trainer: Any, state: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def measure_plan(plan: Any, devices: list[Any], steps: int, memory: bool = True,
-                 host_times: list[float] | None = None) -> tuple[float, float | None, list[float]]:
-    """(median step seconds, compiled memory per device, all step times) of the runner executing ``plan``.
+class PlanTimer:
+    """A plan's runner trainer, compiled once, timed in rounds of a few steps.
 
-    One warm-up step compiles; ``memory=False`` skips the (second) compilation
-    that XLA's memory analysis needs. ``host_times`` (if given) receives the
-    CPU seconds this (the controller) thread spent in each step until it had
-    dispatched everything: what testbed's ``controller_overhead_s`` models.
+    Why rounds of one compiled trainer: on a shared host the same program's
+    step time moves in level shifts lasting seconds (this project's 2-core
+    VM: dp8 at 95-155 ms from one round of ten steps to the next, steady
+    within a round), so a plan is best measured as the least disturbed of
+    several short rounds spread over minutes; recompiling for every round
+    would cost more than the rounds themselves. The constructor compiles
+    (one warm-up step); :meth:`round` times ``steps`` more.
     """
-    trainer = _trainer(plan, devices)
-    state = trainer.init()
-    state, loss = trainer.step(state, 0)  # compiles
-    jax.block_until_ready((state, loss))
-    times = []
-    for i in range(steps):
-        start, cpu = time.perf_counter(), time.thread_time()
-        state, loss = trainer.step(state, i + 1)
-        if host_times is not None:
-            host_times.append(time.thread_time() - cpu)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), compiled_memory(trainer, state) if memory else None, times
 
+    def __init__(self, plan: Any, devices: list[Any]) -> None:
+        self.plan = plan
+        self.trainer = _trainer(plan, devices)
+        self.state = self.trainer.init()
+        self.state, loss = self.trainer.step(self.state, 0)  # compiles
+        jax.block_until_ready((self.state, loss))
+        self.steps_done = 1
+
+    def round(self, steps: int) -> tuple[float, list[float], list[float]]:
+        """(median seconds, every step's seconds, the controller thread's CPU seconds per step) of ``steps`` steps.
+
+        The controller time is what this thread spent in a step until it had
+        dispatched everything: what testbed's ``controller_overhead_s`` models.
+        """
+        times, host = [], []
+        for _ in range(steps):
+            start, cpu = time.perf_counter(), time.thread_time()
+            self.state, loss = self.trainer.step(self.state, self.steps_done)
+            host.append(time.thread_time() - cpu)
+            jax.block_until_ready((self.state, loss))
+            times.append(time.perf_counter() - start)
+            self.steps_done += 1
+        return statistics.median(times), times, host
+
+    def memory(self) -> float | None:
+        """XLA's compiled bytes per device at the trainer's peak (:func:`compiled_memory`)."""
+        return compiled_memory(self.trainer, self.state)
 

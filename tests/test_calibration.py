@@ -276,6 +276,26 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
     assert least_disturbed(runs) is runs[1]
 
 
+def test_step_benchmarks_compile_once_and_run_on_in_later_rounds(monkeypatch):
+    """A step benchmark's later rounds reuse its compiled trainer: one more round of steps, no new compilation."""
+    from runners import devices as dev
+    from runners import measure
+
+    built = []
+    trainer = measure._trainer
+    monkeypatch.setattr(measure, "_trainer", lambda plan, devices: built.append(plan.name) or trainer(plan, devices))
+    bench, timers = measure.Benchmark(kind="step", op="cpu-xxs"), {}
+    devices = dev.select_devices(2)
+    first, second = (measure.run_benchmark(bench, devices, timers) for _ in range(2))
+    assert built == ["cpu-xxs"] and timers[bench].steps_done == 1 + 5 + 5
+    assert timers[bench].plan == cal_steps.step_plan("cpu-xxs", 2)
+    for sample in (first, second):
+        assert sample.kind == "step" and sample.op == "cpu-xxs" and sample.devices == 2
+        assert sample.seconds > 0 and sample.host_s > 0
+    measure.run_benchmark(bench, devices)  # without timers: a trainer of its own
+    assert built == ["cpu-xxs", "cpu-xxs"] and timers[bench].steps_done == 11
+
+
 TINY = """
 name: {name}
 model: {{kind: gpt, layers: 2, d_model: 16, heads: 2, d_ff: 32, seq_len: 8, vocab: 32}}
@@ -284,9 +304,13 @@ mesh: {mesh}
 """
 
 
-def test_validate_json_has_every_plan(tmp_path, capsys):
+def test_validate_json_has_every_plan(tmp_path, capsys, monkeypatch):
+    from runners import measure
     from testbed.cli import main
 
+    built = []
+    trainer = measure._trainer
+    monkeypatch.setattr(measure, "_trainer", lambda plan, devices: built.append(plan.name) or trainer(plan, devices))
     paths = []
     for name, mesh in (("tiny-dp", "{data: 8}"), ("tiny-tp", "{data: 4, tensor: 2}")):
         path = tmp_path / f"{name}.yaml"
@@ -295,6 +319,8 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
     assert main(["validate", "--json", "--topology", "host-cpu-8", "--steps", "1", "--rounds", "2", *paths]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [p["plan"] for p in data["plans"]] == ["tiny-dp", "tiny-tp"] and data["rounds"] == 2
+    # Every plan (and the reference step) compiled once and timed in both rounds: they fit in memory at once.
+    assert sorted(built) == ["cpu-m", "tiny-dp", "tiny-tp"]
     for row, path in zip(data["plans"], paths):
         assert len(row["round_medians_s"]) == 2 and row["measured_s"] == min(row["round_medians_s"])
         assert len(row["step_times_s"]) == 2
@@ -310,10 +336,30 @@ def test_validate_json_has_every_plan(tmp_path, capsys):
         assert row["measured_controller_s"] > 0
     ref = data["reference_step"]
     assert ref["plan"] == "cpu-m" and ref["measured_s"] > 0
-    assert len(ref["measured_rounds_s"]) == 3 and ref["measured_s"] == min(ref["measured_rounds_s"])  # + each round
+    # After every plan in every round, the least disturbed kept.
+    assert len(ref["measured_rounds_s"]) == 4 and ref["measured_s"] == min(ref["measured_rounds_s"])
     assert ref["speed"] == pytest.approx(ref["predicted_s"] / ref["measured_s"])
+    # Each plan's rounds scaled by the host's speed beside them (one of the reference step's timings each).
+    speeds = [ref["predicted_s"] / t for t in ref["measured_rounds_s"]]
+    for row in data["plans"]:
+        assert len(row["host_speeds"]) == 2 and all(v in speeds for v in row["host_speeds"])
+        assert row["measured_at_calibrated_speed_s"] == pytest.approx(
+            np.median(np.array(row["round_medians_s"]) * row["host_speeds"]))
+        assert row["error_at_calibrated_speed"] == pytest.approx(
+            row["predicted_s"] / row["measured_at_calibrated_speed_s"] - 1)
+    assert data["max_abs_error_at_calibrated_speed"] == max(abs(p["error_at_calibrated_speed"])
+                                                            for p in data["plans"])
     errors = sorted(abs(p["error"]) for p in data["plans"])
     assert data["max_abs_error"] == pytest.approx(errors[-1])
+    # Plans that would not fit in half a device's memory together are compiled again every round.
+    small = load_topology("host-cpu-8")
+    small = replace(small, device=replace(small.device, memory_bytes=1.5 * data["plans"][0]["predicted_memory"]))
+    (tmp_path / "small.yaml").write_text(dump_topology(small))
+    built.clear()
+    assert main(["validate", "--json", "--topology", str(tmp_path / "small.yaml"), "--steps", "1", "--rounds", "2",
+                 paths[0]]) == 0
+    assert sorted(built) == ["cpu-m", "tiny-dp", "tiny-dp"]
+    assert len(json.loads(capsys.readouterr().out)["plans"][0]["round_medians_s"]) == 2
     # A plan whose mesh does not fit the topology is bad input naming the plan file.
     bad = tmp_path / "bad.yaml"
     bad.write_text(TINY.format(name="bad", mesh="{data: 4}"))
