@@ -26,7 +26,7 @@ from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.topology import Topology
 
-__all__ = ["validate", "validation_summary", "relative_error"]
+__all__ = ["validate", "validation_summary", "relative_error", "ReferenceStep"]
 
 
 def _validate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,9 +134,7 @@ def _validate(args: argparse.Namespace) -> CommandResult:
             timers[i] = measure.PlanTimer(plans[i], list(devices))
         return timers[i]
 
-    reference_plan = cal_steps.step_plan("cpu-m" if devices[0].platform == "cpu" else "acc-m", len(devices))
-    reference_timer = measure.PlanTimer(reference_plan, list(devices))
-    reference_predicted = simulate(reference_plan, topology).report.step_time_s
+    reference_step = ReferenceStep(topology, devices)
     references: list[dict[str, Any]] = []
     with progress_bar() as progress:
         task = progress.add_task("", total=len(plans) * args.rounds)
@@ -147,7 +145,7 @@ def _validate(args: argparse.Namespace) -> CommandResult:
                 progress.update(task, description=f"{plans[i].name} (round {r + 1})")
                 median, times, host = timer(i).round(args.steps)
                 # The reference step right after the plan: how fast the host ran for this round of the plan.
-                references.append(_reference_step(reference_timer, reference_predicted))
+                references.append(reference_step.time())
                 row = rows[i]
                 row["round_medians_s"].append(median)
                 row["host_speeds"].append(references[-1]["speed"])
@@ -173,20 +171,31 @@ def _validate(args: argparse.Namespace) -> CommandResult:
     return CommandResult(data=data, render=lambda console: _render_validation(console, data))
 
 
-def _reference_step(timer: Any, predicted_s: float) -> dict[str, Any]:
-    """One of calibrate's own training steps, measured now against its prediction: how fast is the host now?
+class ReferenceStep:
+    """One of calibrate's own training steps, to time against its prediction: how fast is the host now?
 
-    The data-parallel step of a :data:`testbed.calibration_steps.STEP_SHAPES`
-    shape over all devices (``timer``: its runners.measure.PlanTimer;
-    ``predicted_s``: its simulated step) is what ``compute_efficiency`` was
-    fitted on, so ``speed = predicted / measured`` far from 1 says the host's
-    speed has drifted since calibration (other load on a shared machine,
-    clock changes) and every plan's error carries that drift. ``validate``
+    The data-parallel step of :data:`testbed.calibration_steps.STEP_SHAPES`
+    ``cpu-m`` (``acc-m`` on accelerators) over all devices is what
+    ``compute_efficiency`` was fitted on, so ``speed = predicted / measured``
+    far from 1 says the host's speed has drifted since calibration (other
+    load on a shared machine, clock changes) and every plan's error carries
+    that drift. Compiled once (runners.measure.PlanTimer); ``validate``
     times it after every plan's round: the host's speed for that round.
     """
-    measured = timer.round(steps=5)[0]
-    return {"plan": timer.plan.name, "predicted_s": predicted_s, "measured_s": measured,
-            "speed": predicted_s / measured}
+
+    def __init__(self, topology: Topology, devices: Sequence[Any]) -> None:
+        from runners import measure
+        from testbed.simulator import simulate
+
+        plan = cal_steps.step_plan("cpu-m" if devices[0].platform == "cpu" else "acc-m", len(devices))
+        self.timer = measure.PlanTimer(plan, list(devices))
+        self.predicted_s = simulate(plan, topology).report.step_time_s
+
+    def time(self) -> dict[str, Any]:
+        """``{plan, predicted_s, measured_s, speed}``: the median of 5 steps now."""
+        measured = self.timer.round(steps=5)[0]
+        return {"plan": self.timer.plan.name, "predicted_s": self.predicted_s, "measured_s": measured,
+                "speed": self.predicted_s / measured}
 
 
 def _render_validation(console: Any, data: dict[str, Any]) -> None:

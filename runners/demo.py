@@ -91,6 +91,10 @@ def execute(args: argparse.Namespace) -> CommandResult:
         from runners.measure import compiled_memory
 
         measured = run_plan(plan, devices, args.steps)
+        # Calibrate's own step right after: how fast the host runs now against its calibration.
+        from runners.cli_validate import ReferenceStep
+
+        measured["reference_step"] = ReferenceStep(topology, devices).time()
         # XLA's memory analysis compiles without running (pipelines: every stage's programs).
         trainer = build_trainer(plan, devices)
         measured["compiled_memory_bytes"] = compiled_memory(trainer, trainer.init())
@@ -104,6 +108,12 @@ def execute(args: argparse.Namespace) -> CommandResult:
         "memory_bytes": {"predicted": memory.total,
                          "measured": measured.get("compiled_memory_bytes") if measured else None},
     }
+    if measured:
+        # The step as if the host ran at its calibrated speed: the model's error apart from the host's drift.
+        ref = measured["reference_step"]
+        side_by_side["reference_step_s"] = {"predicted": ref["predicted_s"], "measured": ref["measured_s"]}
+        side_by_side["step_time_at_calibrated_speed_s"] = {
+            "predicted": predicted["step_time_s"], "measured": measured["median_step_time_s"] * ref["speed"]}
     for row in side_by_side.values():
         p, m = row["predicted"], row["measured"]
         row["error"] = (p - m) / m if p is not None and m else None
@@ -157,11 +167,21 @@ def _render(console: Any, data: dict[str, Any]) -> None:
     table = Table(title="predicted vs measured (per device)")
     for col in ("quantity", "predicted", "measured", "error"):
         table.add_column(col, justify="right" if col != "quantity" else "left")
-    for name, kind in (("step_time_s", "time"), ("memory_bytes", "bytes")):
-        row = data["predicted_vs_measured"][name]
-        table.add_row(name.replace("_s", "").replace("_", " "), _fmt(row["predicted"], kind),
-                      _fmt(row["measured"], kind), "-" if row["error"] is None else f"{row['error']:+.0%}")
+    rows = data["predicted_vs_measured"]
+    ref = (data["measured"] or {}).get("reference_step")
+    labels = {"step_time_s": "step time", "memory_bytes": "memory bytes",
+              "reference_step_s": f"calibrate's step {ref['plan']}" if ref else "",
+              "step_time_at_calibrated_speed_s": "step time at calibrated speed"}
+    for name, label in labels.items():
+        if name in rows:
+            row = rows[name]
+            kind = "bytes" if name == "memory_bytes" else "time"
+            table.add_row(label, _fmt(row["predicted"], kind), _fmt(row["measured"], kind),
+                          "-" if row["error"] is None else f"{row['error']:+.0%}")
     console.print(table)
+    if ref:
+        console.print(f"the host ran at {ref['speed']:.2f}x the speed it was calibrated at (calibrate's data-parallel "
+                      f"step {ref['plan']}, timed after the plan); the last row scales the measured step by it")
     table = Table(title="the same plan on other topologies (data degree scaled)")
     for col in ("topology", "devices", "data", "step", "compute", "exp. comm", "bubble", "MFU", "memory"):
         table.add_column(col)

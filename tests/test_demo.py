@@ -1,8 +1,10 @@
-"""`testbed demo --no-run`: the predict-and-compare half of the demo (the run half is tested by the runner tests)."""
+"""`testbed demo`: the predict-and-compare half alone (`--no-run`) and the whole mission."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from testbed.cli import main
 
@@ -21,3 +23,20 @@ def test_demo_without_run_writes_every_picture(tmp_path, capsys):
     pids = {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert len(pids) == 8
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temporary files left behind"
+
+
+def test_demo_runs_verifies_and_times_the_host_against_its_calibration(tmp_path, capsys):
+    """The whole demo: run, verify, and calibrate's own step timed beside the plan (the host's drift)."""
+    code = main(["demo", "--out", str(tmp_path), "--json", "--steps", "2"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["verify"]["ok"]
+    measured, rows = data["measured"], data["predicted_vs_measured"]
+    ref = measured["reference_step"]
+    assert ref["plan"] == "cpu-m" and ref["measured_s"] > 0
+    assert ref["speed"] == pytest.approx(ref["predicted_s"] / ref["measured_s"])
+    assert rows["reference_step_s"] == {"predicted": ref["predicted_s"], "measured": ref["measured_s"],
+                                        "error": pytest.approx(ref["speed"] - 1)}
+    at_speed = rows["step_time_at_calibrated_speed_s"]
+    assert at_speed["predicted"] == rows["step_time_s"]["predicted"] == data["predicted"]["step_time_s"]
+    assert at_speed["measured"] == pytest.approx(measured["median_step_time_s"] * ref["speed"])
+    assert rows["memory_bytes"]["measured"] > 0
