@@ -276,14 +276,22 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
     assert least_disturbed(runs) is runs[1]
 
 
-def test_step_benchmarks_compile_once_and_run_on_in_later_rounds(monkeypatch):
+@pytest.fixture
+def built(monkeypatch) -> list[str]:
+    """The names of the plans runners.measure builds a trainer for (each build compiles), in order."""
+    from runners import measure
+
+    names: list[str] = []
+    trainer = measure._trainer
+    monkeypatch.setattr(measure, "_trainer", lambda plan, devices: names.append(plan.name) or trainer(plan, devices))
+    return names
+
+
+def test_step_benchmarks_compile_once_and_run_on_in_later_rounds(built):
     """A step benchmark's later rounds reuse its compiled trainer: one more round of steps, no new compilation."""
     from runners import devices as dev
     from runners import measure
 
-    built = []
-    trainer = measure._trainer
-    monkeypatch.setattr(measure, "_trainer", lambda plan, devices: built.append(plan.name) or trainer(plan, devices))
     bench, timers = measure.Benchmark(kind="step", op="cpu-xxs"), {}
     devices = dev.select_devices(2)
     first, second = (measure.run_benchmark(bench, devices, timers) for _ in range(2))
@@ -304,13 +312,9 @@ mesh: {mesh}
 """
 
 
-def test_validate_json_has_every_plan(tmp_path, capsys, monkeypatch):
-    from runners import measure
+def test_validate_json_has_every_plan(tmp_path, capsys, built):
     from testbed.cli import main
 
-    built = []
-    trainer = measure._trainer
-    monkeypatch.setattr(measure, "_trainer", lambda plan, devices: built.append(plan.name) or trainer(plan, devices))
     paths = []
     for name, mesh in (("tiny-dp", "{data: 8}"), ("tiny-tp", "{data: 4, tensor: 2}")):
         path = tmp_path / f"{name}.yaml"
