@@ -1,8 +1,10 @@
-"""Microbenchmarks for ``testbed calibrate``: matmuls, memory, dispatch, collectives.
+"""Microbenchmarks for ``testbed calibrate``: matmuls, memory, dispatch, collectives, training steps.
 
 Each benchmark is compiled once, run until it has ``repeats`` timings (or a
 time budget is spent) with ``block_until_ready``, and reported as the median,
-one :class:`testbed.calibration.Sample` per benchmark. Collectives run under
+one :class:`testbed.calibration.Sample` per benchmark. Training steps (and
+``testbed validate``'s plans) are a :class:`PlanTimer` instead: compiled once,
+timed in rounds spread over the run, the least disturbed round kept. Collectives run under
 ``jax.shard_map`` over the ``group`` axis of a ``(rest, group)`` mesh of
 consecutive devices, so a group of ``g`` ranks is ``g`` neighbouring device
 ids (the innermost topology level first, as placement does).
