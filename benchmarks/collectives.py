@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import time
 
-from testbed import algorithms, generators
-from testbed.collective_closed_form import closed_form_time
-from testbed.collective_timing import collective_time, program_time
+from testbed.collectives import algorithms
+
+from testbed.topology import generators
+from testbed.collectives.closed_form import closed_form_time
+from testbed.collectives.timing import collective_time, program_time
 from testbed.topology import Calibration, DeviceSpec
 
 DEVICE = DeviceSpec(name="H100-like", peak_flops={"bf16": 989e12}, memory_bytes=80e9, memory_bandwidth=3.35e12)

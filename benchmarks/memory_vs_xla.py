@@ -5,9 +5,9 @@ For each plan, compiles one training step (forward + backward of
 donated) either on one device or data-parallel / fully sharded with
 ``NamedSharding`` over 8 emulated CPU devices, and compares:
 
-- memory: ``testbed.memory`` total per device vs ``compiled.memory_analysis()``
+- memory: ``testbed.model.memory`` total per device vs ``compiled.memory_analysis()``
   (argument + output + temp - alias bytes) of the per-device program;
-- FLOPs: ``testbed.model`` (forward + backward + recompute, all devices) vs
+- FLOPs: ``testbed.model.costs`` (forward + backward + recompute, all devices) vs
   the ``dot_general`` FLOPs of the traced step's jaxpr (``runners.model.count_matmul_flops``).
 
 Prints one JSON object. Goal: every plan within 10 % (memory) and 2 % (FLOPs).
@@ -37,10 +37,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from runners import model as jm  # noqa: E402
-from testbed import model as tm  # noqa: E402
-from testbed.memory import memory_breakdown  # noqa: E402
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
-from testbed.topology_io import load_topology  # noqa: E402
+from testbed.model import costs as tm  # noqa: E402
+from testbed.model.memory import memory_breakdown  # noqa: E402
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
+from testbed.topology.io import load_topology  # noqa: E402
 
 
 def _plans() -> list[Plan]:

@@ -28,10 +28,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runners.pipeline import MpmdEngine  # noqa: E402
-from runners.pipeline_spmd import spmd_gpipe, spmd_schedule  # noqa: E402
-from testbed.schedule_timing import ActionCosts, play  # noqa: E402
-from testbed.schedules import build_schedule, schedule_names, validate  # noqa: E402
+from runners.pipeline.engine import MpmdEngine  # noqa: E402
+from runners.pipeline.spmd import spmd_gpipe, spmd_schedule  # noqa: E402
+from testbed.pipeline.timing import ActionCosts, play  # noqa: E402
+from testbed.pipeline.schedules import build_schedule, schedule_names, validate  # noqa: E402
 
 P, M, WIDTH, ROWS = 4, 8, 256, 64
 

@@ -2,10 +2,10 @@
 
 Why: on the emulated host, ``tp8`` of ``plans/validation/`` runs about twice
 as long as ``dp8`` at equal FLOPs per device, and the simulator's roofline
-(``max(FLOPs time, HBM bytes time)`` per task, with ``testbed.model``'s
+(``max(FLOPs time, HBM bytes time)`` per task, with ``testbed.model.costs``'s
 minimal-traffic bytes) missed it by about -55%; the simulator now adds
 elementwise passes over the replicated and split activation bytes
-(``testbed.model.layer_traffic_bytes``, calibration ``replicated_passes`` and
+(``testbed.model.costs.layer_traffic_bytes``, calibration ``replicated_passes`` and
 ``split_passes``, fitted on training steps), which this study motivated. XLA's ``cost_analysis()``
 counts 342 MB accessed per device per step for tp8 against 139 MB for dp8:
 the LayerNorms, residual adds and biases run on the full, replicated
@@ -43,9 +43,9 @@ import sys  # noqa: E402
 import numpy as np  # noqa: E402
 
 from runners import devices as dev  # noqa: E402
-from runners.cli_run import build_trainer  # noqa: E402
-from testbed import model as tm  # noqa: E402
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
+from testbed.cli.run import build_trainer  # noqa: E402
+from testbed.model import costs as tm  # noqa: E402
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
 
 #: (layers, d_model, seq, batch, heads, tensor, d_ff / d_model, vocab): t = 1 shapes vary every term,
 #: t > 1 shapes separate the replicated activations from the split ones.

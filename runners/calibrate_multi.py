@@ -6,7 +6,7 @@ slower "network" than the host memory devices of one process share. The base
 topology therefore has two levels, innermost first: ``node`` (the N/K devices
 of one process, kind ``host`` as in ``host-cpu-8``) and ``cluster`` (the K
 processes on one Ethernet switch, one link per device), and the collective
-fit (:func:`testbed.calibration.fit_collectives`) fits both levels. Measured
+fit (:func:`testbed.calibration.fit.fit_collectives`) fits both levels. Measured
 on a 2-core host, collectives inside one process slow to gloo's pace too once
 JAX runs multi-process (a 4 KiB psum of 2 devices: ~30 us in one process,
 0.3-4 ms in two), so the levels differ less than real hosts' would and the
@@ -33,7 +33,7 @@ every program over devices it owns. Which devices a benchmark uses:
   would then be folded into compute efficiency (measured on a 2-core host:
   0.02 instead of about 0.4). The network is fitted by the collectives.
 
-Worker 0's samples are fitted by :func:`runners.cli_calibrate.fit_all` and
+Worker 0's samples are fitted by :func:`testbed.cli.calibrate.fit_all` and
 written like the single-process path (topology YAML plus
 ``FILE.measurements.json``, which records ``processes``). A refit from such a
 file (``--from-measurements``) rebuilds the same two-level base.
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from testbed import calibration as cal
+from testbed.calibration import fit as cal
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic
 from testbed.topology import Form, Level, LinkKind, Topology
@@ -87,7 +87,7 @@ def cluster_topology(base: Topology, processes: int) -> Topology:
     latency); the outer starts from gloo-over-loopback guesses that the
     collective fit replaces.
     """
-    from testbed import generators
+    from testbed.topology import generators
 
     inner = base.levels[0]
     local = base.num_devices // processes
@@ -101,7 +101,7 @@ def cluster_topology(base: Topology, processes: int) -> Topology:
 
 def _base(base_arg: str | None, platform: str, devices: int, processes: int, device_kind: str) -> Topology:
     """The two-level topology to calibrate: ``--base`` when given (checked), else built from the detected devices."""
-    from runners.cli_calibrate import base_topology
+    from testbed.cli.calibrate import base_topology
 
     local = devices // processes
     if base_arg is None:
@@ -117,7 +117,7 @@ def _base(base_arg: str | None, platform: str, devices: int, processes: int, dev
 
 def _check(args: argparse.Namespace) -> Any:
     """The parsed ``--devices`` request for a measured run (InputError naming the bad field)."""
-    from runners.cli_calibrate import parse_devices
+    from testbed.cli.calibrate import parse_devices
 
     if args.processes < 1:
         raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
@@ -253,8 +253,8 @@ def _measure(args: argparse.Namespace) -> tuple[dict[str, Any], str, Topology]:
 def calibrate(args: argparse.Namespace) -> CommandResult:
     """``testbed calibrate`` with ``--processes K`` (K > 1) or a refit of K-process measurements."""
     from runners import launch
-    from runners.cli_calibrate import _read_measurements, _render_calibration, fit_all, measurements_path
-    from testbed.topology_io import dump_topology
+    from testbed.cli.calibrate import _read_measurements, _render_calibration, fit_all, measurements_path
+    from testbed.topology.io import dump_topology
 
     if args.processes < 1:
         raise InputError(f"must be at least 1, got {args.processes}", field="--processes")

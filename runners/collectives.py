@@ -1,7 +1,7 @@
 """Execute testbed step programs on devices with ``lax.ppermute`` inside ``jax.shard_map``.
 
 The algorithm (which rank sends which chunk where, reduce or copy) comes
-from :mod:`testbed.algorithms`; this module only decides how to run it. Each
+from :mod:`testbed.collectives.algorithms`; this module only decides how to run it. Each
 rank keeps its buffer as a ``(chunks + 1, max_chunk_length)`` array (chunks of
 uneven ``array_split`` length are zero-padded; the extra row is a scratch row
 that masked-out writes go to).
@@ -16,7 +16,7 @@ needs one wave per peer, because ``ppermute`` takes a permutation. Each wave
 is one ``lax.ppermute``: a rank gathers the chunks it sends (a per-rank table
 indexed by ``lax.axis_index``), and the receiver adds (reduce) or writes
 (copy) them into its chunks; every wave of a round reads the state from the
-start of the round, as :func:`testbed.collectives.interpret` defines.
+start of the round, as :func:`testbed.collectives.ops.interpret` defines.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from testbed.algorithms import step_program
-from testbed.collectives import (Op, StepProgram, Transfer, block_length, input_blocks, output_blocks,
+from testbed.collectives.algorithms import step_program
+from testbed.collectives.ops import (Op, StepProgram, Transfer, block_length, input_blocks, output_blocks,
                                  output_shape, parse_op, piece_sizes)
 from testbed.errors import InputError
 
@@ -90,7 +90,7 @@ def _split_indices(length: int, pieces: int) -> tuple[np.ndarray, np.ndarray, in
 def execute_program(program: StepProgram, x: jax.Array, axis_name: str) -> jax.Array:
     """Run ``program`` inside ``shard_map`` on this rank's input ``x`` (mesh axis ``axis_name`` has n ranks).
 
-    Returns this rank's output (shapes as :func:`testbed.collectives.output_shape`).
+    Returns this rank's output (shapes as :func:`testbed.collectives.ops.output_shape`).
     """
     n, op, pieces = program.n, program.op, program.pieces
     length = block_length(op, n, x.shape)

@@ -9,7 +9,7 @@ CPU). With several processes (``--processes K`` locally, or SLURM / TPU pods)
 :func:`initialize_distributed` joins them first and every process sees the
 global device list.
 
-The mesh always comes from :func:`testbed.placement.place`: its
+The mesh always comes from :func:`testbed.plan.placement.place`: its
 ``device_ids`` array (dims in ``MESH_AXES`` order) indexes the device list,
 so the runner and the simulator agree on which device holds which coordinate.
 """
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from testbed.errors import InputError
-from testbed.placement import Placement, place
-from testbed.plan import MESH_AXES, Plan
+from testbed.plan.placement import Placement, place
+from testbed.plan.spec import MESH_AXES, Plan
 
 __all__ = [
     "DeviceRequest", "parse_devices", "prepare", "initialize_distributed", "select_devices", "build_mesh",

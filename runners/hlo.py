@@ -15,8 +15,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from testbed.plan import Plan
-from testbed.sharding import state_sharding
+from testbed.plan.spec import Plan
+from testbed.plan.sharding import state_sharding
 
 __all__ = ["COLLECTIVES", "count_collectives", "expected_collectives", "check_collectives"]
 

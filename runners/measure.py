@@ -2,7 +2,7 @@
 
 Each benchmark is compiled once, run until it has ``repeats`` timings (or a
 time budget is spent) with ``block_until_ready``, and reported as the median,
-one :class:`testbed.calibration.Sample` per benchmark. Training steps (and
+one :class:`testbed.calibration.fit.Sample` per benchmark. Training steps (and
 ``testbed validate``'s plans) are a :class:`PlanTimer` instead: compiled once,
 timed in rounds spread over the run, the least disturbed round kept. Collectives run under
 ``jax.shard_map`` over the ``group`` axis of a ``(rest, group)`` mesh of
@@ -11,7 +11,7 @@ ids (the innermost topology level first, as placement does).
 
 Sizes follow the platform: small on the CPU (emulated devices share a few
 host cores), large on GPUs and TPUs where small kernels are launch bound.
-The fitting itself is pure and lives in :mod:`testbed.calibration`.
+The fitting itself is pure and lives in :mod:`testbed.calibration.fit`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from testbed.calibration import Sample
-from testbed.calibration_steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
-from testbed.model import model_flops_per_step
+from testbed.calibration.fit import Sample
+from testbed.calibration.steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
+from testbed.model.costs import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
            "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "measurement_order", "least_disturbed"]
@@ -91,7 +91,7 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     out += [Benchmark(kind="matmul", size=n, dtype=d) for d in dtypes for n in sizes]
     if num_devices > 1:
         # Emulated devices share the host's cores: how much slower is everyone at once.
-        # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.fit_host_throughput).
+        # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.fit.fit_host_throughput).
         out += [Benchmark(kind="concurrent", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
                 for k in sorted({1, 2, max(1, num_devices // 2), num_devices})]
     out += [Benchmark(kind="memory", size=b) for b in streams]
@@ -192,7 +192,7 @@ def _dispatch(bench: Benchmark, devices: Sequence[Any]) -> Sample:
 
     ``seconds``: the blocked call (launch cost); ``host_s``: the controller
     thread's CPU time to dispatch it, which grows with the device buffers
-    passed (arrays in + out, times devices; testbed.dispatch).
+    passed (arrays in + out, times devices; testbed.model.buffers).
     """
     k, arrays = max(1, bench.size), max(1, bench.ranks)
     mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices[:k]))
@@ -336,8 +336,8 @@ def measure(devices: Sequence[Any], *, quick: bool = False, rounds: int = 1,
 
 
 def _trainer(plan: Any, devices: list[Any]) -> Any:
-    """The runner's trainer for ``plan`` (``runners.cli_run.build_trainer``: the one training step there is)."""
-    from runners.cli_run import build_trainer
+    """The runner's trainer for ``plan`` (``testbed.cli.run.build_trainer``: the one training step there is)."""
+    from testbed.cli.run import build_trainer
 
     return build_trainer(plan, list(devices))
 
@@ -347,7 +347,7 @@ def compiled_memory(trainer: Any, state: Any) -> float | None:
 
     SPMD trainers: arguments + outputs + temporaries - aliased of the step
     program; pipeline trainers: the fullest stage's peak over its programs
-    (``runners.program_memory``). None when the trainer has no such method or
+    (``runners.pipeline.memory``). None when the trainer has no such method or
     XLA gives no memory analysis.
     """
     method = getattr(trainer, "compiled_memory", None)

@@ -1,6 +1,6 @@
-"""The GPT of ``testbed.model`` in JAX: pure functions over a params pytree.
+"""The GPT of ``testbed.model.costs`` in JAX: pure functions over a params pytree.
 
-Layout (what ``testbed.model`` counts, exactly)::
+Layout (what ``testbed.model.costs`` counts, exactly)::
 
     {"embed": {"tokens": [vocab, d], "positions": [seq, d]},
      "layers": [ {"ln1": {scale, bias}, "attn": {wqkv [d,3,d], bqkv [3,d], wo [d,d], bo [d]},
@@ -8,12 +8,12 @@ Layout (what ``testbed.model`` counts, exactly)::
      "head": {"norm": {scale, bias}, "w": [d, vocab]}}      # no "w" when tied
 
 Layers are a list so a pipeline stage takes ``params["layers"][r.start:r.stop]``
-for a range from :func:`testbed.model.chunk_layers`.
+for a range from :func:`testbed.model.costs.chunk_layers`.
 
 Precision: :func:`init_params` makes fp32 parameters. Under ``bf16-mixed``
 the trainers hold bf16 parameters and keep the fp32 master in the optimizer
 state (runners.precision: the ZeRO paper's 2 + 2 + 12 bytes/param, what
-``testbed.memory`` counts), so the blocks run in bf16 on the held
+``testbed.model.memory`` counts), so the blocks run in bf16 on the held
 parameters, the loss in fp32, and ``jax.grad`` returns bf16 gradients.
 :func:`cast_params` is the identity on parameters already in the compute
 dtype; given fp32 parameters it casts them (the functions stay usable on
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from testbed.plan import ModelSpec, Precision, Remat
+from testbed.plan.spec import ModelSpec, Precision, Remat
 
 __all__ = [
     "Params", "init_params", "param_count", "embed", "block", "stage_forward", "head_loss", "forward_loss",
@@ -255,7 +255,7 @@ def count_matmul_flops(jaxpr: Any) -> int:
 
     Recurses into sub-jaxprs (pjit, custom_jvp/vjp, checkpoint/remat, scan,
     cond, while); a scan body counts ``length`` times. Used to check
-    ``testbed.model``'s FLOPs against what JAX actually traces.
+    ``testbed.model.costs``'s FLOPs against what JAX actually traces.
     """
     inner = getattr(jaxpr, "jaxpr", jaxpr)
     total = 0

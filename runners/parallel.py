@@ -25,8 +25,8 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from testbed.plan import Plan
-from testbed.sharding import state_sharding
+from testbed.plan.spec import Plan
+from testbed.plan.sharding import state_sharding
 
 __all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec", "Constrain"]
 

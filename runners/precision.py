@@ -1,7 +1,7 @@
 """The plan's optimizer over the parameters the trainers hold: plain optax, or fp32 master weights.
 
 DESIGN.md's ``precision: bf16-mixed`` is "bf16 params+grads, fp32 master +
-Adam moments", and ``testbed.memory`` counts exactly that per parameter
+Adam moments", and ``testbed.model.memory`` counts exactly that per parameter
 (2 + 2 + 4 + 4 x moments bytes, the master counted as optimizer state). So
 under bf16-mixed the trainers hold bf16 parameters, differentiate w.r.t.
 them (bf16 gradients, bf16 accumulators) and the optimizer state carries
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from runners.model import compute_dtype
-from testbed.plan import Plan, Precision
+from testbed.plan.spec import Plan, Precision
 
 __all__ = ["make_optimizer", "MasterState", "Optimizer"]
 

@@ -9,9 +9,9 @@ steps their parameters must agree up to floating-point reduction order.
   accumulation (a ``lax.scan``), gradients are constrained to the ZeRO layout
   before the optax update.
 - :class:`ReferenceTrainer`: the whole global batch at once on one device.
-- ``runners.pipeline_trainer.PipelineTrainer`` (pipeline plans): the schedule
-  table executed by ``runners.pipeline.MpmdEngine`` over per-stage sub-meshes
-  (with several processes, by :func:`runners.lockstep.lockstep_step`).
+- ``runners.pipeline.trainer.PipelineTrainer`` (pipeline plans): the schedule
+  table executed by ``runners.pipeline.engine.MpmdEngine`` over per-stage sub-meshes
+  (with several processes, by :func:`runners.pipeline.lockstep.lockstep_step`).
 
 Every trainer updates through :class:`runners.precision.Optimizer` (under
 bf16-mixed: bf16 parameters and gradients, an fp32 master in the optimizer
@@ -35,9 +35,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from runners import model
 from runners.parallel import batch_spec, layout_for
 from runners.precision import Optimizer
-from runners.program_memory import program_bytes
+from runners.pipeline.memory import program_bytes
 from runners.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
-from testbed.plan import BatchSpec, Plan
+from testbed.plan.spec import BatchSpec, Plan
 
 __all__ = ["step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
            "ReferenceTrainer", "scalar"]
@@ -127,7 +127,7 @@ def _scan_sum(value_and_grad: Any, params: Any, tokens: jax.Array, targets: jax.
     """Mean of ``value_and_grad((tokens[i], targets[i]))`` over the leading (microbatch) axis.
 
     The gradient accumulator has the parameters' dtype: bf16 under
-    bf16-mixed, as testbed.memory counts it. The loss may be per replica
+    bf16-mixed, as testbed.model.memory counts it. The loss may be per replica
     (``loss_shape`` ``(R,)``): then nothing is reduced inside the loop.
     """
 
@@ -171,7 +171,7 @@ class SpmdTrainer:
             return out + (grads,) if return_grads else out
 
         outs = (self.param_shardings, self.opt_shardings, replicated)
-        # Parameters and optimizer state are donated: updated in place, as testbed.memory counts them
+        # Parameters and optimizer state are donated: updated in place, as testbed.model.memory counts them
         # (without donation XLA holds the old and the new state at once).
         self._step = jax.jit(train_step, donate_argnums=(0, 1),
                              in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding,

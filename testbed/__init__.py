@@ -6,10 +6,10 @@ and times it on a modelled topology.
 """
 
 from testbed.errors import InputError
-from testbed.plan import Axis, MESH_AXES, Plan, Precision, Remat, ScheduleName, check_plan
-from testbed.plan_io import load_plan, plan_from_dict, plan_to_dict
-from testbed.topology import Calibration, DeviceSpec, Level, LinkKind, Topology
-from testbed.topology_io import bundled_names, load_topology, topology_from_dict, topology_to_dict
+from testbed.plan.spec import Axis, MESH_AXES, Plan, Precision, Remat, ScheduleName, check_plan
+from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
+from testbed.topology.spec import Calibration, DeviceSpec, Level, LinkKind, Topology
+from testbed.topology.io import bundled_names, load_topology, topology_from_dict, topology_to_dict
 
 __all__ = [
     "InputError", "Axis", "MESH_AXES", "Plan", "Precision", "Remat", "ScheduleName", "check_plan",

@@ -14,10 +14,10 @@ import pytest
 
 from runners import calibrate_multi as multi
 from runners import launch
-from testbed import collective_timing
+from testbed.collectives import timing as collective_timing
 from testbed.cli import main
 from testbed.topology import LinkKind
-from testbed.topology_io import load_topology, topology_from_dict, topology_to_dict
+from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
 
 def test_benchmarks_cover_both_levels_and_keep_one_order() -> None:

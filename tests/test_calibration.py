@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runners.cli_calibrate import simulator_collective_time
-from testbed import calibration as cal
-from testbed import calibration_collectives as cal_coll
-from testbed import calibration_steps as cal_steps
-from testbed import dispatch
-from testbed.calibration import Sample
+from testbed.cli.calibrate import simulator_collective_time
+from testbed.calibration import fit as cal
+from testbed.calibration import collectives as cal_coll
+from testbed.calibration import steps as cal_steps
+from testbed.model import buffers as dispatch
+from testbed.calibration.fit import Sample
 from testbed.errors import InputError
-from testbed.plan_io import load_plan
+from testbed.plan.io import load_plan
 from testbed.topology import Topology
-from testbed.topology_io import dump_topology, load_topology, topology_from_dict
+from testbed.topology.io import dump_topology, load_topology, topology_from_dict
 
 import yaml
 
@@ -194,7 +194,7 @@ def test_samples_round_trip_and_bad_rows_name_the_row():
 def test_validation_summary_has_every_plan_and_signed_errors():
     rows = [{"plan": f"p{i}", "predicted_s": p, "measured_s": m, "predicted_memory": 100.0, "measured_memory": mm}
             for i, (p, m, mm) in enumerate([(1.1, 1.0, 80.0), (0.5, 1.0, None), (2.0, 2.0, 100.0)])]
-    from runners.cli_validate import validation_summary
+    from testbed.cli.validate import validation_summary
 
     summary = validation_summary(rows)
     assert [p["plan"] for p in summary["plans"]] == ["p0", "p1", "p2"]
@@ -379,7 +379,7 @@ def test_validate_json_has_every_plan(tmp_path, capsys, built):
     ("gpu", 2, "NVIDIA H100 80GB HBM3", "h100-2"),
 ])
 def test_base_topology_matches_the_detected_devices(platform, count, kind, expected):
-    from runners.cli_calibrate import base_topology
+    from testbed.cli.calibrate import base_topology
 
     topo = base_topology(None, platform, count, kind)
     assert topo.name == expected and topo.num_devices == count
@@ -388,7 +388,7 @@ def test_base_topology_matches_the_detected_devices(platform, count, kind, expec
 
 
 def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
-    from testbed.simulator import simulate
+    from testbed.sim.engine import simulate
 
     base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
@@ -411,7 +411,7 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
     of the activation bytes is larger); the data-parallel ones alone get one
     count for both.
     """
-    from testbed.simulator import simulate
+    from testbed.sim.engine import simulate
 
     base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None)
@@ -437,7 +437,7 @@ def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
     ones' (512 KiB and 2 MiB) do not: steps simulated with 8 cached and (24, 6) uncached passes give the
     cached count back, and the passes over memory predict a held-out eight-way plan. (The two eight-way
     samples have one ratio of replicated to split bytes, so they fix the sum the passes cost, not each count.)"""
-    from testbed.simulator import simulate
+    from testbed.sim.engine import simulate
 
     base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None,
@@ -560,8 +560,8 @@ def test_fit_controller_takes_the_buffer_cost_from_deep_and_shallow_steps():
 
 
 def test_controller_buffers_grow_with_devices_and_layers_per_program():
-    """testbed.dispatch: an action's buffers scale with the stage's devices and its chunk's layers."""
-    from testbed import dispatch
+    """testbed.model.buffers: an action's buffers scale with the stage's devices and its chunk's layers."""
+    from testbed.model import buffers as dispatch
 
     small = cal_steps.pipeline_plan("cpu-s-m2", 4)     # 2 devices per stage, 1 layer per stage
     wide = cal_steps.pipeline_plan("cpu-s-m2", 8)      # 4 devices per stage

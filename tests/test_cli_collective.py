@@ -7,7 +7,7 @@ import json
 import pytest
 
 from testbed.cli import main
-from testbed.cli_collective import sweep_sizes
+from testbed.cli.collective import sweep_sizes
 
 KEYS = {"op", "algorithm", "ranks", "bytes", "time_s", "algbw", "busbw", "bound_s"}
 

@@ -7,15 +7,15 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from testbed import generators
-from testbed.algorithms import SUPPORTED_OPS, step_program
-from testbed.collective_closed_form import closed_form_time, symmetry
-from testbed.collective_timing import (applicable_algorithms, collective_time, groups_time, link_loads,
+from testbed.topology import generators
+from testbed.collectives.algorithms import SUPPORTED_OPS, step_program
+from testbed.collectives.closed_form import closed_form_time, symmetry
+from testbed.collectives.timing import (applicable_algorithms, collective_time, groups_time, link_loads,
                                        program_time, send_time)
-from testbed.collectives import OPS, Op
+from testbed.collectives.ops import OPS, Op
 from testbed.errors import InputError
 from testbed.topology import Calibration, DeviceSpec, Level, LinkKind
-from testbed.topology_io import load_topology
+from testbed.topology.io import load_topology
 
 DEVICE = DeviceSpec(name="d", peak_flops={"fp32": 1e12}, memory_bytes=1e9, memory_bandwidth=1e11)
 COLLECTIVE_OPS = [op for op in OPS if op != "send"]

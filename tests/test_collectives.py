@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from testbed.algorithms import ALGORITHMS, SUPPORTED_OPS, step_program
-from testbed.collectives import (OPS, Op, StepProgram, Transfer, chunk_bounds, interpret, output_shape, parse_op,
+from testbed.collectives.algorithms import ALGORITHMS, SUPPORTED_OPS, step_program
+from testbed.collectives.ops import (OPS, Op, StepProgram, Transfer, chunk_bounds, interpret, output_shape, parse_op,
                                  piece_sizes, reference)
 from testbed.errors import InputError
 

@@ -10,12 +10,12 @@ import jax
 import pytest
 
 from runners import devices as dev
-from runners.cli_run import build_trainer
+from testbed.cli.run import build_trainer
 from runners.measure import compiled_memory
-from runners.program_memory import StageProgramMemory, device_bytes, stage_peak
+from runners.pipeline.memory import StageProgramMemory, device_bytes, stage_peak
 from runners.step import ReferenceTrainer
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.schedules import Action, build_schedule, peak_inflight
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.pipeline.schedules import Action, build_schedule, peak_inflight
 
 MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)
 
@@ -33,7 +33,7 @@ def _trainer_and_state(plan: Plan) -> tuple:
 @pytest.mark.parametrize("mesh", [{"data": 2}, {"fsdp": 2}, {"tensor": 2}])
 def test_spmd_step_updates_state_in_place(mesh: dict) -> None:
     # Parameters and optimizer state are donated: the step's outputs alias them, so XLA holds the
-    # state once (as testbed.memory counts it), not the old and the new state at once.
+    # state once (as testbed.model.memory counts it), not the old and the new state at once.
     trainer, state = _trainer_and_state(_plan(microbatches=1, **mesh))
     (program,) = trainer.compiled_programs(state)
     stats = program.memory_analysis()
@@ -111,9 +111,9 @@ def test_stage_peak_walks_the_row() -> None:
 @pytest.mark.parametrize("zero", [0, 1])
 def test_spmd_accumulation_memory_matches_xla(zero: int) -> None:
     # The one-program step's accumulation loop writes a microbatch's gradients whole before adding
-    # them to the accumulator (testbed.memory counts that transient); within 5% of XLA's bytes.
-    from testbed.memory import memory_breakdown
-    from testbed.topology_io import load_topology
+    # them to the accumulator (testbed.model.memory counts that transient); within 5% of XLA's bytes.
+    from testbed.model.memory import memory_breakdown
+    from testbed.topology.io import load_topology
 
     spec = ModelSpec(layers=2, d_model=64, heads=4, d_ff=256, seq_len=32, vocab=128)
     plan = Plan(model=spec, batch=BatchSpec(global_batch=16, microbatches=2), mesh=MeshSpec(data=4), zero=zero,

@@ -1,7 +1,7 @@
-"""testbed.dispatch's array counts equal what the runner's programs take and return.
+"""testbed.model.buffers's array counts equal what the runner's programs take and return.
 
 The simulator prices the single controller per device buffer it dispatches
-(testbed.dispatch); the counts come from the runner's parameter layout and
+(testbed.model.buffers); the counts come from the runner's parameter layout and
 the residuals ``jax.vjp`` keeps, so they are checked here against the
 runner's own pytrees for every remat mode, first/middle/last chunks, tied
 embeddings and both precisions (bf16-mixed's optimizer state also holds the
@@ -14,10 +14,10 @@ import jax
 import pytest
 
 from runners import devices as dev
-from runners import pipeline
-from runners.cli_run import build_trainer
-from testbed import dispatch
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan
+from runners.pipeline import engine as pipeline
+from testbed.cli.run import build_trainer
+from testbed.model import buffers as dispatch
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 
 
 def _plan(remat: str, layers: int = 6, stage: int = 3, tied: bool = False, precision: str = "fp32") -> Plan:

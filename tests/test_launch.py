@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from runners import launch
-from runners.cli_run import run_plan
+from testbed.cli.run import run_plan
 from runners.devices import select_devices
 from testbed.errors import InputError
-from testbed.plan_io import load_plan, plan_to_dict
+from testbed.plan.io import load_plan, plan_to_dict
 
 PLAN = """
 name: small-pipeline

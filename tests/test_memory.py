@@ -1,4 +1,4 @@
-"""testbed.memory: ZeRO/fsdp/tensor sharding, schedule in-flight activations, remat, OOM, the CLI."""
+"""testbed.model.memory: ZeRO/fsdp/tensor sharding, schedule in-flight activations, remat, OOM, the CLI."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from testbed import model as tm
+from testbed.model import costs as tm
 from testbed.cli import main
-from testbed.memory import _interim_inflight, inflight_microbatches, memory_breakdown, state_bytes_per_param
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
-from testbed.plan_io import bundled_plan_names, load_plan
-from testbed.topology_io import bundled_names, load_topology
+from testbed.model.memory import _interim_inflight, inflight_microbatches, memory_breakdown, state_bytes_per_param
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
+from testbed.plan.io import bundled_plan_names, load_plan
+from testbed.topology.io import bundled_names, load_topology
 
 SPEC = ModelSpec(layers=4, d_model=64, heads=4, d_ff=256, seq_len=32, vocab=256)
 HOST = load_topology("host-cpu-8")

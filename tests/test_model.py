@@ -1,4 +1,4 @@
-"""testbed.model vs the JAX model: parameter counts, FLOPs, the stage split."""
+"""testbed.model.costs vs the JAX model: parameter counts, FLOPs, the stage split."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runners import model as jm
-from testbed import model as tm
+from testbed.model import costs as tm
 from testbed.errors import InputError
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
 
 
 @st.composite

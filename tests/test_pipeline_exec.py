@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runners import pipeline, pipeline_spmd
-from runners.pipeline import MpmdEngine, run_schedule
-from runners.pipeline_spmd import spmd_gpipe, spmd_schedule
-from testbed.schedules import build_schedule
+from runners.pipeline import engine as pipeline
+
+from runners.pipeline import spmd as pipeline_spmd
+from runners.pipeline.engine import MpmdEngine, run_schedule
+from runners.pipeline.spmd import spmd_gpipe, spmd_schedule
+from testbed.pipeline.schedules import build_schedule
 
 D = 8          # feature width of the tiny MLP
 ROWS = 2       # rows per microbatch (even: splits over a data axis of 2)
@@ -215,12 +217,12 @@ def _gpt_loss(params: dict, y: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def test_mpmd_runs_the_gpt_model() -> None:
-    """The project's GPT (runners.model) split into interleaved chunks by testbed.model.chunk_layers."""
+    """The project's GPT (runners.model) split into interleaved chunks by testbed.model.costs.chunk_layers."""
     import functools
 
     from runners import model
-    from testbed.model import chunk_layers
-    from testbed.plan import ModelSpec
+    from testbed.model.costs import chunk_layers
+    from testbed.plan.spec import ModelSpec
 
     spec = ModelSpec(layers=2, d_model=8, heads=2, d_ff=16, seq_len=4, vocab=16)
     name, p, v, m = "interleaved", 1, 2, 2

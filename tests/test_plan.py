@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 from testbed.errors import InputError
-from testbed.placement import group_span, place
-from testbed.plan import MESH_AXES, Axis
-from testbed.plan_io import bundled_plan_names, load_plan, plan_from_dict, plan_to_dict
-from testbed.topology_io import load_topology
+from testbed.plan.placement import group_span, place
+from testbed.plan.spec import MESH_AXES, Axis
+from testbed.plan.io import bundled_plan_names, load_plan, plan_from_dict, plan_to_dict
+from testbed.topology.io import load_topology
 
 
 def base(**over):
@@ -108,7 +108,7 @@ def test_mesh_size_must_match_topology():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_state_sharding_follows_the_zero_paper(zero):
-    from testbed.sharding import state_sharding
+    from testbed.plan.sharding import state_sharding
 
     plan = plan_from_dict(base(mesh={"data": 2, "fsdp": 2, "stage": 2}, zero=zero,
                                batch={"global_batch": 16, "microbatches": 2}))
@@ -128,7 +128,7 @@ def test_state_sharding_follows_the_zero_paper(zero):
     ({"tensor": 2, "stage": 2}, 0, ((), ())),                 # nothing splits the batch
 ])
 def test_gradient_reduction_splits_replica_axes_by_sharding(mesh, zero, expect):
-    from testbed.sharding import gradient_reduction
+    from testbed.plan.sharding import gradient_reduction
 
     plan = plan_from_dict(base(mesh=mesh, zero=zero, batch={"global_batch": 16, "microbatches": 2}))
     assert gradient_reduction(plan) == expect
@@ -139,9 +139,9 @@ def test_every_bundled_plan_loads_and_simulates_on_its_mesh():
     import glob
     import math
 
-    from testbed.generators import switch
-    from testbed.simulator import simulate
-    from testbed.topology_io import load_topology
+    from testbed.topology.generators import switch
+    from testbed.sim.engine import simulate
+    from testbed.topology.io import load_topology
 
     files = sorted(glob.glob("plans/**/*.yaml", recursive=True))
     assert any("validation-1dev" in f for f in files) and any("/validation/" in f for f in files)

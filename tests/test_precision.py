@@ -1,4 +1,4 @@
-"""bf16-mixed holds what DESIGN.md and testbed.memory say: bf16 params and grads, fp32 master + moments.
+"""bf16-mixed holds what DESIGN.md and testbed.model.memory say: bf16 params and grads, fp32 master + moments.
 
 The trainers hold bf16 parameters, their gradients (and the accumulators
 across microbatches) are bf16, and the optimizer state holds the fp32 master
@@ -17,9 +17,9 @@ import pytest
 
 from runners import devices as dev
 from runners import model
-from runners.cli_run import build_trainer, verify_plan
+from testbed.cli.run import build_trainer, verify_plan
 from runners.precision import MasterState, Optimizer
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, OptimizerSpec, Plan
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, OptimizerSpec, Plan
 
 MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)
 

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed import model
-from testbed.memory import state_bytes_per_param
-from testbed.placement import place
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, TaskKind, axis_groups, build_program
-from testbed.schedules import build_schedule, sends
-from testbed.sharding import state_sharding
+from testbed.model import costs as model
+from testbed.model.memory import state_bytes_per_param
+from testbed.plan.placement import place
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, TaskKind, axis_groups, build_program
+from testbed.pipeline.schedules import build_schedule, sends
+from testbed.plan.sharding import state_sharding
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
 
@@ -141,7 +141,7 @@ def test_axis_groups_partition_each_stage():
     (3, 1, {"reduce_scatter", "all_gather"}), (0, 2, {"reduce_scatter", "all_reduce", "all_gather"}),
 ])
 def test_sharding_model(zero, fsdp, ops):
-    """Which collectives each ZeRO stage / fsdp uses (module docstring of testbed.program)."""
+    """Which collectives each ZeRO stage / fsdp uses (module docstring of testbed.sim.program)."""
     plan = make_plan(data=2, fsdp=fsdp, zero=zero)
     _, program = _program(plan)
     used = {t.op for t in program.tasks if t.kind is TaskKind.COLLECTIVE}

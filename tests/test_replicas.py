@@ -16,11 +16,11 @@ import jax
 import pytest
 
 from runners import devices as dev
-from runners import pipeline
-from runners.cli_run import build_trainer, verify_plan
-from runners.program_memory import abstract_outputs
+from runners.pipeline import engine as pipeline
+from testbed.cli.run import build_trainer, verify_plan
+from runners.pipeline.memory import abstract_outputs
 from runners.replicas import replicas
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
 MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)
 

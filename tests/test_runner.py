@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from runners import devices as dev
-from runners.cli_run import verify_plan
+from testbed.cli.run import verify_plan
 from runners.hlo import check_collectives, count_collectives, expected_collectives
 from testbed.errors import InputError
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
 MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)
 GLOBAL_BATCH = 48  # divisible by every (data x fsdp x microbatches) drawn below

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from runners.collectives import AXIS, builtin_collective, collective_mesh, execute_program, run_collective, waves
-from testbed.algorithms import SUPPORTED_OPS, step_program
-from testbed.collectives import Op, reference
+from testbed.collectives.algorithms import SUPPORTED_OPS, step_program
+from testbed.collectives.ops import Op, reference
 
 BUILTIN_OPS = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL)
 SIZES = (2, 3, 4, 6, 8)

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from testbed.cli import main
 from testbed.errors import InputError
-from testbed.gantt import Bar, draw_gantt, idle_gaps
-from testbed.schedule_timing import ActionCosts, gantt_bars, play
-from testbed.schedules import (Action, Schedule, build_schedule, dependencies, execution_order,
+from testbed.viz.gantt import Bar, draw_gantt, idle_gaps
+from testbed.pipeline.timing import ActionCosts, gantt_bars, play
+from testbed.pipeline.schedules import (Action, Schedule, build_schedule, dependencies, execution_order,
                                peak_deferred_weight_grads, peak_inflight, schedule_names, sends, validate)
 
 stages = st.integers(1, 16)
@@ -202,8 +202,8 @@ def test_gantt_idle_gaps_are_the_bubble(tmp_path) -> None:
 def test_schedule_for_plan_reads_the_plan() -> None:
     from pathlib import Path
 
-    from testbed.plan_io import load_plan
-    from testbed.schedules import schedule_for_plan
+    from testbed.plan.io import load_plan
+    from testbed.pipeline.schedules import schedule_for_plan
 
     plan = load_plan(Path(__file__).parent.parent / "plans" / "demo.yaml")
     schedule = schedule_for_plan(plan)
@@ -214,7 +214,7 @@ def test_schedule_for_plan_reads_the_plan() -> None:
 
 def test_held_during_is_the_one_liveness_rule():
     """Sets held while each action runs: F holds its own, the release frees after it; counts give the peaks."""
-    from testbed.schedules import held_during, peak_deferred_weight_grads, peak_inflight
+    from testbed.pipeline.schedules import held_during, peak_deferred_weight_grads, peak_inflight
 
     row = [Action(kind, mb) for kind, mb in (("F", 0), ("F", 1), ("B", 0), ("W", 0), ("B", 1), ("W", 1))]
     assert held_during(row, "F", "B") == [(0,), (0, 0), (0, 0), (0,), (0,), ()]

@@ -9,16 +9,16 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from testbed.generators import hierarchical, switch, torus
-from testbed.placement import place
-from testbed.plan import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.program import TaskKind, build_program
-from testbed.schedule_timing import ActionCosts, play
-from testbed.schedules import build_schedule
-from testbed.simulator import price, run, simulate
-from testbed.timeline import CATEGORIES, chrome_trace, write_trace
+from testbed.topology.generators import hierarchical, switch, torus
+from testbed.plan.placement import place
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.sim.program import TaskKind, build_program
+from testbed.pipeline.timing import ActionCosts, play
+from testbed.pipeline.schedules import build_schedule
+from testbed.sim.engine import price, run, simulate
+from testbed.sim.timeline import CATEGORIES, chrome_trace, write_trace
 from testbed.topology import Calibration, DeviceSpec, Level, LinkKind
-from testbed.topology_io import load_topology
+from testbed.topology.io import load_topology
 
 DEVICE = DeviceSpec(name="toy", peak_flops={"fp32": 1e12, "bf16": 2e12}, memory_bytes=16e9, memory_bandwidth=1e11)
 CAL = Calibration(compute_efficiency=0.6, efficiency_half_flops=1e6, launch_overhead_s=2e-6,
@@ -191,7 +191,7 @@ def test_trace_parses_and_has_every_device(tmp_path):
 
 
 def test_gantt_png_is_written(tmp_path):
-    from testbed.timeline import write_gantt
+    from testbed.sim.timeline import write_gantt
 
     sim = simulate(make_plan(data=2, tensor=2, stage=2), TOPOLOGIES["switch8"])
     path = write_gantt(sim.timeline, tmp_path / "g.png")
@@ -216,8 +216,8 @@ def test_memory_and_mfu_in_report():
     plan = make_plan(data=2, tensor=2, stage=2)
     topology = TOPOLOGIES["switch8"]
     r = simulate(plan, topology).report
-    from testbed.memory import memory_breakdown
-    from testbed.model import model_flops_per_step
+    from testbed.model.memory import memory_breakdown
+    from testbed.model.costs import model_flops_per_step
 
     m = memory_breakdown(plan, topology)
     assert r.memory["total"] == m.total and r.memory["fits"] == m.fits
@@ -294,7 +294,7 @@ def test_one_shared_core_runs_all_work_back_to_back(controller):
 def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
     from dataclasses import replace
 
-    from testbed import dispatch
+    from testbed.model import buffers as dispatch
 
     plan = make_plan(data=2, stage=2, microbatches=2, layers=4)
     base = _free_comm(4)

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 
 from testbed.cli import main
-from testbed.explore import scale_data
+from testbed.plan.scale import scale_data
 from testbed.errors import InputError
-from testbed.plan_io import load_plan
+from testbed.plan.io import load_plan
 
 TOPO6 = textwrap.dedent("""\
     device: {name: x, flops: {fp32: 1TFLOP/s}, memory: 16GB, memory_bandwidth: 1TB/s}

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed.contention import Flow, LinkLedger, fair_rates, normalised_loads
+from testbed.sim.contention import Flow, LinkLedger, fair_rates, normalised_loads
 from testbed.errors import InputError
-from testbed.program import Program, Task, TaskKind
-from testbed.simulator import Priced, compute_seconds, run
-from testbed.timeline import Report, Timeline, chrome_trace
-from testbed.generators import switch
-from testbed.topology import Calibration, DeviceSpec
+from testbed.sim.program import Program, Task, TaskKind
+from testbed.sim.engine import Priced, compute_seconds, run
+from testbed.sim.timeline import Report, Timeline, chrome_trace
+from testbed.topology.generators import switch
+from testbed.topology.spec import Calibration, DeviceSpec
 
 LINKS = ["a", "b", "c", "d"]
 flows_st = st.lists(

@@ -8,10 +8,10 @@ import networkx as nx
 import pytest
 from hypothesis import given, strategies as st
 
-from testbed import generators
+from testbed.topology import generators
 from testbed.errors import InputError
 from testbed.topology import DeviceSpec, Level, LinkKind, LinkSpec
-from testbed.topology_io import bundled_names, load_topology, topology_from_dict, topology_to_dict
+from testbed.topology.io import bundled_names, load_topology, topology_from_dict, topology_to_dict
 from testbed.units import parse_bandwidth, parse_bytes, parse_time
 
 DEV = DeviceSpec(name="d", peak_flops={"bf16": 1e12, "fp32": 5e11}, memory_bytes=1e9, memory_bandwidth=1e11)

@@ -1,0 +1,216 @@
+"""Execute a ``testbed.pipeline.schedules`` table as ONE SPMD program over the ``stage`` mesh axis.
+
+SPMD (:func:`spmd_gpipe`, GPipe): one jitted program, ``jax.shard_map`` over
+the ``stage`` axis, a ``fori_loop`` over ``m + p - 1`` ticks with
+``jax.lax.ppermute`` moving activations to the next stage; autodiff of the
+loop yields GPipe's backward. Bubble ticks receive NaN activations and are
+masked out before use, so a leak shows as a non-finite result.
+
+SPMD for any one-chunk table (:func:`spmd_schedule`: gpipe, 1f1b, zb-h1,
+zb-h2): the table is played with unit-time actions into a per-tick program;
+each tick every stage runs its action through ``lax.switch`` and one
+``ppermute`` each way carries activations and input gradients. Backward
+actions rematerialise the stage forward from its stored input.
+
+Both take ``stage_fn(params_of_one_stage, x)`` (every stage the same
+program on its own slice of stacked parameters) and ``loss_fn(y, targets)``;
+the MPMD engine for per-stage programs and interleaved tables is
+runners.pipeline.engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from testbed.pipeline.schedules import Schedule, validate
+
+__all__ = ["spmd_gpipe", "spmd_schedule"]
+
+
+def spmd_gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callable[[jax.Array, jax.Array], jax.Array],
+               mesh: jax.sharding.Mesh, microbatches: int, stage_axis: str = "stage"
+               ) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
+    """A jitted GPipe step: ``(stacked_params, inputs, targets) -> (mean loss, grads)``.
+
+    Args:
+        stage_fn: ``(params_of_one_stage, x) -> y`` with ``y`` shaped like ``x``
+            (every stage runs the same program on its own parameters).
+        loss_fn: ``(y, targets) -> scalar`` for one microbatch, after the last stage.
+        mesh: a mesh with ``stage_axis``; other axes stay automatic.
+        microbatches: ``m``; ``inputs`` and ``targets`` lead with it.
+
+    ``stacked_params`` have a leading stage dimension sharded over ``stage_axis``.
+    """
+    p = mesh.shape[stage_axis]
+    m = microbatches
+    ticks = m + p - 1
+    perm = [(s, s + 1) for s in range(p - 1)]
+    P = jax.sharding.PartitionSpec
+
+    def local(params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        params = jax.tree.map(lambda a: a[0], params)
+        stage = jax.lax.axis_index(stage_axis)
+        # *_like keeps the inputs' sharding over the other (explicit) mesh axes, e.g. data.
+        nan = jnp.full_like(inputs[0], jnp.nan)
+
+        def tick(t, carry):
+            received, outputs = carry
+            mb = t - stage
+            valid = (mb >= 0) & (mb < m)
+            feed = jnp.where(t < m, inputs[jnp.minimum(t, m - 1)], nan)
+            x = jnp.where(stage == 0, feed, received)
+            # Bubble slots hold NaN; mask before use so no NaN reaches values or gradients.
+            y = stage_fn(params, jnp.where(valid, x, jnp.zeros_like(x)))
+            y = jnp.where(valid, y, nan)
+            write = valid & (stage == p - 1)
+            slot = jnp.clip(mb, 0, m - 1)
+            outputs = outputs.at[slot].set(jnp.where(write, y, outputs[slot]))
+            sent = jax.lax.ppermute(y, stage_axis, perm) if perm else y
+            return sent, outputs
+
+        start = jax.lax.pcast((nan, jnp.full_like(inputs, jnp.nan)), (stage_axis,), to="varying")
+        _, outputs = jax.lax.fori_loop(0, ticks, tick, start)
+        is_last = stage == p - 1
+        safe = jnp.where(is_last, outputs, jnp.zeros_like(outputs))
+        losses = jax.vmap(loss_fn)(safe, targets)
+        local_loss = jnp.where(is_last, jnp.mean(losses), 0.0)
+        return jax.lax.psum(local_loss, stage_axis)
+
+    def total(params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        specs = jax.tree.map(lambda _: P(stage_axis), params)
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P(),
+                               axis_names={stage_axis})
+        return mapped(params, inputs, targets)
+
+    return jax.jit(jax.value_and_grad(total))
+
+
+def _tick_table(schedule: Schedule) -> tuple[np.ndarray, np.ndarray]:
+    """(kind, microbatch) per tick and stage: the table played with every action one tick long.
+
+    Kinds: 0 idle, 1 F, 2 B, 3 W. With unit times every dependency ends by
+    the tick its user starts, and a message sent in tick ``t`` arrives for
+    tick ``t + 1``.
+    """
+    from testbed.pipeline.timing import ActionCosts, play
+
+    costs = ActionCosts(forward=1, backward=1, weight=1 if schedule.split_backward else 0)
+    timing = play(schedule, costs)
+    ticks = int(round(timing.step_time))
+    kinds = np.zeros((ticks, schedule.stages), np.int32)
+    mbs = np.zeros((ticks, schedule.stages), np.int32)
+    code = {"F": 1, "B": 2, "W": 3}
+    for row in timing.intervals:
+        for i in row:
+            kinds[int(round(i.start)), i.stage] = code[i.action.kind]
+            mbs[int(round(i.start)), i.stage] = i.action.microbatch
+    return kinds, mbs
+
+
+def spmd_schedule(schedule: Schedule, stage_fn: Callable[[Any, jax.Array], jax.Array],
+                  loss_fn: Callable[[jax.Array, jax.Array], jax.Array], mesh: jax.sharding.Mesh,
+                  stage_axis: str = "stage") -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
+    """A jitted step that runs any one-chunk table (gpipe, 1f1b, zb-h1, zb-h2) as one SPMD program.
+
+    Each tick every stage runs the action the table gives it (``lax.switch``
+    over idle/F/B/W), then one ``ppermute`` sends F outputs to the next stage
+    and input gradients to the previous one. Backward actions recompute the
+    stage forward from the stored input (activation rematerialisation), so
+    only stage inputs and, for ZB, output gradients are kept per microbatch.
+    Receive buffers start as NaN and idle ticks send NaN, so a message read
+    before it arrives shows up as a non-finite result.
+
+    Same interface as :func:`spmd_gpipe`: ``(stacked_params, inputs, targets) -> (mean loss, grads)``.
+    """
+    validate(schedule)
+    if schedule.virtual != 1:
+        raise ValueError("spmd_schedule runs one chunk per stage; use MpmdEngine for interleaved tables")
+    p, m = schedule.stages, schedule.microbatches
+    kinds_np, mbs_np = _tick_table(schedule)
+    ticks = kinds_np.shape[0]
+    forward_perm = [(s, s + 1) for s in range(p - 1)]
+    backward_perm = [(s + 1, s) for s in range(p - 1)]
+    P = jax.sharding.PartitionSpec
+
+    def local(params: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, Any]:
+        params = jax.tree.map(lambda a: a[0], params)
+        stage = jax.lax.axis_index(stage_axis)
+        is_last = stage == p - 1
+        kinds, mbs = jnp.asarray(kinds_np), jnp.asarray(mbs_np)
+        nan_all = jnp.full_like(inputs, jnp.nan)
+        nan_msg = jax.lax.pcast(nan_all[0], (stage_axis,), to="varying")
+        zero_grads = jax.tree.map(jnp.zeros_like, params)
+
+        def head(prm, x, t):  # the last stage's output is the loss, earlier stages' their activation
+            return loss_fn(stage_fn(prm, x), t)
+
+        def run_f(state, mb):
+            saved_x, saved_g, recv_x, recv_g, grads, loss = state
+            x = jnp.where(stage == 0, inputs[mb], recv_x[mb])
+            y = stage_fn(params, x)
+            loss = loss + jnp.where(is_last, head(params, x, targets[mb]), 0.0)
+            return (saved_x.at[mb].set(x), saved_g, recv_x, recv_g, grads, loss), y, True, nan_msg, False
+
+        def pullback(mb, saved_x, g_out):
+            x = saved_x[mb]
+            return jax.lax.cond(
+                is_last,
+                lambda: jax.vjp(lambda prm, h: head(prm, h, targets[mb]), params, x)[1](
+                    jax.lax.pcast(jnp.asarray(1.0 / m, loss_dtype), (stage_axis,), to="varying")),
+                lambda: jax.vjp(stage_fn, params, x)[1](g_out))
+
+        def run_b(state, mb, split: bool):
+            saved_x, saved_g, recv_x, recv_g, grads, loss = state
+            g_out = recv_g[mb]
+            dparams, dx = pullback(mb, saved_x, g_out)
+            if split:
+                saved_g = saved_g.at[mb].set(g_out)
+            else:
+                grads = jax.tree.map(jnp.add, grads, dparams)
+            return (saved_x, saved_g, recv_x, recv_g, grads, loss), nan_msg, False, dx, True
+
+        def run_w(state, mb):
+            saved_x, saved_g, recv_x, recv_g, grads, loss = state
+            dparams, _ = pullback(mb, saved_x, saved_g[mb])
+            grads = jax.tree.map(jnp.add, grads, dparams)
+            return (saved_x, saved_g, recv_x, recv_g, grads, loss), nan_msg, False, nan_msg, False
+
+        def run_idle(state, mb):
+            return state, nan_msg, False, nan_msg, False
+
+        branches = [run_idle, run_f, lambda s, mb: run_b(s, mb, schedule.split_backward), run_w]
+
+        def tick(t, state):
+            kind, mb = kinds[t, stage], mbs[t, stage]
+            state, y, y_ok, dx, dx_ok = jax.lax.switch(kind, branches, state, mb)
+            y_ok, dx_ok = jnp.asarray(y_ok), jnp.asarray(dx_ok)
+            msg = (y, y_ok, mb), (dx, dx_ok, mb)
+            if p > 1:
+                msg = (jax.lax.ppermute(msg[0], stage_axis, forward_perm),
+                       jax.lax.ppermute(msg[1], stage_axis, backward_perm))
+            (y_in, y_in_ok, y_mb), (g_in, g_in_ok, g_mb) = msg
+            saved_x, saved_g, recv_x, recv_g, grads, loss = state
+            # Only delivered messages are stored; a stage without a sender receives zeros and a False flag.
+            recv_x = recv_x.at[y_mb].set(jnp.where(y_in_ok, y_in, recv_x[y_mb]))
+            recv_g = recv_g.at[g_mb].set(jnp.where(g_in_ok, g_in, recv_g[g_mb]))
+            return saved_x, saved_g, recv_x, recv_g, grads, loss
+
+        loss_dtype = jax.eval_shape(loss_fn, jax.eval_shape(stage_fn, params, inputs[0]), targets[0]).dtype
+        buffers, loss0 = jax.lax.pcast((nan_all, jnp.zeros((), loss_dtype)), (stage_axis,), to="varying")
+        start = (buffers, buffers, buffers, buffers, zero_grads, loss0)
+        state = jax.lax.fori_loop(0, ticks, tick, start)
+        loss = jax.lax.psum(jnp.where(is_last, state[5], 0.0), stage_axis) / m
+        return loss, jax.tree.map(lambda a: a[None], state[4])
+
+    def step(params: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, Any]:
+        specs = jax.tree.map(lambda _: P(stage_axis), params)
+        mapped = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(), P()), out_specs=(P(), specs),
+                               axis_names={stage_axis})
+        return mapped(params, inputs, targets)
+
+    return jax.jit(step)

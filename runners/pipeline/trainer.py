@@ -1,0 +1,238 @@
+"""The pipeline plan's trainer: per-stage sub-meshes and the schedule table run by the MPMD engine.
+
+:class:`PipelineTrainer` holds each stage's chunks (:func:`split_params`
+cuts the model into ``[stage][chunk]`` pieces, :func:`merge_params` puts
+them back) on the stage's own (data, fsdp, tensor) sub-mesh, runs the
+schedule table with ``runners.pipeline.engine.MpmdEngine`` (or, with several
+processes, :func:`runners.pipeline.lockstep.lockstep_step`) and updates every stage
+through :class:`runners.precision.Optimizer` on its sub-mesh. It has the
+interface of the trainers of :mod:`runners.step`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from runners import model
+from runners.pipeline.lockstep import lockstep_step
+from runners.parallel import Constrain, batch_spec, layout_for
+from runners.pipeline.engine import Prepare
+from runners.precision import Optimizer
+from runners.pipeline.memory import StageProgramMemory, pipeline_memory
+from runners.replicas import Spread, per_replica_forward, per_replica_losses, replicas, sum_replicas
+from runners.step import host_tree, place_tree, state_shardings, step_batch
+from testbed.errors import InputError
+from testbed.model.costs import chunk_layers
+from testbed.plan.spec import Plan
+from testbed.pipeline.schedules import build_schedule, sends
+
+__all__ = ["PipelineTrainer", "split_params", "merge_params"]
+
+
+def split_params(plan: Plan, full: Any) -> list[list[Any]]:
+    """The model's params as ``[stage][chunk]`` pieces (layers from testbed.model.costs.chunk_layers)."""
+    p, v = plan.mesh.stage, plan.schedule.virtual_stages
+    ranges = chunk_layers(plan.model, p, v)
+    out = []
+    for s in range(p):
+        row = []
+        for c in range(v):
+            piece: dict[str, Any] = {"layers": [full["layers"][i] for i in ranges[s][c]]}
+            if s == 0 and c == 0:
+                piece["embed"] = full["embed"]
+            if s == p - 1 and c == v - 1:
+                piece["head"] = full["head"]
+            row.append(piece)
+        out.append(row)
+    return out
+
+
+def merge_params(plan: Plan, pieces: list[list[Any]]) -> Any:
+    """Inverse of :func:`split_params`."""
+    p, v = plan.mesh.stage, plan.schedule.virtual_stages
+    ranges = chunk_layers(plan.model, p, v)
+    layers: list[Any] = [None] * plan.model.layers
+    for s in range(p):
+        for c in range(v):
+            for i, layer in zip(ranges[s][c], pieces[s][c]["layers"]):
+                layers[i] = layer
+    return {"embed": pieces[0][0]["embed"], "layers": layers, "head": pieces[p - 1][v - 1]["head"]}
+
+
+class PipelineTrainer:
+    """A pipeline plan: per-stage sub-meshes, the schedule table run by runners.pipeline.engine.MpmdEngine.
+
+    Each stage's chunks are sharded on its own (data, fsdp, tensor) sub-mesh
+    like an SPMD plan; the optimizer update runs per stage on its sub-mesh.
+    Under bf16-mixed the stages hold bf16 parameters, so the engine's
+    backward programs return bf16 gradients and add them into a bf16
+    accumulator; the update keeps the fp32 master (runners.precision).
+    ``nan_slots=True`` pre-fills the engine's receive slots with NaN (a leak
+    check that costs buffers every step).
+    """
+
+    def __init__(self, plan: Plan, stage_meshes: list[Any], return_grads: bool = False,
+                 lockstep: bool | None = None, nan_slots: bool = False):
+        from runners.devices import owns
+        from runners.pipeline.engine import MpmdEngine
+
+        if plan.model.tied_embeddings:
+            raise InputError("tied embeddings across pipeline stages are not supported by the runner; "
+                             "set model.tied_embeddings false or mesh.stage 1", field="model.tied_embeddings")
+        self.plan, self.meshes, self.return_grads = plan, stage_meshes, return_grads
+        self.optimizer = Optimizer(plan)
+        self.schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
+                                       plan.schedule.virtual_stages)
+        spec, precision, remat = plan.model, plan.precision, plan.remat
+
+        # The held parameters are already in the compute dtype (runners.precision): no cast here.
+        def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
+            if "embed" in params:
+                x = model.embed(params["embed"], x)
+            return model.stage_forward(params["layers"], x, spec.heads, remat)
+
+        def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+            return model.head_loss(params["head"], y, targets)
+
+        # Data replicas keep their gradients apart until the update, and their losses until the step's end:
+        # one reduction per step (runners.replicas), none per microbatch.
+        self.replicas = replicas(plan)
+        if self.replicas > 1:
+            last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
+            chunk_forward = per_replica_forward(chunk_forward, self.replicas, stage_meshes)
+            loss_fn = per_replica_losses(loss_fn, self.replicas, stage_meshes[last_stage])
+        self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
+        mb = plan.batch.global_batch // plan.batch.microbatches
+        self.act_shape = (mb, spec.seq_len, spec.d_model)
+        self.act_dtype = model.compute_dtype(precision)
+        self.act_shardings = [NamedSharding(m, batch_spec(1)) for m in stage_meshes]
+        # NaN receive slots are the engine's leak check for tests; production steps skip their cost.
+        # Several processes: runners.pipeline.engine moves activations with device_put, which cannot cross
+        # processes, so the lockstep engine below (collective-permute transfers) runs the table.
+        self.lockstep = jax.process_count() > 1 if lockstep is None else lockstep
+        self.owned = [owns(sh) for sh in self.act_shardings]
+        shape = split_params(plan, jax.eval_shape(lambda: model.init_params(spec, plan.seed)))
+        self.param_shardings, self.opt_shardings, self.grad_shardings, self.update_programs = [], [], [], []
+        #: Per stage: the engine's Prepare, and the sharding of the gradients it returns (the update's input).
+        self.prepare, self.engine_grad_shardings = [], []
+        for s, mesh in enumerate(stage_meshes):
+            layout = layout_for(shape[s], plan)
+            p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
+            o_sh = state_shardings(jax.eval_shape(self.optimizer.init, shape[s]), shape[s],
+                                   layout.shardings(mesh, "moments"), NamedSharding(mesh, P()))
+            spread = Spread(mesh, p_sh, self.replicas) if self.replicas > 1 else None
+            in_sh = spread.shardings if spread else g_sh
+            # Outputs leave the engine's programs where the next stage and the update take them (no host copy).
+            self.prepare.append(Prepare(spread=spread, activations=self.act_shardings[s], grads=Constrain(in_sh)))
+            self.param_shardings.append(p_sh)
+            self.opt_shardings.append(o_sh)
+            self.grad_shardings.append(g_sh)
+            self.engine_grad_shardings.append(in_sh)
+            self.update_programs.append(jax.jit(self._update_fn(g_sh, spread is not None), donate_argnums=(0, 1),
+                                                in_shardings=(p_sh, o_sh, in_sh), out_shardings=(p_sh, o_sh)))
+        self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots,
+                                 prepare=self.prepare)
+
+    def _update_fn(self, grad_shardings: Any, per_replica: bool):
+        opt = self.optimizer
+
+        def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
+            if per_replica:
+                grads = sum_replicas(grads)  # the step's one data-parallel reduction
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+            return opt.update(params, opt_state, grads)
+        return update
+
+    def init(self) -> tuple[list[Any], list[Any]]:
+        pieces = split_params(self.plan, host_tree(model.init_params(self.plan.model, self.plan.seed)))
+        params, states = [], []
+        for s in range(len(self.meshes)):
+            if not self.owned[s]:
+                params.append(None)
+                states.append(None)
+                continue
+            full = place_tree(pieces[s], self.param_shardings[s])
+            states.append(jax.jit(self.optimizer.init, out_shardings=self.opt_shardings[s])(full))
+            params.append(place_tree(self.optimizer.held(pieces[s]), self.param_shardings[s]))
+        return params, states
+
+    def _microbatches(self, step: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        m = self.plan.batch.microbatches
+        tokens, targets = step_batch(self.plan, step)
+        return np.split(tokens, m), np.split(targets, m)
+
+    def step(self, state: tuple[list[Any], list[Any]], step: int) -> tuple[tuple[list[Any], list[Any]], jax.Array]:
+        params, states = state
+        run = functools.partial(lockstep_step, self) if self.lockstep else self.engine.step
+        loss, grads = run(params, *self._microbatches(step))
+        new = []
+        for s in range(len(self.meshes)):
+            if not self.owned[s]:
+                new.append((None, None))
+                continue
+            # The engines' programs leave the gradients in the update's input layout (Prepare.grads): this
+            # put copies nothing (a layout XLA chose instead would go through the host here).
+            g = jax.device_put(grads[s], self.engine_grad_shardings[s])
+            new.append(self.update_programs[s](params[s], states[s], g))
+        if self.return_grads:
+            self.last_grads = [jax.jit(sum_replicas)(g) if self.replicas > 1 and g is not None else g for g in grads]
+        else:
+            self.last_grads = None
+        return ([p for p, _ in new], [o for _, o in new]), loss
+
+    def full_params(self, state: tuple[list[Any], list[Any]]) -> Any:
+        """The model's parameters (the fp32 master under bf16-mixed), merged from the stages."""
+        return merge_params(self.plan, host_tree([self.optimizer.master(p, o) for p, o in zip(*state)]))
+
+    def full_grads(self) -> Any:
+        return merge_params(self.plan, host_tree(self.last_grads))
+
+    def engine_grads_shape(self, params: Any, stage: int) -> Any:
+        """Abstract gradients of ``stage`` as the engine returns them (per replica when spread): the update's input."""
+        lead = (self.replicas,) if self.replicas > 1 else ()
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct((*lead, *a.shape), a.dtype, sharding=sh),
+                            params, self.engine_grad_shardings[stage])
+
+    def compiled_texts(self, state: tuple[list[Any], list[Any]]) -> list[str]:
+        """Optimized HLO of each stage's chunk-0 forward+backward and of its optimizer update."""
+        params, states = state
+        tokens, targets = (a[0] for a in self._microbatches(0))
+        texts = []
+        x = place_tree(tokens, self.act_shardings[0])
+        for s in range(len(self.meshes)):
+            piece = params[s][0]
+            last = s == len(self.meshes) - 1 and self.plan.schedule.virtual_stages == 1
+            tgt = place_tree(targets, self.act_shardings[s])
+
+            def chunk_grad(p: Any, h: jax.Array, t: jax.Array, s: int = s, last: bool = last) -> Any:
+                def f(p: Any) -> jax.Array:
+                    y = self.chunk_forward(s, 0, p, h)
+                    return jnp.mean(self.loss_fn(p, y, t)) if last else jnp.sum(y.astype(jnp.float32))
+                spread = self.prepare[s].spread
+                return jax.grad(f)(spread(p) if spread else p)  # per replica, as the engine's backward
+
+            h = x if s == 0 else place_tree(np.zeros(self.act_shape, np.float32).astype(self.act_dtype),
+                                            self.act_shardings[s])
+            texts.append(jax.jit(chunk_grad).lower(piece, h, tgt).compile().as_text())
+            grads = self.engine_grads_shape(params[s], s)
+            texts.append(self.update_programs[s].lower(params[s], states[s], grads).compile().as_text())
+        return texts
+
+    def compiled_memory(self, state: tuple[list[Any], list[Any]]) -> int | None:
+        """XLA's bytes per device at the fullest stage's peak (:meth:`compiled_memory_breakdown`)."""
+        stages = self.compiled_memory_breakdown(state)
+        return max(m.total for m in stages) if stages else None
+
+    def compiled_memory_breakdown(self, state: tuple[list[Any], list[Any]]) -> list[StageProgramMemory]:
+        """Per stage this process holds, XLA's bytes per device at its peak (``program_memory.pipeline_memory``)."""
+        return pipeline_memory(self, state)
+
+    def transfers(self) -> int:
+        """Activation and gradient transfers between stages per step (cross-mesh ``device_put``)."""
+        return len(sends(self.schedule))

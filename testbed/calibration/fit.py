@@ -1,0 +1,364 @@
+"""Fitting a topology's calibration fields from microbenchmark tables.
+
+``runners.measure`` times matmuls, memory streams, empty programs and
+collectives on real (or emulated) devices and returns :class:`Sample` rows;
+this module turns those rows into calibration fields with (non-negative,
+relative-error weighted) least squares, numpy only:
+
+- dispatch: ``launch_overhead_s`` is the median time of an empty program;
+- compute: a kernel of ``f`` FLOPs takes ``launch + (f + half) / R`` (the
+  simulator's ``eff(f) = eff_max * f / (f + half)``, ``R = peak * eff_max``),
+  a line in ``f`` per dtype; training steps of small models then refit
+  ``eff_max`` and ``half`` on the model's own kernels
+  (:func:`testbed.calibration.steps.fit_step_compute`);
+- memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``;
+- host cores: ``k`` devices at once vs one alone (shared host cores);
+- collectives: :mod:`testbed.calibration.collectives`.
+
+Everything here is pure; :func:`calibrated_topology` returns a new Topology.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from testbed.errors import InputError
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
+from testbed.topology.spec import Calibration, Topology
+
+if TYPE_CHECKING:
+    from testbed.calibration.collectives import CollectiveParams
+
+__all__ = [
+    "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
+    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput",
+    "calibrated_topology", "samples_to_rows", "samples_from_rows",
+]
+
+#: Kinds of measurement rows: an empty program, a matmul on one device, a small
+#: MLP training step on ``devices`` devices at once, a memory stream, a
+#: collective, a data-parallel training step of a model, a pipeline (MPMD)
+#: training step of a model.
+SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "memory", "collective", "step", "pipeline")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One measured row: median ``seconds`` of a microbenchmark.
+
+    flops: FLOPs of one kernel on one device (matmul kinds).
+    bytes: bytes read + written (memory) or the collective's buffer (DESIGN.md convention).
+    devices: how many devices ran it at once (``concurrent``: 1, or all of them).
+    op / ranks: the collective and its group size (consecutive device ids);
+        for a ``step`` or ``pipeline`` (one training step of a plan) ``op``
+        names the plan (testbed.calibration.steps); for a ``dispatch``,
+        ``ranks`` is the arrays the program takes (and returns).
+    host_s: CPU seconds the controller thread spent dispatching one step
+        (``step`` and ``pipeline`` samples) or one program (``dispatch``);
+        0 if not measured.
+    alone_s: ``concurrent`` on several devices: the same per-device program
+        on one device, timed in the same rounds (alternating), as
+        ``seconds`` times the median over rounds of alone / at once: the
+        ratio is what the host's throughput curve needs, and timing both
+        side by side keeps the host's drift out of it. 0: not measured (the
+        one-device ``concurrent`` sample is used instead).
+    """
+
+    kind: str
+    seconds: float
+    flops: float = 0.0
+    bytes: float = 0.0
+    dtype: str = "fp32"
+    devices: int = 1
+    op: str = ""
+    ranks: int = 1
+    host_s: float = 0.0
+    alone_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SAMPLE_KINDS:
+            raise InputError(f"unknown sample kind `{self.kind}`; valid: {', '.join(SAMPLE_KINDS)}", field="kind")
+        if not (self.seconds > 0 and math.isfinite(self.seconds)):
+            raise InputError(f"must be a positive finite time, got {self.seconds}", field="seconds")
+        if (self.flops < 0 or self.bytes < 0 or self.host_s < 0 or self.alone_s < 0 or self.devices < 1
+                or self.ranks < 1):
+            raise InputError("flops and bytes must be non-negative, devices and ranks positive", field=self.kind)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fit:
+    """Fitted coefficients (named) and how well they explain the samples.
+
+    r2: coefficient of determination of the fitted times; rel_residuals:
+    (predicted - measured) / measured per sample, in sample order.
+    """
+
+    name: str
+    values: Mapping[str, float]
+    r2: float
+    rel_residuals: tuple[float, ...] = ()
+    samples: int = 0
+
+    median_abs_rel = property(lambda self: float(np.median(np.abs(self.rel_residuals or (0.0,)))))
+    max_abs_rel = property(lambda self: float(np.max(np.abs(self.rel_residuals or (0.0,)))))
+
+    def summary(self) -> dict[str, Any]:
+        return {"values": dict(self.values), "r2": self.r2, "median_abs_rel_residual": self.median_abs_rel,
+                "max_abs_rel_residual": self.max_abs_rel, "samples": self.samples}
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0 (Lawson-Hanson active set, small problems).
+
+    Columns that are all zero get coefficient 0. Rank-deficient passive sets
+    use the minimum-norm solution of numpy.linalg.lstsq.
+    """
+    b = np.asarray(b, dtype=float)
+    # Unit-norm columns: coefficients of very different scales (seconds vs seconds per byte).
+    norms = np.linalg.norm(np.asarray(a, dtype=float), axis=0)
+    usable = norms > 0
+    a = np.asarray(a, dtype=float) / np.where(usable, norms, 1.0)
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(float(np.linalg.norm(b)), 1e-300)
+    for _ in range(3 * n + 3):
+        gradient = a.T @ (b - a @ x)
+        candidates = np.where(~passive & usable & (gradient > tol))[0]
+        if candidates.size == 0:
+            break
+        passive[candidates[np.argmax(gradient[candidates])]] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if np.all(z[passive] > 0):
+                x = z
+                break
+            bad = passive & (z <= 0)
+            alpha = np.min(x[bad] / np.maximum(x[bad] - z[bad], 1e-300))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+            if not passive.any():
+                break
+    return x / np.where(usable, norms, 1.0)
+
+
+def fit_quality(predicted: Sequence[float], measured: Sequence[float]) -> tuple[float, tuple[float, ...]]:
+    """(R^2, relative residuals) of predicted vs measured times."""
+    p = np.asarray(predicted, dtype=float)
+    m = np.asarray(measured, dtype=float)
+    total = float(np.sum((m - m.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((p - m) ** 2)) / total if total > 0 else 1.0
+    return r2, tuple(float(v) for v in (p - m) / m)
+
+
+def weighted_fit(columns: np.ndarray, y: np.ndarray, scale: np.ndarray | None = None) -> np.ndarray:
+    """Non-negative least squares on relative errors (each row divided by ``scale``, default y)."""
+    w = 1.0 / (y if scale is None else scale)
+    return nonnegative_lstsq(columns * w[:, None], y * w)
+
+
+def fit_line(x: Sequence[float], y: Sequence[float], name: str = "line",
+             scale: Sequence[float] | None = None) -> Fit:
+    """y = intercept + slope * x, both non-negative, minimising residuals relative to ``scale`` (default y)."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if len(x) < 2 or len(set(x.tolist())) < 2:
+        raise InputError("a line needs samples at two or more distinct sizes", field=name)
+    coef = weighted_fit(np.column_stack([np.ones_like(x), x]), y, None if scale is None else np.asarray(scale, float))
+    r2, residuals = fit_quality(coef[0] + coef[1] * x, y)
+    return Fit(name=name, values={"intercept": float(coef[0]), "slope": float(coef[1])}, r2=r2,
+               rel_residuals=residuals, samples=len(x))
+
+
+def of_kind(samples: Sequence[Sample], kind: str) -> list[Sample]:
+    """The samples of one kind (:data:`SAMPLE_KINDS`), in order."""
+    return [s for s in samples if s.kind == kind]
+
+
+def fit_dispatch(samples: Sequence[Sample]) -> float:
+    """Per-program launch overhead: median of the one-array empty-program samples (on 1, N/2, N devices; 0 if none)."""
+    times = [s.seconds for s in of_kind(samples, "dispatch") if s.ranks == 1]
+    return float(np.median(times)) if times else 0.0
+
+
+def _rate_line(rows: Sequence[Sample], size: str, launch_s: float, name: str) -> tuple[float, float, Fit]:
+    """(rate, intercept, fit) of ``t = launch + intercept + size / rate`` over ``rows``."""
+    x = np.array([getattr(r, size) for r in rows])
+    t = np.array([r.seconds for r in rows])
+    line = fit_line(x, t - launch_s, name=name, scale=t)
+    if not line.values["slope"] > 0:
+        raise InputError(f"{name} times do not grow with size; measure larger sizes", field=name)
+    rate, intercept = 1.0 / line.values["slope"], line.values["intercept"]
+    r2, residuals = fit_quality(launch_s + intercept + x / rate, t)
+    return rate, intercept, Fit(name=name, values={f"{size}_per_s": rate, "half": intercept * rate}, r2=r2,
+                                rel_residuals=residuals, samples=len(rows))
+
+
+def fit_compute(samples: Sequence[Sample], launch_s: float) -> tuple[dict[str, float], float, list[Fit]]:
+    """Sustained FLOP/s per dtype and the half-efficiency kernel size.
+
+    Per dtype, ``t - launch = (f + half) / R`` is a line in ``f`` with slope
+    ``1/R`` and intercept ``half / R``. Returns ({dtype: R}, half, fits); half
+    is the median over dtypes (Calibration has one).
+    """
+    by_dtype: dict[str, list[Sample]] = {}
+    for s in of_kind(samples, "matmul"):
+        by_dtype.setdefault(s.dtype, []).append(s)
+    if not by_dtype:
+        raise InputError("no matmul samples to fit compute throughput", field="matmul")
+    lines = {dtype: _rate_line(rows, "flops", launch_s, f"matmul {dtype}") for dtype, rows in sorted(by_dtype.items())}
+    halves = [rate * intercept for rate, intercept, _ in lines.values()]
+    return {d: v[0] for d, v in lines.items()}, float(np.median(halves)), [v[2] for v in lines.values()]
+
+
+def fit_memory(samples: Sequence[Sample], launch_s: float) -> tuple[float, Fit]:
+    """Sustained memory bandwidth (bytes/s) from streams: t = launch + c + b / B."""
+    rows = of_kind(samples, "memory")
+    if not rows:
+        raise InputError("no memory samples to fit bandwidth", field="memory")
+    rate, _, fit = _rate_line(rows, "bytes", launch_s, "memory")
+    return rate, fit
+
+
+def fit_host_cores(samples: Sequence[Sample]) -> float:
+    """Host cores' worth of throughput emulated devices share: ``k * t(alone) / t(k at once)``.
+
+    The ``concurrent`` samples run the same per-device work on one device
+    alone and on ``k`` devices at once; this takes the largest ``k``. 0
+    (nothing shared) when all at once is within 25% of alone (real
+    accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`calibrated_topology`.
+    """
+    done = _work_done(samples)
+    if not done:
+        return 0.0
+    k = max(done)  # all devices at once (the curve's other counts: fit_host_throughput)
+    cores = float(np.median(done[k]))
+    return 0.0 if cores >= 0.8 * k else max(1.0, cores)
+
+
+def _work_done(samples: Sequence[Sample]) -> dict[int, list[float]]:
+    """``k -> [k * t(alone) / t(k at once)]`` over the ``concurrent`` samples on ``k > 1`` devices.
+
+    ``t(alone)`` is the sample's own ``alone_s`` (timed in the same rounds)
+    when measured, else the one-device sample of the same program.
+    """
+    rows = of_kind(samples, "concurrent")
+    alone = {(s.flops, s.dtype): s.seconds for s in rows if s.devices == 1}
+    done: dict[int, list[float]] = {}
+    for s in rows:
+        reference = s.alone_s or alone.get((s.flops, s.dtype), 0.0)
+        if s.devices > 1 and reference > 0:
+            done.setdefault(s.devices, []).append(s.devices * reference / s.seconds)
+    return done
+
+
+def fit_host_throughput(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...]:
+    """The shared host's throughput curve: ``(k, T(k))`` with ``T(k) = k * t(alone) / t(k at once)``.
+
+    Median over the ``concurrent`` sample sizes at each device count ``k``;
+    ``T(1) = 1``, and each ``T(k)`` is kept within ``[T(previous), k]`` (more
+    devices never get less done in the model). Empty when there are no
+    concurrent samples on more than one device, or when :func:`fit_host_cores`
+    finds nothing shared (real accelerators).
+    """
+    done = _work_done(samples)
+    if not done or not fit_host_cores(samples):
+        return ()
+    curve = [(1, 1.0)]
+    for k in sorted(done):
+        curve.append((k, float(np.clip(np.median(done[k]), curve[-1][1], k))))
+    return tuple(curve)
+
+
+# -- the calibrated topology --------------------------------------------------------
+
+def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
+                        launch_s: float, host_cores: float, collectives: CollectiveParams | None,
+                        name: str | None = None, efficiency: float | None = None,
+                        peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0,
+                        controller_step_s: float = 0.0, controller_buffer_s: float = 0.0,
+                        controller_pipeline_step_s: float = 0.0,
+                        host_throughput: tuple[tuple[int, float], ...] = (),
+                        passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
+                        cache_bytes: float = 0.0) -> Topology:
+    """The base topology with fitted device rates, calibration and link parameters.
+
+    Peaks: the matmul rate's fraction of the base device's peak (median over
+    dtypes, at most 1) is ``e``; each dtype's peak becomes ``rate / e`` (so
+    ``peak * e`` is its measured rate and the ratios between dtypes are
+    measured). ``compute_efficiency`` is ``efficiency`` when given (the fit on
+    training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
+    likewise. Dtypes not measured keep their base peak; ``peak_scales``
+    (from the training steps) multiply a dtype's peak last. ``controller_s``
+    and ``controller_step_s`` are the controller's CPU time per dispatched
+    program and per step, ``controller_pipeline_step_s`` a pipeline step's
+    extra (:func:`testbed.calibration.steps.fit_controller`),
+    ``controller_buffer_s`` per device buffer a program passes
+    (:func:`testbed.calibration.steps.fit_controller_buffers`); ``passes``
+    the elementwise (replicated, split, cached) passes fitted on the
+    training steps, ``cache_bytes`` the largest activation whose passes
+    run from cache (measured on the host).
+
+    A measured ``host_throughput`` curve (:func:`fit_host_throughput`) is
+    written as it is, with ``host_cores`` (the host's CPUs) beside it for
+    the reader, and no efficiency scaling. Without one, shared host throughput
+    ``host_cores = r`` (e.g. 1.5 cores' worth) is
+    written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
+    ``r / ceil(r)``: the simulator gives ``n`` devices computing at once
+    ``min(1, cores / n)`` of their speed each, so this is exact whenever at
+    least ``ceil(r)`` devices compute at once (a device alone is then
+    predicted up to ``r / ceil(r)`` slower).
+    """
+    device = base.device
+    ratios = [rates[d] / device.peak_flops[d] for d in rates if d in device.peak_flops]
+    matmul_efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
+    peaks = dict(device.peak_flops)
+    peaks.update({d: r / matmul_efficiency for d, r in rates.items()})
+    peaks.update({d: peaks[d] * x for d, x in (peak_scales or {}).items() if d in peaks})
+    memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
+    device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
+    cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
+    efficiency = matmul_efficiency if efficiency is None else efficiency
+    if cores and not host_throughput:
+        efficiency *= host_cores / cores
+    calibration = Calibration(
+        compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
+        replicated_passes=passes[0], split_passes=passes[1], cached_passes=passes[2],
+        cache_bytes=cache_bytes, launch_overhead_s=launch_s,
+        collective_overhead_s=base.calibration.collective_overhead_s, host_cores=cores,
+        host_throughput=tuple(host_throughput), controller_overhead_s=controller_s, controller_step_s=controller_step_s,
+        controller_pipeline_step_s=controller_pipeline_step_s, controller_buffer_s=controller_buffer_s)
+    out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
+                  description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
+    if collectives is not None:
+        from testbed.calibration.collectives import with_collective_params
+
+        out = with_collective_params(out, collectives)
+    return out
+
+
+def samples_to_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """Plain dicts (for the ``.measurements.json`` file), defaults left out."""
+    defaults = Sample(kind="dispatch", seconds=1.0)
+    return [{k: getattr(s, k) for k in Sample.__slots__ if k in ("kind", "seconds") or getattr(s, k) != getattr(defaults, k)}
+            for s in samples]
+
+
+def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
+    """Samples back from :func:`samples_to_rows` output (InputError naming the bad row)."""
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(Sample(**dict(row)))
+        except TypeError as exc:
+            raise InputError(f"bad measurement row: {exc}", field=f"samples[{i}]") from None
+        except InputError as exc:
+            raise exc.within(f"samples[{i}]") from None
+    return out

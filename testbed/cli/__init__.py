@@ -1,0 +1,10 @@
+"""The command layer: every ``testbed`` subcommand, and the only code that may import ``runners``.
+
+Library code (the rest of ``testbed`` and all of ``runners``) never imports
+this package; commands import ``runners`` lazily, inside functions, so that
+``testbed`` stays fast and JAX starts only after the device count is set.
+"""
+
+from testbed.cli.main import COMMANDS, main
+
+__all__ = ["main", "COMMANDS"]

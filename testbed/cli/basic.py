@@ -1,0 +1,167 @@
+"""`testbed topologies`, `testbed topology show`, `testbed plan check`."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+from testbed.output import CommandResult
+from testbed.plan.placement import Placement, group_span, place
+from testbed.plan.spec import MESH_AXES, Plan
+from testbed.plan.io import load_plan, plan_to_dict
+from testbed.topology.spec import Topology
+from testbed.topology.io import bundled_names, load_topology
+from testbed.units import format_bandwidth, format_bytes, format_flops, format_time
+
+__all__ = ["topologies", "topology", "plan", "plan_topology", "placement_report", "render_placement"]
+
+
+def _table(title: str, columns: list[str]):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c)
+    return table
+
+
+# -- testbed topologies ----------------------------------------------------------
+
+def _topologies_add(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _topologies_execute(args: argparse.Namespace) -> CommandResult:
+    rows = []
+    for name in bundled_names():
+        t = load_topology(name)
+        rows.append({**t.summary(), "description": t.description,
+                     "memory_bytes": t.device.memory_bytes, "peak_bf16_flops": t.device.flops("bf16")})
+
+    def render(console) -> None:
+        table = _table("bundled topologies", ["name", "devices", "levels", "device", "memory", "bf16 peak"])
+        for r in rows:
+            table.add_row(r["name"], str(r["devices"]), ",".join(r["levels"]), r["device"],
+                          format_bytes(r["memory_bytes"]), format_flops(r["peak_bf16_flops"]))
+        console.print(table)
+
+    return CommandResult({"topologies": rows}, render)
+
+
+topologies = SimpleNamespace(add_arguments=_topologies_add, execute=_topologies_execute)
+
+
+# -- testbed topology show -------------------------------------------------------
+
+def _topology_add(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION")
+    sub.required = True
+    show = sub.add_parser("show", help="summary, levels and links; --png draws it")
+    show.add_argument("topology", help="bundled name or YAML path")
+    show.add_argument("--png", help="write a drawing of devices, switches and links")
+    show.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+
+
+def _topology_execute(args: argparse.Namespace) -> CommandResult:
+    t = load_topology(args.topology)
+    levels = [{"name": l.name, "size": l.size, "bandwidth": l.bandwidth, "latency": l.latency,
+               "kind": None if l.kind is None else str(l.kind), "groups": len(t.groups(l.name))} for l in t.levels]
+    kinds: dict[str, int] = {}
+    for _, _, d in t.graph.edges(data=True):
+        kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
+    data = {**t.summary(), "description": t.description, "switches": sum(1 for _, d in t.graph.nodes(data=True)
+                                                                         if d.get("kind") == "switch"),
+            "links": t.graph.number_of_edges(), "link_kinds": kinds, "levels": levels,
+            "device_spec": {"name": t.device.name, "peak_flops": dict(t.device.peak_flops),
+                            "memory_bytes": t.device.memory_bytes, "memory_bandwidth": t.device.memory_bandwidth},
+            "calibration": {k: getattr(t.calibration, k) for k in t.calibration.__dataclass_fields__}}
+    files = []
+    if args.png:
+        from testbed.viz.plots import draw_topology
+
+        files.append(str(draw_topology(t, args.png)))
+        data["png"] = args.png
+
+    def render(console) -> None:
+        console.print(f"[bold]{t.name}[/bold]: {t.description or ''}")
+        console.print(f"{t.num_devices} x {t.device.name}: " + ", ".join(
+            f"{k} {format_flops(v)}" for k, v in t.device.peak_flops.items())
+            + f"; {format_bytes(t.device.memory_bytes)} at {format_bandwidth(t.device.memory_bandwidth)}")
+        table = _table("levels (innermost first)", ["level", "size", "bandwidth/dir", "latency", "kind", "groups"])
+        for l in levels:
+            table.add_row(l["name"], str(l["size"]), format_bandwidth(l["bandwidth"]) if l["bandwidth"] else "-",
+                          format_time(l["latency"]), l["kind"] or "-", str(l["groups"]))
+        console.print(table)
+        console.print(f"{data['switches']} switches, {data['links']} links: {kinds}")
+        for f in files:
+            console.print(f"wrote {f}")
+
+    return CommandResult(data, render, files=files)
+
+
+topology = SimpleNamespace(add_arguments=_topology_add, execute=_topology_execute)
+
+
+# -- testbed plan check ------------------------------------------------------------
+
+def plan_topology(plan: Plan, topology_arg: str | None) -> Topology:
+    """The topology named on the command line, else the plan's own ``topology:``."""
+    from testbed.errors import InputError
+
+    name = topology_arg or plan.topology
+    if name is None:
+        raise InputError("no topology: pass --topology NAME or set `topology:` in the plan", field="topology")
+    return load_topology(name)
+
+
+def placement_report(plan: Plan, topology: Topology, placement: Placement) -> dict:
+    """Per axis: degree, number of groups, first group and the levels it spans."""
+    axes = {}
+    for axis in MESH_AXES:
+        groups = placement.groups(axis)
+        axes[axis.value] = {"degree": plan.mesh.degree(axis), "groups": len(groups), "first_group": list(groups[0]),
+                            "spans": group_span(topology, groups[0])}
+    return {"order": [a.value for a in placement.order], "device_ids": placement.device_ids.tolist(), "axes": axes}
+
+
+def render_placement(console, report: dict) -> None:
+    table = _table(f"placement (order outermost first: {' > '.join(report['order'])})",
+                   ["axis", "degree", "groups", "first group", "spans"])
+    for axis, a in report["axes"].items():
+        table.add_row(axis, str(a["degree"]), str(a["groups"]), str(a["first_group"]), a["spans"])
+    console.print(table)
+
+
+def _plan_add(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION")
+    sub.required = True
+    check = sub.add_parser("check", help="validate a plan and show its placement on a topology")
+    check.add_argument("plan", help="plan YAML file (or a bundled plan name, e.g. demo)")
+    check.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    check.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+
+
+def _plan_execute(args: argparse.Namespace) -> CommandResult:
+    p = load_plan(args.plan)
+    t = plan_topology(p, args.topology)
+    try:
+        placement = place(p, t)
+    except Exception as exc:
+        from testbed.errors import InputError
+
+        if isinstance(exc, InputError):
+            raise exc.with_file(args.plan) from None
+        raise
+    report = placement_report(p, t, placement)
+    data = {"ok": True, "plan": plan_to_dict(p), "topology": t.name, "devices": t.num_devices,
+            "microbatch_size": p.microbatch_size, "placement": report}
+
+    def render(console) -> None:
+        console.print(f"[green]ok[/green]: plan `{p.name}` fits the mesh of `{t.name}` ({t.num_devices} devices); "
+                      f"{p.batch.microbatches} microbatches of {p.microbatch_size} sequences per replica")
+        render_placement(console, report)
+
+    return CommandResult(data, render)
+
+
+plan = SimpleNamespace(add_arguments=_plan_add, execute=_plan_execute)

@@ -1,0 +1,195 @@
+"""`testbed demo`: the whole mission on the embedded demo plan, in about a minute.
+
+1. check the plan and show its placement on its topology;
+2. predict: per-device memory and a simulated step (trace + Gantt PNG);
+3. run the plan on emulated devices and time it;
+4. verify it against the single-device fp32 reference;
+5. print predicted vs measured side by side (step time, memory);
+6. compare the plan across host, NVLink, PCIe, Ethernet and TPU topologies
+   (data degree scaled to each), with a stacked-bar PNG.
+
+It lives in ``runners`` because steps 3-5 execute JAX; everything it decides
+comes from ``testbed``. Outputs go to ``--out`` (default ``testbed-out/``),
+each written atomically. Progress goes to stderr so ``--json`` stays one
+object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from testbed.cli.basic import placement_report, plan_topology, render_placement
+from testbed.errors import InputError
+from testbed.output import CommandResult, write_atomic
+from testbed.plan.placement import place
+from testbed.plan.io import load_plan
+from testbed.topology.io import load_topology
+from testbed.units import format_bytes, format_time
+
+__all__ = ["add_arguments", "execute", "COMPARE_TOPOLOGIES"]
+
+#: Host, NVLink, PCIe, Ethernet and TPU ICI: the comparison of step 6.
+COMPARE_TOPOLOGIES = ("host-cpu-8", "dgx-h100", "a100-pcie-8", "eth-100g-8", "tpu-v5e-4x4")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", default="demo", help="plan to demo (default: the bundled demo plan)")
+    parser.add_argument("--topology", default=None,
+                        help="topology to predict on, e.g. a file from `testbed calibrate` (default: the plan's)")
+    parser.add_argument("--out", default="testbed-out", help="folder for the trace and pictures (default testbed-out)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps of the run (default 5)")
+    parser.add_argument("--no-run", action="store_true", help="only check, predict and compare (no JAX)")
+
+
+def _stage(console: Any, text: str) -> float:
+    if console is not None:
+        console.print(f"[bold cyan]>[/bold cyan] {text}")
+    return time.perf_counter()
+
+
+def execute(args: argparse.Namespace) -> CommandResult:
+    from rich.console import Console
+
+    from testbed.cli.simulate import compare_rows, draw_breakdown
+    from testbed.model.memory import memory_breakdown
+    from testbed.sim.engine import simulate
+    from testbed.sim.timeline import write_gantt, write_trace
+
+    if args.steps < 1:
+        raise InputError(f"must be at least 1, got {args.steps}", field="--steps")
+    console = None if args.json else Console(stderr=True)
+    started = time.perf_counter()
+    out = Path(args.out)
+    plan = load_plan(args.plan)
+    topology = plan_topology(plan, args.topology)
+    files: list[str] = []
+
+    _stage(console, f"1/6 check plan `{plan.name}` against `{topology.name}`")
+    placement = place(plan, topology)
+    report = placement_report(plan, topology, placement)
+
+    _stage(console, "2/6 predict memory and one training step (simulator)")
+    memory = memory_breakdown(plan, topology)
+    sim = simulate(plan, topology)
+    files.append(str(write_trace(sim.timeline, out / "demo-trace.json")))
+    files.append(str(write_gantt(sim.timeline, out / "demo-gantt.png", title=f"{plan.name} on {topology.name}")))
+    predicted = sim.report.to_dict()
+
+    measured: dict[str, Any] | None = None
+    verified: dict[str, Any] | None = None
+    if not args.no_run:
+        from runners import devices as dev
+
+        request = dev.parse_devices(None, plan)
+        _stage(console, f"3/6 run {args.steps} steps on {request} (compiles first)")
+        dev.prepare(request)
+        devices = dev.select_devices(plan.mesh.size)
+        from testbed.cli.run import build_trainer, run_plan, verify_plan
+        from runners.measure import compiled_memory
+
+        measured = run_plan(plan, devices, args.steps)
+        # Calibrate's own step right after: how fast the host runs now against its calibration.
+        from testbed.cli.validate import ReferenceStep
+
+        measured["reference_step"] = ReferenceStep(topology, devices).time()
+        # XLA's memory analysis compiles without running (pipelines: every stage's programs).
+        trainer = build_trainer(plan, devices)
+        measured["compiled_memory_bytes"] = compiled_memory(trainer, trainer.init())
+        _stage(console, "4/6 verify against the single-device fp32 reference (2 steps)")
+        verified = verify_plan(plan, devices, steps=2)
+
+    _stage(console, "5/6 predicted vs measured")
+    side_by_side = {
+        "step_time_s": {"predicted": predicted["step_time_s"],
+                        "measured": measured["median_step_time_s"] if measured else None},
+        "memory_bytes": {"predicted": memory.total,
+                         "measured": measured.get("compiled_memory_bytes") if measured else None},
+    }
+    if measured:
+        # The step as if the host ran at its calibrated speed: the model's error apart from the host's drift.
+        ref = measured["reference_step"]
+        side_by_side["reference_step_s"] = {"predicted": ref["predicted_s"], "measured": ref["measured_s"]}
+        side_by_side["step_time_at_calibrated_speed_s"] = {
+            "predicted": predicted["step_time_s"], "measured": measured["median_step_time_s"] * ref["speed"]}
+    for row in side_by_side.values():
+        p, m = row["predicted"], row["measured"]
+        row["error"] = (p - m) / m if p is not None and m else None
+
+    _stage(console, f"6/6 compare across {', '.join(COMPARE_TOPOLOGIES)} (data degree scaled)")
+    rows = compare_rows(plan, [load_topology(t) for t in COMPARE_TOPOLOGIES], args.plan, scale="data")
+    files.append(str(draw_breakdown(rows, str(out / "demo-compare.png"), title=f"{plan.name}: one step per topology")))
+    from testbed.viz.plots import draw_topology
+
+    files.append(str(draw_topology(topology, out / "demo-topology.png")))
+    data = {"plan": plan.name, "topology": topology.name, "devices": topology.num_devices, "placement": report,
+            "memory": memory.as_dict(), "predicted": predicted, "measured": measured, "verify": verified,
+            "predicted_vs_measured": side_by_side, "compare": rows, "files": files,
+            "elapsed_s": time.perf_counter() - started}
+    import json
+
+    from testbed.output import to_jsonable
+
+    files.append(str(write_atomic(out / "demo.json", json.dumps(to_jsonable(data), indent=1, default=str))))
+    exit_code = 1 if verified is not None and not verified["ok"] else 0
+    return CommandResult(data, lambda c: _render(c, data), exit_code=exit_code, files=files)
+
+
+def _fmt(value: float | None, kind: str) -> str:
+    if value is None:
+        return "-"
+    return format_time(value) if kind == "time" else format_bytes(value)
+
+
+def _render(console: Any, data: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console.rule(f"testbed demo: plan `{data['plan']}` on `{data['topology']}`")
+    render_placement(console, data["placement"])
+    p = data["predicted"]
+    console.print(f"predicted step {format_time(p['step_time_s'])}: compute {format_time(p['compute_s'])}, "
+                  f"exposed comm {format_time(p['exposed_comm_s'])}, bubble {p['bubble_fraction']:.1%}, "
+                  f"MFU {p['mfu']:.1%}")
+    if data["measured"]:
+        m = data["measured"]
+        console.print(f"ran {m['steps']} steps on {m['devices']} {m['platform']} devices: median "
+                      f"{format_time(m['median_step_time_s'])}, loss {m['loss']:.5f} (compile {m['compile_time_s']:.1f} s)")
+    v = data["verify"]
+    if v:
+        verdict = "[green]ok[/green]" if v["ok"] else "[red]NOT ok[/red]"
+        e, t = v["errors"], v["thresholds"]
+        console.print(f"verify {verdict} vs the single-device reference: loss {max(e['loss_rel']):.1e} "
+                      f"(threshold {t['loss']:.0e}), gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.0e}), "
+                      f"parameters {e['param_steps']:.1e} optimizer steps apart; collectives found "
+                      f"{ {k: n for k, n in v['collectives']['found'].items() if n} }")
+    table = Table(title="predicted vs measured (per device)")
+    for col in ("quantity", "predicted", "measured", "error"):
+        table.add_column(col, justify="right" if col != "quantity" else "left")
+    rows = data["predicted_vs_measured"]
+    ref = (data["measured"] or {}).get("reference_step")
+    labels = {"step_time_s": "step time", "memory_bytes": "memory bytes",
+              "reference_step_s": f"calibrate's step {ref['plan']}" if ref else "",
+              "step_time_at_calibrated_speed_s": "step time at calibrated speed"}
+    for name, label in labels.items():
+        if name in rows:
+            row = rows[name]
+            kind = "bytes" if name == "memory_bytes" else "time"
+            table.add_row(label, _fmt(row["predicted"], kind), _fmt(row["measured"], kind),
+                          "-" if row["error"] is None else f"{row['error']:+.0%}")
+    console.print(table)
+    if ref:
+        console.print(f"the host ran at {ref['speed']:.2f}x the speed it was calibrated at (calibrate's data-parallel "
+                      f"step {ref['plan']}, timed after the plan); the last row scales the measured step by it")
+    table = Table(title="the same plan on other topologies (data degree scaled)")
+    for col in ("topology", "devices", "data", "step", "compute", "exp. comm", "bubble", "MFU", "memory"):
+        table.add_column(col)
+    for r in data["compare"]:
+        table.add_row(r["topology"], str(r["devices"]), str(r["data"]), format_time(r["step_time_s"]),
+                      format_time(r["compute_s"]), format_time(r["exposed_comm_s"]), f"{r['bubble_fraction']:.1%}",
+                      f"{r['mfu']:.1%}", "fits" if r["fits"] else "OOM")
+    console.print(table)
+    for f in data["files"]:
+        console.print(f"wrote {f}")
+    console.print(f"done in {data['elapsed_s']:.0f} s")

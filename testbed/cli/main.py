@@ -1,0 +1,106 @@
+"""The ``testbed`` command.
+
+Each subcommand lives in a module that exposes ``add_arguments(parser)`` and
+``execute(args) -> CommandResult``; this file only wires them to argparse,
+prints the result (a rich rendering, or one JSON object with ``--json``) and
+maps errors to exit statuses: 0 success, 1 a check failed, 2 bad input.
+Commands that execute plans live in ``runners`` and are imported lazily so
+``testbed`` stays fast and JAX starts only after the device count is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from testbed.errors import InputError, closest
+from testbed.output import CommandResult
+
+__all__ = ["main", "COMMANDS"]
+
+#: name -> (module, help). Modules under ``runners`` are imported only when used.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "topologies": ("testbed.cli.basic:topologies", "list the bundled topologies"),
+    "topology": ("testbed.cli.basic:topology", "show one topology (summary, links, drawing)"),
+    "plan": ("testbed.cli.basic:plan", "check a plan against a topology and show its placement"),
+    "memory": ("testbed.cli.memory", "per-device memory breakdown of a plan"),
+    "collective": ("testbed.cli.collective", "time a collective on a topology"),
+    "schedule": ("testbed.cli.schedule", "build a pipeline schedule, its bubble and Gantt chart"),
+    "simulate": ("testbed.cli.simulate:simulate", "simulate one training step of a plan on a topology"),
+    "compare": ("testbed.cli.simulate:compare", "simulate a plan on several topologies side by side"),
+    "run": ("testbed.cli.run:run", "execute a plan with JAX and time its steps"),
+    "verify": ("testbed.cli.run:verify", "check a plan's parallel step against a single-device reference"),
+    "calibrate": ("testbed.cli.calibrate:calibrate", "measure this machine and fit a topology's calibration"),
+    "validate": ("testbed.cli.validate:validate", "predicted vs measured step time and memory for plans"),
+    "demo": ("testbed.cli.demo", "run the default job end to end: check, predict, run, verify, compare"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad usage as exit 2 with a closest-match hint, no traceback."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if "invalid choice:" in message:
+            bad = message.split("invalid choice:")[1].split("(")[0].strip().strip("'\"")
+            hint = closest(bad, COMMANDS)
+            if hint:
+                message += f"; did you mean `{hint}`?"
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"error: {message}\n")
+        raise SystemExit(2)
+
+
+def _load(spec: str):
+    module_name, _, attr = spec.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attr) if attr else module
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The full parser; with ``only`` set, import just that command's module."""
+    parser = _Parser(prog="testbed", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name, (spec, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        if only is None or only == name:
+            try:
+                command = _load(spec)
+            except ModuleNotFoundError as exc:
+                if exc.name and (exc.name.startswith("testbed") or exc.name.startswith("runners")):
+                    p.set_defaults(_missing=exc.name)
+                    continue
+                raise
+            command.add_arguments(p)
+            p.set_defaults(_command=command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=first if first in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if getattr(args, "_missing", None):
+        sys.stderr.write(f"error: `testbed {args.command}` is not available in this build ({args._missing} missing)\n")
+        return 2
+    try:
+        result: CommandResult = args._command.execute(args)
+    except InputError as exc:
+        sys.stderr.write(f"error: {exc.render()}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    if args.json:
+        sys.stdout.write(result.json_text() + "\n")
+    elif result.render is not None:
+        from rich.console import Console
+
+        result.render(Console())
+    sys.stdout.flush()
+    return result.exit_code
+

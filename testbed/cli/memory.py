@@ -1,0 +1,65 @@
+"""`testbed memory --plan P [--topology T] [--fail-if-oom]`: per-device memory of a plan.
+
+Prints the worst device's breakdown (parameters, gradients, optimizer state,
+activations, workspace, total, capacity, fits) and one row per pipeline
+stage. Exit status 1 with ``--fail-if-oom`` when the plan does not fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from testbed.cli.basic import plan_topology
+from testbed.errors import InputError
+from testbed.model.memory import memory_breakdown
+from testbed.output import CommandResult
+from testbed.plan.io import load_plan
+from testbed.units import format_bytes
+
+__all__ = ["add_arguments", "execute"]
+
+_PARTS = ("params", "grads", "optimizer", "activations", "workspace", "total")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, help="plan YAML file (or a bundled plan name, e.g. demo)")
+    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    parser.add_argument("--fail-if-oom", action="store_true", help="exit 1 when the plan does not fit in memory")
+
+
+def execute(args: argparse.Namespace) -> CommandResult:
+    plan = load_plan(args.plan)
+    try:
+        topology = plan_topology(plan, args.topology)
+        breakdown = memory_breakdown(plan, topology)
+    except InputError as exc:
+        raise exc.with_file(args.plan) from None
+    data = {**breakdown.as_dict(), "plan": plan.name, "topology": topology.name, "device": topology.device.name,
+            "mesh_devices": plan.mesh.size, "topology_devices": topology.num_devices,
+            "precision": plan.precision.value, "remat": plan.remat.value, "zero": plan.zero,
+            "schedule": plan.schedule.name.value}
+    exit_code = 1 if args.fail_if_oom and not breakdown.fits else 0
+
+    def render(console) -> None:
+        from rich.table import Table
+
+        console.print(f"plan `{plan.name}` on `{topology.name}` ({topology.device.name}, "
+                      f"{format_bytes(breakdown.capacity)} per device): {breakdown.params_count:,} parameters, "
+                      f"{plan.precision.value}, remat {plan.remat.value}, ZeRO {plan.zero}, {plan.schedule.name.value}")
+        if plan.mesh.size != topology.num_devices:
+            console.print(f"[yellow]note[/yellow]: the mesh uses {plan.mesh.size} devices, the topology has "
+                          f"{topology.num_devices}; only the device type is used here")
+        table = Table(title=f"bytes per device (worst: stage {breakdown.worst_stage})")
+        table.add_column("stage")
+        table.add_column("mb", justify="right")
+        for header in ("params", "grads", "optim", "acts", "work", "total"):
+            table.add_column(header, justify="right", no_wrap=True)
+        for s in breakdown.per_stage:
+            table.add_row(str(s.stage), str(s.inflight), *(format_bytes(getattr(s, p)) for p in _PARTS))
+        console.print(table)
+        console.print("mb: (microbatch, chunk) activation sets held at peak, from the schedule")
+        verdict = "[green]fits[/green]" if breakdown.fits else "[red]does not fit[/red]"
+        console.print(f"{verdict}: {format_bytes(breakdown.total)} of {format_bytes(breakdown.capacity)} "
+                      f"({100 * breakdown.total / breakdown.capacity:.1f}%)")
+
+    return CommandResult(data, render, exit_code)

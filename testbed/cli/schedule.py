@@ -1,0 +1,96 @@
+"""`testbed schedule NAME --stages P --microbatches M`: a pipeline table, its bubble and Gantt chart."""
+
+from __future__ import annotations
+
+import argparse
+
+from testbed.errors import InputError
+from testbed.viz.gantt import draw_gantt
+from testbed.output import CommandResult
+from testbed.pipeline.timing import ActionCosts, gantt_bars, play
+from testbed.pipeline.schedules import build_schedule, peak_deferred_weight_grads, peak_inflight, schedule_names, validate
+
+__all__ = ["add_arguments", "execute", "parse_costs"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `testbed schedule`."""
+    parser.add_argument("name", help=f"schedule: {', '.join(schedule_names())}")
+    parser.add_argument("--stages", type=int, required=True, help="pipeline stages P")
+    parser.add_argument("--microbatches", type=int, required=True, help="microbatches M per step")
+    parser.add_argument("--virtual", type=int, default=1, help="virtual chunks per stage (interleaved only)")
+    parser.add_argument("--costs", default="1,1,1",
+                        help="F,B,W times per microbatch per stage (B = input gradient, W = weight gradient; "
+                             "unsplit schedules run B+W as one backward); per stage: 'F,B,W;F,B,W;...'")
+    parser.add_argument("--send", type=float, default=0.0, help="time of one activation/gradient send per hop")
+    parser.add_argument("--gantt", help="write a Gantt chart PNG (stages x time)")
+
+
+def parse_costs(text: str, stages: int, send: float = 0.0) -> ActionCosts:
+    """``"F,B,W"`` (every stage) or ``"F,B,W;F,B,W;..."`` (one triple per stage) -> :class:`ActionCosts`."""
+    triples = []
+    for part in text.split(";"):
+        try:
+            values = [float(x) for x in part.split(",")]
+        except ValueError:
+            raise InputError(f"expected numbers F,B,W, got {part!r}", field="--costs") from None
+        if len(values) != 3:
+            raise InputError(f"expected three numbers F,B,W, got {part!r}", field="--costs")
+        triples.append(values)
+    if len(triples) not in (1, stages):
+        raise InputError(f"give one F,B,W triple or one per stage ({stages}), got {len(triples)}", field="--costs")
+    try:
+        if len(triples) == 1:
+            f, b, w = triples[0]
+            return ActionCosts(forward=f, backward=b, weight=w, send=send)
+        return ActionCosts(forward=tuple(t[0] for t in triples), backward=tuple(t[1] for t in triples),
+                           weight=tuple(t[2] for t in triples), send=send)
+    except InputError as exc:
+        raise exc.within("--costs") if exc.field != "send" else InputError(exc.message, field="--send") from None
+
+
+def execute(args: argparse.Namespace) -> CommandResult:
+    """Build, validate and play the schedule; optionally draw it."""
+    try:
+        schedule = build_schedule(args.name, args.stages, args.microbatches, args.virtual)
+    except InputError as exc:
+        raise InputError(exc.message, field=f"--{exc.field}" if exc.field != "schedule" else "NAME") from None
+    validate(schedule)
+    timing = play(schedule, parse_costs(args.costs, schedule.stages, args.send))
+    data = {
+        "schedule": schedule.name, "stages": schedule.stages, "microbatches": schedule.microbatches,
+        "virtual": schedule.virtual, "split_backward": schedule.split_backward, "valid": True,
+        "steps": schedule.steps(),
+        "bubble_fraction": timing.bubble_fraction,
+        "steady_bubble_fraction": timing.steady_bubble_fraction,
+        "step_time": timing.step_time,
+        "idle": list(timing.idle),
+        "peak_inflight": list(peak_inflight(schedule)),
+        "peak_deferred_weight_grads": list(peak_deferred_weight_grads(schedule)),
+        "timeline": [[[i.start, i.end, i.action.label(schedule.virtual)] for i in row] for row in timing.intervals],
+    }
+    files = []
+    if args.gantt:
+        title = (f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} microbatches"
+                 + (f", {schedule.virtual} virtual" if schedule.virtual > 1 else "")
+                 + f" - bubble {timing.bubble_fraction:.1%}")
+        draw_gantt([f"stage {s}" for s in range(schedule.stages)], gantt_bars(timing), args.gantt, title=title)
+        files.append(args.gantt)
+        data["gantt"] = args.gantt
+
+    def render(console) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"{schedule.name}  P={schedule.stages} M={schedule.microbatches} V={schedule.virtual}")
+        for column in ("stage", "actions", "peak in-flight", "idle"):
+            table.add_column(column)
+        for s, row in enumerate(data["steps"]):
+            shown = " ".join(row) if len(row) <= 48 else " ".join(row[:48]) + " ..."
+            table.add_row(str(s), shown, str(data["peak_inflight"][s]), f"{timing.idle[s]:g}")
+        console.print(table)
+        console.print(f"step time {timing.step_time:g}, bubble fraction {timing.bubble_fraction:.4f}"
+                      f" (steady-state {timing.steady_bubble_fraction:.4f})")
+        for f in files:
+            console.print(f"wrote {f}")
+
+    return CommandResult(data, render, files=files)

@@ -1,0 +1,164 @@
+"""`testbed simulate` (one plan, one topology) and `testbed compare` (one plan, several topologies)."""
+
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+from typing import Any
+
+from testbed.cli.basic import plan_topology
+from testbed.errors import InputError
+from testbed.output import CommandResult
+from testbed.plan.spec import Plan
+from testbed.plan.io import load_plan
+from testbed.sim.engine import Simulation, simulate as run_simulation
+from testbed.topology.spec import Topology
+from testbed.topology.io import load_topology
+from testbed.units import format_bytes, format_time
+
+__all__ = ["simulate", "compare", "simulate_file_plan"]
+
+MEMORY_KEYS = ("params_count", "params", "grads", "optimizer", "activations", "workspace", "total", "capacity", "fits")
+
+
+def simulate_file_plan(plan: Plan, topology: Topology, plan_file: str) -> Simulation:
+    """Simulate, attributing bad-input errors (mesh vs device count) to the plan file."""
+    try:
+        return run_simulation(plan, topology)
+    except InputError as exc:
+        raise exc.with_file(plan_file) from None
+
+
+def _summary(sim: Simulation) -> dict[str, Any]:
+    r = sim.report
+    memory = {k: r.memory[k] for k in MEMORY_KEYS if k in r.memory}
+    memory.update({k: v for k, v in r.memory.items() if k not in memory})
+    return {"step_time_s": r.step_time_s, "compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
+            "bubble_fraction": r.bubble_fraction, "mfu": r.mfu, "memory": memory, "plan": r.plan,
+            "topology": r.topology, "devices": r.devices, "tasks": r.tasks}
+
+
+# -- testbed simulate ----------------------------------------------------------------
+
+def _simulate_add(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, help="plan YAML file or bundled plan name (e.g. demo)")
+    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON (open in ui.perfetto.dev)")
+    parser.add_argument("--gantt", help="write a Gantt chart PNG of the representative streams")
+
+
+def _simulate_execute(args: argparse.Namespace) -> CommandResult:
+    from testbed.sim.timeline import write_gantt, write_trace
+
+    plan = load_plan(args.plan)
+    topology = plan_topology(plan, args.topology)
+    sim = simulate_file_plan(plan, topology, args.plan)
+    data = _summary(sim)
+    files = []
+    if args.trace:
+        files.append(str(write_trace(sim.timeline, args.trace)))
+        data["trace"] = args.trace
+    if args.gantt:
+        files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{plan.name} on {topology.name}")))
+        data["gantt"] = args.gantt
+
+    def render(console) -> None:
+        m = data["memory"]
+        console.print(f"[bold]{plan.name}[/bold] on [bold]{topology.name}[/bold] ({topology.num_devices} devices, "
+                      f"{sim.report.tasks} tasks)")
+        console.print(f"step time      {format_time(data['step_time_s'])}")
+        console.print(f"compute        {format_time(data['compute_s'])}")
+        console.print(f"exposed comm   {format_time(data['exposed_comm_s'])}")
+        console.print(f"bubble         {data['bubble_fraction']:.1%}")
+        console.print(f"MFU            {data['mfu']:.1%}")
+        fits = "[green]fits[/green]" if m.get("fits") else "[red]does not fit[/red]"
+        console.print(f"memory         {format_bytes(m.get('total', 0))} of {format_bytes(m.get('capacity', 0))} "
+                      f"per device: {fits}")
+        for f in files:
+            console.print(f"wrote {f}")
+
+    return CommandResult(data, render, files=files)
+
+
+simulate = SimpleNamespace(add_arguments=_simulate_add, execute=_simulate_execute)
+
+
+# -- testbed compare -------------------------------------------------------------------
+
+def _compare_add(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, help="plan YAML file or bundled plan name")
+    parser.add_argument("--topology", nargs="+", required=True, metavar="T",
+                        help="two or more topologies (bundled names or YAML paths)")
+    parser.add_argument("--png", help="write a stacked bar chart of the step-time breakdown")
+    parser.add_argument("--scale", choices=("data",),
+                        help="scale the plan's data degree (and global batch) to each topology's device count")
+
+
+def compare_rows(plan: Plan, topologies: list[Topology], plan_file: str, scale: str | None = None) -> list[dict]:
+    """One summary row per topology (the plan scaled along ``scale`` first, if given)."""
+    from testbed.plan.scale import scale_data
+
+    rows = []
+    for topology in topologies:
+        p = scale_data(plan, topology.num_devices, f"topology `{topology.name}`") if scale == "data" else plan
+        s = _summary(simulate_file_plan(p, topology, plan_file))
+        rows.append({"topology": topology.name, "devices": topology.num_devices, "data": p.mesh.data,
+                     "global_batch": p.batch.global_batch, "step_time_s": s["step_time_s"], "compute_s": s["compute_s"],
+                     "exposed_comm_s": s["exposed_comm_s"], "bubble_fraction": s["bubble_fraction"], "mfu": s["mfu"],
+                     "fits": bool(s["memory"].get("fits")), "memory_total": s["memory"].get("total")})
+    return rows
+
+
+def draw_breakdown(rows: list[dict], path: str, title: str = ""):
+    """Stacked bars per topology: compute, exposed communication, idle (bubble and waits)."""
+    from testbed.viz.plots import pyplot, save_figure
+
+    plt = pyplot()
+    names = [r["topology"] for r in rows]
+    compute = [r["compute_s"] * 1e3 for r in rows]
+    comm = [r["exposed_comm_s"] * 1e3 for r in rows]
+    idle = [max(0.0, r["step_time_s"] * 1e3 - c - e) for r, c, e in zip(rows, compute, comm)]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(rows) + 2.0), 4.0))
+    ax.bar(names, compute, label="compute", color="#4e79a7")
+    ax.bar(names, comm, bottom=compute, label="exposed comm", color="#f28e2b")
+    ax.bar(names, idle, bottom=[c + e for c, e in zip(compute, comm)], label="idle (bubble, waits)", color="#bab0ac")
+    for i, r in enumerate(rows):
+        ax.text(i, r["step_time_s"] * 1e3, f"MFU {r['mfu']:.0%}" + ("" if r["fits"] else " OOM"),
+                ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, max((r["step_time_s"] * 1e3 for r in rows), default=1.0) * 1.12)
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    return save_figure(fig, path)
+
+
+def _compare_execute(args: argparse.Namespace) -> CommandResult:
+    plan = load_plan(args.plan)
+    topologies = [load_topology(name) for name in args.topology]
+    rows = compare_rows(plan, topologies, args.plan, args.scale)
+    data: dict[str, Any] = {"plan": plan.name, "scale": args.scale, "rows": rows}
+    files = []
+    if args.png:
+        files.append(str(draw_breakdown(rows, args.png, title=f"{plan.name}: one training step")))
+        data["png"] = args.png
+
+    def render(console) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"{plan.name}" + (" (data degree scaled)" if args.scale else ""))
+        table.add_column("topology", no_wrap=True)
+        for c in ("devices", "data", "step", "compute", "exp. comm", "bubble", "MFU", "memory"):
+            table.add_column(c, no_wrap=True)
+        for r in rows:
+            table.add_row(r["topology"], str(r["devices"]), str(r["data"]), format_time(r["step_time_s"]),
+                          format_time(r["compute_s"]), format_time(r["exposed_comm_s"]), f"{r['bubble_fraction']:.1%}",
+                          f"{r['mfu']:.1%}", "fits" if r["fits"] else "[red]OOM[/red]")
+        console.print(table)
+        for f in files:
+            console.print(f"wrote {f}")
+
+    return CommandResult(data, render, files=files)
+
+
+compare = SimpleNamespace(add_arguments=_compare_add, execute=_compare_execute)

@@ -1,0 +1,346 @@
+"""Timing collectives on a topology: routed step programs, closed forms, ``auto``.
+
+Model. Each round of a step program runs its transfers at once. A transfer is
+routed with ``topology.route`` (dimension-ordered on tori, through the lowest
+common switch on hierarchies); transfers of one round share every directed
+link's bandwidth, so a transfer from a to b takes ``latency(route) + max over
+its links of (bytes crossing that link this round / link bandwidth)``. A round
+lasts as long as its slowest transfer plus
+``topology.calibration.collective_overhead_s``; rounds with only local copies
+are free. Several groups (``--over node`` with many nodes) run their rounds
+together and so contend for shared links.
+
+Speed. A program's timing is affine per transfer in the chunk size, so it is
+reduced once per (topology, op, algorithm, groups) to a *profile* (per round,
+the upper envelope of ``(latency, seconds per chunk byte)``) and evaluated
+for any bytes in microseconds. On symmetric groups (every rank behind its own
+links on one switch, or a full wraparound ring) a closed-form alpha-beta
+formula (:mod:`testbed.collectives.closed_form`) gives the same time without
+building the program. Results are memoized per topology object; memoizing
+never changes a result.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from testbed.collectives.algorithms import ALGORITHMS, SUPPORTED_OPS, parse_algorithm, step_program
+from testbed.collectives.bounds import lower_bound
+from testbed.collectives.closed_form import closed_form_time
+from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
+from testbed.errors import InputError
+from testbed.topology.spec import Form, Topology
+
+__all__ = ["CollectiveTiming", "collective_time", "groups_time", "link_loads", "send_time",
+           "applicable_algorithms", "program_time", "group_grid"]
+
+Link = tuple[object, object]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveTiming:
+    """One collective's predicted time; ``algbw = bytes/time``, ``busbw = algbw * nccl-tests factor``.
+
+    ``groups``: how many groups ran at once (the slowest is reported);
+    ``closed_form``: whether the alpha-beta fast path produced the time.
+    For one rank (nothing to move) time, algbw and busbw are 0.
+    """
+
+    op: str
+    algorithm: str
+    ranks: int
+    bytes: float
+    time_s: float
+    algbw: float
+    busbw: float
+    bound_s: float
+    rounds: int
+    groups: int = 1
+    closed_form: bool = False
+
+
+# -- memo --------------------------------------------------------------------------------
+
+_MEMO: dict[int, tuple[Topology, dict]] = {}
+_MEMO_TOPOLOGIES = 64
+_MEMO_ENTRIES = 200_000
+
+
+def _memo(topology: Topology) -> dict:
+    """The memo dict of this topology object (kept with a reference, so ids are never reused)."""
+    entry = _MEMO.get(id(topology))
+    if entry is None or entry[0] is not topology:
+        if len(_MEMO) >= _MEMO_TOPOLOGIES:
+            _MEMO.pop(next(iter(_MEMO)))
+        entry = (topology, {})
+        _MEMO[id(topology)] = entry
+    return entry[1]
+
+
+# -- groups and algorithms -------------------------------------------------------------------
+
+def group_grid(topology: Topology, group: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(dims, ranks in grid order) when ``group`` is a full product over topology levels, else None.
+
+    dims are the sizes of the levels (torus dims) the group varies along, innermost first.
+    """
+    members = sorted(set(group))
+    if len(members) != len(group) or not topology.levels:
+        return None
+    coords = [topology.coords(d) for d in members]
+    dims = []
+    for i in range(len(topology.levels)):
+        values = {c[i] for c in coords}
+        if len(values) > 1:
+            dims.append(len(values))
+    if math.prod(dims) != len(members) or len({c for c in coords}) != len(members):
+        return None
+    return tuple(dims) or (1,), tuple(members)
+
+
+def applicable_algorithms(topology: Topology, op: Op | str, group: Sequence[int]) -> list[str]:
+    """Algorithms that implement ``op`` and fit ``group`` on ``topology``.
+
+    ``torus`` needs a sub-grid of a torus, ``hierarchical`` a grid over two or
+    more levels of a hierarchy; ``direct`` and ``one_shot`` go through a switch,
+    so on tori they serve only all-to-all and send.
+    """
+    op = parse_op(op)
+    group = tuple(group)
+    memo = _memo(topology)
+    key = ("applicable", op, group)
+    if key in memo:
+        return list(memo[key])
+    out = []
+    for name in ALGORITHMS:
+        if op not in SUPPORTED_OPS[name]:
+            continue
+        if name in ("direct", "one_shot") and topology.form is Form.TORUS and op not in (Op.ALL_TO_ALL, Op.SEND):
+            continue  # through a switch only: on a torus every pair would cross many shared links
+        if name in ("torus", "hierarchical"):
+            grid = group_grid(topology, group)
+            is_torus = topology.form is Form.TORUS
+            if grid is None or (name == "torus") != is_torus or (name == "hierarchical" and len(grid[0]) < 2):
+                continue
+        out.append(name)
+    memo[key] = tuple(out)
+    return out
+
+
+def _check_applicable(topology: Topology, op: Op, group: Sequence[int], algorithm: str) -> None:
+    able = applicable_algorithms(topology, op, group)
+    if algorithm not in able:
+        reason = ("does not implement " + str(op)) if op not in SUPPORTED_OPS[algorithm] else \
+            f"does not apply to this group of {len(group)} on {topology.name} ({topology.form} form)"
+        raise InputError(f"algorithm `{algorithm}` {reason}; algorithms that apply: {', '.join(able)}",
+                         field="algorithm")
+
+
+def _program(topology: Topology, op: Op, algorithm: str, group: Sequence[int], root: int, peer: int
+             ) -> tuple[StepProgram, tuple[int, ...]]:
+    """The program and the device of each of its ranks."""
+    if algorithm in ("torus", "hierarchical"):
+        dims, ordered = group_grid(topology, group)
+        return step_program(op, algorithm, len(group), dims=dims), ordered
+    return step_program(op, algorithm, len(group), root=root, peer=peer), tuple(group)
+
+
+# -- profiles --------------------------------------------------------------------------------
+
+class _Links:
+    """Directed links numbered once per topology, and routes as arrays of link numbers (memoized)."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self.index: dict[Link, int] = {}
+        self.bandwidth: list[float] = []
+        self.routes: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
+        for u, v, data in topology.graph.edges(data=True):
+            for link in ((u, v), (v, u)):
+                self.index[link] = len(self.bandwidth)
+                self.bandwidth.append(float(data["bandwidth"]))
+        self.links = list(self.index)
+        self.bandwidth_array = np.asarray(self.bandwidth)
+
+    def route(self, a: int, b: int) -> tuple[np.ndarray, float]:
+        """(link numbers, latency seconds) of the route a -> b."""
+        hit = self.routes.get((a, b))
+        if hit is None:
+            hops = self.topology.route(a, b)
+            edges = self.topology.graph.edges
+            hit = (np.fromiter((self.index[h] for h in hops), np.int64, len(hops)),
+                   sum(edges[u, v]["latency"] for u, v in hops))
+            self.routes[a, b] = hit
+        return hit
+
+
+def _links(topology: Topology) -> _Links:
+    memo = _memo(topology)
+    if "links" not in memo:
+        memo["links"] = _Links(topology)
+    return memo["links"]
+
+
+def _round_profile(links: _Links, flows: dict[tuple[int, int], int]) -> tuple[tuple[tuple[float, float], ...], np.ndarray]:
+    """(upper envelope of (latency, seconds per chunk byte) over the flows, chunks per link) of one round."""
+    pairs = list(flows)
+    routed = [links.route(a, b) for a, b in pairs]
+    lengths = np.fromiter((len(r) for r, _ in routed), np.int64, len(routed))
+    ids = np.concatenate([r for r, _ in routed])
+    load = np.bincount(ids, weights=np.repeat(np.fromiter(flows.values(), float, len(pairs)), lengths),
+                       minlength=len(links.bandwidth))
+    per_link = load[ids] / links.bandwidth_array[ids]
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    coefs = np.maximum.reduceat(per_link, offsets)
+    latencies = np.fromiter((lat for _, lat in routed), float, len(routed))
+    candidates = sorted(set(zip(latencies.tolist(), coefs.tolist())), reverse=True)
+    envelope, best = [], -1.0
+    for latency, coef in candidates:
+        if coef > best:
+            envelope.append((latency, coef))
+            best = coef
+    return tuple(envelope), load
+
+
+def _profile(topology: Topology, placed: Sequence[tuple[StepProgram, tuple[int, ...]]]):
+    """(Counter of per-round envelopes, link -> chunks over all rounds, rounds) for programs run together.
+
+    Rounds with the same flows (every round of a ring) are routed once.
+    """
+    links = _links(topology)
+    rounds_total = max(len(p.rounds) for p, _ in placed)
+    envelopes: Counter = Counter()
+    totals = np.zeros(len(links.bandwidth))
+    seen: dict[tuple, tuple] = {}
+    for k in range(rounds_total):
+        flows: Counter = Counter()
+        for program, devices in placed:
+            if k < len(program.rounds):
+                for t in program.rounds[k]:
+                    if t.src != t.dst:
+                        flows[devices[t.src], devices[t.dst]] += 1
+        if not flows:
+            continue
+        signature = tuple(sorted(flows.items()))
+        if signature not in seen:
+            seen[signature] = _round_profile(links, flows)
+        envelope, load = seen[signature]
+        envelopes[envelope] += 1
+        totals += load
+    loads = {links.links[i]: float(totals[i]) for i in np.flatnonzero(totals)}
+    return envelopes, loads, sum(envelopes.values())
+
+
+def _cached_profile(topology: Topology, op: Op, algorithm: str, groups: tuple[tuple[int, ...], ...],
+                    root: int, peer: int):
+    memo = _memo(topology)
+    key = ("profile", op, algorithm, groups, root, peer)
+    if key not in memo:
+        placed = [_program(topology, op, algorithm, g, root, peer) for g in groups]
+        memo[key] = (placed[0][0], *_profile(topology, placed))
+    return memo[key]
+
+
+def program_time(topology: Topology, op: Op | str, algorithm: str, groups: Sequence[Sequence[int]],
+                 nbytes: float, root: int = 0, peer: int | None = None) -> tuple[float, int]:
+    """(seconds, rounds) of the routed step program, all ``groups`` running together."""
+    op = parse_op(op)
+    groups = tuple(tuple(g) for g in groups)
+    n = len(groups[0])
+    peer = (root + 1) % n if peer is None else peer
+    program, envelopes, _, rounds = _cached_profile(topology, op, algorithm, groups, root, peer)
+    chunk = program.chunk_bytes(nbytes)
+    overhead = topology.calibration.collective_overhead_s
+    total = sum(count * (overhead + max(lat + coef * chunk for lat, coef in env)) for env, count in envelopes.items())
+    return total, rounds
+
+
+def _bound_per_byte(topology: Topology, op: Op, groups: tuple[tuple[int, ...], ...], root: int,
+                    peer: int | None) -> float:
+    """Lower bound seconds per byte (bounds are linear in bytes), memoized."""
+    memo = _memo(topology)
+    key = ("bound", op, groups, root, peer)
+    if key not in memo:
+        memo[key] = max(lower_bound(topology, op, g, 1.0, root, peer) for g in groups)
+    return memo[key]
+
+
+# -- public API --------------------------------------------------------------------------------
+
+def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]], nbytes: float,
+                algorithm: str = "auto", root: int = 0, peer: int | None = None,
+                use_closed_form: bool = True) -> CollectiveTiming:
+    """Time ``op`` on every group at once (they may share links); reports the slowest.
+
+    ``algorithm='auto'`` picks the fastest applicable algorithm.
+    """
+    groups = tuple(map(tuple, groups))
+    nbytes = float(nbytes)
+    memo = _memo(topology)
+    key = ("time", op, algorithm, groups, nbytes, root, peer, use_closed_form)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
+    if len(memo) > _MEMO_ENTRIES:
+        memo.clear()
+    op = parse_op(op)
+    algorithm = parse_algorithm(algorithm)
+    groups = tuple(tuple(map(operator.index, g)) for g in groups)
+    if not groups or any(len(g) != len(groups[0]) for g in groups) or not groups[0]:
+        raise InputError("needs one or more groups of the same non-zero size", field="over")
+    n = len(groups[0])
+    if algorithm == "auto":
+        candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form)
+                      for a in applicable_algorithms(topology, op, groups[0])]
+        result = min(candidates, key=lambda c: (c.time_s, c.rounds))
+    else:
+        _check_applicable(topology, op, groups[0], algorithm)
+        closed = closed_form_time(topology, op, algorithm, groups[0], nbytes) \
+            if use_closed_form and len(groups) == 1 else None
+        if closed is not None:
+            time_s, rounds = closed
+        else:
+            time_s, rounds = program_time(topology, op, algorithm, groups, nbytes, root, peer)
+        bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
+        algbw = nbytes / time_s if time_s > 0 else 0.0
+        result = CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
+                                  algbw=algbw, busbw=algbw * BUS_FACTOR[op](n), bound_s=bound, rounds=rounds,
+                                  groups=len(groups), closed_form=closed is not None)
+    memo[key] = result
+    return result
+
+
+def collective_time(topology: Topology, op: Op | str, group: Sequence[int], nbytes: float,
+                    algorithm: str = "auto", root: int = 0, peer: int | None = None) -> CollectiveTiming:
+    """Predicted time of ``op`` over ``group`` (device ids; rank i is group[i]) moving ``nbytes``."""
+    return groups_time(topology, op, [group], nbytes, algorithm, root, peer)
+
+
+def link_loads(topology: Topology, op: Op | str, group: Sequence[int], nbytes: float,
+               algorithm: str = "auto", root: int = 0, peer: int | None = None) -> dict[Link, float]:
+    """Total bytes crossing each directed link (u, v) during the collective (``auto`` resolved first)."""
+    op = parse_op(op)
+    group = tuple(int(d) for d in group)
+    if algorithm == "auto":
+        algorithm = collective_time(topology, op, group, nbytes, "auto", root, peer).algorithm
+    else:
+        _check_applicable(topology, op, group, parse_algorithm(algorithm))
+    n = len(group)
+    peer = (root + 1) % n if peer is None else peer
+    program, _, totals, _ = _cached_profile(topology, op, algorithm, (group,), root, peer)
+    chunk = program.chunk_bytes(nbytes)
+    return {link: chunks * chunk for link, chunks in totals.items()}
+
+
+def send_time(topology: Topology, src: int, dst: int, nbytes: float) -> float:
+    """Point-to-point: route latency + bytes / bottleneck bandwidth + collective overhead (0 when src == dst)."""
+    if src == dst:
+        return 0.0
+    return (topology.path_latency(src, dst) + float(nbytes) / topology.path_bandwidth(src, dst)
+            + topology.calibration.collective_overhead_s)

@@ -1,0 +1,347 @@
+"""Analytic GPT model: parameter counts, FLOPs, bytes and the split over stages.
+
+The model (the JAX twin is ``runners/model.py``; both must agree exactly):
+
+- embedding: token table ``vocab x d_model`` plus a *learned* position table
+  ``seq_len x d_model`` (both on stage 0, chunk 0);
+- ``layers`` pre-LayerNorm blocks, each: LN1 (scale, bias), fused QKV
+  projection ``d x 3d`` with bias, attention out projection ``d x d`` with
+  bias, LN2 (scale, bias), MLP ``d x d_ff`` with bias, GELU, ``d_ff x d`` with
+  bias;
+- head: final LN (scale, bias) plus an output projection ``d x vocab`` without
+  bias, omitted when ``tied_embeddings`` (the token table is reused). Both sit
+  on the last stage's last chunk. With tied embeddings and more than one stage,
+  the last stage holds a copy of the token table (Megatron style; its gradient
+  is all-reduced with stage 0), so held parameters exceed :func:`param_count`.
+
+Tensor parallelism is Megatron's: QKV and MLP-in column-split, out projection
+and MLP-out row-split, token table and head vocab-split; LayerNorms, the
+position table and the row-split biases are replicated on every tensor rank.
+
+FLOPs count matmuls only (``2*m*n*k``); attention is dense over the full
+``seq x seq`` score matrix (causality by masking), as the JAX model computes
+it. Softmax, LayerNorm, GELU and the loss are memory bound and appear in the
+byte estimates instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from testbed.errors import InputError
+from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
+
+__all__ = [
+    "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "chunk_layers",
+    "stage_param_count", "device_stage_params", "layer_forward_flops", "head_forward_flops", "recompute_flops_per_layer",
+    "activation_bytes_per_layer", "layer_traffic_bytes", "head_activation_bytes", "ChunkCost", "chunk_cost",
+    "model_flops_per_step", "step_flops_per_device",
+]
+
+#: Bytes per value of the logits the loss keeps (fp32 for stability in every precision).
+LOSS_BYTES = 4
+
+
+# -- parameters ---------------------------------------------------------------------
+
+def embedding_param_count(spec: ModelSpec) -> int:
+    """Token table plus learned position table."""
+    return spec.vocab * spec.d_model + spec.seq_len * spec.d_model
+
+
+def layer_param_count(spec: ModelSpec) -> int:
+    """One block: two LayerNorms, QKV and out projections, two MLP matrices, all with biases."""
+    d, f = spec.d_model, spec.d_ff
+    return 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+
+
+def head_param_count(spec: ModelSpec) -> int:
+    """Final LayerNorm plus the output projection (0 extra when tied to the token table)."""
+    d = spec.d_model
+    return 2 * d + (0 if spec.tied_embeddings else d * spec.vocab)
+
+
+def param_count(spec: ModelSpec) -> int:
+    """Distinct trainable parameters of the whole model."""
+    return embedding_param_count(spec) + spec.layers * layer_param_count(spec) + head_param_count(spec)
+
+
+def _layer_params_per_tensor_rank(spec: ModelSpec, tensor: int) -> int:
+    d, f = spec.d_model, spec.d_ff
+    split = (3 * d * d + 3 * d) + d * d + (d * f + f) + f * d
+    replicated = 4 * d + d + d
+    return split // tensor + replicated
+
+
+def _check_split(spec: ModelSpec, stages: int, virtual: int) -> None:
+    for name, value in (("stages", stages), ("virtual", virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"must be a positive whole number, got {value!r}", field=name)
+    if spec.layers % (stages * virtual):
+        raise InputError(f"layers {spec.layers} must be divisible by stages x virtual = {stages * virtual}",
+                         field="model.layers")
+
+
+def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1) -> list[list[range]]:
+    """``[stage][chunk] -> range`` of layer indices (Megatron interleaving).
+
+    Model chunk ``c * stages + s`` lives on stage ``s`` as its virtual chunk
+    ``c``; each chunk holds ``layers / (stages * virtual)`` consecutive layers.
+    """
+    _check_split(spec, stages, virtual)
+    per = spec.layers // (stages * virtual)
+    return [[range((c * stages + s) * per, (c * stages + s + 1) * per) for c in range(virtual)]
+            for s in range(stages)]
+
+
+def _holds(stage: int, chunk: int, stages: int, virtual: int) -> tuple[bool, bool]:
+    """(holds the embedding, holds the head) for this stage and chunk."""
+    return stage == 0 and chunk == 0, stage == stages - 1 and chunk == virtual - 1
+
+
+def _chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int, tensor: int) -> int:
+    layers = len(chunk_layers(spec, stages, virtual)[stage][chunk])
+    embed, head = _holds(stage, chunk, stages, virtual)
+    d = spec.d_model
+    n = layers * _layer_params_per_tensor_rank(spec, tensor)
+    if embed:
+        n += spec.vocab * d // tensor + spec.seq_len * d
+    if head:
+        n += 2 * d
+        if not spec.tied_embeddings or not embed:
+            # Untied: the output projection. Tied on another chunk: a copy of the token table.
+            n += spec.vocab * d // tensor
+    return n
+
+
+def stage_param_count(spec: ModelSpec, stage: int, stages: int, virtual: int = 1) -> int:
+    """Parameters held by pipeline stage ``stage`` (all its chunks, no tensor split).
+
+    Includes the tied token-table copy on the last stage when ``stages > 1``
+    (so the stages sum to :func:`param_count` plus ``vocab * d_model`` then;
+    likewise with ``virtual > 1`` on one stage).
+    """
+    if not 0 <= stage < stages:
+        raise InputError(f"must be in 0..{stages - 1}, got {stage}", field="stage")
+    return sum(_chunk_params(spec, stage, c, stages, virtual, 1) for c in range(virtual))
+
+
+def device_stage_params(plan: Plan, stage: int) -> int:
+    """Parameters one device of ``stage`` holds after the tensor split, before fsdp/ZeRO sharding."""
+    v = plan.schedule.virtual_stages
+    return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor) for c in range(v))
+
+
+# -- FLOPs ----------------------------------------------------------------------------
+
+def _layer_matmul_flops(spec: ModelSpec, batch: int) -> tuple[int, int]:
+    """(projection + MLP FLOPs, attention score + value FLOPs) of one layer, whole (no tensor split)."""
+    n, d, f, s = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len
+    dense = 2 * n * (3 * d * d + d * d + 2 * d * f)
+    attention = 2 * 2 * batch * s * s * d
+    return dense, attention
+
+
+def layer_forward_flops(spec: ModelSpec, batch: int, tensor: int = 1) -> int:
+    """Forward matmul FLOPs of one layer for ``batch`` sequences on one tensor rank."""
+    dense, attention = _layer_matmul_flops(spec, batch)
+    return (dense + attention) // tensor
+
+
+def head_forward_flops(spec: ModelSpec, batch: int, tensor: int = 1) -> int:
+    """Forward FLOPs of the output projection (the embedding lookup is a gather: 0)."""
+    return 2 * batch * spec.seq_len * spec.d_model * spec.vocab // tensor
+
+
+def recompute_flops_per_layer(spec: ModelSpec, batch: int, remat: Remat | str, tensor: int = 1) -> int:
+    """Extra forward FLOPs one layer redoes in its backward pass.
+
+    selective: the attention scores ``Q K^T`` (the softmax output is dropped;
+    ``P V`` need not be redone: its output is kept as the out projection's input).
+    full: the whole block forward except the MLP down projection, whose output
+    only feeds the residual add, which needs nothing saved for its backward.
+    """
+    remat = Remat(remat)
+    if remat is Remat.NONE:
+        return 0
+    n, d, f, s = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len
+    if remat is Remat.SELECTIVE:
+        return 2 * batch * s * s * d // tensor
+    return (layer_forward_flops(spec, batch, 1) - 2 * n * f * d) // tensor
+
+
+# -- activation bytes ---------------------------------------------------------------------
+
+def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
+                               remat: Remat | str, tensor: int = 1) -> int:
+    """Bytes one layer keeps from its forward until its backward, for one microbatch.
+
+    With ``N = microbatch * seq`` tokens and ``c`` compute bytes, no remat keeps
+    the LN1 input and output, Q, K, V, the softmax output ``(heads, seq, seq)``,
+    the attention output, the LN2 input and output, the MLP hidden before and
+    after GELU and the two LayerNorms' per-token mean and reciprocal std:
+    ``c * (N * (4d + (4d + 2f) / t + 4) + 2 N d / t + b * heads * seq^2 / t)``,
+    where ``2 N d / t`` are the head-major copies of Q and K the score matmul
+    reads (layout copies XLA makes and the backward reuses; measured by
+    ``benchmarks/memory_vs_xla.py``). Selective drops the softmax output and
+    those copies (both inside the recomputed core attention): linear in ``seq``.
+    Full keeps only the block input ``c * N * d``.
+    """
+    remat = Remat(remat)
+    if remat is Remat.FULL:
+        return Precision(precision).compute_bytes * microbatch_size * spec.seq_len * spec.d_model
+    replicated, split = layer_traffic_bytes(spec, microbatch_size, precision, tensor)
+    if remat is Remat.NONE:
+        return replicated + split
+    # Selective keeps the replicated part and, of the split one, Q, K, V, the attention output and the MLP hidden.
+    c, n = Precision(precision).compute_bytes, microbatch_size * spec.seq_len
+    return replicated + c * ((4 * n * spec.d_model + 2 * n * spec.d_ff) // tensor)
+
+
+def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
+                        tensor: int = 1) -> tuple[int, int]:
+    """(replicated, split) bytes of the activations one layer's forward writes, for one microbatch.
+
+    These are the no-remat kept activations of :func:`activation_bytes_per_layer`
+    (their sum), divided by where they live under tensor parallelism:
+    *replicated* ones every tensor rank writes whole (the LayerNorms' inputs,
+    outputs and statistics over the residual stream: ``c * (4 N d + 4 N)``),
+    *split* ones each rank writes ``1/t`` of (Q, K, V, their head-major
+    copies, the softmax output, the attention output, the MLP hidden). The
+    simulator prices the elementwise passes over them (calibration
+    ``replicated_passes`` and ``split_passes``): on a tensor-parallel device
+    the replicated part does not shrink with ``t``.
+    """
+    c = Precision(precision).compute_bytes
+    b, s, d, f, t = microbatch_size, spec.seq_len, spec.d_model, spec.d_ff, tensor
+    n = b * s
+    # Two LayerNorms keep their input and output and a mean and a reciprocal std per token.
+    replicated = c * (4 * n * d + 4 * n)
+    # Without remat the score matmul's operands stay live too: XLA copies Q and K to head-major
+    # layout for the batched matmul and the backward reuses those copies.
+    split = c * ((4 * n * d + 2 * n * f) // t + 2 * n * d // t + b * spec.heads * s * s // t)
+    return replicated, split
+
+
+def head_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str, tensor: int = 1) -> int:
+    """Bytes the final LN and loss keep per microbatch.
+
+    LN input, output and per-token statistics (compute dtype), the fp32 logits
+    and their per-token log-sum-exp.
+    """
+    n, c = microbatch_size * spec.seq_len, Precision(precision).compute_bytes
+    return c * n * (2 * spec.d_model + 2) + LOSS_BYTES * n * (spec.vocab // tensor + 1)
+
+
+# -- one chunk on one device --------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkCost:
+    """Work and traffic of one pipeline chunk for ONE microbatch on ONE device.
+
+    FLOPs are after the tensor split (fsdp and ZeRO do not change them).
+    ``backward_input_flops`` (B) + ``backward_weight_flops`` (W) = 2 x forward;
+    attention score/value products have no weights, so both their gradients
+    are in B. Bytes are an HBM-traffic estimate for a roofline: forward reads
+    the chunk's parameters and writes its kept activations; backward reads
+    parameters and activations and writes gradients (about twice forward).
+
+    ``forward_traffic`` is (replicated, split) bytes of the activations the
+    forward writes (:func:`layer_traffic_bytes` per layer; the embedding's
+    output and the head's LayerNorm are replicated, its fp32 logits split);
+    ``recompute_traffic`` what the backward's remat writes again (full: the
+    layers' forward; selective: the softmax outputs). ``tensor_bytes`` is one
+    ``[tokens, d_model]`` activation of the microbatch: the size an
+    elementwise pass over the residual stream streams, which decides whether
+    it runs from cache (calibration ``cache_bytes``).
+
+    Tensor-parallel all-reduces (each ``tensor_allreduce_bytes``; 0 when
+    tensor is 1): 2 per layer forward (after the out projection and the MLP)
+    and 2 per layer backward (gradients into QKV and MLP-in), plus 1 forward
+    for the vocab-parallel embedding and 1 backward for the head's input
+    gradient. The vocab-parallel loss's three all-reduces of ``N`` fp32 values
+    are tiny and not counted.
+    """
+
+    layers: int
+    forward_flops: int
+    backward_input_flops: int
+    backward_weight_flops: int
+    recompute_flops: int
+    forward_bytes: int
+    backward_bytes: int
+    params: int
+    activation_out_bytes: int
+    forward_traffic: tuple[int, int]
+    recompute_traffic: tuple[int, int]
+    tensor_bytes: int
+    tensor_allreduce_bytes: int
+    tensor_allreduces_forward: int
+    tensor_allreduces_backward: int
+    has_embedding: bool
+    has_head: bool
+
+    @property
+    def backward_flops(self) -> int:
+        return self.backward_input_flops + self.backward_weight_flops
+
+    @property
+    def total_flops(self) -> int:
+        """Forward + backward + recompute."""
+        return self.forward_flops + self.backward_flops + self.recompute_flops
+
+
+def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
+    """Cost of virtual chunk ``chunk`` on pipeline stage ``stage`` for one microbatch on one device."""
+    spec, p, v, t = plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor
+    if not 0 <= stage < p:
+        raise InputError(f"must be in 0..{p - 1}, got {stage}", field="stage")
+    if not 0 <= chunk < v:
+        raise InputError(f"must be in 0..{v - 1}, got {chunk}", field="chunk")
+    b, c = plan.microbatch_size, plan.precision.compute_bytes
+    layers = len(chunk_layers(spec, p, v)[stage][chunk])
+    embed, head = _holds(stage, chunk, p, v)
+    dense, attention = _layer_matmul_flops(spec, b)
+    forward = layers * (dense + attention) // t
+    b_flops = layers * (dense + 2 * attention) // t
+    w_flops = layers * dense // t
+    if head:
+        hf = head_forward_flops(spec, b, t)
+        forward, b_flops, w_flops = forward + hf, b_flops + hf, w_flops + hf
+    params = _chunk_params(spec, stage, chunk, p, v, t)
+    kept = layers * activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t)
+    if head:
+        kept += head_activation_bytes(spec, b, plan.precision, t)
+    n_bytes = b * spec.seq_len * spec.d_model * c
+    forward_bytes = params * c + kept + n_bytes
+    replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t))
+    recompute = {Remat.NONE: (0, 0), Remat.FULL: (replicated, split),
+                 Remat.SELECTIVE: (0, layers * c * (b * spec.heads * spec.seq_len ** 2 // t))}[plan.remat]
+    replicated += n_bytes if embed else 0
+    if head:
+        n = b * spec.seq_len
+        replicated += c * n * (2 * spec.d_model + 2)
+        split += LOSS_BYTES * n * (spec.vocab // t + 1)
+    tp = t > 1
+    return ChunkCost(
+        layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,
+        recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t),
+        forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
+        activation_out_bytes=0 if head else n_bytes, forward_traffic=(replicated, split),
+        recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
+        tensor_allreduces_forward=(2 * layers + int(embed)) if tp else 0,
+        tensor_allreduces_backward=(2 * layers + int(head)) if tp else 0,
+        has_embedding=embed, has_head=head)
+
+
+def model_flops_per_step(plan: Plan) -> float:
+    """Useful training FLOPs of one step over all devices: 3 x forward, no recompute (for MFU)."""
+    spec, batch = plan.model, plan.batch.global_batch
+    forward = spec.layers * layer_forward_flops(spec, batch) + head_forward_flops(spec, batch)
+    return float(3 * forward)
+
+
+def step_flops_per_device(plan: Plan, stage: int = 0) -> int:
+    """FLOPs one device of ``stage`` executes in a step: all its chunks x microbatches, with recompute."""
+    return plan.batch.microbatches * sum(chunk_cost(plan, stage, c).total_flops
+                                         for c in range(plan.schedule.virtual_stages))

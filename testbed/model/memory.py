@@ -1,0 +1,270 @@
+"""Per-device memory of a plan: parameters, gradients, optimizer, activations, workspace.
+
+Model states follow the ZeRO paper (Rajbhandari et al., 2020), per parameter:
+
+- fp32: parameters 4 B, gradients 4 B, Adam moments 2 x 4 B;
+- bf16-mixed: bf16 parameters 2 B, bf16 gradients 2 B, fp32 master weights
+  4 B and fp32 moments 2 x 4 B (counted as optimizer state, so sharded
+  like the moments): 16 B in all. The JAX runner holds exactly these
+  (runners.precision: bf16 parameters and gradient accumulators, the master
+  beside the moments in the optimizer state).
+
+Sharding of model states, on top of the tensor split and the pipeline split
+(each device holds only its stage's layers, see ``testbed.model.costs``): the fsdp
+axis shards parameters, gradients and optimizer state; ZeRO over the data
+axis shards the optimizer state (stage 1), also the gradients (2), also the
+parameters (3).
+
+Activations: the bytes one microbatch-chunk keeps for its backward
+(``testbed.model.costs.activation_bytes_per_layer``, plus the head's) times the
+(microbatch, chunk) pairs a stage holds at peak, which the pipeline schedule
+decides (:func:`inflight_microbatches`).
+
+Workspace: buffers live only inside one phase, never across microbatches —
+the loss backward (softmax of the logits and their gradient, fp32), one
+layer's backward (score-matrix and MLP-hidden gradients, plus what remat
+recomputes), the out-of-place data-parallel gradient reduction, a
+microbatch's whole gradients before they join the accumulator (one-program
+accumulation loops; pipelines only when they reduce-scatter), and with
+sharded parameters (fsdp, ZeRO-3) the gathered weights the backward needs
+(all of the stage's, kept as autodiff residuals, unless full remat
+re-gathers them per layer: then two layers).
+
+The breakdown is taken at each stage's peak instant: without gradient
+accumulation (one microbatch) activations are freed layer by layer while
+gradients appear, so the two never peak together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from testbed.model import costs as model
+from testbed.plan.spec import Plan, Precision, Remat, ScheduleName
+from testbed.plan.sharding import gradient_reduction, state_sharding
+from testbed.topology import Topology
+
+__all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param"]
+
+
+def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter before sharding."""
+    moments = plan.optimizer.moments
+    if plan.precision is Precision.BF16_MIXED:
+        return 2, 2, 4 + 4 * moments
+    return 4, 4, 4 * moments
+
+
+def _interim_inflight(plan: Plan) -> tuple[int, ...]:
+    """Peak (microbatch, chunk) pairs per stage when ``testbed.pipeline.schedules`` is unavailable.
+
+    GPipe: all ``m``; 1F1B and ZB-H1: ``min(m, p - s)``; ZB-H2:
+    ``min(m, 2(p - s) - 1)``; interleaved (Megatron): warm-up
+    ``2(p - s - 1) + (v - 1) p`` plus one, capped at ``m v``.
+    """
+    p, m, v = plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages
+    name = plan.schedule.name
+    if name is ScheduleName.GPIPE:
+        return tuple(m for _ in range(p))
+    if name is ScheduleName.INTERLEAVED:
+        return tuple(min(m * v, 2 * (p - s - 1) + (v - 1) * p + 1) for s in range(p))
+    if name is ScheduleName.ZB_H2:
+        return tuple(min(m, 2 * (p - s) - 1) for s in range(p))
+    return tuple(min(m, p - s) for s in range(p))
+
+
+def inflight_microbatches(plan: Plan) -> tuple[int, ...]:
+    """Per stage, the most (microbatch, chunk) activation sets held at once.
+
+    Taken from the schedule table of ``testbed.pipeline.schedules`` (the one the
+    simulator and runner execute); the documented interim rule otherwise.
+    """
+    try:
+        from testbed.pipeline.schedules import build_schedule, peak_inflight
+    except ImportError:
+        return _interim_inflight(plan)
+    schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
+                              plan.schedule.virtual_stages)
+    return tuple(int(n) for n in peak_inflight(schedule))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageMemory:
+    """Bytes on one device of a pipeline stage."""
+
+    stage: int
+    params_count: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    workspace: int
+    inflight: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.workspace
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryBreakdown:
+    """Per-device memory of a plan on its worst (fullest) device, with per-stage detail."""
+
+    params_count: int
+    device_params_count: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    workspace: int
+    total: int
+    capacity: int
+    fits: bool
+    worst_stage: int
+    per_stage: tuple[StageMemory, ...]
+
+    def __post_init__(self) -> None:
+        if self.total != self.params + self.grads + self.optimizer + self.activations + self.workspace:
+            raise ValueError("total must be the sum of its parts")
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the contract keys first, then per-stage rows."""
+        keys = ("params_count", "device_params_count", "params", "grads", "optimizer", "activations", "workspace",
+                "total", "capacity", "fits", "worst_stage")
+        out = {k: getattr(self, k) for k in keys}
+        out["per_stage"] = [{"stage": s.stage, "params_count": s.params_count, "params": s.params, "grads": s.grads,
+                             "optimizer": s.optimizer, "activations": s.activations, "workspace": s.workspace,
+                             "total": s.total, "inflight": s.inflight} for s in self.per_stage]
+        return out
+
+
+def _shard(count: int, ways: int) -> int:
+    return math.ceil(count / ways)
+
+
+def _layer_param_bytes(plan: Plan) -> int:
+    """One layer's parameters on one tensor rank in compute precision (what a gather materialises)."""
+    return plan.precision.compute_bytes * _layer_params_per_device(plan)
+
+
+def _attention_workspace(plan: Plan) -> int:
+    """Transient score-sized buffers of one layer's attention backward.
+
+    The softmax is not fused into one kernel: its backward materialises the
+    gradient of the probabilities and of the scores (2 buffers); selective
+    remat first recomputes the scores and probabilities (2 more).
+    """
+    spec, c = plan.model, plan.precision.compute_bytes
+    score = c * plan.microbatch_size * spec.heads * spec.seq_len ** 2 // plan.mesh.tensor
+    return score * (4 if plan.remat is Remat.SELECTIVE else 2)
+
+
+def _layer_workspace(plan: Plan) -> int:
+    """One layer's backward: attention transients, MLP-hidden gradients, what full remat recomputes."""
+    spec, t, c = plan.model, plan.mesh.tensor, plan.precision.compute_bytes
+    n = plan.microbatch_size * spec.seq_len
+    hidden = c * n * (2 * spec.d_model + 2 * spec.d_ff // t)
+    recompute = 0
+    if plan.remat is Remat.FULL:
+        recompute = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t)
+    return _attention_workspace(plan) + hidden + recompute
+
+
+def _loss_workspace(plan: Plan) -> int:
+    """The loss backward: ``exp(logits - lse)`` and the logits gradient in fp32 (the logits are kept).
+
+    Under bf16 the projection also writes compute-dtype logits before the fp32 cast.
+    """
+    spec, c = plan.model, plan.precision.compute_bytes
+    logits = plan.microbatch_size * spec.seq_len * spec.vocab // plan.mesh.tensor
+    return logits * (2 * model.LOSS_BYTES + (c if c != model.LOSS_BYTES else 0))
+
+
+def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
+    """Bytes on one device of ``stage`` at its peak instant.
+
+    With one microbatch the step does not accumulate gradients: the backward
+    frees each layer's activations as it writes that layer's gradients, so the
+    peak is the largest of the instants (end of forward, loss backward, each
+    layer's backward, after the backward). With several microbatches the
+    gradient buffer lives through the whole step, next to the in-flight
+    activations.
+    """
+    spec, mesh = plan.model, plan.mesh
+    p, v = mesh.stage, plan.schedule.virtual_stages
+    param_b, grad_b, opt_b = state_bytes_per_param(plan)
+    sharding = state_sharding(plan)
+    param_ways, grad_ways, opt_ways = (sharding.ways(plan, w) for w in ("params", "grads", "optimizer"))
+    held = model.device_stage_params(plan, stage)
+    holds_head = stage == p - 1
+    layers = spec.layers // (p * v) * v
+    per_layer = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor)
+    head_acts = 0
+    if holds_head:
+        # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
+        head_acts = math.ceil(inflight / v) * model.head_activation_bytes(
+            spec, plan.microbatch_size, plan.precision, mesh.tensor)
+    layer_acts = inflight * (layers // v) * per_layer
+    grads = grad_b * _shard(held, grad_ways)
+    # Sharded parameters are all-gathered for the forward, and the gathered weights are what the
+    # backward multiplies by: autodiff saves them as residuals, so they stay live from forward to
+    # backward (measured under GSPMD). Full remat recomputes the block, gather included: then only
+    # the layer in use and the next one are gathered.
+    gathered = 0
+    if param_ways > 1:
+        gathered = plan.precision.compute_bytes * (2 * _layer_params_per_device(plan) if plan.remat is Remat.FULL
+                                                   else held)
+    # Data-parallel gradient reduction is out of place: an all-reduce writes a second gradient
+    # buffer; a reduce-scatter (ZeRO >= 1) writes only the shard.
+    reduce_ws = 0
+    if mesh.data > 1 and mesh.fsdp == 1:
+        reduce_ws = grad_b * _shard(held, mesh.data if plan.zero >= 1 else 1)
+    loss_ws = _loss_workspace(plan) if holds_head else 0
+    layer_ws = _layer_workspace(plan)
+    # (activations, gradients, workspace) at each candidate peak instant.
+    if plan.batch.microbatches > 1:
+        # A microbatch's gradients are written whole before they join the accumulator. The
+        # one-program step's accumulation loop adds them after the microbatch's backward, and
+        # reduces over data after the loop (when activations are gone). The pipeline engine's
+        # backward adds replicated gradients into its donated accumulator in place, but
+        # reduce-scatters sharded ones (fsdp, ZeRO-2/3) after the backward; XLA combines the
+        # layers' reduce-scatters, so all are live at once. (Measured with XLA:CPU.)
+        if p == 1:
+            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws) + gathered + grad_b * held),
+                        (0, grads, reduce_ws)]
+        else:
+            # The axes reduced after every microbatch (testbed.plan.sharding's one rule, as program and runner).
+            whole = grad_b * held if gradient_reduction(plan)[0] else 0
+            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered + whole)]
+    else:
+        layer_grads = grad_b * _shard(_layer_params_per_device(plan), grad_ways)
+        head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
+        instants = [(layer_acts + head_acts, head_grads, loss_ws + gathered)]
+        for done in range(layers):
+            instants.append(((layers - done) * per_layer, head_grads + (done + 1) * layer_grads,
+                             layer_ws + gathered))
+        instants.append((0, grads, reduce_ws))
+    acts, live_grads, workspace = max(instants, key=sum)
+    return StageMemory(stage=stage, params_count=_shard(held, param_ways), params=param_b * _shard(held, param_ways),
+                       grads=live_grads, optimizer=opt_b * _shard(held, opt_ways), activations=acts,
+                       workspace=workspace, inflight=inflight)
+
+
+def _layer_params_per_device(plan: Plan) -> int:
+    spec, t = plan.model, plan.mesh.tensor
+    d, f = spec.d_model, spec.d_ff
+    return (4 * d * d + 2 * d * f + 3 * d + f) // t + 6 * d
+
+
+def memory_breakdown(plan: Plan, topology: Topology) -> MemoryBreakdown:
+    """Per-device bytes of ``plan`` (worst stage, at its peak instant), capacity from ``topology.device``."""
+    inflight = inflight_microbatches(plan)
+    stages = [_stage_memory(plan, s, inflight[s]) for s in range(plan.mesh.stage)]
+    worst = max(stages, key=lambda m: m.total)
+    capacity = int(topology.device.memory_bytes)
+    return MemoryBreakdown(
+        params_count=model.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
+        grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
+        total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
+        per_stage=tuple(stages))

@@ -1,0 +1,142 @@
+"""Plan YAML: read with field-naming errors, write back, and the bundled examples."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from testbed.errors import InputError, closest
+from testbed.fields import check_keys, expect_mapping, get_bool, get_float, get_int, get_str, load_yaml
+from testbed.plan.spec import (
+    Axis, BatchSpec, MeshSpec, ModelSpec, OptimizerSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec,
+    plan_fields,
+)
+
+__all__ = ["load_plan", "plan_from_dict", "plan_to_dict", "dump_plan", "bundled_plan_names", "resolve_plan_path"]
+
+
+def bundled_plan_names() -> list[str]:
+    root = resources.files("testbed.plans")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_plan_path(name_or_path: str) -> tuple[str, str]:
+    """(display name, YAML text) of a plan file path or a bundled plan name (``demo``)."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return str(path), path.read_text()
+    if path.exists():
+        raise InputError("is not a file; give a plan YAML file", file=str(path))
+    names = bundled_plan_names()
+    stem = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    # A bare name (`demo`) or the repo-relative path of a bundled plan works from any directory.
+    if stem in names and str(path) in (stem, f"plans/{stem}.yaml", f"plans/{stem}.yml"):
+        return f"plans/{stem}.yaml", resources.files("testbed.plans").joinpath(f"{stem}.yaml").read_text()
+    hint = closest(stem, names)
+    suggestion = f" (did you mean the bundled plan `{hint}`?)" if hint else ""
+    raise InputError(f"plan file not found{suggestion}; give a YAML path or a bundled plan name ({', '.join(names)})", file=str(path))
+
+
+def load_plan(name_or_path: str) -> Plan:
+    """Load and validate a plan YAML file (or a bundled plan by name)."""
+    display, text = resolve_plan_path(name_or_path)
+    data = load_yaml(display, text)
+    try:
+        return plan_from_dict(data, default_name=Path(display).stem)
+    except InputError as exc:
+        raise exc.with_file(display) from None
+
+
+def _enum(data: dict, key: str, enum: type, default: Any) -> Any:
+    return enum(get_str(data, key, None, default=str(default), choices=[e.value for e in enum]))
+
+
+def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
+    """Build a Plan from parsed YAML; every error names its field."""
+    keys = plan_fields()
+    data = expect_mapping(data, None)
+    check_keys(data, keys[""], None, required=("model", "batch"))
+    model = expect_mapping(data["model"], "model")
+    check_keys(model, keys["model"], "model", required=("layers", "d_model", "heads", "d_ff", "seq_len", "vocab"))
+    model_spec = ModelSpec(
+        kind=get_str(model, "kind", "model", default="gpt", choices=["gpt"]),
+        **{k: get_int(model, k, "model") for k in ("layers", "d_model", "heads", "d_ff", "seq_len", "vocab")},
+        tied_embeddings=get_bool(model, "tied_embeddings", "model"),
+    )
+    batch = expect_mapping(data["batch"], "batch")
+    check_keys(batch, keys["batch"], "batch", required=("global_batch",))
+    batch_spec = BatchSpec(global_batch=get_int(batch, "global_batch", "batch"),
+                           microbatches=get_int(batch, "microbatches", "batch", default=1))
+    mesh = expect_mapping(data.get("mesh", {}) or {}, "mesh")
+    check_keys(mesh, keys["mesh"], "mesh")
+    order = mesh.get("order")
+    if order is not None:
+        valid = [a.value for a in Axis]
+        if not isinstance(order, list) or any(str(a) not in valid for a in order):
+            bad = next((a for a in (order if isinstance(order, list) else [order]) if str(a) not in valid), order)
+            hint = closest(str(bad), valid)
+            raise InputError(f"expected a list of the axes {', '.join(valid)} (outermost first); `{bad}` is not one"
+                             + (f" (did you mean `{hint}`?)" if hint else ""), field="mesh.order")
+        order = tuple(Axis(a) for a in order)
+    mesh_spec = MeshSpec(**{a.value: get_int(mesh, a.value, "mesh", default=1) for a in Axis},
+                         **({"order": order} if order is not None else {}))
+    raw_schedule = data.get("schedule", "1f1b")
+    names = [s.value for s in ScheduleName]
+    if isinstance(raw_schedule, str):
+        sched = {"name": raw_schedule}
+    else:
+        sched = dict(expect_mapping(raw_schedule, "schedule"))
+        check_keys(sched, keys["schedule"], "schedule", required=("name",))
+    schedule_spec = ScheduleSpec(
+        name=ScheduleName(get_str(sched, "name", "schedule", choices=names)),
+        virtual_stages=get_int(sched, "virtual_stages", "schedule", default=2 if sched["name"] == "interleaved" else 1),
+    )
+    opt = expect_mapping(data.get("optimizer", {}) or {}, "optimizer")
+    check_keys(opt, keys["optimizer"], "optimizer")
+    defaults = OptimizerSpec()
+    optimizer = OptimizerSpec(
+        name=get_str(opt, "name", "optimizer", default="adamw", choices=["adamw", "adam", "sgd"]),
+        **{k: get_float(opt, k, "optimizer", default=getattr(defaults, k), minimum=0.0)
+           for k in ("learning_rate", "b1", "b2", "eps", "weight_decay")},
+    )
+    topology = data.get("topology")
+    if topology is not None and not isinstance(topology, str):
+        raise InputError(f"expected a topology name or path, got {topology!r}", field="topology")
+    return Plan(
+        name=get_str(data, "name", None, default=default_name),
+        model=model_spec, batch=batch_spec, mesh=mesh_spec, schedule=schedule_spec,
+        precision=_enum(data, "precision", Precision, Precision.FP32),
+        remat=_enum(data, "remat", Remat, Remat.NONE),
+        optimizer=optimizer,
+        zero=get_int(data, "zero", None, default=0, minimum=0, maximum=3),
+        seed=get_int(data, "seed", None, default=0, minimum=0),
+        topology=topology,
+    )
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    """The YAML mapping of a plan; :func:`plan_from_dict` reads it back equal."""
+    m, b, mesh, o = plan.model, plan.batch, plan.mesh, plan.optimizer
+    out: dict[str, Any] = {"name": plan.name}
+    if plan.topology:
+        out["topology"] = plan.topology
+    out["model"] = {"kind": m.kind, "layers": m.layers, "d_model": m.d_model, "heads": m.heads, "d_ff": m.d_ff,
+                    "seq_len": m.seq_len, "vocab": m.vocab, "tied_embeddings": m.tied_embeddings}
+    out["batch"] = {"global_batch": b.global_batch, "microbatches": b.microbatches}
+    out["mesh"] = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "stage": mesh.stage,
+                   "order": [a.value for a in mesh.order]}
+    out["schedule"] = {"name": plan.schedule.name.value, "virtual_stages": plan.schedule.virtual_stages}
+    out["precision"] = plan.precision.value
+    out["remat"] = plan.remat.value
+    out["optimizer"] = {"name": o.name, "learning_rate": o.learning_rate, "b1": o.b1, "b2": o.b2, "eps": o.eps,
+                        "weight_decay": o.weight_decay}
+    out["zero"] = plan.zero
+    out["seed"] = plan.seed
+    return out
+
+
+def dump_plan(plan: Plan) -> str:
+    return yaml.safe_dump(plan_to_dict(plan), sort_keys=False)

@@ -1,0 +1,59 @@
+"""Which mesh axes shard the model state: parameters, gradients, optimizer state.
+
+One decision read by the memory model, the simulator's task graph and the
+runner's shardings alike: the ``fsdp`` axis shards all three; ZeRO over the
+``data`` axis adds the optimizer state (stage 1), the gradients (2) and the
+parameters (3). It also decides when gradients are reduced over each
+replica axis with several microbatches (:func:`gradient_reduction`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from testbed.plan.spec import MESH_AXES, Axis, Plan
+
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateSharding:
+    """Axes (in MESH_AXES order) over which each kind of model state is split."""
+
+    params: tuple[Axis, ...]
+    grads: tuple[Axis, ...]
+    optimizer: tuple[Axis, ...]
+
+    def ways(self, plan: Plan, which: str) -> int:
+        """How many pieces ``which`` (params, grads, optimizer) is cut into."""
+        return math.prod(plan.mesh.degree(a) for a in getattr(self, which))
+
+    def split_axes(self, plan: Plan, which: str) -> tuple[str, ...]:
+        """Names of the axes of ``which`` that really split it (degree > 1)."""
+        return tuple(a.value for a in getattr(self, which) if plan.mesh.degree(a) > 1)
+
+
+def state_sharding(plan: Plan) -> StateSharding:
+    """The state sharding a plan's fsdp degree and ZeRO stage imply."""
+
+    def axes(zero_stage: int) -> tuple[Axis, ...]:
+        chosen = {Axis.FSDP} | ({Axis.DATA} if plan.zero >= zero_stage else set())
+        return tuple(a for a in MESH_AXES if a in chosen)
+
+    return StateSharding(params=axes(3), grads=axes(2), optimizer=axes(1))
+
+
+def gradient_reduction(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(axes reduced after every microbatch, axes reduced once per step) of the replica axes that split the batch.
+
+    Gradients sharded over an axis (fsdp; data when zero >= 2) accumulate
+    sharded, so every microbatch's are reduce-scattered over it as they
+    come. Over the replica axes they are replicated on (data when zero < 2)
+    each replica accumulates its own and the replicas are summed once per
+    step. testbed.sim.program builds these reductions; runners.replicas and the
+    runner's shardings execute them.
+    """
+    sharded = state_sharding(plan).split_axes(plan, "grads")
+    replicated = tuple(a.value for a in (Axis.DATA, Axis.FSDP) if plan.mesh.degree(a) > 1 and a.value not in sharded)
+    return sharded, replicated

@@ -1,0 +1,365 @@
+"""Plan + placement -> the task graph of one training step (the shared IR).
+
+Every task runs on one *representative* device: data replicas, fsdp ranks
+and tensor ranks of a pipeline stage execute identical tasks at the same
+time, so the program holds one device per stage (mesh coordinate
+``(stage, 0, 0, 0)``) and :attr:`Program.representative` maps every device to
+its stage's representative. A communication task lists, in ``instances``,
+every group (or sender/receiver pair) that runs it at once, so link sharing
+between the replicas is not lost.
+
+Streams of a representative: ``compute`` (F/B/W actions, optimizer),
+``tensor`` (tensor-parallel all-reduces, blocking: the next action waits),
+``gather`` (fsdp/ZeRO-3 parameter all-gathers, prefetched), ``pipe``
+(activation and gradient sends) and ``grad`` (gradient reduction, updated
+parameter all-gathers). A stream runs its tasks in program order, one at a
+time; a task also waits for its ``deps``.
+
+The controller (``build_program(..., controller=True)``): one host thread
+prepares the step (task ``op="step"``, ``"pipeline step"`` for a pipeline:
+the batch, and its microbatches per stage) and then dispatches every
+program, one after another, on the ``host`` stream of the first
+representative. A plan without pipeline stages is one SPMD program (one
+dispatch before the first action); a pipeline runs one program per action on
+its stage's devices (MPMD), so each action waits for its own dispatch, which
+also issues the action's sends (``count`` programs in all), and each stage's
+optimizer update is one more. The simulator prices the step task at
+``calibration.controller_step_s`` (plus ``controller_pipeline_step_s`` for a
+pipeline) and a dispatch at ``controller_overhead_s`` per program and
+``controller_buffer_s`` per device buffer; on a shared host (``host_cores``,
+``host_throughput``) the controller takes a core's share like a device.
+
+Parameter and gradient sharding (same conventions as testbed.model.memory):
+parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
+all-gathered before each forward and backward action; optimizer state over
+``O`` = fsdp (+ data when zero >= 1). Gradients are reduced in buckets: the
+last backward (or W) of each chunk is split into up to :data:`BUCKETS`
+pieces, and each piece's gradients start reducing at once, overlapping the
+rest of the backward pass. The reduction is an all-reduce over the replicas
+(data x fsdp) when nothing is sharded, a reduce-scatter over them when ``O``
+spans all replicas, and a reduce-scatter over fsdp then an all-reduce over
+data otherwise (HSDP). Gradients sharded over an axis (fsdp; data when
+zero >= 2) accumulate sharded, so each earlier microbatch's last backward
+action also reduce-scatters the chunk's gradients over those axes (as the
+runner and DeepSpeed do); over the axes they are replicated on, gradients
+are reduced once per step. After the optimizer, parameters sharded in ``O``
+but not in ``P`` are all-gathered over the data axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from testbed.model import buffers as dispatch
+
+from testbed.model import costs as model
+from testbed.model.memory import state_bytes_per_param
+from testbed.plan.placement import Placement
+from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
+from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependencies
+from testbed.plan.sharding import gradient_reduction, state_sharding
+
+__all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
+           "OPTIMIZER_FLOPS_PER_PARAM"]
+
+#: Most gradient buckets per chunk (split of the chunk's last backward action).
+BUCKETS = 4
+STREAMS = ("compute", "tensor", "gather", "pipe", "grad", "host")
+#: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
+OPTIMIZER_FLOPS_PER_PARAM = 12
+
+
+class TaskKind(StrEnum):
+    COMPUTE = "compute"
+    COLLECTIVE = "collective"
+    SEND = "send"
+    HOST = "host"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    """One task on one representative device's stream.
+
+    Compute tasks carry ``flops``, ``hbm_bytes`` and ``kernels`` (the FLOPs of
+    one kernel decide its efficiency), and the activation bytes they write,
+    ``replicated_bytes`` and ``split_bytes`` over the tensor axis (priced by
+    the elementwise passes of the calibration); ``tensor_bytes`` is one
+    ``[tokens, d_model]`` activation of the task's microbatch (whether its
+    passes run from cache: calibration ``cache_bytes``). Collectives carry ``op``, ``nbytes``
+    (DESIGN.md convention), ``count`` back-to-back repeats and the
+    representative's ``group``; sends carry ``group = (src, dst)``.
+    ``instances`` are all groups or pairs running the same task at once.
+    ``pipeline`` marks F/B/W actions and their tensor all-reduces. Host tasks
+    are the controller's: a dispatch of ``count`` programs passing
+    ``buffers`` device buffers in all (testbed.model.buffers), or the step's
+    preparation (``op="step"`` or ``"pipeline step"``, ``count=0``).
+    """
+
+    name: str
+    device: int
+    stream: str
+    kind: TaskKind
+    deps: tuple[int, ...] = ()
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    replicated_bytes: float = 0.0
+    split_bytes: float = 0.0
+    tensor_bytes: float = 0.0
+    kernels: int = 1
+    op: str = ""
+    nbytes: float = 0.0
+    count: int = 1
+    group: tuple[int, ...] = ()
+    instances: tuple[tuple[int, ...], ...] = ()
+    pipeline: bool = False
+    buffers: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Program:
+    """The tasks of one step, in program order, and the device -> representative map."""
+
+    tasks: tuple[Task, ...]
+    representative: np.ndarray
+    multiplicity: dict = field(default_factory=dict)
+    schedule: Schedule | None = None
+
+    def __post_init__(self) -> None:
+        rep = np.asarray(self.representative, dtype=np.int64)
+        rep.setflags(write=False)
+        object.__setattr__(self, "representative", rep)
+        reps, counts = np.unique(rep, return_counts=True)
+        object.__setattr__(self, "multiplicity", {int(r): int(c) for r, c in zip(reps, counts)})
+        for i, task in enumerate(self.tasks):
+            if any(not 0 <= d < i for d in task.deps):
+                raise ValueError(f"task {i} ({task.name}) depends on a later or missing task: {task.deps}")
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.representative.size)
+
+    @property
+    def representatives(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(t.device for t in self.tasks))
+
+
+def axis_groups(placement: Placement, axes: Sequence[Axis | str]) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Per pipeline stage, the device groups that vary along ``axes`` (mesh order inside a group)."""
+    ids = placement.device_ids
+    dims = [MESH_AXES.index(Axis(a)) for a in axes]
+    keep = [d for d in range(ids.ndim) if d not in dims]
+    moved = np.transpose(ids, keep + sorted(dims))
+    size = int(np.prod([ids.shape[d] for d in dims])) if dims else 1
+    out: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for s in range(ids.shape[0]):
+        block = moved[s].reshape(-1, size)
+        out[s] = tuple(tuple(int(x) for x in row) for row in block)
+    return out
+
+
+class _Builder:
+    """Appends tasks and keeps per-stage bookkeeping while the program is built."""
+
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+
+    def add(self, **kwargs) -> int:
+        self.tasks.append(Task(**kwargs))
+        return len(self.tasks) - 1
+
+
+def _rep_group(groups: tuple[tuple[int, ...], ...], rep: int) -> tuple[int, ...]:
+    return next(g for g in groups if rep in g)
+
+
+def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
+                  controller: bool = False) -> Program:
+    """The task graph of one training step of ``plan`` on ``placement``.
+
+    Args:
+        schedule: the pipeline table to follow (default: the plan's schedule).
+        controller: add the single controller's dispatch tasks (module docstring).
+    """
+    mesh, v = plan.mesh, plan.schedule.virtual_stages
+    p = mesh.stage
+    schedule = schedule or build_schedule(plan.schedule.name, p, plan.batch.microbatches, v)
+    param_b, grad_b, _ = state_bytes_per_param(plan)
+    reps = [int(placement.device_ids[s, 0, 0, 0]) for s in range(p)]
+    representative = np.empty(placement.num_devices, dtype=np.int64)
+    for s in range(p):
+        representative[placement.device_ids[s].ravel()] = reps[s]
+
+    tensor = axis_groups(placement, [Axis.TENSOR])
+    replicas_ax = [Axis.DATA, Axis.FSDP]
+    replicas = axis_groups(placement, replicas_ax)
+    data_groups = axis_groups(placement, [Axis.DATA])
+    fsdp_groups = axis_groups(placement, [Axis.FSDP])
+    sharding = state_sharding(plan)
+    p_groups = axis_groups(placement, list(sharding.params))
+    p_ways = sharding.ways(plan, "params")
+    per_microbatch, _ = gradient_reduction(plan)  # reduced as each microbatch's gradients come (sharded)
+    g_groups = axis_groups(placement, [Axis(a) for a in per_microbatch])
+    o_ways = sharding.ways(plan, "optimizer")
+    costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
+    # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate.
+    pairs = {(a, b): tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))
+             for a in range(p) for b in range(p) if a != b}
+
+    b = _Builder()
+    done: dict[tuple[int, Action], int] = {}      # action -> its last task (TP all-reduce or compute)
+    sent: dict[tuple[int, Action, int], int] = {}  # (stage, action, dst stage) -> send task
+    reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
+    last_bwd_kind = "W" if schedule.split_backward else "B"
+    order = _global_order(schedule)
+    remaining_bwd = {(s, c): plan.batch.microbatches for s in range(p) for c in range(v)}
+
+    previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor all-reduces block)
+    host = reps[0]
+    if controller:
+        b.add(name="prepare step", device=host, stream="host", kind=TaskKind.HOST,
+              op="step" if p == 1 else "pipeline step", count=0)
+    if controller and p == 1:
+        previous[0] = b.add(name="dispatch step", device=host, stream="host", kind=TaskKind.HOST,
+                            buffers=dispatch.spmd_step_buffers(plan))
+    for s, action in order:
+        rep, cost = reps[s], costs[s][action.chunk]
+        label = action.label(v)
+        deps: list[int] = [previous[s]] if s in previous else []
+        if controller and p > 1:
+            n_sends = len(_sends(schedule, s, action, costs))
+            accumulated = remaining_bwd[(s, action.chunk)] < plan.batch.microbatches
+            deps.append(b.add(name=f"dispatch {label}@{s}", device=host, stream="host", kind=TaskKind.HOST,
+                              count=1 + n_sends, buffers=dispatch.action_buffers(
+                                  plan, s, action.chunk, action.kind, accumulated) + n_sends * dispatch.send_buffers(plan)))
+        for ds, dep in dependencies(schedule, s, action):
+            key = (ds, dep)
+            if ds != s:
+                deps.append(sent[(ds, dep, s)])
+            else:
+                deps.append(done[key])
+        if p_ways > 1 and action.kind in ("F", "B"):
+            deps.append(b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
+                              op="all_gather", nbytes=cost.params * param_b,
+                              group=_rep_group(p_groups[s], rep), instances=p_groups[s]))
+        flops, hbm, (replicated, split), tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
+        kernels = max(1, 4 * cost.layers)
+        pieces, scatter = 1, False
+        if action.kind == last_bwd_kind:
+            remaining_bwd[(s, action.chunk)] -= 1
+            if remaining_bwd[(s, action.chunk)] == 0 and mesh.data * mesh.fsdp > 1:
+                pieces = min(BUCKETS, max(1, cost.layers))
+            # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
+            scatter = remaining_bwd[(s, action.chunk)] > 0 and bool(per_microbatch)
+        last = -1
+        for k in range(pieces):
+            last = b.add(name=label if pieces == 1 else f"{label}/{k}", device=rep, stream="compute",
+                         kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
+                         replicated_bytes=replicated / pieces, split_bytes=split / pieces,
+                         tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True)
+            deps = []
+            if pieces > 1:
+                # Bucket k holds 1/pieces of the chunk's gradients; reduce it while the backward continues.
+                reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, cost.params / pieces * grad_b,
+                                               f"{label}/{k}", replicas, data_groups, fsdp_groups, o_ways))
+        if scatter:
+            reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
+                                         kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
+                                         nbytes=cost.params * grad_b, group=_rep_group(g_groups[s], rep),
+                                         instances=g_groups[s]))
+        if tp and mesh.tensor > 1:
+            last = b.add(name=f"tp {label}", device=rep, stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,),
+                         op="all_reduce", nbytes=cost.tensor_allreduce_bytes, count=tp,
+                         group=_rep_group(tensor[s], rep), instances=tensor[s], pipeline=True)
+        done[(s, action)] = previous[s] = last
+        for dst, dst_chunk, nbytes in _sends(schedule, s, action, costs):
+            sent[(s, action, dst)] = b.add(name=f"send {label}->{dst}", device=rep, stream="pipe", kind=TaskKind.SEND,
+                                           deps=(last,), nbytes=nbytes, group=(rep, reps[dst]),
+                                           instances=pairs[(s, dst)])
+
+    for s in range(p):
+        rep = reps[s]
+        params = sum(c.params for c in costs[s])
+        shard = params / o_ways
+        waits = list(reduce_tasks[s])
+        if controller and p > 1:
+            waits.append(b.add(name=f"dispatch optimizer@{s}", device=host, stream="host", kind=TaskKind.HOST,
+                               buffers=dispatch.update_buffers(plan, s)))
+        opt = b.add(name="optimizer", device=rep, stream="compute", kind=TaskKind.COMPUTE,
+                    deps=tuple(waits), flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
+                    hbm_bytes=shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), kernels=1)
+        if o_ways > p_ways and mesh.data > 1:
+            b.add(name="gather params", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(opt,),
+                  op="all_gather", nbytes=params / mesh.fsdp * param_b,
+                  group=_rep_group(data_groups[s], rep), instances=data_groups[s])
+    return Program(tasks=tuple(b.tasks), representative=representative, schedule=schedule)
+
+
+def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """Actions in an order where every dependency comes first (stages keep their table order)."""
+    from testbed.pipeline.schedules import execution_order
+
+    return execution_order(schedule)
+
+
+def _action_work(cost: model.ChunkCost, kind: str, split: bool, remat: Remat,
+                 ) -> tuple[float, float, tuple[float, float], int]:
+    """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor all-reduces) of one action, one microbatch.
+
+    The backward writes about twice the forward's activation traffic (the
+    gradients of each activation and of its inputs), B and W one forward's
+    worth each when split, plus what remat writes again. Full remat reruns
+    each layer's forward up to the MLP down projection in the backward, so
+    the attention output's tensor all-reduce runs again (one per layer);
+    selective remat redoes no all-reduce.
+    """
+    forward = cost.forward_traffic
+    if kind == "F":
+        return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
+            cost.tensor_allreduces_forward
+    if kind == "B":
+        flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
+        hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
+        times = 1 if split else 2
+        traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
+        redo = cost.layers if remat is Remat.FULL and cost.tensor_allreduces_backward else 0
+        return float(flops), float(hbm), traffic, cost.tensor_allreduces_backward + redo
+    return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), 0
+
+
+def _sends(schedule: Schedule, stage: int, action: Action, costs) -> list[tuple[int, int, float]]:
+    """(destination stage, its chunk, bytes) of the transfers ``action`` produces."""
+    g = schedule.model_chunk(stage, action.chunk)
+    out = []
+    if action.kind == "F" and g < schedule.chunks - 1:
+        dst, c = schedule.locate(g + 1)
+        if dst != stage:
+            out.append((dst, c, float(costs[stage][action.chunk].activation_out_bytes)))
+    elif action.kind == "B" and g > 0:
+        dst, c = schedule.locate(g - 1)
+        if dst != stage:
+            out.append((dst, c, float(costs[dst][c].activation_out_bytes)))
+    return out
+
+
+def _reduce(b: _Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float, label: str,
+            replicas, data_groups, fsdp_groups, o_ways: int) -> list[int]:
+    """Gradient reduction tasks of one bucket (see the module docstring); returns the last task(s)."""
+    mesh = plan.mesh
+    if o_ways == mesh.data * mesh.fsdp:
+        op = "reduce_scatter" if o_ways > 1 else "all_reduce"
+        return [b.add(name=f"{op} {label}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(after,),
+                      op=op, nbytes=nbytes, group=_rep_group(replicas[s], rep), instances=replicas[s])]
+    first = after
+    if mesh.fsdp > 1:
+        first = b.add(name=f"reduce-scatter {label}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
+                      deps=(after,), op="reduce_scatter", nbytes=nbytes, group=_rep_group(fsdp_groups[s], rep),
+                      instances=fsdp_groups[s])
+    if mesh.data == 1:
+        return [first]
+    return [b.add(name=f"all-reduce {label}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(first,),
+                  op="all_reduce", nbytes=nbytes / mesh.fsdp, group=_rep_group(data_groups[s], rep),
+                  instances=data_groups[s])]

@@ -1,0 +1,308 @@
+"""Timeline and Report: what one training step did, predicted or measured.
+
+A :class:`Timeline` holds the spans (start, end, label, category) of one step
+on *representative* streams: identical data replicas and tensor ranks execute
+identical tasks, so the simulator times one device per class and records in
+``representative`` which class every device belongs to. Traces expand the
+classes lazily, so a 4096-device timeline stays small until it is written.
+A runner that measures every device simply makes each device its own
+representative; the report types are the same, so predictions and
+measurements compare line by line (``source`` says which is which).
+
+Categories are ``compute``, ``comm``, ``bubble`` (idle stage time inside
+the pipeline phase) and ``host`` (the controller dispatching programs). The Chrome trace (opens in ui.perfetto.dev) has one
+process per device and one thread per stream; ``ts``/``dur`` are in
+microseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from testbed.output import write_atomic
+
+__all__ = ["CATEGORIES", "Span", "Timeline", "Report", "chrome_trace", "write_trace", "write_gantt"]
+
+#: Span categories, in the order of :attr:`Timeline.category` codes.
+CATEGORIES: tuple[str, ...] = ("compute", "comm", "bubble", "host")
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One interval on one stream of one device."""
+
+    device: int
+    stream: str
+    start: float
+    end: float
+    label: str
+    category: str
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray, lo: float, hi: float) -> float:
+    """Length of the union of intervals clipped to [lo, hi]."""
+    if starts.size == 0 or hi <= lo:
+        return 0.0
+    s = np.clip(starts, lo, hi)
+    e = np.clip(ends, lo, hi)
+    order = np.argsort(s, kind="stable")
+    total, cur_s, cur_e = 0.0, None, None
+    for a, b in zip(s[order].tolist(), e[order].tolist()):
+        if cur_e is None or a > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = a, b
+        elif b > cur_e:
+            cur_e = b
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeline:
+    """Spans of one step on representative (device, stream) rows.
+
+    Args:
+        rows: ``(representative device, stream name)`` of each row.
+        row, start, end, category: one entry per span (category indexes CATEGORIES).
+        label: one text per span.
+        representative: for every device id, the representative device whose rows it repeats.
+        step_time_s: end of the step (the last span may end earlier for measured steps).
+        pipeline_end_s: end of the pipeline phase (last forward/backward), for the bubble
+            (default: the step time).
+        source: ``predicted`` or ``measured``.
+    """
+
+    rows: tuple[tuple[int, str], ...]
+    row: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    category: np.ndarray
+    label: tuple[str, ...]
+    representative: np.ndarray
+    step_time_s: float
+    pipeline_end_s: float | None = None
+    source: str = "predicted"
+    _by_device: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.label)
+        for name, dtype in (("row", np.int64), ("start", np.float64), ("end", np.float64), ("category", np.int8)):
+            arr = np.asarray(getattr(self, name), dtype=dtype)
+            if arr.shape != (n,):
+                raise ValueError(f"{name} must have one entry per span ({n}), got shape {arr.shape}")
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+        rep = np.asarray(self.representative, dtype=np.int64)
+        rep.setflags(write=False)
+        object.__setattr__(self, "representative", rep)
+        object.__setattr__(self, "rows", tuple((int(d), str(s)) for d, s in self.rows))
+        if self.source not in ("predicted", "measured"):
+            raise ValueError(f"source must be `predicted` or `measured`, got {self.source!r}")
+        if n and (np.any(self.end < self.start) or self.row.min() < 0 or self.row.max() >= len(self.rows)):
+            raise ValueError("spans need end >= start and a valid row")
+        object.__setattr__(self, "_by_device", {})
+        if self.pipeline_end_s is None:
+            object.__setattr__(self, "pipeline_end_s", float(self.step_time_s))
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.representative.size)
+
+    @property
+    def representatives(self) -> tuple[int, ...]:
+        """Representative devices, in row order."""
+        return tuple(dict.fromkeys(d for d, _ in self.rows))
+
+    def streams(self, device: int) -> tuple[str, ...]:
+        """Stream names of ``device`` (those of its representative)."""
+        rep = int(self.representative[device])
+        return tuple(s for d, s in self.rows if d == rep)
+
+    def _indices(self, device: int) -> np.ndarray:
+        rep = int(self.representative[device])
+        cached = self._by_device.get(rep)
+        if cached is None:
+            rows = np.array([i for i, (d, _) in enumerate(self.rows) if d == rep], dtype=np.int64)
+            cached = np.flatnonzero(np.isin(self.row, rows))
+            self._by_device[rep] = cached
+        return cached
+
+    def spans(self, device: int) -> Iterator[Span]:
+        """Spans of ``device`` (its representative's, relabelled with its id)."""
+        for i in self._indices(device).tolist():
+            yield Span(device, self.rows[self.row[i]][1], float(self.start[i]), float(self.end[i]),
+                       self.label[i], CATEGORIES[self.category[i]])
+
+    def busy(self, device: int, category: str, until: float | None = None) -> float:
+        """Time ``device`` spends in ``category`` spans (their union), up to ``until``."""
+        idx = self._indices(device)
+        code = CATEGORIES.index(category)
+        idx = idx[self.category[idx] == code]
+        hi = self.step_time_s if until is None else until
+        return _union_length(self.start[idx], self.end[idx], 0.0, hi)
+
+    def active(self, device: int, until: float | None = None) -> float:
+        """Time ``device`` has any compute or comm span running, up to ``until``."""
+        idx = self._indices(device)
+        idx = idx[np.isin(self.category[idx], [CATEGORIES.index("compute"), CATEGORIES.index("comm")])]
+        hi = self.step_time_s if until is None else until
+        return _union_length(self.start[idx], self.end[idx], 0.0, hi)
+
+    def exposed_comm(self, device: int) -> float:
+        """Time ``device`` communicates while computing nothing."""
+        return self.active(device) - self.busy(device, "compute")
+
+    def busiest(self) -> int:
+        """The representative with the most compute (ties: the most exposed communication)."""
+        reps = self.representatives
+        if not reps:
+            return 0
+        return max(reps, key=lambda d: (round(self.busy(d, "compute"), 15), self.exposed_comm(d)))
+
+    def compute_s(self) -> float:
+        """Busy compute time of the busiest device."""
+        return self.busy(self.busiest(), "compute") if self.representatives else 0.0
+
+    def exposed_comm_s(self) -> float:
+        """Exposed communication of the busiest device (so compute + exposed comm <= step time)."""
+        return self.exposed_comm(self.busiest()) if self.representatives else 0.0
+
+    def bubble_fraction(self) -> float:
+        """Bubble spans / (stages x pipeline phase).
+
+        A bubble span is time inside the pipeline phase (step start to the
+        last forward/backward) when a stage runs none of its schedule's
+        actions; each representative is one stage's class of devices. The
+        trailing gradient sync and optimizer are not pipeline bubble.
+        """
+        reps, phase = self.representatives, self.pipeline_end_s
+        if not reps or phase <= 0:
+            return 0.0
+        mask = self.category == CATEGORIES.index("bubble")
+        idle = float(np.sum(np.minimum(self.end[mask], phase) - np.minimum(self.start[mask], phase)))
+        return max(0.0, idle / (len(reps) * phase))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+    """Summary of one step (predicted by the simulator or measured by a runner)."""
+
+    step_time_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_fraction: float
+    mfu: float
+    memory: Mapping[str, Any] = field(default_factory=dict)
+    plan: str = ""
+    topology: str = ""
+    devices: int = 0
+    tasks: int = 0
+    source: str = "predicted"
+
+    def __post_init__(self) -> None:
+        if self.source not in ("predicted", "measured"):
+            raise ValueError(f"source must be `predicted` or `measured`, got {self.source!r}")
+        object.__setattr__(self, "memory", dict(self.memory))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON keys of `testbed simulate` (DESIGN.md contract) plus context."""
+        return {"step_time_s": self.step_time_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
+                "bubble_fraction": self.bubble_fraction, "mfu": self.mfu, "memory": dict(self.memory),
+                "plan": self.plan, "topology": self.topology, "devices": self.devices, "tasks": self.tasks,
+                "source": self.source}
+
+
+# -- exports -------------------------------------------------------------------------
+
+def chrome_trace(timeline: Timeline, devices: Sequence[int] | None = None) -> dict[str, Any]:
+    """Chrome/Perfetto trace: one process per device, one thread per stream, ``X`` events in µs."""
+    devices = range(timeline.num_devices) if devices is None else devices
+    events: list[dict[str, Any]] = []
+    rep_events: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for device in devices:
+        device = int(device)
+        rep = int(timeline.representative[device])
+        streams = timeline.streams(device)
+        events.append({"ph": "M", "name": "process_name", "pid": device, "tid": 0,
+                       "args": {"name": f"device {device}" + ("" if rep == device else f" (as {rep})")}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": device, "tid": 0, "args": {"sort_index": device}})
+        for tid, stream in enumerate(streams):
+            events.append({"ph": "M", "name": "thread_name", "pid": device, "tid": tid, "args": {"name": stream}})
+        cached = rep_events.get(rep)
+        if cached is None:
+            cached = [(streams.index(s.stream), {"ph": "X", "name": s.label, "cat": s.category,
+                                                  "ts": s.start * 1e6, "dur": s.duration * 1e6})
+                      for s in timeline.spans(rep)]
+            rep_events[rep] = cached
+        events.extend({**e, "pid": device, "tid": tid} for tid, e in cached)
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"source": timeline.source, "step_time_s": timeline.step_time_s}}
+
+
+def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | None = None) -> Path:
+    """Write :func:`chrome_trace` as JSON atomically, streamed device by device.
+
+    Each representative's events are serialised once and repeated with each
+    device's pid, so a 4096-device trace costs string joins, not millions of dicts.
+    """
+    from testbed.output import atomic_path
+
+    devices = range(timeline.num_devices) if devices is None else devices
+    fragments: dict[int, list[str]] = {}
+    with atomic_path(path, "trace") as tmp, open(tmp, "w") as out:
+        out.write('{"displayTimeUnit":"ms","otherData":')
+        out.write(json.dumps({"source": timeline.source, "step_time_s": timeline.step_time_s}))
+        out.write(',"traceEvents":[')
+        first = True
+        for device in devices:
+            device = int(device)
+            rep = int(timeline.representative[device])
+            cached = fragments.get(rep)
+            if cached is None:
+                one = chrome_trace(timeline, devices=[rep])["traceEvents"]
+                cached = fragments[rep] = [json.dumps({k: v for k, v in e.items() if k != "pid"},
+                                                      separators=(",", ":"))[1:] for e in one]
+            name = json.dumps(f"device {device}" + ("" if rep == device else f" (as {rep})"))
+            head = f'{{"pid":{device},'
+            parts = []
+            for text in cached:
+                if text.startswith('"ph":"M","name":"process_name"'):
+                    text = f'"ph":"M","name":"process_name","tid":0,"args":{{"name":{name}}}}}'
+                elif text.startswith('"ph":"M","name":"process_sort_index"'):
+                    text = f'"ph":"M","name":"process_sort_index","tid":0,"args":{{"sort_index":{device}}}}}'
+                parts.append(head + text)
+            out.write(("" if first else ",") + ",".join(parts))
+            first = False
+        out.write("]}")
+    return Path(path)
+
+
+def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> Path:
+    """Gantt PNG of the representative rows (one row per representative stream), via testbed.viz.gantt.
+
+    Times are in milliseconds; idle gaps are hatched by testbed.viz.gantt itself.
+    """
+    from testbed.viz.gantt import Bar, draw_gantt
+
+    names = []
+    for device, stream in timeline.rows:
+        count = int(np.count_nonzero(timeline.representative == device))
+        names.append("controller" if stream == "host" else f"dev {device}{f' (x{count})' if count > 1 else ''} {stream}")
+    bubble = CATEGORIES.index("bubble")
+    bars = [Bar(row=int(r), start=float(s) * 1e3, end=float(e) * 1e3, label=lab, category=CATEGORIES[int(c)])
+            for r, s, e, lab, c in zip(timeline.row, timeline.start, timeline.end, timeline.label, timeline.category)
+            if c != bubble]
+    return draw_gantt(names, bars, path, time_unit="ms",
+                      title=title or f"{timeline.source} step: {timeline.step_time_s * 1e3:.4g} ms")

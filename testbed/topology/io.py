@@ -1,0 +1,221 @@
+"""Topology YAML: load (three forms), dump, and the bundled collection.
+
+Bundled files live in ``topologies/`` (the ``testbed.topologies`` package in
+the wheel) and are found with importlib.resources; any other argument is read
+as a path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from testbed.topology import generators
+from testbed.errors import InputError, closest
+from testbed.fields import check_keys, expect_mapping, get_bool, get_int, get_str, load_yaml
+from testbed.topology import Calibration, DeviceSpec, Form, Level, LinkKind, LinkSpec, Topology
+from testbed.units import parse_bandwidth, parse_bytes, parse_flops, parse_time
+
+__all__ = ["load_topology", "topology_from_dict", "topology_to_dict", "dump_topology", "bundled_names", "resolve_topology_path"]
+
+_TOP_KEYS = ("name", "description", "device", "levels", "torus", "graph", "calibration")
+_KINDS = [k.value for k in LinkKind]
+
+
+def bundled_names() -> list[str]:
+    """Names of the topologies shipped with testbed, sorted."""
+    root = resources.files("testbed.topologies")
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def resolve_topology_path(name_or_path: str) -> tuple[str, str]:
+    """(display name, YAML text) of a bundled name or a file path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise InputError("topology file not found; give a bundled name (`testbed topologies`) or a YAML path",
+                             file=str(path))
+        return str(path), path.read_text()
+    names = bundled_names()
+    if name_or_path not in names:
+        hint = closest(name_or_path, names)
+        suggestion = f" (did you mean `{hint}`?)" if hint else ""
+        raise InputError(f"unknown topology `{name_or_path}`{suggestion}. Bundled: {', '.join(names)}; or give a YAML path.",
+                         field="topology")
+    text = resources.files("testbed.topologies").joinpath(f"{name_or_path}.yaml").read_text()
+    return f"topologies/{name_or_path}.yaml", text
+
+
+def load_topology(name_or_path: str) -> Topology:
+    """Load a bundled topology by name or a topology YAML file."""
+    display, text = resolve_topology_path(name_or_path)
+    data = load_yaml(display, text)
+    default = Path(display).stem
+    try:
+        return topology_from_dict(data, default_name=default)
+    except InputError as exc:
+        raise exc.with_file(display) from None
+
+
+def _kind(value: Any, field: str) -> LinkKind:
+    text = get_str({"kind": value}, "kind", None)
+    if text not in _KINDS:
+        raise InputError(f"unknown link kind `{text}`" + (f"; did you mean `{closest(text, _KINDS)}`?" if closest(text, _KINDS) else "")
+                         + f" Valid: {', '.join(_KINDS)}.", field=field)
+    return LinkKind(text)
+
+
+def _device(data: Any) -> DeviceSpec:
+    data = expect_mapping(data, "device")
+    check_keys(data, ("name", "flops", "memory", "memory_bandwidth"), "device", required=("flops", "memory", "memory_bandwidth"))
+    flops = expect_mapping(data["flops"], "device.flops")
+    return DeviceSpec(
+        name=get_str(data, "name", "device", default="device"),
+        peak_flops={str(k): parse_flops(v, f"device.flops.{k}") for k, v in flops.items()},
+        memory_bytes=parse_bytes(data["memory"], "device.memory"),
+        memory_bandwidth=parse_bandwidth(data["memory_bandwidth"], "device.memory_bandwidth"),
+    )
+
+
+def _calibration(data: Any) -> Calibration:
+    if data is None:
+        return Calibration()
+    data = expect_mapping(data, "calibration")
+    names = [f.name for f in fields(Calibration)]
+    check_keys(data, names, "calibration")
+    values: dict[str, Any] = {}
+    for name in names:
+        if name not in data:
+            continue
+        if name == "host_cores":
+            values[name] = get_int(data, name, "calibration", minimum=0)
+        elif name == "host_throughput":
+            curve = expect_mapping(data[name], "calibration.host_throughput")
+            try:
+                values[name] = tuple(sorted((int(k), float(v)) for k, v in curve.items()))
+            except (TypeError, ValueError):
+                raise InputError(f"expected device counts mapped to numbers (1: 1.0, 2: 1.3, ...), got {curve!r}",
+                                 field="calibration.host_throughput") from None
+        elif name.endswith("_s"):
+            values[name] = parse_time(data[name], f"calibration.{name}")
+        else:
+            value = data[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InputError(f"expected a number, got {value!r}", field=f"calibration.{name}")
+            values[name] = float(value)
+    return Calibration(**values)
+
+
+def _level(data: Any, field: str, torus: bool = False, group_only: bool = False) -> Level:
+    data = expect_mapping(data, field)
+    allowed = ["name", "size"] if group_only else ["name", "size", "bandwidth", "latency", "kind", "attach"]
+    check_keys(data, allowed, field, required=["name", "size"] if group_only else ["name", "size", "bandwidth"])
+    if group_only:
+        return Level(name=get_str(data, "name", field), size=get_int(data, "size", field))
+    return Level(
+        name=get_str(data, "name", field),
+        size=get_int(data, "size", field),
+        bandwidth=parse_bandwidth(data["bandwidth"], f"{field}.bandwidth"),
+        latency=parse_time(data.get("latency", 0), f"{field}.latency"),
+        kind=_kind(data.get("kind", "ici" if torus else "nvswitch"), f"{field}.kind"),
+        attach=get_str(data, "attach", field, default="device", choices=("device", "switch")),
+    )
+
+
+def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
+    """Build a Topology from parsed YAML (one of `levels:`, `torus:`, `graph:`)."""
+    data = expect_mapping(data, None)
+    check_keys(data, _TOP_KEYS, None, required=("device",))
+    forms = [k for k in ("levels", "torus", "graph") if k in data]
+    if len(forms) != 1:
+        raise InputError(f"give exactly one of `levels:`, `torus:` or `graph:` (found {forms or 'none'})", field="levels")
+    name = get_str(data, "name", None, default=default_name)
+    description = get_str(data, "description", None, default="")
+    device = _device(data["device"])
+    calibration = _calibration(data.get("calibration"))
+    form = forms[0]
+    if form == "levels":
+        raw = data["levels"]
+        if not isinstance(raw, list) or not raw:
+            raise InputError("expected a non-empty list of tiers, innermost first", field="levels")
+        levels = [_level(item, f"levels[{i}]") for i, item in enumerate(raw)]
+        topo = generators.hierarchical(levels, device=device, name=name, calibration=calibration)
+    elif form == "torus":
+        t = expect_mapping(data["torus"], "torus")
+        check_keys(t, ("dims", "names", "wraparound", "bandwidth", "latency", "kind"), "torus", required=("dims", "bandwidth"))
+        dims = t["dims"]
+        if not isinstance(dims, list) or not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+            raise InputError(f"expected a list of positive whole numbers, got {dims!r}", field="torus.dims")
+        wrap = t.get("wraparound", True)
+        if not (isinstance(wrap, bool) or (isinstance(wrap, list) and all(isinstance(w, bool) for w in wrap))):
+            raise InputError(f"expected true/false or a list of them per dim, got {wrap!r}", field="torus.wraparound")
+        topo = generators.torus(
+            dims, device=device, bandwidth=parse_bandwidth(t["bandwidth"], "torus.bandwidth"),
+            latency=parse_time(t.get("latency", 0), "torus.latency"), kind=_kind(t.get("kind", "ici"), "torus.kind"),
+            names=t.get("names"), wraparound=wrap, name=name, calibration=calibration)
+    else:
+        g = expect_mapping(data["graph"], "graph")
+        check_keys(g, ("devices", "switches", "links", "levels"), "graph", required=("devices", "links"))
+        n = get_int(g, "devices", "graph")
+        switches = g.get("switches", []) or []
+        if not isinstance(switches, list) or not all(isinstance(s, str) for s in switches):
+            raise InputError("expected a list of switch names (strings)", field="graph.switches")
+        raw_links = g["links"]
+        if not isinstance(raw_links, list):
+            raise InputError("expected a list of links {a, b, bandwidth, latency, kind}", field="graph.links")
+        links = []
+        for i, item in enumerate(raw_links):
+            f = f"graph.links[{i}]"
+            item = expect_mapping(item, f)
+            check_keys(item, ("a", "b", "bandwidth", "latency", "kind"), f, required=("a", "b", "bandwidth"))
+            links.append(LinkSpec(a=item["a"], b=item["b"], bandwidth=parse_bandwidth(item["bandwidth"], f"{f}.bandwidth"),
+                                  latency=parse_time(item.get("latency", 0), f"{f}.latency"),
+                                  kind=_kind(item.get("kind", "pcie"), f"{f}.kind")))
+        levels = [_level(item, f"graph.levels[{i}]", group_only=True) for i, item in enumerate(g.get("levels", []) or [])]
+        topo = generators.explicit(n, links, device=device, switches=switches, levels=levels, name=name, calibration=calibration)
+    if description:
+        from dataclasses import replace
+
+        topo = replace(topo, description=description)
+    return topo
+
+
+def topology_to_dict(topology: Topology) -> dict[str, Any]:
+    """The YAML mapping that :func:`topology_from_dict` reads back to an equal topology."""
+    dev = topology.device
+    out: dict[str, Any] = {"name": topology.name}
+    if topology.description:
+        out["description"] = topology.description
+    out["device"] = {"name": dev.name, "flops": dict(dev.peak_flops), "memory": dev.memory_bytes,
+                     "memory_bandwidth": dev.memory_bandwidth}
+    if topology.form is Form.LEVELS:
+        out["levels"] = [{"name": l.name, "size": l.size, "bandwidth": l.bandwidth, "latency": l.latency,
+                          "kind": str(l.kind), "attach": l.attach} for l in topology.levels]
+    elif topology.form is Form.TORUS:
+        first = topology.levels[0]
+        out["torus"] = {"dims": [l.size for l in topology.levels], "names": [l.name for l in topology.levels],
+                        "wraparound": [l.wraparound for l in topology.levels], "bandwidth": first.bandwidth,
+                        "latency": first.latency, "kind": str(first.kind)}
+    else:
+        levels = [l for l in topology.levels if l.name != "rest"]
+        out["graph"] = {"devices": topology.num_devices, "switches": list(topology.switches),
+                        "links": [{"a": l.a, "b": l.b, "bandwidth": l.bandwidth, "latency": l.latency, "kind": str(l.kind)}
+                                  for l in topology.links],
+                        "levels": [{"name": l.name, "size": l.size} for l in levels]}
+    defaults = Calibration()
+    calib = {f.name: getattr(topology.calibration, f.name) for f in fields(Calibration)
+             if getattr(topology.calibration, f.name) != getattr(defaults, f.name)}
+    if "host_throughput" in calib:
+        calib["host_throughput"] = {n: t for n, t in calib["host_throughput"]}
+    if calib:
+        out["calibration"] = calib
+    return out
+
+
+def dump_topology(topology: Topology) -> str:
+    """YAML text of a topology, readable by :func:`load_topology`."""
+    return yaml.safe_dump(topology_to_dict(topology), sort_keys=False)

@@ -1,0 +1,106 @@
+"""The parts a topology is built from: devices, link kinds, levels (tiers or torus dims) and explicit links."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from types import MappingProxyType
+
+import networkx as nx
+
+from testbed.errors import InputError, unknown_key_message
+
+__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec"]
+
+
+class LinkKind(StrEnum):
+    NVLINK = "nvlink"
+    NVSWITCH = "nvswitch"
+    PCIE = "pcie"
+    ETHERNET = "ethernet"
+    INFINIBAND = "infiniband"
+    ICI = "ici"
+    DCN = "dcn"
+    HOST = "host"
+
+
+class Form(StrEnum):
+    LEVELS = "levels"
+    TORUS = "torus"
+    GRAPH = "graph"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator: peak FLOP/s per dtype, memory bytes and memory bandwidth."""
+
+    name: str
+    peak_flops: Mapping[str, float]
+    memory_bytes: float
+    memory_bandwidth: float
+
+    def __post_init__(self) -> None:
+        if not self.peak_flops:
+            raise InputError("needs at least one dtype with its peak FLOP/s, e.g. {bf16: 989TFLOP/s}", field="device.flops")
+        for dtype, value in self.peak_flops.items():
+            if not value > 0:
+                raise InputError(f"peak FLOP/s must be positive, got {value}", field=f"device.flops.{dtype}")
+        if not self.memory_bytes > 0:
+            raise InputError(f"must be positive, got {self.memory_bytes}", field="device.memory")
+        if not self.memory_bandwidth > 0:
+            raise InputError(f"must be positive, got {self.memory_bandwidth}", field="device.memory_bandwidth")
+        object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype`` (``fp32``, ``bf16``); falls back to the slowest listed."""
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        return min(self.peak_flops.values())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Level:
+    """A named tier (levels form), dim (torus form) or group (graph form).
+
+    ``bandwidth``/``latency``/``kind`` describe the links of this level: the
+    link from each member to the level's switch (``attach='device'``: one NIC
+    per device) or from each inner switch to it (``attach='switch'``: one
+    uplink per inner group); on a torus, each link along this dim.
+    """
+
+    name: str
+    size: int
+    bandwidth: float | None = None
+    latency: float = 0.0
+    kind: LinkKind | None = None
+    attach: str = "device"
+    wraparound: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise InputError(f"size must be a positive whole number, got {self.size!r}", field=f"level {self.name}")
+        if self.bandwidth is not None and not self.bandwidth > 0:
+            raise InputError(f"bandwidth must be positive, got {self.bandwidth}", field=f"level {self.name}.bandwidth")
+        if self.latency < 0:
+            raise InputError(f"latency must be non-negative, got {self.latency}", field=f"level {self.name}.latency")
+        if self.attach not in ("device", "switch"):
+            raise InputError(f"attach must be `device` or `switch`, got {self.attach!r}", field=f"level {self.name}.attach")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSpec:
+    """An explicit link of a graph-form topology (either end a device id or a switch name)."""
+
+    a: int | str
+    b: int | str
+    bandwidth: float
+    latency: float = 0.0
+    kind: LinkKind = LinkKind.PCIE
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise InputError(f"bandwidth must be positive, got {self.bandwidth}", field=f"links[{self.a}-{self.b}].bandwidth")
+        if self.latency < 0:
+            raise InputError(f"latency must be non-negative, got {self.latency}", field=f"links[{self.a}-{self.b}].latency")

@@ -1,0 +1,139 @@
+"""A generic Gantt chart: rows (stages, devices, links) x time, bars with labels and categories.
+
+Used for pipeline schedules (``testbed schedule --gantt``) and for the
+simulator's timelines. Bars are coloured by category with a fixed colour map
+(F/B/W like the pipeline-parallelism literature: forward blue, input-gradient
+backward green, weight-gradient purple) and a legend; idle time inside each
+row's extent is hatched so bubbles stand out. The PNG is written atomically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from testbed.errors import InputError
+from testbed.viz.plots import pyplot, save_figure
+
+__all__ = ["Bar", "CATEGORY_COLOURS", "draw_gantt", "idle_gaps"]
+
+#: Fixed colours, so one category looks the same in every picture.
+CATEGORY_COLOURS: dict[str, str] = {
+    "F": "#4e79a7",
+    "B": "#59a14f",
+    "W": "#b07aa1",
+    "compute": "#4e79a7",
+    "comm": "#f28e2b",
+    "send": "#e15759",
+    "bubble": "#d9d9d9",
+    "optimizer": "#edc948",
+    "host": "#9c755f",
+}
+
+_LEGEND_NAMES = {"F": "forward (F)", "B": "backward (B)", "W": "weight gradient (W)", "bubble": "idle (bubble)",
+                "host": "controller dispatch"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bar:
+    """One interval on ``row`` from ``start`` to ``end`` (time units of the chart)."""
+
+    row: int
+    start: float
+    end: float
+    label: str = ""
+    category: str = "compute"
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORY_COLOURS:
+            raise InputError(f"unknown category `{self.category}`; valid: {', '.join(CATEGORY_COLOURS)}",
+                             field="category")
+        if not self.end >= self.start:
+            raise InputError(f"bar ends ({self.end}) before it starts ({self.start})", field="end")
+
+
+def idle_gaps(bars: Sequence[Bar], rows: int, until: float | None = None) -> list[Bar]:
+    """``bubble`` bars for the idle time of each row between 0 and ``until`` (default: the last end)."""
+    busy = [b for b in bars if b.category != "bubble"]
+    horizon = max((b.end for b in busy), default=0.0) if until is None else until
+    gaps: list[Bar] = []
+    tolerance = 1e-9 * max(horizon, 1e-30)
+    by_row: dict[int, list[Bar]] = {r: [] for r in range(rows)}
+    for b in busy:
+        by_row[b.row].append(b)
+    for r in range(rows):
+        t = 0.0
+        for b in sorted(by_row[r], key=lambda b: b.start):
+            if b.start > t + tolerance:
+                gaps.append(Bar(row=r, start=t, end=b.start, category="bubble"))
+            t = max(t, b.end)
+        if horizon > t + tolerance:
+            gaps.append(Bar(row=r, start=t, end=horizon, category="bubble"))
+    return gaps
+
+
+def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, title: str = "",
+               time_unit: str = "", show_idle: bool = True) -> Path:
+    """Draw ``bars`` on ``rows`` (top to bottom) and write a PNG atomically to ``path``.
+
+    Args:
+        rows: row names, e.g. ``["stage 0", "stage 1"]``; ``Bar.row`` indexes them.
+        bars: the intervals; labels are printed inside bars wide enough to hold them.
+        title: figure title.
+        time_unit: x-axis unit, e.g. ``"s"`` or ``"ms"`` (empty: arbitrary units).
+        show_idle: hatch idle gaps of every row (pipeline bubbles).
+    """
+    for b in bars:
+        if not 0 <= b.row < len(rows):
+            raise InputError(f"bar row {b.row} is outside the {len(rows)} rows", field="row")
+    plt = pyplot()
+    horizon = max((b.end for b in bars), default=1.0) or 1.0
+    all_bars = list(bars) + (idle_gaps(bars, len(rows), horizon) if show_idle else [])
+    # Wide enough that the shortest bar holds its label (~0.1 inch per character at font size 7).
+    shortest = min((b.end - b.start for b in bars if b.end > b.start and b.category != "bubble"), default=horizon)
+    longest_label = max((len(b.label) for b in bars), default=1)
+    width = min(40.0, max(8.0, 2.5 + horizon / shortest * 0.1 * (longest_label + 1.5)))
+    fig, ax = plt.subplots(figsize=(width, 0.55 * len(rows) + 1.6))
+    # Character budget: a label fits if its bar is wider than ~0.7 em of the axes at this size.
+    char_width = horizon / (width * 72 / 7.0)
+    used: list[str] = []
+    # One broken_barh call per (row, category): drawing bar by bar is far too slow
+    # for simulator timelines with thousands of spans.
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for b in all_bars:
+        groups.setdefault((b.row, b.category), []).append((b.start, b.end - b.start))
+        if b.category not in used:
+            used.append(b.category)
+    for (row, category), spans in groups.items():
+        colour = CATEGORY_COLOURS[category]
+        y = len(rows) - 1 - row
+        if category == "bubble":
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors="white", edgecolors=colour, hatch="///", linewidth=0.0)
+        else:
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.6)
+    labelled = [b for b in bars if b.label and (b.end - b.start) > char_width * (len(b.label) + 0.5)]
+    for b in labelled[:2000]:
+        ax.text((b.start + b.end) / 2, len(rows) - 1 - b.row, b.label, ha="center", va="center", fontsize=7,
+                color="white")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(list(reversed(list(rows))))
+    ax.set_xlim(0, horizon)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    for spine in ("top", "right"):
+        ax.spines[spine].set_visible(False)
+    handles = []
+    from matplotlib.patches import Patch
+
+    for category in used:
+        colour = CATEGORY_COLOURS[category]
+        name = _LEGEND_NAMES.get(category, category)
+        if category == "bubble":
+            handles.append(Patch(facecolor="white", edgecolor=colour, hatch="///", label=name))
+        else:
+            handles.append(Patch(facecolor=colour, label=name))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title)
+    return save_figure(fig, path)
