@@ -29,7 +29,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from runners import model  # noqa: E402
-from testbed.cli.run import build_trainer  # noqa: E402
+from runners.train import build_trainer  # noqa: E402
 from runners.devices import select_devices  # noqa: E402
 from runners.precision import make_optimizer  # noqa: E402
 from runners.step import step_batch  # noqa: E402

@@ -33,7 +33,7 @@ every program over devices it owns. Which devices a benchmark uses:
   would then be folded into compute efficiency (measured on a 2-core host:
   0.02 instead of about 0.4). The network is fitted by the collectives.
 
-Worker 0's samples are fitted by :func:`testbed.cli.calibrate.fit_all` and
+Worker 0's samples are fitted by :func:`testbed.calibration.topology.fit_all` and
 written like the single-process path (topology YAML plus
 ``FILE.measurements.json``, which records ``processes``). A refit from such a
 file (``--from-measurements``) rebuilds the same two-level base.
@@ -41,95 +41,13 @@ file (``--from-measurements``) rebuilds the same two-level base.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from testbed.calibration import fit as cal
-from testbed.errors import InputError
-from testbed.output import CommandResult, write_atomic
-from testbed.topology import Form, Level, LinkKind, Topology
 
-__all__ = ["wanted", "recorded_processes", "calibrate", "cluster_topology", "plan_benchmarks", "runs_on_all",
-           "worker_body", "OUTER_LEVEL"]
-
-#: Name of the level joining the processes (the emulated hosts).
-OUTER_LEVEL = "cluster"
-#: Starting values of the outer level before the fit (gloo over loopback TCP); kept where no sample exercises it.
-_OUTER_BANDWIDTH, _OUTER_LATENCY = 1e9, 50e-6
-
-
-def recorded_processes(path: str | None) -> int:
-    """The ``processes`` a measurements file records (1 when absent or unreadable: the single path reports it)."""
-    if not path:
-        return 1
-    try:
-        raw = json.loads(Path(path).read_text())
-        return int(raw.get("processes", 1)) if isinstance(raw, dict) else 1
-    except (OSError, ValueError, TypeError):
-        return 1
-
-
-def wanted(args: argparse.Namespace) -> bool:
-    """Whether ``testbed calibrate`` takes the multi-process path: ``--processes`` other than 1, or a refit of
-    measurements taken by several processes."""
-    return args.processes != 1 or recorded_processes(args.from_measurements) > 1
-
-
-def cluster_topology(base: Topology, processes: int) -> Topology:
-    """``base`` (one level, N devices) as K hosts of N/K devices: its level inside, ``cluster`` outside.
-
-    The inner level keeps ``base``'s innermost level (kind, bandwidth,
-    latency); the outer starts from gloo-over-loopback guesses that the
-    collective fit replaces.
-    """
-    from testbed.topology import generators
-
-    inner = base.levels[0]
-    local = base.num_devices // processes
-    levels = [Level(name=inner.name, size=local, bandwidth=inner.bandwidth, latency=inner.latency, kind=inner.kind),
-              Level(name=OUTER_LEVEL, size=processes, bandwidth=_OUTER_BANDWIDTH, latency=_OUTER_LATENCY,
-                    kind=LinkKind.ETHERNET)]
-    stem = base.name.rsplit("-", 1)[0] if base.name.rsplit("-", 1)[-1].isdigit() else base.name
-    return generators.hierarchical(levels, device=base.device, name=f"{stem}-{local}x{processes}",
-                                   calibration=base.calibration)
-
-
-def _base(base_arg: str | None, platform: str, devices: int, processes: int, device_kind: str) -> Topology:
-    """The two-level topology to calibrate: ``--base`` when given (checked), else built from the detected devices."""
-    from testbed.cli.calibrate import base_topology
-
-    local = devices // processes
-    if base_arg is None:
-        return cluster_topology(base_topology(None, platform, devices, device_kind), processes)
-    topo = base_topology(base_arg, platform, devices, device_kind)
-    if topo.form is not Form.LEVELS or len(topo.levels) < 2 or topo.levels[0].size != local:
-        raise InputError(f"with --processes {processes} the base topology needs levels whose innermost one holds "
-                         f"the {local} devices of one process (and an outer level joining the processes); "
-                         f"`{topo.name}` has {[(l.name, l.size) for l in topo.levels]}. Leave --base out to build "
-                         f"one", field="--base")
-    return topo
-
-
-def _check(args: argparse.Namespace) -> Any:
-    """The parsed ``--devices`` request for a measured run (InputError naming the bad field)."""
-    from testbed.cli.calibrate import parse_devices
-
-    if args.processes < 1:
-        raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
-    request = parse_devices(args.devices)
-    if request.kind != "emulated":
-        raise InputError("--processes K starts K local CPU workers emulating K hosts and needs --devices emulated:N; "
-                         "to calibrate real hosts run one process per host (--processes 1 on each host)",
-                         field="--processes")
-    if request.count % args.processes:
-        raise InputError(f"emulated:{request.count} devices cannot be split evenly over {args.processes} processes; "
-                         f"pick N divisible by K", field="--processes")
-    return request
+__all__ = ["plan_benchmarks", "runs_on_all", "worker_body"]
 
 
 # -- the benchmarks ------------------------------------------------------------------------
@@ -227,63 +145,3 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
             "samples": cal.samples_to_rows(samples)}
 
 
-# -- the command -----------------------------------------------------------------------------
-
-def _measure(args: argparse.Namespace) -> tuple[dict[str, Any], str, Topology]:
-    """Launch the workers; (raw measurements as written to the JSON file, the devices asked for, the base)."""
-    from runners import launch
-    from runners.devices import host_cache_bytes
-
-    request = _check(args)
-    # Emulated devices are host CPUs: the base is known (and --base checked) before minutes of measuring.
-    base = _base(args.base, "cpu", request.count, args.processes, "")
-    sys.stderr.write(f"measuring {request.count} emulated devices on {args.processes} processes...\n")
-    results = launch.launch({"body": "calibrate", "quick": bool(args.quick), "rounds": args.rounds},
-                            processes=args.processes,
-                            local_devices=request.count // args.processes)
-    first = results[0]
-    raw = {"platform": first["platform"], "devices": first["devices"], "processes": args.processes,
-           "device_kind": first.get("device_kind", ""), "base": base.name, "seconds": first["seconds"],
-           "rounds": args.rounds,
-           "host_cpus": len(os.sched_getaffinity(0)), "cache_bytes": host_cache_bytes(first["platform"]),
-           "samples": first["samples"]}
-    return raw, f"{request} --processes {args.processes}", base
-
-
-def calibrate(args: argparse.Namespace) -> CommandResult:
-    """``testbed calibrate`` with ``--processes K`` (K > 1) or a refit of K-process measurements."""
-    from runners import launch
-    from testbed.cli.calibrate import _read_measurements, _render_calibration, fit_all, measurements_path
-    from testbed.topology.io import dump_topology
-
-    if args.processes < 1:
-        raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
-    if args.from_measurements:
-        raw = _read_measurements(args.from_measurements)
-        processes = int(raw.get("processes", 1))
-        if args.processes not in (1, processes):
-            raise InputError(f"the measurements were taken by {processes} processes, not {args.processes}; leave "
-                             f"--processes out to refit them", field="--processes")
-        mpath, request = Path(args.from_measurements), f"... --from-measurements {args.from_measurements}"
-        base = _base(args.base, raw.get("platform", "cpu"), int(raw.get("devices", 8)), processes,
-                     str(raw.get("device_kind", "")))
-    else:
-        try:
-            raw, request, base = _measure(args)
-        except launch.WorkerFailed as exc:
-            return CommandResult({"ok": False, "error": str(exc), "worker": exc.worker},
-                                 lambda console: console.print(f"[red]calibrate failed:[/red] {exc}"), exit_code=1)
-        # The raw samples first: they stay useful even when a fit fails.
-        mpath = measurements_path(args.out)
-        write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
-    samples = cal.samples_from_rows(raw["samples"])
-    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)),
-                                 cache_bytes=float(raw.get("cache_bytes", 0)))
-    header = (f"# Fitted by `testbed calibrate --devices {request}` from {raw['devices']} {raw['platform']} "
-              f"device(s) in {raw['processes']} processes (gloo between processes), base {base.name}.\n")
-    write_atomic(args.out, header + dump_topology(topo), field_name="--out")
-    data = {"topology": str(args.out), "name": topo.name, "measurements": str(mpath), "platform": raw["platform"],
-            "devices": raw["devices"], "processes": raw["processes"], "base": base.name,
-            "seconds": float(raw.get("seconds", 0.0)), "fitted": fitted, "fits": {f.name: f.summary() for f in fits}}
-    return CommandResult(data=data, render=lambda console: _render_calibration(console, data),
-                         files=[str(args.out), str(mpath)])

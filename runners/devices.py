@@ -56,10 +56,10 @@ class DeviceRequest:
         return f"emulated:{self.count}" if self.kind == "emulated" else "local"
 
 
-def parse_devices(text: str | None, plan: Plan) -> DeviceRequest:
-    """Parse ``--devices``; the default is ``emulated:<mesh size>`` (a CPU host)."""
+def parse_devices(text: str | None, default_count: int) -> DeviceRequest:
+    """Parse ``--devices`` (``emulated:N`` or ``local``); absent, ``emulated:<default_count>`` (a CPU host)."""
     if text is None or text == "":
-        return DeviceRequest(kind="emulated", count=plan.mesh.size)
+        return DeviceRequest(kind="emulated", count=default_count)
     match = re.fullmatch(r"emulated:(\d+)", text.strip())
     if match:
         return DeviceRequest(kind="emulated", count=int(match.group(1)))

@@ -45,7 +45,7 @@ __all__ = ["launch", "WorkerFailed", "free_port", "port_is_free", "worker_contex
 
 #: Command bodies a worker can run: payload ``body`` -> ``module:function`` taking the payload, returning a dict.
 #: Named by string so the launcher imports only the body a job runs.
-BODIES: dict[str, str] = {"run": "testbed.cli.run:worker_body", "calibrate": "runners.calibrate_multi:worker_body"}
+BODIES: dict[str, str] = {"run": "runners.train:worker_body", "calibrate": "runners.calibrate_multi:worker_body"}
 
 _ENV = "TESTBED_WORKER"
 _PORT_RETRIES = 3

@@ -336,8 +336,8 @@ def measure(devices: Sequence[Any], *, quick: bool = False, rounds: int = 1,
 
 
 def _trainer(plan: Any, devices: list[Any]) -> Any:
-    """The runner's trainer for ``plan`` (``testbed.cli.run.build_trainer``: the one training step there is)."""
-    from testbed.cli.run import build_trainer
+    """The runner's trainer for ``plan`` (``runners.train.build_trainer``: the one training step there is)."""
+    from runners.train import build_trainer
 
     return build_trainer(plan, list(devices))
 

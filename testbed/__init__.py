@@ -8,7 +8,7 @@ and times it on a modelled topology.
 from testbed.errors import InputError
 from testbed.plan.spec import Axis, MESH_AXES, Plan, Precision, Remat, ScheduleName, check_plan
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
-from testbed.topology.spec import Calibration, DeviceSpec, Level, LinkKind, Topology
+from testbed.topology import Calibration, DeviceSpec, Level, LinkKind, Topology
 from testbed.topology.io import bundled_names, load_topology, topology_from_dict, topology_to_dict
 
 __all__ = [

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed.cli.calibrate import simulator_collective_time
+from testbed.calibration.topology import simulator_collective_time
 from testbed.calibration import fit as cal
+from testbed.calibration import topology as cal_topology
 from testbed.calibration import collectives as cal_coll
 from testbed.calibration import steps as cal_steps
 from testbed.model import buffers as dispatch
@@ -93,7 +94,7 @@ def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp
     assert cal.fit_host_cores(paired) == pytest.approx(truth[8])
     assert cal.samples_from_rows(cal.samples_to_rows(paired)) == paired
     base = load_topology("host-cpu-8")
-    topo = cal.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
+    topo = cal_topology.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
                                    host_cores=2.0, collectives=None, efficiency=0.5, host_throughput=curve)
     # The curve is written as measured: no efficiency scaling, host_cores beside it for the reader.
     assert topo.calibration.compute_efficiency == 0.5 and topo.calibration.host_cores == 2
@@ -108,7 +109,7 @@ def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp
 @pytest.mark.parametrize("shared", [1.0, 1.5, 2.0, 2.7])
 def test_fractional_host_cores_give_the_measured_throughput_when_all_devices_compute(shared):
     base = load_topology("host-cpu-8")
-    topo = cal.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
+    topo = cal_topology.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
                                    host_cores=shared, collectives=None, efficiency=0.5)
     cores = topo.calibration.host_cores
     assert cores == math.ceil(shared)
@@ -167,7 +168,7 @@ def test_calibrated_topology_round_trips_through_yaml():
     base = load_topology("host-cpu-8")
     rates = {"fp32": 6e10, "bf16": 4e10}
     params = cal_coll.CollectiveParams(latency={"node": 1.5e-5}, bandwidth={"node": 2.5e9}, overhead_s=3e-4)
-    topo = cal.calibrated_topology(base, rates=rates, half_flops=5e6, memory_bandwidth=1.1e10, launch_s=3e-5,
+    topo = cal_topology.calibrated_topology(base, rates=rates, half_flops=5e6, memory_bandwidth=1.1e10, launch_s=3e-5,
                                    host_cores=1, collectives=params)
     # Fitted rates are what the simulator sees: peak x efficiency.
     for dtype, rate in rates.items():
@@ -194,7 +195,7 @@ def test_samples_round_trip_and_bad_rows_name_the_row():
 def test_validation_summary_has_every_plan_and_signed_errors():
     rows = [{"plan": f"p{i}", "predicted_s": p, "measured_s": m, "predicted_memory": 100.0, "measured_memory": mm}
             for i, (p, m, mm) in enumerate([(1.1, 1.0, 80.0), (0.5, 1.0, None), (2.0, 2.0, 100.0)])]
-    from testbed.cli.validate import validation_summary
+    from testbed.calibration.validation import validation_summary
 
     summary = validation_summary(rows)
     assert [p["plan"] for p in summary["plans"]] == ["p0", "p1", "p2"]
@@ -379,7 +380,7 @@ def test_validate_json_has_every_plan(tmp_path, capsys, built):
     ("gpu", 2, "NVIDIA H100 80GB HBM3", "h100-2"),
 ])
 def test_base_topology_matches_the_detected_devices(platform, count, kind, expected):
-    from testbed.cli.calibrate import base_topology
+    from testbed.calibration.topology import base_topology
 
     topo = base_topology(None, platform, count, kind)
     assert topo.name == expected and topo.num_devices == count
@@ -390,7 +391,7 @@ def test_base_topology_matches_the_detected_devices(platform, count, kind, expec
 def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
     from testbed.sim.engine import simulate
 
-    base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+    base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
     single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
     truth = replace(single, calibration=replace(single.calibration, compute_efficiency=0.4,
@@ -413,7 +414,7 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
     """
     from testbed.sim.engine import simulate
 
-    base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+    base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None)
     base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
     truth = replace(base, calibration=replace(base.calibration, compute_efficiency=0.4, replicated_passes=24.0,
@@ -439,7 +440,7 @@ def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
     samples have one ratio of replicated to split bytes, so they fix the sum the passes cost, not each count.)"""
     from testbed.sim.engine import simulate
 
-    base = cal.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+    base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None,
                                    cache_bytes=256 * 1024)
     base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))

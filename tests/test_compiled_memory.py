@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from runners import devices as dev
-from testbed.cli.run import build_trainer
+from runners.train import build_trainer
 from runners.measure import compiled_memory
 from runners.pipeline.memory import StageProgramMemory, device_bytes, stage_peak
 from runners.step import ReferenceTrainer

@@ -15,7 +15,7 @@ import pytest
 
 from runners import devices as dev
 from runners.pipeline import engine as pipeline
-from testbed.cli.run import build_trainer
+from runners.train import build_trainer
 from testbed.model import buffers as dispatch
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from runners import launch
-from testbed.cli.run import run_plan
+from runners.train import run_plan
 from runners.devices import select_devices
 from testbed.errors import InputError
 from testbed.plan.io import load_plan, plan_to_dict

@@ -17,7 +17,7 @@ import pytest
 
 from runners import devices as dev
 from runners import model
-from testbed.cli.run import build_trainer, verify_plan
+from runners.train import build_trainer, verify_plan
 from runners.precision import MasterState, Optimizer
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, OptimizerSpec, Plan
 

@@ -17,7 +17,7 @@ import pytest
 
 from runners import devices as dev
 from runners.pipeline import engine as pipeline
-from testbed.cli.run import build_trainer, verify_plan
+from runners.train import build_trainer, verify_plan
 from runners.pipeline.memory import abstract_outputs
 from runners.replicas import replicas
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec

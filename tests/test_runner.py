@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from runners import devices as dev
-from testbed.cli.run import verify_plan
+from runners.train import verify_plan
 from runners.hlo import check_collectives, count_collectives, expected_collectives
 from testbed.errors import InputError
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
@@ -111,9 +111,9 @@ def test_mesh_follows_placement() -> None:
 def test_device_errors_name_the_field() -> None:
     plan = _plan(data=2)
     with pytest.raises(InputError) as bad:
-        dev.parse_devices("gpu:3", plan)
+        dev.parse_devices("gpu:3", plan.mesh.size)
     assert bad.value.field == "--devices"
-    assert dev.parse_devices(None, plan) == dev.DeviceRequest(kind="emulated", count=2)
+    assert dev.parse_devices(None, plan.mesh.size) == dev.DeviceRequest(kind="emulated", count=2)
     with pytest.raises(InputError) as started:
         dev.prepare(dev.DeviceRequest(kind="emulated", count=4))  # conftest started JAX with 8
     assert started.value.field == "--devices" and "already started" in started.value.message

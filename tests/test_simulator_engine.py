@@ -16,7 +16,7 @@ from testbed.sim.program import Program, Task, TaskKind
 from testbed.sim.engine import Priced, compute_seconds, run
 from testbed.sim.timeline import Report, Timeline, chrome_trace
 from testbed.topology.generators import switch
-from testbed.topology.spec import Calibration, DeviceSpec
+from testbed.topology import Calibration, DeviceSpec
 
 LINKS = ["a", "b", "c", "d"]
 flows_st = st.lists(

@@ -20,7 +20,7 @@ import numpy as np
 
 from testbed.calibration.fit import Fit, Sample, fit_quality, of_kind, weighted_fit
 from testbed.errors import InputError
-from testbed.topology.spec import Form, Topology
+from testbed.topology import Form, Topology
 
 __all__ = ["CollectiveParams", "Predictor", "level_groups", "with_collective_params", "collective_columns",
            "fit_collectives"]

@@ -15,29 +15,24 @@ relative-error weighted) least squares, numpy only:
 - host cores: ``k`` devices at once vs one alone (shared host cores);
 - collectives: :mod:`testbed.calibration.collectives`.
 
-Everything here is pure; :func:`calibrated_topology` returns a new Topology.
+Everything here is pure; :func:`testbed.calibration.topology.calibrated_topology` builds the new Topology.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from testbed.errors import InputError
-from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
-from testbed.topology.spec import Calibration, Topology
-
-if TYPE_CHECKING:
-    from testbed.calibration.collectives import CollectiveParams
 
 __all__ = [
     "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
     "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput",
-    "calibrated_topology", "samples_to_rows", "samples_from_rows",
+    "samples_to_rows", "samples_from_rows",
 ]
 
 #: Kinds of measurement rows: an empty program, a matmul on one device, a small
@@ -233,7 +228,7 @@ def fit_host_cores(samples: Sequence[Sample]) -> float:
     The ``concurrent`` samples run the same per-device work on one device
     alone and on ``k`` devices at once; this takes the largest ``k``. 0
     (nothing shared) when all at once is within 25% of alone (real
-    accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`calibrated_topology`.
+    accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`testbed.calibration.topology.calibrated_topology`.
     """
     done = _work_done(samples)
     if not done:
@@ -275,73 +270,6 @@ def fit_host_throughput(samples: Sequence[Sample]) -> tuple[tuple[int, float], .
     for k in sorted(done):
         curve.append((k, float(np.clip(np.median(done[k]), curve[-1][1], k))))
     return tuple(curve)
-
-
-# -- the calibrated topology --------------------------------------------------------
-
-def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
-                        launch_s: float, host_cores: float, collectives: CollectiveParams | None,
-                        name: str | None = None, efficiency: float | None = None,
-                        peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0,
-                        controller_step_s: float = 0.0, controller_buffer_s: float = 0.0,
-                        controller_pipeline_step_s: float = 0.0,
-                        host_throughput: tuple[tuple[int, float], ...] = (),
-                        passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
-                        cache_bytes: float = 0.0) -> Topology:
-    """The base topology with fitted device rates, calibration and link parameters.
-
-    Peaks: the matmul rate's fraction of the base device's peak (median over
-    dtypes, at most 1) is ``e``; each dtype's peak becomes ``rate / e`` (so
-    ``peak * e`` is its measured rate and the ratios between dtypes are
-    measured). ``compute_efficiency`` is ``efficiency`` when given (the fit on
-    training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
-    likewise. Dtypes not measured keep their base peak; ``peak_scales``
-    (from the training steps) multiply a dtype's peak last. ``controller_s``
-    and ``controller_step_s`` are the controller's CPU time per dispatched
-    program and per step, ``controller_pipeline_step_s`` a pipeline step's
-    extra (:func:`testbed.calibration.steps.fit_controller`),
-    ``controller_buffer_s`` per device buffer a program passes
-    (:func:`testbed.calibration.steps.fit_controller_buffers`); ``passes``
-    the elementwise (replicated, split, cached) passes fitted on the
-    training steps, ``cache_bytes`` the largest activation whose passes
-    run from cache (measured on the host).
-
-    A measured ``host_throughput`` curve (:func:`fit_host_throughput`) is
-    written as it is, with ``host_cores`` (the host's CPUs) beside it for
-    the reader, and no efficiency scaling. Without one, shared host throughput
-    ``host_cores = r`` (e.g. 1.5 cores' worth) is
-    written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
-    ``r / ceil(r)``: the simulator gives ``n`` devices computing at once
-    ``min(1, cores / n)`` of their speed each, so this is exact whenever at
-    least ``ceil(r)`` devices compute at once (a device alone is then
-    predicted up to ``r / ceil(r)`` slower).
-    """
-    device = base.device
-    ratios = [rates[d] / device.peak_flops[d] for d in rates if d in device.peak_flops]
-    matmul_efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
-    peaks = dict(device.peak_flops)
-    peaks.update({d: r / matmul_efficiency for d, r in rates.items()})
-    peaks.update({d: peaks[d] * x for d, x in (peak_scales or {}).items() if d in peaks})
-    memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
-    device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
-    cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
-    efficiency = matmul_efficiency if efficiency is None else efficiency
-    if cores and not host_throughput:
-        efficiency *= host_cores / cores
-    calibration = Calibration(
-        compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
-        replicated_passes=passes[0], split_passes=passes[1], cached_passes=passes[2],
-        cache_bytes=cache_bytes, launch_overhead_s=launch_s,
-        collective_overhead_s=base.calibration.collective_overhead_s, host_cores=cores,
-        host_throughput=tuple(host_throughput), controller_overhead_s=controller_s, controller_step_s=controller_step_s,
-        controller_pipeline_step_s=controller_pipeline_step_s, controller_buffer_s=controller_buffer_s)
-    out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
-                  description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
-    if collectives is not None:
-        from testbed.calibration.collectives import with_collective_params
-
-        out = with_collective_params(out, collectives)
-    return out
 
 
 def samples_to_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ import numpy as np
 from testbed.calibration.fit import Fit, Sample, fit_line, fit_quality, of_kind
 from testbed.errors import InputError
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.topology.spec import Topology
+from testbed.topology import Topology
 
 __all__ = ["STEP_SHAPES", "DEEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "pipeline_plan", "fit_step_compute",
            "controller_programs", "controller_load", "fit_controller_buffers", "fit_controller"]

@@ -9,7 +9,7 @@ from testbed.output import CommandResult
 from testbed.plan.placement import Placement, group_span, place
 from testbed.plan.spec import MESH_AXES, Plan
 from testbed.plan.io import load_plan, plan_to_dict
-from testbed.topology.spec import Topology
+from testbed.topology import Topology
 from testbed.topology.io import bundled_names, load_topology
 from testbed.units import format_bandwidth, format_bytes, format_flops, format_time
 

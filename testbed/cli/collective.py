@@ -16,7 +16,7 @@ from testbed.collectives.timing import CollectiveTiming, applicable_algorithms, 
 from testbed.collectives.ops import OPS, Op, parse_op
 from testbed.errors import InputError
 from testbed.output import CommandResult, to_jsonable
-from testbed.topology.spec import Topology
+from testbed.topology import Topology
 from testbed.topology.io import load_topology
 from testbed.units import format_bandwidth, format_bytes, format_time, parse_bytes
 

@@ -83,16 +83,16 @@ def execute(args: argparse.Namespace) -> CommandResult:
     if not args.no_run:
         from runners import devices as dev
 
-        request = dev.parse_devices(None, plan)
+        request = dev.parse_devices(None, plan.mesh.size)
         _stage(console, f"3/6 run {args.steps} steps on {request} (compiles first)")
         dev.prepare(request)
         devices = dev.select_devices(plan.mesh.size)
-        from testbed.cli.run import build_trainer, run_plan, verify_plan
+        from runners.train import build_trainer, run_plan, verify_plan
         from runners.measure import compiled_memory
 
         measured = run_plan(plan, devices, args.steps)
         # Calibrate's own step right after: how fast the host runs now against its calibration.
-        from testbed.cli.validate import ReferenceStep
+        from runners.validate import ReferenceStep
 
         measured["reference_step"] = ReferenceStep(topology, devices).time()
         # XLA's memory analysis compiles without running (pipelines: every stage's programs).

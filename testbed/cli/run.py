@@ -1,54 +1,24 @@
 """`testbed run` and `testbed verify`: execute a plan with JAX; check it against one device.
 
-JAX is imported only inside functions, after :func:`runners.devices.prepare`
-has set the host device count (``--devices emulated:N`` must reach XLA before
-it starts). ``--processes K`` hands the same work to K local workers through
-:mod:`runners.launch` and prints one merged result.
-
-verify's errors (documented in the JSON under ``errors`` and ``thresholds``):
-
-- loss: ``|a - b| / |b|`` per step;
-- gradients of the first step (both sides start from identical parameters):
-  ``max|a - b| / max|b|`` over the whole gradient tree (a global norm: a
-  zero-initialised bias can have an all-tiny gradient made of cancelling
-  terms, where a per-leaf ratio measures only rounding);
-- parameters after the steps (the fp32 master under bf16-mixed: bf16
-  rounding of parameters near 1.0 would dwarf a step): ``max|a - b|`` in
-  units of ``lr x steps``, the most Adam can move a parameter. Adam's
-  ``g / (|g| + eps)`` has slope ``1 / eps`` near ``g = 0``, so fp32
-  rounding in a near-zero gradient moves a parameter by a visible fraction
-  of a step; a wrong shard of the moments or parameters moves it by whole
-  steps.
-
-``max_rel_err`` is the larger of the loss and gradient errors; ``ok`` needs
-each error under its threshold (:data:`THRESHOLDS`) and the compiled programs to hold the
-collectives the plan implies (:mod:`runners.hlo`).
+The work is :mod:`runners.train`'s; JAX is imported only inside functions,
+after :func:`runners.devices.prepare` has set the host device count
+(``--devices emulated:N`` must reach XLA before it starts). ``--processes K``
+hands the same work to K local workers through :mod:`runners.launch` and
+prints one merged result.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import types
 from typing import Any
 
 from testbed.errors import InputError
 from testbed.output import CommandResult
-from testbed.plan.spec import Plan, Precision
-from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
+from testbed.plan.io import load_plan, plan_to_dict
+from testbed.plan.spec import Plan
 
-__all__ = ["run", "verify", "run_plan", "verify_plan", "build_trainer", "worker_body", "THRESHOLDS"]
-
-#: precision -> {loss: relative, grads: relative, param_steps: optimizer steps}. bf16-mixed gradients
-#: come out of bf16 matmuls (outputs rounded to 2^-9 relative); microbatches and shards round partial
-#: sums that can cancel, so 10% of the largest gradient is allowed, and Adam turns the sign change of
-#: a small gradient into a whole step, so parameters may be 1.5 steps apart.
-THRESHOLDS: dict[Precision, dict[str, float]] = {
-    Precision.FP32: {"loss": 1e-5, "grads": 1e-5, "param_steps": 5e-2},
-    Precision.BF16_MIXED: {"loss": 1e-3, "grads": 1e-1, "param_steps": 1.5},
-}
-
+__all__ = ["run", "verify"]
 
 def _common_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--plan", default="demo", help="plan YAML file or bundled plan name (default: demo)")
@@ -71,122 +41,12 @@ def _devices_for(plan: Plan, request: Any) -> list[Any]:
     return devices.select_devices(plan.mesh.size)
 
 
-def build_trainer(plan: Plan, devices: list[Any], return_grads: bool = False) -> Any:
-    """The plan's trainer on ``devices`` (exactly the mesh size): SPMD, or pipeline when ``mesh.stage > 1``."""
-    from runners import devices as dev
-    from runners.pipeline.trainer import PipelineTrainer
-    from runners.step import SpmdTrainer
-
-    placement = dev.plan_placement(plan, devices)
-    if plan.mesh.stage == 1:
-        return SpmdTrainer(plan, dev.build_mesh(placement, devices), return_grads=return_grads)
-    meshes = [dev.stage_mesh(placement, devices, s) for s in range(plan.mesh.stage)]
-    return PipelineTrainer(plan, meshes, return_grads=return_grads)
-
-
-def _loss_value(loss: Any) -> float | None:
-    from runners.step import scalar
-
-    return scalar(loss) if loss is not None and loss.addressable_shards else None
-
-
-def run_plan(plan: Plan, devices: list[Any], steps: int) -> dict[str, Any]:
-    """Warm-up step (compiles), then ``steps`` timed steps; platform, times and last loss."""
-    import jax
-
-    from runners.devices import describe
-
-    trainer = build_trainer(plan, devices)
-    start = time.perf_counter()
-    state = trainer.init()
-    state, loss = trainer.step(state, 0)
-    jax.block_until_ready((state, loss))
-    compile_s = time.perf_counter() - start
-    times, losses = [], []
-    for i in range(1, steps + 1):
-        t = time.perf_counter()
-        state, loss = trainer.step(state, i)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t)
-        losses.append(_loss_value(loss))
-    return {**describe(devices), "plan": plan.name, "steps": steps, "step_times_s": times,
-            "median_step_time_s": statistics.median(times), "compile_time_s": compile_s,
-            "loss": losses[-1], "losses": losses}
-
-
-def _tree_errors(a: Any, b: Any) -> tuple[float, float]:
-    """(max|a - b|, max|b|) over two pytrees of numpy arrays, in float64 (bf16-mixed gradients are bf16)."""
-    import jax
-    import numpy as np
-
-    wide = (lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), t))
-    a, b = wide(a), wide(b)
-    diffs = jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), a, b))
-    scale = jax.tree.leaves(jax.tree.map(lambda y: float(np.max(np.abs(y))), b))
-    return max(diffs), max(scale)
-
-
-def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool = True) -> dict[str, Any]:
-    """Run the plan and the single-device reference for ``steps`` steps and compare (see module doc)."""
-    from runners.hlo import check_collectives
-    from runners.step import ReferenceTrainer, scalar
-
-    trainer = build_trainer(plan, devices, return_grads=True)
-    reference = ReferenceTrainer(plan, devices[0])
-    state, ref_state = trainer.init(), reference.init()
-    losses, ref_losses, loss_rel, grad_rel, max_abs = [], [], [], [], 0.0
-    for i in range(steps):
-        state, loss = trainer.step(state, i)
-        ref_state, ref_loss = reference.step(ref_state, i)
-        losses.append(scalar(loss))
-        ref_losses.append(scalar(ref_loss))
-        loss_rel.append(abs(losses[-1] - ref_losses[-1]) / abs(ref_losses[-1]))
-        max_abs = max(max_abs, abs(losses[-1] - ref_losses[-1]))
-        if i == 0:  # later steps start from parameters Adam already pulled apart (see module doc)
-            diff, scale = _tree_errors(trainer.full_grads(), reference.full_grads())
-            grad_rel.append(diff / scale)
-            max_abs = max(max_abs, diff)
-    param_abs, param_scale = _tree_errors(trainer.full_params(state), reference.full_params(ref_state))
-    param_steps = param_abs / (plan.optimizer.learning_rate * steps)
-    tol = THRESHOLDS[plan.precision]
-    max_rel = max(loss_rel + grad_rel)
-    collectives = (check_collectives(plan, trainer.compiled_texts(state), trainer.transfers()) if check_hlo
-                   else {"expected": [], "found": {}, "missing": [], "ok": True, "skipped": True})
-    ok = (max(loss_rel) <= tol["loss"] and max(grad_rel) <= tol["grads"] and param_steps <= tol["param_steps"]
-          and collectives["ok"])
-    return {"ok": ok, "max_abs_err": max(max_abs, param_abs), "max_rel_err": max_rel,
-            "errors": {"loss_rel": loss_rel, "grad_rel": grad_rel, "param_abs": param_abs,
-                       "param_rel": param_abs / param_scale, "param_steps": param_steps},
-            "thresholds": tol,
-            "loss": losses, "reference_loss": ref_losses, "steps": steps, "plan": plan.name,
-            "devices": len(devices), "platform": devices[0].platform, "collectives": collectives}
-
-
-def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
-    """What one launched worker runs (after JAX joined the job): the run command's body."""
-    from runners.devices import select_devices
-
-    plan = plan_from_dict(payload["plan"], default_name=payload["plan"].get("name", "plan"))
-    return run_plan(plan, select_devices(plan.mesh.size), payload["steps"])
-
-
-def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Process 0's result, with the loss from whichever worker holds the last stage."""
-    merged = dict(results[0])
-    for result in results:
-        if result.get("loss") is not None:
-            merged["loss"], merged["losses"] = result["loss"], result["losses"]
-            break
-    merged["worker_step_times_s"] = [r["step_times_s"] for r in results]
-    return merged
-
-
 def _execute_run(args: argparse.Namespace) -> CommandResult:
-    from runners import devices, launch
+    from runners import devices, launch, train
 
     plan = load_plan(args.plan)
     _check_steps(args.steps)
-    request = devices.parse_devices(args.devices, plan)
+    request = devices.parse_devices(args.devices, plan.mesh.size)
     if args.processes < 1:
         raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
     if args.processes > 1:
@@ -206,17 +66,17 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
         except launch.WorkerFailed as exc:
             return CommandResult({"ok": False, "error": str(exc), "worker": exc.worker}, _error_render(str(exc)),
                                  exit_code=1)
-        data = _merge(results)
+        data = train.merge_worker_results(results)
     elif args.distributed:
         # One process per host, started by the cluster (srun, a TPU pod); JAX reads the job from the environment.
         if request.kind != "local":
             raise InputError("--distributed joins the hosts of a cluster job and needs --devices local",
                              field="--distributed")
         devices.initialize_distributed(None, None, None)
-        data = run_plan(plan, _devices_for(plan, request), args.steps)
+        data = train.run_plan(plan, _devices_for(plan, request), args.steps)
     else:
         devices.prepare(request)
-        data = run_plan(plan, _devices_for(plan, request), args.steps)
+        data = train.run_plan(plan, _devices_for(plan, request), args.steps)
     return CommandResult(data, _run_render(data))
 
 
@@ -237,13 +97,13 @@ def _run_render(data: dict[str, Any]):
 
 
 def _execute_verify(args: argparse.Namespace) -> CommandResult:
-    from runners import devices
+    from runners import devices, train
 
     plan = load_plan(args.plan)
     _check_steps(args.steps)
-    request = devices.parse_devices(args.devices, plan)
+    request = devices.parse_devices(args.devices, plan.mesh.size)
     devices.prepare(request)
-    data = verify_plan(plan, _devices_for(plan, request), args.steps)
+    data = train.verify_plan(plan, _devices_for(plan, request), args.steps)
 
     def render(console: Any) -> None:
         verdict = "[green]ok[/green]" if data["ok"] else "[red]NOT ok[/red]"

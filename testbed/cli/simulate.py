@@ -12,7 +12,7 @@ from testbed.output import CommandResult
 from testbed.plan.spec import Plan
 from testbed.plan.io import load_plan
 from testbed.sim.engine import Simulation, simulate as run_simulation
-from testbed.topology.spec import Topology
+from testbed.topology import Topology
 from testbed.topology.io import load_topology
 from testbed.units import format_bytes, format_time
 

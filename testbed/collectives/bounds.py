@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 
 from testbed.collectives.ops import Op, parse_op
-from testbed.topology.spec import Form, Topology
+from testbed.topology import Form, Topology
 
 __all__ = ["lower_bound", "injection_bandwidth", "subtree_cuts", "torus_cuts"]
 

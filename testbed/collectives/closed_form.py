@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from testbed.collectives.algorithms import TREE_PIECES
 from testbed.collectives.ops import Op, parse_op
-from testbed.topology.spec import Form, Topology
+from testbed.topology import Form, Topology
 
 __all__ = ["symmetry", "closed_form_time"]
 

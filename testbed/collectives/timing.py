@@ -35,7 +35,7 @@ from testbed.collectives.bounds import lower_bound
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
 from testbed.errors import InputError
-from testbed.topology.spec import Form, Topology
+from testbed.topology import Form, Topology
 
 __all__ = ["CollectiveTiming", "collective_time", "groups_time", "link_loads", "send_time",
            "applicable_algorithms", "program_time", "group_grid"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from testbed.plan.spec import MESH_AXES, Axis, Plan, check_plan
-from testbed.topology.spec import Topology
+from testbed.topology import Topology
 
 __all__ = ["Placement", "place", "group_span"]
 

@@ -234,11 +234,6 @@ class Plan:
     def with_mesh(self, **degrees: int) -> "Plan":
         return replace(self, mesh=replace(self.mesh, **degrees))
 
-    def summary(self) -> dict[str, Any]:
-        from testbed.plan.io import plan_to_dict
-
-        return plan_to_dict(self)
-
 
 def check_plan(plan: Plan, num_devices: int, where: str = "topology") -> None:
     """Reject a plan whose mesh does not use exactly ``num_devices`` devices."""

@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from types import MappingProxyType
+from dataclasses import dataclass
 
-import networkx as nx
-
-from testbed.errors import InputError, unknown_key_message
+from testbed.errors import InputError
 
 __all__ = ["Calibration"]
 

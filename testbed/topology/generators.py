@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import networkx as nx
-
 from testbed.errors import InputError
 from testbed.topology.calibration import Calibration
 from testbed.topology.parts import DeviceSpec, Form, Level, LinkKind, LinkSpec

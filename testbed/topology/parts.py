@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
-import networkx as nx
-
-from testbed.errors import InputError, unknown_key_message
+from testbed.errors import InputError
 
 __all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec"]
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import networkx as nx
 
+from testbed.errors import InputError
 from testbed.topology.parts import Form, Level, LinkSpec
 
 if TYPE_CHECKING:  # the Topology class calls this module; only its annotations name it here

@@ -21,15 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
-from types import MappingProxyType
 
 import networkx as nx
 
 from testbed.errors import InputError, unknown_key_message
 from testbed.topology import routing
 from testbed.topology.calibration import Calibration
-from testbed.topology.parts import DeviceSpec, Form, Level, LinkKind, LinkSpec
+from testbed.topology.parts import DeviceSpec, Form, Level, LinkSpec
 
 __all__ = ["Topology", "level_sizes"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed.output import atomic_path
-from testbed.topology.spec import Form, LinkKind, Topology
+from testbed.topology import Form, LinkKind, Topology
 from testbed.units import format_bandwidth
 
 __all__ = ["pyplot", "save_figure", "draw_topology", "LINK_COLOURS"]

@@ -1,0 +1,113 @@
+"""Time plans beside their predictions: what ``testbed validate`` measures.
+
+Each plan's trainer is compiled once (:class:`runners.measure.PlanTimer`) and
+timed in ``rounds`` rounds (later rounds in reverse order), and after every
+round of a plan the reference step (:class:`ReferenceStep`) is timed too: the
+host's speed for that round. The summary is
+:func:`testbed.calibration.validation.validation_summary`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from runners import measure
+from testbed.calibration import steps as cal_steps
+from testbed.plan.spec import Plan
+from testbed.sim.engine import controller_seconds, simulate
+from testbed.sim.program import TaskKind
+from testbed.topology import Topology
+
+__all__ = ["measure_plans", "ReferenceStep"]
+
+
+def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str], devices: Sequence[Any], *,
+                  steps: int, rounds: int,
+                  progress: Callable[[str, int], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Per plan, predicted and measured step time, memory and controller time; and the reference step.
+
+    Returns ``(rows, reference)``: the rows :func:`validation_summary` reads
+    (``round_medians_s``, ``host_speeds``, ``measured_at_calibrated_speed_s``
+    too), and the least disturbed reference timing with every round's.
+    ``progress(description, rounds done)`` is called before each plan's round.
+    """
+    c = topology.calibration
+    rows = []
+    for path, plan in zip(paths, plans):
+        sim = simulate(plan, topology)
+        report = sim.report
+        rows.append({"plan": plan.name, "file": str(path), "predicted_s": report.step_time_s,
+                     "predicted_memory": float(report.memory["total"]),
+                     # The controller: CPU seconds the dispatching thread spends per step, as the simulation
+                     # priced its host tasks, and as measured.
+                     "predicted_controller_s": sum(controller_seconds(c, t) for t in sim.program.tasks
+                                                   if t.kind is TaskKind.HOST),
+                     "round_medians_s": [], "host_speeds": [], "step_times_s": [], "controller_s": []})
+    # Each plan's trainer is compiled once and timed in every round (runners.measure.PlanTimer) when all of
+    # them fit in a device's memory at once (half of it, by the simulator's estimates); else it is rebuilt per round.
+    keep = sum(row["predicted_memory"] for row in rows) <= 0.5 * topology.device.memory_bytes
+    timers: dict[int, Any] = {}
+
+    def timer(i: int) -> Any:
+        if i not in timers:
+            timers[i] = measure.PlanTimer(plans[i], list(devices))
+        return timers[i]
+
+    reference_step = ReferenceStep(topology, devices)
+    references: list[dict[str, Any]] = []
+    for r in range(rounds):
+        # Later rounds in reverse order: a slow spell of a shared host does not hit the same plans twice.
+        order = list(range(len(plans)))[::1 if r % 2 == 0 else -1]
+        for k, i in enumerate(order):
+            if progress is not None:
+                progress(f"{plans[i].name} (round {r + 1})", r * len(plans) + k)
+            median, times, host = timer(i).round(steps)
+            # The reference step right after the plan: how fast the host ran for this round of the plan.
+            references.append(reference_step.time())
+            row = rows[i]
+            row["round_medians_s"].append(median)
+            row["host_speeds"].append(references[-1]["speed"])
+            row["step_times_s"] += times
+            row["controller_s"] += host
+            if r == 0:
+                row["measured_memory"] = timer(i).memory()
+            if not keep:
+                del timers[i]
+    reference = dict(min(references, key=lambda ref: ref["measured_s"]),
+                     measured_rounds_s=[ref["measured_s"] for ref in references])
+    for row in rows:
+        # Other load only ever slows a step: the least disturbed round is the best estimate of the plan's own time.
+        row["measured_s"] = min(row["round_medians_s"])
+        # Each round's median as if the host had run at its calibrated speed (the reference step's speed
+        # beside it): the model's error apart from the host's drift since calibration.
+        row["measured_at_calibrated_speed_s"] = float(np.median(np.array(row["round_medians_s"])
+                                                                * np.array(row["host_speeds"])))
+        row["measured_controller_s"] = float(np.median(row.pop("controller_s")))
+    return rows, reference
+
+
+class ReferenceStep:
+    """One of calibrate's own training steps, to time against its prediction: how fast is the host now?
+
+    The data-parallel step of :data:`testbed.calibration.steps.STEP_SHAPES`
+    ``cpu-m`` (``acc-m`` on accelerators) over all devices is what
+    ``compute_efficiency`` was fitted on, so ``speed = predicted / measured``
+    far from 1 says the host's speed has drifted since calibration (other
+    load on a shared machine, clock changes) and every plan's error carries
+    that drift. Compiled once (runners.measure.PlanTimer); ``validate``
+    times it after every plan's round: the host's speed for that round.
+    """
+
+    def __init__(self, topology: Topology, devices: Sequence[Any]) -> None:
+        plan = cal_steps.step_plan("cpu-m" if devices[0].platform == "cpu" else "acc-m", len(devices))
+        self.timer = measure.PlanTimer(plan, list(devices))
+        self.predicted_s = simulate(plan, topology).report.step_time_s
+
+    def time(self) -> dict[str, Any]:
+        """``{plan, predicted_s, measured_s, speed}``: the median of 5 steps now."""
+        measured = self.timer.round(steps=5)[0]
+        return {"plan": self.timer.plan.name, "predicted_s": self.predicted_s, "measured_s": measured,
+                "speed": self.predicted_s / measured}

@@ -1,0 +1,243 @@
+"""A calibrated topology from measured samples: which base topology to start from, and the whole fit.
+
+``testbed calibrate`` measures (:mod:`runners.measure`) and calls
+:func:`fit_all`, which runs every fit of this package in order (dispatch,
+compute, memory, host cores and throughput, collectives, controller, the
+training steps' compute) and returns the topology with its fitted
+:class:`~testbed.topology.Calibration`. Pure: no JAX, no files.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from testbed.calibration import collectives as cal_coll
+from testbed.calibration import fit as cal
+from testbed.calibration import steps as cal_steps
+from testbed.collectives import timing as collective_timing
+from testbed.errors import InputError
+from testbed.topology import Calibration, Level, LinkKind, Topology, generators
+
+__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
+
+#: Name of the level joining the processes (the emulated hosts).
+OUTER_LEVEL = "cluster"
+#: Starting values of the outer level before the fit (gloo over loopback TCP); kept where no sample exercises it.
+_OUTER_BANDWIDTH, _OUTER_LATENCY = 1e9, 50e-6
+
+
+#: jax collective names (runners.measure) -> testbed.collectives.ops op names.
+JAX_TO_OP = {"psum": "all_reduce", "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
+             "all_to_all": "all_to_all", "ppermute": "send"}
+
+
+def simulator_collective_time(topology: Topology, sample: cal.Sample, reference: Topology | None = None) -> float:
+    """What the simulator predicts for a measured collective: the group of ``ranks`` consecutive devices.
+
+    A ``ppermute`` ring shift is a send between neighbours (every device sends
+    and receives one message at once, on its own links).
+    """
+    op = JAX_TO_OP.get(sample.op, sample.op)
+    if op == "send":
+        return float(collective_timing.send_time(topology, 0, 1, sample.bytes))
+    group = tuple(range(sample.ranks))
+    algorithm = "auto"
+    if reference is not None:
+        algorithm = collective_timing.collective_time(reference, op, group, sample.bytes).algorithm
+    return float(collective_timing.collective_time(topology, op, group, sample.bytes, algorithm).time_s)
+
+
+def _chip(name: str) -> str:
+    """The chip of a device name: ``H100-SXM5-80GB`` -> ``h100``, ``TPU-v5e`` -> ``tpu v5e``."""
+    tokens = name.lower().replace("-", " ").replace("_", " ").split()
+    return " ".join(tokens[:2]) if tokens and tokens[0] == "tpu" else (tokens[0] if tokens else "")
+
+
+def base_topology(base: str | None, platform: str, num_devices: int, device_kind: str = "") -> Topology:
+    """The topology to calibrate: ``--base`` if given, else one matching the detected devices.
+
+    Emulated host devices start from ``host-cpu-8``; local accelerators from
+    the bundled topology whose device chip (``h100``, ``tpu v5e``) appears in
+    the JAX device kind, preferring one with the same device count. When the
+    count differs, the devices sit on one switch (the template's innermost
+    level) and the user should pass ``--base`` for a multi-node layout.
+    """
+    from testbed.topology.io import bundled_names, load_topology
+
+    if base is not None:
+        topo = load_topology(base)
+        if topo.num_devices != num_devices:
+            raise InputError(f"the base topology has {topo.num_devices} devices but {num_devices} are measured; "
+                             f"pass a --base with {num_devices} devices", field="--base")
+        return topo
+    kind = device_kind.lower().replace("-", " ")
+    bundled = [load_topology(name) for name in bundled_names()]
+    if platform == "cpu":
+        matches = [t for t in bundled if t.name == "host-cpu-8"]
+    else:
+        matches = [t for t in bundled if _chip(t.device.name) and _chip(t.device.name) in kind]
+        matches = matches or [t for t in bundled if t.name == ("dgx-h100" if platform == "gpu" else "tpu-v5e-4x4")]
+    matches.sort(key=lambda t: t.num_devices != num_devices)
+    template = matches[0]
+    if template.num_devices == num_devices:
+        return template
+    level = template.levels[0]
+    return generators.switch(num_devices, device=template.device, bandwidth=level.bandwidth, latency=level.latency,
+                             kind=level.kind, level=level.name, name=f"{_chip(template.device.name).replace(' ', '-')}"
+                             f"-{num_devices}", calibration=template.calibration)
+
+
+def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flops: float, memory_bandwidth: float,
+                        launch_s: float, host_cores: float, collectives: cal_coll.CollectiveParams | None,
+                        name: str | None = None, efficiency: float | None = None,
+                        peak_scales: Mapping[str, float] | None = None, controller_s: float = 0.0,
+                        controller_step_s: float = 0.0, controller_buffer_s: float = 0.0,
+                        controller_pipeline_step_s: float = 0.0,
+                        host_throughput: tuple[tuple[int, float], ...] = (),
+                        passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
+                        cache_bytes: float = 0.0) -> Topology:
+    """The base topology with fitted device rates, calibration and link parameters.
+
+    Peaks: the matmul rate's fraction of the base device's peak (median over
+    dtypes, at most 1) is ``e``; each dtype's peak becomes ``rate / e`` (so
+    ``peak * e`` is its measured rate and the ratios between dtypes are
+    measured). ``compute_efficiency`` is ``efficiency`` when given (the fit on
+    training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
+    likewise. Dtypes not measured keep their base peak; ``peak_scales``
+    (from the training steps) multiply a dtype's peak last. ``controller_s``
+    and ``controller_step_s`` are the controller's CPU time per dispatched
+    program and per step, ``controller_pipeline_step_s`` a pipeline step's
+    extra (:func:`testbed.calibration.steps.fit_controller`),
+    ``controller_buffer_s`` per device buffer a program passes
+    (:func:`testbed.calibration.steps.fit_controller_buffers`); ``passes``
+    the elementwise (replicated, split, cached) passes fitted on the
+    training steps, ``cache_bytes`` the largest activation whose passes
+    run from cache (measured on the host).
+
+    A measured ``host_throughput`` curve (:func:`fit_host_throughput`) is
+    written as it is, with ``host_cores`` (the host's CPUs) beside it for
+    the reader, and no efficiency scaling. Without one, shared host throughput
+    ``host_cores = r`` (e.g. 1.5 cores' worth) is
+    written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
+    ``r / ceil(r)``: the simulator gives ``n`` devices computing at once
+    ``min(1, cores / n)`` of their speed each, so this is exact whenever at
+    least ``ceil(r)`` devices compute at once (a device alone is then
+    predicted up to ``r / ceil(r)`` slower).
+    """
+    device = base.device
+    ratios = [rates[d] / device.peak_flops[d] for d in rates if d in device.peak_flops]
+    matmul_efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
+    peaks = dict(device.peak_flops)
+    peaks.update({d: r / matmul_efficiency for d, r in rates.items()})
+    peaks.update({d: peaks[d] * x for d, x in (peak_scales or {}).items() if d in peaks})
+    memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
+    device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency)
+    cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
+    efficiency = matmul_efficiency if efficiency is None else efficiency
+    if cores and not host_throughput:
+        efficiency *= host_cores / cores
+    calibration = Calibration(
+        compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
+        replicated_passes=passes[0], split_passes=passes[1], cached_passes=passes[2],
+        cache_bytes=cache_bytes, launch_overhead_s=launch_s,
+        collective_overhead_s=base.calibration.collective_overhead_s, host_cores=cores,
+        host_throughput=tuple(host_throughput), controller_overhead_s=controller_s, controller_step_s=controller_step_s,
+        controller_pipeline_step_s=controller_pipeline_step_s, controller_buffer_s=controller_buffer_s)
+    out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
+                  description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
+    if collectives is not None:
+        out = cal_coll.with_collective_params(out, collectives)
+    return out
+
+
+def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, host_cpus: int = 0,
+            cache_bytes: float = 0.0) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
+    """Fit every calibration field from ``samples``; (calibrated topology, fitted values, fits).
+
+    ``host_cpus``: the cores of the host emulated devices run on (0: unknown);
+    ``cache_bytes``: the largest activation whose elementwise passes run from
+    the host's cache (``runners.devices.host_cache_bytes``; 0: unknown).
+    """
+    launch = cal.fit_dispatch(samples)
+    rates, half, fits = cal.fit_compute(samples, launch)
+    try:
+        memory_bw, memory_fit = cal.fit_memory(samples, launch)
+        fits.append(memory_fit)
+    except InputError:  # noisy streams on a busy host: keep the base topology's bandwidth
+        memory_bw = base.device.memory_bandwidth * base.calibration.memory_efficiency
+    shared = cal.fit_host_cores(samples)
+    curve = cal.fit_host_throughput(samples)
+    # Devices that share a host saturate its cores once that many compute at once; steps then fit the rest.
+    has_steps = any(s.kind == "step" for s in samples)
+    cores = float(host_cpus) if shared and host_cpus and has_steps else shared
+    collectives = None
+    # Collective samples are already per collective inside a program (runners.measure loops them).
+    rows = [s for s in samples if s.kind == "collective"]
+    if rows:
+        collectives, coll_fit = cal_coll.fit_collectives(base, rows, simulator_collective_time)
+        fits.append(coll_fit)
+    topo = calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
+                                   host_cores=cores, collectives=collectives, name=name, host_throughput=curve,
+                                   cache_bytes=cache_bytes)
+    buffers = cal_steps.fit_controller_buffers(samples)
+    buffer_s = 0.0
+    if buffers is not None:
+        buffer_s, buffer_fit = buffers
+        fits.append(buffer_fit)
+    controller = cal_steps.fit_controller(samples, buffer_s)
+    controller_step_s = controller_s = pipeline_step_s = 0.0
+    if controller is not None:  # its buffer cost: real steps' when they tell it, else the empty programs'
+        controller_step_s, controller_s, pipeline_step_s, buffer_s, controller_fit = controller
+        fits.append(controller_fit)
+    steps = cal_steps.fit_step_compute(topo, samples)
+    efficiency, scales, passes = None, None, (0.0, 0.0, 0.0)
+    if steps is not None:
+        efficiency, half, scales, passes, step_fit = steps
+        fits.append(step_fit)
+    if steps is not None or controller is not None or buffer_s:
+        topo = calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw,
+                                       launch_s=launch, host_cores=cores, collectives=collectives, name=name,
+                                       efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
+                                       controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
+                                       controller_pipeline_step_s=pipeline_step_s, passes=passes,
+                                       host_throughput=curve, cache_bytes=cache_bytes)
+    c = topo.calibration
+    fitted = {
+        "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
+        "memory_efficiency": c.memory_efficiency, "replicated_passes": c.replicated_passes,
+        "split_passes": c.split_passes, "cached_passes": c.cached_passes, "cache_bytes": c.cache_bytes,
+        "launch_overhead_s": c.launch_overhead_s,
+        "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
+        "host_throughput": {str(n): t for n, t in c.host_throughput},
+        "controller_overhead_s": c.controller_overhead_s, "controller_step_s": c.controller_step_s,
+        "controller_pipeline_step_s": c.controller_pipeline_step_s,
+        "controller_buffer_s": c.controller_buffer_s,
+        "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
+        "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
+        "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},
+    }
+    return topo, fitted, fits
+
+
+def cluster_topology(base: Topology, processes: int) -> Topology:
+    """``base`` (one level, N devices) as K hosts of N/K devices: its level inside, ``cluster`` outside.
+
+    The inner level keeps ``base``'s innermost level (kind, bandwidth,
+    latency); the outer starts from gloo-over-loopback guesses that the
+    collective fit replaces.
+    """
+    inner = base.levels[0]
+    local = base.num_devices // processes
+    levels = [Level(name=inner.name, size=local, bandwidth=inner.bandwidth, latency=inner.latency, kind=inner.kind),
+              Level(name=OUTER_LEVEL, size=processes, bandwidth=_OUTER_BANDWIDTH, latency=_OUTER_LATENCY,
+                    kind=LinkKind.ETHERNET)]
+    stem = base.name.rsplit("-", 1)[0] if base.name.rsplit("-", 1)[-1].isdigit() else base.name
+    return generators.hierarchical(levels, device=base.device, name=f"{stem}-{local}x{processes}",
+                                   calibration=base.calibration)
+
+

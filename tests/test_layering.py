@@ -1,0 +1,117 @@
+"""The house's layering, computed from the source with ``ast``: no import cycle, commands on top.
+
+Every import counts, including those inside functions (a cycle held open by
+a function-level import is still a cycle); only ``if TYPE_CHECKING:`` blocks
+are left out, because they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("testbed", "runners")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, module: str, is_package: bool, modules: dict[str, Path]) -> set[str]:
+    """The project modules ``module`` imports anywhere (functions included, TYPE_CHECKING blocks excluded)."""
+    found: set[str] = set()
+    package = module if is_package else module.rpartition(".")[0]
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from package import module` imports that module; `from module import name`, the module.
+            submodules = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+            found.update(submodules)
+            if target in modules and len(submodules) < len(node.names):
+                found.add(target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    found.discard(module)
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    """module -> the project modules it imports (a package's ``__init__`` is the package's name)."""
+    modules = _modules()
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        for target in _imports(ast.parse(path.read_text()), name, path.name == "__init__.py", modules):
+            graph.add_edge(name, target)
+    return graph
+
+
+def _is_command(module: str) -> bool:
+    return module == "testbed.cli" or module.startswith("testbed.cli.")
+
+
+def test_the_graph_sees_function_level_imports() -> None:
+    graph = import_graph()
+    # testbed.cli.run imports runners.train only inside its command functions.
+    assert graph.has_edge("testbed.cli.run", "runners.train")
+    assert len(graph) > 60
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph()
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_library_never_imports_commands() -> None:
+    graph = import_graph()
+    bad = [(a, b) for a, b in graph.edges if _is_command(b) and not _is_command(a)]
+    assert not bad, f"library modules import command modules: {bad}"
+
+
+def test_only_commands_import_runners() -> None:
+    graph = import_graph()
+    bad = [(a, b) for a, b in graph.edges if a.startswith("testbed") and b.startswith("runners") and not _is_command(a)]
+    assert not bad, f"testbed core imports runners: {bad}"
+
+
+def test_core_never_imports_jax() -> None:
+    bad = []
+    for name, path in _modules().items():
+        if not name.startswith("testbed") or _is_command(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [(name, r) for r in roots if r.split(".")[0] in ("jax", "jaxlib", "optax", "runners")]
+    assert not bad, f"testbed core imports jax/optax/runners: {bad}"
