@@ -1,0 +1,9 @@
+"""Fitting a topology's calibration to measured samples, and comparing predictions with measurements (pure).
+
+:mod:`~testbed.calibration.fit` fits one kernel kind at a time,
+:mod:`~testbed.calibration.collectives` the links,
+:mod:`~testbed.calibration.steps` whole training steps and the controller,
+:mod:`~testbed.calibration.topology` runs them all (:func:`fit_all`);
+:mod:`~testbed.calibration.validation` summarises predicted vs measured.
+The measuring itself is :mod:`runners.measure`'s.
+"""

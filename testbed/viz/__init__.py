@@ -1,0 +1,1 @@
+"""Pictures: topology drawings and Gantt charts (matplotlib, imported lazily, written atomically)."""
