@@ -107,20 +107,51 @@ def prepare(request: DeviceRequest, local_count: int | None = None) -> None:
     jax.config.update("jax_num_cpu_devices", count)
 
 
-def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+def initialize_distributed(coordinator: str | None, num_processes: int | None, process_id: int | None, *,
+                           bind_host: str | None = None) -> None:
     """Join the processes of one job (gloo collectives on CPU).
 
     With all arguments ``None`` JAX reads the cluster environment itself
-    (SLURM, Open MPI, Cloud TPU).
+    (SLURM, Open MPI, Cloud TPU). ``bind_host`` (``127.0.0.1`` for the local
+    workers of ``--processes K``) is the only address the job listens on:
+    process 0's coordinator service (JAX binds ``[::]`` unless told) and
+    every process's gloo pairs (gloo otherwise binds the address the machine's
+    hostname resolves to).
     """
     import jax
 
     if jax.config.jax_platforms in ("cpu",) or os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if bind_host is not None:
+        _gloo_binds(bind_host)
     if coordinator is None:
         jax.distributed.initialize()
     else:
-        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=60)
+        port = coordinator.rpartition(":")[2]
+        bind = None if bind_host is None else f"{bind_host}:{port}"
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=60,
+                                   coordinator_bind_address=bind)
+
+
+def _gloo_binds(host: str) -> None:
+    """Make the CPU backend's gloo collectives listen on ``host``.
+
+    JAX builds them with ``make_gloo_tcp_collectives(distributed_client=...)``
+    and no address, and offers no setting for one; this process's CPU backend
+    is not created yet (:func:`prepare` runs first), so the factory it will
+    call is wrapped to pass ``hostname=host``.
+    """
+    from jax._src import xla_bridge
+
+    make = xla_bridge._jax.make_gloo_tcp_collectives
+    if getattr(make, "_testbed_host", None) == host:
+        return
+
+    def make_on_host(*args: Any, hostname: str | None = None, **kwargs: Any) -> Any:
+        return make(*args, hostname=hostname or host, **kwargs)
+
+    make_on_host._testbed_host = host  # type: ignore[attr-defined]
+    xla_bridge._jax.make_gloo_tcp_collectives = make_on_host
 
 
 def select_devices(count: int | None = None) -> list[Any]:

@@ -245,7 +245,9 @@ def _worker_main() -> int:
 
     devices.prepare(devices.DeviceRequest(kind="emulated", count=context.local_devices * context.num_processes),
                     local_count=context.local_devices)
-    devices.initialize_distributed(context.coordinator, context.num_processes, context.process_id)
+    # Local workers listen on loopback only (the coordinator's host), never on every interface.
+    devices.initialize_distributed(context.coordinator, context.num_processes, context.process_id,
+                                   bind_host=context.coordinator.rpartition(":")[0])
     _inject_fault(context.process_id)
     data = _body(context.payload.get("body", "run"))(context.payload)
     write_atomic(context.result_file, json.dumps(to_jsonable(data), default=str))

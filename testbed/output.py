@@ -1,15 +1,19 @@
-"""Atomic file output and the result type every command returns.
+"""Safe file output, the inputs it protects, and the result type every command returns.
 
 Files are written to a temporary sibling and renamed into place, so an
 interrupted or failed command never leaves a half-written trace, plot or
-topology behind.
+topology behind. An existing regular file at the path is replaced (keeping
+its mode), a symlink is written through, and anything else is refused:
+folders, devices, pipes, and the files the command itself read as input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,27 +22,116 @@ from typing import Any
 
 from testbed.errors import InputError
 
-__all__ = ["write_atomic", "atomic_path", "CommandResult", "to_jsonable"]
+__all__ = ["write_atomic", "atomic_path", "output_target", "output_folder", "command_inputs", "note_input", "read_input", "CommandResult",
+           "to_jsonable"]
+
+
+#: Real paths of the files the running command has read as input (None outside a command).
+_INPUTS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("testbed_inputs", default=None)
+
+
+@contextlib.contextmanager
+def command_inputs() -> Iterator[None]:
+    """Within this block, files read with :func:`read_input` are protected from :func:`atomic_path`."""
+    token = _INPUTS.set(frozenset())
+    try:
+        yield
+    finally:
+        _INPUTS.reset(token)
+
+
+def note_input(path: str | Path) -> None:
+    """Record ``path`` as an input of the running command (no-op outside :func:`command_inputs`)."""
+    inputs = _INPUTS.get()
+    if inputs is not None:
+        _INPUTS.set(inputs | {os.path.realpath(path)})
+
+
+def read_input(path: str | Path) -> str:
+    """Read a text input file and record it (:func:`note_input`); decoding errors propagate to the caller."""
+    text = Path(path).read_text()
+    note_input(path)
+    return text
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def output_target(path: str | Path, field_name: str = "output") -> Path:
+    """The file an output to ``path`` replaces, after the checks that keep outputs from destroying things.
+
+    A symlink is written through (its target is replaced, the link stays);
+    an existing folder, device, pipe or socket is refused, as is any file the
+    running command read as input (``simulate --plan p.yaml --trace p.yaml``),
+    and a missing or non-folder parent. Raises InputError naming the path.
+    """
+    shown = str(path)
+    target = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise InputError(f"cannot write `{shown}` ({exc.strerror})", field=field_name) from None
+    if mode is not None:
+        if stat.S_ISDIR(mode):
+            raise InputError(f"`{shown}` is a folder; give a file path", field=field_name)
+        if not stat.S_ISREG(mode):
+            raise InputError(f"`{shown}` is {_kind(mode)}; outputs are written only to regular files (they would be "
+                             f"replaced), give a file path", field=field_name)
+        if str(target) in (_INPUTS.get() or ()):
+            raise InputError(f"`{shown}` is an input of this command; writing the output there would destroy it, "
+                             f"give another path", field=field_name)
+    parent = target.parent
+    if not parent.exists():
+        raise InputError(f"the folder `{parent}` of `{shown}` does not exist; create it first", field=field_name)
+    if not parent.is_dir():
+        raise InputError(f"`{parent}` (in `{shown}`) is not a folder", field=field_name)
+    return target
+
+
+def output_folder(path: str | Path, field_name: str = "output") -> Path:
+    """A folder a command writes its files into (``demo --out``): created if missing, refused if not a folder."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise InputError(f"`{path}` exists and is not a folder; give a folder path", field=field_name) from None
+    except OSError as exc:
+        raise InputError(f"cannot create the folder `{path}` ({exc.strerror})", field=field_name) from None
+    return folder
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | Path, field_name: str = "output") -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it onto ``path`` on success."""
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
+    """Yield a temporary path beside ``path``'s target; rename it onto the target on success.
+
+    The target is :func:`output_target`'s (symlinks written through; inputs,
+    folders and devices refused). An existing file keeps its mode; a new one
+    gets the mode a plain ``open()`` would give it. On any error the
+    temporary file is removed and the target is untouched.
+    """
+    target = output_target(path, field_name)
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
-        raise InputError(f"cannot create the folder {parent} ({exc.strerror})", field=field_name) from None
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=parent)
+        raise InputError(f"cannot write in the folder `{target.parent}` ({exc.strerror})", field=field_name) from None
     os.close(fd)
-    # mkstemp creates 0600; give the file the mode a plain open() would have.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
     try:
+        if target.exists():
+            mode = stat.S_IMODE(target.stat().st_mode)
+        else:  # mkstemp creates 0600
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        os.chmod(tmp, mode)
         yield Path(tmp)
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.errors import InputError
+from testbed.output import read_input
 
 __all__ = ["measurements_path", "read_measurements", "recorded_processes"]
 
@@ -19,7 +20,7 @@ def measurements_path(out: str | Path) -> Path:
 def read_measurements(path: str) -> dict[str, Any]:
     """A ``.measurements.json`` file written by calibrate (InputError naming the file if unreadable)."""
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(read_input(path))
     except FileNotFoundError:
         raise InputError("measurements file not found", file=path, field="--from-measurements") from None
     except (OSError, json.JSONDecodeError) as exc:
@@ -35,7 +36,7 @@ def recorded_processes(path: str | None) -> int:
     if not path:
         return 1
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(read_input(path))
         return int(raw.get("processes", 1)) if isinstance(raw, dict) else 1
     except (OSError, ValueError, TypeError):
         return 1

@@ -23,7 +23,7 @@ from typing import Any
 
 from testbed.cli.basic import placement_report, plan_topology, render_placement
 from testbed.errors import InputError
-from testbed.output import CommandResult, write_atomic
+from testbed.output import CommandResult, output_folder, write_atomic
 from testbed.plan.placement import place
 from testbed.plan.io import load_plan
 from testbed.topology.io import load_topology
@@ -62,7 +62,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
         raise InputError(f"must be at least 1, got {args.steps}", field="--steps")
     console = None if args.json else Console(stderr=True)
     started = time.perf_counter()
-    out = Path(args.out)
+    out = output_folder(args.out, "--out")
     plan = load_plan(args.plan)
     topology = plan_topology(plan, args.topology)
     files: list[str] = []

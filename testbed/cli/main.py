@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from testbed.errors import InputError, closest
-from testbed.output import CommandResult
+from testbed.output import CommandResult, command_inputs
 
 __all__ = ["main", "COMMANDS"]
 
@@ -88,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"error: `testbed {args.command}` is not available in this build ({args._missing} missing)\n")
         return 2
     try:
-        result: CommandResult = args._command.execute(args)
+        with command_inputs():  # files the command reads are never overwritten by its outputs
+            result: CommandResult = args._command.execute(args)
     except InputError as exc:
         sys.stderr.write(f"error: {exc.render()}\n")
         return 2

@@ -10,6 +10,7 @@ import yaml
 
 from testbed.errors import InputError, closest
 from testbed.fields import check_keys, expect_mapping, get_bool, get_float, get_int, get_str, load_yaml
+from testbed.output import read_input
 from testbed.plan.spec import (
     Axis, BatchSpec, MeshSpec, ModelSpec, OptimizerSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec,
     plan_fields,
@@ -27,7 +28,7 @@ def resolve_plan_path(name_or_path: str) -> tuple[str, str]:
     """(display name, YAML text) of a plan file path or a bundled plan name (``demo``)."""
     path = Path(name_or_path)
     if path.is_file():
-        return str(path), path.read_text()
+        return str(path), read_input(path)
     if path.exists():
         raise InputError("is not a file; give a plan YAML file", file=str(path))
     names = bundled_plan_names()

@@ -17,6 +17,7 @@ import yaml
 from testbed.topology import generators
 from testbed.errors import InputError, closest
 from testbed.fields import check_keys, expect_mapping, get_bool, get_int, get_str, load_yaml
+from testbed.output import read_input
 from testbed.topology import Calibration, DeviceSpec, Form, Level, LinkKind, LinkSpec, Topology
 from testbed.units import parse_bandwidth, parse_bytes, parse_flops, parse_time
 
@@ -39,7 +40,7 @@ def resolve_topology_path(name_or_path: str) -> tuple[str, str]:
         if not path.is_file():
             raise InputError("topology file not found; give a bundled name (`testbed topologies`) or a YAML path",
                              file=str(path))
-        return str(path), path.read_text()
+        return str(path), read_input(path)
     names = bundled_names()
     if name_or_path not in names:
         hint = closest(name_or_path, names)
