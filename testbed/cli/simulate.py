@@ -110,26 +110,46 @@ def compare_rows(plan: Plan, topologies: list[Topology], plan_file: str, scale: 
 
 
 def draw_breakdown(rows: list[dict], path: str, title: str = ""):
-    """Stacked bars per topology: compute, exposed communication, idle (bubble and waits)."""
+    """Two panels per topology: the step time on a log scale, and its breakdown as shares of the step.
+
+    Step times across topologies span orders of magnitude (a CPU host vs an
+    NVSwitch node), so stacked milliseconds leave the fast bars unreadable;
+    shares of each topology's own step (compute, exposed communication,
+    idle: bubble and waits) keep every breakdown visible.
+    """
     from testbed.viz.plots import pyplot, save_figure
 
     plt = pyplot()
     names = [r["topology"] for r in rows]
-    compute = [r["compute_s"] * 1e3 for r in rows]
-    comm = [r["exposed_comm_s"] * 1e3 for r in rows]
-    idle = [max(0.0, r["step_time_s"] * 1e3 - c - e) for r, c, e in zip(rows, compute, comm)]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(rows) + 2.0), 4.0))
-    ax.bar(names, compute, label="compute", color="#4e79a7")
-    ax.bar(names, comm, bottom=compute, label="exposed comm", color="#f28e2b")
-    ax.bar(names, idle, bottom=[c + e for c, e in zip(compute, comm)], label="idle (bubble, waits)", color="#bab0ac")
+    steps = [r["step_time_s"] for r in rows]
+    share = lambda value, step: 100.0 * value / step if step > 0 else 0.0  # noqa: E731
+    compute = [share(r["compute_s"], r["step_time_s"]) for r in rows]
+    comm = [share(r["exposed_comm_s"], r["step_time_s"]) for r in rows]
+    idle = [max(0.0, 100.0 - c - e) for c, e in zip(compute, comm)]
+    width = max(7.0, 1.6 * len(rows) + 3.0)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(width, 4.6))
+    left.bar(names, [s * 1e3 for s in steps], color="#4e79a7")
+    left.set_yscale("log")
     for i, r in enumerate(rows):
-        ax.text(i, r["step_time_s"] * 1e3, f"MFU {r['mfu']:.0%}" + ("" if r["fits"] else " OOM"),
-                ha="center", va="bottom", fontsize=8)
-    ax.set_ylim(0, max((r["step_time_s"] * 1e3 for r in rows), default=1.0) * 1.12)
-    ax.set_ylabel("step time (ms)")
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+        left.text(i, r["step_time_s"] * 1e3, format_time(r["step_time_s"]) + ("" if r["fits"] else " OOM"),
+                  ha="center", va="bottom", fontsize=8)
+    left.set_ylabel("step time (ms, log scale)")
+    left.set_title("step time")
+    right.bar(names, compute, label="compute", color="#4e79a7")
+    right.bar(names, comm, bottom=compute, label="exposed comm", color="#f28e2b")
+    right.bar(names, idle, bottom=[c + e for c, e in zip(compute, comm)], label="idle (bubble, waits)",
+              color="#bab0ac")
+    for i, r in enumerate(rows):
+        right.text(i, 101, f"MFU {r['mfu']:.1%}", ha="center", va="bottom", fontsize=8)
+    right.set_ylim(0, 112)
+    right.set_ylabel("share of the step (%)")
+    right.set_title("breakdown")
+    for ax in (left, right):
+        plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.subplots_adjust(bottom=0.27)
+    fig.legend(*right.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
     return save_figure(fig, path)
 
 
@@ -144,16 +164,23 @@ def _compare_execute(args: argparse.Namespace) -> CommandResult:
         data["png"] = args.png
 
     def render(console) -> None:
+        from rich import box
         from rich.table import Table
 
-        table = Table(title=f"{plan.name}" + (" (data degree scaled)" if args.scale else ""))
-        table.add_column("topology", no_wrap=True)
-        for c in ("devices", "data", "step", "compute", "exp. comm", "bubble", "MFU", "memory"):
-            table.add_column(c, no_wrap=True)
+        # Fits 80 columns (piped output): light borders, short headers, numbers never wrapped; only a
+        # long topology name folds. The data degree is shown when --scale changed it.
+        table = Table(title=f"{plan.name}" + (" (data degree scaled)" if args.scale else ""), box=box.SIMPLE_HEAD,
+                      pad_edge=False, padding=(0, 1, 0, 0))
+        table.add_column("topology", overflow="fold", min_width=8)
+        columns = ["devices"] + (["data"] if args.scale else []) + ["step", "compute", "exp.comm", "bubble", "MFU",
+                                                                     "memory"]
+        for c in columns:
+            table.add_column(c, no_wrap=True, justify="right")
         for r in rows:
-            table.add_row(r["topology"], str(r["devices"]), str(r["data"]), format_time(r["step_time_s"]),
-                          format_time(r["compute_s"]), format_time(r["exposed_comm_s"]), f"{r['bubble_fraction']:.1%}",
-                          f"{r['mfu']:.1%}", "fits" if r["fits"] else "[red]OOM[/red]")
+            cells = [str(r["devices"])] + ([str(r["data"])] if args.scale else [])
+            cells += [format_time(r["step_time_s"]), format_time(r["compute_s"]), format_time(r["exposed_comm_s"]),
+                      f"{r['bubble_fraction']:.1%}", f"{r['mfu']:.1%}", "fits" if r["fits"] else "[red]OOM[/red]"]
+            table.add_row(r["topology"], *cells)
         console.print(table)
         for f in files:
             console.print(f"wrote {f}")
