@@ -1,6 +1,6 @@
 """The plan's optimizer over the parameters the trainers hold: plain optax, or fp32 master weights.
 
-DESIGN.md's ``precision: bf16-mixed`` is "bf16 params+grads, fp32 master +
+The plan's ``precision: bf16-mixed`` is "bf16 params+grads, fp32 master +
 Adam moments", and ``testbed.model.memory`` counts exactly that per parameter
 (2 + 2 + 4 + 4 x moments bytes, the master counted as optimizer state). So
 under bf16-mixed the trainers hold bf16 parameters, differentiate w.r.t.

@@ -81,7 +81,7 @@ def test_two_process_quick_calibration_end_to_end(tmp_path: Path, capsys: pytest
     ranks = {r["ranks"] for r in raw["samples"] if r["kind"] == "collective"}
     assert ranks == {2, 4}
     # Both levels fitted; an all-reduce inside a process uses only `node`, one across processes also `cluster`.
-    # (Which is slower is not asserted: on a loaded 2-core host gloo makes the two close and noisy, see README.)
+    # (Which is slower is not asserted: on a loaded 2-core host gloo makes the two close and noisy, see docs/validation.md.)
     for level in topo.levels:
         assert 0 < level.bandwidth < float("inf") and 0 <= level.latency < 1.0, data["fitted"]["levels"]
     slower = replace(topo, levels=(topo.levels[0], replace(topo.levels[1], bandwidth=topo.levels[1].bandwidth / 10)))

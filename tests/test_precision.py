@@ -1,4 +1,4 @@
-"""bf16-mixed holds what DESIGN.md and testbed.model.memory say: bf16 params and grads, fp32 master + moments.
+"""bf16-mixed holds what docs/plan-format.md and testbed.model.memory say: bf16 params and grads, fp32 master + moments.
 
 The trainers hold bf16 parameters, their gradients (and the accumulators
 across microbatches) are bf16, and the optimizer state holds the fp32 master

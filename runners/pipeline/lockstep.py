@@ -9,7 +9,7 @@ residuals, backward, gradient sum), and takes part in every transfer between
 two stages it holds devices of (:func:`runners.devices.transfer`, a
 collective-permute). Each transfer runs on its own: concurrent gloo
 collectives deadlocked, which is why this is about 9x slower per step than
-one process (README, Known limits).
+one process (docs/validation.md, known limits).
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 A collective algorithm is written once, as a frozen :class:`StepProgram`:
 rounds of :class:`Transfer` (source rank, destination rank, which chunk, reduce
 or copy). The simulator times a program on a topology
-(:mod:`testbed.collectives.timing`); the runner executes the same program with
-``lax.ppermute`` (``runners/collectives.py``); :func:`interpret` executes it
-with numpy and is the executable specification both are tested against.
+(:mod:`testbed.collectives.timing`); ``runners/collectives.py`` executes the
+same program on devices with ``lax.ppermute`` and checks it against JAX's own
+collective (training steps use the collectives XLA inserts, not these
+programs); :func:`interpret` executes it with numpy and is the executable
+specification both are tested against.
 
 Buffer layout. Every rank holds ``blocks`` blocks of equal length; each block
 is cut into ``pieces`` chunks with ``numpy.array_split`` sizes (the first
@@ -156,7 +158,7 @@ class StepProgram:
         return 1 if self.op in (Op.ALL_REDUCE, Op.BROADCAST, Op.SEND) else self.n
 
     def chunk_bytes(self, nbytes: float) -> float:
-        """Bytes of one chunk when the collective moves ``nbytes`` (DESIGN.md convention)."""
+        """Bytes of one chunk when the collective moves ``nbytes`` (the nccl-tests convention, docs/design.md)."""
         return float(nbytes) / (self.data_blocks * self.pieces)
 
     @property
