@@ -10,18 +10,37 @@ code.
 from __future__ import annotations
 
 import difflib
+import reprlib
 from collections.abc import Iterable
+from typing import Any
 
-__all__ = ["InputError", "closest", "unknown_key_message"]
+__all__ = ["InputError", "closest", "unknown_key_message", "quote", "MAX_MESSAGE"]
+
+#: Characters of a message (and of a file or field name) an error shows at most: a bad value can be
+#: megabytes, or an alias bomb that expands to gigabytes when printed whole.
+MAX_MESSAGE = 600
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxtuple, _SHORT.maxset = 2, 4, 4, 4, 4
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 40, 40, 40
+
+
+def quote(value: Any) -> str:
+    """A short ``repr`` of a user's value for a message: nested and long values are cut with ``...``."""
+    return _clip(_SHORT.repr(value), 80)
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class InputError(ValueError):
     """Bad user input: names the file (when known), the field and the fix."""
 
     def __init__(self, message: str, *, field: str | None = None, file: str | None = None):
-        self.message = message
-        self.field = field
-        self.file = file
+        self.message = _clip(str(message), MAX_MESSAGE)
+        self.field = None if field is None else _clip(str(field), MAX_MESSAGE // 3)
+        self.file = None if file is None else _clip(str(file), MAX_MESSAGE // 3)
         super().__init__(self.render())
 
     def render(self) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.errors import InputError
+from testbed.fields import read_text
 
 __all__ = ["write_atomic", "atomic_path", "output_target", "output_folder", "command_inputs", "note_input", "read_input", "CommandResult",
            "to_jsonable"]
@@ -47,9 +48,9 @@ def note_input(path: str | Path) -> None:
         _INPUTS.set(inputs | {os.path.realpath(path)})
 
 
-def read_input(path: str | Path) -> str:
-    """Read a text input file and record it (:func:`note_input`); decoding errors propagate to the caller."""
-    text = Path(path).read_text()
+def read_input(path: str | Path, what: str = "file") -> str:
+    """Read a UTF-8 text input file (:func:`testbed.fields.read_text`: InputError naming it) and record it."""
+    text = read_text(path, what)
     note_input(path)
     return text
 

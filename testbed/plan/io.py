@@ -9,7 +9,8 @@ from typing import Any
 import yaml
 
 from testbed.errors import InputError, closest
-from testbed.fields import check_keys, expect_mapping, get_bool, get_float, get_int, get_str, load_yaml
+from testbed.fields import (check_keys, expect_mapping, get_bool, get_float, get_int, get_str, is_input_file,
+                            load_yaml)
 from testbed.output import read_input
 from testbed.plan.spec import (
     Axis, BatchSpec, MeshSpec, ModelSpec, OptimizerSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec,
@@ -27,10 +28,8 @@ def bundled_plan_names() -> list[str]:
 def resolve_plan_path(name_or_path: str) -> tuple[str, str]:
     """(display name, YAML text) of a plan file path or a bundled plan name (``demo``)."""
     path = Path(name_or_path)
-    if path.is_file():
-        return str(path), read_input(path)
-    if path.exists():
-        raise InputError("is not a file; give a plan YAML file", file=str(path))
+    if is_input_file(path, "plan YAML file"):
+        return str(path), read_input(path, "plan YAML file")
     names = bundled_plan_names()
     stem = path.stem if path.suffix in (".yaml", ".yml") else path.name
     # A bare name (`demo`) or the repo-relative path of a bundled plan works from any directory.
