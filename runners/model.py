@@ -1,14 +1,13 @@
 """The GPT of ``testbed.model.costs`` in JAX: pure functions over a params pytree.
 
-Layout (what ``testbed.model.costs`` counts, exactly)::
+Layout: :func:`init_params` builds the pytree of ``testbed.model.layout``'s
+table, leaf by leaf (shapes, init and random keys from there), so it holds
+exactly what ``testbed.model.costs`` counts::
 
-    {"embed": {"tokens": [vocab, d], "positions": [seq, d]},
-     "layers": [ {"ln1": {scale, bias}, "attn": {wqkv [d,3,d], bqkv [3,d], wo [d,d], bo [d]},
-                  "ln2": {scale, bias}, "mlp": {w1 [d,f], b1 [f], w2 [f,d], b2 [d]}}, ... ],
-     "head": {"norm": {scale, bias}, "w": [d, vocab]}}      # no "w" when tied
+    {"embed": {...}, "layers": [{...}, ...], "head": {...}}
 
 Layers are a list so a pipeline stage takes ``params["layers"][r.start:r.stop]``
-for a range from :func:`testbed.model.costs.chunk_layers`.
+for a range from :func:`testbed.model.layout.chunk_layers`.
 
 Precision: :func:`init_params` makes fp32 parameters. Under ``bf16-mixed``
 the trainers hold bf16 parameters and keep the fp32 master in the optimizer
@@ -33,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from testbed.model import layout
+from testbed.model.layout import Init, ParamSpec, Placement
 from testbed.plan.spec import ModelSpec, Precision, Remat
 
 __all__ = [
@@ -42,7 +43,6 @@ __all__ = [
 
 Params = dict[str, Any]
 
-_INIT_STD = 0.02
 _LN_EPS = 1e-5
 
 
@@ -51,42 +51,39 @@ def compute_dtype(precision: Precision | str) -> jnp.dtype:
     return jnp.bfloat16 if Precision(precision) is Precision.BF16_MIXED else jnp.float32
 
 
-def _norm(d: int) -> dict[str, jax.Array]:
-    return {"scale": jnp.ones((d,), jnp.float32), "bias": jnp.zeros((d,), jnp.float32)}
+def _leaf(param: ParamSpec, keys: jax.Array) -> jax.Array:
+    """One parameter as the table says: constant, or ``std`` times a normal draw from ``keys[param.rng]``."""
+    if param.init is Init.ONES:
+        return jnp.ones(param.shape, jnp.float32)
+    if param.init is Init.ZEROS:
+        return jnp.zeros(param.shape, jnp.float32)
+    return param.std * jax.random.normal(keys[param.rng], param.shape, jnp.float32)
 
 
-def _normal(key: jax.Array, shape: tuple[int, ...], std: float = _INIT_STD) -> jax.Array:
-    return std * jax.random.normal(key, shape, jnp.float32)
-
-
-def _init_layer(spec: ModelSpec, key: jax.Array) -> Params:
-    d, f = spec.d_model, spec.d_ff
-    k = jax.random.split(key, 4)
-    # Output projections scaled by 1/sqrt(2 layers) (GPT-2) so the residual stream stays O(1).
-    out_std = _INIT_STD / math.sqrt(2 * spec.layers)
-    return {
-        "ln1": _norm(d),
-        # q, k, v stacked on their own axis so a tensor-parallel split of the last (heads x head_dim)
-        # axis hands each rank whole heads of all three (a clean Megatron column split).
-        "attn": {"wqkv": _normal(k[0], (d, 3, d)), "bqkv": jnp.zeros((3, d), jnp.float32),
-                 "wo": _normal(k[1], (d, d), out_std), "bo": jnp.zeros((d,), jnp.float32)},
-        "ln2": _norm(d),
-        "mlp": {"w1": _normal(k[2], (d, f)), "b1": jnp.zeros((f,), jnp.float32),
-                "w2": _normal(k[3], (f, d), out_std), "b2": jnp.zeros((d,), jnp.float32)},
-    }
+def _tree(params: Sequence[ParamSpec], keys: jax.Array) -> Params:
+    """Nested dicts of ``params`` by their paths."""
+    out: Params = {}
+    for param in params:
+        node = out
+        for name in param.path[:-1]:
+            node = node.setdefault(name, {})
+        node[param.path[-1]] = _leaf(param, keys)
+    return out
 
 
 def init_params(spec: ModelSpec, seed: int) -> Params:
-    """Deterministic fp32 parameters from ``seed`` (same seed, same values, on any device count)."""
-    keys = jax.random.split(jax.random.key(seed), spec.layers + 3)
-    d = spec.d_model
-    head: Params = {"norm": _norm(d)}
-    if not spec.tied_embeddings:
-        head["w"] = _normal(keys[2], (d, spec.vocab))
+    """Deterministic fp32 parameters from ``seed`` (same seed, same values, on any device count).
+
+    The seed splits into the table's global keys (embedding, head) and one
+    key per layer, which each layer splits into its own.
+    """
+    keys = jax.random.split(jax.random.key(seed), spec.layers + layout.GLOBAL_KEYS)
+    layer = layout.layer_params(spec)
     return {
-        "embed": {"tokens": _normal(keys[0], (spec.vocab, d)), "positions": _normal(keys[1], (spec.seq_len, d))},
-        "layers": [_init_layer(spec, keys[3 + i]) for i in range(spec.layers)],
-        "head": head,
+        Placement.EMBEDDING.root: _tree(layout.embedding_params(spec), keys),
+        Placement.LAYER.root: [_tree(layer, jax.random.split(keys[layout.GLOBAL_KEYS + i], layout.LAYER_KEYS))
+                               for i in range(spec.layers)],
+        Placement.HEAD.root: _tree(layout.head_params(spec), keys),
     }
 
 

@@ -5,16 +5,20 @@ of a stage's sub-mesh; on the full mesh the ``stage`` axis is left out, i.e.
 replicated, and for pipelines each stage has its own sub-mesh). XLA's SPMD
 partitioner then inserts the collectives:
 
-- tensor (Megatron): ``wqkv`` and ``w1`` split by columns, ``wo`` and ``w2``
-  by rows (one all-reduce after each), the token table and the head by vocab
+- tensor (Megatron): each leaf's tensor dim from testbed.model.layout's
+  table: ``wqkv`` and ``w1`` split by columns, ``wo`` and ``w2`` by rows (one
+  all-reduce after each), the token table and the head by vocab
   (vocab-parallel embedding and logits);
-- fsdp: a further dim of every large leaf sharded over ``fsdp`` (gathered for
+- fsdp: a further dim of every leaf sharded over ``fsdp`` by the layout's
+  one rule (the largest free dim the shard count divides; none: the leaf
+  stays replicated), the rule testbed.model.memory counts (gathered for
   use, gradients reduce-scattered);
 - ZeRO over ``data``: stage 1 shards the Adam moments over ``data`` as well,
   stage 2 also the gradients, stage 3 also the parameters.
 
 Activations: the batch dim is sharded over ``(data, fsdp)``.
-The layout follows the parameter names of :mod:`runners.model`.
+Leaves are found in the table by their path (a leaf the table lacks, or
+of another shape, is an error).
 """
 
 from __future__ import annotations
@@ -25,18 +29,15 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from testbed.plan.spec import Plan
+from testbed.model import layout
+from testbed.model.layout import ParamSpec
+from testbed.plan.spec import ModelSpec, Plan
 from testbed.plan.sharding import state_sharding
 
 __all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec", "Constrain"]
 
 #: Mesh axes the batch dim of activations is split over.
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
-
-# Megatron roles by parameter name: which dim carries the tensor split.
-_COLUMN = {"wqkv", "w1", "bqkv", "b1"}   # split the output dim (last)
-_ROW = {"wo", "w2"}                       # split the input dim (first)
-
 
 def _path_names(path: tuple[Any, ...]) -> list[str]:
     names = []
@@ -47,37 +48,31 @@ def _path_names(path: tuple[Any, ...]) -> list[str]:
     return names
 
 
-def leaf_spec(path: tuple[Any, ...], shape: tuple[int, ...], *, tensor: int, shard_axes: tuple[str, ...],
-              shard_size: int) -> P:
-    """The spec of one parameter leaf.
+def leaf_spec(param: ParamSpec, *, tensor: int, shard_axes: tuple[str, ...], shard_size: int) -> P:
+    """The spec of one parameter leaf, from its entry in testbed.model.layout's table.
 
     Args:
-      path: the leaf's key path in the params pytree (names from runners.model).
-      shape: the leaf's shape.
+      param: the leaf's table entry (its shape and tensor dim).
       tensor: the tensor-parallel degree (1: no tensor split).
       shard_axes: mesh axes a further dim is split over (``("fsdp",)``, ``("data", "fsdp")`` or ``()``).
       shard_size: product of the degrees of ``shard_axes``.
     """
-    names = _path_names(path)
-    name = names[-1] if names else ""
-    dims: list[Any] = [None] * len(shape)
-    if tensor > 1:
-        if name in _COLUMN:
-            dims[-1] = "tensor"
-        elif name in _ROW:
-            dims[0] = "tensor"
-        elif name == "tokens" and "embed" in names:
-            dims[0] = "tensor"          # vocab-parallel embedding
-        elif name == "w" and "head" in names:
-            dims[-1] = "tensor"         # vocab-parallel logits
-    if shard_axes and shard_size > 1:
-        # The largest dim left free whose size the shard count divides.
-        free = sorted((i for i in range(len(shape)) if dims[i] is None), key=lambda i: -shape[i])
-        for i in free:
-            if shape[i] % shard_size == 0:
-                dims[i] = shard_axes if len(shard_axes) > 1 else shard_axes[0]
-                break
+    dims: list[Any] = [None] * len(param.shape)
+    for dim in param.tensor_dims(tensor):
+        dims[dim] = "tensor"
+    # The layout's one fsdp/ZeRO rule, the one testbed.model.memory counts.
+    dim = param.shard_dim(tensor, shard_size) if shard_axes else None
+    if dim is not None:
+        dims[dim] = shard_axes if len(shard_axes) > 1 else shard_axes[0]
     return P(*dims)
+
+
+def _param(spec: ModelSpec, path: tuple[Any, ...], shape: tuple[int, ...]) -> ParamSpec:
+    """The table entry of the leaf at ``path``; the leaf must have the table's shape."""
+    param = layout.param_at(spec, _path_names(path))
+    if param.shape != shape:
+        raise ValueError(f"{param.name}: leaf shape {shape} is not the layout's {param.shape}")
+    return param
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,8 +94,8 @@ def _specs(params_shape: Any, plan: Plan, shard_axes: tuple[str, ...]) -> Any:
     for axis in shard_axes:
         size *= plan.mesh.degree(axis)
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: leaf_spec(path, tuple(leaf.shape), tensor=plan.mesh.tensor, shard_axes=shard_axes,
-                                     shard_size=size), params_shape)
+        lambda path, leaf: leaf_spec(_param(plan.model, path, tuple(leaf.shape)), tensor=plan.mesh.tensor,
+                                     shard_axes=shard_axes, shard_size=size), params_shape)
 
 
 def layout_for(params_shape: Any, plan: Plan) -> Layout:

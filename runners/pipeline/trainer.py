@@ -28,26 +28,30 @@ from runners.pipeline.memory import StageProgramMemory, pipeline_memory
 from runners.replicas import Spread, per_replica_forward, per_replica_losses, replicas, sum_replicas
 from runners.step import host_tree, place_tree, state_shardings, step_batch
 from testbed.errors import InputError
-from testbed.model.costs import chunk_layers
+from testbed.model.layout import Placement, chunk_layers, embedding_holder, head_holder, holds
 from testbed.plan.spec import Plan
 from testbed.pipeline.schedules import build_schedule, sends
 
 __all__ = ["PipelineTrainer", "split_params", "merge_params"]
 
 
+_EMBED, _LAYERS, _HEAD = (p.root for p in (Placement.EMBEDDING, Placement.LAYER, Placement.HEAD))
+
+
 def split_params(plan: Plan, full: Any) -> list[list[Any]]:
-    """The model's params as ``[stage][chunk]`` pieces (layers from testbed.model.costs.chunk_layers)."""
+    """The model's params as ``[stage][chunk]`` pieces (layers and holders from testbed.model.layout)."""
     p, v = plan.mesh.stage, plan.schedule.virtual_stages
     ranges = chunk_layers(plan.model, p, v)
     out = []
     for s in range(p):
         row = []
         for c in range(v):
-            piece: dict[str, Any] = {"layers": [full["layers"][i] for i in ranges[s][c]]}
-            if s == 0 and c == 0:
-                piece["embed"] = full["embed"]
-            if s == p - 1 and c == v - 1:
-                piece["head"] = full["head"]
+            piece: dict[str, Any] = {_LAYERS: [full[_LAYERS][i] for i in ranges[s][c]]}
+            embed, head = holds(s, c, p, v)
+            if embed:
+                piece[_EMBED] = full[_EMBED]
+            if head:
+                piece[_HEAD] = full[_HEAD]
             row.append(piece)
         out.append(row)
     return out
@@ -60,9 +64,10 @@ def merge_params(plan: Plan, pieces: list[list[Any]]) -> Any:
     layers: list[Any] = [None] * plan.model.layers
     for s in range(p):
         for c in range(v):
-            for i, layer in zip(ranges[s][c], pieces[s][c]["layers"]):
+            for i, layer in zip(ranges[s][c], pieces[s][c][_LAYERS]):
                 layers[i] = layer
-    return {"embed": pieces[0][0]["embed"], "layers": layers, "head": pieces[p - 1][v - 1]["head"]}
+    (es, ec), (hs, hc) = embedding_holder(p, v), head_holder(p, v)
+    return {_EMBED: pieces[es][ec][_EMBED], _LAYERS: layers, _HEAD: pieces[hs][hc][_HEAD]}
 
 
 class PipelineTrainer:
@@ -93,12 +98,12 @@ class PipelineTrainer:
 
         # The held parameters are already in the compute dtype (runners.precision): no cast here.
         def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
-            if "embed" in params:
-                x = model.embed(params["embed"], x)
-            return model.stage_forward(params["layers"], x, spec.heads, remat)
+            if _EMBED in params:
+                x = model.embed(params[_EMBED], x)
+            return model.stage_forward(params[_LAYERS], x, spec.heads, remat)
 
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-            return model.head_loss(params["head"], y, targets)
+            return model.head_loss(params[_HEAD], y, targets)
 
         # Data replicas keep their gradients apart until the update, and their losses until the step's end:
         # one reduction per step (runners.replicas), none per microbatch.

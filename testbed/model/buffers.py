@@ -10,12 +10,13 @@ gradients accumulated so far. So the controller's cost per program grows
 with layers per chunk and devices per stage, which one constant per program
 cannot follow.
 
-The array counts are those of the runner's programs (runners.model's
-parameter layout; the residuals ``jax.vjp`` keeps per block, per remat
-mode; the optimizer state of runners.precision: ``moments x P + 1`` arrays
-for ``P`` parameter arrays, ``(moments + 1) x P + 1`` under bf16-mixed,
-whose state also holds the fp32 master); tests/test_dispatch.py checks them
-against the runner for both precisions. testbed.sim.program
+The array counts are those of the runner's programs (the parameter
+arrays of testbed.model.layout's table, which runners.model builds; the
+residuals ``jax.vjp`` keeps per block, per remat mode; the optimizer state
+of runners.precision: ``moments x P + 1`` arrays for ``P`` parameter
+arrays, ``(moments + 1) x P + 1`` under bf16-mixed, whose state also holds
+the fp32 master); tests/test_dispatch.py checks them against the runner
+for both precisions. testbed.sim.program
 puts the sum on each controller task (:attr:`testbed.sim.program.Task.buffers`)
 and the simulator prices it at ``calibration.controller_buffer_s``.
 """
@@ -23,15 +24,14 @@ and the simulator prices it at ``calibration.controller_buffer_s``.
 from __future__ import annotations
 
 from testbed.model import costs as model
+from testbed.model import layout
 from testbed.plan.spec import Plan, Precision, Remat, ScheduleName
 
 __all__ = ["PARAM_ARRAYS_PER_LAYER", "RESIDUAL_ARRAYS_PER_LAYER", "chunk_param_arrays", "chunk_residual_arrays",
            "action_buffers", "send_buffers", "update_buffers", "spmd_step_buffers"]
 
-#: Parameter arrays of one block: two LayerNorms (scale, bias), wqkv, bqkv, wo, bo, w1, b1, w2, b2.
-PARAM_ARRAYS_PER_LAYER = 12
-_EMBED_PARAMS = 2          # token and position tables
-_HEAD_PARAMS = 3           # final LayerNorm (2) and the output projection (none when tied)
+#: Parameter arrays of one block (the rows of testbed.model.layout's table for a layer).
+PARAM_ARRAYS_PER_LAYER = layout.LAYER_LEAVES
 
 #: Arrays ``jax.vjp`` keeps of one block for its backward (the runner's ``Stored`` residuals).
 RESIDUAL_ARRAYS_PER_LAYER: dict[Remat, int] = {Remat.NONE: 16, Remat.SELECTIVE: 14, Remat.FULL: 1}
@@ -44,10 +44,14 @@ def _stage_devices(plan: Plan) -> int:
 
 
 def chunk_param_arrays(plan: Plan, stage: int, chunk: int) -> int:
-    """Parameter arrays of virtual chunk ``chunk`` on pipeline stage ``stage``."""
-    cost = model.chunk_cost(plan, stage, chunk)
-    head = _HEAD_PARAMS - int(plan.model.tied_embeddings) if cost.has_head else 0
-    return PARAM_ARRAYS_PER_LAYER * cost.layers + _EMBED_PARAMS * cost.has_embedding + head
+    """Parameter arrays of virtual chunk ``chunk`` on pipeline stage ``stage``: its leaves in the layout's table.
+
+    The runner's chunk pytree holds no tied token-table copy (its pipeline
+    refuses tied embeddings across stages), so neither does this count.
+    """
+    held = layout.chunk_params(plan.model, stage, chunk, plan.mesh.stage, plan.schedule.virtual_stages,
+                               tied_copy=False)
+    return sum(copies for _, copies in held)
 
 
 def chunk_residual_arrays(plan: Plan, stage: int, chunk: int) -> int:

@@ -1,22 +1,20 @@
 """Analytic GPT model: parameter counts, FLOPs, bytes and the split over stages.
 
-The model (the JAX twin is ``runners/model.py``; both must agree exactly):
+The parameters are those of ``testbed.model.layout``'s table (the JAX twin,
+``runners/model.py``, builds the same table): every count here is a sum
+over it, so the two cannot drift. In short: a token table and a learned
+position table (stage 0, chunk 0), ``layers`` pre-LayerNorm blocks (LN1,
+fused QKV ``d x 3d``, out projection ``d x d``, LN2, MLP ``d x d_ff`` and
+``d_ff x d``, all with biases, GELU), and a head (final LN plus an output
+projection ``d x vocab`` without bias, omitted when ``tied_embeddings``) on
+the last stage's last chunk. With tied embeddings on another chunk than the
+embedding's, that chunk holds a copy of the token table (its gradient is
+all-reduced with stage 0's), so held parameters exceed :func:`param_count`.
 
-- embedding: token table ``vocab x d_model`` plus a *learned* position table
-  ``seq_len x d_model`` (both on stage 0, chunk 0);
-- ``layers`` pre-LayerNorm blocks, each: LN1 (scale, bias), fused QKV
-  projection ``d x 3d`` with bias, attention out projection ``d x d`` with
-  bias, LN2 (scale, bias), MLP ``d x d_ff`` with bias, GELU, ``d_ff x d`` with
-  bias;
-- head: final LN (scale, bias) plus an output projection ``d x vocab`` without
-  bias, omitted when ``tied_embeddings`` (the token table is reused). Both sit
-  on the last stage's last chunk. With tied embeddings and more than one stage,
-  the last stage holds a copy of the token table (Megatron style; its gradient
-  is all-reduced with stage 0), so held parameters exceed :func:`param_count`.
-
-Tensor parallelism is Megatron's: QKV and MLP-in column-split, out projection
-and MLP-out row-split, token table and head vocab-split; LayerNorms, the
-position table and the row-split biases are replicated on every tensor rank.
+Tensor parallelism is Megatron's: the table gives each parameter's split
+dim (QKV and MLP-in by columns, out projection and MLP-out by rows, token
+table and head by vocab; LayerNorms, the position table and the row-split
+biases are replicated on every tensor rank).
 
 FLOPs count matmuls only (``2*m*n*k``); attention is dense over the full
 ``seq x seq`` score matrix (causality by masking), as the JAX model computes
@@ -29,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testbed.errors import InputError
+from testbed.model import layout
+from testbed.model.layout import chunk_layers
 from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 
 __all__ = [
@@ -46,19 +46,17 @@ LOSS_BYTES = 4
 
 def embedding_param_count(spec: ModelSpec) -> int:
     """Token table plus learned position table."""
-    return spec.vocab * spec.d_model + spec.seq_len * spec.d_model
+    return sum(p.size for p in layout.embedding_params(spec))
 
 
 def layer_param_count(spec: ModelSpec) -> int:
     """One block: two LayerNorms, QKV and out projections, two MLP matrices, all with biases."""
-    d, f = spec.d_model, spec.d_ff
-    return 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    return sum(p.size for p in layout.layer_params(spec))
 
 
 def head_param_count(spec: ModelSpec) -> int:
     """Final LayerNorm plus the output projection (0 extra when tied to the token table)."""
-    d = spec.d_model
-    return 2 * d + (0 if spec.tied_embeddings else d * spec.vocab)
+    return sum(p.size for p in layout.head_params(spec))
 
 
 def param_count(spec: ModelSpec) -> int:
@@ -67,51 +65,12 @@ def param_count(spec: ModelSpec) -> int:
 
 
 def _layer_params_per_tensor_rank(spec: ModelSpec, tensor: int) -> int:
-    d, f = spec.d_model, spec.d_ff
-    split = (3 * d * d + 3 * d) + d * d + (d * f + f) + f * d
-    replicated = 4 * d + d + d
-    return split // tensor + replicated
+    return sum(p.device_elements(tensor) for p in layout.layer_params(spec))
 
 
-def _check_split(spec: ModelSpec, stages: int, virtual: int) -> None:
-    for name, value in (("stages", stages), ("virtual", virtual)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"must be a positive whole number, got {value!r}", field=name)
-    if spec.layers % (stages * virtual):
-        raise InputError(f"layers {spec.layers} must be divisible by stages x virtual = {stages * virtual}",
-                         field="model.layers")
-
-
-def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1) -> list[list[range]]:
-    """``[stage][chunk] -> range`` of layer indices (Megatron interleaving).
-
-    Model chunk ``c * stages + s`` lives on stage ``s`` as its virtual chunk
-    ``c``; each chunk holds ``layers / (stages * virtual)`` consecutive layers.
-    """
-    _check_split(spec, stages, virtual)
-    per = spec.layers // (stages * virtual)
-    return [[range((c * stages + s) * per, (c * stages + s + 1) * per) for c in range(virtual)]
-            for s in range(stages)]
-
-
-def _holds(stage: int, chunk: int, stages: int, virtual: int) -> tuple[bool, bool]:
-    """(holds the embedding, holds the head) for this stage and chunk."""
-    return stage == 0 and chunk == 0, stage == stages - 1 and chunk == virtual - 1
-
-
-def _chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int, tensor: int) -> int:
-    layers = len(chunk_layers(spec, stages, virtual)[stage][chunk])
-    embed, head = _holds(stage, chunk, stages, virtual)
-    d = spec.d_model
-    n = layers * _layer_params_per_tensor_rank(spec, tensor)
-    if embed:
-        n += spec.vocab * d // tensor + spec.seq_len * d
-    if head:
-        n += 2 * d
-        if not spec.tied_embeddings or not embed:
-            # Untied: the output projection. Tied on another chunk: a copy of the token table.
-            n += spec.vocab * d // tensor
-    return n
+def _chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int, tensor: int,
+                  ways: int = 1) -> int:
+    return layout.held_elements(layout.chunk_params(spec, stage, chunk, stages, virtual), tensor, ways)
 
 
 def stage_param_count(spec: ModelSpec, stage: int, stages: int, virtual: int = 1) -> int:
@@ -126,10 +85,14 @@ def stage_param_count(spec: ModelSpec, stage: int, stages: int, virtual: int = 1
     return sum(_chunk_params(spec, stage, c, stages, virtual, 1) for c in range(virtual))
 
 
-def device_stage_params(plan: Plan, stage: int) -> int:
-    """Parameters one device of ``stage`` holds after the tensor split, before fsdp/ZeRO sharding."""
+def device_stage_params(plan: Plan, stage: int, ways: int = 1) -> int:
+    """Parameters one device of ``stage`` holds after the tensor split and, with ``ways`` > 1, fsdp/ZeRO sharding.
+
+    The sharding is the layout's one rule (``testbed.model.layout.shard_dim``,
+    as the runner's): a parameter no free dim of which ``ways`` divides stays whole.
+    """
     v = plan.schedule.virtual_stages
-    return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor) for c in range(v))
+    return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor, ways) for c in range(v))
 
 
 # -- FLOPs ----------------------------------------------------------------------------
@@ -300,7 +263,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         raise InputError(f"must be in 0..{v - 1}, got {chunk}", field="chunk")
     b, c = plan.microbatch_size, plan.precision.compute_bytes
     layers = len(chunk_layers(spec, p, v)[stage][chunk])
-    embed, head = _holds(stage, chunk, p, v)
+    embed, head = layout.holds(stage, chunk, p, v)
     dense, attention = _layer_matmul_flops(spec, b)
     forward = layers * (dense + attention) // t
     b_flops = layers * (dense + 2 * attention) // t

@@ -13,7 +13,9 @@ Sharding of model states, on top of the tensor split and the pipeline split
 (each device holds only its stage's layers, see ``testbed.model.costs``): the fsdp
 axis shards parameters, gradients and optimizer state; ZeRO over the data
 axis shards the optimizer state (stage 1), also the gradients (2), also the
-parameters (3).
+parameters (3). Each parameter is sharded by ``testbed.model.layout``'s one
+rule, the runner's: along its largest free dim the shard count divides, or
+not at all (then every device counts it whole).
 
 Activations: the bytes one microbatch-chunk keeps for its backward
 (``testbed.model.costs.activation_bytes_per_layer``, plus the head's) times the
@@ -41,6 +43,7 @@ import math
 from dataclasses import dataclass
 
 from testbed.model import costs as model
+from testbed.model import layout
 from testbed.plan.spec import Plan, Precision, Remat, ScheduleName
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
@@ -139,10 +142,6 @@ class MemoryBreakdown:
         return out
 
 
-def _shard(count: int, ways: int) -> int:
-    return math.ceil(count / ways)
-
-
 def _layer_param_bytes(plan: Plan) -> int:
     """One layer's parameters on one tensor rank in compute precision (what a gather materialises)."""
     return plan.precision.compute_bytes * _layer_params_per_device(plan)
@@ -197,7 +196,9 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     sharding = state_sharding(plan)
     param_ways, grad_ways, opt_ways = (sharding.ways(plan, w) for w in ("params", "grads", "optimizer"))
     held = model.device_stage_params(plan, stage)
-    holds_head = stage == p - 1
+    param_held, grad_held, opt_held = (model.device_stage_params(plan, stage, w)
+                                       for w in (param_ways, grad_ways, opt_ways))
+    holds_head = stage == layout.head_holder(p, v)[0]
     layers = spec.layers // (p * v) * v
     per_layer = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor)
     head_acts = 0
@@ -206,7 +207,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
         head_acts = math.ceil(inflight / v) * model.head_activation_bytes(
             spec, plan.microbatch_size, plan.precision, mesh.tensor)
     layer_acts = inflight * (layers // v) * per_layer
-    grads = grad_b * _shard(held, grad_ways)
+    grads = grad_b * grad_held
     # Sharded parameters are all-gathered for the forward, and the gathered weights are what the
     # backward multiplies by: autodiff saves them as residuals, so they stay live from forward to
     # backward (measured under GSPMD). Full remat recomputes the block, gather included: then only
@@ -219,7 +220,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     # buffer; a reduce-scatter (ZeRO >= 1) writes only the shard.
     reduce_ws = 0
     if mesh.data > 1 and mesh.fsdp == 1:
-        reduce_ws = grad_b * _shard(held, mesh.data if plan.zero >= 1 else 1)
+        reduce_ws = grad_b * model.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
     loss_ws = _loss_workspace(plan) if holds_head else 0
     layer_ws = _layer_workspace(plan)
     # (activations, gradients, workspace) at each candidate peak instant.
@@ -238,7 +239,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
             whole = grad_b * held if gradient_reduction(plan)[0] else 0
             instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered + whole)]
     else:
-        layer_grads = grad_b * _shard(_layer_params_per_device(plan), grad_ways)
+        layer_grads = grad_b * _layer_params_per_device(plan, grad_ways)
         head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
         instants = [(layer_acts + head_acts, head_grads, loss_ws + gathered)]
         for done in range(layers):
@@ -246,15 +247,14 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
                              layer_ws + gathered))
         instants.append((0, grads, reduce_ws))
     acts, live_grads, workspace = max(instants, key=sum)
-    return StageMemory(stage=stage, params_count=_shard(held, param_ways), params=param_b * _shard(held, param_ways),
-                       grads=live_grads, optimizer=opt_b * _shard(held, opt_ways), activations=acts,
+    return StageMemory(stage=stage, params_count=param_held, params=param_b * param_held,
+                       grads=live_grads, optimizer=opt_b * opt_held, activations=acts,
                        workspace=workspace, inflight=inflight)
 
 
-def _layer_params_per_device(plan: Plan) -> int:
-    spec, t = plan.model, plan.mesh.tensor
-    d, f = spec.d_model, spec.d_ff
-    return (4 * d * d + 2 * d * f + 3 * d + f) // t + 6 * d
+def _layer_params_per_device(plan: Plan, ways: int = 1) -> int:
+    """One layer's parameters on one device: tensor split, then ``ways``-way sharded by the layout's one rule."""
+    return layout.held_elements(((p, 1) for p in layout.layer_params(plan.model)), plan.mesh.tensor, ways)
 
 
 def memory_breakdown(plan: Plan, topology: Topology) -> MemoryBreakdown:

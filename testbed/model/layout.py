@@ -1,0 +1,317 @@
+"""The GPT's parameter layout: one table every count, shape, sharding and buffer is derived from.
+
+The model (``testbed.model.costs`` counts it, ``runners.model`` builds it)::
+
+    {"embed": {"tokens": [vocab, d], "positions": [seq, d]},
+     "layers": [ {"ln1": {scale, bias}, "attn": {wqkv [d,3,d], bqkv [3,d], wo [d,d], bo [d]},
+                  "ln2": {scale, bias}, "mlp": {w1 [d,f], b1 [f], w2 [f,d], b2 [d]}}, ... ],
+     "head": {"norm": {scale, bias}, "w": [d, vocab]}}      # no "w" when tied
+
+That picture is :data:`_TABLE` below, row by row; nothing else writes it.
+Each row says where the parameter sits (:class:`Placement`), its path under
+that placement's root, its shape in :class:`ModelSpec` fields, the dim the
+tensor axis splits (Megatron: QKV and MLP-in by columns, the out projection
+and MLP-out by rows, the token table and the head by vocab; LayerNorms, the
+position table and the row-split biases have none: replicated) and how the
+runner initialises it (the random key it draws from, so init values never
+move).
+
+Where the pieces sit in a pipeline (:func:`chunk_params`): the embedding on
+stage 0's chunk 0, the head on the last stage's last chunk; with tied
+embeddings on another chunk than the embedding's, that chunk holds a copy
+of the token table (Megatron style; its gradient is all-reduced with the
+original), so held parameters then exceed the model's.
+
+FSDP and ZeRO shard every parameter by ONE rule (:func:`shard_dim`): the
+largest dim not already split by the tensor axis whose size the shard
+count divides; a parameter with no such dim stays whole (replicated).
+The runner's PartitionSpecs and the memory model's bytes both come from
+it, so memory counts exactly what the runner holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple
+
+from testbed.errors import InputError
+from testbed.plan.spec import ModelSpec
+
+__all__ = [
+    "Placement", "Init", "ParamSpec", "INIT_STD", "GLOBAL_KEYS", "LAYER_KEYS", "LAYER_LEAVES",
+    "embedding_params", "layer_params", "head_params", "tied_table", "model_params", "param_at", "shard_dim",
+    "chunk_layers", "embedding_holder", "head_holder", "holds", "chunk_params", "held_elements",
+]
+
+#: Standard deviation of the random weights (GPT-2); residual projections are scaled further.
+INIT_STD = 0.02
+
+
+class Placement(StrEnum):
+    """Which part of the model a parameter belongs to; :attr:`root` is its key in the params pytree."""
+
+    EMBEDDING = "embedding"
+    LAYER = "layer"
+    HEAD = "head"
+
+    @property
+    def root(self) -> str:
+        return {"embedding": "embed", "layer": "layers", "head": "head"}[self.value]
+
+
+class Init(StrEnum):
+    """How the runner initialises a parameter (fp32)."""
+
+    ZEROS = "zeros"
+    ONES = "ones"
+    NORMAL = "normal"
+    #: Normal scaled by ``1/sqrt(2 layers)`` (GPT-2's output projections, so the residual stream stays O(1)).
+    NORMAL_RESIDUAL = "normal-residual"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParamSpec:
+    """One parameter array of the model, for one :class:`ModelSpec`.
+
+    ``path`` is under :attr:`Placement.root` (a layer's under its list entry);
+    ``tensor_dim`` the dim the tensor axis splits (None: replicated over it);
+    ``rng`` the index of the random key it is drawn from (the global keys for
+    embedding and head, the layer's own keys for a layer; None if constant).
+    """
+
+    placement: Placement
+    path: tuple[str, ...]
+    shape: tuple[int, ...]
+    tensor_dim: int | None
+    init: Init
+    std: float = 0.0
+    rng: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.path or not all(isinstance(p, str) and p for p in self.path):
+            raise ValueError(f"path must be non-empty names, got {self.path!r}")
+        if not self.shape or not all(isinstance(n, int) and n >= 1 for n in self.shape):
+            raise ValueError(f"{self.name}: shape must be positive sizes, got {self.shape!r}")
+        if self.tensor_dim is not None and not 0 <= self.tensor_dim < len(self.shape):
+            raise ValueError(f"{self.name}: tensor_dim {self.tensor_dim} outside shape {self.shape}")
+        random = self.init in (Init.NORMAL, Init.NORMAL_RESIDUAL)
+        if random != (self.rng is not None) or random != (self.std > 0):
+            raise ValueError(f"{self.name}: a random init needs rng and std > 0, a constant one neither")
+
+    @property
+    def name(self) -> str:
+        """``root/path`` (e.g. ``layers/attn/wqkv``), for messages."""
+        return "/".join((self.placement.root, *self.path))
+
+    @property
+    def size(self) -> int:
+        """Elements of the whole parameter."""
+        return math.prod(self.shape)
+
+    def tensor_dims(self, tensor: int) -> tuple[int, ...]:
+        """Dims the tensor axis takes at degree ``tensor`` (none at degree 1)."""
+        return (self.tensor_dim,) if tensor > 1 and self.tensor_dim is not None else ()
+
+    def shard_dim(self, tensor: int, ways: int) -> int | None:
+        """The dim fsdp/ZeRO split ``ways`` ways (:func:`shard_dim` on the dims tensor leaves free)."""
+        return shard_dim(self.shape, self.tensor_dims(tensor), ways)
+
+    def device_elements(self, tensor: int = 1, ways: int = 1) -> int:
+        """Elements one device holds: split by ``tensor`` (if it has a tensor dim) and by ``ways`` under the rule."""
+        n = self.size
+        for dim in self.tensor_dims(tensor):
+            if self.shape[dim] % tensor:
+                raise ValueError(f"{self.name}: tensor {tensor} does not divide dim {dim} of {self.shape}")
+            n //= tensor
+        return n // ways if self.shard_dim(tensor, ways) is not None else n
+
+
+def shard_dim(shape: tuple[int, ...], taken: tuple[int, ...], ways: int) -> int | None:
+    """The ONE fsdp/ZeRO shard rule: the largest dim not in ``taken`` whose size ``ways`` divides.
+
+    Ties go to the lower dim. None means the parameter is not split (``ways``
+    is 1, or no free dim divides): every device holds it whole.
+    """
+    if ways <= 1:
+        return None
+    free = sorted((i for i in range(len(shape)) if i not in taken), key=lambda i: -shape[i])
+    return next((i for i in free if shape[i] % ways == 0), None)
+
+
+# -- the table ------------------------------------------------------------------------------
+
+class _Row(NamedTuple):
+    placement: Placement
+    path: tuple[str, ...]
+    dims: tuple[str | int, ...]       # ModelSpec field names, or literal sizes
+    tensor_dim: int | None
+    init: Init
+    rng: int | None = None
+    untied_only: bool = False          # absent when the head reuses the token table
+
+
+#: Under the embedding root: the table a tied head multiplies by (transposed).
+_TIED_PATH = ("tokens",)
+_E, _L, _H = Placement.EMBEDDING, Placement.LAYER, Placement.HEAD
+_D, _F = "d_model", "d_ff"
+
+#: The layout, in the runner's init order. q, k, v are stacked on their own axis so a split of the
+#: last (heads x head_dim) axis hands each tensor rank whole heads of all three.
+_TABLE: tuple[_Row, ...] = (
+    _Row(_E, ("tokens",), ("vocab", _D), 0, Init.NORMAL, rng=0),
+    _Row(_E, ("positions",), ("seq_len", _D), None, Init.NORMAL, rng=1),
+    _Row(_L, ("ln1", "scale"), (_D,), None, Init.ONES),
+    _Row(_L, ("ln1", "bias"), (_D,), None, Init.ZEROS),
+    _Row(_L, ("attn", "wqkv"), (_D, 3, _D), 2, Init.NORMAL, rng=0),
+    _Row(_L, ("attn", "bqkv"), (3, _D), 1, Init.ZEROS),
+    _Row(_L, ("attn", "wo"), (_D, _D), 0, Init.NORMAL_RESIDUAL, rng=1),
+    _Row(_L, ("attn", "bo"), (_D,), None, Init.ZEROS),
+    _Row(_L, ("ln2", "scale"), (_D,), None, Init.ONES),
+    _Row(_L, ("ln2", "bias"), (_D,), None, Init.ZEROS),
+    _Row(_L, ("mlp", "w1"), (_D, _F), 1, Init.NORMAL, rng=2),
+    _Row(_L, ("mlp", "b1"), (_F,), 0, Init.ZEROS),
+    _Row(_L, ("mlp", "w2"), (_F, _D), 0, Init.NORMAL_RESIDUAL, rng=3),
+    _Row(_L, ("mlp", "b2"), (_D,), None, Init.ZEROS),
+    _Row(_H, ("norm", "scale"), (_D,), None, Init.ONES),
+    _Row(_H, ("norm", "bias"), (_D,), None, Init.ZEROS),
+    _Row(_H, ("w",), (_D, "vocab"), 1, Init.NORMAL, rng=2, untied_only=True),
+)
+
+#: Random keys drawn from the seed before the layers' (token table, positions, head; the head's is
+#: drawn even when tied, so the layers' keys do not depend on tying).
+GLOBAL_KEYS = 1 + max(r.rng for r in _TABLE if r.placement is not _L and r.rng is not None)
+#: Random keys each layer splits its own key into.
+LAYER_KEYS = 1 + max(r.rng for r in _TABLE if r.placement is _L and r.rng is not None)
+#: Parameter arrays of one layer.
+LAYER_LEAVES = sum(r.placement is _L for r in _TABLE)
+
+
+def _resolve(row: _Row, spec: ModelSpec) -> ParamSpec:
+    std = {Init.NORMAL: INIT_STD, Init.NORMAL_RESIDUAL: INIT_STD / math.sqrt(2 * spec.layers)}.get(row.init, 0.0)
+    shape = tuple(d if isinstance(d, int) else getattr(spec, d) for d in row.dims)
+    return ParamSpec(placement=row.placement, path=row.path, shape=shape, tensor_dim=row.tensor_dim,
+                     init=row.init, std=std, rng=row.rng)
+
+
+@functools.lru_cache(maxsize=64)
+def _params(spec: ModelSpec, placement: Placement) -> tuple[ParamSpec, ...]:
+    return tuple(_resolve(r, spec) for r in _TABLE
+                 if r.placement is placement and not (r.untied_only and spec.tied_embeddings))
+
+
+def embedding_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
+    """The token table and the learned position table."""
+    return _params(spec, Placement.EMBEDDING)
+
+
+def layer_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
+    """One pre-LN block: two LayerNorms, QKV and out projections, two MLP matrices, all with biases."""
+    return _params(spec, Placement.LAYER)
+
+
+def head_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
+    """The final LayerNorm and the output projection (none when tied to the token table)."""
+    return _params(spec, Placement.HEAD)
+
+
+def tied_table(spec: ModelSpec) -> ParamSpec:
+    """The embedding parameter a tied head reuses as its output projection: the token table."""
+    return next(p for p in embedding_params(spec) if p.path == _TIED_PATH)
+
+
+def model_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
+    """Embedding, ONE layer (every layer has these), head."""
+    return embedding_params(spec) + layer_params(spec) + head_params(spec)
+
+
+def param_at(spec: ModelSpec, names: Iterable[str]) -> ParamSpec:
+    """The table entry of a params-pytree leaf, from the string keys on its path.
+
+    Keys before the first placement root (a chunk's wrapping) are skipped;
+    list indices are not names. Raises KeyError for a leaf the table lacks.
+    """
+    names = list(names)
+    roots = {p.root: p for p in Placement}
+    start = next((i for i, n in enumerate(names) if n in roots), None)
+    if start is not None:
+        path = tuple(names[start + 1:])
+        for param in _params(spec, roots[names[start]]):
+            if param.path == path:
+                return param
+    raise KeyError(f"no parameter at {'/'.join(names)!r} in the model's layout")
+
+
+# -- where the parameters sit in a pipeline -------------------------------------------------
+
+def _check_split(spec: ModelSpec, stages: int, virtual: int) -> None:
+    for name, value in (("stages", stages), ("virtual", virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"must be a positive whole number, got {value!r}", field=name)
+    if spec.layers % (stages * virtual):
+        raise InputError(f"layers {spec.layers} must be divisible by stages x virtual = {stages * virtual}",
+                         field="model.layers")
+
+
+def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1) -> list[list[range]]:
+    """``[stage][chunk] -> range`` of layer indices (Megatron interleaving).
+
+    Model chunk ``c * stages + s`` lives on stage ``s`` as its virtual chunk
+    ``c``; each chunk holds ``layers / (stages * virtual)`` consecutive layers.
+    """
+    _check_split(spec, stages, virtual)
+    per = spec.layers // (stages * virtual)
+    return [[range((c * stages + s) * per, (c * stages + s + 1) * per) for c in range(virtual)]
+            for s in range(stages)]
+
+
+def embedding_holder(stages: int, virtual: int = 1) -> tuple[int, int]:
+    """(stage, chunk) holding the embedding: the first model chunk."""
+    return 0, 0
+
+
+def head_holder(stages: int, virtual: int = 1) -> tuple[int, int]:
+    """(stage, chunk) holding the head: the last model chunk."""
+    return stages - 1, virtual - 1
+
+
+def holds(stage: int, chunk: int, stages: int, virtual: int = 1) -> tuple[bool, bool]:
+    """(holds the embedding, holds the head) for virtual chunk ``chunk`` of pipeline stage ``stage``."""
+    here = (stage, chunk)
+    return here == embedding_holder(stages, virtual), here == head_holder(stages, virtual)
+
+
+@functools.lru_cache(maxsize=1024)
+def chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int = 1, *,
+                 tied_copy: bool = True) -> tuple[tuple[ParamSpec, int], ...]:
+    """(parameter, copies) held by virtual chunk ``chunk`` of pipeline stage ``stage``.
+
+    Each layer parameter once per layer of the chunk, the embedding and the
+    head on their holders, and, with ``tied_copy`` and tied embeddings, the
+    token table again on the head's chunk when that is not the embedding's.
+    ``tied_copy=False`` gives the runner's chunk pytree (its pipeline refuses
+    tied embeddings across stages; one program holds one tree).
+    """
+    ranges = chunk_layers(spec, stages, virtual)
+    if not 0 <= stage < stages:
+        raise InputError(f"must be in 0..{stages - 1}, got {stage}", field="stage")
+    if not 0 <= chunk < virtual:
+        raise InputError(f"must be in 0..{virtual - 1}, got {chunk}", field="chunk")
+    layers = len(ranges[stage][chunk])
+    embed, head = holds(stage, chunk, stages, virtual)
+    held = [(p, layers) for p in layer_params(spec)] if layers else []
+    if embed:
+        held[:0] = [(p, 1) for p in embedding_params(spec)]
+    if head:
+        held += [(p, 1) for p in head_params(spec)]
+        if tied_copy and spec.tied_embeddings and not embed:
+            held.append((tied_table(spec), 1))
+    return tuple(held)
+
+
+def held_elements(held: Iterable[tuple[ParamSpec, int]], tensor: int = 1, ways: int = 1) -> int:
+    """Elements one device holds of ``held`` ((parameter, copies) pairs) at tensor degree and shard ways."""
+    return sum(copies * p.device_elements(tensor, ways) for p, copies in held)
