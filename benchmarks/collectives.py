@@ -22,7 +22,7 @@ from testbed.collectives import algorithms
 from testbed.topology import generators
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.timing import collective_time, program_time
-from testbed.topology import Calibration, DeviceSpec
+from testbed.topology import Calibration, CollectiveCalibration, DeviceSpec
 
 DEVICE = DeviceSpec(name="H100-like", peak_flops={"bf16": 989e12}, memory_bytes=80e9, memory_bandwidth=3.35e12)
 
@@ -38,7 +38,7 @@ def _rate(fn, seconds: float = 0.5) -> float:
 
 def main() -> None:
     switch = generators.switch(1024, device=DEVICE, bandwidth=450e9, latency=1e-6,
-                               calibration=Calibration(collective_overhead_s=5e-6))
+                               calibration=Calibration(collectives=CollectiveCalibration(overhead_s=5e-6)))
     group = tuple(range(1024))
     closed_form_time(switch, "all_reduce", "ring", group, 1.0)  # recognise the symmetry once
     closed = _rate(lambda i: closed_form_time(switch, "all_reduce", "ring", group, 1e6 + i))

@@ -15,7 +15,7 @@ import time
 from testbed.topology.generators import hierarchical
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.sim.engine import simulate
-from testbed.topology import Calibration, DeviceSpec, Level, LinkKind
+from testbed.topology import Calibration, CollectiveCalibration, ComputeCalibration, DeviceSpec, Level, LinkKind
 
 H100 = DeviceSpec(name="H100-like", peak_flops={"bf16": 989e12, "fp32": 67e12}, memory_bytes=80e9,
                   memory_bandwidth=3.35e12)
@@ -25,8 +25,8 @@ def case(nodes: int, data: int) -> tuple[Plan, object]:
     topology = hierarchical([Level(name="node", size=8, bandwidth=450e9, latency=1e-6, kind=LinkKind.NVSWITCH),
                              Level(name="cluster", size=nodes, bandwidth=50e9, latency=3e-6, kind=LinkKind.INFINIBAND)],
                             device=H100, name=f"h100-{nodes}x8",
-                            calibration=Calibration(compute_efficiency=0.7, launch_overhead_s=5e-6,
-                                                    collective_overhead_s=5e-6))
+                            calibration=Calibration(compute=ComputeCalibration(efficiency=0.7, launch_overhead_s=5e-6),
+                                                    collectives=CollectiveCalibration(overhead_s=5e-6)))
     plan = Plan(name=f"gpt48-{nodes * 8}", model=ModelSpec(layers=48, d_model=2048, heads=16, d_ff=8192, seq_len=2048,
                                                           vocab=50304),
                 batch=BatchSpec(global_batch=data * 64, microbatches=64),

@@ -97,12 +97,12 @@ def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp
     topo = cal_topology.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
                                    host_cores=2.0, collectives=None, efficiency=0.5, host_throughput=curve)
     # The curve is written as measured: no efficiency scaling, host_cores beside it for the reader.
-    assert topo.calibration.compute_efficiency == 0.5 and topo.calibration.host_cores == 2
+    assert topo.calibration.compute.efficiency == 0.5 and topo.calibration.host.cores == 2
     path = tmp_path / "t.yaml"
     path.write_text(dump_topology(topo))
-    assert load_topology(str(path)).calibration.host_throughput == topo.calibration.host_throughput
-    path.write_text(dump_topology(topo).replace("host_throughput:", "host_throughput: 3\n  old:"))
-    with pytest.raises(InputError, match="host_throughput"):
+    assert load_topology(str(path)).calibration.host.throughput == topo.calibration.host.throughput
+    path.write_text(dump_topology(topo).replace("    throughput:", "    throughput: 3\n    old:"))
+    with pytest.raises(InputError, match=r"calibration\.host\.old.*throughput"):
         load_topology(str(path))
 
 
@@ -111,12 +111,12 @@ def test_fractional_host_cores_give_the_measured_throughput_when_all_devices_com
     base = load_topology("host-cpu-8")
     topo = cal_topology.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
                                    host_cores=shared, collectives=None, efficiency=0.5)
-    cores = topo.calibration.host_cores
+    cores = topo.calibration.host.cores
     assert cores == math.ceil(shared)
     # The peak is the matmul rate over its fraction of the base peak; 0.5 of it is one device alone.
     alone = 0.5 * 4e10 / min(1.0, 4e10 / base.device.flops("fp32"))
     # n >= cores devices computing at once each get cores / n of their speed (the simulator's rule).
-    per_device = topo.device.flops("fp32") * topo.calibration.compute_efficiency
+    per_device = topo.device.flops("fp32") * topo.calibration.compute.efficiency
     for n in range(cores, 9):
         assert n * per_device * cores / n == pytest.approx(shared * alone)
 
@@ -146,7 +146,7 @@ def _ring_predictor(topology: Topology, sample: Sample, reference: Topology | No
               "all_to_all": g - 1}[sample.op]
     volume = {"psum": 2 * (g - 1) / g, "all_gather": (g - 1) / g, "psum_scatter": (g - 1) / g, "ppermute": 1.0,
               "all_to_all": (g - 1) / g}[sample.op]
-    overhead = 0.0 if sample.op == "ppermute" else topology.calibration.collective_overhead_s
+    overhead = 0.0 if sample.op == "ppermute" else topology.calibration.collectives.overhead_s
     return rounds * (2 * level.latency + overhead) + volume * sample.bytes / level.bandwidth
 
 
@@ -172,8 +172,8 @@ def test_calibrated_topology_round_trips_through_yaml():
                                    host_cores=1, collectives=params)
     # Fitted rates are what the simulator sees: peak x efficiency.
     for dtype, rate in rates.items():
-        assert topo.device.flops(dtype) * topo.calibration.compute_efficiency == pytest.approx(rate)
-    assert topo.device.memory_bandwidth * topo.calibration.memory_efficiency == pytest.approx(1.1e10)
+        assert topo.device.flops(dtype) * topo.calibration.compute.efficiency == pytest.approx(rate)
+    assert topo.device.memory_bandwidth * topo.calibration.memory.efficiency == pytest.approx(1.1e10)
     assert topo.levels[0].bandwidth == 2.5e9 and topo.levels[0].latency == 1.5e-5
     back = topology_from_dict(yaml.safe_load(dump_topology(topo)))
     assert back.calibration == topo.calibration
@@ -206,6 +206,13 @@ def test_validation_summary_has_every_plan_and_signed_errors():
     assert summary["plans"][1]["memory_error"] is None
     assert summary["plans"][0]["memory_error"] == pytest.approx(0.25)
     assert math.isfinite(summary["max_abs_memory_error"])
+    # Rows without Reports get them from their numbers; each error is compare_reports'.
+    assert summary["plans"][0]["measured_report"]["source"] == "measured"
+    assert summary["plans"][0]["errors"]["step_time_s"] == summary["plans"][0]["error"]
+    assert summary["plans"][1]["errors"]["mfu"] is None
+    assert summary["diagnostics"] == {"median_abs_error_at_calibrated_speed": None,
+                                      "max_abs_error_at_calibrated_speed": None}
+    json.dumps(summary, allow_nan=False)
 
 
 def _synthetic_measurements(base: Topology) -> list[Sample]:
@@ -336,10 +343,19 @@ def test_validate_json_has_every_plan(tmp_path, capsys, built):
         # thread did measurable work.
         c = load_topology("host-cpu-8").calibration
         buffers = dispatch.spmd_step_buffers(load_plan(path))
-        assert c.controller_buffer_s > 0 and row["predicted_controller_s"] == pytest.approx(
-            c.controller_step_s + c.controller_overhead_s + buffers * c.controller_buffer_s)
+        assert c.controller.buffer_s > 0 and row["predicted_controller_s"] == pytest.approx(
+            c.controller.step_s + c.controller.overhead_s + buffers * c.controller.buffer_s)
         assert row["measured_controller_s"] > 0
-    ref = data["reference_step"]
+        # The headline compares the simulator's Report with the measured one, field by field.
+        predicted, measured = row["predicted_report"], row["measured_report"]
+        assert (predicted["source"], measured["source"]) == ("predicted", "measured")
+        assert (predicted["step_time_s"], measured["step_time_s"]) == (row["predicted_s"], row["measured_s"])
+        assert measured["compute_s"] is None and measured["mfu"] > 0
+        assert row["errors"]["step_time_s"] == row["error"] and row["errors"]["memory"] == row["memory_error"]
+        assert row["errors"]["mfu"] == pytest.approx(predicted["mfu"] / measured["mfu"] - 1)
+    # Host drift is a diagnostic, apart from the headline.
+    assert "reference_step" not in data and "max_abs_error_at_calibrated_speed" not in data
+    ref = data["diagnostics"]["reference_step"]
     assert ref["plan"] == "cpu-m" and ref["measured_s"] > 0
     # After every plan in every round, the least disturbed kept.
     assert len(ref["measured_rounds_s"]) == 4 and ref["measured_s"] == min(ref["measured_rounds_s"])
@@ -347,13 +363,14 @@ def test_validate_json_has_every_plan(tmp_path, capsys, built):
     # Each plan's rounds scaled by the host's speed beside them (one of the reference step's timings each).
     speeds = [ref["predicted_s"] / t for t in ref["measured_rounds_s"]]
     for row in data["plans"]:
-        assert len(row["host_speeds"]) == 2 and all(v in speeds for v in row["host_speeds"])
-        assert row["measured_at_calibrated_speed_s"] == pytest.approx(
-            np.median(np.array(row["round_medians_s"]) * row["host_speeds"]))
-        assert row["error_at_calibrated_speed"] == pytest.approx(
-            row["predicted_s"] / row["measured_at_calibrated_speed_s"] - 1)
-    assert data["max_abs_error_at_calibrated_speed"] == max(abs(p["error_at_calibrated_speed"])
-                                                            for p in data["plans"])
+        drift = row["diagnostics"]
+        assert len(drift["host_speeds"]) == 2 and all(v in speeds for v in drift["host_speeds"])
+        assert drift["measured_at_calibrated_speed_s"] == pytest.approx(
+            np.median(np.array(row["round_medians_s"]) * drift["host_speeds"]))
+        assert drift["error_at_calibrated_speed"] == pytest.approx(
+            row["predicted_s"] / drift["measured_at_calibrated_speed_s"] - 1)
+    assert data["diagnostics"]["max_abs_error_at_calibrated_speed"] == max(
+        abs(p["diagnostics"]["error_at_calibrated_speed"]) for p in data["plans"])
     errors = sorted(abs(p["error"]) for p in data["plans"])
     assert data["max_abs_error"] == pytest.approx(errors[-1])
     # Plans that would not fit in half a device's memory together are compiled again every round.
@@ -394,8 +411,8 @@ def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
     base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
     single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
-    truth = replace(single, calibration=replace(single.calibration, compute_efficiency=0.4,
-                                                efficiency_half_flops=3e6))
+    truth = replace(single, calibration=single.calibration.updated(compute={"efficiency": 0.4,
+                                                                            "efficiency_half_flops": 3e6}))
     samples = [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
                for name in ("cpu-s", "cpu-m", "cpu-l", "cpu-xl")]
     efficiency, half, scales, passes, fit = cal_steps.fit_step_compute(single, samples)
@@ -417,8 +434,8 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
     base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None)
     base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
-    truth = replace(base, calibration=replace(base.calibration, compute_efficiency=0.4, replicated_passes=24.0,
-                                              split_passes=6.0))
+    truth = replace(base, calibration=base.calibration.updated(compute={"efficiency": 0.4}, elementwise={
+        "replicated_passes": 24.0, "split_passes": 6.0}))
     names = ("cpu-s", "cpu-m", "cpu-l", "cpu-xl", "cpu-xs-t2", "cpu-m-t8", "cpu-l-t8")
     samples = [Sample(kind="step", op=n, devices=8, seconds=simulate(cal_steps.step_plan(n, 8), truth).report.step_time_s)
                for n in names]
@@ -444,8 +461,8 @@ def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None,
                                    cache_bytes=256 * 1024)
     base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
-    truth = replace(base, calibration=replace(base.calibration, compute_efficiency=0.4, replicated_passes=24.0,
-                                              split_passes=6.0, cached_passes=8.0))
+    truth = replace(base, calibration=base.calibration.updated(compute={"efficiency": 0.4}, elementwise={
+        "replicated_passes": 24.0, "split_passes": 6.0, "cached_passes": 8.0}))
     names = ("cpu-s", "cpu-m", "cpu-l", "cpu-xl", "cpu-xs-t2", "cpu-m-t8", "cpu-l-t8")
     plans = [cal_steps.step_plan(n, 8) for n in names]
     fits = [base.calibration.caches(p.microbatch_size * p.model.seq_len * p.model.d_model * 4) for p in plans]
@@ -456,15 +473,15 @@ def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
     assert efficiency == pytest.approx(0.4, rel=0.03)
     assert passes[2] == pytest.approx(8.0, rel=0.05)
     assert fit.max_abs_rel < 0.02 and fit.values["cached_passes"] == passes[2]
-    fitted = replace(base, calibration=replace(base.calibration, compute_efficiency=efficiency,
-                                               efficiency_half_flops=half, replicated_passes=passes[0],
-                                               split_passes=passes[1], cached_passes=passes[2]))
+    fitted = replace(base, calibration=base.calibration.updated(
+        compute={"efficiency": efficiency, "efficiency_half_flops": half},
+        elementwise={"replicated_passes": passes[0], "split_passes": passes[1], "cached_passes": passes[2]}))
     held_out = load_plan("plans/validation/tp8.yaml")
     assert simulate(held_out, fitted).report.step_time_s == pytest.approx(
         simulate(held_out, truth).report.step_time_s, rel=0.03)
     # Without the cache split the same steps leave a misfit: one count cannot price both regimes.
-    _, _, _, _, blind = cal_steps.fit_step_compute(replace(base, calibration=replace(base.calibration, cache_bytes=0.0)),
-                                                   samples)
+    _, _, _, _, blind = cal_steps.fit_step_compute(
+        replace(base, calibration=base.calibration.updated(elementwise={"cache_bytes": 0.0})), samples)
     assert blind.max_abs_rel > 5 * fit.max_abs_rel
     # Every sample in cache: nothing tells the passes over memory, which then get the cached count.
     _, _, _, cached_only, _ = cal_steps.fit_step_compute(base, samples[:5])
@@ -588,26 +605,27 @@ def test_controller_programs_count_actions_sends_and_updates():
 
 def test_controller_overhead_round_trips_through_yaml(tmp_path):
     topo = load_topology("host-cpu-8")
-    topo = replace(topo, calibration=replace(topo.calibration, controller_overhead_s=6.5e-4))
+    topo = replace(topo, calibration=topo.calibration.updated(controller={"overhead_s": 6.5e-4}))
     path = tmp_path / "t.yaml"
     path.write_text(dump_topology(topo))
-    assert load_topology(str(path)).calibration.controller_overhead_s == pytest.approx(6.5e-4)
-    topo = replace(topo, calibration=replace(topo.calibration, controller_step_s=7e-3))
+    assert load_topology(str(path)).calibration.controller.overhead_s == pytest.approx(6.5e-4)
+    topo = replace(topo, calibration=topo.calibration.updated(controller={"step_s": 7e-3}))
     path.write_text(dump_topology(topo))
-    assert load_topology(str(path)).calibration.controller_step_s == pytest.approx(7e-3)
-    topo = replace(topo, calibration=replace(topo.calibration, controller_pipeline_step_s=9e-3,
-                                             replicated_passes=17.5, split_passes=2.25, cached_passes=4.5,
-                                             cache_bytes=262144.0))
+    assert load_topology(str(path)).calibration.controller.step_s == pytest.approx(7e-3)
+    topo = replace(topo, calibration=topo.calibration.updated(
+        controller={"pipeline_step_s": 9e-3},
+        elementwise={"replicated_passes": 17.5, "split_passes": 2.25, "cached_passes": 4.5, "cache_bytes": 262144.0}))
     path.write_text(dump_topology(topo))
     loaded = load_topology(str(path)).calibration
-    assert (loaded.controller_pipeline_step_s, loaded.replicated_passes, loaded.split_passes, loaded.cached_passes,
-            loaded.cache_bytes) == (pytest.approx(9e-3), 17.5, 2.25, 4.5, 262144.0)
-    with pytest.raises(InputError, match="split_passes"):
-        replace(topo.calibration, split_passes=-1.0)
-    with pytest.raises(InputError, match="cache_bytes"):
-        replace(topo.calibration, cache_bytes=-1.0)
-    with pytest.raises(InputError, match="controller_overhead_s"):
-        replace(topo.calibration, controller_overhead_s=-1.0)
+    assert (loaded.controller.pipeline_step_s, loaded.elementwise.replicated_passes, loaded.elementwise.split_passes,
+            loaded.elementwise.cached_passes, loaded.elementwise.cache_bytes) == (
+        pytest.approx(9e-3), 17.5, 2.25, 4.5, 262144.0)
+    with pytest.raises(InputError, match=r"calibration\.elementwise\.split_passes"):
+        topo.calibration.updated(elementwise={"split_passes": -1.0})
+    with pytest.raises(InputError, match=r"calibration\.elementwise\.cache_bytes"):
+        topo.calibration.updated(elementwise={"cache_bytes": -1.0})
+    with pytest.raises(InputError, match=r"calibration\.controller\.overhead_s"):
+        topo.calibration.updated(controller={"overhead_s": -1.0})
 
 
 def test_concurrent_benchmark_times_one_device_alone_in_the_same_rounds():
@@ -624,3 +642,20 @@ def test_concurrent_benchmark_times_one_device_alone_in_the_same_rounds():
     # The curve takes the paired time; the one-device sample is only a fallback.
     done = 2 * pair.alone_s / pair.seconds
     assert cal._work_done([alone, pair]) == {2: [pytest.approx(done)]}
+
+
+def test_calibrate_table_is_grouped_and_says_which_groups_are_absent():
+    from testbed.calibration.topology import fitted_values
+    from testbed.cli.calibration_table import calibration_rows
+
+    host = fitted_values(load_topology("host-cpu-8"), shared=1.75, rates={"fp32": 4e10}, memory_bandwidth=5e10)
+    assert host["calibration"]["controller"]["buffer_s"] == host["controller_buffer_s"] == pytest.approx(1.24e-6)
+    rows = calibration_rows(host)
+    assert [g for g in dict.fromkeys(g for g, _, _ in rows)] == [
+        "device", "compute", "memory", "elementwise", "collectives", "links", "host", "controller"]
+    assert ("controller", "buffer_s") in {(g, f) for g, f, _ in rows}
+    gpu = fitted_values(load_topology("dgx-h100"), shared=0.0, rates={"bf16": 6e14}, memory_bandwidth=3e12)
+    assert gpu["calibration"]["host"] is None and gpu["host_cores"] == 0 and gpu["controller_overhead_s"] == 0.0
+    absent = {g: v for g, f, v in calibration_rows(gpu) if not f}
+    assert set(absent) == {"elementwise", "host", "controller"} and all(v.startswith("absent") for v in absent.values())
+    json.dumps(host), json.dumps(gpu)

@@ -14,7 +14,7 @@ from testbed.collectives.timing import (applicable_algorithms, collective_time, 
                                        program_time, send_time)
 from testbed.collectives.ops import OPS, Op
 from testbed.errors import InputError
-from testbed.topology import Calibration, DeviceSpec, Level, LinkKind
+from testbed.topology import Calibration, CollectiveCalibration, DeviceSpec, Level, LinkKind
 from testbed.topology.io import load_topology
 
 DEVICE = DeviceSpec(name="d", peak_flops={"fp32": 1e12}, memory_bytes=1e9, memory_bandwidth=1e11)
@@ -98,9 +98,9 @@ def _symmetric_cases():
     switch = generators.hierarchical(
         [Level(name="node", size=8, bandwidth=4.5e11, latency=1e-6, kind=LinkKind.NVSWITCH),
          Level(name="cluster", size=4, bandwidth=5e10, latency=3e-6, kind=LinkKind.INFINIBAND)],
-        device=DEVICE, calibration=Calibration(collective_overhead_s=5e-6))
+        device=DEVICE, calibration=Calibration(collectives=CollectiveCalibration(overhead_s=5e-6)))
     ring = generators.ring(7, device=DEVICE, bandwidth=1e11, latency=2e-6,
-                           calibration=Calibration(collective_overhead_s=1e-6))
+                           calibration=Calibration(collectives=CollectiveCalibration(overhead_s=1e-6)))
     return [(switch, tuple(range(8))), (switch, tuple(range(5))), (switch, (3, 11, 19, 27)),
             (switch, (0, 8, 16)), (ring, tuple(range(7)))]
 
@@ -192,7 +192,7 @@ def test_link_loads_conserve_bytes(topologies):
 def test_send_time_is_latency_plus_bottleneck(topologies):
     topology = topologies["dgx-h100-x4"]
     t = send_time(topology, 0, 9, 1e9)
-    assert t == pytest.approx(2 * 3e-6 + 1e9 / 5e10 + topology.calibration.collective_overhead_s)
+    assert t == pytest.approx(2 * 3e-6 + 1e9 / 5e10 + topology.calibration.collectives.overhead_s)
     assert send_time(topology, 3, 3, 1e9) == 0.0
     assert collective_time(topology, "send", (0, 9), 1e9).time_s == pytest.approx(t)
 

@@ -17,12 +17,12 @@ from testbed.pipeline.timing import ActionCosts, play
 from testbed.pipeline.schedules import build_schedule
 from testbed.sim.engine import price, run, simulate
 from testbed.sim.timeline import CATEGORIES, chrome_trace, write_trace
-from testbed.topology import Calibration, DeviceSpec, Level, LinkKind
+from testbed.topology import Calibration, CollectiveCalibration, ComputeCalibration, DeviceSpec, Level, LinkKind
 from testbed.topology.io import load_topology
 
 DEVICE = DeviceSpec(name="toy", peak_flops={"fp32": 1e12, "bf16": 2e12}, memory_bytes=16e9, memory_bandwidth=1e11)
-CAL = Calibration(compute_efficiency=0.6, efficiency_half_flops=1e6, launch_overhead_s=2e-6,
-                  collective_overhead_s=1e-6)
+CAL = Calibration(compute=ComputeCalibration(efficiency=0.6, efficiency_half_flops=1e6, launch_overhead_s=2e-6),
+                  collectives=CollectiveCalibration(overhead_s=1e-6))
 
 
 def topologies():
@@ -70,7 +70,7 @@ def test_step_time_is_at_least_every_stream_alone(case):
     step = sim.report.step_time_s
     assert step >= max(per_row.values()) * (1 - 1e-9)
     compute_only = max(v for (d, s), v in per_row.items() if s == "compute")
-    if topology.calibration.host_cores == 0:
+    if topology.calibration.host is None:
         assert sim.report.compute_s == pytest.approx(compute_only, rel=1e-9)
     else:  # devices computing at once share the host's cores
         assert sim.report.compute_s >= compute_only * (1 - 1e-9)
@@ -110,7 +110,7 @@ def _free_comm(stages: int):
     from dataclasses import replace
 
     return switch(stages, device=DEVICE, bandwidth=1e30, latency=0.0,
-                  calibration=replace(CAL, collective_overhead_s=0.0))
+                  calibration=CAL.updated(collectives={"overhead_s": 0.0}))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
@@ -250,9 +250,11 @@ def test_replicas_sharing_an_uplink_slow_each_other(attach, slowdown):
 def _with_controller(topology, seconds: float, cores: int | None = None):
     from dataclasses import replace
 
-    calibration = replace(topology.calibration, controller_overhead_s=seconds)
+    calibration = topology.calibration
+    if seconds > 0:  # a controller that costs nothing is absent
+        calibration = calibration.updated(controller={"overhead_s": seconds})
     if cores is not None:
-        calibration = replace(calibration, host_cores=cores)
+        calibration = calibration.updated(host={"cores": cores})
     return replace(topology, calibration=calibration)
 
 
@@ -291,6 +293,26 @@ def test_one_shared_core_runs_all_work_back_to_back(controller):
     assert simulate(plan, topo).report.step_time_s == pytest.approx(work, rel=1e-9)
 
 
+def test_a_topology_without_a_controller_group_prices_no_controller():
+    """A GPU topology has no ``controller`` (nor ``host``) calibration group: no host tasks, no host time."""
+    from dataclasses import replace
+
+    from testbed.sim.engine import controller_seconds
+
+    topo = load_topology("dgx-h100")
+    assert topo.calibration.controller is None and topo.calibration.host is None
+    plan = make_plan(data=2, stage=4, microbatches=4, layers=8)
+    sim = simulate(plan, topo)
+    assert not any(t.kind is TaskKind.HOST for t in sim.program.tasks)
+    assert "host" not in {s.category for s in sim.timeline.spans(0)}
+    # The same topology with a controller group dispatches every program, and costs what it says.
+    with_controller = replace(topo, calibration=topo.calibration.updated(controller={"overhead_s": 1e-4}))
+    host = [t for t in simulate(plan, with_controller).program.tasks if t.kind is TaskKind.HOST]
+    assert host and all(controller_seconds(with_controller.calibration, t) == t.count * 1e-4 for t in host
+                        if t.op not in ("step", "pipeline step"))
+    assert all(controller_seconds(topo.calibration, t) == 0.0 for t in host)
+
+
 def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
     from dataclasses import replace
 
@@ -298,7 +320,7 @@ def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
 
     plan = make_plan(data=2, stage=2, microbatches=2, layers=4)
     base = _free_comm(4)
-    topo = replace(base, calibration=replace(base.calibration, controller_overhead_s=1e-4, controller_buffer_s=1e-6))
+    topo = replace(base, calibration=base.calibration.updated(controller={"overhead_s": 1e-4, "buffer_s": 1e-6}))
     sim = simulate(plan, topo)
     priced = price(sim.program, topo, "fp32")
     host = [(t, d) for t, d in zip(sim.program.tasks, priced.durations) if t.kind is TaskKind.HOST]
@@ -310,8 +332,8 @@ def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
     b0, b1 = (next(t for t, _ in host if t.name == f"dispatch B{m}@1") for m in (0, 1))
     assert b1.buffers - b0.buffers == dispatch.chunk_param_arrays(plan, 1, 0) * plan.mesh.data  # per device
     # A pipeline's step preparation costs its extra on top of every step's.
-    steps = replace(base, calibration=replace(base.calibration, controller_step_s=1e-3,
-                                              controller_pipeline_step_s=4e-3))
+    steps = replace(base, calibration=base.calibration.updated(controller={"step_s": 1e-3,
+                                                                           "pipeline_step_s": 4e-3}))
     prepared = simulate(plan, steps)
     prepare = [(t, d) for t, d in zip(prepared.program.tasks, price(prepared.program, steps, "fp32").durations)
                if t.name == "prepare step"]
@@ -319,7 +341,7 @@ def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
     spmd = simulate(make_plan(data=4, layers=4), steps)
     assert [t.op for t in spmd.program.tasks if t.name == "prepare step"] == ["step"]
     assert spmd.timeline.step_time_s < simulate(make_plan(data=4, layers=4), replace(
-        steps, calibration=replace(steps.calibration, controller_step_s=5e-3))).timeline.step_time_s
+        steps, calibration=steps.calibration.updated(controller={"step_s": 5e-3}))).timeline.step_time_s
     # Buffers alone switch the controller on.
-    only = replace(base, calibration=replace(base.calibration, controller_buffer_s=1e-6))
+    only = replace(base, calibration=base.calibration.updated(controller={"buffer_s": 1e-6}))
     assert any(t.kind is TaskKind.HOST for t in simulate(plan, only).program.tasks)

@@ -16,7 +16,8 @@ from testbed.sim.program import Program, Task, TaskKind
 from testbed.sim.engine import Priced, compute_seconds, run
 from testbed.sim.timeline import Report, Timeline, chrome_trace
 from testbed.topology.generators import switch
-from testbed.topology import Calibration, DeviceSpec
+from testbed.topology import (Calibration, ComputeCalibration, DeviceSpec, ElementwiseCalibration, HostCalibration,
+                              MemoryCalibration)
 
 LINKS = ["a", "b", "c", "d"]
 flows_st = st.lists(
@@ -111,7 +112,7 @@ def test_host_cores_are_shared_by_devices_computing_at_once(cores, expected):
 
 def test_a_measured_host_throughput_curve_sets_each_devices_share():
     """n devices at once run at T(n)/n each: linear between measured points, flat after the last."""
-    cal = Calibration(host_throughput=((1, 1.0), (2, 1.2), (4, 1.6)))
+    cal = Calibration(host=HostCalibration(throughput=((1, 1.0), (2, 1.2), (4, 1.6))))
     assert cal.shares_host and cal.host_share(1) == 1.0
     assert cal.host_share(2) == pytest.approx(0.6) and cal.host_share(3) == pytest.approx(1.4 / 3)
     assert cal.host_share(8) == pytest.approx(0.2)
@@ -121,8 +122,8 @@ def test_a_measured_host_throughput_curve_sets_each_devices_share():
     assert run(_program(tasks, 4, [0, 0, 2, 2]), priced, calibration=cal).step_time_s == pytest.approx(2.5)
     assert run(_program(tasks[:1], 4, [0, 0, 2, 2]), priced, calibration=cal).step_time_s == pytest.approx(1 / 0.6)
     for bad in (((2, 1.0),), ((1, 1.0), (1, 1.0)), ((1, 1.0), (2, 3.0)), ((1, 1.0), (2, 0.0))):
-        with pytest.raises(InputError, match="host_throughput"):
-            Calibration(host_throughput=bad)
+        with pytest.raises(InputError, match=r"calibration\.host\.throughput"):
+            Calibration(host=HostCalibration(throughput=bad))
 
 
 def test_program_rejects_forward_dependencies():
@@ -134,8 +135,9 @@ def test_program_rejects_forward_dependencies():
 def test_compute_seconds_roofline():
     device = DeviceSpec(name="d", peak_flops={"fp32": 100.0}, memory_bytes=1e9, memory_bandwidth=10.0)
     topo = switch(2, device=device, bandwidth=1.0,
-                  calibration=Calibration(compute_efficiency=0.5, efficiency_half_flops=100.0,
-                                          memory_efficiency=0.5, launch_overhead_s=0.25))
+                  calibration=Calibration(compute=ComputeCalibration(efficiency=0.5, efficiency_half_flops=100.0,
+                                                                     launch_overhead_s=0.25),
+                                          memory=MemoryCalibration(efficiency=0.5)))
     # eff(100 FLOPs) = 0.5 * 100/200 = 0.25 -> 100 / (100 * 0.25) = 4 s; memory 10 B / (10 * 0.5) = 2 s.
     assert compute_seconds(topo, "fp32", 100.0, 10.0) == pytest.approx(4.25)
     assert compute_seconds(topo, "fp32", 100.0, 100.0) == pytest.approx(20.25)
@@ -144,12 +146,12 @@ def test_compute_seconds_roofline():
     assert compute_seconds(topo, "fp32", 100.0, 0.0, kernels=2) == pytest.approx(0.25 + 100 / (100 * 0.5 / 3))
     # Elementwise passes add to the roofline at the calibrated bandwidth (5 B/s): 3 x 10 B + 2 x 5 B = 8 s.
     passes = switch(2, device=device, bandwidth=1.0, calibration=replace(
-        topo.calibration, replicated_passes=3.0, split_passes=2.0))
+        topo.calibration, elementwise=ElementwiseCalibration(replicated_passes=3.0, split_passes=2.0)))
     assert compute_seconds(passes, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25 + 8.0)
     assert compute_seconds(topo, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25)  # 0 passes: none
     # A task whose [tokens, d_model] activation fits in cache_bytes makes cached_passes over both: 1 x 15 B = 3 s.
-    cached = switch(2, device=device, bandwidth=1.0, calibration=replace(
-        passes.calibration, cache_bytes=64.0, cached_passes=1.0))
+    cached = switch(2, device=device, bandwidth=1.0, calibration=passes.calibration.updated(
+        elementwise={"cache_bytes": 64.0, "cached_passes": 1.0}))
     assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0, tensor_bytes=64.0) == pytest.approx(4.25 + 3.0)
     assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0, tensor_bytes=65.0) == pytest.approx(4.25 + 8.0)
     assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25 + 8.0)  # size unknown

@@ -152,3 +152,108 @@ def test_graph_levels_yaml():
     t = topology_from_dict(data)
     assert t.groups("pair") == [(0, 1), (2, 3)]
     assert topology_from_dict(topology_to_dict(t)) == t
+
+
+# -- calibration groups ----------------------------------------------------------------
+
+_DEVICE_YAML = {"flops": {"fp32": "1TFLOP/s"}, "memory": "1GB", "memory_bandwidth": "1GB/s"}
+
+
+def _with_calibration(calibration):
+    return {"device": _DEVICE_YAML, "levels": [{"name": "node", "size": 2, "bandwidth": "1GB/s"}],
+            "calibration": calibration}
+
+
+def test_nested_calibration_round_trips_through_yaml(tmp_path):
+    import yaml
+
+    from testbed.topology import (Calibration, CollectiveCalibration, ComputeCalibration, ControllerCalibration,
+                                  ElementwiseCalibration, HostCalibration, MemoryCalibration)
+    from testbed.topology.io import dump_topology
+
+    full = Calibration(
+        compute=ComputeCalibration(efficiency=0.4, efficiency_half_flops=7e6, launch_overhead_s=2e-4),
+        memory=MemoryCalibration(efficiency=0.9),
+        elementwise=ElementwiseCalibration(replicated_passes=22.7, split_passes=3.5, cached_passes=6.66,
+                                           cache_bytes=262144.0),
+        collectives=CollectiveCalibration(overhead_s=1e-5),
+        host=HostCalibration(cores=2, throughput=((1, 1.0), (2, 1.23), (8, 1.75))),
+        controller=ControllerCalibration(overhead_s=3.9e-4, step_s=1.21e-3, pipeline_step_s=1.53e-3, buffer_s=1.24e-6))
+    topo = generators.switch(2, device=DEV, bandwidth=1e9, calibration=full, name="cal")
+    text = dump_topology(topo)
+    data = yaml.safe_load(text)["calibration"]
+    assert list(data) == ["compute", "memory", "elementwise", "collectives", "host", "controller"]
+    assert data["controller"] == {"overhead_s": 3.9e-4, "step_s": 1.21e-3, "pipeline_step_s": 1.53e-3,
+                                  "buffer_s": 1.24e-6}
+    assert data["host"]["throughput"] == {1: 1.0, 2: 1.23, 8: 1.75}
+    path = tmp_path / "cal.yaml"
+    path.write_text(text)
+    assert load_topology(str(path)).calibration == full
+    # Groups every topology has are left out of the file when they are ideal; optional ones when absent.
+    plain = generators.switch(2, device=DEV, bandwidth=1e9, calibration=Calibration(), name="plain")
+    assert "calibration" not in topology_to_dict(plain)
+    only = full.updated(memory={"efficiency": 1.0}, elementwise=None, host=None, controller=None)
+    assert list(topology_to_dict(generators.switch(2, device=DEV, bandwidth=1e9, calibration=only))["calibration"]) \
+        == ["compute", "collectives"]
+    # Units in the nested fields: times and bytes.
+    t = topology_from_dict(_with_calibration({"controller": {"buffer_s": "1.5us"}, "elementwise": {
+        "cached_passes": 2, "cache_bytes": "256KiB"}}))
+    assert t.calibration.controller.buffer_s == pytest.approx(1.5e-6)
+    assert t.calibration.elementwise.cache_bytes == 262144.0
+    assert t.calibration.compute == ComputeCalibration() and t.calibration.host is None
+
+
+def test_gpu_and_tpu_topologies_have_no_host_or_controller_group():
+    from testbed.topology import CollectiveCalibration, ComputeCalibration, MemoryCalibration
+
+    for name in bundled_names():
+        c = load_topology(name).calibration
+        if name == "host-cpu-8":  # the calibrated host: every group
+            assert all(getattr(c, g) is not None for g in ("elementwise", "host", "controller"))
+            assert c.shares_host and c.host.cores == 2 and c.controller.buffer_s == pytest.approx(1.24e-6)
+            continue
+        assert c.elementwise is None and c.host is None and c.controller is None, name
+        assert not c.shares_host and c.host_share(8) == 1.0 and not c.caches(1.0)
+        assert isinstance(c.compute, ComputeCalibration) and isinstance(c.memory, MemoryCalibration)
+        assert isinstance(c.collectives, CollectiveCalibration) and c.collectives.overhead_s > 0
+    h100 = load_topology("dgx-h100").calibration
+    assert (h100.compute.efficiency, h100.compute.launch_overhead_s, h100.memory.efficiency) == (
+        0.7, pytest.approx(5e-6), 1.0)
+
+
+@pytest.mark.parametrize("calibration,field,message", [
+    ({"controller": {"buffer_s": -1e-6}}, "calibration.controller.buffer_s", "non-negative"),
+    ({"controller": {"buffer_s": "soon"}}, "calibration.controller.buffer_s", "as a time"),
+    ({"controller": {"overhead_s": 0}}, "calibration.controller.overhead_s", "leave the `controller` group out"),
+    ({"compute": {"efficiency": 2.0}}, "calibration.compute.efficiency", "(0, 1.5]"),
+    ({"compute": {"efficiency": "fast"}}, "calibration.compute.efficiency", "a number"),
+    ({"memory": {"efficiency": 0}}, "calibration.memory.efficiency", "(0, 1.5]"),
+    ({"elementwise": {"split_passes": -1}}, "calibration.elementwise.split_passes", "non-negative"),
+    ({"host": {"cores": 1.5}}, "calibration.host.cores", "whole number"),
+    ({"host": {"throughput": {2: 1.0}}}, "calibration.host.throughput", "starting at 1"),
+    ({"host": {}}, "calibration.host.cores", "`cores` or `throughput`"),
+    ({"host": 2}, "calibration.host", "mapping"),
+    ({"collectives": {"overhead": "1us"}}, "calibration.collectives.overhead", "did you mean `overhead_s`"),
+    ({"controler": {"step_s": 1}}, "calibration.controler", "did you mean `controller`"),
+    ({"controller_buffer_s": "1us"}, "calibration.controller_buffer_s", "`calibration.controller.buffer_s`"),
+    ({"compute_efficiency": 0.5}, "calibration.compute_efficiency", "`calibration.compute.efficiency`"),
+])
+def test_calibration_errors_name_the_nested_field(calibration, field, message):
+    with pytest.raises(InputError) as info:
+        topology_from_dict(_with_calibration(calibration))
+    assert info.value.field == field
+    assert message in info.value.message
+
+
+def test_calibration_groups_are_typed_and_updated_by_name():
+    from testbed.topology import Calibration, HostCalibration
+
+    with pytest.raises(TypeError, match="HostCalibration"):
+        Calibration(host={"cores": 2})
+    with pytest.raises(TypeError, match="ComputeCalibration"):
+        Calibration(compute=None)
+    cal = Calibration().updated(host={"cores": 2}, compute={"efficiency": 0.5})
+    assert cal.host == HostCalibration(cores=2) and cal.compute.efficiency == 0.5
+    assert cal.host_share(4) == 0.5 and cal.updated(host=None).host_share(4) == 1.0
+    with pytest.raises(TypeError, match="unknown calibration group"):
+        cal.updated(hosts={"cores": 2})

@@ -1,7 +1,7 @@
 """Fitting the interconnect: per-level latency and bandwidth, and the per-round collective overhead.
 
 A collective's time in the simulator is affine in each level's latency and
-inverse bandwidth and in ``collective_overhead_s`` once the algorithm
+inverse bandwidth and in the calibration's ``collectives.overhead_s`` once the algorithm
 (which ``auto`` picks) is fixed: so the caller's timing model (the
 simulator's, :func:`testbed.cli.calibrate.simulator_collective_time`)
 gives the design matrix column by column, one probe per parameter, and a
@@ -44,7 +44,7 @@ def level_groups(topology: Topology) -> list[list[str]]:
 
 def with_collective_params(topology: Topology, params: CollectiveParams) -> Topology:
     """The topology with its levels' (or explicit links') latency/bandwidth and overhead replaced."""
-    calibration = replace(topology.calibration, collective_overhead_s=params.overhead_s)
+    calibration = topology.calibration.updated(collectives={"overhead_s": params.overhead_s})
     if topology.form is Form.GRAPH:
         key = next(iter(params.bandwidth))
         links = tuple(replace(l, bandwidth=params.bandwidth[key], latency=params.latency[key]) for l in topology.links)

@@ -1,18 +1,22 @@
-"""Fitting a topology's calibration fields from microbenchmark tables.
+"""Fitting a topology's calibration groups from microbenchmark tables.
 
 ``runners.measure`` times matmuls, memory streams, empty programs and
 collectives on real (or emulated) devices and returns :class:`Sample` rows;
-this module turns those rows into calibration fields with (non-negative,
-relative-error weighted) least squares, numpy only:
+this module turns those rows into calibration fields (``GROUP.FIELD``,
+testbed.topology.calibration) with (non-negative, relative-error weighted)
+least squares, numpy only:
 
-- dispatch: ``launch_overhead_s`` is the median time of an empty program;
+- dispatch: ``compute.launch_overhead_s`` is the median time of an empty program;
 - compute: a kernel of ``f`` FLOPs takes ``launch + (f + half) / R`` (the
   simulator's ``eff(f) = eff_max * f / (f + half)``, ``R = peak * eff_max``),
   a line in ``f`` per dtype; training steps of small models then refit
-  ``eff_max`` and ``half`` on the model's own kernels
+  ``eff_max`` and ``half`` (``compute.efficiency``,
+  ``compute.efficiency_half_flops``) on the model's own kernels
   (:func:`testbed.calibration.steps.fit_step_compute`);
-- memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``;
-- host cores: ``k`` devices at once vs one alone (shared host cores);
+- memory: a stream of ``b`` bytes takes ``launch + b / (bandwidth * eff)``
+  (``memory.efficiency``);
+- host: ``k`` devices at once vs one alone (shared host cores and the
+  throughput curve, the ``host`` group);
 - collectives: :mod:`testbed.calibration.collectives`.
 
 Everything here is pure; :func:`testbed.calibration.topology.calibrated_topology` builds the new Topology.

@@ -6,10 +6,11 @@ single controller, the host thread that dispatches every program. ``testbed
 calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
 
 - ``step`` samples, data parallel: :func:`fit_step_compute` refits
-  ``compute_efficiency`` and ``efficiency_half_flops`` (and per-dtype peak
-  scales) so that the simulator's compute tasks reproduce the measured steps;
+  ``compute.efficiency`` and ``compute.efficiency_half_flops`` (and per-dtype
+  peak scales), and the ``elementwise`` passes, so that the simulator's
+  compute tasks reproduce the measured steps;
 - the controller thread's CPU time per device buffer
-  (``controller_buffer_s``; testbed.model.buffers counts the buffers of the
+  (``controller.buffer_s``; testbed.model.buffers counts the buffers of the
   runner's programs): from the ``step`` samples' controller time when a
   deep shape (:data:`DEEP_SHAPES`) spreads their buffer counts, else
   :func:`fit_controller_buffers` on ``dispatch`` samples, empty programs
@@ -18,9 +19,9 @@ calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
   (MPMD) with two microbatch counts: :func:`fit_controller` fits the CPU time
   the controller thread spent per step, less its buffers' part, as a line in
   the programs the simulator's controller dispatches (testbed.sim.program): the
-  slope is ``controller_overhead_s``; the intercept is the step samples' own
-  per-step time (``controller_step_s``, every step) plus what only a
-  pipeline step pays (``controller_pipeline_step_s``).
+  slope is ``controller.overhead_s``; the intercept is the step samples' own
+  per-step time (``controller.step_s``, every step) plus what only a
+  pipeline step pays (``controller.pipeline_step_s``).
 
 Pure: plans in, numbers out (the simulator is imported lazily).
 """
@@ -104,7 +105,7 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     over (efficiency, half), refined three times, fits the fp32 steps; at
     each point the elementwise passes (``replicated_passes``,
     ``split_passes``; ``cached_passes`` over tasks whose activations fit in
-    ``calibration.cache_bytes``: the time is linear in them) are a
+    ``calibration.elementwise.cache_bytes``: the time is linear in them) are a
     non-negative least squares of the relative errors. The first two are
     told apart only by samples out of cache at two tensor degrees (their
     replicated shares differ); without, one pass count is fitted for both,
@@ -142,9 +143,8 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     def matmul(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:
         device = replace(topology.device, peak_flops={d: v * scales.get(d, 1.0) for d, v in
                                                       topology.device.peak_flops.items()})
-        stub = SimpleNamespace(device=device, calibration=replace(
-            topology.calibration, compute_efficiency=eff, efficiency_half_flops=half, replicated_passes=0.0,
-            split_passes=0.0, cached_passes=0.0))
+        stub = SimpleNamespace(device=device, calibration=topology.calibration.updated(
+            compute={"efficiency": eff, "efficiency_half_flops": half}, elementwise=None))
         work = np.array([sum(compute_seconds(stub, d, t.flops, t.hbm_bytes, t.kernels) for t in ts)
                          for d, ts in zip(dtypes, tasks)])
         return work * slowdown + comm
@@ -241,7 +241,7 @@ def controller_load(plan: Plan) -> tuple[int, int]:
 
 
 def fit_controller_buffers(samples: Sequence[Sample]) -> tuple[float, Fit] | None:
-    """``controller_buffer_s``: the slope of the dispatch samples' controller time in device buffers.
+    """``controller.buffer_s``: the slope of the dispatch samples' controller time in device buffers.
 
     A ``dispatch`` sample passes ``ranks`` arrays in and out on ``devices``
     devices: ``2 * ranks * devices`` buffers. A non-negative line through
@@ -262,7 +262,7 @@ def fit_controller_buffers(samples: Sequence[Sample]) -> tuple[float, Fit] | Non
 
 def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0
                    ) -> tuple[float, float, float, float, Fit] | None:
-    """``(controller_step_s, controller_overhead_s, controller_pipeline_step_s, controller_buffer_s, fit)``.
+    """``(step_s, overhead_s, pipeline_step_s, buffer_s, fit)`` of the calibration's ``controller`` group.
 
     The controller's CPU time. Per device buffer: when the SPMD ``step``
     samples span buffer counts at least twice apart (:data:`DEEP_SHAPES`
@@ -278,9 +278,9 @@ def fit_controller(samples: Sequence[Sample], buffer_s: float = 0.0
     two or more program counts, a non-negative line ``host_s = intercept +
     programs * per_program``; with one, the ratio (and no per-step part).
     The ``step`` samples (SPMD: one program) measure the per-step part of
-    every step, ``controller_step_s``: their median controller time less
+    every step, ``step_s``: their median controller time less
     buffers and one program. What the pipeline line's intercept has beyond
-    it is ``controller_pipeline_step_s`` (the MPMD engine's own work per
+    it is ``pipeline_step_s`` (the MPMD engine's own work per
     step: splitting the batch into microbatches, placing them per stage; 0
     when the intercept, a line through two noisy points, comes out lower).
     Without pipeline samples (one device) the step samples' time (less

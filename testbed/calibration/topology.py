@@ -4,7 +4,9 @@
 :func:`fit_all`, which runs every fit of this package in order (dispatch,
 compute, memory, host cores and throughput, collectives, controller, the
 training steps' compute) and returns the topology with its fitted
-:class:`~testbed.topology.Calibration`. Pure: no JAX, no files.
+:class:`~testbed.topology.Calibration`: its ``compute``, ``memory`` and
+``collectives`` groups always, ``elementwise``, ``host`` and ``controller``
+only where the measurements found them. Pure: no JAX, no files.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from testbed.calibration import fit as cal
 from testbed.calibration import steps as cal_steps
 from testbed.collectives import timing as collective_timing
 from testbed.errors import InputError
-from testbed.topology import Calibration, Level, LinkKind, Topology, generators
+from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
+                              HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
 
-__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
+__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fitted_values",
+           "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
 
 #: Name of the level joining the processes (the emulated hosts).
 OUTER_LEVEL = "cluster"
@@ -106,24 +110,30 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     Peaks: the matmul rate's fraction of the base device's peak (median over
     dtypes, at most 1) is ``e``; each dtype's peak becomes ``rate / e`` (so
     ``peak * e`` is its measured rate and the ratios between dtypes are
-    measured). ``compute_efficiency`` is ``efficiency`` when given (the fit on
+    measured). ``compute.efficiency`` is ``efficiency`` when given (the fit on
     training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
-    likewise. Dtypes not measured keep their base peak; ``peak_scales``
-    (from the training steps) multiply a dtype's peak last. ``controller_s``
-    and ``controller_step_s`` are the controller's CPU time per dispatched
-    program and per step, ``controller_pipeline_step_s`` a pipeline step's
-    extra (:func:`testbed.calibration.steps.fit_controller`),
-    ``controller_buffer_s`` per device buffer a program passes
-    (:func:`testbed.calibration.steps.fit_controller_buffers`); ``passes``
-    the elementwise (replicated, split, cached) passes fitted on the
-    training steps, ``cache_bytes`` the largest activation whose passes
-    run from cache (measured on the host).
+    likewise (``memory.efficiency``). Dtypes not measured keep their base
+    peak; ``peak_scales`` (from the training steps) multiply a dtype's peak
+    last. ``collectives`` is the base's until ``collectives`` (the fitted
+    link parameters) replace it.
+
+    The groups only some machines have are made only when measured: the
+    ``controller`` group when any of ``controller_s`` and
+    ``controller_step_s`` (the controller's CPU time per dispatched program
+    and per step), ``controller_pipeline_step_s`` (a pipeline step's extra,
+    :func:`testbed.calibration.steps.fit_controller`) and
+    ``controller_buffer_s`` (per device buffer a program passes,
+    :func:`testbed.calibration.steps.fit_controller_buffers`) is positive;
+    the ``elementwise`` group when ``passes`` (the (replicated, split,
+    cached) passes fitted on the training steps) or ``cache_bytes`` (the
+    largest activation whose passes run from cache, measured on the host)
+    is; the ``host`` group when the devices share a host.
 
     A measured ``host_throughput`` curve (:func:`fit_host_throughput`) is
-    written as it is, with ``host_cores`` (the host's CPUs) beside it for
+    written as it is, with ``host.cores`` (the host's CPUs) beside it for
     the reader, and no efficiency scaling. Without one, shared host throughput
     ``host_cores = r`` (e.g. 1.5 cores' worth) is
-    written as the whole ``ceil(r)`` with ``compute_efficiency`` scaled by
+    written as the whole ``ceil(r)`` with ``compute.efficiency`` scaled by
     ``r / ceil(r)``: the simulator gives ``n`` devices computing at once
     ``min(1, cores / n)`` of their speed each, so this is exact whenever at
     least ``ceil(r)`` devices compute at once (a device alone is then
@@ -141,13 +151,19 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     efficiency = matmul_efficiency if efficiency is None else efficiency
     if cores and not host_throughput:
         efficiency *= host_cores / cores
+    elementwise = host = controller = None
+    if any(passes) or cache_bytes > 0:
+        elementwise = ElementwiseCalibration(replicated_passes=passes[0], split_passes=passes[1],
+                                             cached_passes=passes[2], cache_bytes=cache_bytes)
+    if cores or host_throughput:
+        host = HostCalibration(cores=cores, throughput=tuple(host_throughput))
+    if controller_s or controller_step_s or controller_pipeline_step_s or controller_buffer_s:
+        controller = ControllerCalibration(overhead_s=controller_s, step_s=controller_step_s,
+                                           pipeline_step_s=controller_pipeline_step_s, buffer_s=controller_buffer_s)
     calibration = Calibration(
-        compute_efficiency=efficiency, efficiency_half_flops=half_flops, memory_efficiency=memory_efficiency,
-        replicated_passes=passes[0], split_passes=passes[1], cached_passes=passes[2],
-        cache_bytes=cache_bytes, launch_overhead_s=launch_s,
-        collective_overhead_s=base.calibration.collective_overhead_s, host_cores=cores,
-        host_throughput=tuple(host_throughput), controller_overhead_s=controller_s, controller_step_s=controller_step_s,
-        controller_pipeline_step_s=controller_pipeline_step_s, controller_buffer_s=controller_buffer_s)
+        compute=ComputeCalibration(efficiency=efficiency, efficiency_half_flops=half_flops, launch_overhead_s=launch_s),
+        memory=MemoryCalibration(efficiency=memory_efficiency), elementwise=elementwise,
+        collectives=base.calibration.collectives, host=host, controller=controller)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
                   description=f"{base.name} calibrated by `testbed calibrate` on measured devices")
     if collectives is not None:
@@ -157,7 +173,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
 
 def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, host_cpus: int = 0,
             cache_bytes: float = 0.0) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
-    """Fit every calibration field from ``samples``; (calibrated topology, fitted values, fits).
+    """Fit every calibration group from ``samples``; (calibrated topology, fitted values (:func:`fitted_values`), fits).
 
     ``host_cpus``: the cores of the host emulated devices run on (0: unknown);
     ``cache_bytes``: the largest activation whose elementwise passes run from
@@ -169,7 +185,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         memory_bw, memory_fit = cal.fit_memory(samples, launch)
         fits.append(memory_fit)
     except InputError:  # noisy streams on a busy host: keep the base topology's bandwidth
-        memory_bw = base.device.memory_bandwidth * base.calibration.memory_efficiency
+        memory_bw = base.device.memory_bandwidth * base.calibration.memory.efficiency
     shared = cal.fit_host_cores(samples)
     curve = cal.fit_host_throughput(samples)
     # Devices that share a host saturate its cores once that many compute at once; steps then fit the rest.
@@ -206,22 +222,42 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                        controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
                                        controller_pipeline_step_s=pipeline_step_s, passes=passes,
                                        host_throughput=curve, cache_bytes=cache_bytes)
+    return topo, fitted_values(topo, shared=shared, rates=rates, memory_bandwidth=memory_bw), fits
+
+
+def fitted_values(topo: Topology, *, shared: float, rates: Mapping[str, float], memory_bandwidth: float,
+                  ) -> dict[str, Any]:
+    """What ``testbed calibrate --json`` reports as ``fitted``.
+
+    ``calibration``: the groups, nested (None for an absent one,
+    :meth:`Calibration.as_dict`). Beside it, for the reports that read them
+    (benchmarks/validate_host.py), the same fields under their flat names
+    (``compute_efficiency``, ``controller_buffer_s``, ...; an absent group's
+    fields 0), and what was measured: ``shared_host_cores`` (devices alone
+    vs all at once), ``sustained_flops`` and ``sustained_memory_bandwidth``,
+    the device's ``peak_flops`` and ``memory_bandwidth``, and each level's
+    link parameters.
+    """
     c = topo.calibration
-    fitted = {
-        "compute_efficiency": c.compute_efficiency, "efficiency_half_flops": c.efficiency_half_flops,
-        "memory_efficiency": c.memory_efficiency, "replicated_passes": c.replicated_passes,
-        "split_passes": c.split_passes, "cached_passes": c.cached_passes, "cache_bytes": c.cache_bytes,
-        "launch_overhead_s": c.launch_overhead_s,
-        "collective_overhead_s": c.collective_overhead_s, "host_cores": c.host_cores, "shared_host_cores": shared,
-        "host_throughput": {str(n): t for n, t in c.host_throughput},
-        "controller_overhead_s": c.controller_overhead_s, "controller_step_s": c.controller_step_s,
-        "controller_pipeline_step_s": c.controller_pipeline_step_s,
-        "controller_buffer_s": c.controller_buffer_s,
+    elementwise = c.elementwise or ElementwiseCalibration()
+    controller = c.controller
+    return {
+        "calibration": c.as_dict(full=True),
+        "compute_efficiency": c.compute.efficiency, "efficiency_half_flops": c.compute.efficiency_half_flops,
+        "memory_efficiency": c.memory.efficiency, "replicated_passes": elementwise.replicated_passes,
+        "split_passes": elementwise.split_passes, "cached_passes": elementwise.cached_passes,
+        "cache_bytes": elementwise.cache_bytes, "launch_overhead_s": c.compute.launch_overhead_s,
+        "collective_overhead_s": c.collectives.overhead_s, "host_cores": c.host.cores if c.host else 0,
+        "shared_host_cores": shared,
+        "host_throughput": {str(n): t for n, t in c.host.throughput} if c.host else {},
+        "controller_overhead_s": controller.overhead_s if controller else 0.0,
+        "controller_step_s": controller.step_s if controller else 0.0,
+        "controller_pipeline_step_s": controller.pipeline_step_s if controller else 0.0,
+        "controller_buffer_s": controller.buffer_s if controller else 0.0,
         "peak_flops": dict(topo.device.peak_flops), "memory_bandwidth": topo.device.memory_bandwidth,
-        "sustained_flops": rates, "sustained_memory_bandwidth": memory_bw,
+        "sustained_flops": dict(rates), "sustained_memory_bandwidth": memory_bandwidth,
         "levels": {l.name: {"bandwidth": l.bandwidth, "latency": l.latency} for l in topo.levels},
     }
-    return topo, fitted, fits
 
 
 def cluster_topology(base: Topology, processes: int) -> Topology:

@@ -74,7 +74,7 @@ def _topology_execute(args: argparse.Namespace) -> CommandResult:
             "links": t.graph.number_of_edges(), "link_kinds": kinds, "levels": levels,
             "device_spec": {"name": t.device.name, "peak_flops": dict(t.device.peak_flops),
                             "memory_bytes": t.device.memory_bytes, "memory_bandwidth": t.device.memory_bandwidth},
-            "calibration": {k: getattr(t.calibration, k) for k in t.calibration.__dataclass_fields__}}
+            "calibration": t.calibration.as_dict(full=True)}
     files = []
     if args.png:
         from testbed.viz.plots import draw_topology

@@ -1,48 +1,79 @@
-"""The table ``testbed calibrate`` prints: the fitted calibration and each fit's quality."""
+"""The table ``testbed calibrate`` prints: the fitted calibration, group by group, and each fit's quality."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["render_calibration"]
+__all__ = ["render_calibration", "calibration_rows"]
+
+#: What an absent group means, for its row.
+_ABSENT = {
+    "elementwise": "absent: no elementwise passes priced",
+    "host": "absent: devices do not share a host",
+    "controller": "absent: no controller simulated",
+}
+
+
+def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(group, field, value) rows of ``fit_all``'s fitted values (testbed.calibration.topology.fitted_values)."""
+    from testbed.units import format_bandwidth, format_flops, format_time
+
+    groups = fitted["calibration"]
+    rows: list[tuple[str, str, str]] = []
+    for dtype, rate in fitted["sustained_flops"].items():
+        rows.append(("device", f"sustained FLOP/s {dtype}", format_flops(rate)))
+    rows.append(("device", "sustained memory bandwidth", format_bandwidth(fitted["sustained_memory_bandwidth"])))
+    c = groups["compute"]
+    rows += [("compute", "efficiency", f"{c['efficiency']:.3f}"),
+             ("compute", "efficiency_half_flops", f"{c['efficiency_half_flops']:.3g}"),
+             ("compute", "launch_overhead_s", format_time(c["launch_overhead_s"]))]
+    rows.append(("memory", "efficiency", f"{groups['memory']['efficiency']:.3f}"))
+    e = groups["elementwise"]
+    if e is None:
+        rows.append(("elementwise", "", _ABSENT["elementwise"]))
+    else:
+        rows.append(("elementwise", "replicated_passes, split_passes",
+                     f"{e['replicated_passes']:.1f} over replicated, {e['split_passes']:.1f} over split activation bytes"))
+        if e["cache_bytes"]:
+            rows.append(("elementwise", "cached_passes, cache_bytes",
+                         f"{e['cached_passes']:.1f} over activations of at most {e['cache_bytes'] / 1024:.0f} KiB"))
+    rows.append(("collectives", "overhead_s", format_time(groups["collectives"]["overhead_s"])))
+    for name, level in fitted["levels"].items():
+        rows.append(("links", f"level {name}", f"{format_bandwidth(level['bandwidth'])}, "
+                                                f"{format_time(level['latency'])}/hop"))
+    h = groups["host"]
+    if h is None:
+        rows.append(("host", "", _ABSENT["host"]))
+    else:
+        rows.append(("host", "cores", f"{h['cores']} (devices alone vs all at once: {fitted['shared_host_cores']:.2f})"))
+        if h["throughput"]:
+            rows.append(("host", "throughput", ", ".join(f"{n} at once: {t:.2f}" for n, t in h["throughput"].items())))
+    k = groups["controller"]
+    if k is None:
+        rows.append(("controller", "", _ABSENT["controller"]))
+    else:
+        rows += [("controller", "overhead_s", f"{format_time(k['overhead_s'])} per dispatched program"),
+                 ("controller", "step_s", f"{format_time(k['step_s'])} per step"),
+                 ("controller", "pipeline_step_s", f"{format_time(k['pipeline_step_s'])} more per pipeline step"),
+                 ("controller", "buffer_s", f"{format_time(k['buffer_s'])} per device buffer dispatched")]
+    return rows
 
 
 def render_calibration(console: Any, data: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from testbed.units import format_bandwidth, format_flops, format_time
-
-    f = data["fitted"]
     console.print(f"[bold]{data['name']}[/] from {data['devices']} {data['platform']} device(s) in "
                   f"{data['seconds']:.1f} s -> {data['topology']} (samples: {data['measurements']})")
-    table = Table(title="fitted calibration")
+    table = Table(title="fitted calibration (calibration.GROUP.FIELD)")
+    table.add_column("group")
     table.add_column("field")
-    table.add_column("value", justify="right")
-    for dtype, rate in f["sustained_flops"].items():
-        table.add_row(f"sustained FLOP/s {dtype}", format_flops(rate))
-    table.add_row("compute_efficiency", f"{f['compute_efficiency']:.3f}")
-    table.add_row("efficiency_half_flops", f"{f['efficiency_half_flops']:.3g}")
-    table.add_row("memory bandwidth", format_bandwidth(f["sustained_memory_bandwidth"]))
-    if f.get("replicated_passes") or f.get("split_passes"):
-        table.add_row("elementwise passes", f"{f['replicated_passes']:.1f} over replicated, "
-                                            f"{f['split_passes']:.1f} over split activation bytes")
-    if f.get("cache_bytes"):
-        table.add_row("cached passes", f"{f['cached_passes']:.1f} over activations of at most "
-                                       f"{f['cache_bytes'] / 1024:.0f} KiB")
-    table.add_row("launch_overhead_s", format_time(f["launch_overhead_s"]))
-    table.add_row("collective_overhead_s", format_time(f["collective_overhead_s"]))
-    table.add_row("host_cores", f"{f['host_cores']} (devices alone vs all at once: {f['shared_host_cores']:.2f})")
-    if f.get("host_throughput"):
-        table.add_row("host_throughput", ", ".join(f"{n} at once: {t:.2f}" for n, t in f["host_throughput"].items()))
-    if f.get("controller_overhead_s"):
-        table.add_row("controller_overhead_s", f"{format_time(f['controller_overhead_s'])} per dispatched program")
-        table.add_row("controller_step_s", f"{format_time(f.get('controller_step_s', 0.0))} per step")
-        table.add_row("controller_pipeline_step_s",
-                      f"{format_time(f.get('controller_pipeline_step_s', 0.0))} more per pipeline step")
-    if f.get("controller_buffer_s"):
-        table.add_row("controller_buffer_s", f"{format_time(f['controller_buffer_s'])} per device buffer dispatched")
-    for name, level in f["levels"].items():
-        table.add_row(f"level {name}", f"{format_bandwidth(level['bandwidth'])}, {format_time(level['latency'])}/hop")
+    table.add_column("value")
+    previous = None
+    for group, name, value in calibration_rows(data["fitted"]):
+        if previous is not None and group != previous:
+            table.add_section()
+        table.add_row(group if group != previous else "", name, value)
+        previous = group
     console.print(table)
     quality = Table(title="fit quality")
     for col in ("fit", "samples", "R^2", "median |rel. residual|", "max |rel. residual|"):

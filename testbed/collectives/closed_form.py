@@ -11,7 +11,7 @@ Two symmetric shapes are recognised (:func:`symmetry`):
   order; neighbours are one link apart (``alpha`` = link latency, ``B`` =
   link bandwidth), and each direction of a link is its own resource.
 
-With ``u = alpha + collective_overhead_s`` per round, ``S`` bytes and ``n``
+With ``u = alpha + collectives.overhead_s`` (calibration) per round, ``S`` bytes and ``n``
 ranks (``p`` the largest power of two <= n):
 
 =================================== =======================================
@@ -98,7 +98,7 @@ def closed_form_time(topology: Topology, op: Op | str, algorithm: str, group: Se
     if shape is None:
         return None
     kind, alpha, bandwidth = shape
-    u = alpha + topology.calibration.collective_overhead_s
+    u = alpha + topology.calibration.collectives.overhead_s
     s = float(nbytes)
     beta = 1.0 / bandwidth
     if kind == "ring" and algorithm not in ("ring", "bidir_ring"):

@@ -6,7 +6,7 @@ common switch on hierarchies); transfers of one round share every directed
 link's bandwidth, so a transfer from a to b takes ``latency(route) + max over
 its links of (bytes crossing that link this round / link bandwidth)``. A round
 lasts as long as its slowest transfer plus
-``topology.calibration.collective_overhead_s``; rounds with only local copies
+``topology.calibration.collectives.overhead_s``; rounds with only local copies
 are free. Several groups (``--over node`` with many nodes) run their rounds
 together and so contend for shared links.
 
@@ -256,7 +256,7 @@ def program_time(topology: Topology, op: Op | str, algorithm: str, groups: Seque
     peer = (root + 1) % n if peer is None else peer
     program, envelopes, _, rounds = _cached_profile(topology, op, algorithm, groups, root, peer)
     chunk = program.chunk_bytes(nbytes)
-    overhead = topology.calibration.collective_overhead_s
+    overhead = topology.calibration.collectives.overhead_s
     total = sum(count * (overhead + max(lat + coef * chunk for lat, coef in env)) for env, count in envelopes.items())
     return total, rounds
 
@@ -343,4 +343,4 @@ def send_time(topology: Topology, src: int, dst: int, nbytes: float) -> float:
     if src == dst:
         return 0.0
     return (topology.path_latency(src, dst) + float(nbytes) / topology.path_bandwidth(src, dst)
-            + topology.calibration.collective_overhead_s)
+            + topology.calibration.collectives.overhead_s)

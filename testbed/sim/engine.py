@@ -3,18 +3,19 @@
 Pricing (:func:`price`) turns each task into a standalone duration and, for
 communication, the bytes it moves over each directed link:
 
-- compute: ``launch_overhead_s + max(flops / (peak * eff(f)), bytes / bw) +
+- compute (calibration groups ``compute``, ``memory``, ``elementwise``):
+  ``launch_overhead_s + max(flops / (peak * eff(f)), bytes / bw) +
   (replicated_passes * replicated_bytes + split_passes * split_bytes) / bw``,
   or ``cached_passes * (replicated_bytes + split_bytes) / bw`` when the
   task's ``[tokens, d_model]`` activation fits in ``cache_bytes``
   with the precision's peak FLOP/s, ``bw = memory_bandwidth *
-  memory_efficiency`` and ``eff(f) = compute_efficiency * f / (f +
-  efficiency_half_flops)`` for a kernel of ``f`` FLOPs: the roofline of the
-  calibrated device, plus the memory-bound elementwise passes over the
-  activations the task writes (0 unless calibrated);
-- host (the controller): ``controller_step_s`` for the step's preparation
-  (plus ``controller_pipeline_step_s`` for a pipeline's),
-  ``count * controller_overhead_s + buffers * controller_buffer_s`` for a
+  memory.efficiency`` and ``eff(f) = compute.efficiency * f / (f +
+  compute.efficiency_half_flops)`` for a kernel of ``f`` FLOPs: the roofline
+  of the calibrated device, plus the memory-bound elementwise passes over the
+  activations the task writes (none without an ``elementwise`` group);
+- host (the ``controller`` group, when the topology has one):
+  ``step_s`` for the step's preparation (plus ``pipeline_step_s`` for a
+  pipeline's), ``count * overhead_s + buffers * buffer_s`` for a
   dispatch (:func:`controller_seconds`);
 - collectives and sends: timed by testbed.collectives.timing; their link
   loads are what every group running the task at once puts on the links the
@@ -25,7 +26,7 @@ The engine (:func:`run`) keeps every representative's streams as FIFOs; a
 task starts when it heads its stream and its dependencies are done. Tasks in
 flight progress as fluids: transfers share links max-min fairly
 (testbed.sim.contention), re-evaluated whenever a task starts or finishes; with
-a shared host (``calibration.host_cores`` or ``host_throughput``) the devices
+a shared host (the calibration's ``host`` group) the devices
 computing at once (and the controller thread while it works) share its
 throughput. The result is
 a :class:`~testbed.sim.timeline.Timeline` over the representatives (and the
@@ -46,7 +47,7 @@ from testbed.plan.placement import place
 from testbed.plan.spec import Plan
 from testbed.sim.program import STREAMS, Program, Task, TaskKind, build_program
 from testbed.sim.timeline import CATEGORIES, Report, Timeline
-from testbed.topology import Calibration, Form, Topology
+from testbed.topology import Calibration, Form, HostCalibration, Topology
 
 __all__ = ["Priced", "Simulation", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run", "simulate",
            "report"]
@@ -76,34 +77,41 @@ class Simulation:
 def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
                     replicated_bytes: float = 0.0, split_bytes: float = 0.0, tensor_bytes: float = 0.0) -> float:
     """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes)."""
-    cal, dev = topology.calibration, topology.device
+    compute, passes, dev = topology.calibration.compute, topology.calibration.elementwise, topology.device
     t = 0.0
     if flops > 0:
         per_kernel = flops / max(1, kernels)
-        eff = cal.compute_efficiency * per_kernel / (per_kernel + cal.efficiency_half_flops)
+        eff = compute.efficiency * per_kernel / (per_kernel + compute.efficiency_half_flops)
         t = flops / (dev.flops(dtype) * eff)
     if hbm_bytes > 0:
         t = max(t, pass_seconds(topology, hbm_bytes))
-    if cal.caches(tensor_bytes):
-        activations = cal.cached_passes * (replicated_bytes + split_bytes)
-    else:
-        activations = cal.replicated_passes * replicated_bytes + cal.split_passes * split_bytes
-    t += pass_seconds(topology, activations)
-    return cal.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
+    if passes is not None:
+        if passes.caches(tensor_bytes):
+            activations = passes.cached_passes * (replicated_bytes + split_bytes)
+        else:
+            activations = passes.replicated_passes * replicated_bytes + passes.split_passes * split_bytes
+        t += pass_seconds(topology, activations)
+    return compute.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
 
 
 def pass_seconds(topology: Topology, nbytes: float) -> float:
     """Seconds one memory pass over ``nbytes`` takes at the calibrated bandwidth (the roofline's and the passes')."""
-    return nbytes / (topology.device.memory_bandwidth * topology.calibration.memory_efficiency)
+    return nbytes / (topology.device.memory_bandwidth * topology.calibration.memory.efficiency)
 
 
 def controller_seconds(calibration: Calibration, task: Task) -> float:
-    """Controller time of a host task: the step's preparation, or a dispatch (per program and per device buffer)."""
+    """Controller time of a host task: the step's preparation, or a dispatch (per program and per device buffer).
+
+    0 when the calibration has no ``controller`` group (such a topology's programs have no host tasks).
+    """
+    controller = calibration.controller
+    if controller is None:
+        return 0.0
     if task.op == "step":
-        return calibration.controller_step_s
+        return controller.step_s
     if task.op == "pipeline step":
-        return calibration.controller_step_s + calibration.controller_pipeline_step_s
-    return task.count * calibration.controller_overhead_s + task.buffers * calibration.controller_buffer_s
+        return controller.step_s + controller.pipeline_step_s
+    return task.count * controller.overhead_s + task.buffers * controller.buffer_s
 
 
 def _timing():
@@ -275,10 +283,12 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
     """Play ``program`` with ``priced`` durations as a fluid discrete-event simulation.
 
     Devices computing at once share the host as ``calibration.host_share``
-    says (or, without a calibration, ``host_cores`` as in
-    :class:`~testbed.topology.spec.Calibration`).
+    says (or, without a calibration, ``host_cores`` cores as
+    :class:`~testbed.topology.calibration.HostCalibration` says; 0: none shared).
     """
-    sharing = calibration if calibration is not None else Calibration(host_cores=host_cores)
+    if calibration is None:
+        calibration = Calibration(host=HostCalibration(cores=host_cores)) if host_cores > 0 else Calibration()
+    sharing = calibration
     tasks, durations, task_loads = program.tasks, priced.durations, priced.loads
     n = len(tasks)
     row_index: dict[tuple[int, str], int] = {}
@@ -429,10 +439,7 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 
 def simulate(plan: Plan, topology: Topology) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
-    cal = topology.calibration
-    program = build_program(plan, place(plan, topology),
-                            controller=cal.controller_overhead_s > 0 or cal.controller_step_s > 0
-                            or cal.controller_buffer_s > 0 or cal.controller_pipeline_step_s > 0)
+    program = build_program(plan, place(plan, topology), controller=topology.calibration.controller is not None)
     priced = price(program, topology, plan.precision.compute_dtype)
     timeline = run(program, priced, calibration=topology.calibration)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

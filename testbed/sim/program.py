@@ -24,10 +24,10 @@ dispatch before the first action); a pipeline runs one program per action on
 its stage's devices (MPMD), so each action waits for its own dispatch, which
 also issues the action's sends (``count`` programs in all), and each stage's
 optimizer update is one more. The simulator prices the step task at
-``calibration.controller_step_s`` (plus ``controller_pipeline_step_s`` for a
-pipeline) and a dispatch at ``controller_overhead_s`` per program and
-``controller_buffer_s`` per device buffer; on a shared host (``host_cores``,
-``host_throughput``) the controller takes a core's share like a device.
+``calibration.controller.step_s`` (plus ``pipeline_step_s`` for a
+pipeline) and a dispatch at ``overhead_s`` per program and
+``buffer_s`` per device buffer; on a shared host (the ``calibration.host``
+group) the controller takes a core's share like a device.
 
 Parameter and gradient sharding (same conventions as testbed.model.memory):
 parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
@@ -89,7 +89,7 @@ class Task:
     ``replicated_bytes`` and ``split_bytes`` over the tensor axis (priced by
     the elementwise passes of the calibration); ``tensor_bytes`` is one
     ``[tokens, d_model]`` activation of the task's microbatch (whether its
-    passes run from cache: calibration ``cache_bytes``). Collectives carry ``op``, ``nbytes``
+    passes run from cache: calibration ``elementwise.cache_bytes``). Collectives carry ``op``, ``nbytes``
     (DESIGN.md convention), ``count`` back-to-back repeats and the
     representative's ``group``; sends carry ``group = (src, dst)``.
     ``instances`` are all groups or pairs running the same task at once.

@@ -1,112 +1,315 @@
-"""What ``testbed calibrate`` fits on a topology: the :class:`Calibration` it carries."""
+"""What ``testbed calibrate`` fits on a topology: the :class:`Calibration` it carries, in named groups.
+
+Every topology prices compute, memory traffic and collectives, so three
+groups are always there (an ideal machine by default):
+
+- :class:`ComputeCalibration` (``compute``): the matmul roofline of one
+  device and its fixed cost per compute task;
+- :class:`MemoryCalibration` (``memory``): the memory bandwidth it reaches;
+- :class:`CollectiveCalibration` (``collectives``): software cost per round
+  of a collective or send (the links themselves are the topology's levels).
+
+Three more describe what only some machines have; a topology without them
+has the group absent (``None``), and the simulator leaves that part out:
+
+- :class:`ElementwiseCalibration` (``elementwise``): memory-bound kernels
+  between the matmuls that a compiler does not fuse (XLA:CPU);
+- :class:`HostCalibration` (``host``): devices that share one CPU host
+  (emulated XLA:CPU devices), so computing at once slows each of them;
+- :class:`ControllerCalibration` (``controller``): the single-controller
+  thread that dispatches every program, priced as host tasks.
+
+docs/calibration.md describes each field, which bundled topology carries
+which group, how ``testbed calibrate`` fits it, and the YAML syntax.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar
 
 from testbed.errors import InputError
 
-__all__ = ["Calibration"]
+__all__ = ["Calibration", "ComputeCalibration", "MemoryCalibration", "ElementwiseCalibration",
+           "CollectiveCalibration", "HostCalibration", "ControllerCalibration", "GROUPS"]
+
+
+class _Group:
+    """Shared by the groups: validation helpers naming ``calibration.GROUP.FIELD``, and plain values."""
+
+    __slots__ = ()
+    GROUP: ClassVar[str] = ""
+
+    def _path(self, name: str) -> str:
+        return f"calibration.{self.GROUP}.{name}"
+
+    def _nonnegative(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not value >= 0:
+                raise InputError(f"must be non-negative, got {value}", field=self._path(name))
+
+    def _fraction(self, name: str) -> None:
+        value = getattr(self, name)
+        if not 0 < value <= 1.5:
+            raise InputError(f"must be in (0, 1.5], got {value}", field=self._path(name))
+
+    def as_dict(self, full: bool = False) -> dict[str, Any]:
+        """Plain values: every field (``full``) or those that differ from the defaults (for YAML)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if full or value != f.default:
+                out[f.name] = {n: t for n, t in value} if f.name == "throughput" else value
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Calibration:
-    """Fields fitted by ``testbed calibrate`` (defaults: an ideal machine).
+class ComputeCalibration(_Group):
+    """The calibrated roofline of one device's compute (every topology; defaults: ideal).
 
-    compute_efficiency: fraction of peak FLOP/s a large matmul reaches.
+    efficiency: fraction of peak FLOP/s a large matmul reaches.
     efficiency_half_flops: FLOPs of one kernel at which it reaches half of
-        ``compute_efficiency`` (small kernels are latency bound).
-    memory_efficiency: fraction of peak memory bandwidth reached.
+        ``efficiency`` (small kernels are latency bound): a kernel of ``f``
+        FLOPs runs at ``efficiency * f / (f + efficiency_half_flops)``.
+    launch_overhead_s: fixed cost per compute task (kernel/program dispatch).
+    """
+
+    GROUP: ClassVar[str] = "compute"
+    efficiency: float = 1.0
+    efficiency_half_flops: float = 0.0
+    launch_overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._fraction("efficiency")
+        self._nonnegative("efficiency_half_flops", "launch_overhead_s")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryCalibration(_Group):
+    """The memory bandwidth one device reaches (every topology; default: its peak).
+
+    efficiency: fraction of the device's peak memory bandwidth reached, by
+        the roofline's memory bound and by the elementwise passes.
+    """
+
+    GROUP: ClassVar[str] = "memory"
+    efficiency: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._fraction("efficiency")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ElementwiseCalibration(_Group):
+    """Memory-bound kernels between the matmuls (LayerNorm, GELU, softmax, residual adds, layout copies).
+
+    Absent: a compiler that fuses them (GPU/TPU topologies); present where
+    they were fitted on training steps (XLA:CPU makes many passes).
+
     replicated_passes, split_passes: memory passes, at the calibrated
         bandwidth, over each byte of activations a compute task writes
-        (testbed.model.costs.layer_traffic_bytes), replicated on every tensor rank
-        or split over them: the memory-bound kernels between the matmuls
-        (LayerNorm, GELU, softmax, residual adds, layout copies), added to
-        the matmul roofline. A compiler that fuses them has few passes;
-        XLA:CPU many. Both 0 (the default) leave them out.
+        (testbed.model.costs.layer_traffic_bytes), replicated on every tensor
+        rank or split over them; added to the matmul roofline.
     cache_bytes, cached_passes: a compute task whose ``[tokens, d_model]``
         activation is at most ``cache_bytes`` (a pass reads one such tensor
         and writes another: half the core's L2) makes its passes from cache,
         ``cached_passes`` over its replicated and split bytes instead (XLA:CPU
         on a 512 KiB-L2 host: a pass over 256 KiB tensors costs a third of
-        one over 512 KiB ones). ``cache_bytes`` 0 (the default): none does.
-    launch_overhead_s: fixed cost per compute task (kernel/program dispatch).
-    collective_overhead_s: software cost per round of a collective.
-    host_cores: if > 0, devices share this many host cores (emulated CPU
-        devices): ``n`` devices computing at once run at ``min(1, cores / n)``
-        of their speed alone.
-    host_throughput: measured instead (``calibrate``): pairs ``(n, T)``, the
-        work of ``T`` devices alone that ``n`` devices computing at once get
-        done (``T(1) = 1``; linear between points, flat after the last), so
-        each runs at ``T(n) / n``. Measured on a 2-core host: two XLA:CPU
-        devices at once get 1.0-1.4 devices' worth done, not the 2 a core
-        count says. Overrides ``host_cores`` when given.
-    controller_overhead_s: host time the single controller spends per program
-        it dispatches (one per pipeline action and its sends, testbed.sim.program);
-    controller_step_s: host time it spends once per step besides (making and
-        placing the batch, summing the loss).
-    controller_pipeline_step_s: what a pipeline step (MPMD: one program per
-        action) costs it per step beyond that (splitting the batch into
-        microbatches and placing them per stage).
-    controller_buffer_s: host time per device buffer a dispatched program
-        takes or returns (arrays x devices, testbed.model.buffers). All three 0
-        leave the controller out of the simulation.
+        one over 512 KiB ones). ``cache_bytes`` 0: none does.
     """
 
-    compute_efficiency: float = 1.0
-    efficiency_half_flops: float = 0.0
-    memory_efficiency: float = 1.0
+    GROUP: ClassVar[str] = "elementwise"
     replicated_passes: float = 0.0
     split_passes: float = 0.0
-    cache_bytes: float = 0.0
     cached_passes: float = 0.0
-    launch_overhead_s: float = 0.0
-    collective_overhead_s: float = 0.0
-    host_cores: int = 0
-    host_throughput: tuple[tuple[int, float], ...] = ()
-    controller_overhead_s: float = 0.0
-    controller_step_s: float = 0.0
-    controller_pipeline_step_s: float = 0.0
-    controller_buffer_s: float = 0.0
+    cache_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("compute_efficiency", "memory_efficiency"):
-            value = getattr(self, name)
-            if not 0 < value <= 1.5:
-                raise InputError(f"must be in (0, 1.5], got {value}", field=f"calibration.{name}")
-        for name in ("efficiency_half_flops", "replicated_passes", "split_passes", "cache_bytes", "cached_passes", "launch_overhead_s",
-                     "collective_overhead_s", "controller_overhead_s", "controller_step_s",
-                     "controller_pipeline_step_s", "controller_buffer_s"):
-            if getattr(self, name) < 0:
-                raise InputError(f"must be non-negative, got {getattr(self, name)}", field=f"calibration.{name}")
-        if self.host_cores < 0:
-            raise InputError(f"must be non-negative, got {self.host_cores}", field="calibration.host_cores")
-        curve = tuple((int(n), float(t)) for n, t in self.host_throughput)
-        object.__setattr__(self, "host_throughput", curve)
-        if curve and (curve[0] != (1, 1.0) or any(b[0] <= a[0] for a, b in zip(curve, curve[1:]))
-                      or any(not 0 < t <= n for n, t in curve)):
-            raise InputError(f"must map device counts 1 < n2 < ... to 0 < T(n) <= n, starting at 1: 1.0; got "
-                             f"{dict(curve)}", field="calibration.host_throughput")
+        self._nonnegative("replicated_passes", "split_passes", "cached_passes", "cache_bytes")
 
     def caches(self, tensor_bytes: float) -> bool:
         """Whether a task whose ``[tokens, d_model]`` activation is ``tensor_bytes`` makes its passes from cache."""
         return 0 < tensor_bytes <= self.cache_bytes
 
-    @property
-    def shares_host(self) -> bool:
-        """Whether devices computing at once slow each other (emulated devices of one host)."""
-        return bool(self.host_throughput) or self.host_cores > 0
 
-    def host_share(self, computing: float) -> float:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveCalibration(_Group):
+    """Software cost of collectives, beyond the links' latency and bandwidth (every topology; default 0).
+
+    overhead_s: per round of a collective's step program, and per send.
+    """
+
+    GROUP: ClassVar[str] = "collectives"
+    overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._nonnegative("overhead_s")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostCalibration(_Group):
+    """Devices that share one CPU host (emulated XLA:CPU devices): computing at once slows each.
+
+    Absent: every device computes at its own speed whatever the others do.
+    The single controller thread (:class:`ControllerCalibration`) takes a
+    device's share of the host too.
+
+    cores: the host's cores: ``n`` devices computing at once run at
+        ``min(1, cores / n)`` of their speed alone (when no ``throughput``).
+    throughput: measured instead (``calibrate``): pairs ``(n, T)``, the work
+        of ``T`` devices alone that ``n`` devices computing at once get done
+        (``T(1) = 1``; linear between points, flat after the last), so each
+        runs at ``T(n) / n``. Measured on a 2-core host: two XLA:CPU devices
+        at once get 1.0-1.4 devices' worth done, not the 2 a core count says.
+        Overrides ``cores`` when given (``cores`` then stays for the reader).
+    """
+
+    GROUP: ClassVar[str] = "host"
+    cores: int = 0
+    throughput: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 0:
+            raise InputError(f"must be a non-negative whole number, got {self.cores!r}", field=self._path("cores"))
+        curve = tuple((int(n), float(t)) for n, t in self.throughput)
+        object.__setattr__(self, "throughput", curve)
+        if curve and (curve[0] != (1, 1.0) or any(b[0] <= a[0] for a, b in zip(curve, curve[1:]))
+                      or any(not 0 < t <= n for n, t in curve)):
+            raise InputError(f"must map device counts 1 < n2 < ... to 0 < T(n) <= n, starting at 1: 1.0; got "
+                             f"{dict(curve)}", field=self._path("throughput"))
+        if not curve and self.cores == 0:
+            raise InputError("a shared host needs `cores` or `throughput`; leave the `host` group out when devices "
+                             "do not share one", field=self._path("cores"))
+
+    def share(self, computing: float) -> float:
         """Fraction of its speed alone each of ``computing`` devices (at once) runs at."""
         if computing <= 1:
             return 1.0
-        if self.host_throughput:
-            curve = self.host_throughput
+        if self.throughput:
+            curve = self.throughput
             done = curve[-1][1]
             for (n0, t0), (n1, t1) in zip(curve, curve[1:]):
                 if computing <= n1:
                     done = t0 + (t1 - t0) * (computing - n0) / (n1 - n0)
                     break
             return min(1.0, done / computing)
-        return min(1.0, self.host_cores / computing) if self.host_cores > 0 else 1.0
+        return min(1.0, self.cores / computing)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControllerCalibration(_Group):
+    """The single controller: one host thread that dispatches every program (JAX on one process).
+
+    Absent: no controller is simulated (programs start when their inputs are
+    ready). Present, the simulator adds host tasks (testbed.sim.program):
+
+    overhead_s: host time per program it dispatches (one per pipeline action
+        and its sends).
+    step_s: host time once per step besides (making and placing the batch,
+        summing the loss).
+    pipeline_step_s: what a pipeline step (MPMD: one program per action)
+        costs it per step beyond that (splitting the batch into microbatches
+        and placing them per stage).
+    buffer_s: host time per device buffer a dispatched program takes or
+        returns (arrays x devices, testbed.model.buffers).
+
+    At least one is positive: a controller that costs nothing is left out.
+    """
+
+    GROUP: ClassVar[str] = "controller"
+    overhead_s: float = 0.0
+    step_s: float = 0.0
+    pipeline_step_s: float = 0.0
+    buffer_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._nonnegative("overhead_s", "step_s", "pipeline_step_s", "buffer_s")
+        if not (self.overhead_s or self.step_s or self.pipeline_step_s or self.buffer_s):
+            raise InputError("all four are 0; leave the `controller` group out to simulate no controller",
+                             field=self._path("overhead_s"))
+
+
+#: Group name -> class, in YAML order.
+GROUPS: dict[str, type] = {cls.GROUP: cls for cls in (
+    ComputeCalibration, MemoryCalibration, ElementwiseCalibration, CollectiveCalibration, HostCalibration,
+    ControllerCalibration)}
+#: Groups every topology has (defaults: an ideal machine); the others may be absent (None).
+_REQUIRED = ("compute", "memory", "collectives")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    """Fitted by ``testbed calibrate``: named groups (the module docstring; defaults: an ideal machine).
+
+    ``compute``, ``memory`` and ``collectives`` are always there;
+    ``elementwise``, ``host`` and ``controller`` are None where a topology
+    does not have them (a GPU or TPU topology has neither a shared host nor,
+    unless calibrated on one, a priced controller).
+    """
+
+    compute: ComputeCalibration = field(default_factory=ComputeCalibration)
+    memory: MemoryCalibration = field(default_factory=MemoryCalibration)
+    elementwise: ElementwiseCalibration | None = None
+    collectives: CollectiveCalibration = field(default_factory=CollectiveCalibration)
+    host: HostCalibration | None = None
+    controller: ControllerCalibration | None = None
+
+    def __post_init__(self) -> None:
+        for name, cls in GROUPS.items():
+            value = getattr(self, name)
+            if value is None and name not in _REQUIRED:
+                continue
+            if not isinstance(value, cls):
+                raise TypeError(f"Calibration.{name} must be a {cls.__name__}"
+                                + ("" if name in _REQUIRED else " or None") + f", got {value!r}")
+
+    def updated(self, **groups: Mapping[str, Any] | None) -> "Calibration":
+        """A copy with fields of the named groups changed: ``updated(compute={"efficiency": 0.5}, host=None)``.
+
+        An absent group is made from its defaults plus the changes; None
+        removes an optional group.
+        """
+        changes: dict[str, Any] = {}
+        for name, values in groups.items():
+            if name not in GROUPS:
+                raise TypeError(f"unknown calibration group `{name}`; groups: {', '.join(GROUPS)}")
+            if values is None:
+                changes[name] = None
+                continue
+            current = getattr(self, name)
+            changes[name] = replace(current, **values) if current is not None else GROUPS[name](**values)
+        return replace(self, **changes)
+
+    def as_dict(self, full: bool = False) -> dict[str, Any]:
+        """Nested plain values, by group.
+
+        ``full``: every group with every field, None for an absent one (JSON
+        reports). Else what YAML needs: present groups' non-default fields,
+        groups every topology has left out when they are all defaults.
+        """
+        out: dict[str, Any] = {}
+        for name in GROUPS:
+            group = getattr(self, name)
+            if group is None:
+                if full:
+                    out[name] = None
+                continue
+            values = group.as_dict(full)
+            if full or values or name not in _REQUIRED:
+                out[name] = values
+        return out
+
+    def caches(self, tensor_bytes: float) -> bool:
+        """Whether a task whose ``[tokens, d_model]`` activation is ``tensor_bytes`` makes its elementwise passes from cache."""
+        return self.elementwise is not None and self.elementwise.caches(tensor_bytes)
+
+    @property
+    def shares_host(self) -> bool:
+        """Whether devices computing at once slow each other (emulated devices of one host)."""
+        return self.host is not None
+
+    def host_share(self, computing: float) -> float:
+        """Fraction of its speed alone each of ``computing`` devices (at once) runs at (1 without a shared host)."""
+        return 1.0 if self.host is None else self.host.share(computing)

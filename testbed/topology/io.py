@@ -16,9 +16,10 @@ import yaml
 
 from testbed.topology import generators
 from testbed.errors import InputError, closest
-from testbed.fields import check_keys, expect_mapping, get_bool, get_int, get_str, load_yaml
+from testbed.fields import check_keys, expect_mapping, get_int, get_str, load_yaml
 from testbed.output import read_input
 from testbed.topology import Calibration, DeviceSpec, Form, Level, LinkKind, LinkSpec, Topology
+from testbed.topology.calibration import GROUPS
 from testbed.units import parse_bandwidth, parse_bytes, parse_flops, parse_time
 
 __all__ = ["load_topology", "topology_from_dict", "topology_to_dict", "dump_topology", "bundled_names", "resolve_topology_path"]
@@ -82,33 +83,59 @@ def _device(data: Any) -> DeviceSpec:
     )
 
 
+#: The flat field names of earlier topology files -> where they live now (``calibration.GROUP.FIELD``).
+LEGACY_CALIBRATION_FIELDS = {
+    "compute_efficiency": "compute.efficiency", "efficiency_half_flops": "compute.efficiency_half_flops",
+    "launch_overhead_s": "compute.launch_overhead_s", "memory_efficiency": "memory.efficiency",
+    "replicated_passes": "elementwise.replicated_passes", "split_passes": "elementwise.split_passes",
+    "cached_passes": "elementwise.cached_passes", "cache_bytes": "elementwise.cache_bytes",
+    "collective_overhead_s": "collectives.overhead_s", "host_cores": "host.cores",
+    "host_throughput": "host.throughput", "controller_overhead_s": "controller.overhead_s",
+    "controller_step_s": "controller.step_s", "controller_pipeline_step_s": "controller.pipeline_step_s",
+    "controller_buffer_s": "controller.buffer_s",
+}
+
+
+def _calibration_value(group: str, name: str, value: Any) -> Any:
+    """One field of a calibration group, parsed by its kind (times, bytes, whole numbers, the throughput curve)."""
+    path = f"calibration.{group}.{name}"
+    if name == "cores":
+        return get_int({name: value}, name, f"calibration.{group}", minimum=0)
+    if name == "throughput":
+        curve = expect_mapping(value, path)
+        try:
+            return tuple(sorted((int(k), float(v)) for k, v in curve.items()))
+        except (TypeError, ValueError):
+            raise InputError(f"expected device counts mapped to numbers (1: 1.0, 2: 1.3, ...), got {curve!r}",
+                             field=path) from None
+    if name.endswith("_s"):
+        return parse_time(value, path)
+    if name == "cache_bytes":
+        return float(parse_bytes(value, path, allow_zero=True))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"expected a number, got {value!r}", field=path)
+    return float(value)
+
+
 def _calibration(data: Any) -> Calibration:
+    """The nested ``calibration:`` mapping: one mapping per group (docs/calibration.md); none: an ideal machine."""
     if data is None:
         return Calibration()
     data = expect_mapping(data, "calibration")
-    names = [f.name for f in fields(Calibration)]
-    check_keys(data, names, "calibration")
-    values: dict[str, Any] = {}
-    for name in names:
-        if name not in data:
+    for key in data:
+        if key not in GROUPS and key in LEGACY_CALIBRATION_FIELDS:
+            raise InputError(f"calibration fields are grouped: write `{key}` as `calibration."
+                             f"{LEGACY_CALIBRATION_FIELDS[key]}` (docs/calibration.md)", field=f"calibration.{key}")
+    check_keys(data, GROUPS, "calibration")
+    groups: dict[str, Any] = {}
+    for group, cls in GROUPS.items():
+        if group not in data:
             continue
-        if name == "host_cores":
-            values[name] = get_int(data, name, "calibration", minimum=0)
-        elif name == "host_throughput":
-            curve = expect_mapping(data[name], "calibration.host_throughput")
-            try:
-                values[name] = tuple(sorted((int(k), float(v)) for k, v in curve.items()))
-            except (TypeError, ValueError):
-                raise InputError(f"expected device counts mapped to numbers (1: 1.0, 2: 1.3, ...), got {curve!r}",
-                                 field="calibration.host_throughput") from None
-        elif name.endswith("_s"):
-            values[name] = parse_time(data[name], f"calibration.{name}")
-        else:
-            value = data[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InputError(f"expected a number, got {value!r}", field=f"calibration.{name}")
-            values[name] = float(value)
-    return Calibration(**values)
+        raw = expect_mapping(data[group], f"calibration.{group}")
+        names = [f.name for f in fields(cls)]
+        check_keys(raw, names, f"calibration.{group}")
+        groups[group] = cls(**{name: _calibration_value(group, name, raw[name]) for name in names if name in raw})
+    return Calibration(**groups)
 
 
 def _level(data: Any, field: str, torus: bool = False, group_only: bool = False) -> Level:
@@ -207,13 +234,9 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
                         "links": [{"a": l.a, "b": l.b, "bandwidth": l.bandwidth, "latency": l.latency, "kind": str(l.kind)}
                                   for l in topology.links],
                         "levels": [{"name": l.name, "size": l.size} for l in levels]}
-    defaults = Calibration()
-    calib = {f.name: getattr(topology.calibration, f.name) for f in fields(Calibration)
-             if getattr(topology.calibration, f.name) != getattr(defaults, f.name)}
-    if "host_throughput" in calib:
-        calib["host_throughput"] = {n: t for n, t in calib["host_throughput"]}
-    if calib:
-        out["calibration"] = calib
+    calibration = topology.calibration.as_dict()
+    if calibration:
+        out["calibration"] = calibration
     return out
 
 
