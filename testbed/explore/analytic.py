@@ -1,0 +1,289 @@
+"""The search's fast tier: a plan's step time from the simulator's own cost functions, without the DES.
+
+Where the discrete-event simulator (testbed.sim.engine) builds the step's
+task graph and plays it as fluids sharing links, this tier plays only the
+pipeline schedule table, stage by stage, with the same prices:
+
+- each F/B/W action costs :func:`testbed.sim.engine.compute_seconds` of the
+  work testbed.sim.program assigns it (``chunk_cost`` of testbed.model.costs,
+  split into gradient buckets as the program splits it), plus its blocking
+  tensor-parallel all-reduces timed by testbed.collectives.timing over every
+  tensor group at once (``groups_time``: the groups share links);
+- fsdp/ZeRO-3 parameter gathers run ahead on their own stream, so an action
+  waits for its gather only when gathering is the bottleneck;
+- activations and gradients cross stages with ``send_time`` on the sender's
+  pipe stream (serial, as the program's);
+- gradient buckets reduce on the grad stream while the backward goes on
+  (all-reduce, reduce-scatter or HSDP, testbed.plan.sharding's rule), then
+  the optimizer runs and, with ZeRO-1/2, the data axis re-gathers parameters;
+- the single controller (when the topology calibrates one) dispatches every
+  program serially, and devices computing at once on a shared host slow each
+  other by ``calibration.host_share``.
+
+What it leaves out is what the DES adds: max-min link sharing between
+concurrent streams (gathers and reductions vs. sends), and a shared host's
+share varying as stages idle. So the estimate is a fast, honest ranking
+signal, not the verdict: the search replays its best candidates with the
+DES (testbed.explore.search). Memory comes from testbed.model.memory exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from testbed.collectives.timing import groups_time, send_time
+from testbed.model import buffers as dispatch
+from testbed.model import costs as model
+from testbed.model.memory import MemoryBreakdown, _stage_memory, state_bytes_per_param
+from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, execution_order, peak_inflight
+from testbed.plan.placement import place
+from testbed.plan.sharding import gradient_reduction, state_sharding
+from testbed.plan.spec import MESH_AXES, Axis, Plan
+from testbed.sim.engine import compute_seconds
+from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, _action_work
+from testbed.topology import Topology
+
+__all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    """The analytic tier's verdict on one plan: seconds per step and its rough split, and the exact memory.
+
+    ``compute_s`` is the busiest stage's compute (actions and optimizer),
+    ``comm_s`` its blocking or exposed communication (tensor all-reduces,
+    waits for gathers, the gradient tail, the final gather), ``bubble_s``
+    the rest of the step.
+    """
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    memory_bytes: int
+    capacity_bytes: int
+    fits: bool
+
+    def __post_init__(self) -> None:
+        if not self.step_time_s >= 0:
+            raise ValueError(f"step_time_s must be >= 0, got {self.step_time_s}")
+
+
+@lru_cache(maxsize=4096)
+def cached_schedule(name: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, tuple]:
+    """(schedule table, its execution order with dependency keys), memoized: many candidates share a table."""
+    schedule = build_schedule(name, stages, microbatches, virtual)
+    order = tuple((s, a, tuple(dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
+                  for s, a in execution_order(schedule))
+    return schedule, order
+
+
+def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], ...]:
+    """All device groups of ``stage`` varying along ``axes`` (mesh order), the representative's first."""
+    dims = [MESH_AXES.index(a) for a in axes]
+    block = ids[stage]  # dims: data, fsdp, tensor
+    keep = [d - 1 for d in range(1, 4) if d not in dims]
+    moved = block.transpose(keep + [d - 1 for d in sorted(dims)])
+    size = 1
+    for d in dims:
+        size *= ids.shape[d]
+    return tuple(tuple(int(x) for x in row) for row in moved.reshape(-1, size))
+
+
+class _Collectives:
+    """Seconds of one collective over every group of one stage at once (groups share links)."""
+
+    def __init__(self, topology: Topology, ids) -> None:
+        self.topology, self.ids = topology, ids
+        self.groups: dict = {}
+
+    def time(self, op: str, axes: tuple[Axis, ...], stage: int, nbytes: float) -> float:
+        key = (axes, stage)
+        groups = self.groups.get(key)
+        if groups is None:
+            groups = self.groups[key] = _groups(self.ids, axes, stage)
+        if nbytes <= 0 or len(groups[0]) < 2:
+            return 0.0
+        return groups_time(self.topology, op, groups, nbytes).time_s
+
+
+def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, o_ways: int) -> float:
+    """One gradient bucket's reduction (testbed.sim.program's ``_reduce``)."""
+    mesh = plan.mesh
+    if o_ways == mesh.data * mesh.fsdp:
+        op = "reduce_scatter" if o_ways > 1 else "all_reduce"
+        return coll.time(op, (Axis.DATA, Axis.FSDP), stage, nbytes)
+    t = coll.time("reduce_scatter", (Axis.FSDP,), stage, nbytes) if mesh.fsdp > 1 else 0.0
+    if mesh.data > 1:
+        t += coll.time("all_reduce", (Axis.DATA,), stage, nbytes / mesh.fsdp)
+    return t
+
+
+def _chunk_cost(plan: Plan, stage: int, chunk: int) -> model.ChunkCost:
+    """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat)."""
+    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
+           plan.precision, plan.remat, stage, chunk)
+    cost = _CHUNKS.get(key)
+    if cost is None:
+        if len(_CHUNKS) > 100_000:
+            _CHUNKS.clear()
+        cost = _CHUNKS[key] = model.chunk_cost(plan, stage, chunk)
+    return cost
+
+
+_CHUNKS: dict[tuple, model.ChunkCost] = {}
+
+
+@lru_cache(maxsize=4096)
+def _inflight(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    return tuple(int(n) for n in peak_inflight(cached_schedule(name, stages, microbatches, virtual)[0]))
+
+
+def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
+    """:func:`testbed.model.memory.memory_breakdown`, exactly, with the schedule's in-flight counts memoized.
+
+    The breakdown is the memory model's own per-stage function (``_stage_memory``)
+    at each stage's peak; only the schedule table it is read from is shared
+    between candidates (the search meets each table thousands of times).
+    """
+    inflight = _inflight(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
+                         plan.schedule.virtual_stages)
+    stages = [_stage_memory(plan, s, inflight[s]) for s in range(plan.mesh.stage)]
+    worst = max(stages, key=lambda m: m.total)
+    capacity = int(topology.device.memory_bytes)
+    return MemoryBreakdown(
+        params_count=model.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
+        grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
+        total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
+        per_stage=tuple(stages))
+
+
+def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None) -> Estimate:
+    """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory."""
+    memory = memory or plan_memory(plan, topology)
+    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
+    p, dtype, cal = mesh.stage, plan.precision.compute_dtype, topology.calibration
+    schedule, order = cached_schedule(plan.schedule.name.value, p, m, v)
+    ids = place(plan, topology).device_ids
+    coll = _Collectives(topology, ids)
+    reps = [int(ids[s, 0, 0, 0]) for s in range(p)]
+    param_b, grad_b, _ = state_bytes_per_param(plan)
+    sharding = state_sharding(plan)
+    p_axes, p_ways, o_ways = sharding.params, sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
+    per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
+    split = schedule.split_backward
+    last_kind = "W" if split else "B"
+    replicas = mesh.data * mesh.fsdp
+    # Devices computing at once on a shared host: every device in the steady state (an upper bound).
+    slow = 1.0 / cal.host_share(topology.num_devices) if cal.shares_host else 1.0
+    controller = cal.controller
+
+    costs = [[_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
+    # Per (stage, chunk, kind): compute s, tp s, gather s, one bucket piece's compute s, the bucket count,
+    # one bucket's reduction s, the per-microbatch reduce-scatter s, sends [(dst, s)], dispatch buffers.
+    work: dict[tuple[int, int, str], tuple] = {}
+    for s in range(p):
+        for c in range(v):
+            cost = costs[s][c]
+            kernels = max(1, 4 * cost.layers)
+            gather = coll.time("all_gather", p_axes, s, cost.params * param_b) if p_ways > 1 else 0.0
+            for kind in ("F", "B", "W") if split else ("F", "B"):
+                flops, hbm, (rep_b, split_b), tp = _action_work(cost, kind, split, plan.remat)
+                whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes)
+                pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 else 1
+                piece = bucket = scatter = 0.0
+                if pieces > 1:
+                    piece = slow * compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
+                                                   max(1, kernels // pieces), rep_b / pieces, split_b / pieces,
+                                                   cost.tensor_bytes)
+                    bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b, o_ways)
+                if kind == last_kind and per_microbatch and m > 1:
+                    scatter = coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b)
+                tp_s = tp * coll.time("all_reduce", (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) if tp else 0.0
+                sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
+                              for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
+                work[(s, c, kind)] = (slow * whole, tp_s, gather if kind in ("F", "B") else 0.0, piece, pieces,
+                                      bucket, scatter, sends)
+
+    end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
+    arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
+    free, pipe, gather_free, grad = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
+    busy, comm = [0.0] * p, [0.0] * p
+    remaining = {(s, c): m for s in range(p) for c in range(v)}
+    host = 0.0
+    if controller is not None:
+        host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
+        if p == 1:
+            host += controller.overhead_s + dispatch.spmd_step_buffers(plan) * controller.buffer_s
+    for s, action, deps in order:
+        c, kind, mb = action.chunk, action.kind, action.microbatch
+        compute, tp_s, gather, piece, pieces, bucket, scatter, sends = work[(s, c, kind)]
+        start = free[s]
+        if controller is not None:
+            if p > 1:
+                buffers = (dispatch.action_buffers(plan, s, c, kind, remaining[(s, c)] < m)
+                           + len(sends) * dispatch.send_buffers(plan))
+                host += (1 + len(sends)) * controller.overhead_s + buffers * controller.buffer_s
+            start = max(start, host)
+        for key in deps:
+            t = end[key] if key[0] == s else arrive[key]
+            if t > start:
+                start = t
+        if gather:
+            gather_free[s] += gather
+            if gather_free[s] > start:
+                comm[s] += gather_free[s] - start
+                start = gather_free[s]
+        if kind == last_kind:
+            remaining[(s, c)] -= 1
+            if remaining[(s, c)] == 0 and pieces > 1:
+                compute = pieces * piece
+                for k in range(pieces):
+                    grad[s] = max(grad[s], start + (k + 1) * piece) + bucket
+            elif remaining[(s, c)] > 0 and scatter:
+                grad[s] = max(grad[s], start + compute) + scatter
+        finish = start + compute + tp_s
+        busy[s] += compute
+        comm[s] += tp_s
+        free[s] = finish
+        end[(s, kind, mb, c)] = finish
+        for _, seconds in sends:
+            pipe[s] = max(pipe[s], finish) + seconds
+            arrive[(s, kind, mb, c)] = pipe[s]
+    step = 0.0
+    for s in range(p):
+        params = sum(cst.params for cst in costs[s])
+        shard = params / o_ways
+        ready = max(free[s], grad[s])
+        if controller is not None and p > 1:
+            host += controller.overhead_s + dispatch.update_buffers(plan, s) * controller.buffer_s
+            ready = max(ready, host)
+        comm[s] += max(0.0, grad[s] - free[s])
+        opt = slow * compute_seconds(topology, dtype, OPTIMIZER_FLOPS_PER_PARAM * shard,
+                                     shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), 1)
+        busy[s] += opt
+        done = ready + opt
+        if o_ways > p_ways and mesh.data > 1:
+            regather = coll.time("all_gather", (Axis.DATA,), s, params / mesh.fsdp * param_b)
+            comm[s] += regather
+            done += regather
+        step = max(step, done, host)
+    worst = max(range(p), key=lambda s: busy[s] + comm[s])
+    return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
+                    bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),
+                    capacity_bytes=int(memory.capacity), fits=bool(memory.fits))
+
+
+def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, costs) -> list[tuple[int, int, float]]:
+    """(destination stage, its chunk, bytes) of what a ``kind`` action of ``chunk`` sends (testbed.sim.program's rule)."""
+    g = schedule.model_chunk(stage, chunk)
+    if kind == "F" and g < schedule.chunks - 1:
+        dst, c = schedule.locate(g + 1)
+        if dst != stage:
+            return [(dst, c, float(costs[stage][chunk].activation_out_bytes))]
+    elif kind == "B" and g > 0:
+        dst, c = schedule.locate(g - 1)
+        if dst != stage:
+            return [(dst, c, float(costs[dst][c].activation_out_bytes))]
+    return []

@@ -1,0 +1,186 @@
+"""Search for the best plan: enumerate, prune by memory, rank analytically, replay the best with the DES.
+
+1. :func:`testbed.explore.space.candidates` enumerates the plans the runner
+   accepts (divisibility is pruned there, before any cost is computed);
+2. each candidate's memory comes from testbed.model.memory, exactly; those
+   over ``memory_cap`` x device memory are dropped;
+3. the rest get the analytic tier's step time (testbed.explore.analytic) and
+   are ranked by the objective;
+4. the best ``replay`` of them (and any within ``margin`` of the best
+   estimate) are simulated with the discrete-event simulator, whose report
+   decides the final ranking: the analytic tier only chooses what to replay.
+
+Objectives: ``step_time`` (seconds, lower is better), ``tokens_per_s``,
+``mfu`` and ``cost`` (tokens per dollar, from a price per device-hour);
+higher is better for the last three. With the model, global batch, device
+count and precision fixed they order plans alike; they differ once the
+space lists several precisions (MFU counts each against its own peak).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from testbed.errors import InputError
+from testbed.explore.analytic import Estimate, estimate, plan_memory
+from testbed.explore.space import SearchSpace, candidates
+from testbed.model.costs import model_flops_per_step
+from testbed.plan.spec import Plan
+from testbed.sim.engine import simulate
+from testbed.sim.timeline import Report
+from testbed.topology import Topology
+
+__all__ = ["OBJECTIVES", "Candidate", "SearchResult", "search", "objective_value", "evaluate"]
+
+#: Objective -> True when higher is better.
+OBJECTIVES: dict[str, bool] = {"step_time": False, "tokens_per_s": True, "mfu": True, "cost": True}
+
+
+def objective_value(objective: str, plan: Plan, topology: Topology, step_time_s: float,
+                    price_per_device_hour: float | None = None) -> float:
+    """The objective's value of ``plan`` stepping in ``step_time_s`` (``cost``: tokens per dollar)."""
+    if step_time_s <= 0:
+        return 0.0 if OBJECTIVES[objective] else float("inf")
+    if objective == "step_time":
+        return step_time_s
+    if objective == "tokens_per_s":
+        return plan.tokens_per_step / step_time_s
+    if objective == "mfu":
+        peak = topology.device.flops(plan.precision.compute_dtype)
+        return model_flops_per_step(plan) / (topology.num_devices * peak * step_time_s)
+    if objective == "cost":
+        if not price_per_device_hour or price_per_device_hour <= 0:
+            raise InputError("the cost objective needs a positive price per device-hour", field="--price")
+        dollars = price_per_device_hour * topology.num_devices * step_time_s / 3600.0
+        return plan.tokens_per_step / dollars
+    raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate:
+    """One evaluated plan: its analytic estimate, its DES report once replayed, and its objective value."""
+
+    plan: Plan
+    estimate: Estimate
+    report: Report | None = None
+    value: float
+
+    @property
+    def step_time_s(self) -> float:
+        """The DES step time when replayed, else the analytic one."""
+        return self.report.step_time_s if self.report is not None else self.estimate.step_time_s
+
+    def summary(self) -> dict:
+        """JSON-ready: the layout choices, both step times, the DES breakdown and the memory."""
+        p, r, e = self.plan, self.report, self.estimate
+        out = {"data": p.mesh.data, "fsdp": p.mesh.fsdp, "tensor": p.mesh.tensor, "stage": p.mesh.stage,
+               "schedule": p.schedule.name.value, "virtual_stages": p.schedule.virtual_stages,
+               "microbatches": p.batch.microbatches, "zero": p.zero, "remat": p.remat.value,
+               "precision": p.precision.value, "value": self.value, "step_time_s": self.step_time_s,
+               "analytic_step_time_s": e.step_time_s, "memory_bytes": e.memory_bytes,
+               "capacity_bytes": e.capacity_bytes}
+        if r is not None:
+            out.update({"compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
+                        "bubble_fraction": r.bubble_fraction, "mfu": r.mfu})
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchResult:
+    """Ranked replayed candidates (best first) and what the search did to find them."""
+
+    ranked: tuple[Candidate, ...]
+    objective: str
+    enumerated: int
+    pruned_memory: int
+    estimated: int
+    replayed: int
+    analytic_s: float
+    replay_s: float
+    shortlist: tuple[Candidate, ...] = field(default=())
+
+    @property
+    def best(self) -> Candidate:
+        if not self.ranked:
+            raise InputError("no candidate plan fits in memory; raise --memory-cap, add devices or shrink the "
+                             "model or batch", field="--memory-cap")
+        return self.ranked[0]
+
+    @property
+    def plans_per_minute(self) -> float:
+        """Candidates the analytic tier handled (memory and, if it fits, step time) per minute."""
+        return 60.0 * self.enumerated / self.analytic_s if self.analytic_s > 0 else float("inf")
+
+
+def _sort_key(objective: str, c: Candidate) -> tuple:
+    value = -c.value if OBJECTIVES[objective] else c.value
+    return value, c.estimate.memory_bytes
+
+
+def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0) -> Estimate | None:
+    """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory."""
+    memory = plan_memory(plan, topology)
+    if memory.total > memory_cap * memory.capacity:
+        return None
+    return estimate(plan, topology, memory)
+
+
+def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *, objective: str = "step_time",
+           memory_cap: float = 1.0, replay: int = 16, margin: float = 0.02, top: int = 5,
+           price_per_device_hour: float | None = None,
+           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """Find the best layout of ``base`` on ``topology``: the DES-ranked best ``max(top, replay)`` candidates.
+
+    Args:
+        space: what may vary (testbed.explore.space).
+        objective: one of :data:`OBJECTIVES`.
+        memory_cap: fraction of device memory a plan may use (0, 1].
+        replay: how many analytically best candidates the DES replays; also
+            every one within ``margin`` (relative) of the best estimate.
+        progress: called with (done, total) as the analytic tier advances,
+            then (replayed, to replay) during the replay.
+    """
+    if objective not in OBJECTIVES:
+        raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
+    if not 0 < memory_cap <= 1:
+        raise InputError(f"must be a fraction of device memory in (0, 1], got {memory_cap}", field="--memory-cap")
+    if replay < 1 or top < 1:
+        raise InputError(f"must be at least 1, got {min(replay, top)}", field="--top")
+    if objective == "cost":
+        objective_value(objective, base, topology, 1.0, price_per_device_hour)  # validates the price first
+    plans = list(candidates(base, topology.num_devices, space))
+    if not plans:
+        raise InputError(f"no layout of this model and batch divides over {topology.num_devices} devices",
+                         field="--devices")
+    start = time.perf_counter()
+    shortlist: list[Candidate] = []
+    pruned = 0
+    for i, plan in enumerate(plans):
+        est = evaluate(plan, topology, memory_cap)
+        if est is None:
+            pruned += 1
+        else:
+            value = objective_value(objective, plan, topology, est.step_time_s, price_per_device_hour)
+            shortlist.append(Candidate(plan=plan, estimate=est, value=value))
+        if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
+            progress(i + 1, len(plans))
+    analytic_s = time.perf_counter() - start
+    shortlist.sort(key=lambda c: _sort_key(objective, c))
+    chosen = shortlist[:max(replay, top)]
+    if shortlist:
+        best_est = shortlist[0].estimate.step_time_s
+        chosen += [c for c in shortlist[len(chosen):] if c.estimate.step_time_s <= best_est * (1 + margin)]
+    start = time.perf_counter()
+    replayed = []
+    for k, c in enumerate(chosen):
+        report = simulate(c.plan, topology).report
+        value = objective_value(objective, c.plan, topology, report.step_time_s, price_per_device_hour)
+        replayed.append(Candidate(plan=c.plan, estimate=c.estimate, report=report, value=value))
+        if progress is not None:
+            progress(k + 1, len(chosen))
+    replayed.sort(key=lambda c: _sort_key(objective, c))
+    return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=len(plans), pruned_memory=pruned,
+                        estimated=len(shortlist), replayed=len(replayed), analytic_s=analytic_s,
+                        replay_s=time.perf_counter() - start, shortlist=tuple(shortlist))

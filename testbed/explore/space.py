@@ -1,0 +1,150 @@
+"""The search space: which plans ``testbed search`` considers, and the model presets it starts from.
+
+A candidate keeps the base plan's model, global batch and optimizer (and
+its precision, unless the space lists precisions) and chooses the rest: the
+mesh degrees (every ordered factorisation of the device count into data x
+fsdp x tensor x stage), the pipeline schedule (interleaved with each listed
+virtual-stage count), the microbatch count, the ZeRO stage and the remat
+mode. :func:`candidates` yields only plans the runner accepts: the
+divisibility rules of :class:`~testbed.plan.spec.Plan` (checked cheaply
+before a Plan is built), no tied embeddings across stages (the pipeline
+runner refuses them), ZeRO only with a data axis to shard over (with data 1
+every stage is the same plan), and a single-stage mesh runs ``1f1b`` only
+(every schedule is the same single program there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from testbed.errors import InputError, closest
+from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
+
+__all__ = ["SearchSpace", "MODEL_PRESETS", "preset_plan", "candidates", "factorisations", "count_candidates"]
+
+#: GPT shapes by name (GPT-3 paper table 2.1 for the large ones; ``gpt-tiny`` for tests and CPUs).
+MODEL_PRESETS: dict[str, tuple[ModelSpec, int]] = {
+    "gpt-tiny": (ModelSpec(layers=4, d_model=64, heads=4, d_ff=256, seq_len=32, vocab=256), 16),
+    "gpt-125m": (ModelSpec(layers=12, d_model=768, heads=12, d_ff=3072, seq_len=2048, vocab=50304), 256),
+    "gpt-350m": (ModelSpec(layers=24, d_model=1024, heads=16, d_ff=4096, seq_len=2048, vocab=50304), 256),
+    "gpt-1.3b": (ModelSpec(layers=24, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=50304), 256),
+    "gpt-2.7b": (ModelSpec(layers=32, d_model=2560, heads=32, d_ff=10240, seq_len=2048, vocab=50304), 512),
+    "gpt-6.7b": (ModelSpec(layers=32, d_model=4096, heads=32, d_ff=16384, seq_len=2048, vocab=50304), 512),
+}
+
+
+def _choices(values, name: str, parse) -> tuple:
+    try:
+        out = tuple(dict.fromkeys(parse(v) for v in values))
+    except (ValueError, TypeError):
+        raise InputError(f"has an invalid value in {list(values)}", field=name) from None
+    if not out:
+        raise InputError("needs at least one value", field=name)
+    return out
+
+
+def _positive_ints(values, name: str) -> tuple[int, ...]:
+    out = _choices(values, name, int)
+    if any(isinstance(v, bool) or v < 1 for v in out):
+        raise InputError(f"must be positive whole numbers, got {list(values)}", field=name)
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchSpace:
+    """What the search may choose. ``None`` means "every valid value" (microbatches: divisors up to ``max_microbatches``).
+
+    ``precisions`` None keeps the base plan's precision.
+    """
+
+    schedules: tuple[str, ...] = tuple(s.value for s in ScheduleName)
+    virtual_stages: tuple[int, ...] = (2, 3, 4)
+    microbatches: tuple[int, ...] | None = None
+    max_microbatches: int = 64
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    remat: tuple[str, ...] = tuple(r.value for r in Remat)
+    precisions: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedules", _choices(self.schedules, "space.schedules",
+                                                       lambda s: ScheduleName(s).value))
+        object.__setattr__(self, "virtual_stages", _positive_ints(self.virtual_stages, "space.virtual_stages"))
+        if self.microbatches is not None:
+            object.__setattr__(self, "microbatches", _positive_ints(self.microbatches, "space.microbatches"))
+        _positive_ints((self.max_microbatches,), "space.max_microbatches")
+        zero = _choices(self.zero, "space.zero", int)
+        if any(z not in (0, 1, 2, 3) for z in zero):
+            raise InputError(f"ZeRO stages are 0..3, got {list(self.zero)}", field="space.zero")
+        object.__setattr__(self, "zero", zero)
+        object.__setattr__(self, "remat", _choices(self.remat, "space.remat", lambda r: Remat(r).value))
+        if self.precisions is not None:
+            object.__setattr__(self, "precisions", _choices(self.precisions, "space.precisions",
+                                                            lambda p: Precision(p).value))
+
+
+def preset_plan(name: str, global_batch: int | None = None, seq_len: int | None = None) -> Plan:
+    """A single-device bf16-mixed AdamW plan of the preset model ``name`` (the search re-lays it out)."""
+    if name not in MODEL_PRESETS:
+        hint = closest(name, list(MODEL_PRESETS))
+        raise InputError(f"unknown model `{name}`" + (f" (did you mean `{hint}`?)" if hint else "")
+                         + f"; give a plan file or a preset: {', '.join(MODEL_PRESETS)}", field="--model")
+    spec, batch = MODEL_PRESETS[name]
+    if seq_len is not None:
+        spec = replace(spec, seq_len=seq_len)
+    precision = Precision.FP32 if name == "gpt-tiny" else Precision.BF16_MIXED
+    return Plan(name=name, model=spec, batch=BatchSpec(global_batch=global_batch or batch), precision=precision)
+
+
+def factorisations(n: int, parts: int = 4) -> list[tuple[int, ...]]:
+    """Every ordered tuple of ``parts`` positive integers whose product is ``n``."""
+    if parts == 1:
+        return [(n,)]
+    out = []
+    for d in range(1, n + 1):
+        if n % d == 0:
+            out.extend((d, *rest) for rest in factorisations(n // d, parts - 1))
+    return out
+
+
+def _divisors(n: int, cap: int) -> list[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> Iterator[Plan]:
+    """Every plan of ``space`` on ``devices`` devices that the runner accepts (module docstring), in a fixed order."""
+    m = base.model
+    precisions = space.precisions or (base.precision.value,)
+    for data, fsdp, tensor, stage in factorisations(devices):
+        replicas = data * fsdp
+        if (m.heads % tensor or m.d_ff % tensor or m.vocab % tensor or m.layers % stage
+                or base.batch.global_batch % replicas or (stage > 1 and m.tied_embeddings)):
+            continue
+        mesh = MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage)
+        per_replica = base.batch.global_batch // replicas
+        micro = [x for x in (space.microbatches or _divisors(per_replica, space.max_microbatches))
+                 if per_replica % x == 0]
+        schedules: list[ScheduleSpec] = []
+        for name in (space.schedules if stage > 1 else (ScheduleName.ONE_F_ONE_B.value,)):
+            if name == ScheduleName.INTERLEAVED.value:
+                schedules.extend(ScheduleSpec(name=name, virtual_stages=v) for v in space.virtual_stages
+                                 if v > 1 and m.layers % (stage * v) == 0)
+            else:
+                schedules.append(ScheduleSpec(name=name))
+        if stage == 1 and ScheduleName.ONE_F_ONE_B.value not in space.schedules and space.schedules:
+            schedules = [ScheduleSpec(name=ScheduleName.ONE_F_ONE_B)]  # one program: the name does not matter
+        for schedule in schedules:
+            for mb in micro:
+                if schedule.name is ScheduleName.INTERLEAVED and mb % stage:
+                    continue
+                batch = BatchSpec(global_batch=base.batch.global_batch, microbatches=mb)
+                for zero in (space.zero if data > 1 else (0,)):
+                    for remat in space.remat:
+                        for precision in precisions:
+                            yield replace(base, mesh=mesh, schedule=schedule, batch=batch, zero=zero,
+                                          remat=Remat(remat), precision=Precision(precision))
+
+
+def count_candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> int:
+    """How many plans :func:`candidates` yields (for a progress bar's total)."""
+    return sum(1 for _ in candidates(base, devices, space))
