@@ -2,7 +2,10 @@
 
 The trainer is :class:`runners.step.SpmdTrainer` for one-stage plans and
 :class:`runners.pipeline.trainer.PipelineTrainer` otherwise; the reference
-is :class:`runners.step.ReferenceTrainer` on one device.
+is :class:`runners.step.ReferenceTrainer` on one device. Both return typed
+results (:mod:`runners.results`) carrying the simulator's
+:class:`~testbed.sim.timeline.Report` with ``source="measured"`` and a
+measured Timeline, so a run compares with its prediction field by field.
 
 verify's errors (documented in the JSON under ``errors`` and ``thresholds``):
 
@@ -28,12 +31,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
+from runners.results import RunResult, VerifyResult, device_peak_flops
 from testbed.plan.io import plan_from_dict
 from testbed.plan.spec import Plan, Precision
+from testbed.sim.measured import measured_report
 
-__all__ = ["build_trainer", "run_plan", "verify_plan", "worker_body", "merge_worker_results", "THRESHOLDS"]
+__all__ = ["build_trainer", "run_plan", "verify_plan", "worker_body", "merge_worker_results", "THRESHOLDS",
+           "RunResult", "VerifyResult"]
 
 #: precision -> {loss: relative, grads: relative, param_steps: optimizer steps}. bf16-mixed gradients
 #: come out of bf16 matmuls (outputs rounded to 2^-9 relative); microbatches and shards round partial
@@ -64,8 +71,17 @@ def _loss_value(loss: Any) -> float | None:
     return scalar(loss) if loss is not None and loss.addressable_shards else None
 
 
-def run_plan(plan: Plan, devices: list[Any], steps: int) -> dict[str, Any]:
-    """Warm-up step (compiles), then ``steps`` timed steps; platform, times and last loss."""
+def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: bool = False,
+             peak_flops: float | None = None) -> RunResult:
+    """Warm-up step (compiles), then ``steps`` timed steps; their times, losses and measured Report.
+
+    The Report (:func:`testbed.sim.measured.measured_report`) has the median
+    step time; MFU with ``peak_flops`` (the device's peak FLOP/s in the
+    plan's compute dtype; default: the datasheet peak of a known
+    accelerator, :func:`runners.results.device_peak_flops`, None on CPU);
+    memory, XLA's compiled bytes per device, only with ``compiled_memory``
+    (it compiles the step's programs once more, after the timed steps).
+    """
     import jax
 
     from runners.devices import describe
@@ -76,16 +92,26 @@ def run_plan(plan: Plan, devices: list[Any], steps: int) -> dict[str, Any]:
     state, loss = trainer.step(state, 0)
     jax.block_until_ready((state, loss))
     compile_s = time.perf_counter() - start
-    times, losses = [], []
+    times, starts, losses, first = [], [], [], None
     for i in range(1, steps + 1):
         t = time.perf_counter()
         state, loss = trainer.step(state, i)
         jax.block_until_ready((state, loss))
         times.append(time.perf_counter() - t)
+        first = t if first is None else first
+        starts.append(t - first)
         losses.append(_loss_value(loss))
-    return {**describe(devices), "plan": plan.name, "steps": steps, "step_times_s": times,
-            "median_step_time_s": statistics.median(times), "compile_time_s": compile_s,
-            "loss": losses[-1], "losses": losses}
+    info = describe(devices)
+    if peak_flops is None:
+        peak_flops = device_peak_flops(info["platform"], str(info.get("device_kind", "")),
+                                       plan.precision.compute_dtype)
+    memory = trainer.compiled_memory(state) if compiled_memory else None  # None when XLA gives no analysis
+    report = measured_report(plan, statistics.median(times), devices=len(devices), peak_flops=peak_flops,
+                             memory_bytes=memory)
+    return RunResult(plan=plan.name, platform=info["platform"], devices=info["devices"],
+                     processes=info["processes"], device_kind=str(info.get("device_kind", "")), steps=steps,
+                     step_times_s=times, step_starts_s=starts, compile_time_s=compile_s, loss=losses[-1],
+                     losses=losses, report=report)
 
 
 def _tree_errors(a: Any, b: Any) -> tuple[float, float]:
@@ -100,8 +126,15 @@ def _tree_errors(a: Any, b: Any) -> tuple[float, float]:
     return max(diffs), max(scale)
 
 
-def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool = True) -> dict[str, Any]:
-    """Run the plan and the single-device reference for ``steps`` steps and compare (see module doc)."""
+def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool = True,
+                peak_flops: float | None = None) -> VerifyResult:
+    """Run the plan and the single-device reference for ``steps`` steps and compare (see module doc).
+
+    The plan's steps after the first are timed (:class:`runners.results.VerifyResult`); ``peak_flops``
+    as in :func:`run_plan`.
+    """
+    import jax
+
     from runners.hlo import check_collectives
     from runners.step import ReferenceTrainer, scalar
 
@@ -109,8 +142,15 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
     reference = ReferenceTrainer(plan, devices[0])
     state, ref_state = trainer.init(), reference.init()
     losses, ref_losses, loss_rel, grad_rel, max_abs = [], [], [], [], 0.0
+    times, starts, first = [], [], None
     for i in range(steps):
+        t = time.perf_counter()
         state, loss = trainer.step(state, i)
+        jax.block_until_ready((state, loss))
+        if i > 0:  # step 0 compiles
+            first = t if first is None else first
+            times.append(time.perf_counter() - t)
+            starts.append(t - first)
         ref_state, ref_loss = reference.step(ref_state, i)
         losses.append(scalar(loss))
         ref_losses.append(scalar(ref_loss))
@@ -128,30 +168,31 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
                    else {"expected": [], "found": {}, "missing": [], "ok": True, "skipped": True})
     ok = (max(loss_rel) <= tol["loss"] and max(grad_rel) <= tol["grads"] and param_steps <= tol["param_steps"]
           and collectives["ok"])
-    return {"ok": ok, "max_abs_err": max(max_abs, param_abs), "max_rel_err": max_rel,
-            "errors": {"loss_rel": loss_rel, "grad_rel": grad_rel, "param_abs": param_abs,
-                       "param_rel": param_abs / param_scale, "param_steps": param_steps},
-            "thresholds": tol,
-            "loss": losses, "reference_loss": ref_losses, "steps": steps, "plan": plan.name,
-            "devices": len(devices), "platform": devices[0].platform, "collectives": collectives}
+    if peak_flops is None:
+        peak_flops = device_peak_flops(devices[0].platform, str(devices[0].device_kind), plan.precision.compute_dtype)
+    report = (measured_report(plan, statistics.median(times), devices=len(devices), peak_flops=peak_flops)
+              if times else None)
+    return VerifyResult(ok=ok, max_abs_err=max(max_abs, param_abs), max_rel_err=max_rel,
+                        errors={"loss_rel": loss_rel, "grad_rel": grad_rel, "param_abs": param_abs,
+                                "param_rel": param_abs / param_scale, "param_steps": param_steps},
+                        thresholds=tol, loss=losses, reference_loss=ref_losses, steps=steps, plan=plan.name,
+                        devices=len(devices), platform=devices[0].platform, collectives=collectives,
+                        step_times_s=times, step_starts_s=starts, report=report)
 
 
 def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
-    """What one launched worker runs (after JAX joined the job): the run command's body."""
+    """What one launched worker runs (after JAX joined the job): the run command's body, as JSON-ready dict."""
     from runners.devices import select_devices
 
     plan = plan_from_dict(payload["plan"], default_name=payload["plan"].get("name", "plan"))
-    return run_plan(plan, select_devices(plan.mesh.size), payload["steps"])
+    return run_plan(plan, select_devices(plan.mesh.size), payload["steps"]).to_dict()
 
 
-def merge_worker_results(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Process 0's result, with the loss from whichever worker holds the last stage."""
-    merged = dict(results[0])
+def merge_worker_results(results: list[dict[str, Any]]) -> RunResult:
+    """Process 0's result (its timing and Report), with the loss from whichever worker holds the last stage."""
+    merged = RunResult.from_dict(results[0])
     for result in results:
         if result.get("loss") is not None:
-            merged["loss"], merged["losses"] = result["loss"], result["losses"]
+            merged = replace(merged, loss=result["loss"], losses=result["losses"])
             break
-    merged["worker_step_times_s"] = [r["step_times_s"] for r in results]
-    return merged
-
-
+    return replace(merged, worker_step_times_s=[r["step_times_s"] for r in results])

@@ -3,8 +3,11 @@
 Each plan's trainer is compiled once (:class:`runners.measure.PlanTimer`) and
 timed in ``rounds`` rounds (later rounds in reverse order), and after every
 round of a plan the reference step (:class:`ReferenceStep`) is timed too: the
-host's speed for that round. The summary is
-:func:`testbed.calibration.validation.validation_summary`'s.
+host's speed for that round: a diagnostic of host drift, kept apart from the
+headline. Each plan's prediction and measurement are the simulator's
+:class:`~testbed.sim.timeline.Report` (``source`` predicted / measured); the
+summary, :func:`testbed.calibration.validation.validation_summary`, compares
+them field by field.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from runners import measure
 from testbed.calibration import steps as cal_steps
 from testbed.plan.spec import Plan
 from testbed.sim.engine import controller_seconds, simulate
+from testbed.sim.measured import measured_report
 from testbed.sim.program import TaskKind
 from testbed.topology import Topology
 
@@ -27,11 +31,17 @@ __all__ = ["measure_plans", "ReferenceStep"]
 def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str], devices: Sequence[Any], *,
                   steps: int, rounds: int,
                   progress: Callable[[str, int], None] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Per plan, predicted and measured step time, memory and controller time; and the reference step.
+    """Per plan, the predicted and measured Reports (step time, memory, MFU) and controller time; the reference step.
 
-    Returns ``(rows, reference)``: the rows :func:`validation_summary` reads
-    (``round_medians_s``, ``host_speeds``, ``measured_at_calibrated_speed_s``
-    too), and the least disturbed reference timing with every round's.
+    Returns ``(rows, reference)``: the rows :func:`validation_summary` reads,
+    and the least disturbed reference timing with every round's. A row has
+    ``predicted_report`` (the simulator's :class:`~testbed.sim.timeline.Report`)
+    and ``measured_report`` (``source="measured"``: the least disturbed
+    round's median step, XLA's memory, MFU at the topology's peak), their
+    numbers as ``predicted_s``, ``measured_s``, ``predicted_memory``,
+    ``measured_memory``, every round's median and step; and under
+    ``diagnostics`` the host's speed per round and
+    ``measured_at_calibrated_speed_s`` (host drift, not model accuracy).
     ``progress(description, rounds done)`` is called before each plan's round.
     """
     c = topology.calibration
@@ -39,13 +49,15 @@ def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str
     for path, plan in zip(paths, plans):
         sim = simulate(plan, topology)
         report = sim.report
-        rows.append({"plan": plan.name, "file": str(path), "predicted_s": report.step_time_s,
+        rows.append({"plan": plan.name, "file": str(path), "predicted_report": report,
+                     "predicted_s": report.step_time_s,
                      "predicted_memory": float(report.memory["total"]),
                      # The controller: CPU seconds the dispatching thread spends per step, as the simulation
                      # priced its host tasks, and as measured.
                      "predicted_controller_s": sum(controller_seconds(c, t) for t in sim.program.tasks
                                                    if t.kind is TaskKind.HOST),
-                     "round_medians_s": [], "host_speeds": [], "step_times_s": [], "controller_s": []})
+                     "round_medians_s": [], "step_times_s": [], "controller_s": [],
+                     "diagnostics": {"host_speeds": []}})
     # Each plan's trainer is compiled once and timed in every round (runners.measure.PlanTimer) when all of
     # them fit in a device's memory at once (half of it, by the simulator's estimates); else it is rebuilt per round.
     keep = sum(row["predicted_memory"] for row in rows) <= 0.5 * topology.device.memory_bytes
@@ -69,7 +81,7 @@ def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str
             references.append(reference_step.time())
             row = rows[i]
             row["round_medians_s"].append(median)
-            row["host_speeds"].append(references[-1]["speed"])
+            row["diagnostics"]["host_speeds"].append(references[-1]["speed"])
             row["step_times_s"] += times
             row["controller_s"] += host
             if r == 0:
@@ -78,13 +90,17 @@ def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str
                 del timers[i]
     reference = dict(min(references, key=lambda ref: ref["measured_s"]),
                      measured_rounds_s=[ref["measured_s"] for ref in references])
-    for row in rows:
+    for plan, row in zip(plans, rows):
         # Other load only ever slows a step: the least disturbed round is the best estimate of the plan's own time.
         row["measured_s"] = min(row["round_medians_s"])
-        # Each round's median as if the host had run at its calibrated speed (the reference step's speed
-        # beside it): the model's error apart from the host's drift since calibration.
-        row["measured_at_calibrated_speed_s"] = float(np.median(np.array(row["round_medians_s"])
-                                                                * np.array(row["host_speeds"])))
+        peak = topology.device.flops(plan.precision.compute_dtype)  # the prediction's peak: MFUs compare
+        row["measured_report"] = measured_report(plan, row["measured_s"], devices=len(devices), peak_flops=peak,
+                                                 memory_bytes=row.get("measured_memory"), topology=topology.name)
+        # Diagnostic of the host, not of the model: each round's median as if the host had run at its calibrated
+        # speed (the reference step's speed beside it), i.e. the model's error apart from the host's drift.
+        diagnostics = row["diagnostics"]
+        diagnostics["measured_at_calibrated_speed_s"] = float(np.median(np.array(row["round_medians_s"])
+                                                                        * np.array(diagnostics["host_speeds"])))
         row["measured_controller_s"] = float(np.median(row.pop("controller_s")))
     return rows, reference
 

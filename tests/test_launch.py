@@ -57,8 +57,11 @@ def test_two_processes_match_one(plan_file: Path) -> None:
     multi = json.loads(out.stdout)
     single = run_plan(load_plan(str(plan_file)), select_devices(8), steps=2)
     assert multi["processes"] == 2 and multi["devices"] == 8
-    assert len(multi["step_times_s"]) == 2
-    assert multi["losses"] == pytest.approx(single["losses"], abs=1e-6)
+    assert len(multi["step_times_s"]) == 2 and len(multi["worker_step_times_s"]) == 2
+    assert multi["losses"] == pytest.approx(list(single.losses), abs=1e-6)
+    # Each worker's measured Report crossed the process boundary as JSON: process 0's is the run's.
+    assert multi["report"]["source"] == "measured" and multi["report"]["step_time_s"] == multi["median_step_time_s"]
+    assert single.report.source == "measured" and single.report.plan == multi["report"]["plan"] == "small-pipeline"
 
 
 @pytest.mark.parametrize("fault, words", [("exit:1", "exited with status 3"), ("hang:1", "hung")])

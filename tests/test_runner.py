@@ -12,8 +12,11 @@ import jax
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import statistics
+
 from runners import devices as dev
-from runners.train import verify_plan
+from runners.results import RunResult, VerifyResult
+from runners.train import run_plan, verify_plan
 from runners.hlo import check_collectives, count_collectives, expected_collectives
 from testbed.errors import InputError
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
@@ -31,7 +34,7 @@ def _plan(data=1, fsdp=1, tensor=1, stage=1, microbatches=1, schedule="1f1b", vi
                 precision=precision, name="test")
 
 
-def _assert_ok(result: dict) -> None:
+def _assert_ok(result: VerifyResult) -> None:
     tol, errors = result["thresholds"], result["errors"]
     assert max(errors["loss_rel"]) <= tol["loss"], errors
     assert max(errors["grad_rel"]) <= tol["grads"], errors
@@ -120,3 +123,20 @@ def test_device_errors_name_the_field() -> None:
     with pytest.raises(InputError) as too_many:
         dev.select_devices(16)
     assert too_many.value.field == "mesh"
+
+
+def test_run_and_verify_return_measured_reports_of_the_median_step() -> None:
+    """The simulator's Report type with source `measured`: the median step, unknown parts None."""
+    plan = _plan(data=2)
+    devices = dev.select_devices(2)
+    run = run_plan(plan, devices, steps=3, compiled_memory=True, peak_flops=1e12)
+    assert isinstance(run, RunResult) and run.report.source == "measured"
+    assert run.report.step_time_s == statistics.median(run.step_times_s) == run.to_dict()["median_step_time_s"]
+    assert run.report.compute_s is None and run.report.bubble_fraction is None
+    assert run.report.mfu > 0 and run.report.memory_total > 0 and run.report.devices == 2
+    assert len(run.step_starts_s) == 3 and run.step_starts_s[0] == 0.0
+    assert [s.label for s in run.timeline.spans(1)] == ["step 1", "step 2", "step 3"]
+    verified = verify_plan(plan, devices, steps=3, check_hlo=False)
+    _assert_ok(verified)
+    assert verified.report.source == "measured" and len(verified.step_times_s) == 2  # step 0 compiles
+    assert verified.report.step_time_s == statistics.median(verified.step_times_s)

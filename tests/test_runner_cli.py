@@ -40,9 +40,24 @@ def test_run_prints_the_contract_keys(tmp_path, capsys: pytest.CaptureFixture) -
     plan = tmp_path / "dp.yaml"
     plan.write_text("name: dp\nmodel: {kind: gpt, layers: 1, d_model: 8, heads: 2, d_ff: 16, seq_len: 4, vocab: 16}\n"
                     "batch: {global_batch: 8}\nmesh: {data: 8}\n")
-    assert main(["run", "--plan", str(plan), "--steps", "2", "--json"]) == 0
+    trace = tmp_path / "run-trace.json"
+    assert main(["run", "--plan", str(plan), "--steps", "2", "--json", "--trace", str(trace)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {"platform", "devices", "processes", "step_times_s", "loss", "median_step_time_s",
-            "compile_time_s"} <= set(data)
+            "compile_time_s", "report"} <= set(data)
     assert data["devices"] == 8 and data["processes"] == 1 and len(data["step_times_s"]) == 2
     assert data["loss"] > 0
+    # The simulator's Report, measured: the median step; what the runner does not time is None.
+    report = data["report"]
+    assert report["source"] == "measured" and report["step_time_s"] == data["median_step_time_s"]
+    assert report["plan"] == "dp" and report["devices"] == 8 and report["exposed_comm_s"] is None
+    # The measured steps as the simulator's trace: one span per step on every device.
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8)) and {e["name"] for e in spans} == {"step 1", "step 2"}
+    assert data["trace"] == str(trace)
+
+
+def test_run_refuses_a_trace_path_before_running(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["run", "--plan", "demo", "--trace", str(tmp_path / "missing" / "t.json")]) == 2
+    assert "field `--trace`" in capsys.readouterr().err

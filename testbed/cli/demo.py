@@ -2,9 +2,11 @@
 
 1. check the plan and show its placement on its topology;
 2. predict: per-device memory and a simulated step (trace + Gantt PNG);
-3. run the plan on emulated devices and time it;
+3. run the plan on emulated devices and time it (the measured steps' trace too);
 4. verify it against the single-device fp32 reference;
-5. print predicted vs measured side by side (step time, memory);
+5. print predicted vs measured side by side: the simulator's Report against
+   the run's (``source="measured"``), field by field (step time, memory,
+   MFU at the topology's peak), and calibrate's step for the host's drift;
 6. compare the plan across host, NVLink, PCIe, Ethernet and TPU topologies
    (data degree scaled to each), with a stacked-bar PNG.
 
@@ -53,6 +55,7 @@ def _stage(console: Any, text: str) -> float:
 def execute(args: argparse.Namespace) -> CommandResult:
     from rich.console import Console
 
+    from testbed.calibration.validation import compare_reports, relative_error
     from testbed.cli.simulate import compare_rows, draw_breakdown
     from testbed.model.memory import memory_breakdown
     from testbed.sim.engine import simulate
@@ -80,6 +83,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
 
     measured: dict[str, Any] | None = None
     verified: dict[str, Any] | None = None
+    run = None
     if not args.no_run:
         from runners import devices as dev
 
@@ -87,36 +91,41 @@ def execute(args: argparse.Namespace) -> CommandResult:
         _stage(console, f"3/6 run {args.steps} steps on {request} (compiles first)")
         dev.prepare(request)
         devices = dev.select_devices(plan.mesh.size)
-        from runners.train import build_trainer, run_plan, verify_plan
-        from runners.measure import compiled_memory
-
-        measured = run_plan(plan, devices, args.steps)
-        # Calibrate's own step right after: how fast the host runs now against its calibration.
+        from runners.train import run_plan, verify_plan
         from runners.validate import ReferenceStep
 
+        # The prediction's peak FLOP/s, so predicted and measured MFU compare; XLA's memory analysis
+        # compiles the run's programs once more without running them (pipelines: every stage's).
+        peak = topology.device.flops(plan.precision.compute_dtype)
+        run = run_plan(plan, devices, args.steps, compiled_memory=True, peak_flops=peak)
+        files.append(str(write_trace(run.timeline, out / "demo-measured-trace.json")))
+        measured = run.to_dict()
+        measured["compiled_memory_bytes"] = run.report.memory_total
+        # Calibrate's own step right after: how fast the host runs now against its calibration.
         measured["reference_step"] = ReferenceStep(topology, devices).time()
-        # XLA's memory analysis compiles without running (pipelines: every stage's programs).
-        trainer = build_trainer(plan, devices)
-        measured["compiled_memory_bytes"] = compiled_memory(trainer, trainer.init())
         _stage(console, "4/6 verify against the single-device fp32 reference (2 steps)")
-        verified = verify_plan(plan, devices, steps=2)
+        verified = verify_plan(plan, devices, steps=2, peak_flops=peak).to_dict()
 
     _stage(console, "5/6 predicted vs measured")
-    side_by_side = {
-        "step_time_s": {"predicted": predicted["step_time_s"],
-                        "measured": measured["median_step_time_s"] if measured else None},
-        "memory_bytes": {"predicted": memory.total,
-                         "measured": measured.get("compiled_memory_bytes") if measured else None},
+    # Field by field, the simulator's Report against the run's (source "measured").
+    errors = compare_reports(sim.report, run.report) if run else None
+    side_by_side: dict[str, dict[str, Any]] = {
+        "step_time_s": {"predicted": sim.report.step_time_s, "measured": run.report.step_time_s if run else None,
+                        "error": errors["step_time_s"] if errors else None},
+        "memory_bytes": {"predicted": sim.report.memory_total, "measured": run.report.memory_total if run else None,
+                         "error": errors["memory"] if errors else None},
+        "mfu": {"predicted": sim.report.mfu, "measured": run.report.mfu if run else None,
+                "error": errors["mfu"] if errors else None},
     }
     if measured:
         # The step as if the host ran at its calibrated speed: the model's error apart from the host's drift.
         ref = measured["reference_step"]
         side_by_side["reference_step_s"] = {"predicted": ref["predicted_s"], "measured": ref["measured_s"]}
         side_by_side["step_time_at_calibrated_speed_s"] = {
-            "predicted": predicted["step_time_s"], "measured": measured["median_step_time_s"] * ref["speed"]}
-    for row in side_by_side.values():
-        p, m = row["predicted"], row["measured"]
-        row["error"] = (p - m) / m if p is not None and m else None
+            "predicted": sim.report.step_time_s, "measured": run.report.step_time_s * ref["speed"]}
+        for name in ("reference_step_s", "step_time_at_calibrated_speed_s"):
+            row = side_by_side[name]
+            row["error"] = relative_error(row["predicted"], row["measured"])
 
     _stage(console, f"6/6 compare across {', '.join(COMPARE_TOPOLOGIES)} (data degree scaled)")
     rows = compare_rows(plan, [load_topology(t) for t in COMPARE_TOPOLOGIES], args.plan, scale="data")
@@ -126,7 +135,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
     files.append(str(draw_topology(topology, out / "demo-topology.png")))
     data = {"plan": plan.name, "topology": topology.name, "devices": topology.num_devices, "placement": report,
             "memory": memory.as_dict(), "predicted": predicted, "measured": measured, "verify": verified,
-            "predicted_vs_measured": side_by_side, "compare": rows, "files": files,
+            "predicted_vs_measured": side_by_side, "report_errors": errors, "compare": rows, "files": files,
             "elapsed_s": time.perf_counter() - started}
     import json
 
@@ -140,18 +149,19 @@ def execute(args: argparse.Namespace) -> CommandResult:
 def _fmt(value: float | None, kind: str) -> str:
     if value is None:
         return "-"
-    return format_time(value) if kind == "time" else format_bytes(value)
+    return {"time": format_time, "bytes": format_bytes}.get(kind, lambda v: f"{v:.1%}")(value)
 
 
 def _render(console: Any, data: dict[str, Any]) -> None:
+    """Readable at 80 columns (rich's width when piped): short headers, numbers never wrapped."""
     from rich.table import Table
 
     console.rule(f"testbed demo: plan `{data['plan']}` on `{data['topology']}`")
     render_placement(console, data["placement"])
     p = data["predicted"]
-    console.print(f"predicted step {format_time(p['step_time_s'])}: compute {format_time(p['compute_s'])}, "
-                  f"exposed comm {format_time(p['exposed_comm_s'])}, bubble {p['bubble_fraction']:.1%}, "
-                  f"MFU {p['mfu']:.1%}")
+    console.print(f"predicted step {format_time(p['step_time_s'])}, MFU {p['mfu']:.1%}\n  compute "
+                  f"{format_time(p['compute_s'])}, exposed comm {format_time(p['exposed_comm_s'])}, "
+                  f"bubble {p['bubble_fraction']:.1%}")
     if data["measured"]:
         m = data["measured"]
         console.print(f"ran {m['steps']} steps on {m['devices']} {m['platform']} devices: median "
@@ -166,30 +176,30 @@ def _render(console: Any, data: dict[str, Any]) -> None:
                       f"{ {k: n for k, n in v['collectives']['found'].items() if n} }")
     table = Table(title="predicted vs measured (per device)")
     for col in ("quantity", "predicted", "measured", "error"):
-        table.add_column(col, justify="right" if col != "quantity" else "left")
+        table.add_column(col, justify="right" if col != "quantity" else "left", no_wrap=col != "quantity")
     rows = data["predicted_vs_measured"]
     ref = (data["measured"] or {}).get("reference_step")
-    labels = {"step_time_s": "step time", "memory_bytes": "memory bytes",
-              "reference_step_s": f"calibrate's step {ref['plan']}" if ref else "",
-              "step_time_at_calibrated_speed_s": "step time at calibrated speed"}
-    for name, label in labels.items():
+    labels = {"step_time_s": ("step time", "time"), "memory_bytes": ("memory", "bytes"), "mfu": ("MFU", "ratio"),
+              "reference_step_s": (f"calibrate's step {ref['plan']}" if ref else "", "time"),
+              "step_time_at_calibrated_speed_s": ("step time at calibrated speed", "time")}
+    for name, (label, kind) in labels.items():
         if name in rows:
             row = rows[name]
-            kind = "bytes" if name == "memory_bytes" else "time"
             table.add_row(label, _fmt(row["predicted"], kind), _fmt(row["measured"], kind),
                           "-" if row["error"] is None else f"{row['error']:+.0%}")
     console.print(table)
     if ref:
         console.print(f"the host ran at {ref['speed']:.2f}x the speed it was calibrated at (calibrate's data-parallel "
                       f"step {ref['plan']}, timed after the plan); the last row scales the measured step by it")
-    table = Table(title="the same plan on other topologies (data degree scaled)")
-    for col in ("topology", "devices", "data", "step", "compute", "exp. comm", "bubble", "MFU", "memory"):
-        table.add_column(col)
+    table = Table(title="the same plan on other topologies (data degree scaled)", padding=(0, 1), pad_edge=False)
+    for col in ("topology", "dev", "data", "step", "compute", "comm", "bubble", "MFU", "mem"):
+        table.add_column(col, justify="left" if col == "topology" else "right", no_wrap=True)
     for r in data["compare"]:
         table.add_row(r["topology"], str(r["devices"]), str(r["data"]), format_time(r["step_time_s"]),
                       format_time(r["compute_s"]), format_time(r["exposed_comm_s"]), f"{r['bubble_fraction']:.1%}",
                       f"{r['mfu']:.1%}", "fits" if r["fits"] else "OOM")
     console.print(table)
+    console.print("comm: exposed communication; mem: fits in device memory, or OOM")
     for f in data["files"]:
         console.print(f"wrote {f}")
     console.print(f"done in {data['elapsed_s']:.0f} s")

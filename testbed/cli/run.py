@@ -5,6 +5,12 @@ after :func:`runners.devices.prepare` has set the host device count
 (``--devices emulated:N`` must reach XLA before it starts). ``--processes K``
 hands the same work to K local workers through :mod:`runners.launch` and
 prints one merged result.
+
+The JSON is :meth:`runners.results.RunResult.to_dict` (``verify``:
+:meth:`~runners.results.VerifyResult.to_dict`): the keys of before plus
+``report``, the simulator's Report with ``source="measured"``, to compare
+with ``testbed simulate``'s field by field. ``run --trace F`` writes the
+measured timeline with the simulator's ``write_trace``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import types
 from typing import Any
 
 from testbed.errors import InputError
-from testbed.output import CommandResult
+from testbed.output import CommandResult, output_target
 from testbed.plan.io import load_plan, plan_to_dict
 from testbed.plan.spec import Plan
 
@@ -46,6 +52,8 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
 
     plan = load_plan(args.plan)
     _check_steps(args.steps)
+    if args.trace:
+        output_target(args.trace, "--trace")  # refused before the run, not after it
     request = devices.parse_devices(args.devices, plan.mesh.size)
     if args.processes < 1:
         raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
@@ -66,18 +74,26 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
         except launch.WorkerFailed as exc:
             return CommandResult({"ok": False, "error": str(exc), "worker": exc.worker}, _error_render(str(exc)),
                                  exit_code=1)
-        data = train.merge_worker_results(results)
+        result = train.merge_worker_results(results)
     elif args.distributed:
         # One process per host, started by the cluster (srun, a TPU pod); JAX reads the job from the environment.
         if request.kind != "local":
             raise InputError("--distributed joins the hosts of a cluster job and needs --devices local",
                              field="--distributed")
         devices.initialize_distributed(None, None, None)
-        data = train.run_plan(plan, _devices_for(plan, request), args.steps)
+        result = train.run_plan(plan, _devices_for(plan, request), args.steps)
     else:
         devices.prepare(request)
-        data = train.run_plan(plan, _devices_for(plan, request), args.steps)
-    return CommandResult(data, _run_render(data))
+        result = train.run_plan(plan, _devices_for(plan, request), args.steps)
+    files = []
+    if args.trace:
+        from testbed.sim.timeline import write_trace
+
+        files.append(str(write_trace(result.timeline, args.trace)))
+    data = result.to_dict()
+    if args.trace:
+        data["trace"] = args.trace
+    return CommandResult(data, _run_render(data, files), files=files)
 
 
 def _error_render(message: str):
@@ -86,13 +102,17 @@ def _error_render(message: str):
     return render
 
 
-def _run_render(data: dict[str, Any]):
+def _run_render(data: dict[str, Any], files: list[str]):
     def render(console: Any) -> None:
+        mfu = data["report"]["mfu"]
         console.rule(f"testbed run: plan `{data['plan']}`")
         console.print(f"{data['devices']} {data['platform']} device(s), {data['processes']} process(es); "
                       f"compile + first step {data['compile_time_s']:.2f} s")
         console.print(f"{data['steps']} steps: median {data['median_step_time_s'] * 1e3:.1f} ms; loss "
-                      + (f"{data['loss']:.5f}" if data["loss"] is not None else "n/a"))
+                      + (f"{data['loss']:.5f}" if data["loss"] is not None else "n/a")
+                      + (f"; MFU {mfu:.1%}" if mfu is not None else ""))
+        for path in files:
+            console.print(f"wrote {path} (measured steps; open in ui.perfetto.dev)")
     return render
 
 
@@ -103,7 +123,7 @@ def _execute_verify(args: argparse.Namespace) -> CommandResult:
     _check_steps(args.steps)
     request = devices.parse_devices(args.devices, plan.mesh.size)
     devices.prepare(request)
-    data = train.verify_plan(plan, _devices_for(plan, request), args.steps)
+    data = train.verify_plan(plan, _devices_for(plan, request), args.steps).to_dict()
 
     def render(console: Any) -> None:
         verdict = "[green]ok[/green]" if data["ok"] else "[red]NOT ok[/red]"
@@ -129,6 +149,9 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
                              "(SLURM, Open MPI, Cloud TPU environment); use with --devices local")
     parser.add_argument("--timeout", type=float, default=None,
                         help="with --processes: stop all workers after this many seconds (a deadlocked job)")
+    parser.add_argument("--trace", default=None, metavar="F",
+                        help="write the timed steps as a Perfetto/Chrome trace to F (one span per step; "
+                             "the format of `testbed simulate --trace`)")
 
 
 run = types.SimpleNamespace(add_arguments=_run_arguments, execute=_execute_run)

@@ -5,7 +5,17 @@ topology beside the runner's measured median step time (``--rounds``: the
 least disturbed round's) and XLA's compiled memory, plus the controller's
 CPU time per step both ways, and calibrate's own data-parallel step timed
 again (the reference step: has the host drifted since it was calibrated?).
-The measuring is :func:`runners.validate.measure_plans`.
+The measuring is :func:`runners.validate.measure_plans`; each plan's
+prediction and measurement are Reports compared field by field
+(:func:`testbed.calibration.validation.compare_reports`).
+
+JSON: the headline (``plans`` with ``error``, ``memory_error``, ``errors``
+per Report field, ``predicted_report``, ``measured_report``;
+``median_abs_error``, ``max_abs_error``, ``*_abs_memory_error``) at the top;
+the host-drift figures (``reference_step``,
+``*_abs_error_at_calibrated_speed``; per plan ``host_speeds``,
+``measured_at_calibrated_speed_s``, ``error_at_calibrated_speed``) under
+``diagnostics``, and rendered last, as diagnostics.
 
 JAX is imported only inside ``execute``, after :func:`runners.devices.prepare`
 set the device count.
@@ -65,12 +75,15 @@ def _validate(args: argparse.Namespace) -> CommandResult:
 
         rows, reference = runner.measure_plans(topology, plans, args.plans, devices, steps=args.steps,
                                                rounds=args.rounds, progress=show)
+    summary = validation_summary(rows)
+    summary["diagnostics"] = {"reference_step": reference, **summary["diagnostics"]}
     data = {"topology": topology.name, "devices": dev.describe(devices), "steps": args.steps, "rounds": args.rounds,
-            "reference_step": reference, **validation_summary(rows)}
+            **summary}
     return CommandResult(data=data, render=lambda console: render_validation(console, data))
 
 
 def render_validation(console: Any, data: dict[str, Any]) -> None:
+    """Headline: predicted vs measured per plan and the median / max errors; then the host-drift diagnostics."""
     from rich.table import Table
 
     from testbed.units import format_bytes, format_time
@@ -79,28 +92,33 @@ def render_validation(console: Any, data: dict[str, Any]) -> None:
     table = Table(title=f"predicted vs measured on {data['topology']} ({data['devices']['devices']} "
                         f"{data['devices']['platform']} devices, median of {data['steps']} steps"
                         + (f", least of {rounds} rounds)" if rounds > 1 else ")"))
-    for col in ("plan", "predicted", "measured", "error", "pred. memory", "XLA memory", "mem. error"):
-        table.add_column(col, justify="left" if col == "plan" else "right")
+    for col in ("plan", "predicted", "measured", "error", "pred. mem", "XLA mem", "mem. error"):
+        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=col != "plan")
     for p in data["plans"]:
         mem = p["measured_memory"]
-        table.add_row(p["plan"], format_time(p["predicted_s"]), format_time(p["measured_s"]), f"{p['error']:+.1%}",
+        table.add_row(p["plan"], format_time(p["predicted_s"]), format_time(p["measured_s"]),
+                      "-" if p["error"] is None else f"{p['error']:+.1%}",
                       format_bytes(p["predicted_memory"]), format_bytes(mem) if mem is not None else "-",
                       f"{p['memory_error']:+.1%}" if p["memory_error"] is not None else "-")
     console.print(table)
     console.print(f"step time |error|: median {data['median_abs_error']:.1%}, max {data['max_abs_error']:.1%}")
-    ref = data.get("reference_step")
+    if data.get("median_abs_memory_error") is not None:
+        console.print(f"memory |error|: median {data['median_abs_memory_error']:.1%}, "
+                      f"max {data['max_abs_memory_error']:.1%}")
+    diagnostics = data.get("diagnostics") or {}
+    ref = diagnostics.get("reference_step")
+    if not ref and diagnostics.get("median_abs_error_at_calibrated_speed") is None:
+        return
+    console.rule("diagnostics: host drift (not the model's accuracy)")
     if ref:
         console.print(f"reference step ({ref['plan']} over all devices, as calibrated): predicted "
                       f"{format_time(ref['predicted_s'])}, measured {format_time(ref['measured_s'])} (least "
                       f"disturbed of {len(ref['measured_rounds_s'])}): the host runs at {ref['speed']:.2f}x its "
                       f"calibrated speed")
-    if data.get("median_abs_error_at_calibrated_speed") is not None:
+    if diagnostics.get("median_abs_error_at_calibrated_speed") is not None:
         console.print(f"step time |error| at the calibrated host speed (each round scaled by the reference step's "
-                      f"speed beside it): median {data['median_abs_error_at_calibrated_speed']:.1%}, "
-                      f"max {data['max_abs_error_at_calibrated_speed']:.1%}")
-    if data.get("median_abs_memory_error") is not None:
-        console.print(f"memory |error|: median {data['median_abs_memory_error']:.1%}, "
-                      f"max {data['max_abs_memory_error']:.1%}")
+                      f"speed beside it): median {diagnostics['median_abs_error_at_calibrated_speed']:.1%}, "
+                      f"max {diagnostics['max_abs_error_at_calibrated_speed']:.1%}")
 
 
 validate = SimpleNamespace(add_arguments=_validate_arguments, execute=_validate)

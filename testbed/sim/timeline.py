@@ -5,9 +5,13 @@ on *representative* streams: identical data replicas and tensor ranks execute
 identical tasks, so the simulator times one device per class and records in
 ``representative`` which class every device belongs to. Traces expand the
 classes lazily, so a 4096-device timeline stays small until it is written.
-A runner that measures every device simply makes each device its own
-representative; the report types are the same, so predictions and
-measurements compare line by line (``source`` says which is which).
+A runner uses the same types with ``source="measured"``
+(:mod:`testbed.sim.measured`): its timeline has one span per timed step on
+device 0's ``compute`` stream, which every device repeats (the host times
+whole steps of all devices at once), and its :class:`Report` leaves what it
+did not measure as None; predictions and measurements then compare field by
+field (:func:`testbed.calibration.validation.compare_reports`) and write the
+same traces (:func:`write_trace`).
 
 Categories are ``compute``, ``comm``, ``bubble`` (idle stage time inside
 the pipeline phase) and ``host`` (the controller dispatching programs). The Chrome trace (opens in ui.perfetto.dev) has one
@@ -18,6 +22,7 @@ microseconds.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +32,7 @@ import numpy as np
 
 from testbed.output import write_atomic
 
-__all__ = ["CATEGORIES", "Span", "Timeline", "Report", "chrome_trace", "write_trace", "write_gantt"]
+__all__ = ["CATEGORIES", "REPORT_OPTIONAL", "Span", "Timeline", "Report", "chrome_trace", "write_trace", "write_gantt"]
 
 #: Span categories, in the order of :attr:`Timeline.category` codes.
 CATEGORIES: tuple[str, ...] = ("compute", "comm", "bubble", "host")
@@ -195,15 +200,50 @@ class Timeline:
         return max(0.0, idle / (len(reps) * phase))
 
 
+#: Report fields a runner may leave unknown (None): it times whole steps, not their parts.
+REPORT_OPTIONAL: tuple[str, ...] = ("compute_s", "exposed_comm_s", "bubble_fraction", "mfu")
+
+
+def _finite(name: str, value: Any, optional: bool) -> float | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise ValueError(f"Report.{name} must be a number{' or None' if optional else ''}, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"Report.{name} must be finite and >= 0, got {value}")
+    return value
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Report:
-    """Summary of one step (predicted by the simulator or measured by a runner)."""
+    """Summary of one step, predicted by the simulator or measured by a runner (``source``).
+
+    Both sides use this one type so they compare field by field
+    (:func:`testbed.calibration.validation.compare_reports`). A measurement
+    is honest about what it does not know:
+
+    - ``step_time_s``: predicted, the simulated step; measured, the median of
+      the timed steps (always known);
+    - ``compute_s``, ``exposed_comm_s``, ``bubble_fraction``: the simulator's
+      busiest device; None when measured (a runner times whole steps, not
+      the compute and communication inside them);
+    - ``mfu``: model FLOPs / (devices x peak x step time); None when the
+      runner does not know the device's peak FLOP/s (e.g. CPU devices);
+    - ``memory``: predicted, the memory breakdown (bytes per device,
+      ``total`` among them); measured, ``{"total": XLA's compiled bytes per
+      device}`` when they were measured, else empty;
+    - ``tasks``: the simulated task graph's size; 0 for measurements.
+
+    Every number is finite and non-negative, so :meth:`to_dict` is strict
+    JSON (None where unknown, never NaN or inf).
+    """
 
     step_time_s: float
-    compute_s: float
-    exposed_comm_s: float
-    bubble_fraction: float
-    mfu: float
+    compute_s: float | None
+    exposed_comm_s: float | None
+    bubble_fraction: float | None
+    mfu: float | None
     memory: Mapping[str, Any] = field(default_factory=dict)
     plan: str = ""
     topology: str = ""
@@ -214,14 +254,36 @@ class Report:
     def __post_init__(self) -> None:
         if self.source not in ("predicted", "measured"):
             raise ValueError(f"source must be `predicted` or `measured`, got {self.source!r}")
-        object.__setattr__(self, "memory", dict(self.memory))
+        object.__setattr__(self, "step_time_s", _finite("step_time_s", self.step_time_s, optional=False))
+        for name in REPORT_OPTIONAL:
+            object.__setattr__(self, name, _finite(name, getattr(self, name), optional=True))
+        memory = dict(self.memory)
+        for key, value in memory.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"Report.memory[{key!r}] must be finite, got {value}")
+        object.__setattr__(self, "memory", memory)
+
+    @property
+    def memory_total(self) -> float | None:
+        """Bytes per device (``memory["total"]``), or None when not known."""
+        total = self.memory.get("total")
+        return None if total is None else float(total)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON keys of `testbed simulate` (DESIGN.md contract) plus context."""
+        """The JSON keys of `testbed simulate` (DESIGN.md contract) plus context; None where unknown."""
         return {"step_time_s": self.step_time_s, "compute_s": self.compute_s, "exposed_comm_s": self.exposed_comm_s,
                 "bubble_fraction": self.bubble_fraction, "mfu": self.mfu, "memory": dict(self.memory),
                 "plan": self.plan, "topology": self.topology, "devices": self.devices, "tasks": self.tasks,
                 "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Report:
+        """The inverse of :meth:`to_dict` (results passed between processes as JSON)."""
+        return cls(step_time_s=data["step_time_s"], compute_s=data.get("compute_s"),
+                   exposed_comm_s=data.get("exposed_comm_s"), bubble_fraction=data.get("bubble_fraction"),
+                   mfu=data.get("mfu"), memory=data.get("memory") or {}, plan=data.get("plan", ""),
+                   topology=data.get("topology", ""), devices=int(data.get("devices", 0)),
+                   tasks=int(data.get("tasks", 0)), source=data.get("source", "predicted"))
 
 
 # -- exports -------------------------------------------------------------------------
