@@ -130,7 +130,7 @@ def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0) -> Estimat
 def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *, objective: str = "step_time",
            memory_cap: float = 1.0, replay: int = 16, margin: float = 0.02, top: int = 5,
            price_per_device_hour: float | None = None,
-           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+           progress: Callable[[str, int, int], None] | None = None) -> SearchResult:
     """Find the best layout of ``base`` on ``topology``: the DES-ranked best ``max(top, replay)`` candidates.
 
     Args:
@@ -139,8 +139,8 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         memory_cap: fraction of device memory a plan may use (0, 1].
         replay: how many analytically best candidates the DES replays; also
             every one within ``margin`` (relative) of the best estimate.
-        progress: called with (done, total) as the analytic tier advances,
-            then (replayed, to replay) during the replay.
+        progress: called with ("analytic", done, total) as the analytic tier
+            advances, then ("replay", done, total) during the DES replay.
     """
     if objective not in OBJECTIVES:
         raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
@@ -165,7 +165,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
             value = objective_value(objective, plan, topology, est.step_time_s, price_per_device_hour)
             shortlist.append(Candidate(plan=plan, estimate=est, value=value))
         if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
-            progress(i + 1, len(plans))
+            progress("analytic", i + 1, len(plans))
     analytic_s = time.perf_counter() - start
     shortlist.sort(key=lambda c: _sort_key(objective, c))
     chosen = shortlist[:max(replay, top)]
@@ -179,7 +179,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         value = objective_value(objective, c.plan, topology, report.step_time_s, price_per_device_hour)
         replayed.append(Candidate(plan=c.plan, estimate=c.estimate, report=report, value=value))
         if progress is not None:
-            progress(k + 1, len(chosen))
+            progress("replay", k + 1, len(chosen))
     replayed.sort(key=lambda c: _sort_key(objective, c))
     return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=len(plans), pruned_memory=pruned,
                         estimated=len(shortlist), replayed=len(replayed), analytic_s=analytic_s,

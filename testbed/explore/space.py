@@ -20,8 +20,10 @@ from dataclasses import dataclass, replace
 
 from testbed.errors import InputError, closest
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
+from testbed.topology import Form, Topology
 
-__all__ = ["SearchSpace", "MODEL_PRESETS", "preset_plan", "candidates", "factorisations", "count_candidates"]
+__all__ = ["SearchSpace", "MODEL_PRESETS", "preset_plan", "candidates", "factorisations", "count_candidates",
+           "resize_topology"]
 
 #: GPT shapes by name (GPT-3 paper table 2.1 for the large ones; ``gpt-tiny`` for tests and CPUs).
 MODEL_PRESETS: dict[str, tuple[ModelSpec, int]] = {
@@ -148,3 +150,22 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
 def count_candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> int:
     """How many plans :func:`candidates` yields (for a progress bar's total)."""
     return sum(1 for _ in candidates(base, devices, space))
+
+
+def resize_topology(topology: Topology, devices: int) -> Topology:
+    """``topology`` with its outermost level (nodes, a torus's last dim) resized to hold ``devices`` devices.
+
+    ``--devices 16`` on four 8-GPU nodes searches two of them. Raises
+    InputError unless ``devices`` is a multiple of the inner levels' size.
+    """
+    if devices == topology.num_devices:
+        return topology
+    if devices < 1 or topology.form is Form.GRAPH or not topology.levels:
+        raise InputError(f"cannot resize `{topology.name}` (an explicit graph) to {devices} devices; give a topology "
+                         f"of that size", field="--devices")
+    inner = topology.num_devices // topology.levels[-1].size
+    if devices % inner:
+        raise InputError(f"{devices} devices is not a whole number of `{topology.levels[-1].name}` groups of "
+                         f"{inner} devices in `{topology.name}`", field="--devices")
+    levels = (*topology.levels[:-1], replace(topology.levels[-1], size=devices // inner))
+    return replace(topology, levels=levels, num_devices=devices, name=f"{topology.name}@{devices}")

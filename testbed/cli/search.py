@@ -1,0 +1,176 @@
+"""`testbed search`: the best layout of a model on a topology (testbed.explore).
+
+The model comes from a plan file (its model, global batch, precision and
+optimizer are kept) or a preset (``gpt-1.3b``); the search chooses the
+mesh, schedule, microbatches, ZeRO and remat, ranks every candidate that
+fits with the analytic tier and replays the best with the discrete-event
+simulator. ``--out`` writes the best as a plan `testbed run` and `verify`
+read unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from testbed.errors import InputError
+from testbed.output import CommandResult, output_target, write_atomic
+from testbed.plan.spec import Plan
+from testbed.units import format_bytes, format_time
+
+__all__ = ["search", "base_plan"]
+
+
+def _csv(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _add(parser: argparse.ArgumentParser) -> None:
+    from testbed.explore.search import OBJECTIVES
+    from testbed.explore.space import MODEL_PRESETS
+
+    parser.add_argument("--model", required=True,
+                        help=f"plan file or bundled plan (its model, batch, precision, optimizer are kept) or a "
+                             f"preset: {', '.join(MODEL_PRESETS)}")
+    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    parser.add_argument("--devices", type=int, help="resize the topology's outermost level to N devices")
+    parser.add_argument("--global-batch", type=int, help="sequences per step (default: the plan's or preset's)")
+    parser.add_argument("--seq", type=int, help="sequence length (default: the plan's or preset's)")
+    parser.add_argument("--objective", default="step_time", choices=list(OBJECTIVES))
+    parser.add_argument("--price", type=float, help="price per device-hour in dollars (for --objective cost)")
+    parser.add_argument("--memory-cap", type=float, default=1.0, help="fraction of device memory a plan may use")
+    parser.add_argument("--top", type=int, default=5, help="how many plans to show (default 5)")
+    parser.add_argument("--replay", type=int, default=16, help="best estimates replayed with the DES (default 16)")
+    parser.add_argument("--schedules", help="comma-separated schedules to consider (default: all)")
+    parser.add_argument("--microbatches", help="comma-separated microbatch counts (default: divisors up to 64)")
+    parser.add_argument("--remat", help="comma-separated remat modes (default: none,selective,full)")
+    parser.add_argument("--zero", help="comma-separated ZeRO stages (default: 0,1,2,3)")
+    parser.add_argument("--precision", help="comma-separated precisions (default: keep the plan's)")
+    parser.add_argument("--out", help="write the best plan as YAML")
+
+
+def base_plan(model: str, global_batch: int | None = None, seq: int | None = None) -> Plan:
+    """The plan a search starts from: a preset's, or a plan file's with the batch and sequence overridden."""
+    from testbed.explore.space import MODEL_PRESETS, preset_plan
+    from testbed.plan.io import load_plan
+
+    for name, value in (("--global-batch", global_batch), ("--seq", seq)):
+        if value is not None and value < 1:
+            raise InputError(f"must be a positive whole number, got {value}", field=name)
+    if model in MODEL_PRESETS:
+        return preset_plan(model, global_batch, seq)
+    try:
+        plan = load_plan(model)
+    except InputError as exc:
+        if Path(model).exists():
+            raise
+        raise InputError(f"`{model}` is neither a plan file, a bundled plan nor a preset "
+                         f"({', '.join(MODEL_PRESETS)}); {exc.message}", field="--model") from None
+    if global_batch is not None:
+        plan = replace(plan, batch=replace(plan.batch, global_batch=global_batch, microbatches=1),
+                       mesh=replace(plan.mesh, data=1, fsdp=1))
+    if seq is not None:
+        plan = replace(plan, model=replace(plan.model, seq_len=seq))
+    return plan
+
+
+def _space(args: argparse.Namespace):
+    from testbed.explore.space import SearchSpace
+
+    fields: dict[str, Any] = {}
+    if args.schedules:
+        fields["schedules"] = _csv(args.schedules)
+    if args.microbatches:
+        fields["microbatches"] = _csv(args.microbatches)
+    if args.remat:
+        fields["remat"] = _csv(args.remat)
+    if args.zero:
+        fields["zero"] = _csv(args.zero)
+    if args.precision:
+        fields["precisions"] = _csv(args.precision)
+    try:
+        return SearchSpace(**fields)
+    except InputError as exc:
+        raise InputError(exc.message, field="--" + (exc.field or "").removeprefix("space.").replace("_", "-")
+                         .replace("precisions", "precision")) from None
+
+
+def _execute(args: argparse.Namespace) -> CommandResult:
+    from testbed.cli.basic import plan_topology
+    from testbed.cli.progress import progress_bar
+    from testbed.explore.search import search as run_search
+    from testbed.explore.space import resize_topology
+    from testbed.plan.io import dump_plan, plan_to_dict
+    from testbed.sim.engine import simulate
+
+    plan = base_plan(args.model, args.global_batch, args.seq)
+    if args.topology is None and plan.topology is None:
+        raise InputError("give --topology (a preset model names none)", field="--topology")
+    topology = plan_topology(plan, args.topology)
+    if args.devices is not None:
+        topology = resize_topology(topology, args.devices)
+    if args.out:
+        output_target(args.out, "--out")  # refused before the search, not after it
+    space = _space(args)
+    with progress_bar("searching") as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                label = "plans (analytic tier)" if phase == "analytic" else "best plans (DES replay)"
+                tasks[phase] = bar.add_task(label, total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+
+        result = run_search(plan, topology, space, objective=args.objective, memory_cap=args.memory_cap,
+                            replay=args.replay, top=args.top, price_per_device_hour=args.price, progress=progress)
+    best = result.best
+    baseline = None
+    if plan.mesh.size == topology.num_devices and plan.topology:
+        try:
+            baseline = simulate(plan, topology).report.step_time_s
+        except InputError:
+            baseline = None
+    name = f"{plan.name}-searched"
+    written = replace(best.plan, name=name, topology=args.topology or plan.topology)
+    files = []
+    if args.out:
+        header = (f"# Found by `testbed search` ({args.objective}) on {topology.name}: "
+                  f"{format_time(best.step_time_s)} per step (DES).\n")
+        files.append(str(write_atomic(args.out, header + dump_plan(written), "--out")))
+    rows = [c.summary() for c in result.ranked[:args.top]]
+    data = {"model": plan.name, "topology": topology.name, "devices": topology.num_devices,
+            "objective": args.objective, "enumerated": result.enumerated, "pruned_memory": result.pruned_memory,
+            "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
+            "replay_s": result.replay_s, "plans_per_minute": result.plans_per_minute,
+            "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out}
+
+    def render(console) -> None:
+        from rich import box
+        from rich.table import Table
+
+        console.print(f"[bold]{plan.name}[/bold] on [bold]{topology.name}[/bold] ({topology.num_devices} devices): "
+                      f"{result.enumerated} plans, {result.pruned_memory} over memory, {result.estimated} estimated "
+                      f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed")
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+        for col in ("#", "d.f.t.s", "schedule", "mb", "Z", "remat", "step", "comm", "bubble", "MFU", "memory"):
+            table.add_column(col, no_wrap=True, justify="left" if col in ("d.f.t.s", "schedule", "remat") else "right")
+        for i, r in enumerate(rows, 1):
+            sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+            table.add_row(str(i), f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}", sched, str(r["microbatches"]),
+                          str(r["zero"]), r["remat"][:4], format_time(r["step_time_s"]),
+                          format_time(r.get("exposed_comm_s", 0.0)), f"{r.get('bubble_fraction', 0.0):.0%}",
+                          f"{r.get('mfu', 0.0):.0%}", format_bytes(r["memory_bytes"]))
+        console.print(table)
+        if baseline:
+            console.print(f"the plan as written: {format_time(baseline)} per step; best: "
+                          f"{format_time(best.step_time_s)} ({baseline / best.step_time_s:.2f}x faster)")
+        for f in files:
+            console.print(f"wrote {f}")
+
+    return CommandResult(data, render, files=files)
+
+
+search = SimpleNamespace(add_arguments=_add, execute=_execute)
