@@ -175,8 +175,6 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     split = schedule.split_backward
     last_kind = "W" if split else "B"
     replicas = mesh.data * mesh.fsdp
-    # Devices computing at once on a shared host: every device in the steady state (an upper bound).
-    slow = 1.0 / cal.host_share(topology.num_devices) if cal.shares_host else 1.0
     controller = cal.controller
 
     costs = [[_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
@@ -194,7 +192,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 else 1
                 piece = bucket = scatter = 0.0
                 if pieces > 1:
-                    piece = slow * compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
+                    piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
                                                    max(1, kernels // pieces), rep_b / pieces, split_b / pieces,
                                                    cost.tensor_bytes)
                     bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b, o_ways)
@@ -203,72 +201,85 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 tp_s = tp * coll.time("all_reduce", (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) if tp else 0.0
                 sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
                               for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
-                work[(s, c, kind)] = (slow * whole, tp_s, gather if kind in ("F", "B") else 0.0, piece, pieces,
+                work[(s, c, kind)] = (whole, tp_s, gather if kind in ("F", "B") else 0.0, piece, pieces,
                                       bucket, scatter, sends)
 
-    end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
-    arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
-    free, pipe, gather_free, grad = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
-    busy, comm = [0.0] * p, [0.0] * p
-    remaining = {(s, c): m for s in range(p) for c in range(v)}
-    host = 0.0
-    if controller is not None:
-        host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
-        if p == 1:
-            host += controller.overhead_s + dispatch.spmd_step_buffers(plan) * controller.buffer_s
-    for s, action, deps in order:
-        c, kind, mb = action.chunk, action.kind, action.microbatch
-        compute, tp_s, gather, piece, pieces, bucket, scatter, sends = work[(s, c, kind)]
-        start = free[s]
+    def play(slow: float) -> tuple[float, list[float], list[float]]:
+        """(step seconds, per-stage compute, per-stage communication) with compute slowed ``slow`` times."""
+        end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
+        arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
+        free, pipe, gather_free, grad = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
+        busy, comm = [0.0] * p, [0.0] * p
+        remaining = {(s, c): m for s in range(p) for c in range(v)}
+        host = 0.0
         if controller is not None:
-            if p > 1:
-                buffers = (dispatch.action_buffers(plan, s, c, kind, remaining[(s, c)] < m)
-                           + len(sends) * dispatch.send_buffers(plan))
-                host += (1 + len(sends)) * controller.overhead_s + buffers * controller.buffer_s
-            start = max(start, host)
-        for key in deps:
-            t = end[key] if key[0] == s else arrive[key]
-            if t > start:
-                start = t
-        if gather:
-            gather_free[s] += gather
-            if gather_free[s] > start:
-                comm[s] += gather_free[s] - start
-                start = gather_free[s]
-        if kind == last_kind:
-            remaining[(s, c)] -= 1
-            if remaining[(s, c)] == 0 and pieces > 1:
-                compute = pieces * piece
-                for k in range(pieces):
-                    grad[s] = max(grad[s], start + (k + 1) * piece) + bucket
-            elif remaining[(s, c)] > 0 and scatter:
-                grad[s] = max(grad[s], start + compute) + scatter
-        finish = start + compute + tp_s
-        busy[s] += compute
-        comm[s] += tp_s
-        free[s] = finish
-        end[(s, kind, mb, c)] = finish
-        for _, seconds in sends:
-            pipe[s] = max(pipe[s], finish) + seconds
-            arrive[(s, kind, mb, c)] = pipe[s]
-    step = 0.0
-    for s in range(p):
-        params = sum(cst.params for cst in costs[s])
-        shard = params / o_ways
-        ready = max(free[s], grad[s])
-        if controller is not None and p > 1:
-            host += controller.overhead_s + dispatch.update_buffers(plan, s) * controller.buffer_s
-            ready = max(ready, host)
-        comm[s] += max(0.0, grad[s] - free[s])
-        opt = slow * compute_seconds(topology, dtype, OPTIMIZER_FLOPS_PER_PARAM * shard,
-                                     shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), 1)
-        busy[s] += opt
-        done = ready + opt
-        if o_ways > p_ways and mesh.data > 1:
-            regather = coll.time("all_gather", (Axis.DATA,), s, params / mesh.fsdp * param_b)
-            comm[s] += regather
-            done += regather
-        step = max(step, done, host)
+            host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
+            if p == 1:
+                host += controller.overhead_s + dispatch.spmd_step_buffers(plan) * controller.buffer_s
+        for s, action, deps in order:
+            c, kind, mb = action.chunk, action.kind, action.microbatch
+            compute, tp_s, gather, piece, pieces, bucket, scatter, sends = work[(s, c, kind)]
+            compute, piece = slow * compute, slow * piece
+            start = free[s]
+            if controller is not None:
+                if p > 1:
+                    buffers = (dispatch.action_buffers(plan, s, c, kind, remaining[(s, c)] < m)
+                               + len(sends) * dispatch.send_buffers(plan))
+                    host += (1 + len(sends)) * controller.overhead_s + buffers * controller.buffer_s
+                start = max(start, host)
+            for key in deps:
+                t = end[key] if key[0] == s else arrive[key]
+                if t > start:
+                    start = t
+            if gather:
+                gather_free[s] += gather
+                if gather_free[s] > start:
+                    comm[s] += gather_free[s] - start
+                    start = gather_free[s]
+            if kind == last_kind:
+                remaining[(s, c)] -= 1
+                if remaining[(s, c)] == 0 and pieces > 1:
+                    compute = pieces * piece
+                    for k in range(pieces):
+                        grad[s] = max(grad[s], start + (k + 1) * piece) + bucket
+                elif remaining[(s, c)] > 0 and scatter:
+                    grad[s] = max(grad[s], start + compute) + scatter
+            finish = start + compute + tp_s
+            busy[s] += compute
+            comm[s] += tp_s
+            free[s] = finish
+            end[(s, kind, mb, c)] = finish
+            for _, seconds in sends:
+                pipe[s] = max(pipe[s], finish) + seconds
+                arrive[(s, kind, mb, c)] = pipe[s]
+        step = 0.0
+        for s in range(p):
+            params = sum(cst.params for cst in costs[s])
+            shard = params / o_ways
+            ready = max(free[s], grad[s])
+            if controller is not None and p > 1:
+                host += controller.overhead_s + dispatch.update_buffers(plan, s) * controller.buffer_s
+                ready = max(ready, host)
+            comm[s] += max(0.0, grad[s] - free[s])
+            opt = slow * compute_seconds(topology, dtype, OPTIMIZER_FLOPS_PER_PARAM * shard,
+                                         shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), 1)
+            busy[s] += opt
+            done = ready + opt
+            if o_ways > p_ways and mesh.data > 1:
+                regather = coll.time("all_gather", (Axis.DATA,), s, params / mesh.fsdp * param_b)
+                comm[s] += regather
+                done += regather
+            step = max(step, done, host)
+        return step, busy, comm
+
+    # A shared host (emulated devices): each device computing runs at host_share(n) of its speed with n
+    # computing at once. Mean field: n is the time-averaged count the previous play gives, refined twice.
+    step, busy, comm = play(1.0)
+    if cal.shares_host:
+        per_stage = topology.num_devices / p
+        for _ in range(2):
+            computing = sum(busy) * per_stage / step if step > 0 else 1.0
+            step, busy, comm = play(1.0 / cal.host_share(computing))
     worst = max(range(p), key=lambda s: busy[s] + comm[s])
     return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
                     bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),

@@ -23,7 +23,7 @@ from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, Sche
 from testbed.topology import Form, Topology
 
 __all__ = ["SearchSpace", "MODEL_PRESETS", "preset_plan", "candidates", "factorisations", "count_candidates",
-           "resize_topology"]
+           "resize_topology", "shrink_plan"]
 
 #: GPT shapes by name (GPT-3 paper table 2.1 for the large ones; ``gpt-tiny`` for tests and CPUs).
 MODEL_PRESETS: dict[str, tuple[ModelSpec, int]] = {
@@ -169,3 +169,33 @@ def resize_topology(topology: Topology, devices: int) -> Topology:
                          f"{inner} devices in `{topology.name}`", field="--devices")
     levels = (*topology.levels[:-1], replace(topology.levels[-1], size=devices // inner))
     return replace(topology, levels=levels, num_devices=devices, name=f"{topology.name}@{devices}")
+
+
+def shrink_plan(plan: Plan, devices: int = 8) -> Plan:
+    """``plan``'s layout on ``devices`` devices with a tiny model of the same shape constraints, to verify on a CPU.
+
+    Degrees are divided by prime factors (data first, then fsdp, stage,
+    tensor) until the mesh uses ``devices``; schedule, virtual stages,
+    microbatches, ZeRO, remat and precision stay. The model becomes the
+    smallest GPT that every kept degree divides (two layers per chunk, two
+    heads per tensor rank), with one sequence per microbatch and replica.
+    """
+    if devices < 1 or plan.mesh.size % devices:
+        raise InputError(f"cannot shrink a {plan.mesh.size}-device mesh to {devices} devices (not a divisor)",
+                         field="--devices")
+    degrees = {"data": plan.mesh.data, "fsdp": plan.mesh.fsdp, "stage": plan.mesh.stage, "tensor": plan.mesh.tensor}
+    excess = plan.mesh.size // devices
+    for axis in ("data", "fsdp", "stage", "tensor"):
+        for prime in range(2, excess + 1):
+            while excess % prime == 0 and degrees[axis] % prime == 0:
+                excess //= prime
+                degrees[axis] //= prime
+    mb = plan.batch.microbatches
+    if plan.schedule.name is ScheduleName.INTERLEAVED and degrees["stage"] > 1 and mb % degrees["stage"]:
+        mb = degrees["stage"] * max(1, mb // degrees["stage"])
+    t, chunks = degrees["tensor"], degrees["stage"] * plan.schedule.virtual_stages
+    heads = 2 * t
+    spec = ModelSpec(layers=2 * chunks, d_model=8 * heads, heads=heads, d_ff=32 * heads, seq_len=16, vocab=64 * t)
+    replicas = degrees["data"] * degrees["fsdp"]
+    return replace(plan, model=spec, mesh=replace(plan.mesh, **degrees),
+                   batch=BatchSpec(global_batch=replicas * mb, microbatches=mb), name=f"{plan.name}-shrunk")

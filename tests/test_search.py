@@ -1,0 +1,123 @@
+"""`testbed search` and testbed.explore: the analytic tier, the DES replay and the written plan.
+
+The search's top-1 must equal the exhaustive discrete-event optimum on small
+grids (every candidate simulated); its memory pruning must be the memory
+model's exactly; the plan it writes must load and, shrunk to 8 devices,
+pass the runner's verify.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.errors import InputError
+from testbed.explore.analytic import estimate, plan_memory
+from testbed.explore.search import exhaustive_optimum, search
+from testbed.explore.space import SearchSpace, candidates, factorisations, preset_plan, resize_topology, shrink_plan
+from testbed.model.memory import memory_breakdown
+from testbed.plan.io import dump_plan, load_plan
+from testbed.sim.engine import simulate
+from testbed.topology.io import load_topology
+
+SMALL = SearchSpace(schedules=("gpipe", "1f1b", "interleaved", "zb-h1"), virtual_stages=(2,), microbatches=(1, 2, 4),
+                    zero=(0, 1, 3), remat=("none", "full"))
+
+
+def test_factorisations_cover_every_mesh() -> None:
+    meshes = factorisations(8)
+    assert len(meshes) == len(set(meshes)) == 20
+    assert all(a * b * c * d == 8 for a, b, c, d in meshes)
+
+
+def test_candidates_are_runnable_and_distinct() -> None:
+    base = preset_plan("gpt-tiny")
+    plans = list(candidates(base, 8, SMALL))
+    assert plans and len({dump_plan(p) for p in plans}) == len(plans)
+    for p in plans:
+        assert p.mesh.size == 8 and p.model == base.model and p.batch.global_batch == base.batch.global_batch
+        assert p.zero == 0 or p.mesh.data > 1
+        assert p.mesh.stage > 1 or p.schedule.name.value == "1f1b"
+
+
+def test_memory_is_the_memory_model_exactly() -> None:
+    topology = load_topology("dgx-h100")
+    for plan in list(candidates(preset_plan("gpt-125m"), 8, SMALL))[::7]:
+        assert plan_memory(plan, topology) == memory_breakdown(plan, topology)
+
+
+def test_analytic_tier_tracks_the_des() -> None:
+    """Not a fit: the same prices without link sharing, so within a few percent on these plans."""
+    topology = load_topology("dgx-h100-x4")
+    plan = load_plan("gpt-1b-cluster")
+    des = simulate(plan, topology).report.step_time_s
+    assert estimate(plan, topology).step_time_s == pytest.approx(des, rel=0.03)
+
+
+@pytest.mark.parametrize(("model", "topology"), [("gpt-tiny", "host-cpu-8"), ("gpt-125m", "dgx-h100")])
+def test_top1_equals_exhaustive_des_optimum(model: str, topology: str) -> None:
+    topo = load_topology(topology)
+    base = preset_plan(model)
+    _, optimum, simulated = exhaustive_optimum(base, topo, SMALL)
+    result = search(base, topo, SMALL, replay=8)
+    assert simulated > 50 and result.replayed < simulated
+    assert result.best.report is not None
+    assert result.best.step_time_s == pytest.approx(optimum, rel=1e-9)
+    assert [c.step_time_s for c in result.ranked] == sorted(c.step_time_s for c in result.ranked)
+
+
+def test_memory_cap_prunes_and_bad_input_names_the_field() -> None:
+    topo = load_topology("dgx-h100")
+    base = preset_plan("gpt-125m")
+    loose = search(base, topo, SMALL, replay=2)
+    tight = search(base, topo, SMALL, replay=2, memory_cap=0.3)
+    assert tight.pruned_memory > loose.pruned_memory
+    assert tight.best.estimate.memory_bytes <= 0.3 * tight.best.estimate.capacity_bytes
+    for kwargs, field in (({"memory_cap": 1.5}, "--memory-cap"), ({"objective": "speed"}, "--objective"),
+                          ({"objective": "cost"}, "--price")):
+        with pytest.raises(InputError) as info:
+            search(base, topo, SMALL, **kwargs)
+        assert info.value.field == field
+    with pytest.raises(InputError) as info:
+        SearchSpace(schedules=("1f1b", "fast"))
+    assert info.value.field == "space.schedules"
+    with pytest.raises(InputError) as info:
+        resize_topology(load_topology("dgx-h100-x4"), 12)
+    assert info.value.field == "--devices"
+
+
+def test_search_command_json_and_exit_codes(tmp_path: Path) -> None:
+    from testbed.cli.main import main
+
+    out = tmp_path / "best.yaml"
+    argv = ["search", "--model", "gpt-tiny", "--topology", "host-cpu-8", "--schedules", "1f1b,gpipe",
+            "--microbatches", "1,2", "--remat", "none", "--zero", "0", "--replay", "4", "--out", str(out), "--json"]
+    rc = main(argv)
+    assert rc == 0
+    plan = load_plan(str(out))
+    assert plan.mesh.size == 8 and plan.topology == "host-cpu-8"
+    assert main(["search", "--model", "gpt-nope", "--topology", "host-cpu-8"]) == 2
+    assert main(["search", "--model", "gpt-tiny"]) == 2  # a preset names no topology
+
+
+@pytest.mark.slow
+def test_written_plan_shrunk_to_8_devices_passes_verify(tmp_path: Path) -> None:
+    """The searched plan (32 devices) shrunk to 8 emulated devices runs and matches one device."""
+    out, small = tmp_path / "best.yaml", tmp_path / "best8.yaml"
+    cmd = [sys.executable, "-m", "testbed.cli", "search", "--model", "gpt-tiny", "--topology", "dgx-h100-x4",
+           "--microbatches", "1,2,4", "--remat", "none,full", "--out", str(out), "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["ranked"][0]["step_time_s"] <= data["ranked"][-1]["step_time_s"]
+    plan = load_plan(str(out))
+    assert plan.mesh.size == 32
+    small.write_text(dump_plan(shrink_plan(plan, 8)))
+    verify = [sys.executable, "-m", "testbed.cli", "verify", "--plan", str(small), "--devices", "emulated:8", "--json"]
+    done = subprocess.run(verify, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert json.loads(done.stdout)["ok"] is True
