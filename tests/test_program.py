@@ -53,7 +53,9 @@ def test_compute_flops_are_conserved(plan):
         opt = [t for t in program.tasks if t.device == rep and t.name == "optimizer"]
         assert len(opt) == 1
         o_ways = plan.mesh.fsdp * (plan.mesh.data if plan.zero >= 1 else 1)
-        assert math.isclose(opt[0].flops, OPTIMIZER_FLOPS_PER_PARAM * model.device_stage_params(plan, s) / o_ways)
+        # The optimizer updates its shard as the layout's one rule cuts it (leaves no dim of which o_ways
+        # divides stay whole), as memory counts and the runner holds it.
+        assert math.isclose(opt[0].flops, OPTIMIZER_FLOPS_PER_PARAM * model.device_stage_params(plan, s, o_ways))
 
 
 @given(plans)

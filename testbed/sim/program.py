@@ -283,7 +283,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     for s in range(p):
         rep = reps[s]
         params = sum(c.params for c in costs[s])
-        shard = params / o_ways
+        shard = model.device_stage_params(plan, s, o_ways)  # the optimizer's shard, by the layout's one rule
         waits = list(reduce_tasks[s])
         if controller and p > 1:
             waits.append(b.add(name=f"dispatch optimizer@{s}", device=host, stream="host", kind=TaskKind.HOST,
