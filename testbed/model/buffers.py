@@ -18,7 +18,7 @@ arrays, ``(moments + 1) x P + 1`` under bf16-mixed, whose state also holds
 the fp32 master); tests/test_dispatch.py checks them against the runner
 for both precisions. testbed.sim.program
 puts the sum on each controller task (:attr:`testbed.sim.program.Task.buffers`)
-and the simulator prices it at ``calibration.controller_buffer_s``.
+and the simulator prices it at ``calibration.controller.buffer_s``.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precis
     *split* ones each rank writes ``1/t`` of (Q, K, V, their head-major
     copies, the softmax output, the attention output, the MLP hidden). The
     simulator prices the elementwise passes over them (calibration
-    ``replicated_passes`` and ``split_passes``): on a tensor-parallel device
+    ``elementwise.replicated_passes`` and ``split_passes``): on a tensor-parallel device
     the replicated part does not shrink with ``t``.
     """
     c = Precision(precision).compute_bytes
@@ -216,7 +216,7 @@ class ChunkCost:
     layers' forward; selective: the softmax outputs). ``tensor_bytes`` is one
     ``[tokens, d_model]`` activation of the microbatch: the size an
     elementwise pass over the residual stream streams, which decides whether
-    it runs from cache (calibration ``cache_bytes``).
+    it runs from cache (calibration ``elementwise.cache_bytes``).
 
     Tensor-parallel all-reduces (each ``tensor_allreduce_bytes``; 0 when
     tensor is 1): 2 per layer forward (after the out projection and the MLP)
