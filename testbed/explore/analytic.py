@@ -255,7 +255,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
         step = 0.0
         for s in range(p):
             params = sum(cst.params for cst in costs[s])
-            shard = params / o_ways
+            shard = model.device_stage_params(plan, s, o_ways)  # the program's optimizer shard
             ready = max(free[s], grad[s])
             if controller is not None and p > 1:
                 host += controller.overhead_s + dispatch.update_buffers(plan, s) * controller.buffer_s
