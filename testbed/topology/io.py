@@ -16,7 +16,7 @@ import yaml
 
 from testbed.topology import generators
 from testbed.errors import InputError, closest
-from testbed.fields import check_keys, expect_mapping, get_int, get_str, load_yaml
+from testbed.fields import check_keys, expect_mapping, get_int, get_str, is_input_file, load_yaml
 from testbed.output import read_input
 from testbed.topology import Calibration, DeviceSpec, Form, Level, LinkKind, LinkSpec, Topology
 from testbed.topology.calibration import GROUPS
@@ -37,11 +37,11 @@ def bundled_names() -> list[str]:
 def resolve_topology_path(name_or_path: str) -> tuple[str, str]:
     """(display name, YAML text) of a bundled name or a file path."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise InputError("topology file not found; give a bundled name (`testbed topologies`) or a YAML path",
-                             file=str(path))
-        return str(path), read_input(path)
+    if is_input_file(path, "topology YAML file"):
+        return str(path), read_input(path, "topology YAML file")
+    if path.suffix in (".yaml", ".yml"):
+        raise InputError("topology file not found; give a bundled name (`testbed topologies`) or a YAML path",
+                         file=str(path))
     names = bundled_names()
     if name_or_path not in names:
         hint = closest(name_or_path, names)
