@@ -21,10 +21,10 @@ def test_contract_keys_and_plausible_dgx_numbers(capsys):
     node = _json(capsys, "all_reduce", "--topology", "dgx-h100", "--over", "node", "--bytes", "1GiB")
     assert KEYS <= node.keys()
     assert node["ranks"] == 8 and node["bytes"] == 2**30
-    assert 3.5e11 < node["busbw"] <= 4.5e11  # NVSwitch, 450 GB/s per direction
+    assert 4.3e11 < node["busbw"] <= 5.3e11  # NVLS in the NVSwitch: ~480 GB/s published (NVIDIA/nccl-tests#212)
     assert node["time_s"] >= node["bound_s"] > 0
     cluster = _json(capsys, "all_reduce", "--topology", "dgx-h100-x4", "--over", "all", "--bytes", "1GiB")
-    assert cluster["ranks"] == 32 and cluster["algorithm"] == "hierarchical"
+    assert cluster["ranks"] == 32 and cluster["algorithm"] == "nvls_tree"  # as NCCL picks it
     assert {r["algorithm"] for r in cluster["algorithms"]} >= {"ring", "hierarchical", "halving_doubling"}
     assert all(r["time_s"] >= cluster["time_s"] for r in cluster["algorithms"])
 

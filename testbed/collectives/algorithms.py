@@ -40,6 +40,9 @@ __all__ = ["ALGORITHMS", "SUPPORTED_OPS", "step_program", "parse_algorithm", "TR
 
 Rounds = list[list[Transfer]]
 
+#: NCCL's algorithms (testbed.collectives.nccl): timed by NCCL's model, not generated as step programs.
+NCCL_ALGORITHMS: tuple[str, ...] = ("nccl_ring", "nccl_tree", "nvls", "nvls_tree", "sharp")
+
 #: pieces per tree half (double binary tree) and per chain (ring broadcast) for pipelining.
 TREE_PIECES = 8
 
@@ -60,9 +63,10 @@ ALGORITHMS: tuple[str, ...] = tuple(SUPPORTED_OPS)
 def parse_algorithm(name: str) -> str:
     """The algorithm called ``name`` (``auto`` included), or an InputError with the closest name."""
     key = str(name).strip().lower().replace("-", "_")
-    if key == "auto" or key in ALGORITHMS:
+    if key == "auto" or key in ALGORITHMS or key in NCCL_ALGORITHMS:
         return key
-    raise InputError(unknown_key_message(str(name), (*ALGORITHMS, "auto"), what="algorithm"), field="algorithm")
+    raise InputError(unknown_key_message(str(name), (*ALGORITHMS, *NCCL_ALGORITHMS, "auto"), what="algorithm"),
+                     field="algorithm")
 
 
 def _merge(*phases: Rounds) -> Rounds:
@@ -306,6 +310,9 @@ def step_program(op: Op | str, algorithm: str, n: int, *, dims: Sequence[int] | 
     algorithm = parse_algorithm(algorithm)
     if algorithm == "auto":
         raise InputError("`auto` needs a topology to choose on; name an algorithm", field="algorithm")
+    if algorithm in NCCL_ALGORITHMS:
+        raise InputError(f"`{algorithm}` is NCCL's, timed by NCCL's model (testbed.collectives.nccl), not a step "
+                         f"program; step-program algorithms: {', '.join(ALGORITHMS)}", field="algorithm")
     if not isinstance(n, int) or n < 1:
         raise InputError(f"needs at least one rank, got {n!r}", field="n")
     if op not in SUPPORTED_OPS[algorithm]:

@@ -33,6 +33,7 @@ import numpy as np
 from testbed.collectives.algorithms import ALGORITHMS, SUPPORTED_OPS, parse_algorithm, step_program
 from testbed.collectives.bounds import lower_bound
 from testbed.collectives.closed_form import closed_form_time
+from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
 from testbed.errors import InputError
 from testbed.topology import Form, Topology
@@ -49,6 +50,8 @@ class CollectiveTiming:
 
     ``groups``: how many groups ran at once (the slowest is reported);
     ``closed_form``: whether the alpha-beta fast path produced the time.
+    ``protocol``: NCCL's protocol (LL, LL128, Simple) for the NCCL algorithms
+    (:mod:`testbed.collectives.nccl`), empty for routed step programs.
     For one rank (nothing to move) time, algbw and busbw are 0.
     """
 
@@ -63,6 +66,7 @@ class CollectiveTiming:
     rounds: int
     groups: int = 1
     closed_form: bool = False
+    protocol: str = ""
 
 
 # -- memo --------------------------------------------------------------------------------
@@ -129,6 +133,7 @@ def applicable_algorithms(topology: Topology, op: Op | str, group: Sequence[int]
             if grid is None or (name == "torus") != is_torus or (name == "hierarchical" and len(grid[0]) < 2):
                 continue
         out.append(name)
+    out.extend(nccl_algorithms(topology, op, group))
     memo[key] = tuple(out)
     return out
 
@@ -136,7 +141,8 @@ def applicable_algorithms(topology: Topology, op: Op | str, group: Sequence[int]
 def _check_applicable(topology: Topology, op: Op, group: Sequence[int], algorithm: str) -> None:
     able = applicable_algorithms(topology, op, group)
     if algorithm not in able:
-        reason = ("does not implement " + str(op)) if op not in SUPPORTED_OPS[algorithm] else \
+        reason = ("does not implement " + str(op)) if algorithm in SUPPORTED_OPS and op not in SUPPORTED_OPS[algorithm] \
+            else \
             f"does not apply to this group of {len(group)} on {topology.name} ({topology.form} form)"
         raise InputError(f"algorithm `{algorithm}` {reason}; algorithms that apply: {', '.join(able)}",
                          field="algorithm")
@@ -296,9 +302,20 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
         raise InputError("needs one or more groups of the same non-zero size", field="over")
     n = len(groups[0])
     if algorithm == "auto":
+        able = applicable_algorithms(topology, op, groups[0])
+        nccl = [a for a in able if a in NCCL_ALGORITHMS]
+        # On an NVIDIA GPU hierarchy NCCL runs the collective: its own algorithms, as its tuning model picks.
         candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form)
-                      for a in applicable_algorithms(topology, op, groups[0])]
+                      for a in (nccl or able)]
         result = min(candidates, key=lambda c: (c.time_s, c.rounds))
+    elif algorithm in NCCL_ALGORITHMS:
+        _check_applicable(topology, op, groups[0], algorithm)
+        name, protocol, time_s = nccl_best(topology, op, groups[0], nbytes, algorithm)
+        bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
+        algbw = nbytes / time_s if time_s > 0 else 0.0
+        result = CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
+                                  algbw=algbw, busbw=algbw * BUS_FACTOR[op](n), bound_s=bound, rounds=1,
+                                  groups=len(groups), closed_form=True, protocol=protocol)
     else:
         _check_applicable(topology, op, groups[0], algorithm)
         closed = closed_form_time(topology, op, algorithm, groups[0], nbytes) \
@@ -331,6 +348,8 @@ def link_loads(topology: Topology, op: Op | str, group: Sequence[int], nbytes: f
         algorithm = collective_time(topology, op, group, nbytes, "auto", root, peer).algorithm
     else:
         _check_applicable(topology, op, group, parse_algorithm(algorithm))
+    if algorithm in NCCL_ALGORITHMS:
+        return nccl_link_loads(topology, op, group, nbytes, algorithm)
     n = len(group)
     peer = (root + 1) % n if peer is None else peer
     program, _, totals, _ = _cached_profile(topology, op, algorithm, (group,), root, peer)

@@ -20,6 +20,7 @@ from testbed.fields import check_keys, expect_mapping, get_int, get_str, is_inpu
 from testbed.output import read_input
 from testbed.topology import Calibration, DeviceSpec, Form, Level, LinkKind, LinkSpec, Topology
 from testbed.topology.calibration import GROUPS
+from testbed.topology.parts import IN_NETWORK_REDUCTION
 from testbed.units import parse_bandwidth, parse_bytes, parse_flops, parse_time
 
 __all__ = ["load_topology", "topology_from_dict", "topology_to_dict", "dump_topology", "bundled_names", "resolve_topology_path"]
@@ -140,7 +141,8 @@ def _calibration(data: Any) -> Calibration:
 
 def _level(data: Any, field: str, torus: bool = False, group_only: bool = False) -> Level:
     data = expect_mapping(data, field)
-    allowed = ["name", "size"] if group_only else ["name", "size", "bandwidth", "latency", "kind", "attach"]
+    allowed = ["name", "size"] if group_only else ["name", "size", "bandwidth", "latency", "kind", "attach",
+                                                   "in_network_reduction"]
     check_keys(data, allowed, field, required=["name", "size"] if group_only else ["name", "size", "bandwidth"])
     if group_only:
         return Level(name=get_str(data, "name", field), size=get_int(data, "size", field))
@@ -151,6 +153,8 @@ def _level(data: Any, field: str, torus: bool = False, group_only: bool = False)
         latency=parse_time(data.get("latency", 0), f"{field}.latency"),
         kind=_kind(data.get("kind", "ici" if torus else "nvswitch"), f"{field}.kind"),
         attach=get_str(data, "attach", field, default="device", choices=("device", "switch")),
+        in_network_reduction=(get_str(data, "in_network_reduction", field, choices=tuple(IN_NETWORK_REDUCTION))
+                              if data.get("in_network_reduction") is not None else None),
     )
 
 
@@ -222,7 +226,9 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
                      "memory_bandwidth": dev.memory_bandwidth}
     if topology.form is Form.LEVELS:
         out["levels"] = [{"name": l.name, "size": l.size, "bandwidth": l.bandwidth, "latency": l.latency,
-                          "kind": str(l.kind), "attach": l.attach} for l in topology.levels]
+                          "kind": str(l.kind), "attach": l.attach,
+                          **({"in_network_reduction": l.in_network_reduction} if l.in_network_reduction else {})}
+                         for l in topology.levels]
     elif topology.form is Form.TORUS:
         first = topology.levels[0]
         out["torus"] = {"dims": [l.size for l in topology.levels], "names": [l.name for l in topology.levels],

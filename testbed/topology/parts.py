@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 from testbed.errors import InputError
 
-__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec"]
+__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION"]
 
 
 class LinkKind(StrEnum):
@@ -57,6 +57,10 @@ class DeviceSpec:
         return min(self.peak_flops.values())
 
 
+#: in-network reduction a level may declare -> the link kind whose switches do it.
+IN_NETWORK_REDUCTION = {"nvls": LinkKind.NVSWITCH, "sharp": LinkKind.INFINIBAND}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Level:
     """A named tier (levels form), dim (torus form) or group (graph form).
@@ -74,8 +78,17 @@ class Level:
     kind: LinkKind | None = None
     attach: str = "device"
     wraparound: bool = False
+    in_network_reduction: str | None = None
 
     def __post_init__(self) -> None:
+        if self.in_network_reduction is not None:
+            needs = IN_NETWORK_REDUCTION.get(self.in_network_reduction)
+            if needs is None:
+                raise InputError(f"in_network_reduction must be one of {', '.join(IN_NETWORK_REDUCTION)}, got "
+                                 f"{self.in_network_reduction!r}", field=f"level {self.name}.in_network_reduction")
+            if self.kind is not None and self.kind is not needs:
+                raise InputError(f"in_network_reduction `{self.in_network_reduction}` runs in {needs} switches; this "
+                                 f"level's kind is {self.kind}", field=f"level {self.name}.in_network_reduction")
         if not isinstance(self.size, int) or self.size < 1:
             raise InputError(f"size must be a positive whole number, got {self.size!r}", field=f"level {self.name}")
         if self.bandwidth is not None and not self.bandwidth > 0:

@@ -1,0 +1,74 @@
+"""NCCL's model of collectives on GPU hierarchies: declared in-network reduction, bounds, monotone bandwidth."""
+
+from __future__ import annotations
+
+import pytest
+
+from testbed.collectives.bounds import lower_bound
+from testbed.collectives.timing import applicable_algorithms, collective_time
+from testbed.errors import InputError
+from testbed.topology import Level, LinkKind
+from testbed.topology.io import load_topology, topology_from_dict
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_topology("dgx-h100-x4")
+
+
+def test_in_network_reduction_is_validated_and_round_trips():
+    with pytest.raises(InputError, match="in_network_reduction"):
+        Level(name="node", size=8, bandwidth=1e9, kind=LinkKind.INFINIBAND, in_network_reduction="nvls")
+    with pytest.raises(InputError):
+        topology_from_dict({"device": {"flops": {"bf16": 1e12}, "memory": "1GB", "memory_bandwidth": "1GB/s"},
+                            "levels": [{"name": "node", "size": 8, "bandwidth": "1GB/s", "in_network_reduction": "x"}]})
+    from testbed.topology.io import topology_to_dict
+
+    t = load_topology("dgx-h100")
+    assert topology_to_dict(t)["levels"][0]["in_network_reduction"] == "nvls"
+    assert topology_from_dict(topology_to_dict(t)) == t
+
+
+def test_nvls_only_where_declared():
+    a100 = load_topology("dgx-a100-superpod")
+    assert "nvls" not in applicable_algorithms(a100, "all_reduce", tuple(range(8)))
+    assert "nvls" in applicable_algorithms(load_topology("dgx-h100"), "all_reduce", tuple(range(8)))
+    assert "sharp" not in applicable_algorithms(a100, "all_reduce", tuple(range(16)))
+    # not an NVIDIA GPU: only routed programs
+    assert not [a for a in applicable_algorithms(load_topology("host-cpu-8"), "all_reduce", tuple(range(8)))
+                if a.startswith("nccl") or a in ("nvls", "nvls_tree", "sharp")]
+
+
+@pytest.mark.parametrize("ranks", [8, 16, 32])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"])
+def test_nccl_algorithms_never_beat_the_bound_and_busbw_grows_with_size(h100, op, ranks):
+    group = tuple(range(ranks))
+    for algorithm in applicable_algorithms(h100, op, group):
+        if not (algorithm.startswith("nccl") or algorithm in ("nvls", "nvls_tree", "sharp")):
+            continue
+        previous = 0.0
+        for k in range(10, 35):
+            t = collective_time(h100, op, group, 2.0**k, algorithm)
+            assert t.time_s >= lower_bound(h100, op, group, 2.0**k) * (1 - 1e-12), (algorithm, k)
+            assert t.busbw >= previous * (1 - 1e-9), (algorithm, k)
+            previous = t.busbw
+
+
+def test_protocols_as_nccl_picks_them(h100):
+    group = tuple(range(8))
+    assert collective_time(h100, "all_gather", group, 2.0**12).protocol == "LL"
+    assert collective_time(h100, "all_gather", group, 2.0**33).protocol == "Simple"
+    assert collective_time(h100, "all_reduce", group, 2.0**33).algorithm == "nvls"
+
+
+def test_published_collectives_within_goal():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "published" / "collectives.py"
+    spec = importlib.util.spec_from_file_location("published_collectives", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.evaluate()
+    summary = module.summary(rows)
+    assert summary["median_abs_error"] <= 0.10 and summary["max_abs_error"] <= 0.20, summary
