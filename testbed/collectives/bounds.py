@@ -114,6 +114,16 @@ def lower_bound(topology: Topology, op: Op | str, group: Sequence[int], nbytes: 
         bound = max(bound, send / bandwidth, recv / bandwidth)
     members = set(group)
     root_device, peer_device = group[root], group[peer]
+    for block, bandwidth in _level_cuts(topology):
+        # levels form: every subtree of a level is alike, so count members per subtree instead of intersecting sets
+        counts: dict[int, int] = {}
+        for d in group:
+            counts[d // block] = counts.get(d // block, 0) + 1
+        for index, inside in counts.items():
+            if 0 < inside < n and bandwidth > 0:
+                out, into = _cut_needs(op, n, inside, nbytes, root_device // block == index,
+                                       peer_device // block == index)
+                bound = max(bound, out / bandwidth, into / bandwidth)
     for devices, bandwidth in _cached_cuts(topology):
         inside = len(members & devices)
         if 0 < inside < n and bandwidth > 0:
@@ -123,10 +133,32 @@ def lower_bound(topology: Topology, op: Op | str, group: Sequence[int], nbytes: 
 
 
 def _cached_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
-    # Stored beside the topology's route cache: a pure function of the topology.
-    key = ("__subtree_cuts__",)
+    # Stored beside the topology's route cache: a pure function of the topology. Levels-form subtree cuts are
+    # in _level_cuts (one per level, by symmetry), so only torus cuts are listed here.
+    key = ("__torus_cuts__",)
     cuts = topology._routes.get(key)
     if cuts is None:
-        cuts = subtree_cuts(topology) + torus_cuts(topology)
+        cuts = torus_cuts(topology)
+        topology._routes[key] = cuts
+    return cuts
+
+
+def _level_cuts(topology: Topology) -> list[tuple[int, float]]:
+    """(devices per subtree, bandwidth leaving one subtree) per inner level of a hierarchy; every subtree of a
+    level has the same links (the levels form is symmetric), so the first one's stands for all."""
+    key = ("__level_cuts__",)
+    cuts = topology._routes.get(key)
+    if cuts is None:
+        cuts = []
+        if topology.form is Form.LEVELS and len(topology.levels) >= 2:
+            block = 1
+            for k, level in enumerate(topology.levels[:-1]):
+                block *= level.size
+                devices = set(range(block))
+                nodes: set[object] = set(devices)
+                for j in range(k + 1):
+                    inner = math.prod(l.size for l in topology.levels[: j + 1])
+                    nodes.update(f"{topology.levels[j].name}{d // inner}" for d in devices)
+                cuts.append((block, _crossing(topology, nodes)))
         topology._routes[key] = cuts
     return cuts

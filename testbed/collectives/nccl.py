@@ -361,18 +361,17 @@ def nccl_link_loads(topology: Topology, op: Op, group: Sequence[int], nbytes: fl
     loads: dict = {}
     s = float(nbytes)
     levels = topology.levels
-    strides = [math.prod(l.size for l in levels[:i]) for i in range(len(levels))]
+    blocks = [math.prod(l.size for l in levels[: k + 1]) for k in range(len(levels))]
+    spanned = [k for k, level in enumerate(levels)
+               if level.size > 1 and len({d // (blocks[k] // level.size) % level.size for d in group}) > 1]
     for d in group:
-        coords = topology.coords(d)
-        for k, level in enumerate(levels):
-            per_gpu = intra if k == 0 else inter
-            if per_gpu <= 0 or level.size < 2:
+        for k in spanned:
+            per_gpu = (intra if k == 0 else inter) * s
+            if per_gpu <= 0:
                 continue
-            partner = d + strides[k] * ((coords[k] + 1) % level.size - coords[k])
-            hops = topology.route(d, partner)
-            up = hops[: len(hops) // 2]
-            mine = up[-1:] if k == 0 else [h for h in up if h[1] == f"{level.name}{d // (strides[k] * level.size)}"]
-            for u, v in mine or up[-1:]:
-                loads[(u, v)] = loads.get((u, v), 0.0) + per_gpu * s
-                loads[(v, u)] = loads.get((v, u), 0.0) + per_gpu * s
+            level = levels[k]
+            switch = f"{level.name}{d // blocks[k]}"
+            below = d if (k == 0 or level.attach == "device") else f"{levels[k - 1].name}{d // blocks[k - 1]}"
+            for link in ((below, switch), (switch, below)):
+                loads[link] = loads.get(link, 0.0) + per_gpu
     return loads
