@@ -25,8 +25,9 @@ Remat: ``selective`` checkpoints the core attention (scores, softmax, values),
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +35,11 @@ import numpy as np
 
 from testbed.model import layout
 from testbed.model.layout import Init, ParamSpec, Placement
-from testbed.plan.spec import ModelSpec, Precision, Remat
+from testbed.plan.spec import ModelSpec, Norm, Position, Precision, Remat
 
 __all__ = [
     "Params", "init_params", "param_count", "embed", "block", "stage_forward", "head_loss", "forward_loss",
-    "make_batch", "cast_params", "compute_dtype", "count_matmul_flops",
+    "make_batch", "warn_dropout", "cast_params", "compute_dtype", "count_matmul_flops",
 ]
 
 Params = dict[str, Any]
@@ -81,7 +82,7 @@ def init_params(spec: ModelSpec, seed: int) -> Params:
     layer = layout.layer_params(spec)
     return {
         Placement.EMBEDDING.root: _tree(layout.embedding_params(spec), keys),
-        Placement.LAYER.root: [_tree(layer, jax.random.split(keys[layout.GLOBAL_KEYS + i], layout.LAYER_KEYS))
+        Placement.LAYER.root: [_tree(layer, jax.random.split(keys[layout.GLOBAL_KEYS + i], layout.layer_keys(spec)))
                                for i in range(spec.layers)],
         Placement.HEAD.root: _tree(layout.head_params(spec), keys),
     }
@@ -130,8 +131,54 @@ def _layer_norm_bwd(res, g: jax.Array):
 _layer_norm_core.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-def _layer_norm(p: Params, x: jax.Array) -> jax.Array:
-    return _layer_norm_core(x, p["scale"], p["bias"])
+@jax.custom_vjp
+def _rms_norm_core(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """RMSNorm over the last dim: ``x / rms(x) * scale`` (no centring, no bias)."""
+    return _rms_norm_fwd(x, scale)[0]
+
+
+def _rms_norm_fwd(x: jax.Array, scale: jax.Array):
+    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + _LN_EPS)
+    # Keep the input and one statistic per token (what testbed.model.costs counts for RMSNorm).
+    return x * rstd * scale, (x, rstd, scale)
+
+
+def _rms_norm_bwd(res, g: jax.Array):
+    x, rstd, scale = jax.lax.optimization_barrier(res)
+    xhat = x * rstd
+    dscale = jnp.sum(g * xhat, axis=tuple(range(x.ndim - 1)))
+    gs = g * scale
+    dx = rstd * (gs - xhat * jnp.mean(gs * xhat, axis=-1, keepdims=True))
+    return dx, dscale
+
+
+_rms_norm_core.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+class _Arch(NamedTuple):
+    """What a block needs of the :class:`ModelSpec` beyond its parameters' shapes."""
+
+    heads: int
+    rms: bool = False
+    rope_theta: float | None = None     # None: learned positions (no rotation)
+
+
+def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
+    """A spec's block options; a bare head count is the default GPT's (MHA, LayerNorm, learned positions)."""
+    if isinstance(spec, _Arch):
+        return spec
+    if isinstance(spec, ModelSpec):
+        return _Arch(heads=spec.heads, rms=spec.norm is Norm.RMSNORM,
+                     rope_theta=spec.rope_theta if spec.position is Position.ROPE else None)
+    return _Arch(heads=int(spec))
+
+
+def _layer_norm(p: Params, x: jax.Array, rms: bool = False) -> jax.Array:
+    """The block's norm: RMSNorm, or LayerNorm (with a zero bias when the model has none)."""
+    if rms:
+        return _rms_norm_core(x, p["scale"])
+    bias = p["bias"] if "bias" in p else jnp.zeros_like(p["scale"])
+    return _layer_norm_core(x, p["scale"], bias)
 
 
 @jax.custom_vjp
@@ -175,20 +222,49 @@ _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def embed(params_embed: Params, tokens: jax.Array) -> jax.Array:
-    """Token plus position embedding: int32 ``[batch, seq]`` -> ``[batch, seq, d]``."""
+    """Token plus position embedding: int32 ``[batch, seq]`` -> ``[batch, seq, d]``.
+
+    Without a position table (``position: rope``) the token embedding alone: the blocks rotate Q and K.
+    """
     seq = tokens.shape[1]
-    return jnp.take(params_embed["tokens"], tokens, axis=0) + params_embed["positions"][:seq]
+    x = jnp.take(params_embed["tokens"], tokens, axis=0)
+    return x + params_embed["positions"][:seq] if "positions" in params_embed else x
+
+
+def _rope(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding of ``[batch, seq, heads, head_dim]`` (the half-split convention of GPT-NeoX
+    and Hugging Face's Llama: dims ``i`` and ``i + head_dim/2`` rotate together by ``pos * theta^(-2i/head_dim)``)."""
+    seq, head_dim = x.shape[1], x.shape[3]
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_dim))
+    angles = np.arange(seq, dtype=np.float64)[:, None] * inv_freq[None, :]
+    cos = jnp.asarray(np.cos(angles)[None, :, None, :], x.dtype)
+    sin = jnp.asarray(np.sin(angles)[None, :, None, :], x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def _core_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal softmax attention on ``[batch, seq, heads, head_dim]``."""
-    seq, head_dim = q.shape[1], q.shape[3]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+    """Causal softmax attention: q ``[batch, seq, heads, head_dim]``, k and v ``[batch, seq, kv_heads, head_dim]``.
+
+    With fewer K/V heads (grouped-query attention) query head ``h`` attends with K/V head
+    ``h // (heads / kv_heads)``: the query heads are viewed as ``[kv_heads, group]`` (no K/V copies).
+    """
+    b, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    scale = jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
     # An additive constant mask: its backward needs nothing saved (a boolean `where` would keep the mask).
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    if kv_heads == heads:
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
+        probs = _softmax(scores + bias)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    grouped = q.reshape(b, seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("bqngd,bknd->bngqk", grouped, k) * scale
     bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
     probs = _softmax(scores + bias)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return jnp.einsum("bngqk,bknd->bqngd", probs, v).reshape(b, seq, heads, head_dim)
 
 
 def _gelu(x: jax.Array) -> jax.Array:
@@ -199,35 +275,79 @@ def _gelu(x: jax.Array) -> jax.Array:
 _gelu_remat = jax.checkpoint(_gelu)
 
 
-def block(params_layer: Params, x: jax.Array, heads: int, remat: Remat | str = Remat.NONE) -> jax.Array:
-    """One pre-LN block: ``x + attn(ln1(x))`` then ``+ mlp(ln2(.))``; shape ``[batch, seq, d]``."""
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+#: SwiGLU keeps the gate and up projections; silu is recomputed (the product is kept as W2's input).
+_swiglu_remat = jax.checkpoint(_swiglu)
+
+
+def _plus(x: jax.Array, p: Params, name: str) -> jax.Array:
+    """``x + p[name]``, or ``x`` for a model without that bias."""
+    return x + p[name] if name in p else x
+
+
+def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Remat | str = Remat.NONE) -> jax.Array:
+    """One pre-norm block: ``x + attn(norm1(x))`` then ``+ mlp(norm2(.))``; shape ``[batch, seq, d]``.
+
+    ``spec`` is the model (or, for the default GPT, its head count). The parameters decide the rest:
+    ``wqkv`` (multi-head) or ``wq`` and ``wkv`` (grouped-query), ``w3`` (SwiGLU), the biases present.
+    """
+    arch = _arch(spec)
     b, s, d = x.shape
+    heads, head_dim = arch.heads, d // arch.heads
     a = params_layer["attn"]
-    qkv = jnp.einsum("bsd,dtk->bstk", _layer_norm(params_layer["ln1"], x), a["wqkv"]) + a["bqkv"]
-    q, k, v = (qkv[:, :, i].reshape(b, s, heads, d // heads) for i in range(3))
+    h = _layer_norm(params_layer["ln1"], x, arch.rms)
+    if "wqkv" in a:
+        qkv = _plus(jnp.einsum("bsd,dtk->bstk", h, a["wqkv"]), a, "bqkv")
+        q, k, v = (qkv[:, :, i].reshape(b, s, heads, head_dim) for i in range(3))
+    else:
+        q = _plus(h @ a["wq"], a, "bq").reshape(b, s, heads, head_dim)
+        kv = _plus(jnp.einsum("bsd,dtk->bstk", h, a["wkv"]), a, "bkv")
+        k, v = (kv[:, :, i].reshape(b, s, -1, head_dim) for i in range(2))
+    if arch.rope_theta is not None:
+        q, k = _rope(q, arch.rope_theta), _rope(k, arch.rope_theta)
     core = jax.checkpoint(_core_attention) if Remat(remat) is Remat.SELECTIVE else _core_attention
-    x = x + core(q, k, v).reshape(b, s, d) @ a["wo"] + a["bo"]
+    x = _plus(x + core(q, k, v).reshape(b, s, d) @ a["wo"], a, "bo")
     m = params_layer["mlp"]
-    hidden = _gelu_remat(_layer_norm(params_layer["ln2"], x) @ m["w1"] + m["b1"])
-    return x + hidden @ m["w2"] + m["b2"]
+    h = _layer_norm(params_layer["ln2"], x, arch.rms)
+    if "w3" in m:
+        hidden = _swiglu_remat(_plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3"))
+    else:
+        hidden = _gelu_remat(_plus(h @ m["w1"], m, "b1"))
+    return _plus(x + hidden @ m["w2"], m, "b2")
 
 
-def stage_forward(params_layers: Sequence[Params], x: jax.Array, heads: int,
+def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
                   remat: Remat | str = Remat.NONE) -> jax.Array:
-    """Run a contiguous run of blocks (a pipeline chunk) on activations ``x``."""
+    """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`)."""
     remat = Remat(remat)
-    step = jax.checkpoint(block, static_argnums=(2, 3)) if remat is Remat.FULL else block
+    arch = _arch(spec)
+    step = jax.checkpoint(_block, static_argnums=(2, 3)) if remat is Remat.FULL else _block
     for layer in params_layers:
-        x = step(layer, x, heads, remat)
+        x = step(layer, x, arch, remat)
     return x
 
 
+def _block(params_layer: Params, x: jax.Array, arch: _Arch, remat: Remat) -> jax.Array:
+    return block(params_layer, x, arch, remat)
+
+
 def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
-              tied_tokens: jax.Array | None = None) -> jax.Array:
-    """Final LN, output projection (or the tied token table transposed), mean fp32 cross-entropy."""
-    h = _layer_norm(params_head["norm"], x)
-    logits = h @ (params_head["w"] if tied_tokens is None else tied_tokens.T)
-    return _cross_entropy(logits.astype(jnp.float32), targets)
+              tied_tokens: jax.Array | None = None, spec: ModelSpec | None = None) -> jax.Array:
+    """Final norm, output projection (or the tied token table transposed), mean fp32 cross-entropy.
+
+    With ``spec``: its norm, and the logits of padded vocab rows masked out (they never win probability,
+    so the loss is that of the unpadded model; their rows get no gradient).
+    """
+    rms = spec is not None and spec.norm is Norm.RMSNORM
+    h = _layer_norm(params_head["norm"], x, rms)
+    logits = (h @ (params_head["w"] if tied_tokens is None else tied_tokens.T)).astype(jnp.float32)
+    if spec is not None and spec.padded_vocab > spec.vocab:
+        pad = np.where(np.arange(spec.padded_vocab) < spec.vocab, 0.0, np.finfo(np.float32).min)
+        logits = logits + jnp.asarray(pad, jnp.float32)
+    return _cross_entropy(logits, targets)
 
 
 def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec: ModelSpec,
@@ -235,9 +355,17 @@ def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings)."""
     p = cast_params(params, precision)
     x = embed(p["embed"], tokens)
-    x = stage_forward(p["layers"], x, spec.heads, remat)
+    x = stage_forward(p["layers"], x, spec, remat)
     tied = p["embed"]["tokens"] if spec.tied_embeddings else None
-    return head_loss(p["head"], x, targets, tied)
+    return head_loss(p["head"], x, targets, tied, spec)
+
+
+def warn_dropout(spec: ModelSpec) -> None:
+    """Say that the runner trains without dropout: ``model.dropout`` counts in the simulator's memory and traffic
+    (its masks), but reference and parallel runs could not draw identical masks, so the runner uses rate 0."""
+    if spec.dropout > 0:
+        warnings.warn(f"model.dropout {spec.dropout} is counted by the simulator (memory, traffic); the runner "
+                      "trains with dropout 0 so its runs stay comparable with the reference", stacklevel=3)
 
 
 def make_batch(spec: ModelSpec, global_batch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -25,6 +25,7 @@ trainers also ``compiled_texts(state)`` (optimized HLO of their programs) and
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -149,6 +150,7 @@ class SpmdTrainer:
     """The plan's step as one SPMD program on the full mesh (no pipeline stages)."""
 
     def __init__(self, plan: Plan, mesh: Any, return_grads: bool = False):
+        model.warn_dropout(plan.model)
         self.plan, self.mesh, self.return_grads = plan, mesh, return_grads
         self._compiled: Any = None
         self.optimizer = opt = Optimizer(plan)
@@ -229,6 +231,8 @@ class SpmdTrainer:
 @functools.lru_cache(maxsize=16)
 def _reference_step(spec: Any, precision: Any, remat: Any, optimizer: Any) -> Any:
     """One jitted reference step per model and optimizer (shared by plans that differ only in layout)."""
+    # The plan's vocab padding (resolved for its tensor degree) is kept on the reference's one device.
+    spec = replace(spec, pad_vocab_to=spec.vocab_multiple)
     plan = Plan(model=spec, batch=BatchSpec(global_batch=1), precision=precision, remat=remat, optimizer=optimizer)
     opt = Optimizer(plan)
 
@@ -243,6 +247,7 @@ class ReferenceTrainer:
     """The whole model and global batch on one device: what every plan must reproduce."""
 
     def __init__(self, plan: Plan, device: Any):
+        model.warn_dropout(plan.model)
         self.plan, self.device = plan, device
         self.optimizer = Optimizer(plan)
         self._step = _reference_step(plan.model, plan.precision, plan.remat, plan.optimizer)

@@ -90,6 +90,7 @@ class PipelineTrainer:
         if plan.model.tied_embeddings:
             raise InputError("tied embeddings across pipeline stages are not supported by the runner; "
                              "set model.tied_embeddings false or mesh.stage 1", field="model.tied_embeddings")
+        model.warn_dropout(plan.model)
         self.plan, self.meshes, self.return_grads = plan, stage_meshes, return_grads
         self.optimizer = Optimizer(plan)
         self.schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
@@ -100,10 +101,10 @@ class PipelineTrainer:
         def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
             if _EMBED in params:
                 x = model.embed(params[_EMBED], x)
-            return model.stage_forward(params[_LAYERS], x, spec.heads, remat)
+            return model.stage_forward(params[_LAYERS], x, spec, remat)
 
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-            return model.head_loss(params[_HEAD], y, targets)
+            return model.head_loss(params[_HEAD], y, targets, spec=spec)
 
         # Data replicas keep their gradients apart until the update, and their losses until the step's end:
         # one reduction per step (runners.replicas), none per microbatch.

@@ -24,15 +24,15 @@ byte estimates instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from testbed.errors import InputError
 from testbed.model import layout
 from testbed.model.layout import chunk_layers
-from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
+from testbed.plan.spec import ModelSpec, Norm, Plan, Precision, Remat
 
 __all__ = [
-    "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "chunk_layers",
+    "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "padded_param_count", "chunk_layers",
     "stage_param_count", "device_stage_params", "layer_forward_flops", "head_forward_flops", "recompute_flops_per_layer",
     "activation_bytes_per_layer", "layer_traffic_bytes", "head_activation_bytes", "ChunkCost", "chunk_cost",
     "model_flops_per_step", "step_flops_per_device",
@@ -40,6 +40,8 @@ __all__ = [
 
 #: Bytes per value of the logits the loss keeps (fp32 for stability in every precision).
 LOSS_BYTES = 4
+#: Bytes per value of a dropout mask (Korthikanti et al. 2022 count one byte).
+DROPOUT_MASK_BYTES = 1
 
 
 # -- parameters ---------------------------------------------------------------------
@@ -59,9 +61,17 @@ def head_param_count(spec: ModelSpec) -> int:
     return sum(p.size for p in layout.head_params(spec))
 
 
-def param_count(spec: ModelSpec) -> int:
-    """Distinct trainable parameters of the whole model."""
+def padded_param_count(spec: ModelSpec) -> int:
+    """Parameters the model holds: :func:`param_count` plus the padded vocab rows of the token table and head."""
     return embedding_param_count(spec) + spec.layers * layer_param_count(spec) + head_param_count(spec)
+
+
+def param_count(spec: ModelSpec) -> int:
+    """Distinct trainable parameters of the whole model, as published: the vocab padding not counted.
+
+    (Padded rows count in memory and FLOPs, which come from the held shapes.)
+    """
+    return padded_param_count(replace(spec, pad_vocab_to=None, vocab_multiple=1))
 
 
 def _layer_params_per_tensor_rank(spec: ModelSpec, tensor: int) -> int:
@@ -97,23 +107,32 @@ def device_stage_params(plan: Plan, stage: int, ways: int = 1) -> int:
 
 # -- FLOPs ----------------------------------------------------------------------------
 
-def _layer_matmul_flops(spec: ModelSpec, batch: int) -> tuple[int, int]:
-    """(projection + MLP FLOPs, attention score + value FLOPs) of one layer, whole (no tensor split)."""
-    n, d, f, s = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len
-    dense = 2 * n * (3 * d * d + d * d + 2 * d * f)
+def _layer_matmul_flops(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[int, int]:
+    """(projection + MLP FLOPs, attention score + value FLOPs) of one layer, summed over the tensor ranks.
+
+    Q and the out projection are ``d x d``, K and V ``d x kv_dim`` each (grouped-query attention
+    shrinks them), the MLP has 2 (GELU) or 3 (SwiGLU) ``d x d_ff`` matrices; scores and values are
+    per query head (``d`` wide in all). When the tensor degree does not divide ``kv_heads``, every
+    rank projects all K/V heads (the layout keeps ``wkv`` whole), so the ranks together do the K/V
+    projection ``tensor`` times: the sum divided by ``tensor`` is then one rank's work.
+    """
+    n, d, f, s, kv = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len, spec.kv_dim
+    dense = 2 * n * (d * (d + 2 * kv) + d * d + spec.mlp_matrices * d * f)
+    if tensor > 1 and not spec.kv_split(tensor):
+        dense += (tensor - 1) * 2 * n * d * 2 * kv
     attention = 2 * 2 * batch * s * s * d
     return dense, attention
 
 
 def layer_forward_flops(spec: ModelSpec, batch: int, tensor: int = 1) -> int:
     """Forward matmul FLOPs of one layer for ``batch`` sequences on one tensor rank."""
-    dense, attention = _layer_matmul_flops(spec, batch)
+    dense, attention = _layer_matmul_flops(spec, batch, tensor)
     return (dense + attention) // tensor
 
 
 def head_forward_flops(spec: ModelSpec, batch: int, tensor: int = 1) -> int:
     """Forward FLOPs of the output projection (the embedding lookup is a gather: 0)."""
-    return 2 * batch * spec.seq_len * spec.d_model * spec.vocab // tensor
+    return 2 * batch * spec.seq_len * spec.d_model * spec.padded_vocab // tensor
 
 
 def recompute_flops_per_layer(spec: ModelSpec, batch: int, remat: Remat | str, tensor: int = 1) -> int:
@@ -130,7 +149,8 @@ def recompute_flops_per_layer(spec: ModelSpec, batch: int, remat: Remat | str, t
     n, d, f, s = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len
     if remat is Remat.SELECTIVE:
         return 2 * batch * s * s * d // tensor
-    return (layer_forward_flops(spec, batch, 1) - 2 * n * f * d) // tensor
+    dense, attention = _layer_matmul_flops(spec, batch, tensor)
+    return (dense + attention - 2 * n * f * d) // tensor
 
 
 # -- activation bytes ---------------------------------------------------------------------
@@ -158,7 +178,32 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
         return replicated + split
     # Selective keeps the replicated part and, of the split one, Q, K, V, the attention output and the MLP hidden.
     c, n = Precision(precision).compute_bytes, microbatch_size * spec.seq_len
-    return replicated + c * ((4 * n * spec.d_model + 2 * n * spec.d_ff) // tensor)
+    return replicated + c * _projection_outputs(spec, n, tensor)
+
+
+def _projection_outputs(spec: ModelSpec, n: int, tensor: int) -> int:
+    """Values of Q, K, V, the attention output and the MLP hidden one tensor rank keeps (``n`` tokens).
+
+    ``4 n d + 2 n f`` over ``tensor`` for the default GPT; GQA's K and V are ``n kv_dim`` each (whole on
+    every rank when the tensor degree does not divide ``kv_heads``); SwiGLU keeps the gate, the up
+    projection and their product (``3 n f``), GELU its input and output.
+    """
+    d, kv, hidden = spec.d_model, spec.kv_dim, (spec.mlp_matrices * n * spec.d_ff)
+    if spec.kv_split(tensor):
+        return (n * (d + 2 * kv) + n * d + hidden) // tensor
+    return (2 * n * d + hidden) // tensor + 2 * n * kv
+
+
+def _head_major_copies(spec: ModelSpec, n: int, tensor: int) -> int:
+    """The head-major copies of Q and K the score matmul reads (``2 n d / t`` for the default GPT)."""
+    if spec.kv_split(tensor):
+        return n * (spec.d_model + spec.kv_dim) // tensor
+    return n * spec.d_model // tensor + n * spec.kv_dim
+
+
+def _norm_stats(spec: ModelSpec) -> int:
+    """Per-token statistics one norm keeps: mean and reciprocal std (LayerNorm), reciprocal RMS (RMSNorm)."""
+    return 2 if spec.norm is Norm.LAYERNORM else 1
 
 
 def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
@@ -176,13 +221,19 @@ def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precis
     the replicated part does not shrink with ``t``.
     """
     c = Precision(precision).compute_bytes
-    b, s, d, f, t = microbatch_size, spec.seq_len, spec.d_model, spec.d_ff, tensor
+    b, s, d, t = microbatch_size, spec.seq_len, spec.d_model, tensor
     n = b * s
-    # Two LayerNorms keep their input and output and a mean and a reciprocal std per token.
-    replicated = c * (4 * n * d + 4 * n)
+    # Two norms keep their input and output and their per-token statistics.
+    replicated = c * (4 * n * d + 2 * _norm_stats(spec) * n)
     # Without remat the score matmul's operands stay live too: XLA copies Q and K to head-major
     # layout for the batched matmul and the backward reuses those copies.
-    split = c * ((4 * n * d + 2 * n * f) // t + 2 * n * d // t + b * spec.heads * s * s // t)
+    scores = b * spec.heads * s * s // t
+    split = c * (_projection_outputs(spec, n, t) + _head_major_copies(spec, n, t) + scores)
+    if spec.dropout > 0:
+        # Korthikanti et al. 2022: a 1-byte mask per dropped value (the attention and MLP outputs on the
+        # replicated residual stream, the attention probabilities) and the dropped probabilities P V reads.
+        replicated += DROPOUT_MASK_BYTES * 2 * n * d
+        split += DROPOUT_MASK_BYTES * scores + c * scores
     return replicated, split
 
 
@@ -193,7 +244,7 @@ def head_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: Prec
     and their per-token log-sum-exp.
     """
     n, c = microbatch_size * spec.seq_len, Precision(precision).compute_bytes
-    return c * n * (2 * spec.d_model + 2) + LOSS_BYTES * n * (spec.vocab // tensor + 1)
+    return c * n * (2 * spec.d_model + _norm_stats(spec)) + LOSS_BYTES * n * (spec.padded_vocab // tensor + 1)
 
 
 # -- one chunk on one device --------------------------------------------------------------
@@ -264,7 +315,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     b, c = plan.microbatch_size, plan.precision.compute_bytes
     layers = len(chunk_layers(spec, p, v)[stage][chunk])
     embed, head = layout.holds(stage, chunk, p, v)
-    dense, attention = _layer_matmul_flops(spec, b)
+    dense, attention = _layer_matmul_flops(spec, b, t)
     forward = layers * (dense + attention) // t
     b_flops = layers * (dense + 2 * attention) // t
     w_flops = layers * dense // t
@@ -278,13 +329,15 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     n_bytes = b * spec.seq_len * spec.d_model * c
     forward_bytes = params * c + kept + n_bytes
     replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t))
+    scores = b * spec.heads * spec.seq_len ** 2 // t
+    dropped = (DROPOUT_MASK_BYTES + c) * scores if spec.dropout > 0 else 0
     recompute = {Remat.NONE: (0, 0), Remat.FULL: (replicated, split),
-                 Remat.SELECTIVE: (0, layers * c * (b * spec.heads * spec.seq_len ** 2 // t))}[plan.remat]
+                 Remat.SELECTIVE: (0, layers * (c * scores + dropped))}[plan.remat]
     replicated += n_bytes if embed else 0
     if head:
         n = b * spec.seq_len
-        replicated += c * n * (2 * spec.d_model + 2)
-        split += LOSS_BYTES * n * (spec.vocab // t + 1)
+        replicated += c * n * (2 * spec.d_model + _norm_stats(spec))
+        split += LOSS_BYTES * n * (spec.padded_vocab // t + 1)
     tp = t > 1
     return ChunkCost(
         layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,

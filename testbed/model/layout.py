@@ -7,6 +7,14 @@ The model (``testbed.model.costs`` counts it, ``runners.model`` builds it)::
                   "ln2": {scale, bias}, "mlp": {w1 [d,f], b1 [f], w2 [f,d], b2 [d]}}, ... ],
      "head": {"norm": {scale, bias}, "w": [d, vocab]}}      # no "w" when tied
 
+for the default GPT. The model family options of :class:`ModelSpec` change
+rows: ``kv_heads`` < ``heads`` replaces ``wqkv``/``bqkv`` by ``wq [d,d]``,
+``bq [d]``, ``wkv [d,2,kv_dim]``, ``bkv [2,kv_dim]``; ``mlp: swiglu`` adds
+the up projection ``w3 [d,f]`` (and ``b3``); ``norm: rmsnorm`` and
+``bias: false`` drop the norms' biases, ``bias: false`` also the linear
+ones; ``position: rope`` drops the position table. ``vocab`` rows are the
+padded vocab (:attr:`ModelSpec.padded_vocab`).
+
 That picture is :data:`_TABLE` below, row by row; nothing else writes it.
 Each row says where the parameter sits (:class:`Placement`), its path under
 that placement's root, its shape in :class:`ModelSpec` fields, the dim the
@@ -33,17 +41,17 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple
 
 from testbed.errors import InputError
-from testbed.plan.spec import ModelSpec
+from testbed.plan.spec import Mlp, ModelSpec, Norm, Position
 
 __all__ = [
     "Placement", "Init", "ParamSpec", "INIT_STD", "GLOBAL_KEYS", "LAYER_KEYS", "LAYER_LEAVES",
-    "embedding_params", "layer_params", "head_params", "tied_table", "model_params", "param_at", "shard_dim",
+    "layer_keys", "embedding_params", "layer_params", "head_params", "tied_table", "model_params", "param_at", "shard_dim",
     "chunk_layers", "embedding_holder", "head_holder", "holds", "chunk_params", "held_elements",
 ]
 
@@ -90,6 +98,9 @@ class ParamSpec:
     init: Init
     std: float = 0.0
     rng: int | None = None
+    #: Split by the tensor axis only at degrees dividing ``shape[tensor_dim]``; replicated otherwise
+    #: (grouped-query K/V with fewer K/V heads than tensor ranks).
+    tensor_optional: bool = False
 
     def __post_init__(self) -> None:
         if not self.path or not all(isinstance(p, str) and p for p in self.path):
@@ -113,8 +124,13 @@ class ParamSpec:
         return math.prod(self.shape)
 
     def tensor_dims(self, tensor: int) -> tuple[int, ...]:
-        """Dims the tensor axis takes at degree ``tensor`` (none at degree 1)."""
-        return (self.tensor_dim,) if tensor > 1 and self.tensor_dim is not None else ()
+        """Dims the tensor axis takes at degree ``tensor`` (none at degree 1, nor for an optional split it
+        does not divide)."""
+        if tensor <= 1 or self.tensor_dim is None:
+            return ()
+        if self.tensor_optional and self.shape[self.tensor_dim] % tensor:
+            return ()
+        return (self.tensor_dim,)
 
     def shard_dim(self, tensor: int, ways: int) -> int | None:
         """The dim fsdp/ZeRO split ``ways`` ways (:func:`shard_dim` on the dims tensor leaves free)."""
@@ -147,60 +163,128 @@ def shard_dim(shape: tuple[int, ...], taken: tuple[int, ...], ways: int) -> int 
 class _Row(NamedTuple):
     placement: Placement
     path: tuple[str, ...]
-    dims: tuple[str | int, ...]       # ModelSpec field names, or literal sizes
+    dims: tuple[str | int, ...]       # ModelSpec field (or property) names, or literal sizes
     tensor_dim: int | None
     init: Init
     rng: int | None = None
-    untied_only: bool = False          # absent when the head reuses the token table
+    when: Callable[[ModelSpec], bool] | None = None   # present only for the models it returns True for
+    tensor_optional: bool = False     # split only when the tensor degree divides the dim, else replicated
 
 
 #: Under the embedding root: the table a tied head multiplies by (transposed).
 _TIED_PATH = ("tokens",)
 _E, _L, _H = Placement.EMBEDDING, Placement.LAYER, Placement.HEAD
-_D, _F = "d_model", "d_ff"
+_D, _F, _V, _KV = "d_model", "d_ff", "padded_vocab", "kv_dim"
+
+
+def _untied(s: ModelSpec) -> bool:
+    return not s.tied_embeddings
+
+
+def _learned(s: ModelSpec) -> bool:
+    return s.position is Position.LEARNED
+
+
+def _norm_bias(s: ModelSpec) -> bool:
+    return s.norm is Norm.LAYERNORM and s.bias
+
+
+def _mha(s: ModelSpec) -> bool:
+    return not s.grouped
+
+
+def _mha_bias(s: ModelSpec) -> bool:
+    return not s.grouped and s.bias
+
+
+def _gqa(s: ModelSpec) -> bool:
+    return s.grouped
+
+
+def _gqa_bias(s: ModelSpec) -> bool:
+    return s.grouped and s.bias
+
+
+def _bias(s: ModelSpec) -> bool:
+    return s.bias
+
+
+def _swiglu(s: ModelSpec) -> bool:
+    return s.mlp is Mlp.SWIGLU
+
+
+def _swiglu_bias(s: ModelSpec) -> bool:
+    return s.mlp is Mlp.SWIGLU and s.bias
+
 
 #: The layout, in the runner's init order. q, k, v are stacked on their own axis so a split of the
-#: last (heads x head_dim) axis hands each tensor rank whole heads of all three.
+#: last (heads x head_dim) axis hands each tensor rank whole heads of all three. With grouped-query
+#: attention Q has its own matrix and K, V are stacked (``wkv [d, 2, kv_heads x head_dim]``): the
+#: tensor axis splits whole K/V heads when it divides ``kv_heads``, and leaves ``wkv`` whole on every
+#: rank when ``kv_heads`` < tensor (each rank projects all K/V heads and uses its query heads' groups).
+#: SwiGLU's ``w1`` is the gate, ``w3`` the up projection, both split by columns; ``w2`` the down one.
+#: Rows with ``when`` exist only for the models it accepts (the defaults are GPT-2's rows).
 _TABLE: tuple[_Row, ...] = (
-    _Row(_E, ("tokens",), ("vocab", _D), 0, Init.NORMAL, rng=0),
-    _Row(_E, ("positions",), ("seq_len", _D), None, Init.NORMAL, rng=1),
+    _Row(_E, ("tokens",), (_V, _D), 0, Init.NORMAL, rng=0),
+    _Row(_E, ("positions",), ("seq_len", _D), None, Init.NORMAL, rng=1, when=_learned),
     _Row(_L, ("ln1", "scale"), (_D,), None, Init.ONES),
-    _Row(_L, ("ln1", "bias"), (_D,), None, Init.ZEROS),
-    _Row(_L, ("attn", "wqkv"), (_D, 3, _D), 2, Init.NORMAL, rng=0),
-    _Row(_L, ("attn", "bqkv"), (3, _D), 1, Init.ZEROS),
+    _Row(_L, ("ln1", "bias"), (_D,), None, Init.ZEROS, when=_norm_bias),
+    _Row(_L, ("attn", "wqkv"), (_D, 3, _D), 2, Init.NORMAL, rng=0, when=_mha),
+    _Row(_L, ("attn", "bqkv"), (3, _D), 1, Init.ZEROS, when=_mha_bias),
+    _Row(_L, ("attn", "wq"), (_D, _D), 1, Init.NORMAL, rng=0, when=_gqa),
+    _Row(_L, ("attn", "bq"), (_D,), 0, Init.ZEROS, when=_gqa_bias),
+    _Row(_L, ("attn", "wkv"), (_D, 2, _KV), 2, Init.NORMAL, rng=4, when=_gqa, tensor_optional=True),
+    _Row(_L, ("attn", "bkv"), (2, _KV), 1, Init.ZEROS, when=_gqa_bias, tensor_optional=True),
     _Row(_L, ("attn", "wo"), (_D, _D), 0, Init.NORMAL_RESIDUAL, rng=1),
-    _Row(_L, ("attn", "bo"), (_D,), None, Init.ZEROS),
+    _Row(_L, ("attn", "bo"), (_D,), None, Init.ZEROS, when=_bias),
     _Row(_L, ("ln2", "scale"), (_D,), None, Init.ONES),
-    _Row(_L, ("ln2", "bias"), (_D,), None, Init.ZEROS),
+    _Row(_L, ("ln2", "bias"), (_D,), None, Init.ZEROS, when=_norm_bias),
     _Row(_L, ("mlp", "w1"), (_D, _F), 1, Init.NORMAL, rng=2),
-    _Row(_L, ("mlp", "b1"), (_F,), 0, Init.ZEROS),
+    _Row(_L, ("mlp", "b1"), (_F,), 0, Init.ZEROS, when=_bias),
+    _Row(_L, ("mlp", "w3"), (_D, _F), 1, Init.NORMAL, rng=5, when=_swiglu),
+    _Row(_L, ("mlp", "b3"), (_F,), 0, Init.ZEROS, when=_swiglu_bias),
     _Row(_L, ("mlp", "w2"), (_F, _D), 0, Init.NORMAL_RESIDUAL, rng=3),
-    _Row(_L, ("mlp", "b2"), (_D,), None, Init.ZEROS),
+    _Row(_L, ("mlp", "b2"), (_D,), None, Init.ZEROS, when=_bias),
     _Row(_H, ("norm", "scale"), (_D,), None, Init.ONES),
-    _Row(_H, ("norm", "bias"), (_D,), None, Init.ZEROS),
-    _Row(_H, ("w",), (_D, "vocab"), 1, Init.NORMAL, rng=2, untied_only=True),
+    _Row(_H, ("norm", "bias"), (_D,), None, Init.ZEROS, when=_norm_bias),
+    _Row(_H, ("w",), (_D, _V), 1, Init.NORMAL, rng=2, when=_untied),
 )
 
+#: The default GPT (GPT-2's architecture), for the module constants below.
+_GPT = ModelSpec(layers=1, d_model=1, heads=1, d_ff=1, seq_len=1, vocab=1)
+
+
+def _rows(spec: ModelSpec, placement: Placement | None = None) -> tuple[_Row, ...]:
+    return tuple(r for r in _TABLE if (placement is None or r.placement is placement)
+                 and (r.when is None or r.when(spec)))
+
+
+def layer_keys(spec: ModelSpec) -> int:
+    """Random keys each layer splits its own key into: one past the largest ``rng`` of the model's layer rows
+    (4 for the default GPT, so its values never move when rows are added for other models)."""
+    return 1 + max(r.rng for r in _rows(spec, _L) if r.rng is not None)
+
+
 #: Random keys drawn from the seed before the layers' (token table, positions, head; the head's is
-#: drawn even when tied, so the layers' keys do not depend on tying).
+#: drawn even when tied, and the positions' even without a position table, so the layers' keys do
+#: not depend on tying or positions).
 GLOBAL_KEYS = 1 + max(r.rng for r in _TABLE if r.placement is not _L and r.rng is not None)
-#: Random keys each layer splits its own key into.
-LAYER_KEYS = 1 + max(r.rng for r in _TABLE if r.placement is _L and r.rng is not None)
-#: Parameter arrays of one layer.
-LAYER_LEAVES = sum(r.placement is _L for r in _TABLE)
+#: Random keys each layer of the default GPT splits its own key into (:func:`layer_keys` in general).
+LAYER_KEYS = layer_keys(_GPT)
+#: Parameter arrays of one layer of the default GPT (``len(layer_params(spec))`` in general).
+LAYER_LEAVES = len(_rows(_GPT, _L))
 
 
 def _resolve(row: _Row, spec: ModelSpec) -> ParamSpec:
     std = {Init.NORMAL: INIT_STD, Init.NORMAL_RESIDUAL: INIT_STD / math.sqrt(2 * spec.layers)}.get(row.init, 0.0)
     shape = tuple(d if isinstance(d, int) else getattr(spec, d) for d in row.dims)
     return ParamSpec(placement=row.placement, path=row.path, shape=shape, tensor_dim=row.tensor_dim,
-                     init=row.init, std=std, rng=row.rng)
+                     init=row.init, std=std, rng=row.rng, tensor_optional=row.tensor_optional)
 
 
 @functools.lru_cache(maxsize=64)
 def _params(spec: ModelSpec, placement: Placement) -> tuple[ParamSpec, ...]:
-    return tuple(_resolve(r, spec) for r in _TABLE
-                 if r.placement is placement and not (r.untied_only and spec.tied_embeddings))
+    return tuple(_resolve(r, spec) for r in _rows(spec, placement))
 
 
 def embedding_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:

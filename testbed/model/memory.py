@@ -163,7 +163,7 @@ def _layer_workspace(plan: Plan) -> int:
     """One layer's backward: attention transients, MLP-hidden gradients, what full remat recomputes."""
     spec, t, c = plan.model, plan.mesh.tensor, plan.precision.compute_bytes
     n = plan.microbatch_size * spec.seq_len
-    hidden = c * n * (2 * spec.d_model + 2 * spec.d_ff // t)
+    hidden = c * n * (2 * spec.d_model + spec.mlp_matrices * spec.d_ff // t)
     recompute = 0
     if plan.remat is Remat.FULL:
         recompute = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t)
@@ -176,7 +176,7 @@ def _loss_workspace(plan: Plan) -> int:
     Under bf16 the projection also writes compute-dtype logits before the fp32 cast.
     """
     spec, c = plan.model, plan.precision.compute_bytes
-    logits = plan.microbatch_size * spec.seq_len * spec.vocab // plan.mesh.tensor
+    logits = plan.microbatch_size * spec.seq_len * spec.padded_vocab // plan.mesh.tensor
     return logits * (2 * model.LOSS_BYTES + (c if c != model.LOSS_BYTES else 0))
 
 

@@ -13,9 +13,10 @@ from testbed.fields import (check_keys, expect_mapping, get_bool, get_float, get
                             load_yaml)
 from testbed.output import read_input
 from testbed.plan.spec import (
-    Axis, BatchSpec, MeshSpec, ModelSpec, OptimizerSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec,
-    plan_fields,
+    Axis, BatchSpec, MeshSpec, Mlp, ModelSpec, Norm, OptimizerSpec, Plan, Position, Precision, Remat, ScheduleName,
+    ScheduleSpec, plan_fields,
 )
+from testbed.model.presets import preset
 
 __all__ = ["load_plan", "plan_from_dict", "plan_to_dict", "dump_plan", "bundled_plan_names", "resolve_plan_path"]
 
@@ -54,18 +55,36 @@ def _enum(data: dict, key: str, enum: type, default: Any) -> Any:
     return enum(get_str(data, key, None, default=str(default), choices=[e.value for e in enum]))
 
 
+def _model_from_dict(model: Any, keys: tuple[str, ...]) -> ModelSpec:
+    """The ``model`` section: a preset's mapping (``preset: name``) updated by the keys beside it."""
+    check_keys(model, keys, "model")
+    if "preset" in model:
+        model = {**preset(model["preset"]), **{k: v for k, v in model.items() if k != "preset"}}
+    check_keys(model, keys, "model", required=("layers", "d_model", "heads", "d_ff", "seq_len", "vocab"))
+    kv_heads = model.get("kv_heads")
+    pad = model.get("pad_vocab_to")
+    return ModelSpec(
+        kind=get_str(model, "kind", "model", default="gpt", choices=["gpt"]),
+        **{k: get_int(model, k, "model") for k in ("layers", "d_model", "heads", "d_ff", "seq_len", "vocab")},
+        tied_embeddings=get_bool(model, "tied_embeddings", "model"),
+        kv_heads=None if kv_heads is None else get_int(model, "kv_heads", "model"),
+        mlp=Mlp(get_str(model, "mlp", "model", default=Mlp.GELU.value, choices=[e.value for e in Mlp])),
+        norm=Norm(get_str(model, "norm", "model", default=Norm.LAYERNORM.value, choices=[e.value for e in Norm])),
+        position=Position(get_str(model, "position", "model", default=Position.LEARNED.value,
+                                  choices=[e.value for e in Position])),
+        bias=get_bool(model, "bias", "model", default=True),
+        dropout=get_float(model, "dropout", "model", default=0.0, minimum=0.0),
+        rope_theta=get_float(model, "rope_theta", "model", default=10000.0, positive=True),
+        pad_vocab_to=None if pad is None else get_int(model, "pad_vocab_to", "model"),
+    )
+
+
 def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
     """Build a Plan from parsed YAML; every error names its field."""
     keys = plan_fields()
     data = expect_mapping(data, None)
     check_keys(data, keys[""], None, required=("model", "batch"))
-    model = expect_mapping(data["model"], "model")
-    check_keys(model, keys["model"], "model", required=("layers", "d_model", "heads", "d_ff", "seq_len", "vocab"))
-    model_spec = ModelSpec(
-        kind=get_str(model, "kind", "model", default="gpt", choices=["gpt"]),
-        **{k: get_int(model, k, "model") for k in ("layers", "d_model", "heads", "d_ff", "seq_len", "vocab")},
-        tied_embeddings=get_bool(model, "tied_embeddings", "model"),
-    )
+    model_spec = _model_from_dict(expect_mapping(data["model"], "model"), keys["model"])
     batch = expect_mapping(data["batch"], "batch")
     check_keys(batch, keys["batch"], "batch", required=("global_batch",))
     batch_spec = BatchSpec(global_batch=get_int(batch, "global_batch", "batch"),
@@ -124,7 +143,11 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     if plan.topology:
         out["topology"] = plan.topology
     out["model"] = {"kind": m.kind, "layers": m.layers, "d_model": m.d_model, "heads": m.heads, "d_ff": m.d_ff,
-                    "seq_len": m.seq_len, "vocab": m.vocab, "tied_embeddings": m.tied_embeddings}
+                    "seq_len": m.seq_len, "vocab": m.vocab, "tied_embeddings": m.tied_embeddings,
+                    "kv_heads": m.num_kv_heads, "mlp": m.mlp.value, "norm": m.norm.value, "position": m.position.value,
+                    "bias": m.bias, "dropout": m.dropout, "rope_theta": m.rope_theta}
+    if m.pad_vocab_to is not None:
+        out["model"]["pad_vocab_to"] = m.pad_vocab_to
     out["batch"] = {"global_batch": b.global_batch, "microbatches": b.microbatches}
     out["mesh"] = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "stage": mesh.stage,
                    "order": [a.value for a in mesh.order]}

@@ -18,7 +18,7 @@ from typing import Any
 from testbed.errors import InputError
 
 __all__ = [
-    "Axis", "MESH_AXES", "ScheduleName", "Precision", "Remat", "ModelSpec", "BatchSpec", "MeshSpec",
+    "Axis", "MESH_AXES", "ScheduleName", "Precision", "Remat", "Mlp", "Norm", "Position", "ModelSpec", "BatchSpec", "MeshSpec",
     "ScheduleSpec", "OptimizerSpec", "Plan", "check_plan",
 ]
 
@@ -69,9 +69,49 @@ def _positive(value: int, name: str) -> None:
         raise InputError(f"must be a positive whole number, got {value!r}", field=name)
 
 
+class Mlp(StrEnum):
+    """The MLP: GPT's ``gelu(x W1) W2``, or Llama's ``(silu(x W1) * x W3) W2`` (three matrices)."""
+
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class Norm(StrEnum):
+    """LayerNorm (scale and, with biases, a bias), or RMSNorm (scale only)."""
+
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+
+class Position(StrEnum):
+    """A learned position table, or rotary embeddings of Q and K (no parameters)."""
+
+    LEARNED = "learned"
+    ROPE = "rope"
+
+
+#: Megatron's ``make-vocab-size-divisible-by``: an indivisible vocab is padded to a multiple of this x tensor.
+VOCAB_PAD_BASE = 128
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelSpec:
-    """A GPT-style decoder: embedding, ``layers`` pre-LN blocks, final norm, head."""
+    """A decoder-only transformer: embedding, ``layers`` pre-norm blocks, final norm, head.
+
+    The defaults are GPT-2's architecture (MHA, GELU MLP, LayerNorm, learned
+    positions, biases). ``kv_heads`` < ``heads`` is grouped-query attention
+    (``kv_heads`` 1: multi-query); ``mlp``, ``norm``, ``position`` and
+    ``bias`` choose the Llama family's pieces. ``dropout`` is a rate the
+    memory model counts masks for (the runner trains at rate 0).
+
+    ``vocab`` is the tokenizer's vocabulary; the token table and head have
+    :attr:`padded_vocab` rows. ``pad_vocab_to`` None is the automatic rule
+    (:meth:`vocab_multiple_for`): pad only when the tensor degree does not
+    divide ``vocab``, then to a multiple of ``128 x tensor`` (Megatron);
+    a number pads to a multiple of it (1: never). :class:`Plan` resolves
+    the rule for its mesh into ``vocab_multiple``; a ModelSpec on its own
+    has ``vocab_multiple`` = ``pad_vocab_to`` or 1.
+    """
 
     kind: str = "gpt"
     layers: int
@@ -81,6 +121,15 @@ class ModelSpec:
     seq_len: int
     vocab: int
     tied_embeddings: bool = False
+    kv_heads: int | None = None
+    mlp: Mlp = Mlp.GELU
+    norm: Norm = Norm.LAYERNORM
+    position: Position = Position.LEARNED
+    bias: bool = True
+    dropout: float = 0.0
+    rope_theta: float = 10000.0
+    pad_vocab_to: int | None = None
+    vocab_multiple: int = 0
 
     def __post_init__(self) -> None:
         if self.kind != "gpt":
@@ -89,10 +138,71 @@ class ModelSpec:
             _positive(getattr(self, name), f"model.{name}")
         if self.d_model % self.heads:
             raise InputError(f"d_model {self.d_model} must be divisible by heads {self.heads}", field="model.heads")
+        if self.kv_heads is not None:
+            _positive(self.kv_heads, "model.kv_heads")
+            if self.heads % self.kv_heads:
+                raise InputError(f"heads {self.heads} must be divisible by kv_heads {self.kv_heads}",
+                                 field="model.kv_heads")
+            if self.kv_heads == self.heads:  # multi-head attention: stored as unset, so `replace(heads=)` keeps MHA
+                object.__setattr__(self, "kv_heads", None)
+        for name, enum in (("mlp", Mlp), ("norm", Norm), ("position", Position)):
+            value = getattr(self, name)
+            if value not in {e.value for e in enum}:
+                raise InputError(f"unknown {name} `{value}`; valid: {', '.join(e.value for e in enum)}",
+                                 field=f"model.{name}")
+            object.__setattr__(self, name, enum(value))
+        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
+            raise InputError(f"must be in [0, 1), got {self.dropout!r}", field="model.dropout")
+        if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) or not self.rope_theta > 0:
+            raise InputError(f"must be positive, got {self.rope_theta!r}", field="model.rope_theta")
+        if self.position is Position.ROPE and self.head_dim % 2:
+            raise InputError(f"rope needs an even head_dim, got d_model / heads = {self.head_dim}",
+                             field="model.position")
+        if self.pad_vocab_to is not None:
+            _positive(self.pad_vocab_to, "model.pad_vocab_to")
+        if not self.vocab_multiple:
+            object.__setattr__(self, "vocab_multiple", self.pad_vocab_to or 1)
+        _positive(self.vocab_multiple, "model.vocab_multiple")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """K/V heads: ``kv_heads``, or ``heads`` when unset (multi-head attention; ``kv_heads`` equal to
+        ``heads`` is stored unset)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): ``kv_heads x head_dim`` (``d_model`` without GQA)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def grouped(self) -> bool:
+        """Grouped-query (or multi-query) attention: fewer K/V heads than query heads."""
+        return self.num_kv_heads != self.heads
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the token table and the head: ``vocab`` rounded up to ``vocab_multiple``."""
+        return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
+
+    def vocab_multiple_for(self, tensor: int) -> int:
+        """The padding multiple at tensor degree ``tensor`` (``pad_vocab_to``, or the automatic rule)."""
+        if self.pad_vocab_to is not None:
+            return self.pad_vocab_to
+        return VOCAB_PAD_BASE * tensor if tensor > 1 and self.vocab % tensor else 1
+
+    def kv_split(self, tensor: int) -> bool:
+        """Whether the tensor axis splits the K/V heads (it divides ``kv_heads``); else each rank holds all of them."""
+        return self.num_kv_heads % tensor == 0
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the MLP: 2 (GELU), 3 (SwiGLU)."""
+        return 3 if self.mlp is Mlp.SWIGLU else 2
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,6 +306,10 @@ class Plan:
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or not 0 <= self.zero <= 3:
             raise InputError(f"must be 0, 1, 2 or 3, got {self.zero!r}", field="zero")
         m, mesh, b = self.model, self.mesh, self.batch
+        multiple = m.vocab_multiple_for(mesh.tensor)
+        if m.vocab_multiple != multiple:  # the padding rule resolved for this mesh
+            m = replace(m, vocab_multiple=multiple)
+            object.__setattr__(self, "model", m)
         replicas = mesh.data * mesh.fsdp
         if b.global_batch % (replicas * b.microbatches):
             raise InputError(
@@ -210,9 +324,13 @@ class Plan:
             raise InputError(f"heads {m.heads} must be divisible by mesh.tensor {mesh.tensor}", field="model.heads")
         if m.d_ff % mesh.tensor:
             raise InputError(f"d_ff {m.d_ff} must be divisible by mesh.tensor {mesh.tensor}", field="model.d_ff")
-        if m.vocab % mesh.tensor:
-            raise InputError(f"vocab {m.vocab} must be divisible by mesh.tensor {mesh.tensor} (vocab-parallel head)",
-                             field="model.vocab")
+        if m.num_kv_heads % mesh.tensor and mesh.tensor % m.num_kv_heads:
+            raise InputError(f"kv_heads {m.num_kv_heads} and mesh.tensor {mesh.tensor}: one must divide the other "
+                             "(K/V heads split over the tensor ranks, or each rank holds all of them)",
+                             field="model.kv_heads")
+        if m.padded_vocab % mesh.tensor:
+            raise InputError(f"vocab {m.vocab} padded to {m.padded_vocab} (pad_vocab_to {m.pad_vocab_to}) must be "
+                             f"divisible by mesh.tensor {mesh.tensor} (vocab-parallel head)", field="model.vocab")
         if self.schedule.name is ScheduleName.INTERLEAVED and mesh.stage > 1 and b.microbatches % mesh.stage:
             raise InputError(f"interleaved needs microbatches ({b.microbatches}) divisible by mesh.stage ({mesh.stage})",
                              field="batch.microbatches")
@@ -248,7 +366,8 @@ def plan_fields() -> Mapping[str, tuple[str, ...]]:
     """Valid keys of each plan section (for unknown-key suggestions)."""
     return {
         "": ("name", "model", "batch", "mesh", "schedule", "precision", "remat", "optimizer", "zero", "seed", "topology"),
-        "model": ("kind", "layers", "d_model", "heads", "d_ff", "seq_len", "vocab", "tied_embeddings"),
+        "model": ("preset", "kind", "layers", "d_model", "heads", "d_ff", "seq_len", "vocab", "tied_embeddings",
+                  "kv_heads", "mlp", "norm", "position", "bias", "dropout", "rope_theta", "pad_vocab_to"),
         "batch": ("global_batch", "microbatches"),
         "mesh": ("data", "fsdp", "tensor", "stage", "order"),
         "schedule": ("name", "virtual_stages"),

@@ -1,0 +1,72 @@
+"""Named model shapes: ``model: {preset: llama3-70b}`` in a plan, with any key overridden beside it.
+
+Each preset is the ``model`` mapping of a plan (the keys of
+:class:`testbed.plan.spec.ModelSpec`), with the published shapes; the
+parameter count :func:`testbed.model.costs.param_count` gives for it equals
+the published count (:data:`PUBLISHED_PARAMS`, tested exactly):
+
+- ``gpt3-175b``: Brown et al. 2020, "Language Models are Few-Shot Learners",
+  Table 2.1 (96 layers, d_model 12288, 96 heads of 128, d_ff 4 x d_model,
+  context 2048) with GPT-2's architecture, which GPT-3 keeps (learned
+  positions, biases, LayerNorm, GELU, the head tied to the 50257-token
+  GPT-2 BPE table): 174,604,259,328 parameters ("175.0B" in the table).
+- ``llama3-8b``, ``llama3-70b``: Meta Llama 3 (the ``config.json`` of the
+  released checkpoints; Grattafiori et al. 2024, "The Llama 3 Herd of
+  Models", Table 3): GQA with 8 K/V heads, SwiGLU, RMSNorm, RoPE with
+  theta 500000, no biases, untied 128256-token embeddings, context 8192.
+- ``llama3-405b``: Llama 3.1 405B (126 layers, d_model 16384, 128 heads,
+  d_ff 53248), context 131072 (3.1's; the long-context RoPE scaling is not
+  modelled).
+- ``mistral-7b``: Mistral 7B v0.1 (Jiang et al. 2023, Table 1): Llama's
+  pieces with 32000 tokens, theta 10000, context 8192 (its 4096-token
+  sliding window is not modelled: attention is dense and causal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from testbed.errors import InputError, closest
+
+__all__ = ["PRESETS", "PUBLISHED_PARAMS", "preset_names", "preset"]
+
+_LLAMA: dict[str, Any] = {"mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False,
+                          "tied_embeddings": False}
+
+#: Preset name -> the plan's ``model`` mapping.
+PRESETS: Mapping[str, Mapping[str, Any]] = {
+    "gpt3-175b": {"layers": 96, "d_model": 12288, "heads": 96, "d_ff": 49152, "seq_len": 2048, "vocab": 50257,
+                  "tied_embeddings": True},
+    "llama3-8b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
+                  "seq_len": 8192, "vocab": 128256, "rope_theta": 500000.0},
+    "llama3-70b": {**_LLAMA, "layers": 80, "d_model": 8192, "heads": 64, "kv_heads": 8, "d_ff": 28672,
+                   "seq_len": 8192, "vocab": 128256, "rope_theta": 500000.0},
+    "llama3-405b": {**_LLAMA, "layers": 126, "d_model": 16384, "heads": 128, "kv_heads": 8, "d_ff": 53248,
+                    "seq_len": 131072, "vocab": 128256, "rope_theta": 500000.0},
+    "mistral-7b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
+                   "seq_len": 8192, "vocab": 32000, "rope_theta": 10000.0},
+}
+
+#: The published parameter counts (Meta's and Mistral's model cards and checkpoints; GPT-3's from
+#: Table 2.1's shapes, see the module docstring).
+PUBLISHED_PARAMS: Mapping[str, int] = {
+    "gpt3-175b": 174_604_259_328,
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "llama3-405b": 405_853_388_800,
+    "mistral-7b": 7_241_732_096,
+}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def preset(name: Any) -> dict[str, Any]:
+    """A copy of preset ``name``'s model mapping; an unknown name is an error naming ``model.preset``."""
+    if not isinstance(name, str) or name not in PRESETS:
+        hint = closest(str(name), preset_names())
+        raise InputError(f"unknown preset `{name}`" + (f" (did you mean `{hint}`?)" if hint else "")
+                         + f"; valid: {', '.join(preset_names())}", field="model.preset")
+    return dict(PRESETS[name])
