@@ -1,0 +1,118 @@
+"""Predicted vs published end-to-end training throughput (benchmarks/published/megatron.yaml).
+
+Each row of Narayanan et al. 2021, Table 1 becomes a testbed plan (GPT with the
+row's shapes, tensor / pipeline / data degrees, microbatch size 1, bf16-mixed,
+full remat, interleaved 1F1B when the pipeline has more than one stage),
+simulated on ``dgx-a100-superpod`` resized to the row's GPU count.
+
+Achieved TFLOP/s per GPU is computed as the paper does (Section 5.1, Eq. 3):
+``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` FLOPs per iteration (GEMMs, with the
+recompute forward) over the step time and the GPUs.
+
+:func:`evaluate` returns one dict per row: ``case``, ``source``, ``plan`` (the
+plan's degrees and schedule), ``step_time_s``, ``predicted`` and ``published``
+TFLOP/s per GPU and ``error`` = predicted / published - 1. Run as a script it
+prints one JSON object with every case and the median and max |error|.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from testbed.explore.space import resize_topology
+from testbed.plan.io import plan_from_dict
+from testbed.sim.engine import simulate
+from testbed.topology.io import load_topology
+
+CASES = Path(__file__).with_name("megatron.yaml")
+
+
+def paper_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one iteration with activation recomputation (Narayanan et al. 2021, Eq. 3)."""
+    return 96.0 * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def virtual_stages(layers: int, pipeline: int) -> int:
+    """Model chunks per pipeline rank: the smallest count > 1 dividing the layers per stage (megatron.yaml)."""
+    per_stage = layers // pipeline
+    return next(v for v in range(2, per_stage + 1) if per_stage % v == 0)
+
+
+def case_name(row: dict) -> str:
+    return f"megatron-{row['params_b']:g}b-{row['gpus']}gpu"
+
+
+def plan_dict(row: dict, setup: dict) -> dict:
+    """The testbed plan (as plan_from_dict reads it) for one Table 1 row."""
+    t, p, gpus = int(row["tensor"]), int(row["pipeline"]), int(row["gpus"])
+    d = gpus // (t * p)
+    microbatches = int(row["batch"]) // (d * int(setup["microbatch_size"]))
+    h = int(row["hidden"])
+    schedule = {"name": "interleaved", "virtual_stages": virtual_stages(int(row["layers"]), p)} if p > 1 else "1f1b"
+    return {
+        "name": case_name(row),
+        "topology": setup["topology"],
+        "model": {"kind": "gpt", "layers": int(row["layers"]), "d_model": h, "heads": int(row["heads"]),
+                  "d_ff": 4 * h, "seq_len": int(setup["seq_len"]), "vocab": int(setup["vocab"]),
+                  "dropout": float(setup["dropout"])},
+        "batch": {"global_batch": int(row["batch"]), "microbatches": microbatches},
+        "mesh": {"data": d, "fsdp": 1, "tensor": t, "stage": p},
+        "schedule": schedule,
+        "precision": setup["precision"],
+        "remat": setup["remat"],
+        "optimizer": {"name": "adamw", "learning_rate": 1.0e-4},
+        "zero": 0,
+    }
+
+
+def evaluate(path: Path | str = CASES, topology=None) -> list[dict]:
+    """Every row of ``path``: predicted and published TFLOP/s per GPU and the relative error.
+
+    ``topology``: the base topology (default: the file's ``setup.topology``), resized per row.
+    """
+    data = yaml.safe_load(Path(path).read_text())
+    setup, source = data["setup"], data["source"]
+    base = topology if topology is not None else load_topology(setup["topology"])
+    out = []
+    for row in data["cases"]:
+        spec = plan_dict(row, setup)
+        plan = plan_from_dict(spec, default_name=spec["name"])
+        topo = resize_topology(base, int(row["gpus"]))
+        report = simulate(plan, topo).report
+        flops = paper_flops(int(row["batch"]), int(setup["seq_len"]), int(row["layers"]), int(row["hidden"]),
+                            int(setup["vocab"]))
+        predicted = flops / report.step_time_s / int(row["gpus"]) / 1e12
+        published = float(row["tflops_per_gpu"])
+        schedule = spec["schedule"] if isinstance(spec["schedule"], str) else \
+            f"interleaved(v={spec['schedule']['virtual_stages']})"
+        out.append({"case": spec["name"], "source": f"{source}, row {row['params_b']:g}B",
+                    "plan": {"tensor": spec["mesh"]["tensor"], "pipeline": spec["mesh"]["stage"],
+                             "data": spec["mesh"]["data"], "microbatches": spec["batch"]["microbatches"],
+                             "schedule": schedule},
+                    "step_time_s": round(report.step_time_s, 3),
+                    "bubble_fraction": round(report.bubble_fraction or 0.0, 4),
+                    "exposed_comm_s": round(report.exposed_comm_s or 0.0, 3),
+                    "predicted": round(predicted, 1), "published": published,
+                    "error": round(predicted / published - 1, 4)})
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    return {"cases": len(rows), "median_abs_error": round(statistics.median(errors), 4),
+            "max_abs_error": round(max(errors), 4)}
+
+
+def main() -> None:
+    rows = evaluate()
+    json.dump({**summary(rows), "results": rows}, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""testbed's predictions against published runs, every category in one JSON object.
+
+Categories:
+
+- ``collectives``: nccl-tests bus bandwidths (benchmarks/published/collectives.py,
+  cases in nccl_tests.yaml), predicted vs published GB/s;
+- ``end_to_end``: Megatron-LM training throughput (benchmarks/published/end_to_end.py,
+  Narayanan et al. 2021 Table 1 in megatron.yaml), predicted vs published TFLOP/s per GPU.
+
+Prints ``{"categories": {NAME: {cases, median_abs_error, max_abs_error}}, "results":
+{NAME: [{case, predicted, published, error}, ...]}}``; error is predicted / published - 1.
+The largest Megatron rows take about a minute each to simulate.
+
+    .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "published"))
+
+import collectives as published_collectives  # noqa: E402
+import end_to_end as published_end_to_end  # noqa: E402
+
+CATEGORIES = {"collectives": published_collectives.evaluate, "end_to_end": published_end_to_end.evaluate}
+UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU"}
+
+
+def summary(rows: list[dict]) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    return {"cases": len(rows), "unit": "", "median_abs_error": round(statistics.median(errors), 4),
+            "max_abs_error": round(max(errors), 4)}
+
+
+def run(only: list[str] | None = None) -> dict:
+    categories, results = {}, {}
+    for name, evaluate in CATEGORIES.items():
+        if only and name not in only:
+            continue
+        rows = evaluate()
+        categories[name] = {**summary(rows), "unit": UNITS[name]}
+        results[name] = [{"case": r["case"], "predicted": r["predicted"], "published": r["published"],
+                          "error": r["error"]} for r in rows]
+    return {"categories": categories, "results": results}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", choices=sorted(CATEGORIES), help="run only this category")
+    args = parser.parse_args(argv)
+    json.dump(run(args.only), sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()
