@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("testbed.cli.simulate:simulate", "simulate one training step of a plan on a topology"),
     "compare": ("testbed.cli.simulate:compare", "simulate a plan on several topologies side by side"),
     "search": ("testbed.cli.search:search", "search the best layout of a model on a topology (analytic + DES)"),
+    "sweep": ("testbed.cli.sweep:sweep", "a grid over plan and topology fields into a DuckDB database, with Pareto plots"),
     "run": ("testbed.cli.run:run", "execute a plan with JAX and time its steps"),
     "verify": ("testbed.cli.run:verify", "check a plan's parallel step against a single-device reference"),
     "calibrate": ("testbed.cli.calibrate:calibrate", "measure this machine and fit a topology's calibration"),

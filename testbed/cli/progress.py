@@ -7,11 +7,16 @@ from typing import Any
 __all__ = ["progress_bar"]
 
 
-def progress_bar(verb: str = "measuring") -> Any:
-    """A transient rich progress bar on stderr: ``VERB description  bar  done/total  elapsed``."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+def progress_bar(verb: str = "measuring", eta: bool = False) -> Any:
+    """A transient rich progress bar on stderr: ``VERB description  bar  done/total  elapsed``.
 
-    return Progress(TextColumn(f"[bold]{verb}[/] {{task.description}}"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True)
+    With ``eta`` a last column estimates the time remaining (``testbed sweep``).
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    columns: list[Any] = [TextColumn(f"[bold]{verb}[/] {{task.description}}"), BarColumn(),
+                          TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn()]
+    if eta:
+        columns += [TextColumn("ETA"), TimeRemainingColumn()]
+    return Progress(*columns, console=Console(stderr=True), transient=True)

@@ -1,0 +1,125 @@
+"""`testbed sweep`: a grid over plan and topology fields into a DuckDB database, and its plots.
+
+``testbed sweep SPEC.yaml`` evaluates every point of the SPEC's grid that
+the database (``--db``, default ``NAME.duckdb``) does not hold yet, in
+``--workers`` processes (or on a Ray or Dask cluster with ``--executor``);
+an interrupted sweep resumes where it stopped. ``--plot DIR`` draws the
+curves and Pareto fronts, after the sweep or, without a SPEC, from an
+existing ``--db``. The SPEC format is in docs/explore.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+from testbed.errors import InputError
+from testbed.output import CommandResult, output_target
+from testbed.units import format_bytes, format_time
+
+__all__ = ["sweep"]
+
+
+def _add(parser: argparse.ArgumentParser) -> None:
+    from testbed.explore.sweep import EXECUTORS
+
+    parser.add_argument("spec", nargs="?", help="the sweep SPEC YAML (omit with --db and --plot to plot only)")
+    parser.add_argument("--db", help="the DuckDB database (default: NAME.duckdb, NAME the SPEC's name)")
+    parser.add_argument("--workers", type=int, help="parallel workers (default: the CPU count; 1 = in this process)")
+    parser.add_argument("--executor", default="process", choices=list(EXECUTORS),
+                        help="process (default), or ray / dask (optional extras) to run on a cluster")
+    parser.add_argument("--address", help="the Ray or Dask scheduler address (default: a local cluster)")
+    parser.add_argument("--plot", nargs="?", const="", metavar="DIR",
+                        help="draw the curves and Pareto fronts as PNGs into DIR (default NAME-plots)")
+    parser.add_argument("--top", type=int, default=10, help="fastest points shown (default 10)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="one line on stderr per finished point")
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    if row["status"] != "ok":
+        return f"invalid: {row['error']}"
+    return (f"{row['devices']} devices {row['data']}.{row['fsdp']}.{row['tensor']}.{row['stage']} "
+            f"{format_time(row['step_time_s'])}")
+
+
+def _execute(args: argparse.Namespace) -> CommandResult:
+    from testbed.explore.sweep import read_rows, run_sweep
+    from testbed.explore.sweep_spec import load_sweep_spec
+
+    if args.spec is None and (args.db is None or args.plot is None):
+        raise InputError("give a SPEC to sweep, or --db FILE --plot DIR to plot a database", field="spec")
+    spec = load_sweep_spec(args.spec) if args.spec else None
+    db = args.db or f"{spec.name}.duckdb"
+    summary = None
+    if spec is not None:
+        output_target(db, "--db")  # refuses a folder, a device or one of the command's inputs
+        from testbed.cli.progress import progress_bar
+
+        with progress_bar("sweeping", eta=True) as bar:
+            state: dict[str, Any] = {}
+
+            def progress(done: int, total: int) -> None:
+                if "task" not in state:  # points already in the database do not count towards the ETA
+                    state["base"] = done
+                    label = f"{spec.name}" + (f" ({done} already done)" if done else "")
+                    state["task"] = bar.add_task(label, total=total - done)
+                bar.update(state["task"], completed=done - state["base"])
+
+            def on_row(row: dict[str, Any]) -> None:
+                if args.verbose:
+                    sys.stderr.write(f"point {row['point']} {row['key']}: {_row_text(row)}\n")
+                    sys.stderr.flush()
+
+            summary = run_sweep(spec, db, executor=args.executor, workers=args.workers, address=args.address,
+                                progress=progress, on_row=on_row)
+    rows = read_rows(db, spec.name if spec else None)
+    files: list[str] = []
+    if args.plot is not None:
+        from testbed.explore.sweep_plot import plot_sweep
+
+        folder = args.plot or f"{spec.name if spec else 'sweep'}-plots"
+        files = [str(p) for p in plot_sweep(rows, folder, title=spec.name if spec else "")]
+    ok = sorted((r for r in rows if r["status"] == "ok"), key=lambda r: r["step_time_s"])
+    data = {"db": db, "sweep": spec.name if spec else None, "points": len(rows),
+            "ok": len(ok), "invalid": len(rows) - len(ok), "files": files,
+            "summary": None if summary is None else {"total": summary.total, "skipped": summary.skipped,
+                                                      "evaluated": summary.evaluated, "invalid": summary.invalid,
+                                                      "seconds": summary.seconds},
+            "rows": rows}
+
+    def render(console) -> None:
+        from rich import box
+        from rich.table import Table
+
+        if summary is not None:
+            console.print(f"[bold]{spec.name}[/bold]: {summary.total} points, {summary.skipped} already in {db}, "
+                          f"{summary.evaluated} evaluated ({summary.invalid} invalid) in {summary.seconds:.1f} s")
+        else:
+            console.print(f"{db}: {len(rows)} points, {len(ok)} valid")
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+        for col in ("#", "params", "dev", "d.f.t.s", "sched", "mb", "step", "comm", "bubble", "MFU", "memory",
+                    "tok/$"):
+            table.add_column(col, no_wrap=col != "params", justify="left" if col in ("params", "d.f.t.s", "sched")
+                             else "right")
+        for i, r in enumerate(ok[:args.top], 1):
+            import json
+
+            params = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in json.loads(r["params"]).items())
+            table.add_row(str(i), params, str(r["devices"]), f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}",
+                          r["schedule"], str(r["microbatches"]), format_time(r["step_time_s"]),
+                          format_time(r["exposed_comm_s"] or 0.0), f"{r['bubble_fraction'] or 0:.0%}",
+                          f"{r['mfu'] or 0:.0%}", format_bytes(r["memory_bytes"]) + ("" if r["fits"] else " !"),
+                          f"{r['tokens_per_dollar']:,.0f}" if r["tokens_per_dollar"] else "-")
+        console.print(table)
+        bad = [r for r in rows if r["status"] != "ok"]
+        if bad:
+            console.print(f"{len(bad)} invalid points, e.g. point {bad[0]['point']}: {bad[0]['error']}")
+        for f in files:
+            console.print(f"wrote {f}")
+
+    return CommandResult(data, render, files=files)
+
+
+sweep = SimpleNamespace(add_arguments=_add, execute=_execute)

@@ -1,0 +1,135 @@
+"""Pictures of a sweep database: curves over the device count and Pareto fronts (PNG, written atomically).
+
+- ``step_time_vs_devices.png``: step time against devices, one curve per
+  series (a series is one assignment of the grid keys that do not set the
+  device count: ``topology.levels.cluster.bandwidth = 800Gb/s``), log-log;
+- ``step_time_vs_memory.png``: step time against memory per device, every
+  valid point and the Pareto front;
+- ``step_time_vs_cost.png`` (when priced): step time against dollars per
+  step, every point and the Pareto front;
+- ``tokens_per_dollar_vs_devices.png`` (when priced).
+
+Points over device memory (``fits`` false) are drawn hollow and kept off
+the fronts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from testbed.explore.sweep import pareto_front
+from testbed.output import output_folder
+from testbed.viz.plots import pyplot, save_figure
+
+__all__ = ["plot_sweep", "series_label", "DEVICE_KEYS"]
+
+#: Grid keys that set the device count (the x axis, not a series).
+DEVICE_KEYS = ("topology.nodes", "topology.devices", "topology.node_size")
+
+
+def series_label(row: dict[str, Any]) -> str:
+    """The row's sweep and its grid assignment without the device-count keys (``400Gb/s``)."""
+    params = {k: v for k, v in json.loads(row["params"]).items() if k not in DEVICE_KEYS}
+    body = ", ".join(f"{k.split('.')[-1] if k.count('.') > 1 else k}={v}" for k, v in params.items())
+    return body or row["sweep"]
+
+
+def _group(rows: list[dict]) -> dict[str, list[dict]]:
+    sweeps = {r["sweep"] for r in rows}
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        label = series_label(r)
+        if len(sweeps) > 1:
+            label = f"{r['sweep']}: {label}"
+        out.setdefault(label, []).append(r)
+    return out
+
+
+def _front(ax, rows: list[dict], x: str, scale: float, label: str = "Pareto front") -> None:
+    front = pareto_front([r for r in rows if r.get("fits")], x)
+    if front:
+        ax.step([r[x] * scale for r in front], [r["step_time_s"] for r in front], where="post", color="black",
+                linewidth=1.2, zorder=3, label=label)
+
+
+def _scatter(ax, groups: dict[str, list[dict]], x: str, scale: float) -> None:
+    for i, (label, rows) in enumerate(groups.items()):
+        colour = f"C{i % 10}"
+        fit = [r for r in rows if r.get("fits")]
+        over = [r for r in rows if not r.get("fits")]
+        ax.scatter([r[x] * scale for r in fit], [r["step_time_s"] for r in fit], color=colour, s=22, label=label)
+        if over:
+            ax.scatter([r[x] * scale for r in over], [r["step_time_s"] for r in over], facecolors="none",
+                       edgecolors=colour, s=22)
+
+
+def plot_sweep(rows: list[dict[str, Any]], folder: str | Path, title: str = "") -> list[Path]:
+    """Draw the sweep's PNGs into ``folder`` (created if missing); returns the files written."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("step_time_s")]
+    out_dir = output_folder(folder, "--plot")
+    plt = pyplot()
+    groups = _group(ok)
+    written: list[Path] = []
+    suffix = f" ({len(ok)} points)" + (f": {title}" if title else "")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, rs) in enumerate(groups.items()):
+        best: dict[int, dict] = {}
+        for r in rs:  # the fastest fitting point per device count is the curve
+            if r.get("fits") and (r["devices"] not in best or r["step_time_s"] < best[r["devices"]]["step_time_s"]):
+                best[r["devices"]] = r
+        xs = sorted(best)
+        ax.plot(xs, [best[d]["step_time_s"] for d in xs], marker="o", color=f"C{i % 10}", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("devices")
+    ax.set_ylabel("step time (s)")
+    ax.set_title("step time vs devices" + suffix, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    written.append(save_figure(fig, out_dir / "step_time_vs_devices.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    _scatter(ax, groups, "memory_bytes", 1 / 2**30)
+    _front(ax, ok, "memory_bytes", 1 / 2**30)
+    ax.set_yscale("log")
+    ax.set_xlabel("memory per device (GiB)")
+    ax.set_ylabel("step time (s)")
+    ax.set_title("step time vs memory" + suffix, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    written.append(save_figure(fig, out_dir / "step_time_vs_memory.png"))
+
+    priced = [r for r in ok if r.get("dollars_per_step")]
+    if priced:
+        pgroups = _group(priced)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _scatter(ax, pgroups, "dollars_per_step", 1.0)
+        _front(ax, priced, "dollars_per_step", 1.0)
+        for r in priced:
+            ax.annotate(str(r["devices"]), (r["dollars_per_step"], r["step_time_s"]), fontsize=6,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("dollars per step (labels: devices)")
+        ax.set_ylabel("step time (s)")
+        ax.set_title("step time vs cost" + suffix, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, out_dir / "step_time_vs_cost.png"))
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for i, (label, rs) in enumerate(pgroups.items()):
+            rs = sorted((r for r in rs if r.get("fits")), key=lambda r: r["devices"])
+            ax.plot([r["devices"] for r in rs], [r["tokens_per_dollar"] for r in rs], marker="o",
+                    color=f"C{i % 10}", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices")
+        ax.set_ylabel("tokens per dollar")
+        ax.set_title("tokens per dollar vs devices" + suffix, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, out_dir / "tokens_per_dollar_vs_devices.png"))
+    return written
