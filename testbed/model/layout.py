@@ -98,9 +98,9 @@ class ParamSpec:
     init: Init
     std: float = 0.0
     rng: int | None = None
-    #: Split by the tensor axis only at degrees dividing ``shape[tensor_dim]``; replicated otherwise
-    #: (grouped-query K/V with fewer K/V heads than tensor ranks).
-    tensor_optional: bool = False
+    #: Whole units (K/V heads) along ``tensor_dim``: the tensor axis splits it only at degrees dividing
+    #: this, and leaves the parameter replicated otherwise (fewer K/V heads than tensor ranks). 0: always split.
+    tensor_units: int = 0
 
     def __post_init__(self) -> None:
         if not self.path or not all(isinstance(p, str) and p for p in self.path):
@@ -128,7 +128,7 @@ class ParamSpec:
         does not divide)."""
         if tensor <= 1 or self.tensor_dim is None:
             return ()
-        if self.tensor_optional and self.shape[self.tensor_dim] % tensor:
+        if self.tensor_units and self.tensor_units % tensor:
             return ()
         return (self.tensor_dim,)
 
@@ -168,7 +168,8 @@ class _Row(NamedTuple):
     init: Init
     rng: int | None = None
     when: Callable[[ModelSpec], bool] | None = None   # present only for the models it returns True for
-    tensor_optional: bool = False     # split only when the tensor degree divides the dim, else replicated
+    units: str | None = None          # ModelSpec field counting whole units (heads) along the tensor dim:
+                                      # split only when the tensor degree divides it, else replicated
 
 
 #: Under the embedding root: the table a tied head multiplies by (transposed).
@@ -233,8 +234,8 @@ _TABLE: tuple[_Row, ...] = (
     _Row(_L, ("attn", "bqkv"), (3, _D), 1, Init.ZEROS, when=_mha_bias),
     _Row(_L, ("attn", "wq"), (_D, _D), 1, Init.NORMAL, rng=0, when=_gqa),
     _Row(_L, ("attn", "bq"), (_D,), 0, Init.ZEROS, when=_gqa_bias),
-    _Row(_L, ("attn", "wkv"), (_D, 2, _KV), 2, Init.NORMAL, rng=4, when=_gqa, tensor_optional=True),
-    _Row(_L, ("attn", "bkv"), (2, _KV), 1, Init.ZEROS, when=_gqa_bias, tensor_optional=True),
+    _Row(_L, ("attn", "wkv"), (_D, 2, _KV), 2, Init.NORMAL, rng=4, when=_gqa, units="num_kv_heads"),
+    _Row(_L, ("attn", "bkv"), (2, _KV), 1, Init.ZEROS, when=_gqa_bias, units="num_kv_heads"),
     _Row(_L, ("attn", "wo"), (_D, _D), 0, Init.NORMAL_RESIDUAL, rng=1),
     _Row(_L, ("attn", "bo"), (_D,), None, Init.ZEROS, when=_bias),
     _Row(_L, ("ln2", "scale"), (_D,), None, Init.ONES),
@@ -279,7 +280,8 @@ def _resolve(row: _Row, spec: ModelSpec) -> ParamSpec:
     std = {Init.NORMAL: INIT_STD, Init.NORMAL_RESIDUAL: INIT_STD / math.sqrt(2 * spec.layers)}.get(row.init, 0.0)
     shape = tuple(d if isinstance(d, int) else getattr(spec, d) for d in row.dims)
     return ParamSpec(placement=row.placement, path=row.path, shape=shape, tensor_dim=row.tensor_dim,
-                     init=row.init, std=std, rng=row.rng, tensor_optional=row.tensor_optional)
+                     init=row.init, std=std, rng=row.rng,
+                     tensor_units=getattr(spec, row.units) if row.units else 0)
 
 
 @functools.lru_cache(maxsize=64)

@@ -160,8 +160,9 @@ class ModelSpec:
                              field="model.position")
         if self.pad_vocab_to is not None:
             _positive(self.pad_vocab_to, "model.pad_vocab_to")
-        if not self.vocab_multiple:
-            object.__setattr__(self, "vocab_multiple", self.pad_vocab_to or 1)
+            object.__setattr__(self, "vocab_multiple", self.pad_vocab_to)
+        elif not self.vocab_multiple:
+            object.__setattr__(self, "vocab_multiple", 1)
         _positive(self.vocab_multiple, "model.vocab_multiple")
 
     @property
