@@ -16,6 +16,13 @@ dim (QKV and MLP-in by columns, out projection and MLP-out by rows, token
 table and head by vocab; LayerNorms, the position table and the row-split
 biases are replicated on every tensor rank).
 
+The model family options (grouped-query attention, SwiGLU, RMSNorm, RoPE,
+no biases, dropout, vocab padding; ``testbed.plan.spec.ModelSpec``) change
+the table's rows and the formulas below: K/V projections ``d x kv_dim``,
+three MLP matrices, one norm statistic per token, dropout masks, FLOPs and
+memory over the padded vocab. :func:`param_count` is the published count
+(no padding); :func:`padded_param_count` what the devices hold.
+
 FLOPs count matmuls only (``2*m*n*k``); attention is dense over the full
 ``seq x seq`` score matrix (causality by masking), as the JAX model computes
 it. Softmax, LayerNorm, GELU and the loss are memory bound and appear in the
