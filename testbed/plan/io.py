@@ -124,7 +124,9 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
     topology = data.get("topology")
     if topology is not None and not isinstance(topology, str):
         raise InputError(f"expected a topology name or path, got {topology!r}", field="topology")
-    return Plan(
+    from testbed.plan.limits import check_plan_limits  # stated size limits, before anything uses the plan
+
+    return check_plan_limits(Plan(
         name=get_str(data, "name", None, default=default_name),
         model=model_spec, batch=batch_spec, mesh=mesh_spec, schedule=schedule_spec,
         precision=_enum(data, "precision", Precision, Precision.FP32),
@@ -133,7 +135,7 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
         zero=get_int(data, "zero", None, default=0, minimum=0, maximum=3),
         seed=get_int(data, "seed", None, default=0, minimum=0),
         topology=topology,
-    )
+    ))
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
