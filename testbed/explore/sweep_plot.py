@@ -72,6 +72,8 @@ def plot_sweep(rows: list[dict[str, Any]], folder: str | Path, title: str = "") 
     plt = pyplot()
     groups = _group(ok)
     written: list[Path] = []
+    sweeps = sorted({r["sweep"] for r in rows})
+    title = title or (sweeps[0] if len(sweeps) == 1 else "")
     suffix = f" ({len(ok)} points)" + (f": {title}" if title else "")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -111,7 +113,6 @@ def plot_sweep(rows: list[dict[str, Any]], folder: str | Path, title: str = "") 
         for r in priced:
             ax.annotate(str(r["devices"]), (r["dollars_per_step"], r["step_time_s"]), fontsize=6,
                         xytext=(3, 3), textcoords="offset points")
-        ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("dollars per step (labels: devices)")
         ax.set_ylabel("step time (s)")
