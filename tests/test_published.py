@@ -1,0 +1,99 @@
+"""Published-run data (benchmarks/published) and the GPU topologies' compute constants."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from testbed.sim.engine import compute_seconds
+from testbed.topology.io import load_topology
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT / "benchmarks" / "published"
+sys.path.insert(0, str(PUBLISHED))
+
+import end_to_end  # noqa: E402
+
+
+def test_megatron_table_parses_and_is_consistent():
+    data = yaml.safe_load((PUBLISHED / "megatron.yaml").read_text())
+    assert "2104.04473" in data["source"] and "Table 1" in data["source"]
+    rows = data["cases"]
+    assert len(rows) == 10
+    for row in rows:
+        t, p, gpus = row["tensor"], row["pipeline"], row["gpus"]
+        assert gpus % (t * p) == 0
+        d = gpus // (t * p)
+        assert row["batch"] % d == 0
+        if p > 1:  # the interleaved schedule needs microbatches divisible by p
+            assert (row["batch"] // d) % p == 0 and row["layers"] % p == 0
+        # the published aggregate is TFLOP/s per GPU x GPUs (rounded in the paper)
+        assert row["aggregate_pflops"] == pytest.approx(row["tflops_per_gpu"] * gpus / 1000, rel=0.01)
+        assert row["peak_percent"] == pytest.approx(100 * row["tflops_per_gpu"] / 312, abs=1)
+
+
+def test_paper_flops_matches_table_aggregate():
+    # Eq. 3 FLOPs for the 1T row over 502 PFLOP/s gives the iteration time the paper implies
+    flops = end_to_end.paper_flops(3072, 2048, 128, 25600, 51200)
+    assert flops == pytest.approx(96 * 3072 * 2048 * 128 * 25600 ** 2 * (1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
+
+
+def test_every_collective_case_has_a_source():
+    data = yaml.safe_load((PUBLISHED / "nccl_tests.yaml").read_text())
+    assert all(case.get("source") for case in data["cases"])
+
+
+def test_plans_build_for_small_rows():
+    data = yaml.safe_load((PUBLISHED / "megatron.yaml").read_text())
+    spec = end_to_end.plan_dict(data["cases"][4], data["setup"])  # 39.1B: t 8, p 2
+    assert spec["schedule"] == {"name": "interleaved", "virtual_stages": 2}
+    assert spec["mesh"] == {"data": 32, "fsdp": 1, "tensor": 8, "stage": 2}
+    assert end_to_end.virtual_stages(105, 35) == 3 and end_to_end.virtual_stages(60, 4) == 3
+
+
+def test_end_to_end_small_file(tmp_path):
+    data = yaml.safe_load((PUBLISHED / "megatron.yaml").read_text())
+    data["cases"] = data["cases"][:2]
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(data))
+    rows = end_to_end.evaluate(path)
+    assert [r["published"] for r in rows] == [137.0, 138.0]
+    for r in rows:
+        assert r["source"].startswith(data["source"])
+        assert r["predicted"] > 0 and r["error"] == pytest.approx(r["predicted"] / r["published"] - 1, abs=1e-3)
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-superpod", "a100-pcie-8", "dgx-h100", "dgx-h100-x4", "dgx-h100-superpod"])
+def test_gemm_efficiency_is_monotone_in_size(name):
+    topo = load_topology(name)
+    compute = topo.calibration.compute
+    assert 0.75 < compute.efficiency < 0.9 and compute.efficiency_half_flops > 0
+    peak = topo.device.flops("bf16")
+    rates = []
+    for f in [1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13]:
+        t = compute_seconds(topo, "bf16", f, 0.0) - compute.launch_overhead_s
+        rates.append(f / t)
+    assert all(a < b for a, b in zip(rates, rates[1:]))
+    assert rates[-1] <= compute.efficiency * peak * (1 + 1e-9)
+    assert rates[-1] > 0.99 * compute.efficiency * peak
+
+
+def test_memory_bound_work_is_priced_on_gpus():
+    topo = load_topology("dgx-a100-superpod")
+    nbytes = 1e9
+    t = compute_seconds(topo, "bf16", 1e9, 0.0, replicated_bytes=nbytes)
+    t0 = compute_seconds(topo, "bf16", 1e9, 0.0)
+    assert t - t0 == pytest.approx(2 * nbytes / topo.device.memory_bandwidth)
+
+
+def test_published_runs_collectives_only():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published_runs.py"), "--only", "collectives"],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    import json
+    data = json.loads(out.stdout)
+    assert set(data["categories"]) == {"collectives"}
+    assert data["categories"]["collectives"]["cases"] == len(data["results"]["collectives"])
