@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import math
 
-from testbed.errors import InputError
+from testbed.errors import InputError, quote
 from testbed.viz.gantt import draw_gantt
 from testbed.output import CommandResult
 from testbed.pipeline.timing import ActionCosts, gantt_bars, play
 from testbed.pipeline.schedules import build_schedule, peak_deferred_weight_grads, peak_inflight, schedule_names, validate
 
 __all__ = ["add_arguments", "execute", "parse_costs"]
+
+#: Stages the table on the terminal shows at most (the JSON has every stage).
+_SHOWN_STAGES = 64
+#: Actions a --gantt chart draws at most (one bar each).
+_MAX_GANTT_ACTIONS = 20_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,13 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_costs(text: str, stages: int, send: float = 0.0) -> ActionCosts:
     """``"F,B,W"`` (every stage) or ``"F,B,W;F,B,W;..."`` (one triple per stage) -> :class:`ActionCosts`."""
     triples = []
+    if not math.isfinite(send) or send < 0:
+        raise InputError(f"must be a finite time >= 0, got {send}", field="--send")
     for part in text.split(";"):
         try:
             values = [float(x) for x in part.split(",")]
         except ValueError:
-            raise InputError(f"expected numbers F,B,W, got {part!r}", field="--costs") from None
+            raise InputError(f"expected numbers F,B,W, got {quote(part)}", field="--costs") from None
         if len(values) != 3:
-            raise InputError(f"expected three numbers F,B,W, got {part!r}", field="--costs")
+            raise InputError(f"expected three numbers F,B,W, got {quote(part)}", field="--costs")
+        if not all(math.isfinite(x) and x >= 0 for x in values):
+            raise InputError(f"times must be finite and >= 0, got {quote(part)}", field="--costs")
         triples.append(values)
     if len(triples) not in (1, stages):
         raise InputError(f"give one F,B,W triple or one per stage ({stages}), got {len(triples)}", field="--costs")
@@ -55,6 +65,10 @@ def execute(args: argparse.Namespace) -> CommandResult:
         schedule = build_schedule(args.name, args.stages, args.microbatches, args.virtual)
     except InputError as exc:
         raise InputError(exc.message, field=f"--{exc.field}" if exc.field != "schedule" else "NAME") from None
+    actions = sum(len(row) for row in schedule.actions)
+    if args.gantt and actions > _MAX_GANTT_ACTIONS:
+        raise InputError(f"draws at most {_MAX_GANTT_ACTIONS:,} actions, this schedule has {actions:,}; "
+                         "use fewer stages or microbatches", field="--gantt")
     validate(schedule)
     timing = play(schedule, parse_costs(args.costs, schedule.stages, args.send))
     data = {
@@ -84,10 +98,12 @@ def execute(args: argparse.Namespace) -> CommandResult:
         table = Table(title=f"{schedule.name}  P={schedule.stages} M={schedule.microbatches} V={schedule.virtual}")
         for column in ("stage", "actions", "peak in-flight", "idle"):
             table.add_column(column)
-        for s, row in enumerate(data["steps"]):
+        for s, row in enumerate(data["steps"][:_SHOWN_STAGES]):
             shown = " ".join(row) if len(row) <= 48 else " ".join(row[:48]) + " ..."
             table.add_row(str(s), shown, str(data["peak_inflight"][s]), f"{timing.idle[s]:g}")
         console.print(table)
+        if schedule.stages > _SHOWN_STAGES:
+            console.print(f"(first {_SHOWN_STAGES} of {schedule.stages} stages shown; --json has all)")
         console.print(f"step time {timing.step_time:g}, bubble fraction {timing.bubble_fraction:.4f}"
                       f" (steady-state {timing.steady_bubble_fraction:.4f})")
         for f in files:

@@ -24,12 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from testbed.errors import InputError, closest
+from testbed.plan.limits import MAX_STAGES
 from testbed.plan.spec import Plan, ScheduleName
 
 __all__ = [
     "Action", "Schedule", "Send", "KINDS", "build_schedule", "dependencies", "validate",
     "execution_order", "peak_inflight", "held_during", "peak_deferred_weight_grads", "sends", "schedule_names",
-    "schedule_for_plan", "dependency_keys",
+    "schedule_for_plan", "dependency_keys", "MAX_ACTIONS", "check_schedule_size",
 ]
 
 KINDS = ("F", "B", "W")
@@ -335,6 +336,30 @@ def _zero_bubble(p: int, m: int, limits: list[int], deferred: int) -> list[list[
     return rows
 
 
+#: Actions of one schedule table (stages x microbatches x virtual chunks x 2, or 3 with a split backward) at
+#: most: the table, its dependency graph and its timing are built action by action (about 5 s per 200,000
+#: actions on one core).
+MAX_ACTIONS = 200_000
+#: Stage-ticks of the zero-bubble list scheduler at most ((3 x microbatches + 2 x stages) x stages).
+MAX_ZERO_BUBBLE_TICKS = 20_000_000
+
+
+def check_schedule_size(kind: ScheduleName, stages: int, microbatches: int, virtual: int) -> None:
+    """InputError before any work when a table would exceed :data:`MAX_ACTIONS` (or the zero-bubble tick bound)."""
+    if stages > MAX_STAGES:
+        raise InputError(f"must be at most {MAX_STAGES:,} (ordering the table takes about stages^2 steps), "
+                         f"got {stages:,}", field="stages")
+    split = kind in (ScheduleName.ZB_H1, ScheduleName.ZB_H2)
+    actions = stages * microbatches * virtual * (3 if split else 2)
+    if actions > MAX_ACTIONS:
+        raise InputError(f"{stages} stages x {microbatches} microbatches x {virtual} virtual gives {actions:,} "
+                         f"actions; at most {MAX_ACTIONS:,} are built (fewer stages or microbatches)",
+                         field="microbatches")
+    if split and (3 * microbatches + 2 * stages) * stages > MAX_ZERO_BUBBLE_TICKS:
+        raise InputError(f"{kind} over {stages} stages x {microbatches} microbatches takes more than "
+                         f"{MAX_ZERO_BUBBLE_TICKS:,} scheduling steps; use fewer stages", field="stages")
+
+
 def build_schedule(name: str | ScheduleName, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The table of schedule ``name`` for ``stages`` x ``microbatches`` (``virtual`` chunks for interleaved)."""
     try:
@@ -347,6 +372,7 @@ def build_schedule(name: str | ScheduleName, stages: int, microbatches: int, vir
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"must be a positive whole number, got {value!r}", field=field_name)
     p, m, v = stages, microbatches, virtual
+    check_schedule_size(kind, p, m, v)
     if kind is not ScheduleName.INTERLEAVED and v != 1:
         raise InputError(f"virtual > 1 needs schedule `interleaved`, not `{kind}`", field="virtual")
     if kind is ScheduleName.INTERLEAVED and p > 1 and m % p:

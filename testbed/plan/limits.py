@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from testbed.plan.spec import Plan
 
 __all__ = ["MAX_DEVICES", "MAX_LAYERS", "MAX_D_MODEL", "MAX_D_FF", "MAX_HEADS", "MAX_VOCAB", "MAX_SEQ_LEN",
-           "MAX_GLOBAL_BATCH", "MAX_MICROBATCHES", "MAX_PIPELINE_ACTIONS", "MAX_NAME", "check_plan_limits"]
+           "MAX_GLOBAL_BATCH", "MAX_MICROBATCHES", "MAX_PIPELINE_ACTIONS", "MAX_STAGES", "MAX_NAME", "check_plan_limits"]
 
 #: Devices of a mesh (and of a topology) at most: 2^20.
 MAX_DEVICES = 1 << 20
@@ -43,6 +43,8 @@ MAX_MICROBATCHES = 1 << 16
 #: Pipeline actions of one step (stages x microbatches x virtual chunks x 3) at most: the schedule table,
 #: its dependency graph and the simulator's tasks are built action by action.
 MAX_PIPELINE_ACTIONS = 200_000
+#: Pipeline stages at most (ordering a table's actions takes about stages^2 steps).
+MAX_STAGES = 1024
 #: Characters of a plan's (or topology's, or level's) name at most: names are printed in tables.
 MAX_NAME = 200
 
@@ -70,6 +72,7 @@ def check_plan_limits(plan: "Plan") -> "Plan":
         _at_most(getattr(mesh, axis), MAX_DEVICES, f"mesh.{axis}", "devices the testbed models at most")
     _at_most(mesh.data * mesh.fsdp * mesh.tensor * mesh.stage, MAX_DEVICES, "mesh",
              "devices in the mesh, data x fsdp x tensor x stage")
+    _at_most(mesh.stage, MAX_STAGES, "mesh.stage", "pipeline stages the testbed schedules at most")
     virtual = plan.schedule.virtual_stages
     _at_most(virtual, MAX_LAYERS, "schedule.virtual_stages", "the testbed's limit")
     actions = mesh.stage * plan.batch.microbatches * virtual * 3
