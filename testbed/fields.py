@@ -19,7 +19,8 @@ import yaml
 from testbed.errors import InputError, quote, unknown_key_message
 
 __all__ = ["load_yaml", "read_text", "is_input_file", "expect_mapping", "check_keys", "get_int", "get_float", "get_str", "get_bool",
-           "MAX_FILE_BYTES", "MAX_DEPTH", "MAX_EXPANDED_NODES"]
+           "MAX_FILE_BYTES", "MAX_DEPTH", "MAX_EXPANDED_NODES", "MAX_WHOLE", "MAX_DEVICES", "MAX_NAME",
+           "MAX_DESCRIPTION", "MAX_DIGITS"]
 
 
 #: Bytes of one YAML input file at most (plans and topologies are a few KiB).
@@ -29,6 +30,18 @@ MAX_DEPTH = 64
 #: Nodes of a document with every alias expanded, at most (a "billion laughs" file is tiny but expands
 #: exponentially, and printing such a value in a message would fill memory).
 MAX_EXPANDED_NODES = 100_000
+
+
+#: Whole numbers above this are refused everywhere (they cannot be counted in a float exactly).
+MAX_WHOLE = 2**53
+#: Devices of a topology or a plan's mesh at most (2^20: a topology that size takes ~20 s and 1.5 GB to build).
+MAX_DEVICES = 1 << 20
+#: Characters of a name (plan, topology, level, device) at most: names are printed in tables.
+MAX_NAME = 200
+#: Characters of a description at most.
+MAX_DESCRIPTION = 2000
+#: Digits of a whole number in a YAML file at most: beyond, no field can use it (floats end at ~1.8e308).
+MAX_DIGITS = 300
 
 
 class _Loader(yaml.SafeLoader):
@@ -50,7 +63,15 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        if sum(c.isdigit() for c in str(node.value)) > MAX_DIGITS:
+            raise yaml.constructor.ConstructorError(None, None, f"a whole number of more than {MAX_DIGITS} digits",
+                                                    node.start_mark)
+        return super().construct_yaml_int(node)
+
+
 _Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_yaml_map)
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 
 
 def _check_size(root: yaml.Node) -> None:
@@ -88,7 +109,10 @@ def load_yaml(path: str | Path, text: str | None = None) -> Any:
     path = Path(path)
     if text is None:
         text = read_text(path)
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)  # the reader checks the characters here (a control character is a ReaderError)
+    except yaml.YAMLError as exc:
+        raise InputError(f"not YAML text: {_reader_problem(exc)}", file=str(path)) from None
     try:
         try:
             node = loader.get_single_node()
@@ -101,6 +125,8 @@ def load_yaml(path: str | Path, text: str | None = None) -> Any:
         except InputError as exc:
             raise exc.with_file(str(path)) from None
         return loader.construct_document(node)
+    except yaml.reader.ReaderError as exc:
+        raise InputError(f"not YAML text: {_reader_problem(exc)}", file=str(path)) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -109,6 +135,14 @@ def load_yaml(path: str | Path, text: str | None = None) -> Any:
         raise InputError(f"{kind}{where}: {problem}", file=str(path)) from None
     finally:
         loader.dispose()
+
+
+def _reader_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's reader error (a character YAML does not allow) in words, with its position."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        return f"{exc.reason} (character #x{char:04x} at offset {exc.position})"
+    return type(exc).__name__
 
 
 def is_input_file(path: str | Path, what: str = "file") -> bool:
@@ -179,8 +213,6 @@ def _name(field: str | None, key: str) -> str:
     return f"{field}.{key}" if field else key
 
 
-#: Whole numbers above this are refused everywhere (they cannot be counted in a float exactly).
-MAX_WHOLE = 2**53
 
 
 def get_int(data: Mapping[str, Any], key: str, field: str | None, default: int | None = None,
@@ -230,7 +262,8 @@ def get_float(data: Mapping[str, Any], key: str, field: str | None, default: flo
 
 
 def get_str(data: Mapping[str, Any], key: str, field: str | None, default: str | None = None,
-            choices: Iterable[str] | None = None) -> str:
+            choices: Iterable[str] | None = None, max_length: int | None = None) -> str:
+    """A string field (a number is read as its text), one of ``choices`` if given, at most ``max_length`` long."""
     name = _name(field, key)
     if key not in data:
         if default is None:
@@ -240,6 +273,8 @@ def get_str(data: Mapping[str, Any], key: str, field: str | None, default: str |
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         raise InputError(f"expected a string, got {quote(value)}", field=name)
     value = str(value)
+    if max_length is not None and len(value) > max_length:
+        raise InputError(f"must be at most {max_length:,} characters, got {len(value):,}", field=name)
     if choices is not None:
         choices = list(choices)
         if value not in choices:

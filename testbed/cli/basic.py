@@ -104,14 +104,27 @@ topology = SimpleNamespace(add_arguments=_topology_add, execute=_topology_execut
 
 # -- testbed plan check ------------------------------------------------------------
 
-def plan_topology(plan: Plan, topology_arg: str | None) -> Topology:
-    """The topology named on the command line, else the plan's own ``topology:``."""
-    from testbed.errors import InputError
+def plan_topology(plan: Plan, topology_arg: str | None, plan_file: str | None = None) -> Topology:
+    """The topology named on the command line, else the plan's own ``topology:``.
 
-    name = topology_arg or plan.topology
-    if name is None:
-        raise InputError("no topology: pass --topology NAME or set `topology:` in the plan", field="topology")
-    return load_topology(name)
+    When the plan's ``topology:`` names a path that cannot be used (missing,
+    too long, a folder), the error names ``plan_file`` and the field
+    ``topology``; errors inside the topology file name that file.
+    """
+    from testbed.errors import InputError, quote
+    from testbed.topology.io import resolve_topology_path, topology_from_text
+
+    if topology_arg:
+        return load_topology(topology_arg)
+    name = plan.topology
+    if not name:
+        raise InputError("no topology: pass --topology NAME or set `topology:` in the plan", field="topology",
+                         file=plan_file)
+    try:
+        display, text = resolve_topology_path(name)
+    except InputError as exc:
+        raise InputError(f"topology {quote(name)}: {exc.message}", field="topology", file=plan_file) from None
+    return topology_from_text(display, text)
 
 
 def placement_report(plan: Plan, topology: Topology, placement: Placement) -> dict:
@@ -143,7 +156,7 @@ def _plan_add(parser: argparse.ArgumentParser) -> None:
 
 def _plan_execute(args: argparse.Namespace) -> CommandResult:
     p = load_plan(args.plan)
-    t = plan_topology(p, args.topology)
+    t = plan_topology(p, args.topology, args.plan)
     try:
         placement = place(p, t)
     except Exception as exc:

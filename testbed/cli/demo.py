@@ -67,7 +67,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
     started = time.perf_counter()
     out = output_folder(args.out, "--out")
     plan = load_plan(args.plan)
-    topology = plan_topology(plan, args.topology)
+    topology = plan_topology(plan, args.topology, args.plan)
     files: list[str] = []
 
     _stage(console, f"1/6 check plan `{plan.name}` against `{topology.name}`")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
-from testbed.errors import InputError, closest
+from testbed.errors import MAX_MESSAGE, InputError, closest
 from testbed.output import CommandResult, command_inputs
 
 __all__ = ["main", "COMMANDS"]
@@ -50,8 +51,14 @@ class _Parser(argparse.ArgumentParser):
             if hint:
                 message += f"; did you mean `{hint}`?"
         self.print_usage(sys.stderr)
-        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.write(f"error: {_clip_usage(message)}\n")
         raise SystemExit(2)
+
+
+def _clip_usage(message: str) -> str:
+    """argparse's message with each quoted value cut to 60 characters and the whole to MAX_MESSAGE."""
+    message = re.sub(r"'([^']{60})[^']+'", r"'\1...'", message)
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."
 
 
 def _load(spec: str):

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(args: argparse.Namespace) -> CommandResult:
     plan = load_plan(args.plan)
     try:
-        topology = plan_topology(plan, args.topology)
+        topology = plan_topology(plan, args.topology, args.plan)
         breakdown = memory_breakdown(plan, topology)
     except InputError as exc:
         raise exc.with_file(args.plan) from None

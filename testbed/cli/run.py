@@ -16,6 +16,7 @@ measured timeline with the simulator's ``write_trace``.
 from __future__ import annotations
 
 import argparse
+import math
 import types
 from typing import Any
 
@@ -38,6 +39,16 @@ def _check_steps(steps: int) -> None:
         raise InputError(f"must be at least 1, got {steps}", field="--steps")
 
 
+def _check_run_arguments(args: argparse.Namespace) -> None:
+    """--port, --timeout and --processes in range, before any worker or JAX starts."""
+    if args.port is not None and not 1 <= args.port <= 65535:
+        raise InputError(f"must be a TCP port 1..65535, got {args.port}", field="--port")
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise InputError(f"must be a finite number of seconds > 0, got {args.timeout}", field="--timeout")
+    if args.processes < 1:
+        raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
+
+
 def _devices_for(plan: Plan, request: Any) -> list[Any]:
     from runners import devices
 
@@ -52,6 +63,7 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
 
     plan = load_plan(args.plan)
     _check_steps(args.steps)
+    _check_run_arguments(args)
     if args.trace:
         output_target(args.trace, "--trace")  # refused before the run, not after it
     request = devices.parse_devices(args.devices, plan.mesh.size)

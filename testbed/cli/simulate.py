@@ -51,7 +51,7 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
     from testbed.sim.timeline import write_gantt, write_trace
 
     plan = load_plan(args.plan)
-    topology = plan_topology(plan, args.topology)
+    topology = plan_topology(plan, args.topology, args.plan)
     sim = simulate_file_plan(plan, topology, args.plan)
     data = _summary(sim)
     files = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from testbed.errors import InputError
+from testbed.fields import MAX_DEVICES, MAX_NAME
 
 if TYPE_CHECKING:
     from testbed.plan.spec import Plan
@@ -22,8 +23,6 @@ if TYPE_CHECKING:
 __all__ = ["MAX_DEVICES", "MAX_LAYERS", "MAX_D_MODEL", "MAX_D_FF", "MAX_HEADS", "MAX_VOCAB", "MAX_SEQ_LEN",
            "MAX_GLOBAL_BATCH", "MAX_MICROBATCHES", "MAX_PIPELINE_ACTIONS", "MAX_STAGES", "MAX_NAME", "check_plan_limits"]
 
-#: Devices of a mesh (and of a topology) at most: 2^20.
-MAX_DEVICES = 1 << 20
 #: Transformer blocks at most.
 MAX_LAYERS = 100_000
 #: Hidden size at most (2^17; GPT-4-class models use 2^14).
@@ -45,8 +44,6 @@ MAX_MICROBATCHES = 1 << 16
 MAX_PIPELINE_ACTIONS = 200_000
 #: Pipeline stages at most (ordering a table's actions takes about stages^2 steps).
 MAX_STAGES = 1024
-#: Characters of a plan's (or topology's, or level's) name at most: names are printed in tables.
-MAX_NAME = 200
 
 _MODEL = (("layers", MAX_LAYERS), ("d_model", MAX_D_MODEL), ("heads", MAX_HEADS), ("d_ff", MAX_D_FF),
           ("vocab", MAX_VOCAB), ("seq_len", MAX_SEQ_LEN))

@@ -7,6 +7,7 @@ as a path.
 
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from importlib import resources
 from pathlib import Path
@@ -15,15 +16,16 @@ from typing import Any
 import yaml
 
 from testbed.topology import generators
-from testbed.errors import InputError, closest
-from testbed.fields import check_keys, expect_mapping, get_int, get_str, is_input_file, load_yaml
+from testbed.errors import InputError, closest, quote
+from testbed.fields import (MAX_DESCRIPTION, MAX_DEVICES, MAX_NAME, check_keys, expect_mapping, get_float, get_int,
+                            get_str, is_input_file, load_yaml)
 from testbed.output import read_input
 from testbed.topology import Calibration, DeviceSpec, Form, Level, LinkKind, LinkSpec, Topology
 from testbed.topology.calibration import GROUPS
 from testbed.topology.parts import IN_NETWORK_REDUCTION
 from testbed.units import parse_bandwidth, parse_bytes, parse_flops, parse_time
 
-__all__ = ["load_topology", "topology_from_dict", "topology_to_dict", "dump_topology", "bundled_names", "resolve_topology_path"]
+__all__ = ["load_topology", "topology_from_text", "topology_from_dict", "topology_to_dict", "dump_topology", "bundled_names", "resolve_topology_path"]
 
 _TOP_KEYS = ("name", "description", "device", "levels", "torus", "graph", "calibration")
 _KINDS = [k.value for k in LinkKind]
@@ -56,6 +58,11 @@ def resolve_topology_path(name_or_path: str) -> tuple[str, str]:
 def load_topology(name_or_path: str) -> Topology:
     """Load a bundled topology by name or a topology YAML file."""
     display, text = resolve_topology_path(name_or_path)
+    return topology_from_text(display, text)
+
+
+def topology_from_text(display: str, text: str) -> Topology:
+    """The topology of YAML ``text`` read from ``display`` (errors name that file)."""
     data = load_yaml(display, text)
     default = Path(display).stem
     try:
@@ -65,11 +72,20 @@ def load_topology(name_or_path: str) -> Topology:
 
 
 def _kind(value: Any, field: str) -> LinkKind:
-    text = get_str({"kind": value}, "kind", None)
+    if isinstance(value, bool) or not isinstance(value, str):
+        raise InputError(f"expected a link kind ({', '.join(_KINDS)}), got {quote(value)}", field=field)
+    text = value
     if text not in _KINDS:
         raise InputError(f"unknown link kind `{text}`" + (f"; did you mean `{closest(text, _KINDS)}`?" if closest(text, _KINDS) else "")
                          + f" Valid: {', '.join(_KINDS)}.", field=field)
     return LinkKind(text)
+
+
+def _link_end(value: Any, field: str) -> int | str:
+    """A graph link's end: a device id (a whole number; true/false are not 1/0) or a switch name."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InputError(f"expected a device id or a switch name, got {quote(value)}", field=field)
+    return value
 
 
 def _device(data: Any) -> DeviceSpec:
@@ -77,11 +93,23 @@ def _device(data: Any) -> DeviceSpec:
     check_keys(data, ("name", "flops", "memory", "memory_bandwidth"), "device", required=("flops", "memory", "memory_bandwidth"))
     flops = expect_mapping(data["flops"], "device.flops")
     return DeviceSpec(
-        name=get_str(data, "name", "device", default="device"),
-        peak_flops={str(k): parse_flops(v, f"device.flops.{k}") for k, v in flops.items()},
+        name=get_str(data, "name", "device", default="device", max_length=MAX_NAME),
+        peak_flops={_dtype(k): parse_flops(v, f"device.flops.{quote(k)}") for k, v in flops.items()},
         memory_bytes=parse_bytes(data["memory"], "device.memory"),
         memory_bandwidth=parse_bandwidth(data["memory_bandwidth"], "device.memory_bandwidth"),
     )
+
+
+def _dtype(key: Any) -> str:
+    if not isinstance(key, str) or not key or len(key) > 32:
+        raise InputError(f"expected dtype names (fp32, bf16, ...) as keys, got {quote(key)}", field="device.flops")
+    return key
+
+
+def _device_count(count: int, field: str) -> int:
+    if count > MAX_DEVICES:
+        raise InputError(f"gives {count:,} devices; the testbed models at most {MAX_DEVICES:,}", field=field)
+    return count
 
 
 #: The flat field names of earlier topology files -> where they live now (``calibration.GROUP.FIELD``).
@@ -104,18 +132,20 @@ def _calibration_value(group: str, name: str, value: Any) -> Any:
         return get_int({name: value}, name, f"calibration.{group}", minimum=0)
     if name == "throughput":
         curve = expect_mapping(value, path)
-        try:
-            return tuple(sorted((int(k), float(v)) for k, v in curve.items()))
-        except (TypeError, ValueError):
-            raise InputError(f"expected device counts mapped to numbers (1: 1.0, 2: 1.3, ...), got {curve!r}",
-                             field=path) from None
+        points = []
+        for k, v in curve.items():
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DEVICES:
+                raise InputError(f"expected device counts 1..{MAX_DEVICES} as keys (1: 1.0, 2: 1.3, ...), got "
+                                 f"{quote(k)}", field=path)
+            points.append((k, get_float({k: v}, k, path, positive=True)))
+        return tuple(sorted(points))
     if name.endswith("_s"):
         return parse_time(value, path)
     if name == "cache_bytes":
         return float(parse_bytes(value, path, allow_zero=True))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"expected a number, got {value!r}", field=path)
-    return float(value)
+        raise InputError(f"expected a number, got {quote(value)}", field=path)
+    return get_float({name: value}, name, f"calibration.{group}")
 
 
 def _calibration(data: Any) -> Calibration:
@@ -145,10 +175,11 @@ def _level(data: Any, field: str, torus: bool = False, group_only: bool = False)
                                                    "in_network_reduction"]
     check_keys(data, allowed, field, required=["name", "size"] if group_only else ["name", "size", "bandwidth"])
     if group_only:
-        return Level(name=get_str(data, "name", field), size=get_int(data, "size", field))
+        return Level(name=get_str(data, "name", field, max_length=MAX_NAME),
+                     size=get_int(data, "size", field, maximum=MAX_DEVICES))
     return Level(
-        name=get_str(data, "name", field),
-        size=get_int(data, "size", field),
+        name=get_str(data, "name", field, max_length=MAX_NAME),
+        size=get_int(data, "size", field, maximum=MAX_DEVICES),
         bandwidth=parse_bandwidth(data["bandwidth"], f"{field}.bandwidth"),
         latency=parse_time(data.get("latency", 0), f"{field}.latency"),
         kind=_kind(data.get("kind", "ici" if torus else "nvswitch"), f"{field}.kind"),
@@ -165,8 +196,8 @@ def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
     forms = [k for k in ("levels", "torus", "graph") if k in data]
     if len(forms) != 1:
         raise InputError(f"give exactly one of `levels:`, `torus:` or `graph:` (found {forms or 'none'})", field="levels")
-    name = get_str(data, "name", None, default=default_name)
-    description = get_str(data, "description", None, default="")
+    name = get_str(data, "name", None, default=default_name[:MAX_NAME], max_length=MAX_NAME)
+    description = get_str(data, "description", None, default="", max_length=MAX_DESCRIPTION)
     device = _device(data["device"])
     calibration = _calibration(data.get("calibration"))
     form = forms[0]
@@ -175,26 +206,33 @@ def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
         if not isinstance(raw, list) or not raw:
             raise InputError("expected a non-empty list of tiers, innermost first", field="levels")
         levels = [_level(item, f"levels[{i}]") for i, item in enumerate(raw)]
+        _device_count(math.prod(l.size for l in levels), "levels")
         topo = generators.hierarchical(levels, device=device, name=name, calibration=calibration)
     elif form == "torus":
         t = expect_mapping(data["torus"], "torus")
         check_keys(t, ("dims", "names", "wraparound", "bandwidth", "latency", "kind"), "torus", required=("dims", "bandwidth"))
         dims = t["dims"]
         if not isinstance(dims, list) or not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
-            raise InputError(f"expected a list of positive whole numbers, got {dims!r}", field="torus.dims")
+            raise InputError(f"expected a list of positive whole numbers, got {quote(dims)}", field="torus.dims")
+        _device_count(math.prod(dims), "torus.dims")
         wrap = t.get("wraparound", True)
         if not (isinstance(wrap, bool) or (isinstance(wrap, list) and all(isinstance(w, bool) for w in wrap))):
-            raise InputError(f"expected true/false or a list of them per dim, got {wrap!r}", field="torus.wraparound")
+            raise InputError(f"expected true/false or a list of them per dim, got {quote(wrap)}", field="torus.wraparound")
+        names = t.get("names")
+        if names is not None and not (isinstance(names, list) and all(
+                isinstance(n, str) and 0 < len(n) <= MAX_NAME for n in names)):
+            raise InputError(f"expected a list of dim names (strings), one per dim, got {quote(names)}",
+                             field="torus.names")
         topo = generators.torus(
             dims, device=device, bandwidth=parse_bandwidth(t["bandwidth"], "torus.bandwidth"),
             latency=parse_time(t.get("latency", 0), "torus.latency"), kind=_kind(t.get("kind", "ici"), "torus.kind"),
-            names=t.get("names"), wraparound=wrap, name=name, calibration=calibration)
+            names=names, wraparound=wrap, name=name, calibration=calibration)
     else:
         g = expect_mapping(data["graph"], "graph")
         check_keys(g, ("devices", "switches", "links", "levels"), "graph", required=("devices", "links"))
-        n = get_int(g, "devices", "graph")
+        n = get_int(g, "devices", "graph", maximum=MAX_DEVICES)
         switches = g.get("switches", []) or []
-        if not isinstance(switches, list) or not all(isinstance(s, str) for s in switches):
+        if not isinstance(switches, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_NAME for s in switches):
             raise InputError("expected a list of switch names (strings)", field="graph.switches")
         raw_links = g["links"]
         if not isinstance(raw_links, list):
@@ -204,10 +242,13 @@ def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
             f = f"graph.links[{i}]"
             item = expect_mapping(item, f)
             check_keys(item, ("a", "b", "bandwidth", "latency", "kind"), f, required=("a", "b", "bandwidth"))
-            links.append(LinkSpec(a=item["a"], b=item["b"], bandwidth=parse_bandwidth(item["bandwidth"], f"{f}.bandwidth"),
+            links.append(LinkSpec(a=_link_end(item["a"], f"{f}.a"), b=_link_end(item["b"], f"{f}.b"), bandwidth=parse_bandwidth(item["bandwidth"], f"{f}.bandwidth"),
                                   latency=parse_time(item.get("latency", 0), f"{f}.latency"),
                                   kind=_kind(item.get("kind", "pcie"), f"{f}.kind")))
-        levels = [_level(item, f"graph.levels[{i}]", group_only=True) for i, item in enumerate(g.get("levels", []) or [])]
+        raw_levels = g.get("levels", []) or []
+        if not isinstance(raw_levels, list):
+            raise InputError("expected a list of groups {name, size}, innermost first", field="graph.levels")
+        levels = [_level(item, f"graph.levels[{i}]", group_only=True) for i, item in enumerate(raw_levels)]
         topo = generators.explicit(n, links, device=device, switches=switches, levels=levels, name=name, calibration=calibration)
     if description:
         from dataclasses import replace
