@@ -285,12 +285,26 @@ def samples_to_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:
 
 def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
     """Samples back from :func:`samples_to_rows` output (InputError naming the bad row)."""
+    from dataclasses import fields as dataclass_fields
+
+    from testbed.fields import MAX_DEVICES, check_keys, expect_mapping, get_float, get_int, get_str
+
+    names = [f.name for f in dataclass_fields(Sample)]
     out = []
     for i, row in enumerate(rows):
+        field = f"samples[{i}]"
+        row = expect_mapping(row, field)
+        check_keys(row, names, field, required=("kind", "seconds"))
+        values: dict[str, Any] = {"kind": get_str(row, "kind", field, choices=SAMPLE_KINDS),
+                                  "seconds": get_float(row, "seconds", field, positive=True)}
+        for name in ("flops", "bytes", "host_s", "alone_s"):
+            values[name] = get_float(row, name, field, default=0.0, minimum=0.0)
+        for name in ("devices", "ranks"):
+            values[name] = get_int(row, name, field, default=1, maximum=MAX_DEVICES)
+        values["dtype"] = get_str(row, "dtype", field, default="fp32", max_length=32)
+        values["op"] = get_str(row, "op", field, default="", max_length=200)
         try:
-            out.append(Sample(**dict(row)))
-        except TypeError as exc:
-            raise InputError(f"bad measurement row: {exc}", field=f"samples[{i}]") from None
+            out.append(Sample(**values))
         except InputError as exc:
-            raise exc.within(f"samples[{i}]") from None
+            raise exc.within(field) from None
     return out

@@ -14,7 +14,7 @@ from testbed.plan.io import load_plan
 from testbed.sim.engine import Simulation, simulate as run_simulation
 from testbed.topology import Topology
 from testbed.topology.io import load_topology
-from testbed.units import format_bytes, format_time
+from testbed.units import format_bytes, format_time, parse_bytes
 
 __all__ = ["simulate", "compare", "simulate_file_plan"]
 
@@ -44,19 +44,22 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan YAML file or bundled plan name (e.g. demo)")
     parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON (open in ui.perfetto.dev)")
+    parser.add_argument("--max-trace-bytes", default="256MiB",
+                        help="refuse a --trace estimated larger than this (default 256MiB; e.g. 4GiB)")
     parser.add_argument("--gantt", help="write a Gantt chart PNG of the representative streams")
 
 
 def _simulate_execute(args: argparse.Namespace) -> CommandResult:
     from testbed.sim.timeline import write_gantt, write_trace
 
+    max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
     plan = load_plan(args.plan)
     topology = plan_topology(plan, args.topology, args.plan)
     sim = simulate_file_plan(plan, topology, args.plan)
     data = _summary(sim)
     files = []
     if args.trace:
-        files.append(str(write_trace(sim.timeline, args.trace)))
+        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace)))
         data["trace"] = args.trace
     if args.gantt:
         files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{plan.name} on {topology.name}")))

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from testbed.errors import InputError
 from testbed.output import write_atomic
 
-__all__ = ["CATEGORIES", "REPORT_OPTIONAL", "Span", "Timeline", "Report", "chrome_trace", "write_trace", "write_gantt"]
+__all__ = ["CATEGORIES", "REPORT_OPTIONAL", "Span", "Timeline", "Report", "chrome_trace", "write_trace", "trace_bytes", "write_gantt"]
 
 #: Span categories, in the order of :attr:`Timeline.category` codes.
 CATEGORIES: tuple[str, ...] = ("compute", "comm", "bubble", "host")
@@ -313,16 +314,51 @@ def chrome_trace(timeline: Timeline, devices: Sequence[int] | None = None) -> di
             "otherData": {"source": timeline.source, "step_time_s": timeline.step_time_s}}
 
 
-def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | None = None) -> Path:
+def _fragments(timeline: Timeline, rep: int) -> list[str]:
+    one = chrome_trace(timeline, devices=[rep])["traceEvents"]
+    return [json.dumps({k: v for k, v in e.items() if k != "pid"}, separators=(",", ":"))[1:] for e in one]
+
+
+def trace_bytes(timeline: Timeline, devices: Sequence[int] | None = None,
+                fragments: dict[int, list[str]] | None = None) -> int:
+    """Bytes :func:`write_trace` would write (to within the length of device names), without writing them."""
+    devices = range(timeline.num_devices) if devices is None else devices
+    fragments = {} if fragments is None else fragments
+    per_rep: dict[int, tuple[int, int]] = {}  # rep -> (bytes of its events, event count)
+    total = 80
+    for device in devices:
+        device = int(device)
+        rep = int(timeline.representative[device])
+        if rep not in per_rep:
+            cached = fragments.get(rep)
+            if cached is None:
+                cached = fragments[rep] = _fragments(timeline, rep)
+            per_rep[rep] = (sum(len(t) + 9 for t in cached), len(cached))
+        size, count = per_rep[rep]
+        total += size + count * len(str(device)) + 2 * len(str(device)) + 20
+    return total
+
+
+def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | None = None,
+                max_bytes: float | None = None, limit_field: str = "--max-trace-bytes") -> Path:
     """Write :func:`chrome_trace` as JSON atomically, streamed device by device.
 
     Each representative's events are serialised once and repeated with each
     device's pid, so a 4096-device trace costs string joins, not millions of dicts.
+    With ``max_bytes`` set, a trace estimated larger is refused (InputError
+    naming ``limit_field``) before anything is written.
     """
     from testbed.output import atomic_path
+    from testbed.units import format_bytes
 
     devices = range(timeline.num_devices) if devices is None else devices
     fragments: dict[int, list[str]] = {}
+    if max_bytes is not None:
+        size = trace_bytes(timeline, devices, fragments)
+        if size > max_bytes:
+            raise InputError(f"the trace of {len(devices):,} devices would be about {format_bytes(size)}, over the "
+                             f"limit of {format_bytes(max_bytes)}; raise it (e.g. {limit_field} "
+                             f"{math.ceil(size / 2**30)}GiB) or leave out --trace", field=limit_field)
     with atomic_path(path, "trace") as tmp, open(tmp, "w") as out:
         out.write('{"displayTimeUnit":"ms","otherData":')
         out.write(json.dumps({"source": timeline.source, "step_time_s": timeline.step_time_s}))
@@ -333,9 +369,7 @@ def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | N
             rep = int(timeline.representative[device])
             cached = fragments.get(rep)
             if cached is None:
-                one = chrome_trace(timeline, devices=[rep])["traceEvents"]
-                cached = fragments[rep] = [json.dumps({k: v for k, v in e.items() if k != "pid"},
-                                                      separators=(",", ":"))[1:] for e in one]
+                cached = fragments[rep] = _fragments(timeline, rep)
             name = json.dumps(f"device {device}" + ("" if rep == device else f" (as {rep})"))
             head = f'{{"pid":{device},'
             parts = []
