@@ -1,0 +1,213 @@
+"""Compare a parallel function's outputs with a single-device reference, and explain a difference."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+from testbed.testing.devices import ReferenceDevice, to_host
+
+__all__ = ["assert_parallel_equal", "assert_outputs_equal"]
+
+
+def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callable[..., Any], *args: Any,
+                          rtol: float = 1e-5, atol: float = 1e-6, mesh: Any = None,
+                          axis_sizes: Mapping[str, int] | None = None, reference_device: Any = None,
+                          **kwargs: Any) -> None:
+    """Run ``parallel_fn(*args, **kwargs)`` and ``reference_fn`` on the same arguments; assert equal outputs.
+
+    The reference runs on one device (``reference_device``: a device or a :class:`ReferenceDevice`;
+    default, JAX's first device) with its array arguments copied to the host, so it never sees the
+    parallel run's shardings. Outputs are compared leaf by leaf with numpy (``rtol``, ``atol``; NaN
+    equals NaN). On a difference the AssertionError names the leaf path, the worst index and both
+    values, and adds hints: a constant ratio that is a device count or a ``mesh`` axis size
+    (``axis_sizes`` adds others) -- psum where pmean was meant --, also on the change from an input
+    (an updated parameter); an error confined to one shard; NaN where the reference is finite (a
+    pipeline bubble leaking).
+    """
+    parallel = parallel_fn(*args, **kwargs)
+    if not isinstance(reference_device, ReferenceDevice):
+        import jax
+
+        reference_device = ReferenceDevice(reference_device if reference_device is not None else jax.devices()[0])
+    reference = reference_device(reference_fn, *args, **kwargs)
+    assert_outputs_equal(parallel, reference, rtol=rtol, atol=atol, mesh=mesh, axis_sizes=axis_sizes,
+                         inputs=(args, kwargs))
+
+
+def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, atol: float = 1e-6, mesh: Any = None,
+                         axis_sizes: Mapping[str, int] | None = None, inputs: Any = ()) -> None:
+    """The comparison of :func:`assert_parallel_equal` on outputs already computed (``inputs``: the arguments,
+    for the hint on updated parameters)."""
+    import jax
+    import numpy as np
+
+    counts = _counts(mesh, axis_sizes)
+    par_leaves, par_def = jax.tree_util.tree_flatten_with_path(parallel)
+    ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(reference)
+    if par_def != ref_def:
+        raise AssertionError(f"output structures differ:\n  parallel:  {par_def}\n  reference: {ref_def}")
+    input_leaves = [(jax.tree_util.keystr(p), _array(x)) for p, x in jax.tree_util.tree_flatten_with_path(inputs)[0]]
+    if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict):  # (args, kwargs)
+        input_leaves = [(("args" + name[3:]) if name.startswith("[0]") else ("kwargs" + name[3:]), x)
+                        for name, x in input_leaves]
+    failures = []
+    for (path, p), (_, r) in zip(par_leaves, ref_leaves):
+        message = _compare_leaf(jax.tree_util.keystr(path) or "<root>", _array(p), _array(r), rtol, atol, counts,
+                                input_leaves)
+        if message:
+            failures.append(message)
+    if failures:
+        more = f"\n({len(failures)} of {len(par_leaves)} leaves differ)" if len(failures) > 1 else ""
+        raise AssertionError("\n\n".join(failures) + more)
+
+
+def _array(x: Any) -> Any:
+    import numpy as np
+
+    a = np.asarray(x)
+    return a.astype(np.float64) if a.dtype.kind in "fiub" or a.dtype.name == "bfloat16" else a
+
+
+def _num(x: Any) -> str:
+    return f"{complex(x):.8g}" if getattr(x, "dtype", None) is not None and x.dtype.kind == "c" else (
+        f"{float(x):.8g}" if getattr(x, "dtype", None) is not None and x.dtype.kind in "fiub" else repr(x))
+
+
+def _counts(mesh: Any, axis_sizes: Mapping[str, int] | None) -> list[tuple[int, str]]:
+    """(size, what it is) for every count a bug could scale by: the device count, mesh axes, their product."""
+    import jax
+
+    found: list[tuple[int, str]] = [(jax.device_count(), "the device count")]
+    sizes = dict(axis_sizes or {})
+    if mesh is not None:
+        sizes.update({str(k): int(v) for k, v in dict(mesh.shape).items()})
+        found.append((math.prod(sizes.values()), "the mesh size"))
+    found += [(size, f"mesh axis '{name}'") for name, size in sizes.items()]
+    return [(n, what) for n, what in found if n >= 2]
+
+
+def _named(k: int, counts: Sequence[tuple[int, str]]) -> str:
+    names = sorted({what for n, what in counts if n == k})
+    return f" ({k} = {', '.join(names)})" if names else ""
+
+
+def _constant_ratio(numerator: Any, denominator: Any, atol: float) -> float | None:
+    """The common ratio numerator/denominator where the denominator is not ~0, when it is (nearly) constant."""
+    import numpy as np
+
+    use = np.isfinite(numerator) & np.isfinite(denominator) & (np.abs(denominator) > max(atol, 1e-12))
+    if use.sum() == 0:
+        return None
+    ratio = numerator[use] / denominator[use]
+    k = float(np.median(ratio))
+    if k == 0 or not np.allclose(ratio, k, rtol=2e-3, atol=0):
+        return None
+    return k
+
+
+def _scale(k: float) -> tuple[int, bool] | None:
+    """(n, inverse) when k is (nearly) an integer n >= 2, or 1/n."""
+    for factor, inverse in ((k, False), (1 / k, True)):
+        n = round(factor)
+        if n >= 2 and abs(factor - n) <= 2e-3 * n:
+            return n, inverse
+    return None
+
+
+def _scale_hint(k: float | None, counts: Sequence[tuple[int, str]], what: str) -> str | None:
+    """``values scaled by 8 (8 = the device count): psum where pmean was meant?``"""
+    found = _scale(k) if k is not None else None
+    if found is None:
+        return None
+    n, inverse = found
+    if inverse:
+        return f"{what} scaled by 1/{n}{_named(n, counts)}: pmean where psum was meant, or a mean taken twice?"
+    return f"{what} scaled by {n}{_named(n, counts)}: psum where pmean was meant?"
+
+
+def _shard_hint(bad: Any, counts: Sequence[tuple[int, str]]) -> str | None:
+    """Errors confined to some of the equal blocks along one dimension (one device's shard)."""
+    import numpy as np
+
+    if bad.ndim == 0 or bad.all():
+        return None
+    best = None
+    candidates = sorted({n for n, _ in counts})
+    for dim, size in enumerate(bad.shape):
+        along = bad.any(axis=tuple(d for d in range(bad.ndim) if d != dim))
+        for n in candidates:
+            if size % n or size < n:
+                continue
+            blocks = np.flatnonzero(along.reshape(n, size // n).any(axis=1))
+            if 0 < len(blocks) < n and (best is None or len(blocks) < len(best[2])):
+                best = (dim, n, blocks, size // n)
+    if best is None:
+        return None
+    dim, n, blocks, width = best
+    if len(blocks) == 1:
+        b = int(blocks[0])
+        return (f"errors confined to one shard: block {b} of {n}{_named(n, counts)} along dim {dim} "
+                f"(indices {b * width}:{(b + 1) * width}) -- one device's part is wrong: a wrong axis name, "
+                f"a collective missing on that shard, or a pipeline bubble leaking?")
+    return f"errors confined to blocks {[int(b) for b in blocks]} of {n} along dim {dim} (block size {width})"
+
+
+def _compare_leaf(path: str, p: Any, r: Any, rtol: float, atol: float, counts: Sequence[tuple[int, str]],
+                  inputs: Sequence[tuple[str, Any]]) -> str | None:
+    import numpy as np
+
+    if p.shape != r.shape:
+        hints = []
+        for n, what in counts:
+            if p.shape == (n, *r.shape):
+                hints.append(f"the parallel output keeps a per-device leading axis of {n} ({what}): unreplicate it "
+                             f"(testbed.testing.unreplicate) or fix out_specs")
+        for d, (a, b) in enumerate(zip(p.shape, r.shape)) if p.ndim == r.ndim else ():
+            if a != b and b and a and (b % a == 0 or a % b == 0):
+                k = b // a if b % a == 0 else a // b
+                what = "1/%d of" % k if b % a == 0 else "%d times" % k
+                hints.append(f"dim {d} is {what} the reference's{_named(k, counts)}: one shard instead of the whole "
+                             f"(a missing all_gather, or out_specs)?" if b % a == 0 else
+                             f"dim {d} is {what} the reference's{_named(k, counts)}: replicated copies concatenated "
+                             f"(out_specs names an axis the value is replicated over)?")
+        return (f"leaf {path}: shapes differ: parallel {p.shape}, reference {r.shape}"
+                + "".join(f"\n  hint: {h}" for h in hints))
+    if p.dtype.kind not in "fc" or r.dtype.kind not in "fc":
+        bad = p != r
+    else:
+        bad = ~np.isclose(p, r, rtol=rtol, atol=atol, equal_nan=True)
+    if not bad.any():
+        return None
+    lines = [f"leaf {path} (shape {p.shape}): {int(bad.sum())} of {bad.size} elements differ "
+             f"(rtol={rtol:g}, atol={atol:g})"]
+    if p.dtype.kind in "fc":
+        err = np.where(bad, np.abs(p - r), -1.0)
+        err = np.where(bad & ~np.isfinite(err), np.inf, err)
+        worst = np.unravel_index(int(np.argmax(err)), p.shape) if p.ndim else ()
+        idx = tuple(int(i) for i in worst)
+        lines.append(f"  worst at index {idx}: parallel {_num(p[idx])}, reference {_num(r[idx])} "
+                     f"(abs error {float(err[idx]):.6g})")
+        hints = []
+        nan_leak = ~np.isfinite(p) & np.isfinite(r)
+        if nan_leak.any():
+            hints.append(f"the parallel result has NaN/inf at {int(nan_leak.sum())} element(s) where the reference is "
+                         f"finite: values from idle (bubble) slots or uninitialised buffers leak into the result?")
+        text = _scale_hint(_constant_ratio(p, r, atol), counts, "values")
+        if text:
+            hints.append(text)
+        else:
+            for name, x in inputs:
+                if x.shape == p.shape and x.dtype.kind in "fc":
+                    text = _scale_hint(_constant_ratio(p - x, r - x, atol), counts, "gradients")
+                    if text:
+                        hints.append(f"the update (change from input {name}) is {text}")
+                        break
+        shard = _shard_hint(bad, counts)
+        if shard:
+            hints.append(shard)
+        lines += [f"  hint: {h}" for h in hints]
+    else:
+        idx = tuple(int(i[0]) for i in np.nonzero(bad))
+        lines.append(f"  first at index {idx}: parallel {_num(p[idx])}, reference {_num(r[idx])}")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""examples/: users' parallel JAX code tested with testbed.testing; each buggy twin is caught, with its reason.
+
+The examples' own test files run as a user would run them (pytest in a subprocess, the testbed plugin
+giving 8 emulated devices); the buggy twins run here, on conftest's 8 devices, and must fail with the
+message that names the bug.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from testbed.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+DIRS = ("pmap_data_parallel", "shard_map_tensor_parallel", "pipeline_bubble")
+
+
+@pytest.fixture(autouse=True)
+def _example_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in DIRS:
+        monkeypatch.syspath_prepend(str(EXAMPLES / name))
+
+
+@pytest.mark.slow
+def test_the_examples_own_tests_pass_under_the_plugin() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}  # as a user's shell
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *DIRS],
+                            cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "testbed: 8 emulated host devices requested for JAX (set)" in result.stdout
+    assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def _pmapped(step, n: int):
+    run = jax.pmap(step, axis_name="batch", devices=jax.devices()[:n])
+    return lambda params, x, y: unreplicate(run(replicate(params, n), shard_batch(x, n), shard_batch(y, n)))
+
+
+@pytest.mark.parametrize("n", [8, 4, 2])
+def test_psum_instead_of_pmean_is_caught_and_names_the_factor(n: int) -> None:
+    import dp_step
+    import dp_step_buggy
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 4)).astype(np.float32), rng.normal(size=(24, 2)).astype(np.float32)
+    assert_parallel_equal(_pmapped(dp_step.train_step, n), dp_step.reference_step, dp_step.init_params(), x, y,
+                          atol=1e-5)
+    with pytest.raises(AssertionError) as caught:
+        assert_parallel_equal(_pmapped(dp_step_buggy.train_step, n), dp_step.reference_step, dp_step.init_params(),
+                              x, y, atol=1e-5)
+    message = str(caught.value)
+    assert f"gradients scaled by {n}" in message and "psum where pmean was meant?" in message
+    assert "leaf [0]['w']" in message and "args[0]['w']" in message
+    if n == 8:
+        assert "8 = the device count" in message
+
+
+def test_wrong_reduction_axis_is_caught() -> None:
+    import tp_mlp
+    import tp_mlp_buggy
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    assert_parallel_equal(tp_mlp.make_parallel_mlp(mesh), tp_mlp.mlp, tp_mlp.init_params(), x, mesh=mesh, atol=1e-5)
+    with pytest.raises(AssertionError, match=r"leaf <root> \(shape \(16, 8\)\): \d+ of 128 elements differ"):
+        assert_parallel_equal(tp_mlp_buggy.make_parallel_mlp(mesh), tp_mlp.mlp, tp_mlp.init_params(), x, mesh=mesh,
+                              atol=1e-5)
+
+
+def test_a_bubble_leak_is_caught() -> None:
+    import my_pipeline
+    import my_pipeline_buggy
+
+    mesh = jax.make_mesh((4,), ("stage",))
+    xs = np.random.default_rng(0).normal(size=(4, 2, 8)).astype(np.float32)
+    assert_parallel_equal(my_pipeline.make_pipeline(mesh), my_pipeline.reference, my_pipeline.init_params(4), xs,
+                          mesh=mesh, atol=1e-5)
+    with pytest.raises(AssertionError) as caught:
+        assert_parallel_equal(my_pipeline_buggy.make_pipeline(mesh), my_pipeline.reference,
+                              my_pipeline.init_params(4), xs, mesh=mesh, atol=1e-5)
+    assert "NaN/inf" in str(caught.value) and "bubble" in str(caught.value)
