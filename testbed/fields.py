@@ -37,7 +37,7 @@ MAX_WHOLE = 2**53
 #: Devices of a topology or a plan's mesh at most (2^20: a topology that size takes ~20 s and 1.5 GB to build).
 MAX_DEVICES = 1 << 20
 #: Characters of a name (plan, topology, level, device) at most: names are printed in tables.
-MAX_NAME = 200
+MAX_NAME = 256
 #: Characters of a description at most.
 MAX_DESCRIPTION = 2000
 #: Digits of a whole number in a YAML file at most: beyond, no field can use it (floats end at ~1.8e308).

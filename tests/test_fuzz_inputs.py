@@ -1,0 +1,270 @@
+"""Generated bad input through every command (issue 24): never a traceback, always exit 0/1/2 with a short message.
+
+The strategies live in benchmarks/fuzz_inputs.py (the benchmark runs the same
+ones for 1,000+ cases); the hypothesis profile of conftest.py sets how many
+examples each test draws. Below them, one regression test per class of input
+the issue lists.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given
+
+from testbed.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("fuzz_inputs", ROOT / "benchmarks" / "fuzz_inputs.py")
+fuzz = importlib.util.module_from_spec(_spec)
+sys.modules["fuzz_inputs"] = fuzz
+_spec.loader.exec_module(fuzz)
+
+
+def _check(case: "fuzz.Case", tmp_path_factory) -> "fuzz.Outcome":
+    outcome = fuzz.run_case_in_process(case, tmp_path_factory.mktemp("case"), time_limit=60.0)
+    assert not outcome.problems(), (outcome.problems(), outcome.argv, outcome.stderr[-600:])
+    return outcome
+
+
+@pytest.mark.parametrize("command", ["plan", "memory", "simulate", "compare"])
+def test_mutated_plans_end_cleanly(command, tmp_path_factory):
+    @given(case=fuzz.plan_case(command))
+    def check(case):
+        _check(case, tmp_path_factory)
+
+    check()
+
+
+@given(case=fuzz.topology_case())
+def test_mutated_topologies_end_cleanly(case, tmp_path_factory):
+    _check(case, tmp_path_factory)
+
+
+@given(case=fuzz.collective_case())
+def test_collective_arguments_end_cleanly(case, tmp_path_factory):
+    _check(case, tmp_path_factory)
+
+
+@given(case=fuzz.schedule_case())
+def test_schedule_arguments_end_cleanly(case, tmp_path_factory):
+    _check(case, tmp_path_factory)
+
+
+@given(case=fuzz.run_case())
+def test_run_refuses_bad_plans_and_arguments_before_jax(case, tmp_path_factory):
+    outcome = _check(case, tmp_path_factory)
+    assert outcome.exit_code == 2 or outcome.started_valid_run
+
+
+@given(case=fuzz.arguments_case())
+def test_random_argument_lists_end_cleanly(case, tmp_path_factory):
+    _check(case, tmp_path_factory)
+
+
+@given(case=fuzz.cases())
+def test_any_case_ends_cleanly(case, tmp_path_factory):
+    _check(case, tmp_path_factory)
+
+
+# -- one regression per class of the issue ----------------------------------------------------------
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and len(err.encode()) < 2048
+    return code, out, err
+
+
+def _topology(tmp_path, body: dict) -> str:
+    doc = {"device": {"flops": {"fp32": "1TFLOP/s"}, "memory": "1GB", "memory_bandwidth": "1GB/s"}, **body}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def _plan(tmp_path, **changes) -> str:
+    doc = yaml.safe_load((ROOT / "plans" / "demo.yaml").read_text())
+    for key, value in changes.items():
+        section, _, name = key.partition("__")
+        if name:
+            doc[section][name] = value
+        else:
+            doc[section] = value
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"graph": {"devices": 2, "links": [{"a": 0, "b": True, "bandwidth": "1GB/s"}]}}, "graph.links[0].b"),
+    ({"graph": {"devices": 2, "links": [{"a": [0], "b": 1, "bandwidth": "1GB/s"}]}}, "graph.links[0].a"),
+    ({"torus": {"dims": [2, 2], "names": "xy", "bandwidth": "1GB/s"}}, "torus.names"),
+    ({"torus": {"dims": [2, 2], "names": [["x"], "y"], "bandwidth": "1GB/s"}}, "torus.names"),
+    ({"levels": [{"name": "a", "size": 2, "bandwidth": "1GB/s", "kind": ["pcie"]}]}, "levels[0].kind"),
+    ({"levels": [{"name": "a", "size": 2, "bandwidth": "1GB/s", "kind": "warp"}]}, "levels[0].kind"),
+    ({"levels": [{"name": "a", "size": 2, "bandwidth": "1GB/s"}],
+      "calibration": {"host": {"throughput": {float("inf"): 1.0}}}}, "calibration.host.throughput"),
+    ({"levels": [{"name": "a", "size": 2, "bandwidth": "1GB/s"}],
+      "calibration": {"compute": {"efficiency": float("nan")}}}, "calibration.compute.efficiency"),
+    ({"torus": {"dims": [2**20, 2**20], "bandwidth": "1GB/s"}}, "torus.dims"),
+    ({"levels": [{"name": "a", "size": 2**21, "bandwidth": "1GB/s"}]}, "levels[0].size"),
+    ({"graph": {"devices": 10**30, "links": []}}, "graph.devices"),
+    ({"name": "n" * 100_000, "levels": [{"name": "a", "size": 2, "bandwidth": "1GB/s"}]}, "name"),
+])
+def test_wrong_types_and_sizes_in_topologies_name_the_field(tmp_path, capsys, body, field):
+    code, _, err = _run(["topology", "show", _topology(tmp_path, body)], capsys)
+    assert code == 2 and f"field `{field}`" in err and "t.yaml" in err, err
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"model__layers": 10**30}, "model.layers"),
+    ({"model__layers": 2**50}, "model.layers"),
+    ({"model__d_model": 2**40, "model__heads": 4}, "model.d_model"),
+    ({"model__vocab": 2**40}, "model.vocab"),
+    ({"model__seq_len": 2**40}, "model.seq_len"),
+    ({"mesh": {"data": 2**21}, "batch": {"global_batch": 2**23, "microbatches": 4}}, "mesh.data"),
+    ({"batch": {"global_batch": 2**17, "microbatches": 2**16}, "mesh": {"data": 2, "tensor": 2, "stage": 8},
+      "model__layers": 8}, "batch.microbatches"),
+    ({"name": "p" * 10_000}, "name"),
+])
+def test_huge_plans_are_refused_with_the_limit(tmp_path, capsys, changes, field):
+    plan = _plan(tmp_path, **changes)
+    for argv in (["plan", "check", plan], ["memory", "--plan", plan], ["simulate", "--plan", plan]):
+        code, _, err = _run(argv, capsys)
+        assert code == 2 and f"field `{field}`" in err and "p.yaml" in err and "at most" in err, err
+
+
+def test_run_refuses_a_huge_plan_before_jax_starts(tmp_path, capsys):
+    plan = _plan(tmp_path, model__layers=2**50)
+    with fuzz.jax_trapped():  # reaching devices.prepare / train.run_plan would raise JaxWouldStart
+        code, _, err = _run(["run", "--plan", plan], capsys)
+    assert code == 2 and "model.layers" in err
+
+
+@pytest.mark.parametrize("topology, message", [("/tmp/no/such/topology.yaml", "not found"),
+                                               ("/tmp/" + "t" * 5000 + ".yaml", "too long")])
+def test_a_plans_unusable_topology_names_the_plan_file_and_field(tmp_path, capsys, topology, message):
+    plan = _plan(tmp_path, topology=topology)
+    for argv in (["plan", "check", plan], ["memory", "--plan", plan], ["simulate", "--plan", plan]):
+        code, _, err = _run(argv, capsys)
+        assert code == 2 and err.startswith(f"error: {plan}: field `topology`:") and message in err.lower(), err
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--costs", "nan,1,1"], "--costs"),
+    (["schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--costs", "1,inf,1"], "--costs"),
+    (["schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--send", "nan"], "--send"),
+    (["schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--send", "inf"], "--send"),
+    (["schedule", "1f1b", "--stages", "1000", "--microbatches", "100000"], "--microbatches"),
+    (["schedule", "zb-h1", "--stages", "100000", "--microbatches", "1"], "--stages"),
+    (["collective", "send", "--topology", "host-cpu-8", "--peer", "99"], "peer"),
+    (["simulate", "--plan", "demo", "--max-trace-bytes", "nan"], "--max-trace-bytes"),
+])
+def test_bad_argument_values_name_the_option(capsys, argv, field):
+    code, _, err = _run(argv, capsys)
+    assert code == 2 and f"field `{field}`" in err, err
+
+
+@pytest.mark.parametrize("extra, field", [(["--port", "70000"], "--port"), (["--timeout", "nan"], "--timeout")])
+def test_run_refuses_bad_worker_arguments_before_starting(capsys, extra, field):
+    with fuzz.jax_trapped():
+        code, _, err = _run(["run", "--plan", "demo", "--processes", "2", "--devices", "emulated:8", *extra], capsys)
+    assert code == 2 and f"field `{field}`" in err, err
+
+
+def test_long_argument_values_are_clipped_in_usage_errors(capsys):
+    with pytest.raises(SystemExit) as info:  # usage errors exit through argparse, as before
+        main(["schedule", "1f1b", "--stages", "x" * 100_000, "--microbatches", "2"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--stages" in err and len(err.encode()) < 1024
+
+
+@pytest.mark.parametrize("content, field", [
+    ({"samples": [{"kind": "matmul", "seconds": 1e-3, "flops": float("nan")}]}, "samples[0].flops"),
+    ({"samples": [7]}, "samples[0]"),
+    ({"samples": [{"kind": "matmul", "seconds": "fast"}]}, "samples[0].seconds"),
+    ({"samples": [{"kind": "matmul", "seconds": 1e-3, "devices": True}]}, "samples[0].devices"),
+    ({"samples": [{"kind": "warp", "seconds": 1e-3}]}, "samples[0].kind"),
+    ({"samples": [{"kind": "matmul", "seconds": 1e-3, "colour": 1}]}, "samples[0].colour"),
+    ({"samples": [], "devices": "eight"}, "devices"),
+])
+def test_malformed_measurement_files_name_file_and_field(tmp_path, content, field):
+    from testbed.calibration.measurements import read_measurements
+    from testbed.errors import InputError
+
+    path = tmp_path / "m.measurements.json"
+    path.write_text(json.dumps(content))
+    with pytest.raises(InputError) as info:
+        read_measurements(str(path))
+    assert info.value.field == field and info.value.file == str(path)
+
+
+def test_deeply_nested_measurement_json_is_refused(tmp_path):
+    from testbed.calibration.measurements import read_measurements
+    from testbed.errors import InputError
+
+    path = tmp_path / "m.json"
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(InputError):
+        read_measurements(str(path))
+
+
+def test_trace_above_the_limit_is_refused_before_writing(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    code, _, err = _run(["simulate", "--plan", "demo", "--trace", str(trace), "--max-trace-bytes", "10kB"], capsys)
+    assert code == 2 and "--max-trace-bytes" in err and "raise it" in err
+    assert not trace.exists() and list(tmp_path.iterdir()) == []
+    code, _, _ = _run(["simulate", "--plan", "demo", "--trace", str(trace)], capsys)
+    assert code == 0 and trace.exists()
+
+
+def test_trace_size_estimate_is_close():
+    from testbed.plan.io import load_plan
+    from testbed.sim.engine import simulate
+    from testbed.sim.timeline import trace_bytes, write_trace
+    from testbed.topology.io import load_topology
+
+    plan = load_plan("demo")
+    sim = simulate(plan, load_topology(plan.topology))
+    estimate = trace_bytes(sim.timeline)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        size = write_trace(sim.timeline, Path(tmp) / "t.json").stat().st_size
+    assert abs(estimate - size) <= 0.02 * size
+
+
+def test_ctrl_c_during_a_trace_exits_130_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import testbed.sim.timeline as timeline
+
+    class Interrupting:
+        """json whose dumps is interrupted once the trace file is being written."""
+
+        @staticmethod
+        def dumps(obj, **kwargs):
+            if isinstance(obj, dict) and "source" in obj:
+                raise KeyboardInterrupt
+            return json.dumps(obj, **kwargs)
+
+    monkeypatch.setattr(timeline, "json", Interrupting)
+    code = main(["simulate", "--plan", "demo", "--trace", str(tmp_path / "trace.json")])
+    _, err = capsys.readouterr()
+    assert code == 130 and err.strip() == "interrupted"
+    assert list(tmp_path.iterdir()) == []  # no trace, no temporary file
+
+
+def test_yaml_control_characters_and_giant_numbers_are_input_errors(tmp_path, capsys):
+    path = tmp_path / "t.yaml"
+    path.write_bytes(b"name: a\x01b\n")
+    code, _, err = _run(["topology", "show", str(path)], capsys)
+    assert code == 2 and "t.yaml" in err
+    path.write_text("device: " + "9" * 400 + "\n")
+    code, _, err = _run(["topology", "show", str(path)], capsys)
+    assert code == 2 and "line 1" in err and "digits" in err
