@@ -228,3 +228,17 @@ def test_held_during_is_the_one_liveness_rule():
         assert all(held_during(r, "F", release)[-1] == (r[-1].chunk,) for r in sch.actions)
     assert peak_deferred_weight_grads(build_schedule("1f1b", 2, 4)) == (0, 0)
     assert max(peak_deferred_weight_grads(build_schedule("zb-h1", 4, 8))) >= 1
+
+
+def test_oversized_schedules_are_refused_before_any_work():
+    import time
+
+    from testbed.pipeline.schedules import MAX_ACTIONS
+
+    start = time.perf_counter()
+    for name, p, m, field in (("1f1b", 1000, 100_000, "microbatches"), ("zb-h1", 100_000, 1, "stages"),
+                              ("gpipe", 2, MAX_ACTIONS, "microbatches")):
+        with pytest.raises(InputError) as info:
+            build_schedule(name, p, m)
+        assert info.value.field == field and "at most" in info.value.message
+    assert time.perf_counter() - start < 1.0
