@@ -66,7 +66,8 @@ def _array(x: Any) -> Any:
     import numpy as np
 
     a = np.asarray(x)
-    return a.astype(np.float64) if a.dtype.kind in "fiub" or a.dtype.name == "bfloat16" else a
+    # Floats (bfloat16 included) compared in float64; integers and booleans exactly.
+    return a.astype(np.float64) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
 
 
 def _num(x: Any) -> str:
