@@ -1,6 +1,10 @@
 """Test setup: 8 emulated CPU devices before JAX starts, hypothesis profiles.
 
-HYPOTHESIS_PROFILE=ci (default, small and fast) or thorough (large).
+HYPOTHESIS_PROFILE=ci (default, small and fast) or thorough (large). The profile governs every
+property test: a test that needs fewer (or more) examples than the profile's ``max_examples`` asks
+for a share of it (``@settings(max_examples=max(1, settings().max_examples // 5))``, read when the
+test module is imported, after this file has loaded the profile), never for a fixed number, which
+would override the thorough profile too.
 """
 
 from __future__ import annotations

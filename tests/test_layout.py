@@ -82,7 +82,7 @@ def test_param_spec_is_validated_and_counts_per_device() -> None:
 # -- counts, shapes, init ------------------------------------------------------------------------
 
 @given(specs())
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=settings().max_examples * 2, deadline=None)  # the profile's share: ci 30, thorough 600
 def test_runner_shapes_are_the_table(spec: ModelSpec) -> None:
     leaves = _leaves(_shapes(spec))
     # Every leaf is in the table with its shape, and the table has no leaf the runner lacks.
