@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,19 +30,13 @@ CATEGORIES = {"collectives": published_collectives.evaluate, "end_to_end": publi
 UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU"}
 
 
-def summary(rows: list[dict]) -> dict:
-    errors = [abs(r["error"]) for r in rows]
-    return {"cases": len(rows), "unit": "", "median_abs_error": round(statistics.median(errors), 4),
-            "max_abs_error": round(max(errors), 4)}
-
-
 def run(only: list[str] | None = None) -> dict:
     categories, results = {}, {}
     for name, evaluate in CATEGORIES.items():
         if only and name not in only:
             continue
         rows = evaluate()
-        categories[name] = {**summary(rows), "unit": UNITS[name]}
+        categories[name] = {**published_collectives.summary(rows), "unit": UNITS[name]}
         results[name] = [{"case": r["case"], "predicted": r["predicted"], "published": r["published"],
                           "error": r["error"]} for r in rows]
     return {"categories": categories, "results": results}

@@ -18,12 +18,12 @@ prints one JSON object with every case and the median and max |error|.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import yaml
 
+from collectives import summary  # the same per-category summary (this folder is on sys.path)
 from testbed.explore.space import resize_topology
 from testbed.plan.io import plan_from_dict
 from testbed.sim.engine import simulate
@@ -100,12 +100,6 @@ def evaluate(path: Path | str = CASES, topology=None) -> list[dict]:
                     "predicted": round(predicted, 1), "published": published,
                     "error": round(predicted / published - 1, 4)})
     return out
-
-
-def summary(rows: list[dict]) -> dict:
-    errors = [abs(r["error"]) for r in rows]
-    return {"cases": len(rows), "median_abs_error": round(statistics.median(errors), 4),
-            "max_abs_error": round(max(errors), 4)}
 
 
 def main() -> None:
