@@ -21,7 +21,7 @@ from testbed.errors import InputError
 from testbed.model import costs as tm
 from testbed.model import layout
 from testbed.model.memory import memory_breakdown
-from testbed.model.presets import PRESETS, PUBLISHED_PARAMS
+from testbed.model.presets import PUBLISHED_PARAMS
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat
 from testbed.topology.io import load_topology
@@ -43,7 +43,7 @@ def _preset_plan(name: str, **model) -> Plan:
 
 # -- presets --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
 def test_preset_parameter_counts_equal_the_published(name: str) -> None:
     spec = _preset_plan(name).model
     assert tm.param_count(spec) == PUBLISHED_PARAMS[name]

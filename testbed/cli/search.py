@@ -30,11 +30,11 @@ def _csv(text: str | None) -> tuple[str, ...] | None:
 
 def _add(parser: argparse.ArgumentParser) -> None:
     from testbed.explore.search import OBJECTIVES
-    from testbed.explore.space import MODEL_PRESETS
+    from testbed.model.presets import preset_names
 
     parser.add_argument("--model", required=True,
                         help=f"plan file or bundled plan (its model, batch, precision, optimizer are kept) or a "
-                             f"preset: {', '.join(MODEL_PRESETS)}")
+                             f"model preset: {', '.join(preset_names())}")
     parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
     parser.add_argument("--devices", type=int, help="resize the topology's outermost level to N devices")
     parser.add_argument("--global-batch", type=int, help="sequences per step (default: the plan's or preset's)")
@@ -54,13 +54,14 @@ def _add(parser: argparse.ArgumentParser) -> None:
 
 def base_plan(model: str, global_batch: int | None = None, seq: int | None = None) -> Plan:
     """The plan a search starts from: a preset's, or a plan file's with the batch and sequence overridden."""
-    from testbed.explore.space import MODEL_PRESETS, preset_plan
+    from testbed.explore.space import preset_plan
+    from testbed.model.presets import PRESETS
     from testbed.plan.io import load_plan
 
     for name, value in (("--global-batch", global_batch), ("--seq", seq)):
         if value is not None and value < 1:
             raise InputError(f"must be a positive whole number, got {value}", field=name)
-    if model in MODEL_PRESETS:
+    if model in PRESETS:
         return preset_plan(model, global_batch, seq)
     try:
         plan = load_plan(model)
@@ -68,7 +69,7 @@ def base_plan(model: str, global_batch: int | None = None, seq: int | None = Non
         if Path(model).exists():
             raise
         raise InputError(f"`{model}` is neither a plan file, a bundled plan nor a preset "
-                         f"({', '.join(MODEL_PRESETS)}); {exc.message}", field="--model") from None
+                         f"({', '.join(sorted(PRESETS))}); {exc.message}", field="--model") from None
     if global_batch is not None:
         plan = replace(plan, batch=replace(plan.batch, global_batch=global_batch, microbatches=1),
                        mesh=replace(plan.mesh, data=1, fsdp=1))

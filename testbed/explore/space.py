@@ -19,22 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError, closest
+from testbed.model import presets
+from testbed.plan.io import plan_from_dict
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
 from testbed.topology import Form, Topology
 
-__all__ = ["SearchSpace", "MODEL_PRESETS", "preset_plan", "candidates", "factorisations", "count_candidates",
+__all__ = ["SearchSpace", "preset_plan", "candidates", "factorisations", "count_candidates",
            "resize_topology", "shrink_plan"]
-
-#: GPT shapes by name (GPT-3 paper table 2.1 for the large ones; ``gpt-tiny`` for tests and CPUs).
-MODEL_PRESETS: dict[str, tuple[ModelSpec, int]] = {
-    "gpt-tiny": (ModelSpec(layers=4, d_model=64, heads=4, d_ff=256, seq_len=32, vocab=256), 16),
-    "gpt-125m": (ModelSpec(layers=12, d_model=768, heads=12, d_ff=3072, seq_len=2048, vocab=50304), 256),
-    "gpt-350m": (ModelSpec(layers=24, d_model=1024, heads=16, d_ff=4096, seq_len=2048, vocab=50304), 256),
-    "gpt-1.3b": (ModelSpec(layers=24, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=50304), 256),
-    "gpt-2.7b": (ModelSpec(layers=32, d_model=2560, heads=32, d_ff=10240, seq_len=2048, vocab=50304), 512),
-    "gpt-6.7b": (ModelSpec(layers=32, d_model=4096, heads=32, d_ff=16384, seq_len=2048, vocab=50304), 512),
-}
-
 
 def _choices(values, name: str, parse) -> tuple:
     try:
@@ -86,16 +77,19 @@ class SearchSpace:
 
 
 def preset_plan(name: str, global_batch: int | None = None, seq_len: int | None = None) -> Plan:
-    """A single-device bf16-mixed AdamW plan of the preset model ``name`` (the search re-lays it out)."""
-    if name not in MODEL_PRESETS:
-        hint = closest(name, list(MODEL_PRESETS))
+    """A single-device AdamW plan of the model preset ``name`` (testbed.model.presets; the search re-lays it out).
+
+    bf16-mixed, but fp32 for the CPU-sized ``gpt-tiny``; the batch is the
+    preset's default (``DEFAULT_BATCH``) unless given.
+    """
+    if name not in presets.PRESETS:
+        hint = closest(name, presets.preset_names())
         raise InputError(f"unknown model `{name}`" + (f" (did you mean `{hint}`?)" if hint else "")
-                         + f"; give a plan file or a preset: {', '.join(MODEL_PRESETS)}", field="--model")
-    spec, batch = MODEL_PRESETS[name]
-    if seq_len is not None:
-        spec = replace(spec, seq_len=seq_len)
-    precision = Precision.FP32 if name == "gpt-tiny" else Precision.BF16_MIXED
-    return Plan(name=name, model=spec, batch=BatchSpec(global_batch=global_batch or batch), precision=precision)
+                         + f"; give a plan file or a preset: {', '.join(presets.preset_names())}", field="--model")
+    model: dict = {"preset": name, **({"seq_len": seq_len} if seq_len is not None else {})}
+    return plan_from_dict({"name": name, "model": model,
+                           "batch": {"global_batch": global_batch or presets.DEFAULT_BATCH[name]},
+                           "precision": "fp32" if name == "gpt-tiny" else "bf16-mixed"}, default_name=name)
 
 
 def factorisations(n: int, parts: int = 4) -> list[tuple[int, ...]]:

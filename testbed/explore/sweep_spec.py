@@ -24,7 +24,8 @@ from typing import Any
 
 from testbed.errors import InputError, quote
 from testbed.explore.search import OBJECTIVES
-from testbed.explore.space import MODEL_PRESETS, SearchSpace, preset_plan
+from testbed.explore.space import SearchSpace, preset_plan
+from testbed.model.presets import PRESETS
 from testbed.fields import check_keys, expect_mapping, load_yaml
 from testbed.output import read_input
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
@@ -130,7 +131,7 @@ def _load_plan(value: Any, folder: Path, field_name: str) -> dict:
     if not isinstance(value, str):
         raise InputError(f"expected a plan file, a bundled plan or preset name, or a mapping; got {quote(value)}",
                          field=field_name)
-    if value in MODEL_PRESETS:
+    if value in PRESETS:
         return plan_to_dict(preset_plan(value))
     return plan_to_dict(load_plan(_local(value, folder)))
 

@@ -20,6 +20,13 @@ the published count (:data:`PUBLISHED_PARAMS`, tested exactly):
 - ``mistral-7b``: Mistral 7B v0.1 (Jiang et al. 2023, Table 1): Llama's
   pieces with 32000 tokens, theta 10000, context 8192 (its 4096-token
   sliding window is not modelled: attention is dense and causal).
+- ``gpt-125m`` ... ``gpt-6.7b``: the smaller GPT-3 shapes of Table 2.1 with
+  the vocabulary padded to 50304 and untied head; no exact published count
+  (the table rounds), so they are not in :data:`PUBLISHED_PARAMS`.
+  ``gpt-tiny`` is a 4-layer toy for tests and CPUs.
+
+:data:`DEFAULT_BATCH` is the global batch (sequences) a search or sweep
+starts from when none is given.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 
 from testbed.errors import InputError, closest
 
-__all__ = ["PRESETS", "PUBLISHED_PARAMS", "preset_names", "preset"]
+__all__ = ["PRESETS", "PUBLISHED_PARAMS", "DEFAULT_BATCH", "preset_names", "preset"]
 
 _LLAMA: dict[str, Any] = {"mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False,
                           "tied_embeddings": False}
@@ -46,6 +53,18 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
                     "seq_len": 131072, "vocab": 128256, "rope_theta": 500000.0},
     "mistral-7b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
                    "seq_len": 8192, "vocab": 32000, "rope_theta": 10000.0},
+    "gpt-tiny": {"layers": 4, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256},
+    "gpt-125m": {"layers": 12, "d_model": 768, "heads": 12, "d_ff": 3072, "seq_len": 2048, "vocab": 50304},
+    "gpt-350m": {"layers": 24, "d_model": 1024, "heads": 16, "d_ff": 4096, "seq_len": 2048, "vocab": 50304},
+    "gpt-1.3b": {"layers": 24, "d_model": 2048, "heads": 16, "d_ff": 8192, "seq_len": 2048, "vocab": 50304},
+    "gpt-2.7b": {"layers": 32, "d_model": 2560, "heads": 32, "d_ff": 10240, "seq_len": 2048, "vocab": 50304},
+    "gpt-6.7b": {"layers": 32, "d_model": 4096, "heads": 32, "d_ff": 16384, "seq_len": 2048, "vocab": 50304},
+}
+
+#: Global batch (sequences) a search starts from when the user gives none.
+DEFAULT_BATCH: Mapping[str, int] = {
+    "gpt-tiny": 16, "gpt-125m": 256, "gpt-350m": 256, "gpt-1.3b": 256, "gpt-2.7b": 512, "gpt-6.7b": 512,
+    "gpt3-175b": 1536, "llama3-8b": 512, "llama3-70b": 512, "llama3-405b": 2048, "mistral-7b": 512,
 }
 
 #: The published parameter counts (Meta's and Mistral's model cards and checkpoints; GPT-3's from
