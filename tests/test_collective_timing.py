@@ -248,3 +248,17 @@ def test_bounds_are_the_expected_cuts(topologies):
     # Inside one node only injection limits: (n-1)/n * S over 450 + 50 GB/s of links.
     node = collective_time(topologies["dgx-h100-x4"], "all_reduce", tuple(range(8)), nbytes)
     assert node.bound_s == pytest.approx(7 / 8 * nbytes / 5e11)
+
+
+def test_routed_programs_too_large_to_time_are_refused_at_once() -> None:
+    """A 16,384-rank ring would be 1e9 routed transfers (minutes, gigabytes): refused before it is built."""
+    from testbed.collectives.timing import MAX_ROUTED_TRANSFERS, routed_transfers
+    from testbed.topology import DeviceSpec, generators
+
+    topo = generators.torus([32, 32, 16], device=DeviceSpec(name="chip", peak_flops={"bf16": 1e14},
+                                                            memory_bytes=1 << 34, memory_bandwidth=1e12),
+                            bandwidth=9e10, latency=1e-6)
+    group = tuple(range(topo.num_devices))
+    assert routed_transfers(topo, "ring", group) > MAX_ROUTED_TRANSFERS
+    with pytest.raises(InputError, match="routed step program of about"):
+        collective_time(topo, "all_reduce", group, 1 << 30, "ring")

@@ -75,6 +75,32 @@ _MEMO: dict[int, tuple[Topology, dict]] = {}
 _MEMO_TOPOLOGIES = 64
 _MEMO_ENTRIES = 200_000
 
+#: Transfers a routed step program may have (all its groups together) to be timed: each is routed hop by
+#: hop, about 1e5 a second on one core, and a 16,384-rank ring would need 5e8 (minutes, gigabytes).
+MAX_ROUTED_TRANSFERS = 1_000_000
+
+
+def routed_transfers(topology: Topology, algorithm: str, group: Sequence[int], groups: int = 1) -> int:
+    """An upper bound on the transfers of ``algorithm``'s step program over ``groups`` groups like ``group``.
+
+    Per round every rank sends at most one chunk per direction; the rounds are
+    ``2(n-1)`` for rings, ``2 sum(d-1)`` over the dims of torus and hierarchical
+    grids, ``~4 log2 n`` for trees and halving-doubling, ``n`` for direct and
+    one-shot exchanges.
+    """
+    n = len(group)
+    log = max(1, math.ceil(math.log2(max(n, 2))))
+    if algorithm in ("torus", "hierarchical"):
+        grid = group_grid(topology, group)
+        rounds = 2 * sum(d - 1 for d in grid[0]) if grid is not None else 2 * (n - 1)
+    elif algorithm in ("ring", "bidir_ring"):
+        rounds = 4 * (n - 1)
+    elif algorithm in ("halving_doubling", "double_binary_tree"):
+        rounds = 4 * log
+    else:
+        rounds = n
+    return rounds * n * groups
+
 
 def _memo(topology: Topology) -> dict:
     """The memo dict of this topology object (kept with a reference, so ids are never reused)."""
@@ -304,6 +330,17 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
     if algorithm == "auto":
         able = applicable_algorithms(topology, op, groups[0])
         nccl = [a for a in able if a in NCCL_ALGORITHMS]
+        if not nccl:
+            # Routed programs too large to time are left out (a closed form times any size).
+            sized = [a for a in able if closed_form_time(topology, op, a, groups[0], nbytes) is not None
+                     and len(groups) == 1 and use_closed_form
+                     or routed_transfers(topology, a, groups[0], len(groups)) <= MAX_ROUTED_TRANSFERS]
+            if not sized:
+                raise InputError(f"{op} over {len(groups)} group(s) of {n} ranks on `{topology.name}`: every "
+                                 f"algorithm that applies ({', '.join(able)}) is a routed step program of more "
+                                 f"than {MAX_ROUTED_TRANSFERS:,} transfers, too large to time here; this "
+                                 f"topology has no closed form for groups this size yet", field="over")
+            able = sized
         # On an NVIDIA GPU hierarchy NCCL runs the collective: its own algorithms, as its tuning model picks.
         candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form)
                       for a in (nccl or able)]
@@ -323,6 +360,12 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
         if closed is not None:
             time_s, rounds = closed
         else:
+            size = routed_transfers(topology, algorithm, groups[0], len(groups))
+            if size > MAX_ROUTED_TRANSFERS:
+                raise InputError(f"`{algorithm}` {op} over {len(groups)} group(s) of {n} ranks is a routed step "
+                                 f"program of about {size:,} transfers, more than the {MAX_ROUTED_TRANSFERS:,} "
+                                 f"that can be timed here; pick a smaller group or another algorithm",
+                                 field="algorithm")
             time_s, rounds = program_time(topology, op, algorithm, groups, nbytes, root, peer)
         bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
         algbw = nbytes / time_s if time_s > 0 else 0.0
