@@ -35,7 +35,7 @@ from functools import lru_cache
 from testbed.collectives.timing import groups_time, send_time
 from testbed.model import buffers as dispatch
 from testbed.model import costs as model
-from testbed.model.memory import MemoryBreakdown, _stage_memory, state_bytes_per_param
+from testbed.model.memory import MemoryBreakdown, memory_breakdown, state_bytes_per_param
 from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, execution_order, peak_inflight
 from testbed.plan.placement import place
 from testbed.plan.sharding import gradient_reduction, state_sharding
@@ -141,22 +141,9 @@ def _inflight(name: str, stages: int, microbatches: int, virtual: int) -> tuple[
 
 
 def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
-    """:func:`testbed.model.memory.memory_breakdown`, exactly, with the schedule's in-flight counts memoized.
-
-    The breakdown is the memory model's own per-stage function (``_stage_memory``)
-    at each stage's peak; only the schedule table it is read from is shared
-    between candidates (the search meets each table thousands of times).
-    """
-    inflight = _inflight(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
-                         plan.schedule.virtual_stages)
-    stages = [_stage_memory(plan, s, inflight[s]) for s in range(plan.mesh.stage)]
-    worst = max(stages, key=lambda m: m.total)
-    capacity = int(topology.device.memory_bytes)
-    return MemoryBreakdown(
-        params_count=model.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
-        grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
-        total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
-        per_stage=tuple(stages))
+    """:func:`testbed.model.memory.memory_breakdown`, with the schedule's in-flight counts memoized."""
+    return memory_breakdown(plan, topology, _inflight(plan.schedule.name.value, plan.mesh.stage,
+                                                      plan.batch.microbatches, plan.schedule.virtual_stages))
 
 
 def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None) -> Estimate:

@@ -257,9 +257,14 @@ def _layer_params_per_device(plan: Plan, ways: int = 1) -> int:
     return layout.held_elements(((p, 1) for p in layout.layer_params(plan.model)), plan.mesh.tensor, ways)
 
 
-def memory_breakdown(plan: Plan, topology: Topology) -> MemoryBreakdown:
-    """Per-device bytes of ``plan`` (worst stage, at its peak instant), capacity from ``topology.device``."""
-    inflight = inflight_microbatches(plan)
+def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] | None = None) -> MemoryBreakdown:
+    """Per-device bytes of ``plan`` (worst stage, at its peak instant), capacity from ``topology.device``.
+
+    ``inflight``: the schedule's per-stage peak of activation sets, when the
+    caller has it already (the plan search meets each table thousands of
+    times); by default :func:`inflight_microbatches` builds the table.
+    """
+    inflight = inflight_microbatches(plan) if inflight is None else inflight
     stages = [_stage_memory(plan, s, inflight[s]) for s in range(plan.mesh.stage)]
     worst = max(stages, key=lambda m: m.total)
     capacity = int(topology.device.memory_bytes)
