@@ -90,6 +90,25 @@ def test_memory_cap_prunes_and_bad_input_names_the_field() -> None:
     assert info.value.field == "--devices"
 
 
+def test_cost_objective_prices_by_the_topology_unless_given() -> None:
+    """A topology's own price_per_device_hour prices the cost objective; an explicit price overrides it."""
+    from dataclasses import replace
+
+    from testbed.explore.search import objective_value
+
+    topo = load_topology("dgx-h100")
+    plan = preset_plan("gpt-125m")
+    priced = replace(topo, price_per_device_hour=2.0)
+    own = objective_value("cost", plan, priced, 1.0)
+    assert own == pytest.approx(plan.tokens_per_step / (2.0 * topo.num_devices / 3600.0))
+    assert objective_value("cost", plan, priced, 1.0, price_per_device_hour=4.0) == pytest.approx(own / 2)
+    best = search(plan, priced, SMALL, objective="cost", replay=2)
+    assert best.best.value > 0
+    with pytest.raises(InputError) as info:
+        replace(topo, price_per_device_hour=-1.0)
+    assert info.value.field == "price_per_device_hour"
+
+
 def test_search_command_json_and_exit_codes(tmp_path: Path) -> None:
     from testbed.cli.main import main
 

@@ -63,6 +63,19 @@ def test_grid_expands_with_zipped_keys_and_stable_keys():
     assert [x.topology["levels"][1]["size"] for x in expand(devices)] == [1, 4]
 
 
+def test_topology_price_prices_points_the_sweep_leaves_unpriced():
+    """Without a sweep price, each point takes its topology's price_per_device_hour (also a grid field)."""
+    spec = spec_from_dict(_spec(price_per_device_hour=None, topology={**TOPOLOGY, "price_per_device_hour": 2.5},
+                                grid={"topology.price_per_device_hour": [2.5, 4.0]}, search={"objective": "cost"}))
+    assert [t.price_per_device_hour for t in expand(spec)] == [2.5, 4.0]
+    with pytest.raises(InputError) as info:
+        spec_from_dict(_spec(price_per_device_hour=None, search={"objective": "cost"}))
+    assert info.value.field == "search.objective"
+    with pytest.raises(InputError) as info:
+        spec_from_dict(_spec(topology={**TOPOLOGY, "price_per_device_hour": "cheap"}))
+    assert info.value.field == "topology.price_per_device_hour"
+
+
 @pytest.mark.parametrize("over, field", [
     ({"grid": {"topology.levels.clusterx.bandwidth": ["1Gb/s"]}}, "grid.topology.levels.clusterx.bandwidth[0]"),
     ({"grid": {"topology.levels.cluster.bandwidth": ["400Gb/s", "fast"]}}, "grid.topology.levels.cluster.bandwidth[1]"),

@@ -40,7 +40,7 @@ def _add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, help="sequences per step (default: the plan's or preset's)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the plan's or preset's)")
     parser.add_argument("--objective", default="step_time", choices=list(OBJECTIVES))
-    parser.add_argument("--price", type=float, help="price per device-hour in dollars (for --objective cost)")
+    parser.add_argument("--price", type=float, help="price per device-hour in dollars (for --objective cost; default: the topology's price_per_device_hour)")
     parser.add_argument("--memory-cap", type=float, default=1.0, help="fraction of device memory a plan may use")
     parser.add_argument("--top", type=int, default=5, help="how many plans to show (default 5)")
     parser.add_argument("--replay", type=int, default=16, help="best estimates replayed with the DES (default 16)")

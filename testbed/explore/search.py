@@ -40,7 +40,11 @@ OBJECTIVES: dict[str, bool] = {"step_time": False, "tokens_per_s": True, "mfu": 
 
 def objective_value(objective: str, plan: Plan, topology: Topology, step_time_s: float,
                     price_per_device_hour: float | None = None) -> float:
-    """The objective's value of ``plan`` stepping in ``step_time_s`` (``cost``: tokens per dollar)."""
+    """The objective's value of ``plan`` stepping in ``step_time_s`` (``cost``: tokens per dollar).
+
+    ``cost`` prices a device-hour at ``price_per_device_hour``, or else at the
+    topology's own ``price_per_device_hour``.
+    """
     if step_time_s <= 0:
         return 0.0 if OBJECTIVES[objective] else float("inf")
     if objective == "step_time":
@@ -51,8 +55,11 @@ def objective_value(objective: str, plan: Plan, topology: Topology, step_time_s:
         peak = topology.device.flops(plan.precision.compute_dtype)
         return model_flops_per_step(plan) / (topology.num_devices * peak * step_time_s)
     if objective == "cost":
+        if price_per_device_hour is None:
+            price_per_device_hour = topology.price_per_device_hour
         if not price_per_device_hour or price_per_device_hour <= 0:
-            raise InputError("the cost objective needs a positive price per device-hour", field="--price")
+            raise InputError(f"the cost objective needs a positive price per device-hour: give --price or add "
+                             f"`price_per_device_hour` to the topology `{topology.name}`", field="--price")
         dollars = price_per_device_hour * topology.num_devices * step_time_s / 3600.0
         return plan.tokens_per_step / dollars
     raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")

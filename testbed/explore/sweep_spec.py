@@ -179,8 +179,9 @@ def spec_from_dict(data: Any, default_name: str = "sweep", folder: str | Path = 
         price = {str(k): _price(v, f"price_per_device_hour.{k}") for k, v in price.items()}
     elif price is not None:
         price = _price(price, "price_per_device_hour")
-    if search is not None and search.objective == "cost" and price is None:
-        raise InputError("the cost objective needs `price_per_device_hour`", field="search.objective")
+    if search is not None and search.objective == "cost" and price is None and "price_per_device_hour" not in topology:
+        raise InputError("the cost objective needs `price_per_device_hour` (in the sweep, or in the topology)",
+                         field="search.objective")
     axes = _axes(data["grid"], search is not None)
     spec = SweepSpec(name=name, description=str(data.get("description", "")), plan=plan, topology=topology,
                      fill=fill, search=search, price_per_device_hour=price, axes=axes, folder=str(folder))
@@ -341,8 +342,8 @@ def _point_price(spec: SweepSpec, params: dict, topology: dict) -> float | None:
         return _price(params["price_per_device_hour"], "grid.price_per_device_hour")
     price = spec.price_per_device_hour
     if isinstance(price, dict):
-        return price.get(topology["device"].get("name", "device"))
-    return price
+        price = price.get(topology["device"].get("name", "device"))
+    return topology.get("price_per_device_hour") if price is None else price
 
 
 def _points(spec: SweepSpec):

@@ -27,7 +27,7 @@ from testbed.units import parse_bandwidth, parse_bytes, parse_flops, parse_time
 
 __all__ = ["load_topology", "topology_from_text", "topology_from_dict", "topology_to_dict", "dump_topology", "bundled_names", "resolve_topology_path"]
 
-_TOP_KEYS = ("name", "description", "device", "levels", "torus", "graph", "calibration")
+_TOP_KEYS = ("name", "description", "device", "levels", "torus", "graph", "calibration", "price_per_device_hour")
 _KINDS = [k.value for k in LinkKind]
 
 
@@ -250,10 +250,11 @@ def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
             raise InputError("expected a list of groups {name, size}, innermost first", field="graph.levels")
         levels = [_level(item, f"graph.levels[{i}]", group_only=True) for i, item in enumerate(raw_levels)]
         topo = generators.explicit(n, links, device=device, switches=switches, levels=levels, name=name, calibration=calibration)
-    if description:
+    price = get_float(data, "price_per_device_hour", None, positive=True) if "price_per_device_hour" in data else None
+    if description or price is not None:
         from dataclasses import replace
 
-        topo = replace(topo, description=description)
+        topo = replace(topo, description=description, price_per_device_hour=price)
     return topo
 
 
@@ -284,6 +285,8 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
     calibration = topology.calibration.as_dict()
     if calibration:
         out["calibration"] = calibration
+    if topology.price_per_device_hour is not None:
+        out["price_per_device_hour"] = topology.price_per_device_hour
     return out
 
 

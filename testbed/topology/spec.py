@@ -45,11 +45,16 @@ class Topology:
     switches: tuple[str, ...] = ()
     calibration: Calibration = field(default_factory=Calibration)
     description: str = ""
+    price_per_device_hour: float | None = None
     graph: nx.Graph = field(init=False, repr=False, compare=False)
     _routes: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
+        price = self.price_per_device_hour
+        if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float))
+                                  or not math.isfinite(price) or price <= 0):
+            raise InputError(f"must be a positive number of dollars, got {price!r}", field="price_per_device_hour")
         names = [level.name for level in self.levels]
         if len(set(names)) != len(names) or "all" in names:
             raise InputError(f"level names must be distinct and not `all`, got {names}", field="levels")
