@@ -13,7 +13,7 @@ from testbed.fields import (check_keys, expect_mapping, get_bool, get_float, get
                             load_yaml)
 from testbed.output import read_input
 from testbed.plan.spec import (
-    Axis, BatchSpec, MeshSpec, Mlp, ModelSpec, Norm, OptimizerSpec, Plan, Position, Precision, Remat, ScheduleName,
+    Attention, Axis, BatchSpec, MeshSpec, Mlp, ModelSpec, Norm, OptimizerSpec, Plan, Position, Precision, Remat, ScheduleName,
     ScheduleSpec, plan_fields,
 )
 from testbed.model.presets import preset
@@ -75,6 +75,9 @@ def _model_from_dict(model: Any, keys: tuple[str, ...]) -> ModelSpec:
         bias=get_bool(model, "bias", "model", default=True),
         dropout=get_float(model, "dropout", "model", default=0.0, minimum=0.0),
         rope_theta=get_float(model, "rope_theta", "model", default=10000.0, positive=True),
+        attention=Attention(get_str(model, "attention", "model", default=Attention.PLAIN.value,
+                                    choices=[e.value for e in Attention])),
+        attention_block=None if model.get("attention_block") is None else get_int(model, "attention_block", "model"),
         pad_vocab_to=None if pad is None else get_int(model, "pad_vocab_to", "model"),
     )
 
@@ -135,6 +138,7 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
         zero=get_int(data, "zero", None, default=0, minimum=0, maximum=3),
         seed=get_int(data, "seed", None, default=0, minimum=0),
         topology=topology,
+        sequence_parallel=get_bool(data, "sequence_parallel", None),
     ))
 
 
@@ -150,6 +154,10 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                     "bias": m.bias, "dropout": m.dropout, "rope_theta": m.rope_theta}
     if m.pad_vocab_to is not None:
         out["model"]["pad_vocab_to"] = m.pad_vocab_to
+    if m.attention is not Attention.PLAIN:
+        out["model"]["attention"] = m.attention.value
+    if m.attention_block is not None:
+        out["model"]["attention_block"] = m.attention_block
     out["batch"] = {"global_batch": b.global_batch, "microbatches": b.microbatches}
     out["mesh"] = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "stage": mesh.stage,
                    "order": [a.value for a in mesh.order]}
@@ -160,6 +168,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                         "weight_decay": o.weight_decay}
     out["zero"] = plan.zero
     out["seed"] = plan.seed
+    if plan.sequence_parallel:
+        out["sequence_parallel"] = True
     return out
 
 

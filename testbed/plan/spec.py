@@ -18,7 +18,7 @@ from typing import Any
 from testbed.errors import InputError
 
 __all__ = [
-    "Axis", "MESH_AXES", "ScheduleName", "Precision", "Remat", "Mlp", "Norm", "Position", "ModelSpec", "BatchSpec", "MeshSpec",
+    "Axis", "MESH_AXES", "ScheduleName", "Precision", "Remat", "Mlp", "Norm", "Position", "Attention", "ModelSpec", "BatchSpec", "MeshSpec",
     "ScheduleSpec", "OptimizerSpec", "Plan", "check_plan",
 ]
 
@@ -90,6 +90,18 @@ class Position(StrEnum):
     ROPE = "rope"
 
 
+class Attention(StrEnum):
+    """Dense attention (the ``seq x seq`` scores materialised), or blockwise "flash" attention (FlashAttention-2:
+    online softmax over K/V blocks, the backward recomputes the block scores; no ``seq x seq`` buffer)."""
+
+    PLAIN = "plain"
+    FLASH = "flash"
+
+
+#: The largest K/V block of flash attention (FlashAttention-2's typical tile); see :attr:`ModelSpec.flash_block`.
+FLASH_BLOCK = 128
+
+
 #: Megatron's ``make-vocab-size-divisible-by``: an indivisible vocab is padded to a multiple of this x tensor.
 VOCAB_PAD_BASE = 128
 
@@ -101,7 +113,8 @@ class ModelSpec:
     The defaults are GPT-2's architecture (MHA, GELU MLP, LayerNorm, learned
     positions, biases). ``kv_heads`` < ``heads`` is grouped-query attention
     (``kv_heads`` 1: multi-query); ``mlp``, ``norm``, ``position`` and
-    ``bias`` choose the Llama family's pieces. ``dropout`` is a rate the
+    ``bias`` choose the Llama family's pieces; ``attention`` plain or flash
+    (``attention_block``: flash's K/V block, default :attr:`flash_block`'s rule). ``dropout`` is a rate the
     memory model counts masks for (the runner trains at rate 0).
 
     ``vocab`` is the tokenizer's vocabulary; the token table and head have
@@ -128,6 +141,8 @@ class ModelSpec:
     bias: bool = True
     dropout: float = 0.0
     rope_theta: float = 10000.0
+    attention: Attention = Attention.PLAIN
+    attention_block: int | None = None
     pad_vocab_to: int | None = None
     vocab_multiple: int = 0
 
@@ -145,7 +160,7 @@ class ModelSpec:
                                  field="model.kv_heads")
             if self.kv_heads == self.heads:  # multi-head attention: stored as unset, so `replace(heads=)` keeps MHA
                 object.__setattr__(self, "kv_heads", None)
-        for name, enum in (("mlp", Mlp), ("norm", Norm), ("position", Position)):
+        for name, enum in (("mlp", Mlp), ("norm", Norm), ("position", Position), ("attention", Attention)):
             value = getattr(self, name)
             if value not in {e.value for e in enum}:
                 raise InputError(f"unknown {name} `{value}`; valid: {', '.join(e.value for e in enum)}",
@@ -158,6 +173,11 @@ class ModelSpec:
         if self.position is Position.ROPE and self.head_dim % 2:
             raise InputError(f"rope needs an even head_dim, got d_model / heads = {self.head_dim}",
                              field="model.position")
+        if self.attention_block is not None:
+            _positive(self.attention_block, "model.attention_block")
+            if self.seq_len % self.attention_block:
+                raise InputError(f"must divide seq_len {self.seq_len} (flash attention's K/V blocks tile the "
+                                 f"sequence), got {self.attention_block}", field="model.attention_block")
         if self.pad_vocab_to is not None:
             _positive(self.pad_vocab_to, "model.pad_vocab_to")
             object.__setattr__(self, "vocab_multiple", self.pad_vocab_to)
@@ -168,6 +188,14 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
+
+    @property
+    def flash_block(self) -> int:
+        """Flash attention's K/V block (both interpreters read it): ``attention_block``, or the largest divisor
+        of ``seq_len`` not above :data:`FLASH_BLOCK` (``seq_len`` itself up to 128)."""
+        if self.attention_block is not None:
+            return self.attention_block
+        return max(b for b in range(1, min(self.seq_len, FLASH_BLOCK) + 1) if self.seq_len % b == 0)
 
     @property
     def num_kv_heads(self) -> int:
@@ -300,6 +328,9 @@ class Plan:
     seed: int = 0
     topology: str | None = None
     name: str = "plan"
+    #: Megatron sequence parallelism (Korthikanti et al. 2022): the norm, dropout and residual regions of every
+    #: layer sharded over the sequence on the tensor axis; all-gather + reduce-scatter instead of all-reduce.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -332,6 +363,15 @@ class Plan:
         if m.padded_vocab % mesh.tensor:
             raise InputError(f"vocab {m.vocab} padded to {m.padded_vocab} (pad_vocab_to {m.pad_vocab_to}) must be "
                              f"divisible by mesh.tensor {mesh.tensor} (vocab-parallel head)", field="model.vocab")
+        if not isinstance(self.sequence_parallel, bool):
+            raise InputError(f"must be true or false, got {self.sequence_parallel!r}", field="sequence_parallel")
+        if self.sequence_parallel and mesh.tensor == 1:
+            raise InputError("sequence_parallel shards the norm and dropout regions over the tensor axis, so it needs "
+                             "mesh.tensor > 1 (got 1); set mesh.tensor to 2 or more, or sequence_parallel: false",
+                             field="sequence_parallel")
+        if self.sequence_parallel and m.seq_len % mesh.tensor:
+            raise InputError(f"sequence_parallel splits the sequence over the tensor ranks: model.seq_len "
+                             f"{m.seq_len} must be divisible by mesh.tensor {mesh.tensor}", field="model.seq_len")
         if self.schedule.name is ScheduleName.INTERLEAVED and mesh.stage > 1 and b.microbatches % mesh.stage:
             raise InputError(f"interleaved needs microbatches ({b.microbatches}) divisible by mesh.stage ({mesh.stage})",
                              field="batch.microbatches")
@@ -366,9 +406,11 @@ def check_plan(plan: Plan, num_devices: int, where: str = "topology") -> None:
 def plan_fields() -> Mapping[str, tuple[str, ...]]:
     """Valid keys of each plan section (for unknown-key suggestions)."""
     return {
-        "": ("name", "model", "batch", "mesh", "schedule", "precision", "remat", "optimizer", "zero", "seed", "topology"),
+        "": ("name", "model", "batch", "mesh", "schedule", "precision", "remat", "optimizer", "zero", "seed", "topology",
+             "sequence_parallel"),
         "model": ("preset", "kind", "layers", "d_model", "heads", "d_ff", "seq_len", "vocab", "tied_embeddings",
-                  "kv_heads", "mlp", "norm", "position", "bias", "dropout", "rope_theta", "pad_vocab_to"),
+                  "kv_heads", "mlp", "norm", "position", "bias", "dropout", "rope_theta", "pad_vocab_to", "attention",
+                  "attention_block"),
         "batch": ("global_batch", "microbatches"),
         "mesh": ("data", "fsdp", "tensor", "stage", "order"),
         "schedule": ("name", "virtual_stages"),
