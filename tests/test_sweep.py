@@ -226,3 +226,24 @@ def test_cluster_executor_without_its_extra_is_exit_2(tmp_path, capsys, executor
     spec_file.write_text(yaml.safe_dump(_spec(grid={"topology.nodes": [1, 2]})))
     assert main(["sweep", str(spec_file), "--db", str(tmp_path / "x.duckdb"), "--executor", executor]) == 2
     assert f"jax-testbed[{executor}]" in capsys.readouterr().err
+
+
+def test_dask_executor_writes_the_same_rows_as_the_process_one(tmp_path):
+    """With the `dask` extra installed, `--executor dask` (a local cluster of worker processes) fills the same
+    database as the default executor; half the points done by one, the rest by the other, still the same."""
+    pytest.importorskip("distributed")
+    spec = spec_from_dict(_spec(grid={"topology.nodes": [1, 2], "plan.mesh.stage": [1, 2, 3]}))
+    whole, mixed, dasked = tmp_path / "whole.duckdb", tmp_path / "mixed.duckdb", tmp_path / "dask.duckdb"
+    run_sweep(spec, whole, workers=1)
+    summary = run_sweep(spec, dasked, executor="dask", workers=1)
+    assert (summary.evaluated, summary.invalid) == (6, 2)
+    assert _rows(dasked) == _rows(whole)
+
+    def stop(row):
+        if row["point"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, mixed, workers=1, on_row=stop)
+    assert run_sweep(spec, mixed, executor="dask", workers=1).skipped == 3
+    assert _rows(mixed) == _rows(whole)
