@@ -124,7 +124,5 @@ def test_subprocess_bad_input_has_no_traceback(tmp_path):
 
 
 def test_unknown_command_suggests(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["topolgies"])
-    assert info.value.code == 2
+    assert main(["topolgies"]) == 2  # a status returned in-process, as for every other bad input
     assert "did you mean `topologies`" in capsys.readouterr().err

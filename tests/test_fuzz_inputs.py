@@ -180,10 +180,9 @@ def test_run_refuses_bad_worker_arguments_before_starting(capsys, extra, field):
 
 
 def test_long_argument_values_are_clipped_in_usage_errors(capsys):
-    with pytest.raises(SystemExit) as info:  # usage errors exit through argparse, as before
-        main(["schedule", "1f1b", "--stages", "x" * 100_000, "--microbatches", "2"])
+    code = main(["schedule", "1f1b", "--stages", "x" * 100_000, "--microbatches", "2"])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and "--stages" in err and len(err.encode()) < 1024
+    assert code == 2 and "--stages" in err and len(err.encode()) < 1024
 
 
 @pytest.mark.parametrize("content, field", [

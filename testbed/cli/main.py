@@ -92,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in COMMANDS else None)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # bad usage (2) or --help (0): a status, in-process callers get it returned too
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
     if getattr(args, "_missing", None):
         sys.stderr.write(f"error: `testbed {args.command}` is not available in this build ({args._missing} missing)\n")
         return 2
