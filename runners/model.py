@@ -19,7 +19,9 @@ dtype; given fp32 parameters it casts them (the functions stay usable on
 fp32 parameters with a bf16 compute dtype).
 
 Remat: ``selective`` checkpoints the core attention (scores, softmax, values),
-``full`` checkpoints each whole block.
+``full`` checkpoints each whole block. Attention (``runners.attention``): plain
+(dense scores) or flash (blockwise, recomputing its scores in the backward, so
+``selective`` changes nothing for it).
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runners.attention import flash_attention, plain_attention
 from testbed.model import layout
 from testbed.model.layout import Init, ParamSpec, Placement
-from testbed.plan.spec import ModelSpec, Norm, Position, Precision, Remat
+from testbed.plan.spec import Attention, ModelSpec, Norm, Position, Precision, Remat
 
 __all__ = [
     "Params", "init_params", "param_count", "embed", "block", "stage_forward", "head_loss", "forward_loss",
@@ -161,6 +164,8 @@ class _Arch(NamedTuple):
     heads: int
     rms: bool = False
     rope_theta: float | None = None     # None: learned positions (no rotation)
+    seq: Any = None                     # sequence parallelism: runners.parallel.SequenceShards, or None
+    flash_block: int | None = None      # None: plain attention; else flash over K/V blocks of this many keys
 
 
 def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
@@ -169,7 +174,8 @@ def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
         return spec
     if isinstance(spec, ModelSpec):
         return _Arch(heads=spec.heads, rms=spec.norm is Norm.RMSNORM,
-                     rope_theta=spec.rope_theta if spec.position is Position.ROPE else None)
+                     rope_theta=spec.rope_theta if spec.position is Position.ROPE else None,
+                     flash_block=spec.flash_block if spec.attention is Attention.FLASH else None)
     return _Arch(heads=int(spec))
 
 
@@ -179,24 +185,6 @@ def _layer_norm(p: Params, x: jax.Array, rms: bool = False) -> jax.Array:
         return _rms_norm_core(x, p["scale"])
     bias = p["bias"] if "bias" in p else jnp.zeros_like(p["scale"])
     return _layer_norm_core(x, p["scale"], bias)
-
-
-@jax.custom_vjp
-def _softmax(x: jax.Array) -> jax.Array:
-    """Softmax over the last dim that keeps only its output for the backward."""
-    return jax.nn.softmax(x, axis=-1)
-
-
-def _softmax_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    y = jax.nn.softmax(x, axis=-1)
-    return y, y
-
-
-def _softmax_bwd(y: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-    return (y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
-
-
-_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 @jax.custom_vjp
@@ -244,29 +232,6 @@ def _rope(x: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _core_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal softmax attention: q ``[batch, seq, heads, head_dim]``, k and v ``[batch, seq, kv_heads, head_dim]``.
-
-    With fewer K/V heads (grouped-query attention) query head ``h`` attends with K/V head
-    ``h // (heads / kv_heads)``: the query heads are viewed as ``[kv_heads, group]`` (no K/V copies).
-    """
-    b, seq, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    scale = jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
-    # An additive constant mask: its backward needs nothing saved (a boolean `where` would keep the mask).
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    if kv_heads == heads:
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-        bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
-        probs = _softmax(scores + bias)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    grouped = q.reshape(b, seq, kv_heads, heads // kv_heads, head_dim)
-    scores = jnp.einsum("bqngd,bknd->bngqk", grouped, k) * scale
-    bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
-    probs = _softmax(scores + bias)
-    return jnp.einsum("bngqk,bknd->bqngd", probs, v).reshape(b, seq, heads, head_dim)
-
-
 def _gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x)
 
@@ -288,6 +253,35 @@ def _plus(x: jax.Array, p: Params, name: str) -> jax.Array:
     return x + p[name] if name in p else x
 
 
+def _column(seq: Any, h: jax.Array, project: Any) -> Any:
+    """``project(h)``: the column-parallel matmuls after a norm.
+
+    With sequence parallelism (``seq``: runners.parallel.SequenceShards) ``h`` is split over the sequence:
+    it is all-gathered inside a checkpoint, so the backward keeps only the shard and gathers again for the
+    weight gradient, as Megatron does (Korthikanti et al. 2022, section 4.2.2); the input gradient is
+    reduce-scattered.
+    """
+    if seq is None:
+        return project(h)
+    return jax.checkpoint(lambda h: project(seq.gather(h)))(h)
+
+
+def _row(seq: Any, y: jax.Array) -> jax.Array:
+    """A row-parallel matmul's output: with sequence parallelism split over the sequence (reduce-scatter)."""
+    return y if seq is None else seq.shard(y)
+
+
+def _qkv(a: Params, h: jax.Array, heads: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Q, K and V ``[batch, seq, heads (or kv_heads), head_dim]`` from the fused or the split projections."""
+    b, s = h.shape[:2]
+    if "wqkv" in a:
+        qkv = _plus(jnp.einsum("bsd,dtk->bstk", h, a["wqkv"]), a, "bqkv")
+        return tuple(qkv[:, :, i].reshape(b, s, heads, head_dim) for i in range(3))
+    q = _plus(h @ a["wq"], a, "bq").reshape(b, s, heads, head_dim)
+    kv = _plus(jnp.einsum("bsd,dtk->bstk", h, a["wkv"]), a, "bkv")
+    return (q, *(kv[:, :, i].reshape(b, s, -1, head_dim) for i in range(2)))
+
+
 def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Remat | str = Remat.NONE) -> jax.Array:
     """One pre-norm block: ``x + attn(norm1(x))`` then ``+ mlp(norm2(.))``; shape ``[batch, seq, d]``.
 
@@ -295,35 +289,37 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
     ``wqkv`` (multi-head) or ``wq`` and ``wkv`` (grouped-query), ``w3`` (SwiGLU), the biases present.
     """
     arch = _arch(spec)
+    sp = arch.seq
+    x = x if sp is None else sp.shard(x)
     b, s, d = x.shape
     heads, head_dim = arch.heads, d // arch.heads
     a = params_layer["attn"]
     h = _layer_norm(params_layer["ln1"], x, arch.rms)
-    if "wqkv" in a:
-        qkv = _plus(jnp.einsum("bsd,dtk->bstk", h, a["wqkv"]), a, "bqkv")
-        q, k, v = (qkv[:, :, i].reshape(b, s, heads, head_dim) for i in range(3))
-    else:
-        q = _plus(h @ a["wq"], a, "bq").reshape(b, s, heads, head_dim)
-        kv = _plus(jnp.einsum("bsd,dtk->bstk", h, a["wkv"]), a, "bkv")
-        k, v = (kv[:, :, i].reshape(b, s, -1, head_dim) for i in range(2))
+    q, k, v = _column(sp, h, lambda h: _qkv(a, h, heads, head_dim))
     if arch.rope_theta is not None:
         q, k = _rope(q, arch.rope_theta), _rope(k, arch.rope_theta)
-    core = jax.checkpoint(_core_attention) if Remat(remat) is Remat.SELECTIVE else _core_attention
-    x = _plus(x + core(q, k, v).reshape(b, s, d) @ a["wo"], a, "bo")
+    if arch.flash_block is not None:  # keeps only q, k, v, its output and the row log-sum-exp: remat has no more to drop
+        attended = flash_attention(q, k, v, arch.flash_block)
+    elif Remat(remat) is Remat.SELECTIVE:
+        attended = jax.checkpoint(plain_attention)(q, k, v)
+    else:
+        attended = plain_attention(q, k, v)
+    x = _plus(x + _row(sp, attended.reshape(b, s, d) @ a["wo"]), a, "bo")
     m = params_layer["mlp"]
     h = _layer_norm(params_layer["ln2"], x, arch.rms)
     if "w3" in m:
-        hidden = _swiglu_remat(_plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3"))
+        hidden = _swiglu_remat(*_column(sp, h, lambda h: (_plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3"))))
     else:
-        hidden = _gelu_remat(_plus(h @ m["w1"], m, "b1"))
-    return _plus(x + hidden @ m["w2"], m, "b2")
+        hidden = _gelu_remat(_column(sp, h, lambda h: _plus(h @ m["w1"], m, "b1")))
+    return _plus(x + _row(sp, hidden @ m["w2"]), m, "b2")
 
 
 def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
-                  remat: Remat | str = Remat.NONE) -> jax.Array:
-    """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`)."""
+                  remat: Remat | str = Remat.NONE, seq: Any = None) -> jax.Array:
+    """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
+    ``seq``: sequence parallelism's runners.parallel.SequenceShards, or None)."""
     remat = Remat(remat)
-    arch = _arch(spec)
+    arch = _arch(spec) if seq is None else _arch(spec)._replace(seq=seq)
     step = jax.checkpoint(_block, static_argnums=(2, 3)) if remat is Remat.FULL else _block
     for layer in params_layers:
         x = step(layer, x, arch, remat)
@@ -335,15 +331,17 @@ def _block(params_layer: Params, x: jax.Array, arch: _Arch, remat: Remat) -> jax
 
 
 def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
-              tied_tokens: jax.Array | None = None, spec: ModelSpec | None = None) -> jax.Array:
+              tied_tokens: jax.Array | None = None, spec: ModelSpec | None = None, seq: Any = None) -> jax.Array:
     """Final norm, output projection (or the tied token table transposed), mean fp32 cross-entropy.
 
     With ``spec``: its norm, and the logits of padded vocab rows masked out (they never win probability,
-    so the loss is that of the unpadded model; their rows get no gradient).
+    so the loss is that of the unpadded model; their rows get no gradient). ``seq``: as :func:`stage_forward`
+    (the final norm runs on the sequence shards, the vocab-parallel projection on the gathered sequence).
     """
     rms = spec is not None and spec.norm is Norm.RMSNORM
     h = _layer_norm(params_head["norm"], x, rms)
-    logits = (h @ (params_head["w"] if tied_tokens is None else tied_tokens.T)).astype(jnp.float32)
+    w = params_head["w"] if tied_tokens is None else tied_tokens.T
+    logits = _column(seq, h, lambda h: h @ w).astype(jnp.float32)
     if spec is not None and spec.padded_vocab > spec.vocab:
         pad = np.where(np.arange(spec.padded_vocab) < spec.vocab, 0.0, np.finfo(np.float32).min)
         logits = logits + jnp.asarray(pad, jnp.float32)
@@ -351,13 +349,15 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
 
 
 def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec: ModelSpec,
-                 precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE) -> jax.Array:
-    """Mean cross-entropy of the whole model (single device or under GSPMD shardings)."""
+                 precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE,
+                 seq: Any = None) -> jax.Array:
+    """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
+    parallelism's runners.parallel.SequenceShards, or None)."""
     p = cast_params(params, precision)
     x = embed(p["embed"], tokens)
-    x = stage_forward(p["layers"], x, spec, remat)
+    x = stage_forward(p["layers"], x, spec, remat, seq)
     tied = p["embed"]["tokens"] if spec.tied_embeddings else None
-    return head_loss(p["head"], x, targets, tied, spec)
+    return head_loss(p["head"], x, targets, tied, spec, seq)
 
 
 def warn_dropout(spec: ModelSpec) -> None:

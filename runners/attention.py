@@ -1,0 +1,172 @@
+"""Causal attention kernels of the runner's blocks: dense ("plain") and blockwise ("flash").
+
+Both take q ``[batch, seq, heads, head_dim]`` and k, v ``[batch, seq, kv_heads, head_dim]``
+and return ``[batch, seq, heads, head_dim]``. With fewer K/V heads (grouped-query
+attention) query head ``h`` attends with K/V head ``h // (heads / kv_heads)``: the
+query heads are viewed as ``[kv_heads, group]`` (no K/V copies).
+
+- :func:`plain_attention` materialises the ``seq x seq`` scores and probabilities
+  (the softmax keeps its output for the backward).
+- :func:`flash_attention` is FlashAttention-2's algorithm (Dao 2023) written for XLA:
+  a scan over K/V blocks of ``block`` keys with an online softmax (running row max,
+  row sum and rescaled output, in fp32), saving only q, k, v, the output and the
+  per-row log-sum-exp. Its backward (a ``custom_vjp``) scans the K/V blocks again,
+  recomputing each block's scores and probabilities from the log-sum-exp, and
+  accumulates dq while writing dk, dv block by block. No buffer of the compiled
+  program is ``seq x seq``: the largest attention temporaries are ``seq x block``
+  per head. Every query row meets every K/V block (causality by masking, as
+  the dense kernel), so the forward's matmul FLOPs equal the dense kernel's,
+  and the backward's are 2.5x the forward's (scores recomputed, then dV, dP,
+  dQ, dK), what ``testbed.model.costs`` counts.
+
+The block size is the plan's (``ModelSpec.flash_block``), read by the simulator's
+memory model too. On GPU the same kernel runs through XLA (fused per block by
+XLA, not a hand-written Pallas/cuDNN kernel); the runner does not call
+``jax.nn.dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["plain_attention", "flash_attention"]
+
+
+@jax.custom_vjp
+def _softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the last dim that keeps only its output for the backward."""
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _softmax_fwd(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    y = jax.nn.softmax(x, axis=-1)
+    return y, y
+
+
+def _softmax_bwd(y: jax.Array, g: jax.Array) -> tuple[jax.Array]:
+    return (y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
+def plain_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Dense causal softmax attention over the whole ``seq x seq`` score matrix."""
+    b, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    scale = jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+    # An additive constant mask: its backward needs nothing saved (a boolean `where` would keep the mask).
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    if kv_heads == heads:
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+        bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
+        probs = _softmax(scores + bias)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    grouped = q.reshape(b, seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("bqngd,bknd->bngqk", grouped, k) * scale
+    bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
+    probs = _softmax(scores + bias)
+    return jnp.einsum("bngqk,bknd->bqngd", probs, v).reshape(b, seq, heads, head_dim)
+
+
+# -- flash ------------------------------------------------------------------------------------
+
+def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q ``[b, s, heads, d]`` viewed as ``[b, s, kv_heads, group, d]``."""
+    b, s, heads, d = q.shape
+    return q.reshape(b, s, kv_heads, heads // kv_heads, d)
+
+
+def _block_scores(qg: jax.Array, k_blk: jax.Array, start: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    """fp32 scores ``[b, s, kv_heads, group, block]`` of all queries against one K/V block, and its causal mask."""
+    s, block = qg.shape[1], k_blk.shape[1]
+    scores = jnp.einsum("bqngd,bknd->bqngk", qg, k_blk, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(s)[:, None] >= start + jnp.arange(block)[None, :]
+    return scores, visible[None, :, None, None, :]
+
+
+def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """(output ``[b, s, heads, d]`` in q's dtype, fp32 log-sum-exp ``[b, s, kv_heads, group]``)."""
+    b, s, heads, d = q.shape
+    kv_heads = k.shape[2]
+    qg = _grouped(q, kv_heads)
+    scale = 1.0 / math.sqrt(d)
+    stats = (b, s, kv_heads, heads // kv_heads)
+
+    def step(carry, j):
+        row_max, row_sum, acc = carry
+        start = j * block
+        k_blk = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)
+        v_blk = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
+        scores, visible = _block_scores(qg, k_blk, start, scale)
+        scores = jnp.where(visible, scores, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+        # Block 0 holds key 0, which every query sees: the running max is finite from the first block on.
+        probs = jnp.exp(scores - new_max[..., None])
+        rescale = jnp.exp(row_max - new_max)
+        row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum("bqngk,bknd->bqngd", probs.astype(v.dtype), v_blk,
+                                                    preferred_element_type=jnp.float32)
+        return (new_max, row_sum, acc), None
+
+    init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros((*stats, d), jnp.float32))
+    (row_max, row_sum, acc), _ = jax.lax.scan(step, init, jnp.arange(s // block))
+    out = (acc / row_sum[..., None]).astype(q.dtype).reshape(b, s, heads, d)
+    return out, row_max + jnp.log(row_sum)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    return _flash_forward(q, k, v, block)[0]
+
+
+def _flash_fwd(q: jax.Array, k: jax.Array, v: jax.Array, block: int):
+    out, lse = _flash_forward(q, k, v, block)
+    return out, (q, k, v, out, lse)
+
+
+def _flash_bwd(block: int, res, g: jax.Array):
+    # The barrier keeps XLA from sharing work with the forward (which would keep its blocks alive).
+    q, k, v, out, lse = jax.lax.optimization_barrier(res)
+    b, s, heads, d = q.shape
+    kv_heads = k.shape[2]
+    qg, gg = _grouped(q, kv_heads), _grouped(g, kv_heads)
+    scale = 1.0 / math.sqrt(d)
+    # D_i = sum_d dO_i O_i: the softmax backward's row term (FlashAttention-2, Algorithm 2).
+    delta = jnp.sum(gg.astype(jnp.float32) * _grouped(out, kv_heads).astype(jnp.float32), axis=-1)
+
+    def step(carry, j):
+        dq, dk, dv = carry
+        start = j * block
+        k_blk = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)
+        v_blk = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
+        scores, visible = _block_scores(qg, k_blk, start, scale)
+        probs = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
+        dv_blk = jnp.einsum("bqngk,bqngd->bknd", probs.astype(g.dtype), gg, preferred_element_type=jnp.float32)
+        dprobs = jnp.einsum("bqngd,bknd->bqngk", gg, v_blk, preferred_element_type=jnp.float32)
+        dscores = (probs * (dprobs - delta[..., None]) * scale).astype(q.dtype)
+        dq = dq + jnp.einsum("bqngk,bknd->bqngd", dscores, k_blk, preferred_element_type=jnp.float32)
+        dk_blk = jnp.einsum("bqngk,bqngd->bknd", dscores, qg, preferred_element_type=jnp.float32)
+        dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk.astype(k.dtype), start, axis=1)
+        dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), start, axis=1)
+        return (dq, dk, dv), None
+
+    init = (jnp.zeros(qg.shape, jnp.float32), jnp.zeros_like(k), jnp.zeros_like(v))
+    (dq, dk, dv), _ = jax.lax.scan(step, init, jnp.arange(s // block))
+    return dq.astype(q.dtype).reshape(b, s, heads, d), dk, dv
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
+    """Blockwise causal attention over K/V blocks of ``block`` keys (a divisor of ``seq``); see the module."""
+    seq = q.shape[1]
+    if block < 1 or seq % block:
+        raise ValueError(f"flash attention's block {block} must divide seq {seq}")
+    return _flash(q, k, v, block)
