@@ -17,12 +17,24 @@ is one ``lax.ppermute``: a rank gathers the chunks it sends (a per-rank table
 indexed by ``lax.axis_index``), and the receiver adds (reduce) or writes
 (copy) them into its chunks; every wave of a round reads the state from the
 start of the round, as :func:`testbed.collectives.ops.interpret` defines.
+
+Checking and timing (:func:`execute_and_check`, for ``testbed collective
+--execute``). A program runs on random fp32 data next to JAX's own collective
+on the same devices; copies must be bit-exact and sums may differ only by the
+rounding of two summation orders, at most ``2 gamma(n-1) max sum |x_i|``
+(``gamma(k) = k u / (1 - k u)``, ``u = 2**-24``; Higham, *Accuracy and
+Stability of Numerical Algorithms*, 2nd ed., eq. 4.4), so the tolerance is a
+bound, not a fudge. Both are timed alternately after a warm-up: the median of
+``repeats`` calls, each waited for with ``block_until_ready``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +43,16 @@ from jax import lax
 
 from testbed.collectives.algorithms import step_program
 from testbed.collectives.ops import (Op, StepProgram, Transfer, block_length, input_blocks, output_blocks,
-                                 output_shape, parse_op, piece_sizes)
+                                     output_shape, parse_op, piece_sizes)
 from testbed.errors import InputError
 
-__all__ = ["waves", "execute_program", "builtin_collective", "run_collective", "collective_mesh"]
+__all__ = ["waves", "execute_program", "builtin_collective", "run_collective", "collective_mesh", "BUILTIN_OPS",
+           "Execution", "execution_elements", "execute_and_check"]
 
 AXIS = "ranks"
+
+#: Ops JAX has a collective for (the reference :func:`execute_and_check` compares against).
+BUILTIN_OPS: tuple[Op, ...] = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL)
 
 
 def waves(program: StepProgram, round_: Sequence[Transfer]) -> list[dict[tuple[int, int], list[Transfer]]]:
@@ -178,3 +194,109 @@ def run_collective(op: Op | str, algorithm: str, x: np.ndarray | jax.Array, *, d
     fn, mesh = _compiled(program, op, n)
     sharded = jax.device_put(jnp.asarray(x), jax.NamedSharding(mesh, jax.P(AXIS)))
     return fn(sharded)
+
+
+# -- checking and timing a program on devices ---------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Execution:
+    """A step program run on devices: its check against JAX's collective and both median times.
+
+    ``elements``: fp32 elements of each rank's input; ``bytes``: the executed
+    size in the nccl-tests convention (docs/design.md), so it is comparable
+    with the simulator's ``bytes``. ``ok``: ``max_abs_error <= tolerance``
+    (a non-finite error is never ok and is reported as None).
+    """
+
+    op: str
+    algorithm: str
+    ranks: int
+    platform: str
+    device_kind: str
+    elements: int
+    bytes: int
+    repeats: int
+    max_abs_error: float | None
+    tolerance: float
+    ok: bool
+    program_time_s: float
+    builtin_time_s: float
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.elements < 1 or self.bytes < 1 or self.repeats < 1:
+            raise ValueError(f"ranks, elements, bytes and repeats must be positive: {self}")
+        if self.tolerance < 0 or self.program_time_s < 0 or self.builtin_time_s < 0:
+            raise ValueError(f"tolerance and times must be non-negative: {self}")
+        if self.ok and (self.max_abs_error is None or self.max_abs_error > self.tolerance):
+            raise ValueError(f"ok needs a finite error within the tolerance: {self}")
+
+
+def execution_elements(program: StepProgram, nbytes: float, itemsize: int = 4) -> tuple[int, int]:
+    """(elements of each rank's input, executed bytes) for a collective of about ``nbytes``.
+
+    ``nbytes`` counts ``program.data_blocks`` blocks (nccl-tests); each block
+    gets ``nbytes // (itemsize * data_blocks)`` elements, so the executed size
+    is ``nbytes`` rounded down to whole blocks of whole elements.
+    """
+    n, op = program.n, program.op
+    block = int(nbytes) // (itemsize * program.data_blocks)
+    if block < 1:
+        raise InputError(f"{op} on {n} ranks needs at least {itemsize * program.data_blocks} bytes to execute "
+                         f"(one {itemsize}-byte element per block of {program.data_blocks}), got {int(nbytes)}",
+                         field="bytes")
+    return block * len(input_blocks(op, n, 0)), block * program.data_blocks * itemsize
+
+
+def _gamma(k: int) -> float:
+    """Higham's gamma_k = k u / (1 - k u) for fp32 (u = 2**-24): the relative error bound of k additions."""
+    u = float(np.finfo(np.float32).eps) / 2
+    return k * u / (1 - k * u)
+
+
+def _median_times(fns: Sequence, x: jax.Array, repeats: int, warmup: int) -> list[float]:
+    """Median seconds of each function on ``x``, called alternately (so drift hits both alike)."""
+    for _ in range(warmup):
+        for fn in fns:
+            jax.block_until_ready(fn(x))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            out.append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
+
+
+def execute_and_check(program: StepProgram, nbytes: float, *, repeats: int = 10, warmup: int = 2,
+                      seed: int = 0) -> Execution:
+    """Run ``program`` on the first ``program.n`` devices, check it against JAX's collective, time both.
+
+    The input is standard-normal fp32, ``nbytes`` as :func:`execution_elements`
+    rounds it. Raises InputError for ops without a JAX collective, too few
+    devices, or a size too small.
+    """
+    op, n = program.op, program.n
+    if op not in BUILTIN_OPS:
+        raise InputError(f"{op} has no JAX collective to check a step program against; executable ops: "
+                         f"{', '.join(BUILTIN_OPS)}", field="op")
+    if repeats < 1 or warmup < 0:
+        raise InputError(f"repeats must be at least 1 and warm-up calls at least 0, got {repeats} and {warmup}",
+                         field="repeats")
+    elements, executed = execution_elements(program, nbytes)
+    x = np.random.default_rng(seed).standard_normal((n, elements), dtype=np.float32)
+    mine, _ = _compiled(program, op, n)
+    builtin, mesh = _compiled(None, op, n)
+    sharded = jax.device_put(jnp.asarray(x), jax.NamedSharding(mesh, jax.P(AXIS)))
+    got = np.asarray(mine(sharded), dtype=np.float64)
+    want = np.asarray(builtin(sharded), dtype=np.float64)
+    error = float(np.max(np.abs(got - want))) if got.shape == want.shape else math.inf
+    tolerance = 0.0
+    if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
+        tolerance = 2 * _gamma(n - 1) * float(np.abs(x.astype(np.float64)).sum(axis=0).max())
+    ok = math.isfinite(error) and error <= tolerance
+    program_s, builtin_s = _median_times((mine, builtin), sharded, repeats, warmup)
+    device = mesh.devices.flat[0]
+    return Execution(op=str(op), algorithm=program.algorithm, ranks=n, platform=device.platform,
+                     device_kind=device.device_kind, elements=elements, bytes=executed, repeats=repeats,
+                     max_abs_error=error if math.isfinite(error) else None, tolerance=tolerance, ok=ok,
+                     program_time_s=program_s, builtin_time_s=builtin_s)

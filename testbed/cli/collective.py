@@ -5,15 +5,25 @@ when that gives several groups (``--over node`` on a multi-node cluster) they
 run at once, sharing links, and the slowest is reported. ``--sweep`` times
 message sizes 1 KiB .. 4 GiB (x4) for every applicable algorithm, as
 nccl-tests prints them; ``--png`` plots bus bandwidth against size.
+
+``--execute emulated:N`` (or ``local``) then runs the chosen algorithm's step
+program -- the one just timed -- on N devices with ``lax.ppermute``
+(:mod:`runners.collectives`), checks it against JAX's collective on random
+fp32 data and times both; a mismatch exits 1. With ``auto`` on a topology
+where NCCL's algorithms win (they have no step program) the fastest step
+program is executed. Emulated devices are requested before JAX starts its
+backend, as ``testbed run --devices`` does; JAX is imported only then.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
-from testbed.collectives.algorithms import parse_algorithm
-from testbed.collectives.timing import CollectiveTiming, applicable_algorithms, groups_time
-from testbed.collectives.ops import OPS, Op, parse_op
+from testbed.collectives.algorithms import ALGORITHMS, parse_algorithm
+from testbed.collectives.timing import CollectiveTiming, applicable_algorithms, groups_time, placed_program
+from testbed.collectives.ops import BUS_FACTOR, OPS, Op, parse_op
 from testbed.errors import InputError
 from testbed.output import CommandResult, to_jsonable
 from testbed.topology import Topology
@@ -36,12 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("op", help=f"collective op: {', '.join(OPS)}")
     parser.add_argument("--topology", required=True, help="bundled topology name or YAML path")
     parser.add_argument("--over", default="all", help="levels the group spans, e.g. node, x,y or all (default all)")
-    parser.add_argument("--bytes", default=None, help="buffer size, e.g. 1GiB or 4MB (default 1GiB)")
+    parser.add_argument("--bytes", default=None,
+                        help="buffer size, e.g. 1GiB or 4MB (default 1GiB; 4MiB with --execute)")
     parser.add_argument("--algorithm", default="auto", help="algorithm name or auto (default: the fastest)")
     parser.add_argument("--root", type=int, default=0, help="broadcast root / send source, as a rank of the group")
     parser.add_argument("--peer", type=int, default=None, help="send destination rank (default: the last rank)")
     parser.add_argument("--sweep", action="store_true", help="time sizes 1KiB..4GiB (x4) for every algorithm")
     parser.add_argument("--png", default=None, help="with --sweep: plot busbw vs size per algorithm to this PNG")
+    parser.add_argument("--execute", default=None, metavar="DEVICES",
+                        help="also run the algorithm's step program on devices (emulated:N with N the group size, "
+                             "or local), check it against JAX's collective and time both")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="with --execute: timed calls of each (median reported; default 10)")
 
 
 def _row(t: CollectiveTiming) -> dict[str, object]:
@@ -90,7 +106,8 @@ def execute(args: argparse.Namespace) -> CommandResult:
     op = parse_op(args.op)
     algorithm = parse_algorithm(args.algorithm)
     topology = load_topology(args.topology)
-    nbytes = parse_bytes(args.bytes if args.bytes is not None else "1GiB", field="bytes")
+    default_bytes = "4MiB" if args.execute is not None else "1GiB"
+    nbytes = parse_bytes(args.bytes if args.bytes is not None else default_bytes, field="bytes")
     groups = topology.groups(args.over)
     n = len(groups[0])
     root, peer = _validate(args, topology, op, n)
@@ -119,6 +136,10 @@ def execute(args: argparse.Namespace) -> CommandResult:
         plot_sweep(sweep_rows, title, args.png)
         files.append(args.png)
         data["png"] = args.png
+    executed: dict[str, Any] | None = None
+    if args.execute is not None:
+        executed = _execute_on_devices(args, topology, op, groups, nbytes, algorithm, result, compared, root, peer)
+        data["execute"] = executed
 
     def render(console) -> None:
         from rich.table import Table
@@ -143,7 +164,114 @@ def execute(args: argparse.Namespace) -> CommandResult:
                     sweep.add_row(format_bytes(r["bytes"]), format_time(r["time_s"]), format_bandwidth(r["algbw"]),
                                   format_bandwidth(r["busbw"]))
                 console.print(sweep)
+        if executed is not None:
+            _render_execution(console, executed, topology.name)
         for f in files:
             console.print(f"wrote {f}")
 
-    return CommandResult(data, render, files=files)
+    failed = executed is not None and not executed["ok"]
+    return CommandResult(data, render, exit_code=1 if failed else 0, files=files)
+
+
+# -- --execute: the step program on devices -------------------------------------------------------
+
+#: The JAX collective each executable op is checked against (runners.collectives.builtin_collective).
+LAX_NAMES = {Op.ALL_REDUCE: "lax.psum", Op.ALL_GATHER: "lax.all_gather", Op.REDUCE_SCATTER: "lax.psum_scatter",
+             Op.ALL_TO_ALL: "lax.all_to_all"}
+
+
+def _executed_algorithm(op: Op, requested: str, chosen: str, compared: list[dict[str, object]]) -> tuple[str, str]:
+    """(algorithm to execute, why): the chosen one, or with auto the fastest step program when NCCL's won."""
+    if chosen in ALGORITHMS:
+        return chosen, "requested" if requested != "auto" else "auto: fastest"
+    if requested != "auto":
+        able = [r["algorithm"] for r in compared if r["algorithm"] in ALGORITHMS]
+        raise InputError(f"`{chosen}` is NCCL's algorithm, timed by NCCL's model, and has no step program to "
+                         f"execute; with --execute pass --algorithm one of {', '.join(map(str, able)) or 'none'} "
+                         "or auto", field="algorithm")
+    programs = [r for r in compared if r["algorithm"] in ALGORITHMS]
+    if not programs:
+        raise InputError(f"no step-program algorithm applies to {op} on this group, so there is nothing to "
+                         "execute", field="execute")
+    best = min(programs, key=lambda r: (r["time_s"], r["rounds"]))
+    return str(best["algorithm"]), f"auto: fastest step program; {chosen} (NCCL's) has none"
+
+
+def _prepare_devices(text: str, n: int, where: str) -> str:
+    """Request the devices before JAX starts its backend; returns the request as text.
+
+    ``emulated:N`` must give the group's ``n`` ranks. A process whose JAX
+    already runs on ``n`` or more host devices (a test session) uses the
+    first ``n``: the count can no longer change and a collective needs only
+    its own ranks.
+    """
+    from runners import devices as dev
+
+    try:
+        request = dev.parse_devices(text, n)
+    except InputError as exc:
+        raise InputError(exc.message, field="execute") from None
+    if request.kind == "emulated" and request.count != n:
+        raise InputError(f"emulated:{request.count} gives {request.count} device(s) but {where} is a group of {n} "
+                         f"ranks; use --execute emulated:{n}", field="execute")
+    try:
+        dev.prepare(request)
+    except InputError:
+        import jax
+
+        if jax.default_backend() != "cpu" or jax.device_count() < n:
+            raise
+    have = len(dev.select_devices())
+    if have < n:
+        raise InputError(f"{request} gives {have} device(s) but {where} is a group of {n} ranks; use "
+                         f"--execute emulated:{n} on a CPU host", field="execute")
+    return str(request)
+
+
+def _execute_on_devices(args: argparse.Namespace, topology: Topology, op: Op, groups: list, nbytes: float,
+                        algorithm: str, result: CollectiveTiming, compared: list[dict[str, object]], root: int,
+                        peer: int | None) -> dict[str, Any]:
+    """Run the timed step program on devices; the check, both measured times and the prediction at that size."""
+    if args.repeats < 1:
+        raise InputError(f"must be at least 1, got {args.repeats}", field="repeats")
+    if op not in LAX_NAMES:
+        raise InputError(f"{op} has no JAX collective to check a step program against; --execute runs "
+                         f"{', '.join(LAX_NAMES)}", field="execute")
+    name, why = _executed_algorithm(op, algorithm, result.algorithm, compared)
+    program, _ = placed_program(topology, op, name, groups[0], root, peer)
+    n = program.n
+    request = _prepare_devices(args.execute, n, f"{op} over {args.over} on {topology.name}")
+    from runners.collectives import execute_and_check
+
+    run = execute_and_check(program, nbytes, repeats=args.repeats)
+    predicted = groups_time(topology, op, groups, run.bytes, name, root, peer)
+    out: dict[str, Any] = {**to_jsonable(run), "devices": request, "chosen": why, "lax": LAX_NAMES[op],
+                           "predicted_s": predicted.time_s, "predicted_groups": len(groups)}
+    if not run.ok:
+        error = "not finite" if run.max_abs_error is None else f"{run.max_abs_error:.3g}"
+        sys.stderr.write(f"error: the `{name}` step program for {op} on {n} {run.platform} device(s) does not match "
+                         f"{LAX_NAMES[op]}: max abs error {error} > tolerance {run.tolerance:.3g}\n")
+    return out
+
+
+def _render_execution(console: Any, run: dict[str, Any], topology: str) -> None:
+    """Predicted vs measured times of the executed program and JAX's collective, and the check."""
+    from rich.table import Table
+
+    n, nbytes, factor = run["ranks"], run["bytes"], BUS_FACTOR[parse_op(run["op"])](run["ranks"])
+    console.print(f"executed [bold]{run['algorithm']}[/] ({run['chosen']}) on {run['devices']}: {n} "
+                  f"{run['platform']} device(s), {format_bytes(nbytes)} fp32, median of {run['repeats']}")
+    table = Table()
+    for column in ("", "time", "algbw", "busbw"):
+        table.add_column(column, justify="left" if not column else "right")
+    groups = f", {run['predicted_groups']} groups at once" if run["predicted_groups"] > 1 else ""
+    rows = [(f"predicted on {topology}{groups}", run["predicted_s"]),
+            (f"measured step program ({run['algorithm']}, ppermute)", run["program_time_s"]),
+            (f"measured {run['lax']}", run["builtin_time_s"])]
+    for label, seconds in rows:
+        algbw = nbytes / seconds if seconds > 0 else 0.0
+        table.add_row(label, format_time(seconds), format_bandwidth(algbw), format_bandwidth(algbw * factor))
+    console.print(table)
+    error = "not finite" if run["max_abs_error"] is None else f"{run['max_abs_error']:.3g}"
+    verdict = "[green]ok[/]" if run["ok"] else "[red]MISMATCH[/]"
+    console.print(f"check vs {run['lax']}: {verdict}, max abs error {error} (tolerance {run['tolerance']:.3g})")

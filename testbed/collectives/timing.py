@@ -39,7 +39,7 @@ from testbed.errors import InputError
 from testbed.topology import Form, Topology
 
 __all__ = ["CollectiveTiming", "collective_time", "groups_time", "link_loads", "send_time",
-           "applicable_algorithms", "program_time", "group_grid"]
+           "applicable_algorithms", "program_time", "group_grid", "placed_program"]
 
 Link = tuple[object, object]
 
@@ -181,6 +181,17 @@ def _program(topology: Topology, op: Op, algorithm: str, group: Sequence[int], r
         dims, ordered = group_grid(topology, group)
         return step_program(op, algorithm, len(group), dims=dims), ordered
     return step_program(op, algorithm, len(group), root=root, peer=peer), tuple(group)
+
+
+def placed_program(topology: Topology, op: Op | str, algorithm: str, group: Sequence[int], root: int = 0,
+                   peer: int | None = None) -> tuple[StepProgram, tuple[int, ...]]:
+    """The step program this module times for ``algorithm`` on ``group``, and the device of each of its ranks.
+
+    ``testbed collective --execute`` runs exactly this program on devices.
+    """
+    op, group = parse_op(op), tuple(group)
+    _check_applicable(topology, op, group, algorithm)
+    return _program(topology, op, algorithm, group, root, (root + 1) % len(group) if peer is None else peer)
 
 
 # -- profiles --------------------------------------------------------------------------------
