@@ -23,7 +23,7 @@ Checking and timing (:func:`execute_and_check`, for ``testbed collective
 on the same devices; copies must be bit-exact and sums may differ only by the
 rounding of two summation orders, at most ``2 gamma(n-1) max sum |x_i|``
 (``gamma(k) = k u / (1 - k u)``, ``u = 2**-24``; Higham, *Accuracy and
-Stability of Numerical Algorithms*, 2nd ed., eq. 4.4), so the tolerance is a
+Stability of Numerical Algorithms*, 2nd ed., sec. 4.2), so the tolerance is a
 bound, not a fudge. Both are timed alternately after a warm-up: the median of
 ``repeats`` calls, each waited for with ``block_until_ready``.
 """
