@@ -235,6 +235,8 @@ def owns(sharding: Any) -> bool:
     """Whether this process holds any device of ``sharding``."""
     import jax
 
+    if isinstance(sharding.mesh, jax.sharding.AbstractMesh):
+        return True  # abstract devices (runners.check_sharding): every stage is this process's to lower
     return any(d.process_index == jax.process_index() for d in sharding.device_set)
 
 
