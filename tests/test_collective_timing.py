@@ -240,8 +240,13 @@ def test_bound_holds_on_random_groups_of_a_cluster(op, n, nbytes, seed):
 def test_bounds_are_the_expected_cuts(topologies):
     ring = generators.ring(8, device=DEVICE, bandwidth=1e10)
     nbytes = 2.0**30
-    # Bisection of a ring: two links each way; it beats the injection bound 7/8 * S / (2B).
-    assert collective_time(ring, "all_reduce", tuple(range(8)), nbytes).bound_s == pytest.approx(nbytes / 2e10)
+    # Bisection of a ring: two links each way, S / (2B) -- but only ranks add on a torus, so together they send
+    # every element 2(n-1) times (one-way gossip) over 2B each: 2 * 7/8 * S / (2B), what a bidirectional ring takes.
+    ring_bound = collective_time(ring, "all_reduce", tuple(range(8)), nbytes, "bidir_ring")
+    assert ring_bound.bound_s == pytest.approx(7 / 8 * nbytes / 1e10)
+    assert ring_bound.time_s == pytest.approx(ring_bound.bound_s, rel=1e-3)  # the bound is reached
+    # All-gather: each rank receives 7/8 * S over its two links.
+    assert collective_time(ring, "all_gather", tuple(range(8)), nbytes).bound_s == pytest.approx(7 / 8 * nbytes / 2e10)
     # Across DGX nodes: each node's 8 NICs at 50 GB/s carry the whole buffer in.
     cluster = collective_time(topologies["dgx-h100-x4"], "all_reduce", tuple(range(32)), nbytes)
     assert cluster.bound_s == pytest.approx(nbytes / (8 * 5e10))

@@ -24,6 +24,11 @@ on bytes, so they are memoized and shared by the simulator and the runner.
 - ``hierarchical``: the same dimension order over levels with one-direction
   rings: reduce-scatter inside the inner level, all-reduce across the outer
   level on the owned part, all-gather inside.
+- ``multidim``: every torus dim at once, as TPU ICI collectives do. With D
+  dims of size > 1 the buffer is cut into 2D parts; part (i, direction) runs
+  one-direction rings along the dims in the order rotated by i (reduce-scatter
+  dims i, i+1, .., all-gather back), so at any time each dim carries one
+  part each way and all 2D link directions of every rank are busy.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from collections.abc import Sequence
 from testbed.collectives.ops import Op, StepProgram, Transfer, num_blocks, parse_op
 from testbed.errors import InputError, unknown_key_message
 
-__all__ = ["ALGORITHMS", "SUPPORTED_OPS", "step_program", "parse_algorithm", "TREE_PIECES"]
+__all__ = ["ALGORITHMS", "SUPPORTED_OPS", "GRID_ALGORITHMS", "step_program", "parse_algorithm", "TREE_PIECES",
+           "multidim_orders"]
 
 Rounds = list[list[Transfer]]
 
@@ -56,7 +62,10 @@ SUPPORTED_OPS: dict[str, tuple[Op, ...]] = {
     "pairwise": (Op.ALL_TO_ALL,),
     "torus": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER),
     "hierarchical": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER),
+    "multidim": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER),
 }
+#: Algorithms laid out on a rank grid (``dims``) rather than a line of ranks.
+GRID_ALGORITHMS: tuple[str, ...] = ("torus", "hierarchical", "multidim")
 ALGORITHMS: tuple[str, ...] = tuple(SUPPORTED_OPS)
 
 
@@ -151,6 +160,81 @@ def _dim_ordered(op: Op, n: int, dims: Sequence[int], bidir: bool) -> tuple[int,
                     owned[r] = merged
             rounds += _merge(*phase)
     return pieces, rounds
+
+
+def _grid(n: int, dims: Sequence[int]):
+    """(coord(rank, d), lines(d)) of the mixed-radix rank grid ``dims`` (dims[0] fastest)."""
+    if math.prod(dims) != n:
+        raise InputError(f"dims {list(dims)} must multiply to the rank count {n}", field="dims")
+    strides = [math.prod(dims[:i]) for i in range(len(dims))]
+
+    def coord(rank: int, d: int) -> int:
+        return rank // strides[d] % dims[d]
+
+    def lines(d: int) -> list[list[int]]:
+        """Lines of ranks along dim d, each in coordinate order."""
+        starts = [r for r in range(n) if coord(r, d) == 0]
+        return [[r + i * strides[d] for i in range(dims[d])] for r in starts]
+
+    return coord, lines
+
+
+def multidim_orders(dims: Sequence[int]) -> list[list[int]]:
+    """The reduce-scatter dim order of each of the D parts of ``multidim`` (dims of size > 1, rotated by i)."""
+    active = [d for d in range(len(dims)) if dims[d] > 1]
+    return [active[i:] + active[:i] for i in range(len(active))]
+
+
+def _multidim(op: Op, n: int, dims: Sequence[int]) -> tuple[int, Rounds]:
+    """Every dim at once: 2D parts (part i each way round), part i reduce-scatters along dims rotated by i.
+
+    Chunk layout: all_reduce has ``pieces = 2D * n`` (chunk c is part ``c // n``
+    and ends owned by rank ``c % n``); all_gather and reduce_scatter have
+    ``pieces = 2D`` per block (chunk c is part ``c % 2D`` of block ``c // 2D``,
+    owned by rank ``c // 2D``). Parts touch disjoint chunks, so their rounds
+    run side by side; part i's phase k uses dim ``orders[i][k]`` in its direction.
+    """
+    coord, lines = _grid(n, dims)
+    orders = multidim_orders(dims)
+    parts = 2 * len(orders)
+    if parts == 0:
+        return 1, []
+    pieces = parts * n if op is Op.ALL_REDUCE else parts
+    chunks = num_blocks(op, n) * pieces
+    if op is Op.ALL_REDUCE:
+        part_of, owner = [c // n for c in range(chunks)], [c % n for c in range(chunks)]
+    else:
+        part_of, owner = [c % parts for c in range(chunks)], [c // parts for c in range(chunks)]
+    line_cache = {d: lines(d) for d in range(len(dims)) if dims[d] > 1}
+    phases: list[Rounds] = []
+    for part in range(parts):
+        order, direction = orders[part // 2], (1, -1)[part % 2]
+        mine = [c for c in range(chunks) if part_of[c] == part]
+        rounds: Rounds = []
+        if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
+            owned = [mine for _ in range(n)]
+            for d in order:
+                phase = []
+                for line in line_cache[d]:
+                    split = [[c for c in owned[line[0]] if coord(owner[c], d) == i] for i in range(dims[d])]
+                    phase.append(_ring_line(line, split, True, direction))
+                    for i, r in enumerate(line):
+                        owned[r] = split[i]
+                rounds += _merge(*phase)
+        else:
+            owned = [[c for c in mine if owner[c] == r] for r in range(n)]
+        if op in (Op.ALL_REDUCE, Op.ALL_GATHER):
+            for d in reversed(order):
+                phase = []
+                for line in line_cache[d]:
+                    split = [owned[r] for r in line]
+                    phase.append(_ring_line(line, split, False, direction))
+                    merged = sorted(itertools.chain.from_iterable(split))
+                    for r in line:
+                        owned[r] = merged
+                rounds += _merge(*phase)
+        phases.append(rounds)
+    return pieces, _merge(*phases)
 
 
 # -- halving-doubling ------------------------------------------------------------------
@@ -271,6 +355,8 @@ def _build(op: Op, algorithm: str, n: int, dims: tuple[int, ...] | None, root: i
         return _dim_ordered(op, n, (n,), bidir)
     if algorithm in ("torus", "hierarchical"):
         return _dim_ordered(op, n, dims or (n,), algorithm == "torus")
+    if algorithm == "multidim":
+        return _multidim(op, n, dims or (n,))
     if algorithm == "halving_doubling":
         if op is Op.BROADCAST:
             return 1, _binomial_broadcast(n, root)
@@ -303,7 +389,7 @@ def step_program(op: Op | str, algorithm: str, n: int, *, dims: Sequence[int] | 
     """The step program of ``algorithm`` for ``op`` on ``n`` ranks (memoized; programs are immutable).
 
     Args:
-        dims: rank grid for ``torus``/``hierarchical`` (innermost first, product n); default ``(n,)``.
+        dims: rank grid for ``torus``/``hierarchical``/``multidim`` (innermost first, product n); default ``(n,)``.
         root: broadcast root / sender of ``send``. peer: receiver of ``send`` (default root + 1).
     """
     op = parse_op(op)
@@ -323,6 +409,6 @@ def step_program(op: Op | str, algorithm: str, n: int, *, dims: Sequence[int] | 
         peer = (root + 1) % n
     if op is Op.SEND and n > 1 and root == peer:
         raise InputError("send needs a peer different from the root", field="peer")
-    key_dims = tuple(int(d) for d in dims) if dims is not None and algorithm in ("torus", "hierarchical") else None
+    key_dims = tuple(int(d) for d in dims) if dims is not None and algorithm in GRID_ALGORITHMS else None
     return _cached(op, algorithm, n, key_dims, int(root), int(peer))
 

@@ -4,7 +4,10 @@ No algorithm can beat :func:`lower_bound`; tests check every algorithm against
 it. Two kinds of bottleneck are used (the bound is the larger):
 
 - injection: each rank must send and receive a minimum number of bytes
-  through its own links (all-reduce: (n-1)/n*S each way; all-gather: receive
+  through its own links (all-reduce: (n-1)/n*S each way -- on a torus, where
+  only ranks can add, 2(n-1)/n*S sent on average: one-way gossip needs 2n-2
+  messages per element (Harary & Schwenk 1974), so the ranks together send
+  2(n-1)*S over the sum of their injection bandwidths; all-gather: receive
   (n-1)/n*S; reduce-scatter: send (n-1)/n*S; all-to-all: (n-1)/n*S each way;
   broadcast: the root sends S, every other rank receives S), divided by the
   sum of the rank's link bandwidths per direction;
@@ -20,6 +23,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Form, Topology
 
@@ -28,6 +33,14 @@ __all__ = ["lower_bound", "injection_bandwidth", "subtree_cuts", "torus_cuts"]
 
 def injection_bandwidth(topology: Topology, device: int) -> float:
     """Sum of the bandwidths (per direction) of the links at ``device``."""
+    if topology.form is Form.TORUS:  # from the levels: a device's links are its neighbours along each dim
+        total = 0.0
+        for c, level in zip(topology.coords(device), topology.levels):
+            if level.size == 2:
+                total += level.bandwidth
+            elif level.size > 2:
+                total += level.bandwidth * (2 if level.wraparound or 0 < c < level.size - 1 else 1)
+        return total
     return sum(data["bandwidth"] for _, _, data in topology.graph.edges(device, data=True))
 
 
@@ -51,15 +64,28 @@ def _crossing(topology: Topology, nodes: set[object]) -> float:
 
 def torus_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
     """(devices below the middle of a dim, bandwidth per direction across that cut) for each torus dim."""
+    return [(frozenset(devices.tolist()), bandwidth) for _, devices, bandwidth in _torus_halves(topology)]
+
+
+def _torus_halves(topology: Topology) -> list[tuple[int, np.ndarray, float]]:
+    """(dim, devices with coordinate below size // 2 along it, bandwidth crossing) per torus dim of size >= 2.
+
+    The cut crosses one link per line of the dim, two with wraparound (size > 2).
+    """
     if topology.form is not Form.TORUS:
         return []
-    cuts = []
+    sizes = np.asarray([l.size for l in topology.levels], dtype=np.int64)
+    strides = np.concatenate([[1], np.cumprod(sizes)[:-1]]).astype(np.int64)
+    ids = np.arange(topology.num_devices, dtype=np.int64)
+    out = []
     for i, level in enumerate(topology.levels):
         if level.size < 2:
             continue
-        devices = {d for d in range(topology.num_devices) if topology.coords(d)[i] < level.size // 2}
-        cuts.append((frozenset(devices), _crossing(topology, set(devices))))
-    return cuts
+        lines = topology.num_devices // level.size
+        crossings = 2 if level.wraparound and level.size > 2 else 1
+        below = ids[ids // strides[i] % level.size < level.size // 2]
+        out.append((i, below, float(level.bandwidth) * crossings * lines))
+    return out
 
 
 def subtree_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
@@ -108,11 +134,16 @@ def lower_bound(topology: Topology, op: Op | str, group: Sequence[int], nbytes: 
         return 0.0
     peer = (root + 1) % n if peer is None else peer
     bound = 0.0
-    for rank, device in enumerate(group):
+    injection = _injection(topology, group)
+    others = np.delete(injection, sorted({root, peer}))
+    # The root, the peer, and the slowest of the rest (every other rank needs the same bytes).
+    for rank, bandwidth in ((root, injection[root]), (peer, injection[peer]),
+                            *(((-1, float(others.min())),) if len(others) else ())):
         send, recv = _rank_needs(op, n, nbytes, rank == root, rank == peer)
-        bandwidth = injection_bandwidth(topology, device)
         bound = max(bound, send / bandwidth, recv / bandwidth)
-    members = set(group)
+    if op is Op.ALL_REDUCE and topology.form is Form.TORUS:
+        # Only ranks add on a torus: one-way gossip sends every element 2(n-1) times in all.
+        bound = max(bound, 2 * (n - 1) * nbytes / float(injection.sum()))
     root_device, peer_device = group[root], group[peer]
     for block, bandwidth in _level_cuts(topology):
         # levels form: every subtree of a level is alike, so count members per subtree instead of intersecting sets
@@ -124,21 +155,35 @@ def lower_bound(topology: Topology, op: Op | str, group: Sequence[int], nbytes: 
                 out, into = _cut_needs(op, n, inside, nbytes, root_device // block == index,
                                        peer_device // block == index)
                 bound = max(bound, out / bandwidth, into / bandwidth)
-    for devices, bandwidth in _cached_cuts(topology):
-        inside = len(members & devices)
-        if 0 < inside < n and bandwidth > 0:
-            out, into = _cut_needs(op, n, inside, nbytes, root_device in devices, peer_device in devices)
-            bound = max(bound, out / bandwidth, into / bandwidth)
-    return bound
+    if topology.form is Form.TORUS:
+        devices = np.asarray(group, dtype=np.int64)
+        roots = np.asarray([group[root], group[peer]], dtype=np.int64)
+        for level, strides, bandwidth in _cached_cuts(topology):
+            size = topology.levels[level].size
+            below = devices // strides % size < size // 2
+            inside = int(below.sum())
+            if 0 < inside < n and bandwidth > 0:
+                has_root, has_peer = (bool(x) for x in roots // strides % size < size // 2)
+                out, into = _cut_needs(op, n, inside, nbytes, has_root, has_peer)
+                bound = max(bound, out / bandwidth, into / bandwidth)
+    return float(bound)
 
 
-def _cached_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
-    # Stored beside the topology's route cache: a pure function of the topology. Levels-form subtree cuts are
-    # in _level_cuts (one per level, by symmetry), so only torus cuts are listed here.
+def _injection(topology: Topology, group: Sequence[int]) -> np.ndarray:
+    """Injection bandwidth of each rank (a torus's devices differ only at the open ends of mesh dims)."""
+    if topology.form is Form.TORUS and all(l.wraparound or l.size <= 2 for l in topology.levels):
+        return np.full(len(group), injection_bandwidth(topology, group[0]))
+    return np.asarray([injection_bandwidth(topology, d) for d in group], dtype=float)
+
+
+def _cached_cuts(topology: Topology) -> list[tuple[int, int, float]]:
+    """(level, stride, bandwidth across the middle) per torus dim: a device is below the cut when its
+    coordinate ``id // stride % size`` is under ``size // 2``. Stored beside the topology's route cache."""
     key = ("__torus_cuts__",)
     cuts = topology._routes.get(key)
     if cuts is None:
-        cuts = torus_cuts(topology)
+        strides = [math.prod(l.size for l in topology.levels[:i]) for i in range(len(topology.levels))]
+        cuts = [(level, strides[level], bandwidth) for level, _, bandwidth in _torus_halves(topology)]
         topology._routes[key] = cuts
     return cuts
 

@@ -30,7 +30,10 @@ send                                u + S/B
 =================================== =======================================
 
 These equal the routed step-program time on those groups (tested within
-2%); anything else returns None and is timed from its program.
+2%). On a torus, ``torus`` and ``multidim`` over a whole sub-torus (and
+``ring``/``bidir_ring`` over one whole line) are timed round by round from
+one rank's links by :mod:`testbed.collectives.torus`, exactly, at any size;
+anything else returns None and is timed from its program.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from collections.abc import Sequence
 
 from testbed.collectives.algorithms import TREE_PIECES
 from testbed.collectives.ops import Op, parse_op
+from testbed.collectives.torus import TORUS_FORMS, torus_time
 from testbed.topology import Form, Topology
 
 __all__ = ["symmetry", "closed_form_time"]
@@ -94,6 +98,10 @@ def closed_form_time(topology: Topology, op: Op | str, algorithm: str, group: Se
     n = len(group)
     if n == 1:
         return 0.0, 0
+    if topology.form is Form.TORUS and algorithm in TORUS_FORMS:
+        found = torus_time(topology, op, algorithm, group, nbytes)
+        if found is not None or algorithm not in ("ring", "bidir_ring"):
+            return found
     shape = symmetry(topology, group)
     if shape is None:
         return None

@@ -30,15 +30,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.collectives.algorithms import ALGORITHMS, SUPPORTED_OPS, parse_algorithm, step_program
+from testbed.collectives.algorithms import ALGORITHMS, GRID_ALGORITHMS, SUPPORTED_OPS, parse_algorithm, step_program
 from testbed.collectives.bounds import lower_bound
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
+from testbed.collectives.torus import disjoint_sub_tori, torus_link_loads
 from testbed.errors import InputError
 from testbed.topology import Form, Topology
 
-__all__ = ["CollectiveTiming", "collective_time", "groups_time", "link_loads", "send_time",
+__all__ = ["CollectiveTiming", "collective_time", "groups_time", "link_loads", "send_time", "routed_cost",
            "applicable_algorithms", "program_time", "group_grid", "placed_program"]
 
 Link = tuple[object, object]
@@ -75,31 +76,76 @@ _MEMO: dict[int, tuple[Topology, dict]] = {}
 _MEMO_TOPOLOGIES = 64
 _MEMO_ENTRIES = 200_000
 
-#: Transfers a routed step program may have (all its groups together) to be timed: each is routed hop by
-#: hop, about 1e5 a second on one core, and a 16,384-rank ring would need 5e8 (minutes, gigabytes).
-MAX_ROUTED_TRANSFERS = 1_000_000
+#: Work a routed step program may take to be timed, in transfer-hops (all its groups together): every transfer
+#: is a Python object, checked, counted per round and routed hop by hop, a few microseconds per hop on one
+#: core, so the limit is a few seconds and ~100 MB at most; a 16,384-rank torus all-reduce would be ~1e10.
+MAX_ROUTED_TRANSFERS = 750_000
+
+#: Algorithms whose transfers go between ring neighbours (one or two hops on a grid).
+_NEIGHBOURLY = ("ring", "bidir_ring", "torus", "hierarchical", "multidim")
 
 
-def routed_transfers(topology: Topology, algorithm: str, group: Sequence[int], groups: int = 1) -> int:
-    """An upper bound on the transfers of ``algorithm``'s step program over ``groups`` groups like ``group``.
+def routed_cost(topology: Topology, algorithm: str, group: Sequence[int], groups: int = 1,
+                op: Op | str = Op.ALL_REDUCE) -> int:
+    """Estimated work of timing ``algorithm``'s routed program: :func:`routed_transfers` times hops per transfer.
 
-    Per round every rank sends at most one chunk per direction; the rounds are
-    ``2(n-1)`` for rings, ``2 sum(d-1)`` over the dims of torus and hierarchical
-    grids, ``~4 log2 n`` for trees and halving-doubling, ``n`` for direct and
-    one-shot exchanges.
+    Hops per transfer: 2 for ring neighbours; on a torus the mean ring distance
+    over the dims the group varies along (size/4 with wraparound, size/3
+    without); twice the levels on a hierarchy; 4 on an explicit graph.
     """
-    n = len(group)
-    log = max(1, math.ceil(math.log2(max(n, 2))))
-    if algorithm in ("torus", "hierarchical"):
-        grid = group_grid(topology, group)
-        rounds = 2 * sum(d - 1 for d in grid[0]) if grid is not None else 2 * (n - 1)
-    elif algorithm in ("ring", "bidir_ring"):
-        rounds = 4 * (n - 1)
-    elif algorithm in ("halving_doubling", "double_binary_tree"):
-        rounds = 4 * log
+    transfers = routed_transfers(topology, algorithm, group, groups, op)
+    if algorithm in _NEIGHBOURLY or len(group) < 2:
+        hops = 2.0
+    elif topology.form is Form.TORUS:
+        devices = np.asarray(group, dtype=np.int64)
+        hops, stride = 0.0, 1
+        for level in topology.levels:
+            if level.size > 1 and len(np.unique(devices // stride % level.size)) > 1:
+                hops += level.size / (4 if level.wraparound else 3)
+            stride *= level.size
+        hops = max(hops, 1.0)
+    elif topology.form is Form.LEVELS:
+        hops = 2.0 * len(topology.levels)
     else:
-        rounds = n
-    return rounds * n * groups
+        hops = 4.0
+    return int(transfers * hops)
+
+
+def routed_transfers(topology: Topology, algorithm: str, group: Sequence[int], groups: int = 1,
+                     op: Op | str = Op.ALL_REDUCE) -> int:
+    """An upper bound (within a small factor) on the chunk transfers of ``algorithm``'s program for ``op``.
+
+    Counted from the program's shape, before it is built, so refusing one costs
+    nothing. Ring-based programs (ring, bidir_ring, torus, hierarchical,
+    multidim) move every chunk of a rank's buffer out once per reduce-scatter
+    and once per all-gather: ``n * chunks`` each, with ``chunks = blocks *
+    pieces`` (all_reduce: ``n`` pieces per ring direction or part, so ``O(n^2)``);
+    halving-doubling likewise ``2 n p``; double binary trees ``32 n``; direct,
+    one-shot and pairwise exchanges ``2 n^2``. Times ``groups``.
+    """
+    op = parse_op(op)
+    n = len(group)
+    if algorithm in ("ring", "bidir_ring", "torus", "hierarchical", "multidim"):
+        if algorithm == "multidim":
+            grid = group_grid(topology, group)
+            streams = 2 * sum(1 for d in (grid[0] if grid else (n,)) if d > 1)
+        else:
+            streams = 1 if algorithm in ("ring", "hierarchical") else 2
+        if op is Op.BROADCAST:
+            count = 2 * 8 * n
+        else:
+            chunks = streams * n  # all_reduce: n pieces per stream; gather/scatter: n blocks of one piece per stream
+            count = n * chunks * (2 if op is Op.ALL_REDUCE else 1)
+    elif algorithm == "halving_doubling":
+        p = 1 << (max(n, 1).bit_length() - 1)
+        count = 2 * n * p + 2 * n if op is Op.ALL_REDUCE else (n if op is Op.BROADCAST else n * n + n)
+    elif algorithm == "double_binary_tree":
+        count = 32 * n
+    elif op in (Op.BROADCAST, Op.SEND):
+        count = n
+    else:
+        count = 2 * n * n
+    return count * groups
 
 
 def _memo(topology: Topology) -> dict:
@@ -135,11 +181,14 @@ def group_grid(topology: Topology, group: Sequence[int]) -> tuple[tuple[int, ...
 
 
 def applicable_algorithms(topology: Topology, op: Op | str, group: Sequence[int]) -> list[str]:
-    """Algorithms that implement ``op`` and fit ``group`` on ``topology``.
+    """Algorithms that implement ``op``, fit ``group`` on ``topology`` and can be timed for it.
 
-    ``torus`` needs a sub-grid of a torus, ``hierarchical`` a grid over two or
-    more levels of a hierarchy; ``direct`` and ``one_shot`` go through a switch,
-    so on tori they serve only all-to-all and send.
+    ``torus`` and ``multidim`` need a sub-grid of a torus (``multidim`` two or
+    more dims), ``hierarchical`` a grid over two or more levels of a hierarchy;
+    ``direct`` and ``one_shot`` go through a switch, so on tori they serve only
+    all-to-all and send. An algorithm with neither a closed form for the group
+    nor a routed program small enough to time (:data:`MAX_ROUTED_TRANSFERS`)
+    is left out, so trying every applicable algorithm (``auto``) stays cheap.
     """
     op = parse_op(op)
     group = tuple(group)
@@ -147,37 +196,54 @@ def applicable_algorithms(topology: Topology, op: Op | str, group: Sequence[int]
     key = ("applicable", op, group)
     if key in memo:
         return list(memo[key])
-    out = []
-    for name in ALGORITHMS:
-        if op not in SUPPORTED_OPS[name]:
-            continue
-        if name in ("direct", "one_shot") and topology.form is Form.TORUS and op not in (Op.ALL_TO_ALL, Op.SEND):
-            continue  # through a switch only: on a torus every pair would cross many shared links
-        if name in ("torus", "hierarchical"):
-            grid = group_grid(topology, group)
-            is_torus = topology.form is Form.TORUS
-            if grid is None or (name == "torus") != is_torus or (name == "hierarchical" and len(grid[0]) < 2):
-                continue
-        out.append(name)
+    out = [name for name in _fitting(topology, op, group)
+           if closed_form_time(topology, op, name, group, 1.0) is not None
+           or routed_cost(topology, name, group, 1, op) <= MAX_ROUTED_TRANSFERS]
     out.extend(nccl_algorithms(topology, op, group))
     memo[key] = tuple(out)
     return out
 
 
-def _check_applicable(topology: Topology, op: Op, group: Sequence[int], algorithm: str) -> None:
+def _fitting(topology: Topology, op: Op, group: tuple[int, ...]) -> list[str]:
+    """Step-program algorithms that implement ``op`` and fit the group's shape (whatever their size)."""
+    out = []
+    grid = None
+    for name in ALGORITHMS:
+        if op not in SUPPORTED_OPS[name]:
+            continue
+        if name in ("direct", "one_shot") and topology.form is Form.TORUS and op not in (Op.ALL_TO_ALL, Op.SEND):
+            continue  # through a switch only: on a torus every pair would cross many shared links
+        if name in GRID_ALGORITHMS:
+            grid = group_grid(topology, group) if grid is None else grid
+            on_torus = topology.form is Form.TORUS
+            if grid is None or (name in ("torus", "multidim")) != on_torus \
+                    or (name in ("hierarchical", "multidim") and len(grid[0]) < 2):
+                continue
+        out.append(name)
+    return out
+
+
+def _check_applicable(topology: Topology, op: Op, group: Sequence[int], algorithm: str, groups: int = 1) -> None:
     able = applicable_algorithms(topology, op, group)
-    if algorithm not in able:
-        reason = ("does not implement " + str(op)) if algorithm in SUPPORTED_OPS and op not in SUPPORTED_OPS[algorithm] \
-            else \
-            f"does not apply to this group of {len(group)} on {topology.name} ({topology.form} form)"
-        raise InputError(f"algorithm `{algorithm}` {reason}; algorithms that apply: {', '.join(able)}",
-                         field="algorithm")
+    if algorithm in able:
+        return
+    n = len(group)
+    if algorithm in _fitting(topology, op, tuple(group)):
+        size = routed_cost(topology, algorithm, group, groups, op)
+        raise InputError(f"`{algorithm}` {op} over {groups} group(s) of {n} ranks is a routed step program of about "
+                         f"{size:,} transfer-hops, more than the {MAX_ROUTED_TRANSFERS:,} that can be timed here, and "
+                         f"has no closed form for this group; pick a smaller group or an algorithm that applies: "
+                         f"{', '.join(able) or 'none'}", field="algorithm")
+    reason = ("does not implement " + str(op)) if algorithm in SUPPORTED_OPS and op not in SUPPORTED_OPS[algorithm] \
+        else f"does not apply to this group of {n} on {topology.name} ({topology.form} form)"
+    raise InputError(f"algorithm `{algorithm}` {reason}; algorithms that apply: {', '.join(able)}",
+                     field="algorithm")
 
 
 def _program(topology: Topology, op: Op, algorithm: str, group: Sequence[int], root: int, peer: int
              ) -> tuple[StepProgram, tuple[int, ...]]:
     """The program and the device of each of its ranks."""
-    if algorithm in ("torus", "hierarchical"):
+    if algorithm in GRID_ALGORITHMS:
         dims, ordered = group_grid(topology, group)
         return step_program(op, algorithm, len(group), dims=dims), ordered
     return step_program(op, algorithm, len(group), root=root, peer=peer), tuple(group)
@@ -342,15 +408,15 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
         able = applicable_algorithms(topology, op, groups[0])
         nccl = [a for a in able if a in NCCL_ALGORITHMS]
         if not nccl:
-            # Routed programs too large to time are left out (a closed form times any size).
-            sized = [a for a in able if closed_form_time(topology, op, a, groups[0], nbytes) is not None
-                     and len(groups) == 1 and use_closed_form
-                     or routed_transfers(topology, a, groups[0], len(groups)) <= MAX_ROUTED_TRANSFERS]
+            # Routed programs too large to time for all the groups are left out (a closed form times any size).
+            closed_ok = use_closed_form and _closed_applies(topology, groups)
+            sized = [a for a in able if closed_ok and closed_form_time(topology, op, a, groups[0], nbytes) is not None
+                     or routed_cost(topology, a, groups[0], len(groups), op) <= MAX_ROUTED_TRANSFERS]
             if not sized:
                 raise InputError(f"{op} over {len(groups)} group(s) of {n} ranks on `{topology.name}`: every "
-                                 f"algorithm that applies ({', '.join(able)}) is a routed step program of more "
-                                 f"than {MAX_ROUTED_TRANSFERS:,} transfers, too large to time here; this "
-                                 f"topology has no closed form for groups this size yet", field="over")
+                                 f"algorithm that applies ({', '.join(able) or 'none'}) is a routed step program of "
+                                 f"more than {MAX_ROUTED_TRANSFERS:,} transfer-hops for these groups, too large to time "
+                                 f"here, and none has a closed form for them; pick smaller groups", field="over")
             able = sized
         # On an NVIDIA GPU hierarchy NCCL runs the collective: its own algorithms, as its tuning model picks.
         candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form)
@@ -365,16 +431,16 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
                                   algbw=algbw, busbw=algbw * BUS_FACTOR[op](n), bound_s=bound, rounds=1,
                                   groups=len(groups), closed_form=True, protocol=protocol)
     else:
-        _check_applicable(topology, op, groups[0], algorithm)
+        _check_applicable(topology, op, groups[0], algorithm, len(groups))
         closed = closed_form_time(topology, op, algorithm, groups[0], nbytes) \
-            if use_closed_form and len(groups) == 1 else None
+            if use_closed_form and _closed_applies(topology, groups) else None
         if closed is not None:
             time_s, rounds = closed
         else:
-            size = routed_transfers(topology, algorithm, groups[0], len(groups))
+            size = routed_cost(topology, algorithm, groups[0], len(groups), op)
             if size > MAX_ROUTED_TRANSFERS:
                 raise InputError(f"`{algorithm}` {op} over {len(groups)} group(s) of {n} ranks is a routed step "
-                                 f"program of about {size:,} transfers, more than the {MAX_ROUTED_TRANSFERS:,} "
+                                 f"program of about {size:,} transfer-hops, more than the {MAX_ROUTED_TRANSFERS:,} "
                                  f"that can be timed here; pick a smaller group or another algorithm",
                                  field="algorithm")
             time_s, rounds = program_time(topology, op, algorithm, groups, nbytes, root, peer)
@@ -385,6 +451,17 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
                                   groups=len(groups), closed_form=closed is not None)
     memo[key] = result
     return result
+
+
+def _closed_applies(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether a closed form for one group times them all: one group, or sub-tori on disjoint links."""
+    if len(groups) == 1:
+        return True
+    memo = _memo(topology)
+    key = ("disjoint", groups)
+    if key not in memo:
+        memo[key] = disjoint_sub_tori(topology, groups)
+    return memo[key]
 
 
 def collective_time(topology: Topology, op: Op | str, group: Sequence[int], nbytes: float,
@@ -404,6 +481,9 @@ def link_loads(topology: Topology, op: Op | str, group: Sequence[int], nbytes: f
         _check_applicable(topology, op, group, parse_algorithm(algorithm))
     if algorithm in NCCL_ALGORITHMS:
         return nccl_link_loads(topology, op, group, nbytes, algorithm)
+    closed = torus_link_loads(topology, op, algorithm, group, nbytes)
+    if closed is not None:  # a whole sub-torus: every rank's links alike, no program built
+        return closed
     n = len(group)
     peer = (root + 1) % n if peer is None else peer
     program, _, totals, _ = _cached_profile(topology, op, algorithm, (group,), root, peer)

@@ -1,0 +1,260 @@
+"""Closed forms of the ring algorithms of a torus on whole sub-tori, at any size.
+
+A group is a *sub-torus* (:func:`sub_torus`) when it is every device whose
+coordinates vary along some dims of a torus and are fixed along the others,
+and each varying dim is a whole wraparound line (or has two devices, joined
+by one link). Every rank of such a group then sees the same neighbours one
+link away along each dim, so the routed step programs of ``torus``
+(dimension-ordered, bidirectional rings), ``multidim`` (all dims at once) and
+``bidir_ring``/``ring`` on one line are the same in every rank's view, and
+their time follows from one rank's links, round by round, without building
+the program:
+
+- a program is a few *streams* (a ring direction, or a part of ``multidim``),
+  each a sequence of ring phases along one dim; a reduce-scatter phase of a
+  line of ``m`` ranks runs ``m - 1`` rounds moving ``C/m`` chunks per rank
+  and leaves ``C/m`` owned; an all-gather phase moves ``C`` and leaves ``C m``;
+- streams run side by side (they touch disjoint chunks): in a round the
+  directed link of dim ``d`` carries the chunks of every stream on ``d`` in
+  its direction (both directions share the single link of a two-rank dim);
+- a round lasts ``overhead + max over busy dims (latency_d + load_d *
+  chunk_bytes / bandwidth_d)``, as :mod:`testbed.collectives.timing` times a
+  routed round.
+
+The result equals the routed program exactly (tests compare them on 2x2x2,
+4x4, 3x4 and 4x4x4 tori). Groups of several sub-tori that differ in a fixed
+coordinate use disjoint links (dimension-ordered routes stay in their own
+sub-torus), so they are timed alike (:func:`disjoint_sub_tori`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from testbed.collectives.algorithms import multidim_orders
+from testbed.collectives.ops import Op, parse_op
+from testbed.topology import Form, Topology
+
+__all__ = ["SubTorus", "sub_torus", "disjoint_sub_tori", "TORUS_FORMS", "torus_profile", "torus_time",
+           "torus_link_loads"]
+
+#: Algorithms with a closed form on a sub-torus (``ring``/``bidir_ring`` only on one line).
+TORUS_FORMS: tuple[str, ...] = ("torus", "multidim", "ring", "bidir_ring")
+
+
+@dataclass(frozen=True, slots=True)
+class SubTorus:
+    """A whole sub-torus: the varying levels (innermost first), their sizes, strides, link latency and bandwidth."""
+
+    levels: tuple[int, ...]
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    latency: tuple[float, ...]
+    bandwidth: tuple[float, ...]
+    base: int
+
+    def __post_init__(self) -> None:
+        if not (len(self.levels) == len(self.sizes) == len(self.strides) == len(self.latency) == len(self.bandwidth)):
+            raise ValueError("one size, stride, latency and bandwidth per varying level")
+        if any(s < 2 for s in self.sizes) or any(b <= 0 for b in self.bandwidth):
+            raise ValueError("varying levels need two or more devices and positive bandwidth")
+
+
+def _coords(topology: Topology, devices: np.ndarray) -> np.ndarray:
+    """(len(devices), levels) mixed-radix coordinates, innermost level first."""
+    sizes = np.asarray([l.size for l in topology.levels], dtype=np.int64)
+    strides = np.concatenate([[1], np.cumprod(sizes)[:-1]]).astype(np.int64)
+    return devices[:, None] // strides[None, :] % sizes[None, :]
+
+
+def sub_torus(topology: Topology, group: Sequence[int]) -> SubTorus | None:
+    """The group's :class:`SubTorus` when it is one (ranks in increasing device order), else None (memoized)."""
+    if topology.form is not Form.TORUS or len(group) < 2:
+        return None
+    group = tuple(group)
+    key = ("__sub_torus__", group)
+    cache = topology._routes
+    if key in cache:
+        return cache[key]
+    cache[key] = result = _find_sub_torus(topology, group)
+    return result
+
+
+def _find_sub_torus(topology: Topology, group: tuple[int, ...]) -> SubTorus | None:
+    devices = np.asarray(group, dtype=np.int64)
+    if np.any(np.diff(devices) <= 0):
+        return None  # ranks must be in device order (distinct, increasing)
+    coords = _coords(topology, devices)
+    levels, sizes, strides, latency, bandwidth = [], [], [], [], []
+    stride = 1
+    for i, level in enumerate(topology.levels):
+        distinct = len(np.unique(coords[:, i]))
+        if distinct > 1:
+            if distinct != level.size or not (level.wraparound or level.size == 2):
+                return None
+            levels.append(i)
+            sizes.append(level.size)
+            strides.append(stride)
+            latency.append(float(level.latency))
+            bandwidth.append(float(level.bandwidth))
+        stride *= level.size
+    if math.prod(sizes) != len(group):
+        return None
+    return SubTorus(levels=tuple(levels), sizes=tuple(sizes), strides=tuple(strides), latency=tuple(latency),
+                    bandwidth=tuple(bandwidth), base=int(devices[0]))
+
+
+def disjoint_sub_tori(topology: Topology, groups: Sequence[Sequence[int]]) -> bool:
+    """True when every group is a sub-torus along the same dims and no two share their fixed coordinates.
+
+    Dimension-ordered routes between members of one such group change only
+    its varying coordinates, so different groups never share a link.
+    """
+    shapes = [sub_torus(topology, g) for g in groups]
+    if any(s is None for s in shapes) or len({s.levels for s in shapes}) != 1:
+        return False
+    fixed = [i for i in range(len(topology.levels)) if i not in shapes[0].levels]
+    bases = _coords(topology, np.asarray([s.base for s in shapes], dtype=np.int64))[:, fixed]
+    return len({tuple(row) for row in bases.tolist()}) == len(groups)
+
+
+# -- streams -----------------------------------------------------------------------------
+
+def _streams(algorithm: str, op: Op, shape: SubTorus) -> tuple[int, list[tuple[int, list[tuple[int, bool]]]]]:
+    """(pieces, streams): each stream is (direction, [(dim index, reduce-scatter?) per phase]).
+
+    ``pieces`` is the step program's piece count, so a chunk is ``bytes / (data blocks * pieces)``.
+    """
+    dims = len(shape.sizes)
+    if algorithm == "multidim":
+        orders = multidim_orders(shape.sizes)
+        streams = [(direction, order) for order in orders for direction in (1, -1)]
+    elif algorithm in ("torus", "bidir_ring"):
+        streams = [(direction, list(range(dims))) for direction in (1, -1)]
+    else:  # ring: one direction
+        streams = [(1, list(range(dims)))]
+    n = math.prod(shape.sizes)
+    per_stream_pieces = len(streams)
+    pieces = per_stream_pieces * n if op is Op.ALL_REDUCE else per_stream_pieces
+    out = []
+    for direction, order in streams:
+        phases: list[tuple[int, bool]] = []
+        if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
+            phases += [(d, True) for d in order]
+        if op in (Op.ALL_REDUCE, Op.ALL_GATHER):
+            phases += [(d, False) for d in reversed(order)]
+        out.append((direction, phases))
+    return pieces, out
+
+
+def torus_profile(topology: Topology, op: Op | str, algorithm: str, shape: SubTorus
+                  ) -> tuple[int, tuple[tuple[tuple[tuple[float, float], ...], int], ...]]:
+    """(pieces, ((envelope, count), ...)): per distinct round, the (latency, seconds per chunk byte) of its busy
+    links and how many rounds look like it -- the same profile :mod:`~testbed.collectives.timing` routes."""
+    op = parse_op(op)
+    pieces, streams = _streams(algorithm, op, shape)
+    # Chunks of its stream a rank holds at the start: all n (all_reduce: one per final owner; reduce_scatter:
+    # one per block), or its own one (all_gather).
+    start = 1 if op is Op.ALL_GATHER else math.prod(shape.sizes)
+    # Per stream: a list of (rounds, dim, chunks per transfer).
+    plans = []
+    for direction, phases in streams:
+        held, steps = start, []
+        for d, scatter in phases:
+            m = shape.sizes[d]
+            if scatter:
+                held //= m
+                steps.append((m - 1, d, direction, held))
+            else:
+                steps.append((m - 1, d, direction, held))
+                held *= m
+        plans.append(steps)
+    profile: dict[tuple, int] = {}
+    cursors = [[0, 0] for _ in plans]  # (phase index, rounds done in it)
+    while True:
+        load: dict[tuple[int, int], int] = {}
+        busy = False
+        for steps, cursor in zip(plans, cursors):
+            while cursor[0] < len(steps) and cursor[1] >= steps[cursor[0]][0]:
+                cursor[0] += 1
+                cursor[1] = 0
+            if cursor[0] == len(steps):
+                continue
+            _, d, direction, chunks = steps[cursor[0]]
+            way = 1 if shape.sizes[d] == 2 else direction  # two ranks: one link carries both directions
+            load[d, way] = load.get((d, way), 0) + chunks
+            cursor[1] += 1
+            busy = True
+        if not busy:
+            break
+        envelope = tuple(sorted({(shape.latency[d], c / shape.bandwidth[d]) for (d, _), c in load.items()},
+                                reverse=True))
+        profile[envelope] = profile.get(envelope, 0) + 1
+    return pieces, tuple(profile.items())
+
+
+def _cached_profile(topology: Topology, op: Op, algorithm: str, shape: SubTorus):
+    key = ("__torus_profile__", op, algorithm, shape.sizes, shape.latency, shape.bandwidth)
+    cache = topology._routes
+    if key not in cache:
+        cache[key] = torus_profile(topology, op, algorithm, shape)
+    return cache[key]
+
+
+def torus_time(topology: Topology, op: Op | str, algorithm: str, group: Sequence[int], nbytes: float
+               ) -> tuple[float, int] | None:
+    """(seconds, rounds) of ``algorithm`` over the sub-torus ``group``, or None when it is not one (or the
+    algorithm has no form here: ``ring``/``bidir_ring`` only on a single line of three or more)."""
+    op = parse_op(op)
+    if algorithm not in TORUS_FORMS or op not in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER):
+        return None
+    shape = sub_torus(topology, group)
+    if shape is None or (algorithm in ("ring", "bidir_ring") and (len(shape.sizes) != 1 or shape.sizes[0] < 3)):
+        return None
+    pieces, profile = _cached_profile(topology, op, algorithm, shape)
+    n = len(group)
+    chunk = float(nbytes) / ((1 if op is Op.ALL_REDUCE else n) * pieces)
+    overhead = topology.calibration.collectives.overhead_s
+    total = sum(count * (overhead + max(lat + coef * chunk for lat, coef in env)) for env, count in profile)
+    return total, sum(count for _, count in profile)
+
+
+def torus_link_loads(topology: Topology, op: Op | str, algorithm: str, group: Sequence[int], nbytes: float
+                     ) -> dict[tuple[int, int], float] | None:
+    """Bytes over each directed link of the sub-torus ``group`` during the collective (None without a form).
+
+    Every rank is alike, so each directed link of a dim carries the same bytes:
+    the chunks of every round of that dim and direction, times the chunk size.
+    """
+    op = parse_op(op)
+    shape = sub_torus(topology, group)
+    if shape is None or torus_time(topology, op, algorithm, group, nbytes) is None:
+        return None
+    pieces, streams = _streams(algorithm, op, shape)
+    n = len(group)
+    chunk = float(nbytes) / ((1 if op is Op.ALL_REDUCE else n) * pieces)
+    per: dict[tuple[int, int], float] = {}
+    for direction, phases in streams:
+        held = n if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER) else 1
+        for d, scatter in phases:
+            m = shape.sizes[d]
+            if scatter:
+                held //= m
+            way = 1 if m == 2 else direction
+            per[d, way] = per.get((d, way), 0.0) + (m - 1) * held * chunk
+            if not scatter:
+                held *= m
+    devices = np.asarray(group, dtype=np.int64)
+    coords = _coords(topology, devices)
+    out: dict[tuple[int, int], float] = {}
+    for (d, way), nbytes_link in per.items():
+        level, m, stride = shape.levels[d], shape.sizes[d], shape.strides[d]
+        c = coords[:, level]
+        nxt = devices + (((c + way) % m) - c) * stride
+        for u, v in zip(devices.tolist(), nxt.tolist()):
+            out[u, v] = out.get((u, v), 0.0) + nbytes_link
+    return out
