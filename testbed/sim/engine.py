@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from testbed.model.gemm import Gemm
+from testbed.sim.compute import gemms_seconds
 from testbed.sim.contention import Flow, LinkLedger, normalised_loads
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
@@ -75,11 +77,18 @@ class Simulation:
 
 
 def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
-                    replicated_bytes: float = 0.0, split_bytes: float = 0.0, tensor_bytes: float = 0.0) -> float:
-    """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes)."""
+                    replicated_bytes: float = 0.0, split_bytes: float = 0.0, tensor_bytes: float = 0.0,
+                    gemms: Sequence[Gemm] = ()) -> float:
+    """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes).
+
+    With the calibration's GEMM shape model (``compute.shapes``) and the task's ``gemms`` (whose FLOPs are
+    its ``flops``), the matmuls are priced shape by shape (testbed.sim.compute) instead of by FLOPs.
+    """
     compute, passes, dev = topology.calibration.compute, topology.calibration.elementwise, topology.device
     t = 0.0
-    if flops > 0:
+    if gemms and compute.shapes:
+        t = gemms_seconds(topology, dtype, gemms)
+    elif flops > 0:
         per_kernel = flops / max(1, kernels)
         eff = compute.efficiency * per_kernel / (per_kernel + compute.efficiency_half_flops)
         t = flops / (dev.flops(dtype) * eff)
@@ -156,7 +165,7 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
             continue
         if task.kind is TaskKind.COMPUTE:
             durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels,
-                                             task.replicated_bytes, task.split_bytes, task.tensor_bytes))
+                                             task.replicated_bytes, task.split_bytes, task.tensor_bytes, task.gemms))
             loads.append(None)
             continue
         key = (task.kind, task.op, task.group, task.nbytes, task.count, id(task.instances))

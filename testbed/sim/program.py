@@ -57,6 +57,7 @@ import numpy as np
 from testbed.model import buffers as dispatch
 
 from testbed.model import costs as model
+from testbed.model.gemm import Gemm, chunk_gemms, scaled
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import Placement
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
@@ -117,6 +118,7 @@ class Task:
     instances: tuple[tuple[int, ...], ...] = ()
     pipeline: bool = False
     buffers: int = 0
+    gemms: tuple[Gemm, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,6 +207,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     g_groups = axis_groups(placement, [Axis(a) for a in per_microbatch])
     o_ways = sharding.ways(plan, "optimizer")
     costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
+    shapes = [[chunk_gemms(plan, s, c) for c in range(v)] for s in range(p)]
     # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate.
     pairs = {(a, b): tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))
              for a in range(p) for b in range(p) if a != b}
@@ -247,6 +250,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                               group=_rep_group(p_groups[s], rep), instances=p_groups[s]))
         flops, hbm, (replicated, split), tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
         kernels = max(1, 4 * cost.layers)
+        gemms = shapes[s][action.chunk].action(action.kind, schedule.split_backward)
         pieces, scatter = 1, False
         if action.kind == last_bwd_kind:
             remaining_bwd[(s, action.chunk)] -= 1
@@ -259,7 +263,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             last = b.add(name=label if pieces == 1 else f"{label}/{k}", device=rep, stream="compute",
                          kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
                          replicated_bytes=replicated / pieces, split_bytes=split / pieces,
-                         tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True)
+                         tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
+                         gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             deps = []
             if pieces > 1:
                 # Bucket k holds 1/pieces of the chunk's gradients; reduce it while the backward continues.

@@ -74,16 +74,35 @@ class ComputeCalibration(_Group):
         ``efficiency`` (small kernels are latency bound): a kernel of ``f``
         FLOPs runs at ``efficiency * f / (f + efficiency_half_flops)``.
     launch_overhead_s: fixed cost per compute task (kernel/program dispatch).
+    gemm_half_mn, gemm_half_k, gemm_latency_s: the GEMM shape model
+        (testbed.sim.compute), used when any is positive: a compute task's
+        matmuls are priced one shape at a time, an ``m x k`` by ``k x n``
+        GEMM (``batch`` times) at ``min(efficiency, s(batch m) s(n) s_k(k))``
+        of peak, ``s(x) = x / (x + gemm_half_mn)`` and ``s_k(k) = k / (k +
+        gemm_half_k)`` (small and skinny GEMMs leave SMs idle or cannot
+        amortise their tile loads), or at memory bandwidth over its operands
+        when that is slower, plus ``gemm_latency_s`` per GEMM. Then
+        ``efficiency`` is the cap a large GEMM reaches and
+        ``efficiency_half_flops`` prices only the work that is not a GEMM.
     """
 
     GROUP: ClassVar[str] = "compute"
     efficiency: float = 1.0
     efficiency_half_flops: float = 0.0
     launch_overhead_s: float = 0.0
+    gemm_half_mn: float = 0.0
+    gemm_half_k: float = 0.0
+    gemm_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         self._fraction("efficiency")
-        self._nonnegative("efficiency_half_flops", "launch_overhead_s")
+        self._nonnegative("efficiency_half_flops", "launch_overhead_s", "gemm_half_mn", "gemm_half_k",
+                          "gemm_latency_s")
+
+    @property
+    def shapes(self) -> bool:
+        """Whether GEMMs are priced by their shapes (any GEMM shape field positive)."""
+        return self.gemm_half_mn > 0 or self.gemm_half_k > 0 or self.gemm_latency_s > 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,0 +1,144 @@
+"""The matmuls (GEMMs) of one pipeline chunk, with their shapes, per action.
+
+testbed.model.costs counts a layer's matmul FLOPs; this module lists the
+same matmuls as shapes, because an accelerator's speed on a matmul depends
+on its shape, not only on its FLOPs (testbed.sim.compute prices them: small
+and skinny GEMMs are far from peak). A :class:`Gemm` multiplies an
+``m x k`` matrix by a ``k x n`` one, ``batch`` times (the attention's
+per-head products are batched), ``count`` times over (layers, and a
+fraction when the program splits an action into gradient buckets).
+
+Per layer and tensor rank (Megatron's splits, as testbed.model.layout has
+them; ``N = microbatch x seq`` tokens, ``t`` the tensor degree):
+
+- projections: QKV ``N x (d + 2 kv)/t x d`` (Q ``N x d/t x d`` and K/V
+  ``N x 2kv x d`` when ``t`` does not divide ``kv_heads``: every rank then
+  projects all K/V heads), out ``N x d x d/t``, MLP in ``N x f/t x d`` (two
+  for SwiGLU), MLP out ``N x d x f/t``;
+- attention, batched over ``microbatch x heads / t``: scores ``s x s x
+  d_head`` and values ``s x d_head x s``;
+- head (last chunk): ``N x V/t x d`` over the padded vocab.
+
+A weight matmul ``Y = X W`` (``m x n x k``) has two gradients: the input's
+``dX = dY W^T`` (``m x k x n``, in B) and the weight's ``dW = X^T dY``
+(``k x n x m``, in W). Both attention products' gradients are input
+gradients (B). Remat re-runs forward matmuls in B: full, all but the MLP
+out projection (its output only feeds the residual add); selective, the
+scores. The FLOPs of every list equal testbed.model.costs' counts (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from testbed.model import layout
+from testbed.model.layout import chunk_layers
+from testbed.plan.spec import ModelSpec, Plan, Remat
+
+__all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "chunk_gemms", "gemm_flops", "scaled"]
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """``count`` x ``batch`` products of an ``m x k`` and a ``k x n`` matrix (``2 m n k`` FLOPs each)."""
+
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    count: float = 1.0
+
+    def __post_init__(self) -> None:
+        if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0:
+            raise ValueError(f"a GEMM needs positive dims and a non-negative count, got {self}")
+
+    @property
+    def flops(self) -> float:
+        """All FLOPs of the ``count`` x ``batch`` products."""
+        return 2.0 * self.m * self.n * self.k * self.batch * self.count
+
+    def input_grad(self) -> "Gemm":
+        """``dX = dY W^T``: ``m x k``, reducing over ``n``."""
+        return replace(self, n=self.k, k=self.n)
+
+    def weight_grad(self) -> "Gemm":
+        """``dW = X^T dY``: ``k x n``, reducing over the ``m`` tokens."""
+        return replace(self, m=self.k, k=self.m)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkGemms:
+    """The GEMMs of one chunk's actions for one microbatch on one device (F, B, W; recompute inside B)."""
+
+    forward: tuple[Gemm, ...]
+    backward_input: tuple[Gemm, ...]
+    backward_weight: tuple[Gemm, ...]
+    recompute: tuple[Gemm, ...]
+
+    def action(self, kind: str, split: bool) -> tuple[Gemm, ...]:
+        """The GEMMs of action ``kind`` (F, B or W); B holds the weight gradients too unless ``split``."""
+        if kind == "F":
+            return self.forward
+        if kind == "B":
+            return self.backward_input + self.recompute + (() if split else self.backward_weight)
+        return self.backward_weight
+
+
+def _projections(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm], Gemm]:
+    """(the layer's weight GEMMs but the MLP out projection, the MLP out projection) on one rank."""
+    d, f, kv, t = spec.d_model, spec.d_ff, spec.kv_dim, tensor
+    if spec.kv_split(t):
+        qkv = [Gemm(tokens, (d + 2 * kv) // t, d)]
+    else:
+        qkv = [Gemm(tokens, d // t, d), Gemm(tokens, 2 * kv, d)]
+    mlp_in = [Gemm(tokens, f // t, d) for _ in range(spec.mlp_matrices - 1)]
+    return qkv + [Gemm(tokens, d, d // t)] + mlp_in, Gemm(tokens, d, f // t)
+
+
+def _attention(spec: ModelSpec, batch: int, tensor: int) -> tuple[Gemm, Gemm]:
+    """(scores ``Q K^T``, values ``P V``) batched over the rank's heads and the microbatch."""
+    s, dh = spec.seq_len, spec.d_model // spec.heads
+    heads = batch * spec.heads // tensor
+    return Gemm(s, s, dh, batch=heads), Gemm(s, dh, s, batch=heads)
+
+
+def layer_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]:
+    """Forward GEMMs of one layer for ``batch`` sequences on one tensor rank."""
+    weights, mlp_out = _projections(spec, batch * spec.seq_len, tensor)
+    return (*weights, mlp_out, *_attention(spec, batch, tensor))
+
+
+def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]:
+    """Forward GEMM of the output projection (the embedding lookup is a gather)."""
+    return (Gemm(batch * spec.seq_len, spec.padded_vocab // tensor, spec.d_model),)
+
+
+def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
+    """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
+    return tuple(replace(g, count=g.count * factor) for g in gemms)
+
+
+def gemm_flops(gemms: tuple[Gemm, ...]) -> float:
+    """FLOPs of all ``gemms``."""
+    return sum(g.flops for g in gemms)
+
+
+def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
+    """GEMMs of virtual chunk ``chunk`` on pipeline stage ``stage``, one microbatch, one device."""
+    spec, p, v, t = plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor
+    b = plan.microbatch_size
+    layers = len(chunk_layers(spec, p, v)[stage][chunk])
+    _, head = layout.holds(stage, chunk, p, v)
+    weights, mlp_out = _projections(spec, b * spec.seq_len, t)
+    scores, values = _attention(spec, b, t)
+    per_layer_weights = (*weights, mlp_out)
+    forward = [*per_layer_weights, scores, values]
+    inputs = [g.input_grad() for g in per_layer_weights] + [scores.input_grad(), scores.weight_grad(),
+                                                             values.input_grad(), values.weight_grad()]
+    grads = [g.weight_grad() for g in per_layer_weights]
+    recompute = {Remat.NONE: [], Remat.SELECTIVE: [scores], Remat.FULL: [*weights, scores, values]}[plan.remat]
+    out = [scaled(tuple(x), layers) for x in (forward, inputs, grads, recompute)]
+    if head:
+        (h,) = head_gemms(spec, b, t)
+        out[0], out[1], out[2] = out[0] + (h,), out[1] + (h.input_grad(),), out[2] + (h.weight_grad(),)
+    return ChunkGemms(forward=out[0], backward_input=out[1], backward_weight=out[2], recompute=out[3])

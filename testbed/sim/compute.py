@@ -1,0 +1,98 @@
+"""Pricing a device's matmuls by their shapes (the GEMM model of an accelerator).
+
+A GPU runs a GEMM as tiles of the output spread over its SMs: an output
+with few tiles (small ``m`` or ``n``) leaves SMs idle, and a short
+reduction (small ``k``) cannot amortise loading the tiles' operands, so
+small and skinny GEMMs are far from peak while large ones reach most of it
+(NVIDIA, "Matrix Multiplication Background User's Guide", 2023: tile and
+wave quantization). The model, per GEMM of ``batch`` products of ``m x k``
+by ``k x n`` (testbed.model.gemm):
+
+    eff(m, n, k) = min(efficiency, s(batch * m) * s(n) * s_k(k)),
+    s(x) = x / (x + gemm_half_mn),  s_k(k) = k / (k + gemm_half_k)
+    seconds = gemm_latency_s + max(flops / (peak * eff), operand bytes / bandwidth)
+
+``efficiency`` (the calibration's compute group) caps it at what the
+largest GEMMs reach (the device's measured maximum achievable matmul
+FLOP/s); the operand bytes (``m k + k n + m n`` per product, in the compute
+dtype) make GEMMs with a short dimension (attention's ``d_head``) memory
+bound where the roofline says so; ``gemm_latency_s`` is the fixed time of a
+kernel. Each factor grows with its dimension, so a GEMM's FLOP rate never
+falls as any dimension grows (tested): the curve is monotone in size.
+
+The constants are fitted per device to published GEMM measurements (the
+topology files name them; :func:`fit_shape_model` is the fit, on a table of
+``(batch, m, n, k, FLOP/s)``). A topology whose calibration has no GEMM
+fields (host CPUs, TPUs here) keeps the FLOPs-only roofline
+(testbed.sim.engine.compute_seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from testbed.model.gemm import Gemm
+from testbed.topology import Topology
+from testbed.topology.calibration import ComputeCalibration
+
+__all__ = ["gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model", "GEMM_OPERAND_BYTES"]
+
+#: Bytes per (input, output) value of a GEMM, by compute dtype (fp8 GEMMs read fp8 operands and write bf16).
+GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1, 2)}
+
+
+def _saturation(x: float, half: float) -> float:
+    return x / (x + half) if half > 0 else 1.0
+
+
+def gemm_efficiency(compute: ComputeCalibration, gemm: Gemm) -> float:
+    """Fraction of peak FLOP/s a GEMM of this shape reaches (before the memory bound): in (0, efficiency]."""
+    shape = (_saturation(gemm.batch * gemm.m, compute.gemm_half_mn) * _saturation(gemm.n, compute.gemm_half_mn)
+             * _saturation(gemm.k, compute.gemm_half_k))
+    return min(compute.efficiency, shape)
+
+
+def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm) -> float:
+    """Seconds of ``gemm`` (all its ``count`` x ``batch`` products) on one device of ``topology``."""
+    if gemm.count <= 0:
+        return 0.0
+    cal = topology.calibration
+    one = gemm.flops / gemm.count
+    math = one / (topology.device.flops(dtype) * gemm_efficiency(cal.compute, gemm))
+    read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
+    operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
+    memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
+    return gemm.count * (cal.compute.gemm_latency_s + max(math, memory))
+
+
+def gemms_seconds(topology: Topology, dtype: str, gemms: Iterable[Gemm]) -> float:
+    """Seconds of all ``gemms``, one after another."""
+    return sum(gemm_seconds(topology, dtype, g) for g in gemms)
+
+
+def fit_shape_model(rows: Sequence[tuple[int, int, int, int, float]], peak: float, bandwidth: float,
+                    efficiency: float, dtype_bytes: float = 2.0) -> dict[str, float]:
+    """Least-squares fit (log time) of ``gemm_half_mn``, ``gemm_half_k`` and ``gemm_latency_s`` to measurements.
+
+    ``rows``: ``(batch, m, n, k, measured FLOP/s)``; ``peak`` the datasheet FLOP/s, ``efficiency`` the cap
+    (the device's maximum achievable matmul FLOP/s over peak). Returns the three fields and the fit's
+    median and max relative error. Needs numpy and scipy (a benchmark-time tool, not the simulator's).
+    """
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    b, m, n, k, rate = (np.asarray(c, dtype=float) for c in zip(*rows))
+    flops = 2 * b * m * n * k
+    measured = flops / rate
+    operands = b * (m * k + k * n + m * n) * dtype_bytes / bandwidth
+
+    def model(p):
+        half_mn, half_k, latency = np.exp(p)
+        eff = np.minimum(efficiency, b * m / (b * m + half_mn) * n / (n + half_mn) * k / (k + half_k))
+        return latency + np.maximum(flops / (peak * eff), operands)
+
+    res = least_squares(lambda p: np.log(model(p) / measured), np.log([100.0, 100.0, 3e-6]))
+    half_mn, half_k, latency = (float(x) for x in np.exp(res.x))
+    err = np.abs(model(res.x) / measured - 1)
+    return {"gemm_half_mn": half_mn, "gemm_half_k": half_k, "gemm_latency_s": latency,
+            "median_abs_error": float(np.median(err)), "max_abs_error": float(err.max())}
