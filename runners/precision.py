@@ -34,9 +34,46 @@ import jax.numpy as jnp
 import optax
 
 from runners.model import compute_dtype
+from testbed.errors import InputError
 from testbed.plan.spec import Plan, Precision
 
-__all__ = ["make_optimizer", "MasterState", "Optimizer"]
+__all__ = ["make_optimizer", "MasterState", "Optimizer", "check_precision", "has_fp8"]
+
+#: CUDA compute capability from which NVIDIA GPUs have fp8 tensor cores (Ada 8.9, Hopper 9.0).
+FP8_COMPUTE_CAPABILITY = 8.9
+
+
+def has_fp8(device: Any) -> bool:
+    """Whether a JAX device has fp8 matmul units (an NVIDIA GPU of compute capability >= 8.9)."""
+    if getattr(device, "platform", "") != "gpu":
+        return False
+    try:
+        return float(getattr(device, "compute_capability", "0")) >= FP8_COMPUTE_CAPABILITY
+    except ValueError:
+        return False
+
+
+def check_precision(plan: Plan, devices: Any = None) -> None:
+    """Refuse a precision the runner cannot execute on ``devices`` (default: ``jax.devices()``).
+
+    fp8-mixed needs fp8 matmul units: on CPUs, TPUs and GPUs before Ada/Hopper it is refused
+    naming the device; the runner does not yet run fp8 matmuls on any device either (the
+    simulator prices them: ``testbed simulate``), so it is refused there too, saying so.
+    """
+    if plan.precision is not Precision.FP8_MIXED:
+        return
+    devices = list(devices if devices is not None else jax.devices())
+    lacking = [d for d in devices if not has_fp8(d)]
+    if lacking:
+        d = lacking[0]
+        kind = getattr(d, "device_kind", "") or getattr(d, "platform", "device")
+        raise InputError(f"`fp8-mixed` needs devices with fp8 matmul units (NVIDIA GPUs of compute capability >= "
+                         f"{FP8_COMPUTE_CAPABILITY}, e.g. H100), but {len(lacking)} of the {len(devices)} devices "
+                         f"here are {kind} ({getattr(d, 'platform', '?')}); run this plan with `precision: "
+                         f"bf16-mixed`, or simulate fp8 with `testbed simulate` on a topology with an fp8 peak",
+                         field="precision")
+    raise InputError("the runner does not execute `fp8-mixed` matmuls yet (these devices have fp8 units); run "
+                     "with `precision: bf16-mixed`, or simulate fp8 with `testbed simulate`", field="precision")
 
 
 def make_optimizer(plan: Plan) -> optax.GradientTransformation:
@@ -68,8 +105,9 @@ class Optimizer:
     """
 
     def __init__(self, plan: Plan):
+        check_precision(plan)
         self.tx = make_optimizer(plan)
-        self.mixed = plan.precision is Precision.BF16_MIXED
+        self.mixed = plan.precision.mixed
         #: dtype of the parameters the trainers hold (and of their gradients).
         self.param_dtype = compute_dtype(plan.precision)
 

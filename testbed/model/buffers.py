@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from testbed.model import costs as model
 from testbed.model import layout
-from testbed.plan.spec import Plan, Precision, Remat, ScheduleName
+from testbed.plan.spec import Plan, Remat, ScheduleName
 
 __all__ = ["PARAM_ARRAYS_PER_LAYER", "RESIDUAL_ARRAYS_PER_LAYER", "chunk_param_arrays", "chunk_residual_arrays",
            "action_buffers", "send_buffers", "update_buffers", "spmd_step_buffers"]
@@ -93,7 +93,7 @@ def send_buffers(plan: Plan) -> int:
 
 def _optimizer_arrays(plan: Plan, params: int) -> int:
     """Optimizer-state arrays: optax's moments per parameter and its step count; bf16-mixed adds the fp32 master."""
-    master = int(plan.precision is Precision.BF16_MIXED)
+    master = int(plan.precision.mixed)
     return (plan.optimizer.moments + master) * params + 1
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from testbed.model import costs as model
 from testbed.model import layout
-from testbed.plan.spec import Plan, Precision, Remat, ScheduleName
+from testbed.plan.spec import Plan, Remat, ScheduleName
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
 
@@ -54,7 +54,7 @@ __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_micro
 def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter before sharding."""
     moments = plan.optimizer.moments
-    if plan.precision is Precision.BF16_MIXED:
+    if plan.precision.mixed:  # bf16-mixed and fp8-mixed (fp8 GEMM inputs are transient casts)
         return 2, 2, 4 + 4 * moments
     return 4, 4, 4 * moments
 

@@ -46,16 +46,33 @@ class ScheduleName(StrEnum):
 
 
 class Precision(StrEnum):
+    """fp32; bf16-mixed (bf16 params, grads and activations, fp32 master and moments); fp8-mixed.
+
+    fp8-mixed is Transformer Engine's recipe (NVIDIA Transformer Engine docs, "Using FP8 with
+    Transformer Engine"): the state is bf16-mixed's (bf16 parameters and gradients, fp32 master
+    and moments) and activations stay bf16; only the matmuls run in fp8, their inputs cast per
+    step (the casts are transient). The simulator prices matmuls at the device's fp8 peak where it
+    has one (``DeviceSpec.flops``: bf16's otherwise).
+    """
+
     FP32 = "fp32"
     BF16_MIXED = "bf16-mixed"
+    FP8_MIXED = "fp8-mixed"
 
     @property
     def compute_dtype(self) -> str:
-        return "bf16" if self is Precision.BF16_MIXED else "fp32"
+        """The matmuls' dtype: the device peak the simulator prices them at."""
+        return {Precision.BF16_MIXED: "bf16", Precision.FP8_MIXED: "fp8"}.get(self, "fp32")
 
     @property
     def compute_bytes(self) -> int:
-        return 2 if self is Precision.BF16_MIXED else 4
+        """Bytes per activation value (bf16 under both mixed precisions)."""
+        return 4 if self is Precision.FP32 else 2
+
+    @property
+    def mixed(self) -> bool:
+        """Whether parameters and gradients are bf16 with an fp32 master in the optimizer state."""
+        return self is not Precision.FP32
 
 
 class Remat(StrEnum):

@@ -57,6 +57,8 @@ def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm) -> float:
     if gemm.count <= 0:
         return 0.0
     cal = topology.calibration
+    if dtype == "fp8" and not topology.device.has_fp8():
+        dtype = "bf16"  # no fp8 units: fp8-mixed matmuls run (and read their operands) in bf16
     one = gemm.flops / gemm.count
     math = one / (topology.device.flops(dtype) * gemm_efficiency(cal.compute, gemm))
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))

@@ -51,10 +51,20 @@ class DeviceSpec:
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
 
     def flops(self, dtype: str) -> float:
-        """Peak FLOP/s for ``dtype`` (``fp32``, ``bf16``); falls back to the slowest listed."""
+        """Peak FLOP/s for ``dtype`` (``fp32``, ``bf16``, ``fp8``); falls back to the slowest listed.
+
+        A device without an ``fp8`` peak runs fp8-mixed matmuls in bf16 (no fp8 tensor cores: A100,
+        TPU v4), so ``fp8`` falls back to ``bf16`` when that is listed.
+        """
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
+        if dtype == "fp8" and "bf16" in self.peak_flops:
+            return self.peak_flops["bf16"]
         return min(self.peak_flops.values())
+
+    def has_fp8(self) -> bool:
+        """Whether the device lists an fp8 peak (fp8 tensor cores)."""
+        return "fp8" in self.peak_flops
 
 
 #: in-network reduction a level may declare -> the link kind whose switches do it.
