@@ -231,13 +231,12 @@ def _spmd(plan: Plan, lowering: _Lowering) -> list[ParamSharding]:
     trainer = SpmdTrainer(plan, mesh)
     shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
     held = jax.eval_shape(trainer.optimizer.held, shape)
-    layout = layout_for(shape, plan)
-    params = _params(held, tuple(layout.shardings(mesh, w) for w in ("params", "grads", "moments")))
     m, batch = plan.batch.microbatches, plan.batch.global_batch
     tokens = jax.ShapeDtypeStruct((m, batch // m, plan.model.seq_len), jnp.int32, sharding=trainer.batch_sharding)
     lowering.add("train_step", "all", 1, trainer._step, _sds(held, trainer.param_shardings),
                  _sds(jax.eval_shape(trainer.optimizer.init, shape), trainer.opt_shardings), tokens, tokens)
-    return params
+    layout = layout_for(shape, plan)
+    return _params(held, tuple(layout.shardings(mesh, w) for w in ("params", "grads", "moments")))
 
 
 def _stage_groups(stages: int) -> list[tuple[int, str]]:

@@ -17,6 +17,8 @@ may pick other forms (a reduce-scatter where Shardy all-reduces, a gather
 where Shardy moves activations with an all-to-all) and its combiners merge
 the per-leaf gradient reductions into a few large ones. The axes that carry
 communication are the plan's; op counts are Shardy's, per leaf.
+:func:`compiled_axes` maps the replica groups of XLA's compiled HLO to the
+same mesh axes, so the two can be compared where the devices exist.
 
 Counts are executions per program run: an op inside a ``stablehlo.while``
 (the microbatch ``lax.scan``) counts its trip count, an op in a private
@@ -34,7 +36,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Reshard", "PASSES", "KINDS", "partition", "collectives", "result_shardings"]
+import numpy as np
+
+__all__ = ["Reshard", "PASSES", "KINDS", "partition", "collectives", "result_shardings", "replica_groups",
+           "compiled_axes"]
 
 #: Shardy's partitioning, as a pass pipeline over the lowered module.
 PASSES = ("builtin.module(sdy-propagation-pipeline,"
@@ -228,3 +233,65 @@ def result_shardings(text: str, axis_sizes: dict[str, int]) -> list[tuple[tuple[
             dims = _dims(match.group(0), axis_sizes)
             out.append(tuple(tuple(name for name, _ in dim) or None for dim in dims))
     return out
+
+
+_HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(")
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def replica_groups(line: str, devices: int) -> list[list[int]] | None:
+    """The device groups of one compiled HLO collective instruction (partition ids), or None if it has none.
+
+    Reads the explicit ``{{0,1},{2,3}}`` list, the iota form
+    ``[G,S]<=[dims]T(perm)``, the mesh form ``mesh['a'=2,...] {'a'}`` (with
+    optional ``device_ids``), ``{}`` (all devices) and a collective-permute's
+    ``source_target_pairs``.
+    """
+    explicit = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{} ]*\})\}", line)
+    if explicit:
+        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d, ]+)\}", explicit.group(1))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        return _iota(iota.group(3), iota.group(4)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
+                     r"\{([^}]*)\}", line)
+    if mesh:
+        axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = (_iota(mesh.group(2), mesh.group(3)) if mesh.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        return ids.transpose(rest + grouped).reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
+    if "replica_groups={}" in line:
+        return [list(range(devices))]
+    return None
+
+
+def compiled_axes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Counter:
+    """``(axes, kind) -> instructions`` of a compiled SPMD program's HLO (``compiled.as_text()``).
+
+    Partition ``i`` is the mesh's ``i``-th device in row-major order; a
+    group spans the axes along which its members' coordinates differ (an
+    instruction without readable groups counts under ``"?"``). Async pairs
+    count once; counts are instructions, not executions.
+    """
+    found: Counter = Counter()
+    devices = math.prod(mesh_shape)
+    for line in hlo_text.splitlines():
+        match = _HLO_OP.search(line)
+        if not match:
+            continue
+        groups = replica_groups(line, devices)
+        if groups is None:
+            found[("?", match.group(1))] += 1
+            continue
+        varying: set[int] = set()
+        for group in groups:
+            coords = np.array(np.unravel_index(group, mesh_shape)).T
+            varying |= {i for i in range(len(mesh_shape)) if len(set(coords[:, i].tolist())) > 1}
+        found[("+".join(axis_names[i] for i in sorted(varying)), match.group(1))] += 1
+    return found

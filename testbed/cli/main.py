@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("testbed.cli.run:verify", "check a plan's parallel step against a single-device reference"),
     "calibrate": ("testbed.cli.calibrate:calibrate", "measure this machine and fit a topology's calibration"),
     "validate": ("testbed.cli.validate:validate", "predicted vs measured step time and memory for plans"),
+    "check-sharding": ("testbed.cli.check_sharding", "lower a plan's step on its full mesh with abstract devices: shardings, collectives per axis"),
     "demo": ("testbed.cli.demo", "run the default job end to end: check, predict, run, verify, compare"),
 }
 

@@ -1,0 +1,114 @@
+"""`testbed check-sharding --plan P [--topology T]`: a big plan's shardings and collectives, without its devices.
+
+Checks the plan against the topology (mesh size, placement), then lowers the
+runner's training step for the plan's full mesh on abstract devices
+(:mod:`runners.check_sharding`): every parameter's PartitionSpec and
+per-device shard, and the collectives per mesh axis that Shardy's
+partitioning of the lowered programs inserts, with counts and bytes per
+device per step. Nothing is compiled or allocated, so a 4096-device plan is
+checked on a laptop. Exit 0 when the step lowers, 1 on a sharding error
+(JAX's message, no traceback), 2 on bad input.
+
+JAX starts here on the host CPU with one device, whatever the plan's size:
+the lowering needs no real device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+from testbed.cli.basic import plan_topology
+from testbed.errors import InputError
+from testbed.output import CommandResult
+from testbed.plan.io import load_plan
+from testbed.plan.placement import place
+from testbed.units import format_bytes
+
+__all__ = ["add_arguments", "execute", "param_rows"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--plan", required=True, help="plan YAML file (or a bundled plan name, e.g. demo)")
+    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+
+
+def _host_only() -> None:
+    """Start JAX on one host CPU device unless it already runs (the lowering uses abstract devices only)."""
+    if "jax" in sys.modules:
+        return
+    from runners import devices
+
+    devices.prepare(devices.DeviceRequest(kind="emulated", count=1))
+
+
+def _spec_text(spec: list[Any]) -> str:
+    def entry(e: Any) -> str:
+        if e is None:
+            return "None"
+        return f"({', '.join(e)})" if isinstance(e, list) else str(e)
+    return f"P({', '.join(entry(e) for e in spec)})"
+
+
+def param_rows(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parameters with identical shape and specs merged across layers and stages (``layers.*``), with a count."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for p in params:
+        key_path = re.sub(r"^stage\d+\.chunk\d+\.", "", p["path"])
+        key_path = re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", key_path)
+        key = (key_path, tuple(p["shape"]), _spec_text(p["spec"]), tuple(p["shard_shape"]))
+        row = rows.setdefault(key, {"path": key_path, "shape": p["shape"], "spec": _spec_text(p["spec"]),
+                                    "shard_shape": p["shard_shape"], "count": 0})
+        row["count"] += 1
+    return list(rows.values())
+
+
+def execute(args: argparse.Namespace) -> CommandResult:
+    plan = load_plan(args.plan)
+    try:
+        topology = plan_topology(plan, args.topology, args.plan)
+        place(plan, topology)
+    except InputError as exc:
+        raise exc.with_file(args.plan) from None
+    _host_only()
+    from runners.check_sharding import check_sharding
+
+    try:
+        result = check_sharding(plan)
+    except InputError as exc:
+        raise exc.with_file(args.plan) from None
+    data = {**result.to_dict(), "topology": topology.name}
+
+    def render(console) -> None:
+        from rich.table import Table
+
+        mesh = " x ".join(f"{k} {v}" for k, v in result.mesh.items() if v > 1) or "1 device"
+        console.print(f"plan `{plan.name}` on `{topology.name}`: {result.devices} abstract devices ({mesh}); "
+                      f"{len(result.programs)} program(s) lowered for {result.platform} in {result.seconds['total']:.1f} s")
+        table = Table(title="parameters (layers.*: every layer alike)")
+        for header in ("parameter", "shape", "spec", "shard per device", "x"):
+            table.add_column(header, justify="right" if header == "x" else "left")
+        for row in param_rows(data["params"]):
+            table.add_row(row["path"], str(tuple(row["shape"])), row["spec"], str(tuple(row["shard_shape"])),
+                          str(row["count"]))
+        console.print(table)
+        if result.programs:
+            summary = Table(title="collectives per mesh axis, per device per step")
+            for header in ("stages", "axes", "kind", "group", "count", "bytes"):
+                summary.add_column(header, justify="right" if header in ("group", "count", "bytes") else "left")
+            for row in data["per_axis"]:
+                summary.add_row(row["stages"], row["axes"], row["kind"], str(row["group"]), str(row["count"]),
+                                format_bytes(row["bytes"]))
+            console.print(summary)
+            console.print("lowered: " + ", ".join(f"{g.name} (x{g.runs})" for g in result.programs))
+            console.print("collectives: Shardy's partitioning of the lowered programs; XLA's compiler may merge "
+                          "the per-leaf reductions and pick other forms (docs/testing.md)")
+        for warning in result.warnings:
+            console.print(f"[yellow]warning[/yellow]: {warning}")
+        if result.error:
+            console.print("[red]sharding error[/red]:")
+            console.print(result.error, markup=False, highlight=False)
+
+    return CommandResult(data, render, exit_code=0 if result.ok else 1)

@@ -1,0 +1,180 @@
+"""`testbed check-sharding`: the runner's step lowered on abstract devices, its shardings and collectives per axis.
+
+The collectives come from Shardy's partitioning of the lowered program
+(runners.reshards); for a small plan they are compared with the replica
+groups of XLA's compiled program on real (emulated) devices.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from runners import reshards
+from runners.check_sharding import abstract_mesh, check_sharding
+from testbed.cli import main
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
+
+MODEL = ModelSpec(layers=1, d_model=32, heads=4, d_ff=64, seq_len=8, vocab=64)
+
+
+def _plan(microbatches: int = 2, **mesh: int) -> Plan:
+    replicas = mesh.get("data", 1) * mesh.get("fsdp", 1)
+    return Plan(name="small", model=MODEL, batch=BatchSpec(global_batch=2 * replicas * microbatches,
+                                                           microbatches=microbatches), mesh=MeshSpec(**mesh))
+
+
+@pytest.fixture(scope="module")
+def data_tensor():
+    """data 2 x tensor 2 (4 devices), two microbatches: the check and the plan."""
+    plan = _plan(data=2, tensor=2)
+    return plan, check_sharding(plan)
+
+
+def test_data_tensor_plan_reduces_over_tensor_per_layer_and_over_data_once(data_tensor):
+    plan, result = data_tensor
+    assert result.ok and result.devices == 4 and [g.name for g in result.programs] == ["train_step"]
+    rows = {(r["axes"], r["kind"]): r for r in result.per_axis()}
+    assert set(rows) == {("data", "all-reduce"), ("tensor", "all-reduce")}
+    # Megatron: an all-reduce after attention and after the MLP in the forward, and their mirrors in the
+    # backward, in every layer and microbatch.
+    assert rows[("tensor", "all-reduce")]["count"] >= 4 * MODEL.layers * plan.batch.microbatches
+    assert rows[("tensor", "all-reduce")]["group"] == 2 and rows[("data", "all-reduce")]["group"] == 2
+    # Data: each gradient is reduced once per step (runners.replicas), not once per microbatch: the bytes
+    # are the gradients' shards (fp32 here) plus the step's loss.
+    grads = sum(math.prod(p.shard_shape) * 4 for p in result.params)
+    assert rows[("data", "all-reduce")]["bytes"] == grads + 4
+
+
+def test_parameter_specs_are_the_runners_on_a_real_mesh(data_tensor):
+    from runners.step import SpmdTrainer
+
+    plan, result = data_tensor
+    devices = np.asarray(jax.devices()[:4]).reshape(1, 2, 1, 2)
+    mesh = jax.sharding.Mesh(devices, ("stage", "data", "fsdp", "tensor"))
+    trainer = SpmdTrainer(plan, mesh)
+    flat = jax.tree_util.tree_flatten_with_path(trainer.param_shardings)[0]
+    assert len(flat) == len(result.params)
+    for (path, sharding), param in zip(flat, result.params):
+        spec = P(*[tuple(e) if isinstance(e, list) else e for e in param.spec])
+        assert sharding.spec == spec or tuple(sharding.spec) + (None,) * (len(spec) - len(sharding.spec)) == spec
+        assert sharding.shard_shape(param.shape) == param.shard_shape
+    wo = next(p for p in result.params if p.path.endswith("attn.wo"))
+    assert wo.spec == ["tensor", None] and wo.shard_shape == (MODEL.d_model // 2, MODEL.d_model)
+
+
+def test_axes_agree_with_xlas_compiled_program():
+    """The axes Shardy's partitioning communicates over are those of XLA's compiled step on 4 real devices."""
+    from runners import model
+    from runners.step import SpmdTrainer
+
+    plan = _plan(microbatches=1, data=2, tensor=2)  # one microbatch: the smallest program to compile
+    result = check_sharding(plan)
+    devices = np.asarray(jax.devices()[:4]).reshape(1, 2, 1, 2)
+    mesh = jax.sharding.Mesh(devices, ("stage", "data", "fsdp", "tensor"))
+    trainer = SpmdTrainer(plan, mesh)
+    shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
+    held = jax.eval_shape(trainer.optimizer.held, shape)
+    sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
+    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, MODEL.seq_len), np.int32,
+                                  sharding=trainer.batch_sharding)
+    text = trainer._step.lower(sds(held, trainer.param_shardings),
+                               sds(jax.eval_shape(trainer.optimizer.init, shape), trainer.opt_shardings),
+                               tokens, tokens).compile().as_text()
+    compiled = reshards.compiled_axes(text, devices.shape, mesh.axis_names)
+    assert set(compiled) == {(r["axes"], r["kind"]) for r in result.per_axis()} == {
+        ("data", "all-reduce"), ("tensor", "all-reduce")}
+
+
+def test_replica_group_forms_map_to_mesh_axes():
+    shape, names = (1, 2, 1, 2), ("stage", "data", "fsdp", "tensor")
+    lines = {
+        "tensor": "%ar = f32[4] all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add",
+        "data": "%ar = f32[4] all-reduce(%x), channel_id=1, replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add",
+        "data+tensor": "%ag = f32[4] all-gather(%x), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}",
+    }
+    for axes, line in lines.items():
+        assert reshards.compiled_axes(line, shape, names) == {(axes, line.split()[3].split("(")[0]): 1}
+    mesh_form = ("%ar = f32[4] all-reduce-start(%x), replica_groups=mesh['axis_0'=2,'axis_1'=2], "
+                 "device_ids=([2,2]T(1,0)) {'axis_0'}, use_global_device_ids=true")
+    # devices [[0,2],[1,3]]: groups along axis_0 are {0,1} and {2,3}, the tensor pairs.
+    assert reshards.compiled_axes(mesh_form, shape, names) == {("tensor", "all-reduce"): 1}
+
+
+def test_abstract_mesh_has_the_plans_axes_and_no_devices():
+    mesh = abstract_mesh(_plan(data=64, fsdp=8, tensor=4))
+    assert dict(zip(mesh.axis_names, mesh.axis_sizes)) == {"stage": 1, "data": 64, "fsdp": 8, "tensor": 4}
+    with pytest.raises(ValueError):
+        mesh.devices  # noqa: B018 (abstract: nothing to allocate on)
+
+
+def test_sharding_error_is_a_failure_with_jaxs_message(monkeypatch):
+    """A layout that splits a dim the axis size does not divide: reported (ok False), not raised."""
+    from runners import parallel
+
+    real = parallel.leaf_spec
+
+    def bad(param, **kwargs):
+        spec = real(param, **kwargs)
+        return P("fsdp", *spec[1:]) if len(param.shape) == 2 and param.shape[0] == 3 else spec
+
+    monkeypatch.setattr(parallel, "leaf_spec", bad)
+    result = check_sharding(_plan(fsdp=2, tensor=2))
+    assert not result.ok and "divisible" in result.error and "Traceback" not in result.error, result.error
+
+
+TOPO = textwrap.dedent("""\
+    device: {name: x, flops: {fp32: 1TFLOP/s}, memory: 16GB, memory_bandwidth: 1TB/s}
+    levels:
+      - {name: node, size: 4, bandwidth: 100GB/s, latency: 1us, kind: nvswitch}
+    """)
+PIPELINE = textwrap.dedent("""\
+    model: {layers: 2, d_model: 32, heads: 4, d_ff: 64, seq_len: 8, vocab: 64}
+    batch: {global_batch: 4, microbatches: 2}
+    mesh: {tensor: 2, stage: 2}
+    schedule: 1f1b
+    """)
+
+
+def _files(tmp_path, plan: str) -> tuple[str, str]:
+    (tmp_path / "p.yaml").write_text(plan)
+    (tmp_path / "t.yaml").write_text(TOPO)
+    return str(tmp_path / "p.yaml"), str(tmp_path / "t.yaml")
+
+
+def test_cli_json_of_a_pipeline_plan_lists_stage_programs_and_transfers(tmp_path, capsys):
+    plan, topo = _files(tmp_path, PIPELINE)
+    assert main(["check-sharding", "--plan", plan, "--topology", topo, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] and data["devices"] == 4 and data["topology"] == "t"
+    assert [g["name"] for g in data["programs"]] == ["stage0.chunk0.F", "stage0.chunk0.B", "stage0.update",
+                                                     "stage1.chunk0.F", "stage1.chunk0.B", "stage1.update"]
+    assert {g["runs_per_step"] for g in data["programs"] if not g["name"].endswith("update")} == {2}
+    axes = {(r["stages"], r["axes"], r["kind"]) for r in data["per_axis"]}
+    assert {("0", "tensor", "all-reduce"), ("1", "tensor", "all-reduce")} <= axes
+    assert not any(r["axes"] == "data" for r in data["per_axis"])  # data 1: nothing to reduce
+    # 1F1B over 2 stages and 2 microbatches: each microbatch's activation forward, its gradient back.
+    assert data["transfers"]["count"] == 4
+    assert {p["stage"] for p in data["params"]} == {0, 1}
+
+
+def test_cli_table_and_bad_inputs(tmp_path, capsys):
+    plan, topo = _files(tmp_path, PIPELINE.replace("layers: 2", "layers: 1").replace("stage: 2", "stage: 1")
+                        .replace("tensor: 2", "tensor: 4"))
+    assert main(["check-sharding", "--plan", plan, "--topology", topo]) == 0
+    out = capsys.readouterr().out
+    assert "collectives per mesh axis" in out and "layers.*.attn.wqkv" in out and "tensor" in out
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text(PIPELINE.replace("stage: 2", "stage: 2, data: 2"))
+    assert main(["check-sharding", "--plan", str(wrong), "--topology", topo]) == 2
+    err = capsys.readouterr().err
+    assert "wrong.yaml" in err and "`mesh`" in err and "Traceback" not in err
+    assert main(["check-sharding", "--plan", str(tmp_path / "missing.yaml"), "--topology", topo]) == 2
+    assert main(["check-sharding", "--plan", plan]) == 2  # no topology anywhere
+    assert "topology" in capsys.readouterr().err
