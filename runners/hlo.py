@@ -51,8 +51,8 @@ def expected_collectives(plan: Plan) -> list[str]:
         out.append("data: all-reduce|reduce-scatter")
     if state_sharding(plan).split_axes(plan, "optimizer"):  # sharded state is gathered for use
         out.append(f"{'fsdp' if mesh.fsdp > 1 else 'zero'}: all-gather")
-    if mesh.tensor > 1:
-        out.append("tensor: all-reduce")
+    if mesh.tensor > 1:  # sequence parallelism: a reduce-scatter after each row-parallel matmul instead
+        out.append("tensor: reduce-scatter" if plan.sequence_parallel else "tensor: all-reduce")
     if mesh.stage > 1:
         out.append(f"stage: collective-permute|{TRANSFER}")
     return out

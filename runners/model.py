@@ -209,14 +209,16 @@ def _cross_entropy_bwd(res, g: jax.Array):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def embed(params_embed: Params, tokens: jax.Array) -> jax.Array:
+def embed(params_embed: Params, tokens: jax.Array, seq: Any = None) -> jax.Array:
     """Token plus position embedding: int32 ``[batch, seq]`` -> ``[batch, seq, d]``.
 
     Without a position table (``position: rope``) the token embedding alone: the blocks rotate Q and K.
+    ``seq``: sequence parallelism's runners.parallel.SequenceShards (the lookup reduce-scattered), or None.
     """
-    seq = tokens.shape[1]
-    x = jnp.take(params_embed["tokens"], tokens, axis=0)
-    return x + params_embed["positions"][:seq] if "positions" in params_embed else x
+    length = tokens.shape[1]
+    x = (jnp.take(params_embed["tokens"], tokens, axis=0) if seq is None
+         else seq.embed(params_embed["tokens"], tokens))
+    return x + params_embed["positions"][:length] if "positions" in params_embed else x
 
 
 def _rope(x: jax.Array, theta: float) -> jax.Array:
@@ -253,31 +255,27 @@ def _plus(x: jax.Array, p: Params, name: str) -> jax.Array:
     return x + p[name] if name in p else x
 
 
-def _column(seq: Any, h: jax.Array, project: Any) -> Any:
-    """``project(h)``: the column-parallel matmuls after a norm.
+def _column(seq: Any, h: jax.Array, weights: Params, prefix: tuple[str, ...], project: Any, out_dims: Any) -> Any:
+    """``project(h, weights)``: the column-parallel matmuls after a norm.
 
-    With sequence parallelism (``seq``: runners.parallel.SequenceShards) ``h`` is split over the sequence:
-    it is all-gathered inside a checkpoint, so the backward keeps only the shard and gathers again for the
-    weight gradient, as Megatron does (Korthikanti et al. 2022, section 4.2.2); the input gradient is
-    reduce-scattered.
+    With sequence parallelism (``seq``: runners.parallel.SequenceShards) ``h`` is split over the sequence
+    and all-gathered on each tensor rank first (``out_dims``: the dim of each output the tensor axis splits).
     """
-    if seq is None:
-        return project(h)
-    return jax.checkpoint(lambda h: project(seq.gather(h)))(h)
+    return project(h, weights) if seq is None else seq.column(h, weights, prefix, project, out_dims)
 
 
-def _row(seq: Any, y: jax.Array) -> jax.Array:
-    """A row-parallel matmul's output: with sequence parallelism split over the sequence (reduce-scatter)."""
-    return y if seq is None else seq.shard(y)
+def _row(seq: Any, y: jax.Array, w: jax.Array) -> jax.Array:
+    """``y @ w`` of a row-parallel matmul; with sequence parallelism reduce-scattered over the sequence."""
+    return y @ w if seq is None else seq.row(y, w)
 
 
-def _qkv(a: Params, h: jax.Array, heads: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _qkv(a: Params, h: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Q, K and V ``[batch, seq, heads (or kv_heads), head_dim]`` from the fused or the split projections."""
     b, s = h.shape[:2]
     if "wqkv" in a:
         qkv = _plus(jnp.einsum("bsd,dtk->bstk", h, a["wqkv"]), a, "bqkv")
-        return tuple(qkv[:, :, i].reshape(b, s, heads, head_dim) for i in range(3))
-    q = _plus(h @ a["wq"], a, "bq").reshape(b, s, heads, head_dim)
+        return tuple(qkv[:, :, i].reshape(b, s, -1, head_dim) for i in range(3))
+    q = _plus(h @ a["wq"], a, "bq").reshape(b, s, -1, head_dim)
     kv = _plus(jnp.einsum("bsd,dtk->bstk", h, a["wkv"]), a, "bkv")
     return (q, *(kv[:, :, i].reshape(b, s, -1, head_dim) for i in range(2)))
 
@@ -295,7 +293,8 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
     heads, head_dim = arch.heads, d // arch.heads
     a = params_layer["attn"]
     h = _layer_norm(params_layer["ln1"], x, arch.rms)
-    q, k, v = _column(sp, h, lambda h: _qkv(a, h, heads, head_dim))
+    kv_dim = 2 if sp is None or sp.kv_split else None  # K/V heads split over the tensor ranks, or whole on each
+    q, k, v = _column(sp, h, a, ("layers", "attn"), lambda h, a: _qkv(a, h, head_dim), (2, kv_dim, kv_dim))
     if arch.rope_theta is not None:
         q, k = _rope(q, arch.rope_theta), _rope(k, arch.rope_theta)
     if arch.flash_block is not None:  # keeps only q, k, v, its output and the row log-sum-exp: remat has no more to drop
@@ -304,14 +303,15 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
         attended = jax.checkpoint(plain_attention)(q, k, v)
     else:
         attended = plain_attention(q, k, v)
-    x = _plus(x + _row(sp, attended.reshape(b, s, d) @ a["wo"]), a, "bo")
+    x = _plus(x + _row(sp, attended.reshape(b, s, d), a["wo"]), a, "bo")
     m = params_layer["mlp"]
     h = _layer_norm(params_layer["ln2"], x, arch.rms)
     if "w3" in m:
-        hidden = _swiglu_remat(*_column(sp, h, lambda h: (_plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3"))))
+        hidden = _swiglu_remat(*_column(sp, h, m, ("layers", "mlp"), lambda h, m: (
+            _plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3")), (2, 2)))
     else:
-        hidden = _gelu_remat(_column(sp, h, lambda h: _plus(h @ m["w1"], m, "b1")))
-    return _plus(x + _row(sp, hidden @ m["w2"]), m, "b2")
+        hidden = _gelu_remat(_column(sp, h, m, ("layers", "mlp"), lambda h, m: _plus(h @ m["w1"], m, "b1"), 2))
+    return _plus(x + _row(sp, hidden, m["w2"]), m, "b2")
 
 
 def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
@@ -340,8 +340,9 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
     """
     rms = spec is not None and spec.norm is Norm.RMSNORM
     h = _layer_norm(params_head["norm"], x, rms)
-    w = params_head["w"] if tied_tokens is None else tied_tokens.T
-    logits = _column(seq, h, lambda h: h @ w).astype(jnp.float32)
+    prefix, w = (("head",), {"w": params_head["w"]}) if tied_tokens is None else (("embed",), {"tokens": tied_tokens})
+    logits = _column(seq, h, w, prefix, lambda h, w: h @ (w["tokens"].T if "tokens" in w else w["w"]), 2)
+    logits = logits.astype(jnp.float32)
     if spec is not None and spec.padded_vocab > spec.vocab:
         pad = np.where(np.arange(spec.padded_vocab) < spec.vocab, 0.0, np.finfo(np.float32).min)
         logits = logits + jnp.asarray(pad, jnp.float32)
@@ -354,7 +355,7 @@ def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
     parallelism's runners.parallel.SequenceShards, or None)."""
     p = cast_params(params, precision)
-    x = embed(p["embed"], tokens)
+    x = embed(p["embed"], tokens, seq)
     x = stage_forward(p["layers"], x, spec, remat, seq)
     tied = p["embed"]["tokens"] if spec.tied_embeddings else None
     return head_loss(p["head"], x, targets, tied, spec, seq)

@@ -16,7 +16,12 @@ partitioner then inserts the collectives:
 - ZeRO over ``data``: stage 1 shards the Adam moments over ``data`` as well,
   stage 2 also the gradients, stage 3 also the parameters.
 
-Activations: the batch dim is sharded over ``(data, fsdp)``.
+Activations: the batch dim is sharded over ``(data, fsdp)``. With
+``sequence_parallel`` (Megatron SP, Korthikanti et al. 2022)
+:class:`SequenceShards` also splits the residual stream, the norms and the
+dropout regions of every layer over the sequence on the ``tensor`` axis:
+XLA then all-gathers a norm's output before each column-parallel matmul and
+reduce-scatters each row-parallel matmul's output, instead of all-reducing.
 Leaves are found in the table by their path (a leaf the table lacks, or
 of another shape, is an error).
 """
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.model import layout
@@ -34,7 +40,8 @@ from testbed.model.layout import ParamSpec
 from testbed.plan.spec import ModelSpec, Plan
 from testbed.plan.sharding import state_sharding
 
-__all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec", "Constrain"]
+__all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec", "Constrain", "SequenceShards",
+           "sequence_shards", "activation_spec"]
 
 #: Mesh axes the batch dim of activations is split over.
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
@@ -126,3 +133,100 @@ class Constrain:
 
     def __call__(self, tree: Any) -> Any:
         return jax.lax.with_sharding_constraint(tree, self._by_structure[jax.tree.structure(tree)])
+
+
+def activation_spec(plan: Plan) -> P:
+    """Spec of what a pipeline stage takes and passes on (tokens ``[batch, seq]``, activations ``[batch, seq,
+    d_model]``): batch over (data, fsdp), and with sequence parallelism the sequence over ``tensor`` (Megatron
+    sends the shards: ``1/t`` of the activations per rank)."""
+    return P(BATCH_AXES, "tensor") if plan.sequence_parallel else batch_spec(1)
+
+
+class SequenceShards:
+    """Megatron sequence parallelism (Korthikanti et al. 2022) on one mesh: the runner's model calls these.
+
+    The residual stream, the norms and the dropout regions of every layer are split over the sequence on
+    the ``tensor`` axis (:meth:`shard`). The tensor-parallel matmuls run in ``jax.shard_map`` over
+    ``tensor`` only (the batch axes stay with XLA), with explicit collectives:
+
+    - :meth:`column`: ``all_gather`` of the sequence before the column-parallel matmuls (its transpose, the
+      input gradient's ``psum_scatter``, is a reduce-scatter); inside a checkpoint, so the backward keeps
+      only the shard and gathers again for the weight gradient, as Megatron does;
+    - :meth:`row`: the row-parallel matmul's partial sums ``psum_scatter``-ed over the sequence
+      (reduce-scatter; its transpose an all-gather), instead of an all-reduce;
+    - :meth:`embed`: the vocab-parallel lookup reduce-scattered over the sequence.
+
+    Explicit collectives, not sharding constraints: XLA:CPU lowers a constrained partial sum to an
+    all-reduce and a slice (only XLA:GPU's pipeline rewrites that into a reduce-scatter), and an
+    all-gather's gradient constrained to be replicated would all-reduce. Identity-hashed: one instance
+    per mesh is a static argument of the jitted programs.
+    """
+
+    def __init__(self, plan: Plan, mesh: Any):
+        self.mesh, self.model, self.tensor = mesh, plan.model, plan.mesh.tensor
+        #: Whether the tensor axis splits the K/V heads (else every rank projects all of them).
+        self.kv_split = plan.model.kv_split(self.tensor)
+        self._sharded = NamedSharding(mesh, P(P.UNCONSTRAINED, "tensor", None))
+
+    def _map(self, fn: Any, in_specs: Any, out_specs: Any, check_vma: bool = True) -> Any:
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=frozenset({"tensor"}), check_vma=check_vma)
+
+    def _specs(self, weights: dict[str, Any], prefix: tuple[str, ...]) -> dict[str, P]:
+        """Tensor-axis specs of a group of parameter leaves, from testbed.model.layout's table."""
+        out = {}
+        for name, leaf in weights.items():
+            dims = layout.param_at(self.model, (*prefix, name)).tensor_dims(self.tensor)
+            out[name] = P(*("tensor" if i in dims else None for i in range(leaf.ndim)))
+        return out
+
+    def shard(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[batch, seq, d]`` split over the sequence on the tensor axis."""
+        return jax.lax.with_sharding_constraint(x, self._sharded)
+
+    def column(self, h: jax.Array, weights: dict[str, Any], prefix: tuple[str, ...], project: Any,
+               out_dims: Any) -> Any:
+        """``project(gathered h, weights)`` on each tensor rank's columns.
+
+        ``h``: ``[batch, seq, d]``, split over the sequence; ``weights``: a group of parameter leaves at
+        ``prefix`` in the layout table (their tensor split from there); ``out_dims``: a pytree like
+        ``project``'s output of the dim the tensor axis splits in each output (None: whole on every rank).
+        """
+        shapes = jax.eval_shape(project, h, weights)
+        out_specs = jax.tree.map(lambda s, d: P(*("tensor" if i == d else None for i in range(s.ndim))),
+                                 shapes, out_dims, is_leaf=lambda x: x is None)
+
+        def local(h: jax.Array, w: dict[str, Any]) -> Any:
+            return project(jax.lax.all_gather(h, "tensor", axis=1, tiled=True), w)
+
+        # An output whole on every rank (K/V heads the tensor degree does not divide) is the same on every rank,
+        # but computed from the all-gather, which JAX types as varying: checked against the reference instead.
+        whole = any(d is None for d in jax.tree.leaves(out_dims, is_leaf=lambda x: x is None))
+        mapped = self._map(local, (P(None, "tensor", None), self._specs(weights, prefix)), out_specs,
+                           check_vma=not whole)
+        return jax.checkpoint(mapped)(h, weights)
+
+    def row(self, y: jax.Array, w: jax.Array) -> jax.Array:
+        """``y @ w`` of a row-parallel matmul (``y`` split on its last dim, ``w`` by rows), reduce-scattered
+        over the sequence."""
+        def local(y: jax.Array, w: jax.Array) -> jax.Array:
+            return jax.lax.psum_scatter(y @ w, "tensor", scatter_dimension=1, tiled=True)
+
+        return self._map(local, (P(None, None, "tensor"), P("tensor", None)), P(None, "tensor", None))(y, w)
+
+    def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        """The vocab-parallel token lookup ``[batch, seq] -> [batch, seq, d]``, reduce-scattered over the sequence."""
+        def local(table: jax.Array, tokens: jax.Array) -> jax.Array:
+            rows = table.shape[0]
+            index = tokens - jax.lax.axis_index("tensor") * rows
+            mine = (index >= 0) & (index < rows)
+            x = jnp.take(table, jnp.where(mine, index, 0), axis=0) * mine[..., None].astype(table.dtype)
+            return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
+
+        spec = self._specs({"tokens": table}, ("embed",))["tokens"]
+        return self._map(local, (spec, P()), P(None, "tensor", None))(table, tokens)
+
+
+def sequence_shards(plan: Plan, mesh: Any) -> SequenceShards | None:
+    """The plan's :class:`SequenceShards` on ``mesh``, or None without sequence parallelism."""
+    return SequenceShards(plan, mesh) if plan.sequence_parallel else None

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
-from runners.parallel import batch_spec, layout_for
+from runners.parallel import batch_spec, layout_for, sequence_shards
 from runners.precision import Optimizer
 from runners.pipeline.memory import program_bytes
 from runners.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
@@ -95,27 +95,27 @@ def state_shardings(opt_shape: Any, params: Any, moment_shardings: Any, replicat
     return jax.tree_util.tree_map_with_path(pick, opt_shape)
 
 
-def _loss_fn(plan: Plan):
+def _loss_fn(plan: Plan, seq: Any = None):
     def loss(params: Any, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return model.forward_loss(params, tokens, targets, spec=plan.model, precision=plan.precision,
-                                  remat=plan.remat)
+                                  remat=plan.remat, seq=seq)
     return loss
 
 
 def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
-                 grad_shardings: Any | None, spread: Spread | None = None) -> tuple[jax.Array, Any]:
+                 grad_shardings: Any | None, spread: Spread | None = None, seq: Any = None) -> tuple[jax.Array, Any]:
     """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``).
 
     With ``spread`` (data replicas, runners.replicas) the loop accumulates
     each replica's gradients where they are and sums the replicas once after
     it: one data-parallel reduction per step, not one per microbatch.
     """
-    value_and_grad = jax.value_and_grad(_loss_fn(plan))
+    value_and_grad = jax.value_and_grad(_loss_fn(plan, seq))
     if tokens.shape[0] == 1:
         return value_and_grad(params, tokens[0], targets[0])
     if spread is not None:
         mesh = jax.tree.leaves(spread.shardings)[0].mesh
-        per_replica = replica_value_and_grad(_loss_fn(plan), spread.count, mesh)
+        per_replica = replica_value_and_grad(_loss_fn(plan, seq), spread.count, mesh)
         spread_params = spread(params)
         losses, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
                                   spread.shardings[0], loss_shape=(spread.count,))
@@ -165,9 +165,10 @@ class SpmdTrainer:
         grad_sh = self.grad_shardings
         count = replicas(plan)
         spread = Spread(mesh, [self.param_shardings], count) if count > 1 else None
+        seq = sequence_shards(plan, mesh)  # Megatron sequence parallelism (runners.parallel), or None
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
-            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread)
+            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
             out = (*opt.update(params, opt_state, grads), loss)
             return out + (grads,) if return_grads else out

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
 from runners.pipeline.lockstep import lockstep_step
-from runners.parallel import Constrain, batch_spec, layout_for
+from runners.parallel import Constrain, activation_spec, layout_for, sequence_shards
 from runners.pipeline.engine import Prepare
 from runners.precision import Optimizer
 from runners.pipeline.memory import StageProgramMemory, pipeline_memory
@@ -97,14 +97,18 @@ class PipelineTrainer:
                                        plan.schedule.virtual_stages)
         spec, precision, remat = plan.model, plan.precision, plan.remat
 
+        # Megatron sequence parallelism per stage sub-mesh (runners.parallel), or None.
+        seqs = [sequence_shards(plan, m) for m in stage_meshes]
+        last = seqs[self.schedule.locate(self.schedule.chunks - 1)[0]]
+
         # The held parameters are already in the compute dtype (runners.precision): no cast here.
         def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
             if _EMBED in params:
-                x = model.embed(params[_EMBED], x)
-            return model.stage_forward(params[_LAYERS], x, spec, remat)
+                x = model.embed(params[_EMBED], x, seqs[stage])
+            return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage])
 
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-            return model.head_loss(params[_HEAD], y, targets, spec=spec)
+            return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last)
 
         # Data replicas keep their gradients apart until the update, and their losses until the step's end:
         # one reduction per step (runners.replicas), none per microbatch.
@@ -117,7 +121,7 @@ class PipelineTrainer:
         mb = plan.batch.global_batch // plan.batch.microbatches
         self.act_shape = (mb, spec.seq_len, spec.d_model)
         self.act_dtype = model.compute_dtype(precision)
-        self.act_shardings = [NamedSharding(m, batch_spec(1)) for m in stage_meshes]
+        self.act_shardings = [NamedSharding(m, activation_spec(plan)) for m in stage_meshes]
         # NaN receive slots are the engine's leak check for tests; production steps skip their cost.
         # Several processes: runners.pipeline.engine moves activations with device_put, which cannot cross
         # processes, so the lockstep engine below (collective-permute transfers) runs the table.
