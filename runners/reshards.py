@@ -8,7 +8,10 @@ StableHLO itself: its propagation pipeline, then ``insert-explicit-reshards``
 (the full version) and ``reshard-to-collectives`` turn every place where an
 op's operands and results disagree into explicit ``sdy.all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``all_to_all`` and ``collective_permute``
-ops that name the mesh axes they run over. The passes run in jaxlib's own
+ops that name the mesh axes they run over; the explicit collectives that
+``shard_map`` bodies already hold (``stablehlo.all_gather`` ..., e.g. the
+runner's sequence parallelism) are read with their device groups mapped to
+the same axes. The passes run in jaxlib's own
 MLIR context, on one host core, whatever the device count.
 
 What this finds is what Shardy decides; XLA's compiler, given real devices,
@@ -38,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Reshard", "PASSES", "KINDS", "partition", "collectives", "result_shardings", "replica_groups",
+__all__ = ["Reshard", "PASSES", "KINDS", "MANUAL", "partition", "collectives", "result_shardings", "replica_groups",
            "compiled_axes"]
 
 #: Shardy's partitioning, as a pass pipeline over the lowered module.
@@ -55,6 +58,13 @@ KINDS: dict[str, tuple[str, str | None]] = {
     "sdy.collective_permute": ("collective-permute", None),
 }
 
+#: Explicit collectives inside ``shard_map`` bodies (``sdy.manual_computation``): HLO spelling.
+MANUAL: dict[str, str] = {
+    "stablehlo.all_reduce": "all-reduce", "stablehlo.all_gather": "all-gather",
+    "stablehlo.reduce_scatter": "reduce-scatter", "stablehlo.all_to_all": "all-to-all",
+    "stablehlo.collective_permute": "collective-permute",
+}
+
 _AXIS_REF = re.compile(r'"([^"]+)"(?::\((\d+)\)(\d+))?')
 _DIM = re.compile(r"\{([^{}]*)\}")
 
@@ -66,7 +76,8 @@ class Reshard:
     ``axes`` are the mesh axes its groups span, in mesh order; ``group``
     the number of devices in one group; ``bytes`` per device and execution
     (module doc); ``times`` executions per program run; ``shape`` and
-    ``dtype`` the global operand.
+    ``dtype`` the operand: global for Shardy's ops, one device's block for
+    the explicit collectives of ``shard_map`` bodies (:data:`MANUAL`).
     """
 
     kind: str
@@ -142,6 +153,33 @@ def _collective(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
     return kind, axes, group, nbytes, shape, element
 
 
+def _varying(groups: list[list[int]], shape: tuple[int, ...]) -> list[int]:
+    """Indices of the mesh dims along which some group's members differ (device ``i``: row-major coordinate)."""
+    varying: set[int] = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(group, shape)).T
+        varying |= {i for i in range(len(shape)) if len(set(coords[:, i].tolist())) > 1}
+    return sorted(varying)
+
+
+def _manual(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
+    """(kind, axes, group, bytes, shape, dtype) of an explicit collective in a shard_map body (local shapes).
+
+    Its device groups (``replica_groups``, or a permute's pairs) are ids of
+    the abstract mesh's devices in row-major order.
+    """
+    kind = MANUAL[op.operation.name]
+    attr = "source_target_pairs" if kind == "collective-permute" else "replica_groups"
+    groups = [[int(x) for x in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", str(op.attributes[attr]))]
+    shape_ = tuple(sizes[a] for a in order)
+    axes = tuple(order[i] for i in _varying(groups, shape_))
+    value = op.results[0] if kind == "all-gather" else op.operands[0]
+    shape = tuple(int(d) for d in value.type.shape)
+    element = str(value.type.element_type)
+    group = math.prod(sizes[a] for a in axes) if kind == "collective-permute" else max(len(g) for g in groups)
+    return kind, axes, group, math.prod(shape) * _dtype_bytes(element), shape, element
+
+
 def partition(text: str) -> Any:
     """Run :data:`PASSES` on a lowered module's text; the partitioned ``ir.Module`` and its context."""
     from jax.interpreters import mlir as jmlir
@@ -181,6 +219,8 @@ def collectives(text: str, axis_sizes: dict[str, int]) -> tuple[list[Reshard], l
                         name = inner.operation.name
                         if name in KINDS:
                             found[_collective(inner, axis_sizes, order)] += times
+                        elif name in MANUAL:
+                            found[_manual(inner, axis_sizes, order)] += times
                         elif name in ("func.call", "call"):
                             callee = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
                             for key, n in function_total(callee).items():
@@ -289,9 +329,5 @@ def compiled_axes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[
         if groups is None:
             found[("?", match.group(1))] += 1
             continue
-        varying: set[int] = set()
-        for group in groups:
-            coords = np.array(np.unravel_index(group, mesh_shape)).T
-            varying |= {i for i in range(len(mesh_shape)) if len(set(coords[:, i].tolist())) > 1}
-        found[("+".join(axis_names[i] for i in sorted(varying)), match.group(1))] += 1
+        found[("+".join(axis_names[i] for i in _varying(groups, mesh_shape)), match.group(1))] += 1
     return found

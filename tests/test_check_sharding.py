@@ -92,6 +92,18 @@ def test_axes_agree_with_xlas_compiled_program():
         ("data", "all-reduce"), ("tensor", "all-reduce")}
 
 
+def test_sequence_parallel_shard_map_collectives_are_read_on_the_tensor_axis():
+    """The explicit all-gathers and reduce-scatters of a shard_map body (Megatron sequence parallelism)."""
+    from dataclasses import replace
+
+    result = check_sharding(replace(_plan(microbatches=1, data=2, tensor=2), sequence_parallel=True))
+    assert result.ok, result.error
+    kinds = {r["kind"]: r for r in result.per_axis() if r["axes"] == "tensor"}
+    assert {"all-gather", "reduce-scatter"} <= set(kinds)
+    # Before the column-parallel matmuls (qkv, mlp up) of every layer, forward and backward.
+    assert kinds["all-gather"]["count"] >= 2 * MODEL.layers and kinds["all-gather"]["group"] == 2
+
+
 def test_replica_group_forms_map_to_mesh_axes():
     shape, names = (1, 2, 1, 2), ("stage", "data", "fsdp", "tensor")
     lines = {
