@@ -41,6 +41,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as
 
 from runners import model, reshards
 from runners.devices import STAGE_MESH_AXES
+from runners.hlo import TRANSFER
 from testbed.plan.spec import MESH_AXES, Plan
 
 __all__ = ["ParamSharding", "ProgramCollectives", "ShardingCheck", "abstract_mesh", "check_sharding",
@@ -147,8 +148,8 @@ class ShardingCheck:
                 row["count"] += c.times * program.runs
                 row["bytes"] += c.bytes * c.times * program.runs
         if self.transfers:
-            rows[("all", "stage", reshards_transfer())] = {
-                "stages": "all", "axes": "stage", "kind": reshards_transfer(), "group": 2,
+            rows[("all", "stage", TRANSFER)] = {
+                "stages": "all", "axes": "stage", "kind": TRANSFER, "group": 2,
                 "count": self.transfers["count"], "bytes": self.transfers["count"] * self.transfers["bytes"]}
         return sorted(rows.values(), key=lambda r: (r["stages"], r["axes"], r["kind"]))
 
@@ -168,13 +169,6 @@ class ShardingCheck:
             "transfers": self.transfers,
             "per_axis": self.per_axis(),
         }
-
-
-def reshards_transfer() -> str:
-    """The kind name of transfers between per-stage programs (as :mod:`runners.hlo` names them)."""
-    from runners.hlo import TRANSFER
-
-    return TRANSFER
 
 
 def _sds(shapes: Any, shardings: Any) -> Any:
@@ -204,13 +198,10 @@ class _Lowering:
         self.warnings: list[str] = []
         self.seconds = {"trace_lower": 0.0, "partition": 0.0}
 
-    def lower(self, name: str, jitted: Any, *args: Any) -> Any:
+    def add(self, name: str, stages: str, runs: int, jitted: Any, *args: Any) -> tuple[Any, str]:
+        """Lower ``jitted(*args)``, partition it with Shardy and record its collectives; the Lowered and its text."""
         start = time.perf_counter()
-        return jitted.trace(*args).lower(lowering_platforms=(PLATFORM,)), start
-
-    def add(self, name: str, stages: str, runs: int, jitted: Any, *args: Any) -> Any:
-        """Lower ``jitted(*args)``, partition it with Shardy and record its collectives; the Lowered."""
-        lowered, start = self.lower(name, jitted, *args)
+        lowered = jitted.trace(*args).lower(lowering_platforms=(PLATFORM,))
         text = lowered.as_text()
         mid = time.perf_counter()
         found, warnings = reshards.collectives(text, self.sizes)

@@ -126,7 +126,7 @@ def test_abstract_mesh_has_the_plans_axes_and_no_devices():
         mesh.devices  # noqa: B018 (abstract: nothing to allocate on)
 
 
-def test_sharding_error_is_a_failure_with_jaxs_message(monkeypatch):
+def test_sharding_error_is_a_failure_with_jaxs_message(monkeypatch, tmp_path, capsys):
     """A layout that splits a dim the axis size does not divide: reported (ok False), not raised."""
     from runners import parallel
 
@@ -139,6 +139,13 @@ def test_sharding_error_is_a_failure_with_jaxs_message(monkeypatch):
     monkeypatch.setattr(parallel, "leaf_spec", bad)
     result = check_sharding(_plan(fsdp=2, tensor=2))
     assert not result.ok and "divisible" in result.error and "Traceback" not in result.error, result.error
+    plan, topo = _files(tmp_path, PIPELINE.replace("stage: 2", "fsdp: 2"))
+    assert main(["check-sharding", "--plan", plan, "--topology", topo]) == 1
+    out = capsys.readouterr().out
+    assert "sharding error" in out and "divisible" in out and "Traceback" not in out
+    assert main(["check-sharding", "--plan", plan, "--topology", topo, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["ok"] is False and "divisible" in data["error"]
 
 
 TOPO = textwrap.dedent("""\

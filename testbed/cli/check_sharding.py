@@ -87,13 +87,14 @@ def execute(args: argparse.Namespace) -> CommandResult:
         mesh = " x ".join(f"{k} {v}" for k, v in result.mesh.items() if v > 1) or "1 device"
         console.print(f"plan `{plan.name}` on `{topology.name}`: {result.devices} abstract devices ({mesh}); "
                       f"{len(result.programs)} program(s) lowered for {result.platform} in {result.seconds['total']:.1f} s")
-        table = Table(title="parameters (layers.*: every layer alike)")
-        for header in ("parameter", "shape", "spec", "shard per device", "x"):
-            table.add_column(header, justify="right" if header == "x" else "left")
-        for row in param_rows(data["params"]):
-            table.add_row(row["path"], str(tuple(row["shape"])), row["spec"], str(tuple(row["shard_shape"])),
-                          str(row["count"]))
-        console.print(table)
+        if data["params"]:
+            table = Table(title="parameters (layers.*: every layer alike)")
+            for header in ("parameter", "shape", "spec", "shard per device", "x"):
+                table.add_column(header, justify="right" if header == "x" else "left")
+            for row in param_rows(data["params"]):
+                table.add_row(row["path"], str(tuple(row["shape"])), row["spec"], str(tuple(row["shard_shape"])),
+                              str(row["count"]))
+            console.print(table)
         if result.programs:
             summary = Table(title="collectives per mesh axis, per device per step")
             for header in ("stages", "axes", "kind", "group", "count", "bytes"):
