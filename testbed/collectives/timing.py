@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.collectives.algorithms import ALGORITHMS, GRID_ALGORITHMS, SUPPORTED_OPS, parse_algorithm, step_program
+from testbed.collectives.algorithms import (ALGORITHMS, GRID_ALGORITHMS, RING_FAMILY, SUPPORTED_OPS, flow_rounds,
+                                           parse_algorithm, ring_streams, step_program)
 from testbed.collectives.bounds import lower_bound
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
@@ -116,26 +117,24 @@ def routed_transfers(topology: Topology, algorithm: str, group: Sequence[int], g
     """An upper bound (within a small factor) on the chunk transfers of ``algorithm``'s program for ``op``.
 
     Counted from the program's shape, before it is built, so refusing one costs
-    nothing. Ring-based programs (ring, bidir_ring, torus, hierarchical,
-    multidim) move every chunk of a rank's buffer out once per reduce-scatter
-    and once per all-gather: ``n * chunks`` each, with ``chunks = blocks *
-    pieces`` (all_reduce: ``n`` pieces per ring direction or part, so ``O(n^2)``);
-    halving-doubling likewise ``2 n p``; double binary trees ``32 n``; direct,
-    one-shot and pairwise exchanges ``2 n^2``. Times ``groups``.
+    nothing. Ring-family programs (ring, bidir_ring, torus, hierarchical,
+    multidim) are timed from their flows, never built: one per rank, stream
+    and round (``2 sum(d - 1)`` rounds for all_reduce over grid dims d). Others
+    are built chunk by chunk: halving-doubling ``2 n p`` transfers (all_reduce),
+    double binary trees ``32 n``, direct, one-shot and pairwise exchanges ``2 n^2``.
+    Times ``groups``.
     """
     op = parse_op(op)
     n = len(group)
-    if algorithm in ("ring", "bidir_ring", "torus", "hierarchical", "multidim"):
-        if algorithm == "multidim":
-            grid = group_grid(topology, group)
-            streams = 2 * sum(1 for d in (grid[0] if grid else (n,)) if d > 1)
-        else:
-            streams = 1 if algorithm in ("ring", "hierarchical") else 2
+    if algorithm in RING_FAMILY:
         if op is Op.BROADCAST:
             count = 2 * 8 * n
-        else:
-            chunks = streams * n  # all_reduce: n pieces per stream; gather/scatter: n blocks of one piece per stream
-            count = n * chunks * (2 if op is Op.ALL_REDUCE else 1)
+        else:  # counted per (src, dst, round) flow, not per chunk (flow_rounds): rounds x n x streams
+            grid = group_grid(topology, group) if algorithm in GRID_ALGORITHMS else None
+            dims = grid[0] if grid else (n,)
+            streams = len(ring_streams(algorithm, dims))
+            rounds = (2 if op is Op.ALL_REDUCE else 1) * sum(d - 1 for d in dims)
+            count = rounds * n * streams
     elif algorithm == "halving_doubling":
         p = 1 << (max(n, 1).bit_length() - 1)
         count = 2 * n * p + 2 * n if op is Op.ALL_REDUCE else (n if op is Op.BROADCAST else n * n + n)
@@ -263,19 +262,33 @@ def placed_program(topology: Topology, op: Op | str, algorithm: str, group: Sequ
 # -- profiles --------------------------------------------------------------------------------
 
 class _Links:
-    """Directed links numbered once per topology, and routes as arrays of link numbers (memoized)."""
+    """Directed links numbered as routes first cross them, and routes as arrays of link numbers (memoized).
+
+    Numbering lazily keeps a 65,536-device torus (393,216 directed links) from
+    paying for links no timed program crosses.
+    """
 
     def __init__(self, topology: Topology):
         self.topology = topology
         self.index: dict[Link, int] = {}
         self.bandwidth: list[float] = []
+        self.links: list[Link] = []
         self.routes: dict[tuple[int, int], tuple[np.ndarray, float]] = {}
-        for u, v, data in topology.graph.edges(data=True):
-            for link in ((u, v), (v, u)):
-                self.index[link] = len(self.bandwidth)
-                self.bandwidth.append(float(data["bandwidth"]))
-        self.links = list(self.index)
-        self.bandwidth_array = np.asarray(self.bandwidth)
+        self._array = np.zeros(0)
+
+    @property
+    def bandwidth_array(self) -> np.ndarray:
+        if len(self._array) != len(self.bandwidth):
+            self._array = np.asarray(self.bandwidth)
+        return self._array
+
+    def number(self, link: Link) -> int:
+        found = self.index.get(link)
+        if found is None:
+            found = self.index[link] = len(self.bandwidth)
+            self.bandwidth.append(float(self.topology.graph.edges[link]["bandwidth"]))
+            self.links.append(link)
+        return found
 
     def route(self, a: int, b: int) -> tuple[np.ndarray, float]:
         """(link numbers, latency seconds) of the route a -> b."""
@@ -283,7 +296,7 @@ class _Links:
         if hit is None:
             hops = self.topology.route(a, b)
             edges = self.topology.graph.edges
-            hit = (np.fromiter((self.index[h] for h in hops), np.int64, len(hops)),
+            hit = (np.fromiter((self.number(h) for h in hops), np.int64, len(hops)),
                    sum(edges[u, v]["latency"] for u, v in hops))
             self.routes[a, b] = hit
         return hit
@@ -317,23 +330,47 @@ def _round_profile(links: _Links, flows: dict[tuple[int, int], int]) -> tuple[tu
     return tuple(envelope), load
 
 
-def _profile(topology: Topology, placed: Sequence[tuple[StepProgram, tuple[int, ...]]]):
+def _program_flows(topology: Topology, op: Op, algorithm: str, group: tuple[int, ...], root: int, peer: int
+                   ) -> tuple[int, list[Counter], tuple[int, ...]]:
+    """(chunks per data block, per round the chunks per (src device, dst device), devices of the ranks).
+
+    Ring-family programs are counted without being built (:func:`~testbed.collectives.algorithms.flow_rounds`);
+    others are built and their transfers counted.
+    """
+    if algorithm in RING_FAMILY and op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER):
+        if algorithm in GRID_ALGORITHMS:
+            dims, devices = group_grid(topology, group)
+        else:
+            dims, devices = (len(group),), tuple(group)
+        pieces, rounds = flow_rounds(op, algorithm, len(group), tuple(dims))
+        flows = [Counter({(devices[a], devices[b]): c for a, b, c in r}) for r in rounds]
+        return (1 if op is Op.ALL_REDUCE else len(group)) * pieces, flows, devices
+    program, devices = _program(topology, op, algorithm, group, root, peer)
+    flows = []
+    for round_ in program.rounds:
+        counter: Counter = Counter()
+        for t in round_:
+            if t.src != t.dst:
+                counter[devices[t.src], devices[t.dst]] += 1
+        flows.append(counter)
+    return program.data_blocks * program.pieces, flows, devices
+
+
+def _profile(topology: Topology, programs: Sequence[list[Counter]]):
     """(Counter of per-round envelopes, link -> chunks over all rounds, rounds) for programs run together.
 
     Rounds with the same flows (every round of a ring) are routed once.
     """
     links = _links(topology)
-    rounds_total = max(len(p.rounds) for p, _ in placed)
+    rounds_total = max((len(p) for p in programs), default=0)
     envelopes: Counter = Counter()
-    totals = np.zeros(len(links.bandwidth))
+    totals = np.zeros(0)
     seen: dict[tuple, tuple] = {}
     for k in range(rounds_total):
         flows: Counter = Counter()
-        for program, devices in placed:
-            if k < len(program.rounds):
-                for t in program.rounds[k]:
-                    if t.src != t.dst:
-                        flows[devices[t.src], devices[t.dst]] += 1
+        for rounds in programs:
+            if k < len(rounds):
+                flows.update(rounds[k])
         if not flows:
             continue
         signature = tuple(sorted(flows.items()))
@@ -341,18 +378,21 @@ def _profile(topology: Topology, placed: Sequence[tuple[StepProgram, tuple[int, 
             seen[signature] = _round_profile(links, flows)
         envelope, load = seen[signature]
         envelopes[envelope] += 1
-        totals += load
+        if len(totals) < len(load):  # links numbered since (lazily) extend the totals
+            totals = np.concatenate([totals, np.zeros(len(load) - len(totals))])
+        totals[:len(load)] += load
     loads = {links.links[i]: float(totals[i]) for i in np.flatnonzero(totals)}
     return envelopes, loads, sum(envelopes.values())
 
 
 def _cached_profile(topology: Topology, op: Op, algorithm: str, groups: tuple[tuple[int, ...], ...],
                     root: int, peer: int):
+    """(chunks per buffer of ``bytes``, envelopes, link -> chunks, rounds), memoized per groups."""
     memo = _memo(topology)
     key = ("profile", op, algorithm, groups, root, peer)
     if key not in memo:
-        placed = [_program(topology, op, algorithm, g, root, peer) for g in groups]
-        memo[key] = (placed[0][0], *_profile(topology, placed))
+        placed = [_program_flows(topology, op, algorithm, g, root, peer) for g in groups]
+        memo[key] = (placed[0][0], *_profile(topology, [flows for _, flows, _ in placed]))
     return memo[key]
 
 
@@ -363,8 +403,8 @@ def program_time(topology: Topology, op: Op | str, algorithm: str, groups: Seque
     groups = tuple(tuple(g) for g in groups)
     n = len(groups[0])
     peer = (root + 1) % n if peer is None else peer
-    program, envelopes, _, rounds = _cached_profile(topology, op, algorithm, groups, root, peer)
-    chunk = program.chunk_bytes(nbytes)
+    chunks, envelopes, _, rounds = _cached_profile(topology, op, algorithm, groups, root, peer)
+    chunk = float(nbytes) / chunks
     overhead = topology.calibration.collectives.overhead_s
     total = sum(count * (overhead + max(lat + coef * chunk for lat, coef in env)) for env, count in envelopes.items())
     return total, rounds
@@ -486,8 +526,8 @@ def link_loads(topology: Topology, op: Op | str, group: Sequence[int], nbytes: f
         return closed
     n = len(group)
     peer = (root + 1) % n if peer is None else peer
-    program, _, totals, _ = _cached_profile(topology, op, algorithm, (group,), root, peer)
-    chunk = program.chunk_bytes(nbytes)
+    chunks, _, totals, _ = _cached_profile(topology, op, algorithm, (group,), root, peer)
+    chunk = float(nbytes) / chunks
     return {link: chunks * chunk for link, chunks in totals.items()}
 
 

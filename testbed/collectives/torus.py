@@ -40,7 +40,7 @@ from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Form, Topology
 
 __all__ = ["SubTorus", "sub_torus", "disjoint_sub_tori", "TORUS_FORMS", "torus_profile", "torus_time",
-           "torus_link_loads"]
+           "torus_link_loads", "translatable", "canonical", "shift_loads", "touching"]
 
 #: Algorithms with a closed form on a sub-torus (``ring``/``bidir_ring`` only on one line).
 TORUS_FORMS: tuple[str, ...] = ("torus", "multidim", "ring", "bidir_ring")
@@ -258,3 +258,74 @@ def torus_link_loads(topology: Topology, op: Op | str, algorithm: str, group: Se
         for u, v in zip(devices.tolist(), nxt.tolist()):
             out[u, v] = out.get((u, v), 0.0) + nbytes_link
     return out
+
+
+# -- translation symmetry (the simulator's representative groups) ---------------------------
+
+def translatable(topology: Topology) -> bool:
+    """True when shifting every coordinate by a constant maps the torus, and its routes, onto themselves.
+
+    Needs every dim to wrap around (or have at most two devices); dimension-ordered
+    routes depend only on coordinate differences, so they shift along.
+    """
+    return topology.form is Form.TORUS and all(l.wraparound or l.size <= 2 for l in topology.levels)
+
+
+def canonical(topology: Topology, group: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
+    """(the group shifted so its least coordinate along every dim is 0, the shift back as coordinates).
+
+    The shift never wraps a member, so it subtracts one constant from every
+    device id and keeps the members' order: the shifted group's program is the
+    original's, translated.
+    """
+    devices = np.asarray(group, dtype=np.int64)
+    coords = _coords(topology, devices)
+    low = coords.min(axis=0)
+    sizes = np.asarray([l.size for l in topology.levels], dtype=np.int64)
+    strides = np.concatenate([[1], np.cumprod(sizes)[:-1]]).astype(np.int64)
+    offset = int((low * strides).sum())
+    return tuple((devices - offset).tolist()), low
+
+
+def shift_loads(topology: Topology, loads: dict, by: np.ndarray) -> dict:
+    """``loads`` (directed device links -> bytes) with both ends of every link shifted by ``by`` coordinates."""
+    if not loads or not np.any(by):
+        return dict(loads)
+    sizes = np.asarray([l.size for l in topology.levels], dtype=np.int64)
+    strides = np.concatenate([[1], np.cumprod(sizes)[:-1]]).astype(np.int64)
+    ends = np.asarray(list(loads), dtype=np.int64)  # (links, 2)
+
+    def move(ids: np.ndarray) -> np.ndarray:
+        return (((ids[:, None] // strides % sizes) + by) % sizes * strides).sum(axis=1)
+
+    return dict(zip(zip(move(ends[:, 0]).tolist(), move(ends[:, 1]).tolist()), loads.values()))
+
+
+def touching(topology: Topology, instances: Sequence[Sequence[int]], nodes: Sequence[int]) -> list:
+    """The instances (groups or sender/receiver pairs) whose routes can pass through any of ``nodes``.
+
+    A dimension-ordered route moves only along the dims where its ends differ,
+    so every node on an instance's routes has the instance's coordinates along
+    the dims its members share; an instance that differs from every node there
+    is left out. Exact: no instance that could load a link through ``nodes`` is dropped.
+    """
+    if not len(instances) or not len(nodes):
+        return []
+    first, fixed = _slabs(topology, instances)
+    at = _coords(topology, np.asarray(sorted(set(nodes)), dtype=np.int64))  # (W, L)
+    same = (at[None, :, :] == first[:, None, :]) | ~fixed[:, None, :]  # (I, W, L)
+    keep = np.any(np.all(same, axis=2), axis=1)
+    return [instances[i] for i in np.flatnonzero(keep)]
+
+
+def _slabs(topology: Topology, instances: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(coordinates of each instance's first member, which dims its members share), memoized per instances object."""
+    key = ("__slabs__", id(instances))
+    hit = topology._routes.get(key)
+    if hit is not None and hit[0] is instances:
+        return hit[1], hit[2]
+    members = np.asarray(instances, dtype=np.int64)  # (I, m)
+    coords = _coords(topology, members.reshape(-1)).reshape(*members.shape, -1)  # (I, m, L)
+    fixed = np.all(coords == coords[:, :1, :], axis=1)  # (I, L): dims the instance does not vary along
+    topology._routes[key] = (instances, coords[:, 0, :], fixed)  # holds the instances, so the id stays theirs
+    return coords[:, 0, :], fixed

@@ -11,6 +11,7 @@ its bandwidth, and a transfer alone runs exactly at its standalone speed.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -55,68 +56,105 @@ def fair_rates(flows: Sequence[Flow], bandwidth: Mapping[Link, float]) -> list[f
 
     Progressive filling on the common slowdown factor ``f`` in (0, 1]: rate_i = f_i * cap_i.
     """
-    n = len(flows)
-    factor = [0.0] * n
-    frozen = [False] * n
-    # Per link: flows crossing it with their demand at full speed (cap * bytes).
-    users: dict[Link, list[tuple[int, float]]] = {}
-    for i, flow in enumerate(flows):
-        for link, b in flow.loads.items():
-            users.setdefault(link, []).append((i, flow.cap * b))
+    index: dict[Link, int] = {}
+    ids, demands = [], []
+    for flow in flows:
+        ids.append([index.setdefault(link, len(index)) for link in flow.loads])
+        demands.append([flow.cap * b for b in flow.loads.values()])
+    factor = _fill(ids, demands, [bandwidth[link] for link in index])
+    return [float(f) * flow.cap if math.isfinite(flow.cap) else math.inf for f, flow in zip(factor, flows)]
+
+
+def _fill(ids: Sequence[Sequence[int]], demands: Sequence[Sequence[float]], capacity: Sequence[float]) -> list[float]:
+    """Slowdown factor of each flow (link numbers ``ids[i]`` into ``capacity``, demand at full speed ``demands[i]``).
+
+    Progressive filling, event by event: while a link's demand is unchanged the
+    level at which it fills, ``level_then + remaining_then / demand``, is
+    fixed, so the links wait in a heap by that level (ties: the link met
+    first) and only the links of the flows a filled link freezes are updated.
+    A step costs a few heap operations instead of a pass over every link.
+    """
+    n = len(ids)
+    demand: dict[int, float] = {}
+    users: dict[int, list[int]] = {}
+    for i, (links, wants) in enumerate(zip(ids, demands)):
+        for link, d in zip(links, wants):
+            demand[link] = demand.get(link, 0.0) + d
+            users.setdefault(link, []).append(i)
     # Common case: nothing oversubscribed, everyone runs at its standalone speed.
-    if all(sum(d for _, d in members) <= bandwidth[link] * (1 + 1e-12) for link, members in users.items()):
-        return [flow.cap for flow in flows]
-    remaining = {link: bandwidth[link] for link in users}
+    if all(d <= capacity[link] * (1 + 1e-12) for link, d in demand.items()):
+        return [1.0] * n
+    order = {link: k for k, link in enumerate(demand)}
+    unfrozen = {link: len(members) for link, members in users.items()}
+    remaining = {link: float(capacity[link]) for link in demand}
+    since = dict.fromkeys(demand, 0.0)  # level at which remaining[link] was last brought up to date
+    version = dict.fromkeys(demand, 0)
+    heap = [(remaining[link] / d, order[link], link, 0) for link, d in demand.items() if d > 0]
+    heapq.heapify(heap)
+    factor = [1.0] * n
+    frozen = [False] * n
     level = 0.0
-    left = n
-    while left:
-        # The next level at which some link fills (or 1: everyone at full speed).
-        best, best_link = 1.0, None
-        for link, members in users.items():
-            demand = sum(d for i, d in members if not frozen[i])
-            if demand <= 0:
+    while heap:
+        reach, _, link, v = heapq.heappop(heap)
+        if v != version[link]:
+            continue  # its demand changed since: a newer entry stands for it
+        if reach >= 1.0:
+            break  # no link fills before everyone runs at full speed
+        level = reach
+        version[link] = -1  # full: no longer considered
+        for i in users[link]:
+            if frozen[i]:
                 continue
-            reach = level + remaining[link] / demand
-            if reach < best:
-                best, best_link = reach, link
-        step = best - level
-        for link, members in users.items():
-            demand = sum(d for i, d in members if not frozen[i])
-            if demand > 0:
-                remaining[link] = max(0.0, remaining[link] - step * demand)
-        level = best
-        if best_link is None:
-            for i in range(n):
-                if not frozen[i]:
-                    factor[i], frozen[i] = level, True
-            break
-        for i, _ in users[best_link]:
-            if not frozen[i]:
-                factor[i], frozen[i] = level, True
-                left -= 1
-        del users[best_link]
-    return [f * flow.cap if math.isfinite(flow.cap) else math.inf for f, flow in zip(factor, flows)]
+            factor[i], frozen[i] = level, True
+            for other, d in zip(ids[i], demands[i]):
+                if version[other] < 0:
+                    continue
+                remaining[other] = max(0.0, remaining[other] - (level - since[other]) * demand[other])
+                since[other] = level
+                unfrozen[other] -= 1
+                # exactly zero once no unfrozen flow uses the link
+                demand[other] = demand[other] - d if unfrozen[other] else 0.0
+                version[other] += 1
+                if demand[other] > 0:
+                    heapq.heappush(heap, (level + remaining[other] / demand[other], order[other], other,
+                                          version[other]))
+    return factor
 
 
 class LinkLedger:
-    """Transfers in flight and their demand per link; rates only re-filled when a link is oversubscribed."""
+    """Transfers in flight and their demand per link; rates only re-filled when a link is oversubscribed.
+
+    Links are numbered once, as flows arrive, and each flow keeps its link
+    numbers and demands, so a re-fill does not hash links again.
+    """
 
     def __init__(self, bandwidth: Mapping[Link, float]) -> None:
         self.bandwidth = bandwidth
         self.flows: dict[Hashable, Flow] = {}
         self.demand: dict[Link, float] = {}
         self.over: set[Link] = set()
+        self.number: dict[Link, int] = {}
+        self.capacity: list[float] = []
+        self.arrays: dict[Hashable, tuple[list[int], list[float]]] = {}
 
     def add(self, key: Hashable, flow: Flow) -> None:
         self.flows[key] = flow
+        ids = []
         for link, b in flow.loads.items():
             d = self.demand.get(link, 0.0) + flow.cap * b
             self.demand[link] = d
             if d > self.bandwidth[link] * (1 + 1e-9):
                 self.over.add(link)
+            number = self.number.get(link)
+            if number is None:
+                number = self.number[link] = len(self.capacity)
+                self.capacity.append(self.bandwidth[link])
+            ids.append(number)
+        self.arrays[key] = (ids, [flow.cap * b for b in flow.loads.values()])
 
     def remove(self, key: Hashable) -> None:
         flow = self.flows.pop(key)
+        del self.arrays[key]
         for link, b in flow.loads.items():
             d = self.demand[link] - flow.cap * b
             self.demand[link] = d
@@ -128,4 +166,6 @@ class LinkLedger:
         if not self.over:
             return {key: flow.cap for key, flow in self.flows.items()}
         keys = list(self.flows)
-        return dict(zip(keys, fair_rates([self.flows[k] for k in keys], self.bandwidth)))
+        factor = _fill([self.arrays[k][0] for k in keys], [self.arrays[k][1] for k in keys], self.capacity)
+        return {k: float(f) * self.flows[k].cap if math.isfinite(self.flows[k].cap) else math.inf
+                for k, f in zip(keys, factor)}

@@ -186,14 +186,22 @@ class _Symmetry:
     representative's links and are skipped. Shifting every level coordinate
     by a constant is an automorphism of a hierarchy, so a group is timed as
     its translate through device 0 (memoized once for all stages) and its
-    link loads are mapped back hop by hop along the members' chains. Other
-    forms check every instance and time groups as they are. Both are exact.
+    link loads are mapped back hop by hop along the members' chains. On a
+    torus that wraps around every dim, routes move only along the dims their
+    ends differ in, and translations are automorphisms: groups are timed as
+    their translate to the origin and only groups that share the
+    representative's fixed coordinates are counted (testbed.collectives.torus).
+    Other forms check every instance and time groups as they are. All are exact.
     """
 
     def __init__(self, topology: Topology) -> None:
+        from testbed.collectives import torus
+
         self.topology = topology
         self.levels = topology.form is Form.LEVELS and len(topology.levels) > 0
+        self.torus = torus if torus.translatable(topology) else None
         self.chains: dict[int, tuple] = {}
+        self.arrays: dict[int, tuple] = {}  # id(instances) -> (instances, their members as an array)
 
     def chain(self, device: int) -> tuple:
         """Per level (size > 1), the nodes from ``device`` up to where its routes to that level turn."""
@@ -214,14 +222,22 @@ class _Symmetry:
 
     def relevant(self, instances, watched: set, ends) -> list:
         """Instances that can load a ``watched`` link (routes between the devices ``ends``)."""
+        if self.torus is not None:
+            return self.torus.touching(self.topology, instances, [x for link in watched for x in link])
         if not self.levels:
             return list(instances)
         keys = {frozenset(link) for link in watched}
         # A member shares a hop with an end's chain only if both sit in the same innermost group.
         inner = self.topology.levels[0].size
         near = {x // inner for x in ends}
+        members = self.arrays.get(id(instances))
+        if members is None or members[0] is not instances:
+            members = self.arrays[id(instances)] = (instances, np.asarray(instances, dtype=np.int64).reshape(
+                len(instances), -1))
+        candidates = np.flatnonzero(np.isin(members[1] // inner, list(near)).any(axis=1))
         out = []
-        for g in instances:
+        for index in candidates.tolist():
+            g = instances[index]
             if any(m // inner in near and any(frozenset(h) in keys for c in self.chain(m) for h in zip(c[:-1], c[1:]))
                    for m in g):
                 out.append(g)
@@ -236,6 +252,9 @@ class _Symmetry:
 
     def loads(self, timing, op: str, group: tuple[int, ...], nbytes: float) -> dict:
         """``timing.link_loads`` of ``group``, computed on its translate through device 0."""
+        if self.torus is not None:
+            canon, back = self.torus.canonical(self.topology, group)
+            return self.torus.shift_loads(self.topology, timing.link_loads(self.topology, op, canon, nbytes), back)
         if not self.levels or group[0] == 0:
             return timing.link_loads(self.topology, op, group, nbytes)
         back = self.topology.coords(group[0])
@@ -249,7 +268,9 @@ class _Symmetry:
 
     def time(self, timing, op: str, group: tuple[int, ...], nbytes: float) -> float:
         """Standalone seconds of ``op`` over ``group`` (timed on its translate through device 0)."""
-        if self.levels and group[0] != 0:
+        if self.torus is not None:
+            group = self.torus.canonical(self.topology, group)[0]
+        elif self.levels and group[0] != 0:
             to = tuple(-c for c in self.topology.coords(group[0]))
             group = tuple(self._shift(d, to) for d in group)
         return timing.collective_time(self.topology, op, group, nbytes).time_s

@@ -11,6 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 import networkx as nx
+import numpy as np
 
 from testbed.errors import InputError
 from testbed.topology.parts import Form, Level, LinkSpec
@@ -35,33 +36,72 @@ def _switch_name(topology: Topology, k: int, device: int) -> str:
     return f"{topology.levels[k].name}{device // block}"
 
 
+def _attrs(level: Level | LinkSpec) -> dict[str, object]:
+    return {"bandwidth": float(level.bandwidth), "latency": float(level.latency), "kind": str(level.kind)}
+
+
+def _add_edges(graph: nx.Graph, us: list, vs: list, attrs: list[dict]) -> None:
+    """``graph.add_edges_from`` for new edges between existing nodes, each with its own copy of its attributes.
+
+    Writes networkx's adjacency dicts directly (one shared data dict per
+    undirected edge, as ``add_edge`` does): ``add_edges_from`` spends ~10 us an
+    edge merging attributes, seconds on the 196,608 links of a 65,536-chip torus.
+    """
+    adj = graph._adj
+    for u, v, attr in zip(us, vs, attrs):
+        data = adj[u].get(v)
+        if data is None:
+            data = dict(attr)
+            adj[u][v] = data
+            adj[v][u] = data
+        else:
+            data.update(attr)
+
+
 def build_graph(topology: Topology) -> nx.Graph:
-    """The networkx graph of a topology's form (devices carry ``kind='device'``)."""
+    """The networkx graph of a topology's form (devices carry ``kind='device'``).
+
+    Tori and hierarchies are laid out with numpy (a 65,536-device torus in well
+    under a second); edges are added in the order the forms define: device by
+    device, innermost level first.
+    """
     graph = nx.Graph(name=topology.name)
     graph.add_nodes_from(range(topology.num_devices), kind="device")
     if topology.form is Form.TORUS:
-        sizes = [l.size for l in topology.levels]
-        strides = [math.prod(sizes[:i]) for i in range(len(sizes))]
-        for device in range(topology.num_devices):
-            coords = topology.coords(device)
-            for i, level in enumerate(topology.levels):
-                if level.size == 1:
-                    continue
-                nxt = coords[i] + 1
-                if nxt == level.size:
-                    if not level.wraparound or level.size == 2:
-                        continue
-                    nxt = 0
-                _edge(graph, device, device + (nxt - coords[i]) * strides[i], level)
+        ids = np.arange(topology.num_devices, dtype=np.int64)
+        stride = 1
+        ends, attrs = [], []
+        for i, level in enumerate(topology.levels):
+            coord = ids // stride % level.size
+            nxt = coord + 1
+            keep = (nxt < level.size) | bool(level.wraparound and level.size > 2)
+            if level.size == 1:
+                keep = np.zeros_like(keep)
+            ends.append((np.where(keep, ids, -1), ids + (nxt % level.size - coord) * stride))
+            attrs.append(_attrs(level))
+            stride *= level.size
+        if ends:
+            us = np.stack([u for u, _ in ends], axis=1).reshape(-1)  # device-major, level-minor
+            vs = np.stack([v for _, v in ends], axis=1).reshape(-1)
+            which = np.tile(np.arange(len(ends)), topology.num_devices)
+            keep = us >= 0
+            _add_edges(graph, us[keep].tolist(), vs[keep].tolist(), [attrs[k] for k in which[keep].tolist()])
     elif topology.form is Form.LEVELS:
+        ids = np.arange(topology.num_devices, dtype=np.int64)
+        block = 1
         for k, level in enumerate(topology.levels):
-            for device in range(topology.num_devices):
-                sw = _switch_name(topology, k, device)
-                graph.add_node(sw, kind="switch", level=level.name)
-                if level.attach == "device" or k == 0:
-                    _edge(graph, device, sw, level)
-                else:
-                    _edge(graph, _switch_name(topology, k - 1, device), sw, level)
+            inner_block = block
+            block *= level.size
+            switches = [f"{level.name}{j}" for j in range(topology.num_devices // block)]
+            graph.add_nodes_from(switches, kind="switch", level=level.name)
+            attr = _attrs(level)
+            if level.attach == "device" or k == 0:
+                lower, upper = ids.tolist(), [switches[j] for j in (ids // block).tolist()]
+            else:
+                below = topology.levels[k - 1].name
+                lower = [f"{below}{j}" for j in range(topology.num_devices // inner_block)]
+                upper = [switches[j * inner_block // block] for j in range(len(lower))]
+            _add_edges(graph, lower, upper, [attr] * len(lower))
     else:
         graph.add_nodes_from(topology.switches, kind="switch")
         known = set(range(topology.num_devices)) | set(topology.switches)

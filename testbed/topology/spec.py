@@ -61,7 +61,8 @@ class Topology:
         if self.form is not Form.GRAPH and math.prod(l.size for l in self.levels) != self.num_devices:
             raise InputError("the product of level sizes must equal the device count", field="levels")
         graph = routing.build_graph(self)
-        if self.num_devices > 1 and not nx.is_connected(graph):
+        # Tori and hierarchies are connected by construction; only explicit graphs need the check.
+        if self.form is Form.GRAPH and self.num_devices > 1 and not nx.is_connected(graph):
             parts = [sorted(map(str, c))[:4] for c in nx.connected_components(graph)]
             raise InputError(
                 f"topology is disconnected ({len(parts)} parts, e.g. {parts[:2]}); every device must reach every other",
