@@ -123,7 +123,7 @@ def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, o
 def _chunk_cost(plan: Plan, stage: int, chunk: int) -> model.ChunkCost:
     """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.precision, plan.remat, stage, chunk)
+           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:
@@ -185,7 +185,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b, o_ways)
                 if kind == last_kind and per_microbatch and m > 1:
                     scatter = coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b)
-                tp_s = tp * coll.time("all_reduce", (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) if tp else 0.0
+                tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)
                 sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
                               for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
                 work[(s, c, kind)] = (whole, tp_s, gather if kind in ("F", "B") else 0.0, piece, pieces,

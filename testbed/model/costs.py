@@ -36,12 +36,13 @@ from dataclasses import dataclass, replace
 from testbed.errors import InputError
 from testbed.model import layout
 from testbed.model.layout import chunk_layers
-from testbed.plan.spec import ModelSpec, Norm, Plan, Precision, Remat
+from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Precision, Remat
 
 __all__ = [
     "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "padded_param_count", "chunk_layers",
     "stage_param_count", "device_stage_params", "layer_forward_flops", "head_forward_flops", "recompute_flops_per_layer",
-    "activation_bytes_per_layer", "layer_traffic_bytes", "head_activation_bytes", "ChunkCost", "chunk_cost",
+    "activation_bytes_per_layer", "xla_only_bytes_per_layer", "megatron_activation_bytes_per_layer",
+    "layer_traffic_bytes", "head_activation_bytes", "ChunkCost", "chunk_cost",
     "model_flops_per_step", "step_flops_per_device",
 ]
 
@@ -163,7 +164,7 @@ def recompute_flops_per_layer(spec: ModelSpec, batch: int, remat: Remat | str, t
 # -- activation bytes ---------------------------------------------------------------------
 
 def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
-                               remat: Remat | str, tensor: int = 1) -> int:
+                               remat: Remat | str, tensor: int = 1, sequence_parallel: bool = False) -> int:
     """Bytes one layer keeps from its forward until its backward, for one microbatch.
 
     With ``N = microbatch * seq`` tokens and ``c`` compute bytes, no remat keeps
@@ -176,11 +177,17 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     ``benchmarks/memory_vs_xla.py``). Selective drops the softmax output and
     those copies (both inside the recomputed core attention): linear in ``seq``.
     Full keeps only the block input ``c * N * d``.
+
+    ``sequence_parallel`` (Megatron SP): the residual-stream part (the norms'
+    inputs, outputs and statistics, the dropout masks; full remat's block
+    input) is split over the sequence on the tensor ranks: ``1/t`` of it each
+    (Korthikanti et al. 2022, Table 2; :func:`megatron_activation_bytes_per_layer`).
     """
     remat = Remat(remat)
     if remat is Remat.FULL:
-        return Precision(precision).compute_bytes * microbatch_size * spec.seq_len * spec.d_model
-    replicated, split = layer_traffic_bytes(spec, microbatch_size, precision, tensor)
+        block_input = Precision(precision).compute_bytes * microbatch_size * spec.seq_len * spec.d_model
+        return block_input // tensor if sequence_parallel else block_input
+    replicated, split = layer_traffic_bytes(spec, microbatch_size, precision, tensor, sequence_parallel)
     if remat is Remat.NONE:
         return replicated + split
     # Selective keeps the replicated part and, of the split one, Q, K, V, the attention output and the MLP hidden.
@@ -213,8 +220,8 @@ def _norm_stats(spec: ModelSpec) -> int:
     return 2 if spec.norm is Norm.LAYERNORM else 1
 
 
-def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
-                        tensor: int = 1) -> tuple[int, int]:
+def _layer_traffic(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
+                   tensor: int = 1) -> tuple[int, int]:
     """(replicated, split) bytes of the activations one layer's forward writes, for one microbatch.
 
     These are the no-remat kept activations of :func:`activation_bytes_per_layer`
@@ -244,14 +251,49 @@ def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precis
     return replicated, split
 
 
-def head_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str, tensor: int = 1) -> int:
+def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
+                        tensor: int = 1, sequence_parallel: bool = False) -> tuple[int, int]:
+    """(replicated, split) bytes of the activations one layer's forward writes, for one microbatch.
+
+    See :func:`_layer_traffic`. With ``sequence_parallel`` the *replicated* part (the residual stream's
+    norms and dropout masks) is split over the sequence too: each tensor rank writes ``1/t`` of it,
+    still priced as the residual stream's elementwise passes.
+    """
+    replicated, split = _layer_traffic(spec, microbatch_size, precision, tensor)
+    return (replicated // tensor if sequence_parallel else replicated), split
+
+
+def xla_only_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
+                             remat: Remat | str, tensor: int = 1) -> int:
+    """The part of :func:`activation_bytes_per_layer` Megatron's kernels do not keep: XLA's head-major copies
+    of Q and K (``2 N d / t`` values for the default GPT), kept without remat for the score matmul's backward;
+    selective and full remat recompute them, flash attention never makes them. Everything else the memory
+    model counts is a tensor Korthikanti et al. (2022) count too (the norms' statistics they leave out are
+    ``2 N`` values per norm: under 0.01% of a layer at GPT-3's width)."""
+    if Remat(remat) is not Remat.NONE or spec.attention is Attention.FLASH:
+        return 0
+    return Precision(precision).compute_bytes * _head_major_copies(spec, microbatch_size * spec.seq_len, tensor)
+
+
+def megatron_activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
+                                        remat: Remat | str, tensor: int = 1, sequence_parallel: bool = False) -> int:
+    """:func:`activation_bytes_per_layer` less :func:`xla_only_bytes_per_layer`: what Megatron-LM's kernels keep,
+    the accounting of Korthikanti et al. (2022, Table 2), e.g. ``s b h (34 + 5 a s / h)`` bytes in 16-bit
+    with dropout and no parallelism."""
+    return (activation_bytes_per_layer(spec, microbatch_size, precision, remat, tensor, sequence_parallel)
+            - xla_only_bytes_per_layer(spec, microbatch_size, precision, remat, tensor))
+
+
+def head_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str, tensor: int = 1,
+                          sequence_parallel: bool = False) -> int:
     """Bytes the final LN and loss keep per microbatch.
 
-    LN input, output and per-token statistics (compute dtype), the fp32 logits
-    and their per-token log-sum-exp.
+    LN input, output and per-token statistics (compute dtype; with ``sequence_parallel``
+    split over the sequence: ``1/t`` each), the fp32 logits and their per-token log-sum-exp.
     """
     n, c = microbatch_size * spec.seq_len, Precision(precision).compute_bytes
-    return c * n * (2 * spec.d_model + _norm_stats(spec)) + LOSS_BYTES * n * (spec.padded_vocab // tensor + 1)
+    norm = c * n * (2 * spec.d_model + _norm_stats(spec))
+    return (norm // tensor if sequence_parallel else norm) + LOSS_BYTES * n * (spec.padded_vocab // tensor + 1)
 
 
 # -- one chunk on one device --------------------------------------------------------------
@@ -301,6 +343,7 @@ class ChunkCost:
     tensor_allreduces_backward: int
     has_embedding: bool
     has_head: bool
+    sequence_parallel: bool = False
 
     @property
     def backward_flops(self) -> int:
@@ -310,6 +353,33 @@ class ChunkCost:
     def total_flops(self) -> int:
         """Forward + backward + recompute."""
         return self.forward_flops + self.backward_flops + self.recompute_flops
+
+    def tensor_collectives(self, kind: str, remat: Remat | str) -> tuple[tuple[str, int], ...]:
+        """``(op, count)`` of the tensor-axis collectives one ``F``, ``B`` or ``W`` action runs, each over a
+        ``tensor_allreduce_bytes`` buffer: the one decision the task graph (testbed.sim.program) and the
+        analytic tier (testbed.explore.analytic) both read.
+
+        Without sequence parallelism, the all-reduces above; ``B`` also redoes, under full remat, each
+        layer's out-projection all-reduce. With it (Megatron SP, Korthikanti et al. 2022) an all-gather
+        of the sequence comes before each column-parallel matmul (QKV, MLP-in, the head) and a
+        reduce-scatter after each row-parallel one (out projection, MLP-out, the vocab-parallel
+        embedding); the backward transposes them (gather <-> scatter), and full remat's recomputed
+        forward adds two all-gathers and a reduce-scatter per layer. An all-gather and a reduce-scatter
+        of a buffer each move ``(t-1)/t`` of it (nccl-tests' bus bytes), an all-reduce ``2(t-1)/t``: a
+        chunk holding the embedding and the head moves the same bytes either way. ``W`` runs none.
+        """
+        if not self.tensor_allreduce_bytes or kind == "W":
+            return ()
+        layers, full = self.layers, Remat(remat) is Remat.FULL
+        if not self.sequence_parallel:
+            count = self.tensor_allreduces_forward if kind == "F" else \
+                self.tensor_allreduces_backward + (layers if full else 0)
+            return (("all_reduce", count),)
+        embed, head = int(self.has_embedding), int(self.has_head)
+        if kind == "F":
+            return (("all_gather", 2 * layers + head), ("reduce_scatter", 2 * layers + embed))
+        return (("all_gather", 2 * layers + embed + (2 * layers if full else 0)),
+                ("reduce_scatter", 2 * layers + head + (layers if full else 0)))
 
 
 def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
@@ -330,31 +400,32 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         hf = head_forward_flops(spec, b, t)
         forward, b_flops, w_flops = forward + hf, b_flops + hf, w_flops + hf
     params = _chunk_params(spec, stage, chunk, p, v, t)
-    kept = layers * activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t)
+    sp = plan.sequence_parallel  # the residual stream split over the sequence on the tensor ranks
+    kept = layers * activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp)
     if head:
-        kept += head_activation_bytes(spec, b, plan.precision, t)
+        kept += head_activation_bytes(spec, b, plan.precision, t, sp)
     n_bytes = b * spec.seq_len * spec.d_model * c
     forward_bytes = params * c + kept + n_bytes
-    replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t))
+    replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t, sp))
     scores = b * spec.heads * spec.seq_len ** 2 // t
     dropped = (DROPOUT_MASK_BYTES + c) * scores if spec.dropout > 0 else 0
     recompute = {Remat.NONE: (0, 0), Remat.FULL: (replicated, split),
                  Remat.SELECTIVE: (0, layers * (c * scores + dropped))}[plan.remat]
-    replicated += n_bytes if embed else 0
+    replicated += (n_bytes // t if sp else n_bytes) if embed else 0
     if head:
         n = b * spec.seq_len
-        replicated += c * n * (2 * spec.d_model + _norm_stats(spec))
+        replicated += c * n * (2 * spec.d_model + _norm_stats(spec)) // (t if sp else 1)
         split += LOSS_BYTES * n * (spec.padded_vocab // t + 1)
     tp = t > 1
     return ChunkCost(
         layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,
         recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t),
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
-        activation_out_bytes=0 if head else n_bytes, forward_traffic=(replicated, split),
+        activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=(replicated, split),
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
         tensor_allreduces_forward=(2 * layers + int(embed)) if tp else 0,
         tensor_allreduces_backward=(2 * layers + int(head)) if tp else 0,
-        has_embedding=embed, has_head=head)
+        has_embedding=embed, has_head=head, sequence_parallel=sp)
 
 
 def model_flops_per_step(plan: Plan) -> float:

@@ -163,10 +163,12 @@ def _layer_workspace(plan: Plan) -> int:
     """One layer's backward: attention transients, MLP-hidden gradients, what full remat recomputes."""
     spec, t, c = plan.model, plan.mesh.tensor, plan.precision.compute_bytes
     n = plan.microbatch_size * spec.seq_len
-    hidden = c * n * (2 * spec.d_model + spec.mlp_matrices * spec.d_ff // t)
+    residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
+    hidden = c * n * (residual + spec.mlp_matrices * spec.d_ff // t)
     recompute = 0
     if plan.remat is Remat.FULL:
-        recompute = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t)
+        recompute = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t,
+                                                     plan.sequence_parallel)
     return _attention_workspace(plan) + hidden + recompute
 
 
@@ -200,12 +202,13 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
                                        for w in (param_ways, grad_ways, opt_ways))
     holds_head = stage == layout.head_holder(p, v)[0]
     layers = spec.layers // (p * v) * v
-    per_layer = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor)
+    per_layer = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor,
+                                                 plan.sequence_parallel)
     head_acts = 0
     if holds_head:
         # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
         head_acts = math.ceil(inflight / v) * model.head_activation_bytes(
-            spec, plan.microbatch_size, plan.precision, mesh.tensor)
+            spec, plan.microbatch_size, plan.precision, mesh.tensor, plan.sequence_parallel)
     layer_acts = inflight * (layers // v) * per_layer
     grads = grad_b * grad_held
     # Sharded parameters are all-gathered for the forward, and the gathered weights are what the

@@ -9,7 +9,8 @@ every group (or sender/receiver pair) that runs it at once, so link sharing
 between the replicas is not lost.
 
 Streams of a representative: ``compute`` (F/B/W actions, optimizer),
-``tensor`` (tensor-parallel all-reduces, blocking: the next action waits),
+``tensor`` (tensor-parallel all-reduces, or with sequence parallelism all-gathers
+and reduce-scatters; blocking: the next action waits),
 ``gather`` (fsdp/ZeRO-3 parameter all-gathers, prefetched), ``pipe``
 (activation and gradient sends) and ``grad`` (gradient reduction, updated
 parameter all-gathers). A stream runs its tasks in program order, one at a
@@ -275,10 +276,13 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
                                          nbytes=cost.params * grad_b, group=_rep_group(g_groups[s], rep),
                                          instances=g_groups[s]))
-        if tp and mesh.tensor > 1:
-            last = b.add(name=f"tp {label}", device=rep, stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,),
-                         op="all_reduce", nbytes=cost.tensor_allreduce_bytes, count=tp,
-                         group=_rep_group(tensor[s], rep), instances=tensor[s], pipeline=True)
+        for op, count in tp if mesh.tensor > 1 else ():
+            # Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters
+            # (ChunkCost.tensor_collectives, the one decision the analytic tier reads too).
+            last = b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
+                         stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,), op=op,
+                         nbytes=cost.tensor_allreduce_bytes, count=count, group=_rep_group(tensor[s], rep),
+                         instances=tensor[s], pipeline=True)
         done[(s, action)] = previous[s] = last
         for dst, dst_chunk, nbytes in _sends(schedule, s, action, costs):
             sent[(s, action, dst)] = b.add(name=f"send {label}->{dst}", device=rep, stream="pipe", kind=TaskKind.SEND,
@@ -311,28 +315,29 @@ def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
 
 
 def _action_work(cost: model.ChunkCost, kind: str, split: bool, remat: Remat,
-                 ) -> tuple[float, float, tuple[float, float], int]:
-    """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor all-reduces) of one action, one microbatch.
+                 ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int], ...]]:
+    """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
 
     The backward writes about twice the forward's activation traffic (the
     gradients of each activation and of its inputs), B and W one forward's
     worth each when split, plus what remat writes again. Full remat reruns
     each layer's forward up to the MLP down projection in the backward, so
     the attention output's tensor all-reduce runs again (one per layer);
-    selective remat redoes no all-reduce.
+    selective remat redoes no all-reduce. The tensor collectives are
+    ``(op, count)`` pairs from :meth:`testbed.model.costs.ChunkCost.tensor_collectives`
+    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters).
     """
     forward = cost.forward_traffic
     if kind == "F":
         return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
-            cost.tensor_allreduces_forward
+            cost.tensor_collectives("F", remat)
     if kind == "B":
         flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
         times = 1 if split else 2
         traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
-        redo = cost.layers if remat is Remat.FULL and cost.tensor_allreduces_backward else 0
-        return float(flops), float(hbm), traffic, cost.tensor_allreduces_backward + redo
-    return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), 0
+        return float(flops), float(hbm), traffic, cost.tensor_collectives("B", remat)
+    return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
 
 
 def _sends(schedule: Schedule, stage: int, action: Action, costs) -> list[tuple[int, int, float]]:
