@@ -16,11 +16,22 @@ Both take ``stage_fn(params_of_one_stage, x)`` (every stage the same
 program on its own slice of stacked parameters) and ``loss_fn(y, targets)``;
 the MPMD engine for per-stage programs and interleaved tables is
 runners.pipeline.engine.
+
+Uneven stages (a plan's ``layers_per_stage``): one program needs one shape
+of stacked parameters, so :func:`stack_stage_layers` pads every stage's
+layers to the largest stage's count (with copies of the stage's own last
+layer, so the padding computes finite values) and :func:`masked_layers`
+runs that many layers, keeping a layer's output only where its index is
+below the stage's count (``axis_index`` picks the count). A padded layer's
+output is discarded by ``jnp.where``, so its cotangent and its parameters'
+gradients are exactly zero; :func:`unstack_stage_layers` drops them. The
+padding costs the smaller stages FLOPs, not step time: every tick of the
+one program waits for its fullest stage anyway.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -29,7 +40,7 @@ import numpy as np
 
 from testbed.pipeline.schedules import Schedule, validate
 
-__all__ = ["spmd_gpipe", "spmd_schedule"]
+__all__ = ["spmd_gpipe", "spmd_schedule", "stack_stage_layers", "masked_layers", "unstack_stage_layers"]
 
 
 def spmd_gpipe(stage_fn: Callable[[Any, jax.Array], jax.Array], loss_fn: Callable[[jax.Array, jax.Array], jax.Array],
@@ -214,3 +225,46 @@ def spmd_schedule(schedule: Schedule, stage_fn: Callable[[Any, jax.Array], jax.A
         return mapped(params, inputs, targets)
 
     return jax.jit(step)
+
+
+def stack_stage_layers(stages: Sequence[Sequence[Any]]) -> tuple[Any, tuple[int, ...]]:
+    """Per-stage lists of layer pytrees as one tree of ``[stage, layer, ...]`` leaves, and the stages' counts.
+
+    ``stages[s]`` is stage ``s``'s layers in order (e.g. from
+    ``testbed.model.layout.chunk_layers`` with the plan's ``stage_layers``);
+    a stage with fewer than the most is padded with copies of its last layer.
+    """
+    counts = tuple(len(layers) for layers in stages)
+    if not counts or min(counts) < 1:
+        raise ValueError(f"every stage needs at least one layer, got counts {counts}")
+    most = max(counts)
+    padded = [list(layers) + [layers[-1]] * (most - len(layers)) for layers in stages]
+    stacked = jax.tree.map(lambda *leaves: np.stack([np.asarray(a) for a in leaves]).reshape(
+        len(stages), most, *np.shape(leaves[0])), *[leaf for layers in padded for leaf in layers])
+    return stacked, counts
+
+
+def masked_layers(layer_fn: Callable[[Any, jax.Array], jax.Array], counts: Sequence[int],
+                  stage_axis: str = "stage") -> Callable[[Any, jax.Array], jax.Array]:
+    """A ``stage_fn`` for the engines above running stage ``s``'s first ``counts[s]`` of its stacked layers.
+
+    ``layer_fn(params_of_one_layer, x)``; the stage's params lead with the
+    padded layer dim (:func:`stack_stage_layers`). Every stage runs
+    ``max(counts)`` layers; a layer past the stage's count passes ``x``
+    through unchanged (and gets zero gradients).
+    """
+    most, table = max(counts), np.asarray(counts, np.int32)
+
+    def stage_fn(params: Any, x: jax.Array) -> jax.Array:
+        n = jnp.asarray(table)[jax.lax.axis_index(stage_axis)]
+        for i in range(most):
+            y = layer_fn(jax.tree.map(lambda a: a[i], params), x)
+            x = y if i == 0 else jnp.where(i < n, y, x)  # every stage holds at least one layer
+        return x
+
+    return stage_fn
+
+
+def unstack_stage_layers(stacked: Any, counts: Sequence[int]) -> list[list[Any]]:
+    """Inverse of :func:`stack_stage_layers`: per stage its ``counts[s]`` layer pytrees (the padding dropped)."""
+    return [[jax.tree.map(lambda a: a[s, i], stacked) for i in range(n)] for s, n in enumerate(counts)]

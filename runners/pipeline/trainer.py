@@ -41,7 +41,7 @@ _EMBED, _LAYERS, _HEAD = (p.root for p in (Placement.EMBEDDING, Placement.LAYER,
 def split_params(plan: Plan, full: Any) -> list[list[Any]]:
     """The model's params as ``[stage][chunk]`` pieces (layers and holders from testbed.model.layout)."""
     p, v = plan.mesh.stage, plan.schedule.virtual_stages
-    ranges = chunk_layers(plan.model, p, v)
+    ranges = chunk_layers(plan.model, p, v, plan.stage_layers)
     out = []
     for s in range(p):
         row = []
@@ -60,7 +60,7 @@ def split_params(plan: Plan, full: Any) -> list[list[Any]]:
 def merge_params(plan: Plan, pieces: list[list[Any]]) -> Any:
     """Inverse of :func:`split_params`."""
     p, v = plan.mesh.stage, plan.schedule.virtual_stages
-    ranges = chunk_layers(plan.model, p, v)
+    ranges = chunk_layers(plan.model, p, v, plan.stage_layers)
     layers: list[Any] = [None] * plan.model.layers
     for s in range(p):
         for c in range(v):

@@ -121,9 +121,10 @@ def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, o
 
 
 def _chunk_cost(plan: Plan, stage: int, chunk: int) -> model.ChunkCost:
-    """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat)."""
+    """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
+    layers per stage)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk)
+           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:

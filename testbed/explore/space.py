@@ -137,8 +137,9 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
                 for zero in (space.zero if data > 1 else (0,)):
                     for remat in space.remat:
                         for precision in precisions:
+                            # Candidates split the layers evenly (the base's layers_per_stage fits its own mesh).
                             yield replace(base, mesh=mesh, schedule=schedule, batch=batch, zero=zero,
-                                          remat=Remat(remat), precision=Precision(precision))
+                                          remat=Remat(remat), precision=Precision(precision), layers_per_stage=None)
 
 
 def count_candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> int:
@@ -191,5 +192,5 @@ def shrink_plan(plan: Plan, devices: int = 8) -> Plan:
     heads = 2 * t
     spec = ModelSpec(layers=2 * chunks, d_model=8 * heads, heads=heads, d_ff=32 * heads, seq_len=16, vocab=64 * t)
     replicas = degrees["data"] * degrees["fsdp"]
-    return replace(plan, model=spec, mesh=replace(plan.mesh, **degrees),
+    return replace(plan, model=spec, mesh=replace(plan.mesh, **degrees), layers_per_stage=None,
                    batch=BatchSpec(global_batch=replicas * mb, microbatches=mb), name=f"{plan.name}-shrunk")

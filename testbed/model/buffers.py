@@ -50,7 +50,7 @@ def chunk_param_arrays(plan: Plan, stage: int, chunk: int) -> int:
     refuses tied embeddings across stages), so neither does this count.
     """
     held = layout.chunk_params(plan.model, stage, chunk, plan.mesh.stage, plan.schedule.virtual_stages,
-                               tied_copy=False)
+                               tied_copy=False, stage_layers=plan.stage_layers)
     return sum(copies for _, copies in held)
 
 

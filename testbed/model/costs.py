@@ -87,20 +87,23 @@ def _layer_params_per_tensor_rank(spec: ModelSpec, tensor: int) -> int:
 
 
 def _chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int, tensor: int,
-                  ways: int = 1) -> int:
-    return layout.held_elements(layout.chunk_params(spec, stage, chunk, stages, virtual), tensor, ways)
+                  ways: int = 1, stage_layers: tuple[int, ...] | None = None) -> int:
+    held = layout.chunk_params(spec, stage, chunk, stages, virtual, stage_layers=stage_layers)
+    return layout.held_elements(held, tensor, ways)
 
 
-def stage_param_count(spec: ModelSpec, stage: int, stages: int, virtual: int = 1) -> int:
+def stage_param_count(spec: ModelSpec, stage: int, stages: int, virtual: int = 1,
+                      stage_layers: tuple[int, ...] | None = None) -> int:
     """Parameters held by pipeline stage ``stage`` (all its chunks, no tensor split).
 
     Includes the tied token-table copy on the last stage when ``stages > 1``
     (so the stages sum to :func:`param_count` plus ``vocab * d_model`` then;
-    likewise with ``virtual > 1`` on one stage).
+    likewise with ``virtual > 1`` on one stage). ``stage_layers``: layers per
+    stage (``Plan.stage_layers``; None: the even split).
     """
     if not 0 <= stage < stages:
         raise InputError(f"must be in 0..{stages - 1}, got {stage}", field="stage")
-    return sum(_chunk_params(spec, stage, c, stages, virtual, 1) for c in range(virtual))
+    return sum(_chunk_params(spec, stage, c, stages, virtual, 1, stage_layers=stage_layers) for c in range(virtual))
 
 
 def device_stage_params(plan: Plan, stage: int, ways: int = 1) -> int:
@@ -109,8 +112,9 @@ def device_stage_params(plan: Plan, stage: int, ways: int = 1) -> int:
     The sharding is the layout's one rule (``testbed.model.layout.shard_dim``,
     as the runner's): a parameter no free dim of which ``ways`` divides stays whole.
     """
-    v = plan.schedule.virtual_stages
-    return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor, ways) for c in range(v))
+    v, split = plan.schedule.virtual_stages, plan.stage_layers
+    return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor, ways, split)
+               for c in range(v))
 
 
 # -- FLOPs ----------------------------------------------------------------------------
@@ -390,7 +394,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     if not 0 <= chunk < v:
         raise InputError(f"must be in 0..{v - 1}, got {chunk}", field="chunk")
     b, c = plan.microbatch_size, plan.precision.compute_bytes
-    layers = len(chunk_layers(spec, p, v)[stage][chunk])
+    split = plan.stage_layers
+    layers = len(chunk_layers(spec, p, v, split)[stage][chunk])
     embed, head = layout.holds(stage, chunk, p, v)
     dense, attention = _layer_matmul_flops(spec, b, t)
     forward = layers * (dense + attention) // t
@@ -399,7 +404,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     if head:
         hf = head_forward_flops(spec, b, t)
         forward, b_flops, w_flops = forward + hf, b_flops + hf, w_flops + hf
-    params = _chunk_params(spec, stage, chunk, p, v, t)
+    params = _chunk_params(spec, stage, chunk, p, v, t, stage_layers=split)
     sp = plan.sequence_parallel  # the residual stream split over the sequence on the tensor ranks
     kept = layers * activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp)
     if head:

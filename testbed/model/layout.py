@@ -24,7 +24,10 @@ position table and the row-split biases have none: replicated) and how the
 runner initialises it (the random key it draws from, so init values never
 move).
 
-Where the pieces sit in a pipeline (:func:`chunk_params`): the embedding on
+Where the pieces sit in a pipeline (:func:`chunk_layers`, :func:`chunk_params`):
+each stage holds the plan's per-stage layer count (``Plan.stage_layers``:
+even by default, or ``layers_per_stage``), split evenly over its virtual
+chunks, consecutive layers in model-chunk order; the embedding on
 stage 0's chunk 0, the head on the last stage's last chunk; with tied
 embeddings on another chunk than the embedding's, that chunk holds a copy
 of the token table (Megatron style; its gradient is all-reduced with the
@@ -48,6 +51,7 @@ from typing import NamedTuple
 
 from testbed.errors import InputError
 from testbed.plan.spec import Mlp, ModelSpec, Norm, Position
+from testbed.plan.stages import resolve_layers_per_stage
 
 __all__ = [
     "Placement", "Init", "ParamSpec", "INIT_STD", "GLOBAL_KEYS", "LAYER_KEYS", "LAYER_LEAVES",
@@ -333,25 +337,35 @@ def param_at(spec: ModelSpec, names: Iterable[str]) -> ParamSpec:
 
 # -- where the parameters sit in a pipeline -------------------------------------------------
 
-def _check_split(spec: ModelSpec, stages: int, virtual: int) -> None:
+def _stage_counts(spec: ModelSpec, stages: int, virtual: int, stage_layers: tuple[int, ...] | None
+                  ) -> tuple[int, ...]:
+    """Layers per stage: ``stage_layers`` checked (``testbed.plan.stages``' rules), or the even split."""
     for name, value in (("stages", stages), ("virtual", virtual)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"must be a positive whole number, got {value!r}", field=name)
-    if spec.layers % (stages * virtual):
-        raise InputError(f"layers {spec.layers} must be divisible by stages x virtual = {stages * virtual}",
-                         field="model.layers")
+    return resolve_layers_per_stage(None if stage_layers is None else tuple(stage_layers), spec.layers, stages,
+                                    virtual)
 
 
-def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1) -> list[list[range]]:
+def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1,
+                 stage_layers: tuple[int, ...] | None = None) -> list[list[range]]:
     """``[stage][chunk] -> range`` of layer indices (Megatron interleaving).
 
     Model chunk ``c * stages + s`` lives on stage ``s`` as its virtual chunk
-    ``c``; each chunk holds ``layers / (stages * virtual)`` consecutive layers.
+    ``c``; the model chunks hold consecutive layers in that order. Stage
+    ``s`` holds ``stage_layers[s]`` layers (a plan's :attr:`Plan.stage_layers`;
+    None: ``layers / stages`` each), ``stage_layers[s] / virtual`` per chunk.
+    Every pipeline split of layers is decided here.
     """
-    _check_split(spec, stages, virtual)
-    per = spec.layers // (stages * virtual)
-    return [[range((c * stages + s) * per, (c * stages + s + 1) * per) for c in range(virtual)]
-            for s in range(stages)]
+    counts = _stage_counts(spec, stages, virtual, stage_layers)
+    out: list[list[range]] = [[range(0)] * virtual for _ in range(stages)]
+    start = 0
+    for c in range(virtual):
+        for s in range(stages):
+            per = counts[s] // virtual
+            out[s][c] = range(start, start + per)
+            start += per
+    return out
 
 
 def embedding_holder(stages: int, virtual: int = 1) -> tuple[int, int]:
@@ -372,7 +386,8 @@ def holds(stage: int, chunk: int, stages: int, virtual: int = 1) -> tuple[bool, 
 
 @functools.lru_cache(maxsize=1024)
 def chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int = 1, *,
-                 tied_copy: bool = True) -> tuple[tuple[ParamSpec, int], ...]:
+                 tied_copy: bool = True, stage_layers: tuple[int, ...] | None = None
+                 ) -> tuple[tuple[ParamSpec, int], ...]:
     """(parameter, copies) held by virtual chunk ``chunk`` of pipeline stage ``stage``.
 
     Each layer parameter once per layer of the chunk, the embedding and the
@@ -380,8 +395,9 @@ def chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: 
     token table again on the head's chunk when that is not the embedding's.
     ``tied_copy=False`` gives the runner's chunk pytree (its pipeline refuses
     tied embeddings across stages; one program holds one tree).
+    ``stage_layers`` as in :func:`chunk_layers`.
     """
-    ranges = chunk_layers(spec, stages, virtual)
+    ranges = chunk_layers(spec, stages, virtual, stage_layers)
     if not 0 <= stage < stages:
         raise InputError(f"must be in 0..{stages - 1}, got {stage}", field="stage")
     if not 0 <= chunk < virtual:

@@ -201,7 +201,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     param_held, grad_held, opt_held = (model.device_stage_params(plan, stage, w)
                                        for w in (param_ways, grad_ways, opt_ways))
     holds_head = stage == layout.head_holder(p, v)[0]
-    layers = spec.layers // (p * v) * v
+    layers = plan.stage_layers[stage]  # all the stage's chunks (layers_per_stage, or the even split)
     per_layer = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor,
                                                  plan.sequence_parallel)
     head_acts = 0

@@ -139,7 +139,19 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
         seed=get_int(data, "seed", None, default=0, minimum=0),
         topology=topology,
         sequence_parallel=get_bool(data, "sequence_parallel", None),
+        layers_per_stage=_layers_per_stage(data.get("layers_per_stage")),
     ))
+
+
+def _layers_per_stage(value: Any) -> tuple[int, ...] | str | None:
+    """The top-level ``layers_per_stage``: a rule name or a list of whole numbers (the plan checks the rest)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InputError(f"expected `balanced-ends` or a list of per-stage layer counts, got {value!r:.80}",
+                         field="layers_per_stage")
+    # Whole numbers written as 4.0 are accepted, as in every integer field; the plan rejects anything else.
+    return tuple(int(n) if isinstance(n, float) and n.is_integer() else n for n in value)
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -170,6 +182,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     out["seed"] = plan.seed
     if plan.sequence_parallel:
         out["sequence_parallel"] = True
+    if plan.layers_per_stage is not None:
+        lps = plan.layers_per_stage
+        out["layers_per_stage"] = lps if isinstance(lps, str) else list(lps)
     return out
 
 

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from testbed.errors import InputError
+from testbed.plan.stages import resolve_layers_per_stage
 
 __all__ = [
     "Axis", "MESH_AXES", "ScheduleName", "Precision", "Remat", "Mlp", "Norm", "Position", "Attention", "ModelSpec", "BatchSpec", "MeshSpec",
@@ -348,6 +349,9 @@ class Plan:
     #: Megatron sequence parallelism (Korthikanti et al. 2022): the norm, dropout and residual regions of every
     #: layer sharded over the sequence on the tensor axis; all-gather + reduce-scatter instead of all-reduce.
     sequence_parallel: bool = False
+    #: Layers per pipeline stage (``testbed.plan.stages``): None is the even split, else a rule name
+    #: (``balanced-ends``) or one count per stage; :attr:`stage_layers` is the resolved counts.
+    layers_per_stage: tuple[int, ...] | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -365,10 +369,9 @@ class Plan:
                 f"global_batch {b.global_batch} must be divisible by data x fsdp x microbatches = "
                 f"{mesh.data} x {mesh.fsdp} x {b.microbatches} = {replicas * b.microbatches}",
                 field="batch.global_batch")
-        chunks = mesh.stage * self.schedule.virtual_stages
-        if m.layers % chunks:
-            raise InputError(f"layers {m.layers} must be divisible by stage x virtual_stages = {chunks}",
-                             field="model.layers")
+        if isinstance(self.layers_per_stage, list):
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+        resolve_layers_per_stage(self.layers_per_stage, m.layers, mesh.stage, self.schedule.virtual_stages)
         if m.heads % mesh.tensor:
             raise InputError(f"heads {m.heads} must be divisible by mesh.tensor {mesh.tensor}", field="model.heads")
         if m.d_ff % mesh.tensor:
@@ -392,6 +395,12 @@ class Plan:
         if self.schedule.name is ScheduleName.INTERLEAVED and mesh.stage > 1 and b.microbatches % mesh.stage:
             raise InputError(f"interleaved needs microbatches ({b.microbatches}) divisible by mesh.stage ({mesh.stage})",
                              field="batch.microbatches")
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Layers each pipeline stage holds (all its chunks): ``layers_per_stage`` resolved (even by default)."""
+        return resolve_layers_per_stage(self.layers_per_stage, self.model.layers, self.mesh.stage,
+                                        self.schedule.virtual_stages)
 
     @property
     def replicas(self) -> int:
@@ -424,7 +433,7 @@ def plan_fields() -> Mapping[str, tuple[str, ...]]:
     """Valid keys of each plan section (for unknown-key suggestions)."""
     return {
         "": ("name", "model", "batch", "mesh", "schedule", "precision", "remat", "optimizer", "zero", "seed", "topology",
-             "sequence_parallel"),
+             "sequence_parallel", "layers_per_stage"),
         "model": ("preset", "kind", "layers", "d_model", "heads", "d_ff", "seq_len", "vocab", "tied_embeddings",
                   "kv_heads", "mlp", "norm", "position", "bias", "dropout", "rope_theta", "pad_vocab_to", "attention",
                   "attention_block"),

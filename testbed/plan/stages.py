@@ -1,0 +1,106 @@
+"""How many layers each pipeline stage holds: the plan's ``layers_per_stage`` resolved to one count per stage.
+
+A plan without ``layers_per_stage`` splits its layers evenly (``layers``
+divisible by ``stage x virtual_stages``, as always). The key may instead be
+
+- an explicit list, one count per stage (``len == mesh.stage``, each >= 1,
+  summing to ``model.layers``); with an interleaved schedule each stage's
+  count is split evenly over its ``virtual_stages`` chunks, so every entry
+  must be divisible by ``virtual_stages``;
+- ``balanced-ends``: the first and the last stage hold one layer fewer than
+  each stage between them (whose counts are equal), since the first also
+  embeds and the last computes the head and loss (the Llama 3 paper,
+  Dubey et al. 2024, section 3.3.2: 126 layers on 16 stages as
+  ``7, 8 x 14, 7``). Exactly: with ``p`` stages every middle stage holds
+  ``x = (layers + 2) / p`` layers and the two ends ``x - 1``, so the rule
+  needs ``p >= 2``, ``p`` dividing ``layers + 2`` and ``x >= 2``; with
+  ``p = 2`` it is the even split. Interleaved schedules (``virtual_stages >
+  1``) cannot honour it (each end would need ``x - 1`` and ``x`` both
+  divisible by ``virtual_stages``) and get an explicit list instead.
+
+This module only resolves and validates the counts (the plan calls it on
+construction); which layer indices and parameters each (stage, chunk) holds
+is decided from them by ``testbed.model.layout.chunk_layers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from testbed.errors import InputError
+
+__all__ = ["BALANCED_ENDS", "RULES", "resolve_layers_per_stage", "balanced_ends"]
+
+#: The named rule: one layer fewer on the first and on the last stage.
+BALANCED_ENDS = "balanced-ends"
+#: Every named rule ``layers_per_stage`` accepts as a string.
+RULES = (BALANCED_ENDS,)
+
+_FIELD = "layers_per_stage"
+
+
+def balanced_ends(layers: int, stages: int) -> tuple[int, ...]:
+    """The ``balanced-ends`` split of ``layers`` over ``stages`` (module docstring); InputError if it has none."""
+    if stages < 2:
+        raise InputError(f"`{BALANCED_ENDS}` takes a layer from the first and the last stage, so it needs "
+                         f"mesh.stage >= 2 (got {stages}); remove layers_per_stage for one stage", field=_FIELD)
+    if (layers + 2) % stages or (layers + 2) // stages < 2:
+        fits = [n for n in range(max(1, layers - stages), layers + stages + 1)
+                if (n + 2) % stages == 0 and (n + 2) // stages >= 2]
+        raise InputError(f"`{BALANCED_ENDS}` puts x - 1 layers on the first and last stage and x on the "
+                         f"{stages - 2} between, so model.layers + 2 ({layers} + 2) must be a multiple of mesh.stage "
+                         f"({stages}) with x >= 2; layer counts near {layers} that fit: "
+                         f"{', '.join(map(str, fits)) or 'none'}; or give an explicit list of {stages} counts",
+                         field=_FIELD)
+    x = (layers + 2) // stages
+    return (x - 1, *([x] * (stages - 2)), x - 1) if stages > 2 else (x - 1, x - 1)
+
+
+def resolve_layers_per_stage(value: Sequence[int] | str | None, layers: int, stages: int,
+                             virtual: int = 1) -> tuple[int, ...]:
+    """Layers held by each of ``stages`` stages (all its ``virtual`` chunks together) under ``value``.
+
+    ``value`` is the plan's ``layers_per_stage``: None (the even split), a
+    rule name of :data:`RULES`, or one count per stage. Every error is an
+    InputError naming ``layers_per_stage`` (or ``model.layers`` for the even
+    split) with what would be valid.
+    """
+    if value is None:
+        if layers % (stages * virtual):
+            raise InputError(f"layers {layers} must be divisible by stage x virtual_stages = {stages * virtual} "
+                             f"(or give layers_per_stage: a list of {stages} per-stage counts)",
+                             field="model.layers")
+        return (layers // stages,) * stages
+    if isinstance(value, str):
+        if value not in RULES:
+            raise InputError(f"unknown rule `{value}`; give `{BALANCED_ENDS}` or a list of {stages} per-stage "
+                             f"layer counts", field=_FIELD)
+        if virtual > 1:
+            raise InputError(f"`{BALANCED_ENDS}` needs virtual_stages 1: with {virtual} chunks per stage every "
+                             f"stage's count must be divisible by {virtual}; give an explicit list instead",
+                             field=_FIELD)
+        return balanced_ends(layers, stages)
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"expected `{BALANCED_ENDS}` or a list of {stages} per-stage layer counts, got {value!r}",
+                         field=_FIELD)
+    counts = tuple(value)
+    if len(counts) != stages:
+        raise InputError(f"needs one layer count per pipeline stage: mesh.stage is {stages}, the list has "
+                         f"{len(counts)} entries ({_show(counts)})", field=_FIELD)
+    for i, n in enumerate(counts):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InputError(f"entry {i} must be a whole number >= 1 (every stage holds a layer), got {n!r}",
+                             field=_FIELD)
+        if n % virtual:
+            raise InputError(f"entry {i} ({n}) must be divisible by virtual_stages {virtual}: an interleaved "
+                             f"stage's layers are split evenly over its {virtual} chunks", field=_FIELD)
+    if sum(counts) != layers:
+        raise InputError(f"the counts {_show(counts)} sum to {sum(counts)}, but model.layers is {layers}; "
+                         f"they must add up to it", field=_FIELD)
+    return counts
+
+
+def _show(counts: tuple) -> str:
+    """A list for a message, clipped past 16 entries."""
+    shown = ", ".join(repr(n) for n in counts[:16])
+    return f"[{shown}{', ...' if len(counts) > 16 else ''}]"
