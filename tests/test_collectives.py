@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from testbed.collectives.algorithms import ALGORITHMS, SUPPORTED_OPS, step_program
+from collections import Counter
+
+from testbed.collectives.algorithms import ALGORITHMS, RING_FAMILY, SUPPORTED_OPS, flow_rounds, step_program
 from testbed.collectives.ops import (OPS, Op, StepProgram, Transfer, chunk_bounds, interpret, output_shape, parse_op,
                                  piece_sizes, reference)
 from testbed.errors import InputError
@@ -22,7 +24,7 @@ def _divisors(n: int) -> list[tuple[int, ...]]:
 def cases(draw):
     algorithm, op = draw(st.sampled_from(PAIRS))
     n = draw(st.integers(2 if op is Op.SEND else 1, 12))
-    dims = draw(st.sampled_from(_divisors(n))) if algorithm in ("torus", "hierarchical") else None
+    dims = draw(st.sampled_from(_divisors(n))) if algorithm in ("torus", "hierarchical", "multidim") else None
     root = draw(st.integers(0, n - 1))
     peer = draw(st.integers(0, n - 1).filter(lambda p: p != root)) if op is Op.SEND else None
     rows = draw(st.integers(1, 4)) * (n if op in (Op.REDUCE_SCATTER, Op.ALL_TO_ALL) else 1)
@@ -119,3 +121,41 @@ def test_programs_are_memoized_and_frozen():
     with pytest.raises(AttributeError):
         a.n = 3  # type: ignore[misc]
     assert set(OPS) == {op.value for op in Op}
+
+
+GRIDS = [(2, 2, 2), (4, 4), (3, 4), (4, 4, 4), (2, 3), (3, 1, 2), (5,), (2,), (1,)]
+
+
+@pytest.mark.parametrize("dims", GRIDS)
+def test_multidim_reduces_correctly_on_grids(dims):
+    """The all-dims-at-once program reproduces every op's definition on each grid (data moved and summed)."""
+    n = int(np.prod(dims))
+    rng = np.random.default_rng(n)
+    for op in SUPPORTED_OPS["multidim"]:
+        rows = 2 * (n if op is Op.REDUCE_SCATTER else 1)
+        inputs = [rng.integers(-99, 99, size=(rows, 3)) for _ in range(n)]
+        program = step_program(op, "multidim", n, dims=dims)
+        for g, w in zip(interpret(program, inputs), reference(op, inputs)):
+            np.testing.assert_array_equal(g, w, err_msg=f"{op} dims={dims}")
+
+
+def test_multidim_keeps_every_dim_busy():
+    """4x4x4: from the first round every rank sends along all three dims, both ways (six neighbours)."""
+    program = step_program("all_reduce", "multidim", 64, dims=(4, 4, 4))
+    assert len(program.rounds) == 2 * 3 * 3  # reduce-scatter and all-gather, 3 rounds per dim, dims in lockstep
+    for round_ in program.rounds:
+        assert len({t.dst for t in round_ if t.src == 0}) == 6
+
+
+@pytest.mark.parametrize("dims", GRIDS)
+def test_flow_counts_equal_the_programs_transfers(dims):
+    """flow_rounds (what routed timing uses for ring-family programs) counts exactly the program's transfers."""
+    n = int(np.prod(dims))
+    for algorithm in RING_FAMILY:
+        grid = dims if algorithm in ("torus", "hierarchical", "multidim") else (n,)
+        for op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER):
+            program = step_program(op, algorithm, n, dims=grid)
+            want = [c for c in (Counter((t.src, t.dst) for t in r if t.src != t.dst) for r in program.rounds) if c]
+            pieces, rounds = flow_rounds(op, algorithm, n, tuple(grid))
+            assert pieces == program.pieces, (algorithm, op)
+            assert [Counter({(a, b): c for a, b, c in r}) for r in rounds] == want, (algorithm, op, dims)
