@@ -10,7 +10,8 @@ donated) either on one device or data-parallel / fully sharded with
 - FLOPs: ``testbed.model.costs`` (forward + backward + recompute, all devices) vs
   the ``dot_general`` FLOPs of the traced step's jaxpr (``runners.model.count_matmul_flops``).
 
-Prints one JSON object. Goal: every plan within 10 % (memory) and 2 % (FLOPs).
+Prints one JSON object (errors also per attention kind, plain and flash).
+Goal: every plan within 10 % (memory) and 2 % (FLOPs).
 Usage: ``python benchmarks/memory_vs_xla.py [--quick]``.
 """
 
@@ -44,11 +45,13 @@ from testbed.topology.io import load_topology  # noqa: E402
 
 
 def _plans() -> list[Plan]:
-    """Plans spanning the terms: state-dominated, activation-dominated, remat, bf16, tied, DP, ZeRO, FSDP."""
+    """Plans spanning the terms: state-dominated, activation-dominated, remat, bf16, tied, DP, ZeRO, FSDP, flash."""
     small = ModelSpec(layers=4, d_model=256, heads=4, d_ff=1024, seq_len=128, vocab=2048)
     wide = ModelSpec(layers=2, d_model=512, heads=8, d_ff=2048, seq_len=64, vocab=4096)
     long = ModelSpec(layers=2, d_model=128, heads=4, d_ff=512, seq_len=512, vocab=1024)
     tied = replace(small, tied_embeddings=True)
+    flash_small, flash_long = replace(small, attention="flash"), replace(long, attention="flash")   # 1 and 4 K/V blocks
+    flash_gqa = replace(flash_long, kv_heads=2)
 
     def plan(name, spec, batch, precision="fp32", remat="none", data=1, fsdp=1, zero=0):
         return Plan(name=name, model=spec, batch=BatchSpec(global_batch=batch),
@@ -71,6 +74,15 @@ def _plans() -> list[Plan]:
         plan("wide-dp8-zero1", wide, 32, data=8, zero=1),
         plan("small-fsdp8", small, 64, fsdp=8),
         plan("wide-fsdp8", wide, 32, fsdp=8),
+        plan("small-b32-flash", flash_small, 32),
+        plan("small-b32-flash-selective", flash_small, 32, remat="selective"),
+        plan("small-b32-flash-full", flash_small, 32, remat="full"),
+        plan("long-b4-flash", flash_long, 4),
+        plan("long-b4-flash-full", flash_long, 4, remat="full"),
+        plan("long-b4-flash-gqa", flash_gqa, 4),
+        plan("long-b4-flash-gqa-selective", flash_gqa, 4, remat="selective"),
+        plan("long-b8-flash-bf16", flash_long, 8, precision="bf16-mixed"),
+        plan("long-b8-flash-dp8", flash_long, 64, data=8),
     ]
 
 
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         predicted = memory_breakdown(plan, topology)
         flops = tm.step_flops_per_device(plan) * plan.replicas
         rows.append({
-            "plan": plan.name, "predicted": predicted.total, **got,
+            "plan": plan.name, "attention": plan.model.attention.value, "predicted": predicted.total, **got,
             "error": predicted.total / got["measured"] - 1,
             "predicted_parts": {k: getattr(predicted, k) for k in
                                 ("params", "grads", "optimizer", "activations", "workspace")},
@@ -150,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     out = {"plans": rows, "devices": len(jax.devices()), "backend": jax.default_backend(), "xla_flags": XLA_FLAGS,
            "median_error": statistics.median(errors), "max_error": max(errors),
            "flops_median_error": statistics.median(flops_errors), "flops_max_error": max(flops_errors),
-           "within_10pct": sum(e <= 0.10 for e in errors), "count": len(rows)}
+           "within_10pct": sum(e <= 0.10 for e in errors), "count": len(rows),
+           "by_attention": {kind: {"median_error": statistics.median(e), "max_error": max(e), "count": len(e)}
+                            for kind in ("plain", "flash")
+                            if (e := [abs(r["error"]) for r in rows if r["attention"] == kind])}}
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0

@@ -27,6 +27,12 @@ FLOPs count matmuls only (``2*m*n*k``); attention is dense over the full
 ``seq x seq`` score matrix (causality by masking), as the JAX model computes
 it. Softmax, LayerNorm, GELU and the loss are memory bound and appear in the
 byte estimates instead.
+
+Flash attention (``model.attention: flash``, ``runners/attention.py``) has the
+same forward FLOPs; its backward recomputes the scores ``Q K^T`` (FlashAttention-2:
+2.5x the forward's attention FLOPs, counted as recompute, not as model FLOPs)
+and it keeps no ``seq x seq`` tensor: only the fp32 log-sum-exp of every score
+row beside Q, K, V and its output (:func:`activation_bytes_per_layer`).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ __all__ = [
 LOSS_BYTES = 4
 #: Bytes per value of a dropout mask (Korthikanti et al. 2022 count one byte).
 DROPOUT_MASK_BYTES = 1
+#: Bytes per value of flash attention's statistics (row max, sum, log-sum-exp) and score blocks: fp32 always.
+FLASH_BYTES = 4
 
 
 # -- parameters ---------------------------------------------------------------------
@@ -154,15 +162,19 @@ def recompute_flops_per_layer(spec: ModelSpec, batch: int, remat: Remat | str, t
     ``P V`` need not be redone: its output is kept as the out projection's input).
     full: the whole block forward except the MLP down projection, whose output
     only feeds the residual add, which needs nothing saved for its backward.
+    With flash attention the backward always recomputes ``Q K^T`` (block by block), with
+    or without remat; selective then adds nothing, full the block forward besides.
     """
     remat = Remat(remat)
-    if remat is Remat.NONE:
-        return 0
     n, d, f, s = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len
+    scores = 2 * batch * s * s * d // tensor
+    flash = scores if spec.attention is Attention.FLASH else 0
+    if remat is Remat.NONE:
+        return flash
     if remat is Remat.SELECTIVE:
-        return 2 * batch * s * s * d // tensor
+        return scores
     dense, attention = _layer_matmul_flops(spec, batch, tensor)
-    return (dense + attention - 2 * n * f * d) // tensor
+    return (dense + attention - 2 * n * f * d) // tensor + flash
 
 
 # -- activation bytes ---------------------------------------------------------------------
@@ -186,13 +198,17 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     inputs, outputs and statistics, the dropout masks; full remat's block
     input) is split over the sequence on the tensor ranks: ``1/t`` of it each
     (Korthikanti et al. 2022, Table 2; :func:`megatron_activation_bytes_per_layer`).
+
+    Flash attention keeps neither the scores nor the head-major copies, but the
+    fp32 log-sum-exp of each query row (``4 b heads seq / t``): selective is then
+    the same as none.
     """
     remat = Remat(remat)
     if remat is Remat.FULL:
         block_input = Precision(precision).compute_bytes * microbatch_size * spec.seq_len * spec.d_model
         return block_input // tensor if sequence_parallel else block_input
     replicated, split = layer_traffic_bytes(spec, microbatch_size, precision, tensor, sequence_parallel)
-    if remat is Remat.NONE:
+    if remat is Remat.NONE or spec.attention is Attention.FLASH:
         return replicated + split
     # Selective keeps the replicated part and, of the split one, Q, K, V, the attention output and the MLP hidden.
     c, n = Precision(precision).compute_bytes, microbatch_size * spec.seq_len
@@ -243,6 +259,12 @@ def _layer_traffic(spec: ModelSpec, microbatch_size: int, precision: Precision |
     n = b * s
     # Two norms keep their input and output and their per-token statistics.
     replicated = c * (4 * n * d + 2 * _norm_stats(spec) * n)
+    if spec.attention is Attention.FLASH:
+        # Flash keeps one fp32 log-sum-exp per query row; its score blocks never leave the kernel.
+        split = c * _projection_outputs(spec, n, t) + FLASH_BYTES * b * spec.heads * s // t
+        if spec.dropout > 0:  # FlashAttention regenerates its probability masks from the seed in the backward
+            replicated += DROPOUT_MASK_BYTES * 2 * n * d
+        return replicated, split
     # Without remat the score matmul's operands stay live too: XLA copies Q and K to head-major
     # layout for the batched matmul and the backward reuses those copies.
     scores = b * spec.heads * s * s // t
@@ -317,7 +339,8 @@ class ChunkCost:
     forward writes (:func:`layer_traffic_bytes` per layer; the embedding's
     output and the head's LayerNorm are replicated, its fp32 logits split);
     ``recompute_traffic`` what the backward's remat writes again (full: the
-    layers' forward; selective: the softmax outputs). ``tensor_bytes`` is one
+    layers' forward; selective: the softmax outputs; flash's recomputed score
+    blocks stay inside its kernel: none). ``tensor_bytes`` is one
     ``[tokens, d_model]`` activation of the microbatch: the size an
     elementwise pass over the residual stream streams, which decides whether
     it runs from cache (calibration ``elementwise.cache_bytes``).
@@ -412,7 +435,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     n_bytes = b * spec.seq_len * spec.d_model * c
     forward_bytes = params * c + kept + n_bytes
     replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t, sp))
-    scores = b * spec.heads * spec.seq_len ** 2 // t
+    scores = 0 if spec.attention is Attention.FLASH else b * spec.heads * spec.seq_len ** 2 // t
     dropped = (DROPOUT_MASK_BYTES + c) * scores if spec.dropout > 0 else 0
     recompute = {Remat.NONE: (0, 0), Remat.FULL: (replicated, split),
                  Remat.SELECTIVE: (0, layers * (c * scores + dropped))}[plan.remat]

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from testbed.model import costs as model
 from testbed.model import layout
-from testbed.plan.spec import Plan, Remat, ScheduleName
+from testbed.plan.spec import Attention, Plan, Remat, ScheduleName
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
 
@@ -155,8 +155,28 @@ def _attention_workspace(plan: Plan) -> int:
     remat first recomputes the scores and probabilities (2 more).
     """
     spec, c = plan.model, plan.precision.compute_bytes
+    if spec.attention is Attention.FLASH:
+        return _flash_workspace(plan)
     score = c * plan.microbatch_size * spec.heads * spec.seq_len ** 2 // plan.mesh.tensor
     return score * (4 if plan.remat is Remat.SELECTIVE else 2)
+
+
+def _flash_workspace(plan: Plan) -> int:
+    """Flash attention's backward step over one K/V block (``runners/attention.py``), on one tensor rank.
+
+    Per ``seq x block`` tile of every query head, no ``seq x seq`` buffer. Over
+    several blocks (a loop): two fp32 tiles (the recomputed probabilities, whose
+    scores XLA fuses in, and the probability gradient), the score gradient in the
+    compute dtype, and the fp32 dq accumulator ``[tokens, d_model / t]``. One
+    block (``seq <= 128`` by default) is compiled without the loop, and XLA keeps
+    scores, probabilities and both gradients as fp32 tiles. (Measured with
+    XLA:CPU, ``benchmarks/memory_vs_xla.py``.)
+    """
+    spec, c, t = plan.model, plan.precision.compute_bytes, plan.mesh.tensor
+    tile = plan.microbatch_size * spec.heads * spec.seq_len * spec.flash_block // t
+    if spec.flash_block == spec.seq_len:
+        return 4 * model.FLASH_BYTES * tile
+    return tile * (2 * model.FLASH_BYTES + c) + model.FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.d_model // t
 
 
 def _layer_workspace(plan: Plan) -> int:
