@@ -103,3 +103,13 @@ def test_fit_reproduces_the_topology_constants():
     assert out["gemm_half_mn"] == pytest.approx(compute.gemm_half_mn, rel=0.01)
     assert out["gemm_half_k"] == pytest.approx(compute.gemm_half_k, rel=0.01)
     assert out["gemm_latency_s"] == pytest.approx(compute.gemm_latency_s, rel=0.01)
+
+
+def test_one_layer_chunks_still_reduce_their_gradients():
+    # Interleaved chunks of one layer (Megatron's 530B and 1T rows) were left without a data-parallel reduction.
+    plan = _plan(model={"layers": 4}, mesh={"data": 4, "tensor": 1, "stage": 2}, batch={"global_batch": 16})
+    assert plan.model.layers // (plan.mesh.stage * plan.schedule.virtual_stages) == 1
+    program = simulate(plan, load_topology("a100-pcie-8")).program
+    for stage_rep in program.representatives:
+        reduces = [t for t in program.tasks if t.device == stage_rep and t.stream == "grad"]
+        assert len(reduces) == plan.schedule.virtual_stages

@@ -252,11 +252,12 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         flops, hbm, (replicated, split), tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
         kernels = max(1, 4 * cost.layers)
         gemms = shapes[s][action.chunk].action(action.kind, schedule.split_backward)
-        pieces, scatter = 1, False
+        pieces, scatter, reduce = 1, False, False
         if action.kind == last_bwd_kind:
             remaining_bwd[(s, action.chunk)] -= 1
             if remaining_bwd[(s, action.chunk)] == 0 and mesh.data * mesh.fsdp > 1:
-                pieces = min(BUCKETS, max(1, cost.layers))
+                # One bucket per layer, at most BUCKETS (a one-layer chunk reduces its gradients at once).
+                pieces, reduce = min(BUCKETS, max(1, cost.layers)), True
             # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
             scatter = remaining_bwd[(s, action.chunk)] > 0 and bool(per_microbatch)
         last = -1
@@ -267,10 +268,11 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                          tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
                          gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             deps = []
-            if pieces > 1:
+            if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients; reduce it while the backward continues.
                 reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, cost.params / pieces * grad_b,
-                                               f"{label}/{k}", replicas, data_groups, fsdp_groups, o_ways))
+                                               label if pieces == 1 else f"{label}/{k}", replicas, data_groups,
+                                               fsdp_groups, o_ways))
         if scatter:
             reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
