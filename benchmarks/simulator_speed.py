@@ -5,9 +5,13 @@ H100-like devices (8 per node on NVSwitch, 400 Gb/s InfiniBand NIC per GPU):
 data 8 x tensor 8 x stage 8 on 64 nodes, and data 64 x tensor 8 x stage 8 on
 512 nodes. Goal: <= 1 s for the 4096-device plan on a 2-core machine, with the
 full timeline. ``scale``: issue 20's cases (an all-reduce over 16,384 ranks, data
-parallelism on 16,384 devices, a 4-D plan on 65,536). The device is named
-H100-like, so collectives are timed by NCCL's model (testbed.collectives.nccl).
-Prints one JSON object.
+parallelism on 16,384 devices, a 4-D plan on 65,536), each on the H100 hierarchy
+(collectives timed by NCCL's model, testbed.collectives.nccl) and on a TPU v4-like
+torus (32x32x16 and 64x32x32 chips, the links of the bundled tpu-v4-4x4x4: the
+``multidim`` closed form on whole tori, routed programs on partial ones).
+Goal: each simulation under 2 s on a 2-core machine; topology construction is
+reported apart (``topology_s``). ``torus_4x4x4``: the TPU v4 cube's 256 MiB
+all-reduce against its lower bound. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -42,38 +46,74 @@ def _topology(nodes: int):
     return case(nodes, 1)[1]
 
 
-def scale_cases() -> list[dict]:
-    """Issue 20's scale cases: an all-reduce over 16,384 ranks, pure data parallelism on 16,384 devices and a
-    4-D plan (data 128 x fsdp 8 x tensor 8 x stage 8) on 65,536 (topology construction timed apart)."""
-    from testbed.collectives.timing import collective_time
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, round(time.perf_counter() - t0, 3)
 
-    out = []
-    t0 = time.perf_counter()
-    topology = _topology(2048)
-    built = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    r = collective_time(topology, "all_reduce", tuple(range(topology.num_devices)), 2.0**30)
-    out.append({"case": "all_reduce-16384", "seconds": round(time.perf_counter() - t0, 3), "topology_s": round(built, 3),
-                "algorithm": r.algorithm, "busbw_GBps": round(r.busbw / 1e9, 1)})
-    dp = Plan(name="dp-16384", model=ModelSpec(layers=4, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=50304),
-              batch=BatchSpec(global_batch=16384, microbatches=1), mesh=MeshSpec(data=16384),
-              schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed")
-    t0 = time.perf_counter()
-    sim = simulate(dp, topology)
-    out.append({"case": "data-parallel-16384", "seconds": round(time.perf_counter() - t0, 3), "topology_s": round(built, 3),
-                "step_time_s": sim.report.step_time_s})
-    t0 = time.perf_counter()
-    topology = _topology(8192)
-    built = time.perf_counter() - t0
-    plan = Plan(name="4d-65536", model=ModelSpec(layers=48, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=50304),
+
+def _tpu_torus(dims: list[int]):
+    """A TPU v4-like torus of ``dims`` chips: device, links and calibration of the bundled tpu-v4-4x4x4."""
+    from testbed.topology.generators import torus
+    from testbed.topology.io import load_topology
+
+    cube = load_topology("tpu-v4-4x4x4")
+    level = cube.levels[0]
+    return torus(dims, device=cube.device, bandwidth=level.bandwidth, latency=level.latency, kind=level.kind,
+                 name="tpu-v4-" + "x".join(map(str, dims)), calibration=cube.calibration)
+
+
+def _dp_plan() -> Plan:
+    return Plan(name="dp-16384", model=ModelSpec(layers=4, d_model=1024, heads=16, d_ff=4096, seq_len=1024,
+                                                 vocab=50304),
+                batch=BatchSpec(global_batch=16384, microbatches=1), mesh=MeshSpec(data=16384),
+                schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed")
+
+
+def _4d_plan() -> Plan:
+    return Plan(name="4d-65536", model=ModelSpec(layers=48, d_model=2048, heads=16, d_ff=8192, seq_len=2048,
+                                                 vocab=50304),
                 batch=BatchSpec(global_batch=128 * 8 * 16, microbatches=16),
                 mesh=MeshSpec(data=128, fsdp=8, tensor=8, stage=8), schedule=ScheduleSpec(name="1f1b"),
                 precision="bf16-mixed", remat="full")
-    t0 = time.perf_counter()
-    sim = simulate(plan, topology)
-    out.append({"case": "4d-65536", "seconds": round(time.perf_counter() - t0, 3), "topology_s": round(built, 3),
-                "tasks": len(sim.program.tasks), "step_time_s": sim.report.step_time_s})
+
+
+def scale_cases() -> list[dict]:
+    """Issue 20's scale cases on the H100 hierarchy and a TPU v4-like torus: an all-reduce over 16,384 ranks,
+    pure data parallelism on 16,384 devices and a 4-D plan (data 128 x fsdp 8 x tensor 8 x stage 8) on
+    65,536 (topology construction timed apart)."""
+    from testbed.collectives.timing import collective_time
+
+    out = []
+    for kind, small, large in (("h100", lambda: _topology(2048), lambda: _topology(8192)),
+                               ("torus", lambda: _tpu_torus([32, 32, 16]), lambda: _tpu_torus([64, 32, 32]))):
+        topology, built = _timed(small)
+        r, seconds = _timed(lambda: collective_time(topology, "all_reduce", tuple(range(topology.num_devices)),
+                                                    2.0**30))
+        out.append({"case": f"all_reduce-16384-{kind}", "seconds": seconds, "topology_s": built,
+                    "algorithm": r.algorithm, "closed_form": r.closed_form, "time_ms": round(r.time_s * 1e3, 3),
+                    "bound_ms": round(r.bound_s * 1e3, 3), "busbw_GBps": round(r.busbw / 1e9, 1)})
+        sim, seconds = _timed(lambda: simulate(_dp_plan(), topology))
+        out.append({"case": f"data-parallel-16384-{kind}", "seconds": seconds, "topology_s": built,
+                    "step_time_s": sim.report.step_time_s})
+        topology, built = _timed(large)
+        sim, seconds = _timed(lambda: simulate(_4d_plan(), topology))
+        out.append({"case": f"4d-65536-{kind}", "seconds": seconds, "topology_s": built,
+                    "tasks": len(sim.program.tasks), "step_time_s": sim.report.step_time_s})
     return out
+
+
+def torus_cube() -> dict:
+    """The TPU v4 4x4x4 cube's 256 MiB all-reduce: the fastest algorithm, the dim-ordered one, the bound."""
+    from testbed.collectives.timing import collective_time
+    from testbed.topology.io import load_topology
+
+    cube = load_topology("tpu-v4-4x4x4")
+    group = tuple(range(64))
+    best = collective_time(cube, "all_reduce", group, 2.0**28)
+    ordered = collective_time(cube, "all_reduce", group, 2.0**28, "torus")
+    return {"algorithm": best.algorithm, "time_us": round(best.time_s * 1e6, 1),
+            "dim_ordered_us": round(ordered.time_s * 1e6, 1), "bound_us": round(best.bound_s * 1e6, 1)}
 
 
 def main() -> None:
@@ -86,7 +126,7 @@ def main() -> None:
         results.append({"devices": topology.num_devices, "tasks": len(sim.program.tasks), "seconds": round(seconds, 3),
                         "step_time_s": sim.report.step_time_s, "mfu": sim.report.mfu,
                         "timeline_spans": len(sim.timeline.label)})
-    print(json.dumps({"results": results, "scale": scale_cases()}))
+    print(json.dumps({"results": results, "scale": scale_cases(), "torus_4x4x4": torus_cube()}))
 
 
 if __name__ == "__main__":

@@ -295,7 +295,9 @@ def flow_rounds(op: Op, algorithm: str, n: int, dims: tuple[int, ...]
                 k += 1
             if not scatter:
                 held *= m
-    return pieces, tuple(tuple((a, b, c) for (a, b), c in r.items() if a != b) for r in timed if r)
+    interned: dict[tuple, tuple] = {}  # equal rounds (all of a ring phase) become one object, mapped and routed once
+    rounds = (tuple((a, b, c) for (a, b), c in r.items() if a != b) for r in timed if r)
+    return pieces, tuple(interned.setdefault(r, r) for r in rounds if r)
 
 
 # -- halving-doubling ------------------------------------------------------------------

@@ -343,7 +343,9 @@ def _program_flows(topology: Topology, op: Op, algorithm: str, group: tuple[int,
         else:
             dims, devices = (len(group),), tuple(group)
         pieces, rounds = flow_rounds(op, algorithm, len(group), tuple(dims))
-        flows = [Counter({(devices[a], devices[b]): c for a, b, c in r}) for r in rounds]
+        mapped: dict[int, Counter] = {}  # equal rounds are one object (flow_rounds interns them): map each once
+        flows = [mapped.get(id(r)) or mapped.setdefault(id(r), Counter({(devices[a], devices[b]): c
+                                                                        for a, b, c in r})) for r in rounds]
         return (1 if op is Op.ALL_REDUCE else len(group)) * pieces, flows, devices
     program, devices = _program(topology, op, algorithm, group, root, peer)
     flows = []
@@ -359,24 +361,32 @@ def _program_flows(topology: Topology, op: Op, algorithm: str, group: tuple[int,
 def _profile(topology: Topology, programs: Sequence[list[Counter]]):
     """(Counter of per-round envelopes, link -> chunks over all rounds, rounds) for programs run together.
 
-    Rounds with the same flows (every round of a ring) are routed once.
+    Rounds with the same flows (every round of a ring) are routed once: found by
+    object first (flow_rounds interns equal rounds), then by content.
     """
     links = _links(topology)
     rounds_total = max((len(p) for p in programs), default=0)
     envelopes: Counter = Counter()
     totals = np.zeros(0)
     seen: dict[tuple, tuple] = {}
+    by_object: dict[int, tuple] = {}  # id(round) -> (the round, its profile); holding it keeps the id its own
     for k in range(rounds_total):
-        flows: Counter = Counter()
-        for rounds in programs:
-            if k < len(rounds):
-                flows.update(rounds[k])
+        if len(programs) == 1:
+            flows = programs[0][k]
+        else:
+            flows = Counter()
+            for rounds in programs:
+                if k < len(rounds):
+                    flows.update(rounds[k])
         if not flows:
             continue
-        signature = tuple(sorted(flows.items()))
-        if signature not in seen:
-            seen[signature] = _round_profile(links, flows)
-        envelope, load = seen[signature]
+        hit = by_object.get(id(flows))
+        if hit is None:
+            signature = tuple(sorted(flows.items()))
+            if signature not in seen:
+                seen[signature] = _round_profile(links, flows)
+            hit = by_object[id(flows)] = (flows, seen[signature])
+        envelope, load = hit[1]
         envelopes[envelope] += 1
         if len(totals) < len(load):  # links numbered since (lazily) extend the totals
             totals = np.concatenate([totals, np.zeros(len(load) - len(totals))])
@@ -525,6 +535,12 @@ def link_loads(topology: Topology, op: Op | str, group: Sequence[int], nbytes: f
     if closed is not None:  # a whole sub-torus: every rank's links alike, no program built
         return closed
     n = len(group)
+    size = routed_cost(topology, algorithm, group, 1, op)
+    if size > MAX_ROUTED_TRANSFERS:
+        raise InputError(f"the link loads of `{algorithm}` {op} over {n} ranks on `{topology.name}` come from its "
+                         f"routed step program, about {size:,} transfer-hops, more than the "
+                         f"{MAX_ROUTED_TRANSFERS:,} that can be routed here (its time has a closed form, its per-link "
+                         f"bytes do not yet); use smaller groups", field="over")
     peer = (root + 1) % n if peer is None else peer
     chunks, _, totals, _ = _cached_profile(topology, op, algorithm, (group,), root, peer)
     chunk = float(nbytes) / chunks

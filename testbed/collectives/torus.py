@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.collectives.algorithms import multidim_orders
+from testbed.collectives.algorithms import ring_streams
 from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Form, Topology
 
@@ -129,14 +129,7 @@ def _streams(algorithm: str, op: Op, shape: SubTorus) -> tuple[int, list[tuple[i
 
     ``pieces`` is the step program's piece count, so a chunk is ``bytes / (data blocks * pieces)``.
     """
-    dims = len(shape.sizes)
-    if algorithm == "multidim":
-        orders = multidim_orders(shape.sizes)
-        streams = [(direction, order) for order in orders for direction in (1, -1)]
-    elif algorithm in ("torus", "bidir_ring"):
-        streams = [(direction, list(range(dims))) for direction in (1, -1)]
-    else:  # ring: one direction
-        streams = [(1, list(range(dims)))]
+    streams = ring_streams(algorithm, shape.sizes)
     n = math.prod(shape.sizes)
     per_stream_pieces = len(streams)
     pieces = per_stream_pieces * n if op is Op.ALL_REDUCE else per_stream_pieces

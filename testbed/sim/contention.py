@@ -72,18 +72,24 @@ def _fill(ids: Sequence[Sequence[int]], demands: Sequence[Sequence[float]], capa
     level at which it fills, ``level_then + remaining_then / demand``, is
     fixed, so the links wait in a heap by that level (ties: the link met
     first) and only the links of the flows a filled link freezes are updated.
-    A step costs a few heap operations instead of a pass over every link.
+    A step costs a few heap operations instead of a pass over every link, and
+    only links oversubscribed at full speed are tracked at all.
     """
     n = len(ids)
     demand: dict[int, float] = {}
-    users: dict[int, list[int]] = {}
-    for i, (links, wants) in enumerate(zip(ids, demands)):
+    for links, wants in zip(ids, demands):
         for link, d in zip(links, wants):
             demand[link] = demand.get(link, 0.0) + d
-            users.setdefault(link, []).append(i)
-    # Common case: nothing oversubscribed, everyone runs at its standalone speed.
-    if all(d <= capacity[link] * (1 + 1e-12) for link, d in demand.items()):
+    # Only a link oversubscribed at full speed can fill before everyone runs at it (demands only fall as
+    # flows freeze), so the others are never tracked; with none, everyone runs at its standalone speed.
+    demand = {link: d for link, d in demand.items() if d > capacity[link] * (1 + 1e-12)}
+    if not demand:
         return [1.0] * n
+    users: dict[int, list[int]] = {link: [] for link in demand}
+    for i, links in enumerate(ids):
+        for link in links:
+            if link in users:
+                users[link].append(i)
     order = {link: k for k, link in enumerate(demand)}
     unfrozen = {link: len(members) for link, members in users.items()}
     remaining = {link: float(capacity[link]) for link in demand}
@@ -107,8 +113,8 @@ def _fill(ids: Sequence[Sequence[int]], demands: Sequence[Sequence[float]], capa
                 continue
             factor[i], frozen[i] = level, True
             for other, d in zip(ids[i], demands[i]):
-                if version[other] < 0:
-                    continue
+                if version.get(other, -1) < 0:
+                    continue  # full, or never oversubscribed
                 remaining[other] = max(0.0, remaining[other] - (level - since[other]) * demand[other])
                 since[other] = level
                 unfrozen[other] -= 1
