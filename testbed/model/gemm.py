@@ -127,7 +127,7 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     """GEMMs of virtual chunk ``chunk`` on pipeline stage ``stage``, one microbatch, one device."""
     spec, p, v, t = plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor
     b = plan.microbatch_size
-    layers = len(chunk_layers(spec, p, v)[stage][chunk])
+    layers = len(chunk_layers(spec, p, v, plan.stage_layers)[stage][chunk])
     _, head = layout.holds(stage, chunk, p, v)
     weights, mlp_out = _projections(spec, b * spec.seq_len, t)
     scores, values = _attention(spec, b, t)
