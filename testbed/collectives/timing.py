@@ -88,14 +88,27 @@ _NEIGHBOURLY = ("ring", "bidir_ring", "torus", "hierarchical", "multidim")
 
 def routed_cost(topology: Topology, algorithm: str, group: Sequence[int], groups: int = 1,
                 op: Op | str = Op.ALL_REDUCE) -> int:
-    """Estimated work of timing ``algorithm``'s routed program: :func:`routed_transfers` times hops per transfer.
+    """Estimated work of timing ``algorithm``'s routed program, in transfer-hops.
 
-    Hops per transfer: 2 for ring neighbours; on a torus the mean ring distance
-    over the dims the group varies along (size/4 with wraparound, size/3
-    without); twice the levels on a hierarchy; 4 on an explicit graph.
+    A built program costs its :func:`routed_transfers` (each checked and
+    counted); then every flow of a round (a (src, dst) pair) is routed and its
+    links summed, a cost per hop. Flows: ring-family programs are counted as
+    flows already; halving-doubling has one per rank per round (``2 log2 n + 2``
+    rounds); trees and direct exchanges about one per transfer. Hops per
+    flow: 2 for ring neighbours; on a torus the mean ring distance over the
+    dims the group varies along (size/4 with wraparound, size/3 without);
+    twice the levels on a hierarchy; 4 on an explicit graph.
     """
+    op = parse_op(op)
     transfers = routed_transfers(topology, algorithm, group, groups, op)
-    if algorithm in _NEIGHBOURLY or len(group) < 2:
+    n = len(group)
+    if algorithm in RING_FAMILY and op in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER):
+        built, flows = 0, transfers  # never built: counted as flows
+    elif algorithm == "halving_doubling":
+        built, flows = transfers, min(transfers, (2 * max(1, n.bit_length()) + 2) * n * groups)
+    else:
+        built, flows = transfers, transfers
+    if algorithm in _NEIGHBOURLY or n < 2:
         hops = 2.0
     elif topology.form is Form.TORUS:
         devices = np.asarray(group, dtype=np.int64)
@@ -109,7 +122,7 @@ def routed_cost(topology: Topology, algorithm: str, group: Sequence[int], groups
         hops = 2.0 * len(topology.levels)
     else:
         hops = 4.0
-    return int(transfers * hops)
+    return int(built + flows * hops)
 
 
 def routed_transfers(topology: Topology, algorithm: str, group: Sequence[int], groups: int = 1,
