@@ -23,7 +23,7 @@ from testbed.model import layout
 from testbed.model.memory import memory_breakdown
 from testbed.model.presets import PUBLISHED_PARAMS
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
-from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
 from testbed.topology.io import load_topology
 
 LLAMA = dict(mlp="swiglu", norm="rmsnorm", position="rope", bias=False)
@@ -254,8 +254,13 @@ def llm_plans(draw) -> Plan:
                      position=draw(st.sampled_from(["learned", "rope"])), bias=draw(st.booleans()),
                      tied_embeddings=stage == 1 and draw(st.booleans()))
     mb = stage if stage > 1 else draw(st.sampled_from([1, 2]))
+    # Pipelines: every schedule, and uneven stages (layers_per_stage) where its chunks allow them.
+    name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])) if stage > 1 else "1f1b"
+    virtual = 2 if name == "interleaved" else 1
+    split = draw(st.sampled_from([None, (1, 3), (3, 1)])) if stage > 1 and virtual == 1 else None
     return _plan(spec, data=data, fsdp=rest // data, tensor=tensor, stage=stage, mb=mb,
-                 zero=draw(st.integers(0, 3)), remat=draw(st.sampled_from(["none", "selective", "full"])))
+                 zero=draw(st.integers(0, 3)), remat=draw(st.sampled_from(["none", "selective", "full"])),
+                 schedule=ScheduleSpec(name=name, virtual_stages=virtual), layers_per_stage=split)
 
 
 @settings(max_examples=max(1, settings().max_examples // 5))  # each compiles two trainers: ci 3, thorough 60
