@@ -79,6 +79,7 @@ def test_balanced_ends_is_the_llama3_split() -> None:
     ("balanced-ends", 6, 2, 2, "needs virtual_stages 1"),
     ("even-ish", 6, 2, 1, "unknown rule"),
     (7, 6, 2, 1, "list of per-stage layer counts"),
+    ([[1], 5], 6, 2, 1, "list of 2 whole numbers"),
 ])
 def test_bad_layers_per_stage_names_the_field(split, layers: int, stage: int, virtual: int, words: str) -> None:
     data = {"model": {**{k: getattr(TINY, k) for k in ("d_model", "heads", "d_ff", "seq_len", "vocab")},

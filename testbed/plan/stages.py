@@ -25,6 +25,7 @@ is decided from them by ``testbed.model.layout.chunk_layers``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from testbed.errors import InputError
@@ -65,6 +66,18 @@ def resolve_layers_per_stage(value: Sequence[int] | str | None, layers: int, sta
     InputError naming ``layers_per_stage`` (or ``model.layers`` for the even
     split) with what would be valid.
     """
+    if isinstance(value, list):
+        value = tuple(value)
+    try:
+        hash(value)
+    except TypeError:  # entries that are not numbers (lists, mappings)
+        raise InputError(f"expected `{BALANCED_ENDS}` or a list of {stages} whole numbers, got {value!r:.80}",
+                         field=_FIELD) from None
+    return _resolve(value, layers, stages, virtual)
+
+
+@functools.lru_cache(maxsize=4096)  # read per stage and chunk by the cost and memory models
+def _resolve(value: tuple[int, ...] | str | None, layers: int, stages: int, virtual: int) -> tuple[int, ...]:
     if value is None:
         if layers % (stages * virtual):
             raise InputError(f"layers {layers} must be divisible by stage x virtual_stages = {stages * virtual} "
