@@ -347,13 +347,14 @@ def test_sub_tori_are_recognised_and_disjoint_ones_timed_together():
 def test_a_16k_rank_all_reduce_is_timed_without_routing(monkeypatch):
     """16x16x16 and 32x32x16 tori: auto times every algorithm that applies by formula, never routing or
     building a program (the routed path raises), and refuses the routed ones by their estimated size."""
-    from testbed.collectives import timing
+    from testbed.collectives import routed, timing
 
     def refuse(*args, **kwargs):
         raise AssertionError("routed or built a program")
 
     monkeypatch.setattr(timing, "_cached_profile", refuse)
-    monkeypatch.setattr(timing, "step_program", refuse)
+    monkeypatch.setattr(routed, "step_program", refuse)
+    monkeypatch.setattr(timing, "placed_program", refuse)
     for dims in ((16, 16, 16), (32, 32, 16)):
         topology = _torus(dims)
         group = tuple(range(topology.num_devices))
@@ -398,14 +399,14 @@ def test_torus_translation_symmetry_is_exact(monkeypatch, dims, mesh):
 def test_data_parallel_on_a_whole_torus_simulates_without_routing(monkeypatch):
     """4,096 data-parallel replicas on a 16x16x16 torus: the gradient all-reduce is one whole-torus group,
     timed and loaded by formula (the routed path raises; trees and rings are too large to try)."""
-    from testbed.collectives import timing
+    from testbed.collectives import routed, timing
     from testbed.sim.engine import simulate
 
     def refuse(*args, **kwargs):
         raise AssertionError("routed or built a program")
 
     monkeypatch.setattr(timing, "_cached_profile", refuse)
-    monkeypatch.setattr(timing, "step_program", refuse)
+    monkeypatch.setattr(routed, "step_program", refuse)
     topology = _torus((16, 16, 16))
     sim = simulate(_torus_plan(data=4096), topology)
     assert sim.report.step_time_s > 0 and sim.report.exposed_comm_s > 0

@@ -8,7 +8,8 @@ from hypothesis import given, strategies as st
 
 from collections import Counter
 
-from testbed.collectives.algorithms import ALGORITHMS, RING_FAMILY, SUPPORTED_OPS, flow_rounds, step_program
+from testbed.collectives.algorithms import ALGORITHMS, SUPPORTED_OPS, step_program
+from testbed.collectives.routed import RING_FAMILY, flow_rounds
 from testbed.collectives.ops import (OPS, Op, StepProgram, Transfer, chunk_bounds, interpret, output_shape, parse_op,
                                  piece_sizes, reference)
 from testbed.errors import InputError

@@ -42,7 +42,7 @@ from testbed.collectives.ops import Op, StepProgram, Transfer, num_blocks, parse
 from testbed.errors import InputError, unknown_key_message
 
 __all__ = ["ALGORITHMS", "SUPPORTED_OPS", "GRID_ALGORITHMS", "step_program", "parse_algorithm", "TREE_PIECES",
-           "multidim_orders", "RING_FAMILY", "ring_streams", "flow_rounds"]
+           "multidim_orders"]
 
 Rounds = list[list[Transfer]]
 
@@ -235,69 +235,6 @@ def _multidim(op: Op, n: int, dims: Sequence[int]) -> tuple[int, Rounds]:
                 rounds += _merge(*phase)
         phases.append(rounds)
     return pieces, _merge(*phases)
-
-
-#: Algorithms built from rings along the dims of a rank grid: :func:`flow_rounds` counts their flows directly.
-RING_FAMILY: tuple[str, ...] = ("ring", "bidir_ring", "torus", "hierarchical", "multidim")
-
-
-def ring_streams(algorithm: str, dims: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """(direction, reduce-scatter dim order) of each ring stream of a ring-family algorithm.
-
-    A stream owns an equal share of the chunks: ``ring`` and ``hierarchical``
-    one stream (+1), ``bidir_ring`` and ``torus`` one each way, ``multidim``
-    one each way per rotated dim order.
-    """
-    active = [d for d in range(len(dims)) if dims[d] > 1]
-    if algorithm == "multidim":
-        return [(direction, order) for order in multidim_orders(dims) for direction in (1, -1)]
-    if algorithm in ("bidir_ring", "torus"):
-        return [(1, active), (-1, active)]
-    return [(1, active)]
-
-
-@functools.lru_cache(maxsize=64)
-def flow_rounds(op: Op, algorithm: str, n: int, dims: tuple[int, ...]
-                ) -> tuple[int, tuple[tuple[tuple[int, int, int], ...], ...]] | None:
-    """(pieces, rounds of (src rank, dst rank, chunks)) of a ring-family program, without building it.
-
-    Every rank of a line holds the same number of a stream's chunks, so a
-    reduce-scatter phase along a dim of ``m`` sends ``held / m`` chunks per rank
-    per round for ``m - 1`` rounds (leaving that many held) and an all-gather
-    phase sends ``held`` (leaving ``held * m``). The counts per (src, dst, round)
-    are those of :func:`step_program`'s transfers (tested), in ``O(rounds * n)``
-    instead of ``O(n^2)`` transfer objects. None for other algorithms and ops.
-    """
-    if algorithm not in RING_FAMILY or op not in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER):
-        return None
-    if math.prod(dims) != n:
-        raise InputError(f"dims {list(dims)} must multiply to the rank count {n}", field="dims")
-    streams = ring_streams(algorithm, dims)
-    pieces = max(1, len(streams)) * (n if op is Op.ALL_REDUCE else 1)
-    strides = [math.prod(dims[:i]) for i in range(len(dims))]
-    ranks = list(range(n))
-    timed: list[dict[tuple[int, int], int]] = []
-    for direction, order in streams:
-        held = 1 if op is Op.ALL_GATHER else n
-        phases = ([(d, True) for d in order] if op is not Op.ALL_GATHER else []) + \
-                 ([(d, False) for d in reversed(order)] if op is not Op.REDUCE_SCATTER else [])
-        k = 0
-        for d, scatter in phases:
-            m, stride = dims[d], strides[d]
-            if scatter:
-                held //= m
-            pairs = [(r, r + (((r // stride % m) + direction) % m - r // stride % m) * stride) for r in ranks]
-            for _ in range(m - 1):
-                if k == len(timed):
-                    timed.append({})
-                for pair in pairs:
-                    timed[k][pair] = timed[k].get(pair, 0) + held
-                k += 1
-            if not scatter:
-                held *= m
-    interned: dict[tuple, tuple] = {}  # equal rounds (all of a ring phase) become one object, mapped and routed once
-    rounds = (tuple((a, b, c) for (a, b), c in r.items() if a != b) for r in timed if r)
-    return pieces, tuple(interned.setdefault(r, r) for r in rounds if r)
 
 
 # -- halving-doubling ------------------------------------------------------------------

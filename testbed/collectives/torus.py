@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.collectives.algorithms import ring_streams
+from testbed.collectives.routed import ring_streams
 from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Form, Topology
 
