@@ -6,6 +6,8 @@ runs): ``compiled_memory`` needs the initial state, not a trained one.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import pytest
 
@@ -122,3 +124,21 @@ def test_spmd_accumulation_memory_matches_xla(zero: int) -> None:
     measured = compiled_memory(trainer, state)
     predicted = memory_breakdown(plan, load_topology("host-cpu-8")).total
     assert abs(predicted - measured) / measured < 0.05
+
+
+def test_flash_attention_memory_matches_xla() -> None:
+    # Flash attention (4 K/V blocks of 16): no seq x seq scores kept or in the workspace, its per-block
+    # tiles instead (testbed.model.memory); within 5% of XLA's bytes, like the dense model above.
+    from testbed.model.memory import memory_breakdown
+    from testbed.topology.io import load_topology
+
+    spec = ModelSpec(layers=2, d_model=64, heads=4, d_ff=256, seq_len=64, vocab=128, attention="flash",
+                     attention_block=16)
+    plan = Plan(model=spec, batch=BatchSpec(global_batch=16, microbatches=2), mesh=MeshSpec(data=4), name="flash")
+    trainer, state = _trainer_and_state(plan)
+    measured = compiled_memory(trainer, state)
+    predicted = memory_breakdown(plan, load_topology("host-cpu-8")).total
+    assert abs(predicted - measured) / measured < 0.05
+    dense = memory_breakdown(Plan(model=replace(spec, attention="plain"), batch=plan.batch, mesh=plan.mesh,
+                                  name="dense"), load_topology("host-cpu-8")).total
+    assert predicted < dense
