@@ -17,7 +17,7 @@ SIZES = (2, 3, 4, 6, 8)
 
 
 def _dims(algorithm: str, n: int) -> tuple[int, ...] | None:
-    if algorithm not in ("torus", "hierarchical"):
+    if algorithm not in ("torus", "hierarchical", "multidim"):
         return None
     return next(((a, n // a) for a in (2, 3) if n % a == 0 and n > a), (n,))
 
