@@ -136,6 +136,20 @@ def test_memory_per_stage_follows_the_counts() -> None:
     assert max(n for _, n in held) == 5
 
 
+def test_runner_pieces_are_the_layout_split() -> None:
+    """The trainer's per-chunk pytrees hold the layout's layers; the controller's buffer counts match them."""
+    from runners.pipeline.trainer import merge_params, split_params
+    from testbed.model.buffers import chunk_param_arrays
+
+    plan = _plan(layers=10, stage=4, mb=4, schedule="interleaved", virtual=2, split=(2, 2, 4, 2))
+    shapes = jax.eval_shape(lambda: jm.init_params(plan.model, plan.seed))
+    pieces = split_params(plan, shapes)
+    assert [[len(c["layers"]) for c in row] for row in pieces] == [[1, 1], [1, 1], [2, 2], [1, 1]]
+    assert [[len(jax.tree.leaves(c)) for c in row] for row in pieces] == [
+        [chunk_param_arrays(plan, s, c) for c in range(2)] for s in range(4)]
+    assert jax.tree.structure(merge_params(plan, pieces)) == jax.tree.structure(shapes)
+
+
 def test_heavier_stage_slows_the_pipeline() -> None:
     """The slowest stage governs a pipeline: 1 + 5 layers take longer than 3 + 3, in timing and simulator."""
     schedule = build_schedule("1f1b", 2, 8)
