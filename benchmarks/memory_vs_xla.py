@@ -10,7 +10,8 @@ donated) either on one device or data-parallel / fully sharded with
 - FLOPs: ``testbed.model.costs`` (forward + backward + recompute, all devices) vs
   the ``dot_general`` FLOPs of the traced step's jaxpr (``runners.model.count_matmul_flops``).
 
-Prints one JSON object (errors also per attention kind, plain and flash).
+Prints one JSON object (errors also per attention kind, plain and flash, and per tensor parallelism: none,
+tensor, tensor + sequence parallel; tensor plans are compiled by the runner's SPMD trainer).
 Goal: every plan within 10 % (memory) and 2 % (FLOPs).
 Usage: ``python benchmarks/memory_vs_xla.py [--quick]``.
 """
@@ -53,9 +54,10 @@ def _plans() -> list[Plan]:
     flash_small, flash_long = replace(small, attention="flash"), replace(long, attention="flash")   # 1 and 4 K/V blocks
     flash_gqa = replace(flash_long, kv_heads=2)
 
-    def plan(name, spec, batch, precision="fp32", remat="none", data=1, fsdp=1, zero=0):
+    def plan(name, spec, batch, precision="fp32", remat="none", data=1, fsdp=1, zero=0, tensor=1, sp=False):
         return Plan(name=name, model=spec, batch=BatchSpec(global_batch=batch),
-                    mesh=MeshSpec(data=data, fsdp=fsdp), precision=precision, remat=remat, zero=zero)
+                    mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor), precision=precision, remat=remat, zero=zero,
+                    sequence_parallel=sp)
 
     return [
         plan("small-b8", small, 8),
@@ -83,6 +85,12 @@ def _plans() -> list[Plan]:
         plan("long-b4-flash-gqa-selective", flash_gqa, 4, remat="selective"),
         plan("long-b8-flash-bf16", flash_long, 8, precision="bf16-mixed"),
         plan("long-b8-flash-dp8", flash_long, 64, data=8),
+        # Tensor parallelism with and without Megatron sequence parallelism (the runner's SPMD step).
+        plan("small-b8-tp2", small, 8, tensor=2),
+        plan("small-b8-tp2-sp", small, 8, tensor=2, sp=True),
+        plan("long-b4-tp4", long, 4, tensor=4),
+        plan("long-b4-tp4-sp", long, 4, tensor=4, sp=True),
+        plan("long-b4-flash-tp4-sp", flash_long, 4, tensor=4, sp=True),
     ]
 
 
@@ -117,7 +125,12 @@ def measure(plan: Plan) -> dict:
     flops = jm.count_matmul_flops(jax.make_jaxpr(jax.grad(loss_fn))(params, tokens, tokens))
 
     replicas = plan.replicas
-    if replicas == 1:
+    if plan.mesh.tensor > 1:  # the runner's own step: Megatron shardings, sequence parallelism (runners.parallel)
+        from runners.train import build_trainer
+
+        trainer = build_trainer(plan, jax.devices()[:plan.mesh.size])
+        compiled = trainer.compiled_programs(trainer.init())[0]
+    elif replicas == 1:
         compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, tokens, tokens).compile()
     else:
         axis = "data" if plan.mesh.data > 1 else "fsdp"
@@ -149,9 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     for plan in plans:
         got = measure(plan)
         predicted = memory_breakdown(plan, topology)
-        flops = tm.step_flops_per_device(plan) * plan.replicas
+        flops = tm.step_flops_per_device(plan) * plan.replicas * plan.mesh.tensor
         rows.append({
-            "plan": plan.name, "attention": plan.model.attention.value, "predicted": predicted.total, **got,
+            "plan": plan.name, "attention": plan.model.attention.value, "tensor": plan.mesh.tensor,
+            "sequence_parallel": plan.sequence_parallel, "predicted": predicted.total, **got,
             "error": predicted.total / got["measured"] - 1,
             "predicted_parts": {k: getattr(predicted, k) for k in
                                 ("params", "grads", "optimizer", "activations", "workspace")},
@@ -165,7 +179,12 @@ def main(argv: list[str] | None = None) -> int:
            "within_10pct": sum(e <= 0.10 for e in errors), "count": len(rows),
            "by_attention": {kind: {"median_error": statistics.median(e), "max_error": max(e), "count": len(e)}
                             for kind in ("plain", "flash")
-                            if (e := [abs(r["error"]) for r in rows if r["attention"] == kind])}}
+                            if (e := [abs(r["error"]) for r in rows if r["attention"] == kind])},
+           "by_tensor": {kind: {"median_error": statistics.median(e), "max_error": max(e), "count": len(e)}
+                         for kind, keep in (("none", lambda r: r["tensor"] == 1),
+                                            ("tp", lambda r: r["tensor"] > 1 and not r["sequence_parallel"]),
+                                            ("tp+sp", lambda r: r["sequence_parallel"]))
+                         if (e := [abs(r["error"]) for r in rows if keep(r)])}}
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0
