@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from testbed.collectives.algorithms import GRID_ALGORITHMS, multidim_orders, step_program
+from testbed.collectives.algorithms import GRID_ALGORITHMS, multidim_orders, multidim_weights, step_program
 from testbed.collectives.ops import Op, StepProgram, parse_op
 from testbed.errors import InputError
 from testbed.topology import Form, Topology
@@ -119,7 +119,7 @@ def routed_transfers(topology: Topology, algorithm: str, group: Sequence[int], g
         else:  # counted per (src, dst, round) flow, not per chunk (flow_rounds): rounds x n x streams
             grid = group_grid(topology, group) if algorithm in GRID_ALGORITHMS else None
             dims = grid[0] if grid else (n,)
-            streams = len(ring_streams(algorithm, dims))
+            streams = sum(w for _, _, w in ring_streams(algorithm, dims))
             rounds = (2 if op is Op.ALL_REDUCE else 1) * sum(d - 1 for d in dims)
             count = rounds * n * streams
     elif algorithm == "halving_doubling":
@@ -138,19 +138,20 @@ def routed_transfers(topology: Topology, algorithm: str, group: Sequence[int], g
 RING_FAMILY: tuple[str, ...] = ("ring", "bidir_ring", "torus", "hierarchical", "multidim")
 
 
-def ring_streams(algorithm: str, dims: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """(direction, reduce-scatter dim order) of each ring stream of a ring-family algorithm.
+def ring_streams(algorithm: str, dims: Sequence[int]) -> list[tuple[int, list[int], int]]:
+    """(direction, reduce-scatter dim order, units of the buffer) of each ring stream of a ring-family algorithm.
 
-    A stream owns an equal share of the chunks: ``ring`` and ``hierarchical``
-    one stream (+1), ``bidir_ring`` and ``torus`` one each way, ``multidim``
-    one each way per rotated dim order.
+    ``ring`` and ``hierarchical`` have one stream (+1), ``bidir_ring`` and
+    ``torus`` one each way, ``multidim`` one each way per rotated dim order,
+    weighted by :func:`~testbed.collectives.algorithms.multidim_weights`.
     """
     active = [d for d in range(len(dims)) if dims[d] > 1]
     if algorithm == "multidim":
-        return [(direction, order) for order in multidim_orders(dims) for direction in (1, -1)]
+        weights = multidim_weights(tuple(dims))
+        return [(direction, order, w) for order, w in zip(multidim_orders(dims), weights) for direction in (1, -1)]
     if algorithm in ("bidir_ring", "torus"):
-        return [(1, active), (-1, active)]
-    return [(1, active)]
+        return [(1, active, 1), (-1, active, 1)]
+    return [(1, active, 1)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -170,12 +171,12 @@ def flow_rounds(op: Op, algorithm: str, n: int, dims: tuple[int, ...]
     if math.prod(dims) != n:
         raise InputError(f"dims {list(dims)} must multiply to the rank count {n}", field="dims")
     streams = ring_streams(algorithm, dims)
-    pieces = max(1, len(streams)) * (n if op is Op.ALL_REDUCE else 1)
+    pieces = max(1, sum(w for _, _, w in streams)) * (n if op is Op.ALL_REDUCE else 1)
     strides = [math.prod(dims[:i]) for i in range(len(dims))]
     ranks = list(range(n))
     timed: list[dict[tuple[int, int], int]] = []
-    for direction, order in streams:
-        held = 1 if op is Op.ALL_GATHER else n
+    for direction, order, weight in streams:
+        held = weight * (1 if op is Op.ALL_GATHER else n)
         phases = ([(d, True) for d in order] if op is not Op.ALL_GATHER else []) + \
                  ([(d, False) for d in reversed(order)] if op is not Op.REDUCE_SCATTER else [])
         k = 0

@@ -124,23 +124,23 @@ def disjoint_sub_tori(topology: Topology, groups: Sequence[Sequence[int]]) -> bo
 
 # -- streams -----------------------------------------------------------------------------
 
-def _streams(algorithm: str, op: Op, shape: SubTorus) -> tuple[int, list[tuple[int, list[tuple[int, bool]]]]]:
-    """(pieces, streams): each stream is (direction, [(dim index, reduce-scatter?) per phase]).
+def _streams(algorithm: str, op: Op, shape: SubTorus) -> tuple[int, list[tuple[int, int, list[tuple[int, bool]]]]]:
+    """(pieces, streams): each stream is (direction, units of the buffer, [(dim index, reduce-scatter?) per phase]).
 
     ``pieces`` is the step program's piece count, so a chunk is ``bytes / (data blocks * pieces)``.
     """
     streams = ring_streams(algorithm, shape.sizes)
     n = math.prod(shape.sizes)
-    per_stream_pieces = len(streams)
-    pieces = per_stream_pieces * n if op is Op.ALL_REDUCE else per_stream_pieces
+    units = sum(w for _, _, w in streams)
+    pieces = units * n if op is Op.ALL_REDUCE else units
     out = []
-    for direction, order in streams:
+    for direction, order, weight in streams:
         phases: list[tuple[int, bool]] = []
         if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
             phases += [(d, True) for d in order]
         if op in (Op.ALL_REDUCE, Op.ALL_GATHER):
             phases += [(d, False) for d in reversed(order)]
-        out.append((direction, phases))
+        out.append((direction, weight, phases))
     return pieces, out
 
 
@@ -155,8 +155,8 @@ def torus_profile(topology: Topology, op: Op | str, algorithm: str, shape: SubTo
     start = 1 if op is Op.ALL_GATHER else math.prod(shape.sizes)
     # Per stream: a list of (rounds, dim, chunks per transfer).
     plans = []
-    for direction, phases in streams:
-        held, steps = start, []
+    for direction, weight, phases in streams:
+        held, steps = start * weight, []
         for d, scatter in phases:
             m = shape.sizes[d]
             if scatter:
@@ -231,8 +231,8 @@ def torus_link_loads(topology: Topology, op: Op | str, algorithm: str, group: Se
     n = len(group)
     chunk = float(nbytes) / ((1 if op is Op.ALL_REDUCE else n) * pieces)
     per: dict[tuple[int, int], float] = {}
-    for direction, phases in streams:
-        held = n if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER) else 1
+    for direction, weight, phases in streams:
+        held = weight * (n if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER) else 1)
         for d, scatter in phases:
             m = shape.sizes[d]
             if scatter:
