@@ -160,7 +160,7 @@ def axis_groups(placement: Placement, axes: Sequence[Axis | str]) -> dict[int, t
     out: dict[int, tuple[tuple[int, ...], ...]] = {}
     for s in range(ids.shape[0]):
         block = moved[s].reshape(-1, size)
-        out[s] = tuple(tuple(int(x) for x in row) for row in block)
+        out[s] = tuple(map(tuple, block.tolist()))  # Python ints, a row per group
     return out
 
 
