@@ -222,8 +222,8 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
             if not sized:
                 raise InputError(f"{op} over {len(groups)} group(s) of {n} ranks on `{topology.name}`: every "
                                  f"algorithm that applies ({', '.join(able) or 'none'}) is a routed step program of "
-                                 f"more than {MAX_ROUTED_TRANSFERS:,} transfer-hops for these groups, too large to time "
-                                 f"here, and none has a closed form for them; pick smaller groups", field="over")
+                                 f"more than {MAX_ROUTED_TRANSFERS:,} transfer-hops for these groups, too large to "
+                                 f"time here, and none has a closed form for them; pick smaller groups", field="over")
             able = sized
         # On an NVIDIA GPU hierarchy NCCL runs the collective: its own algorithms, as its tuning model picks.
         candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form)

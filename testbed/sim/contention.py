@@ -128,10 +128,13 @@ def _fill(ids: Sequence[Sequence[int]], demands: Sequence[Sequence[float]], capa
 
 
 class LinkLedger:
-    """Transfers in flight and their demand per link; rates only re-filled when a link is oversubscribed.
+    """Transfers in flight and their demand per link; rates only re-filled when they can have changed.
 
     Links are numbered once, as flows arrive, and each flow keeps its link
-    numbers and demands, so a re-fill does not hash links again.
+    numbers and demands, so a re-fill does not hash links again. A flow that
+    arrives or leaves without crossing a link oversubscribed at full speed
+    cannot change anyone's share (only such links ever fill, and it is on none),
+    so the last rates are kept, with the newcomer at its cap.
     """
 
     def __init__(self, bandwidth: Mapping[Link, float]) -> None:
@@ -142,6 +145,10 @@ class LinkLedger:
         self.number: dict[Link, int] = {}
         self.capacity: list[float] = []
         self.arrays: dict[Hashable, tuple[list[int], list[float]]] = {}
+        self.last: dict[Hashable, float] | None = None  # rates of the flows in flight, while still valid
+
+    def _full(self, link: Link) -> bool:
+        return self.demand[link] > self.bandwidth[link] * (1 + 1e-12)
 
     def add(self, key: Hashable, flow: Flow) -> None:
         self.flows[key] = flow
@@ -157,10 +164,20 @@ class LinkLedger:
                 self.capacity.append(self.bandwidth[link])
             ids.append(number)
         self.arrays[key] = (ids, [flow.cap * b for b in flow.loads.values()])
+        if self.last is not None:
+            if any(self._full(link) for link in flow.loads):
+                self.last = None
+            else:
+                self.last[key] = flow.cap
 
     def remove(self, key: Hashable) -> None:
         flow = self.flows.pop(key)
         del self.arrays[key]
+        if self.last is not None:
+            if any(self._full(link) for link in flow.loads):
+                self.last = None
+            else:
+                self.last.pop(key, None)
         for link, b in flow.loads.items():
             d = self.demand[link] - flow.cap * b
             self.demand[link] = d
@@ -170,8 +187,11 @@ class LinkLedger:
     def rates(self) -> dict[Hashable, float]:
         """Rate of every transfer in flight (its cap unless some link is oversubscribed)."""
         if not self.over:
-            return {key: flow.cap for key, flow in self.flows.items()}
-        keys = list(self.flows)
-        factor = _fill([self.arrays[k][0] for k in keys], [self.arrays[k][1] for k in keys], self.capacity)
-        return {k: float(f) * self.flows[k].cap if math.isfinite(self.flows[k].cap) else math.inf
-                for k, f in zip(keys, factor)}
+            self.last = {key: flow.cap for key, flow in self.flows.items()}
+            return dict(self.last)
+        if self.last is None:
+            keys = list(self.flows)
+            factor = _fill([self.arrays[k][0] for k in keys], [self.arrays[k][1] for k in keys], self.capacity)
+            self.last = {k: float(f) * self.flows[k].cap if math.isfinite(self.flows[k].cap) else math.inf
+                         for k, f in zip(keys, factor)}
+        return dict(self.last)
