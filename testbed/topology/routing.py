@@ -66,7 +66,9 @@ def build_graph(topology: Topology) -> nx.Graph:
     device, innermost level first.
     """
     graph = nx.Graph(name=topology.name)
-    graph.add_nodes_from(range(topology.num_devices), kind="device")
+    # add_nodes_from(range(n), kind="device"), written directly (a fresh attribute dict per device)
+    graph._node.update({device: {"kind": "device"} for device in range(topology.num_devices)})
+    graph._adj.update({device: {} for device in range(topology.num_devices)})
     if topology.form is Form.TORUS:
         ids = np.arange(topology.num_devices, dtype=np.int64)
         stride = 1
