@@ -410,3 +410,62 @@ def test_data_parallel_on_a_whole_torus_simulates_without_routing(monkeypatch):
     topology = _torus((16, 16, 16))
     sim = simulate(_torus_plan(data=4096), topology)
     assert sim.report.step_time_s > 0 and sim.report.exposed_comm_s > 0
+
+
+def _hierarchy(*levels):
+    return generators.hierarchical([Level(name=name, size=size, bandwidth=bw, latency=lat, kind=LinkKind.ETHERNET,
+                                          attach=attach) for name, size, bw, lat, attach in levels],
+                                   device=DEVICE, calibration=TORUS_CAL)
+
+
+HIERARCHIES = [
+    (("node", 4, 4e11, 1e-6, "device"), ("cluster", 4, 5e10, 3e-6, "device")),
+    (("node", 4, 4e11, 1e-6, "device"), ("cluster", 3, 5e10, 3e-6, "switch")),
+    (("node", 2, 4e11, 1e-6, "device"), ("rack", 3, 1e11, 2e-6, "switch"), ("cluster", 2, 5e10, 3e-6, "switch")),
+    (("node", 2, 4e11, 1e-6, "device"), ("rack", 3, 1e11, 2e-6, "device"), ("cluster", 2, 5e10, 3e-6, "switch")),
+    (("node", 3, 4e11, 1e-6, "device"), ("rack", 1, 1e11, 2e-6, "switch"), ("cluster", 2, 5e10, 3e-6, "switch")),
+]
+
+
+@pytest.mark.parametrize("index", range(len(HIERARCHIES)))
+def test_hierarchical_closed_form_equals_the_routed_program(index):
+    """Every device under one switch (the whole hierarchy, or one rack): formula == routed, time and links."""
+    from testbed.collectives import timing
+    from testbed.collectives.hierarchy import hierarchical_link_loads, under_one_switch
+
+    topology = _hierarchy(*HIERARCHIES[index])
+    inner = topology.levels[0].size * topology.levels[1].size
+    candidates = [tuple(range(topology.num_devices))]
+    if 2 * inner <= topology.num_devices:
+        candidates.append(tuple(range(inner, 2 * inner)))  # the second rack
+    groups = [g for g in candidates if under_one_switch(topology, g) is not None]
+    assert groups
+    for group in groups:
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            for nbytes in (64.0, 2.0**30):
+                closed = closed_form_time(topology, op, "hierarchical", group, nbytes)
+                routed, rounds = program_time(topology, op, "hierarchical", [group], nbytes)
+                assert closed[1] == rounds and closed[0] == pytest.approx(routed, rel=1e-9), (op, nbytes)
+            closed_loads = hierarchical_link_loads(topology, op, group, 1e6)
+            chunks, _, totals, _ = timing._cached_profile(topology, Op(op), "hierarchical", (group,), 0, 1)
+            routed_loads = {link: c * 1e6 / chunks for link, c in totals.items()}
+            assert closed_loads.keys() == routed_loads.keys()
+            assert all(closed_loads[k] == pytest.approx(routed_loads[k], rel=1e-12) for k in routed_loads)
+
+
+def test_a_16k_device_hierarchy_is_timed_without_routing(monkeypatch):
+    """16,384 devices, 8 per node on a switch, nodes on Ethernet, not an NVIDIA GPU: the all-reduce and a
+    data-parallel step use the hierarchical closed form (the routed path raises)."""
+    from testbed.collectives import routed, timing
+    from testbed.sim.engine import simulate
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("routed or built a program")
+
+    monkeypatch.setattr(timing, "_cached_profile", refuse)
+    monkeypatch.setattr(routed, "step_program", refuse)
+    topology = _hierarchy(("node", 8, 1e11, 1e-6, "device"), ("cluster", 2048, 1.25e10, 5e-6, "switch"))
+    group = tuple(range(topology.num_devices))
+    best = collective_time(topology, "all_reduce", group, 2.0**30)
+    assert best.algorithm == "hierarchical" and best.closed_form and best.time_s >= best.bound_s
+    assert simulate(_torus_plan(data=16384), topology).report.exposed_comm_s > 0

@@ -33,7 +33,9 @@ These equal the routed step-program time on those groups (tested within
 2%). On a torus, ``torus`` and ``multidim`` over a whole sub-torus (and
 ``ring``/``bidir_ring`` over one whole line) are timed round by round from
 one rank's links by :mod:`testbed.collectives.torus`, exactly, at any size;
-anything else returns None and is timed from its program.
+so is ``hierarchical`` over every device under one switch of a hierarchy
+(:mod:`testbed.collectives.hierarchy`); anything else returns None and is
+timed from its program.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from collections.abc import Sequence
 
 from testbed.collectives.algorithms import TREE_PIECES
 from testbed.collectives.ops import Op, parse_op
+from testbed.collectives.hierarchy import hierarchical_time
 from testbed.collectives.torus import TORUS_FORMS, torus_time
 from testbed.topology import Form, Topology
 
@@ -102,6 +105,8 @@ def closed_form_time(topology: Topology, op: Op | str, algorithm: str, group: Se
         found = torus_time(topology, op, algorithm, group, nbytes)
         if found is not None or algorithm not in ("ring", "bidir_ring"):
             return found
+    if algorithm == "hierarchical":
+        return hierarchical_time(topology, op, group, nbytes)
     shape = symmetry(topology, group)
     if shape is None:
         return None

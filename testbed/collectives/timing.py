@@ -35,6 +35,7 @@ from testbed.collectives.bounds import lower_bound
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
+from testbed.collectives.hierarchy import hierarchical_link_loads
 from testbed.collectives.torus import disjoint_sub_tori, torus_link_loads
 from testbed.errors import InputError
 from testbed.topology import Form, Topology
@@ -289,7 +290,9 @@ def link_loads(topology: Topology, op: Op | str, group: Sequence[int], nbytes: f
     if algorithm in NCCL_ALGORITHMS:
         return nccl_link_loads(topology, op, group, nbytes, algorithm)
     closed = torus_link_loads(topology, op, algorithm, group, nbytes)
-    if closed is not None:  # a whole sub-torus: every rank's links alike, no program built
+    if closed is None and algorithm == "hierarchical":
+        closed = hierarchical_link_loads(topology, op, group, nbytes)
+    if closed is not None:  # a whole sub-torus, or all under one switch: every rank alike, no program built
         return closed
     n = len(group)
     size = routed_cost(topology, algorithm, group, 1, op)
