@@ -150,8 +150,10 @@ class SequenceShards:
     ``tensor`` only (the batch axes stay with XLA), with explicit collectives:
 
     - :meth:`column`: ``all_gather`` of the sequence before the column-parallel matmuls (its transpose, the
-      input gradient's ``psum_scatter``, is a reduce-scatter); inside a checkpoint, so the backward keeps
-      only the shard and gathers again for the weight gradient, as Megatron does;
+      input gradient's ``psum_scatter``, is a reduce-scatter). It runs inside a checkpoint, as Megatron
+      keeps only the shard and gathers again for the weight gradient; XLA reuses the forward's gathered output
+      instead (the compiled backward has no second all-gather; the measured memory still drops at least
+      as much as ``testbed.model.costs`` predicts, ``benchmarks/memory_vs_xla.py``);
     - :meth:`row`: the row-parallel matmul's partial sums ``psum_scatter``-ed over the sequence
       (reduce-scatter; its transpose an all-gather), instead of an all-reduce;
     - :meth:`embed`: the vocab-parallel lookup reduce-scattered over the sequence.

@@ -246,7 +246,7 @@ def test_one_device_equals_reference_bit_for_bit() -> None:
 @st.composite
 def llm_plans(draw) -> Plan:
     """A tiny model with a drawn mix of the options (attention plain or flash among them) on 1, 2, 4 or 8 devices,
-    over data/fsdp/tensor/stage."""
+    over data/fsdp/tensor/stage, with sequence parallelism drawn when tensor > 1."""
     n = draw(st.sampled_from([1, 2, 4, 8]))
     tensor = draw(st.sampled_from([t for t in (1, 2, 4) if n % t == 0]))
     stage = draw(st.sampled_from([s for s in (1, 2) if n % (tensor * s) == 0]))
@@ -267,7 +267,8 @@ def llm_plans(draw) -> Plan:
     split = draw(st.sampled_from([None, (1, 3), (3, 1)])) if stage > 1 and virtual == 1 else None
     return _plan(spec, data=data, fsdp=rest // data, tensor=tensor, stage=stage, mb=mb,
                  zero=draw(st.integers(0, 3)), remat=draw(st.sampled_from(["none", "selective", "full"])),
-                 schedule=ScheduleSpec(name=name, virtual_stages=virtual), layers_per_stage=split)
+                 schedule=ScheduleSpec(name=name, virtual_stages=virtual), layers_per_stage=split,
+                 sequence_parallel=tensor > 1 and draw(st.booleans()))  # Megatron SP: seq_len 8 splits over tensor
 
 
 @settings(max_examples=max(1, settings().max_examples // 5))  # each compiles two trainers: ci 3, thorough 60
