@@ -350,7 +350,10 @@ class ChunkCost:
     and 2 per layer backward (gradients into QKV and MLP-in), plus 1 forward
     for the vocab-parallel embedding and 1 backward for the head's input
     gradient. The vocab-parallel loss's three all-reduces of ``N`` fp32 values
-    are tiny and not counted.
+    are tiny and not counted. With ``sequence_parallel`` each becomes an
+    all-gather and a reduce-scatter (:meth:`tensor_collectives`, the one place
+    both the task graph and the analytic tier read), the residual stream's
+    traffic and ``activation_out_bytes`` are ``1/t`` per rank.
     """
 
     layers: int
