@@ -32,6 +32,8 @@ def _plan(**over) -> "object":
     {}, {"remat": "selective"}, {"remat": "none"},
     {"model": {"kv_heads": 1, "mlp": "swiglu", "norm": "rmsnorm", "position": "rope"}},
     {"model": {"vocab": 97}, "mesh": {"tensor": 4, "stage": 1, "data": 1}, "schedule": "1f1b"},
+    {"model": {"attention": "flash"}}, {"model": {"attention": "flash"}, "remat": "selective"},
+    {"model": {"attention": "flash"}, "remat": "none"},
 ])
 def test_gemm_flops_equal_the_cost_model(over):
     plan = _plan(**over)
@@ -113,3 +115,14 @@ def test_one_layer_chunks_still_reduce_their_gradients():
     for stage_rep in program.representatives:
         reduces = [t for t in program.tasks if t.device == stage_rep and t.stream == "grad"]
         assert len(reduces) == plan.schedule.virtual_stages
+
+
+def test_flash_attention_products_run_at_the_kernels_efficiency():
+    a100, h100 = load_topology("dgx-a100-superpod"), load_topology("dgx-h100")
+    plain, flash = Gemm(2048, 2048, 128, batch=16), Gemm(2048, 2048, 128, batch=16, flash=True)
+    for topo in (a100, h100):
+        assert gemm_seconds(topo, "bf16", flash) < gemm_seconds(topo, "bf16", plain)  # no s x s scores in HBM
+    eff = a100.calibration.compute.flash_efficiency
+    assert eff == 0.5
+    assert gemm_seconds(a100, "bf16", flash) == pytest.approx(
+        a100.calibration.compute.gemm_latency_s + flash.flops / (a100.device.flops("bf16") * eff))

@@ -16,7 +16,9 @@ them; ``N = microbatch x seq`` tokens, ``t`` the tensor degree):
   projects all K/V heads), out ``N x d x d/t``, MLP in ``N x f/t x d`` (two
   for SwiGLU), MLP out ``N x d x f/t``;
 - attention, batched over ``microbatch x heads / t``: scores ``s x s x
-  d_head`` and values ``s x d_head x s``;
+  d_head`` and values ``s x d_head x s`` (``flash``: inside one fused
+  kernel that keeps the scores on chip, testbed.sim.compute prices them at
+  the device's flash attention efficiency);
 - head (last chunk): ``N x V/t x d`` over the padded vocab.
 
 A weight matmul ``Y = X W`` (``m x n x k``) has two gradients: the input's
@@ -24,7 +26,7 @@ A weight matmul ``Y = X W`` (``m x n x k``) has two gradients: the input's
 (``k x n x m``, in W). Both attention products' gradients are input
 gradients (B). Remat re-runs forward matmuls in B: full, all but the MLP
 out projection (its output only feeds the residual add); selective, the
-scores. The FLOPs of every list equal testbed.model.costs' counts (tested).
+scores; flash attention's backward recomputes the scores in any case. The FLOPs of every list equal testbed.model.costs' counts (tested).
 """
 
 from __future__ import annotations
@@ -33,20 +35,24 @@ from dataclasses import dataclass, replace
 
 from testbed.model import layout
 from testbed.model.layout import chunk_layers
-from testbed.plan.spec import ModelSpec, Plan, Remat
+from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
 __all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "chunk_gemms", "gemm_flops", "scaled"]
 
 
 @dataclass(frozen=True, slots=True)
 class Gemm:
-    """``count`` x ``batch`` products of an ``m x k`` and a ``k x n`` matrix (``2 m n k`` FLOPs each)."""
+    """``count`` x ``batch`` products of an ``m x k`` and a ``k x n`` matrix (``2 m n k`` FLOPs each).
+
+    ``flash``: a product inside a fused flash attention kernel (its operands and output stay on chip).
+    """
 
     m: int
     n: int
     k: int
     batch: int = 1
     count: float = 1.0
+    flash: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0:
@@ -98,8 +104,8 @@ def _projections(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm],
 def _attention(spec: ModelSpec, batch: int, tensor: int) -> tuple[Gemm, Gemm]:
     """(scores ``Q K^T``, values ``P V``) batched over the rank's heads and the microbatch."""
     s, dh = spec.seq_len, spec.d_model // spec.heads
-    heads = batch * spec.heads // tensor
-    return Gemm(s, s, dh, batch=heads), Gemm(s, dh, s, batch=heads)
+    heads, flash = batch * spec.heads // tensor, spec.attention is Attention.FLASH
+    return Gemm(s, s, dh, batch=heads, flash=flash), Gemm(s, dh, s, batch=heads, flash=flash)
 
 
 def layer_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]:
@@ -137,6 +143,8 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
                                                              values.input_grad(), values.weight_grad()]
     grads = [g.weight_grad() for g in per_layer_weights]
     recompute = {Remat.NONE: [], Remat.SELECTIVE: [scores], Remat.FULL: [*weights, scores, values]}[plan.remat]
+    if scores.flash and plan.remat is not Remat.SELECTIVE:  # flash's backward recomputes the scores (selective's)
+        recompute.append(scores)
     out = [scaled(tuple(x), layers) for x in (forward, inputs, grads, recompute)]
     if head:
         (h,) = head_gemms(spec, b, t)

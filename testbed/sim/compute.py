@@ -17,7 +17,9 @@ largest GEMMs reach (the device's measured maximum achievable matmul
 FLOP/s); the operand bytes (``m k + k n + m n`` per product, in the compute
 dtype) make GEMMs with a short dimension (attention's ``d_head``) memory
 bound where the roofline says so; ``gemm_latency_s`` is the fixed time of a
-kernel. Each factor grows with its dimension, so a GEMM's FLOP rate never
+kernel. Flash attention's products (testbed.model.gemm ``flash``) run in one
+fused kernel at the calibration's ``flash_efficiency`` of peak (FlashAttention-2
+on A100: 50-73%, Dao 2023), their scores never in HBM. Each factor grows with its dimension, so a GEMM's FLOP rate never
 falls as any dimension grows (tested): the curve is monotone in size.
 
 The constants are fitted per device to published GEMM measurements (the
@@ -60,6 +62,9 @@ def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm) -> float:
     if dtype == "fp8" and not topology.device.has_fp8():
         dtype = "bf16"  # no fp8 units: fp8-mixed matmuls run (and read their operands) in bf16
     one = gemm.flops / gemm.count
+    if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
+        eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm)
+        return gemm.count * (cal.compute.gemm_latency_s + one / (topology.device.flops(dtype) * eff))
     math = one / (topology.device.flops(dtype) * gemm_efficiency(cal.compute, gemm))
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)

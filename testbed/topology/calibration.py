@@ -84,6 +84,9 @@ class ComputeCalibration(_Group):
         when that is slower, plus ``gemm_latency_s`` per GEMM. Then
         ``efficiency`` is the cap a large GEMM reaches and
         ``efficiency_half_flops`` prices only the work that is not a GEMM.
+    flash_efficiency: fraction of peak flash attention's fused kernel reaches
+        (forward and backward); 0: its products are priced as GEMMs by shape,
+        without the memory bound (the scores stay on chip).
     """
 
     GROUP: ClassVar[str] = "compute"
@@ -93,9 +96,12 @@ class ComputeCalibration(_Group):
     gemm_half_mn: float = 0.0
     gemm_half_k: float = 0.0
     gemm_latency_s: float = 0.0
+    flash_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         self._fraction("efficiency")
+        if self.flash_efficiency:
+            self._fraction("flash_efficiency")
         self._nonnegative("efficiency_half_flops", "launch_overhead_s", "gemm_half_mn", "gemm_half_k",
                           "gemm_latency_s")
 
