@@ -158,6 +158,9 @@ class SequenceShards:
       (reduce-scatter; its transpose an all-gather), instead of an all-reduce;
     - :meth:`embed`: the vocab-parallel lookup reduce-scattered over the sequence.
 
+    The maps are manual over ``tensor`` only: with ``data`` or ``fsdp`` > 1 XLA replicates the batch inside
+    them (it all-gathers the batch over those axes first), correct but not yet efficient.
+
     Explicit collectives, not sharding constraints: XLA:CPU lowers a constrained partial sum to an
     all-reduce and a slice (only XLA:GPU's pipeline rewrites that into a reduce-scatter), and an
     all-gather's gradient constrained to be replicated would all-reduce. Identity-hashed: one instance
