@@ -469,3 +469,41 @@ def test_a_16k_device_hierarchy_is_timed_without_routing(monkeypatch):
     best = collective_time(topology, "all_reduce", group, 2.0**30)
     assert best.algorithm == "hierarchical" and best.closed_form and best.time_s >= best.bound_s
     assert simulate(_torus_plan(data=16384), topology).report.exposed_comm_s > 0
+
+
+@pytest.mark.parametrize("name,over", [("tpu-v5e-4x4", "x"), ("tpu-v5e-4x4", "y"), ("tpu-v5p-2x4x4", "y,z"),
+                                       ("three-level", "node"), ("three-level", "rack")])
+def test_parallel_copies_take_one_groups_time(name, over):
+    """Groups that are translates on disjoint links (torus lines or planes, one per switch of a hierarchy) are
+    timed as one representative group, and that equals routing them all together."""
+    from testbed.collectives.routed import parallel_copies
+
+    if name == "three-level":
+        topology = _hierarchy(("node", 4, 1e11, 1e-6, "device"), ("rack", 3, 5e10, 2e-6, "switch"),
+                              ("cluster", 2, 1e10, 5e-6, "switch"))
+    else:
+        topology = load_topology(name)
+    groups = topology.groups(over)
+    assert len(groups) > 1 and parallel_copies(topology, groups)
+    for op in ("all_reduce", "all_gather"):
+        for algorithm in applicable_algorithms(topology, op, groups[0]):
+            together = groups_time(topology, op, groups, 2.0**26, algorithm, use_closed_form=False)
+            routed, _ = program_time(topology, op, algorithm, groups, 2.0**26)
+            assert together.groups == len(groups)
+            assert together.time_s == pytest.approx(routed, rel=1e-9), (op, algorithm)
+    assert not parallel_copies(load_topology("tpu-v5e-4x4"), [(0, 2), (1, 3)])  # 0 -> 2 crosses 1's link
+
+
+def test_many_small_groups_of_a_16k_hierarchy_are_one_group(monkeypatch):
+    """--over node on 2,048 nodes: every algorithm that applies is timed once, on one node, without routing
+    2,048 groups (the 8-rank program is routed once at most)."""
+    from testbed.collectives import routed
+
+    calls = []
+    original = routed.place_program
+    monkeypatch.setattr(routed, "place_program", lambda *a, **k: calls.append(a[3]) or original(*a, **k))
+    topology = _hierarchy(("node", 8, 1e11, 1e-6, "device"), ("cluster", 2048, 1.25e10, 5e-6, "switch"))
+    groups = topology.groups("node")
+    for algorithm in applicable_algorithms(topology, "all_reduce", groups[0]):
+        assert groups_time(topology, "all_reduce", groups, 2.0**30, algorithm).groups == 2048
+    assert all(group == groups[0] for group in calls)

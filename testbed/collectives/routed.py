@@ -29,7 +29,7 @@ from testbed.errors import InputError
 from testbed.topology import Form, Topology
 
 __all__ = ["MAX_ROUTED_TRANSFERS", "RING_FAMILY", "routed_cost", "routed_transfers", "ring_streams", "flow_rounds",
-           "group_grid", "place_program", "program_flows", "profile", "topology_memo"]
+           "group_grid", "place_program", "program_flows", "profile", "topology_memo", "parallel_copies"]
 
 Link = tuple[object, object]
 
@@ -363,3 +363,34 @@ def profile(topology: Topology, programs: Sequence[list[Counter]]):
     return envelopes, loads, sum(envelopes.values())
 
 
+
+
+def parallel_copies(topology: Topology, groups: Sequence[Sequence[int]]) -> bool:
+    """True when the groups are translates of one another on disjoint links, so together they take one's time.
+
+    Torus: every group varies along the same dims with the same coordinates
+    there, and no two share their other (fixed) coordinates -- a
+    dimension-ordered route moves only along the dims its ends differ in, so
+    it stays in its group's slab. Hierarchy: every group spans the same
+    positions under its own switch of the same level -- routes meet at their
+    lowest common switch, so they stay in that switch's subtree. Explicit
+    graphs: never (routes are searched).
+    """
+    if len(groups) < 2 or topology.form is Form.GRAPH or not topology.levels:
+        return False
+    members = np.asarray(groups, dtype=np.int64)
+    sizes = np.asarray([l.size for l in topology.levels], dtype=np.int64)
+    strides = np.concatenate([[1], np.cumprod(sizes)[:-1]]).astype(np.int64)
+    coords = members[:, :, None] // strides % sizes  # (G, m, L)
+    varies = np.any(coords != coords[:, :1, :], axis=1)  # (G, L)
+    if np.any(varies != varies[0]):
+        return False
+    if topology.form is Form.LEVELS and varies[0].any():
+        top = int(np.flatnonzero(varies[0]).max())
+        varies = np.zeros_like(varies)
+        varies[:, :top + 1] = True  # a group's subtree: every level up to its highest differing one
+    inside = varies[0]
+    if np.any(coords[:, :, inside] != coords[:1, :, inside]):
+        return False
+    outside = coords[:, 0, ~inside]
+    return len({tuple(row) for row in outside.tolist()}) == len(groups)

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from testbed.collectives.algorithms import ALGORITHMS, GRID_ALGORITHMS, SUPPORTED_OPS, parse_algorithm
-from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, place_program, profile, program_flows,
-                                        routed_cost, routed_transfers, topology_memo)
+from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, parallel_copies, place_program, profile,
+                                        program_flows, routed_cost, routed_transfers, topology_memo)
 from testbed.collectives.bounds import lower_bound
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
@@ -212,6 +212,12 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
     if not groups or any(len(g) != len(groups[0]) for g in groups) or not groups[0]:
         raise InputError("needs one or more groups of the same non-zero size", field="over")
     n = len(groups[0])
+    if len(groups) > 1 and _copies(topology, groups):
+        # Translates on disjoint links: together they take one group's time (one representative group).
+        one = groups_time(topology, op, groups[:1], nbytes, algorithm, root, peer, use_closed_form)
+        result = replace(one, groups=len(groups))
+        memo[key] = result
+        return result
     if algorithm == "auto":
         able = applicable_algorithms(topology, op, groups[0])
         nccl = [a for a in able if a in NCCL_ALGORITHMS]
@@ -259,6 +265,14 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
                                   groups=len(groups), closed_form=closed is not None)
     memo[key] = result
     return result
+
+
+def _copies(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> bool:
+    memo = _memo(topology)
+    key = ("copies", groups)
+    if key not in memo:
+        memo[key] = parallel_copies(topology, groups)
+    return memo[key]
 
 
 def _closed_applies(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> bool:
