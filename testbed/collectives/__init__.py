@@ -2,9 +2,12 @@
 
 :mod:`~testbed.collectives.ops` defines ops, step programs and the numpy
 interpreter; :mod:`~testbed.collectives.algorithms` generates programs (ring,
-tree, halving-doubling, ...); :mod:`~testbed.collectives.timing` routes and
-times them (with :mod:`~testbed.collectives.closed_form` for symmetric groups
-and :mod:`~testbed.collectives.bounds` as the floor no algorithm beats).
+tree, halving-doubling, multidim, ...); :mod:`~testbed.collectives.timing`
+times them: routed (:mod:`~testbed.collectives.routed`, sized before it is
+built), by formula on symmetric groups (:mod:`~testbed.collectives.closed_form`,
+:mod:`~testbed.collectives.torus` for sub-tori,
+:mod:`~testbed.collectives.hierarchy` under one switch), with
+:mod:`~testbed.collectives.bounds` as the floor no algorithm beats.
 """
 
 from testbed.collectives.timing import CollectiveTiming, collective_time
