@@ -227,10 +227,13 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
             sized = [a for a in able if closed_ok and closed_form_time(topology, op, a, groups[0], nbytes) is not None
                      or routed_cost(topology, a, groups[0], len(groups), op) <= MAX_ROUTED_TRANSFERS]
             if not sized:
+                fitting = able or _fitting(topology, op, groups[0])
+                sizes = ", ".join(f"{a} ~{routed_cost(topology, a, groups[0], len(groups), op):,}" for a in fitting)
                 raise InputError(f"{op} over {len(groups)} group(s) of {n} ranks on `{topology.name}`: every "
-                                 f"algorithm that applies ({', '.join(able) or 'none'}) is a routed step program of "
-                                 f"more than {MAX_ROUTED_TRANSFERS:,} transfer-hops for these groups, too large to "
-                                 f"time here, and none has a closed form for them; pick smaller groups", field="over")
+                                 f"algorithm for it is a routed step program of more than {MAX_ROUTED_TRANSFERS:,} "
+                                 f"transfer-hops for these groups ({sizes or 'none fits the group'}), too large to "
+                                 f"time here, and none has a closed form for them; pick smaller groups with --over",
+                                 field="over")
             able = sized
         # On an NVIDIA GPU hierarchy NCCL runs the collective: its own algorithms, as its tuning model picks.
         candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form)
