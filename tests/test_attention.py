@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -43,7 +42,7 @@ def attention_shapes(draw) -> tuple[int, int, int, int, int, int]:
     return draw(st.integers(1, 2)), seq, heads, kv_heads, draw(st.sampled_from([2, 4, 8])), block
 
 
-@settings(max_examples=max(1, settings().max_examples // 3))  # each compiles two kernels and their gradients
+@settings(max_examples=max(1, settings().max_examples // 5))  # each compiles two kernels and their gradients: ci 3
 @given(attention_shapes(), st.integers(0, 2 ** 16))
 def test_flash_equals_plain_attention(shape: tuple, seed: int) -> None:
     b, s, h, n, d, block = shape
@@ -137,15 +136,3 @@ def test_dropout_masks_of_flash_are_regenerated() -> None:
     assert tm.activation_bytes_per_layer(dropped, b, "fp32", "none") - tm.activation_bytes_per_layer(
         FLASH, b, "fp32", "none") == 2 * n * d
 
-
-def test_one_block_and_many_blocks_agree_on_a_plan() -> None:
-    # The block is a kernel detail: the loss of a tiny model is the same at every block size.
-    from runners import model as jm
-
-    spec = ModelSpec(layers=1, d_model=16, heads=4, kv_heads=2, d_ff=16, seq_len=8, vocab=16, attention="flash")
-    params = jm.init_params(spec, 0)
-    tokens = np.arange(16, dtype=np.int32).reshape(2, 8) % 16
-    losses = [float(jm.forward_loss(params, tokens, tokens, spec=replace(spec, attention_block=blk)))
-              for blk in (1, 2, 8)]
-    plain = float(jm.forward_loss(params, tokens, tokens, spec=replace(spec, attention="plain")))
-    assert np.allclose(losses, plain, rtol=1e-6, atol=0)
