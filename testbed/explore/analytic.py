@@ -40,6 +40,7 @@ from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys
 from testbed.plan.placement import place
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.plan.spec import MESH_AXES, Axis, Plan
+from testbed.model.gemm import chunk_gemms, scaled
 from testbed.sim.engine import compute_seconds
 from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, _action_work
 from testbed.topology import Topology
@@ -136,6 +137,21 @@ def _chunk_cost(plan: Plan, stage: int, chunk: int) -> model.ChunkCost:
 _CHUNKS: dict[tuple, model.ChunkCost] = {}
 
 
+def _chunk_gemms(plan: Plan, stage: int, chunk: int):
+    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`_chunk_cost`)."""
+    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
+           plan.remat, stage, chunk, plan.layers_per_stage)
+    shapes = _GEMMS.get(key)
+    if shapes is None:
+        if len(_GEMMS) > 100_000:
+            _GEMMS.clear()
+        shapes = _GEMMS[key] = chunk_gemms(plan, stage, chunk)
+    return shapes
+
+
+_GEMMS: dict[tuple, object] = {}
+
+
 @lru_cache(maxsize=4096)
 def _inflight(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
     return tuple(int(n) for n in peak_inflight(cached_schedule(name, stages, microbatches, virtual)[0]))
@@ -176,13 +192,15 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             gather = coll.time("all_gather", p_axes, s, cost.params * param_b) if p_ways > 1 else 0.0
             for kind in ("F", "B", "W") if split else ("F", "B"):
                 flops, hbm, (rep_b, split_b), tp = _action_work(cost, kind, split, plan.remat)
-                whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes)
+                gemms = _chunk_gemms(plan, s, c).action(kind, split)
+                whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
+                                        gemms)
                 pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 else 1
                 piece = bucket = scatter = 0.0
-                if pieces > 1:
+                if kind == last_kind and replicas > 1:  # the program reduces even a one-layer chunk's gradients
                     piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
                                                    max(1, kernels // pieces), rep_b / pieces, split_b / pieces,
-                                                   cost.tensor_bytes)
+                                                   cost.tensor_bytes, scaled(gemms, 1 / pieces))
                     bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b, o_ways)
                 if kind == last_kind and per_microbatch and m > 1:
                     scatter = coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b)
@@ -226,7 +244,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     start = gather_free[s]
             if kind == last_kind:
                 remaining[(s, c)] -= 1
-                if remaining[(s, c)] == 0 and pieces > 1:
+                if remaining[(s, c)] == 0 and piece:
                     compute = pieces * piece
                     for k in range(pieces):
                         grad[s] = max(grad[s], start + (k + 1) * piece) + bucket
