@@ -252,17 +252,20 @@ def test_mpmd_engine_runs_uneven_stages(name: str, p: int, m: int, v: int, split
                                                           for s in range(p)])
 
 
-def _spmd_mlp(stages: int, m: int, split):
+def _spmd_mlp(stages: int, m: int, split, data: int = 1):
     plan = _plan(layers=sum(split) if isinstance(split, tuple) else 6, stage=stages, mb=m, split=split)
     mlp, head = _mlp(plan.model.layers, seed=5)
     ranges = chunk_layers(plan.model, stages, 1, plan.stage_layers)
     stacked, counts = stack_stage_layers([[mlp[i] for i in ranges[s][0]] for s in range(stages)])
     assert counts == plan.stage_layers
-    mesh = jax.make_mesh((stages,), ("stage",), axis_types=(jax.sharding.AxisType.Explicit,),
-                         devices=jax.devices()[:stages])
+    mesh = jax.make_mesh((stages, data), ("stage", "data"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:stages * data])
     placed = jax.device_put(stacked, jax.NamedSharding(mesh, jax.P("stage")))
     xs, ts = _batches(m, seed=6)
     ref_loss, ref_grads = _mlp_reference(mlp, head, xs, ts)
+    if data > 1:  # each stage's rows split over its own data axis
+        batch = jax.NamedSharding(mesh, jax.P(None, "data"))
+        xs, ts = jax.device_put(xs, batch), jax.device_put(ts, batch)
     want = [[ref_grads[i] for i in ranges[s][0]] for s in range(stages)]
     return mesh, placed, counts, masked_layers(_layer, counts), functools.partial(_mse, head), xs, ts, ref_loss, want
 
@@ -285,8 +288,9 @@ def test_spmd_schedule_runs_uneven_stages(name: str) -> None:
 
 
 def test_spmd_gpipe_runs_uneven_stages() -> None:
+    """8 devices: 4 stages of 3, 1, 1, 1 layers, each stage with a data axis of 2."""
     m = 3
-    mesh, placed, counts, stage_fn, loss_fn, xs, ts, ref_loss, want = _spmd_mlp(2, m, (1, 4))
+    mesh, placed, counts, stage_fn, loss_fn, xs, ts, ref_loss, want = _spmd_mlp(4, m, (3, 1, 1, 1), data=2)
     loss, grads = spmd_gpipe(stage_fn, loss_fn, mesh, m)(placed, xs, ts)
     _check_spmd(loss, grads, counts, ref_loss, want)
 
