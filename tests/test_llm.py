@@ -245,13 +245,13 @@ def test_one_device_equals_reference_bit_for_bit() -> None:
 
 @st.composite
 def llm_plans(draw) -> Plan:
-    """A tiny model with a drawn mix of the options (attention plain or flash among them) on 1, 2, 4 or 8 devices,
+    """A tiny model with a drawn mix of the options (attention plain or flash among them) on 1, 2, 4, 6 or 8 devices,
     over data/fsdp/tensor/stage, with sequence parallelism drawn when tensor > 1."""
-    n = draw(st.sampled_from([1, 2, 4, 8]))
+    n = draw(st.sampled_from([1, 2, 4, 6, 8]))
     tensor = draw(st.sampled_from([t for t in (1, 2, 4) if n % t == 0]))
     stage = draw(st.sampled_from([s for s in (1, 2) if n % (tensor * s) == 0]))
     rest = n // (tensor * stage)
-    data = draw(st.sampled_from([d for d in (1, 2, 4, 8) if rest % d == 0]))
+    data = draw(st.sampled_from([d for d in (1, 2, 3, 4, 6, 8) if rest % d == 0]))
     attention = draw(st.sampled_from(["flash", "plain"]))   # flash first: the ci profile's few examples meet it
     spec = ModelSpec(layers=4, d_model=16, heads=4, kv_heads=draw(st.sampled_from([1, 2, 4])), d_ff=24, seq_len=8,
                      attention=attention,   # flash over 4, 2 or 1 K/V blocks
@@ -265,7 +265,7 @@ def llm_plans(draw) -> Plan:
     name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])) if stage > 1 else "1f1b"
     virtual = 2 if name == "interleaved" else 1
     split = draw(st.sampled_from([None, (1, 3), (3, 1)])) if stage > 1 and virtual == 1 else None
-    return _plan(spec, data=data, fsdp=rest // data, tensor=tensor, stage=stage, mb=mb,
+    return _plan(spec, data=data, fsdp=rest // data, tensor=tensor, stage=stage, mb=mb, batch=24 if n == 6 else 16,
                  zero=draw(st.integers(0, 3)), remat=draw(st.sampled_from(["none", "selective", "full"])),
                  schedule=ScheduleSpec(name=name, virtual_stages=virtual), layers_per_stage=split,
                  sequence_parallel=tensor > 1 and draw(st.booleans()))  # Megatron SP: seq_len 8 splits over tensor
