@@ -1,4 +1,13 @@
-"""Pricing a device's matmuls by their shapes (the GEMM model of an accelerator).
+"""Pricing compute on one device: a task's roofline and elementwise passes, its matmuls by their shapes.
+
+:func:`compute_seconds` is what testbed.sim.engine (and the analytic search
+tier) charges a compute task: ``launch_overhead_s`` plus its matmuls (by shape,
+below, when the calibration has the GEMM model; else by FLOPs at
+``efficiency * f / (f + efficiency_half_flops)`` of peak per kernel), at least
+its HBM bytes at the calibrated bandwidth, plus the calibration's elementwise
+passes over the activations it writes (:func:`pass_seconds` each).
+
+The GEMM model of an accelerator.
 
 A GPU runs a GEMM as tiles of the output spread over its SMs: an output
 with few tiles (small ``m`` or ``n``) leaves SMs idle, and a short
@@ -37,10 +46,43 @@ from testbed.model.gemm import Gemm
 from testbed.topology import Topology
 from testbed.topology.calibration import ComputeCalibration
 
-__all__ = ["gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model", "GEMM_OPERAND_BYTES"]
+__all__ = ["compute_seconds", "pass_seconds", "gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model",
+           "GEMM_OPERAND_BYTES"]
 
 #: Bytes per (input, output) value of a GEMM, by compute dtype (fp8 GEMMs read fp8 operands and write bf16).
 GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1, 2)}
+
+
+def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
+                    replicated_bytes: float = 0.0, split_bytes: float = 0.0, tensor_bytes: float = 0.0,
+                    gemms: Sequence[Gemm] = ()) -> float:
+    """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes).
+
+    With the calibration's GEMM shape model (``compute.shapes``) and the task's ``gemms`` (whose FLOPs are
+    its ``flops``), the matmuls are priced shape by shape (testbed.sim.compute) instead of by FLOPs.
+    """
+    compute, passes, dev = topology.calibration.compute, topology.calibration.elementwise, topology.device
+    t = 0.0
+    if gemms and compute.shapes:
+        t = gemms_seconds(topology, dtype, gemms)
+    elif flops > 0:
+        per_kernel = flops / max(1, kernels)
+        eff = compute.efficiency * per_kernel / (per_kernel + compute.efficiency_half_flops)
+        t = flops / (dev.flops(dtype) * eff)
+    if hbm_bytes > 0:
+        t = max(t, pass_seconds(topology, hbm_bytes))
+    if passes is not None:
+        if passes.caches(tensor_bytes):
+            activations = passes.cached_passes * (replicated_bytes + split_bytes)
+        else:
+            activations = passes.replicated_passes * replicated_bytes + passes.split_passes * split_bytes
+        t += pass_seconds(topology, activations)
+    return compute.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
+
+
+def pass_seconds(topology: Topology, nbytes: float) -> float:
+    """Seconds one memory pass over ``nbytes`` takes at the calibrated bandwidth (the roofline's and the passes')."""
+    return nbytes / (topology.device.memory_bandwidth * topology.calibration.memory.efficiency)
 
 
 def _saturation(x: float, half: float) -> float:

@@ -12,7 +12,9 @@ communication, the bytes it moves over each directed link:
   memory.efficiency`` and ``eff(f) = compute.efficiency * f / (f +
   compute.efficiency_half_flops)`` for a kernel of ``f`` FLOPs: the roofline
   of the calibrated device, plus the memory-bound elementwise passes over the
-  activations the task writes (none without an ``elementwise`` group);
+  activations the task writes (none without an ``elementwise`` group); with the
+  calibration's GEMM shape model the matmuls are priced by shape instead
+  (testbed.sim.compute, which holds this pricing);
 - host (the ``controller`` group, when the topology has one):
   ``step_s`` for the step's preparation (plus ``pipeline_step_s`` for a
   pipeline's), ``count * overhead_s + buffers * buffer_s`` for a
@@ -42,8 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from testbed.model.gemm import Gemm
-from testbed.sim.compute import gemms_seconds
+from testbed.sim.compute import compute_seconds, pass_seconds
 from testbed.sim.contention import Flow, LinkLedger, normalised_loads
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
@@ -74,38 +75,6 @@ class Simulation:
     report: Report
     timeline: Timeline
     program: Program
-
-
-def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
-                    replicated_bytes: float = 0.0, split_bytes: float = 0.0, tensor_bytes: float = 0.0,
-                    gemms: Sequence[Gemm] = ()) -> float:
-    """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes).
-
-    With the calibration's GEMM shape model (``compute.shapes``) and the task's ``gemms`` (whose FLOPs are
-    its ``flops``), the matmuls are priced shape by shape (testbed.sim.compute) instead of by FLOPs.
-    """
-    compute, passes, dev = topology.calibration.compute, topology.calibration.elementwise, topology.device
-    t = 0.0
-    if gemms and compute.shapes:
-        t = gemms_seconds(topology, dtype, gemms)
-    elif flops > 0:
-        per_kernel = flops / max(1, kernels)
-        eff = compute.efficiency * per_kernel / (per_kernel + compute.efficiency_half_flops)
-        t = flops / (dev.flops(dtype) * eff)
-    if hbm_bytes > 0:
-        t = max(t, pass_seconds(topology, hbm_bytes))
-    if passes is not None:
-        if passes.caches(tensor_bytes):
-            activations = passes.cached_passes * (replicated_bytes + split_bytes)
-        else:
-            activations = passes.replicated_passes * replicated_bytes + passes.split_passes * split_bytes
-        t += pass_seconds(topology, activations)
-    return compute.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
-
-
-def pass_seconds(topology: Topology, nbytes: float) -> float:
-    """Seconds one memory pass over ``nbytes`` takes at the calibrated bandwidth (the roofline's and the passes')."""
-    return nbytes / (topology.device.memory_bandwidth * topology.calibration.memory.efficiency)
 
 
 def controller_seconds(calibration: Calibration, task: Task) -> float:
