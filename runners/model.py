@@ -166,6 +166,7 @@ class _Arch(NamedTuple):
     rope_theta: float | None = None     # None: learned positions (no rotation)
     seq: Any = None                     # sequence parallelism: runners.parallel.SequenceShards, or None
     flash_block: int | None = None      # None: plain attention; else flash over K/V blocks of this many keys
+    fsdp: Any = None                    # runners.parallel.ParamShards, or None
 
 
 def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
@@ -209,12 +210,15 @@ def _cross_entropy_bwd(res, g: jax.Array):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def embed(params_embed: Params, tokens: jax.Array, seq: Any = None) -> jax.Array:
+def embed(params_embed: Params, tokens: jax.Array, seq: Any = None, fsdp: Any = None) -> jax.Array:
     """Token plus position embedding: int32 ``[batch, seq]`` -> ``[batch, seq, d]``.
 
     Without a position table (``position: rope``) the token embedding alone: the blocks rotate Q and K.
     ``seq``: sequence parallelism's runners.parallel.SequenceShards (the lookup reduce-scattered), or None.
+    ``fsdp``: runners.parallel.ParamShards (sharded parameters gathered for use, on each device's rows), or None.
     """
+    if fsdp is not None:
+        return fsdp.apply(lambda p, t: embed(p["embed"], t, seq), {"embed": params_embed}, tokens)
     length = tokens.shape[1]
     x = (jnp.take(params_embed["tokens"], tokens, axis=0) if seq is None
          else seq.embed(params_embed["tokens"], tokens))
@@ -315,11 +319,13 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
 
 
 def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
-                  remat: Remat | str = Remat.NONE, seq: Any = None) -> jax.Array:
+                  remat: Remat | str = Remat.NONE, seq: Any = None, fsdp: Any = None) -> jax.Array:
     """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
-    ``seq``: sequence parallelism's runners.parallel.SequenceShards, or None)."""
+    ``seq``: sequence parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards,
+    each block in its own map, so a block's gathered weights live from its forward to its backward, or with full
+    remat are gathered again there)."""
     remat = Remat(remat)
-    arch = _arch(spec) if seq is None else _arch(spec)._replace(seq=seq)
+    arch = _arch(spec)._replace(seq=seq, fsdp=fsdp)
     step = jax.checkpoint(_block, static_argnums=(2, 3)) if remat is Remat.FULL else _block
     for layer in params_layers:
         x = step(layer, x, arch, remat)
@@ -327,17 +333,26 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
 
 
 def _block(params_layer: Params, x: jax.Array, arch: _Arch, remat: Remat) -> jax.Array:
+    if arch.fsdp is not None:
+        inner = arch._replace(fsdp=None)
+        return arch.fsdp.apply(lambda p, h: block(p["layers"], h, inner, remat), {"layers": params_layer}, x)
     return block(params_layer, x, arch, remat)
 
 
 def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
-              tied_tokens: jax.Array | None = None, spec: ModelSpec | None = None, seq: Any = None) -> jax.Array:
+              tied_tokens: jax.Array | None = None, spec: ModelSpec | None = None, seq: Any = None,
+              fsdp: Any = None) -> jax.Array:
     """Final norm, output projection (or the tied token table transposed), mean fp32 cross-entropy.
 
     With ``spec``: its norm, and the logits of padded vocab rows masked out (they never win probability,
     so the loss is that of the unpadded model; their rows get no gradient). ``seq``: as :func:`stage_forward`
     (the final norm runs on the sequence shards, the vocab-parallel projection on the gathered sequence).
+    ``fsdp``: as :func:`stage_forward` (the loss is each device's rows' mean, averaged over the batch).
     """
+    if fsdp is not None:
+        params = {"head": params_head} | ({} if tied_tokens is None else {"embed": {"tokens": tied_tokens}})
+        return fsdp.apply(lambda p, h, t: head_loss(p["head"], h, t, p["embed"]["tokens"] if "embed" in p else None,
+                                                    spec, seq), params, x, targets, loss=True)
     rms = spec is not None and spec.norm is Norm.RMSNORM
     h = _layer_norm(params_head["norm"], x, rms)
     prefix, w = (("head",), {"w": params_head["w"]}) if tied_tokens is None else (("embed",), {"tokens": tied_tokens})
@@ -351,14 +366,14 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
 
 def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec: ModelSpec,
                  precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE,
-                 seq: Any = None) -> jax.Array:
+                 seq: Any = None, fsdp: Any = None) -> jax.Array:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
-    parallelism's runners.parallel.SequenceShards, or None)."""
+    parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards, or None)."""
     p = cast_params(params, precision)
-    x = embed(p["embed"], tokens, seq)
-    x = stage_forward(p["layers"], x, spec, remat, seq)
+    x = embed(p["embed"], tokens, seq, fsdp)
+    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp)
     tied = p["embed"]["tokens"] if spec.tied_embeddings else None
-    return head_loss(p["head"], x, targets, tied, spec, seq)
+    return head_loss(p["head"], x, targets, tied, spec, seq, fsdp)
 
 
 def warn_dropout(spec: ModelSpec) -> None:

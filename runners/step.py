@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
-from runners.parallel import batch_spec, layout_for, sequence_shards
+from runners.parallel import batch_spec, layout_for, param_shards, sequence_shards
 from runners.precision import Optimizer
 from runners.pipeline.memory import program_bytes
 from runners.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
@@ -95,32 +95,46 @@ def state_shardings(opt_shape: Any, params: Any, moment_shardings: Any, replicat
     return jax.tree_util.tree_map_with_path(pick, opt_shape)
 
 
-def _loss_fn(plan: Plan, seq: Any = None):
+def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None):
     def loss(params: Any, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return model.forward_loss(params, tokens, targets, spec=plan.model, precision=plan.precision,
-                                  remat=plan.remat, seq=seq)
+                                  remat=plan.remat, seq=seq, fsdp=fsdp)
     return loss
 
 
 def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
-                 grad_shardings: Any | None, spread: Spread | None = None, seq: Any = None) -> tuple[jax.Array, Any]:
+                 grad_shardings: Any | None, spread: Spread | None = None, seq: Any = None,
+                 fsdp: tuple[Any, Any] = (None, None)) -> tuple[jax.Array, Any]:
     """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``).
 
     With ``spread`` (data replicas, runners.replicas) the loop accumulates
     each replica's gradients where they are and sums the replicas once after
     it: one data-parallel reduction per step, not one per microbatch.
     """
-    value_and_grad = jax.value_and_grad(_loss_fn(plan, seq))
+    value_and_grad = jax.value_and_grad(_loss_fn(plan, seq, fsdp[0]))
     if tokens.shape[0] == 1:
         return value_and_grad(params, tokens[0], targets[0])
     if spread is not None:
         mesh = jax.tree.leaves(spread.shardings)[0].mesh
-        per_replica = replica_value_and_grad(_loss_fn(plan, seq), spread.count, mesh)
+        if fsdp[1] is not None:  # the model's FSDP maps take the spread parameters: one loss per replica
+            per_replica = _replica_value_and_grad(_loss_fn(plan, seq, fsdp[1]))
+        else:
+            per_replica = replica_value_and_grad(_loss_fn(plan, seq), spread.count, mesh)
         spread_params = spread(params)
         losses, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
                                   spread.shardings[0], loss_shape=(spread.count,))
         return jnp.mean(losses), sum_replicas(grads)
     return _scan_sum(lambda xs: value_and_grad(params, *xs), params, tokens, targets, grad_shardings)
+
+
+def _replica_value_and_grad(losses: Any) -> Any:
+    """``(losses [R], grads of their mean)`` of a loss that is one per data replica on spread parameters."""
+    value_and_grad = jax.value_and_grad(lambda p, x, y: (jnp.mean(per := losses(p, x, y)), per), has_aux=True)
+
+    def run(params: Any, tokens: jax.Array, targets: jax.Array) -> tuple[jax.Array, Any]:
+        (_, per), grads = value_and_grad(params, tokens, targets)
+        return per, grads
+    return run
 
 
 def _scan_sum(value_and_grad: Any, params: Any, tokens: jax.Array, targets: jax.Array,
@@ -166,9 +180,11 @@ class SpmdTrainer:
         count = replicas(plan)
         spread = Spread(mesh, [self.param_shardings], count) if count > 1 else None
         seq = sequence_shards(plan, mesh)  # Megatron sequence parallelism (runners.parallel), or None
+        # FSDP / ZeRO-3 (runners.parallel.ParamShards): whole batch, and per data replica on spread parameters.
+        fsdp = (param_shards(plan, mesh), param_shards(plan, mesh, spread=True) if spread is not None else None)
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
-            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq)
+            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
             out = (*opt.update(params, opt_state, grads), loss)
             return out + (grads,) if return_grads else out

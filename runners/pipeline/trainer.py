@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
 from runners.pipeline.lockstep import lockstep_step
-from runners.parallel import Constrain, activation_spec, layout_for, sequence_shards
+from runners.parallel import Constrain, activation_spec, layout_for, param_shards, sequence_shards
 from runners.pipeline.engine import Prepare
 from runners.precision import Optimizer
 from runners.pipeline.memory import StageProgramMemory, pipeline_memory
@@ -99,22 +99,25 @@ class PipelineTrainer:
 
         # Megatron sequence parallelism per stage sub-mesh (runners.parallel), or None.
         seqs = [sequence_shards(plan, m) for m in stage_meshes]
-        last = seqs[self.schedule.locate(self.schedule.chunks - 1)[0]]
+        last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
+        last = seqs[last_stage]
+        # Data replicas keep their gradients apart until the update, and their losses until the step's end:
+        # one reduction per step (runners.replicas), none per microbatch.
+        self.replicas = replicas(plan)
+        # FSDP / ZeRO-3 (runners.parallel.ParamShards) per stage sub-mesh, on spread parameters with replicas.
+        fsdps = [param_shards(plan, m, spread=self.replicas > 1) for m in stage_meshes]
 
         # The held parameters are already in the compute dtype (runners.precision): no cast here.
         def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
             if _EMBED in params:
-                x = model.embed(params[_EMBED], x, seqs[stage])
-            return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage])
+                x = model.embed(params[_EMBED], x, seqs[stage], fsdps[stage])
+            return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage], fsdps[stage])
 
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-            return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last)
+            return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last, fsdp=fsdps[last_stage])
 
-        # Data replicas keep their gradients apart until the update, and their losses until the step's end:
-        # one reduction per step (runners.replicas), none per microbatch.
-        self.replicas = replicas(plan)
-        if self.replicas > 1:
-            last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
+        # ParamShards' maps take spread parameters themselves; otherwise each replica runs in a vmap.
+        if self.replicas > 1 and fsdps[0] is None:
             chunk_forward = per_replica_forward(chunk_forward, self.replicas, stage_meshes)
             loss_fn = per_replica_losses(loss_fn, self.replicas, stage_meshes[last_stage])
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
