@@ -170,7 +170,10 @@ def _manual(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
     """
     kind = MANUAL[op.operation.name]
     attr = "source_target_pairs" if kind == "collective-permute" else "replica_groups"
-    groups = [[int(x) for x in g.split(",")] for g in re.findall(r"\[([\d, ]+)\]", str(op.attributes[attr]))]
+    from jaxlib.mlir import ir
+
+    # Read as an array: MLIR prints a large dense attribute (4096 devices' groups) as a hex string.
+    groups = np.atleast_2d(np.asarray(ir.DenseIntElementsAttr(op.attributes[attr]))).tolist()
     shape_ = tuple(sizes[a] for a in order)
     axes = tuple(order[i] for i in _varying(groups, shape_))
     value = op.results[0] if kind == "all-gather" else op.operands[0]
