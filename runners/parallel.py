@@ -163,7 +163,9 @@ class SequenceShards:
     - :meth:`embed`: the vocab-parallel lookup reduce-scattered over the sequence.
 
     The maps are manual over ``tensor`` only: with ``data`` or ``fsdp`` > 1 XLA replicates the batch inside
-    them (it all-gathers the batch over those axes first), correct but not yet efficient.
+    them (it all-gathers the batch over those axes first), correct but not yet efficient. With sharded
+    parameters (fsdp, ZeRO 3) they nest in :class:`ParamShards`' maps over the batch axes instead, and
+    see only the device's batch rows.
 
     Explicit collectives, not sharding constraints: XLA:CPU lowers a constrained partial sum to an
     all-reduce and a slice (only XLA:GPU's pipeline rewrites that into a reduce-scatter), and an
