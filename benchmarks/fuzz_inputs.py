@@ -1,19 +1,21 @@
 """Bad-input fuzzing: mutated plans and topologies, raw bytes and argument lists through every command.
 
 The generators are hypothesis strategies (``cases()``): a case is one command
-line plus the files it reads, written into a fresh folder. The bundled plans
-and topologies are mutated (a random field's value replaced by a wrong type,
-NaN, infinity, a huge or negative number, a long string, a nested list or a
-boolean; keys deleted, duplicated or renamed; a float infinity as a key), or
-replaced by raw bytes, and the command-line values are drawn from the same
-kind of pool (``nan``, ``1e309``, ``70000``, ``99``, ...).
+line plus the files it reads, written into a fresh folder. The seed documents
+(the bundled plans and topologies, fuzzer-only ones with every newer key, two
+sweep SPECs) and how they are damaged live in benchmarks/fuzz_docs.py; the
+cases of check-sharding, collective --execute, search and sweep in
+benchmarks/fuzz_commands.py. Command-line values are drawn from pools of the
+same kind (``nan``, ``1e309``, ``70000``, ``99``, ...).
 
 Every case runs in-process through ``testbed.cli.main`` and must end with exit
 status 0, 1 or 2 (never an exception escaping main), no "Traceback" on stderr,
 under 2 KB of stderr, and with exit 2 a message naming a field or a file.
-``run`` is only given a plan or an argument it must refuse; the functions that
-would start JAX are replaced by a trap, so a case that reaches them counts as
-``jax_started``.
+The functions that would start JAX are replaced by a trap: ``run``,
+``check-sharding`` and ``collective --execute`` must refuse bad input before
+reaching it (a case that does counts as ``jax_started``), and reaching it is
+right only when :func:`may_start_jax`, the fuzzer's own check, finds the
+input valid.
 
 ``python benchmarks/fuzz_inputs.py --cases 1000`` prints ONE JSON object:
 cases, per command, exit codes, tracebacks, wrong exit codes, max stderr
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import faulthandler
 import io
 import json
@@ -38,173 +39,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-#: Seed documents: the bundled plans and topologies (read once), and a small graph-form topology.
-PLAN_FILES = sorted((ROOT / "plans").glob("*.yaml")) + sorted((ROOT / "plans" / "validation").glob("*.yaml"))[:3]
-TOPOLOGY_FILES = sorted((ROOT / "topologies").glob("*.yaml"))
-PLANS = {p.stem: yaml.safe_load(p.read_text()) for p in PLAN_FILES}
-TOPOLOGIES = {p.stem: yaml.safe_load(p.read_text()) for p in TOPOLOGY_FILES}
-TOPOLOGIES["graph-4"] = {
-    "name": "graph-4",
-    "device": {"name": "dev", "flops": {"fp32": "10TFLOP/s"}, "memory": "16GiB", "memory_bandwidth": "500GB/s"},
-    "graph": {"devices": 4, "switches": ["sw"],
-              "links": [{"a": i, "b": "sw", "bandwidth": "25GB/s", "latency": "2us", "kind": "pcie"} for i in range(4)],
-              "levels": [{"name": "pair", "size": 2}]},
-}
-#: Small seeds for the commands that simulate (the big ones are covered by plan check and memory).
-SMALL_TOPOLOGIES = ("host-cpu-8", "a100-pcie-8", "eth-100g-8", "tpu-v5e-4x4", "graph-4")
+from benchmarks.fuzz_docs import (BAD_VALUES, OPTION_PLANS, PLAN_FILES, PLAN_OPTIONS, PLANS,  # noqa: E402,F401
+                                  SMALL_PLANS, SMALL_TOPOLOGIES, SWEEPS, TMP, TOPOLOGIES, TOPOLOGY_OPTIONS,
+                                  TOPOLOGY_REFS, file_text, mutated, options_mutated)
+from benchmarks.fuzz_docs import BAD_BYTES, BAD_COSTS, BAD_NUMBERS, Case, _maybe  # noqa: E402
+from benchmarks.fuzz_commands import (check_sharding_case, execute_case, search_case,  # noqa: E402,F401
+                                      sweep_case)
 
-#: The placeholder for the case's folder in file texts and arguments.
-TMP = "@TMP@"
-#: The commands a case can run (``run`` only with something it must refuse).
-COMMANDS = ("plan", "memory", "simulate", "compare", "topology", "collective", "schedule", "topologies", "run")
-
-# -- values -------------------------------------------------------------------------
-
-_HUGE = [10**30, 2**50, 2**53, 2**53 + 1, 2**63, 10**400, -(10**30), 1_048_577, 100_001, 65_536, 10**6]
-BAD_VALUES = st.one_of(
-    st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e308, -1e-320, 0.0, -0.5]),
-    st.sampled_from(_HUGE), st.integers(-3, 3), st.integers(), st.floats(),
-    st.booleans(), st.none(),
-    st.text(max_size=12), st.sampled_from(["x" * 10_000, "x" * 100_000, "1e309GB", "nanGB/s", "-1us", ".inf",
-                                           "xy", "10**30", "\x00", "\u202e", "../../etc/passwd"]),
-    st.lists(st.integers(-2, 5), max_size=4), st.just([[1, [2, [3, [4]]]]]), st.just([]), st.just({}),
-    st.dictionaries(st.text(max_size=4), st.integers(-2, 5), max_size=3), st.just({float("inf"): 1}),
-).map(copy.deepcopy)  # a fresh copy: later mutations must not change the strategy's own constants
-
-TOPOLOGY_REFS = st.sampled_from([f"{TMP}/topology.yaml", f"{TMP}/missing.yaml", f"{TMP}/" + "t" * 5000 + ".yaml",
-                                 "t" * 300, TMP, "/dev/null", "host-cpu-8", "dgx-h100", "no-such-topology", ""])
-
-# -- mutating documents ------------------------------------------------------------------
-
-
-def _paths(doc: Any, prefix: tuple = ()) -> list[tuple]:
-    """Every path (keys and indices) into ``doc``, containers included, the root excluded."""
-    out = []
-    if isinstance(doc, dict):
-        items = list(doc.items())
-    elif isinstance(doc, list):
-        items = list(enumerate(doc))
-    else:
-        return out
-    for key, value in items:
-        out.append((*prefix, key))
-        out.extend(_paths(value, (*prefix, key)))
-    return out
-
-
-def _parent(doc: Any, path: tuple) -> Any:
-    for key in path[:-1]:
-        doc = doc[key]
-    return doc
-
-
-@st.composite
-def mutated(draw: Any, doc: Any, topology_key: bool = False) -> Any:
-    """``doc`` with one to three random mutations (values, keys, structure)."""
-    doc = copy.deepcopy(doc)
-    for _ in range(draw(st.integers(1, 3))):
-        paths = _paths(doc)
-        if not paths or not isinstance(doc, (dict, list)):
-            return draw(BAD_VALUES)
-        path = draw(st.sampled_from(paths))
-        parent, key = _parent(doc, path), path[-1]
-        op = draw(st.sampled_from(["replace", "replace", "replace", "delete", "rename", "inf-key", "wrap", "root"]))
-        if op == "replace":
-            parent[key] = draw(TOPOLOGY_REFS) if topology_key and key == "topology" and draw(st.booleans()) \
-                else draw(BAD_VALUES)
-        elif op == "delete":
-            if isinstance(parent, dict):
-                del parent[key]
-            else:
-                parent.pop(key)
-        elif op in ("rename", "inf-key") and isinstance(parent, dict):
-            value = parent.pop(key)
-            new = float("inf") if op == "inf-key" else draw(st.sampled_from(
-                [str(key).upper(), f"{key}s", str(key)[:-1] or "k", "x" * 300, 7, True]))
-            parent[new] = value
-        elif op == "wrap":
-            parent[key] = [parent[key]]
-        elif op == "root":
-            return draw(st.sampled_from([[doc], "text", 3, None]))
-    if topology_key and isinstance(doc, dict) and draw(st.integers(0, 3)) == 0:
-        doc["topology"] = draw(TOPOLOGY_REFS)
-    return doc
-
-
-def _dump(doc: Any) -> str:
-    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)
-
-
-@st.composite
-def file_text(draw: Any, seeds: dict[str, Any], topology_key: bool = False) -> bytes:
-    """A mutated seed as YAML bytes, or text-level damage (duplicated line, cut, flipped byte, raw bytes)."""
-    seed = seeds[draw(st.sampled_from(sorted(seeds)))]
-    how = draw(st.sampled_from(["mutate"] * 6 + ["duplicate-line", "cut", "flip", "bytes", "bom", "utf16"]))
-    if how == "mutate":
-        return _dump(draw(mutated(seed, topology_key))).encode()
-    text = _dump(seed)
-    if how == "duplicate-line":
-        lines = text.splitlines(keepends=True)
-        i = draw(st.integers(0, len(lines) - 1))
-        return "".join(lines[: i + 1] + [lines[i]] + lines[i + 1:]).encode()
-    if how == "cut":
-        return text[: draw(st.integers(0, len(text)))].encode()
-    if how == "flip":
-        raw = bytearray(text.encode())
-        i = draw(st.integers(0, len(raw) - 1))
-        raw[i] = draw(st.integers(0, 255))
-        return bytes(raw)
-    if how == "bom":
-        return b"\xef\xbb\xbf" + text.encode()
-    if how == "utf16":
-        return text.encode("utf-16")
-    return draw(st.binary(max_size=300))
-
-
-# -- argument values ----------------------------------------------------------------------
-
-BAD_NUMBERS = st.sampled_from(["nan", "inf", "-inf", "1e309", "-1", "0", "1", "2", "3", "70000", "99", "-99",
-                               "1000", "100000", "1" + "0" * 30, "abc", "", "1.5", "0x10", "4,4", "x" * 5000])
-BAD_BYTES = st.sampled_from(["1GiB", "4MB", "0", "-1", "nan", "inf", "1e309", "1e400GB", "nanB", "1" + "0" * 400,
-                             "12 parsecs", "", "x" * 3000])
-BAD_COSTS = st.sampled_from(["1,1,1", "1,2,0", "nan,1,1", "inf,1,1", "1,-inf,1", "1,1", "1;2;3", "1,1,1;1,1,1",
-                             "-1,1,1", "1e309,1,1", "1,1,1e308", "", ";;", "a,b,c", "1," * 5000])
-
-
-@dataclass
-class Case:
-    """One command line (``TMP`` marks the case's folder) and the files to write there first."""
-
-    command: str
-    argv: list[str]
-    files: dict[str, bytes] = field(default_factory=dict)
-    #: ``run`` only: the plan file may be a valid one (its damage can be harmless); then starting JAX is right.
-    plan_may_be_valid: bool = False
-
-
-def _maybe(draw: Any, flag: str, values: st.SearchStrategy) -> list[str]:
-    return [flag, draw(values)] if draw(st.booleans()) else []
-
+#: The commands a case can run (``run``, ``check-sharding`` and ``collective --execute`` reach JAX only with input
+#: they must accept: the functions that would start it are trapped).
+COMMANDS = ("plan", "memory", "simulate", "compare", "topology", "collective", "schedule", "topologies", "run",
+            "check-sharding", "search", "sweep")
 
 @st.composite
 def plan_case(draw: Any, command: str) -> Case:
     files: dict[str, bytes] = {}
     plan_ref = draw(st.sampled_from(["file"] * 4 + ["bundled", "missing", "folder", "long"]))
     if plan_ref == "file":
-        files["plan.yaml"] = draw(file_text(PLANS, topology_key=True))
+        files["plan.yaml"] = draw(file_text(PLANS, topology_key=True, options=PLAN_OPTIONS))
         plan = f"{TMP}/plan.yaml"
     else:
         plan = {"bundled": draw(st.sampled_from(sorted(p.stem for p in PLAN_FILES if p.parent.name == "plans"))),
                 "missing": f"{TMP}/nope.yaml", "folder": TMP, "long": f"{TMP}/" + "p" * 5000}[plan_ref]
     if draw(st.integers(0, 2)) == 0:
-        files["topology.yaml"] = draw(file_text(TOPOLOGIES))
+        files["topology.yaml"] = draw(file_text(TOPOLOGIES, options=TOPOLOGY_OPTIONS))
     topo = []
     if draw(st.booleans()):
         topo = ["--topology", draw(st.sampled_from([f"{TMP}/topology.yaml", *SMALL_TOPOLOGIES, "nope", f"{TMP}/x.yaml"]))]
@@ -224,7 +88,7 @@ def plan_case(draw: Any, command: str) -> Case:
 
 @st.composite
 def topology_case(draw: Any) -> Case:
-    files = {"topology.yaml": draw(file_text(TOPOLOGIES))}
+    files = {"topology.yaml": draw(file_text(TOPOLOGIES, options=TOPOLOGY_OPTIONS))}
     return Case("topology", ["topology", "show", f"{TMP}/topology.yaml"], files)
 
 
@@ -263,7 +127,7 @@ def run_case(draw: Any) -> Case:
     files: dict[str, bytes] = {}
     bad = draw(st.sampled_from(["--port", "--steps", "--processes", "--timeout", "none"]))
     if bad == "none" or draw(st.booleans()):
-        files["plan.yaml"] = draw(file_text(PLANS, topology_key=True))
+        files["plan.yaml"] = draw(file_text(PLANS, topology_key=True, options=PLAN_OPTIONS))
         plan = f"{TMP}/plan.yaml"
     else:
         plan = draw(st.sampled_from(["demo", f"{TMP}/nope.yaml"]))
@@ -291,7 +155,7 @@ def arguments_case(draw: Any) -> Case:
     command = argv[0] if argv and argv[0] in COMMANDS else "arguments"
     if command in ("run",):  # would start JAX with a valid plan
         argv = ["run", "--steps", "0", *argv[1:]]
-    return Case(command, argv)
+    return Case(command, argv, plan_may_be_valid=command == "check-sharding")
 
 
 def cases() -> st.SearchStrategy[Case]:
@@ -300,6 +164,7 @@ def cases() -> st.SearchStrategy[Case]:
         plan_case("plan"), plan_case("memory"), plan_case("simulate"), plan_case("compare"), topology_case(),
         collective_case(), schedule_case(), run_case(), arguments_case(),
         st.just(Case("topologies", ["topologies"])),
+        check_sharding_case(), execute_case(), search_case(), sweep_case(),
     )
 
     @st.composite
@@ -320,7 +185,7 @@ class CaseTimeout(BaseException):
 
 
 class JaxWouldStart(BaseException):
-    """`run` reached the point where JAX starts (the plan and arguments were accepted)."""
+    """`run`, `check-sharding` or `collective --execute` reached the point where JAX starts (input accepted)."""
 
 
 def _trap(*_args: Any, **_kwargs: Any) -> None:
@@ -329,12 +194,18 @@ def _trap(*_args: Any, **_kwargs: Any) -> None:
 
 @contextlib.contextmanager
 def jax_trapped():
-    """Replace the functions of ``runners`` that start JAX or workers with a trap."""
-    from runners import devices, launch, train
+    """Replace the functions of ``runners`` that start JAX or workers, or run on devices, with a trap.
+
+    ``check-sharding`` starts JAX by ``devices.prepare`` (skipped once JAX is imported, as it is here) and
+    lowers by ``check_sharding.check_sharding``; ``collective --execute`` by ``devices.prepare`` and
+    ``collectives.execute_and_check``. Importing those two modules imports JAX but starts no backend.
+    """
+    from runners import check_sharding, collectives, devices, launch, train
 
     saved = []
     for module, names in ((devices, ("prepare", "initialize_distributed", "select_devices")),
-                          (launch, ("launch",)), (train, ("run_plan", "verify_plan"))):
+                          (launch, ("launch",)), (train, ("run_plan", "verify_plan")),
+                          (check_sharding, ("check_sharding",)), (collectives, ("execute_and_check",))):
         for name in names:
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, _trap)
@@ -353,7 +224,7 @@ class Outcome:
     stderr: str
     seconds: float
     escaped: str | None = None  # the exception that escaped main, by type
-    started_valid_run: bool = False  # `run` of a plan that turned out valid reached JAX (as it should)
+    started_valid_run: bool = False  # valid input reached JAX (as it should): `run`, check-sharding, --execute
 
     def problems(self) -> list[str]:
         """What this outcome breaks of the rules (empty: it passed)."""
@@ -366,15 +237,19 @@ class Outcome:
             out.append(f"exit {self.exit_code}")
         if len(self.stderr.encode()) >= 2048:
             out.append(f"stderr {len(self.stderr.encode())} bytes")
-        if self.exit_code == 2 and not _names_something(self.stderr):
+        if self.exit_code == 2 and not _names_something(self.stderr, self.argv):
             out.append("exit 2 without naming a field or file")
-        if self.command == "run" and self.exit_code == 0 and not self.started_valid_run:
-            out.append("run accepted a bad plan or argument")
+        if (self.command in ("run", "check-sharding") or "--execute" in self.argv) and self.exit_code == 0 \
+                and not self.started_valid_run and not {"--help", "-h"} & set(self.argv):
+            out.append(f"{self.command} accepted a bad plan or argument")
         return out
 
 
-def _names_something(stderr: str) -> bool:
-    """An exit-2 message names a field (`field `x``), an option, a file path or an argparse usage error."""
+def _names_something(stderr: str, argv: list[str] = ()) -> bool:
+    """An exit-2 message names a field (`field `x``), an option, a file path, the file as given in ``argv``
+    (``error: nope: plan file not found``) or is an argparse usage error."""
+    if any(a and stderr.startswith(f"error: {a}:") for a in argv):
+        return True
     return bool(re.search(r"field `|--[a-z]|\.ya?ml|\.json|usage:|error: argument|/", stderr))
 
 
@@ -386,7 +261,7 @@ def run_case_in_process(case: Case, folder: Path, time_limit: float = 30.0) -> O
         (folder / name).write_bytes(content.replace(TMP.encode(), str(folder).encode()))
     argv = [a.replace(TMP, str(folder)) for a in case.argv]
     out, err = io.StringIO(), io.StringIO()
-    escaped, code = None, None
+    escaped, code, reached = None, None, False
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, time_limit)
     # A case stuck inside one C call never sees the alarm: print where it is, to stderr, after twice the limit.
@@ -402,8 +277,8 @@ def run_case_in_process(case: Case, folder: Path, time_limit: float = 30.0) -> O
         escaped = "CaseTimeout"
     except JaxWouldStart:
         escaped = "JaxWouldStart"
-        if case.plan_may_be_valid and _plan_loads(argv[argv.index("--plan") + 1]):
-            escaped, code = None, 0
+        if case.plan_may_be_valid and may_start_jax(case.command, argv):
+            escaped, code, reached = None, 0, True
     except BaseException as exc:  # noqa: BLE001 - the point is to see what escapes
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -413,18 +288,51 @@ def run_case_in_process(case: Case, folder: Path, time_limit: float = 30.0) -> O
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, previous)
     return Outcome(case.command, argv, code, err.getvalue(), time.perf_counter() - start, escaped,
-                   started_valid_run=case.plan_may_be_valid and code == 0)
+                   started_valid_run=reached)
 
 
-def _plan_loads(path: str) -> bool:
+def _option(argv: list[str], flag: str, default: str | None = None) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else default
+
+
+def may_start_jax(command: str, argv: list[str]) -> bool:
+    """The fuzzer's own check that a case's input is valid, so reaching JAX is right.
+
+    ``run``: its plan loads. ``check-sharding``: its plan loads and is placed on its topology. ``collective
+    --execute``: the op has a JAX collective, ``--repeats`` is at least 1 and the devices are ``local`` or
+    ``emulated:N`` with N the group size (the group read from the topology and ``--over`` independently).
+    """
     from testbed.errors import InputError
     from testbed.plan.io import load_plan
 
     try:
-        load_plan(path)
+        if command == "collective":
+            return _execute_valid(argv)
+        plan = load_plan(_option(argv, "--plan"))
+        if command == "check-sharding":
+            from testbed.cli.basic import plan_topology
+            from testbed.plan.placement import place
+
+            place(plan, plan_topology(plan, _option(argv, "--topology"), _option(argv, "--plan")))
     except InputError:
         return False
     return True
+
+
+def _execute_valid(argv: list[str]) -> bool:
+    from testbed.collectives.ops import Op, parse_op
+    from testbed.topology.io import load_topology
+
+    if parse_op(argv[1]) not in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL):
+        return False
+    try:
+        if int(_option(argv, "--repeats", "10")) < 1:
+            return False
+    except ValueError:
+        return False
+    devices = _option(argv, "--execute").strip()
+    n = len(load_topology(_option(argv, "--topology")).groups(_option(argv, "--over", "all"))[0])
+    return devices == "local" or re.fullmatch(r"emulated:[0-9]+", devices) is not None and int(devices[9:]) == n
 
 
 def _alarm(*_: Any) -> None:
@@ -467,7 +375,7 @@ def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any
         counts["jax_started"] += o.escaped == "JaxWouldStart"
         counts["wrong_exit_codes"] += o.exit_code not in (0, 1, 2)
         counts["stderr_over_2kb"] += len(o.stderr.encode()) >= 2048
-        counts["unnamed_exit_2"] += o.exit_code == 2 and not _names_something(o.stderr)
+        counts["unnamed_exit_2"] += o.exit_code == 2 and not _names_something(o.stderr, o.argv)
         counts["cases_with_problems"] += bool(problems)
         if problems and len(failures) < 200:
             failures.append({"command": o.command, "argv": [a[:120] for a in o.argv], "problems": problems,

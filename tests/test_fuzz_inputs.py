@@ -67,6 +67,58 @@ def test_random_argument_lists_end_cleanly(case, tmp_path_factory):
     _check(case, tmp_path_factory)
 
 
+@given(case=fuzz.check_sharding_case())
+def test_check_sharding_refuses_bad_plans_before_jax(case, tmp_path_factory):
+    outcome = _check(case, tmp_path_factory)
+    assert outcome.exit_code == 2 or outcome.started_valid_run, (outcome.exit_code, outcome.argv)
+
+
+@given(case=fuzz.execute_case())
+def test_collective_execute_refuses_bad_devices_and_repeats_before_jax(case, tmp_path_factory):
+    outcome = _check(case, tmp_path_factory)
+    assert outcome.exit_code == 2 or outcome.started_valid_run, (outcome.exit_code, outcome.argv)
+
+
+@given(case=fuzz.search_case())
+def test_search_arguments_and_models_end_cleanly(case, tmp_path_factory):
+    _check(case, tmp_path_factory)
+
+
+@given(case=fuzz.sweep_case())
+def test_sweep_specs_and_arguments_end_cleanly(case, tmp_path_factory):
+    _check(case, tmp_path_factory)
+
+
+@pytest.mark.parametrize("name", sorted(fuzz.OPTION_PLANS))
+def test_option_seed_plans_are_valid_and_use_every_newer_key(name, tmp_path):
+    """The seeds the newer keys are mutated from must start valid (else every mutation only repeats one error)."""
+    from testbed.plan.io import plan_from_dict
+    from testbed.sim.engine import simulate
+    from testbed.topology.io import load_topology
+
+    doc = fuzz.OPTION_PLANS[name]
+    plan = plan_from_dict(doc)
+    assert simulate(plan, load_topology(plan.topology)).report.step_time_s > 0
+    assert {"sequence_parallel", "layers_per_stage"} <= set(doc) and doc["model"]["attention"] == "flash"
+    assert "attention_block" in doc["model"]
+
+
+def test_option_seeds_cover_the_newer_keys():
+    """Every newer plan key is set by some seed and mutated; the options topology and sweep seeds load."""
+    from testbed.explore.sweep_spec import spec_from_dict
+    from testbed.topology.io import topology_from_dict
+
+    precisions = {doc["precision"] for doc in fuzz.OPTION_PLANS.values()}
+    assert "fp8-mixed" in precisions
+    assert {"balanced-ends"} <= {str(d["layers_per_stage"]) for d in fuzz.OPTION_PLANS.values()}
+    topology = topology_from_dict(fuzz.TOPOLOGIES["options-8"])
+    assert topology.price_per_device_hour == 2.5 and topology.calibration.compute.gemm_half_mn == 117
+    assert {p[-1] for p in fuzz.TOPOLOGY_OPTIONS} >= {"price_per_device_hour", "fp8", "gemm_half_mn", "gemm_half_k",
+                                                      "gemm_latency_s", "flash_efficiency"}
+    for doc in fuzz.SWEEPS.values():
+        assert spec_from_dict(doc).size >= 1
+
+
 @given(case=fuzz.cases())
 def test_any_case_ends_cleanly(case, tmp_path_factory):
     _check(case, tmp_path_factory)
@@ -267,3 +319,47 @@ def test_yaml_control_characters_and_giant_numbers_are_input_errors(tmp_path, ca
     path.write_text("device: " + "9" * 400 + "\n")
     code, _, err = _run(["topology", "show", str(path)], capsys)
     assert code == 2 and "line 1" in err and "digits" in err
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["plan", "check", ""], "plan"),
+    (["simulate", "--plan", " "], "plan"),
+    (["check-sharding", "--plan", ""], "plan"),
+    (["topology", "show", ""], "topology"),
+    (["search", "--model", "", "--topology", "host-cpu-8"], "--model"),
+])
+def test_empty_paths_name_the_field_not_the_current_folder(capsys, argv, field):
+    """Path("") is the current folder: an empty plan or topology argument said `.: is not a file` (issue 24)."""
+    code, _, err = _run(argv, capsys)
+    assert code == 2 and f"field `{field}`" in err and "error: .:" not in err, err
+
+
+@pytest.mark.parametrize("execute", ["emulated:0", "emulated:-1", "emulated:abc", "gpu:x", "", " ", "emulated:99999999",
+                                     "tpu:1e309", "emulated:4", "emulated:16"])
+def test_collective_execute_refuses_bad_devices_before_jax(capsys, execute):
+    """`--execute ""` was read as absent (emulated:N) and started JAX; every bad value is exit 2 first."""
+    with fuzz.jax_trapped():  # devices.prepare / collectives.execute_and_check would raise JaxWouldStart
+        code, _, err = _run(["collective", "all-reduce", "--topology", "host-cpu-8", "--execute", execute], capsys)
+    assert code == 2 and ("field `execute`" in err or "field `--devices`" in err), err
+
+
+@pytest.mark.parametrize("repeats", ["0", "-1", "abc", "nan", "1e309"])
+def test_collective_execute_refuses_bad_repeats_before_jax(capsys, repeats):
+    with fuzz.jax_trapped():
+        code, _, err = _run(["collective", "all-reduce", "--topology", "host-cpu-8", "--execute", "emulated:8",
+                             "--repeats", repeats], capsys)
+    assert code == 2 and "repeats" in err, err
+
+
+def test_valid_execute_and_check_sharding_reach_the_trap():
+    """The oracle is not vacuous: valid input does reach JAX, and the fuzzer's own check agrees it is valid."""
+    for argv in (["collective", "all-reduce", "--topology", "host-cpu-8", "--execute", "emulated:8"],
+                 ["check-sharding", "--plan", "demo"]):
+        case = fuzz.Case(argv[0], argv, plan_may_be_valid=True)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            outcome = fuzz.run_case_in_process(case, Path(tmp))
+        assert outcome.started_valid_run and outcome.exit_code == 0 and not outcome.problems(), outcome
+    assert not fuzz.may_start_jax("collective", ["collective", "all-reduce", "--topology", "host-cpu-8",
+                                                 "--execute", "emulated:4"])

@@ -207,6 +207,8 @@ def _prepare_devices(text: str, n: int, where: str) -> str:
     """
     from runners import devices as dev
 
+    if not text.strip():  # parse_devices reads an empty --devices as absent; an empty --execute is a mistake
+        raise InputError(f"is empty; give emulated:{n} (the group's {n} ranks) or local", field="execute")
     try:
         request = dev.parse_devices(text, n)
     except InputError as exc:

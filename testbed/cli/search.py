@@ -66,7 +66,7 @@ def base_plan(model: str, global_batch: int | None = None, seq: int | None = Non
     try:
         plan = load_plan(model)
     except InputError as exc:
-        if Path(model).exists():
+        if model.strip() and Path(model).exists():  # Path("") is the current folder
             raise
         raise InputError(f"`{model}` is neither a plan file, a bundled plan nor a preset "
                          f"({', '.join(sorted(PRESETS))}); {exc.message}", field="--model") from None

@@ -28,6 +28,9 @@ def bundled_plan_names() -> list[str]:
 
 def resolve_plan_path(name_or_path: str) -> tuple[str, str]:
     """(display name, YAML text) of a plan file path or a bundled plan name (``demo``)."""
+    if not str(name_or_path).strip():  # Path("") is the current folder: say what is wrong instead
+        raise InputError(f"is empty; give a plan YAML path or a bundled plan name ({', '.join(bundled_plan_names())})",
+                         field="plan")
     path = Path(name_or_path)
     if is_input_file(path, "plan YAML file"):
         return str(path), read_input(path, "plan YAML file")

@@ -39,6 +39,9 @@ def bundled_names() -> list[str]:
 
 def resolve_topology_path(name_or_path: str) -> tuple[str, str]:
     """(display name, YAML text) of a bundled name or a file path."""
+    if not str(name_or_path).strip():  # Path("") is the current folder: say what is wrong instead
+        raise InputError("is empty; give a bundled topology name (`testbed topologies`) or a YAML path",
+                         field="topology")
     path = Path(name_or_path)
     if is_input_file(path, "topology YAML file"):
         return str(path), read_input(path, "topology YAML file")
