@@ -379,13 +379,15 @@ def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any
         counts["cases_with_problems"] += bool(problems)
         if problems and len(failures) < 200:
             failures.append({"command": o.command, "argv": [a[:120] for a in o.argv], "problems": problems,
-                             "stderr": o.stderr[-400:]})
+                             "stderr": o.stderr[-400:],
+                             "files": {k: v[:4000].decode("utf-8", "replace") for k, v in case.files.items()}})
 
     one()
     return {"cases": done, "per_command": dict(sorted(per_command.items())),
             "exit_codes": dict(sorted(exit_codes.items())), **counts,
             "max_stderr_bytes": max_stderr, "slowest_case_s": round(slowest, 3),
-            "seconds": round(time.perf_counter() - start, 2), "first_failures": failures[:5]}, failures
+            "seconds": round(time.perf_counter() - start, 2),
+            "first_failures": [{k: v for k, v in f.items() if k != "files"} for f in failures[:5]]}, failures
 
 
 def main() -> None:

@@ -363,3 +363,14 @@ def test_valid_execute_and_check_sharding_reach_the_trap():
         assert outcome.started_valid_run and outcome.exit_code == 0 and not outcome.problems(), outcome
     assert not fuzz.may_start_jax("collective", ["collective", "all-reduce", "--topology", "host-cpu-8",
                                                  "--execute", "emulated:4"])
+
+
+@pytest.mark.parametrize("op", ["reduce-scatter", "all-reduce", "broadcast"])
+def test_collective_peer_out_of_the_group_is_refused_for_every_op(tmp_path, capsys, op):
+    """`--peer 1000` with an op other than send reached the lower bound's np.delete: IndexError (fuzzer, graph-4)."""
+    topology = tmp_path / "graph-4.yaml"
+    topology.write_text(yaml.safe_dump(fuzz.TOPOLOGIES["graph-4"]))
+    code, _, err = _run(["collective", op, "--topology", str(topology), "--peer", "1000"], capsys)
+    assert code == 2 and "field `peer`" in err, err
+    code, _, err = _run(["collective", op, "--topology", str(topology), "--peer", "1"], capsys)
+    assert code == 0, err

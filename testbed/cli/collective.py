@@ -99,6 +99,8 @@ def _validate(args: argparse.Namespace, topology: Topology, op: Op, n: int) -> t
         peer = n - 1 if peer is None else peer
         if not 0 <= peer < n or peer == root:
             raise InputError(f"must be a rank 0..{n - 1} other than the root {root}, got {peer}", field="peer")
+    elif peer is not None and not 0 <= peer < n:  # the timing's bounds index the group by it, whatever the op
+        raise InputError(f"must be a rank 0..{n - 1} of the group, got {peer}", field="peer")
     return root, peer
 
 
