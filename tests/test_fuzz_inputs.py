@@ -374,3 +374,11 @@ def test_collective_peer_out_of_the_group_is_refused_for_every_op(tmp_path, caps
     assert code == 2 and "field `peer`" in err, err
     code, _, err = _run(["collective", op, "--topology", str(topology), "--peer", "1"], capsys)
     assert code == 0, err
+
+
+@pytest.mark.parametrize("argv, field", [(["sweep", ""], "spec"), (["sweep", " ", "--db", "x.duckdb"], "spec"),
+                                         (["sweep", "--db", "", "--plot", "plots"], "--db")])
+def test_an_empty_sweep_spec_or_db_names_the_field(capsys, argv, field):
+    """`testbed sweep ""` (or `--db ""`) took the empty value as none and then read `spec.name` of None."""
+    code, _, err = _run(argv, capsys)
+    assert code == 2 and f"field `{field}`" in err, err

@@ -48,6 +48,10 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.explore.sweep import read_rows, run_sweep
     from testbed.explore.sweep_spec import load_sweep_spec
 
+    if args.spec is not None and not args.spec.strip():  # "" is not a SPEC (nor the absence of one)
+        raise InputError("is empty; give the sweep SPEC YAML path", field="spec")
+    if args.db is not None and not args.db.strip():
+        raise InputError("is empty; give the DuckDB file path (without --db: NAME.duckdb)", field="--db")
     if args.spec is None and (args.db is None or args.plot is None):
         raise InputError("give a SPEC to sweep, or --db FILE --plot DIR to plot a database", field="spec")
     spec = load_sweep_spec(args.spec) if args.spec else None
