@@ -5,9 +5,10 @@ The compiled step of a small GPT on the emulated CPU devices: over ``fsdp``
 gradients reduce-scattered, once per sharded leaf, with the bytes of the
 leaf's tensor-rank shard, and no activation crosses those axes (the batch
 stays split over them), as testbed.sim.program and testbed.model.memory
-model FSDP. Without runners.parallel.ParamShards XLA's propagation split the
-weights' d_model (contracting) dim over fsdp and all-reduced activations
-there in every layer.
+model FSDP; check-sharding's abstract lowering finds the same axes and kinds.
+Without runners.parallel.ParamShards XLA's propagation split the weights'
+d_model (contracting) dim over fsdp and all-reduced activations there in
+every layer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 from runners import devices as dev, model, reshards
+from runners.check_sharding import check_sharding
 from runners.step import SpmdTrainer
 from runners.train import verify_plan
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
@@ -110,6 +112,10 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients(degrees: dict) -> No
     if plan.mesh.tensor > 1:  # Megatron's all-reduces carry the device's own batch rows (the whole batch: 2x)
         tensor = [n for axes, kind, n in found if axes == "tensor" and kind == "all-reduce"]
         assert _activation(plan) in tensor and max(tensor) < 2 * _activation(plan), tensor
+    # check-sharding (Shardy's partitioning on abstract devices) finds the same axes and kinds as XLA compiled.
+    checked = check_sharding(plan)
+    assert checked.ok, checked.error
+    assert {(r["axes"], r["kind"]) for r in checked.per_axis()} == {(axes, kind) for axes, kind, _ in found}
 
 
 def test_fsdp_spread_replicas_sequence_parallel_bf16_plan_matches_reference() -> None:
