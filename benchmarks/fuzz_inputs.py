@@ -152,9 +152,9 @@ def arguments_case(draw: Any) -> Case:
                                        "demo", "host-cpu-8", "--stages", "--over", "-", "--", ""]), BAD_NUMBERS,
                       st.text(max_size=8))
     argv = draw(st.lists(words, max_size=6))
-    command = argv[0] if argv and argv[0] in COMMANDS else "arguments"
-    if command in ("run",):  # would start JAX with a valid plan
-        argv = ["run", "--steps", "0", *argv[1:]]
+    command = argv[0] if argv and argv[0] in (*COMMANDS, "demo") else "arguments"
+    if command in ("run", "demo"):  # would start JAX with a valid plan
+        argv = [command, "--steps", "0", *argv[1:]]
     return Case(command, argv, plan_may_be_valid=command == "check-sharding")
 
 
@@ -268,7 +268,10 @@ def run_case_in_process(case: Case, folder: Path, time_limit: float = 30.0) -> O
     faulthandler.dump_traceback_later(2 * time_limit, file=sys.__stderr__)
     start = time.perf_counter()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), jax_trapped():
+        # In the case's folder: outputs a command writes by default (demo's testbed-out/, a sweep's NAME.duckdb)
+        # must not land in the caller's folder.
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), jax_trapped(), \
+                contextlib.chdir(folder):
             try:
                 code = main(argv)
             except SystemExit as exc:  # argparse: usage errors (2) and --help (0)
