@@ -186,9 +186,10 @@ class SequenceShards:
 
     def _map(self, fn: Any, in_specs: Any, out_specs: Any, check_vma: bool = True) -> Any:
         mesh = self._mesh()
-        if mesh is self.mesh:
+        if mesh is self.mesh:  # manual over tensor and the axes of degree 1 (see below: XLA:CPU's bf16 abort)
+            trivial = {name for name, size in mesh.shape.items() if size == 1}
             return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 axis_names=frozenset({"tensor"}), check_vma=check_vma)
+                                 axis_names=frozenset({"tensor"} | trivial), check_vma=check_vma)
         # Nested in ParamShards' map: unchecked, since JAX 0.10 names a checked map's residuals by all the axes
         # they vary over, the outer map's included (an invalid nested map); manual over every axis left (tensor,
         # axes of degree 1), since in a map with automatic axes JAX gives the reduce-scatter's reducer a sharding

@@ -58,11 +58,31 @@ def build_trainer(plan: Plan, devices: list[Any], return_grads: bool = False) ->
     from runners.pipeline.trainer import PipelineTrainer
     from runners.step import SpmdTrainer
 
+    _check_runnable(plan, devices)
     placement = dev.plan_placement(plan, devices)
     if plan.mesh.stage == 1:
         return SpmdTrainer(plan, dev.build_mesh(placement, devices), return_grads=return_grads)
     meshes = [dev.stage_mesh(placement, devices, s) for s in range(plan.mesh.stage)]
     return PipelineTrainer(plan, meshes, return_grads=return_grads)
+
+
+def _check_runnable(plan: Plan, devices: list[Any]) -> None:
+    """Refuse (exit 2) a plan these devices would abort on rather than run.
+
+    Sequence parallelism's maps (runners.parallel.SequenceShards) are manual over the tensor axis with the
+    batch axes automatic; XLA:CPU aborts the whole process on their 16-bit reduce-scatter (JAX 0.10).
+    With sharded parameters (fsdp, ZeRO 3) they nest in ParamShards' map, manual over the batch axes, and run.
+    """
+    from testbed.errors import InputError
+    from testbed.plan.sharding import state_sharding
+
+    if (plan.sequence_parallel and plan.precision is not Precision.FP32 and plan.replicas > 1
+            and not state_sharding(plan).split_axes(plan, "params")
+            and any(getattr(d, "platform", "") == "cpu" for d in devices)):
+        raise InputError("sequence_parallel with a 16-bit precision and data replicas does not run on CPU devices "
+                         "yet (XLA:CPU aborts on the 16-bit reduce-scatter while the batch axes are not manual); on "
+                         "CPUs use `precision: fp32`, shard the parameters (`mesh.fsdp` > 1 or `zero: 3`), or "
+                         "`mesh.data: 1`", field="sequence_parallel")
 
 
 def _loss_value(loss: Any) -> float | None:

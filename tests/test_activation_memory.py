@@ -219,3 +219,19 @@ def test_runner_reduce_scatters_instead_of_all_reducing() -> None:
     # backward: it keeps the gathered norm outputs. The learned position table's gradient, computed per
     # sequence shard, is all-gathered once more.)
     assert found["reduce-scatter"] == 2 * (2 * layers + 1) and found["all-gather"] == found["reduce-scatter"] + 1
+
+
+def test_runner_sp_in_16_bit_runs_or_is_refused_on_cpu() -> None:
+    """XLA:CPU aborts the process on SP's 16-bit reduce-scatter while the batch axes are automatic: with one
+    replica the maps are manual over every axis and run; with data replicas and unsharded parameters the
+    runner refuses the plan (exit 2, naming `sequence_parallel`) instead of crashing."""
+    import numpy as np
+
+    from runners import devices as dev
+    from runners.train import run_plan
+
+    one = _plan(True, tensor=2, data=1, precision="bf16-mixed")
+    assert np.isfinite(run_plan(one, dev.select_devices(2), steps=1).loss)
+    with pytest.raises(InputError) as info:
+        run_plan(_plan(True, tensor=2, data=2, precision="bf16-mixed"), dev.select_devices(4), steps=1)
+    assert info.value.field == "sequence_parallel"
