@@ -20,8 +20,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/testbed demo
 
+# Two worker processes (pytest-xdist): most tests are single-threaded XLA compiles, so on CI's 2 cores
+# two workers halve the wall time; each worker starts its own 8 emulated devices (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) testbed-out .pytest_cache .hypothesis
