@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from benchmarks.fuzz_docs import (BAD_BYTES, PLAN_OPTIONS, PLANS, SMALL_PLANS, SMALL_TOPOLOGIES, SWEEPS,
-                                  TMP, TOPOLOGIES, TOPOLOGY_OPTIONS, Case, _maybe, file_text)
+                                  TMP, TOPOLOGIES, TOPOLOGY_OPTIONS, Case, _dump, file_text)
 
 __all__ = ["check_sharding_case", "execute_case", "search_case", "sweep_case", "EXECUTE_VALUES", "SWEEP_OPTIONS"]
 
@@ -55,8 +55,11 @@ def _small_plan_file(draw: Any) -> bytes:
 def check_sharding_case(draw: Any) -> Case:
     """`check-sharding` with a damaged plan, topology or argument; a valid plan may reach JAX (trapped)."""
     files: dict[str, bytes] = {}
-    how = draw(st.sampled_from(["small", "small", "any", "bundled", "missing", "folder", "long"]))
-    if how in ("small", "any"):
+    how = draw(st.sampled_from(["small", "small", "any", "valid", "bundled", "missing", "folder", "long"]))
+    if how == "valid":  # an undamaged seed with the newer keys: accepted, it reaches JAX's trap
+        files["plan.yaml"] = _dump(PLANS[draw(st.sampled_from(SMALL_PLANS))]).encode()
+        plan = f"{TMP}/plan.yaml"
+    elif how in ("small", "any"):
         files["plan.yaml"] = _small_plan_file(draw) if how == "small" else draw(
             file_text(PLANS, topology_key=True, options=PLAN_OPTIONS))
         plan = f"{TMP}/plan.yaml"
@@ -76,21 +79,34 @@ def check_sharding_case(draw: Any) -> Case:
 
 @st.composite
 def execute_case(draw: Any) -> Case:
-    """`collective OP --execute DEVICES [--repeats N]`: bad device choices and repeats are refused before JAX."""
+    """`collective OP --execute DEVICES [--repeats N]`: one part drawn bad (or none), the rest valid.
+
+    Bad device choices, repeats, ops and topologies must be refused before JAX; with none bad the case
+    reaches JAX's trap (8-device topologies, so ``emulated:8`` is the group of ``--over all``).
+    """
     files: dict[str, bytes] = {}
-    if draw(st.integers(0, 3)) == 0:
-        files["topology.yaml"] = draw(file_text({k: TOPOLOGIES[k] for k in (*SMALL_TOPOLOGIES, "options-8")},
-                                                options=TOPOLOGY_OPTIONS))
+    bad = draw(st.sampled_from(["execute", "execute", "repeats", "topology", "op", "over", "bytes", "algorithm",
+                                "none"]))
+    topology = draw(st.sampled_from(["host-cpu-8", "a100-pcie-8", "eth-100g-8", "dgx-h100", "options-8"]))
+    if topology == "options-8" or bad == "topology":
+        seeds = {k: TOPOLOGIES[k] for k in (*SMALL_TOPOLOGIES, "options-8")}
+        files["topology.yaml"] = draw(file_text(seeds, options=TOPOLOGY_OPTIONS)) if bad == "topology" else \
+            _dump(TOPOLOGIES["options-8"]).encode()
         topology = f"{TMP}/topology.yaml"
-    else:
-        topology = draw(st.sampled_from([*SMALL_TOPOLOGIES[:4], "dgx-h100", "nope"]))
-    op = draw(st.sampled_from(["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "send",
-                               "nope"]))
-    argv = ["collective", op, "--topology", topology, "--execute", draw(st.sampled_from(EXECUTE_VALUES))]
-    argv += _maybe(draw, "--over", st.sampled_from(["all", "node", "pcie-switch", "x", "nope"]))
-    argv += _maybe(draw, "--repeats", st.sampled_from(REPEATS_VALUES))
-    argv += _maybe(draw, "--bytes", st.one_of(st.sampled_from(["4KiB", "1MiB", "3B"]), BAD_BYTES))
-    argv += _maybe(draw, "--algorithm", st.sampled_from(["auto", "ring", "direct", "nccl-ring", "nope"]))
+    if bad == "topology" and draw(st.booleans()):
+        topology = draw(st.sampled_from(["nope", "", f"{TMP}/x.yaml", TMP]))
+    op = draw(st.sampled_from(["all-reduce", "all-gather", "reduce-scatter", "all-to-all"] if bad != "op" else
+                              ["broadcast", "send", "nope", "", "allreduce"]))
+    execute = draw(st.sampled_from(EXECUTE_VALUES) if bad == "execute" else st.sampled_from(["emulated:8", "local"]))
+    argv = ["collective", op, "--topology", topology, "--execute", execute]
+    if bad == "over":
+        argv += ["--over", draw(st.sampled_from(["node", "pcie-switch", "x", "nope", "", ","]))]
+    if bad == "repeats" or draw(st.booleans()):
+        argv += ["--repeats", draw(st.sampled_from(REPEATS_VALUES if bad == "repeats" else ("1", "3")))]
+    if bad == "bytes" or draw(st.booleans()):
+        argv += ["--bytes", draw(BAD_BYTES if bad == "bytes" else st.sampled_from(["4KiB", "1MiB", "3B"]))]
+    if bad == "algorithm":
+        argv += ["--algorithm", draw(st.sampled_from(["ring", "direct", "tree", "nccl-ring", "nope", ""]))]
     return Case("collective", argv, files, plan_may_be_valid=True)
 
 
@@ -137,23 +153,30 @@ def search_case(draw: Any) -> Case:
 
 @st.composite
 def sweep_case(draw: Any) -> Case:
-    """`sweep` of a damaged small SPEC (in this process), or bad --db / --workers / --plot / --executor values."""
+    """`sweep` (in this process): a damaged small SPEC, or one bad --db / --workers / --plot / --executor / --top."""
     files: dict[str, bytes] = {}
-    how = draw(st.sampled_from(["file", "file", "file", "missing", "folder", "db-only", "none"]))
-    if how == "file":
+    bad = draw(st.sampled_from(["spec", "spec", "spec", "ref", "db", "workers", "executor", "top", "plot", "none"]))
+    if bad == "spec":
         files["spec.yaml"] = draw(file_text(SWEEPS, options=SWEEP_OPTIONS))
-    spec = {"file": [f"{TMP}/spec.yaml"], "missing": [f"{TMP}/nope.yaml"], "folder": [TMP]}.get(how, [])
-    db = draw(st.sampled_from([f"{TMP}/x.duckdb"] * 3 + [TMP, f"{TMP}/spec.yaml", f"{TMP}/junk.duckdb", "/dev/null",
-                                                         f"{TMP}/no/dir/x.duckdb", ""]))
+    else:
+        files["spec.yaml"] = _dump(SWEEPS[draw(st.sampled_from(sorted(SWEEPS)))]).encode()
+    spec = [f"{TMP}/spec.yaml"]
+    if bad == "ref":
+        spec = draw(st.sampled_from([[f"{TMP}/nope.yaml"], [TMP], [""], [], ["x" * 5000]]))
+    db = f"{TMP}/x.duckdb"
+    if bad in ("db", "plot") or bad == "ref" and not spec:
+        db = draw(st.sampled_from([TMP, f"{TMP}/spec.yaml", f"{TMP}/junk.duckdb", "/dev/null", f"{TMP}/no/dir/x.duckdb",
+                                   "", f"{TMP}/missing.duckdb"]))
     if db.endswith("junk.duckdb"):
         files["junk.duckdb"] = draw(st.sampled_from([b"", b"SQLite format 3\x00" + bytes(100), b"DUCK" * 64]))
-    argv = ["sweep", *spec, "--db", db]
-    if how == "db-only":
+    argv = ["sweep", *([] if bad == "plot" else spec), "--db", db,
+            "--workers", draw(st.sampled_from(["0", "-1", "nan", ""])) if bad == "workers" else "1"]
+    if bad == "plot":  # plot-only mode reads the database: a missing, folder or foreign one
         argv += ["--plot", draw(st.sampled_from([f"{TMP}/plots", "", f"{TMP}/spec.yaml"]))]
-    argv += ["--workers", draw(st.sampled_from(["1", "1", "1", "0", "-1", "nan"]))]
-    argv += _maybe(draw, "--executor", st.sampled_from(["process", "nope", ""]))
-    argv += _maybe(draw, "--top", st.sampled_from(["0", "-1", "3", "abc"]))
+    if bad == "executor":
+        argv += ["--executor", draw(st.sampled_from(["nope", "", "Process"]))]
+    if bad == "top":
+        argv += ["--top", draw(st.sampled_from(["0", "-1", "abc", "1e309"]))]
     if draw(st.integers(0, 3)) == 0:
         argv += ["-v"]
     return Case("sweep", argv, files)
-

@@ -15,10 +15,10 @@ The functions that would start JAX are replaced by a trap: ``run``,
 ``check-sharding`` and ``collective --execute`` must refuse bad input before
 reaching it (a case that does counts as ``jax_started``), and reaching it is
 right only when :func:`may_start_jax`, the fuzzer's own check, finds the
-input valid.
+input valid (counted as ``valid_reached_jax``, exit 0).
 
 ``python benchmarks/fuzz_inputs.py --cases 1000`` prints ONE JSON object:
-cases, per command, exit codes, tracebacks, wrong exit codes, max stderr
+cases, per command, exit codes (in all and per command), tracebacks, wrong exit codes, max stderr
 bytes, seconds (and the first failures, if any). tests/test_fuzz_inputs.py
 runs the same generators under the hypothesis profile of tests/conftest.py.
 """
@@ -247,8 +247,8 @@ class Outcome:
 
 def _names_something(stderr: str, argv: list[str] = ()) -> bool:
     """An exit-2 message names a field (`field `x``), an option, a file path, the file as given in ``argv``
-    (``error: nope: plan file not found``) or is an argparse usage error."""
-    if any(a and stderr.startswith(f"error: {a}:") for a in argv):
+    (``error: nope: plan file not found``; a long name clipped) or is an argparse usage error."""
+    if any(a and stderr.startswith(f"error: {a}:" if len(a) < 40 else f"error: {a[:40]}") for a in argv):
         return True
     return bool(re.search(r"field `|--[a-z]|\.ya?ml|\.json|usage:|error: argument|/", stderr))
 
@@ -353,7 +353,8 @@ def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any
     exit_codes: dict[str, int] = {}
     failures: list[dict[str, Any]] = []
     counts = {"tracebacks": 0, "escaped": 0, "wrong_exit_codes": 0, "stderr_over_2kb": 0, "unnamed_exit_2": 0,
-              "jax_started": 0, "timeouts": 0, "cases_with_problems": 0}
+              "jax_started": 0, "timeouts": 0, "cases_with_problems": 0, "valid_reached_jax": 0}
+    command_exits: dict[str, dict[str, int]] = {}
     max_stderr, slowest = 0, 0.0
     done = 0
     start = time.perf_counter()
@@ -369,6 +370,9 @@ def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any
         done += 1
         per_command[o.command] = per_command.get(o.command, 0) + 1
         exit_codes[str(o.exit_code)] = exit_codes.get(str(o.exit_code), 0) + 1
+        mine = command_exits.setdefault(o.command, {})
+        mine[str(o.exit_code)] = mine.get(str(o.exit_code), 0) + 1
+        counts["valid_reached_jax"] += o.started_valid_run
         max_stderr = max(max_stderr, len(o.stderr.encode()))
         slowest = max(slowest, o.seconds)
         problems = o.problems()
@@ -387,7 +391,8 @@ def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any
 
     one()
     return {"cases": done, "per_command": dict(sorted(per_command.items())),
-            "exit_codes": dict(sorted(exit_codes.items())), **counts,
+            "exit_codes": dict(sorted(exit_codes.items())),
+            "exit_codes_per_command": {k: dict(sorted(v.items())) for k, v in sorted(command_exits.items())}, **counts,
             "max_stderr_bytes": max_stderr, "slowest_case_s": round(slowest, 3),
             "seconds": round(time.perf_counter() - start, 2),
             "first_failures": [{k: v for k, v in f.items() if k != "files"} for f in failures[:5]]}, failures
