@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -151,5 +152,7 @@ def test_sharding_model(zero, fsdp, ops):
     gathers = [t for t in program.tasks if t.stream == "gather"]
     sharded_params = fsdp > 1 or zero == 3
     assert bool(gathers) == sharded_params
-    if sharded_params:  # one gather before every F and B
-        assert len(gathers) == 2 * plan.batch.microbatches
+    if sharded_params:  # one gather before every F (the backward keeps the gathered weights), and B with full remat
+        assert len(gathers) == plan.batch.microbatches
+        _, full = _program(replace(plan, remat="full"))
+        assert len([t for t in full.tasks if t.stream == "gather"]) == 2 * plan.batch.microbatches

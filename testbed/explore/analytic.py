@@ -38,7 +38,7 @@ from testbed.model import costs as model
 from testbed.model.memory import MemoryBreakdown, memory_breakdown, state_bytes_per_param
 from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, execution_order, peak_inflight
 from testbed.plan.placement import place
-from testbed.plan.sharding import gradient_reduction, state_sharding
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, state_sharding
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.model.gemm import chunk_gemms, scaled
 from testbed.sim.engine import compute_seconds
@@ -207,7 +207,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)
                 sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
                               for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
-                work[(s, c, kind)] = (whole, tp_s, gather if kind in ("F", "B") else 0.0, piece, pieces,
+                work[(s, c, kind)] = (whole, tp_s, gather if gathers_parameters(plan, kind) else 0.0, piece, pieces,
                                       bucket, scatter, sends)
 
     def play(slow: float) -> tuple[float, list[float], list[float]]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from testbed.plan.spec import MESH_AXES, Axis, Plan
+from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 
-__all__ = ["StateSharding", "state_sharding", "gradient_reduction"]
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "gathers_parameters"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,3 +57,16 @@ def gradient_reduction(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     sharded = state_sharding(plan).split_axes(plan, "grads")
     replicated = tuple(a.value for a in (Axis.DATA, Axis.FSDP) if plan.mesh.degree(a) > 1 and a.value not in sharded)
     return sharded, replicated
+
+
+def gathers_parameters(plan: Plan, kind: str) -> bool:
+    """Whether a pipeline action of ``kind`` (F, B or W) all-gathers the sharded parameters it uses.
+
+    Every forward gathers; the gathered weights stay as residuals for the backward (what
+    testbed.model.memory counts), so only full remat, which recomputes each block from its input
+    inside the backward, gathers again in B (runners.parallel.ParamShards: the gather sits inside
+    the checkpointed block). W needs no weights. False when nothing shards the parameters.
+    """
+    if not state_sharding(plan).split_axes(plan, "params"):
+        return False
+    return kind == "F" or (kind == "B" and plan.remat is Remat.FULL)

@@ -32,7 +32,8 @@ group) the controller takes a core's share like a device.
 
 Parameter and gradient sharding (same conventions as testbed.model.memory):
 parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
-all-gathered before each forward and backward action; optimizer state over
+all-gathered before each forward action (and backward with full remat:
+:func:`~testbed.plan.sharding.gathers_parameters`); optimizer state over
 ``O`` = fsdp (+ data when zero >= 1). Gradients are reduced in buckets: the
 last backward (or W) of each chunk is split into up to :data:`BUCKETS`
 pieces, and each piece's gradients start reducing at once, overlapping the
@@ -63,7 +64,7 @@ from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import Placement
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependencies
-from testbed.plan.sharding import gradient_reduction, state_sharding
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, state_sharding
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
            "OPTIMIZER_FLOPS_PER_PARAM"]
@@ -245,7 +246,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                 deps.append(sent[(ds, dep, s)])
             else:
                 deps.append(done[key])
-        if p_ways > 1 and action.kind in ("F", "B"):
+        if gathers_parameters(plan, action.kind):
             deps.append(b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                               op="all_gather", nbytes=cost.params * param_b,
                               group=_rep_group(p_groups[s], rep), instances=p_groups[s]))
