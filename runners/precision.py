@@ -105,7 +105,6 @@ class Optimizer:
     """
 
     def __init__(self, plan: Plan):
-        check_precision(plan)
         self.tx = make_optimizer(plan)
         self.mixed = plan.precision.mixed
         #: dtype of the parameters the trainers hold (and of their gradients).

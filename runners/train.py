@@ -67,15 +67,17 @@ def build_trainer(plan: Plan, devices: list[Any], return_grads: bool = False) ->
 
 
 def _check_runnable(plan: Plan, devices: list[Any]) -> None:
-    """Refuse (exit 2) a plan these devices would abort on rather than run.
+    """Refuse (exit 2) a plan these devices cannot run (fp8 matmuls) or would abort on rather than run.
 
     Sequence parallelism's maps (runners.parallel.SequenceShards) are manual over the tensor axis with the
     batch axes automatic; XLA:CPU aborts the whole process on their 16-bit reduce-scatter (JAX 0.10).
     With sharded parameters (fsdp, ZeRO 3) they nest in ParamShards' map, manual over the batch axes, and run.
     """
+    from runners.precision import check_precision
     from testbed.errors import InputError
     from testbed.plan.sharding import state_sharding
 
+    check_precision(plan, devices)  # fp8 (check-sharding lowers for devices it does not have: not checked there)
     if (plan.sequence_parallel and plan.precision is not Precision.FP32 and plan.replicas > 1
             and not state_sharding(plan).split_axes(plan, "params")
             and any(getattr(d, "platform", "") == "cpu" for d in devices)):

@@ -66,6 +66,8 @@ def test_runner_refuses_fp8_on_cpu_with_exit_2(tmp_path, capsys):
     assert main(["run", "--plan", str(plan), "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "precision" in err and "fp8" in err and "bf16-mixed" in err and "Traceback" not in err
+    # check-sharding lowers for the plan's devices, not this host's: the host's lack of fp8 is no reason to refuse
+    assert main(["check-sharding", "--plan", str(plan), "--topology", "host-cpu-8", "--json"]) == 0
 
 
 def test_check_precision_names_devices_without_fp8():
