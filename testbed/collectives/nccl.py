@@ -146,12 +146,7 @@ class NcclGroup:
 def nccl_group(topology: Topology, group: Sequence[int]) -> NcclGroup | None:
     """The group's NCCL view, or None when NCCL's model does not apply (not an NVLink GPU hierarchy, not a grid)."""
     group = tuple(group)
-    key = ("__nccl_group__", group)
-    cache = topology._routes
-    if key in cache:
-        return cache[key]
-    cache[key] = result = _nccl_group(topology, group)
-    return result
+    return topology.memo(("__nccl_group__", group), lambda: _nccl_group(topology, group))
 
 
 def _nccl_group(topology: Topology, group: tuple[int, ...]) -> NcclGroup | None:

@@ -76,12 +76,7 @@ def sub_torus(topology: Topology, group: Sequence[int]) -> SubTorus | None:
     if topology.form is not Form.TORUS or len(group) < 2:
         return None
     group = tuple(group)
-    key = ("__sub_torus__", group)
-    cache = topology._routes
-    if key in cache:
-        return cache[key]
-    cache[key] = result = _find_sub_torus(topology, group)
-    return result
+    return topology.memo(("__sub_torus__", group), lambda: _find_sub_torus(topology, group))
 
 
 def _find_sub_torus(topology: Topology, group: tuple[int, ...]) -> SubTorus | None:
@@ -192,10 +187,7 @@ def torus_profile(topology: Topology, op: Op | str, algorithm: str, shape: SubTo
 
 def _cached_profile(topology: Topology, op: Op, algorithm: str, shape: SubTorus):
     key = ("__torus_profile__", op, algorithm, shape.sizes, shape.latency, shape.bandwidth)
-    cache = topology._routes
-    if key not in cache:
-        cache[key] = torus_profile(topology, op, algorithm, shape)
-    return cache[key]
+    return topology.memo(key, lambda: torus_profile(topology, op, algorithm, shape))
 
 
 def torus_time(topology: Topology, op: Op | str, algorithm: str, group: Sequence[int], nbytes: float

@@ -19,8 +19,9 @@ runner use); switch nodes are strings. Every edge carries ``bandwidth``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import networkx as nx
 
@@ -122,6 +123,14 @@ class Topology:
     def link(self, u: int | str, v: int | str) -> Mapping[str, object]:
         """Attributes of the link between nodes u and v."""
         return self.graph.edges[u, v]
+
+    def memo(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per ``key`` for this topology (results may be None): derived facts such as
+        a group's symmetry or a collective's profile are pure functions of the topology."""
+        cache = self._routes
+        if key not in cache:
+            cache[key] = compute()
+        return cache[key]
 
     def route(self, src: int, dst: int) -> tuple[tuple[int | str, int | str], ...]:
         """Directed links (u, v) a transfer from device src to dst crosses.
