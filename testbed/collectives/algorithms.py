@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from testbed.collectives.ops import Op, StepProgram, Transfer, num_blocks, parse_op
 from testbed.errors import InputError, unknown_key_message
@@ -117,49 +117,49 @@ def _line(ranks: Sequence[int], parts: Sequence[Sequence[int]], reduce: bool, bi
 
 def _dim_ordered(op: Op, n: int, dims: Sequence[int], bidir: bool) -> tuple[int, Rounds]:
     """Reduce-scatter along dims first to last, all-gather last to first; returns (pieces, rounds)."""
-    if math.prod(dims) != n:
-        raise InputError(f"dims {list(dims)} must multiply to the rank count {n}", field="dims")
+    coord, lines = _grid(n, dims)
     h = 2 if bidir else 1
     pieces = n * h if op is Op.ALL_REDUCE else h
     chunks = num_blocks(op, n) * pieces
     owner = [c // h for c in range(chunks)]  # all_reduce: piece p belongs to rank p // h; else block index
-    strides = [math.prod(dims[:i]) for i in range(len(dims))]
-
-    def coord(rank: int, d: int) -> int:
-        return rank // strides[d] % dims[d]
-
-    def lines(d: int) -> list[list[int]]:
-        out: dict[tuple[int, ...], list[int]] = {}
-        for r in range(n):
-            key = tuple(coord(r, e) for e in range(len(dims)) if e != d)
-            out.setdefault(key, []).append(r)
-        return list(out.values())
-
-    rounds: Rounds = []
     active = [d for d in range(len(dims)) if dims[d] > 1]
+    rounds = _along_dims(op, n, dims, coord, {d: lines(d) for d in active}, active, list(range(chunks)), owner,
+                         lambda line, parts, reduce: _line(line, parts, reduce, bidir))
+    return pieces, rounds
+
+
+def _along_dims(op: Op, n: int, dims: Sequence[int], coord: Callable[[int, int], int], lines: dict[int, list],
+                order: Sequence[int], chunks: list[int], owner: Sequence[int],
+                line_rounds: Callable[[list[int], list[list[int]], bool], Rounds]) -> Rounds:
+    """``chunks`` reduce-scattered along the dims of ``order`` (chunk c ends on the rank ``owner[c]``), then
+    all-gathered back in reverse, each phase running ``line_rounds`` on every line of its dim at once.
+
+    reduce_scatter stops after the first half, all_gather starts from each rank's own chunks.
+    """
+    rounds: Rounds = []
     if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
-        owned = [list(range(chunks)) for _ in range(n)]
-        for d in active:
+        owned = [chunks for _ in range(n)]
+        for d in order:
             phase = []
-            for line in lines(d):
+            for line in lines[d]:
                 parts = [[c for c in owned[line[0]] if coord(owner[c], d) == i] for i in range(dims[d])]
-                phase.append(_line(line, parts, True, bidir))
+                phase.append(line_rounds(line, parts, True))
                 for i, r in enumerate(line):
                     owned[r] = parts[i]
             rounds += _merge(*phase)
     else:
-        owned = [[c for c in range(chunks) if owner[c] == r] for r in range(n)]
+        owned = [[c for c in chunks if owner[c] == r] for r in range(n)]
     if op in (Op.ALL_REDUCE, Op.ALL_GATHER):
-        for d in reversed(active):
+        for d in reversed(order):
             phase = []
-            for line in lines(d):
+            for line in lines[d]:
                 parts = [owned[r] for r in line]
-                phase.append(_line(line, parts, False, bidir))
+                phase.append(line_rounds(line, parts, False))
                 merged = sorted(itertools.chain.from_iterable(parts))
                 for r in line:
                     owned[r] = merged
             rounds += _merge(*phase)
-    return pieces, rounds
+    return rounds
 
 
 def _grid(n: int, dims: Sequence[int]):
@@ -257,30 +257,9 @@ def _multidim(op: Op, n: int, dims: Sequence[int]) -> tuple[int, Rounds]:
     for part in range(parts):
         order, direction = orders[part // 2], (1, -1)[part % 2]
         mine = [c for c in range(chunks) if part_of[c] == part]
-        rounds: Rounds = []
-        if op in (Op.ALL_REDUCE, Op.REDUCE_SCATTER):
-            owned = [mine for _ in range(n)]
-            for d in order:
-                phase = []
-                for line in line_cache[d]:
-                    split = [[c for c in owned[line[0]] if coord(owner[c], d) == i] for i in range(dims[d])]
-                    phase.append(_ring_line(line, split, True, direction))
-                    for i, r in enumerate(line):
-                        owned[r] = split[i]
-                rounds += _merge(*phase)
-        else:
-            owned = [[c for c in mine if owner[c] == r] for r in range(n)]
-        if op in (Op.ALL_REDUCE, Op.ALL_GATHER):
-            for d in reversed(order):
-                phase = []
-                for line in line_cache[d]:
-                    split = [owned[r] for r in line]
-                    phase.append(_ring_line(line, split, False, direction))
-                    merged = sorted(itertools.chain.from_iterable(split))
-                    for r in line:
-                        owned[r] = merged
-                rounds += _merge(*phase)
-        phases.append(rounds)
+        phases.append(_along_dims(op, n, dims, coord, line_cache, order, mine, owner,
+                                  lambda line, split, reduce, direction=direction:
+                                  _ring_line(line, split, reduce, direction)))
     return pieces, _merge(*phases)
 
 
