@@ -86,23 +86,13 @@ def plot_sweep(rows: list[dict[str, Any]], folder: str | Path, title: str = "") 
         ax.plot(xs, [best[d]["step_time_s"] for d in xs], marker="o", color=f"C{i % 10}", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("devices")
-    ax.set_ylabel("step time (s)")
-    ax.set_title("step time vs devices" + suffix, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    written.append(save_figure(fig, out_dir / "step_time_vs_devices.png"))
+    written.append(_finish(fig, ax, "devices", "step time (s)", "step time vs devices" + suffix, "both", out_dir / "step_time_vs_devices.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     _scatter(ax, groups, "memory_bytes", 1 / 2**30)
     _front(ax, ok, "memory_bytes", 1 / 2**30)
     ax.set_yscale("log")
-    ax.set_xlabel("memory per device (GiB)")
-    ax.set_ylabel("step time (s)")
-    ax.set_title("step time vs memory" + suffix, fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    written.append(save_figure(fig, out_dir / "step_time_vs_memory.png"))
+    written.append(_finish(fig, ax, "memory per device (GiB)", "step time (s)", "step time vs memory" + suffix, "major", out_dir / "step_time_vs_memory.png"))
 
     priced = [r for r in ok if r.get("dollars_per_step")]
     if priced:
@@ -114,12 +104,7 @@ def plot_sweep(rows: list[dict[str, Any]], folder: str | Path, title: str = "") 
             ax.annotate(str(r["devices"]), (r["dollars_per_step"], r["step_time_s"]), fontsize=6,
                         xytext=(3, 3), textcoords="offset points")
         ax.set_yscale("log")
-        ax.set_xlabel("dollars per step (labels: devices)")
-        ax.set_ylabel("step time (s)")
-        ax.set_title("step time vs cost" + suffix, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, out_dir / "step_time_vs_cost.png"))
+        written.append(_finish(fig, ax, "dollars per step (labels: devices)", "step time (s)", "step time vs cost" + suffix, "both", out_dir / "step_time_vs_cost.png"))
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for i, (label, rs) in enumerate(pgroups.items()):
@@ -127,10 +112,15 @@ def plot_sweep(rows: list[dict[str, Any]], folder: str | Path, title: str = "") 
             ax.plot([r["devices"] for r in rs], [r["tokens_per_dollar"] for r in rs], marker="o",
                     color=f"C{i % 10}", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("devices")
-        ax.set_ylabel("tokens per dollar")
-        ax.set_title("tokens per dollar vs devices" + suffix, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, out_dir / "tokens_per_dollar_vs_devices.png"))
+        written.append(_finish(fig, ax, "devices", "tokens per dollar", "tokens per dollar vs devices" + suffix, "both", out_dir / "tokens_per_dollar_vs_devices.png"))
     return written
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, grid: str, path: Path) -> Path:
+    """Label, grid and legend one chart, and write it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which=grid, alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path)
