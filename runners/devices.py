@@ -188,7 +188,7 @@ def stage_mesh(placement: Placement, devices: list[Any], stage: int) -> Any:
     import jax
 
     array = np.asarray(devices, dtype=object)[placement.sub_mesh(stage)]
-    return jax.sharding.Mesh(array, STAGE_MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return jax.sharding.Mesh(array, STAGE_MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(STAGE_MESH_AXES))
 
 
 def plan_placement(plan: Plan, devices: list[Any]) -> Placement:

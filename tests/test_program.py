@@ -121,7 +121,7 @@ def test_representatives_cover_every_device(plan):
     assert program.num_devices == plan.mesh.size
     for s in range(plan.mesh.stage):
         members = placement.stage_devices(s)
-        assert {int(program.representative[d]) for d in members} == {int(placement.device_ids[s, 0, 0, 0])}
+        assert {int(program.representative[d]) for d in members} == {int(placement.device_ids[s].flat[0])}
     assert sum(program.multiplicity.values()) == plan.mesh.size
     # Dependencies point backwards (checked by Program) and every collective's group is one of its instances.
     for t in program.tasks:

@@ -82,7 +82,21 @@ def _model_from_dict(model: Any, keys: tuple[str, ...]) -> ModelSpec:
                                     choices=[e.value for e in Attention])),
         attention_block=None if model.get("attention_block") is None else get_int(model, "attention_block", "model"),
         pad_vocab_to=None if pad is None else get_int(model, "pad_vocab_to", "model"),
+        **_moe_from_dict(model),
     )
+
+
+def _moe_from_dict(model: Any) -> dict[str, Any]:
+    """The mixture-of-experts keys of ``model`` (ModelSpec checks them against each other)."""
+    out: dict[str, Any] = {k: get_int(model, k, "model", default=d, minimum=0)
+                           for k, d in (("experts", 0), ("top_k", 2), ("shared_experts", 0), ("moe_every", 1),
+                                        ("first_dense_layers", 0))}
+    if model.get("expert_d_ff") is not None:
+        out["expert_d_ff"] = get_int(model, "expert_d_ff", "model")
+    if model.get("capacity_factor") is not None:
+        out["capacity_factor"] = get_float(model, "capacity_factor", "model", positive=True)
+    out["router_aux_loss"] = get_float(model, "router_aux_loss", "model", default=0.01, minimum=0.0)
+    return out
 
 
 def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
@@ -143,6 +157,7 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
         topology=topology,
         sequence_parallel=get_bool(data, "sequence_parallel", None),
         layers_per_stage=_layers_per_stage(data.get("layers_per_stage")),
+        expert_imbalance=get_float(data, "expert_imbalance", None, default=1.0, minimum=1.0),
     ))
 
 
@@ -173,9 +188,14 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         out["model"]["attention"] = m.attention.value
     if m.attention_block is not None:
         out["model"]["attention_block"] = m.attention_block
+    if m.experts:
+        out["model"].update(experts=m.experts, top_k=m.top_k, expert_d_ff=m.expert_width,
+                            shared_experts=m.shared_experts, moe_every=m.moe_every,
+                            first_dense_layers=m.first_dense_layers, capacity_factor=m.capacity_factor,
+                            router_aux_loss=m.router_aux_loss)
     out["batch"] = {"global_batch": b.global_batch, "microbatches": b.microbatches}
     out["mesh"] = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "stage": mesh.stage,
-                   "order": [a.value for a in mesh.order]}
+                   "expert": mesh.expert, "context": mesh.context, "order": [a.value for a in mesh.order]}
     out["schedule"] = {"name": plan.schedule.name.value, "virtual_stages": plan.schedule.virtual_stages}
     out["precision"] = plan.precision.value
     out["remat"] = plan.remat.value
@@ -188,6 +208,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     if plan.layers_per_stage is not None:
         lps = plan.layers_per_stage
         out["layers_per_stage"] = lps if isinstance(lps, str) else list(lps)
+    if plan.expert_imbalance != 1.0:
+        out["expert_imbalance"] = plan.expert_imbalance
     return out
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from testbed.plan.spec import Plan
 
 __all__ = ["MAX_DEVICES", "MAX_LAYERS", "MAX_D_MODEL", "MAX_D_FF", "MAX_HEADS", "MAX_VOCAB", "MAX_SEQ_LEN",
-           "MAX_GLOBAL_BATCH", "MAX_MICROBATCHES", "MAX_PIPELINE_ACTIONS", "MAX_STAGES", "MAX_NAME", "check_plan_limits"]
+           "MAX_GLOBAL_BATCH", "MAX_MICROBATCHES", "MAX_PIPELINE_ACTIONS", "MAX_STAGES", "MAX_EXPERTS", "MAX_NAME", "check_plan_limits"]
 
 #: Transformer blocks at most.
 MAX_LAYERS = 100_000
@@ -42,6 +42,8 @@ MAX_MICROBATCHES = 1 << 16
 #: Pipeline actions of one step (stages x microbatches x virtual chunks x 3) at most: the schedule table,
 #: its dependency graph and the simulator's tasks are built action by action.
 MAX_PIPELINE_ACTIONS = 200_000
+#: Experts per MoE layer at most (the largest published models route over a few hundred).
+MAX_EXPERTS = 1 << 14
 #: Pipeline stages at most (ordering a table's actions takes about stages^2 steps).
 MAX_STAGES = 1024
 
@@ -65,10 +67,13 @@ def check_plan_limits(plan: "Plan") -> "Plan":
     _at_most(plan.batch.global_batch, MAX_GLOBAL_BATCH, "batch.global_batch", "the testbed's limit")
     _at_most(plan.batch.microbatches, MAX_MICROBATCHES, "batch.microbatches", "the testbed's limit")
     mesh = plan.mesh
-    for axis in ("data", "fsdp", "tensor", "stage"):
+    for axis in ("data", "fsdp", "tensor", "stage", "expert", "context"):
         _at_most(getattr(mesh, axis), MAX_DEVICES, f"mesh.{axis}", "devices the testbed models at most")
-    _at_most(mesh.data * mesh.fsdp * mesh.tensor * mesh.stage, MAX_DEVICES, "mesh",
-             "devices in the mesh, data x fsdp x tensor x stage")
+    _at_most(mesh.size, MAX_DEVICES, "mesh", "devices in the mesh, the product of its degrees")
+    for name in ("experts", "shared_experts"):
+        _at_most(getattr(model, name, 0), MAX_EXPERTS, f"model.{name}", "the testbed's limit")
+    if getattr(model, "expert_d_ff", None):
+        _at_most(model.expert_d_ff, MAX_D_FF, "model.expert_d_ff", "the testbed's limit")
     _at_most(mesh.stage, MAX_STAGES, "mesh.stage", "pipeline stages the testbed schedules at most")
     virtual = plan.schedule.virtual_stages
     _at_most(virtual, MAX_LAYERS, "schedule.virtual_stages", "the testbed's limit")

@@ -1,12 +1,20 @@
 """Placement: which topology device holds each mesh coordinate.
 
-The default order puts the axis with the most traffic on the fastest links:
-``tensor`` innermost (collectives inside every layer), then ``fsdp``
-(gathers every layer), ``data`` (one gradient reduction per step) and
-``stage`` outermost (point-to-point activations only). Topology device ids
-are numbered innermost level first, so filling the mesh with the last axis of
-the order varying fastest keeps tensor groups inside a node. A plan may
-override the order with ``mesh.order``.
+The default order (``MESH_AXES`` read from the end; Megatron-LM's
+tp-cp-ep-dp-pp) puts the axes whose traffic the step waits for on the
+fastest links: ``tensor`` innermost (collectives inside every layer that
+block it), then ``context`` (ring attention: every attention layer passes
+each rank's K/V, and in the backward dK/dV, to its ring neighbour, bytes of
+the order of tensor's on long sequences, but hidden behind the attention
+while the links keep up, and only between neighbours:
+testbed.model.ring), ``expert`` (a dispatch and a combine all-to-all per MoE
+layer, blocking), ``fsdp`` (parameter gathers every layer, prefetched),
+``data`` (one gradient reduction per step) and ``stage`` outermost
+(point-to-point activations only). Topology device ids are numbered
+innermost level first, so filling the mesh with the last axis of the order
+varying fastest keeps tensor groups inside a node, and the context ring there
+too when tensor x context fits in it. A plan may override the order with
+``mesh.order``.
 
 The simulator and the runner both take the mesh from here: the runner builds
 its ``jax.sharding.Mesh`` from :attr:`Placement.device_ids`.
@@ -77,7 +85,7 @@ class Placement:
         return tuple(int(d) for d in self.device_ids[stage].ravel())
 
     def sub_mesh(self, stage: int) -> np.ndarray:
-        """Device ids of one stage as a (data, fsdp, tensor) array."""
+        """Device ids of one stage as an array of the other axes (MESH_AXES after stage)."""
         return self.device_ids[stage]
 
 

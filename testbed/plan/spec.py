@@ -16,10 +16,12 @@ from enum import StrEnum
 from typing import Any
 
 from testbed.errors import InputError
+from testbed.plan.model import (FLASH_BLOCK, VOCAB_PAD_BASE, Attention, Mlp, ModelSpec, Norm, Position,  # noqa: F401 (re-exported)
+                                 positive as _positive)
 from testbed.plan.stages import resolve_layers_per_stage
 
 __all__ = [
-    "Axis", "MESH_AXES", "ScheduleName", "Precision", "Remat", "Mlp", "Norm", "Position", "Attention", "ModelSpec", "BatchSpec", "MeshSpec",
+    "Axis", "MESH_AXES", "BATCH_AXES", "ScheduleName", "Precision", "Remat", "Mlp", "Norm", "Position", "Attention", "ModelSpec", "BatchSpec", "MeshSpec",
     "ScheduleSpec", "OptimizerSpec", "Plan", "check_plan",
 ]
 
@@ -31,11 +33,20 @@ class Axis(StrEnum):
     FSDP = "fsdp"
     TENSOR = "tensor"
     STAGE = "stage"
+    #: Expert parallelism: MoE experts split over it (tokens dispatched and combined with all-to-all);
+    #: in the dense parts it splits the batch like ``data``.
+    EXPERT = "expert"
+    #: Context parallelism: every sequence split over it (ring attention; testbed.plan.context).
+    CONTEXT = "context"
 
 
 #: Canonical axis order of every mesh array, outermost first. Placement may
-#: permute which devices sit where, never this order of array dims.
-MESH_AXES: tuple[Axis, ...] = (Axis.STAGE, Axis.DATA, Axis.FSDP, Axis.TENSOR)
+#: permute which devices sit where, never this order of array dims. The same
+#: order is the default placement (Megatron's tp-cp-ep-dp-pp, innermost first).
+MESH_AXES: tuple[Axis, ...] = (Axis.STAGE, Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.CONTEXT, Axis.TENSOR)
+
+#: The axes that split the batch (each replica of the dense model sees its own sequences).
+BATCH_AXES: tuple[Axis, ...] = (Axis.DATA, Axis.FSDP, Axis.EXPERT)
 
 
 class ScheduleName(StrEnum):
@@ -82,176 +93,6 @@ class Remat(StrEnum):
     FULL = "full"
 
 
-def _positive(value: int, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InputError(f"must be a positive whole number, got {value!r}", field=name)
-
-
-class Mlp(StrEnum):
-    """The MLP: GPT's ``gelu(x W1) W2``, or Llama's ``(silu(x W1) * x W3) W2`` (three matrices)."""
-
-    GELU = "gelu"
-    SWIGLU = "swiglu"
-
-
-class Norm(StrEnum):
-    """LayerNorm (scale and, with biases, a bias), or RMSNorm (scale only)."""
-
-    LAYERNORM = "layernorm"
-    RMSNORM = "rmsnorm"
-
-
-class Position(StrEnum):
-    """A learned position table, or rotary embeddings of Q and K (no parameters)."""
-
-    LEARNED = "learned"
-    ROPE = "rope"
-
-
-class Attention(StrEnum):
-    """Dense attention (the ``seq x seq`` scores materialised), or blockwise "flash" attention (FlashAttention-2:
-    online softmax over K/V blocks, the backward recomputes the block scores; no ``seq x seq`` buffer)."""
-
-    PLAIN = "plain"
-    FLASH = "flash"
-
-
-#: The largest K/V block of flash attention (FlashAttention-2's typical tile); see :attr:`ModelSpec.flash_block`.
-FLASH_BLOCK = 128
-
-
-#: Megatron's ``make-vocab-size-divisible-by``: an indivisible vocab is padded to a multiple of this x tensor.
-VOCAB_PAD_BASE = 128
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelSpec:
-    """A decoder-only transformer: embedding, ``layers`` pre-norm blocks, final norm, head.
-
-    The defaults are GPT-2's architecture (MHA, GELU MLP, LayerNorm, learned
-    positions, biases). ``kv_heads`` < ``heads`` is grouped-query attention
-    (``kv_heads`` 1: multi-query); ``mlp``, ``norm``, ``position`` and
-    ``bias`` choose the Llama family's pieces; ``attention`` plain or flash
-    (``attention_block``: flash's K/V block, default :attr:`flash_block`'s rule). ``dropout`` is a rate the
-    memory model counts masks for (the runner trains at rate 0).
-
-    ``vocab`` is the tokenizer's vocabulary; the token table and head have
-    :attr:`padded_vocab` rows. ``pad_vocab_to`` None is the automatic rule
-    (:meth:`vocab_multiple_for`): pad only when the tensor degree does not
-    divide ``vocab``, then to a multiple of ``128 x tensor`` (Megatron);
-    a number pads to a multiple of it (1: never). :class:`Plan` resolves
-    the rule for its mesh into ``vocab_multiple``; a ModelSpec on its own
-    has ``vocab_multiple`` = ``pad_vocab_to`` or 1.
-    """
-
-    kind: str = "gpt"
-    layers: int
-    d_model: int
-    heads: int
-    d_ff: int
-    seq_len: int
-    vocab: int
-    tied_embeddings: bool = False
-    kv_heads: int | None = None
-    mlp: Mlp = Mlp.GELU
-    norm: Norm = Norm.LAYERNORM
-    position: Position = Position.LEARNED
-    bias: bool = True
-    dropout: float = 0.0
-    rope_theta: float = 10000.0
-    attention: Attention = Attention.PLAIN
-    attention_block: int | None = None
-    pad_vocab_to: int | None = None
-    vocab_multiple: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind != "gpt":
-            raise InputError(f"unknown model kind `{self.kind}`; valid: gpt", field="model.kind")
-        for name in ("layers", "d_model", "heads", "d_ff", "seq_len", "vocab"):
-            _positive(getattr(self, name), f"model.{name}")
-        if self.d_model % self.heads:
-            raise InputError(f"d_model {self.d_model} must be divisible by heads {self.heads}", field="model.heads")
-        if self.kv_heads is not None:
-            _positive(self.kv_heads, "model.kv_heads")
-            if self.heads % self.kv_heads:
-                raise InputError(f"heads {self.heads} must be divisible by kv_heads {self.kv_heads}",
-                                 field="model.kv_heads")
-            if self.kv_heads == self.heads:  # multi-head attention: stored as unset, so `replace(heads=)` keeps MHA
-                object.__setattr__(self, "kv_heads", None)
-        for name, enum in (("mlp", Mlp), ("norm", Norm), ("position", Position), ("attention", Attention)):
-            value = getattr(self, name)
-            if value not in {e.value for e in enum}:
-                raise InputError(f"unknown {name} `{value}`; valid: {', '.join(e.value for e in enum)}",
-                                 field=f"model.{name}")
-            object.__setattr__(self, name, enum(value))
-        if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
-            raise InputError(f"must be in [0, 1), got {self.dropout!r}", field="model.dropout")
-        if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) or not self.rope_theta > 0:
-            raise InputError(f"must be positive, got {self.rope_theta!r}", field="model.rope_theta")
-        if self.position is Position.ROPE and self.head_dim % 2:
-            raise InputError(f"rope needs an even head_dim, got d_model / heads = {self.head_dim}",
-                             field="model.position")
-        if self.attention_block is not None:
-            _positive(self.attention_block, "model.attention_block")
-            if self.seq_len % self.attention_block:
-                raise InputError(f"must divide seq_len {self.seq_len} (flash attention's K/V blocks tile the "
-                                 f"sequence), got {self.attention_block}", field="model.attention_block")
-        if self.pad_vocab_to is not None:
-            _positive(self.pad_vocab_to, "model.pad_vocab_to")
-            object.__setattr__(self, "vocab_multiple", self.pad_vocab_to)
-        elif not self.vocab_multiple:
-            object.__setattr__(self, "vocab_multiple", 1)
-        _positive(self.vocab_multiple, "model.vocab_multiple")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.heads
-
-    @property
-    def flash_block(self) -> int:
-        """Flash attention's K/V block (both interpreters read it): ``attention_block``, or the largest divisor
-        of ``seq_len`` not above :data:`FLASH_BLOCK` (``seq_len`` itself up to 128)."""
-        if self.attention_block is not None:
-            return self.attention_block
-        return max(b for b in range(1, min(self.seq_len, FLASH_BLOCK) + 1) if self.seq_len % b == 0)
-
-    @property
-    def num_kv_heads(self) -> int:
-        """K/V heads: ``kv_heads``, or ``heads`` when unset (multi-head attention; ``kv_heads`` equal to
-        ``heads`` is stored unset)."""
-        return self.heads if self.kv_heads is None else self.kv_heads
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of K (and of V): ``kv_heads x head_dim`` (``d_model`` without GQA)."""
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def grouped(self) -> bool:
-        """Grouped-query (or multi-query) attention: fewer K/V heads than query heads."""
-        return self.num_kv_heads != self.heads
-
-    @property
-    def padded_vocab(self) -> int:
-        """Rows of the token table and the head: ``vocab`` rounded up to ``vocab_multiple``."""
-        return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
-
-    def vocab_multiple_for(self, tensor: int) -> int:
-        """The padding multiple at tensor degree ``tensor`` (``pad_vocab_to``, or the automatic rule)."""
-        if self.pad_vocab_to is not None:
-            return self.pad_vocab_to
-        return VOCAB_PAD_BASE * tensor if tensor > 1 and self.vocab % tensor else 1
-
-    def kv_split(self, tensor: int) -> bool:
-        """Whether the tensor axis splits the K/V heads (it divides ``kv_heads``); else each rank holds all of them."""
-        return self.num_kv_heads % tensor == 0
-
-    @property
-    def mlp_matrices(self) -> int:
-        """Weight matrices of the MLP: 2 (GELU), 3 (SwiGLU)."""
-        return 3 if self.mlp is Mlp.SWIGLU else 2
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BatchSpec:
     global_batch: int
@@ -264,21 +105,28 @@ class BatchSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshSpec:
-    """Degrees of the four mesh axes and the placement order (outermost first)."""
+    """Degrees of the six mesh axes and the placement order (outermost first)."""
 
     data: int = 1
     fsdp: int = 1
     tensor: int = 1
     stage: int = 1
+    expert: int = 1
+    context: int = 1
     order: tuple[Axis, ...] = MESH_AXES
 
     def __post_init__(self) -> None:
         for axis in Axis:
             _positive(getattr(self, axis.value), f"mesh.{axis.value}")
         order = tuple(Axis(a) for a in self.order)
+        # An order may leave out axes of degree 1 (an order written before they existed): where they sit
+        # places nothing, so they are put outermost.
+        missing = tuple(a for a in MESH_AXES if a not in order and self.degree(a) == 1)
+        order = missing + order
         if sorted(order) != sorted(Axis):
-            raise InputError(f"must list each of {', '.join(a.value for a in MESH_AXES)} once (outermost first), "
-                             f"got {[a.value for a in order]}", field="mesh.order")
+            raise InputError(f"must list each of {', '.join(a.value for a in MESH_AXES)} once (outermost first; "
+                             f"axes of degree 1 may be left out), got {[a.value for a in self.order]}",
+                             field="mesh.order")
         object.__setattr__(self, "order", order)
 
     def degree(self, axis: Axis | str) -> int:
@@ -352,6 +200,8 @@ class Plan:
     #: Layers per pipeline stage (``testbed.plan.stages``): None is the even split, else a rule name
     #: (``balanced-ends``) or one count per stage; :attr:`stage_layers` is the resolved counts.
     layers_per_stage: tuple[int, ...] | str | None = None
+    #: Simulator parameter of MoE plans: the busiest expert rank's tokens over the mean (1.0: uniform routing).
+    expert_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -363,12 +213,13 @@ class Plan:
         if m.vocab_multiple != multiple:  # the padding rule resolved for this mesh
             m = replace(m, vocab_multiple=multiple)
             object.__setattr__(self, "model", m)
-        replicas = mesh.data * mesh.fsdp
+        replicas = mesh.data * mesh.fsdp * mesh.expert
         if b.global_batch % (replicas * b.microbatches):
             raise InputError(
-                f"global_batch {b.global_batch} must be divisible by data x fsdp x microbatches = "
-                f"{mesh.data} x {mesh.fsdp} x {b.microbatches} = {replicas * b.microbatches}",
+                f"global_batch {b.global_batch} must be divisible by data x fsdp x expert x microbatches = "
+                f"{mesh.data} x {mesh.fsdp} x {mesh.expert} x {b.microbatches} = {replicas * b.microbatches}",
                 field="batch.global_batch")
+        self._check_axes()
         if isinstance(self.layers_per_stage, list):
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
         resolve_layers_per_stage(self.layers_per_stage, m.layers, mesh.stage, self.schedule.virtual_stages)
@@ -396,6 +247,31 @@ class Plan:
             raise InputError(f"interleaved needs microbatches ({b.microbatches}) divisible by mesh.stage ({mesh.stage})",
                              field="batch.microbatches")
 
+    def _check_axes(self) -> None:
+        """The context and expert axes against the model."""
+        m, mesh = self.model, self.mesh
+        if mesh.context > 1 and m.seq_len % (2 * mesh.context):
+            raise InputError(f"context parallelism cuts each sequence into 2 x context chunks (two per rank, "
+                             f"load-balanced): model.seq_len {m.seq_len} must be divisible by 2 x mesh.context = "
+                             f"{2 * mesh.context}", field="mesh.context")
+        if self.sequence_parallel and (m.seq_len // mesh.context) % mesh.tensor:
+            raise InputError(f"sequence_parallel splits each rank's {m.seq_len // mesh.context} tokens over the tensor "
+                             f"ranks: seq_len / context must be divisible by mesh.tensor {mesh.tensor}",
+                             field="model.seq_len")
+        if mesh.expert > 1 and not m.experts:
+            raise InputError(f"mesh.expert {mesh.expert} splits the experts of mixture-of-experts layers, but the "
+                             "model is dense (model.experts 0); set model.experts or mesh.expert: 1", field="mesh.expert")
+        if m.experts and m.experts % mesh.expert:
+            raise InputError(f"model.experts {m.experts} must be divisible by mesh.expert {mesh.expert}",
+                             field="mesh.expert")
+        if m.experts and m.expert_width % mesh.tensor:
+            raise InputError(f"expert width {m.expert_width} (expert_d_ff, or d_ff) must be divisible by mesh.tensor "
+                             f"{mesh.tensor}", field="model.expert_d_ff")
+        imb = self.expert_imbalance
+        if isinstance(imb, bool) or not isinstance(imb, (int, float)) or not imb >= 1:
+            raise InputError(f"must be a number >= 1 (the busiest expert rank's tokens over the mean; 1 is uniform), "
+                             f"got {imb!r}", field="expert_imbalance")
+
     @property
     def stage_layers(self) -> tuple[int, ...]:
         """Layers each pipeline stage holds (all its chunks): ``layers_per_stage`` resolved (even by default)."""
@@ -404,8 +280,8 @@ class Plan:
 
     @property
     def replicas(self) -> int:
-        """Data-parallel replicas: data x fsdp (the batch is split over both)."""
-        return self.mesh.data * self.mesh.fsdp
+        """Replicas of the dense model that split the batch: data x fsdp x expert (:data:`BATCH_AXES`)."""
+        return self.mesh.data * self.mesh.fsdp * self.mesh.expert
 
     @property
     def microbatch_size(self) -> int:
@@ -433,12 +309,13 @@ def plan_fields() -> Mapping[str, tuple[str, ...]]:
     """Valid keys of each plan section (for unknown-key suggestions)."""
     return {
         "": ("name", "model", "batch", "mesh", "schedule", "precision", "remat", "optimizer", "zero", "seed", "topology",
-             "sequence_parallel", "layers_per_stage"),
+             "sequence_parallel", "layers_per_stage", "expert_imbalance"),
         "model": ("preset", "kind", "layers", "d_model", "heads", "d_ff", "seq_len", "vocab", "tied_embeddings",
                   "kv_heads", "mlp", "norm", "position", "bias", "dropout", "rope_theta", "pad_vocab_to", "attention",
-                  "attention_block"),
+                  "attention_block", "experts", "top_k", "expert_d_ff", "shared_experts", "moe_every",
+                  "first_dense_layers", "capacity_factor", "router_aux_loss"),
         "batch": ("global_batch", "microbatches"),
-        "mesh": ("data", "fsdp", "tensor", "stage", "order"),
+        "mesh": ("data", "fsdp", "tensor", "stage", "expert", "context", "order"),
         "schedule": ("name", "virtual_stages"),
         "optimizer": ("name", "learning_rate", "b1", "b2", "eps", "weight_decay"),
     }

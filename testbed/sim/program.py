@@ -192,7 +192,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     p = mesh.stage
     schedule = schedule or build_schedule(plan.schedule.name, p, plan.batch.microbatches, v)
     param_b, grad_b, _ = state_bytes_per_param(plan)
-    reps = [int(placement.device_ids[s, 0, 0, 0]) for s in range(p)]
+    reps = [int(placement.device_ids[s].flat[0]) for s in range(p)]
     representative = np.empty(placement.num_devices, dtype=np.int64)
     for s in range(p):
         representative[placement.device_ids[s].ravel()] = reps[s]
