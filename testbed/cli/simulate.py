@@ -12,6 +12,7 @@ from testbed.output import CommandResult
 from testbed.plan.spec import Plan
 from testbed.plan.io import load_plan
 from testbed.sim.engine import Simulation, simulate as run_simulation
+from testbed.sim.moe import exposed_stream_s
 from testbed.topology import Topology
 from testbed.topology.io import load_topology
 from testbed.units import format_bytes, format_time, parse_bytes
@@ -33,9 +34,12 @@ def _summary(sim: Simulation) -> dict[str, Any]:
     r = sim.report
     memory = {k: r.memory[k] for k in MEMORY_KEYS if k in r.memory}
     memory.update({k: v for k, v in r.memory.items() if k not in memory})
-    return {"step_time_s": r.step_time_s, "compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
-            "bubble_fraction": r.bubble_fraction, "mfu": r.mfu, "memory": memory, "plan": r.plan,
-            "topology": r.topology, "devices": r.devices, "tasks": r.tasks}
+    out = {"step_time_s": r.step_time_s, "compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
+           "bubble_fraction": r.bubble_fraction, "mfu": r.mfu, "memory": memory, "plan": r.plan,
+           "topology": r.topology, "devices": r.devices, "tasks": r.tasks}
+    if any(t.op == "all_to_all" for t in sim.program.tasks):  # expert parallelism: the MoE all-to-alls' share
+        out["exposed_all_to_all_s"] = exposed_stream_s(sim.timeline)
+    return out
 
 
 # -- testbed simulate ----------------------------------------------------------------
@@ -72,6 +76,8 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
         console.print(f"step time      {format_time(data['step_time_s'])}")
         console.print(f"compute        {format_time(data['compute_s'])}")
         console.print(f"exposed comm   {format_time(data['exposed_comm_s'])}")
+        if "exposed_all_to_all_s" in data:
+            console.print(f"  all-to-all   {format_time(data['exposed_all_to_all_s'])} (MoE dispatch and combine)")
         console.print(f"bubble         {data['bubble_fraction']:.1%}")
         console.print(f"MFU            {data['mfu']:.1%}")
         fits = "[green]fits[/green]" if m.get("fits") else "[red]does not fit[/red]"

@@ -13,6 +13,9 @@ pipeline schedule table, stage by stage, with the same prices:
   waits for its gather only when gathering is the bottleneck;
 - activations and gradients cross stages with ``send_time`` on the sender's
   pipe stream (serial, as the program's);
+- under expert parallelism each MoE layer's dispatch and combine all-to-alls
+  (testbed.sim.moe's chain) block the action but for the shared experts'
+  compute running beside each: ``max(0, all-to-all - shared half)`` twice;
 - gradient buckets reduce on the grad stream while the backward goes on
   (all-reduce, reduce-scatter or HSDP, testbed.plan.sharding's rule), then
   the optimizer runs and, with ZeRO-1/2, the data axis re-gathers parameters;
@@ -29,6 +32,7 @@ DES (testbed.explore.search). Memory comes from testbed.model.memory exactly.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -38,11 +42,14 @@ from testbed.model import costs as model
 from testbed.model.memory import MemoryBreakdown, memory_breakdown, state_bytes_per_param
 from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, execution_order, peak_inflight
 from testbed.plan.placement import place
-from testbed.plan.sharding import gathers_parameters, gradient_reduction, state_sharding
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.model.gemm import chunk_gemms, scaled
 from testbed.sim.engine import compute_seconds
+from testbed.sim.moe import Piece, moe_pieces
 from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, _action_work
+from testbed.model.moe import moe_layers
+from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.topology import Topology
 
 __all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule"]
@@ -83,8 +90,8 @@ def cached_schedule(name: str, stages: int, microbatches: int, virtual: int) -> 
 def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], ...]:
     """All device groups of ``stage`` varying along ``axes`` (mesh order), the representative's first."""
     dims = [MESH_AXES.index(a) for a in axes]
-    block = ids[stage]  # dims: data, fsdp, tensor
-    keep = [d - 1 for d in range(1, 4) if d not in dims]
+    block = ids[stage]  # dims: MESH_AXES but stage
+    keep = [d - 1 for d in range(1, ids.ndim) if d not in dims]
     moved = block.transpose(keep + [d - 1 for d in sorted(dims)])
     size = 1
     for d in dims:
@@ -109,15 +116,22 @@ class _Collectives:
         return groups_time(self.topology, op, groups, nbytes).time_s
 
 
-def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, o_ways: int) -> float:
-    """One gradient bucket's reduction (testbed.sim.program's ``_reduce``)."""
-    mesh = plan.mesh
-    if o_ways == mesh.data * mesh.fsdp:
-        op = "reduce_scatter" if o_ways > 1 else "all_reduce"
-        return coll.time(op, (Axis.DATA, Axis.FSDP), stage, nbytes)
-    t = coll.time("reduce_scatter", (Axis.FSDP,), stage, nbytes) if mesh.fsdp > 1 else 0.0
-    if mesh.data > 1:
-        t += coll.time("all_reduce", (Axis.DATA,), stage, nbytes / mesh.fsdp)
+def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, expert_bytes: float) -> float:
+    """One gradient bucket's reduction (testbed.sim.program's ``_reduce``): per parameter kind, a reduce-scatter
+    over its reduction axes the optimizer state is sharded on, then an all-reduce over the rest."""
+    o_axes = state_sharding(plan).optimizer
+    t = 0.0
+    for expert, size in ((False, nbytes - expert_bytes), (True, expert_bytes)):
+        axes = reduction_axes(plan, expert)
+        if size <= 0 or not axes:
+            continue
+        sharded = tuple(a for a in axes if a in o_axes)
+        rest = tuple(a for a in axes if a not in o_axes)
+        ways = math.prod(plan.mesh.degree(a) for a in sharded)
+        if sharded:
+            t += coll.time("reduce_scatter", sharded, stage, size)
+        if rest:
+            t += coll.time("all_reduce", rest, stage, size / ways)
     return t
 
 
@@ -125,7 +139,8 @@ def _chunk_cost(plan: Plan, stage: int, chunk: int) -> model.ChunkCost:
     """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
     layers per stage)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage)
+           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
+           plan.mesh.expert, plan.expert_imbalance)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:
@@ -140,7 +155,7 @@ _CHUNKS: dict[tuple, model.ChunkCost] = {}
 def _chunk_gemms(plan: Plan, stage: int, chunk: int):
     """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`_chunk_cost`)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.remat, stage, chunk, plan.layers_per_stage)
+           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance)
     shapes = _GEMMS.get(key)
     if shapes is None:
         if len(_GEMMS) > 100_000:
@@ -171,14 +186,14 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     schedule, order = cached_schedule(plan.schedule.name.value, p, m, v)
     ids = place(plan, topology).device_ids
     coll = _Collectives(topology, ids)
-    reps = [int(ids[s, 0, 0, 0]) for s in range(p)]
+    reps = [int(ids[s].flat[0]) for s in range(p)]
     param_b, grad_b, _ = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     p_axes, p_ways, o_ways = sharding.params, sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
     per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
     split = schedule.split_backward
     last_kind = "W" if split else "B"
-    replicas = mesh.data * mesh.fsdp
+    replicas = math.prod(mesh.degree(a) for a in reduction_axes(plan))  # the axes dense gradients are summed over
     controller = cal.controller
 
     costs = [[_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
@@ -201,10 +216,16 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
                                                    max(1, kernels // pieces), rep_b / pieces, split_b / pieces,
                                                    cost.tensor_bytes, scaled(gemms, 1 / pieces))
-                    bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b, o_ways)
+                    experts = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
+                                            mesh.tensor, 1, mesh.expert, experts_only=True)
+                    bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b,
+                                             experts / pieces * grad_b)
                 if kind == last_kind and per_microbatch and m > 1:
                     scatter = coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b)
                 tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)
+                chain = moe_pieces(plan, moe_layers(plan.model, chunk_layers(plan.model, p, v, plan.stage_layers)[s][c]),
+                                   kind, split, flops, hbm, (rep_b, split_b), gemms, kernels)
+                tp_s += _exposed_all_to_all(chain, coll, topology, dtype, s)
                 sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
                               for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
                 work[(s, c, kind)] = (whole, tp_s, gather if gathers_parameters(plan, kind) else 0.0, piece, pieces,
@@ -290,6 +311,20 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
                     bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),
                     capacity_bytes=int(memory.capacity), fits=bool(memory.fits))
+
+
+def _exposed_all_to_all(chain: list[Piece], coll: _Collectives, topology: Topology, dtype: str, stage: int) -> float:
+    """Seconds an action's MoE all-to-alls block it (testbed.sim.moe's chain): each all-to-all less the shared
+    experts' compute the chain runs beside it (the piece that follows it, when it is one)."""
+    total = 0.0
+    for i, piece in enumerate(chain):
+        if piece.is_a2a:
+            a2a = piece.count * coll.time("all_to_all", (Axis.EXPERT,), stage, piece.nbytes)
+            beside = chain[i + 1] if i + 1 < len(chain) and chain[i + 1].name.endswith("shared") else None
+            overlap = compute_seconds(topology, dtype, beside.flops, 0.0, beside.kernels,
+                                      gemms=beside.gemms) if beside else 0.0
+            total += max(0.0, a2a - overlap)
+    return total
 
 
 def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, costs) -> list[tuple[int, int, float]]:

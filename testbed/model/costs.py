@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError
-from testbed.model import layout
+from testbed.model import layout, moe
 from testbed.model.layout import chunk_layers
 from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Precision, Remat
 
@@ -79,7 +79,8 @@ def head_param_count(spec: ModelSpec) -> int:
 
 def padded_param_count(spec: ModelSpec) -> int:
     """Parameters the model holds: :func:`param_count` plus the padded vocab rows of the token table and head."""
-    return embedding_param_count(spec) + spec.layers * layer_param_count(spec) + head_param_count(spec)
+    layers = sum(p.size * n for p, n in layout.layers_params(spec, range(spec.layers)))  # MoE layers differ
+    return embedding_param_count(spec) + layers + head_param_count(spec)
 
 
 def param_count(spec: ModelSpec) -> int:
@@ -95,9 +96,10 @@ def _layer_params_per_tensor_rank(spec: ModelSpec, tensor: int) -> int:
 
 
 def _chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int, tensor: int,
-                  ways: int = 1, stage_layers: tuple[int, ...] | None = None) -> int:
+                  ways: int = 1, stage_layers: tuple[int, ...] | None = None, expert: int = 1,
+                  experts_only: bool | None = None) -> int:
     held = layout.chunk_params(spec, stage, chunk, stages, virtual, stage_layers=stage_layers)
-    return layout.held_elements(held, tensor, ways)
+    return layout.held_elements(held, tensor, ways, expert, experts_only)
 
 
 def stage_param_count(spec: ModelSpec, stage: int, stages: int, virtual: int = 1,
@@ -114,15 +116,16 @@ def stage_param_count(spec: ModelSpec, stage: int, stages: int, virtual: int = 1
     return sum(_chunk_params(spec, stage, c, stages, virtual, 1, stage_layers=stage_layers) for c in range(virtual))
 
 
-def device_stage_params(plan: Plan, stage: int, ways: int = 1) -> int:
-    """Parameters one device of ``stage`` holds after the tensor split and, with ``ways`` > 1, fsdp/ZeRO sharding.
+def device_stage_params(plan: Plan, stage: int, ways: int = 1, experts_only: bool | None = None) -> int:
+    """Parameters one device of ``stage`` holds after the tensor and expert splits and, with ``ways`` > 1,
+    fsdp/ZeRO sharding (``experts_only``: True the routed experts' weights only, False the others only).
 
     The sharding is the layout's one rule (``testbed.model.layout.shard_dim``,
     as the runner's): a parameter no free dim of which ``ways`` divides stays whole.
     """
     v, split = plan.schedule.virtual_stages, plan.stage_layers
-    return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor, ways, split)
-               for c in range(v))
+    return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor, ways, split,
+                             plan.mesh.expert, experts_only) for c in range(v))
 
 
 # -- FLOPs ----------------------------------------------------------------------------
@@ -421,18 +424,21 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         raise InputError(f"must be in 0..{v - 1}, got {chunk}", field="chunk")
     b, c = plan.microbatch_size, plan.precision.compute_bytes
     split = plan.stage_layers
-    layers = len(chunk_layers(spec, p, v, split)[stage][chunk])
+    span = chunk_layers(spec, p, v, split)[stage][chunk]
+    layers, moe_layers = len(span), moe.moe_layers(spec, span)
     embed, head = layout.holds(stage, chunk, p, v)
     dense, attention = _layer_matmul_flops(spec, b, t)
-    forward = layers * (dense + attention) // t
-    b_flops = layers * (dense + 2 * attention) // t
-    w_flops = layers * dense // t
+    swap = round(moe_layers * moe.mlp_flops_swap(plan)) if moe_layers else 0  # MoE blocks for dense MLPs
+    forward = layers * (dense + attention) // t + swap
+    b_flops = layers * (dense + 2 * attention) // t + swap
+    w_flops = layers * dense // t + swap
     if head:
         hf = head_forward_flops(spec, b, t)
         forward, b_flops, w_flops = forward + hf, b_flops + hf, w_flops + hf
-    params = _chunk_params(spec, stage, chunk, p, v, t, stage_layers=split)
+    params = _chunk_params(plan.model, stage, chunk, p, v, t, stage_layers=split, expert=plan.mesh.expert)
     sp = plan.sequence_parallel  # the residual stream split over the sequence on the tensor ranks
     kept = layers * activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp)
+    kept += moe_layers * moe.activation_bytes_swap(plan, t) if moe_layers else 0
     if head:
         kept += head_activation_bytes(spec, b, plan.precision, t, sp)
     n_bytes = b * spec.seq_len * spec.d_model * c
@@ -450,7 +456,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     tp = t > 1
     return ChunkCost(
         layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,
-        recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t),
+        recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t) + (
+            round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0),
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
         activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=(replicated, split),
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
@@ -463,6 +470,7 @@ def model_flops_per_step(plan: Plan) -> float:
     """Useful training FLOPs of one step over all devices: 3 x forward, no recompute (for MFU)."""
     spec, batch = plan.model, plan.batch.global_batch
     forward = spec.layers * layer_forward_flops(spec, batch) + head_forward_flops(spec, batch)
+    forward += moe.model_flops_swap(spec, batch * spec.seq_len)  # MoE layers' active FLOPs for dense MLPs'
     return float(3 * forward)
 
 

@@ -19,7 +19,12 @@ them; ``N = microbatch x seq`` tokens, ``t`` the tensor degree):
   d_head`` and values ``s x d_head x s`` (``flash``: inside one fused
   kernel that keeps the scores on chip, testbed.sim.compute prices them at
   the device's flash attention efficiency);
-- head (last chunk): ``N x V/t x d`` over the padded vocab.
+- head (last chunk): ``N x V/t x d`` over the padded vocab;
+- an MoE layer (:func:`moe_gemms`) replaces the MLP by the router ``N x E x d`` (replicated over
+  the tensor ranks), the routed experts as one grouped GEMM per matrix, batched over the rank's
+  ``E / ep`` experts, each of ``testbed.model.moe.expert_tokens`` rows (``ep N top_k / E`` tokens,
+  times the load: the capacity factor, or the busiest rank's imbalance), and the shared experts
+  as a dense MLP of width ``S fe``.
 
 A weight matmul ``Y = X W`` (``m x n x k``) has two gradients: the input's
 ``dX = dY W^T`` (``m x k x n``, in B) and the weight's ``dW = X^T dY``
@@ -35,9 +40,10 @@ from dataclasses import dataclass, replace
 
 from testbed.model import layout
 from testbed.model.layout import chunk_layers
+from testbed.model.moe import expert_tokens
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
-__all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "chunk_gemms", "gemm_flops", "scaled"]
+__all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms", "gemm_flops", "scaled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +107,23 @@ def _projections(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm],
     return qkv + [Gemm(tokens, d, d // t)] + mlp_in, Gemm(tokens, d, f // t)
 
 
+def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int
+              ) -> tuple[list[Gemm], list[Gemm]]:
+    """(the MoE block's GEMMs but its out projections, its out projections) on one rank, ``tokens`` tokens.
+
+    The router, the routed experts' grouped GEMMs (``expert_rows`` rows each, :func:`testbed.model.moe.expert_tokens`)
+    and the shared experts' MLP, as an MoE layer runs them in place of the dense MLP.
+    """
+    d, fe, t = spec.d_model, spec.expert_d_ff or spec.d_ff, tensor
+    local, inner = spec.experts // expert, spec.mlp_matrices - 1
+    ins = [Gemm(tokens, spec.experts, d)] + [Gemm(expert_rows, fe // t, d, batch=local) for _ in range(inner)]
+    outs = [Gemm(expert_rows, d, fe // t, batch=local)]
+    if spec.shared_experts:
+        ins += [Gemm(tokens, spec.shared_experts * fe // t, d) for _ in range(inner)]
+        outs.append(Gemm(tokens, d, spec.shared_experts * fe // t))
+    return ins, outs
+
+
 def _attention(spec: ModelSpec, batch: int, tensor: int) -> tuple[Gemm, Gemm]:
     """(scores ``Q K^T``, values ``P V``) batched over the rank's heads and the microbatch."""
     s, dh = spec.seq_len, spec.d_model // spec.heads
@@ -133,19 +156,27 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     """GEMMs of virtual chunk ``chunk`` on pipeline stage ``stage``, one microbatch, one device."""
     spec, p, v, t = plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor
     b = plan.microbatch_size
-    layers = len(chunk_layers(spec, p, v, plan.stage_layers)[stage][chunk])
+    span = chunk_layers(spec, p, v, plan.stage_layers)[stage][chunk]
     _, head = layout.holds(stage, chunk, p, v)
-    weights, mlp_out = _projections(spec, b * spec.seq_len, t)
     scores, values = _attention(spec, b, t)
-    per_layer_weights = (*weights, mlp_out)
-    forward = [*per_layer_weights, scores, values]
-    inputs = [g.input_grad() for g in per_layer_weights] + [scores.input_grad(), scores.weight_grad(),
-                                                             values.input_grad(), values.weight_grad()]
-    grads = [g.weight_grad() for g in per_layer_weights]
-    recompute = {Remat.NONE: [], Remat.SELECTIVE: [scores], Remat.FULL: [*weights, scores, values]}[plan.remat]
-    if scores.flash and plan.remat is not Remat.SELECTIVE:  # flash's backward recomputes the scores (selective's)
-        recompute.append(scores)
-    out = [scaled(tuple(x), layers) for x in (forward, inputs, grads, recompute)]
+    weights, mlp_out = _projections(spec, b * spec.seq_len, t)
+    moe = sum(layout.is_moe_layer(spec, i) for i in span)
+    kinds = [(len(span) - moe, weights, [mlp_out])]
+    if moe:
+        ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert)
+        kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs))
+    out: list[tuple[Gemm, ...]] = [(), (), (), ()]
+    for layers, weights, outs in kinds:
+        per_layer_weights = (*weights, *outs)
+        forward = [*per_layer_weights, scores, values]
+        inputs = [g.input_grad() for g in per_layer_weights] + [scores.input_grad(), scores.weight_grad(),
+                                                                 values.input_grad(), values.weight_grad()]
+        grads = [g.weight_grad() for g in per_layer_weights]
+        recompute = {Remat.NONE: [], Remat.SELECTIVE: [scores], Remat.FULL: [*weights, scores, values]}[plan.remat]
+        if scores.flash and plan.remat is not Remat.SELECTIVE:  # flash's backward recomputes the scores (selective's)
+            recompute.append(scores)
+        if layers:
+            out = [o + scaled(tuple(x), layers) for o, x in zip(out, (forward, inputs, grads, recompute))]
     if head:
         (h,) = head_gemms(spec, b, t)
         out[0], out[1], out[2] = out[0] + (h,), out[1] + (h.input_grad(),), out[2] + (h.weight_grad(),)

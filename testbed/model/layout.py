@@ -15,6 +15,15 @@ the up projection ``w3 [d,f]`` (and ``b3``); ``norm: rmsnorm`` and
 ones; ``position: rope`` drops the position table. ``vocab`` rows are the
 padded vocab (:attr:`ModelSpec.padded_vocab`).
 
+Mixture of experts (``model.experts`` > 0): the layers :meth:`ModelSpec.is_moe_layer` names replace the
+dense ``mlp`` by ``moe``: a router ``[d, experts]`` (replicated), the routed experts' stacked weights
+``w1 [experts, d, fe]`` (``w3`` too with SwiGLU; ``b1 [experts, fe]``, ``b3``, ``b2 [experts, d]`` with
+biases) and ``w2 [experts, fe, d]``, where ``fe`` is the expert width (``expert_d_ff``, else ``d_ff``),
+and with ``shared_experts`` S an always-active dense MLP ``shared_w1 [d, S fe]`` (``shared_w3``),
+``shared_w2 [S fe, d]`` (and biases). The expert axis splits dim 0 of the routed experts'
+weights (:attr:`ParamSpec.expert_dim`), the tensor axis their ``fe`` dim (Megatron's column/row
+split within every expert). Layers differ then, so :func:`layer_params` takes the layer index.
+
 That picture is :data:`_TABLE` below, row by row; nothing else writes it.
 Each row says where the parameter sits (:class:`Placement`), its path under
 that placement's root, its shape in :class:`ModelSpec` fields, the dim the
@@ -55,7 +64,7 @@ from testbed.plan.stages import resolve_layers_per_stage
 
 __all__ = [
     "Placement", "Init", "ParamSpec", "INIT_STD", "GLOBAL_KEYS", "LAYER_KEYS", "LAYER_LEAVES",
-    "layer_keys", "embedding_params", "layer_params", "head_params", "tied_table", "model_params", "param_at", "shard_dim",
+    "layer_keys", "is_moe_layer", "embedding_params", "layer_params", "layers_params", "head_params", "tied_table", "model_params", "param_at", "shard_dim",
     "chunk_layers", "embedding_holder", "head_holder", "holds", "chunk_params", "held_elements",
 ]
 
@@ -105,6 +114,9 @@ class ParamSpec:
     #: Whole units (K/V heads) along ``tensor_dim``: the tensor axis splits it only at degrees dividing
     #: this, and leaves the parameter replicated otherwise (fewer K/V heads than tensor ranks). 0: always split.
     tensor_units: int = 0
+    #: The experts dim of a routed expert's stacked weight, which the expert mesh axis splits; None: a dense
+    #: parameter (replicated over the expert axis, its gradient summed over it).
+    expert_dim: int | None = None
 
     def __post_init__(self) -> None:
         if not self.path or not all(isinstance(p, str) and p for p in self.path):
@@ -113,6 +125,9 @@ class ParamSpec:
             raise ValueError(f"{self.name}: shape must be positive sizes, got {self.shape!r}")
         if self.tensor_dim is not None and not 0 <= self.tensor_dim < len(self.shape):
             raise ValueError(f"{self.name}: tensor_dim {self.tensor_dim} outside shape {self.shape}")
+        if self.expert_dim is not None and (not 0 <= self.expert_dim < len(self.shape)
+                                            or self.expert_dim == self.tensor_dim):
+            raise ValueError(f"{self.name}: expert_dim {self.expert_dim} outside shape {self.shape} or the tensor dim")
         random = self.init in (Init.NORMAL, Init.NORMAL_RESIDUAL)
         if random != (self.rng is not None) or random != (self.std > 0):
             raise ValueError(f"{self.name}: a random init needs rng and std > 0, a constant one neither")
@@ -136,18 +151,29 @@ class ParamSpec:
             return ()
         return (self.tensor_dim,)
 
-    def shard_dim(self, tensor: int, ways: int) -> int | None:
-        """The dim fsdp/ZeRO split ``ways`` ways (:func:`shard_dim` on the dims tensor leaves free)."""
-        return shard_dim(self.shape, self.tensor_dims(tensor), ways)
+    @property
+    def is_expert(self) -> bool:
+        """A routed expert's weight: split over the expert axis, its gradient not summed over it."""
+        return self.expert_dim is not None
 
-    def device_elements(self, tensor: int = 1, ways: int = 1) -> int:
-        """Elements one device holds: split by ``tensor`` (if it has a tensor dim) and by ``ways`` under the rule."""
+    def expert_dims(self, expert: int) -> tuple[int, ...]:
+        """Dims the expert axis takes at degree ``expert`` (none at degree 1, nor for a dense parameter)."""
+        return (self.expert_dim,) if expert > 1 and self.expert_dim is not None else ()
+
+    def shard_dim(self, tensor: int, ways: int, expert: int = 1) -> int | None:
+        """The dim fsdp/ZeRO split ``ways`` ways (:func:`shard_dim` on the dims tensor and expert leave free)."""
+        return shard_dim(self.shape, self.tensor_dims(tensor) + self.expert_dims(expert), ways)
+
+    def device_elements(self, tensor: int = 1, ways: int = 1, expert: int = 1) -> int:
+        """Elements one device holds: split by ``tensor`` (if it has a tensor dim), by ``expert`` (a routed
+        expert's weight) and by ``ways`` under the rule."""
         n = self.size
-        for dim in self.tensor_dims(tensor):
-            if self.shape[dim] % tensor:
-                raise ValueError(f"{self.name}: tensor {tensor} does not divide dim {dim} of {self.shape}")
-            n //= tensor
-        return n // ways if self.shard_dim(tensor, ways) is not None else n
+        for dim, degree in [(d, tensor) for d in self.tensor_dims(tensor)] + \
+                [(d, expert) for d in self.expert_dims(expert)]:
+            if self.shape[dim] % degree:
+                raise ValueError(f"{self.name}: degree {degree} does not divide dim {dim} of {self.shape}")
+            n //= degree
+        return n // ways if self.shard_dim(tensor, ways, expert) is not None else n
 
 
 def shard_dim(shape: tuple[int, ...], taken: tuple[int, ...], ways: int) -> int | None:
@@ -171,55 +197,43 @@ class _Row(NamedTuple):
     tensor_dim: int | None
     init: Init
     rng: int | None = None
-    when: Callable[[ModelSpec], bool] | None = None   # present only for the models it returns True for
+    when: tuple[str, ...] = ()        # _WHEN conditions: present only for the models meeting them all
     units: str | None = None          # ModelSpec field counting whole units (heads) along the tensor dim:
                                       # split only when the tensor degree divides it, else replicated
+    moe: bool | None = None           # None: every layer; False: dense-MLP layers only; True: MoE layers only
+    expert_dim: int | None = None     # the experts dim (routed experts' stacked weights)
 
 
 #: Under the embedding root: the table a tied head multiplies by (transposed).
 _TIED_PATH = ("tokens",)
 _E, _L, _H = Placement.EMBEDDING, Placement.LAYER, Placement.HEAD
 _D, _F, _V, _KV = "d_model", "d_ff", "padded_vocab", "kv_dim"
+#: MoE sizes: routed experts, one expert's width, the shared experts' joint width.
+_X, _FE, _FS = "experts", "_expert_width", "_shared_width"
 
 
-def _untied(s: ModelSpec) -> bool:
-    return not s.tied_embeddings
+def _expert_width(s: ModelSpec) -> int:
+    return s.expert_d_ff or s.d_ff
 
 
-def _learned(s: ModelSpec) -> bool:
-    return s.position is Position.LEARNED
+def _shared_width(s: ModelSpec) -> int:
+    return s.shared_experts * _expert_width(s)
 
 
-def _norm_bias(s: ModelSpec) -> bool:
-    return s.norm is Norm.LAYERNORM and s.bias
+_SIZES: dict[str, Callable[[ModelSpec], int]] = {_FE: _expert_width, _FS: _shared_width}
 
 
-def _mha(s: ModelSpec) -> bool:
-    return not s.grouped
-
-
-def _mha_bias(s: ModelSpec) -> bool:
-    return not s.grouped and s.bias
-
-
-def _gqa(s: ModelSpec) -> bool:
-    return s.grouped
-
-
-def _gqa_bias(s: ModelSpec) -> bool:
-    return s.grouped and s.bias
-
-
-def _bias(s: ModelSpec) -> bool:
-    return s.bias
-
-
-def _swiglu(s: ModelSpec) -> bool:
-    return s.mlp is Mlp.SWIGLU
-
-
-def _swiglu_bias(s: ModelSpec) -> bool:
-    return s.mlp is Mlp.SWIGLU and s.bias
+#: Conditions a row's ``when`` names (all must hold for the model to have the row).
+_WHEN: dict[str, Callable[[ModelSpec], bool]] = {
+    "untied": lambda s: not s.tied_embeddings,
+    "learned": lambda s: s.position is Position.LEARNED,
+    "norm_bias": lambda s: s.norm is Norm.LAYERNORM and s.bias,
+    "mha": lambda s: not s.grouped,
+    "gqa": lambda s: s.grouped,
+    "bias": lambda s: s.bias,
+    "swiglu": lambda s: s.mlp is Mlp.SWIGLU,
+    "shared": lambda s: s.shared_experts > 0,
+}
 
 
 #: The layout, in the runner's init order. q, k, v are stacked on their own axis so a split of the
@@ -231,43 +245,68 @@ def _swiglu_bias(s: ModelSpec) -> bool:
 #: Rows with ``when`` exist only for the models it accepts (the defaults are GPT-2's rows).
 _TABLE: tuple[_Row, ...] = (
     _Row(_E, ("tokens",), (_V, _D), 0, Init.NORMAL, rng=0),
-    _Row(_E, ("positions",), ("seq_len", _D), None, Init.NORMAL, rng=1, when=_learned),
+    _Row(_E, ("positions",), ("seq_len", _D), None, Init.NORMAL, rng=1, when=("learned",)),
     _Row(_L, ("ln1", "scale"), (_D,), None, Init.ONES),
-    _Row(_L, ("ln1", "bias"), (_D,), None, Init.ZEROS, when=_norm_bias),
-    _Row(_L, ("attn", "wqkv"), (_D, 3, _D), 2, Init.NORMAL, rng=0, when=_mha),
-    _Row(_L, ("attn", "bqkv"), (3, _D), 1, Init.ZEROS, when=_mha_bias),
-    _Row(_L, ("attn", "wq"), (_D, _D), 1, Init.NORMAL, rng=0, when=_gqa),
-    _Row(_L, ("attn", "bq"), (_D,), 0, Init.ZEROS, when=_gqa_bias),
-    _Row(_L, ("attn", "wkv"), (_D, 2, _KV), 2, Init.NORMAL, rng=4, when=_gqa, units="num_kv_heads"),
-    _Row(_L, ("attn", "bkv"), (2, _KV), 1, Init.ZEROS, when=_gqa_bias, units="num_kv_heads"),
+    _Row(_L, ("ln1", "bias"), (_D,), None, Init.ZEROS, when=("norm_bias",)),
+    _Row(_L, ("attn", "wqkv"), (_D, 3, _D), 2, Init.NORMAL, rng=0, when=("mha",)),
+    _Row(_L, ("attn", "bqkv"), (3, _D), 1, Init.ZEROS, when=("mha", "bias")),
+    _Row(_L, ("attn", "wq"), (_D, _D), 1, Init.NORMAL, rng=0, when=("gqa",)),
+    _Row(_L, ("attn", "bq"), (_D,), 0, Init.ZEROS, when=("gqa", "bias")),
+    _Row(_L, ("attn", "wkv"), (_D, 2, _KV), 2, Init.NORMAL, rng=4, when=("gqa",), units="num_kv_heads"),
+    _Row(_L, ("attn", "bkv"), (2, _KV), 1, Init.ZEROS, when=("gqa", "bias"), units="num_kv_heads"),
     _Row(_L, ("attn", "wo"), (_D, _D), 0, Init.NORMAL_RESIDUAL, rng=1),
-    _Row(_L, ("attn", "bo"), (_D,), None, Init.ZEROS, when=_bias),
+    _Row(_L, ("attn", "bo"), (_D,), None, Init.ZEROS, when=("bias",)),
     _Row(_L, ("ln2", "scale"), (_D,), None, Init.ONES),
-    _Row(_L, ("ln2", "bias"), (_D,), None, Init.ZEROS, when=_norm_bias),
-    _Row(_L, ("mlp", "w1"), (_D, _F), 1, Init.NORMAL, rng=2),
-    _Row(_L, ("mlp", "b1"), (_F,), 0, Init.ZEROS, when=_bias),
-    _Row(_L, ("mlp", "w3"), (_D, _F), 1, Init.NORMAL, rng=5, when=_swiglu),
-    _Row(_L, ("mlp", "b3"), (_F,), 0, Init.ZEROS, when=_swiglu_bias),
-    _Row(_L, ("mlp", "w2"), (_F, _D), 0, Init.NORMAL_RESIDUAL, rng=3),
-    _Row(_L, ("mlp", "b2"), (_D,), None, Init.ZEROS, when=_bias),
+    _Row(_L, ("ln2", "bias"), (_D,), None, Init.ZEROS, when=("norm_bias",)),
+    _Row(_L, ("mlp", "w1"), (_D, _F), 1, Init.NORMAL, rng=2, moe=False),
+    _Row(_L, ("mlp", "b1"), (_F,), 0, Init.ZEROS, when=("bias",), moe=False),
+    _Row(_L, ("mlp", "w3"), (_D, _F), 1, Init.NORMAL, rng=5, when=("swiglu",), moe=False),
+    _Row(_L, ("mlp", "b3"), (_F,), 0, Init.ZEROS, when=("swiglu", "bias"), moe=False),
+    _Row(_L, ("mlp", "w2"), (_F, _D), 0, Init.NORMAL_RESIDUAL, rng=3, moe=False),
+    _Row(_L, ("mlp", "b2"), (_D,), None, Init.ZEROS, when=("bias",), moe=False),
+    _Row(_L, ("moe", "router"), (_D, _X), None, Init.NORMAL, rng=6, moe=True),
+    _Row(_L, ("moe", "w1"), (_X, _D, _FE), 2, Init.NORMAL, rng=7, moe=True, expert_dim=0),
+    _Row(_L, ("moe", "b1"), (_X, _FE), 1, Init.ZEROS, when=("bias",), moe=True, expert_dim=0),
+    _Row(_L, ("moe", "w3"), (_X, _D, _FE), 2, Init.NORMAL, rng=8, when=("swiglu",), moe=True, expert_dim=0),
+    _Row(_L, ("moe", "b3"), (_X, _FE), 1, Init.ZEROS, when=("swiglu", "bias"), moe=True, expert_dim=0),
+    _Row(_L, ("moe", "w2"), (_X, _FE, _D), 1, Init.NORMAL_RESIDUAL, rng=9, moe=True, expert_dim=0),
+    _Row(_L, ("moe", "b2"), (_X, _D), None, Init.ZEROS, when=("bias",), moe=True, expert_dim=0),
+    _Row(_L, ("moe", "shared_w1"), (_D, _FS), 1, Init.NORMAL, rng=10, when=("shared",), moe=True),
+    _Row(_L, ("moe", "shared_b1"), (_FS,), 0, Init.ZEROS, when=("shared", "bias"), moe=True),
+    _Row(_L, ("moe", "shared_w3"), (_D, _FS), 1, Init.NORMAL, rng=11, when=("shared", "swiglu"), moe=True),
+    _Row(_L, ("moe", "shared_b3"), (_FS,), 0, Init.ZEROS, when=("shared", "swiglu", "bias"), moe=True),
+    _Row(_L, ("moe", "shared_w2"), (_FS, _D), 0, Init.NORMAL_RESIDUAL, rng=12, when=("shared",), moe=True),
+    _Row(_L, ("moe", "shared_b2"), (_D,), None, Init.ZEROS, when=("shared", "bias"), moe=True),
     _Row(_H, ("norm", "scale"), (_D,), None, Init.ONES),
-    _Row(_H, ("norm", "bias"), (_D,), None, Init.ZEROS, when=_norm_bias),
-    _Row(_H, ("w",), (_D, _V), 1, Init.NORMAL, rng=2, when=_untied),
+    _Row(_H, ("norm", "bias"), (_D,), None, Init.ZEROS, when=("norm_bias",)),
+    _Row(_H, ("w",), (_D, _V), 1, Init.NORMAL, rng=2, when=("untied",)),
 )
 
 #: The default GPT (GPT-2's architecture), for the module constants below.
 _GPT = ModelSpec(layers=1, d_model=1, heads=1, d_ff=1, seq_len=1, vocab=1)
 
 
-def _rows(spec: ModelSpec, placement: Placement | None = None) -> tuple[_Row, ...]:
+def _kinds(spec: ModelSpec) -> tuple[bool, ...]:
+    """Whether each layer is an MoE layer (:meth:`ModelSpec.is_moe_layer`, the one rule)."""
+    return tuple(bool(spec.experts) and spec.is_moe_layer(i) for i in range(spec.layers))
+
+
+def _rows(spec: ModelSpec, placement: Placement | None = None, moe: bool | None = None) -> tuple[_Row, ...]:
+    """The model's rows (of ``placement``); layer rows of every layer kind the model has, or of one kind."""
+    present = set(_kinds(spec)) if moe is None else {moe}
     return tuple(r for r in _TABLE if (placement is None or r.placement is placement)
-                 and (r.when is None or r.when(spec)))
+                 and all(_WHEN[w](spec) for w in r.when) and (r.moe is None or r.moe in present))
 
 
 def layer_keys(spec: ModelSpec) -> int:
     """Random keys each layer splits its own key into: one past the largest ``rng`` of the model's layer rows
     (4 for the default GPT, so its values never move when rows are added for other models)."""
     return 1 + max(r.rng for r in _rows(spec, _L) if r.rng is not None)
+
+
+def is_moe_layer(spec: ModelSpec, index: int) -> bool:
+    """Whether layer ``index`` (0-based) holds the ``moe`` rows instead of the dense ``mlp`` ones."""
+    return _kinds(spec)[index]
 
 
 #: Random keys drawn from the seed before the layers' (token table, positions, head; the head's is
@@ -282,15 +321,16 @@ LAYER_LEAVES = len(_rows(_GPT, _L))
 
 def _resolve(row: _Row, spec: ModelSpec) -> ParamSpec:
     std = {Init.NORMAL: INIT_STD, Init.NORMAL_RESIDUAL: INIT_STD / math.sqrt(2 * spec.layers)}.get(row.init, 0.0)
-    shape = tuple(d if isinstance(d, int) else getattr(spec, d) for d in row.dims)
+    shape = tuple(d if isinstance(d, int) else _SIZES[d](spec) if d in _SIZES else getattr(spec, d)
+                  for d in row.dims)
     return ParamSpec(placement=row.placement, path=row.path, shape=shape, tensor_dim=row.tensor_dim,
                      init=row.init, std=std, rng=row.rng,
-                     tensor_units=getattr(spec, row.units) if row.units else 0)
+                     tensor_units=getattr(spec, row.units) if row.units else 0, expert_dim=row.expert_dim)
 
 
-@functools.lru_cache(maxsize=64)
-def _params(spec: ModelSpec, placement: Placement) -> tuple[ParamSpec, ...]:
-    return tuple(_resolve(r, spec) for r in _rows(spec, placement))
+@functools.lru_cache(maxsize=256)
+def _params(spec: ModelSpec, placement: Placement, moe: bool | None = None) -> tuple[ParamSpec, ...]:
+    return tuple(_resolve(r, spec) for r in _rows(spec, placement, moe))
 
 
 def embedding_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
@@ -298,9 +338,33 @@ def embedding_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
     return _params(spec, Placement.EMBEDDING)
 
 
-def layer_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
-    """One pre-LN block: two LayerNorms, QKV and out projections, two MLP matrices, all with biases."""
-    return _params(spec, Placement.LAYER)
+def layer_params(spec: ModelSpec, index: int | None = None) -> tuple[ParamSpec, ...]:
+    """Layer ``index``'s parameters: two norms, the attention projections, and the dense MLP or the MoE block.
+
+    ``index`` None: the parameters every layer has, for a model whose layers are all alike (a dense model, or
+    MoE in every layer); a model mixing dense and MoE layers must name the layer (ValueError otherwise).
+    """
+    kinds = _kinds(spec)
+    if index is None:
+        if len(set(kinds)) > 1:
+            raise ValueError("the model mixes dense and MoE layers: layer_params needs the layer index")
+        return _params(spec, Placement.LAYER, kinds[0])
+    if not 0 <= index < spec.layers:
+        raise ValueError(f"layer index {index} outside 0..{spec.layers - 1}")
+    return _params(spec, Placement.LAYER, kinds[index])
+
+
+def layers_params(spec: ModelSpec, layers: Iterable[int]) -> tuple[tuple[ParamSpec, int], ...]:
+    """(parameter, copies) over the layers ``layers``: each layer kind's rows once per layer of that kind."""
+    kinds = _kinds(spec)
+    counts: dict[bool, int] = {}
+    for i in layers:
+        counts[kinds[i]] = counts.get(kinds[i], 0) + 1
+    held: dict[ParamSpec, int] = {}
+    for kind in sorted(counts):
+        for p in _params(spec, Placement.LAYER, kind):
+            held[p] = held.get(p, 0) + counts[kind]
+    return tuple(held.items())
 
 
 def head_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
@@ -314,8 +378,8 @@ def tied_table(spec: ModelSpec) -> ParamSpec:
 
 
 def model_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
-    """Embedding, ONE layer (every layer has these), head."""
-    return embedding_params(spec) + layer_params(spec) + head_params(spec)
+    """Embedding, the distinct layer parameters (one layer of each kind the model has), head."""
+    return embedding_params(spec) + _params(spec, Placement.LAYER) + head_params(spec)
 
 
 def param_at(spec: ModelSpec, names: Iterable[str]) -> ParamSpec:
@@ -402,9 +466,8 @@ def chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: 
         raise InputError(f"must be in 0..{stages - 1}, got {stage}", field="stage")
     if not 0 <= chunk < virtual:
         raise InputError(f"must be in 0..{virtual - 1}, got {chunk}", field="chunk")
-    layers = len(ranges[stage][chunk])
     embed, head = holds(stage, chunk, stages, virtual)
-    held = [(p, layers) for p in layer_params(spec)] if layers else []
+    held = list(layers_params(spec, ranges[stage][chunk]))
     if embed:
         held[:0] = [(p, 1) for p in embedding_params(spec)]
     if head:
@@ -414,6 +477,9 @@ def chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: 
     return tuple(held)
 
 
-def held_elements(held: Iterable[tuple[ParamSpec, int]], tensor: int = 1, ways: int = 1) -> int:
-    """Elements one device holds of ``held`` ((parameter, copies) pairs) at tensor degree and shard ways."""
-    return sum(copies * p.device_elements(tensor, ways) for p, copies in held)
+def held_elements(held: Iterable[tuple[ParamSpec, int]], tensor: int = 1, ways: int = 1, expert: int = 1,
+                  experts_only: bool | None = None) -> int:
+    """Elements one device holds of ``held`` ((parameter, copies) pairs) at tensor and expert degree and shard
+    ways; ``experts_only`` True counts only routed experts' weights, False only the others."""
+    return sum(copies * p.device_elements(tensor, ways, expert) for p, copies in held
+               if experts_only is None or p.is_expert == experts_only)

@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from testbed.model import costs as model
-from testbed.model import layout
+from testbed.model import layout, moe
 from testbed.plan.spec import Attention, Plan, Remat, ScheduleName
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
@@ -184,12 +184,12 @@ def _layer_workspace(plan: Plan) -> int:
     spec, t, c = plan.model, plan.mesh.tensor, plan.precision.compute_bytes
     n = plan.microbatch_size * spec.seq_len
     residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
-    hidden = c * n * (residual + spec.mlp_matrices * spec.d_ff // t)
+    hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
     recompute = 0
     if plan.remat is Remat.FULL:
         recompute = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t,
                                                      plan.sequence_parallel)
-    return _attention_workspace(plan) + hidden + recompute
+    return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan)
 
 
 def _loss_workspace(plan: Plan) -> int:
@@ -224,6 +224,9 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     layers = plan.stage_layers[stage]  # all the stage's chunks (layers_per_stage, or the even split)
     per_layer = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor,
                                                  plan.sequence_parallel)
+    if spec.experts and plan.remat is not Remat.FULL:  # MoE layers keep router, dispatched tokens, experts' hidden
+        span = [i for r in layout.chunk_layers(spec, p, v, plan.stage_layers)[stage] for i in r]
+        per_layer += moe.moe_layers(spec, span) * moe.activation_bytes_swap(plan, mesh.tensor) // max(1, len(span))
     head_acts = 0
     if holds_head:
         # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
@@ -276,8 +279,12 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
 
 
 def _layer_params_per_device(plan: Plan, ways: int = 1) -> int:
-    """One layer's parameters on one device: tensor split, then ``ways``-way sharded by the layout's one rule."""
-    return layout.held_elements(((p, 1) for p in layout.layer_params(plan.model)), plan.mesh.tensor, ways)
+    """The largest layer's parameters on one device (MoE and dense layers differ): tensor and expert split,
+    then ``ways``-way sharded by the layout's one rule."""
+    spec, mesh = plan.model, plan.mesh
+    kinds = {layout.is_moe_layer(spec, i): i for i in range(spec.layers)} if spec.experts else {False: 0}
+    return max(layout.held_elements(((p, 1) for p in layout.layer_params(spec, i)), mesh.tensor, ways, mesh.expert)
+               for i in kinds.values())
 
 
 def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] | None = None) -> MemoryBreakdown:

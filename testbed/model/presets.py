@@ -3,7 +3,8 @@
 Each preset is the ``model`` mapping of a plan (the keys of
 :class:`testbed.plan.spec.ModelSpec`), with the published shapes; the
 parameter count :func:`testbed.model.costs.param_count` gives for it equals
-the published count (:data:`PUBLISHED_PARAMS`, tested exactly):
+the published count (:data:`PUBLISHED_PARAMS`, tested exactly; MoE presets' active parameters,
+:func:`testbed.model.moe.active_param_count`, equal :data:`PUBLISHED_ACTIVE_PARAMS`):
 
 - ``gpt3-175b``: Brown et al. 2020, "Language Models are Few-Shot Learners",
   Table 2.1 (96 layers, d_model 12288, 96 heads of 128, d_ff 4 x d_model,
@@ -20,6 +21,18 @@ the published count (:data:`PUBLISHED_PARAMS`, tested exactly):
 - ``mistral-7b``: Mistral 7B v0.1 (Jiang et al. 2023, Table 1): Llama's
   pieces with 32000 tokens, theta 10000, context 8192 (its 4096-token
   sliding window is not modelled: attention is dense and causal).
+- ``mixtral-8x7b``: Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Sec. 2 / Table 1, and
+  the ``config.json`` of ``mistralai/Mixtral-8x7B-v0.1``): Mistral 7B's pieces (32 layers, d_model 4096,
+  32 heads, 8 K/V heads, SwiGLU experts of d_ff 14336, 32000 tokens, untied, RMSNorm, no biases), RoPE
+  theta 1e6, context 32768, every layer an MoE of 8 experts, top-2: 46,702,792,704 parameters, of which
+  12,879,925,248 active per token (the paper's "47B" and "13B active").
+- ``deepseek-moe-16b``: DeepSeekMoE 16B (Dai et al. 2024, "DeepSeekMoE: Towards Ultimate Expert
+  Specialization in Mixture-of-Experts Language Models", Sec. 5.1 / Appendix, and the ``config.json``
+  of ``deepseek-ai/deepseek-moe-16b-base``): 28 layers, d_model 2048, 16 heads (MHA), SwiGLU, RMSNorm,
+  RoPE theta 10000, no biases, untied 102400-token embeddings, context 4096; layer 0 dense
+  (``intermediate_size`` 10944), layers 1-27 MoE with 64 fine-grained routed experts of 1408 (top-6)
+  and 2 shared experts of 1408 (``first_k_dense_replace`` 1, ``n_shared_experts`` 2). The config gives
+  16,375,728,128 parameters, 2,828,650,496 active; the paper rounds them to "16.4B" and "2.8B".
 - ``gpt-125m`` ... ``gpt-6.7b``: the smaller GPT-3 shapes of Table 2.1 with
   the vocabulary padded to 50304 and untied head; no exact published count
   (the table rounds), so they are not in :data:`PUBLISHED_PARAMS`.
@@ -36,7 +49,7 @@ from typing import Any
 
 from testbed.errors import InputError, closest
 
-__all__ = ["PRESETS", "PUBLISHED_PARAMS", "DEFAULT_BATCH", "preset_names", "preset"]
+__all__ = ["PRESETS", "PUBLISHED_PARAMS", "PUBLISHED_ACTIVE_PARAMS", "DEFAULT_BATCH", "preset_names", "preset"]
 
 _LLAMA: dict[str, Any] = {"mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False,
                           "tied_embeddings": False}
@@ -53,6 +66,11 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
                     "seq_len": 131072, "vocab": 128256, "rope_theta": 500000.0},
     "mistral-7b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
                    "seq_len": 8192, "vocab": 32000, "rope_theta": 10000.0},
+    "mixtral-8x7b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
+                     "seq_len": 32768, "vocab": 32000, "rope_theta": 1000000.0, "experts": 8, "top_k": 2},
+    "deepseek-moe-16b": {**_LLAMA, "layers": 28, "d_model": 2048, "heads": 16, "d_ff": 10944, "seq_len": 4096,
+                         "vocab": 102400, "rope_theta": 10000.0, "experts": 64, "top_k": 6, "expert_d_ff": 1408,
+                         "shared_experts": 2, "first_dense_layers": 1},
     "gpt-tiny": {"layers": 4, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256},
     "gpt-125m": {"layers": 12, "d_model": 768, "heads": 12, "d_ff": 3072, "seq_len": 2048, "vocab": 50304},
     "gpt-350m": {"layers": 24, "d_model": 1024, "heads": 16, "d_ff": 4096, "seq_len": 2048, "vocab": 50304},
@@ -65,6 +83,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
 DEFAULT_BATCH: Mapping[str, int] = {
     "gpt-tiny": 16, "gpt-125m": 256, "gpt-350m": 256, "gpt-1.3b": 256, "gpt-2.7b": 512, "gpt-6.7b": 512,
     "gpt3-175b": 1536, "llama3-8b": 512, "llama3-70b": 512, "llama3-405b": 2048, "mistral-7b": 512,
+    "mixtral-8x7b": 512, "deepseek-moe-16b": 1024,
 }
 
 #: The published parameter counts (Meta's and Mistral's model cards and checkpoints; GPT-3's from
@@ -75,6 +94,14 @@ PUBLISHED_PARAMS: Mapping[str, int] = {
     "llama3-70b": 70_553_706_496,
     "llama3-405b": 405_853_388_800,
     "mistral-7b": 7_241_732_096,
+    "mixtral-8x7b": 46_702_792_704,       # Mixtral-8x7B-v0.1's checkpoint; the paper's "47B"
+    "deepseek-moe-16b": 16_375_728_128,   # from deepseek-moe-16b-base's config; the paper's "16.4B"
+}
+
+#: Parameters one token uses (the routed experts it is not sent to left out) of the MoE presets.
+PUBLISHED_ACTIVE_PARAMS: Mapping[str, int] = {
+    "mixtral-8x7b": 12_879_925_248,       # the paper's "13B active parameters"
+    "deepseek-moe-16b": 2_828_650_496,    # from the config; the paper's "2.8B"
 }
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 
-__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "gathers_parameters"]
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +57,20 @@ def gradient_reduction(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     sharded = state_sharding(plan).split_axes(plan, "grads")
     replicated = tuple(a.value for a in (Axis.DATA, Axis.FSDP) if plan.mesh.degree(a) > 1 and a.value not in sharded)
     return sharded, replicated
+
+
+def reduction_axes(plan: Plan, expert: bool = False) -> tuple[Axis, ...]:
+    """The mesh axes (degree > 1, MESH_AXES order) a parameter's gradients are summed over, by kind.
+
+    A dense parameter is replicated over every axis that splits the batch or the sequence (data, fsdp,
+    expert, context), so its gradient is summed over all of them. A routed expert's weight
+    (``testbed.model.layout.ParamSpec.is_expert``) is split over ``expert``: each expert rank holds other
+    experts, whose gradients already hold every token dispatched to them from the whole expert group, so
+    it is summed over the other axes only. How each sum runs (reduce-scatter over the sharded axes, then
+    all-reduce) is testbed.sim.program's; the runner's shardings follow the same rule.
+    """
+    axes = (Axis.DATA, Axis.FSDP, Axis.CONTEXT) if expert else (Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.CONTEXT)
+    return tuple(a for a in MESH_AXES if a in axes and plan.mesh.degree(a) > 1)
 
 
 def gathers_parameters(plan: Plan, kind: str) -> bool:

@@ -13,7 +13,9 @@ Streams of a representative: ``compute`` (F/B/W actions, optimizer),
 and reduce-scatters; blocking: the next action waits),
 ``gather`` (fsdp/ZeRO-3 parameter all-gathers, prefetched), ``pipe``
 (activation and gradient sends) and ``grad`` (gradient reduction, updated
-parameter all-gathers). A stream runs its tasks in program order, one at a
+parameter all-gathers) and ``expert`` (an MoE layer's dispatch and combine
+all-to-alls under expert parallelism, beside the shared experts' compute:
+testbed.sim.moe). A stream runs its tasks in program order, one at a
 time; a task also waits for its ``deps``.
 
 The controller (``build_program(..., controller=True)``): one host thread
@@ -37,10 +39,12 @@ all-gathered before each forward action (and backward with full remat:
 ``O`` = fsdp (+ data when zero >= 1). Gradients are reduced in buckets: the
 last backward (or W) of each chunk is split into up to :data:`BUCKETS`
 pieces, and each piece's gradients start reducing at once, overlapping the
-rest of the backward pass. The reduction is an all-reduce over the replicas
-(data x fsdp) when nothing is sharded, a reduce-scatter over them when ``O``
-spans all replicas, and a reduce-scatter over fsdp then an all-reduce over
-data otherwise (HSDP). Gradients sharded over an axis (fsdp; data when
+rest of the backward pass. Each kind of parameter is summed over its
+axes (testbed.plan.sharding.reduction_axes: dense ones over the batch axes
+data, fsdp, expert and context; routed experts' weights over those but
+expert): a reduce-scatter over those of them ``O`` spans, then an all-reduce
+of the shard over the rest (an all-reduce over the replicas when nothing is
+sharded, one reduce-scatter when ``O`` spans them all, HSDP otherwise). Gradients sharded over an axis (fsdp; data when
 zero >= 2) accumulate sharded, so each earlier microbatch's last backward
 action also reduce-scatters the chunk's gradients over those axes (as the
 runner and DeepSpeed do); over the axes they are replicated on, gradients
@@ -50,6 +54,7 @@ but not in ``P`` are all-gathered over the data axis.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -64,14 +69,17 @@ from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import Placement
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependencies
-from testbed.plan.sharding import gathers_parameters, gradient_reduction, state_sharding
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
+from testbed.model.layout import chunk_layers, chunk_params, held_elements
+from testbed.model.moe import moe_layers
+from testbed.sim.moe import A2A_STREAM, moe_pieces
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
            "OPTIMIZER_FLOPS_PER_PARAM"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
-STREAMS = ("compute", "tensor", "gather", "pipe", "grad", "host")
+STREAMS = ("compute", "tensor", A2A_STREAM, "gather", "pipe", "grad", "host")
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
 OPTIMIZER_FLOPS_PER_PARAM = 12
 
@@ -198,10 +206,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         representative[placement.device_ids[s].ravel()] = reps[s]
 
     tensor = axis_groups(placement, [Axis.TENSOR])
-    replicas_ax = [Axis.DATA, Axis.FSDP]
-    replicas = axis_groups(placement, replicas_ax)
     data_groups = axis_groups(placement, [Axis.DATA])
-    fsdp_groups = axis_groups(placement, [Axis.FSDP])
     sharding = state_sharding(plan)
     p_groups = axis_groups(placement, list(sharding.params))
     p_ways = sharding.ways(plan, "params")
@@ -209,6 +214,13 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     g_groups = axis_groups(placement, [Axis(a) for a in per_microbatch])
     o_ways = sharding.ways(plan, "optimizer")
     costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
+    experts = axis_groups(placement, [Axis.EXPERT])  # the dispatch/combine all-to-alls' groups
+    spans = chunk_layers(plan.model, p, v, plan.stage_layers)
+    moe_counts = [[moe_layers(plan.model, spans[s][c]) for c in range(v)] for s in range(p)]
+    # Per chunk, the routed experts' parameters on one device: reduced over the batch axes but expert.
+    expert_params = [[held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
+                                    mesh.tensor, 1, mesh.expert, experts_only=True) for c in range(v)] for s in range(p)]
+    groups: dict = {"placement": placement}  # gradient reduction groups by axes, memoized (_reduce)
     shapes = [[chunk_gemms(plan, s, c) for c in range(v)] for s in range(p)]
     # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate.
     pairs = {(a, b): tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))
@@ -256,13 +268,37 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         pieces, scatter, reduce = 1, False, False
         if action.kind == last_bwd_kind:
             remaining_bwd[(s, action.chunk)] -= 1
-            if remaining_bwd[(s, action.chunk)] == 0 and mesh.data * mesh.fsdp > 1:
+            if remaining_bwd[(s, action.chunk)] == 0 and reduction_axes(plan):
                 # One bucket per layer, at most BUCKETS (a one-layer chunk reduces its gradients at once).
                 pieces, reduce = min(BUCKETS, max(1, cost.layers)), True
             # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
             scatter = remaining_bwd[(s, action.chunk)] > 0 and bool(per_microbatch)
         last = -1
-        for k in range(pieces):
+        chain = moe_pieces(plan, moe_counts[s][action.chunk], action.kind, schedule.split_backward, flops, hbm,
+                           (replicated, split), gemms, kernels)
+        # A bucket of gradients closes after every few MoE layers (as the dense path's ``pieces``).
+        bucket, done_buckets, closes = 0, 0, set()
+        if chain and reduce:
+            closes = {max(1, round((k + 1) * sum(x.layer_end for x in chain) / pieces)) for k in range(pieces)}
+        ids: list[int] = []
+        for piece in chain:  # an MoE action under expert parallelism: its per-layer chain (testbed.sim.moe)
+            a2a = piece.is_a2a
+            last = b.add(name=f"{label}{piece.name}", device=rep, stream=piece.stream,
+                         kind=TaskKind.COLLECTIVE if a2a else TaskKind.COMPUTE,
+                         deps=tuple(ids[j] for j in piece.after) or tuple(deps), flops=piece.flops,
+                         hbm_bytes=piece.hbm_bytes, replicated_bytes=piece.replicated_bytes,
+                         split_bytes=piece.split_bytes, tensor_bytes=0.0 if a2a else cost.tensor_bytes,
+                         kernels=piece.kernels, op="all_to_all" if a2a else "", nbytes=piece.nbytes, count=piece.count,
+                         group=_rep_group(experts[s], rep) if a2a else (), instances=experts[s] if a2a else (),
+                         pipeline=True, gemms=piece.gemms)
+            ids.append(last)
+            bucket += piece.layer_end
+            if piece.layer_end and bucket in closes:
+                share, done_buckets = 1 / len(closes), done_buckets + 1
+                reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, cost.params * share * grad_b,
+                                               expert_params[s][action.chunk] * share * grad_b,
+                                               f"{label}/{done_buckets - 1}", groups))
+        for k in range(0 if chain else pieces):
             last = b.add(name=label if pieces == 1 else f"{label}/{k}", device=rep, stream="compute",
                          kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
                          replicated_bytes=replicated / pieces, split_bytes=split / pieces,
@@ -272,8 +308,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients; reduce it while the backward continues.
                 reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, cost.params / pieces * grad_b,
-                                               label if pieces == 1 else f"{label}/{k}", replicas, data_groups,
-                                               fsdp_groups, o_ways))
+                                               expert_params[s][action.chunk] / pieces * grad_b,
+                                               label if pieces == 1 else f"{label}/{k}", groups))
         if scatter:
             reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
@@ -358,21 +394,42 @@ def _sends(schedule: Schedule, stage: int, action: Action, costs) -> list[tuple[
     return out
 
 
-def _reduce(b: _Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float, label: str,
-            replicas, data_groups, fsdp_groups, o_ways: int) -> list[int]:
-    """Gradient reduction tasks of one bucket (see the module docstring); returns the last task(s)."""
-    mesh = plan.mesh
-    if o_ways == mesh.data * mesh.fsdp:
-        op = "reduce_scatter" if o_ways > 1 else "all_reduce"
-        return [b.add(name=f"{op} {label}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(after,),
-                      op=op, nbytes=nbytes, group=_rep_group(replicas[s], rep), instances=replicas[s])]
-    first = after
-    if mesh.fsdp > 1:
-        first = b.add(name=f"reduce-scatter {label}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
-                      deps=(after,), op="reduce_scatter", nbytes=nbytes, group=_rep_group(fsdp_groups[s], rep),
-                      instances=fsdp_groups[s])
-    if mesh.data == 1:
-        return [first]
-    return [b.add(name=f"all-reduce {label}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(first,),
-                  op="all_reduce", nbytes=nbytes / mesh.fsdp, group=_rep_group(data_groups[s], rep),
-                  instances=data_groups[s])]
+def _reduce(b: _Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float, expert_bytes: float, label: str,
+            groups: dict) -> list[int]:
+    """Gradient reduction tasks of one bucket of ``nbytes`` (``expert_bytes`` of them routed experts' weights);
+    returns the last task(s).
+
+    Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
+    data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
+    them the optimizer state is sharded on (fsdp; data with ZeRO >= 1), then an all-reduce of the shard over
+    the rest (HSDP: data without ZeRO; expert, context).
+    """
+    mesh, o_axes = plan.mesh, state_sharding(plan).optimizer
+    out = []
+    for expert, size in ((False, nbytes - expert_bytes), (True, expert_bytes)):
+        axes = reduction_axes(plan, expert)
+        if size <= 0 or not axes:
+            continue
+        sharded = [a for a in axes if a in o_axes]
+        rest = [a for a in axes if a not in o_axes]
+        ways = math.prod(mesh.degree(a) for a in sharded)
+        kind = " experts" if expert else ""
+        last = after
+        if sharded:
+            g = axis_groups_cached(groups, plan, sharded, s)
+            last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
+                         deps=(last,), op="reduce_scatter", nbytes=size, group=_rep_group(g, rep), instances=g)
+        if rest:
+            g = axis_groups_cached(groups, plan, rest, s)
+            last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
+                         deps=(last,), op="all_reduce", nbytes=size / ways, group=_rep_group(g, rep), instances=g)
+        out.append(last)
+    return out
+
+
+def axis_groups_cached(cache: dict, plan: Plan, axes: list[Axis], stage: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`axis_groups` of ``axes`` for ``stage``, memoized in ``cache`` (which holds the placement)."""
+    key = tuple(axes)
+    if key not in cache:
+        cache[key] = axis_groups(cache["placement"], list(axes))
+    return cache[key][stage]

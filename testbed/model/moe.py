@@ -1,0 +1,177 @@
+"""Mixture-of-experts terms of the cost and memory models: counts, FLOPs, dispatch sizes, activations.
+
+An MoE layer (``ModelSpec.is_moe_layer``; rows of ``testbed.model.layout``) replaces the dense MLP
+by a router, ``experts`` routed experts of width ``fe`` (``expert_d_ff``, else ``d_ff``) of which
+each token uses ``top_k``, and ``shared_experts`` experts every token uses. Under expert
+parallelism of degree ``ep`` each rank holds ``experts / ep`` routed experts; a layer's forward
+sends every token's ``top_k`` copies to the ranks holding their experts (the *dispatch*
+all-to-all over the expert group), runs its local experts, and returns the outputs (the
+*combine* all-to-all); the backward does the same in reverse.
+
+The quantities, per microbatch on one rank (``N`` = microbatch x seq / context tokens):
+
+- :func:`expert_load`: the routed experts' work relative to even routing: the capacity factor
+  when set (every expert's buffer is padded to it, Switch/GShard), else the plan's
+  ``expert_imbalance`` (dropless: the busiest expert rank's tokens over the mean paces the layer);
+- :func:`expert_tokens`: rows of each local expert's grouped GEMM, ``ep N top_k load / E``;
+- :func:`dispatch_bytes`: one all-to-all's buffer, ``N top_k load d`` values in the compute
+  dtype (nccl-tests' convention: the whole buffer of a rank; ``(ep-1)/ep`` of it leaves the rank);
+- FLOPs: the router ``2 N d E`` (fp32 logits), the routed experts ``top_k load`` times a dense
+  MLP of width ``fe``, the shared ones a dense MLP of width ``S fe``; model FLOPs (MFU) count
+  the active ones, ``load`` 1;
+- activations kept for the backward: the router's fp32 logits and probabilities, the dispatched
+  tokens and the experts' outputs (``N top_k load d`` each), the experts' and shared experts'
+  hidden values; the dispatch send and combine receive buffers are workspace.
+
+Parameters: :func:`active_param_count` is the published "active" count (the routed experts a
+token does not use left out); expert weights are split over the expert axis (layout's
+``expert_dim``) and their gradients summed over the batch axes but ``expert``
+(``testbed.plan.sharding.reduction_axes``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import replace
+
+from testbed.model import layout
+from testbed.plan.spec import ModelSpec, Plan, Precision
+
+__all__ = ["moe_layers", "expert_width", "active_param_count", "expert_load", "expert_tokens", "local_tokens",
+           "dispatch_bytes", "mlp_flops_swap", "recompute_flops_swap", "model_flops_swap",
+           "activation_bytes_swap", "hidden_workspace", "dispatch_workspace", "ROUTER_BYTES"]
+
+#: Bytes per router logit and probability (fp32 for a stable softmax, as Switch and Mixtral keep them).
+ROUTER_BYTES = 4
+
+
+def moe_layers(spec: ModelSpec, layers: Iterable[int] | None = None) -> int:
+    """MoE layers among ``layers`` (all of the model's by default)."""
+    if not spec.experts:
+        return 0
+    return sum(layout.is_moe_layer(spec, i) for i in (range(spec.layers) if layers is None else layers))
+
+
+def expert_width(spec: ModelSpec) -> int:
+    """One expert's hidden width: ``expert_d_ff``, else ``d_ff``."""
+    return spec.expert_d_ff or spec.d_ff
+
+
+def active_param_count(spec: ModelSpec) -> int:
+    """Parameters one token uses (published, no vocab padding): all of the layout's rows but, in every MoE
+    layer, the ``experts - top_k`` routed experts the token is not sent to (equals
+    :func:`testbed.model.costs.param_count` for a dense model)."""
+    spec = replace(spec, pad_vocab_to=None, vocab_multiple=1)
+    held = [(p, 1) for p in layout.embedding_params(spec) + layout.head_params(spec)]
+    held += layout.layers_params(spec, range(spec.layers))
+    total = sum(p.size * n for p, n in held)
+    routed = sum(p.size * n for p, n in held if p.is_expert)
+    return total - routed * (spec.experts - spec.top_k) // spec.experts if spec.experts else total
+
+
+def expert_load(plan: Plan) -> float:
+    """The routed experts' work over even routing: the capacity factor (padded), else ``expert_imbalance``."""
+    cf = plan.model.capacity_factor
+    return float(cf) if cf else float(plan.expert_imbalance)
+
+
+def local_tokens(plan: Plan) -> int:
+    """Tokens of one microbatch on one rank: ``microbatch x seq_len / context``."""
+    return plan.microbatch_size * plan.model.seq_len // plan.mesh.context
+
+
+def expert_tokens(plan: Plan) -> int:
+    """Rows each local expert's GEMMs run per microbatch on one rank: ``ceil(ep N top_k load / E)`` (0: dense)."""
+    spec = plan.model
+    if not spec.experts:
+        return 0
+    return max(1, math.ceil(plan.mesh.expert * local_tokens(plan) * spec.top_k * expert_load(plan) / spec.experts))
+
+
+def dispatch_bytes(plan: Plan) -> float:
+    """One rank's buffer of one dispatch (or combine) all-to-all per microbatch: ``N top_k load d`` values.
+
+    As the grouped GEMMs see them: ``E / ep`` local experts x :func:`expert_tokens` rows of ``d_model``.
+    """
+    spec = plan.model
+    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
+    return float(rows * spec.d_model * plan.precision.compute_bytes)
+
+
+def _routed_forward(spec: ModelSpec, rows: float, tensor: int) -> float:
+    """Forward FLOPs of the routed experts on one tensor rank for ``rows`` routed rows (all local experts)."""
+    return 2.0 * rows * spec.d_model * spec.mlp_matrices * expert_width(spec) / tensor
+
+
+def _moe_forward(spec: ModelSpec, tokens: int, routed_rows: float, tensor: int) -> float:
+    """Forward FLOPs of one MoE block on one tensor rank: router, routed experts, shared experts."""
+    d, m, fe = spec.d_model, spec.mlp_matrices, expert_width(spec)
+    router = 2.0 * tokens * d * spec.experts
+    shared = 2.0 * tokens * d * m * spec.shared_experts * fe / tensor
+    return router + _routed_forward(spec, routed_rows, tensor) + shared
+
+
+def _dense_mlp(spec: ModelSpec, tokens: int, tensor: int) -> float:
+    return 2.0 * tokens * spec.d_model * spec.mlp_matrices * spec.d_ff / tensor
+
+
+def mlp_flops_swap(plan: Plan, tokens: int | None = None) -> float:
+    """Forward FLOPs an MoE layer adds over a dense one on one rank per microbatch (may be negative): the MoE
+    block (routed rows as :func:`expert_tokens` gives them) less the dense MLP. The backward's input and
+    weight gradients are each the same again (the GEMMs of testbed.model.gemm.moe_gemms)."""
+    spec, t = plan.model, plan.mesh.tensor
+    n = local_tokens(plan) if tokens is None else tokens
+    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
+    return _moe_forward(spec, n, rows, t) - _dense_mlp(spec, n, t)
+
+
+def recompute_flops_swap(plan: Plan) -> float:
+    """Full remat's extra recompute in an MoE layer over a dense one: the MoE block less its out projections
+    (routed and shared ``w2``), against the dense MLP less its out projection."""
+    spec, t = plan.model, plan.mesh.tensor
+    n = local_tokens(plan)
+    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
+    keep = (spec.mlp_matrices - 1) / spec.mlp_matrices
+    return 2.0 * n * spec.d_model * spec.experts + keep * (
+        _moe_forward(spec, n, rows, t) - 2.0 * n * spec.d_model * spec.experts - _dense_mlp(spec, n, t))
+
+
+def model_flops_swap(spec: ModelSpec, tokens: int) -> float:
+    """Active forward FLOPs all MoE layers add over dense ones for ``tokens`` tokens (MFU: even routing, no
+    padding): router, ``top_k`` and the shared experts, less the dense MLPs they replace."""
+    return moe_layers(spec) * (_moe_forward(spec, tokens, tokens * spec.top_k, 1) - _dense_mlp(spec, tokens, 1))
+
+
+def activation_bytes_swap(plan: Plan, tensor: int) -> int:
+    """Bytes an MoE layer keeps for its backward over a dense one, per microbatch on one rank (may be negative).
+
+    Kept: the router's fp32 logits and probabilities (``2 N E``), the dispatched tokens and the experts'
+    outputs (``rows d`` each), the routed and shared experts' hidden values (``m rows fe / t`` and
+    ``m N S fe / t``, ``m`` the MLP's matrices: SwiGLU keeps gate, up and their product, GELU its input and
+    output); less the dense MLP's hidden (``m N d_ff / t``).
+    """
+    spec, c = plan.model, Precision(plan.precision).compute_bytes
+    n, fe, m = local_tokens(plan), expert_width(spec), spec.mlp_matrices
+    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
+    kept = 2 * rows * spec.d_model + m * rows * fe // tensor + m * n * spec.shared_experts * fe // tensor
+    return ROUTER_BYTES * 2 * n * spec.experts + c * kept - c * m * n * spec.d_ff // tensor
+
+
+def dispatch_workspace(plan: Plan) -> int:
+    """Transient bytes of one MoE layer's all-to-alls: the dispatch's send buffer and the combine's receive
+    buffer (the received tokens and the experts' outputs are kept activations); 0 for a dense model."""
+    if not plan.model.experts:
+        return 0
+    return int(2 * dispatch_bytes(plan))
+
+
+def hidden_workspace(plan: Plan) -> int:
+    """One MoE layer's backward transients on one rank: the gradients of the routed and shared experts' hidden
+    values and of the dispatched tokens (the dense MLP's counterpart is ``N (2 d + m d_ff / t)``); 0 if dense."""
+    spec, c, t = plan.model, plan.precision.compute_bytes, plan.mesh.tensor
+    if not spec.experts:
+        return 0
+    n, fe, m = local_tokens(plan), expert_width(spec), spec.mlp_matrices
+    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
+    return c * (2 * n * spec.d_model + rows * spec.d_model + m * rows * fe // t + m * n * spec.shared_experts * fe // t)

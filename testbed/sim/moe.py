@@ -1,0 +1,163 @@
+"""MoE layers in the task graph: an action's work cut into per-layer pieces around the all-to-alls.
+
+Under expert parallelism (``mesh.expert`` > 1) every MoE layer of a pipeline action moves its tokens
+twice over the expert group: the *dispatch* all-to-all before the routed experts and the *combine*
+all-to-all after them (the backward runs the same two in reverse, on the gradients; full remat's
+recomputed forward runs both again). testbed.sim.program therefore plays an F or B action of a chunk
+holding ``n`` MoE layers as ``n`` links of a chain, each::
+
+    rest of the layer (compute) -> dispatch (all_to_all, stream "expert")  || shared experts, first half
+                                -> routed experts (compute, after the dispatch)
+                                -> combine (all_to_all, stream "expert")    || shared experts, second half
+
+so the shared experts' compute overlaps the all-to-alls (it needs no dispatched token) and the next
+layer waits for the combine. The routed and shared experts' GEMMs are exactly theirs
+(testbed.model.gemm.moe_gemms, with the action's gradients and recompute); the rest of the action
+(attention, router, norms, dense layers, embedding and head) is split evenly over the ``n`` links. The
+all-to-alls are timed by the collective timing of ``all_to_all`` over the placement's expert groups
+(whose links the placement decides), ``testbed.model.moe.dispatch_bytes`` each. W actions (split
+backward) move no tokens: they stay one task.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from testbed.model import moe
+from testbed.model.gemm import Gemm, gemm_flops, moe_gemms
+from testbed.plan.spec import Plan, Remat
+
+__all__ = ["A2A_STREAM", "Piece", "moe_pieces", "exposed_stream_s"]
+
+#: The stream the dispatch and combine all-to-alls run on (beside compute).
+A2A_STREAM = "expert"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Piece:
+    """One task of an action's MoE chain: compute (``flops``, ``gemms``, ...) or an all-to-all (``nbytes``,
+    ``count`` back-to-back). ``after``: indices of earlier pieces it waits for (none: the action's deps).
+    ``layer_end``: the last compute piece of an MoE layer (where a gradient bucket may close)."""
+
+    name: str
+    stream: str
+    after: tuple[int, ...] = ()
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    replicated_bytes: float = 0.0
+    split_bytes: float = 0.0
+    kernels: int = 1
+    gemms: tuple[Gemm, ...] = ()
+    nbytes: float = 0.0
+    count: int = 1
+    layer_end: bool = False
+
+    @property
+    def is_a2a(self) -> bool:
+        return self.stream == A2A_STREAM
+
+
+def _action_gemms(forward: list[Gemm], kind: str, split: bool, remat: Remat) -> list[Gemm]:
+    """The GEMMs of an F or B action over one MoE block's ``forward`` list (testbed.model.gemm's conventions:
+    B holds the input gradients, the weight gradients unless ``split``, and full remat's recompute of all but
+    the out projection, the last of ``forward``)."""
+    if kind == "F":
+        return list(forward)
+    out = [g.input_grad() for g in forward] + ([] if split else [g.weight_grad() for g in forward])
+    return out + (list(forward[:-1]) if remat is Remat.FULL else [])
+
+
+def _subtract(gemms: tuple[Gemm, ...], remove: list[Gemm]) -> tuple[Gemm, ...]:
+    """``gemms`` with the counts of ``remove`` taken off, shape by shape (a multiset difference)."""
+    key = lambda g: (g.m, g.n, g.k, g.batch, g.flash)  # noqa: E731
+    left: dict = {}
+    for g in gemms:
+        left[key(g)] = left.get(key(g), 0.0) + g.count
+    for g in remove:
+        left[key(g)] = left.get(key(g), 0.0) - g.count
+    out, seen = [], set()
+    for g in gemms:
+        k = key(g)
+        if k not in seen and left[k] > 1e-9:
+            seen.add(k)
+            out.append(replace(g, count=left[k]))
+    return tuple(out)
+
+
+def moe_pieces(plan: Plan, moe_layers: int, kind: str, split: bool, flops: float, hbm: float,
+               traffic: tuple[float, float], gemms: tuple[Gemm, ...], kernels: int) -> list[Piece]:
+    """The chain of an F or B action holding ``moe_layers`` MoE layers (module docstring); [] when the action
+    runs no all-to-all (no MoE layer, expert degree 1, or a W action). ``flops``, ``hbm``, ``traffic``,
+    ``gemms`` and ``kernels`` are the whole action's (testbed.sim.program's ``_action_work``)."""
+    spec, mesh = plan.model, plan.mesh
+    if not moe_layers or mesh.expert <= 1 or kind == "W":
+        return []
+    ins, outs = moe_gemms(spec, moe.local_tokens(plan), moe.expert_tokens(plan), mesh.tensor,
+                          mesh.expert)
+    inner = spec.mlp_matrices - 1
+    routed = _action_gemms([*ins[1:1 + inner], outs[0]], kind, split, plan.remat)
+    shared = _action_gemms([*ins[1 + inner:], *outs[1:]], kind, split, plan.remat) if spec.shared_experts else []
+    rest = _subtract(gemms, [replace(g, count=g.count * moe_layers) for g in routed + shared])
+    n = moe_layers
+    rest_flops = max(0.0, flops - n * (gemm_flops(tuple(routed)) + gemm_flops(tuple(shared))))
+    full = plan.remat is Remat.FULL and kind == "B"
+    a2a = dict(nbytes=moe.dispatch_bytes(plan), count=2 if full else 1)  # full remat redoes the forward's too
+    per = max(1, kernels // (n + 1))
+    share = dict(hbm_bytes=hbm / (n + 1), replicated_bytes=traffic[0] / (n + 1), split_bytes=traffic[1] / (n + 1),
+                 flops=rest_flops / (n + 1), kernels=per, gemms=tuple(replace(g, count=g.count / (n + 1)) for g in rest))
+    half = tuple(replace(g, count=g.count / 2) for g in shared)
+    pieces: list[Piece] = [Piece(name="/moe0 pre", stream="compute", **share)]
+    for layer in range(n):
+        tag, pre = f"/moe{layer}", len(pieces) - 1
+        pieces.append(Piece(name=f"{tag} dispatch", stream=A2A_STREAM, after=(pre,), **a2a))
+        dispatch = len(pieces) - 1
+        if half:
+            pieces.append(Piece(name=f"{tag} shared", stream="compute", after=(pre,), flops=gemm_flops(half),
+                                gemms=half))
+        pieces.append(Piece(name=f"{tag} experts", stream="compute", after=(dispatch,),
+                            flops=gemm_flops(tuple(routed)), gemms=tuple(routed), kernels=len(routed)))
+        pieces.append(Piece(name=f"{tag} combine", stream=A2A_STREAM, after=(len(pieces) - 1,), **a2a))
+        combine = len(pieces) - 1
+        if half:
+            pieces.append(Piece(name=f"{tag} shared", stream="compute", after=(combine - 1,), flops=gemm_flops(half),
+                                gemms=half))
+        # The next part of the action needs the layer's output: the combine (and, FIFO, the shared experts).
+        name = f"/moe{layer + 1} pre" if layer + 1 < n else "/moe post"
+        pieces.append(Piece(name=name, stream="compute", after=(combine,), layer_end=True, **share))
+    return pieces
+
+
+def exposed_stream_s(timeline, stream: str = A2A_STREAM) -> float:
+    """Seconds the busiest representative spends in ``stream``'s spans while its compute stream is idle:
+    the exposed all-to-all time of an expert-parallel plan (0 without such spans)."""
+    device = timeline.busiest()
+    mine = [(s.start, s.end) for s in timeline.spans(device) if s.stream == stream and s.end > s.start]
+    if not mine:
+        return 0.0
+    compute = sorted((s.start, s.end) for s in timeline.spans(device) if s.stream == "compute" and s.end > s.start)
+    return sum(_uncovered(a, b, compute) for a, b in _union(sorted(mine)))
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _uncovered(a: float, b: float, covers: list[tuple[float, float]]) -> float:
+    """Length of ``[a, b]`` outside the (sorted) ``covers``."""
+    left, at = 0.0, a
+    for c, d in covers:
+        if d <= at:
+            continue
+        if c >= b:
+            break
+        left += max(0.0, c - at)
+        at = max(at, d)
+        if at >= b:
+            return left
+    return left + max(0.0, b - at)
