@@ -29,8 +29,10 @@ def test_megatron_table_parses_and_is_consistent():
         assert gpus % (t * p) == 0
         d = gpus // (t * p)
         assert row["batch"] % d == 0
-        if p > 1:  # the interleaved schedule needs microbatches divisible by p
-            assert (row["batch"] // d) % p == 0 and row["layers"] % p == 0
+        per_replica = row["batch"] // d
+        assert per_replica % row["microbatch_size"] == 0 and row["layers"] % (p * row["virtual_stages"]) == 0
+        if row["virtual_stages"] > 1:  # the interleaved schedule needs microbatches divisible by p
+            assert p > 1 and (per_replica // row["microbatch_size"]) % p == 0
         # the published aggregate is TFLOP/s per GPU x GPUs (rounded in the paper)
         assert row["aggregate_pflops"] == pytest.approx(row["tflops_per_gpu"] * gpus / 1000, rel=0.01)
         assert row["peak_percent"] == pytest.approx(100 * row["tflops_per_gpu"] / 312, abs=1)
@@ -49,10 +51,11 @@ def test_every_collective_case_has_a_source():
 
 def test_plans_build_for_small_rows():
     data = yaml.safe_load((PUBLISHED / "megatron.yaml").read_text())
-    spec = end_to_end.plan_dict(data["cases"][4], data["setup"])  # 39.1B: t 8, p 2
-    assert spec["schedule"] == {"name": "interleaved", "virtual_stages": 2}
+    spec = end_to_end.plan_dict(data["cases"][4], data["setup"])  # 39.1B: t 8, p 2, microbatch 4, no interleaving
+    assert spec["schedule"] == "1f1b" and spec["batch"] == {"global_batch": 1536, "microbatches": 12}
     assert spec["mesh"] == {"data": 32, "fsdp": 1, "tensor": 8, "stage": 2}
-    assert end_to_end.virtual_stages(105, 35) == 3 and end_to_end.virtual_stages(60, 4) == 3
+    spec = end_to_end.plan_dict(data["cases"][5], data["setup"])  # 76.1B: 5 layers per virtual stage of 15
+    assert spec["schedule"] == {"name": "interleaved", "virtual_stages": 3} and spec["batch"]["microbatches"] == 28
 
 
 def test_end_to_end_small_file(tmp_path):
@@ -68,6 +71,8 @@ def test_end_to_end_small_file(tmp_path):
         # testbed's full remat skips the MLP down projection Megatron's reruns: 7-8% fewer FLOPs than Eq. 3.
         assert 0.9 < r["flops_ratio"] < 0.95
         assert r["predicted"] == pytest.approx(r["predicted_eq3"] * r["flops_ratio"], rel=2e-3)
+        # Megatron's iteration by Eq. 3: the published rate's own definition, inverted.
+        assert r["published_step_s"] * r["published"] == pytest.approx(r["step_time_s"] * r["predicted_eq3"], rel=2e-3)
 
 
 @pytest.mark.parametrize("name", ["dgx-a100-superpod", "a100-pcie-8", "dgx-h100", "dgx-h100-x4", "dgx-h100-superpod"])
