@@ -13,6 +13,7 @@ from testbed.plan.spec import Plan
 from testbed.plan.io import load_plan
 from testbed.sim.engine import Simulation, simulate as run_simulation
 from testbed.sim.moe import exposed_stream_s
+from testbed.sim.ring import RING_STREAM, exposed_ring_s
 from testbed.topology import Topology
 from testbed.topology.io import load_topology
 from testbed.units import format_bytes, format_time, parse_bytes
@@ -39,6 +40,8 @@ def _summary(sim: Simulation) -> dict[str, Any]:
            "topology": r.topology, "devices": r.devices, "tasks": r.tasks}
     if any(t.op == "all_to_all" for t in sim.program.tasks):  # expert parallelism: the MoE all-to-alls' share
         out["exposed_all_to_all_s"] = exposed_stream_s(sim.timeline)
+    if any(t.stream == RING_STREAM for t in sim.program.tasks):  # context parallelism: the ring's share
+        out["exposed_ring_s"] = exposed_ring_s(sim.timeline)
     return out
 
 
@@ -78,6 +81,8 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
         console.print(f"exposed comm   {format_time(data['exposed_comm_s'])}")
         if "exposed_all_to_all_s" in data:
             console.print(f"  all-to-all   {format_time(data['exposed_all_to_all_s'])} (MoE dispatch and combine)")
+        if "exposed_ring_s" in data:
+            console.print(f"  ring         {format_time(data['exposed_ring_s'])} (ring attention's K/V sends)")
         console.print(f"bubble         {data['bubble_fraction']:.1%}")
         console.print(f"MFU            {data['mfu']:.1%}")
         fits = "[green]fits[/green]" if m.get("fits") else "[red]does not fit[/red]"

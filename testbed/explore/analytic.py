@@ -13,6 +13,9 @@ pipeline schedule table, stage by stage, with the same prices:
   waits for its gather only when gathering is the bottleneck;
 - activations and gradients cross stages with ``send_time`` on the sender's
   pipe stream (serial, as the program's);
+- under context parallelism an action is priced as the task graph splits
+  it (testbed.sim.ring's ``ring_action_seconds``), and the ring's sends
+  left exposed beside each step's attention block it;
 - under expert parallelism each MoE layer's dispatch and combine all-to-alls
   (testbed.sim.moe's chain) block the action but for the shared experts'
   compute running beside each: ``max(0, all-to-all - shared half)`` twice;
@@ -46,6 +49,7 @@ from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduct
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.model.gemm import chunk_gemms, scaled
 from testbed.sim.engine import compute_seconds
+from testbed.sim.ring import ring_action_seconds, ring_neighbours
 from testbed.sim.moe import Piece, moe_pieces
 from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, _action_work
 from testbed.model.moe import moe_layers
@@ -140,7 +144,7 @@ def _chunk_cost(plan: Plan, stage: int, chunk: int) -> model.ChunkCost:
     layers per stage)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
-           plan.mesh.expert, plan.expert_imbalance)
+           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:
@@ -155,7 +159,7 @@ _CHUNKS: dict[tuple, model.ChunkCost] = {}
 def _chunk_gemms(plan: Plan, stage: int, chunk: int):
     """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`_chunk_cost`)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance)
+           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
     shapes = _GEMMS.get(key)
     if shapes is None:
         if len(_GEMMS) > 100_000:
@@ -187,6 +191,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     ids = place(plan, topology).device_ids
     coll = _Collectives(topology, ids)
     reps = [int(ids[s].flat[0]) for s in range(p)]
+    rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] for s in range(p)]
     param_b, grad_b, _ = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     p_axes, p_ways, o_ways = sharding.params, sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
@@ -210,12 +215,17 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 gemms = _chunk_gemms(plan, s, c).action(kind, split)
                 whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
                                         gemms)
+                # Context parallelism: the action as the ring's tasks, and the ring's sends it leaves exposed.
+                ringed = ring_action_seconds(plan, topology, dtype, rings[s], kind, cost.layers,
+                                             (flops, hbm, rep_b, split_b), gemms, kernels, cost.tensor_bytes)
+                whole, ring_s = ringed or (whole, 0.0)
                 pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 else 1
                 piece = bucket = scatter = 0.0
                 if kind == last_kind and replicas > 1:  # the program reduces even a one-layer chunk's gradients
                     piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
                                                    max(1, kernels // pieces), rep_b / pieces, split_b / pieces,
                                                    cost.tensor_bytes, scaled(gemms, 1 / pieces))
+                    piece = whole / pieces if ringed else piece
                     experts = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
                                             mesh.tensor, 1, mesh.expert, experts_only=True)
                     bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b,
@@ -226,6 +236,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 chain = moe_pieces(plan, moe_layers(plan.model, chunk_layers(plan.model, p, v, plan.stage_layers)[s][c]),
                                    kind, split, flops, hbm, (rep_b, split_b), gemms, kernels)
                 tp_s += _exposed_all_to_all(chain, coll, topology, dtype, s)
+                tp_s += ring_s
                 sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
                               for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
                 work[(s, c, kind)] = (whole, tp_s, gather if gathers_parameters(plan, kind) else 0.0, piece, pieces,

@@ -3,7 +3,9 @@
 A candidate keeps the base plan's model, global batch and optimizer (and
 its precision, unless the space lists precisions) and chooses the rest: the
 mesh degrees (every ordered factorisation of the device count into data x
-fsdp x tensor x stage), the pipeline schedule (interleaved with each listed
+fsdp x tensor x stage, times a context degree for long sequences:
+:attr:`SearchSpace.contexts`, and an expert degree for MoE models:
+:attr:`SearchSpace.experts`), the pipeline schedule (interleaved with each listed
 virtual-stage count), the microbatch count, the ZeRO stage and the remat
 mode. :func:`candidates` yields only plans the runner accepts: the
 divisibility rules of :class:`~testbed.plan.spec.Plan` (checked cheaply
@@ -24,8 +26,9 @@ from testbed.plan.io import plan_from_dict
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
 from testbed.topology import Form, Topology
 
-__all__ = ["SearchSpace", "preset_plan", "candidates", "factorisations", "count_candidates",
-           "resize_topology", "shrink_plan"]
+__all__ = ["SearchSpace", "preset_plan", "candidates", "factorisations", "count_candidates", "context_degrees",
+           "expert_degrees",
+           "resize_topology", "shrink_plan", "LONG_SEQUENCE", "MIN_CONTEXT_TOKENS"]
 
 def _choices(values, name: str, parse) -> tuple:
     try:
@@ -58,6 +61,12 @@ class SearchSpace:
     zero: tuple[int, ...] = (0, 1, 2, 3)
     remat: tuple[str, ...] = tuple(r.value for r in Remat)
     precisions: tuple[str, ...] | None = None
+    #: Context-parallel degrees (ring attention). None: 1, and for sequences of at least LONG_SEQUENCE tokens every
+    #: degree that divides the devices and leaves each rank MIN_CONTEXT_TOKENS or more in whole zigzag chunks.
+    contexts: tuple[int, ...] | None = None
+    #: Expert-parallel degrees of an MoE model. None: every degree that divides both the experts and the devices
+    #: (1 only for a dense model).
+    experts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedules", _choices(self.schedules, "space.schedules",
@@ -71,6 +80,10 @@ class SearchSpace:
             raise InputError(f"ZeRO stages are 0..3, got {list(self.zero)}", field="space.zero")
         object.__setattr__(self, "zero", zero)
         object.__setattr__(self, "remat", _choices(self.remat, "space.remat", lambda r: Remat(r).value))
+        if self.contexts is not None:
+            object.__setattr__(self, "contexts", _positive_ints(self.contexts, "space.contexts"))
+        if self.experts is not None:
+            object.__setattr__(self, "experts", _positive_ints(self.experts, "space.experts"))
         if self.precisions is not None:
             object.__setattr__(self, "precisions", _choices(self.precisions, "space.precisions",
                                                             lambda p: Precision(p).value))
@@ -107,16 +120,49 @@ def _divisors(n: int, cap: int) -> list[int]:
     return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
 
 
+#: Sequences at least this long get context-parallel candidates by default (Llama 3 trained 8K without it and
+#: its long-context stage, up to 128K, with it: Dubey et al. 2024, Section 3.3.2).
+LONG_SEQUENCE = 16384
+#: The fewest tokens a context rank keeps by default (a floor that keeps the candidates few; not a measured limit).
+MIN_CONTEXT_TOKENS = 2048
+
+
+def context_degrees(base: Plan, devices: int, space: SearchSpace) -> tuple[int, ...]:
+    """The context degrees the search tries on ``devices`` devices (:attr:`SearchSpace.contexts`), those the
+    sequence splits into ``2 x context`` chunks only."""
+    s = base.model.seq_len
+    if space.contexts is not None:
+        chosen = space.contexts
+    elif s < LONG_SEQUENCE:
+        chosen = (1,)
+    else:
+        chosen = tuple(c for c in range(1, devices + 1) if s // c >= MIN_CONTEXT_TOKENS)
+    return tuple(c for c in chosen if devices % c == 0 and (c == 1 or s % (2 * c) == 0))
+
+
+def expert_degrees(base: Plan, devices: int, space: SearchSpace) -> tuple[int, ...]:
+    """The expert-parallel degrees the search tries on ``devices`` devices (:attr:`SearchSpace.experts`, or every
+    divisor of ``model.experts``), those dividing the devices and the experts only; (1,) for a dense model."""
+    experts = base.model.experts
+    if not experts:
+        return (1,)
+    chosen = space.experts if space.experts is not None else tuple(range(1, experts + 1))
+    return tuple(e for e in chosen if devices % e == 0 and experts % e == 0)
+
+
 def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> Iterator[Plan]:
     """Every plan of ``space`` on ``devices`` devices that the runner accepts (module docstring), in a fixed order."""
     m = base.model
     precisions = space.precisions or (base.precision.value,)
-    for data, fsdp, tensor, stage in factorisations(devices):
-        replicas = data * fsdp
+    meshes = ((c, e, *f) for c in context_degrees(base, devices, space) for e in expert_degrees(base, devices // c, space)
+              for f in factorisations(devices // (c * e)))
+    for context, expert, data, fsdp, tensor, stage in meshes:
+        replicas = data * fsdp * expert  # the expert axis splits the batch in the dense parts
         if (m.heads % tensor or m.d_ff % tensor or m.vocab % tensor or m.layers % stage
-                or base.batch.global_batch % replicas or (stage > 1 and m.tied_embeddings)):
+                or base.batch.global_batch % replicas or (stage > 1 and m.tied_embeddings)
+                or (m.experts and m.expert_width % tensor)):
             continue
-        mesh = MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage)
+        mesh = MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage, context=context, expert=expert)
         per_replica = base.batch.global_batch // replicas
         micro = [x for x in (space.microbatches or _divisors(per_replica, space.max_microbatches))
                  if per_replica % x == 0]

@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError
-from testbed.model import layout, moe
+from testbed.model import layout, moe, ring
 from testbed.model.layout import chunk_layers
 from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Precision, Remat
 
@@ -416,8 +416,12 @@ class ChunkCost:
 
 
 def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
-    """Cost of virtual chunk ``chunk`` on pipeline stage ``stage`` for one microbatch on one device."""
-    spec, p, v, t = plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor
+    """Cost of virtual chunk ``chunk`` on pipeline stage ``stage`` for one microbatch on one device.
+
+    With context parallelism the device holds ``seq_len / context`` tokens: the per-token work is
+    :func:`testbed.model.ring.rank_spec`'s, plus the ring's attention steps after the first.
+    """
+    spec, p, v, t = ring.rank_spec(plan), plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor
     if not 0 <= stage < p:
         raise InputError(f"must be in 0..{p - 1}, got {stage}", field="stage")
     if not 0 <= chunk < v:
@@ -432,6 +436,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     forward = layers * (dense + attention) // t + swap
     b_flops = layers * (dense + 2 * attention) // t + swap
     w_flops = layers * dense // t + swap
+    steps = layers * ring.extra_attention_flops(plan)  # context parallelism: ring steps 1..c-1 (0 otherwise)
+    forward, b_flops = forward + steps, b_flops + 2 * steps
     if head:
         hf = head_forward_flops(spec, b, t)
         forward, b_flops, w_flops = forward + hf, b_flops + hf, w_flops + hf
@@ -456,7 +462,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     tp = t > 1
     return ChunkCost(
         layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,
-        recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t) + (
+        recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t) + steps // 2 + (
+            steps if plan.remat is Remat.FULL else 0) + (
             round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0),
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
         activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=(replicated, split),

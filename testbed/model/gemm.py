@@ -26,6 +26,11 @@ them; ``N = microbatch x seq`` tokens, ``t`` the tensor degree):
   times the load: the capacity factor, or the busiest rank's imbalance), and the shared experts
   as a dense MLP of width ``S fe``.
 
+With context parallelism a rank has ``N / c`` tokens and its attention is
+the ring's (testbed.model.ring): step 0 ``s_l x s_l`` (``s_l = s / c``), then
+``c - 1`` steps of ``s_l x s_l / 2`` (:func:`ring_step_gemms`), the scores
+recomputed in the backward.
+
 A weight matmul ``Y = X W`` (``m x n x k``) has two gradients: the input's
 ``dX = dY W^T`` (``m x k x n``, in B) and the weight's ``dW = X^T dY``
 (``k x n x m``, in W). Both attention products' gradients are input
@@ -41,9 +46,11 @@ from dataclasses import dataclass, replace
 from testbed.model import layout
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens
+from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
-__all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms", "gemm_flops", "scaled"]
+__all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms", "gemm_flops", "scaled",
+           "ring_step_gemms", "without"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,9 +159,51 @@ def gemm_flops(gemms: tuple[Gemm, ...]) -> float:
     return sum(g.flops for g in gemms)
 
 
+def ring_step_gemms(plan: Plan, kind: str, first: bool) -> tuple[Gemm, ...]:
+    """One layer's attention GEMMs of one ring step under context parallelism (testbed.model.ring), one tensor
+    rank: step 0's ``s_l x s_l`` block (``first``) or a later step's ``s_l x s_l / 2``; F the scores and values,
+    B their four gradients and the recomputed scores."""
+    spec = plan.model
+    local = spec.seq_len // plan.mesh.context
+    keys, heads = (local if first else local // 2), plan.microbatch_size * spec.heads // plan.mesh.tensor
+    flash = spec.attention is Attention.FLASH
+    scores, values = (Gemm(local, keys, spec.head_dim, batch=heads, flash=flash),
+                      Gemm(local, spec.head_dim, keys, batch=heads, flash=flash))
+    if kind == "F":
+        return scores, values
+    return scores.input_grad(), scores.weight_grad(), values.input_grad(), values.weight_grad(), scores
+
+
+def without(gemms: tuple[Gemm, ...], removed: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+    """``gemms`` less ``removed``, count by count of equal shapes (an action's GEMMs but those of its ring
+    steps, which the task graph runs as their own tasks). Raises ValueError when ``removed`` is not in it."""
+    left = {}
+    for g in gemms:
+        key = replace(g, count=1.0)
+        left[key] = left.get(key, 0.0) + g.count
+    for g in removed:
+        key = replace(g, count=1.0)
+        if left.get(key, 0.0) < g.count * (1 - 1e-9):
+            raise ValueError(f"{g} is not among the GEMMs")
+        left[key] -= g.count
+    return tuple(replace(k, count=n) for k, n in left.items() if n > 1e-9 * max(1.0, abs(n)))
+
+
+def _ring_steps(plan: Plan, out: list[tuple[Gemm, ...]], layers: int) -> list[tuple[Gemm, ...]]:
+    """Context parallelism: the ring steps after the first (each ``s_l x s_l / 2``; step 0's block is
+    :func:`~testbed.model.ring.rank_spec`'s attention), and the plan's own flash flag on the attention products
+    (the rank's model is priced as flash: its memory and recompute)."""
+    flash = plan.model.attention is Attention.FLASH
+    out = [tuple(replace(g, flash=flash) if g.flash else g for g in x) for x in out]
+    f, b = ring_step_gemms(plan, "F", False), ring_step_gemms(plan, "B", False)
+    extra = (f, b[:4], (), b[4:] + (f if plan.remat is Remat.FULL else ()))
+    return [o + scaled(x, layers * (plan.mesh.context - 1)) for o, x in zip(out, extra)]
+
+
 def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
-    """GEMMs of virtual chunk ``chunk`` on pipeline stage ``stage``, one microbatch, one device."""
-    spec, p, v, t = plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor
+    """GEMMs of virtual chunk ``chunk`` on pipeline stage ``stage``, one microbatch, one device (one context
+    rank's ``seq_len / context`` tokens, :func:`testbed.model.ring.rank_spec`)."""
+    spec, p, v, t = rank_spec(plan), plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor
     b = plan.microbatch_size
     span = chunk_layers(spec, p, v, plan.stage_layers)[stage][chunk]
     _, head = layout.holds(stage, chunk, p, v)
@@ -177,6 +226,8 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
             recompute.append(scores)
         if layers:
             out = [o + scaled(tuple(x), layers) for o, x in zip(out, (forward, inputs, grads, recompute))]
+    if plan.mesh.context > 1:
+        out = _ring_steps(plan, out, len(span))
     if head:
         (h,) = head_gemms(spec, b, t)
         out[0], out[1], out[2] = out[0] + (h,), out[1] + (h.input_grad(),), out[2] + (h.weight_grad(),)

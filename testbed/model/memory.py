@@ -32,6 +32,11 @@ sharded parameters (fsdp, ZeRO-3) the gathered weights the backward needs
 (all of the stage's, kept as autodiff residuals, unless full remat
 re-gathers them per layer: then two layers).
 
+Context parallelism: activations and workspace are one context rank's
+(``seq_len / context`` tokens, as flash attention keeps them:
+``testbed.model.ring.rank_spec``), plus two ring messages in flight
+(``ring_workspace``); model states are replicated over ``context``.
+
 The breakdown is taken at each stage's peak instant: without gradient
 accumulation (one microbatch) activations are freed layer by layer while
 gradients appear, so the two never peak together.
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 
 from testbed.model import costs as model
 from testbed.model import layout, moe
+from testbed.model.ring import rank_spec, ring_workspace
 from testbed.plan.spec import Attention, Plan, Remat, ScheduleName
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
@@ -154,7 +160,7 @@ def _attention_workspace(plan: Plan) -> int:
     gradient of the probabilities and of the scores (2 buffers); selective
     remat first recomputes the scores and probabilities (2 more).
     """
-    spec, c = plan.model, plan.precision.compute_bytes
+    spec, c = rank_spec(plan), plan.precision.compute_bytes
     if spec.attention is Attention.FLASH:
         return _flash_workspace(plan)
     score = c * plan.microbatch_size * spec.heads * spec.seq_len ** 2 // plan.mesh.tensor
@@ -172,7 +178,7 @@ def _flash_workspace(plan: Plan) -> int:
     scores, probabilities and both gradients as fp32 tiles. (Measured with
     XLA:CPU, ``benchmarks/memory_vs_xla.py``.)
     """
-    spec, c, t = plan.model, plan.precision.compute_bytes, plan.mesh.tensor
+    spec, c, t = rank_spec(plan), plan.precision.compute_bytes, plan.mesh.tensor
     tile = plan.microbatch_size * spec.heads * spec.seq_len * spec.flash_block // t
     if spec.flash_block == spec.seq_len:
         return 4 * model.FLASH_BYTES * tile
@@ -181,7 +187,7 @@ def _flash_workspace(plan: Plan) -> int:
 
 def _layer_workspace(plan: Plan) -> int:
     """One layer's backward: attention transients, MLP-hidden gradients, what full remat recomputes."""
-    spec, t, c = plan.model, plan.mesh.tensor, plan.precision.compute_bytes
+    spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
     n = plan.microbatch_size * spec.seq_len
     residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
     hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
@@ -189,7 +195,7 @@ def _layer_workspace(plan: Plan) -> int:
     if plan.remat is Remat.FULL:
         recompute = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t,
                                                      plan.sequence_parallel)
-    return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan)
+    return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan) + ring_workspace(plan)
 
 
 def _loss_workspace(plan: Plan) -> int:
@@ -197,7 +203,7 @@ def _loss_workspace(plan: Plan) -> int:
 
     Under bf16 the projection also writes compute-dtype logits before the fp32 cast.
     """
-    spec, c = plan.model, plan.precision.compute_bytes
+    spec, c = rank_spec(plan), plan.precision.compute_bytes
     logits = plan.microbatch_size * spec.seq_len * spec.padded_vocab // plan.mesh.tensor
     return logits * (2 * model.LOSS_BYTES + (c if c != model.LOSS_BYTES else 0))
 
@@ -212,7 +218,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     gradient buffer lives through the whole step, next to the in-flight
     activations.
     """
-    spec, mesh = plan.model, plan.mesh
+    spec, mesh = rank_spec(plan), plan.mesh
     p, v = mesh.stage, plan.schedule.virtual_stages
     param_b, grad_b, opt_b = state_bytes_per_param(plan)
     sharding = state_sharding(plan)

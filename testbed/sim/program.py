@@ -15,7 +15,8 @@ and reduce-scatters; blocking: the next action waits),
 (activation and gradient sends) and ``grad`` (gradient reduction, updated
 parameter all-gathers) and ``expert`` (an MoE layer's dispatch and combine
 all-to-alls under expert parallelism, beside the shared experts' compute:
-testbed.sim.moe). A stream runs its tasks in program order, one at a
+testbed.sim.moe) and ``ring`` (ring attention's K/V sends to the next
+context rank, beside each ring step's attention: testbed.sim.ring). A stream runs its tasks in program order, one at a
 time; a task also waits for its ``deps``.
 
 The controller (``build_program(..., controller=True)``): one host thread
@@ -73,13 +74,14 @@ from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduct
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.model.moe import moe_layers
 from testbed.sim.moe import A2A_STREAM, moe_pieces
+from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
            "OPTIMIZER_FLOPS_PER_PARAM"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
-STREAMS = ("compute", "tensor", A2A_STREAM, "gather", "pipe", "grad", "host")
+STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "grad", "host")
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
 OPTIMIZER_FLOPS_PER_PARAM = 12
 
@@ -222,6 +224,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                                     mesh.tensor, 1, mesh.expert, experts_only=True) for c in range(v)] for s in range(p)]
     groups: dict = {"placement": placement}  # gradient reduction groups by axes, memoized (_reduce)
     shapes = [[chunk_gemms(plan, s, c) for c in range(v)] for s in range(p)]
+    contexts = axis_groups(placement, [Axis.CONTEXT])  # ring attention: each rank sends to the next of its ring
+    ring_pair, rings = zip(*(ring_neighbours(contexts[s], reps[s]) for s in range(p)))
     # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate.
     pairs = {(a, b): tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))
              for a in range(p) for b in range(p) if a != b}
@@ -299,11 +303,23 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                                                expert_params[s][action.chunk] * share * grad_b,
                                                f"{label}/{done_buckets - 1}", groups))
         for k in range(0 if chain else pieces):
-            last = b.add(name=label if pieces == 1 else f"{label}/{k}", device=rep, stream="compute",
-                         kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
-                         replicated_bytes=replicated / pieces, split_bytes=split / pieces,
-                         tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
-                         gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
+            name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
+            ring_ids: list[int] = []  # context parallelism: the ring's steps and sends (testbed.sim.ring)
+            for t in ring_tasks(plan, action.kind, name, share, share / max(1, cost.layers),
+                                (flops, hbm, replicated, split), gemms, kernels):
+                ring_ids.append(b.add(
+                    name=t.name, device=rep, stream=t.stream, kind=TaskKind.SEND if t.send else TaskKind.COMPUTE,
+                    deps=tuple(deps) if t.after is None else tuple(ring_ids[j] for j in t.after), flops=t.flops,
+                    hbm_bytes=t.hbm_bytes, replicated_bytes=t.replicated_bytes, split_bytes=t.split_bytes,
+                    tensor_bytes=0.0 if t.send else cost.tensor_bytes, kernels=t.kernels, nbytes=t.nbytes,
+                    count=t.count or 1, group=ring_pair[s] if t.send else (), instances=rings[s] if t.send else (),
+                    pipeline=True, gemms=t.gemms))
+            last = ring_ids[-1] if ring_ids else b.add(
+                name=name, device=rep, stream="compute",
+                kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
+                replicated_bytes=replicated / pieces, split_bytes=split / pieces,
+                tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
+                gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             deps = []
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients; reduce it while the backward continues.
