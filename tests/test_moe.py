@@ -187,3 +187,20 @@ def test_analytic_tier_follows_the_simulator_on_moe_plans():
         assert abs(fast - des) < 0.15 * des
         out.append((fast, des))
     assert (out[0][0] < out[1][0]) == (out[0][1] < out[1][1])
+
+
+def test_search_space_has_the_expert_axis():
+    """MoE models get expert degrees dividing the experts and the devices; dense ones only 1."""
+    from testbed.explore.space import SearchSpace, candidates
+
+    spec = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=16, vocab=64, experts=4)
+    base = Plan(model=spec, batch=BatchSpec(global_batch=8), schedule=ScheduleSpec(), precision="fp32")
+    space = SearchSpace(zero=(0,), remat=("none",), microbatches=(1,))
+    plans = list(candidates(base, 8, space))
+    assert {p.mesh.expert for p in plans} == {1, 2, 4}
+    assert all(p.mesh.size == 8 for p in plans)
+    dense = replace(base, model=replace(spec, experts=0))
+    assert {p.mesh.expert for p in candidates(dense, 8, space)} == {1}
+    assert {p.mesh.expert for p in candidates(base, 8, replace(space, experts=(2,)))} == {2}
+    best = min((p for p in plans if p.mesh.expert == 4), key=lambda p: p.mesh.data)
+    assert estimate(best, HOST).step_time_s > 0
