@@ -215,9 +215,13 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 gemms = _chunk_gemms(plan, s, c).action(kind, split)
                 whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
                                         gemms)
-                # Context parallelism: the action as the ring's tasks, and the ring's sends it leaves exposed.
-                ringed = ring_action_seconds(plan, topology, dtype, rings[s], kind, cost.layers,
-                                             (flops, hbm, rep_b, split_b), gemms, kernels, cost.tensor_bytes)
+                chain = moe_pieces(plan, moe_layers(plan.model, chunk_layers(plan.model, p, v, plan.stage_layers)[s][c]),
+                                   kind, split, flops, hbm, (rep_b, split_b), gemms, kernels)
+                # Context parallelism: the action as the ring's tasks, and the ring's sends it leaves exposed (the
+                # task graph plays an expert-parallel MoE action's chain without the ring's phases: so does this).
+                ringed = None if chain else ring_action_seconds(
+                    plan, topology, dtype, rings[s], kind, cost.layers, (flops, hbm, rep_b, split_b), gemms, kernels,
+                    cost.tensor_bytes)
                 whole, ring_s = ringed or (whole, 0.0)
                 pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 else 1
                 piece = bucket = scatter = 0.0
@@ -233,8 +237,6 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 if kind == last_kind and per_microbatch and m > 1:
                     scatter = coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b)
                 tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)
-                chain = moe_pieces(plan, moe_layers(plan.model, chunk_layers(plan.model, p, v, plan.stage_layers)[s][c]),
-                                   kind, split, flops, hbm, (rep_b, split_b), gemms, kernels)
                 tp_s += _exposed_all_to_all(chain, coll, topology, dtype, s)
                 tp_s += ring_s
                 sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
