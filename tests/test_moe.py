@@ -204,3 +204,19 @@ def test_search_space_has_the_expert_axis():
     assert {p.mesh.expert for p in candidates(base, 8, replace(space, experts=(2,)))} == {2}
     best = min((p for p in plans if p.mesh.expert == 4), key=lambda p: p.mesh.data)
     assert estimate(best, HOST).step_time_s > 0
+
+
+def test_context_and_expert_parallelism_compose():
+    """With both axes an MoE action runs its ring attention (sends on the ring stream) and then its MoE chain:
+    every all-to-all and every ring send of the two alone is there."""
+    spec = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=32, vocab=64, experts=4, attention="flash")
+    plan = Plan(model=spec, batch=BatchSpec(global_batch=4), mesh=MeshSpec(context=2, expert=2, data=2),
+                schedule=ScheduleSpec(), precision="fp32")
+    program = build_program(plan, place(plan, HOST))
+    only_ring = build_program(replace(plan, mesh=MeshSpec(context=2, data=4)), place(
+        replace(plan, mesh=MeshSpec(context=2, data=4)), HOST))
+    sends = lambda p: sum(t.count for t in p.tasks if t.kind is TaskKind.SEND)  # noqa: E731
+    assert sends(program) == sends(only_ring) > 0
+    assert sum(t.count for t in program.tasks if t.op == "all_to_all") == 2 * (2 + 2)
+    report = simulate(plan, HOST).report
+    assert report.step_time_s > 0

@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from testbed.model import moe
-from testbed.model.gemm import Gemm, gemm_flops, moe_gemms
+from testbed.model.gemm import Gemm, gemm_flops, moe_gemms, scaled, without
 from testbed.plan.spec import Plan, Remat
 
-__all__ = ["A2A_STREAM", "Piece", "moe_pieces", "exposed_stream_s"]
+__all__ = ["A2A_STREAM", "Piece", "expert_gemms", "moe_pieces", "exposed_stream_s"]
 
 #: The stream the dispatch and combine all-to-alls run on (beside compute).
 A2A_STREAM = "expert"
@@ -67,21 +67,21 @@ def _action_gemms(forward: list[Gemm], kind: str, split: bool, remat: Remat) -> 
     return out + (list(forward[:-1]) if remat is Remat.FULL else [])
 
 
-def _subtract(gemms: tuple[Gemm, ...], remove: list[Gemm]) -> tuple[Gemm, ...]:
-    """``gemms`` with the counts of ``remove`` taken off, shape by shape (a multiset difference)."""
-    key = lambda g: (g.m, g.n, g.k, g.batch, g.flash)  # noqa: E731
-    left: dict = {}
-    for g in gemms:
-        left[key(g)] = left.get(key(g), 0.0) + g.count
-    for g in remove:
-        left[key(g)] = left.get(key(g), 0.0) - g.count
-    out, seen = [], set()
-    for g in gemms:
-        k = key(g)
-        if k not in seen and left[k] > 1e-9:
-            seen.add(k)
-            out.append(replace(g, count=left[k]))
-    return tuple(out)
+def _layer_gemms(plan: Plan, kind: str, split: bool) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
+    """(routed experts', shared experts') GEMMs of one MoE layer in an F or B action on one rank."""
+    spec, mesh = plan.model, plan.mesh
+    ins, outs = moe_gemms(spec, moe.local_tokens(plan), moe.expert_tokens(plan), mesh.tensor, mesh.expert)
+    inner = spec.mlp_matrices - 1
+    routed = _action_gemms([*ins[1:1 + inner], outs[0]], kind, split, plan.remat)
+    shared = _action_gemms([*ins[1 + inner:], *outs[1:]], kind, split, plan.remat) if spec.shared_experts else []
+    return tuple(routed), tuple(shared)
+
+
+def expert_gemms(plan: Plan, moe_layers: int, kind: str, split: bool) -> tuple[Gemm, ...]:
+    """The routed and shared experts' GEMMs of an F or B action holding ``moe_layers`` MoE layers (what its
+    chain runs beside the all-to-alls; the rest of the action is everything else)."""
+    routed, shared = _layer_gemms(plan, kind, split)
+    return scaled(routed + shared, moe_layers)
 
 
 def moe_pieces(plan: Plan, moe_layers: int, kind: str, split: bool, flops: float, hbm: float,
@@ -89,17 +89,12 @@ def moe_pieces(plan: Plan, moe_layers: int, kind: str, split: bool, flops: float
     """The chain of an F or B action holding ``moe_layers`` MoE layers (module docstring); [] when the action
     runs no all-to-all (no MoE layer, expert degree 1, or a W action). ``flops``, ``hbm``, ``traffic``,
     ``gemms`` and ``kernels`` are the whole action's (testbed.sim.program's ``_action_work``)."""
-    spec, mesh = plan.model, plan.mesh
-    if not moe_layers or mesh.expert <= 1 or kind == "W":
+    if not moe_layers or plan.mesh.expert <= 1 or kind == "W":
         return []
-    ins, outs = moe_gemms(spec, moe.local_tokens(plan), moe.expert_tokens(plan), mesh.tensor,
-                          mesh.expert)
-    inner = spec.mlp_matrices - 1
-    routed = _action_gemms([*ins[1:1 + inner], outs[0]], kind, split, plan.remat)
-    shared = _action_gemms([*ins[1 + inner:], *outs[1:]], kind, split, plan.remat) if spec.shared_experts else []
-    rest = _subtract(gemms, [replace(g, count=g.count * moe_layers) for g in routed + shared])
+    routed, shared = _layer_gemms(plan, kind, split)
     n = moe_layers
-    rest_flops = max(0.0, flops - n * (gemm_flops(tuple(routed)) + gemm_flops(tuple(shared))))
+    rest = without(gemms, scaled(routed + shared, n))
+    rest_flops = max(0.0, flops - n * (gemm_flops(routed) + gemm_flops(shared)))
     full = plan.remat is Remat.FULL and kind == "B"
     a2a = dict(nbytes=moe.dispatch_bytes(plan), count=2 if full else 1)  # full remat redoes the forward's too
     per = max(1, kernels // (n + 1))
@@ -115,7 +110,7 @@ def moe_pieces(plan: Plan, moe_layers: int, kind: str, split: bool, flops: float
             pieces.append(Piece(name=f"{tag} shared", stream="compute", after=(pre,), flops=gemm_flops(half),
                                 gemms=half))
         pieces.append(Piece(name=f"{tag} experts", stream="compute", after=(dispatch,),
-                            flops=gemm_flops(tuple(routed)), gemms=tuple(routed), kernels=len(routed)))
+                            flops=gemm_flops(routed), gemms=routed, kernels=len(routed)))
         pieces.append(Piece(name=f"{tag} combine", stream=A2A_STREAM, after=(len(pieces) - 1,), **a2a))
         combine = len(pieces) - 1
         if half:

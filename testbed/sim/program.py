@@ -65,7 +65,7 @@ import numpy as np
 from testbed.model import buffers as dispatch
 
 from testbed.model import costs as model
-from testbed.model.gemm import Gemm, chunk_gemms, scaled
+from testbed.model.gemm import Gemm, chunk_gemms, gemm_flops, scaled, without
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import Placement
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
@@ -73,7 +73,7 @@ from testbed.pipeline.schedules import Action, Schedule, build_schedule, depende
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.model.moe import moe_layers
-from testbed.sim.moe import A2A_STREAM, moe_pieces
+from testbed.sim.moe import A2A_STREAM, expert_gemms, moe_pieces
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
@@ -280,6 +280,15 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         last = -1
         chain = moe_pieces(plan, moe_counts[s][action.chunk], action.kind, schedule.split_backward, flops, hbm,
                            (replicated, split), gemms, kernels)
+        if chain and mesh.context > 1:
+            # Both rings: the action's ring attention and the rest first (testbed.sim.ring), then the MoE chain
+            # on the routed and shared experts' work alone (its own rest is empty).
+            moe_g = expert_gemms(plan, moe_counts[s][action.chunk], action.kind, schedule.split_backward)
+            work = (flops - gemm_flops(moe_g), hbm, replicated, split)
+            deps = [_add_ring(b, ring_tasks(plan, action.kind, label, cost.layers, 1.0, work, without(gemms, moe_g),
+                                            kernels), rep, deps, cost.tensor_bytes, ring_pair[s], rings[s])]
+            chain = moe_pieces(plan, moe_counts[s][action.chunk], action.kind, schedule.split_backward,
+                               gemm_flops(moe_g), 0.0, (0.0, 0.0), moe_g, len(moe_g))
         # A bucket of gradients closes after every few MoE layers (as the dense path's ``pieces``).
         bucket, done_buckets, closes = 0, 0, set()
         if chain and reduce:
@@ -304,17 +313,11 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                                                f"{label}/{done_buckets - 1}", groups))
         for k in range(0 if chain else pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
-            ring_ids: list[int] = []  # context parallelism: the ring's steps and sends (testbed.sim.ring)
-            for t in ring_tasks(plan, action.kind, name, share, share / max(1, cost.layers),
-                                (flops, hbm, replicated, split), gemms, kernels):
-                ring_ids.append(b.add(
-                    name=t.name, device=rep, stream=t.stream, kind=TaskKind.SEND if t.send else TaskKind.COMPUTE,
-                    deps=tuple(deps) if t.after is None else tuple(ring_ids[j] for j in t.after), flops=t.flops,
-                    hbm_bytes=t.hbm_bytes, replicated_bytes=t.replicated_bytes, split_bytes=t.split_bytes,
-                    tensor_bytes=0.0 if t.send else cost.tensor_bytes, kernels=t.kernels, nbytes=t.nbytes,
-                    count=t.count or 1, group=ring_pair[s] if t.send else (), instances=rings[s] if t.send else (),
-                    pipeline=True, gemms=t.gemms))
-            last = ring_ids[-1] if ring_ids else b.add(
+            # Context parallelism: the ring's steps and sends (testbed.sim.ring).
+            ringed = _add_ring(b, ring_tasks(plan, action.kind, name, share, share / max(1, cost.layers),
+                                             (flops, hbm, replicated, split), gemms, kernels),
+                               rep, deps, cost.tensor_bytes, ring_pair[s], rings[s])
+            last = ringed if ringed is not None else b.add(
                 name=name, device=rep, stream="compute",
                 kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
                 replicated_bytes=replicated / pieces, split_bytes=split / pieces,
@@ -360,6 +363,21 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                   op="all_gather", nbytes=params / mesh.fsdp * param_b,
                   group=_rep_group(data_groups[s], rep), instances=data_groups[s])
     return Program(tasks=tuple(b.tasks), representative=representative, schedule=schedule)
+
+
+def _add_ring(b: _Builder, tasks: list, rep: int, deps: list[int], tensor_bytes: float, pair: tuple[int, int],
+              rings) -> int | None:
+    """Adds testbed.sim.ring's tasks of one action (or bucket) after ``deps``; returns the last (None: no ring)."""
+    ids: list[int] = []
+    for t in tasks:
+        ids.append(b.add(
+            name=t.name, device=rep, stream=t.stream, kind=TaskKind.SEND if t.send else TaskKind.COMPUTE,
+            deps=tuple(deps) if t.after is None else tuple(ids[j] for j in t.after), flops=t.flops,
+            hbm_bytes=t.hbm_bytes, replicated_bytes=t.replicated_bytes, split_bytes=t.split_bytes,
+            tensor_bytes=0.0 if t.send else tensor_bytes, kernels=t.kernels, nbytes=t.nbytes,
+            count=t.count or 1, group=pair if t.send else (), instances=rings if t.send else (),
+            pipeline=True, gemms=t.gemms))
+    return ids[-1] if ids else None
 
 
 def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
