@@ -29,6 +29,11 @@ on bytes, so they are memoized and shared by the simulator and the runner.
   one-direction rings along the dims in the order rotated by i (reduce-scatter
   dims i, i+1, .., all-gather back), so at any time each dim carries one
   part each way and all 2D link directions of every rank are busy.
+- ``multislice``: for the slices of a multi-slice TPU pod (the grid's last
+  dim): ``multidim`` over the other dims (inside each slice, on ICI), with the
+  last dim appended to every part's order, so each chip reduce-scatters in
+  its slice, all-reduces the part it owns across the slices (rings over the
+  data-center network) and all-gathers back in its slice.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from testbed.collectives.ops import Op, StepProgram, Transfer, num_blocks, parse
 from testbed.errors import InputError, unknown_key_message
 
 __all__ = ["ALGORITHMS", "SUPPORTED_OPS", "GRID_ALGORITHMS", "step_program", "parse_algorithm", "TREE_PIECES",
-           "multidim_orders", "multidim_weights"]
+           "multidim_orders", "multidim_weights", "part_orders"]
 
 Rounds = list[list[Transfer]]
 
@@ -63,9 +68,10 @@ SUPPORTED_OPS: dict[str, tuple[Op, ...]] = {
     "torus": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER),
     "hierarchical": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER),
     "multidim": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER),
+    "multislice": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER),
 }
 #: Algorithms laid out on a rank grid (``dims``) rather than a line of ranks.
-GRID_ALGORITHMS: tuple[str, ...] = ("torus", "hierarchical", "multidim")
+GRID_ALGORITHMS: tuple[str, ...] = ("torus", "hierarchical", "multidim", "multislice")
 ALGORITHMS: tuple[str, ...] = tuple(SUPPORTED_OPS)
 
 
@@ -203,6 +209,20 @@ def multidim_weights(dims: tuple[int, ...]) -> tuple[int, ...]:
     return min(options, key=lambda w: (_lockstep_load(dims, orders, w), w != options[0]))
 
 
+def part_orders(algorithm: str, dims: Sequence[int]) -> tuple[list[list[int]], tuple[int, ...]]:
+    """(reduce-scatter dim order, units of the buffer) of each part (each way round) of ``multidim`` or
+    ``multislice``: ``multislice`` is ``multidim`` over every dim but the last, the last appended to every
+    order (inside the slices first, then across them on what each rank owns)."""
+    if algorithm != "multislice":
+        return multidim_orders(dims), multidim_weights(tuple(dims))
+    inner, last = tuple(dims[:-1]), len(dims) - 1
+    tail = [last] if dims and dims[-1] > 1 else []
+    orders = multidim_orders(inner)
+    if not orders:
+        return ([tail], (1,)) if tail else ([], ())
+    return [order + tail for order in orders], multidim_weights(inner)
+
+
 def _lockstep_load(dims: Sequence[int], orders: list[list[int]], weights: Sequence[int]) -> float:
     """Sum over an all-reduce's rounds of the busiest directed link's share of the buffer (bandwidth term)."""
     streams = []
@@ -228,7 +248,7 @@ def _lockstep_load(dims: Sequence[int], orders: list[list[int]], weights: Sequen
     return cost
 
 
-def _multidim(op: Op, n: int, dims: Sequence[int]) -> tuple[int, Rounds]:
+def _multidim(op: Op, n: int, dims: Sequence[int], algorithm: str = "multidim") -> tuple[int, Rounds]:
     """Every dim at once: 2D parts (part i each way round), part i reduce-scatters along dims rotated by i.
 
     Part i (each way) has ``w_i`` units of the buffer (:func:`multidim_weights`),
@@ -240,11 +260,10 @@ def _multidim(op: Op, n: int, dims: Sequence[int]) -> tuple[int, Rounds]:
     dim ``orders[i][k]`` in its direction.
     """
     coord, lines = _grid(n, dims)
-    orders = multidim_orders(dims)
+    orders, weights = part_orders(algorithm, dims)
     parts = 2 * len(orders)
     if parts == 0:
         return 1, []
-    weights = multidim_weights(tuple(dims))
     slots = [2 * i + way for i, w in enumerate(weights) for way in (0, 1) for _ in range(w)]  # unit -> part
     pieces = len(slots) * n if op is Op.ALL_REDUCE else len(slots)
     chunks = num_blocks(op, n) * pieces
@@ -381,8 +400,8 @@ def _build(op: Op, algorithm: str, n: int, dims: tuple[int, ...] | None, root: i
         return _dim_ordered(op, n, (n,), bidir)
     if algorithm in ("torus", "hierarchical"):
         return _dim_ordered(op, n, dims or (n,), algorithm == "torus")
-    if algorithm == "multidim":
-        return _multidim(op, n, dims or (n,))
+    if algorithm in ("multidim", "multislice"):
+        return _multidim(op, n, dims or (n,), algorithm)
     if algorithm == "halving_doubling":
         if op is Op.BROADCAST:
             return 1, _binomial_broadcast(n, root)

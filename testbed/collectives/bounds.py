@@ -36,7 +36,7 @@ def injection_bandwidth(topology: Topology, device: int) -> float:
     if topology.form is Form.TORUS:  # from the levels: a device's links are its neighbours along each dim
         total = 0.0
         for c, level in zip(topology.coords(device), topology.levels):
-            if level.size == 2:
+            if level.size == 2 or (level.switched and level.size > 1):  # one link (a slice's: to the DCN switch)
                 total += level.bandwidth
             elif level.size > 2:
                 total += level.bandwidth * (2 if level.wraparound or 0 < c < level.size - 1 else 1)
@@ -70,7 +70,8 @@ def torus_cuts(topology: Topology) -> list[tuple[frozenset[int], float]]:
 def _torus_halves(topology: Topology) -> list[tuple[int, np.ndarray, float]]:
     """(dim, devices with coordinate below size // 2 along it, bandwidth crossing) per torus dim of size >= 2.
 
-    The cut crosses one link per line of the dim, two with wraparound (size > 2).
+    The cut crosses one link per line of the dim, two with wraparound (size > 2); across the slices' switch
+    (on the far side) the uplinks of the near half, ``size // 2`` per line.
     """
     if topology.form is not Form.TORUS:
         return []
@@ -82,7 +83,7 @@ def _torus_halves(topology: Topology) -> list[tuple[int, np.ndarray, float]]:
         if level.size < 2:
             continue
         lines = topology.num_devices // level.size
-        crossings = 2 if level.wraparound and level.size > 2 else 1
+        crossings = level.size // 2 if level.switched else 2 if level.wraparound and level.size > 2 else 1
         below = ids[ids // strides[i] % level.size < level.size // 2]
         out.append((i, below, float(level.bandwidth) * crossings * lines))
     return out
@@ -171,7 +172,7 @@ def lower_bound(topology: Topology, op: Op | str, group: Sequence[int], nbytes: 
 
 def _injection(topology: Topology, group: Sequence[int]) -> np.ndarray:
     """Injection bandwidth of each rank (a torus's devices differ only at the open ends of mesh dims)."""
-    if topology.form is Form.TORUS and all(l.wraparound or l.size <= 2 for l in topology.levels):
+    if topology.form is Form.TORUS and all(l.wraparound or l.switched or l.size <= 2 for l in topology.levels):
         return np.full(len(group), injection_bandwidth(topology, group[0]))
     return np.asarray([injection_bandwidth(topology, d) for d in group], dtype=float)
 

@@ -7,6 +7,9 @@ Two symmetric shapes are recognised (:func:`symmetry`):
   NVSwitch node, or one GPU per node on the IB switch). A transfer costs
   ``alpha = route latency`` and its rank's links carry what it sends and
   receives, at bandwidth ``B`` (route bottleneck).
+  On a multi-slice torus, chips at one position of different slices
+  (``--over slice``) are such a group: each reaches the data-center switch
+  over its own link.
 - ``ring``: the group is one full wraparound line of a torus in coordinate
   order; neighbours are one link apart (``alpha`` = link latency, ``B`` =
   link bandwidth), and each direction of a link is its own resource.
@@ -75,6 +78,18 @@ def _ring_symmetry(topology: Topology, group: Sequence[int]) -> tuple[float, flo
     return float(link["latency"]), float(link["bandwidth"])
 
 
+def _slice_symmetry(topology: Topology, group: Sequence[int]) -> tuple[float, float] | None:
+    """(latency, bandwidth) of the route between two members when ``group`` is distinct slices' chips at one
+    position of a multi-slice torus (each behind its own link to the data-center switch), else None."""
+    k = topology.slice_level
+    if k is None:
+        return None
+    coords = [topology.coords(d) for d in group]
+    if len({c[:k] for c in coords}) != 1 or len({c[k] for c in coords}) != len(group):
+        return None
+    return topology.path_latency(group[0], group[1]), topology.path_bandwidth(group[0], group[1])
+
+
 def symmetry(topology: Topology, group: Sequence[int]) -> tuple[str, float, float] | None:
     """('switch' | 'ring', alpha seconds, bandwidth bytes/s) for a symmetric group, else None (memoized)."""
     group = tuple(group)
@@ -90,6 +105,9 @@ def symmetry(topology: Topology, group: Sequence[int]) -> tuple[str, float, floa
         elif topology.form is Form.TORUS:
             found = _ring_symmetry(topology, group)
             result = ("ring", *found) if found else None
+            if result is None:
+                found = _slice_symmetry(topology, group)
+                result = ("switch", *found) if found else None
     cache[key] = result
     return result
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from testbed.collectives.algorithms import GRID_ALGORITHMS, multidim_orders, multidim_weights, step_program
+from testbed.collectives.algorithms import GRID_ALGORITHMS, part_orders, step_program
 from testbed.collectives.ops import Op, StepProgram, parse_op
 from testbed.errors import InputError
 from testbed.topology import Form, Topology
@@ -57,7 +57,7 @@ def topology_memo(topology: Topology) -> dict:
 MAX_ROUTED_TRANSFERS = 750_000
 
 #: Algorithms whose transfers go between ring neighbours (one or two hops on a grid).
-_NEIGHBOURLY = ("ring", "bidir_ring", "torus", "hierarchical", "multidim")
+_NEIGHBOURLY = ("ring", "bidir_ring", "torus", "hierarchical", "multidim", "multislice")
 
 
 def routed_cost(topology: Topology, algorithm: str, group: Sequence[int], groups: int = 1,
@@ -135,20 +135,20 @@ def routed_transfers(topology: Topology, algorithm: str, group: Sequence[int], g
 
 
 #: Algorithms built from rings along the dims of a rank grid: :func:`flow_rounds` counts their flows directly.
-RING_FAMILY: tuple[str, ...] = ("ring", "bidir_ring", "torus", "hierarchical", "multidim")
+RING_FAMILY: tuple[str, ...] = ("ring", "bidir_ring", "torus", "hierarchical", "multidim", "multislice")
 
 
 def ring_streams(algorithm: str, dims: Sequence[int]) -> list[tuple[int, list[int], int]]:
     """(direction, reduce-scatter dim order, units of the buffer) of each ring stream of a ring-family algorithm.
 
     ``ring`` and ``hierarchical`` have one stream (+1), ``bidir_ring`` and
-    ``torus`` one each way, ``multidim`` one each way per rotated dim order,
-    weighted by :func:`~testbed.collectives.algorithms.multidim_weights`.
+    ``torus`` one each way, ``multidim`` (and ``multislice``) one each way per part's dim order,
+    weighted as :func:`~testbed.collectives.algorithms.part_orders` says.
     """
     active = [d for d in range(len(dims)) if dims[d] > 1]
-    if algorithm == "multidim":
-        weights = multidim_weights(tuple(dims))
-        return [(direction, order, w) for order, w in zip(multidim_orders(dims), weights) for direction in (1, -1)]
+    if algorithm in ("multidim", "multislice"):
+        orders, weights = part_orders(algorithm, dims)
+        return [(direction, order, w) for order, w in zip(orders, weights) for direction in (1, -1)]
     if algorithm in ("bidir_ring", "torus"):
         return [(1, active, 1), (-1, active, 1)]
     return [(1, active, 1)]

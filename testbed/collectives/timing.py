@@ -36,7 +36,7 @@ from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
 from testbed.collectives.hierarchy import hierarchical_link_loads
-from testbed.collectives.torus import disjoint_sub_tori, torus_link_loads
+from testbed.collectives.torus import across_slices, disjoint_sub_tori, torus_link_loads
 from testbed.errors import InputError
 from testbed.topology import Form, Topology
 
@@ -116,8 +116,9 @@ def _fitting(topology: Topology, op: Op, group: tuple[int, ...]) -> list[str]:
         if name in GRID_ALGORITHMS:
             grid = group_grid(topology, group) if grid is None else grid
             on_torus = topology.form is Form.TORUS
-            if grid is None or (name in ("torus", "multidim")) != on_torus \
-                    or (name in ("hierarchical", "multidim") and len(grid[0]) < 2):
+            if grid is None or (name in ("torus", "multidim", "multislice")) != on_torus \
+                    or (name in ("hierarchical", "multidim") and len(grid[0]) < 2) \
+                    or (name == "multislice" and not across_slices(topology, group)):
                 continue
         out.append(name)
     return out

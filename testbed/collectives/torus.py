@@ -21,8 +21,15 @@ the program:
   chunk_bytes / bandwidth_d)``, as :mod:`testbed.collectives.timing` times a
   routed round.
 
+A multi-slice torus's last level (``slice``) is *switched*: the chips of a
+line along it meet at the data-center switch, each over its own link, so a
+ring step along it crosses two links (up and down, twice the latency) and a
+rank's one uplink carries what it sends both ways round, as on a two-rank
+dim. ``multislice`` (``multidim`` inside each slice, then rings across the
+slices on the part each chip owns) is one more stream layout.
+
 The result equals the routed program exactly (tests compare them on 2x2x2,
-4x4, 3x4 and 4x4x4 tori). Groups of several sub-tori that differ in a fixed
+4x4, 3x4 and 4x4x4 tori, and on multi-slice tori). Groups of several sub-tori that differ in a fixed
 coordinate use disjoint links (dimension-ordered routes stay in their own
 sub-torus), so they are timed alike (:func:`disjoint_sub_tori`).
 """
@@ -38,17 +45,20 @@ import numpy as np
 from testbed.collectives.routed import ring_streams
 from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Form, Topology
+from testbed.topology.routing import slice_switch
 
-__all__ = ["SubTorus", "sub_torus", "disjoint_sub_tori", "TORUS_FORMS", "torus_profile", "torus_time",
+__all__ = ["SubTorus", "sub_torus", "disjoint_sub_tori", "across_slices", "TORUS_FORMS", "torus_profile", "torus_time",
            "torus_link_loads", "translatable", "canonical", "shift_loads", "touching"]
 
 #: Algorithms with a closed form on a sub-torus (``ring``/``bidir_ring`` only on one line).
-TORUS_FORMS: tuple[str, ...] = ("torus", "multidim", "ring", "bidir_ring")
+TORUS_FORMS: tuple[str, ...] = ("torus", "multidim", "multislice", "ring", "bidir_ring")
 
 
 @dataclass(frozen=True, slots=True)
 class SubTorus:
-    """A whole sub-torus: the varying levels (innermost first), their sizes, strides, link latency and bandwidth."""
+    """A whole sub-torus: the varying levels (innermost first), their sizes, strides, the latency of one ring
+    step and the link bandwidth along each; ``switched``: whether the level is the slices' data-center switch
+    (a step is two links, up and down; one uplink per chip carries both ring directions)."""
 
     levels: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -56,10 +66,14 @@ class SubTorus:
     latency: tuple[float, ...]
     bandwidth: tuple[float, ...]
     base: int
+    switched: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
-        if not (len(self.levels) == len(self.sizes) == len(self.strides) == len(self.latency) == len(self.bandwidth)):
-            raise ValueError("one size, stride, latency and bandwidth per varying level")
+        if not self.switched:
+            object.__setattr__(self, "switched", tuple(False for _ in self.levels))
+        if not (len(self.levels) == len(self.sizes) == len(self.strides) == len(self.latency) == len(self.bandwidth)
+                == len(self.switched)):
+            raise ValueError("one size, stride, latency, bandwidth and switched flag per varying level")
         if any(s < 2 for s in self.sizes) or any(b <= 0 for b in self.bandwidth):
             raise ValueError("varying levels need two or more devices and positive bandwidth")
 
@@ -84,23 +98,35 @@ def _find_sub_torus(topology: Topology, group: tuple[int, ...]) -> SubTorus | No
     if np.any(np.diff(devices) <= 0):
         return None  # ranks must be in device order (distinct, increasing)
     coords = _coords(topology, devices)
-    levels, sizes, strides, latency, bandwidth = [], [], [], [], []
+    levels, sizes, strides, latency, bandwidth, switched = [], [], [], [], [], []
     stride = 1
     for i, level in enumerate(topology.levels):
         distinct = len(np.unique(coords[:, i]))
         if distinct > 1:
-            if distinct != level.size or not (level.wraparound or level.size == 2):
+            if distinct != level.size or not (level.wraparound or level.switched or level.size == 2):
                 return None
             levels.append(i)
             sizes.append(level.size)
             strides.append(stride)
-            latency.append(float(level.latency))
+            latency.append(float(level.latency) * (2 if level.switched else 1))
             bandwidth.append(float(level.bandwidth))
+            switched.append(level.switched)
         stride *= level.size
     if math.prod(sizes) != len(group):
         return None
     return SubTorus(levels=tuple(levels), sizes=tuple(sizes), strides=tuple(strides), latency=tuple(latency),
-                    bandwidth=tuple(bandwidth), base=int(devices[0]))
+                    bandwidth=tuple(bandwidth), base=int(devices[0]), switched=tuple(switched))
+
+
+def across_slices(topology: Topology, group: Sequence[int]) -> bool:
+    """True when ``group`` spans several slices of a multi-slice torus and varies inside them too: the groups
+    ``multislice`` serves (reduce-scatter inside each slice, all-reduce across, all-gather inside)."""
+    k = topology.slice_level
+    if k is None or len(group) < 2:
+        return False
+    coords = _coords(topology, np.asarray(group, dtype=np.int64))
+    varying = [i for i in range(len(topology.levels)) if len(np.unique(coords[:, i])) > 1]
+    return k in varying and len(varying) >= 2
 
 
 def disjoint_sub_tori(topology: Topology, groups: Sequence[Sequence[int]]) -> bool:
@@ -173,7 +199,7 @@ def torus_profile(topology: Topology, op: Op | str, algorithm: str, shape: SubTo
             if cursor[0] == len(steps):
                 continue
             _, d, direction, chunks = steps[cursor[0]]
-            way = 1 if shape.sizes[d] == 2 else direction  # two ranks: one link carries both directions
+            way = _way(shape, d, direction)
             load[d, way] = load.get((d, way), 0) + chunks
             cursor[1] += 1
             busy = True
@@ -185,8 +211,14 @@ def torus_profile(topology: Topology, op: Op | str, algorithm: str, shape: SubTo
     return pieces, tuple(profile.items())
 
 
+def _way(shape: SubTorus, d: int, direction: int) -> int:
+    """The directed link a ring step along dim ``d`` in ``direction`` loads: two ranks share one link, and a
+    switched dim's uplink carries both directions."""
+    return 1 if shape.sizes[d] == 2 or shape.switched[d] else direction
+
+
 def _cached_profile(topology: Topology, op: Op, algorithm: str, shape: SubTorus):
-    key = ("__torus_profile__", op, algorithm, shape.sizes, shape.latency, shape.bandwidth)
+    key = ("__torus_profile__", op, algorithm, shape.sizes, shape.latency, shape.bandwidth, shape.switched)
     return topology.memo(key, lambda: torus_profile(topology, op, algorithm, shape))
 
 
@@ -198,7 +230,8 @@ def torus_time(topology: Topology, op: Op | str, algorithm: str, group: Sequence
     if algorithm not in TORUS_FORMS or op not in (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER):
         return None
     shape = sub_torus(topology, group)
-    if shape is None or (algorithm in ("ring", "bidir_ring") and (len(shape.sizes) != 1 or shape.sizes[0] < 3)):
+    if shape is None or (algorithm in ("ring", "bidir_ring") and (len(shape.sizes) != 1 or shape.sizes[0] < 3)) \
+            or (algorithm == "multislice" and not (len(shape.sizes) >= 2 and shape.switched[-1])):
         return None
     pieces, profile = _cached_profile(topology, op, algorithm, shape)
     n = len(group)
@@ -209,7 +242,7 @@ def torus_time(topology: Topology, op: Op | str, algorithm: str, group: Sequence
 
 
 def torus_link_loads(topology: Topology, op: Op | str, algorithm: str, group: Sequence[int], nbytes: float
-                     ) -> dict[tuple[int, int], float] | None:
+                     ) -> dict[tuple[int | str, int | str], float] | None:
     """Bytes over each directed link of the sub-torus ``group`` during the collective (None without a form).
 
     Every rank is alike, so each directed link of a dim carries the same bytes:
@@ -229,15 +262,21 @@ def torus_link_loads(topology: Topology, op: Op | str, algorithm: str, group: Se
             m = shape.sizes[d]
             if scatter:
                 held //= m
-            way = 1 if m == 2 else direction
+            way = _way(shape, d, direction)
             per[d, way] = per.get((d, way), 0.0) + (m - 1) * held * chunk
             if not scatter:
                 held *= m
     devices = np.asarray(group, dtype=np.int64)
     coords = _coords(topology, devices)
-    out: dict[tuple[int, int], float] = {}
+    out: dict[tuple[int | str, int | str], float] = {}
     for (d, way), nbytes_link in per.items():
         level, m, stride = shape.levels[d], shape.sizes[d], shape.strides[d]
+        if shape.switched[d]:  # every rank's uplink and downlink carry what it sends and receives along d
+            switch = slice_switch(topology)
+            for u in devices.tolist():
+                out[u, switch] = out.get((u, switch), 0.0) + nbytes_link
+                out[switch, u] = out.get((switch, u), 0.0) + nbytes_link
+            continue
         c = coords[:, level]
         nxt = devices + (((c + way) % m) - c) * stride
         for u, v in zip(devices.tolist(), nxt.tolist()):
@@ -250,10 +289,10 @@ def torus_link_loads(topology: Topology, op: Op | str, algorithm: str, group: Se
 def translatable(topology: Topology) -> bool:
     """True when shifting every coordinate by a constant maps the torus, and its routes, onto themselves.
 
-    Needs every dim to wrap around (or have at most two devices); dimension-ordered
-    routes depend only on coordinate differences, so they shift along.
+    Needs every dim to wrap around (or have at most two devices, or be the slices' switch, which every shift
+    leaves in place); dimension-ordered routes depend only on coordinate differences, so they shift along.
     """
-    return topology.form is Form.TORUS and all(l.wraparound or l.size <= 2 for l in topology.levels)
+    return topology.form is Form.TORUS and all(l.wraparound or l.switched or l.size <= 2 for l in topology.levels)
 
 
 def canonical(topology: Topology, group: Sequence[int]) -> tuple[tuple[int, ...], np.ndarray]:
@@ -273,17 +312,23 @@ def canonical(topology: Topology, group: Sequence[int]) -> tuple[tuple[int, ...]
 
 
 def shift_loads(topology: Topology, loads: dict, by: np.ndarray) -> dict:
-    """``loads`` (directed device links -> bytes) with both ends of every link shifted by ``by`` coordinates."""
+    """``loads`` (directed links -> bytes) with every device end shifted by ``by`` coordinates (the slices'
+    switch, the only other node of a torus, stays where it is)."""
     if not loads or not np.any(by):
         return dict(loads)
     sizes = np.asarray([l.size for l in topology.levels], dtype=np.int64)
     strides = np.concatenate([[1], np.cumprod(sizes)[:-1]]).astype(np.int64)
-    ends = np.asarray(list(loads), dtype=np.int64)  # (links, 2)
+    switch = slice_switch(topology)
+    if switch is None:
+        ends = np.asarray(list(loads), dtype=np.int64)  # (links, 2)
+    else:  # the switch end as -1, kept
+        ends = np.asarray([[-1 if x == switch else x for x in link] for link in loads], dtype=np.int64)
 
-    def move(ids: np.ndarray) -> np.ndarray:
-        return (((ids[:, None] // strides % sizes) + by) % sizes * strides).sum(axis=1)
+    def move(ids: np.ndarray) -> list:
+        moved = (((ids[:, None] // strides % sizes) + by) % sizes * strides).sum(axis=1)
+        return [switch if i < 0 else m for i, m in zip(ids.tolist(), moved.tolist())] if switch else moved.tolist()
 
-    return dict(zip(zip(move(ends[:, 0]).tolist(), move(ends[:, 1]).tolist()), loads.values()))
+    return dict(zip(zip(move(ends[:, 0]), move(ends[:, 1])), loads.values()))
 
 
 def touching(topology: Topology, instances: Sequence[Sequence[int]], nodes: Sequence[int]) -> list:
@@ -292,8 +337,10 @@ def touching(topology: Topology, instances: Sequence[Sequence[int]], nodes: Sequ
     A dimension-ordered route moves only along the dims where its ends differ,
     so every node on an instance's routes has the instance's coordinates along
     the dims its members share; an instance that differs from every node there
-    is left out. Exact: no instance that could load a link through ``nodes`` is dropped.
+    is left out. Exact: no instance that could load a link through ``nodes`` is dropped. The slices' switch
+    is left out of ``nodes``: each of its links has a chip at the other end, which stands for it.
     """
+    nodes = [x for x in nodes if not isinstance(x, str)]
     if not len(instances) or not len(nodes):
         return []
     first, fixed = _slabs(topology, instances)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from testbed.errors import InputError
 from testbed.topology.calibration import Calibration
@@ -27,8 +28,15 @@ def ring(n: int, *, device: DeviceSpec, bandwidth: float, latency: float = 0.0,
 def torus(dims: Sequence[int], *, device: DeviceSpec, bandwidth: float, latency: float = 0.0,
           kind: LinkKind = LinkKind.ICI, names: Sequence[str] | None = None,
           wraparound: bool | Sequence[bool] = True, name: str = "torus",
-          calibration: Calibration | None = None) -> Topology:
-    """A torus (or mesh, without wraparound) with named dims, x fastest."""
+          calibration: Calibration | None = None, slices: Level | None = None) -> Topology:
+    """A torus (or mesh, without wraparound) with named dims, x fastest.
+
+    ``slices``: ``slices.size`` copies of the torus joined by a data-center
+    network (each chip's own link, ``slices.bandwidth`` per direction, to one
+    switch): a last, switched level, so device ids are slice-major (slice s
+    holds ids ``s * chips .. (s + 1) * chips - 1``) and ``--over`` its name
+    groups the chips at one position of every slice.
+    """
     names = list(names) if names is not None else ["x", "y", "z", "w"][: len(dims)]
     if len(names) != len(dims):
         raise InputError(f"{len(dims)} dims need {len(dims)} names, got {names}", field="torus.names")
@@ -39,7 +47,17 @@ def torus(dims: Sequence[int], *, device: DeviceSpec, bandwidth: float, latency:
         Level(name=n_, size=d, bandwidth=bandwidth, latency=latency, kind=kind, wraparound=bool(w))
         for n_, d, w in zip(names, dims, wraps)
     )
-    return Topology(name=name, form=Form.TORUS, device=device, levels=levels, num_devices=math.prod(dims),
+    count = 1
+    if slices is not None:
+        if slices.name in names:
+            raise InputError(f"the slices' name `{slices.name}` is already a dim name ({names})",
+                             field="torus.slices.name")
+        if slices.bandwidth is None:
+            raise InputError("needs a bandwidth (each chip's share of its host's data-center NICs)",
+                             field="torus.slices.bandwidth")
+        levels = (*levels, replace(slices, switched=True, wraparound=False, kind=slices.kind or LinkKind.DCN))
+        count = slices.size
+    return Topology(name=name, form=Form.TORUS, device=device, levels=levels, num_devices=math.prod(dims) * count,
                     calibration=calibration or Calibration())
 
 

@@ -192,6 +192,18 @@ def _level(data: Any, field: str, torus: bool = False, group_only: bool = False)
     )
 
 
+def _slices(data: Any) -> Level:
+    """``torus.slices``: copies of the torus joined by the data-center network (a switched last level)."""
+    field = "torus.slices"
+    data = expect_mapping(data, field)
+    check_keys(data, ("count", "bandwidth", "latency", "kind", "name"), field, required=("count", "bandwidth"))
+    return Level(name=get_str(data, "name", field, default="slice", max_length=MAX_NAME),
+                 size=get_int(data, "count", field, maximum=MAX_DEVICES),
+                 bandwidth=parse_bandwidth(data["bandwidth"], f"{field}.bandwidth"),
+                 latency=parse_time(data.get("latency", 0), f"{field}.latency"),
+                 kind=_kind(data.get("kind", "dcn"), f"{field}.kind"), switched=True)
+
+
 def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
     """Build a Topology from parsed YAML (one of `levels:`, `torus:`, `graph:`)."""
     data = expect_mapping(data, None)
@@ -213,11 +225,13 @@ def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
         topo = generators.hierarchical(levels, device=device, name=name, calibration=calibration)
     elif form == "torus":
         t = expect_mapping(data["torus"], "torus")
-        check_keys(t, ("dims", "names", "wraparound", "bandwidth", "latency", "kind"), "torus", required=("dims", "bandwidth"))
+        check_keys(t, ("dims", "names", "wraparound", "bandwidth", "latency", "kind", "slices"), "torus",
+                   required=("dims", "bandwidth"))
         dims = t["dims"]
         if not isinstance(dims, list) or not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
             raise InputError(f"expected a list of positive whole numbers, got {quote(dims)}", field="torus.dims")
-        _device_count(math.prod(dims), "torus.dims")
+        slices = _slices(t["slices"]) if t.get("slices") is not None else None
+        _device_count(math.prod(dims) * (slices.size if slices else 1), "torus.slices.count" if slices else "torus.dims")
         wrap = t.get("wraparound", True)
         if not (isinstance(wrap, bool) or (isinstance(wrap, list) and all(isinstance(w, bool) for w in wrap))):
             raise InputError(f"expected true/false or a list of them per dim, got {quote(wrap)}", field="torus.wraparound")
@@ -229,7 +243,7 @@ def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
         topo = generators.torus(
             dims, device=device, bandwidth=parse_bandwidth(t["bandwidth"], "torus.bandwidth"),
             latency=parse_time(t.get("latency", 0), "torus.latency"), kind=_kind(t.get("kind", "ici"), "torus.kind"),
-            names=names, wraparound=wrap, name=name, calibration=calibration)
+            names=names, wraparound=wrap, name=name, calibration=calibration, slices=slices)
     else:
         g = expect_mapping(data["graph"], "graph")
         check_keys(g, ("devices", "switches", "links", "levels"), "graph", required=("devices", "links"))
@@ -275,10 +289,15 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
                           **({"in_network_reduction": l.in_network_reduction} if l.in_network_reduction else {})}
                          for l in topology.levels]
     elif topology.form is Form.TORUS:
-        first = topology.levels[0]
-        out["torus"] = {"dims": [l.size for l in topology.levels], "names": [l.name for l in topology.levels],
-                        "wraparound": [l.wraparound for l in topology.levels], "bandwidth": first.bandwidth,
+        dims = [l for l in topology.levels if not l.switched]
+        first = dims[0]
+        out["torus"] = {"dims": [l.size for l in dims], "names": [l.name for l in dims],
+                        "wraparound": [l.wraparound for l in dims], "bandwidth": first.bandwidth,
                         "latency": first.latency, "kind": str(first.kind)}
+        if topology.slice_level is not None:
+            s = topology.levels[topology.slice_level]
+            out["torus"]["slices"] = {"count": s.size, "bandwidth": s.bandwidth, "latency": s.latency,
+                                      "kind": str(s.kind), "name": s.name}
     else:
         levels = [l for l in topology.levels if l.name != "rest"]
         out["graph"] = {"devices": topology.num_devices, "switches": list(topology.switches),

@@ -79,6 +79,11 @@ class Level:
     link from each member to the level's switch (``attach='device'``: one NIC
     per device) or from each inner switch to it (``attach='switch'``: one
     uplink per inner group); on a torus, each link along this dim.
+
+    ``switched`` (torus form only, the last level): the members of this dim do
+    not form a ring but meet at one switch, each over its own link -- the
+    slices of a multi-slice TPU pod joined by the data-center network, each
+    chip's link its share of its host's NICs (docs/topology-format.md).
     """
 
     name: str
@@ -89,8 +94,12 @@ class Level:
     attach: str = "device"
     wraparound: bool = False
     in_network_reduction: str | None = None
+    switched: bool = False
 
     def __post_init__(self) -> None:
+        if self.switched and self.wraparound:
+            raise InputError("a switched level (slices joined by a switch) has no wraparound ring",
+                             field=f"level {self.name}.wraparound")
         if self.in_network_reduction is not None:
             needs = IN_NETWORK_REDUCTION.get(self.in_network_reduction)
             if needs is None:

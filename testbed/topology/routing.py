@@ -19,7 +19,7 @@ from testbed.topology.parts import Form, Level, LinkSpec
 if TYPE_CHECKING:  # the Topology class calls this module; only its annotations name it here
     from testbed.topology.spec import Topology
 
-__all__ = ["build_graph", "route"]
+__all__ = ["build_graph", "route", "slice_switch"]
 
 Node = int | str
 Hop = tuple[Node, Node]
@@ -34,6 +34,12 @@ def _edge(graph: nx.Graph, u: Node, v: Node, level: Level | LinkSpec) -> None:
 def _switch_name(topology: Topology, k: int, device: int) -> str:
     block = math.prod(l.size for l in topology.levels[: k + 1])
     return f"{topology.levels[k].name}{device // block}"
+
+
+def slice_switch(topology: Topology) -> str | None:
+    """The data-center switch node joining the slices of a multi-slice torus (None without slices)."""
+    k = topology.slice_level
+    return None if k is None else f"{topology.levels[k].name}0"
 
 
 def _attrs(level: Level | LinkSpec) -> dict[str, object]:
@@ -74,6 +80,8 @@ def build_graph(topology: Topology) -> nx.Graph:
         stride = 1
         ends, attrs = [], []
         for i, level in enumerate(topology.levels):
+            if level.switched:  # the last level, slices: links to the data-center switch below, no ring
+                continue
             coord = ids // stride % level.size
             nxt = coord + 1
             keep = (nxt < level.size) | bool(level.wraparound and level.size > 2)
@@ -88,6 +96,12 @@ def build_graph(topology: Topology) -> nx.Graph:
             which = np.tile(np.arange(len(ends)), topology.num_devices)
             keep = us >= 0
             _add_edges(graph, us[keep].tolist(), vs[keep].tolist(), [attrs[k] for k in which[keep].tolist()])
+        k = topology.slice_level
+        if k is not None and topology.levels[k].size > 1:  # every chip's own link to the data-center switch
+            switch = slice_switch(topology)
+            graph.add_node(switch, kind="switch", level=topology.levels[k].name)
+            _add_edges(graph, ids.tolist(), [switch] * topology.num_devices,
+                       [_attrs(topology.levels[k])] * topology.num_devices)
     elif topology.form is Form.LEVELS:
         ids = np.arange(topology.num_devices, dtype=np.int64)
         block = 1
@@ -128,6 +142,11 @@ def _torus_route(topology: Topology, src: int, dst: int) -> tuple[Hop, ...]:
     for i, level in enumerate(topology.levels):
         a, b, n = topology.coords(here)[i], topology.coords(dst)[i], level.size
         if a == b:
+            continue
+        if level.switched:  # across slices: up to the data-center switch and down (the last level)
+            switch = slice_switch(topology)
+            hops += [(here, switch), (switch, dst)]
+            here = dst
             continue
         if level.wraparound:
             forward = (b - a) % n

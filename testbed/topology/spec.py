@@ -7,7 +7,10 @@ A :class:`Topology` is one of three forms (DESIGN.md):
   spans everything inside it, so ``--over cluster`` means every device of the
   cluster.
 - ``torus``: named dims (``x``, ``y``, ``z``) with per-dim wraparound; dims
-  are orthogonal, so ``--over x`` is one line of chips along x.
+  are orthogonal, so ``--over x`` is one line of chips along x. A multi-slice
+  torus adds one last, *switched* dim (``slice``): copies of the torus whose
+  chips meet at one data-center-network switch, each over its own link, so
+  ``--over slice`` is the chips at one position of every slice.
 - ``graph``: explicit devices, switches and links, optionally with named
   groups of consecutive devices as levels.
 
@@ -61,6 +64,11 @@ class Topology:
             raise InputError(f"level names must be distinct and not `all`, got {names}", field="levels")
         if self.form is not Form.GRAPH and math.prod(l.size for l in self.levels) != self.num_devices:
             raise InputError("the product of level sizes must equal the device count", field="levels")
+        switched = [i for i, level in enumerate(self.levels) if level.switched]
+        if switched and (self.form is not Form.TORUS or switched != [len(self.levels) - 1]):
+            raise InputError("only a torus has slices (one switched level, its last, outermost): "
+                             f"got switched levels {[self.levels[i].name for i in switched]} in a {self.form} topology",
+                             field="torus.slices")
         graph = routing.build_graph(self)
         # Tori and hierarchies are connected by construction; only explicit graphs need the check.
         if self.form is Form.GRAPH and self.num_devices > 1 and not nx.is_connected(graph):
@@ -77,6 +85,13 @@ class Topology:
     def nested(self) -> bool:
         """True when levels are nested tiers (a tier spans those inside it)."""
         return self.form is not Form.TORUS
+
+    @property
+    def slice_level(self) -> int | None:
+        """Index of the switched level joining the slices of a multi-slice torus (its last), else None."""
+        if self.levels and self.levels[-1].switched:
+            return len(self.levels) - 1
+        return None
 
     @property
     def level_names(self) -> tuple[str, ...]:
@@ -135,7 +150,8 @@ class Topology:
     def route(self, src: int, dst: int) -> tuple[tuple[int | str, int | str], ...]:
         """Directed links (u, v) a transfer from device src to dst crosses.
 
-        Dimension-ordered on tori (shortest direction, ties go +), through the
+        Dimension-ordered on tori (shortest direction, ties go +; across slices
+        last, up to the data-center switch and down), through the
         lowest common switch on hierarchies, fewest hops then least latency on
         explicit graphs. Cached: routes are pure functions of the topology.
         """
