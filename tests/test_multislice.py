@@ -271,3 +271,11 @@ def test_data_across_slices_fsdp_inside_is_paced_by_dcn():
     ici_per_byte = (collective_time(line, "all_reduce", group, 2.0**30).time_s
                     - collective_time(line, "all_reduce", group, 2.0**29).time_s) / 2.0**29
     assert per_byte / ici_per_byte == pytest.approx(2 * multi.levels[0].bandwidth / dcn.bandwidth, rel=1e-9)
+
+
+def test_a_multi_slice_topology_draws(tmp_path: Path):
+    """`topology show --png`: the slices one below another, the DCN switch beside them."""
+    path = tmp_path / "ms.yaml"
+    path.write_text(YAML)
+    assert main(["topology", "show", str(path), "--png", str(tmp_path / "ms.png")]) == 0
+    assert (tmp_path / "ms.png").stat().st_size > 0

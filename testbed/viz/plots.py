@@ -45,13 +45,18 @@ def _layout(topology: Topology) -> dict:
     import networkx as nx
 
     graph = topology.graph
-    if topology.form is Form.TORUS and len(topology.levels) <= 3:
+    dims = [l for l in topology.levels if not l.switched]  # a multi-slice torus: the slices' dims
+    if topology.form is Form.TORUS and len(dims) <= 3:
         pos = {}
-        sizes = [l.size for l in topology.levels] + [1, 1]
+        sizes = [l.size for l in dims] + [1, 1]
         for d in range(topology.num_devices):
             c = list(topology.coords(d)) + [0, 0]
-            # Draw z planes side by side so a 3-D torus stays readable.
-            pos[d] = (c[0] + c[2] * (sizes[0] + 1), -c[1])
+            s = c[len(dims)] if topology.slice_level is not None else 0
+            c = c[:len(dims)] + [0, 0]
+            # Draw z planes side by side so a 3-D torus stays readable; slices one below another.
+            pos[d] = (c[0] + c[2] * (sizes[0] + 1), -c[1] - s * (sizes[1] + 1))
+        if topology.slice_level is not None and topology.levels[-1].size > 1:  # the DCN switch, left of them
+            pos[f"{topology.levels[-1].name}0"] = (-2.0, -(topology.levels[-1].size * (sizes[1] + 1) - 2) / 2)
         return pos
     if topology.form is Form.LEVELS:
         return _tree_layout(topology)
