@@ -220,3 +220,5 @@ def test_context_and_expert_parallelism_compose():
     assert sum(t.count for t in program.tasks if t.op == "all_to_all") == 2 * (2 + 2)
     report = simulate(plan, HOST).report
     assert report.step_time_s > 0
+    # The analytic tier plays the same composition (the search ranks such plans by it).
+    assert abs(estimate(plan, HOST).step_time_s - report.step_time_s) < 0.15 * report.step_time_s

@@ -47,10 +47,10 @@ from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys
 from testbed.plan.placement import place
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.plan.spec import MESH_AXES, Axis, Plan
-from testbed.model.gemm import chunk_gemms, scaled
+from testbed.model.gemm import chunk_gemms, gemm_flops, scaled, without
 from testbed.sim.engine import compute_seconds
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
-from testbed.sim.moe import Piece, moe_pieces
+from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, _action_work
 from testbed.model.moe import moe_layers
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
@@ -215,21 +215,29 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 gemms = _chunk_gemms(plan, s, c).action(kind, split)
                 whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
                                         gemms)
-                chain = moe_pieces(plan, moe_layers(plan.model, chunk_layers(plan.model, p, v, plan.stage_layers)[s][c]),
-                                   kind, split, flops, hbm, (rep_b, split_b), gemms, kernels)
-                # Context parallelism: the action as the ring's tasks, and the ring's sends it leaves exposed (the
-                # task graph plays an expert-parallel MoE action's chain without the ring's phases: so does this).
-                ringed = None if chain else ring_action_seconds(
-                    plan, topology, dtype, rings[s], kind, cost.layers, (flops, hbm, rep_b, split_b), gemms, kernels,
-                    cost.tensor_bytes)
+                n_moe = moe_layers(plan.model, chunk_layers(plan.model, p, v, plan.stage_layers)[s][c])
+                chain = moe_pieces(plan, n_moe, kind, split, flops, hbm, (rep_b, split_b), gemms, kernels)
+                # Context parallelism: the action as the ring's tasks, and the ring's sends it leaves exposed. With
+                # expert parallelism too, the task graph plays the ring on all but the experts' work, then the chain.
+                ring_work, ring_gemms = (flops, hbm, rep_b, split_b), gemms
+                if chain and mesh.context > 1:
+                    moe_g = expert_gemms(plan, n_moe, kind, split)
+                    ring_work, ring_gemms = (flops - gemm_flops(moe_g), hbm, rep_b, split_b), without(gemms, moe_g)
+                    chain = moe_pieces(plan, n_moe, kind, split, gemm_flops(moe_g), 0.0, (0.0, 0.0), moe_g, len(moe_g))
+                ringed = ring_action_seconds(plan, topology, dtype, rings[s], kind, cost.layers, ring_work, ring_gemms,
+                                             kernels, cost.tensor_bytes)
                 whole, ring_s = ringed or (whole, 0.0)
+                if chain:  # the chain's compute tasks, each priced as the task graph prices it
+                    whole = (ringed[0] if ringed else 0.0) + sum(
+                        compute_seconds(topology, dtype, x.flops, x.hbm_bytes, x.kernels, x.replicated_bytes,
+                                        x.split_bytes, cost.tensor_bytes, x.gemms) for x in chain if not x.is_a2a)
                 pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 else 1
                 piece = bucket = scatter = 0.0
                 if kind == last_kind and replicas > 1:  # the program reduces even a one-layer chunk's gradients
                     piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
                                                    max(1, kernels // pieces), rep_b / pieces, split_b / pieces,
                                                    cost.tensor_bytes, scaled(gemms, 1 / pieces))
-                    piece = whole / pieces if ringed else piece
+                    piece = whole / pieces if ringed or chain else piece
                     experts = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
                                             mesh.tensor, 1, mesh.expert, experts_only=True)
                     bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b,
