@@ -1,0 +1,178 @@
+"""Runner: the mixture-of-experts layer (runners.moe) and MoE plans with expert parallelism.
+
+The layer is checked against an independent dense reference on one device: every expert run on every
+token, the capacity rule re-derived with a Python loop over (choice, position), outputs, the per-sequence
+load-balancing loss and all gradients at fp32 (1e-5), with expert parallelism 2, 4 and 8 (all-to-all
+over the ``expert`` axis) mixed with data and tensor axes; then whole plans (expert x data x tensor x
+stage) through ``verify_plan`` against the single-device reference trainer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from runners import moe
+from runners.testing.compare import assert_outputs_equal
+
+_AXES = ("data", "expert", "tensor")
+
+
+def _mesh(data: int, expert: int, tensor: int) -> jax.sharding.Mesh:
+    devices = np.asarray(jax.devices()[:data * expert * tensor]).reshape(data, expert, tensor)
+    return jax.sharding.Mesh(devices, _AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def _params(key: jax.Array, d: int, e: int, fe: int, swiglu: bool, shared: int, bias: bool) -> dict:
+    names = ["router", "w1", "w2"] + (["w3"] if swiglu else []) + (["b1", "b2"] + (["b3"] if swiglu else [])
+                                                                   if bias else [])
+    if shared:
+        names += ["shared_w1", "shared_w2"] + (["shared_w3"] if swiglu else [])
+    shapes = {"router": (d, e), "w1": (e, d, fe), "w3": (e, d, fe), "w2": (e, fe, d), "b1": (e, fe), "b3": (e, fe),
+              "b2": (e, d), "shared_w1": (d, shared * fe), "shared_w3": (d, shared * fe),
+              "shared_w2": (shared * fe, d)}
+    keys = jax.random.split(key, len(names))
+    # Router scale 1: well-separated probabilities (a tie within rounding would make the top-k fragile).
+    return {n: (1.0 if n == "router" else 0.3) * jax.random.normal(k, shapes[n], jnp.float32)
+            for n, k in zip(names, keys)}
+
+
+def _kept(chosen: np.ndarray, experts: int, capacity: int) -> np.ndarray:
+    """The capacity rule re-derived: per sequence, choice rank by choice rank, tokens in order."""
+    rows, seq, k = chosen.shape
+    kept = np.zeros(chosen.shape, bool)
+    for b in range(rows):
+        load = [0] * experts
+        for j in range(k):
+            for s in range(seq):
+                e = int(chosen[b, s, j])
+                kept[b, s, j] = load[e] < capacity
+                load[e] += 1
+    return kept
+
+
+def _dense_reference(p: dict, h: jax.Array, cfg: moe.MoeConfig, chosen: np.ndarray, kept: np.ndarray
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Every expert on every token, the routed ones picked by a mask: (output, per-sequence aux)."""
+    probs = jax.nn.softmax(jnp.einsum("bsd,de->bse", h, p["router"]), axis=-1)
+    top = jnp.take_along_axis(probs, jnp.asarray(chosen), axis=-1)
+    gates = top / jnp.sum(top, -1, keepdims=True) if cfg.top_k > 1 else top
+    mask = jax.nn.one_hot(chosen, cfg.experts) * (gates * jnp.asarray(kept, jnp.float32))[..., None]
+    weights = jnp.sum(mask, axis=2)                                                # [b, s, E]
+    up = jnp.einsum("bsd,edf->bsef", h, p["w1"]) + (p["b1"] if "b1" in p else 0)
+    if cfg.swiglu:
+        hidden = jax.nn.silu(up) * (jnp.einsum("bsd,edf->bsef", h, p["w3"]) + (p["b3"] if "b3" in p else 0))
+    else:
+        hidden = jax.nn.gelu(up)
+    every = jnp.einsum("bsef,efd->bsed", hidden, p["w2"]) + (p["b2"] if "b2" in p else 0)
+    out = jnp.einsum("bsed,bse->bsd", every, weights)
+    if "shared_w1" in p:
+        up = h @ p["shared_w1"]
+        hidden = jax.nn.silu(up) * (h @ p["shared_w3"]) if cfg.swiglu else jax.nn.gelu(up)
+        out = out + hidden @ p["shared_w2"]
+    f = np.stack([np.bincount(c.ravel(), minlength=cfg.experts) for c in chosen]) / (chosen.shape[1] * cfg.top_k)
+    aux = cfg.aux_coef * cfg.experts * jnp.sum(jnp.asarray(f, jnp.float32) * jnp.mean(probs, axis=1), axis=-1)
+    return out, aux
+
+
+def _close(got: object, want: object, mesh: object) -> None:
+    """Every leaf within 1e-5 of the reference relative to its largest value (the verify metric:
+    ``max|a - b| / max|b|``, runners.train), else the comparison's diagnosis of the worst elements."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        if g.shape != w.shape or np.max(np.abs(g - w)) > 1e-5 * max(np.max(np.abs(w)), 1e-30):
+            assert_outputs_equal(got, want, rtol=1e-5, atol=1e-5 * max(np.max(np.abs(w)), 1e-30), mesh=mesh)
+            raise AssertionError(f"a leaf of shape {w.shape} differs by more than 1e-5 of its largest value")
+
+
+def _value_and_grads(layer, *args: jax.Array) -> tuple:
+    """``(output, aux)`` of ``layer(p, h)`` and the gradients of ``sum(out * g) + sum(aux * w)`` in p and h."""
+    def objective(p: dict, h: jax.Array, g: jax.Array, w: jax.Array) -> tuple:
+        out, aux = layer(p, h)
+        return jnp.sum(out * g) + jnp.sum(aux * w), (out, aux)
+
+    (_, outs), grads = jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)(*args)
+    return outs, grads
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> dict:
+    expert = draw(st.sampled_from([2, 4, 8]))
+    data, tensor = draw(st.sampled_from([(a, b) for a in (1, 2, 4) for b in (1, 2) if a * b * expert <= 8]))
+    return dict(expert=expert, data=data, tensor=tensor, top_k=draw(st.sampled_from([1, 2])),
+                per_rank=draw(st.sampled_from([1, 2])), capacity_factor=draw(st.sampled_from([None, 0.5, 1.0, 1.5])),
+                swiglu=draw(st.booleans()), shared=draw(st.sampled_from([0, 1, 2])), bias=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=max(1, settings().max_examples // 5))  # each compiles two layers and gradients: ci 3
+@given(_cases())
+def test_layer_matches_dense_reference(case: dict) -> None:
+    """Output, aux loss and gradients of the expert-parallel layer equal the dense single-device reference."""
+    expert, data, tensor = case["expert"], case["data"], case["tensor"]
+    e = expert * case["per_rank"]
+    rows, seq, d, fe = data * expert, 8, 16, 8
+    cf = case["capacity_factor"]
+    cap = seq if cf is None else max(1, min(seq, math.ceil(cf * seq * case["top_k"] / e)))
+    cfg = moe.MoeConfig(experts=e, top_k=case["top_k"], capacity=cap, swiglu=case["swiglu"], aux_coef=0.01)
+    kp, kh, kg, kw = jax.random.split(jax.random.key(case["seed"]), 4)
+    p = _params(kp, d, e, fe, case["swiglu"], case["shared"], case["bias"])
+    h = jax.random.normal(kh, (rows, seq, d), jnp.float32)
+    g = jax.random.normal(kg, (rows, seq, d), jnp.float32)
+    w = jax.random.uniform(kw, (rows,), jnp.float32)
+
+    reference = jax.device_put((p, h, g, w), jax.devices()[0])
+    chosen = np.asarray(jax.jit(lambda h, r: moe.route(h, r, cfg).experts)(reference[1], reference[0]["router"]))
+    kept = _kept(chosen, e, cap)
+    dense = lambda p, h: _dense_reference(p, h, cfg, chosen, kept)  # noqa: E731
+    want = jax.jit(lambda *a: _value_and_grads(dense, *a))(*reference)
+
+    mesh = _mesh(data, expert, tensor)
+    tensor_dims = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1, "shared_w1": 1, "shared_w3": 1, "shared_w2": 0}
+    specs = {n: jax.P(*[("expert" if i == 0 and n in ("w1", "w3", "w2", "b1", "b3", "b2") else None)
+                        if i != tensor_dims.get(n) else "tensor" for i in range(a.ndim)]) for n, a in p.items()}
+    shard = lambda tree, spec: jax.device_put(tree, jax.NamedSharding(mesh, spec))  # noqa: E731
+    ps = {n: shard(a, specs[n]) for n, a in p.items()}
+    rows_spec = jax.P(("data", "expert"))
+    hs, gs, ws = shard(h, rows_spec), shard(g, rows_spec), shard(w, rows_spec)
+    shards = moe.ExpertShards(mesh)
+    layer = lambda p, h: moe.moe_mlp(p, h, cfg, shards)  # noqa: E731
+    got = jax.jit(lambda *a: _value_and_grads(layer, *a))(ps, hs, gs, ws)
+    _close(got, want, mesh)
+    if cf is not None and cf < 1:
+        assert not kept.all()  # the case exercises drops
+
+
+def test_capacity_drops_by_choice_then_position() -> None:
+    """Two tokens choosing the same expert with capacity 1: the earlier keeps it; first choices go first."""
+    cfg = moe.MoeConfig(experts=2, top_k=2, capacity=1, swiglu=False, aux_coef=0.0)
+    router = jnp.asarray([[4.0, 0.0], [0.0, 4.0]])
+    h = jnp.asarray([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])  # tokens 0, 1 prefer expert 0; token 2 expert 1
+    r = moe.route(h, router, cfg)
+    assert r.experts[0].tolist() == [[0, 1], [0, 1], [1, 0]]
+    # expert 0: token 0 first choice kept (slot 0), token 1 first choice dropped, token 2's second dropped;
+    # expert 1: token 2's first choice kept, tokens 0 and 1's second choices dropped.
+    assert r.slots[0].tolist() == [[0, 1], [1, 1], [0, 1]]
+    assert np.allclose(np.asarray(r.gates).sum(-1), 1.0)
+
+
+def test_top1_gate_is_the_probability_and_balanced_aux_is_the_coefficient() -> None:
+    cfg = moe.MoeConfig(experts=4, top_k=1, capacity=8, swiglu=False, aux_coef=0.01)
+    r = moe.route(jnp.zeros((1, 8, 4)), jnp.zeros((4, 4)), cfg)  # uniform probabilities: every tie to expert 0
+    assert np.allclose(r.gates, 0.25) and (np.asarray(r.experts) == 0).all()
+    # all assignments on expert 0 with P_i = 1/4: E x f_0 x P_0 = 4 x 1 x 1/4 = 1 x the coefficient
+    assert np.allclose(r.aux, 0.01)
+
+
+def test_aux_into_grads_adds_the_weight_only_in_the_backward() -> None:
+    x, aux = jnp.ones((2, 3)), jnp.asarray([0.5, 2.0])
+    f = lambda x, a: jnp.sum(moe.aux_into_grads(x, a, 0.25) * 3.0)  # noqa: E731
+    assert float(f(x, aux)) == 18.0
+    gx, ga = jax.grad(f, argnums=(0, 1))(x, aux)
+    assert np.allclose(gx, 3.0) and np.allclose(ga, 0.25)
+
