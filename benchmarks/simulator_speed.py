@@ -12,7 +12,8 @@ torus (32x32x16 and 64x32x32 chips, the links of the bundled tpu-v4-4x4x4: the
 Goal: each simulation under 2 s on a 2-core machine; topology construction is
 reported apart (``topology_s``); ``cpu_s`` is the process's CPU time, which a
 machine shared with other work does not inflate. ``torus_4x4x4``: the TPU v4 cube's 256 MiB
-all-reduce against its lower bound. Prints one JSON object.
+all-reduce against its lower bound. ``multislice``: TPU v5p slices joined by the data-center network (the
+bundled tpu-v5p-multislice, and four 16x16x16 slices). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -106,6 +107,38 @@ def scale_cases() -> list[dict]:
     return out
 
 
+def multislice_cases() -> list[dict]:
+    """Multi-slice TPU v5p (slices joined by the DCN, the bundled tpu-v5p-multislice's links): a 1 GiB all-reduce
+    over its 256 chips against the same inside one 4x4x4 slice, and at scale four 16x16x16 slices (16,384 chips):
+    the all-reduce over all of them and pure data parallelism (the ``multislice`` closed form)."""
+    from testbed.collectives.timing import collective_time
+    from testbed.topology.generators import torus
+    from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
+
+    multi = load_topology("tpu-v5p-multislice")
+    data = topology_to_dict(multi)
+    data["torus"].pop("slices")
+    one = topology_from_dict(data, default_name="tpu-v5p-4x4x4")
+    out = []
+    for name, topology in (("one-slice-64", one), ("4-slices-256", multi)):
+        r, seconds = _timed(lambda: collective_time(topology, "all_reduce", tuple(range(topology.num_devices)),
+                                                    2.0**30))
+        out.append({"case": f"all_reduce-1GiB-{name}", "seconds": seconds, "algorithm": r.algorithm,
+                    "time_ms": round(r.time_s * 1e3, 3), "busbw_GBps": round(r.busbw / 1e9, 1)})
+    ici, dcn = multi.levels[0], multi.levels[-1]
+    topology, built = _timed(lambda: torus([16, 16, 16], device=multi.device, bandwidth=ici.bandwidth,
+                                           latency=ici.latency, kind=ici.kind, name="tpu-v5p-4x16x16x16",
+                                           calibration=multi.calibration, slices=dcn))
+    r, seconds = _timed(lambda: collective_time(topology, "all_reduce", tuple(range(topology.num_devices)), 2.0**30))
+    out.append({"case": "all_reduce-1GiB-4-slices-16384", "seconds": seconds, "cpu_s": _timed.cpu,
+                "topology_s": built, "algorithm": r.algorithm, "closed_form": r.closed_form,
+                "time_ms": round(r.time_s * 1e3, 3), "busbw_GBps": round(r.busbw / 1e9, 1)})
+    sim, seconds = _timed(lambda: simulate(_dp_plan(), topology))
+    out.append({"case": "data-parallel-16384-4-slices", "seconds": seconds, "cpu_s": _timed.cpu,
+                "topology_s": built, "step_time_s": sim.report.step_time_s})
+    return out
+
+
 def torus_cube() -> dict:
     """The TPU v4 4x4x4 cube's 256 MiB all-reduce: the fastest algorithm, the dim-ordered one, the bound."""
     from testbed.collectives.timing import collective_time
@@ -129,7 +162,8 @@ def main() -> None:
         results.append({"devices": topology.num_devices, "tasks": len(sim.program.tasks), "seconds": round(seconds, 3),
                         "step_time_s": sim.report.step_time_s, "mfu": sim.report.mfu,
                         "timeline_spans": len(sim.timeline.label)})
-    print(json.dumps({"results": results, "scale": scale_cases(), "torus_4x4x4": torus_cube()}))
+    print(json.dumps({"results": results, "scale": scale_cases(), "torus_4x4x4": torus_cube(),
+                      "multislice": multislice_cases()}))
 
 
 if __name__ == "__main__":
