@@ -71,6 +71,12 @@ OPTION_PLANS = {
         "batch": {"global_batch": 8, "microbatches": 4}, "mesh": {"data": 1, "fsdp": 1, "tensor": 2, "stage": 4},
         "layers_per_stage": "balanced-ends", "sequence_parallel": True, "schedule": "1f1b",
         "precision": "bf16-mixed", "remat": "none", "zero": 0, "optimizer": {"name": "adamw", "learning_rate": 1.0e-3}},
+    "options-moe-context": {
+        "name": "options-moe-context", "topology": "dgx-h100",
+        "model": {**_TINY, "experts": 4, "top_k": 2, "expert_d_ff": 32, "shared_experts": 1, "first_dense_layers": 1,
+                  "moe_every": 1, "capacity_factor": 1.25, "router_aux_loss": 0.01},
+        "batch": {"global_batch": 8, "microbatches": 2}, "mesh": {"expert": 2, "context": 2, "tensor": 2},
+        "expert_imbalance": 1.5, "schedule": "1f1b", "precision": "bf16-mixed", "remat": "none", "zero": 1},
 }
 PLANS.update(OPTION_PLANS)
 #: Small seeds for the commands that simulate (the big ones are covered by plan check and memory).
@@ -132,6 +138,18 @@ PLAN_OPTIONS: dict[tuple, list] = {
     ("precision",): ["fp8-mixed", "fp8", "FP8-mixed", "bf16-mixed", "fp8_mixed"],
     ("mesh", "tensor"): [1, 2, 4],
     ("model", "seq_len"): [8, 12, 16, 24],
+    ("mesh", "context"): [1, 2, 3, 4, 8, 0, -2, 2.0, "2"],
+    ("mesh", "expert"): [1, 2, 4, 8, 3, 0, "4"],
+    ("mesh", "order"): [["stage", "data", "fsdp", "tensor"], ["context", "tensor"], ["expert"], []],
+    ("model", "experts"): [0, 1, 2, 4, 8, 6, -1, 2**40, 4.0, "8"],
+    ("model", "top_k"): [1, 2, 4, 5, 0, 2**40],
+    ("model", "expert_d_ff"): [8, 16, 32, 33, 0, None, 2**40],
+    ("model", "shared_experts"): [0, 1, 2, -1, 2**40],
+    ("model", "first_dense_layers"): [0, 1, 3, 4, 5, -1],
+    ("model", "moe_every"): [1, 2, 3, 0, -1],
+    ("model", "capacity_factor"): [None, 1, 1.25, 2.0, 0, -1, 1e-300, 1e308, "1.25"],
+    ("model", "router_aux_loss"): [0, 0.01, 1, -0.01, 1e308],
+    ("expert_imbalance",): [1, 1.0, 1.5, 4, 0.5, 0, 1e308, "1.5"],
 }
 #: Topology keys added since: the price, fp8 peak, and the GEMM shape and flash calibration.
 TOPOLOGY_OPTIONS: dict[tuple, list] = {
