@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from runners.attention import flash_attention, plain_attention
+from runners.ring_attention import ContextShards
 from testbed.model import layout
 from testbed.model.layout import Init, ParamSpec, Placement
 from testbed.plan.spec import Attention, ModelSpec, Norm, Position, Precision, Remat
@@ -167,6 +168,7 @@ class _Arch(NamedTuple):
     seq: Any = None                     # sequence parallelism: runners.parallel.SequenceShards, or None
     flash_block: int | None = None      # None: plain attention; else flash over K/V blocks of this many keys
     fsdp: Any = None                    # runners.parallel.ParamShards, or None
+    context: ContextShards | None = None  # context parallelism (zigzag sequence, ring attention), or None
 
 
 def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
@@ -210,28 +212,34 @@ def _cross_entropy_bwd(res, g: jax.Array):
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def embed(params_embed: Params, tokens: jax.Array, seq: Any = None, fsdp: Any = None) -> jax.Array:
+def embed(params_embed: Params, tokens: jax.Array, seq: Any = None, fsdp: Any = None,
+          context: ContextShards | None = None) -> jax.Array:
     """Token plus position embedding: int32 ``[batch, seq]`` -> ``[batch, seq, d]``.
 
     Without a position table (``position: rope``) the token embedding alone: the blocks rotate Q and K.
     ``seq``: sequence parallelism's runners.parallel.SequenceShards (the lookup reduce-scattered), or None.
     ``fsdp``: runners.parallel.ParamShards (sharded parameters gathered for use, on each device's rows), or None.
+    ``context``: runners.ring_attention.ContextShards (tokens in its zigzag order: the positions follow), or None.
     """
     if fsdp is not None:
-        return fsdp.apply(lambda p, t: embed(p["embed"], t, seq), {"embed": params_embed}, tokens)
+        return fsdp.apply(lambda p, t: embed(p["embed"], t, seq, context=context), {"embed": params_embed}, tokens)
     length = tokens.shape[1]
     x = (jnp.take(params_embed["tokens"], tokens, axis=0) if seq is None
          else seq.embed(params_embed["tokens"], tokens))
-    return x + params_embed["positions"][:length] if "positions" in params_embed else x
+    if "positions" not in params_embed:
+        return x
+    return x + (params_embed["positions"][:length] if context is None else params_embed["positions"][context.order])
 
 
-def _rope(x: jax.Array, theta: float) -> jax.Array:
+def _rope(x: jax.Array, theta: float, positions: np.ndarray | None = None) -> jax.Array:
     """Rotary position embedding of ``[batch, seq, heads, head_dim]`` (the half-split convention of GPT-NeoX
-    and Hugging Face's Llama: dims ``i`` and ``i + head_dim/2`` rotate together by ``pos * theta^(-2i/head_dim)``)."""
+    and Hugging Face's Llama: dims ``i`` and ``i + head_dim/2`` rotate together by ``pos * theta^(-2i/head_dim)``);
+    ``positions``: each row's position (context parallelism's zigzag order), default ``0 .. seq-1``."""
     seq, head_dim = x.shape[1], x.shape[3]
     half = head_dim // 2
     inv_freq = 1.0 / (theta ** (np.arange(0, half, dtype=np.float64) * 2.0 / head_dim))
-    angles = np.arange(seq, dtype=np.float64)[:, None] * inv_freq[None, :]
+    pos = np.arange(seq) if positions is None else np.asarray(positions)
+    angles = pos.astype(np.float64)[:, None] * inv_freq[None, :]
     cos = jnp.asarray(np.cos(angles)[None, :, None, :], x.dtype)
     sin = jnp.asarray(np.sin(angles)[None, :, None, :], x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
@@ -300,8 +308,11 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
     kv_dim = 2 if sp is None or sp.kv_split else None  # K/V heads split over the tensor ranks, or whole on each
     q, k, v = _column(sp, h, a, ("layers", "attn"), lambda h, a: _qkv(a, h, head_dim), (2, kv_dim, kv_dim))
     if arch.rope_theta is not None:
-        q, k = _rope(q, arch.rope_theta), _rope(k, arch.rope_theta)
-    if arch.flash_block is not None:  # keeps only q, k, v, its output and the row log-sum-exp: remat has no more to drop
+        order = None if arch.context is None else arch.context.order
+        q, k = _rope(q, arch.rope_theta, order), _rope(k, arch.rope_theta, order)
+    if arch.context is not None:  # ring attention over the context axis (plain or blockwise per ring step)
+        attended = arch.context.attend(q, k, v, arch.flash_block)
+    elif arch.flash_block is not None:  # keeps only q, k, v, its output and the row log-sum-exp: remat has no more to drop
         attended = flash_attention(q, k, v, arch.flash_block)
     elif Remat(remat) is Remat.SELECTIVE:
         attended = jax.checkpoint(plain_attention)(q, k, v)
@@ -319,13 +330,14 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
 
 
 def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
-                  remat: Remat | str = Remat.NONE, seq: Any = None, fsdp: Any = None) -> jax.Array:
+                  remat: Remat | str = Remat.NONE, seq: Any = None, fsdp: Any = None,
+                  context: ContextShards | None = None) -> jax.Array:
     """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
     ``seq``: sequence parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards,
     each block in its own map, so a block's gathered weights live from its forward to its backward, or with full
-    remat are gathered again there)."""
+    remat are gathered again there; ``context``: runners.ring_attention.ContextShards, or None)."""
     remat = Remat(remat)
-    arch = _arch(spec)._replace(seq=seq, fsdp=fsdp)
+    arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context)
     step = jax.checkpoint(_block, static_argnums=(2, 3)) if remat is Remat.FULL else _block
     for layer in params_layers:
         x = step(layer, x, arch, remat)
@@ -366,12 +378,13 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
 
 def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec: ModelSpec,
                  precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE,
-                 seq: Any = None, fsdp: Any = None) -> jax.Array:
+                 seq: Any = None, fsdp: Any = None, context: ContextShards | None = None) -> jax.Array:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
-    parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards, or None)."""
+    parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards, or None;
+    ``context``: runners.ring_attention.ContextShards, tokens and targets in its zigzag order, or None)."""
     p = cast_params(params, precision)
-    x = embed(p["embed"], tokens, seq, fsdp)
-    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp)
+    x = embed(p["embed"], tokens, seq, fsdp, context)
+    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp, context)
     tied = p["embed"]["tokens"] if spec.tied_embeddings else None
     return head_loss(p["head"], x, targets, tied, spec, seq, fsdp)
 

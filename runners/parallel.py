@@ -142,8 +142,11 @@ class Constrain:
 def activation_spec(plan: Plan) -> P:
     """Spec of what a pipeline stage takes and passes on (tokens ``[batch, seq]``, activations ``[batch, seq,
     d_model]``): batch over (data, fsdp), and with sequence parallelism the sequence over ``tensor`` (Megatron
-    sends the shards: ``1/t`` of the activations per rank)."""
-    return P(BATCH_AXES, "tensor") if plan.sequence_parallel else batch_spec(1)
+    sends the shards: ``1/t`` of the activations per rank); with context parallelism the sequence over
+    ``context`` first (zigzag order, runners.ring_attention), then ``tensor``."""
+    context = ("context",) if plan.mesh.context > 1 else ()
+    seq = (*context, "tensor") if plan.sequence_parallel else context
+    return P(BATCH_AXES, _entry(seq)) if seq else batch_spec(1)
 
 
 class SequenceShards:
@@ -177,7 +180,11 @@ class SequenceShards:
         self.mesh, self.model, self.tensor = mesh, plan.model, plan.mesh.tensor
         #: Whether the tensor axis splits the K/V heads (else every rank projects all of them).
         self.kv_split = plan.model.kv_split(self.tensor)
-        self._sharded = NamedSharding(mesh, P(P.UNCONSTRAINED, "tensor", None))
+        # Context parallelism splits the sequence over `context` first: the maps are manual over it too, each
+        # context rank gathering and scattering its own rows over `tensor` (runners.ring_attention).
+        self._context = "context" if plan.mesh.context > 1 else None
+        self._seq = ("context", "tensor") if self._context else "tensor"
+        self._sharded = NamedSharding(mesh, P(P.UNCONSTRAINED, self._seq, None))
 
     def _mesh(self) -> Any:
         """The mesh, or inside FSDP's map over the batch axes (:class:`ParamShards`) the context's."""
@@ -187,7 +194,7 @@ class SequenceShards:
     def _map(self, fn: Any, in_specs: Any, out_specs: Any, check_vma: bool = True) -> Any:
         mesh = self._mesh()
         if mesh is self.mesh:  # manual over tensor and the axes of degree 1 (see below: XLA:CPU's bf16 abort)
-            trivial = {name for name, size in mesh.shape.items() if size == 1}
+            trivial = {name for name, size in mesh.shape.items() if size == 1} | {self._context} - {None}
             return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                  axis_names=frozenset({"tensor"} | trivial), check_vma=check_vma)
         # Nested in ParamShards' map: unchecked, since JAX 0.10 names a checked map's residuals by all the axes
@@ -220,8 +227,9 @@ class SequenceShards:
         ``project``'s output of the dim the tensor axis splits in each output (None: whole on every rank).
         """
         shapes = jax.eval_shape(project, h, weights)
-        out_specs = jax.tree.map(lambda s, d: P(*("tensor" if i == d else None for i in range(s.ndim))),
-                                 shapes, out_dims, is_leaf=lambda x: x is None)
+        out_specs = jax.tree.map(
+            lambda s, d: P(*("tensor" if i == d else self._context if i == 1 else None for i in range(s.ndim))),
+            shapes, out_dims, is_leaf=lambda x: x is None)
 
         def local(h: jax.Array, w: dict[str, Any]) -> Any:
             return project(jax.lax.all_gather(h, "tensor", axis=1, tiled=True), w)
@@ -229,7 +237,7 @@ class SequenceShards:
         # An output whole on every rank (K/V heads the tensor degree does not divide) is the same on every rank,
         # but computed from the all-gather, which JAX types as varying: checked against the reference instead.
         whole = any(d is None for d in jax.tree.leaves(out_dims, is_leaf=lambda x: x is None))
-        mapped = self._map(local, (P(None, "tensor", None), self._specs(weights, prefix)), out_specs,
+        mapped = self._map(local, (P(None, self._seq, None), self._specs(weights, prefix)), out_specs,
                            check_vma=not whole)
         return jax.checkpoint(mapped)(h, weights)
 
@@ -239,7 +247,7 @@ class SequenceShards:
         def local(y: jax.Array, w: jax.Array) -> jax.Array:
             return jax.lax.psum_scatter(y @ w, "tensor", scatter_dimension=1, tiled=True)
 
-        return self._map(local, (P(None, None, "tensor"), P("tensor", None)), P(None, "tensor", None))(y, w)
+        return self._map(local, (P(None, self._context, "tensor"), P("tensor", None)), P(None, self._seq, None))(y, w)
 
     def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
         """The vocab-parallel token lookup ``[batch, seq] -> [batch, seq, d]``, reduce-scattered over the sequence."""
@@ -251,7 +259,7 @@ class SequenceShards:
             return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
 
         spec = self._specs({"tokens": table}, ("embed",))["tokens"]
-        return self._map(local, (spec, P()), P(None, "tensor", None))(table, tokens)
+        return self._map(local, (spec, P(None, self._context)), P(None, self._seq, None))(table, tokens)
 
 
 def sequence_shards(plan: Plan, mesh: Any) -> SequenceShards | None:

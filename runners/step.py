@@ -38,6 +38,7 @@ from runners.parallel import batch_spec, layout_for, param_shards, sequence_shar
 from runners.precision import Optimizer
 from runners.pipeline.memory import program_bytes
 from runners.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
+from runners.ring_attention import context_shards
 from testbed.plan.spec import BatchSpec, Plan
 
 __all__ = ["step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
@@ -95,31 +96,31 @@ def state_shardings(opt_shape: Any, params: Any, moment_shardings: Any, replicat
     return jax.tree_util.tree_map_with_path(pick, opt_shape)
 
 
-def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None):
+def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None, context: Any = None):
     def loss(params: Any, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return model.forward_loss(params, tokens, targets, spec=plan.model, precision=plan.precision,
-                                  remat=plan.remat, seq=seq, fsdp=fsdp)
+                                  remat=plan.remat, seq=seq, fsdp=fsdp, context=context)
     return loss
 
 
 def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
                  grad_shardings: Any | None, spread: Spread | None = None, seq: Any = None,
-                 fsdp: tuple[Any, Any] = (None, None)) -> tuple[jax.Array, Any]:
+                 fsdp: tuple[Any, Any] = (None, None), context: Any = None) -> tuple[jax.Array, Any]:
     """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``).
 
     With ``spread`` (data replicas, runners.replicas) the loop accumulates
     each replica's gradients where they are and sums the replicas once after
     it: one data-parallel reduction per step, not one per microbatch.
     """
-    value_and_grad = jax.value_and_grad(_loss_fn(plan, seq, fsdp[0]))
+    value_and_grad = jax.value_and_grad(_loss_fn(plan, seq, fsdp[0], context))
     if tokens.shape[0] == 1:
         return value_and_grad(params, tokens[0], targets[0])
     if spread is not None:
         mesh = jax.tree.leaves(spread.shardings)[0].mesh
         if fsdp[1] is not None:  # the model's FSDP maps take the spread parameters: one loss per replica
-            per_replica = _replica_value_and_grad(_loss_fn(plan, seq, fsdp[1]))
+            per_replica = _replica_value_and_grad(_loss_fn(plan, seq, fsdp[1], context))
         else:
-            per_replica = replica_value_and_grad(_loss_fn(plan, seq), spread.count, mesh)
+            per_replica = replica_value_and_grad(_loss_fn(plan, seq, context=context), spread.count, mesh)
         spread_params = spread(params)
         losses, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
                                   spread.shardings[0], loss_shape=(spread.count,))
@@ -175,7 +176,10 @@ class SpmdTrainer:
         replicated = NamedSharding(mesh, P())
         self.opt_shardings = state_shardings(jax.eval_shape(opt.init, shape), shape,
                                              layout.shardings(mesh, "moments"), replicated)
-        self.batch_sharding = NamedSharding(mesh, batch_spec(3, leading=1))
+        # Context parallelism (runners.ring_attention): each sequence in zigzag order, split over `context`.
+        self.context = context = context_shards(plan, mesh)
+        spec = batch_spec(3, leading=1)
+        self.batch_sharding = NamedSharding(mesh, spec if context is None else P(*spec[:2], "context"))
         grad_sh = self.grad_shardings
         count = replicas(plan)
         spread = Spread(mesh, [self.param_shardings], count) if count > 1 else None
@@ -184,7 +188,7 @@ class SpmdTrainer:
         fsdp = (param_shards(plan, mesh), param_shards(plan, mesh, spread=True) if spread is not None else None)
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
-            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp)
+            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp, context)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
             out = (*opt.update(params, opt_state, grads), loss)
             return out + (grads,) if return_grads else out
@@ -212,6 +216,8 @@ class SpmdTrainer:
     def _batch(self, step: int) -> tuple[jax.Array, jax.Array]:
         m = self.plan.batch.microbatches
         tokens, targets = step_batch(self.plan, step)
+        if self.context is not None:  # zigzag order; the loss is a mean over all tokens, whatever their order
+            tokens, targets = tokens[:, self.context.order], targets[:, self.context.order]
         split = [a.reshape(m, a.shape[0] // m, a.shape[1]) for a in (tokens, targets)]
         return tuple(place_tree(split, [self.batch_sharding] * 2))
 

@@ -78,9 +78,6 @@ def _check_runnable(plan: Plan, devices: list[Any]) -> None:
     from testbed.plan.sharding import state_sharding
 
     check_precision(plan, devices)  # fp8 (check-sharding lowers for devices it does not have: not checked there)
-    if plan.mesh.context > 1:
-        raise InputError(f"mesh.context {plan.mesh.context}: the runner does not execute context parallelism yet "
-                         "(the simulator does); use mesh.context: 1 to run this plan", field="mesh.context")
     if plan.model.experts:
         raise InputError(f"model.experts {plan.model.experts}: the runner does not execute mixture-of-experts "
                          "layers yet (the simulator does); use a dense model to run this plan", field="model.experts")

@@ -32,7 +32,7 @@ HOST = load_topology("host-cpu-8")
 
 
 def _plan(model: ModelSpec, **kw) -> Plan:
-    mesh = MeshSpec(**{k: kw.pop(k) for k in ("data", "fsdp", "tensor", "stage") if k in kw})
+    mesh = MeshSpec(**{k: kw.pop(k) for k in ("data", "fsdp", "tensor", "stage", "context") if k in kw})
     batch = BatchSpec(global_batch=kw.pop("batch", 16), microbatches=kw.pop("mb", 1))
     return Plan(model=model, batch=batch, mesh=mesh, name="llm", **kw)
 
@@ -246,11 +246,13 @@ def test_one_device_equals_reference_bit_for_bit() -> None:
 @st.composite
 def llm_plans(draw) -> Plan:
     """A tiny model with a drawn mix of the options (attention plain or flash among them) on 1, 2, 4, 6 or 8 devices,
-    over data/fsdp/tensor/stage, with sequence parallelism drawn when tensor > 1."""
-    n = draw(st.sampled_from([1, 2, 4, 6, 8]))
+    over data/fsdp/tensor/stage/context (ring attention over 2 or 4 zigzag shards), with sequence parallelism drawn
+    when tensor > 1."""
+    n = draw(st.sampled_from([2, 1, 4, 6, 8]))   # 2 first: the simplest draw is context parallelism on 2 devices
     tensor = draw(st.sampled_from([t for t in (1, 2, 4) if n % t == 0]))
     stage = draw(st.sampled_from([s for s in (1, 2) if n % (tensor * s) == 0]))
-    rest = n // (tensor * stage)
+    context = draw(st.sampled_from([c for c in (2, 4, 1) if n % (tensor * stage * c) == 0]))  # CP first: ci meets it
+    rest = n // (tensor * stage * context)
     data = draw(st.sampled_from([d for d in (1, 2, 3, 4, 6, 8) if rest % d == 0]))
     attention = draw(st.sampled_from(["flash", "plain"]))   # flash first: the ci profile's few examples meet it
     spec = ModelSpec(layers=4, d_model=16, heads=4, kv_heads=draw(st.sampled_from([1, 2, 4])), d_ff=24, seq_len=8,
@@ -265,10 +267,11 @@ def llm_plans(draw) -> Plan:
     name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])) if stage > 1 else "1f1b"
     virtual = 2 if name == "interleaved" else 1
     split = draw(st.sampled_from([None, (1, 3), (3, 1)])) if stage > 1 and virtual == 1 else None
-    return _plan(spec, data=data, fsdp=rest // data, tensor=tensor, stage=stage, mb=mb, batch=24 if n == 6 else 16,
+    return _plan(spec, data=data, fsdp=rest // data, tensor=tensor, stage=stage, context=context, mb=mb,
+                 batch=24 if n == 6 else 16,
                  zero=draw(st.integers(0, 3)), remat=draw(st.sampled_from(["none", "selective", "full"])),
                  schedule=ScheduleSpec(name=name, virtual_stages=virtual), layers_per_stage=split,
-                 sequence_parallel=tensor > 1 and draw(st.booleans()))  # Megatron SP: seq_len 8 splits over tensor
+                 sequence_parallel=tensor > 1 and draw(st.booleans()))  # Megatron SP: seq_len 8 / context over tensor
 
 
 @settings(max_examples=max(1, settings().max_examples // 5))  # each compiles two trainers: ci 3, thorough 60

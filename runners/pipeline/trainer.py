@@ -26,6 +26,7 @@ from runners.pipeline.engine import Prepare
 from runners.precision import Optimizer
 from runners.pipeline.memory import StageProgramMemory, pipeline_memory
 from runners.replicas import Spread, per_replica_forward, per_replica_losses, replicas, sum_replicas
+from runners.ring_attention import context_shards
 from runners.step import host_tree, place_tree, state_shardings, step_batch
 from testbed.errors import InputError
 from testbed.model.layout import Placement, chunk_layers, embedding_holder, head_holder, holds
@@ -106,12 +107,15 @@ class PipelineTrainer:
         self.replicas = replicas(plan)
         # FSDP / ZeRO-3 (runners.parallel.ParamShards) per stage sub-mesh, on spread parameters with replicas.
         fsdps = [param_shards(plan, m, spread=self.replicas > 1) for m in stage_meshes]
+        # Context parallelism per stage sub-mesh (runners.ring_attention): stages pass the context shards on.
+        ctxs = [context_shards(plan, m) for m in stage_meshes]
+        self.context_order = None if ctxs[0] is None else ctxs[0].order
 
         # The held parameters are already in the compute dtype (runners.precision): no cast here.
         def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
             if _EMBED in params:
-                x = model.embed(params[_EMBED], x, seqs[stage], fsdps[stage])
-            return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage], fsdps[stage])
+                x = model.embed(params[_EMBED], x, seqs[stage], fsdps[stage], ctxs[stage])
+            return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage], fsdps[stage], ctxs[stage])
 
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
             return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last, fsdp=fsdps[last_stage])
@@ -178,6 +182,8 @@ class PipelineTrainer:
     def _microbatches(self, step: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         m = self.plan.batch.microbatches
         tokens, targets = step_batch(self.plan, step)
+        if self.context_order is not None:  # zigzag order over `context` (the loss is a mean over all tokens)
+            tokens, targets = tokens[:, self.context_order], targets[:, self.context_order]
         return np.split(tokens, m), np.split(targets, m)
 
     def step(self, state: tuple[list[Any], list[Any]], step: int) -> tuple[tuple[list[Any], list[Any]], jax.Array]:
