@@ -160,7 +160,9 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             table.add_column(col, no_wrap=True, justify="left" if col in ("d.f.t.s", "schedule", "remat") else "right")
         for i, r in enumerate(rows, 1):
             sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
-            table.add_row(str(i), f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}", sched, str(r["microbatches"]),
+            mesh = f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}" + (
+                f" ep{r['expert']}" if r.get("expert", 1) > 1 else "")  # MoE: the expert degree beside
+            table.add_row(str(i), mesh, sched, str(r["microbatches"]),
                           str(r["zero"]), r["remat"][:4], format_time(r["step_time_s"]),
                           format_time(r.get("exposed_comm_s", 0.0)), f"{r.get('bubble_fraction', 0.0):.0%}",
                           f"{r.get('mfu', 0.0):.0%}", format_bytes(r["memory_bytes"]))

@@ -251,7 +251,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     # Data-parallel gradient reduction is out of place: an all-reduce writes a second gradient
     # buffer; a reduce-scatter (ZeRO >= 1) writes only the shard.
     reduce_ws = 0
-    if mesh.data > 1 and mesh.fsdp == 1:
+    if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
         reduce_ws = grad_b * model.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
     loss_ws = _loss_workspace(plan) if holds_head else 0
     layer_ws = _layer_workspace(plan)

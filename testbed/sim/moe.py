@@ -13,7 +13,9 @@ holding ``n`` MoE layers as ``n`` links of a chain, each::
 so the shared experts' compute overlaps the all-to-alls (it needs no dispatched token) and the next
 layer waits for the combine. The routed and shared experts' GEMMs are exactly theirs
 (testbed.model.gemm.moe_gemms, with the action's gradients and recompute); the rest of the action
-(attention, router, norms, dense layers, embedding and head) is split evenly over the ``n`` links. The
+(attention, router, norms, dense layers, embedding and head) is split evenly into ``n + 1`` parts: one
+before each link and one after the last combine (under context parallelism the ring takes all of it,
+testbed.sim.program: the chain then runs the experts' work alone). The
 all-to-alls are timed by the collective timing of ``all_to_all`` over the placement's expert groups
 (whose links the placement decides), ``testbed.model.moe.dispatch_bytes`` each. W actions (split
 backward) move no tokens: they stay one task.
