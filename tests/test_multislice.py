@@ -279,3 +279,10 @@ def test_a_multi_slice_topology_draws(tmp_path: Path):
     path.write_text(YAML)
     assert main(["topology", "show", str(path), "--png", str(tmp_path / "ms.png")]) == 0
     assert (tmp_path / "ms.png").stat().st_size > 0
+
+
+def test_calibration_fits_the_dcn_apart_from_the_ici():
+    from testbed.calibration.collectives import level_groups
+
+    assert level_groups(load_topology("tpu-v5p-multislice")) == [["x", "y", "z"], ["slice"]]
+    assert level_groups(load_topology("tpu-v4-4x4x4")) == [["x", "y", "z"]]

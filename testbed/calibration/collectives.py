@@ -36,7 +36,10 @@ class CollectiveParams:
 
 
 def level_groups(topology: Topology) -> list[list[str]]:
-    """Levels whose link parameters are fitted together (a torus has one bandwidth in YAML)."""
+    """Levels whose link parameters are fitted together (a torus has one bandwidth in YAML; its slices' DCN
+    links, ``torus.slices``, their own)."""
+    if topology.form is Form.TORUS and topology.slice_level is not None:
+        return [list(topology.level_names[:-1]), [topology.level_names[-1]]]
     if topology.form is Form.TORUS or topology.form is Form.GRAPH:
         return [list(topology.level_names) or ["all"]]
     return [[name] for name in topology.level_names]
