@@ -222,3 +222,16 @@ def test_context_and_expert_parallelism_compose():
     assert report.step_time_s > 0
     # The analytic tier plays the same composition (the search ranks such plans by it).
     assert abs(estimate(plan, HOST).step_time_s - report.step_time_s) < 0.15 * report.step_time_s
+
+
+def test_capacity_padding_grows_buffers_not_state():
+    """A capacity factor pads the dispatched tokens: activations, dispatch workspace and the all-to-all bytes
+    grow with it; parameters, gradients and optimizer state do not."""
+    spec = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=16, vocab=64, experts=4, top_k=2)
+    plan = Plan(model=spec, batch=BatchSpec(global_batch=8), mesh=MeshSpec(expert=4, data=2),
+                schedule=ScheduleSpec(), precision="fp32")
+    padded = replace(plan, model=replace(spec, capacity_factor=2.0))
+    a, b = memory_breakdown(plan, HOST).per_stage[0], memory_breakdown(padded, HOST).per_stage[0]
+    assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer)
+    assert b.activations > a.activations and b.workspace - a.workspace >= 2 * moe.dispatch_bytes(plan)
+    assert moe.dispatch_bytes(padded) == 2 * moe.dispatch_bytes(plan) == 2 * 16 * 2 * 32 * 4

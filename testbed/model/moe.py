@@ -92,7 +92,10 @@ def expert_tokens(plan: Plan) -> int:
 def dispatch_bytes(plan: Plan) -> float:
     """One rank's buffer of one dispatch (or combine) all-to-all per microbatch: ``N top_k load d`` values.
 
-    As the grouped GEMMs see them: ``E / ep`` local experts x :func:`expert_tokens` rows of ``d_model``.
+    As the grouped GEMMs see them: ``E / ep`` local experts x :func:`expert_tokens` rows of ``d_model``. With
+    a capacity factor every rank's buffers are padded to it; dropless, the busiest rank receives ``load`` times
+    the even share, and an all-to-all lasts as long as its busiest receiver, so the even-share buffer scaled
+    by the load is what the (uniform) collective timing prices.
     """
     spec = plan.model
     rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
