@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from testbed.cli import main
 from testbed.collectives.algorithms import SUPPORTED_OPS, step_program
@@ -171,6 +172,22 @@ def test_closed_forms_equal_the_routed_programs_across_slices(dims, slices):
                     # each chip's uplink carries 2 (S-1)/S of the 1/chips it owns after the slice's reduce-scatter
                     assert up / len(group) == pytest.approx(2 * (slices - 1) / slices * 1e6 / chips)
     assert covered["multislice"] >= 3 and covered["torus"] >= 3
+
+
+@given(dims=st.sampled_from([(2,), (3,), (4,), (2, 2), (2, 3), (4, 2), (3, 1, 2)]), slices=st.integers(2, 4),
+       wraparound=st.booleans(), over=st.sampled_from(["all", "slice", "x,slice"]),
+       op=st.sampled_from([Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER]), nbytes=st.floats(1.0, 2.0**31))
+def test_every_closed_form_across_slices_equals_its_routed_program(dims, slices, wraparound, over, op, nbytes):
+    t = _multislice(dims, slices, wraparound)
+    group = t.groups(over)[-1]
+    for algorithm in applicable_algorithms(t, op, group):
+        closed = closed_form_time(t, op, algorithm, group, nbytes)
+        if closed is not None:
+            routed = program_time(t, op, algorithm, [group], nbytes)
+            assert closed[1] == routed[1] and closed[0] == pytest.approx(routed[0], rel=1e-9), algorithm
+    if across := torus_forms.across_slices(t, group):
+        assert "multislice" in applicable_algorithms(t, op, group)
+    assert across == (over != "slice" and len(group) > slices)
 
 
 @pytest.mark.parametrize("dims,slices", GRIDS[:4])
