@@ -118,7 +118,8 @@ def multislice_cases() -> list[dict]:
     multi = load_topology("tpu-v5p-multislice")
     data = topology_to_dict(multi)
     data["torus"].pop("slices")
-    one = topology_from_dict(data, default_name="tpu-v5p-4x4x4")
+    data["name"] = "tpu-v5p-4x4x4"
+    one = topology_from_dict(data)
     out = []
     for name, topology in (("one-slice-64", one), ("4-slices-256", multi)):
         r, seconds = _timed(lambda: collective_time(topology, "all_reduce", tuple(range(topology.num_devices)),

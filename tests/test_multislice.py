@@ -234,7 +234,8 @@ def _plan(n: int, mesh: dict) -> object:
 def _one_slice(topology):
     data = topology_to_dict(topology)
     data["torus"].pop("slices")
-    return topology_from_dict(data, default_name="one-slice")
+    data["name"] = "one-slice"
+    return topology_from_dict(data)
 
 
 def _gradient_reductions(plan, topology):
