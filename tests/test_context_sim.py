@@ -227,3 +227,13 @@ def test_search_space_adds_context_for_long_sequences_only():
     assert context_degrees(make_plan(seq=20), 8, SearchSpace(contexts=(1, 2, 4))) == (1, 2)  # 20 % 8 != 0
     found = {p.mesh.context for p in candidates(long, 8, SearchSpace(schedules=("1f1b",), remat=("none",), zero=(0,)))}
     assert found == {1, 2, 4, 8}
+
+
+def test_gradients_are_summed_over_context():
+    plan = make_plan(context=4, data=2, layers=2)
+    placement = place(plan)
+    reduced = [t for t in build_program(plan, placement).tasks if t.stream == "grad"]
+    assert reduced and all(t.op == "all_reduce" for t in reduced)
+    replicas = {tuple(sorted(g)) for g in placement.groups("context")}
+    for t in reduced:  # one all-reduce over data x context: each group joins two context rings
+        assert len(t.group) == 8 and sum(tuple(sorted(set(t.group) & set(g))) in replicas for g in replicas) == 2
