@@ -31,7 +31,10 @@ GEMM shapes and the memory model all come here):
   ``max(0, send - compute)`` is exposed. Step 0 (4 units) hides the first
   send, steps ``1 .. c-2`` (2 units each) the next ``c - 2``; step ``c - 1``
   hides nothing; the backward's home send waits for the last step and is
-  exposed whole (the QKV projections' backward needs dK, dV).
+  exposed whole (the QKV projections' backward needs dK, dV). (In the
+  backward a message's dK/dV half is ready only when the step that adds to
+  it ends, and is needed only when the next step adds to it: it too has one
+  step's compute to hide behind, which the phases count as one message.)
   :func:`ring_phases` lists these stretches; the task graph plays them
   (testbed.sim.ring) and the analytic tier prices the same tasks.
 - **Memory.** Activations as flash attention's for ``s_l`` tokens (q, k, v,
