@@ -85,6 +85,8 @@ def test_yaml_round_trip_and_the_bundled_multislice():
     ("{count: 2, bandwidth: 50Gb/s, kind: dcnn}", "torus.slices.kind", "did you mean `dcn`"),
     ("{count: 2, bandwidth: 50Gb/s, name: x}", "torus.slices.name", "already a dim name"),
     ("[2, 50Gb/s]", "torus.slices", ""),
+    ("{count: 2, bandwidth: 50Gb/s, name: all}", "torus.slices.name", "not `all`"),
+    ("{count: 2, bandwidth: 50Gb/s, name: ''}", "torus.slices.name", "not empty"),
     ("{count: 300000, bandwidth: 50Gb/s}", "torus.slices.count", "at most"),
 ])
 def test_bad_slices_name_the_field(slices, field, message):

@@ -197,7 +197,11 @@ def _slices(data: Any) -> Level:
     field = "torus.slices"
     data = expect_mapping(data, field)
     check_keys(data, ("count", "bandwidth", "latency", "kind", "name"), field, required=("count", "bandwidth"))
-    return Level(name=get_str(data, "name", field, default="slice", max_length=MAX_NAME),
+    name = get_str(data, "name", field, default="slice", max_length=MAX_NAME)
+    if not name.strip() or name == "all" or "," in name:
+        raise InputError(f"expected a level name for `--over` (not empty, not `all`, no commas), got {quote(name)}",
+                         field=f"{field}.name")
+    return Level(name=name,
                  size=get_int(data, "count", field, maximum=MAX_DEVICES),
                  bandwidth=parse_bandwidth(data["bandwidth"], f"{field}.bandwidth"),
                  latency=parse_time(data.get("latency", 0), f"{field}.latency"),
