@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from runners import moe
 from runners.attention import flash_attention, plain_attention
 from runners.ring_attention import ContextShards
 from testbed.model import layout
@@ -83,10 +84,10 @@ def init_params(spec: ModelSpec, seed: int) -> Params:
     key per layer, which each layer splits into its own.
     """
     keys = jax.random.split(jax.random.key(seed), spec.layers + layout.GLOBAL_KEYS)
-    layer = layout.layer_params(spec)
     return {
         Placement.EMBEDDING.root: _tree(layout.embedding_params(spec), keys),
-        Placement.LAYER.root: [_tree(layer, jax.random.split(keys[layout.GLOBAL_KEYS + i], layout.layer_keys(spec)))
+        Placement.LAYER.root: [_tree(layout.layer_params(spec, i),
+                                     jax.random.split(keys[layout.GLOBAL_KEYS + i], layout.layer_keys(spec)))
                                for i in range(spec.layers)],
         Placement.HEAD.root: _tree(layout.head_params(spec), keys),
     }
@@ -169,6 +170,9 @@ class _Arch(NamedTuple):
     flash_block: int | None = None      # None: plain attention; else flash over K/V blocks of this many keys
     fsdp: Any = None                    # runners.parallel.ParamShards, or None
     context: ContextShards | None = None  # context parallelism (zigzag sequence, ring attention), or None
+    moe: moe.MoeConfig | None = None    # the MoE layers' routing settings (a model with experts), or None
+    experts: moe.ExpertShards | None = None  # expert parallelism (all-to-all over `expert`), or None
+    aux_weight: float = 0.0             # the objective's weight of one sequence's load-balancing loss
 
 
 def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
@@ -178,7 +182,8 @@ def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
     if isinstance(spec, ModelSpec):
         return _Arch(heads=spec.heads, rms=spec.norm is Norm.RMSNORM,
                      rope_theta=spec.rope_theta if spec.position is Position.ROPE else None,
-                     flash_block=spec.flash_block if spec.attention is Attention.FLASH else None)
+                     flash_block=spec.flash_block if spec.attention is Attention.FLASH else None,
+                     moe=moe.moe_config(spec) if spec.experts else None)
     return _Arch(heads=int(spec))
 
 
@@ -319,8 +324,10 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
     else:
         attended = plain_attention(q, k, v)
     x = _plus(x + _row(sp, attended.reshape(b, s, d), a["wo"]), a, "bo")
-    m = params_layer["mlp"]
     h = _layer_norm(params_layer["ln2"], x, arch.rms)
+    if "moe" in params_layer:
+        return _moe_mlp(params_layer["moe"], x, h, arch)
+    m = params_layer["mlp"]
     if "w3" in m:
         hidden = _swiglu_remat(*_column(sp, h, m, ("layers", "mlp"), lambda h, m: (
             _plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3")), (2, 2)))
@@ -329,15 +336,29 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
     return _plus(x + _row(sp, hidden, m["w2"]), m, "b2")
 
 
+def _moe_mlp(p: Params, x: jax.Array, h: jax.Array, arch: _Arch) -> jax.Array:
+    """``x + moe(h)`` (runners.moe), its load-balancing loss joining the objective's gradients (weight
+    ``arch.aux_weight`` per sequence); with context parallelism capacity ranks tokens by their true position."""
+    if arch.moe is None:
+        raise ValueError("an MoE layer needs the model's spec (its routing settings), not a bare head count")
+    positions = None if arch.context is None else arch.context.order
+    out, aux = moe.moe_mlp(p, h, arch.moe, arch.experts, positions)
+    return moe.aux_into_grads(x + out, aux, arch.aux_weight)
+
+
 def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
                   remat: Remat | str = Remat.NONE, seq: Any = None, fsdp: Any = None,
-                  context: ContextShards | None = None) -> jax.Array:
+                  context: ContextShards | None = None, experts: moe.ExpertShards | None = None,
+                  aux_weight: float | None = None) -> jax.Array:
     """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
     ``seq``: sequence parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards,
     each block in its own map, so a block's gathered weights live from its forward to its backward, or with full
-    remat are gathered again there; ``context``: runners.ring_attention.ContextShards, or None)."""
+    remat are gathered again there; ``context``: runners.ring_attention.ContextShards, or None; ``experts``:
+    runners.moe.ExpertShards, or None; ``aux_weight``: the objective's weight of one sequence's MoE
+    load-balancing loss, None: ``1 / rows of x``, right when the objective is the mean over these rows)."""
     remat = Remat(remat)
-    arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context)
+    weight = 1.0 / x.shape[0] if aux_weight is None else float(aux_weight)
+    arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context, experts=experts, aux_weight=weight)
     step = jax.checkpoint(_block, static_argnums=(2, 3)) if remat is Remat.FULL else _block
     for layer in params_layers:
         x = step(layer, x, arch, remat)
@@ -378,13 +399,19 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
 
 def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec: ModelSpec,
                  precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE,
-                 seq: Any = None, fsdp: Any = None, context: ContextShards | None = None) -> jax.Array:
+                 seq: Any = None, fsdp: Any = None, context: ContextShards | None = None,
+                 experts: moe.ExpertShards | None = None, aux_weight: float | None = None) -> jax.Array:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
     parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards, or None;
-    ``context``: runners.ring_attention.ContextShards, tokens and targets in its zigzag order, or None)."""
+    ``context``: runners.ring_attention.ContextShards, tokens and targets in its zigzag order, or None).
+
+    MoE models: ``experts`` (runners.moe.ExpertShards, or None) and ``aux_weight`` as :func:`stage_forward`
+    (None: ``1 / rows of tokens``); the load-balancing loss enters the gradients, not the returned value.
+    """
     p = cast_params(params, precision)
     x = embed(p["embed"], tokens, seq, fsdp, context)
-    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp, context)
+    weight = 1.0 / tokens.shape[0] if aux_weight is None else aux_weight
+    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp, context, experts, weight)
     tied = p["embed"]["tokens"] if spec.tied_embeddings else None
     return head_loss(p["head"], x, targets, tied, spec, seq, fsdp)
 

@@ -44,11 +44,12 @@ from testbed.model.layout import ParamSpec
 from testbed.plan.spec import ModelSpec, Plan
 from testbed.plan.sharding import state_sharding
 
-__all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_spec", "Constrain", "SequenceShards",
+__all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_axes", "batch_spec", "Constrain", "SequenceShards",
            "sequence_shards", "activation_spec", "ParamShards", "param_shards"]
 
-#: Mesh axes the batch dim of activations is split over.
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+#: Mesh axes the batch dim of activations is split over (testbed.plan.spec.BATCH_AXES: ``expert`` splits the
+#: batch like ``data`` in the dense parts).
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 
 def _path_names(path: tuple[Any, ...]) -> list[str]:
     names = []
@@ -59,20 +60,24 @@ def _path_names(path: tuple[Any, ...]) -> list[str]:
     return names
 
 
-def leaf_spec(param: ParamSpec, *, tensor: int, shard_axes: tuple[str, ...], shard_size: int) -> P:
+def leaf_spec(param: ParamSpec, *, tensor: int, shard_axes: tuple[str, ...], shard_size: int,
+              expert: int = 1) -> P:
     """The spec of one parameter leaf, from its entry in testbed.model.layout's table.
 
     Args:
-      param: the leaf's table entry (its shape and tensor dim).
+      param: the leaf's table entry (its shape, tensor dim and experts dim).
       tensor: the tensor-parallel degree (1: no tensor split).
       shard_axes: mesh axes a further dim is split over (``("fsdp",)``, ``("data", "fsdp")`` or ``()``).
       shard_size: product of the degrees of ``shard_axes``.
+      expert: the expert-parallel degree (a routed expert's weight split over ``expert`` on its experts dim).
     """
     dims: list[Any] = [None] * len(param.shape)
     for dim in param.tensor_dims(tensor):
         dims[dim] = "tensor"
+    for dim in param.expert_dims(expert):
+        dims[dim] = "expert"
     # The layout's one fsdp/ZeRO rule, the one testbed.model.memory counts.
-    dim = param.shard_dim(tensor, shard_size) if shard_axes else None
+    dim = param.shard_dim(tensor, shard_size, expert) if shard_axes else None
     if dim is not None:
         dims[dim] = shard_axes if len(shard_axes) > 1 else shard_axes[0]
     return P(*dims)
@@ -106,7 +111,7 @@ def _specs(params_shape: Any, plan: Plan, shard_axes: tuple[str, ...]) -> Any:
         size *= plan.mesh.degree(axis)
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: leaf_spec(_param(plan.model, path, tuple(leaf.shape)), tensor=plan.mesh.tensor,
-                                     shard_axes=shard_axes, shard_size=size), params_shape)
+                                     shard_axes=shard_axes, shard_size=size, expert=plan.mesh.expert), params_shape)
 
 
 def layout_for(params_shape: Any, plan: Plan) -> Layout:
@@ -117,9 +122,16 @@ def layout_for(params_shape: Any, plan: Plan) -> Layout:
                   moments=_specs(params_shape, plan, sharding.split_axes(plan, "optimizer")))
 
 
-def batch_spec(rank: int, leading: int = 0) -> P:
-    """Spec of a batch array: ``leading`` unsplit dims, then the batch dim over (data, fsdp)."""
-    return P(*([None] * leading), BATCH_AXES, *([None] * (rank - leading - 1)))
+def batch_axes(plan: Plan) -> tuple[str, ...]:
+    """The axes a plan's batch is split over: data and fsdp, and expert when it has one (a mesh built without
+    an ``expert`` axis then still takes a dense plan's batch)."""
+    return tuple(a for a in BATCH_AXES if a != "expert" or plan.mesh.expert > 1)
+
+
+def batch_spec(rank: int, leading: int = 0, axes: tuple[str, ...] = BATCH_AXES[:2]) -> P:
+    """Spec of a batch array: ``leading`` unsplit dims, then the batch dim over ``axes`` (a plan's
+    :func:`batch_axes`; default data and fsdp)."""
+    return P(*([None] * leading), axes, *([None] * (rank - leading - 1)))
 
 
 class Constrain:
@@ -146,7 +158,7 @@ def activation_spec(plan: Plan) -> P:
     ``context`` first (zigzag order, runners.ring_attention), then ``tensor``."""
     context = ("context",) if plan.mesh.context > 1 else ()
     seq = (*context, "tensor") if plan.sequence_parallel else context
-    return P(BATCH_AXES, _entry(seq)) if seq else batch_spec(1)
+    return P(batch_axes(plan), _entry(seq)) if seq else batch_spec(1, axes=batch_axes(plan))
 
 
 class SequenceShards:
@@ -297,6 +309,7 @@ class ParamShards:
 
     def __init__(self, plan: Plan, mesh: Any, spread: bool = False):
         self.mesh, self.model, self.tensor, self.spread = mesh, plan.model, plan.mesh.tensor, spread
+        self.expert = plan.mesh.expert
         #: Axes the parameters are sharded over; their product is the shard count.
         self.shard_axes = state_sharding(plan).split_axes(plan, "params")
         self.ways = math.prod(plan.mesh.degree(a) for a in self.shard_axes)
@@ -315,10 +328,12 @@ class ParamShards:
 
         def entry(path: tuple[Any, ...], leaf: Any) -> tuple[int, tuple[str, ...], P, P]:
             param = layout.param_at(self.model, _path_names(path))
-            dim, tdims = param.shard_dim(self.tensor, self.ways), param.tensor_dims(self.tensor)
-            split = (*lead, *(self.shard_axes if dim is not None else ()))
+            dim, tdims = param.shard_dim(self.tensor, self.ways, self.expert), param.tensor_dims(self.tensor)
+            edims = param.expert_dims(self.expert)  # a routed expert's weight: split over `expert`, not copied
+            split = (*lead, *(self.shard_axes if dim is not None else ()), *(("expert",) if edims else ()))
             copies = tuple(a for a in self.axes if a not in split)
-            dims = [_entry(self.shard_axes) if i == dim else None for i in range(len(param.shape))]
+            dims = [_entry(self.shard_axes) if i == dim else "expert" if i in edims else None
+                    for i in range(len(param.shape))]
             return (-1 if dim is None else dim, copies,
                     P(*((_entry(copies),) if copies else ()), *((lead[0],) if lead else ()), *dims),
                     P(*("tensor" if i in tdims else None for i in range(len(param.shape)))))

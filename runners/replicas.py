@@ -67,7 +67,7 @@ class Spread:
 
 def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
     """``[mb, ...] -> [R, mb / R, ...]``: replica ``r`` takes the rows its data coordinate holds."""
-    rest = tuple(a for a in ("fsdp",) if a in mesh.axis_names) or None
+    rest = tuple(a for a in ("fsdp", "expert") if a in mesh.axis_names) or None
     xs = x.reshape(count, x.shape[0] // count, *x.shape[1:])
     return jax.lax.with_sharding_constraint(xs, NamedSharding(mesh, P(AXIS, rest)))
 

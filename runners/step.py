@@ -34,7 +34,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
-from runners.parallel import batch_spec, layout_for, param_shards, sequence_shards
+from runners.moe import expert_shards
+from runners.parallel import batch_axes, batch_spec, layout_for, param_shards, sequence_shards
 from runners.precision import Optimizer
 from runners.pipeline.memory import program_bytes
 from runners.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
@@ -96,31 +97,37 @@ def state_shardings(opt_shape: Any, params: Any, moment_shardings: Any, replicat
     return jax.tree_util.tree_map_with_path(pick, opt_shape)
 
 
-def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None, context: Any = None):
+def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None, context: Any = None, experts: Any = None,
+             aux_weight: float | None = None):
     def loss(params: Any, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return model.forward_loss(params, tokens, targets, spec=plan.model, precision=plan.precision,
-                                  remat=plan.remat, seq=seq, fsdp=fsdp, context=context)
+                                  remat=plan.remat, seq=seq, fsdp=fsdp, context=context, experts=experts,
+                                  aux_weight=aux_weight)
     return loss
 
 
 def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
                  grad_shardings: Any | None, spread: Spread | None = None, seq: Any = None,
-                 fsdp: tuple[Any, Any] = (None, None), context: Any = None) -> tuple[jax.Array, Any]:
+                 fsdp: tuple[Any, Any] = (None, None), context: Any = None,
+                 experts: Any = None) -> tuple[jax.Array, Any]:
     """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``).
 
     With ``spread`` (data replicas, runners.replicas) the loop accumulates
     each replica's gradients where they are and sums the replicas once after
     it: one data-parallel reduction per step, not one per microbatch.
+    ``experts``: runners.moe.ExpertShards, or None; an MoE layer's load-balancing loss weighs
+    ``microbatches / global batch`` per sequence in each microbatch's gradient (their mean is the step's).
     """
-    value_and_grad = jax.value_and_grad(_loss_fn(plan, seq, fsdp[0], context))
+    moe = dict(experts=experts, aux_weight=plan.batch.microbatches / plan.batch.global_batch)
+    value_and_grad = jax.value_and_grad(_loss_fn(plan, seq, fsdp[0], context, **moe))
     if tokens.shape[0] == 1:
         return value_and_grad(params, tokens[0], targets[0])
     if spread is not None:
         mesh = jax.tree.leaves(spread.shardings)[0].mesh
         if fsdp[1] is not None:  # the model's FSDP maps take the spread parameters: one loss per replica
-            per_replica = _replica_value_and_grad(_loss_fn(plan, seq, fsdp[1], context))
+            per_replica = _replica_value_and_grad(_loss_fn(plan, seq, fsdp[1], context, **moe))
         else:
-            per_replica = replica_value_and_grad(_loss_fn(plan, seq, context=context), spread.count, mesh)
+            per_replica = replica_value_and_grad(_loss_fn(plan, seq, context=context, **moe), spread.count, mesh)
         spread_params = spread(params)
         losses, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
                                   spread.shardings[0], loss_shape=(spread.count,))
@@ -178,7 +185,7 @@ class SpmdTrainer:
                                              layout.shardings(mesh, "moments"), replicated)
         # Context parallelism (runners.ring_attention): each sequence in zigzag order, split over `context`.
         self.context = context = context_shards(plan, mesh)
-        spec = batch_spec(3, leading=1)
+        spec = batch_spec(3, leading=1, axes=batch_axes(plan))
         self.batch_sharding = NamedSharding(mesh, spec if context is None else P(*spec[:2], "context"))
         grad_sh = self.grad_shardings
         count = replicas(plan)
@@ -186,9 +193,10 @@ class SpmdTrainer:
         seq = sequence_shards(plan, mesh)  # Megatron sequence parallelism (runners.parallel), or None
         # FSDP / ZeRO-3 (runners.parallel.ParamShards): whole batch, and per data replica on spread parameters.
         fsdp = (param_shards(plan, mesh), param_shards(plan, mesh, spread=True) if spread is not None else None)
+        experts = expert_shards(plan, mesh)  # expert parallelism (runners.moe): all-to-all over `expert`, or None
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
-            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp, context)
+            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp, context, experts)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
             out = (*opt.update(params, opt_state, grads), loss)
             return out + (grads,) if return_grads else out

@@ -78,9 +78,6 @@ def _check_runnable(plan: Plan, devices: list[Any]) -> None:
     from testbed.plan.sharding import state_sharding
 
     check_precision(plan, devices)  # fp8 (check-sharding lowers for devices it does not have: not checked there)
-    if plan.model.experts:
-        raise InputError(f"model.experts {plan.model.experts}: the runner does not execute mixture-of-experts "
-                         "layers yet (the simulator does); use a dense model to run this plan", field="model.experts")
     if (plan.sequence_parallel and plan.precision is not Precision.FP32 and plan.replicas > 1
             and not state_sharding(plan).split_axes(plan, "params")
             and any(getattr(d, "platform", "") == "cpu" for d in devices)):

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from runners import model
+from runners.moe import expert_shards
 from runners.pipeline.lockstep import lockstep_step
 from runners.parallel import Constrain, activation_spec, layout_for, param_shards, sequence_shards
 from runners.pipeline.engine import Prepare
@@ -110,12 +111,17 @@ class PipelineTrainer:
         # Context parallelism per stage sub-mesh (runners.ring_attention): stages pass the context shards on.
         ctxs = [context_shards(plan, m) for m in stage_meshes]
         self.context_order = None if ctxs[0] is None else ctxs[0].order
+        # Expert parallelism per stage sub-mesh (runners.moe); the engine's loss seeds weigh each microbatch's
+        # mean 1/microbatches, so one sequence's MoE load-balancing loss weighs 1/global batch.
+        exps = [expert_shards(plan, m) for m in stage_meshes]
+        aux_weight = 1.0 / plan.batch.global_batch
 
         # The held parameters are already in the compute dtype (runners.precision): no cast here.
         def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
             if _EMBED in params:
                 x = model.embed(params[_EMBED], x, seqs[stage], fsdps[stage], ctxs[stage])
-            return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage], fsdps[stage], ctxs[stage])
+            return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage], fsdps[stage], ctxs[stage],
+                                       exps[stage], aux_weight)
 
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
             return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last, fsdp=fsdps[last_stage])

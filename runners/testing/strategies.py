@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from testbed.errors import InputError
 
-__all__ = ["factorisations", "mesh_shapes", "meshes", "partition_specs", "shardings", "batches", "plans"]
+__all__ = ["factorisations", "mesh_shapes", "meshes", "partition_specs", "shardings", "batches", "plans",
+           "moe_plans"]
 
 
 def factorisations(n: int, parts: int) -> list[tuple[int, ...]]:
@@ -148,6 +149,41 @@ def plans(draw: st.DrawFn, num_devices: int | Sequence[int] = 8, *, schedules: S
                     mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage),
                     schedule=ScheduleSpec(name=schedule), zero=draw(st.integers(0, 3)) if zero else 0,
                     name=f"drawn-{n}")
+    except InputError:  # a combination the plan rules reject: draw again
+        from hypothesis import reject
+
+        reject()
+
+
+@st.composite
+def moe_plans(draw: st.DrawFn, num_devices: int = 8, *, experts_degrees: Sequence[int] = (2, 4, 8),
+              schedules: Sequence[str] = ("1f1b", "gpipe"), max_stage: int = 2) -> Any:
+    """Small valid mixture-of-experts :class:`~testbed.plan.spec.Plan` objects on exactly ``num_devices``:
+    ``mesh.expert`` from ``experts_degrees`` times data x tensor x stage, a tiny model whose experts the
+    expert degree divides (1 or 2 per rank), top-1 or top-2 routing, dropless or with capacity drops, shared
+    experts, a first dense layer, GELU or SwiGLU, and a load-balancing coefficient large enough to show."""
+    from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+
+    expert = draw(st.sampled_from([e for e in experts_degrees if num_devices % e == 0]))
+    shapes = [s for s in factorisations(num_devices // expert, 3) if s[2] <= max_stage]
+    data, tensor, stage = draw(st.sampled_from(shapes))
+    heads = 2 * tensor
+    first_dense = draw(st.sampled_from([0, 1]))
+    layers = stage * draw(st.sampled_from([1, 2])) + (first_dense if stage == 1 else 0)
+    swiglu = draw(st.booleans())
+    model = ModelSpec(layers=layers, d_model=16, heads=heads, d_ff=32, seq_len=8, vocab=16 * tensor,
+                      mlp="swiglu" if swiglu else "gelu", experts=expert * draw(st.sampled_from([1, 2])),
+                      top_k=draw(st.sampled_from([1, 2])), expert_d_ff=8 * tensor,
+                      shared_experts=draw(st.sampled_from([0, 1])), first_dense_layers=first_dense,
+                      capacity_factor=draw(st.sampled_from([None, 0.75, 1.25])),
+                      router_aux_loss=draw(st.sampled_from([0.01, 1.0])))
+    microbatches = draw(st.sampled_from([stage, 2 * stage]) if stage > 1 else st.sampled_from([1, 2]))
+    global_batch = data * expert * microbatches
+    schedule = draw(st.sampled_from(list(schedules))) if stage > 1 else "1f1b"
+    try:
+        return Plan(model=model, batch=BatchSpec(global_batch=global_batch, microbatches=microbatches),
+                    mesh=MeshSpec(data=data, expert=expert, tensor=tensor, stage=stage),
+                    schedule=ScheduleSpec(name=schedule), name=f"moe-drawn-{num_devices}")
     except InputError:  # a combination the plan rules reject: draw again
         from hypothesis import reject
 
