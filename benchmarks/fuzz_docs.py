@@ -76,7 +76,8 @@ OPTION_PLANS = {
         "model": {**_TINY, "experts": 4, "top_k": 2, "expert_d_ff": 32, "shared_experts": 1, "first_dense_layers": 1,
                   "moe_every": 1, "capacity_factor": 1.25, "router_aux_loss": 0.01},
         "batch": {"global_batch": 8, "microbatches": 2}, "mesh": {"expert": 2, "context": 2, "tensor": 2},
-        "expert_imbalance": 1.5, "schedule": "1f1b", "precision": "bf16-mixed", "remat": "none", "zero": 1},
+        "layers_per_stage": [4], "sequence_parallel": True, "expert_imbalance": 1.5, "schedule": "1f1b",
+        "precision": "bf16-mixed", "remat": "none", "zero": 1},
 }
 PLANS.update(OPTION_PLANS)
 #: Small seeds for the commands that simulate (the big ones are covered by plan check and memory).
