@@ -3,8 +3,9 @@
 A plan's mesh implies communication: gradient reduction over ``data`` (an
 all-reduce, or a reduce-scatter under ZeRO-2/3), parameter gathers over
 ``fsdp`` and for ZeRO (all-gather), Megatron's all-reduces over ``tensor``,
-and activation transfers between ``stage`` s (a collective-permute inside a
-program, or cross-mesh transfers between per-stage programs). The counts come
+activation transfers between ``stage`` s (a collective-permute inside a
+program, or cross-mesh transfers between per-stage programs), and ring
+attention's K/V sends over ``context`` (collective-permutes). The counts come
 from the text of ``jitted.lower(...).compile().as_text()``; async pairs
 (``all-reduce-start``/``-done``) count once. Pure text processing, no JAX.
 """
@@ -55,6 +56,8 @@ def expected_collectives(plan: Plan) -> list[str]:
         out.append("tensor: reduce-scatter" if plan.sequence_parallel else "tensor: all-reduce")
     if mesh.stage > 1:
         out.append(f"stage: collective-permute|{TRANSFER}")
+    if mesh.context > 1:  # ring attention: K/V (and dK/dV) passed around the context ring (runners.ring_attention)
+        out.append("context: collective-permute")
     return out
 
 
