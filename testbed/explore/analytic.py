@@ -256,7 +256,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
         """(step seconds, per-stage compute, per-stage communication) with compute slowed ``slow`` times."""
         end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
         arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
-        free, pipe, gather_free, grad = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
+        free, pipe, gather_free, grad, once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
         busy, comm = [0.0] * p, [0.0] * p
         remaining = {(s, c): m for s in range(p) for c in range(v)}
         host = 0.0
@@ -288,7 +288,9 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 remaining[(s, c)] -= 1
                 if remaining[(s, c)] == 0 and piece:
                     compute = pieces * piece
-                    for k in range(pieces):
+                    if not per_microbatch:  # the replicas' one sum, after the stage's backward (program.py)
+                        once[s] += pieces * bucket
+                    for k in range(pieces if per_microbatch else 0):
                         grad[s] = max(grad[s], start + (k + 1) * piece) + bucket
                 elif remaining[(s, c)] > 0 and scatter:
                     grad[s] = max(grad[s], start + compute) + scatter
@@ -304,6 +306,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
         for s in range(p):
             params = sum(cst.params for cst in costs[s])
             shard = model.device_stage_params(plan, s, o_ways)  # the program's optimizer shard
+            if once[s]:
+                grad[s] = max(grad[s], free[s]) + once[s]
             ready = max(free[s], grad[s])
             if controller is not None and p > 1:
                 host += controller.overhead_s + dispatch.update_buffers(plan, s) * controller.buffer_s

@@ -39,8 +39,14 @@ all-gathered before each forward action (and backward with full remat:
 :func:`~testbed.plan.sharding.gathers_parameters`); optimizer state over
 ``O`` = fsdp (+ data when zero >= 1). Gradients are reduced in buckets: the
 last backward (or W) of each chunk is split into up to :data:`BUCKETS`
-pieces, and each piece's gradients start reducing at once, overlapping the
-rest of the backward pass. Each kind of parameter is summed over its
+pieces; when gradients accumulate sharded (fsdp, ZeRO >= 2: the runner
+reduce-scatters them inside each backward) each piece's gradients start
+reducing at once, overlapping the rest of the backward pass. When no axis
+shards them (ZeRO 0/1 data parallelism) every replica accumulates its own
+and the runner sums them once, in the stage's update program
+(runners.replicas.sum_replicas): the buckets then reduce one after another
+once the stage's last backward is done, not overlapping it (Megatron-LM's
+own DDP, ``--DDP-impl local``, does the same). Each kind of parameter is summed over its
 axes (testbed.plan.sharding.reduction_axes: dense ones over the batch axes
 data, fsdp, expert and context; routed experts' weights over those but
 expert): a reduce-scatter over those of them ``O`` spans, then an all-reduce
@@ -234,6 +240,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     done: dict[tuple[int, Action], int] = {}      # action -> its last task (TP all-reduce or compute)
     sent: dict[tuple[int, Action, int], int] = {}  # (stage, action, dst stage) -> send task
     reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
+    once: dict[int, list[tuple[float, float, str]]] = {s: [] for s in range(p)}  # reduced after the backward
     last_bwd_kind = "W" if schedule.split_backward else "B"
     order = _global_order(schedule)
     remaining_bwd = {(s, c): plan.batch.microbatches for s in range(p) for c in range(v)}
@@ -308,9 +315,12 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             bucket += piece.layer_end
             if piece.layer_end and bucket in closes:
                 share, done_buckets = 1 / len(closes), done_buckets + 1
-                reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, cost.params * share * grad_b,
-                                               expert_params[s][action.chunk] * share * grad_b,
-                                               f"{label}/{done_buckets - 1}", groups))
+                bucket_of = (cost.params * share * grad_b, expert_params[s][action.chunk] * share * grad_b,
+                             f"{label}/{done_buckets - 1}")
+                if per_microbatch:
+                    reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, *bucket_of, groups))
+                else:
+                    once[s].append(bucket_of)
         for k in range(0 if chain else pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
@@ -325,10 +335,14 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                 gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             deps = []
             if reduce:
-                # Bucket k holds 1/pieces of the chunk's gradients; reduce it while the backward continues.
-                reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, cost.params / pieces * grad_b,
-                                               expert_params[s][action.chunk] / pieces * grad_b,
-                                               label if pieces == 1 else f"{label}/{k}", groups))
+                # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
+                # they accumulate sharded, else once the stage's backward is done.
+                bucket_of = (cost.params / pieces * grad_b, expert_params[s][action.chunk] / pieces * grad_b,
+                             label if pieces == 1 else f"{label}/{k}")
+                if per_microbatch:
+                    reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, *bucket_of, groups))
+                else:
+                    once[s].append(bucket_of)
         if scatter:
             reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
@@ -349,6 +363,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
 
     for s in range(p):
         rep = reps[s]
+        for bucket_of in once[s]:  # the update's one reduction of the replicas' gradients, after the backward
+            reduce_tasks[s].extend(_reduce(b, plan, rep, s, previous[s], *bucket_of, groups))
         params = sum(c.params for c in costs[s])
         shard = model.device_stage_params(plan, s, o_ways)  # the optimizer's shard, by the layout's one rule
         waits = list(reduce_tasks[s])
