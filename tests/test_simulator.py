@@ -13,6 +13,7 @@ from testbed.topology.generators import hierarchical, switch, torus
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.sim.program import TaskKind, build_program
+from testbed.model.costs import chunk_cost
 from testbed.pipeline.timing import ActionCosts, play
 from testbed.pipeline.schedules import build_schedule
 from testbed.sim.engine import price, run, simulate
@@ -139,7 +140,8 @@ def test_pure_pipeline_reproduces_the_schedule_bubble(schedule, stages, microbat
 
 @pytest.mark.parametrize("topology", ["switch8", "ring8", "two-nodes"])
 def test_pure_data_parallel_is_backward_plus_exposed_allreduce(topology):
-    """Data parallel: gradient buckets overlap the backward; only the tail after it is exposed."""
+    """Data parallel (ZeRO 0): the replicas' gradients are summed once, after the backward (the runner's update
+    program, runners.replicas.sum_replicas), so the whole all-reduce is exposed between backward and optimizer."""
     plan = make_plan(data=8, microbatches=1, layers=8)
     topo = TOPOLOGIES[topology]
     sim = simulate(plan, topo)
@@ -148,22 +150,25 @@ def test_pure_data_parallel_is_backward_plus_exposed_allreduce(topology):
     d = priced.durations
     compute = [i for i, t in enumerate(tasks) if t.kind is TaskKind.COMPUTE]
     buckets = [i for i, t in enumerate(tasks) if t.stream == "grad"]
-    assert len(buckets) == 4 and all(tasks[i].op == "all_reduce" for i in buckets)
-    # Reference: compute runs back to back; bucket k starts when its backward piece and bucket k-1 are done.
-    clock, ends = 0.0, {}
-    for i in compute[:-1]:
-        clock += d[i]
-        ends[i] = clock
-    chain = 0.0
-    for i in buckets:
-        chain = max(chain, ends[tasks[i].deps[0]]) + d[i]
-    backward_end = clock
-    step = max(chain, backward_end) + d[compute[-1]]
+    assert len(buckets) == 1 and tasks[buckets[0]].op == "all_reduce"
+    assert tasks[buckets[0]].deps == (compute[-2],)  # waits for the last backward
+    assert tasks[buckets[0]].nbytes == pytest.approx(4 * chunk_cost(plan, 0).params, rel=1e-9)  # fp32, all at once
+    backward_end = sum(d[i] for i in compute[:-1])
+    step = backward_end + d[buckets[0]] + d[compute[-1]]
     assert sim.report.step_time_s == pytest.approx(step, rel=1e-9)
     assert sim.report.compute_s == pytest.approx(sum(d[i] for i in compute), rel=1e-9)
-    assert sim.report.exposed_comm_s == pytest.approx(max(0.0, chain - backward_end), rel=1e-9, abs=1e-15)
-    assert sim.report.exposed_comm_s >= d[buckets[-1]] * (1 - 1e-9)
+    assert sim.report.exposed_comm_s == pytest.approx(d[buckets[0]], rel=1e-9)
     assert sim.report.step_time_s == pytest.approx(sim.report.compute_s + sim.report.exposed_comm_s, rel=1e-9)
+
+
+def test_sharded_gradients_reduce_while_the_backward_goes_on():
+    """FSDP: gradients accumulate sharded, so the last backward's buckets reduce-scatter as each piece ends."""
+    plan = make_plan(fsdp=8, microbatches=1, layers=8)
+    tasks = simulate(plan, TOPOLOGIES["switch8"]).program.tasks
+    compute = [i for i, t in enumerate(tasks) if t.kind is TaskKind.COMPUTE]
+    buckets = [i for i, t in enumerate(tasks) if t.stream == "grad"]
+    assert len(buckets) == 4 and all(tasks[i].op == "reduce_scatter" for i in buckets)
+    assert [tasks[i].deps[0] for i in buckets] == compute[-5:-1]  # one per backward piece
 
 
 def test_trace_parses_and_has_every_device(tmp_path):

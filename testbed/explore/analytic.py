@@ -231,7 +231,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     whole = (ringed[0] if ringed else 0.0) + sum(
                         compute_seconds(topology, dtype, x.flops, x.hbm_bytes, x.kernels, x.replicated_bytes,
                                         x.split_bytes, cost.tensor_bytes, x.gemms) for x in chain if not x.is_a2a)
-                pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 else 1
+                pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 and per_microbatch \
+                    else 1  # the program's buckets (one when they wait for the backward's end)
                 piece = bucket = scatter = 0.0
                 if kind == last_kind and replicas > 1:  # the program reduces even a one-layer chunk's gradients
                     piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces,

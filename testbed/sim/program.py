@@ -280,8 +280,9 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         if action.kind == last_bwd_kind:
             remaining_bwd[(s, action.chunk)] -= 1
             if remaining_bwd[(s, action.chunk)] == 0 and reduction_axes(plan):
-                # One bucket per layer, at most BUCKETS (a one-layer chunk reduces its gradients at once).
-                pieces, reduce = min(BUCKETS, max(1, cost.layers)), True
+                # One bucket per layer, at most BUCKETS (a one-layer chunk reduces its gradients at once); one
+                # when the buckets wait for the backward's end anyway (no sharded accumulation, module docstring).
+                pieces, reduce = (min(BUCKETS, max(1, cost.layers)) if per_microbatch else 1), True
             # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
             scatter = remaining_bwd[(s, action.chunk)] > 0 and bool(per_microbatch)
         last = -1
