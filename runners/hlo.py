@@ -58,6 +58,9 @@ def expected_collectives(plan: Plan) -> list[str]:
         out.append(f"stage: collective-permute|{TRANSFER}")
     if mesh.context > 1:  # ring attention: K/V (and dK/dV) passed around the context ring (runners.ring_attention)
         out.append("context: collective-permute")
+    if mesh.expert > 1 and any(plan.model.is_moe_layer(i) for i in range(plan.model.layers)):
+        # MoE dispatch and combine of the routed experts' tokens (runners.moe)
+        out.append("expert: all-to-all")
     return out
 
 

@@ -184,9 +184,9 @@ def test_aux_into_grads_adds_the_weight_only_in_the_backward() -> None:
 
 # -- whole plans: the trainers against the single-device reference ---------------------------------------
 
-def _verify(plan: Plan, steps: int = 1) -> None:
-    result = verify_plan(plan, dev.select_devices(plan.mesh.size), steps=steps, check_hlo=False)
-    assert result.ok, (plan.mesh, plan.model, result.errors)
+def _verify(plan: Plan, check_hlo: bool = False) -> None:
+    result = verify_plan(plan, dev.select_devices(plan.mesh.size), steps=1, check_hlo=check_hlo)
+    assert result.ok, (plan.mesh, plan.model, result.errors, result.collectives)
 
 
 @settings(max_examples=max(1, settings().max_examples // 15))  # a trainer and the reference each: ci 1
@@ -207,12 +207,12 @@ def test_mixtral_shaped_model_with_expert_tensor_and_pipeline() -> None:
 
 def test_deepseek_style_model_with_expert_8() -> None:
     """DeepSeekMoE-style: fine-grained experts (16 of width d_ff / 4, top-4), 2 shared experts, the first layer
-    dense, capacity 1.0 (drops); expert 8 over all devices, two microbatches."""
+    dense, capacity 1.0 (drops); expert 8 over all devices, two microbatches; the compiled step all-to-alls."""
     spec = ModelSpec(layers=3, d_model=32, heads=4, d_ff=64, seq_len=8, vocab=64, mlp="swiglu", norm="rmsnorm",
                      position="rope", bias=False, experts=16, top_k=4, expert_d_ff=16, shared_experts=2,
                      first_dense_layers=1, capacity_factor=1.0)
     _verify(Plan(name="deepseek-tiny", model=spec, mesh=MeshSpec(expert=8),
-                 batch=BatchSpec(global_batch=16, microbatches=2)))
+                 batch=BatchSpec(global_batch=16, microbatches=2)), check_hlo=True)
 
 
 def test_load_balancing_loss_reaches_the_router_gradient() -> None:
