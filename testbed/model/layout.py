@@ -212,15 +212,11 @@ _D, _F, _V, _KV = "d_model", "d_ff", "padded_vocab", "kv_dim"
 _X, _FE, _FS = "experts", "_expert_width", "_shared_width"
 
 
-def _expert_width(s: ModelSpec) -> int:
-    return s.expert_d_ff or s.d_ff
-
-
 def _shared_width(s: ModelSpec) -> int:
-    return s.shared_experts * _expert_width(s)
+    return s.shared_experts * s.expert_width
 
 
-_SIZES: dict[str, Callable[[ModelSpec], int]] = {_FE: _expert_width, _FS: _shared_width}
+_SIZES: dict[str, Callable[[ModelSpec], int]] = {_FE: lambda s: s.expert_width, _FS: _shared_width}
 
 
 #: Conditions a row's ``when`` names (all must hold for the model to have the row).

@@ -38,7 +38,7 @@ from dataclasses import replace
 from testbed.model import layout
 from testbed.plan.spec import ModelSpec, Plan, Precision
 
-__all__ = ["moe_layers", "expert_width", "active_param_count", "expert_load", "expert_tokens", "local_tokens",
+__all__ = ["moe_layers", "active_param_count", "expert_load", "expert_tokens", "local_tokens",
            "dispatch_bytes", "mlp_flops_swap", "recompute_flops_swap", "model_flops_swap",
            "activation_bytes_swap", "hidden_workspace", "dispatch_workspace", "ROUTER_BYTES"]
 
@@ -51,11 +51,6 @@ def moe_layers(spec: ModelSpec, layers: Iterable[int] | None = None) -> int:
     if not spec.experts:
         return 0
     return sum(layout.is_moe_layer(spec, i) for i in (range(spec.layers) if layers is None else layers))
-
-
-def expert_width(spec: ModelSpec) -> int:
-    """One expert's hidden width: ``expert_d_ff``, else ``d_ff``."""
-    return spec.expert_d_ff or spec.d_ff
 
 
 def active_param_count(spec: ModelSpec) -> int:
@@ -104,12 +99,12 @@ def dispatch_bytes(plan: Plan) -> float:
 
 def _routed_forward(spec: ModelSpec, rows: float, tensor: int) -> float:
     """Forward FLOPs of the routed experts on one tensor rank for ``rows`` routed rows (all local experts)."""
-    return 2.0 * rows * spec.d_model * spec.mlp_matrices * expert_width(spec) / tensor
+    return 2.0 * rows * spec.d_model * spec.mlp_matrices * spec.expert_width / tensor
 
 
 def _moe_forward(spec: ModelSpec, tokens: int, routed_rows: float, tensor: int) -> float:
     """Forward FLOPs of one MoE block on one tensor rank: router, routed experts, shared experts."""
-    d, m, fe = spec.d_model, spec.mlp_matrices, expert_width(spec)
+    d, m, fe = spec.d_model, spec.mlp_matrices, spec.expert_width
     router = 2.0 * tokens * d * spec.experts
     shared = 2.0 * tokens * d * m * spec.shared_experts * fe / tensor
     return router + _routed_forward(spec, routed_rows, tensor) + shared
@@ -155,7 +150,7 @@ def activation_bytes_swap(plan: Plan, tensor: int) -> int:
     output); less the dense MLP's hidden (``m N d_ff / t``).
     """
     spec, c = plan.model, Precision(plan.precision).compute_bytes
-    n, fe, m = local_tokens(plan), expert_width(spec), spec.mlp_matrices
+    n, fe, m = local_tokens(plan), spec.expert_width, spec.mlp_matrices
     rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
     kept = 2 * rows * spec.d_model + m * rows * fe // tensor + m * n * spec.shared_experts * fe // tensor
     return ROUTER_BYTES * 2 * n * spec.experts + c * kept - c * m * n * spec.d_ff // tensor
@@ -175,6 +170,6 @@ def hidden_workspace(plan: Plan) -> int:
     spec, c, t = plan.model, plan.precision.compute_bytes, plan.mesh.tensor
     if not spec.experts:
         return 0
-    n, fe, m = local_tokens(plan), expert_width(spec), spec.mlp_matrices
+    n, fe, m = local_tokens(plan), spec.expert_width, spec.mlp_matrices
     rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
     return c * (2 * n * spec.d_model + rows * spec.d_model + m * rows * fe // t + m * n * spec.shared_experts * fe // t)
