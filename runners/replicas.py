@@ -69,7 +69,10 @@ def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
     """``[mb, ...] -> [R, mb / R, ...]``: replica ``r`` takes the rows its data coordinate holds."""
     rest = tuple(a for a in ("fsdp", "expert") if a in mesh.axis_names) or None
     xs = x.reshape(count, x.shape[0] // count, *x.shape[1:])
-    return jax.lax.with_sharding_constraint(xs, NamedSharding(mesh, P(AXIS, rest)))
+    # The other dims keep their split (the sequence over `context`, or `tensor` with SP): left unconstrained,
+    # not replicated, which would all-gather the activations over those axes before every chunk.
+    return jax.lax.with_sharding_constraint(
+        xs, NamedSharding(mesh, P(AXIS, rest, *[P.UNCONSTRAINED] * (x.ndim - 1))))
 
 
 def per_replica_forward(forward: Callable[[int, int, Any, jax.Array], jax.Array], count: int,
