@@ -105,3 +105,17 @@ def test_the_new_keys_round_trip():
              expert_imbalance=1.5)
     back = plan_from_dict(yaml.safe_load(dump_plan(p)), default_name=p.name)
     assert back == p
+
+
+@pytest.mark.parametrize("mesh", [{"data": 4, "expert": 4, "context": 2, "tensor": 2},
+                                  {"expert": 8, "context": 4, "tensor": 2, "stage": 2}])
+def test_shrinking_keeps_the_expert_and_context_axes_valid(mesh):
+    from testbed.explore.space import shrink_plan
+
+    big = plan(mesh, {"experts": 8, "top_k": 2, "shared_experts": 2, "seq_len": 32, "layers": 8},
+               batch=64, sequence_parallel=True)
+    small = shrink_plan(big, 8)
+    assert small.mesh.size == 8
+    assert small.model.experts % small.mesh.expert == 0 and small.model.top_k <= small.model.experts
+    assert small.model.seq_len % (2 * small.mesh.context) == 0 and small.sequence_parallel
+    assert small.mesh.expert * small.mesh.context > 1  # the data axis shrinks first

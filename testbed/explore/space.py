@@ -216,17 +216,21 @@ def shrink_plan(plan: Plan, devices: int = 8) -> Plan:
     """``plan``'s layout on ``devices`` devices with a tiny model of the same shape constraints, to verify on a CPU.
 
     Degrees are divided by prime factors (data first, then fsdp, stage,
-    tensor) until the mesh uses ``devices``; schedule, virtual stages,
-    microbatches, ZeRO, remat and precision stay. The model becomes the
-    smallest GPT that every kept degree divides (two layers per chunk, two
-    heads per tensor rank), with one sequence per microbatch and replica.
+    context, expert, tensor) until the mesh uses ``devices``; schedule,
+    virtual stages, microbatches, ZeRO, remat, precision and sequence
+    parallelism stay. The model becomes the smallest GPT that every kept
+    degree divides (two layers per chunk, two heads per tensor rank, a
+    sequence of two chunks per context rank that the tensor ranks split, two
+    experts per expert rank with the plan's top_k, shared experts and
+    capacity where it routes), with one sequence per microbatch and replica.
     """
     if devices < 1 or plan.mesh.size % devices:
         raise InputError(f"cannot shrink a {plan.mesh.size}-device mesh to {devices} devices (not a divisor)",
                          field="--devices")
-    degrees = {"data": plan.mesh.data, "fsdp": plan.mesh.fsdp, "stage": plan.mesh.stage, "tensor": plan.mesh.tensor}
+    axes = ("data", "fsdp", "stage", "context", "expert", "tensor")
+    degrees = {a: plan.mesh.degree(a) for a in axes}
     excess = plan.mesh.size // devices
-    for axis in ("data", "fsdp", "stage", "tensor"):
+    for axis in axes:
         for prime in range(2, excess + 1):
             while excess % prime == 0 and degrees[axis] % prime == 0:
                 excess //= prime
@@ -236,7 +240,14 @@ def shrink_plan(plan: Plan, devices: int = 8) -> Plan:
         mb = degrees["stage"] * max(1, mb // degrees["stage"])
     t, chunks = degrees["tensor"], degrees["stage"] * plan.schedule.virtual_stages
     heads = 2 * t
-    spec = ModelSpec(layers=2 * chunks, d_model=8 * heads, heads=heads, d_ff=32 * heads, seq_len=16, vocab=64 * t)
-    replicas = degrees["data"] * degrees["fsdp"]
+    unit = 2 * degrees["context"] * t  # two chunks per context rank, each split over the tensor ranks
+    m = plan.model
+    moe = {} if not m.experts else {
+        "experts": 2 * degrees["expert"], "top_k": min(m.top_k, 2 * degrees["expert"]),
+        "shared_experts": min(m.shared_experts, 1), "capacity_factor": m.capacity_factor,
+        "router_aux_loss": m.router_aux_loss}
+    spec = ModelSpec(layers=2 * chunks, d_model=8 * heads, heads=heads, d_ff=32 * heads,
+                     seq_len=unit * -(-16 // unit), vocab=64 * t, **moe)
+    replicas = degrees["data"] * degrees["fsdp"] * degrees["expert"]
     return replace(plan, model=spec, mesh=replace(plan.mesh, **degrees), layers_per_stage=None,
                    batch=BatchSpec(global_batch=replicas * mb, microbatches=mb), name=f"{plan.name}-shrunk")
