@@ -12,11 +12,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from runners import devices as dev
 from runners import model as jm
 from runners.ring_attention import context_shards
 from runners.step import SpmdTrainer, step_batch
+from runners.testing.strategies import plans
 from runners.train import verify_plan
 from testbed.plan.context import context_order
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
@@ -93,3 +95,12 @@ def test_positions_follow_the_zigzag_order() -> None:
     rot = jax.random.normal(jax.random.key(1), (1, 16, 2, 4))
     np.testing.assert_allclose(np.asarray(jm._rope(rot[:, order], 1e4, order)),
                                np.asarray(jm._rope(rot, 1e4))[:, order], rtol=1e-6, atol=1e-6)
+
+
+@given(st.data())
+def test_strategy_draws_context_plans(data: st.DataObject) -> None:
+    # The testing kit's plans strategy draws context degrees when asked (no JAX: plans only).
+    plan = data.draw(plans(num_devices=[2, 4, 8], contexts=(1, 2, 4)))
+    assert plan.mesh.size in (2, 4, 8) and plan.mesh.size % plan.mesh.context == 0
+    assert plan.model.seq_len % (2 * plan.mesh.context) == 0
+    assert data.draw(plans(num_devices=4, contexts=(4,))).mesh.context == 4

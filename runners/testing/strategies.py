@@ -127,28 +127,33 @@ def batches(divisible_by: int, feature_shape: Sequence[int] = (), *, max_multipl
 
 @st.composite
 def plans(draw: st.DrawFn, num_devices: int | Sequence[int] = 8, *, schedules: Sequence[str] = ("gpipe", "1f1b"),
-          max_stage: int = 4, zero: bool = True) -> Any:
+          max_stage: int = 4, zero: bool = True, contexts: Sequence[int] = (1,)) -> Any:
     """Small valid testbed :class:`~testbed.plan.spec.Plan` objects whose mesh uses exactly the drawn device
-    count: data x fsdp x tensor x stage, a GPT sized to fit (heads, d_ff, layers, vocab divisible as needed),
-    microbatches, schedule and ZeRO stage."""
+    count: data x fsdp x tensor x stage (x context, drawn from ``contexts`` where it divides the count), a GPT
+    sized to fit (heads, d_ff, layers, vocab divisible as needed; seq_len by 2 x context), microbatches,
+    schedule and ZeRO stage."""
     from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
     n = draw(_counts(num_devices))
+    options = [c for c in contexts if n % c == 0] or [1]
+    context = draw(st.sampled_from(options)) if len(options) > 1 else options[0]  # one option: no draw (same plans)
+    n //= context
     shapes = [s for s in factorisations(n, 4) if s[3] <= max_stage]
     data, fsdp, tensor, stage = draw(st.sampled_from(shapes))
     heads = tensor * draw(st.sampled_from([1, 2]))
     head_dim = draw(st.sampled_from([2, 4]))
     layers = stage * draw(st.sampled_from([1, 2]))
     model = ModelSpec(layers=layers, d_model=heads * head_dim, heads=heads, d_ff=2 * heads * head_dim,
-                      seq_len=draw(st.sampled_from([4, 8])), vocab=16 * tensor)
+                      seq_len=draw(st.sampled_from([s for s in (4, 8, 16) if s % (2 * context) == 0][:2])),
+                      vocab=16 * tensor)
     microbatches = draw(st.sampled_from([stage, 2 * stage]) if stage > 1 else st.sampled_from([1, 2]))
     global_batch = data * fsdp * microbatches * draw(st.sampled_from([1, 2]))
     schedule = draw(st.sampled_from(list(schedules))) if stage > 1 else "1f1b"
     try:
         return Plan(model=model, batch=BatchSpec(global_batch=global_batch, microbatches=microbatches),
-                    mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage),
+                    mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage, context=context),
                     schedule=ScheduleSpec(name=schedule), zero=draw(st.integers(0, 3)) if zero else 0,
-                    name=f"drawn-{n}")
+                    name=f"drawn-{n * context}")
     except InputError:  # a combination the plan rules reject: draw again
         from hypothesis import reject
 
