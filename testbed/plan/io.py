@@ -189,10 +189,11 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     if m.attention_block is not None:
         out["model"]["attention_block"] = m.attention_block
     if m.experts:
-        out["model"].update(experts=m.experts, top_k=m.top_k, expert_d_ff=m.expert_width,
-                            shared_experts=m.shared_experts, moe_every=m.moe_every,
-                            first_dense_layers=m.first_dense_layers, capacity_factor=m.capacity_factor,
-                            router_aux_loss=m.router_aux_loss)
+        out["model"].update(experts=m.experts, top_k=m.top_k, shared_experts=m.shared_experts,
+                            moe_every=m.moe_every, first_dense_layers=m.first_dense_layers,
+                            capacity_factor=m.capacity_factor, router_aux_loss=m.router_aux_loss)
+        if m.expert_d_ff is not None:
+            out["model"]["expert_d_ff"] = m.expert_d_ff
     out["batch"] = {"global_batch": b.global_batch, "microbatches": b.microbatches}
     out["mesh"] = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "stage": mesh.stage,
                    "expert": mesh.expert, "context": mesh.context, "order": [a.value for a in mesh.order]}
