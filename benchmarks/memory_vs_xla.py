@@ -10,8 +10,9 @@ donated) either on one device or data-parallel / fully sharded with
 - FLOPs: ``testbed.model.costs`` (forward + backward + recompute, all devices) vs
   the ``dot_general`` FLOPs of the traced step's jaxpr (``runners.model.count_matmul_flops``).
 
-Prints one JSON object (errors also per attention kind, plain and flash, and per tensor parallelism: none,
-tensor, tensor + sequence parallel; tensor plans are compiled by the runner's SPMD trainer).
+Prints one JSON object (errors also per attention kind, plain and flash, per tensor parallelism: none,
+tensor, tensor + sequence parallel, and per context parallelism: none, cp; tensor and context plans are
+compiled by the runner's SPMD trainer; context rows have no FLOPs reference, see ``main``).
 Goal: every plan within 10 % (memory) and 2 % (FLOPs).
 Usage: ``python benchmarks/memory_vs_xla.py [--quick]``.
 """
@@ -54,10 +55,10 @@ def _plans() -> list[Plan]:
     flash_small, flash_long = replace(small, attention="flash"), replace(long, attention="flash")   # 1 and 4 K/V blocks
     flash_gqa = replace(flash_long, kv_heads=2)
 
-    def plan(name, spec, batch, precision="fp32", remat="none", data=1, fsdp=1, zero=0, tensor=1, sp=False):
+    def plan(name, spec, batch, precision="fp32", remat="none", data=1, fsdp=1, zero=0, tensor=1, sp=False, context=1):
         return Plan(name=name, model=spec, batch=BatchSpec(global_batch=batch),
-                    mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor), precision=precision, remat=remat, zero=zero,
-                    sequence_parallel=sp)
+                    mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, context=context), precision=precision,
+                    remat=remat, zero=zero, sequence_parallel=sp)
 
     return [
         plan("small-b8", small, 8),
@@ -91,6 +92,16 @@ def _plans() -> list[Plan]:
         plan("long-b4-tp4", long, 4, tensor=4),
         plan("long-b4-tp4-sp", long, 4, tensor=4, sp=True),
         plan("long-b4-flash-tp4-sp", flash_long, 4, tensor=4, sp=True),
+        # Context parallelism: ring attention over the zigzag shards (the runner's SPMD step).
+        plan("long-b4-cp2", long, 4, context=2),
+        plan("long-b4-cp4", long, 4, context=4),
+        plan("long-b4-flash-cp2", flash_long, 4, context=2),
+        plan("long-b4-flash-cp4", flash_long, 4, context=4),
+        plan("long-b4-flash-gqa-cp4", flash_gqa, 4, context=4),
+        plan("long-b4-flash-cp4-full", flash_long, 4, context=4, remat="full"),
+        plan("long-b8-flash-bf16-cp2", flash_long, 8, context=2, precision="bf16-mixed"),
+        plan("long-b8-flash-bf16-cp4", flash_long, 8, context=4, precision="bf16-mixed"),
+        plan("long-b8-flash-dp2-cp4", flash_long, 8, data=2, context=4),
     ]
 
 
@@ -125,7 +136,7 @@ def measure(plan: Plan) -> dict:
     flops = jm.count_matmul_flops(jax.make_jaxpr(jax.grad(loss_fn))(params, tokens, tokens))
 
     replicas = plan.replicas
-    if plan.mesh.tensor > 1:  # the runner's own step: Megatron shardings, sequence parallelism (runners.parallel)
+    if plan.mesh.tensor > 1 or plan.mesh.context > 1:  # the runner's own step: Megatron shardings, SP, the ring
         from runners.train import build_trainer
 
         trainer = build_trainer(plan, jax.devices()[:plan.mesh.size])
@@ -162,20 +173,24 @@ def main(argv: list[str] | None = None) -> int:
     for plan in plans:
         got = measure(plan)
         predicted = memory_breakdown(plan, topology)
-        flops = tm.step_flops_per_device(plan) * plan.replicas * plan.mesh.tensor
+        # All devices' FLOPs. The single-device jaxpr is the dense attention, not the ring's (whose per-rank
+        # jaxpr holds both branches of its lax.cond): context-parallel rows have no FLOPs reference.
+        flops = tm.step_flops_per_device(plan) * plan.replicas * plan.mesh.tensor * plan.mesh.context
+        flops_error = flops / got["jaxpr_flops"] - 1 if plan.mesh.context == 1 else None
         rows.append({
             "plan": plan.name, "attention": plan.model.attention.value, "tensor": plan.mesh.tensor,
             "sequence_parallel": plan.sequence_parallel, "predicted": predicted.total, **got,
             "error": predicted.total / got["measured"] - 1,
             "predicted_parts": {k: getattr(predicted, k) for k in
                                 ("params", "grads", "optimizer", "activations", "workspace")},
-            "predicted_flops": flops, "flops_error": flops / got["jaxpr_flops"] - 1,
+            "context": plan.mesh.context, "predicted_flops": flops, "flops_error": flops_error,
         })
     errors = [abs(r["error"]) for r in rows]
-    flops_errors = [abs(r["flops_error"]) for r in rows]
+    flops_errors = [abs(r["flops_error"]) for r in rows if r["flops_error"] is not None]
     out = {"plans": rows, "devices": len(jax.devices()), "backend": jax.default_backend(), "xla_flags": XLA_FLAGS,
            "median_error": statistics.median(errors), "max_error": max(errors),
-           "flops_median_error": statistics.median(flops_errors), "flops_max_error": max(flops_errors),
+           "flops_median_error": statistics.median(flops_errors) if flops_errors else None,
+           "flops_max_error": max(flops_errors, default=None),
            "within_10pct": sum(e <= 0.10 for e in errors), "count": len(rows),
            "by_attention": {kind: {"median_error": statistics.median(e), "max_error": max(e), "count": len(e)}
                             for kind in ("plain", "flash")
@@ -184,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
                          for kind, keep in (("none", lambda r: r["tensor"] == 1),
                                             ("tp", lambda r: r["tensor"] > 1 and not r["sequence_parallel"]),
                                             ("tp+sp", lambda r: r["sequence_parallel"]))
-                         if (e := [abs(r["error"]) for r in rows if keep(r)])}}
+                         if (e := [abs(r["error"]) for r in rows if keep(r)])},
+           "by_context": {kind: {"median_error": statistics.median(e), "max_error": max(e), "count": len(e)}
+                          for kind, keep in (("none", lambda r: r["context"] == 1), ("cp", lambda r: r["context"] > 1))
+                          if (e := [abs(r["error"]) for r in rows if keep(r)])}}
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
     return 0

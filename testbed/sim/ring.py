@@ -69,7 +69,8 @@ def layers_share(layers: int, pieces: int, k: int) -> int:
     return layers // pieces + (1 if k < layers % pieces else 0)
 
 
-def ring_neighbours(groups: tuple[tuple[int, ...], ...], rep: int) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
+def ring_neighbours(groups: tuple[tuple[int, ...], ...], rep: int
+                    ) -> tuple[tuple[int, int], tuple[tuple[int, int], ...]]:
     """(the representative's (itself, next rank) pair, every rank's pair in all ``groups``): one ring step's sends."""
     pairs = tuple((g[i], g[(i + 1) % len(g)]) for g in groups for i in range(len(g)))
     return next(pair for pair in pairs if pair[0] == rep), pairs
@@ -103,7 +104,8 @@ def ring_tasks(plan: Plan, kind: str, name: str, layers: int, fraction: float, w
             blocks = ph.units // (units[0] if ph.first else units[1])
             out.append(RingTask(name=f"{name} {ph.name}", send=False,
                                 after=(sending,) if ph.after_ring and sending is not None else (),
-                                flops=layers * ph.units * ring.unit_flops(plan, ph.kind), kernels=max(1, layers * blocks),
+                                flops=layers * ph.units * ring.unit_flops(plan, ph.kind),
+                                kernels=max(1, layers * blocks),
                                 gemms=gs))
             compute = len(out) - 1
         if sent is not None:
