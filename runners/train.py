@@ -78,6 +78,13 @@ def _check_runnable(plan: Plan, devices: list[Any]) -> None:
     from testbed.plan.sharding import state_sharding
 
     check_precision(plan, devices)  # fp8 (check-sharding lowers for devices it does not have: not checked there)
+    cpu = any(getattr(d, "platform", "") == "cpu" for d in devices)
+    if (plan.model.experts and plan.mesh.expert > 1 and plan.precision is not Precision.FP32 and plan.mesh.data > 1
+            and not state_sharding(plan).split_axes(plan, "params") and cpu):
+        raise InputError("expert parallelism with a 16-bit precision and data replicas does not run on CPU devices "
+                         "yet (XLA:CPU aborts on the 16-bit collectives of the MoE layer's map while the data axis is "
+                         "not manual); on CPUs use `precision: fp32`, shard the parameters (`mesh.fsdp` > 1 or "
+                         "`zero: 3`), or `mesh.data: 1`", field="precision")
     if (plan.sequence_parallel and plan.precision is not Precision.FP32 and plan.replicas > 1
             and not state_sharding(plan).split_axes(plan, "params")
             and any(getattr(d, "platform", "") == "cpu" for d in devices)):

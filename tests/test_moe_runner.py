@@ -242,3 +242,16 @@ def test_load_balancing_loss_reaches_the_router_gradient() -> None:
     got = grads[0.5]["layers"][0]["moe"]["router"] - grads[0.0]["layers"][0]["moe"]["router"]
     assert float(jnp.max(jnp.abs(want))) > 1e-4
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_bf16_expert_parallelism_with_data_replicas_is_refused_on_cpu() -> None:
+    """XLA:CPU aborts the process on this combination: the runner refuses it first (exit 2, naming the field)."""
+    from runners.train import build_trainer
+    from testbed.errors import InputError
+
+    spec = ModelSpec(layers=1, d_model=16, heads=2, d_ff=32, seq_len=8, vocab=32, experts=2)
+    plan = Plan(name="moe-bf16", model=spec, mesh=MeshSpec(expert=2, data=2), precision="bf16-mixed",
+                batch=BatchSpec(global_batch=4))
+    with pytest.raises(InputError) as err:
+        build_trainer(plan, dev.select_devices(4))
+    assert err.value.field == "precision"
