@@ -40,26 +40,19 @@ gates and shared experts run outside the map on the device's rows (dense: replic
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from testbed.model.moe import expert_capacity
 from testbed.plan.spec import Mlp, ModelSpec
 
 __all__ = ["MoeConfig", "moe_config", "expert_capacity", "Routing", "route", "dispatch", "combine",
            "experts_ffn", "moe_mlp", "ExpertShards", "expert_shards", "aux_into_grads"]
 
 AXIS = "expert"
-
-
-def expert_capacity(spec: ModelSpec) -> int:
-    """Slots each expert has per sequence (the routing group): see the module's capacity rule."""
-    if spec.capacity_factor is None:
-        return spec.seq_len
-    return max(1, min(spec.seq_len, math.ceil(spec.capacity_factor * spec.seq_len * spec.top_k / spec.experts)))
 
 
 class MoeConfig(NamedTuple):

@@ -105,7 +105,7 @@ def test_mesh_follows_placement() -> None:
     devices = dev.select_devices(8)
     placement = dev.plan_placement(plan, devices)
     mesh = dev.build_mesh(placement, devices)
-    assert mesh.axis_names == ("stage", "data", "fsdp", "tensor")
+    assert mesh.axis_names == ("stage", "data", "fsdp", "expert", "context", "tensor")
     assert [[d.id for d in row.ravel()] for row in mesh.devices] == [
         [devices[i].id for i in placement.stage_devices(s)] for s in range(2)]
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)

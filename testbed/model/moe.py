@@ -38,7 +38,7 @@ from dataclasses import replace
 from testbed.model import layout
 from testbed.plan.spec import ModelSpec, Plan, Precision
 
-__all__ = ["moe_layers", "active_param_count", "expert_load", "expert_tokens", "local_tokens",
+__all__ = ["moe_layers", "expert_capacity", "active_param_count", "expert_load", "expert_tokens", "local_tokens",
            "dispatch_bytes", "mlp_flops_swap", "recompute_flops_swap", "model_flops_swap",
            "activation_bytes_swap", "hidden_workspace", "dispatch_workspace", "ROUTER_BYTES"]
 
@@ -65,10 +65,25 @@ def active_param_count(spec: ModelSpec) -> int:
     return total - routed * (spec.experts - spec.top_k) // spec.experts if spec.experts else total
 
 
+def expert_capacity(spec: ModelSpec) -> int:
+    """Slots each expert has per sequence, the routing group (the rule both interpreters read).
+
+    ``ceil(capacity_factor x seq_len x top_k / experts)``, at least 1 and at most ``seq_len`` (a token
+    takes one slot of an expert); dropless (``capacity_factor`` None) gives every expert ``seq_len``
+    slots, so no token is dropped whatever the routing. runners.moe routes into these slots.
+    """
+    if spec.capacity_factor is None:
+        return spec.seq_len
+    return max(1, min(spec.seq_len, math.ceil(spec.capacity_factor * spec.seq_len * spec.top_k / spec.experts)))
+
+
 def expert_load(plan: Plan) -> float:
-    """The routed experts' work over even routing: the capacity factor (padded), else ``expert_imbalance``."""
-    cf = plan.model.capacity_factor
-    return float(cf) if cf else float(plan.expert_imbalance)
+    """The routed experts' work over even routing: the capacity buffers' padding (:func:`expert_capacity` over
+    the even share ``seq_len x top_k / experts``) when a capacity is set, else ``expert_imbalance``."""
+    m = plan.model
+    if m.capacity_factor:
+        return expert_capacity(m) * m.experts / (m.seq_len * m.top_k)
+    return float(plan.expert_imbalance)
 
 
 def local_tokens(plan: Plan) -> int:
