@@ -145,25 +145,6 @@ def test_written_plan_shrunk_to_8_devices_passes_verify(tmp_path: Path, capsys: 
     assert json.loads(verified)["ok"] is True
 
 
-@pytest.mark.slow
-def test_bundled_cluster_search_beats_every_mesh_and_schedule() -> None:
-    """The issue's loop: every mesh factorisation x schedule of gpt-1b-cluster (its other fields kept), simulated."""
-    from dataclasses import replace
-
-    from testbed.errors import InputError as Bad
-    from testbed.plan.spec import MeshSpec, ScheduleSpec
-
-    plan, topology = load_plan("gpt-1b-cluster"), load_topology("dgx-h100-x4")
-    loop = []
-    for d, f, t, s in factorisations(32):
-        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1)):
-            try:
-                p = replace(plan, mesh=MeshSpec(data=d, fsdp=f, tensor=t, stage=s),
-                            schedule=ScheduleSpec(name=name, virtual_stages=v))
-            except Bad:
-                continue
-            if plan_memory(p, topology).fits:
-                loop.append(simulate(p, topology).report.step_time_s)
-    result = search(plan, topology)
-    assert result.best.step_time_s <= min(loop)
-    assert result.best.step_time_s < simulate(plan, topology).report.step_time_s / 2
+# The issue's hand loop on gpt-1b-cluster (every mesh x schedule of 32 devices, simulated) against the search:
+# benchmarks/search_vs_loop.py (a minute of CPU); the exact property on small grids is
+# test_top1_equals_exhaustive_des_optimum above.
