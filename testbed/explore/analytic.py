@@ -230,7 +230,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 if chain:  # the chain's compute tasks, each priced as the task graph prices it
                     whole = (ringed[0] if ringed else 0.0) + sum(
                         compute_seconds(topology, dtype, x.flops, x.hbm_bytes, x.kernels, x.replicated_bytes,
-                                        x.split_bytes, cost.tensor_bytes, x.gemms) for x in chain if not x.is_a2a)
+                                        x.split_bytes, cost.tensor_bytes, x.gemms) for x in chain if not x.transfer)
                 pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 and per_microbatch \
                     else 1  # the program's buckets (one when they wait for the backward's end)
                 piece = bucket = scatter = 0.0
@@ -344,7 +344,7 @@ def _exposed_all_to_all(chain: list[Piece], coll: _Collectives, topology: Topolo
     experts' compute the chain runs beside it (the piece that follows it, when it is one)."""
     total = 0.0
     for i, piece in enumerate(chain):
-        if piece.is_a2a:
+        if piece.transfer:
             a2a = piece.count * coll.time("all_to_all", (Axis.EXPERT,), stage, piece.nbytes)
             beside = chain[i + 1] if i + 1 < len(chain) and chain[i + 1].name.endswith("shared") else None
             overlap = compute_seconds(topology, dtype, beside.flops, 0.0, beside.kernels,

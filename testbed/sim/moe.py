@@ -23,11 +23,12 @@ backward) move no tokens: they stay one task.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from testbed.model import moe
 from testbed.model.gemm import Gemm, gemm_flops, moe_gemms, scaled, without
 from testbed.plan.spec import Plan, Remat
+from testbed.sim.pieces import ActionTask
 
 __all__ = ["A2A_STREAM", "Piece", "expert_gemms", "moe_pieces", "exposed_stream_s"]
 
@@ -35,28 +36,8 @@ __all__ = ["A2A_STREAM", "Piece", "expert_gemms", "moe_pieces", "exposed_stream_
 A2A_STREAM = "expert"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Piece:
-    """One task of an action's MoE chain: compute (``flops``, ``gemms``, ...) or an all-to-all (``nbytes``,
-    ``count`` back-to-back). ``after``: indices of earlier pieces it waits for (none: the action's deps).
-    ``layer_end``: the last compute piece of an MoE layer (where a gradient bucket may close)."""
-
-    name: str
-    stream: str
-    after: tuple[int, ...] = ()
-    flops: float = 0.0
-    hbm_bytes: float = 0.0
-    replicated_bytes: float = 0.0
-    split_bytes: float = 0.0
-    kernels: int = 1
-    gemms: tuple[Gemm, ...] = ()
-    nbytes: float = 0.0
-    count: int = 1
-    layer_end: bool = False
-
-    @property
-    def is_a2a(self) -> bool:
-        return self.stream == A2A_STREAM
+#: One task of an action's MoE chain (a transfer on the ``expert`` stream is an all-to-all).
+Piece = ActionTask
 
 
 def _action_gemms(forward: list[Gemm], kind: str, split: bool, remat: Remat) -> list[Gemm]:

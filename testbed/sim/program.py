@@ -303,10 +303,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             closes = {max(1, round((k + 1) * sum(x.layer_end for x in chain) / pieces)) for k in range(pieces)}
         ids: list[int] = []
         for piece in chain:  # an MoE action under expert parallelism: its per-layer chain (testbed.sim.moe)
-            a2a = piece.is_a2a
+            a2a = piece.transfer
             last = b.add(name=f"{label}{piece.name}", device=rep, stream=piece.stream,
                          kind=TaskKind.COLLECTIVE if a2a else TaskKind.COMPUTE,
-                         deps=tuple(ids[j] for j in piece.after) or tuple(deps), flops=piece.flops,
+                         deps=tuple(deps) if piece.after is None else tuple(ids[j] for j in piece.after), flops=piece.flops,
                          hbm_bytes=piece.hbm_bytes, replicated_bytes=piece.replicated_bytes,
                          split_bytes=piece.split_bytes, tensor_bytes=0.0 if a2a else cost.tensor_bytes,
                          kernels=piece.kernels, op="all_to_all" if a2a else "", nbytes=piece.nbytes, count=piece.count,
@@ -388,11 +388,11 @@ def _add_ring(b: _Builder, tasks: list, rep: int, deps: list[int], tensor_bytes:
     ids: list[int] = []
     for t in tasks:
         ids.append(b.add(
-            name=t.name, device=rep, stream=t.stream, kind=TaskKind.SEND if t.send else TaskKind.COMPUTE,
+            name=t.name, device=rep, stream=t.stream, kind=TaskKind.SEND if t.transfer else TaskKind.COMPUTE,
             deps=tuple(deps) if t.after is None else tuple(ids[j] for j in t.after), flops=t.flops,
             hbm_bytes=t.hbm_bytes, replicated_bytes=t.replicated_bytes, split_bytes=t.split_bytes,
-            tensor_bytes=0.0 if t.send else tensor_bytes, kernels=t.kernels, nbytes=t.nbytes,
-            count=t.count or 1, group=pair if t.send else (), instances=rings if t.send else (),
+            tensor_bytes=0.0 if t.transfer else tensor_bytes, kernels=t.kernels, nbytes=t.nbytes,
+            count=t.count or 1, group=pair if t.transfer else (), instances=rings if t.transfer else (),
             pipeline=True, gemms=t.gemms))
     return ids[-1] if ids else None
 

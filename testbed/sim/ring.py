@@ -23,13 +23,12 @@ testbed.sim.program emits the :class:`RingTask` list; the analytic tier
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from testbed.collectives.timing import send_time
 from testbed.model import ring
 from testbed.model.gemm import Gemm, ring_step_gemms, scaled, without
 from testbed.plan.spec import Plan
 from testbed.sim.compute import compute_seconds
+from testbed.sim.pieces import ActionTask
 from testbed.topology import Topology
 
 __all__ = ["RING_STREAM", "RingTask", "ring_tasks", "ring_neighbours", "layers_share", "ring_action_seconds",
@@ -39,29 +38,9 @@ __all__ = ["RING_STREAM", "RingTask", "ring_tasks", "ring_neighbours", "layers_s
 RING_STREAM = "ring"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RingTask:
-    """One task of an action under context parallelism: compute (``send`` False) or the ring's sends.
-
-    ``after``: indices of earlier tasks of the same list it waits for (None: the action's own dependencies).
-    Sends carry ``count`` messages of ``nbytes`` each (to the next rank of the ring).
-    """
-
-    name: str
-    send: bool
-    after: tuple[int, ...] | None
-    flops: float = 0.0
-    hbm_bytes: float = 0.0
-    replicated_bytes: float = 0.0
-    split_bytes: float = 0.0
-    kernels: int = 1
-    gemms: tuple[Gemm, ...] = ()
-    nbytes: float = 0.0
-    count: int = 0
-
-    @property
-    def stream(self) -> str:
-        return RING_STREAM if self.send else "compute"
+#: One task of an action under context parallelism: compute, or the ring's sends on the ``ring`` stream
+#: (``count`` messages of ``nbytes`` each, to the next rank of the ring).
+RingTask = ActionTask
 
 
 def layers_share(layers: int, pieces: int, k: int) -> int:
@@ -89,7 +68,7 @@ def ring_tasks(plan: Plan, kind: str, name: str, layers: int, fraction: float, w
              for ph in phases]
     ring_flops = layers * sum(ph.units * ring.unit_flops(plan, ph.kind) for ph in phases)
     flops, hbm, replicated, split = work
-    out = [RingTask(name=name, send=False, after=None, flops=flops * fraction - ring_flops, hbm_bytes=hbm * fraction,
+    out = [RingTask(name=name, flops=flops * fraction - ring_flops, hbm_bytes=hbm * fraction,
                     replicated_bytes=replicated * fraction, split_bytes=split * fraction,
                     kernels=max(1, round(kernels * fraction)),
                     gemms=without(scaled(gemms, fraction), tuple(g for gs in steps for g in gs)))]
@@ -98,11 +77,11 @@ def ring_tasks(plan: Plan, kind: str, name: str, layers: int, fraction: float, w
         sent = None
         if ph.sends:
             sent = len(out)
-            out.append(RingTask(name=f"{ph.name} {name}", send=True, after=(compute,), nbytes=ph.nbytes,
+            out.append(RingTask(name=f"{ph.name} {name}", stream=RING_STREAM, after=(compute,), nbytes=ph.nbytes,
                                 count=layers * ph.sends))
         if ph.units:
             blocks = ph.units // (units[0] if ph.first else units[1])
-            out.append(RingTask(name=f"{name} {ph.name}", send=False,
+            out.append(RingTask(name=f"{name} {ph.name}",
                                 after=(sending,) if ph.after_ring and sending is not None else (),
                                 flops=layers * ph.units * ring.unit_flops(plan, ph.kind),
                                 kernels=max(1, layers * blocks),
@@ -125,14 +104,14 @@ def ring_action_seconds(plan: Plan, topology: Topology, dtype: str, pair: tuple[
         return None
     compute, exposed, pending = 0.0, 0.0, 0.0  # pending: the sends of the phase whose compute comes next
     for i, t in enumerate(tasks):
-        if t.send:
+        if t.transfer:
             exposed += pending
             pending = send_time(topology, pair[0], pair[1], t.nbytes) * t.count
             continue
         seconds = compute_seconds(topology, dtype, t.flops, t.hbm_bytes, t.kernels, t.replicated_bytes,
                                   t.split_bytes, tensor_bytes, t.gemms)
         compute += seconds
-        if i and tasks[i - 1].send:  # the sends beside this compute (their phase's)
+        if i and tasks[i - 1].transfer:  # the sends beside this compute (their phase's)
             exposed += max(0.0, pending - seconds)
             pending = 0.0
     return compute, exposed + pending
