@@ -89,6 +89,21 @@ def _block_scores(qg: jax.Array, k_blk: jax.Array, start: jax.Array, scale: floa
     return scores, visible[None, :, None, None, :]
 
 
+def online_softmax_step(carry: tuple, scores: jax.Array, v_blk: jax.Array) -> tuple:
+    """One K/V block of the online softmax (FlashAttention-2): the fp32 carry ``(row max, row sum, acc)`` updated
+    with the block's ``scores`` (masked keys at -inf) and values. A row that has seen no key yet (its max still
+    -inf) keeps zeros: its rescale is taken against 0 instead of the infinite max."""
+    row_max, row_sum, acc = carry
+    new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
+    safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    probs = jnp.exp(scores - safe[..., None])
+    rescale = jnp.exp(row_max - safe)
+    row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
+    acc = acc * rescale[..., None] + jnp.einsum("bqngk,bknd->bqngd", probs.astype(v_blk.dtype), v_blk,
+                                                preferred_element_type=jnp.float32)
+    return new_max, row_sum, acc
+
+
 def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """(output ``[b, s, heads, d]`` in q's dtype, fp32 log-sum-exp ``[b, s, kv_heads, group]``)."""
     b, s, heads, d = q.shape
@@ -98,20 +113,11 @@ def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tupl
     stats = (b, s, kv_heads, heads // kv_heads)
 
     def step(carry, j):
-        row_max, row_sum, acc = carry
         start = j * block
         k_blk = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
         scores, visible = _block_scores(qg, k_blk, start, scale)
-        scores = jnp.where(visible, scores, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
-        # Block 0 holds key 0, which every query sees: the running max is finite from the first block on.
-        probs = jnp.exp(scores - new_max[..., None])
-        rescale = jnp.exp(row_max - new_max)
-        row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("bqngk,bknd->bqngd", probs.astype(v.dtype), v_blk,
-                                                    preferred_element_type=jnp.float32)
-        return (new_max, row_sum, acc), None
+        return online_softmax_step(carry, jnp.where(visible, scores, -jnp.inf), v_blk), None
 
     init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
             jnp.zeros((*stats, d), jnp.float32))

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from runners.attention import online_softmax_step
+
 __all__ = ["ring_attention", "zigzag_positions", "ContextShards", "context_shards"]
 
 
@@ -73,19 +75,10 @@ def _fwd_keys(carry: tuple, qg: jax.Array, k: jax.Array, v: jax.Array, qpos: jax
     kb = _blocks(k.shape[1], block)
 
     def step(carry: tuple, j: jax.Array) -> tuple:
-        row_max, row_sum, acc = carry
         k_blk = jax.lax.dynamic_slice_in_dim(k, j * kb, kb, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(v, j * kb, kb, axis=1)
         scores, visible = _scores(qg, k_blk, qpos, jax.lax.dynamic_slice_in_dim(kpos, j * kb, kb), scale)
-        scores = jnp.where(visible, scores, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(scores, axis=-1))
-        safe = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # a row that has seen no key yet
-        probs = jnp.exp(scores - safe[..., None])
-        rescale = jnp.exp(row_max - safe)
-        row_sum = row_sum * rescale + jnp.sum(probs, axis=-1)
-        acc = acc * rescale[..., None] + jnp.einsum("bqngk,bknd->bqngd", probs.astype(v.dtype), v_blk,
-                                                    preferred_element_type=jnp.float32)
-        return (new_max, row_sum, acc), None
+        return online_softmax_step(carry, jnp.where(visible, scores, -jnp.inf), v_blk), None
 
     n = k.shape[1] // kb
     if n == 1:
