@@ -121,7 +121,8 @@ def test_replica_group_forms_map_to_mesh_axes():
 
 def test_abstract_mesh_has_the_plans_axes_and_no_devices():
     mesh = abstract_mesh(_plan(data=64, fsdp=8, tensor=4))
-    assert dict(zip(mesh.axis_names, mesh.axis_sizes)) == {"stage": 1, "data": 64, "fsdp": 8, "tensor": 4}
+    assert dict(zip(mesh.axis_names, mesh.axis_sizes)) == {"stage": 1, "data": 64, "fsdp": 8, "expert": 1, "context": 1,
+                                                           "tensor": 4}
     with pytest.raises(ValueError):
         mesh.devices  # noqa: B018 (abstract: nothing to allocate on)
 
