@@ -173,3 +173,16 @@ def test_measured_timeline_and_report_share_the_types():
     with pytest.raises(ValueError):
         Report(step_time_s=1.0, compute_s=1.0, exposed_comm_s=0.0, bubble_fraction=0.0, mfu=0.0, source="guessed")
     assert math.isfinite(timeline.bubble_fraction())
+
+
+def test_a_plan_without_stages_has_no_bubble_even_when_it_waits_on_communication():
+    """fsdp waits on its gathers, an MoE layer on its all-to-alls: exposed communication, not pipeline bubble."""
+    from testbed.plan.io import load_plan
+    from testbed.sim.engine import simulate
+    from testbed.topology.io import load_topology
+
+    for name in ("fsdp-tpu", "mixtral-8x7b"):
+        plan = load_plan(name)
+        report = simulate(plan, load_topology(plan.topology)).report
+        assert plan.mesh.stage == 1 and report.exposed_comm_s > 0
+        assert report.bubble_fraction == 0.0

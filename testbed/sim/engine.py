@@ -398,7 +398,10 @@ def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end)
     by_device: dict[int, list[int]] = {}
     for i in pipeline:
         by_device.setdefault(tasks[i].device, []).append(i)
-    for device in dict.fromkeys(t.device for t in tasks):
+    # Without pipeline stages there is no schedule to idle in: a wait on fsdp gathers or all-to-alls is
+    # exposed communication, not bubble (counting it twice would let compute + comm + bubble exceed the step).
+    staged = len(set(np.asarray(program.representative).tolist())) > 1
+    for device in dict.fromkeys(t.device for t in tasks) if staged else ():
         idx = by_device.get(device, [])
         compute_row = rows.index((device, "compute")) if (device, "compute") in rows else 0
         t = 0.0
