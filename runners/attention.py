@@ -104,6 +104,20 @@ def online_softmax_step(carry: tuple, scores: jax.Array, v_blk: jax.Array) -> tu
     return new_max, row_sum, acc
 
 
+def block_grads(qg: jax.Array, gg: jax.Array, k_blk: jax.Array, v_blk: jax.Array, scores: jax.Array,
+                visible: jax.Array, lse: jax.Array, delta: jax.Array, scale: float) -> tuple:
+    """One K/V block's share of flash attention's backward (FlashAttention-2): the block's probabilities
+    recomputed from its ``scores`` and the saved log-sum-exp, then (dQ contribution, dK, dV) of the block in fp32.
+    ``delta`` is the rows' ``sum(dO * O)``."""
+    probs = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
+    dv = jnp.einsum("bqngk,bqngd->bknd", probs.astype(gg.dtype), gg, preferred_element_type=jnp.float32)
+    dprobs = jnp.einsum("bqngd,bknd->bqngk", gg, v_blk, preferred_element_type=jnp.float32)
+    dscores = (probs * (dprobs - delta[..., None]) * scale).astype(qg.dtype)
+    dq = jnp.einsum("bqngk,bknd->bqngd", dscores, k_blk, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bqngk,bqngd->bknd", dscores, qg, preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
 def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """(output ``[b, s, heads, d]`` in q's dtype, fp32 log-sum-exp ``[b, s, kv_heads, group]``)."""
     b, s, heads, d = q.shape
@@ -152,12 +166,8 @@ def _flash_bwd(block: int, res, g: jax.Array):
         k_blk = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
         scores, visible = _block_scores(qg, k_blk, start, scale)
-        probs = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
-        dv_blk = jnp.einsum("bqngk,bqngd->bknd", probs.astype(g.dtype), gg, preferred_element_type=jnp.float32)
-        dprobs = jnp.einsum("bqngd,bknd->bqngk", gg, v_blk, preferred_element_type=jnp.float32)
-        dscores = (probs * (dprobs - delta[..., None]) * scale).astype(q.dtype)
-        dq = dq + jnp.einsum("bqngk,bknd->bqngd", dscores, k_blk, preferred_element_type=jnp.float32)
-        dk_blk = jnp.einsum("bqngk,bqngd->bknd", dscores, qg, preferred_element_type=jnp.float32)
+        dq_blk, dk_blk, dv_blk = block_grads(qg, gg, k_blk, v_blk, scores, visible, lse, delta, scale)
+        dq = dq + dq_blk
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk.astype(k.dtype), start, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), start, axis=1)
         return (dq, dk, dv), None

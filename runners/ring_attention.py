@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from runners.attention import online_softmax_step
+from runners.attention import block_grads, online_softmax_step
 
 __all__ = ["ring_attention", "zigzag_positions", "ContextShards", "context_shards"]
 
@@ -95,13 +95,8 @@ def _bwd_keys(qg: jax.Array, gg: jax.Array, lse: jax.Array, delta: jax.Array, k:
         k_blk = jax.lax.dynamic_slice_in_dim(k, j * kb, kb, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(v, j * kb, kb, axis=1)
         scores, visible = _scores(qg, k_blk, qpos, jax.lax.dynamic_slice_in_dim(kpos, j * kb, kb), scale)
-        probs = jnp.where(visible, jnp.exp(scores - lse[..., None]), 0.0)
-        dv = jnp.einsum("bqngk,bqngd->bknd", probs.astype(gg.dtype), gg, preferred_element_type=jnp.float32)
-        dprobs = jnp.einsum("bqngd,bknd->bqngk", gg, v_blk, preferred_element_type=jnp.float32)
-        dscores = (probs * (dprobs - delta[..., None]) * scale).astype(qg.dtype)
-        dq = dq + jnp.einsum("bqngk,bknd->bqngd", dscores, k_blk, preferred_element_type=jnp.float32)
-        dk = jnp.einsum("bqngk,bqngd->bknd", dscores, qg, preferred_element_type=jnp.float32)
-        return dq, (dk, dv)
+        dq_blk, dk, dv = block_grads(qg, gg, k_blk, v_blk, scores, visible, lse, delta, scale)
+        return dq + dq_blk, (dk, dv)
 
     n = k.shape[1] // kb
     dq0 = jnp.zeros(qg.shape, jnp.float32)
