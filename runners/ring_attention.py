@@ -42,15 +42,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from runners.attention import block_grads, online_softmax_step
+from testbed.plan.context import context_order
 
 __all__ = ["ring_attention", "zigzag_positions", "ContextShards", "context_shards"]
 
 
 def zigzag_positions(s_local: int, size: int, rank: jax.Array | int) -> jax.Array:
-    """Global positions ``[s_local]`` of context rank ``rank``'s rows: chunks ``rank`` and ``2*size-1-rank``."""
-    cs = s_local // 2
-    first = rank * cs + jnp.arange(cs)
-    return jnp.concatenate([first, (2 * size - 1 - rank) * cs + jnp.arange(cs)])
+    """Global positions ``[s_local]`` of context rank ``rank``'s rows (``rank`` may be traced): the row of
+    testbed.plan.context's split (chunks ``rank`` and ``2*size-1-rank``) for that rank."""
+    table = jnp.asarray(context_order(s_local * size, size).reshape(size, s_local), dtype=jnp.int32)
+    return table[rank]
 
 
 def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
