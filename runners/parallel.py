@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.model import layout
 from testbed.model.layout import ParamSpec
+from testbed.plan.spec import BATCH_AXES as PLAN_BATCH_AXES
 from testbed.plan.spec import ModelSpec, Plan
 from testbed.plan.sharding import state_sharding
 
@@ -49,7 +50,7 @@ __all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_axes", "bat
 
 #: Mesh axes the batch dim of activations is split over (testbed.plan.spec.BATCH_AXES: ``expert`` splits the
 #: batch like ``data`` in the dense parts).
-BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+BATCH_AXES: tuple[str, ...] = tuple(a.value for a in PLAN_BATCH_AXES)
 
 def _path_names(path: tuple[Any, ...]) -> list[str]:
     names = []

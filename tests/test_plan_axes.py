@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from testbed.errors import InputError
+from testbed.model.moe import moe_layers
 from testbed.plan.context import context_chunks, context_order, context_positions
 import yaml
 
@@ -94,9 +95,9 @@ def test_sequence_parallel_splits_each_context_ranks_tokens():
 def test_moe_layers_follow_the_one_rule():
     p = plan(model={"layers": 6, "experts": 4, "first_dense_layers": 1, "moe_every": 2})
     assert [p.model.is_moe_layer(i) for i in range(6)] == [False, False, True, False, True, False]
-    assert p.model.moe_layers == 2
+    assert moe_layers(p.model) == 2
     dense = plan()
-    assert dense.model.moe_layers == 0 and not dense.model.is_moe_layer(0)
+    assert moe_layers(dense.model) == 0 and not dense.model.is_moe_layer(0)
 
 
 def test_the_new_keys_round_trip():

@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 
 from testbed.model import layout
 from testbed.model.layout import chunk_layers
-from testbed.model.moe import expert_tokens
+from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
@@ -209,7 +209,7 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     _, head = layout.holds(stage, chunk, p, v)
     scores, values = _attention(spec, b, t)
     weights, mlp_out = _projections(spec, b * spec.seq_len, t)
-    moe = sum(layout.is_moe_layer(spec, i) for i in span)
+    moe = moe_layers(spec, span)
     kinds = [(len(span) - moe, weights, [mlp_out])]
     if moe:
         ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert)

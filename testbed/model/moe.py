@@ -50,7 +50,7 @@ def moe_layers(spec: ModelSpec, layers: Iterable[int] | None = None) -> int:
     """MoE layers among ``layers`` (all of the model's by default)."""
     if not spec.experts:
         return 0
-    return sum(layout.is_moe_layer(spec, i) for i in (range(spec.layers) if layers is None else layers))
+    return sum(spec.is_moe_layer(i) for i in (range(spec.layers) if layers is None else layers))
 
 
 def active_param_count(spec: ModelSpec) -> int:

@@ -191,11 +191,6 @@ class ModelSpec:
         return (layer - self.first_dense_layers) % self.moe_every == self.moe_every - 1
 
     @property
-    def moe_layers(self) -> int:
-        """How many layers are MoE."""
-        return sum(self.is_moe_layer(i) for i in range(self.layers))
-
-    @property
     def expert_width(self) -> int:
         """Hidden width of one expert: ``expert_d_ff`` or ``d_ff``."""
         return self.d_ff if self.expert_d_ff is None else self.expert_d_ff
