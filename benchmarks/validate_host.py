@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="validate-host-") as tmp:
         folder = Path(args.keep or tmp)
+        folder.mkdir(parents=True, exist_ok=True)  # --keep DIR may name a folder not made yet
         started = time.perf_counter()
         calibration = None
         topology = args.topology
