@@ -50,7 +50,8 @@ def test_gemm_flops_equal_the_cost_model(over):
 def test_program_tasks_carry_their_gemms():
     plan = _plan(mesh={"data": 2})
     sim = simulate(plan, load_topology("dgx-h100"))
-    actions = [t for t in sim.program.tasks if t.pipeline and t.kind.value == "compute"]
+    actions = [t for t in sim.program.tasks if t.pipeline and t.kind.value == "compute"
+               and not t.name.startswith("accumulate ")]  # the gradient accumulator's add: a memory pass
     assert actions and all(t.gemms for t in actions)
     for t in actions:
         assert gemm_flops(t.gemms) == pytest.approx(t.flops)

@@ -156,3 +156,26 @@ def test_sharding_model(zero, fsdp, ops):
         assert len(gathers) == plan.batch.microbatches
         _, full = _program(replace(plan, remat="full"))
         assert len([t for t in full.tasks if t.stream == "gather"]) == 2 * plan.batch.microbatches
+
+
+@given(plans)
+def test_each_microbatch_adds_its_gradients_into_the_accumulator(plan):
+    """One `accumulate` task per chunk and microbatch (none with one microbatch), after the chunk's weight
+    gradients: three passes over the device's gradients, or over its shard when they accumulate sharded."""
+    _, program = _program(plan)
+    _, grad_b, _ = state_bytes_per_param(plan)
+    m, v = plan.batch.microbatches, plan.schedule.virtual_stages
+    ways = plan.mesh.fsdp * (plan.mesh.data if plan.zero >= 2 else 1)
+    for s, rep in enumerate(program.representatives):
+        adds = [t for t in program.tasks if t.device == rep and t.name.startswith("accumulate ")]
+        if m == 1:
+            assert adds == []
+            continue
+        assert len(adds) == m * v and all(t.stream == "compute" and t.flops == 0 for t in adds)
+        total = sum(t.hbm_bytes for t in adds)
+        params = sum(model.chunk_cost(plan, s, c).params for c in range(v))
+        assert math.isclose(total, m * 3 * params * grad_b / ways, rel_tol=1e-9)
+        kind = "W" if build_schedule(plan.schedule.name, plan.mesh.stage, m, v).split_backward else "B"
+        for t in adds:  # right after a weight-gradient action of the same label (and its tensor collectives)
+            source = program.tasks[t.deps[0]].name.removeprefix("tp ").split(" ")[0].split("/")[0]
+            assert source == t.name.removeprefix("accumulate ") and source.startswith(kind)

@@ -51,7 +51,7 @@ from testbed.model.gemm import chunk_gemms, gemm_flops, scaled, without
 from testbed.sim.engine import compute_seconds
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
-from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, _action_work
+from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, _action_work, accumulate_bytes
 from testbed.model.moe import moe_layers
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.topology import Topology
@@ -245,6 +245,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                                              experts / pieces * grad_b)
                 if kind == last_kind and per_microbatch and m > 1:
                     scatter = coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b)
+                if kind == last_kind:  # the add into the gradient accumulator (a task of its own in the graph)
+                    whole += compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, grad_b))
                 tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)
                 tp_s += _exposed_all_to_all(chain, coll, topology, dtype, s)
                 tp_s += ring_s

@@ -33,6 +33,13 @@ pipeline) and a dispatch at ``overhead_s`` per program and
 ``buffer_s`` per device buffer; on a shared host (the ``calibration.host``
 group) the controller takes a core's share like a device.
 
+Gradient accumulation: with more than one microbatch, each chunk's weight-gradient
+action (B, or W when split) ends with an ``accumulate`` compute task, the add of the
+microbatch's gradients into the step's accumulator: :data:`ACCUMULATE_PASSES` memory
+passes over the device's gradients (its shard when they accumulate sharded). It ends the
+action's program, so the action's sends leave after it (the runner's MPMD stage programs
+and Megatron-LM's backward both finish the add before the gradient goes out).
+
 Parameter and gradient sharding (same conventions as testbed.model.memory):
 parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
 all-gathered before each forward action (and backward with full remat:
@@ -62,138 +69,48 @@ but not in ``P`` are all-gathered over the data axis.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
 
 from testbed.model import buffers as dispatch
 
 from testbed.model import costs as model
-from testbed.model.gemm import Gemm, chunk_gemms, gemm_flops, scaled, without
+from testbed.model.gemm import chunk_gemms, gemm_flops, scaled, without
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import Placement
-from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
+from testbed.plan.spec import Axis, Plan, Remat
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependencies
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.model.moe import moe_layers
 from testbed.sim.moe import A2A_STREAM, expert_gemms, moe_pieces
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
+from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
-           "OPTIMIZER_FLOPS_PER_PARAM"]
+           "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES", "accumulate_bytes"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
 STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "grad", "host")
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
 OPTIMIZER_FLOPS_PER_PARAM = 12
+#: Memory passes of adding one microbatch's gradients into the step's accumulator: read both, write one (an
+#: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
+ACCUMULATE_PASSES = 3
 
 
-class TaskKind(StrEnum):
-    COMPUTE = "compute"
-    COLLECTIVE = "collective"
-    SEND = "send"
-    HOST = "host"
+def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
+    """HBM bytes one device streams adding one microbatch's gradients of ``params`` into the accumulator.
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Task:
-    """One task on one representative device's stream.
-
-    Compute tasks carry ``flops``, ``hbm_bytes`` and ``kernels`` (the FLOPs of
-    one kernel decide its efficiency), and the activation bytes they write,
-    ``replicated_bytes`` and ``split_bytes`` over the tensor axis (priced by
-    the elementwise passes of the calibration); ``tensor_bytes`` is one
-    ``[tokens, d_model]`` activation of the task's microbatch (whether its
-    passes run from cache: calibration ``elementwise.cache_bytes``). Collectives carry ``op``, ``nbytes``
-    (DESIGN.md convention), ``count`` back-to-back repeats and the
-    representative's ``group``; sends carry ``group = (src, dst)``.
-    ``instances`` are all groups or pairs running the same task at once.
-    ``pipeline`` marks F/B/W actions and their tensor all-reduces. Host tasks
-    are the controller's: a dispatch of ``count`` programs passing
-    ``buffers`` device buffers in all (testbed.model.buffers), or the step's
-    preparation (``op="step"`` or ``"pipeline step"``, ``count=0``).
+    Every microbatch adds into an accumulator that starts at zero; a step of one microbatch keeps its
+    gradients as they are (0). Sharded accumulation (each microbatch's gradients reduce-scattered first,
+    testbed.plan.sharding.gradient_reduction) adds into the device's shard.
     """
-
-    name: str
-    device: int
-    stream: str
-    kind: TaskKind
-    deps: tuple[int, ...] = ()
-    flops: float = 0.0
-    hbm_bytes: float = 0.0
-    replicated_bytes: float = 0.0
-    split_bytes: float = 0.0
-    tensor_bytes: float = 0.0
-    kernels: int = 1
-    op: str = ""
-    nbytes: float = 0.0
-    count: int = 1
-    group: tuple[int, ...] = ()
-    instances: tuple[tuple[int, ...], ...] = ()
-    pipeline: bool = False
-    buffers: int = 0
-    gemms: tuple[Gemm, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Program:
-    """The tasks of one step, in program order, and the device -> representative map."""
-
-    tasks: tuple[Task, ...]
-    representative: np.ndarray
-    multiplicity: dict = field(default_factory=dict)
-    schedule: Schedule | None = None
-
-    def __post_init__(self) -> None:
-        rep = np.asarray(self.representative, dtype=np.int64)
-        rep.setflags(write=False)
-        object.__setattr__(self, "representative", rep)
-        reps, counts = np.unique(rep, return_counts=True)
-        object.__setattr__(self, "multiplicity", {int(r): int(c) for r, c in zip(reps, counts)})
-        for i, task in enumerate(self.tasks):
-            if any(not 0 <= d < i for d in task.deps):
-                raise ValueError(f"task {i} ({task.name}) depends on a later or missing task: {task.deps}")
-
-    @property
-    def num_devices(self) -> int:
-        return int(self.representative.size)
-
-    @property
-    def representatives(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(t.device for t in self.tasks))
-
-
-def axis_groups(placement: Placement, axes: Sequence[Axis | str]) -> dict[int, tuple[tuple[int, ...], ...]]:
-    """Per pipeline stage, the device groups that vary along ``axes`` (mesh order inside a group)."""
-    ids = placement.device_ids
-    dims = [MESH_AXES.index(Axis(a)) for a in axes]
-    keep = [d for d in range(ids.ndim) if d not in dims]
-    moved = np.transpose(ids, keep + sorted(dims))
-    size = int(np.prod([ids.shape[d] for d in dims])) if dims else 1
-    out: dict[int, tuple[tuple[int, ...], ...]] = {}
-    for s in range(ids.shape[0]):
-        block = moved[s].reshape(-1, size)
-        out[s] = tuple(map(tuple, block.tolist()))  # Python ints, a row per group
-    return out
-
-
-class _Builder:
-    """Appends tasks and keeps per-stage bookkeeping while the program is built."""
-
-    def __init__(self) -> None:
-        self.tasks: list[Task] = []
-
-    def add(self, **kwargs) -> int:
-        self.tasks.append(Task(**kwargs))
-        return len(self.tasks) - 1
-
-
-def _rep_group(groups: tuple[tuple[int, ...], ...], rep: int) -> tuple[int, ...]:
-    return next(g for g in groups if rep in g)
+    if plan.batch.microbatches <= 1:
+        return 0.0
+    ways = math.prod(plan.mesh.degree(Axis(a)) for a in gradient_reduction(plan)[0])
+    return ACCUMULATE_PASSES * params * grad_bytes / ways
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
@@ -236,7 +153,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     pairs = {(a, b): tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))
              for a in range(p) for b in range(p) if a != b}
 
-    b = _Builder()
+    b = Builder()
     done: dict[tuple[int, Action], int] = {}      # action -> its last task (TP all-reduce or compute)
     sent: dict[tuple[int, Action, int], int] = {}  # (stage, action, dst stage) -> send task
     reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
@@ -272,7 +189,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         if gathers_parameters(plan, action.kind):
             deps.append(b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                               op="all_gather", nbytes=cost.params * param_b,
-                              group=_rep_group(p_groups[s], rep), instances=p_groups[s]))
+                              group=rep_group(p_groups[s], rep), instances=p_groups[s]))
         flops, hbm, (replicated, split), tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
         kernels = max(1, 4 * cost.layers)
         gemms = shapes[s][action.chunk].action(action.kind, schedule.split_backward)
@@ -310,7 +227,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                          hbm_bytes=piece.hbm_bytes, replicated_bytes=piece.replicated_bytes,
                          split_bytes=piece.split_bytes, tensor_bytes=0.0 if a2a else cost.tensor_bytes,
                          kernels=piece.kernels, op="all_to_all" if a2a else "", nbytes=piece.nbytes, count=piece.count,
-                         group=_rep_group(experts[s], rep) if a2a else (), instances=experts[s] if a2a else (),
+                         group=rep_group(experts[s], rep) if a2a else (), instances=experts[s] if a2a else (),
                          pipeline=True, gemms=piece.gemms)
             ids.append(last)
             bucket += piece.layer_end
@@ -347,15 +264,19 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         if scatter:
             reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                                         nbytes=cost.params * grad_b, group=_rep_group(g_groups[s], rep),
+                                         nbytes=cost.params * grad_b, group=rep_group(g_groups[s], rep),
                                          instances=g_groups[s]))
         for op, count in tp if mesh.tensor > 1 else ():
             # Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters
             # (ChunkCost.tensor_collectives, the one decision the analytic tier reads too).
             last = b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
                          stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,), op=op,
-                         nbytes=cost.tensor_allreduce_bytes, count=count, group=_rep_group(tensor[s], rep),
+                         nbytes=cost.tensor_allreduce_bytes, count=count, group=rep_group(tensor[s], rep),
                          instances=tensor[s], pipeline=True)
+        if action.kind == last_bwd_kind and (acc := accumulate_bytes(plan, cost.params, grad_b)):
+            # The add into the accumulator ends the action's program: its sends leave after it.
+            last = b.add(name=f"accumulate {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
+                         deps=(last,), hbm_bytes=acc, pipeline=True)
         done[(s, action)] = previous[s] = last
         for dst, dst_chunk, nbytes in _sends(schedule, s, action, costs):
             sent[(s, action, dst)] = b.add(name=f"send {label}->{dst}", device=rep, stream="pipe", kind=TaskKind.SEND,
@@ -378,11 +299,11 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         if o_ways > p_ways and mesh.data > 1:
             b.add(name="gather params", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(opt,),
                   op="all_gather", nbytes=params / mesh.fsdp * param_b,
-                  group=_rep_group(data_groups[s], rep), instances=data_groups[s])
+                  group=rep_group(data_groups[s], rep), instances=data_groups[s])
     return Program(tasks=tuple(b.tasks), representative=representative, schedule=schedule)
 
 
-def _add_ring(b: _Builder, tasks: list, rep: int, deps: list[int], tensor_bytes: float, pair: tuple[int, int],
+def _add_ring(b: Builder, tasks: list, rep: int, deps: list[int], tensor_bytes: float, pair: tuple[int, int],
               rings) -> int | None:
     """Adds testbed.sim.ring's tasks of one action (or bucket) after ``deps``; returns the last (None: no ring)."""
     ids: list[int] = []
@@ -445,7 +366,7 @@ def _sends(schedule: Schedule, stage: int, action: Action, costs) -> list[tuple[
     return out
 
 
-def _reduce(b: _Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float, expert_bytes: float, label: str,
+def _reduce(b: Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float, expert_bytes: float, label: str,
             groups: dict) -> list[int]:
     """Gradient reduction tasks of one bucket of ``nbytes`` (``expert_bytes`` of them routed experts' weights);
     returns the last task(s).
@@ -469,18 +390,10 @@ def _reduce(b: _Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float
         if sharded:
             g = axis_groups_cached(groups, plan, sharded, s)
             last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
-                         deps=(last,), op="reduce_scatter", nbytes=size, group=_rep_group(g, rep), instances=g)
+                         deps=(last,), op="reduce_scatter", nbytes=size, group=rep_group(g, rep), instances=g)
         if rest:
             g = axis_groups_cached(groups, plan, rest, s)
             last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
-                         deps=(last,), op="all_reduce", nbytes=size / ways, group=_rep_group(g, rep), instances=g)
+                         deps=(last,), op="all_reduce", nbytes=size / ways, group=rep_group(g, rep), instances=g)
         out.append(last)
     return out
-
-
-def axis_groups_cached(cache: dict, plan: Plan, axes: list[Axis], stage: int) -> tuple[tuple[int, ...], ...]:
-    """:func:`axis_groups` of ``axes`` for ``stage``, memoized in ``cache`` (which holds the placement)."""
-    key = tuple(axes)
-    if key not in cache:
-        cache[key] = axis_groups(cache["placement"], list(axes))
-    return cache[key][stage]

@@ -1,0 +1,134 @@
+"""The simulator's IR: tasks on representative devices' streams, a step's program, and mesh-axis groups.
+
+testbed.sim.program builds a :class:`Program` from a plan (its docstring says
+what each stream and task stands for); testbed.sim.engine prices and plays
+it; testbed.sim.timeline reports what ran when. Kept apart from the builder
+so the three read one small definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from testbed.model.gemm import Gemm
+from testbed.pipeline.schedules import Schedule
+from testbed.plan.placement import Placement
+from testbed.plan.spec import MESH_AXES, Axis, Plan
+
+__all__ = ["TaskKind", "Task", "Program", "Builder", "axis_groups", "axis_groups_cached", "rep_group"]
+
+
+class TaskKind(StrEnum):
+    COMPUTE = "compute"
+    COLLECTIVE = "collective"
+    SEND = "send"
+    HOST = "host"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Task:
+    """One task on one representative device's stream.
+
+    Compute tasks carry ``flops``, ``hbm_bytes`` and ``kernels`` (the FLOPs of
+    one kernel decide its efficiency), and the activation bytes they write,
+    ``replicated_bytes`` and ``split_bytes`` over the tensor axis (priced by
+    the elementwise passes of the calibration); ``tensor_bytes`` is one
+    ``[tokens, d_model]`` activation of the task's microbatch (whether its
+    passes run from cache: calibration ``elementwise.cache_bytes``). Collectives carry ``op``, ``nbytes``
+    (DESIGN.md convention), ``count`` back-to-back repeats and the
+    representative's ``group``; sends carry ``group = (src, dst)``.
+    ``instances`` are all groups or pairs running the same task at once.
+    ``pipeline`` marks F/B/W actions and their tensor all-reduces. Host tasks
+    are the controller's: a dispatch of ``count`` programs passing
+    ``buffers`` device buffers in all (testbed.model.buffers), or the step's
+    preparation (``op="step"`` or ``"pipeline step"``, ``count=0``).
+    """
+
+    name: str
+    device: int
+    stream: str
+    kind: TaskKind
+    deps: tuple[int, ...] = ()
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    replicated_bytes: float = 0.0
+    split_bytes: float = 0.0
+    tensor_bytes: float = 0.0
+    kernels: int = 1
+    op: str = ""
+    nbytes: float = 0.0
+    count: int = 1
+    group: tuple[int, ...] = ()
+    instances: tuple[tuple[int, ...], ...] = ()
+    pipeline: bool = False
+    buffers: int = 0
+    gemms: tuple[Gemm, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Program:
+    """The tasks of one step, in program order, and the device -> representative map."""
+
+    tasks: tuple[Task, ...]
+    representative: np.ndarray
+    multiplicity: dict = field(default_factory=dict)
+    schedule: Schedule | None = None
+
+    def __post_init__(self) -> None:
+        rep = np.asarray(self.representative, dtype=np.int64)
+        rep.setflags(write=False)
+        object.__setattr__(self, "representative", rep)
+        reps, counts = np.unique(rep, return_counts=True)
+        object.__setattr__(self, "multiplicity", {int(r): int(c) for r, c in zip(reps, counts)})
+        for i, task in enumerate(self.tasks):
+            if any(not 0 <= d < i for d in task.deps):
+                raise ValueError(f"task {i} ({task.name}) depends on a later or missing task: {task.deps}")
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.representative.size)
+
+    @property
+    def representatives(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(t.device for t in self.tasks))
+
+
+def axis_groups(placement: Placement, axes: Sequence[Axis | str]) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Per pipeline stage, the device groups that vary along ``axes`` (mesh order inside a group)."""
+    ids = placement.device_ids
+    dims = [MESH_AXES.index(Axis(a)) for a in axes]
+    keep = [d for d in range(ids.ndim) if d not in dims]
+    moved = np.transpose(ids, keep + sorted(dims))
+    size = int(np.prod([ids.shape[d] for d in dims])) if dims else 1
+    out: dict[int, tuple[tuple[int, ...], ...]] = {}
+    for s in range(ids.shape[0]):
+        block = moved[s].reshape(-1, size)
+        out[s] = tuple(map(tuple, block.tolist()))  # Python ints, a row per group
+    return out
+
+
+class Builder:
+    """Appends tasks and keeps per-stage bookkeeping while the program is built."""
+
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+
+    def add(self, **kwargs) -> int:
+        self.tasks.append(Task(**kwargs))
+        return len(self.tasks) - 1
+
+
+def rep_group(groups: tuple[tuple[int, ...], ...], rep: int) -> tuple[int, ...]:
+    return next(g for g in groups if rep in g)
+
+
+def axis_groups_cached(cache: dict, plan: Plan, axes: list[Axis], stage: int) -> tuple[tuple[int, ...], ...]:
+    """:func:`axis_groups` of ``axes`` for ``stage``, memoized in ``cache`` (which holds the placement)."""
+    key = tuple(axes)
+    if key not in cache:
+        cache[key] = axis_groups(cache["placement"], list(axes))
+    return cache[key][stage]
