@@ -95,7 +95,10 @@ def test_memory_bound_work_is_priced_on_gpus():
     nbytes = 1e9
     t = compute_seconds(topo, "bf16", 1e9, 0.0, replicated_bytes=nbytes)
     t0 = compute_seconds(topo, "bf16", 1e9, 0.0)
-    assert t - t0 == pytest.approx(2 * nbytes / topo.device.memory_bandwidth)
+    # Two passes (Megatron's fused kernels) at the bandwidth kernels reach: 0.88 of the A100's peak.
+    reached = topo.device.memory_bandwidth * topo.calibration.memory.efficiency
+    assert topo.calibration.memory.efficiency == pytest.approx(0.88)
+    assert t - t0 == pytest.approx(2 * nbytes / reached)
 
 
 def test_published_runs_collectives_only():
