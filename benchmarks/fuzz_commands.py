@@ -132,7 +132,7 @@ def search_case(draw: Any) -> Case:
         argv += ["--topology", topology]
     bad = draw(st.sampled_from(["--devices", "--global-batch", "--seq", "--objective", "--price", "--memory-cap",
                                 "--top", "--replay", "--schedules", "--microbatches", "--remat", "--zero",
-                                "--precision", "--out", "none"]))
+                                "--precision", "--contexts", "--experts", "--out", "none"]))
     values = {
         "--devices": ["0", "-1", "nan", "abc", "3", "4", "16", "1e309", "99"],
         "--global-batch": ["0", "-1", "abc", "8", "1" + "0" * 30, "nan"],
@@ -144,6 +144,7 @@ def search_case(draw: Any) -> Case:
         "--schedules": ["1f1b,gpipe", "nope", "", ",", "ZB-H1"], "--microbatches": ["0", "-1", "abc", "1,1e309", ","],
         "--remat": ["nope", "full", ""], "--zero": ["5", "-1", "x", "0,1"],
         "--precision": ["fp8-mixed", "fp32,bf16-mixed", "nope", "fp8"],
+        "--contexts": ["0", "-2", "2", "1,2", "x", "3", "1e309"], "--experts": ["0", "2", "8", "y", "1,4", "-1"],
         "--out": [f"{TMP}/best.yaml", TMP, f"{TMP}/plan.yaml", f"{TMP}/no/dir/best.yaml", "/dev/null", ""],
     }
     if bad != "none":

@@ -123,6 +123,28 @@ def test_search_command_json_and_exit_codes(tmp_path: Path) -> None:
     assert main(["search", "--model", "gpt-tiny"]) == 2  # a preset names no topology
 
 
+@pytest.mark.parametrize("flag, degree", [("--contexts", 2), ("--experts", 4)])
+def test_search_command_takes_the_context_and_expert_degrees(tmp_path: Path, capsys, flag, degree) -> None:
+    """--contexts / --experts restrict the search to those degrees (context 2 of a short sequence, which the
+    default would never try; expert 4 of an 8-expert MoE); bad degrees are exit 2 naming the flag."""
+    from testbed.cli.main import main
+
+    model = "gpt-tiny" if flag == "--contexts" else "mixtral-8x7b"
+    out = tmp_path / "best.yaml"
+    argv = ["search", "--model", model, "--topology", "host-cpu-8" if flag == "--contexts" else "dgx-h100-x4",
+            "--schedules", "1f1b", "--microbatches", "1,2", "--remat", "full", "--zero", "1", "--replay", "2",
+            "--json"] + (["--global-batch", "64", "--seq", "1024"] if flag == "--experts" else [])
+    assert main(argv + [flag, str(degree), "--out", str(out)]) == 0, capsys.readouterr().err
+    data = json.loads(capsys.readouterr().out)
+    axis = "context" if flag == "--contexts" else "expert"
+    assert getattr(load_plan(str(out)).mesh, axis) == degree
+    assert data["ranked"] and all(r[axis] == degree for r in data["ranked"])
+    for bad in ("0", "two", "1,-2"):
+        assert main(argv + [flag, bad]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_written_plan_shrunk_to_8_devices_passes_verify(tmp_path: Path) -> None:
     """The searched plan (32 devices) shrunk to 8 emulated devices runs and matches one device."""

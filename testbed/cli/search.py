@@ -49,6 +49,10 @@ def _add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", help="comma-separated remat modes (default: none,selective,full)")
     parser.add_argument("--zero", help="comma-separated ZeRO stages (default: 0,1,2,3)")
     parser.add_argument("--precision", help="comma-separated precisions (default: keep the plan's)")
+    parser.add_argument("--contexts", help="comma-separated context-parallel degrees (default: 1, and for sequences "
+                                           "of 16K tokens or more every degree that fits)")
+    parser.add_argument("--experts", help="comma-separated expert-parallel degrees of an MoE model (default: every "
+                                          "degree dividing the experts and the devices)")
     parser.add_argument("--out", help="write the best plan as YAML")
 
 
@@ -92,6 +96,10 @@ def _space(args: argparse.Namespace):
         fields["zero"] = _csv(args.zero)
     if args.precision:
         fields["precisions"] = _csv(args.precision)
+    if args.contexts:
+        fields["contexts"] = _csv(args.contexts)
+    if args.experts:
+        fields["experts"] = _csv(args.experts)
     try:
         return SearchSpace(**fields)
     except InputError as exc:
@@ -161,7 +169,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         for i, r in enumerate(rows, 1):
             sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
             mesh = f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}" + (
-                f" ep{r['expert']}" if r.get("expert", 1) > 1 else "")  # MoE: the expert degree beside
+                f" ep{r['expert']}" if r.get("expert", 1) > 1 else "") + (  # MoE: the expert degree beside
+                f" cp{r['context']}" if r.get("context", 1) > 1 else "")  # context parallelism likewise
             table.add_row(str(i), mesh, sched, str(r["microbatches"]),
                           str(r["zero"]), r["remat"][:4], format_time(r["step_time_s"]),
                           format_time(r.get("exposed_comm_s", 0.0)), f"{r.get('bubble_fraction', 0.0):.0%}",
