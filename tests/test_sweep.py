@@ -182,7 +182,8 @@ def test_search_per_topology_point(tmp_path):
     rows = read_rows(db)
     assert [r["status"] for r in rows] == ["ok"] * 4
     assert all(r["searched"] and r["search_enumerated"] > 0 for r in rows)
-    assert all(r["data"] * r["fsdp"] * r["tensor"] * r["stage"] == r["devices"] for r in rows)
+    assert all(r["data"] * r["fsdp"] * r["tensor"] * r["stage"] * r["expert"] * r["context"] == r["devices"]
+               for r in rows)
     plan = json.loads(rows[0]["plan_json"])
     assert plan["mesh"]["data"] == rows[0]["data"]
 
@@ -250,3 +251,24 @@ def test_dask_executor_writes_the_same_rows_as_the_process_one(tmp_path):
         run_sweep(spec, mixed, workers=1, on_row=stop)
     assert run_sweep(spec, mixed, executor="dask", workers=1).skipped == 3
     assert _rows(mixed) == _rows(whole)
+
+
+def test_a_database_without_the_newer_columns_gains_them(tmp_path):
+    """A database written before the expert and context columns existed resumes: they are added (NULL in its
+    old rows), and new rows fill them."""
+    import duckdb
+
+    from testbed.explore.sweep import COLUMNS
+
+    db = tmp_path / "old.duckdb"
+    older = {c: t for c, t in COLUMNS.items() if c not in ("expert", "context")}
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE points (" + ", ".join(f'"{c}" {t}' for c, t in older.items()) + ")")
+    con.execute("INSERT INTO points (key, sweep, point, status) VALUES ('old-key', 'tiny', 99, 'ok')")
+    con.close()
+    run_sweep(spec_from_dict(_spec(grid={"plan.mesh.stage": [2, 4]})), db, workers=1)
+    rows = {r["key"]: r for r in read_rows(db)}
+    assert rows["old-key"]["expert"] is None and rows["old-key"]["context"] is None
+    new = [r for k, r in rows.items() if k != "old-key"]
+    assert [r["status"] for r in new] == ["ok", "ok"] and all(r["expert"] == r["context"] == 1 for r in new)
+

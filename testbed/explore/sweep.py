@@ -42,6 +42,7 @@ COLUMNS: dict[str, str] = {
     "topology": "VARCHAR", "device_type": "VARCHAR", "devices": "INTEGER", "levels": "VARCHAR",
     "plan": "VARCHAR", "model_params": "BIGINT", "global_batch": "INTEGER", "seq_len": "INTEGER",
     "tokens_per_step": "BIGINT", "data": "INTEGER", "fsdp": "INTEGER", "tensor": "INTEGER", "stage": "INTEGER",
+    "expert": "INTEGER", "context": "INTEGER",
     "schedule": "VARCHAR", "virtual_stages": "INTEGER", "microbatches": "INTEGER", "zero": "INTEGER",
     "remat": "VARCHAR", "precision": "VARCHAR", "plan_json": "VARCHAR",
     "step_time_s": "DOUBLE", "compute_s": "DOUBLE", "exposed_comm_s": "DOUBLE", "bubble_fraction": "DOUBLE",
@@ -94,7 +95,8 @@ def evaluate_point(task: PointTask) -> dict[str, Any]:
     tokens = plan.tokens_per_step
     row.update(status="ok", error=None, plan=plan.name, model_params=int(report.memory.get("params_count", 0)),
                global_batch=plan.batch.global_batch, seq_len=plan.model.seq_len, tokens_per_step=tokens,
-               data=m.data, fsdp=m.fsdp, tensor=m.tensor, stage=m.stage, schedule=plan.schedule.name.value,
+               data=m.data, fsdp=m.fsdp, tensor=m.tensor, stage=m.stage, expert=m.expert, context=m.context,
+               schedule=plan.schedule.name.value,
                virtual_stages=plan.schedule.virtual_stages, microbatches=plan.batch.microbatches, zero=plan.zero,
                remat=plan.remat.value, precision=plan.precision.value,
                plan_json=json.dumps(plan_to_dict(plan), sort_keys=True),
@@ -134,6 +136,9 @@ class SweepDB:
         if not read_only:
             cols = ", ".join(f'"{c}" {t}' for c, t in COLUMNS.items())
             self.con.execute(f"CREATE TABLE IF NOT EXISTS points ({cols})")
+            missing = [c for c in COLUMNS if c not in self.columns()]
+            for c in missing:  # a database an older testbed wrote gains the newer columns (NULL in its rows)
+                self.con.execute(f'ALTER TABLE points ADD COLUMN "{c}" {COLUMNS[c]}')
 
     def __enter__(self) -> "SweepDB":
         return self
