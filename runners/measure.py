@@ -58,6 +58,8 @@ class Benchmark:
             return f"matmul {self.dtype} {self.size}^3"
         if self.kind == "concurrent":
             return f"MLP step, {self.size} tokens, on {self.ranks} device(s) at once"
+        if self.kind == "programs":
+            return f"MLP step, {self.size} tokens, on every device as {self.ranks} programs at once"
         return f"{self.kind} {self.size}" if self.size else self.kind
 
 
@@ -94,6 +96,9 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.fit.fit_host_throughput).
         out += [Benchmark(kind="concurrent", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
                 for k in sorted({1, 2, max(1, num_devices // 2), num_devices})]
+        # The same work as separate programs at once (an MPMD pipeline's stages; fit_host_programs).
+        out += [Benchmark(kind="programs", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
+                for k in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % k == 0]
     out += [Benchmark(kind="memory", size=b) for b in streams]
     groups = sorted({g for g in (2, 8, 64) if g < num_devices and num_devices % g == 0} | {num_devices})
     if quick:
@@ -148,6 +153,34 @@ def _mlp_program(devices: Sequence[Any], tokens: int, width: int) -> Callable[[]
     local = jax.grad(loss, argnums=(0, 1))
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(jax.P("d"),) * 3, out_specs=(jax.P("d"),) * 2))
     return lambda: fn(w1, w2, x)
+
+
+def _programs(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sample:
+    """The :func:`_concurrent` MLP on every device, as ``ranks`` separate programs at once (each over its
+    share of the devices, dispatched back to back as the MPMD pipeline engine dispatches stages) against
+    one program over all of them, alternating (:data:`CONCURRENT_ROUNDS` rounds): ``alone_s`` is the one
+    program's time, ``seconds`` the separate programs'."""
+    n, k, t, d = len(devices), bench.ranks, bench.size, width
+    flops = 3 * 2 * 2.0 * t * d * 4 * d
+    one = _mlp_program(devices, t, d)
+    parts = [_mlp_program(devices[i * n // k:(i + 1) * n // k], t, d) for i in range(k)]
+
+    def separate() -> list[Any]:
+        return [part() for part in parts]
+
+    jax.block_until_ready((one(), separate()))
+    ratios, times = [], []
+    for _ in range(CONCURRENT_ROUNDS):
+        start = time.perf_counter()
+        jax.block_until_ready(one())
+        middle = time.perf_counter()
+        jax.block_until_ready(separate())
+        end = time.perf_counter()
+        ratios.append((middle - start) / (end - middle))
+        times.append(end - middle)
+    seconds = statistics.median(times)
+    return Sample(kind="programs", seconds=seconds, flops=flops, devices=n, ranks=k,
+                  alone_s=seconds * statistics.median(ratios))
 
 
 def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sample:
@@ -294,6 +327,8 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchma
         return _matmul(bench, devices)
     if bench.kind == "concurrent":
         return _concurrent(bench, devices)
+    if bench.kind == "programs":
+        return _programs(bench, devices)
     if bench.kind == "memory":
         return _memory(bench, devices)
     return collective_sample(bench, devices)

@@ -106,6 +106,33 @@ def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp
         load_topology(str(path))
 
 
+def test_fit_host_programs_recovers_the_slowdown_and_round_trips_through_yaml(tmp_path):
+    """S(P) = t(P programs) / t(one program) per program count, median over sizes, never below S(P-);
+    written beside the throughput curve and read back."""
+    truth = {2: 1.1, 4: 1.3, 8: 1.25}  # a dip is kept at the level before it
+    samples = [Sample(kind="programs", seconds=t * s, alone_s=t, flops=f, devices=8, ranks=k)
+               for t, f in ((0.01, 1e6), (0.04, 4e6)) for k, s in truth.items()]
+    curve = cal.fit_host_programs(samples)
+    assert dict(curve) == {1: 1.0, 2: pytest.approx(1.1), 4: pytest.approx(1.3), 8: pytest.approx(1.3)}
+    assert cal.fit_host_programs([]) == () and cal.samples_from_rows(cal.samples_to_rows(samples)) == samples
+    base = load_topology("host-cpu-8")
+    topo = cal_topology.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10,
+                                            launch_s=0.0, host_cores=2.0, collectives=None, efficiency=0.5,
+                                            host_throughput=((1, 1.0), (8, 1.7)), host_programs=curve)
+    path = tmp_path / "t.yaml"
+    path.write_text(dump_topology(topo))
+    assert load_topology(str(path)).calibration.host.programs == curve
+
+
+def test_calibration_times_separate_programs_on_every_device_count():
+    from runners.measure import plan_benchmarks
+
+    benches = plan_benchmarks("cpu", 8, quick=True)
+    assert sorted(b.ranks for b in benches if b.kind == "programs") == [2, 4, 8]
+    assert not any(b.kind == "programs" for b in plan_benchmarks("cpu", 1))
+    assert sorted(b.ranks for b in plan_benchmarks("cpu", 6, quick=True) if b.kind == "programs") == [2, 3, 6]
+
+
 @pytest.mark.parametrize("shared", [1.0, 1.5, 2.0, 2.7])
 def test_fractional_host_cores_give_the_measured_throughput_when_all_devices_compute(shared):
     base = load_topology("host-cpu-8")
@@ -642,6 +669,20 @@ def test_concurrent_benchmark_times_one_device_alone_in_the_same_rounds():
     # The curve takes the paired time; the one-device sample is only a fallback.
     done = 2 * pair.alone_s / pair.seconds
     assert cal._work_done([alone, pair]) == {2: [pytest.approx(done)]}
+
+
+def test_programs_benchmark_times_one_program_in_the_same_rounds():
+    """The separate programs' time and the one program's, both over every device, feed S(P)."""
+    import jax
+
+    from runners.measure import Benchmark, run_benchmark
+
+    devices = jax.devices()
+    sample = run_benchmark(Benchmark(kind="programs", size=16, ranks=4), devices)
+    assert sample.kind == "programs" and sample.devices == len(devices) and sample.ranks == 4
+    assert sample.seconds > 0 and sample.alone_s > 0
+    assert dict(cal.fit_host_programs([sample])) == {1: 1.0, 4: pytest.approx(
+        min(4.0, max(1.0, sample.seconds / sample.alone_s)))}
 
 
 def test_calibrate_table_is_grouped_and_says_which_groups_are_absent():

@@ -126,6 +126,27 @@ def test_a_measured_host_throughput_curve_sets_each_devices_share():
             Calibration(host=HostCalibration(throughput=bad))
 
 
+def test_separate_programs_share_the_host_worse_than_one():
+    """Representatives computing at once are separate programs (MPMD stages): each runs ``S(P)`` times slower
+    than the same devices in one program; one representative (an SPMD step) never pays it."""
+    curve = ((1, 1.0), (2, 1.2), (4, 1.6))
+    cal = Calibration(host=HostCalibration(throughput=curve, programs=((1, 1.0), (2, 1.5))))
+    assert cal.host_share(4, 2) == pytest.approx(0.4 / 1.5) and cal.host_share(4, 1) == pytest.approx(0.4)
+    assert cal.host_share(4, 8) == pytest.approx(0.4 / 1.5)  # flat after its last point
+    assert cal.host_share(1, 2) == 1.0  # one device computing is one program whatever is asked
+    tasks = [_compute("a", 0), _compute("b", 2)]
+    priced = Priced(durations=(1.0, 1.0), loads=(None, None), bandwidth={})
+    assert run(_program(tasks, 4, [0, 0, 2, 2]), priced, calibration=cal).step_time_s == pytest.approx(2.5 * 1.5)
+    assert run(_program(tasks[:1], 4, [0, 0, 2, 2]), priced, calibration=cal).step_time_s == pytest.approx(1 / 0.6)
+    one = [_compute("a", 0), _compute("b", 0)]  # one representative for all four devices: one program
+    assert run(_program(one, 4, [0, 0, 0, 0]), priced, calibration=cal).step_time_s == pytest.approx(
+        run(_program(one, 4, [0, 0, 0, 0]), priced, calibration=Calibration(
+            host=HostCalibration(throughput=curve))).step_time_s)
+    for bad in (((2, 1.5),), ((1, 1.0), (2, 0.9)), ((1, 1.0), (1, 1.2)), ((1, 1.0), (2, float("inf")))):
+        with pytest.raises(InputError, match=r"calibration\.host\.programs"):
+            Calibration(host=HostCalibration(throughput=curve, programs=bad))
+
+
 def test_program_rejects_forward_dependencies():
     """Dependencies point to earlier tasks, so streams in program order can never deadlock."""
     with pytest.raises(ValueError):

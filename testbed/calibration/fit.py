@@ -35,7 +35,7 @@ from testbed.errors import InputError
 
 __all__ = [
     "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
-    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput",
+    "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput", "fit_host_programs",
     "samples_to_rows", "samples_from_rows",
 ]
 
@@ -43,7 +43,7 @@ __all__ = [
 #: MLP training step on ``devices`` devices at once, a memory stream, a
 #: collective, a data-parallel training step of a model, a pipeline (MPMD)
 #: training step of a model.
-SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "memory", "collective", "step", "pipeline")
+SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "programs", "memory", "collective", "step", "pipeline")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,7 +65,10 @@ class Sample:
         ``seconds`` times the median over rounds of alone / at once: the
         ratio is what the host's throughput curve needs, and timing both
         side by side keeps the host's drift out of it. 0: not measured (the
-        one-device ``concurrent`` sample is used instead).
+        one-device ``concurrent`` sample is used instead). ``programs``: the
+        same per-device work as ONE program over all ``devices``, timed in the
+        same rounds, against ``seconds``: it run as ``ranks`` separate programs
+        at once (runners.measure).
     """
 
     kind: str
@@ -273,6 +276,26 @@ def fit_host_throughput(samples: Sequence[Sample]) -> tuple[tuple[int, float], .
     curve = [(1, 1.0)]
     for k in sorted(done):
         curve.append((k, float(np.clip(np.median(done[k]), curve[-1][1], k))))
+    return tuple(curve)
+
+
+def fit_host_programs(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...]:
+    """How much slower devices compute in ``P`` separate programs at once: ``(P, S(P))``, ``S = t(P programs) /
+    t(one program)`` over the ``programs`` samples (median over their sizes), ``S(1) = 1``.
+
+    An MPMD pipeline runs each stage as its own program; ``concurrent`` (the throughput curve) times one SPMD
+    program. Each ``S(P)`` is kept within ``[S(previous), P]`` (more programs are never faster in the model).
+    Empty without ``programs`` samples.
+    """
+    ratios: dict[int, list[float]] = {}
+    for s in of_kind(samples, "programs"):
+        if s.ranks > 1 and s.alone_s > 0:
+            ratios.setdefault(s.ranks, []).append(s.seconds / s.alone_s)
+    if not ratios:
+        return ()
+    curve = [(1, 1.0)]
+    for p in sorted(ratios):
+        curve.append((p, float(np.clip(np.median(ratios[p]), curve[-1][1], p))))
     return tuple(curve)
 
 

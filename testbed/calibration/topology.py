@@ -103,6 +103,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         controller_step_s: float = 0.0, controller_buffer_s: float = 0.0,
                         controller_pipeline_step_s: float = 0.0,
                         host_throughput: tuple[tuple[int, float], ...] = (),
+                        host_programs: tuple[tuple[int, float], ...] = (),
                         passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
                         cache_bytes: float = 0.0) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
@@ -156,7 +157,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
         elementwise = ElementwiseCalibration(replicated_passes=passes[0], split_passes=passes[1],
                                              cached_passes=passes[2], cache_bytes=cache_bytes)
     if cores or host_throughput:
-        host = HostCalibration(cores=cores, throughput=tuple(host_throughput))
+        host = HostCalibration(cores=cores, throughput=tuple(host_throughput), programs=tuple(host_programs))
     if controller_s or controller_step_s or controller_pipeline_step_s or controller_buffer_s:
         controller = ControllerCalibration(overhead_s=controller_s, step_s=controller_step_s,
                                            pipeline_step_s=controller_pipeline_step_s, buffer_s=controller_buffer_s)
@@ -188,6 +189,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         memory_bw = base.device.memory_bandwidth * base.calibration.memory.efficiency
     shared = cal.fit_host_cores(samples)
     curve = cal.fit_host_throughput(samples)
+    programs = cal.fit_host_programs(samples) if curve else ()
     # Devices that share a host saturate its cores once that many compute at once; steps then fit the rest.
     has_steps = any(s.kind == "step" for s in samples)
     cores = float(host_cpus) if shared and host_cpus and has_steps else shared
@@ -199,7 +201,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         fits.append(coll_fit)
     topo = calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
                                    host_cores=cores, collectives=collectives, name=name, host_throughput=curve,
-                                   cache_bytes=cache_bytes)
+                                   host_programs=programs, cache_bytes=cache_bytes)
     buffers = cal_steps.fit_controller_buffers(samples)
     buffer_s = 0.0
     if buffers is not None:
@@ -221,7 +223,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                        efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
                                        controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
                                        controller_pipeline_step_s=pipeline_step_s, passes=passes,
-                                       host_throughput=curve, cache_bytes=cache_bytes)
+                                       host_throughput=curve, host_programs=programs, cache_bytes=cache_bytes)
     return topo, fitted_values(topo, shared=shared, rates=rates, memory_bandwidth=memory_bw), fits
 
 
@@ -250,6 +252,7 @@ def fitted_values(topo: Topology, *, shared: float, rates: Mapping[str, float], 
         "collective_overhead_s": c.collectives.overhead_s, "host_cores": c.host.cores if c.host else 0,
         "shared_host_cores": shared,
         "host_throughput": {str(n): t for n, t in c.host.throughput} if c.host else {},
+        "host_programs": {str(n): t for n, t in c.host.programs} if c.host else {},
         "controller_overhead_s": controller.overhead_s if controller else 0.0,
         "controller_step_s": controller.step_s if controller else 0.0,
         "controller_pipeline_step_s": controller.pipeline_step_s if controller else 0.0,

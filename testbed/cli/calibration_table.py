@@ -48,6 +48,8 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append(("host", "cores", f"{h['cores']} (devices alone vs all at once: {fitted['shared_host_cores']:.2f})"))
         if h["throughput"]:
             rows.append(("host", "throughput", ", ".join(f"{n} at once: {t:.2f}" for n, t in h["throughput"].items())))
+        if h.get("programs"):
+            rows.append(("host", "programs", ", ".join(f"{n} programs: {t:.2f}x" for n, t in h["programs"].items())))
     k = groups["controller"]
     if k is None:
         rows.append(("controller", "", _ABSENT["controller"]))

@@ -327,14 +327,15 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             step = max(step, done, host)
         return step, busy, comm
 
-    # A shared host (emulated devices): each device computing runs at host_share(n) of its speed with n
-    # computing at once. Mean field: n is the time-averaged count the previous play gives, refined twice.
+    # A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
+    # computing at once in P programs (a pipeline's stages). Mean field: n and P are the time-averaged counts
+    # the previous play gives, refined twice.
     step, busy, comm = play(1.0)
     if cal.shares_host:
         per_stage = topology.num_devices / p
         for _ in range(2):
-            computing = sum(busy) * per_stage / step if step > 0 else 1.0
-            step, busy, comm = play(1.0 / cal.host_share(computing))
+            stages = sum(busy) / step if step > 0 else 1.0
+            step, busy, comm = play(1.0 / cal.host_share(stages * per_stage, max(1.0, stages)))
     worst = max(range(p), key=lambda s: busy[s] + comm[s])
     return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
                     bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),

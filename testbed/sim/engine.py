@@ -353,7 +353,10 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
             dirty_comm = False
         if dirty_compute:
             comp = [i for i in active if not is_comm[i]]
-            share = sharing.host_share(sum(weight[i] for i in comp)) if sharing.shares_host else 1.0
+            # The programs computing at once: one per stage representative (MPMD pipeline stages are separate
+            # programs; an SPMD step is one), which share the host worse than one program's devices do.
+            programs = len({tasks[i].device for i in comp if tasks[i].kind is TaskKind.COMPUTE}) or 1
+            share = sharing.host_share(sum(weight[i] for i in comp), programs) if sharing.shares_host else 1.0
             for i in comp:
                 rate[i] = share / durations[i]
             dirty_compute = False

@@ -61,7 +61,7 @@ class _Group:
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if full or value != f.default:
-                out[f.name] = {n: t for n, t in value} if f.name == "throughput" else value
+                out[f.name] = {n: t for n, t in value} if f.name in ("throughput", "programs") else value
         return out
 
 
@@ -189,11 +189,19 @@ class HostCalibration(_Group):
         runs at ``T(n) / n``. Measured on a 2-core host: two XLA:CPU devices
         at once get 1.0-1.4 devices' worth done, not the 2 a core count says.
         Overrides ``cores`` when given (``cores`` then stays for the reader).
+    programs: measured too: pairs ``(P, S)``, how many times longer devices
+        take when they compute in ``P`` separate programs at once (an MPMD
+        pipeline's stages) than in one program over as many devices (the
+        ``throughput`` curve's SPMD programs): ``S(1) = 1``, linear between
+        points, flat after the last. Measured on a 2-core host: four programs
+        of two XLA:CPU devices take about 1.3x one program over all eight.
+        Empty: programs share the host as one program does.
     """
 
     GROUP: ClassVar[str] = "host"
     cores: int = 0
     throughput: tuple[tuple[int, float], ...] = ()
+    programs: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 0:
@@ -204,23 +212,37 @@ class HostCalibration(_Group):
                       or any(not 0 < t <= n for n, t in curve)):
             raise InputError(f"must map device counts 1 < n2 < ... to 0 < T(n) <= n, starting at 1: 1.0; got "
                              f"{dict(curve)}", field=self._path("throughput"))
+        slowdown = tuple((int(n), float(t)) for n, t in self.programs)
+        object.__setattr__(self, "programs", slowdown)
+        if slowdown and (slowdown[0] != (1, 1.0) or any(b[0] <= a[0] for a, b in zip(slowdown, slowdown[1:]))
+                         or any(not 1.0 <= t < float("inf") for _, t in slowdown)):
+            raise InputError(f"must map program counts 1 < P2 < ... to slowdowns S(P) >= 1, starting at 1: 1.0; got "
+                             f"{dict(slowdown)}", field=self._path("programs"))
         if not curve and self.cores == 0:
             raise InputError("a shared host needs `cores` or `throughput`; leave the `host` group out when devices "
                              "do not share one", field=self._path("cores"))
 
-    def share(self, computing: float) -> float:
-        """Fraction of its speed alone each of ``computing`` devices (at once) runs at."""
+    def share(self, computing: float, programs: float = 1.0) -> float:
+        """Fraction of its speed alone each of ``computing`` devices (at once, in ``programs`` separate programs)
+        runs at."""
+        return self._share(computing) / _interpolate(self.programs, min(programs, max(1.0, computing)), 1.0)
+
+    def _share(self, computing: float) -> float:
         if computing <= 1:
             return 1.0
         if self.throughput:
-            curve = self.throughput
-            done = curve[-1][1]
-            for (n0, t0), (n1, t1) in zip(curve, curve[1:]):
-                if computing <= n1:
-                    done = t0 + (t1 - t0) * (computing - n0) / (n1 - n0)
-                    break
-            return min(1.0, done / computing)
+            return min(1.0, _interpolate(self.throughput, computing, 1.0) / computing)
         return min(1.0, self.cores / computing)
+
+
+def _interpolate(curve: tuple[tuple[int, float], ...], x: float, default: float) -> float:
+    """A piecewise-linear curve of ``(n, value)`` points at ``x``: flat after its last point; ``default`` when empty."""
+    if not curve or x <= curve[0][0]:
+        return curve[0][1] if curve else default
+    for (n0, v0), (n1, v1) in zip(curve, curve[1:]):
+        if x <= n1:
+            return v0 + (v1 - v0) * (x - n0) / (n1 - n0)
+    return curve[-1][1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -335,6 +357,7 @@ class Calibration:
         """Whether devices computing at once slow each other (emulated devices of one host)."""
         return self.host is not None
 
-    def host_share(self, computing: float) -> float:
-        """Fraction of its speed alone each of ``computing`` devices (at once) runs at (1 without a shared host)."""
-        return 1.0 if self.host is None else self.host.share(computing)
+    def host_share(self, computing: float, programs: float = 1.0) -> float:
+        """Fraction of its speed alone each of ``computing`` devices (at once, in ``programs`` separate programs)
+        runs at (1 without a shared host)."""
+        return 1.0 if self.host is None else self.host.share(computing, programs)

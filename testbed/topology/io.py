@@ -122,7 +122,8 @@ LEGACY_CALIBRATION_FIELDS = {
     "replicated_passes": "elementwise.replicated_passes", "split_passes": "elementwise.split_passes",
     "cached_passes": "elementwise.cached_passes", "cache_bytes": "elementwise.cache_bytes",
     "collective_overhead_s": "collectives.overhead_s", "host_cores": "host.cores",
-    "host_throughput": "host.throughput", "controller_overhead_s": "controller.overhead_s",
+    "host_throughput": "host.throughput", "host_programs": "host.programs",
+    "controller_overhead_s": "controller.overhead_s",
     "controller_step_s": "controller.step_s", "controller_pipeline_step_s": "controller.pipeline_step_s",
     "controller_buffer_s": "controller.buffer_s",
 }
@@ -133,12 +134,13 @@ def _calibration_value(group: str, name: str, value: Any) -> Any:
     path = f"calibration.{group}.{name}"
     if name == "cores":
         return get_int({name: value}, name, f"calibration.{group}", minimum=0)
-    if name == "throughput":
+    if name in ("throughput", "programs"):
         curve = expect_mapping(value, path)
         points = []
+        what = "device" if name == "throughput" else "program"
         for k, v in curve.items():
             if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DEVICES:
-                raise InputError(f"expected device counts 1..{MAX_DEVICES} as keys (1: 1.0, 2: 1.3, ...), got "
+                raise InputError(f"expected {what} counts 1..{MAX_DEVICES} as keys (1: 1.0, 2: 1.3, ...), got "
                                  f"{quote(k)}", field=path)
             points.append((k, get_float({k: v}, k, path, positive=True)))
         return tuple(sorted(points))
