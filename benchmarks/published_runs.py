@@ -5,13 +5,15 @@ Categories:
 - ``collectives``: nccl-tests bus bandwidths (benchmarks/published/collectives.py,
   cases in nccl_tests.yaml), predicted vs published GB/s;
 - ``end_to_end``: Megatron-LM training throughput (benchmarks/published/end_to_end.py,
-  Narayanan et al. 2021 Table 1 in megatron.yaml), predicted vs published TFLOP/s per GPU.
+  Narayanan et al. 2021 Table 1 in megatron.yaml), predicted vs published TFLOP/s per GPU;
+- ``memory``: model states per device under ZeRO 1-3 (benchmarks/published/memory.py,
+  Rajbhandari et al. 2020 Table 1 in zero_memory.yaml), predicted vs published GB.
 
 Prints ``{"categories": {NAME: {cases, median_abs_error, max_abs_error}}, "results":
 {NAME: [{case, predicted, published, error}, ...]}}``; error is predicted / published - 1.
 The largest Megatron rows take about a minute each to simulate.
 
-    .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end]
+    .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|memory]
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "published"))
 
 import collectives as published_collectives  # noqa: E402
 import end_to_end as published_end_to_end  # noqa: E402
+import memory as published_memory  # noqa: E402
 
-CATEGORIES = {"collectives": published_collectives.evaluate, "end_to_end": published_end_to_end.evaluate}
-UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU"}
+CATEGORIES = {"collectives": published_collectives.evaluate, "end_to_end": published_end_to_end.evaluate,
+              "memory": published_memory.evaluate}
+UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU", "memory": "GB of model states per device"}
 
 
 def run(only: list[str] | None = None) -> dict:

@@ -108,3 +108,21 @@ def test_published_runs_collectives_only():
     data = json.loads(out.stdout)
     assert set(data["categories"]) == {"collectives"}
     assert data["categories"]["collectives"]["cases"] == len(data["results"]["collectives"])
+
+
+def test_model_states_match_zeros_table_to_its_last_digit():
+    """ZeRO's Table 1 (Rajbhandari et al. 2020): testbed's parameter, gradient and optimizer bytes per device
+    under ZeRO 1-3 at 1-1024 data-parallel ranks, within one unit of the table's last printed digit."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "published"))
+    try:
+        import memory as published_memory
+    finally:
+        sys.path.pop(0)
+    data = yaml.safe_load((ROOT / "benchmarks" / "published" / "zero_memory.yaml").read_text())
+    printed = [v for _, *models in data["rows"] for m in models for v in m]
+    rows = published_memory.evaluate()
+    assert len(rows) == len(printed) == 54
+    for row in rows:
+        text = repr(float(row["published"])).rstrip("0").rstrip(".")
+        unit = 10.0 ** -(len(text.split(".")[1]) if "." in text else 0)
+        assert abs(row["predicted"] - row["published"]) <= unit + 1e-9, row
