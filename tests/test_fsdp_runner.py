@@ -129,3 +129,18 @@ def test_fsdp_spread_replicas_sequence_parallel_bf16_plan_matches_reference() ->
                 mesh=MeshSpec(data=2, fsdp=2, tensor=2), sequence_parallel=True, precision="bf16-mixed")
     result = verify_plan(plan, dev.select_devices(8), steps=2, check_hlo=True)
     assert result.ok, (result.errors, result.thresholds, result.collectives)
+
+
+def test_compiled_collectives_are_the_rule_count() -> None:
+    """The simulator's count of a chunk's parameter collectives (testbed.plan.sharding.parameter_collectives
+    at combine_bytes 0, the host's: XLA:CPU combines none) is what the compiled step runs: one all-gather per
+    sharded leaf and one reduce-scatter of its gradient, leaves whose free dims the shard count does not divide
+    (tensor-split biases here) left out."""
+    from testbed.plan.sharding import parameter_collectives
+
+    plan = _plan(fsdp=2, tensor=2)
+    _, found = _compiled(plan)
+    kinds = Counter(kind for axes, kind, _ in found if axes == "fsdp")
+    rule = parameter_collectives(plan, 0, 0, combine_bytes=0)
+    assert rule < 2 + 12 * MODEL.layers + 3  # some leaves stay whole at tensor 2: the rule must see them
+    assert kinds["all-gather"] == kinds["reduce-scatter"] == rule, (kinds, rule)

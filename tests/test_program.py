@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -179,3 +180,60 @@ def test_each_microbatch_adds_its_gradients_into_the_accumulator(plan):
         for t in adds:  # right after a weight-gradient action of the same label (and its tensor collectives)
             source = program.tasks[t.deps[0]].name.removeprefix("tp ").split(" ")[0].split("/")[0]
             assert source == t.name.removeprefix("accumulate ") and source.startswith(kind)
+
+
+@given(plans, st.sampled_from([0.0, 1024.0, None]))
+def test_parameter_collectives_follow_the_rule(plan, combine):
+    """Every gather of a chunk's sharded parameters, and its gradient reduce-scatters (each earlier microbatch's,
+    the last one's buckets together), is as many collectives as testbed.plan.sharding's rule counts under the
+    topology's combine_bytes (None: one per chunk), the chunk's bytes shared among them."""
+    from testbed.plan.sharding import gathered_leaves, parameter_collectives
+
+    placement = place(plan, num_devices=plan.mesh.size)
+    program = build_program(plan, placement, combine_bytes=combine)
+    param_b, grad_b, _ = state_bytes_per_param(plan)
+    v, sharded = plan.schedule.virtual_stages, bool(state_sharding(plan).split_axes(plan, "params"))
+    for s, rep in enumerate(program.representatives):
+        for c in range(v):
+            n = parameter_collectives(plan, s, c, math.inf if combine is None else combine)
+            leaves = len(gathered_leaves(plan, s, c))
+            assert (n >= 1) == sharded and n <= max(1, leaves)
+            assert n == (sharded if combine is None else max(1, leaves) if combine == 0 and sharded else n)
+            cost = model.chunk_cost(plan, s, c)
+            mine = [t for t in program.tasks if t.device == rep and (m := re.search(r"[FBW]\d+(?:\.(\d+))?", t.name))
+                    and int(m.group(1) or 0) == c]
+            gathers = [t for t in mine if t.stream == "gather"]
+            assert all(t.count == max(1, n) for t in gathers)
+            assert all(math.isclose(t.count * t.nbytes, cost.params * param_b, rel_tol=1e-9) for t in gathers)
+            if not sharded:
+                assert gathers == []
+                continue
+            scatters = [t for t in mine if t.op == "reduce_scatter"]
+            accumulate = [t for t in scatters if t.name.endswith("(accumulate)")]
+            buckets = [t for t in scatters if t not in accumulate]
+            assert all(t.count == n for t in accumulate)
+            assert sum(t.count for t in buckets) == n or len(buckets) > n  # a bucket is at least one collective
+            assert math.isclose(sum(t.count * t.nbytes for t in buckets), cost.params * grad_b, rel_tol=1e-9)
+
+
+def test_host_counts_one_collective_per_leaf():
+    """The bundled host (XLA:CPU combines none) gathers the validation suite's fsdp8 GPT leaf by leaf: 53
+    all-gathers and 53 reduce-scatters per pass, the compiled step's count (tests/test_fsdp_runner.py checks
+    the rule against XLA); a topology without combine_bytes keeps one per chunk."""
+    from testbed.plan.io import load_plan
+    from testbed.plan.sharding import combined_sizes, gathered_leaves
+    from testbed.sim.engine import simulate
+    from testbed.topology.io import load_topology
+
+    host = load_topology("host-cpu-8")
+    assert host.calibration.collectives.combine_bytes == 0
+    plan = load_plan("plans/validation/fsdp8.yaml")
+    assert len(gathered_leaves(plan, 0, 0)) == 53
+    tasks = simulate(plan, host).program.tasks
+    assert [t.count for t in tasks if t.op == "all_gather"] == [53]
+    assert sum(t.count for t in tasks if t.op == "reduce_scatter") == 53
+    merged = replace(host, calibration=host.calibration.updated(collectives={"combine_bytes": None}))
+    assert [t.count for t in simulate(plan, merged).program.tasks if t.op == "all_gather"] == [1]
+    # The combiner's rule: consecutive collectives merge while the merged one stays within the threshold.
+    assert combined_sizes((4.0, 4.0, 8.0, 2.0, 1.0), 8.0) == (8.0, 8.0, 3.0)
+    assert combined_sizes((4.0, 4.0), 0.0) == (4.0, 4.0) and combined_sizes((4.0, 4.0), math.inf) == (8.0,)

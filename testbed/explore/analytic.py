@@ -45,7 +45,8 @@ from testbed.model import costs as model
 from testbed.model.memory import MemoryBreakdown, memory_breakdown, state_bytes_per_param
 from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, execution_order, peak_inflight
 from testbed.plan.placement import place
-from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
+from testbed.plan.sharding import (gathers_parameters, gradient_reduction, parameter_collectives, reduction_axes,
+                                   state_sharding)
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.model.gemm import chunk_gemms, gemm_flops, scaled, without
 from testbed.sim.engine import compute_seconds
@@ -120,9 +121,11 @@ class _Collectives:
         return groups_time(self.topology, op, groups, nbytes).time_s
 
 
-def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, expert_bytes: float) -> float:
+def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, expert_bytes: float,
+                    leaves: float = 0.0) -> float:
     """One gradient bucket's reduction (testbed.sim.program's ``_reduce``): per parameter kind, a reduce-scatter
-    over its reduction axes the optimizer state is sharded on, then an all-reduce over the rest."""
+    over its reduction axes the optimizer state is sharded on (``leaves`` collectives of the bucket when the
+    parameters are sharded, a share of them per kind; 0: one), then an all-reduce over the rest."""
     o_axes = state_sharding(plan).optimizer
     t = 0.0
     for expert, size in ((False, nbytes - expert_bytes), (True, expert_bytes)):
@@ -133,7 +136,8 @@ def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, e
         rest = tuple(a for a in axes if a not in o_axes)
         ways = math.prod(plan.mesh.degree(a) for a in sharded)
         if sharded:
-            t += coll.time("reduce_scatter", sharded, stage, size)
+            n = max(1.0, leaves * size / nbytes) if leaves else 1.0
+            t += n * coll.time("reduce_scatter", sharded, stage, size / n)
         if rest:
             t += coll.time("all_reduce", rest, stage, size / ways)
     return t
@@ -202,6 +206,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     controller = cal.controller
 
     costs = [[_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
+    combine = cal.collectives.combine_bytes
     # Per (stage, chunk, kind): compute s, tp s, gather s, one bucket piece's compute s, the bucket count,
     # one bucket's reduction s, the per-microbatch reduce-scatter s, sends [(dst, s)], dispatch buffers.
     work: dict[tuple[int, int, str], tuple] = {}
@@ -209,7 +214,9 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
         for c in range(v):
             cost = costs[s][c]
             kernels = max(1, 4 * cost.layers)
-            gather = coll.time("all_gather", p_axes, s, cost.params * param_b) if p_ways > 1 else 0.0
+            # testbed.sim.program's gather: as many collectives as the rule counts, an equal share of the bytes each.
+            leaves = parameter_collectives(plan, s, c, math.inf if combine is None else combine)
+            gather = leaves * coll.time("all_gather", p_axes, s, cost.params * param_b / leaves) if p_ways > 1 else 0.0
             for kind in ("F", "B", "W") if split else ("F", "B"):
                 flops, hbm, (rep_b, split_b), tp = _action_work(cost, kind, split, plan.remat)
                 gemms = _chunk_gemms(plan, s, c).action(kind, split)
@@ -242,9 +249,10 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     experts = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
                                             mesh.tensor, 1, mesh.expert, experts_only=True)
                     bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b,
-                                             experts / pieces * grad_b)
+                                             experts / pieces * grad_b, leaves / pieces)
                 if kind == last_kind and per_microbatch and m > 1:
-                    scatter = coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b)
+                    n = max(1, leaves)
+                    scatter = n * coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b / n)
                 if kind == last_kind:  # the add into the gradient accumulator (a task of its own in the graph)
                     whole += compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, grad_b))
                 tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)

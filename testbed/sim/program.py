@@ -64,6 +64,15 @@ action also reduce-scatters the chunk's gradients over those axes (as the
 runner and DeepSpeed do); over the axes they are replicated on, gradients
 are reduced once per step. After the optimizer, parameters sharded in ``O``
 but not in ``P`` are all-gathered over the data axis.
+
+How many collectives a gather and a gradient reduce-scatter of a chunk's sharded
+parameters is: the runner (runners.parallel.ParamShards) gathers every sharded
+leaf on its own and reduce-scatters its gradient on its own, which XLA:CPU runs
+as that many collectives and XLA:GPU combines; testbed.plan.sharding's
+:func:`~testbed.plan.sharding.parameter_collectives` counts them under the
+topology's ``calibration.collectives.combine_bytes``, and the task carries the
+count (``count`` back-to-back collectives of an equal share of the bytes; a
+bucket's reduce-scatter its share of them).
 """
 
 from __future__ import annotations
@@ -80,7 +89,8 @@ from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import Placement
 from testbed.plan.spec import Axis, Plan, Remat
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependencies
-from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
+from testbed.plan.sharding import (gathers_parameters, gradient_reduction, parameter_collectives, reduction_axes,
+                                   state_sharding)
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.model.moe import moe_layers
 from testbed.sim.moe import A2A_STREAM, expert_gemms, moe_pieces
@@ -114,12 +124,14 @@ def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
-                  controller: bool = False) -> Program:
+                  controller: bool = False, combine_bytes: float | None = None) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
         schedule: the pipeline table to follow (default: the plan's schedule).
         controller: add the single controller's dispatch tasks (module docstring).
+        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: unbounded, one
+            collective per chunk's parameter gather or gradient reduce-scatter; module docstring).
     """
     mesh, v = plan.mesh, plan.schedule.virtual_stages
     p = mesh.stage
@@ -139,6 +151,9 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     g_groups = axis_groups(placement, [Axis(a) for a in per_microbatch])
     o_ways = sharding.ways(plan, "optimizer")
     costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
+    # Per chunk, the collectives one gather of its sharded parameters (and one reduce-scatter of their gradients) is.
+    combine = math.inf if combine_bytes is None else combine_bytes
+    leaf_counts = [[parameter_collectives(plan, s, c, combine) for c in range(v)] for s in range(p)]
     experts = axis_groups(placement, [Axis.EXPERT])  # the dispatch/combine all-to-alls' groups
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     moe_counts = [[moe_layers(plan.model, spans[s][c]) for c in range(v)] for s in range(p)]
@@ -186,9 +201,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                 deps.append(sent[(ds, dep, s)])
             else:
                 deps.append(done[key])
+        leaves = leaf_counts[s][action.chunk]
         if gathers_parameters(plan, action.kind):
             deps.append(b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                              op="all_gather", nbytes=cost.params * param_b,
+                              op="all_gather", nbytes=cost.params * param_b / leaves, count=leaves,
                               group=rep_group(p_groups[s], rep), instances=p_groups[s]))
         flops, hbm, (replicated, split), tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
         kernels = max(1, 4 * cost.layers)
@@ -234,7 +250,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             if piece.layer_end and bucket in closes:
                 share, done_buckets = 1 / len(closes), done_buckets + 1
                 bucket_of = (cost.params * share * grad_b, expert_params[s][action.chunk] * share * grad_b,
-                             f"{label}/{done_buckets - 1}")
+                             f"{label}/{done_buckets - 1}", bucket_share(leaves, len(closes), done_buckets - 1))
                 if per_microbatch:
                     reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, *bucket_of, groups))
                 else:
@@ -256,7 +272,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
                 # they accumulate sharded, else once the stage's backward is done.
                 bucket_of = (cost.params / pieces * grad_b, expert_params[s][action.chunk] / pieces * grad_b,
-                             label if pieces == 1 else f"{label}/{k}")
+                             label if pieces == 1 else f"{label}/{k}", bucket_share(leaves, pieces, k))
                 if per_microbatch:
                     reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, *bucket_of, groups))
                 else:
@@ -264,8 +280,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         if scatter:
             reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                                         nbytes=cost.params * grad_b, group=rep_group(g_groups[s], rep),
-                                         instances=g_groups[s]))
+                                         nbytes=cost.params * grad_b / max(1, leaves), count=max(1, leaves),
+                                         group=rep_group(g_groups[s], rep), instances=g_groups[s]))
         for op, count in tp if mesh.tensor > 1 else ():
             # Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters
             # (ChunkCost.tensor_collectives, the one decision the analytic tier reads too).
@@ -367,9 +383,10 @@ def _sends(schedule: Schedule, stage: int, action: Action, costs) -> list[tuple[
 
 
 def _reduce(b: Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float, expert_bytes: float, label: str,
-            groups: dict) -> list[int]:
+            leaves: int, groups: dict) -> list[int]:
     """Gradient reduction tasks of one bucket of ``nbytes`` (``expert_bytes`` of them routed experts' weights);
-    returns the last task(s).
+    returns the last task(s). ``leaves``: the collectives the bucket's reduce-scatter is when the parameters are
+    sharded (:func:`bucket_share`; 0: one).
 
     Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
     data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
@@ -389,11 +406,22 @@ def _reduce(b: Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float,
         last = after
         if sharded:
             g = axis_groups_cached(groups, plan, sharded, s)
+            # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
+            n = max(1, round(leaves * size / nbytes)) if leaves else 1
             last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
-                         deps=(last,), op="reduce_scatter", nbytes=size, group=rep_group(g, rep), instances=g)
+                         deps=(last,), op="reduce_scatter", nbytes=size / n, count=n, group=rep_group(g, rep),
+                         instances=g)
         if rest:
             g = axis_groups_cached(groups, plan, rest, s)
             last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
                          deps=(last,), op="all_reduce", nbytes=size / ways, group=rep_group(g, rep), instances=g)
         out.append(last)
     return out
+
+
+def bucket_share(leaves: int, buckets: int, k: int) -> int:
+    """Of a chunk's ``leaves`` gradient collectives, those bucket ``k`` of ``buckets`` reduces (0 stays 0: the
+    parameters are not sharded, one reduction per bucket). Whole numbers summing to ``leaves``, at least 1."""
+    if leaves <= 0:
+        return 0
+    return max(1, leaves * (k + 1) // buckets - leaves * k // buckets)

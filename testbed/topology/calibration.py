@@ -164,13 +164,25 @@ class CollectiveCalibration(_Group):
     """Software cost of collectives, beyond the links' latency and bandwidth (every topology; default 0).
 
     overhead_s: per round of a collective's step program, and per send.
+    combine_bytes: how the fsdp/ZeRO-3 parameter gathers and gradient
+        reduce-scatters of a chunk are issued: one collective per parameter
+        leaf, consecutive ones merged while the merged one stays within this
+        many bytes (XLA's all-gather and reduce-scatter combiners;
+        testbed.plan.sharding.parameter_collectives). 0: one per leaf (XLA:CPU
+        combines none: 53 all-gathers and 53 reduce-scatters per pass of the
+        validation suite's 4-layer GPT in the compiled step). None (default):
+        one per chunk (PyTorch FSDP's flat parameter per unit; XLA:GPU's
+        combiners, whose thresholds are tens of MiB).
     """
 
     GROUP: ClassVar[str] = "collectives"
     overhead_s: float = 0.0
+    combine_bytes: float | None = None
 
     def __post_init__(self) -> None:
         self._nonnegative("overhead_s")
+        if self.combine_bytes is not None:
+            self._nonnegative("combine_bytes")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
