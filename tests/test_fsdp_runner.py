@@ -144,3 +144,14 @@ def test_compiled_collectives_are_the_rule_count() -> None:
     rule = parameter_collectives(plan, 0, 0, combine_bytes=0)
     assert rule < 2 + 12 * MODEL.layers + 3  # some leaves stay whole at tensor 2: the rule must see them
     assert kinds["all-gather"] == kinds["reduce-scatter"] == rule, (kinds, rule)
+
+
+def test_compiled_zero1_regathers_are_the_rule_count() -> None:
+    """ZeRO-1's all-gather of the updated parameters over data after the optimizer (XLA's partitioner) is one
+    collective per leaf sharded with the optimizer state on XLA:CPU, the rule's count at combine_bytes 0."""
+    from testbed.plan.sharding import parameter_collectives
+
+    plan = _plan(data=2, zero=1)
+    _, found = _compiled(plan)
+    gathers = sum(1 for axes, kind, _ in found if axes == "data" and kind == "all-gather")
+    assert gathers == parameter_collectives(plan, 0, None, combine_bytes=0, which="optimizer") > 1

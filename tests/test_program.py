@@ -232,8 +232,12 @@ def test_host_counts_one_collective_per_leaf():
     tasks = simulate(plan, host).program.tasks
     assert [t.count for t in tasks if t.op == "all_gather"] == [53]
     assert sum(t.count for t in tasks if t.op == "reduce_scatter") == 53
+    # ZeRO-1 re-gathers the updated parameters over data leaf by leaf too (53 all-gathers in zero1-dp8's step).
+    zero1 = load_plan("plans/validation/zero1-dp8.yaml")
+    assert [t.count for t in simulate(zero1, host).program.tasks if t.name == "gather params"] == [53]
     merged = replace(host, calibration=host.calibration.updated(collectives={"combine_bytes": None}))
     assert [t.count for t in simulate(plan, merged).program.tasks if t.op == "all_gather"] == [1]
+    assert [t.count for t in simulate(zero1, merged).program.tasks if t.name == "gather params"] == [1]
     # The combiner's rule: consecutive collectives merge while the merged one stays within the threshold.
     assert combined_sizes((4.0, 4.0, 8.0, 2.0, 1.0), 8.0) == (8.0, 8.0, 3.0)
     assert combined_sizes((4.0, 4.0), 0.0) == (4.0, 4.0) and combined_sizes((4.0, 4.0), math.inf) == (8.0,)

@@ -215,7 +215,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             cost = costs[s][c]
             kernels = max(1, 4 * cost.layers)
             # testbed.sim.program's gather: as many collectives as the rule counts, an equal share of the bytes each.
-            leaves = parameter_collectives(plan, s, c, math.inf if combine is None else combine)
+            leaves = parameter_collectives(plan, s, c, math.inf if combine is None else combine, param_b)
             gather = leaves * coll.time("all_gather", p_axes, s, cost.params * param_b / leaves) if p_ways > 1 else 0.0
             for kind in ("F", "B", "W") if split else ("F", "B"):
                 flops, hbm, (rep_b, split_b), tp = _action_work(cost, kind, split, plan.remat)
@@ -329,7 +329,9 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             busy[s] += opt
             done = ready + opt
             if o_ways > p_ways and mesh.data > 1:
-                regather = coll.time("all_gather", (Axis.DATA,), s, params / mesh.fsdp * param_b)
+                n = max(1, parameter_collectives(plan, s, None, math.inf if combine is None else combine, param_b,
+                                                 which="optimizer"))
+                regather = n * coll.time("all_gather", (Axis.DATA,), s, params / mesh.fsdp * param_b / n)
                 comm[s] += regather
                 done += regather
             step = max(step, done, host)

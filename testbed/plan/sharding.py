@@ -90,7 +90,7 @@ def gathers_parameters(plan: Plan, kind: str) -> bool:
     return kind == "F" or (kind == "B" and plan.remat is Remat.FULL)
 
 
-def gathered_leaves(plan: Plan, stage: int, chunk: int) -> tuple[int, ...]:
+def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> tuple[int, ...]:
     """Elements of each parameter leaf of a chunk that fsdp/ZeRO-3 all-gathers, in layout order; () when unsharded.
 
     A leaf is gathered when the layout's one shard rule (:meth:`testbed.model.layout.ParamSpec.shard_dim`)
@@ -99,14 +99,21 @@ def gathered_leaves(plan: Plan, stage: int, chunk: int) -> tuple[int, ...]:
     where a piece of the model uses it, and one ``psum_scatter`` of its gradient, by the same rule; a leaf no
     free dim of which the shard count divides stays whole and moves nothing. Layout order: the embedding, each
     layer's rows layer by layer, the head (the order XLA meets them in the forward).
+
+    ``chunk`` None: every chunk of the stage, in chunk order. ``which="optimizer"``: the leaves sharded with the
+    optimizer state instead, which ZeRO-1/2 all-gathers over ``data`` after the update (XLA's partitioner,
+    leaf by leaf as well).
     """
+    v = plan.schedule.virtual_stages
+    if chunk is None:
+        return tuple(n for c in range(v) for n in gathered_leaves(plan, stage, c, which))
     sharding = state_sharding(plan)
-    ways = sharding.ways(plan, "params")
+    ways = sharding.ways(plan, which)
     if ways <= 1:
         return ()
     mesh, spec = plan.mesh, plan.model
-    embed, head = layout.holds(stage, chunk, mesh.stage, plan.schedule.virtual_stages)
-    span = layout.chunk_layers(spec, mesh.stage, plan.schedule.virtual_stages, plan.stage_layers)[stage][chunk]
+    embed, head = layout.holds(stage, chunk, mesh.stage, v)
+    span = layout.chunk_layers(spec, mesh.stage, v, plan.stage_layers)[stage][chunk]
     params = list(layout.embedding_params(spec) if embed else ())
     for i in span:
         params += layout.layer_params(spec, i)
@@ -128,15 +135,15 @@ def combined_sizes(sizes: tuple[float, ...], combine_bytes: float) -> tuple[floa
     return tuple(out)
 
 
-def parameter_collectives(plan: Plan, stage: int, chunk: int, combine_bytes: float = math.inf,
-                          bytes_per_element: float = 4.0) -> int:
+def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_bytes: float = math.inf,
+                          bytes_per_element: float = 4.0, which: str = "params") -> int:
     """How many all-gathers one gather of a chunk's sharded parameters is (as many reduce-scatters for their
     gradients): one per gathered leaf (:func:`gathered_leaves`) as ``combine_bytes`` merges them
     (:func:`combined_sizes`; the topology's ``calibration.collectives.combine_bytes``: 0 on XLA:CPU, which
     combines none, unbounded where one flat buffer per chunk moves). At least 1 whenever parameters are
     sharded, so a chunk whose leaves all stay whole still counts its one gather, as testbed.sim.program prices
-    it; 0 when nothing shards them."""
-    if not state_sharding(plan).split_axes(plan, "params"):
+    it; 0 when nothing shards them. ``chunk`` and ``which`` as in :func:`gathered_leaves`."""
+    if not state_sharding(plan).split_axes(plan, which):
         return 0
-    leaves = gathered_leaves(plan, stage, chunk)
+    leaves = gathered_leaves(plan, stage, chunk, which)
     return max(1, len(combined_sizes(tuple(n * bytes_per_element for n in leaves), combine_bytes)))

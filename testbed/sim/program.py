@@ -153,7 +153,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     # Per chunk, the collectives one gather of its sharded parameters (and one reduce-scatter of their gradients) is.
     combine = math.inf if combine_bytes is None else combine_bytes
-    leaf_counts = [[parameter_collectives(plan, s, c, combine) for c in range(v)] for s in range(p)]
+    leaf_counts = [[parameter_collectives(plan, s, c, combine, param_b) for c in range(v)] for s in range(p)]
     experts = axis_groups(placement, [Axis.EXPERT])  # the dispatch/combine all-to-alls' groups
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     moe_counts = [[moe_layers(plan.model, spans[s][c]) for c in range(v)] for s in range(p)]
@@ -313,8 +313,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                     deps=tuple(waits), flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
                     hbm_bytes=shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), kernels=1)
         if o_ways > p_ways and mesh.data > 1:
+            # ZeRO-1/2: the updated shards gathered over data, as many collectives as the rule counts (per leaf).
+            n = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
             b.add(name="gather params", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(opt,),
-                  op="all_gather", nbytes=params / mesh.fsdp * param_b,
+                  op="all_gather", nbytes=params / mesh.fsdp * param_b / n, count=n,
                   group=rep_group(data_groups[s], rep), instances=data_groups[s])
     return Program(tasks=tuple(b.tasks), representative=representative, schedule=schedule)
 
