@@ -165,22 +165,26 @@ def _programs(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sam
     one = _mlp_program(devices, t, d)
     parts = [_mlp_program(devices[i * n // k:(i + 1) * n // k], t, d) for i in range(k)]
 
-    def separate() -> list[Any]:
-        return [part() for part in parts]
+    seconds, one_s = _paired(one, lambda: [part() for part in parts])
+    return Sample(kind="programs", seconds=seconds, flops=flops, devices=n, ranks=k, alone_s=one_s)
 
-    jax.block_until_ready((one(), separate()))
+
+def _paired(reference: Callable[[], Any], measured: Callable[[], Any]) -> tuple[float, float]:
+    """``measured``'s median time and ``reference``'s on the same scale: the two run alternately for
+    :data:`CONCURRENT_ROUNDS` rounds and the reference's time is ``measured``'s times the median ratio of
+    the pairs, so a host whose speed drifts between rounds moves both alike."""
+    jax.block_until_ready((reference(), measured()))
     ratios, times = [], []
     for _ in range(CONCURRENT_ROUNDS):
         start = time.perf_counter()
-        jax.block_until_ready(one())
+        jax.block_until_ready(reference())
         middle = time.perf_counter()
-        jax.block_until_ready(separate())
+        jax.block_until_ready(measured())
         end = time.perf_counter()
         ratios.append((middle - start) / (end - middle))
         times.append(end - middle)
     seconds = statistics.median(times)
-    return Sample(kind="programs", seconds=seconds, flops=flops, devices=n, ranks=k,
-                  alone_s=seconds * statistics.median(ratios))
+    return seconds, seconds * statistics.median(ratios)
 
 
 def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sample:
@@ -200,20 +204,8 @@ def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> S
     together = _mlp_program(devices[:k], t, d)
     if k == 1:
         return Sample(kind="concurrent", seconds=time_call(together), flops=flops, devices=1)
-    alone = _mlp_program(devices[:1], t, d)
-    jax.block_until_ready((alone(), together()))
-    ratios, times = [], []
-    for _ in range(CONCURRENT_ROUNDS):
-        start = time.perf_counter()
-        jax.block_until_ready(alone())
-        middle = time.perf_counter()
-        jax.block_until_ready(together())
-        end = time.perf_counter()
-        ratios.append((middle - start) / (end - middle))
-        times.append(end - middle)
-    seconds = statistics.median(times)
-    return Sample(kind="concurrent", seconds=seconds, flops=flops, devices=k,
-                  alone_s=seconds * statistics.median(ratios))
+    seconds, alone_s = _paired(_mlp_program(devices[:1], t, d), together)
+    return Sample(kind="concurrent", seconds=seconds, flops=flops, devices=k, alone_s=alone_s)
 
 
 #: Arrays the larger dispatch benchmark passes (and gets back).
