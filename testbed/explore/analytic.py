@@ -338,10 +338,13 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
         return step, busy, comm
 
     # A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
-    # computing at once in P programs (a pipeline's stages). Mean field: n and P are the time-averaged counts
-    # the previous play gives, refined twice.
+    # computing at once in P programs (a pipeline's stages). One program (no stages): all its devices compute
+    # together whenever it computes, as in the task graph. Pipelines: mean field, n and P the time-averaged
+    # counts the previous play gives, refined twice.
     step, busy, comm = play(1.0)
-    if cal.shares_host:
+    if cal.shares_host and p == 1:
+        step, busy, comm = play(1.0 / cal.host_share(topology.num_devices))
+    elif cal.shares_host:
         per_stage = topology.num_devices / p
         for _ in range(2):
             stages = sum(busy) / step if step > 0 else 1.0
