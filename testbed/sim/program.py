@@ -119,8 +119,7 @@ def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
     """
     if plan.batch.microbatches <= 1:
         return 0.0
-    ways = math.prod(plan.mesh.degree(Axis(a)) for a in gradient_reduction(plan)[0])
-    return ACCUMULATE_PASSES * params * grad_bytes / ways
+    return ACCUMULATE_PASSES * params * grad_bytes / state_sharding(plan).ways(plan, "grads")
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
