@@ -16,6 +16,7 @@ The fitting itself is pure and lives in :mod:`testbed.calibration.fit`.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,12 +26,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from testbed.calibration.fit import Sample
+from testbed.calibration.fit import BARRIER_COLLECTIVES, Sample
 from testbed.calibration.steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
 from testbed.model.costs import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
-           "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "measurement_order", "least_disturbed"]
+           "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "REPEATED_KINDS", "measurement_order",
+           "least_disturbed"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -60,6 +62,8 @@ class Benchmark:
             return f"MLP step, {self.size} tokens, on {self.ranks} device(s) at once"
         if self.kind == "programs":
             return f"MLP step, {self.size} tokens, on every device as {self.ranks} programs at once"
+        if self.kind == "barriers":
+            return f"{BARRIER_COLLECTIVES} matmuls of {self.size} rows, groups of {self.ranks} meeting between"
         return f"{self.kind} {self.size}" if self.size else self.kind
 
 
@@ -99,6 +103,9 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         # The same work as separate programs at once (an MPMD pipeline's stages; fit_host_programs).
         out += [Benchmark(kind="programs", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
                 for k in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % k == 0]
+        # Groups meeting between kernels: how long the last member keeps them waiting (fit_host_skew).
+        out += [Benchmark(kind="barriers", size=r, ranks=g) for r in ((512,) if quick else (64, 512, 4096))
+                for g in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % g == 0]
     out += [Benchmark(kind="memory", size=b) for b in streams]
     groups = sorted({g for g in (2, 8, 64) if g < num_devices and num_devices % g == 0} | {num_devices})
     if quick:
@@ -169,13 +176,55 @@ def _programs(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sam
     return Sample(kind="programs", seconds=seconds, flops=flops, devices=n, ranks=k, alone_s=one_s)
 
 
-def _paired(reference: Callable[[], Any], measured: Callable[[], Any]) -> tuple[float, float]:
+#: Alternating rounds of a ``barriers`` sample; the benchmark itself runs in every round of the training steps.
+BARRIER_ROUNDS = 7
+
+
+def _barriers(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchmark, Any] | None = None,
+              width: int = 128) -> Sample:
+    """A chain of :data:`BARRIER_COLLECTIVES` small matmuls on every device, each next weight all-gathered
+    over groups of ``ranks`` devices first (it needs the previous output, so the groups meet between the
+    kernels, as a sharded step's do), against the same chain with the weight already local, alternating
+    (:func:`_paired`): ``seconds`` the chain with collectives, ``alone_s`` without; ``bytes`` one gather."""
+    n, g, rows, d, layers = len(devices), bench.ranks, bench.size, width, BARRIER_COLLECTIVES
+    mesh = jax.make_mesh((n // g, g), ("rest", "group"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=list(devices))
+    every = jax.P(("rest", "group"))
+
+    def chain(meet: bool) -> Callable[[], Any]:
+        def body(x: Any, ws: Any) -> Any:
+            for i in range(layers):
+                w = ws[i]  # [d / g, d] on each device (gathered) or [d, d] (local)
+                if meet:
+                    w = jax.lax.all_gather(w + x[0, 0] * 1e-30, "group", axis=0, tiled=True)
+                x = jnp.tanh(x @ w)
+            return x
+
+        spec = jax.P(None, ("rest", "group"))  # each device holds [layers, d / g, d] (meet) or [layers, d, d]
+        ws = jax.device_put(jnp.ones((layers, (d // g if meet else d) * n, d), jnp.float32) * 0.01,
+                            jax.NamedSharding(mesh, spec))
+        x = jax.device_put(jnp.ones((n * rows, d), jnp.float32) * 0.01, jax.NamedSharding(mesh, every))
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(every, spec), out_specs=every))
+        return lambda: fn(x, ws)
+
+    if timers is None or bench not in timers:
+        programs = (chain(False), chain(True))
+        if timers is not None:  # compiled once, reused by the later rounds
+            timers[bench] = programs
+    programs = timers[bench] if timers is not None else programs
+    seconds, alone_s = _paired(*programs, rounds=BARRIER_ROUNDS)
+    return Sample(kind="barriers", seconds=seconds, alone_s=alone_s, bytes=4.0 * d * d, devices=n, ranks=g,
+                  flops=2.0 * rows * d * d)
+
+
+def _paired(reference: Callable[[], Any], measured: Callable[[], Any], rounds: int = CONCURRENT_ROUNDS
+            ) -> tuple[float, float]:
     """``measured``'s median time and ``reference``'s on the same scale: the two run alternately for
-    :data:`CONCURRENT_ROUNDS` rounds and the reference's time is ``measured``'s times the median ratio of
-    the pairs, so a host whose speed drifts between rounds moves both alike."""
+    ``rounds`` rounds and the reference's time is ``measured``'s times the median ratio of the pairs, so a
+    host whose speed drifts between rounds moves both alike."""
     jax.block_until_ready((reference(), measured()))
     ratios, times = [], []
-    for _ in range(CONCURRENT_ROUNDS):
+    for _ in range(rounds):
         start = time.perf_counter()
         jax.block_until_ready(reference())
         middle = time.perf_counter()
@@ -307,10 +356,10 @@ def collective_sample(bench: Benchmark, devices: Sequence[Any], repeats: tuple[i
     return Sample(kind="collective", seconds=seconds, bytes=4.0 * elements, op=bench.op, ranks=g)
 
 
-def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchmark, PlanTimer] | None = None
+def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchmark, Any] | None = None
                   ) -> Sample:
-    """Run one benchmark on ``devices`` (all of them for concurrent ones and collectives); training steps
-    keep their compiled trainers in ``timers`` (if given) for later rounds."""
+    """Run one benchmark on ``devices`` (all of them for concurrent ones and collectives); training steps and
+    barrier chains keep their compiled programs in ``timers`` (if given) for later rounds."""
     if bench.kind == "dispatch":
         return _dispatch(bench, devices)
     if bench.kind in STEP_KINDS:
@@ -321,6 +370,8 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchma
         return _concurrent(bench, devices)
     if bench.kind == "programs":
         return _programs(bench, devices)
+    if bench.kind == "barriers":
+        return _barriers(bench, devices, timers)
     if bench.kind == "memory":
         return _memory(bench, devices)
     return collective_sample(bench, devices)
@@ -329,6 +380,9 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchma
 #: Benchmarks that time whole training steps. Like ``testbed validate``'s plans they are measured in
 #: rounds and keep their least disturbed median, so the fits see the same estimate validate measures.
 STEP_KINDS = ("step", "pipeline")
+#: Measured in every round too: the steps, and the groups meeting between kernels, whose round of the
+#: median wait is kept (the stragglers' wait is what they measure, so the fastest round would understate it).
+REPEATED_KINDS = (*STEP_KINDS, "barriers")
 
 
 def measurement_order(benches: Sequence[Benchmark], rounds: int = 1) -> list[int]:
@@ -336,14 +390,17 @@ def measurement_order(benches: Sequence[Benchmark], rounds: int = 1) -> list[int
     (:data:`STEP_KINDS`) ``rounds - 1`` more times, every other round in reverse order (a slow spell of a
     shared host does not hit the same steps twice)."""
     order = list(range(len(benches)))
-    steps = [i for i, b in enumerate(benches) if b.kind in STEP_KINDS]
+    steps = [i for i, b in enumerate(benches) if b.kind in REPEATED_KINDS]
     for r in range(1, rounds):
         order += steps[::-1] if r % 2 else steps
     return order
 
 
 def least_disturbed(samples: Sequence[Sample]) -> Sample:
-    """The sample of the fastest round: other load on the host only ever slows a benchmark down."""
+    """The sample of the fastest round: other load on the host only ever slows a benchmark down. A
+    ``barriers`` benchmark keeps its round of the median wait relative to the chain without collectives."""
+    if samples and samples[0].kind == "barriers":
+        return sorted(samples, key=lambda s: s.seconds / s.alone_s if s.alone_s > 0 else math.inf)[len(samples) // 2]
     return min(samples, key=lambda s: s.seconds)
 
 

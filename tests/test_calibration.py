@@ -298,17 +298,22 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
     """Like validate's plans: every step benchmark again each round (reversed every other round), the rest once."""
     from collections import Counter
 
-    from runners.measure import STEP_KINDS, least_disturbed, measurement_order, plan_benchmarks
+    from runners.measure import REPEATED_KINDS, STEP_KINDS, least_disturbed, measurement_order, plan_benchmarks
 
     benches = plan_benchmarks("cpu", 8, quick=True)
-    steps = [i for i, b in enumerate(benches) if b.kind in STEP_KINDS]
-    assert len(steps) >= 3 and measurement_order(benches, 1) == list(range(len(benches)))
+    steps = [i for i, b in enumerate(benches) if b.kind in REPEATED_KINDS]
+    assert len([i for i in steps if benches[i].kind in STEP_KINDS]) >= 3
+    assert {benches[i].kind for i in steps} == {*STEP_KINDS, "barriers"}
+    assert measurement_order(benches, 1) == list(range(len(benches)))
     order = measurement_order(benches, 3)
     assert order == list(range(len(benches))) + steps[::-1] + steps
     counts = Counter(order)
-    assert all(counts[i] == (3 if benches[i].kind in STEP_KINDS else 1) for i in range(len(benches)))
+    assert all(counts[i] == (3 if benches[i].kind in REPEATED_KINDS else 1) for i in range(len(benches)))
     runs = [Sample(kind="step", seconds=t, op="cpu-m", host_s=h) for t, h in ((0.31, 1e-3), (0.27, 2e-3), (0.29, 3e-3))]
     assert least_disturbed(runs) is runs[1]
+    # Groups meeting between kernels keep the round of the median wait (relative to the chain without).
+    waits = [Sample(kind="barriers", seconds=t, alone_s=a, ranks=8, devices=8) for t, a in ((3, 1), (2, 1), (5, 2))]
+    assert least_disturbed(waits) is waits[2]
 
 
 @pytest.fixture

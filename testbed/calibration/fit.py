@@ -25,7 +25,7 @@ Everything here is pure; :func:`testbed.calibration.topology.calibrated_topology
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from testbed.errors import InputError
 __all__ = [
     "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
     "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput", "fit_host_programs",
+    "fit_host_skew", "BARRIER_COLLECTIVES",
     "samples_to_rows", "samples_from_rows",
 ]
 
@@ -43,7 +44,10 @@ __all__ = [
 #: MLP training step on ``devices`` devices at once, a memory stream, a
 #: collective, a data-parallel training step of a model, a pipeline (MPMD)
 #: training step of a model.
-SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "programs", "memory", "collective", "step", "pipeline")
+SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "programs", "barriers", "memory", "collective", "step",
+                "pipeline")
+#: Collectives in a ``barriers`` sample's chain (one between each two of its matmuls).
+BARRIER_COLLECTIVES = 24
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -297,6 +301,58 @@ def fit_host_programs(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...
     for p in sorted(ratios):
         curve.append((p, float(np.clip(np.median(ratios[p]), curve[-1][1], p))))
     return tuple(curve)
+
+
+def fit_host_skew(samples: Sequence[Sample], priced: Callable[[Sample], float]
+                  ) -> tuple[tuple[tuple[int, float], ...], float]:
+    """The shared host's stragglers from the ``barriers`` samples: ``((g, s), ...)`` and the onset ``tau``, so
+    that ``g`` devices meeting after ``t`` seconds of computing wait ``w_g(t) = sqrt(s_g t) min(1, sqrt(t /
+    tau))`` for the last of them (HostCalibration.barrier_wait, testbed.sim.barriers).
+
+    A sample's chain meets its groups ``L`` times (:data:`BARRIER_COLLECTIVES`) after phases of ``T = alone /
+    L`` (the chain without collectives, same rounds) and ends with all ``n`` devices meeting after one phase;
+    the chain without ends with them meeting after all ``L``. So ``seconds - alone - L * priced(sample)`` (the
+    collectives' own time as the simulator prices them) is ``L w_g(T) + w_n(T) - w_n(L T)``. For each onset
+    on a grid (0.1-10 ms) ``sqrt(s_n)`` is the median ratio over the groups of all ``n`` devices, then each
+    smaller group's (at least 0, at most the larger group's); the onset kept explains the samples best (least
+    squares in log time). Empty and 0 without samples.
+    """
+    rows = [s for s in of_kind(samples, "barriers") if s.alone_s > 0 and s.ranks > 1]
+    if not rows:
+        return (), 0.0
+    n, L = max(s.devices for s in rows), BARRIER_COLLECTIVES
+    net = {id(s): s.seconds - s.alone_s - L * priced(s) for s in rows}
+    by_group: dict[int, list[Sample]] = {}
+    for s in rows:
+        by_group.setdefault(s.ranks, []).append(s)
+
+    def shape(t: float, tau: float) -> float:  # w(t) / sqrt(s)
+        return math.sqrt(t) * min(1.0, math.sqrt(t / tau))
+
+    def fit(tau: float) -> tuple[dict[int, float], float]:
+        roots: dict[int, float] = {}
+        for g in sorted(by_group, reverse=True):
+            ratios = []
+            for s in by_group[g]:
+                t = s.alone_s / L
+                end = shape(t, tau) - shape(L * t, tau)  # the end's meeting, with and without the chain
+                if g == n:
+                    ratios.append(net[id(s)] / (L * shape(t, tau) + end))
+                else:
+                    ratios.append((net[id(s)] - roots.get(n, 0.0) * end) / (L * shape(t, tau)))
+            larger = [roots[h] for h in roots if h > g]
+            roots[g] = float(np.clip(np.median(ratios), 0.0, min(larger) if larger else math.inf))
+        loss = 0.0
+        for g, group in by_group.items():
+            for s in group:
+                t = s.alone_s / L
+                model = roots[g] * L * shape(t, tau) + roots.get(n, 0.0) * (shape(t, tau) - shape(L * t, tau))
+                loss += math.log(max(model, 1e-6) / max(net[id(s)], 1e-6)) ** 2
+        return roots, loss
+
+    tau = min(np.geomspace(1e-4, 1e-2, 21), key=lambda x: fit(float(x))[1])
+    roots = fit(float(tau))[0]
+    return tuple((g, roots[g] ** 2) for g in sorted(roots)), float(tau)
 
 
 def samples_to_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:

@@ -50,6 +50,9 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append(("host", "throughput", ", ".join(f"{n} at once: {t:.2f}" for n, t in h["throughput"].items())))
         if h.get("programs"):
             rows.append(("host", "programs", ", ".join(f"{n} programs: {t:.2f}x" for n, t in h["programs"].items())))
+        if h.get("skew_s"):
+            rows.append(("host", "skew_s", ", ".join(f"{n} meeting: {format_time(t)}" for n, t in h["skew_s"].items())
+                         + f" (onset {format_time(h['skew_onset_s'])})"))
     k = groups["controller"]
     if k is None:
         rows.append(("controller", "", _ABSENT["controller"]))

@@ -49,6 +49,7 @@ from testbed.plan.sharding import (gathers_parameters, gradient_reduction, param
                                    state_sharding)
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.model.gemm import chunk_gemms, gemm_flops, scaled, without
+from testbed.sim.barriers import Syncs, interleaved_wait, merge, step_end_wait
 from testbed.sim.engine import compute_seconds
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
@@ -122,12 +123,14 @@ class _Collectives:
 
 
 def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, expert_bytes: float,
-                    leaves: float = 0.0) -> float:
+                    leaves: float = 0.0) -> tuple[float, Syncs]:
     """One gradient bucket's reduction (testbed.sim.program's ``_reduce``): per parameter kind, a reduce-scatter
     over its reduction axes the optimizer state is sharded on (``leaves`` collectives of the bucket when the
-    parameters are sharded, a share of them per kind; 0: one), then an all-reduce over the rest."""
+    parameters are sharded, a share of them per kind; 0: one), then an all-reduce over the rest. Its seconds
+    and its collectives as barriers (testbed.sim.barriers), the first first."""
     o_axes = state_sharding(plan).optimizer
-    t = 0.0
+    t, syncs = 0.0, []
+    degree = lambda axes: math.prod(plan.mesh.degree(a) for a in axes)  # noqa: E731
     for expert, size in ((False, nbytes - expert_bytes), (True, expert_bytes)):
         axes = reduction_axes(plan, expert)
         if size <= 0 or not axes:
@@ -138,9 +141,11 @@ def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, e
         if sharded:
             n = max(1.0, leaves * size / nbytes) if leaves else 1.0
             t += n * coll.time("reduce_scatter", sharded, stage, size / n)
+            syncs.append((degree(sharded), n))
         if rest:
             t += coll.time("all_reduce", rest, stage, size / ways)
-    return t
+            syncs.append((degree(rest), 1))
+    return t, tuple(syncs)
 
 
 def _chunk_cost(plan: Plan, stage: int, chunk: int) -> model.ChunkCost:
@@ -204,6 +209,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     last_kind = "W" if split else "B"
     replicas = math.prod(mesh.degree(a) for a in reduction_axes(plan))  # the axes dense gradients are summed over
     controller = cal.controller
+    skewed = cal.host if cal.host is not None and cal.host.skew_s else None  # a shared host's stragglers
 
     costs = [[_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     combine = cal.collectives.combine_bytes
@@ -240,7 +246,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                                         x.split_bytes, cost.tensor_bytes, x.gemms) for x in chain if not x.transfer)
                 pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 and per_microbatch \
                     else 1  # the program's buckets (one when they wait for the backward's end)
-                piece = bucket = scatter = 0.0
+                piece = bucket = scatter = acc = 0.0
+                bucket_syncs: Syncs = ()
                 if kind == last_kind and replicas > 1:  # the program reduces even a one-layer chunk's gradients
                     piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
                                                    max(1, kernels // pieces), rep_b / pieces, split_b / pieces,
@@ -248,26 +255,35 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     piece = whole / pieces if ringed or chain else piece
                     experts = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
                                             mesh.tensor, 1, mesh.expert, experts_only=True)
-                    bucket = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b,
-                                             experts / pieces * grad_b, leaves / pieces)
+                    bucket, bucket_syncs = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b,
+                                                           experts / pieces * grad_b, leaves / pieces)
                 if kind == last_kind and per_microbatch and m > 1:
                     n = max(1, leaves)
                     scatter = n * coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b / n)
                 if kind == last_kind:  # the add into the gradient accumulator (a task of its own in the graph)
-                    whole += compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, grad_b))
+                    acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, grad_b))
                 tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)
                 tp_s += _exposed_all_to_all(chain, coll, topology, dtype, s)
                 tp_s += ring_s
                 sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
                               for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
-                work[(s, c, kind)] = (whole, tp_s, gather if gathers_parameters(plan, kind) else 0.0, piece, pieces,
-                                      bucket, scatter, sends)
+                # The action's collectives as barriers among its kernels (testbed.sim.program's interleave): the
+                # tensor collectives, then an earlier microbatch's reduce-scatters or the last one's buckets.
+                gathering = gathers_parameters(plan, kind) and p_ways > 1  # gathers meet ahead, on their own
+                own = [(mesh.tensor, n) for _, n in tp if mesh.tensor > 1]
+                plain = not chain and not ringed  # the task graph's interleaved actions
+                g_ways = math.prod(mesh.degree(a) for a in per_microbatch)
+                syncs = (merge([*own, *([(g_ways, max(1, leaves))] if scatter else [])]) if plain else (),
+                         merge([*own, *((g, n * pieces) for g, n in bucket_syncs if per_microbatch)]) if plain else ())
+                work[(s, c, kind)] = (whole, tp_s, gather if gathering else 0.0, piece, pieces,
+                                      bucket, scatter, sends, acc, syncs, bucket_syncs)
 
     def play(slow: float) -> tuple[float, list[float], list[float]]:
         """(step seconds, per-stage compute, per-stage communication) with compute slowed ``slow`` times."""
         end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
         arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
         free, pipe, gather_free, grad, once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
+        once_group = [0] * p  # the group the first of a stage's once-reductions meets
         busy, comm = [0.0] * p, [0.0] * p
         remaining = {(s, c): m for s in range(p) for c in range(v)}
         host = 0.0
@@ -275,10 +291,11 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
             if p == 1:
                 host += controller.overhead_s + dispatch.spmd_step_buffers(plan) * controller.buffer_s
+        carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
         for s, action, deps in order:
             c, kind, mb = action.chunk, action.kind, action.microbatch
-            compute, tp_s, gather, piece, pieces, bucket, scatter, sends = work[(s, c, kind)]
-            compute, piece = slow * compute, slow * piece
+            compute, tp_s, gather, piece, pieces, bucket, scatter, sends, acc, syncs, bucket_syncs = work[(s, c, kind)]
+            compute, piece, acc = slow * compute, slow * piece, slow * acc
             start = free[s]
             if controller is not None:
                 if p > 1:
@@ -297,14 +314,33 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     start = gather_free[s]
             if kind == last_kind:
                 remaining[(s, c)] -= 1
-                if remaining[(s, c)] == 0 and piece:
+                last_mb = remaining[(s, c)] == 0
+                if last_mb and piece:
                     compute = pieces * piece
+                if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the add into the accumulator
+                    own = syncs[1] if last_mb else syncs[0]
+                    if last_mb and piece and pieces > 1:  # the task graph's bucket pieces: an equal share each
+                        share = tuple((g, n / pieces) for g, n in own)
+                        wait = interleaved_wait(skewed, share, piece, carry[s]) + (pieces - 1) * interleaved_wait(
+                            skewed, share, piece, 0.0)
+                    else:
+                        wait = interleaved_wait(skewed, own, compute, carry[s])
+                    carry[s] = acc if own else carry[s] + compute + acc
+                    compute += wait
+                    piece += wait / pieces
+                if last_mb and piece:
                     if not per_microbatch:  # the replicas' one sum, after the stage's backward (program.py)
                         once[s] += pieces * bucket
+                        once_group[s] = once_group[s] or (bucket_syncs[0][0] if bucket_syncs else 1)
                     for k in range(pieces if per_microbatch else 0):
                         grad[s] = max(grad[s], start + (k + 1) * piece) + bucket
-                elif remaining[(s, c)] > 0 and scatter:
+                elif not last_mb and scatter:
                     grad[s] = max(grad[s], start + compute) + scatter
+                compute += acc
+            elif skewed is not None:
+                wait = interleaved_wait(skewed, syncs[0], compute, carry[s])
+                carry[s] = 0.0 if syncs[0] else carry[s] + compute
+                compute += wait
             finish = start + compute + tp_s
             busy[s] += compute
             comm[s] += tp_s
@@ -318,7 +354,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             params = sum(cst.params for cst in costs[s])
             shard = model.device_stage_params(plan, s, o_ways)  # the program's optimizer shard
             if once[s]:
-                grad[s] = max(grad[s], free[s]) + once[s]
+                grad[s] = max(grad[s], free[s]) + once[s] + (skewed.barrier_wait(once_group[s], carry[s]) if skewed else 0)
+                carry[s] = 0.0
             ready = max(free[s], grad[s])
             if controller is not None and p > 1:
                 host += controller.overhead_s + dispatch.update_buffers(plan, s) * controller.buffer_s
@@ -328,12 +365,17 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                                          shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), 1)
             busy[s] += opt
             done = ready + opt
+            carry[s] += opt
             if o_ways > p_ways and mesh.data > 1:
                 n = max(1, parameter_collectives(plan, s, None, math.inf if combine is None else combine, param_b,
                                                  which="optimizer"))
                 regather = n * coll.time("all_gather", (Axis.DATA,), s, params / mesh.fsdp * param_b / n)
                 comm[s] += regather
                 done += regather
+                if skewed is not None:  # back to back after the update: the first meets the data group
+                    done += skewed.barrier_wait(mesh.data, carry[s])
+                    carry[s] = 0.0
+            done += step_end_wait(skewed, topology.num_devices // p, carry[s])  # every device meets at the end
             step = max(step, done, host)
         return step, busy, comm
 

@@ -33,6 +33,13 @@ pipeline) and a dispatch at ``overhead_s`` per program and
 ``buffer_s`` per device buffer; on a shared host (the ``calibration.host``
 group) the controller takes a core's share like a device.
 
+On a shared host (testbed.sim.barriers) the collectives an action's program runs among its kernels
+(tensor collectives, per-microbatch gradient reduce-scatters and buckets) are also ``syncs`` of its
+compute tasks, marked ``interleaved``: its devices meet there and wait for the last of them. Parameter
+gathers, which XLA schedules ahead of the kernels back to back (they need only the parameters), a ZeRO-1/2
+update's re-gathers (back to back after the update) and the replicas' sums after the backward meet on
+their own, as the compiled steps order them.
+
 Gradient accumulation: with more than one microbatch, each chunk's weight-gradient
 action (B, or W when split) ends with an ``accumulate`` compute task, the add of the
 microbatch's gradients into the step's accumulator: :data:`ACCUMULATE_PASSES` memory
@@ -187,6 +194,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     for s, action in order:
         rep, cost = reps[s], costs[s][action.chunk]
         label = action.label(v)
+        first, computes = len(b.tasks), []  # the action's tasks from here; its compute pieces (barriers)
         deps: list[int] = [previous[s]] if s in previous else []
         if controller and p > 1:
             n_sends = len(_sends(schedule, s, action, costs))
@@ -266,6 +274,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                 replicated_bytes=replicated / pieces, split_bytes=split / pieces,
                 tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
                 gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
+            computes += [] if ringed is not None else [last]
             deps = []
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
@@ -292,6 +301,9 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             # The add into the accumulator ends the action's program: its sends leave after it.
             last = b.add(name=f"accumulate {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
                          deps=(last,), hbm_bytes=acc, pipeline=True)
+        if not chain:  # the action's collectives run among its kernels (a shared host's barriers); XLA hoists
+            # the parameter gathers (they need only the parameters) ahead of the kernels: those meet on their own.
+            b.interleave(computes, [i for i in range(first, len(b.tasks)) if b.tasks[i].stream != "gather"])
         done[(s, action)] = previous[s] = last
         for dst, dst_chunk, nbytes in _sends(schedule, s, action, costs):
             sent[(s, action, dst)] = b.add(name=f"send {label}->{dst}", device=rep, stream="pipe", kind=TaskKind.SEND,

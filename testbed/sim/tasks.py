@@ -9,7 +9,7 @@ so the three read one small definition.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import numpy as np
@@ -18,6 +18,7 @@ from testbed.model.gemm import Gemm
 from testbed.pipeline.schedules import Schedule
 from testbed.plan.placement import Placement
 from testbed.plan.spec import MESH_AXES, Axis, Plan
+from testbed.sim.barriers import merge
 
 __all__ = ["TaskKind", "Task", "Program", "Builder", "axis_groups", "axis_groups_cached", "rep_group"]
 
@@ -46,6 +47,10 @@ class Task:
     are the controller's: a dispatch of ``count`` programs passing
     ``buffers`` device buffers in all (testbed.model.buffers), or the step's
     preparation (``op="step"`` or ``"pipeline step"``, ``count=0``).
+    On a shared host (testbed.sim.barriers) a compute task's ``syncs`` are the
+    ``(group size, count)`` barriers its action's program meets among its
+    kernels, and a collective counted there is ``interleaved`` (it does not
+    wait for stragglers again).
     """
 
     name: str
@@ -67,6 +72,8 @@ class Task:
     pipeline: bool = False
     buffers: int = 0
     gemms: tuple[Gemm, ...] = ()
+    syncs: tuple[tuple[int, float], ...] = ()
+    interleaved: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +127,21 @@ class Builder:
     def add(self, **kwargs) -> int:
         self.tasks.append(Task(**kwargs))
         return len(self.tasks) - 1
+
+    def interleave(self, computes: Sequence[int], collectives: Sequence[int]) -> None:
+        """Count ``collectives`` (task ids) as barriers among the kernels of ``computes`` (an action's compute
+        tasks, an equal share on each): the computes gain their ``syncs``, the collectives are marked
+        ``interleaved`` (testbed.sim.barriers)."""
+        if not computes:
+            return
+        parts = []
+        for i in collectives:
+            t = self.tasks[i]
+            if t.kind is TaskKind.COLLECTIVE and len(t.group) > 1:
+                parts.append((len(t.group), t.count / len(computes)))
+                self.tasks[i] = replace(t, interleaved=True)
+        for i in computes:
+            self.tasks[i] = replace(self.tasks[i], syncs=merge((*self.tasks[i].syncs, *parts)))
 
 
 def rep_group(groups: tuple[tuple[int, ...], ...], rep: int) -> tuple[int, ...]:

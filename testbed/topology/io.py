@@ -122,7 +122,8 @@ LEGACY_CALIBRATION_FIELDS = {
     "replicated_passes": "elementwise.replicated_passes", "split_passes": "elementwise.split_passes",
     "cached_passes": "elementwise.cached_passes", "cache_bytes": "elementwise.cache_bytes",
     "collective_overhead_s": "collectives.overhead_s", "host_cores": "host.cores",
-    "host_throughput": "host.throughput", "host_programs": "host.programs",
+    "host_throughput": "host.throughput", "host_programs": "host.programs", "host_skew_s": "host.skew_s",
+    "host_skew_onset_s": "host.skew_onset_s",
     "controller_overhead_s": "controller.overhead_s",
     "controller_step_s": "controller.step_s", "controller_pipeline_step_s": "controller.pipeline_step_s",
     "controller_buffer_s": "controller.buffer_s",
@@ -143,6 +144,14 @@ def _calibration_value(group: str, name: str, value: Any) -> Any:
                 raise InputError(f"expected {what} counts 1..{MAX_DEVICES} as keys (1: 1.0, 2: 1.3, ...), got "
                                  f"{quote(k)}", field=path)
             points.append((k, get_float({k: v}, k, path, positive=True)))
+        return tuple(sorted(points))
+    if name == "skew_s":
+        points = []
+        for k, v in expect_mapping(value, path).items():
+            if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= MAX_DEVICES:
+                raise InputError(f"expected group sizes 2..{MAX_DEVICES} as keys (2: 10us, 8: 300us, ...), got "
+                                 f"{quote(k)}", field=path)
+            points.append((k, parse_time(v, f"{path}.{k}")))
         return tuple(sorted(points))
     if name.endswith("_s"):
         return parse_time(value, path)
