@@ -63,7 +63,7 @@ class Benchmark:
         if self.kind == "programs":
             return f"MLP step, {self.size} tokens, on every device as {self.ranks} programs at once"
         if self.kind == "barriers":
-            return f"{BARRIER_COLLECTIVES} matmuls of {self.size} rows, groups of {self.ranks} meeting between"
+            return f"groups of {self.ranks} meeting every {self.size} small matmuls"
         return f"{self.kind} {self.size}" if self.size else self.kind
 
 
@@ -104,7 +104,7 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         out += [Benchmark(kind="programs", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
                 for k in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % k == 0]
         # Groups meeting between kernels: how long the last member keeps them waiting (fit_host_skew).
-        out += [Benchmark(kind="barriers", size=r, ranks=g) for r in ((512,) if quick else (64, 512, 4096))
+        out += [Benchmark(kind="barriers", size=k, ranks=g) for k in ((8,) if quick else (1, 8, 64))
                 for g in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % g == 0]
     out += [Benchmark(kind="memory", size=b) for b in streams]
     groups = sorted({g for g in (2, 8, 64) if g < num_devices and num_devices % g == 0} | {num_devices})
@@ -178,43 +178,48 @@ def _programs(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sam
 
 #: Alternating rounds of a ``barriers`` sample; the benchmark itself runs in every round of the training steps.
 BARRIER_ROUNDS = 7
+#: A ``barriers`` chain's kernels: [rows, width] @ [width, width] on each device (the small kernels of the
+#: emulated steps, which XLA:CPU runs on each device's own thread).
+BARRIER_KERNEL = (256, 128)
 
 
-def _barriers(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchmark, Any] | None = None,
-              width: int = 128) -> Sample:
-    """A chain of :data:`BARRIER_COLLECTIVES` small matmuls on every device, each next weight all-gathered
-    over groups of ``ranks`` devices first (it needs the previous output, so the groups meet between the
-    kernels, as a sharded step's do), against the same chain with the weight already local, alternating
-    (:func:`_paired`): ``seconds`` the chain with collectives, ``alone_s`` without; ``bytes`` one gather."""
-    n, g, rows, d, layers = len(devices), bench.ranks, bench.size, width, BARRIER_COLLECTIVES
+def _barriers(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchmark, Any] | None = None) -> Sample:
+    """Groups of ``ranks`` devices meeting between phases of ``size`` small kernels (:data:`BARRIER_KERNEL`):
+    each phase's weight is all-gathered over the group first, after the previous phase's output (so the
+    group meets between the kernels, as a sharded step's do), against the same chain with the weights
+    local, alternating (:func:`_paired`): ``seconds`` the chain with collectives, ``alone_s`` without,
+    ``count`` its meetings (fewer for long phases), ``bytes`` one gather."""
+    n, g, inner = len(devices), bench.ranks, bench.size
+    rows, d = BARRIER_KERNEL
+    meetings = max(6, BARRIER_COLLECTIVES * 8 // max(8, inner))  # a few seconds a sample at most
     mesh = jax.make_mesh((n // g, g), ("rest", "group"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
                          devices=list(devices))
     every = jax.P(("rest", "group"))
+    spec = jax.P(None, ("rest", "group"))  # each device holds [meetings, d / g, d] (meet) or [meetings, d, d]
 
     def chain(meet: bool) -> Callable[[], Any]:
         def body(x: Any, ws: Any) -> Any:
-            for i in range(layers):
-                w = ws[i]  # [d / g, d] on each device (gathered) or [d, d] (local)
+            for i in range(meetings):
+                w = ws[i]
                 if meet:
                     w = jax.lax.all_gather(w + x[0, 0] * 1e-30, "group", axis=0, tiled=True)
-                x = jnp.tanh(x @ w)
+                x = jax.lax.fori_loop(0, inner, lambda _, v, w=w: jnp.tanh(v @ w), x)
             return x
 
-        spec = jax.P(None, ("rest", "group"))  # each device holds [layers, d / g, d] (meet) or [layers, d, d]
-        ws = jax.device_put(jnp.ones((layers, (d // g if meet else d) * n, d), jnp.float32) * 0.01,
+        ws = jax.device_put(jnp.ones((meetings, (d // g if meet else d) * n, d), jnp.float32) * 0.01,
                             jax.NamedSharding(mesh, spec))
         x = jax.device_put(jnp.ones((n * rows, d), jnp.float32) * 0.01, jax.NamedSharding(mesh, every))
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(every, spec), out_specs=every))
         return lambda: fn(x, ws)
 
-    if timers is None or bench not in timers:
+    programs = timers.get(bench) if timers is not None else None
+    if programs is None:
         programs = (chain(False), chain(True))
         if timers is not None:  # compiled once, reused by the later rounds
             timers[bench] = programs
-    programs = timers[bench] if timers is not None else programs
     seconds, alone_s = _paired(*programs, rounds=BARRIER_ROUNDS)
     return Sample(kind="barriers", seconds=seconds, alone_s=alone_s, bytes=4.0 * d * d, devices=n, ranks=g,
-                  flops=2.0 * rows * d * d)
+                  flops=2.0 * rows * d * d, count=meetings)
 
 
 def _paired(reference: Callable[[], Any], measured: Callable[[], Any], rounds: int = CONCURRENT_ROUNDS

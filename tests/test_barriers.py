@@ -37,6 +37,9 @@ def test_barrier_wait_is_a_random_walk_above_the_onset_and_proportional_below() 
     assert HOST.barrier_wait(8, 0.5e-3) == pytest.approx(2 * HOST.barrier_wait(8, 0.25e-3))
     assert HOST.barrier_wait(8, 1e-3) == pytest.approx(plain.barrier_wait(8, 1e-3))
     assert HOST.barrier_wait(8, 4e-3) == pytest.approx(2 * HOST.barrier_wait(8, 1e-3))
+    # Beyond the saturation the lag stops growing.
+    capped = HostCalibration(throughput=((1, 1.0),), skew_s=SKEW, skew_saturation_s=0.01)
+    assert capped.barrier_wait(8, 0.04) == capped.barrier_wait(8, 0.01) == plain.barrier_wait(8, 0.01)
 
 
 @given(st.floats(1e-6, 1.0), st.floats(1e-6, 1.0), st.sampled_from([2, 3, 4, 5, 8, 64]))
@@ -137,36 +140,40 @@ def test_the_analytic_tier_waits_at_the_barriers_the_task_graph_does(name: str) 
     assert des > simulate(plan, topology_from_dict(data)).report.step_time_s
 
 
-def _barrier_samples(skew: dict[int, float], tau: float, priced: float) -> list[Sample]:
+def _barrier_samples(skew: dict[int, float], tau: float, sat: float, priced: float) -> list[Sample]:
     """``barriers`` samples as the model says they come out (HostCalibration.barrier_wait)."""
-    host = HostCalibration(throughput=((1, 1.0),), skew_s=tuple(skew.items()), skew_onset_s=tau)
-    L, out = BARRIER_COLLECTIVES, []
-    for phase in (3e-4, 1.2e-3, 8e-3):
+    host = HostCalibration(throughput=((1, 1.0),), skew_s=tuple(skew.items()), skew_onset_s=tau,
+                           skew_saturation_s=sat)
+    out = []
+    for phase, L in ((3e-4, 24), (1.2e-3, 0), (8e-3, 12), (6e-2, 6)):
         for g in skew:
-            extra = L * host.barrier_wait(g, phase) + host.barrier_wait(8, phase) - host.barrier_wait(8, L * phase)
-            out.append(Sample(kind="barriers", seconds=L * phase + L * priced + extra, alone_s=L * phase,
-                              bytes=65536.0, devices=8, ranks=g, flops=1e6))
+            n = L or BARRIER_COLLECTIVES
+            extra = n * host.barrier_wait(g, phase) + host.barrier_wait(8, phase) - host.barrier_wait(8, n * phase)
+            out.append(Sample(kind="barriers", seconds=n * phase + n * priced + extra, alone_s=n * phase,
+                              bytes=65536.0, devices=8, ranks=g, flops=1e6, count=L))
     return out
 
 
-@pytest.mark.parametrize("tau", [1e-4, 1e-3, 1e-2])
-def test_fit_host_skew_recovers_the_stragglers_and_round_trips(tau: float, tmp_path) -> None:
+@pytest.mark.parametrize(("tau", "sat"), [(1e-4, 0.0), (1e-3, 0.0), (1e-2, 0.0), (1e-3, 2e-2), (1e-4, 2e-3)])
+def test_fit_host_skew_recovers_the_stragglers_and_round_trips(tau: float, sat: float) -> None:
+    """Samples made by the model give its parameters back (on the fit's grid of onsets and saturations)."""
     truth = {2: 2e-5, 4: 1.5e-4, 8: 5e-4}
-    samples = _barrier_samples(truth, tau, priced=5e-5)
-    skew, onset = cal.fit_host_skew(samples, lambda s: 5e-5)
-    assert onset == pytest.approx(tau, rel=1e-6)
+    samples = _barrier_samples(truth, tau, sat, priced=5e-5)
+    skew, onset, saturation = cal.fit_host_skew(samples, lambda s: 5e-5)
+    assert (onset, saturation) == (pytest.approx(tau, rel=1e-6), pytest.approx(sat, rel=1e-6))
     assert dict(skew) == pytest.approx(truth, rel=1e-6)
-    assert cal.fit_host_skew([], lambda s: 0.0) == ((), 0.0)
+    assert cal.fit_host_skew([], lambda s: 0.0) == ((), 0.0, 0.0)
     assert cal.samples_from_rows(cal.samples_to_rows(samples)) == samples
     data = topology_to_dict(load_topology("host-cpu-8"))
-    data["calibration"]["host"].update(skew_s=dict(skew), skew_onset_s=onset)
+    data["calibration"]["host"].update(skew_s=dict(skew), skew_onset_s=onset, skew_saturation_s=saturation)
     topo = topology_from_dict(data)
     assert topology_from_dict(topology_to_dict(topo)).calibration.host == topo.calibration.host
 
 
 @pytest.mark.parametrize(("field", "value"), [("skew_s", {1: "1us"}), ("skew_s", {2: "-1us"}), ("skew_s", {2: "2s"}),
                                                ("skew_s", {"two": "1us"}), ("skew_s", [1, 2]),
-                                               ("skew_onset_s", "-1ms"), ("skew_onset_s", "3s")])
+                                               ("skew_onset_s", "-1ms"), ("skew_onset_s", "3s"),
+                                               ("skew_saturation_s", "1s")])
 def test_bad_skew_fields_name_the_field(field: str, value) -> None:
     data = topology_to_dict(load_topology("host-cpu-8"))
     data["calibration"]["host"][field] = value
@@ -178,5 +185,5 @@ def test_calibrate_times_groups_meeting_between_kernels() -> None:
     from runners.measure import plan_benchmarks
 
     assert sorted(b.ranks for b in plan_benchmarks("cpu", 8, quick=True) if b.kind == "barriers") == [2, 4, 8]
-    assert sorted({b.size for b in plan_benchmarks("cpu", 8) if b.kind == "barriers"}) == [64, 512, 4096]
+    assert sorted({b.size for b in plan_benchmarks("cpu", 8) if b.kind == "barriers"}) == [1, 8, 64]
     assert not any(b.kind == "barriers" for b in plan_benchmarks("cpu", 1))

@@ -72,7 +72,10 @@ class Sample:
         one-device ``concurrent`` sample is used instead). ``programs``: the
         same per-device work as ONE program over all ``devices``, timed in the
         same rounds, against ``seconds``: it run as ``ranks`` separate programs
-        at once (runners.measure).
+        at once (runners.measure). ``barriers``: the chain without its
+        collectives, timed in the same rounds.
+    count: ``barriers``: how many times the chain's groups meet (0:
+        :data:`BARRIER_COLLECTIVES`).
     """
 
     kind: str
@@ -85,6 +88,7 @@ class Sample:
     ranks: int = 1
     host_s: float = 0.0
     alone_s: float = 0.0
+    count: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in SAMPLE_KINDS:
@@ -92,8 +96,8 @@ class Sample:
         if not (self.seconds > 0 and math.isfinite(self.seconds)):
             raise InputError(f"must be a positive finite time, got {self.seconds}", field="seconds")
         if (self.flops < 0 or self.bytes < 0 or self.host_s < 0 or self.alone_s < 0 or self.devices < 1
-                or self.ranks < 1):
-            raise InputError("flops and bytes must be non-negative, devices and ranks positive", field=self.kind)
+                or self.ranks < 1 or self.count < 0):
+            raise InputError("flops, bytes and count must be non-negative, devices and ranks positive", field=self.kind)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,55 +308,59 @@ def fit_host_programs(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...
 
 
 def fit_host_skew(samples: Sequence[Sample], priced: Callable[[Sample], float]
-                  ) -> tuple[tuple[tuple[int, float], ...], float]:
-    """The shared host's stragglers from the ``barriers`` samples: ``((g, s), ...)`` and the onset ``tau``, so
-    that ``g`` devices meeting after ``t`` seconds of computing wait ``w_g(t) = sqrt(s_g t) min(1, sqrt(t /
-    tau))`` for the last of them (HostCalibration.barrier_wait, testbed.sim.barriers).
+                  ) -> tuple[tuple[tuple[int, float], ...], float, float]:
+    """The shared host's stragglers from the ``barriers`` samples: ``((g, s), ...)``, the onset ``a`` and the
+    saturation ``z``, so that ``g`` devices meeting after ``t`` seconds of computing wait ``w_g(t) =
+    sqrt(s_g min(t, z)) min(1, sqrt(t / a))`` for the last of them (HostCalibration.barrier_wait).
 
-    A sample's chain meets its groups ``L`` times (:data:`BARRIER_COLLECTIVES`) after phases of ``T = alone /
-    L`` (the chain without collectives, same rounds) and ends with all ``n`` devices meeting after one phase;
-    the chain without ends with them meeting after all ``L``. So ``seconds - alone - L * priced(sample)`` (the
-    collectives' own time as the simulator prices them) is ``L w_g(T) + w_n(T) - w_n(L T)``. For each onset
-    on a grid (0.1-10 ms) ``sqrt(s_n)`` is the median ratio over the groups of all ``n`` devices, then each
-    smaller group's (at least 0, at most the larger group's); the onset kept explains the samples best (least
-    squares in log time). Empty and 0 without samples.
+    A sample's chain meets its groups ``L`` times (``count``, default :data:`BARRIER_COLLECTIVES`) after phases
+    of ``T = alone / L`` (the chain without collectives, same rounds) and ends with all ``n`` devices meeting
+    after one phase; the chain without ends with them meeting after all ``L``. So ``seconds - alone - L *
+    priced(sample)`` (the collectives' own time as the simulator prices them) is ``L w_g(T) + w_n(T) - w_n(L
+    T)``. For each onset (0.1-10 ms) and saturation (none, 2-200 ms) on a grid, ``sqrt(s_n)`` is the median
+    ratio over the groups of all ``n`` devices, then each smaller group's (at least 0, at most the larger
+    group's); the pair kept explains the samples best (least squares in log time). Empty without samples.
     """
     rows = [s for s in of_kind(samples, "barriers") if s.alone_s > 0 and s.ranks > 1]
     if not rows:
-        return (), 0.0
-    n, L = max(s.devices for s in rows), BARRIER_COLLECTIVES
-    net = {id(s): s.seconds - s.alone_s - L * priced(s) for s in rows}
+        return (), 0.0, 0.0
+    n = max(s.devices for s in rows)
+    meetings = {id(s): s.count or BARRIER_COLLECTIVES for s in rows}
+    net = {id(s): s.seconds - s.alone_s - meetings[id(s)] * priced(s) for s in rows}
     by_group: dict[int, list[Sample]] = {}
     for s in rows:
         by_group.setdefault(s.ranks, []).append(s)
 
-    def shape(t: float, tau: float) -> float:  # w(t) / sqrt(s)
-        return math.sqrt(t) * min(1.0, math.sqrt(t / tau))
+    def fit(onset: float, saturation: float) -> tuple[dict[int, float], float]:
+        def shape(t: float) -> float:  # w(t) / sqrt(s)
+            return math.sqrt(min(t, saturation) if saturation > 0 else t) * min(1.0, math.sqrt(t / onset))
 
-    def fit(tau: float) -> tuple[dict[int, float], float]:
+        def terms(s: Sample) -> tuple[float, float]:  # (the group's meetings, the end's with and without)
+            L = meetings[id(s)]
+            t = s.alone_s / L
+            return L * shape(t), shape(t) - shape(L * t)
+
         roots: dict[int, float] = {}
         for g in sorted(by_group, reverse=True):
             ratios = []
             for s in by_group[g]:
-                t = s.alone_s / L
-                end = shape(t, tau) - shape(L * t, tau)  # the end's meeting, with and without the chain
-                if g == n:
-                    ratios.append(net[id(s)] / (L * shape(t, tau) + end))
-                else:
-                    ratios.append((net[id(s)] - roots.get(n, 0.0) * end) / (L * shape(t, tau)))
+                own, end = terms(s)
+                ratios.append(net[id(s)] / (own + end) if g == n else (net[id(s)] - roots.get(n, 0.0) * end) / own)
             larger = [roots[h] for h in roots if h > g]
             roots[g] = float(np.clip(np.median(ratios), 0.0, min(larger) if larger else math.inf))
         loss = 0.0
         for g, group in by_group.items():
             for s in group:
-                t = s.alone_s / L
-                model = roots[g] * L * shape(t, tau) + roots.get(n, 0.0) * (shape(t, tau) - shape(L * t, tau))
+                own, end = terms(s)
+                model = roots[g] * own + roots.get(n, 0.0) * end
                 loss += math.log(max(model, 1e-6) / max(net[id(s)], 1e-6)) ** 2
         return roots, loss
 
-    tau = min(np.geomspace(1e-4, 1e-2, 21), key=lambda x: fit(float(x))[1])
-    roots = fit(float(tau))[0]
-    return tuple((g, roots[g] ** 2) for g in sorted(roots)), float(tau)
+    grid = [(float(a), float(z)) for a in np.geomspace(1e-4, 1e-2, 11) for z in (0.0, *np.geomspace(2e-3, 0.2, 11))
+            if z == 0.0 or z > a]
+    onset, saturation = min(grid, key=lambda pair: fit(*pair)[1])
+    roots = fit(onset, saturation)[0]
+    return tuple((g, roots[g] ** 2) for g in sorted(roots)), onset, saturation
 
 
 def samples_to_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:
@@ -380,6 +388,7 @@ def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
             values[name] = get_float(row, name, field, default=0.0, minimum=0.0)
         for name in ("devices", "ranks"):
             values[name] = get_int(row, name, field, default=1, maximum=MAX_DEVICES)
+        values["count"] = get_int(row, "count", field, default=0, minimum=0)
         values["dtype"] = get_str(row, "dtype", field, default="fp32", max_length=32)
         values["op"] = get_str(row, "op", field, default="", max_length=200)
         try:

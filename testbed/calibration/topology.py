@@ -104,7 +104,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         controller_pipeline_step_s: float = 0.0,
                         host_throughput: tuple[tuple[int, float], ...] = (),
                         host_programs: tuple[tuple[int, float], ...] = (),
-                        host_skew: tuple[tuple[tuple[int, float], ...], float] = ((), 0.0),
+                        host_skew: tuple[tuple[tuple[int, float], ...], float, float] = ((), 0.0, 0.0),
                         passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
                         cache_bytes: float = 0.0) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
@@ -159,7 +159,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                                              cached_passes=passes[2], cache_bytes=cache_bytes)
     if cores or host_throughput:
         host = HostCalibration(cores=cores, throughput=tuple(host_throughput), programs=tuple(host_programs),
-                               skew_s=tuple(host_skew[0]), skew_onset_s=host_skew[1])
+                               skew_s=tuple(host_skew[0]), skew_onset_s=host_skew[1],
+                               skew_saturation_s=host_skew[2])
     if controller_s or controller_step_s or controller_pipeline_step_s or controller_buffer_s:
         controller = ControllerCalibration(overhead_s=controller_s, step_s=controller_step_s,
                                            pipeline_step_s=controller_pipeline_step_s, buffer_s=controller_buffer_s)
@@ -205,10 +206,11 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                    host_cores=cores, collectives=collectives, name=name, host_throughput=curve,
                                    host_programs=programs, cache_bytes=cache_bytes)
     # The stragglers' wait at a barrier, net of the collectives' own time as the fitted topology prices them.
-    skew, onset = cal.fit_host_skew(samples, lambda s: collective_timing.collective_time(
-        topo, "all_gather", tuple(range(s.ranks)), s.bytes).time_s) if curve else ((), 0.0)
-    if skew:
-        topo = replace(topo, calibration=topo.calibration.updated(host={"skew_s": skew, "skew_onset_s": onset}))
+    skew = cal.fit_host_skew(samples, lambda s: collective_timing.collective_time(
+        topo, "all_gather", tuple(range(s.ranks)), s.bytes).time_s) if curve else ((), 0.0, 0.0)
+    if skew[0]:
+        topo = replace(topo, calibration=topo.calibration.updated(
+            host={"skew_s": skew[0], "skew_onset_s": skew[1], "skew_saturation_s": skew[2]}))
     buffers = cal_steps.fit_controller_buffers(samples)
     buffer_s = 0.0
     if buffers is not None:
@@ -230,7 +232,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                        efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
                                        controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
                                        controller_pipeline_step_s=pipeline_step_s, passes=passes,
-                                       host_throughput=curve, host_programs=programs, host_skew=(skew, onset),
+                                       host_throughput=curve, host_programs=programs, host_skew=skew,
                                        cache_bytes=cache_bytes)
     return topo, fitted_values(topo, shared=shared, rates=rates, memory_bandwidth=memory_bw), fits
 
@@ -263,6 +265,7 @@ def fitted_values(topo: Topology, *, shared: float, rates: Mapping[str, float], 
         "host_programs": {str(n): t for n, t in c.host.programs} if c.host else {},
         "host_skew_s": {str(n): t for n, t in c.host.skew_s} if c.host else {},
         "host_skew_onset_s": c.host.skew_onset_s if c.host else 0.0,
+        "host_skew_saturation_s": c.host.skew_saturation_s if c.host else 0.0,
         "controller_overhead_s": controller.overhead_s if controller else 0.0,
         "controller_step_s": controller.step_s if controller else 0.0,
         "controller_pipeline_step_s": controller.pipeline_step_s if controller else 0.0,

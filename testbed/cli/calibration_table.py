@@ -52,7 +52,8 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append(("host", "programs", ", ".join(f"{n} programs: {t:.2f}x" for n, t in h["programs"].items())))
         if h.get("skew_s"):
             rows.append(("host", "skew_s", ", ".join(f"{n} meeting: {format_time(t)}" for n, t in h["skew_s"].items())
-                         + f" (onset {format_time(h['skew_onset_s'])})"))
+                         + f" (onset {format_time(h['skew_onset_s'])}, saturation "
+                           f"{format_time(h['skew_saturation_s'])})"))
     k = groups["controller"]
     if k is None:
         rows.append(("controller", "", _ABSENT["controller"]))

@@ -312,12 +312,13 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 if gather_free[s] > start:
                     comm[s] += gather_free[s] - start
                     start = gather_free[s]
+            wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
             if kind == last_kind:
                 remaining[(s, c)] -= 1
                 last_mb = remaining[(s, c)] == 0
                 if last_mb and piece:
                     compute = pieces * piece
-                if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the add into the accumulator
+                if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the accumulator's add
                     own = syncs[1] if last_mb else syncs[0]
                     if last_mb and piece and pieces > 1:  # the task graph's bucket pieces: an equal share each
                         share = tuple((g, n / pieces) for g, n in own)
@@ -342,8 +343,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 carry[s] = 0.0 if syncs[0] else carry[s] + compute
                 compute += wait
             finish = start + compute + tp_s
-            busy[s] += compute
-            comm[s] += tp_s
+            busy[s] += compute - wait
+            comm[s] += tp_s + wait
             free[s] = finish
             end[(s, kind, mb, c)] = finish
             for _, seconds in sends:
@@ -353,8 +354,9 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
         for s in range(p):
             params = sum(cst.params for cst in costs[s])
             shard = model.device_stage_params(plan, s, o_ways)  # the program's optimizer shard
-            if once[s]:
-                grad[s] = max(grad[s], free[s]) + once[s] + (skewed.barrier_wait(once_group[s], carry[s]) if skewed else 0)
+            if once[s]:  # the replicas meet first (a shared host's stragglers)
+                grad[s] = max(grad[s], free[s]) + once[s] + (skewed.barrier_wait(once_group[s], carry[s])
+                                                             if skewed else 0.0)
                 carry[s] = 0.0
             ready = max(free[s], grad[s])
             if controller is not None and p > 1:
@@ -373,6 +375,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 comm[s] += regather
                 done += regather
                 if skewed is not None:  # back to back after the update: the first meets the data group
+                    comm[s] += skewed.barrier_wait(mesh.data, carry[s])
                     done += skewed.barrier_wait(mesh.data, carry[s])
                     carry[s] = 0.0
             done += step_end_wait(skewed, topology.num_devices // p, carry[s])  # every device meets at the end

@@ -113,6 +113,7 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
     skewed = host is not None and bool(host.skew_s)
     carry: dict[int, float] = {}
     holds: dict[int, tuple[float, bool]] = {}
+    worked: dict[int, float] = {}  # compute task -> when its work was done (it then waited for the last device)
     ledger = LinkLedger(priced.bandwidth)
 
     def try_rows(rows) -> None:
@@ -155,6 +156,7 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
             wait = interleaved_wait(host, t.syncs, seconds, before)
             if wait > 0:
                 holds[i] = (wait, False)
+                worked[i] = now
                 return []
         return finish(i)
 
@@ -219,10 +221,13 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
         last[t.device] = max(last.get(t.device, 0.0), e)
     step = max((e + step_end_wait(host, program.multiplicity[d], carry.get(d, 0.0)) if skewed else e
                 for d, e in last.items()), default=0.0)
-    return _timeline(program, ordered, row_of, start, end, step)
+    return _timeline(program, ordered, row_of, start, end, step, worked)
 
 
-def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end, step: float) -> Timeline:
+def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end, step: float,
+              worked: dict[int, float]) -> Timeline:
+    """The spans of the played program (a compute task that waited at its barriers: its work, then the wait
+    as communication), and the schedule's bubbles."""
     tasks = program.tasks
     starts, ends = np.asarray(start), np.asarray(end)
     step = max(step, float(ends.max(initial=0.0)))
@@ -232,6 +237,13 @@ def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end,
     cats = [CATEGORIES.index(names.get(t.kind, "comm")) for t in tasks]
     labels = [t.name for t in tasks]
     out_rows, out_start, out_end, out_cat, out_label = list(row_of), list(start), list(end), cats, labels
+    for i, t in worked.items():
+        out_end[i] = t
+        out_rows.append(row_of[i])
+        out_start.append(t)
+        out_end.append(end[i])
+        out_cat.append(CATEGORIES.index("comm"))
+        out_label.append(f"wait {labels[i]}")
     # Bubble spans: when a stage runs no pipeline action (F/B/W and their tensor all-reduces) inside the
     # pipeline phase -- the idle time of the schedule table, whatever else (optimizer, waits) fills it.
     by_device: dict[int, list[int]] = {}

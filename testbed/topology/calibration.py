@@ -221,9 +221,13 @@ class HostCalibration(_Group):
         proportion instead, ``sqrt(s * t) * sqrt(t / onset)`` (within a
         scheduler's time slice a device that has not had its turn yet lags by
         a fraction of the phase; over many slices the lags add up as a random
-        walk's). 0: the square root at every length. Measured on a 2-core
-        host: ``s`` about 0.4 ms for 8 devices, onset about 1 ms (a 0.3 ms
-        phase: +0.2 ms at the collective; 1 ms: +0.6 ms; 9 ms: +1.9 ms).
+        walk's). 0: the square root at every length.
+    skew_saturation_s: measured with it: beyond this phase the lag stops
+        growing, ``sqrt(s * saturation)`` (the scheduler's fairness bounds
+        it). 0: it grows at every length. Measured on a 2-core host (8
+        devices, small kernels): +0.7 ms at a collective after 1.4 ms of
+        computing, +1.5 ms after 2.3 ms, +3.7 ms after 9 ms, +4.8 ms after
+        28 ms.
     """
 
     GROUP: ClassVar[str] = "host"
@@ -232,6 +236,7 @@ class HostCalibration(_Group):
     programs: tuple[tuple[int, float], ...] = ()
     skew_s: tuple[tuple[int, float], ...] = ()
     skew_onset_s: float = 0.0
+    skew_saturation_s: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.cores, bool) or not isinstance(self.cores, int) or self.cores < 0:
@@ -254,8 +259,9 @@ class HostCalibration(_Group):
                      or any(not 0.0 <= t < 1.0 for _, t in skew)):
             raise InputError(f"must map group sizes 2 <= g1 < g2 < ... to times 0 <= s < 1s; got {dict(skew)}",
                              field=self._path("skew_s"))
-        if not (0.0 <= self.skew_onset_s < 1.0):
-            raise InputError(f"must be a time in [0, 1s), got {self.skew_onset_s}", field=self._path("skew_onset_s"))
+        for name in ("skew_onset_s", "skew_saturation_s"):
+            if not (0.0 <= getattr(self, name) < 1.0):
+                raise InputError(f"must be a time in [0, 1s), got {getattr(self, name)}", field=self._path(name))
         if not curve and self.cores == 0:
             raise InputError("a shared host needs `cores` or `throughput`; leave the `host` group out when devices "
                              "do not share one", field=self._path("cores"))
@@ -270,7 +276,8 @@ class HostCalibration(_Group):
         if group <= 1 or seconds <= 0 or not self.skew_s:
             return 0.0
         onset = min(1.0, math.sqrt(seconds / self.skew_onset_s)) if self.skew_onset_s > 0 else 1.0
-        return math.sqrt(_interpolate(((1, 0.0), *self.skew_s), group, 0.0) * seconds) * onset
+        grown = min(seconds, self.skew_saturation_s) if self.skew_saturation_s > 0 else seconds
+        return math.sqrt(_interpolate(((1, 0.0), *self.skew_s), group, 0.0) * grown) * onset
 
     def _share(self, computing: float) -> float:
         if computing <= 1:

@@ -123,7 +123,7 @@ LEGACY_CALIBRATION_FIELDS = {
     "cached_passes": "elementwise.cached_passes", "cache_bytes": "elementwise.cache_bytes",
     "collective_overhead_s": "collectives.overhead_s", "host_cores": "host.cores",
     "host_throughput": "host.throughput", "host_programs": "host.programs", "host_skew_s": "host.skew_s",
-    "host_skew_onset_s": "host.skew_onset_s",
+    "host_skew_onset_s": "host.skew_onset_s", "host_skew_saturation_s": "host.skew_saturation_s",
     "controller_overhead_s": "controller.overhead_s",
     "controller_step_s": "controller.step_s", "controller_pipeline_step_s": "controller.pipeline_step_s",
     "controller_buffer_s": "controller.buffer_s",
