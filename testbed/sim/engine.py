@@ -198,8 +198,8 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
                 done.append(i)
         rows: list[int] = []
         for i in [i for i in holds if (first < 0 and i == held) or holds[i][0] <= dt]:
-            wait, before = holds.pop(i)
-            rows.extend(begin(i) if before else finish(i))
+            _, work_follows = holds.pop(i)
+            rows.extend(begin(i) if work_follows else finish(i))
         for i in holds:
             holds[i] = (holds[i][0] - dt, holds[i][1])
         for i in done:
