@@ -269,7 +269,9 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                               for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
                 # The action's collectives as barriers among its kernels (testbed.sim.program's interleave): the
                 # tensor collectives, then an earlier microbatch's reduce-scatters or the last one's buckets.
-                gathering = gathers_parameters(plan, kind) and p_ways > 1  # gathers meet ahead, on their own
+                # Gathers meet on their own stream ahead of the action, with next to no computing since the
+                # last meeting (no wait here; the task graph's prefetched gathers wait next to nothing too).
+                gathering = gathers_parameters(plan, kind) and p_ways > 1
                 own = [(mesh.tensor, n) for _, n in tp if mesh.tensor > 1]
                 plain = not chain and not ringed  # the task graph's interleaved actions
                 g_ways = math.prod(mesh.degree(a) for a in per_microbatch)
@@ -375,8 +377,9 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 comm[s] += regather
                 done += regather
                 if skewed is not None:  # back to back after the update: the first meets the data group
-                    comm[s] += skewed.barrier_wait(mesh.data, carry[s])
-                    done += skewed.barrier_wait(mesh.data, carry[s])
+                    wait = skewed.barrier_wait(mesh.data, carry[s])
+                    comm[s] += wait
+                    done += wait
                     carry[s] = 0.0
             done += step_end_wait(skewed, topology.num_devices // p, carry[s])  # every device meets at the end
             step = max(step, done, host)
