@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from testbed.errors import InputError
+from testbed.topology.calibration import skew_growth
 
 __all__ = [
     "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
@@ -333,7 +334,7 @@ def fit_host_skew(samples: Sequence[Sample], priced: Callable[[Sample], float]
 
     def fit(onset: float, saturation: float) -> tuple[dict[int, float], float]:
         def shape(t: float) -> float:  # w(t) / sqrt(s)
-            return math.sqrt(min(t, saturation) if saturation > 0 else t) * min(1.0, math.sqrt(t / onset))
+            return skew_growth(t, onset, saturation)
 
         def terms(s: Sample) -> tuple[float, float]:  # (the group's meetings, the end's with and without)
             L = meetings[id(s)]

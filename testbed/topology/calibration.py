@@ -275,9 +275,8 @@ class HostCalibration(_Group):
         """How long ``group`` devices that computed ``seconds`` since they last met wait for the last of them."""
         if group <= 1 or seconds <= 0 or not self.skew_s:
             return 0.0
-        onset = min(1.0, math.sqrt(seconds / self.skew_onset_s)) if self.skew_onset_s > 0 else 1.0
-        grown = min(seconds, self.skew_saturation_s) if self.skew_saturation_s > 0 else seconds
-        return math.sqrt(_interpolate(((1, 0.0), *self.skew_s), group, 0.0) * grown) * onset
+        skew = _interpolate(((1, 0.0), *self.skew_s), group, 0.0)
+        return math.sqrt(skew) * skew_growth(seconds, self.skew_onset_s, self.skew_saturation_s)
 
     def _share(self, computing: float) -> float:
         if computing <= 1:
@@ -285,6 +284,16 @@ class HostCalibration(_Group):
         if self.throughput:
             return min(1.0, _interpolate(self.throughput, computing, 1.0) / computing)
         return min(1.0, self.cores / computing)
+
+
+def skew_growth(seconds: float, onset: float, saturation: float) -> float:
+    """A straggler's lag after ``seconds`` of computing, per ``sqrt(skew_s)``: ``sqrt(min(t, saturation)) *
+    min(1, sqrt(t / onset))`` (0 for either: no limit). The one shape :meth:`HostCalibration.barrier_wait`
+    prices and testbed.calibration.fit.fit_host_skew fits."""
+    if seconds <= 0:
+        return 0.0
+    grown = min(seconds, saturation) if saturation > 0 else seconds
+    return math.sqrt(grown) * (min(1.0, math.sqrt(seconds / onset)) if onset > 0 else 1.0)
 
 
 def _interpolate(curve: tuple[tuple[int, float], ...], x: float, default: float) -> float:

@@ -135,23 +135,18 @@ def _calibration_value(group: str, name: str, value: Any) -> Any:
     path = f"calibration.{group}.{name}"
     if name == "cores":
         return get_int({name: value}, name, f"calibration.{group}", minimum=0)
-    if name in ("throughput", "programs"):
-        curve = expect_mapping(value, path)
-        points = []
-        what = "device" if name == "throughput" else "program"
-        for k, v in curve.items():
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DEVICES:
-                raise InputError(f"expected {what} counts 1..{MAX_DEVICES} as keys (1: 1.0, 2: 1.3, ...), got "
-                                 f"{quote(k)}", field=path)
-            points.append((k, get_float({k: v}, k, path, positive=True)))
-        return tuple(sorted(points))
-    if name == "skew_s":
+    if name in ("throughput", "programs", "skew_s"):
+        # Curves keyed by device, program or group counts: ratios, or (skew_s) times.
+        low, what, example = {"throughput": (1, "device counts", "1: 1.0, 2: 1.3"),
+                              "programs": (1, "program counts", "1: 1.0, 2: 1.1"),
+                              "skew_s": (2, "group sizes", "2: 10us, 8: 300us")}[name]
         points = []
         for k, v in expect_mapping(value, path).items():
-            if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= MAX_DEVICES:
-                raise InputError(f"expected group sizes 2..{MAX_DEVICES} as keys (2: 10us, 8: 300us, ...), got "
-                                 f"{quote(k)}", field=path)
-            points.append((k, parse_time(v, f"{path}.{k}")))
+            if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= MAX_DEVICES:
+                raise InputError(f"expected {what} {low}..{MAX_DEVICES} as keys ({example}, ...), got {quote(k)}",
+                                 field=path)
+            points.append((k, parse_time(v, f"{path}.{k}") if name == "skew_s"
+                           else get_float({k: v}, k, path, positive=True)))
         return tuple(sorted(points))
     if name.endswith("_s"):
         return parse_time(value, path)
