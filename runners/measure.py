@@ -26,7 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from testbed.calibration.fit import BARRIER_COLLECTIVES, Sample
+from runners.host_sharing import barriers_sample, concurrent_sample, launches_sample, programs_sample, time_call
+from testbed.calibration.fit import Sample
 from testbed.calibration.steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
 from testbed.model.costs import model_flops_per_step
 
@@ -61,22 +62,12 @@ class Benchmark:
         if self.kind == "concurrent":
             return f"MLP step, {self.size} tokens, on {self.ranks} device(s) at once"
         if self.kind == "programs":
-            return f"MLP step, {self.size} tokens, on every device as {self.ranks} programs at once"
+            return f"MLP step, {self.size} tokens, on {self.ranks} devices as one-device programs at once"
+        if self.kind == "launches":
+            return f"MLP step, {self.size} tokens, as two programs over {self.ranks} devices each"
         if self.kind == "barriers":
             return f"groups of {self.ranks} meeting every {self.size} small matmuls"
         return f"{self.kind} {self.size}" if self.size else self.kind
-
-
-def time_call(fn: Callable[[], Any], *, repeats: int = 7, budget_s: float = 1.0) -> float:
-    """Median wall time of ``fn()`` (blocked until ready) after one warm-up call."""
-    jax.block_until_ready(fn())
-    times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < repeats and (len(times) < 3 or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> list[Benchmark]:
@@ -100,9 +91,12 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.fit.fit_host_throughput).
         out += [Benchmark(kind="concurrent", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
                 for k in sorted({1, 2, max(1, num_devices // 2), num_devices})]
-        # The same work as separate programs at once (an MPMD pipeline's stages; fit_host_programs).
+        # The same work as one-device programs at once (an MPMD pipeline's one-device stages; fit_host_programs).
         out += [Benchmark(kind="programs", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
-                for k in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % k == 0]
+                for k in sorted({2, max(2, num_devices // 2), num_devices})]
+        if num_devices >= 4 and num_devices % 2 == 0:
+            # Whether programs over several devices run one at a time (fit_host_serial).
+            out += [Benchmark(kind="launches", size=t, ranks=num_devices // 2) for t in ((256,) if quick else (512,))]
         # Groups meeting between kernels: how long the last member keeps them waiting (fit_host_skew).
         out += [Benchmark(kind="barriers", size=k, ranks=g) for k in ((8,) if quick else (1, 8, 64))
                 for g in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % g == 0]
@@ -139,127 +133,6 @@ def _matmul(bench: Benchmark, devices: Sequence[Any]) -> Sample:
     fn = jax.jit(lambda x, y: x @ y)
     seconds = time_call(lambda: fn(a, b))
     return Sample(kind="matmul", seconds=seconds, flops=2.0 * n ** 3, dtype=bench.dtype)
-
-
-#: Alternating rounds of the ``concurrent`` benchmark (one device alone, then all at once).
-CONCURRENT_ROUNDS = 15
-
-
-def _mlp_program(devices: Sequence[Any], tokens: int, width: int) -> Callable[[], Any]:
-    """Forward and backward of a small MLP on each of ``devices`` at once, every device on its own copy."""
-    k, t, d = len(devices), tokens, width
-    mesh = jax.make_mesh((k,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices))
-    sharding = jax.NamedSharding(mesh, jax.P("d"))
-    x = jax.device_put(jnp.ones((k * t, d), jnp.float32) * 0.01, sharding)
-    w1 = jax.device_put(jnp.ones((k * d, 4 * d), jnp.float32) * 0.01, sharding)
-    w2 = jax.device_put(jnp.ones((k * 4 * d, d), jnp.float32) * 0.01, sharding)
-
-    def loss(w1: Any, w2: Any, x: Any) -> Any:
-        return jnp.sum((jax.nn.gelu(x @ w1) @ w2) ** 2)
-
-    local = jax.grad(loss, argnums=(0, 1))
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(jax.P("d"),) * 3, out_specs=(jax.P("d"),) * 2))
-    return lambda: fn(w1, w2, x)
-
-
-def _programs(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sample:
-    """The :func:`_concurrent` MLP on every device, as ``ranks`` separate programs at once (each over its
-    share of the devices, dispatched back to back as the MPMD pipeline engine dispatches stages) against
-    one program over all of them, alternating (:data:`CONCURRENT_ROUNDS` rounds): ``alone_s`` is the one
-    program's time, ``seconds`` the separate programs'."""
-    n, k, t, d = len(devices), bench.ranks, bench.size, width
-    flops = 3 * 2 * 2.0 * t * d * 4 * d
-    one = _mlp_program(devices, t, d)
-    parts = [_mlp_program(devices[i * n // k:(i + 1) * n // k], t, d) for i in range(k)]
-
-    seconds, one_s = _paired(one, lambda: [part() for part in parts])
-    return Sample(kind="programs", seconds=seconds, flops=flops, devices=n, ranks=k, alone_s=one_s)
-
-
-#: Alternating rounds of a ``barriers`` sample; the benchmark itself runs in every round of the training steps.
-BARRIER_ROUNDS = 7
-#: A ``barriers`` chain's kernels: [rows, width] @ [width, width] on each device (the small kernels of the
-#: emulated steps, which XLA:CPU runs on each device's own thread).
-BARRIER_KERNEL = (256, 128)
-
-
-def _barriers(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchmark, Any] | None = None) -> Sample:
-    """Groups of ``ranks`` devices meeting between phases of ``size`` small kernels (:data:`BARRIER_KERNEL`):
-    each phase's weight is all-gathered over the group first, after the previous phase's output (so the
-    group meets between the kernels, as a sharded step's do), against the same chain with the weights
-    local, alternating (:func:`_paired`): ``seconds`` the chain with collectives, ``alone_s`` without,
-    ``count`` its meetings (fewer for long phases), ``bytes`` one gather."""
-    n, g, inner = len(devices), bench.ranks, bench.size
-    rows, d = BARRIER_KERNEL
-    meetings = max(6, BARRIER_COLLECTIVES * 8 // max(8, inner))  # a few seconds a sample at most
-    mesh = jax.make_mesh((n // g, g), ("rest", "group"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-                         devices=list(devices))
-    every = jax.P(("rest", "group"))
-    spec = jax.P(None, ("rest", "group"))  # each device holds [meetings, d / g, d] (meet) or [meetings, d, d]
-
-    def chain(meet: bool) -> Callable[[], Any]:
-        def body(x: Any, ws: Any) -> Any:
-            for i in range(meetings):
-                w = ws[i]
-                if meet:
-                    w = jax.lax.all_gather(w + x[0, 0] * 1e-30, "group", axis=0, tiled=True)
-                x = jax.lax.fori_loop(0, inner, lambda _, v, w=w: jnp.tanh(v @ w), x)
-            return x
-
-        ws = jax.device_put(jnp.ones((meetings, (d // g if meet else d) * n, d), jnp.float32) * 0.01,
-                            jax.NamedSharding(mesh, spec))
-        x = jax.device_put(jnp.ones((n * rows, d), jnp.float32) * 0.01, jax.NamedSharding(mesh, every))
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(every, spec), out_specs=every))
-        return lambda: fn(x, ws)
-
-    programs = timers.get(bench) if timers is not None else None
-    if programs is None:
-        programs = (chain(False), chain(True))
-        if timers is not None:  # compiled once, reused by the later rounds
-            timers[bench] = programs
-    seconds, alone_s = _paired(*programs, rounds=BARRIER_ROUNDS)
-    return Sample(kind="barriers", seconds=seconds, alone_s=alone_s, bytes=4.0 * d * d, devices=n, ranks=g,
-                  flops=2.0 * rows * d * d, count=meetings)
-
-
-def _paired(reference: Callable[[], Any], measured: Callable[[], Any], rounds: int = CONCURRENT_ROUNDS
-            ) -> tuple[float, float]:
-    """``measured``'s median time and ``reference``'s on the same scale: the two run alternately for
-    ``rounds`` rounds and the reference's time is ``measured``'s times the median ratio of the pairs, so a
-    host whose speed drifts between rounds moves both alike."""
-    jax.block_until_ready((reference(), measured()))
-    ratios, times = [], []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        jax.block_until_ready(reference())
-        middle = time.perf_counter()
-        jax.block_until_ready(measured())
-        end = time.perf_counter()
-        ratios.append((middle - start) / (end - middle))
-        times.append(end - middle)
-    seconds = statistics.median(times)
-    return seconds, seconds * statistics.median(ratios)
-
-
-def _concurrent(bench: Benchmark, devices: Sequence[Any], width: int = 128) -> Sample:
-    """Forward and backward of a small MLP (model-sized kernels) on each of ``ranks`` devices at once.
-
-    No communication: every device works on its own copy, so the time over
-    the one-device time shows how the devices share the host. On several
-    devices the one-device program runs alternately with it
-    (:data:`CONCURRENT_ROUNDS` rounds) and ``alone_s`` keeps the median
-    ratio of the two: a host whose speed drifts between benchmarks (this
-    2-core VM: the one-device time moved 5.3-9.3 ms between runs) moves
-    both alike.
-    """
-    k, t, d = bench.ranks, bench.size, width
-    # Forward 2 matmuls of 2*t*d*4d FLOPs; backward twice that.
-    flops = 3 * 2 * 2.0 * t * d * 4 * d
-    together = _mlp_program(devices[:k], t, d)
-    if k == 1:
-        return Sample(kind="concurrent", seconds=time_call(together), flops=flops, devices=1)
-    seconds, alone_s = _paired(_mlp_program(devices[:1], t, d), together)
-    return Sample(kind="concurrent", seconds=seconds, flops=flops, devices=k, alone_s=alone_s)
 
 
 #: Arrays the larger dispatch benchmark passes (and gets back).
@@ -372,11 +245,13 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchma
     if bench.kind == "matmul":
         return _matmul(bench, devices)
     if bench.kind == "concurrent":
-        return _concurrent(bench, devices)
+        return concurrent_sample(bench, devices)
     if bench.kind == "programs":
-        return _programs(bench, devices)
+        return programs_sample(bench, devices)
+    if bench.kind == "launches":
+        return launches_sample(bench, devices)
     if bench.kind == "barriers":
-        return _barriers(bench, devices, timers)
+        return barriers_sample(bench, devices, timers)
     if bench.kind == "memory":
         return _memory(bench, devices)
     return collective_sample(bench, devices)

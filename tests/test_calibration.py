@@ -677,17 +677,37 @@ def test_concurrent_benchmark_times_one_device_alone_in_the_same_rounds():
 
 
 def test_programs_benchmark_times_one_program_in_the_same_rounds():
-    """The separate programs' time and the one program's, both over every device, feed S(P)."""
+    """One-device programs at once and one program over the same devices, timed in the same rounds, feed S(P)."""
     import jax
 
     from runners.measure import Benchmark, run_benchmark
 
     devices = jax.devices()
     sample = run_benchmark(Benchmark(kind="programs", size=16, ranks=4), devices)
-    assert sample.kind == "programs" and sample.devices == len(devices) and sample.ranks == 4
+    assert sample.kind == "programs" and sample.devices == 4 and sample.ranks == 4
     assert sample.seconds > 0 and sample.alone_s > 0
     assert dict(cal.fit_host_programs([sample])) == {1: 1.0, 4: pytest.approx(
         min(4.0, max(1.0, sample.seconds / sample.alone_s)))}
+
+
+def test_xla_cpu_runs_programs_over_several_devices_one_at_a_time():
+    """The premise of ``host.serial_programs`` (XLA:CPU's PjRt client launches one multi-device program at a
+    time): of two programs over half the devices each, dispatched back to back, the first completes in about
+    half the time both take (at once, the two would complete together), and the fit says so."""
+    import jax
+
+    from runners.measure import Benchmark, plan_benchmarks, run_benchmark
+
+    devices = jax.devices()
+    assert [b for b in plan_benchmarks("cpu", len(devices)) if b.kind == "launches"]
+    assert not [b for b in plan_benchmarks("cpu", 2) if b.kind == "launches"]  # halves of one device run at once
+    sample = run_benchmark(Benchmark(kind="launches", size=256, ranks=len(devices) // 2), devices)
+    assert sample.devices == len(devices) and sample.ranks == len(devices) // 2
+    assert 0 < sample.alone_s <= sample.seconds
+    assert sample.alone_s / sample.seconds < cal.SERIAL_SHARE
+    assert cal.fit_host_serial([sample]) is True
+    assert cal.fit_host_serial([replace(sample, alone_s=0.95 * sample.seconds)]) is False
+    assert cal.fit_host_serial([]) is None
 
 
 def test_calibrate_table_is_grouped_and_says_which_groups_are_absent():

@@ -37,7 +37,7 @@ from testbed.topology.calibration import skew_growth
 __all__ = [
     "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",
     "fit_dispatch", "fit_compute", "fit_memory", "fit_host_cores", "fit_host_throughput", "fit_host_programs",
-    "fit_host_skew", "BARRIER_COLLECTIVES",
+    "fit_host_serial", "fit_host_skew", "SERIAL_SHARE", "BARRIER_COLLECTIVES",
     "samples_to_rows", "samples_from_rows",
 ]
 
@@ -45,8 +45,8 @@ __all__ = [
 #: MLP training step on ``devices`` devices at once, a memory stream, a
 #: collective, a data-parallel training step of a model, a pipeline (MPMD)
 #: training step of a model.
-SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "programs", "barriers", "memory", "collective", "step",
-                "pipeline")
+SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "programs", "launches", "barriers", "memory", "collective",
+                "step", "pipeline")
 #: Collectives in a ``barriers`` sample's chain (one between each two of its matmuls).
 BARRIER_COLLECTIVES = 24
 
@@ -72,9 +72,11 @@ class Sample:
         side by side keeps the host's drift out of it. 0: not measured (the
         one-device ``concurrent`` sample is used instead). ``programs``: the
         same per-device work as ONE program over all ``devices``, timed in the
-        same rounds, against ``seconds``: it run as ``ranks`` separate programs
-        at once (runners.measure). ``barriers``: the chain without its
-        collectives, timed in the same rounds.
+        same rounds, against ``seconds``: it run as ``ranks`` one-device
+        programs at once (runners.host_sharing). ``launches``: when the first
+        of its two programs over ``ranks`` devices each completed, ``seconds``
+        when both had. ``barriers``: the chain without its collectives, timed
+        in the same rounds.
     count: ``barriers``: how many times the chain's groups meet (0:
         :data:`BARRIER_COLLECTIVES`).
     """
@@ -293,7 +295,8 @@ def fit_host_programs(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...
     t(one program)`` over the ``programs`` samples (median over their sizes), ``S(1) = 1``.
 
     An MPMD pipeline runs each stage as its own program; ``concurrent`` (the throughput curve) times one SPMD
-    program. Each ``S(P)`` is kept within ``[S(previous), P]`` (more programs are never faster in the model).
+    program. The samples time one-device programs: programs over several devices may not run at once at all
+    (:func:`fit_host_serial`). Each ``S(P)`` is kept within ``[S(previous), P]`` (more programs are never faster in the model).
     Empty without ``programs`` samples.
     """
     ratios: dict[int, list[float]] = {}
@@ -306,6 +309,19 @@ def fit_host_programs(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...
     for p in sorted(ratios):
         curve.append((p, float(np.clip(np.median(ratios[p]), curve[-1][1], p))))
     return tuple(curve)
+
+
+#: A ``launches`` sample whose first program completes within this share of the time both take ran them one at
+#: a time (one after the other: 1/2; at once: about 1).
+SERIAL_SHARE = 0.75
+
+
+def fit_host_serial(samples: Sequence[Sample]) -> bool | None:
+    """Whether the host runs programs over several devices one at a time (HostCalibration.serial_programs): the
+    ``launches`` samples' median share of the time both programs took that the first one took is below
+    :data:`SERIAL_SHARE`. None without samples."""
+    shares = [s.alone_s / s.seconds for s in of_kind(samples, "launches") if s.alone_s > 0]
+    return bool(np.median(shares) < SERIAL_SHARE) if shares else None
 
 
 def fit_host_skew(samples: Sequence[Sample], priced: Callable[[Sample], float]

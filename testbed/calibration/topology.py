@@ -104,6 +104,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         controller_pipeline_step_s: float = 0.0,
                         host_throughput: tuple[tuple[int, float], ...] = (),
                         host_programs: tuple[tuple[int, float], ...] = (),
+                        host_serial: bool = False,
                         host_skew: tuple[tuple[tuple[int, float], ...], float, float] = ((), 0.0, 0.0),
                         passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
                         cache_bytes: float = 0.0) -> Topology:
@@ -159,7 +160,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                                              cached_passes=passes[2], cache_bytes=cache_bytes)
     if cores or host_throughput:
         host = HostCalibration(cores=cores, throughput=tuple(host_throughput), programs=tuple(host_programs),
-                               skew_s=tuple(host_skew[0]), skew_onset_s=host_skew[1],
+                               serial_programs=host_serial, skew_s=tuple(host_skew[0]), skew_onset_s=host_skew[1],
                                skew_saturation_s=host_skew[2])
     if controller_s or controller_step_s or controller_pipeline_step_s or controller_buffer_s:
         controller = ControllerCalibration(overhead_s=controller_s, step_s=controller_step_s,
@@ -193,6 +194,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
     shared = cal.fit_host_cores(samples)
     curve = cal.fit_host_throughput(samples)
     programs = cal.fit_host_programs(samples) if curve else ()
+    serial = bool(cal.fit_host_serial(samples)) if curve else False
     # Devices that share a host saturate its cores once that many compute at once; steps then fit the rest.
     has_steps = any(s.kind == "step" for s in samples)
     cores = float(host_cpus) if shared and host_cpus and has_steps else shared
@@ -204,7 +206,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
         fits.append(coll_fit)
     topo = calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
                                    host_cores=cores, collectives=collectives, name=name, host_throughput=curve,
-                                   host_programs=programs, cache_bytes=cache_bytes)
+                                   host_programs=programs, host_serial=serial, cache_bytes=cache_bytes)
     # The stragglers' wait at a barrier, net of the collectives' own time as the fitted topology prices them.
     skew = cal.fit_host_skew(samples, lambda s: collective_timing.collective_time(
         topo, "all_gather", tuple(range(s.ranks)), s.bytes).time_s) if curve else ((), 0.0, 0.0)
@@ -232,7 +234,8 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                        efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
                                        controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
                                        controller_pipeline_step_s=pipeline_step_s, passes=passes,
-                                       host_throughput=curve, host_programs=programs, host_skew=skew,
+                                       host_throughput=curve, host_programs=programs, host_serial=serial,
+                                       host_skew=skew,
                                        cache_bytes=cache_bytes)
     return topo, fitted_values(topo, shared=shared, rates=rates, memory_bandwidth=memory_bw), fits
 
@@ -263,6 +266,7 @@ def fitted_values(topo: Topology, *, shared: float, rates: Mapping[str, float], 
         "shared_host_cores": shared,
         "host_throughput": {str(n): t for n, t in c.host.throughput} if c.host else {},
         "host_programs": {str(n): t for n, t in c.host.programs} if c.host else {},
+        "host_serial_programs": c.host.serial_programs if c.host else False,
         "host_skew_s": {str(n): t for n, t in c.host.skew_s} if c.host else {},
         "host_skew_onset_s": c.host.skew_onset_s if c.host else 0.0,
         "host_skew_saturation_s": c.host.skew_saturation_s if c.host else 0.0,

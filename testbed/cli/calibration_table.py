@@ -50,6 +50,8 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append(("host", "throughput", ", ".join(f"{n} at once: {t:.2f}" for n, t in h["throughput"].items())))
         if h.get("programs"):
             rows.append(("host", "programs", ", ".join(f"{n} programs: {t:.2f}x" for n, t in h["programs"].items())))
+        rows.append(("host", "serial_programs", "programs over several devices run one at a time" if
+                     h.get("serial_programs") else "programs run at once"))
         if h.get("skew_s"):
             rows.append(("host", "skew_s", ", ".join(f"{n} meeting: {format_time(t)}" for n, t in h["skew_s"].items())
                          + f" (onset {format_time(h['skew_onset_s'])}, saturation "

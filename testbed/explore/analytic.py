@@ -210,6 +210,11 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     replicas = math.prod(mesh.degree(a) for a in reduction_axes(plan))  # the axes dense gradients are summed over
     controller = cal.controller
     skewed = cal.host if cal.host is not None and cal.host.skew_s else None  # a shared host's stragglers
+    # Programs over several devices one at a time (testbed.sim.program's ``serial``): each action and update
+    # starts once the previous one has completed, and its end is a meeting of the stage's devices.
+    per_stage = topology.num_devices // p
+    serial = cal.host is not None and cal.host.serial_programs and p > 1 and per_stage > 1
+    ends = ((per_stage, 1.0),) if serial else ()
 
     costs = [[_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     combine = cal.collectives.combine_bytes
@@ -275,13 +280,15 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 own = [(mesh.tensor, n) for _, n in tp if mesh.tensor > 1]
                 plain = not chain and not ringed  # the task graph's interleaved actions
                 g_ways = math.prod(mesh.degree(a) for a in per_microbatch)
-                syncs = (merge([*own, *([(g_ways, max(1, leaves))] if scatter else [])]) if plain else (),
-                         merge([*own, *((g, n * pieces) for g, n in bucket_syncs if per_microbatch)]) if plain else ())
+                syncs = (merge([*ends, *own, *([(g_ways, max(1, leaves))] if scatter else [])]) if plain else ends,
+                         merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if per_microbatch)]) if plain
+                         else ends)
                 work[(s, c, kind)] = (whole, tp_s, gather if gathering else 0.0, piece, pieces,
                                       bucket, scatter, sends, acc, syncs, bucket_syncs)
 
-    def play(slow: float) -> tuple[float, list[float], list[float]]:
-        """(step seconds, per-stage compute, per-stage communication) with compute slowed ``slow`` times."""
+    def play(slow: float) -> tuple[float, list[float], list[float], float]:
+        """(step seconds, per-stage compute, per-stage communication, the controller's seconds) with compute
+        slowed ``slow`` times."""
         end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
         arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
         free, pipe, gather_free, grad, once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
@@ -294,11 +301,12 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             if p == 1:
                 host += controller.overhead_s + dispatch.spmd_step_buffers(plan) * controller.buffer_s
         carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
+        launch = 0.0  # with ``serial``: when the previous program completed
         for s, action, deps in order:
             c, kind, mb = action.chunk, action.kind, action.microbatch
             compute, tp_s, gather, piece, pieces, bucket, scatter, sends, acc, syncs, bucket_syncs = work[(s, c, kind)]
             compute, piece, acc = slow * compute, slow * piece, slow * acc
-            start = free[s]
+            start = max(free[s], launch) if serial else free[s]
             if controller is not None:
                 if p > 1:
                     buffers = (dispatch.action_buffers(plan, s, c, kind, remaining[(s, c)] < m)
@@ -348,6 +356,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             busy[s] += compute - wait
             comm[s] += tp_s + wait
             free[s] = finish
+            if serial:  # the program ends with its reductions too
+                launch = max(finish, grad[s])
             end[(s, kind, mb, c)] = finish
             for _, seconds in sends:
                 pipe[s] = max(pipe[s], finish) + seconds
@@ -357,10 +367,10 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             params = sum(cst.params for cst in costs[s])
             shard = model.device_stage_params(plan, s, o_ways)  # the program's optimizer shard
             if once[s]:  # the replicas meet first (a shared host's stragglers)
-                grad[s] = max(grad[s], free[s]) + once[s] + (skewed.barrier_wait(once_group[s], carry[s])
+                grad[s] = max(grad[s], free[s], launch) + once[s] + (skewed.barrier_wait(once_group[s], carry[s])
                                                              if skewed else 0.0)
                 carry[s] = 0.0
-            ready = max(free[s], grad[s])
+            ready = max(free[s], grad[s], launch)
             if controller is not None and p > 1:
                 host += controller.overhead_s + dispatch.update_buffers(plan, s) * controller.buffer_s
                 ready = max(ready, host)
@@ -370,6 +380,11 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             busy[s] += opt
             done = ready + opt
             carry[s] += opt
+            if serial and skewed is not None:  # the update program's end: the stage's devices meet
+                wait = interleaved_wait(skewed, ends, opt, carry[s] - opt)
+                comm[s] += wait
+                done += wait
+                carry[s] = 0.0
             if o_ways > p_ways and mesh.data > 1:
                 n = max(1, parameter_collectives(plan, s, None, math.inf if combine is None else combine, param_b,
                                                  which="optimizer"))
@@ -382,21 +397,26 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     done += wait
                     carry[s] = 0.0
             done += step_end_wait(skewed, topology.num_devices // p, carry[s])  # every device meets at the end
+            launch = done if serial else launch
             step = max(step, done, host)
-        return step, busy, comm
+        return step, busy, comm, host
 
     # A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
     # computing at once in P programs (a pipeline's stages). One program (no stages): all its devices compute
     # together whenever it computes, as in the task graph. Pipelines: mean field, n and P the time-averaged
     # counts the previous play gives, refined twice.
-    step, busy, comm = play(1.0)
+    step, busy, comm, host = play(1.0)
     if cal.shares_host and p == 1:
-        step, busy, comm = play(1.0 / cal.host_share(topology.num_devices))
+        step, busy, comm, host = play(1.0 / cal.host_share(topology.num_devices))
+    elif cal.shares_host and serial:
+        # One stage's program computes at a time, beside the controller for the share of the step it works.
+        for _ in range(2):
+            step, busy, comm, host = play(1.0 / cal.host_share(per_stage + (min(1.0, host / step) if step > 0
+                                                                             else 0.0)))
     elif cal.shares_host:
-        per_stage = topology.num_devices / p
         for _ in range(2):
             stages = sum(busy) / step if step > 0 else 1.0
-            step, busy, comm = play(1.0 / cal.host_share(stages * per_stage, max(1.0, stages)))
+            step, busy, comm, host = play(1.0 / cal.host_share(stages * per_stage, max(1.0, stages)))
     worst = max(range(p), key=lambda s: busy[s] + comm[s])
     return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
                     bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),

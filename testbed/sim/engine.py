@@ -292,8 +292,10 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 
 def simulate(plan: Plan, topology: Topology) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
+    host = topology.calibration.host
     program = build_program(plan, place(plan, topology), controller=topology.calibration.controller is not None,
-                            combine_bytes=topology.calibration.collectives.combine_bytes)
+                            combine_bytes=topology.calibration.collectives.combine_bytes,
+                            serial=host is not None and host.serial_programs)
     priced = price(program, topology, plan.precision.compute_dtype)
     timeline = run(program, priced, calibration=topology.calibration)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

@@ -33,6 +33,12 @@ pipeline) and a dispatch at ``overhead_s`` per program and
 ``buffer_s`` per device buffer; on a shared host (the ``calibration.host``
 group) the controller takes a core's share like a device.
 
+Programs one at a time (``serial``, the host's ``calibration.host.serial_programs``): XLA:CPU's PjRt
+client launches a process's programs over several devices one at a time, each once the previous one
+has completed, in dispatch order. A pipeline whose stages span several devices then runs its stages'
+actions and updates one after another (:meth:`~testbed.sim.tasks.Builder.serialize`), never two stages
+computing at once; stages of one device each still overlap.
+
 On a shared host (testbed.sim.barriers) the collectives an action's program runs among its kernels
 (tensor collectives, per-microbatch gradient reduce-scatters and buckets) are also ``syncs`` of its
 compute tasks, marked ``interleaved``: its devices meet there and wait for the last of them. Parameter
@@ -130,7 +136,7 @@ def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
-                  controller: bool = False, combine_bytes: float | None = None) -> Program:
+                  controller: bool = False, combine_bytes: float | None = None, serial: bool = False) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -138,6 +144,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         controller: add the single controller's dispatch tasks (module docstring).
         combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: unbounded, one
             collective per chunk's parameter gather or gradient reduce-scatter; module docstring).
+        serial: the host runs programs over several devices one at a time in dispatch order (the
+            topology's ``calibration.host.serial_programs``; module docstring).
     """
     mesh, v = plan.mesh, plan.schedule.virtual_stages
     p = mesh.stage
@@ -184,6 +192,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     remaining_bwd = {(s, c): plan.batch.microbatches for s in range(p) for c in range(v)}
 
     previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor all-reduces block)
+    # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD stage's
+    # actions and updates; an SPMD step is one program.
+    programs: list[tuple[range, int]] = []
+    serial = serial and p > 1
     host = reps[0]
     if controller:
         b.add(name="prepare step", device=host, stream="host", kind=TaskKind.HOST,
@@ -305,13 +317,15 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             # the parameter gathers (they need only the parameters) ahead of the kernels: those meet on their own.
             b.interleave(computes, [i for i in range(first, len(b.tasks)) if b.tasks[i].stream != "gather"])
         done[(s, action)] = previous[s] = last
+        if placement.device_ids[s].size > 1:
+            programs.append((range(first, len(b.tasks)), placement.device_ids[s].size))
         for dst, dst_chunk, nbytes in _sends(schedule, s, action, costs):
             sent[(s, action, dst)] = b.add(name=f"send {label}->{dst}", device=rep, stream="pipe", kind=TaskKind.SEND,
                                            deps=(last,), nbytes=nbytes, group=(rep, reps[dst]),
                                            instances=pairs[(s, dst)])
 
     for s in range(p):
-        rep = reps[s]
+        rep, first = reps[s], len(b.tasks)
         for bucket_of in once[s]:  # the update's one reduction of the replicas' gradients, after the backward
             reduce_tasks[s].extend(_reduce(b, plan, rep, s, previous[s], *bucket_of, groups))
         params = sum(c.params for c in costs[s])
@@ -329,6 +343,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             b.add(name="gather params", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(opt,),
                   op="all_gather", nbytes=params / mesh.fsdp * param_b / n, count=n,
                   group=rep_group(data_groups[s], rep), instances=data_groups[s])
+        if placement.device_ids[s].size > 1:
+            programs.append((range(first, len(b.tasks)), placement.device_ids[s].size))
+    if serial:
+        b.serialize(programs)
     return Program(tasks=tuple(b.tasks), representative=representative, schedule=schedule)
 
 

@@ -144,6 +144,31 @@ class Builder:
             self.tasks[i] = replace(self.tasks[i], syncs=merge((*self.tasks[i].syncs, *parts)))
 
 
+    def serialize(self, programs: Sequence[tuple[range, int]]) -> None:
+        """Run ``programs`` (``(task ids, devices)``, in dispatch order) one at a time, each once the previous
+        one has completed on all its devices (testbed.topology.HostCalibration.serial_programs).
+
+        A program's first tasks (those that depend on none of its own) also wait for the previous one's last
+        tasks (those none of its own depend on), and its end is a meeting of its devices: its last compute
+        task gains one barrier of ``devices`` among its ``syncs`` (testbed.sim.barriers). The controller's
+        tasks and the sends between stages are not a program's own.
+        """
+        previous: tuple[int, ...] = ()
+        for ids, devices in programs:
+            own = [i for i in ids if self.tasks[i].kind not in (TaskKind.HOST, TaskKind.SEND)]
+            inside = set(own)
+            needed = {d for i in own for d in self.tasks[i].deps if d in inside}
+            for i in own if previous else ():
+                task = self.tasks[i]
+                if not inside.intersection(task.deps):
+                    self.tasks[i] = replace(task, deps=task.deps + previous)
+            computes = [i for i in own if self.tasks[i].kind is TaskKind.COMPUTE]
+            if computes:
+                task = self.tasks[computes[-1]]
+                self.tasks[computes[-1]] = replace(task, syncs=merge((*task.syncs, (devices, 1.0))))
+            previous = tuple(i for i in own if i not in needed) or previous
+
+
 def rep_group(groups: tuple[tuple[int, ...], ...], rep: int) -> tuple[int, ...]:
     return next(g for g in groups if rep in g)
 

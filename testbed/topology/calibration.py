@@ -209,7 +209,18 @@ class HostCalibration(_Group):
         ``throughput`` curve's SPMD programs): ``S(1) = 1``, linear between
         points, flat after the last. Measured on a 2-core host: four programs
         of two XLA:CPU devices take about 1.3x one program over all eight.
-        Empty: programs share the host as one program does.
+        Empty: programs share the host as one program does. Read for programs
+        that run at once: with ``serial_programs`` those over one device.
+    serial_programs: the host's runtime runs a process's programs over
+        several devices one at a time, in the order they were dispatched (each
+        starts once the previous one has completed): XLA:CPU's PjRt client
+        launches one program with collectives at a time ("we only created
+        enough threads for one collective to complete"), and counts every
+        program over several devices as one. An MPMD pipeline's stages of 2+
+        devices then never compute at once (testbed.sim.program). Measured by
+        ``calibrate`` (its ``launches`` samples: of two programs over half the
+        devices each, dispatched back to back, the first completes in half the
+        time both take). False: programs run as soon as their inputs are ready.
     skew_s: measured too: pairs ``(g, s)``, how far the last of ``g``
         devices computing at once lags their mean when they next meet (a
         collective, the step's end): ``sqrt(s * t)`` seconds after ``t``
@@ -234,6 +245,7 @@ class HostCalibration(_Group):
     cores: int = 0
     throughput: tuple[tuple[int, float], ...] = ()
     programs: tuple[tuple[int, float], ...] = ()
+    serial_programs: bool = False
     skew_s: tuple[tuple[int, float], ...] = ()
     skew_onset_s: float = 0.0
     skew_saturation_s: float = 0.0
@@ -253,6 +265,9 @@ class HostCalibration(_Group):
                          or any(not 1.0 <= t < float("inf") for _, t in slowdown)):
             raise InputError(f"must map program counts 1 < P2 < ... to slowdowns S(P) >= 1, starting at 1: 1.0; got "
                              f"{dict(slowdown)}", field=self._path("programs"))
+        if not isinstance(self.serial_programs, bool):
+            raise InputError(f"must be true or false, got {self.serial_programs!r}",
+                             field=self._path("serial_programs"))
         skew = tuple((int(g), float(t)) for g, t in self.skew_s)
         object.__setattr__(self, "skew_s", skew)
         if skew and (skew[0][0] < 2 or any(b[0] <= a[0] for a, b in zip(skew, skew[1:]))

@@ -135,6 +135,10 @@ def _calibration_value(group: str, name: str, value: Any) -> Any:
     path = f"calibration.{group}.{name}"
     if name == "cores":
         return get_int({name: value}, name, f"calibration.{group}", minimum=0)
+    if name == "serial_programs":
+        if not isinstance(value, bool):
+            raise InputError(f"expected true or false, got {quote(value)}", field=path)
+        return value
     if name in ("throughput", "programs", "skew_s"):
         # Curves keyed by device, program or group counts: ratios, or (skew_s) times.
         low, what, example = {"throughput": (1, "device counts", "1: 1.0, 2: 1.3"),
