@@ -10,8 +10,9 @@
 - ``barriers``: groups meeting between phases of small kernels (the stragglers'
   wait).
 
-Each times what it compares side by side, alternating (:func:`paired`), so a
-host whose speed drifts between benchmarks moves both alike. The fits are in
+The comparisons are timed side by side, alternating (:func:`paired`), so a
+host whose speed drifts between benchmarks moves both alike; ``launches``
+polls when each of its programs completes. The fits are in
 testbed.calibration.fit.
 """
 
@@ -30,8 +31,8 @@ from testbed.calibration.fit import BARRIER_COLLECTIVES, Sample
 if TYPE_CHECKING:
     from runners.measure import Benchmark
 
-__all__ = ["time_call", "concurrent_sample", "programs_sample", "launches_sample", "barriers_sample", "paired", "mlp_program",
-           "CONCURRENT_ROUNDS", "LAUNCH_ROUNDS", "BARRIER_ROUNDS", "BARRIER_KERNEL"]
+__all__ = ["time_call", "concurrent_sample", "programs_sample", "launches_sample", "barriers_sample", "paired",
+           "mlp_program", "CONCURRENT_ROUNDS", "LAUNCH_ROUNDS", "BARRIER_ROUNDS", "BARRIER_KERNEL"]
 
 
 def time_call(fn: Callable[[], Any], *, repeats: int = 7, budget_s: float = 1.0) -> float:

@@ -11,6 +11,8 @@ ids (the innermost topology level first, as placement does).
 
 Sizes follow the platform: small on the CPU (emulated devices share a few
 host cores), large on GPUs and TPUs where small kernels are launch bound.
+How emulated devices share one host (devices at once, separate programs,
+programs one at a time, stragglers) is measured by :mod:`runners.host_sharing`.
 The fitting itself is pure and lives in :mod:`testbed.calibration.fit`.
 """
 

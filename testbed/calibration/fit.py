@@ -296,8 +296,8 @@ def fit_host_programs(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...
 
     An MPMD pipeline runs each stage as its own program; ``concurrent`` (the throughput curve) times one SPMD
     program. The samples time one-device programs: programs over several devices may not run at once at all
-    (:func:`fit_host_serial`). Each ``S(P)`` is kept within ``[S(previous), P]`` (more programs are never faster in the model).
-    Empty without ``programs`` samples.
+    (:func:`fit_host_serial`). Each ``S(P)`` is kept within ``[S(previous), P]`` (more programs are never faster
+    in the model). Empty without ``programs`` samples.
     """
     ratios: dict[int, list[float]] = {}
     for s in of_kind(samples, "programs"):

@@ -143,7 +143,6 @@ class Builder:
         for i in computes:
             self.tasks[i] = replace(self.tasks[i], syncs=merge((*self.tasks[i].syncs, *parts)))
 
-
     def serialize(self, programs: Sequence[tuple[range, int]]) -> None:
         """Run ``programs`` (``(task ids, devices)``, in dispatch order) one at a time, each once the previous
         one has completed on all its devices (testbed.topology.HostCalibration.serial_programs).

@@ -207,10 +207,10 @@ class HostCalibration(_Group):
         take when they compute in ``P`` separate programs at once (an MPMD
         pipeline's stages) than in one program over as many devices (the
         ``throughput`` curve's SPMD programs): ``S(1) = 1``, linear between
-        points, flat after the last. Measured on a 2-core host: four programs
-        of two XLA:CPU devices take about 1.3x one program over all eight.
-        Empty: programs share the host as one program does. Read for programs
-        that run at once: with ``serial_programs`` those over one device.
+        points, flat after the last. Read for programs that run at once (with
+        ``serial_programs``, those over one device). Measured on a 2-core
+        host: one-device programs at once 1.0-1.2x one program over as many.
+        Empty: programs share the host as one program does.
     serial_programs: the host's runtime runs a process's programs over
         several devices one at a time, in the order they were dispatched (each
         starts once the previous one has completed): XLA:CPU's PjRt client
