@@ -178,9 +178,15 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     shapes = [[chunk_gemms(plan, s, c) for c in range(v)] for s in range(p)]
     contexts = axis_groups(placement, [Axis.CONTEXT])  # ring attention: each rank sends to the next of its ring
     ring_pair, rings = zip(*(ring_neighbours(contexts[s], reps[s]) for s in range(p)))
-    # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate.
-    pairs = {(a, b): tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))
-             for a in range(p) for b in range(p) if a != b}
+    # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate (made for the stage
+    # pairs that send, when they first do).
+    pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
+
+    def stage_pairs(a: int, b: int) -> tuple[tuple[int, int], ...]:
+        if (a, b) not in pairs:
+            pairs[(a, b)] = tuple(zip(placement.device_ids[a].ravel().tolist(),
+                                      placement.device_ids[b].ravel().tolist()))
+        return pairs[(a, b)]
 
     b = Builder()
     done: dict[tuple[int, Action], int] = {}      # action -> its last task (TP all-reduce or compute)
@@ -322,7 +328,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         for dst, dst_chunk, nbytes in _sends(schedule, s, action, costs):
             sent[(s, action, dst)] = b.add(name=f"send {label}->{dst}", device=rep, stream="pipe", kind=TaskKind.SEND,
                                            deps=(last,), nbytes=nbytes, group=(rep, reps[dst]),
-                                           instances=pairs[(s, dst)])
+                                           instances=stage_pairs(s, dst))
 
     for s in range(p):
         rep, first = reps[s], len(b.tasks)
