@@ -90,6 +90,7 @@ bucket's reduce-scatter its share of them).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -180,13 +181,9 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     ring_pair, rings = zip(*(ring_neighbours(contexts[s], reps[s]) for s in range(p)))
     # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate (made for the stage
     # pairs that send, when they first do).
-    pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}
-
+    @functools.cache
     def stage_pairs(a: int, b: int) -> tuple[tuple[int, int], ...]:
-        if (a, b) not in pairs:
-            pairs[(a, b)] = tuple(zip(placement.device_ids[a].ravel().tolist(),
-                                      placement.device_ids[b].ravel().tolist()))
-        return pairs[(a, b)]
+        return tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))
 
     b = Builder()
     done: dict[tuple[int, Action], int] = {}      # action -> its last task (TP all-reduce or compute)
