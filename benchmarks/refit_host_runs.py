@@ -1,0 +1,116 @@
+"""Accuracy benchmark without JAX: refit saved host validation runs with the current code and re-predict their plans.
+
+``benchmarks/validate_host.py --keep DIR`` measures a calibration and a
+validation on this host (about ten minutes, and the host's mood of the day).
+The runs kept under ``benchmarks/host_runs/`` (``run-N/measurements.json``:
+calibrate's samples; ``run-N/validate_host.json``: what validate measured)
+let a change of the fits or of the simulator be judged on the same
+measurements in seconds: each run's calibration is refitted from its samples
+(:func:`testbed.calibration.topology.fit_all`, as ``testbed calibrate
+--from-measurements`` does), every plan of its validation is simulated on
+it, and the prediction is compared with
+
+- the measured median step (``raw``), and
+- the step at the calibrated speed (``at_calibrated_speed``): validate scaled
+  each round by the host's speed then (its reference step's predicted over
+  measured time); the refit predicts that reference step anew, so the scale
+  is carried over by the ratio of the new prediction to the old one.
+
+It prints ONE JSON object: per run the median / max absolute errors of both,
+each plan's signed errors and the reference step's in-sample error (the
+calibrated topology against its own measured ``cpu-m`` step); over the runs
+the median of the medians and how many met the goal (median <= 0.10, max <=
+0.25 at the calibrated speed).
+
+    python benchmarks/refit_host_runs.py [RUN_DIR ...]
+
+Default: every ``benchmarks/host_runs/*/run-*`` whose measurements hold the
+current calibrate's samples (``launches``, i.e. measured since programs one at
+a time were modelled).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL = {"median": 0.10, "max": 0.25}
+
+
+def _summary(errors: dict[str, float]) -> dict[str, float]:
+    values = [abs(e) for e in errors.values()]
+    return {"median_abs_error": round(statistics.median(values), 4), "max_abs_error": round(max(values), 4)}
+
+
+def refit_run(folder: Path) -> dict:
+    """One run: refit, re-predict, compare (see the module's docstring)."""
+    from testbed.calibration import fit as cal
+    from testbed.calibration.measurements import read_measurements
+    from testbed.calibration.steps import step_plan
+    from testbed.calibration.topology import base_topology, fit_all
+    from testbed.plan.io import load_plan
+    from testbed.sim.engine import simulate
+
+    raw = read_measurements(str(folder / "measurements.json"))
+    samples = cal.samples_from_rows(raw["samples"])
+    base = base_topology(raw.get("base", "host-cpu-8"), raw.get("platform", "cpu"), int(raw.get("devices", 8)),
+                         raw.get("device_kind", ""))
+    topo, _, _ = fit_all(base, samples, host_cpus=int(raw.get("host_cpus", 0)),
+                         cache_bytes=float(raw.get("cache_bytes", 0)))
+    validation = json.loads((folder / "validate_host.json").read_text())
+    reference = validation["diagnostics"]["reference_step"]
+    predicted_ref = simulate(step_plan(reference.get("plan", "cpu-m"), int(raw.get("devices", 8))),
+                             topo).report.step_time_s
+    measured_ref = next(s.seconds for s in samples if s.kind == "step" and s.op == reference.get("plan", "cpu-m"))
+    scale = predicted_ref / reference["predicted_s"]
+    raw_errors, cal_errors = {}, {}
+    for row in validation["plans"]:
+        plan = load_plan(str(ROOT / "plans" / "validation" / f"{row['plan']}.yaml"))
+        predicted = simulate(plan, topo).report.step_time_s
+        raw_errors[row["plan"]] = round(predicted / row["measured_s"] - 1, 4)
+        at_cal = row["diagnostics"]["measured_at_calibrated_speed_s"] * scale
+        cal_errors[row["plan"]] = round(predicted / at_cal - 1, 4)
+    return {"run": str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else folder.name,
+            "reference_in_sample_error": round(predicted_ref / measured_ref - 1, 4),
+            "raw": _summary(raw_errors), "at_calibrated_speed": _summary(cal_errors),
+            "errors_at_calibrated_speed": dict(sorted(cal_errors.items(), key=lambda kv: kv[1])),
+            "errors_raw": raw_errors}
+
+
+def _current(folder: Path) -> bool:
+    rows = json.loads((folder / "measurements.json").read_text()).get("samples", [])
+    return any(r.get("kind") == "launches" for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args:
+        folders = [Path(a).resolve() for a in args]
+        missing = [str(f) for f in folders if not (f / "measurements.json").is_file()
+                   or not (f / "validate_host.json").is_file()]
+        if missing:
+            sys.stderr.write(f"refit_host_runs: {', '.join(missing)}: expected a run folder holding "
+                             "measurements.json and validate_host.json (benchmarks/host_runs/DATE/run-N)\n")
+            return 2
+    else:
+        folders = [Path(f) for f in sorted(glob.glob(str(ROOT / "benchmarks" / "host_runs" / "*" / "run-*")),
+                                           key=lambda f: (Path(f).parent.name, int(f.rsplit("-", 1)[1])))
+                   if _current(Path(f))]
+    runs = [refit_run(f) for f in folders]
+    medians = [r["at_calibrated_speed"]["median_abs_error"] for r in runs]
+    met = [r["run"] for r in runs if r["at_calibrated_speed"]["median_abs_error"] <= GOAL["median"]
+           and r["at_calibrated_speed"]["max_abs_error"] <= GOAL["max"]]
+    print(json.dumps({"goal_at_calibrated_speed": GOAL, "runs": runs,
+                      "median_of_medians_at_calibrated_speed": round(statistics.median(medians), 4) if runs else None,
+                      "median_of_medians_raw": round(statistics.median(
+                          r["raw"]["median_abs_error"] for r in runs), 4) if runs else None,
+                      "runs_meeting_goal": len(met), "runs_total": len(runs), "met": met}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
