@@ -194,7 +194,8 @@ def test_fit_collectives_recovers_link_parameters():
 def test_calibrated_topology_round_trips_through_yaml():
     base = load_topology("host-cpu-8")
     rates = {"fp32": 6e10, "bf16": 4e10}
-    params = cal_coll.CollectiveParams(latency={"node": 1.5e-5}, bandwidth={"node": 2.5e9}, overhead_s=3e-4)
+    params = cal_coll.CollectiveParams(latency={"node": 1.5e-5}, bandwidth={"node": 2.5e9}, overhead_s=3e-4,
+                                       rendezvous_s=2e-5)
     topo = cal_topology.calibrated_topology(base, rates=rates, half_flops=5e6, memory_bandwidth=1.1e10, launch_s=3e-5,
                                    host_cores=1, collectives=params)
     # Fitted rates are what the simulator sees: peak x efficiency.
@@ -204,6 +205,7 @@ def test_calibrated_topology_round_trips_through_yaml():
     assert topo.levels[0].bandwidth == 2.5e9 and topo.levels[0].latency == 1.5e-5
     back = topology_from_dict(yaml.safe_load(dump_topology(topo)))
     assert back.calibration == topo.calibration
+    assert back.calibration.collectives.rendezvous_s == 2e-5
     assert back.device == topo.device
     assert back.levels == topo.levels
     assert back.name == topo.name
@@ -266,6 +268,34 @@ def test_fit_collectives_through_the_simulator_recovers_parameters():
     # ppermute (a send: latency + overhead) and rounds of the collectives separate the parameters.
     assert params.bandwidth["node"] == pytest.approx(4e9, rel=1e-3)
     assert params.overhead_s + 2 * params.latency["node"] == pytest.approx(2e-5 + 1e-5, rel=1e-3)
+
+
+def test_fit_collectives_recovers_a_rendezvous_growing_with_the_group():
+    """XLA:CPU's collectives bring one thread per rank to a rendezvous: a cost per rank beyond the first that
+    the host's one-round algorithm has no other term for. Samples priced with one are fitted back exactly;
+    samples without get none."""
+    base = load_topology("host-cpu-8")
+    truth = cal_coll.CollectiveParams(latency={"node": 5e-6}, bandwidth={"node": 4e9}, overhead_s=2e-5,
+                                      rendezvous_s=3e-5)
+    topo = cal_coll.with_collective_params(base, truth)
+    rows = []
+    for op in ("psum", "all_gather", "psum_scatter", "ppermute"):
+        for g in (2, 4, 8):
+            for b in (4096.0, 131072.0, 2097152.0):
+                probe = Sample(kind="collective", seconds=1.0, op=op, ranks=g, bytes=b)
+                rows.append(replace(probe, seconds=simulator_collective_time(topo, probe)))
+    params, fit = cal_coll.fit_collectives(base, rows, simulator_collective_time)
+    assert fit.max_abs_rel < 1e-3
+    assert params.rendezvous_s == pytest.approx(3e-5, rel=1e-3)
+    assert fit.values["collective_rendezvous_s"] == params.rendezvous_s
+    fitted = cal_coll.with_collective_params(base, params)
+    without = cal_coll.with_collective_params(base, replace(params, rendezvous_s=0.0))
+    for g in (2, 8):
+        sample = Sample(kind="collective", seconds=1.0, op="all_gather", ranks=g, bytes=4096.0)
+        assert (simulator_collective_time(fitted, sample) - simulator_collective_time(without, sample)
+                == pytest.approx((g - 1) * 3e-5, rel=1e-3))
+    plain = [s for s in _synthetic_measurements(base) if s.kind == "collective"]
+    assert cal_coll.fit_collectives(base, plain, simulator_collective_time)[0].rendezvous_s < 1e-9
 
 
 def test_calibrate_refit_from_measurements_writes_a_loadable_topology(tmp_path, capsys):

@@ -507,3 +507,23 @@ def test_many_small_groups_of_a_16k_hierarchy_are_one_group(monkeypatch):
     for algorithm in applicable_algorithms(topology, "all_reduce", groups[0]):
         assert groups_time(topology, "all_reduce", groups, 2.0**30, algorithm).groups == 2048
     assert all(group == groups[0] for group in calls)
+
+
+@pytest.mark.parametrize("name,over", CASES + [("host-cpu-8", "all")])
+def test_rendezvous_adds_its_cost_per_rank_beyond_the_first_to_every_algorithm(topologies, name, over):
+    """``collectives.rendezvous_s`` is per collective and per participant beyond the first, whatever the
+    algorithm (routed, closed form, NCCL's); a send has none."""
+    topology = topologies.get(name) or load_topology(name)
+    r = 3.7e-5
+    with_r = dataclasses.replace(topology, calibration=topology.calibration.updated(collectives={"rendezvous_s": r}))
+    groups = topology.groups(over)
+    n = len(groups[0])
+    for op in COLLECTIVE_OPS:
+        for algorithm in applicable_algorithms(topology, op, groups[0]):
+            for nbytes in (4096.0, 2.0 ** 24):
+                plain = groups_time(topology, op, groups, nbytes, algorithm).time_s
+                assert groups_time(with_r, op, groups, nbytes, algorithm).time_s == pytest.approx(
+                    plain + r * (n - 1), rel=1e-12, abs=1e-15)
+    assert send_time(with_r, 0, 1, 4096.0) == send_time(topology, 0, 1, 4096.0)
+    with pytest.raises(InputError, match=r"calibration\.collectives\.rendezvous_s"):
+        CollectiveCalibration(rendezvous_s=-1e-6)

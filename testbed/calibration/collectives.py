@@ -1,7 +1,8 @@
-"""Fitting the interconnect: per-level latency and bandwidth, and the per-round collective overhead.
+"""Fitting the interconnect: per-level latency and bandwidth, the per-round overhead and the per-rank rendezvous.
 
 A collective's time in the simulator is affine in each level's latency and
-inverse bandwidth and in the calibration's ``collectives.overhead_s`` once the algorithm
+inverse bandwidth and in the calibration's ``collectives.overhead_s`` (per
+round) and ``collectives.rendezvous_s`` (per rank beyond the first) once the algorithm
 (which ``auto`` picks) is fixed: so the caller's timing model (the
 simulator's, :func:`testbed.cli.calibrate.simulator_collective_time`)
 gives the design matrix column by column, one probe per parameter, and a
@@ -28,11 +29,12 @@ __all__ = ["CollectiveParams", "Predictor", "level_groups", "with_collective_par
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectiveParams:
-    """Per-level latency (s/hop) and bandwidth (bytes/s), and the per-round overhead."""
+    """Per-level latency (s/hop) and bandwidth (bytes/s), the per-round overhead and the per-rank rendezvous."""
 
     latency: Mapping[str, float]
     bandwidth: Mapping[str, float]
     overhead_s: float = 0.0
+    rendezvous_s: float = 0.0
 
 
 def level_groups(topology: Topology) -> list[list[str]]:
@@ -46,8 +48,9 @@ def level_groups(topology: Topology) -> list[list[str]]:
 
 
 def with_collective_params(topology: Topology, params: CollectiveParams) -> Topology:
-    """The topology with its levels' (or explicit links') latency/bandwidth and overhead replaced."""
-    calibration = topology.calibration.updated(collectives={"overhead_s": params.overhead_s})
+    """The topology with its levels' (or explicit links') latency/bandwidth, overhead and rendezvous replaced."""
+    calibration = topology.calibration.updated(collectives={"overhead_s": params.overhead_s,
+                                                            "rendezvous_s": params.rendezvous_s})
     if topology.form is Form.GRAPH:
         key = next(iter(params.bandwidth))
         links = tuple(replace(l, bandwidth=params.bandwidth[key], latency=params.latency[key]) for l in topology.links)
@@ -67,7 +70,7 @@ def collective_columns(topology: Topology, samples: Sequence[Sample], predict: P
     """Design matrix of collective times: d time / d parameter for each sample.
 
     Parameters are, per fitted level group, the latency and the inverse
-    bandwidth, plus the per-round overhead; the time model (``predict``) is
+    bandwidth, plus the per-round overhead and the per-rank rendezvous; the time model (``predict``) is
     affine in them once ``reference`` fixes the algorithm, so one probe per
     parameter from a zero-cost base gives the exact coefficients.
     """
@@ -90,13 +93,14 @@ def collective_columns(topology: Topology, samples: Sequence[Sample], predict: P
                               step_inv))
         labels += [f"latency:{group[0]}", f"inverse_bandwidth:{group[0]}"]
     columns.append(column(replace(zero, overhead_s=step_lat), step_lat))
-    labels.append("overhead")
+    columns.append(column(replace(zero, rendezvous_s=step_lat), step_lat))
+    labels += ["overhead", "rendezvous"]
     return np.column_stack(columns), labels
 
 
 def fit_collectives(topology: Topology, samples: Sequence[Sample], predict: Predictor, iterations: int = 3,
                     ) -> tuple[CollectiveParams, Fit]:
-    """Fit per-level latency, bandwidth and the per-round overhead to measured collectives.
+    """Fit per-level latency, bandwidth, the per-round overhead and the per-rank rendezvous to measured collectives.
 
     Levels the samples never exercise keep the base topology's values.
     """
@@ -134,6 +138,8 @@ def _params_from(topology: Topology, columns: np.ndarray, labels: list[str], coe
         for name in group:
             latency[name], bandwidth[name] = lat, float(bw)
         values[f"{label}.latency_s"], values[f"{label}.bandwidth"] = lat, float(bw)
-    params = CollectiveParams(latency=latency, bandwidth=bandwidth, overhead_s=float(coef[labels.index("overhead")]))
+    params = CollectiveParams(latency=latency, bandwidth=bandwidth, overhead_s=float(coef[labels.index("overhead")]),
+                              rendezvous_s=float(coef[labels.index("rendezvous")]))
     values["collective_overhead_s"] = params.overhead_s
+    values["collective_rendezvous_s"] = params.rendezvous_s
     return params, values

@@ -38,6 +38,8 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
             rows.append(("elementwise", "cached_passes, cache_bytes",
                          f"{e['cached_passes']:.1f} over activations of at most {e['cache_bytes'] / 1024:.0f} KiB"))
     rows.append(("collectives", "overhead_s", format_time(groups["collectives"]["overhead_s"])))
+    rows.append(("collectives", "rendezvous_s",
+                 f"{format_time(groups['collectives']['rendezvous_s'])} per rank beyond the first"))
     for name, level in fitted["levels"].items():
         rows.append(("links", f"level {name}", f"{format_bandwidth(level['bandwidth'])}, "
                                                 f"{format_time(level['latency'])}/hop"))

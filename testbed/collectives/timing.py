@@ -243,6 +243,7 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
     elif algorithm in NCCL_ALGORITHMS:
         _check_applicable(topology, op, groups[0], algorithm)
         name, protocol, time_s = nccl_best(topology, op, groups[0], nbytes, algorithm)
+        time_s += _rendezvous(topology, n)
         bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
         algbw = nbytes / time_s if time_s > 0 else 0.0
         result = CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
@@ -262,6 +263,7 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
                                  f"that can be timed here; pick a smaller group or another algorithm",
                                  field="algorithm")
             time_s, rounds = program_time(topology, op, algorithm, groups, nbytes, root, peer)
+        time_s += _rendezvous(topology, n)
         bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
         algbw = nbytes / time_s if time_s > 0 else 0.0
         result = CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
@@ -269,6 +271,11 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
                                   groups=len(groups), closed_form=closed is not None)
     memo[key] = result
     return result
+
+
+def _rendezvous(topology: Topology, ranks: int) -> float:
+    """``collectives.rendezvous_s`` for each of ``ranks`` ranks beyond the first."""
+    return topology.calibration.collectives.rendezvous_s * (ranks - 1)
 
 
 def _copies(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> bool:

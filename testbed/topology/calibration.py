@@ -166,6 +166,15 @@ class CollectiveCalibration(_Group):
     """Software cost of collectives, beyond the links' latency and bandwidth (every topology; default 0).
 
     overhead_s: per round of a collective's step program, and per send.
+    rendezvous_s: per collective and per participant beyond the first, whatever
+        its algorithm (not per send): bringing every rank to the collective.
+        XLA:CPU runs an emulated device's collective as a rendezvous of one
+        thread per participant, and on a 2-core host eight threads reach it one
+        after another: every calibration of this project's host measured its
+        8-rank 4 KiB collectives 0.05-0.5 ms over what one latency and one
+        bandwidth price, its 2-rank ones within 0.03 ms (the host's one-round
+        ``direct`` algorithm has no term that grows with the group). 0 on
+        accelerators, whose per-rank costs are the links' latency per hop.
     combine_bytes: how the fsdp/ZeRO-3 parameter gathers and gradient
         reduce-scatters of a chunk are issued: one collective per parameter
         leaf, consecutive ones merged while the merged one stays within this
@@ -179,10 +188,11 @@ class CollectiveCalibration(_Group):
 
     GROUP: ClassVar[str] = "collectives"
     overhead_s: float = 0.0
+    rendezvous_s: float = 0.0
     combine_bytes: float | None = None
 
     def __post_init__(self) -> None:
-        self._nonnegative("overhead_s")
+        self._nonnegative("overhead_s", "rendezvous_s")
         if self.combine_bytes is not None:
             self._nonnegative("combine_bytes")
 
