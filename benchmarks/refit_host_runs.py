@@ -42,6 +42,7 @@ GOAL = {"median": 0.10, "max": 0.25}
 
 
 def _summary(errors: dict[str, float]) -> dict[str, float]:
+    """Median and max absolute error, rounded for reading."""
     values = [abs(e) for e in errors.values()]
     return {"median_abs_error": round(statistics.median(values), 4), "max_abs_error": round(max(values), 4)}
 
@@ -71,14 +72,15 @@ def refit_run(folder: Path) -> dict:
     for row in validation["plans"]:
         plan = load_plan(str(ROOT / "plans" / "validation" / f"{row['plan']}.yaml"))
         predicted = simulate(plan, topo).report.step_time_s
-        raw_errors[row["plan"]] = round(predicted / row["measured_s"] - 1, 4)
+        raw_errors[row["plan"]] = predicted / row["measured_s"] - 1
         at_cal = row["diagnostics"]["measured_at_calibrated_speed_s"] * scale
-        cal_errors[row["plan"]] = round(predicted / at_cal - 1, 4)
+        cal_errors[row["plan"]] = predicted / at_cal - 1
     return {"run": str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else folder.name,
             "reference_in_sample_error": round(predicted_ref / measured_ref - 1, 4),
+            "reference_scale": scale,
             "raw": _summary(raw_errors), "at_calibrated_speed": _summary(cal_errors),
             "errors_at_calibrated_speed": dict(sorted(cal_errors.items(), key=lambda kv: kv[1])),
-            "errors_raw": raw_errors}
+            "errors_raw": raw_errors}  # unrounded: tests check their identities
 
 
 def _current(folder: Path) -> bool:
@@ -100,7 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         folders = [Path(f) for f in sorted(glob.glob(str(ROOT / "benchmarks" / "host_runs" / "*" / "run-*")),
                                            key=lambda f: (Path(f).parent.name, int(f.rsplit("-", 1)[1])))
                    if _current(Path(f))]
-    runs = [refit_run(f) for f in folders]
+    from testbed.errors import InputError
+
+    runs = []
+    for folder in folders:
+        try:
+            runs.append(refit_run(folder))
+        except (InputError, ValueError, KeyError, TypeError, StopIteration, OSError) as exc:
+            sys.stderr.write(f"refit_host_runs: {folder}: not a usable run ({type(exc).__name__}: {exc}); expected "
+                             "calibrate's measurements.json and validate_host.py's JSON output (validate_host.json, "
+                             "with plans[].measured_s and diagnostics.reference_step)\n")
+            return 2
     medians = [r["at_calibrated_speed"]["median_abs_error"] for r in runs]
     met = [r["run"] for r in runs if r["at_calibrated_speed"]["median_abs_error"] <= GOAL["median"]
            and r["at_calibrated_speed"]["max_abs_error"] <= GOAL["max"]]
