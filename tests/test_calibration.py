@@ -514,9 +514,10 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
 
 def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
     """With ``cache_bytes`` at 256 KiB the data-parallel and two-way steps' activations fit, the eight-way
-    ones' (512 KiB and 2 MiB) do not: steps simulated with 8 cached and (24, 6) uncached passes give the
-    cached count back, and the passes over memory predict a held-out eight-way plan. (The two eight-way
-    samples have one ratio of replicated to split bytes, so they fix the sum the passes cost, not each count.)"""
+    ones' (512 KiB and 2 MiB) hold a half and an eighth: steps simulated with 8 cached and (24, 6) uncached
+    passes give the cached count back, and the passes over memory predict a held-out eight-way plan. (The two
+    eight-way samples have one ratio of replicated to split bytes, so they fix the sum the passes cost, not
+    each count.)"""
     from testbed.sim.engine import simulate
 
     base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
@@ -527,8 +528,9 @@ def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
         "replicated_passes": 24.0, "split_passes": 6.0, "cached_passes": 8.0}))
     names = ("cpu-s", "cpu-m", "cpu-l", "cpu-xl", "cpu-xs-t2", "cpu-m-t8", "cpu-l-t8")
     plans = [cal_steps.step_plan(n, 8) for n in names]
-    fits = [base.calibration.caches(p.microbatch_size * p.model.seq_len * p.model.d_model * 4) for p in plans]
-    assert fits == [True] * 5 + [False] * 2
+    fits = [base.calibration.cached_fraction(p.microbatch_size * p.model.seq_len * p.model.d_model * 4, 8)
+            for p in plans]
+    assert fits == [1.0] * 5 + [0.5, 0.125]  # no host group: each device has the whole cache
     samples = [Sample(kind="step", op=n, devices=8, seconds=simulate(p, truth).report.step_time_s)
                for n, p in zip(names, plans)]
     efficiency, half, _, passes, fit = cal_steps.fit_step_compute(base, samples)

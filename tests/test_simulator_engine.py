@@ -174,8 +174,14 @@ def test_compute_seconds_roofline():
     cached = switch(2, device=device, bandwidth=1.0, calibration=passes.calibration.updated(
         elementwise={"cache_bytes": 64.0, "cached_passes": 1.0}))
     assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0, tensor_bytes=64.0) == pytest.approx(4.25 + 3.0)
-    assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0, tensor_bytes=65.0) == pytest.approx(4.25 + 8.0)
+    # Beyond it, the part of the activation the cache holds (64 of 128 B): half of each regime.
+    assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0, tensor_bytes=128.0) == pytest.approx(
+        4.25 + 0.5 * 3.0 + 0.5 * 8.0)
     assert compute_seconds(cached, "fp32", 100.0, 10.0, 1, 10.0, 5.0) == pytest.approx(4.25 + 8.0)  # size unknown
+    # Devices that take turns on a core share its cache: two devices on one core hold 32 B each.
+    shared = switch(2, device=device, bandwidth=1.0, calibration=cached.calibration.updated(host={"cores": 1}))
+    assert compute_seconds(shared, "fp32", 100.0, 10.0, 1, 10.0, 5.0, tensor_bytes=64.0) == pytest.approx(
+        4.25 + 0.5 * 3.0 + 0.5 * 8.0)
 
 
 def test_measured_timeline_and_report_share_the_types():

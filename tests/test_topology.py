@@ -10,7 +10,8 @@ from hypothesis import given, strategies as st
 
 from testbed.topology import generators
 from testbed.errors import InputError
-from testbed.topology import DeviceSpec, Level, LinkKind, LinkSpec
+from testbed.topology import (Calibration, DeviceSpec, ElementwiseCalibration, HostCalibration, Level, LinkKind,
+                              LinkSpec)
 from testbed.topology.io import bundled_names, load_topology, topology_from_dict, topology_to_dict
 from testbed.units import parse_bandwidth, parse_bytes, parse_time
 
@@ -216,7 +217,7 @@ def test_gpu_and_tpu_topologies_have_no_host_or_controller_group():
         # NVIDIA GPU topologies price memory-bound kernels (docs/validation.md, "Published runs"): 2 passes, no cache
         assert c.elementwise is None or (c.elementwise.replicated_passes, c.elementwise.split_passes,
                                          c.elementwise.cache_bytes) == (2.0, 2.0, 0.0), name
-        assert not c.shares_host and c.host_share(8) == 1.0 and not c.caches(1.0)
+        assert not c.shares_host and c.host_share(8) == 1.0 and c.cached_fraction(1.0, 8) == 0.0
         assert isinstance(c.compute, ComputeCalibration) and isinstance(c.memory, MemoryCalibration)
         assert isinstance(c.collectives, CollectiveCalibration) and c.collectives.overhead_s > 0
     h100 = load_topology("dgx-h100").calibration
@@ -260,3 +261,19 @@ def test_calibration_groups_are_typed_and_updated_by_name():
     assert cal.host_share(4) == 0.5 and cal.updated(host=None).host_share(4) == 1.0
     with pytest.raises(TypeError, match="unknown calibration group"):
         cal.updated(hosts={"cores": 2})
+
+
+@given(cache=st.floats(1.0, 1e7), tensor=st.floats(1.0, 1e8), more=st.floats(1.0, 10.0),
+       devices=st.integers(1, 64), cores=st.integers(1, 16))
+def test_the_cached_fraction_is_the_share_of_the_cache_a_device_holds(cache, tensor, more, devices, cores):
+    """A device's share of the cache is ``cache_bytes`` over the devices taking turns on a core; it makes its
+    passes from cache for the part of its activation the share holds: 1 within it, falling with the size."""
+    c = Calibration(elementwise=ElementwiseCalibration(cache_bytes=cache), host=HostCalibration(cores=cores))
+    share = cache / max(1.0, devices / cores)
+    f = c.cached_fraction(tensor, devices)
+    assert 0.0 < f <= 1.0
+    assert f == 1.0 if tensor <= share else f == pytest.approx(share / tensor)
+    assert c.cached_fraction(tensor * more, devices) <= f
+    assert c.cached_fraction(tensor, devices * 2) <= f
+    assert Calibration(elementwise=ElementwiseCalibration(cache_bytes=0.0)).cached_fraction(tensor, devices) == 0.0
+    assert c.cached_fraction(0.0, devices) == 0.0

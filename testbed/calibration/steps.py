@@ -104,8 +104,9 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     communication the simulator finds at the starting calibration. A grid
     over (efficiency, half), refined three times, fits the fp32 steps; at
     each point the elementwise passes (``replicated_passes``,
-    ``split_passes``; ``cached_passes`` over tasks whose activations fit in
-    ``calibration.elementwise.cache_bytes``: the time is linear in them) are a
+    ``split_passes``; ``cached_passes`` over the part of each task's
+    activation its share of the cache holds, ``Calibration.cached_fraction``:
+    the time is linear in them) are a
     non-negative least squares of the relative errors. The first two are
     told apart only by samples out of cache at two tensor degrees (their
     replicated shares differ); without, one pass count is fitted for both,
@@ -190,13 +191,14 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
 
 def _pass_bytes(topology: Topology, tasks: Sequence) -> list[float]:
     """(replicated, split, cached) activation bytes of a plan's compute tasks, as the passes price them."""
+    from testbed.sim.compute import host_devices
+
     out = [0.0, 0.0, 0.0]
     for t in tasks:
-        if topology.calibration.caches(t.tensor_bytes):
-            out[2] += t.replicated_bytes + t.split_bytes
-        else:
-            out[0] += t.replicated_bytes
-            out[1] += t.split_bytes
+        f = topology.calibration.cached_fraction(t.tensor_bytes, host_devices(topology))
+        out[2] += f * (t.replicated_bytes + t.split_bytes)
+        out[0] += (1 - f) * t.replicated_bytes
+        out[1] += (1 - f) * t.split_bytes
     return out
 
 

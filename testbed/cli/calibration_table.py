@@ -36,7 +36,8 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
                      f"{e['replicated_passes']:.1f} over replicated, {e['split_passes']:.1f} over split activation bytes"))
         if e["cache_bytes"]:
             rows.append(("elementwise", "cached_passes, cache_bytes",
-                         f"{e['cached_passes']:.1f} over activations of at most {e['cache_bytes'] / 1024:.0f} KiB"))
+                         f"{e['cached_passes']:.1f} over the part of an activation its device's share of "
+                         f"{e['cache_bytes'] / 1024:.0f} KiB holds"))
     rows.append(("collectives", "overhead_s", format_time(groups["collectives"]["overhead_s"])))
     rows.append(("collectives", "rendezvous_s",
                  f"{format_time(groups['collectives']['rendezvous_s'])} per rank beyond the first"))

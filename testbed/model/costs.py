@@ -345,8 +345,8 @@ class ChunkCost:
     layers' forward; selective: the softmax outputs; flash's recomputed score
     blocks stay inside its kernel: none). ``tensor_bytes`` is one
     ``[tokens, d_model]`` activation of the microbatch: the size an
-    elementwise pass over the residual stream streams, which decides whether
-    it runs from cache (calibration ``elementwise.cache_bytes``).
+    elementwise pass over the residual stream streams, which decides how much
+    of it runs from cache (``Calibration.cached_fraction``).
 
     Tensor-parallel all-reduces (each ``tensor_allreduce_bytes``; 0 when
     tensor is 1): 2 per layer forward (after the out projection and the MLP)

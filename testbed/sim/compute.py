@@ -72,12 +72,16 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     if hbm_bytes > 0:
         t = max(t, pass_seconds(topology, hbm_bytes))
     if passes is not None:
-        if passes.caches(tensor_bytes):
-            activations = passes.cached_passes * (replicated_bytes + split_bytes)
-        else:
-            activations = passes.replicated_passes * replicated_bytes + passes.split_passes * split_bytes
+        f = topology.calibration.cached_fraction(tensor_bytes, host_devices(topology))
+        activations = (f * passes.cached_passes * (replicated_bytes + split_bytes)
+                       + (1 - f) * (passes.replicated_passes * replicated_bytes + passes.split_passes * split_bytes))
         t += pass_seconds(topology, activations)
     return compute.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
+
+
+def host_devices(topology: Topology) -> int:
+    """Devices of one host: the innermost level's (a process's emulated devices; all of them without levels)."""
+    return topology.levels[0].size if topology.levels else topology.num_devices
 
 
 def pass_seconds(topology: Topology, nbytes: float) -> float:

@@ -6,8 +6,9 @@ standalone duration and, for communication, the bytes it moves over each directe
 - compute (calibration groups ``compute``, ``memory``, ``elementwise``):
   ``launch_overhead_s + max(flops / (peak * eff(f)), bytes / bw) +
   (replicated_passes * replicated_bytes + split_passes * split_bytes) / bw``,
-  or ``cached_passes * (replicated_bytes + split_bytes) / bw`` when the
-  task's ``[tokens, d_model]`` activation fits in ``cache_bytes``
+  ``cached_passes * (replicated_bytes + split_bytes) / bw`` instead for the
+  part of the task's ``[tokens, d_model]`` activation its device's share of
+  ``cache_bytes`` holds (``Calibration.cached_fraction``),
   with the precision's peak FLOP/s, ``bw = memory_bandwidth *
   memory.efficiency`` and ``eff(f) = compute.efficiency * f / (f +
   compute.efficiency_half_flops)`` for a kernel of ``f`` FLOPs: the roofline

@@ -39,7 +39,7 @@ class Task:
     ``replicated_bytes`` and ``split_bytes`` over the tensor axis (priced by
     the elementwise passes of the calibration); ``tensor_bytes`` is one
     ``[tokens, d_model]`` activation of the task's microbatch (whether its
-    passes run from cache: calibration ``elementwise.cache_bytes``). Collectives carry ``op``, ``nbytes``
+    passes run from cache: ``Calibration.cached_fraction``). Collectives carry ``op``, ``nbytes``
     (DESIGN.md convention), ``count`` back-to-back repeats and the
     representative's ``group``; sends carry ``group = (src, dst)``.
     ``instances`` are all groups or pairs running the same task at once.
