@@ -38,7 +38,7 @@ class Task:
     one kernel decide its efficiency), and the activation bytes they write,
     ``replicated_bytes`` and ``split_bytes`` over the tensor axis (priced by
     the elementwise passes of the calibration); ``tensor_bytes`` is one
-    ``[tokens, d_model]`` activation of the task's microbatch (whether its
+    ``[tokens, d_model]`` activation of the task's microbatch (how much of its
     passes run from cache: ``Calibration.cached_fraction``). Collectives carry ``op``, ``nbytes``
     (DESIGN.md convention), ``count`` back-to-back repeats and the
     representative's ``group``; sends carry ``group = (src, dst)``.
