@@ -47,8 +47,11 @@ def time_call(fn: Callable[[], Any], *, repeats: int = 7, budget_s: float = 1.0)
     return statistics.median(times)
 
 
-#: Alternating rounds of the ``concurrent`` benchmark (one device alone, then all at once).
-CONCURRENT_ROUNDS = 15
+#: Alternating rounds of the ``concurrent`` and ``programs`` benchmarks (one device alone, then all at once).
+#: On this project's 2-core VM, 15 rounds put T(2), T(4), T(8) 8-12% apart (coefficient of variation) between
+#: back-to-back measurements and the pipelines' predictions 10-16% apart between calibrations; 60 rounds,
+#: 2-4% (about 5 s more in a full calibration).
+CONCURRENT_ROUNDS = 60
 
 
 def mlp_program(devices: Sequence[Any], tokens: int, width: int) -> Callable[[], Any]:
