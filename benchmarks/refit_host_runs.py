@@ -20,7 +20,11 @@ It prints ONE JSON object: per run the median / max absolute errors of both,
 each plan's signed errors and the reference step's in-sample error (the
 calibrated topology against its own measured ``cpu-m`` step); over the runs
 the median of the medians and how many met the goal (median <= 0.10, max <=
-0.25 at the calibrated speed).
+0.25 at the calibrated speed); per plan (``plans``) whether its error is a
+bias or noise: its mean and spread over the runs, and the spread of the
+predicted and of the measured ratio to the reference step (the error at the
+calibrated speed compares the two: a calibration that moves from run to run
+moves the first, the host during validation the second).
 
     python benchmarks/refit_host_runs.py [RUN_DIR ...]
 
@@ -68,19 +72,43 @@ def refit_run(folder: Path) -> dict:
                              topo).report.step_time_s
     measured_ref = next(s.seconds for s in samples if s.kind == "step" and s.op == reference.get("plan", "cpu-m"))
     scale = predicted_ref / reference["predicted_s"]
-    raw_errors, cal_errors = {}, {}
+    raw_errors, cal_errors, predicted_ratio, measured_ratio = {}, {}, {}, {}
     for row in validation["plans"]:
         plan = load_plan(str(ROOT / "plans" / "validation" / f"{row['plan']}.yaml"))
         predicted = simulate(plan, topo).report.step_time_s
         raw_errors[row["plan"]] = predicted / row["measured_s"] - 1
         at_cal = row["diagnostics"]["measured_at_calibrated_speed_s"] * scale
         cal_errors[row["plan"]] = predicted / at_cal - 1
+        # The error at the calibrated speed is that of a ratio: the plan's step over the reference step's,
+        # predicted (this refit's calibration) against measured (validate's rounds, each beside the reference).
+        predicted_ratio[row["plan"]] = predicted / predicted_ref
+        measured_ratio[row["plan"]] = at_cal / predicted_ref
     return {"run": str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else folder.name,
             "reference_in_sample_error": round(predicted_ref / measured_ref - 1, 4),
             "reference_scale": scale,
             "raw": _summary(raw_errors), "at_calibrated_speed": _summary(cal_errors),
             "errors_at_calibrated_speed": dict(sorted(cal_errors.items(), key=lambda kv: kv[1])),
-            "errors_raw": raw_errors}  # unrounded: tests check their identities
+            "errors_raw": raw_errors,  # unrounded: tests check their identities
+            "predicted_ratio": predicted_ratio, "measured_ratio": measured_ratio}
+
+
+def plan_summary(runs: list[dict]) -> dict[str, dict]:
+    """Per plan over the runs: bias or noise? The mean and spread of the error at the calibrated speed, the
+    runs beyond the goal's max, and the spread (coefficient of variation) of the two ratios the error compares:
+    the predicted one moves with each run's calibration, the measured one with the host during validation."""
+    def cv(values: list[float]) -> float:
+        return statistics.pstdev(values) / statistics.mean(values)
+
+    out = {}
+    for plan in sorted({p for r in runs for p in r["errors_at_calibrated_speed"]}):
+        have = [r for r in runs if plan in r["errors_at_calibrated_speed"]]
+        errors = [r["errors_at_calibrated_speed"][plan] for r in have]
+        out[plan] = {"runs": len(have), "mean_error": round(statistics.mean(errors), 4),
+                     "sd_error": round(statistics.pstdev(errors), 4),
+                     "runs_beyond_max": sum(abs(e) > GOAL["max"] for e in errors),
+                     "predicted_ratio_cv": round(cv([r["predicted_ratio"][plan] for r in have]), 4),
+                     "measured_ratio_cv": round(cv([r["measured_ratio"][plan] for r in have]), 4)}
+    return out
 
 
 def _current(folder: Path) -> bool:
@@ -120,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                       "median_of_medians_at_calibrated_speed": round(statistics.median(medians), 4) if runs else None,
                       "median_of_medians_raw": round(statistics.median(
                           r["raw"]["median_abs_error"] for r in runs), 4) if runs else None,
-                      "runs_meeting_goal": len(met), "runs_total": len(runs), "met": met}))
+                      "runs_meeting_goal": len(met), "runs_total": len(runs), "met": met,
+                      "plans": plan_summary(runs)}))
     return 0
 
 

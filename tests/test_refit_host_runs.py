@@ -43,3 +43,23 @@ def test_bad_run_folders_exit_2_with_one_message(tmp_path):
         assert done.returncode == 2
         assert "Traceback" not in done.stderr and str(folder) in done.stderr
         assert done.stdout == ""
+
+
+def test_the_plan_summary_splits_each_error_into_its_two_ratios():
+    """The error at the calibrated speed is the predicted over the measured ratio to the reference step, run by
+    run; the summary's mean, spread and count beyond the goal are those of the runs' errors."""
+    runs = [refit_host_runs.refit_run(RUN), refit_host_runs.refit_run(RUN.parent / "run-11")]
+    for run in runs:
+        for plan, error in run["errors_at_calibrated_speed"].items():
+            assert 1 + error == pytest.approx(run["predicted_ratio"][plan] / run["measured_ratio"][plan], rel=1e-9)
+    summary = refit_host_runs.plan_summary(runs)
+    assert set(summary) == set(runs[0]["errors_at_calibrated_speed"])
+    for plan, row in summary.items():
+        errors = [r["errors_at_calibrated_speed"][plan] for r in runs]
+        assert row["runs"] == 2
+        assert row["mean_error"] == pytest.approx(sum(errors) / 2, abs=1e-4)
+        assert row["sd_error"] == pytest.approx(abs(errors[0] - errors[1]) / 2, abs=1e-4)
+        assert row["runs_beyond_max"] == sum(abs(e) > 0.25 for e in errors)
+        for ratio in ("predicted_ratio", "measured_ratio"):
+            a, b = (r[ratio][plan] for r in runs)
+            assert row[f"{ratio}_cv"] == pytest.approx(abs(a - b) / (a + b), abs=1e-4)
