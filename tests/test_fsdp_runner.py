@@ -155,3 +155,22 @@ def test_compiled_zero1_regathers_are_the_rule_count() -> None:
     _, found = _compiled(plan)
     gathers = sum(1 for axes, kind, _ in found if axes == "data" and kind == "all-gather")
     assert gathers == parameter_collectives(plan, 0, None, combine_bytes=0, which="optimizer") > 1
+
+
+def test_compiled_gradient_all_reduces_are_combined_into_one() -> None:
+    """The runner sums the replicated gradient tree leaf by leaf (``testbed check-sharding``, which reads the
+    partitioned program before XLA's passes, counts 2 + 12 x layers + 3 all-reduces), but XLA:CPU's all-reduce
+    combiner merges them: the compiled step runs one all-reduce over data, as the task graph prices one
+    reduction per bucket (its gathers and reduce-scatters, which no pass merges, are counted leaf by leaf)."""
+    from testbed.plan.placement import place
+    from testbed.sim.program import build_program
+
+    for plan in (_plan(data=2), _plan(data=2, tensor=2), _plan(data=2, zero=1)):
+        _, found = _compiled(plan)
+        reduces = [elements for axes, kind, elements in found if axes == "data" and kind == "all-reduce"]
+        assert len(reduces) == 1, (plan.mesh, plan.zero, reduces)
+        program = build_program(plan, place(plan, num_devices=plan.mesh.size), combine_bytes=0.0)
+        rep = program.representatives[0]
+        tasks = [t for t in program.tasks if t.device == rep and t.op in ("all_reduce", "reduce_scatter")
+                 and t.stream == "grad"]
+        assert tasks and all(t.count == 1 for t in tasks), [(t.name, t.count) for t in tasks]
