@@ -49,8 +49,8 @@ def time_call(fn: Callable[[], Any], *, repeats: int = 7, budget_s: float = 1.0)
 
 #: Alternating rounds of the ``concurrent`` and ``programs`` benchmarks (one device alone, then all at once).
 #: On this project's 2-core VM (one round's ratio ranges 0.6-6.5 there), 15 rounds put T(2), T(4), T(8) 8-12%
-#: apart (coefficient of variation) between back-to-back measurements and the pipelines' predictions 10-12%
-#: apart between calibrations; 60 rounds, 2-4% and 5-8% (about 5 s more in a full calibration).
+#: apart (coefficient of variation) between back-to-back measurements, 60 rounds 2-4% (about 5 s more in a
+#: full calibration). Between calibrations hours apart the curve still moves with the host (docs/validation.md).
 CONCURRENT_ROUNDS = 60
 
 
