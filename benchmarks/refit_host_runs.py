@@ -6,7 +6,7 @@ The runs kept under ``benchmarks/host_runs/`` (``run-N/measurements.json``:
 calibrate's samples; ``run-N/validate_host.json``: what validate measured)
 let a change of the fits or of the simulator be judged on the same
 measurements in seconds: each run's calibration is refitted from its samples
-(:func:`testbed.calibration.topology.fit_all`, as ``testbed calibrate
+(:func:`testbed.calibration.topology.fit_saved`, as ``testbed calibrate
 --from-measurements`` does), every plan of its validation is simulated on
 it, and the prediction is compared with
 
@@ -53,24 +53,20 @@ def _summary(errors: dict[str, float]) -> dict[str, float]:
 
 def refit_run(folder: Path) -> dict:
     """One run: refit, re-predict, compare (see the module's docstring)."""
-    from testbed.calibration import fit as cal
     from testbed.calibration.measurements import read_measurements
     from testbed.calibration.steps import step_plan
-    from testbed.calibration.topology import base_topology, fit_all
+    from testbed.calibration.topology import fit_saved, saved_base
     from testbed.plan.io import load_plan
     from testbed.sim.engine import simulate
 
     raw = read_measurements(str(folder / "measurements.json"))
-    samples = cal.samples_from_rows(raw["samples"])
-    base = base_topology(raw.get("base", "host-cpu-8"), raw.get("platform", "cpu"), int(raw.get("devices", 8)),
-                         raw.get("device_kind", ""))
-    topo, _, _ = fit_all(base, samples, host_cpus=int(raw.get("host_cpus", 0)),
-                         cache_bytes=float(raw.get("cache_bytes", 0)))
+    topo, _, _ = fit_saved(raw, saved_base(raw))  # as `testbed calibrate --from-measurements` refits
     validation = json.loads((folder / "validate_host.json").read_text())
     reference = validation["diagnostics"]["reference_step"]
     predicted_ref = simulate(step_plan(reference.get("plan", "cpu-m"), int(raw.get("devices", 8))),
                              topo).report.step_time_s
-    measured_ref = next(s.seconds for s in samples if s.kind == "step" and s.op == reference.get("plan", "cpu-m"))
+    measured_ref = next(float(r["seconds"]) for r in raw["samples"]
+                        if r.get("kind") == "step" and r.get("op") == reference.get("plan", "cpu-m"))
     scale = predicted_ref / reference["predicted_s"]
     raw_errors, cal_errors, predicted_ratio, measured_ratio = {}, {}, {}, {}
     for row in validation["plans"]:

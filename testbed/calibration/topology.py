@@ -26,7 +26,7 @@ from testbed.errors import InputError
 from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
                               HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
 
-__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fitted_values",
+__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fit_saved", "saved_base", "fitted_values",
            "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
 
 #: Name of the level joining the processes (the emulated hosts).
@@ -238,6 +238,24 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                        host_skew=skew,
                                        cache_bytes=cache_bytes)
     return topo, fitted_values(topo, shared=shared, rates=rates, memory_bandwidth=memory_bw), fits
+
+
+def saved_base(raw: Mapping[str, Any], base: str | None = None) -> Topology:
+    """The base topology a saved ``.measurements.json`` (``raw``) is refitted against: ``base`` if given, else
+    the bundled one it names, else one matching its devices (:func:`base_topology`)."""
+    from testbed.topology.io import bundled_names
+
+    saved = raw.get("base") if raw.get("base") in bundled_names() else None
+    return base_topology(base or saved, raw.get("platform", "cpu"), int(raw.get("devices", 8)),
+                         str(raw.get("device_kind", "")))
+
+
+def fit_saved(raw: Mapping[str, Any], base: Topology, name: str | None = None
+              ) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
+    """:func:`fit_all` on a ``.measurements.json``'s samples, with the host facts it recorded (``host_cpus``,
+    ``cache_bytes``): what ``testbed calibrate`` fits, live or ``--from-measurements``."""
+    return fit_all(base, cal.samples_from_rows(raw["samples"]), name=name, host_cpus=int(raw.get("host_cpus", 0)),
+                   cache_bytes=float(raw.get("cache_bytes", 0)))
 
 
 def fitted_values(topo: Topology, *, shared: float, rates: Mapping[str, float], memory_bandwidth: float,

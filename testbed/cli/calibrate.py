@@ -21,7 +21,7 @@ from typing import Any
 
 from testbed.calibration import fit as cal
 from testbed.calibration.measurements import measurements_path, read_measurements
-from testbed.calibration.topology import base_topology, fit_all
+from testbed.calibration.topology import base_topology, fit_saved, saved_base
 from testbed.cli import calibrate_multi
 from testbed.cli.calibration_table import render_calibration
 from testbed.cli.progress import progress_bar
@@ -59,13 +59,9 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
         return calibrate_multi.calibrate(args)
     if args.from_measurements:
         raw = read_measurements(args.from_measurements)
-        samples = cal.samples_from_rows(raw["samples"])
         info = {"platform": raw.get("platform", "cpu"), "devices": raw.get("devices", 8),
                 "device_kind": raw.get("device_kind", "")}
-        from testbed.topology.io import bundled_names
-
-        saved = raw.get("base") if raw.get("base") in bundled_names() else None
-        base = base_topology(args.base or saved, info["platform"], info["devices"], info["device_kind"])
+        base = saved_base(raw, args.base)
         elapsed, mpath = float(raw.get("seconds", 0.0)), Path(args.from_measurements)
         request = f"... --from-measurements {mpath}"
     else:
@@ -90,8 +86,7 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
                "cache_bytes": dev.host_cache_bytes(info["platform"]), "samples": cal.samples_to_rows(samples)}
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
-    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)),
-                                 cache_bytes=float(raw.get("cache_bytes", 0)))
+    topo, fitted, fits = fit_saved(raw, base, name=args.name)
     from testbed.topology.io import dump_topology
 
     header = (f"# Fitted by `testbed calibrate --devices {request}` from {info['devices']} {info['platform']} "

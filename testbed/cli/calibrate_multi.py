@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from testbed.calibration import fit as cal
 from testbed.calibration.measurements import measurements_path, read_measurements, recorded_processes
-from testbed.calibration.topology import base_topology, cluster_topology, fit_all
+from testbed.calibration.topology import base_topology, cluster_topology, fit_saved
 from testbed.cli.calibration_table import render_calibration
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic
@@ -112,9 +111,7 @@ def calibrate(args: argparse.Namespace) -> CommandResult:
         # The raw samples first: they stay useful even when a fit fails.
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
-    samples = cal.samples_from_rows(raw["samples"])
-    topo, fitted, fits = fit_all(base, samples, name=args.name, host_cpus=int(raw.get("host_cpus", 0)),
-                                 cache_bytes=float(raw.get("cache_bytes", 0)))
+    topo, fitted, fits = fit_saved(raw, base, name=args.name)
     header = (f"# Fitted by `testbed calibrate --devices {request}` from {raw['devices']} {raw['platform']} "
               f"device(s) in {raw['processes']} processes (gloo between processes), base {base.name}.\n")
     write_atomic(args.out, header + dump_topology(topo), field_name="--out")
