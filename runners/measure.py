@@ -18,7 +18,6 @@ The fitting itself is pure and lives in :mod:`testbed.calibration.fit`.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +33,7 @@ from testbed.calibration.steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_S
 from testbed.model.costs import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
-           "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "REPEATED_KINDS", "measurement_order",
+           "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS", "measurement_order",
            "least_disturbed"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
@@ -262,9 +261,15 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchma
 #: Benchmarks that time whole training steps. Like ``testbed validate``'s plans they are measured in
 #: rounds and keep their least disturbed median, so the fits see the same estimate validate measures.
 STEP_KINDS = ("step", "pipeline")
-#: Measured in every round too: the steps, and the groups meeting between kernels, whose round of the
-#: median wait is kept (the stragglers' wait is what they measure, so the fastest round would understate it).
-REPEATED_KINDS = (*STEP_KINDS, "barriers")
+#: Comparisons with their own reference, alternating (runners.host_sharing.paired): the groups meeting between
+#: kernels (the stragglers' wait), devices computing at once (the host's throughput curve) and separate programs
+#: at once. They run in every round too and keep the round of the median ratio: the ratio is what they measure,
+#: so the fastest round would understate the wait and the sharing; and how this host shares its cores moves
+#: within minutes (T(4) / T(8) read 0.75-0.97 from one ten-second curve to the next), so a calibration's
+#: curve is the median of curves spread over it rather than one taken at a single moment.
+PAIRED_KINDS = ("barriers", "concurrent", "programs")
+#: Measured in every round: the training steps and the paired comparisons.
+REPEATED_KINDS = (*STEP_KINDS, *PAIRED_KINDS)
 
 
 def measurement_order(benches: Sequence[Benchmark], rounds: int = 1) -> list[int]:
@@ -280,9 +285,10 @@ def measurement_order(benches: Sequence[Benchmark], rounds: int = 1) -> list[int
 
 def least_disturbed(samples: Sequence[Sample]) -> Sample:
     """The sample of the fastest round: other load on the host only ever slows a benchmark down. A
-    ``barriers`` benchmark keeps its round of the median wait relative to the chain without collectives."""
-    if samples and samples[0].kind == "barriers":
-        return sorted(samples, key=lambda s: s.seconds / s.alone_s if s.alone_s > 0 else math.inf)[len(samples) // 2]
+    comparison (:data:`PAIRED_KINDS`) keeps its round of the median ratio to its own reference (a
+    one-device ``concurrent`` sample, which has none, its median time)."""
+    if samples and samples[0].kind in PAIRED_KINDS:
+        return sorted(samples, key=lambda s: s.seconds / s.alone_s if s.alone_s > 0 else s.seconds)[len(samples) // 2]
     return min(samples, key=lambda s: s.seconds)
 
 

@@ -328,12 +328,14 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
     """Like validate's plans: every step benchmark again each round (reversed every other round), the rest once."""
     from collections import Counter
 
-    from runners.measure import REPEATED_KINDS, STEP_KINDS, least_disturbed, measurement_order, plan_benchmarks
+    from runners.measure import (PAIRED_KINDS, REPEATED_KINDS, STEP_KINDS, least_disturbed, measurement_order,
+                                 plan_benchmarks)
 
     benches = plan_benchmarks("cpu", 8, quick=True)
     steps = [i for i, b in enumerate(benches) if b.kind in REPEATED_KINDS]
     assert len([i for i in steps if benches[i].kind in STEP_KINDS]) >= 3
-    assert {benches[i].kind for i in steps} == {*STEP_KINDS, "barriers"}
+    assert {benches[i].kind for i in steps} == {*STEP_KINDS, *PAIRED_KINDS} == {
+        "step", "pipeline", "barriers", "concurrent", "programs"}
     assert measurement_order(benches, 1) == list(range(len(benches)))
     order = measurement_order(benches, 3)
     assert order == list(range(len(benches))) + steps[::-1] + steps
@@ -344,6 +346,14 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
     # Groups meeting between kernels keep the round of the median wait (relative to the chain without).
     waits = [Sample(kind="barriers", seconds=t, alone_s=a, ranks=8, devices=8) for t, a in ((3, 1), (2, 1), (5, 2))]
     assert least_disturbed(waits) is waits[2]
+    # So do the host's sharing curves: the round of the median slowdown, not the fastest round's.
+    shared = [Sample(kind="concurrent", seconds=t, alone_s=a, devices=4) for t, a in
+              ((0.04, 0.01), (0.03, 0.01), (0.06, 0.03), (0.05, 0.01), (0.02, 0.01))]
+    assert least_disturbed(shared) is shared[1]
+    programs = [Sample(kind="programs", seconds=t, alone_s=0.01, devices=2, ranks=2) for t in (0.05, 0.02, 0.03)]
+    assert least_disturbed(programs) is programs[2]
+    alone = [Sample(kind="concurrent", seconds=t, devices=1) for t in (0.012, 0.010, 0.011)]
+    assert least_disturbed(alone) is alone[2]
 
 
 @pytest.fixture
