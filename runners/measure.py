@@ -115,6 +115,11 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     # A deep step (more arrays per program): the controller's cost per buffer on real programs.
     out += [Benchmark(kind="step", op=name) for name in DEEP_SHAPES if name.startswith(prefix)]
     out += [Benchmark(kind="step", op=f"{shapes[-2]}-bf16")]
+    if not quick and num_devices >= 2 and num_devices % 2 == 0:
+        # bf16 at small kernels too (the reference shape, 2-way tensor parallel): one large shape alone left
+        # the dtype's peak to the fp32 fit's size curve, whose efficiency and half-efficiency size trade off
+        # between calibrations (docs/validation.md).
+        out += [Benchmark(kind="step", op=f"{prefix}m-t2-bf16")]
     # Tensor-parallel steps (same FLOPs per device, replicated LayerNorms and residuals): the elementwise
     # passes over replicated activations apart from those over split ones.
     for t in sorted({t for t in (2, num_devices) if 1 < t <= num_devices and num_devices % t == 0}):

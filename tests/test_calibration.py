@@ -522,6 +522,29 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
     assert same[0] == same[1] > 0 == same[2]  # no tensor-parallel sample: one count
 
 
+def test_fit_step_compute_scales_the_bf16_peak_over_every_bf16_step():
+    """Steps simulated with the bf16 peak at 0.3 of the base's: the dtype's scale is fitted over both bf16 steps
+    calibrate times (a large shape and the reference shape's small tensor-parallel kernels)."""
+    from runners.measure import plan_benchmarks
+    from testbed.sim.engine import simulate
+
+    bf16 = [b.op for b in plan_benchmarks("cpu", 8) if b.kind == "step" and b.op.endswith("-bf16")]
+    assert bf16 == ["cpu-l-bf16", "cpu-m-t2-bf16"]
+    base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+                                            memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
+    base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
+    slow = {d: v * (0.3 if d == "bf16" else 1.0) for d, v in base.device.peak_flops.items()}
+    truth = replace(base, device=replace(base.device, peak_flops=slow),
+                    calibration=base.calibration.updated(compute={"efficiency": 0.4, "efficiency_half_flops": 2e6}))
+    names = ("cpu-s", "cpu-m", "cpu-l", "cpu-xl", *bf16)
+    samples = [Sample(kind="step", op=n, devices=8, seconds=simulate(cal_steps.step_plan(n, 8), truth).report.step_time_s)
+               for n in names]
+    efficiency, _, scales, _, fit = cal_steps.fit_step_compute(base, samples)
+    assert efficiency == pytest.approx(0.4, rel=0.03)
+    assert scales["bf16"] == pytest.approx(0.3, rel=0.03)
+    assert fit.values["peak_scale_bf16"] == scales["bf16"] and fit.max_abs_rel < 0.03
+
+
 def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
     """With ``cache_bytes`` at 256 KiB the data-parallel and two-way steps' activations fit, the eight-way
     ones' (512 KiB and 2 MiB) hold a half and an eighth: steps simulated with 8 cached and (24, 6) uncached
