@@ -41,8 +41,9 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                                                      "default: host-cpu-8 for emulated, detected for local")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and ops (about half the time)")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="time the training steps this many times (later rounds in reverse order) and keep "
-                             "each one's least disturbed median, as validate --rounds does (default 5)")
+                        help="time the training steps and the host's sharing comparisons this many times (later "
+                             "rounds in reverse order) and keep each step's least disturbed median, as validate "
+                             "--rounds does, and each comparison's median round (default 5)")
     parser.add_argument("--name", default=None, help="name of the calibrated topology (default BASE-calibrated)")
     parser.add_argument("--from-measurements", default=None, metavar="JSON",
                         help="refit from a saved FILE.measurements.json instead of measuring (no JAX)")
