@@ -50,7 +50,7 @@ def time_call(fn: Callable[[], Any], *, repeats: int = 7, budget_s: float = 1.0)
 #: Alternating rounds of one ``concurrent`` or ``programs`` sample (one device alone, then all at once). On this
 #: project's 2-core VM (one round's ratio ranges 0.6-6.5 there), 15 rounds put T(2), T(4), T(8) 8-12% apart
 #: (coefficient of variation) between back-to-back measurements, 60 rounds 2-4%; but from one ten-second curve
-#: to the next the host's sharing itself moves (T(4) / T(8) 0.75-0.97 within four minutes), so calibrate
+#: to the next the host's sharing itself moves (T(4) / T(8) 0.75-0.97 within five minutes), so calibrate
 #: times these samples in each of its rounds (runners.measure.PAIRED_KINDS) and keeps the median: 30 here,
 #: 150 over calibrate's default five rounds, spread over the calibration (docs/validation.md).
 CONCURRENT_ROUNDS = 30

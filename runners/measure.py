@@ -33,8 +33,8 @@ from testbed.calibration.steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_S
 from testbed.model.costs import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
-           "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS", "measurement_order",
-           "least_disturbed"]
+           "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS",
+           "measurement_order", "least_disturbed"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -270,8 +270,8 @@ STEP_KINDS = ("step", "pipeline")
 #: kernels (the stragglers' wait), devices computing at once (the host's throughput curve) and separate programs
 #: at once. They run in every round too and keep the round of the median ratio: the ratio is what they measure,
 #: so the fastest round would understate the wait and the sharing; and how this host shares its cores moves
-#: within minutes (T(4) / T(8) read 0.75-0.97 from one ten-second curve to the next), so a calibration's
-#: curve is the median of curves spread over it rather than one taken at a single moment.
+#: within minutes (T(4) / T(8) read 0.75-0.97 from one ten-second curve to the next), so each point of a
+#: calibration's curve is the median of rounds spread over it rather than one taken at a single moment.
 PAIRED_KINDS = ("barriers", "concurrent", "programs")
 #: Measured in every round: the training steps and the paired comparisons.
 REPEATED_KINDS = (*STEP_KINDS, *PAIRED_KINDS)
