@@ -26,8 +26,8 @@ from testbed.errors import InputError
 from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
                               HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
 
-__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fit_saved", "saved_base", "fitted_values",
-           "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
+__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fit_saved", "saved_base",
+           "fitted_values", "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
 
 #: Name of the level joining the processes (the emulated hosts).
 OUTER_LEVEL = "cluster"
