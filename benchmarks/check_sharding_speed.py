@@ -29,7 +29,7 @@ def plan(data: int, fsdp: int, tensor: int, stage: int = 1, microbatches: int = 
 
 
 def case(p: Plan) -> dict:
-    from runners.check_sharding import check_sharding
+    from testbed.runner.check_sharding import check_sharding
 
     wall, cpu = time.perf_counter(), time.process_time()
     result = check_sharding(p)
@@ -40,7 +40,7 @@ def case(p: Plan) -> dict:
 
 
 def main() -> None:
-    from runners import devices
+    from testbed.runner import devices
 
     devices.prepare(devices.DeviceRequest(kind="emulated", count=1))
     # JAX's one-time start-up (imports, the CPU backend, MLIR contexts), not counted in any case.

@@ -194,13 +194,13 @@ def _trap(*_args: Any, **_kwargs: Any) -> None:
 
 @contextlib.contextmanager
 def jax_trapped():
-    """Replace the functions of ``runners`` that start JAX or workers, or run on devices, with a trap.
+    """Replace the functions of ``testbed.runner`` that start JAX or workers, or run on devices, with a trap.
 
     ``check-sharding`` starts JAX by ``devices.prepare`` (skipped once JAX is imported, as it is here) and
     lowers by ``check_sharding.check_sharding``; ``collective --execute`` by ``devices.prepare`` and
     ``collectives.execute_and_check``. Importing those two modules imports JAX but starts no backend.
     """
-    from runners import check_sharding, collectives, devices, launch, train
+    from testbed.runner import check_sharding, collectives, devices, launch, train
 
     saved = []
     for module, names in ((devices, ("prepare", "initialize_distributed", "select_devices")),

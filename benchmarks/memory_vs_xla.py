@@ -1,14 +1,14 @@
 """testbed's memory and FLOPs predictions vs XLA's compiled programs.
 
 For each plan, compiles one training step (forward + backward of
-``runners.model`` + an optax AdamW update, parameters and optimizer state
+``testbed.runner.model`` + an optax AdamW update, parameters and optimizer state
 donated) either on one device or data-parallel / fully sharded with
 ``NamedSharding`` over 8 emulated CPU devices, and compares:
 
 - memory: ``testbed.model.memory`` total per device vs ``compiled.memory_analysis()``
   (argument + output + temp - alias bytes) of the per-device program;
 - FLOPs: ``testbed.model.costs`` (forward + backward + recompute, all devices) vs
-  the ``dot_general`` FLOPs of the traced step's jaxpr (``runners.model.count_matmul_flops``).
+  the ``dot_general`` FLOPs of the traced step's jaxpr (``testbed.runner.model.count_matmul_flops``).
 
 Prints one JSON object (errors also per attention kind, plain and flash, per tensor parallelism: none,
 tensor, tensor + sequence parallel, and per context parallelism: none, cp; tensor and context plans are
@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from runners import model as jm  # noqa: E402
+from testbed.runner import model as jm  # noqa: E402
 from testbed.model import costs as tm  # noqa: E402
 from testbed.model.memory import memory_breakdown  # noqa: E402
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
@@ -137,7 +137,7 @@ def measure(plan: Plan) -> dict:
 
     replicas = plan.replicas
     if plan.mesh.tensor > 1 or plan.mesh.context > 1:  # the runner's own step: Megatron shardings, SP, the ring
-        from runners.train import build_trainer
+        from testbed.runner.train import build_trainer
 
         trainer = build_trainer(plan, jax.devices()[:plan.mesh.size])
         compiled = trainer.compiled_programs(trainer.init())[0]

@@ -28,8 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runners.pipeline.engine import MpmdEngine  # noqa: E402
-from runners.pipeline.spmd import spmd_gpipe, spmd_schedule  # noqa: E402
+from testbed.runner.pipeline.engine import MpmdEngine  # noqa: E402
+from testbed.runner.pipeline.spmd import spmd_gpipe, spmd_schedule  # noqa: E402
 from testbed.pipeline.timing import ActionCosts, play  # noqa: E402
 from testbed.pipeline.schedules import build_schedule, schedule_names, validate  # noqa: E402
 

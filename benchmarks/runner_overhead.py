@@ -28,11 +28,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from runners import model  # noqa: E402
-from runners.train import build_trainer  # noqa: E402
-from runners.devices import select_devices  # noqa: E402
-from runners.precision import make_optimizer  # noqa: E402
-from runners.step import step_batch  # noqa: E402
+from testbed.runner import model  # noqa: E402
+from testbed.runner.train import build_trainer  # noqa: E402
+from testbed.runner.devices import select_devices  # noqa: E402
+from testbed.runner.precision import make_optimizer  # noqa: E402
+from testbed.runner.step import step_batch  # noqa: E402
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
 
 SPEC = ModelSpec(layers=4, d_model=128, heads=8, d_ff=512, seq_len=64, vocab=512)

@@ -42,8 +42,8 @@ import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from runners import devices as dev  # noqa: E402
-from runners.train import build_trainer  # noqa: E402
+from testbed.runner import devices as dev  # noqa: E402
+from testbed.runner.train import build_trainer  # noqa: E402
 from testbed.model import costs as tm  # noqa: E402
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
 

@@ -32,13 +32,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runners import devices as dev  # noqa: E402
-from runners import model as jm  # noqa: E402
-from runners.pipeline.spmd import (masked_layers, spmd_gpipe, spmd_schedule, stack_stage_layers,  # noqa: E402
+from testbed.runner import devices as dev  # noqa: E402
+from testbed.runner import model as jm  # noqa: E402
+from testbed.runner.pipeline.spmd import (masked_layers, spmd_gpipe, spmd_schedule, stack_stage_layers,  # noqa: E402
                                    unstack_stage_layers)
-from runners.pipeline.trainer import PipelineTrainer  # noqa: E402
-from runners.step import ReferenceTrainer  # noqa: E402
-from runners.train import _tree_errors  # noqa: E402
+from testbed.runner.pipeline.trainer import PipelineTrainer  # noqa: E402
+from testbed.runner.step import ReferenceTrainer  # noqa: E402
+from testbed.runner.train import _tree_errors  # noqa: E402
 from testbed.explore.space import resize_topology  # noqa: E402
 from testbed.model.layout import chunk_layers  # noqa: E402
 from testbed.model.memory import memory_breakdown  # noqa: E402

@@ -1,8 +1,9 @@
 """testbed: simulate and run distributed JAX training plans.
 
-The core (this package) never imports jax, optax or runners; it decides what
+The core (this package, less its ``runner``, ``testing`` and ``cli`` subpackages)
+never imports jax or optax; it decides what
 happens (plans, topologies, placement, schedules, collectives, model shapes)
-and times it on a modelled topology. ``runners`` executes the same plan with
+and times it on a modelled topology. ``testbed.runner`` executes the same plan with
 JAX; the ``testbed`` command (:mod:`testbed.cli`) drives both.
 
     from testbed import load_plan, load_topology, simulate

@@ -191,8 +191,8 @@ def test_runner_pipeline_with_sequence_parallelism_matches_reference() -> None:
     """8 devices (stage 2 x data 2 x tensor 2), Llama options with one K/V head (whole on each tensor rank),
     full remat: the MPMD engine passes sequence shards between stages; 1e-5 of the single-device fp32 run.
     (2 and 4 devices with drawn options: tests/test_llm.py's option mix.)"""
-    from runners import devices as dev
-    from runners.train import verify_plan
+    from testbed.runner import devices as dev
+    from testbed.runner.train import verify_plan
 
     plan = _plan(True, tensor=2, data=2, stage=2, mb=2, remat="full",
                  model={**TINY, "kv_heads": 1, "mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False})
@@ -205,9 +205,9 @@ def test_runner_pipeline_with_sequence_parallelism_matches_reference() -> None:
 def test_runner_reduce_scatters_instead_of_all_reducing() -> None:
     """On the tensor axis alone every all-reduce is over tensor: with SP none is over a whole activation (only
     the vocab-parallel loss's per-token sums remain), and the plain plan's are (so the check can fail)."""
-    from runners import devices as dev
-    from runners.hlo import count_collectives
-    from runners.train import build_trainer
+    from testbed.runner import devices as dev
+    from testbed.runner.hlo import count_collectives
+    from testbed.runner.train import build_trainer
 
     texts = {}
     for sp in (False, True):
@@ -230,8 +230,8 @@ def test_runner_sp_in_16_bit_runs_or_is_refused_on_cpu() -> None:
     runner refuses the plan (exit 2, naming `sequence_parallel`) instead of crashing."""
     import numpy as np
 
-    from runners import devices as dev
-    from runners.train import run_plan
+    from testbed.runner import devices as dev
+    from testbed.runner.train import run_plan
 
     one = _plan(True, tensor=2, data=1, precision="bf16-mixed")
     assert np.isfinite(run_plan(one, dev.select_devices(2), steps=1).loss)

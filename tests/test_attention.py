@@ -1,6 +1,6 @@
 """Flash attention (``model.attention: flash``) in both interpreters.
 
-The runner's blockwise kernel (``runners/attention.py``) against the dense one
+The runner's blockwise kernel (``testbed/runner/attention.py``) against the dense one
 (values and gradients, fp32, 1e-5), its plan keys, and what the simulator
 counts for it: the same forward FLOPs, the scores recomputed in the backward
 (not in model FLOPs), no ``seq x seq`` activations, workspace or traffic.
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from runners.attention import flash_attention, plain_attention
+from testbed.runner.attention import flash_attention, plain_attention
 from testbed.errors import InputError
 from testbed.model import costs as tm
 from testbed.model.memory import memory_breakdown

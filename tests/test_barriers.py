@@ -182,7 +182,7 @@ def test_bad_skew_fields_name_the_field(field: str, value) -> None:
 
 
 def test_calibrate_times_groups_meeting_between_kernels() -> None:
-    from runners.measure import plan_benchmarks
+    from testbed.runner.measure import plan_benchmarks
 
     assert sorted(b.ranks for b in plan_benchmarks("cpu", 8, quick=True) if b.kind == "barriers") == [2, 4, 8]
     assert sorted({b.size for b in plan_benchmarks("cpu", 8) if b.kind == "barriers"}) == [1, 8, 64]

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from runners import calibrate_multi as multi
+from testbed.runner import calibrate_multi as multi
 from testbed.calibration import topology as cal_topology
-from runners import launch
+from testbed.runner import launch
 from testbed.collectives import timing as collective_timing
 from testbed.cli import main
 from testbed.topology import LinkKind

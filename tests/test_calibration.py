@@ -125,7 +125,7 @@ def test_fit_host_programs_recovers_the_slowdown_and_round_trips_through_yaml(tm
 
 
 def test_calibration_times_separate_programs_on_every_device_count():
-    from runners.measure import plan_benchmarks
+    from testbed.runner.measure import plan_benchmarks
 
     benches = plan_benchmarks("cpu", 8, quick=True)
     assert sorted(b.ranks for b in benches if b.kind == "programs") == [2, 4, 8]
@@ -328,7 +328,7 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
     """Like validate's plans: every step benchmark again each round (reversed every other round), the rest once."""
     from collections import Counter
 
-    from runners.measure import (PAIRED_KINDS, REPEATED_KINDS, STEP_KINDS, least_disturbed, measurement_order,
+    from testbed.runner.measure import (PAIRED_KINDS, REPEATED_KINDS, STEP_KINDS, least_disturbed, measurement_order,
                                  plan_benchmarks)
 
     benches = plan_benchmarks("cpu", 8, quick=True)
@@ -358,8 +358,8 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
 
 @pytest.fixture
 def built(monkeypatch) -> list[str]:
-    """The names of the plans runners.measure builds a trainer for (each build compiles), in order."""
-    from runners import measure
+    """The names of the plans testbed.runner.measure builds a trainer for (each build compiles), in order."""
+    from testbed.runner import measure
 
     names: list[str] = []
     trainer = measure._trainer
@@ -369,8 +369,8 @@ def built(monkeypatch) -> list[str]:
 
 def test_step_benchmarks_compile_once_and_run_on_in_later_rounds(built):
     """A step benchmark's later rounds reuse its compiled trainer: one more round of steps, no new compilation."""
-    from runners import devices as dev
-    from runners import measure
+    from testbed.runner import devices as dev
+    from testbed.runner import measure
 
     bench, timers = measure.Benchmark(kind="step", op="cpu-xxs"), {}
     devices = dev.select_devices(2)
@@ -525,7 +525,7 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
 def test_fit_step_compute_scales_the_bf16_peak_over_every_bf16_step():
     """Steps simulated with the bf16 peak at 0.3 of the base's: the dtype's scale is fitted over both bf16 steps
     calibrate times (a large shape and the reference shape's small tensor-parallel kernels)."""
-    from runners.measure import plan_benchmarks
+    from testbed.runner.measure import plan_benchmarks
     from testbed.sim.engine import simulate
 
     bf16 = [b.op for b in plan_benchmarks("cpu", 8) if b.kind == "step" and b.op.endswith("-bf16")]
@@ -586,7 +586,7 @@ def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
 
 
 def test_host_cache_bytes_is_half_the_l2_the_os_reports(tmp_path):
-    from runners.devices import host_cache_bytes
+    from testbed.runner.devices import host_cache_bytes
 
     for index, (level, size) in enumerate([("1", "32K"), ("2", "512K"), ("3", "32768K")]):
         (tmp_path / f"index{index}").mkdir()
@@ -729,7 +729,7 @@ def test_concurrent_benchmark_times_one_device_alone_in_the_same_rounds():
     """On several devices the sample carries the one-device time of its own rounds; on one device it has none."""
     import jax
 
-    from runners.measure import Benchmark, run_benchmark
+    from testbed.runner.measure import Benchmark, run_benchmark
 
     devices = jax.devices()
     pair = run_benchmark(Benchmark(kind="concurrent", size=16, ranks=2), devices)
@@ -745,7 +745,7 @@ def test_programs_benchmark_times_one_program_in_the_same_rounds():
     """One-device programs at once and one program over the same devices, timed in the same rounds, feed S(P)."""
     import jax
 
-    from runners.measure import Benchmark, run_benchmark
+    from testbed.runner.measure import Benchmark, run_benchmark
 
     devices = jax.devices()
     sample = run_benchmark(Benchmark(kind="programs", size=16, ranks=4), devices)
@@ -761,7 +761,7 @@ def test_xla_cpu_runs_programs_over_several_devices_one_at_a_time():
     half the time both take (at once, the two would complete together), and the fit says so."""
     import jax
 
-    from runners.measure import Benchmark, plan_benchmarks, run_benchmark
+    from testbed.runner.measure import Benchmark, plan_benchmarks, run_benchmark
 
     devices = jax.devices()
     assert [b for b in plan_benchmarks("cpu", len(devices)) if b.kind == "launches"]

@@ -1,7 +1,7 @@
 """`testbed check-sharding`: the runner's step lowered on abstract devices, its shardings and collectives per axis.
 
 The collectives come from Shardy's partitioning of the lowered program
-(runners.reshards); for a small plan they are compared with the replica
+(testbed.runner.reshards); for a small plan they are compared with the replica
 groups of XLA's compiled program on real (emulated) devices.
 """
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from runners import reshards
-from runners.check_sharding import abstract_mesh, check_sharding
+from testbed.runner import reshards
+from testbed.runner.check_sharding import abstract_mesh, check_sharding
 from testbed.cli import main
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 
@@ -46,14 +46,14 @@ def test_data_tensor_plan_reduces_over_tensor_per_layer_and_over_data_once(data_
     # backward, in every layer and microbatch.
     assert rows[("tensor", "all-reduce")]["count"] >= 4 * MODEL.layers * plan.batch.microbatches
     assert rows[("tensor", "all-reduce")]["group"] == 2 and rows[("data", "all-reduce")]["group"] == 2
-    # Data: each gradient is reduced once per step (runners.replicas), not once per microbatch: the bytes
+    # Data: each gradient is reduced once per step (testbed.runner.replicas), not once per microbatch: the bytes
     # are the gradients' shards (fp32 here) plus the step's loss.
     grads = sum(math.prod(p.shard_shape) * 4 for p in result.params)
     assert rows[("data", "all-reduce")]["bytes"] == grads + 4
 
 
 def test_parameter_specs_are_the_runners_on_a_real_mesh(data_tensor):
-    from runners.step import SpmdTrainer
+    from testbed.runner.step import SpmdTrainer
 
     plan, result = data_tensor
     devices = np.asarray(jax.devices()[:4]).reshape(1, 2, 1, 2)
@@ -71,8 +71,8 @@ def test_parameter_specs_are_the_runners_on_a_real_mesh(data_tensor):
 
 def test_axes_agree_with_xlas_compiled_program():
     """The axes Shardy's partitioning communicates over are those of XLA's compiled step on 4 real devices."""
-    from runners import model
-    from runners.step import SpmdTrainer
+    from testbed.runner import model
+    from testbed.runner.step import SpmdTrainer
 
     plan = _plan(microbatches=1, data=2, tensor=2)  # one microbatch: the smallest program to compile
     result = check_sharding(plan)
@@ -129,7 +129,7 @@ def test_abstract_mesh_has_the_plans_axes_and_no_devices():
 
 def test_sharding_error_is_a_failure_with_jaxs_message(monkeypatch, tmp_path, capsys):
     """A layout that splits a dim the axis size does not divide: reported (ok False), not raised."""
-    from runners import parallel
+    from testbed.runner import parallel
 
     real = parallel.leaf_spec
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from runners.collectives import execute_and_check, execution_elements
+from testbed.runner.collectives import execute_and_check, execution_elements
 from testbed.cli import main
 from testbed.collectives.algorithms import step_program
 from testbed.collectives.ops import Op

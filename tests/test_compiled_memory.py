@@ -11,11 +11,11 @@ from dataclasses import replace
 import jax
 import pytest
 
-from runners import devices as dev
-from runners.train import build_trainer
-from runners.measure import compiled_memory
-from runners.pipeline.memory import StageProgramMemory, device_bytes, stage_peak
-from runners.step import ReferenceTrainer
+from testbed.runner import devices as dev
+from testbed.runner.train import build_trainer
+from testbed.runner.measure import compiled_memory
+from testbed.runner.pipeline.memory import StageProgramMemory, device_bytes, stage_peak
+from testbed.runner.step import ReferenceTrainer
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.pipeline.schedules import Action, build_schedule, peak_inflight
 

@@ -1,7 +1,7 @@
 """Context parallelism in the runner: plans with ``mesh.context`` 2 and 4 against the single-device reference.
 
 Tokens and targets are laid out in testbed.plan.context's zigzag order and split over ``context``; the
-attention layers run ring attention (``runners/ring_attention.py``), positions (table or RoPE) follow
+attention layers run ring attention (``testbed/runner/ring_attention.py``), positions (table or RoPE) follow
 the order. ``verify`` compares losses and first-step gradients with the fp32 reference at 1e-5, alone
 and with data, fsdp, tensor (+ sequence parallelism) and pipeline stages; the option mix of
 tests/test_llm.py draws context 2 and 4 among the rest.
@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from runners import devices as dev
-from runners import model as jm
-from runners.ring_attention import context_shards
-from runners.step import SpmdTrainer, step_batch
-from runners.testing.strategies import plans
-from runners.train import verify_plan
+from testbed.runner import devices as dev
+from testbed.runner import model as jm
+from testbed.runner.ring_attention import context_shards
+from testbed.runner.step import SpmdTrainer, step_batch
+from testbed.testing.strategies import plans
+from testbed.runner.train import verify_plan
 from testbed.plan.context import context_order
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
@@ -49,7 +49,7 @@ def _verifies(plan: Plan) -> None:
 
 
 # Context 2 alone: tests/test_llm.py's option mix draws it first (2 devices, flash, learned positions).
-# One model but for the flash one, so the single-device reference compiles twice in all (runners.step's cache).
+# One model but for the flash one, so the single-device reference compiles twice in all (testbed.runner.step's cache).
 @pytest.mark.parametrize("plan", [
     _plan(TINY, context=4),                                                         # RoPE, GQA, SwiGLU, RMSNorm
     _plan(FLASH, data=2, context=2, mb=2),                      # flash ring, learned positions, data x context

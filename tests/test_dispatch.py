@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from runners import devices as dev
-from runners.pipeline import engine as pipeline
-from runners.train import build_trainer
+from testbed.runner import devices as dev
+from testbed.runner.pipeline import engine as pipeline
+from testbed.runner.train import build_trainer
 from testbed.model import buffers as dispatch
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 

@@ -1,4 +1,4 @@
-"""examples/: users' parallel JAX code tested with runners.testing; each buggy twin is caught, with its reason.
+"""examples/: users' parallel JAX code tested with testbed.testing; each buggy twin is caught, with its reason.
 
 The examples' own test files run as a user would run them (pytest in a subprocess, the testbed plugin
 giving 8 emulated devices); the buggy twins run here, on conftest's 8 devices, and must fail with the
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from runners.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
+from testbed.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DIRS = ("pmap_data_parallel", "shard_map_tensor_parallel", "pipeline_bubble")

@@ -71,7 +71,7 @@ def test_runner_refuses_fp8_on_cpu_with_exit_2(tmp_path, capsys):
 
 
 def test_check_precision_names_devices_without_fp8():
-    from runners.precision import check_precision, has_fp8
+    from testbed.runner.precision import check_precision, has_fp8
 
     class Dev:
         def __init__(self, platform, cc=None, kind=""):

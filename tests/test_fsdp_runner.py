@@ -6,7 +6,7 @@ gradients reduce-scattered, once per sharded leaf, with the bytes of the
 leaf's tensor-rank shard, and no activation crosses those axes (the batch
 stays split over them), as testbed.sim.program and testbed.model.memory
 model FSDP; check-sharding's abstract lowering finds the same axes and kinds.
-Without runners.parallel.ParamShards XLA's propagation split the weights'
+Without testbed.runner.parallel.ParamShards XLA's propagation split the weights'
 d_model (contracting) dim over fsdp and all-reduced activations there in
 every layer.
 """
@@ -21,10 +21,10 @@ import jax
 import numpy as np
 import pytest
 
-from runners import devices as dev, model, reshards
-from runners.check_sharding import check_sharding
-from runners.step import SpmdTrainer
-from runners.train import verify_plan
+from testbed.runner import devices as dev, model, reshards
+from testbed.runner.check_sharding import check_sharding
+from testbed.runner.step import SpmdTrainer
+from testbed.runner.train import verify_plan
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 
 MODEL = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=8, vocab=64)

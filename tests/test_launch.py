@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from runners import launch
-from runners.train import run_plan
-from runners.devices import select_devices
+from testbed.runner import launch
+from testbed.runner.train import run_plan
+from testbed.runner.devices import select_devices
 from testbed.errors import InputError
 from testbed.plan.io import load_plan, plan_to_dict
 
@@ -92,5 +92,5 @@ def test_busy_port_is_reported() -> None:
 
 def test_worker_module_refuses_to_run_by_hand() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TESTBED_WORKER"}
-    out = subprocess.run([sys.executable, "-m", "runners.launch"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "testbed.runner.launch"], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2 and "not by hand" in out.stderr

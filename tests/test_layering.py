@@ -4,10 +4,11 @@ Every import counts, including those inside functions (a cycle held open by
 a function-level import is still a cycle); only ``if TYPE_CHECKING:`` blocks
 are left out, because they never run.
 
-Layers: ``testbed`` core (no jax, no runners) < ``runners`` (the JAX library) < ``testbed.cli`` (the
-commands, the only modules that import ``runners``). The testing kit for users' own parallel code,
-``runners.testing``, is JAX-side like the rest of ``runners``, but imports jax only inside functions
-(so that importing it, or its pytest plugin, starts no backend), and no other module imports it.
+Layers: ``testbed`` core (no jax, no runner) < ``testbed.runner`` (the JAX library) < ``testbed.cli``
+(the commands, the only modules that import the runner). The testing kit for users' own parallel code,
+``testbed.testing``, is JAX-side like the runner, but imports jax only inside functions (so that
+importing it, or its pytest plugin, starts no backend), and no other module imports it. One
+distribution, one top-level package: everything lives under ``testbed``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("testbed", "runners")
+PACKAGES = ("testbed",)
 
 
 def _modules() -> dict[str, Path]:
@@ -86,13 +87,21 @@ def _is_command(module: str) -> bool:
 
 
 def _is_kit(module: str) -> bool:
-    return module == "runners.testing" or module.startswith("runners.testing.")
+    return module == "testbed.testing" or module.startswith("testbed.testing.")
+
+
+def _is_runner(module: str) -> bool:
+    return module == "testbed.runner" or module.startswith("testbed.runner.")
+
+
+def _is_core(module: str) -> bool:
+    return module.startswith("testbed") and not (_is_command(module) or _is_kit(module) or _is_runner(module))
 
 
 def test_the_graph_sees_function_level_imports() -> None:
     graph = import_graph()
-    # testbed.cli.run imports runners.train only inside its command functions.
-    assert graph.has_edge("testbed.cli.run", "runners.train")
+    # testbed.cli.run imports testbed.runner.train only inside its command functions.
+    assert graph.has_edge("testbed.cli.run", "testbed.runner.train")
     assert len(graph) > 60
 
 
@@ -108,39 +117,40 @@ def test_library_never_imports_commands() -> None:
     assert not bad, f"library modules import command modules: {bad}"
 
 
-def test_only_commands_import_runners() -> None:
+def test_only_commands_import_the_runner() -> None:
     graph = import_graph()
-    bad = [(a, b) for a, b in graph.edges if a.startswith("testbed") and b.startswith("runners") and not _is_command(a)]
-    assert not bad, f"testbed core imports runners: {bad}"
+    bad = [(a, b) for a, b in graph.edges if _is_core(a) and _is_runner(b)]
+    assert not bad, f"testbed core imports the runner: {bad}"
 
 
 def test_core_never_imports_jax() -> None:
     bad = []
     for name, path in _modules().items():
-        if not name.startswith("testbed") or _is_command(name):
+        if not _is_core(name):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-            bad += [(name, r) for r in roots if r.split(".")[0] in ("jax", "jaxlib", "optax", "runners")]
-    assert not bad, f"testbed core imports jax/optax/runners: {bad}"
+            bad += [(name, r) for r in roots if r.split(".")[0] in ("jax", "jaxlib", "optax")
+                    or r == "testbed.runner" or r.startswith("testbed.runner.")]
+    assert not bad, f"testbed core imports jax/optax/the runner: {bad}"
 
 
 def test_no_library_module_imports_the_testing_kit() -> None:
     graph = import_graph()
     bad = [(a, b) for a, b in graph.edges if _is_kit(b) and not _is_kit(a)]
-    assert not bad, f"library modules import runners.testing: {bad}"
+    assert not bad, f"library modules import testbed.testing: {bad}"
 
 
 def test_the_testing_kit_imports_jax_only_inside_functions() -> None:
-    # Importing runners.testing (and its plugin) must not start JAX: no module-level jax import.
+    # Importing testbed.testing (and its plugin) must not start JAX: no module-level jax import.
     bad = []
     for name, path in _modules().items():
         if _is_kit(name):
             for node in ast.parse(path.read_text()).body:
                 roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
                          else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
-                # Its own modules are fine at module level; jax and the rest of runners (which import jax) are not.
+                # Its own modules are fine at module level; jax and the runner (which imports jax) are not.
                 bad += [(name, r) for r in roots if r.split(".")[0] in ("jax", "jaxlib", "optax")
-                        or (r.startswith("runners") and not _is_kit(r))]
-    assert not bad, f"runners.testing imports jax at module level: {bad}"
+                        or _is_runner(r)]
+    assert not bad, f"testbed.testing imports jax at module level: {bad}"

@@ -1,9 +1,9 @@
 """testbed.model.layout: one parameter table, and everything derived from it agrees.
 
 Counts (testbed.model.costs), memory's parameter bytes (testbed.model.memory),
-the runner's shapes (runners.model) and PartitionSpecs (runners.parallel),
+the runner's shapes (testbed.runner.model) and PartitionSpecs (testbed.runner.parallel),
 the controller's buffer counts (testbed.model.buffers) and the pipeline's
-pieces (runners.pipeline.trainer) are each derived from the table here and
+pieces (testbed.runner.pipeline.trainer) are each derived from the table here and
 checked against each other. The fsdp/ZeRO shard rule is one function: where
 it leaves a parameter whole (no dim divides), memory counts it whole, as the
 runner holds it.
@@ -22,9 +22,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
-from runners import model as jm
-from runners.parallel import _path_names, layout_for, leaf_spec
-from runners.pipeline.trainer import merge_params, split_params
+from testbed.runner import model as jm
+from testbed.runner.parallel import _path_names, layout_for, leaf_spec
+from testbed.runner.pipeline.trainer import merge_params, split_params
 from testbed.errors import InputError
 from testbed.model import buffers, costs, layout
 from testbed.model.layout import Init, ParamSpec, Placement, shard_dim

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runners import devices as dev
-from runners import model as jm
-from runners.train import verify_plan
+from testbed.runner import devices as dev
+from testbed.runner import model as jm
+from testbed.runner.train import verify_plan
 from testbed.errors import InputError
 from testbed.model import costs as tm
 from testbed.model import layout

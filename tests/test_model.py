@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runners import model as jm
+from testbed.runner import model as jm
 from testbed.model import costs as tm
 from testbed.errors import InputError
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec

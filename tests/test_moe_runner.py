@@ -1,4 +1,4 @@
-"""Runner: the mixture-of-experts layer (runners.moe) and MoE plans with expert parallelism.
+"""Runner: the mixture-of-experts layer (testbed.runner.moe) and MoE plans with expert parallelism.
 
 The layer is checked against an independent dense reference on one device: every expert run on every
 token, the capacity rule re-derived with a Python loop over (choice, position), outputs, the per-sequence
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runners import devices as dev, model, moe
-from runners.testing.compare import assert_outputs_equal
-from runners.testing.strategies import moe_plans
-from runners.train import verify_plan
+from testbed.runner import devices as dev, model, moe
+from testbed.testing.compare import assert_outputs_equal
+from testbed.testing.strategies import moe_plans
+from testbed.runner.train import verify_plan
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
 _AXES = ("data", "expert", "tensor")
@@ -87,7 +87,7 @@ def _dense_reference(p: dict, h: jax.Array, cfg: moe.MoeConfig, chosen: np.ndarr
 
 def _close(got: object, want: object, mesh: object) -> None:
     """Every leaf within 1e-5 of the reference relative to its largest value (the verify metric:
-    ``max|a - b| / max|b|``, runners.train), else the comparison's diagnosis of the worst elements."""
+    ``max|a - b| / max|b|``, testbed.runner.train), else the comparison's diagnosis of the worst elements."""
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         if g.shape != w.shape or np.max(np.abs(g - w)) > 1e-5 * max(np.max(np.abs(w)), 1e-30):
@@ -246,7 +246,7 @@ def test_load_balancing_loss_reaches_the_router_gradient() -> None:
 
 def test_bf16_expert_parallelism_with_data_replicas_is_refused_on_cpu() -> None:
     """XLA:CPU aborts the process on this combination: the runner refuses it first (exit 2, naming the field)."""
-    from runners.train import build_trainer
+    from testbed.runner.train import build_trainer
     from testbed.errors import InputError
 
     spec = ModelSpec(layers=1, d_model=16, heads=2, d_ff=32, seq_len=8, vocab=32, experts=2)

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from runners.pipeline import engine as pipeline
+from testbed.runner.pipeline import engine as pipeline
 
-from runners.pipeline import spmd as pipeline_spmd
-from runners.pipeline.engine import MpmdEngine, run_schedule
-from runners.pipeline.spmd import spmd_gpipe, spmd_schedule
+from testbed.runner.pipeline import spmd as pipeline_spmd
+from testbed.runner.pipeline.engine import MpmdEngine, run_schedule
+from testbed.runner.pipeline.spmd import spmd_gpipe, spmd_schedule
 from testbed.pipeline.schedules import build_schedule
 
 D = 8          # feature width of the tiny MLP
@@ -203,7 +203,7 @@ def test_spmd_schedule_early_read_is_nan(monkeypatch) -> None:
 
 
 def _gpt_stage_forward(heads: int, stage: int, chunk: int, params: dict, x: jax.Array) -> jax.Array:
-    from runners import model
+    from testbed.runner import model
 
     if "embed" in params:
         x = model.embed(params["embed"], x)
@@ -211,16 +211,16 @@ def _gpt_stage_forward(heads: int, stage: int, chunk: int, params: dict, x: jax.
 
 
 def _gpt_loss(params: dict, y: jax.Array, targets: jax.Array) -> jax.Array:
-    from runners import model
+    from testbed.runner import model
 
     return model.head_loss(params["head"], y, targets)
 
 
 def test_mpmd_runs_the_gpt_model() -> None:
-    """The project's GPT (runners.model) split into interleaved chunks by testbed.model.costs.chunk_layers."""
+    """The project's GPT (testbed.runner.model) split into interleaved chunks by testbed.model.costs.chunk_layers."""
     import functools
 
-    from runners import model
+    from testbed.runner import model
     from testbed.model.costs import chunk_layers
     from testbed.plan.spec import ModelSpec
 

@@ -15,10 +15,10 @@ import numpy as np
 import optax
 import pytest
 
-from runners import devices as dev
-from runners import model
-from runners.train import build_trainer, verify_plan
-from runners.precision import MasterState, Optimizer
+from testbed.runner import devices as dev
+from testbed.runner import model
+from testbed.runner.train import build_trainer, verify_plan
+from testbed.runner.precision import MasterState, Optimizer
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, OptimizerSpec, Plan
 
 MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)

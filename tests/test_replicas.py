@@ -3,7 +3,7 @@
 The plan and testbed's simulator reduce a stage's gradients after its last
 backward. The MPMD pipeline's backward programs keep per-replica gradients
 and the stage's update sums them; the SPMD step's microbatch loop does the
-same and sums after the loop (runners.replicas). These tests check the
+same and sums after the loop (testbed.runner.replicas). These tests check the
 programs themselves (no gradient all-reduce in any backward or loop body,
 one after) for unsplit, split (ZB) and interleaved schedules, fp32 and bf16,
 with a tensor axis inside, and that the result still equals the
@@ -15,11 +15,11 @@ from __future__ import annotations
 import jax
 import pytest
 
-from runners import devices as dev
-from runners.pipeline import engine as pipeline
-from runners.train import build_trainer, verify_plan
-from runners.pipeline.memory import abstract_outputs
-from runners.replicas import replicas
+from testbed.runner import devices as dev
+from testbed.runner.pipeline import engine as pipeline
+from testbed.runner.train import build_trainer, verify_plan
+from testbed.runner.pipeline.memory import abstract_outputs
+from testbed.runner.replicas import replicas
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
 MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)

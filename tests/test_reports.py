@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from runners.results import RunResult, VerifyResult, device_peak_flops
-from runners.train import merge_worker_results
+from testbed.runner.results import RunResult, VerifyResult, device_peak_flops
+from testbed.runner.train import merge_worker_results
 from testbed.calibration.validation import REPORT_FIELDS, compare_reports, relative_error
 from testbed.plan.io import load_plan
 from testbed.sim.engine import simulate

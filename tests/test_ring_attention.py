@@ -1,8 +1,8 @@
-"""Ring attention (``runners/ring_attention.py``) against dense causal attention on the whole sequence.
+"""Ring attention (``testbed/runner/ring_attention.py``) against dense causal attention on the whole sequence.
 
 The sequence is laid out in testbed.plan.context's zigzag order and split over a ``context`` mesh
 axis of 2, 3 or 4 emulated devices; the ring's output and its gradients (the custom VJP sending
-dK/dV around the ring), put back in sequence order, equal :func:`runners.attention.plain_attention`'s
+dK/dV around the ring), put back in sequence order, equal :func:`testbed.runner.attention.plain_attention`'s
 on one device (fp32, 1e-5 relative), for multi-head and grouped-query heads, plain and blockwise.
 """
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
 
-from runners.attention import plain_attention
-from runners.ring_attention import ring_attention, zigzag_positions
+from testbed.runner.attention import plain_attention
+from testbed.runner.ring_attention import ring_attention, zigzag_positions
 from testbed.plan.context import context_order, context_positions
 
 

@@ -14,10 +14,10 @@ from hypothesis import given, settings, strategies as st
 
 import statistics
 
-from runners import devices as dev
-from runners.results import RunResult, VerifyResult
-from runners.train import run_plan, verify_plan
-from runners.hlo import check_collectives, count_collectives, expected_collectives
+from testbed.runner import devices as dev
+from testbed.runner.results import RunResult, VerifyResult
+from testbed.runner.train import run_plan, verify_plan
+from testbed.runner.hlo import check_collectives, count_collectives, expected_collectives
 from testbed.errors import InputError
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 

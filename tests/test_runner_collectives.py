@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runners.collectives import AXIS, builtin_collective, collective_mesh, execute_program, run_collective, waves
+from testbed.runner.collectives import AXIS, builtin_collective, collective_mesh, execute_program, run_collective, waves
 from testbed.collectives.algorithms import SUPPORTED_OPS, step_program
 from testbed.collectives.ops import Op, reference
 

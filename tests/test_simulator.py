@@ -144,7 +144,7 @@ def test_pure_pipeline_reproduces_the_schedule_bubble(schedule, stages, microbat
 @pytest.mark.parametrize("topology", ["switch8", "ring8", "two-nodes"])
 def test_pure_data_parallel_is_backward_plus_exposed_allreduce(topology):
     """Data parallel (ZeRO 0): the replicas' gradients are summed once, after the backward (the runner's update
-    program, runners.replicas.sum_replicas), so the whole all-reduce is exposed between backward and optimizer."""
+    program, testbed.runner.replicas.sum_replicas), so the whole all-reduce is exposed between backward and optimizer."""
     plan = make_plan(data=8, microbatches=1, layers=8)
     topo = TOPOLOGIES[topology]
     sim = simulate(plan, topo)

@@ -1,4 +1,4 @@
-"""runners.testing: a user project outside the repository gets the plugin and 8 emulated devices by installing
+"""testbed.testing: a user project outside the repository gets the plugin and 8 emulated devices by installing
 testbed; the kit's comparison explains psum-for-pmean, one bad shard and bubble leaks; its strategies draw
 valid meshes, specs and plans; importing it starts no JAX backend."""
 
@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, strategies as st
 
 from testbed.plan.spec import Plan
-from runners.testing import assert_outputs_equal, assert_parallel_equal, replicate, shard_batch, unreplicate
-from runners.testing.devices import request_host_devices
-from runners.testing.strategies import batches, factorisations, meshes, partition_specs, plans, shardings
+from testbed.testing import assert_outputs_equal, assert_parallel_equal, replicate, shard_batch, unreplicate
+from testbed.testing.devices import request_host_devices
+from testbed.testing.strategies import batches, factorisations, meshes, partition_specs, plans, shardings
 
 USER_TEST = '''
 import jax
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from runners.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
+from testbed.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
 
 REDUCE = {reduce}
 
@@ -100,7 +100,7 @@ def test_the_option_chooses_the_count_and_a_started_backend_is_reported(tmp_path
 
 
 def test_importing_the_kit_starts_no_jax() -> None:
-    code = ("import sys, runners.testing, runners.testing.plugin, runners.testing.strategies\n"
+    code = ("import sys, testbed.testing, testbed.testing.plugin, testbed.testing.strategies\n"
             "assert 'jax' not in sys.modules, 'jax imported'\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from runners import devices as dev
-from runners import model as jm
-from runners.pipeline.spmd import (masked_layers, spmd_gpipe, spmd_schedule, stack_stage_layers,
+from testbed.runner import devices as dev
+from testbed.runner import model as jm
+from testbed.runner.pipeline.spmd import (masked_layers, spmd_gpipe, spmd_schedule, stack_stage_layers,
                                    unstack_stage_layers)
-from runners.pipeline.trainer import PipelineTrainer
-from runners.step import ReferenceTrainer
-from runners.train import _tree_errors
+from testbed.runner.pipeline.trainer import PipelineTrainer
+from testbed.runner.step import ReferenceTrainer
+from testbed.runner.train import _tree_errors
 from testbed.errors import InputError
 from testbed.explore.space import SearchSpace, candidates, resize_topology
 from testbed.model import costs
@@ -138,7 +138,7 @@ def test_memory_per_stage_follows_the_counts() -> None:
 
 def test_runner_pieces_are_the_layout_split() -> None:
     """The trainer's per-chunk pytrees hold the layout's layers; the controller's buffer counts match them."""
-    from runners.pipeline.trainer import merge_params, split_params
+    from testbed.runner.pipeline.trainer import merge_params, split_params
     from testbed.model.buffers import chunk_param_arrays
 
     plan = _plan(layers=10, stage=4, mb=4, schedule="interleaved", virtual=2, split=(2, 2, 4, 2))
@@ -226,7 +226,7 @@ MPMD_CASES = [("gpipe", 2, 3, 1, (1, 3)), ("1f1b", 3, 3, 1, "balanced-ends"), ("
 @pytest.mark.parametrize("name,p,m,v,split", MPMD_CASES)
 def test_mpmd_engine_runs_uneven_stages(name: str, p: int, m: int, v: int, split) -> None:
     """The MPMD engine runs chunks the layout cut unevenly; receive slots start as NaN and nothing leaks."""
-    from runners.pipeline.engine import run_schedule
+    from testbed.runner.pipeline.engine import run_schedule
 
     layers = sum(split) if isinstance(split, tuple) else 4  # balanced-ends on 3 stages: 1, 2, 1
     plan = _plan(layers=layers, stage=p, mb=m, schedule=name, virtual=v, split=split)

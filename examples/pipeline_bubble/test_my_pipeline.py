@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from runners.testing import assert_parallel_equal
+from testbed.testing import assert_parallel_equal
 
 import my_pipeline
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from runners.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
-from runners.testing.strategies import batches
+from testbed.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
+from testbed.testing.strategies import batches
 
 import dp_step
 

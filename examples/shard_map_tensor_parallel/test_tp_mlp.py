@@ -4,8 +4,8 @@ import jax
 import pytest
 from hypothesis import given, settings
 
-from runners.testing import assert_parallel_equal
-from runners.testing.strategies import batches, meshes
+from testbed.testing import assert_parallel_equal
+from testbed.testing.strategies import batches, meshes
 
 import tp_mlp
 

@@ -5,5 +5,5 @@
 :mod:`~testbed.calibration.steps` whole training steps and the controller,
 :mod:`~testbed.calibration.topology` runs them all (:func:`fit_all`);
 :mod:`~testbed.calibration.validation` summarises predicted vs measured.
-The measuring itself is :mod:`runners.measure`'s.
+The measuring itself is :mod:`testbed.runner.measure`'s.
 """

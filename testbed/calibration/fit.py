@@ -1,6 +1,6 @@
 """Fitting a topology's calibration groups from microbenchmark tables.
 
-``runners.measure`` times matmuls, memory streams, empty programs and
+``testbed.runner.measure`` times matmuls, memory streams, empty programs and
 collectives on real (or emulated) devices and returns :class:`Sample` rows;
 this module turns those rows into calibration fields (``GROUP.FIELD``,
 testbed.topology.calibration) with (non-negative, relative-error weighted)
@@ -73,7 +73,7 @@ class Sample:
         one-device ``concurrent`` sample is used instead). ``programs``: the
         same per-device work as ONE program over all ``devices``, timed in the
         same rounds, against ``seconds``: it run as ``ranks`` one-device
-        programs at once (runners.host_sharing). ``launches``: when the first
+        programs at once (testbed.runner.host_sharing). ``launches``: when the first
         of its two programs over ``ranks`` devices each completed, ``seconds``
         when both had. ``barriers``: the chain without its collectives, timed
         in the same rounds.

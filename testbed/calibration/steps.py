@@ -213,7 +213,7 @@ def pipeline_plan(name: str, devices: int = 2) -> Plan:
     The data axis takes the rest of the devices (``devices`` even); every
     microbatch gives each device the shape's batch, so the devices' kernels
     are the ``step`` samples' while the controller dispatches one program
-    per action (runners.pipeline.engine), which is what the sample measures.
+    per action (testbed.runner.pipeline.engine), which is what the sample measures.
     """
     shape, _, micro = name.rpartition("-m")
     if shape not in STEP_SHAPES or not micro.isdigit() or int(micro) < 1:

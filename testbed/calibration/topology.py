@@ -1,6 +1,6 @@
 """A calibrated topology from measured samples: which base topology to start from, and the whole fit.
 
-``testbed calibrate`` measures (:mod:`runners.measure`) and calls
+``testbed calibrate`` measures (:mod:`testbed.runner.measure`) and calls
 :func:`fit_all`, which runs every fit of this package in order (dispatch,
 compute, memory, host cores and throughput, collectives, controller, the
 training steps' compute) and returns the topology with its fitted
@@ -35,7 +35,7 @@ OUTER_LEVEL = "cluster"
 _OUTER_BANDWIDTH, _OUTER_LATENCY = 1e9, 50e-6
 
 
-#: jax collective names (runners.measure) -> testbed.collectives.ops op names.
+#: jax collective names (testbed.runner.measure) -> testbed.collectives.ops op names.
 JAX_TO_OP = {"psum": "all_reduce", "all_gather": "all_gather", "psum_scatter": "reduce_scatter",
              "all_to_all": "all_to_all", "ppermute": "send"}
 
@@ -182,7 +182,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
 
     ``host_cpus``: the cores of the host emulated devices run on (0: unknown);
     ``cache_bytes``: the largest activation whose elementwise passes run from
-    the host's cache (``runners.devices.host_cache_bytes``; 0: unknown).
+    the host's cache (``testbed.runner.devices.host_cache_bytes``; 0: unknown).
     """
     launch = cal.fit_dispatch(samples)
     rates, half, fits = cal.fit_compute(samples, launch)
@@ -199,7 +199,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
     has_steps = any(s.kind == "step" for s in samples)
     cores = float(host_cpus) if shared and host_cpus and has_steps else shared
     collectives = None
-    # Collective samples are already per collective inside a program (runners.measure loops them).
+    # Collective samples are already per collective inside a program (testbed.runner.measure loops them).
     rows = [s for s in samples if s.kind == "collective"]
     if rows:
         collectives, coll_fit = cal_coll.fit_collectives(base, rows, simulator_collective_time)

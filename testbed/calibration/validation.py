@@ -73,7 +73,7 @@ def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     Each row has ``plan, predicted_s, measured_s, predicted_memory,
     measured_memory`` (memory may be None when XLA does not report it) and,
-    from :func:`runners.validate.measure_plans`, the ``predicted_report`` and
+    from :func:`testbed.runner.validate.measure_plans`, the ``predicted_report`` and
     ``measured_report`` (:class:`Report`; built from the numbers when
     absent). :func:`compare_reports` compares them: its errors go in
     ``errors``, the step time's is ``error`` and the memory's

@@ -1,7 +1,7 @@
-"""The command layer: every ``testbed`` subcommand, and the only code that may import ``runners``.
+"""The command layer: every ``testbed`` subcommand, and the only code that may import ``testbed.runner``.
 
-Library code (the rest of ``testbed`` and all of ``runners``) never imports
-this package; commands import ``runners`` lazily, inside functions, so that
+Library code (the rest of ``testbed``, the runner included) never imports
+this package; commands import ``testbed.runner`` lazily, inside functions, so that
 ``testbed`` stays fast and JAX starts only after the device count is set.
 """
 

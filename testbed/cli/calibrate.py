@@ -1,11 +1,11 @@
 """``testbed calibrate``: fit a topology to this machine (checked by ``testbed validate``, testbed.cli.validate).
 
-Run the microbenchmarks of :mod:`runners.measure` on the chosen
+Run the microbenchmarks of :mod:`testbed.runner.measure` on the chosen
 devices, fit the calibration with :func:`testbed.calibration.topology.fit_all`, and
 write the calibrated topology YAML (plus the raw samples beside it as
 ``FILE.measurements.json``), both atomically.
 
-JAX is imported only inside ``execute``, after :func:`runners.devices.prepare`
+JAX is imported only inside ``execute``, after :func:`testbed.runner.devices.prepare`
 set the device count.
 """
 
@@ -50,7 +50,7 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> CommandResult:
-    from runners import devices as dev
+    from testbed.runner import devices as dev
 
     if not str(args.out).endswith((".yaml", ".yml")):
         raise InputError(f"expected a .yaml path for the calibrated topology, got `{args.out}`", field="--out")
@@ -68,7 +68,7 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
     else:
         request = dev.parse_devices(args.devices, 8)
         dev.prepare(request)
-        from runners import measure
+        from testbed.runner import measure
 
         devices = dev.select_devices(request.count)
         info = dev.describe(devices)

@@ -1,6 +1,6 @@
-"""``testbed calibrate --processes K``: K local worker processes emulate K hosts (:mod:`runners.calibrate_multi`).
+"""``testbed calibrate --processes K``: K local worker processes emulate K hosts (:mod:`testbed.runner.calibrate_multi`).
 
-The workers measure (:func:`runners.calibrate_multi.worker_body`); this
+The workers measure (:func:`testbed.runner.calibrate_multi.worker_body`); this
 command checks the arguments, builds the two-level base topology
 (:func:`testbed.calibration.topology.cluster_topology`), launches them,
 fits worker 0's samples and writes the topology like the single-process path.
@@ -47,7 +47,7 @@ def _base(base_arg: str | None, platform: str, devices: int, processes: int, dev
 
 def _check(args: argparse.Namespace) -> Any:
     """The parsed ``--devices`` request for a measured run (InputError naming the bad field)."""
-    from runners.devices import parse_devices
+    from testbed.runner.devices import parse_devices
 
     if args.processes < 1:
         raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
@@ -66,8 +66,8 @@ def _check(args: argparse.Namespace) -> Any:
 
 def _measure(args: argparse.Namespace) -> tuple[dict[str, Any], str, Topology]:
     """Launch the workers; (raw measurements as written to the JSON file, the devices asked for, the base)."""
-    from runners import launch
-    from runners.devices import host_cache_bytes
+    from testbed.runner import launch
+    from testbed.runner.devices import host_cache_bytes
 
     request = _check(args)
     # Emulated devices are host CPUs: the base is known (and --base checked) before minutes of measuring.
@@ -87,7 +87,7 @@ def _measure(args: argparse.Namespace) -> tuple[dict[str, Any], str, Topology]:
 
 def calibrate(args: argparse.Namespace) -> CommandResult:
     """``testbed calibrate`` with ``--processes K`` (K > 1) or a refit of K-process measurements."""
-    from runners import launch
+    from testbed.runner import launch
     from testbed.topology.io import dump_topology
 
     if args.processes < 1:

@@ -2,7 +2,7 @@
 
 Checks the plan against the topology (mesh size, placement), then lowers the
 runner's training step for the plan's full mesh on abstract devices
-(:mod:`runners.check_sharding`): every parameter's PartitionSpec and
+(:mod:`testbed.runner.check_sharding`): every parameter's PartitionSpec and
 per-device shard, and the collectives per mesh axis that Shardy's
 partitioning of the lowered programs inserts, with counts and bytes per
 device per step. Nothing is compiled or allocated, so a 4096-device plan is
@@ -39,7 +39,7 @@ def _host_only() -> None:
     """Start JAX on one host CPU device unless it already runs (the lowering uses abstract devices only)."""
     if "jax" in sys.modules:
         return
-    from runners import devices
+    from testbed.runner import devices
 
     devices.prepare(devices.DeviceRequest(kind="emulated", count=1))
 
@@ -73,7 +73,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
     except InputError as exc:
         raise exc.with_file(args.plan) from None
     _host_only()
-    from runners.check_sharding import check_sharding
+    from testbed.runner.check_sharding import check_sharding
 
     try:
         result = check_sharding(plan)

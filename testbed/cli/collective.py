@@ -8,7 +8,7 @@ nccl-tests prints them; ``--png`` plots bus bandwidth against size.
 
 ``--execute emulated:N`` (or ``local``) then runs the chosen algorithm's step
 program -- the one just timed -- on N devices with ``lax.ppermute``
-(:mod:`runners.collectives`), checks it against JAX's collective on random
+(:mod:`testbed.runner.collectives`), checks it against JAX's collective on random
 fp32 data and times both; a mismatch exits 1. With ``auto`` on a topology
 where NCCL's algorithms win (they have no step program) the fastest step
 program is executed. Emulated devices are requested before JAX starts its
@@ -177,7 +177,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
 
 # -- --execute: the step program on devices -------------------------------------------------------
 
-#: The JAX collective each executable op is checked against (runners.collectives.builtin_collective).
+#: The JAX collective each executable op is checked against (testbed.runner.collectives.builtin_collective).
 LAX_NAMES = {Op.ALL_REDUCE: "lax.psum", Op.ALL_GATHER: "lax.all_gather", Op.REDUCE_SCATTER: "lax.psum_scatter",
              Op.ALL_TO_ALL: "lax.all_to_all"}
 
@@ -207,7 +207,7 @@ def _prepare_devices(text: str, n: int, where: str) -> str:
     first ``n``: the count can no longer change and a collective needs only
     its own ranks.
     """
-    from runners import devices as dev
+    from testbed.runner import devices as dev
 
     if not text.strip():  # parse_devices reads an empty --devices as absent; an empty --execute is a mistake
         raise InputError(f"is empty; give emulated:{n} (the group's {n} ranks) or local", field="execute")
@@ -245,7 +245,7 @@ def _execute_on_devices(args: argparse.Namespace, topology: Topology, op: Op, gr
     program, _ = placed_program(topology, op, name, groups[0], root, peer)
     n = program.n
     request = _prepare_devices(args.execute, n, f"{op} over {args.over} on {topology.name}")
-    from runners.collectives import execute_and_check
+    from testbed.runner.collectives import execute_and_check
 
     run = execute_and_check(program, nbytes, repeats=args.repeats)
     predicted = groups_time(topology, op, groups, run.bytes, name, root, peer)

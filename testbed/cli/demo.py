@@ -10,7 +10,7 @@
 6. compare the plan across host, NVLink, PCIe, Ethernet and TPU topologies
    (data degree scaled to each), with a stacked-bar PNG.
 
-It lives in ``runners`` because steps 3-5 execute JAX; everything it decides
+It lives in ``testbed.runner`` because steps 3-5 execute JAX; everything it decides
 comes from ``testbed``. Outputs go to ``--out`` (default ``testbed-out/``),
 each written atomically. Progress goes to stderr so ``--json`` stays one
 object on stdout.
@@ -85,14 +85,14 @@ def execute(args: argparse.Namespace) -> CommandResult:
     verified: dict[str, Any] | None = None
     run = None
     if not args.no_run:
-        from runners import devices as dev
+        from testbed.runner import devices as dev
 
         request = dev.parse_devices(None, plan.mesh.size)
         _stage(console, f"3/6 run {args.steps} steps on {request} (compiles first)")
         dev.prepare(request)
         devices = dev.select_devices(plan.mesh.size)
-        from runners.train import run_plan, verify_plan
-        from runners.validate import ReferenceStep
+        from testbed.runner.train import run_plan, verify_plan
+        from testbed.runner.validate import ReferenceStep
 
         # The prediction's peak FLOP/s, so predicted and measured MFU compare; XLA's memory analysis
         # compiles the run's programs once more without running them (pipelines: every stage's).

@@ -4,7 +4,7 @@ Each subcommand lives in a module that exposes ``add_arguments(parser)`` and
 ``execute(args) -> CommandResult``; this file only wires them to argparse,
 prints the result (a rich rendering, or one JSON object with ``--json``) and
 maps errors to exit statuses: 0 success, 1 a check failed, 2 bad input.
-Commands that execute plans live in ``runners`` and are imported lazily so
+Commands that execute plans live in ``testbed.runner`` and are imported lazily so
 ``testbed`` stays fast and JAX starts only after the device count is set.
 """
 
@@ -21,7 +21,7 @@ from testbed.output import CommandResult, command_inputs
 
 __all__ = ["main", "COMMANDS"]
 
-#: name -> (module, help). Modules under ``runners`` are imported only when used.
+#: name -> (module, help). Modules under ``testbed.runner`` are imported only when used.
 COMMANDS: dict[str, tuple[str, str]] = {
     "topologies": ("testbed.cli.basic:topologies", "list the bundled topologies"),
     "topology": ("testbed.cli.basic:topology", "show one topology (summary, links, drawing)"),
@@ -80,7 +80,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             try:
                 command = _load(spec)
             except ModuleNotFoundError as exc:
-                if exc.name and (exc.name.startswith("testbed") or exc.name.startswith("runners")):
+                if exc.name and exc.name.startswith("testbed"):
                     p.set_defaults(_missing=exc.name)
                     continue
                 raise

@@ -1,13 +1,13 @@
 """`testbed run` and `testbed verify`: execute a plan with JAX; check it against one device.
 
-The work is :mod:`runners.train`'s; JAX is imported only inside functions,
-after :func:`runners.devices.prepare` has set the host device count
+The work is :mod:`testbed.runner.train`'s; JAX is imported only inside functions,
+after :func:`testbed.runner.devices.prepare` has set the host device count
 (``--devices emulated:N`` must reach XLA before it starts). ``--processes K``
-hands the same work to K local workers through :mod:`runners.launch` and
+hands the same work to K local workers through :mod:`testbed.runner.launch` and
 prints one merged result.
 
-The JSON is :meth:`runners.results.RunResult.to_dict` (``verify``:
-:meth:`~runners.results.VerifyResult.to_dict`): the keys of before plus
+The JSON is :meth:`testbed.runner.results.RunResult.to_dict` (``verify``:
+:meth:`~testbed.runner.results.VerifyResult.to_dict`): the keys of before plus
 ``report``, the simulator's Report with ``source="measured"``, to compare
 with ``testbed simulate``'s field by field. ``run --trace F`` writes the
 measured timeline with the simulator's ``write_trace``.
@@ -50,7 +50,7 @@ def _check_run_arguments(args: argparse.Namespace) -> None:
 
 
 def _devices_for(plan: Plan, request: Any) -> list[Any]:
-    from runners import devices
+    from testbed.runner import devices
 
     if request.kind == "emulated" and request.count != plan.mesh.size:
         raise InputError(f"emulated:{request.count} does not match the plan's mesh of {plan.mesh.size} devices; "
@@ -59,7 +59,7 @@ def _devices_for(plan: Plan, request: Any) -> list[Any]:
 
 
 def _execute_run(args: argparse.Namespace) -> CommandResult:
-    from runners import devices, launch, train
+    from testbed.runner import devices, launch, train
 
     plan = load_plan(args.plan)
     _check_steps(args.steps)
@@ -129,7 +129,7 @@ def _run_render(data: dict[str, Any], files: list[str]):
 
 
 def _execute_verify(args: argparse.Namespace) -> CommandResult:
-    from runners import devices, train
+    from testbed.runner import devices, train
 
     plan = load_plan(args.plan)
     _check_steps(args.steps)

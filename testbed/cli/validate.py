@@ -5,7 +5,7 @@ topology beside the runner's measured median step time (``--rounds``: the
 least disturbed round's) and XLA's compiled memory, plus the controller's
 CPU time per step both ways, and calibrate's own data-parallel step timed
 again (the reference step: has the host drifted since it was calibrated?).
-The measuring is :func:`runners.validate.measure_plans`; each plan's
+The measuring is :func:`testbed.runner.validate.measure_plans`; each plan's
 prediction and measurement are Reports compared field by field
 (:func:`testbed.calibration.validation.compare_reports`).
 
@@ -17,7 +17,7 @@ the host-drift figures (``reference_step``,
 ``measured_at_calibrated_speed_s``, ``error_at_calibrated_speed``) under
 ``diagnostics``, and rendered last, as diagnostics.
 
-JAX is imported only inside ``execute``, after :func:`runners.devices.prepare`
+JAX is imported only inside ``execute``, after :func:`testbed.runner.devices.prepare`
 set the device count.
 """
 
@@ -49,7 +49,7 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> CommandResult:
-    from runners import devices as dev
+    from testbed.runner import devices as dev
 
     if args.steps < 1:
         raise InputError(f"must be at least 1, got {args.steps}", field="--steps")
@@ -64,7 +64,7 @@ def _validate(args: argparse.Namespace) -> CommandResult:
             raise exc.with_file(path) from None
     request = dev.parse_devices(args.devices, topology.num_devices)
     dev.prepare(request)
-    from runners import validate as runner
+    from testbed.runner import validate as runner
 
     devices = dev.select_devices(topology.num_devices)
     with progress_bar() as bar:

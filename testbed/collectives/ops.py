@@ -3,7 +3,7 @@
 A collective algorithm is written once, as a frozen :class:`StepProgram`:
 rounds of :class:`Transfer` (source rank, destination rank, which chunk, reduce
 or copy). The simulator times a program on a topology
-(:mod:`testbed.collectives.timing`); ``runners/collectives.py`` executes the
+(:mod:`testbed.collectives.timing`); ``testbed/runner/collectives.py`` executes the
 same program on devices with ``lax.ppermute`` and checks it against JAX's own
 collective (training steps use the collectives XLA inserts, not these
 programs); :func:`interpret` executes it with numpy and is the executable

@@ -11,9 +11,9 @@ with layers per chunk and devices per stage, which one constant per program
 cannot follow.
 
 The array counts are those of the runner's programs (the parameter
-arrays of testbed.model.layout's table, which runners.model builds; the
+arrays of testbed.model.layout's table, which testbed.runner.model builds; the
 residuals ``jax.vjp`` keeps per block, per remat mode; the optimizer state
-of runners.precision: ``moments x P + 1`` arrays for ``P`` parameter
+of testbed.runner.precision: ``moments x P + 1`` arrays for ``P`` parameter
 arrays, ``(moments + 1) x P + 1`` under bf16-mixed, whose state also holds
 the fp32 master); tests/test_dispatch.py checks them against the runner
 for both precisions. testbed.sim.program

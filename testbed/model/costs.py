@@ -1,7 +1,7 @@
 """Analytic GPT model: parameter counts, FLOPs, bytes and the split over stages.
 
 The parameters are those of ``testbed.model.layout``'s table (the JAX twin,
-``runners/model.py``, builds the same table): every count here is a sum
+``testbed/runner/model.py``, builds the same table): every count here is a sum
 over it, so the two cannot drift. In short: a token table and a learned
 position table (stage 0, chunk 0), ``layers`` pre-LayerNorm blocks (LN1,
 fused QKV ``d x 3d``, out projection ``d x d``, LN2, MLP ``d x d_ff`` and
@@ -28,7 +28,7 @@ FLOPs count matmuls only (``2*m*n*k``); attention is dense over the full
 it. Softmax, LayerNorm, GELU and the loss are memory bound and appear in the
 byte estimates instead.
 
-Flash attention (``model.attention: flash``, ``runners/attention.py``) has the
+Flash attention (``model.attention: flash``, ``testbed/runner/attention.py``) has the
 same forward FLOPs; its backward recomputes the scores ``Q K^T`` (FlashAttention-2:
 2.5x the forward's attention FLOPs, counted as recompute, not as model FLOPs)
 and it keeps no ``seq x seq`` tensor: only the fp32 log-sum-exp of every score

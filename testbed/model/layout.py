@@ -1,6 +1,6 @@
 """The GPT's parameter layout: one table every count, shape, sharding and buffer is derived from.
 
-The model (``testbed.model.costs`` counts it, ``runners.model`` builds it)::
+The model (``testbed.model.costs`` counts it, ``testbed.runner.model`` builds it)::
 
     {"embed": {"tokens": [vocab, d], "positions": [seq, d]},
      "layers": [ {"ln1": {scale, bias}, "attn": {wqkv [d,3,d], bqkv [3,d], wo [d,d], bo [d]},

@@ -6,7 +6,7 @@ Model states follow the ZeRO paper (Rajbhandari et al., 2020), per parameter:
 - bf16-mixed: bf16 parameters 2 B, bf16 gradients 2 B, fp32 master weights
   4 B and fp32 moments 2 x 4 B (counted as optimizer state, so sharded
   like the moments): 16 B in all. The JAX runner holds exactly these
-  (runners.precision: bf16 parameters and gradient accumulators, the master
+  (testbed.runner.precision: bf16 parameters and gradient accumulators, the master
   beside the moments in the optimizer state).
 
 Sharding of model states, on top of the tensor split and the pipeline split
@@ -168,7 +168,7 @@ def _attention_workspace(plan: Plan) -> int:
 
 
 def _flash_workspace(plan: Plan) -> int:
-    """Flash attention's backward step over one K/V block (``runners/attention.py``), on one tensor rank.
+    """Flash attention's backward step over one K/V block (``testbed/runner/attention.py``), on one tensor rank.
 
     Per ``seq x block`` tile of every query head, no ``seq x seq`` buffer. Over
     several blocks (a loop): two fp32 tiles (the recomputed probabilities, whose

@@ -70,7 +70,7 @@ def expert_capacity(spec: ModelSpec) -> int:
 
     ``ceil(capacity_factor x seq_len x top_k / experts)``, at least 1 and at most ``seq_len`` (a token
     takes one slot of an expert); dropless (``capacity_factor`` None) gives every expert ``seq_len``
-    slots, so no token is dropped whatever the routing. runners.moe routes into these slots.
+    slots, so no token is dropped whatever the routing. testbed.runner.moe routes into these slots.
     """
     if spec.capacity_factor is None:
         return spec.seq_len

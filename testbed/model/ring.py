@@ -5,7 +5,7 @@ zigzag rule of testbed.plan.context (rank ``r`` holds chunks ``r`` and
 ``2c-1-r`` of ``2c``): a rank holds ``s_l = s / c`` tokens, so everything per
 token (projections, MLP, norms, the head, activations, tensor collectives)
 is ``1/c`` of the whole sequence's. Attention is the ring of
-``runners/ring_attention.py``, and this module is the one place the simulator
+``testbed/runner/ring_attention.py``, and this module is the one place the simulator
 reads what that ring does (the task graph, the analytic tier, the costs, the
 GEMM shapes and the memory model all come here):
 
@@ -55,7 +55,7 @@ from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 __all__ = ["GRAD_BYTES", "RingPhase", "rank_spec", "step_units", "unit_flops", "extra_attention_flops",
            "kv_bytes", "grad_bytes", "ring_bytes_per_layer", "ring_phases", "ring_workspace"]
 
-#: Bytes per value of the dK/dV accumulators the backward ring sends (fp32, runners/ring_attention.py).
+#: Bytes per value of the dK/dV accumulators the backward ring sends (fp32, testbed/runner/ring_attention.py).
 GRAD_BYTES = 4
 
 

@@ -55,7 +55,7 @@ def context_order(seq_len: int, context: int) -> np.ndarray:
     return np.concatenate([context_positions(seq_len, context, r) for r in range(context)])
 
 
-# -- the ring's work per step (runners/ring_attention.py executes it; testbed.model.ring prices it) -----------
+# -- the ring's work per step (testbed/runner/ring_attention.py executes it; testbed.model.ring prices it) -----------
 
 #: Kinds of a (query chunk, key chunk) pair under the causal mask.
 FULL, DIAGONAL, EMPTY = "full", "diagonal", "empty"
@@ -79,7 +79,7 @@ def ring_step_pairs(context: int, rank: int, step: int) -> tuple[tuple[int, int,
     the mask (two diagonal, one full, one empty). At a later step the visiting block of rank ``j`` is half
     visible: for ``j < rank`` both query chunks see key chunk ``j`` (two full pairs), for ``j > rank`` the
     second query chunk sees both of ``j``'s chunks (two full pairs); the invisible half is not computed
-    (runners/ring_attention.py picks the half with ``lax.cond``). Chunk indices are of the ``2 * context``
+    (testbed/runner/ring_attention.py picks the half with ``lax.cond``). Chunk indices are of the ``2 * context``
     chunks of :func:`context_chunks`.
     """
     mine = (rank, 2 * context - 1 - rank)

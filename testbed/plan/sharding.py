@@ -55,7 +55,7 @@ def gradient_reduction(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     sharded, so every microbatch's are reduce-scattered over it as they
     come. Over the replica axes they are replicated on (data when zero < 2)
     each replica accumulates its own and the replicas are summed once per
-    step. testbed.sim.program builds these reductions; runners.replicas and the
+    step. testbed.sim.program builds these reductions; testbed.runner.replicas and the
     runner's shardings execute them.
     """
     sharded = state_sharding(plan).split_axes(plan, "grads")
@@ -82,7 +82,7 @@ def gathers_parameters(plan: Plan, kind: str) -> bool:
 
     Every forward gathers; the gathered weights stay as residuals for the backward (what
     testbed.model.memory counts), so only full remat, which recomputes each block from its input
-    inside the backward, gathers again in B (runners.parallel.ParamShards: the gather sits inside
+    inside the backward, gathers again in B (testbed.runner.parallel.ParamShards: the gather sits inside
     the checkpointed block). W needs no weights. False when nothing shards the parameters.
     """
     if not state_sharding(plan).split_axes(plan, "params"):
@@ -95,7 +95,7 @@ def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "par
 
     A leaf is gathered when the layout's one shard rule (:meth:`testbed.model.layout.ParamSpec.shard_dim`)
     splits it over the parameters' shard axes; the gathered leaf is whole over them and split as the device
-    holds it by ``tensor`` and ``expert``. runners.parallel.ParamShards issues one ``all_gather`` per such leaf
+    holds it by ``tensor`` and ``expert``. testbed.runner.parallel.ParamShards issues one ``all_gather`` per such leaf
     where a piece of the model uses it, and one ``psum_scatter`` of its gradient, by the same rule; a leaf no
     free dim of which the shard count divides stays whole and moves nothing. Layout order: the embedding, each
     layer's rows layer by layer, the head (the order XLA meets them in the forward).

@@ -1,6 +1,6 @@
 """A runner's measurement in the simulator's types: a measured :class:`Timeline` and :class:`Report`.
 
-The runner (:mod:`runners.train`, :mod:`runners.validate`) times whole
+The runner (:mod:`testbed.runner.train`, :mod:`testbed.runner.validate`) times whole
 steps on the host: each step from its dispatch until every device's result
 is ready. What that measures, and nothing more, goes into the simulator's
 types with ``source="measured"``:

@@ -64,7 +64,7 @@ reduce-scatters them inside each backward) each piece's gradients start
 reducing at once, overlapping the rest of the backward pass. When no axis
 shards them (ZeRO 0/1 data parallelism) every replica accumulates its own
 and the runner sums them once, in the stage's update program
-(runners.replicas.sum_replicas): the buckets then reduce one after another
+(testbed.runner.replicas.sum_replicas): the buckets then reduce one after another
 once the stage's last backward is done, not overlapping it (Megatron-LM's
 own DDP, ``--DDP-impl local``, does the same). Each kind of parameter is summed over its
 axes (testbed.plan.sharding.reduction_axes: dense ones over the batch axes
@@ -79,7 +79,7 @@ are reduced once per step. After the optimizer, parameters sharded in ``O``
 but not in ``P`` are all-gathered over the data axis.
 
 How many collectives a gather and a gradient reduce-scatter of a chunk's sharded
-parameters is: the runner (runners.parallel.ParamShards) gathers every sharded
+parameters is: the runner (testbed.runner.parallel.ParamShards) gathers every sharded
 leaf on its own and reduce-scatters its gradient on its own, which XLA:CPU runs
 as that many collectives and XLA:GPU combines; testbed.plan.sharding's
 :func:`~testbed.plan.sharding.parameter_collectives` counts them under the

@@ -1,7 +1,7 @@
 """One data-parallel gradient reduction per step in the MPMD pipeline (gradients summed per replica).
 
 A pipeline stage runs its backward once per microbatch, as its own program
-(runners.pipeline.engine). Differentiating parameters that are replicated over the
+(testbed.runner.pipeline.engine). Differentiating parameters that are replicated over the
 ``data`` axis makes XLA all-reduce their gradients inside every backward
 program: ``m`` reductions per step, where the plan, and testbed's simulator
 (testbed.sim.program), reduce once after the stage's last backward.
@@ -10,10 +10,10 @@ Here each stage's parameters are *spread*: one copy per data replica, on a
 new leading axis sharded over ``data``, so every device holds its own
 replica and the spread moves nothing. The chunk runs ``vmap``-ed over that
 axis, each replica on its slice of the microbatch, and the engine
-(:class:`runners.pipeline.engine.Prepare`) hands back gradients per replica, which
+(:class:`testbed.runner.pipeline.engine.Prepare`) hands back gradients per replica, which
 it accumulates where they are. The stage's update sums the replica axis
 once: an all-reduce (or a reduce-scatter into a ZeRO-1 layout) per step.
-The SPMD step's gradient accumulation (runners.step) uses the same spread
+The SPMD step's gradient accumulation (testbed.runner.step) uses the same spread
 inside its microbatch loop and sums the replicas after the loop.
 
 Only for gradients not sharded over ``data`` (ZeRO 0 and 1). ZeRO-2/3 keep
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from runners.parallel import Constrain
+from testbed.runner.parallel import Constrain
 from testbed.plan.spec import Plan
 from testbed.plan.sharding import gradient_reduction
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from runners.testing.devices import ReferenceDevice, to_host
+from testbed.testing.devices import ReferenceDevice, to_host
 
 __all__ = ["assert_parallel_equal", "assert_outputs_equal"]
 
@@ -163,7 +163,7 @@ def _compare_leaf(path: str, p: Any, r: Any, rtol: float, atol: float, counts: S
         for n, what in counts:
             if p.shape == (n, *r.shape):
                 hints.append(f"the parallel output keeps a per-device leading axis of {n} ({what}): unreplicate it "
-                             f"(runners.testing.unreplicate) or fix out_specs")
+                             f"(testbed.testing.unreplicate) or fix out_specs")
         for d, (a, b) in enumerate(zip(p.shape, r.shape)) if p.ndim == r.ndim else ():
             if a != b and b and a and (b % a == 0 or a % b == 0):
                 k = b // a if b % a == 0 else a // b

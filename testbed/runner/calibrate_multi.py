@@ -1,6 +1,6 @@
 """``testbed calibrate --processes K``: calibrate a K-host cluster emulated on this machine.
 
-K local workers (:mod:`runners.launch`, gloo over loopback TCP) hold N/K
+K local workers (:mod:`testbed.runner.launch`, gloo over loopback TCP) hold N/K
 emulated devices each. Devices of different processes talk through gloo, a
 slower "network" than the host memory devices of one process share. The base
 topology therefore has two levels, innermost first: ``node`` (the N/K devices
@@ -55,13 +55,13 @@ __all__ = ["plan_benchmarks", "runs_on_all", "worker_body"]
 def plan_benchmarks(platform: str, num_devices: int, processes: int, *, quick: bool = False) -> list[Any]:
     """The benchmarks of a K-process calibration, in the order every worker runs them.
 
-    The single-process list (:func:`runners.measure.plan_benchmarks`) with
+    The single-process list (:func:`testbed.runner.measure.plan_benchmarks`) with
     dispatch on 1, N/K and N devices, collectives on groups inside one
     process and spanning processes, and training steps of one device
     (none with ``quick``: compute efficiency then comes from the matmuls).
     """
-    from runners.measure import COLLECTIVE_OPS, Benchmark
-    from runners.measure import plan_benchmarks as single
+    from testbed.runner.measure import COLLECTIVE_OPS, Benchmark
+    from testbed.runner.measure import plan_benchmarks as single
 
     local = num_devices // processes
     base = single(platform, num_devices, quick=quick)
@@ -95,7 +95,7 @@ def runs_on_all(bench: Any, local: int) -> bool:
 def _collective(bench: Any, devices: list[Any]) -> cal.Sample:
     """A collective timed over loops of 1 and 9 rounds (not 1 and 5): a gloo round takes milliseconds of
     scheduling noise on a busy host, and the longer loop averages more of it out of the per-round time."""
-    from runners import measure
+    from testbed.runner import measure
 
     return measure.collective_sample(bench, devices, repeats=(1, 9))
 
@@ -114,8 +114,8 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
     """
     import jax
 
-    from runners import devices as dev
-    from runners import measure
+    from testbed.runner import devices as dev
+    from testbed.runner import measure
 
     everyone = dev.select_devices()
     me = jax.process_index()

@@ -1,6 +1,6 @@
 """Time plans beside their predictions: what ``testbed validate`` measures.
 
-Each plan's trainer is compiled once (:class:`runners.measure.PlanTimer`) and
+Each plan's trainer is compiled once (:class:`testbed.runner.measure.PlanTimer`) and
 timed in ``rounds`` rounds (later rounds in reverse order), and after every
 round of a plan the reference step (:class:`ReferenceStep`) is timed too: the
 host's speed for that round: a diagnostic of host drift, kept apart from the
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from runners import measure
+from testbed.runner import measure
 from testbed.calibration import steps as cal_steps
 from testbed.plan.spec import Plan
 from testbed.sim.engine import controller_seconds, simulate
@@ -58,7 +58,7 @@ def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str
                                                    if t.kind is TaskKind.HOST),
                      "round_medians_s": [], "step_times_s": [], "controller_s": [],
                      "diagnostics": {"host_speeds": []}})
-    # Each plan's trainer is compiled once and timed in every round (runners.measure.PlanTimer) when all of
+    # Each plan's trainer is compiled once and timed in every round (testbed.runner.measure.PlanTimer) when all of
     # them fit in a device's memory at once (half of it, by the simulator's estimates); else it is rebuilt per round.
     keep = sum(row["predicted_memory"] for row in rows) <= 0.5 * topology.device.memory_bytes
     timers: dict[int, Any] = {}
@@ -113,7 +113,7 @@ class ReferenceStep:
     ``compute_efficiency`` was fitted on, so ``speed = predicted / measured``
     far from 1 says the host's speed has drifted since calibration (other
     load on a shared machine, clock changes) and every plan's error carries
-    that drift. Compiled once (runners.measure.PlanTimer); ``validate``
+    that drift. Compiled once (testbed.runner.measure.PlanTimer); ``validate``
     times it after every plan's round: the host's speed for that round.
     """
 

@@ -12,7 +12,7 @@ ids (the innermost topology level first, as placement does).
 Sizes follow the platform: small on the CPU (emulated devices share a few
 host cores), large on GPUs and TPUs where small kernels are launch bound.
 How emulated devices share one host (devices at once, separate programs,
-programs one at a time, stragglers) is measured by :mod:`runners.host_sharing`.
+programs one at a time, stragglers) is measured by :mod:`testbed.runner.host_sharing`.
 The fitting itself is pure and lives in :mod:`testbed.calibration.fit`.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from runners.host_sharing import barriers_sample, concurrent_sample, launches_sample, programs_sample, time_call
+from testbed.runner.host_sharing import barriers_sample, concurrent_sample, launches_sample, programs_sample, time_call
 from testbed.calibration.fit import Sample
 from testbed.calibration.steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
 from testbed.model.costs import model_flops_per_step
@@ -266,7 +266,7 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchma
 #: Benchmarks that time whole training steps. Like ``testbed validate``'s plans they are measured in
 #: rounds and keep their least disturbed median, so the fits see the same estimate validate measures.
 STEP_KINDS = ("step", "pipeline")
-#: Comparisons with their own reference, alternating (runners.host_sharing.paired): the groups meeting between
+#: Comparisons with their own reference, alternating (testbed.runner.host_sharing.paired): the groups meeting between
 #: kernels (the stragglers' wait), devices computing at once (the host's throughput curve) and separate programs
 #: at once. They run in every round too and keep the round of the median ratio: the ratio is what they measure,
 #: so the fastest round would understate the wait and the sharing; and how this host shares its cores moves
@@ -313,8 +313,8 @@ def measure(devices: Sequence[Any], *, quick: bool = False, rounds: int = 1,
 
 
 def _trainer(plan: Any, devices: list[Any]) -> Any:
-    """The runner's trainer for ``plan`` (``runners.train.build_trainer``: the one training step there is)."""
-    from runners.train import build_trainer
+    """The runner's trainer for ``plan`` (``testbed.runner.train.build_trainer``: the one training step there is)."""
+    from testbed.runner.train import build_trainer
 
     return build_trainer(plan, list(devices))
 
@@ -324,7 +324,7 @@ def compiled_memory(trainer: Any, state: Any) -> float | None:
 
     SPMD trainers: arguments + outputs + temporaries - aliased of the step
     program; pipeline trainers: the fullest stage's peak over its programs
-    (``runners.pipeline.memory``). None when the trainer has no such method or
+    (``testbed.runner.pipeline.memory``). None when the trainer has no such method or
     XLA gives no memory analysis.
     """
     method = getattr(trainer, "compiled_memory", None)

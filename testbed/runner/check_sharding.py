@@ -4,7 +4,7 @@
 runner's step for this plan trace and lower on its full mesh (512, 4096
 devices), how is every parameter sharded, and which collectives run over
 which mesh axis? The trainers are the runner's own
-(:class:`runners.step.SpmdTrainer`, :class:`runners.pipeline.trainer.PipelineTrainer`),
+(:class:`testbed.runner.step.SpmdTrainer`, :class:`testbed.runner.pipeline.trainer.PipelineTrainer`),
 built on a ``jax.sharding.AbstractMesh`` with the plan's axis sizes: their
 jitted programs are traced and lowered (``jit(f).trace(...).lower(...)``) on
 ``jax.ShapeDtypeStruct`` arguments carrying the trainers' ``NamedSharding`` s.
@@ -13,7 +13,7 @@ Nothing is compiled, no array is allocated and no device is asked for, so a
 sizes, and the lowered program's size does not grow with the device count.
 
 The collectives come from Shardy's partitioning of the lowered programs
-(:mod:`runners.reshards`; the lowered text itself holds only sharding
+(:mod:`testbed.runner.reshards`; the lowered text itself holds only sharding
 annotations, XLA inserts collectives when it compiles). Pipelines (``stage
 > 1``) run one MPMD program per action on each stage's sub-mesh: lowered
 here are, for the first stage, one middle stage (standing for all of them)
@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
-from runners import model, reshards
-from runners.devices import STAGE_MESH_AXES
-from runners.hlo import TRANSFER
+from testbed.runner import model, reshards
+from testbed.runner.devices import STAGE_MESH_AXES
+from testbed.runner.hlo import TRANSFER
 from testbed.plan.spec import MESH_AXES, Plan
 
 __all__ = ["ParamSharding", "ProgramCollectives", "ShardingCheck", "abstract_mesh", "check_sharding",
@@ -215,8 +215,8 @@ class _Lowering:
 
 
 def _spmd(plan: Plan, lowering: _Lowering) -> list[ParamSharding]:
-    from runners.parallel import layout_for
-    from runners.step import SpmdTrainer
+    from testbed.runner.parallel import layout_for
+    from testbed.runner.step import SpmdTrainer
 
     mesh = abstract_mesh(plan)
     trainer = SpmdTrainer(plan, mesh)
@@ -240,9 +240,9 @@ def _stage_groups(stages: int) -> list[tuple[int, str]]:
 
 
 def _pipeline(plan: Plan, lowering: _Lowering) -> tuple[list[ParamSharding], dict[str, Any]]:
-    from runners.parallel import layout_for
-    from runners.pipeline import engine
-    from runners.pipeline.trainer import PipelineTrainer, split_params
+    from testbed.runner.parallel import layout_for
+    from testbed.runner.pipeline import engine
+    from testbed.runner.pipeline.trainer import PipelineTrainer, split_params
     from testbed.pipeline.schedules import sends
 
     mesh = abstract_mesh(plan, stage=False)

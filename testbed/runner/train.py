@@ -1,9 +1,9 @@
 """Train and verify a plan with JAX: its trainer, timed steps, and the comparison with one device.
 
-The trainer is :class:`runners.step.SpmdTrainer` for one-stage plans and
-:class:`runners.pipeline.trainer.PipelineTrainer` otherwise; the reference
-is :class:`runners.step.ReferenceTrainer` on one device. Both return typed
-results (:mod:`runners.results`) carrying the simulator's
+The trainer is :class:`testbed.runner.step.SpmdTrainer` for one-stage plans and
+:class:`testbed.runner.pipeline.trainer.PipelineTrainer` otherwise; the reference
+is :class:`testbed.runner.step.ReferenceTrainer` on one device. Both return typed
+results (:mod:`testbed.runner.results`) carrying the simulator's
 :class:`~testbed.sim.timeline.Report` with ``source="measured"`` and a
 measured Timeline, so a run compares with its prediction field by field.
 
@@ -24,7 +24,7 @@ verify's errors (documented in the JSON under ``errors`` and ``thresholds``):
 
 ``max_rel_err`` is the larger of the loss and gradient errors; ``ok`` needs
 each error under its threshold (:data:`THRESHOLDS`) and the compiled programs to hold the
-collectives the plan implies (:mod:`runners.hlo`).
+collectives the plan implies (:mod:`testbed.runner.hlo`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from runners.results import RunResult, VerifyResult, device_peak_flops
+from testbed.runner.results import RunResult, VerifyResult, device_peak_flops
 from testbed.plan.io import plan_from_dict
 from testbed.plan.spec import Plan, Precision
 from testbed.sim.measured import measured_report
@@ -54,9 +54,9 @@ THRESHOLDS: dict[Precision, dict[str, float]] = {
 
 def build_trainer(plan: Plan, devices: list[Any], return_grads: bool = False) -> Any:
     """The plan's trainer on ``devices`` (exactly the mesh size): SPMD, or pipeline when ``mesh.stage > 1``."""
-    from runners import devices as dev
-    from runners.pipeline.trainer import PipelineTrainer
-    from runners.step import SpmdTrainer
+    from testbed.runner import devices as dev
+    from testbed.runner.pipeline.trainer import PipelineTrainer
+    from testbed.runner.step import SpmdTrainer
 
     _check_runnable(plan, devices)
     placement = dev.plan_placement(plan, devices)
@@ -69,11 +69,11 @@ def build_trainer(plan: Plan, devices: list[Any], return_grads: bool = False) ->
 def _check_runnable(plan: Plan, devices: list[Any]) -> None:
     """Refuse (exit 2) a plan these devices cannot run (fp8 matmuls) or would abort on rather than run.
 
-    Sequence parallelism's maps (runners.parallel.SequenceShards) are manual over the tensor axis with the
+    Sequence parallelism's maps (testbed.runner.parallel.SequenceShards) are manual over the tensor axis with the
     batch axes automatic; XLA:CPU aborts the whole process on their 16-bit reduce-scatter (JAX 0.10).
     With sharded parameters (fsdp, ZeRO 3) they nest in ParamShards' map, manual over the batch axes, and run.
     """
-    from runners.precision import check_precision
+    from testbed.runner.precision import check_precision
     from testbed.errors import InputError
     from testbed.plan.sharding import state_sharding
 
@@ -95,7 +95,7 @@ def _check_runnable(plan: Plan, devices: list[Any]) -> None:
 
 
 def _loss_value(loss: Any) -> float | None:
-    from runners.step import scalar
+    from testbed.runner.step import scalar
 
     return scalar(loss) if loss is not None and loss.addressable_shards else None
 
@@ -107,13 +107,13 @@ def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: boo
     The Report (:func:`testbed.sim.measured.measured_report`) has the median
     step time; MFU with ``peak_flops`` (the device's peak FLOP/s in the
     plan's compute dtype; default: the datasheet peak of a known
-    accelerator, :func:`runners.results.device_peak_flops`, None on CPU);
+    accelerator, :func:`testbed.runner.results.device_peak_flops`, None on CPU);
     memory, XLA's compiled bytes per device, only with ``compiled_memory``
     (it compiles the step's programs once more, after the timed steps).
     """
     import jax
 
-    from runners.devices import describe
+    from testbed.runner.devices import describe
 
     trainer = build_trainer(plan, devices)
     start = time.perf_counter()
@@ -159,13 +159,13 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
                 peak_flops: float | None = None) -> VerifyResult:
     """Run the plan and the single-device reference for ``steps`` steps and compare (see module doc).
 
-    The plan's steps after the first are timed (:class:`runners.results.VerifyResult`); ``peak_flops``
+    The plan's steps after the first are timed (:class:`testbed.runner.results.VerifyResult`); ``peak_flops``
     as in :func:`run_plan`.
     """
     import jax
 
-    from runners.hlo import check_collectives
-    from runners.step import ReferenceTrainer, scalar
+    from testbed.runner.hlo import check_collectives
+    from testbed.runner.step import ReferenceTrainer, scalar
 
     trainer = build_trainer(plan, devices, return_grads=True)
     reference = ReferenceTrainer(plan, devices[0])
@@ -211,7 +211,7 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
 
 def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
     """What one launched worker runs (after JAX joined the job): the run command's body, as JSON-ready dict."""
-    from runners.devices import select_devices
+    from testbed.runner.devices import select_devices
 
     plan = plan_from_dict(payload["plan"], default_name=payload["plan"].get("name", "plan"))
     return run_plan(plan, select_devices(plan.mesh.size), payload["steps"]).to_dict()

@@ -15,7 +15,7 @@ actions rematerialise the stage forward from its stored input.
 Both take ``stage_fn(params_of_one_stage, x)`` (every stage the same
 program on its own slice of stacked parameters) and ``loss_fn(y, targets)``;
 the MPMD engine for per-stage programs and interleaved tables is
-runners.pipeline.engine.
+testbed.runner.pipeline.engine.
 
 Uneven stages (a plan's ``layers_per_stage``): one program needs one shape
 of stacked parameters, so :func:`stack_stage_layers` pads every stage's

@@ -19,7 +19,7 @@ engine. JAX dispatch is asynchronous, so different stages' programs overlap
 on their own devices.
 
 The SPMD engines (one program for the whole table) are in
-runners.pipeline.spmd.
+testbed.runner.pipeline.spmd.
 
 The model is the caller's: ``stage_forward(stage, chunk, params, x)`` runs
 one chunk (the embedding belongs to stage 0 chunk 0), ``loss_fn(params, y,
@@ -58,7 +58,7 @@ class Prepare:
     once per step: the data-parallel reduction happens once, not once per
     microbatch. ``cast`` (optional, e.g. to the compute dtype) is taken back
     in every backward. ``activations`` (a sharding) and ``grads`` (``tree ->
-    tree``, e.g. :class:`runners.parallel.Constrain`) pin the layout of the
+    tree``, e.g. :class:`testbed.runner.parallel.Constrain`) pin the layout of the
     output activation and input gradient, and of the parameter gradients,
     where the receiving stage and the optimizer's update take them: left to
     XLA, a layout that differs (an activation split over ``d_model``, a

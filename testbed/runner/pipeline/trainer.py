@@ -3,10 +3,10 @@
 :class:`PipelineTrainer` holds each stage's chunks (:func:`split_params`
 cuts the model into ``[stage][chunk]`` pieces, :func:`merge_params` puts
 them back) on the stage's own (data, fsdp, tensor) sub-mesh, runs the
-schedule table with ``runners.pipeline.engine.MpmdEngine`` (or, with several
-processes, :func:`runners.pipeline.lockstep.lockstep_step`) and updates every stage
-through :class:`runners.precision.Optimizer` on its sub-mesh. It has the
-interface of the trainers of :mod:`runners.step`.
+schedule table with ``testbed.runner.pipeline.engine.MpmdEngine`` (or, with several
+processes, :func:`testbed.runner.pipeline.lockstep.lockstep_step`) and updates every stage
+through :class:`testbed.runner.precision.Optimizer` on its sub-mesh. It has the
+interface of the trainers of :mod:`testbed.runner.step`.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from runners import model
-from runners.moe import expert_shards
-from runners.pipeline.lockstep import lockstep_step
-from runners.parallel import Constrain, activation_spec, layout_for, param_shards, sequence_shards
-from runners.pipeline.engine import Prepare
-from runners.precision import Optimizer
-from runners.pipeline.memory import StageProgramMemory, pipeline_memory
-from runners.replicas import Spread, per_replica_forward, per_replica_losses, replicas, sum_replicas
-from runners.ring_attention import context_shards
-from runners.step import host_tree, place_tree, state_shardings, step_batch
+from testbed.runner import model
+from testbed.runner.moe import expert_shards
+from testbed.runner.pipeline.lockstep import lockstep_step
+from testbed.runner.parallel import Constrain, activation_spec, layout_for, param_shards, sequence_shards
+from testbed.runner.pipeline.engine import Prepare
+from testbed.runner.precision import Optimizer
+from testbed.runner.pipeline.memory import StageProgramMemory, pipeline_memory
+from testbed.runner.replicas import Spread, per_replica_forward, per_replica_losses, replicas, sum_replicas
+from testbed.runner.ring_attention import context_shards
+from testbed.runner.step import host_tree, place_tree, state_shardings, step_batch
 from testbed.errors import InputError
 from testbed.model.layout import Placement, chunk_layers, embedding_holder, head_holder, holds
 from testbed.plan.spec import Plan
@@ -73,21 +73,21 @@ def merge_params(plan: Plan, pieces: list[list[Any]]) -> Any:
 
 
 class PipelineTrainer:
-    """A pipeline plan: per-stage sub-meshes, the schedule table run by runners.pipeline.engine.MpmdEngine.
+    """A pipeline plan: per-stage sub-meshes, the schedule table run by testbed.runner.pipeline.engine.MpmdEngine.
 
     Each stage's chunks are sharded on its own (data, fsdp, tensor) sub-mesh
     like an SPMD plan; the optimizer update runs per stage on its sub-mesh.
     Under bf16-mixed the stages hold bf16 parameters, so the engine's
     backward programs return bf16 gradients and add them into a bf16
-    accumulator; the update keeps the fp32 master (runners.precision).
+    accumulator; the update keeps the fp32 master (testbed.runner.precision).
     ``nan_slots=True`` pre-fills the engine's receive slots with NaN (a leak
     check that costs buffers every step).
     """
 
     def __init__(self, plan: Plan, stage_meshes: list[Any], return_grads: bool = False,
                  lockstep: bool | None = None, nan_slots: bool = False):
-        from runners.devices import owns
-        from runners.pipeline.engine import MpmdEngine
+        from testbed.runner.devices import owns
+        from testbed.runner.pipeline.engine import MpmdEngine
 
         if plan.model.tied_embeddings:
             raise InputError("tied embeddings across pipeline stages are not supported by the runner; "
@@ -99,24 +99,24 @@ class PipelineTrainer:
                                        plan.schedule.virtual_stages)
         spec, precision, remat = plan.model, plan.precision, plan.remat
 
-        # Megatron sequence parallelism per stage sub-mesh (runners.parallel), or None.
+        # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None.
         seqs = [sequence_shards(plan, m) for m in stage_meshes]
         last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
         last = seqs[last_stage]
         # Data replicas keep their gradients apart until the update, and their losses until the step's end:
-        # one reduction per step (runners.replicas), none per microbatch.
+        # one reduction per step (testbed.runner.replicas), none per microbatch.
         self.replicas = replicas(plan)
-        # FSDP / ZeRO-3 (runners.parallel.ParamShards) per stage sub-mesh, on spread parameters with replicas.
+        # FSDP / ZeRO-3 (testbed.runner.parallel.ParamShards) per stage sub-mesh, on spread parameters with replicas.
         fsdps = [param_shards(plan, m, spread=self.replicas > 1) for m in stage_meshes]
-        # Context parallelism per stage sub-mesh (runners.ring_attention): stages pass the context shards on.
+        # Context parallelism per stage sub-mesh (testbed.runner.ring_attention): stages pass the context shards on.
         ctxs = [context_shards(plan, m) for m in stage_meshes]
         self.context_order = None if ctxs[0] is None else ctxs[0].order
-        # Expert parallelism per stage sub-mesh (runners.moe); the engine's loss seeds weigh each microbatch's
+        # Expert parallelism per stage sub-mesh (testbed.runner.moe); the engine's loss seeds weigh each microbatch's
         # mean 1/microbatches, so one sequence's MoE load-balancing loss weighs 1/global batch.
         exps = [expert_shards(plan, m) for m in stage_meshes]
         aux_weight = 1.0 / plan.batch.global_batch
 
-        # The held parameters are already in the compute dtype (runners.precision): no cast here.
+        # The held parameters are already in the compute dtype (testbed.runner.precision): no cast here.
         def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
             if _EMBED in params:
                 x = model.embed(params[_EMBED], x, seqs[stage], fsdps[stage], ctxs[stage])
@@ -136,7 +136,7 @@ class PipelineTrainer:
         self.act_dtype = model.compute_dtype(precision)
         self.act_shardings = [NamedSharding(m, activation_spec(plan)) for m in stage_meshes]
         # NaN receive slots are the engine's leak check for tests; production steps skip their cost.
-        # Several processes: runners.pipeline.engine moves activations with device_put, which cannot cross
+        # Several processes: testbed.runner.pipeline.engine moves activations with device_put, which cannot cross
         # processes, so the lockstep engine below (collective-permute transfers) runs the table.
         self.lockstep = jax.process_count() > 1 if lockstep is None else lockstep
         self.owned = [owns(sh) for sh in self.act_shardings]

@@ -236,7 +236,7 @@ def owns(sharding: Any) -> bool:
     import jax
 
     if isinstance(sharding.mesh, jax.sharding.AbstractMesh):
-        return True  # abstract devices (runners.check_sharding): every stage is this process's to lower
+        return True  # abstract devices (testbed.runner.check_sharding): every stage is this process's to lower
     return any(d.process_index == jax.process_index() for d in sharding.device_set)
 
 

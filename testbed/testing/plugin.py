@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import pytest
 
-from runners.testing.devices import DeviceRequest, ReferenceDevice, request_host_devices
+from testbed.testing.devices import DeviceRequest, ReferenceDevice, request_host_devices
 
 DEFAULT_DEVICES = 8
 _REQUEST = pytest.StashKey[DeviceRequest]()

@@ -45,7 +45,7 @@ __all__ = ["launch", "WorkerFailed", "free_port", "port_is_free", "worker_contex
 
 #: Command bodies a worker can run: payload ``body`` -> ``module:function`` taking the payload, returning a dict.
 #: Named by string so the launcher imports only the body a job runs.
-BODIES: dict[str, str] = {"run": "runners.train:worker_body", "calibrate": "runners.calibrate_multi:worker_body"}
+BODIES: dict[str, str] = {"run": "testbed.runner.train:worker_body", "calibrate": "testbed.runner.calibrate_multi:worker_body"}
 
 _ENV = "TESTBED_WORKER"
 _PORT_RETRIES = 3
@@ -132,7 +132,7 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
                 "payload": payload})
             env.pop("XLA_FLAGS", None)
             with open(errs[i], "wb") as err:
-                procs.append(subprocess.Popen([sys.executable, "-m", "runners.launch"], env=env,
+                procs.append(subprocess.Popen([sys.executable, "-m", "testbed.runner.launch"], env=env,
                                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
         start = time.monotonic()
         while True:
@@ -236,11 +236,11 @@ def _body(name: str) -> Callable[[dict], dict]:
 def _worker_main() -> int:
     context = worker_context()
     if context is None:
-        sys.stderr.write("runners.launch is started by `testbed run --processes K` or `testbed calibrate "
+        sys.stderr.write("testbed.runner.launch is started by `testbed run --processes K` or `testbed calibrate "
                          "--processes K`, not by hand\n")
         return 2
     _heartbeat(context.heartbeat_file)
-    from runners import devices
+    from testbed.runner import devices
     from testbed.output import to_jsonable, write_atomic
 
     devices.prepare(devices.DeviceRequest(kind="emulated", count=context.local_devices * context.num_processes),

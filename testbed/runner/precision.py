@@ -19,7 +19,7 @@ and vanishes), which is why the master exists. Under fp32 the wrapper is
 plain optax.
 
 Shardings: the master's leaves sit under :class:`MasterState`'s ``master``
-field with the parameters' own paths, so ``runners.step.state_shardings``
+field with the parameters' own paths, so ``testbed.runner.step.state_shardings``
 (which matches optimizer-state leaves to the moments' shardings by the
 parameter path they end with) shards the master exactly like the moments:
 over ``fsdp``, and over ``data`` for ZeRO stage >= 1.
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from runners.model import compute_dtype
+from testbed.runner.model import compute_dtype
 from testbed.errors import InputError
 from testbed.plan.spec import Plan, Precision
 

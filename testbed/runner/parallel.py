@@ -156,7 +156,7 @@ def activation_spec(plan: Plan) -> P:
     """Spec of what a pipeline stage takes and passes on (tokens ``[batch, seq]``, activations ``[batch, seq,
     d_model]``): batch over (data, fsdp), and with sequence parallelism the sequence over ``tensor`` (Megatron
     sends the shards: ``1/t`` of the activations per rank); with context parallelism the sequence over
-    ``context`` first (zigzag order, runners.ring_attention), then ``tensor``."""
+    ``context`` first (zigzag order, testbed.runner.ring_attention), then ``tensor``."""
     context = ("context",) if plan.mesh.context > 1 else ()
     seq = (*context, "tensor") if plan.sequence_parallel else context
     return P(batch_axes(plan), _entry(seq)) if seq else batch_spec(1, axes=batch_axes(plan))
@@ -194,7 +194,7 @@ class SequenceShards:
         #: Whether the tensor axis splits the K/V heads (else every rank projects all of them).
         self.kv_split = plan.model.kv_split(self.tensor)
         # Context parallelism splits the sequence over `context` first: the maps are manual over it too, each
-        # context rank gathering and scattering its own rows over `tensor` (runners.ring_attention).
+        # context rank gathering and scattering its own rows over `tensor` (testbed.runner.ring_attention).
         self._context = "context" if plan.mesh.context > 1 else None
         self._seq = ("context", "tensor") if self._context else "tensor"
         self._sharded = NamedSharding(mesh, P(P.UNCONSTRAINED, self._seq, None))
@@ -300,7 +300,7 @@ class ParamShards:
     count divides) enters as copies on a new leading dim over those axes (each device its own, nothing
     moves), so its gradient leaves the map per device and XLA sums the copies outside: after the
     reduce-scatter over ``fsdp``, the sum over ``data`` is of the shard (hybrid sharding). ``spread``: the
-    parameters already lead with one copy per data replica over ``data`` (runners.replicas.Spread):
+    parameters already lead with one copy per data replica over ``data`` (testbed.runner.replicas.Spread):
     their gradients stay per replica, and the loss is one per replica (``[R]`` over ``data``).
 
     The maps are unchecked (``check_vma=False``): Megatron sequence parallelism's maps nest in them, and

@@ -6,7 +6,7 @@ equal chunks and rank ``i`` holds chunks ``i`` and ``2c-1-i``, in that order, so
 the same causal work (Megatron-LM's and Llama 3's context parallelism; ring attention, Liu et al.
 2023, with Brandon et al.'s striped/zigzag balancing). :func:`ring_attention` runs inside a
 ``shard_map`` manual over that axis, on each rank's rows: q ``[batch, s_local, heads, head_dim]``,
-k and v ``[batch, s_local, kv_heads, head_dim]`` (grouped-query heads as ``runners.attention``),
+k and v ``[batch, s_local, kv_heads, head_dim]`` (grouped-query heads as ``testbed.runner.attention``),
 RoPE already applied at the rows' global (zigzag) positions.
 
 Forward: ``c`` ring steps. Step 0 attends to the rank's own K/V (the two diagonal chunk pairs,
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from runners.attention import block_grads, online_softmax_step
+from testbed.runner.attention import block_grads, online_softmax_step
 from testbed.plan.context import context_order
 
 __all__ = ["ring_attention", "zigzag_positions", "ContextShards", "context_shards"]
@@ -206,15 +206,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str = "contex
 
 
 class ContextShards:
-    """Context parallelism on one mesh: the runner's model calls these (``runners.model``'s ``context=``).
+    """Context parallelism on one mesh: the runner's model calls these (``testbed.runner.model``'s ``context=``).
 
     The trainers lay every sequence out in testbed.plan.context's zigzag order (:attr:`order`, a permutation
     of the sequence dim applied once to tokens and targets) and split it over the ``context`` axis; the
     position table and RoPE read the same permutation (:attr:`order`), so token-wise layers (embedding, norms,
     MLP, head, loss) need nothing else, and XLA sums the replicated parameters' gradients over ``context``
     as over ``data``. :meth:`attend` runs :func:`ring_attention` in a ``shard_map`` manual over
-    ``context`` (and the axes of degree 1, as runners.parallel.SequenceShards' maps); nested in
-    runners.parallel.ParamShards' map, over the axes that map leaves. Identity-hashed: one instance per
+    ``context`` (and the axes of degree 1, as testbed.runner.parallel.SequenceShards' maps); nested in
+    testbed.runner.parallel.ParamShards' map, over the axes that map leaves. Identity-hashed: one instance per
     mesh is a static argument of the jitted programs.
     """
 

@@ -1,7 +1,7 @@
 """What ``run`` and ``verify`` return: typed results carrying the simulator's measured :class:`Report`.
 
-:class:`RunResult` (:func:`runners.train.run_plan`) and
-:class:`VerifyResult` (:func:`runners.train.verify_plan`) hold what the
+:class:`RunResult` (:func:`testbed.runner.train.run_plan`) and
+:class:`VerifyResult` (:func:`testbed.runner.train.verify_plan`) hold what the
 runner measured, plus a :class:`~testbed.sim.timeline.Report` with
 ``source="measured"`` and a measured :class:`~testbed.sim.timeline.Timeline`
 (:mod:`testbed.sim.measured`), so a prediction and a run compare field by
@@ -113,7 +113,7 @@ class RunResult:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class VerifyResult:
-    """The plan against the single-device reference (errors documented in :mod:`runners.train`).
+    """The plan against the single-device reference (errors documented in :mod:`testbed.runner.train`).
 
     ``step_times_s``: the plan's steps after the first (which compiles),
     timed as a by-product: the verify program also returns gradients, so

@@ -11,7 +11,7 @@ for a range from :func:`testbed.model.layout.chunk_layers`.
 
 Precision: :func:`init_params` makes fp32 parameters. Under ``bf16-mixed``
 the trainers hold bf16 parameters and keep the fp32 master in the optimizer
-state (runners.precision: the ZeRO paper's 2 + 2 + 12 bytes/param, what
+state (testbed.runner.precision: the ZeRO paper's 2 + 2 + 12 bytes/param, what
 ``testbed.model.memory`` counts), so the blocks run in bf16 on the held
 parameters, the loss in fp32, and ``jax.grad`` returns bf16 gradients.
 :func:`cast_params` is the identity on parameters already in the compute
@@ -19,7 +19,7 @@ dtype; given fp32 parameters it casts them (the functions stay usable on
 fp32 parameters with a bf16 compute dtype).
 
 Remat: ``selective`` checkpoints the core attention (scores, softmax, values),
-``full`` checkpoints each whole block. Attention (``runners.attention``): plain
+``full`` checkpoints each whole block. Attention (``testbed.runner.attention``): plain
 (dense scores) or flash (blockwise, recomputing its scores in the backward, so
 ``selective`` changes nothing for it).
 """
@@ -35,9 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runners import moe
-from runners.attention import flash_attention, plain_attention
-from runners.ring_attention import ContextShards
+from testbed.runner import moe
+from testbed.runner.attention import flash_attention, plain_attention
+from testbed.runner.ring_attention import ContextShards
 from testbed.model import layout
 from testbed.model.layout import Init, ParamSpec, Placement
 from testbed.plan.spec import Attention, ModelSpec, Norm, Position, Precision, Remat
@@ -166,9 +166,9 @@ class _Arch(NamedTuple):
     heads: int
     rms: bool = False
     rope_theta: float | None = None     # None: learned positions (no rotation)
-    seq: Any = None                     # sequence parallelism: runners.parallel.SequenceShards, or None
+    seq: Any = None                     # sequence parallelism: testbed.runner.parallel.SequenceShards, or None
     flash_block: int | None = None      # None: plain attention; else flash over K/V blocks of this many keys
-    fsdp: Any = None                    # runners.parallel.ParamShards, or None
+    fsdp: Any = None                    # testbed.runner.parallel.ParamShards, or None
     context: ContextShards | None = None  # context parallelism (zigzag sequence, ring attention), or None
     moe: moe.MoeConfig | None = None    # the MoE layers' routing settings (a model with experts), or None
     experts: moe.ExpertShards | None = None  # expert parallelism (all-to-all over `expert`), or None
@@ -222,9 +222,9 @@ def embed(params_embed: Params, tokens: jax.Array, seq: Any = None, fsdp: Any = 
     """Token plus position embedding: int32 ``[batch, seq]`` -> ``[batch, seq, d]``.
 
     Without a position table (``position: rope``) the token embedding alone: the blocks rotate Q and K.
-    ``seq``: sequence parallelism's runners.parallel.SequenceShards (the lookup reduce-scattered), or None.
-    ``fsdp``: runners.parallel.ParamShards (sharded parameters gathered for use, on each device's rows), or None.
-    ``context``: runners.ring_attention.ContextShards (tokens in its zigzag order: the positions follow), or None.
+    ``seq``: sequence parallelism's testbed.runner.parallel.SequenceShards (the lookup reduce-scattered), or None.
+    ``fsdp``: testbed.runner.parallel.ParamShards (sharded parameters gathered for use, on each device's rows), or None.
+    ``context``: testbed.runner.ring_attention.ContextShards (tokens in its zigzag order: the positions follow), or None.
     """
     if fsdp is not None:
         return fsdp.apply(lambda p, t: embed(p["embed"], t, seq, context=context), {"embed": params_embed}, tokens)
@@ -275,7 +275,7 @@ def _plus(x: jax.Array, p: Params, name: str) -> jax.Array:
 def _column(seq: Any, h: jax.Array, weights: Params, prefix: tuple[str, ...], project: Any, out_dims: Any) -> Any:
     """``project(h, weights)``: the column-parallel matmuls after a norm.
 
-    With sequence parallelism (``seq``: runners.parallel.SequenceShards) ``h`` is split over the sequence
+    With sequence parallelism (``seq``: testbed.runner.parallel.SequenceShards) ``h`` is split over the sequence
     and all-gathered on each tensor rank first (``out_dims``: the dim of each output the tensor axis splits).
     """
     return project(h, weights) if seq is None else seq.column(h, weights, prefix, project, out_dims)
@@ -337,7 +337,7 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
 
 
 def _moe_mlp(p: Params, x: jax.Array, h: jax.Array, arch: _Arch) -> jax.Array:
-    """``x + moe(h)`` (runners.moe), its load-balancing loss joining the objective's gradients (weight
+    """``x + moe(h)`` (testbed.runner.moe), its load-balancing loss joining the objective's gradients (weight
     ``arch.aux_weight`` per sequence); with context parallelism capacity ranks tokens by their true position."""
     if arch.moe is None:
         raise ValueError("an MoE layer needs the model's spec (its routing settings), not a bare head count")
@@ -351,10 +351,10 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
                   context: ContextShards | None = None, experts: moe.ExpertShards | None = None,
                   aux_weight: float | None = None) -> jax.Array:
     """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
-    ``seq``: sequence parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards,
+    ``seq``: sequence parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.parallel.ParamShards,
     each block in its own map, so a block's gathered weights live from its forward to its backward, or with full
-    remat are gathered again there; ``context``: runners.ring_attention.ContextShards, or None; ``experts``:
-    runners.moe.ExpertShards, or None; ``aux_weight``: the objective's weight of one sequence's MoE
+    remat are gathered again there; ``context``: testbed.runner.ring_attention.ContextShards, or None; ``experts``:
+    testbed.runner.moe.ExpertShards, or None; ``aux_weight``: the objective's weight of one sequence's MoE
     load-balancing loss, None: ``1 / rows of x``, right when the objective is the mean over these rows)."""
     remat = Remat(remat)
     weight = 1.0 / x.shape[0] if aux_weight is None else float(aux_weight)
@@ -402,10 +402,10 @@ def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec:
                  seq: Any = None, fsdp: Any = None, context: ContextShards | None = None,
                  experts: moe.ExpertShards | None = None, aux_weight: float | None = None) -> jax.Array:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
-    parallelism's runners.parallel.SequenceShards, or None; ``fsdp``: runners.parallel.ParamShards, or None;
-    ``context``: runners.ring_attention.ContextShards, tokens and targets in its zigzag order, or None).
+    parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.parallel.ParamShards, or None;
+    ``context``: testbed.runner.ring_attention.ContextShards, tokens and targets in its zigzag order, or None).
 
-    MoE models: ``experts`` (runners.moe.ExpertShards, or None) and ``aux_weight`` as :func:`stage_forward`
+    MoE models: ``experts`` (testbed.runner.moe.ExpertShards, or None) and ``aux_weight`` as :func:`stage_forward`
     (None: ``1 / rows of tokens``); the load-balancing loss enters the gradients, not the returned value.
     """
     p = cast_params(params, precision)

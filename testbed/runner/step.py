@@ -1,19 +1,19 @@
 """Train steps: the plan's SPMD step on the full mesh and the single-device reference.
 
-Both start from ``runners.model.init_params(spec, plan.seed)`` and read the
+Both start from ``testbed.runner.model.init_params(spec, plan.seed)`` and read the
 same global batch for step ``i`` (:func:`step_batch`), so after any number of
 steps their parameters must agree up to floating-point reduction order.
 
 - :class:`SpmdTrainer` (plans without pipeline stages): one ``jax.jit`` with
-  in/out shardings from :mod:`runners.parallel`; microbatches are gradient
+  in/out shardings from :mod:`testbed.runner.parallel`; microbatches are gradient
   accumulation (a ``lax.scan``), gradients are constrained to the ZeRO layout
   before the optax update.
 - :class:`ReferenceTrainer`: the whole global batch at once on one device.
-- ``runners.pipeline.trainer.PipelineTrainer`` (pipeline plans): the schedule
-  table executed by ``runners.pipeline.engine.MpmdEngine`` over per-stage sub-meshes
-  (with several processes, by :func:`runners.pipeline.lockstep.lockstep_step`).
+- ``testbed.runner.pipeline.trainer.PipelineTrainer`` (pipeline plans): the schedule
+  table executed by ``testbed.runner.pipeline.engine.MpmdEngine`` over per-stage sub-meshes
+  (with several processes, by :func:`testbed.runner.pipeline.lockstep.lockstep_step`).
 
-Every trainer updates through :class:`runners.precision.Optimizer` (under
+Every trainer updates through :class:`testbed.runner.precision.Optimizer` (under
 bf16-mixed: bf16 parameters and gradients, an fp32 master in the optimizer
 state) and has ``init() -> state``, ``step(state, i) -> (state, loss)``,
 ``full_params(state)`` (host numpy, in the model's layout; the fp32 master
@@ -33,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from runners import model
-from runners.moe import expert_shards
-from runners.parallel import batch_axes, batch_spec, layout_for, param_shards, sequence_shards
-from runners.precision import Optimizer
-from runners.pipeline.memory import program_bytes
-from runners.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
-from runners.ring_attention import context_shards
+from testbed.runner import model
+from testbed.runner.moe import expert_shards
+from testbed.runner.parallel import batch_axes, batch_spec, layout_for, param_shards, sequence_shards
+from testbed.runner.precision import Optimizer
+from testbed.runner.pipeline.memory import program_bytes
+from testbed.runner.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
+from testbed.runner.ring_attention import context_shards
 from testbed.plan.spec import BatchSpec, Plan
 
 __all__ = ["step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
@@ -82,7 +82,7 @@ def state_shardings(opt_shape: Any, params: Any, moment_shardings: Any, replicat
 
     A state leaf takes the moment sharding of the parameter whose path its
     own path ends with: optax's ``mu``/``nu`` and the bf16-mixed master
-    (:class:`runners.precision.MasterState`) alike; the step count matches
+    (:class:`testbed.runner.precision.MasterState`) alike; the step count matches
     none and is replicated.
     """
     by_path = _suffix_map(moment_shardings)
@@ -112,10 +112,10 @@ def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
                  experts: Any = None) -> tuple[jax.Array, Any]:
     """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``).
 
-    With ``spread`` (data replicas, runners.replicas) the loop accumulates
+    With ``spread`` (data replicas, testbed.runner.replicas) the loop accumulates
     each replica's gradients where they are and sums the replicas once after
     it: one data-parallel reduction per step, not one per microbatch.
-    ``experts``: runners.moe.ExpertShards, or None; an MoE layer's load-balancing loss weighs
+    ``experts``: testbed.runner.moe.ExpertShards, or None; an MoE layer's load-balancing loss weighs
     ``microbatches / global batch`` per sequence in each microbatch's gradient (their mean is the step's).
     """
     moe = dict(experts=experts, aux_weight=plan.batch.microbatches / plan.batch.global_batch)
@@ -183,17 +183,17 @@ class SpmdTrainer:
         replicated = NamedSharding(mesh, P())
         self.opt_shardings = state_shardings(jax.eval_shape(opt.init, shape), shape,
                                              layout.shardings(mesh, "moments"), replicated)
-        # Context parallelism (runners.ring_attention): each sequence in zigzag order, split over `context`.
+        # Context parallelism (testbed.runner.ring_attention): each sequence in zigzag order, split over `context`.
         self.context = context = context_shards(plan, mesh)
         spec = batch_spec(3, leading=1, axes=batch_axes(plan))
         self.batch_sharding = NamedSharding(mesh, spec if context is None else P(*spec[:2], "context"))
         grad_sh = self.grad_shardings
         count = replicas(plan)
         spread = Spread(mesh, [self.param_shardings], count) if count > 1 else None
-        seq = sequence_shards(plan, mesh)  # Megatron sequence parallelism (runners.parallel), or None
-        # FSDP / ZeRO-3 (runners.parallel.ParamShards): whole batch, and per data replica on spread parameters.
+        seq = sequence_shards(plan, mesh)  # Megatron sequence parallelism (testbed.runner.parallel), or None
+        # FSDP / ZeRO-3 (testbed.runner.parallel.ParamShards): whole batch, and per data replica on spread parameters.
         fsdp = (param_shards(plan, mesh), param_shards(plan, mesh, spread=True) if spread is not None else None)
-        experts = expert_shards(plan, mesh)  # expert parallelism (runners.moe): all-to-all over `expert`, or None
+        experts = expert_shards(plan, mesh)  # expert parallelism (testbed.runner.moe): all-to-all over `expert`, or None
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
             loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp, context, experts)

@@ -3,14 +3,14 @@
 Importing this package starts nothing: JAX is imported inside the functions
 that need it, so a test process can still choose its device count. The parts:
 
-* :mod:`runners.testing.plugin` -- a pytest plugin (entry point ``pytest11``,
+* :mod:`testbed.testing.plugin` -- a pytest plugin (entry point ``pytest11``,
   active wherever testbed is installed) that requests N emulated host devices
   (``--testbed-devices N``, ini ``testbed_devices``, default 8) and provides
   the fixtures ``testbed_devices``, ``mesh_factory`` and ``reference_device``;
 * :func:`assert_parallel_equal` -- run the parallel function and the
   single-device reference, compare the outputs leaf by leaf and explain a
   difference (psum where pmean was meant, one wrong shard, a bubble leak);
-* :mod:`runners.testing.strategies` -- hypothesis strategies (``meshes``,
+* :mod:`testbed.testing.strategies` -- hypothesis strategies (``meshes``,
   ``partition_specs``, ``shardings``, ``batches``, ``plans``); needs hypothesis;
 * helpers for ``pmap`` code: :func:`replicate`, :func:`shard_batch`,
   :func:`unreplicate`.
@@ -18,8 +18,8 @@ that need it, so a test process can still choose its device count. The parts:
 
 from __future__ import annotations
 
-from runners.testing.compare import assert_outputs_equal, assert_parallel_equal
-from runners.testing.devices import (ReferenceDevice, backend_started, replicate, request_host_devices, shard_batch,
+from testbed.testing.compare import assert_outputs_equal, assert_parallel_equal
+from testbed.testing.devices import (ReferenceDevice, backend_started, replicate, request_host_devices, shard_batch,
                                      unreplicate)
 
 __all__ = ["assert_parallel_equal", "assert_outputs_equal", "ReferenceDevice", "backend_started",

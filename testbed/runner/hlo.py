@@ -56,10 +56,10 @@ def expected_collectives(plan: Plan) -> list[str]:
         out.append("tensor: reduce-scatter" if plan.sequence_parallel else "tensor: all-reduce")
     if mesh.stage > 1:
         out.append(f"stage: collective-permute|{TRANSFER}")
-    if mesh.context > 1:  # ring attention: K/V (and dK/dV) passed around the context ring (runners.ring_attention)
+    if mesh.context > 1:  # ring attention: K/V (and dK/dV) passed around the context ring (testbed.runner.ring_attention)
         out.append("context: collective-permute")
     if mesh.expert > 1 and any(plan.model.is_moe_layer(i) for i in range(plan.model.layers)):
-        # MoE dispatch and combine of the routed experts' tokens (runners.moe)
+        # MoE dispatch and combine of the routed experts' tokens (testbed.runner.moe)
         out.append("expert: all-to-all")
     return out
 

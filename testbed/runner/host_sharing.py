@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from testbed.calibration.fit import BARRIER_COLLECTIVES, Sample
 
 if TYPE_CHECKING:
-    from runners.measure import Benchmark
+    from testbed.runner.measure import Benchmark
 
 __all__ = ["time_call", "concurrent_sample", "programs_sample", "launches_sample", "barriers_sample", "paired",
            "mlp_program", "CONCURRENT_ROUNDS", "LAUNCH_ROUNDS", "BARRIER_ROUNDS", "BARRIER_KERNEL"]
@@ -51,7 +51,7 @@ def time_call(fn: Callable[[], Any], *, repeats: int = 7, budget_s: float = 1.0)
 #: project's 2-core VM (one round's ratio ranges 0.6-6.5 there), 15 rounds put T(2), T(4), T(8) 8-12% apart
 #: (coefficient of variation) between back-to-back measurements, 60 rounds 2-4%; but from one ten-second curve
 #: to the next the host's sharing itself moves (T(4) / T(8) 0.75-0.97 within five minutes), so calibrate
-#: times these samples in each of its rounds (runners.measure.PAIRED_KINDS) and keeps the median: 30 here,
+#: times these samples in each of its rounds (testbed.runner.measure.PAIRED_KINDS) and keeps the median: 30 here,
 #: 150 over calibrate's default five rounds, spread over the calibration (docs/validation.md).
 CONCURRENT_ROUNDS = 30
 

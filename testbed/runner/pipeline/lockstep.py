@@ -1,12 +1,12 @@
 """The lockstep pipeline executor: one schedule table walked by every process of a multi-process job.
 
-:class:`runners.pipeline.engine.MpmdEngine` moves activations between stage
+:class:`testbed.runner.pipeline.engine.MpmdEngine` moves activations between stage
 sub-meshes with ``jax.device_put``, which cannot cross processes. Here every
 process walks the same global order (:func:`testbed.pipeline.schedules.execution_order`),
 runs the compute of the stages it holds devices of with the engine's own
-per-chunk programs (``runners.pipeline.engine``: forward with :class:`Stored`
+per-chunk programs (``testbed.runner.pipeline.engine``: forward with :class:`Stored`
 residuals, backward, gradient sum), and takes part in every transfer between
-two stages it holds devices of (:func:`runners.devices.transfer`, a
+two stages it holds devices of (:func:`testbed.runner.devices.transfer`, a
 collective-permute). Each transfer runs on its own: concurrent gloo
 collectives deadlocked, which is why this is about 9x slower per step than
 one process (docs/validation.md, known limits).
@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from runners.pipeline import engine as pipeline
+from testbed.runner.pipeline import engine as pipeline
 from testbed.pipeline.schedules import execution_order
 
 __all__ = ["lockstep_step"]
@@ -27,15 +27,15 @@ __all__ = ["lockstep_step"]
 
 def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray],
                   targets: list[np.ndarray]) -> tuple[jax.Array | None, list[list[Any] | None]]:
-    """One pass of ``trainer``'s (a ``runners.pipeline.trainer.PipelineTrainer``) schedule table in lockstep.
+    """One pass of ``trainer``'s (a ``testbed.runner.pipeline.trainer.PipelineTrainer``) schedule table in lockstep.
 
     A split backward (ZB ``B`` then ``W``) runs whole at ``B``: same
     gradients, different timing. Returns (mean loss, or None where this
     process holds no last-stage device; gradients ``[stage][chunk]``, None for
     stages it does not hold).
     """
-    from runners.devices import owns, transfer
-    from runners.step import place_tree
+    from testbed.runner.devices import owns, transfer
+    from testbed.runner.step import place_tree
 
     sch, m = trainer.schedule, len(tokens)
     last = sch.chunks - 1

@@ -4,7 +4,7 @@ An SPMD step is one program, so its bytes per device are XLA's
 ``memory_analysis()``: arguments + outputs + temporaries - aliased
 (:func:`program_bytes`).
 
-A pipeline stage (``runners.pipeline.engine.MpmdEngine``) runs many small programs
+A pipeline stage (``testbed.runner.pipeline.engine.MpmdEngine``) runs many small programs
 and keeps buffers between them, so no single program shows its peak. Per
 stage, from the compiled programs of each of its chunks:
 
@@ -26,7 +26,7 @@ second candidate instant (its program's bytes, plus the engine's gradients
 where the update first moves them into the ZeRO layout). Small buffers are
 left out: microbatch tokens and targets, cotangents waiting in receive slots.
 
-The programs analysed are the engine's own (``runners.pipeline.engine``'s jitted
+The programs analysed are the engine's own (``testbed.runner.pipeline.engine``'s jitted
 ``_forward``, ``_pull``, ``_pull_input``, ``_pull_weight``), lowered
 with the stage's parameters and abstract microbatches: compiled, never run.
 """
@@ -42,11 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from runners.pipeline import engine as pipeline
+from testbed.runner.pipeline import engine as pipeline
 from testbed.pipeline.schedules import Action, held_during, peak_inflight
 
 if TYPE_CHECKING:
-    from runners.pipeline.trainer import PipelineTrainer
+    from testbed.runner.pipeline.trainer import PipelineTrainer
 
 __all__ = ["program_bytes", "device_bytes", "abstract_outputs", "StageProgramMemory", "stage_peak",
            "pipeline_memory"]
