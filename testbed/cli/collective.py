@@ -27,7 +27,7 @@ from testbed.collectives.ops import BUS_FACTOR, OPS, Op, parse_op
 from testbed.errors import InputError
 from testbed.output import CommandResult, to_jsonable
 from testbed.topology import Topology
-from testbed.text import markup, shown
+from testbed.text import markup, plot_label, shown
 from testbed.topology.io import load_topology
 from testbed.units import format_bandwidth, format_bytes, format_time, parse_bytes
 
@@ -82,7 +82,7 @@ def plot_sweep(rows: list[dict[str, object]], title: str, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(title)
+    ax.set_title(plot_label(title, 160))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     save_figure(fig, path)

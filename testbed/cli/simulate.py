@@ -72,8 +72,7 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
         files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace)))
         data["trace"] = args.trace
     if args.gantt:
-        files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{plot_label(plan.name)} on "
-                                                                       f"{plot_label(topology.name)}")))
+        files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{plan.name} on {topology.name}")))
         data["gantt"] = args.gantt
 
     def render(console) -> None:
