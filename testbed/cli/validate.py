@@ -72,7 +72,7 @@ def _validate(args: argparse.Namespace) -> CommandResult:
         task = bar.add_task("", total=len(plans) * args.rounds)
 
         def show(description: str, done: int) -> None:
-            bar.update(task, description=description, completed=done)
+            bar.update(task, description=markup(description), completed=done)
 
         rows, reference = runner.measure_plans(topology, plans, args.plans, devices, steps=args.steps,
                                                rounds=args.rounds, progress=show)
