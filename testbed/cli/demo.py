@@ -28,6 +28,7 @@ from testbed.errors import InputError
 from testbed.output import CommandResult, output_folder, write_atomic
 from testbed.plan.placement import place
 from testbed.plan.io import load_plan
+from testbed.sim.trace_args import span_args
 from testbed.text import markup, shown
 from testbed.topology.io import load_topology
 from testbed.units import format_bytes, format_time
@@ -78,7 +79,8 @@ def execute(args: argparse.Namespace) -> CommandResult:
     _stage(console, "2/6 predict memory and one training step (simulator)")
     memory = memory_breakdown(plan, topology)
     sim = simulate(plan, topology)
-    files.append(str(write_trace(sim.timeline, out / "demo-trace.json")))
+    files.append(str(write_trace(sim.timeline, out / "demo-trace.json",
+                                 args=span_args(sim.program, sim.timeline, topology))))
     files.append(str(write_gantt(sim.timeline, out / "demo-gantt.png", title=f"{plan.name} on {topology.name}")))
     predicted = sim.report.to_dict()
 

@@ -69,7 +69,10 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
     data = _summary(sim)
     files = []
     if args.trace:
-        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace)))
+        from testbed.sim.trace_args import span_args
+
+        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace,
+                                     args=span_args(sim.program, sim.timeline, topology))))
         data["trace"] = args.trace
     if args.gantt:
         files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{plan.name} on {topology.name}")))
