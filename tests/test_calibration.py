@@ -392,6 +392,7 @@ mesh: {mesh}
 """
 
 
+@pytest.mark.slow  # validate end to end (a reference step and 2 plans compiled, 2 rounds)
 def test_validate_json_has_every_plan(tmp_path, capsys, built):
     from testbed.cli import main
 
@@ -755,6 +756,7 @@ def test_programs_benchmark_times_one_program_in_the_same_rounds():
         min(4.0, max(1.0, sample.seconds / sample.alone_s)))}
 
 
+@pytest.mark.slow  # times programs on all 8 devices
 def test_xla_cpu_runs_programs_over_several_devices_one_at_a_time():
     """The premise of ``host.serial_programs`` (XLA:CPU's PjRt client launches one multi-device program at a
     time): of two programs over half the devices each, dispatched back to back, the first completes in about
