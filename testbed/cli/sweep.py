@@ -45,6 +45,33 @@ def _row_text(row: dict[str, Any]) -> str:
             f"{format_time(row['step_time_s'])}")
 
 
+def _points_table(console: Any, points: list[dict[str, Any]]) -> Any:
+    """The fastest points at the console's width (testbed.cli.tables)."""
+    import json
+
+    from rich.text import Text
+
+    from testbed.cli.tables import Col, compact, fitted_table
+
+    # The parameters identify a point (wrapped between k=v, never cut); the d.f.t.s mesh, step, MFU and
+    # tok/$ are what points are compared by; the rest go first when the terminal is narrow.
+    columns = [Col(header="#"), Col(header="params", key=True, wrap=True, justify="left"),
+               Col(header="dev", drop=3), Col(header="d.f.t.s", justify="left"),
+               Col(header="sched", drop=2, justify="left"), Col(header="mb", drop=4), Col(header="step"),
+               Col(header="comm", drop=6), Col(header="bubble", drop=5), Col(header="MFU"),
+               Col(header="memory", drop=1), Col(header="tok/$")]
+    cells = []
+    for i, r in enumerate(points, 1):
+        params = ", ".join(f"{shown(k.split('.')[-1])}={shown(v)}" for k, v in json.loads(r["params"]).items())
+        memory = format_bytes(r["memory_bytes"])
+        cells.append([str(i), params, str(r["devices"]), f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}",
+                      shown(r["schedule"]), str(r["microbatches"]), format_time(r["step_time_s"]),
+                      format_time(r["exposed_comm_s"] or 0.0), f"{r['bubble_fraction'] or 0:.0%}",
+                      f"{r['mfu'] or 0:.0%}", memory if r["fits"] else Text(memory + " !", style="red"),
+                      f"{r['tokens_per_dollar']:,.0f}" if r["tokens_per_dollar"] else "-"])
+    return fitted_table(console, columns, cells, **compact())
+
+
 def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.explore.sweep import read_rows, run_sweep
     from testbed.explore.sweep_spec import load_sweep_spec
@@ -95,35 +122,13 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             "rows": rows}
 
     def render(console) -> None:
-        import json
-
-        from rich.text import Text
-
-        from testbed.cli.tables import Col, compact, fitted_table
-
         if summary is not None:
             console.print(f"[bold]{markup(spec.name)}[/bold]: {summary.total} points, {summary.skipped} already in "
                           f"{markup(db)}, {summary.evaluated} evaluated ({summary.invalid} invalid) in "
                           f"{summary.seconds:.1f} s")
         else:
             console.print(f"{markup(db)}: {len(rows)} points, {len(ok)} valid")
-        # The parameters identify a point (wrapped between k=v, never cut); the d.f.t.s mesh, step, MFU and
-        # tok/$ are what points are compared by; the rest go first when the terminal is narrow.
-        columns = [Col(header="#"), Col(header="params", key=True, wrap=True, justify="left"),
-                   Col(header="dev", drop=3), Col(header="d.f.t.s", justify="left"),
-                   Col(header="sched", drop=2, justify="left"), Col(header="mb", drop=4), Col(header="step"),
-                   Col(header="comm", drop=6), Col(header="bubble", drop=5), Col(header="MFU"),
-                   Col(header="memory", drop=1), Col(header="tok/$")]
-        cells = []
-        for i, r in enumerate(ok[:args.top], 1):
-            params = ", ".join(f"{shown(k.split('.')[-1])}={shown(v)}" for k, v in json.loads(r["params"]).items())
-            memory = format_bytes(r["memory_bytes"])
-            cells.append([str(i), params, str(r["devices"]), f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}",
-                          shown(r["schedule"]), str(r["microbatches"]), format_time(r["step_time_s"]),
-                          format_time(r["exposed_comm_s"] or 0.0), f"{r['bubble_fraction'] or 0:.0%}",
-                          f"{r['mfu'] or 0:.0%}", memory if r["fits"] else Text(memory + " !", style="red"),
-                          f"{r['tokens_per_dollar']:,.0f}" if r["tokens_per_dollar"] else "-"])
-        console.print(fitted_table(console, columns, cells, **compact()))
+        console.print(_points_table(console, ok[:args.top]))
         bad = [r for r in rows if r["status"] != "ok"]
         if bad:
             console.print(f"{len(bad)} invalid points, e.g. point {bad[0]['point']}: {markup(bad[0]['error'], 400)}")
