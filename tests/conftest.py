@@ -56,9 +56,8 @@ class _FileProgress:
             path = nodeid.split("::", 1)[0]
             self.remaining[path] = self.remaining.get(path, 0) + 1
 
-    def pytest_collection_modifyitems(self, items) -> None:
-        if not hasattr(self.config, "workerinput"):
-            self._expect(item.nodeid for item in items)
+    def pytest_collection_finish(self, session) -> None:  # the items left after -m, -k and deselection
+        self._expect(item.nodeid for item in session.items)
 
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
         self._expect(ids)
