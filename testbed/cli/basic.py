@@ -6,6 +6,8 @@ import argparse
 from types import SimpleNamespace
 
 from testbed.cli.tables import Col, compact, fitted_table
+from testbed.errors import InputError
+from testbed.model.memory import memory_breakdown
 from testbed.output import CommandResult
 from testbed.plan.placement import Placement, group_span, place
 from testbed.plan.spec import MESH_AXES, Plan
@@ -107,7 +109,7 @@ def plan_topology(plan: Plan, topology_arg: str | None, plan_file: str | None = 
     too long, a folder), the error names ``plan_file`` and the field
     ``topology``; errors inside the topology file name that file.
     """
-    from testbed.errors import InputError, quote
+    from testbed.errors import quote
     from testbed.topology.io import resolve_topology_path, topology_from_text
 
     if topology_arg:
@@ -159,8 +161,6 @@ def _plan_execute(args: argparse.Namespace) -> CommandResult:
     try:
         placement = place(p, t)
     except Exception as exc:
-        from testbed.errors import InputError
-
         if isinstance(exc, InputError):
             raise exc.with_file(args.plan) from None
         raise
@@ -183,9 +183,6 @@ def _plan_execute(args: argparse.Namespace) -> CommandResult:
 
 def _memory_fit(plan: Plan, topology: Topology, plan_file: str) -> dict:
     """The fullest device's bytes against its capacity, and a warning's text when they overflow."""
-    from testbed.errors import InputError
-    from testbed.model.memory import memory_breakdown
-
     try:
         breakdown = memory_breakdown(plan, topology)
     except InputError as exc:
