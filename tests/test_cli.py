@@ -194,3 +194,14 @@ def test_progress_lines_when_stderr_is_not_a_terminal():
         bar.update(task, completed=done)
     lines = stream.getvalue().splitlines()
     assert 4 <= len(lines) <= 6 and lines[-1].startswith("sweeping spec[/x]: 100/100 (100%)")
+
+
+def test_search_json_stays_strict_with_progress_lines_on_stderr(capsys):
+    argv = ["search", "--model", "demo", "--topology", "host-cpu-8", "--devices", "4", "--top", "2", "--replay", "2",
+            "--schedules", "1f1b", "--zero", "0", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)  # stdout is one JSON object, nothing else
+    n = data["enumerated"]
+    assert f"searching plans (analytic tier): {n}/{n} (100%)" in out.err
+    assert all(line.startswith("searching ") for line in out.err.splitlines())
