@@ -147,3 +147,17 @@ def test_sweep(tmp_path, capsys):
     for words in ("bandwidth=400Gb/s", "bandwidth=800Gb/s", "price_per_device_hour=3.3", "stage=1", "stage=2"):
         assert words in text  # each k=v whole (the params column wraps between them, never inside)
     assert "…" not in text  # MFU and tokens per dollar are shown, not cut
+
+
+def test_calibrate_from_measurements(tmp_path, capsys):
+    """The fitted calibration's group and field (the YAML keys to edit) whole; values fold."""
+    from pathlib import Path
+
+    from testbed.cli.calibration_table import calibration_rows
+
+    run = Path(__file__).resolve().parent.parent / "benchmarks" / "host_runs" / "2026-12-02" / "run-10"
+    argv = ["calibrate", "--from-measurements", str(run / "measurements.json"), "--out", str(tmp_path / "c.yaml")]
+    assert main([*argv, "--json"]) == 0
+    rows = calibration_rows(json.loads(capsys.readouterr().out)["fitted"])
+    lines = _run(argv, capsys)
+    _whole(lines, sorted({group for group, _, _ in rows} | {field for _, field, _ in rows}))
