@@ -26,6 +26,7 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True,
@@ -59,6 +60,7 @@ class _FileProgress:
     def pytest_collection_finish(self, session) -> None:  # the items left after -m, -k and deselection
         self._expect(item.nodeid for item in session.items)
 
+    @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent with -p no:xdist
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
         self._expect(ids)
 
