@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["Reshard", "PASSES", "KINDS", "MANUAL", "partition", "collectives", "result_shardings", "replica_groups",
-           "compiled_axes"]
+           "compiled_axes", "compiled_bytes"]
 
 #: Shardy's partitioning, as a pass pipeline over the lowered module.
 PASSES = ("builtin.module(sdy-propagation-pipeline,"
@@ -279,6 +279,9 @@ def result_shardings(text: str, axis_sizes: dict[str, int]) -> list[tuple[tuple[
 
 
 _HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(")
+_HLO_RESULT = re.compile(r"=\s*(.*?)\s*\b(?:all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)"
+                         r"(?:-start)?\(")
+_HLO_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 
 
 def _iota(dims: str, perm: str | None) -> np.ndarray:
@@ -333,4 +336,38 @@ def compiled_axes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[
             found[("?", match.group(1))] += 1
             continue
         found[("+".join(axis_names[i] for i in _varying(groups, mesh_shape)), match.group(1))] += 1
+    return found
+
+
+def _hlo_bytes(types: str) -> int:
+    """Bytes of an HLO result type: one array ``f32[4,8]{1,0}`` or a tuple of them (a combined collective)."""
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * (1 if element == "pred" else _dtype_bytes(element))
+               for element, dims in _HLO_ARRAY.findall(types))
+
+
+def compiled_bytes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Counter:
+    """``(axes, kind) -> bytes per device`` of a compiled SPMD program's collectives, each executed once.
+
+    The nccl-tests convention of the module doc, read from each instruction's
+    per-device result type (summed over a combined op's tuple): the buffer
+    for all-reduce, all-to-all and collective-permute, the gathered buffer
+    for all-gather, the result times the group for reduce-scatter (its
+    whole input). For programs without loops (an instruction in a while
+    body would run its trip count); asynchronous ``-start`` forms are not
+    read (XLA:CPU emits none).
+    """
+    found: Counter = Counter()
+    devices = math.prod(mesh_shape)
+    for line in hlo_text.splitlines():
+        match = _HLO_OP.search(line)
+        if not match:
+            continue
+        if match.group(2):
+            raise ValueError(f"asynchronous collective not supported here: {line.strip()[:120]}")
+        kind, groups = match.group(1), replica_groups(line, devices)
+        axes = "?" if groups is None else "+".join(axis_names[i] for i in _varying(groups, mesh_shape))
+        size = _hlo_bytes(_HLO_RESULT.search(line).group(1))
+        if kind == "reduce-scatter":
+            size *= max(len(g) for g in groups) if groups else 1
+        found[(axes, kind)] += size
     return found

@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 
 import pytest
 
-from testbed.testing.devices import DeviceRequest, ReferenceDevice, request_host_devices
+from testbed.testing.devices import (MAX_HOST_DEVICES, DeviceRequest, ReferenceDevice, parse_device_count,
+                                     request_host_devices)
 
 DEFAULT_DEVICES = 8
 _REQUEST = pytest.StashKey[DeviceRequest]()
@@ -27,10 +28,11 @@ _REQUEST = pytest.StashKey[DeviceRequest]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("testbed", "testbed: emulated JAX devices")
-    group.addoption("--testbed-devices", type=int, default=None, dest="testbed_devices", metavar="N",
-                    help=f"emulated host devices for JAX (default: ini testbed_devices, else {DEFAULT_DEVICES}; "
-                         "0: leave XLA_FLAGS alone)")
-    parser.addini("testbed_devices", f"emulated host devices for JAX (default {DEFAULT_DEVICES})", default="")
+    group.addoption("--testbed-devices", default=None, dest="testbed_devices", metavar="N",
+                    help=f"emulated host devices for JAX, 0 to {MAX_HOST_DEVICES} (default: ini testbed_devices, "
+                         f"else {DEFAULT_DEVICES}; 0: leave XLA_FLAGS alone)")
+    parser.addini("testbed_devices", f"emulated host devices for JAX, 0 to {MAX_HOST_DEVICES} "
+                                     f"(default {DEFAULT_DEVICES})", default="")
 
 
 def _wanted(config: pytest.Config) -> tuple[int, bool]:
@@ -38,10 +40,18 @@ def _wanted(config: pytest.Config) -> tuple[int, bool]:
     option = getattr(config.known_args_namespace, "testbed_devices", None)
     if option is None:
         option = getattr(config.option, "testbed_devices", None)
-    if option is not None:
-        return int(option), True
+    try:
+        if option is not None:
+            return parse_device_count(option, "--testbed-devices"), True
+    except ValueError as err:  # pytest prints a UsageError as one line, exit status 4
+        raise pytest.UsageError(str(err)) from None
     ini = str(config.getini("testbed_devices") or "").strip()
-    return (int(ini), True) if ini else (DEFAULT_DEVICES, False)
+    if not ini:
+        return DEFAULT_DEVICES, False
+    try:
+        return parse_device_count(ini, f"ini value testbed_devices ({config.inipath or 'ini file'})"), True
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
 
 
 def _request(config: pytest.Config) -> DeviceRequest:
