@@ -116,12 +116,28 @@ class ReferenceDevice:
         return f"ReferenceDevice({self.device})"
 
 
+def is_key(x: Any) -> bool:
+    """Whether ``x`` is a typed random key array (``jax.random.key``), whose data numpy cannot take as it is."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or "jax" not in sys.modules:
+        return False
+    import jax
+
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+
+
 def to_host(tree: Any) -> Any:
-    """Every jax.Array leaf as a numpy array (so a reference does not inherit the parallel run's shardings)."""
+    """Every jax.Array leaf as a numpy array (so a reference does not inherit the parallel run's shardings);
+    a typed key as a typed key of the same implementation over host data."""
     import jax
     import numpy as np
 
-    return jax.tree_util.tree_map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree)
+    def move(x: Any) -> Any:
+        if is_key(x):
+            return jax.random.wrap_key_data(np.asarray(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+        return np.asarray(x) if isinstance(x, jax.Array) else x
+
+    return jax.tree_util.tree_map(move, tree)
 
 
 def replicate(tree: Any, n: int) -> Any:
@@ -152,7 +168,10 @@ def unreplicate(tree: Any, *, check: bool = True) -> Any:
     import jax
     import numpy as np
 
+    __tracebackhide__ = True
+
     def first(path: Any, x: Any) -> Any:
+        __tracebackhide__ = True
         x = np.asarray(x)
         if check:
             for d in range(1, x.shape[0]):

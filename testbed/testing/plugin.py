@@ -96,7 +96,22 @@ def testbed_devices(pytestconfig: pytest.Config) -> list[Any]:
     if len(devices) < n:
         pytest.skip(request.message or f"testbed: {n} devices requested, JAX has {len(devices)} "
                                        f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
-    return list(devices[:n])
+    return DeviceList(devices[:n])
+
+
+class DeviceList(list):
+    """The session's devices; a slice asking for more than there are fails, saying both numbers (a plain
+    list would silently give fewer, and JAX fail later on a mesh of the wrong size)."""
+
+    def __getitem__(self, index: Any) -> Any:
+        __tracebackhide__ = True
+        if isinstance(index, slice) and index.step in (None, 1) and (index.start or 0) >= 0:
+            stop = index.stop
+            if stop is not None and stop > len(self):
+                pytest.fail(f"testbed_devices[{index.start or ''}:{stop}] asks for {stop - (index.start or 0)} "
+                            f"devices, but this session has {len(self)} (--testbed-devices / ini testbed_devices "
+                            f"{len(self)}): run with --testbed-devices {stop} or more", pytrace=False)
+        return super().__getitem__(index)
 
 
 @pytest.fixture(scope="session")
@@ -107,13 +122,16 @@ def mesh_factory(testbed_devices: list[Any]) -> Callable[..., Any]:
 
     def make(shape: Sequence[int], names: Sequence[str], axis_types: Any = None,
              devices: Sequence[Any] | None = None) -> Any:
+        __tracebackhide__ = True
         shape, names = tuple(int(s) for s in shape), tuple(names)
         if len(shape) != len(names):
             raise ValueError(f"mesh shape {shape} and axis names {names} differ in length")
         pool = list(devices if devices is not None else testbed_devices)
         size = math.prod(shape)
         if size > len(pool):
-            pytest.skip(f"mesh {shape} needs {size} devices, the test has {len(pool)}")
+            pytest.fail(f"mesh {shape} needs {size} devices, but this session has {len(pool)} "
+                        f"(--testbed-devices / ini testbed_devices): run with --testbed-devices {size} or more",
+                        pytrace=False)
         if isinstance(axis_types, str):
             axis_types = (getattr(jax.sharding.AxisType, axis_types.capitalize()),) * len(shape)
         return jax.make_mesh(shape, names, axis_types=axis_types, devices=pool[:size])
