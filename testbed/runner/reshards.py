@@ -65,6 +65,9 @@ MANUAL: dict[str, str] = {
     "stablehlo.collective_permute": "collective-permute",
 }
 
+#: Name-stack component of the ops JAX recomputes in a checkpoint's backward.
+_REMAT = "rematted_computation"
+
 _AXIS_REF = re.compile(r'"([^"]+)"(?::\((\d+)\)(\d+))?')
 _DIM = re.compile(r"\{([^{}]*)\}")
 
@@ -76,8 +79,12 @@ class Reshard:
     ``axes`` are the mesh axes its groups span, in mesh order; ``group``
     the number of devices in one group; ``bytes`` per device and execution
     (module doc); ``times`` executions per program run; ``shape`` and
-    ``dtype`` the operand: global for Shardy's ops, one device's block for
-    the explicit collectives of ``shard_map`` bodies (:data:`MANUAL`).
+    ``dtype`` the operand: global for Shardy's ops, the body's block for
+    the explicit collectives of ``shard_map`` bodies (:data:`MANUAL`; local
+    along the map's manual axes, and divided by the map's free axes that
+    split it for ``bytes``). ``recomputed``: inside a ``jax.checkpoint``'s
+    rematerialised computation (Megatron's second gather of a sequence
+    shard; XLA may reuse the forward's result instead).
     """
 
     kind: str
@@ -87,6 +94,7 @@ class Reshard:
     times: int
     shape: tuple[int, ...]
     dtype: str
+    recomputed: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in {k for k, _ in KINDS.values()}:
@@ -162,11 +170,38 @@ def _varying(groups: list[list[int]], shape: tuple[int, ...]) -> list[int]:
     return sorted(varying)
 
 
-def _manual(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
+_PER_VALUE = re.compile(r"<@[\w.]+,\s*\[[^\]]*\][^<>]*>")
+
+
+def _free_split(value: Any, manual: frozenset[str], sizes: dict[str, int]) -> int:
+    """Devices that split ``value`` of a shard_map body over the map's free (automatic) axes.
+
+    Inside a map the types are local along the manual axes only; Shardy's
+    propagation records the split over the free axes on the defining op
+    (``sdy.sharding``) or, for a block argument, the map's ``in_shardings``.
+    """
+    from jaxlib.mlir import ir
+
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        parent = owner.owner
+        attr, index = "in_shardings", ir.BlockArgument(value).arg_number
+    else:
+        parent, attr, index = owner, "sdy.sharding", ir.OpResult(value).result_number
+    if attr not in parent.attributes:
+        return 1
+    values = _PER_VALUE.findall(str(parent.attributes[attr]))
+    if index >= len(values):
+        return 1
+    return math.prod(size for dim in _dims(values[index], sizes) for name, size in dim if name not in manual)
+
+
+def _manual(op: Any, sizes: dict[str, int], order: list[str], manual: frozenset[str] = frozenset()) -> tuple:
     """(kind, axes, group, bytes, shape, dtype) of an explicit collective in a shard_map body (local shapes).
 
     Its device groups (``replica_groups``, or a permute's pairs) are ids of
-    the abstract mesh's devices in row-major order.
+    the abstract mesh's devices in row-major order; ``manual`` the map's
+    manual axes (the bytes are one device's: divided by the free axes' split).
     """
     kind = MANUAL[op.operation.name]
     attr = "source_target_pairs" if kind == "collective-permute" else "replica_groups"
@@ -180,7 +215,8 @@ def _manual(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
     shape = tuple(int(d) for d in value.type.shape)
     element = str(value.type.element_type)
     group = math.prod(sizes[a] for a in axes) if kind == "collective-permute" else max(len(g) for g in groups)
-    return kind, axes, group, math.prod(shape) * _dtype_bytes(element), shape, element
+    local = math.prod(shape) * _dtype_bytes(element) // max(1, _free_split(value, manual, sizes))
+    return kind, axes, group, local, shape, element
 
 
 def partition(text: str) -> Any:
@@ -213,41 +249,46 @@ def collectives(text: str, axis_sizes: dict[str, int]) -> tuple[list[Reshard], l
     warnings: list[str] = []
     with context:
         functions = _functions(module)
-        totals: dict[str, Counter] = {}
+        totals: dict[tuple, Counter] = {}
 
-        def walk(op: Any, times: int, found: Counter) -> None:
+        def walk(op: Any, times: int, found: Counter, manual: frozenset[str], remat: bool) -> None:
             for region in op.regions:
                 for block in region.blocks:
                     for inner in block.operations:
                         name = inner.operation.name
+                        again = remat or _REMAT in str(inner.location)
                         if name in KINDS:
-                            found[_collective(inner, axis_sizes, order)] += times
+                            found[(*_collective(inner, axis_sizes, order), again)] += times
                         elif name in MANUAL:
-                            found[_manual(inner, axis_sizes, order)] += times
+                            found[(*_manual(inner, axis_sizes, order, manual), again)] += times
                         elif name in ("func.call", "call"):
                             callee = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
-                            for key, n in function_total(callee).items():
+                            for key, n in function_total(callee, manual, again).items():
                                 found[key] += n * times
-                        inner_times = times
+                        inner_times, inner_manual = times, manual
                         if name == "stablehlo.while":
                             trips = _trip_count(inner)
                             if trips is None:
                                 warnings.append("a loop whose trip count is not a constant: its collectives count once")
                             inner_times = times * (trips or 1)
-                        walk(inner, inner_times, found)
+                        if name == "sdy.manual_computation":
+                            inner_manual = manual | frozenset(re.findall(r'"([^"]+)"', str(inner.attributes["manual_axes"])))
+                        walk(inner, inner_times, found, inner_manual, again)
 
-        def function_total(name: str) -> Counter:
-            if name not in totals:
-                totals[name] = Counter()  # guards recursion; JAX emits none
+        def function_total(name: str, manual: frozenset[str] = frozenset(), remat: bool = False) -> Counter:
+            key = (name, manual, remat)
+            if key not in totals:
+                totals[key] = Counter()  # guards recursion; JAX emits none
                 found: Counter = Counter()
-                walk(functions[name], 1, found)
-                totals[name] = found
-            return totals[name]
+                walk(functions[name], 1, found, manual, remat)
+                totals[key] = found
+            return totals[key]
 
         entry = "main" if "main" in functions else next(iter(functions))
         found = function_total(entry)
-    out = [Reshard(kind=k, axes=axes, group=g, bytes=b, times=n, shape=shape, dtype=dtype)
-           for (k, axes, g, b, shape, dtype), n in found.items() if n > 0]
+    # A group of one device (an axis of size 1) moves nothing.
+    out = [Reshard(kind=k, axes=axes, group=g, bytes=b, times=n, shape=shape, dtype=dtype, recomputed=again)
+           for (k, axes, g, b, shape, dtype, again), n in found.items() if n > 0 and g > 1]
     out.sort(key=lambda r: (r.axes, r.kind, -r.bytes))
     return out, sorted(set(warnings))
 
@@ -365,6 +406,8 @@ def compiled_bytes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple
         if match.group(2):
             raise ValueError(f"asynchronous collective not supported here: {line.strip()[:120]}")
         kind, groups = match.group(1), replica_groups(line, devices)
+        if groups is not None and max(len(g) for g in groups) == 1:
+            continue  # groups of one device move nothing
         axes = "?" if groups is None else "+".join(axis_names[i] for i in _varying(groups, mesh_shape))
         size = _hlo_bytes(_HLO_RESULT.search(line).group(1))
         if kind == "reduce-scatter":
