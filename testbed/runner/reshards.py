@@ -41,6 +41,9 @@ from typing import Any
 
 import numpy as np
 
+# Reading compiled HLO lives in testbed.runner.hlo; re-exported here where the comparisons began.
+from testbed.runner.hlo import compiled_axes, compiled_bytes, replica_groups, varying_dims
+
 __all__ = ["Reshard", "PASSES", "KINDS", "MANUAL", "partition", "collectives", "result_shardings", "replica_groups",
            "compiled_axes", "compiled_bytes"]
 
@@ -161,15 +164,6 @@ def _collective(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
     return kind, axes, group, nbytes, shape, element
 
 
-def _varying(groups: list[list[int]], shape: tuple[int, ...]) -> list[int]:
-    """Indices of the mesh dims along which some group's members differ (device ``i``: row-major coordinate)."""
-    varying: set[int] = set()
-    for group in groups:
-        coords = np.array(np.unravel_index(group, shape)).T
-        varying |= {i for i in range(len(shape)) if len(set(coords[:, i].tolist())) > 1}
-    return sorted(varying)
-
-
 _PER_VALUE = re.compile(r"<@[\w.]+,\s*\[[^\]]*\][^<>]*>")
 
 
@@ -210,7 +204,7 @@ def _manual(op: Any, sizes: dict[str, int], order: list[str], manual: frozenset[
     # Read as an array: MLIR prints a large dense attribute (4096 devices' groups) as a hex string.
     groups = np.atleast_2d(np.asarray(ir.DenseIntElementsAttr(op.attributes[attr]))).tolist()
     shape_ = tuple(sizes[a] for a in order)
-    axes = tuple(order[i] for i in _varying(groups, shape_))
+    axes = tuple(order[i] for i in varying_dims(groups, shape_))
     value = op.results[0] if kind == "all-gather" else op.operands[0]
     shape = tuple(int(d) for d in value.type.shape)
     element = str(value.type.element_type)
@@ -317,100 +311,3 @@ def result_shardings(text: str, axis_sizes: dict[str, int]) -> list[tuple[tuple[
             dims = _dims(match.group(0), axis_sizes)
             out.append(tuple(tuple(name for name, _ in dim) or None for dim in dims))
     return out
-
-
-_HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(")
-_HLO_RESULT = re.compile(r"=\s*(.*?)\s*\b(?:all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)"
-                         r"(?:-start)?\(")
-_HLO_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
-    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
-
-
-def replica_groups(line: str, devices: int) -> list[list[int]] | None:
-    """The device groups of one compiled HLO collective instruction (partition ids), or None if it has none.
-
-    Reads the explicit ``{{0,1},{2,3}}`` list, the iota form
-    ``[G,S]<=[dims]T(perm)``, the mesh form ``mesh['a'=2,...] {'a'}`` (with
-    optional ``device_ids``), ``{}`` (all devices) and a collective-permute's
-    ``source_target_pairs``.
-    """
-    explicit = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{} ]*\})\}", line)
-    if explicit:
-        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d, ]+)\}", explicit.group(1))]
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        return _iota(iota.group(3), iota.group(4)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
-                     r"\{([^}]*)\}", line)
-    if mesh:
-        axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        ids = (_iota(mesh.group(2), mesh.group(3)) if mesh.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
-        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))]
-        rest = [i for i in range(len(names)) if i not in grouped]
-        return ids.transpose(rest + grouped).reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
-    if "replica_groups={}" in line:
-        return [list(range(devices))]
-    return None
-
-
-def compiled_axes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Counter:
-    """``(axes, kind) -> instructions`` of a compiled SPMD program's HLO (``compiled.as_text()``).
-
-    Partition ``i`` is the mesh's ``i``-th device in row-major order; a
-    group spans the axes along which its members' coordinates differ (an
-    instruction without readable groups counts under ``"?"``). Async pairs
-    count once; counts are instructions, not executions.
-    """
-    found: Counter = Counter()
-    devices = math.prod(mesh_shape)
-    for line in hlo_text.splitlines():
-        match = _HLO_OP.search(line)
-        if not match:
-            continue
-        groups = replica_groups(line, devices)
-        if groups is None:
-            found[("?", match.group(1))] += 1
-            continue
-        found[("+".join(axis_names[i] for i in _varying(groups, mesh_shape)), match.group(1))] += 1
-    return found
-
-
-def _hlo_bytes(types: str) -> int:
-    """Bytes of an HLO result type: one array ``f32[4,8]{1,0}`` or a tuple of them (a combined collective)."""
-    return sum(math.prod(int(d) for d in dims.split(",") if d) * (1 if element == "pred" else _dtype_bytes(element))
-               for element, dims in _HLO_ARRAY.findall(types))
-
-
-def compiled_bytes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Counter:
-    """``(axes, kind) -> bytes per device`` of a compiled SPMD program's collectives, each executed once.
-
-    The nccl-tests convention of the module doc, read from each instruction's
-    per-device result type (summed over a combined op's tuple): the buffer
-    for all-reduce, all-to-all and collective-permute, the gathered buffer
-    for all-gather, the result times the group for reduce-scatter (its
-    whole input). For programs without loops (an instruction in a while
-    body would run its trip count); asynchronous ``-start`` forms are not
-    read (XLA:CPU emits none).
-    """
-    found: Counter = Counter()
-    devices = math.prod(mesh_shape)
-    for line in hlo_text.splitlines():
-        match = _HLO_OP.search(line)
-        if not match:
-            continue
-        if match.group(2):
-            raise ValueError(f"asynchronous collective not supported here: {line.strip()[:120]}")
-        kind, groups = match.group(1), replica_groups(line, devices)
-        if groups is not None and max(len(g) for g in groups) == 1:
-            continue  # groups of one device move nothing
-        axes = "?" if groups is None else "+".join(axis_names[i] for i in _varying(groups, mesh_shape))
-        size = _hlo_bytes(_HLO_RESULT.search(line).group(1))
-        if kind == "reduce-scatter":
-            size *= max(len(g) for g in groups) if groups else 1
-        found[(axes, kind)] += size
-    return found
