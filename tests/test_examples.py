@@ -141,6 +141,19 @@ def test_a_second_reduction_under_check_vma_is_explained() -> None:
     assert "JAX already sums the gradients of parameters replicated over 'data'" in message
 
 
+def test_a_loss_summed_instead_of_averaged_is_named() -> None:
+    import sgd
+    import sgd_loss_summed
+
+    mesh = jax.make_mesh((2,), ("data",))
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)
+    with pytest.raises(AssertionError, match=r"gradients scaled by 2 \(2 = mesh axis 'data'.*\): psum where pmean was "
+                                             r"meant, or a loss not averaged over 'data'"):
+        assert_parallel_equal(sgd_loss_summed.make_parallel_step(mesh), sgd.reference_step, sgd.init_params(), x, y,
+                              mesh=mesh, atol=1e-5)
+
+
 def test_a_bubble_leak_is_caught() -> None:
     import my_pipeline
     import my_pipeline_buggy
