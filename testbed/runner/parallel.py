@@ -178,10 +178,10 @@ class SequenceShards:
       (reduce-scatter; its transpose an all-gather), instead of an all-reduce;
     - :meth:`embed`: the vocab-parallel lookup reduce-scattered over the sequence.
 
-    The maps are manual over ``tensor`` only: with ``data`` or ``fsdp`` > 1 XLA replicates the batch inside
-    them (it all-gathers the batch over those axes first), correct but not yet efficient. With sharded
-    parameters (fsdp, ZeRO 3) they nest in :class:`ParamShards`' maps over the batch axes instead, and
-    see only the device's batch rows.
+    The maps are manual over ``tensor`` and the batch axes of degree > 1, each device gathering and
+    scattering only its own batch rows (left automatic, XLA would all-gather the microbatch over them
+    first, and every collective would carry the whole microbatch). With sharded parameters (fsdp, ZeRO 3)
+    they nest in :class:`ParamShards`' maps, already manual over the batch axes.
 
     Explicit collectives, not sharding constraints: XLA:CPU lowers a constrained partial sum to an
     all-reduce and a slice (only XLA:GPU's pipeline rewrites that into a reduce-scatter), and an
