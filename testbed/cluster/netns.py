@@ -29,11 +29,14 @@ from pathlib import Path
 
 from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
 
-__all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "owner_token", "owner_alive", "namespaces",
+__all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive", "namespaces",
            "build", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
            "ClusterInfo"]
 
 _NET_ADMIN = 12  # capability bit
+#: A tbf bucket at least this deep passes the veths' 64 KiB GSO packets whole: smaller ones make tbf split each
+#: into frames, which costs the 2-core host more CPU than the shaping itself.
+_GSO_BYTES = 65536 + 14
 
 
 class ClusterUnavailable(RuntimeError):
@@ -44,21 +47,42 @@ class ClusterError(RuntimeError):
     """An ``ip``/``tc`` command failed while building or removing a cluster."""
 
 
-def privilege_problem() -> str | None:
-    """Why this process cannot build a cluster, or None when it can (root or CAP_NET_ADMIN, and ``ip``/``tc``)."""
+def _capabilities() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def privilege_problem(euid: int | None = None, capabilities: int | None = None) -> str | None:
+    """Why this process cannot build a cluster, or None when it can (root or CAP_NET_ADMIN, and ``ip``/``tc``).
+
+    ``euid`` and ``capabilities`` (a CapEff mask) default to this process's.
+    """
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
-    if os.geteuid() != 0:
-        caps = 0
-        with contextlib.suppress(OSError):
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith("CapEff:"):
-                    caps = int(line.split()[1], 16)
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        caps = _capabilities() if capabilities is None else capabilities
         if not caps >> _NET_ADMIN & 1:
             return ("creating network namespaces needs root or CAP_NET_ADMIN (this process has neither); run as "
                     "root, or rootless inside a user namespace that maps you to root, e.g. "
                     "`unshare --user --map-root-user --net --mount -- testbed ...` where the kernel allows it")
+    return None
+
+
+def unavailable() -> str | None:
+    """Why no cluster can be built here (privilege, or ``ip netns add`` refused), or None: tests skip on it."""
+    problem = privilege_problem()
+    if problem:
+        return problem
+    probe = namespace_name("probe", owner_token(), "sw")
+    made = _run(["ip", "netns", "add", probe], check=False)
+    _run(["ip", "netns", "delete", probe], check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` is refused here: {made.stderr.strip()}"
     return None
 
 
@@ -163,7 +187,7 @@ def node_namespace(spec: ClusterSpec, owner: str, index: int) -> str:
 def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
     """tbf on ``dev``'s egress: ``rate_bps``, a bucket of max(1 ms of rate, two frames), 50 ms of queue."""
     rate = max(int(rate_bps), 8000)
-    burst = max(rate // 8 // 1000, 2 * (mtu + 14))
+    burst = max(rate // 8 // 1000, 2 * (mtu + 14), _GSO_BYTES)
     _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
           "burst", str(burst), "latency", "50ms"])
 

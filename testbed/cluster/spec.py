@@ -33,7 +33,7 @@ from testbed.errors import InputError
 from testbed.topology import Topology
 from testbed.topology.parts import Form, Level, LinkKind
 
-__all__ = ["PREFIX", "NETWORK_KINDS", "NodeSpec", "ShapedLink", "ClusterSpec", "cluster_spec", "goodput_fraction",
+__all__ = ["PREFIX", "NETWORK_KINDS", "GLOO_ALGORITHMS", "NodeSpec", "ShapedLink", "ClusterSpec", "cluster_spec", "goodput_fraction",
            "namespace_name", "parse_namespace"]
 
 #: Every namespace this project creates starts with it; ``down --all`` and leftover cleanup look for it.
@@ -217,3 +217,12 @@ def cluster_spec(topology: Topology, *, name: str, scale: float, mtu: int = 1500
         members, under = names, under * level.size
     return ClusterSpec(name=name, topology=topology, scale=float(scale), mtu=mtu, nodes=nodes,
                        bridges=tuple(bridges), links=tuple(links), inner_levels=inner)
+
+
+#: The algorithm gloo runs for each op, as XLA:CPU calls it (openxla/xla
+#: xla/backends/cpu/collectives/gloo_communicator.cc): all-reduce is ``gloo::allreduce`` with
+#: ``Algorithm::RING`` (gloo/allreduce.cc: ring reduce-scatter then ring all-gather, each chunk in
+#: >= 2 pipelined segments, every rank sending to rank - 1), all-gather is ``gloo::allgather`` (a ring,
+#: gloo/allgather.cc) and reduce-scatter ``ReduceScatterHalvingDoubling``. Ranks are the job's devices
+#: in order, so a ring crosses each node's link once each way.
+GLOO_ALGORITHMS: dict[str, str] = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "halving_doubling"}
