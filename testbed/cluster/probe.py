@@ -119,6 +119,7 @@ def measure(spec: ClusterSpec, owner: str) -> ProbeResult:
         for server in servers:
             server.kill()
             server.wait()
+            server.stdout.close()
     data = json.loads(out)
     return ProbeResult(loopback_bandwidth=data["loopback"], loopback_latency_s=data["loopback_latency"],
                        across_latency_s=data["latency"])

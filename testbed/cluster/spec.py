@@ -192,6 +192,8 @@ def cluster_spec(topology: Topology, *, name: str, scale: float, mtu: int = 1500
     if topology.form is not Form.LEVELS:
         raise InputError(f"{topology.name} is a {topology.form} topology; an emulated cluster is built from a "
                          "levels topology (nodes on switches)", field="topology")
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise InputError(f"must be a positive factor (0.01 emulates 100 Gb/s at 1 Gb/s), got {scale!r}", field="scale")
     inner = _inner_levels(topology)
     per_node = math.prod(l.size for l in topology.levels[:inner])
     count = topology.num_devices // per_node
