@@ -32,6 +32,13 @@ levels:
   - {name: cluster, size: 2, bandwidth: 10Gb/s, latency: 10us, kind: ethernet, attach: switch}
 """
 
+PLAN = """\
+name: dp2
+model: {kind: gpt, layers: 1, d_model: 16, heads: 2, d_ff: 32, seq_len: 8, vocab: 32}
+batch: {global_batch: 4, microbatches: 1}
+mesh: {data: 2}
+"""
+
 
 def _root_state() -> tuple[str, str]:
     link = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
@@ -146,7 +153,7 @@ def test_sigterm_mid_run_removes_the_cluster(clean):
 
 @needs_netns
 def test_smoke_up_collective_status_down(clean, capsys):
-    """CI's smoke test: a 2-node cluster over shaped links, a collective on it, then down."""
+    """CI's smoke test: a 2-node cluster over shaped links, a collective and a 2-step run on it, then down."""
     topology = _topology(clean)
     assert main(["cluster", "up", "smoke", "--topology", topology, "--scale", "0.01", "--json"]) == 0
     try:
@@ -157,6 +164,12 @@ def test_smoke_up_collective_status_down(clean, capsys):
         run = json.loads(capsys.readouterr().out)["execute"]
         assert run["ok"] and run["ranks"] == 2 and run["cluster"] == "smoke" and run["kept"]
         assert run["time_s"] > 0 and run["predicted_s"] > 0
+        plan = clean / "dp2.yaml"
+        plan.write_text(PLAN)
+        assert main(["run", "--plan", str(plan), "--devices", "emulated:2", "--cluster", "smoke", "--steps", "2",
+                     "--json"]) == 0
+        steps = json.loads(capsys.readouterr().out)
+        assert steps["processes"] == 2 and steps["steps"] == 2 and steps["loss"] is not None
         assert main(["cluster", "status", "--json"]) == 0
         status = json.loads(capsys.readouterr().out)
         assert [c["nodes"] for c in status["clusters"] if c["name"] == "smoke"] == [2]
