@@ -9,7 +9,6 @@ and the workers still running inside it.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -104,8 +103,8 @@ def _command(tmp_path: Path, scale: str, nbytes: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
 
 
-def _wait_for_workers(pid: int, timeout: float = 90.0) -> list[str]:
-    """The namespaces of the cluster process ``pid`` owns, once a process runs in each of its nodes."""
+def _wait_for_workers(pid: int, timeout: float = 90.0) -> tuple[list[str], list[int]]:
+    """The namespaces of the cluster process ``pid`` owns and the processes in its nodes, once each node has one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for c in netns.clusters():
@@ -114,7 +113,7 @@ def _wait_for_workers(pid: int, timeout: float = 90.0) -> list[str]:
                 pids = [subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
                         for ns in nodes]
                 if all(pids):
-                    return list(c.namespaces)
+                    return list(c.namespaces), [int(p) for group in pids for p in group]
         time.sleep(0.2)
     raise AssertionError("the command's workers never started in its cluster")
 
@@ -124,7 +123,7 @@ def test_sigkill_mid_run_then_the_next_build_cleans_up(clean):
     # 1 MiB at 10 kb/s takes minutes: the command is surely mid-run when it is killed.
     proc = _command(clean, "0.000001", "1MiB")
     try:
-        names = _wait_for_workers(proc.pid)
+        names, workers = _wait_for_workers(proc.pid)
     finally:
         proc.kill()
         proc.wait()
@@ -133,15 +132,24 @@ def test_sigkill_mid_run_then_the_next_build_cleans_up(clean):
     spec = cluster_spec(load_topology(_topology(clean)), name="tnext", scale=0.01)
     with netns.ephemeral(spec):
         assert not set(names) & set(netns.namespaces())
-    for ns in names:  # the workers inside were killed with it
+    for ns in names:
         assert not Path(f"/run/netns/{ns}").exists()
+    assert not [pid for pid in workers if _running(pid)]  # the workers left inside were killed with it
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 @needs_netns
 def test_sigterm_mid_run_removes_the_cluster(clean):
     proc = _command(clean, "0.000001", "1MiB")
     try:
-        names = _wait_for_workers(proc.pid)
+        names, _ = _wait_for_workers(proc.pid)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
     finally:
@@ -179,10 +187,15 @@ def test_smoke_up_collective_status_down(clean, capsys):
 
 
 @needs_netns
-def test_down_all_removes_kept_and_stale(clean, capsys):
+def test_down_all_removes_every_cluster_and_its_state(clean, monkeypatch, capsys):
     topology = _topology(clean)
+    others = set(netns.namespaces())
     assert main(["cluster", "up", "tall", "--topology", topology, "--scale", "0.01"]) == 0
-    assert "tall" in {c.name for c in netns.clusters()}
-    # `down --all` removes every cluster of the project; run it only on the one this test made.
-    assert netns.remove("tall") == 3
-    assert os.path.exists(clean / "state" / "tall.json")
+    assert (clean / "state" / "tall.json").exists()
+    # `down --all` removes every cluster of the project: here, only those this test made (others may be running).
+    real = netns.namespaces
+    monkeypatch.setattr(netns, "namespaces", lambda: [ns for ns in real() if ns not in others])
+    assert main(["cluster", "down", "--all", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["namespaces_removed"] == 3
+    assert not (clean / "state" / "tall.json").exists()
+    assert "tall" not in {c.name for c in netns.clusters()}

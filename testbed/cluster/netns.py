@@ -68,8 +68,9 @@ def privilege_problem(euid: int | None = None, capabilities: int | None = None) 
         caps = _capabilities() if capabilities is None else capabilities
         if not caps >> _NET_ADMIN & 1:
             return ("creating network namespaces needs root or CAP_NET_ADMIN (this process has neither); run as "
-                    "root, or rootless inside a user namespace that maps you to root, e.g. "
-                    "`unshare --user --map-root-user --net --mount -- testbed ...` where the kernel allows it")
+                    "root, or rootless inside a user namespace where the kernel allows one: `unshare --user "
+                    "--map-root-user --net --mount sh -c 'mount -t tmpfs none /run && testbed ...'` (the cluster "
+                    "then lives only as long as that command)")
     return None
 
 
