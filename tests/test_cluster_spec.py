@@ -99,3 +99,24 @@ def test_bad_input_names_the_field(kwargs, field):
     with pytest.raises(InputError) as err:
         cluster_spec(load_topology("eth-4x2"), **args)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("extra, field", [
+    (["--execute", "cluster"], "scale"),                                   # a throwaway cluster needs a scale
+    (["--execute", "cluster:nosuch"], "execute"),                          # no such cluster is up
+    (["--execute", "cluster", "--scale", "0.01", "--over", "node"], "over"),  # one collective over every device
+    (["--execute", "cluster", "--scale", "-1"], "scale"),
+])
+def test_collective_on_a_cluster_refuses_bad_input_with_exit_2(extra, field, capsys, tmp_path, monkeypatch):
+    from testbed.cli.main import main
+
+    monkeypatch.setenv("TESTBED_CLUSTER_STATE", str(tmp_path))
+    assert main(["collective", "all_reduce", "--topology", "eth-4x2", "--bytes", "64KiB", *extra]) == 2
+    assert f"field `{field}`" in capsys.readouterr().err
+
+
+def test_collective_on_a_cluster_times_only_reductions_and_gathers(capsys):
+    from testbed.cli.main import main
+
+    assert main(["collective", "broadcast", "--topology", "eth-4x2", "--execute", "cluster", "--scale", "0.01"]) == 2
+    assert "all_reduce" in capsys.readouterr().err
