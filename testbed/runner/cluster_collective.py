@@ -3,7 +3,7 @@
 ``testbed collective OP --execute cluster`` and ``benchmarks/emulated_cluster.py``
 launch one worker per node of an emulated cluster (:mod:`testbed.cluster`)
 with ``payload = {"body": "collective", "op": ..., "sizes": [...],
-"repeats": R}``; every worker runs the same jitted ``shard_map`` over all
+"repeats": R}`` (or ``"repeats_per_size"``, one count per size); every worker runs the same jitted ``shard_map`` over all
 devices of the job, so each call is one collective over every node. Sizes
 follow nccl-tests' convention (as :mod:`testbed.collectives.ops` does): the
 all-reduce's buffer per device, the all-gather's gathered result.
@@ -71,6 +71,7 @@ def collective_times(op: str, nbytes: int, repeats: int, warmup: int = 2) -> dic
 
 def worker_body(payload: dict) -> dict:
     """Time ``payload["op"]`` at each of ``payload["sizes"]``; this process's rows."""
-    rows = [collective_times(payload["op"], int(size), int(payload.get("repeats", 5)),
-                             int(payload.get("warmup", 2))) for size in payload["sizes"]]
+    repeats = payload.get("repeats_per_size") or [payload.get("repeats", 5)] * len(payload["sizes"])
+    rows = [collective_times(payload["op"], int(size), int(count), int(payload.get("warmup", 2)))
+            for size, count in zip(payload["sizes"], repeats)]
     return {"rows": rows}

@@ -23,6 +23,8 @@ from testbed.collectives.timing import groups_time
 
 __all__ = ["cluster_launch", "collective_sweep"]
 
+_TINY_REPEATS = 15
+
 
 def cluster_launch(spec: ClusterSpec, owner: str, payload: dict, *, timeout_s: float | None = None,
                    stale_s: float = 30.0) -> list[dict]:
@@ -52,8 +54,10 @@ def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *
     tcp = probe.measure(spec, owner)
     n = len(spec.nodes) * spec.devices_per_node
     tiny = 4 * n if op == "all_gather" else 4
-    results = cluster_launch(spec, owner, {"body": "collective", "op": op, "sizes": [tiny, *sizes],
-                                           "repeats": repeats}, timeout_s=timeout_s)
+    # The tiny call is cheap and noisy (the host's scheduling): timed more often than the sizes compared.
+    payload = {"body": "collective", "op": op, "sizes": [tiny, *sizes],
+               "repeats_per_size": [max(repeats, _TINY_REPEATS)] + [repeats] * len(sizes)}
+    results = cluster_launch(spec, owner, payload, timeout_s=timeout_s)
     measured = _medians(results)
     algorithm = GLOO_ALGORITHMS[op]
     group = [tuple(range(n))]
