@@ -120,3 +120,13 @@ def test_collective_on_a_cluster_times_only_reductions_and_gathers(capsys):
 
     assert main(["collective", "broadcast", "--topology", "eth-4x2", "--execute", "cluster", "--scale", "0.01"]) == 2
     assert "all_reduce" in capsys.readouterr().err
+
+
+def test_link_efficiency_scales_only_the_network_and_is_checked():
+    spec = cluster_spec(load_topology("eth-4x2"), name="t", scale=0.001)
+    kwargs = {"inner_bandwidth": 5e8, "inner_latency_s": 2e-6, "hop_latency_s": 1e-5}
+    full, part = spec.emulated_topology(**kwargs), spec.emulated_topology(**kwargs, link_efficiency=0.8)
+    assert part.levels[1].bandwidth == pytest.approx(0.8 * full.levels[1].bandwidth)
+    assert part.levels[0].bandwidth == full.levels[0].bandwidth
+    with pytest.raises(InputError):
+        spec.emulated_topology(**kwargs, link_efficiency=1.5)

@@ -129,7 +129,7 @@ class ClusterSpec:
         return f"{self.nodes[0].address}:{port}"
 
     def emulated_topology(self, *, inner_bandwidth: float, inner_latency_s: float, hop_latency_s: float,
-                          overhead_s: float | None = None) -> Topology:
+                          overhead_s: float | None = None, link_efficiency: float = 1.0) -> Topology:
         """The topology this cluster is, for the simulator to price.
 
         Switch levels get the shaped rate's TCP goodput (bytes/s) with one
@@ -139,16 +139,21 @@ class ClusterSpec:
         ``inner_bandwidth`` and ``inner_latency_s`` (the namespace's
         measured loopback TCP), as gloo's ranks of one process talk over
         loopback (:mod:`testbed.cluster.probe` measures all three).
-        ``overhead_s`` (a measured per-collective cost) replaces the
-        calibration's collective overhead when given.
+        ``overhead_s`` (a measured per-round cost) replaces the
+        calibration's collective overhead when given; ``link_efficiency``
+        (default 1) is the share of the goodput a job gets from the links,
+        fitted on the host by ``benchmarks/emulated_cluster.py``.
         """
+        if not 0 < link_efficiency <= 1:
+            raise InputError(f"must be in (0, 1], got {link_efficiency}", field="link_efficiency")
         levels = self.topology.levels
         inner = Level(name="node", size=self.devices_per_node, bandwidth=inner_bandwidth,
                       latency=inner_latency_s, kind=LinkKind.HOST)
         net = []
         for level in levels[self.inner_levels:]:
             rate = next(l.rate_bps for l in self.links if l.level == level.name)
-            net.append(replace(level, bandwidth=rate / 8 * goodput_fraction(self.mtu), latency=hop_latency_s,
+            goodput = rate / 8 * goodput_fraction(self.mtu) * link_efficiency
+            net.append(replace(level, bandwidth=goodput, latency=hop_latency_s,
                                attach="switch", in_network_reduction=None))
         calibration = self.topology.calibration
         if overhead_s is not None:
