@@ -88,6 +88,29 @@ def leave_one_rate_out(doc: dict) -> dict:
             "within_15pct": sum(e <= 0.15 for e in absolute), "sizes": len(absolute)}
 
 
+def plot(doc: dict, path: str) -> None:
+    """Bus bandwidth against size, measured (markers) and predicted (lines), one colour per rate, a panel per op."""
+    from testbed.viz.plots import pyplot, save_figure
+
+    plt = pyplot()
+    ops = sorted({r["op"] for r in doc["rows"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.2), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for i, rate in enumerate(sorted({r["rate_mbps"] for r in doc["rows"]})):
+            rows = sorted((r for r in doc["rows"] if r["op"] == op and r["rate_mbps"] == rate), key=lambda r: r["bytes"])
+            sizes = [r["bytes"] for r in rows]
+            ax.plot(sizes, [r["predicted_busbw"] / 1e6 for r in rows], color=f"C{i}", label=f"{rate:g} Mb/s predicted")
+            ax.plot(sizes, [r["busbw"] / 1e6 for r in rows], "o", color=f"C{i}", label=f"{rate:g} Mb/s measured")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes")
+        ax.set_ylabel("bus bandwidth (MB/s)")
+        ax.set_title(f"{op}, 4 nodes x 2 devices (eth-4x2 scaled)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="10,30,100", help="link rates in Mb/s (default 10,30,100)")
@@ -96,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-call-s", type=float, default=10.0)
     parser.add_argument("--refit", default=None, metavar="FILE",
                         help="only the leave-one-rate-out fit of a saved run's JSON")
+    parser.add_argument("--png", default=None, help="with --refit: plot measured vs predicted bus bandwidth")
     args = parser.parse_args(argv)
     if args.refit:
         with open(args.refit) as f:
             doc = json.load(f)
+        if args.png:
+            plot(doc, args.png)
         print(json.dumps({"file": args.refit, "raw_median_abs_error": doc["median_abs_error"],
                           "raw_max_abs_error": doc["max_abs_error"], "leave_one_rate_out": leave_one_rate_out(doc)}))
         return 0
