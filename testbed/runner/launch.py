@@ -130,9 +130,12 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
         for i in range(processes):
             env = dict(os.environ)
             env[_ENV] = json.dumps({
-                "coordinator": f"{hosts[0] if hosts else '127.0.0.1'}:{port}", "num_processes": processes,
-                "process_id": i, "local_devices": local_devices, "result_file": str(results[i]),
-                "heartbeat_file": str(beats[i]), "payload": payload, "bind_host": hosts[i] if hosts else None})
+                "coordinator": f"127.0.0.1:{port}", "num_processes": processes, "process_id": i,
+                "local_devices": local_devices, "result_file": str(results[i]), "heartbeat_file": str(beats[i]),
+                "payload": payload})
+            if hosts:  # an emulated cluster: the coordinator on the first node, each worker on its node's address
+                env[_ENV] = json.dumps({**json.loads(env[_ENV]), "coordinator": f"{hosts[0]}:{port}",
+                                        "bind_host": hosts[i]})
             env.pop("XLA_FLAGS", None)
             with open(errs[i], "wb") as err:
                 prefix = list(prefixes[i]) if prefixes else []  # e.g. `ip netns exec NS`: a worker per namespace
