@@ -97,7 +97,8 @@ def plot(doc: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.2), squeeze=False)
     for ax, op in zip(axes[0], ops):
         for i, rate in enumerate(sorted({r["rate_mbps"] for r in doc["rows"]})):
-            rows = sorted((r for r in doc["rows"] if r["op"] == op and r["rate_mbps"] == rate), key=lambda r: r["bytes"])
+            rows = sorted((r for r in doc["rows"] if r["op"] == op and r["rate_mbps"] == rate),
+                          key=lambda r: r["bytes"])
             sizes = [r["bytes"] for r in rows]
             ax.plot(sizes, [r["predicted_busbw"] / 1e6 for r in rows], color=f"C{i}", label=f"{rate:g} Mb/s predicted")
             ax.plot(sizes, [r["busbw"] / 1e6 for r in rows], "o", color=f"C{i}", label=f"{rate:g} Mb/s measured")

@@ -129,7 +129,8 @@ def execute(args: argparse.Namespace) -> CommandResult:
             if not data["clusters"]:
                 console.print("no emulated cluster is up")
             for c in data["clusters"]:
-                owner = "kept" if c["owner"] == "keep" else f"owner {c['owner']} ({'running' if c['owner_alive'] else 'gone'})"
+                state = "running" if c["owner_alive"] else "gone"
+                owner = "kept" if c["owner"] == "keep" else f"owner {c['owner']} ({state})"
                 console.print(f"{c['name']}: {c['nodes']} nodes, {owner}")
 
     return CommandResult(data, render)

@@ -87,7 +87,8 @@ def render_cluster_execution(console: Any, run: dict[str, Any]) -> None:
         table.add_column(column, justify="left" if not column else "right")
     table.add_row(f"predicted ({run['algorithm']}, gloo's)", format_time(run["predicted_s"]),
                   format_bandwidth(run["predicted_busbw"]))
-    table.add_row("measured (median of the slowest process)", format_time(run["time_s"]), format_bandwidth(run["busbw"]))
+    table.add_row("measured (median of the slowest process)", format_time(run["time_s"]),
+                  format_bandwidth(run["busbw"]))
     console.print(table)
     console.print(f"error {run['error']:+.1%}; overhead {format_time(run['overhead_s'])} a round, fitted to a "
                   f"{run['overhead_measured_at_bytes']} B call of {format_time(run['overhead_call_s'])}; check: "

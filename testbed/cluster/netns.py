@@ -29,7 +29,8 @@ from pathlib import Path
 
 from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
 
-__all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive", "namespaces",
+__all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
+           "namespaces",
            "build", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
            "ClusterInfo"]
 

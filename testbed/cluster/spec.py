@@ -33,7 +33,8 @@ from testbed.errors import InputError
 from testbed.topology import Topology
 from testbed.topology.parts import Form, Level, LinkKind
 
-__all__ = ["PREFIX", "NETWORK_KINDS", "GLOO_ALGORITHMS", "NodeSpec", "ShapedLink", "ClusterSpec", "cluster_spec", "goodput_fraction",
+__all__ = ["PREFIX", "NETWORK_KINDS", "GLOO_ALGORITHMS", "NodeSpec", "ShapedLink", "ClusterSpec", "cluster_spec",
+           "goodput_fraction",
            "namespace_name", "parse_namespace"]
 
 #: Every namespace this project creates starts with it; ``down --all`` and leftover cleanup look for it.

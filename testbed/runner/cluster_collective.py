@@ -3,8 +3,9 @@
 ``testbed collective OP --execute cluster`` and ``benchmarks/emulated_cluster.py``
 launch one worker per node of an emulated cluster (:mod:`testbed.cluster`)
 with ``payload = {"body": "collective", "op": ..., "sizes": [...],
-"repeats": R}`` (or ``"repeats_per_size"``, one count per size); every worker runs the same jitted ``shard_map`` over all
-devices of the job, so each call is one collective over every node. Sizes
+"repeats": R}`` (or ``"repeats_per_size"``, one count per size); every
+worker runs the same jitted ``shard_map`` over all devices of the job, so
+each call is one collective over every node. Sizes
 follow nccl-tests' convention (as :mod:`testbed.collectives.ops` does): the
 all-reduce's buffer per device, the all-gather's gathered result.
 

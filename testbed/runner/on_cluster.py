@@ -84,4 +84,5 @@ def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *
             "link_rate_bps": sorted({l.rate_bps for l in spec.links}), "scale": spec.scale,
             "probe": {"loopback_bandwidth": tcp.loopback_bandwidth, "loopback_latency_s": tcp.loopback_latency_s,
                       "across_latency_s": tcp.across_latency_s},
-            "overhead_s": overhead, "overhead_call_s": measured[0]["time_s"], "overhead_measured_at_bytes": tiny_bytes, "rows": rows}
+            "overhead_s": overhead, "overhead_call_s": measured[0]["time_s"], "overhead_measured_at_bytes": tiny_bytes,
+            "rows": rows}
