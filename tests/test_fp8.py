@@ -36,10 +36,33 @@ def test_fp8_is_faster_than_bf16_on_h100_for_a_compute_bound_plan():
     topo = load_topology("dgx-h100")
     bf16 = simulate(_plan("bf16-mixed"), topo).report
     fp8 = simulate(_plan("fp8-mixed"), topo).report
-    assert fp8.compute_s < 0.8 * bf16.compute_s
+    assert fp8.compute_s < 0.95 * bf16.compute_s
     assert fp8.step_time_s < bf16.step_time_s
-    # Not twice as fast: the memory-bound work and the communication do not speed up.
-    assert fp8.step_time_s > 0.5 * bf16.step_time_s
+    # Far from twice as fast: fp8 GEMMs reach less of their peak than bf16's (DeepGEMM's measurements),
+    # the recipe's casts, attention, the memory-bound work and the communication do not speed up.
+    assert fp8.step_time_s > 0.6 * bf16.step_time_s
+
+
+def test_fp8_gemm_runs_at_its_measured_cap_and_pays_its_casts():
+    from testbed.model.gemm import Gemm
+    from testbed.sim.compute import fp8_cast_bytes, gemm_seconds, pass_seconds
+
+    topo = load_topology("dgx-h100")
+    compute = topo.calibration.compute
+    g = Gemm(8192, 8192, 8192)
+    cap = compute.fp8_efficiency * 8192 / (8192 + compute.fp8_gemm_half_k)
+    kernel = gemm_seconds(topo, "fp8", g, casts=False)
+    assert kernel == pytest.approx(compute.gemm_latency_s + g.flops / (1979e12 * cap))
+    assert gemm_seconds(topo, "fp8", g) - kernel == pytest.approx(pass_seconds(topo, fp8_cast_bytes(g)))
+    assert fp8_cast_bytes(g) == 3 * 8192 * 8192
+    # 1.4-1.7x bf16 on a large GEMM, not the 2x of the peaks' ratio
+    assert 1.4 < gemm_seconds(topo, "bf16", g) / kernel < 1.7
+    # a shorter reduction reaches less of the fp8 peak
+    short = Gemm(8192, 8192, 1024)
+    assert g.flops / kernel > 1.2 * short.flops / gemm_seconds(topo, "fp8", short, casts=False)
+    # flash attention stays bf16 under the recipe
+    flash = Gemm(2048, 2048, 128, batch=32, flash=True)
+    assert gemm_seconds(topo, "fp8", flash) == gemm_seconds(topo, "bf16", flash)
 
 
 def test_fp8_is_bf16_on_a100():
