@@ -38,7 +38,7 @@ def test_fp8_is_faster_than_bf16_on_h100_for_a_compute_bound_plan():
     fp8 = simulate(_plan("fp8-mixed"), topo).report
     assert fp8.compute_s < 0.95 * bf16.compute_s
     assert fp8.step_time_s < bf16.step_time_s
-    # Far from twice as fast: fp8 GEMMs reach less of their peak than bf16's (DeepGEMM's measurements),
+    # Far from twice as fast: fp8 GEMMs reach less of their peak than bf16's unless k is long (measured),
     # the recipe's casts, attention, the memory-bound work and the communication do not speed up.
     assert fp8.step_time_s > 0.6 * bf16.step_time_s
 
@@ -55,8 +55,8 @@ def test_fp8_gemm_runs_at_its_measured_cap_and_pays_its_casts():
     assert kernel == pytest.approx(compute.gemm_latency_s + g.flops / (1979e12 * cap))
     assert gemm_seconds(topo, "fp8", g) - kernel == pytest.approx(pass_seconds(topo, fp8_cast_bytes(g)))
     assert fp8_cast_bytes(g) == 3 * 8192 * 8192
-    # 1.4-1.7x bf16 on a large GEMM, not the 2x of the peaks' ratio
-    assert 1.4 < gemm_seconds(topo, "bf16", g) / kernel < 1.7
+    # 1.5-2x bf16 on a large GEMM (the measured caps), never the peaks' full 2x
+    assert 1.5 < gemm_seconds(topo, "bf16", g) / kernel < 2.0
     # a shorter reduction reaches less of the fp8 peak
     short = Gemm(8192, 8192, 1024)
     assert g.flops / kernel > 1.2 * short.flops / gemm_seconds(topo, "fp8", short, casts=False)

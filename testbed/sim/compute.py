@@ -33,7 +33,7 @@ falls as any dimension grows (tested): the curve is monotone in size.
 
 An fp8 GEMM (fp8-mixed on a device with fp8 units) runs at the fp8 peak with
 its own cap, ``fp8_efficiency * k / (k + fp8_gemm_half_k)`` in place of
-``efficiency`` (fitted to DeepGEMM's measured H800 fp8 GEMMs by
+``efficiency`` (fitted to measured per-tensor-scaled H800 fp8 GEMMs by
 benchmarks/published/gemm.py), reads fp8 operands, and pays the fp8 recipe's
 casts as a memory-bound pass (:func:`fp8_cast_bytes`); flash attention stays
 bf16.
@@ -106,7 +106,7 @@ def gemm_efficiency(compute: ComputeCalibration, gemm: Gemm, dtype: str = "bf16"
              * _saturation(gemm.k, compute.gemm_half_k))
     if dtype == "fp8" and compute.fp8_efficiency:
         # fp8's cap itself grows with the reduction: each output tile's fixed work (its scales, the bf16
-        # epilogue, the pipeline's fill) is amortised over k (fitted to DeepGEMM's H800 table)
+        # epilogue, the pipeline's fill) is amortised over k (fitted to measured H800 fp8 GEMMs)
         return min(compute.fp8_efficiency * _saturation(gemm.k, compute.fp8_gemm_half_k), shape)
     return min(compute.efficiency, shape)
 
