@@ -72,12 +72,21 @@ def test_fp8_is_bf16_on_a100():
     assert fp8.step_time_s == pytest.approx(bf16.step_time_s, rel=1e-9)
 
 
-def test_fp8_memory_is_bf16_mixed_state():
+def test_fp8_memory_is_bf16_mixed_state_plus_the_weights_fp8_copies():
     topo = load_topology("dgx-h100")
     assert state_bytes_per_param(_plan("fp8-mixed")) == state_bytes_per_param(_plan("bf16-mixed")) == (2, 2, 12)
     a = memory_breakdown(_plan("fp8-mixed"), topo).as_dict()
     b = memory_breakdown(_plan("bf16-mixed"), topo).as_dict()
-    assert a == b
+    # Transformer Engine keeps each weight in fp8 and its fp8 transpose: 2 bytes per parameter held
+    assert a["params"] == b["params"] + 2 * b["device_params_count"]
+    assert {k: v for k, v in a.items() if k not in ("params", "total", "per_stage", "fits")} == \
+        {k: v for k, v in b.items() if k not in ("params", "total", "per_stage", "fits")}
+    # fully sharded weights: only the gathered layer's copies
+    from testbed.model.memory import _layer_params_per_device
+
+    c = memory_breakdown(_plan("fp8-mixed", fsdp=8), topo).as_dict()
+    d = memory_breakdown(_plan("bf16-mixed", fsdp=8), topo).as_dict()
+    assert c["params"] - d["params"] == 2 * _layer_params_per_device(_plan("fp8-mixed", fsdp=8))
 
 
 def test_runner_refuses_fp8_on_cpu_with_exit_2(tmp_path, capsys):

@@ -7,9 +7,12 @@ channels at once, and picks the (algorithm, protocol) its tuning model
 predicts fastest for every call. This module is that model, on the topology's
 levels, for GPU topologies (a ``levels`` form whose innermost level is an
 ``nvswitch``/``nvlink`` level of a GPU generation NCCL knows). Every constant
-is NCCL's (``src/graph/tuning.cc``, ``src/graph/topo.h``,
-``src/transport/nvls.cc`` of NVIDIA/nccl, master 2025) or a vendor's; none is
-fitted (docs/collectives.md lists them).
+of the model is NCCL's (``src/graph/tuning.cc``, ``src/graph/topo.h``,
+``src/transport/nvls.cc`` of NVIDIA/nccl, master 2025) or a vendor's
+(docs/collectives.md lists them). Across nodes, measured collectives run
+short of that model; :class:`MultiNodeFit` (five numbers fitted over every
+published multi-node nccl-tests case, with leave-one-out errors) prices
+that, while NCCL still picks its algorithm and protocol by its own model.
 
 A collective of ``S`` bytes takes ``latency(a, p) + S / algbw(a, p)``
 (``ncclTopoGetAlgoTime``), latencies in NCCL's microseconds
