@@ -31,7 +31,8 @@ A collective of ``S`` bytes takes ``latency(a, p) + S / algbw(a, p)``
   ``0.92 bw`` (120 of 128 bytes are data); Simple: ``bw``; algbw =
   ``busbw * n / nsteps``. Latency ``baseLat + (nsteps - nInter) * intraLat +
   nInter * interLat`` (the plateau factor 1.4 of multi-node Simple rings).
-- tree (all-reduce): ``min(0.92 bw, ...)``, LL ``/3.8``, LL128 ``* 7/9``
+- tree (all-reduce): ``min(0.92 bw, ...)`` (on two nodes the NICs carry half: ``bw`` at
+  most twice theirs), LL ``/3.8``, LL128 ``* 7/9``
   (one node) or ``120/128``; algbw = busbw / 2; latency ``baseLat + 2((ppn-1)
   intraLat + log2(nNodes) interLat)``, with NCCL's tree correction factors
   by size.
@@ -61,7 +62,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from testbed.collectives.algorithms import NCCL_ALGORITHMS  # NCCL's RING, TREE, NVLS, NVLS_TREE, COLLNET_DIRECT
 from testbed.collectives.ops import Op
@@ -165,8 +166,8 @@ class MultiNodeFit:
 
 
 #: The fit over benchmarks/published/nccl_tests.yaml (``python benchmarks/published/collectives.py``).
-MULTINODE_FIT = MultiNodeFit(nvls_efficiency=0.836, net_efficiency=0.855, simple_latency_us=0.0,
-                             simple_latency_per_level_us=14.531, ll128_busbw=111.875)
+MULTINODE_FIT = MultiNodeFit(nvls_efficiency=0.847, net_efficiency=0.865, simple_latency_us=7.292,
+                             simple_latency_per_level_us=19.219, ll128_busbw=136.25)
 
 
 def arch_of(topology: Topology) -> str | None:
@@ -343,7 +344,9 @@ def _model_time(g: NcclGroup, op: Op, algorithm: str, protocol: str, nbytes: flo
     if algorithm == "nccl_tree":
         if op is not Op.ALL_REDUCE:
             return None
-        bw = min(nvlink, net) * 0.92
+        # NCCL's two trees over two nodes root one on each: a node's NICs carry half the data each way
+        # (tuning.cc prices two-node trees at the intra-node bandwidth, bwIntra)
+        bw = min(nvlink, net * (2 if nodes == 2 else 1)) * 0.92
         if p == 0:
             bw = min(bw / 3.8, ll_max)
         elif p == 1:
@@ -388,14 +391,15 @@ def nccl_best(topology: Topology, op: Op, group: Sequence[int], nbytes: float,
               algorithm: str | None = None, fit: MultiNodeFit = MULTINODE_FIT) -> tuple[str, str, float] | None:
     """(algorithm, protocol, seconds) NCCL would pick (among ``algorithm``'s protocols when named), or None.
 
-    NCCL picks by its own model, which caps LL128 per channel (``fit.ll128_busbw`` here) but knows
-    nothing of NVLS-tree's shortfall or the Simple start-up; the seconds are the pick's under ``fit``.
+    NCCL picks by its tuning model, which has the protocols' per-channel caps and start-up latencies
+    (``fit``'s LL128 cap and Simple start-up stand for them) but not NVLS-tree's network shortfall; the
+    seconds are the pick's under the whole ``fit``.
     """
     g = nccl_group(topology, group)
     if g is None:
         return None
     names = [algorithm] if algorithm else nccl_algorithms(topology, op, group)
-    own = MultiNodeFit(ll128_busbw=fit.ll128_busbw)
+    own = replace(fit, nvls_efficiency=1.0, net_efficiency=1.0)
     best = None
     for name in names:
         for protocol in PROTOCOLS:
