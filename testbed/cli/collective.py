@@ -164,7 +164,10 @@ def execute(args: argparse.Namespace) -> CommandResult:
                   format_time(row["time_s"]), format_bandwidth(row["algbw"]), format_bandwidth(row["busbw"]),
                   format_time(row["bound_s"]), str(row["rounds"])] for row in compared]
         console.print(fitted_table(console, columns, cells))
-        console.print(f"* chosen ({'auto: fastest' if algorithm == 'auto' else 'requested'})")
+        fastest = min(compared, key=lambda row: row["time_s"])["algorithm"] if compared else result.algorithm
+        how = ("requested" if algorithm != "auto" else "auto: fastest" if result.algorithm == fastest
+               else "auto: NCCL's tuning model's pick")  # on NVIDIA hierarchies NCCL chooses, not the fastest
+        console.print(f"* chosen ({how})")
         if sweep_rows:
             for name in dict.fromkeys(r["algorithm"] for r in sweep_rows):
                 sweep = Table(title=f"{name}")
