@@ -1,0 +1,160 @@
+"""Price a traced program (a :class:`~testbed.sim.workload.Workload`) on a topology: its task graph, timeline, report.
+
+The workload is one SPMD program: every device runs the same ops, so the task graph holds one
+representative (device 0 of the mesh) and :attr:`Program.representative` maps every device to it, as
+plan-driven simulation does for a step without pipeline stages. Its ops become tasks:
+
+- compute: the ops between two consecutive collectives (in program order) are one *segment* on the
+  ``compute`` stream, as two tasks: its matmuls and convolutions (``gemms``: the calibration's GEMM
+  shape model, or its FLOPs roofline) and its memory-bound ops (``hbm_bytes`` at the calibrated
+  bandwidth: one elementwise pass each), priced by testbed.sim.compute as a plan's tasks are;
+- collectives: one task each, on a stream per kind and mesh axes (``all_reduce data``), over the
+  representative's group along those axes, every group of the mesh running it at once (``instances``),
+  timed and placed by testbed.collectives as a plan's are; ``count`` executions back to back.
+
+Dependencies are the program's data flow: a collective waits for the segments that produce its
+operand, a segment for the collectives whose results it reads. A collective whose result is needed
+later overlaps the compute in between, as XLA's asynchronous collectives do; one that the next op
+needs blocks. With a controller calibration the host prepares the step and dispatches the one program.
+
+Device ``i`` of the mesh (row-major coordinate, as ``jax.make_mesh`` numbers devices) is topology
+device ``device_ids.flat[i]`` (default: device ``i``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from testbed.errors import InputError
+from testbed.sim.engine import run
+from testbed.sim.pricing import price
+from testbed.sim.tasks import Builder, Program, TaskKind
+from testbed.sim.timeline import Report, Timeline
+from testbed.sim.workload import OpKind, Workload
+from testbed.topology import Topology
+
+__all__ = ["TracedSimulation", "workload_program", "simulate_workload", "mesh_groups"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TracedSimulation:
+    """What :func:`simulate_workload` returns: the report, the timeline, the task graph and the workload."""
+
+    report: Report
+    timeline: Timeline
+    program: Program
+    workload: Workload
+
+
+def mesh_groups(device_ids: np.ndarray, axis_names: tuple[str, ...], axes: tuple[str, ...]
+                ) -> tuple[tuple[int, ...], ...]:
+    """The device groups whose members differ only along ``axes`` (mesh order inside a group)."""
+    dims = [axis_names.index(a) for a in axes]
+    keep = [d for d in range(device_ids.ndim) if d not in dims]
+    size = math.prod(device_ids.shape[d] for d in dims) if dims else 1
+    block = np.transpose(device_ids, keep + dims).reshape(-1, size)
+    return tuple(map(tuple, block.tolist()))
+
+
+def _placement(workload: Workload, topology: Topology, device_ids: np.ndarray | None) -> np.ndarray:
+    shape = tuple(workload.mesh.values())
+    if workload.devices != topology.num_devices:
+        raise InputError(f"the program's mesh {workload.mesh} has {workload.devices} devices but topology "
+                         f"`{topology.name}` has {topology.num_devices}; give a mesh whose sizes multiply to "
+                         f"{topology.num_devices}", field="mesh")
+    ids = np.arange(workload.devices, dtype=np.int64).reshape(shape) if device_ids is None else \
+        np.asarray(device_ids, dtype=np.int64)
+    if ids.shape != shape or sorted(ids.ravel().tolist()) != list(range(workload.devices)):
+        raise ValueError(f"device_ids must be a permutation of 0..{workload.devices - 1} shaped {shape}")
+    return ids
+
+
+def workload_program(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None) -> Program:
+    """The task graph of ``workload`` on ``topology`` (module docstring)."""
+    ids = _placement(workload, topology, device_ids)
+    names = tuple(workload.mesh)
+    rep = int(ids.flat[0])
+    groups: dict[tuple[str, ...], tuple] = {}
+    b = Builder()
+    done: list[tuple[int, ...]] = []  # op -> the task(s) whose end makes its result available
+    segment: list[int] = []           # ops of the open segment
+    pending: list[int] = []           # op indices of the open segment whose task ids are filled at close
+    previous: tuple[int, ...] = ()
+    if topology.calibration.controller is not None:
+        prep = b.add(name="prepare step", device=rep, stream="host", kind=TaskKind.HOST, op="step", count=0)
+        previous = (b.add(name="dispatch step", device=rep, stream="host", kind=TaskKind.HOST, deps=(prep,),
+                          buffers=workload.buffers),)
+
+    def close() -> None:
+        if not segment:
+            return
+        inside = set(segment)
+        deps = sorted({t for i in segment for d in workload.ops[i].deps if d not in inside for t in done[d]}
+                      | set(previous))
+        ops = [workload.ops[i] for i in segment]
+        gemms = tuple(g if op.count == 1 else _repeat(g, op.count) for op in ops for g in op.gemms)
+        flops = sum(op.flops * op.count for op in ops)
+        hbm = sum(op.hbm_bytes * op.count for op in ops)
+        tasks = []
+        if flops > 0:
+            tasks.append(b.add(name=f"{ops[0].name}..{len(ops)} ops", device=rep, stream="compute",
+                               kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms,
+                               kernels=max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))))
+        if hbm > 0:
+            tasks.append(b.add(name=f"memory-bound ({sum(op.kind is OpKind.MEMORY for op in ops)} ops)", device=rep,
+                               stream="compute", kind=TaskKind.COMPUTE, deps=tuple(tasks or deps), hbm_bytes=hbm,
+                               kernels=max(1, sum(op.count for op in ops if op.kind is OpKind.MEMORY))))
+        last = (tasks[-1],) if tasks else tuple(deps)
+        for i in pending:
+            done[i] = last
+        segment.clear()
+        pending.clear()
+
+    for i, op in enumerate(workload.ops):
+        done.append(())
+        if op.kind is not OpKind.COLLECTIVE:
+            segment.append(i)
+            pending.append(i)
+            continue
+        close()
+        if op.axes not in groups:
+            groups[op.axes] = mesh_groups(ids, names, op.axes)
+        group = next(g for g in groups[op.axes] if rep in g)
+        deps = sorted({t for d in op.deps for t in done[d]} | set(previous))
+        done[i] = (b.add(name=op.name, device=rep, stream=f"{op.collective} {'+'.join(op.axes)}",
+                         kind=TaskKind.COLLECTIVE, deps=tuple(deps), op=op.collective, nbytes=op.nbytes,
+                         count=op.count, group=group, instances=groups[op.axes]),)
+    close()
+    representative = np.full(workload.devices, rep, dtype=np.int64)
+    return Program(tasks=tuple(b.tasks), representative=representative)
+
+
+def _repeat(gemm, count: int):
+    from dataclasses import replace
+
+    return replace(gemm, count=gemm.count * count)
+
+
+def workload_report(workload: Workload, topology: Topology, timeline: Timeline, tasks: int) -> Report:
+    """Step time, compute, exposed communication, MFU (the traced matmul FLOPs) and memory of a priced workload."""
+    step = timeline.step_time_s
+    peak = topology.device.flops(workload.dtype)
+    mfu = workload.flops() / (peak * step) if step > 0 else 0.0
+    memory = dict(workload.memory)
+    memory["capacity"] = topology.device.memory_bytes
+    return Report(step_time_s=step, compute_s=timeline.compute_s(), exposed_comm_s=timeline.exposed_comm_s(),
+                  bubble_fraction=0.0, mfu=mfu, memory=memory, plan=workload.name, topology=topology.name,
+                  devices=topology.num_devices, tasks=tasks, source=timeline.source)
+
+
+def simulate_workload(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None
+                      ) -> TracedSimulation:
+    """Price and play ``workload`` on ``topology`` (raises InputError when the mesh does not fill it)."""
+    program = workload_program(workload, topology, device_ids)
+    priced = price(program, topology, workload.dtype)
+    timeline = run(program, priced, calibration=topology.calibration)
+    return TracedSimulation(report=workload_report(workload, topology, timeline, len(program.tasks)),
+                            timeline=timeline, program=program, workload=workload)
