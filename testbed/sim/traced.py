@@ -5,9 +5,11 @@ representative (device 0 of the mesh) and :attr:`Program.representative` maps ev
 plan-driven simulation does for a step without pipeline stages. Its ops become tasks:
 
 - compute: the ops between two consecutive collectives (in program order) are one *segment* on the
-  ``compute`` stream, as two tasks: its matmuls and convolutions (``gemms``: the calibration's GEMM
-  shape model, or its FLOPs roofline) and its memory-bound ops (``hbm_bytes`` at the calibrated
-  bandwidth: one elementwise pass each), priced by testbed.sim.compute as a plan's tasks are;
+  ``compute`` stream, priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
+  convolutions (``gemms``: the calibration's GEMM shape model, or its FLOPs roofline), and its
+  memory-bound ops' ``hbm_bytes``: with the calibration's ``elementwise`` group a second task after the
+  matmuls, at its passes (:func:`memory_seconds`); without one, the roofline of one task (matmuls and
+  memory traffic overlap: the slower of the two), as a plan's task is priced there;
 - collectives: one task each, on a stream per kind and mesh axes (``all_reduce data``), over the
   representative's group along those axes, every group of the mesh running it at once (``instances``),
   timed and placed by testbed.collectives as a plan's are; ``count`` executions back to back.
@@ -24,19 +26,22 @@ device ``device_ids.flat[i]`` (default: device ``i``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from testbed.errors import InputError
 from testbed.sim.engine import run
-from testbed.sim.pricing import price
+from testbed.sim.overlap import defer_consumers
+from testbed.sim.combine import combine_collectives
+from testbed.sim.compute import pass_seconds
+from testbed.sim.pricing import Priced, price
 from testbed.sim.tasks import Builder, Program, TaskKind
 from testbed.sim.timeline import Report, Timeline
 from testbed.sim.workload import OpKind, Workload
 from testbed.topology import Topology
 
-__all__ = ["TracedSimulation", "workload_program", "simulate_workload", "mesh_groups"]
+__all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload", "mesh_groups"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +88,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     segment: list[int] = []           # ops of the open segment
     pending: list[int] = []           # op indices of the open segment whose task ids are filled at close
     previous: tuple[int, ...] = ()
+    passes = topology.calibration.elementwise is not None
     if topology.calibration.controller is not None:
         prep = b.add(name="prepare step", device=rep, stream="host", kind=TaskKind.HOST, op="step", count=0)
         previous = (b.add(name="dispatch step", device=rep, stream="host", kind=TaskKind.HOST, deps=(prep,),
@@ -99,10 +105,15 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
         flops = sum(op.flops * op.count for op in ops)
         hbm = sum(op.hbm_bytes * op.count for op in ops)
         tasks = []
-        if flops > 0:
+        kernels = max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))
+        if not passes and flops + hbm > 0:  # the roofline: matmuls and memory-bound ops overlap
             tasks.append(b.add(name=f"{ops[0].name}..{len(ops)} ops", device=rep, stream="compute",
-                               kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms,
-                               kernels=max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))))
+                               kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms, hbm_bytes=hbm,
+                               kernels=kernels))
+            hbm = 0.0
+        elif flops > 0:
+            tasks.append(b.add(name=f"{ops[0].name}..{len(ops)} ops", device=rep, stream="compute",
+                               kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms, kernels=kernels))
         if hbm > 0:
             tasks.append(b.add(name=f"memory-bound ({sum(op.kind is OpKind.MEMORY for op in ops)} ops)", device=rep,
                                stream="compute", kind=TaskKind.COMPUTE, deps=tuple(tasks or deps), hbm_bytes=hbm,
@@ -133,8 +144,6 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
 
 
 def _repeat(gemm, count: int):
-    from dataclasses import replace
-
     return replace(gemm, count=gemm.count * count)
 
 
@@ -150,11 +159,52 @@ def workload_report(workload: Workload, topology: Topology, timeline: Timeline, 
                   devices=topology.num_devices, tasks=tasks, source=timeline.source)
 
 
+def memory_seconds(topology: Topology, hbm_bytes: float) -> float:
+    """Seconds of memory-bound kernels moving ``hbm_bytes`` (reads and writes, the tracer's fusion estimate).
+
+    The calibration's elementwise passes (``replicated_passes``: seconds per activation byte written, in
+    passes at the calibrated bandwidth; 2 where each byte is written once and read once) say how fast
+    the topology's compiler runs such kernels; the fusion estimate counts that byte's write and read, so
+    each counted byte costs ``replicated_passes / 2`` passes (1 without an ``elementwise`` group: the
+    roofline). The passes' cached share (``cached_passes``) is not applied: a traced op's working set is
+    not known per activation.
+    """
+    passes = topology.calibration.elementwise
+    per_byte = passes.replicated_passes / 2 if passes is not None else 1.0
+    return per_byte * pass_seconds(topology, hbm_bytes)
+
+
+def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
+    """testbed.sim.pricing's prices of a traced program's tasks, memory-bound tasks by :func:`memory_seconds`,
+    and the calibrated launch overhead paid once.
+
+    ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
+    pays it per action, each a program; a traced step is one program, so only its first compute task does.
+    """
+    priced = price(program, topology, dtype)
+    launch = topology.calibration.compute.launch_overhead_s
+    durations = list(priced.durations)
+    computes = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and durations[i] > 0]
+    for k, i in enumerate(computes):
+        task = program.tasks[i]
+        if task.flops == 0 and task.hbm_bytes > 0:
+            durations[i] = launch + memory_seconds(topology, task.hbm_bytes)
+        if k > 0:
+            durations[i] = max(0.0, durations[i] - launch)
+    return replace(priced, durations=tuple(durations))
+
+
 def simulate_workload(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None
                       ) -> TracedSimulation:
-    """Price and play ``workload`` on ``topology`` (raises InputError when the mesh does not fill it)."""
+    """Price and play ``workload`` on ``topology`` (raises InputError when the mesh does not fill it).
+
+    First the ops are ordered as XLA's scheduler would (testbed.sim.overlap: collectives' results read as
+    late as possible) and independent collectives merged as the topology's compiler would
+    (testbed.sim.combine, ``calibration.collectives.combine_bytes``).
+    """
+    workload = combine_collectives(defer_consumers(workload), topology.calibration.collectives.combine_bytes)
     program = workload_program(workload, topology, device_ids)
-    priced = price(program, topology, workload.dtype)
+    priced = price_workload(program, topology, workload.dtype)
     timeline = run(program, priced, calibration=topology.calibration)
     return TracedSimulation(report=workload_report(workload, topology, timeline, len(program.tasks)),
                             timeline=timeline, program=program, workload=workload)
