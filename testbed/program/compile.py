@@ -251,7 +251,7 @@ class _Reader:
     def convolution(self, op: Any, operands: list, results: list) -> Node:
         """A convolution as its implicit GEMM: (batch x output positions) by output features, reducing over the
         kernel window and the input features of a group (feature groups as a batch of GEMMs)."""
-        text = str(op.attributes["dim_numbers"])
+        text = str(op.attributes["dimension_numbers"])
         lists = [[x.strip() for x in part.split(",")] for part in re.findall(r"\[([^\]]*)\]", text)]
         kernel_dims, out_dims = lists[1], lists[2]
         kernel, _ = self.shape.get(operands[1], ((), 0))

@@ -8,10 +8,11 @@ plan-driven simulation counts fsdp gathers with, testbed.plan.sharding.parameter
 
 Walking the ops in program order, a collective joins the open merge of its kind and axes unless it
 depends (through any chain of ops) on a member, or the merged bytes would exceed the limit. A merge
-closes, and is emitted as one collective where it closes, when an op reads one of its members' results,
-when a collective could not join it, or at the end: so the merged collective starts once all its
-members' operands are ready and finishes before anything needs any of them, as a combined collective
-does. Bytes are conserved (the merged op's are its members' sum; tested).
+closes when an op reads one of its members' results, when a collective could not join it, or at the
+end; it is issued where its last member was: so the merged collective starts once all its members'
+operands are ready and finishes before anything needs any of them, as a combined collective does (a
+merge does not reach past the first reader of a member: per-layer parameter gathers stay per layer, as
+a latency-hiding schedule keeps them). Bytes are conserved (the merged op's are its members' sum; tested).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def combine_collectives(workload: Workload, combine_bytes: float | None) -> Work
     limit = float("inf") if combine_bytes is None else float(combine_bytes)
     ops = workload.ops
     out: list[TracedOp] = []
+    where: list[int] = []                          # per op of ``out``: the old position it takes
     new: list[int] = [-1] * len(ops)              # old op -> its index in ``out``
     reach: list[dict] = [{} for _ in ops]          # old op -> {merge key: newest merge id it depends on}
     opened: dict[tuple, tuple[int, list[int]]] = {}  # merge key -> (merge id, members)
@@ -42,6 +44,7 @@ def combine_collectives(workload: Workload, combine_bytes: float | None) -> Work
         deps = sorted({new[d] for m in members for d in ops[m].deps})
         name = first.name if len(members) == 1 else f"{first.name} x{len(members)}"
         out.append(replace(first, name=name, deps=tuple(deps), nbytes=sum(ops[m].nbytes for m in members)))
+        where.append(members[-1])  # issued where its last member was, not where it is flushed
         for m in members:
             new[m] = len(out) - 1
             owner.pop(m)
@@ -54,6 +57,7 @@ def combine_collectives(workload: Workload, combine_bytes: float | None) -> Work
                 reach[i][key] = max(reach[i].get(key, -1), value)
         if op.kind is not OpKind.COLLECTIVE or op.count != 1:
             out.append(replace(op, deps=tuple(sorted({new[d] for d in op.deps}))))
+            where.append(i)
             new[i] = len(out) - 1
             continue
         key = (op.collective, op.axes)
@@ -71,4 +75,8 @@ def combine_collectives(workload: Workload, combine_bytes: float | None) -> Work
         reach[i][key] = merge_id
     for key in list(opened):
         flush(key)
-    return replace(workload, ops=tuple(out))
+    # Every op's deps sit at earlier old positions (a reader of a member flushed the merge first).
+    order = sorted(range(len(out)), key=lambda j: (where[j], j))
+    index = {old: k for k, old in enumerate(order)}
+    return replace(workload, ops=tuple(replace(out[j], deps=tuple(sorted(index[d] for d in out[j].deps)))
+                                       for j in order))

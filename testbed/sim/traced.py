@@ -41,7 +41,8 @@ from testbed.sim.timeline import Report, Timeline
 from testbed.sim.workload import OpKind, Workload
 from testbed.topology import Topology
 
-__all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload", "mesh_groups"]
+__all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload", "mesh_groups",
+           "collective_bytes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,3 +209,22 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     timeline = run(program, priced, calibration=topology.calibration)
     return TracedSimulation(report=workload_report(workload, topology, timeline, len(program.tasks)),
                             timeline=timeline, program=program, workload=workload)
+
+
+def collective_bytes(program: Program, device_ids: np.ndarray, axis_names: tuple[str, ...]) -> dict[str, float]:
+    """Per mesh axes label (``data+fsdp``): the collective bytes one representative moves per step
+    (``nbytes x count`` of its collectives over groups of more than one device; sends not counted).
+
+    Works on any task graph (plan-driven or traced): a group's axes are those along which its members'
+    mesh coordinates differ (``device_ids``: topology device of each mesh coordinate).
+    """
+    coords = {int(d): c for c, d in np.ndenumerate(np.asarray(device_ids))}
+    out: dict[str, float] = {}
+    for task in program.tasks:
+        if task.kind is not TaskKind.COLLECTIVE or len(task.group) < 2:
+            continue
+        members = np.array([coords[d] for d in task.group])
+        axes = [axis_names[k] for k in range(members.shape[1]) if len(set(members[:, k].tolist())) > 1]
+        label = "+".join(axes)
+        out[label] = out.get(label, 0.0) + task.nbytes * task.count
+    return out

@@ -1,0 +1,129 @@
+"""testbed.program: a user's JAX step traced on an abstract mesh, read per device (FLOPs, bytes, collectives)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from testbed.errors import InputError
+from testbed.program import abstract_mesh, trace, trace_pmap
+from testbed.program.evaluate import UNROLL_NODES
+from testbed.sim.workload import OpKind
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sd = jax.ShapeDtypeStruct
+
+
+def _mlp_step(w1, w2, x):
+    def loss(w1, w2):
+        return jnp.mean((jax.nn.gelu(x @ w1) @ w2) ** 2)
+
+    g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+def test_a_megatron_mlp_on_data_x_tensor_is_read_per_device() -> None:
+    rows, d, h = 32, 64, 256
+    w = trace(_mlp_step, sd((d, h), jnp.float32), sd((h, d), jnp.float32), sd((rows, d), jnp.float32),
+              mesh={"data": 4, "tensor": 2}, in_shardings=(P(None, "tensor"), P("tensor", None), P("data", None)))
+    local_rows, local_h = rows // 4, h // 2
+    gemms = [op for op in w.ops if op.kind is OpKind.GEMM]
+    # forward 2 matmuls, backward 3 (dW2, dH, dW1): each 2 * rows * d * h / (data * tensor)
+    assert len(gemms) == 5
+    assert all(op.flops == 2 * local_rows * d * local_h for op in gemms)
+    assert w.flops() == 5 * 2 * local_rows * d * local_h
+    assert w.collective_bytes() == {"tensor": {"all_reduce": local_rows * d * 4},   # the row-parallel output
+                                    "data": {"all_reduce": 2 * d * local_h * 4}}    # both weights' gradients
+    assert w.mesh == {"data": 4, "tensor": 2} and w.dtype == "fp32"
+    assert w.memory["arguments"] == (2 * d * local_h + local_rows * d) * 4
+
+
+def test_a_pmap_step_is_a_shard_map_over_one_axis() -> None:
+    sys.path.insert(0, str(EXAMPLES / "predict"))
+    try:
+        import pmap_mlp
+    finally:
+        sys.path.pop(0)
+    n, rows, d_in, hid, d_out = 8, 16, 8, 32, 4
+    params = {"w1": sd((n, d_in, hid), jnp.float32), "w2": sd((n, hid, hid), jnp.float32),
+              "w3": sd((n, hid, d_out), jnp.float32)}
+    w = trace_pmap(pmap_mlp.train_step, params, sd((n, rows, d_in), jnp.float32), sd((n, rows, d_out), jnp.float32),
+                   axis_name="batch", devices=n)
+    assert w.mesh == {"batch": n}
+    forward = 2 * rows * (d_in * hid + hid * hid + hid * d_out)
+    assert w.flops() == pytest.approx(3 * forward - 2 * rows * d_in * hid)  # no input gradient of the first layer
+    grads = 4 * (d_in * hid + hid * hid + hid * d_out)
+    assert w.collective_bytes()["batch"]["all_reduce"] == grads + 4  # the gradients and the loss
+    with pytest.raises(ValueError, match="leading dimension of 8"):
+        trace_pmap(pmap_mlp.train_step, params, sd((4, rows, d_in), jnp.float32), sd((n, rows, d_out), jnp.float32),
+                   axis_name="batch", devices=n)
+
+
+def test_shard_map_collectives_are_mapped_to_their_mesh_axes() -> None:
+    sys.path.insert(0, str(EXAMPLES / "predict"))
+    try:
+        import shard_map_mlp
+    finally:
+        sys.path.pop(0)
+    mesh = abstract_mesh({"data": 2, "model": 4})
+    step, args = shard_map_mlp.predict(mesh)
+    w = trace(step, *args, mesh=mesh)
+    s = shard_map_mlp.SIZES
+    out = s["rows"] * s["d_model"] * 2  # one replica's rows, bf16
+    local_w = s["d_model"] * s["d_hidden"] // 4 * 2
+    moved = w.collective_bytes()
+    assert moved["model"]["all_reduce"] == 2 * out  # the forward psum and its transpose in the backward
+    assert moved["data"]["all_reduce"] == 2 * local_w + 2  # both gradients and the (bf16) loss
+    assert w.dtype == "bf16"
+
+
+def test_a_scan_is_unrolled_or_counted_with_its_trip_count() -> None:
+    def stack(ws, x):
+        return lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, ws)[0]
+
+    layers, d = 6, 32
+    w = trace(stack, sd((layers, d, d), jnp.float32), sd((8, d), jnp.float32), mesh={"data": 1})
+    gemms = [op for op in w.ops if op.kind is OpKind.GEMM]
+    assert len(gemms) == layers and all(op.count == 1 for op in gemms)
+    # consecutive layers depend on each other through the carried value
+    assert all(any(d_ > 0 for d_ in op.deps) for op in gemms[1:])
+    many = UNROLL_NODES  # more iterations than the unroll budget: the body once, counted
+    w = trace(stack, sd((many, d, d), jnp.float32), sd((8, d), jnp.float32), mesh={"data": 1})
+    gemms = [op for op in w.ops if op.kind is OpKind.GEMM]
+    assert len(gemms) == 1 and gemms[0].count == many
+    assert w.flops() == many * 2 * 8 * d * d
+    assert any("priced as its body repeated" in a for a in w.assumptions)
+
+
+def test_a_convolution_is_priced_as_its_implicit_gemm() -> None:
+    def conv(x, k):
+        return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    n, hw, cin, cout = 8, 16, 3, 32
+    mesh = abstract_mesh({"data": 4})
+    x = sd((n, hw, hw, cin), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    k = sd((3, 3, cin, cout), jnp.float32, sharding=NamedSharding(mesh, P()))
+    w = trace(conv, x, k, mesh=mesh)
+    (op,) = [o for o in w.ops if o.kind is OpKind.GEMM]
+    assert op.flops == 2 * (n // 4) * hw * hw * cout * 9 * cin
+    assert (op.gemms[0].m, op.gemms[0].n, op.gemms[0].k) == ((n // 4) * hw * hw, cout, 9 * cin)
+
+
+def _with_callback(x):
+    y = jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return (y @ y.T).sum()
+
+
+def test_a_host_callback_is_refused_by_name_or_priced_with_a_stated_assumption() -> None:
+    x = sd((16, 16), jnp.float32)
+    with pytest.raises(InputError, match="host callback `xla_ffi_python_cpu_callback`"):
+        trace(_with_callback, x, mesh={"data": 1})
+    w = trace(_with_callback, x, mesh={"data": 1}, on_unknown="assume")
+    assert any("host callback" in a and "memory-bound" in a for a in w.assumptions)
+    assert w.flops() == 2 * 16 * 16 * 16
