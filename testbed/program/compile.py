@@ -107,10 +107,11 @@ class Compiled:
     unknown: list
 
 
-def _divisors(sharding: str, sizes: dict[str, int]) -> list[int]:
+def _divisors(sharding: str, sizes: dict[str, int], manual: frozenset = frozenset()) -> list[int]:
+    """Per dim, the devices a dim is split over (axes in ``manual`` left out: a shard_map body is local there)."""
     from testbed.runner.reshards import _dims
 
-    return [math.prod(size for _, size in dim) for dim in _dims(sharding, sizes)]
+    return [math.prod(size for name, size in dim if name not in manual) for dim in _dims(sharding, sizes)]
 
 
 def _local(value: Any, divisors: list[int] | None) -> tuple[tuple[int, ...], int]:
@@ -144,14 +145,15 @@ class _Reader:
         shape, b = self.shape.get(value, ((), 0))
         return math.prod(shape) * b if b else 0
 
-    def define(self, values: list, shardings: list[str] | None) -> None:
+    def define(self, values: list, shardings: list[str] | None, manual: frozenset = frozenset()) -> None:
         for i, v in enumerate(values):
-            div = _divisors(shardings[i], self.sizes) if shardings and i < len(shardings) and shardings[i] else None
+            div = (_divisors(shardings[i], self.sizes, manual) if shardings and i < len(shardings) and shardings[i]
+                   else None)
             self.shape[v] = _local(v, div)
 
-    def block(self, block: Any, shardings: list[str] | None = None) -> Block:
+    def block(self, block: Any, shardings: list[str] | None = None, manual: frozenset = frozenset()) -> Block:
         args = list(block.arguments)
-        self.define(args, shardings)
+        self.define(args, shardings, manual)
         nodes, yields, size = [], [], 0
         for op in block.operations:
             name = op.operation.name
@@ -173,6 +175,8 @@ class _Reader:
                                                else reshards._manual(op, self.sizes, self.order))
             out = str(attrs["out_sharding"]) if "out_sharding" in attrs else None
             self.define(results, [out] * len(results) if out else self._shardings(op))
+            if name in reshards.MANUAL:  # one device's block: also split over the body's free axes
+                nbytes = self.nbytes(results[0] if kind == "all-gather" else operands[0])
             return Node(kind="collective", name=name, operands=operands, results=results,
                         collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes),
                         writes=[self.nbytes(r) for r in results])
@@ -188,9 +192,12 @@ class _Reader:
             branches = [self.block(r.blocks[0]) for r in op.regions]
             return Node(kind="case", name=name, operands=operands, results=results, blocks=branches)
         if name == "sdy.manual_computation" or name == "sdy.named_computation":
+            # A shard_map body is local along its manual axes; the other (free) axes of its operands'
+            # shardings still split its values.
+            manual = frozenset(re.findall(r'"([^"]+)"', str(op.attributes["manual_axes"]))
+                               if "manual_axes" in op.attributes else ())
             return Node(kind="region", name=name, operands=operands, results=results,
-                        blocks=[self.block(op.regions[0].blocks[0], None if name.endswith("manual_computation")
-                                           else self._in_shardings(op))])
+                        blocks=[self.block(op.regions[0].blocks[0], self._in_shardings(op), manual)])
         if name in ("func.call", "call"):
             from jaxlib.mlir import ir
 
