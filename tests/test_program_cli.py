@@ -25,7 +25,8 @@ def test_the_vision_example_predicted_with_json_trace_and_gantt(tmp_path, capsys
                             "--trace", str(trace), "--gantt", str(gantt), "--json"], capsys)
     assert code == 0
     data = json.loads(out)
-    assert {"step_time_s", "compute_s", "exposed_comm_s", "mfu", "memory", "collective_bytes", "assumptions"} <= set(data)
+    keys = {"step_time_s", "compute_s", "exposed_comm_s", "mfu", "memory", "collective_bytes", "assumptions"}
+    assert keys <= set(data)
     assert data["mesh"] == {"data": 8} and data["devices"] == 8 and data["dtype"] == "bf16"
     assert 0 < data["compute_s"] <= data["step_time_s"] and 0 < data["mfu"] < 1
     params = (3 * 3 * 3 * 64 + 3 * 3 * 64 * 128 + 128 * 1000) * 2  # bf16 gradients, all-reduced over data

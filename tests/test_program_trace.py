@@ -78,7 +78,7 @@ def test_shard_map_collectives_are_mapped_to_their_mesh_axes() -> None:
     out = s["rows"] * s["d_model"] * 2  # one replica's rows, bf16
     local_w = s["d_model"] * s["d_hidden"] // 4 * 2
     moved = w.collective_bytes()
-    assert moved["model"]["all_reduce"] == out  # the forward psum (its transpose moves nothing: x is not differentiated)
+    assert moved["model"]["all_reduce"] == out  # the forward psum (x is not differentiated: no backward one)
     assert moved["data"]["all_reduce"] == 2 * local_w + 2  # both gradients and the (bf16) loss
     assert w.dtype == "bf16"
 

@@ -171,8 +171,8 @@ class _Reader:
         operands, results = list(op.operands), list(op.results)
         attrs = op.attributes
         if name in reshards.KINDS or name in reshards.MANUAL:
-            kind, axes, group, nbytes, _, _ = (reshards._collective(op, self.sizes, self.order) if name in reshards.KINDS
-                                               else reshards._manual(op, self.sizes, self.order))
+            read = reshards._collective if name in reshards.KINDS else reshards._manual
+            kind, axes, group, nbytes, _, _ = read(op, self.sizes, self.order)
             out = str(attrs["out_sharding"]) if "out_sharding" in attrs else None
             self.define(results, [out] * len(results) if out else self._shardings(op))
             if name in reshards.MANUAL:  # one device's block: also split over the body's free axes

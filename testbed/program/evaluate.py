@@ -89,7 +89,8 @@ class _Emitter:
             for r in node.results:
                 env[r] = _EMPTY
         elif kind == "passthrough":
-            sources = node.operands if len(node.operands) == len(node.results) else node.operands[:1] * len(node.results)
+            sources = node.operands if len(node.operands) == len(node.results) else \
+                node.operands[:1] * len(node.results)
             for r, o in zip(node.results, sources):
                 env[r] = env.get(o, _EMPTY)
         elif kind == "gemm":

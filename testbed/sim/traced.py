@@ -41,8 +41,8 @@ from testbed.sim.timeline import Report, Timeline
 from testbed.sim.workload import OpKind, Workload
 from testbed.topology import Topology
 
-__all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload", "mesh_groups",
-           "collective_bytes"]
+__all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload",
+           "mesh_groups", "collective_bytes", "workload_report"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
