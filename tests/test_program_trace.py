@@ -127,3 +127,15 @@ def test_a_host_callback_is_refused_by_name_or_priced_with_a_stated_assumption()
     w = trace(_with_callback, x, mesh={"data": 1}, on_unknown="assume")
     assert any("host callback" in a and "memory-bound" in a for a in w.assumptions)
     assert w.flops() == 2 * 16 * 16 * 16
+
+
+def test_memory_is_the_arguments_plus_the_peak_of_live_values() -> None:
+    def chain(w1, w2, w3, x):
+        return ((x @ w1) @ w2) @ w3
+
+    n, d = 64, 128
+    w = trace(chain, *(sd((d, d), jnp.float32),) * 3, sd((n, d), jnp.float32), mesh={"data": 1})
+    arguments = (3 * d * d + n * d) * 4
+    assert w.memory["arguments"] == arguments
+    # x @ w1 is still alive when (x @ w1) @ w2 is written; then it is freed
+    assert w.memory["total"] == arguments + 2 * n * d * 4

@@ -147,3 +147,13 @@ def test_ordering_and_combining_keep_the_program_a_dag_and_conserve_work(w: Work
     priced = collective_bytes(sim.program, ids, ("data", "tensor"))
     for axes, kinds in before.items():
         assert math.isclose(priced[axes], sum(kinds.values()))
+
+
+def test_a_collective_permute_is_priced_as_sends_around_its_groups() -> None:
+    topology = load_topology("dgx-h100")
+    op = TracedOp(name="permute", kind=OpKind.COLLECTIVE, collective="collective_permute", axes=("data",), group=8,
+                  nbytes=1e8)
+    sim = simulate_workload(workload([gemm(), op]), topology)
+    (send,) = [t for t in sim.program.tasks if t.kind is TaskKind.SEND]
+    assert send.group == (0, 1) and len(send.instances) == 8
+    assert sim.report.step_time_s > 1e8 / 450e9  # at least the bytes over one NVSwitch link

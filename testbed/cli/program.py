@@ -158,8 +158,10 @@ def execute(args: Any) -> Any:
         for label, kinds in data["collective_bytes"].items():
             moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in kinds.items())
             console.print(f"  over {label or '-'}: {moved} per device")
-        console.print(f"arguments      {format_bytes(r.memory.get('arguments', 0))} per device "
-                      f"(temporaries not estimated)")
+        fits = "[green]fits[/green]" if r.memory.get("fits") else "[red]does not fit[/red]"
+        console.print(f"memory         {format_bytes(r.memory.get('total', 0))} of "
+                      f"{format_bytes(r.memory.get('capacity', 0))} per device: {fits} (live-range estimate; "
+                      f"arguments {format_bytes(r.memory.get('arguments', 0))})")
         for note in data["assumptions"]:
             console.print(f"[yellow]assumed[/yellow]: {note}")
         for f in files:

@@ -161,6 +161,8 @@ class _Reader:
                 yields = list(op.operands)
                 continue
             node = self.node(op, name)
+            if node.kind in ("while", "case", "region", "call"):
+                node.writes = [self.nbytes(r) for r in node.results]
             size += 1 + sum(b.size for b in node.blocks) * max(1, node.trips)
             nodes.append(node)
         return Block(args=args, nodes=nodes, yields=yields, size=size)

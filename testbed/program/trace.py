@@ -133,6 +133,7 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
     """Partition a lowered module's text (``lowered.as_text()``) and read it into a Workload."""
     from testbed.program.compile import compile_module
     from testbed.program.evaluate import emit
+    from testbed.program.memory import peak_bytes
     from testbed.runner.reshards import partition
 
     module, context = partition(text)
@@ -140,9 +141,11 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
     with context:
         ops, notes = emit(compiled)
     dtype = Counter(compiled.dtypes).most_common(1)[0][0] if compiled.dtypes else "fp32"
-    memory = {"arguments": float(sum(compiled.arg_bytes)),
-              "method": "the step's arguments on one device (parameters, optimizer state, batch); "
-                        "temporaries are not estimated"}
+    arguments = float(sum(compiled.arg_bytes))
+    total = peak_bytes(compiled)
+    memory = {"arguments": arguments, "temporaries": total - arguments, "total": total,
+              "method": "live-range estimate over the partitioned program (testbed.program.memory): the step's "
+                        "arguments plus the peak of the values it keeps alive; not XLA's buffer assignment"}
     return Workload(name=name, mesh=dict(sizes), ops=tuple(ops), dtype=dtype,
                     assumptions=tuple(compiled.assumptions + notes), memory=memory,
                     buffers=len(compiled.arg_bytes))

@@ -12,7 +12,9 @@ plan-driven simulation does for a step without pipeline stages. Its ops become t
   memory traffic overlap: the slower of the two), as a plan's task is priced there;
 - collectives: one task each, on a stream per kind and mesh axes (``all_reduce data``), over the
   representative's group along those axes, every group of the mesh running it at once (``instances``),
-  timed and placed by testbed.collectives as a plan's are; ``count`` executions back to back.
+  timed and placed by testbed.collectives as a plan's are; ``count`` executions back to back. A
+  collective-permute is a send from each device to the next of its group (a ring shift, as ring
+  attention's K/V sends are priced: testbed.sim.ring).
 
 Dependencies are the program's data flow: a collective waits for the segments that produce its
 operand, a segment for the collectives whose results it reads. A collective whose result is needed
@@ -136,12 +138,22 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
             groups[op.axes] = mesh_groups(ids, names, op.axes)
         group = next(g for g in groups[op.axes] if rep in g)
         deps = sorted({t for d in op.deps for t in done[d]} | set(previous))
+        kind, instances = TaskKind.COLLECTIVE, groups[op.axes]
+        if op.collective == "collective_permute" and len(group) > 1:  # each device sends to the next of its group
+            kind, instances = TaskKind.SEND, _shifts(groups[op.axes])
+            group = next(pair for pair in instances if pair[0] == rep)
         done[i] = (b.add(name=op.name, device=rep, stream=f"{op.collective} {'+'.join(op.axes)}",
-                         kind=TaskKind.COLLECTIVE, deps=tuple(deps), op=op.collective, nbytes=op.nbytes,
-                         count=op.count, group=group, instances=groups[op.axes]),)
+                         kind=kind, deps=tuple(deps), op=op.collective, nbytes=op.nbytes,
+                         count=op.count, group=group, instances=instances),)
     close()
     representative = np.full(workload.devices, rep, dtype=np.int64)
     return Program(tasks=tuple(b.tasks), representative=representative)
+
+
+def _shifts(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
+    """A collective-permute as sends: each member to the next of its group (a ring shift; the program's own
+    source-target pairs are not kept in the workload)."""
+    return tuple((g[k], g[(k + 1) % len(g)]) for g in groups if len(g) > 1 for k in range(len(g)))
 
 
 def _repeat(gemm, count: int):
@@ -155,6 +167,8 @@ def workload_report(workload: Workload, topology: Topology, timeline: Timeline, 
     mfu = workload.flops() / (peak * step) if step > 0 else 0.0
     memory = dict(workload.memory)
     memory["capacity"] = topology.device.memory_bytes
+    if "total" in memory:
+        memory["fits"] = bool(memory["total"] <= topology.device.memory_bytes)
     return Report(step_time_s=step, compute_s=timeline.compute_s(), exposed_comm_s=timeline.exposed_comm_s(),
                   bubble_fraction=0.0, mfu=mfu, memory=memory, plan=workload.name, topology=topology.name,
                   devices=topology.num_devices, tasks=tasks, source=timeline.source)
