@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
 
-from tests.test_program_trace import EXAMPLES
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.fixture(autouse=True)

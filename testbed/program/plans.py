@@ -20,7 +20,7 @@ def trace_plan(plan: Plan, on_unknown: str = "refuse") -> Workload:
     import jax
     import jax.numpy as jnp
 
-    from testbed.program.trace import trace
+    from testbed.program.tracing import trace
     from testbed.runner import model
     from testbed.runner.check_sharding import _sds, abstract_mesh
     from testbed.runner.step import SpmdTrainer
