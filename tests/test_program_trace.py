@@ -139,3 +139,30 @@ def test_memory_is_the_arguments_plus_the_peak_of_live_values() -> None:
     assert w.memory["arguments"] == arguments
     # x @ w1 is still alive when (x @ w1) @ w2 is written; then it is freed
     assert w.memory["total"] == arguments + 2 * n * d * 4
+
+
+@pytest.mark.parametrize("example, shape, names, sizes", [
+    ("vision_cnn", (8,), ("data",), {"image": 8, "channels": (4, 8), "classes": 3, "per_device": 2}),
+    ("shard_map_mlp", (2, 4), ("data", "model"), {"d_model": 8, "d_hidden": 16, "rows": 4}),
+])
+def test_the_traced_collectives_are_those_xla_compiles(example, shape, names, sizes, monkeypatch) -> None:
+    """On 8 emulated devices, XLA:CPU's compiled step runs the traced collectives (kind, mesh axes, count),
+    once merged as XLA:CPU merges them (all-reduces; no all-gathers or reduce-scatters: combine_bytes 0)."""
+    import importlib
+    from collections import Counter
+
+    from testbed.runner.reshards import compiled_axes
+    from testbed.sim.combine import combine_collectives
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "predict"))
+    module = importlib.import_module(example)
+    monkeypatch.setattr(module, "SIZES", {**module.SIZES, **sizes})
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    step, args = module.predict(mesh)
+    compiled = compiled_axes(step.trace(*args).lower().compile().as_text(), shape, names)
+    abstract = abstract_mesh(dict(zip(names, shape)))
+    step, args = module.predict(abstract)
+    merged = combine_collectives(trace(step, *args, mesh=abstract), 0)
+    traced = Counter(("+".join(op.axes), op.collective.replace("_", "-")) for op in merged.ops
+                     if op.kind is OpKind.COLLECTIVE and op.group > 1)
+    assert traced == compiled

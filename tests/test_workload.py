@@ -91,15 +91,23 @@ def test_the_mesh_must_fill_the_topology() -> None:
         simulate_workload(workload([gemm()], mesh={"data": 4}), load_topology("dgx-h100"))
 
 
+def _collectives(w: Workload) -> int:
+    return sum(op.kind is OpKind.COLLECTIVE for op in w.ops)
+
+
 def test_combining_merges_independent_collectives_and_keeps_dependent_ones_apart() -> None:
+    for op in ("all_reduce", "all_gather"):
+        ops = [gemm(), reduce((0,), op=op), gemm(), reduce((2,), op=op), gemm((1, 3)), reduce((4,), op=op)]
+        merged = combine_collectives(workload(ops), None)
+        assert _collectives(merged) == 2  # the first two merge; the third depends on them
+        assert merged.collective_bytes() == workload(ops).collective_bytes()
+    # combine_bytes bounds all-gathers and reduce-scatters (0: none merge, as on XLA:CPU) ...
+    assert _collectives(combine_collectives(workload(ops), 0)) == 3
+    assert _collectives(combine_collectives(workload(ops), 1.5e6)) == 3
+    assert _collectives(combine_collectives(workload(ops), 2e6)) == 2
+    # ... while all-reduces merge on every backend
     ops = [gemm(), reduce((0,)), gemm(), reduce((2,)), gemm((1, 3)), reduce((4,))]
-    merged = combine_collectives(workload(ops), None)
-    kinds = [op.kind for op in merged.ops]
-    assert kinds.count(OpKind.COLLECTIVE) == 2  # the first two merge; the third depends on them
-    assert merged.collective_bytes() == workload(ops).collective_bytes()
-    assert combine_collectives(workload(ops), 0) is not None
-    assert len(combine_collectives(workload(ops), 0).ops) == len(ops)
-    assert sum(op.kind is OpKind.COLLECTIVE for op in combine_collectives(workload(ops), 1.5e6).ops) == 3
+    assert _collectives(combine_collectives(workload(ops), 0)) == 2
 
 
 def test_deferring_moves_a_collective_consumer_after_independent_compute() -> None:
