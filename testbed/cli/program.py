@@ -102,15 +102,42 @@ def trace_program(spec: str, mesh: dict[str, int], on_unknown: str = "refuse") -
             if len(mesh) != 1:
                 raise InputError(f"a pmap step runs over one axis, but the mesh is {mesh}; give --mesh "
                                  f"{step.axis_name}=N", field="--mesh")
-            return trace_pmap(step.fn, *args, axis_name=step.axis_name, devices=next(iter(mesh.values())),
-                              in_axes=step.in_axes, name=name, on_unknown=on_unknown)
-        return trace(step, *args, mesh=abstract, name=name, on_unknown=on_unknown)
+            workload = trace_pmap(step.fn, *args, axis_name=step.axis_name, devices=next(iter(mesh.values())),
+                                  in_axes=step.in_axes, name=name, on_unknown=on_unknown)
+        else:
+            workload = trace(step, *args, mesh=abstract, name=name, on_unknown=on_unknown)
     except InputError:
         raise
     except Exception as exc:  # a JAX error while tracing or partitioning the user's step
         text = " ".join(str(exc).split())
         raise InputError(f"tracing {quote(spec)} on the mesh {mesh} failed: {type(exc).__name__}: {text}",
                          field="--program") from None
+    return _with_xla_memory(workload, fn, mesh)
+
+
+def _with_xla_memory(workload: Any, fn: Any, mesh: dict[str, int]) -> Any:
+    """The workload with XLA's memory analysis where this process has the devices to compile the step on
+    (emulated CPU devices, e.g. under the testing kit); the live-range estimate otherwise."""
+    import dataclasses
+
+    import jax
+
+    from testbed.program import compiled_memory
+
+    devices = math.prod(mesh.values())
+    if len(jax.devices()) < devices:
+        return workload
+    concrete = jax.make_mesh(tuple(mesh.values()), tuple(mesh), devices=jax.devices()[:devices],
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh))
+    try:
+        step, args = fn(concrete)
+    except Exception:  # it traced on the abstract mesh; a concrete one is only a bonus
+        return workload
+    memory = compiled_memory(step, args, devices)
+    if memory is None:
+        return workload
+    estimate = workload.memory.get("total")
+    return dataclasses.replace(workload, memory={**memory, "live_range_estimate": estimate})
 
 
 def execute(args: Any) -> Any:

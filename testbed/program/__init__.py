@@ -5,6 +5,6 @@ the functions. ``trace`` / ``trace_pmap`` return a :class:`testbed.sim.workload.
 :func:`testbed.sim.traced.simulate_workload` prices it on a topology.
 """
 
-from testbed.program.tracing import PmapStep, abstract_mesh, trace, trace_pmap, workload_from_text
+from testbed.program.tracing import PmapStep, abstract_mesh, compiled_memory, trace, trace_pmap, workload_from_text
 
-__all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text"]
+__all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text", "compiled_memory"]

@@ -198,6 +198,8 @@ class _Reader:
             # shardings still split its values.
             manual = frozenset(re.findall(r'"([^"]+)"', str(op.attributes["manual_axes"]))
                                if "manual_axes" in op.attributes else ())
+            if "out_shardings" in op.attributes:  # its results are global, sharded as it says
+                self.define(results, _VALUE_SHARDING.findall(str(op.attributes["out_shardings"])))
             return Node(kind="region", name=name, operands=operands, results=results,
                         blocks=[self.block(op.regions[0].blocks[0], self._in_shardings(op), manual)])
         if name in ("func.call", "call"):

@@ -26,7 +26,7 @@ from typing import Any
 
 from testbed.sim.workload import Workload
 
-__all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text"]
+__all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text", "compiled_memory"]
 
 #: Platform the step is lowered for (Shardy's partitioning does not depend on it).
 PLATFORM = "cpu"
@@ -149,3 +149,36 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
     return Workload(name=name, mesh=dict(sizes), ops=tuple(ops), dtype=dtype,
                     assumptions=tuple(compiled.assumptions + notes), memory=memory,
                     buffers=len(compiled.arg_bytes))
+
+
+def compiled_memory(step: Any, args: Any, devices: int) -> dict | None:
+    """XLA's memory analysis of ``step(*args)`` compiled on this process's devices (emulated CPU devices), or
+    None when it has fewer than ``devices`` or the step does not compile here.
+
+    ``step`` is bound to a concrete mesh of the process's devices (a jitted function whose arguments carry
+    NamedShardings on it, or a :class:`PmapStep`). Bytes per device: XLA:CPU's buffer assignment, which
+    is what a target's compiler would do only roughly (its fusion and scheduling differ).
+    """
+    import jax
+
+    if len(jax.devices()) < devices:
+        return None
+    try:
+        if isinstance(step, PmapStep):
+            mapped = jax.pmap(step.fn, axis_name=step.axis_name, in_axes=step.in_axes,
+                              devices=jax.devices()[:devices])
+            compiled = mapped.lower(*_abstract(args)).compile()
+        else:
+            jitted = step if hasattr(step, "trace") else jax.jit(step)
+            compiled = jitted.trace(*_abstract(args)).lower().compile()
+        analysis = compiled.memory_analysis()
+    except Exception:  # a step that only lowers abstractly (or a backend without the analysis): no XLA numbers
+        return None
+    if analysis is None:
+        return None
+    arguments, outputs = float(analysis.argument_size_in_bytes), float(analysis.output_size_in_bytes)
+    temporaries, aliased = float(analysis.temp_size_in_bytes), float(analysis.alias_size_in_bytes)
+    return {"arguments": arguments, "outputs": outputs, "temporaries": temporaries,
+            "total": arguments + outputs + temporaries - aliased,
+            "method": f"XLA's memory analysis of the step compiled on {devices} emulated devices (XLA:CPU's buffer "
+                      "assignment)"}
