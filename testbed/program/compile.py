@@ -104,7 +104,6 @@ class Compiled:
     arg_bytes: list
     dtypes: dict
     assumptions: list
-    unknown: list
 
 
 def _divisors(sharding: str, sizes: dict[str, int], manual: frozenset = frozenset()) -> list[int]:
@@ -333,4 +332,4 @@ def compile_module(module: Any, context: Any, sizes: dict[str, int], on_unknown:
                          "not in the program's text. Remove it from the traced step, or trace with "
                          "on_unknown='assume' (CLI: --unknown-ops assume) to price each as a memory-bound op.")
     return Compiled(entry=entry, functions=blocks, arg_bytes=arg_bytes, dtypes=dict(reader.dtypes),
-                    assumptions=sorted(set(reader.assumptions)), unknown=[])
+                    assumptions=sorted(set(reader.assumptions)))
