@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from hypothesis import given, strategies as st
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -166,3 +167,21 @@ def test_the_traced_collectives_are_those_xla_compiles(example, shape, names, si
     traced = Counter(("+".join(op.axes), op.collective.replace("_", "-")) for op in merged.ops
                      if op.kind is OpKind.COLLECTIVE and op.group > 1)
     assert traced == compiled
+
+
+@given(data=st.sampled_from([1, 2, 4, 8]), tensor=st.sampled_from([1, 2, 4]), rows=st.integers(1, 4),
+       d=st.integers(1, 4), h=st.integers(1, 4))
+def test_any_megatron_mlp_mesh_is_read_by_the_formulas(data, tensor, rows, d, h) -> None:
+    """Drawn meshes and sizes: per-device FLOPs and bytes per axis are the Megatron MLP's formulas."""
+    rows, d, h = 8 * rows * data, 8 * d, 8 * h * tensor
+    w = trace(_mlp_step, sd((d, h), jnp.float32), sd((h, d), jnp.float32), sd((rows, d), jnp.float32),
+              mesh={"data": data, "tensor": tensor},
+              in_shardings=(P(None, "tensor"), P("tensor", None), P("data", None)))
+    local_rows, local_h = rows // data, h // tensor
+    assert w.flops() == 5 * 2 * local_rows * d * local_h
+    expected = {}
+    if tensor > 1:
+        expected["tensor"] = {"all_reduce": local_rows * d * 4}
+    if data > 1:
+        expected["data"] = {"all_reduce": 2 * d * local_h * 4}
+    assert w.collective_bytes() == expected
