@@ -169,7 +169,10 @@ def execute(args: Any) -> Any:
         "assumptions": summary["assumptions"]}
     files = []
     if args.trace:
-        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace)))
+        from testbed.sim.trace_args import span_args
+
+        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace,
+                                     args=span_args(sim.program, sim.timeline, topology))))
         data["trace"] = args.trace
     if args.gantt:
         files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{workload.name} on {topology.name}")))
