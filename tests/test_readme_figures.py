@@ -127,7 +127,11 @@ def test_search_figures():
     data = args._command.execute(args).data
     text = _normal("\n".join(quoted))
     assert f"{data['enumerated']} plans, {data['pruned_memory']} over memory, {data['estimated']} estimated" in text
+    assert f", {data['replayed']} replayed" in text  # the rate per minute between them is this host's
     from testbed.units import format_time
 
     assert f"the plan as written: {format_time(data['baseline_step_time_s'])} per step" in text
-    assert format_time(data["ranked"][0]["step_time_s"]) in text
+    best = data["ranked"][0]
+    assert _normal(f"1 {best['data']}.{best['fsdp']}.{best['tensor']}.{best['stage']} {best['schedule']} "
+                   f"{best['microbatches']} {best['zero']} {best['remat']} {format_time(best['step_time_s'])} "
+                   f"{format_time(best['exposed_comm_s'])}") in text
