@@ -109,7 +109,7 @@ def _space(args: argparse.Namespace):
 
 def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.cli.basic import plan_topology
-    from testbed.cli.progress import progress_bar
+    from testbed.cli.progress import progress_bar, progress_lines
     from testbed.explore.search import search as run_search
     from testbed.explore.space import resize_topology
     from testbed.plan.io import dump_plan, plan_to_dict
@@ -124,10 +124,12 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     if args.out:
         output_target(args.out, "--out")  # refused before the search, not after it
     space = _space(args)
+    lines = progress_lines("searching")  # plain lines when stderr is not a terminal (the bar draws none there)
     with progress_bar("searching") as bar:
         tasks: dict[str, Any] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
+            lines(phase, done, total)
             if phase not in tasks:
                 label = "plans (analytic tier)" if phase == "analytic" else "best plans (DES replay)"
                 tasks[phase] = bar.add_task(label, total=total)

@@ -58,7 +58,7 @@ from testbed.model.moe import moe_layers
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.topology import Topology
 
-__all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule"]
+__all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule", "cached_inflight", "step_floor"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,18 +105,25 @@ def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], .
     return tuple(tuple(int(x) for x in row) for row in moved.reshape(-1, size))
 
 
+#: (placement, axes, stage) -> that stage's device groups along the axes: a pure function of its key, kept
+#: across plans since building the groups of a 16,384-device mesh takes longer than pricing them.
+_GROUPS: dict = {}
+
+
 class _Collectives:
     """Seconds of one collective over every group of one stage at once (groups share links)."""
 
     def __init__(self, topology: Topology, ids) -> None:
         self.topology, self.ids = topology, ids
-        self.groups: dict = {}
+        self.placement = (ids.shape, ids.tobytes())  # plans of one mesh share their groups (a search meets many)
 
     def time(self, op: str, axes: tuple[Axis, ...], stage: int, nbytes: float) -> float:
-        key = (axes, stage)
-        groups = self.groups.get(key)
+        key = (self.placement, axes, stage)
+        groups = _GROUPS.get(key)
         if groups is None:
-            groups = self.groups[key] = _groups(self.ids, axes, stage)
+            if len(_GROUPS) > 4096:
+                _GROUPS.clear()
+            groups = _GROUPS[key] = _groups(self.ids, axes, stage)
         if nbytes <= 0 or len(groups[0]) < 2:
             return 0.0
         return groups_time(self.topology, op, groups, nbytes).time_s
@@ -185,6 +192,11 @@ def _inflight(name: str, stages: int, microbatches: int, virtual: int) -> tuple[
     return tuple(int(n) for n in peak_inflight(cached_schedule(name, stages, microbatches, virtual)[0]))
 
 
+def cached_inflight(plan: Plan) -> tuple[int, ...]:
+    """The schedule's per-stage peak of activation sets (testbed.model.memory.inflight_microbatches), memoized."""
+    return _inflight(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages)
+
+
 def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
     """:func:`testbed.model.memory.memory_breakdown`, with the schedule's in-flight counts memoized."""
     return memory_breakdown(plan, topology, _inflight(plan.schedule.name.value, plan.mesh.stage,
@@ -200,7 +212,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     ids = place(plan, topology).device_ids
     coll = _Collectives(topology, ids)
     reps = [int(ids[s].flat[0]) for s in range(p)]
-    rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] for s in range(p)]
+    rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if mesh.context > 1
+             else (reps[s], reps[s]) for s in range(p)]  # no ring: each rank its own (what the groups of one say)
     param_b, grad_b, _ = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     p_axes, p_ways, o_ways = sharding.params, sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
@@ -449,3 +462,58 @@ def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, costs) -> list
         if dst != stage:
             return [(dst, c, float(costs[dst][c].activation_out_bytes))]
     return []
+
+
+def step_floor(plan: Plan, topology: Topology) -> float | None:
+    """A lower bound of :func:`estimate`'s step seconds from compute alone, at a few stages' cost; None where
+    the plan's actions are not plain compute (context or expert parallelism) or the host is shared.
+
+    :func:`estimate` plays every action on its stage's one stream for at least its compute seconds, in the
+    schedule's dependency order, so its step is at least (a) any stage's compute over all its actions and
+    (b), with one chunk per stage, the first microbatch's forward through the stages before the last, the
+    last stage's whole forward and backward, and the last microbatch's backward back through the others
+    (weight gradients of split backwards left out of (b): they need not be on that path). Compute as the
+    estimate prices it; the gradient-bucket split of the last backward is taken at the cheaper of its two
+    prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
+    exceeds the estimates it would have to beat to be replayed, without changing what it replays.
+    """
+    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
+    if mesh.context > 1 or plan.model.experts or topology.calibration.host is not None:
+        return None
+    p, dtype = mesh.stage, plan.precision.compute_dtype
+    split = build_schedule_split(plan)
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    priced: dict[tuple, dict[str, float]] = {}
+    per_stage: list[dict[str, float]] = []
+    for s in range(p):
+        key = (plan.stage_layers[s], s == 0, s == p - 1)
+        if key not in priced:
+            seconds = dict.fromkeys(kinds, 0.0)
+            for c in range(v):
+                cost = _chunk_cost(plan, s, c)
+                kernels = max(1, 4 * cost.layers)
+                for kind in kinds:
+                    flops, hbm, (rep_b, split_b), _ = _action_work(cost, kind, split, plan.remat)
+                    gemms = _chunk_gemms(plan, s, c).action(kind, split)
+                    whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
+                                            gemms)
+                    pieces = min(BUCKETS, max(1, cost.layers))
+                    if kind == ("W" if split else "B") and pieces > 1:
+                        whole = min(whole, pieces * compute_seconds(
+                            topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
+                            split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces)))
+                    seconds[kind] += whole
+            priced[key] = seconds
+        per_stage.append(priced[key])
+    floor = max(m * sum(x.values()) for x in per_stage)
+    if v == 1 and p > 1:
+        last = per_stage[-1]
+        path = sum(x["F"] + x["B"] for x in per_stage[:-1]) + m * (last["F"] + last["B"])
+        floor = max(floor, path)
+    return floor
+
+
+def build_schedule_split(plan: Plan) -> bool:
+    """Whether ``plan``'s schedule splits the backward into B (input gradients) and W (weight gradients)."""
+    return cached_schedule(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
+                           plan.schedule.virtual_stages)[0].split_backward
