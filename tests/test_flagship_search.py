@@ -17,7 +17,8 @@ import pytest
 
 from testbed.cli.progress import progress_lines
 from testbed.collectives.bounds import distinct_groups, lower_bound
-from testbed.explore.analytic import estimate, plan_memory, step_floor
+from testbed.explore.analytic import estimate, plan_memory
+from testbed.explore.floor import step_floor
 from testbed.explore.search import _overflows, search
 from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.model.memory import state_floor

@@ -58,7 +58,8 @@ from testbed.model.moe import moe_layers
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.topology import Topology
 
-__all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule", "cached_inflight", "step_floor"]
+__all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule", "cached_inflight", "memo_chunk_cost",
+           "memo_chunk_gemms"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,6 +196,10 @@ def _inflight(name: str, stages: int, microbatches: int, virtual: int) -> tuple[
 def cached_inflight(plan: Plan) -> tuple[int, ...]:
     """The schedule's per-stage peak of activation sets (testbed.model.memory.inflight_microbatches), memoized."""
     return _inflight(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages)
+
+
+#: The memoized chunk costs and GEMM shapes, for the search's step floor (testbed.explore.floor).
+memo_chunk_cost, memo_chunk_gemms = _chunk_cost, _chunk_gemms
 
 
 def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
@@ -463,57 +468,3 @@ def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, costs) -> list
             return [(dst, c, float(costs[dst][c].activation_out_bytes))]
     return []
 
-
-def step_floor(plan: Plan, topology: Topology) -> float | None:
-    """A lower bound of :func:`estimate`'s step seconds from compute alone, at a few stages' cost; None where
-    the plan's actions are not plain compute (context or expert parallelism) or the host is shared.
-
-    :func:`estimate` plays every action on its stage's one stream for at least its compute seconds, in the
-    schedule's dependency order, so its step is at least (a) any stage's compute over all its actions and
-    (b), with one chunk per stage, the first microbatch's forward through the stages before the last, the
-    last stage's whole forward and backward, and the last microbatch's backward back through the others
-    (weight gradients of split backwards left out of (b): they need not be on that path). Compute as the
-    estimate prices it; the gradient-bucket split of the last backward is taken at the cheaper of its two
-    prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
-    exceeds the estimates it would have to beat to be replayed, without changing what it replays.
-    """
-    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
-    if mesh.context > 1 or plan.model.experts or topology.calibration.host is not None:
-        return None
-    p, dtype = mesh.stage, plan.precision.compute_dtype
-    split = build_schedule_split(plan)
-    kinds = ("F", "B", "W") if split else ("F", "B")
-    priced: dict[tuple, dict[str, float]] = {}
-    per_stage: list[dict[str, float]] = []
-    for s in range(p):
-        key = (plan.stage_layers[s], s == 0, s == p - 1)
-        if key not in priced:
-            seconds = dict.fromkeys(kinds, 0.0)
-            for c in range(v):
-                cost = _chunk_cost(plan, s, c)
-                kernels = max(1, 4 * cost.layers)
-                for kind in kinds:
-                    flops, hbm, (rep_b, split_b), _ = _action_work(cost, kind, split, plan.remat)
-                    gemms = _chunk_gemms(plan, s, c).action(kind, split)
-                    whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
-                                            gemms)
-                    pieces = min(BUCKETS, max(1, cost.layers))
-                    if kind == ("W" if split else "B") and pieces > 1:
-                        whole = min(whole, pieces * compute_seconds(
-                            topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
-                            split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces)))
-                    seconds[kind] += whole
-            priced[key] = seconds
-        per_stage.append(priced[key])
-    floor = max(m * sum(x.values()) for x in per_stage)
-    if v == 1 and p > 1:
-        last = per_stage[-1]
-        path = sum(x["F"] + x["B"] for x in per_stage[:-1]) + m * (last["F"] + last["B"])
-        floor = max(floor, path)
-    return floor
-
-
-def build_schedule_split(plan: Plan) -> bool:
-    """Whether ``plan``'s schedule splits the backward into B (input gradients) and W (weight gradients)."""
-    return cached_schedule(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
-                           plan.schedule.virtual_stages)[0].split_backward

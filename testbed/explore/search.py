@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from testbed.errors import InputError
-from testbed.explore.analytic import Estimate, cached_inflight, estimate, plan_memory, step_floor
+from testbed.explore.analytic import Estimate, cached_inflight, estimate, plan_memory
+from testbed.explore.floor import step_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.space import SearchSpace, candidates
 from testbed.model.costs import model_flops_per_step
@@ -239,7 +240,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
 
 
 def _beaten(plan: Plan, topology: Topology, kth: float, margin: float) -> bool:
-    """Whether ``plan`` cannot be replayed: its step-time floor (testbed.explore.analytic.step_floor) is above
+    """Whether ``plan`` cannot be replayed: its step-time floor (testbed.explore.floor.step_floor) is above
     ``kth``, the slowest of the fastest estimates so far that fill the replay list, and above the margin
     the replay extends to. Its estimate would be at least its floor, so the replayed plans stay the same."""
     floor = step_floor(plan, topology)
