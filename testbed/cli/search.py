@@ -154,7 +154,7 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     rows = [c.summary() for c in result.ranked[:args.top]]
     data = {"model": plan.name, "topology": topology.name, "devices": topology.num_devices,
             "objective": args.objective, "enumerated": result.enumerated, "pruned_memory": result.pruned_memory,
-            "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
+            "pruned_bound": result.pruned_bound, "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
             "replay_s": result.replay_s, "plans_per_minute": result.plans_per_minute,
             "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out}
 
@@ -163,7 +163,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         from rich.table import Table
 
         console.print(f"[bold]{plan.name}[/bold] on [bold]{topology.name}[/bold] ({topology.num_devices} devices): "
-                      f"{result.enumerated} plans, {result.pruned_memory} over memory, {result.estimated} estimated "
+                      f"{result.enumerated} plans, {result.pruned_memory} over memory, {result.pruned_bound} too slow to "
+                      f"replay by their step floor, {result.estimated} estimated "
                       f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed")
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
         for col in ("#", "d.f.t.s", "schedule", "mb", "Z", "remat", "step", "comm", "bubble", "MFU", "memory"):
