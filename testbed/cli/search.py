@@ -153,15 +153,16 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     rows = [c.summary() for c in result.ranked[:args.top]]
     data = {"model": plan.name, "topology": topology.name, "devices": topology.num_devices,
             "objective": args.objective, "enumerated": result.enumerated, "pruned_memory": result.pruned_memory,
-            "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
+            "pruned_bound": result.pruned_bound, "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
             "replay_s": result.replay_s, "plans_per_minute": result.plans_per_minute,
             "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out}
 
     def render(console) -> None:
         from testbed.cli.tables import Col, compact, fitted_table
 
-        console.print(f"[bold]{markup(plan.name)}[/bold] on [bold]{markup(topology.name)}[/bold] ({topology.num_devices} devices): "
-                      f"{result.enumerated} plans, {result.pruned_memory} over memory, {result.estimated} estimated "
+        console.print(f"[bold]{markup(plan.name)}[/bold] on [bold]{markup(topology.name)}[/bold] "
+                      f"({topology.num_devices} devices): {result.enumerated} plans, {result.pruned_memory} over "
+                      f"memory, {result.pruned_bound} too slow to replay by their step floor, {result.estimated} estimated "
                       f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed")
         # The layout (mesh, schedule, microbatches, ZeRO, remat) identifies a candidate; comm, bubble and
         # memory go first when the terminal is narrow.

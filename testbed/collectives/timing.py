@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from testbed.collectives.algorithms import ALGORITHMS, GRID_ALGORITHMS, SUPPORTED_OPS, parse_algorithm
 from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, parallel_copies, place_program, profile,
                                         program_flows, routed_cost, routed_transfers, topology_memo)
-from testbed.collectives.bounds import lower_bound
+from testbed.collectives.bounds import distinct_groups, lower_bound
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
@@ -185,7 +185,7 @@ def _bound_per_byte(topology: Topology, op: Op, groups: tuple[tuple[int, ...], .
     memo = _memo(topology)
     key = ("bound", op, groups, root, peer)
     if key not in memo:
-        memo[key] = max(lower_bound(topology, op, g, 1.0, root, peer) for g in groups)
+        memo[key] = max(lower_bound(topology, op, g, 1.0, root, peer) for g in distinct_groups(topology, groups))
     return memo[key]
 
 

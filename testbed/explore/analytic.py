@@ -58,7 +58,8 @@ from testbed.model.moe import moe_layers
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.topology import Topology
 
-__all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule"]
+__all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule", "cached_inflight", "memo_chunk_cost",
+           "memo_chunk_gemms"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,18 +106,25 @@ def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], .
     return tuple(tuple(int(x) for x in row) for row in moved.reshape(-1, size))
 
 
+#: (placement, axes, stage) -> that stage's device groups along the axes: a pure function of its key, kept
+#: across plans since building the groups of a 16,384-device mesh takes longer than pricing them.
+_GROUPS: dict = {}
+
+
 class _Collectives:
     """Seconds of one collective over every group of one stage at once (groups share links)."""
 
     def __init__(self, topology: Topology, ids) -> None:
         self.topology, self.ids = topology, ids
-        self.groups: dict = {}
+        self.placement = (ids.shape, ids.tobytes())  # plans of one mesh share their groups (a search meets many)
 
     def time(self, op: str, axes: tuple[Axis, ...], stage: int, nbytes: float) -> float:
-        key = (axes, stage)
-        groups = self.groups.get(key)
+        key = (self.placement, axes, stage)
+        groups = _GROUPS.get(key)
         if groups is None:
-            groups = self.groups[key] = _groups(self.ids, axes, stage)
+            if len(_GROUPS) > 4096:
+                _GROUPS.clear()
+            groups = _GROUPS[key] = _groups(self.ids, axes, stage)
         if nbytes <= 0 or len(groups[0]) < 2:
             return 0.0
         return groups_time(self.topology, op, groups, nbytes).time_s
@@ -185,6 +193,15 @@ def _inflight(name: str, stages: int, microbatches: int, virtual: int) -> tuple[
     return tuple(int(n) for n in peak_inflight(cached_schedule(name, stages, microbatches, virtual)[0]))
 
 
+def cached_inflight(plan: Plan) -> tuple[int, ...]:
+    """The schedule's per-stage peak of activation sets (testbed.model.memory.inflight_microbatches), memoized."""
+    return _inflight(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages)
+
+
+#: The memoized chunk costs and GEMM shapes, for the search's step floor (testbed.explore.floor).
+memo_chunk_cost, memo_chunk_gemms = _chunk_cost, _chunk_gemms
+
+
 def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
     """:func:`testbed.model.memory.memory_breakdown`, with the schedule's in-flight counts memoized."""
     return memory_breakdown(plan, topology, _inflight(plan.schedule.name.value, plan.mesh.stage,
@@ -200,7 +217,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     ids = place(plan, topology).device_ids
     coll = _Collectives(topology, ids)
     reps = [int(ids[s].flat[0]) for s in range(p)]
-    rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] for s in range(p)]
+    rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if mesh.context > 1
+             else (reps[s], reps[s]) for s in range(p)]  # no ring: each rank its own (what the groups of one say)
     param_b, grad_b, _ = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     p_axes, p_ways, o_ways = sharding.params, sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
@@ -449,3 +467,4 @@ def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, costs) -> list
         if dst != stage:
             return [(dst, c, float(costs[dst][c].activation_out_bytes))]
     return []
+

@@ -44,17 +44,19 @@ gradients appear, so the two never peak together.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from testbed.model import costs as model
 from testbed.model import layout, moe
 from testbed.model.ring import rank_spec, ring_workspace
-from testbed.plan.spec import Attention, Plan, Precision, Remat, ScheduleName
+from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat, ScheduleName
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
 
-__all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param"]
+__all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param",
+           "stage_memory", "probe_stages", "state_floor"]
 
 
 def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
@@ -293,9 +295,13 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
 def _layer_params_per_device(plan: Plan, ways: int = 1) -> int:
     """The largest layer's parameters on one device (MoE and dense layers differ): tensor and expert split,
     then ``ways``-way sharded by the layout's one rule."""
-    spec, mesh = plan.model, plan.mesh
+    return _largest_layer(plan.model, plan.mesh.tensor, plan.mesh.expert, ways)
+
+
+@functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
+def _largest_layer(spec: ModelSpec, tensor: int, expert: int, ways: int) -> int:
     kinds = {layout.is_moe_layer(spec, i): i for i in range(spec.layers)} if spec.experts else {False: 0}
-    return max(layout.held_elements(((p, 1) for p in layout.layer_params(spec, i)), mesh.tensor, ways, mesh.expert)
+    return max(layout.held_elements(((p, 1) for p in layout.layer_params(spec, i)), tensor, ways, expert)
                for i in kinds.values())
 
 
@@ -315,3 +321,30 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
         per_stage=tuple(stages))
+
+
+def stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
+    """Bytes on one device of ``stage`` at its peak instant with ``inflight`` activation sets (the schedule's).
+
+    Exactly the row :func:`memory_breakdown` reports for that stage, so each is a lower bound of the plan's
+    worst-device total: a search drops a plan as soon as one stage overflows, without the other stages.
+    """
+    return _stage_memory(plan, stage, inflight)
+
+
+def probe_stages(plan: Plan) -> tuple[int, ...]:
+    """The stages most likely to be the fullest, to try first: the first middle stage (most layers under an
+    uneven split, most in flight of those), the first (embedding, most in flight) and the last (head, loss)."""
+    p = plan.mesh.stage
+    return tuple(dict.fromkeys(s for s in (1, 0, p - 1) if s < p))
+
+
+def state_floor(plan: Plan) -> int:
+    """A lower bound of the plan's worst-device bytes from its model states alone: the most parameter and
+    optimizer bytes one device of a :func:`probe_stages` stage holds (schedule, microbatches and remat aside,
+    which change only activations, workspace and live gradients)."""
+    param_b, _, opt_b = state_bytes_per_param(plan)
+    sharding = state_sharding(plan)
+    param_ways, opt_ways = sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
+    return max(param_b * model.device_stage_params(plan, s, param_ways)
+               + opt_b * model.device_stage_params(plan, s, opt_ways) for s in probe_stages(plan))

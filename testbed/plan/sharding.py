@@ -11,11 +11,12 @@ many collectives one pass over a chunk's sharded parameters issues
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 from testbed.model import layout
-from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
+from testbed.plan.spec import MESH_AXES, Axis, MeshSpec, ModelSpec, Plan, Remat
 
 __all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters",
            "gathered_leaves", "combined_sizes", "parameter_collectives"]
@@ -107,13 +108,18 @@ def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "par
     v = plan.schedule.virtual_stages
     if chunk is None:
         return tuple(n for c in range(v) for n in gathered_leaves(plan, stage, c, which))
-    sharding = state_sharding(plan)
-    ways = sharding.ways(plan, which)
+    ways = state_sharding(plan).ways(plan, which)
     if ways <= 1:
         return ()
-    mesh, spec = plan.mesh, plan.model
+    return _gathered(plan.model, plan.mesh, v, plan.stage_layers, ways, stage, chunk)
+
+
+@functools.lru_cache(maxsize=65536)  # a search prices each chunk of thousands of plans sharing a mesh
+def _gathered(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+              chunk: int) -> tuple[int, ...]:
+    """:func:`gathered_leaves` of one chunk, from what it depends on."""
     embed, head = layout.holds(stage, chunk, mesh.stage, v)
-    span = layout.chunk_layers(spec, mesh.stage, v, plan.stage_layers)[stage][chunk]
+    span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
     params = list(layout.embedding_params(spec) if embed else ())
     for i in span:
         params += layout.layer_params(spec, i)
