@@ -126,7 +126,8 @@ def test_search_figures():
     args = build_parser(only="search").parse_args(_argv(command))
     data = args._command.execute(args).data
     text = _normal("\n".join(quoted))
-    assert f"{data['enumerated']} plans, {data['pruned_memory']} over memory, {data['estimated']} estimated" in text
+    assert f"{data['enumerated']} plans, {data['pruned_memory']} over memory, " in text
+    assert f"{data['pruned_bound']} too slow to replay by their step floor, {data['estimated']} estimated" in text
     assert f", {data['replayed']} replayed" in text  # the rate per minute between them is this host's
     from testbed.units import format_time
 
