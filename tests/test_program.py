@@ -14,7 +14,8 @@ from testbed.model import costs as model
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, TaskKind, axis_groups, build_program
+from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM
+from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
 from testbed.plan.sharding import state_sharding
 
