@@ -188,7 +188,7 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
     """Every gather of a chunk's sharded parameters, and its gradient reduce-scatters (each earlier microbatch's,
     the last one's buckets together), is as many collectives as testbed.plan.sharding's rule counts under the
     topology's combine_bytes (None: one per chunk), the chunk's bytes shared among them."""
-    from testbed.plan.sharding import gathered_leaves, parameter_collectives
+    from testbed.model.leaves import gathered_leaves, parameter_collectives
 
     placement = place(plan, num_devices=plan.mesh.size)
     program = build_program(plan, placement, combine_bytes=combine)
@@ -222,7 +222,7 @@ def test_host_counts_one_collective_per_leaf():
     all-gathers and 53 reduce-scatters per pass, the compiled step's count (tests/test_fsdp_runner.py checks
     the rule against XLA); a topology without combine_bytes keeps one per chunk."""
     from testbed.plan.io import load_plan
-    from testbed.plan.sharding import combined_sizes, gathered_leaves
+    from testbed.model.leaves import combined_sizes, gathered_leaves
     from testbed.sim.engine import simulate
     from testbed.topology.io import load_topology
 

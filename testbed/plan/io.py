@@ -16,7 +16,7 @@ from testbed.plan.spec import (
     Attention, Axis, BatchSpec, MeshSpec, Mlp, ModelSpec, Norm, OptimizerSpec, Plan, Position, Precision, Remat, ScheduleName,
     ScheduleSpec, plan_fields,
 )
-from testbed.model.presets import preset
+from testbed.plan.presets import preset
 
 __all__ = ["load_plan", "plan_from_dict", "plan_to_dict", "dump_plan", "bundled_plan_names", "resolve_plan_path"]
 

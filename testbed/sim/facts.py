@@ -26,11 +26,11 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, chunk_gemms, gemm_flops, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
+from testbed.model.leaves import parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
-from testbed.plan.sharding import (gathers_parameters, gradient_reduction, parameter_collectives, reduction_axes,
-                                   state_sharding)
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 
@@ -75,7 +75,7 @@ class ChunkFacts:
     """One virtual chunk of one stage: its cost, shapes, parameter collectives and actions.
 
     ``leaves``: the collectives one gather of its sharded parameters (and one reduce-scatter of their
-    gradients) is (testbed.plan.sharding.parameter_collectives); ``expert_params`` the routed experts'
+    gradients) is (testbed.model.leaves.parameter_collectives); ``expert_params`` the routed experts'
     parameters on one device (0 when nothing reduces gradients); ``buckets`` the gradient buckets of its
     last backward when gradients reduce while the backward goes on (one bucket per layer, at most
     :data:`BUCKETS`; one when they wait for the backward's end).

@@ -85,7 +85,7 @@ How many collectives a gather and a gradient reduce-scatter of a chunk's sharded
 parameters is: the runner (testbed.runner.parallel.ParamShards) gathers every sharded
 leaf on its own and reduce-scatters its gradient on its own, which XLA:CPU runs
 as that many collectives and XLA:GPU combines; testbed.plan.sharding's
-:func:`~testbed.plan.sharding.parameter_collectives` counts them under the
+:func:`~testbed.model.leaves.parameter_collectives` counts them under the
 topology's ``calibration.collectives.combine_bytes``, and the task carries the
 count (``count`` back-to-back collectives of an equal share of the bytes; a
 bucket's reduce-scatter its share of them).
