@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed.model import costs as model
+from testbed.model import costs
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
@@ -52,13 +52,13 @@ def test_compute_flops_are_conserved(plan):
     assert len(reps) == plan.mesh.stage
     for s, rep in enumerate(reps):
         actions = sum(t.flops for t in program.tasks if t.device == rep and t.pipeline and t.kind is TaskKind.COMPUTE)
-        assert math.isclose(actions, model.step_flops_per_device(plan, s), rel_tol=1e-9)
+        assert math.isclose(actions, costs.step_flops_per_device(plan, s), rel_tol=1e-9)
         opt = [t for t in program.tasks if t.device == rep and t.name == "optimizer"]
         assert len(opt) == 1
         o_ways = plan.mesh.fsdp * (plan.mesh.data if plan.zero >= 1 else 1)
         # The optimizer updates its shard as the layout's one rule cuts it (leaves no dim of which o_ways
         # divides stay whole), as memory counts and the runner holds it.
-        assert math.isclose(opt[0].flops, OPTIMIZER_FLOPS_PER_PARAM * model.device_stage_params(plan, s, o_ways))
+        assert math.isclose(opt[0].flops, OPTIMIZER_FLOPS_PER_PARAM * costs.device_stage_params(plan, s, o_ways))
 
 
 @given(plans)
@@ -79,9 +79,9 @@ def test_gradient_bytes_are_conserved(plan):
         sharded = state_sharding(plan).ways(plan, "grads") > 1
         assert len(accumulate) == (plan.schedule.virtual_stages * (plan.batch.microbatches - 1) if sharded else 0)
         assert math.isclose(sum(t.nbytes for t in accumulate),
-                            sharded * (plan.batch.microbatches - 1) * model.device_stage_params(plan, s) * grad_b,
+                            sharded * (plan.batch.microbatches - 1) * costs.device_stage_params(plan, s) * grad_b,
                             rel_tol=1e-9)
-        assert math.isclose(sum(t.nbytes for t in firsts), model.device_stage_params(plan, s) * grad_b, rel_tol=1e-9)
+        assert math.isclose(sum(t.nbytes for t in firsts), costs.device_stage_params(plan, s) * grad_b, rel_tol=1e-9)
         assert all(int(program.representative[d]) == rep for t in firsts for d in t.group)
         assert len(firsts) == plan.schedule.virtual_stages * min(BUCKETS, plan.model.layers // (
             plan.mesh.stage * plan.schedule.virtual_stages))
@@ -109,7 +109,7 @@ def test_tensor_allreduces_match_the_model(plan):
         expected = 0
         if plan.mesh.tensor > 1:
             for c in range(plan.schedule.virtual_stages):
-                cost = model.chunk_cost(plan, s, c)
+                cost = costs.chunk_cost(plan, s, c)
                 redo = cost.layers if plan.remat == "full" else 0  # full remat reruns the attention all-reduce
                 expected += plan.batch.microbatches * (cost.tensor_allreduces_forward + cost.tensor_allreduces_backward
                                                        + redo)
@@ -175,7 +175,7 @@ def test_each_microbatch_adds_its_gradients_into_the_accumulator(plan):
             continue
         assert len(adds) == m * v and all(t.stream == "compute" and t.flops == 0 for t in adds)
         total = sum(t.hbm_bytes for t in adds)
-        params = sum(model.chunk_cost(plan, s, c).params for c in range(v))
+        params = sum(costs.chunk_cost(plan, s, c).params for c in range(v))
         assert math.isclose(total, m * 3 * params * grad_b / ways, rel_tol=1e-9)
         kind = "W" if build_schedule(plan.schedule.name, plan.mesh.stage, m, v).split_backward else "B"
         for t in adds:  # right after a weight-gradient action of the same label (and its tensor collectives)
@@ -200,7 +200,7 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
             leaves = len(gathered_leaves(plan, s, c))
             assert (n >= 1) == sharded and n <= max(1, leaves)
             assert n == (sharded if combine is None else max(1, leaves) if combine == 0 and sharded else n)
-            cost = model.chunk_cost(plan, s, c)
+            cost = costs.chunk_cost(plan, s, c)
             mine = [t for t in program.tasks if t.device == rep and (m := re.search(r"[FBW]\d+(?:\.(\d+))?", t.name))
                     and int(m.group(1) or 0) == c]
             gathers = [t for t in mine if t.stream == "gather"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from testbed.calibration import fit as cal
+from testbed.calibration import fit
 from testbed.calibration.measurements import measurements_path, read_measurements
 from testbed.calibration.topology import base_topology, fit_saved, saved_base
 from testbed.cli import calibrate_multi
@@ -84,7 +84,7 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
         # The raw samples first: they stay useful even when a fit fails.
         raw = {"platform": info["platform"], "devices": info["devices"], "device_kind": info.get("device_kind", ""),
                "base": base.name, "seconds": elapsed, "rounds": args.rounds, "host_cpus": len(os.sched_getaffinity(0)),
-               "cache_bytes": dev.host_cache_bytes(info["platform"]), "samples": cal.samples_to_rows(samples)}
+               "cache_bytes": dev.host_cache_bytes(info["platform"]), "samples": fit.samples_to_rows(samples)}
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
     topo, fitted, fits = fit_saved(raw, base, name=args.name)

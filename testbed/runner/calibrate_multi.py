@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from testbed.calibration import fit as cal
+from testbed.calibration import fit
 
 __all__ = ["plan_benchmarks", "runs_on_all", "worker_body"]
 
@@ -92,7 +92,7 @@ def runs_on_all(bench: Any, local: int) -> bool:
     return needs > local
 
 
-def _collective(bench: Any, devices: list[Any]) -> cal.Sample:
+def _collective(bench: Any, devices: list[Any]) -> fit.Sample:
     """A collective timed over loops of 1 and 9 rounds (not 1 and 5): a gloo round takes milliseconds of
     scheduling noise on a busy host, and the longer loop averages more of it out of the per-round time."""
     from testbed.runner import measure
@@ -142,6 +142,6 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
             sys.stderr.flush()
     samples = [measure.least_disturbed(runs[i]) for i in range(len(benches))] if me == 0 else []
     return {**info, "process_id": me, "seconds": time.perf_counter() - started,
-            "samples": cal.samples_to_rows(samples)}
+            "samples": fit.samples_to_rows(samples)}
 
 
