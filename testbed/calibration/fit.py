@@ -19,7 +19,7 @@ least squares, numpy only:
   throughput curve, the ``host`` group);
 - collectives: :mod:`testbed.calibration.collectives`.
 
-Everything here is pure; :func:`testbed.calibration.topology.calibrated_topology` builds the new Topology.
+Everything here is pure; :func:`testbed.calibration.calibrated.calibrated_topology` builds the new Topology.
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def fit_host_cores(samples: Sequence[Sample]) -> float:
     The ``concurrent`` samples run the same per-device work on one device
     alone and on ``k`` devices at once; this takes the largest ``k``. 0
     (nothing shared) when all at once is within 25% of alone (real
-    accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`testbed.calibration.topology.calibrated_topology`.
+    accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`testbed.calibration.calibrated.calibrated_topology`.
     """
     done = _work_done(samples)
     if not done:

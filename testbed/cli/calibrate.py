@@ -1,7 +1,7 @@
 """``testbed calibrate``: fit a topology to this machine (checked by ``testbed validate``, testbed.cli.validate).
 
 Run the microbenchmarks of :mod:`testbed.runner.measure` on the chosen
-devices, fit the calibration with :func:`testbed.calibration.topology.fit_all`, and
+devices, fit the calibration with :func:`testbed.calibration.calibrated.fit_all`, and
 write the calibrated topology YAML (plus the raw samples beside it as
 ``FILE.measurements.json``), both atomically.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from testbed.calibration import fit
 from testbed.calibration.measurements import measurements_path, read_measurements
-from testbed.calibration.topology import base_topology, fit_saved, saved_base
+from testbed.calibration.calibrated import base_topology, fit_saved, saved_base
 from testbed.cli import calibrate_multi
 from testbed.cli.calibration_table import render_calibration
 from testbed.cli.progress import progress_bar

@@ -33,7 +33,7 @@ every program over devices it owns. Which devices a benchmark uses:
   would then be folded into compute efficiency (measured on a 2-core host:
   0.02 instead of about 0.4). The network is fitted by the collectives.
 
-Worker 0's samples are fitted by :func:`testbed.calibration.topology.fit_all` and
+Worker 0's samples are fitted by :func:`testbed.calibration.calibrated.fit_all` and
 written like the single-process path (topology YAML plus
 ``FILE.measurements.json``, which records ``processes``). A refit from such a
 file (``--from-measurements``) rebuilds the same two-level base.
