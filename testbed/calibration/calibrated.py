@@ -23,6 +23,7 @@ from testbed.calibration import fit
 from testbed.calibration import steps as cal_steps
 from testbed.collectives import timing as collective_timing
 from testbed.errors import InputError
+from testbed.topology.io import bundled_names, load_topology
 from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
                               HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
 
@@ -71,8 +72,6 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
     count differs, the devices sit on one switch (the template's innermost
     level) and the user should pass ``--base`` for a multi-node layout.
     """
-    from testbed.topology.io import bundled_names, load_topology
-
     if base is not None:
         topo = load_topology(base)
         if topo.num_devices != num_devices:
@@ -243,8 +242,6 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
 def saved_base(raw: Mapping[str, Any], base: str | None = None) -> Topology:
     """The base topology a saved ``.measurements.json`` (``raw``) is refitted against: ``base`` if given, else
     the bundled one it names, else one matching its devices (:func:`base_topology`)."""
-    from testbed.topology.io import bundled_names
-
     saved = raw.get("base") if raw.get("base") in bundled_names() else None
     return base_topology(base or saved, raw.get("platform", "cpu"), int(raw.get("devices", 8)),
                          str(raw.get("device_kind", "")))

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from testbed.errors import InputError
+from testbed.fields import MAX_DEVICES, check_keys, expect_mapping, get_float, get_int, get_str
 from testbed.topology.calibration import skew_growth
 
 __all__ = [
@@ -389,11 +390,7 @@ def samples_to_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:
 
 def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
     """Samples back from :func:`samples_to_rows` output (InputError naming the bad row)."""
-    from dataclasses import fields as dataclass_fields
-
-    from testbed.fields import MAX_DEVICES, check_keys, expect_mapping, get_float, get_int, get_str
-
-    names = [f.name for f in dataclass_fields(Sample)]
+    names = [f.name for f in fields(Sample)]
     out = []
     for i, row in enumerate(rows):
         field = f"samples[{i}]"

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from testbed.model.costs import model_flops_per_step
+from testbed.model.memory import memory_breakdown
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.compute import compute_seconds, pass_seconds
 from testbed.sim.contention import Flow, LinkLedger
@@ -305,9 +307,6 @@ def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end,
 
 def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -> Report:
     """Step time, compute, exposed comm, bubble, MFU and memory of a simulated (or measured) step."""
-    from testbed.model.memory import memory_breakdown
-    from testbed.model.costs import model_flops_per_step
-
     step = timeline.step_time_s
     peak = topology.device.flops(plan.precision.compute_dtype)
     mfu = model_flops_per_step(plan) / (topology.num_devices * peak * step) if step > 0 else 0.0
