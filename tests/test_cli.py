@@ -40,7 +40,7 @@ def test_topologies_json_lists_every_bundled_topology(capsys):
 
 def test_presets_lists_each_full_configuration_with_its_source(capsys):
     """`testbed presets`: every preset, its whole model mapping (a plan reads it back), batch and source."""
-    from testbed.model.presets import PRESETS
+    from testbed.plan.presets import PRESETS
     from testbed.plan.io import plan_from_dict
 
     code, out, _ = run_cli(["presets", "--json"], capsys)

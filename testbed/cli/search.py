@@ -31,7 +31,7 @@ def _csv(text: str | None) -> tuple[str, ...] | None:
 
 def _add(parser: argparse.ArgumentParser) -> None:
     from testbed.explore.search import OBJECTIVES
-    from testbed.model.presets import preset_names
+    from testbed.plan.presets import preset_names
 
     parser.add_argument("--model", required=True,
                         help=f"plan file or bundled plan (its model, batch, precision, optimizer are kept) or a "
@@ -60,7 +60,7 @@ def _add(parser: argparse.ArgumentParser) -> None:
 def base_plan(model: str, global_batch: int | None = None, seq: int | None = None) -> Plan:
     """The plan a search starts from: a preset's, or a plan file's with the batch and sequence overridden."""
     from testbed.explore.space import preset_plan
-    from testbed.model.presets import PRESETS
+    from testbed.plan.presets import PRESETS
     from testbed.plan.io import load_plan
 
     for name, value in (("--global-batch", global_batch), ("--seq", seq)):
