@@ -48,6 +48,7 @@ __all__ = ["launch", "WorkerFailed", "free_port", "port_is_free", "worker_contex
 BODIES: dict[str, str] = {"run": "testbed.runner.train:worker_body", "calibrate": "testbed.runner.calibrate_multi:worker_body"}
 
 _ENV = "TESTBED_WORKER"
+_LAUNCHER_ENV = "TESTBED_LAUNCHER_PID"
 _PORT_RETRIES = 3
 _BUSY_MARKERS = ("address already in use", "failed to bind", "bind failed", "errno 98")
 
@@ -131,6 +132,7 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
                 "local_devices": local_devices, "result_file": str(results[i]), "heartbeat_file": str(beats[i]),
                 "payload": payload})
             env.pop("XLA_FLAGS", None)
+            env[_LAUNCHER_ENV] = str(os.getpid())  # the worker dies with this process (testbed.lifetime)
             with open(errs[i], "wb") as err:
                 procs.append(subprocess.Popen([sys.executable, "-m", "testbed.runner.launch"], env=env,
                                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
@@ -257,7 +259,17 @@ def _worker_main() -> int:
     return 0
 
 
+def _die_with_launcher() -> None:
+    """A SIGKILLed launcher cannot stop its workers: each worker stops itself when the launcher dies."""
+    launcher = os.environ.get(_LAUNCHER_ENV, "")
+    if launcher.isdigit():
+        from testbed.lifetime import die_with_parent
+
+        die_with_parent(int(launcher))
+
+
 if __name__ == "__main__":
+    _die_with_launcher()
     code = _worker_main()
     sys.stdout.flush()
     sys.stderr.flush()
