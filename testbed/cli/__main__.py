@@ -2,6 +2,6 @@
 
 import sys
 
-from testbed.cli.main import main
+from testbed.cli import main
 
 sys.exit(main())
