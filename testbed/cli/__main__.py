@@ -2,6 +2,6 @@
 
 import sys
 
-from testbed.cli import main
+from testbed.cli.main import main
 
 sys.exit(main())

@@ -33,6 +33,7 @@ from testbed.fields import check_keys, expect_mapping, load_yaml
 from testbed.output import read_input
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
+from testbed.topology.spec import check_price
 
 __all__ = ["SearchOptions", "SweepSpec", "PointTask", "load_sweep_spec", "spec_from_dict", "expand",
            "TOPOLOGY_ALIASES", "SEARCH_CHOSEN", "MAX_POINTS"]
@@ -130,9 +131,7 @@ class PointTask:
 
 
 def _price(value: Any, field_name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InputError(f"must be a positive number of dollars per device-hour, got {quote(value)}", field=field_name)
-    return float(value)
+    return check_price(value, field_name)
 
 
 def _local(value: str, folder: Path) -> str:
