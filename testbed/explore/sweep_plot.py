@@ -122,5 +122,6 @@ def _finish(fig, ax, xlabel: str, ylabel: str, title: str, grid: str, path: Path
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(True, which=grid, alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[1]:  # an empty database draws no series (and needs no legend)
+        ax.legend(fontsize=8)
     return save_figure(fig, path)
