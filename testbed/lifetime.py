@@ -6,7 +6,8 @@ signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)`` through ctypes) and, as a
 fallback where that is unavailable or the parent died before the request,
 starts a watchdog thread that exits the process when its parent's pid is no
 longer its parent. :func:`stale_temporary_files` finds the hidden files of
-atomic writes (:func:`testbed.output.atomic_path`) whose writer is gone.
+atomic writes (:func:`testbed.output.atomic_path`) whose writer is gone;
+:func:`remove_stale_folders` the scratch folders of a killed launcher.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["die_with_parent", "TEMP_SUFFIX", "temporary_prefix", "stale_temporary_files"]
+__all__ = ["die_with_parent", "TEMP_SUFFIX", "temporary_prefix", "stale_temporary_files", "remove_stale_folders"]
 
 _PR_SET_PDEATHSIG = 1
 #: Suffix of every temporary file an atomic write creates: ``.NAME.PID.RANDOM.testbed-tmp``.
@@ -90,3 +91,24 @@ def stale_temporary_files(folder: Path) -> list[Path]:
             if path.is_file() and not path.is_symlink():
                 stale.append(path)
     return stale
+
+
+def remove_stale_folders(parent: Path, prefix: str) -> int:
+    """Remove the folders ``PREFIX<pid>-*`` in ``parent`` whose process no longer runs; how many were removed.
+
+    A SIGKILLed launcher cannot remove its scratch folder (``testbed-launch-<pid>-...``); the next one does.
+    """
+    import shutil
+
+    removed = 0
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return 0
+    for entry in entries:
+        pid, _, rest = entry.name.removeprefix(prefix).partition("-")
+        if (entry.name.startswith(prefix) and pid.isdigit() and rest and not _alive(int(pid))
+                and entry.is_dir(follow_symlinks=False)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+    return removed

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from testbed.errors import InputError
-from testbed.lifetime import TEMP_SUFFIX, stale_temporary_files
+from testbed.lifetime import TEMP_SUFFIX, remove_stale_folders, stale_temporary_files
 from testbed.output import output_target, write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,6 +71,21 @@ def test_sigkilled_launcher_leaves_no_worker(tmp_path):
     token = f"testbed-launcher-{uuid.uuid4().hex}"
     proc = _command(["run", "--plan", str(plan), "--processes", "2", "--steps", "1000"], token, tmp_path)
     assert _kill_and_wait(proc, token, children=2, settle_s=1.0) == []
+    scratch = list(Path(tempfile.gettempdir()).glob(f"testbed-launch-{proc.pid}-*"))
+    assert len(scratch) == 1  # the killed launcher's folder, until the next launch removes it:
+    assert remove_stale_folders(Path(tempfile.gettempdir()), "testbed-launch-") >= 1 and not scratch[0].exists()
+
+
+def test_only_the_folders_of_dead_processes_are_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    mine = tmp_path / f"testbed-launch-{os.getpid()}-abc"
+    gone = tmp_path / f"testbed-launch-{dead.stdout.strip()}-abc"
+    other = tmp_path / "testbed-launch-12ab34cd"  # an older launcher's name (no pid): left alone
+    for folder in (mine, gone, other):
+        folder.mkdir()
+        (folder / "result-0.json").write_text("{}")
+    assert remove_stale_folders(tmp_path, "testbed-launch-") == 1
+    assert mine.is_dir() and other.is_dir() and not gone.exists()
 
 
 def test_sigkilled_sweep_leaves_no_pool_process(tmp_path):

@@ -12,7 +12,10 @@ launcher watches all of them:
   process: stopped, deadlocked, swapped out), stops the job: the launcher
   kills every worker's process group and raises :class:`WorkerFailed` naming
   the worker, its exit status and the tail of its stderr;
-- a coordinator port that turns out busy is retried on a fresh port.
+- a coordinator port that turns out busy is retried on a fresh port;
+- a SIGKILLed launcher cannot stop its workers, so each worker dies with it
+  (a parent-death signal and a watchdog, :func:`testbed.lifetime.die_with_parent`),
+  and the next launch removes the scratch folder it left.
 
 On a real cluster no launcher is needed: start one process per host (SLURM
 ``srun``, a TPU pod's ``gcloud ... --worker=all``) and JAX reads the
@@ -49,6 +52,7 @@ BODIES: dict[str, str] = {"run": "testbed.runner.train:worker_body", "calibrate"
 
 _ENV = "TESTBED_WORKER"
 _LAUNCHER_ENV = "TESTBED_LAUNCHER_PID"
+_WORKDIR = "testbed-launch-"  # + the launcher's pid + "-": the scratch folder of one job
 _PORT_RETRIES = 3
 _BUSY_MARKERS = ("address already in use", "failed to bind", "bind failed", "errno 98")
 
@@ -185,7 +189,10 @@ def launch(payload: dict, *, processes: int, local_devices: int, port: int | Non
     if port is not None and not port_is_free(port):
         raise InputError(f"coordinator port {port} on 127.0.0.1 is busy; pick another or leave it out "
                          f"to use a free one", field="--port")
-    with tempfile.TemporaryDirectory(prefix="testbed-launch-") as tmp:
+    from testbed.lifetime import remove_stale_folders
+
+    remove_stale_folders(Path(tempfile.gettempdir()), _WORKDIR)  # left by a SIGKILLed launcher
+    with tempfile.TemporaryDirectory(prefix=f"{_WORKDIR}{os.getpid()}-") as tmp:
         for attempt in range(_PORT_RETRIES):
             chosen = port if port is not None else free_port()
             try:
