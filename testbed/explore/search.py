@@ -128,6 +128,17 @@ class SearchResult:
         return 60.0 * self.enumerated / self.analytic_s if self.analytic_s > 0 else float("inf")
 
 
+def _within_limits(plan: Plan) -> bool:
+    """A candidate the plan limits admit (testbed.plan.limits: a layout of 10^5 pipeline actions is not built)."""
+    from testbed.plan.limits import check_plan_limits
+
+    try:
+        check_plan_limits(plan)
+    except InputError:
+        return False
+    return True
+
+
 def _sort_key(objective: str, c: Candidate) -> tuple:
     value = -c.value if OBJECTIVES[objective] else c.value
     return value, c.estimate.memory_bytes
@@ -164,14 +175,16 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         raise InputError(f"must be at least 1, got {min(replay, top)}", field="--top")
     if objective == "cost":
         objective_value(objective, base, topology, 1.0, price_per_device_hour)  # validates the price first
-    plans = list(itertools.islice(candidates(base, topology.num_devices, space), MAX_CANDIDATES + 1))
+    plans = list(itertools.islice(filter(_within_limits, candidates(base, topology.num_devices, space)),
+                                  MAX_CANDIDATES + 1))
     if len(plans) > MAX_CANDIDATES:
         raise InputError(f"the search space holds more than {MAX_CANDIDATES:,} layouts of this model on "
                          f"{topology.num_devices:,} devices (each is estimated, and kept, in memory); narrow it: "
                          f"fewer --schedules, --microbatches or --max-microbatches, one --precisions, or fewer "
                          f"--devices", field="space")
     if not plans:
-        raise InputError(f"no layout of this model and batch divides over {topology.num_devices} devices",
+        raise InputError(f"no layout of this model and batch divides over {topology.num_devices} devices within "
+                         f"the plan limits (testbed.plan.limits)",
                          field="--devices")
     start = time.perf_counter()
     shortlist: list[Candidate] = []
