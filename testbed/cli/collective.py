@@ -21,6 +21,7 @@ import argparse
 import sys
 from typing import Any
 
+from testbed.cli.collective_cluster import execute_on_cluster, is_cluster, render_cluster_execution
 from testbed.collectives.algorithms import ALGORITHMS, parse_algorithm
 from testbed.collectives.timing import CollectiveTiming, applicable_algorithms, groups_time, placed_program
 from testbed.collectives.ops import BUS_FACTOR, OPS, Op, parse_op
@@ -55,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", default=None, help="with --sweep: plot busbw vs size per algorithm to this PNG")
     parser.add_argument("--execute", default=None, metavar="DEVICES",
                         help="also run the algorithm's step program on devices (emulated:N with N the group size, "
-                             "or local), check it against JAX's collective and time both")
+                             "or local), check it against JAX's collective and time both; or cluster[:NAME]: time "
+                             "JAX's collective on an emulated cluster (testbed cluster)")
+    parser.add_argument("--scale", type=float, default=None,
+                        help="with --execute cluster: link rate = level bandwidth x SCALE (docs/cluster.md)")
     parser.add_argument("--repeats", type=int, default=10,
                         help="with --execute: timed calls of each (median reported; default 10)")
 
@@ -139,7 +143,10 @@ def execute(args: argparse.Namespace) -> CommandResult:
         files.append(args.png)
         data["png"] = args.png
     executed: dict[str, Any] | None = None
-    if args.execute is not None:
+    if is_cluster(args.execute):
+        executed = execute_on_cluster(args, topology, op, groups, nbytes)
+        data["execute"] = executed
+    elif args.execute is not None:
         executed = _execute_on_devices(args, topology, op, groups, nbytes, algorithm, result, compared, root, peer)
         data["execute"] = executed
 
@@ -166,7 +173,9 @@ def execute(args: argparse.Namespace) -> CommandResult:
                     sweep.add_row(format_bytes(r["bytes"]), format_time(r["time_s"]), format_bandwidth(r["algbw"]),
                                   format_bandwidth(r["busbw"]))
                 console.print(sweep)
-        if executed is not None:
+        if executed is not None and "cluster" in executed:
+            render_cluster_execution(console, executed)
+        elif executed is not None:
             _render_execution(console, executed, topology.name)
         for f in files:
             console.print(f"wrote {f}")

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("testbed.cli.basic:plan", "check a plan against a topology and show its placement"),
     "memory": ("testbed.cli.memory", "per-device memory breakdown of a plan"),
     "collective": ("testbed.cli.collective", "time a collective on a topology"),
+    "cluster": ("testbed.cli.cluster", "build, remove or list an emulated cluster (network namespaces, shaped links)"),
     "schedule": ("testbed.cli.schedule", "build a pipeline schedule, its bubble and Gantt chart"),
     "simulate": ("testbed.cli.simulate:simulate", "simulate one training step of a plan on a topology"),
     "compare": ("testbed.cli.simulate:compare", "simulate a plan on several topologies side by side"),

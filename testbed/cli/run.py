@@ -49,6 +49,23 @@ def _check_run_arguments(args: argparse.Namespace) -> None:
         raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
 
 
+def _cluster_processes(name: str, processes: int, request: Any) -> int:
+    """The worker count on emulated cluster ``name``: one per node (``--processes``, if given, must agree)."""
+    from testbed.cli.cluster import require_privilege, saved_spec
+
+    spec = saved_spec(name)
+    require_privilege("--cluster")
+    nodes = len(spec.nodes)
+    if processes not in (1, nodes):
+        raise InputError(f"cluster `{name}` has {nodes} nodes, one worker each; leave --processes out",
+                         field="--processes")
+    devices = nodes * spec.devices_per_node
+    if request.kind != "emulated" or request.count != devices:
+        raise InputError(f"cluster `{name}` holds {devices} devices ({nodes} nodes x {spec.devices_per_node}); "
+                         f"use --devices emulated:{devices}", field="--devices")
+    return nodes
+
+
 def _devices_for(plan: Plan, request: Any) -> list[Any]:
     from testbed.runner import devices
 
@@ -69,6 +86,8 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
     request = devices.parse_devices(args.devices, plan.mesh.size)
     if args.processes < 1:
         raise InputError(f"must be at least 1, got {args.processes}", field="--processes")
+    if args.cluster is not None:
+        args.processes = _cluster_processes(args.cluster, args.processes, request)
     if args.processes > 1:
         if request.kind != "emulated":
             raise InputError("--processes K starts local CPU workers and needs --devices emulated:N; on a cluster "
@@ -81,8 +100,15 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
                              field="--devices")
         payload = {"plan": plan_to_dict(plan), "steps": args.steps}
         try:
-            results = launch.launch(payload, processes=args.processes, local_devices=request.count // args.processes,
-                                    port=args.port, timeout_s=args.timeout)
+            if args.cluster is not None:
+                from testbed.cli.cluster import saved_spec
+                from testbed.runner.on_cluster import cluster_launch
+
+                results = cluster_launch(saved_spec(args.cluster), "keep", payload, timeout_s=args.timeout)
+            else:
+                results = launch.launch(payload, processes=args.processes,
+                                        local_devices=request.count // args.processes, port=args.port,
+                                        timeout_s=args.timeout)
         except launch.WorkerFailed as exc:
             return CommandResult({"ok": False, "error": str(exc), "worker": exc.worker}, _error_render(str(exc)),
                                  exit_code=1)
@@ -159,6 +185,9 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed", action="store_true",
                         help="on a cluster: join the job's processes with jax.distributed.initialize() "
                              "(SLURM, Open MPI, Cloud TPU environment); use with --devices local")
+    parser.add_argument("--cluster", default=None, metavar="NAME",
+                        help="run on emulated cluster NAME (testbed cluster up): one worker per node, in its "
+                             "namespace, over the shaped links")
     parser.add_argument("--timeout", type=float, default=None,
                         help="with --processes: stop all workers after this many seconds (a deadlocked job)")
     parser.add_argument("--trace", default=None, metavar="F",

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,8 @@ __all__ = ["launch", "WorkerFailed", "free_port", "port_is_free", "worker_contex
 
 #: Command bodies a worker can run: payload ``body`` -> ``module:function`` taking the payload, returning a dict.
 #: Named by string so the launcher imports only the body a job runs.
-BODIES: dict[str, str] = {"run": "testbed.runner.train:worker_body", "calibrate": "testbed.runner.calibrate_multi:worker_body"}
+BODIES: dict[str, str] = {"run": "testbed.runner.train:worker_body", "calibrate": "testbed.runner.calibrate_multi:worker_body",
+                          "collective": "testbed.runner.cluster_collective:worker_body"}
 
 _ENV = "TESTBED_WORKER"
 _LAUNCHER_ENV = "TESTBED_LAUNCHER_PID"
@@ -78,6 +79,7 @@ class WorkerContext:
     result_file: str
     heartbeat_file: str
     payload: dict
+    bind_host: str | None = None
 
 
 def free_port() -> int:
@@ -121,7 +123,8 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
 
 
 def _run_once(payload: dict, processes: int, local_devices: int, port: int, workdir: Path,
-              stale_s: float, timeout_s: float | None) -> list[dict]:
+              stale_s: float, timeout_s: float | None, hosts: Sequence[str] | None = None,
+              prefixes: Sequence[Sequence[str]] | None = None) -> list[dict]:
     procs: list[subprocess.Popen] = []
     results = [workdir / f"result-{i}.json" for i in range(processes)]
     beats = [workdir / f"heartbeat-{i}" for i in range(processes)]
@@ -135,10 +138,14 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
                 "coordinator": f"127.0.0.1:{port}", "num_processes": processes, "process_id": i,
                 "local_devices": local_devices, "result_file": str(results[i]), "heartbeat_file": str(beats[i]),
                 "payload": payload})
+            if hosts:  # an emulated cluster: the coordinator on the first node, each worker on its node's address
+                env[_ENV] = json.dumps({**json.loads(env[_ENV]), "coordinator": f"{hosts[0]}:{port}",
+                                        "bind_host": hosts[i]})
             env.pop("XLA_FLAGS", None)
             env[_LAUNCHER_ENV] = str(os.getpid())  # the worker dies with this process (testbed.lifetime)
             with open(errs[i], "wb") as err:
-                procs.append(subprocess.Popen([sys.executable, "-m", "testbed.runner.launch"], env=env,
+                prefix = list(prefixes[i]) if prefixes else []  # e.g. `ip netns exec NS`: a worker per namespace
+                procs.append(subprocess.Popen([*prefix, sys.executable, "-m", "testbed.runner.launch"], env=env,
                                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
         start = time.monotonic()
         while True:
@@ -174,13 +181,18 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
 
 
 def launch(payload: dict, *, processes: int, local_devices: int, port: int | None = None,
-           stale_s: float = 15.0, timeout_s: float | None = None) -> list[dict]:
+           stale_s: float = 15.0, timeout_s: float | None = None, hosts: Sequence[str] | None = None,
+           prefixes: Sequence[Sequence[str]] | None = None) -> list[dict]:
     """Run ``payload`` (a command's arguments) on ``processes`` local workers; their results in order.
 
     ``payload["body"]`` names the command body each worker runs (a key of
     :data:`BODIES`, default ``run``). ``port`` None picks a free coordinator
     port and retries busy ones; a given busy port raises InputError. A dead or
     hung worker stops the whole job within ``stale_s`` plus a second.
+    ``hosts`` (one address per worker, the coordinator on the first) and
+    ``prefixes`` (a command each worker starts under, e.g. ``ip netns exec
+    NS``) run the workers on an emulated cluster (:mod:`testbed.cluster`);
+    by default all listen on 127.0.0.1.
     """
     from testbed.errors import InputError
 
@@ -196,7 +208,8 @@ def launch(payload: dict, *, processes: int, local_devices: int, port: int | Non
         for attempt in range(_PORT_RETRIES):
             chosen = port if port is not None else free_port()
             try:
-                return _run_once(payload, processes, local_devices, chosen, Path(tmp), stale_s, timeout_s)
+                return _run_once(payload, processes, local_devices, chosen, Path(tmp), stale_s, timeout_s,
+                                 hosts, prefixes)
             except WorkerFailed as exc:
                 if not exc.port_busy or port is not None or attempt == _PORT_RETRIES - 1:
                     raise
@@ -256,7 +269,7 @@ def _worker_main() -> int:
                     local_count=context.local_devices)
     # Local workers listen on loopback only (the coordinator's host), never on every interface.
     devices.initialize_distributed(context.coordinator, context.num_processes, context.process_id,
-                                   bind_host=context.coordinator.rpartition(":")[0])
+                                   bind_host=context.bind_host or context.coordinator.rpartition(":")[0])
     _inject_fault(context.process_id)
     data = _body(context.payload.get("body", "run"))(context.payload)
     write_atomic(context.result_file, json.dumps(to_jsonable(data), default=str))

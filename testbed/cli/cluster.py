@@ -1,0 +1,136 @@
+"""`testbed cluster up|down|status`: an emulated cluster on this machine (network namespaces, shaped links).
+
+``up --topology T --scale S [--name N]`` builds one namespace per node of a
+levels topology, a bridge per switch and tbf shaping both ways at the
+levels' bandwidths times ``S`` (docs/cluster.md); it stays until ``down N``
+(or ``down --all``, which removes every cluster of this project, including
+leftovers of killed commands). ``status`` lists them. Commands that run on a
+cluster (``testbed collective OP --execute cluster:N``) read the cluster's
+topology and scale from a small state file ``up`` writes (in
+``$TESTBED_CLUSTER_STATE``, default ``/run/testbed-cluster``).
+
+``up`` and ``down`` need root or CAP_NET_ADMIN; without, they exit 2 saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from testbed.cluster import netns
+from testbed.cluster.spec import ClusterSpec, cluster_spec
+from testbed.errors import InputError
+from testbed.output import CommandResult, write_atomic
+from testbed.topology.io import load_topology
+from testbed.units import format_bandwidth
+
+__all__ = ["add_arguments", "execute", "state_dir", "saved_spec", "require_privilege"]
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("TESTBED_CLUSTER_STATE", "/run/testbed-cluster"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=("up", "down", "status"), help="build, remove or list clusters")
+    parser.add_argument("name", nargs="?", default="tb", help="the cluster's name (1-12 of a-z0-9; default tb)")
+    parser.add_argument("--topology", default=None, help="with up: a levels topology (bundled name or YAML path)")
+    parser.add_argument("--scale", type=float, default=None,
+                        help="with up: link rate = level bandwidth x SCALE (0.01: 100 Gb/s runs at 1 Gb/s)")
+    parser.add_argument("--mtu", type=int, default=1500, help="with up: the links' MTU in bytes (default 1500)")
+    parser.add_argument("--all", action="store_true", help="with down: every cluster of this project, leftovers too")
+
+
+def require_privilege(field: str = "cluster") -> None:
+    """Exit 2 (an InputError) naming what is missing when this process cannot build namespaces."""
+    problem = netns.privilege_problem()
+    if problem:
+        raise InputError(f"an emulated cluster cannot be built here: {problem}", field=field)
+
+
+def saved_spec(name: str) -> ClusterSpec:
+    """The spec of a cluster ``testbed cluster up`` built, from its state file."""
+    path = state_dir() / f"{name}.json"
+    kept = {c.name for c in netns.clusters() if c.owner == "keep"}
+    if name not in kept or not path.exists():
+        known = ", ".join(sorted(kept)) or "none"
+        raise InputError(f"no cluster `{name}` is up (up: {known}); build it with `testbed cluster up {name} "
+                         "--topology T --scale S`", field="execute")
+    state = json.loads(path.read_text())
+    return cluster_spec(load_topology(state["topology"]), name=name, scale=state["scale"], mtu=state["mtu"])
+
+
+def _topology_source(text: str) -> str:
+    """A bundled name as given, a YAML path made absolute (later commands run elsewhere)."""
+    path = Path(text)
+    return str(path.resolve()) if path.suffix in (".yaml", ".yml") and path.exists() else text
+
+
+def _up(args: argparse.Namespace) -> dict[str, object]:
+    if args.topology is None or args.scale is None:
+        raise InputError("up needs --topology (a levels topology) and --scale (e.g. 0.01)", field="topology")
+    spec = cluster_spec(load_topology(args.topology), name=args.name, scale=args.scale, mtu=args.mtu)
+    require_privilege()
+    removed = netns.remove_leftovers()
+    if any(c.name == spec.name for c in netns.clusters()):
+        raise InputError(f"a cluster `{spec.name}` is already up; `testbed cluster down {spec.name}` first or pick "
+                         "another name", field="name")
+    made = netns.build(spec, "keep")
+    state_dir().mkdir(parents=True, exist_ok=True)
+    write_atomic(state_dir() / f"{spec.name}.json",
+                 json.dumps({"topology": _topology_source(args.topology), "scale": spec.scale, "mtu": spec.mtu}))
+    return {"action": "up", "cluster": spec.to_dict(), "namespaces": made, "removed_leftovers": removed}
+
+
+def _down(args: argparse.Namespace) -> dict[str, object]:
+    require_privilege()
+    if args.all:
+        count = netns.remove_all()
+        for path in state_dir().glob("*.json") if state_dir().is_dir() else []:
+            path.unlink(missing_ok=True)
+        return {"action": "down", "all": True, "namespaces_removed": count}
+    count = netns.remove(args.name)
+    (state_dir() / f"{args.name}.json").unlink(missing_ok=True)
+    if count == 0:
+        raise InputError(f"no cluster `{args.name}` is up; `testbed cluster status` lists them", field="name")
+    return {"action": "down", "name": args.name, "namespaces_removed": count}
+
+
+def _status() -> dict[str, object]:
+    rows = []
+    for c in netns.clusters():
+        state = state_dir() / f"{c.name}.json"
+        saved = json.loads(state.read_text()) if c.owner == "keep" and state.exists() else None
+        rows.append({"name": c.name, "owner": c.owner, "owner_alive": c.alive, "namespaces": list(c.namespaces),
+                     "nodes": sum(1 for ns in c.namespaces if not ns.endswith("-sw")), "saved": saved})
+    return {"action": "status", "clusters": rows}
+
+
+def execute(args: argparse.Namespace) -> CommandResult:
+    if args.action == "up":
+        data = _up(args)
+    elif args.action == "down":
+        data = _down(args)
+    else:
+        data = _status()
+
+    def render(console) -> None:
+        if args.action == "up":
+            spec = data["cluster"]
+            rates = sorted({link["rate_bps"] for link in spec["links"]})
+            console.print(f"cluster [bold]{spec['name']}[/] up: {len(spec['nodes'])} nodes of {spec['topology']} at "
+                          f"scale {spec['scale']:g}, links {', '.join(format_bandwidth(r / 8) for r in rates)}, "
+                          f"{len(data['namespaces'])} namespaces")
+        elif args.action == "down":
+            console.print(f"removed {data['namespaces_removed']} namespace(s)")
+        else:
+            if not data["clusters"]:
+                console.print("no emulated cluster is up")
+            for c in data["clusters"]:
+                state = "running" if c["owner_alive"] else "gone"
+                owner = "kept" if c["owner"] == "keep" else f"owner {c['owner']} ({state})"
+                console.print(f"{c['name']}: {c['nodes']} nodes, {owner}")
+
+    return CommandResult(data, render)

@@ -1,0 +1,273 @@
+"""Build and remove an emulated cluster with ``ip`` and ``tc``: namespaces, bridges, veth pairs, tbf shaping.
+
+Everything lives in namespaces named ``tbc-<cluster>-<owner>-<role>``
+(:func:`testbed.cluster.spec.namespace_name`): one per node (``n0``, ``n1``
+...) and one fabric namespace (``sw``) holding the bridges, the switch ends
+of the veths and the uplinks between bridges. Veth pairs are created with
+both ends already inside their namespaces, so nothing ever appears in the
+machine's own namespace, and deleting a cluster's namespaces removes every
+link and qdisc it had. Nodes have one address each in 198.18.0.0/24 and no
+default route: the cluster cannot reach anything outside itself.
+
+The owner is ``keep`` for a cluster made by ``testbed cluster up`` (removed
+by ``down``), or ``<pid>x<start time>`` of the process that made a cluster
+for one command: :func:`remove_leftovers` (run before every build) removes
+clusters whose owner is gone, e.g. a parent killed with SIGKILL, together
+with any process still running inside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
+
+__all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
+           "namespaces",
+           "build", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
+           "ClusterInfo"]
+
+_NET_ADMIN = 12  # capability bit
+
+
+class ClusterUnavailable(RuntimeError):
+    """This process may not create network namespaces (no root, no CAP_NET_ADMIN, no ``ip``)."""
+
+
+class ClusterError(RuntimeError):
+    """An ``ip``/``tc`` command failed while building or removing a cluster."""
+
+
+def _capabilities() -> int:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def privilege_problem(euid: int | None = None, capabilities: int | None = None) -> str | None:
+    """Why this process cannot build a cluster, or None when it can (root or CAP_NET_ADMIN, and ``ip``/``tc``).
+
+    ``euid`` and ``capabilities`` (a CapEff mask) default to this process's.
+    """
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        caps = _capabilities() if capabilities is None else capabilities
+        if not caps >> _NET_ADMIN & 1:
+            return ("creating network namespaces needs root or CAP_NET_ADMIN (this process has neither); run as "
+                    "root, or rootless inside a user namespace where the kernel allows one: `unshare --user "
+                    "--map-root-user --net --mount sh -c 'mount -t tmpfs none /run && testbed ...'` (the cluster "
+                    "then lives only as long as that command)")
+    return None
+
+
+def unavailable() -> str | None:
+    """Why no cluster can be built here (privilege, or ``ip netns add`` refused), or None: tests skip on it."""
+    problem = privilege_problem()
+    if problem:
+        return problem
+    probe = namespace_name("probe", owner_token(), "sw")
+    made = _run(["ip", "netns", "add", probe], check=False)
+    _run(["ip", "netns", "delete", probe], check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` is refused here: {made.stderr.strip()}"
+    return None
+
+
+def _run(args: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise ClusterError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # field 22, counted after the command name
+
+
+def owner_token(pid: int | None = None) -> str:
+    """``<pid>x<start time>`` of a process: unique while it lives, never reused by a later process."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}x{_start_time(pid)}"
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the owner of a cluster still runs (``keep`` always does)."""
+    if owner == "keep":
+        return True
+    pid, _, start = owner.partition("x")
+    return pid.isdigit() and _start_time(int(pid)) == start
+
+
+def namespaces() -> list[str]:
+    """This project's network namespaces (names starting ``tbc-``)."""
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [n for n in names if parse_namespace(n) is not None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterInfo:
+    """A cluster found on the machine: its name, owner, namespaces, and whether its owner still runs."""
+
+    name: str
+    owner: str
+    namespaces: tuple[str, ...]
+    alive: bool
+
+
+def clusters() -> list[ClusterInfo]:
+    """The clusters on this machine, from their namespaces' names."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for ns in namespaces():
+        cluster, owner, _ = parse_namespace(ns)  # type: ignore[misc]
+        found.setdefault((cluster, owner), []).append(ns)
+    return [ClusterInfo(name=c, owner=o, namespaces=tuple(sorted(ns)), alive=owner_alive(o))
+            for (c, o), ns in sorted(found.items())]
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL every process still running in namespace ``ns`` (orphaned workers of a killed parent)."""
+    out = _run(["ip", "netns", "pids", ns], check=False).stdout
+    for pid in (int(p) for p in out.split() if p.isdigit()):
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _delete(names: list[str]) -> None:
+    for ns in names:
+        _kill_inside(ns)
+    for ns in names:
+        _run(["ip", "netns", "delete", ns], check=False)
+
+
+def remove(name: str, owner: str | None = None) -> int:
+    """Remove cluster ``name`` (of ``owner``, or any owner); the number of namespaces removed."""
+    names = [ns for ns in namespaces() if parse_namespace(ns)[0] == name  # type: ignore[index]
+             and (owner is None or parse_namespace(ns)[1] == owner)]  # type: ignore[index]
+    _delete(names)
+    return len(names)
+
+
+def remove_leftovers() -> list[str]:
+    """Remove the clusters whose owning process is gone; their names."""
+    stale = [c for c in clusters() if not c.alive]
+    _delete([ns for c in stale for ns in c.namespaces])
+    return [c.name for c in stale]
+
+
+def remove_all() -> int:
+    """Remove every cluster of this project on the machine, kept or owned; the number of namespaces removed."""
+    names = namespaces()
+    _delete(names)
+    return len(names)
+
+
+def node_namespace(spec: ClusterSpec, owner: str, index: int) -> str:
+    return namespace_name(spec.name, owner, spec.nodes[index].role)
+
+
+def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
+    """tbf on ``dev``'s egress: ``rate_bps``, a bucket of max(1 ms of rate, two frames), 50 ms of queue.
+
+    The bucket is what leaves at line speed after an idle spell, so it is kept small: a 64 KiB bucket (one
+    GSO packet whole, cheaper on CPU) let a 64 KiB all-gather at 30 Mb/s pass almost unshaped.
+    """
+    rate = max(int(rate_bps), 8000)
+    burst = max(rate // 8 // 1000, 2 * (mtu + 14))
+    _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
+          "burst", str(burst), "latency", "50ms"])
+
+
+def build(spec: ClusterSpec, owner: str) -> list[str]:
+    """Create the cluster's namespaces, bridges, links and shaping; its namespaces.
+
+    A failure part-way removes what was made and raises :class:`ClusterError`.
+    """
+    fabric = namespace_name(spec.name, owner, "sw")
+    made: list[str] = []
+    try:
+        for ns in [fabric, *(namespace_name(spec.name, owner, n.role) for n in spec.nodes)]:
+            _run(["ip", "netns", "add", ns])
+            made.append(ns)
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        for bridge in spec.bridges:
+            _run(["ip", "-n", fabric, "link", "add", bridge, "mtu", str(spec.mtu), "type", "bridge"])
+            _run(["ip", "-n", fabric, "link", "set", bridge, "up"])
+        address = {n.role: n.address for n in spec.nodes}
+        for link in spec.links:
+            lower_ns = namespace_name(spec.name, owner, link.lower) if link.lower in address else fabric
+            _run(["ip", "link", "add", link.lower_dev, "mtu", str(spec.mtu), "netns", lower_ns, "type", "veth",
+                  "peer", "name", link.upper_dev, "mtu", str(spec.mtu), "netns", fabric])
+            _run(["ip", "-n", fabric, "link", "set", link.upper_dev, "master", link.bridge])
+            if link.lower in address:
+                _run(["ip", "-n", lower_ns, "addr", "add", f"{address[link.lower]}/24", "dev", link.lower_dev])
+            else:
+                _run(["ip", "-n", fabric, "link", "set", link.lower_dev, "master", link.lower])
+            for ns, dev in ((lower_ns, link.lower_dev), (fabric, link.upper_dev)):
+                _shape(ns, dev, link.rate_bps, spec.mtu)
+                _run(["ip", "-n", ns, "link", "set", dev, "up"])
+    except BaseException:
+        _delete(made)
+        raise
+    return made
+
+
+@contextlib.contextmanager
+def _signals_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise SystemExit here, so ``finally`` blocks run (SIGINT already raises)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+    def leave(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for s in previous:
+        signal.signal(s, leave)
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def ephemeral(spec: ClusterSpec) -> Iterator[str]:
+    """Build ``spec`` owned by this process for the ``with`` block; yields the owner token.
+
+    Leftovers of dead owners are removed first. The cluster is removed on
+    leaving the block, on Ctrl-C, SIGTERM and SIGHUP; after a SIGKILL the next
+    :func:`ephemeral` or ``testbed cluster up`` removes it.
+    """
+    problem = privilege_problem()
+    if problem:
+        raise ClusterUnavailable(problem)
+    remove_leftovers()
+    owner = owner_token()
+    with _signals_exit():
+        try:
+            build(spec, owner)
+            yield owner
+        finally:
+            remove(spec.name, owner)
+

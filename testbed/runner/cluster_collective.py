@@ -1,0 +1,78 @@
+"""A worker body that times JAX's own collectives across processes (gloo on CPU), one size after another.
+
+``testbed collective OP --execute cluster`` and ``benchmarks/emulated_cluster.py``
+launch one worker per node of an emulated cluster (:mod:`testbed.cluster`)
+with ``payload = {"body": "collective", "op": ..., "sizes": [...],
+"repeats": R}`` (or ``"repeats_per_size"``, one count per size); every
+worker runs the same jitted ``shard_map`` over all devices of the job, so
+each call is one collective over every node. Sizes
+follow nccl-tests' convention (as :mod:`testbed.collectives.ops` does): the
+all-reduce's buffer per device, the all-gather's gathered result.
+
+Each call is waited for; the time of a call is the slowest process's, as a
+collective ends for the job when its last rank is done: every worker
+reports its own times and the launcher's caller takes the maximum per call,
+then the median over calls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["worker_body", "collective_times", "OPS"]
+
+#: The collectives a worker can time, by the project's op names.
+OPS = ("all_reduce", "all_gather")
+AXIS = "d"
+
+
+def _function(op: str, mesh: Any):
+    import jax
+
+    spec = jax.P(AXIS)
+
+    def local(x):
+        if op == "all_reduce":
+            return jax.lax.psum(x, AXIS)
+        return jax.lax.all_gather(x, AXIS, tiled=True)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def collective_times(op: str, nbytes: int, repeats: int, warmup: int = 2) -> dict[str, Any]:
+    """Seconds of each of ``repeats`` calls of ``op`` over every device of the job, after ``warmup`` calls."""
+    import jax
+    import numpy as np
+
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
+    per_device = nbytes // 4 if op == "all_reduce" else max(nbytes // 4 // n, 1)
+    sharding = jax.NamedSharding(mesh, jax.P(AXIS))
+    shape = (n * per_device,)
+    x = jax.make_array_from_callback(shape, sharding, lambda index: np.ones(per_device, np.float32))
+    fn = _function(op, mesh)
+    for _ in range(warmup):
+        jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - start)
+    out = fn(x)
+    local = np.asarray(out.addressable_shards[0].data)
+    expect = float(n) if op == "all_reduce" else 1.0
+    ok = bool(np.all(local == expect))
+    return {"op": op, "bytes": per_device * 4 * (1 if op == "all_reduce" else n), "ranks": n, "times_s": times,
+            "ok": ok}
+
+
+def worker_body(payload: dict) -> dict:
+    """Time ``payload["op"]`` at each of ``payload["sizes"]``; this process's rows."""
+    repeats = payload.get("repeats_per_size") or [payload.get("repeats", 5)] * len(payload["sizes"])
+    rows = [collective_times(payload["op"], int(size), int(count), int(payload.get("warmup", 2)))
+            for size, count in zip(payload["sizes"], repeats)]
+    return {"rows": rows}

@@ -1,0 +1,88 @@
+"""Run jobs on an emulated cluster: one worker per node, inside its namespace, gloo on its address.
+
+:func:`cluster_launch` is :func:`testbed.runner.launch.launch` with each
+worker started under ``ip netns exec`` in its node's namespace, listening on
+that node's address, the coordinator on node 0. :func:`collective_sweep`
+times JAX's all-reduce or all-gather over every device of the cluster at
+several sizes and prices the same sizes on the emulated topology
+(:meth:`testbed.cluster.spec.ClusterSpec.emulated_topology`) with gloo's
+algorithm, the host's TCP measured by :mod:`testbed.cluster.probe` and a
+per-round overhead fitted to a call of 4 bytes a rank.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from testbed.cluster import probe
+from testbed.cluster.netns import node_namespace
+from testbed.cluster.spec import GLOO_ALGORITHMS, ClusterSpec
+from testbed.collectives.ops import BUS_FACTOR, parse_op
+from testbed.collectives.timing import groups_time
+
+__all__ = ["cluster_launch", "collective_sweep"]
+
+_TINY_REPEATS = 15
+
+
+def cluster_launch(spec: ClusterSpec, owner: str, payload: dict, *, timeout_s: float | None = None,
+                   stale_s: float = 30.0) -> list[dict]:
+    """``payload`` on one worker per node of the built cluster ``spec`` (owned by ``owner``); their results."""
+    from testbed.runner.launch import launch
+
+    prefixes = [["ip", "netns", "exec", node_namespace(spec, owner, i)] for i in range(len(spec.nodes))]
+    return launch(payload, processes=len(spec.nodes), local_devices=spec.devices_per_node,
+                  hosts=[n.address for n in spec.nodes], prefixes=prefixes, timeout_s=timeout_s, stale_s=stale_s)
+
+
+def _medians(results: list[dict]) -> list[dict[str, Any]]:
+    """Per size: the median over calls of the slowest process's time (a collective ends with its last rank)."""
+    rows = []
+    for per_process in zip(*[r["rows"] for r in results]):
+        calls = [max(ts) for ts in zip(*[row["times_s"] for row in per_process])]
+        first = per_process[0]
+        rows.append({"bytes": first["bytes"], "ranks": first["ranks"], "time_s": statistics.median(calls),
+                     "ok": all(row["ok"] for row in per_process)})
+    return rows
+
+
+def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *, repeats: int = 5,
+                     timeout_s: float | None = 600) -> dict[str, Any]:
+    """Measured beside predicted ``op`` at each size on the built cluster; the probe and the fitted overhead."""
+    op_ = parse_op(op)
+    tcp = probe.measure(spec, owner)
+    n = len(spec.nodes) * spec.devices_per_node
+    tiny = 4 * n if op == "all_gather" else 4
+    # The tiny call is cheap and noisy (the host's scheduling): timed more often than the sizes compared.
+    payload = {"body": "collective", "op": op, "sizes": [tiny, *sizes],
+               "repeats_per_size": [max(repeats, _TINY_REPEATS)] + [repeats] * len(sizes)}
+    results = cluster_launch(spec, owner, payload, timeout_s=timeout_s)
+    measured = _medians(results)
+    algorithm = GLOO_ALGORITHMS[op]
+    group = [tuple(range(n))]
+
+    def priced(overhead: float) -> Any:
+        return spec.emulated_topology(inner_bandwidth=tcp.loopback_bandwidth, inner_latency_s=tcp.inner_hop_s,
+                                      hop_latency_s=tcp.network_hop_s, overhead_s=overhead)
+
+    # The model's time is linear in the calibration's collective overhead (charged per round): solve for
+    # the overhead that prices the tiny call at its measured time.
+    tiny_bytes = measured[0]["bytes"]
+    t0 = groups_time(priced(0.0), op_, group, tiny_bytes, algorithm).time_s
+    slope = (groups_time(priced(1e-3), op_, group, tiny_bytes, algorithm).time_s - t0) / 1e-3
+    overhead = max(measured[0]["time_s"] - t0, 0.0) / slope if slope > 0 else 0.0
+    topology = priced(overhead)
+    factor = BUS_FACTOR[op_](n)
+    rows = []
+    for row in measured[1:]:
+        predicted = groups_time(topology, op_, group, row["bytes"], algorithm).time_s
+        rows.append({**row, "predicted_s": predicted, "busbw": row["bytes"] / row["time_s"] * factor,
+                     "predicted_busbw": row["bytes"] / predicted * factor,
+                     "error": predicted / row["time_s"] - 1})
+    return {"op": op, "algorithm": algorithm, "ranks": n, "nodes": len(spec.nodes),
+            "link_rate_bps": sorted({l.rate_bps for l in spec.links}), "scale": spec.scale,
+            "probe": {"loopback_bandwidth": tcp.loopback_bandwidth, "loopback_latency_s": tcp.loopback_latency_s,
+                      "across_latency_s": tcp.across_latency_s},
+            "overhead_s": overhead, "overhead_call_s": measured[0]["time_s"], "overhead_measured_at_bytes": tiny_bytes,
+            "rows": rows}
