@@ -41,25 +41,29 @@ def _parent_death_signal() -> bool:
         return False
 
 
-def _watch(parent: int, period: float) -> None:
+def _watch(parent: int, direct: bool, period: float) -> None:
     while True:
-        if os.getppid() != parent:
+        if (os.getppid() != parent) if direct else not _alive(parent):
             os._exit(137)
         time.sleep(period)
 
 
 def die_with_parent(parent: int, period: float = 0.5) -> None:
-    """Make this process exit when process ``parent`` (its parent) dies, however it dies.
+    """Make this process exit when process ``parent`` (its parent, or an ancestor) dies, however it dies.
 
-    Both guards are installed: the parent-death signal (immediate) and a
-    daemon thread polling the parent pid every ``period`` seconds (an orphan
-    is re-parented, so its ``getppid()`` changes). A parent already gone
-    before the call exits this process at once.
+    Both guards are installed: where ``parent`` is the direct parent, the
+    parent-death signal (immediate); and a daemon thread polling every
+    ``period`` seconds, which exits when the direct parent's pid changes (an
+    orphan is re-parented) or, with a wrapper in between (``ip netns exec``
+    that forks), when ``parent`` no longer runs. A parent already gone before
+    the call exits this process at once.
     """
-    _parent_death_signal()
-    if os.getppid() != parent:
+    direct = os.getppid() == parent
+    if direct:
+        _parent_death_signal()
+    if (os.getppid() != parent) if direct else not _alive(parent):
         os._exit(137)
-    threading.Thread(target=_watch, args=(parent, period), daemon=True, name="testbed-parent-watch").start()
+    threading.Thread(target=_watch, args=(parent, direct, period), daemon=True, name="testbed-parent-watch").start()
 
 
 def temporary_prefix(target_name: str) -> str:
@@ -68,13 +72,18 @@ def temporary_prefix(target_name: str) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def stale_temporary_files(folder: Path) -> list[Path]:

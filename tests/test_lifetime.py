@@ -136,3 +136,18 @@ def test_ctrl_c_at_any_moment_prints_no_traceback(tmp_path, delay):
     assert "Traceback" not in err and proc.returncode in (0, 130, -signal.SIGINT), (proc.returncode, err[-1500:])
     if proc.returncode == 130:
         assert err.strip().endswith("interrupted")
+
+
+def test_a_worker_behind_a_forking_wrapper_dies_with_its_launcher():
+    """`ip netns exec`-like prefixes may fork: the worker's parent is then the wrapper, and the watchdog polls the
+    launcher's pid instead."""
+    child = ("import os, time\nfrom testbed.lifetime import die_with_parent\ndie_with_parent(%d)\n"
+             "print(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    launcher_code = ("import os, subprocess, sys, time\n"
+                     f"code = {child!r} % os.getpid()\n"
+                     "subprocess.Popen(['sh', '-c', '\"$0\" -c \"$1\"; true', sys.executable, code])\n"
+                     "time.sleep(600)\n")
+    token = f"testbed-wrapper-{uuid.uuid4().hex}"
+    launcher = subprocess.Popen([sys.executable, "-c", launcher_code], env={**os.environ, "TESTBED_TEST_TOKEN": token},
+                                stdout=subprocess.DEVNULL)
+    assert _kill_and_wait(launcher, token, children=2, settle_s=1.0) == []
