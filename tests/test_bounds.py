@@ -44,10 +44,10 @@ def test_capacity_factor_has_a_finite_range(value, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("group, name, value, words", [
-    ("elementwise", "split_passes", 1e308, "[0, 1000] passes"),
-    ("elementwise", "cache_bytes", 1e300, "[0, 1e+21]"),
-    ("compute", "launch_overhead_s", 1e308, "[0, 3600] seconds"),
-    ("controller", "step_s", 1e9, "[0, 3600] seconds"),
+    ("elementwise", "split_passes", 1e308, "at most 1000 passes"),
+    ("elementwise", "cache_bytes", 1e300, "at most 1e+21"),
+    ("compute", "launch_overhead_s", 1e308, "at most 3600 seconds"),
+    ("controller", "step_s", 1e9, "at most 3600 seconds"),
 ])
 def test_calibration_values_have_finite_ranges(group, name, value, words):
     data = topology_to_dict(load_topology("a100-pcie-8"))

@@ -60,7 +60,8 @@ class _Group:
             value = getattr(self, name)
             ceiling, unit = _ceiling(name)
             if not 0 <= value <= ceiling:
-                raise InputError(f"must be a number in [0, {ceiling:g}]{unit}, got {value}", field=self._path(name))
+                raise InputError(f"must be non-negative and at most {ceiling:g}{unit}, got {value}",
+                                 field=self._path(name))
 
     def _fraction(self, name: str) -> None:
         value = getattr(self, name)
