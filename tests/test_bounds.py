@@ -116,3 +116,23 @@ def test_search_space_beyond_the_plan_limits_is_not_enumerated():
     plans = list(candidates(base, 8, space))
     too_big = [p for p in plans if p.mesh.stage * p.batch.microbatches * 3 > MAX_PIPELINE_ACTIONS]
     assert too_big and not any(_within_limits(p) for p in too_big)
+
+
+@pytest.mark.parametrize("path, value, field", [
+    (("levels", 0, "bandwidth"), 1e-307, "level node.bandwidth"),
+    (("levels", 0, "latency"), 1e308, "level node.latency"),
+    (("device", "memory_bandwidth"), 1e-307, "device.memory_bandwidth"),
+    (("device", "flops", "fp32"), 1e-307, "device.flops.fp32"),
+    (("device", "flops", "fp32"), 1e300, "device.flops.fp32"),
+    (("device", "memory"), 1e300, "device.memory"),
+])
+def test_topology_rates_and_times_have_stated_ranges(path, value, field):
+    """Such values used to pass and divide by zero inside the simulator (a traceback from `simulate`)."""
+    data = topology_to_dict(load_topology("host-cpu-8"))
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(InputError) as bad:
+        topology_from_dict(data)
+    assert field in bad.value.render() and " to " in bad.value.message, bad.value.render()

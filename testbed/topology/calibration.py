@@ -288,8 +288,8 @@ class HostCalibration(_Group):
         curve = tuple((int(n), float(t)) for n, t in self.throughput)
         object.__setattr__(self, "throughput", curve)
         if curve and (curve[0] != (1, 1.0) or any(b[0] <= a[0] for a, b in zip(curve, curve[1:]))
-                      or any(not 0 < t <= n for n, t in curve)):
-            raise InputError(f"must map device counts 1 < n2 < ... to 0 < T(n) <= n, starting at 1: 1.0; got "
+                      or any(not 1e-3 <= t <= n for n, t in curve)):
+            raise InputError(f"must map device counts 1 < n2 < ... to 0.001 <= T(n) <= n, starting at 1: 1.0; got "
                              f"{dict(curve)}", field=self._path("throughput"))
         slowdown = tuple((int(n), float(t)) for n, t in self.programs)
         object.__setattr__(self, "programs", slowdown)
