@@ -6,11 +6,15 @@ Categories:
   cases in nccl_tests.yaml), predicted vs published GB/s;
 - ``end_to_end``: Megatron-LM training throughput (benchmarks/published/end_to_end.py,
   Narayanan et al. 2021 Table 1 in megatron.yaml), predicted vs published TFLOP/s per GPU;
+- ``runs``: other stacks' training throughput (benchmarks/published/runs.py, runs.yaml:
+  Megatron-Bridge/NeMo and torchtitan on H100, BF16 and FP8), predicted vs published tokens/s per GPU;
 - ``memory``: model states per device under ZeRO 1-3 (benchmarks/published/memory.py,
   Rajbhandari et al. 2020 Table 1 in zero_memory.yaml), predicted vs published GB.
 
-Prints ``{"categories": {NAME: {cases, median_abs_error, max_abs_error}}, "results":
+Prints ``{"categories": {NAME: {cases, median_abs_error, max_abs_error}}, "end_to_end_by":
+{stack|device|precision|scale: {VALUE: {...}}}, "collective_bands": {BAND: {...}}, "results":
 {NAME: [{case, predicted, published, error}, ...]}}``; error is predicted / published - 1.
+``end_to_end_by`` pools ``end_to_end`` (Megatron-LM, A100, BF16) and ``runs``.
 The largest Megatron rows take about a minute each to simulate.
 
     .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|memory]
@@ -28,14 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "published"))
 import collectives as published_collectives  # noqa: E402
 import end_to_end as published_end_to_end  # noqa: E402
 import memory as published_memory  # noqa: E402
+import runs as published_runs  # noqa: E402
 
 CATEGORIES = {"collectives": published_collectives.evaluate, "end_to_end": published_end_to_end.evaluate,
-              "memory": published_memory.evaluate}
-UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU", "memory": "GB of model states per device"}
+              "runs": published_runs.evaluate, "memory": published_memory.evaluate}
+UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU", "runs": "tokens/s per GPU",
+         "memory": "GB of model states per device"}
+#: What the Megatron-LM SC21 Table 1 rows are, in the runs' categories (megatron.yaml).
+_TABLE1 = {"stack": "megatron-lm", "device": "A100", "precision": "bf16"}
 
 
 def run(only: list[str] | None = None) -> dict:
-    categories, results = {}, {}
+    categories, results, pooled, out = {}, {}, [], {}
     for name, evaluate in CATEGORIES.items():
         if only and name not in only:
             continue
@@ -43,7 +51,15 @@ def run(only: list[str] | None = None) -> dict:
         categories[name] = {**published_collectives.summary(rows), "unit": UNITS[name]}
         results[name] = [{"case": r["case"], "predicted": r["predicted"], "published": r["published"],
                           "error": r["error"]} for r in rows]
-    return {"categories": categories, "results": results}
+        if name == "collectives":
+            out["collective_bands"] = published_collectives.by_band(rows)
+        if name == "end_to_end":
+            pooled += [{**r, **_TABLE1, "gpus": int(r["case"].rsplit("-", 1)[1].removesuffix("gpu"))} for r in rows]
+        if name == "runs":
+            pooled += rows
+    if pooled:
+        out["end_to_end_by"] = published_runs.by_category(pooled)
+    return {"categories": categories, **out, "results": results}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -198,3 +198,105 @@ def test_cli_table_and_bad_inputs(tmp_path, capsys):
     assert main(["check-sharding", "--plan", str(tmp_path / "missing.yaml"), "--topology", topo]) == 2
     assert main(["check-sharding", "--plan", plan]) == 2  # no topology anywhere
     assert "topology" in capsys.readouterr().err
+
+
+# -- bytes per device: the compiled program's, and a hand count of llama3-405b -----------------------
+
+def _per_axis_bytes(rows) -> dict[str, int]:
+    """Bytes per device of the collectives spanning each mesh axis (one over data+tensor counts on both: XLA may
+    reduce over the two axes one after the other)."""
+    out: dict[str, int] = {}
+    for axes, nbytes in rows:
+        for axis in axes.split("+"):
+            out[axis] = out.get(axis, 0) + nbytes
+    return out
+
+
+SPMD_KINDS = {
+    "data x zero-1": dict(mesh=dict(data=8), zero=1),
+    "data x tensor, zero-3": dict(mesh=dict(data=4, tensor=2), zero=3),
+    "sequence parallel, data 2": dict(mesh=dict(data=2, tensor=4), sequence_parallel=True),
+    "fsdp x data x sequence parallel": dict(mesh=dict(data=2, fsdp=2, tensor=2), sequence_parallel=True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(SPMD_KINDS))
+def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
+    """On 8 emulated devices XLA's compiled step moves, per device and mesh axis, the bytes check-sharding
+    reports, less the gathers a checkpoint recomputes (XLA:CPU reuses the forward's gathered sequence)."""
+    from testbed.runner import model
+    from testbed.runner.step import SpmdTrainer
+    from testbed.plan.spec import MESH_AXES
+
+    spec = dict(SPMD_KINDS[kind])
+    mesh_spec = MeshSpec(**spec.pop("mesh"))
+    replicas = mesh_spec.data * mesh_spec.fsdp
+    plan = Plan(name="k", model=MODEL, batch=BatchSpec(global_batch=2 * replicas, microbatches=1), mesh=mesh_spec,
+                **spec)
+    result = check_sharding(plan)
+    assert result.ok, result.error
+    names = tuple(a.value for a in MESH_AXES)
+    shape = tuple(plan.mesh.degree(n) for n in names)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(shape), names)
+    trainer = SpmdTrainer(plan, mesh)
+    params = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
+    held = jax.eval_shape(trainer.optimizer.held, params)
+    sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
+    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, MODEL.seq_len), np.int32,
+                                  sharding=trainer.batch_sharding)
+    text = trainer._step.lower(sds(held, trainer.param_shardings),
+                               sds(jax.eval_shape(trainer.optimizer.init, params), trainer.opt_shardings),
+                               tokens, tokens).compile().as_text()
+    assert "while" not in text  # one microbatch: every instruction runs once
+    compiled = _per_axis_bytes((axes, b) for (axes, _), b in reshards.compiled_bytes(text, shape, names).items())
+    reported = _per_axis_bytes((r["axes"], r["bytes"] - r["recomputed_bytes"]) for r in result.per_axis())
+    assert reported == compiled
+    if plan.sequence_parallel:  # each device gathers its own rows: the operand is one replica's microbatch
+        rows = plan.batch.global_batch // replicas
+        shapes = {tuple(c.shape) for g in result.programs for c in g.collectives
+                  if c.axes == ("tensor",) and c.kind == "reduce-scatter"}
+        assert shapes == {(rows, MODEL.seq_len, MODEL.d_model)}
+
+
+@pytest.fixture(scope="module")
+def llama3_405b():
+    from testbed.plan.io import load_plan
+
+    plan = load_plan("llama3-405b")
+    return plan, check_sharding(plan)
+
+
+@pytest.mark.slow
+def test_llama3_405b_bytes_per_device_agree_with_a_hand_count(llama3_405b) -> None:
+    """16,384 devices (tensor 8 x stage 16 x data 128, sequence parallel, ZeRO-2, bf16): per stage and device,
+    Megatron SP's gathers and scatters of one replica's microbatch [1, 8192, 16384] over tensor, ZeRO-2's gather
+    of the stage's bf16 parameters over data, and the activations between stages, within 1% of a hand count."""
+    plan, result = llama3_405b
+    assert result.ok, result.error
+    m = plan.batch.microbatches
+    t, d, s = plan.mesh.tensor, plan.model.d_model, plan.model.seq_len
+    rows = plan.batch.global_batch // m // plan.replicas  # one sequence per replica and microbatch
+    act = rows * s * d * 2  # bf16: 256 MiB
+    layers = plan.stage_layers
+    groups = {"0": layers[0], "1..14": layers[1], "15": layers[-1]}
+    assert set(layers[1:-1]) == {layers[1]}
+    rows_of = {(r["stages"], r["axes"], r["kind"]): r for r in result.per_axis()}
+    # Per layer: forward 2 gathers + 2 scatters; backward their transposes (2 scatters + 2 gathers) and
+    # Megatron's second gather of each column-parallel input (recomputed). The first stage adds the embedding's
+    # scatter and its transposed gather; the last the head's gather (and its recomputation) and scatter.
+    for stage, n in groups.items():
+        gathers = m * (6 * n + (1 if stage == "0" else 2 if stage == "15" else 0))
+        scatters = m * (4 * n + (1 if stage in ("0", "15") else 0))
+        for kind, count in (("all-gather", gathers), ("reduce-scatter", scatters)):
+            reported = rows_of[(stage, "tensor", kind)]["bytes"]
+            assert abs(reported - count * act) <= 0.01 * count * act, (stage, kind, reported, count * act)
+    # ZeRO-2: the updated bf16 parameters, sharded over data, gathered once per step (each tensor rank its part).
+    heads, kv, ff = plan.model.heads, plan.model.num_kv_heads, plan.model.d_ff
+    per_layer = (2 * d * d + 2 * d * (kv * d // heads) + 3 * d * ff) // t * 2 + 2 * d * 2
+    for stage in ("1..14",):
+        reported = rows_of[(stage, "data", "all-gather")]["bytes"]
+        assert abs(reported - groups[stage] * per_layer) <= 0.01 * groups[stage] * per_layer
+    # 1F1B: each microbatch's activation forward and its gradient back over the 15 stage boundaries.
+    sends = rows_of[("all", "stage", "cross-mesh-transfer")]
+    assert sends["count"] == 2 * m * (plan.mesh.stage - 1) and sends["bytes"] == sends["count"] * act // t

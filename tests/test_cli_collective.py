@@ -26,7 +26,11 @@ def test_contract_keys_and_plausible_dgx_numbers(capsys):
     cluster = _json(capsys, "all_reduce", "--topology", "dgx-h100-x4", "--over", "all", "--bytes", "1GiB")
     assert cluster["ranks"] == 32 and cluster["algorithm"] == "nvls_tree"  # as NCCL picks it
     assert {r["algorithm"] for r in cluster["algorithms"]} >= {"ring", "hierarchical", "halving_doubling"}
-    assert all(r["time_s"] >= cluster["time_s"] for r in cluster["algorithms"])
+    # NCCL's pick beats every routed program; another NCCL algorithm may be faster than NCCL's own pick
+    # under the measured multi-node shortfall NCCL's model does not know (testbed.collectives.nccl.MultiNodeFit).
+    nccl = {"nccl_ring", "nccl_tree", "nvls", "nvls_tree", "sharp"}
+    assert all(r["time_s"] >= cluster["time_s"] for r in cluster["algorithms"] if r["algorithm"] not in nccl)
+    assert [r["time_s"] for r in cluster["algorithms"] if r["algorithm"] == "nvls_tree"] == [cluster["time_s"]]
 
 
 def test_several_groups_report_the_slowest(capsys):

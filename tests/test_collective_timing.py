@@ -148,8 +148,10 @@ def test_auto_picks_the_fastest_applicable(topologies):
     times = {a: collective_time(topology, "all_reduce", group, 2.0**30, a).time_s
              for a in applicable_algorithms(topology, "all_reduce", group)}
     nccl = {a: t for a, t in times.items() if a in NCCL_ALGORITHMS}
-    assert auto.time_s == min(nccl.values())  # NCCL runs it: its own algorithms, as its model picks
-    assert auto.algorithm == "nvls_tree"  # NVLS inside the node, tree across the 50 GB/s NICs
+    # NCCL runs it: the algorithm its own model picks (NVLS inside the node, tree across the 50 GB/s NICs),
+    # timed with the measured multi-node shortfall (which may make another of its algorithms faster).
+    assert auto.algorithm == "nvls_tree" and auto.time_s == nccl["nvls_tree"]
+    assert auto.time_s < min(t for a, t in times.items() if a not in NCCL_ALGORITHMS)
     generic = dataclasses.replace(topology, device=DEVICE)  # not an NVIDIA GPU: the routed programs
     auto = collective_time(generic, "all_reduce", group, 2.0**30)
     assert auto.algorithm == "hierarchical"  # NVSwitch inside, 50 GB/s NICs across

@@ -8,6 +8,7 @@ message that names the bug.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,12 @@ import jax
 import numpy as np
 import pytest
 
-from testbed.testing import assert_parallel_equal, replicate, shard_batch, unreplicate
+from testbed.testing import (assert_parallel_equal, assert_replicas_differ, per_shard_reference, replicate,
+                             shard_batch, unreplicate)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-DIRS = ("pmap_data_parallel", "shard_map_tensor_parallel", "pipeline_bubble")
+DIRS = ("pmap_data_parallel", "shard_map_tensor_parallel", "pipeline_bubble", "batch_norm", "dropout",
+        "shard_map_data_parallel")
 
 
 @pytest.fixture(autouse=True)
@@ -69,9 +72,86 @@ def test_wrong_reduction_axis_is_caught() -> None:
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     x = jax.random.normal(jax.random.key(0), (16, 8))
     assert_parallel_equal(tp_mlp.make_parallel_mlp(mesh), tp_mlp.mlp, tp_mlp.init_params(), x, mesh=mesh, atol=1e-5)
-    with pytest.raises(AssertionError, match=r"leaf <root> \(shape \(16, 8\)\): \d+ of 128 elements differ"):
+    with pytest.raises(AssertionError) as caught:
         assert_parallel_equal(tp_mlp_buggy.make_parallel_mlp(mesh), tp_mlp.mlp, tp_mlp.init_params(), x, mesh=mesh,
                               atol=1e-5)
+    message = str(caught.value)
+    assert re.search(r"leaf <root> \(shape \(16, 8\)\): \d+ of 128 elements differ", message)
+    # Summed over 'data': the row blocks are all equal; not over 'model': the model ranks' copies differ.
+    assert "blocks along dim 0 (split over mesh axis 'data') are all equal" in message
+    assert "a psum/pmean over 'data' where another axis was meant?" in message
+    assert "device copies along mesh axis 'model' differ" in message
+
+
+def test_a_missing_psum_is_named_by_its_axis() -> None:
+    import tp_mlp
+    import tp_mlp_partial
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    with pytest.raises(AssertionError, match=r"they sum to the reference -- partial sums: missing psum over 'model'\?"):
+        assert_parallel_equal(tp_mlp_partial.make_parallel_mlp(mesh), tp_mlp.mlp, tp_mlp.init_params(), x,
+                              mesh=mesh, atol=1e-5)
+
+
+def test_per_device_statistics_are_named() -> None:
+    import bn
+    import bn_buggy
+
+    mesh = jax.make_mesh((4,), ("data",))
+    x = np.random.default_rng(0).normal(2.0, 3.0, size=(16, 3)).astype(np.float32)
+    assert_parallel_equal(bn.make_parallel_bn(mesh), bn.batch_norm, x, mesh=mesh, atol=1e-5)
+    with pytest.raises(AssertionError, match=r"matches the reference run on that shard alone: per-device statistics "
+                                             r".* pmean over 'data'\?"):
+        assert_parallel_equal(bn_buggy.make_parallel_bn(mesh), bn.batch_norm, x, mesh=mesh, atol=1e-5)
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_an_unfolded_dropout_key_is_caught(make_key) -> None:
+    import dropout
+    import dropout_buggy
+
+    mesh = jax.make_mesh((4,), ("data",))
+    x = np.ones((8, 16), np.float32)
+    reference = per_shard_reference(dropout.dropout, 4)
+    assert_parallel_equal(dropout.make_parallel_dropout(mesh), reference, make_key(0), x, mesh=mesh)
+    assert_replicas_differ(dropout.make_parallel_dropout(mesh), make_key(0), x, axis="data", mesh=mesh)
+    buggy = dropout_buggy.make_parallel_dropout(mesh)
+    with pytest.raises(AssertionError, match=r"fold_in\(key, jax.lax.axis_index\('data'\)\)"):
+        assert_parallel_equal(buggy, reference, make_key(0), x, mesh=mesh)
+    with pytest.raises(AssertionError, match=r"blocks 0 and 1 of 4 .* identical(.|\n)*fold_in\(key, "
+                                             r"jax.lax.axis_index\('data'\)\)"):
+        assert_replicas_differ(buggy, make_key(0), x, axis="data", mesh=mesh)
+
+
+def test_a_second_reduction_under_check_vma_is_explained() -> None:
+    import sgd
+    import sgd_buggy
+
+    mesh = jax.make_mesh((4,), ("data",))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32)
+    assert_parallel_equal(sgd.make_parallel_step(mesh), sgd.reference_step, sgd.init_params(), x, y, mesh=mesh,
+                          atol=1e-5)
+    with pytest.raises(AssertionError) as caught:
+        assert_parallel_equal(sgd_buggy.make_parallel_step(mesh), sgd.reference_step, sgd.init_params(), x, y,
+                              mesh=mesh, atol=1e-5)
+    message = str(caught.value)
+    assert "gradients scaled by 4 (4 = mesh axis 'data'" in message and "a loss not averaged over 'data'" in message
+    assert "JAX already sums the gradients of parameters replicated over 'data'" in message
+
+
+def test_a_loss_summed_instead_of_averaged_is_named() -> None:
+    import sgd
+    import sgd_loss_summed
+
+    mesh = jax.make_mesh((2,), ("data",))
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)
+    with pytest.raises(AssertionError, match=r"gradients scaled by 2 \(2 = mesh axis 'data'.*\): psum where pmean was "
+                                             r"meant, or a loss not averaged over 'data'"):
+        assert_parallel_equal(sgd_loss_summed.make_parallel_step(mesh), sgd.reference_step, sgd.init_params(), x, y,
+                              mesh=mesh, atol=1e-5)
 
 
 def test_a_bubble_leak_is_caught() -> None:

@@ -36,10 +36,33 @@ def test_fp8_is_faster_than_bf16_on_h100_for_a_compute_bound_plan():
     topo = load_topology("dgx-h100")
     bf16 = simulate(_plan("bf16-mixed"), topo).report
     fp8 = simulate(_plan("fp8-mixed"), topo).report
-    assert fp8.compute_s < 0.8 * bf16.compute_s
+    assert fp8.compute_s < 0.95 * bf16.compute_s
     assert fp8.step_time_s < bf16.step_time_s
-    # Not twice as fast: the memory-bound work and the communication do not speed up.
-    assert fp8.step_time_s > 0.5 * bf16.step_time_s
+    # Far from twice as fast: fp8 GEMMs reach less of their peak than bf16's unless k is long (measured),
+    # the recipe's casts, attention, the memory-bound work and the communication do not speed up.
+    assert fp8.step_time_s > 0.6 * bf16.step_time_s
+
+
+def test_fp8_gemm_runs_at_its_measured_cap_and_pays_its_casts():
+    from testbed.model.gemm import Gemm
+    from testbed.sim.compute import fp8_cast_bytes, gemm_seconds, pass_seconds
+
+    topo = load_topology("dgx-h100")
+    compute = topo.calibration.compute
+    g = Gemm(8192, 8192, 8192)
+    cap = compute.fp8_efficiency * 8192 / (8192 + compute.fp8_gemm_half_k)
+    kernel = gemm_seconds(topo, "fp8", g, casts=False)
+    assert kernel == pytest.approx(compute.gemm_latency_s + g.flops / (1979e12 * cap))
+    assert gemm_seconds(topo, "fp8", g) - kernel == pytest.approx(pass_seconds(topo, fp8_cast_bytes(g)))
+    assert fp8_cast_bytes(g) == 3 * 8192 * 8192
+    # 1.5-2x bf16 on a large GEMM (the measured caps), never the peaks' full 2x
+    assert 1.5 < gemm_seconds(topo, "bf16", g) / kernel < 2.0
+    # a shorter reduction reaches less of the fp8 peak
+    short = Gemm(8192, 8192, 1024)
+    assert g.flops / kernel > 1.2 * short.flops / gemm_seconds(topo, "fp8", short, casts=False)
+    # flash attention stays bf16 under the recipe
+    flash = Gemm(2048, 2048, 128, batch=32, flash=True)
+    assert gemm_seconds(topo, "fp8", flash) == gemm_seconds(topo, "bf16", flash)
 
 
 def test_fp8_is_bf16_on_a100():
@@ -49,12 +72,21 @@ def test_fp8_is_bf16_on_a100():
     assert fp8.step_time_s == pytest.approx(bf16.step_time_s, rel=1e-9)
 
 
-def test_fp8_memory_is_bf16_mixed_state():
+def test_fp8_memory_is_bf16_mixed_state_plus_the_weights_fp8_copies():
     topo = load_topology("dgx-h100")
     assert state_bytes_per_param(_plan("fp8-mixed")) == state_bytes_per_param(_plan("bf16-mixed")) == (2, 2, 12)
     a = memory_breakdown(_plan("fp8-mixed"), topo).as_dict()
     b = memory_breakdown(_plan("bf16-mixed"), topo).as_dict()
-    assert a == b
+    # Transformer Engine keeps each weight in fp8 and its fp8 transpose: 2 bytes per parameter held
+    assert a["params"] == b["params"] + 2 * b["device_params_count"]
+    assert {k: v for k, v in a.items() if k not in ("params", "total", "per_stage", "fits")} == \
+        {k: v for k, v in b.items() if k not in ("params", "total", "per_stage", "fits")}
+    # fully sharded weights: only the gathered layer's copies
+    from testbed.model.memory import _layer_params_per_device
+
+    c = memory_breakdown(_plan("fp8-mixed", fsdp=8), topo).as_dict()
+    d = memory_breakdown(_plan("bf16-mixed", fsdp=8), topo).as_dict()
+    assert c["params"] - d["params"] == 2 * _layer_params_per_device(_plan("fp8-mixed", fsdp=8))
 
 
 def test_runner_refuses_fp8_on_cpu_with_exit_2(tmp_path, capsys):

@@ -126,3 +126,40 @@ def test_model_states_match_zeros_table_to_its_last_digit():
         text = repr(float(row["published"])).rstrip("0").rstrip(".")
         unit = 10.0 ** -(len(text.split(".")[1]) if "." in text else 0)
         assert abs(row["predicted"] - row["published"]) <= unit + 1e-9, row
+
+
+def test_every_collective_sweep_has_a_source_and_spans_the_sizes():
+    import collectives
+
+    data = yaml.safe_load((PUBLISHED / "nccl_tests.yaml").read_text())
+    sweeps = data["sweeps"]
+    assert all(s.get("source") for s in sweeps)
+    assert len({s["ranks"] for s in sweeps}) >= 3 and sum(len(s["busbw"]) for s in sweeps) >= 20
+    cases, _ = collectives.load_cases()
+    assert {collectives.band(c["bytes"]) for c in cases} == {name for name, _ in collectives.BANDS}
+    assert collectives.band(4 * 2**20) == "<=4MiB" and collectives.band(4 * 2**20 + 1) == "4-64MiB"
+
+
+def test_runs_cases_build_and_state_their_categories():
+    import runs
+
+    from testbed.model.costs import param_count
+    from testbed.plan.io import plan_from_dict
+
+    data = yaml.safe_load((PUBLISHED / "runs.yaml").read_text())
+    assert len(data["cases"]) >= 20
+    for case in data["cases"]:
+        assert case["source"] and case["stack"] and case["device"] and case["precision"] in ("bf16", "fp8")
+        assert case["assumptions"] and case["tokens_per_s_per_gpu"] > 0
+        plan = plan_from_dict({"name": case["name"], **case["plan"]}, default_name=case["name"])
+        # the plan uses the case's GPUs, and fp8 cases run fp8-mixed
+        assert plan.mesh.data * plan.mesh.fsdp * plan.mesh.tensor * plan.mesh.stage * plan.mesh.context == case["gpus"]
+        assert (plan.precision.value == "fp8-mixed") == (case["precision"] == "fp8")
+    mpt_1b = next(c for c in data["cases"] if c["name"] == "mpt-1b-bf16-a100-8gpu")
+    plan = plan_from_dict({"name": "x", **mpt_1b["plan"]}, default_name="x")
+    assert param_count(plan.model) == pytest.approx(1_315_950_592, rel=1e-3)  # the table's NumParams
+    rows = [{"error": e, "stack": s, "device": "H100", "precision": "bf16", "gpus": g}
+            for e, s, g in ((0.1, "a", 8), (-0.3, "a", 512), (0.2, "b", 1024))]
+    by = runs.by_category(rows)
+    assert by["stack"]["a"] == {"cases": 2, "median_abs_error": 0.2, "max_abs_error": 0.3, "median_signed_error": -0.1}
+    assert set(by["scale"]) == {"<=64", "65-512", ">512"}

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 from testbed.plan.spec import Plan
-from testbed.testing import assert_outputs_equal, assert_parallel_equal, replicate, shard_batch, unreplicate
+from testbed.testing import (assert_outputs_equal, assert_parallel_equal, assert_replicas_differ, per_shard_reference,
+                             replicate, shard_batch, unreplicate)
 from testbed.testing.devices import request_host_devices
 from testbed.testing.strategies import batches, factorisations, meshes, partition_specs, plans, shardings
 
@@ -82,6 +83,9 @@ def test_a_user_project_gets_8_devices_and_the_psum_bug_is_named(tmp_path: Path)
     assert bad.returncode == 1, bad.stdout[-3000:]
     assert "1 failed, 2 passed" in bad.stdout
     assert "gradients scaled by 8 (8 = the device count): psum where pmean was meant?" in bad.stdout
+    # The user's frame and the message, not the kit's source (__tracebackhide__).
+    assert "test_user_step.py" in bad.stdout and "def assert_outputs_equal" not in bad.stdout
+    assert "testbed/testing/compare.py" not in bad.stdout
 
 
 def test_the_option_chooses_the_count_and_a_started_backend_is_reported(tmp_path: Path) -> None:
@@ -97,6 +101,42 @@ def test_the_option_chooses_the_count_and_a_started_backend_is_reported(tmp_path
     late = request_host_devices(16)
     assert late.action == "late" and "already started" in late.message
     assert request_host_devices(8).message == ""
+
+
+def _pytest_in(project: Path, *args: str, ini: str | None = None) -> subprocess.CompletedProcess:
+    if ini is not None:
+        (project / "pytest.ini").write_text(f"[pytest]\ntestbed_devices = {ini}\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH")}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "100000", str(2**31), "1.5"])
+@pytest.mark.parametrize("where", ["option", "ini"])
+def test_bad_device_counts_are_one_line_usage_errors(tmp_path: Path, where: str, value: str) -> None:
+    """Each once crashed or misled: `abc` in the ini a traceback, 100000 a segfault, 2^31 a silent exit 1, -1
+    silently skipped tests. Now: exit 4 (pytest's usage error), one line naming the source and the range."""
+    (tmp_path / "test_x.py").write_text("def test_x(testbed_devices):\n    assert testbed_devices\n")
+    run = (_pytest_in(tmp_path, f"--testbed-devices={value}") if where == "option"
+           else _pytest_in(tmp_path, ini=value))
+    assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]
+    errors = [line for line in (run.stdout + run.stderr).splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 1 and "Traceback" not in run.stdout + run.stderr
+    assert "from 0 to 4096" in errors[0] and repr(value) in errors[0]
+    assert ("--testbed-devices" if where == "option" else "ini value testbed_devices") in errors[0]
+
+
+def test_asking_for_more_devices_than_the_session_has_names_both_numbers(tmp_path: Path) -> None:
+    (tmp_path / "test_more.py").write_text(
+        "def test_slice(testbed_devices):\n    testbed_devices[:8]\n\n"
+        "def test_mesh(mesh_factory):\n    mesh_factory((2, 4), ('a', 'b'))\n\n"
+        "def test_fits(testbed_devices, mesh_factory):\n"
+        "    assert len(testbed_devices[:4]) == 4 and mesh_factory((2, 2), ('a', 'b')).size == 4\n")
+    run = _pytest_in(tmp_path, "--testbed-devices", "4")
+    assert run.returncode == 1 and "2 failed, 1 passed" in run.stdout, run.stdout[-3000:]
+    assert "testbed_devices[:8] asks for 8 devices, but this session has 4" in run.stdout
+    assert "mesh (2, 4) needs 8 devices, but this session has 4" in run.stdout
+    assert "run with --testbed-devices 8 or more" in run.stdout
 
 
 def test_importing_the_kit_starts_no_jax() -> None:
@@ -163,6 +203,29 @@ def test_jit_with_shardings_and_the_reference_device() -> None:
 
     assert_parallel_equal(jax.jit(lambda v: (v * 2).sum(axis=1)), reference, x, mesh=mesh)
     assert seen == [np.ndarray]  # the reference got host data, not the sharded array
+
+
+def test_typed_and_raw_keys_reach_the_reference_and_the_comparison() -> None:
+    for key in (jax.random.key(7), jax.random.PRNGKey(7)):
+        draw = lambda k: jax.random.normal(k, (4,))  # noqa: E731
+        assert_parallel_equal(jax.jit(draw), draw, key)
+        assert_outputs_equal({"k": key}, {"k": key})  # a key output compares by its data
+    with pytest.raises(AssertionError, match="elements differ"):
+        assert_outputs_equal(jax.random.key(1), jax.random.key(2))
+
+
+def test_per_shard_reference_and_replicas_that_must_differ() -> None:
+    x = np.ones((4, 3), np.float32)
+    noise = lambda k, v: v + jax.random.normal(k, v.shape)  # noqa: E731
+    reference = per_shard_reference(noise, 2)
+    expect = np.concatenate([noise(jax.random.fold_in(jax.random.key(0), i), x[2 * i:2 * i + 2]) for i in (0, 1)])
+    np.testing.assert_array_equal(reference(jax.random.key(0), x), expect)
+    assert_replicas_differ(lambda k, v: reference(k, v), jax.random.key(0), x, shards=2)
+    same = lambda k, v: np.concatenate([noise(k, v[:2])] * 2)  # noqa: E731  (one key on both shards)
+    with pytest.raises(AssertionError, match=r"blocks 0 and 1 of 2 .* identical"):
+        assert_replicas_differ(same, jax.random.key(0), x, shards=2, axis="dp")
+    with pytest.raises(ValueError, match="needs shards=N"):
+        assert_replicas_differ(same, jax.random.key(0), x)
 
 
 # -- strategies ------------------------------------------------------------------------------------

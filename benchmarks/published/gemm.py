@@ -6,6 +6,12 @@ device's measured maximum achievable matmul FLOP/s over peak (mamf-finder)
 and finds ``gemm_half_mn``, ``gemm_half_k`` and ``gemm_latency_s``: the
 constants in the H100 topology files (and, by assumption, the A100 ones).
 
+FP8: ``fit_fp8`` fits the H100's ``fp8_efficiency`` and ``fp8_gemm_half_k`` (the cap of
+an fp8 GEMM over the fp8 peak, ``fp8_efficiency k / (k + fp8_gemm_half_k)``; everything
+else the bf16 fit's) to measured per-tensor-scaled H800 FP8 GEMMs (gemm_fp8_h800.yaml),
+and reports its in-sample and leave-one-out errors and, as a check, its error on
+DeepGEMM's block-scaled GEMMs.
+
     .venv/bin/python benchmarks/published/gemm.py   # one JSON object
 """
 
@@ -17,9 +23,16 @@ from pathlib import Path
 
 import yaml
 
-from testbed.sim.compute import fit_shape_model
+import dataclasses
+import math
+import statistics
+
+from testbed.model.gemm import Gemm
+from testbed.sim.compute import fit_shape_model, gemm_seconds
+from testbed.topology.io import load_topology
 
 TABLE = Path(__file__).with_name("gemm_h100.yaml")
+FP8_TABLE = Path(__file__).with_name("gemm_fp8_h800.yaml")
 
 
 def fit(path: Path | str = TABLE) -> dict:
@@ -31,6 +44,63 @@ def fit(path: Path | str = TABLE) -> dict:
     return {"source": data["source"], "device": data["device"], "rows": len(rows), **out}
 
 
+def _with_fp8(topology, efficiency: float, half_k: float):
+    cal = topology.calibration
+    compute = dataclasses.replace(cal.compute, fp8_efficiency=efficiency, fp8_gemm_half_k=half_k)
+    return dataclasses.replace(topology, calibration=dataclasses.replace(cal, compute=compute))
+
+
+def _fp8_log_errors(topology, rows: list[tuple[Gemm, float]], efficiency: float, half_k: float) -> list[float]:
+    t = _with_fp8(topology, efficiency, half_k)
+    return [math.log(g.flops / gemm_seconds(t, "fp8", g, casts=False) / rate) for g, rate in rows]
+
+
+def _fit_fp8(topology, rows: list[tuple[Gemm, float]]) -> tuple[float, float]:
+    """Least squares in log FLOP/s over (fp8_efficiency, fp8_gemm_half_k): a grid, refined four times."""
+    best, span = (0.7, 500.0), (0.4, 1000.0)
+    for _ in range(5):
+        grid = [(min(1.0, max(0.2, best[0] + span[0] * (i / 10 - 0.5))), max(1.0, best[1] + span[1] * (j / 10 - 0.5)))
+                for i in range(11) for j in range(11)]
+        best = min(grid, key=lambda p: sum(x * x for x in _fp8_log_errors(topology, rows, *p)))
+        span = (span[0] / 4, span[1] / 4)
+    return round(best[0], 4), round(best[1], 1)
+
+
+def _errors(logs: list[float]) -> dict:
+    rel = [abs(math.exp(x) - 1) for x in logs]
+    return {"median_abs_error": round(statistics.median(rel), 4), "max_abs_error": round(max(rel), 4)}
+
+
+def _table(data: dict, name: str, min_m: int = 1) -> list[tuple[Gemm, float]]:
+    return [(Gemm(m=int(m), n=int(n), k=int(k), batch=int(groups)), float(tflops) * 1e12)
+            for groups, m, n, k, tflops in data[name]["rows"] if int(m) >= min_m]
+
+
+def fit_fp8(path: Path | str = FP8_TABLE) -> dict:
+    """fp8_efficiency and fp8_gemm_half_k fitted to the per-tensor fp8 table, the shipped values, in-sample and
+    leave-one-out errors, the blockwise table's error under the fit, and the old rule's (bf16's cap over the fp8
+    peak) on both."""
+    data = yaml.safe_load(Path(path).read_text())
+    topology = load_topology(data["topology"])
+    rows = _table(data, "per_tensor")
+    blockwise = _table(data, "blockwise", min_m=1024)  # the training shapes (data file: why)
+    efficiency, half_k = _fit_fp8(topology, rows)
+    loo = [_fp8_log_errors(topology, [row], *_fit_fp8(topology, rows[:i] + rows[i + 1:]))[0]
+           for i, row in enumerate(rows)]
+    compute = topology.calibration.compute
+    return {"source": data["per_tensor"]["source"], "topology": data["topology"], "rows": len(rows),
+            "fp8_efficiency": efficiency, "fp8_gemm_half_k": half_k,
+            "shipped": {"fp8_efficiency": compute.fp8_efficiency, "fp8_gemm_half_k": compute.fp8_gemm_half_k},
+            "in_sample": _errors(_fp8_log_errors(topology, rows, efficiency, half_k)),
+            "leave_one_out": _errors(loo),
+            "old_rule": _errors(_fp8_log_errors(topology, rows, 0.0, 0.0)),
+            "blockwise": {"source": data["blockwise"]["source"], "rows": len(blockwise),
+                          "fit": _errors(_fp8_log_errors(topology, blockwise, efficiency, half_k)),
+                          "median_signed_error": round(statistics.median(
+                              math.exp(x) - 1 for x in _fp8_log_errors(topology, blockwise, efficiency, half_k)), 4),
+                          "old_rule": _errors(_fp8_log_errors(topology, blockwise, 0.0, 0.0))}}
+
+
 if __name__ == "__main__":
-    json.dump(fit(), sys.stdout, indent=1)
+    json.dump({**fit(), "fp8": fit_fp8()}, sys.stdout, indent=1)
     print()

@@ -48,7 +48,15 @@ def _summary(sim: Simulation) -> dict[str, Any]:
 # -- testbed simulate ----------------------------------------------------------------
 
 def _simulate_add(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--plan", required=True, help="plan YAML file or bundled plan name (e.g. demo)")
+    parser.add_argument("--plan", help="plan YAML file or bundled plan name (e.g. demo)")
+    parser.add_argument("--program", metavar="MODULE:FUNCTION",
+                        help="predict your own JAX step instead of a plan: FUNCTION(mesh) returns (step, args) "
+                             "(docs/program.md); needs --topology")
+    parser.add_argument("--mesh", help="with --program: mesh axes and sizes, e.g. data=64,tensor=8 "
+                                       "(default: data over every device)")
+    parser.add_argument("--unknown-ops", choices=("refuse", "assume"), default="refuse",
+                        help="with --program: refuse a custom call or host callback (default), or price it as a "
+                             "memory-bound op and say so")
     parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON (open in ui.perfetto.dev)")
     parser.add_argument("--max-trace-bytes", default="256MiB",
@@ -59,6 +67,12 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
 def _simulate_execute(args: argparse.Namespace) -> CommandResult:
     from testbed.sim.timeline import write_gantt, write_trace
 
+    if getattr(args, "program", None):
+        from testbed.cli.program import execute
+
+        return execute(args)
+    if not args.plan:
+        raise InputError("give --plan (a plan YAML file or bundled name) or --program MODULE:FUNCTION", field="--plan")
     max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
     plan = load_plan(args.plan)
     topology = plan_topology(plan, args.topology, args.plan)

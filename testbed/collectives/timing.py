@@ -236,9 +236,9 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
                                  f"time here, and none has a closed form for them; pick smaller groups with --over",
                                  field="over")
             able = sized
-        # On an NVIDIA GPU hierarchy NCCL runs the collective: its own algorithms, as its tuning model picks.
-        candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form)
-                      for a in (nccl or able)]
+        # On an NVIDIA GPU hierarchy NCCL runs the collective: the algorithm its own tuning model picks.
+        picked = [nccl_best(topology, op, groups[0], nbytes)[0]] if nccl else able
+        candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form) for a in picked]
         result = min(candidates, key=lambda c: (c.time_s, c.rounds))
     elif algorithm in NCCL_ALGORITHMS:
         _check_applicable(topology, op, groups[0], algorithm)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from testbed.model import costs as model
 from testbed.model import layout, moe
 from testbed.model.ring import rank_spec, ring_workspace
-from testbed.plan.spec import Attention, Plan, Remat, ScheduleName
+from testbed.plan.spec import Attention, Plan, Precision, Remat, ScheduleName
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
 
@@ -279,7 +279,13 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
                              layer_ws + gathered))
         instants.append((0, grads, reduce_ws))
     acts, live_grads, workspace = max(instants, key=sum)
-    return StageMemory(stage=stage, params_count=param_held, params=param_b * param_held,
+    # fp8-mixed (Transformer Engine): from the step's first microbatch on, each weight is also kept cast to
+    # fp8 with its transpose for the backward (1 byte each); sharded weights only for the gathered layer.
+    # The amax histories (a few KB per layer) are left out.
+    fp8_copies = 0
+    if plan.precision is Precision.FP8_MIXED:
+        fp8_copies = 2 * (held if param_ways == 1 else _layer_params_per_device(plan))
+    return StageMemory(stage=stage, params_count=param_held, params=param_b * param_held + fp8_copies,
                        grads=live_grads, optimizer=opt_b * opt_held, activations=acts,
                        workspace=workspace, inflight=inflight)
 

@@ -138,19 +138,22 @@ class ShardingCheck:
         return math.prod(self.mesh.values())
 
     def per_axis(self) -> list[dict[str, Any]]:
-        """Per stage group, axes and kind: executions and bytes per device per step (programs x runs)."""
+        """Per stage group, axes and kind: executions and bytes per device per step (programs x runs);
+        ``recomputed_bytes``, the part a checkpoint's backward recomputes (included in ``bytes``)."""
         rows: dict[tuple[str, str, str], dict[str, Any]] = {}
         for program in self.programs:
             for c in program.collectives:
                 key = (program.stages, c.axis_label, c.kind)
                 row = rows.setdefault(key, {"stages": program.stages, "axes": c.axis_label, "kind": c.kind,
-                                            "group": c.group, "count": 0, "bytes": 0})
+                                            "group": c.group, "count": 0, "bytes": 0, "recomputed_bytes": 0})
                 row["count"] += c.times * program.runs
                 row["bytes"] += c.bytes * c.times * program.runs
+                row["recomputed_bytes"] += c.bytes * c.times * program.runs if c.recomputed else 0
         if self.transfers:
             rows[("all", "stage", TRANSFER)] = {
                 "stages": "all", "axes": "stage", "kind": TRANSFER, "group": 2,
-                "count": self.transfers["count"], "bytes": self.transfers["count"] * self.transfers["bytes"]}
+                "count": self.transfers["count"], "bytes": self.transfers["count"] * self.transfers["bytes"],
+                "recomputed_bytes": 0}
         return sorted(rows.values(), key=lambda r: (r["stages"], r["axes"], r["kind"]))
 
     def to_dict(self) -> dict[str, Any]:
@@ -164,7 +167,8 @@ class ShardingCheck:
                         "moment_spec": p.moment_spec} for p in self.params],
             "programs": [{"name": g.name, "stages": g.stages, "runs_per_step": g.runs, "seconds": round(g.seconds, 3),
                           "collectives": [{"kind": c.kind, "axes": c.axis_label, "group": c.group, "count": c.times,
-                                           "bytes": c.bytes, "shape": list(c.shape), "dtype": c.dtype}
+                                           "bytes": c.bytes, "shape": list(c.shape), "dtype": c.dtype,
+                                           "recomputed": c.recomputed}
                                           for c in g.collectives]} for g in self.programs],
             "transfers": self.transfers,
             "per_axis": self.per_axis(),
@@ -202,7 +206,7 @@ class _Lowering:
         """Lower ``jitted(*args)``, partition it with Shardy and record its collectives; the Lowered and its text."""
         start = time.perf_counter()
         lowered = jitted.trace(*args).lower(lowering_platforms=(PLATFORM,))
-        text = lowered.as_text()
+        text = lowered.as_text(debug_info=True)  # locations: which ops a checkpoint recomputes
         mid = time.perf_counter()
         found, warnings = reshards.collectives(text, self.sizes)
         end = time.perf_counter()

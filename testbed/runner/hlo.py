@@ -7,19 +7,27 @@ activation transfers between ``stage`` s (a collective-permute inside a
 program, or cross-mesh transfers between per-stage programs), and ring
 attention's K/V sends over ``context`` (collective-permutes). The counts come
 from the text of ``jitted.lower(...).compile().as_text()``; async pairs
-(``all-reduce-start``/``-done``) count once. Pure text processing, no JAX.
+(``all-reduce-start``/``-done``) count once. Also the device groups of each
+compiled collective mapped to mesh axes (:func:`compiled_axes`) and its bytes per
+device (:func:`compiled_bytes`), to compare with check-sharding's. Pure text
+processing, no JAX.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
+
+import numpy as np
 
 from testbed.plan.spec import Plan
 from testbed.plan.sharding import state_sharding
 
-__all__ = ["COLLECTIVES", "count_collectives", "expected_collectives", "check_collectives"]
+__all__ = ["COLLECTIVES", "count_collectives", "expected_collectives", "check_collectives", "replica_groups",
+           "varying_dims", "compiled_axes", "compiled_bytes"]
 
 #: HLO collective op names counted in compiled programs.
 COLLECTIVES: tuple[str, ...] = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
@@ -72,3 +80,119 @@ def check_collectives(plan: Plan, hlo_texts: Iterable[str], transfers: int = 0) 
     missing = [entry for entry in expected
                if not any(found.get(op, 0) > 0 for op in entry.split(": ", 1)[1].split("|"))]
     return {"expected": expected, "found": found, "missing": missing, "ok": not missing}
+
+
+# -- replica groups and bytes of a compiled SPMD program --------------------------------------------
+
+def _element_bytes(element: str) -> int:
+    bits = re.search(r"(\d+)", element)
+    return max(1, int(bits.group(1)) // 8) if bits else 4
+
+
+def varying_dims(groups: list[list[int]], shape: tuple[int, ...]) -> list[int]:
+    """Indices of the mesh dims along which some group's members differ (device ``i``: row-major coordinate)."""
+    if len({len(g) for g in groups}) == 1:  # equal groups (every SPMD collective): vectorised, 4096 groups at once
+        coords = np.array(np.unravel_index(np.asarray(groups), shape))  # (mesh dims, groups, members)
+        return [int(i) for i in np.flatnonzero((coords.max(axis=2) != coords.min(axis=2)).any(axis=1))]
+    varying: set[int] = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(group, shape)).T
+        varying |= {i for i in range(len(shape)) if len(set(coords[:, i].tolist())) > 1}
+    return sorted(varying)
+
+
+_HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(")
+_HLO_RESULT = re.compile(r"=\s*(.*?)\s*\b(?:all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)"
+                         r"(?:-start)?\(")
+_HLO_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def replica_groups(line: str, devices: int) -> list[list[int]] | None:
+    """The device groups of one compiled HLO collective instruction (partition ids), or None if it has none.
+
+    Reads the explicit ``{{0,1},{2,3}}`` list, the iota form
+    ``[G,S]<=[dims]T(perm)``, the mesh form ``mesh['a'=2,...] {'a'}`` (with
+    optional ``device_ids``), ``{}`` (all devices) and a collective-permute's
+    ``source_target_pairs``.
+    """
+    explicit = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{} ]*\})\}", line)
+    if explicit:
+        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d, ]+)\}", explicit.group(1))]
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if iota:
+        return _iota(iota.group(3), iota.group(4)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
+                     r"\{([^}]*)\}", line)
+    if mesh:
+        axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = (_iota(mesh.group(2), mesh.group(3)) if mesh.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))]
+        rest = [i for i in range(len(names)) if i not in grouped]
+        return ids.transpose(rest + grouped).reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
+    if "replica_groups={}" in line:
+        return [list(range(devices))]
+    return None
+
+
+def compiled_axes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Counter:
+    """``(axes, kind) -> instructions`` of a compiled SPMD program's HLO (``compiled.as_text()``).
+
+    Partition ``i`` is the mesh's ``i``-th device in row-major order; a
+    group spans the axes along which its members' coordinates differ (an
+    instruction without readable groups counts under ``"?"``). Async pairs
+    count once; counts are instructions, not executions.
+    """
+    found: Counter = Counter()
+    devices = math.prod(mesh_shape)
+    for line in hlo_text.splitlines():
+        match = _HLO_OP.search(line)
+        if not match:
+            continue
+        groups = replica_groups(line, devices)
+        if groups is None:
+            found[("?", match.group(1))] += 1
+            continue
+        found[("+".join(axis_names[i] for i in varying_dims(groups, mesh_shape)), match.group(1))] += 1
+    return found
+
+
+def _hlo_bytes(types: str) -> int:
+    """Bytes of an HLO result type: one array ``f32[4,8]{1,0}`` or a tuple of them (a combined collective)."""
+    return sum(math.prod(int(d) for d in dims.split(",") if d) * (1 if element == "pred" else _element_bytes(element))
+               for element, dims in _HLO_ARRAY.findall(types))
+
+
+def compiled_bytes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Counter:
+    """``(axes, kind) -> bytes per device`` of a compiled SPMD program's collectives, each executed once.
+
+    The nccl-tests convention of the module doc, read from each instruction's
+    per-device result type (summed over a combined op's tuple): the buffer
+    for all-reduce, all-to-all and collective-permute, the gathered buffer
+    for all-gather, the result times the group for reduce-scatter (its
+    whole input). For programs without loops (an instruction in a while
+    body would run its trip count); asynchronous ``-start`` forms are not
+    read (XLA:CPU emits none).
+    """
+    found: Counter = Counter()
+    devices = math.prod(mesh_shape)
+    for line in hlo_text.splitlines():
+        match = _HLO_OP.search(line)
+        if not match:
+            continue
+        if match.group(2):
+            raise ValueError(f"asynchronous collective not supported here: {line.strip()[:120]}")
+        kind, groups = match.group(1), replica_groups(line, devices)
+        if groups is not None and max(len(g) for g in groups) == 1:
+            continue  # groups of one device move nothing
+        axes = "?" if groups is None else "+".join(axis_names[i] for i in varying_dims(groups, mesh_shape))
+        size = _hlo_bytes(_HLO_RESULT.search(line).group(1))
+        if kind == "reduce-scatter":
+            size *= max(len(g) for g in groups) if groups else 1
+        found[(axes, kind)] += size
+    return found

@@ -178,10 +178,10 @@ class SequenceShards:
       (reduce-scatter; its transpose an all-gather), instead of an all-reduce;
     - :meth:`embed`: the vocab-parallel lookup reduce-scattered over the sequence.
 
-    The maps are manual over ``tensor`` only: with ``data`` or ``fsdp`` > 1 XLA replicates the batch inside
-    them (it all-gathers the batch over those axes first), correct but not yet efficient. With sharded
-    parameters (fsdp, ZeRO 3) they nest in :class:`ParamShards`' maps over the batch axes instead, and
-    see only the device's batch rows.
+    The maps are manual over ``tensor`` and the batch axes of degree > 1, each device gathering and
+    scattering only its own batch rows (left automatic, XLA would all-gather the microbatch over them
+    first, and every collective would carry the whole microbatch). With sharded parameters (fsdp, ZeRO 3)
+    they nest in :class:`ParamShards`' maps, already manual over the batch axes.
 
     Explicit collectives, not sharding constraints: XLA:CPU lowers a constrained partial sum to an
     all-reduce and a slice (only XLA:GPU's pipeline rewrites that into a reduce-scatter), and an
@@ -198,6 +198,11 @@ class SequenceShards:
         self._context = "context" if plan.mesh.context > 1 else None
         self._seq = ("context", "tensor") if self._context else "tensor"
         self._sharded = NamedSharding(mesh, P(P.UNCONSTRAINED, self._seq, None))
+        # The batch axes that split the rows (degree > 1): manual too, so each device gathers and scatters only
+        # its own rows (left automatic, XLA would gather the whole microbatch over them first).
+        split = tuple(a for a in batch_axes(plan) if plan.mesh.degree(a) > 1)
+        self._batch_axes = frozenset(split)
+        self._batch_entry = _entry(split) if split else None
 
     def _mesh(self) -> Any:
         """The mesh, or inside FSDP's map over the batch axes (:class:`ParamShards`) the context's."""
@@ -206,16 +211,21 @@ class SequenceShards:
 
     def _map(self, fn: Any, in_specs: Any, out_specs: Any, check_vma: bool = True) -> Any:
         mesh = self._mesh()
-        if mesh is self.mesh:  # manual over tensor and the axes of degree 1 (see below: XLA:CPU's bf16 abort)
+        if mesh is self.mesh:  # manual over tensor, the batch axes and those of degree 1 (below: XLA:CPU's bf16 abort)
             trivial = {name for name, size in mesh.shape.items() if size == 1} | {self._context} - {None}
             return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 axis_names=frozenset({"tensor"} | trivial), check_vma=check_vma)
+                                 axis_names=frozenset({"tensor"} | trivial | self._batch_axes), check_vma=check_vma)
         # Nested in ParamShards' map: unchecked, since JAX 0.10 names a checked map's residuals by all the axes
         # they vary over, the outer map's included (an invalid nested map); manual over every axis left (tensor,
         # axes of degree 1), since in a map with automatic axes JAX gives the reduce-scatter's reducer a sharding
         # annotation that XLA:CPU's bf16 all-reduce promotion cannot clone (it aborts).
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                              axis_names=frozenset(mesh.axis_names) - frozenset(mesh.manual_axes), check_vma=False)
+
+    def _rows(self) -> Any:
+        """The spec entry of the activations' batch dim in a map: the batch axes at top level; None inside
+        ParamShards' map, which is already manual over them (each device holds its own rows)."""
+        return self._batch_entry if self._mesh() is self.mesh else None
 
     def _specs(self, weights: dict[str, Any], prefix: tuple[str, ...]) -> dict[str, P]:
         """Tensor-axis specs of a group of parameter leaves, from testbed.model.layout's table."""
@@ -239,9 +249,10 @@ class SequenceShards:
         ``prefix`` in the layout table (their tensor split from there); ``out_dims``: a pytree like
         ``project``'s output of the dim the tensor axis splits in each output (None: whole on every rank).
         """
-        shapes = jax.eval_shape(project, h, weights)
+        shapes, rows = jax.eval_shape(project, h, weights), self._rows()
         out_specs = jax.tree.map(
-            lambda s, d: P(*("tensor" if i == d else self._context if i == 1 else None for i in range(s.ndim))),
+            lambda s, d: P(*("tensor" if i == d else self._context if i == 1 else rows if i == 0 else None
+                             for i in range(s.ndim))),
             shapes, out_dims, is_leaf=lambda x: x is None)
 
         def local(h: jax.Array, w: dict[str, Any]) -> Any:
@@ -250,7 +261,7 @@ class SequenceShards:
         # An output whole on every rank (K/V heads the tensor degree does not divide) is the same on every rank,
         # but computed from the all-gather, which JAX types as varying: checked against the reference instead.
         whole = any(d is None for d in jax.tree.leaves(out_dims, is_leaf=lambda x: x is None))
-        mapped = self._map(local, (P(None, self._seq, None), self._specs(weights, prefix)), out_specs,
+        mapped = self._map(local, (P(rows, self._seq, None), self._specs(weights, prefix)), out_specs,
                            check_vma=not whole)
         return jax.checkpoint(mapped)(h, weights)
 
@@ -260,7 +271,8 @@ class SequenceShards:
         def local(y: jax.Array, w: jax.Array) -> jax.Array:
             return jax.lax.psum_scatter(y @ w, "tensor", scatter_dimension=1, tiled=True)
 
-        return self._map(local, (P(None, self._context, "tensor"), P("tensor", None)), P(None, self._seq, None))(y, w)
+        rows = self._rows()
+        return self._map(local, (P(rows, self._context, "tensor"), P("tensor", None)), P(rows, self._seq, None))(y, w)
 
     def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
         """The vocab-parallel token lookup ``[batch, seq] -> [batch, seq, d]``, reduce-scattered over the sequence."""
@@ -272,7 +284,8 @@ class SequenceShards:
             return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
 
         spec = self._specs({"tokens": table}, ("embed",))["tokens"]
-        return self._map(local, (spec, P(None, self._context)), P(None, self._seq, None))(table, tokens)
+        rows = self._rows()
+        return self._map(local, (spec, P(rows, self._context)), P(rows, self._seq, None))(table, tokens)
 
 
 def sequence_shards(plan: Plan, mesh: Any) -> SequenceShards | None:

@@ -41,8 +41,11 @@ from typing import Any
 
 import numpy as np
 
+# Reading compiled HLO lives in testbed.runner.hlo; re-exported here where the comparisons began.
+from testbed.runner.hlo import compiled_axes, compiled_bytes, replica_groups, varying_dims
+
 __all__ = ["Reshard", "PASSES", "KINDS", "MANUAL", "partition", "collectives", "result_shardings", "replica_groups",
-           "compiled_axes"]
+           "compiled_axes", "compiled_bytes"]
 
 #: Shardy's partitioning, as a pass pipeline over the lowered module.
 PASSES = ("builtin.module(sdy-propagation-pipeline,"
@@ -65,6 +68,9 @@ MANUAL: dict[str, str] = {
     "stablehlo.collective_permute": "collective-permute",
 }
 
+#: Name-stack component of the ops JAX recomputes in a checkpoint's backward.
+_REMAT = "rematted_computation"
+
 _AXIS_REF = re.compile(r'"([^"]+)"(?::\((\d+)\)(\d+))?')
 _DIM = re.compile(r"\{([^{}]*)\}")
 
@@ -76,8 +82,12 @@ class Reshard:
     ``axes`` are the mesh axes its groups span, in mesh order; ``group``
     the number of devices in one group; ``bytes`` per device and execution
     (module doc); ``times`` executions per program run; ``shape`` and
-    ``dtype`` the operand: global for Shardy's ops, one device's block for
-    the explicit collectives of ``shard_map`` bodies (:data:`MANUAL`).
+    ``dtype`` the operand: global for Shardy's ops, the body's block for
+    the explicit collectives of ``shard_map`` bodies (:data:`MANUAL`; local
+    along the map's manual axes, and divided by the map's free axes that
+    split it for ``bytes``). ``recomputed``: inside a ``jax.checkpoint``'s
+    rematerialised computation (Megatron's second gather of a sequence
+    shard; XLA may reuse the forward's result instead).
     """
 
     kind: str
@@ -87,6 +97,7 @@ class Reshard:
     times: int
     shape: tuple[int, ...]
     dtype: str
+    recomputed: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in {k for k, _ in KINDS.values()}:
@@ -153,20 +164,38 @@ def _collective(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
     return kind, axes, group, nbytes, shape, element
 
 
-def _varying(groups: list[list[int]], shape: tuple[int, ...]) -> list[int]:
-    """Indices of the mesh dims along which some group's members differ (device ``i``: row-major coordinate)."""
-    varying: set[int] = set()
-    for group in groups:
-        coords = np.array(np.unravel_index(group, shape)).T
-        varying |= {i for i in range(len(shape)) if len(set(coords[:, i].tolist())) > 1}
-    return sorted(varying)
+_PER_VALUE = re.compile(r"<@[\w.]+,\s*\[[^\]]*\][^<>]*>")
 
 
-def _manual(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
+def _free_split(value: Any, manual: frozenset[str], sizes: dict[str, int]) -> int:
+    """Devices that split ``value`` of a shard_map body over the map's free (automatic) axes.
+
+    Inside a map the types are local along the manual axes only; Shardy's
+    propagation records the split over the free axes on the defining op
+    (``sdy.sharding``) or, for a block argument, the map's ``in_shardings``.
+    """
+    from jaxlib.mlir import ir
+
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        parent = owner.owner
+        attr, index = "in_shardings", ir.BlockArgument(value).arg_number
+    else:
+        parent, attr, index = owner, "sdy.sharding", ir.OpResult(value).result_number
+    if attr not in parent.attributes:
+        return 1
+    values = _PER_VALUE.findall(str(parent.attributes[attr]))
+    if index >= len(values):
+        return 1
+    return math.prod(size for dim in _dims(values[index], sizes) for name, size in dim if name not in manual)
+
+
+def _manual(op: Any, sizes: dict[str, int], order: list[str], manual: frozenset[str] = frozenset()) -> tuple:
     """(kind, axes, group, bytes, shape, dtype) of an explicit collective in a shard_map body (local shapes).
 
     Its device groups (``replica_groups``, or a permute's pairs) are ids of
-    the abstract mesh's devices in row-major order.
+    the abstract mesh's devices in row-major order; ``manual`` the map's
+    manual axes (the bytes are one device's: divided by the free axes' split).
     """
     kind = MANUAL[op.operation.name]
     attr = "source_target_pairs" if kind == "collective-permute" else "replica_groups"
@@ -175,12 +204,13 @@ def _manual(op: Any, sizes: dict[str, int], order: list[str]) -> tuple:
     # Read as an array: MLIR prints a large dense attribute (4096 devices' groups) as a hex string.
     groups = np.atleast_2d(np.asarray(ir.DenseIntElementsAttr(op.attributes[attr]))).tolist()
     shape_ = tuple(sizes[a] for a in order)
-    axes = tuple(order[i] for i in _varying(groups, shape_))
+    axes = tuple(order[i] for i in varying_dims(groups, shape_))
     value = op.results[0] if kind == "all-gather" else op.operands[0]
     shape = tuple(int(d) for d in value.type.shape)
     element = str(value.type.element_type)
     group = math.prod(sizes[a] for a in axes) if kind == "collective-permute" else max(len(g) for g in groups)
-    return kind, axes, group, math.prod(shape) * _dtype_bytes(element), shape, element
+    local = math.prod(shape) * _dtype_bytes(element) // max(1, _free_split(value, manual, sizes))
+    return kind, axes, group, local, shape, element
 
 
 def partition(text: str) -> Any:
@@ -213,41 +243,46 @@ def collectives(text: str, axis_sizes: dict[str, int]) -> tuple[list[Reshard], l
     warnings: list[str] = []
     with context:
         functions = _functions(module)
-        totals: dict[str, Counter] = {}
+        totals: dict[tuple, Counter] = {}
 
-        def walk(op: Any, times: int, found: Counter) -> None:
+        def walk(op: Any, times: int, found: Counter, manual: frozenset[str], remat: bool) -> None:
             for region in op.regions:
                 for block in region.blocks:
                     for inner in block.operations:
                         name = inner.operation.name
+                        again = remat or _REMAT in str(inner.location)
                         if name in KINDS:
-                            found[_collective(inner, axis_sizes, order)] += times
+                            found[(*_collective(inner, axis_sizes, order), again)] += times
                         elif name in MANUAL:
-                            found[_manual(inner, axis_sizes, order)] += times
+                            found[(*_manual(inner, axis_sizes, order, manual), again)] += times
                         elif name in ("func.call", "call"):
                             callee = ir.FlatSymbolRefAttr(inner.attributes["callee"]).value
-                            for key, n in function_total(callee).items():
+                            for key, n in function_total(callee, manual, again).items():
                                 found[key] += n * times
-                        inner_times = times
+                        inner_times, inner_manual = times, manual
                         if name == "stablehlo.while":
                             trips = _trip_count(inner)
                             if trips is None:
                                 warnings.append("a loop whose trip count is not a constant: its collectives count once")
                             inner_times = times * (trips or 1)
-                        walk(inner, inner_times, found)
+                        if name == "sdy.manual_computation":
+                            inner_manual = manual | frozenset(re.findall(r'"([^"]+)"', str(inner.attributes["manual_axes"])))
+                        walk(inner, inner_times, found, inner_manual, again)
 
-        def function_total(name: str) -> Counter:
-            if name not in totals:
-                totals[name] = Counter()  # guards recursion; JAX emits none
+        def function_total(name: str, manual: frozenset[str] = frozenset(), remat: bool = False) -> Counter:
+            key = (name, manual, remat)
+            if key not in totals:
+                totals[key] = Counter()  # guards recursion; JAX emits none
                 found: Counter = Counter()
-                walk(functions[name], 1, found)
-                totals[name] = found
-            return totals[name]
+                walk(functions[name], 1, found, manual, remat)
+                totals[key] = found
+            return totals[key]
 
         entry = "main" if "main" in functions else next(iter(functions))
         found = function_total(entry)
-    out = [Reshard(kind=k, axes=axes, group=g, bytes=b, times=n, shape=shape, dtype=dtype)
-           for (k, axes, g, b, shape, dtype), n in found.items() if n > 0]
+    # A group of one device (an axis of size 1) moves nothing.
+    out = [Reshard(kind=k, axes=axes, group=g, bytes=b, times=n, shape=shape, dtype=dtype, recomputed=again)
+           for (k, axes, g, b, shape, dtype, again), n in found.items() if n > 0 and g > 1]
     out.sort(key=lambda r: (r.axes, r.kind, -r.bytes))
     return out, sorted(set(warnings))
 
@@ -276,61 +311,3 @@ def result_shardings(text: str, axis_sizes: dict[str, int]) -> list[tuple[tuple[
             dims = _dims(match.group(0), axis_sizes)
             out.append(tuple(tuple(name for name, _ in dim) or None for dim in dims))
     return out
-
-
-_HLO_OP = re.compile(r"=\s*[^=]*?\b(all-reduce|reduce-scatter|all-gather|collective-permute|all-to-all)(-start)?\(")
-
-
-def _iota(dims: str, perm: str | None) -> np.ndarray:
-    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
-    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
-
-
-def replica_groups(line: str, devices: int) -> list[list[int]] | None:
-    """The device groups of one compiled HLO collective instruction (partition ids), or None if it has none.
-
-    Reads the explicit ``{{0,1},{2,3}}`` list, the iota form
-    ``[G,S]<=[dims]T(perm)``, the mesh form ``mesh['a'=2,...] {'a'}`` (with
-    optional ``device_ids``), ``{}`` (all devices) and a collective-permute's
-    ``source_target_pairs``.
-    """
-    explicit = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{} ]*\})\}", line)
-    if explicit:
-        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d, ]+)\}", explicit.group(1))]
-    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    if iota:
-        return _iota(iota.group(3), iota.group(4)).reshape(int(iota.group(1)), int(iota.group(2))).tolist()
-    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
-                     r"\{([^}]*)\}", line)
-    if mesh:
-        axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
-        ids = (_iota(mesh.group(2), mesh.group(3)) if mesh.group(2) else np.arange(math.prod(sizes))).reshape(sizes)
-        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))]
-        rest = [i for i in range(len(names)) if i not in grouped]
-        return ids.transpose(rest + grouped).reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
-    if "replica_groups={}" in line:
-        return [list(range(devices))]
-    return None
-
-
-def compiled_axes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Counter:
-    """``(axes, kind) -> instructions`` of a compiled SPMD program's HLO (``compiled.as_text()``).
-
-    Partition ``i`` is the mesh's ``i``-th device in row-major order; a
-    group spans the axes along which its members' coordinates differ (an
-    instruction without readable groups counts under ``"?"``). Async pairs
-    count once; counts are instructions, not executions.
-    """
-    found: Counter = Counter()
-    devices = math.prod(mesh_shape)
-    for line in hlo_text.splitlines():
-        match = _HLO_OP.search(line)
-        if not match:
-            continue
-        groups = replica_groups(line, devices)
-        if groups is None:
-            found[("?", match.group(1))] += 1
-            continue
-        found[("+".join(axis_names[i] for i in _varying(groups, mesh_shape)), match.group(1))] += 1
-    return found

@@ -69,9 +69,8 @@ def build_trainer(plan: Plan, devices: list[Any], return_grads: bool = False) ->
 def _check_runnable(plan: Plan, devices: list[Any]) -> None:
     """Refuse (exit 2) a plan these devices cannot run (fp8 matmuls) or would abort on rather than run.
 
-    Sequence parallelism's maps (testbed.runner.parallel.SequenceShards) are manual over the tensor axis with the
-    batch axes automatic; XLA:CPU aborts the whole process on their 16-bit reduce-scatter (JAX 0.10).
-    With sharded parameters (fsdp, ZeRO 3) they nest in ParamShards' map, manual over the batch axes, and run.
+    Sequence parallelism's maps (testbed.runner.parallel.SequenceShards) are manual over the batch axes too, so
+    their 16-bit reduce-scatters run on XLA:CPU (with the batch axes automatic it aborted the process, JAX 0.10).
     """
     from testbed.runner.precision import check_precision
     from testbed.errors import InputError
@@ -85,13 +84,6 @@ def _check_runnable(plan: Plan, devices: list[Any]) -> None:
                          "yet (XLA:CPU aborts on the 16-bit collectives of the MoE layer's map while the data axis is "
                          "not manual); on CPUs use `precision: fp32`, shard the parameters (`mesh.fsdp` > 1 or "
                          "`zero: 3`), or `mesh.data: 1`", field="precision")
-    if (plan.sequence_parallel and plan.precision is not Precision.FP32 and plan.replicas > 1
-            and not state_sharding(plan).split_axes(plan, "params")
-            and any(getattr(d, "platform", "") == "cpu" for d in devices)):
-        raise InputError("sequence_parallel with a 16-bit precision and data replicas does not run on CPU devices "
-                         "yet (XLA:CPU aborts on the 16-bit reduce-scatter while the batch axes are not manual); on "
-                         "CPUs use `precision: fp32`, shard the parameters (`mesh.fsdp` > 1 or `zero: 3`), or "
-                         "`mesh.data: 1`", field="sequence_parallel")
 
 
 def _loss_value(loss: Any) -> float | None:

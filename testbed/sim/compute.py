@@ -31,6 +31,13 @@ fused kernel at the calibration's ``flash_efficiency`` of peak (FlashAttention-2
 on A100: 50-73%, Dao 2023), their scores never in HBM. Each factor grows with its dimension, so a GEMM's FLOP rate never
 falls as any dimension grows (tested): the curve is monotone in size.
 
+An fp8 GEMM (fp8-mixed on a device with fp8 units) runs at the fp8 peak with
+its own cap, ``fp8_efficiency * k / (k + fp8_gemm_half_k)`` in place of
+``efficiency`` (fitted to measured per-tensor-scaled H800 fp8 GEMMs by
+benchmarks/published/gemm.py), reads fp8 operands, and pays the fp8 recipe's
+casts as a memory-bound pass (:func:`fp8_cast_bytes`); flash attention stays
+bf16.
+
 The constants are fitted per device to published GEMM measurements (the
 topology files name them; :func:`fit_shape_model` is the fit, on a table of
 ``(batch, m, n, k, FLOP/s)``). A topology whose calibration has no GEMM
@@ -47,7 +54,7 @@ from testbed.topology import Topology
 from testbed.topology.calibration import ComputeCalibration
 
 __all__ = ["compute_seconds", "pass_seconds", "gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model",
-           "GEMM_OPERAND_BYTES"]
+           "GEMM_OPERAND_BYTES", "fp8_cast_bytes"]
 
 #: Bytes per (input, output) value of a GEMM, by compute dtype (fp8 GEMMs read fp8 operands and write bf16).
 GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1, 2)}
@@ -67,7 +74,7 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
         t = gemms_seconds(topology, dtype, gemms)
     elif flops > 0:
         per_kernel = flops / max(1, kernels)
-        eff = compute.efficiency * per_kernel / (per_kernel + compute.efficiency_half_flops)
+        eff = compute.cap(dtype) * per_kernel / (per_kernel + compute.efficiency_half_flops)
         t = flops / (dev.flops(dtype) * eff)
     if hbm_bytes > 0:
         t = max(t, pass_seconds(topology, hbm_bytes))
@@ -93,29 +100,55 @@ def _saturation(x: float, half: float) -> float:
     return x / (x + half) if half > 0 else 1.0
 
 
-def gemm_efficiency(compute: ComputeCalibration, gemm: Gemm) -> float:
-    """Fraction of peak FLOP/s a GEMM of this shape reaches (before the memory bound): in (0, efficiency]."""
+def gemm_efficiency(compute: ComputeCalibration, gemm: Gemm, dtype: str = "bf16") -> float:
+    """Fraction of peak FLOP/s a GEMM of this shape reaches (before the memory bound): in (0, the dtype's cap]."""
     shape = (_saturation(gemm.batch * gemm.m, compute.gemm_half_mn) * _saturation(gemm.n, compute.gemm_half_mn)
              * _saturation(gemm.k, compute.gemm_half_k))
+    if dtype == "fp8" and compute.fp8_efficiency:
+        # fp8's cap itself grows with the reduction: each output tile's fixed work (its scales, the bf16
+        # epilogue, the pipeline's fill) is amortised over k (fitted to measured H800 fp8 GEMMs)
+        return min(compute.fp8_efficiency * _saturation(gemm.k, compute.fp8_gemm_half_k), shape)
     return min(compute.efficiency, shape)
 
 
-def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm) -> float:
-    """Seconds of ``gemm`` (all its ``count`` x ``batch`` products) on one device of ``topology``."""
+def fp8_cast_bytes(gemm: Gemm) -> float:
+    """HBM bytes of the fp8 recipe's casts for one fp8 ``gemm`` (all its products): ``3 batch m k``.
+
+    Transformer Engine's recipe (NVIDIA Transformer Engine docs, "Using FP8 with Transformer Engine"):
+    a linear layer's input is cast to fp8 (with its transpose, for the weight gradient) before the
+    forward GEMM, the output gradient likewise before the backward ones, each cast also finding the
+    tensor's amax; the weights once per step. Priced per GEMM as one memory-bound pass over its left
+    operand, read in bf16 (2 bytes) and written in fp8 (1): the forward's input (cast and transpose:
+    4 bytes counted 3), the input gradient's output gradient (likewise), the weight gradient's left
+    operand (already cast: 0 counted 3) - 9 bytes for the layer's 8. The weights' casts, once per step
+    and not per microbatch, are left out.
+    """
+    return 3.0 * gemm.batch * gemm.m * gemm.k * gemm.count
+
+
+def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool = True) -> float:
+    """Seconds of ``gemm`` (all its ``count`` x ``batch`` products) on one device of ``topology``.
+
+    In fp8 the recipe's casts (:func:`fp8_cast_bytes`) are added unless ``casts`` is false (the GEMM kernel alone).
+    """
     if gemm.count <= 0:
         return 0.0
     cal = topology.calibration
-    if dtype == "fp8" and not topology.device.has_fp8():
-        dtype = "bf16"  # no fp8 units: fp8-mixed matmuls run (and read their operands) in bf16
+    if dtype == "fp8" and (not topology.device.has_fp8() or gemm.flash):
+        # no fp8 units: fp8-mixed matmuls run (and read their operands) in bf16; flash attention runs in
+        # bf16 under Transformer Engine's fp8 recipe too (its DotProductAttention is bf16 unless fp8
+        # attention is asked for)
+        dtype = "bf16"
     one = gemm.flops / gemm.count
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
-        eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm)
+        eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
         return gemm.count * (cal.compute.gemm_latency_s + one / (topology.device.flops(dtype) * eff))
-    math = one / (topology.device.flops(dtype) * gemm_efficiency(cal.compute, gemm))
+    math = one / (topology.device.flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype))
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
-    return gemm.count * (cal.compute.gemm_latency_s + max(math, memory))
+    cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0
+    return gemm.count * (cal.compute.gemm_latency_s + max(math, memory)) + cast
 
 
 def gemms_seconds(topology: Topology, dtype: str, gemms: Iterable[Gemm]) -> float:

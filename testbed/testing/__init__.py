@@ -10,6 +10,8 @@ that need it, so a test process can still choose its device count. The parts:
 * :func:`assert_parallel_equal` -- run the parallel function and the
   single-device reference, compare the outputs leaf by leaf and explain a
   difference (psum where pmean was meant, one wrong shard, a bubble leak);
+* :func:`per_shard_reference` and :func:`assert_replicas_differ` -- random numbers each shard draws for
+  itself (dropout): the reference per shard with the shard's own key, and the check that replicas differ;
 * :mod:`testbed.testing.strategies` -- hypothesis strategies (``meshes``,
   ``partition_specs``, ``shardings``, ``batches``, ``plans``); needs hypothesis;
 * helpers for ``pmap`` code: :func:`replicate`, :func:`shard_batch`,
@@ -19,8 +21,10 @@ that need it, so a test process can still choose its device count. The parts:
 from __future__ import annotations
 
 from testbed.testing.compare import assert_outputs_equal, assert_parallel_equal
+from testbed.testing.shards import assert_replicas_differ, per_shard_reference, shard_key
 from testbed.testing.devices import (ReferenceDevice, backend_started, replicate, request_host_devices, shard_batch,
                                      unreplicate)
 
-__all__ = ["assert_parallel_equal", "assert_outputs_equal", "ReferenceDevice", "backend_started",
+__all__ = ["assert_parallel_equal", "assert_outputs_equal", "assert_replicas_differ", "per_shard_reference",
+           "shard_key", "ReferenceDevice", "backend_started",
            "request_host_devices", "replicate", "shard_batch", "unreplicate"]

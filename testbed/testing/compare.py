@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from testbed.testing.devices import ReferenceDevice, to_host
+from testbed.testing.devices import ReferenceDevice, is_key, to_host
+from testbed.testing.hints import equal_blocks_hint, per_device_hint, replica_hint
 
 __all__ = ["assert_parallel_equal", "assert_outputs_equal"]
 
@@ -23,24 +24,30 @@ def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callabl
     values, and adds hints: a constant ratio that is a device count or a ``mesh`` axis size
     (``axis_sizes`` adds others) -- psum where pmean was meant --, also on the change from an input
     (an updated parameter); an error confined to one shard; NaN where the reference is finite (a
-    pipeline bubble leaking).
+    pipeline bubble leaking); device copies of a replicated output that differ (a missing psum over the
+    axis they differ along); blocks made equal by a collective over the wrong axis; outputs that match the
+    reference run on each batch shard alone (per-device statistics). Random keys (``jax.random.key`` or
+    raw ``uint32[2]``) pass to the reference as they are; for code whose shards draw their own numbers,
+    give a :func:`testbed.testing.per_shard_reference` as ``reference_fn``.
     """
+    __tracebackhide__ = True
     parallel = parallel_fn(*args, **kwargs)
     if not isinstance(reference_device, ReferenceDevice):
         import jax
 
         reference_device = ReferenceDevice(reference_device if reference_device is not None else jax.devices()[0])
     reference = reference_device(reference_fn, *args, **kwargs)
+    rerun = (lambda *a: reference_device(reference_fn, *a, **kwargs), args)
     assert_outputs_equal(parallel, reference, rtol=rtol, atol=atol, mesh=mesh, axis_sizes=axis_sizes,
-                         inputs=(args, kwargs))
+                         inputs=(args, kwargs), _rerun=rerun)
 
 
 def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, atol: float = 1e-6, mesh: Any = None,
-                         axis_sizes: Mapping[str, int] | None = None, inputs: Any = ()) -> None:
+                         axis_sizes: Mapping[str, int] | None = None, inputs: Any = (), _rerun: Any = None) -> None:
     """The comparison of :func:`assert_parallel_equal` on outputs already computed (``inputs``: the arguments,
     for the hint on updated parameters)."""
+    __tracebackhide__ = True
     import jax
-    import numpy as np
 
     counts = _counts(mesh, axis_sizes)
     par_leaves, par_def = jax.tree_util.tree_flatten_with_path(parallel)
@@ -53,10 +60,15 @@ def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, a
                         for name, x in input_leaves]
     failures = []
     for (path, p), (_, r) in zip(par_leaves, ref_leaves):
-        message = _compare_leaf(jax.tree_util.keystr(path) or "<root>", _array(p), _array(r), rtol, atol, counts,
-                                input_leaves)
+        pa, ra = _array(p), _array(r)
+        message = _compare_leaf(jax.tree_util.keystr(path) or "<root>", pa, ra, rtol, atol, counts, input_leaves)
         if message:
-            failures.append(message)
+            extra = [replica_hint(p, ra, rtol, atol)]
+            if pa.dtype.kind in "fc" and pa.shape == ra.shape:
+                extra.append(equal_blocks_hint(p, pa, ra, atol))
+                if _rerun is not None and len(par_leaves) == 1:
+                    extra.append(per_device_hint(_rerun[0], _rerun[1], pa, counts, rtol, atol))
+            failures.append(message + "".join(f"\n  hint: {h}" for h in extra if h))
     if failures:
         more = f"\n({len(failures)} of {len(par_leaves)} leaves differ)" if len(failures) > 1 else ""
         raise AssertionError("\n\n".join(failures) + more)
@@ -65,9 +77,15 @@ def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, a
 def _array(x: Any) -> Any:
     import numpy as np
 
-    a = np.asarray(x)
+    a = np.asarray(_key_data(x) if is_key(x) else x)
     # Floats (bfloat16 included) compared in float64; integers and booleans exactly.
     return a.astype(np.float64) if a.dtype.kind == "f" or a.dtype.name == "bfloat16" else a
+
+
+def _key_data(x: Any) -> Any:
+    import jax
+
+    return jax.random.key_data(x)
 
 
 def _num(x: Any) -> str:
@@ -124,7 +142,14 @@ def _scale_hint(k: float | None, counts: Sequence[tuple[int, str]], what: str) -
     n, inverse = found
     if inverse:
         return f"{what} scaled by 1/{n}{_named(n, counts)}: pmean where psum was meant, or a mean taken twice?"
-    return f"{what} scaled by {n}{_named(n, counts)}: psum where pmean was meant?"
+    axes = [w.split("'")[1] for k, w in counts if k == n and w.startswith("mesh axis")]
+    if not axes:
+        return f"{what} scaled by {n}{_named(n, counts)}: psum where pmean was meant?"
+    axis = axes[0]
+    return (f"{what} scaled by {n}{_named(n, counts)}: psum where pmean was meant, or a loss not averaged over "
+            f"'{axis}' (lax.pmean(loss, '{axis}'))? Under shard_map with check_vma=True JAX already sums the "
+            f"gradients of parameters replicated over '{axis}' (the transpose of their implicit pvary): a psum or "
+            f"pmean of them reduces twice -- average the loss over '{axis}' and reduce nothing more")
 
 
 def _shard_hint(bad: Any, counts: Sequence[tuple[int, str]]) -> str | None:

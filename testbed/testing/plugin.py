@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 
 import pytest
 
-from testbed.testing.devices import DeviceRequest, ReferenceDevice, request_host_devices
+from testbed.testing.devices import (MAX_HOST_DEVICES, DeviceRequest, ReferenceDevice, parse_device_count,
+                                     request_host_devices)
 
 DEFAULT_DEVICES = 8
 _REQUEST = pytest.StashKey[DeviceRequest]()
@@ -27,10 +28,11 @@ _REQUEST = pytest.StashKey[DeviceRequest]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("testbed", "testbed: emulated JAX devices")
-    group.addoption("--testbed-devices", type=int, default=None, dest="testbed_devices", metavar="N",
-                    help=f"emulated host devices for JAX (default: ini testbed_devices, else {DEFAULT_DEVICES}; "
-                         "0: leave XLA_FLAGS alone)")
-    parser.addini("testbed_devices", f"emulated host devices for JAX (default {DEFAULT_DEVICES})", default="")
+    group.addoption("--testbed-devices", default=None, dest="testbed_devices", metavar="N",
+                    help=f"emulated host devices for JAX, 0 to {MAX_HOST_DEVICES} (default: ini testbed_devices, "
+                         f"else {DEFAULT_DEVICES}; 0: leave XLA_FLAGS alone)")
+    parser.addini("testbed_devices", f"emulated host devices for JAX, 0 to {MAX_HOST_DEVICES} "
+                                     f"(default {DEFAULT_DEVICES})", default="")
 
 
 def _wanted(config: pytest.Config) -> tuple[int, bool]:
@@ -38,10 +40,18 @@ def _wanted(config: pytest.Config) -> tuple[int, bool]:
     option = getattr(config.known_args_namespace, "testbed_devices", None)
     if option is None:
         option = getattr(config.option, "testbed_devices", None)
-    if option is not None:
-        return int(option), True
+    try:
+        if option is not None:
+            return parse_device_count(option, "--testbed-devices"), True
+    except ValueError as err:  # pytest prints a UsageError as one line, exit status 4
+        raise pytest.UsageError(str(err)) from None
     ini = str(config.getini("testbed_devices") or "").strip()
-    return (int(ini), True) if ini else (DEFAULT_DEVICES, False)
+    if not ini:
+        return DEFAULT_DEVICES, False
+    try:
+        return parse_device_count(ini, f"ini value testbed_devices ({config.inipath or 'ini file'})"), True
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
 
 
 def _request(config: pytest.Config) -> DeviceRequest:
@@ -86,7 +96,22 @@ def testbed_devices(pytestconfig: pytest.Config) -> list[Any]:
     if len(devices) < n:
         pytest.skip(request.message or f"testbed: {n} devices requested, JAX has {len(devices)} "
                                        f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
-    return list(devices[:n])
+    return DeviceList(devices[:n])
+
+
+class DeviceList(list):
+    """The session's devices; a slice asking for more than there are fails, saying both numbers (a plain
+    list would silently give fewer, and JAX fail later on a mesh of the wrong size)."""
+
+    def __getitem__(self, index: Any) -> Any:
+        __tracebackhide__ = True
+        if isinstance(index, slice) and index.step in (None, 1) and (index.start or 0) >= 0:
+            stop = index.stop
+            if stop is not None and stop > len(self):
+                pytest.fail(f"testbed_devices[{index.start or ''}:{stop}] asks for {stop - (index.start or 0)} "
+                            f"devices, but this session has {len(self)} (--testbed-devices / ini testbed_devices "
+                            f"{len(self)}): run with --testbed-devices {stop} or more", pytrace=False)
+        return super().__getitem__(index)
 
 
 @pytest.fixture(scope="session")
@@ -97,13 +122,16 @@ def mesh_factory(testbed_devices: list[Any]) -> Callable[..., Any]:
 
     def make(shape: Sequence[int], names: Sequence[str], axis_types: Any = None,
              devices: Sequence[Any] | None = None) -> Any:
+        __tracebackhide__ = True
         shape, names = tuple(int(s) for s in shape), tuple(names)
         if len(shape) != len(names):
             raise ValueError(f"mesh shape {shape} and axis names {names} differ in length")
         pool = list(devices if devices is not None else testbed_devices)
         size = math.prod(shape)
         if size > len(pool):
-            pytest.skip(f"mesh {shape} needs {size} devices, the test has {len(pool)}")
+            pytest.fail(f"mesh {shape} needs {size} devices, but this session has {len(pool)} "
+                        f"(--testbed-devices / ini testbed_devices): run with --testbed-devices {size} or more",
+                        pytrace=False)
         if isinstance(axis_types, str):
             axis_types = (getattr(jax.sharding.AxisType, axis_types.capitalize()),) * len(shape)
         return jax.make_mesh(shape, names, axis_types=axis_types, devices=pool[:size])

@@ -101,6 +101,10 @@ class ComputeCalibration(_Group):
     flash_efficiency: fraction of peak flash attention's fused kernel reaches
         (forward and backward); 0: its products are priced as GEMMs by shape,
         without the memory bound (the scores stay on chip).
+    fp8_efficiency, fp8_gemm_half_k: the cap of an fp8 matmul over the
+        device's fp8 peak, ``fp8_efficiency * k / (k + fp8_gemm_half_k)`` (a
+        tile's fixed work amortised over the reduction), in place of
+        ``efficiency``; 0: fp8 matmuls are capped at ``efficiency`` (bf16's).
     """
 
     GROUP: ClassVar[str] = "compute"
@@ -111,13 +115,21 @@ class ComputeCalibration(_Group):
     gemm_half_k: float = 0.0
     gemm_latency_s: float = 0.0
     flash_efficiency: float = 0.0
+    fp8_efficiency: float = 0.0
+    fp8_gemm_half_k: float = 0.0
 
     def __post_init__(self) -> None:
         self._fraction("efficiency")
         if self.flash_efficiency:
             self._fraction("flash_efficiency")
+        if self.fp8_efficiency:
+            self._fraction("fp8_efficiency")
         self._nonnegative("efficiency_half_flops", "launch_overhead_s", "gemm_half_mn", "gemm_half_k",
-                          "gemm_latency_s")
+                          "gemm_latency_s", "fp8_gemm_half_k")
+
+    def cap(self, dtype: str) -> float:
+        """The efficiency of a very large matmul in ``dtype`` (``fp8_efficiency`` for fp8 where set)."""
+        return self.fp8_efficiency if dtype == "fp8" and self.fp8_efficiency else self.efficiency
 
     @property
     def shapes(self) -> bool:

@@ -1,0 +1,89 @@
+"""Predicted vs published training throughput of other stacks (benchmarks/published/runs.yaml).
+
+Each case is a testbed plan (the source's model, parallel layout, batch and
+precision; runs.yaml states every assumption) simulated on its topology
+resized to the case's GPUs. The published number is tokens per second per
+GPU; the prediction is ``global_batch x seq_len / step time / GPUs``.
+
+:func:`evaluate` returns one dict per case: ``case``, ``source``, ``stack``,
+``device``, ``precision``, ``gpus``, ``step_time_s``, ``predicted`` and
+``published`` tokens/s/GPU and ``error`` = predicted / published - 1.
+:func:`by_category` summarises rows by stack, device, precision and scale.
+Run as a script it prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+from testbed.explore.space import resize_topology
+from testbed.plan.io import plan_from_dict
+from testbed.sim.engine import simulate
+from testbed.topology.io import load_topology, topology_from_dict
+
+CASES = Path(__file__).with_name("runs.yaml")
+#: Scale bands of the category report (GPUs, inclusive upper bounds).
+SCALES = (("<=64", 64), ("65-512", 512), (">512", float("inf")))
+
+
+def scale(gpus: int) -> str:
+    return next(name for name, top in SCALES if gpus <= top)
+
+
+def evaluate(path: Path | str = CASES) -> list[dict]:
+    """Every case of ``path``: predicted and published tokens/s/GPU and the relative error."""
+    data = yaml.safe_load(Path(path).read_text())
+    inline = {name: topology_from_dict(spec, default_name=name) for name, spec in (data.get("topologies") or {}).items()}
+    out = []
+    for case in data["cases"]:
+        name = case["topology"]
+        base = inline[name] if name in inline else load_topology(name)
+        gpus = int(case["gpus"])
+        topology = resize_topology(base, gpus)
+        plan = plan_from_dict({"name": case["name"], **case["plan"]}, default_name=case["name"])
+        report = simulate(plan, topology).report
+        tokens = plan.batch.global_batch * plan.model.seq_len
+        predicted = tokens / report.step_time_s / gpus
+        published = float(case["tokens_per_s_per_gpu"])
+        out.append({"case": case["name"], "source": case["source"], "stack": case["stack"],
+                    "device": case["device"], "precision": case["precision"], "gpus": gpus,
+                    "step_time_s": round(report.step_time_s, 3),
+                    "published_step_s": round(tokens / published / gpus, 3),
+                    "exposed_comm_s": round(report.exposed_comm_s or 0.0, 3),
+                    "bubble_fraction": round(report.bubble_fraction or 0.0, 4),
+                    "predicted": round(predicted, 1), "published": published,
+                    "error": round(predicted / published - 1, 4)})
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    return {"cases": len(rows), "median_abs_error": round(statistics.median(errors), 4),
+            "max_abs_error": round(max(errors), 4),
+            "median_signed_error": round(statistics.median(r["error"] for r in rows), 4)}
+
+
+def by_category(rows: list[dict]) -> dict:
+    """:func:`summary` per stack, device, precision and scale band (rows need those keys and ``gpus``)."""
+    out: dict = {}
+    for key in ("stack", "device", "precision", "scale"):
+        groups: dict[str, list[dict]] = {}
+        for r in rows:
+            groups.setdefault(scale(r["gpus"]) if key == "scale" else r[key], []).append(r)
+        out[key] = {name: summary(picked) for name, picked in sorted(groups.items())}
+    return out
+
+
+def main() -> None:
+    rows = evaluate()
+    json.dump({**summary(rows), "categories": by_category(rows), "results": rows}, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()

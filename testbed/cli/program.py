@@ -1,0 +1,197 @@
+"""`testbed simulate --program module:function`: predict a user's own JAX step on a topology.
+
+The function is called with a ``jax.sharding.AbstractMesh`` of the target size (``--mesh``, default
+one ``data`` axis over every device) and returns ``(step, args)``: the step (a function, a jitted
+function, or ``testbed.program.PmapStep`` for a pmap step) and its arguments, ``jax.ShapeDtypeStruct`` s
+carrying ``NamedSharding`` s on that mesh (or arrays). testbed.program traces it without devices and
+testbed.sim.traced prices it. Every mistake in the module path, the function or what it returns is
+bad input: exit status 2 and one paragraph.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from testbed.errors import InputError, quote
+from testbed.topology import Topology
+
+__all__ = ["parse_mesh", "load_function", "trace_program"]
+
+_CONTRACT = ("it must return (step, args): the step (a function, a jax.jit-ed function or "
+             "testbed.program.PmapStep) and a tuple of its arguments (jax.ShapeDtypeStructs with NamedShardings "
+             "on the mesh it is given, or arrays)")
+
+
+def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
+    """``data=64,tensor=8`` as ``{axis: size}`` (mesh order); default one ``data`` axis over every device."""
+    if not text:
+        return {"data": topology.num_devices}
+    mesh: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, size = part.partition("=")
+        name = name.strip()
+        if not sep or not name.isidentifier() or not size.strip().isdigit() or int(size) < 1 or name in mesh:
+            raise InputError(f"{quote(part)} is not `axis=size` (e.g. --mesh data=64,tensor=8: distinct axis names, "
+                             "sizes >= 1)", field="--mesh")
+        mesh[name] = int(size)
+    if math.prod(mesh.values()) != topology.num_devices:
+        raise InputError(f"the mesh {mesh} has {math.prod(mesh.values())} devices but topology `{topology.name}` has "
+                         f"{topology.num_devices}; give sizes that multiply to {topology.num_devices}", field="--mesh")
+    return mesh
+
+
+def load_function(spec: str) -> Any:
+    """The function ``module:function`` names (a dotted module importable from the working directory, or a
+    ``.py`` file path)."""
+    module_name, sep, function = spec.rpartition(":")
+    if not sep or not module_name or not function.isidentifier():
+        raise InputError(f"{quote(spec)} is not `module:function` (e.g. examples/vision/cnn.py:predict or "
+                         "mypackage.train:predict)", field="--program")
+    path = Path(module_name)
+    try:
+        if module_name.endswith(".py") or path.is_file():
+            if not path.is_file():
+                raise InputError(f"no such file {quote(module_name)}; give a Python file or an importable module",
+                                 field="--program")
+            loader = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(loader)
+            sys.path.insert(0, str(path.resolve().parent))
+            try:
+                loader.loader.exec_module(module)
+            finally:
+                sys.path.pop(0)
+        else:
+            if "" not in sys.path and "." not in sys.path:
+                sys.path.insert(0, "")
+            module = importlib.import_module(module_name)
+    except InputError:
+        raise
+    except Exception as exc:  # the user's module failed to import: bad input, said in one paragraph
+        raise InputError(f"importing {quote(module_name)} failed: {type(exc).__name__}: {exc}",
+                         field="--program") from None
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise InputError(f"module {quote(module_name)} has no function {quote(function)}; it should define "
+                         f"`def {function}(mesh)` returning (step, args)", field="--program")
+    return fn
+
+
+def trace_program(spec: str, mesh: dict[str, int], on_unknown: str = "refuse") -> Any:
+    """Call the ``--program`` function with the abstract mesh and trace what it returns (a Workload)."""
+    from testbed.program import PmapStep, abstract_mesh, trace, trace_pmap
+
+    fn = load_function(spec)
+    abstract = abstract_mesh(mesh)
+    try:
+        returned = fn(abstract)
+    except Exception as exc:
+        raise InputError(f"calling {quote(spec)} with the mesh {mesh} failed: {type(exc).__name__}: {exc}",
+                         field="--program") from None
+    if not (isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[1], (tuple, list))
+            and (callable(returned[0]) or isinstance(returned[0], PmapStep))):
+        raise InputError(f"{quote(spec)} returned {quote(returned)}; {_CONTRACT}", field="--program")
+    step, args = returned
+    name = spec.rpartition(":")[2]
+    try:
+        if isinstance(step, PmapStep):
+            if len(mesh) != 1:
+                raise InputError(f"a pmap step runs over one axis, but the mesh is {mesh}; give --mesh "
+                                 f"{step.axis_name}=N", field="--mesh")
+            workload = trace_pmap(step.fn, *args, axis_name=step.axis_name, devices=next(iter(mesh.values())),
+                                  in_axes=step.in_axes, name=name, on_unknown=on_unknown)
+        else:
+            workload = trace(step, *args, mesh=abstract, name=name, on_unknown=on_unknown)
+    except InputError:
+        raise
+    except Exception as exc:  # a JAX error while tracing or partitioning the user's step
+        text = " ".join(str(exc).split())
+        raise InputError(f"tracing {quote(spec)} on the mesh {mesh} failed: {type(exc).__name__}: {text}",
+                         field="--program") from None
+    return _with_xla_memory(workload, fn, mesh)
+
+
+def _with_xla_memory(workload: Any, fn: Any, mesh: dict[str, int]) -> Any:
+    """The workload with XLA's memory analysis where this process has the devices to compile the step on
+    (emulated CPU devices, e.g. under the testing kit); the live-range estimate otherwise."""
+    import dataclasses
+
+    import jax
+
+    from testbed.program import compiled_memory
+
+    devices = math.prod(mesh.values())
+    if len(jax.devices()) < devices:
+        return workload
+    concrete = jax.make_mesh(tuple(mesh.values()), tuple(mesh), devices=jax.devices()[:devices],
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh))
+    try:
+        step, args = fn(concrete)
+    except Exception:  # it traced on the abstract mesh; a concrete one is only a bonus
+        return workload
+    memory = compiled_memory(step, args, devices)
+    if memory is None:
+        return workload
+    estimate = workload.memory.get("total")
+    return dataclasses.replace(workload, memory={**memory, "live_range_estimate": estimate})
+
+
+def execute(args: Any) -> Any:
+    """`testbed simulate --program ...`: trace, price and report (the same outputs as for a plan)."""
+    from testbed.output import CommandResult
+    from testbed.sim.timeline import write_gantt, write_trace
+    from testbed.sim.traced import simulate_workload
+    from testbed.topology.io import load_topology
+    from testbed.units import format_bytes, format_time, parse_bytes
+
+    if args.plan:
+        raise InputError("give --plan or --program, not both", field="--program")
+    if not args.topology:
+        raise InputError("--program needs --topology (a bundled name or a YAML path)", field="--topology")
+    max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
+    topology = load_topology(args.topology)
+    mesh = parse_mesh(args.mesh, topology)
+    workload = trace_program(args.program, mesh, args.unknown_ops)
+    sim = simulate_workload(workload, topology)
+    r = sim.report
+    summary = workload.summary()
+    data: dict[str, Any] = {
+        "step_time_s": r.step_time_s, "compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
+        "bubble_fraction": r.bubble_fraction, "mfu": r.mfu, "memory": r.memory, "program": args.program,
+        "topology": topology.name, "devices": topology.num_devices, "tasks": r.tasks, "mesh": mesh,
+        "dtype": workload.dtype, "flops_per_device": summary["flops_per_device"],
+        "hbm_bytes_per_device": summary["hbm_bytes_per_device"], "collective_bytes": summary["collective_bytes"],
+        "assumptions": summary["assumptions"]}
+    files = []
+    if args.trace:
+        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace)))
+        data["trace"] = args.trace
+    if args.gantt:
+        files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{workload.name} on {topology.name}")))
+        data["gantt"] = args.gantt
+
+    def render(console) -> None:
+        axes = ", ".join(f"{k}={v}" for k, v in mesh.items())
+        console.print(f"[bold]{args.program}[/bold] on [bold]{topology.name}[/bold] ({topology.num_devices} devices, "
+                      f"mesh {axes}, {r.tasks} tasks)")
+        console.print(f"step time      {format_time(r.step_time_s)}")
+        console.print(f"compute        {format_time(r.compute_s)}")
+        console.print(f"exposed comm   {format_time(r.exposed_comm_s)}")
+        console.print(f"MFU            {r.mfu:.1%} ({workload.dtype} matmuls)")
+        for label, kinds in data["collective_bytes"].items():
+            moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in kinds.items())
+            console.print(f"  over {label or '-'}: {moved} per device")
+        fits = "[green]fits[/green]" if r.memory.get("fits") else "[red]does not fit[/red]"
+        console.print(f"memory         {format_bytes(r.memory.get('total', 0))} of "
+                      f"{format_bytes(r.memory.get('capacity', 0))} per device: {fits} (live-range estimate; "
+                      f"arguments {format_bytes(r.memory.get('arguments', 0))})")
+        for note in data["assumptions"]:
+            console.print(f"[yellow]assumed[/yellow]: {note}")
+        for f in files:
+            console.print(f"wrote {f}")
+
+    return CommandResult(data, render, files=files)

@@ -1,0 +1,160 @@
+"""Walk a compiled module's blocks in program order and emit one device's ops with their dependencies.
+
+Loops from ``lax.scan`` / ``fori_loop`` are unrolled (each iteration's ops depend on the previous one's
+through the carried values, so a collective of layer ``i`` can overlap the compute of layer ``i + 1``)
+while the unrolled program stays under :data:`UNROLL_NODES` op visits; a larger loop's body is walked
+once with every op repeated ``trips`` times back to back (its collectives then overlap only within one
+iteration). Calls are inlined; of a conditional's branches the costliest (FLOPs, then bytes) is taken.
+Which ops move HBM bytes follows testbed.program.compile's fusion approximation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from testbed.program.compile import Block, Compiled, Node
+from testbed.sim.workload import OpKind, TracedOp
+
+__all__ = ["emit", "UNROLL_NODES"]
+
+#: Most op visits loops are unrolled into (a 4096-device GPT's scan over microbatches stays well under it).
+UNROLL_NODES = 60_000
+#: Nodes whose operands live in HBM (the fusion approximation's consumers that end a fusion).
+_SINKS = frozenset({"gemm", "collective", "while", "call", "case", "region"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Val:
+    """What a consumer of a value needs: the ops it depends on, whether it lives in HBM, its bytes there, and
+    (a value inside a fusion) the HBM values its fusion has read already (read once per fusion)."""
+
+    deps: frozenset
+    materialized: bool
+    read: int
+    fused: frozenset = frozenset()
+
+
+_EMPTY = _Val(frozenset(), False, 0)
+
+
+def _block_cost(block: Block) -> tuple[float, float]:
+    return (sum(n.flops for n in block.nodes), sum(sum(n.writes) for n in block.nodes))
+
+
+class _Emitter:
+    def __init__(self, compiled: Compiled) -> None:
+        self.functions = compiled.functions
+        self.ops: list[TracedOp] = []
+        self.count = 1
+        self.visits = 0
+        self.env: dict = {}
+        self.sunk: dict[int, frozenset] = {}
+        self.notes: list[str] = []
+
+    def sinks(self, block: Block) -> frozenset:
+        """Values of ``block`` that a HBM-reading consumer (or the terminator) reads, through passthroughs."""
+        key = id(block)
+        if key not in self.sunk:
+            out = set(block.yields)
+            for node in reversed(block.nodes):
+                if node.kind in _SINKS or node.name == "stablehlo.custom_call":
+                    out.update(node.operands)
+                elif node.kind == "passthrough" and any(r in out for r in node.results):
+                    out.update(node.operands)
+            self.sunk[key] = frozenset(out)
+        return self.sunk[key]
+
+    def add(self, op: TracedOp) -> frozenset:
+        self.ops.append(op)
+        return frozenset((len(self.ops) - 1,))
+
+    def deps(self, values: list) -> frozenset:
+        out: frozenset = frozenset()
+        for v in values:
+            out = out | self.env.get(v, _EMPTY).deps
+        return out
+
+    def run(self, block: Block, args: list[_Val]) -> list[_Val]:
+        for a, v in zip(block.args, args):
+            self.env[a] = v
+        sunk = self.sinks(block)
+        for node in block.nodes:
+            self.visits += 1
+            self.node(node, sunk)
+        return [self.env.get(v, _EMPTY) for v in block.yields]
+
+    def node(self, node: Node, sunk: frozenset) -> None:
+        env, kind = self.env, node.kind
+        if kind == "free":
+            for r in node.results:
+                env[r] = _EMPTY
+        elif kind == "passthrough":
+            sources = node.operands if len(node.operands) == len(node.results) else \
+                node.operands[:1] * len(node.results)
+            for r, o in zip(node.results, sources):
+                env[r] = env.get(o, _EMPTY)
+        elif kind == "gemm":
+            ids = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.GEMM, deps=tuple(sorted(
+                self.deps(node.operands))), flops=node.flops, gemms=(node.gemm,), count=self.count))
+            for r, w in zip(node.results, node.writes):
+                env[r] = _Val(ids, True, w)
+        elif kind == "collective":
+            op, axes, group, nbytes = node.collective
+            ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
+                                    deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
+                                    group=group, nbytes=float(nbytes), count=self.count))
+            for r, w in zip(node.results, node.writes):
+                env[r] = _Val(ids, True, w)
+        elif kind == "memory":
+            self.memory(node, sunk)
+        else:
+            self.structure(node)
+
+    def memory(self, node: Node, sunk: frozenset) -> None:
+        env = self.env
+        reads = 0
+        vals = [env.get(o, _EMPTY) for o in node.operands]
+        fused = frozenset().union(*(v.fused for v in vals if not v.materialized))
+        for o, r, val in zip(node.operands, node.reads, vals):
+            if val.materialized and o not in fused:
+                reads += val.read if r is None else r
+                fused = fused | {o}
+        kept = [root or r in sunk for r, root in zip(node.results, node.roots)]
+        writes = sum(w for w, k in zip(node.writes, kept) if k)
+        deps = self.deps(node.operands)
+        if reads + writes > 0:
+            deps = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.MEMORY, deps=tuple(sorted(deps)),
+                                     hbm_bytes=float(reads + writes), count=self.count))
+        for r, w, k in zip(node.results, node.writes, kept):
+            env[r] = _Val(deps, k, w if k else 0, frozenset() if k else fused)
+
+    def structure(self, node: Node) -> None:
+        """Loops, conditionals, shard_map bodies and calls: their blocks run with the node's operands."""
+        args = [self.env.get(o, _EMPTY) for o in node.operands]
+        if node.kind == "while":
+            body = node.blocks[0]
+            if self.visits + node.trips * body.size <= UNROLL_NODES:
+                for _ in range(node.trips):
+                    args = self.run(body, args)
+            else:
+                self.notes.append(f"a loop of {node.trips} iterations priced as its body repeated back to back "
+                                  f"(unrolled it would exceed {UNROLL_NODES} ops)")
+                saved, self.count = self.count, self.count * node.trips
+                args = self.run(body, args)
+                self.count = saved
+            out = [_Val(a.deps, True, a.read) for a in args]
+        elif node.kind == "case":
+            out = self.run(max(node.blocks, key=_block_cost), [])  # branches capture, they take no arguments
+        elif node.kind == "call":
+            out = self.run(self.functions[node.callee], args)
+        else:  # shard_map body (sdy.manual_computation) or a named computation
+            out = self.run(node.blocks[0], args)
+        for r, v in zip(node.results, out):
+            self.env[r] = v
+
+
+def emit(compiled: Compiled) -> tuple[list[TracedOp], list[str]]:
+    """One device's ops in program order (loops unrolled or counted) and notes on what was approximated."""
+    emitter = _Emitter(compiled)
+    emitter.run(compiled.entry, [_Val(frozenset(), True, b) for b in compiled.arg_bytes])
+    return emitter.ops, sorted(set(emitter.notes))

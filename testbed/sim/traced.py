@@ -1,0 +1,244 @@
+"""Price a traced program (a :class:`~testbed.sim.workload.Workload`) on a topology: its task graph, timeline, report.
+
+The workload is one SPMD program: every device runs the same ops, so the task graph holds one
+representative (device 0 of the mesh) and :attr:`Program.representative` maps every device to it, as
+plan-driven simulation does for a step without pipeline stages. Its ops become tasks:
+
+- compute: the ops between two consecutive collectives (in program order) are one *segment* on the
+  ``compute`` stream, priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
+  convolutions (``gemms``: the calibration's GEMM shape model, or its FLOPs roofline), and its
+  memory-bound ops' ``hbm_bytes``: with the calibration's ``elementwise`` group a second task after the
+  matmuls, at its passes (:func:`memory_seconds`); without one, the roofline of one task (matmuls and
+  memory traffic overlap: the slower of the two), as a plan's task is priced there;
+- collectives: one task each, on a stream per kind and mesh axes (``all_reduce data``), over the
+  representative's group along those axes, every group of the mesh running it at once (``instances``),
+  timed and placed by testbed.collectives as a plan's are; ``count`` executions back to back. A
+  collective-permute is a send from each device to the next of its group (a ring shift, as ring
+  attention's K/V sends are priced: testbed.sim.ring).
+
+Dependencies are the program's data flow: a collective waits for the segments that produce its
+operand, a segment for the collectives whose results it reads. A collective whose result is needed
+later overlaps the compute in between, as XLA's asynchronous collectives do; one that the next op
+needs blocks. With a controller calibration the host prepares the step and dispatches the one program.
+
+Device ``i`` of the mesh (row-major coordinate, as ``jax.make_mesh`` numbers devices) is topology
+device ``device_ids.flat[i]`` (default: device ``i``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from testbed.errors import InputError
+from testbed.sim.engine import run
+from testbed.sim.overlap import defer_consumers
+from testbed.sim.combine import combine_collectives
+from testbed.sim.compute import pass_seconds
+from testbed.sim.pricing import Priced, price
+from testbed.sim.tasks import Builder, Program, TaskKind
+from testbed.sim.timeline import Report, Timeline
+from testbed.sim.workload import OpKind, Workload
+from testbed.topology import Topology
+
+__all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload",
+           "mesh_groups", "collective_bytes", "workload_report"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TracedSimulation:
+    """What :func:`simulate_workload` returns: the report, the timeline, the task graph and the workload."""
+
+    report: Report
+    timeline: Timeline
+    program: Program
+    workload: Workload
+
+
+def mesh_groups(device_ids: np.ndarray, axis_names: tuple[str, ...], axes: tuple[str, ...]
+                ) -> tuple[tuple[int, ...], ...]:
+    """The device groups whose members differ only along ``axes`` (mesh order inside a group)."""
+    dims = [axis_names.index(a) for a in axes]
+    keep = [d for d in range(device_ids.ndim) if d not in dims]
+    size = math.prod(device_ids.shape[d] for d in dims) if dims else 1
+    block = np.transpose(device_ids, keep + dims).reshape(-1, size)
+    return tuple(map(tuple, block.tolist()))
+
+
+def _placement(workload: Workload, topology: Topology, device_ids: np.ndarray | None) -> np.ndarray:
+    shape = tuple(workload.mesh.values())
+    if workload.devices != topology.num_devices:
+        raise InputError(f"the program's mesh {workload.mesh} has {workload.devices} devices but topology "
+                         f"`{topology.name}` has {topology.num_devices}; give a mesh whose sizes multiply to "
+                         f"{topology.num_devices}", field="mesh")
+    ids = np.arange(workload.devices, dtype=np.int64).reshape(shape) if device_ids is None else \
+        np.asarray(device_ids, dtype=np.int64)
+    if ids.shape != shape or sorted(ids.ravel().tolist()) != list(range(workload.devices)):
+        raise ValueError(f"device_ids must be a permutation of 0..{workload.devices - 1} shaped {shape}")
+    return ids
+
+
+def workload_program(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None) -> Program:
+    """The task graph of ``workload`` on ``topology`` (module docstring)."""
+    ids = _placement(workload, topology, device_ids)
+    names = tuple(workload.mesh)
+    rep = int(ids.flat[0])
+    groups: dict[tuple[str, ...], tuple] = {}
+    b = Builder()
+    done: list[tuple[int, ...]] = []  # op -> the task(s) whose end makes its result available
+    segment: list[int] = []           # ops of the open segment
+    pending: list[int] = []           # op indices of the open segment whose task ids are filled at close
+    previous: tuple[int, ...] = ()
+    passes = topology.calibration.elementwise is not None
+    if topology.calibration.controller is not None:
+        prep = b.add(name="prepare step", device=rep, stream="host", kind=TaskKind.HOST, op="step", count=0)
+        previous = (b.add(name="dispatch step", device=rep, stream="host", kind=TaskKind.HOST, deps=(prep,),
+                          buffers=workload.buffers),)
+
+    def close() -> None:
+        if not segment:
+            return
+        inside = set(segment)
+        deps = sorted({t for i in segment for d in workload.ops[i].deps if d not in inside for t in done[d]}
+                      | set(previous))
+        ops = [workload.ops[i] for i in segment]
+        gemms = tuple(g if op.count == 1 else _repeat(g, op.count) for op in ops for g in op.gemms)
+        flops = sum(op.flops * op.count for op in ops)
+        hbm = sum(op.hbm_bytes * op.count for op in ops)
+        tasks = []
+        kernels = max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))
+        if not passes and flops + hbm > 0:  # the roofline: matmuls and memory-bound ops overlap
+            tasks.append(b.add(name=f"{ops[0].name}..{len(ops)} ops", device=rep, stream="compute",
+                               kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms, hbm_bytes=hbm,
+                               kernels=kernels))
+            hbm = 0.0
+        elif flops > 0:
+            tasks.append(b.add(name=f"{ops[0].name}..{len(ops)} ops", device=rep, stream="compute",
+                               kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms, kernels=kernels))
+        if hbm > 0:
+            tasks.append(b.add(name=f"memory-bound ({sum(op.kind is OpKind.MEMORY for op in ops)} ops)", device=rep,
+                               stream="compute", kind=TaskKind.COMPUTE, deps=tuple(tasks or deps), hbm_bytes=hbm,
+                               kernels=max(1, sum(op.count for op in ops if op.kind is OpKind.MEMORY))))
+        last = (tasks[-1],) if tasks else tuple(deps)
+        for i in pending:
+            done[i] = last
+        segment.clear()
+        pending.clear()
+
+    for i, op in enumerate(workload.ops):
+        done.append(())
+        if op.kind is not OpKind.COLLECTIVE:
+            segment.append(i)
+            pending.append(i)
+            continue
+        close()
+        if op.axes not in groups:
+            groups[op.axes] = mesh_groups(ids, names, op.axes)
+        group = next(g for g in groups[op.axes] if rep in g)
+        deps = sorted({t for d in op.deps for t in done[d]} | set(previous))
+        kind, instances = TaskKind.COLLECTIVE, groups[op.axes]
+        if op.collective == "collective_permute" and len(group) > 1:  # each device sends to the next of its group
+            kind, instances = TaskKind.SEND, _shifts(groups[op.axes])
+            group = next(pair for pair in instances if pair[0] == rep)
+        done[i] = (b.add(name=op.name, device=rep, stream=f"{op.collective} {'+'.join(op.axes)}",
+                         kind=kind, deps=tuple(deps), op=op.collective, nbytes=op.nbytes,
+                         count=op.count, group=group, instances=instances),)
+    close()
+    representative = np.full(workload.devices, rep, dtype=np.int64)
+    return Program(tasks=tuple(b.tasks), representative=representative)
+
+
+def _shifts(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
+    """A collective-permute as sends: each member to the next of its group (a ring shift; the program's own
+    source-target pairs are not kept in the workload)."""
+    return tuple((g[k], g[(k + 1) % len(g)]) for g in groups if len(g) > 1 for k in range(len(g)))
+
+
+def _repeat(gemm, count: int):
+    return replace(gemm, count=gemm.count * count)
+
+
+def workload_report(workload: Workload, topology: Topology, timeline: Timeline, tasks: int) -> Report:
+    """Step time, compute, exposed communication, MFU (the traced matmul FLOPs) and memory of a priced workload."""
+    step = timeline.step_time_s
+    peak = topology.device.flops(workload.dtype)
+    mfu = workload.flops() / (peak * step) if step > 0 else 0.0
+    memory = dict(workload.memory)
+    memory["capacity"] = topology.device.memory_bytes
+    if "total" in memory:
+        memory["fits"] = bool(memory["total"] <= topology.device.memory_bytes)
+    return Report(step_time_s=step, compute_s=timeline.compute_s(), exposed_comm_s=timeline.exposed_comm_s(),
+                  bubble_fraction=0.0, mfu=mfu, memory=memory, plan=workload.name, topology=topology.name,
+                  devices=topology.num_devices, tasks=tasks, source=timeline.source)
+
+
+def memory_seconds(topology: Topology, hbm_bytes: float) -> float:
+    """Seconds of memory-bound kernels moving ``hbm_bytes`` (reads and writes, the tracer's fusion estimate).
+
+    The calibration's elementwise passes (``replicated_passes``: seconds per activation byte written, in
+    passes at the calibrated bandwidth; 2 where each byte is written once and read once) say how fast
+    the topology's compiler runs such kernels; the fusion estimate counts that byte's write and read, so
+    each counted byte costs ``replicated_passes / 2`` passes (1 without an ``elementwise`` group: the
+    roofline). The passes' cached share (``cached_passes``) is not applied: a traced op's working set is
+    not known per activation.
+    """
+    passes = topology.calibration.elementwise
+    per_byte = passes.replicated_passes / 2 if passes is not None else 1.0
+    return per_byte * pass_seconds(topology, hbm_bytes)
+
+
+def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
+    """testbed.sim.pricing's prices of a traced program's tasks, memory-bound tasks by :func:`memory_seconds`,
+    and the calibrated launch overhead paid once.
+
+    ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
+    pays it per action, each a program; a traced step is one program, so only its first compute task does.
+    """
+    priced = price(program, topology, dtype)
+    launch = topology.calibration.compute.launch_overhead_s
+    durations = list(priced.durations)
+    computes = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and durations[i] > 0]
+    for k, i in enumerate(computes):
+        task = program.tasks[i]
+        if task.flops == 0 and task.hbm_bytes > 0:
+            durations[i] = launch + memory_seconds(topology, task.hbm_bytes)
+        if k > 0:
+            durations[i] = max(0.0, durations[i] - launch)
+    return replace(priced, durations=tuple(durations))
+
+
+def simulate_workload(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None
+                      ) -> TracedSimulation:
+    """Price and play ``workload`` on ``topology`` (raises InputError when the mesh does not fill it).
+
+    First the ops are ordered as XLA's scheduler would (testbed.sim.overlap: collectives' results read as
+    late as possible) and independent collectives merged as the topology's compiler would
+    (testbed.sim.combine, ``calibration.collectives.combine_bytes``).
+    """
+    workload = combine_collectives(defer_consumers(workload), topology.calibration.collectives.combine_bytes)
+    program = workload_program(workload, topology, device_ids)
+    priced = price_workload(program, topology, workload.dtype)
+    timeline = run(program, priced, calibration=topology.calibration)
+    return TracedSimulation(report=workload_report(workload, topology, timeline, len(program.tasks)),
+                            timeline=timeline, program=program, workload=workload)
+
+
+def collective_bytes(program: Program, device_ids: np.ndarray, axis_names: tuple[str, ...]) -> dict[str, float]:
+    """Per mesh axes label (``data+fsdp``): the collective bytes one representative moves per step
+    (``nbytes x count`` of its collectives over groups of more than one device; sends not counted).
+
+    Works on any task graph (plan-driven or traced): a group's axes are those along which its members'
+    mesh coordinates differ (``device_ids``: topology device of each mesh coordinate).
+    """
+    coords = {int(d): c for c, d in np.ndenumerate(np.asarray(device_ids))}
+    out: dict[str, float] = {}
+    for task in program.tasks:
+        if task.kind is not TaskKind.COLLECTIVE or len(task.group) < 2:
+            continue
+        members = np.array([coords[d] for d in task.group])
+        axes = [axis_names[k] for k in range(members.shape[1]) if len(set(members[:, k].tolist())) > 1]
+        label = "+".join(axes)
+        out[label] = out.get(label, 0.0) + task.nbytes * task.count
+    return out

@@ -1,0 +1,187 @@
+"""testbed.program: a user's JAX step traced on an abstract mesh, read per device (FLOPs, bytes, collectives)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, strategies as st
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from testbed.errors import InputError
+from testbed.program import abstract_mesh, trace, trace_pmap
+from testbed.program.evaluate import UNROLL_NODES
+from testbed.sim.workload import OpKind
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sd = jax.ShapeDtypeStruct
+
+
+def _mlp_step(w1, w2, x):
+    def loss(w1, w2):
+        return jnp.mean((jax.nn.gelu(x @ w1) @ w2) ** 2)
+
+    g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2)
+    return w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+def test_a_megatron_mlp_on_data_x_tensor_is_read_per_device() -> None:
+    rows, d, h = 32, 64, 256
+    w = trace(_mlp_step, sd((d, h), jnp.float32), sd((h, d), jnp.float32), sd((rows, d), jnp.float32),
+              mesh={"data": 4, "tensor": 2}, in_shardings=(P(None, "tensor"), P("tensor", None), P("data", None)))
+    local_rows, local_h = rows // 4, h // 2
+    gemms = [op for op in w.ops if op.kind is OpKind.GEMM]
+    # forward 2 matmuls, backward 3 (dW2, dH, dW1): each 2 * rows * d * h / (data * tensor)
+    assert len(gemms) == 5
+    assert all(op.flops == 2 * local_rows * d * local_h for op in gemms)
+    assert w.flops() == 5 * 2 * local_rows * d * local_h
+    assert w.collective_bytes() == {"tensor": {"all_reduce": local_rows * d * 4},   # the row-parallel output
+                                    "data": {"all_reduce": 2 * d * local_h * 4}}    # both weights' gradients
+    assert w.mesh == {"data": 4, "tensor": 2} and w.dtype == "fp32"
+    assert w.memory["arguments"] == (2 * d * local_h + local_rows * d) * 4
+
+
+def test_a_pmap_step_is_a_shard_map_over_one_axis() -> None:
+    sys.path.insert(0, str(EXAMPLES / "predict"))
+    try:
+        import pmap_mlp
+    finally:
+        sys.path.pop(0)
+    n, rows, d_in, hid, d_out = 8, 16, 8, 32, 4
+    params = {"w1": sd((n, d_in, hid), jnp.float32), "w2": sd((n, hid, hid), jnp.float32),
+              "w3": sd((n, hid, d_out), jnp.float32)}
+    w = trace_pmap(pmap_mlp.train_step, params, sd((n, rows, d_in), jnp.float32), sd((n, rows, d_out), jnp.float32),
+                   axis_name="batch", devices=n)
+    assert w.mesh == {"batch": n}
+    forward = 2 * rows * (d_in * hid + hid * hid + hid * d_out)
+    assert w.flops() == pytest.approx(3 * forward - 2 * rows * d_in * hid)  # no input gradient of the first layer
+    grads = 4 * (d_in * hid + hid * hid + hid * d_out)
+    assert w.collective_bytes()["batch"]["all_reduce"] == grads + 4  # the gradients and the loss
+    with pytest.raises(ValueError, match="leading dimension of 8"):
+        trace_pmap(pmap_mlp.train_step, params, sd((4, rows, d_in), jnp.float32), sd((n, rows, d_out), jnp.float32),
+                   axis_name="batch", devices=n)
+
+
+def test_shard_map_collectives_are_mapped_to_their_mesh_axes() -> None:
+    sys.path.insert(0, str(EXAMPLES / "predict"))
+    try:
+        import shard_map_mlp
+    finally:
+        sys.path.pop(0)
+    mesh = abstract_mesh({"data": 2, "model": 4})
+    step, args = shard_map_mlp.predict(mesh)
+    w = trace(step, *args, mesh=mesh)
+    s = shard_map_mlp.SIZES
+    out = s["rows"] * s["d_model"] * 2  # one replica's rows, bf16
+    local_w = s["d_model"] * s["d_hidden"] // 4 * 2
+    moved = w.collective_bytes()
+    assert moved["model"]["all_reduce"] == out  # the forward psum (x is not differentiated: no backward one)
+    assert moved["data"]["all_reduce"] == 2 * local_w + 2  # both gradients and the (bf16) loss
+    assert w.dtype == "bf16"
+
+
+def test_a_scan_is_unrolled_or_counted_with_its_trip_count() -> None:
+    def stack(ws, x):
+        return lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, ws)[0]
+
+    layers, d = 6, 32
+    w = trace(stack, sd((layers, d, d), jnp.float32), sd((8, d), jnp.float32), mesh={"data": 1})
+    gemms = [op for op in w.ops if op.kind is OpKind.GEMM]
+    assert len(gemms) == layers and all(op.count == 1 for op in gemms)
+    # consecutive layers depend on each other through the carried value
+    assert all(any(d_ > 0 for d_ in op.deps) for op in gemms[1:])
+    many = UNROLL_NODES  # more iterations than the unroll budget: the body once, counted
+    w = trace(stack, sd((many, d, d), jnp.float32), sd((8, d), jnp.float32), mesh={"data": 1})
+    gemms = [op for op in w.ops if op.kind is OpKind.GEMM]
+    assert len(gemms) == 1 and gemms[0].count == many
+    assert w.flops() == many * 2 * 8 * d * d
+    assert any("priced as its body repeated" in a for a in w.assumptions)
+
+
+def test_a_convolution_is_priced_as_its_implicit_gemm() -> None:
+    def conv(x, k):
+        return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    n, hw, cin, cout = 8, 16, 3, 32
+    mesh = abstract_mesh({"data": 4})
+    x = sd((n, hw, hw, cin), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    k = sd((3, 3, cin, cout), jnp.float32, sharding=NamedSharding(mesh, P()))
+    w = trace(conv, x, k, mesh=mesh)
+    (op,) = [o for o in w.ops if o.kind is OpKind.GEMM]
+    assert op.flops == 2 * (n // 4) * hw * hw * cout * 9 * cin
+    assert (op.gemms[0].m, op.gemms[0].n, op.gemms[0].k) == ((n // 4) * hw * hw, cout, 9 * cin)
+
+
+def _with_callback(x):
+    y = jax.pure_callback(lambda a: a, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+    return (y @ y.T).sum()
+
+
+def test_a_host_callback_is_refused_by_name_or_priced_with_a_stated_assumption() -> None:
+    x = sd((16, 16), jnp.float32)
+    with pytest.raises(InputError, match="host callback `xla_ffi_python_cpu_callback`"):
+        trace(_with_callback, x, mesh={"data": 1})
+    w = trace(_with_callback, x, mesh={"data": 1}, on_unknown="assume")
+    assert any("host callback" in a and "memory-bound" in a for a in w.assumptions)
+    assert w.flops() == 2 * 16 * 16 * 16
+
+
+def test_memory_is_the_arguments_plus_the_peak_of_live_values() -> None:
+    def chain(w1, w2, w3, x):
+        return ((x @ w1) @ w2) @ w3
+
+    n, d = 64, 128
+    w = trace(chain, *(sd((d, d), jnp.float32),) * 3, sd((n, d), jnp.float32), mesh={"data": 1})
+    arguments = (3 * d * d + n * d) * 4
+    assert w.memory["arguments"] == arguments
+    # x @ w1 is still alive when (x @ w1) @ w2 is written; then it is freed
+    assert w.memory["total"] == arguments + 2 * n * d * 4
+
+
+@pytest.mark.parametrize("example, shape, names, sizes", [
+    ("vision_cnn", (8,), ("data",), {"image": 8, "channels": (4, 8), "classes": 3, "per_device": 2}),
+    ("shard_map_mlp", (2, 4), ("data", "model"), {"d_model": 8, "d_hidden": 16, "rows": 4}),
+])
+def test_the_traced_collectives_are_those_xla_compiles(example, shape, names, sizes, monkeypatch) -> None:
+    """On 8 emulated devices, XLA:CPU's compiled step runs the traced collectives (kind, mesh axes, count),
+    once merged as XLA:CPU merges them (all-reduces; no all-gathers or reduce-scatters: combine_bytes 0)."""
+    import importlib
+    from collections import Counter
+
+    from testbed.runner.reshards import compiled_axes
+    from testbed.sim.combine import combine_collectives
+
+    monkeypatch.syspath_prepend(str(EXAMPLES / "predict"))
+    module = importlib.import_module(example)
+    monkeypatch.setattr(module, "SIZES", {**module.SIZES, **sizes})
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    step, args = module.predict(mesh)
+    compiled = compiled_axes(step.trace(*args).lower().compile().as_text(), shape, names)
+    abstract = abstract_mesh(dict(zip(names, shape)))
+    step, args = module.predict(abstract)
+    merged = combine_collectives(trace(step, *args, mesh=abstract), 0)
+    traced = Counter(("+".join(op.axes), op.collective.replace("_", "-")) for op in merged.ops
+                     if op.kind is OpKind.COLLECTIVE and op.group > 1)
+    assert traced == compiled
+
+
+@given(data=st.sampled_from([1, 2, 4, 8]), tensor=st.sampled_from([1, 2, 4]), rows=st.integers(1, 4),
+       d=st.integers(1, 4), h=st.integers(1, 4))
+def test_any_megatron_mlp_mesh_is_read_by_the_formulas(data, tensor, rows, d, h) -> None:
+    """Drawn meshes and sizes: per-device FLOPs and bytes per axis are the Megatron MLP's formulas."""
+    rows, d, h = 8 * rows * data, 8 * d, 8 * h * tensor
+    w = trace(_mlp_step, sd((d, h), jnp.float32), sd((h, d), jnp.float32), sd((rows, d), jnp.float32),
+              mesh={"data": data, "tensor": tensor},
+              in_shardings=(P(None, "tensor"), P("tensor", None), P("data", None)))
+    local_rows, local_h = rows // data, h // tensor
+    assert w.flops() == 5 * 2 * local_rows * d * local_h
+    expected = {}
+    if tensor > 1:
+        expected["tensor"] = {"all_reduce": local_rows * d * 4}
+    if data > 1:
+        expected["data"] = {"all_reduce": 2 * d * local_h * 4}
+    assert w.collective_bytes() == expected

@@ -1,0 +1,167 @@
+"""The traced-program path's core (no JAX): workloads, XLA-like ordering and combining, task graph and pricing."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from testbed.errors import InputError
+from testbed.model.gemm import Gemm
+from testbed.sim.combine import combine_collectives
+from testbed.sim.compute import gemms_seconds, pass_seconds
+from testbed.sim.overlap import defer_consumers
+from testbed.sim.tasks import TaskKind
+from testbed.sim.traced import collective_bytes, memory_seconds, mesh_groups, simulate_workload, workload_program
+from testbed.sim.workload import OpKind, TracedOp, Workload
+from testbed.topology.io import load_topology
+
+
+def gemm(deps=(), m=4096, n=4096, k=4096) -> TracedOp:
+    g = Gemm(m=m, n=n, k=k)
+    return TracedOp(name="dot", kind=OpKind.GEMM, deps=tuple(deps), flops=g.flops, gemms=(g,))
+
+
+def reduce(deps, axes=("data",), nbytes=1e6, group=8, op="all_reduce") -> TracedOp:
+    return TracedOp(name=op, kind=OpKind.COLLECTIVE, deps=tuple(deps), collective=op, axes=axes, group=group,
+                    nbytes=nbytes)
+
+
+def memory(deps, nbytes=1e6) -> TracedOp:
+    return TracedOp(name="add", kind=OpKind.MEMORY, deps=tuple(deps), hbm_bytes=nbytes)
+
+
+def workload(ops, mesh=None) -> Workload:
+    return Workload(name="w", mesh=mesh or {"data": 8}, ops=tuple(ops), dtype="bf16")
+
+
+def test_workload_checks_its_ops() -> None:
+    with pytest.raises(ValueError, match="later or missing"):
+        workload([gemm(deps=(0,))])
+    with pytest.raises(ValueError, match="not all in the mesh"):
+        workload([gemm(), reduce((0,), axes=("tensor",))])
+    with pytest.raises(ValueError, match="collective must be one of"):
+        TracedOp(name="x", kind=OpKind.COLLECTIVE, collective="broadcast")
+    with pytest.raises(InputError):
+        Workload(name="w", mesh={}, ops=())
+
+
+def test_mesh_groups_vary_along_their_axes() -> None:
+    ids = np.arange(16).reshape(2, 4, 2)
+    groups = mesh_groups(ids, ("a", "b", "c"), ("b",))
+    assert len(groups) == 4 and all(len(g) == 4 for g in groups)
+    assert groups[0] == (0, 2, 4, 6)
+    assert sorted(d for g in mesh_groups(ids, ("a", "b", "c"), ("a", "c")) for d in g) == list(range(16))
+
+
+def test_a_gemm_and_a_memory_pass_price_as_the_compute_model_says() -> None:
+    topology = load_topology("dgx-h100")
+    w = workload([gemm(), memory((0,), nbytes=3e9)])
+    sim = simulate_workload(w, topology)
+    expected = (topology.calibration.compute.launch_overhead_s + gemms_seconds(topology, "bf16", w.ops[0].gemms)
+                + memory_seconds(topology, 3e9))
+    assert sim.report.step_time_s == pytest.approx(expected, rel=1e-9)
+    # dgx-h100's elementwise group: 2 passes per byte written (written once, read once) -> 1 per counted byte
+    assert memory_seconds(topology, 3e9) == pytest.approx(pass_seconds(topology, 3e9))
+
+
+def test_without_elementwise_passes_a_segment_is_one_roofline_task() -> None:
+    topology = load_topology("tpu-v5e-4x4")
+    w = workload([gemm(), memory((0,), nbytes=1e3)], mesh={"data": 16})
+    program = workload_program(w, topology)
+    computes = [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
+    assert len(computes) == 1 and computes[0].hbm_bytes == 1e3 and computes[0].flops == w.ops[0].flops
+
+
+def test_an_independent_collective_overlaps_compute_a_needed_one_blocks() -> None:
+    topology = load_topology("dgx-h100")
+    big = 2e9
+    # gemm -> all_reduce; a second gemm that does not need it overlaps it ...
+    hidden = simulate_workload(workload([gemm(), reduce((0,), nbytes=big), gemm()]), topology).report
+    # ... while one that reads it waits.
+    blocked = simulate_workload(workload([gemm(), reduce((0,), nbytes=big), gemm((1,))]), topology).report
+    assert hidden.step_time_s < blocked.step_time_s
+    assert hidden.exposed_comm_s < blocked.exposed_comm_s
+
+
+def test_the_mesh_must_fill_the_topology() -> None:
+    with pytest.raises(InputError, match="give a mesh whose sizes multiply to 8"):
+        simulate_workload(workload([gemm()], mesh={"data": 4}), load_topology("dgx-h100"))
+
+
+def _collectives(w: Workload) -> int:
+    return sum(op.kind is OpKind.COLLECTIVE for op in w.ops)
+
+
+def test_combining_merges_independent_collectives_and_keeps_dependent_ones_apart() -> None:
+    for op in ("all_reduce", "all_gather"):
+        ops = [gemm(), reduce((0,), op=op), gemm(), reduce((2,), op=op), gemm((1, 3)), reduce((4,), op=op)]
+        merged = combine_collectives(workload(ops), None)
+        assert _collectives(merged) == 2  # the first two merge; the third depends on them
+        assert merged.collective_bytes() == workload(ops).collective_bytes()
+    # combine_bytes bounds all-gathers and reduce-scatters (0: none merge, as on XLA:CPU) ...
+    assert _collectives(combine_collectives(workload(ops), 0)) == 3
+    assert _collectives(combine_collectives(workload(ops), 1.5e6)) == 3
+    assert _collectives(combine_collectives(workload(ops), 2e6)) == 2
+    # ... while all-reduces merge on every backend
+    ops = [gemm(), reduce((0,)), gemm(), reduce((2,)), gemm((1, 3)), reduce((4,))]
+    assert _collectives(combine_collectives(workload(ops), 0)) == 2
+
+
+def test_deferring_moves_a_collective_consumer_after_independent_compute() -> None:
+    ops = [gemm(), reduce((0,)), memory((1,)), gemm((0,)), gemm((3,))]
+    moved = defer_consumers(workload(ops))
+    names = [(op.kind, op.deps) for op in moved.ops]
+    assert names[-1][0] is OpKind.MEMORY  # the accumulation waits for the reduction at the end
+    assert len(moved.ops) == len(ops)
+
+
+@st.composite
+def random_workloads(draw) -> Workload:
+    """Random DAGs of gemms, memory ops and collectives over two axes."""
+    n = draw(st.integers(1, 30))
+    ops = []
+    for i in range(n):
+        deps = tuple(sorted(set(draw(st.lists(st.integers(0, i - 1), max_size=3))))) if i else ()
+        kind = draw(st.sampled_from(["gemm", "memory", "collective"]))
+        if kind == "gemm":
+            ops.append(gemm(deps, m=draw(st.integers(1, 64)), n=16, k=16))
+        elif kind == "memory":
+            ops.append(memory(deps, nbytes=draw(st.floats(0, 1e6))))
+        else:
+            axes = draw(st.sampled_from([("data",), ("tensor",), ("data", "tensor")]))
+            op = draw(st.sampled_from(["all_reduce", "all_gather", "reduce_scatter"]))
+            ops.append(reduce(deps, axes=axes, nbytes=draw(st.floats(1, 1e6)), group=8, op=op))
+    return workload(ops, mesh={"data": 4, "tensor": 2})
+
+
+@given(random_workloads(), st.sampled_from([None, 0, 1e5, 1e6]))
+def test_ordering_and_combining_keep_the_program_a_dag_and_conserve_work(w: Workload, limit) -> None:
+    out = combine_collectives(defer_consumers(w), limit)  # Workload's checks: every dep is an earlier op
+    for kind in OpKind:
+        assert math.isclose(sum(o.flops + o.hbm_bytes for o in out.ops if o.kind is kind),
+                            sum(o.flops + o.hbm_bytes for o in w.ops if o.kind is kind))
+    before, after = w.collective_bytes(), out.collective_bytes()
+    assert before.keys() == after.keys()
+    for axes in before:
+        for op in before[axes]:
+            assert math.isclose(after[axes][op], before[axes][op])
+    topology = load_topology("dgx-h100")
+    sim = simulate_workload(w, topology)  # plays to the end (no deadlock)
+    assert sim.report.step_time_s >= 0
+    ids = np.arange(8).reshape(4, 2)
+    priced = collective_bytes(sim.program, ids, ("data", "tensor"))
+    for axes, kinds in before.items():
+        assert math.isclose(priced[axes], sum(kinds.values()))
+
+
+def test_a_collective_permute_is_priced_as_sends_around_its_groups() -> None:
+    topology = load_topology("dgx-h100")
+    op = TracedOp(name="permute", kind=OpKind.COLLECTIVE, collective="collective_permute", axes=("data",), group=8,
+                  nbytes=1e8)
+    sim = simulate_workload(workload([gemm(), op]), topology)
+    (send,) = [t for t in sim.program.tasks if t.kind is TaskKind.SEND]
+    assert send.group == (0, 1) and len(send.instances) == 8
+    assert sim.report.step_time_s > 1e8 / 450e9  # at least the bytes over one NVSwitch link
