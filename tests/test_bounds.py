@@ -136,3 +136,14 @@ def test_topology_rates_and_times_have_stated_ranges(path, value, field):
     with pytest.raises(InputError) as bad:
         topology_from_dict(data)
     assert field in bad.value.render() and " to " in bad.value.message, bad.value.render()
+
+
+def test_check_sharding_refuses_a_plan_of_too_many_programs_before_jax(tmp_path, capsys):
+    plan = {"name": "deep", "model": {"layers": 256, "d_model": 32, "heads": 4, "d_ff": 64, "seq_len": 16,
+                                      "vocab": 128},
+            "batch": {"global_batch": 8, "microbatches": 8}, "mesh": {"stage": 8},
+            "schedule": {"name": "interleaved", "virtual_stages": 32}}
+    (tmp_path / "deep.yaml").write_text(yaml.safe_dump(plan))
+    with fuzz.jax_trapped():
+        code, err = _err(["check-sharding", "--plan", str(tmp_path / "deep.yaml"), "--topology", "host-cpu-8"], capsys)
+    assert code == 2 and "field `schedule.virtual_stages`" in err and "programs" in err, err
