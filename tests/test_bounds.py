@@ -147,3 +147,19 @@ def test_check_sharding_refuses_a_plan_of_too_many_programs_before_jax(tmp_path,
     with fuzz.jax_trapped():
         code, err = _err(["check-sharding", "--plan", str(tmp_path / "deep.yaml"), "--topology", "host-cpu-8"], capsys)
     assert code == 2 and "field `schedule.virtual_stages`" in err and "programs" in err, err
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"])
+def test_peak_counts_equal_the_held_sets(name):
+    """The linear peak count is the longest held list of held_during (which is quadratic in microbatches)."""
+    from testbed.pipeline.schedules import (build_schedule, held_during, peak_deferred_weight_grads,
+                                            peak_inflight)
+
+    schedule = build_schedule(name, 4, 8, virtual=2 if name == "interleaved" else 1)
+    for release in ("B", "W"):
+        want = tuple(max((len(h) for h in held_during(row, "F", release if schedule.split_backward else "B")),
+                         default=0) for row in schedule.actions)
+        assert peak_inflight(schedule, release) == want
+    assert peak_deferred_weight_grads(schedule) == tuple(
+        max((len(h) for h in held_during(row, "B", "W")), default=0) if schedule.split_backward else 0
+        for row in schedule.actions)
