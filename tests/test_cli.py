@@ -38,6 +38,27 @@ def test_topologies_json_lists_every_bundled_topology(capsys):
     assert all(set(r) >= {"name", "devices", "levels"} for r in rows)
 
 
+def test_presets_lists_each_full_configuration_with_its_source(capsys):
+    """`testbed presets`: every preset, its whole model mapping (a plan reads it back), batch and source."""
+    from testbed.plan.presets import PRESETS
+    from testbed.plan.io import plan_from_dict
+
+    code, out, _ = run_cli(["presets", "--json"], capsys)
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads(out)["presets"]}
+    assert set(rows) == set(PRESETS)
+    for r in rows.values():
+        assert r["source"] and r["global_batch"] >= 1
+        assert plan_from_dict({"model": r["model"], "batch": {"global_batch": 8}}).model == \
+            plan_from_dict({"model": {"preset": r["name"]}, "batch": {"global_batch": 8}}).model
+    # Llama 3 405B is its pre-training phase (Table 4: 8K x 2048 = 16M tokens); the 128K phase is named apart.
+    assert (rows["llama3-405b"]["model"]["seq_len"], rows["llama3-405b"]["tokens_per_batch"]) == (8192, 2048 * 8192)
+    assert (rows["llama3-405b-128k"]["model"]["seq_len"], rows["llama3-405b-128k"]["global_batch"]) == (131072, 128)
+    assert "Table 4" in rows["llama3-405b"]["source"]
+    code, _, err = run_cli(["presets", "llama3-450b"], capsys)
+    assert code == 2 and "llama3-405b" in err
+
+
 def test_plan_check_json_and_topology_png(tmp_path, capsys):
     code, out, _ = run_cli(["plan", "check", "demo", "--json"], capsys)
     assert code == 0

@@ -21,7 +21,7 @@ from testbed.errors import InputError
 from testbed.model import costs as tm
 from testbed.model import layout
 from testbed.model.memory import memory_breakdown
-from testbed.model.presets import PUBLISHED_PARAMS
+from testbed.plan.presets import PUBLISHED_PARAMS
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
 from testbed.topology.io import load_topology
@@ -67,8 +67,11 @@ def test_published_counts_by_hand() -> None:
 
 
 def test_preset_overrides_and_errors() -> None:
-    plan = _preset_plan("llama3-405b", seq_len=8192)
-    assert plan.model.seq_len == 8192 and plan.model.layers == 126 and plan.model.num_kv_heads == 8
+    plan = _preset_plan("llama3-405b", seq_len=4096)
+    assert plan.model.seq_len == 4096 and plan.model.layers == 126 and plan.model.num_kv_heads == 8
+    # The preset is the pre-training phase (8K, Llama 3 paper Table 4); the 128K phase is named apart.
+    assert _preset_plan("llama3-405b").model.seq_len == 8192
+    assert _preset_plan("llama3-405b-128k").model == replace(_preset_plan("llama3-405b").model, seq_len=131072)
     assert plan_from_dict(plan_to_dict(plan)) == plan
     with pytest.raises(InputError) as bad:
         _preset_plan("llama3-7b")

@@ -2,7 +2,7 @@
 
 The workers measure (:func:`testbed.runner.calibrate_multi.worker_body`); this
 command checks the arguments, builds the two-level base topology
-(:func:`testbed.calibration.topology.cluster_topology`), launches them,
+(:func:`testbed.calibration.calibrated.cluster_topology`), launches them,
 fits worker 0's samples and writes the topology like the single-process path.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.calibration.measurements import measurements_path, read_measurements, recorded_processes
-from testbed.calibration.topology import base_topology, cluster_topology, fit_saved
+from testbed.calibration.calibrated import base_topology, cluster_topology, fit_saved
 from testbed.cli.calibration_table import render_calibration
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic

@@ -15,7 +15,7 @@ _ABSENT = {
 
 
 def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(group, field, value) rows of ``fit_all``'s fitted values (testbed.calibration.topology.fitted_values)."""
+    """(group, field, value) rows of ``fit_all``'s fitted values (testbed.calibration.calibrated.fitted_values)."""
     from testbed.units import format_bandwidth, format_flops, format_time
 
     groups = fitted["calibration"]

@@ -26,6 +26,7 @@ __all__ = ["main", "COMMANDS"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "topologies": ("testbed.cli.basic:topologies", "list the bundled topologies"),
     "topology": ("testbed.cli.basic:topology", "show one topology (summary, links, drawing)"),
+    "presets": ("testbed.cli.presets:presets", "list the model presets: full configuration, default batch, source"),
     "plan": ("testbed.cli.basic:plan", "check a plan against a topology and show its placement"),
     "memory": ("testbed.cli.memory", "per-device memory breakdown of a plan"),
     "collective": ("testbed.cli.collective", "time a collective on a topology"),

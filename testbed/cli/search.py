@@ -31,7 +31,7 @@ def _csv(text: str | None) -> tuple[str, ...] | None:
 
 def _add(parser: argparse.ArgumentParser) -> None:
     from testbed.explore.search import OBJECTIVES
-    from testbed.model.presets import preset_names
+    from testbed.plan.presets import preset_names
 
     parser.add_argument("--model", required=True,
                         help=f"plan file or bundled plan (its model, batch, precision, optimizer are kept) or a "
@@ -60,7 +60,7 @@ def _add(parser: argparse.ArgumentParser) -> None:
 def base_plan(model: str, global_batch: int | None = None, seq: int | None = None) -> Plan:
     """The plan a search starts from: a preset's, or a plan file's with the batch and sequence overridden."""
     from testbed.explore.space import preset_plan
-    from testbed.model.presets import PRESETS
+    from testbed.plan.presets import PRESETS
     from testbed.plan.io import load_plan
 
     for name, value in (("--global-batch", global_batch), ("--seq", seq)):
@@ -110,7 +110,7 @@ def _space(args: argparse.Namespace):
 
 def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.cli.basic import plan_topology
-    from testbed.cli.progress import progress_bar
+    from testbed.cli.progress import progress_bar, progress_lines
     from testbed.explore.search import search as run_search
     from testbed.explore.space import resize_topology
     from testbed.plan.io import dump_plan, plan_to_dict
@@ -125,10 +125,12 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     if args.out:
         output_target(args.out, "--out")  # refused before the search, not after it
     space = _space(args)
+    lines = progress_lines("searching")  # plain lines when stderr is not a terminal (the bar draws none there)
     with progress_bar("searching") as bar:
         tasks: dict[str, Any] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
+            lines(phase, done, total)
             if phase not in tasks:
                 label = "plans (analytic tier)" if phase == "analytic" else "best plans (DES replay)"
                 tasks[phase] = bar.add_task(label, total=total)
@@ -153,7 +155,7 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     rows = [c.summary() for c in result.ranked[:args.top]]
     data = {"model": plan.name, "topology": topology.name, "devices": topology.num_devices,
             "objective": args.objective, "enumerated": result.enumerated, "pruned_memory": result.pruned_memory,
-            "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
+            "pruned_bound": result.pruned_bound, "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
             "replay_s": result.replay_s, "plans_per_minute": result.plans_per_minute,
             "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out}
 
@@ -162,7 +164,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         from rich.table import Table
 
         console.print(f"[bold]{plan.name}[/bold] on [bold]{topology.name}[/bold] ({topology.num_devices} devices): "
-                      f"{result.enumerated} plans, {result.pruned_memory} over memory, {result.estimated} estimated "
+                      f"{result.enumerated} plans, {result.pruned_memory} over memory, {result.pruned_bound} too slow to "
+                      f"replay by their step floor, {result.estimated} estimated "
                       f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed")
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
         for col in ("#", "d.f.t.s", "schedule", "mb", "Z", "remat", "step", "comm", "bubble", "MFU", "memory"):

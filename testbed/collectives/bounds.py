@@ -28,7 +28,7 @@ import numpy as np
 from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Form, Topology
 
-__all__ = ["lower_bound", "injection_bandwidth", "subtree_cuts", "torus_cuts"]
+__all__ = ["lower_bound", "injection_bandwidth", "subtree_cuts", "torus_cuts", "distinct_groups"]
 
 
 def injection_bandwidth(topology: Topology, device: int) -> float:
@@ -146,15 +146,16 @@ def lower_bound(topology: Topology, op: Op | str, group: Sequence[int], nbytes: 
         # Only ranks add on a torus: one-way gossip sends every element 2(n-1) times in all.
         bound = max(bound, 2 * (n - 1) * nbytes / float(injection.sum()))
     root_device, peer_device = group[root], group[peer]
+    members = np.asarray(group, dtype=np.int64)
     for block, bandwidth in _level_cuts(topology):
-        # levels form: every subtree of a level is alike, so count members per subtree instead of intersecting sets
-        counts: dict[int, int] = {}
-        for d in group:
-            counts[d // block] = counts.get(d // block, 0) + 1
-        for index, inside in counts.items():
+        # levels form: every subtree of a level is alike, so count members per subtree instead of intersecting
+        # sets; subtrees alike in (members, holds root, holds peer) need the same bytes, so each such kind once
+        subtrees, counts = np.unique(members // block, return_counts=True)
+        kinds = {(int(inside), int(index) == root_device // block, int(index) == peer_device // block)
+                 for index, inside in zip(subtrees, counts)}
+        for inside, has_root, has_peer in kinds:
             if 0 < inside < n and bandwidth > 0:
-                out, into = _cut_needs(op, n, inside, nbytes, root_device // block == index,
-                                       peer_device // block == index)
+                out, into = _cut_needs(op, n, inside, nbytes, has_root, has_peer)
                 bound = max(bound, out / bandwidth, into / bandwidth)
     if topology.form is Form.TORUS:
         devices = np.asarray(group, dtype=np.int64)
@@ -170,11 +171,41 @@ def lower_bound(topology: Topology, op: Op | str, group: Sequence[int], nbytes: 
     return float(bound)
 
 
+def distinct_groups(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """The groups of ``groups`` whose :func:`lower_bound` may differ, one of each kind (all of them off a hierarchy).
+
+    In a levels hierarchy a group's bound depends only on its ranks' injection bandwidths and, per level, on
+    which of its ranks share a subtree (every subtree of a level has the same links): two groups alike in both
+    have equal bounds, so the slowest of ``groups`` is the slowest of these representatives. A search meets
+    thousands of translated groups of one axis; this times one.
+    """
+    if topology.form is not Form.LEVELS or len(groups) < 2:
+        return groups
+    members = np.asarray(groups, dtype=np.int64)
+    keys = [_all_injection(topology)[members]]
+    for block, _ in _level_cuts(topology):
+        subtree = members // block
+        keys.append((subtree - subtree[:, :1]).astype(float))
+    _, first = np.unique(np.concatenate(keys, axis=1), axis=0, return_index=True)
+    return tuple(groups[i] for i in sorted(first))
+
+
 def _injection(topology: Topology, group: Sequence[int]) -> np.ndarray:
     """Injection bandwidth of each rank (a torus's devices differ only at the open ends of mesh dims)."""
     if topology.form is Form.TORUS and all(l.wraparound or l.switched or l.size <= 2 for l in topology.levels):
         return np.full(len(group), injection_bandwidth(topology, group[0]))
-    return np.asarray([injection_bandwidth(topology, d) for d in group], dtype=float)
+    return _all_injection(topology)[np.asarray(group, dtype=np.int64)]
+
+
+def _all_injection(topology: Topology) -> np.ndarray:
+    """Every device's injection bandwidth, read off the graph once and stored beside the topology's route cache
+    (a search meets thousands of groups of one topology)."""
+    key = ("__injection__",)
+    cached = topology._routes.get(key)
+    if cached is None:
+        cached = np.asarray([injection_bandwidth(topology, d) for d in range(topology.num_devices)], dtype=float)
+        topology._routes[key] = cached
+    return cached
 
 
 def _cached_cuts(topology: Topology) -> list[tuple[int, int, float]]:

@@ -19,13 +19,16 @@ space lists several precisions (MFU counts each against its own peak).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from testbed.errors import InputError
-from testbed.explore.analytic import Estimate, estimate, plan_memory
+from testbed.explore.analytic import Estimate, cached_inflight, estimate, plan_memory
+from testbed.explore.floor import step_floor
+from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.space import SearchSpace, candidates
 from testbed.model.costs import model_flops_per_step
 from testbed.plan.spec import Plan
@@ -110,6 +113,8 @@ class SearchResult:
     enumerated: int
     pruned_memory: int
     estimated: int
+    #: Plans skipped, before their memory, because their step-time floor could not reach the replay list.
+    pruned_bound: int = 0
     replayed: int
     analytic_s: float
     replay_s: float
@@ -144,12 +149,38 @@ def _sort_key(objective: str, c: Candidate) -> tuple:
     return value, c.estimate.memory_bytes
 
 
-def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0) -> Estimate | None:
-    """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory."""
+def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0,
+             floors: dict | None = None) -> Estimate | None:
+    """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory.
+
+    Before the exact memory of every stage, two exact lower bounds drop most plans that overflow cheaply:
+    the model states of the fullest-looking stage (:func:`testbed.model.memory.state_floor`, the same for
+    every schedule, microbatch count and remat of a mesh, so kept in ``floors`` across calls when given),
+    then those stages' whole peak bytes (:func:`testbed.model.memory.stage_memory`). Neither changes which
+    plans fit: a plan is dropped only when some device of it overflows.
+    """
+    if _overflows(plan, topology, memory_cap, floors):
+        return None
     memory = plan_memory(plan, topology)
     if memory.total > memory_cap * memory.capacity:
         return None
     return estimate(plan, topology, memory)
+
+
+def _overflows(plan: Plan, topology: Topology, memory_cap: float, floors: dict | None) -> bool:
+    """Whether one of ``plan``'s devices certainly needs more than ``memory_cap`` of its memory, by the two
+    cheap exact lower bounds :func:`evaluate` describes (False: it may still overflow elsewhere)."""
+    limit = memory_cap * int(topology.device.memory_bytes)  # as MemoryBreakdown.capacity
+    key = (plan.mesh, plan.zero, plan.precision, plan.schedule.virtual_stages, plan.layers_per_stage)
+    floor = None if floors is None else floors.get(key)
+    if floor is None:
+        floor = state_floor(plan)
+        if floors is not None:
+            floors[key] = floor
+    if floor > limit:
+        return True
+    inflight = cached_inflight(plan)
+    return any(stage_memory(plan, s, inflight[s]).total > limit for s in probe_stages(plan))
 
 
 def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *, objective: str = "step_time",
@@ -188,14 +219,28 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
                          field="--devices")
     start = time.perf_counter()
     shortlist: list[Candidate] = []
-    pruned = 0
+    pruned = bounded = 0
+    floors: dict = {}
+    keep = max(replay, top)
+    fastest: list[float] = []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
+    # Every objective but MFU ranks plans of one model, batch and device count as step time does (MFU also
+    # weighs each precision's peak): only then may a plan be skipped for its step-time floor.
+    by_time = objective != "mfu" or space.precisions is None
     for i, plan in enumerate(plans):
-        est = evaluate(plan, topology, memory_cap)
-        if est is None:
+        if _overflows(plan, topology, memory_cap, floors):
             pruned += 1
+        elif by_time and len(fastest) >= keep and _beaten(plan, topology, -fastest[0], margin):
+            bounded += 1
         else:
-            value = objective_value(objective, plan, topology, est.step_time_s, price_per_device_hour)
-            shortlist.append(Candidate(plan=plan, estimate=est, value=value))
+            est = evaluate(plan, topology, memory_cap, floors)
+            if est is None:
+                pruned += 1
+            else:
+                value = objective_value(objective, plan, topology, est.step_time_s, price_per_device_hour)
+                shortlist.append(Candidate(plan=plan, estimate=est, value=value))
+                heapq.heappush(fastest, -est.step_time_s)
+                if len(fastest) > keep:
+                    heapq.heappop(fastest)
         if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
             progress("analytic", i + 1, len(plans))
     analytic_s = time.perf_counter() - start
@@ -214,8 +259,16 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
             progress("replay", k + 1, len(chosen))
     replayed.sort(key=lambda c: _sort_key(objective, c))
     return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=len(plans), pruned_memory=pruned,
-                        estimated=len(shortlist), replayed=len(replayed), analytic_s=analytic_s,
-                        replay_s=time.perf_counter() - start, shortlist=tuple(shortlist))
+                        pruned_bound=bounded, estimated=len(shortlist), replayed=len(replayed),
+                        analytic_s=analytic_s, replay_s=time.perf_counter() - start, shortlist=tuple(shortlist))
+
+
+def _beaten(plan: Plan, topology: Topology, kth: float, margin: float) -> bool:
+    """Whether ``plan`` cannot be replayed: its step-time floor (testbed.explore.floor.step_floor) is above
+    ``kth``, the slowest of the fastest estimates so far that fill the replay list, and above the margin
+    the replay extends to. Its estimate would be at least its floor, so the replayed plans stay the same."""
+    floor = step_floor(plan, topology)
+    return floor is not None and floor > kth * (1 + margin)
 
 
 def exhaustive_optimum(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *,

@@ -3,7 +3,9 @@
 A candidate keeps the base plan's model, global batch and optimizer (and
 its precision, unless the space lists precisions) and chooses the rest: the
 mesh degrees (every ordered factorisation of the device count into data x
-fsdp x tensor x stage, times a context degree for long sequences:
+fsdp x tensor x stage, with any stage count up to the layers: one that does
+not divide them gets :func:`~testbed.plan.stages.near_even`'s split, the
+ends lighter; times a context degree for long sequences:
 :attr:`SearchSpace.contexts`, and an expert degree for MoE models:
 :attr:`SearchSpace.experts`), the pipeline schedule (interleaved with each listed
 virtual-stage count), the microbatch count, the ZeRO stage and the remat
@@ -21,8 +23,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError, closest
-from testbed.model import presets
+from testbed.plan import presets
 from testbed.plan.io import plan_from_dict
+from testbed.plan.stages import near_even
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
 from testbed.topology import Form, Topology
 
@@ -90,7 +93,7 @@ class SearchSpace:
 
 
 def preset_plan(name: str, global_batch: int | None = None, seq_len: int | None = None) -> Plan:
-    """A single-device AdamW plan of the model preset ``name`` (testbed.model.presets; the search re-lays it out).
+    """A single-device AdamW plan of the model preset ``name`` (testbed.plan.presets; the search re-lays it out).
 
     bf16-mixed, but fp32 for the CPU-sized ``gpt-tiny``; the batch is the
     preset's default (``DEFAULT_BATCH``) unless given.
@@ -158,16 +161,19 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
               for f in factorisations(devices // (c * e)))
     for context, expert, data, fsdp, tensor, stage in meshes:
         replicas = data * fsdp * expert  # the expert axis splits the batch in the dense parts
-        if (m.heads % tensor or m.d_ff % tensor or m.vocab % tensor or m.layers % stage
+        if (m.heads % tensor or m.d_ff % tensor or m.vocab % tensor or m.layers < stage
                 or base.batch.global_batch % replicas or (stage > 1 and m.tied_embeddings)
                 or (m.experts and m.expert_width % tensor)):
             continue
         mesh = MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage, context=context, expert=expert)
+        split = near_even(m.layers, stage)  # None: the even split; else uneven, the ends lighter
         per_replica = base.batch.global_batch // replicas
         micro = [x for x in (space.microbatches or _divisors(per_replica, space.max_microbatches))
                  if per_replica % x == 0]
         schedules: list[ScheduleSpec] = []
         for name in (space.schedules if stage > 1 else (ScheduleName.ONE_F_ONE_B.value,)):
+            if name == ScheduleName.INTERLEAVED.value and split is not None:
+                continue  # an interleaved stage splits its layers evenly over its chunks: even splits only
             if name == ScheduleName.INTERLEAVED.value:
                 schedules.extend(ScheduleSpec(name=name, virtual_stages=v) for v in space.virtual_stages
                                  if v > 1 and m.layers % (stage * v) == 0)
@@ -183,9 +189,9 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
                 for zero in (space.zero if data > 1 else (0,)):
                     for remat in space.remat:
                         for precision in precisions:
-                            # Candidates split the layers evenly (the base's layers_per_stage fits its own mesh).
+                            # The base's layers_per_stage fits its own mesh only: each candidate gets its own.
                             yield replace(base, mesh=mesh, schedule=schedule, batch=batch, zero=zero,
-                                          remat=Remat(remat), precision=Precision(precision), layers_per_stage=None)
+                                          remat=Remat(remat), precision=Precision(precision), layers_per_stage=split)
 
 
 def count_candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> int:

@@ -37,6 +37,7 @@ row beside Q, K, V and its output (:func:`activation_bytes_per_layer`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError
@@ -95,6 +96,7 @@ def _layer_params_per_tensor_rank(spec: ModelSpec, tensor: int) -> int:
     return sum(p.device_elements(tensor) for p in layout.layer_params(spec))
 
 
+@functools.lru_cache(maxsize=65536)  # pure; a plan search counts the same chunks for thousands of plans
 def _chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int, tensor: int,
                   ways: int = 1, stage_layers: tuple[int, ...] | None = None, expert: int = 1,
                   experts_only: bool | None = None) -> int:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from testbed.errors import InputError
 
-__all__ = ["BALANCED_ENDS", "RULES", "resolve_layers_per_stage", "balanced_ends"]
+__all__ = ["BALANCED_ENDS", "RULES", "resolve_layers_per_stage", "balanced_ends", "near_even"]
 
 #: The named rule: one layer fewer on the first and on the last stage.
 BALANCED_ENDS = "balanced-ends"
@@ -55,6 +55,23 @@ def balanced_ends(layers: int, stages: int) -> tuple[int, ...]:
                          field=_FIELD)
     x = (layers + 2) // stages
     return (x - 1, *([x] * (stages - 2)), x - 1) if stages > 2 else (x - 1, x - 1)
+
+
+def near_even(layers: int, stages: int) -> tuple[int, ...] | None:
+    """The split the plan search gives a stage count that does not divide ``layers``; None when it does.
+
+    Every stage holds ``layers // stages`` or one more; the extra layers go to
+    the middle stages first (from the second on), then to the first stage,
+    then to the last: the ends, which also embed and compute the head and
+    loss, stay the lighter, as in ``balanced-ends`` (which this equals
+    whenever that rule applies, e.g. Llama 3's 126 layers on 16 stages).
+    None when ``stages`` divides ``layers`` (the even split) or exceeds it.
+    """
+    if stages < 1 or layers < stages or layers % stages == 0:
+        return None
+    base, extra = divmod(layers, stages)
+    order = [*range(1, stages - 1), 0, stages - 1][:extra]
+    return tuple(base + (i in order) for i in range(stages))
 
 
 def resolve_layers_per_stage(value: Sequence[int] | str | None, layers: int, stages: int,

@@ -16,8 +16,15 @@ the published count (:data:`PUBLISHED_PARAMS`, tested exactly; MoE presets' acti
   Models", Table 3): GQA with 8 K/V heads, SwiGLU, RMSNorm, RoPE with
   theta 500000, no biases, untied 128256-token embeddings, context 8192.
 - ``llama3-405b``: Llama 3.1 405B (126 layers, d_model 16384, 128 heads,
-  d_ff 53248), context 131072 (3.1's; the long-context RoPE scaling is not
-  modelled).
+  d_ff 53248) at its pre-training context, 8192 tokens, and batch, 2048
+  sequences (16M tokens): the Llama 3 paper's sections 3.3.2 and 3.4.1
+  and Table 4 (rows of 8,192 and 16,384 GPUs, "Seq. Len. 8,192",
+  "Tokens/Batch 16M"; the batch the paper reaches after 2.87T tokens).
+- ``llama3-405b-128k``: the same model in its long-context phase (the
+  paper's section 3.4.2 and Table 4's last row: 131,072 tokens, 16M tokens
+  per batch, so 128 sequences); a phase of its own rather than the default,
+  since most of the training (and any question about it) is at 8K. The
+  long-context RoPE scaling is not modelled.
 - ``mistral-7b``: Mistral 7B v0.1 (Jiang et al. 2023, Table 1): Llama's
   pieces with 32000 tokens, theta 10000, context 8192 (its 4096-token
   sliding window is not modelled: attention is dense and causal).
@@ -39,7 +46,11 @@ the published count (:data:`PUBLISHED_PARAMS`, tested exactly; MoE presets' acti
   ``gpt-tiny`` is a 4-layer toy for tests and CPUs.
 
 :data:`DEFAULT_BATCH` is the global batch (sequences) a search or sweep
-starts from when none is given.
+starts from when none is given: the published pre-training batch where a
+source gives one (:data:`SOURCES` says which), else a round size for the
+model. :data:`SOURCES` names, per preset, where its shape, context and
+batch come from; ``testbed presets`` lists every preset's full model
+mapping with it.
 """
 
 from __future__ import annotations
@@ -49,7 +60,8 @@ from typing import Any
 
 from testbed.errors import InputError, closest
 
-__all__ = ["PRESETS", "PUBLISHED_PARAMS", "PUBLISHED_ACTIVE_PARAMS", "DEFAULT_BATCH", "preset_names", "preset"]
+__all__ = ["PRESETS", "PUBLISHED_PARAMS", "PUBLISHED_ACTIVE_PARAMS", "DEFAULT_BATCH", "SOURCES", "preset_names",
+           "preset"]
 
 _LLAMA: dict[str, Any] = {"mlp": "swiglu", "norm": "rmsnorm", "position": "rope", "bias": False,
                           "tied_embeddings": False}
@@ -63,7 +75,9 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
     "llama3-70b": {**_LLAMA, "layers": 80, "d_model": 8192, "heads": 64, "kv_heads": 8, "d_ff": 28672,
                    "seq_len": 8192, "vocab": 128256, "rope_theta": 500000.0},
     "llama3-405b": {**_LLAMA, "layers": 126, "d_model": 16384, "heads": 128, "kv_heads": 8, "d_ff": 53248,
-                    "seq_len": 131072, "vocab": 128256, "rope_theta": 500000.0},
+                    "seq_len": 8192, "vocab": 128256, "rope_theta": 500000.0},
+    "llama3-405b-128k": {**_LLAMA, "layers": 126, "d_model": 16384, "heads": 128, "kv_heads": 8, "d_ff": 53248,
+                         "seq_len": 131072, "vocab": 128256, "rope_theta": 500000.0},
     "mistral-7b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
                    "seq_len": 8192, "vocab": 32000, "rope_theta": 10000.0},
     "mixtral-8x7b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
@@ -82,8 +96,31 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
 #: Global batch (sequences) a search starts from when the user gives none.
 DEFAULT_BATCH: Mapping[str, int] = {
     "gpt-tiny": 16, "gpt-125m": 256, "gpt-350m": 256, "gpt-1.3b": 256, "gpt-2.7b": 512, "gpt-6.7b": 512,
-    "gpt3-175b": 1536, "llama3-8b": 512, "llama3-70b": 512, "llama3-405b": 2048, "mistral-7b": 512,
+    "gpt3-175b": 1536, "llama3-8b": 512, "llama3-70b": 512, "llama3-405b": 2048, "llama3-405b-128k": 128,
+    "mistral-7b": 512,
     "mixtral-8x7b": 512, "deepseek-moe-16b": 1024,
+}
+
+_GPT3 = "Brown et al. 2020, arXiv:2005.14165, Table 2.1 (shape, context 2048)"
+_LLAMA3 = "Grattafiori et al. 2024, arXiv:2407.21783, Table 3 (shape)"
+
+#: Preset name -> where its shape, sequence length and default batch come from.
+SOURCES: Mapping[str, str] = {
+    "gpt3-175b": _GPT3 + "; batch 1536 is a round size (the paper's is 3.2M tokens = 1562.5 sequences)",
+    "llama3-8b": _LLAMA3 + ", section 3.3 (pre-training context 8192); batch 512 is a round size",
+    "llama3-70b": _LLAMA3 + ", section 3.3 (pre-training context 8192); batch 512 is a round size",
+    "llama3-405b": _LLAMA3 + ", sections 3.3.2 and 3.4.1 and Table 4 (pre-training: context 8192, 16M tokens "
+                   "= 2048 sequences per batch after the first 2.87T tokens)",
+    "llama3-405b-128k": _LLAMA3 + ", section 3.4.2 and Table 4's last row (long-context phase: context 131072, "
+                        "16M tokens = 128 sequences per batch)",
+    "mistral-7b": "Jiang et al. 2023, arXiv:2310.06825, Table 1 (shape, context 8192); batch 512 is a round size",
+    "mixtral-8x7b": "Jiang et al. 2024, arXiv:2401.04088, section 2 / Table 1 (shape, context 32768); batch 512 "
+                    "is a round size",
+    "deepseek-moe-16b": "Dai et al. 2024, arXiv:2401.06066, section 5.1 (shape, context 4096); batch 1024 is a "
+                        "round size",
+    "gpt-tiny": "a 4-layer toy for tests and CPUs",
+    **{name: _GPT3.replace("2048)", "2048); vocabulary padded to 50304, untied head")
+       for name in ("gpt-125m", "gpt-350m", "gpt-1.3b", "gpt-2.7b", "gpt-6.7b")},
 }
 
 #: The published parameter counts (Meta's and Mistral's model cards and checkpoints; GPT-3's from
@@ -93,6 +130,7 @@ PUBLISHED_PARAMS: Mapping[str, int] = {
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
     "llama3-405b": 405_853_388_800,
+    "llama3-405b-128k": 405_853_388_800,
     "mistral-7b": 7_241_732_096,
     "mixtral-8x7b": 46_702_792_704,       # Mixtral-8x7B-v0.1's checkpoint; the paper's "47B"
     "deepseek-moe-16b": 16_375_728_128,   # from deepseek-moe-16b-base's config; the paper's "16.4B"

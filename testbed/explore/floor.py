@@ -1,0 +1,72 @@
+"""The search's step floor: a lower bound of the analytic tier's step time, from a few stages' compute.
+
+testbed.explore.search skips a plan whose floor is above the estimates it
+would have to beat to be replayed; the floor never exceeds
+:func:`testbed.explore.analytic.estimate` (tests/test_flagship_search.py
+checks it on sampled plans), so what the search replays is unchanged.
+"""
+
+from __future__ import annotations
+
+from testbed.model.gemm import scaled
+from testbed.plan.spec import Plan
+from testbed.sim.compute import compute_seconds
+from testbed.sim.facts import BUCKETS, action_work, cached_chunk_cost, cached_chunk_gemms, cached_order
+from testbed.topology import Topology
+
+__all__ = ["step_floor"]
+
+
+def step_floor(plan: Plan, topology: Topology) -> float | None:
+    """A lower bound of :func:`estimate`'s step seconds from compute alone, at a few stages' cost; None where
+    the plan's actions are not plain compute (context or expert parallelism) or the host is shared.
+
+    :func:`estimate` plays every action on its stage's one stream for at least its compute seconds, in the
+    schedule's dependency order, so its step is at least (a) any stage's compute over all its actions and
+    (b), with one chunk per stage, the first microbatch's forward through the stages before the last, the
+    last stage's whole forward and backward, and the last microbatch's backward back through the others
+    (weight gradients of split backwards left out of (b): they need not be on that path). Compute as the
+    estimate prices it; the gradient-bucket split of the last backward is taken at the cheaper of its two
+    prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
+    exceeds the estimates it would have to beat to be replayed, without changing what it replays.
+    """
+    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
+    if mesh.context > 1 or plan.model.experts or topology.calibration.host is not None:
+        return None
+    p, dtype = mesh.stage, plan.precision.compute_dtype
+    split = _splits_backward(plan)
+    kinds = ("F", "B", "W") if split else ("F", "B")
+    priced: dict[tuple, dict[str, float]] = {}
+    per_stage: list[dict[str, float]] = []
+    for s in range(p):
+        key = (plan.stage_layers[s], s == 0, s == p - 1)
+        if key not in priced:
+            seconds = dict.fromkeys(kinds, 0.0)
+            for c in range(v):
+                cost = cached_chunk_cost(plan, s, c)
+                kernels = max(1, 4 * cost.layers)
+                for kind in kinds:
+                    flops, hbm, (rep_b, split_b), _ = action_work(cost, kind, split, plan.remat)
+                    gemms = cached_chunk_gemms(plan, s, c).action(kind, split)
+                    whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
+                                            gemms)
+                    pieces = min(BUCKETS, max(1, cost.layers))
+                    if kind == ("W" if split else "B") and pieces > 1:
+                        whole = min(whole, pieces * compute_seconds(
+                            topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
+                            split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces)))
+                    seconds[kind] += whole
+            priced[key] = seconds
+        per_stage.append(priced[key])
+    floor = max(m * sum(x.values()) for x in per_stage)
+    if v == 1 and p > 1:
+        last = per_stage[-1]
+        path = sum(x["F"] + x["B"] for x in per_stage[:-1]) + m * (last["F"] + last["B"])
+        floor = max(floor, path)
+    return floor
+
+
+def _splits_backward(plan: Plan) -> bool:
+    """Whether ``plan``'s schedule splits the backward into B (input gradients) and W (weight gradients)."""
+    return cached_order(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
+                           plan.schedule.virtual_stages)[0].split_backward

@@ -1,0 +1,111 @@
+"""The search at flagship scale (issue 35): uneven stages in the space, exact pruning, progress off a terminal.
+
+The pruning must not change what the search finds: its memory bounds are
+exact lower bounds of the memory model, its step floor a lower bound of the
+analytic estimate, and the collective bounds of a hierarchy are the same
+with one group of each kind as with all of them. The flagship case itself,
+Llama 3 405B on 16,384 H100s, must find a plan no slower than Meta's
+published layout as the simulator prices it.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+
+import pytest
+
+from testbed.cli.progress import progress_lines
+from testbed.collectives.bounds import distinct_groups, lower_bound
+from testbed.explore.analytic import estimate, plan_memory
+from testbed.explore.floor import step_floor
+from testbed.explore.search import _overflows, search
+from testbed.explore.space import SearchSpace, candidates, preset_plan
+from testbed.model.memory import state_floor
+from testbed.plan.io import load_plan
+from testbed.plan.stages import balanced_ends, near_even
+from testbed.sim.engine import simulate
+from testbed.topology.io import load_topology
+
+
+def test_near_even_split() -> None:
+    """Each stage within one layer of the others, the ends lighter; Llama 3's split where balanced-ends applies."""
+    assert near_even(126, 16) == balanced_ends(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert near_even(10, 4) == (2, 3, 3, 2) and near_even(7, 2) == (4, 3) and near_even(9, 4) == (2, 3, 2, 2)
+    assert near_even(8, 4) is None and near_even(3, 4) is None
+    for layers in range(1, 40):
+        for stages in range(2, 12):
+            split = near_even(layers, stages)
+            if split is not None:
+                assert sum(split) == layers and max(split) - min(split) == 1 and split[-1] == min(split)
+
+
+def test_candidates_include_uneven_stages() -> None:
+    base = preset_plan("llama3-405b")
+    plans = list(candidates(base, 128, SearchSpace(schedules=("1f1b", "interleaved"), zero=(1,), remat=("full",),
+                                                      microbatches=(16,))))
+    stages = {p.mesh.stage: p.stage_layers for p in plans}
+    assert stages[16] == (7,) + (8,) * 14 + (7,) and stages[2] == (63, 63) and stages[32][0] == 3
+    assert all(p.schedule.name.value != "interleaved" or p.layers_per_stage is None for p in plans)
+
+
+def test_group_kinds_bound_as_all_groups() -> None:
+    """A hierarchy's translated groups: one of each kind gives the slowest bound of all of them."""
+    topology = load_topology("dgx-h100-x4")
+    for groups in ([tuple(range(i, 32, 8)) for i in range(8)], [tuple(range(i * 8, i * 8 + 8)) for i in range(4)],
+                   [(0, 1, 8, 9), (2, 3, 10, 11), (16, 17, 18, 19)]):
+        groups = tuple(groups)
+        kinds = distinct_groups(topology, groups)
+        assert set(kinds) <= set(groups)
+        for op in ("all_reduce", "all_gather", "broadcast"):
+            assert max(lower_bound(topology, op, g, 1e6) for g in kinds) == \
+                max(lower_bound(topology, op, g, 1e6) for g in groups)
+
+
+def test_pruning_bounds_are_lower_bounds() -> None:
+    """Memory floors never above the exact worst device; the step floor never above the estimate."""
+    topology = load_topology("dgx-h100-x4")
+    plans = list(candidates(preset_plan("gpt-1.3b"), 32, SearchSpace(remat=("none", "full"), microbatches=(1, 4, 8))))
+    random.Random(0).shuffle(plans)
+    checked = 0
+    for plan in plans[:60]:
+        memory = plan_memory(plan, topology)
+        assert state_floor(plan) <= memory.total
+        assert _overflows(plan, topology, 1.0, None) <= (not memory.fits)
+        floor = step_floor(plan, topology)
+        if floor is not None and memory.fits:
+            assert floor <= estimate(plan, topology, memory).step_time_s
+            checked += 1
+    assert checked >= 10
+
+
+def test_progress_lines_when_not_a_terminal() -> None:
+    """A line for the first call, none within the interval, one at the end of each phase; none on a terminal."""
+    out, now = io.StringIO(), [0.0]
+    report = progress_lines("searching", every_s=5.0, stream=out, clock=lambda: now[0])
+    report("analytic", 1, 100)
+    now[0] = 2.0
+    report("analytic", 50, 100)
+    now[0] = 3.0
+    report("analytic", 100, 100)
+    assert out.getvalue().splitlines() == ["searching: analytic 1/100 (0 s)", "searching: analytic 100/100 (3 s)"]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    progress_lines("searching", stream=tty)("analytic", 1, 1)
+    assert tty.getvalue() == ""
+
+
+@pytest.mark.slow
+def test_llama3_405b_search_finds_a_plan_no_slower_than_metas() -> None:
+    """`testbed search --model llama3-405b --topology llama3-h100-16k --global-batch 2048` (issue 35): the
+    default space, and the DES step of its best plan at most that of the paper's TP8/PP16/DP128 plan."""
+    topology = load_topology("llama3-h100-16k")
+    result = search(preset_plan("llama3-405b", 2048), topology)
+    meta = simulate(load_plan("llama3-405b"), topology).report.step_time_s
+    assert result.best.plan.mesh.size == 16_384 and result.best.estimate.fits
+    assert result.best.step_time_s <= meta
+    assert result.enumerated > result.pruned_memory + result.pruned_bound
