@@ -257,8 +257,11 @@ class Outcome:
 def _names_something(stderr: str, argv: list[str] = ()) -> bool:
     """An exit-2 message names a field (`field `x``), an option, a file path, the file as given in ``argv``
     (``error: nope: plan file not found``; a long name clipped) or is an argparse usage error."""
-    if any(a and stderr.startswith(f"error: {a}:" if len(a) < 40 else f"error: {a[:40]}") for a in argv):
-        return True
+    from testbed.text import escape_controls
+
+    for a in (escape_controls(a) for a in argv):  # names are shown with control characters escaped
+        if a and stderr.startswith(f"error: {a}:" if len(a) < 40 else f"error: {a[:40]}"):
+            return True
     return bool(re.search(r"field `|--[a-z]|\.ya?ml|\.json|usage:|error: argument|/", stderr))
 
 
