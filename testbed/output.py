@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import enum
 import json
 import os
 import stat
@@ -150,9 +152,6 @@ def write_atomic(path: str | Path, content: str | bytes, field_name: str = "outp
 
 def to_jsonable(value: Any) -> Any:
     """Plain JSON types from dataclasses, enums, numpy scalars and paths."""
-    import dataclasses
-    import enum
-
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.name.startswith("_")}
     if isinstance(value, enum.Enum):

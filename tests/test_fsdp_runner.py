@@ -132,11 +132,11 @@ def test_fsdp_spread_replicas_sequence_parallel_bf16_plan_matches_reference() ->
 
 
 def test_compiled_collectives_are_the_rule_count() -> None:
-    """The simulator's count of a chunk's parameter collectives (testbed.plan.sharding.parameter_collectives
+    """The simulator's count of a chunk's parameter collectives (testbed.model.leaves.parameter_collectives
     at combine_bytes 0, the host's: XLA:CPU combines none) is what the compiled step runs: one all-gather per
     sharded leaf and one reduce-scatter of its gradient, leaves whose free dims the shard count does not divide
     (tensor-split biases here) left out."""
-    from testbed.plan.sharding import parameter_collectives
+    from testbed.model.leaves import parameter_collectives
 
     plan = _plan(fsdp=2, tensor=2)
     _, found = _compiled(plan)
@@ -149,7 +149,7 @@ def test_compiled_collectives_are_the_rule_count() -> None:
 def test_compiled_zero1_regathers_are_the_rule_count() -> None:
     """ZeRO-1's all-gather of the updated parameters over data after the optimizer (XLA's partitioner) is one
     collective per leaf sharded with the optimizer state on XLA:CPU, the rule's count at combine_bytes 0."""
-    from testbed.plan.sharding import parameter_collectives
+    from testbed.model.leaves import parameter_collectives
 
     plan = _plan(data=2, zero=1)
     _, found = _compiled(plan)

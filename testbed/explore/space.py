@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError, closest
-from testbed.model import presets
+from testbed.plan import presets
 from testbed.plan.io import plan_from_dict
 from testbed.plan.stages import chunks_fit, near_even
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
@@ -96,7 +96,7 @@ class SearchSpace:
 
 
 def preset_plan(name: str, global_batch: int | None = None, seq_len: int | None = None) -> Plan:
-    """A single-device AdamW plan of the model preset ``name`` (testbed.model.presets; the search re-lays it out).
+    """A single-device AdamW plan of the model preset ``name`` (testbed.plan.presets; the search re-lays it out).
 
     bf16-mixed, but fp32 for the CPU-sized ``gpt-tiny``; the batch is the
     preset's default (``DEFAULT_BATCH``) unless given.

@@ -25,7 +25,7 @@ from typing import Any
 from testbed.errors import InputError, quote
 from testbed.explore.search import OBJECTIVES
 from testbed.explore.space import SearchSpace, preset_plan
-from testbed.model.presets import PRESETS
+from testbed.plan.presets import PRESETS
 from testbed.fields import check_keys, expect_mapping, load_yaml
 from testbed.output import read_input
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict

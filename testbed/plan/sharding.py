@@ -4,22 +4,19 @@ One decision read by the memory model, the simulator's task graph and the
 runner's shardings alike: the ``fsdp`` axis shards all three; ZeRO over the
 ``data`` axis adds the optimizer state (stage 1), the gradients (2) and the
 parameters (3). It also decides when gradients are reduced over each
-replica axis with several microbatches (:func:`gradient_reduction`), and how
-many collectives one pass over a chunk's sharded parameters issues
-(:func:`parameter_collectives`).
+replica axis with several microbatches (:func:`gradient_reduction`); how
+many collectives one pass over a chunk's sharded parameters issues, which
+needs the model's layout, is testbed.model.leaves'.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-from testbed.model import layout
-from testbed.plan.spec import MESH_AXES, Axis, MeshSpec, ModelSpec, Plan, Remat
+from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 
-__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters",
-           "gathered_leaves", "combined_sizes", "parameter_collectives"]
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,67 +86,3 @@ def gathers_parameters(plan: Plan, kind: str) -> bool:
     if not state_sharding(plan).split_axes(plan, "params"):
         return False
     return kind == "F" or (kind == "B" and plan.remat is Remat.FULL)
-
-
-def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> tuple[int, ...]:
-    """Elements of each parameter leaf of a chunk that fsdp/ZeRO-3 all-gathers, in layout order; () when unsharded.
-
-    A leaf is gathered when the layout's one shard rule (:meth:`testbed.model.layout.ParamSpec.shard_dim`)
-    splits it over the parameters' shard axes; the gathered leaf is whole over them and split as the device
-    holds it by ``tensor`` and ``expert``. testbed.runner.parallel.ParamShards issues one ``all_gather`` per such leaf
-    where a piece of the model uses it, and one ``psum_scatter`` of its gradient, by the same rule; a leaf no
-    free dim of which the shard count divides stays whole and moves nothing. Layout order: the embedding, each
-    layer's rows layer by layer, the head (the order XLA meets them in the forward).
-
-    ``chunk`` None: every chunk of the stage, in chunk order. ``which="optimizer"``: the leaves sharded with the
-    optimizer state instead, which ZeRO-1/2 all-gathers over ``data`` after the update (XLA's partitioner,
-    leaf by leaf as well).
-    """
-    v = plan.schedule.virtual_stages
-    if chunk is None:
-        return tuple(n for c in range(v) for n in gathered_leaves(plan, stage, c, which))
-    ways = state_sharding(plan).ways(plan, which)
-    if ways <= 1:
-        return ()
-    return _gathered(plan.model, plan.mesh, v, plan.stage_layers, ways, stage, chunk)
-
-
-@functools.lru_cache(maxsize=65536)  # a search prices each chunk of thousands of plans sharing a mesh
-def _gathered(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
-              chunk: int) -> tuple[int, ...]:
-    """:func:`gathered_leaves` of one chunk, from what it depends on."""
-    embed, head = layout.holds(stage, chunk, mesh.stage, v)
-    span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
-    params = list(layout.embedding_params(spec) if embed else ())
-    for i in span:
-        params += layout.layer_params(spec, i)
-    params += layout.head_params(spec) if head else ()
-    return tuple(p.device_elements(mesh.tensor, 1, mesh.expert) for p in params
-                 if p.shard_dim(mesh.tensor, ways, mesh.expert) is not None)
-
-
-def combined_sizes(sizes: tuple[float, ...], combine_bytes: float) -> tuple[float, ...]:
-    """``sizes`` (bytes of collectives issued one after another) as a combiner merges them: consecutive ones
-    joined while the merged collective stays within ``combine_bytes`` (XLA's all-gather and reduce-scatter
-    combiners' threshold rule). 0: none merged; ``math.inf``: all of them one collective."""
-    out: list[float] = []
-    for size in sizes:
-        if out and out[-1] + size <= combine_bytes:
-            out[-1] += size
-        else:
-            out.append(float(size))
-    return tuple(out)
-
-
-def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_bytes: float = math.inf,
-                          bytes_per_element: float = 4.0, which: str = "params") -> int:
-    """How many all-gathers one gather of a chunk's sharded parameters is (as many reduce-scatters for their
-    gradients): one per gathered leaf (:func:`gathered_leaves`) as ``combine_bytes`` merges them
-    (:func:`combined_sizes`; the topology's ``calibration.collectives.combine_bytes``: 0 on XLA:CPU, which
-    combines none, unbounded where one flat buffer per chunk moves). At least 1 whenever parameters are
-    sharded, so a chunk whose leaves all stay whole still counts its one gather, as testbed.sim.program prices
-    it; 0 when nothing shards them. ``chunk`` and ``which`` as in :func:`gathered_leaves`."""
-    if not state_sharding(plan).split_axes(plan, which):
-        return 0
-    leaves = gathered_leaves(plan, stage, chunk, which)
-    return max(1, len(combined_sizes(tuple(n * bytes_per_element for n in leaves), combine_bytes)))

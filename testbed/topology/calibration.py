@@ -201,7 +201,7 @@ class CollectiveCalibration(_Group):
         reduce-scatters of a chunk are issued: one collective per parameter
         leaf, consecutive ones merged while the merged one stays within this
         many bytes (XLA's all-gather and reduce-scatter combiners;
-        testbed.plan.sharding.parameter_collectives). 0: one per leaf (XLA:CPU
+        testbed.model.leaves.parameter_collectives). 0: one per leaf (XLA:CPU
         combines none: 53 all-gathers and 53 reduce-scatters per pass of the
         validation suite's 4-layer GPT in the compiled step). None (default):
         one per chunk (PyTorch FSDP's flat parameter per unit; XLA:GPU's

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
@@ -172,15 +172,11 @@ class Topology:
 
     def with_bandwidth_scaled(self, factor: float) -> "Topology":
         """The same topology with every link bandwidth multiplied by ``factor``."""
-        from dataclasses import replace
-
         levels = tuple(replace(l, bandwidth=None if l.bandwidth is None else l.bandwidth * factor) for l in self.levels)
         links = tuple(replace(l, bandwidth=l.bandwidth * factor) for l in self.links)
         return replace(self, levels=levels, links=links)
 
     def with_flops_scaled(self, factor: float) -> "Topology":
-        from dataclasses import replace
-
         device = replace(self.device, peak_flops={k: v * factor for k, v in self.device.peak_flops.items()})
         return replace(self, device=device)
 
