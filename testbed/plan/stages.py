@@ -118,7 +118,7 @@ def _resolve(value: tuple[int, ...] | str | None, layers: int, stages: int, virt
             raise InputError(f"unknown rule `{value}`; give `{BALANCED_ENDS}` or a list of {stages} per-stage "
                              f"layer counts", field=_FIELD)
         counts = balanced_ends(layers, stages)
-        _check_chunks(counts, virtual, "the rule's")
+        _check_chunks(counts, virtual, "the rule's ")
         return counts
     if not isinstance(value, (list, tuple)):
         raise InputError(f"expected `{BALANCED_ENDS}` or a list of {stages} per-stage layer counts, got {value!r}",
@@ -134,7 +134,7 @@ def _resolve(value: tuple[int, ...] | str | None, layers: int, stages: int, virt
     if sum(counts) != layers:
         raise InputError(f"the counts {_show(counts)} sum to {sum(counts)}, but model.layers is {layers}; "
                          f"they must add up to it", field=_FIELD)
-    _check_chunks(counts, virtual, "the")
+    _check_chunks(counts, virtual, "")
     return counts
 
 
@@ -153,7 +153,7 @@ def _check_chunks(counts: tuple[int, ...], virtual: int, whose: str) -> None:
     for i, n in enumerate(counts):
         need = virtual - len(set(_ends(i, len(counts), virtual)))
         if n < need:
-            raise InputError(f"{whose} entry {i} ({n}) is too few for virtual_stages {virtual}: each of the stage's "
+            raise InputError(f"{whose}entry {i} ({n}) is too few for virtual_stages {virtual}: each of the stage's "
                              f"{virtual} chunks must hold a layer (only the first stage's first chunk and the last "
                              f"stage's last chunk may hold none), so stage {i} needs at least {need}", field=_FIELD)
 
