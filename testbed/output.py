@@ -24,6 +24,7 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.fields import read_text
+from testbed.lifetime import TEMP_SUFFIX, stale_temporary_files, temporary_prefix
 
 __all__ = ["write_atomic", "atomic_path", "output_target", "output_folder", "command_inputs", "note_input", "read_input", "CommandResult",
            "to_jsonable"]
@@ -65,6 +66,21 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _bundled_root(target: Path) -> str | None:
+    """What of the installed package ``target`` lies in (its bundled plans, topologies or code), or None."""
+    from importlib import resources
+
+    for package, what in (("testbed.plans", "bundled plans"), ("testbed.topologies", "bundled topologies"),
+                          ("testbed", "package")):
+        try:
+            root = os.path.realpath(str(resources.files(package)))
+        except (ModuleNotFoundError, TypeError, ValueError):
+            continue
+        if os.path.isdir(root) and (str(target) == root or str(target).startswith(root + os.sep)):
+            return what
+    return None
+
+
 def output_target(path: str | Path, field_name: str = "output") -> Path:
     """The file an output to ``path`` replaces, after the checks that keep outputs from destroying things.
 
@@ -90,6 +106,10 @@ def output_target(path: str | Path, field_name: str = "output") -> Path:
         if str(target) in (_INPUTS.get() or ()):
             raise InputError(f"`{shown}` is an input of this command; writing the output there would destroy it, "
                              f"give another path", field=field_name)
+    bundled = _bundled_root(target)
+    if bundled is not None:
+        raise InputError(f"`{shown}` is inside testbed's own {bundled}; outputs never replace the package's "
+                         f"files, give a path outside it", field=field_name)
     parent = target.parent
     if not parent.exists():
         raise InputError(f"the folder `{parent}` of `{shown}` does not exist; create it first", field=field_name)
@@ -120,8 +140,11 @@ def atomic_path(path: str | Path, field_name: str = "output") -> Iterator[Path]:
     temporary file is removed and the target is untouched.
     """
     target = output_target(path, field_name)
+    for stale in stale_temporary_files(target.parent):  # left by a killed write (of any testbed output here)
+        with contextlib.suppress(OSError):
+            stale.unlink()
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target.name), suffix=TEMP_SUFFIX, dir=target.parent)
     except OSError as exc:
         raise InputError(f"cannot write in the folder `{target.parent}` ({exc.strerror})", field=field_name) from None
     os.close(fd)

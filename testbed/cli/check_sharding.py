@@ -66,11 +66,31 @@ def param_rows(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+#: Programs one check lowers at most, and stage x virtual-chunk parameter sets it shards at most: each lowering
+#: takes about a second on a CPU, so beyond these a check runs for minutes (refused before JAX starts).
+MAX_LOWERED, MAX_STAGE_CHUNKS = 120, 4096
+
+
+def _check_work(plan) -> None:
+    """Refuse a plan whose check would lower more than MAX_LOWERED programs or shard MAX_STAGE_CHUNKS chunks."""
+    if plan.mesh.stage == 1:
+        return
+    virtual = plan.schedule.virtual_stages
+    per_chunk = 3 if plan.schedule.name.value.startswith("zb") else 2  # F, B (and W)
+    lowered = min(plan.mesh.stage, 3) * (virtual * per_chunk + 1)  # first, one middle, last stage (+ update)
+    chunks = plan.mesh.stage * virtual
+    if lowered > MAX_LOWERED or chunks > MAX_STAGE_CHUNKS:
+        raise InputError(f"checking this plan lowers {lowered:,} programs over {chunks:,} stage chunks (at most "
+                         f"{MAX_LOWERED} and {MAX_STAGE_CHUNKS:,}: about a second each on a CPU); check a plan with "
+                         f"fewer virtual stages or pipeline stages", field="schedule.virtual_stages")
+
+
 def execute(args: argparse.Namespace) -> CommandResult:
     plan = load_plan(args.plan)
     try:
         topology = plan_topology(plan, args.topology, args.plan)
         place(plan, topology)
+        _check_work(plan)
     except InputError as exc:
         raise exc.with_file(args.plan) from None
     _host_only()

@@ -245,6 +245,33 @@ def _prepare_devices(text: str, n: int, where: str) -> str:
     return str(request)
 
 
+#: Copies of the n-rank buffer an execution holds at its peak: the fp32 input and its device copies, both
+#: outputs, and the float64 copies the check compares.
+_EXECUTE_COPIES = 12
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory this host can still give (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_host_memory(nbytes: float, n: int) -> None:
+    """Refuse an execution whose buffers would not fit in the host's free memory, before JAX starts."""
+    need = _EXECUTE_COPIES * n * float(nbytes)
+    have = _available_memory()
+    if have is not None and need > have:
+        raise InputError(f"executing {format_bytes(nbytes)} on {n} ranks needs about {format_bytes(need)} of host "
+                         f"memory ({_EXECUTE_COPIES} copies of the {n}-rank buffer), more than the "
+                         f"{format_bytes(have)} available; give a smaller --bytes", field="bytes")
+
+
 def _execute_on_devices(args: argparse.Namespace, topology: Topology, op: Op, groups: list, nbytes: float,
                         algorithm: str, result: CollectiveTiming, compared: list[dict[str, object]], root: int,
                         peer: int | None) -> dict[str, Any]:
@@ -257,6 +284,7 @@ def _execute_on_devices(args: argparse.Namespace, topology: Topology, op: Op, gr
     name, why = _executed_algorithm(op, algorithm, result.algorithm, compared)
     program, _ = placed_program(topology, op, name, groups[0], root, peer)
     n = program.n
+    _check_host_memory(nbytes, n)
     request = _prepare_devices(args.execute, n, f"{op} over {args.over} on {topology.name}")
     from testbed.runner.collectives import execute_and_check
 

@@ -176,7 +176,7 @@ def _render(console: Any, data: dict[str, Any]) -> None:
         verdict = "[green]ok[/green]" if v["ok"] else "[red]NOT ok[/red]"
         e, t = v["errors"], v["thresholds"]
         console.print(f"verify {verdict} vs the single-device reference: loss {max(e['loss_rel']):.1e} "
-                      f"(threshold {t['loss']:.0e}), gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.0e}), "
+                      f"(threshold {t['loss']:.2g}), gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.2g}), "
                       f"parameters {e['param_steps']:.1e} optimizer steps apart; collectives found "
                       f"{ {k: n for k, n in v['collectives']['found'].items() if n} }")
     table = Table(title="predicted vs measured (per device)")

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import signal
 import sys
 from collections.abc import Sequence
 
-from testbed import __version__
-from testbed.errors import MAX_MESSAGE, InputError, closest
-from testbed.output import CommandResult, command_inputs
-from testbed.text import escape_controls
+# Nothing of testbed is imported here at module level: `testbed` starts, and its Ctrl-C handler is in
+# place, before any heavy import (main() imports the rest).
 
 __all__ = ["main", "COMMANDS"]
 
@@ -53,6 +52,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         if "invalid choice:" in message:
             bad = message.split("invalid choice:")[1].split("(")[0].strip().strip("'\"")
+            from testbed.errors import closest
+
             hint = closest(bad, COMMANDS)
             if hint:
                 message += f"; did you mean `{hint}`?"
@@ -63,6 +64,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _clip_usage(message: str) -> str:
     """argparse's message with each quoted value cut to 60 characters and the whole to MAX_MESSAGE."""
+    from testbed.errors import MAX_MESSAGE
+    from testbed.text import escape_controls
+
     message = escape_controls(message[: 4 * MAX_MESSAGE])
     message = re.sub(r"'([^']{60})[^']+'", r"'\1...'", message)
     return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."
@@ -76,6 +80,8 @@ def _load(spec: str):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``only`` set, import just that command's module."""
+    from testbed import __version__
+
     parser = _Parser(prog="testbed", description=__doc__.splitlines()[0],
                      epilog="`testbed COMMAND --help` describes a command's options.")
     parser.add_argument("--version", action="version", version=f"testbed {__version__}")
@@ -98,6 +104,21 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``testbed ARGV``; returns the exit status. Ctrl-C anywhere in it is status 130, never a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while reporting the first is ignored
+        sys.stderr.write("interrupted\n")
+        sys.stderr.flush()
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from testbed.errors import InputError
+    from testbed.output import CommandResult, command_inputs
+    from testbed.text import escape_controls
+
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in COMMANDS else None)
@@ -118,9 +139,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         sys.stderr.write(f"error: {exc.render()}\n")
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        return 130
     if args.json:
         sys.stdout.write(result.json_text() + "\n")
     elif result.render is not None:

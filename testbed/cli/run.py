@@ -168,8 +168,8 @@ def _execute_verify(args: argparse.Namespace) -> CommandResult:
         verdict = "[green]ok[/green]" if data["ok"] else "[red]NOT ok[/red]"
         console.rule(f"testbed verify: plan `{plan.name}` on {data['devices']} {data['platform']} device(s)")
         e, t = data["errors"], data["thresholds"]
-        console.print(f"{verdict}: relative error of the loss {max(e['loss_rel']):.1e} (threshold {t['loss']:.0e}), "
-                      f"of the first step's gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.0e}); "
+        console.print(f"{verdict}: relative error of the loss {max(e['loss_rel']):.1e} (threshold {t['loss']:.2g}), "
+                      f"of the first step's gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.2g}); "
                       f"parameters {e['param_steps']:.1e} optimizer steps apart (threshold {t['param_steps']:.0e})")
         console.print(f"loss plan {data['loss']} vs reference {data['reference_loss']}")
         c = data["collectives"]

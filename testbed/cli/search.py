@@ -11,6 +11,7 @@ read unchanged.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,7 +72,7 @@ def base_plan(model: str, global_batch: int | None = None, seq: int | None = Non
     try:
         plan = load_plan(model)
     except InputError as exc:
-        if model.strip() and Path(model).exists():  # Path("") is the current folder
+        if model.strip() and os.path.exists(model):  # os.path: False (not OSError) for an over-long name
             raise
         raise InputError(f"`{model}` is neither a plan file, a bundled plan nor a preset "
                          f"({', '.join(sorted(PRESETS))}); {exc.message}", field="--model") from None

@@ -35,6 +35,8 @@ def _add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", nargs="?", const="", metavar="DIR",
                         help="draw the curves and Pareto fronts as PNGs into DIR (default NAME-plots)")
     parser.add_argument("--top", type=int, default=10, help="fastest points shown (default 10)")
+    parser.add_argument("--max-points", type=int, default=None, metavar="N",
+                        help="refuse a grid of more than N points before building it (default 10,000)")
     parser.add_argument("-v", "--verbose", action="store_true", help="one line on stderr per finished point")
 
 
@@ -82,7 +84,12 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         raise InputError("is empty; give the DuckDB file path (without --db: NAME.duckdb)", field="--db")
     if args.spec is None and (args.db is None or args.plot is None):
         raise InputError("give a SPEC to sweep, or --db FILE --plot DIR to plot a database", field="spec")
-    spec = load_sweep_spec(args.spec) if args.spec else None
+    from testbed.explore.sweep_spec import MAX_POINTS
+
+    max_points = MAX_POINTS if args.max_points is None else args.max_points
+    if max_points < 1:
+        raise InputError(f"must be a whole number >= 1, got {max_points}", field="--max-points")
+    spec = load_sweep_spec(args.spec, max_points=max_points) if args.spec else None
     db = args.db or f"{spec.name}.duckdb"
     summary = None
     if spec is not None:

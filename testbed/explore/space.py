@@ -208,6 +208,10 @@ def resize_topology(topology: Topology, devices: int) -> Topology:
     """
     if devices == topology.num_devices:
         return topology
+    from testbed.fields import MAX_DEVICES
+
+    if devices > MAX_DEVICES:
+        raise InputError(f"{devices:,} devices is more than the testbed models ({MAX_DEVICES:,})", field="--devices")
     if devices < 1 or topology.form is Form.GRAPH or not topology.levels:
         raise InputError(f"cannot resize `{topology.name}` (an explicit graph) to {devices} devices; give a topology "
                          f"of that size", field="--devices")

@@ -124,5 +124,6 @@ def _finish(fig, ax, xlabel: str, ylabel: str, title: str, grid: str, path: Path
     ax.set_title(plot_label(title, 120), fontsize=10)
     ax.grid(True, which=grid, alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()  # series labels hold the SPEC's names and grid values
-    ax.legend(handles, [plot_label(label, 80) for label in labels], fontsize=8)
+    if labels:  # an empty database draws no series (and needs no legend)
+        ax.legend(handles, [plot_label(label, 80) for label in labels], fontsize=8)
     return save_figure(fig, path)
