@@ -78,6 +78,10 @@ RUNNER = [  # (devices, plan keywords)
     (6, dict(layers=5, stage=3, mb=3, schedule="1f1b", split=(1, 3, 1), tensor=2)),
     (2, dict(layers=6, stage=2, mb=2, schedule="interleaved", virtual=2, split=(2, 4))),
     (8, dict(layers=10, stage=4, mb=4, schedule="interleaved", virtual=2, split=(2, 2, 4, 2), data=2)),
+    # interleaved with counts the chunks cannot share evenly (testbed.plan.stages.chunk_counts): 3 layers as 1 + 2
+    # and 2 + 1; balanced-ends' 1, 2, 1 leaves the embedding's and the head's chunks without a layer
+    (4, dict(layers=6, stage=2, mb=2, schedule="interleaved", virtual=2, split=(3, 3), tensor=2)),
+    (6, dict(layers=4, stage=3, mb=3, schedule="interleaved", virtual=2, split="balanced-ends", data=2)),
 ]
 
 

@@ -46,7 +46,11 @@ def test_candidates_include_uneven_stages() -> None:
                                                       microbatches=(16,))))
     stages = {p.mesh.stage: p.stage_layers for p in plans}
     assert stages[16] == (7,) + (8,) * 14 + (7,) and stages[2] == (63, 63) and stages[32][0] == 3
-    assert all(p.schedule.name.value != "interleaved" or p.layers_per_stage is None for p in plans)
+    # Interleaved too: uneven stages split over their chunks (testbed.plan.stages.chunk_counts), as Meta's layout.
+    inter = {(p.mesh.stage, p.schedule.virtual_stages): p.layers_per_stage for p in plans
+             if p.schedule.name.value == "interleaved"}
+    assert inter[(16, 2)] == inter[(16, 4)] == (7,) + (8,) * 14 + (7,)
+    assert inter[(2, 3)] is None and (2, 2) not in inter  # an even stage split keeps even chunks (126 = 2 x 3 x 21)
 
 
 def test_group_kinds_bound_as_all_groups() -> None:

@@ -266,10 +266,10 @@ def llm_plans(draw) -> Plan:
                      position=draw(st.sampled_from(["learned", "rope"])), bias=draw(st.booleans()),
                      tied_embeddings=stage == 1 and draw(st.booleans()))
     mb = stage if stage > 1 else draw(st.sampled_from([1, 2]))
-    # Pipelines: every schedule, and uneven stages (layers_per_stage) where its chunks allow them.
+    # Pipelines: every schedule, and uneven stages (layers_per_stage), interleaved ones split unevenly over chunks.
     name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])) if stage > 1 else "1f1b"
     virtual = 2 if name == "interleaved" else 1
-    split = draw(st.sampled_from([None, (1, 3), (3, 1)])) if stage > 1 and virtual == 1 else None
+    split = draw(st.sampled_from([None, (1, 3), (3, 1)])) if stage > 1 else None
     return _plan(spec, data=data, fsdp=rest // data, tensor=tensor, stage=stage, context=context, mb=mb,
                  batch=24 if n == 6 else 16,
                  zero=draw(st.integers(0, 3)), remat=draw(st.sampled_from(["none", "selective", "full"])),

@@ -73,10 +73,11 @@ def test_balanced_ends_is_the_llama3_split() -> None:
     ([1, 2, 3], 6, 2, 1, "one layer count per pipeline stage"),
     ([0, 6], 6, 2, 1, "whole number >= 1"),
     ([1.5, 4.5], 6, 2, 1, "whole number >= 1"),
-    ([3, 3], 6, 2, 2, "divisible by virtual_stages 2"),
+    ([1, 5], 6, 2, 3, "entry 0 (1) is too few for virtual_stages 3"),
+    ([3, 1], 4, 2, 3, "stage 1 needs at least 2"),
     ("balanced-ends", 6, 1, 1, "mesh.stage >= 2"),
     ("balanced-ends", 7, 4, 1, "layer counts near 7 that fit: 6, 10"),
-    ("balanced-ends", 6, 2, 2, "needs virtual_stages 1"),
+    ("balanced-ends", 6, 4, 3, "the rule's entry 0 (1) is too few"),
     ("even-ish", 6, 2, 1, "unknown rule"),
     (7, 6, 2, 1, "list of per-stage layer counts"),
     ([[1], 5], 6, 2, 1, "list of 2 whole numbers"),
@@ -105,14 +106,31 @@ def test_bad_plan_file_exits_2(tmp_path: Path, capsys) -> None:
 
 @given(st.integers(1, 6), st.integers(1, 3), st.data())
 def test_chunk_layers_cover_the_model_once_in_model_chunk_order(stages: int, virtual: int, data) -> None:
-    counts = tuple(virtual * data.draw(st.integers(1, 4)) for _ in range(stages))
+    counts = tuple(data.draw(st.integers(virtual, 4 * virtual)) for _ in range(stages))
     spec = replace(TINY, layers=sum(counts))
     ranges = chunk_layers(spec, stages, virtual, counts)
     flat = [ranges[g % stages][g // stages] for g in range(stages * virtual)]  # model chunk g = c * stages + s
     assert [i for r in flat for i in r] == list(range(spec.layers))
-    assert all(len(ranges[s][c]) == counts[s] // virtual for s in range(stages) for c in range(virtual))
-    if all(n == counts[0] for n in counts):  # an even list is exactly the default split
+    for s in range(stages):  # as even as possible within a stage, the model's end chunks never the heavier
+        sizes = [len(ranges[s][c]) for c in range(virtual)]
+        assert sum(sizes) == counts[s] and max(sizes) - min(sizes) <= 1
+        assert s or sizes[0] == min(sizes) or stages == 1  # one stage holds both ends: the head's lighter
+        assert s < stages - 1 or sizes[-1] == min(sizes)
+    if all(n == counts[0] and n % virtual == 0 for n in counts):  # an even list is exactly the default split
         assert ranges == chunk_layers(spec, stages, virtual)
+
+
+def test_interleaved_balanced_ends_is_the_llama3_layout() -> None:
+    """Meta's 126 layers on 16 stages, interleaved: with 8 chunks the first model chunk holds the embedding
+    alone and the last the head and loss alone (Dubey et al. 2024, section 3.3.2); with 2 the ends are 3 + 4."""
+    spec = replace(TINY, layers=126)
+    for v, first, last in ((8, [0] + [1] * 7, [1] * 7 + [0]), (2, [3, 4], [4, 3])):
+        ranges = chunk_layers(spec, 16, v, balanced_ends(126, 16))
+        assert [len(r) for r in ranges[0]] == first and [len(r) for r in ranges[15]] == last
+        assert all(len(r) == 8 // v for s in range(1, 15) for r in ranges[s])
+    plan = _plan(layers=126, stage=16, mb=16, schedule="interleaved", virtual=8, split="balanced-ends")
+    assert plan.stage_layers == balanced_ends(126, 16) and plan_from_dict(plan_to_dict(plan)) == plan
+    assert costs.chunk_cost(plan, 0, 0).layers == 0 and costs.chunk_cost(plan, 15, 7).layers == 0
 
 
 # -- memory and simulator follow the counts --------------------------------------------------
@@ -220,7 +238,9 @@ def _close(got, want) -> None:
 
 # (zb-h1 with uneven stages: the SPMD test below; every schedule on the GPT: benchmarks/uneven_stages.py)
 MPMD_CASES = [("gpipe", 2, 3, 1, (1, 3)), ("1f1b", 3, 3, 1, "balanced-ends"), ("zb-h2", 4, 5, 1, (3, 1, 1, 1)),
-              ("interleaved", 4, 4, 2, (2, 2, 4, 2))]
+              ("interleaved", 4, 4, 2, (2, 2, 4, 2)),
+              # uneven chunks (3 layers: 1 + 2; 4: 2 + 2); balanced-ends leaves the model's end chunks empty
+              ("interleaved", 2, 2, 2, (3, 4)), ("interleaved", 3, 3, 2, "balanced-ends")]
 
 
 @pytest.mark.parametrize("name,p,m,v,split", MPMD_CASES)
@@ -297,21 +317,42 @@ def test_spmd_gpipe_runs_uneven_stages() -> None:
 
 # -- the GPT pipeline trainer (the runner's path) against the single-device reference ---------
 
-def test_pipeline_trainer_runs_uneven_stages() -> None:
-    """The runner's GPT pipeline, 2 devices, 1F1B over layers 2 + 1: one step with NaN receive slots within
-    1e-5 of the reference. (Every schedule on 2-8 devices: benchmarks/uneven_stages.py; the option-mix test
-    in tests/test_llm.py draws ``layers_per_stage`` too.)
+@pytest.mark.parametrize("schedule,virtual,split,held", [
+    ("1f1b", 1, (2, 1), [[2], [1]]),
+    # interleaved, stage 0's 3 layers as 1 + 2, stage 1's 2 as 1 + 1 (the embedding's chunk the lighter)
+    ("interleaved", 2, (3, 2), [[1, 2], [1, 1]]),
+])
+def test_pipeline_trainer_runs_uneven_stages(schedule: str, virtual: int, split: tuple, held: list) -> None:
+    """The runner's GPT pipeline, 2 devices, over uneven stages (1F1B: 2 + 1; interleaved: 3 + 2 split unevenly
+    over 2 chunks): one step with NaN receive slots within 1e-5 of the reference. (Every schedule on 2-8 devices:
+    benchmarks/uneven_stages.py; the option-mix test in tests/test_llm.py draws ``layers_per_stage`` too.)
     """
-    plan = _plan(layers=3, stage=2, mb=2, schedule="1f1b", split=(2, 1))
+    plan = _plan(layers=sum(split), stage=2, mb=2, schedule=schedule, virtual=virtual, split=split)
     devices = dev.select_devices(plan.mesh.size)
     placement = dev.plan_placement(plan, devices)
     meshes = [dev.stage_mesh(placement, devices, s) for s in range(plan.mesh.stage)]
     trainer = PipelineTrainer(plan, meshes, return_grads=True, nan_slots=True)
     reference = ReferenceTrainer(plan, devices[0])
     state = trainer.init()
-    assert [sum(len(c["layers"]) for c in stage) for stage in state[0]] == [2, 1]
+    assert [[len(c["layers"]) for c in stage] for stage in state[0]] == held
     _, loss = trainer.step(state, 0)
     _, ref_loss = reference.step(reference.init(), 0)
     assert np.isfinite(float(loss)) and abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     diff, scale = _tree_errors(trainer.full_grads(), reference.full_grads())
     assert diff <= 1e-5 * scale
+
+
+def test_metas_interleaved_layout_simulates() -> None:
+    """Llama 3 405B on 16,384 H100s as Meta laid it out, 126 layers on 16 stages (7, 8 x 14, 7) interleaved over
+    2 chunks: the chunks are priced by their own layers (3 + 4 on the first stage), each stage holds the same
+    parameters as under 1F1B, and interleaving shortens the step (a smaller bubble)."""
+    from testbed.plan.io import load_plan
+
+    topology = load_topology("llama3-h100-16k")
+    flat = load_plan("llama3-405b")
+    inter = replace(flat, schedule=ScheduleSpec(name="interleaved", virtual_stages=2))
+    first = [costs.chunk_cost(inter, 0, c) for c in range(2)]
+    assert [c.layers for c in first] == [3, 4] and first[0].forward_flops < first[1].forward_flops
+    assert all(costs.device_stage_params(inter, s) == costs.device_stage_params(flat, s) for s in (0, 1, 15))
+    step = simulate(inter, topology).report.step_time_s
+    assert 0 < step < simulate(flat, topology).report.step_time_s

@@ -5,7 +5,10 @@ its precision, unless the space lists precisions) and chooses the rest: the
 mesh degrees (every ordered factorisation of the device count into data x
 fsdp x tensor x stage, with any stage count up to the layers: one that does
 not divide them gets :func:`~testbed.plan.stages.near_even`'s split, the
-ends lighter; times a context degree for long sequences:
+ends lighter, under every schedule: interleaved ones split each stage's
+count over its chunks by :func:`~testbed.plan.stages.chunk_counts`, while an
+even stage split still needs the layers divisible by stage x virtual
+stages; times a context degree for long sequences:
 :attr:`SearchSpace.contexts`, and an expert degree for MoE models:
 :attr:`SearchSpace.experts`), the pipeline schedule (interleaved with each listed
 virtual-stage count), the microbatch count, the ZeRO stage and the remat
@@ -25,7 +28,7 @@ from dataclasses import dataclass, replace
 from testbed.errors import InputError, closest
 from testbed.plan import presets
 from testbed.plan.io import plan_from_dict
-from testbed.plan.stages import near_even
+from testbed.plan.stages import chunks_fit, near_even
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
 from testbed.topology import Form, Topology
 
@@ -172,11 +175,9 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
                  if per_replica % x == 0]
         schedules: list[ScheduleSpec] = []
         for name in (space.schedules if stage > 1 else (ScheduleName.ONE_F_ONE_B.value,)):
-            if name == ScheduleName.INTERLEAVED.value and split is not None:
-                continue  # an interleaved stage splits its layers evenly over its chunks: even splits only
-            if name == ScheduleName.INTERLEAVED.value:
+            if name == ScheduleName.INTERLEAVED.value:  # uneven stages' chunks split as testbed.plan.stages says
                 schedules.extend(ScheduleSpec(name=name, virtual_stages=v) for v in space.virtual_stages
-                                 if v > 1 and m.layers % (stage * v) == 0)
+                                 if v > 1 and (m.layers % (stage * v) == 0 if split is None else chunks_fit(split, v)))
             else:
                 schedules.append(ScheduleSpec(name=name))
         if stage == 1 and ScheduleName.ONE_F_ONE_B.value not in space.schedules and space.schedules:

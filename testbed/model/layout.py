@@ -35,8 +35,8 @@ move).
 
 Where the pieces sit in a pipeline (:func:`chunk_layers`, :func:`chunk_params`):
 each stage holds the plan's per-stage layer count (``Plan.stage_layers``:
-even by default, or ``layers_per_stage``), split evenly over its virtual
-chunks, consecutive layers in model-chunk order; the embedding on
+even by default, or ``layers_per_stage``), split over its virtual chunks
+as evenly as possible (``testbed.plan.stages.chunk_counts``), consecutive layers in model-chunk order; the embedding on
 stage 0's chunk 0, the head on the last stage's last chunk; with tied
 embeddings on another chunk than the embedding's, that chunk holds a copy
 of the token table (Megatron style; its gradient is all-reduced with the
@@ -60,7 +60,7 @@ from typing import NamedTuple
 
 from testbed.errors import InputError
 from testbed.plan.spec import Mlp, ModelSpec, Norm, Position
-from testbed.plan.stages import resolve_layers_per_stage
+from testbed.plan.stages import chunk_counts, resolve_layers_per_stage
 
 __all__ = [
     "Part", "Init", "ParamSpec", "INIT_STD", "GLOBAL_KEYS", "LAYER_KEYS", "LAYER_LEAVES",
@@ -414,17 +414,18 @@ def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1,
     Model chunk ``c * stages + s`` lives on stage ``s`` as its virtual chunk
     ``c``; the model chunks hold consecutive layers in that order. Stage
     ``s`` holds ``stage_layers[s]`` layers (a plan's :attr:`Plan.stage_layers`;
-    None: ``layers / stages`` each), ``stage_layers[s] / virtual`` per chunk.
-    Every pipeline split of layers is decided here.
+    None: ``layers / stages`` each), split over its chunks by
+    :func:`testbed.plan.stages.chunk_counts` (as evenly as possible, the
+    model's two end chunks the lighter). Every pipeline split of layers is
+    decided here.
     """
-    counts = _stage_counts(spec, stages, virtual, stage_layers)
+    per = chunk_counts(_stage_counts(spec, stages, virtual, stage_layers), virtual)
     out: list[list[range]] = [[range(0)] * virtual for _ in range(stages)]
     start = 0
     for c in range(virtual):
         for s in range(stages):
-            per = counts[s] // virtual
-            out[s][c] = range(start, start + per)
-            start += per
+            out[s][c] = range(start, start + per[s][c])
+            start += per[s][c]
     return out
 
 

@@ -219,7 +219,9 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
         # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
         head_acts = math.ceil(inflight / v) * costs.head_activation_bytes(
             spec, plan.microbatch_size, plan.precision, mesh.tensor, plan.sequence_parallel)
-    layer_acts = inflight * (layers // v) * per_layer
+    # In-flight pairs spread over the stage's chunks (as the head term assumes): the mean chunk's layers each,
+    # exactly layers / v per pair when the chunks are even; uneven chunks (testbed.plan.stages) average.
+    layer_acts = inflight * layers // v * per_layer
     grads = grad_b * grad_held
     # Sharded parameters are all-gathered for the forward, and the gathered weights are what the
     # backward multiplies by: autodiff saves them as residuals, so they stay live from forward to

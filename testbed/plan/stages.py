@@ -4,9 +4,7 @@ A plan without ``layers_per_stage`` splits its layers evenly (``layers``
 divisible by ``stage x virtual_stages``, as always). The key may instead be
 
 - an explicit list, one count per stage (``len == mesh.stage``, each >= 1,
-  summing to ``model.layers``); with an interleaved schedule each stage's
-  count is split evenly over its ``virtual_stages`` chunks, so every entry
-  must be divisible by ``virtual_stages``;
+  summing to ``model.layers``);
 - ``balanced-ends``: the first and the last stage hold one layer fewer than
   each stage between them (whose counts are equal), since the first also
   embeds and the last computes the head and loss (the Llama 3 paper,
@@ -14,13 +12,26 @@ divisible by ``stage x virtual_stages``, as always). The key may instead be
   ``7, 8 x 14, 7``). Exactly: with ``p`` stages every middle stage holds
   ``x = (layers + 2) / p`` layers and the two ends ``x - 1``, so the rule
   needs ``p >= 2``, ``p`` dividing ``layers + 2`` and ``x >= 2``; with
-  ``p = 2`` it is the even split. Interleaved schedules (``virtual_stages >
-  1``) cannot honour it (each end would need ``x - 1`` and ``x`` both
-  divisible by ``virtual_stages``) and get an explicit list instead.
+  ``p = 2`` it is the even split.
 
-This module only resolves and validates the counts (the plan calls it on
-construction); which layer indices and parameters each (stage, chunk) holds
-is decided from them by ``testbed.model.layout.chunk_layers``.
+Interleaved schedules (``virtual_stages`` v > 1): a stage's count is split
+over its v chunks by :func:`chunk_counts`, as evenly as possible (each chunk
+``n // v`` or one more), the ``n mod v`` extra layers going to the chunks in
+ascending order except that the model's two ends come last: the first
+stage's chunk 0 (which also embeds) and the last stage's chunk v - 1 (which
+also computes the head and loss) are the lighter. So Meta's layout, 126
+layers on 16 stages as ``7, 8 x 14, 7`` with v = 8, gives every chunk one
+layer but the first model chunk (the embedding alone) and the last (the
+head and loss alone), as the Llama 3 paper describes; with v = 2 the first
+stage holds ``3, 4`` and the last ``4, 3``. Only those two end chunks may
+hold no layer (a stage of ``n`` layers needs ``n >= v`` less the end chunks
+it holds); a plan without ``layers_per_stage`` keeps needing ``layers``
+divisible by ``stage x virtual_stages`` (every chunk equal).
+
+This module resolves and validates the counts (the plan calls it on
+construction) and splits them over chunks (:func:`chunk_counts`); which
+layer indices and parameters each (stage, chunk) holds is decided from those
+by ``testbed.model.layout.chunk_layers``, the one place every consumer reads.
 """
 
 from __future__ import annotations
@@ -30,7 +41,8 @@ from collections.abc import Sequence
 
 from testbed.errors import InputError
 
-__all__ = ["BALANCED_ENDS", "RULES", "resolve_layers_per_stage", "balanced_ends", "near_even"]
+__all__ = ["BALANCED_ENDS", "RULES", "resolve_layers_per_stage", "balanced_ends", "near_even", "chunk_counts",
+           "chunks_fit"]
 
 #: The named rule: one layer fewer on the first and on the last stage.
 BALANCED_ENDS = "balanced-ends"
@@ -105,11 +117,9 @@ def _resolve(value: tuple[int, ...] | str | None, layers: int, stages: int, virt
         if value not in RULES:
             raise InputError(f"unknown rule `{value}`; give `{BALANCED_ENDS}` or a list of {stages} per-stage "
                              f"layer counts", field=_FIELD)
-        if virtual > 1:
-            raise InputError(f"`{BALANCED_ENDS}` needs virtual_stages 1: with {virtual} chunks per stage every "
-                             f"stage's count must be divisible by {virtual}; give an explicit list instead",
-                             field=_FIELD)
-        return balanced_ends(layers, stages)
+        counts = balanced_ends(layers, stages)
+        _check_chunks(counts, virtual, "the rule's ")
+        return counts
     if not isinstance(value, (list, tuple)):
         raise InputError(f"expected `{BALANCED_ENDS}` or a list of {stages} per-stage layer counts, got {value!r}",
                          field=_FIELD)
@@ -121,13 +131,48 @@ def _resolve(value: tuple[int, ...] | str | None, layers: int, stages: int, virt
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InputError(f"entry {i} must be a whole number >= 1 (every stage holds a layer), got {n!r}",
                              field=_FIELD)
-        if n % virtual:
-            raise InputError(f"entry {i} ({n}) must be divisible by virtual_stages {virtual}: an interleaved "
-                             f"stage's layers are split evenly over its {virtual} chunks", field=_FIELD)
     if sum(counts) != layers:
         raise InputError(f"the counts {_show(counts)} sum to {sum(counts)}, but model.layers is {layers}; "
                          f"they must add up to it", field=_FIELD)
+    _check_chunks(counts, virtual, "")
     return counts
+
+
+def _ends(stage: int, stages: int, virtual: int) -> tuple[int, ...]:
+    """The chunks of ``stage`` that hold a model end (embedding: stage 0's chunk 0; head: the last's chunk v - 1)."""
+    return tuple(c for s, c in ((0, 0), (stages - 1, virtual - 1)) if s == stage)
+
+
+def chunks_fit(counts: Sequence[int], virtual: int) -> bool:
+    """Whether every stage of ``counts`` holds enough layers for ``virtual`` chunks (:func:`chunk_counts`)."""
+    return all(n >= virtual - len(set(_ends(i, len(counts), virtual))) for i, n in enumerate(counts))
+
+
+def _check_chunks(counts: tuple[int, ...], virtual: int, whose: str) -> None:
+    """InputError unless every chunk but the two model ends holds a layer under :func:`chunk_counts`."""
+    for i, n in enumerate(counts):
+        need = virtual - len(set(_ends(i, len(counts), virtual)))
+        if n < need:
+            raise InputError(f"{whose}entry {i} ({n}) is too few for virtual_stages {virtual}: each of the stage's "
+                             f"{virtual} chunks must hold a layer (only the first stage's first chunk and the last "
+                             f"stage's last chunk may hold none), so stage {i} needs at least {need}", field=_FIELD)
+
+
+def chunk_counts(counts: Sequence[int], virtual: int) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the layers of each of its ``virtual`` chunks: the interleaved split (module docstring).
+
+    Each chunk holds ``n // virtual`` or one more; the extra layers go to the
+    chunks in ascending order, the model's ends (stage 0's chunk 0, the last
+    stage's chunk ``virtual - 1``) last, so they stay the lighter. An even
+    count splits evenly; ``virtual`` 1 gives ``((n,), ...)``.
+    """
+    stages, out = len(counts), []
+    for s, n in enumerate(counts):
+        ends = _ends(s, stages, virtual)
+        order = [c for c in range(virtual) if c not in ends] + list(dict.fromkeys(ends))
+        base, extra = divmod(n, virtual)
+        out.append(tuple(base + (c in order[:extra]) for c in range(virtual)))
+    return tuple(out)
 
 
 def _show(counts: tuple) -> str:
