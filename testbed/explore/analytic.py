@@ -45,8 +45,8 @@ from testbed.model import costs as model
 from testbed.model.memory import MemoryBreakdown, memory_breakdown, state_bytes_per_param
 from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, execution_order, peak_inflight
 from testbed.plan.placement import place
-from testbed.plan.sharding import (gathers_parameters, gradient_reduction, parameter_collectives, reduction_axes,
-                                   state_sharding)
+from testbed.plan.sharding import (gathers_parameters, gradient_reduction, moved_elements, parameter_collectives,
+                                   reduction_axes, state_sharding)
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.model.gemm import chunk_gemms, gemm_flops, scaled, without
 from testbed.sim.barriers import Syncs, interleaved_wait, merge, step_end_wait
@@ -245,7 +245,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             kernels = max(1, 4 * cost.layers)
             # testbed.sim.program's gather: as many collectives as the rule counts, an equal share of the bytes each.
             leaves = parameter_collectives(plan, s, c, math.inf if combine is None else combine, param_b)
-            gather = leaves * coll.time("all_gather", p_axes, s, cost.params * param_b / leaves) if p_ways > 1 else 0.0
+            gather = leaves * coll.time("all_gather", p_axes, s, moved_elements(plan, s, c) * param_b / leaves) \
+                if p_ways > 1 else 0.0
             for kind in ("F", "B", "W") if split else ("F", "B"):
                 flops, hbm, (rep_b, split_b), tp = _action_work(cost, kind, split, plan.remat)
                 gemms = _chunk_gemms(plan, s, c).action(kind, split)
@@ -278,11 +279,11 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                     piece = whole / pieces if ringed or chain else piece
                     experts = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
                                             mesh.tensor, 1, mesh.expert, experts_only=True)
-                    bucket, bucket_syncs = _reduce_seconds(plan, coll, s, cost.params / pieces * grad_b,
+                    bucket, bucket_syncs = _reduce_seconds(plan, coll, s, moved_elements(plan, s, c, "optimizer") / pieces * grad_b,
                                                            experts / pieces * grad_b, leaves / pieces)
                 if kind == last_kind and per_microbatch and m > 1:
                     n = max(1, leaves)
-                    scatter = n * coll.time("reduce_scatter", per_microbatch, s, cost.params * grad_b / n)
+                    scatter = n * coll.time("reduce_scatter", per_microbatch, s, moved_elements(plan, s, c, "grads") * grad_b / n)
                 if kind == last_kind:  # the add into the gradient accumulator (a task of its own in the graph)
                     acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, grad_b))
                 tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)
@@ -382,7 +383,6 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                 arrive[(s, kind, mb, c)] = pipe[s]
         step = 0.0
         for s in range(p):
-            params = sum(cst.params for cst in costs[s])
             shard = model.device_stage_params(plan, s, o_ways)  # the program's optimizer shard
             if once[s]:  # the replicas meet first (a shared host's stragglers)
                 grad[s] = max(grad[s], free[s], launch) + once[s] + (skewed.barrier_wait(once_group[s], carry[s])
@@ -406,7 +406,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
             if o_ways > p_ways and mesh.data > 1:
                 n = max(1, parameter_collectives(plan, s, None, math.inf if combine is None else combine, param_b,
                                                  which="optimizer"))
-                regather = n * coll.time("all_gather", (Axis.DATA,), s, params / mesh.fsdp * param_b / n)
+                regather = n * coll.time("all_gather", (Axis.DATA,), s, moved_elements(plan, s, None, "optimizer") / mesh.fsdp * param_b / n)
                 comm[s] += regather
                 done += regather
                 if skewed is not None:  # back to back after the update: the first meets the data group

@@ -103,8 +103,8 @@ from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import Placement
 from testbed.plan.spec import Axis, Plan, Remat
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependencies
-from testbed.plan.sharding import (gathers_parameters, gradient_reduction, parameter_collectives, reduction_axes,
-                                   state_sharding)
+from testbed.plan.sharding import (gathers_parameters, gradient_reduction, moved_elements, parameter_collectives,
+                                   reduction_axes, state_sharding)
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.model.moe import moe_layers
 from testbed.sim.moe import A2A_STREAM, expert_gemms, moe_pieces
@@ -169,6 +169,9 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     # Per chunk, the collectives one gather of its sharded parameters (and one reduce-scatter of their gradients) is.
     combine = math.inf if combine_bytes is None else combine_bytes
     leaf_counts = [[parameter_collectives(plan, s, c, combine, param_b) for c in range(v)] for s in range(p)]
+    # Per chunk, the elements a collective over each state's shard axes moves, padded shards' padding included.
+    moved = [[{w: moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")} for c in range(v)]
+             for s in range(p)]
     experts = axis_groups(placement, [Axis.EXPERT])  # the dispatch/combine all-to-alls' groups
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     moe_counts = [[moe_layers(plan.model, spans[s][c]) for c in range(v)] for s in range(p)]
@@ -226,7 +229,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         leaves = leaf_counts[s][action.chunk]
         if gathers_parameters(plan, action.kind):
             deps.append(b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                              op="all_gather", nbytes=cost.params * param_b / leaves, count=leaves,
+                              op="all_gather", nbytes=moved[s][action.chunk]["params"] * param_b / leaves, count=leaves,
                               group=rep_group(p_groups[s], rep), instances=p_groups[s]))
         flops, hbm, (replicated, split), tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
         kernels = max(1, 4 * cost.layers)
@@ -271,7 +274,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             bucket += piece.layer_end
             if piece.layer_end and bucket in closes:
                 share, done_buckets = 1 / len(closes), done_buckets + 1
-                bucket_of = (cost.params * share * grad_b, expert_params[s][action.chunk] * share * grad_b,
+                bucket_of = (moved[s][action.chunk]["optimizer"] * share * grad_b, expert_params[s][action.chunk] * share * grad_b,
                              f"{label}/{done_buckets - 1}", bucket_share(leaves, len(closes), done_buckets - 1))
                 if per_microbatch:
                     reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, *bucket_of, groups))
@@ -294,7 +297,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
                 # they accumulate sharded, else once the stage's backward is done.
-                bucket_of = (cost.params / pieces * grad_b, expert_params[s][action.chunk] / pieces * grad_b,
+                bucket_of = (moved[s][action.chunk]["optimizer"] / pieces * grad_b, expert_params[s][action.chunk] / pieces * grad_b,
                              label if pieces == 1 else f"{label}/{k}", bucket_share(leaves, pieces, k))
                 if per_microbatch:
                     reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, *bucket_of, groups))
@@ -303,7 +306,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         if scatter:
             reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                                         nbytes=cost.params * grad_b / max(1, leaves), count=max(1, leaves),
+                                         nbytes=moved[s][action.chunk]["grads"] * grad_b / max(1, leaves), count=max(1, leaves),
                                          group=rep_group(g_groups[s], rep), instances=g_groups[s]))
         for op, count in tp if mesh.tensor > 1 else ():
             # Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters
@@ -331,7 +334,6 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         rep, first = reps[s], len(b.tasks)
         for bucket_of in once[s]:  # the update's one reduction of the replicas' gradients, after the backward
             reduce_tasks[s].extend(_reduce(b, plan, rep, s, previous[s], *bucket_of, groups))
-        params = sum(c.params for c in costs[s])
         shard = model.device_stage_params(plan, s, o_ways)  # the optimizer's shard, by the layout's one rule
         waits = list(reduce_tasks[s])
         if controller and p > 1:
@@ -344,7 +346,7 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             # ZeRO-1/2: the updated shards gathered over data, as many collectives as the rule counts (per leaf).
             n = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
             b.add(name="gather params", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(opt,),
-                  op="all_gather", nbytes=params / mesh.fsdp * param_b / n, count=n,
+                  op="all_gather", nbytes=sum(m["optimizer"] for m in moved[s]) / mesh.fsdp * param_b / n, count=n,
                   group=rep_group(data_groups[s], rep), instances=data_groups[s])
         if placement.device_ids[s].size > 1:
             programs.append((range(first, len(b.tasks)), placement.device_ids[s].size))
