@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from testbed.runner import model as jm
+from testbed.runner.padding import FlatState, flat_shape
 from testbed.runner.parallel import _path_names, layout_for, leaf_spec
 from testbed.runner.pipeline.trainer import merge_params, split_params
 from testbed.errors import InputError
@@ -146,21 +147,30 @@ def _stage_trees(plan: Plan) -> list[Any]:
 
 
 def _runner_stage_elements(plan: Plan, which: str) -> list[int]:
-    """Per stage, the elements a device holds of ``which``: what the runner's specs split, and for the padded
-    leaves (which the runner still holds whole, and reports) the rule's padded flat shard."""
+    """Per stage, the elements a device holds of ``which``: what the runner's specs split (the moments of a
+    padded leaf in their flat form, testbed.runner.padding), and for the padded leaves' parameters and
+    gradients (which the runner still holds whole, and reports) the rule's padded flat shard."""
     out = []
     kind = {"moments": "optimizer"}.get(which, which)
     ways = state_sharding(plan).ways(plan, kind)
     reported = runner_whole_params(plan).get(kind, ())
+    flat = FlatState(plan)
     for tree in _stage_trees(plan):
         specs = getattr(layout_for(tree, plan), which)
         total = 0
         for (path, leaf), pspec in zip(jax.tree_util.tree_leaves_with_path(tree),
                                        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-            param, held = layout.param_at(plan.model, _path_names(path)), _device_elements(leaf.shape, pspec, plan.mesh)
-            if param.padded(plan.mesh.tensor, ways, plan.mesh.expert):
-                assert param.name in reported and held == param.device_elements(plan.mesh.tensor, 1, plan.mesh.expert)
-                held = -(-held // ways)
+            param = layout.param_at(plan.model, _path_names(path))
+            padded = param.padded(plan.mesh.tensor, ways, plan.mesh.expert)
+            if which == "moments" and padded:
+                held = _device_elements(flat_shape(param, plan.mesh.tensor, ways, plan.mesh.expert),
+                                        flat.spec(path, pspec), plan.mesh)
+            else:
+                held = _device_elements(leaf.shape, pspec, plan.mesh)
+                if padded:
+                    assert param.name in reported and held == param.device_elements(plan.mesh.tensor, 1,
+                                                                                    plan.mesh.expert)
+                    held = -(-held // ways)
             total += held
         out.append(total)
     return out
@@ -197,7 +207,7 @@ def test_one_rule_pads_what_no_dim_divides_and_both_sides_follow_it() -> None:
     padded = [p for p in layout.model_params(spec) if p.padded(1, 8)]
     assert {p.name for p in padded} >= {"layers/ln1/scale", "layers/attn/bo", "head/norm/bias"}
     assert set(padding_params := padded_params(plan, "params")) == {p.name for p in padded}
-    assert runner_whole_params(plan) == {w: padding_params for w in ("params", "grads", "optimizer")}
+    assert runner_whole_params(plan) == {w: padding_params for w in ("params", "grads")}  # the optimizer's: padded
     # Every device holds at most one element of padding per parameter leaf: >= 1/8 of the model, never whole.
     leaves = sum(c for _, c in layout.chunk_params(spec, 0, 0, 1))
     assert held / 8 <= sharded <= held / 8 + leaves and sharded < held

@@ -51,8 +51,10 @@ flattened and padded to a multiple of the shard count, each device holding
 parameters, Megatron's distributed optimizer), so any rank count shards.
 The memory model counts the padding, the simulator's gathers and
 reduce-scatters move it (:meth:`ParamSpec.gathered_elements`). The JAX
-runner shards the evenly divided parameters by the same dim; it still holds
-the padded ones whole (``testbed.plan.sharding.padded_params`` names them).
+runner shards the evenly divided parameters by the same dim and keeps the
+padded ones' optimizer state flat and padded (``testbed.runner.padding``);
+their fsdp/ZeRO-2/3 parameters and gradients it still holds whole
+(``testbed.plan.sharding.runner_whole_params`` names them).
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "par
     (:meth:`testbed.model.layout.ParamSpec.gathered_elements`: the gathered size, padding included); the
     gathered leaf is whole over them and split as the device holds it by ``tensor`` and ``expert``.
     testbed.runner.parallel.ParamShards issues one ``all_gather`` per evenly split leaf where a piece of the
-    model uses it, and one ``psum_scatter`` of its gradient; it still holds the padded leaves whole
-    (:func:`runner_whole_params`). Layout order: the embedding, each
+    model uses it, and one ``psum_scatter`` of its gradient; it still holds the padded leaves' parameters
+    and gradients whole (:func:`runner_whole_params`). Layout order: the embedding, each
     layer's rows layer by layer, the head (the order XLA meets them in the forward).
 
     ``chunk`` None: every chunk of the stage, in chunk order. ``which="optimizer"``: the leaves sharded with the
@@ -149,8 +149,8 @@ def moved_elements(plan: Plan, stage: int, chunk: int | None, which: str = "para
 def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:
     """Names (layout order, each once) of the parameters whose ``which`` state is sharded flattened and padded:
     no free dim divides the shard count (:meth:`testbed.model.layout.ParamSpec.padded`). The memory model and
-    the simulator count them sharded padded; the JAX runner (testbed.runner.parallel) still holds these whole,
-    and reports them (:func:`runner_whole_params`)."""
+    the simulator count them sharded padded; so does the JAX runner's optimizer state (testbed.runner.padding),
+    while its fsdp/ZeRO-2/3 parameters and gradients still hold these whole (:func:`runner_whole_params`)."""
     ways, mesh = state_sharding(plan).ways(plan, which), plan.mesh
     if ways <= 1:
         return ()
@@ -162,11 +162,11 @@ def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:
 
 
 def runner_whole_params(plan: Plan) -> dict[str, tuple[str, ...]]:
-    """Per kind of state (params, grads, optimizer) sharded by the plan, the parameters the JAX runner holds
-    whole where the rule shards them padded (:func:`padded_params`): what remains to flatten in the runner.
-    Empty when every sharded parameter divides evenly. The runner's CLI prints it, so no state is silently
-    kept whole."""
-    out = {w: padded_params(plan, w) for w in ("params", "grads", "optimizer")}
+    """Per kind of state (params, grads) sharded by the plan, the parameters the JAX runner holds whole where
+    the rule shards them padded (:func:`padded_params`): what remains to flatten in the runner. The optimizer
+    state it does shard padded (testbed.runner.padding), so it never appears. Empty when every sharded
+    parameter divides evenly."""
+    out = {w: padded_params(plan, w) for w in ("params", "grads")}
     return {w: names for w, names in out.items() if names}
 
 
