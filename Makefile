@@ -1,11 +1,11 @@
-# Two commands: `make demo` and `make test`. Both create .venv and install the
-# project with its test extra when missing or when pyproject.toml changed.
+# Two commands: `make demo` and `make test` (the whole suite; `make test-quick` leaves out the slow cases). They create
+# .venv and install the project with its test extra when missing or when pyproject.toml changed.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-quick install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,15 @@ demo: $(STAMP)
 # two workers halve the wall time; each worker starts its own 8 emulated devices (tests/conftest.py).
 TEST_WORKERS ?= 2
 
+# `make test` (and .ci/run) runs the whole suite; `make test-quick` leaves out the end-to-end cases marked
+# `slow` (a pytest or calibrate run in a subprocess, the whole demo with JAX: minutes on 2 cores).
+TEST_MARKERS ?=
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(if $(TEST_MARKERS),-m "$(TEST_MARKERS)") $(PYTEST_ARGS)
+
+test-quick: $(STAMP)
+	$(MAKE) test TEST_MARKERS="not slow"
 
 clean:
 	rm -rf $(VENV) testbed-out .pytest_cache .hypothesis

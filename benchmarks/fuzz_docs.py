@@ -290,6 +290,9 @@ class Case:
     #: ``run``, ``check-sharding``, ``collective --execute``: the input may be valid (its damage can be harmless);
     #: then reaching JAX is right, if the fuzzer's own check of the input (``fuzz_inputs.may_start_jax``) agrees.
     plan_may_be_valid: bool = False
+    #: What to make in the folder besides the files (benchmarks/fuzz_sweeps.py: a FIFO, a link, a foreign or
+    #: locked database, ...); empty for none.
+    setup: str = ""
 
 
 def _maybe(draw: Any, flag: str, values: st.SearchStrategy) -> list[str]:

@@ -8,7 +8,8 @@ cases of check-sharding, collective --execute, search and sweep in
 benchmarks/fuzz_commands.py. Command-line values are drawn from pools of the
 same kind (``nan``, ``1e309``, ``70000``, ``99``, ...).
 
-Every case runs in-process through ``testbed.cli.main`` and must end with exit
+Every case runs through ``testbed.cli.main`` in a forked child (at most 60 s and 4 GiB more memory, by
+``resource.setrlimit``) and must end with exit
 status 0, 1 or 2 (never an exception escaping main), no "Traceback" on stderr,
 under 2 KB of stderr, and with exit 2 a message naming a field or a file.
 The functions that would start JAX are replaced by a trap: ``run``,
@@ -51,6 +52,9 @@ from benchmarks.fuzz_docs import (BAD_VALUES, OPTION_PLANS, PLAN_FILES, PLAN_OPT
 from benchmarks.fuzz_docs import BAD_BYTES, BAD_COSTS, BAD_NUMBERS, Case, _maybe  # noqa: E402
 from benchmarks.fuzz_commands import (check_sharding_case, execute_case, search_case,  # noqa: E402,F401
                                       sweep_case)
+from benchmarks.fuzz_isolation import isolated  # noqa: E402
+from benchmarks.fuzz_sweeps import (apply_setup, named_plan_case, spec_name_case, sweep_db_case,  # noqa: E402,F401
+                                    undo_setup)
 
 #: The commands a case can run (``run``, ``check-sharding`` and ``collective --execute`` reach JAX only with input
 #: they must accept: the functions that would start it are trapped).
@@ -165,6 +169,7 @@ def cases() -> st.SearchStrategy[Case]:
         collective_case(), schedule_case(), run_case(), arguments_case(),
         st.just(Case("topologies", ["topologies"])),
         check_sharding_case(), execute_case(), search_case(), sweep_case(),
+        spec_name_case(), sweep_db_case(), named_plan_case(),
     )
 
     @st.composite
@@ -225,12 +230,16 @@ class Outcome:
     seconds: float
     escaped: str | None = None  # the exception that escaped main, by type
     started_valid_run: bool = False  # valid input reached JAX (as it should): `run`, check-sharding, --execute
+    raw_esc: bool = False  # stdout or stderr holds a raw ESC byte (a user's name echoed unescaped)
+    killed: str | None = None  # an isolated case's process ended by a signal or ran past its limit
 
     def problems(self) -> list[str]:
         """What this outcome breaks of the rules (empty: it passed)."""
         out = []
         if self.escaped:
             out.append(f"escaped {self.escaped}")
+        if self.killed:
+            out.append(self.killed)
         if "Traceback" in self.stderr:
             out.append("traceback on stderr")
         if self.exit_code not in (0, 1, 2):
@@ -260,6 +269,7 @@ def run_case_in_process(case: Case, folder: Path, time_limit: float = 30.0) -> O
     for name, content in case.files.items():
         (folder / name).write_bytes(content.replace(TMP.encode(), str(folder).encode()))
     argv = [a.replace(TMP, str(folder)) for a in case.argv]
+    keep = apply_setup(case.setup, folder)
     out, err = io.StringIO(), io.StringIO()
     escaped, code, reached = None, None, False
     previous = signal.signal(signal.SIGALRM, _alarm)
@@ -290,8 +300,45 @@ def run_case_in_process(case: Case, folder: Path, time_limit: float = 30.0) -> O
         signal.setitimer(signal.ITIMER_REAL, 0)
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGALRM, previous)
+        undo_setup(keep)
     return Outcome(case.command, argv, code, err.getvalue(), time.perf_counter() - start, escaped,
-                   started_valid_run=reached)
+                   started_valid_run=reached, raw_esc="\x1b" in out.getvalue() or "\x1b" in err.getvalue())
+
+
+_WARM: list[bool] = []
+
+
+def warm_imports() -> None:
+    """Import what cases use (every command, the trapped runner modules, DuckDB, rich, pyplot) once, in the
+    parent, so that each forked case starts with them loaded (importing JAX starts no backend)."""
+    if _WARM:
+        return
+    _WARM.append(True)
+    from testbed.cli.main import build_parser
+
+    build_parser()
+    with jax_trapped():
+        pass
+    import duckdb  # noqa: F401
+    import rich.console  # noqa: F401
+    import rich.table  # noqa: F401
+
+    import testbed.explore.sweep  # noqa: F401
+    import testbed.sim.engine  # noqa: F401
+    from testbed.viz.plots import pyplot
+
+    pyplot()
+
+
+def run_case_isolated(case: Case, folder: Path, time_limit: float = 60.0, memory_gib: float = 4.0) -> Outcome:
+    """:func:`run_case_in_process` in a forked child held to ``time_limit`` s and ``memory_gib`` GiB more memory
+    (benchmarks/fuzz_isolation.py); a child that dies or overruns is an Outcome with ``killed`` set."""
+    warm_imports()
+    start = time.perf_counter()
+    result = isolated(lambda: run_case_in_process(case, folder, time_limit), time_limit, memory_gib)
+    if isinstance(result, Outcome):
+        return result
+    return Outcome(case.command, case.argv, None, "", time.perf_counter() - start, killed=result)
 
 
 def _option(argv: list[str], flag: str, default: str | None = None) -> str | None:
@@ -345,15 +392,18 @@ def _alarm(*_: Any) -> None:
 # -- the benchmark ----------------------------------------------------------------------------
 
 
-def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Run ``n`` generated cases: the JSON summary, and up to 200 failing cases."""
+def fuzz(n: int, time_limit: float = 60.0, seed: int = 0,
+         memory_gib: float = 4.0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run ``n`` generated cases, each in a forked child within ``time_limit`` s and ``memory_gib`` GiB: the JSON
+    summary, and up to 200 failing cases."""
     from hypothesis import HealthCheck, given, settings, seed as hseed
 
     per_command: dict[str, int] = {}
     exit_codes: dict[str, int] = {}
     failures: list[dict[str, Any]] = []
     counts = {"tracebacks": 0, "escaped": 0, "wrong_exit_codes": 0, "stderr_over_2kb": 0, "unnamed_exit_2": 0,
-              "jax_started": 0, "timeouts": 0, "cases_with_problems": 0, "valid_reached_jax": 0}
+              "jax_started": 0, "timeouts": 0, "over_memory": 0, "killed": 0, "raw_esc_outputs": 0,
+              "cases_with_problems": 0, "valid_reached_jax": 0}
     command_exits: dict[str, dict[str, int]] = {}
     max_stderr, slowest = 0, 0.0
     done = 0
@@ -366,7 +416,7 @@ def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any
     def one(case: Case) -> None:
         nonlocal max_stderr, slowest, done
         with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
-            o = run_case_in_process(case, Path(tmp), time_limit)
+            o = run_case_isolated(case, Path(tmp), time_limit, memory_gib)
         done += 1
         per_command[o.command] = per_command.get(o.command, 0) + 1
         exit_codes[str(o.exit_code)] = exit_codes.get(str(o.exit_code), 0) + 1
@@ -378,7 +428,10 @@ def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any
         problems = o.problems()
         counts["tracebacks"] += "Traceback" in o.stderr
         counts["escaped"] += o.escaped not in (None, "CaseTimeout", "JaxWouldStart")
-        counts["timeouts"] += o.escaped == "CaseTimeout"
+        counts["timeouts"] += o.escaped == "CaseTimeout" or bool(o.killed and o.killed.startswith("over time"))
+        counts["over_memory"] += o.escaped == "MemoryError"
+        counts["killed"] += bool(o.killed)
+        counts["raw_esc_outputs"] += o.raw_esc
         counts["jax_started"] += o.escaped == "JaxWouldStart"
         counts["wrong_exit_codes"] += o.exit_code not in (0, 1, 2)
         counts["stderr_over_2kb"] += len(o.stderr.encode()) >= 2048
@@ -389,6 +442,7 @@ def fuzz(n: int, time_limit: float = 30.0, seed: int = 0) -> tuple[dict[str, Any
                              "stderr": o.stderr[-400:],
                              "files": {k: v[:4000].decode("utf-8", "replace") for k, v in case.files.items()}})
 
+    warm_imports()
     one()
     return {"cases": done, "per_command": dict(sorted(per_command.items())),
             "exit_codes": dict(sorted(exit_codes.items())),
@@ -402,17 +456,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=1000, help="generated cases (default 1000)")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
-    parser.add_argument("--time-limit", type=float, default=30.0, help="seconds one case may take (default 30)")
-    parser.add_argument("--memory-limit-gib", type=float, default=8.0,
-                        help="address space of this process at most, GiB (0: no limit; default 8)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds one case may take (default 60)")
+    parser.add_argument("--memory-limit-gib", type=float, default=4.0,
+                        help="memory one case may add to its process, GiB (default 4)")
     parser.add_argument("--failures", default=None, help="write every failing case (up to 200) to this JSON file")
     args = parser.parse_args()
-    if args.memory_limit_gib > 0:
-        import resource
-
-        limit = int(args.memory_limit_gib * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    summary, failures = fuzz(args.cases, args.time_limit, args.seed)
+    summary, failures = fuzz(args.cases, args.time_limit, args.seed, args.memory_limit_gib)
     if args.failures:
         Path(args.failures).write_text(json.dumps(failures, indent=1))
     print(json.dumps(summary))

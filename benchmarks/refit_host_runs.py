@@ -6,7 +6,7 @@ The runs kept under ``benchmarks/host_runs/`` (``run-N/measurements.json``:
 calibrate's samples; ``run-N/validate_host.json``: what validate measured)
 let a change of the fits or of the simulator be judged on the same
 measurements in seconds: each run's calibration is refitted from its samples
-(:func:`testbed.calibration.topology.fit_saved`, as ``testbed calibrate
+(:func:`testbed.calibration.calibrated.fit_saved`, as ``testbed calibrate
 --from-measurements`` does), every plan of its validation is simulated on
 it, and the prediction is compared with
 
@@ -55,7 +55,7 @@ def refit_run(folder: Path) -> dict:
     """One run: refit, re-predict, compare (see the module's docstring)."""
     from testbed.calibration.measurements import read_measurements
     from testbed.calibration.steps import step_plan
-    from testbed.calibration.topology import fit_saved, saved_base
+    from testbed.calibration.calibrated import fit_saved, saved_base
     from testbed.plan.io import load_plan
     from testbed.sim.engine import simulate
 

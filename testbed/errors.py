@@ -14,6 +14,8 @@ import reprlib
 from collections.abc import Iterable
 from typing import Any
 
+from testbed.text import escape_controls
+
 __all__ = ["InputError", "closest", "unknown_key_message", "quote", "MAX_MESSAGE"]
 
 #: Characters of a message (and of a file or field name) an error shows at most: a bad value can be
@@ -34,13 +36,22 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _text(value: Any, limit: int) -> str:
+    """``value`` as text with control characters escaped; cut first so that a huge value costs no more."""
+    return escape_controls(str(value)[: 2 * limit])
+
+
 class InputError(ValueError):
-    """Bad user input: names the file (when known), the field and the fix."""
+    """Bad user input: names the file (when known), the field and the fix.
+
+    Message, field and file are shown as text: control characters escaped
+    (:mod:`testbed.text`), each cut to a bounded length.
+    """
 
     def __init__(self, message: str, *, field: str | None = None, file: str | None = None):
-        self.message = _clip(str(message), MAX_MESSAGE)
-        self.field = None if field is None else _clip(str(field), MAX_MESSAGE // 3)
-        self.file = None if file is None else _clip(str(file), MAX_MESSAGE // 3)
+        self.message = _clip(_text(message, MAX_MESSAGE), MAX_MESSAGE)
+        self.field = None if field is None else _clip(_text(field, MAX_MESSAGE // 3), MAX_MESSAGE // 3)
+        self.file = None if file is None else _clip(_text(file, MAX_MESSAGE // 3), MAX_MESSAGE // 3)
         super().__init__(self.render())
 
     def render(self) -> str:

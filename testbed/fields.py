@@ -92,8 +92,11 @@ def _check_size(root: yaml.Node) -> None:
         if done:
             sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
             if sizes[id(node)] > MAX_EXPANDED_NODES:
-                raise InputError(f"the YAML expands to more than {MAX_EXPANDED_NODES} values (aliases repeated "
-                                 f"inside aliases); write the values out")
+                if sizes[id(node)] > len(sizes):  # counted more values than distinct nodes: aliases reused them
+                    raise InputError(f"the YAML expands to more than {MAX_EXPANDED_NODES:,} values (aliases "
+                                     f"repeated inside aliases); write the values out")
+                raise InputError(f"the YAML holds more than {MAX_EXPANDED_NODES:,} values; testbed's files are "
+                                 f"far smaller: check that this is the right file")
         elif id(node) not in sizes:
             stack.append((node, depth, True))
             stack.extend((c, depth + 1, False) for c in children if id(c) not in sizes)

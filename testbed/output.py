@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import enum
 import json
 import os
 import stat
@@ -22,6 +24,7 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.fields import read_text
+from testbed.lifetime import TEMP_SUFFIX, stale_temporary_files, temporary_prefix
 
 __all__ = ["write_atomic", "atomic_path", "output_target", "output_folder", "command_inputs", "note_input", "read_input", "CommandResult",
            "to_jsonable"]
@@ -63,6 +66,21 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _bundled_root(target: Path) -> str | None:
+    """What of the installed package ``target`` lies in (its bundled plans, topologies or code), or None."""
+    from importlib import resources
+
+    for package, what in (("testbed.plans", "bundled plans"), ("testbed.topologies", "bundled topologies"),
+                          ("testbed", "package")):
+        try:
+            root = os.path.realpath(str(resources.files(package)))
+        except (ModuleNotFoundError, TypeError, ValueError):
+            continue
+        if os.path.isdir(root) and (str(target) == root or str(target).startswith(root + os.sep)):
+            return what
+    return None
+
+
 def output_target(path: str | Path, field_name: str = "output") -> Path:
     """The file an output to ``path`` replaces, after the checks that keep outputs from destroying things.
 
@@ -88,6 +106,10 @@ def output_target(path: str | Path, field_name: str = "output") -> Path:
         if str(target) in (_INPUTS.get() or ()):
             raise InputError(f"`{shown}` is an input of this command; writing the output there would destroy it, "
                              f"give another path", field=field_name)
+    bundled = _bundled_root(target)
+    if bundled is not None:
+        raise InputError(f"`{shown}` is inside testbed's own {bundled}; outputs never replace the package's "
+                         f"files, give a path outside it", field=field_name)
     parent = target.parent
     if not parent.exists():
         raise InputError(f"the folder `{parent}` of `{shown}` does not exist; create it first", field=field_name)
@@ -118,8 +140,11 @@ def atomic_path(path: str | Path, field_name: str = "output") -> Iterator[Path]:
     temporary file is removed and the target is untouched.
     """
     target = output_target(path, field_name)
+    for stale in stale_temporary_files(target.parent):  # left by a killed write (of any testbed output here)
+        with contextlib.suppress(OSError):
+            stale.unlink()
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temporary_prefix(target.name), suffix=TEMP_SUFFIX, dir=target.parent)
     except OSError as exc:
         raise InputError(f"cannot write in the folder `{target.parent}` ({exc.strerror})", field=field_name) from None
     os.close(fd)
@@ -150,9 +175,6 @@ def write_atomic(path: str | Path, content: str | bytes, field_name: str = "outp
 
 def to_jsonable(value: Any) -> Any:
     """Plain JSON types from dataclasses, enums, numpy scalars and paths."""
-    import dataclasses
-    import enum
-
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.name.startswith("_")}
     if isinstance(value, enum.Enum):

@@ -26,6 +26,7 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True,
@@ -33,3 +34,59 @@ settings.register_profile("ci", max_examples=15, deadline=None, derandomize=True
 settings.register_profile("thorough", max_examples=300, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+class _FileProgress:
+    """One line per test file when its last test finishes: ``tests/test_x.py: 12 passed (3.4 s)``.
+
+    ``make test`` runs quietly (``-q``: a dot per test); these lines say which files are done and what
+    they cost, under xdist too (the controller sees every worker's reports; the tests per file come from
+    the workers' collections). Pytest's own final summary line is untouched.
+    """
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.remaining: dict[str, int] = {}
+        self.outcomes: dict[str, dict[str, int]] = {}
+        self.seconds: dict[str, float] = {}
+
+    def _expect(self, nodeids) -> None:
+        if self.remaining:  # every xdist worker collects the same tests: count them once
+            return
+        for nodeid in nodeids:
+            path = nodeid.split("::", 1)[0]
+            self.remaining[path] = self.remaining.get(path, 0) + 1
+
+    def pytest_collection_finish(self, session) -> None:  # the items left after -m, -k and deselection
+        self._expect(item.nodeid for item in session.items)
+
+    @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent with -p no:xdist
+    def pytest_xdist_node_collection_finished(self, node, ids) -> None:
+        self._expect(ids)
+
+    def pytest_runtest_logreport(self, report) -> None:
+        path = report.nodeid.split("::", 1)[0]
+        if path not in self.remaining:
+            return
+        self.seconds[path] = self.seconds.get(path, 0.0) + report.duration
+        counts = self.outcomes.setdefault(path, {})
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+            counts[outcome] = counts.get(outcome, 0) + 1
+        elif report.when == "teardown" and not report.passed:
+            counts["error"] = counts.get("error", 0) + 1
+        if report.when != "teardown":
+            return
+        self.remaining[path] -= 1
+        if self.remaining[path] == 0:
+            summary = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items()))
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                if reporter._tw.width_of_current_line:  # after the dots of -q: a line of its own
+                    reporter.write("\n")
+                reporter.write_line(f"{path}: {summary or 'nothing run'} ({self.seconds[path]:.1f} s)")
+
+
+def pytest_configure(config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) prints the lines
+        config.pluginmanager.register(_FileProgress(config), "testbed-file-progress")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from testbed.runner import calibrate_multi as multi
-from testbed.calibration import topology as cal_topology
+from testbed.calibration import calibrated
 from testbed.runner import launch
 from testbed.collectives import timing as collective_timing
 from testbed.cli import main
@@ -39,8 +39,8 @@ def test_benchmarks_cover_both_levels_and_keep_one_order() -> None:
 
 def test_cluster_topology_nests_the_processes() -> None:
     base = load_topology("host-cpu-8")
-    topo = cal_topology.cluster_topology(base, 4)
-    assert [(l.name, l.size) for l in topo.levels] == [("node", 2), (cal_topology.OUTER_LEVEL, 4)]
+    topo = calibrated.cluster_topology(base, 4)
+    assert [(l.name, l.size) for l in topo.levels] == [("node", 2), (calibrated.OUTER_LEVEL, 4)]
     assert topo.num_devices == base.num_devices and topo.levels[0].bandwidth == base.levels[0].bandwidth
     assert topo.levels[1].kind is LinkKind.ETHERNET
 
@@ -77,7 +77,7 @@ def test_two_process_quick_calibration_end_to_end(tmp_path: Path, capsys: pytest
     raw = json.loads(Path(data["measurements"]).read_text())
     assert data["processes"] == 2 and raw["processes"] == 2 and raw["devices"] == 4
     topo = load_topology(str(out))
-    assert [(l.name, l.size) for l in topo.levels] == [("node", 2), (cal_topology.OUTER_LEVEL, 2)]
+    assert [(l.name, l.size) for l in topo.levels] == [("node", 2), (calibrated.OUTER_LEVEL, 2)]
     ranks = {r["ranks"] for r in raw["samples"] if r["kind"] == "collective"}
     assert ranks == {2, 4}
     # Both levels fitted; an all-reduce inside a process uses only `node`, one across processes also `cluster`.

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed.calibration.topology import simulator_collective_time
+from testbed.calibration.calibrated import simulator_collective_time
 from testbed.calibration import fit as cal
-from testbed.calibration import topology as cal_topology
+from testbed.calibration import calibrated
 from testbed.calibration import collectives as cal_coll
 from testbed.calibration import steps as cal_steps
 from testbed.model import buffers as dispatch
@@ -94,7 +94,7 @@ def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp
     assert cal.fit_host_cores(paired) == pytest.approx(truth[8])
     assert cal.samples_from_rows(cal.samples_to_rows(paired)) == paired
     base = load_topology("host-cpu-8")
-    topo = cal_topology.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
+    topo = calibrated.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
                                    host_cores=2.0, collectives=None, efficiency=0.5, host_throughput=curve)
     # The curve is written as measured: no efficiency scaling, host_cores beside it for the reader.
     assert topo.calibration.compute.efficiency == 0.5 and topo.calibration.host.cores == 2
@@ -116,7 +116,7 @@ def test_fit_host_programs_recovers_the_slowdown_and_round_trips_through_yaml(tm
     assert dict(curve) == {1: 1.0, 2: pytest.approx(1.1), 4: pytest.approx(1.3), 8: pytest.approx(1.3)}
     assert cal.fit_host_programs([]) == () and cal.samples_from_rows(cal.samples_to_rows(samples)) == samples
     base = load_topology("host-cpu-8")
-    topo = cal_topology.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10,
+    topo = calibrated.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10,
                                             launch_s=0.0, host_cores=2.0, collectives=None, efficiency=0.5,
                                             host_throughput=((1, 1.0), (8, 1.7)), host_programs=curve)
     path = tmp_path / "t.yaml"
@@ -136,7 +136,7 @@ def test_calibration_times_separate_programs_on_every_device_count():
 @pytest.mark.parametrize("shared", [1.0, 1.5, 2.0, 2.7])
 def test_fractional_host_cores_give_the_measured_throughput_when_all_devices_compute(shared):
     base = load_topology("host-cpu-8")
-    topo = cal_topology.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
+    topo = calibrated.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
                                    host_cores=shared, collectives=None, efficiency=0.5)
     cores = topo.calibration.host.cores
     assert cores == math.ceil(shared)
@@ -196,7 +196,7 @@ def test_calibrated_topology_round_trips_through_yaml():
     rates = {"fp32": 6e10, "bf16": 4e10}
     params = cal_coll.CollectiveParams(latency={"node": 1.5e-5}, bandwidth={"node": 2.5e9}, overhead_s=3e-4,
                                        rendezvous_s=2e-5)
-    topo = cal_topology.calibrated_topology(base, rates=rates, half_flops=5e6, memory_bandwidth=1.1e10, launch_s=3e-5,
+    topo = calibrated.calibrated_topology(base, rates=rates, half_flops=5e6, memory_bandwidth=1.1e10, launch_s=3e-5,
                                    host_cores=1, collectives=params)
     # Fitted rates are what the simulator sees: peak x efficiency.
     for dtype, rate in rates.items():
@@ -392,6 +392,7 @@ mesh: {mesh}
 """
 
 
+@pytest.mark.slow  # validate end to end (a reference step and 2 plans compiled, 2 rounds)
 def test_validate_json_has_every_plan(tmp_path, capsys, built):
     from testbed.cli import main
 
@@ -469,7 +470,7 @@ def test_validate_json_has_every_plan(tmp_path, capsys, built):
     ("gpu", 2, "NVIDIA H100 80GB HBM3", "h100-2"),
 ])
 def test_base_topology_matches_the_detected_devices(platform, count, kind, expected):
-    from testbed.calibration.topology import base_topology
+    from testbed.calibration.calibrated import base_topology
 
     topo = base_topology(None, platform, count, kind)
     assert topo.name == expected and topo.num_devices == count
@@ -480,7 +481,7 @@ def test_base_topology_matches_the_detected_devices(platform, count, kind, expec
 def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
     from testbed.sim.engine import simulate
 
-    base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+    base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
     single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
     truth = replace(single, calibration=single.calibration.updated(compute={"efficiency": 0.4,
@@ -503,7 +504,7 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
     """
     from testbed.sim.engine import simulate
 
-    base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+    base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None)
     base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
     truth = replace(base, calibration=base.calibration.updated(compute={"efficiency": 0.4}, elementwise={
@@ -530,7 +531,7 @@ def test_fit_step_compute_scales_the_bf16_peak_over_every_bf16_step():
 
     bf16 = [b.op for b in plan_benchmarks("cpu", 8) if b.kind == "step" and b.op.endswith("-bf16")]
     assert bf16 == ["cpu-l-bf16", "cpu-m-t2-bf16"]
-    base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+    base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                             memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
     base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
     slow = {d: v * (0.3 if d == "bf16" else 1.0) for d, v in base.device.peak_flops.items()}
@@ -553,7 +554,7 @@ def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
     each count.)"""
     from testbed.sim.engine import simulate
 
-    base = cal_topology.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+    base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None,
                                    cache_bytes=256 * 1024)
     base = replace(base, levels=(replace(base.levels[0], bandwidth=1e16, latency=0.0),))
@@ -755,6 +756,7 @@ def test_programs_benchmark_times_one_program_in_the_same_rounds():
         min(4.0, max(1.0, sample.seconds / sample.alone_s)))}
 
 
+@pytest.mark.slow  # times programs on all 8 devices
 def test_xla_cpu_runs_programs_over_several_devices_one_at_a_time():
     """The premise of ``host.serial_programs`` (XLA:CPU's PjRt client launches one multi-device program at a
     time): of two programs over half the devices each, dispatched back to back, the first completes in about
@@ -776,7 +778,7 @@ def test_xla_cpu_runs_programs_over_several_devices_one_at_a_time():
 
 
 def test_calibrate_table_is_grouped_and_says_which_groups_are_absent():
-    from testbed.calibration.topology import fitted_values
+    from testbed.calibration.calibrated import fitted_values
     from testbed.cli.calibration_table import calibration_rows
 
     host = fitted_values(load_topology("host-cpu-8"), shared=1.75, rates={"fp32": 4e10}, memory_bandwidth=5e10)

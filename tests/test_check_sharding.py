@@ -184,12 +184,16 @@ def test_cli_json_of_a_pipeline_plan_lists_stage_programs_and_transfers(tmp_path
     assert {p["stage"] for p in data["params"]} == {0, 1}
 
 
-def test_cli_table_and_bad_inputs(tmp_path, capsys):
+def test_cli_table_and_bad_inputs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # the table at 80 columns: every parameter path whole on its line
     plan, topo = _files(tmp_path, PIPELINE.replace("layers: 2", "layers: 1").replace("stage: 2", "stage: 1")
                         .replace("tensor: 2", "tensor: 4"))
     assert main(["check-sharding", "--plan", plan, "--topology", topo]) == 0
     out = capsys.readouterr().out
     assert "collectives per mesh axis" in out and "layers.*.attn.wqkv" in out and "tensor" in out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    paths = {"embed.tokens", "embed.positions", "layers.*.attn.wqkv", "layers.*.mlp.w1", "head.norm.scale", "head.w"}
+    assert all(any(line.split()[:1] == [path] for line in out.splitlines()) for path in paths)
     wrong = tmp_path / "wrong.yaml"
     wrong.write_text(PIPELINE.replace("stage: 2", "stage: 2, data: 2"))
     assert main(["check-sharding", "--plan", str(wrong), "--topology", topo]) == 2

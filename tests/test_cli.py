@@ -40,7 +40,7 @@ def test_topologies_json_lists_every_bundled_topology(capsys):
 
 def test_presets_lists_each_full_configuration_with_its_source(capsys):
     """`testbed presets`: every preset, its whole model mapping (a plan reads it back), batch and source."""
-    from testbed.model.presets import PRESETS
+    from testbed.plan.presets import PRESETS
     from testbed.plan.io import plan_from_dict
 
     code, out, _ = run_cli(["presets", "--json"], capsys)
@@ -147,3 +147,82 @@ def test_subprocess_bad_input_has_no_traceback(tmp_path):
 def test_unknown_command_suggests(capsys):
     assert main(["topolgies"]) == 2  # a status returned in-process, as for every other bad input
     assert "did you mean `topologies`" in capsys.readouterr().err
+
+
+def test_version_and_bare_command_list(capsys):
+    from testbed import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"testbed {__version__}"
+    assert main([]) == 0  # bare `testbed`: the command list on stdout, exit 0 (README)
+    out = capsys.readouterr().out
+    from testbed.cli.main import COMMANDS
+
+    assert all(name in out for name in COMMANDS) and "usage: testbed" in out
+
+
+def test_help_text_has_no_rst_backticks(capsys):
+    from testbed.cli.main import COMMANDS
+
+    for argv in [["--help"], *([name, "--help"] for name in COMMANDS), ["topology", "show", "--help"],
+                 ["plan", "check", "--help"]]:
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "``" not in out, argv
+
+
+def _oom_plan(tmp_path):
+    plan = tmp_path / "big.yaml"
+    plan.write_text(PLAN.replace("d_model: 64", "d_model: 8192").replace("d_ff: 256", "d_ff: 32768")
+                    .replace("vocab: 256", "vocab: 50304"))
+    topo = tmp_path / "t.yaml"
+    topo.write_text(TOPO)
+    return str(plan), str(topo)
+
+
+def test_simulate_fail_if_oom_and_plan_check_warning(tmp_path, capsys):
+    plan, topo = _oom_plan(tmp_path)
+    assert main(["simulate", "--plan", plan, "--topology", topo]) == 0
+    assert main(["simulate", "--plan", plan, "--topology", topo, "--fail-if-oom"]) == 1
+    assert main(["memory", "--plan", plan, "--topology", topo, "--fail-if-oom"]) == 1  # the same verdict
+    capsys.readouterr()
+    assert main(["plan", "check", plan, "--topology", topo]) == 0  # a warning, still exit 0
+    out = capsys.readouterr().out
+    assert "warning" in out and "does not fit in memory" in out
+    assert main(["plan", "check", plan, "--topology", topo, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["memory"]["fits"] is False and len(data["warnings"]) == 1
+    assert main(["plan", "check", plan, "--topology", topo, "--fail-if-oom"]) == 1
+    small = tmp_path / "small.yaml"
+    small.write_text(PLAN)
+    assert main(["simulate", "--plan", str(small), "--topology", topo, "--fail-if-oom"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "check", str(small), "--topology", topo, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+
+
+def test_progress_lines_when_stderr_is_not_a_terminal():
+    import io
+
+    from testbed.cli.progress import LineProgress
+
+    now = [0.0]
+    stream = io.StringIO()
+    bar = LineProgress("sweeping", stream, interval_s=5.0, clock=lambda: now[0])
+    task = bar.add_task("[bold]spec\\[/x][/bold]", total=100)
+    for done in range(1, 101):
+        now[0] = done * 0.25  # 25 s in all: a line every 5 s at most, and the last
+        bar.update(task, completed=done)
+    lines = stream.getvalue().splitlines()
+    assert 4 <= len(lines) <= 6 and lines[-1].startswith("sweeping spec[/x]: 100/100 (100%)")
+
+
+def test_search_json_stays_strict_with_progress_lines_on_stderr(capsys):
+    argv = ["search", "--model", "demo", "--topology", "host-cpu-8", "--devices", "4", "--top", "2", "--replay", "2",
+            "--schedules", "1f1b", "--zero", "0", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)  # stdout is one JSON object, nothing else
+    n = data["enumerated"]
+    assert f"searching plans (analytic tier): {n}/{n} (100%)" in out.err
+    assert all(line.startswith("searching ") for line in out.err.splitlines())

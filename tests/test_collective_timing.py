@@ -259,7 +259,7 @@ def test_bounds_are_the_expected_cuts(topologies):
 
 def test_routed_programs_too_large_to_time_are_refused_at_once() -> None:
     """A 16,384-rank ring would be 1e9 routed transfers (minutes, gigabytes): refused before it is built."""
-    from testbed.collectives.timing import MAX_ROUTED_TRANSFERS, routed_transfers
+    from testbed.collectives.routed import MAX_ROUTED_TRANSFERS, routed_transfers
     from testbed.topology import DeviceSpec, generators
 
     topo = generators.torus([32, 32, 16], device=DeviceSpec(name="chip", peak_flops={"bf16": 1e14},

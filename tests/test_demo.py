@@ -61,6 +61,7 @@ def _small_demo_plan(folder) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # the whole demo with JAX; --no-run stays in make test
 def test_demo_runs_verifies_and_times_the_host_against_its_calibration(tmp_path, capsys):
     """The whole demo: run, verify, and calibrate's own step timed beside the plan (the host's drift)."""
     code = main(["demo", "--plan", _small_demo_plan(tmp_path), "--out", str(tmp_path / "out"), "--json",

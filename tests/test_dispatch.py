@@ -14,9 +14,9 @@ import jax
 import pytest
 
 from testbed.runner import devices as dev
-from testbed.runner.pipeline import engine as pipeline
+from testbed.runner.pipeline import engine
 from testbed.runner.train import build_trainer
-from testbed.model import buffers as dispatch
+from testbed.model import buffers
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 
 
@@ -40,13 +40,13 @@ def test_parameter_and_residual_arrays_match_the_runner(remat: str, precision: s
         x = ids if s == 0 else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh)
         targets = ids if s == last else None
         _, stored = jax.eval_shape(
-            lambda p, h, t, s=s: pipeline._forward(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, 0,
+            lambda p, h, t, s=s: engine._forward(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, 0,
                                                    s == 0, s == last, p, h, t), params[s][0], x, targets)
-        assert len(jax.tree.leaves(params[s][0])) == dispatch.chunk_param_arrays(plan, s, 0)
-        assert len(jax.tree.leaves(stored)) == dispatch.chunk_residual_arrays(plan, s, 0)
+        assert len(jax.tree.leaves(params[s][0])) == buffers.chunk_param_arrays(plan, s, 0)
+        assert len(jax.tree.leaves(stored)) == buffers.chunk_residual_arrays(plan, s, 0)
         # The update takes parameters, optimizer state and gradients; returns parameters and state.
         state = len(jax.tree.leaves(params[s])) + len(jax.tree.leaves(states[s]))
-        assert dispatch.update_buffers(plan, s) == (2 * state + len(jax.tree.leaves(params[s]))) * 1
+        assert buffers.update_buffers(plan, s) == (2 * state + len(jax.tree.leaves(params[s]))) * 1
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
@@ -54,10 +54,10 @@ def test_tied_head_has_no_projection_and_spmd_step_counts_its_state(precision: s
     tied = Plan(model=ModelSpec(layers=2, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32, tied_embeddings=True),
                 batch=BatchSpec(global_batch=4, microbatches=1), mesh=MeshSpec(data=2), precision=precision,
                 name="t")
-    params = dispatch.chunk_param_arrays(tied, 0, 0)
-    assert params == 2 * dispatch.PARAM_ARRAYS_PER_LAYER + 2 + 2
+    params = buffers.chunk_param_arrays(tied, 0, 0)
+    assert params == 2 * buffers.PARAM_ARRAYS_PER_LAYER + 2 + 2
     trainer = build_trainer(tied, dev.select_devices(2))
     p, o = trainer.init()
     state = len(jax.tree.leaves(p)) + len(jax.tree.leaves(o))
     assert len(jax.tree.leaves(p)) == params
-    assert dispatch.spmd_step_buffers(tied) == (2 * state + 3) * 2
+    assert buffers.spmd_step_buffers(tied) == (2 * state + 3) * 2

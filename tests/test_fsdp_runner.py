@@ -137,13 +137,13 @@ def test_fsdp_spread_replicas_sequence_parallel_bf16_plan_matches_reference() ->
 
 
 def test_compiled_collectives_are_the_rule_count() -> None:
-    """The simulator's count of a chunk's parameter collectives (testbed.plan.sharding.parameter_collectives
+    """The simulator's count of a chunk's parameter collectives (testbed.model.leaves.parameter_collectives
     at combine_bytes 0, the host's: XLA:CPU combines none) is what the compiled step runs: one all-gather per
     sharded leaf and one reduce-scatter of its gradient. The rule shards every leaf (padded where no free dim
     divides: the tensor-split biases here); the runner still holds the padded leaves' parameters whole and
     reports them (runner_whole_params), so it runs the rule's count less those, and gathers each of them once
     after the update, which shards their optimizer state padded."""
-    from testbed.plan.sharding import gathered_leaves, parameter_collectives, runner_whole_params
+    from testbed.model.leaves import gathered_leaves, parameter_collectives, runner_whole_params
 
     plan = _plan(fsdp=2, tensor=2)
     _, found = _compiled(plan)
@@ -161,7 +161,7 @@ def test_compiled_collectives_are_the_rule_count() -> None:
 def test_compiled_zero1_regathers_are_the_rule_count() -> None:
     """ZeRO-1's all-gather of the updated parameters over data after the optimizer (XLA's partitioner) is one
     collective per leaf sharded with the optimizer state on XLA:CPU, the rule's count at combine_bytes 0."""
-    from testbed.plan.sharding import parameter_collectives
+    from testbed.model.leaves import parameter_collectives
 
     plan = _plan(data=2, zero=1)
     _, found = _compiled(plan)

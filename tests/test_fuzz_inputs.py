@@ -27,7 +27,8 @@ _spec.loader.exec_module(fuzz)
 
 
 def _check(case: "fuzz.Case", tmp_path_factory) -> "fuzz.Outcome":
-    outcome = fuzz.run_case_in_process(case, tmp_path_factory.mktemp("case"), time_limit=60.0)
+    # In a forked child: 60 s and 4 GiB more memory at most (an overrun is a problem of the outcome).
+    outcome = fuzz.run_case_isolated(case, tmp_path_factory.mktemp("case"), time_limit=60.0, memory_gib=4.0)
     assert not outcome.problems(), (outcome.problems(), outcome.argv, outcome.stderr[-600:])
     return outcome
 
@@ -87,6 +88,43 @@ def test_search_arguments_and_models_end_cleanly(case, tmp_path_factory):
 @given(case=fuzz.sweep_case())
 def test_sweep_specs_and_arguments_end_cleanly(case, tmp_path_factory):
     _check(case, tmp_path_factory)
+
+
+@given(case=fuzz.spec_name_case())
+def test_spec_names_grid_keys_and_values_end_cleanly(case, tmp_path_factory):
+    """Names that are paths, URLs, control or markup strings; keys and values carrying SQL; extreme prices."""
+    outcome = _check(case, tmp_path_factory)
+    folder = Path(outcome.argv[1]).parent
+    assert not (folder / "pwn.csv").exists() and not (folder.parent / "x.duckdb").exists()
+
+
+@given(case=fuzz.sweep_db_case())
+def test_sweep_databases_that_are_not_ours_end_cleanly(case, tmp_path_factory):
+    """Folders, links, FIFOs, read-only, foreign, SQLite, another grid's and locked databases: exit 2 or a sweep."""
+    outcome = _check(case, tmp_path_factory)
+    refused = {"folder", "link-to-folder", "fifo", "foreign-duckdb", "sqlite", "text", "locked"}
+    if "--plot" not in case.argv:  # a sweep writes: its own SPEC and another grid's database are refused too
+        refused |= {"link-to-spec", "other-grid"}
+    if case.setup in refused:
+        assert outcome.exit_code == 2, (case.setup, outcome.stderr[-400:])
+
+
+@given(case=fuzz.named_plan_case())
+def test_plans_with_control_or_markup_names_end_cleanly(case, tmp_path_factory):
+    _check(case, tmp_path_factory)
+
+
+def test_a_case_over_the_memory_limit_is_stopped_and_reported():
+    """The isolation holds: a case allocating past its 1 GiB is a MemoryError in the child, not in this process."""
+    def allocate() -> str:
+        try:
+            bytearray(2 << 30)
+        except MemoryError:
+            return "MemoryError"
+        return "allocated"
+
+    assert fuzz.isolated(allocate, time_limit=30.0, memory_gib=1.0) == "MemoryError"
+    assert fuzz.isolated(lambda: "ok", time_limit=30.0, memory_gib=1.0) == "ok"
 
 
 @pytest.mark.parametrize("name", sorted(fuzz.OPTION_PLANS))

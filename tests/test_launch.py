@@ -48,6 +48,7 @@ def _ours(token: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow  # two worker processes running a plan end to end
 def test_two_processes_match_one(plan_file: Path) -> None:
     """A pipeline plan (stage 2: transfers cross the two processes) gives the single-process loss."""
     out = subprocess.run([sys.executable, "-m", "testbed.cli", "run", "--plan", str(plan_file), "--processes", "2",

@@ -178,3 +178,31 @@ def test_the_testing_kit_imports_jax_only_inside_functions() -> None:
                 bad += [(name, r) for r in roots if r.split(".")[0] in ("jax", "jaxlib", "optax")
                         or _is_runner(r)]
     assert not bad, f"testbed.testing imports jax at module level: {bad}"
+
+
+def _package(module: str) -> str:
+    """``testbed.plan.spec`` -> ``testbed.plan`` (a top-level module, ``testbed.errors``, is its own)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_edges() -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """(importing package, imported package) -> the module imports between two different packages."""
+    edges: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for a, b in import_graph().edges:
+        if _package(a) != _package(b):
+            edges.setdefault((_package(a), _package(b)), []).append((a, b))
+    return edges
+
+
+def test_plan_sits_below_model() -> None:
+    # model reads plans (costs, layout, memory); plan never reads model: presets and the plan's sharding
+    # decisions live in plan, what needs the layout (testbed.model.leaves) in model.
+    edges = _package_edges()
+    assert edges.get(("testbed.model", "testbed.plan"))
+    assert not edges.get(("testbed.plan", "testbed.model")), edges.get(("testbed.plan", "testbed.model"))
+
+
+def test_no_two_packages_import_each_other() -> None:
+    edges = _package_edges()
+    both = [(a, b, edges[(a, b)][:3], edges[(b, a)][:3]) for a, b in edges if a < b and (b, a) in edges]
+    assert not both, f"packages importing each other both ways: {both}"

@@ -28,9 +28,10 @@ from testbed.runner.parallel import _path_names, layout_for, leaf_spec
 from testbed.runner.pipeline.trainer import merge_params, split_params
 from testbed.errors import InputError
 from testbed.model import buffers, costs, layout
-from testbed.model.layout import Init, ParamSpec, Placement, shard_dim
+from testbed.model.layout import Init, ParamSpec, Part, shard_dim
 from testbed.model.memory import memory_breakdown, state_bytes_per_param
-from testbed.plan.sharding import padded_params, runner_whole_params, state_sharding
+from testbed.model.leaves import padded_params, runner_whole_params
+from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.topology.io import load_topology
 
@@ -65,7 +66,7 @@ def test_shard_rule_largest_free_divisible_dim_else_none() -> None:
 
 
 def test_param_spec_is_validated_and_counts_per_device() -> None:
-    w = ParamSpec(placement=Placement.LAYER, path=("mlp", "w1"), shape=(12, 40), tensor_dim=1, init=Init.NORMAL,
+    w = ParamSpec(part=Part.LAYER, path=("mlp", "w1"), shape=(12, 40), tensor_dim=1, init=Init.NORMAL,
                   std=0.02, rng=2)
     assert w.size == 480 and w.name == "layers/mlp/w1"
     assert w.device_elements(2) == 240                    # tensor splits dim 1

@@ -21,7 +21,7 @@ from testbed.errors import InputError
 from testbed.model import costs as tm
 from testbed.model import layout
 from testbed.model.memory import memory_breakdown
-from testbed.model.presets import PUBLISHED_PARAMS
+from testbed.plan.presets import PUBLISHED_PARAMS
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
 from testbed.topology.io import load_topology

@@ -22,7 +22,7 @@ from testbed.explore.analytic import estimate
 from testbed.model import costs, layout, moe
 from testbed.model.gemm import chunk_gemms, gemm_flops
 from testbed.model.memory import memory_breakdown
-from testbed.model.presets import PUBLISHED_ACTIVE_PARAMS, PUBLISHED_PARAMS, preset
+from testbed.plan.presets import PUBLISHED_ACTIVE_PARAMS, PUBLISHED_PARAMS, preset
 from testbed.plan.placement import place
 from testbed.plan.sharding import reduction_axes
 from testbed.plan.spec import Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec

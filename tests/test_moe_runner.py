@@ -189,6 +189,7 @@ def _verify(plan: Plan, check_hlo: bool = False) -> None:
     assert result.ok, (plan.mesh, plan.model, result.errors, result.collectives)
 
 
+@pytest.mark.slow  # whole drawn MoE plans, trainer and reference: the layer property and the DeepSeek plan stay in make test
 @settings(max_examples=max(1, settings().max_examples // 15))  # a trainer and the reference each: ci 1
 @given(moe_plans())
 def test_drawn_moe_plans_match_reference(plan: Plan) -> None:
@@ -196,6 +197,7 @@ def test_drawn_moe_plans_match_reference(plan: Plan) -> None:
     _verify(plan)
 
 
+@pytest.mark.slow  # a pipelined expert x tensor plan end to end (minutes on 2 cores)
 def test_mixtral_shaped_model_with_expert_tensor_and_pipeline() -> None:
     """A tiny Mixtral: GQA, SwiGLU, RMSNorm, RoPE, no biases, 8 experts top-2; expert 2 x tensor 2 x stage 2
     (interleaved 1F1B would need more layers; 1F1B here)."""

@@ -19,7 +19,8 @@ import pytest
 from testbed.model import costs, layout
 from testbed.model.memory import memory_breakdown, state_bytes_per_param
 from testbed.plan.placement import place
-from testbed.plan.sharding import moved_elements, padded_params, runner_whole_params, state_sharding
+from testbed.model.leaves import moved_elements, padded_params, runner_whole_params
+from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.runner import devices as dev
 from testbed.runner.parallel import _path_names

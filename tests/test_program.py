@@ -10,13 +10,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed.model import costs as model
+from testbed.model import costs
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, TaskKind, axis_groups, build_program
+from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM
+from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
-from testbed.plan.sharding import state_sharding
+from testbed.plan.sharding import gradient_reduction, state_sharding
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
 
@@ -51,13 +52,13 @@ def test_compute_flops_are_conserved(plan):
     assert len(reps) == plan.mesh.stage
     for s, rep in enumerate(reps):
         actions = sum(t.flops for t in program.tasks if t.device == rep and t.pipeline and t.kind is TaskKind.COMPUTE)
-        assert math.isclose(actions, model.step_flops_per_device(plan, s), rel_tol=1e-9)
+        assert math.isclose(actions, costs.step_flops_per_device(plan, s), rel_tol=1e-9)
         opt = [t for t in program.tasks if t.device == rep and t.name == "optimizer"]
         assert len(opt) == 1
         o_ways = plan.mesh.fsdp * (plan.mesh.data if plan.zero >= 1 else 1)
         # The optimizer updates its shard as the layout's one rule cuts it (leaves no dim of which o_ways
         # divides stay whole), as memory counts and the runner holds it.
-        assert math.isclose(opt[0].flops, OPTIMIZER_FLOPS_PER_PARAM * model.device_stage_params(plan, s, o_ways))
+        assert math.isclose(opt[0].flops, OPTIMIZER_FLOPS_PER_PARAM * costs.device_stage_params(plan, s, o_ways))
 
 
 @given(plans)
@@ -78,12 +79,15 @@ def test_gradient_bytes_are_conserved(plan):
         sharded = state_sharding(plan).ways(plan, "grads") > 1
         assert len(accumulate) == (plan.schedule.virtual_stages * (plan.batch.microbatches - 1) if sharded else 0)
         assert math.isclose(sum(t.nbytes for t in accumulate),
-                            sharded * (plan.batch.microbatches - 1) * model.device_stage_params(plan, s) * grad_b,
+                            sharded * (plan.batch.microbatches - 1) * costs.device_stage_params(plan, s) * grad_b,
                             rel_tol=1e-9)
-        assert math.isclose(sum(t.nbytes for t in firsts), model.device_stage_params(plan, s) * grad_b, rel_tol=1e-9)
+        assert math.isclose(sum(t.nbytes for t in firsts), costs.device_stage_params(plan, s) * grad_b, rel_tol=1e-9)
         assert all(int(program.representative[d]) == rep for t in firsts for d in t.group)
-        assert len(firsts) == plan.schedule.virtual_stages * min(BUCKETS, plan.model.layers // (
-            plan.mesh.stage * plan.schedule.virtual_stages))
+        # One bucket per layer (at most BUCKETS) when they reduce during the backward (sharded accumulation);
+        # one per chunk when the replicas' gradients are summed once, after the stage's backward (ZeRO 0/1).
+        during = bool(gradient_reduction(plan)[0])
+        assert len(firsts) == plan.schedule.virtual_stages * (min(BUCKETS, plan.model.layers // (
+            plan.mesh.stage * plan.schedule.virtual_stages)) if during else 1)
 
 
 @given(plans)
@@ -108,7 +112,7 @@ def test_tensor_allreduces_match_the_model(plan):
         expected = 0
         if plan.mesh.tensor > 1:
             for c in range(plan.schedule.virtual_stages):
-                cost = model.chunk_cost(plan, s, c)
+                cost = costs.chunk_cost(plan, s, c)
                 redo = cost.layers if plan.remat == "full" else 0  # full remat reruns the attention all-reduce
                 expected += plan.batch.microbatches * (cost.tensor_allreduces_forward + cost.tensor_allreduces_backward
                                                        + redo)
@@ -174,7 +178,7 @@ def test_each_microbatch_adds_its_gradients_into_the_accumulator(plan):
             continue
         assert len(adds) == m * v and all(t.stream == "compute" and t.flops == 0 for t in adds)
         total = sum(t.hbm_bytes for t in adds)
-        params = sum(model.chunk_cost(plan, s, c).params for c in range(v))
+        params = sum(costs.chunk_cost(plan, s, c).params for c in range(v))
         assert math.isclose(total, m * 3 * params * grad_b / ways, rel_tol=1e-9)
         kind = "W" if build_schedule(plan.schedule.name, plan.mesh.stage, m, v).split_backward else "B"
         for t in adds:  # right after a weight-gradient action of the same label (and its tensor collectives)
@@ -187,7 +191,7 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
     """Every gather of a chunk's sharded parameters, and its gradient reduce-scatters (each earlier microbatch's,
     the last one's buckets together), is as many collectives as testbed.plan.sharding's rule counts under the
     topology's combine_bytes (None: one per chunk), the chunk's bytes shared among them."""
-    from testbed.plan.sharding import gathered_leaves, parameter_collectives
+    from testbed.model.leaves import gathered_leaves, parameter_collectives
 
     placement = place(plan, num_devices=plan.mesh.size)
     program = build_program(plan, placement, combine_bytes=combine)
@@ -199,7 +203,7 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
             leaves = len(gathered_leaves(plan, s, c))
             assert (n >= 1) == sharded and n <= max(1, leaves)
             assert n == (sharded if combine is None else max(1, leaves) if combine == 0 and sharded else n)
-            cost = model.chunk_cost(plan, s, c)
+            cost = costs.chunk_cost(plan, s, c)
             mine = [t for t in program.tasks if t.device == rep and (m := re.search(r"[FBW]\d+(?:\.(\d+))?", t.name))
                     and int(m.group(1) or 0) == c]
             gathers = [t for t in mine if t.stream == "gather"]
@@ -221,7 +225,7 @@ def test_host_counts_one_collective_per_leaf():
     all-gathers and 53 reduce-scatters per pass, the compiled step's count (tests/test_fsdp_runner.py checks
     the rule against XLA); a topology without combine_bytes keeps one per chunk."""
     from testbed.plan.io import load_plan
-    from testbed.plan.sharding import combined_sizes, gathered_leaves
+    from testbed.model.leaves import combined_sizes, gathered_leaves
     from testbed.sim.engine import simulate
     from testbed.topology.io import load_topology
 

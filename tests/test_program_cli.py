@@ -32,7 +32,9 @@ def test_the_vision_example_predicted_with_json_trace_and_gantt(tmp_path, capsys
     params = (3 * 3 * 3 * 64 + 3 * 3 * 64 * 128 + 128 * 1000) * 2  # bf16 gradients, all-reduced over data
     moved = data["collective_bytes"]["data"]["all_reduce"]
     assert params <= moved <= params + 8  # and the loss
-    assert json.loads(trace.read_text())["traceEvents"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    reduces = [e for e in events if e["ph"] == "X" and e.get("args", {}).get("op") == "all_reduce"]
+    assert reduces and all(e["args"]["group_size"] == 8 and e["args"]["links"] for e in reduces)  # slices' args
     assert gantt.read_bytes()[:4] == b"\x89PNG"
     # 8 emulated devices here: the step compiles, and the memory is XLA's analysis (the estimate kept beside)
     assert "XLA's memory analysis" in data["memory"]["method"] and data["memory"]["live_range_estimate"] > 0

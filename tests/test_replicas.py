@@ -16,7 +16,7 @@ import jax
 import pytest
 
 from testbed.runner import devices as dev
-from testbed.runner.pipeline import engine as pipeline
+from testbed.runner.pipeline import engine
 from testbed.runner.train import build_trainer, verify_plan
 from testbed.runner.pipeline.memory import abstract_outputs
 from testbed.runner.replicas import replicas
@@ -47,7 +47,7 @@ def _forwards(trainer, params):
         sh = trainer.act_shardings[s]
         h = x if g == 0 else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh)
         targets = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh) if g == last else None
-        forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0,
+        forward = engine._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0,
                                           g == last, params[s][c], h, targets).compile()
         y, stored = abstract_outputs(forward)
         cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
@@ -65,8 +65,8 @@ def _backward_texts(trainer, state) -> list[str]:
     texts = []
     for g, s, c, _, forward, stored, cot in _forwards(trainer, params):
         texts.append(forward.as_text())
-        programs = ([pipeline._pull_weight] + ([pipeline._pull_input] if g > 0 else [])
-                    if sch.split_backward else [pipeline._pull])
+        programs = ([engine._pull_weight] + ([engine._pull_input] if g > 0 else [])
+                    if sch.split_backward else [engine._pull])
         texts += [p.lower(trainer.prepare[s], stored, params[s][c], cot).compile().as_text() for p in programs]
     return texts
 
@@ -113,13 +113,13 @@ def test_engine_programs_leave_outputs_where_they_are_taken(kwargs: dict) -> Non
 
     for g, s, c, sh, forward, stored, cot in _forwards(trainer, params):
         assert g == last or same(abstract_outputs(forward)[0], sh)  # the output activation
-        pull = pipeline._pull_weight if sch.split_backward else pipeline._pull
+        pull = engine._pull_weight if sch.split_backward else engine._pull
         out = abstract_outputs(pull.lower(trainer.prepare[s], stored, params[s][c], cot).compile())
         grads = out if sch.split_backward else out[0]
         want = jax.tree.leaves(trainer.engine_grad_shardings[s][c])
         assert all(same(a, w) for a, w in zip(jax.tree.leaves(grads), want, strict=True))
         if g > 0:
-            dx = (abstract_outputs(pipeline._pull_input.lower(trainer.prepare[s], stored, params[s][c], cot).compile())
+            dx = (abstract_outputs(engine._pull_input.lower(trainer.prepare[s], stored, params[s][c], cot).compile())
                   if sch.split_backward else out[1])
             assert same(dx, sh)
 

@@ -325,7 +325,7 @@ def test_a_topology_without_a_controller_group_prices_no_controller():
 def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
     from dataclasses import replace
 
-    from testbed.model import buffers as dispatch
+    from testbed.model import buffers
 
     plan = make_plan(data=2, stage=2, microbatches=2, layers=4)
     base = _free_comm(4)
@@ -335,11 +335,11 @@ def test_controller_prices_each_dispatch_per_program_and_per_device_buffer():
     host = [(t, d) for t, d in zip(sim.program.tasks, priced.durations) if t.kind is TaskKind.HOST]
     first_forward = next((t, d) for t, d in host if t.name == "dispatch F0@0")
     t, d = first_forward
-    assert t.buffers == dispatch.action_buffers(plan, 0, 0, "F", False) + dispatch.send_buffers(plan)
+    assert t.buffers == buffers.action_buffers(plan, 0, 0, "F", False) + buffers.send_buffers(plan)
     assert d == pytest.approx(t.count * 1e-4 + t.buffers * 1e-6)
     # A later microbatch's backward also passes the accumulated gradients.
     b0, b1 = (next(t for t, _ in host if t.name == f"dispatch B{m}@1") for m in (0, 1))
-    assert b1.buffers - b0.buffers == dispatch.chunk_param_arrays(plan, 1, 0) * plan.mesh.data  # per device
+    assert b1.buffers - b0.buffers == buffers.chunk_param_arrays(plan, 1, 0) * plan.mesh.data  # per device
     # A pipeline's step preparation costs its extra on top of every step's.
     steps = replace(base, calibration=base.calibration.updated(controller={"step_s": 1e-3,
                                                                            "pipeline_step_s": 4e-3}))

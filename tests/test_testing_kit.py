@@ -88,6 +88,7 @@ def test_a_user_project_gets_8_devices_and_the_psum_bug_is_named(tmp_path: Path)
     assert "testbed/testing/compare.py" not in bad.stdout
 
 
+@pytest.mark.slow  # a user's pytest in a subprocess
 def test_the_option_chooses_the_count_and_a_started_backend_is_reported(tmp_path: Path) -> None:
     (tmp_path / "test_n.py").write_text("import jax\n\ndef test_n(testbed_devices):\n"
                                         "    assert len(testbed_devices) == len(jax.devices()) == 4\n")

@@ -3,7 +3,7 @@
 :mod:`~testbed.calibration.fit` fits one kernel kind at a time,
 :mod:`~testbed.calibration.collectives` the links,
 :mod:`~testbed.calibration.steps` whole training steps and the controller,
-:mod:`~testbed.calibration.topology` runs them all (:func:`fit_all`);
+:mod:`~testbed.calibration.calibrated` runs them all (:func:`fit_all`);
 :mod:`~testbed.calibration.validation` summarises predicted vs measured.
 The measuring itself is :mod:`testbed.runner.measure`'s.
 """

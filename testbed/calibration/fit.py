@@ -19,19 +19,20 @@ least squares, numpy only:
   throughput curve, the ``host`` group);
 - collectives: :mod:`testbed.calibration.collectives`.
 
-Everything here is pure; :func:`testbed.calibration.topology.calibrated_topology` builds the new Topology.
+Everything here is pure; :func:`testbed.calibration.calibrated.calibrated_topology` builds the new Topology.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from testbed.errors import InputError
+from testbed.fields import MAX_DEVICES, check_keys, expect_mapping, get_float, get_int, get_str
 from testbed.topology.calibration import skew_growth
 
 __all__ = [
@@ -246,7 +247,7 @@ def fit_host_cores(samples: Sequence[Sample]) -> float:
     The ``concurrent`` samples run the same per-device work on one device
     alone and on ``k`` devices at once; this takes the largest ``k``. 0
     (nothing shared) when all at once is within 25% of alone (real
-    accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`testbed.calibration.topology.calibrated_topology`.
+    accelerators); else the median ratio, at least 1. A fraction (1.5) is fine: see :func:`testbed.calibration.calibrated.calibrated_topology`.
     """
     done = _work_done(samples)
     if not done:
@@ -389,11 +390,7 @@ def samples_to_rows(samples: Sequence[Sample]) -> list[dict[str, Any]]:
 
 def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
     """Samples back from :func:`samples_to_rows` output (InputError naming the bad row)."""
-    from dataclasses import fields as dataclass_fields
-
-    from testbed.fields import MAX_DEVICES, check_keys, expect_mapping, get_float, get_int, get_str
-
-    names = [f.name for f in dataclass_fields(Sample)]
+    names = [f.name for f in fields(Sample)]
     out = []
     for i, row in enumerate(rows):
         field = f"samples[{i}]"

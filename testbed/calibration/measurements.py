@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from testbed.calibration.fit import samples_from_rows
 from testbed.errors import InputError
+from testbed.fields import MAX_DEVICES, MAX_NAME, get_float, get_int, get_str
 from testbed.output import read_input
 
 __all__ = ["measurements_path", "read_measurements", "recorded_processes", "check_header"]
@@ -33,8 +35,6 @@ def read_measurements(path: str) -> dict[str, Any]:
                          field="samples")
     try:
         check_header(raw)
-        from testbed.calibration.fit import samples_from_rows
-
         samples_from_rows(raw["samples"])  # every row typed and in range, the file named if not
     except InputError as exc:
         raise exc.with_file(path) from None
@@ -43,8 +43,6 @@ def read_measurements(path: str) -> dict[str, Any]:
 
 def check_header(raw: dict[str, Any]) -> None:
     """The fields beside ``samples`` that a refit reads, typed and in range (InputError naming the field)."""
-    from testbed.fields import MAX_DEVICES, MAX_NAME, get_float, get_int, get_str
-
     get_int(raw, "devices", None, default=8, maximum=MAX_DEVICES)
     get_int(raw, "processes", None, default=1, maximum=MAX_DEVICES)
     get_int(raw, "host_cpus", None, default=0, minimum=0, maximum=MAX_DEVICES)

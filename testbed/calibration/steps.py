@@ -23,19 +23,24 @@ calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
   per-step time (``controller.step_s``, every step) plus what only a
   pipeline step pays (``controller.pipeline_step_s``).
 
-Pure: plans in, numbers out (the simulator is imported lazily).
+Pure: plans in, numbers out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 
-from testbed.calibration.fit import Fit, Sample, fit_line, fit_quality, of_kind
+from testbed.calibration.fit import Fit, Sample, fit_line, fit_quality, nonnegative_lstsq, of_kind
 from testbed.errors import InputError
+from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.sim.compute import compute_seconds, host_devices, pass_seconds
+from testbed.sim.engine import simulate
+from testbed.sim.program import TaskKind, build_program
 from testbed.topology import Topology
 
 __all__ = ["STEP_SHAPES", "DEEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "pipeline_plan", "fit_step_compute",
@@ -115,13 +120,6 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     peak is then scaled (1-D grid) to fit its steps (bf16 on a CPU is far
     slower in a model than in one matmul). None without step samples.
     """
-    from types import SimpleNamespace
-
-    from testbed.calibration.fit import nonnegative_lstsq
-    from testbed.plan.placement import place
-    from testbed.sim.program import TaskKind, build_program
-    from testbed.sim.engine import compute_seconds, pass_seconds, simulate
-
     rows = of_kind(samples, "step")
     if not rows:
         return None
@@ -191,8 +189,6 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
 
 def _pass_bytes(topology: Topology, tasks: Sequence) -> list[float]:
     """(replicated, split, cached) activation bytes of a plan's compute tasks, as the passes price them."""
-    from testbed.sim.compute import host_devices
-
     out = [0.0, 0.0, 0.0]
     for t in tasks:
         f = topology.calibration.cached_fraction(t.tensor_bytes, host_devices(topology))
@@ -234,9 +230,6 @@ def controller_programs(plan: Plan) -> int:
 
 def controller_load(plan: Plan) -> tuple[int, int]:
     """(programs, device buffers) the single controller dispatches in one step of ``plan``."""
-    from testbed.plan.placement import place
-    from testbed.sim.program import TaskKind, build_program
-
     program = build_program(plan, place(plan, num_devices=plan.mesh.size), controller=True)
     host = [t for t in program.tasks if t.kind is TaskKind.HOST]
     return sum(t.count for t in host), sum(t.buffers for t in host)

@@ -5,24 +5,19 @@ from __future__ import annotations
 import argparse
 from types import SimpleNamespace
 
+from testbed.cli.tables import Col, compact, fitted_table
+from testbed.errors import InputError
+from testbed.model.memory import memory_breakdown
 from testbed.output import CommandResult
 from testbed.plan.placement import Placement, group_span, place
 from testbed.plan.spec import MESH_AXES, Plan
 from testbed.plan.io import load_plan, plan_to_dict
 from testbed.topology import Topology
 from testbed.topology.io import bundled_names, load_topology
+from testbed.text import markup, shown
 from testbed.units import format_bandwidth, format_bytes, format_flops, format_time
 
 __all__ = ["topologies", "topology", "plan", "plan_topology", "placement_report", "render_placement"]
-
-
-def _table(title: str, columns: list[str]):
-    from rich.table import Table
-
-    table = Table(title=title)
-    for c in columns:
-        table.add_column(c)
-    return table
 
 
 # -- testbed topologies ----------------------------------------------------------
@@ -39,11 +34,13 @@ def _topologies_execute(args: argparse.Namespace) -> CommandResult:
                      "memory_bytes": t.device.memory_bytes, "peak_bf16_flops": t.device.flops("bf16")})
 
     def render(console) -> None:
-        table = _table("bundled topologies", ["name", "devices", "levels", "device", "memory", "bf16 peak"])
-        for r in rows:
-            table.add_row(r["name"], str(r["devices"]), ",".join(r["levels"]), r["device"],
-                          format_bytes(r["memory_bytes"]), format_flops(r["peak_bf16_flops"]))
-        console.print(table)
+        columns = [Col(header="name", key=True, justify="left"), Col(header="devices"),
+                   Col(header="levels", drop=2, justify="left"), Col(header="device", drop=1, justify="left"),
+                   Col(header="memory"), Col(header="bf16 peak")]
+        cells = [[shown(r["name"]), str(r["devices"]), ",".join(shown(level) for level in r["levels"]),
+                  shown(r["device"]), format_bytes(r["memory_bytes"]), format_flops(r["peak_bf16_flops"])]
+                 for r in rows]
+        console.print(fitted_table(console, columns, cells, title="bundled topologies", **compact()))
 
     return CommandResult({"topologies": rows}, render)
 
@@ -83,18 +80,19 @@ def _topology_execute(args: argparse.Namespace) -> CommandResult:
         data["png"] = args.png
 
     def render(console) -> None:
-        console.print(f"[bold]{t.name}[/bold]: {t.description or ''}")
-        console.print(f"{t.num_devices} x {t.device.name}: " + ", ".join(
+        console.print(f"[bold]{markup(t.name)}[/bold]: {markup(t.description or '', 400)}")
+        console.print(f"{t.num_devices} x {markup(t.device.name)}: " + ", ".join(
             f"{k} {format_flops(v)}" for k, v in t.device.peak_flops.items())
             + f"; {format_bytes(t.device.memory_bytes)} at {format_bandwidth(t.device.memory_bandwidth)}")
-        table = _table("levels (innermost first)", ["level", "size", "bandwidth/dir", "latency", "kind", "groups"])
-        for l in levels:
-            table.add_row(l["name"], str(l["size"]), format_bandwidth(l["bandwidth"]) if l["bandwidth"] else "-",
-                          format_time(l["latency"]), l["kind"] or "-", str(l["groups"]))
-        console.print(table)
-        console.print(f"{data['switches']} switches, {data['links']} links: {kinds}")
+        columns = [Col(header="level", key=True, justify="left"), Col(header="size"), Col(header="bandwidth/dir"),
+                   Col(header="latency"), Col(header="kind", drop=1, justify="left"), Col(header="groups", drop=2)]
+        cells = [[shown(l["name"]), str(l["size"]), format_bandwidth(l["bandwidth"]) if l["bandwidth"] else "-",
+                  format_time(l["latency"]), l["kind"] or "-", str(l["groups"])] for l in levels]
+        console.print(fitted_table(console, columns, cells, title="levels (innermost first)", **compact()))
+        console.print(f"{data['switches']} switches, {data['links']} links: "
+                      + ", ".join(f"{n} {markup(k)}" for k, n in kinds.items()))
         for f in files:
-            console.print(f"wrote {f}")
+            console.print(f"wrote {markup(f)}")
 
     return CommandResult(data, render, files=files)
 
@@ -111,7 +109,7 @@ def plan_topology(plan: Plan, topology_arg: str | None, plan_file: str | None = 
     too long, a folder), the error names ``plan_file`` and the field
     ``topology``; errors inside the topology file name that file.
     """
-    from testbed.errors import InputError, quote
+    from testbed.errors import quote
     from testbed.topology.io import resolve_topology_path, topology_from_text
 
     if topology_arg:
@@ -138,11 +136,12 @@ def placement_report(plan: Plan, topology: Topology, placement: Placement) -> di
 
 
 def render_placement(console, report: dict) -> None:
-    table = _table(f"placement (order outermost first: {' > '.join(report['order'])})",
-                   ["axis", "degree", "groups", "first group", "spans"])
-    for axis, a in report["axes"].items():
-        table.add_row(axis, str(a["degree"]), str(a["groups"]), str(a["first_group"]), a["spans"])
-    console.print(table)
+    columns = [Col(header="axis", key=True, justify="left"), Col(header="degree"), Col(header="groups"),
+               Col(header="first group", drop=1, justify="left"), Col(header="spans", justify="left")]
+    cells = [[axis, str(a["degree"]), str(a["groups"]), str(a["first_group"]), shown(a["spans"])]
+             for axis, a in report["axes"].items()]
+    console.print(fitted_table(console, columns, cells, title=f"placement (order outermost first: "
+                               f"{' > '.join(report['order'])})", **compact()))
 
 
 def _plan_add(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +150,8 @@ def _plan_add(parser: argparse.ArgumentParser) -> None:
     check = sub.add_parser("check", help="validate a plan and show its placement on a topology")
     check.add_argument("plan", help="plan YAML file (or a bundled plan name, e.g. demo)")
     check.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    check.add_argument("--fail-if-oom", action="store_true",
+                       help="exit 1 when the plan does not fit its topology's device memory (else a warning)")
     check.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -160,21 +161,36 @@ def _plan_execute(args: argparse.Namespace) -> CommandResult:
     try:
         placement = place(p, t)
     except Exception as exc:
-        from testbed.errors import InputError
-
         if isinstance(exc, InputError):
             raise exc.with_file(args.plan) from None
         raise
     report = placement_report(p, t, placement)
+    memory = _memory_fit(p, t, args.plan)
     data = {"ok": True, "plan": plan_to_dict(p), "topology": t.name, "devices": t.num_devices,
-            "microbatch_size": p.microbatch_size, "placement": report}
+            "microbatch_size": p.microbatch_size, "placement": report, "memory": memory,
+            "warnings": [] if memory["fits"] else [memory["message"]]}
 
     def render(console) -> None:
-        console.print(f"[green]ok[/green]: plan `{p.name}` fits the mesh of `{t.name}` ({t.num_devices} devices); "
-                      f"{p.batch.microbatches} microbatches of {p.microbatch_size} sequences per replica")
+        console.print(f"[green]ok[/green]: plan `{markup(p.name)}` fits the mesh of `{markup(t.name)}` "
+                      f"({t.num_devices} devices); {p.batch.microbatches} microbatches of {p.microbatch_size} "
+                      f"sequences per replica")
+        for warning in data["warnings"]:
+            console.print(f"[yellow]warning[/yellow]: {warning}")
         render_placement(console, report)
 
-    return CommandResult(data, render)
+    return CommandResult(data, render, exit_code=1 if args.fail_if_oom and not memory["fits"] else 0)
+
+
+def _memory_fit(plan: Plan, topology: Topology, plan_file: str) -> dict:
+    """The fullest device's bytes against its capacity, and a warning's text when they overflow."""
+    try:
+        breakdown = memory_breakdown(plan, topology)
+    except InputError as exc:
+        raise exc.with_file(plan_file) from None
+    message = (f"the fullest device (stage {breakdown.worst_stage}) needs {format_bytes(breakdown.total)} of its "
+               f"{format_bytes(breakdown.capacity)}: the plan does not fit in memory (`testbed memory` breaks it down)")
+    return {"total": breakdown.total, "capacity": breakdown.capacity, "fits": breakdown.fits,
+            "message": None if breakdown.fits else message}
 
 
 plan = SimpleNamespace(add_arguments=_plan_add, execute=_plan_execute)

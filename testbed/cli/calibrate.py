@@ -1,7 +1,7 @@
 """``testbed calibrate``: fit a topology to this machine (checked by ``testbed validate``, testbed.cli.validate).
 
 Run the microbenchmarks of :mod:`testbed.runner.measure` on the chosen
-devices, fit the calibration with :func:`testbed.calibration.topology.fit_all`, and
+devices, fit the calibration with :func:`testbed.calibration.calibrated.fit_all`, and
 write the calibrated topology YAML (plus the raw samples beside it as
 ``FILE.measurements.json``), both atomically.
 
@@ -19,9 +19,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from testbed.calibration import fit as cal
+from testbed.calibration import fit
 from testbed.calibration.measurements import measurements_path, read_measurements
-from testbed.calibration.topology import base_topology, fit_saved, saved_base
+from testbed.calibration.calibrated import base_topology, fit_saved, saved_base
 from testbed.cli import calibrate_multi
 from testbed.cli.calibration_table import render_calibration
 from testbed.cli.progress import progress_bar
@@ -84,7 +84,7 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
         # The raw samples first: they stay useful even when a fit fails.
         raw = {"platform": info["platform"], "devices": info["devices"], "device_kind": info.get("device_kind", ""),
                "base": base.name, "seconds": elapsed, "rounds": args.rounds, "host_cpus": len(os.sched_getaffinity(0)),
-               "cache_bytes": dev.host_cache_bytes(info["platform"]), "samples": cal.samples_to_rows(samples)}
+               "cache_bytes": dev.host_cache_bytes(info["platform"]), "samples": fit.samples_to_rows(samples)}
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")
     topo, fitted, fits = fit_saved(raw, base, name=args.name)

@@ -2,7 +2,7 @@
 
 The workers measure (:func:`testbed.runner.calibrate_multi.worker_body`); this
 command checks the arguments, builds the two-level base topology
-(:func:`testbed.calibration.topology.cluster_topology`), launches them,
+(:func:`testbed.calibration.calibrated.cluster_topology`), launches them,
 fits worker 0's samples and writes the topology like the single-process path.
 """
 
@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from testbed.calibration.measurements import measurements_path, read_measurements, recorded_processes
-from testbed.calibration.topology import base_topology, cluster_topology, fit_saved
+from testbed.calibration.calibrated import base_topology, cluster_topology, fit_saved
 from testbed.cli.calibration_table import render_calibration
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic
+from testbed.text import markup
 from testbed.topology import Form, Topology
 
 __all__ = ["wanted", "calibrate"]
@@ -107,7 +108,7 @@ def calibrate(args: argparse.Namespace) -> CommandResult:
         except launch.WorkerFailed as exc:
             message = str(exc)  # `exc` is unbound once the except block ends; the render runs later
             return CommandResult({"ok": False, "error": message, "worker": exc.worker},
-                                 lambda console: console.print(f"[red]calibrate failed:[/red] {message}"), exit_code=1)
+                                 lambda console: console.print(f"[red]calibrate failed:[/red] {markup(message, 2000)}"), exit_code=1)
         # The raw samples first: they stay useful even when a fit fails.
         mpath = measurements_path(args.out)
         write_atomic(mpath, json.dumps(raw, indent=1), field_name="--out")

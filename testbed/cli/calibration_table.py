@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from testbed.text import markup
+
 __all__ = ["render_calibration", "calibration_rows"]
 
 #: What an absent group means, for its row.
@@ -15,7 +17,7 @@ _ABSENT = {
 
 
 def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """(group, field, value) rows of ``fit_all``'s fitted values (testbed.calibration.topology.fitted_values)."""
+    """(group, field, value) rows of ``fit_all``'s fitted values (testbed.calibration.calibrated.fitted_values)."""
     from testbed.units import format_bandwidth, format_flops, format_time
 
     groups = fitted["calibration"]
@@ -73,12 +75,12 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
 def render_calibration(console: Any, data: dict[str, Any]) -> None:
     from rich.table import Table
 
-    console.print(f"[bold]{data['name']}[/] from {data['devices']} {data['platform']} device(s) in "
-                  f"{data['seconds']:.1f} s -> {data['topology']} (samples: {data['measurements']})")
+    console.print(f"[bold]{markup(data['name'])}[/] from {data['devices']} {data['platform']} device(s) in "
+                  f"{data['seconds']:.1f} s -> {markup(data['topology'])} (samples: {data['measurements']})")
     table = Table(title="fitted calibration (calibration.GROUP.FIELD)")
-    table.add_column("group")
-    table.add_column("field")
-    table.add_column("value")
+    table.add_column("group", no_wrap=True)  # group and field name the YAML key to edit: never cut
+    table.add_column("field", no_wrap=True)
+    table.add_column("value", overflow="fold")
     previous = None
     for group, name, value in calibration_rows(data["fitted"]):
         if previous is not None and group != previous:
@@ -88,7 +90,7 @@ def render_calibration(console: Any, data: dict[str, Any]) -> None:
     console.print(table)
     quality = Table(title="fit quality")
     for col in ("fit", "samples", "R^2", "median |rel. residual|", "max |rel. residual|"):
-        quality.add_column(col, justify="right" if col != "fit" else "left")
+        quality.add_column(col, justify="right" if col != "fit" else "left", no_wrap=col == "fit")
     for name, q in data["fits"].items():
         quality.add_row(name, str(q["samples"]), f"{q['r2']:.4f}", f"{q['median_abs_rel_residual']:.1%}",
                         f"{q['max_abs_rel_residual']:.1%}")

@@ -25,6 +25,7 @@ from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.plan.io import load_plan
 from testbed.plan.placement import place
+from testbed.text import markup
 from testbed.units import format_bytes
 
 __all__ = ["add_arguments", "execute", "param_rows"]
@@ -65,11 +66,31 @@ def param_rows(params: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+#: Programs one check lowers at most, and stage x virtual-chunk parameter sets it shards at most: each lowering
+#: takes about a second on a CPU, so beyond these a check runs for minutes (refused before JAX starts).
+MAX_LOWERED, MAX_STAGE_CHUNKS = 120, 4096
+
+
+def _check_work(plan) -> None:
+    """Refuse a plan whose check would lower more than MAX_LOWERED programs or shard MAX_STAGE_CHUNKS chunks."""
+    if plan.mesh.stage == 1:
+        return
+    virtual = plan.schedule.virtual_stages
+    per_chunk = 3 if plan.schedule.name.value.startswith("zb") else 2  # F, B (and W)
+    lowered = min(plan.mesh.stage, 3) * (virtual * per_chunk + 1)  # first, one middle, last stage (+ update)
+    chunks = plan.mesh.stage * virtual
+    if lowered > MAX_LOWERED or chunks > MAX_STAGE_CHUNKS:
+        raise InputError(f"checking this plan lowers {lowered:,} programs over {chunks:,} stage chunks (at most "
+                         f"{MAX_LOWERED} and {MAX_STAGE_CHUNKS:,}: about a second each on a CPU); check a plan with "
+                         f"fewer virtual stages or pipeline stages", field="schedule.virtual_stages")
+
+
 def execute(args: argparse.Namespace) -> CommandResult:
     plan = load_plan(args.plan)
     try:
         topology = plan_topology(plan, args.topology, args.plan)
         place(plan, topology)
+        _check_work(plan)
     except InputError as exc:
         raise exc.with_file(args.plan) from None
     _host_only()
@@ -82,32 +103,34 @@ def execute(args: argparse.Namespace) -> CommandResult:
     data = {**result.to_dict(), "topology": topology.name}
 
     def render(console) -> None:
-        from rich.table import Table
+        from testbed.cli.tables import Col, compact, fitted_table
 
         mesh = " x ".join(f"{k} {v}" for k, v in result.mesh.items() if v > 1) or "1 device"
-        console.print(f"plan `{plan.name}` on `{topology.name}`: {result.devices} abstract devices ({mesh}); "
-                      f"{len(result.programs)} program(s) lowered for {result.platform} in {result.seconds['total']:.1f} s")
+        console.print(f"plan `{markup(plan.name)}` on `{markup(topology.name)}`: {result.devices} abstract devices "
+                      f"({mesh}); {len(result.programs)} program(s) lowered for {result.platform} in "
+                      f"{result.seconds['total']:.1f} s")
         if data["params"]:
-            table = Table(title="parameters (layers.*: every layer alike)")
-            for header in ("parameter", "shape", "spec", "shard per device", "x"):
-                table.add_column(header, justify="right" if header == "x" else "left")
-            for row in param_rows(data["params"]):
-                table.add_row(row["path"], str(tuple(row["shape"])), row["spec"], str(tuple(row["shard_shape"])),
-                              str(row["count"]))
-            console.print(table)
+            # The parameter's path identifies the row (whole); its global shape goes first at narrow widths.
+            columns = [Col(header="parameter", key=True, justify="left"), Col(header="shape", drop=1, justify="left"),
+                       Col(header="spec", justify="left"), Col(header="shard per device", justify="left"),
+                       Col(header="x")]
+            cells = [[row["path"], str(tuple(row["shape"])), row["spec"], str(tuple(row["shard_shape"])),
+                      str(row["count"])] for row in param_rows(data["params"])]
+            console.print(fitted_table(console, columns, cells, title="parameters (layers.*: every layer alike)",
+                                       **compact()))
         if result.programs:
-            summary = Table(title="collectives per mesh axis, per device per step")
-            for header in ("stages", "axes", "kind", "group", "count", "bytes"):
-                summary.add_column(header, justify="right" if header in ("group", "count", "bytes") else "left")
-            for row in data["per_axis"]:
-                summary.add_row(row["stages"], row["axes"], row["kind"], str(row["group"]), str(row["count"]),
-                                format_bytes(row["bytes"]))
-            console.print(summary)
-            console.print("lowered: " + ", ".join(f"{g.name} (x{g.runs})" for g in result.programs))
+            columns = [Col(header="stages", key=True, justify="left"), Col(header="axes", key=True, justify="left"),
+                       Col(header="kind", key=True, justify="left"), Col(header="group"), Col(header="count"),
+                       Col(header="bytes")]
+            cells = [[row["stages"], row["axes"], row["kind"], str(row["group"]), str(row["count"]),
+                      format_bytes(row["bytes"])] for row in data["per_axis"]]
+            console.print(fitted_table(console, columns, cells, title="collectives per mesh axis, per device per step",
+                                       **compact()))
+            console.print("lowered: " + ", ".join(f"{markup(g.name)} (x{g.runs})" for g in result.programs))
             console.print("collectives: Shardy's partitioning of the lowered programs; XLA's compiler may merge "
                           "the per-leaf reductions and pick other forms (docs/testing.md)")
         for warning in result.warnings:
-            console.print(f"[yellow]warning[/yellow]: {warning}")
+            console.print(f"[yellow]warning[/yellow]: {markup(warning, 600)}")
         if result.error:
             console.print("[red]sharding error[/red]:")
             console.print(result.error, markup=False, highlight=False)

@@ -23,6 +23,7 @@ from testbed.cluster import netns
 from testbed.cluster.spec import ClusterSpec, cluster_spec
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic
+from testbed.text import markup
 from testbed.topology.io import load_topology
 from testbed.units import format_bandwidth
 
@@ -120,7 +121,8 @@ def execute(args: argparse.Namespace) -> CommandResult:
         if args.action == "up":
             spec = data["cluster"]
             rates = sorted({link["rate_bps"] for link in spec["links"]})
-            console.print(f"cluster [bold]{spec['name']}[/] up: {len(spec['nodes'])} nodes of {spec['topology']} at "
+            console.print(f"cluster [bold]{markup(spec['name'])}[/] up: {len(spec['nodes'])} nodes of "
+                          f"{markup(spec['topology'])} at "
                           f"scale {spec['scale']:g}, links {', '.join(format_bandwidth(r / 8) for r in rates)}, "
                           f"{len(data['namespaces'])} namespaces")
         elif args.action == "down":
@@ -131,6 +133,6 @@ def execute(args: argparse.Namespace) -> CommandResult:
             for c in data["clusters"]:
                 state = "running" if c["owner_alive"] else "gone"
                 owner = "kept" if c["owner"] == "keep" else f"owner {c['owner']} ({state})"
-                console.print(f"{c['name']}: {c['nodes']} nodes, {owner}")
+                console.print(f"{markup(c['name'])}: {c['nodes']} nodes, {owner}")
 
     return CommandResult(data, render)

@@ -28,6 +28,7 @@ from testbed.collectives.ops import BUS_FACTOR, OPS, Op, parse_op
 from testbed.errors import InputError
 from testbed.output import CommandResult, to_jsonable
 from testbed.topology import Topology
+from testbed.text import markup, plot_label, shown
 from testbed.topology.io import load_topology
 from testbed.units import format_bandwidth, format_bytes, format_time, parse_bytes
 
@@ -85,7 +86,7 @@ def plot_sweep(rows: list[dict[str, object]], title: str, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(title)
+    ax.set_title(plot_label(title, 160))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     save_figure(fig, path)
@@ -153,17 +154,20 @@ def execute(args: argparse.Namespace) -> CommandResult:
     def render(console) -> None:
         from rich.table import Table
 
-        console.print(f"[bold]{op}[/] on [bold]{topology.name}[/] over {args.over}: {len(groups)} group(s) of "
-                      f"{n} ranks, {format_bytes(nbytes)}")
-        table = Table()
-        for column in ("algorithm", "time", "algbw", "busbw", "bound", "rounds"):
-            table.add_column(column, justify="left" if column == "algorithm" else "right")
-        for row in compared:
-            mark = " *" if row["algorithm"] == result.algorithm else ""
-            table.add_row(f"{row['algorithm']}{mark}", format_time(row["time_s"]), format_bandwidth(row["algbw"]),
-                          format_bandwidth(row["busbw"]), format_time(row["bound_s"]), str(row["rounds"]))
-        console.print(table)
-        console.print(f"* chosen ({'auto: fastest' if algorithm == 'auto' else 'requested'})")
+        from testbed.cli.tables import Col, fitted_table
+
+        console.print(f"[bold]{op}[/] on [bold]{markup(topology.name)}[/] over {markup(args.over)}: {len(groups)} "
+                      f"group(s) of {n} ranks, {format_bytes(nbytes)}")
+        columns = [Col(header="algorithm", key=True, justify="left"), Col(header="time"), Col(header="algbw"),
+                   Col(header="busbw"), Col(header="bound", drop=1), Col(header="rounds", drop=2)]
+        cells = [[f"{row['algorithm']}{' *' if row['algorithm'] == result.algorithm else ''}",
+                  format_time(row["time_s"]), format_bandwidth(row["algbw"]), format_bandwidth(row["busbw"]),
+                  format_time(row["bound_s"]), str(row["rounds"])] for row in compared]
+        console.print(fitted_table(console, columns, cells))
+        fastest = min(compared, key=lambda row: row["time_s"])["algorithm"] if compared else result.algorithm
+        how = ("requested" if algorithm != "auto" else "auto: fastest" if result.algorithm == fastest
+               else "auto: NCCL's tuning model's pick")  # on NVIDIA hierarchies NCCL chooses, not the fastest
+        console.print(f"* chosen ({how})")
         if sweep_rows:
             for name in dict.fromkeys(r["algorithm"] for r in sweep_rows):
                 sweep = Table(title=f"{name}")
@@ -178,7 +182,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
         elif executed is not None:
             _render_execution(console, executed, topology.name)
         for f in files:
-            console.print(f"wrote {f}")
+            console.print(f"wrote {markup(f)}")
 
     failed = executed is not None and not executed["ok"]
     return CommandResult(data, render, exit_code=1 if failed else 0, files=files)
@@ -241,6 +245,33 @@ def _prepare_devices(text: str, n: int, where: str) -> str:
     return str(request)
 
 
+#: Copies of the n-rank buffer an execution holds at its peak: the fp32 input and its device copies, both
+#: outputs, and the float64 copies the check compares.
+_EXECUTE_COPIES = 12
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory this host can still give (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_host_memory(nbytes: float, n: int) -> None:
+    """Refuse an execution whose buffers would not fit in the host's free memory, before JAX starts."""
+    need = _EXECUTE_COPIES * n * float(nbytes)
+    have = _available_memory()
+    if have is not None and need > have:
+        raise InputError(f"executing {format_bytes(nbytes)} on {n} ranks needs about {format_bytes(need)} of host "
+                         f"memory ({_EXECUTE_COPIES} copies of the {n}-rank buffer), more than the "
+                         f"{format_bytes(have)} available; give a smaller --bytes", field="bytes")
+
+
 def _execute_on_devices(args: argparse.Namespace, topology: Topology, op: Op, groups: list, nbytes: float,
                         algorithm: str, result: CollectiveTiming, compared: list[dict[str, object]], root: int,
                         peer: int | None) -> dict[str, Any]:
@@ -253,6 +284,7 @@ def _execute_on_devices(args: argparse.Namespace, topology: Topology, op: Op, gr
     name, why = _executed_algorithm(op, algorithm, result.algorithm, compared)
     program, _ = placed_program(topology, op, name, groups[0], root, peer)
     n = program.n
+    _check_host_memory(nbytes, n)
     request = _prepare_devices(args.execute, n, f"{op} over {args.over} on {topology.name}")
     from testbed.runner.collectives import execute_and_check
 
@@ -278,7 +310,7 @@ def _render_execution(console: Any, run: dict[str, Any], topology: str) -> None:
     for column in ("", "time", "algbw", "busbw"):
         table.add_column(column, justify="left" if not column else "right")
     groups = f", {run['predicted_groups']} groups at once" if run["predicted_groups"] > 1 else ""
-    rows = [(f"predicted on {topology}{groups}", run["predicted_s"]),
+    rows = [(f"predicted on {shown(topology)}{groups}", run["predicted_s"]),
             (f"measured step program ({run['algorithm']}, ppermute)", run["program_time_s"]),
             (f"measured {run['lax']}", run["builtin_time_s"])]
     for label, seconds in rows:

@@ -21,6 +21,7 @@ from testbed.cluster import netns
 from testbed.cluster.spec import ClusterSpec, cluster_spec
 from testbed.collectives.ops import Op
 from testbed.errors import InputError
+from testbed.text import markup
 from testbed.topology import Topology
 from testbed.units import format_bandwidth, format_bytes, format_time
 
@@ -80,7 +81,7 @@ def render_cluster_execution(console: Any, run: dict[str, Any]) -> None:
     from rich.table import Table
 
     rates = ", ".join(format_bandwidth(r / 8) for r in run["link_rate_bps"])
-    console.print(f"executed {run['op']} on emulated cluster [bold]{run['cluster']}[/]: {run['nodes']} nodes, "
+    console.print(f"executed {run['op']} on emulated cluster [bold]{markup(run['cluster'])}[/]: {run['nodes']} nodes, "
                   f"{run['ranks']} ranks, links {rates} (scale {run['scale']:g}), {format_bytes(run['bytes'])}")
     table = Table()
     for column in ("", "time", "busbw"):

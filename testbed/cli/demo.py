@@ -28,6 +28,8 @@ from testbed.errors import InputError
 from testbed.output import CommandResult, output_folder, write_atomic
 from testbed.plan.placement import place
 from testbed.plan.io import load_plan
+from testbed.sim.trace_args import span_args
+from testbed.text import markup, shown
 from testbed.topology.io import load_topology
 from testbed.units import format_bytes, format_time
 
@@ -70,14 +72,15 @@ def execute(args: argparse.Namespace) -> CommandResult:
     topology = plan_topology(plan, args.topology, args.plan)
     files: list[str] = []
 
-    _stage(console, f"1/6 check plan `{plan.name}` against `{topology.name}`")
+    _stage(console, f"1/6 check plan `{markup(plan.name)}` against `{markup(topology.name)}`")
     placement = place(plan, topology)
     report = placement_report(plan, topology, placement)
 
     _stage(console, "2/6 predict memory and one training step (simulator)")
     memory = memory_breakdown(plan, topology)
     sim = simulate(plan, topology)
-    files.append(str(write_trace(sim.timeline, out / "demo-trace.json")))
+    files.append(str(write_trace(sim.timeline, out / "demo-trace.json",
+                                 args=span_args(sim.program, sim.timeline, topology))))
     files.append(str(write_gantt(sim.timeline, out / "demo-gantt.png", title=f"{plan.name} on {topology.name}")))
     predicted = sim.report.to_dict()
 
@@ -156,7 +159,9 @@ def _render(console: Any, data: dict[str, Any]) -> None:
     """Readable at 80 columns (rich's width when piped): short headers, numbers never wrapped."""
     from rich.table import Table
 
-    console.rule(f"testbed demo: plan `{data['plan']}` on `{data['topology']}`")
+    from testbed.cli.tables import Col, fitted_table
+
+    console.rule(f"testbed demo: plan `{markup(data['plan'])}` on `{markup(data['topology'])}`")
     render_placement(console, data["placement"])
     p = data["predicted"]
     console.print(f"predicted step {format_time(p['step_time_s'])}, MFU {p['mfu']:.1%}\n  compute "
@@ -171,7 +176,7 @@ def _render(console: Any, data: dict[str, Any]) -> None:
         verdict = "[green]ok[/green]" if v["ok"] else "[red]NOT ok[/red]"
         e, t = v["errors"], v["thresholds"]
         console.print(f"verify {verdict} vs the single-device reference: loss {max(e['loss_rel']):.1e} "
-                      f"(threshold {t['loss']:.0e}), gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.0e}), "
+                      f"(threshold {t['loss']:.2g}), gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.2g}), "
                       f"parameters {e['param_steps']:.1e} optimizer steps apart; collectives found "
                       f"{ {k: n for k, n in v['collectives']['found'].items() if n} }")
     table = Table(title="predicted vs measured (per device)")
@@ -180,7 +185,7 @@ def _render(console: Any, data: dict[str, Any]) -> None:
     rows = data["predicted_vs_measured"]
     ref = (data["measured"] or {}).get("reference_step")
     labels = {"step_time_s": ("step time", "time"), "memory_bytes": ("memory", "bytes"), "mfu": ("MFU", "ratio"),
-              "reference_step_s": (f"calibrate's step {ref['plan']}" if ref else "", "time"),
+              "reference_step_s": (f"calibrate's step {shown(ref['plan'])}" if ref else "", "time"),
               "step_time_at_calibrated_speed_s": ("step time at calibrated speed", "time")}
     for name, (label, kind) in labels.items():
         if name in rows:
@@ -190,16 +195,16 @@ def _render(console: Any, data: dict[str, Any]) -> None:
     console.print(table)
     if ref:
         console.print(f"the host ran at {ref['speed']:.2f}x the speed it was calibrated at (calibrate's data-parallel "
-                      f"step {ref['plan']}, timed after the plan); the last row scales the measured step by it")
-    table = Table(title="the same plan on other topologies (data degree scaled)", padding=(0, 1), pad_edge=False)
-    for col in ("topology", "dev", "data", "step", "compute", "comm", "bubble", "MFU", "mem"):
-        table.add_column(col, justify="left" if col == "topology" else "right", no_wrap=True)
-    for r in data["compare"]:
-        table.add_row(r["topology"], str(r["devices"]), str(r["data"]), format_time(r["step_time_s"]),
-                      format_time(r["compute_s"]), format_time(r["exposed_comm_s"]), f"{r['bubble_fraction']:.1%}",
-                      f"{r['mfu']:.1%}", "fits" if r["fits"] else "OOM")
-    console.print(table)
+                      f"step {markup(ref['plan'])}, timed after the plan); the last row scales the measured step by it")
+    columns = [Col(header="topology", key=True, justify="left"), Col(header="dev"), Col(header="data", drop=3),
+               Col(header="step"), Col(header="compute", drop=2), Col(header="comm"), Col(header="bubble", drop=1),
+               Col(header="MFU"), Col(header="mem")]
+    cells = [[shown(r["topology"]), str(r["devices"]), str(r["data"]), format_time(r["step_time_s"]),
+              format_time(r["compute_s"]), format_time(r["exposed_comm_s"]), f"{r['bubble_fraction']:.1%}",
+              f"{r['mfu']:.1%}", "fits" if r["fits"] else "OOM"] for r in data["compare"]]
+    console.print(fitted_table(console, columns, cells, title="the same plan on other topologies (data degree scaled)",
+                               padding=(0, 1), pad_edge=False))
     console.print("comm: exposed communication; mem: fits in device memory, or OOM")
     for f in data["files"]:
-        console.print(f"wrote {f}")
+        console.print(f"wrote {markup(f)}")
     console.print(f"done in {data['elapsed_s']:.0f} s")

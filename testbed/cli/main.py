@@ -1,6 +1,7 @@
-"""The ``testbed`` command.
+"""The testbed command: simulate, search and run distributed training plans.
 
-Each subcommand lives in a module that exposes ``add_arguments(parser)`` and
+``testbed`` alone prints the command list (exit 0); ``testbed --version`` the
+version. Each subcommand lives in a module that exposes ``add_arguments(parser)`` and
 ``execute(args) -> CommandResult``; this file only wires them to argparse,
 prints the result (a rich rendering, or one JSON object with ``--json``) and
 maps errors to exit statuses: 0 success, 1 a check failed, 2 bad input.
@@ -13,11 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import signal
 import sys
 from collections.abc import Sequence
 
-from testbed.errors import MAX_MESSAGE, InputError, closest
-from testbed.output import CommandResult, command_inputs
+# Nothing of testbed is imported here at module level: `testbed` starts, and its Ctrl-C handler is in
+# place, before any heavy import (main() imports the rest).
 
 __all__ = ["main", "COMMANDS"]
 
@@ -50,6 +52,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         if "invalid choice:" in message:
             bad = message.split("invalid choice:")[1].split("(")[0].strip().strip("'\"")
+            from testbed.errors import closest
+
             hint = closest(bad, COMMANDS)
             if hint:
                 message += f"; did you mean `{hint}`?"
@@ -60,6 +64,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _clip_usage(message: str) -> str:
     """argparse's message with each quoted value cut to 60 characters and the whole to MAX_MESSAGE."""
+    from testbed.errors import MAX_MESSAGE
+    from testbed.text import escape_controls
+
+    message = escape_controls(message[: 4 * MAX_MESSAGE])
     message = re.sub(r"'([^']{60})[^']+'", r"'\1...'", message)
     return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."
 
@@ -72,7 +80,11 @@ def _load(spec: str):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser; with ``only`` set, import just that command's module."""
-    parser = _Parser(prog="testbed", description=__doc__.splitlines()[0])
+    from testbed import __version__
+
+    parser = _Parser(prog="testbed", description=__doc__.splitlines()[0],
+                     epilog="`testbed COMMAND --help` describes a command's options.")
+    parser.add_argument("--version", action="version", version=f"testbed {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, (spec, help_text) in COMMANDS.items():
@@ -92,15 +104,34 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``testbed ARGV``; returns the exit status. Ctrl-C anywhere in it is status 130, never a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while reporting the first is ignored
+        sys.stderr.write("interrupted\n")
+        sys.stderr.flush()
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    from testbed.errors import InputError
+    from testbed.output import CommandResult, command_inputs
+    from testbed.text import escape_controls
+
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(only=first if first in COMMANDS else None)
+    if not argv:  # `testbed` alone: the command list, as a request for help rather than a usage error
+        parser.print_help(sys.stdout)
+        return 0
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # bad usage (2) or --help (0): a status, in-process callers get it returned too
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
     if getattr(args, "_missing", None):
-        sys.stderr.write(f"error: `testbed {args.command}` is not available in this build ({args._missing} missing)\n")
+        sys.stderr.write(f"error: `testbed {args.command}` is not available in this build "
+                         f"({escape_controls(args._missing)} missing)\n")
         return 2
     try:
         with command_inputs():  # files the command reads are never overwritten by its outputs
@@ -108,15 +139,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as exc:
         sys.stderr.write(f"error: {exc.render()}\n")
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        return 130
     if args.json:
         sys.stdout.write(result.json_text() + "\n")
     elif result.render is not None:
         from rich.console import Console
 
-        result.render(Console())
+        result.render(Console(emoji=False))  # `:name:` in a user's name stays text
     sys.stdout.flush()
     return result.exit_code
 

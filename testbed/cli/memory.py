@@ -14,7 +14,8 @@ from testbed.errors import InputError
 from testbed.model.memory import memory_breakdown
 from testbed.output import CommandResult
 from testbed.plan.io import load_plan
-from testbed.plan.sharding import padded_params, runner_whole_params
+from testbed.model.leaves import padded_params, runner_whole_params
+from testbed.text import markup
 from testbed.units import format_bytes
 
 __all__ = ["add_arguments", "execute"]
@@ -47,22 +48,20 @@ def execute(args: argparse.Namespace) -> CommandResult:
     exit_code = 1 if args.fail_if_oom and not breakdown.fits else 0
 
     def render(console) -> None:
-        from rich.table import Table
+        from testbed.cli.tables import Col, fitted_table
 
-        console.print(f"plan `{plan.name}` on `{topology.name}` ({topology.device.name}, "
+        console.print(f"plan `{markup(plan.name)}` on `{markup(topology.name)}` ({markup(topology.device.name)}, "
                       f"{format_bytes(breakdown.capacity)} per device): {breakdown.params_count:,} parameters, "
                       f"{plan.precision.value}, remat {plan.remat.value}, ZeRO {plan.zero}, {plan.schedule.name.value}")
         if plan.mesh.size != topology.num_devices:
             console.print(f"[yellow]note[/yellow]: the mesh uses {plan.mesh.size} devices, the topology has "
                           f"{topology.num_devices}; only the device type is used here")
-        table = Table(title=f"bytes per device (worst: stage {breakdown.worst_stage})")
-        table.add_column("stage")
-        table.add_column("mb", justify="right")
-        for header in ("params", "grads", "optim", "acts", "work", "total"):
-            table.add_column(header, justify="right", no_wrap=True)
-        for s in breakdown.per_stage:
-            table.add_row(str(s.stage), str(s.inflight), *(format_bytes(getattr(s, p)) for p in _PARTS))
-        console.print(table)
+        columns = [Col(header="stage", key=True, justify="left"), Col(header="mb"),
+                   *(Col(header=h) for h in ("params", "grads", "optim", "acts", "work", "total"))]
+        cells = [[str(s.stage), str(s.inflight), *(format_bytes(getattr(s, p)) for p in _PARTS)]
+                 for s in breakdown.per_stage]
+        console.print(fitted_table(console, columns, cells,
+                                   title=f"bytes per device (worst: stage {breakdown.worst_stage})"))
         console.print("mb: (microbatch, chunk) activation sets held at peak, from the schedule")
         if data["padded"]:
             kinds = ", ".join(f"{w} of {len(names)}" for w, names in data["padded"].items())

@@ -19,7 +19,7 @@ __all__ = ["presets", "preset_rows"]
 def preset_rows(names: list[str] | None = None) -> list[dict]:
     """One row per preset: name, the full model mapping, parameters, default global batch and source."""
     from testbed.explore.space import preset_plan
-    from testbed.model import presets as p
+    from testbed.plan import presets as p
     from testbed.model.costs import param_count
     from testbed.plan.io import plan_to_dict
 
@@ -38,7 +38,7 @@ def _add(parser: argparse.ArgumentParser) -> None:
 
 def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.errors import InputError, closest
-    from testbed.model.presets import preset_names
+    from testbed.plan.presets import preset_names
 
     for name in args.names:
         if name not in preset_names():

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.errors import InputError, quote
+from testbed.text import markup
 from testbed.topology import Topology
 
 __all__ = ["parse_mesh", "load_function", "trace_program"]
@@ -168,7 +169,10 @@ def execute(args: Any) -> Any:
         "assumptions": summary["assumptions"]}
     files = []
     if args.trace:
-        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace)))
+        from testbed.sim.trace_args import span_args
+
+        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace,
+                                     args=span_args(sim.program, sim.timeline, topology))))
         data["trace"] = args.trace
     if args.gantt:
         files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{workload.name} on {topology.name}")))
@@ -176,7 +180,8 @@ def execute(args: Any) -> Any:
 
     def render(console) -> None:
         axes = ", ".join(f"{k}={v}" for k, v in mesh.items())
-        console.print(f"[bold]{args.program}[/bold] on [bold]{topology.name}[/bold] ({topology.num_devices} devices, "
+        console.print(f"[bold]{markup(args.program)}[/bold] on [bold]{markup(topology.name)}[/bold] "
+                      f"({topology.num_devices} devices, "
                       f"mesh {axes}, {r.tasks} tasks)")
         console.print(f"step time      {format_time(r.step_time_s)}")
         console.print(f"compute        {format_time(r.compute_s)}")
@@ -184,14 +189,16 @@ def execute(args: Any) -> Any:
         console.print(f"MFU            {r.mfu:.1%} ({workload.dtype} matmuls)")
         for label, kinds in data["collective_bytes"].items():
             moved = ", ".join(f"{k} {format_bytes(v)}" for k, v in kinds.items())
-            console.print(f"  over {label or '-'}: {moved} per device")
+            console.print(f"  over {markup(label or '-')}: {moved} per device")
         fits = "[green]fits[/green]" if r.memory.get("fits") else "[red]does not fit[/red]"
         console.print(f"memory         {format_bytes(r.memory.get('total', 0))} of "
                       f"{format_bytes(r.memory.get('capacity', 0))} per device: {fits} (live-range estimate; "
                       f"arguments {format_bytes(r.memory.get('arguments', 0))})")
         for note in data["assumptions"]:
-            console.print(f"[yellow]assumed[/yellow]: {note}")
+            console.print(f"[yellow]assumed[/yellow]: {markup(note, 600)}")
         for f in files:
-            console.print(f"wrote {f}")
+            console.print(f"wrote {markup(f)}")
 
-    return CommandResult(data, render, files=files)
+    fits = bool(r.memory.get("fits", True))  # simulate --fail-if-oom: the same verdict for a traced program
+    return CommandResult(data, render, exit_code=1 if getattr(args, "fail_if_oom", False) and not fits else 0,
+                         files=files)

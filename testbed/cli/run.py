@@ -24,6 +24,7 @@ from testbed.errors import InputError
 from testbed.output import CommandResult, output_target
 from testbed.plan.io import load_plan, plan_to_dict
 from testbed.plan.spec import Plan
+from testbed.text import markup
 
 __all__ = ["run", "verify"]
 
@@ -136,21 +137,21 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
 
 def _error_render(message: str):
     def render(console: Any) -> None:
-        console.print(f"[red]run failed:[/red] {message}")
+        console.print(f"[red]run failed:[/red] {markup(message, 2000)}")
     return render
 
 
 def _run_render(data: dict[str, Any], files: list[str]):
     def render(console: Any) -> None:
         mfu = data["report"]["mfu"]
-        console.rule(f"testbed run: plan `{data['plan']}`")
+        console.rule(f"testbed run: plan `{markup(data['plan'])}`")
         console.print(f"{data['devices']} {data['platform']} device(s), {data['processes']} process(es); "
                       f"compile + first step {data['compile_time_s']:.2f} s")
         console.print(f"{data['steps']} steps: median {data['median_step_time_s'] * 1e3:.1f} ms; loss "
                       + (f"{data['loss']:.5f}" if data["loss"] is not None else "n/a")
                       + (f"; MFU {mfu:.1%}" if mfu is not None else ""))
         for path in files:
-            console.print(f"wrote {path} (measured steps; open in ui.perfetto.dev)")
+            console.print(f"wrote {markup(path)} (measured steps; open in ui.perfetto.dev)")
     return render
 
 
@@ -167,8 +168,8 @@ def _execute_verify(args: argparse.Namespace) -> CommandResult:
         verdict = "[green]ok[/green]" if data["ok"] else "[red]NOT ok[/red]"
         console.rule(f"testbed verify: plan `{plan.name}` on {data['devices']} {data['platform']} device(s)")
         e, t = data["errors"], data["thresholds"]
-        console.print(f"{verdict}: relative error of the loss {max(e['loss_rel']):.1e} (threshold {t['loss']:.0e}), "
-                      f"of the first step's gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.0e}); "
+        console.print(f"{verdict}: relative error of the loss {max(e['loss_rel']):.1e} (threshold {t['loss']:.2g}), "
+                      f"of the first step's gradients {max(e['grad_rel']):.1e} (threshold {t['grads']:.2g}); "
                       f"parameters {e['param_steps']:.1e} optimizer steps apart (threshold {t['param_steps']:.0e})")
         console.print(f"loss plan {data['loss']} vs reference {data['reference_loss']}")
         c = data["collectives"]

@@ -10,6 +10,7 @@ from testbed.viz.gantt import draw_gantt
 from testbed.output import CommandResult
 from testbed.pipeline.timing import ActionCosts, gantt_bars, play
 from testbed.pipeline.schedules import build_schedule, peak_deferred_weight_grads, peak_inflight, schedule_names, validate
+from testbed.text import markup
 
 __all__ = ["add_arguments", "execute", "parse_costs"]
 
@@ -107,6 +108,6 @@ def execute(args: argparse.Namespace) -> CommandResult:
         console.print(f"step time {timing.step_time:g}, bubble fraction {timing.bubble_fraction:.4f}"
                       f" (steady-state {timing.steady_bubble_fraction:.4f})")
         for f in files:
-            console.print(f"wrote {f}")
+            console.print(f"wrote {markup(f)}")
 
     return CommandResult(data, render, files=files)

@@ -11,6 +11,7 @@ read unchanged.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.output import CommandResult, output_target, write_atomic
 from testbed.plan.spec import Plan
+from testbed.text import markup, shown
 from testbed.units import format_bytes, format_time
 
 __all__ = ["search", "base_plan"]
@@ -30,7 +32,7 @@ def _csv(text: str | None) -> tuple[str, ...] | None:
 
 def _add(parser: argparse.ArgumentParser) -> None:
     from testbed.explore.search import OBJECTIVES
-    from testbed.model.presets import preset_names
+    from testbed.plan.presets import preset_names
 
     parser.add_argument("--model", required=True,
                         help=f"plan file or bundled plan (its model, batch, precision, optimizer are kept) or a "
@@ -59,7 +61,7 @@ def _add(parser: argparse.ArgumentParser) -> None:
 def base_plan(model: str, global_batch: int | None = None, seq: int | None = None) -> Plan:
     """The plan a search starts from: a preset's, or a plan file's with the batch and sequence overridden."""
     from testbed.explore.space import preset_plan
-    from testbed.model.presets import PRESETS
+    from testbed.plan.presets import PRESETS
     from testbed.plan.io import load_plan
 
     for name, value in (("--global-batch", global_batch), ("--seq", seq)):
@@ -70,7 +72,7 @@ def base_plan(model: str, global_batch: int | None = None, seq: int | None = Non
     try:
         plan = load_plan(model)
     except InputError as exc:
-        if model.strip() and Path(model).exists():  # Path("") is the current folder
+        if model.strip() and os.path.exists(model):  # os.path: False (not OSError) for an over-long name
             raise
         raise InputError(f"`{model}` is neither a plan file, a bundled plan nor a preset "
                          f"({', '.join(sorted(PRESETS))}); {exc.message}", field="--model") from None
@@ -109,7 +111,7 @@ def _space(args: argparse.Namespace):
 
 def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.cli.basic import plan_topology
-    from testbed.cli.progress import progress_bar, progress_lines
+    from testbed.cli.progress import progress_bar
     from testbed.explore.search import search as run_search
     from testbed.explore.space import resize_topology
     from testbed.plan.io import dump_plan, plan_to_dict
@@ -124,12 +126,10 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     if args.out:
         output_target(args.out, "--out")  # refused before the search, not after it
     space = _space(args)
-    lines = progress_lines("searching")  # plain lines when stderr is not a terminal (the bar draws none there)
     with progress_bar("searching") as bar:
         tasks: dict[str, Any] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
-            lines(phase, done, total)
             if phase not in tasks:
                 label = "plans (analytic tier)" if phase == "analytic" else "best plans (DES replay)"
                 tasks[phase] = bar.add_task(label, total=total)
@@ -148,7 +148,7 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     written = replace(best.plan, name=name, topology=args.topology or plan.topology)
     files = []
     if args.out:
-        header = (f"# Found by `testbed search` ({args.objective}) on {topology.name}: "
+        header = (f"# Found by `testbed search` ({args.objective}) on {shown(topology.name)}: "
                   f"{format_time(best.step_time_s)} per step (DES).\n")
         files.append(str(write_atomic(args.out, header + dump_plan(written), "--out")))
     rows = [c.summary() for c in result.ranked[:args.top]]
@@ -159,31 +159,35 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out}
 
     def render(console) -> None:
-        from rich import box
-        from rich.table import Table
+        from testbed.cli.tables import Col, compact, fitted_table
 
-        console.print(f"[bold]{plan.name}[/bold] on [bold]{topology.name}[/bold] ({topology.num_devices} devices): "
-                      f"{result.enumerated} plans, {result.pruned_memory} over memory, {result.pruned_bound} too slow to "
-                      f"replay by their step floor, {result.estimated} estimated "
+        console.print(f"[bold]{markup(plan.name)}[/bold] on [bold]{markup(topology.name)}[/bold] "
+                      f"({topology.num_devices} devices): {result.enumerated} plans, {result.pruned_memory} over "
+                      f"memory, {result.pruned_bound} too slow to replay by their step floor, {result.estimated} estimated "
                       f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed")
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-        for col in ("#", "d.f.t.s", "schedule", "mb", "Z", "remat", "step", "comm", "bubble", "MFU", "memory"):
-            table.add_column(col, no_wrap=True, justify="left" if col in ("d.f.t.s", "schedule", "remat") else "right")
+        # The layout (mesh, schedule, microbatches, ZeRO, remat) identifies a candidate; comm, bubble and
+        # memory go first when the terminal is narrow.
+        columns = [Col(header="#"), Col(header="d.f.t.s", key=True, justify="left"),
+                   Col(header="schedule", key=True, justify="left"), Col(header="mb", key=True),
+                   Col(header="Z", key=True), Col(header="remat", key=True, justify="left"), Col(header="step"),
+                   Col(header="comm", drop=3), Col(header="bubble", drop=2), Col(header="MFU"),
+                   Col(header="memory", drop=1)]
+        cells = []
         for i, r in enumerate(rows, 1):
             sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
             mesh = f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}" + (
                 f" ep{r['expert']}" if r.get("expert", 1) > 1 else "") + (  # MoE: the expert degree beside
                 f" cp{r['context']}" if r.get("context", 1) > 1 else "")  # context parallelism likewise
-            table.add_row(str(i), mesh, sched, str(r["microbatches"]),
-                          str(r["zero"]), r["remat"][:4], format_time(r["step_time_s"]),
-                          format_time(r.get("exposed_comm_s", 0.0)), f"{r.get('bubble_fraction', 0.0):.0%}",
-                          f"{r.get('mfu', 0.0):.0%}", format_bytes(r["memory_bytes"]))
-        console.print(table)
+            cells.append([str(i), mesh, sched, str(r["microbatches"]), str(r["zero"]), r["remat"],
+                          format_time(r["step_time_s"]), format_time(r.get("exposed_comm_s", 0.0)),
+                          f"{r.get('bubble_fraction', 0.0):.0%}", f"{r.get('mfu', 0.0):.0%}",
+                          format_bytes(r["memory_bytes"])])
+        console.print(fitted_table(console, columns, cells, **compact()))
         if baseline:
             console.print(f"the plan as written: {format_time(baseline)} per step; best: "
                           f"{format_time(best.step_time_s)} ({baseline / best.step_time_s:.2f}x faster)")
         for f in files:
-            console.print(f"wrote {f}")
+            console.print(f"wrote {markup(f)}")
 
     return CommandResult(data, render, files=files)
 

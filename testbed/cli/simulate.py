@@ -15,6 +15,7 @@ from testbed.sim.engine import Simulation, simulate as run_simulation
 from testbed.sim.moe import exposed_stream_s
 from testbed.sim.ring import RING_STREAM, exposed_ring_s
 from testbed.topology import Topology
+from testbed.text import markup, plot_label, shown
 from testbed.topology.io import load_topology
 from testbed.units import format_bytes, format_time, parse_bytes
 
@@ -62,6 +63,8 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-trace-bytes", default="256MiB",
                         help="refuse a --trace estimated larger than this (default 256MiB; e.g. 4GiB)")
     parser.add_argument("--gantt", help="write a Gantt chart PNG of the representative streams")
+    parser.add_argument("--fail-if-oom", action="store_true",
+                        help="exit 1 when the fullest device's memory overflows (as `memory --fail-if-oom`)")
 
 
 def _simulate_execute(args: argparse.Namespace) -> CommandResult:
@@ -80,7 +83,10 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
     data = _summary(sim)
     files = []
     if args.trace:
-        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace)))
+        from testbed.sim.trace_args import span_args
+
+        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace,
+                                     args=span_args(sim.program, sim.timeline, topology))))
         data["trace"] = args.trace
     if args.gantt:
         files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{plan.name} on {topology.name}")))
@@ -88,7 +94,7 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
 
     def render(console) -> None:
         m = data["memory"]
-        console.print(f"[bold]{plan.name}[/bold] on [bold]{topology.name}[/bold] ({topology.num_devices} devices, "
+        console.print(f"[bold]{markup(plan.name)}[/bold] on [bold]{markup(topology.name)}[/bold] ({topology.num_devices} devices, "
                       f"{sim.report.tasks} tasks)")
         console.print(f"step time      {format_time(data['step_time_s'])}")
         console.print(f"compute        {format_time(data['compute_s'])}")
@@ -103,9 +109,10 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
         console.print(f"memory         {format_bytes(m.get('total', 0))} of {format_bytes(m.get('capacity', 0))} "
                       f"per device: {fits}")
         for f in files:
-            console.print(f"wrote {f}")
+            console.print(f"wrote {markup(f)}")
 
-    return CommandResult(data, render, files=files)
+    fits = bool(data["memory"].get("fits", True))
+    return CommandResult(data, render, exit_code=1 if args.fail_if_oom and not fits else 0, files=files)
 
 
 simulate = SimpleNamespace(add_arguments=_simulate_add, execute=_simulate_execute)
@@ -148,7 +155,7 @@ def draw_breakdown(rows: list[dict], path: str, title: str = ""):
     from testbed.viz.plots import pyplot, save_figure
 
     plt = pyplot()
-    names = [r["topology"] for r in rows]
+    names = [plot_label(r["topology"], 24) for r in rows]
     steps = [r["step_time_s"] for r in rows]
     share = lambda value, step: 100.0 * value / step if step > 0 else 0.0  # noqa: E731
     compute = [share(r["compute_s"], r["step_time_s"]) for r in rows]
@@ -188,30 +195,31 @@ def _compare_execute(args: argparse.Namespace) -> CommandResult:
     data: dict[str, Any] = {"plan": plan.name, "scale": args.scale, "rows": rows}
     files = []
     if args.png:
-        files.append(str(draw_breakdown(rows, args.png, title=f"{plan.name}: one training step")))
+        files.append(str(draw_breakdown(rows, args.png, title=f"{plot_label(plan.name)}: one training step")))
         data["png"] = args.png
 
     def render(console) -> None:
-        from rich import box
-        from rich.table import Table
+        from rich.text import Text
 
-        # Fits 80 columns (piped output): light borders, short headers, numbers never wrapped; only a
-        # long topology name folds. The data degree is shown when --scale changed it.
-        table = Table(title=f"{plan.name}" + (" (data degree scaled)" if args.scale else ""), box=box.SIMPLE_HEAD,
-                      pad_edge=False, padding=(0, 1, 0, 0))
-        table.add_column("topology", overflow="fold", min_width=8)
-        columns = ["devices"] + (["data"] if args.scale else []) + ["step", "compute", "exp.comm", "bubble", "MFU",
-                                                                     "memory"]
-        for c in columns:
-            table.add_column(c, no_wrap=True, justify="right")
+        from testbed.cli.tables import Col, compact, fitted_table
+
+        # Fits 80 columns (piped output): light borders, short headers; the topology's name is whole, and the
+        # compute and bubble columns go first when a long name needs the room. The data degree is shown when
+        # --scale changed it.
+        columns = [Col(header="topology", key=True, justify="left"), Col(header="devices")]
+        columns += [Col(header="data")] if args.scale else []
+        columns += [Col(header="step"), Col(header="compute", drop=2), Col(header="exp.comm"),
+                    Col(header="bubble", drop=1), Col(header="MFU"), Col(header="memory")]
+        cells = []
         for r in rows:
-            cells = [str(r["devices"])] + ([str(r["data"])] if args.scale else [])
-            cells += [format_time(r["step_time_s"]), format_time(r["compute_s"]), format_time(r["exposed_comm_s"]),
-                      f"{r['bubble_fraction']:.1%}", f"{r['mfu']:.1%}", "fits" if r["fits"] else "[red]OOM[/red]"]
-            table.add_row(r["topology"], *cells)
-        console.print(table)
+            row = [shown(r["topology"]), str(r["devices"])] + ([str(r["data"])] if args.scale else [])
+            row += [format_time(r["step_time_s"]), format_time(r["compute_s"]), format_time(r["exposed_comm_s"]),
+                    f"{r['bubble_fraction']:.1%}", f"{r['mfu']:.1%}", "fits" if r["fits"] else Text("OOM", style="red")]
+            cells.append(row)
+        title = markup(plan.name) + (" (data degree scaled)" if args.scale else "")
+        console.print(fitted_table(console, columns, cells, title=title, **compact()))
         for f in files:
-            console.print(f"wrote {f}")
+            console.print(f"wrote {markup(f)}")
 
     return CommandResult(data, render, files=files)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.output import CommandResult, output_target
+from testbed.text import markup, shown
 from testbed.units import format_bytes, format_time
 
 __all__ = ["sweep"]
@@ -34,14 +35,43 @@ def _add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", nargs="?", const="", metavar="DIR",
                         help="draw the curves and Pareto fronts as PNGs into DIR (default NAME-plots)")
     parser.add_argument("--top", type=int, default=10, help="fastest points shown (default 10)")
+    parser.add_argument("--max-points", type=int, default=None, metavar="N",
+                        help="refuse a grid of more than N points before building it (default 10,000)")
     parser.add_argument("-v", "--verbose", action="store_true", help="one line on stderr per finished point")
 
 
 def _row_text(row: dict[str, Any]) -> str:
     if row["status"] != "ok":
-        return f"invalid: {row['error']}"
+        return f"invalid: {shown(row['error'], 400)}"
     return (f"{row['devices']} devices {row['data']}.{row['fsdp']}.{row['tensor']}.{row['stage']} "
             f"{format_time(row['step_time_s'])}")
+
+
+def _points_table(console: Any, points: list[dict[str, Any]]) -> Any:
+    """The fastest points at the console's width (testbed.cli.tables)."""
+    import json
+
+    from rich.text import Text
+
+    from testbed.cli.tables import Col, compact, fitted_table
+
+    # The parameters identify a point (wrapped between k=v, never cut); the d.f.t.s mesh, step, MFU and
+    # tok/$ are what points are compared by; the rest go first when the terminal is narrow.
+    columns = [Col(header="#"), Col(header="params", key=True, wrap=True, justify="left"),
+               Col(header="dev", drop=3), Col(header="d.f.t.s", justify="left"),
+               Col(header="sched", drop=2, justify="left"), Col(header="mb", drop=4), Col(header="step"),
+               Col(header="comm", drop=6), Col(header="bubble", drop=5), Col(header="MFU"),
+               Col(header="memory", drop=1), Col(header="tok/$")]
+    cells = []
+    for i, r in enumerate(points, 1):
+        params = ", ".join(f"{shown(k.split('.')[-1])}={shown(v)}" for k, v in json.loads(r["params"]).items())
+        memory = format_bytes(r["memory_bytes"])
+        cells.append([str(i), params, str(r["devices"]), f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}",
+                      shown(r["schedule"]), str(r["microbatches"]), format_time(r["step_time_s"]),
+                      format_time(r["exposed_comm_s"] or 0.0), f"{r['bubble_fraction'] or 0:.0%}",
+                      f"{r['mfu'] or 0:.0%}", memory if r["fits"] else Text(memory + " !", style="red"),
+                      f"{r['tokens_per_dollar']:,.0f}" if r["tokens_per_dollar"] else "-"])
+    return fitted_table(console, columns, cells, **compact())
 
 
 def _execute(args: argparse.Namespace) -> CommandResult:
@@ -54,7 +84,12 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         raise InputError("is empty; give the DuckDB file path (without --db: NAME.duckdb)", field="--db")
     if args.spec is None and (args.db is None or args.plot is None):
         raise InputError("give a SPEC to sweep, or --db FILE --plot DIR to plot a database", field="spec")
-    spec = load_sweep_spec(args.spec) if args.spec else None
+    from testbed.explore.sweep_spec import MAX_POINTS
+
+    max_points = MAX_POINTS if args.max_points is None else args.max_points
+    if max_points < 1:
+        raise InputError(f"must be a whole number >= 1, got {max_points}", field="--max-points")
+    spec = load_sweep_spec(args.spec, max_points=max_points) if args.spec else None
     db = args.db or f"{spec.name}.duckdb"
     summary = None
     if spec is not None:
@@ -67,13 +102,13 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             def progress(done: int, total: int) -> None:
                 if "task" not in state:  # points already in the database do not count towards the ETA
                     state["base"] = done
-                    label = f"{spec.name}" + (f" ({done} already done)" if done else "")
+                    label = markup(spec.name) + (f" ({done} already done)" if done else "")
                     state["task"] = bar.add_task(label, total=total - done)
                 bar.update(state["task"], completed=done - state["base"])
 
             def on_row(row: dict[str, Any]) -> None:
                 if args.verbose:
-                    sys.stderr.write(f"point {row['point']} {row['key']}: {_row_text(row)}\n")
+                    sys.stderr.write(f"point {row['point']} {shown(row['key'], 200)}: {_row_text(row)}\n")
                     sys.stderr.flush()
 
             summary = run_sweep(spec, db, executor=args.executor, workers=args.workers, address=args.address,
@@ -94,34 +129,18 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             "rows": rows}
 
     def render(console) -> None:
-        from rich import box
-        from rich.table import Table
-
         if summary is not None:
-            console.print(f"[bold]{spec.name}[/bold]: {summary.total} points, {summary.skipped} already in {db}, "
-                          f"{summary.evaluated} evaluated ({summary.invalid} invalid) in {summary.seconds:.1f} s")
+            console.print(f"[bold]{markup(spec.name)}[/bold]: {summary.total} points, {summary.skipped} already in "
+                          f"{markup(db)}, {summary.evaluated} evaluated ({summary.invalid} invalid) in "
+                          f"{summary.seconds:.1f} s")
         else:
-            console.print(f"{db}: {len(rows)} points, {len(ok)} valid")
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-        for col in ("#", "params", "dev", "d.f.t.s", "sched", "mb", "step", "comm", "bubble", "MFU", "memory",
-                    "tok/$"):
-            table.add_column(col, no_wrap=col != "params", justify="left" if col in ("params", "d.f.t.s", "sched")
-                             else "right")
-        for i, r in enumerate(ok[:args.top], 1):
-            import json
-
-            params = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in json.loads(r["params"]).items())
-            table.add_row(str(i), params, str(r["devices"]), f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}",
-                          r["schedule"], str(r["microbatches"]), format_time(r["step_time_s"]),
-                          format_time(r["exposed_comm_s"] or 0.0), f"{r['bubble_fraction'] or 0:.0%}",
-                          f"{r['mfu'] or 0:.0%}", format_bytes(r["memory_bytes"]) + ("" if r["fits"] else " !"),
-                          f"{r['tokens_per_dollar']:,.0f}" if r["tokens_per_dollar"] else "-")
-        console.print(table)
+            console.print(f"{markup(db)}: {len(rows)} points, {len(ok)} valid")
+        console.print(_points_table(console, ok[:args.top]))
         bad = [r for r in rows if r["status"] != "ok"]
         if bad:
-            console.print(f"{len(bad)} invalid points, e.g. point {bad[0]['point']}: {bad[0]['error']}")
+            console.print(f"{len(bad)} invalid points, e.g. point {bad[0]['point']}: {markup(bad[0]['error'], 400)}")
         for f in files:
-            console.print(f"wrote {f}")
+            console.print(f"wrote {markup(f)}")
 
     return CommandResult(data, render, files=files)
 

@@ -33,6 +33,7 @@ from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.plan.io import load_plan
 from testbed.plan.spec import check_plan
+from testbed.text import markup, shown
 from testbed.topology.io import load_topology
 
 __all__ = ["validate"]
@@ -71,7 +72,7 @@ def _validate(args: argparse.Namespace) -> CommandResult:
         task = bar.add_task("", total=len(plans) * args.rounds)
 
         def show(description: str, done: int) -> None:
-            bar.update(task, description=description, completed=done)
+            bar.update(task, description=markup(description), completed=done)
 
         rows, reference = runner.measure_plans(topology, plans, args.plans, devices, steps=args.steps,
                                                rounds=args.rounds, progress=show)
@@ -84,23 +85,24 @@ def _validate(args: argparse.Namespace) -> CommandResult:
 
 def render_validation(console: Any, data: dict[str, Any]) -> None:
     """Headline: predicted vs measured per plan and the median / max errors; then the host-drift diagnostics."""
-    from rich.table import Table
-
+    from testbed.cli.tables import Col, fitted_table
     from testbed.units import format_bytes, format_time
 
     rounds = data.get("rounds", 1)
-    table = Table(title=f"predicted vs measured on {data['topology']} ({data['devices']['devices']} "
-                        f"{data['devices']['platform']} devices, median of {data['steps']} steps"
-                        + (f", least of {rounds} rounds)" if rounds > 1 else ")"))
-    for col in ("plan", "predicted", "measured", "error", "pred. mem", "XLA mem", "mem. error"):
-        table.add_column(col, justify="left" if col == "plan" else "right", no_wrap=col != "plan")
+    title = (f"predicted vs measured on {markup(data['topology'])} ({data['devices']['devices']} "
+             f"{data['devices']['platform']} devices, median of {data['steps']} steps"
+             + (f", least of {rounds} rounds)" if rounds > 1 else ")"))
+    columns = [Col(header="plan", key=True, justify="left"), Col(header="predicted"), Col(header="measured"),
+               Col(header="error"), Col(header="pred. mem", drop=3), Col(header="XLA mem", drop=2),
+               Col(header="mem. error", drop=1)]
+    cells = []
     for p in data["plans"]:
         mem = p["measured_memory"]
-        table.add_row(p["plan"], format_time(p["predicted_s"]), format_time(p["measured_s"]),
+        cells.append([shown(p["plan"]), format_time(p["predicted_s"]), format_time(p["measured_s"]),
                       "-" if p["error"] is None else f"{p['error']:+.1%}",
                       format_bytes(p["predicted_memory"]), format_bytes(mem) if mem is not None else "-",
-                      f"{p['memory_error']:+.1%}" if p["memory_error"] is not None else "-")
-    console.print(table)
+                      f"{p['memory_error']:+.1%}" if p["memory_error"] is not None else "-"])
+    console.print(fitted_table(console, columns, cells, title=title))
     console.print(f"step time |error|: median {data['median_abs_error']:.1%}, max {data['max_abs_error']:.1%}")
     if data.get("median_abs_memory_error") is not None:
         console.print(f"memory |error|: median {data['median_abs_memory_error']:.1%}, "
@@ -111,7 +113,7 @@ def render_validation(console: Any, data: dict[str, Any]) -> None:
         return
     console.rule("diagnostics: host drift (not the model's accuracy)")
     if ref:
-        console.print(f"reference step ({ref['plan']} over all devices, as calibrated): predicted "
+        console.print(f"reference step ({markup(ref['plan'])} over all devices, as calibrated): predicted "
                       f"{format_time(ref['predicted_s'])}, measured {format_time(ref['measured_s'])} (least "
                       f"disturbed of {len(ref['measured_rounds_s'])}): the host runs at {ref['speed']:.2f}x its "
                       f"calibrated speed")

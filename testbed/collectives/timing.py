@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 from testbed.collectives.algorithms import ALGORITHMS, GRID_ALGORITHMS, SUPPORTED_OPS, parse_algorithm
 from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, parallel_copies, place_program, profile,
-                                        program_flows, routed_cost, routed_transfers, topology_memo)
+                                        program_flows, routed_cost, topology_memo)
 from testbed.collectives.bounds import distinct_groups, lower_bound
 from testbed.collectives.closed_form import closed_form_time
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
@@ -40,9 +40,8 @@ from testbed.collectives.torus import across_slices, disjoint_sub_tori, torus_li
 from testbed.errors import InputError
 from testbed.topology import Form, Topology
 
-__all__ = ["CollectiveTiming", "collective_time", "groups_time", "link_loads", "send_time", "routed_cost",
-           "applicable_algorithms", "program_time", "group_grid", "placed_program", "MAX_ROUTED_TRANSFERS",
-           "routed_transfers"]
+__all__ = ["CollectiveTiming", "collective_time", "groups_time", "link_loads", "send_time", "applicable_algorithms",
+           "program_time", "placed_program"]
 
 Link = tuple[object, object]
 
@@ -74,7 +73,6 @@ class CollectiveTiming:
 
 # -- memo --------------------------------------------------------------------------------
 
-_memo = topology_memo
 _MEMO_ENTRIES = 200_000
 
 
@@ -92,7 +90,7 @@ def applicable_algorithms(topology: Topology, op: Op | str, group: Sequence[int]
     """
     op = parse_op(op)
     group = tuple(group)
-    memo = _memo(topology)
+    memo = topology_memo(topology)
     key = ("applicable", op, group)
     if key in memo:
         return list(memo[key])
@@ -157,7 +155,7 @@ def placed_program(topology: Topology, op: Op | str, algorithm: str, group: Sequ
 def _cached_profile(topology: Topology, op: Op, algorithm: str, groups: tuple[tuple[int, ...], ...],
                     root: int, peer: int):
     """(chunks per buffer of ``bytes``, envelopes, link -> chunks, rounds), memoized per groups."""
-    memo = _memo(topology)
+    memo = topology_memo(topology)
     key = ("profile", op, algorithm, groups, root, peer)
     if key not in memo:
         placed = [program_flows(topology, op, algorithm, g, root, peer) for g in groups]
@@ -182,7 +180,7 @@ def program_time(topology: Topology, op: Op | str, algorithm: str, groups: Seque
 def _bound_per_byte(topology: Topology, op: Op, groups: tuple[tuple[int, ...], ...], root: int,
                     peer: int | None) -> float:
     """Lower bound seconds per byte (bounds are linear in bytes), memoized."""
-    memo = _memo(topology)
+    memo = topology_memo(topology)
     key = ("bound", op, groups, root, peer)
     if key not in memo:
         memo[key] = max(lower_bound(topology, op, g, 1.0, root, peer) for g in distinct_groups(topology, groups))
@@ -200,7 +198,7 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
     """
     groups = tuple(map(tuple, groups))
     nbytes = float(nbytes)
-    memo = _memo(topology)
+    memo = topology_memo(topology)
     key = ("time", op, algorithm, groups, nbytes, root, peer, use_closed_form)
     hit = memo.get(key)
     if hit is not None:
@@ -279,7 +277,7 @@ def _rendezvous(topology: Topology, ranks: int) -> float:
 
 
 def _copies(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> bool:
-    memo = _memo(topology)
+    memo = topology_memo(topology)
     key = ("copies", groups)
     if key not in memo:
         memo[key] = parallel_copies(topology, groups)
@@ -290,7 +288,7 @@ def _closed_applies(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> 
     """Whether a closed form for one group times them all: one group, or sub-tori on disjoint links."""
     if len(groups) == 1:
         return True
-    memo = _memo(topology)
+    memo = topology_memo(topology)
     key = ("disjoint", groups)
     if key not in memo:
         memo[key] = disjoint_sub_tori(topology, groups)

@@ -1,12 +1,13 @@
 """The search's fast tier: a plan's step time from the simulator's own cost functions, without the DES.
 
 Where the discrete-event simulator (testbed.sim.engine) builds the step's
-task graph and plays it as fluids sharing links, this tier plays only the
-pipeline schedule table, stage by stage, with the same prices:
+task graph and plays it as fluids sharing links, this tier plays the same
+step facts (testbed.sim.facts, from which the task graph is built) over
+the pipeline schedule table, stage by stage, with the same prices:
 
-- each F/B/W action costs :func:`testbed.sim.engine.compute_seconds` of the
-  work testbed.sim.program assigns it (``chunk_cost`` of testbed.model.costs,
-  split into gradient buckets as the program splits it), plus its blocking
+- each F/B/W action costs :func:`testbed.sim.compute.compute_seconds` of the
+  work the facts give it (``chunk_cost`` of testbed.model.costs, split
+  into gradient buckets as the program splits it), plus its blocking
   tensor-parallel all-reduces timed by testbed.collectives.timing over every
   tensor group at once (``groups_time``: the groups share links);
 - fsdp/ZeRO-3 parameter gathers run ahead on their own stream, so an action
@@ -38,28 +39,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from testbed.collectives.timing import groups_time, send_time
-from testbed.model import buffers as dispatch
-from testbed.model import costs as model
-from testbed.model.memory import MemoryBreakdown, memory_breakdown, state_bytes_per_param
-from testbed.pipeline.schedules import Schedule, build_schedule, dependency_keys, execution_order, peak_inflight
+from testbed.model import buffers
+from testbed.model.gemm import scaled
+from testbed.model.memory import MemoryBreakdown, memory_breakdown
+from testbed.pipeline.schedules import Action, peak_inflight
 from testbed.plan.placement import place
-from testbed.plan.sharding import (gathers_parameters, gradient_reduction, moved_elements, parameter_collectives,
-                                   reduction_axes, state_sharding)
 from testbed.plan.spec import MESH_AXES, Axis, Plan
-from testbed.model.gemm import chunk_gemms, gemm_flops, scaled, without
 from testbed.sim.barriers import Syncs, interleaved_wait, merge, step_end_wait
-from testbed.sim.engine import compute_seconds
+from testbed.sim.compute import compute_seconds
+from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, cached_order, step_facts
+from testbed.sim.moe import Piece
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
-from testbed.sim.moe import Piece, expert_gemms, moe_pieces
-from testbed.sim.program import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, _action_work, accumulate_bytes
-from testbed.model.moe import moe_layers
-from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.topology import Topology
 
-__all__ = ["Estimate", "estimate", "plan_memory", "cached_schedule", "cached_inflight", "memo_chunk_cost",
-           "memo_chunk_gemms"]
+__all__ = ["Estimate", "estimate", "estimate_of", "plan_memory", "cached_inflight"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,15 +79,6 @@ class Estimate:
     def __post_init__(self) -> None:
         if not self.step_time_s >= 0:
             raise ValueError(f"step_time_s must be >= 0, got {self.step_time_s}")
-
-
-@lru_cache(maxsize=4096)
-def cached_schedule(name: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, tuple]:
-    """(schedule table, its execution order with dependency keys), memoized: many candidates share a table."""
-    schedule = build_schedule(name, stages, microbatches, virtual)
-    order = tuple((s, a, tuple(dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
-                  for s, a in execution_order(schedule))
-    return schedule, order
 
 
 def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], ...]:
@@ -130,76 +117,14 @@ class _Collectives:
         return groups_time(self.topology, op, groups, nbytes).time_s
 
 
-def _reduce_seconds(plan: Plan, coll: _Collectives, stage: int, nbytes: float, expert_bytes: float,
-                    leaves: float = 0.0) -> tuple[float, Syncs]:
-    """One gradient bucket's reduction (testbed.sim.program's ``_reduce``): per parameter kind, a reduce-scatter
-    over its reduction axes the optimizer state is sharded on (``leaves`` collectives of the bucket when the
-    parameters are sharded, a share of them per kind; 0: one), then an all-reduce over the rest. Its seconds
-    and its collectives as barriers (testbed.sim.barriers), the first first."""
-    o_axes = state_sharding(plan).optimizer
-    t, syncs = 0.0, []
-    degree = lambda axes: math.prod(plan.mesh.degree(a) for a in axes)  # noqa: E731
-    for expert, size in ((False, nbytes - expert_bytes), (True, expert_bytes)):
-        axes = reduction_axes(plan, expert)
-        if size <= 0 or not axes:
-            continue
-        sharded = tuple(a for a in axes if a in o_axes)
-        rest = tuple(a for a in axes if a not in o_axes)
-        ways = math.prod(plan.mesh.degree(a) for a in sharded)
-        if sharded:
-            n = max(1.0, leaves * size / nbytes) if leaves else 1.0
-            t += n * coll.time("reduce_scatter", sharded, stage, size / n)
-            syncs.append((degree(sharded), n))
-        if rest:
-            t += coll.time("all_reduce", rest, stage, size / ways)
-            syncs.append((degree(rest), 1))
-    return t, tuple(syncs)
-
-
-def _chunk_cost(plan: Plan, stage: int, chunk: int) -> model.ChunkCost:
-    """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
-    layers per stage)."""
-    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
-           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
-    cost = _CHUNKS.get(key)
-    if cost is None:
-        if len(_CHUNKS) > 100_000:
-            _CHUNKS.clear()
-        cost = _CHUNKS[key] = model.chunk_cost(plan, stage, chunk)
-    return cost
-
-
-_CHUNKS: dict[tuple, model.ChunkCost] = {}
-
-
-def _chunk_gemms(plan: Plan, stage: int, chunk: int):
-    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`_chunk_cost`)."""
-    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
-    shapes = _GEMMS.get(key)
-    if shapes is None:
-        if len(_GEMMS) > 100_000:
-            _GEMMS.clear()
-        shapes = _GEMMS[key] = chunk_gemms(plan, stage, chunk)
-    return shapes
-
-
-_GEMMS: dict[tuple, object] = {}
-
-
 @lru_cache(maxsize=4096)
 def _inflight(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
-    return tuple(int(n) for n in peak_inflight(cached_schedule(name, stages, microbatches, virtual)[0]))
+    return tuple(int(n) for n in peak_inflight(cached_order(name, stages, microbatches, virtual)[0]))
 
 
 def cached_inflight(plan: Plan) -> tuple[int, ...]:
     """The schedule's per-stage peak of activation sets (testbed.model.memory.inflight_microbatches), memoized."""
     return _inflight(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages)
-
-
-#: The memoized chunk costs and GEMM shapes, for the search's step floor (testbed.explore.floor).
-memo_chunk_cost, memo_chunk_gemms = _chunk_cost, _chunk_gemms
 
 
 def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
@@ -210,261 +135,316 @@ def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
 
 def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None) -> Estimate:
     """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory."""
-    memory = memory or plan_memory(plan, topology)
-    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
-    p, dtype, cal = mesh.stage, plan.precision.compute_dtype, topology.calibration
-    schedule, order = cached_schedule(plan.schedule.name.value, p, m, v)
     ids = place(plan, topology).device_ids
-    coll = _Collectives(topology, ids)
-    reps = [int(ids[s].flat[0]) for s in range(p)]
-    rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if mesh.context > 1
-             else (reps[s], reps[s]) for s in range(p)]  # no ring: each rank its own (what the groups of one say)
-    param_b, grad_b, _ = state_bytes_per_param(plan)
-    sharding = state_sharding(plan)
-    p_axes, p_ways, o_ways = sharding.params, sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
-    per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
-    split = schedule.split_backward
-    last_kind = "W" if split else "B"
-    replicas = math.prod(mesh.degree(a) for a in reduction_axes(plan))  # the axes dense gradients are summed over
-    controller = cal.controller
-    skewed = cal.host if cal.host is not None and cal.host.skew_s else None  # a shared host's stragglers
-    # Programs over several devices one at a time (testbed.sim.program's ``serial``): each action and update
-    # starts once the previous one has completed, and its end is a meeting of the stage's devices.
-    per_stage = topology.num_devices // p
-    serial = cal.host is not None and cal.host.serial_programs and p > 1 and per_stage > 1
-    ends = ((per_stage, 1.0),) if serial else ()
+    return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes), topology, ids,
+                       memory or plan_memory(plan, topology))
 
-    costs = [[_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
-    combine = cal.collectives.combine_bytes
-    # Per (stage, chunk, kind): compute s, tp s, gather s, one bucket piece's compute s, the bucket count,
-    # one bucket's reduction s, the per-microbatch reduce-scatter s, sends [(dst, s)], dispatch buffers.
-    work: dict[tuple[int, int, str], tuple] = {}
-    for s in range(p):
-        for c in range(v):
-            cost = costs[s][c]
-            kernels = max(1, 4 * cost.layers)
-            # testbed.sim.program's gather: as many collectives as the rule counts, an equal share of the bytes each.
-            leaves = parameter_collectives(plan, s, c, math.inf if combine is None else combine, param_b)
-            gather = leaves * coll.time("all_gather", p_axes, s, moved_elements(plan, s, c) * param_b / leaves) \
-                if p_ways > 1 else 0.0
-            for kind in ("F", "B", "W") if split else ("F", "B"):
-                flops, hbm, (rep_b, split_b), tp = _action_work(cost, kind, split, plan.remat)
-                gemms = _chunk_gemms(plan, s, c).action(kind, split)
-                whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
-                                        gemms)
-                n_moe = moe_layers(plan.model, chunk_layers(plan.model, p, v, plan.stage_layers)[s][c])
-                chain = moe_pieces(plan, n_moe, kind, split, flops, hbm, (rep_b, split_b), gemms, kernels)
-                # Context parallelism: the action as the ring's tasks, and the ring's sends it leaves exposed. With
-                # expert parallelism too, the task graph plays the ring on all but the experts' work, then the chain.
-                ring_work, ring_gemms = (flops, hbm, rep_b, split_b), gemms
-                if chain and mesh.context > 1:
-                    moe_g = expert_gemms(plan, n_moe, kind, split)
-                    ring_work, ring_gemms = (flops - gemm_flops(moe_g), hbm, rep_b, split_b), without(gemms, moe_g)
-                    chain = moe_pieces(plan, n_moe, kind, split, gemm_flops(moe_g), 0.0, (0.0, 0.0), moe_g, len(moe_g))
-                ringed = ring_action_seconds(plan, topology, dtype, rings[s], kind, cost.layers, ring_work, ring_gemms,
-                                             kernels, cost.tensor_bytes)
-                whole, ring_s = ringed or (whole, 0.0)
-                if chain:  # the chain's compute tasks, each priced as the task graph prices it
-                    whole = (ringed[0] if ringed else 0.0) + sum(
-                        compute_seconds(topology, dtype, x.flops, x.hbm_bytes, x.kernels, x.replicated_bytes,
-                                        x.split_bytes, cost.tensor_bytes, x.gemms) for x in chain if not x.transfer)
-                pieces = min(BUCKETS, max(1, cost.layers)) if kind == last_kind and replicas > 1 and per_microbatch \
-                    else 1  # the program's buckets (one when they wait for the backward's end)
-                piece = bucket = scatter = acc = 0.0
-                bucket_syncs: Syncs = ()
-                if kind == last_kind and replicas > 1:  # the program reduces even a one-layer chunk's gradients
-                    piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces,
-                                                   max(1, kernels // pieces), rep_b / pieces, split_b / pieces,
-                                                   cost.tensor_bytes, scaled(gemms, 1 / pieces))
-                    piece = whole / pieces if ringed or chain else piece
-                    experts = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
-                                            mesh.tensor, 1, mesh.expert, experts_only=True)
-                    bucket, bucket_syncs = _reduce_seconds(plan, coll, s, moved_elements(plan, s, c, "optimizer") / pieces * grad_b,
-                                                           experts / pieces * grad_b, leaves / pieces)
-                if kind == last_kind and per_microbatch and m > 1:
-                    n = max(1, leaves)
-                    scatter = n * coll.time("reduce_scatter", per_microbatch, s, moved_elements(plan, s, c, "grads") * grad_b / n)
-                if kind == last_kind:  # the add into the gradient accumulator (a task of its own in the graph)
-                    acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, grad_b))
-                tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in tp)
-                tp_s += _exposed_all_to_all(chain, coll, topology, dtype, s)
-                tp_s += ring_s
-                sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes))
-                              for dst, _, nbytes in _sends(schedule, s, kind, c, costs))
-                # The action's collectives as barriers among its kernels (testbed.sim.program's interleave): the
-                # tensor collectives, then an earlier microbatch's reduce-scatters or the last one's buckets.
-                # Gathers meet on their own stream ahead of the action, with next to no computing since the
-                # last meeting (no wait here; the task graph's prefetched gathers wait next to nothing too).
-                gathering = gathers_parameters(plan, kind) and p_ways > 1
-                own = [(mesh.tensor, n) for _, n in tp if mesh.tensor > 1]
-                plain = not chain and not ringed  # the task graph's interleaved actions
-                g_ways = math.prod(mesh.degree(a) for a in per_microbatch)
-                syncs = (merge([*ends, *own, *([(g_ways, max(1, leaves))] if scatter else [])]) if plain else ends,
-                         merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if per_microbatch)]) if plain
-                         else ends)
-                work[(s, c, kind)] = (whole, tp_s, gather if gathering else 0.0, piece, pieces,
-                                      bucket, scatter, sends, acc, syncs, bucket_syncs)
 
-    def play(slow: float) -> tuple[float, list[float], list[float], float]:
-        """(step seconds, per-stage compute, per-stage communication, the controller's seconds) with compute
-        slowed ``slow`` times."""
-        end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
-        arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
-        free, pipe, gather_free, grad, once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p
-        once_group = [0] * p  # the group the first of a stage's once-reductions meets
-        busy, comm = [0.0] * p, [0.0] * p
-        remaining = {(s, c): m for s in range(p) for c in range(v)}
-        host = 0.0
-        if controller is not None:
-            host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
-            if p == 1:
-                host += controller.overhead_s + dispatch.spmd_step_buffers(plan) * controller.buffer_s
-        carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
-        launch = 0.0  # with ``serial``: when the previous program completed
-        for s, action, deps in order:
-            c, kind, mb = action.chunk, action.kind, action.microbatch
-            compute, tp_s, gather, piece, pieces, bucket, scatter, sends, acc, syncs, bucket_syncs = work[(s, c, kind)]
-            compute, piece, acc = slow * compute, slow * piece, slow * acc
-            start = max(free[s], launch) if serial else free[s]
-            if controller is not None:
-                if p > 1:
-                    buffers = (dispatch.action_buffers(plan, s, c, kind, remaining[(s, c)] < m)
-                               + len(sends) * dispatch.send_buffers(plan))
-                    host += (1 + len(sends)) * controller.overhead_s + buffers * controller.buffer_s
-                start = max(start, host)
-            for key in deps:
-                t = end[key] if key[0] == s else arrive[key]
-                if t > start:
-                    start = t
-            if gather:
-                gather_free[s] += gather
-                if gather_free[s] > start:
-                    comm[s] += gather_free[s] - start
-                    start = gather_free[s]
-            wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
-            if kind == last_kind:
-                remaining[(s, c)] -= 1
-                last_mb = remaining[(s, c)] == 0
-                if last_mb and piece:
-                    compute = pieces * piece
-                if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the accumulator's add
-                    own = syncs[1] if last_mb else syncs[0]
-                    if last_mb and piece and pieces > 1:  # the task graph's bucket pieces: an equal share each
-                        share = tuple((g, n / pieces) for g, n in own)
-                        wait = interleaved_wait(skewed, share, piece, carry[s]) + (pieces - 1) * interleaved_wait(
-                            skewed, share, piece, 0.0)
-                    else:
-                        wait = interleaved_wait(skewed, own, compute, carry[s])
-                    carry[s] = acc if own else carry[s] + compute + acc
-                    compute += wait
-                    piece += wait / pieces
-                if last_mb and piece:
-                    if not per_microbatch:  # the replicas' one sum, after the stage's backward (program.py)
-                        once[s] += pieces * bucket
-                        once_group[s] = once_group[s] or (bucket_syncs[0][0] if bucket_syncs else 1)
-                    for k in range(pieces if per_microbatch else 0):
-                        grad[s] = max(grad[s], start + (k + 1) * piece) + bucket
-                elif not last_mb and scatter:
-                    grad[s] = max(grad[s], start + compute) + scatter
-                compute += acc
-            elif skewed is not None:
-                wait = interleaved_wait(skewed, syncs[0], compute, carry[s])
-                carry[s] = 0.0 if syncs[0] else carry[s] + compute
-                compute += wait
-            finish = start + compute + tp_s
-            busy[s] += compute - wait
-            comm[s] += tp_s + wait
-            free[s] = finish
-            if serial:  # the program ends with its reductions too
-                launch = max(finish, grad[s])
-            end[(s, kind, mb, c)] = finish
-            for _, seconds in sends:
-                pipe[s] = max(pipe[s], finish) + seconds
-                arrive[(s, kind, mb, c)] = pipe[s]
-        step = 0.0
-        for s in range(p):
-            shard = model.device_stage_params(plan, s, o_ways)  # the program's optimizer shard
-            if once[s]:  # the replicas meet first (a shared host's stragglers)
-                grad[s] = max(grad[s], free[s], launch) + once[s] + (skewed.barrier_wait(once_group[s], carry[s])
-                                                             if skewed else 0.0)
-                carry[s] = 0.0
-            ready = max(free[s], grad[s], launch)
-            if controller is not None and p > 1:
-                host += controller.overhead_s + dispatch.update_buffers(plan, s) * controller.buffer_s
-                ready = max(ready, host)
-            comm[s] += max(0.0, grad[s] - free[s])
-            opt = slow * compute_seconds(topology, dtype, OPTIMIZER_FLOPS_PER_PARAM * shard,
-                                         shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), 1)
-            busy[s] += opt
-            done = ready + opt
-            carry[s] += opt
-            if serial and skewed is not None:  # the update program's end: the stage's devices meet
-                wait = interleaved_wait(skewed, ends, opt, carry[s] - opt)
-                comm[s] += wait
-                done += wait
-                carry[s] = 0.0
-            if o_ways > p_ways and mesh.data > 1:
-                n = max(1, parameter_collectives(plan, s, None, math.inf if combine is None else combine, param_b,
-                                                 which="optimizer"))
-                regather = n * coll.time("all_gather", (Axis.DATA,), s, moved_elements(plan, s, None, "optimizer") / mesh.fsdp * param_b / n)
-                comm[s] += regather
-                done += regather
-                if skewed is not None:  # back to back after the update: the first meets the data group
-                    wait = skewed.barrier_wait(mesh.data, carry[s])
-                    comm[s] += wait
-                    done += wait
-                    carry[s] = 0.0
-            done += step_end_wait(skewed, topology.num_devices // p, carry[s])  # every device meets at the end
-            launch = done if serial else launch
-            step = max(step, done, host)
-        return step, busy, comm, host
+def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: MemoryBreakdown) -> Estimate:
+    """The analytic estimate of the step ``facts`` describes, placed as ``device_ids`` on ``topology``.
 
-    # A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
-    # computing at once in P programs (a pipeline's stages). One program (no stages): all its devices compute
-    # together whenever it computes, as in the task graph. Pipelines: mean field, n and P the time-averaged
-    # counts the previous play gives, refined twice.
-    step, busy, comm, host = play(1.0)
+    A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
+    computing at once in P programs (a pipeline's stages). One program (no stages): all its devices compute
+    together whenever it computes, as in the task graph. Pipelines: mean field, n and P the time-averaged
+    counts the previous play gives, refined twice.
+    """
+    priced = _Step(facts, topology, device_ids)
+    cal, p, per_stage = topology.calibration, facts.stages, priced.per_stage
+    step, busy, comm, host = _Play(priced, 1.0).run()
     if cal.shares_host and p == 1:
-        step, busy, comm, host = play(1.0 / cal.host_share(topology.num_devices))
-    elif cal.shares_host and serial:
+        step, busy, comm, host = _Play(priced, 1.0 / cal.host_share(topology.num_devices)).run()
+    elif cal.shares_host and priced.serial:
         # One stage's program computes at a time, beside the controller for the share of the step it works.
         for _ in range(2):
-            step, busy, comm, host = play(1.0 / cal.host_share(per_stage + (min(1.0, host / step) if step > 0
-                                                                             else 0.0)))
+            share = cal.host_share(per_stage + (min(1.0, host / step) if step > 0 else 0.0))
+            step, busy, comm, host = _Play(priced, 1.0 / share).run()
     elif cal.shares_host:
         for _ in range(2):
             stages = sum(busy) / step if step > 0 else 1.0
-            step, busy, comm, host = play(1.0 / cal.host_share(stages * per_stage, max(1.0, stages)))
+            step, busy, comm, host = _Play(priced, 1.0 / cal.host_share(stages * per_stage, max(1.0, stages))).run()
     worst = max(range(p), key=lambda s: busy[s] + comm[s])
     return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
                     bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),
                     capacity_bytes=int(memory.capacity), fits=bool(memory.fits))
 
 
-def _exposed_all_to_all(chain: list[Piece], coll: _Collectives, topology: Topology, dtype: str, stage: int) -> float:
-    """Seconds an action's MoE all-to-alls block it (testbed.sim.moe's chain): each all-to-all less the shared
-    experts' compute the chain runs beside it (the piece that follows it, when it is one)."""
-    total = 0.0
-    for i, piece in enumerate(chain):
-        if piece.transfer:
-            a2a = piece.count * coll.time("all_to_all", (Axis.EXPERT,), stage, piece.nbytes)
-            beside = chain[i + 1] if i + 1 < len(chain) and chain[i + 1].name.endswith("shared") else None
-            overlap = compute_seconds(topology, dtype, beside.flops, 0.0, beside.kernels,
-                                      gemms=beside.gemms) if beside else 0.0
-            total += max(0.0, a2a - overlap)
-    return total
+class _Priced(NamedTuple):
+    """One F/B/W action of one chunk, priced: its compute seconds (all of it, and one gradient bucket's piece
+    of the chunk's last backward, in ``pieces``), blocking tensor (and exposed all-to-all and ring) seconds,
+    the gather it waits for, one bucket's reduction, an earlier microbatch's reduce-scatter, its sends
+    ``(dst, seconds)``, the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier
+    microbatch, of the last; then the bucket reduction's own)."""
+
+    compute: float
+    tensor: float
+    gather: float
+    piece: float
+    pieces: int
+    bucket: float
+    scatter: float
+    sends: tuple[tuple[int, float], ...]
+    acc: float
+    syncs: tuple[Syncs, Syncs]
+    bucket_syncs: Syncs
 
 
-def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, costs) -> list[tuple[int, int, float]]:
-    """(destination stage, its chunk, bytes) of what a ``kind`` action of ``chunk`` sends (testbed.sim.program's rule)."""
-    g = schedule.model_chunk(stage, chunk)
-    if kind == "F" and g < schedule.chunks - 1:
-        dst, c = schedule.locate(g + 1)
-        if dst != stage:
-            return [(dst, c, float(costs[stage][chunk].activation_out_bytes))]
-    elif kind == "B" and g > 0:
-        dst, c = schedule.locate(g - 1)
-        if dst != stage:
-            return [(dst, c, float(costs[dst][c].activation_out_bytes))]
-    return []
+class _Step:
+    """The step's facts priced on a topology: every action's :class:`_Priced`, and what the play reads of the
+    calibration (the controller, a shared host's stragglers, programs one at a time)."""
 
+    def __init__(self, facts: StepFacts, topology: Topology, ids) -> None:
+        cal, p = topology.calibration, facts.stages
+        self.facts, self.topology, self.dtype = facts, topology, facts.plan.precision.compute_dtype
+        self.coll = _Collectives(topology, ids)
+        self.controller = cal.controller
+        self.skewed = cal.host if cal.host is not None and cal.host.skew_s else None  # a shared host's stragglers
+        # Programs over several devices one at a time (testbed.sim.program's ``serial``): each action and update
+        # starts once the previous one has completed, and its end is a meeting of the stage's devices.
+        self.per_stage = topology.num_devices // p
+        self.serial = cal.host is not None and cal.host.serial_programs and p > 1 and self.per_stage > 1
+        self.ends = ((self.per_stage, 1.0),) if self.serial else ()
+        reps = facts.representatives  # no ring: each rank its own (what the groups of one say)
+        rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
+                 else (reps[s], reps[s]) for s in range(p)]
+        self.prices: dict[tuple[int, int, str], _Priced] = {}
+        for s in range(p):
+            for c, chunk in enumerate(facts.chunks[s]):
+                gather = chunk.leaves * self.coll.time("all_gather", facts.params_axes, s, chunk.moved[0]
+                                                       * facts.param_bytes / chunk.leaves) \
+                    if facts.params_ways > 1 else 0.0
+                for work in chunk.actions:
+                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)
+
+    def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> _Priced:
+        """One action's :class:`_Priced` (``gather``: the seconds of a gather of its chunk's parameters)."""
+        facts, topology, dtype, coll, plan = self.facts, self.topology, self.dtype, self.coll, self.facts.plan
+        cost, kind, (flops, hbm, rep_b, split_b) = chunk.cost, work.kind, work.work
+        whole, ringed, chain = self._compute(chunk, work, ring)
+        ring_s = ringed[1] if ringed else 0.0
+        last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
+        pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)
+        piece = bucket = scatter = acc = 0.0
+        bucket_syncs: Syncs = ()
+        if last and reduces:  # the program reduces even a one-layer chunk's gradients
+            piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
+                                    rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(work.gemms, 1 / pieces))
+            piece = whole / pieces if ringed or chain else piece
+            bucket, bucket_syncs = self._reduce(s, chunk.moved[2] / pieces * facts.grad_bytes,
+                                                chunk.expert_params / pieces * facts.grad_bytes, chunk.leaves / pieces)
+        if last and per_microbatch and facts.microbatches > 1:
+            n = max(1, chunk.leaves)
+            scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.moved[1] * facts.grad_bytes / n)
+        if last:  # the add into the gradient accumulator (a task of its own in the graph)
+            acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
+        tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in work.tensor)
+        tp_s += self._exposed_all_to_all(chain, s)
+        tp_s += ring_s
+        reps = facts.representatives
+        sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes)) for dst, _, nbytes in work.sends)
+        # The action's collectives as barriers among its kernels (testbed.sim.program's interleave): the tensor
+        # collectives, then an earlier microbatch's reduce-scatters or the last one's buckets. Gathers meet on
+        # their own stream ahead of the action, with next to no computing since the last meeting (no wait here;
+        # the task graph's prefetched gathers wait next to nothing too).
+        gathering = facts.gathers(kind) and facts.params_ways > 1
+        own = [(plan.mesh.tensor, n) for _, n in work.tensor if plan.mesh.tensor > 1]
+        plain, ends = not chain and not ringed, self.ends  # the task graph's interleaved actions
+        g_ways = math.prod(plan.mesh.degree(a) for a in per_microbatch)
+        syncs = (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]) if plain else ends,
+                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if per_microbatch)]) if plain
+                 else ends)
+        return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
+                       bucket_syncs)
+
+    def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
+                 ) -> tuple[float, tuple[float, float] | None, tuple[Piece, ...]]:
+        """(compute seconds, the ring's (compute, exposed sends) seconds or None, the MoE chain) of one action,
+        priced as the task graph splits it: whole, as the ring's tasks under context parallelism (testbed.sim.ring),
+        and the chain's compute tasks each as the graph prices them."""
+        topology, dtype, cost = self.topology, self.dtype, chunk.cost
+        flops, hbm, rep_b, split_b = work.work
+        whole = compute_seconds(topology, dtype, flops, hbm, chunk.kernels, rep_b, split_b, cost.tensor_bytes,
+                                work.gemms)
+        ringed = ring_action_seconds(self.facts.plan, topology, dtype, ring, work.kind, cost.layers, work.ring_work,
+                                     work.ring_gemms, chunk.kernels, cost.tensor_bytes)
+        whole = ringed[0] if ringed else whole
+        if work.chain:
+            whole = (ringed[0] if ringed else 0.0) + sum(
+                compute_seconds(topology, dtype, x.flops, x.hbm_bytes, x.kernels, x.replicated_bytes,
+                                x.split_bytes, cost.tensor_bytes, x.gemms) for x in work.chain if not x.transfer)
+        return whole, ringed, work.chain
+
+    def _reduce(self, stage: int, nbytes: float, expert_bytes: float, leaves: float = 0.0) -> tuple[float, Syncs]:
+        """One gradient bucket's reduction (testbed.sim.program's ``_reduce``, by the facts' reductions): per
+        parameter kind, a reduce-scatter over its reduction axes the optimizer state is sharded on (``leaves``
+        collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
+        all-reduce over the rest. Its seconds and its collectives as barriers (testbed.sim.barriers), the first
+        first."""
+        mesh, t, syncs = self.facts.plan.mesh, 0.0, []
+        for r in self.facts.reductions:
+            size = expert_bytes if r.expert else nbytes - expert_bytes
+            if size <= 0:
+                continue
+            if r.sharded:
+                n = max(1.0, leaves * size / nbytes) if leaves else 1.0
+                t += n * self.coll.time("reduce_scatter", r.sharded, stage, size / n)
+                syncs.append((r.ways, n))
+            if r.rest:
+                t += self.coll.time("all_reduce", r.rest, stage, size / r.ways)
+                syncs.append((math.prod(mesh.degree(a) for a in r.rest), 1))
+        return t, tuple(syncs)
+
+    def _exposed_all_to_all(self, chain: tuple[Piece, ...], stage: int) -> float:
+        """Seconds an action's MoE all-to-alls block it (testbed.sim.moe's chain): each all-to-all less the shared
+        experts' compute the chain runs beside it (the piece that follows it, when it is one)."""
+        total = 0.0
+        for i, piece in enumerate(chain):
+            if piece.transfer:
+                a2a = piece.count * self.coll.time("all_to_all", (Axis.EXPERT,), stage, piece.nbytes)
+                beside = chain[i + 1] if i + 1 < len(chain) and chain[i + 1].name.endswith("shared") else None
+                overlap = compute_seconds(self.topology, self.dtype, beside.flops, 0.0, beside.kernels,
+                                          gemms=beside.gemms) if beside else 0.0
+                total += max(0.0, a2a - overlap)
+        return total
+
+
+class _Play:
+    """One play of the schedule table, stage by stage, with compute slowed ``slow`` times: every action in
+    execution order (:meth:`action`), then each stage's gradient tail and update (:meth:`update`)."""
+
+    def __init__(self, step: _Step, slow: float) -> None:
+        facts, p = step.facts, step.facts.stages
+        self.step, self.facts, self.slow, self.plan = step, facts, slow, facts.plan
+        self.end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
+        self.arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
+        self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
+            [0.0] * p
+        self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
+        self.busy, self.comm = [0.0] * p, [0.0] * p
+        self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
+        self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
+        self.launch = 0.0  # with ``serial``: when the previous program completed
+        self.host, controller = 0.0, step.controller
+        if controller is not None:
+            self.host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
+            if p == 1:
+                self.host += controller.overhead_s + buffers.spmd_step_buffers(self.plan) * controller.buffer_s
+
+    def run(self) -> tuple[float, list[float], list[float], float]:
+        """(step seconds, per-stage compute, per-stage communication, the controller's seconds)."""
+        for s, action, deps in self.facts.order:
+            self.action(s, action, deps)
+        step = 0.0
+        for s in range(self.facts.stages):
+            step = max(step, self.update(s), self.host)
+        return step, self.busy, self.comm, self.host
+
+    def _start(self, s: int, c: int, kind: str, priced: _Priced, deps: tuple[tuple, ...]) -> float:
+        """When an action starts: after its stage's previous action (and program), its dispatch, its
+        dependencies and its parameter gather (the wait for which is communication)."""
+        step, controller = self.step, self.step.controller
+        start = max(self.free[s], self.launch) if step.serial else self.free[s]
+        if controller is not None:
+            if self.facts.stages > 1:
+                n_buffers = self.facts.dispatch_buffers(s, c, kind, self.remaining[(s, c)] < self.facts.microbatches)
+                self.host += (1 + len(priced.sends)) * controller.overhead_s + n_buffers * controller.buffer_s
+            start = max(start, self.host)
+        for key in deps:
+            t = self.end[key] if key[0] == s else self.arrive[key]
+            if t > start:
+                start = t
+        if priced.gather:
+            self.gather_free[s] += priced.gather
+            if self.gather_free[s] > start:
+                self.comm[s] += self.gather_free[s] - start
+                start = self.gather_free[s]
+        return start
+
+    def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
+        """Plays one F/B/W action of stage ``s``."""
+        c, kind, mb = action.chunk, action.kind, action.microbatch
+        priced = self.step.prices[(s, c, kind)]
+        compute = self.slow * priced.compute
+        start = self._start(s, c, kind, priced, deps)
+        wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
+        skewed = self.step.skewed
+        if kind == self.facts.last_backward:
+            compute, wait = self._backward_end(s, c, priced, start, compute)
+        elif skewed is not None:
+            wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
+            self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
+            compute += wait
+        finish = start + compute + priced.tensor
+        self.busy[s] += compute - wait
+        self.comm[s] += priced.tensor + wait
+        self.free[s] = finish
+        if self.step.serial:  # the program ends with its reductions too
+            self.launch = max(finish, self.grad[s])
+        self.end[(s, kind, mb, c)] = finish
+        for _, seconds in priced.sends:
+            self.pipe[s] = max(self.pipe[s], finish) + seconds
+            self.arrive[(s, kind, mb, c)] = self.pipe[s]
+
+    def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
+        """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait).
+        The last microbatch's buckets reduce as its pieces finish (or once, after the stage's backward, when
+        gradients do not accumulate sharded); an earlier one's gradients are reduce-scattered."""
+        piece, acc, pieces, skewed = self.slow * priced.piece, self.slow * priced.acc, priced.pieces, self.step.skewed
+        self.remaining[(s, c)] -= 1
+        last_mb = self.remaining[(s, c)] == 0
+        if last_mb and piece:
+            compute = pieces * piece
+        wait = 0.0
+        if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the accumulator's add
+            own = priced.syncs[1] if last_mb else priced.syncs[0]
+            if last_mb and piece and pieces > 1:  # the task graph's bucket pieces: an equal share each
+                share = tuple((g, n / pieces) for g, n in own)
+                wait = interleaved_wait(skewed, share, piece, self.carry[s]) + (pieces - 1) * interleaved_wait(
+                    skewed, share, piece, 0.0)
+            else:
+                wait = interleaved_wait(skewed, own, compute, self.carry[s])
+            self.carry[s] = acc if own else self.carry[s] + compute + acc
+            compute += wait
+            piece += wait / pieces
+        if last_mb and piece:
+            if not self.facts.per_microbatch:  # the replicas' one sum, after the stage's backward (program.py)
+                self.once[s] += pieces * priced.bucket
+                self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
+            for k in range(pieces if self.facts.per_microbatch else 0):
+                self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + priced.bucket
+        elif not last_mb and priced.scatter:
+            self.grad[s] = max(self.grad[s], start + compute) + priced.scatter
+        return compute + acc, wait
+
+    def update(self, s: int) -> float:
+        """Plays stage ``s``'s gradient tail, optimizer and (ZeRO-1/2) re-gather; returns when the stage is done."""
+        step, skewed, update, controller = self.step, self.step.skewed, self.facts.updates[s], self.step.controller
+        if self.once[s]:  # the replicas meet first (a shared host's stragglers)
+            self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.once[s] + (
+                skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
+            self.carry[s] = 0.0
+        ready = max(self.free[s], self.grad[s], self.launch)
+        if controller is not None and self.facts.stages > 1:
+            self.host += controller.overhead_s + buffers.update_buffers(self.plan, s) * controller.buffer_s
+            ready = max(ready, self.host)
+        self.comm[s] += max(0.0, self.grad[s] - self.free[s])
+        opt = self.slow * compute_seconds(step.topology, step.dtype, update.flops, update.hbm_bytes, 1)
+        self.busy[s] += opt
+        done = ready + opt
+        self.carry[s] += opt
+        if step.serial and skewed is not None:  # the update program's end: the stage's devices meet
+            wait = interleaved_wait(skewed, step.ends, opt, self.carry[s] - opt)
+            self.comm[s] += wait
+            done += wait
+            self.carry[s] = 0.0
+        if update.regathers:
+            regather = update.regathers * step.coll.time("all_gather", (Axis.DATA,), s, update.regather_bytes)
+            self.comm[s] += regather
+            done += regather
+            if skewed is not None:  # back to back after the update: the first meets the data group
+                wait = skewed.barrier_wait(self.plan.mesh.data, self.carry[s])
+                self.comm[s] += wait
+                done += wait
+                self.carry[s] = 0.0
+        done += step_end_wait(skewed, step.per_stage, self.carry[s])  # every device meets at the end
+        self.launch = done if step.serial else self.launch
+        return done

@@ -8,11 +8,10 @@ checks it on sampled plans), so what the search replays is unchanged.
 
 from __future__ import annotations
 
-from testbed.explore.analytic import cached_schedule, memo_chunk_cost, memo_chunk_gemms
 from testbed.model.gemm import scaled
 from testbed.plan.spec import Plan
-from testbed.sim.engine import compute_seconds
-from testbed.sim.program import BUCKETS, _action_work
+from testbed.sim.compute import compute_seconds
+from testbed.sim.facts import BUCKETS, action_work, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
 __all__ = ["step_floor"]
@@ -44,11 +43,11 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
         if key not in priced:
             seconds = dict.fromkeys(kinds, 0.0)
             for c in range(v):
-                cost = memo_chunk_cost(plan, s, c)
+                cost = cached_chunk_cost(plan, s, c)
                 kernels = max(1, 4 * cost.layers)
                 for kind in kinds:
-                    flops, hbm, (rep_b, split_b), _ = _action_work(cost, kind, split, plan.remat)
-                    gemms = memo_chunk_gemms(plan, s, c).action(kind, split)
+                    flops, hbm, (rep_b, split_b), _ = action_work(cost, kind, split, plan.remat)
+                    gemms = cached_chunk_gemms(plan, s, c).action(kind, split)
                     whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
                                             gemms)
                     pieces = min(BUCKETS, max(1, cost.layers))
@@ -69,5 +68,5 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
 
 def _splits_backward(plan: Plan) -> bool:
     """Whether ``plan``'s schedule splits the backward into B (input gradients) and W (weight gradients)."""
-    return cached_schedule(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
+    return cached_order(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
                            plan.schedule.virtual_stages)[0].split_backward

@@ -20,6 +20,7 @@ space lists several precisions (MFU counts each against its own peak).
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from testbed.topology import Topology
 
 __all__ = ["OBJECTIVES", "Candidate", "SearchResult", "search", "objective_value", "evaluate", "exhaustive_optimum"]
 
+#: Layouts a search enumerates at most (about 1 KB each, kept with their estimates; ~20 s of analytic tier).
+MAX_CANDIDATES = 100_000
 #: Objective -> True when higher is better.
 OBJECTIVES: dict[str, bool] = {"step_time": False, "tokens_per_s": True, "mfu": True, "cost": True}
 
@@ -60,9 +63,12 @@ def objective_value(objective: str, plan: Plan, topology: Topology, step_time_s:
     if objective == "cost":
         if price_per_device_hour is None:
             price_per_device_hour = topology.price_per_device_hour
-        if not price_per_device_hour or price_per_device_hour <= 0:
+        if price_per_device_hour is None:
             raise InputError(f"the cost objective needs a positive price per device-hour: give --price or add "
                              f"`price_per_device_hour` to the topology `{topology.name}`", field="--price")
+        from testbed.topology.spec import check_price
+
+        check_price(price_per_device_hour, "--price")
         dollars = price_per_device_hour * topology.num_devices * step_time_s / 3600.0
         return plan.tokens_per_step / dollars
     raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
@@ -127,6 +133,17 @@ class SearchResult:
         return 60.0 * self.enumerated / self.analytic_s if self.analytic_s > 0 else float("inf")
 
 
+def _within_limits(plan: Plan) -> bool:
+    """A candidate the plan limits admit (testbed.plan.limits: a layout of 10^5 pipeline actions is not built)."""
+    from testbed.plan.limits import check_plan_limits
+
+    try:
+        check_plan_limits(plan)
+    except InputError:
+        return False
+    return True
+
+
 def _sort_key(objective: str, c: Candidate) -> tuple:
     value = -c.value if OBJECTIVES[objective] else c.value
     return value, c.estimate.memory_bytes
@@ -189,9 +206,16 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         raise InputError(f"must be at least 1, got {min(replay, top)}", field="--top")
     if objective == "cost":
         objective_value(objective, base, topology, 1.0, price_per_device_hour)  # validates the price first
-    plans = list(candidates(base, topology.num_devices, space))
+    plans = list(itertools.islice(filter(_within_limits, candidates(base, topology.num_devices, space)),
+                                  MAX_CANDIDATES + 1))
+    if len(plans) > MAX_CANDIDATES:
+        raise InputError(f"the search space holds more than {MAX_CANDIDATES:,} layouts of this model on "
+                         f"{topology.num_devices:,} devices (each is estimated, and kept, in memory); narrow it: "
+                         f"fewer --schedules, --microbatches or --max-microbatches, one --precisions, or fewer "
+                         f"--devices", field="space")
     if not plans:
-        raise InputError(f"no layout of this model and batch divides over {topology.num_devices} devices",
+        raise InputError(f"no layout of this model and batch divides over {topology.num_devices} devices within "
+                         f"the plan limits (testbed.plan.limits)",
                          field="--devices")
     start = time.perf_counter()
     shortlist: list[Candidate] = []

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError, closest
-from testbed.model import presets
+from testbed.plan import presets
 from testbed.plan.io import plan_from_dict
 from testbed.plan.stages import near_even
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
@@ -93,7 +93,7 @@ class SearchSpace:
 
 
 def preset_plan(name: str, global_batch: int | None = None, seq_len: int | None = None) -> Plan:
-    """A single-device AdamW plan of the model preset ``name`` (testbed.model.presets; the search re-lays it out).
+    """A single-device AdamW plan of the model preset ``name`` (testbed.plan.presets; the search re-lays it out).
 
     bf16-mixed, but fp32 for the CPU-sized ``gpt-tiny``; the batch is the
     preset's default (``DEFAULT_BATCH``) unless given.
@@ -207,6 +207,10 @@ def resize_topology(topology: Topology, devices: int) -> Topology:
     """
     if devices == topology.num_devices:
         return topology
+    from testbed.fields import MAX_DEVICES
+
+    if devices > MAX_DEVICES:
+        raise InputError(f"{devices:,} devices is more than the testbed models ({MAX_DEVICES:,})", field="--devices")
     if devices < 1 or topology.form is Form.GRAPH or not topology.levels:
         raise InputError(f"cannot resize `{topology.name}` (an explicit graph) to {devices} devices; give a topology "
                          f"of that size", field="--devices")

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -30,27 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from testbed.errors import InputError
+from testbed.explore.sweep_db import COLUMNS, SweepDB, read_rows
 from testbed.explore.sweep_spec import PointTask, SweepSpec, expand
 
 __all__ = ["COLUMNS", "EXECUTORS", "SweepDB", "SweepSummary", "evaluate_point", "run_sweep", "read_rows",
            "pareto_front"]
 
-#: The fixed columns of the ``points`` table (each grid key adds a VARCHAR column named by its path).
-COLUMNS: dict[str, str] = {
-    "key": "VARCHAR PRIMARY KEY", "sweep": "VARCHAR", "point": "INTEGER", "params": "VARCHAR",
-    "status": "VARCHAR", "error": "VARCHAR",
-    "topology": "VARCHAR", "device_type": "VARCHAR", "devices": "INTEGER", "levels": "VARCHAR",
-    "plan": "VARCHAR", "model_params": "BIGINT", "global_batch": "INTEGER", "seq_len": "INTEGER",
-    "tokens_per_step": "BIGINT", "data": "INTEGER", "fsdp": "INTEGER", "tensor": "INTEGER", "stage": "INTEGER",
-    "expert": "INTEGER", "context": "INTEGER",
-    "schedule": "VARCHAR", "virtual_stages": "INTEGER", "microbatches": "INTEGER", "zero": "INTEGER",
-    "remat": "VARCHAR", "precision": "VARCHAR", "plan_json": "VARCHAR",
-    "step_time_s": "DOUBLE", "compute_s": "DOUBLE", "exposed_comm_s": "DOUBLE", "bubble_fraction": "DOUBLE",
-    "mfu": "DOUBLE", "memory_bytes": "BIGINT", "capacity_bytes": "BIGINT", "fits": "BOOLEAN",
-    "tokens_per_s": "DOUBLE", "price_per_device_hour": "DOUBLE", "dollars_per_step": "DOUBLE",
-    "tokens_per_dollar": "DOUBLE", "searched": "BOOLEAN", "search_enumerated": "INTEGER",
-    "search_estimated": "INTEGER", "eval_s": "DOUBLE",
-}
 EXECUTORS = ("process", "ray", "dask")
 
 
@@ -60,7 +46,7 @@ def _param_text(value: Any) -> str:
 
 def evaluate_point(task: PointTask) -> dict[str, Any]:
     """The database row of one point: its parameters, the plan it ran and the DES breakdown (pure, picklable)."""
-    from testbed.plan.io import plan_from_dict, plan_to_dict
+    from testbed.plan.io import plan_from_dict
     from testbed.sim.engine import simulate
     from testbed.topology.io import topology_from_dict
 
@@ -91,9 +77,30 @@ def evaluate_point(task: PointTask) -> dict[str, Any]:
     except InputError as exc:
         row.update(status="invalid", error=exc.render(), eval_s=time.perf_counter() - start)
         return row
+    except (ArithmeticError, ValueError, RecursionError, MemoryError) as exc:  # an extreme value the model
+        # cannot carry (an overflow, a NaN): this point fails, the sweep goes on
+        row.update(status="failed", error=_failure(exc), eval_s=time.perf_counter() - start)
+        return row
+    try:
+        row.update(_result(task, topology, plan, report))
+    except (ArithmeticError, ValueError) as exc:
+        row.update(status="failed", error=_failure(exc))
+    row["eval_s"] = time.perf_counter() - start
+    return row
+
+
+def _failure(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"the model failed on this point ({type(exc).__name__}{': ' + text[:300] if text else ''})"
+
+
+def _result(task: PointTask, topology, plan, report) -> dict[str, Any]:
+    """The plan and DES columns of an evaluated point; ValueError when one is not finite or overflows its column."""
+    from testbed.plan.io import plan_to_dict
+
     m = plan.mesh
     tokens = plan.tokens_per_step
-    row.update(status="ok", error=None, plan=plan.name, model_params=int(report.memory.get("params_count", 0)),
+    row = dict(status="ok", error=None, plan=plan.name, model_params=int(report.memory.get("params_count", 0)),
                global_batch=plan.batch.global_batch, seq_len=plan.model.seq_len, tokens_per_step=tokens,
                data=m.data, fsdp=m.fsdp, tensor=m.tensor, stage=m.stage, expert=m.expert, context=m.context,
                schedule=plan.schedule.name.value,
@@ -107,85 +114,14 @@ def evaluate_point(task: PointTask) -> dict[str, Any]:
                tokens_per_s=tokens / report.step_time_s if report.step_time_s > 0 else None)
     if task.price_per_device_hour and report.step_time_s > 0:
         dollars = task.price_per_device_hour * topology.num_devices * report.step_time_s / 3600.0
-        row.update(dollars_per_step=dollars, tokens_per_dollar=tokens / dollars)
-    row["eval_s"] = time.perf_counter() - start
+        row.update(dollars_per_step=dollars, tokens_per_dollar=tokens / dollars if dollars > 0 else None)
+    for name, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} is {value} (a value of the point overflows the model)")
+        bits = {"INTEGER": 31, "BIGINT": 63}.get(COLUMNS[name])
+        if bits and isinstance(value, int) and not -2**bits <= value < 2**bits:
+            raise ValueError(f"{name} is {value}, beyond the {bits + 1}-bit integer the database holds")
     return row
-
-
-def _duckdb():
-    try:
-        import duckdb
-    except ModuleNotFoundError:
-        raise InputError("the sweep database needs the `duckdb` package: pip install duckdb", field="--db") from None
-    return duckdb
-
-
-class SweepDB:
-    """The DuckDB file of a sweep: ``points`` (one row per point key). One writer: the process that opened it."""
-
-    def __init__(self, path: str | Path, read_only: bool = False):
-        duckdb = _duckdb()
-        self.path = Path(path)
-        if read_only and not self.path.is_file():
-            raise InputError(f"no sweep database at `{path}`", field="--db")
-        try:
-            self.con = duckdb.connect(str(self.path), read_only=read_only)
-        except duckdb.Error as exc:  # locked by a running sweep, or not a DuckDB file
-            raise InputError(f"cannot open the sweep database `{path}`: {str(exc).splitlines()[0]}",
-                             field="--db") from None
-        if not read_only:
-            cols = ", ".join(f'"{c}" {t}' for c, t in COLUMNS.items())
-            self.con.execute(f"CREATE TABLE IF NOT EXISTS points ({cols})")
-            missing = [c for c in COLUMNS if c not in self.columns()]
-            for c in missing:  # a database an older testbed wrote gains the newer columns (NULL in its rows)
-                self.con.execute(f'ALTER TABLE points ADD COLUMN "{c}" {COLUMNS[c]}')
-
-    def __enter__(self) -> "SweepDB":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.con.close()
-
-    def columns(self) -> list[str]:
-        return [r[0] for r in self.con.execute("SELECT column_name FROM information_schema.columns "
-                                               "WHERE table_name = 'points' ORDER BY ordinal_position").fetchall()]
-
-    def add_param_columns(self, paths: Iterable[str]) -> None:
-        for p in paths:
-            self.con.execute(f'ALTER TABLE points ADD COLUMN IF NOT EXISTS "{p}" VARCHAR')
-
-    def keys(self) -> set[str]:
-        return {r[0] for r in self.con.execute("SELECT key FROM points").fetchall()}
-
-    def insert(self, row: dict[str, Any]) -> bool:
-        """Insert one row in its own transaction; False (and nothing written) when its key is already there."""
-        cols = list(row)
-        names = ", ".join(f'"{c}"' for c in cols)
-        marks = ", ".join("?" for _ in cols)
-        self.con.execute("BEGIN TRANSACTION")
-        try:
-            done = self.con.execute("SELECT count(*) FROM points WHERE key = ?", [row["key"]]).fetchone()[0]
-            if not done:
-                self.con.execute(f"INSERT INTO points ({names}) VALUES ({marks})", [row[c] for c in cols])
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
-        return not done
-
-    def rows(self, where: str = "", args: list | None = None) -> list[dict[str, Any]]:
-        cur = self.con.execute(f"SELECT * FROM points {where} ORDER BY sweep, point", args or [])
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, r)) for r in cur.fetchall()]
-
-
-def read_rows(path: str | Path, sweep: str | None = None) -> list[dict[str, Any]]:
-    """Every row of a sweep database (of one sweep when named), ordered by sweep and point."""
-    with SweepDB(path, read_only=True) as db:
-        return db.rows("WHERE sweep = ?", [sweep]) if sweep else db.rows()
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +173,11 @@ def _executor(kind: str, workers: int, address: str | None):
     if kind == "process":
         import multiprocessing
 
-        return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        from testbed.lifetime import die_with_parent
+
+        # Pool processes die with the sweep, even a SIGKILLed one (nothing else would stop them).
+        return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=die_with_parent, initargs=(os.getpid(),))
     if kind == "ray":
         return _RayExecutor(address)
     if kind == "dask":
@@ -262,7 +202,7 @@ def run_sweep(spec: SweepSpec, db_path: str | Path, *, executor: str = "process"
         raise InputError(f"must be at least 1, got {workers}", field="--workers")
     start = time.perf_counter()
     tasks = expand(spec)
-    with SweepDB(db_path) as db:
+    with SweepDB(db_path, sweep=spec.name, fingerprint=spec.fingerprint) as db:
         db.add_param_columns(spec.grid_keys)
         done_keys = db.keys()
         todo = [t for t in tasks if t.key not in done_keys]

@@ -21,6 +21,7 @@ from typing import Any
 
 from testbed.explore.sweep import pareto_front
 from testbed.output import output_folder
+from testbed.text import plot_label
 from testbed.viz.plots import pyplot, save_figure
 
 __all__ = ["plot_sweep", "series_label", "DEVICE_KEYS"]
@@ -120,7 +121,9 @@ def _finish(fig, ax, xlabel: str, ylabel: str, title: str, grid: str, path: Path
     """Label, grid and legend one chart, and write it."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_title(plot_label(title, 120), fontsize=10)
     ax.grid(True, which=grid, alpha=0.3)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()  # series labels hold the SPEC's names and grid values
+    if labels:  # an empty database draws no series (and needs no legend)
+        ax.legend(handles, [plot_label(label, 80) for label in labels], fontsize=8)
     return save_figure(fig, path)

@@ -18,6 +18,9 @@ import copy
 import hashlib
 import itertools
 import json
+import math
+import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,14 +28,15 @@ from typing import Any
 from testbed.errors import InputError, quote
 from testbed.explore.search import OBJECTIVES
 from testbed.explore.space import SearchSpace, preset_plan
-from testbed.model.presets import PRESETS
+from testbed.plan.presets import PRESETS
 from testbed.fields import check_keys, expect_mapping, load_yaml
 from testbed.output import read_input
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
+from testbed.topology.spec import check_price
 
 __all__ = ["SearchOptions", "SweepSpec", "PointTask", "load_sweep_spec", "spec_from_dict", "expand",
-           "TOPOLOGY_ALIASES", "SEARCH_CHOSEN"]
+           "TOPOLOGY_ALIASES", "SEARCH_CHOSEN", "MAX_POINTS"]
 
 _TOP_KEYS = ("name", "description", "plan", "topology", "fill", "search", "price_per_device_hour", "grid")
 _SEARCH_KEYS = ("schedules", "virtual_stages", "microbatches", "max_microbatches", "zero", "remat", "precisions",
@@ -41,6 +45,14 @@ _SEARCH_KEYS = ("schedules", "virtual_stages", "microbatches", "max_microbatches
 TOPOLOGY_ALIASES = ("topology.nodes", "topology.node_size", "topology.devices")
 #: Plan paths the search chooses (refused in the grid of a ``search:`` sweep).
 SEARCH_CHOSEN = ("plan.mesh", "plan.schedule", "plan.batch.microbatches", "plan.zero", "plan.remat")
+
+
+#: Points a grid may have unless the caller raises the limit (``testbed sweep --max-points``).
+MAX_POINTS = 10_000
+#: Longest SPEC name and grid key (a name becomes a file name, a key a column name).
+MAX_NAME, MAX_KEY = 128, 200
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]{0,%d}" % (MAX_NAME - 1))
+_SEGMENT = re.compile(r"[A-Za-z0-9_+-]{1,64}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +101,14 @@ class SweepSpec:
         return tuple(p for paths, _ in self.axes for p in paths)
 
     @property
+    def fingerprint(self) -> str:
+        """A hash of everything that decides the sweep's points (a database keeps it per sweep name)."""
+        ident = json.dumps({"plan": self.plan, "topology": self.topology, "fill": self.fill,
+                            "search": None if self.search is None else asdict(self.search),
+                            "price": self.price_per_device_hour, "axes": self.axes}, sort_keys=True, default=str)
+        return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+    @property
     def size(self) -> int:
         n = 1
         for _, values in self.axes:
@@ -111,15 +131,13 @@ class PointTask:
 
 
 def _price(value: Any, field_name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InputError(f"must be a positive number of dollars per device-hour, got {quote(value)}", field=field_name)
-    return float(value)
+    return check_price(value, field_name)
 
 
 def _local(value: str, folder: Path) -> str:
     """A path relative to the SPEC's folder when that file exists there, else the value (a bundled name)."""
     candidate = folder / value
-    return str(candidate) if not Path(value).is_absolute() and candidate.is_file() else value
+    return str(candidate) if not Path(value).is_absolute() and os.path.isfile(candidate) else value
 
 
 def _load_plan(value: Any, folder: Path, field_name: str) -> dict:
@@ -147,14 +165,16 @@ def _load_topology(value: Any, folder: Path, field_name: str) -> dict:
     return topology_to_dict(load_topology(_local(value, folder)))
 
 
-def spec_from_dict(data: Any, default_name: str = "sweep", folder: str | Path = ".") -> SweepSpec:
-    """Validate a parsed SPEC (every error names its field); paths in it are relative to ``folder``."""
+def spec_from_dict(data: Any, default_name: str = "sweep", folder: str | Path = ".",
+                   max_points: int = MAX_POINTS) -> SweepSpec:
+    """Validate a parsed SPEC (every error names its field); paths in it are relative to ``folder``.
+
+    A grid of more than ``max_points`` points is refused before any point is built.
+    """
     folder = Path(folder)
     data = expect_mapping(data, None)
     check_keys(data, _TOP_KEYS, None, required=("plan", "grid"))
-    name = data.get("name", default_name)
-    if not isinstance(name, str) or not name:
-        raise InputError(f"expected a non-empty string, got {quote(name)}", field="name")
+    name = _name(data.get("name", default_name), "name" in data)
     plan = _load_plan(data["plan"], folder, "plan")
     topo_value = data.get("topology", plan.get("topology"))
     if topo_value is None:
@@ -183,10 +203,35 @@ def spec_from_dict(data: Any, default_name: str = "sweep", folder: str | Path = 
         raise InputError("the cost objective needs `price_per_device_hour` (in the sweep, or in the topology)",
                          field="search.objective")
     axes = _axes(data["grid"], search is not None)
+    size = math.prod(len(values) for _, values in axes)
+    if size > max_points:
+        raise InputError(f"the grid has {size:,} points (the product of its lists' lengths), over the limit of "
+                         f"{max_points:,}; shorten the lists, or raise the limit (`testbed sweep --max-points N`)",
+                         field="grid")
     spec = SweepSpec(name=name, description=str(data.get("description", "")), plan=plan, topology=topology,
                      fill=fill, search=search, price_per_device_hour=price, axes=axes, folder=str(folder))
     _check_values(spec)
     return spec
+
+
+def _name(name: Any, given: bool) -> str:
+    """The SPEC's name: a plain name (it names the default database file), never a path or a URL."""
+    where = "name" if given else "name (the SPEC file's name, as no `name:` is given)"
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        raise InputError(f"expected a plain name of 1-{MAX_NAME} letters, digits, `_`, `-`, `.` or `+` starting with "
+                         f"a letter, digit or `_` (no folders, `..` or `scheme:` prefixes: the default database "
+                         f"is NAME.duckdb in the current folder; --db and --plot choose other places); got "
+                         f"{quote(name)}", field=where)
+    return name
+
+
+def _grid_path(p: str, where: str) -> None:
+    """A grid key is a dotted path of plain segments (it names a database column)."""
+    segments = p.split(".")
+    if len(p) > MAX_KEY or not all(_SEGMENT.fullmatch(seg) for seg in segments):
+        raise InputError(f"a grid key is a dotted path of segments of letters, digits, `_`, `-` and `+` (at most "
+                         f"{MAX_KEY} characters; give a level or element by index when its name has other "
+                         f"characters); got {quote(p)}", field=where)
 
 
 def _axes(grid: Any, searching: bool) -> tuple:
@@ -198,6 +243,7 @@ def _axes(grid: Any, searching: bool) -> tuple:
         paths = tuple(p.strip() for p in str(key).split(","))
         where = f"grid.{key}"
         for p in paths:
+            _grid_path(p, where)
             root = p.split(".")[0]
             if root not in ("plan", "topology", "price_per_device_hour") or (root == "price_per_device_hour" and p != root):
                 raise InputError(f"a grid key is a dotted path under `plan.` or `topology.`, or "
@@ -400,12 +446,12 @@ def expand(spec: SweepSpec) -> list[PointTask]:
     return out
 
 
-def load_sweep_spec(path: str | Path) -> SweepSpec:
+def load_sweep_spec(path: str | Path, max_points: int = MAX_POINTS) -> SweepSpec:
     """Read and validate a SPEC YAML file (paths inside it are relative to its folder)."""
     path = Path(path)
     text = read_input(path, "sweep SPEC file")
     data = load_yaml(str(path), text)
     try:
-        return spec_from_dict(data, default_name=path.stem, folder=path.parent)
+        return spec_from_dict(data, default_name=path.stem, folder=path.parent, max_points=max_points)
     except InputError as exc:
         raise exc.with_file(str(path)) from None

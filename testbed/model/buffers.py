@@ -23,7 +23,7 @@ and the simulator prices it at ``calibration.controller.buffer_s``.
 
 from __future__ import annotations
 
-from testbed.model import costs as model
+from testbed.model import costs
 from testbed.model import layout
 from testbed.plan.spec import Plan, Remat, ScheduleName
 
@@ -56,7 +56,7 @@ def chunk_param_arrays(plan: Plan, stage: int, chunk: int) -> int:
 
 def chunk_residual_arrays(plan: Plan, stage: int, chunk: int) -> int:
     """Arrays one microbatch's forward of the chunk keeps for its backward."""
-    cost = model.chunk_cost(plan, stage, chunk)
+    cost = costs.chunk_cost(plan, stage, chunk)
     return (RESIDUAL_ARRAYS_PER_LAYER[plan.remat] * cost.layers + _EMBED_RESIDUALS * cost.has_embedding
             + _HEAD_RESIDUALS * cost.has_head)
 
@@ -71,7 +71,7 @@ def action_buffers(plan: Plan, stage: int, chunk: int, kind: str, accumulated: b
     ``B`` returns only the input gradient. ``W``: like an unsplit ``B``
     without the input gradient.
     """
-    cost = model.chunk_cost(plan, stage, chunk)
+    cost = costs.chunk_cost(plan, stage, chunk)
     params, residuals = chunk_param_arrays(plan, stage, chunk), chunk_residual_arrays(plan, stage, chunk)
     split = plan.schedule.name in (ScheduleName.ZB_H1, ScheduleName.ZB_H2)  # B and W are separate programs
     if kind == "F":

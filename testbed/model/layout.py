@@ -25,8 +25,8 @@ weights (:attr:`ParamSpec.expert_dim`), the tensor axis their ``fe`` dim (Megatr
 split within every expert). Layers differ then, so :func:`layer_params` takes the layer index.
 
 That picture is :data:`_TABLE` below, row by row; nothing else writes it.
-Each row says where the parameter sits (:class:`Placement`), its path under
-that placement's root, its shape in :class:`ModelSpec` fields, the dim the
+Each row says which part of the model the parameter belongs to (:class:`Part`), its path under
+that part's root, its shape in :class:`ModelSpec` fields, the dim the
 tensor axis splits (Megatron: QKV and MLP-in by columns, the out projection
 and MLP-out by rows, the token table and the head by vocab; LayerNorms, the
 position table and the row-split biases have none: replicated) and how the
@@ -54,7 +54,7 @@ reduce-scatters move it (:meth:`ParamSpec.gathered_elements`). The JAX
 runner shards the evenly divided parameters by the same dim and keeps the
 padded ones' optimizer state flat and padded (``testbed.runner.padding``);
 their fsdp/ZeRO-2/3 parameters and gradients it still holds whole
-(``testbed.plan.sharding.runner_whole_params`` names them).
+(``testbed.model.leaves.runner_whole_params`` names them).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from testbed.plan.spec import Mlp, ModelSpec, Norm, Position
 from testbed.plan.stages import resolve_layers_per_stage
 
 __all__ = [
-    "Placement", "Init", "ParamSpec", "INIT_STD", "GLOBAL_KEYS", "LAYER_KEYS", "LAYER_LEAVES",
+    "Part", "Init", "ParamSpec", "INIT_STD", "GLOBAL_KEYS", "LAYER_KEYS", "LAYER_LEAVES",
     "layer_keys", "is_moe_layer", "embedding_params", "layer_params", "layers_params", "head_params", "tied_table", "model_params", "param_at", "shard_dim",
     "chunk_layers", "embedding_holder", "head_holder", "holds", "chunk_params", "held_elements",
 ]
@@ -80,7 +80,7 @@ __all__ = [
 INIT_STD = 0.02
 
 
-class Placement(StrEnum):
+class Part(StrEnum):
     """Which part of the model a parameter belongs to; :attr:`root` is its key in the params pytree."""
 
     EMBEDDING = "embedding"
@@ -106,13 +106,13 @@ class Init(StrEnum):
 class ParamSpec:
     """One parameter array of the model, for one :class:`ModelSpec`.
 
-    ``path`` is under :attr:`Placement.root` (a layer's under its list entry);
+    ``path`` is under :attr:`Part.root` (a layer's under its list entry);
     ``tensor_dim`` the dim the tensor axis splits (None: replicated over it);
     ``rng`` the index of the random key it is drawn from (the global keys for
     embedding and head, the layer's own keys for a layer; None if constant).
     """
 
-    placement: Placement
+    part: Part
     path: tuple[str, ...]
     shape: tuple[int, ...]
     tensor_dim: int | None
@@ -143,7 +143,7 @@ class ParamSpec:
     @property
     def name(self) -> str:
         """``root/path`` (e.g. ``layers/attn/wqkv``), for messages."""
-        return "/".join((self.placement.root, *self.path))
+        return "/".join((self.part.root, *self.path))
 
     @property
     def size(self) -> int:
@@ -210,7 +210,7 @@ def shard_dim(shape: tuple[int, ...], taken: tuple[int, ...], ways: int) -> int 
 # -- the table ------------------------------------------------------------------------------
 
 class _Row(NamedTuple):
-    placement: Placement
+    part: Part
     path: tuple[str, ...]
     dims: tuple[str | int, ...]       # ModelSpec field (or property) names, or literal sizes
     tensor_dim: int | None
@@ -225,7 +225,7 @@ class _Row(NamedTuple):
 
 #: Under the embedding root: the table a tied head multiplies by (transposed).
 _TIED_PATH = ("tokens",)
-_E, _L, _H = Placement.EMBEDDING, Placement.LAYER, Placement.HEAD
+_E, _L, _H = Part.EMBEDDING, Part.LAYER, Part.HEAD
 _D, _F, _V, _KV = "d_model", "d_ff", "padded_vocab", "kv_dim"
 #: MoE sizes: routed experts, one expert's width, the shared experts' joint width.
 _X, _FE, _FS = "experts", "_expert_width", "_shared_width"
@@ -306,10 +306,10 @@ def _kinds(spec: ModelSpec) -> tuple[bool, ...]:
     return tuple(bool(spec.experts) and spec.is_moe_layer(i) for i in range(spec.layers))
 
 
-def _rows(spec: ModelSpec, placement: Placement | None = None, moe: bool | None = None) -> tuple[_Row, ...]:
-    """The model's rows (of ``placement``); layer rows of every layer kind the model has, or of one kind."""
+def _rows(spec: ModelSpec, part: Part | None = None, moe: bool | None = None) -> tuple[_Row, ...]:
+    """The model's rows (of ``part``); layer rows of every layer kind the model has, or of one kind."""
     present = set(_kinds(spec)) if moe is None else {moe}
-    return tuple(r for r in _TABLE if (placement is None or r.placement is placement)
+    return tuple(r for r in _TABLE if (part is None or r.part is part)
                  and all(_WHEN[w](spec) for w in r.when) and (r.moe is None or r.moe in present))
 
 
@@ -327,7 +327,7 @@ def is_moe_layer(spec: ModelSpec, index: int) -> bool:
 #: Random keys drawn from the seed before the layers' (token table, positions, head; the head's is
 #: drawn even when tied, and the positions' even without a position table, so the layers' keys do
 #: not depend on tying or positions).
-GLOBAL_KEYS = 1 + max(r.rng for r in _TABLE if r.placement is not _L and r.rng is not None)
+GLOBAL_KEYS = 1 + max(r.rng for r in _TABLE if r.part is not _L and r.rng is not None)
 #: Random keys each layer of the default GPT splits its own key into (:func:`layer_keys` in general).
 LAYER_KEYS = layer_keys(_GPT)
 #: Parameter arrays of one layer of the default GPT (``len(layer_params(spec))`` in general).
@@ -338,19 +338,19 @@ def _resolve(row: _Row, spec: ModelSpec) -> ParamSpec:
     std = {Init.NORMAL: INIT_STD, Init.NORMAL_RESIDUAL: INIT_STD / math.sqrt(2 * spec.layers)}.get(row.init, 0.0)
     shape = tuple(d if isinstance(d, int) else _SIZES[d](spec) if d in _SIZES else getattr(spec, d)
                   for d in row.dims)
-    return ParamSpec(placement=row.placement, path=row.path, shape=shape, tensor_dim=row.tensor_dim,
+    return ParamSpec(part=row.part, path=row.path, shape=shape, tensor_dim=row.tensor_dim,
                      init=row.init, std=std, rng=row.rng,
                      tensor_units=getattr(spec, row.units) if row.units else 0, expert_dim=row.expert_dim)
 
 
 @functools.lru_cache(maxsize=256)
-def _params(spec: ModelSpec, placement: Placement, moe: bool | None = None) -> tuple[ParamSpec, ...]:
-    return tuple(_resolve(r, spec) for r in _rows(spec, placement, moe))
+def _params(spec: ModelSpec, part: Part, moe: bool | None = None) -> tuple[ParamSpec, ...]:
+    return tuple(_resolve(r, spec) for r in _rows(spec, part, moe))
 
 
 def embedding_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
     """The token table and the learned position table."""
-    return _params(spec, Placement.EMBEDDING)
+    return _params(spec, Part.EMBEDDING)
 
 
 def layer_params(spec: ModelSpec, index: int | None = None) -> tuple[ParamSpec, ...]:
@@ -363,10 +363,10 @@ def layer_params(spec: ModelSpec, index: int | None = None) -> tuple[ParamSpec, 
     if index is None:
         if len(set(kinds)) > 1:
             raise ValueError("the model mixes dense and MoE layers: layer_params needs the layer index")
-        return _params(spec, Placement.LAYER, kinds[0])
+        return _params(spec, Part.LAYER, kinds[0])
     if not 0 <= index < spec.layers:
         raise ValueError(f"layer index {index} outside 0..{spec.layers - 1}")
-    return _params(spec, Placement.LAYER, kinds[index])
+    return _params(spec, Part.LAYER, kinds[index])
 
 
 def layers_params(spec: ModelSpec, layers: Iterable[int]) -> tuple[tuple[ParamSpec, int], ...]:
@@ -377,14 +377,14 @@ def layers_params(spec: ModelSpec, layers: Iterable[int]) -> tuple[tuple[ParamSp
         counts[kinds[i]] = counts.get(kinds[i], 0) + 1
     held: dict[ParamSpec, int] = {}
     for kind in sorted(counts):
-        for p in _params(spec, Placement.LAYER, kind):
+        for p in _params(spec, Part.LAYER, kind):
             held[p] = held.get(p, 0) + counts[kind]
     return tuple(held.items())
 
 
 def head_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
     """The final LayerNorm and the output projection (none when tied to the token table)."""
-    return _params(spec, Placement.HEAD)
+    return _params(spec, Part.HEAD)
 
 
 def tied_table(spec: ModelSpec) -> ParamSpec:
@@ -394,17 +394,17 @@ def tied_table(spec: ModelSpec) -> ParamSpec:
 
 def model_params(spec: ModelSpec) -> tuple[ParamSpec, ...]:
     """Embedding, the distinct layer parameters (one layer of each kind the model has), head."""
-    return embedding_params(spec) + _params(spec, Placement.LAYER) + head_params(spec)
+    return embedding_params(spec) + _params(spec, Part.LAYER) + head_params(spec)
 
 
 def param_at(spec: ModelSpec, names: Iterable[str]) -> ParamSpec:
     """The table entry of a params-pytree leaf, from the string keys on its path.
 
-    Keys before the first placement root (a chunk's wrapping) are skipped;
+    Keys before the first part root (a chunk's wrapping) are skipped;
     list indices are not names. Raises KeyError for a leaf the table lacks.
     """
     names = list(names)
-    roots = {p.root: p for p in Placement}
+    roots = {p.root: p for p in Part}
     start = next((i for i, n in enumerate(names) if n in roots), None)
     if start is not None:
         path = tuple(names[start + 1:])

@@ -49,10 +49,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-from testbed.model import costs as model
+from testbed.model import costs
 from testbed.model import layout, moe
 from testbed.model.ring import rank_spec, ring_workspace
-from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat, ScheduleName
+from testbed.pipeline.schedules import build_schedule, peak_inflight
+from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 from testbed.plan.sharding import gradient_reduction, state_sharding
 from testbed.topology import Topology
 
@@ -68,34 +69,12 @@ def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
     return 4, 4, 4 * moments
 
 
-def _interim_inflight(plan: Plan) -> tuple[int, ...]:
-    """Peak (microbatch, chunk) pairs per stage when ``testbed.pipeline.schedules`` is unavailable.
-
-    GPipe: all ``m``; 1F1B and ZB-H1: ``min(m, p - s)``; ZB-H2:
-    ``min(m, 2(p - s) - 1)``; interleaved (Megatron): warm-up
-    ``2(p - s - 1) + (v - 1) p`` plus one, capped at ``m v``.
-    """
-    p, m, v = plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages
-    name = plan.schedule.name
-    if name is ScheduleName.GPIPE:
-        return tuple(m for _ in range(p))
-    if name is ScheduleName.INTERLEAVED:
-        return tuple(min(m * v, 2 * (p - s - 1) + (v - 1) * p + 1) for s in range(p))
-    if name is ScheduleName.ZB_H2:
-        return tuple(min(m, 2 * (p - s) - 1) for s in range(p))
-    return tuple(min(m, p - s) for s in range(p))
-
-
 def inflight_microbatches(plan: Plan) -> tuple[int, ...]:
     """Per stage, the most (microbatch, chunk) activation sets held at once.
 
     Taken from the schedule table of ``testbed.pipeline.schedules`` (the one the
-    simulator and runner execute); the documented interim rule otherwise.
+    simulator and runner execute).
     """
-    try:
-        from testbed.pipeline.schedules import build_schedule, peak_inflight
-    except ImportError:
-        return _interim_inflight(plan)
     schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
                               plan.schedule.virtual_stages)
     return tuple(int(n) for n in peak_inflight(schedule))
@@ -184,8 +163,8 @@ def _flash_workspace(plan: Plan) -> int:
     spec, c, t = rank_spec(plan), plan.precision.compute_bytes, plan.mesh.tensor
     tile = plan.microbatch_size * spec.heads * spec.seq_len * spec.flash_block // t
     if spec.flash_block == spec.seq_len:
-        return 4 * model.FLASH_BYTES * tile
-    return tile * (2 * model.FLASH_BYTES + c) + model.FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.d_model // t
+        return 4 * costs.FLASH_BYTES * tile
+    return tile * (2 * costs.FLASH_BYTES + c) + costs.FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.d_model // t
 
 
 def _layer_workspace(plan: Plan) -> int:
@@ -196,7 +175,7 @@ def _layer_workspace(plan: Plan) -> int:
     hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
     recompute = 0
     if plan.remat is Remat.FULL:
-        recompute = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t,
+        recompute = costs.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t,
                                                      plan.sequence_parallel)
     return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan) + ring_workspace(plan)
 
@@ -208,7 +187,7 @@ def _loss_workspace(plan: Plan) -> int:
     """
     spec, c = rank_spec(plan), plan.precision.compute_bytes
     logits = plan.microbatch_size * spec.seq_len * spec.padded_vocab // plan.mesh.tensor
-    return logits * (2 * model.LOSS_BYTES + (c if c != model.LOSS_BYTES else 0))
+    return logits * (2 * costs.LOSS_BYTES + (c if c != costs.LOSS_BYTES else 0))
 
 
 def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
@@ -226,12 +205,12 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     param_b, grad_b, opt_b = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     param_ways, grad_ways, opt_ways = (sharding.ways(plan, w) for w in ("params", "grads", "optimizer"))
-    held = model.device_stage_params(plan, stage)
-    param_held, grad_held, opt_held = (model.device_stage_params(plan, stage, w)
+    held = costs.device_stage_params(plan, stage)
+    param_held, grad_held, opt_held = (costs.device_stage_params(plan, stage, w)
                                        for w in (param_ways, grad_ways, opt_ways))
     holds_head = stage == layout.head_holder(p, v)[0]
     layers = plan.stage_layers[stage]  # all the stage's chunks (layers_per_stage, or the even split)
-    per_layer = model.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor,
+    per_layer = costs.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor,
                                                  plan.sequence_parallel)
     if spec.experts and plan.remat is not Remat.FULL:  # MoE layers keep router, dispatched tokens, experts' hidden
         span = [i for r in layout.chunk_layers(spec, p, v, plan.stage_layers)[stage] for i in r]
@@ -239,7 +218,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     head_acts = 0
     if holds_head:
         # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
-        head_acts = math.ceil(inflight / v) * model.head_activation_bytes(
+        head_acts = math.ceil(inflight / v) * costs.head_activation_bytes(
             spec, plan.microbatch_size, plan.precision, mesh.tensor, plan.sequence_parallel)
     layer_acts = inflight * (layers // v) * per_layer
     grads = grad_b * grad_held
@@ -255,7 +234,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     # buffer; a reduce-scatter (ZeRO >= 1) writes only the shard.
     reduce_ws = 0
     if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
-        reduce_ws = grad_b * model.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
+        reduce_ws = grad_b * costs.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
     loss_ws = _loss_workspace(plan) if holds_head else 0
     layer_ws = _layer_workspace(plan)
     # (activations, gradients, workspace) at each candidate peak instant.
@@ -318,7 +297,7 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
     worst = max(stages, key=lambda m: m.total)
     capacity = int(topology.device.memory_bytes)
     return MemoryBreakdown(
-        params_count=model.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
+        params_count=costs.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
         per_stage=tuple(stages))
@@ -347,5 +326,5 @@ def state_floor(plan: Plan) -> int:
     param_b, _, opt_b = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     param_ways, opt_ways = sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
-    return max(param_b * model.device_stage_params(plan, s, param_ways)
-               + opt_b * model.device_stage_params(plan, s, opt_ways) for s in probe_stages(plan))
+    return max(param_b * costs.device_stage_params(plan, s, param_ways)
+               + opt_b * costs.device_stage_params(plan, s, opt_ways) for s in probe_stages(plan))

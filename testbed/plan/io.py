@@ -12,11 +12,12 @@ from testbed.errors import InputError, closest
 from testbed.fields import (check_keys, expect_mapping, get_bool, get_float, get_int, get_str, is_input_file,
                             load_yaml)
 from testbed.output import read_input
+from testbed.plan.limits import check_plan_limits
 from testbed.plan.spec import (
     Attention, Axis, BatchSpec, MeshSpec, Mlp, ModelSpec, Norm, OptimizerSpec, Plan, Position, Precision, Remat, ScheduleName,
     ScheduleSpec, plan_fields,
 )
-from testbed.model.presets import preset
+from testbed.plan.presets import preset
 
 __all__ = ["load_plan", "plan_from_dict", "plan_to_dict", "dump_plan", "bundled_plan_names", "resolve_plan_path"]
 
@@ -144,8 +145,7 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
     topology = data.get("topology")
     if topology is not None and not isinstance(topology, str):
         raise InputError(f"expected a topology name or path, got {topology!r}", field="topology")
-    from testbed.plan.limits import check_plan_limits  # stated size limits, before anything uses the plan
-
+    # The stated size limits, before anything uses the plan.
     return check_plan_limits(Plan(
         name=get_str(data, "name", None, default=default_name),
         model=model_spec, batch=batch_spec, mesh=mesh_spec, schedule=schedule_spec,

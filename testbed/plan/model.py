@@ -178,11 +178,12 @@ class ModelSpec:
             raise InputError(f"first_dense_layers {self.first_dense_layers} leaves no MoE layer among {self.layers} "
                              "layers; use fewer, or experts: 0 for a dense model", field="model.first_dense_layers")
         cf = self.capacity_factor
-        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
-            raise InputError(f"must be a positive number (or null: dropless), got {cf!r}", field="model.capacity_factor")
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf <= 1000):
+            raise InputError(f"must be a number in (0, 1000] (or null: dropless; a factor above the expert count "
+                             f"already holds every token), got {cf!r}", field="model.capacity_factor")
         aux = self.router_aux_loss
-        if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not aux >= 0:
-            raise InputError(f"must be a number >= 0, got {aux!r}", field="model.router_aux_loss")
+        if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0 <= aux <= 1000:
+            raise InputError(f"must be a number in [0, 1000], got {aux!r}", field="model.router_aux_loss")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) has a mixture-of-experts MLP: the one rule both interpreters read."""

@@ -4,23 +4,19 @@ One decision read by the memory model, the simulator's task graph and the
 runner's shardings alike: the ``fsdp`` axis shards all three; ZeRO over the
 ``data`` axis adds the optimizer state (stage 1), the gradients (2) and the
 parameters (3). It also decides when gradients are reduced over each
-replica axis with several microbatches (:func:`gradient_reduction`), and how
-many collectives one pass over a chunk's sharded parameters issues
-(:func:`parameter_collectives`).
+replica axis with several microbatches (:func:`gradient_reduction`); how
+many collectives one pass over a chunk's sharded parameters issues, which
+needs the model's layout, is testbed.model.leaves'.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
-from testbed.model import layout
-from testbed.plan.spec import MESH_AXES, Axis, MeshSpec, ModelSpec, Plan, Remat
+from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 
-__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters",
-           "gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
-           "parameter_collectives"]
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,108 +86,3 @@ def gathers_parameters(plan: Plan, kind: str) -> bool:
     if not state_sharding(plan).split_axes(plan, "params"):
         return False
     return kind == "F" or (kind == "B" and plan.remat is Remat.FULL)
-
-
-def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> tuple[int, ...]:
-    """Elements of each parameter leaf of a chunk that fsdp/ZeRO-3 all-gathers, in layout order; () when unsharded.
-
-    Every leaf is gathered when the shard count exceeds 1: by the layout's one shard rule each is split over
-    the parameters' shard axes, evenly along a dim or flattened and padded
-    (:meth:`testbed.model.layout.ParamSpec.gathered_elements`: the gathered size, padding included); the
-    gathered leaf is whole over them and split as the device holds it by ``tensor`` and ``expert``.
-    testbed.runner.parallel.ParamShards issues one ``all_gather`` per evenly split leaf where a piece of the
-    model uses it, and one ``psum_scatter`` of its gradient; it still holds the padded leaves' parameters
-    and gradients whole (:func:`runner_whole_params`). Layout order: the embedding, each
-    layer's rows layer by layer, the head (the order XLA meets them in the forward).
-
-    ``chunk`` None: every chunk of the stage, in chunk order. ``which="optimizer"``: the leaves sharded with the
-    optimizer state instead, which ZeRO-1/2 all-gathers over ``data`` after the update (XLA's partitioner,
-    leaf by leaf as well).
-    """
-    v = plan.schedule.virtual_stages
-    if chunk is None:
-        return tuple(n for c in range(v) for n in gathered_leaves(plan, stage, c, which))
-    ways = state_sharding(plan).ways(plan, which)
-    if ways <= 1:
-        return ()
-    return _gathered(plan.model, plan.mesh, v, plan.stage_layers, ways, stage, chunk)
-
-
-@functools.lru_cache(maxsize=65536)  # a search prices each chunk of thousands of plans sharing a mesh
-def _gathered(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
-              chunk: int) -> tuple[int, ...]:
-    """:func:`gathered_leaves` of one chunk, from what it depends on."""
-    embed, head = layout.holds(stage, chunk, mesh.stage, v)
-    span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
-    params = list(layout.embedding_params(spec) if embed else ())
-    for i in span:
-        params += layout.layer_params(spec, i)
-    params += layout.head_params(spec) if head else ()
-    return tuple(p.gathered_elements(mesh.tensor, ways, mesh.expert) for p in params)
-
-
-def moved_elements(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> int:
-    """Elements one collective over the shard axes of ``which`` (params, grads, optimizer) moves for a chunk's
-    parameters on a device: a gather's output, a reduce-scatter's input. ``ways`` times the device's shards,
-    so the padding of the padded parameters (:meth:`testbed.model.layout.ParamSpec.padded`) moves too and
-    bytes are conserved (each rank's shard times the shard count); the chunk's unsharded elements when
-    nothing shards ``which``. Every held parameter counts, a tied token-table copy included (as
-    :attr:`testbed.model.costs.ChunkCost.params`, which it equals when every shard divides evenly).
-    ``chunk`` None: the stage's chunks together. testbed.sim.program's collectives carry these bytes."""
-    v, mesh = plan.schedule.virtual_stages, plan.mesh
-    if chunk is None:
-        return sum(moved_elements(plan, stage, c, which) for c in range(v))
-    ways = max(1, state_sharding(plan).ways(plan, which))
-    held = layout.chunk_params(plan.model, stage, chunk, mesh.stage, v, stage_layers=plan.stage_layers)
-    return ways * layout.held_elements(held, mesh.tensor, ways, mesh.expert)
-
-
-def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:
-    """Names (layout order, each once) of the parameters whose ``which`` state is sharded flattened and padded:
-    no free dim divides the shard count (:meth:`testbed.model.layout.ParamSpec.padded`). The memory model and
-    the simulator count them sharded padded; so does the JAX runner's optimizer state (testbed.runner.padding),
-    while its fsdp/ZeRO-2/3 parameters and gradients still hold these whole (:func:`runner_whole_params`)."""
-    ways, mesh = state_sharding(plan).ways(plan, which), plan.mesh
-    if ways <= 1:
-        return ()
-    names: dict[str, None] = {}
-    for p in layout.model_params(plan.model):
-        if p.padded(mesh.tensor, ways, mesh.expert):
-            names.setdefault(p.name)
-    return tuple(names)
-
-
-def runner_whole_params(plan: Plan) -> dict[str, tuple[str, ...]]:
-    """Per kind of state (params, grads) sharded by the plan, the parameters the JAX runner holds whole where
-    the rule shards them padded (:func:`padded_params`): what remains to flatten in the runner. The optimizer
-    state it does shard padded (testbed.runner.padding), so it never appears. Empty when every sharded
-    parameter divides evenly."""
-    out = {w: padded_params(plan, w) for w in ("params", "grads")}
-    return {w: names for w, names in out.items() if names}
-
-
-def combined_sizes(sizes: tuple[float, ...], combine_bytes: float) -> tuple[float, ...]:
-    """``sizes`` (bytes of collectives issued one after another) as a combiner merges them: consecutive ones
-    joined while the merged collective stays within ``combine_bytes`` (XLA's all-gather and reduce-scatter
-    combiners' threshold rule). 0: none merged; ``math.inf``: all of them one collective."""
-    out: list[float] = []
-    for size in sizes:
-        if out and out[-1] + size <= combine_bytes:
-            out[-1] += size
-        else:
-            out.append(float(size))
-    return tuple(out)
-
-
-def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_bytes: float = math.inf,
-                          bytes_per_element: float = 4.0, which: str = "params") -> int:
-    """How many all-gathers one gather of a chunk's sharded parameters is (as many reduce-scatters for their
-    gradients): one per gathered leaf (:func:`gathered_leaves`) as ``combine_bytes`` merges them
-    (:func:`combined_sizes`; the topology's ``calibration.collectives.combine_bytes``: 0 on XLA:CPU, which
-    combines none, unbounded where one flat buffer per chunk moves). At least 1 whenever parameters are
-    sharded, so a chunk whose leaves all stay whole still counts its one gather, as testbed.sim.program prices
-    it; 0 when nothing shards them. ``chunk`` and ``which`` as in :func:`gathered_leaves`."""
-    if not state_sharding(plan).split_axes(plan, which):
-        return 0
-    leaves = gathered_leaves(plan, stage, chunk, which)
-    return max(1, len(combined_sizes(tuple(n * bytes_per_element for n in leaves), combine_bytes)))

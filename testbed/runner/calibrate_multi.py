@@ -33,7 +33,7 @@ every program over devices it owns. Which devices a benchmark uses:
   would then be folded into compute efficiency (measured on a 2-core host:
   0.02 instead of about 0.4). The network is fitted by the collectives.
 
-Worker 0's samples are fitted by :func:`testbed.calibration.topology.fit_all` and
+Worker 0's samples are fitted by :func:`testbed.calibration.calibrated.fit_all` and
 written like the single-process path (topology YAML plus
 ``FILE.measurements.json``, which records ``processes``). A refit from such a
 file (``--from-measurements``) rebuilds the same two-level base.
@@ -45,7 +45,7 @@ import sys
 import time
 from typing import Any
 
-from testbed.calibration import fit as cal
+from testbed.calibration import fit
 
 __all__ = ["plan_benchmarks", "runs_on_all", "worker_body"]
 
@@ -92,7 +92,7 @@ def runs_on_all(bench: Any, local: int) -> bool:
     return needs > local
 
 
-def _collective(bench: Any, devices: list[Any]) -> cal.Sample:
+def _collective(bench: Any, devices: list[Any]) -> fit.Sample:
     """A collective timed over loops of 1 and 9 rounds (not 1 and 5): a gloo round takes milliseconds of
     scheduling noise on a busy host, and the longer loop averages more of it out of the per-round time."""
     from testbed.runner import measure
@@ -142,6 +142,6 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
             sys.stderr.flush()
     samples = [measure.least_disturbed(runs[i]) for i in range(len(benches))] if me == 0 else []
     return {**info, "process_id": me, "seconds": time.perf_counter() - started,
-            "samples": cal.samples_to_rows(samples)}
+            "samples": fit.samples_to_rows(samples)}
 
 

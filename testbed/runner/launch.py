@@ -12,7 +12,10 @@ launcher watches all of them:
   process: stopped, deadlocked, swapped out), stops the job: the launcher
   kills every worker's process group and raises :class:`WorkerFailed` naming
   the worker, its exit status and the tail of its stderr;
-- a coordinator port that turns out busy is retried on a fresh port.
+- a coordinator port that turns out busy is retried on a fresh port;
+- a SIGKILLed launcher cannot stop its workers, so each worker dies with it
+  (a parent-death signal and a watchdog, :func:`testbed.lifetime.die_with_parent`),
+  and the next launch removes the scratch folder it left.
 
 On a real cluster no launcher is needed: start one process per host (SLURM
 ``srun``, a TPU pod's ``gcloud ... --worker=all``) and JAX reads the
@@ -49,6 +52,8 @@ BODIES: dict[str, str] = {"run": "testbed.runner.train:worker_body", "calibrate"
                           "collective": "testbed.runner.cluster_collective:worker_body"}
 
 _ENV = "TESTBED_WORKER"
+_LAUNCHER_ENV = "TESTBED_LAUNCHER_PID"
+_WORKDIR = "testbed-launch-"  # + the launcher's pid + "-": the scratch folder of one job
 _PORT_RETRIES = 3
 _BUSY_MARKERS = ("address already in use", "failed to bind", "bind failed", "errno 98")
 
@@ -137,6 +142,7 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
                 env[_ENV] = json.dumps({**json.loads(env[_ENV]), "coordinator": f"{hosts[0]}:{port}",
                                         "bind_host": hosts[i]})
             env.pop("XLA_FLAGS", None)
+            env[_LAUNCHER_ENV] = str(os.getpid())  # the worker dies with this process (testbed.lifetime)
             with open(errs[i], "wb") as err:
                 prefix = list(prefixes[i]) if prefixes else []  # e.g. `ip netns exec NS`: a worker per namespace
                 procs.append(subprocess.Popen([*prefix, sys.executable, "-m", "testbed.runner.launch"], env=env,
@@ -195,7 +201,10 @@ def launch(payload: dict, *, processes: int, local_devices: int, port: int | Non
     if port is not None and not port_is_free(port):
         raise InputError(f"coordinator port {port} on 127.0.0.1 is busy; pick another or leave it out "
                          f"to use a free one", field="--port")
-    with tempfile.TemporaryDirectory(prefix="testbed-launch-") as tmp:
+    from testbed.lifetime import remove_stale_folders
+
+    remove_stale_folders(Path(tempfile.gettempdir()), _WORKDIR)  # left by a SIGKILLed launcher
+    with tempfile.TemporaryDirectory(prefix=f"{_WORKDIR}{os.getpid()}-") as tmp:
         for attempt in range(_PORT_RETRIES):
             chosen = port if port is not None else free_port()
             try:
@@ -270,7 +279,17 @@ def _worker_main() -> int:
     return 0
 
 
+def _die_with_launcher() -> None:
+    """A SIGKILLed launcher cannot stop its workers: each worker stops itself when the launcher dies."""
+    launcher = os.environ.get(_LAUNCHER_ENV, "")
+    if launcher.isdigit():
+        from testbed.lifetime import die_with_parent
+
+        die_with_parent(int(launcher))
+
+
 if __name__ == "__main__":
+    _die_with_launcher()
     code = _worker_main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -39,7 +39,7 @@ from testbed.runner import moe
 from testbed.runner.attention import flash_attention, plain_attention
 from testbed.runner.ring_attention import ContextShards
 from testbed.model import layout
-from testbed.model.layout import Init, ParamSpec, Placement
+from testbed.model.layout import Init, ParamSpec, Part
 from testbed.plan.spec import Attention, ModelSpec, Norm, Position, Precision, Remat
 
 __all__ = [
@@ -85,11 +85,11 @@ def init_params(spec: ModelSpec, seed: int) -> Params:
     """
     keys = jax.random.split(jax.random.key(seed), spec.layers + layout.GLOBAL_KEYS)
     return {
-        Placement.EMBEDDING.root: _tree(layout.embedding_params(spec), keys),
-        Placement.LAYER.root: [_tree(layout.layer_params(spec, i),
+        Part.EMBEDDING.root: _tree(layout.embedding_params(spec), keys),
+        Part.LAYER.root: [_tree(layout.layer_params(spec, i),
                                      jax.random.split(keys[layout.GLOBAL_KEYS + i], layout.layer_keys(spec)))
                                for i in range(spec.layers)],
-        Placement.HEAD.root: _tree(layout.head_params(spec), keys),
+        Part.HEAD.root: _tree(layout.head_params(spec), keys),
     }
 
 

@@ -14,7 +14,7 @@ runs on the flat form unchanged; the padding holds zeros (zero gradient,
 zero moments, zero update) and is cut off when the parameters are rebuilt.
 
 What the runner still holds whole: the parameters and gradients of padded
-leaves under fsdp / ZeRO-2/3 (testbed.plan.sharding.runner_whole_params).
+leaves under fsdp / ZeRO-2/3 (testbed.model.leaves.runner_whole_params).
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from testbed.model.costs import model_flops_per_step
+from testbed.model.memory import memory_breakdown
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.compute import compute_seconds, pass_seconds
 from testbed.sim.contention import Flow, LinkLedger
@@ -77,120 +79,142 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
 
     Devices computing at once share the host as ``calibration.host_share``
     says (or, without a calibration, ``host_cores`` cores as
-    :class:`~testbed.topology.calibration.HostCalibration` says; 0: none shared).
+    :class:`~testbed.topology.HostCalibration` says; 0: none shared).
     """
     if calibration is None:
         calibration = Calibration(host=HostCalibration(cores=host_cores)) if host_cores > 0 else Calibration()
-    sharing = calibration
-    tasks, durations, task_loads = program.tasks, priced.durations, priced.loads
-    n = len(tasks)
-    row_index: dict[tuple[int, str], int] = {}
-    for t in tasks:
-        row_index.setdefault((t.device, t.stream), 0)
-    ordered = sorted(row_index, key=lambda k: (k[0], STREAMS.index(k[1]) if k[1] in STREAMS else len(STREAMS), k[1]))
-    row_index = {k: i for i, k in enumerate(ordered)}
-    row_of = [row_index[(t.device, t.stream)] for t in tasks]
-    queues: list[deque] = [deque() for _ in ordered]
-    for i, r in enumerate(row_of):
-        queues[r].append(i)
-    pending = [len(t.deps) for t in tasks]
-    dependents: list[list[int]] = [[] for _ in range(n)]
-    for i, t in enumerate(tasks):
-        for d in t.deps:
-            dependents[d].append(i)
-    is_comm = [t.kind not in (TaskKind.COMPUTE, TaskKind.HOST) for t in tasks]
-    # Devices computing at once share the host's cores, and so does the (single-threaded) controller.
-    weight = [1 if t.kind is TaskKind.HOST else program.multiplicity[t.device] for t in tasks]
-    start = [math.nan] * n
-    end = [math.nan] * n
-    busy = [False] * len(ordered)
-    active: dict[int, float] = {}  # task -> remaining fraction of its work
-    rate: dict[int, float] = {}
-    now = 0.0
-    dirty_comm = dirty_compute = False
-    # A shared host's stragglers (testbed.sim.barriers): per device, computing since its group last met; tasks
-    # waiting for the last member -> (seconds left, whether the task's own work follows).
-    host = calibration.host
-    skewed = host is not None and bool(host.skew_s)
-    carry: dict[int, float] = {}
-    holds: dict[int, tuple[float, bool]] = {}
-    worked: dict[int, float] = {}  # compute task -> when its work was done (it then waited for the last device)
-    ledger = LinkLedger(priced.bandwidth)
+    fluid = _Fluid(program, priced, calibration)
+    fluid.try_rows(range(len(fluid.rows)))
+    while fluid.active or fluid.holds:
+        fluid.advance()
+    return fluid.timeline()
 
-    def try_rows(rows) -> None:
-        work = list(rows)
+
+class _Fluid:
+    """The state of one play: every (device, stream) row's FIFO, the tasks in flight with the fraction of their
+    work left and their rates, and a shared host's stragglers."""
+
+    def __init__(self, program: Program, priced: Priced, calibration: Calibration) -> None:
+        self.program, self.sharing = program, calibration
+        tasks = self.tasks = program.tasks
+        self.durations, self.loads = priced.durations, priced.loads
+        n = len(tasks)
+        keys = dict.fromkeys((t.device, t.stream) for t in tasks)
+        self.rows = sorted(keys, key=lambda k: (k[0], STREAMS.index(k[1]) if k[1] in STREAMS else len(STREAMS), k[1]))
+        row_index = {k: i for i, k in enumerate(self.rows)}
+        self.row_of = [row_index[(t.device, t.stream)] for t in tasks]
+        self.queues: list[deque] = [deque() for _ in self.rows]
+        for i, r in enumerate(self.row_of):
+            self.queues[r].append(i)
+        self.pending = [len(t.deps) for t in tasks]
+        self.dependents: list[list[int]] = [[] for _ in range(n)]
+        for i, t in enumerate(tasks):
+            for d in t.deps:
+                self.dependents[d].append(i)
+        self.is_comm = [t.kind not in (TaskKind.COMPUTE, TaskKind.HOST) for t in tasks]
+        # Devices computing at once share the host's cores, and so does the (single-threaded) controller.
+        self.weight = [1 if t.kind is TaskKind.HOST else program.multiplicity[t.device] for t in tasks]
+        self.start = [math.nan] * n
+        self.end = [math.nan] * n
+        self.busy = [False] * len(self.rows)
+        self.active: dict[int, float] = {}  # task -> remaining fraction of its work
+        self.rate: dict[int, float] = {}
+        self.now = 0.0
+        self.dirty_comm = self.dirty_compute = False
+        # A shared host's stragglers (testbed.sim.barriers): per device, computing since its group last met; tasks
+        # waiting for the last member -> (seconds left, whether the task's own work follows).
+        self.host = calibration.host
+        self.skewed = self.host is not None and bool(self.host.skew_s)
+        self.carry: dict[int, float] = {}
+        self.holds: dict[int, tuple[float, bool]] = {}
+        # Compute task -> when its work was done (it then waited for the last device).
+        self.worked: dict[int, float] = {}
+        self.ledger = LinkLedger(priced.bandwidth)
+
+    def try_rows(self, rows) -> None:
+        """Starts the head task of each of ``rows`` that is free and whose dependencies are done (and of the rows
+        that frees in turn)."""
+        work, queues, pending = list(rows), self.queues, self.pending
         while work:
             r = work.pop()
-            if busy[r] or not queues[r] or pending[queues[r][0]]:
+            if self.busy[r] or not queues[r] or pending[queues[r][0]]:
                 continue
             i = queues[r].popleft()
-            busy[r] = True
-            start[i] = now
-            t = tasks[i]
-            if skewed and t.kind is TaskKind.COLLECTIVE and not t.interleaved and len(t.group) > 1:
+            self.busy[r] = True
+            self.start[i] = self.now
+            t = self.tasks[i]
+            if self.skewed and t.kind is TaskKind.COLLECTIVE and not t.interleaved and len(t.group) > 1:
                 # A collective standing alone: its group waits for the last member first (testbed.sim.barriers).
-                wait = host.barrier_wait(len(t.group), carry.get(t.device, 0.0))
-                carry[t.device] = 0.0
+                wait = self.host.barrier_wait(len(t.group), self.carry.get(t.device, 0.0))
+                self.carry[t.device] = 0.0
                 if wait > 0:
-                    holds[i] = (wait, True)
+                    self.holds[i] = (wait, True)
                     continue
-            work.extend(begin(i))
+            work.extend(self.begin(i))
 
-    def begin(i: int) -> list[int]:
-        nonlocal dirty_comm, dirty_compute
-        if durations[i] <= 0:
-            return finish(i)
-        active[i] = 1.0
-        if is_comm[i]:
-            ledger.add(i, Flow(1.0 / durations[i], task_loads[i] or {}))
-            dirty_comm = True
+    def begin(self, i: int) -> list[int]:
+        """Task ``i``'s work starts (a transfer joins the link ledger); returns the rows it frees (none unless it
+        takes no time)."""
+        if self.durations[i] <= 0:
+            return self.finish(i)
+        self.active[i] = 1.0
+        if self.is_comm[i]:
+            self.ledger.add(i, Flow(1.0 / self.durations[i], self.loads[i] or {}))
+            self.dirty_comm = True
         else:
-            dirty_compute = True
+            self.dirty_compute = True
         return []
 
-    def computed(i: int) -> list[int]:
+    def computed(self, i: int) -> list[int]:
         """A task's work is done: a compute task on a skewed host may still wait at its barriers."""
-        t = tasks[i]
-        if skewed and t.kind is TaskKind.COMPUTE:
-            seconds, before = now - start[i], carry.get(t.device, 0.0)
-            carry[t.device] = 0.0 if t.syncs else before + seconds
-            wait = interleaved_wait(host, t.syncs, seconds, before)
+        t = self.tasks[i]
+        if self.skewed and t.kind is TaskKind.COMPUTE:
+            seconds, before = self.now - self.start[i], self.carry.get(t.device, 0.0)
+            self.carry[t.device] = 0.0 if t.syncs else before + seconds
+            wait = interleaved_wait(self.host, t.syncs, seconds, before)
             if wait > 0:
-                holds[i] = (wait, False)
-                worked[i] = now
+                self.holds[i] = (wait, False)
+                self.worked[i] = self.now
                 return []
-        return finish(i)
+        return self.finish(i)
 
-    def finish(i: int) -> list[int]:
-        end[i] = now
-        busy[row_of[i]] = False
-        rows = [row_of[i]]
-        for d in dependents[i]:
-            pending[d] -= 1
-            if pending[d] == 0:
-                rows.append(row_of[d])
+    def finish(self, i: int) -> list[int]:
+        """Task ``i`` is done: its row and the rows of the dependents it was the last wait of may start more."""
+        self.end[i] = self.now
+        self.busy[self.row_of[i]] = False
+        rows = [self.row_of[i]]
+        for d in self.dependents[i]:
+            self.pending[d] -= 1
+            if self.pending[d] == 0:
+                rows.append(self.row_of[d])
         return rows
 
-    try_rows(range(len(ordered)))
-    while active or holds:
-        if dirty_comm:
-            rate.update(ledger.rates())
-            dirty_comm = False
-        if dirty_compute:
-            comp = [i for i in active if not is_comm[i]]
-            # The programs computing at once: one per stage representative (MPMD pipeline stages are separate
-            # programs; an SPMD step is one), which share the host worse than one program's devices do.
-            programs = len({tasks[i].device for i in comp if tasks[i].kind is TaskKind.COMPUTE}) or 1
-            share = sharing.host_share(sum(weight[i] for i in comp), programs) if sharing.shares_host else 1.0
+    def _rates(self) -> None:
+        """Re-evaluates the rates that changed: transfers' max-min shares of the links, computes' share of the
+        host (the programs computing at once: one per stage representative, MPMD pipeline stages being separate
+        programs and an SPMD step one, share the host worse than one program's devices do)."""
+        if self.dirty_comm:
+            self.rate.update(self.ledger.rates())
+            self.dirty_comm = False
+        if self.dirty_compute:
+            comp = [i for i in self.active if not self.is_comm[i]]
+            programs = len({self.tasks[i].device for i in comp if self.tasks[i].kind is TaskKind.COMPUTE}) or 1
+            share = self.sharing.host_share(sum(self.weight[i] for i in comp), programs) \
+                if self.sharing.shares_host else 1.0
             for i in comp:
-                rate[i] = share / durations[i]
-            dirty_compute = False
+                self.rate[i] = share / self.durations[i]
+            self.dirty_compute = False
+
+    def advance(self) -> None:
+        """Moves time to the next event (a task's work done, or a barrier's wait over) and starts what follows."""
+        self._rates()
+        active, rate, holds = self.active, self.rate, self.holds
         first = min(active, key=lambda i: active[i] / rate[i]) if active else -1
         dt = active[first] / rate[first] if active else math.inf
         held = min(holds, key=lambda i: holds[i][0]) if holds else -1
         if holds and holds[held][0] < dt:
             first, dt = -1, holds[held][0]
-        now += dt
+        self.now += dt
         done = []
         for i in active:
             left = active[i] - rate[i] * dt
@@ -200,29 +224,34 @@ def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Cali
         rows: list[int] = []
         for i in [i for i in holds if (first < 0 and i == held) or holds[i][0] <= dt]:
             _, work_follows = holds.pop(i)
-            rows.extend(begin(i) if work_follows else finish(i))
+            rows.extend(self.begin(i) if work_follows else self.finish(i))
         for i in holds:
             holds[i] = (holds[i][0] - dt, holds[i][1])
         for i in done:
             del active[i]
             del rate[i]
-            if is_comm[i]:
-                ledger.remove(i)
-                dirty_comm = True
+            if self.is_comm[i]:
+                self.ledger.remove(i)
+                self.dirty_comm = True
             else:
-                dirty_compute = True
-            rows.extend(computed(i))
-        try_rows(rows)
-    if any(math.isnan(e) for e in end):
-        stuck = [tasks[i].name for i in range(n) if math.isnan(end[i])][:5]
-        raise RuntimeError(f"the task graph deadlocks; unfinished tasks include {stuck}")
-    # The step ends when the last device of every stage is done: each representative's devices meet there.
-    last: dict[int, float] = {}
-    for t, e in zip(tasks, end):
-        last[t.device] = max(last.get(t.device, 0.0), e)
-    step = max((e + step_end_wait(host, program.multiplicity[d], carry.get(d, 0.0)) if skewed else e
-                for d, e in last.items()), default=0.0)
-    return _timeline(program, ordered, row_of, start, end, step, worked)
+                self.dirty_compute = True
+            rows.extend(self.computed(i))
+        self.try_rows(rows)
+
+    def timeline(self) -> Timeline:
+        """The played step's timeline: it ends when the last device of every stage is done (each
+        representative's devices meet there)."""
+        tasks, end = self.tasks, self.end
+        if any(math.isnan(e) for e in end):
+            stuck = [tasks[i].name for i in range(len(tasks)) if math.isnan(end[i])][:5]
+            raise RuntimeError(f"the task graph deadlocks; unfinished tasks include {stuck}")
+        last: dict[int, float] = {}
+        for t, e in zip(tasks, end):
+            last[t.device] = max(last.get(t.device, 0.0), e)
+        multiplicity = self.program.multiplicity
+        step = max((e + step_end_wait(self.host, multiplicity[d], self.carry.get(d, 0.0)) if self.skewed else e
+                    for d, e in last.items()), default=0.0)
+        return _timeline(self.program, self.rows, self.row_of, self.start, end, step, self.worked)
 
 
 def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end, step: float,
@@ -278,9 +307,6 @@ def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end,
 
 def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -> Report:
     """Step time, compute, exposed comm, bubble, MFU and memory of a simulated (or measured) step."""
-    from testbed.model.memory import memory_breakdown
-    from testbed.model.costs import model_flops_per_step
-
     step = timeline.step_time_s
     peak = topology.device.flops(plan.precision.compute_dtype)
     mfu = model_flops_per_step(plan) / (topology.num_devices * peak * step) if step > 0 else 0.0

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from testbed.model.costs import model_flops_per_step
 from testbed.plan.spec import Plan
 from testbed.sim.timeline import CATEGORIES, Report, Timeline
 
@@ -55,8 +56,6 @@ def measured_timeline(starts_s: Sequence[float], durations_s: Sequence[float], n
 
 def measured_mfu(plan: Plan, step_time_s: float, devices: int, peak_flops: float | None) -> float | None:
     """Model FLOPs per step / (devices x peak x step time), as the simulator computes it; None without a peak."""
-    from testbed.model.costs import model_flops_per_step
-
     if peak_flops is None or not peak_flops > 0 or not step_time_s > 0:
         return None
     return model_flops_per_step(plan) / (devices * peak_flops * step_time_s)

@@ -71,7 +71,7 @@ def moe_pieces(plan: Plan, moe_layers: int, kind: str, split: bool, flops: float
                traffic: tuple[float, float], gemms: tuple[Gemm, ...], kernels: int) -> list[Piece]:
     """The chain of an F or B action holding ``moe_layers`` MoE layers (module docstring); [] when the action
     runs no all-to-all (no MoE layer, expert degree 1, or a W action). ``flops``, ``hbm``, ``traffic``,
-    ``gemms`` and ``kernels`` are the whole action's (testbed.sim.program's ``_action_work``)."""
+    ``gemms`` and ``kernels`` are the whole action's (testbed.sim.facts' ``action_work``)."""
     if not moe_layers or plan.mesh.expert <= 1 or kind == "W":
         return []
     routed, shared = _layer_gemms(plan, kind, split)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from testbed.collectives import timing, torus
 from testbed.sim.compute import compute_seconds
 from testbed.sim.contention import normalised_loads
 from testbed.sim.tasks import Program, Task, TaskKind
@@ -51,11 +52,6 @@ def controller_seconds(calibration: Calibration, task: Task) -> float:
     return task.count * controller.overhead_s + task.buffers * controller.buffer_s
 
 
-def _timing():
-    from testbed.collectives import timing as collective_timing
-
-    return collective_timing
-
 
 def _ring_neighbours(group: Sequence[int], rep: int) -> tuple[int, int, int]:
     i = group.index(rep)
@@ -72,7 +68,6 @@ def _neighbour_links(topology: Topology, group: Sequence[int], rep: int) -> set:
 
 def price(program: Program, topology: Topology, dtype: str) -> Priced:
     """Standalone durations and link loads of every task of ``program`` on ``topology``."""
-    timing = _timing()
     durations: list[float] = []
     loads: list[Mapping | None] = []
     bandwidth: dict = {}
@@ -123,8 +118,6 @@ class _Symmetry:
     """
 
     def __init__(self, topology: Topology) -> None:
-        from testbed.collectives import torus
-
         self.topology = topology
         self.levels = topology.form is Form.LEVELS and len(topology.levels) > 0
         self.torus = torus if torus.translatable(topology) else None

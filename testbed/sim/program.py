@@ -1,5 +1,8 @@
 """Plan + placement -> the task graph of one training step (the shared IR).
 
+The step is worked out once (testbed.sim.facts' :class:`~testbed.sim.facts.StepFacts`, which the
+analytic tier plays too); :func:`program_of` turns those facts into tasks, one small builder per stream.
+
 Every task runs on one *representative* device: data replicas, fsdp ranks
 and tensor ranks of a pipeline stage execute identical tasks at the same
 time, so the program holds one device per stage (mesh coordinate
@@ -82,7 +85,7 @@ How many collectives a gather and a gradient reduce-scatter of a chunk's sharded
 parameters is: the runner (testbed.runner.parallel.ParamShards) gathers every sharded
 leaf on its own and reduce-scatters its gradient on its own, which XLA:CPU runs
 as that many collectives and XLA:GPU combines; testbed.plan.sharding's
-:func:`~testbed.plan.sharding.parameter_collectives` counts them under the
+:func:`~testbed.model.leaves.parameter_collectives` counts them under the
 topology's ``calibration.collectives.combine_bytes``, and the task carries the
 count (``count`` back-to-back collectives of an equal share of the bytes; a
 bucket's reduce-scatter its share of them).
@@ -90,50 +93,21 @@ bucket's reduce-scatter its share of them).
 
 from __future__ import annotations
 
-import functools
-import math
-
 import numpy as np
 
-from testbed.model import buffers as dispatch
-
-from testbed.model import costs as model
-from testbed.model.gemm import chunk_gemms, gemm_flops, scaled, without
-from testbed.model.memory import state_bytes_per_param
+from testbed.model import buffers
+from testbed.model.gemm import scaled
+from testbed.pipeline.schedules import Action, Schedule
 from testbed.plan.placement import Placement
-from testbed.plan.spec import Axis, Plan, Remat
-from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependencies
-from testbed.plan.sharding import (gathers_parameters, gradient_reduction, moved_elements, parameter_collectives,
-                                   reduction_axes, state_sharding)
-from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.moe import moe_layers
-from testbed.sim.moe import A2A_STREAM, expert_gemms, moe_pieces
+from testbed.plan.spec import Axis, Plan
+from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, step_facts
+from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
 
-__all__ = ["TaskKind", "Task", "Program", "build_program", "axis_groups", "BUCKETS", "STREAMS",
-           "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES", "accumulate_bytes"]
+__all__ = ["TaskKind", "Task", "Program", "build_program", "program_of", "axis_groups", "STREAMS"]
 
-#: Most gradient buckets per chunk (split of the chunk's last backward action).
-BUCKETS = 4
 STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "grad", "host")
-#: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
-OPTIMIZER_FLOPS_PER_PARAM = 12
-#: Memory passes of adding one microbatch's gradients into the step's accumulator: read both, write one (an
-#: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
-ACCUMULATE_PASSES = 3
-
-
-def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
-    """HBM bytes one device streams adding one microbatch's gradients of ``params`` into the accumulator.
-
-    Every microbatch adds into an accumulator that starts at zero; a step of one microbatch keeps its
-    gradients as they are (0). Sharded accumulation (each microbatch's gradients reduce-scattered first,
-    testbed.plan.sharding.gradient_reduction) adds into the device's shard.
-    """
-    if plan.batch.microbatches <= 1:
-        return 0.0
-    return ACCUMULATE_PASSES * params * grad_bytes / state_sharding(plan).ways(plan, "grads")
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
@@ -148,311 +122,288 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         serial: the host runs programs over several devices one at a time in dispatch order (the
             topology's ``calibration.host.serial_programs``; module docstring).
     """
-    mesh, v = plan.mesh, plan.schedule.virtual_stages
-    p = mesh.stage
-    schedule = schedule or build_schedule(plan.schedule.name, p, plan.batch.microbatches, v)
-    param_b, grad_b, _ = state_bytes_per_param(plan)
-    reps = [int(placement.device_ids[s].flat[0]) for s in range(p)]
-    representative = np.empty(placement.num_devices, dtype=np.int64)
-    for s in range(p):
-        representative[placement.device_ids[s].ravel()] = reps[s]
+    return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule), placement,
+                      controller=controller, serial=serial)
 
-    tensor = axis_groups(placement, [Axis.TENSOR])
-    data_groups = axis_groups(placement, [Axis.DATA])
-    sharding = state_sharding(plan)
-    p_groups = axis_groups(placement, list(sharding.params))
-    p_ways = sharding.ways(plan, "params")
-    per_microbatch, _ = gradient_reduction(plan)  # reduced as each microbatch's gradients come (sharded)
-    g_groups = axis_groups(placement, [Axis(a) for a in per_microbatch])
-    o_ways = sharding.ways(plan, "optimizer")
-    costs = [[model.chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
-    # Per chunk, the collectives one gather of its sharded parameters (and one reduce-scatter of their gradients) is.
-    combine = math.inf if combine_bytes is None else combine_bytes
-    leaf_counts = [[parameter_collectives(plan, s, c, combine, param_b) for c in range(v)] for s in range(p)]
-    # Per chunk, the elements a collective over each state's shard axes moves, padded shards' padding included.
-    moved = [[{w: moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")} for c in range(v)]
-             for s in range(p)]
-    experts = axis_groups(placement, [Axis.EXPERT])  # the dispatch/combine all-to-alls' groups
-    spans = chunk_layers(plan.model, p, v, plan.stage_layers)
-    moe_counts = [[moe_layers(plan.model, spans[s][c]) for c in range(v)] for s in range(p)]
-    # Per chunk, the routed experts' parameters on one device: reduced over the batch axes but expert.
-    expert_params = [[held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
-                                    mesh.tensor, 1, mesh.expert, experts_only=True) for c in range(v)] for s in range(p)]
-    groups: dict = {"placement": placement}  # gradient reduction groups by axes, memoized (_reduce)
-    shapes = [[chunk_gemms(plan, s, c) for c in range(v)] for s in range(p)]
-    contexts = axis_groups(placement, [Axis.CONTEXT])  # ring attention: each rank sends to the next of its ring
-    ring_pair, rings = zip(*(ring_neighbours(contexts[s], reps[s]) for s in range(p)))
-    # Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate (made for the stage
-    # pairs that send, when they first do).
-    @functools.cache
-    def stage_pairs(a: int, b: int) -> tuple[tuple[int, int], ...]:
-        return tuple(zip(placement.device_ids[a].ravel().tolist(), placement.device_ids[b].ravel().tolist()))
 
-    b = Builder()
-    done: dict[tuple[int, Action], int] = {}      # action -> its last task (TP all-reduce or compute)
-    sent: dict[tuple[int, Action, int], int] = {}  # (stage, action, dst stage) -> send task
-    reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
-    once: dict[int, list[tuple[float, float, str]]] = {s: [] for s in range(p)}  # reduced after the backward
-    last_bwd_kind = "W" if schedule.split_backward else "B"
-    order = _global_order(schedule)
-    remaining_bwd = {(s, c): plan.batch.microbatches for s in range(p) for c in range(v)}
+def program_of(facts: StepFacts, placement: Placement, controller: bool = False, serial: bool = False) -> Program:
+    """The task graph of the step ``facts`` describes, on ``placement`` (:func:`build_program`'s arguments)."""
+    graph = _Graph(facts, placement, controller)
+    for s, action, waits in facts.order:
+        graph.action(s, action, waits)
+    for s in range(facts.stages):
+        graph.update(s)
+    if serial and facts.stages > 1:
+        graph.b.serialize(graph.programs)
+    return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
 
-    previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor all-reduces block)
-    # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD stage's
-    # actions and updates; an SPMD step is one program.
-    programs: list[tuple[range, int]] = []
-    serial = serial and p > 1
-    host = reps[0]
-    if controller:
-        b.add(name="prepare step", device=host, stream="host", kind=TaskKind.HOST,
-              op="step" if p == 1 else "pipeline step", count=0)
-    if controller and p == 1:
-        previous[0] = b.add(name="dispatch step", device=host, stream="host", kind=TaskKind.HOST,
-                            buffers=dispatch.spmd_step_buffers(plan))
-    for s, action in order:
-        rep, cost = reps[s], costs[s][action.chunk]
+
+class _Graph:
+    """The task graph while it is built from a step's facts: one small builder per stream, and the bookkeeping
+    that links them (each action's last task, the sends between stages, the gradient reductions)."""
+
+    def __init__(self, facts: StepFacts, placement: Placement, controller: bool) -> None:
+        self.facts, self.plan, self.placement, self.controller = facts, facts.plan, placement, controller
+        p, reps = facts.stages, facts.representatives
+        self.reps, self.b = reps, Builder()
+        self.representative = np.empty(placement.num_devices, dtype=np.int64)
+        for s in range(p):
+            self.representative[placement.device_ids[s].ravel()] = reps[s]
+        self.tensor = axis_groups(placement, [Axis.TENSOR])
+        self.data_groups = axis_groups(placement, [Axis.DATA])
+        self.p_groups = axis_groups(placement, list(facts.params_axes))
+        self.g_groups = axis_groups(placement, list(facts.per_microbatch))
+        self.experts = axis_groups(placement, [Axis.EXPERT])  # the dispatch/combine all-to-alls' groups
+        contexts = axis_groups(placement, [Axis.CONTEXT])  # ring attention: each rank sends to the next of its ring
+        self.ring_pair, self.rings = zip(*(ring_neighbours(contexts[s], reps[s]) for s in range(p)))
+        self.groups: dict = {"placement": placement}  # gradient reduction groups by axes, memoized (_reduce)
+        self.done: dict[tuple, int] = {}  # (stage, kind, microbatch, chunk) -> the action's last task
+        self.sent: dict[tuple, int] = {}  # (that key, dst stage) -> its send task
+        self.pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # _stage_pairs, memoized
+        self.reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
+        self.once: dict[int, list[tuple]] = {s: [] for s in range(p)}  # buckets reduced after the backward
+        self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
+        self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
+        # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
+        # stage's actions and updates; an SPMD step is one program.
+        self.programs: list[tuple[range, int]] = []
+        self.host = reps[0]
+        if controller:
+            self.b.add(name="prepare step", device=self.host, stream="host", kind=TaskKind.HOST,
+                       op="step" if p == 1 else "pipeline step", count=0)
+        if controller and p == 1:
+            self.previous[0] = self._dispatch("dispatch step", buffers.spmd_step_buffers(self.plan))
+
+    def _stage_pairs(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
+        """Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate (made for the stage
+        pairs that send, when they first do)."""
+        pairs = self.pairs.get((a, b))
+        if pairs is None:
+            ids = self.placement.device_ids
+            pairs = self.pairs[(a, b)] = tuple(zip(ids[a].ravel().tolist(), ids[b].ravel().tolist()))
+        return pairs
+
+    def action(self, s: int, action: Action, waits: tuple[tuple, ...]) -> None:
+        """Adds one F/B/W action of stage ``s``: its dispatch, gather, compute (with its MoE chain and ring),
+        gradient reductions, tensor collectives, accumulation and sends."""
+        facts, b, v = self.facts, self.b, self.facts.virtual
+        chunk = facts.chunks[s][action.chunk]
+        work = chunk.action(action.kind)
         label = action.label(v)
-        first, computes = len(b.tasks), []  # the action's tasks from here; its compute pieces (barriers)
-        deps: list[int] = [previous[s]] if s in previous else []
-        if controller and p > 1:
-            n_sends = len(_sends(schedule, s, action, costs))
-            accumulated = remaining_bwd[(s, action.chunk)] < plan.batch.microbatches
-            deps.append(b.add(name=f"dispatch {label}@{s}", device=host, stream="host", kind=TaskKind.HOST,
-                              count=1 + n_sends, buffers=dispatch.action_buffers(
-                                  plan, s, action.chunk, action.kind, accumulated) + n_sends * dispatch.send_buffers(plan)))
-        for ds, dep in dependencies(schedule, s, action):
-            key = (ds, dep)
-            if ds != s:
-                deps.append(sent[(ds, dep, s)])
-            else:
-                deps.append(done[key])
-        leaves = leaf_counts[s][action.chunk]
-        if gathers_parameters(plan, action.kind):
-            deps.append(b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                              op="all_gather", nbytes=moved[s][action.chunk]["params"] * param_b / leaves, count=leaves,
-                              group=rep_group(p_groups[s], rep), instances=p_groups[s]))
-        flops, hbm, (replicated, split), tp = _action_work(cost, action.kind, schedule.split_backward, plan.remat)
-        kernels = max(1, 4 * cost.layers)
-        gemms = shapes[s][action.chunk].action(action.kind, schedule.split_backward)
+        first = len(b.tasks)  # the action's tasks from here (its program; barriers)
+        deps: list[int] = [self.previous[s]] if s in self.previous else []
+        if self.controller and facts.stages > 1:
+            accumulated = self.remaining[(s, action.chunk)] < facts.microbatches
+            deps.append(self._dispatch(f"dispatch {label}@{s}", facts.dispatch_buffers(
+                s, action.chunk, action.kind, accumulated), count=1 + len(work.sends)))
+        deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in waits]
+        if facts.gathers(action.kind):
+            deps.append(self._gather(s, chunk, label))
         pieces, scatter, reduce = 1, False, False
-        if action.kind == last_bwd_kind:
-            remaining_bwd[(s, action.chunk)] -= 1
-            if remaining_bwd[(s, action.chunk)] == 0 and reduction_axes(plan):
-                # One bucket per layer, at most BUCKETS (a one-layer chunk reduces its gradients at once); one
-                # when the buckets wait for the backward's end anyway (no sharded accumulation, module docstring).
-                pieces, reduce = (min(BUCKETS, max(1, cost.layers)) if per_microbatch else 1), True
+        if action.kind == facts.last_backward:
+            self.remaining[(s, action.chunk)] -= 1
+            if self.remaining[(s, action.chunk)] == 0 and facts.reductions:
+                pieces, reduce = chunk.buckets, True  # module docstring: buckets, or one after the backward
             # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
-            scatter = remaining_bwd[(s, action.chunk)] > 0 and bool(per_microbatch)
-        last = -1
-        chain = moe_pieces(plan, moe_counts[s][action.chunk], action.kind, schedule.split_backward, flops, hbm,
-                           (replicated, split), gemms, kernels)
-        if chain and mesh.context > 1:
-            # Both rings: the action's ring attention and the rest first (testbed.sim.ring), then the MoE chain
-            # on the routed and shared experts' work alone (its own rest is empty).
-            moe_g = expert_gemms(plan, moe_counts[s][action.chunk], action.kind, schedule.split_backward)
-            work = (flops - gemm_flops(moe_g), hbm, replicated, split)
-            deps = [_add_ring(b, ring_tasks(plan, action.kind, label, cost.layers, 1.0, work, without(gemms, moe_g),
-                                            kernels), rep, deps, cost.tensor_bytes, ring_pair[s], rings[s])]
-            chain = moe_pieces(plan, moe_counts[s][action.chunk], action.kind, schedule.split_backward,
-                               gemm_flops(moe_g), 0.0, (0.0, 0.0), moe_g, len(moe_g))
-        # A bucket of gradients closes after every few MoE layers (as the dense path's ``pieces``).
-        bucket, done_buckets, closes = 0, 0, set()
-        if chain and reduce:
-            closes = {max(1, round((k + 1) * sum(x.layer_end for x in chain) / pieces)) for k in range(pieces)}
-        ids: list[int] = []
-        for piece in chain:  # an MoE action under expert parallelism: its per-layer chain (testbed.sim.moe)
-            a2a = piece.transfer
-            last = b.add(name=f"{label}{piece.name}", device=rep, stream=piece.stream,
-                         kind=TaskKind.COLLECTIVE if a2a else TaskKind.COMPUTE,
-                         deps=tuple(deps) if piece.after is None else tuple(ids[j] for j in piece.after), flops=piece.flops,
-                         hbm_bytes=piece.hbm_bytes, replicated_bytes=piece.replicated_bytes,
-                         split_bytes=piece.split_bytes, tensor_bytes=0.0 if a2a else cost.tensor_bytes,
-                         kernels=piece.kernels, op="all_to_all" if a2a else "", nbytes=piece.nbytes, count=piece.count,
-                         group=rep_group(experts[s], rep) if a2a else (), instances=experts[s] if a2a else (),
-                         pipeline=True, gemms=piece.gemms)
-            ids.append(last)
-            bucket += piece.layer_end
-            if piece.layer_end and bucket in closes:
-                share, done_buckets = 1 / len(closes), done_buckets + 1
-                bucket_of = (moved[s][action.chunk]["optimizer"] * share * grad_b, expert_params[s][action.chunk] * share * grad_b,
-                             f"{label}/{done_buckets - 1}", bucket_share(leaves, len(closes), done_buckets - 1))
-                if per_microbatch:
-                    reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, *bucket_of, groups))
-                else:
-                    once[s].append(bucket_of)
-        for k in range(0 if chain else pieces):
+            scatter = self.remaining[(s, action.chunk)] > 0 and bool(facts.per_microbatch)
+        if work.chain:
+            last, computes = self._chain(s, chunk, work, label, deps, pieces if reduce else 0), []
+        else:
+            last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce)
+        if scatter:
+            self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
+        last = self._tensor(s, chunk, work, label, last)
+        if action.kind == facts.last_backward and (acc := accumulate_bytes(self.plan, chunk.cost.params,
+                                                                           facts.grad_bytes)):
+            # The add into the accumulator ends the action's program: its sends leave after it.
+            last = b.add(name=f"accumulate {label}", device=self.reps[s], stream="compute", kind=TaskKind.COMPUTE,
+                         deps=(last,), hbm_bytes=acc, pipeline=True)
+        if not work.chain:  # the action's collectives run among its kernels (a shared host's barriers); XLA
+            # hoists the parameter gathers (they need only the parameters) ahead of the kernels: those meet alone.
+            b.interleave(computes, [i for i in range(first, len(b.tasks)) if b.tasks[i].stream != "gather"])
+        key = (s, action.kind, action.microbatch, action.chunk)
+        self.done[key] = self.previous[s] = last
+        self._program(s, first)
+        for dst, _, nbytes in work.sends:
+            self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last)
+
+    def _program(self, s: int, first: int) -> None:
+        """The tasks from ``first`` are one program of stage ``s``'s devices (when they are several)."""
+        size = self.placement.device_ids[s].size
+        if size > 1:
+            self.programs.append((range(first, len(self.b.tasks)), size))
+
+    def _dispatch(self, name: str, n_buffers: int, count: int = 1) -> int:
+        """The controller's dispatch of ``count`` programs passing ``n_buffers`` device buffers (host stream)."""
+        return self.b.add(name=name, device=self.host, stream="host", kind=TaskKind.HOST, count=count,
+                          buffers=n_buffers)
+
+    def _gather(self, s: int, chunk: ChunkFacts, label: str) -> int:
+        """The all-gather of a chunk's sharded parameters before an action (gather stream, prefetched)."""
+        rep, leaves = self.reps[s], chunk.leaves
+        return self.b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
+                          op="all_gather", nbytes=chunk.moved[0] * self.facts.param_bytes / leaves, count=leaves,
+                          group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
+
+    def _compute(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], pieces: int,
+                 reduce: bool) -> tuple[int, list[int]]:
+        """A dense action's compute (compute stream, or the ring's steps and sends under context parallelism),
+        split into ``pieces`` gradient buckets when it ends the chunk's backward; returns its last task and
+        its compute tasks."""
+        b, rep, cost = self.b, self.reps[s], chunk.cost
+        flops, hbm, replicated, split = work.work
+        kernels, last, computes = chunk.kernels, -1, []
+        for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
-            ringed = _add_ring(b, ring_tasks(plan, action.kind, name, share, share / max(1, cost.layers),
-                                             (flops, hbm, replicated, split), gemms, kernels),
-                               rep, deps, cost.tensor_bytes, ring_pair[s], rings[s])
+            ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
+                                              work.work, work.gemms, kernels), deps, cost.tensor_bytes)
             last = ringed if ringed is not None else b.add(
                 name=name, device=rep, stream="compute",
                 kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
                 replicated_bytes=replicated / pieces, split_bytes=split / pieces,
                 tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
-                gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
+                gemms=scaled(work.gemms, 1 / pieces) if pieces > 1 else work.gemms)
             computes += [] if ringed is not None else [last]
             deps = []
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
                 # they accumulate sharded, else once the stage's backward is done.
-                bucket_of = (moved[s][action.chunk]["optimizer"] / pieces * grad_b, expert_params[s][action.chunk] / pieces * grad_b,
-                             label if pieces == 1 else f"{label}/{k}", bucket_share(leaves, pieces, k))
-                if per_microbatch:
-                    reduce_tasks[s].extend(_reduce(b, plan, rep, s, last, *bucket_of, groups))
-                else:
-                    once[s].append(bucket_of)
-        if scatter:
-            reduce_tasks[s].append(b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
-                                         kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                                         nbytes=moved[s][action.chunk]["grads"] * grad_b / max(1, leaves), count=max(1, leaves),
-                                         group=rep_group(g_groups[s], rep), instances=g_groups[s]))
-        for op, count in tp if mesh.tensor > 1 else ():
-            # Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters
-            # (ChunkCost.tensor_collectives, the one decision the analytic tier reads too).
-            last = b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
-                         stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,), op=op,
-                         nbytes=cost.tensor_allreduce_bytes, count=count, group=rep_group(tensor[s], rep),
-                         instances=tensor[s], pipeline=True)
-        if action.kind == last_bwd_kind and (acc := accumulate_bytes(plan, cost.params, grad_b)):
-            # The add into the accumulator ends the action's program: its sends leave after it.
-            last = b.add(name=f"accumulate {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
-                         deps=(last,), hbm_bytes=acc, pipeline=True)
-        if not chain:  # the action's collectives run among its kernels (a shared host's barriers); XLA hoists
-            # the parameter gathers (they need only the parameters) ahead of the kernels: those meet on their own.
-            b.interleave(computes, [i for i in range(first, len(b.tasks)) if b.tasks[i].stream != "gather"])
-        done[(s, action)] = previous[s] = last
-        if placement.device_ids[s].size > 1:
-            programs.append((range(first, len(b.tasks)), placement.device_ids[s].size))
-        for dst, dst_chunk, nbytes in _sends(schedule, s, action, costs):
-            sent[(s, action, dst)] = b.add(name=f"send {label}->{dst}", device=rep, stream="pipe", kind=TaskKind.SEND,
-                                           deps=(last,), nbytes=nbytes, group=(rep, reps[dst]),
-                                           instances=stage_pairs(s, dst))
+                self._bucket(s, last, (chunk.moved[2] / pieces * self.facts.grad_bytes,
+                                       chunk.expert_params / pieces * self.facts.grad_bytes,
+                                       label if pieces == 1 else f"{label}/{k}", bucket_share(chunk.leaves, pieces, k)))
+        return last, computes
 
-    for s in range(p):
-        rep, first = reps[s], len(b.tasks)
-        for bucket_of in once[s]:  # the update's one reduction of the replicas' gradients, after the backward
-            reduce_tasks[s].extend(_reduce(b, plan, rep, s, previous[s], *bucket_of, groups))
-        shard = model.device_stage_params(plan, s, o_ways)  # the optimizer's shard, by the layout's one rule
-        waits = list(reduce_tasks[s])
-        if controller and p > 1:
-            waits.append(b.add(name=f"dispatch optimizer@{s}", device=host, stream="host", kind=TaskKind.HOST,
-                               buffers=dispatch.update_buffers(plan, s)))
-        opt = b.add(name="optimizer", device=rep, stream="compute", kind=TaskKind.COMPUTE,
-                    deps=tuple(waits), flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
-                    hbm_bytes=shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)), kernels=1)
-        if o_ways > p_ways and mesh.data > 1:
-            # ZeRO-1/2: the updated shards gathered over data, as many collectives as the rule counts (per leaf).
-            n = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
+    def _chain(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], buckets: int) -> int:
+        """An MoE action under expert parallelism: its per-layer chain (testbed.sim.moe; the all-to-alls on the
+        expert stream), after the ring's part when context parallelism plays one too; a gradient bucket closes
+        after every few MoE layers (``buckets``; 0: none reduced). Returns its last task."""
+        b, rep, cost, plan = self.b, self.reps[s], chunk.cost, self.plan
+        if plan.mesh.context > 1:
+            deps = [self._ring(s, ring_tasks(plan, work.kind, label, cost.layers, 1.0, work.ring_work,
+                                             work.ring_gemms, chunk.kernels), deps, cost.tensor_bytes)]
+        bucket, done_buckets, closes = 0, 0, set()
+        if buckets:
+            closes = {max(1, round((k + 1) * sum(x.layer_end for x in work.chain) / buckets)) for k in range(buckets)}
+        ids: list[int] = []
+        groups, last = self.experts[s], -1
+        for piece in work.chain:
+            a2a = piece.transfer
+            last = b.add(name=f"{label}{piece.name}", device=rep, stream=piece.stream,
+                         kind=TaskKind.COLLECTIVE if a2a else TaskKind.COMPUTE,
+                         deps=tuple(deps) if piece.after is None else tuple(ids[j] for j in piece.after),
+                         flops=piece.flops, hbm_bytes=piece.hbm_bytes, replicated_bytes=piece.replicated_bytes,
+                         split_bytes=piece.split_bytes, tensor_bytes=0.0 if a2a else cost.tensor_bytes,
+                         kernels=piece.kernels, op="all_to_all" if a2a else "", nbytes=piece.nbytes, count=piece.count,
+                         group=rep_group(groups, rep) if a2a else (), instances=groups if a2a else (),
+                         pipeline=True, gemms=piece.gemms)
+            ids.append(last)
+            bucket += piece.layer_end
+            if piece.layer_end and bucket in closes:
+                share, done_buckets = 1 / len(closes), done_buckets + 1
+                grad_b = self.facts.grad_bytes
+                self._bucket(s, last, (chunk.moved[2] * share * grad_b, chunk.expert_params * share * grad_b,
+                                       f"{label}/{done_buckets - 1}",
+                                       bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
+        return last
+
+    def _ring(self, s: int, tasks: list, deps: list[int], tensor_bytes: float) -> int | None:
+        """Adds testbed.sim.ring's tasks of one action (or bucket) after ``deps``; returns the last (None: no
+        ring)."""
+        ids: list[int] = []
+        rep, pair, rings = self.reps[s], self.ring_pair[s], self.rings[s]
+        for t in tasks:
+            ids.append(self.b.add(
+                name=t.name, device=rep, stream=t.stream, kind=TaskKind.SEND if t.transfer else TaskKind.COMPUTE,
+                deps=tuple(deps) if t.after is None else tuple(ids[j] for j in t.after), flops=t.flops,
+                hbm_bytes=t.hbm_bytes, replicated_bytes=t.replicated_bytes, split_bytes=t.split_bytes,
+                tensor_bytes=0.0 if t.transfer else tensor_bytes, kernels=t.kernels, nbytes=t.nbytes,
+                count=t.count or 1, group=pair if t.transfer else (), instances=rings if t.transfer else (),
+                pipeline=True, gemms=t.gemms))
+        return ids[-1] if ids else None
+
+    def _tensor(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, last: int) -> int:
+        """Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters, after the action's
+        compute (tensor stream, blocking: ChunkCost.tensor_collectives, the one decision the analytic tier reads
+        too). Returns the action's last task."""
+        if self.plan.mesh.tensor <= 1:
+            return last
+        rep, groups = self.reps[s], self.tensor[s]
+        for op, count in work.tensor:
+            last = self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
+                              stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,), op=op,
+                              nbytes=chunk.cost.tensor_allreduce_bytes, count=count, group=rep_group(groups, rep),
+                              instances=groups, pipeline=True)
+        return last
+
+    def _send(self, s: int, dst: int, label: str, nbytes: float, last: int) -> int:
+        """An activation or gradient sent to stage ``dst`` after the action (pipe stream)."""
+        return self.b.add(name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND,
+                          deps=(last,), nbytes=nbytes, group=(self.reps[s], self.reps[dst]),
+                          instances=self._stage_pairs(s, dst))
+
+    def _bucket(self, s: int, after: int, bucket_of: tuple) -> None:
+        """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
+        if self.facts.per_microbatch:
+            self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of))
+        else:
+            self.once[s].append(bucket_of)
+
+    def _scatter(self, s: int, chunk: ChunkFacts, label: str, last: int) -> int:
+        """An earlier microbatch's gradients reduce-scattered into the sharded accumulator (grad stream)."""
+        rep, groups, leaves = self.reps[s], self.g_groups[s], max(1, chunk.leaves)
+        return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
+                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
+                          nbytes=chunk.moved[1] * self.facts.grad_bytes / leaves, count=leaves,
+                          group=rep_group(groups, rep), instances=groups)
+
+    def _reduce(self, s: int, after: int, nbytes: float, expert_bytes: float, label: str, leaves: int) -> list[int]:
+        """Gradient reduction tasks of one bucket of ``nbytes`` (``expert_bytes`` of them routed experts'
+        weights); returns the last task(s). ``leaves``: the collectives the bucket's reduce-scatter is when the
+        parameters are sharded (:func:`bucket_share`; 0: one).
+
+        Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
+        data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
+        them the optimizer state is sharded on (fsdp; data with ZeRO >= 1), then an all-reduce of the shard over
+        the rest (HSDP: data without ZeRO; expert, context).
+        """
+        b, rep, out = self.b, self.reps[s], []
+        for r in self.facts.reductions:
+            size = expert_bytes if r.expert else nbytes - expert_bytes
+            if size <= 0:
+                continue
+            kind, last = " experts" if r.expert else "", after
+            if r.sharded:
+                g = axis_groups_cached(self.groups, self.plan, list(r.sharded), s)
+                # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
+                n = max(1, round(leaves * size / nbytes)) if leaves else 1
+                last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream="grad",
+                             kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter", nbytes=size / n, count=n,
+                             group=rep_group(g, rep), instances=g)
+            if r.rest:
+                g = axis_groups_cached(self.groups, self.plan, list(r.rest), s)
+                last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
+                             deps=(last,), op="all_reduce", nbytes=size / r.ways, group=rep_group(g, rep), instances=g)
+            out.append(last)
+        return out
+
+    def update(self, s: int) -> None:
+        """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute
+        stream) after every reduction, and with ZeRO-1/2 the updated shards gathered over data (grad stream)."""
+        b, rep, first, update = self.b, self.reps[s], len(self.b.tasks), self.facts.updates[s]
+        for bucket_of in self.once[s]:
+            self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of))
+        waits = list(self.reduce_tasks[s])
+        if self.controller and self.facts.stages > 1:
+            waits.append(self._dispatch(f"dispatch optimizer@{s}", buffers.update_buffers(self.plan, s)))
+        opt = b.add(name="optimizer", device=rep, stream="compute", kind=TaskKind.COMPUTE, deps=tuple(waits),
+                    flops=update.flops, hbm_bytes=update.hbm_bytes, kernels=1)
+        if update.regathers:
+            groups = self.data_groups[s]
             b.add(name="gather params", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(opt,),
-                  op="all_gather", nbytes=sum(m["optimizer"] for m in moved[s]) / mesh.fsdp * param_b / n, count=n,
-                  group=rep_group(data_groups[s], rep), instances=data_groups[s])
-        if placement.device_ids[s].size > 1:
-            programs.append((range(first, len(b.tasks)), placement.device_ids[s].size))
-    if serial:
-        b.serialize(programs)
-    return Program(tasks=tuple(b.tasks), representative=representative, schedule=schedule)
-
-
-def _add_ring(b: Builder, tasks: list, rep: int, deps: list[int], tensor_bytes: float, pair: tuple[int, int],
-              rings) -> int | None:
-    """Adds testbed.sim.ring's tasks of one action (or bucket) after ``deps``; returns the last (None: no ring)."""
-    ids: list[int] = []
-    for t in tasks:
-        ids.append(b.add(
-            name=t.name, device=rep, stream=t.stream, kind=TaskKind.SEND if t.transfer else TaskKind.COMPUTE,
-            deps=tuple(deps) if t.after is None else tuple(ids[j] for j in t.after), flops=t.flops,
-            hbm_bytes=t.hbm_bytes, replicated_bytes=t.replicated_bytes, split_bytes=t.split_bytes,
-            tensor_bytes=0.0 if t.transfer else tensor_bytes, kernels=t.kernels, nbytes=t.nbytes,
-            count=t.count or 1, group=pair if t.transfer else (), instances=rings if t.transfer else (),
-            pipeline=True, gemms=t.gemms))
-    return ids[-1] if ids else None
-
-
-def _global_order(schedule: Schedule) -> list[tuple[int, Action]]:
-    """Actions in an order where every dependency comes first (stages keep their table order)."""
-    from testbed.pipeline.schedules import execution_order
-
-    return execution_order(schedule)
-
-
-def _action_work(cost: model.ChunkCost, kind: str, split: bool, remat: Remat,
-                 ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int], ...]]:
-    """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
-
-    The backward writes about twice the forward's activation traffic (the
-    gradients of each activation and of its inputs), B and W one forward's
-    worth each when split, plus what remat writes again. Full remat reruns
-    each layer's forward up to the MLP down projection in the backward, so
-    the attention output's tensor all-reduce runs again (one per layer);
-    selective remat redoes no all-reduce. The tensor collectives are
-    ``(op, count)`` pairs from :meth:`testbed.model.costs.ChunkCost.tensor_collectives`
-    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters).
-    """
-    forward = cost.forward_traffic
-    if kind == "F":
-        return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
-            cost.tensor_collectives("F", remat)
-    if kind == "B":
-        flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
-        hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
-        times = 1 if split else 2
-        traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
-        return float(flops), float(hbm), traffic, cost.tensor_collectives("B", remat)
-    return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
-
-
-def _sends(schedule: Schedule, stage: int, action: Action, costs) -> list[tuple[int, int, float]]:
-    """(destination stage, its chunk, bytes) of the transfers ``action`` produces."""
-    g = schedule.model_chunk(stage, action.chunk)
-    out = []
-    if action.kind == "F" and g < schedule.chunks - 1:
-        dst, c = schedule.locate(g + 1)
-        if dst != stage:
-            out.append((dst, c, float(costs[stage][action.chunk].activation_out_bytes)))
-    elif action.kind == "B" and g > 0:
-        dst, c = schedule.locate(g - 1)
-        if dst != stage:
-            out.append((dst, c, float(costs[dst][c].activation_out_bytes)))
-    return out
-
-
-def _reduce(b: Builder, plan: Plan, rep: int, s: int, after: int, nbytes: float, expert_bytes: float, label: str,
-            leaves: int, groups: dict) -> list[int]:
-    """Gradient reduction tasks of one bucket of ``nbytes`` (``expert_bytes`` of them routed experts' weights);
-    returns the last task(s). ``leaves``: the collectives the bucket's reduce-scatter is when the parameters are
-    sharded (:func:`bucket_share`; 0: one).
-
-    Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
-    data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
-    them the optimizer state is sharded on (fsdp; data with ZeRO >= 1), then an all-reduce of the shard over
-    the rest (HSDP: data without ZeRO; expert, context).
-    """
-    mesh, o_axes = plan.mesh, state_sharding(plan).optimizer
-    out = []
-    for expert, size in ((False, nbytes - expert_bytes), (True, expert_bytes)):
-        axes = reduction_axes(plan, expert)
-        if size <= 0 or not axes:
-            continue
-        sharded = [a for a in axes if a in o_axes]
-        rest = [a for a in axes if a not in o_axes]
-        ways = math.prod(mesh.degree(a) for a in sharded)
-        kind = " experts" if expert else ""
-        last = after
-        if sharded:
-            g = axis_groups_cached(groups, plan, sharded, s)
-            # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
-            n = max(1, round(leaves * size / nbytes)) if leaves else 1
-            last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
-                         deps=(last,), op="reduce_scatter", nbytes=size / n, count=n, group=rep_group(g, rep),
-                         instances=g)
-        if rest:
-            g = axis_groups_cached(groups, plan, rest, s)
-            last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
-                         deps=(last,), op="all_reduce", nbytes=size / ways, group=rep_group(g, rep), instances=g)
-        out.append(last)
-    return out
+                  op="all_gather", nbytes=update.regather_bytes, count=update.regathers,
+                  group=rep_group(groups, rep), instances=groups)
+        self._program(s, first)
 
 
 def bucket_share(leaves: int, buckets: int, k: int) -> int:

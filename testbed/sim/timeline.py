@@ -289,8 +289,19 @@ class Report:
 
 # -- exports -------------------------------------------------------------------------
 
-def chrome_trace(timeline: Timeline, devices: Sequence[int] | None = None) -> dict[str, Any]:
-    """Chrome/Perfetto trace: one process per device, one thread per stream, ``X`` events in µs."""
+#: ``args`` of each span (one mapping or None per span), e.g. :func:`testbed.sim.trace_args.span_args`.
+SpanArgs = Sequence[Mapping[str, Any] | None]
+
+
+def chrome_trace(timeline: Timeline, devices: Sequence[int] | None = None,
+                 args: SpanArgs | None = None) -> dict[str, Any]:
+    """Chrome/Perfetto trace: one process per device, one thread per stream, ``X`` events in µs.
+
+    With ``args`` (one per span), each span's event carries its mapping as ``args``: what Perfetto shows
+    when the slice is opened.
+    """
+    if args is not None and len(args) != len(timeline.label):
+        raise ValueError(f"args needs one entry per span ({len(timeline.label)}), got {len(args)}")
     devices = range(timeline.num_devices) if devices is None else devices
     events: list[dict[str, Any]] = []
     rep_events: dict[int, list[tuple[int, dict[str, Any]]]] = {}
@@ -305,22 +316,25 @@ def chrome_trace(timeline: Timeline, devices: Sequence[int] | None = None) -> di
             events.append({"ph": "M", "name": "thread_name", "pid": device, "tid": tid, "args": {"name": stream}})
         cached = rep_events.get(rep)
         if cached is None:
-            cached = [(streams.index(s.stream), {"ph": "X", "name": s.label, "cat": s.category,
-                                                  "ts": s.start * 1e6, "dur": s.duration * 1e6})
-                      for s in timeline.spans(rep)]
+            cached = []
+            for i, s in zip(timeline._indices(rep).tolist(), timeline.spans(rep)):
+                event = {"ph": "X", "name": s.label, "cat": s.category, "ts": s.start * 1e6, "dur": s.duration * 1e6}
+                if args is not None and args[i]:
+                    event["args"] = dict(args[i])
+                cached.append((streams.index(s.stream), event))
             rep_events[rep] = cached
         events.extend({**e, "pid": device, "tid": tid} for tid, e in cached)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": timeline.source, "step_time_s": timeline.step_time_s}}
 
 
-def _fragments(timeline: Timeline, rep: int) -> list[str]:
-    one = chrome_trace(timeline, devices=[rep])["traceEvents"]
+def _fragments(timeline: Timeline, rep: int, args: SpanArgs | None = None) -> list[str]:
+    one = chrome_trace(timeline, devices=[rep], args=args)["traceEvents"]
     return [json.dumps({k: v for k, v in e.items() if k != "pid"}, separators=(",", ":"))[1:] for e in one]
 
 
 def trace_bytes(timeline: Timeline, devices: Sequence[int] | None = None,
-                fragments: dict[int, list[str]] | None = None) -> int:
+                fragments: dict[int, list[str]] | None = None, args: SpanArgs | None = None) -> int:
     """Bytes :func:`write_trace` would write (to within the length of device names), without writing them."""
     devices = range(timeline.num_devices) if devices is None else devices
     fragments = {} if fragments is None else fragments
@@ -332,7 +346,7 @@ def trace_bytes(timeline: Timeline, devices: Sequence[int] | None = None,
         if rep not in per_rep:
             cached = fragments.get(rep)
             if cached is None:
-                cached = fragments[rep] = _fragments(timeline, rep)
+                cached = fragments[rep] = _fragments(timeline, rep, args)
             per_rep[rep] = (sum(len(t) + 9 for t in cached), len(cached))
         size, count = per_rep[rep]
         total += size + count * len(str(device)) + 2 * len(str(device)) + 20
@@ -340,13 +354,14 @@ def trace_bytes(timeline: Timeline, devices: Sequence[int] | None = None,
 
 
 def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | None = None,
-                max_bytes: float | None = None, limit_field: str = "--max-trace-bytes") -> Path:
+                max_bytes: float | None = None, limit_field: str = "--max-trace-bytes",
+                args: SpanArgs | None = None) -> Path:
     """Write :func:`chrome_trace` as JSON atomically, streamed device by device.
 
     Each representative's events are serialised once and repeated with each
     device's pid, so a 4096-device trace costs string joins, not millions of dicts.
     With ``max_bytes`` set, a trace estimated larger is refused (InputError
-    naming ``limit_field``) before anything is written.
+    naming ``limit_field``) before anything is written. ``args``: as :func:`chrome_trace`'s.
     """
     from testbed.output import atomic_path
     from testbed.units import format_bytes
@@ -354,7 +369,7 @@ def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | N
     devices = range(timeline.num_devices) if devices is None else devices
     fragments: dict[int, list[str]] = {}
     if max_bytes is not None:
-        size = trace_bytes(timeline, devices, fragments)
+        size = trace_bytes(timeline, devices, fragments, args)
         if size > max_bytes:
             raise InputError(f"the trace of {len(devices):,} devices would be about {format_bytes(size)}, over the "
                              f"limit of {format_bytes(max_bytes)}; raise it (e.g. {limit_field} "
@@ -369,7 +384,7 @@ def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | N
             rep = int(timeline.representative[device])
             cached = fragments.get(rep)
             if cached is None:
-                cached = fragments[rep] = _fragments(timeline, rep)
+                cached = fragments[rep] = _fragments(timeline, rep, args)
             name = json.dumps(f"device {device}" + ("" if rep == device else f" (as {rep})"))
             head = f'{{"pid":{device},'
             parts = []

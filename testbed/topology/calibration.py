@@ -36,6 +36,15 @@ __all__ = ["Calibration", "ComputeCalibration", "MemoryCalibration", "Elementwis
            "CollectiveCalibration", "HostCalibration", "ControllerCalibration", "GROUPS"]
 
 
+def _ceiling(name: str) -> tuple[float, str]:
+    """The largest value a non-negative calibration field may take, by its unit (its name's suffix)."""
+    if name.endswith("_s"):
+        return 3600.0, " seconds"
+    if name.endswith("passes"):
+        return 1000.0, " passes"
+    return 1e21, ""  # bytes, FLOPs, GEMM sizes: far above any device, far below overflow
+
+
 class _Group:
     """Shared by the groups: validation helpers naming ``calibration.GROUP.FIELD``, and plain values."""
 
@@ -46,10 +55,13 @@ class _Group:
         return f"calibration.{self.GROUP}.{name}"
 
     def _nonnegative(self, *names: str) -> None:
+        """Each field in ``[0, ceiling]``: finite, so no calibration value can overflow the model's sums."""
         for name in names:
             value = getattr(self, name)
-            if not value >= 0:
-                raise InputError(f"must be non-negative, got {value}", field=self._path(name))
+            ceiling, unit = _ceiling(name)
+            if not 0 <= value <= ceiling:
+                raise InputError(f"must be non-negative and at most {ceiling:g}{unit}, got {value}",
+                                 field=self._path(name))
 
     def _fraction(self, name: str) -> None:
         value = getattr(self, name)
@@ -201,7 +213,7 @@ class CollectiveCalibration(_Group):
         reduce-scatters of a chunk are issued: one collective per parameter
         leaf, consecutive ones merged while the merged one stays within this
         many bytes (XLA's all-gather and reduce-scatter combiners;
-        testbed.plan.sharding.parameter_collectives). 0: one per leaf (XLA:CPU
+        testbed.model.leaves.parameter_collectives). 0: one per leaf (XLA:CPU
         combines none: 53 all-gathers and 53 reduce-scatters per pass of the
         validation suite's 4-layer GPT in the compiled step). None (default):
         one per chunk (PyTorch FSDP's flat parameter per unit; XLA:GPU's
@@ -288,15 +300,15 @@ class HostCalibration(_Group):
         curve = tuple((int(n), float(t)) for n, t in self.throughput)
         object.__setattr__(self, "throughput", curve)
         if curve and (curve[0] != (1, 1.0) or any(b[0] <= a[0] for a, b in zip(curve, curve[1:]))
-                      or any(not 0 < t <= n for n, t in curve)):
-            raise InputError(f"must map device counts 1 < n2 < ... to 0 < T(n) <= n, starting at 1: 1.0; got "
+                      or any(not 1e-3 <= t <= n for n, t in curve)):
+            raise InputError(f"must map device counts 1 < n2 < ... to 0.001 <= T(n) <= n, starting at 1: 1.0; got "
                              f"{dict(curve)}", field=self._path("throughput"))
         slowdown = tuple((int(n), float(t)) for n, t in self.programs)
         object.__setattr__(self, "programs", slowdown)
         if slowdown and (slowdown[0] != (1, 1.0) or any(b[0] <= a[0] for a, b in zip(slowdown, slowdown[1:]))
-                         or any(not 1.0 <= t < float("inf") for _, t in slowdown)):
-            raise InputError(f"must map program counts 1 < P2 < ... to slowdowns S(P) >= 1, starting at 1: 1.0; got "
-                             f"{dict(slowdown)}", field=self._path("programs"))
+                         or any(not 1.0 <= t <= 1e6 for _, t in slowdown)):
+            raise InputError(f"must map program counts 1 < P2 < ... to slowdowns 1 <= S(P) <= 1e6, starting at "
+                             f"1: 1.0; got {dict(slowdown)}", field=self._path("programs"))
         if not isinstance(self.serial_programs, bool):
             raise InputError(f"must be true or false, got {self.serial_programs!r}",
                              field=self._path("serial_programs"))

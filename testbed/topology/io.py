@@ -8,7 +8,7 @@ as a path.
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -283,8 +283,6 @@ def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
         topo = generators.explicit(n, links, device=device, switches=switches, levels=levels, name=name, calibration=calibration)
     price = get_float(data, "price_per_device_hour", None, positive=True) if "price_per_device_hour" in data else None
     if description or price is not None:
-        from dataclasses import replace
-
         topo = replace(topo, description=description, price_per_device_hour=price)
     return topo
 

@@ -9,7 +9,19 @@ from types import MappingProxyType
 
 from testbed.errors import InputError
 
-__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION"]
+__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "RANGES"]
+
+#: Stated ranges of a topology's rates and times: far beyond any hardware on both sides, and narrow enough
+#: that no byte count or FLOP count of a plan divided by them overflows or divides by zero.
+RANGES = {"bandwidth": (1.0, 1e30, "B/s"), "flops": (1.0, 1e30, "FLOP/s"), "memory": (1.0, 2.0**60, "bytes"),
+          "latency": (0.0, 3600.0, "s")}
+
+
+def _check_range(value: float, kind: str, field: str, what: str) -> None:
+    low, high, unit = RANGES[kind]
+    if not low <= value <= high:
+        sign = "positive" if low > 0 else "non-negative"
+        raise InputError(f"{what} must be {sign}, from {low:g} to {high:g} {unit}, got {value}", field=field)
 
 
 class LinkKind(StrEnum):
@@ -42,12 +54,9 @@ class DeviceSpec:
         if not self.peak_flops:
             raise InputError("needs at least one dtype with its peak FLOP/s, e.g. {bf16: 989TFLOP/s}", field="device.flops")
         for dtype, value in self.peak_flops.items():
-            if not value > 0:
-                raise InputError(f"peak FLOP/s must be positive, got {value}", field=f"device.flops.{dtype}")
-        if not self.memory_bytes > 0:
-            raise InputError(f"must be positive, got {self.memory_bytes}", field="device.memory")
-        if not self.memory_bandwidth > 0:
-            raise InputError(f"must be positive, got {self.memory_bandwidth}", field="device.memory_bandwidth")
+            _check_range(value, "flops", f"device.flops.{dtype}", "peak FLOP/s")
+        _check_range(self.memory_bytes, "memory", "device.memory", "memory")
+        _check_range(self.memory_bandwidth, "bandwidth", "device.memory_bandwidth", "memory bandwidth")
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
 
     def flops(self, dtype: str) -> float:
@@ -110,10 +119,9 @@ class Level:
                                  f"level's kind is {self.kind}", field=f"level {self.name}.in_network_reduction")
         if not isinstance(self.size, int) or self.size < 1:
             raise InputError(f"size must be a positive whole number, got {self.size!r}", field=f"level {self.name}")
-        if self.bandwidth is not None and not self.bandwidth > 0:
-            raise InputError(f"bandwidth must be positive, got {self.bandwidth}", field=f"level {self.name}.bandwidth")
-        if self.latency < 0:
-            raise InputError(f"latency must be non-negative, got {self.latency}", field=f"level {self.name}.latency")
+        if self.bandwidth is not None:
+            _check_range(self.bandwidth, "bandwidth", f"level {self.name}.bandwidth", "bandwidth")
+        _check_range(self.latency, "latency", f"level {self.name}.latency", "latency")
         if self.attach not in ("device", "switch"):
             raise InputError(f"attach must be `device` or `switch`, got {self.attach!r}", field=f"level {self.name}.attach")
 
@@ -129,7 +137,5 @@ class LinkSpec:
     kind: LinkKind = LinkKind.PCIE
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0:
-            raise InputError(f"bandwidth must be positive, got {self.bandwidth}", field=f"links[{self.a}-{self.b}].bandwidth")
-        if self.latency < 0:
-            raise InputError(f"latency must be non-negative, got {self.latency}", field=f"links[{self.a}-{self.b}].latency")
+        _check_range(self.bandwidth, "bandwidth", f"links[{self.a}-{self.b}].bandwidth", "bandwidth")
+        _check_range(self.latency, "latency", f"links[{self.a}-{self.b}].latency", "latency")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
@@ -33,7 +33,19 @@ from testbed.topology import routing
 from testbed.topology.calibration import Calibration
 from testbed.topology.parts import DeviceSpec, Form, Level, LinkSpec
 
-__all__ = ["Topology", "level_sizes"]
+__all__ = ["Topology", "level_sizes", "check_price", "PRICE_RANGE"]
+
+#: Dollars per device-hour a price may be (a price outside makes costs overflow or vanish in plots and JSON).
+PRICE_RANGE = (1e-6, 1e6)
+
+
+def check_price(value: Any, field_name: str = "price_per_device_hour") -> float:
+    """``value`` as a price per device-hour in :data:`PRICE_RANGE`; InputError naming ``field_name`` otherwise."""
+    low, high = PRICE_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise InputError(f"must be a price in dollars per device-hour from {low:g} to {high:g}, got {value!r}",
+                         field=field_name)
+    return float(value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,10 +67,8 @@ class Topology:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "levels", tuple(self.levels))
-        price = self.price_per_device_hour
-        if price is not None and (isinstance(price, bool) or not isinstance(price, (int, float))
-                                  or not math.isfinite(price) or price <= 0):
-            raise InputError(f"must be a positive number of dollars, got {price!r}", field="price_per_device_hour")
+        if self.price_per_device_hour is not None:
+            check_price(self.price_per_device_hour)
         names = [level.name for level in self.levels]
         if len(set(names)) != len(names) or "all" in names:
             raise InputError(f"level names must be distinct and not `all`, got {names}", field="levels")
@@ -172,15 +182,11 @@ class Topology:
 
     def with_bandwidth_scaled(self, factor: float) -> "Topology":
         """The same topology with every link bandwidth multiplied by ``factor``."""
-        from dataclasses import replace
-
         levels = tuple(replace(l, bandwidth=None if l.bandwidth is None else l.bandwidth * factor) for l in self.levels)
         links = tuple(replace(l, bandwidth=l.bandwidth * factor) for l in self.links)
         return replace(self, levels=levels, links=links)
 
     def with_flops_scaled(self, factor: float) -> "Topology":
-        from dataclasses import replace
-
         device = replace(self.device, peak_flops={k: v * factor for k, v in self.device.peak_flops.items()})
         return replace(self, device=device)
 

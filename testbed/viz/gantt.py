@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testbed.errors import InputError
+from testbed.text import plot_label
 from testbed.viz.plots import pyplot, save_figure
 
 __all__ = ["Bar", "CATEGORY_COLOURS", "draw_gantt", "idle_gaps"]
@@ -114,10 +115,10 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
             ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.6)
     labelled = [b for b in bars if b.label and (b.end - b.start) > char_width * (len(b.label) + 0.5)]
     for b in labelled[:2000]:
-        ax.text((b.start + b.end) / 2, len(rows) - 1 - b.row, b.label, ha="center", va="center", fontsize=7,
+        ax.text((b.start + b.end) / 2, len(rows) - 1 - b.row, plot_label(b.label), ha="center", va="center", fontsize=7,
                 color="white")
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(list(reversed(list(rows))))
+    ax.set_yticklabels([plot_label(row, 40) for row in reversed(list(rows))])
     ax.set_xlim(0, horizon)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
@@ -135,5 +136,5 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
             handles.append(Patch(facecolor=colour, label=name))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     if title:
-        ax.set_title(title)
+        ax.set_title(plot_label(title, 160))
     return save_figure(fig, path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from testbed.output import atomic_path
+from testbed.text import plot_label
 from testbed.topology import Form, LinkKind, Topology
 from testbed.units import format_bandwidth
 
@@ -105,11 +106,11 @@ def draw_topology(topology: Topology, path: str | Path) -> Path:
                            node_shape="o", node_size=500 if small else 60, ax=ax)
     if small:
         nx.draw_networkx_labels(graph, pos, labels={d: str(d) for d in devices}, font_color="white", font_size=7, ax=ax)
-        nx.draw_networkx_labels(graph, pos, labels={s: s for s in switches}, font_size=6, ax=ax)
+        nx.draw_networkx_labels(graph, pos, labels={s: plot_label(s, 24) for s in switches}, font_size=6, ax=ax)
     for key, colour in legend.items():
         ax.plot([], [], color=colour, linewidth=3, label=key)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), title="links (per direction)", fontsize=8)
-    ax.set_title(f"{topology.name}: {topology.num_devices} x {topology.device.name}"
-                 + (f"  ({', '.join(topology.level_names)})" if topology.levels else ""))
+    ax.set_title(plot_label(f"{topology.name}: {topology.num_devices} x {topology.device.name}"
+                            + (f"  ({', '.join(topology.level_names)})" if topology.levels else ""), 160))
     ax.set_axis_off()
     return save_figure(fig, path)

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from testbed.runner.pipeline import engine as pipeline
+from testbed.runner.pipeline import engine
 from testbed.pipeline.schedules import execution_order
 
 __all__ = ["lockstep_step"]
@@ -61,7 +61,7 @@ def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray
             if mine[stage]:
                 x = place_tree(tokens[mb], shard[stage]) if g == 0 else act.pop((g, mb))
                 tgt = place_tree(targets[mb], shard[stage]) if g == last else None
-                y, stored[(g, mb)] = pipeline._forward(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[stage],
+                y, stored[(g, mb)] = engine._forward(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[stage],
                                                        stage, action.chunk, g == 0, g == last, chunk_params, x, tgt)
                 if g == last:
                     losses.append(y)
@@ -73,17 +73,17 @@ def lockstep_step(trainer: Any, params: list[list[Any]], tokens: list[np.ndarray
             dx = None
             if mine[stage]:
                 if g == last:
-                    cotangent = pipeline.loss_seed(losses[0], m)
+                    cotangent = engine.loss_seed(losses[0], m)
                 else:
                     cotangent = cot.pop((g, mb))
-                grads[g], *rest = pipeline._pull(trainer.prepare[stage], stored.pop((g, mb)), chunk_params, cotangent,
+                grads[g], *rest = engine._pull(trainer.prepare[stage], stored.pop((g, mb)), chunk_params, cotangent,
                                                  grads.get(g))
                 dx = rest[0] if rest else None
             if g > 0:
                 dx = move(dx, g, g - 1)
                 if dx is not None:
                     cot[(g - 1, mb)] = dx
-    loss = pipeline.mean_loss(losses) if losses else None
+    loss = engine.mean_loss(losses) if losses else None
     out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] if mine[s] else None
            for s in range(sch.stages)]
     return loss, out

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from testbed.runner.pipeline import engine as pipeline
+from testbed.runner.pipeline import engine
 from testbed.pipeline.schedules import Action, held_during, peak_inflight
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             x = (jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == 0
                  else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh))
             targets = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == last else None
-            forward = pipeline._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0, g == last,
+            forward = engine._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0, g == last,
                                               params[s][c], x, targets).compile()
             stats = forward.memory_analysis()
             if stats is None:
@@ -172,16 +172,16 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
             prep = trainer.prepare[s]
             if sch.split_backward:
-                first = pipeline._pull_weight.lower(prep, pullback, params[s][c], cot).compile()
+                first = engine._pull_weight.lower(prep, pullback, params[s][c], cot).compile()
                 dparams.append(abstract_outputs(first))
-                backward = pipeline._pull_weight.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
+                backward = engine._pull_weight.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
                 kept.append(device_bytes(cot))
                 if g > 0:  # the engine skips B's input gradient on the first chunk
-                    work[("B", c)] = _transient(pipeline._pull_input.lower(prep, pullback, params[s][c], cot).compile())
+                    work[("B", c)] = _transient(engine._pull_input.lower(prep, pullback, params[s][c], cot).compile())
             else:
-                first = pipeline._pull.lower(prep, pullback, params[s][c], cot).compile()
+                first = engine._pull.lower(prep, pullback, params[s][c], cot).compile()
                 dparams.append(abstract_outputs(first)[0])
-                backward = pipeline._pull.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
+                backward = engine._pull.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
             # A later microbatch's backward adds into the accumulated gradients (state) in place; the
             # first writes them: its output is not in the state yet when it runs.
             work[("W" if sch.split_backward else "B", c)] = max(

@@ -146,7 +146,6 @@ def spmd_schedule(schedule: Schedule, stage_fn: Callable[[Any, jax.Array], jax.A
     ticks = kinds_np.shape[0]
     forward_perm = [(s, s + 1) for s in range(p - 1)]
     backward_perm = [(s + 1, s) for s in range(p - 1)]
-    P = jax.sharding.PartitionSpec
 
     def local(params: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, Any]:
         params = jax.tree.map(lambda a: a[0], params)
@@ -217,6 +216,14 @@ def spmd_schedule(schedule: Schedule, stage_fn: Callable[[Any, jax.Array], jax.A
         state = jax.lax.fori_loop(0, ticks, tick, start)
         loss = jax.lax.psum(jnp.where(is_last, state[5], 0.0), stage_axis) / m
         return loss, jax.tree.map(lambda a: a[None], state[4])
+
+    return _over_stages(local, mesh, stage_axis)
+
+
+def _over_stages(local: Callable, mesh: jax.sharding.Mesh, stage_axis: str) -> Callable:
+    """``local`` (one stage's ``(params, inputs, targets) -> (loss, grads)``) jitted as one SPMD program over
+    ``stage_axis``: parameters and gradients split along it, inputs, targets and the loss replicated."""
+    P = jax.sharding.PartitionSpec
 
     def step(params: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, Any]:
         specs = jax.tree.map(lambda _: P(stage_axis), params)

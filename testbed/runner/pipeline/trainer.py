@@ -30,14 +30,14 @@ from testbed.runner.replicas import Spread, per_replica_forward, per_replica_los
 from testbed.runner.ring_attention import context_shards
 from testbed.runner.step import host_tree, place_tree, state_shardings, step_batch
 from testbed.errors import InputError
-from testbed.model.layout import Placement, chunk_layers, embedding_holder, head_holder, holds
+from testbed.model.layout import Part, chunk_layers, embedding_holder, head_holder, holds
 from testbed.plan.spec import Plan
 from testbed.pipeline.schedules import build_schedule, sends
 
 __all__ = ["PipelineTrainer", "split_params", "merge_params"]
 
 
-_EMBED, _LAYERS, _HEAD = (p.root for p in (Placement.EMBEDDING, Placement.LAYER, Placement.HEAD))
+_EMBED, _LAYERS, _HEAD = (p.root for p in (Part.EMBEDDING, Part.LAYER, Part.HEAD))
 
 
 def split_params(plan: Plan, full: Any) -> list[list[Any]]:

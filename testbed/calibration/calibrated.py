@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from testbed.calibration import collectives as cal_coll
-from testbed.calibration import fit as cal
+from testbed.calibration import fit
 from testbed.calibration import steps as cal_steps
 from testbed.collectives import timing as collective_timing
 from testbed.errors import InputError
+from testbed.topology.io import bundled_names, load_topology
 from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
                               HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
 
@@ -40,7 +41,7 @@ JAX_TO_OP = {"psum": "all_reduce", "all_gather": "all_gather", "psum_scatter": "
              "all_to_all": "all_to_all", "ppermute": "send"}
 
 
-def simulator_collective_time(topology: Topology, sample: cal.Sample, reference: Topology | None = None) -> float:
+def simulator_collective_time(topology: Topology, sample: fit.Sample, reference: Topology | None = None) -> float:
     """What the simulator predicts for a measured collective: the group of ``ranks`` consecutive devices.
 
     A ``ppermute`` ring shift is a send between neighbours (every device sends
@@ -71,8 +72,6 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
     count differs, the devices sit on one switch (the template's innermost
     level) and the user should pass ``--base`` for a multi-node layout.
     """
-    from testbed.topology.io import bundled_names, load_topology
-
     if base is not None:
         topo = load_topology(base)
         if topo.num_devices != num_devices:
@@ -176,25 +175,25 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     return out
 
 
-def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, host_cpus: int = 0,
-            cache_bytes: float = 0.0) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
+def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, host_cpus: int = 0,
+            cache_bytes: float = 0.0) -> tuple[Topology, dict[str, Any], list[fit.Fit]]:
     """Fit every calibration group from ``samples``; (calibrated topology, fitted values (:func:`fitted_values`), fits).
 
     ``host_cpus``: the cores of the host emulated devices run on (0: unknown);
     ``cache_bytes``: the largest activation whose elementwise passes run from
     the host's cache (``testbed.runner.devices.host_cache_bytes``; 0: unknown).
     """
-    launch = cal.fit_dispatch(samples)
-    rates, half, fits = cal.fit_compute(samples, launch)
+    launch = fit.fit_dispatch(samples)
+    rates, half, fits = fit.fit_compute(samples, launch)
     try:
-        memory_bw, memory_fit = cal.fit_memory(samples, launch)
+        memory_bw, memory_fit = fit.fit_memory(samples, launch)
         fits.append(memory_fit)
     except InputError:  # noisy streams on a busy host: keep the base topology's bandwidth
         memory_bw = base.device.memory_bandwidth * base.calibration.memory.efficiency
-    shared = cal.fit_host_cores(samples)
-    curve = cal.fit_host_throughput(samples)
-    programs = cal.fit_host_programs(samples) if curve else ()
-    serial = bool(cal.fit_host_serial(samples)) if curve else False
+    shared = fit.fit_host_cores(samples)
+    curve = fit.fit_host_throughput(samples)
+    programs = fit.fit_host_programs(samples) if curve else ()
+    serial = bool(fit.fit_host_serial(samples)) if curve else False
     # Devices that share a host saturate its cores once that many compute at once; steps then fit the rest.
     has_steps = any(s.kind == "step" for s in samples)
     cores = float(host_cpus) if shared and host_cpus and has_steps else shared
@@ -208,7 +207,7 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
                                    host_cores=cores, collectives=collectives, name=name, host_throughput=curve,
                                    host_programs=programs, host_serial=serial, cache_bytes=cache_bytes)
     # The stragglers' wait at a barrier, net of the collectives' own time as the fitted topology prices them.
-    skew = cal.fit_host_skew(samples, lambda s: collective_timing.collective_time(
+    skew = fit.fit_host_skew(samples, lambda s: collective_timing.collective_time(
         topo, "all_gather", tuple(range(s.ranks)), s.bytes).time_s) if curve else ((), 0.0, 0.0)
     if skew[0]:
         topo = replace(topo, calibration=topo.calibration.updated(
@@ -243,18 +242,16 @@ def fit_all(base: Topology, samples: list[cal.Sample], name: str | None = None, 
 def saved_base(raw: Mapping[str, Any], base: str | None = None) -> Topology:
     """The base topology a saved ``.measurements.json`` (``raw``) is refitted against: ``base`` if given, else
     the bundled one it names, else one matching its devices (:func:`base_topology`)."""
-    from testbed.topology.io import bundled_names
-
     saved = raw.get("base") if raw.get("base") in bundled_names() else None
     return base_topology(base or saved, raw.get("platform", "cpu"), int(raw.get("devices", 8)),
                          str(raw.get("device_kind", "")))
 
 
 def fit_saved(raw: Mapping[str, Any], base: Topology, name: str | None = None
-              ) -> tuple[Topology, dict[str, Any], list[cal.Fit]]:
+              ) -> tuple[Topology, dict[str, Any], list[fit.Fit]]:
     """:func:`fit_all` on a ``.measurements.json``'s samples, with the host facts it recorded (``host_cpus``,
     ``cache_bytes``): what ``testbed calibrate`` fits, live or ``--from-measurements``."""
-    return fit_all(base, cal.samples_from_rows(raw["samples"]), name=name, host_cpus=int(raw.get("host_cpus", 0)),
+    return fit_all(base, fit.samples_from_rows(raw["samples"]), name=name, host_cpus=int(raw.get("host_cpus", 0)),
                    cache_bytes=float(raw.get("cache_bytes", 0)))
 
 

@@ -1,0 +1,370 @@
+"""The facts of one training step, worked out once: what both the task graph and the analytic tier play.
+
+A plan on a placement decides, before anything is timed, which pipeline
+stages and virtual chunks there are, the schedule table and an order of its
+actions in which every dependency comes first, how the model state is
+sharded (``ways``), what each chunk costs (testbed.model.costs,
+testbed.model.gemm), each F/B/W action's work and tensor collectives, its
+MoE chain (testbed.sim.moe) and the part of it the context ring plays
+(testbed.sim.ring), the sends it makes, how many collectives a gather of a
+chunk's sharded parameters is (``leaves``, under the calibration's
+``combine_bytes``), the gradient buckets and how each is reduced, and each
+stage's optimizer update. :func:`step_facts` works these out once into a
+frozen :class:`StepFacts`; testbed.sim.program builds the task graph from it
+(one small builder per stream) and testbed.explore.analytic plays the same
+facts without the graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from testbed.model import buffers
+from testbed.model import costs
+from testbed.model.costs import ChunkCost
+from testbed.model.gemm import ChunkGemms, Gemm, chunk_gemms, gemm_flops, without
+from testbed.model.layout import chunk_layers, chunk_params, held_elements
+from testbed.model.leaves import moved_elements, parameter_collectives
+from testbed.model.memory import state_bytes_per_param
+from testbed.model.moe import moe_layers
+from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
+from testbed.plan.spec import Axis, Plan, Remat
+from testbed.sim.moe import Piece, expert_gemms, moe_pieces
+
+__all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
+           "accumulate_bytes", "cached_order", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES"]
+
+#: Most gradient buckets per chunk (split of the chunk's last backward action).
+BUCKETS = 4
+#: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
+OPTIMIZER_FLOPS_PER_PARAM = 12
+#: Memory passes of adding one microbatch's gradients into the step's accumulator: read both, write one (an
+#: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
+ACCUMULATE_PASSES = 3
+
+#: One action in execution order: (stage, action, the (stage, kind, microbatch, chunk) keys it waits for).
+OrderedAction = tuple[int, Action, tuple[tuple[int, str, int, int], ...]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ActionWork:
+    """One F/B/W action of one chunk, one microbatch: its work, collectives, MoE chain, ring part and sends.
+
+    ``work`` is (FLOPs, HBM bytes, replicated activation bytes, split activation bytes) (:func:`action_work`);
+    ``tensor`` its tensor collectives as ``(op, count)``; ``chain`` the per-layer MoE chain under expert
+    parallelism (testbed.sim.moe; empty without), after the ring when context parallelism plays one too;
+    ``ring_work`` and ``ring_gemms`` what the ring plays (all the work, or all but the routed and shared
+    experts' when there is a chain); ``sends`` the (destination stage, its chunk, bytes) it produces.
+    """
+
+    kind: str
+    work: tuple[float, float, float, float]
+    tensor: tuple[tuple[str, int], ...]
+    gemms: tuple[Gemm, ...]
+    chain: tuple[Piece, ...]
+    ring_work: tuple[float, float, float, float]
+    ring_gemms: tuple[Gemm, ...]
+    sends: tuple[tuple[int, int, float], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkFacts:
+    """One virtual chunk of one stage: its cost, shapes, parameter collectives and actions.
+
+    ``leaves``: the collectives one gather of its sharded parameters (and one reduce-scatter of their
+    gradients) is (testbed.model.leaves.parameter_collectives); ``expert_params`` the routed experts'
+    parameters on one device (0 when nothing reduces gradients); ``buckets`` the gradient buckets of its
+    last backward when gradients reduce while the backward goes on (one bucket per layer, at most
+    :data:`BUCKETS`; one when they wait for the backward's end). ``moved``: the elements one collective over
+    the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
+    (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
+    """
+
+    cost: ChunkCost
+    gemms: ChunkGemms
+    kernels: int
+    leaves: int
+    moe_layers: int
+    expert_params: int
+    buckets: int
+    actions: tuple[ActionWork, ...]
+    moved: tuple[int, int, int]
+
+    def action(self, kind: str) -> ActionWork:
+        return next(a for a in self.actions if a.kind == kind)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageUpdate:
+    """One stage's optimizer update: its FLOPs and HBM bytes on one device, and with ZeRO-1/2 the re-gather of
+    the updated shards over data (``regathers`` collectives of ``regather_bytes`` each; 0: none)."""
+
+    flops: float
+    hbm_bytes: float
+    regathers: int
+    regather_bytes: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reduction:
+    """How one kind of parameter's gradients are summed (testbed.plan.sharding.reduction_axes): a reduce-scatter
+    over ``sharded`` (the axes the optimizer state is split on), then an all-reduce of the ``ways``-th shard over
+    ``rest``. ``expert``: the routed experts' weights (summed over every batch axis but expert)."""
+
+    expert: bool
+    sharded: tuple[Axis, ...]
+    rest: tuple[Axis, ...]
+    ways: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepFacts:
+    """Everything one training step of ``plan`` on a placement is made of, before any of it is timed.
+
+    ``order``: every action with the keys it waits for, dependencies first (stages keep their table order);
+    ``representatives``: each stage's representative device (mesh coordinate ``(stage, 0, 0, 0)``);
+    ``params_axes``/``params_ways``, ``optimizer_ways``: the state sharding; ``per_microbatch``: the axes
+    gradients are reduce-scattered over as each microbatch's come (sharded accumulation);
+    ``reductions``: how each parameter kind's gradients are summed (empty: nothing reduces them);
+    ``chunks[s][c]`` and ``updates[s]`` the per-chunk and per-stage facts.
+    """
+
+    plan: Plan
+    schedule: Schedule
+    order: tuple[OrderedAction, ...]
+    representatives: tuple[int, ...]
+    param_bytes: float
+    grad_bytes: float
+    params_axes: tuple[Axis, ...]
+    params_ways: int
+    optimizer_ways: int
+    per_microbatch: tuple[Axis, ...]
+    reductions: tuple[Reduction, ...]
+    combine_bytes: float
+    chunks: tuple[tuple[ChunkFacts, ...], ...]
+    updates: tuple[StageUpdate, ...]
+
+    @property
+    def stages(self) -> int:
+        return self.schedule.stages
+
+    @property
+    def virtual(self) -> int:
+        return self.plan.schedule.virtual_stages
+
+    @property
+    def microbatches(self) -> int:
+        return self.plan.batch.microbatches
+
+    @property
+    def last_backward(self) -> str:
+        """The kind of action that ends a microbatch's gradients: W when the backward is split, else B."""
+        return "W" if self.schedule.split_backward else "B"
+
+    def gathers(self, kind: str) -> bool:
+        """Whether a ``kind`` action all-gathers its chunk's sharded parameters first."""
+        return gathers_parameters(self.plan, kind)
+
+    def dispatch_buffers(self, stage: int, chunk: int, kind: str, accumulated: bool) -> int:
+        """Device buffers the controller passes dispatching one action's program and its sends
+        (testbed.model.buffers)."""
+        sends = len(self.chunks[stage][chunk].action(kind).sends)
+        return buffers.action_buffers(self.plan, stage, chunk, kind, accumulated) + sends * buffers.send_buffers(
+            self.plan)
+
+
+def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
+               schedule: Schedule | None = None) -> StepFacts:
+    """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
+
+    Args:
+        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: unbounded, one
+            collective per chunk's parameter gather or gradient reduce-scatter).
+        schedule: the pipeline table to follow (default: the plan's schedule, memoized).
+    """
+    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
+    p = mesh.stage
+    if schedule is None:
+        schedule, order = cached_order(plan.schedule.name.value, p, m, v)
+    else:
+        order = _order(schedule)
+    param_b, grad_b, _ = state_bytes_per_param(plan)
+    sharding = state_sharding(plan)
+    o_ways = sharding.ways(plan, "optimizer")
+    per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
+    reductions = _reductions(plan, sharding.optimizer)
+    combine = math.inf if combine_bytes is None else combine_bytes
+    spans = chunk_layers(plan.model, p, v, plan.stage_layers)
+    chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
+    chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
+                                      bool(reductions), bool(per_microbatch)) for c in range(v)) for s in range(p))
+    updates = tuple(_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
+                    for s in range(p))
+    return StepFacts(plan=plan, schedule=schedule, order=order,
+                     representatives=tuple(int(device_ids[s].flat[0]) for s in range(p)),
+                     param_bytes=param_b, grad_bytes=grad_b, params_axes=sharding.params,
+                     params_ways=sharding.ways(plan, "params"), optimizer_ways=o_ways, per_microbatch=per_microbatch,
+                     reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates)
+
+
+def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
+                 reduces: bool, sharded_accumulation: bool) -> ChunkFacts:
+    """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
+    cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
+    kernels = max(1, 4 * cost.layers)
+    n_moe = moe_layers(plan.model, span)
+    p, v = plan.mesh.stage, plan.schedule.virtual_stages
+    expert_params = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
+                                  plan.mesh.tensor, 1, plan.mesh.expert, experts_only=True) if reduces else 0
+    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
+    return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
+                      leaves=parameter_collectives(plan, s, c, combine, param_b),
+                      buckets=min(BUCKETS, max(1, cost.layers)) if sharded_accumulation else 1, actions=actions,
+                      moved=tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")))
+
+
+def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
+            kernels: int, n_moe: int) -> ActionWork:
+    """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s``."""
+    split = schedule.split_backward
+    flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat)
+    gemms = shapes.action(kind, split)
+    chain = moe_pieces(plan, n_moe, kind, split, flops, hbm, (replicated, split_b), gemms, kernels)
+    ring_work, ring_gemms = (flops, hbm, replicated, split_b), gemms
+    if chain and plan.mesh.context > 1:
+        # Both rings: the ring plays all but the routed and shared experts' work, then the MoE chain plays those
+        # alone (its own rest is empty).
+        moe_g = expert_gemms(plan, n_moe, kind, split)
+        ring_work, ring_gemms = (flops - gemm_flops(moe_g), hbm, replicated, split_b), without(gemms, moe_g)
+        chain = moe_pieces(plan, n_moe, kind, split, gemm_flops(moe_g), 0.0, (0.0, 0.0), moe_g, len(moe_g))
+    return ActionWork(kind=kind, work=(flops, hbm, replicated, split_b), tensor=tensor, gemms=gemms,
+                      chain=tuple(chain), ring_work=ring_work, ring_gemms=ring_gemms,
+                      sends=tuple(_sends(schedule, s, kind, c, chunk_costs)))
+
+
+def _update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: float, param_b: float,
+            grad_b: float) -> StageUpdate:
+    """Stage ``s``'s :class:`StageUpdate`: the optimizer over its shard (by the layout's one rule), and with
+    ZeRO-1/2 the updated shards gathered over data, as many collectives as the rule counts (per leaf)."""
+    shard = costs.device_stage_params(plan, s, o_ways)
+    regathers, regather_bytes = 0, 0.0
+    if o_ways > p_ways and plan.mesh.data > 1:
+        regathers = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
+        regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
+    return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
+                       hbm_bytes=shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)),
+                       regathers=regathers, regather_bytes=regather_bytes)
+
+
+def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction, ...]:
+    """Per parameter kind (dense, then routed experts'), how its gradients are summed (kinds nothing sums left
+    out): over the axes the optimizer state is split on a reduce-scatter, over the rest an all-reduce."""
+    out = []
+    for expert in (False, True):
+        axes = reduction_axes(plan, expert)
+        if axes:
+            sharded = tuple(a for a in axes if a in optimizer_axes)
+            out.append(Reduction(expert=expert, sharded=sharded, rest=tuple(a for a in axes if a not in optimizer_axes),
+                                 ways=math.prod(plan.mesh.degree(a) for a in sharded)))
+    return tuple(out)
+
+
+def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
+                ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int], ...]]:
+    """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
+
+    The backward writes about twice the forward's activation traffic (the
+    gradients of each activation and of its inputs), B and W one forward's
+    worth each when split, plus what remat writes again. Full remat reruns
+    each layer's forward up to the MLP down projection in the backward, so
+    the attention output's tensor all-reduce runs again (one per layer);
+    selective remat redoes no all-reduce. The tensor collectives are
+    ``(op, count)`` pairs from :meth:`testbed.model.costs.ChunkCost.tensor_collectives`
+    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters).
+    """
+    forward = cost.forward_traffic
+    if kind == "F":
+        return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
+            cost.tensor_collectives("F", remat)
+    if kind == "B":
+        flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
+        hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
+        times = 1 if split else 2
+        traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
+        return float(flops), float(hbm), traffic, cost.tensor_collectives("B", remat)
+    return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
+
+
+def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
+    """HBM bytes one device streams adding one microbatch's gradients of ``params`` into the accumulator.
+
+    Every microbatch adds into an accumulator that starts at zero; a step of one microbatch keeps its
+    gradients as they are (0). Sharded accumulation (each microbatch's gradients reduce-scattered first,
+    testbed.plan.sharding.gradient_reduction) adds into the device's shard.
+    """
+    if plan.batch.microbatches <= 1:
+        return 0.0
+    return ACCUMULATE_PASSES * params * grad_bytes / state_sharding(plan).ways(plan, "grads")
+
+
+def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, chunk_costs) -> list[tuple[int, int, float]]:
+    """(destination stage, its chunk, bytes) of what a ``kind`` action of ``chunk`` sends: an activation
+    forward, a gradient backward, when the next (previous) model chunk is on another stage."""
+    g = schedule.model_chunk(stage, chunk)
+    if kind == "F" and g < schedule.chunks - 1:
+        dst, c = schedule.locate(g + 1)
+        if dst != stage:
+            return [(dst, c, float(chunk_costs[stage][chunk].activation_out_bytes))]
+    elif kind == "B" and g > 0:
+        dst, c = schedule.locate(g - 1)
+        if dst != stage:
+            return [(dst, c, float(chunk_costs[dst][c].activation_out_bytes))]
+    return []
+
+
+def _order(schedule: Schedule) -> tuple[OrderedAction, ...]:
+    return tuple((s, a, tuple(dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
+                 for s, a in execution_order(schedule))
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, tuple[OrderedAction, ...]]:
+    """(schedule table, its execution order with dependency keys), memoized: many plans share a table."""
+    schedule = build_schedule(name, stages, microbatches, virtual)
+    return schedule, _order(schedule)
+
+
+def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
+    """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
+    layers per stage)."""
+    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
+           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
+           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
+    cost = _CHUNKS.get(key)
+    if cost is None:
+        if len(_CHUNKS) > 100_000:
+            _CHUNKS.clear()
+        cost = _CHUNKS[key] = costs.chunk_cost(plan, stage, chunk)
+    return cost
+
+
+_CHUNKS: dict[tuple, ChunkCost] = {}
+
+
+def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
+    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`)."""
+    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
+           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
+    shapes = _GEMMS.get(key)
+    if shapes is None:
+        if len(_GEMMS) > 100_000:
+            _GEMMS.clear()
+        shapes = _GEMMS[key] = chunk_gemms(plan, stage, chunk)
+    return shapes
+
+
+_GEMMS: dict[tuple, ChunkGemms] = {}
