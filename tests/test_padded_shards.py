@@ -93,7 +93,7 @@ def test_collective_bytes_carry_the_padding_and_are_conserved(mesh: dict) -> Non
                          [((7,), None, 1, None, 1, 3), ((6, 10), 1, 2, None, 1, 4), ((4, 6, 5), 2, 1, 0, 2, 7),
                           ((4, 6, 10), 2, 2, 0, 2, 3)])
 def test_flat_form_round_trips_and_keeps_each_tensor_block(shape, tensor_dim, tensor, expert_dim, expert, ways) -> None:
-    param = layout.ParamSpec(placement=layout.Placement.LAYER, path=("moe", "w1"), shape=shape, tensor_dim=tensor_dim,
+    param = layout.ParamSpec(part=layout.Part.LAYER, path=("moe", "w1"), shape=shape, tensor_dim=tensor_dim,
                              init=layout.Init.ZEROS, expert_dim=expert_dim)
     x = jnp.arange(math.prod(shape), dtype=jnp.float32).reshape(shape) + 1
     y = flatten(x, param, tensor, ways, expert)
