@@ -26,6 +26,7 @@ from testbed.runner.check_sharding import check_sharding
 from testbed.runner.step import SpmdTrainer
 from testbed.runner.train import verify_plan
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
+from testbed.model import layout
 
 MODEL = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=8, vocab=64)
 _SHAPE = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
@@ -99,9 +100,13 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients(degrees: dict) -> No
     gathers = sorted(n for axes, kind, n in found if axes == label and kind == "all-gather")
     scatters = [n for axes, kind, n in found if axes == label and kind == "reduce-scatter"]
     # Every sharded leaf is gathered once for its forward (no remat: the backward reuses it) with the bytes of
-    # its tensor-rank shard, and its gradient is reduce-scattered once into the shards.
-    assert gathers == sorted(leaves), (gathers, sorted(leaves))
+    # its tensor-rank shard, and its gradient is reduce-scattered once into the shards. A leaf the one rule pads
+    # (no free dim divides) the runner holds whole, but shards its optimizer state flat and padded
+    # (testbed.runner.padding): gathered once after the update, the padded flat form of its tensor-rank block.
     ways = math.prod(plan.mesh.degree(a) for a in shard_axes)
+    padded = [p.gathered_elements(plan.mesh.tensor, ways) for p, n in layout.chunk_params(MODEL, 0, 0, 1)
+              for _ in range(n) if p.padded(plan.mesh.tensor, ways)]
+    assert gathers == sorted(leaves + padded), (gathers, sorted(leaves), padded)
     assert sorted(n * ways for n in scatters) == sorted(leaves)
     # No activation crosses the batch axes: what is all-reduced over a group spanning fsdp is the loss and
     # the gradients of the few leaves no free dim of which the shard count divides (the qkv bias here).
@@ -134,16 +139,23 @@ def test_fsdp_spread_replicas_sequence_parallel_bf16_plan_matches_reference() ->
 def test_compiled_collectives_are_the_rule_count() -> None:
     """The simulator's count of a chunk's parameter collectives (testbed.model.leaves.parameter_collectives
     at combine_bytes 0, the host's: XLA:CPU combines none) is what the compiled step runs: one all-gather per
-    sharded leaf and one reduce-scatter of its gradient, leaves whose free dims the shard count does not divide
-    (tensor-split biases here) left out."""
-    from testbed.model.leaves import parameter_collectives
+    sharded leaf and one reduce-scatter of its gradient. The rule shards every leaf (padded where no free dim
+    divides: the tensor-split biases here); the runner still holds the padded leaves' parameters whole and
+    reports them (runner_whole_params), so it runs the rule's count less those, and gathers each of them once
+    after the update, which shards their optimizer state padded."""
+    from testbed.model.leaves import gathered_leaves, parameter_collectives, runner_whole_params
 
     plan = _plan(fsdp=2, tensor=2)
     _, found = _compiled(plan)
     kinds = Counter(kind for axes, kind, _ in found if axes == "fsdp")
     rule = parameter_collectives(plan, 0, 0, combine_bytes=0)
-    assert rule < 2 + 12 * MODEL.layers + 3  # some leaves stay whole at tensor 2: the rule must see them
-    assert kinds["all-gather"] == kinds["reduce-scatter"] == rule, (kinds, rule)
+    assert rule == len(gathered_leaves(plan, 0, 0))
+    whole = runner_whole_params(plan)["params"]
+    held_whole = sum(n for p, n in layout.chunk_params(MODEL, 0, 0, 1, tied_copy=False) if p.name in whole)
+    assert held_whole > 0  # some leaves are padded at tensor 2: the runner's count must see them
+    assert kinds["reduce-scatter"] == rule - held_whole, (kinds, rule, held_whole)
+    # Their optimizer state is sharded padded (testbed.runner.padding): each is gathered whole after the update.
+    assert kinds["all-gather"] == rule - held_whole + held_whole, (kinds, rule, held_whole)
 
 
 def test_compiled_zero1_regathers_are_the_rule_count() -> None:

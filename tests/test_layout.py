@@ -23,12 +23,14 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from testbed.runner import model as jm
+from testbed.runner.padding import FlatState, flat_shape
 from testbed.runner.parallel import _path_names, layout_for, leaf_spec
 from testbed.runner.pipeline.trainer import merge_params, split_params
 from testbed.errors import InputError
 from testbed.model import buffers, costs, layout
 from testbed.model.layout import Init, ParamSpec, Part, shard_dim
 from testbed.model.memory import memory_breakdown, state_bytes_per_param
+from testbed.model.leaves import padded_params, runner_whole_params
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.topology.io import load_topology
@@ -69,7 +71,10 @@ def test_param_spec_is_validated_and_counts_per_device() -> None:
     assert w.size == 480 and w.name == "layers/mlp/w1"
     assert w.device_elements(2) == 240                    # tensor splits dim 1
     assert w.device_elements(1, 4) == 120                 # tensor 1 leaves dim 1 free: 40 / 4
-    assert w.device_elements(2, 8) == 240                 # 12 % 8: replicated over the shard axes
+    assert w.device_elements(2, 8) == 30                  # 12 % 8: flattened and padded, 240 / 8 exactly
+    assert w.padded(2, 8) and not w.padded(2, 3) and not w.padded(2, 1)
+    assert w.device_elements(2, 7) == 35                  # ceil(240 / 7): the flat shard, padding included
+    assert w.gathered_elements(2, 7) == 245 and w.gathered_elements(2, 3) == 240
     assert w.device_elements(2, 3) == 80
     with pytest.raises(ValueError):
         w.device_elements(3)                              # 40 % 3
@@ -143,12 +148,32 @@ def _stage_trees(plan: Plan) -> list[Any]:
 
 
 def _runner_stage_elements(plan: Plan, which: str) -> list[int]:
+    """Per stage, the elements a device holds of ``which``: what the runner's specs split (the moments of a
+    padded leaf in their flat form, testbed.runner.padding), and for the padded leaves' parameters and
+    gradients (which the runner still holds whole, and reports) the rule's padded flat shard."""
     out = []
+    kind = {"moments": "optimizer"}.get(which, which)
+    ways = state_sharding(plan).ways(plan, kind)
+    reported = runner_whole_params(plan).get(kind, ())
+    flat = FlatState(plan)
     for tree in _stage_trees(plan):
         specs = getattr(layout_for(tree, plan), which)
-        shapes = [tuple(leaf.shape) for leaf in jax.tree.leaves(tree)]
-        pspecs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-        out.append(sum(_device_elements(s, p, plan.mesh) for s, p in zip(shapes, pspecs)))
+        total = 0
+        for (path, leaf), pspec in zip(jax.tree_util.tree_leaves_with_path(tree),
+                                       jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+            param = layout.param_at(plan.model, _path_names(path))
+            padded = param.padded(plan.mesh.tensor, ways, plan.mesh.expert)
+            if which == "moments" and padded:
+                held = _device_elements(flat_shape(param, plan.mesh.tensor, ways, plan.mesh.expert),
+                                        flat.spec(path, pspec), plan.mesh)
+            else:
+                held = _device_elements(leaf.shape, pspec, plan.mesh)
+                if padded:
+                    assert param.name in reported and held == param.device_elements(plan.mesh.tensor, 1,
+                                                                                    plan.mesh.expert)
+                    held = -(-held // ways)
+            total += held
+        out.append(total)
     return out
 
 
@@ -173,19 +198,25 @@ def test_memory_counts_what_the_runner_shards(mesh: dict, zero: int) -> None:
         assert stage.optimizer == opt_b * moments[s]
 
 
-def test_one_rule_differs_from_a_ceiling_and_both_sides_follow_it() -> None:
-    # fsdp 8 cannot split the 12-wide LayerNorms, biases and positions' d: they stay whole on every device.
+def test_one_rule_pads_what_no_dim_divides_and_both_sides_follow_it() -> None:
+    # fsdp 8 cannot split the 12-wide LayerNorms, biases and positions' d: they are sharded flattened and padded,
+    # ceil(elements / 8) each; the runner still holds them whole and names them (runner_whole_params).
     spec = ModelSpec(layers=2, d_model=12, heads=2, d_ff=20, seq_len=6, vocab=30)
     plan = Plan(model=spec, batch=BatchSpec(global_batch=8, microbatches=1), mesh=MeshSpec(fsdp=8))
     held = costs.device_stage_params(plan, 0)
     sharded = costs.device_stage_params(plan, 0, 8)
-    assert sharded != math.ceil(held / 8)
-    whole = [p for p in layout.model_params(spec) if p.shard_dim(1, 8) is None]
-    assert {p.name for p in whole} >= {"layers/ln1/scale", "layers/attn/bo", "head/norm/bias"}
-    assert memory_breakdown(plan, HOST).params_count == sharded == _runner_stage_elements(plan, "params")[0]
+    padded = [p for p in layout.model_params(spec) if p.padded(1, 8)]
+    assert {p.name for p in padded} >= {"layers/ln1/scale", "layers/attn/bo", "head/norm/bias"}
+    assert set(padding_params := padded_params(plan, "params")) == {p.name for p in padded}
+    assert runner_whole_params(plan) == {w: padding_params for w in ("params", "grads")}  # the optimizer's: padded
+    # Every device holds at most one element of padding per parameter leaf: >= 1/8 of the model, never whole.
+    leaves = sum(c for _, c in layout.chunk_params(spec, 0, 0, 1))
+    assert held / 8 <= sharded <= held / 8 + leaves and sharded < held
+    assert sharded == sum(c * -(-p.device_elements() // 8) for p, c in layout.chunk_params(spec, 0, 0, 1))
+    assert memory_breakdown(plan, HOST).device_params_count == sharded == _runner_stage_elements(plan, "params")[0]
     for p in layout.model_params(spec):
         spec_ = leaf_spec(p, tensor=1, shard_axes=("fsdp",), shard_size=8)
-        assert (p.shard_dim(1, 8) is None) == all(d is None for d in spec_)
+        assert p.padded(1, 8) == all(d is None for d in spec_)
 
 
 @pytest.mark.parametrize("tensor", [1, 2, 4])

@@ -14,6 +14,7 @@ from testbed.errors import InputError
 from testbed.model.memory import memory_breakdown
 from testbed.output import CommandResult
 from testbed.plan.io import load_plan
+from testbed.model.leaves import padded_params, runner_whole_params
 from testbed.text import markup
 from testbed.units import format_bytes
 
@@ -38,7 +39,12 @@ def execute(args: argparse.Namespace) -> CommandResult:
     data = {**breakdown.as_dict(), "plan": plan.name, "topology": topology.name, "device": topology.device.name,
             "mesh_devices": plan.mesh.size, "topology_devices": topology.num_devices,
             "precision": plan.precision.value, "remat": plan.remat.value, "zero": plan.zero,
-            "schedule": plan.schedule.name.value}
+            "schedule": plan.schedule.name.value,
+            # Parameters no free dim of which the shard count divides: sharded flattened and padded (counted so
+            # here); the JAX runner still holds the listed kinds of their state whole (runner_whole).
+            "padded": {w: list(padded_params(plan, w)) for w in ("params", "grads", "optimizer")
+                       if padded_params(plan, w)},
+            "runner_whole": {w: list(names) for w, names in runner_whole_params(plan).items()}}
     exit_code = 1 if args.fail_if_oom and not breakdown.fits else 0
 
     def render(console) -> None:
@@ -57,6 +63,13 @@ def execute(args: argparse.Namespace) -> CommandResult:
         console.print(fitted_table(console, columns, cells,
                                    title=f"bytes per device (worst: stage {breakdown.worst_stage})"))
         console.print("mb: (microbatch, chunk) activation sets held at peak, from the schedule")
+        if data["padded"]:
+            kinds = ", ".join(f"{w} of {len(names)}" for w, names in data["padded"].items())
+            console.print(f"padded: {kinds} parameters sharded flattened and padded (no dim divides the shard count; "
+                          "ceil(elements / ways) per device, the padding counted)")
+        if data["runner_whole"]:
+            kinds = ", ".join(f"{w} of {', '.join(names)}" for w, names in data["runner_whole"].items())
+            console.print(f"[yellow]note[/yellow]: the JAX runner still holds these whole: {kinds}")
         verdict = "[green]fits[/green]" if breakdown.fits else "[red]does not fit[/red]"
         console.print(f"{verdict}: {format_bytes(breakdown.total)} of {format_bytes(breakdown.capacity)} "
                       f"({100 * breakdown.total / breakdown.capacity:.1f}%)")

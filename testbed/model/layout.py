@@ -42,11 +42,19 @@ embeddings on another chunk than the embedding's, that chunk holds a copy
 of the token table (Megatron style; its gradient is all-reduced with the
 original), so held parameters then exceed the model's.
 
-FSDP and ZeRO shard every parameter by ONE rule (:func:`shard_dim`): the
-largest dim not already split by the tensor axis whose size the shard
-count divides; a parameter with no such dim stays whole (replicated).
-The runner's PartitionSpecs and the memory model's bytes both come from
-it, so memory counts exactly what the runner holds.
+FSDP and ZeRO shard every parameter by ONE rule (:meth:`ParamSpec.shard_dim`,
+:meth:`ParamSpec.device_elements`): along the largest dim not already split
+by the tensor (or expert) axis whose size the shard count divides; a
+parameter with no such dim is sharded *padded* (:meth:`ParamSpec.padded`):
+flattened and padded to a multiple of the shard count, each device holding
+``ceil(elements / ways)`` of it (DeepSpeed ZeRO's and PyTorch FSDP's flat
+parameters, Megatron's distributed optimizer), so any rank count shards.
+The memory model counts the padding, the simulator's gathers and
+reduce-scatters move it (:meth:`ParamSpec.gathered_elements`). The JAX
+runner shards the evenly divided parameters by the same dim and keeps the
+padded ones' optimizer state flat and padded (``testbed.runner.padding``);
+their fsdp/ZeRO-2/3 parameters and gradients it still holds whole
+(``testbed.model.leaves.runner_whole_params`` names them).
 """
 
 from __future__ import annotations
@@ -164,23 +172,34 @@ class ParamSpec:
         """The dim fsdp/ZeRO split ``ways`` ways (:func:`shard_dim` on the dims tensor and expert leave free)."""
         return shard_dim(self.shape, self.tensor_dims(tensor) + self.expert_dims(expert), ways)
 
+    def padded(self, tensor: int, ways: int, expert: int = 1) -> bool:
+        """Whether fsdp/ZeRO shard it ``ways`` ways flattened and padded: no free dim divides (the one rule)."""
+        return ways > 1 and self.shard_dim(tensor, ways, expert) is None
+
+    def gathered_elements(self, tensor: int = 1, ways: int = 1, expert: int = 1) -> int:
+        """Elements an all-gather of its ``ways`` shards outputs (a reduce-scatter of its gradient takes),
+        the padding of a padded parameter included: ``ways`` times :meth:`device_elements`."""
+        return ways * self.device_elements(tensor, ways, expert)
+
     def device_elements(self, tensor: int = 1, ways: int = 1, expert: int = 1) -> int:
         """Elements one device holds: split by ``tensor`` (if it has a tensor dim), by ``expert`` (a routed
-        expert's weight) and by ``ways`` under the rule."""
+        expert's weight) and by ``ways`` under the rule: ``1/ways`` of them along the shard dim, or
+        ``ceil(elements / ways)`` flattened and padded when no free dim divides."""
         n = self.size
         for dim, degree in [(d, tensor) for d in self.tensor_dims(tensor)] + \
                 [(d, expert) for d in self.expert_dims(expert)]:
             if self.shape[dim] % degree:
                 raise ValueError(f"{self.name}: degree {degree} does not divide dim {dim} of {self.shape}")
             n //= degree
-        return n // ways if self.shard_dim(tensor, ways, expert) is not None else n
+        return -(-n // ways)  # an even split along the shard dim, or the padded flat shard (1 way: whole)
 
 
 def shard_dim(shape: tuple[int, ...], taken: tuple[int, ...], ways: int) -> int | None:
-    """The ONE fsdp/ZeRO shard rule: the largest dim not in ``taken`` whose size ``ways`` divides.
+    """The ONE fsdp/ZeRO shard rule's dim: the largest dim not in ``taken`` whose size ``ways`` divides.
 
-    Ties go to the lower dim. None means the parameter is not split (``ways``
-    is 1, or no free dim divides): every device holds it whole.
+    Ties go to the lower dim. None: ``ways`` is 1 (not split), or no free dim
+    divides, and the parameter is sharded flattened and padded instead
+    (:meth:`ParamSpec.padded`).
     """
     if ways <= 1:
         return None

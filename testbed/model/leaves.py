@@ -18,18 +18,21 @@ from testbed.model import layout
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["gathered_leaves", "combined_sizes", "parameter_collectives"]
+__all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
+           "parameter_collectives"]
 
 
 def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> tuple[int, ...]:
     """Elements of each parameter leaf of a chunk that fsdp/ZeRO-3 all-gathers, in layout order; () when unsharded.
 
-    A leaf is gathered when the layout's one shard rule (:meth:`testbed.model.layout.ParamSpec.shard_dim`)
-    splits it over the parameters' shard axes; the gathered leaf is whole over them and split as the device
-    holds it by ``tensor`` and ``expert``. testbed.runner.parallel.ParamShards issues one ``all_gather`` per such leaf
-    where a piece of the model uses it, and one ``psum_scatter`` of its gradient, by the same rule; a leaf no
-    free dim of which the shard count divides stays whole and moves nothing. Layout order: the embedding, each
-    layer's rows layer by layer, the head (the order XLA meets them in the forward).
+    Every leaf is gathered when the shard count exceeds 1: by the layout's one shard rule each is split over
+    the parameters' shard axes, evenly along a dim or flattened and padded
+    (:meth:`testbed.model.layout.ParamSpec.gathered_elements`: the gathered size, padding included); the
+    gathered leaf is whole over them and split as the device holds it by ``tensor`` and ``expert``.
+    testbed.runner.parallel.ParamShards issues one ``all_gather`` per evenly split leaf where a piece of the
+    model uses it, and one ``psum_scatter`` of its gradient; it still holds the padded leaves' parameters
+    and gradients whole (:func:`runner_whole_params`). Layout order: the embedding, each layer's rows layer
+    by layer, the head (the order XLA meets them in the forward).
 
     ``chunk`` None: every chunk of the stage, in chunk order. ``which="optimizer"``: the leaves sharded with the
     optimizer state instead, which ZeRO-1/2 all-gathers over ``data`` after the update (XLA's partitioner,
@@ -54,8 +57,47 @@ def _gathered(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, 
     for i in span:
         params += layout.layer_params(spec, i)
     params += layout.head_params(spec) if head else ()
-    return tuple(p.device_elements(mesh.tensor, 1, mesh.expert) for p in params
-                 if p.shard_dim(mesh.tensor, ways, mesh.expert) is not None)
+    return tuple(p.gathered_elements(mesh.tensor, ways, mesh.expert) for p in params)
+
+
+def moved_elements(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> int:
+    """Elements one collective over the shard axes of ``which`` (params, grads, optimizer) moves for a chunk's
+    parameters on a device: a gather's output, a reduce-scatter's input. ``ways`` times the device's shards,
+    so the padding of the padded parameters (:meth:`testbed.model.layout.ParamSpec.padded`) moves too and
+    bytes are conserved (each rank's shard times the shard count); the chunk's unsharded elements when
+    nothing shards ``which``. Every held parameter counts, a tied token-table copy included (as
+    :attr:`testbed.model.costs.ChunkCost.params`, which it equals when every shard divides evenly).
+    ``chunk`` None: the stage's chunks together. testbed.sim.program's collectives carry these bytes."""
+    v, mesh = plan.schedule.virtual_stages, plan.mesh
+    if chunk is None:
+        return sum(moved_elements(plan, stage, c, which) for c in range(v))
+    ways = max(1, state_sharding(plan).ways(plan, which))
+    held = layout.chunk_params(plan.model, stage, chunk, mesh.stage, v, stage_layers=plan.stage_layers)
+    return ways * layout.held_elements(held, mesh.tensor, ways, mesh.expert)
+
+
+def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:
+    """Names (layout order, each once) of the parameters whose ``which`` state is sharded flattened and padded:
+    no free dim divides the shard count (:meth:`testbed.model.layout.ParamSpec.padded`). The memory model and
+    the simulator count them sharded padded; so does the JAX runner's optimizer state (testbed.runner.padding),
+    while its fsdp/ZeRO-2/3 parameters and gradients still hold these whole (:func:`runner_whole_params`)."""
+    ways, mesh = state_sharding(plan).ways(plan, which), plan.mesh
+    if ways <= 1:
+        return ()
+    names: dict[str, None] = {}
+    for p in layout.model_params(plan.model):
+        if p.padded(mesh.tensor, ways, mesh.expert):
+            names.setdefault(p.name)
+    return tuple(names)
+
+
+def runner_whole_params(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """Per kind of state (params, grads) sharded by the plan, the parameters the JAX runner holds whole where
+    the rule shards them padded (:func:`padded_params`): what remains to flatten in the runner. The optimizer
+    state it does shard padded (testbed.runner.padding), so it never appears. Empty when every sharded
+    parameter divides evenly."""
+    out = {w: padded_params(plan, w) for w in ("params", "grads")}
+    return {w: names for w, names in out.items() if names}
 
 
 def combined_sizes(sizes: tuple[float, ...], combine_bytes: float) -> tuple[float, ...]:

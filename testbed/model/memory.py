@@ -15,7 +15,8 @@ axis shards parameters, gradients and optimizer state; ZeRO over the data
 axis shards the optimizer state (stage 1), also the gradients (2), also the
 parameters (3). Each parameter is sharded by ``testbed.model.layout``'s one
 rule, the runner's: along its largest free dim the shard count divides, or
-not at all (then every device counts it whole).
+flattened and padded (``ceil(elements / ways)`` per device, the padding
+counted), so any rank count shards (ZeRO's and FSDP's flat buffers).
 
 Activations: the bytes one microbatch-chunk keeps for its backward
 (``testbed.model.costs.activation_bytes_per_layer``, plus the head's) times the

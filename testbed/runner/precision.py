@@ -33,7 +33,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax.sharding import NamedSharding
+
 from testbed.runner.model import compute_dtype
+from testbed.runner.padding import FlatState
 from testbed.errors import InputError
 from testbed.plan.spec import Plan, Precision
 
@@ -104,9 +107,12 @@ class Optimizer:
       :class:`MasterState` (fp32 master + optax state over it).
     """
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, sharded: bool = True):
         self.tx = make_optimizer(plan)
         self.mixed = plan.precision.mixed
+        #: The state of parameters the one shard rule pads is kept flat and padded (testbed.runner.padding);
+        #: ``sharded`` False: the plan's optimizer on one device (the single-device reference), nothing padded.
+        self.flat = FlatState(plan, active=sharded)
         #: dtype of the parameters the trainers hold (and of their gradients).
         self.param_dtype = compute_dtype(plan.precision)
 
@@ -119,20 +125,26 @@ class Optimizer:
     def init(self, params: Any) -> Any:
         """The optimizer state for fp32 ``params`` (the initial values: under bf16-mixed the master is exact)."""
         if not self.mixed:
-            return self.tx.init(params)
-        master = jax.tree.map(lambda a: a.astype(jnp.float32), params)
+            return self.tx.init(self.flat.to(params))
+        master = self.flat.to(jax.tree.map(lambda a: a.astype(jnp.float32), params))
         return MasterState(master=master, inner=self.tx.init(master))
 
     def update(self, params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
         """One optimizer step: new held parameters and state (see the module doc for bf16-mixed)."""
         if not self.mixed:
-            updates, state = self.tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            flat = self.flat.to(params)
+            updates, state = self.tx.update(self.flat.to(grads), state, flat)
+            return self.flat.back(optax.apply_updates(flat, updates)), state
+        grads = self.flat.to(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
         updates, inner = self.tx.update(grads, state.inner, state.master)
         master = optax.apply_updates(state.master, updates)
-        return self.held(master), MasterState(master=master, inner=inner)
+        return self.held(self.flat.back(master)), MasterState(master=master, inner=inner)
 
     def master(self, params: Any, state: Any) -> Any:
         """The full-precision parameters: the master under bf16-mixed, else ``params`` themselves."""
-        return state.master if self.mixed else params
+        return self.flat.back(state.master) if self.mixed else params
+
+    def moment_shardings(self, moments: Any) -> Any:
+        """The moments' NamedShardings (testbed.runner.parallel.Layout's) with the padded leaves' flat forms'."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, sh: NamedSharding(sh.mesh, self.flat.spec(path, sh.spec)), moments)

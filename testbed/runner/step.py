@@ -182,7 +182,7 @@ class SpmdTrainer:
         self.grad_shardings = layout.shardings(mesh, "grads")
         replicated = NamedSharding(mesh, P())
         self.opt_shardings = state_shardings(jax.eval_shape(opt.init, shape), shape,
-                                             layout.shardings(mesh, "moments"), replicated)
+                                             opt.moment_shardings(layout.shardings(mesh, "moments")), replicated)
         # Context parallelism (testbed.runner.ring_attention): each sequence in zigzag order, split over `context`.
         self.context = context = context_shards(plan, mesh)
         spec = batch_spec(3, leading=1, axes=batch_axes(plan))
@@ -265,7 +265,7 @@ def _reference_step(spec: Any, precision: Any, remat: Any, optimizer: Any) -> An
     # The plan's vocab padding (resolved for its tensor degree) is kept on the reference's one device.
     spec = replace(spec, pad_vocab_to=spec.vocab_multiple)
     plan = Plan(model=spec, batch=BatchSpec(global_batch=1), precision=precision, remat=remat, optimizer=optimizer)
-    opt = Optimizer(plan)
+    opt = Optimizer(plan, sharded=False)
 
     def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
         loss, grads = jax.value_and_grad(_loss_fn(plan))(params, tokens, targets)
@@ -280,7 +280,7 @@ class ReferenceTrainer:
     def __init__(self, plan: Plan, device: Any):
         model.warn_dropout(plan.model)
         self.plan, self.device = plan, device
-        self.optimizer = Optimizer(plan)
+        self.optimizer = Optimizer(plan, sharded=False)
         self._step = _reference_step(plan.model, plan.precision, plan.remat, plan.optimizer)
 
     def init(self) -> tuple[Any, Any]:

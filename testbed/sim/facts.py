@@ -26,7 +26,7 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, chunk_gemms, gemm_flops, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import parameter_collectives
+from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
@@ -78,7 +78,9 @@ class ChunkFacts:
     gradients) is (testbed.model.leaves.parameter_collectives); ``expert_params`` the routed experts'
     parameters on one device (0 when nothing reduces gradients); ``buckets`` the gradient buckets of its
     last backward when gradients reduce while the backward goes on (one bucket per layer, at most
-    :data:`BUCKETS`; one when they wait for the backward's end).
+    :data:`BUCKETS`; one when they wait for the backward's end). ``moved``: the elements one collective over
+    the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
+    (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
     """
 
     cost: ChunkCost
@@ -89,6 +91,7 @@ class ChunkFacts:
     expert_params: int
     buckets: int
     actions: tuple[ActionWork, ...]
+    moved: tuple[int, int, int]
 
     def action(self, kind: str) -> ActionWork:
         return next(a for a in self.actions if a.kind == kind)
@@ -220,7 +223,8 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=parameter_collectives(plan, s, c, combine, param_b),
-                      buckets=min(BUCKETS, max(1, cost.layers)) if sharded_accumulation else 1, actions=actions)
+                      buckets=min(BUCKETS, max(1, cost.layers)) if sharded_accumulation else 1, actions=actions,
+                      moved=tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")))
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
@@ -250,7 +254,7 @@ def _update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: 
     regathers, regather_bytes = 0, 0.0
     if o_ways > p_ways and plan.mesh.data > 1:
         regathers = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
-        regather_bytes = sum(c.params for c in stage_costs) / plan.mesh.fsdp * param_b / regathers
+        regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
     return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
                        hbm_bytes=shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)),
                        regathers=regathers, regather_bytes=regather_bytes)

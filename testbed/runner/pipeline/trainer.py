@@ -148,7 +148,8 @@ class PipelineTrainer:
             layout = layout_for(shape[s], plan)
             p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
             o_sh = state_shardings(jax.eval_shape(self.optimizer.init, shape[s]), shape[s],
-                                   layout.shardings(mesh, "moments"), NamedSharding(mesh, P()))
+                                   self.optimizer.moment_shardings(layout.shardings(mesh, "moments")),
+                                   NamedSharding(mesh, P()))
             spread = Spread(mesh, p_sh, self.replicas) if self.replicas > 1 else None
             in_sh = spread.shardings if spread else g_sh
             # Outputs leave the engine's programs where the next stage and the update take them (no host copy).

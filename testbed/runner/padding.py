@@ -1,0 +1,130 @@
+"""Flattened, padded optimizer state: ZeRO-1/2 shards every parameter's moments, whatever the rank count.
+
+testbed.model.layout's one shard rule splits a parameter along a free dim the
+shard count divides, and shards it *padded* where none does: flattened,
+padded to a multiple of the shard count, each rank ``ceil(elements / ways)``
+of it (DeepSpeed ZeRO's flat buffers, Megatron's distributed optimizer,
+PyTorch FSDP's flat parameters). JAX shardings split a dim only evenly, so
+here the optimizer keeps the state of each padded parameter in its *flat
+form*: the dims the tensor and expert axes split moved to the front as their
+degrees (so each tensor rank keeps its own block), the rest flattened and
+zero-padded to a multiple of ``ways``, that last dim sharded over the
+optimizer's shard axes. The update is elementwise (Adam, AdamW, SGD), so it
+runs on the flat form unchanged; the padding holds zeros (zero gradient,
+zero moments, zero update) and is cut off when the parameters are rebuilt.
+
+What the runner still holds whole: the parameters and gradients of padded
+leaves under fsdp / ZeRO-2/3 (testbed.model.leaves.runner_whole_params).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from testbed.model import layout
+from testbed.model.layout import ParamSpec
+from testbed.plan.sharding import state_sharding
+from testbed.plan.spec import Plan
+
+__all__ = ["FlatState", "flatten", "unflatten", "flat_shape"]
+
+
+def _split_dims(param: ParamSpec, tensor: int, expert: int) -> tuple[tuple[int, int, str], ...]:
+    """(dim, degree, axis) of each dim the tensor and expert axes split, in dim order."""
+    dims = [(d, tensor, "tensor") for d in param.tensor_dims(tensor)] + \
+        [(d, expert, "expert") for d in param.expert_dims(expert)]
+    return tuple(sorted(dims))
+
+
+def flat_shape(param: ParamSpec, tensor: int, ways: int, expert: int = 1) -> tuple[int, ...]:
+    """The flat form's shape: the split dims' degrees, then ``ways`` times the device's padded shard."""
+    split = _split_dims(param, tensor, expert)
+    return (*(k for _, k, _ in split), ways * param.device_elements(tensor, ways, expert))
+
+
+def flatten(x: jax.Array, param: ParamSpec, tensor: int, ways: int, expert: int = 1) -> jax.Array:
+    """``x`` (the parameter's shape) in its flat form (:func:`flat_shape`), zero-padded."""
+    split = _split_dims(param, tensor, expert)
+    shape: list[int] = []
+    fronts: list[int] = []
+    for i, n in enumerate(param.shape):
+        k = next((k for d, k, _ in split if d == i), None)
+        if k is not None:
+            fronts.append(len(shape))
+            shape += [k, n // k]
+        else:
+            shape.append(n)
+    y = jnp.moveaxis(x.reshape(shape), fronts, list(range(len(fronts))))
+    y = y.reshape(*(k for _, k, _ in split), -1)
+    pad = flat_shape(param, tensor, ways, expert)[-1] - y.shape[-1]
+    return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, pad)])
+
+
+def unflatten(y: jax.Array, param: ParamSpec, tensor: int, expert: int = 1) -> jax.Array:
+    """The parameter's shape back from its flat form (the padding cut off): :func:`flatten`'s inverse."""
+    split = _split_dims(param, tensor, expert)
+    local = [n // next((k for d, k, _ in split if d == i), 1) for i, n in enumerate(param.shape)]
+    y = y[..., :math.prod(local)].reshape(*(k for _, k, _ in split), *local)
+    dims = [d for d, _, _ in split]
+    # Each degree goes back in front of its dim: after moving, degree j sits at dim d_j + j.
+    y = jnp.moveaxis(y, list(range(len(dims))), [d + j for j, d in enumerate(dims)])
+    return y.reshape(param.shape)
+
+
+class FlatState:
+    """The optimizer's view of a params tree: padded leaves (of the optimizer's sharding) in flat form.
+
+    Trees are matched to testbed.model.layout's table by leaf path, so one instance serves every stage's
+    chunk trees. ``ways`` is the optimizer state's shard count; with ``ways`` 1 (or ``active`` False: the
+    single-device reference) nothing is padded.
+    """
+
+    def __init__(self, plan: Plan, active: bool = True):
+        sharding = state_sharding(plan)
+        self.model, self.tensor, self.expert = plan.model, plan.mesh.tensor, plan.mesh.expert
+        self.ways = sharding.ways(plan, "optimizer") if active else 1
+        self.axes = sharding.split_axes(plan, "optimizer")
+
+    def _param(self, path: tuple[Any, ...]) -> ParamSpec | None:
+        from testbed.runner.parallel import _path_names  # the runner's leaf naming
+
+        param = layout.param_at(self.model, _path_names(path))
+        return param if param.padded(self.tensor, self.ways, self.expert) else None
+
+    @property
+    def active(self) -> bool:
+        return self.ways > 1
+
+    def to(self, tree: Any) -> Any:
+        """``tree`` with its padded leaves flattened (:func:`flatten`)."""
+        if not self.active:
+            return tree
+
+        def one(path: tuple[Any, ...], x: Any) -> Any:
+            param = self._param(path)
+            return x if param is None else flatten(x, param, self.tensor, self.ways, self.expert)
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def back(self, tree: Any) -> Any:
+        """``tree`` in flat form with its padded leaves rebuilt (:func:`unflatten`)."""
+        if not self.active:
+            return tree
+
+        def one(path: tuple[Any, ...], x: Any) -> Any:
+            param = self._param(path)
+            return x if param is None else unflatten(x, param, self.tensor, self.expert)
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    def spec(self, path: tuple[Any, ...], spec: P) -> P:
+        """The moments' PartitionSpec of the leaf at ``path`` (testbed.runner.parallel.Layout.moments), or for a
+        padded leaf its flat form's: the split dims' axes, then the flat dim over the optimizer's axes."""
+        param = self._param(path) if self.active else None
+        if param is None:
+            return spec
+        axes = self.axes if len(self.axes) > 1 else self.axes[0]
+        return P(*(a for _, _, a in _split_dims(param, self.tensor, self.expert)), axes)
