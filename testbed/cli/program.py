@@ -144,7 +144,7 @@ def _with_xla_memory(workload: Any, fn: Any, mesh: dict[str, int]) -> Any:
 def execute(args: Any) -> Any:
     """`testbed simulate --program ...`: trace, price and report (the same outputs as for a plan)."""
     from testbed.output import CommandResult
-    from testbed.sim.timeline import write_gantt, write_trace
+    from testbed.sim.trace_args import write_outputs
     from testbed.sim.traced import simulate_workload
     from testbed.topology.io import load_topology
     from testbed.units import format_bytes, format_time, parse_bytes
@@ -167,16 +167,10 @@ def execute(args: Any) -> Any:
         "dtype": workload.dtype, "flops_per_device": summary["flops_per_device"],
         "hbm_bytes_per_device": summary["hbm_bytes_per_device"], "collective_bytes": summary["collective_bytes"],
         "assumptions": summary["assumptions"]}
-    files = []
-    if args.trace:
-        from testbed.sim.trace_args import span_args
-
-        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace,
-                                     args=span_args(sim.program, sim.timeline, topology))))
-        data["trace"] = args.trace
-    if args.gantt:
-        files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{workload.name} on {topology.name}")))
-        data["gantt"] = args.gantt
+    written = write_outputs(sim.timeline, sim.program, topology, args.trace, args.gantt, max_trace,
+                            title=f"{workload.name} on {topology.name}")
+    data.update({k: getattr(args, k) for k in written})
+    files = list(written.values())
 
     def render(console) -> None:
         axes = ", ".join(f"{k}={v}" for k, v in mesh.items())

@@ -14,6 +14,7 @@ from testbed.plan.io import load_plan
 from testbed.sim.engine import Simulation, simulate as run_simulation
 from testbed.sim.moe import exposed_stream_s
 from testbed.sim.ring import RING_STREAM, exposed_ring_s
+from testbed.sim.trace_args import write_outputs
 from testbed.topology import Topology
 from testbed.text import markup, plot_label, shown
 from testbed.topology.io import load_topology
@@ -68,8 +69,6 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
 
 
 def _simulate_execute(args: argparse.Namespace) -> CommandResult:
-    from testbed.sim.timeline import write_gantt, write_trace
-
     if getattr(args, "program", None):
         from testbed.cli.program import execute
 
@@ -81,16 +80,10 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
     topology = plan_topology(plan, args.topology, args.plan)
     sim = simulate_file_plan(plan, topology, args.plan)
     data = _summary(sim)
-    files = []
-    if args.trace:
-        from testbed.sim.trace_args import span_args
-
-        files.append(str(write_trace(sim.timeline, args.trace, max_bytes=max_trace,
-                                     args=span_args(sim.program, sim.timeline, topology))))
-        data["trace"] = args.trace
-    if args.gantt:
-        files.append(str(write_gantt(sim.timeline, args.gantt, title=f"{plan.name} on {topology.name}")))
-        data["gantt"] = args.gantt
+    written = write_outputs(sim.timeline, sim.program, topology, args.trace, args.gantt, max_trace,
+                            title=f"{plan.name} on {topology.name}")
+    data.update({k: getattr(args, k) for k in written})
+    files = list(written.values())
 
     def render(console) -> None:
         m = data["memory"]

@@ -26,12 +26,10 @@ split within every expert). Layers differ then, so :func:`layer_params` takes th
 
 That picture is :data:`_TABLE` below, row by row; nothing else writes it.
 Each row says which part of the model the parameter belongs to (:class:`Part`), its path under
-that part's root, its shape in :class:`ModelSpec` fields, the dim the
-tensor axis splits (Megatron: QKV and MLP-in by columns, the out projection
-and MLP-out by rows, the token table and the head by vocab; LayerNorms, the
-position table and the row-split biases have none: replicated) and how the
-runner initialises it (the random key it draws from, so init values never
-move).
+that part's root, its shape in :class:`ModelSpec` fields, the dim the tensor axis splits (Megatron:
+QKV and MLP-in by columns, the out projection and MLP-out by rows, the token table and the head by
+vocab; LayerNorms, the position table and the row-split biases have none: replicated) and how the
+runner initialises it (the random key it draws from, so init values never move).
 
 Where the pieces sit in a pipeline (:func:`chunk_layers`, :func:`chunk_params`):
 each stage holds the plan's per-stage layer count (``Plan.stage_layers``:

@@ -17,23 +17,11 @@ __all__ = ["trace_plan"]
 
 def trace_plan(plan: Plan, on_unknown: str = "refuse") -> Workload:
     """The per-device workload of the runner's SPMD training step for ``plan`` (no pipeline stages)."""
-    import jax
-    import jax.numpy as jnp
-
     from testbed.program.tracing import trace
-    from testbed.runner import model
-    from testbed.runner.check_sharding import _sds, abstract_mesh
-    from testbed.runner.step import SpmdTrainer
+    from testbed.runner.check_sharding import spmd_step
 
     if plan.mesh.stage > 1:
         raise InputError(f"plan `{plan.name}` has {plan.mesh.stage} pipeline stages: the runner runs it as one "
                          "program per action, not one SPMD step; trace a plan with stage: 1", field="mesh.stage")
-    mesh = abstract_mesh(plan)
-    trainer = SpmdTrainer(plan, mesh)
-    shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
-    held = jax.eval_shape(trainer.optimizer.held, shape)
-    m, batch = plan.batch.microbatches, plan.batch.global_batch
-    tokens = jax.ShapeDtypeStruct((m, batch // m, plan.model.seq_len), jnp.int32, sharding=trainer.batch_sharding)
-    return trace(trainer._step, _sds(held, trainer.param_shardings),
-                 _sds(jax.eval_shape(trainer.optimizer.init, shape), trainer.opt_shardings), tokens, tokens,
-                 mesh=mesh, name=plan.name, on_unknown=on_unknown)
+    mesh, step, _, args = spmd_step(plan)
+    return trace(step, *args, mesh=mesh, name=plan.name, on_unknown=on_unknown)

@@ -44,7 +44,7 @@ from testbed.runner.devices import STAGE_MESH_AXES
 from testbed.runner.hlo import TRANSFER
 from testbed.plan.spec import MESH_AXES, Plan
 
-__all__ = ["ParamSharding", "ProgramCollectives", "ShardingCheck", "abstract_mesh", "check_sharding",
+__all__ = ["ParamSharding", "ProgramCollectives", "ShardingCheck", "abstract_mesh", "check_sharding", "spmd_step",
            "PLATFORM"]
 
 #: Platform the programs are lowered for (Shardy's partitioning does not depend on it).
@@ -218,8 +218,10 @@ class _Lowering:
         return lowered, text
 
 
-def _spmd(plan: Plan, lowering: _Lowering) -> list[ParamSharding]:
-    from testbed.runner.parallel import layout_for
+def spmd_step(plan: Plan) -> tuple[AbstractMesh, Any, Any, tuple[Any, ...]]:
+    """The runner's SPMD training step for ``plan`` on its abstract mesh, without devices: (mesh, the jitted
+    step, the parameters' shapes, the step's abstract arguments: held parameters, optimizer state, tokens,
+    targets). check-sharding lowers it; testbed.program.plans traces it."""
     from testbed.runner.step import SpmdTrainer
 
     mesh = abstract_mesh(plan)
@@ -228,9 +230,18 @@ def _spmd(plan: Plan, lowering: _Lowering) -> list[ParamSharding]:
     held = jax.eval_shape(trainer.optimizer.held, shape)
     m, batch = plan.batch.microbatches, plan.batch.global_batch
     tokens = jax.ShapeDtypeStruct((m, batch // m, plan.model.seq_len), jnp.int32, sharding=trainer.batch_sharding)
-    lowering.add("train_step", "all", 1, trainer._step, _sds(held, trainer.param_shardings),
-                 _sds(jax.eval_shape(trainer.optimizer.init, shape), trainer.opt_shardings), tokens, tokens)
+    args = (_sds(held, trainer.param_shardings), _sds(jax.eval_shape(trainer.optimizer.init, shape),
+                                                       trainer.opt_shardings), tokens, tokens)
+    return mesh, trainer._step, shape, args
+
+
+def _spmd(plan: Plan, lowering: _Lowering) -> list[ParamSharding]:
+    from testbed.runner.parallel import layout_for
+
+    mesh, step, shape, args = spmd_step(plan)
+    lowering.add("train_step", "all", 1, step, *args)
     layout = layout_for(shape, plan)
+    held = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args[0])
     return _params(held, tuple(layout.shardings(mesh, w) for w in ("params", "grads", "moments")))
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.sim.tasks import Program, Task, TaskKind
-from testbed.sim.timeline import Timeline
+from testbed.sim.timeline import Timeline, write_gantt, write_trace
 from testbed.topology import Topology
 
-__all__ = ["span_args", "MAX_LINKS"]
+__all__ = ["span_args", "write_outputs", "MAX_LINKS"]
 
 #: Links listed per slice at most (a 1024-rank group's neighbours are few, a torus plane's are not).
 MAX_LINKS = 16
@@ -102,3 +102,16 @@ def span_args(program: Program, timeline: Timeline, topology: Topology) -> tuple
         elif label == "bubble":
             out[i] = {"why": "the stage runs no pipeline action here (schedule bubble)"}
     return tuple(out)
+
+
+def write_outputs(timeline: Timeline, program: Program, topology: Topology, trace: str | None, gantt: str | None,
+                  max_trace_bytes: float | None, title: str) -> dict[str, str]:
+    """The files ``simulate`` writes, for a plan or a traced program alike: a Perfetto trace whose slices carry
+    :func:`span_args`, and a Gantt chart; ``{"trace": path, "gantt": path}`` for those asked."""
+    written = {}
+    if trace:
+        written["trace"] = str(write_trace(timeline, trace, max_bytes=max_trace_bytes,
+                                           args=span_args(program, timeline, topology)))
+    if gantt:
+        written["gantt"] = str(write_gantt(timeline, gantt, title=title))
+    return written
