@@ -34,7 +34,7 @@ def superpod(nodes: int):
 def main() -> None:
     from testbed.plan.placement import place
     from testbed.plan.spec import MESH_AXES
-    from testbed.program.plans import trace_plan
+    from testbed.runner.program.plans import trace_plan
     from testbed.runner import devices
     from testbed.sim.engine import simulate
     from testbed.sim.traced import collective_bytes, simulate_workload

@@ -1,4 +1,4 @@
-"""testbed.program: a user's JAX step traced on an abstract mesh, read per device (FLOPs, bytes, collectives)."""
+"""testbed.runner.program: a user's JAX step traced on an abstract mesh, read per device (FLOPs, bytes, collectives)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.errors import InputError
-from testbed.program import abstract_mesh, trace, trace_pmap
-from testbed.program.evaluate import UNROLL_NODES
+from testbed.runner.program import abstract_mesh, trace, trace_pmap
+from testbed.runner.program.evaluate import UNROLL_NODES
 from testbed.sim.workload import OpKind
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -1,6 +1,6 @@
 """testbed's own GPT step traced like a user's program and priced, against plan-driven simulation of the plan.
 
-Issue 36's check: the runner's SPMD step (testbed.program.plans.trace_plan) priced on a topology
+Issue 36's check: the runner's SPMD step (testbed.runner.program.plans.trace_plan) priced on a topology
 (testbed.sim.traced) agrees with testbed.sim.engine.simulate. What holds (docs/program.md, "Against
 plan-driven simulation"): collective bytes per mesh axis within 0.2% (the traced program also reduces
 the loss and a few small replicated gradients the plan's model does not count) and, for data and
@@ -17,7 +17,7 @@ import pytest
 
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.program.plans import trace_plan
+from testbed.runner.program.plans import trace_plan
 from testbed.sim.engine import simulate
 from testbed.sim.traced import collective_bytes, simulate_workload
 from testbed.topology.io import load_topology

@@ -1,7 +1,7 @@
 """A data-parallel MLP training step with ``jax.pmap`` and ``lax.pmean``, and what testbed predicts for it.
 
 ``predict(mesh)`` is what ``testbed simulate --program examples/predict/pmap_mlp.py:predict --topology T
---mesh batch=N`` calls: it returns the step (as ``testbed.program.PmapStep``) and its arguments as
+--mesh batch=N`` calls: it returns the step (as ``testbed.runner.program.PmapStep``) and its arguments as
 ``jax.ShapeDtypeStruct`` s with the leading device dimension pmap maps over.
 """
 
@@ -44,7 +44,7 @@ def reference_step(params: dict, x: jax.Array, y: jax.Array) -> tuple[dict, jax.
 
 def predict(mesh):
     """(step, args) for ``mesh`` (one axis: the devices pmap runs on)."""
-    from testbed.program import PmapStep
+    from testbed.runner.program import PmapStep
 
     n = mesh.size
     s = SIZES

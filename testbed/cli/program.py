@@ -2,8 +2,8 @@
 
 The function is called with a ``jax.sharding.AbstractMesh`` of the target size (``--mesh``, default
 one ``data`` axis over every device) and returns ``(step, args)``: the step (a function, a jitted
-function, or ``testbed.program.PmapStep`` for a pmap step) and its arguments, ``jax.ShapeDtypeStruct`` s
-carrying ``NamedSharding`` s on that mesh (or arrays). testbed.program traces it without devices and
+function, or ``testbed.runner.program.PmapStep`` for a pmap step) and its arguments, ``jax.ShapeDtypeStruct`` s
+carrying ``NamedSharding`` s on that mesh (or arrays). testbed.runner.program traces it without devices and
 testbed.sim.traced prices it. Every mistake in the module path, the function or what it returns is
 bad input: exit status 2 and one paragraph.
 """
@@ -24,7 +24,7 @@ from testbed.topology import Topology
 __all__ = ["parse_mesh", "load_function", "trace_program"]
 
 _CONTRACT = ("it must return (step, args): the step (a function, a jax.jit-ed function or "
-             "testbed.program.PmapStep) and a tuple of its arguments (jax.ShapeDtypeStructs with NamedShardings "
+             "testbed.runner.program.PmapStep) and a tuple of its arguments (jax.ShapeDtypeStructs with NamedShardings "
              "on the mesh it is given, or arrays)")
 
 
@@ -84,7 +84,7 @@ def load_function(spec: str) -> Any:
 
 def trace_program(spec: str, mesh: dict[str, int], on_unknown: str = "refuse") -> Any:
     """Call the ``--program`` function with the abstract mesh and trace what it returns (a Workload)."""
-    from testbed.program import PmapStep, abstract_mesh, trace, trace_pmap
+    from testbed.runner.program import PmapStep, abstract_mesh, trace, trace_pmap
 
     fn = load_function(spec)
     abstract = abstract_mesh(mesh)
@@ -123,7 +123,7 @@ def _with_xla_memory(workload: Any, fn: Any, mesh: dict[str, int]) -> Any:
 
     import jax
 
-    from testbed.program import compiled_memory
+    from testbed.runner.program import compiled_memory
 
     devices = math.prod(mesh.values())
     if len(jax.devices()) < devices:

@@ -221,7 +221,7 @@ class _Lowering:
 def spmd_step(plan: Plan) -> tuple[AbstractMesh, Any, Any, tuple[Any, ...]]:
     """The runner's SPMD training step for ``plan`` on its abstract mesh, without devices: (mesh, the jitted
     step, the parameters' shapes, the step's abstract arguments: held parameters, optimizer state, tokens,
-    targets). check-sharding lowers it; testbed.program.plans traces it."""
+    targets). check-sharding lowers it; testbed.runner.program.plans traces it."""
     from testbed.runner.step import SpmdTrainer
 
     mesh = abstract_mesh(plan)

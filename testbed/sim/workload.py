@@ -1,6 +1,6 @@
 """A traced program's per-device work, as plain data: the simulator's input for a user's own JAX step.
 
-testbed.program traces a user's jitted, shard_map or pmap step on an abstract mesh and describes what
+testbed.runner.program traces a user's jitted, shard_map or pmap step on an abstract mesh and describes what
 one device runs as a :class:`Workload`: in program order, every matmul or convolution (its FLOPs and
 GEMM shape), every memory-bound op (the bytes it moves through HBM), every collective (kind, the mesh
 axes its groups span, bytes per device in the DESIGN.md convention) and the data-flow dependencies

@@ -17,7 +17,7 @@ __all__ = ["trace_plan"]
 
 def trace_plan(plan: Plan, on_unknown: str = "refuse") -> Workload:
     """The per-device workload of the runner's SPMD training step for ``plan`` (no pipeline stages)."""
-    from testbed.program.tracing import trace
+    from testbed.runner.program.tracing import trace
     from testbed.runner.check_sharding import spmd_step
 
     if plan.mesh.stage > 1:

@@ -6,7 +6,7 @@ explicit collective. The shapes are still global; one device's block of a value 
 divided, dim by dim, by the mesh axes its sharding names (block arguments: the function's argument
 shardings, a loop's carried shardings; a ``shard_map`` body's values are already local). This module
 reads each op once into a :class:`Node` (what it costs on one device, what it reads and writes), so
-that :mod:`testbed.program.evaluate` can unroll loops over plain Python data.
+that :mod:`testbed.runner.program.evaluate` can unroll loops over plain Python data.
 
 Memory-bound ops and fusion (the approximation, documented in docs/program.md): XLA fuses chains of
 elementwise ops into one kernel that reads its inputs from HBM once and writes its outputs once. A value

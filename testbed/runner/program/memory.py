@@ -1,7 +1,7 @@
 """A live-range estimate of one device's peak memory over a partitioned program (no devices, no compile).
 
 The step's arguments are live throughout. Walking each block in program order, a materialized value
-(testbed.program.compile's fusion approximation: what a matmul, collective, reduction, loop or call
+(testbed.runner.program.compile's fusion approximation: what a matmul, collective, reduction, loop or call
 writes, or an elementwise result a matmul or collective reads) is allocated when it is produced and
 freed after its last reader in the block (a loop's carried values when the loop ends, a block's results
 when the block ends). A loop, call or shard_map body adds its own peak above what is live around it,
@@ -12,7 +12,7 @@ program keeps alive, not XLA's buffer assignment.
 
 from __future__ import annotations
 
-from testbed.program.compile import Block, Compiled
+from testbed.runner.program.compile import Block, Compiled
 
 __all__ = ["peak_bytes"]
 

@@ -5,8 +5,8 @@
 4096-device step traces on one CPU. Compiling needs the devices, so XLA's own SPMD partitioner cannot
 run; Shardy, the partitioner JAX lowers to, runs on the lowered StableHLO instead
 (testbed.runner.reshards: propagation, explicit reshards, reshards to collectives). The partitioned
-module is read per device (testbed.program.compile) and walked in program order
-(testbed.program.evaluate) into a :class:`~testbed.sim.workload.Workload`.
+module is read per device (testbed.runner.program.compile) and walked in program order
+(testbed.runner.program.evaluate) into a :class:`~testbed.sim.workload.Workload`.
 
 :func:`trace_pmap` does the same for a ``jax.pmap`` step: ``pmap(f, axis_name)`` over ``n`` devices is
 ``shard_map`` of ``f`` over a one-axis mesh of ``n`` devices named ``axis_name``, each device's block of
@@ -14,7 +14,7 @@ the mapped (leading) dimension squeezed, which is what is lowered.
 
 What Shardy decides is what the simulator prices: XLA, given the devices, partitions the same
 annotated program the same way, but its combiners may merge small collectives and its fusion decides
-the memory-bound kernels (testbed.program.compile says how they are approximated).
+the memory-bound kernels (testbed.runner.program.compile says how they are approximated).
 """
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ def trace_pmap(fn: Callable, *args: Any, axis_name: str, devices: int, in_axes: 
 
 def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: str = "refuse") -> Workload:
     """Partition a lowered module's text (``lowered.as_text()``) and read it into a Workload."""
-    from testbed.program.compile import compile_module
-    from testbed.program.evaluate import emit
-    from testbed.program.memory import peak_bytes
+    from testbed.runner.program.compile import compile_module
+    from testbed.runner.program.evaluate import emit
+    from testbed.runner.program.memory import peak_bytes
     from testbed.runner.reshards import partition
 
     module, context = partition(text)
@@ -144,7 +144,7 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
     arguments = float(sum(compiled.arg_bytes))
     total = peak_bytes(compiled)
     memory = {"arguments": arguments, "temporaries": total - arguments, "total": total,
-              "method": "live-range estimate over the partitioned program (testbed.program.memory): the step's "
+              "method": "live-range estimate over the partitioned program (testbed.runner.program.memory): the step's "
                         "arguments plus the peak of the values it keeps alive; not XLA's buffer assignment"}
     return Workload(name=name, mesh=dict(sizes), ops=tuple(ops), dtype=dtype,
                     assumptions=tuple(compiled.assumptions + notes), memory=memory,

@@ -5,14 +5,14 @@ through the carried values, so a collective of layer ``i`` can overlap the compu
 while the unrolled program stays under :data:`UNROLL_NODES` op visits; a larger loop's body is walked
 once with every op repeated ``trips`` times back to back (its collectives then overlap only within one
 iteration). Calls are inlined; of a conditional's branches the costliest (FLOPs, then bytes) is taken.
-Which ops move HBM bytes follows testbed.program.compile's fusion approximation.
+Which ops move HBM bytes follows testbed.runner.program.compile's fusion approximation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from testbed.program.compile import Block, Compiled, Node
+from testbed.runner.program.compile import Block, Compiled, Node
 from testbed.sim.workload import OpKind, TracedOp
 
 __all__ = ["emit", "UNROLL_NODES"]
