@@ -149,17 +149,22 @@ def compiled_axes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[
     count once; counts are instructions, not executions.
     """
     found: Counter = Counter()
+    for _, _, kind, _, axes in _compiled_collectives(hlo_text, mesh_shape, axis_names):
+        found[(axes, kind)] += 1
+    return found
+
+
+def _compiled_collectives(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]):
+    """Each collective instruction of a compiled program: (line, match, kind, groups or None, axes: the mesh
+    axes its groups vary along joined by ``+``, ``"?"`` where the groups are unreadable)."""
     devices = math.prod(mesh_shape)
     for line in hlo_text.splitlines():
         match = _HLO_OP.search(line)
         if not match:
             continue
         groups = replica_groups(line, devices)
-        if groups is None:
-            found[("?", match.group(1))] += 1
-            continue
-        found[("+".join(axis_names[i] for i in varying_dims(groups, mesh_shape)), match.group(1))] += 1
-    return found
+        axes = "?" if groups is None else "+".join(axis_names[i] for i in varying_dims(groups, mesh_shape))
+        yield line, match, match.group(1), groups, axes
 
 
 def _hlo_bytes(types: str) -> int:
@@ -180,17 +185,11 @@ def compiled_bytes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple
     read (XLA:CPU emits none).
     """
     found: Counter = Counter()
-    devices = math.prod(mesh_shape)
-    for line in hlo_text.splitlines():
-        match = _HLO_OP.search(line)
-        if not match:
-            continue
+    for line, match, kind, groups, axes in _compiled_collectives(hlo_text, mesh_shape, axis_names):
         if match.group(2):
             raise ValueError(f"asynchronous collective not supported here: {line.strip()[:120]}")
-        kind, groups = match.group(1), replica_groups(line, devices)
         if groups is not None and max(len(g) for g in groups) == 1:
             continue  # groups of one device move nothing
-        axes = "?" if groups is None else "+".join(axis_names[i] for i in varying_dims(groups, mesh_shape))
         size = _hlo_bytes(_HLO_RESULT.search(line).group(1))
         if kind == "reduce-scatter":
             size *= max(len(g) for g in groups) if groups else 1
