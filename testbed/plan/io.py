@@ -18,6 +18,7 @@ from testbed.plan.spec import (
     ScheduleSpec, plan_fields,
 )
 from testbed.plan.presets import preset
+from testbed.plan.runtime import runtime_from_dict, runtime_to_dict
 
 __all__ = ["load_plan", "plan_from_dict", "plan_to_dict", "dump_plan", "bundled_plan_names", "resolve_plan_path"]
 
@@ -158,6 +159,7 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
         sequence_parallel=get_bool(data, "sequence_parallel", None),
         layers_per_stage=_layers_per_stage(data.get("layers_per_stage")),
         expert_imbalance=get_float(data, "expert_imbalance", None, default=1.0, minimum=1.0),
+        runtime=runtime_from_dict(data.get("runtime")),
     ))
 
 
@@ -211,6 +213,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         out["layers_per_stage"] = lps if isinstance(lps, str) else list(lps)
     if plan.expert_imbalance != 1.0:
         out["expert_imbalance"] = plan.expert_imbalance
+    runtime = runtime_to_dict(plan.runtime)
+    if runtime is not None:
+        out["runtime"] = runtime
     return out
 
 

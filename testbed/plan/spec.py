@@ -18,6 +18,7 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.plan.model import (FLASH_BLOCK, VOCAB_PAD_BASE, Attention, Mlp, ModelSpec, Norm, Position,  # noqa: F401 (re-exported)
                                  positive as _positive)
+from testbed.plan.runtime import RuntimeSpec, runtime_fields
 from testbed.plan.stages import resolve_layers_per_stage
 
 __all__ = [
@@ -202,6 +203,8 @@ class Plan:
     layers_per_stage: tuple[int, ...] | str | None = None
     #: Simulator parameter of MoE plans: the busiest expert rank's tokens over the mean (1.0: uniform routing).
     expert_imbalance: float = 1.0
+    #: How the program behind the plan runs (``testbed.plan.runtime``): the runner's own behaviour by default.
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -309,7 +312,7 @@ def plan_fields() -> Mapping[str, tuple[str, ...]]:
     """Valid keys of each plan section (for unknown-key suggestions)."""
     return {
         "": ("name", "model", "batch", "mesh", "schedule", "precision", "remat", "optimizer", "zero", "seed", "topology",
-             "sequence_parallel", "layers_per_stage", "expert_imbalance"),
+             "sequence_parallel", "layers_per_stage", "expert_imbalance", "runtime"),
         "model": ("preset", "kind", "layers", "d_model", "heads", "d_ff", "seq_len", "vocab", "tied_embeddings",
                   "kv_heads", "mlp", "norm", "position", "bias", "dropout", "rope_theta", "pad_vocab_to", "attention",
                   "attention_block", "experts", "top_k", "expert_d_ff", "shared_experts", "moe_every",
@@ -318,4 +321,5 @@ def plan_fields() -> Mapping[str, tuple[str, ...]]:
         "mesh": ("data", "fsdp", "tensor", "stage", "expert", "context", "order"),
         "schedule": ("name", "virtual_stages"),
         "optimizer": ("name", "learning_rate", "b1", "b2", "eps", "weight_decay"),
+        "runtime": runtime_fields(),
     }

@@ -1,0 +1,40 @@
+"""The plan's ``runtime:`` section: profiles, overrides, round trip and bad input naming the field."""
+
+import pytest
+
+from testbed.errors import InputError
+from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
+from testbed.plan.runtime import PROFILES, SOURCES, RuntimeSpec
+
+
+def _plan_dict(runtime):
+    d = plan_to_dict(load_plan("demo"))
+    d["runtime"] = runtime
+    return d
+
+
+def test_default_is_the_runner_and_is_not_written():
+    plan = load_plan("demo")
+    assert plan.runtime == RuntimeSpec()
+    assert "runtime" not in plan_to_dict(plan)
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_each_profile_round_trips(profile):
+    plan = plan_from_dict(_plan_dict(profile))
+    assert plan.runtime.profile == profile
+    assert plan_from_dict(plan_to_dict(plan)).runtime == plan.runtime
+
+
+def test_every_profile_value_cites_a_source():
+    for profile, values in PROFILES.items():
+        for key in values:
+            assert SOURCES.get((profile, key)), f"{profile}.{key} has no source"
+
+
+@pytest.mark.parametrize("runtime, field", [({"profile": "nope"}, "runtime.profile"), ({"bogus": 1}, "runtime.bogus"),
+                                            (["megatron"], "runtime")])
+def test_bad_runtime_names_the_field(runtime, field):
+    with pytest.raises(InputError) as err:
+        plan_from_dict(_plan_dict(runtime))
+    assert field in str(err.value)
