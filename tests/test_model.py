@@ -94,7 +94,7 @@ def test_flops_equal_jaxpr_count(remat: Remat) -> None:
 @given(specs(), st.sampled_from([1, 2]), st.sampled_from([1, 2]))
 @settings(max_examples=max(1, settings().max_examples * 2 // 3))  # the profile's share: ci 10, thorough 200
 def test_chunk_costs_sum_to_model(spec: ModelSpec, tensor: int, stages: int) -> None:
-    spec = replace(spec, layers=2, heads=2, d_model=2 * spec.head_dim, d_ff=2 * spec.d_ff, vocab=2 * spec.vocab)
+    spec = replace(spec, layers=2, heads=2, d_model=2 * spec.head_size, d_ff=2 * spec.d_ff, vocab=2 * spec.vocab)
     plan = _plan(spec, mesh=MeshSpec(tensor=tensor, stage=stages), batch=4)
     costs = [tm.chunk_cost(plan, s) for s in range(stages)]
     forward = sum(c.forward_flops for c in costs) * tensor

@@ -135,17 +135,17 @@ def device_stage_params(plan: Plan, stage: int, ways: int = 1, experts_only: boo
 def _layer_matmul_flops(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[int, int]:
     """(projection + MLP FLOPs, attention score + value FLOPs) of one layer, summed over the tensor ranks.
 
-    Q and the out projection are ``d x d``, K and V ``d x kv_dim`` each (grouped-query attention
-    shrinks them), the MLP has 2 (GELU) or 3 (SwiGLU) ``d x d_ff`` matrices; scores and values are
-    per query head (``d`` wide in all). When the tensor degree does not divide ``kv_heads``, every
+    Q and the out projection are ``d x q`` (``q = heads x head_dim``, ``d`` by default), K and V ``d x kv_dim``
+    each (grouped-query attention shrinks them), the MLP has 2 (GELU) or 3 (SwiGLU) ``d x d_ff`` matrices;
+    scores and values are per query head (``q`` wide in all), over :attr:`ModelSpec.score_rows` query rows. When the tensor degree does not divide ``kv_heads``, every
     rank projects all K/V heads (the layout keeps ``wkv`` whole), so the ranks together do the K/V
     projection ``tensor`` times: the sum divided by ``tensor`` is then one rank's work.
     """
-    n, d, f, s, kv = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len, spec.kv_dim
-    dense = 2 * n * (d * (d + 2 * kv) + d * d + spec.mlp_matrices * d * f)
+    n, d, f, s, kv, q = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len, spec.kv_dim, spec.q_dim
+    dense = 2 * n * (d * (q + 2 * kv) + q * d + spec.mlp_matrices * d * f)
     if tensor > 1 and not spec.kv_split(tensor):
         dense += (tensor - 1) * 2 * n * d * 2 * kv
-    attention = 2 * 2 * batch * s * s * d
+    attention = 2 * 2 * batch * spec.score_rows * s * q  # a sliding window under flash: fewer rows per K/V block
     return dense, attention
 
 
@@ -172,14 +172,16 @@ def recompute_flops_per_layer(spec: ModelSpec, batch: int, remat: Remat | str, t
     """
     remat = Remat(remat)
     n, d, f, s = batch * spec.seq_len, spec.d_model, spec.d_ff, spec.seq_len
-    scores = 2 * batch * s * s * d // tensor
+    scores = 2 * batch * s * spec.score_rows * spec.q_dim // tensor
     flash = scores if spec.attention is Attention.FLASH else 0
     if remat is Remat.NONE:
         return flash
     if remat is Remat.SELECTIVE:
         return scores
     dense, attention = _layer_matmul_flops(spec, batch, tensor)
-    return (dense + attention - 2 * n * f * d) // tensor + flash
+    # A parallel block's out projection feeds only the residual sum too: not recomputed either.
+    unused = 2 * n * f * d + (2 * n * spec.q_dim * d if spec.parallel_block else 0)
+    return (dense + attention - unused) // tensor + flash
 
 
 # -- activation bytes ---------------------------------------------------------------------
@@ -227,22 +229,27 @@ def _projection_outputs(spec: ModelSpec, n: int, tensor: int) -> int:
     every rank when the tensor degree does not divide ``kv_heads``); SwiGLU keeps the gate, the up
     projection and their product (``3 n f``), GELU its input and output.
     """
-    d, kv, hidden = spec.d_model, spec.kv_dim, (spec.mlp_matrices * n * spec.d_ff)
+    q, kv, hidden = spec.q_dim, spec.kv_dim, (spec.mlp_matrices * n * spec.d_ff)
     if spec.kv_split(tensor):
-        return (n * (d + 2 * kv) + n * d + hidden) // tensor
-    return (2 * n * d + hidden) // tensor + 2 * n * kv
+        return (n * (q + 2 * kv) + n * q + hidden) // tensor
+    return (2 * n * q + hidden) // tensor + 2 * n * kv
 
 
 def _head_major_copies(spec: ModelSpec, n: int, tensor: int) -> int:
     """The head-major copies of Q and K the score matmul reads (``2 n d / t`` for the default GPT)."""
     if spec.kv_split(tensor):
-        return n * (spec.d_model + spec.kv_dim) // tensor
-    return n * spec.d_model // tensor + n * spec.kv_dim
+        return n * (spec.q_dim + spec.kv_dim) // tensor
+    return n * spec.q_dim // tensor + n * spec.kv_dim
 
 
 def _norm_stats(spec: ModelSpec) -> int:
     """Per-token statistics one norm keeps: mean and reciprocal std (LayerNorm), reciprocal RMS (RMSNorm)."""
     return 2 if spec.norm is Norm.LAYERNORM else 1
+
+
+def _norms(spec: ModelSpec) -> int:
+    """Norms per layer: two, or a parallel block's one (attention and MLP read the same normed input)."""
+    return 1 if spec.parallel_block else 2
 
 
 def _layer_traffic(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
@@ -262,8 +269,8 @@ def _layer_traffic(spec: ModelSpec, microbatch_size: int, precision: Precision |
     c = Precision(precision).compute_bytes
     b, s, d, t = microbatch_size, spec.seq_len, spec.d_model, tensor
     n = b * s
-    # Two norms keep their input and output and their per-token statistics.
-    replicated = c * (4 * n * d + 2 * _norm_stats(spec) * n)
+    # Two norms (a parallel block's one) keep their input and output and their per-token statistics.
+    replicated = c * _norms(spec) * (2 * n * d + _norm_stats(spec) * n)
     if spec.attention is Attention.FLASH:
         # Flash keeps one fp32 log-sum-exp per query row; its score blocks never leave the kernel.
         split = c * _projection_outputs(spec, n, t) + FLASH_BYTES * b * spec.heads * s // t
@@ -351,8 +358,8 @@ class ChunkCost:
     of it runs from cache (``Calibration.cached_fraction``).
 
     Tensor-parallel all-reduces (each ``tensor_allreduce_bytes``; 0 when
-    tensor is 1): 2 per layer forward (after the out projection and the MLP)
-    and 2 per layer backward (gradients into QKV and MLP-in), plus 1 forward
+    tensor is 1): 2 per layer forward (after the out projection and the MLP) and 2 per layer backward (gradients
+    into QKV and MLP-in), 1 each for a parallel block (its two partial sums added first), plus 1 forward
     for the vocab-parallel embedding and 1 backward for the head's input
     gradient. The vocab-parallel loss's three all-reduces of ``N`` fp32 values
     are tiny and not counted. With ``sequence_parallel`` each becomes an
@@ -379,6 +386,7 @@ class ChunkCost:
     has_embedding: bool
     has_head: bool
     sequence_parallel: bool = False
+    parallel_block: bool = False
 
     @property
     def backward_flops(self) -> int:
@@ -405,16 +413,16 @@ class ChunkCost:
         """
         if not self.tensor_allreduce_bytes or kind == "W":
             return ()
-        layers, full = self.layers, Remat(remat) is Remat.FULL
+        layers, full, one = self.layers, Remat(remat) is Remat.FULL, self.parallel_block
+        per = layers if one else 2 * layers  # a parallel block: one collective where a serial block has two
+        redo = 0 if one or not full else layers  # full remat: the out projection's, a parallel block's none
         if not self.sequence_parallel:
-            count = self.tensor_allreduces_forward if kind == "F" else \
-                self.tensor_allreduces_backward + (layers if full else 0)
+            count = self.tensor_allreduces_forward if kind == "F" else self.tensor_allreduces_backward + redo
             return (("all_reduce", count),)
         embed, head = int(self.has_embedding), int(self.has_head)
         if kind == "F":
-            return (("all_gather", 2 * layers + head), ("reduce_scatter", 2 * layers + embed))
-        return (("all_gather", 2 * layers + embed + (2 * layers if full else 0)),
-                ("reduce_scatter", 2 * layers + head + (layers if full else 0)))
+            return (("all_gather", per + head), ("reduce_scatter", per + embed))
+        return (("all_gather", per + embed + (per if full else 0)), ("reduce_scatter", per + head + redo))
 
 
 def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
@@ -470,9 +478,9 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
         activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=(replicated, split),
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
-        tensor_allreduces_forward=(2 * layers + int(embed)) if tp else 0,
-        tensor_allreduces_backward=(2 * layers + int(head)) if tp else 0,
-        has_embedding=embed, has_head=head, sequence_parallel=sp)
+        tensor_allreduces_forward=(_norms(spec) * layers + int(embed)) if tp else 0,
+        tensor_allreduces_backward=(_norms(spec) * layers + int(head)) if tp else 0,
+        has_embedding=embed, has_head=head, sequence_parallel=sp, parallel_block=spec.parallel_block)
 
 
 def model_flops_per_step(plan: Plan) -> float:

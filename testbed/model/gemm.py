@@ -11,9 +11,9 @@ fraction when the program splits an action into gradient buckets).
 Per layer and tensor rank (Megatron's splits, as testbed.model.layout has
 them; ``N = microbatch x seq`` tokens, ``t`` the tensor degree):
 
-- projections: QKV ``N x (d + 2 kv)/t x d`` (Q ``N x d/t x d`` and K/V
+- projections: QKV ``N x (q + 2 kv)/t x d`` (Q ``N x q/t x d`` and K/V
   ``N x 2kv x d`` when ``t`` does not divide ``kv_heads``: every rank then
-  projects all K/V heads), out ``N x d x d/t``, MLP in ``N x f/t x d`` (two
+  projects all K/V heads; ``q = heads x head_dim``), out ``N x d x q/t``, MLP in ``N x f/t x d`` (two
   for SwiGLU), MLP out ``N x d x f/t``;
 - attention, batched over ``microbatch x heads / t``: scores ``s x s x
   d_head`` and values ``s x d_head x s`` (``flash``: inside one fused
@@ -105,13 +105,13 @@ class ChunkGemms:
 
 def _projections(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm], Gemm]:
     """(the layer's weight GEMMs but the MLP out projection, the MLP out projection) on one rank."""
-    d, f, kv, t = spec.d_model, spec.d_ff, spec.kv_dim, tensor
+    d, f, kv, q, t = spec.d_model, spec.d_ff, spec.kv_dim, spec.q_dim, tensor
     if spec.kv_split(t):
-        qkv = [Gemm(tokens, (d + 2 * kv) // t, d)]
+        qkv = [Gemm(tokens, (q + 2 * kv) // t, d)]
     else:
-        qkv = [Gemm(tokens, d // t, d), Gemm(tokens, 2 * kv, d)]
+        qkv = [Gemm(tokens, q // t, d), Gemm(tokens, 2 * kv, d)]
     mlp_in = [Gemm(tokens, f // t, d) for _ in range(spec.mlp_matrices - 1)]
-    return qkv + [Gemm(tokens, d, d // t)] + mlp_in, Gemm(tokens, d, f // t)
+    return qkv + [Gemm(tokens, d, q // t)] + mlp_in, Gemm(tokens, d, f // t)
 
 
 def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int
@@ -132,10 +132,11 @@ def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, exper
 
 
 def _attention(spec: ModelSpec, batch: int, tensor: int) -> tuple[Gemm, Gemm]:
-    """(scores ``Q K^T``, values ``P V``) batched over the rank's heads and the microbatch."""
-    s, dh = spec.seq_len, spec.d_model // spec.heads
+    """(scores ``Q K^T``, values ``P V``) batched over the rank's heads and the microbatch: each K/V block
+    against :attr:`~testbed.plan.spec.ModelSpec.score_rows` query rows (``seq``, fewer with a flash sliding window)."""
+    s, rows, dh = spec.seq_len, spec.score_rows, spec.head_size
     heads, flash = batch * spec.heads // tensor, spec.attention is Attention.FLASH
-    return Gemm(s, s, dh, batch=heads, flash=flash), Gemm(s, dh, s, batch=heads, flash=flash)
+    return Gemm(rows, s, dh, batch=heads, flash=flash), Gemm(rows, dh, s, batch=heads, flash=flash)
 
 
 def layer_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]:
@@ -167,8 +168,8 @@ def ring_step_gemms(plan: Plan, kind: str, first: bool) -> tuple[Gemm, ...]:
     local = spec.seq_len // plan.mesh.context
     keys, heads = (local if first else local // 2), plan.microbatch_size * spec.heads // plan.mesh.tensor
     flash = spec.attention is Attention.FLASH
-    scores, values = (Gemm(local, keys, spec.head_dim, batch=heads, flash=flash),
-                      Gemm(local, spec.head_dim, keys, batch=heads, flash=flash))
+    scores, values = (Gemm(local, keys, spec.head_size, batch=heads, flash=flash),
+                      Gemm(local, spec.head_size, keys, batch=heads, flash=flash))
     if kind == "F":
         return scores, values
     return scores.input_grad(), scores.weight_grad(), values.input_grad(), values.weight_grad(), scores

@@ -8,8 +8,9 @@ The model (``testbed.model.costs`` counts it, ``testbed.runner.model`` builds it
      "head": {"norm": {scale, bias}, "w": [d, vocab]}}      # no "w" when tied
 
 for the default GPT. The model family options of :class:`ModelSpec` change
-rows: ``kv_heads`` < ``heads`` replaces ``wqkv``/``bqkv`` by ``wq [d,d]``,
-``bq [d]``, ``wkv [d,2,kv_dim]``, ``bkv [2,kv_dim]``; ``mlp: swiglu`` adds
+rows: ``head_dim`` makes the attention's ``d`` (Q's and the out projection's) ``q = heads x head_dim``;
+``kv_heads`` < ``heads`` replaces ``wqkv``/``bqkv`` by ``wq [d,q]``,
+``bq [q]``, ``wkv [d,2,kv_dim]``, ``bkv [2,kv_dim]``; ``parallel_block`` drops ``ln2``; ``mlp: swiglu`` adds
 the up projection ``w3 [d,f]`` (and ``b3``); ``norm: rmsnorm`` and
 ``bias: false`` drop the norms' biases, ``bias: false`` also the linear
 ones; ``position: rope`` drops the position table. ``vocab`` rows are the
@@ -224,7 +225,7 @@ class _Row(NamedTuple):
 #: Under the embedding root: the table a tied head multiplies by (transposed).
 _TIED_PATH = ("tokens",)
 _E, _L, _H = Part.EMBEDDING, Part.LAYER, Part.HEAD
-_D, _F, _V, _KV = "d_model", "d_ff", "padded_vocab", "kv_dim"
+_D, _F, _V, _KV, _Q = "d_model", "d_ff", "padded_vocab", "kv_dim", "q_dim"
 #: MoE sizes: routed experts, one expert's width, the shared experts' joint width.
 _X, _FE, _FS = "experts", "_expert_width", "_shared_width"
 
@@ -241,8 +242,7 @@ _WHEN: dict[str, Callable[[ModelSpec], bool]] = {
     "untied": lambda s: not s.tied_embeddings,
     "learned": lambda s: s.position is Position.LEARNED,
     "norm_bias": lambda s: s.norm is Norm.LAYERNORM and s.bias,
-    "mha": lambda s: not s.grouped,
-    "gqa": lambda s: s.grouped,
+    "mha": lambda s: not s.grouped, "gqa": lambda s: s.grouped, "serial": lambda s: not s.parallel_block,
     "bias": lambda s: s.bias,
     "swiglu": lambda s: s.mlp is Mlp.SWIGLU,
     "shared": lambda s: s.shared_experts > 0,
@@ -261,16 +261,16 @@ _TABLE: tuple[_Row, ...] = (
     _Row(_E, ("positions",), ("seq_len", _D), None, Init.NORMAL, rng=1, when=("learned",)),
     _Row(_L, ("ln1", "scale"), (_D,), None, Init.ONES),
     _Row(_L, ("ln1", "bias"), (_D,), None, Init.ZEROS, when=("norm_bias",)),
-    _Row(_L, ("attn", "wqkv"), (_D, 3, _D), 2, Init.NORMAL, rng=0, when=("mha",)),
-    _Row(_L, ("attn", "bqkv"), (3, _D), 1, Init.ZEROS, when=("mha", "bias")),
-    _Row(_L, ("attn", "wq"), (_D, _D), 1, Init.NORMAL, rng=0, when=("gqa",)),
-    _Row(_L, ("attn", "bq"), (_D,), 0, Init.ZEROS, when=("gqa", "bias")),
+    _Row(_L, ("attn", "wqkv"), (_D, 3, _Q), 2, Init.NORMAL, rng=0, when=("mha",)),
+    _Row(_L, ("attn", "bqkv"), (3, _Q), 1, Init.ZEROS, when=("mha", "bias")),
+    _Row(_L, ("attn", "wq"), (_D, _Q), 1, Init.NORMAL, rng=0, when=("gqa",)),
+    _Row(_L, ("attn", "bq"), (_Q,), 0, Init.ZEROS, when=("gqa", "bias")),
     _Row(_L, ("attn", "wkv"), (_D, 2, _KV), 2, Init.NORMAL, rng=4, when=("gqa",), units="num_kv_heads"),
     _Row(_L, ("attn", "bkv"), (2, _KV), 1, Init.ZEROS, when=("gqa", "bias"), units="num_kv_heads"),
-    _Row(_L, ("attn", "wo"), (_D, _D), 0, Init.NORMAL_RESIDUAL, rng=1),
+    _Row(_L, ("attn", "wo"), (_Q, _D), 0, Init.NORMAL_RESIDUAL, rng=1),
     _Row(_L, ("attn", "bo"), (_D,), None, Init.ZEROS, when=("bias",)),
-    _Row(_L, ("ln2", "scale"), (_D,), None, Init.ONES),
-    _Row(_L, ("ln2", "bias"), (_D,), None, Init.ZEROS, when=("norm_bias",)),
+    _Row(_L, ("ln2", "scale"), (_D,), None, Init.ONES, when=("serial",)),
+    _Row(_L, ("ln2", "bias"), (_D,), None, Init.ZEROS, when=("norm_bias", "serial")),
     _Row(_L, ("mlp", "w1"), (_D, _F), 1, Init.NORMAL, rng=2, moe=False),
     _Row(_L, ("mlp", "b1"), (_F,), 0, Init.ZEROS, when=("bias",), moe=False),
     _Row(_L, ("mlp", "w3"), (_D, _F), 1, Init.NORMAL, rng=5, when=("swiglu",), moe=False),

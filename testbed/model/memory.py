@@ -155,16 +155,16 @@ def _flash_workspace(plan: Plan) -> int:
     Per ``seq x block`` tile of every query head, no ``seq x seq`` buffer. Over
     several blocks (a loop): two fp32 tiles (the recomputed probabilities, whose
     scores XLA fuses in, and the probability gradient), the score gradient in the
-    compute dtype, and the fp32 dq accumulator ``[tokens, d_model / t]``. One
+    compute dtype, and the fp32 dq accumulator ``[tokens, heads x head_dim / t]``. One
     block (``seq <= 128`` by default) is compiled without the loop, and XLA keeps
     scores, probabilities and both gradients as fp32 tiles. (Measured with
     XLA:CPU, ``benchmarks/memory_vs_xla.py``.)
     """
     spec, c, t = rank_spec(plan), plan.precision.compute_bytes, plan.mesh.tensor
-    tile = plan.microbatch_size * spec.heads * spec.seq_len * spec.flash_block // t
+    tile = plan.microbatch_size * spec.heads * spec.score_rows * spec.flash_block // t  # a window: fewer rows
     if spec.flash_block == spec.seq_len:
         return 4 * costs.FLASH_BYTES * tile
-    return tile * (2 * costs.FLASH_BYTES + c) + costs.FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.d_model // t
+    return tile * (2 * costs.FLASH_BYTES + c) + costs.FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.q_dim // t
 
 
 def _layer_workspace(plan: Plan) -> int:

@@ -83,7 +83,7 @@ def unit_flops(plan: Plan, kind: str) -> int:
     ``(s / 2c)^2 x d_head`` per query head); B the 4 gradient products plus the recomputed scores (5)."""
     spec, c, t = plan.model, plan.mesh.context, plan.mesh.tensor
     chunk = spec.seq_len // (2 * c)
-    product = 2 * plan.microbatch_size * chunk * chunk * spec.d_model // t
+    product = 2 * plan.microbatch_size * chunk * chunk * spec.q_dim // t
     return {"F": 2 * product, "B": 5 * product}[kind]
 
 

@@ -84,8 +84,17 @@ def _model_from_dict(model: Any, keys: tuple[str, ...]) -> ModelSpec:
                                     choices=[e.value for e in Attention])),
         attention_block=None if model.get("attention_block") is None else get_int(model, "attention_block", "model"),
         pad_vocab_to=None if pad is None else get_int(model, "pad_vocab_to", "model"),
-        **_moe_from_dict(model),
+        **_moe_from_dict(model), **_layout_from_dict(model),
     )
+
+
+def _layout_from_dict(model: Any) -> dict[str, Any]:
+    """The attention and block layout keys of ``model``: ``head_dim``, ``parallel_block``, ``sliding_window``."""
+    out: dict[str, Any] = {"parallel_block": get_bool(model, "parallel_block", "model")}
+    for key in ("head_dim", "sliding_window"):
+        if model.get(key) is not None:
+            out[key] = get_int(model, key, "model")
+    return out
 
 
 def _moe_from_dict(model: Any) -> dict[str, Any]:
@@ -190,6 +199,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         out["model"]["attention"] = m.attention.value
     if m.attention_block is not None:
         out["model"]["attention_block"] = m.attention_block
+    out["model"].update({k: getattr(m, k) for k in ("head_dim", "sliding_window") if getattr(m, k) is not None})
+    if m.parallel_block:
+        out["model"]["parallel_block"] = True
     if m.experts:
         out["model"].update(experts=m.experts, top_k=m.top_k, shared_experts=m.shared_experts,
                             moe_every=m.moe_every, first_dense_layers=m.first_dense_layers,

@@ -14,7 +14,15 @@ from enum import StrEnum
 
 from testbed.errors import InputError
 
-__all__ = ["Mlp", "Norm", "Position", "Attention", "ModelSpec", "FLASH_BLOCK", "VOCAB_PAD_BASE", "positive"]
+__all__ = ["Mlp", "Norm", "Position", "Attention", "ModelSpec", "FLASH_BLOCK", "VOCAB_PAD_BASE", "positive",
+           "window_rows"]
+
+
+def window_rows(seq: int, block: int, window: int | None) -> int:
+    """Query rows that can see one K/V block of ``block`` keys under a sliding ``window`` of N keys (query ``i``
+    sees keys ``i - N < j <= i``): ``block + ceil((N - 1) / block) x block``, at most ``seq``; ``seq`` without a
+    window. The blockwise kernel (``testbed/runner/attention.py``) scores each block against these rows only."""
+    return seq if window is None else min(seq, block + -(-(window - 1) // block) * block)
 
 
 def positive(value: int, name: str) -> None:
@@ -111,14 +119,29 @@ class ModelSpec:
     capacity_factor: float | None = None
     #: Coefficient of the Switch-Transformer load-balancing loss added to the training loss.
     router_aux_loss: float = 0.01
+    #: Width of one attention head; None is ``d_model / heads`` (PaLM, Gemma: set apart from it). Read it
+    #: resolved as :attr:`head_size`.
+    head_dim: int | None = None
+    #: PaLM's and GPT-J's parallel block: ``x + attn(norm(x)) + mlp(norm(x))``, one norm per layer (no ``ln2``).
+    parallel_block: bool = False
+    #: Local attention: query ``i`` sees keys ``i - N < j <= i`` (Mistral's and Gemma 2's ``sliding_window``);
+    #: None is full causal attention.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind != "gpt":
             raise InputError(f"unknown model kind `{self.kind}`; valid: gpt", field="model.kind")
         for name in ("layers", "d_model", "heads", "d_ff", "seq_len", "vocab"):
             positive(getattr(self, name), f"model.{name}")
-        if self.d_model % self.heads:
-            raise InputError(f"d_model {self.d_model} must be divisible by heads {self.heads}", field="model.heads")
+        self._check_head_dim()
+        if not isinstance(self.parallel_block, bool):
+            raise InputError(f"must be true or false, got {self.parallel_block!r}", field="model.parallel_block")
+        if self.parallel_block and self.experts:
+            raise InputError("a parallel block with mixture-of-experts layers is not supported (the MoE block reads "
+                             "the second norm's output); use parallel_block: false or experts: 0",
+                             field="model.parallel_block")
+        if self.sliding_window is not None:
+            positive(self.sliding_window, "model.sliding_window")
         if self.kv_heads is not None:
             positive(self.kv_heads, "model.kv_heads")
             if self.heads % self.kv_heads:
@@ -136,9 +159,9 @@ class ModelSpec:
             raise InputError(f"must be in [0, 1), got {self.dropout!r}", field="model.dropout")
         if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool) or not self.rope_theta > 0:
             raise InputError(f"must be positive, got {self.rope_theta!r}", field="model.rope_theta")
-        if self.position is Position.ROPE and self.head_dim % 2:
-            raise InputError(f"rope needs an even head_dim, got d_model / heads = {self.head_dim}",
-                             field="model.position")
+        if self.position is Position.ROPE and self.head_size % 2:
+            raise InputError(f"rope needs an even head_dim, got {self.head_size}"
+                             + ("" if self.head_dim else " (d_model / heads)"), field="model.position")
         if self.attention_block is not None:
             positive(self.attention_block, "model.attention_block")
             if self.seq_len % self.attention_block:
@@ -151,6 +174,18 @@ class ModelSpec:
             object.__setattr__(self, "vocab_multiple", 1)
         positive(self.vocab_multiple, "model.vocab_multiple")
         self._check_moe()
+
+    def _check_head_dim(self) -> None:
+        """``head_dim`` unset needs ``heads`` to divide ``d_model``; set, any positive width (stored unset when it
+        equals ``d_model / heads``, so ``replace(d_model=)`` of a default model keeps the default rule)."""
+        if self.head_dim is None:
+            if self.d_model % self.heads:
+                raise InputError(f"d_model {self.d_model} must be divisible by heads {self.heads} (or set "
+                                 "model.head_dim, the width of one head)", field="model.heads")
+            return
+        positive(self.head_dim, "model.head_dim")
+        if self.head_dim * self.heads == self.d_model:
+            object.__setattr__(self, "head_dim", None)
 
     def _check_moe(self) -> None:
         if isinstance(self.experts, bool) or not isinstance(self.experts, int) or self.experts < 0:
@@ -197,8 +232,23 @@ class ModelSpec:
         return self.d_ff if self.expert_d_ff is None else self.expert_d_ff
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.heads
+    def head_size(self) -> int:
+        """Width of one attention head: ``head_dim``, or ``d_model / heads`` when unset."""
+        return self.d_model // self.heads if self.head_dim is None else self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        """Width of Q and of the attention output: ``heads x head_size`` (``d_model`` unless ``head_dim`` is set)."""
+        return self.heads * self.head_size
+
+    @property
+    def score_rows(self) -> int:
+        """Query rows each K/V block of attention is scored against (both interpreters read it): ``seq_len``,
+        but with a ``sliding_window`` under flash attention only the rows that can see the block, a window
+        of ``block + ceil((N - 1) / block) x block`` rows (``testbed/runner/attention.py`` skips the others;
+        plain attention scores the whole ``seq x seq`` matrix and masks)."""
+        flash = self.attention is Attention.FLASH
+        return window_rows(self.seq_len, self.flash_block, self.sliding_window if flash else None)
 
     @property
     def flash_block(self) -> int:
@@ -216,8 +266,8 @@ class ModelSpec:
 
     @property
     def kv_dim(self) -> int:
-        """Width of K (and of V): ``kv_heads x head_dim`` (``d_model`` without GQA)."""
-        return self.num_kv_heads * self.head_dim
+        """Width of K (and of V): ``kv_heads x head_size`` (:attr:`q_dim` without GQA)."""
+        return self.num_kv_heads * self.head_size
 
     @property
     def grouped(self) -> bool:

@@ -33,6 +33,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from testbed.plan.model import window_rows
+
 __all__ = ["plain_attention", "flash_attention"]
 
 
@@ -54,13 +56,20 @@ def _softmax_bwd(y: jax.Array, g: jax.Array) -> tuple[jax.Array]:
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
-def plain_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Dense causal softmax attention over the whole ``seq x seq`` score matrix."""
+def _visible(qpos: jax.Array, kpos: jax.Array, window: int | None) -> jax.Array:
+    """``[queries, keys]``: causal (key not after the query) and, with a sliding ``window`` N, within the N keys
+    ending at the query (``q - N < k <= q``)."""
+    seen = qpos[:, None] >= kpos[None, :]
+    return seen if window is None else seen & (qpos[:, None] - kpos[None, :] < window)
+
+
+def plain_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None) -> jax.Array:
+    """Dense causal softmax attention over the whole ``seq x seq`` score matrix (a sliding ``window``: masked)."""
     b, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     scale = jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
     # An additive constant mask: its backward needs nothing saved (a boolean `where` would keep the mask).
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    causal = _visible(jnp.arange(seq), jnp.arange(seq), window)
     if kv_heads == heads:
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
         bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
@@ -81,12 +90,28 @@ def _grouped(q: jax.Array, kv_heads: int) -> jax.Array:
     return q.reshape(b, s, kv_heads, heads // kv_heads, d)
 
 
-def _block_scores(qg: jax.Array, k_blk: jax.Array, start: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
-    """fp32 scores ``[b, s, kv_heads, group, block]`` of all queries against one K/V block, and its causal mask."""
-    s, block = qg.shape[1], k_blk.shape[1]
+def _block_scores(qg: jax.Array, k_blk: jax.Array, start: jax.Array, scale: float, window: int | None = None,
+                  first: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
+    """fp32 scores ``[b, rows, kv_heads, group, block]`` of the query rows ``qg`` (from row ``first`` on) against
+    one K/V block starting at key ``start``, and its causal (and sliding-window) mask."""
+    rows, block = qg.shape[1], k_blk.shape[1]
     scores = jnp.einsum("bqngd,bknd->bqngk", qg, k_blk, preferred_element_type=jnp.float32) * scale
-    visible = jnp.arange(s)[:, None] >= start + jnp.arange(block)[None, :]
+    visible = _visible(first + jnp.arange(rows), start + jnp.arange(block), window)
     return scores, visible[None, :, None, None, :]
+
+
+def _first_row(start: jax.Array, seq: int, rows: int) -> jax.Array | int:
+    """The first of the ``rows`` query rows scored against the K/V block at ``start``: the block's own first row,
+    moved back so the rows stay inside the sequence (the rows before the block are masked: causality)."""
+    return 0 if rows == seq else jnp.minimum(start, seq - rows)
+
+
+def _take(x: jax.Array, first: jax.Array | int, rows: int) -> jax.Array:
+    return x if rows == x.shape[1] else jax.lax.dynamic_slice_in_dim(x, first, rows, axis=1)
+
+
+def _put(x: jax.Array, part: jax.Array, first: jax.Array | int) -> jax.Array:
+    return part if part.shape[1] == x.shape[1] else jax.lax.dynamic_update_slice_in_dim(x, part, first, axis=1)
 
 
 def online_softmax_step(carry: tuple, scores: jax.Array, v_blk: jax.Array) -> tuple:
@@ -118,20 +143,26 @@ def block_grads(qg: jax.Array, gg: jax.Array, k_blk: jax.Array, v_blk: jax.Array
     return dq, dk, dv
 
 
-def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """(output ``[b, s, heads, d]`` in q's dtype, fp32 log-sum-exp ``[b, s, kv_heads, group]``)."""
+def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int,
+                   window: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """(output ``[b, s, heads, d]`` in q's dtype, fp32 log-sum-exp ``[b, s, kv_heads, group]``). With a sliding
+    ``window`` each K/V block is scored against only the ``window_rows`` query rows that can see it."""
     b, s, heads, d = q.shape
     kv_heads = k.shape[2]
     qg = _grouped(q, kv_heads)
     scale = 1.0 / math.sqrt(d)
     stats = (b, s, kv_heads, heads // kv_heads)
+    rows = window_rows(s, block, window)
 
     def step(carry, j):
         start = j * block
         k_blk = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
-        scores, visible = _block_scores(qg, k_blk, start, scale)
-        return online_softmax_step(carry, jnp.where(visible, scores, -jnp.inf), v_blk), None
+        first = _first_row(start, s, rows)
+        scores, visible = _block_scores(_take(qg, first, rows), k_blk, start, scale, window, first)
+        part = online_softmax_step(tuple(_take(c, first, rows) for c in carry),
+                                   jnp.where(visible, scores, -jnp.inf), v_blk)
+        return tuple(_put(c, p, first) for c, p in zip(carry, part)), None
 
     init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
             jnp.zeros((*stats, d), jnp.float32))
@@ -140,17 +171,17 @@ def _flash_forward(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> tupl
     return out, row_max + jnp.log(row_sum)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
-    return _flash_forward(q, k, v, block)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _flash(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int | None) -> jax.Array:
+    return _flash_forward(q, k, v, block, window)[0]
 
 
-def _flash_fwd(q: jax.Array, k: jax.Array, v: jax.Array, block: int):
-    out, lse = _flash_forward(q, k, v, block)
+def _flash_fwd(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int | None):
+    out, lse = _flash_forward(q, k, v, block, window)
     return out, (q, k, v, out, lse)
 
 
-def _flash_bwd(block: int, res, g: jax.Array):
+def _flash_bwd(block: int, window: int | None, res, g: jax.Array):
     # The barrier keeps XLA from sharing work with the forward (which would keep its blocks alive).
     q, k, v, out, lse = jax.lax.optimization_barrier(res)
     b, s, heads, d = q.shape
@@ -159,15 +190,18 @@ def _flash_bwd(block: int, res, g: jax.Array):
     scale = 1.0 / math.sqrt(d)
     # D_i = sum_d dO_i O_i: the softmax backward's row term (FlashAttention-2, Algorithm 2).
     delta = jnp.sum(gg.astype(jnp.float32) * _grouped(out, kv_heads).astype(jnp.float32), axis=-1)
+    rows = window_rows(s, block, window)
 
     def step(carry, j):
         dq, dk, dv = carry
         start = j * block
         k_blk = jax.lax.dynamic_slice_in_dim(k, start, block, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(v, start, block, axis=1)
-        scores, visible = _block_scores(qg, k_blk, start, scale)
-        dq_blk, dk_blk, dv_blk = block_grads(qg, gg, k_blk, v_blk, scores, visible, lse, delta, scale)
-        dq = dq + dq_blk
+        first = _first_row(start, s, rows)
+        qr, gr, lr, dr = (_take(x, first, rows) for x in (qg, gg, lse, delta))
+        scores, visible = _block_scores(qr, k_blk, start, scale, window, first)
+        dq_blk, dk_blk, dv_blk = block_grads(qr, gr, k_blk, v_blk, scores, visible, lr, dr, scale)
+        dq = _put(dq, _take(dq, first, rows) + dq_blk, first)
         dk = jax.lax.dynamic_update_slice_in_dim(dk, dk_blk.astype(k.dtype), start, axis=1)
         dv = jax.lax.dynamic_update_slice_in_dim(dv, dv_blk.astype(v.dtype), start, axis=1)
         return (dq, dk, dv), None
@@ -180,9 +214,11 @@ def _flash_bwd(block: int, res, g: jax.Array):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int) -> jax.Array:
-    """Blockwise causal attention over K/V blocks of ``block`` keys (a divisor of ``seq``); see the module."""
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int | None = None) -> jax.Array:
+    """Blockwise causal attention over K/V blocks of ``block`` keys (a divisor of ``seq``); see the module.
+    ``window``: sliding-window attention of that many keys, the blocks' query rows no key of which it sees
+    skipped (:func:`testbed.plan.model.window_rows`)."""
     seq = q.shape[1]
     if block < 1 or seq % block:
         raise ValueError(f"flash attention's block {block} must divide seq {seq}")
-    return _flash(q, k, v, block)
+    return _flash(q, k, v, block, window)

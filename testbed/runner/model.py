@@ -173,6 +173,9 @@ class _Arch(NamedTuple):
     moe: moe.MoeConfig | None = None    # the MoE layers' routing settings (a model with experts), or None
     experts: moe.ExpertShards | None = None  # expert parallelism (all-to-all over `expert`), or None
     aux_weight: float = 0.0             # the objective's weight of one sequence's load-balancing loss
+    head_dim: int | None = None         # one head's width; None: d_model / heads
+    parallel: bool = False              # a parallel block (PaLM, GPT-J): attention and MLP read one norm's output
+    window: int | None = None           # sliding-window attention of this many keys, or None (full causal)
 
 
 def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
@@ -183,7 +186,8 @@ def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
         return _Arch(heads=spec.heads, rms=spec.norm is Norm.RMSNORM,
                      rope_theta=spec.rope_theta if spec.position is Position.ROPE else None,
                      flash_block=spec.flash_block if spec.attention is Attention.FLASH else None,
-                     moe=moe.moe_config(spec) if spec.experts else None)
+                     moe=moe.moe_config(spec) if spec.experts else None, head_dim=spec.head_size,
+                     parallel=spec.parallel_block, window=spec.sliding_window)
     return _Arch(heads=int(spec))
 
 
@@ -286,6 +290,12 @@ def _row(seq: Any, y: jax.Array, w: jax.Array) -> jax.Array:
     return y @ w if seq is None else seq.row(y, w)
 
 
+def _row2(seq: Any, y1: jax.Array, w1: jax.Array, y2: jax.Array, w2: jax.Array) -> jax.Array:
+    """``y1 @ w1 + y2 @ w2`` of two row-parallel matmuls, summed on each tensor rank before one reduction
+    (one all-reduce, or with sequence parallelism one reduce-scatter)."""
+    return y1 @ w1 + y2 @ w2 if seq is None else seq.row2(y1, w1, y2, w2)
+
+
 def _qkv(a: Params, h: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Q, K and V ``[batch, seq, heads (or kv_heads), head_dim]`` from the fused or the split projections."""
     b, s = h.shape[:2]
@@ -297,19 +307,11 @@ def _qkv(a: Params, h: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, 
     return (q, *(kv[:, :, i].reshape(b, s, -1, head_dim) for i in range(2)))
 
 
-def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Remat | str = Remat.NONE) -> jax.Array:
-    """One pre-norm block: ``x + attn(norm1(x))`` then ``+ mlp(norm2(.))``; shape ``[batch, seq, d]``.
-
-    ``spec`` is the model (or, for the default GPT, its head count). The parameters decide the rest:
-    ``wqkv`` (multi-head) or ``wq`` and ``wkv`` (grouped-query), ``w3`` (SwiGLU), the biases present.
-    """
-    arch = _arch(spec)
-    sp = arch.seq
-    x = x if sp is None else sp.shard(x)
-    b, s, d = x.shape
-    heads, head_dim = arch.heads, d // arch.heads
-    a = params_layer["attn"]
-    h = _layer_norm(params_layer["ln1"], x, arch.rms)
+def _attention(a: Params, h: jax.Array, arch: _Arch, remat: Remat | str) -> jax.Array:
+    """Self-attention of the normed input ``h`` ``[batch, seq, d]`` up to the out projection: ``[batch, seq,
+    heads x head_dim]`` (split over the tensor ranks by heads)."""
+    sp, (b, s, d) = arch.seq, h.shape
+    head_dim = arch.head_dim or d // arch.heads
     kv_dim = 2 if sp is None or sp.kv_split else None  # K/V heads split over the tensor ranks, or whole on each
     q, k, v = _column(sp, h, a, ("layers", "attn"), lambda h, a: _qkv(a, h, head_dim), (2, kv_dim, kv_dim))
     if arch.rope_theta is not None:
@@ -318,22 +320,46 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
     if arch.context is not None:  # ring attention over the context axis (plain or blockwise per ring step)
         attended = arch.context.attend(q, k, v, arch.flash_block)
     elif arch.flash_block is not None:  # keeps only q, k, v, its output and the row log-sum-exp: remat has no more to drop
-        attended = flash_attention(q, k, v, arch.flash_block)
+        attended = flash_attention(q, k, v, arch.flash_block, arch.window)
     elif Remat(remat) is Remat.SELECTIVE:
-        attended = jax.checkpoint(plain_attention)(q, k, v)
+        attended = jax.checkpoint(plain_attention, static_argnums=(3,))(q, k, v, arch.window)
     else:
-        attended = plain_attention(q, k, v)
-    x = _plus(x + _row(sp, attended.reshape(b, s, d), a["wo"]), a, "bo")
+        attended = plain_attention(q, k, v, arch.window)
+    return attended.reshape(*attended.shape[:2], -1)
+
+
+def _mlp_hidden(m: Params, h: jax.Array, sp: Any) -> jax.Array:
+    """The dense MLP's hidden activations ``[batch, seq, d_ff]`` (GELU, or SwiGLU's gated product)."""
+    if "w3" in m:
+        return _swiglu_remat(*_column(sp, h, m, ("layers", "mlp"), lambda h, m: (
+            _plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3")), (2, 2)))
+    return _gelu_remat(_column(sp, h, m, ("layers", "mlp"), lambda h, m: _plus(h @ m["w1"], m, "b1"), 2))
+
+
+def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Remat | str = Remat.NONE) -> jax.Array:
+    """One pre-norm block: ``x + attn(norm1(x))`` then ``+ mlp(norm2(.))``; shape ``[batch, seq, d]``. A parallel
+    block (``model.parallel_block``): ``x + attn(norm1(x)) + mlp(norm1(x))``, both row-parallel matmuls' partial
+    sums added before one reduction over the tensor ranks.
+
+    ``spec`` is the model (or, for the default GPT, its head count). The parameters decide the rest:
+    ``wqkv`` (multi-head) or ``wq`` and ``wkv`` (grouped-query), ``w3`` (SwiGLU), the biases present.
+    """
+    arch = _arch(spec)
+    sp = arch.seq
+    x = x if sp is None else sp.shard(x)
+    a = params_layer["attn"]
+    h = _layer_norm(params_layer["ln1"], x, arch.rms)
+    attended = _attention(a, h, arch, remat)
+    if arch.parallel:
+        m = params_layer["mlp"]
+        out = _row2(sp, attended, a["wo"], _mlp_hidden(m, h, sp), m["w2"])
+        return _plus(_plus(x + out, a, "bo"), m, "b2")
+    x = _plus(x + _row(sp, attended, a["wo"]), a, "bo")
     h = _layer_norm(params_layer["ln2"], x, arch.rms)
     if "moe" in params_layer:
         return _moe_mlp(params_layer["moe"], x, h, arch)
     m = params_layer["mlp"]
-    if "w3" in m:
-        hidden = _swiglu_remat(*_column(sp, h, m, ("layers", "mlp"), lambda h, m: (
-            _plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3")), (2, 2)))
-    else:
-        hidden = _gelu_remat(_column(sp, h, m, ("layers", "mlp"), lambda h, m: _plus(h @ m["w1"], m, "b1"), 2))
-    return _plus(x + _row(sp, hidden, m["w2"]), m, "b2")
+    return _plus(x + _row(sp, _mlp_hidden(m, h, sp), m["w2"]), m, "b2")
 
 
 def _moe_mlp(p: Params, x: jax.Array, h: jax.Array, arch: _Arch) -> jax.Array:

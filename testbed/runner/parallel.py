@@ -274,6 +274,16 @@ class SequenceShards:
         rows = self._rows()
         return self._map(local, (P(rows, self._context, "tensor"), P("tensor", None)), P(rows, self._seq, None))(y, w)
 
+    def row2(self, y1: jax.Array, w1: jax.Array, y2: jax.Array, w2: jax.Array) -> jax.Array:
+        """``y1 @ w1 + y2 @ w2`` of two row-parallel matmuls (a parallel block's out projection and MLP-out): the
+        partial sums added on each rank, then one reduce-scatter over the sequence."""
+        def local(y1: jax.Array, w1: jax.Array, y2: jax.Array, w2: jax.Array) -> jax.Array:
+            return jax.lax.psum_scatter(y1 @ w1 + y2 @ w2, "tensor", scatter_dimension=1, tiled=True)
+
+        rows, w = self._rows(), P("tensor", None)
+        y = P(rows, self._context, "tensor")
+        return self._map(local, (y, w, y, w), P(rows, self._seq, None))(y1, w1, y2, w2)
+
     def embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
         """The vocab-parallel token lookup ``[batch, seq] -> [batch, seq, d]``, reduce-scattered over the sequence."""
         def local(table: jax.Array, tokens: jax.Array) -> jax.Array:
