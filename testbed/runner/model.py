@@ -37,6 +37,7 @@ import numpy as np
 
 from testbed.runner import moe
 from testbed.runner.attention import flash_attention, plain_attention
+from testbed.runner.norms import layer_norm as _layer_norm
 from testbed.runner.ring_attention import ContextShards
 from testbed.model import layout
 from testbed.model.layout import Init, ParamSpec, Part
@@ -48,9 +49,6 @@ __all__ = [
 ]
 
 Params = dict[str, Any]
-
-_LN_EPS = 1e-5
-
 
 def compute_dtype(precision: Precision | str) -> jnp.dtype:
     """bf16 for ``bf16-mixed``, fp32 otherwise."""
@@ -106,60 +104,6 @@ def cast_params(params: Any, precision: Precision | str) -> Any:
     return jax.tree.map(lambda a: a.astype(dtype), params)
 
 
-@jax.custom_vjp
-def _layer_norm_core(x: jax.Array, scale: jax.Array, bias: jax.Array) -> jax.Array:
-    """LayerNorm over the last dim."""
-    return _layer_norm_fwd(x, scale, bias)[0]
-
-
-def _layer_norm_fwd(x: jax.Array, scale: jax.Array, bias: jax.Array):
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    centered = x - mean
-    rstd = jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + _LN_EPS)
-    # Keep the input and two statistics per token; the backward recomputes x-hat (no extra N x d buffer).
-    return centered * rstd * scale + bias, (x, mean, rstd, scale)
-
-
-def _layer_norm_bwd(res, g: jax.Array):
-    # The barrier stops XLA from CSE-ing this x-hat with the forward's, which would keep that
-    # N x d buffer alive from forward to backward (the memory model counts only x, mean, rstd).
-    x, mean, rstd, scale = jax.lax.optimization_barrier(res)
-    xhat = (x - mean) * rstd
-    reduce_dims = tuple(range(x.ndim - 1))
-    dscale = jnp.sum(g * xhat, axis=reduce_dims)
-    dbias = jnp.sum(g, axis=reduce_dims)
-    gs = g * scale
-    dx = rstd * (gs - jnp.mean(gs, axis=-1, keepdims=True) - xhat * jnp.mean(gs * xhat, axis=-1, keepdims=True))
-    return dx, dscale, dbias
-
-
-_layer_norm_core.defvjp(_layer_norm_fwd, _layer_norm_bwd)
-
-
-@jax.custom_vjp
-def _rms_norm_core(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """RMSNorm over the last dim: ``x / rms(x) * scale`` (no centring, no bias)."""
-    return _rms_norm_fwd(x, scale)[0]
-
-
-def _rms_norm_fwd(x: jax.Array, scale: jax.Array):
-    rstd = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + _LN_EPS)
-    # Keep the input and one statistic per token (what testbed.model.costs counts for RMSNorm).
-    return x * rstd * scale, (x, rstd, scale)
-
-
-def _rms_norm_bwd(res, g: jax.Array):
-    x, rstd, scale = jax.lax.optimization_barrier(res)
-    xhat = x * rstd
-    dscale = jnp.sum(g * xhat, axis=tuple(range(x.ndim - 1)))
-    gs = g * scale
-    dx = rstd * (gs - xhat * jnp.mean(gs * xhat, axis=-1, keepdims=True))
-    return dx, dscale
-
-
-_rms_norm_core.defvjp(_rms_norm_fwd, _rms_norm_bwd)
-
-
 class _Arch(NamedTuple):
     """What a block needs of the :class:`ModelSpec` beyond its parameters' shapes."""
 
@@ -189,14 +133,6 @@ def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
                      moe=moe.moe_config(spec) if spec.experts else None, head_dim=spec.head_size,
                      parallel=spec.parallel_block, window=spec.sliding_window)
     return _Arch(heads=int(spec))
-
-
-def _layer_norm(p: Params, x: jax.Array, rms: bool = False) -> jax.Array:
-    """The block's norm: RMSNorm, or LayerNorm (with a zero bias when the model has none)."""
-    if rms:
-        return _rms_norm_core(x, p["scale"])
-    bias = p["bias"] if "bias" in p else jnp.zeros_like(p["scale"])
-    return _layer_norm_core(x, p["scale"], bias)
 
 
 @jax.custom_vjp
@@ -307,13 +243,8 @@ def _qkv(a: Params, h: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array, 
     return (q, *(kv[:, :, i].reshape(b, s, -1, head_dim) for i in range(2)))
 
 
-def _attention(a: Params, h: jax.Array, arch: _Arch, remat: Remat | str) -> jax.Array:
-    """Self-attention of the normed input ``h`` ``[batch, seq, d]`` up to the out projection: ``[batch, seq,
-    heads x head_dim]`` (split over the tensor ranks by heads)."""
-    sp, (b, s, d) = arch.seq, h.shape
-    head_dim = arch.head_dim or d // arch.heads
-    kv_dim = 2 if sp is None or sp.kv_split else None  # K/V heads split over the tensor ranks, or whole on each
-    q, k, v = _column(sp, h, a, ("layers", "attn"), lambda h, a: _qkv(a, h, head_dim), (2, kv_dim, kv_dim))
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, arch: _Arch, remat: Remat | str) -> jax.Array:
+    """Causal self-attention of projected ``q, k, v`` (RoPE applied here): ``[batch, seq, heads x head_dim]``."""
     if arch.rope_theta is not None:
         order = None if arch.context is None else arch.context.order
         q, k = _rope(q, arch.rope_theta, order), _rope(k, arch.rope_theta, order)
@@ -328,12 +259,40 @@ def _attention(a: Params, h: jax.Array, arch: _Arch, remat: Remat | str) -> jax.
     return attended.reshape(*attended.shape[:2], -1)
 
 
-def _mlp_hidden(m: Params, h: jax.Array, sp: Any) -> jax.Array:
-    """The dense MLP's hidden activations ``[batch, seq, d_ff]`` (GELU, or SwiGLU's gated product)."""
+def _head_dim(arch: _Arch, h: jax.Array) -> int:
+    return arch.head_dim or h.shape[-1] // arch.heads
+
+
+def _kv_out(sp: Any) -> int | None:
+    """The dim the tensor axis splits in K and V: the heads (2), or None when each rank holds all K/V heads."""
+    return 2 if sp is None or sp.kv_split else None
+
+
+def _mlp_in(m: Params, h: jax.Array) -> Any:
+    """The MLP's column-parallel projections: SwiGLU's (gate, up), or GELU's input."""
     if "w3" in m:
-        return _swiglu_remat(*_column(sp, h, m, ("layers", "mlp"), lambda h, m: (
-            _plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3")), (2, 2)))
-    return _gelu_remat(_column(sp, h, m, ("layers", "mlp"), lambda h, m: _plus(h @ m["w1"], m, "b1"), 2))
+        return _plus(h @ m["w1"], m, "b1"), _plus(h @ m["w3"], m, "b3")
+    return _plus(h @ m["w1"], m, "b1")
+
+
+def _activate(m: Params, pre: Any) -> jax.Array:
+    """The MLP hidden ``[batch, seq, d_ff]`` from :func:`_mlp_in`'s output."""
+    return _swiglu_remat(*pre) if "w3" in m else _gelu_remat(pre)
+
+
+def _parallel(a: Params, m: Params, h: jax.Array, arch: _Arch, remat: Remat | str) -> jax.Array:
+    """A parallel block's attention and MLP on the one normed input ``h``: the column-parallel projections of
+    both in one map (one gather, one reduction of ``h``'s gradient), then ``attn @ wo + mlp @ w2`` summed
+    before one reduction over the tensor ranks; biases added after."""
+    sp, head_dim = arch.seq, _head_dim(arch, h)
+    weights = {"attn": {k: w for k, w in a.items() if k not in ("wo", "bo")},
+               "mlp": {k: w for k, w in m.items() if k not in ("w2", "b2")}}
+    kv = _kv_out(sp)
+    (q, k, v), pre = _column(sp, h, weights, ("layers",), lambda h, w: (_qkv(w["attn"], h, head_dim),
+                                                                        _mlp_in(w["mlp"], h)),
+                             ((2, kv, kv), (2, 2) if "w3" in m else 2))
+    out = _row2(sp, _attend(q, k, v, arch, remat), a["wo"], _activate(m, pre), m["w2"])
+    return _plus(_plus(out, a, "bo"), m, "b2")
 
 
 def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Remat | str = Remat.NONE) -> jax.Array:
@@ -349,17 +308,17 @@ def block(params_layer: Params, x: jax.Array, spec: ModelSpec | int, remat: Rema
     x = x if sp is None else sp.shard(x)
     a = params_layer["attn"]
     h = _layer_norm(params_layer["ln1"], x, arch.rms)
-    attended = _attention(a, h, arch, remat)
     if arch.parallel:
-        m = params_layer["mlp"]
-        out = _row2(sp, attended, a["wo"], _mlp_hidden(m, h, sp), m["w2"])
-        return _plus(_plus(x + out, a, "bo"), m, "b2")
-    x = _plus(x + _row(sp, attended, a["wo"]), a, "bo")
+        return x + _parallel(a, params_layer["mlp"], h, arch, remat)
+    head_dim, kv = _head_dim(arch, h), _kv_out(sp)
+    q, k, v = _column(sp, h, a, ("layers", "attn"), lambda h, a: _qkv(a, h, head_dim), (2, kv, kv))
+    x = _plus(x + _row(sp, _attend(q, k, v, arch, remat), a["wo"]), a, "bo")
     h = _layer_norm(params_layer["ln2"], x, arch.rms)
     if "moe" in params_layer:
         return _moe_mlp(params_layer["moe"], x, h, arch)
     m = params_layer["mlp"]
-    return _plus(x + _row(sp, _mlp_hidden(m, h, sp), m["w2"]), m, "b2")
+    pre = _column(sp, h, m, ("layers", "mlp"), lambda h, m: _mlp_in(m, h), (2, 2) if "w3" in m else 2)
+    return _plus(x + _row(sp, _activate(m, pre), m["w2"]), m, "b2")
 
 
 def _moe_mlp(p: Params, x: jax.Array, h: jax.Array, arch: _Arch) -> jax.Array:

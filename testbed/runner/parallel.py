@@ -46,6 +46,7 @@ from testbed.plan.spec import ModelSpec, Plan
 from testbed.plan.sharding import state_sharding
 
 __all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_axes", "batch_spec", "Constrain", "SequenceShards",
+           "TensorShards",
            "sequence_shards", "activation_spec", "ParamShards", "param_shards"]
 
 #: Mesh axes the batch dim of activations is split over (testbed.plan.spec.BATCH_AXES: ``expert`` splits the
@@ -227,13 +228,24 @@ class SequenceShards:
         ParamShards' map, which is already manual over them (each device holds its own rows)."""
         return self._batch_entry if self._mesh() is self.mesh else None
 
-    def _specs(self, weights: dict[str, Any], prefix: tuple[str, ...]) -> dict[str, P]:
-        """Tensor-axis specs of a group of parameter leaves, from testbed.model.layout's table."""
-        out = {}
+    def _specs(self, weights: dict[str, Any], prefix: tuple[str, ...]) -> dict[str, Any]:
+        """Tensor-axis specs of a group of parameter leaves (nested groups too), from testbed.model.layout's table."""
+        out: dict[str, Any] = {}
         for name, leaf in weights.items():
+            if isinstance(leaf, dict):
+                out[name] = self._specs(leaf, (*prefix, name))
+                continue
             dims = layout.param_at(self.model, (*prefix, name)).tensor_dims(self.tensor)
             out[name] = P(*("tensor" if i in dims else None for i in range(leaf.ndim)))
         return out
+
+    def _gather(self, h: jax.Array) -> jax.Array:
+        """In a map: the sequence shards of ``h`` gathered over the tensor ranks (before column-parallel matmuls)."""
+        return jax.lax.all_gather(h, "tensor", axis=1, tiled=True)
+
+    def _reduce(self, y: jax.Array) -> jax.Array:
+        """In a map: the tensor ranks' partial sums ``y`` reduce-scattered over the sequence."""
+        return jax.lax.psum_scatter(y, "tensor", scatter_dimension=1, tiled=True)
 
     def shard(self, x: jax.Array) -> jax.Array:
         """``x`` ``[batch, seq, d]`` split over the sequence on the tensor axis."""
@@ -256,7 +268,7 @@ class SequenceShards:
             shapes, out_dims, is_leaf=lambda x: x is None)
 
         def local(h: jax.Array, w: dict[str, Any]) -> Any:
-            return project(jax.lax.all_gather(h, "tensor", axis=1, tiled=True), w)
+            return project(self._gather(h), w)
 
         # An output whole on every rank (K/V heads the tensor degree does not divide) is the same on every rank,
         # but computed from the all-gather, which JAX types as varying: checked against the reference instead.
@@ -269,7 +281,7 @@ class SequenceShards:
         """``y @ w`` of a row-parallel matmul (``y`` split on its last dim, ``w`` by rows), reduce-scattered
         over the sequence."""
         def local(y: jax.Array, w: jax.Array) -> jax.Array:
-            return jax.lax.psum_scatter(y @ w, "tensor", scatter_dimension=1, tiled=True)
+            return self._reduce(y @ w)
 
         rows = self._rows()
         return self._map(local, (P(rows, self._context, "tensor"), P("tensor", None)), P(rows, self._seq, None))(y, w)
@@ -278,7 +290,7 @@ class SequenceShards:
         """``y1 @ w1 + y2 @ w2`` of two row-parallel matmuls (a parallel block's out projection and MLP-out): the
         partial sums added on each rank, then one reduce-scatter over the sequence."""
         def local(y1: jax.Array, w1: jax.Array, y2: jax.Array, w2: jax.Array) -> jax.Array:
-            return jax.lax.psum_scatter(y1 @ w1 + y2 @ w2, "tensor", scatter_dimension=1, tiled=True)
+            return self._reduce(y1 @ w1 + y2 @ w2)
 
         rows, w = self._rows(), P("tensor", None)
         y = P(rows, self._context, "tensor")
@@ -291,16 +303,43 @@ class SequenceShards:
             index = tokens - jax.lax.axis_index("tensor") * rows
             mine = (index >= 0) & (index < rows)
             x = jnp.take(table, jnp.where(mine, index, 0), axis=0) * mine[..., None].astype(table.dtype)
-            return jax.lax.psum_scatter(x, "tensor", scatter_dimension=1, tiled=True)
+            return self._reduce(x)
 
         spec = self._specs({"tokens": table}, ("embed",))["tokens"]
         rows = self._rows()
         return self._map(local, (spec, P(rows, self._context)), P(rows, self._seq, None))(table, tokens)
 
 
+class TensorShards(SequenceShards):
+    """Megatron tensor parallelism with explicit collectives and the sequence whole on every tensor rank: the
+    maps of :class:`SequenceShards` with no gather before a column-parallel matmul (its input gradient is
+    ``psum``-ed, the transpose of entering the map unsplit) and an all-reduce (``psum``) after a row-parallel
+    one. A parallel block (``model.parallel_block``) needs it: its attention and MLP read one normed input
+    (one map: one all-reduce of the input gradient) and add their partial sums before one all-reduce,
+    where XLA:CPU's partitioner all-reduces each matmul's output (a combined pair: twice the bytes)."""
+
+    def __init__(self, plan: Plan, mesh: Any):
+        super().__init__(plan, mesh)
+        self._seq = self._context  # the sequence split over context only (None without context parallelism)
+
+    def _gather(self, h: jax.Array) -> jax.Array:
+        # Varying over the tensor ranks once, for every use: its gradient is then one all-reduce (a parallel
+        # block's attention and MLP would otherwise each cast h, and each cast's transpose all-reduce).
+        return jax.lax.pcast(h, "tensor", to="varying")  # h enters each map unsplit over tensor: invariant
+
+    def _reduce(self, y: jax.Array) -> jax.Array:
+        return jax.lax.psum(y, "tensor")
+
+    def shard(self, x: jax.Array) -> jax.Array:
+        return x
+
+
 def sequence_shards(plan: Plan, mesh: Any) -> SequenceShards | None:
-    """The plan's :class:`SequenceShards` on ``mesh``, or None without sequence parallelism."""
-    return SequenceShards(plan, mesh) if plan.sequence_parallel else None
+    """The plan's :class:`SequenceShards` on ``mesh``; with a parallel block on more than one tensor rank and no
+    sequence parallelism its :class:`TensorShards`; else None (XLA's partitioner inserts the collectives)."""
+    if plan.sequence_parallel:
+        return SequenceShards(plan, mesh)
+    return TensorShards(plan, mesh) if plan.model.parallel_block and plan.mesh.tensor > 1 else None
 
 
 class ParamShards:
