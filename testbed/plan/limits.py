@@ -74,6 +74,8 @@ def check_plan_limits(plan: "Plan") -> "Plan":
         _at_most(getattr(model, name, 0), MAX_EXPERTS, f"model.{name}", "the testbed's limit")
     if getattr(model, "expert_d_ff", None):
         _at_most(model.expert_d_ff, MAX_D_FF, "model.expert_d_ff", "the testbed's limit")
+    if getattr(model, "head_dim", None):
+        _at_most(model.head_dim, MAX_D_MODEL, "model.head_dim", "the testbed's limit")
     _at_most(mesh.stage, MAX_STAGES, "mesh.stage", "pipeline stages the testbed schedules at most")
     virtual = plan.schedule.virtual_stages
     _at_most(virtual, MAX_LAYERS, "schedule.virtual_stages", "the testbed's limit")

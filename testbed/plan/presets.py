@@ -26,8 +26,14 @@ the published count (:data:`PUBLISHED_PARAMS`, tested exactly; MoE presets' acti
   since most of the training (and any question about it) is at 8K. The
   long-context RoPE scaling is not modelled.
 - ``mistral-7b``: Mistral 7B v0.1 (Jiang et al. 2023, Table 1): Llama's
-  pieces with 32000 tokens, theta 10000, context 8192 (its 4096-token
-  sliding window is not modelled: attention is dense and causal).
+  pieces with 32000 tokens, theta 10000, context 8192 and its 4096-token
+  sliding window (``sliding_window``; the rolling K/V cache is an inference matter).
+- ``gemma-7b``: Gemma 7B (Gemma Team 2024, "Gemma: Open Models Based on Gemini Research and
+  Technology", arXiv:2403.08295, Tables 1 and 2): 28 layers, d_model 3072, 16 heads (MHA) of
+  ``head_dim`` 256 (so Q is 4096 wide, not d_model), GeGLU MLP of 2 x 24576 ("feedforward hidden
+  dims 49152"; modelled as ``swiglu``: the same three matrices and FLOPs, silu for gelu), RMSNorm,
+  RoPE, no biases, the head tied to the 256128-token table, context 8192: 786,825,216 embedding and
+  7,751,248,896 non-embedding parameters, as Table 2 gives them.
 - ``mixtral-8x7b``: Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Sec. 2 / Table 1, and
   the ``config.json`` of ``mistralai/Mixtral-8x7B-v0.1``): Mistral 7B's pieces (32 layers, d_model 4096,
   32 heads, 8 K/V heads, SwiGLU experts of d_ff 14336, 32000 tokens, untied, RMSNorm, no biases), RoPE
@@ -78,8 +84,10 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
                     "seq_len": 8192, "vocab": 128256, "rope_theta": 500000.0},
     "llama3-405b-128k": {**_LLAMA, "layers": 126, "d_model": 16384, "heads": 128, "kv_heads": 8, "d_ff": 53248,
                          "seq_len": 131072, "vocab": 128256, "rope_theta": 500000.0},
+    "gemma-7b": {**_LLAMA, "layers": 28, "d_model": 3072, "heads": 16, "head_dim": 256, "d_ff": 24576,
+                 "seq_len": 8192, "vocab": 256128, "tied_embeddings": True},
     "mistral-7b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
-                   "seq_len": 8192, "vocab": 32000, "rope_theta": 10000.0},
+                   "seq_len": 8192, "vocab": 32000, "rope_theta": 10000.0, "sliding_window": 4096},
     "mixtral-8x7b": {**_LLAMA, "layers": 32, "d_model": 4096, "heads": 32, "kv_heads": 8, "d_ff": 14336,
                      "seq_len": 32768, "vocab": 32000, "rope_theta": 1000000.0, "experts": 8, "top_k": 2},
     "deepseek-moe-16b": {**_LLAMA, "layers": 28, "d_model": 2048, "heads": 16, "d_ff": 10944, "seq_len": 4096,
@@ -97,7 +105,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = {
 DEFAULT_BATCH: Mapping[str, int] = {
     "gpt-tiny": 16, "gpt-125m": 256, "gpt-350m": 256, "gpt-1.3b": 256, "gpt-2.7b": 512, "gpt-6.7b": 512,
     "gpt3-175b": 1536, "llama3-8b": 512, "llama3-70b": 512, "llama3-405b": 2048, "llama3-405b-128k": 128,
-    "mistral-7b": 512,
+    "mistral-7b": 512, "gemma-7b": 512,
     "mixtral-8x7b": 512, "deepseek-moe-16b": 1024,
 }
 
@@ -113,7 +121,10 @@ SOURCES: Mapping[str, str] = {
                    "= 2048 sequences per batch after the first 2.87T tokens)",
     "llama3-405b-128k": _LLAMA3 + ", section 3.4.2 and Table 4's last row (long-context phase: context 131072, "
                         "16M tokens = 128 sequences per batch)",
-    "mistral-7b": "Jiang et al. 2023, arXiv:2310.06825, Table 1 (shape, context 8192); batch 512 is a round size",
+    "mistral-7b": "Jiang et al. 2023, arXiv:2310.06825, Table 1 (shape, context 8192, sliding window 4096); batch "
+                  "512 is a round size",
+    "gemma-7b": "Gemma Team 2024, arXiv:2403.08295, Table 1 (shape: head size 256, vocab 256128, GeGLU; context "
+                "8192) and Table 2 (parameters); batch 512 is a round size (the paper gives none)",
     "mixtral-8x7b": "Jiang et al. 2024, arXiv:2401.04088, section 2 / Table 1 (shape, context 32768); batch 512 "
                     "is a round size",
     "deepseek-moe-16b": "Dai et al. 2024, arXiv:2401.06066, section 5.1 (shape, context 4096); batch 1024 is a "
@@ -132,6 +143,7 @@ PUBLISHED_PARAMS: Mapping[str, int] = {
     "llama3-405b": 405_853_388_800,
     "llama3-405b-128k": 405_853_388_800,
     "mistral-7b": 7_241_732_096,
+    "gemma-7b": 786_825_216 + 7_751_248_896,   # Gemma paper Table 2: embedding + non-embedding parameters
     "mixtral-8x7b": 46_702_792_704,       # Mixtral-8x7B-v0.1's checkpoint; the paper's "47B"
     "deepseek-moe-16b": 16_375_728_128,   # from deepseek-moe-16b-base's config; the paper's "16.4B"
 }
