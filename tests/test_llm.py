@@ -159,7 +159,8 @@ def specs(draw) -> ModelSpec:
                      tied_embeddings=draw(st.booleans()), mlp=draw(st.sampled_from(["gelu", "swiglu"])),
                      norm=draw(st.sampled_from(["layernorm", "rmsnorm"])),
                      position=draw(st.sampled_from(["learned", "rope"])), bias=draw(st.booleans()),
-                     pad_vocab_to=draw(st.sampled_from([None, 8])))
+                     pad_vocab_to=draw(st.sampled_from([None, 8])), head_dim=draw(st.sampled_from([None, 2, 6])),
+                     parallel_block=draw(st.booleans()))
 
 
 @given(specs())
@@ -248,7 +249,8 @@ def test_one_device_equals_reference_bit_for_bit() -> None:
 
 @st.composite
 def llm_plans(draw) -> Plan:
-    """A tiny model with a drawn mix of the options (attention plain or flash among them) on 1, 2, 4, 6 or 8 devices,
+    """A tiny model with a drawn mix of the options (attention plain or flash among them; head_dim, parallel blocks,
+    sliding windows) on 1, 2, 4, 6 or 8 devices,
     over data/fsdp/tensor/stage/context (ring attention over 2 or 4 zigzag shards), with sequence parallelism drawn
     when tensor > 1."""
     n = draw(st.sampled_from([2, 1, 4, 6, 8]))   # 2 first: the simplest draw is context parallelism on 2 devices
@@ -264,7 +266,10 @@ def llm_plans(draw) -> Plan:
                      vocab=draw(st.sampled_from([32, 29])), mlp=draw(st.sampled_from(["gelu", "swiglu"])),
                      norm=draw(st.sampled_from(["layernorm", "rmsnorm"])),
                      position=draw(st.sampled_from(["learned", "rope"])), bias=draw(st.booleans()),
-                     tied_embeddings=stage == 1 and draw(st.booleans()))
+                     tied_embeddings=stage == 1 and draw(st.booleans()),
+                     # The layouts of testbed.plan.model, new options first so the ci profile's few examples meet them
+                     head_dim=draw(st.sampled_from([6, None, 2])), parallel_block=draw(st.sampled_from([True, False])),
+                     sliding_window=draw(st.sampled_from([3, None, 5])) if context == 1 else None)
     mb = stage if stage > 1 else draw(st.sampled_from([1, 2]))
     # Pipelines: every schedule, and uneven stages (layers_per_stage), interleaved ones split unevenly over chunks.
     name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])) if stage > 1 else "1f1b"
