@@ -243,3 +243,20 @@ def test_runner_matches_reference(model: dict, mesh: dict) -> None:
     result = verify_plan(plan, dev.select_devices(plan.mesh.size), steps=2, check_hlo=False)
     errors = result["errors"]
     assert result["ok"] and max(errors["loss_rel"]) <= 1e-5 and max(errors["grad_rel"]) <= 1e-5, errors
+
+
+@pytest.mark.parametrize("options", [dict(head_dim=32), dict(parallel_block=True),
+                                     dict(attention="flash", attention_block=16, sliding_window=16)],
+                         ids=["head-dim", "parallel", "flash-window"])
+def test_memory_matches_xla(options: dict) -> None:
+    """The memory model within 5% of XLA's compiled bytes for the runner's step (4 data-parallel replicas, 2
+    microbatches), as for the dense and flash models of tests/test_compiled_memory.py."""
+    from testbed.runner.measure import compiled_memory
+    from testbed.runner.train import build_trainer
+
+    spec = ModelSpec(layers=2, d_model=64, heads=4, d_ff=256, seq_len=64, vocab=128, **options)
+    plan = _plan(spec, data=4, batch=16, mb=2)
+    trainer = build_trainer(plan, dev.select_devices(plan.mesh.size))
+    measured = compiled_memory(trainer, trainer.init())
+    predicted = memory_breakdown(plan, load_topology("host-cpu-8")).total
+    assert abs(predicted - measured) / measured < 0.05
