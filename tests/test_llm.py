@@ -269,7 +269,7 @@ def llm_plans(draw) -> Plan:
                      tied_embeddings=stage == 1 and draw(st.booleans()),
                      # The layouts of testbed.plan.model, new options first so the ci profile's few examples meet them
                      head_dim=draw(st.sampled_from([6, None, 2])), parallel_block=draw(st.sampled_from([True, False])),
-                     sliding_window=draw(st.sampled_from([3, None, 5])) if context == 1 else None)
+                     sliding_window=draw(st.sampled_from([3, None, 5])))
     mb = stage if stage > 1 else draw(st.sampled_from([1, 2]))
     # Pipelines: every schedule, and uneven stages (layers_per_stage), interleaved ones split unevenly over chunks.
     name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved"])) if stage > 1 else "1f1b"

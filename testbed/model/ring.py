@@ -70,7 +70,8 @@ def rank_spec(plan: Plan) -> ModelSpec:
         return spec
     local = spec.seq_len // c
     block = math.gcd(spec.flash_block, local) if spec.attention is Attention.FLASH else local
-    return replace(spec, seq_len=local, attention=Attention.FLASH, attention_block=block)
+    # A sliding window only masks the ring's blocks (each is computed whole): priced as full causal attention.
+    return replace(spec, seq_len=local, attention=Attention.FLASH, attention_block=block, sliding_window=None)
 
 
 def step_units(context: int) -> tuple[int, ...]:

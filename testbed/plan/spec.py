@@ -234,10 +234,6 @@ class Plan:
             raise InputError(f"kv_heads {m.num_kv_heads} and mesh.tensor {mesh.tensor}: one must divide the other "
                              "(K/V heads split over the tensor ranks, or each rank holds all of them)",
                              field="model.kv_heads")
-        if m.sliding_window is not None and mesh.context > 1:
-            raise InputError(f"sliding_window {m.sliding_window} with mesh.context {mesh.context}: the ring attention "
-                             "of context parallelism computes full causal blocks only; use mesh.context 1 or drop "
-                             "the window", field="model.sliding_window")
         if m.padded_vocab % mesh.tensor:
             raise InputError(f"vocab {m.vocab} padded to {m.padded_vocab} (pad_vocab_to {m.pad_vocab_to}) must be "
                              f"divisible by mesh.tensor {mesh.tensor} (vocab-parallel head)", field="model.vocab")

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from testbed.plan.model import window_rows
 
-__all__ = ["plain_attention", "flash_attention"]
+__all__ = ["plain_attention", "flash_attention", "key_mask"]
 
 
 @jax.custom_vjp
@@ -56,7 +56,7 @@ def _softmax_bwd(y: jax.Array, g: jax.Array) -> tuple[jax.Array]:
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
-def _visible(qpos: jax.Array, kpos: jax.Array, window: int | None) -> jax.Array:
+def key_mask(qpos: jax.Array, kpos: jax.Array, window: int | None) -> jax.Array:
     """``[queries, keys]``: causal (key not after the query) and, with a sliding ``window`` N, within the N keys
     ending at the query (``q - N < k <= q``)."""
     seen = qpos[:, None] >= kpos[None, :]
@@ -69,7 +69,7 @@ def plain_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
     kv_heads = k.shape[2]
     scale = jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
     # An additive constant mask: its backward needs nothing saved (a boolean `where` would keep the mask).
-    causal = _visible(jnp.arange(seq), jnp.arange(seq), window)
+    causal = key_mask(jnp.arange(seq), jnp.arange(seq), window)
     if kv_heads == heads:
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
         bias = jnp.where(causal, 0.0, jnp.finfo(scores.dtype).min).astype(scores.dtype)
@@ -96,7 +96,7 @@ def _block_scores(qg: jax.Array, k_blk: jax.Array, start: jax.Array, scale: floa
     one K/V block starting at key ``start``, and its causal (and sliding-window) mask."""
     rows, block = qg.shape[1], k_blk.shape[1]
     scores = jnp.einsum("bqngd,bknd->bqngk", qg, k_blk, preferred_element_type=jnp.float32) * scale
-    visible = _visible(first + jnp.arange(rows), start + jnp.arange(block), window)
+    visible = key_mask(first + jnp.arange(rows), start + jnp.arange(block), window)
     return scores, visible[None, :, None, None, :]
 
 

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from testbed.runner.attention import block_grads, online_softmax_step
+from testbed.runner.attention import block_grads, key_mask, online_softmax_step
 from testbed.plan.context import context_order
 
 __all__ = ["ring_attention", "zigzag_positions", "ContextShards", "context_shards"]
@@ -64,21 +64,23 @@ def _blocks(length: int, block: int | None) -> int:
     return length if block is None else math.gcd(block, length)
 
 
-def _scores(qg: jax.Array, k: jax.Array, qpos: jax.Array, kpos: jax.Array, scale: float) -> tuple:
-    """fp32 scores ``[b, sq, kv_heads, group, sk]`` and the causal visibility (global positions)."""
+def _scores(qg: jax.Array, k: jax.Array, qpos: jax.Array, kpos: jax.Array, scale: float,
+            window: int | None = None) -> tuple:
+    """fp32 scores ``[b, sq, kv_heads, group, sk]`` and the causal visibility (global positions), within a
+    sliding ``window`` of keys when one is set (masked: every block is still computed)."""
     scores = jnp.einsum("bqngd,bknd->bqngk", qg, k, preferred_element_type=jnp.float32) * scale
-    return scores, (qpos[:, None] >= kpos[None, :])[None, :, None, None, :]
+    return scores, key_mask(qpos, kpos, window)[None, :, None, None, :]
 
 
 def _fwd_keys(carry: tuple, qg: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array,
-              block: int | None, scale: float) -> tuple:
+              block: int | None, scale: float, window: int | None = None) -> tuple:
     """The online-softmax carry ``(row max, row sum, acc)`` of ``qg``'s rows after the keys ``k``, ``v``."""
     kb = _blocks(k.shape[1], block)
 
     def step(carry: tuple, j: jax.Array) -> tuple:
         k_blk = jax.lax.dynamic_slice_in_dim(k, j * kb, kb, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(v, j * kb, kb, axis=1)
-        scores, visible = _scores(qg, k_blk, qpos, jax.lax.dynamic_slice_in_dim(kpos, j * kb, kb), scale)
+        scores, visible = _scores(qg, k_blk, qpos, jax.lax.dynamic_slice_in_dim(kpos, j * kb, kb), scale, window)
         return online_softmax_step(carry, jnp.where(visible, scores, -jnp.inf), v_blk), None
 
     n = k.shape[1] // kb
@@ -88,14 +90,14 @@ def _fwd_keys(carry: tuple, qg: jax.Array, k: jax.Array, v: jax.Array, qpos: jax
 
 
 def _bwd_keys(qg: jax.Array, gg: jax.Array, lse: jax.Array, delta: jax.Array, k: jax.Array, v: jax.Array,
-              qpos: jax.Array, kpos: jax.Array, block: int | None, scale: float) -> tuple:
+              qpos: jax.Array, kpos: jax.Array, block: int | None, scale: float, window: int | None = None) -> tuple:
     """fp32 (dq of ``qg``'s rows, dk, dv of the keys ``k``, ``v``), recomputing probabilities from ``lse``."""
     kb = _blocks(k.shape[1], block)
 
     def step(dq: jax.Array, j: jax.Array) -> tuple:
         k_blk = jax.lax.dynamic_slice_in_dim(k, j * kb, kb, axis=1)
         v_blk = jax.lax.dynamic_slice_in_dim(v, j * kb, kb, axis=1)
-        scores, visible = _scores(qg, k_blk, qpos, jax.lax.dynamic_slice_in_dim(kpos, j * kb, kb), scale)
+        scores, visible = _scores(qg, k_blk, qpos, jax.lax.dynamic_slice_in_dim(kpos, j * kb, kb), scale, window)
         dq_blk, dk, dv = block_grads(qg, gg, k_blk, v_blk, scores, visible, lse, delta, scale)
         return dq + dq_blk, (dk, dv)
 
@@ -119,7 +121,8 @@ def _rows(tree: tuple, start: int, stop: int | None = None) -> tuple:
     return tuple(x[:, start:stop] for x in tree)
 
 
-def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, block: int | None) -> tuple:
+def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, block: int | None,
+                  window: int | None = None) -> tuple:
     """(output in q's dtype ``[b, s, heads, d]``, fp32 row log-sum-exp ``[b, s, kv_heads, group]``)."""
     b, s, heads, d = q.shape
     kv_heads, size = k.shape[2], jax.lax.axis_size(axis)
@@ -129,17 +132,17 @@ def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, block: in
     stats = (b, s, kv_heads, heads // kv_heads)
     carry = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
              jnp.zeros((*stats, d), jnp.float32))
-    carry = _fwd_keys(carry, qg, k, v, qpos, qpos, block, scale)   # step 0: the diagonal chunk pairs
+    carry = _fwd_keys(carry, qg, k, v, qpos, qpos, block, scale, window)   # step 0: the diagonal chunk pairs
     for t in range(1, size):
         k, v = _shift((k, v), axis, size)
         src = (rank - t) % size
         kpos = zigzag_positions(s, size, src)
 
         def earlier(carry: tuple, k=k, v=v, kpos=kpos) -> tuple:  # all rows see the first K/V chunk only
-            return _fwd_keys(carry, qg, k[:, :cs], v[:, :cs], qpos, kpos[:cs], block, scale)
+            return _fwd_keys(carry, qg, k[:, :cs], v[:, :cs], qpos, kpos[:cs], block, scale, window)
 
         def later(carry: tuple, k=k, v=v, kpos=kpos) -> tuple:    # the second query chunk sees all K/V
-            tail = _fwd_keys(_rows(carry, cs), qg[:, cs:], k, v, qpos[cs:], kpos, block, scale)
+            tail = _fwd_keys(_rows(carry, cs), qg[:, cs:], k, v, qpos[cs:], kpos, block, scale, window)
             return tuple(jnp.concatenate([head, new], axis=1) for head, new in zip(_rows(carry, 0, cs), tail))
 
         carry = jax.lax.cond(src < rank, earlier, later, carry)
@@ -148,17 +151,17 @@ def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, block: in
     return out, row_max + jnp.log(row_sum)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, block: int | None) -> jax.Array:
-    return _ring_forward(q, k, v, axis, block)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, block: int | None, window: int | None) -> jax.Array:
+    return _ring_forward(q, k, v, axis, block, window)[0]
 
 
-def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, block: int | None) -> tuple:
-    out, lse = _ring_forward(q, k, v, axis, block)
+def _ring_fwd(q: jax.Array, k: jax.Array, v: jax.Array, axis: str, block: int | None, window: int | None) -> tuple:
+    out, lse = _ring_forward(q, k, v, axis, block, window)
     return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(axis: str, block: int | None, res: tuple, g: jax.Array) -> tuple:
+def _ring_bwd(axis: str, block: int | None, window: int | None, res: tuple, g: jax.Array) -> tuple:
     q, k, v, out, lse = jax.lax.optimization_barrier(res)
     b, s, heads, d = q.shape
     kv_heads, size = k.shape[2], jax.lax.axis_size(axis)
@@ -167,7 +170,7 @@ def _ring_bwd(axis: str, block: int | None, res: tuple, g: jax.Array) -> tuple:
     qg, gg, qpos = _grouped(q, kv_heads), _grouped(g, kv_heads), zigzag_positions(s, size, rank)
     # D_i = sum_d dO_i O_i: the softmax backward's row term (FlashAttention-2, Algorithm 2).
     delta = jnp.sum(gg.astype(jnp.float32) * _grouped(out, kv_heads).astype(jnp.float32), axis=-1)
-    dq, dk, dv = _bwd_keys(qg, gg, lse, delta, k, v, qpos, qpos, block, scale)
+    dq, dk, dv = _bwd_keys(qg, gg, lse, delta, k, v, qpos, qpos, block, scale, window)
     for t in range(1, size):
         k, v, dk, dv = _shift((k, v, dk, dv), axis, size)   # the accumulators travel with their K/V
         src = (rank - t) % size
@@ -175,13 +178,14 @@ def _ring_bwd(axis: str, block: int | None, res: tuple, g: jax.Array) -> tuple:
 
         def earlier(acc: tuple, k=k, v=v, kpos=kpos) -> tuple:
             dq, dk, dv = acc
-            dq_t, dk_t, dv_t = _bwd_keys(qg, gg, lse, delta, k[:, :cs], v[:, :cs], qpos, kpos[:cs], block, scale)
+            dq_t, dk_t, dv_t = _bwd_keys(qg, gg, lse, delta, k[:, :cs], v[:, :cs], qpos, kpos[:cs], block, scale,
+                                         window)
             return dq + dq_t, dk.at[:, :cs].add(dk_t), dv.at[:, :cs].add(dv_t)
 
         def later(acc: tuple, k=k, v=v, kpos=kpos) -> tuple:
             dq, dk, dv = acc
             dq_t, dk_t, dv_t = _bwd_keys(qg[:, cs:], gg[:, cs:], lse[:, cs:], delta[:, cs:], k, v, qpos[cs:],
-                                         kpos, block, scale)
+                                         kpos, block, scale, window)
             return dq.at[:, cs:].add(dq_t), dk + dk_t, dv + dv_t
 
         dq, dk, dv = jax.lax.cond(src < rank, earlier, later, (dq, dk, dv))
@@ -194,15 +198,16 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis: str = "context",
-                   block: int | None = None) -> jax.Array:
+                   block: int | None = None, window: int | None = None) -> jax.Array:
     """Causal attention of this context rank's rows against the whole sequence (inside a map manual over
-    ``axis``); rows in zigzag order, see the module. ``block``: flash attention's key block, or None."""
+    ``axis``); rows in zigzag order, see the module. ``block``: flash attention's key block, or None;
+    ``window``: a sliding window of keys (masked by global position; every ring block is still computed)."""
     s = q.shape[1]
     if s % 2:
         raise ValueError(f"ring attention needs an even number of local rows (two zigzag chunks), got {s}")
     if block is not None and block < 1:
         raise ValueError(f"ring attention's block must be positive, got {block}")
-    return _ring(q, k, v, axis, block)
+    return _ring(q, k, v, axis, block, window)
 
 
 class ContextShards:
@@ -221,7 +226,7 @@ class ContextShards:
     def __init__(self, plan: Any, mesh: Any):
         from testbed.plan.context import context_order
 
-        self.mesh, self.size = mesh, plan.mesh.context
+        self.mesh, self.size, self.window = mesh, plan.mesh.context, plan.model.sliding_window
         #: The zigzag permutation of the sequence positions (numpy, static).
         self.order = context_order(plan.model.seq_len, self.size)
 
@@ -236,8 +241,9 @@ class ContextShards:
         trivial = {name for name, size in mesh.shape.items() if size == 1}
         manual = frozenset({"context"} | trivial) - frozenset(mesh.manual_axes)
         spec = P(None, "context")
-        return jax.shard_map(partial(ring_attention, axis="context", block=block), mesh=mesh, in_specs=(spec,) * 3,
-                             out_specs=spec, axis_names=manual, check_vma=False)(q, k, v)
+        ring = partial(ring_attention, axis="context", block=block, window=self.window)
+        return jax.shard_map(ring, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, axis_names=manual,
+                             check_vma=False)(q, k, v)
 
 
 def context_shards(plan: Any, mesh: Any) -> ContextShards | None:
