@@ -97,8 +97,8 @@ def by_band(rows: list[dict]) -> dict:
 def evaluate_ici(path: Path | str = ICI_CASES) -> list[dict]:
     """Every TPU case of ``path``: predicted (``auto``, or a neighbour send for ``ppermute``) and published time.
 
-    ``error`` is predicted bandwidth over published bandwidth - 1 (= published time / predicted time - 1),
-    the sign convention of the NCCL cases.
+    ``predicted`` and ``published`` are microseconds; ``error`` is predicted bandwidth over published
+    bandwidth - 1 (= published time / predicted time - 1), the sign convention of the NCCL cases.
     """
     data = yaml.safe_load(Path(path).read_text())
     topologies = {name: topology_from_dict(spec, default_name=name)
@@ -117,7 +117,7 @@ def evaluate_ici(path: Path | str = ICI_CASES) -> list[dict]:
         published = float(case["time_us"])
         out.append({"case": case["name"], "source": case["source"], "topology": name, "op": case["op"],
                     "ranks": len(devices), "bytes": nbytes, "band": band(nbytes), "algorithm": algorithm,
-                    "protocol": "", "predicted_us": round(seconds * 1e6, 2), "published_us": published,
+                    "protocol": "", "predicted": round(seconds * 1e6, 2), "published": published,
                     "error": round(published / (seconds * 1e6) - 1, 4)})
     return out
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {**summary(rows), "bands": by_band(rows)}
     ici = evaluate_ici()
     out["tpu_ici"] = {**summary(ici), "bands": by_band(ici),
-                      "results": [{k: r[k] for k in ("case", "algorithm", "predicted_us", "published_us", "error")}
+                      "results": [{k: r[k] for k in ("case", "algorithm", "predicted", "published", "error")}
                                   for r in ici]}
     if not args.no_fit:
         out["multinode_fit"] = fit(leave_one_out=not args.quick)
