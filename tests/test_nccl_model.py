@@ -105,4 +105,4 @@ def test_multinode_fit_leaves_one_node_alone_and_slows_many():
         fitted = nccl_best(superpod, Op.ALL_REDUCE, four, size)
         assert fitted[2] >= own[2]
     with pytest.raises(ValueError):
-        MultiNodeFit(nvls_efficiency=1.5)
+        MultiNodeFit(nvls_tree_efficiency=1.5)
