@@ -89,6 +89,8 @@ def test_shipped_multinode_fit_is_the_fit_over_its_category():
     cases, topologies = module.load_cases()
     points = module._multinode(cases, topologies)
     assert len({p[0]["sweep"] for p in points}) >= 5 and len(points) >= 70
+    # approximate cases (rounded figures, unstated sizes) are reported, never fitted
+    assert any(c.get("approximate") for c in cases) and not any(p[0].get("approximate") for p in points)
     assert module.fit_multinode(points) == MULTINODE_FIT, dataclasses.asdict(module.fit_multinode(points))
 
 
