@@ -33,7 +33,8 @@ from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, parall
                                         program_flows, routed_cost, topology_memo)
 from testbed.collectives.bounds import distinct_groups, lower_bound
 from testbed.collectives.closed_form import closed_form_time
-from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
+from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best
+from testbed.collectives.nccl_loads import nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
 from testbed.collectives.hierarchy import hierarchical_link_loads
 from testbed.collectives.torus import across_slices, disjoint_sub_tori, torus_link_loads
