@@ -75,7 +75,10 @@ class ModelSpec:
     (``kv_heads`` 1: multi-query); ``mlp``, ``norm``, ``position`` and
     ``bias`` choose the Llama family's pieces; ``attention`` plain or flash
     (``attention_block``: flash's K/V block, default :attr:`flash_block`'s rule). ``dropout`` is a rate the
-    memory model counts masks for (the runner trains at rate 0).
+    memory model counts masks for (the runner trains at rate 0). ``head_dim`` sets one head's width apart
+    from ``d_model / heads`` (:attr:`head_size`, :attr:`q_dim`), ``parallel_block`` is PaLM's block (one
+    norm; attention and MLP added to the residual together), ``sliding_window`` local attention
+    (:attr:`score_rows`: the query rows each K/V block is scored against).
 
     ``vocab`` is the tokenizer's vocabulary; the token table and head have
     :attr:`padded_vocab` rows. ``pad_vocab_to`` None is the automatic rule
