@@ -7,12 +7,13 @@ Categories:
 - ``end_to_end``: Megatron-LM training throughput (benchmarks/published/end_to_end.py,
   Narayanan et al. 2021 Table 1 in megatron.yaml), predicted vs published TFLOP/s per GPU;
 - ``runs``: other stacks' training throughput (benchmarks/published/runs.py, runs.yaml:
-  Megatron-Bridge/NeMo and torchtitan on H100, BF16 and FP8), predicted vs published tokens/s per GPU;
+  Megatron-Bridge/NeMo, torchtitan, llm-foundry, Megatron-DeepSpeed, Meta's Llama 3 and MaxText on A100,
+  H100 and TPU v5p, BF16 and FP8, dense and MoE, 8 to 16,384 devices), predicted vs published tokens/s per device;
 - ``memory``: model states per device under ZeRO 1-3 (benchmarks/published/memory.py,
   Rajbhandari et al. 2020 Table 1 in zero_memory.yaml), predicted vs published GB.
 
 Prints ``{"categories": {NAME: {cases, median_abs_error, max_abs_error}}, "end_to_end_by":
-{stack|device|precision|scale: {VALUE: {...}}}, "collective_bands": {BAND: {...}}, "results":
+{stack|device|precision|scale|architecture: {VALUE: {...}}}, "collective_bands": {BAND: {...}}, "results":
 {NAME: [{case, predicted, published, error}, ...]}}``; error is predicted / published - 1.
 ``end_to_end_by`` pools ``end_to_end`` (Megatron-LM, A100, BF16) and ``runs``.
 The largest Megatron rows take about a minute each to simulate.
@@ -39,7 +40,7 @@ CATEGORIES = {"collectives": published_collectives.evaluate, "end_to_end": publi
 UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU", "runs": "tokens/s per GPU",
          "memory": "GB of model states per device"}
 #: What the Megatron-LM SC21 Table 1 rows are, in the runs' categories (megatron.yaml).
-_TABLE1 = {"stack": "megatron-lm", "device": "A100", "precision": "bf16"}
+_TABLE1 = {"stack": "megatron-lm", "device": "A100", "precision": "bf16", "architecture": "dense"}
 
 
 def run(only: list[str] | None = None) -> dict:

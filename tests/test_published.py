@@ -162,4 +162,4 @@ def test_runs_cases_build_and_state_their_categories():
             for e, s, g in ((0.1, "a", 8), (-0.3, "a", 512), (0.2, "b", 1024))]
     by = runs.by_category(rows)
     assert by["stack"]["a"] == {"cases": 2, "median_abs_error": 0.2, "max_abs_error": 0.3, "median_signed_error": -0.1}
-    assert set(by["scale"]) == {"<=64", "65-512", ">512"}
+    assert set(by["scale"]) == {"<=64", "65-512", "513-4096"}
