@@ -18,13 +18,15 @@ sys.path.insert(0, str(PUBLISHED))
 import runs  # noqa: E402
 
 CASES, INLINE = runs.load_cases()
-#: Pipeline work items (stages x microbatches x chunks) above which a case takes seconds to simulate.
+#: Pipeline work items (stages x microbatches x chunks) or devices from which a case takes seconds to simulate.
 HEAVY_ITEMS = 512
+HEAVY_DEVICES = 512
 
 
 def _heavy(case: dict) -> bool:
     plan = runs.case_plan(case)
-    return plan.mesh.stage * plan.batch.microbatches * plan.schedule.virtual_stages > HEAVY_ITEMS
+    items = plan.mesh.stage * plan.batch.microbatches * plan.schedule.virtual_stages
+    return items > HEAVY_ITEMS or plan.mesh.size >= HEAVY_DEVICES
 
 
 def _params():
