@@ -250,17 +250,20 @@ def test_runner_matches_reference(model: dict, mesh: dict) -> None:
     assert result["ok"] and max(errors["loss_rel"]) <= 1e-5 and max(errors["grad_rel"]) <= 1e-5, errors
 
 
-@pytest.mark.parametrize("options", [dict(head_dim=32), dict(parallel_block=True),
-                                     dict(attention="flash", attention_block=16, sliding_window=16)],
-                         ids=["head-dim", "parallel", "flash-window"])
-def test_memory_matches_xla(options: dict) -> None:
-    """The memory model within 5% of XLA's compiled bytes for the runner's step (4 data-parallel replicas, 2
-    microbatches), as for the dense and flash models of tests/test_compiled_memory.py."""
+@pytest.mark.parametrize("options, mesh", [
+    (dict(head_dim=32), dict(data=4)), (dict(parallel_block=True), dict(data=4)),
+    (dict(parallel_block=True), dict(data=2, tensor=2)),
+    (dict(attention="flash", attention_block=16, sliding_window=16), dict(data=4)),
+], ids=["head-dim", "parallel", "parallel-tp", "flash-window"])
+def test_memory_matches_xla(options: dict, mesh: dict) -> None:
+    """The memory model within 5% of XLA's compiled bytes for the runner's step (2 microbatches), as for the
+    dense and flash models of tests/test_compiled_memory.py; the parallel block on 2 tensor ranks through
+    testbed.runner.parallel.TensorShards' maps."""
     from testbed.runner.measure import compiled_memory
     from testbed.runner.train import build_trainer
 
     spec = ModelSpec(layers=2, d_model=64, heads=4, d_ff=256, seq_len=64, vocab=128, **options)
-    plan = _plan(spec, data=4, batch=16, mb=2)
+    plan = _plan(spec, batch=16, mb=2, **mesh)
     trainer = build_trainer(plan, dev.select_devices(plan.mesh.size))
     measured = compiled_memory(trainer, trainer.init())
     predicted = memory_breakdown(plan, load_topology("host-cpu-8")).total
