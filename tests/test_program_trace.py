@@ -45,6 +45,27 @@ def test_a_megatron_mlp_on_data_x_tensor_is_read_per_device() -> None:
     assert w.memory["arguments"] == (2 * d * local_h + local_rows * d) * 4
 
 
+def test_an_adam_update_is_one_multi_output_fusion() -> None:
+    """optax's AdamW over an fp32 master from bf16 gradients: XLA fuses the moments' and the parameters'
+    updates into one kernel with several outputs, so each parameter costs its reads (bf16 gradient, fp32
+    master and two moments: 14 bytes) and writes (master, moments, bf16 copy: 14 bytes) once - the 28 bytes
+    plan-driven simulation charges (testbed.sim.facts: grad + param + 2 x (4 + 4 x moments)). The new
+    moments, written because the step returns them, are not read back."""
+    import optax
+
+    n, tx = 1 << 16, optax.adamw(1e-3)
+
+    def update(master, mu, nu, count, grads):
+        state = (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), optax.EmptyState(), optax.EmptyState())
+        updates, (adam, *_) = tx.update(grads.astype(jnp.float32), state, master)
+        master = optax.apply_updates(master, updates)
+        return master.astype(jnp.bfloat16), master, adam.mu, adam.nu, adam.count
+
+    w = trace(jax.jit(update), *(sd((n,), jnp.float32),) * 3, sd((), jnp.int32), sd((n,), jnp.bfloat16),
+              mesh={"data": 1})
+    assert sum(op.hbm_bytes for op in w.ops) == pytest.approx(28 * n, rel=1e-3)
+
+
 def test_a_pmap_step_is_a_shard_map_over_one_axis() -> None:
     sys.path.insert(0, str(EXAMPLES / "predict"))
     try:

@@ -25,13 +25,16 @@ _SINKS = frozenset({"gemm", "collective", "while", "call", "case", "region"})
 
 @dataclass(frozen=True, slots=True)
 class _Val:
-    """What a consumer of a value needs: the ops it depends on, whether it lives in HBM, its bytes there, and
-    (a value inside a fusion) the HBM values its fusion has read already (read once per fusion)."""
+    """What a consumer of a value needs: the ops it depends on, whether it lives in HBM, its bytes there,
+    (a value inside a fusion) the HBM values its fusion has read already (read once per fusion), and
+    whether it is an output of an elementwise fusion (``output``: written to HBM because a matmul, a
+    collective or the return needs it, still in registers for elementwise consumers that fuse with it)."""
 
     deps: frozenset
     materialized: bool
     read: int
     fused: frozenset = frozenset()
+    output: bool = False
 
 
 _EMPTY = _Val(frozenset(), False, 0)
@@ -111,12 +114,16 @@ class _Emitter:
             self.structure(node)
 
     def memory(self, node: Node, sunk: frozenset) -> None:
+        """An elementwise or data-movement op: the materialized values its fusion has not read yet, plus the
+        results it must write. A fusion's output that an HBM reader also needs is written once and stays
+        fusible for elementwise consumers (XLA's multi-output fusion: Adam's new moments are written and
+        read by the parameter update in one kernel)."""
         env = self.env
         reads = 0
         vals = [env.get(o, _EMPTY) for o in node.operands]
-        fused = frozenset().union(*(v.fused for v in vals if not v.materialized))
+        fused = frozenset().union(*(v.fused for v in vals if not v.materialized or v.output))
         for o, r, val in zip(node.operands, node.reads, vals):
-            if val.materialized and o not in fused:
+            if val.materialized and not val.output and o not in fused:
                 reads += val.read if r is None else r
                 fused = fused | {o}
         kept = [root or r in sunk for r, root in zip(node.results, node.roots)]
@@ -125,8 +132,8 @@ class _Emitter:
         if reads + writes > 0:
             deps = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.MEMORY, deps=tuple(sorted(deps)),
                                      hbm_bytes=float(reads + writes), count=self.count))
-        for r, w, k in zip(node.results, node.writes, kept):
-            env[r] = _Val(deps, k, w if k else 0, frozenset() if k else fused)
+        for r, w, k, root in zip(node.results, node.writes, kept, node.roots):
+            env[r] = _Val(deps, k, w if k else 0, fused if not root else frozenset(), output=k and not root)
 
     def structure(self, node: Node) -> None:
         """Loops, conditionals, shard_map bodies and calls: their blocks run with the node's operands."""
