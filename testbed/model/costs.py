@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from testbed.errors import InputError
 from testbed.model import layout, moe, ring
 from testbed.model.layout import chunk_layers
-from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Precision, Remat
+from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Position, Precision, Remat
 
 __all__ = [
     "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "padded_param_count", "chunk_layers",
@@ -354,11 +354,18 @@ class ChunkCost:
     tensor is 1): 2 per layer forward (after the out projection and the MLP)
     and 2 per layer backward (gradients into QKV and MLP-in), plus 1 forward
     for the vocab-parallel embedding and 1 backward for the head's input
-    gradient. The vocab-parallel loss's three all-reduces of ``N`` fp32 values
-    are tiny and not counted. With ``sequence_parallel`` each becomes an
-    all-gather and a reduce-scatter (:meth:`tensor_collectives`, the one place
-    both the task graph and the analytic tier read), the residual stream's
-    traffic and ``activation_out_bytes`` are ``1/t`` per rank.
+    gradient. With ``sequence_parallel`` each becomes an all-gather and a
+    reduce-scatter (:meth:`tensor_collectives`), the residual stream's traffic
+    and ``activation_out_bytes`` are ``1/t`` per rank. Two more tensor
+    collectives of other sizes (:meth:`tensor_transfers`, the one place both the
+    task graph and the analytic tier read): the vocab-parallel loss's three
+    all-reduces of the ``N`` tokens' fp32 values (the logits' maximum and the
+    target's logit, merged as XLA's combiner does, then the sum of
+    exponentials; ``loss_allreduce_bytes`` each), and with
+    sequence parallelism and a learned position table the backward's
+    all-gather of its gradient (``position_gather_bytes``: the runner adds
+    the positions to each rank's sequence shard, so each rank holds the
+    gradient of its rows of the table).
     """
 
     layers: int
@@ -379,6 +386,8 @@ class ChunkCost:
     has_embedding: bool
     has_head: bool
     sequence_parallel: bool = False
+    loss_allreduce_bytes: int = 0
+    position_gather_bytes: int = 0
 
     @property
     def backward_flops(self) -> int:
@@ -415,6 +424,20 @@ class ChunkCost:
             return (("all_gather", 2 * layers + head), ("reduce_scatter", 2 * layers + embed))
         return (("all_gather", 2 * layers + embed + (2 * layers if full else 0)),
                 ("reduce_scatter", 2 * layers + head + (layers if full else 0)))
+
+
+    def tensor_transfers(self, kind: str, remat: Remat | str) -> tuple[tuple[str, int, int], ...]:
+        """``(op, count, bytes per collective)`` of every tensor-axis collective one ``F``, ``B`` or ``W`` action
+        runs: :meth:`tensor_collectives` (each ``tensor_allreduce_bytes``), then the head's forward adds the
+        vocab-parallel loss's three all-reduces and the embedding's backward the position table's gradient
+        all-gather (class docstring)."""
+        out = [(op, count, self.tensor_allreduce_bytes) for op, count in self.tensor_collectives(kind, remat)]
+        if kind == "F" and self.loss_allreduce_bytes:  # the maximum's and the target's, independent, merged by
+            # XLA's all-reduce combiner; then the sum of exponentials (it needs the maximum)
+            out += [("all_reduce", 1, 2 * self.loss_allreduce_bytes), ("all_reduce", 1, self.loss_allreduce_bytes)]
+        if kind == "B" and self.position_gather_bytes:
+            out.append(("all_gather", 1, self.position_gather_bytes))
+        return tuple(out)
 
 
 def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
@@ -472,7 +495,10 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
         tensor_allreduces_forward=(2 * layers + int(embed)) if tp else 0,
         tensor_allreduces_backward=(2 * layers + int(head)) if tp else 0,
-        has_embedding=embed, has_head=head, sequence_parallel=sp)
+        has_embedding=embed, has_head=head, sequence_parallel=sp,
+        loss_allreduce_bytes=LOSS_BYTES * b * spec.seq_len if tp and head else 0,
+        position_gather_bytes=spec.seq_len * spec.d_model * c
+        if tp and sp and embed and spec.position is Position.LEARNED else 0)
 
 
 def model_flops_per_step(plan: Plan) -> float:

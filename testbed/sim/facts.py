@@ -54,7 +54,7 @@ class ActionWork:
     """One F/B/W action of one chunk, one microbatch: its work, collectives, MoE chain, ring part and sends.
 
     ``work`` is (FLOPs, HBM bytes, replicated activation bytes, split activation bytes) (:func:`action_work`);
-    ``tensor`` its tensor collectives as ``(op, count)``; ``chain`` the per-layer MoE chain under expert
+    ``tensor`` its tensor collectives as ``(op, count, bytes each)``; ``chain`` the per-layer MoE chain under expert
     parallelism (testbed.sim.moe; empty without), after the ring when context parallelism plays one too;
     ``ring_work`` and ``ring_gemms`` what the ring plays (all the work, or all but the routed and shared
     experts' when there is a chain); ``sends`` the (destination stage, its chunk, bytes) it produces.
@@ -62,7 +62,7 @@ class ActionWork:
 
     kind: str
     work: tuple[float, float, float, float]
-    tensor: tuple[tuple[str, int], ...]
+    tensor: tuple[tuple[str, int, int], ...]
     gemms: tuple[Gemm, ...]
     chain: tuple[Piece, ...]
     ring_work: tuple[float, float, float, float]
@@ -274,7 +274,7 @@ def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction
 
 
 def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
-                ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int], ...]]:
+                ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
     """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
 
     The backward writes about twice the forward's activation traffic (the
@@ -283,19 +283,19 @@ def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
     each layer's forward up to the MLP down projection in the backward, so
     the attention output's tensor all-reduce runs again (one per layer);
     selective remat redoes no all-reduce. The tensor collectives are
-    ``(op, count)`` pairs from :meth:`testbed.model.costs.ChunkCost.tensor_collectives`
-    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters).
+    ``(op, count, bytes each)`` from :meth:`testbed.model.costs.ChunkCost.tensor_transfers`
+    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters; the loss's all-reduces).
     """
     forward = cost.forward_traffic
     if kind == "F":
         return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
-            cost.tensor_collectives("F", remat)
+            cost.tensor_transfers("F", remat)
     if kind == "B":
         flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
         times = 1 if split else 2
         traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
-        return float(flops), float(hbm), traffic, cost.tensor_collectives("B", remat)
+        return float(flops), float(hbm), traffic, cost.tensor_transfers("B", remat)
     return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
 
 
