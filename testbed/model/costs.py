@@ -356,16 +356,8 @@ class ChunkCost:
     for the vocab-parallel embedding and 1 backward for the head's input
     gradient. With ``sequence_parallel`` each becomes an all-gather and a
     reduce-scatter (:meth:`tensor_collectives`), the residual stream's traffic
-    and ``activation_out_bytes`` are ``1/t`` per rank. Two more tensor
-    collectives of other sizes (:meth:`tensor_transfers`, the one place both the
-    task graph and the analytic tier read): the vocab-parallel loss's three
-    all-reduces of the ``N`` tokens' fp32 values (the logits' maximum and the
-    target's logit, merged as XLA's combiner does, then the sum of
-    exponentials; ``loss_allreduce_bytes`` each), and with
-    sequence parallelism and a learned position table the backward's
-    all-gather of its gradient (``position_gather_bytes``: the runner adds
-    the positions to each rank's sequence shard, so each rank holds the
-    gradient of its rows of the table).
+    and ``activation_out_bytes`` are ``1/t`` per rank. The loss's and the position
+    table's tensor collectives: testbed.sim.facts.tensor_transfers.
     """
 
     layers: int
@@ -424,20 +416,6 @@ class ChunkCost:
             return (("all_gather", 2 * layers + head), ("reduce_scatter", 2 * layers + embed))
         return (("all_gather", 2 * layers + embed + (2 * layers if full else 0)),
                 ("reduce_scatter", 2 * layers + head + (layers if full else 0)))
-
-
-    def tensor_transfers(self, kind: str, remat: Remat | str) -> tuple[tuple[str, int, int], ...]:
-        """``(op, count, bytes per collective)`` of every tensor-axis collective one ``F``, ``B`` or ``W`` action
-        runs: :meth:`tensor_collectives` (each ``tensor_allreduce_bytes``), then the head's forward adds the
-        vocab-parallel loss's three all-reduces and the embedding's backward the position table's gradient
-        all-gather (class docstring)."""
-        out = [(op, count, self.tensor_allreduce_bytes) for op, count in self.tensor_collectives(kind, remat)]
-        if kind == "F" and self.loss_allreduce_bytes:  # the maximum's and the target's, independent, merged by
-            # XLA's all-reduce combiner; then the sum of exponentials (it needs the maximum)
-            out += [("all_reduce", 1, 2 * self.loss_allreduce_bytes), ("all_reduce", 1, self.loss_allreduce_bytes)]
-        if kind == "B" and self.position_gather_bytes:
-            out.append(("all_gather", 1, self.position_gather_bytes))
-        return tuple(out)
 
 
 def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
