@@ -123,6 +123,27 @@ def test_a_scan_is_unrolled_or_counted_with_its_trip_count() -> None:
     assert any("priced as its body repeated" in a for a in w.assumptions)
 
 
+def test_a_collective_repeats_in_every_iteration_but_not_twice_in_one() -> None:
+    """A loop's body gathers a loop-invariant shard again in every iteration (XLA runs a while body's
+    collectives each time), while the same gather of the same value twice in one body runs once (XLA's
+    common-subexpression elimination, as for a checkpoint's recomputed gather)."""
+    trips, rows, d = 4, 8, 16
+
+    def step(w, xs):
+        def body(total, x):
+            full = lax.all_gather(w, "data", tiled=True)
+            again = lax.all_gather(w, "data", tiled=True)
+            return total + jnp.sum(x @ full) + jnp.sum(x @ again), None
+
+        return lax.scan(body, jnp.zeros(()), xs)[0]
+
+    mesh = abstract_mesh({"data": 4})
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P()), out_specs=P(), check_vma=False)
+    w = trace(mapped, sd((d, d), jnp.float32), sd((trips, rows, d), jnp.float32), mesh=mesh)
+    gathers = [op for op in w.ops if op.kind is OpKind.COLLECTIVE and op.collective == "all_gather"]
+    assert sum(op.count for op in gathers) == trips and all(op.nbytes == d * d * 4 for op in gathers)
+
+
 def test_a_convolution_is_priced_as_its_implicit_gemm() -> None:
     def conv(x, k):
         return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))

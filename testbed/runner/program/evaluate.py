@@ -55,7 +55,8 @@ class _Emitter:
         self.sunk: dict[int, frozenset] = {}
         self.notes: list[str] = []
         self.barriers = 0  # matmuls and collectives emitted: a multi-output fusion does not reach past one
-        self.computed: dict = {}  # (collective, result bytes, operand identities) -> (operands, results)
+        self.computed: dict = {}  # (scope, collective, result bytes, operand identities) -> (operands, results)
+        self.scope = self.scopes = 0  # one per loop iteration walked: XLA runs a while body's collectives each time
 
     def sinks(self, block: Block) -> frozenset:
         """Values of ``block`` that a HBM-reading consumer (or the terminator) reads, through passthroughs."""
@@ -118,7 +119,7 @@ class _Emitter:
         Megatron's sequence parallelism does for the weight gradient, reuses the forward's gather; the
         compiled step has none: tests/test_check_sharding.py)."""
         vals = [self.env.get(o, _EMPTY) for o in node.operands]
-        key = (node.collective, tuple(node.writes), tuple(map(id, vals)))
+        key = (self.scope, node.collective, tuple(node.writes), tuple(map(id, vals)))
         if vals and _EMPTY not in vals and key in self.computed:
             for r, v in zip(node.results, self.computed[key][1]):
                 self.env[r] = v
@@ -162,15 +163,19 @@ class _Emitter:
         args = [self.env.get(o, _EMPTY) for o in node.operands]
         if node.kind == "while":
             body = node.blocks[0]
+            outer = self.scope
             if self.visits + node.trips * body.size <= UNROLL_NODES:
                 for _ in range(node.trips):
+                    self.scope = self.scopes = self.scopes + 1
                     args = self.run(body, args)
             else:
                 self.notes.append(f"a loop of {node.trips} iterations priced as its body repeated back to back "
                                   f"(unrolled it would exceed {UNROLL_NODES} ops)")
                 saved, self.count = self.count, self.count * node.trips
+                self.scope = self.scopes = self.scopes + 1
                 args = self.run(body, args)
                 self.count = saved
+            self.scope = outer
             out = [_Val(a.deps, True, a.read) for a in args]
         elif node.kind == "case":
             out = self.run(max(node.blocks, key=_block_cost), [])  # branches capture, they take no arguments
