@@ -1,15 +1,12 @@
 """Analytic GPT model: parameter counts, FLOPs, bytes and the split over stages.
 
-The parameters are those of ``testbed.model.layout``'s table (the JAX twin,
-``testbed/runner/model.py``, builds the same table): every count here is a sum
-over it, so the two cannot drift. In short: a token table and a learned
-position table (stage 0, chunk 0), ``layers`` pre-LayerNorm blocks (LN1,
-fused QKV ``d x 3d``, out projection ``d x d``, LN2, MLP ``d x d_ff`` and
-``d_ff x d``, all with biases, GELU), and a head (final LN plus an output
-projection ``d x vocab`` without bias, omitted when ``tied_embeddings``) on
-the last stage's last chunk. With tied embeddings on another chunk than the
-embedding's, that chunk holds a copy of the token table (its gradient is
-all-reduced with stage 0's), so held parameters exceed :func:`param_count`.
+The parameters are those of ``testbed.model.layout``'s table (the JAX twin, ``testbed/runner/model.py``, builds the
+same table): every count here is a sum over it, so the two cannot drift. In short: a token table and a learned
+position table (stage 0, chunk 0), ``layers`` pre-LayerNorm blocks (LN1, fused QKV ``d x 3d``, out projection ``d x
+d``, LN2, MLP ``d x d_ff`` and ``d_ff x d``, all with biases, GELU), and a head (final LN plus an output projection
+``d x vocab`` without bias, omitted when ``tied_embeddings``) on the last stage's last chunk. With tied embeddings
+on another chunk than the embedding's, that chunk holds a copy of the token table (its gradient is all-reduced with
+stage 0's), so held parameters exceed :func:`param_count`.
 
 Tensor parallelism is Megatron's: the table gives each parameter's split
 dim (QKV and MLP-in by columns, out projection and MLP-out by rows, token
@@ -43,7 +40,7 @@ from dataclasses import dataclass, replace
 from testbed.errors import InputError
 from testbed.model import layout, moe, ring
 from testbed.model.layout import chunk_layers
-from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Precision, Remat
+from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Position, Precision, Remat
 
 __all__ = [
     "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "padded_param_count", "chunk_layers",
@@ -165,8 +162,8 @@ def recompute_flops_per_layer(spec: ModelSpec, batch: int, remat: Remat | str, t
 
     selective: the attention scores ``Q K^T`` (the softmax output is dropped;
     ``P V`` need not be redone: its output is kept as the out projection's input).
-    full: the whole block forward except the MLP down projection, whose output
-    only feeds the residual add, which needs nothing saved for its backward.
+    full: the whole block forward except the MLP down projection (and a parallel block's out projection), whose
+    output only feeds the residual add, which needs nothing saved for its backward.
     With flash attention the backward always recomputes ``Q K^T`` (block by block), with
     or without remat; selective then adds nothing, full the block forward besides.
     """
@@ -179,8 +176,7 @@ def recompute_flops_per_layer(spec: ModelSpec, batch: int, remat: Remat | str, t
     if remat is Remat.SELECTIVE:
         return scores
     dense, attention = _layer_matmul_flops(spec, batch, tensor)
-    # A parallel block's out projection feeds only the residual sum too: not recomputed either.
-    unused = 2 * n * f * d + (2 * n * spec.q_dim * d if spec.parallel_block else 0)
+    unused = 2 * n * f * d + (2 * n * spec.q_dim * d if spec.parallel_block else 0)  # a parallel block's wo too
     return (dense + attention - unused) // tensor + flash
 
 
@@ -361,11 +357,10 @@ class ChunkCost:
     tensor is 1): 2 per layer forward (after the out projection and the MLP) and 2 per layer backward (gradients
     into QKV and MLP-in), 1 each for a parallel block (its two partial sums added first), plus 1 forward
     for the vocab-parallel embedding and 1 backward for the head's input
-    gradient. The vocab-parallel loss's three all-reduces of ``N`` fp32 values
-    are tiny and not counted. With ``sequence_parallel`` each becomes an
-    all-gather and a reduce-scatter (:meth:`tensor_collectives`, the one place
-    both the task graph and the analytic tier read), the residual stream's
-    traffic and ``activation_out_bytes`` are ``1/t`` per rank.
+    gradient. With ``sequence_parallel`` each becomes an all-gather and a
+    reduce-scatter (:meth:`tensor_collectives`), the residual stream's traffic
+    and ``activation_out_bytes`` are ``1/t`` per rank. The loss's and the position
+    table's tensor collectives: testbed.sim.facts.tensor_transfers.
     """
 
     layers: int
@@ -386,6 +381,8 @@ class ChunkCost:
     has_embedding: bool
     has_head: bool
     sequence_parallel: bool = False
+    loss_allreduce_bytes: int = 0
+    position_gather_bytes: int = 0
     parallel_block: bool = False
 
     @property
@@ -480,7 +477,10 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
         tensor_allreduces_forward=(_norms(spec) * layers + int(embed)) if tp else 0,
         tensor_allreduces_backward=(_norms(spec) * layers + int(head)) if tp else 0,
-        has_embedding=embed, has_head=head, sequence_parallel=sp, parallel_block=spec.parallel_block)
+        has_embedding=embed, has_head=head, sequence_parallel=sp,
+        loss_allreduce_bytes=LOSS_BYTES * b * spec.seq_len if tp and head else 0,
+        position_gather_bytes=spec.seq_len * spec.d_model * c
+        if tp and sp and embed and spec.position is Position.LEARNED else 0, parallel_block=spec.parallel_block)
 
 
 def model_flops_per_step(plan: Plan) -> float:
