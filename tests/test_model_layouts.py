@@ -268,3 +268,24 @@ def test_memory_matches_xla(options: dict, mesh: dict) -> None:
     measured = compiled_memory(trainer, trainer.init())
     predicted = memory_breakdown(plan, load_topology("host-cpu-8")).total
     assert abs(predicted - measured) / measured < 0.05
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_traced_step_moves_the_plans_tensor_bytes(parallel: bool, sp: bool) -> None:
+    """The runner's SPMD step, traced (testbed.runner.program) and priced on 32 H100s at TP 8, moves exactly the
+    tensor-axis bytes the plan's model does, with a head width apart from d_model / heads, serial or parallel."""
+    from testbed.plan.placement import place
+    from testbed.plan.spec import MESH_AXES
+    from testbed.runner.program.plans import trace_plan
+    from testbed.sim.engine import simulate
+    from testbed.sim.traced import collective_bytes, simulate_workload
+
+    topology = load_topology("dgx-h100-x4")
+    model = ModelSpec(layers=2, d_model=1024, heads=16, head_dim=96, d_ff=4096, seq_len=1024, vocab=32768,
+                      parallel_block=parallel)
+    plan = _plan(model, data=4, tensor=8, batch=4, precision="bf16-mixed", sequence_parallel=sp)
+    traced, planned = simulate_workload(trace_plan(plan), topology), simulate(plan, topology)
+    ids, names = place(plan, topology).device_ids, tuple(a.value for a in MESH_AXES)
+    moved, expected = (collective_bytes(p.program, ids, names)["tensor"] for p in (traced, planned))
+    assert moved == expected
