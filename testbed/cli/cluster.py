@@ -51,14 +51,14 @@ def require_privilege(field: str = "cluster") -> None:
         raise InputError(f"an emulated cluster cannot be built here: {problem}", field=field)
 
 
-def saved_spec(name: str) -> ClusterSpec:
+def saved_spec(name: str, field: str = "execute") -> ClusterSpec:
     """The spec of a cluster ``testbed cluster up`` built, from its state file."""
     path = state_dir() / f"{name}.json"
     kept = {c.name for c in netns.clusters() if c.owner == "keep"}
     if name not in kept or not path.exists():
         known = ", ".join(sorted(kept)) or "none"
         raise InputError(f"no cluster `{name}` is up (up: {known}); build it with `testbed cluster up {name} "
-                         "--topology T --scale S`", field="execute")
+                         "--topology T --scale S`", field=field)
     state = json.loads(path.read_text())
     return cluster_spec(load_topology(state["topology"]), name=name, scale=state["scale"], mtu=state["mtu"])
 

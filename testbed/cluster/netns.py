@@ -31,7 +31,7 @@ from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
 
 __all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
            "namespaces",
-           "build", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
+           "build", "reshape", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
            "ClusterInfo"]
 
 _NET_ADMIN = 12  # capability bit
@@ -227,6 +227,20 @@ def build(spec: ClusterSpec, owner: str) -> list[str]:
         _delete(made)
         raise
     return made
+
+
+def reshape(spec: ClusterSpec, owner: str, scale: float) -> ClusterSpec:
+    """Change a built cluster's link rates in place to ``scale`` (tbf replaced on every link end); the new spec."""
+    from testbed.cluster.spec import cluster_spec
+
+    new = cluster_spec(spec.topology, name=spec.name, scale=scale, mtu=spec.mtu)
+    fabric = namespace_name(spec.name, owner, "sw")
+    roles = {n.role for n in spec.nodes}
+    for link in new.links:
+        lower_ns = namespace_name(spec.name, owner, link.lower) if link.lower in roles else fabric
+        for ns, dev in ((lower_ns, link.lower_dev), (fabric, link.upper_dev)):
+            _shape(ns, dev, link.rate_bps, spec.mtu)
+    return new
 
 
 @contextlib.contextmanager

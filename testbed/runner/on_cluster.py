@@ -21,7 +21,7 @@ from testbed.cluster.spec import GLOO_ALGORITHMS, ClusterSpec
 from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.collectives.timing import groups_time
 
-__all__ = ["cluster_launch", "collective_sweep"]
+__all__ = ["cluster_launch", "collective_sweep", "cluster_steps", "host_and_shaped_steps"]
 
 _TINY_REPEATS = 15
 
@@ -86,3 +86,38 @@ def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *
                       "across_latency_s": tcp.across_latency_s},
             "overhead_s": overhead, "overhead_call_s": measured[0]["time_s"], "overhead_measured_at_bytes": tiny_bytes,
             "rows": rows}
+
+
+def cluster_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps: int, *,
+                  timeout_s: float | None = 900) -> dict[str, Any]:
+    """``steps`` timed steps of a plan on the cluster: per step the slowest worker's time, and their median."""
+    results = cluster_launch(spec, owner, {"plan": plan_dict, "steps": steps}, timeout_s=timeout_s)
+    per_step = [max(ts) for ts in zip(*[r["step_times_s"] for r in results])]
+    loss = next((r["loss"] for r in results if r.get("loss") is not None), None)
+    return {"step_times_s": per_step, "median_step_s": statistics.median(per_step), "loss": loss,
+            "compile_time_s": results[0].get("compile_time_s")}
+
+
+def host_and_shaped_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps: int, *,
+                          timeout_s: float | None = 900) -> dict[str, Any]:
+    """The plan's step on the cluster's shaped links and on the same links unshaped (the host's part).
+
+    The unshaped run reshapes every link to :data:`testbed.cluster.step.UNSHAPED_RATE_BPS` and back, so
+    the two are timed minutes apart on the same processes' host.
+    """
+    import os
+
+    from testbed.cluster.netns import reshape
+    from testbed.cluster.step import UNSHAPED_RATE_BPS
+
+    loads = [os.getloadavg()[0]]
+    shaped = cluster_steps(spec, owner, plan_dict, steps, timeout_s=timeout_s)
+    loads.append(os.getloadavg()[0])
+    fast = UNSHAPED_RATE_BPS / min(link.rate_bps for link in spec.links) * spec.scale
+    reshape(spec, owner, fast)
+    try:
+        host = cluster_steps(spec, owner, plan_dict, steps, timeout_s=timeout_s)
+    finally:
+        reshape(spec, owner, spec.scale)
+    loads.append(os.getloadavg()[0])
+    return {"shaped": shaped, "unshaped": host, "load": loads}
