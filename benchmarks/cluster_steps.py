@@ -33,7 +33,8 @@ from testbed.plan.io import load_plan, plan_to_dict
 from testbed.topology.io import load_topology
 
 TOPOLOGY = "eth-4x2"
-PLANS = [str(p) for p in sorted((Path(__file__).parent / "cluster_plans").glob("*.yaml"))]
+PLAN_DIR = Path(__file__).parent / "cluster_plans"
+PLANS = sorted(p.name for p in PLAN_DIR.glob("*.yaml"))  # saved runs name them by file name
 
 
 def _spec(topology, rate_mbps: float):
@@ -50,7 +51,8 @@ def measure(rates: list[float], plans: list[str], steps: int) -> dict:
         spec = _spec(topology, rate)
         with netns.ephemeral(spec) as owner:
             calibration = measure_collectives(spec, owner, max_call_s=1.5)
-            timed = {path: host_and_shaped_steps(spec, owner, plan_to_dict(load_plan(path)), steps) for path in plans}
+            timed = {name: host_and_shaped_steps(spec, owner, plan_to_dict(load_plan(str(PLAN_DIR / name))), steps)
+                     for name in plans}
         runs.append({"rate_mbps": rate, "calibration": calibration, "steps": timed})
         print(json.dumps({"rate_mbps": rate, "load": {p: t["load"] for p, t in timed.items()}}), file=sys.stderr,
               flush=True)
@@ -66,8 +68,8 @@ def predictions(doc: dict) -> list[dict]:
         probe = HostProbe.from_dict(run["calibration"]["probe"])
         costs = fit_host_costs(spec, probe, run["calibration"]["rows"])
         calibrated = emulated(spec, probe, costs)
-        for path, timed in run["steps"].items():
-            plan = load_plan(path)
+        for name, timed in run["steps"].items():
+            plan = load_plan(str(PLAN_DIR / Path(name).name))
             prediction = predict_step(plan, calibrated, timed["unshaped"]["median_step_s"])
             measured = timed["shaped"]["median_step_s"]
             rows.append({"rate_mbps": run["rate_mbps"], "plan": plan.name, "measured_s": measured,

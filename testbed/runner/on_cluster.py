@@ -37,14 +37,12 @@ def cluster_launch(spec: ClusterSpec, owner: str, payload: dict, *, timeout_s: f
 
 
 def _medians(results: list[dict]) -> list[dict[str, Any]]:
-    """Per size: the median over calls of the slowest process's time (a collective ends with its last rank)."""
-    rows = []
-    for per_process in zip(*[r["rows"] for r in results]):
-        calls = [max(ts) for ts in zip(*[row["times_s"] for row in per_process])]
-        first = per_process[0]
-        rows.append({"bytes": first["bytes"], "ranks": first["ranks"], "time_s": statistics.median(calls),
-                     "ok": all(row["ok"] for row in per_process)})
-    return rows
+    """Per size: the median over calls of the slowest process's time (:func:`slowest_medians`), as ``time_s``."""
+    from testbed.runner.cluster_calibrate import slowest_medians
+
+    ranks = [row["ranks"] for row in results[0]["rows"]]
+    return [{"bytes": row["bytes"], "ranks": r, "time_s": row["measured_s"], "ok": row["ok"]}
+            for row, r in zip(slowest_medians(results), ranks)]
 
 
 def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *, repeats: int = 5,
