@@ -124,3 +124,16 @@ def test_calibrate_cluster_bad_measurements_exit_2(tmp_path, capsys):
                  str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.json" in err and "--from-measurements" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["validate", "benchmarks/cluster_plans/dp8-small.yaml", "--cluster", "nosuch", "--topology", "eth-4x2"],
+    ["verify", "--plan", "benchmarks/cluster_plans/dp8-small.yaml", "--cluster", "nosuch"],
+    ["calibrate", "--cluster", "nosuch", "--out", "OUT"],
+])
+def test_commands_on_a_cluster_that_is_not_up_exit_2(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TESTBED_CLUSTER_STATE", str(tmp_path / "state"))
+    argv = [str(tmp_path / "c.yaml") if a == "OUT" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no cluster `nosuch` is up" in err and "--cluster" in err

@@ -54,7 +54,7 @@ def _cluster_processes(name: str, processes: int, request: Any) -> int:
     """The worker count on emulated cluster ``name``: one per node (``--processes``, if given, must agree)."""
     from testbed.cli.cluster import require_privilege, saved_spec
 
-    spec = saved_spec(name)
+    spec = saved_spec(name, field="--cluster")
     require_privilege("--cluster")
     nodes = len(spec.nodes)
     if processes not in (1, nodes):
