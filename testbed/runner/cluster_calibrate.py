@@ -13,15 +13,15 @@ recorded before and after: on a shared host the per-call cost follows it.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from typing import Any
 
 from testbed.cluster import probe as tcp_probe
 from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, predict
 from testbed.cluster.spec import ClusterSpec
+from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
-__all__ = ["TINY_BYTES", "sizes_for", "measure", "slowest_medians"]
+__all__ = ["TINY_BYTES", "sizes_for", "measure"]
 
 #: The call that fixes the per-call cost: 4 KiB (the all-reduce's buffer, the all-gather's result).
 TINY_BYTES = 4096
@@ -38,17 +38,6 @@ def sizes_for(spec: ClusterSpec, probe: HostProbe, op: str, max_call_s: float) -
     return sizes
 
 
-def slowest_medians(results: list[dict]) -> list[dict[str, Any]]:
-    """Per size: the median over calls of the slowest process's time (a collective ends with its last rank)."""
-    rows = []
-    for per_process in zip(*[r["rows"] for r in results]):
-        calls = [max(ts) for ts in zip(*[row["times_s"] for row in per_process])]
-        first = per_process[0]
-        rows.append({"op": first["op"], "bytes": first["bytes"], "measured_s": statistics.median(calls),
-                     "calls_s": calls, "ok": all(row["ok"] for row in per_process)})
-    return rows
-
-
 def _load() -> float:
     return os.getloadavg()[0]
 
@@ -57,8 +46,6 @@ def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduc
             max_call_s: float = 2.0, repeats: int = 3, tiny_repeats: int = 15,
             timeout_s: float | None = 900) -> dict[str, Any]:
     """Probe the cluster, then time ``ops`` at :func:`sizes_for`'s sizes; the raw measurements (JSON-ready)."""
-    from testbed.runner.on_cluster import cluster_launch
-
     load_before, started = _load(), time.perf_counter()
     measured = tcp_probe.measure(spec, owner)
     probe = HostProbe(loopback_bandwidth=measured.loopback_bandwidth,

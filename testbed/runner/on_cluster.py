@@ -21,7 +21,7 @@ from testbed.cluster.spec import GLOO_ALGORITHMS, ClusterSpec
 from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.collectives.timing import groups_time
 
-__all__ = ["cluster_launch", "collective_sweep", "cluster_steps", "host_and_shaped_steps"]
+__all__ = ["cluster_launch", "slowest_medians", "collective_sweep", "cluster_steps", "host_and_shaped_steps"]
 
 _TINY_REPEATS = 15
 
@@ -36,10 +36,19 @@ def cluster_launch(spec: ClusterSpec, owner: str, payload: dict, *, timeout_s: f
                   hosts=[n.address for n in spec.nodes], prefixes=prefixes, timeout_s=timeout_s, stale_s=stale_s)
 
 
+def slowest_medians(results: list[dict]) -> list[dict[str, Any]]:
+    """Per size: the median over calls of the slowest process's time (a collective ends with its last rank)."""
+    rows = []
+    for per_process in zip(*[r["rows"] for r in results]):
+        calls = [max(ts) for ts in zip(*[row["times_s"] for row in per_process])]
+        first = per_process[0]
+        rows.append({"op": first["op"], "bytes": first["bytes"], "measured_s": statistics.median(calls),
+                     "calls_s": calls, "ok": all(row["ok"] for row in per_process)})
+    return rows
+
+
 def _medians(results: list[dict]) -> list[dict[str, Any]]:
     """Per size: the median over calls of the slowest process's time (:func:`slowest_medians`), as ``time_s``."""
-    from testbed.runner.cluster_calibrate import slowest_medians
-
     ranks = [row["ranks"] for row in results[0]["rows"]]
     return [{"bytes": row["bytes"], "ranks": r, "time_s": row["measured_s"], "ok": row["ok"]}
             for row, r in zip(slowest_medians(results), ranks)]
