@@ -7,7 +7,8 @@ times JAX's all-reduce or all-gather over every device of the cluster at
 several sizes and prices the same sizes on the emulated topology
 (:meth:`testbed.cluster.spec.ClusterSpec.emulated_topology`) with gloo's
 algorithm, the host's TCP measured by :mod:`testbed.cluster.probe` and a
-per-round overhead fitted to a call of 4 bytes a rank.
+per-round overhead fitted to a call of 4 KiB (``testbed calibrate --cluster``
+fits the host's costs over many sizes instead: :mod:`testbed.runner.cluster_calibrate`).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *
     op_ = parse_op(op)
     tcp = probe.measure(spec, owner)
     n = len(spec.nodes) * spec.devices_per_node
-    tiny = 4 * n if op == "all_gather" else 4
+    # 4 KiB, not 4 bytes: gloo skips the rounds of empty segments, so a 4-byte all-reduce runs few of its rounds.
+    tiny = 4096
     # The tiny call is cheap and noisy (the host's scheduling): timed more often than the sizes compared.
     payload = {"body": "collective", "op": op, "sizes": [tiny, *sizes],
                "repeats_per_size": [max(repeats, _TINY_REPEATS)] + [repeats] * len(sizes)}
