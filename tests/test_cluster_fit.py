@@ -114,7 +114,7 @@ def test_calibrate_cluster_refit_writes_the_calibrated_topology(tmp_path, capsys
     assert data["costs"]["link_efficiency"] == pytest.approx(0.85, abs=0.006)
     topology = load_topology(str(out))
     assert topology.levels[-1].bandwidth == pytest.approx(data["costs"]["link_efficiency"] * link_goodput(spec))
-    assert topology.calibration.collectives.rendezvous_s * 7 == pytest.approx(data["costs"]["call_s"])
+    assert topology.calibration.collectives.launch_s == pytest.approx(data["costs"]["call_s"])
 
 
 def test_calibrate_cluster_bad_measurements_exit_2(tmp_path, capsys):

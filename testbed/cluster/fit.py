@@ -6,8 +6,8 @@ and ``testbed calibrate --cluster`` measures it
 (:mod:`testbed.runner.cluster_calibrate`). Three numbers, all written into the
 calibrated topology where the simulator reads them:
 
-- **per call**: ``call_s``, written as ``collectives.rendezvous_s = call_s /
-  (n - 1)`` (the simulator charges it per call and rank beyond the first) -
+- **per call**: ``call_s``, written as ``collectives.launch_s`` (the
+  simulator charges it once per collective) -
   XLA's dispatch, the rendezvous of a process's device threads, gloo's
   set-up; measured on a 2-core host at 8-16 ms for either op;
 - **per round**: ``collectives.overhead_s``, charged per round of the
@@ -129,7 +129,7 @@ def emulated(spec: ClusterSpec, probe: HostProbe, costs: HostCosts | None = None
         inner_bandwidth=probe.loopback_bandwidth, inner_latency_s=probe.loopback_latency_s / 2,
         hop_latency_s=max(probe.across_latency_s - probe.loopback_latency_s, 0.0) / 2,
         overhead_s=0.0 if costs is None else costs.overhead_s,
-        rendezvous_s=0.0 if costs is None else costs.call_s / max(spec.topology.num_devices - 1, 1),
+        launch_s=0.0 if costs is None else costs.call_s,
         link_efficiency=1.0 if costs is None else costs.link_efficiency)
 
 
