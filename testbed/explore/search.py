@@ -95,6 +95,7 @@ class Candidate:
                "expert": p.mesh.expert, "context": p.mesh.context,
                "schedule": p.schedule.name.value, "virtual_stages": p.schedule.virtual_stages,
                "microbatches": p.batch.microbatches, "zero": p.zero, "remat": p.remat.value,
+               "sequence_parallel": p.sequence_parallel,
                "precision": p.precision.value, "value": self.value, "step_time_s": self.step_time_s,
                "analytic_step_time_s": e.step_time_s, "memory_bytes": e.memory_bytes,
                "capacity_bytes": e.capacity_bytes}
