@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,21 @@ def test_candidates_are_runnable_and_distinct() -> None:
         assert p.mesh.size == 8 and p.model == base.model and p.batch.global_batch == base.batch.global_batch
         assert p.zero == 0 or p.mesh.data > 1
         assert p.mesh.stage > 1 or p.schedule.name.value == "1f1b"
+
+
+def test_sequence_parallel_candidates() -> None:
+    """Sequence parallelism where a tensor axis can split the sequence only; a base plan with it searches meshes
+    without a tensor axis too (it used to fail there); both choices when the space lists both."""
+    base = replace(preset_plan("gpt-tiny"), sequence_parallel=False)
+    sp_base = replace(base, mesh=replace(base.mesh, tensor=2), sequence_parallel=True)
+    plans = list(candidates(sp_base, 8, SMALL))
+    assert {p.sequence_parallel for p in plans if p.mesh.tensor == 1} == {False}
+    assert {p.sequence_parallel for p in plans if p.mesh.tensor > 1} == {True}
+    both = list(candidates(base, 8, replace(SMALL, sequence_parallel=(True, False))))
+    plain = list(candidates(base, 8, SMALL))
+    assert len(both) == len(plain) + sum(p.mesh.tensor > 1 for p in plain)
+    with pytest.raises(InputError, match="space.sequence_parallel"):
+        SearchSpace(sequence_parallel=("yes",))
 
 
 def test_memory_is_the_memory_model_exactly() -> None:
@@ -143,6 +159,8 @@ def test_search_command_takes_the_context_and_expert_degrees(tmp_path: Path, cap
         assert main(argv + [flag, bad]) == 2
         err = capsys.readouterr().err
         assert flag in err and "Traceback" not in err
+    assert main(argv + ["--sequence-parallel", "maybe"]) == 2
+    assert "--sequence-parallel" in capsys.readouterr().err
 
 
 @pytest.mark.slow
