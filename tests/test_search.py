@@ -195,3 +195,31 @@ def test_analytic_tier_shares_a_host_as_the_task_graph_does_for_one_program(name
     plan, topo = load_plan(f"plans/validation/{name}.yaml"), load_topology("host-cpu-8")
     assert topo.calibration.shares_host and plan.mesh.stage == 1
     assert estimate(plan, topo).step_time_s == pytest.approx(simulate(plan, topo).report.step_time_s, rel=0.02)
+
+
+def test_search_settles_when_the_des_is_slower_than_the_analytic_tier(monkeypatch) -> None:
+    """Where the analytic tier is optimistic for some plans (it prices each collective alone; the DES shares
+    links between concurrent ones), the replay list can fill with plans that replay slower than plans ranked
+    below them. The search replays on while an unreplayed plan's estimate (or skipped plan's floor) is below the
+    best replayed step time, so it still finds the DES optimum. Here a stand-in DES slows every plan with a
+    tensor degree the analytic tier likes best 1.6x."""
+    import types
+
+    import testbed.explore.search as search_module
+
+    topology, base = load_topology("dgx-h100"), preset_plan("gpt-125m")
+    space = replace(SMALL, zero=(0, 1))
+    fitting = [p for p in candidates(base, 8, space) if plan_memory(p, topology).fits]
+    first = min(fitting, key=lambda p: estimate(p, topology).step_time_s)
+
+    def slow_des(plan, topology):  # every plan of the analytic tier's favourite tensor degree replays 1.6x slower
+        est = estimate(plan, topology).step_time_s
+        return types.SimpleNamespace(report=types.SimpleNamespace(
+            step_time_s=est * (1.6 if plan.mesh.tensor == first.mesh.tensor else 1.0)))
+
+    monkeypatch.setattr(search_module, "simulate", slow_des)
+    optimum = min(slow_des(p, topology).report.step_time_s for p in fitting)
+    assert optimum > estimate(first, topology).step_time_s  # the stand-in moves the optimum
+    found = search(base, topology, space, replay=2, top=2)
+    assert found.best.report.step_time_s == pytest.approx(optimum, rel=1e-12)
+    assert found.replayed > 2
