@@ -240,7 +240,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         if progress is not None:
             progress("replay", k + 1, len(chosen))
     if by_time and replayed:
-        replayed += _settle(shortlist[len(chosen):], tier, replayed, topology, memory_cap, rank, progress)
+        replayed += _settle(shortlist[len(chosen):], tier, replayed, topology, memory_cap, margin, rank, progress)
         shortlist = sorted([*shortlist, *tier.revived], key=lambda c: _sort_key(objective, c))
     replayed.sort(key=lambda c: _sort_key(objective, c))
     return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=len(plans),
@@ -300,21 +300,22 @@ SETTLE_LIMIT = 64
 
 
 def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topology: Topology, memory_cap: float,
-            rank: Callable, progress) -> list[Candidate]:
+            margin: float, rank: Callable, progress) -> list[Candidate]:
     """Replays past the replay list while an unreplayed plan could still beat the best replayed step time.
 
     The analytic tier prices each collective alone, so where concurrent collectives share links (a tensor
     group across nodes beside the data-parallel reductions) it is optimistic, and a list of such plans can
-    replay slower than plans it ranked lower. So, in estimate order, every plan whose estimate is below the
-    best replayed step time is replayed too; a plan skipped for its step floor is estimated first once its
-    floor is below it. At most :data:`SETTLE_LIMIT` more (the result then says how many it replayed).
+    replay slower than plans it ranked lower. So, in estimate order, every plan whose estimate is more than
+    ``margin`` below the best replayed step time is replayed too (the tier's usual optimism, a few percent,
+    replays nothing more); a plan skipped for its step floor is estimated first once its floor is that far
+    below it. At most :data:`SETTLE_LIMIT` more (the result says how many it replayed).
     """
     best = min(c.report.step_time_s for c in replayed)
     pending = sorted(rest, key=lambda c: c.estimate.step_time_s)
     deferred = sorted(tier.deferred, key=lambda x: x[0])
     out: list[Candidate] = []
     while len(out) < SETTLE_LIMIT:
-        while deferred and deferred[0][0] < best:  # its estimate may be below the best now: estimate it
+        while deferred and deferred[0][0] * (1 + margin) < best:  # its estimate may beat the best: estimate it
             plan = deferred.pop(0)[1]
             est = evaluate(plan, topology, memory_cap, tier.floors)
             if est is None:
@@ -323,7 +324,7 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
                 continue
             tier.revived.append(Candidate(plan=plan, estimate=est, value=rank(plan, est.step_time_s)))
             bisect.insort(pending, tier.revived[-1], key=lambda c: c.estimate.step_time_s)
-        if not pending or pending[0].estimate.step_time_s >= best:
+        if not pending or pending[0].estimate.step_time_s * (1 + margin) >= best:
             break
         out.append(_replayed(pending.pop(0), topology, rank))
         best = min(best, out[-1].report.step_time_s)
