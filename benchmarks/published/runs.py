@@ -5,6 +5,11 @@ precision; runs.yaml states every assumption) simulated on its topology
 resized to the case's GPUs. The published number is tokens per second per
 GPU; the prediction is ``global_batch x seq_len / step time / GPUs``.
 
+Each case runs under its stack's runtime profile (testbed.plan.runtime: :data:`STACK_PROFILES`
+maps a case's ``stack`` to one) unless its plan states ``runtime:`` itself; ``runner_error`` is
+the same case under testbed's own runner's behaviour (the default profile), so the output shows
+what the stack's mechanisms change.
+
 :func:`evaluate` returns one dict per case: ``case``, ``source``, ``stack``,
 ``device``, ``precision``, ``gpus``, ``step_time_s``, ``predicted`` and
 ``published`` tokens/s/GPU and ``error`` = predicted / published - 1.
@@ -17,16 +22,22 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from testbed.explore.space import resize_topology
 from testbed.plan.io import plan_from_dict
+from testbed.plan.runtime import RuntimeSpec
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology, topology_from_dict
 
 CASES = Path(__file__).with_name("runs.yaml")
+#: The runtime profile (testbed.plan.runtime.PROFILES) of each stack a case names.
+STACK_PROFILES = {"megatron-lm": "megatron", "megatron-bridge": "nemo", "nemo": "nemo", "deepspeed": "deepspeed",
+                  "torchtitan": "torchtitan", "llm-foundry": "llm-foundry", "fsdp": "fsdp", "maxtext": "xla",
+                  "jax": "xla", "xla": "xla"}
 #: Scale bands of the category report (GPUs, inclusive upper bounds).
 SCALES = (("<=64", 64), ("65-512", 512), (">512", float("inf")))
 
@@ -45,8 +56,11 @@ def evaluate(path: Path | str = CASES) -> list[dict]:
         base = inline[name] if name in inline else load_topology(name)
         gpus = int(case["gpus"])
         topology = resize_topology(base, gpus)
-        plan = plan_from_dict({"name": case["name"], **case["plan"]}, default_name=case["name"])
+        spec = {"name": case["name"], **case["plan"]}
+        spec.setdefault("runtime", STACK_PROFILES.get(case["stack"], "testbed"))
+        plan = plan_from_dict(spec, default_name=case["name"])
         report = simulate(plan, topology).report
+        runner = simulate(replace(plan, runtime=RuntimeSpec()), topology).report.step_time_s
         tokens = plan.batch.global_batch * plan.model.seq_len
         predicted = tokens / report.step_time_s / gpus
         published = float(case["tokens_per_s_per_gpu"])
@@ -56,8 +70,9 @@ def evaluate(path: Path | str = CASES) -> list[dict]:
                     "published_step_s": round(tokens / published / gpus, 3),
                     "exposed_comm_s": round(report.exposed_comm_s or 0.0, 3),
                     "bubble_fraction": round(report.bubble_fraction or 0.0, 4),
-                    "predicted": round(predicted, 1), "published": published,
-                    "error": round(predicted / published - 1, 4)})
+                    "runtime": plan.runtime.profile, "predicted": round(predicted, 1), "published": published,
+                    "error": round(predicted / published - 1, 4),
+                    "runner_error": round(tokens / runner / gpus / published - 1, 4)})
     return out
 
 

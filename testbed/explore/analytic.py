@@ -173,7 +173,8 @@ class _Priced(NamedTuple):
     of the chunk's last backward, in ``pieces``), blocking tensor (and exposed all-to-all and ring) seconds,
     the gather it waits for, one bucket's reduction, an earlier microbatch's reduce-scatter, its sends
     ``(dst, seconds)``, the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier
-    microbatch, of the last; then the bucket reduction's own)."""
+    microbatch, of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
+    beside the compute (``runtime.tp_comm_overlap``: the tensor collectives; 0 without)."""
 
     compute: float
     tensor: float
@@ -186,6 +187,7 @@ class _Priced(NamedTuple):
     acc: float
     syncs: tuple[Syncs, Syncs]
     bucket_syncs: Syncs
+    hidden: float = 0.0
 
 
 class _Step:
@@ -237,6 +239,7 @@ class _Step:
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in work.tensor)
+        hidden = tp_s if plan.runtime.tp_comm_overlap else 0.0  # beside the compute (the task graph's join)
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
         reps = facts.representatives
@@ -250,10 +253,10 @@ class _Step:
         plain, ends = not chain and not ringed, self.ends  # the task graph's interleaved actions
         g_ways = math.prod(plan.mesh.degree(a) for a in per_microbatch)
         syncs = (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]) if plain else ends,
-                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if per_microbatch)]) if plain
-                 else ends)
+                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
+                 if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs)
+                       bucket_syncs, hidden)
 
     def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
                  ) -> tuple[float, tuple[float, float] | None, tuple[Piece, ...]]:
@@ -367,15 +370,19 @@ class _Play:
         start = self._start(s, c, kind, priced, deps)
         wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
         skewed = self.step.skewed
-        if kind == self.facts.last_backward:
+        last = kind == self.facts.last_backward
+        if last:
             compute, wait = self._backward_end(s, c, priced, start, compute)
         elif skewed is not None:
             wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
             self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
             compute += wait
-        finish = start + compute + priced.tensor
+        tensor = priced.tensor
+        if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
+            tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
+        finish = start + compute + tensor
         self.busy[s] += compute - wait
-        self.comm[s] += priced.tensor + wait
+        self.comm[s] += tensor + wait
         self.free[s] = finish
         if self.step.serial:  # the program ends with its reductions too
             self.launch = max(finish, self.grad[s])
@@ -406,10 +413,10 @@ class _Play:
             compute += wait
             piece += wait / pieces
         if last_mb and piece:
-            if not self.facts.per_microbatch:  # the replicas' one sum, after the stage's backward (program.py)
+            if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
                 self.once[s] += pieces * priced.bucket
                 self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
-            for k in range(pieces if self.facts.per_microbatch else 0):
+            for k in range(pieces if self.facts.reduce_in_backward else 0):
                 self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + priced.bucket
         elif not last_mb and priced.scatter:
             self.grad[s] = max(self.grad[s], start + compute) + priced.scatter

@@ -41,7 +41,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError
-from testbed.model import layout, moe, ring
+from testbed.model import gemm, layout, moe, ring
 from testbed.model.layout import chunk_layers
 from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Precision, Remat
 
@@ -379,6 +379,9 @@ class ChunkCost:
     has_embedding: bool
     has_head: bool
     sequence_parallel: bool = False
+    #: Full remat reruns each block's whole forward, its MLP out projection and that projection's tensor
+    #: collective included (``runtime.recompute`` ``block``/``op``; testbed.plan.runtime).
+    recompute_block: bool = False
 
     @property
     def backward_flops(self) -> int:
@@ -406,15 +409,15 @@ class ChunkCost:
         if not self.tensor_allreduce_bytes or kind == "W":
             return ()
         layers, full = self.layers, Remat(remat) is Remat.FULL
+        redone = (2 if self.recompute_block else 1) * layers if full else 0  # out projections recomputed
         if not self.sequence_parallel:
-            count = self.tensor_allreduces_forward if kind == "F" else \
-                self.tensor_allreduces_backward + (layers if full else 0)
+            count = self.tensor_allreduces_forward if kind == "F" else self.tensor_allreduces_backward + redone
             return (("all_reduce", count),)
         embed, head = int(self.has_embedding), int(self.has_head)
         if kind == "F":
             return (("all_gather", 2 * layers + head), ("reduce_scatter", 2 * layers + embed))
         return (("all_gather", 2 * layers + embed + (2 * layers if full else 0)),
-                ("reduce_scatter", 2 * layers + head + (layers if full else 0)))
+                ("reduce_scatter", 2 * layers + head + redone))
 
 
 def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
@@ -456,6 +459,10 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     dropped = (DROPOUT_MASK_BYTES + c) * scores if spec.dropout > 0 else 0
     recompute = {Remat.NONE: (0, 0), Remat.FULL: (replicated, split),
                  Remat.SELECTIVE: (0, layers * (c * scores + dropped))}[plan.remat]
+    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
+        # Per-op selective remat reruns the block's elementwise work (norms, activation, rotary) and writes again
+        # the outputs of the matmuls it recomputes: about half the projections' outputs.
+        recompute = (replicated, split // 2)
     replicated += (n_bytes // t if sp else n_bytes) if embed else 0
     if head:
         n = b * spec.seq_len
@@ -466,13 +473,15 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,
         recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t) + steps // 2 + (
             steps if plan.remat is Remat.FULL else 0) + (
-            round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0),
+            round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0)
+        + gemm.policy_recompute_flops(plan, spec, layers, moe_layers),
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
         activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=(replicated, split),
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
         tensor_allreduces_forward=(2 * layers + int(embed)) if tp else 0,
         tensor_allreduces_backward=(2 * layers + int(head)) if tp else 0,
-        has_embedding=embed, has_head=head, sequence_parallel=sp)
+        has_embedding=embed, has_head=head, sequence_parallel=sp,
+        recompute_block=plan.remat is Remat.FULL and plan.runtime.recompute != "runner")
 
 
 def model_flops_per_step(plan: Plan) -> float:

@@ -35,7 +35,8 @@ from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
-           "accumulate_bytes", "cached_order", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES"]
+           "accumulate_bytes", "cached_order", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES",
+           "gradient_buckets"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -77,8 +78,8 @@ class ChunkFacts:
     ``leaves``: the collectives one gather of its sharded parameters (and one reduce-scatter of their
     gradients) is (testbed.model.leaves.parameter_collectives); ``expert_params`` the routed experts'
     parameters on one device (0 when nothing reduces gradients); ``buckets`` the gradient buckets of its
-    last backward when gradients reduce while the backward goes on (one bucket per layer, at most
-    :data:`BUCKETS`; one when they wait for the backward's end). ``moved``: the elements one collective over
+    last backward when gradients reduce while the backward goes on (:func:`gradient_buckets`: one per layer, at
+    most :data:`BUCKETS`, or by ``runtime.grad_bucket_bytes``; one when they wait for the backward's end). ``moved``: the elements one collective over
     the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
     (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
     """
@@ -164,6 +165,13 @@ class StepFacts:
         """The kind of action that ends a microbatch's gradients: W when the backward is split, else B."""
         return "W" if self.schedule.split_backward else "B"
 
+    @property
+    def reduce_in_backward(self) -> bool:
+        """Whether the last microbatch's gradient buckets reduce while its backward goes on: always when they
+        accumulate sharded, and replicated ones too with ``runtime.grad_reduce_overlap`` (else the replicas
+        sum once, after the stage's backward)."""
+        return bool(self.per_microbatch) or self.plan.runtime.grad_reduce_overlap
+
     def gathers(self, kind: str) -> bool:
         """Whether a ``kind`` action all-gathers its chunk's sharded parameters first."""
         return gathers_parameters(self.plan, kind)
@@ -200,7 +208,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
-                                      bool(reductions), bool(per_microbatch)) for c in range(v)) for s in range(p))
+                                      bool(reductions), bool(per_microbatch), grad_b) for c in range(v))
+                   for s in range(p))
     updates = tuple(_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
                     for s in range(p))
     return StepFacts(plan=plan, schedule=schedule, order=order,
@@ -211,7 +220,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
 
 
 def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
-                 reduces: bool, sharded_accumulation: bool) -> ChunkFacts:
+                 reduces: bool, sharded_accumulation: bool, grad_b: float = 2.0) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, 4 * cost.layers)
@@ -221,10 +230,22 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                                   plan.mesh.tensor, 1, plan.mesh.expert, experts_only=True) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
+    moved = tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer"))
+    during = sharded_accumulation or plan.runtime.grad_reduce_overlap  # buckets reduce while the backward goes on
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=parameter_collectives(plan, s, c, combine, param_b),
-                      buckets=min(BUCKETS, max(1, cost.layers)) if sharded_accumulation else 1, actions=actions,
-                      moved=tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")))
+                      buckets=gradient_buckets(plan, cost.layers, moved[2] * grad_b) if during else 1,
+                      actions=actions, moved=moved)
+
+
+def gradient_buckets(plan: Plan, layers: int, grad_bytes: float) -> int:
+    """Gradient buckets of a chunk of ``layers`` layers whose gradients on a device are ``grad_bytes``: the
+    runner's one per layer, at most :data:`BUCKETS`; with ``runtime.grad_bucket_bytes`` as many as that size
+    makes, at least one and at most one per layer (the backward is split no finer than a layer)."""
+    size = plan.runtime.grad_bucket_bytes
+    if not size:
+        return min(BUCKETS, max(1, layers))
+    return max(1, min(max(1, layers), math.ceil(grad_bytes / size)))
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
@@ -340,10 +361,10 @@ def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tup
 
 def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
     """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
-    layers per stage)."""
+    layers per stage, ``runtime.recompute``)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
-           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
+           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:
@@ -358,7 +379,8 @@ _CHUNKS: dict[tuple, ChunkCost] = {}
 def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
     """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
+           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context,
+           plan.runtime.recompute)
     shapes = _GEMMS.get(key)
     if shapes is None:
         if len(_GEMMS) > 100_000:

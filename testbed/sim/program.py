@@ -212,7 +212,7 @@ class _Graph:
             last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce)
         if scatter:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
-        last = self._tensor(s, chunk, work, label, last)
+        last = self._tensor(s, chunk, work, label, last, tuple(deps))
         if action.kind == facts.last_backward and (acc := accumulate_bytes(self.plan, chunk.cost.params,
                                                                            facts.grad_bytes)):
             # The add into the accumulator ends the action's program: its sends leave after it.
@@ -322,19 +322,27 @@ class _Graph:
                 pipeline=True, gemms=t.gemms))
         return ids[-1] if ids else None
 
-    def _tensor(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, last: int) -> int:
+    def _tensor(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, last: int,
+                start: tuple[int, ...]) -> int:
         """Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters, after the action's
         compute (tensor stream, blocking: ChunkCost.tensor_collectives, the one decision the analytic tier reads
-        too). Returns the action's last task."""
-        if self.plan.mesh.tensor <= 1:
+        too). With ``runtime.tp_comm_overlap`` they start with the compute (after ``start``, the compute's own
+        dependencies) and the action ends when both have: an empty join task on the compute stream. Returns the
+        action's last task."""
+        if self.plan.mesh.tensor <= 1 or not work.tensor:
             return last
         rep, groups = self.reps[s], self.tensor[s]
+        overlap = self.plan.runtime.tp_comm_overlap
+        compute, tp = last, start if overlap else (last,)
         for op, count in work.tensor:
-            last = self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
-                              stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,), op=op,
-                              nbytes=chunk.cost.tensor_allreduce_bytes, count=count, group=rep_group(groups, rep),
-                              instances=groups, pipeline=True)
-        return last
+            tp = (self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
+                             stream="tensor", kind=TaskKind.COLLECTIVE, deps=tp, op=op,
+                             nbytes=chunk.cost.tensor_allreduce_bytes, count=count, group=rep_group(groups, rep),
+                             instances=groups, pipeline=True),)
+        if not overlap:
+            return tp[0]
+        return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
+                          deps=(compute, tp[0]), pipeline=True)
 
     def _send(self, s: int, dst: int, label: str, nbytes: float, last: int) -> int:
         """An activation or gradient sent to stage ``dst`` after the action (pipe stream)."""
@@ -344,7 +352,7 @@ class _Graph:
 
     def _bucket(self, s: int, after: int, bucket_of: tuple) -> None:
         """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
-        if self.facts.per_microbatch:
+        if self.facts.reduce_in_backward:
             self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of))
         else:
             self.once[s].append(bucket_of)
