@@ -23,7 +23,7 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 
-__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +49,10 @@ class RuntimeSpec:
     #: Bytes of one gradient bucket (0: the runner's, one per layer and at most four per chunk): a chunk's
     #: gradients reduce as ``ceil(bytes / grad_bucket_bytes)`` buckets, at most one per layer.
     grad_bucket_bytes: float = 0.0
+    #: The dtype gradients are reduced (all-reduced, reduce-scattered) in (:data:`GRAD_REDUCE_DTYPES`): ``grad``,
+    #: their own (bf16 under mixed precision, as the runner reduces them); ``fp32`` (FSDP's
+    #: ``MixedPrecision(reduce_dtype=torch.float32)``, Megatron's fp32 main-grad buffers): twice the bytes.
+    grad_reduce_dtype: str = "grad"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -57,6 +61,9 @@ class RuntimeSpec:
         if self.recompute not in RECOMPUTE:
             raise InputError(f"unknown recompute `{self.recompute}`; valid: {', '.join(RECOMPUTE)}",
                              field="runtime.recompute")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise InputError(f"unknown grad_reduce_dtype `{self.grad_reduce_dtype}`; valid: "
+                             f"{', '.join(GRAD_REDUCE_DTYPES)}", field="runtime.grad_reduce_dtype")
         if not 0 <= self.grad_bucket_bytes < float("inf"):
             raise InputError(f"must be a finite number >= 0 (0: the runner's buckets), got {self.grad_bucket_bytes}",
                              field="runtime.grad_bucket_bytes")
@@ -64,6 +71,8 @@ class RuntimeSpec:
 
 #: Values of :attr:`RuntimeSpec.recompute`.
 RECOMPUTE = ("runner", "block", "op")
+#: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
+GRAD_REDUCE_DTYPES = ("grad", "fp32")
 
 
 #: Field values of each named profile that differ from the runner's defaults: ``{profile: {field: value}}``.
@@ -72,12 +81,12 @@ PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
     "xla": {},
-    "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6},
+    "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32"},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True},
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True},
-    "torchtitan": {"recompute": "op", "grad_reduce_overlap": True},
-    "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True},
+    "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
+    "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -94,6 +103,10 @@ _FSDP_OVERLAP = ("torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook`
 SOURCES: dict[tuple[str, str], str] = {
     ("megatron", "recompute"): _MEGATRON_BLOCK,
     ("megatron", "grad_bucket_bytes"): _MEGATRON_BUCKET,
+    ("megatron", "grad_reduce_dtype"): (
+        "Megatron-LM megatron/training/arguments.py validate_args: with --bf16, "
+        "accumulate_allreduce_grads_in_fp32 is set (\"bfloat16 requires gradient accumulation and all-reduce to be "
+        "performed in fp32\"); DDP reduces the fp32 main_grad buffers"),
     ("nemo", "recompute"): _MEGATRON_BLOCK + " (Megatron-Bridge runs Megatron-Core's TransformerBlock)",
     ("nemo", "grad_bucket_bytes"): _MEGATRON_BUCKET + " (Megatron-Bridge's DistributedDataParallelConfig)",
     ("nemo", "tp_comm_overlap"): (
@@ -121,10 +134,16 @@ SOURCES: dict[tuple[str, str], str] = {
         "`_get_custom_policy`: saves the outputs of SDPA and collectives and of every other mm "
         "('Only save every other mm'), recomputing the rest of the block; 'full' is checkpoint_wrapper per block"),
     ("torchtitan", "grad_reduce_overlap"): _FSDP_OVERLAP + " (torchtitan uses FSDP2, fully_shard per block)",
+    ("torchtitan", "grad_reduce_dtype"): (
+        "torchtitan torchtitan/config/job_config.py: training.mixed_precision_reduce = 'float32' (FSDP2's "
+        "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32))"),
     ("llm-foundry", "recompute"): (
         "llm-foundry llmfoundry/models/mpt/modeling_mpt.py `activation_checkpointing_fn` (True for MPTBlock): "
         "Composer's FSDP wraps each block in checkpoint_wrapper, rerunning its whole forward"),
     ("llm-foundry", "grad_reduce_overlap"): _FSDP_OVERLAP + " (Composer runs PyTorch FSDP FULL_SHARD)",
+    ("llm-foundry", "grad_reduce_dtype"): (
+        "Composer composer/distributed/mosaic_parallelism.py `get_mixed_precision`: mixed_precision 'DEFAULT' "
+        "(the MPT yamls' fsdp_config) is MixedPrecision(param_dtype=autocast dtype, reduce_dtype=torch.float32)"),
 }
 
 

@@ -36,7 +36,7 @@ from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
            "accumulate_bytes", "cached_order", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES",
-           "gradient_buckets"]
+           "gradient_buckets", "reduce_bytes"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -166,6 +166,12 @@ class StepFacts:
         return "W" if self.schedule.split_backward else "B"
 
     @property
+    def reduce_bytes(self) -> float:
+        """Bytes per gradient value as gradients are reduced: their own, or 4 with ``runtime.grad_reduce_dtype``
+        ``fp32``."""
+        return reduce_bytes(self.plan, self.grad_bytes)
+
+    @property
     def reduce_in_backward(self) -> bool:
         """Whether the last microbatch's gradient buckets reduce while its backward goes on: always when they
         accumulate sharded, and replicated ones too with ``runtime.grad_reduce_overlap`` (else the replicas
@@ -208,7 +214,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
-                                      bool(reductions), bool(per_microbatch), grad_b) for c in range(v))
+                                      bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b))
+                         for c in range(v))
                    for s in range(p))
     updates = tuple(_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
                     for s in range(p))
@@ -220,7 +227,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
 
 
 def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
-                 reduces: bool, sharded_accumulation: bool, grad_b: float = 2.0) -> ChunkFacts:
+                 reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, 4 * cost.layers)
@@ -234,8 +241,13 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     during = sharded_accumulation or plan.runtime.grad_reduce_overlap  # buckets reduce while the backward goes on
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=parameter_collectives(plan, s, c, combine, param_b),
-                      buckets=gradient_buckets(plan, cost.layers, moved[2] * grad_b) if during else 1,
+                      buckets=gradient_buckets(plan, cost.layers, moved[2] * reduce_b) if during else 1,
                       actions=actions, moved=moved)
+
+
+def reduce_bytes(plan: Plan, grad_bytes: float) -> float:
+    """Bytes per gradient value as they are reduced (``runtime.grad_reduce_dtype``: their own, or fp32's 4)."""
+    return 4.0 if plan.runtime.grad_reduce_dtype == "fp32" else float(grad_bytes)
 
 
 def gradient_buckets(plan: Plan, layers: int, grad_bytes: float) -> int:

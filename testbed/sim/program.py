@@ -269,8 +269,8 @@ class _Graph:
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
                 # they accumulate sharded, else once the stage's backward is done.
-                self._bucket(s, last, (chunk.moved[2] / pieces * self.facts.grad_bytes,
-                                       chunk.expert_params / pieces * self.facts.grad_bytes,
+                self._bucket(s, last, (chunk.moved[2] / pieces * self.facts.reduce_bytes,
+                                       chunk.expert_params / pieces * self.facts.reduce_bytes,
                                        label if pieces == 1 else f"{label}/{k}", bucket_share(chunk.leaves, pieces, k)))
         return last, computes
 
@@ -301,7 +301,7 @@ class _Graph:
             bucket += piece.layer_end
             if piece.layer_end and bucket in closes:
                 share, done_buckets = 1 / len(closes), done_buckets + 1
-                grad_b = self.facts.grad_bytes
+                grad_b = self.facts.reduce_bytes
                 self._bucket(s, last, (chunk.moved[2] * share * grad_b, chunk.expert_params * share * grad_b,
                                        f"{label}/{done_buckets - 1}",
                                        bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
@@ -362,7 +362,7 @@ class _Graph:
         rep, groups, leaves = self.reps[s], self.g_groups[s], max(1, chunk.leaves)
         return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                           kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                          nbytes=chunk.moved[1] * self.facts.grad_bytes / leaves, count=leaves,
+                          nbytes=chunk.moved[1] * self.facts.reduce_bytes / leaves, count=leaves,
                           group=rep_group(groups, rep), instances=groups)
 
     def _reduce(self, s: int, after: int, nbytes: float, expert_bytes: float, label: str, leaves: int) -> list[int]:
