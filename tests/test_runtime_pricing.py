@@ -162,3 +162,17 @@ def test_bad_fields_name_the_field():
 def test_runner_profile_of_a_plan_is_unchanged_by_replace():
     plan = _plan({"profile": "nemo"})
     assert replace(plan, runtime=RuntimeSpec()) == _plan()
+
+
+def test_fp32_gradient_reduction_moves_twice_the_bytes():
+    topology = load_topology(TOPOLOGY)
+    plan, fp32 = _plan(zero=1), _plan({"grad_reduce_dtype": "fp32"}, zero=1)
+    placement = place(plan, topology)
+
+    def reduced(p) -> float:
+        return sum(t.nbytes * t.count for t in build_program(p, placement).tasks
+                   if t.stream == "grad" and t.op in ("all_reduce", "reduce_scatter"))
+
+    assert reduced(fp32) == pytest.approx(2 * reduced(plan))
+    (d0, a0), (d1, a1) = _both(plan), _both(fp32)
+    assert d1 > d0 and a1 > a0

@@ -23,7 +23,7 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 
-__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,6 +145,14 @@ SOURCES: dict[tuple[str, str], str] = {
         "Composer composer/distributed/mosaic_parallelism.py `get_mixed_precision`: mixed_precision 'DEFAULT' "
         "(the MPT yamls' fsdp_config) is MixedPrecision(param_dtype=autocast dtype, reduce_dtype=torch.float32)"),
 }
+
+
+def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
+    """The fields of ``spec`` whose values the runner does not execute (it runs its own behaviour, the defaults):
+    the simulator prices them, the runner says it runs without them (testbed.runner.train)."""
+    default = RuntimeSpec()
+    return tuple(f.name for f in fields(RuntimeSpec)
+                 if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name))
 
 
 def runtime_fields() -> tuple[str, ...]:
