@@ -172,7 +172,7 @@ class _Priced(NamedTuple):
     """One F/B/W action of one chunk, priced: its compute seconds (all of it, and one gradient bucket's piece
     of the chunk's last backward, in ``pieces``), blocking tensor (and exposed all-to-all and ring) seconds,
     the gather it waits for, one bucket's reduction, an earlier microbatch's reduce-scatter, its sends
-    ``(dst, seconds)``, the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier
+    ``(dst, seconds, the receivers' all-gather seconds of a split send)``, the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier
     microbatch, of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
     beside the compute (``runtime.tp_comm_overlap``: the tensor collectives; 0 without)."""
 
@@ -183,7 +183,7 @@ class _Priced(NamedTuple):
     pieces: int
     bucket: float
     scatter: float
-    sends: tuple[tuple[int, float], ...]
+    sends: tuple[tuple[int, float, float], ...]
     acc: float
     syncs: tuple[Syncs, Syncs]
     bucket_syncs: Syncs
@@ -243,7 +243,10 @@ class _Step:
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
         reps = facts.representatives
-        sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes)) for dst, _, nbytes in work.sends)
+        ways = facts.scatter_sends  # split sends: each rank's share, then the receivers' all-gather (recv stream)
+        sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
+                       coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
+                      for dst, _, nbytes in work.sends)
         # The action's collectives as barriers among its kernels (testbed.sim.program's interleave): the tensor
         # collectives, then an earlier microbatch's reduce-scatters or the last one's buckets. Gathers meet on
         # their own stream ahead of the action, with next to no computing since the last meeting (no wait here;
@@ -321,6 +324,7 @@ class _Play:
         self.arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
         self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
             [0.0] * p
+        self.recv = [0.0] * p
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.busy, self.comm = [0.0] * p, [0.0] * p
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
@@ -387,9 +391,11 @@ class _Play:
         if self.step.serial:  # the program ends with its reductions too
             self.launch = max(finish, self.grad[s])
         self.end[(s, kind, mb, c)] = finish
-        for _, seconds in priced.sends:
+        for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
             self.arrive[(s, kind, mb, c)] = self.pipe[s]
+            if gather:  # the receivers' all-gather of a split send (their recv stream)
+                self.recv[dst] = self.arrive[(s, kind, mb, c)] = max(self.recv[dst], self.pipe[s]) + gather
 
     def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
         """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait).

@@ -53,6 +53,10 @@ class RuntimeSpec:
     #: their own (bf16 under mixed precision, as the runner reduces them); ``fp32`` (FSDP's
     #: ``MixedPrecision(reduce_dtype=torch.float32)``, Megatron's fp32 main-grad buffers): twice the bytes.
     grad_reduce_dtype: str = "grad"
+    #: Without sequence parallelism, a pipeline send carries each tensor rank's ``1/t`` share of the activation
+    #: (or its gradient) and the receiving stage all-gathers it over its tensor group (Megatron-LM's
+    #: scatter/gather of pipeline tensors) instead of every tensor rank sending the whole tensor.
+    pipeline_scatter_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -81,7 +85,8 @@ PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
     "xla": {},
-    "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32"},
+    "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
+                 "pipeline_scatter_gather": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True},
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True},
@@ -107,6 +112,10 @@ SOURCES: dict[tuple[str, str], str] = {
         "Megatron-LM megatron/training/arguments.py validate_args: with --bf16, "
         "accumulate_allreduce_grads_in_fp32 is set (\"bfloat16 requires gradient accumulation and all-reduce to be "
         "performed in fp32\"); DDP reduces the fp32 main_grad buffers"),
+    ("megatron", "pipeline_scatter_gather"): (
+        "Megatron-LM megatron/training/arguments.py: --no-scatter-gather-tensors-in-pipeline (dest "
+        "scatter_gather_tensors_in_pipeline) defaults to True; p2p_communication.py sends "
+        "split_tensor_into_1d_equal_chunks of the tensor and gather_split_1d_tensor rebuilds it on the receiver"),
     ("nemo", "recompute"): _MEGATRON_BLOCK + " (Megatron-Bridge runs Megatron-Core's TransformerBlock)",
     ("nemo", "grad_bucket_bytes"): _MEGATRON_BUCKET + " (Megatron-Bridge's DistributedDataParallelConfig)",
     ("nemo", "tp_comm_overlap"): (

@@ -172,6 +172,14 @@ class StepFacts:
         return reduce_bytes(self.plan, self.grad_bytes)
 
     @property
+    def scatter_sends(self) -> int:
+        """The tensor degree a pipeline send is split over (``runtime.pipeline_scatter_gather`` without sequence
+        parallelism, whose sends are split already: the receiver all-gathers the pieces); 1: whole sends."""
+        plan = self.plan
+        split = plan.runtime.pipeline_scatter_gather and plan.mesh.tensor > 1 and not plan.sequence_parallel
+        return plan.mesh.tensor if split else 1
+
+    @property
     def reduce_in_backward(self) -> bool:
         """Whether the last microbatch's gradient buckets reduce while its backward goes on: always when they
         accumulate sharded, and replicated ones too with ``runtime.grad_reduce_overlap`` (else the replicas

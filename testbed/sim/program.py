@@ -15,7 +15,8 @@ Streams of a representative: ``compute`` (F/B/W actions, optimizer),
 ``tensor`` (tensor-parallel all-reduces, or with sequence parallelism all-gathers
 and reduce-scatters; blocking: the next action waits),
 ``gather`` (fsdp/ZeRO-3 parameter all-gathers, prefetched), ``pipe``
-(activation and gradient sends) and ``grad`` (gradient reduction, updated
+(activation and gradient sends; ``recv``: the receivers' all-gather of a send split over the tensor
+ranks, ``runtime.pipeline_scatter_gather``) and ``grad`` (gradient reduction, updated
 parameter all-gathers) and ``expert`` (an MoE layer's dispatch and combine
 all-to-alls under expert parallelism, beside the shared experts' compute:
 testbed.sim.moe) and ``ring`` (ring attention's K/V sends to the next
@@ -107,7 +108,7 @@ from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axi
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "program_of", "axis_groups", "STREAMS"]
 
-STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "grad", "host")
+STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv", "grad", "host")
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
@@ -345,10 +346,19 @@ class _Graph:
                           deps=(compute, tp[0]), pipeline=True)
 
     def _send(self, s: int, dst: int, label: str, nbytes: float, last: int) -> int:
-        """An activation or gradient sent to stage ``dst`` after the action (pipe stream)."""
-        return self.b.add(name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND,
-                          deps=(last,), nbytes=nbytes, group=(self.reps[s], self.reps[dst]),
+        """An activation or gradient sent to stage ``dst`` after the action (pipe stream). Split over the tensor
+        ranks (StepFacts.scatter_sends), each sends its share and the receivers all-gather the whole over their
+        tensor group (``recv`` stream of ``dst``); returns the task the receiving action waits for."""
+        ways, rep = self.facts.scatter_sends, self.reps[dst]
+        send = self.b.add(name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND,
+                          deps=(last,), nbytes=nbytes / ways, group=(self.reps[s], rep),
                           instances=self._stage_pairs(s, dst))
+        if ways == 1:
+            return send
+        groups = self.tensor[dst]
+        return self.b.add(name=f"gather {label}->{dst}", device=rep, stream="recv", kind=TaskKind.COLLECTIVE,
+                          deps=(send,), op="all_gather", nbytes=nbytes, group=rep_group(groups, rep),
+                          instances=groups)
 
     def _bucket(self, s: int, after: int, bucket_of: tuple) -> None:
         """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
