@@ -324,7 +324,7 @@ class _Play:
         self.arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
         self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
             [0.0] * p
-        self.recv = [0.0] * p
+        self.recv: dict[tuple[int, str], float] = {}  # (stage, direction) -> its split sends' gathers done
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.busy, self.comm = [0.0] * p, [0.0] * p
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
@@ -394,8 +394,9 @@ class _Play:
         for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
             self.arrive[(s, kind, mb, c)] = self.pipe[s]
-            if gather:  # the receivers' all-gather of a split send (their recv stream)
-                self.recv[dst] = self.arrive[(s, kind, mb, c)] = max(self.recv[dst], self.pipe[s]) + gather
+            if gather:  # the receivers' all-gather of a split send (their recv stream of this direction)
+                recv = self.recv.get((dst, kind), 0.0)
+                self.recv[(dst, kind)] = self.arrive[(s, kind, mb, c)] = max(recv, self.pipe[s]) + gather
 
     def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
         """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait).

@@ -108,7 +108,7 @@ from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axi
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "program_of", "axis_groups", "STREAMS"]
 
-STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv", "grad", "host")
+STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv", "recv-grad", "grad", "host")
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
@@ -226,7 +226,7 @@ class _Graph:
         self.done[key] = self.previous[s] = last
         self._program(s, first)
         for dst, _, nbytes in work.sends:
-            self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last)
+            self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last, action.kind)
 
     def _program(self, s: int, first: int) -> None:
         """The tasks from ``first`` are one program of stage ``s``'s devices (when they are several)."""
@@ -345,10 +345,11 @@ class _Graph:
         return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
                           deps=(compute, tp[0]), pipeline=True)
 
-    def _send(self, s: int, dst: int, label: str, nbytes: float, last: int) -> int:
+    def _send(self, s: int, dst: int, label: str, nbytes: float, last: int, kind: str) -> int:
         """An activation or gradient sent to stage ``dst`` after the action (pipe stream). Split over the tensor
         ranks (StepFacts.scatter_sends), each sends its share and the receivers all-gather the whole over their
-        tensor group (``recv`` stream of ``dst``); returns the task the receiving action waits for."""
+        tensor group (``dst``'s ``recv`` stream for activations, ``recv-grad`` for gradients: each in the order
+        its one sender sends); returns the task the receiving action waits for."""
         ways, rep = self.facts.scatter_sends, self.reps[dst]
         send = self.b.add(name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND,
                           deps=(last,), nbytes=nbytes / ways, group=(self.reps[s], rep),
@@ -356,7 +357,8 @@ class _Graph:
         if ways == 1:
             return send
         groups = self.tensor[dst]
-        return self.b.add(name=f"gather {label}->{dst}", device=rep, stream="recv", kind=TaskKind.COLLECTIVE,
+        return self.b.add(name=f"gather {label}->{dst}", device=rep, stream="recv" if kind == "F" else "recv-grad",
+                          kind=TaskKind.COLLECTIVE,
                           deps=(send,), op="all_gather", nbytes=nbytes, group=rep_group(groups, rep),
                           instances=groups)
 
