@@ -55,3 +55,20 @@ def test_the_runner_says_it_runs_its_own_behaviour():
     plan = plan_from_dict({**_plan_dict({"profile": "fsdp"}), "precision": "fp32"})
     with pytest.warns(UserWarning, match="recompute"):
         _check_runnable(plan, jax.devices())
+
+
+def test_every_published_case_runs_under_a_profile():
+    """benchmarks/published/runs.py maps each case's stack to a profile (or the case states its runtime)."""
+    import sys
+    from pathlib import Path
+
+    import yaml
+    here = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+    sys.path.insert(0, str(here))
+    try:
+        import runs
+    finally:
+        sys.path.remove(str(here))
+    assert set(runs.STACK_PROFILES.values()) <= set(PROFILES)
+    for case in yaml.safe_load((here / "runs.yaml").read_text())["cases"]:
+        assert case["stack"] in runs.STACK_PROFILES or "runtime" in case["plan"], case["name"]

@@ -36,8 +36,8 @@ from testbed.topology.io import load_topology, topology_from_dict
 CASES = Path(__file__).with_name("runs.yaml")
 #: The runtime profile (testbed.plan.runtime.PROFILES) of each stack a case names.
 STACK_PROFILES = {"megatron-lm": "megatron", "megatron-bridge": "nemo", "nemo": "nemo", "deepspeed": "deepspeed",
-                  "torchtitan": "torchtitan", "llm-foundry": "llm-foundry", "fsdp": "fsdp", "maxtext": "xla",
-                  "jax": "xla", "xla": "xla"}
+                  "megatron-deepspeed": "deepspeed", "torchtitan": "torchtitan", "llm-foundry": "llm-foundry",
+                  "fsdp": "fsdp", "pytorch-fsdp": "fsdp", "maxtext": "xla", "jax": "xla", "xla": "xla", "pax": "xla"}
 #: Scale bands of the category report (GPUs, inclusive upper bounds).
 SCALES = (("<=64", 64), ("65-512", 512), (">512", float("inf")))
 
