@@ -215,7 +215,8 @@ def alternate_matmuls(spec: ModelSpec, tokens: int, tensor: int) -> tuple[Gemm, 
     return tuple(order[1::2])
 
 
-def recompute_gemms(plan: Plan, weights, outs, attention: tuple[Gemm, Gemm], dense: bool) -> list[Gemm]:
+def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention: tuple[Gemm, Gemm],
+                    dense: bool) -> list[Gemm]:
     """The forward GEMMs one layer's backward reruns, by the plan's remat and ``runtime.recompute``
     (testbed.plan.runtime): full, all but the out projections ``outs`` (``runner``) or all (``block``, ``op``);
     selective, the scores (``runner``, ``block``) or every other matmul (``op``, :func:`alternate_matmuls`, on a
