@@ -12,26 +12,29 @@ chunk's sharded parameters is (``leaves``, under the calibration's
 stage's optimizer update. :func:`step_facts` works these out once into a
 frozen :class:`StepFacts`; testbed.sim.program builds the task graph from it
 (one small builder per stream) and testbed.explore.analytic plays the same
-facts without the graph.
+facts without the graph. The plan's ``runtime:`` (testbed.plan.runtime) is read
+here too: the gradient buckets, whether replicated gradients reduce during the
+backward, the bytes they are reduced in, and whether pipeline sends are split.
+The memos it reads (schedule orders, chunk costs and GEMMs) are testbed.sim.memo's.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 from testbed.model import buffers
 from testbed.model import costs
 from testbed.model.costs import ChunkCost
-from testbed.model.gemm import ChunkGemms, Gemm, chunk_gemms, gemm_flops, without
+from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
-from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
+from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.plan.spec import Axis, Plan, Remat
+from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
@@ -46,8 +49,6 @@ OPTIMIZER_FLOPS_PER_PARAM = 12
 #: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
 ACCUMULATE_PASSES = 3
 
-#: One action in execution order: (stage, action, the (stage, kind, microbatch, chunk) keys it waits for).
-OrderedAction = tuple[int, Action, tuple[tuple[int, str, int, int], ...]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,7 +213,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     if schedule is None:
         schedule, order = cached_order(plan.schedule.name.value, p, m, v)
     else:
-        order = _order(schedule)
+        order = order_of(schedule)
     param_b, grad_b, _ = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     o_ways = sharding.ways(plan, "optimizer")
@@ -365,48 +366,3 @@ def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, chunk_costs) -
         if dst != stage:
             return [(dst, c, float(chunk_costs[dst][c].activation_out_bytes))]
     return []
-
-
-def _order(schedule: Schedule) -> tuple[OrderedAction, ...]:
-    return tuple((s, a, tuple(dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
-                 for s, a in execution_order(schedule))
-
-
-@functools.lru_cache(maxsize=4096)
-def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, tuple[OrderedAction, ...]]:
-    """(schedule table, its execution order with dependency keys), memoized: many plans share a table."""
-    schedule = build_schedule(name, stages, microbatches, virtual)
-    return schedule, _order(schedule)
-
-
-def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
-    """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
-    layers per stage, ``runtime.recompute``)."""
-    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
-           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute)
-    cost = _CHUNKS.get(key)
-    if cost is None:
-        if len(_CHUNKS) > 100_000:
-            _CHUNKS.clear()
-        cost = _CHUNKS[key] = costs.chunk_cost(plan, stage, chunk)
-    return cost
-
-
-_CHUNKS: dict[tuple, ChunkCost] = {}
-
-
-def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
-    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`)."""
-    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context,
-           plan.runtime.recompute)
-    shapes = _GEMMS.get(key)
-    if shapes is None:
-        if len(_GEMMS) > 100_000:
-            _GEMMS.clear()
-        shapes = _GEMMS[key] = chunk_gemms(plan, stage, chunk)
-    return shapes
-
-
-_GEMMS: dict[tuple, ChunkGemms] = {}
