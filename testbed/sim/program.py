@@ -335,11 +335,10 @@ class _Graph:
         rep, groups = self.reps[s], self.tensor[s]
         overlap = self.plan.runtime.tp_comm_overlap
         compute, tp = last, start if overlap else (last,)
-        for op, count in work.tensor:
+        for op, count, nbytes in work.tensor:
             tp = (self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
-                             stream="tensor", kind=TaskKind.COLLECTIVE, deps=tp, op=op,
-                             nbytes=chunk.cost.tensor_allreduce_bytes, count=count, group=rep_group(groups, rep),
-                             instances=groups, pipeline=True),)
+                             stream="tensor", kind=TaskKind.COLLECTIVE, deps=tp, op=op, nbytes=nbytes, count=count,
+                             group=rep_group(groups, rep), instances=groups, pipeline=True),)
         if not overlap:
             return tp[0]
         return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
