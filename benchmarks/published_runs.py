@@ -15,10 +15,12 @@ Categories:
   Rajbhandari et al. 2020 Table 1 in zero_memory.yaml), predicted vs published GB.
 
 Prints ``{"categories": {NAME: {cases, median_abs_error, max_abs_error}}, "end_to_end_all": {...},
-"end_to_end_by": {stack|device|precision|scale|architecture: {VALUE: {...}}}, "collective_bands":
-{BAND: {...}}, "results": {NAME: [{case, predicted, published, error}, ...]}}``; error is predicted / published - 1.
-``end_to_end_by`` pools ``end_to_end`` (Megatron-LM, A100, BF16, dense) and ``runs``;
-``end_to_end_all`` summarises the pool.
+"end_to_end_by": {stack|device|precision|scale|architecture: {VALUE: {...}}}, "runtime_mechanisms":
+{FIELD: {...}}, "collective_bands": {BAND: {...}}, "results": {NAME: [{case, predicted, published, error}, ...]}}``;
+error is predicted / published - 1. ``end_to_end_by`` pools ``end_to_end`` (Megatron-LM, A100, BF16, dense)
+and ``runs``; ``end_to_end_all`` summarises the pool. Every case runs under its stack's runtime profile
+(testbed.plan.runtime; runs.py's ``STACK_PROFILES``, megatron.yaml's ``setup.runtime``) and
+``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``).
 The largest Megatron rows take about a minute each to simulate.
 
     .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|runs|memory]
@@ -62,6 +64,7 @@ def run(only: list[str] | None = None) -> dict:
             pooled += [{**r, **_TABLE1, "gpus": int(r["case"].rsplit("-", 1)[1].removesuffix("gpu"))} for r in rows]
         if name == "runs":
             pooled += rows
+            out["runtime_mechanisms"] = published_runs.mechanisms(rows)
     if pooled:
         out["end_to_end_all"] = published_runs.summary(pooled)
         out["end_to_end_by"] = published_runs.by_category(pooled)

@@ -38,3 +38,37 @@ def test_bad_runtime_names_the_field(runtime, field):
     with pytest.raises(InputError) as err:
         plan_from_dict(_plan_dict(runtime))
     assert field in str(err.value)
+
+
+def test_runner_differences_name_the_fields_the_runner_does_not_execute():
+    from testbed.plan.runtime import runner_differences
+    assert runner_differences(RuntimeSpec()) == ()
+    assert runner_differences(plan_from_dict(_plan_dict("xla")).runtime) == ()
+    nemo = plan_from_dict(_plan_dict("nemo")).runtime
+    assert set(runner_differences(nemo)) == set(PROFILES["nemo"])
+
+
+def test_the_runner_says_it_runs_its_own_behaviour():
+    import jax
+
+    from testbed.runner.train import _check_runnable
+    plan = plan_from_dict({**_plan_dict({"profile": "fsdp"}), "precision": "fp32"})
+    with pytest.warns(UserWarning, match="recompute"):
+        _check_runnable(plan, jax.devices())
+
+
+def test_every_published_case_runs_under_a_profile():
+    """benchmarks/published/runs.py maps each case's stack to a profile (or the case states its runtime)."""
+    import sys
+    from pathlib import Path
+
+    import yaml
+    here = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+    sys.path.insert(0, str(here))
+    try:
+        import runs
+    finally:
+        sys.path.remove(str(here))
+    assert set(runs.STACK_PROFILES.values()) <= set(PROFILES)
+    for case in yaml.safe_load((here / "runs.yaml").read_text())["cases"]:
+        assert case["stack"] in runs.STACK_PROFILES or "runtime" in case["plan"], case["name"]

@@ -21,7 +21,10 @@ simulator with work its program does not do; ``predicted_eq3`` shows that
 number too. Both rates are one definition (the GEMM FLOPs a program executes
 over its iteration and the GPUs): Eq. 3 is exactly the GEMM work of Megatron's
 program (each layer's forward four times under full recompute, the logits
-three times). ``published_step_s`` is Megatron's iteration (Eq. 3 over the
+three times). Each row runs under Megatron's mechanisms (megatron.yaml's ``setup.runtime``: whole-layer
+recompute, which reruns the down projection too, so the executed FLOPs equal Eq. 3; PyTorch DDP's overlapped
+25 MiB buckets for the p = 1 rows); ``--runner`` runs them as testbed's own runner would instead.
+``published_step_s`` is Megatron's iteration (Eq. 3 over the
 published rate) and ``step_time_error`` the simulated step against it, which
 counts the programs' difference as error too.
 
@@ -65,8 +68,9 @@ def case_name(row: dict) -> str:
     return f"megatron-{row['params_b']:g}b-{row['gpus']}gpu"
 
 
-def plan_dict(row: dict, setup: dict) -> dict:
-    """The testbed plan (as plan_from_dict reads it) for one Table 1 row."""
+def plan_dict(row: dict, setup: dict, runtime: bool = True) -> dict:
+    """The testbed plan (as plan_from_dict reads it) for one Table 1 row (``runtime``: with the setup's
+    ``runtime`` fields, Megatron's mechanisms; else the runner's)."""
     t, p, gpus = int(row["tensor"]), int(row["pipeline"]), int(row["gpus"])
     d = gpus // (t * p)
     microbatches = int(row["batch"]) // (d * int(row["microbatch_size"]))
@@ -86,20 +90,23 @@ def plan_dict(row: dict, setup: dict) -> dict:
         "remat": setup["remat"],
         "optimizer": {"name": "adamw", "learning_rate": 1.0e-4},
         "zero": 0,
+        **({"runtime": {**setup["runtime"], **(setup.get("runtime_data_parallel", {}) if p == 1 else {})}}
+           if runtime and "runtime" in setup else {}),
     }
 
 
-def evaluate(path: Path | str = CASES, topology=None) -> list[dict]:
+def evaluate(path: Path | str = CASES, topology=None, runtime: bool = True) -> list[dict]:
     """Every row of ``path``: predicted and published TFLOP/s per GPU and the relative error.
 
-    ``topology``: the base topology (default: the file's ``setup.topology``), resized per row.
+    ``topology``: the base topology (default: the file's ``setup.topology``), resized per row; ``runtime``:
+    the rows run as Megatron ran them (the setup's ``runtime`` fields), else as testbed's runner would.
     """
     data = yaml.safe_load(Path(path).read_text())
     setup, source = data["setup"], data["source"]
     base = topology if topology is not None else load_topology(setup["topology"])
     out = []
     for row in data["cases"]:
-        spec = plan_dict(row, setup)
+        spec = plan_dict(row, setup, runtime)
         plan = plan_from_dict(spec, default_name=spec["name"])
         topo = resize_topology(base, int(row["gpus"]))
         report = simulate(plan, topo).report
@@ -127,7 +134,7 @@ def evaluate(path: Path | str = CASES, topology=None) -> list[dict]:
 
 
 def main() -> None:
-    rows = evaluate()
+    rows = evaluate(runtime="--runner" not in sys.argv[1:])
     json.dump({**summary(rows), "results": rows}, sys.stdout, indent=1)
     print()
 

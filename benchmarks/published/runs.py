@@ -6,6 +6,11 @@ resized to the case's devices (GPUs or TPU chips; the field is ``gpus``). The
 published number is tokens per second per device; the prediction is
 ``global_batch x seq_len / step time / devices``.
 
+Each case runs under its stack's runtime profile (testbed.plan.runtime: :data:`STACK_PROFILES`
+maps a case's ``stack`` to one) unless its plan states ``runtime:`` itself; ``runner_error`` is
+the same case under testbed's own runner's behaviour (the default profile), so the output shows
+what the stack's mechanisms change.
+
 :func:`evaluate` returns one dict per case: ``case``, ``source``, ``stack``,
 ``device``, ``precision``, ``gpus``, ``architecture`` (dense or moe),
 ``step_time_s``, ``predicted`` and ``published`` tokens/s/device and
@@ -19,18 +24,26 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from testbed.explore.space import resize_topology
 from testbed.plan.io import plan_from_dict
+from testbed.plan.runtime import RuntimeSpec, runner_differences
 from testbed.plan.spec import Plan
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology, topology_from_dict
 from testbed.topology.spec import Topology
 
 CASES = Path(__file__).with_name("runs.yaml")
+#: The runtime profile (testbed.plan.runtime.PROFILES) of each stack a case names.
+STACK_PROFILES = {"megatron-lm": "megatron", "megatron-bridge": "nemo", "nemo": "nemo", "deepspeed": "deepspeed",
+                  "megatron-deepspeed": "deepspeed", "torchtitan": "torchtitan", "llm-foundry": "llm-foundry",
+                  "fsdp": "fsdp", "pytorch-fsdp": "fsdp", "maxtext": "xla", "jax": "xla", "xla": "xla", "pax": "xla",
+                  # Meta's Llama 3 training stack is not public: no cited value to state, so the runner's.
+                  "meta-llama3": "testbed"}
 #: Scale bands of the category report (devices, inclusive upper bounds).
 SCALES = (("<=64", 64), ("65-512", 512), ("513-4096", 4096), (">4096", float("inf")))
 #: The categories errors are reported by: each row's own key, or (scale) its band of ``gpus``.
@@ -54,8 +67,11 @@ def load_cases(path: Path | str = CASES) -> tuple[list[dict], dict[str, Topology
 
 
 def case_plan(case: dict) -> Plan:
-    """The case's plan (its ``plan:`` section, named after the case)."""
-    return plan_from_dict({"name": case["name"], **case["plan"]}, default_name=case["name"])
+    """The case's plan (its ``plan:`` section, named after the case), under its stack's runtime profile
+    (:data:`STACK_PROFILES`) unless the section states ``runtime:``."""
+    spec = {"name": case["name"], **case["plan"]}
+    spec.setdefault("runtime", STACK_PROFILES.get(case["stack"], "testbed"))
+    return plan_from_dict(spec, default_name=case["name"])
 
 
 def case_topology(case: dict, inline: dict[str, Topology]) -> Topology:
@@ -65,13 +81,23 @@ def case_topology(case: dict, inline: dict[str, Topology]) -> Topology:
 
 
 def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
-    """One case simulated: predicted and published tokens/s/device, the error and the case's categories."""
+    """One case simulated: predicted and published tokens/s/device, the error and the case's categories; the
+    error under the runner's mechanisms (``runner_error``) and without each of the case's runtime fields
+    (``mechanisms``: {field: the error with that field at the runner's value})."""
     gpus = int(case["gpus"])
-    plan = case_plan(case)
-    report = simulate(plan, case_topology(case, inline)).report
+    plan, topology = case_plan(case), case_topology(case, inline)
+    report = simulate(plan, topology).report
     tokens = plan.batch.global_batch * plan.model.seq_len
-    predicted = tokens / report.step_time_s / gpus
     published = float(case["tokens_per_s_per_gpu"])
+
+    def error(step_s: float) -> float:
+        return round(tokens / step_s / gpus / published - 1, 4)
+
+    default = RuntimeSpec()
+    without = {field: error(simulate(replace(plan, runtime=replace(plan.runtime, **{field: getattr(default, field)})),
+                                     topology).report.step_time_s)
+               for field in runner_differences(plan.runtime)}
+    runner = simulate(replace(plan, runtime=default), topology).report.step_time_s if without else report.step_time_s
     return {"case": case["name"], "source": case["source"], "stack": case["stack"],
             "device": case["device"], "precision": case["precision"], "gpus": gpus,
             "architecture": architecture(plan),
@@ -79,14 +105,33 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
             "published_step_s": round(tokens / published / gpus, 3),
             "exposed_comm_s": round(report.exposed_comm_s or 0.0, 3),
             "bubble_fraction": round(report.bubble_fraction or 0.0, 4),
-            "predicted": round(predicted, 1), "published": published,
-            "error": round(predicted / published - 1, 4)}
+            "runtime": plan.runtime.profile, "predicted": round(tokens / report.step_time_s / gpus, 1),
+            "published": published, "error": error(report.step_time_s), "runner_error": error(runner),
+            "mechanisms": without}
 
 
 def evaluate(path: Path | str = CASES) -> list[dict]:
     """Every case of ``path``: predicted and published tokens/s/GPU and the relative error."""
     cases, inline = load_cases(path)
     return [evaluate_case(case, inline) for case in cases]
+
+
+def mechanisms(rows: list[dict]) -> dict:
+    """What each runtime field added: per field, the cases whose runtime sets it (``set``), those it moves by more
+    than 0.01% (``moved``) and, over those, the median, least and most of the error with it minus the error
+    without it (negative: the prediction became slower)."""
+    out: dict = {}
+    for r in rows:
+        for field, without in r.get("mechanisms", {}).items():
+            out.setdefault(field, []).append(round(r["error"] - without, 4))
+    summary_of = {}
+    for field, changes in sorted(out.items()):
+        moved = [d for d in changes if abs(d) > 1e-4]
+        summary_of[field] = {"set": len(changes), "moved": len(moved)}
+        if moved:
+            summary_of[field].update(median_error_change=round(statistics.median(moved), 4),
+                                     min=round(min(moved), 4), max=round(max(moved), 4))
+    return summary_of
 
 
 def summary(rows: list[dict]) -> dict:
@@ -111,7 +156,8 @@ def by_category(rows: list[dict]) -> dict:
 
 def main() -> None:
     rows = evaluate()
-    json.dump({**summary(rows), "categories": by_category(rows), "results": rows}, sys.stdout, indent=1)
+    json.dump({**summary(rows), "runner": summary([{**r, "error": r["runner_error"]} for r in rows]),
+               "categories": by_category(rows), "mechanisms": mechanisms(rows), "results": rows}, sys.stdout, indent=1)
     print()
 
 

@@ -172,8 +172,9 @@ class _Priced(NamedTuple):
     """One F/B/W action of one chunk, priced: its compute seconds (all of it, and one gradient bucket's piece
     of the chunk's last backward, in ``pieces``), blocking tensor (and exposed all-to-all and ring) seconds,
     the gather it waits for, one bucket's reduction, an earlier microbatch's reduce-scatter, its sends
-    ``(dst, seconds)``, the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier
-    microbatch, of the last; then the bucket reduction's own)."""
+    ``(dst, seconds, the receivers' all-gather seconds of a split send)``, the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier
+    microbatch, of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
+    beside the compute (``runtime.tp_comm_overlap``: the tensor collectives; 0 without)."""
 
     compute: float
     tensor: float
@@ -182,10 +183,11 @@ class _Priced(NamedTuple):
     pieces: int
     bucket: float
     scatter: float
-    sends: tuple[tuple[int, float], ...]
+    sends: tuple[tuple[int, float, float], ...]
     acc: float
     syncs: tuple[Syncs, Syncs]
     bucket_syncs: Syncs
+    hidden: float = 0.0
 
 
 class _Step:
@@ -229,18 +231,22 @@ class _Step:
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
                                     rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(work.gemms, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
-            bucket, bucket_syncs = self._reduce(s, chunk.moved[2] / pieces * facts.grad_bytes,
-                                                chunk.expert_params / pieces * facts.grad_bytes, chunk.leaves / pieces)
+            bucket, bucket_syncs = self._reduce(s, chunk.moved[2] / pieces * facts.reduce_bytes,
+                                                chunk.expert_params / pieces * facts.reduce_bytes, chunk.leaves / pieces)
         if last and per_microbatch and facts.microbatches > 1:
             n = max(1, chunk.leaves)
-            scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.moved[1] * facts.grad_bytes / n)
+            scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.moved[1] * facts.reduce_bytes / n)
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in work.tensor)
+        hidden = tp_s if plan.runtime.tp_comm_overlap else 0.0  # beside the compute (the task graph's join)
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
         reps = facts.representatives
-        sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes)) for dst, _, nbytes in work.sends)
+        ways = facts.scatter_sends  # split sends: each rank's share, then the receivers' all-gather (recv stream)
+        sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
+                       coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
+                      for dst, _, nbytes in work.sends)
         # The action's collectives as barriers among its kernels (testbed.sim.program's interleave): the tensor
         # collectives, then an earlier microbatch's reduce-scatters or the last one's buckets. Gathers meet on
         # their own stream ahead of the action, with next to no computing since the last meeting (no wait here;
@@ -250,10 +256,10 @@ class _Step:
         plain, ends = not chain and not ringed, self.ends  # the task graph's interleaved actions
         g_ways = math.prod(plan.mesh.degree(a) for a in per_microbatch)
         syncs = (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]) if plain else ends,
-                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if per_microbatch)]) if plain
-                 else ends)
+                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
+                 if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs)
+                       bucket_syncs, hidden)
 
     def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
                  ) -> tuple[float, tuple[float, float] | None, tuple[Piece, ...]]:
@@ -318,6 +324,7 @@ class _Play:
         self.arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
         self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
             [0.0] * p
+        self.recv: dict[tuple[int, str], float] = {}  # (stage, direction) -> its split sends' gathers done
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.busy, self.comm = [0.0] * p, [0.0] * p
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
@@ -367,22 +374,29 @@ class _Play:
         start = self._start(s, c, kind, priced, deps)
         wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
         skewed = self.step.skewed
-        if kind == self.facts.last_backward:
+        last = kind == self.facts.last_backward
+        if last:
             compute, wait = self._backward_end(s, c, priced, start, compute)
         elif skewed is not None:
             wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
             self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
             compute += wait
-        finish = start + compute + priced.tensor
+        tensor = priced.tensor
+        if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
+            tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
+        finish = start + compute + tensor
         self.busy[s] += compute - wait
-        self.comm[s] += priced.tensor + wait
+        self.comm[s] += tensor + wait
         self.free[s] = finish
         if self.step.serial:  # the program ends with its reductions too
             self.launch = max(finish, self.grad[s])
         self.end[(s, kind, mb, c)] = finish
-        for _, seconds in priced.sends:
+        for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
             self.arrive[(s, kind, mb, c)] = self.pipe[s]
+            if gather:  # the receivers' all-gather of a split send (their recv stream of this direction)
+                recv = self.recv.get((dst, kind), 0.0)
+                self.recv[(dst, kind)] = self.arrive[(s, kind, mb, c)] = max(recv, self.pipe[s]) + gather
 
     def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
         """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait).
@@ -406,10 +420,10 @@ class _Play:
             compute += wait
             piece += wait / pieces
         if last_mb and piece:
-            if not self.facts.per_microbatch:  # the replicas' one sum, after the stage's backward (program.py)
+            if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
                 self.once[s] += pieces * priced.bucket
                 self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
-            for k in range(pieces if self.facts.per_microbatch else 0):
+            for k in range(pieces if self.facts.reduce_in_backward else 0):
                 self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + priced.bucket
         elif not last_mb and priced.scatter:
             self.grad[s] = max(self.grad[s], start + compute) + priced.scatter

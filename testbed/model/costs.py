@@ -8,17 +8,14 @@ d``, LN2, MLP ``d x d_ff`` and ``d_ff x d``, all with biases, GELU), and a head 
 on another chunk than the embedding's, that chunk holds a copy of the token table (its gradient is all-reduced with
 stage 0's), so held parameters exceed :func:`param_count`.
 
-Tensor parallelism is Megatron's: the table gives each parameter's split
-dim (QKV and MLP-in by columns, out projection and MLP-out by rows, token
-table and head by vocab; LayerNorms, the position table and the row-split
-biases are replicated on every tensor rank).
+Tensor parallelism is Megatron's: the table gives each parameter's split dim (QKV and MLP-in by columns, out
+projection and MLP-out by rows, token table and head by vocab; norms, the position table and the row-split biases
+replicated on every tensor rank).
 
-The model family options (grouped-query attention, SwiGLU, RMSNorm, RoPE,
-no biases, dropout, vocab padding; ``testbed.plan.spec.ModelSpec``) change
-the table's rows and the formulas below: K/V projections ``d x kv_dim``,
-three MLP matrices, one norm statistic per token, dropout masks, FLOPs and
-memory over the padded vocab. :func:`param_count` is the published count
-(no padding); :func:`padded_param_count` what the devices hold.
+The model family options (grouped-query attention, SwiGLU, RMSNorm, RoPE, no biases, dropout, vocab padding;
+``testbed.plan.spec.ModelSpec``) change the table's rows and the formulas below: K/V projections ``d x kv_dim``,
+three MLP matrices, one norm statistic per token, dropout masks, FLOPs and memory over the padded vocab.
+:func:`param_count` is the published count (no padding); :func:`padded_param_count` what the devices hold.
 
 FLOPs count matmuls only (``2*m*n*k``); attention is dense over the full
 ``seq x seq`` score matrix (causality by masking), as the JAX model computes
@@ -38,7 +35,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError
-from testbed.model import layout, moe, ring
+from testbed.model import gemm, layout, moe, ring
 from testbed.model.layout import chunk_layers
 from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Position, Precision, Remat
 
@@ -385,6 +382,7 @@ class ChunkCost:
     loss_allreduce_bytes: int = 0
     position_gather_bytes: int = 0
     parallel_block: bool = False
+    recompute_block: bool = False  #: full remat reruns the whole block, MLP out projection too (runtime.recompute)
 
     @property
     def backward_flops(self) -> int:
@@ -400,20 +398,19 @@ class ChunkCost:
         ``tensor_allreduce_bytes`` buffer: the one decision the task graph (testbed.sim.program) and the
         analytic tier (testbed.explore.analytic) both read.
 
-        Without sequence parallelism, the all-reduces above; ``B`` also redoes, under full remat, each
-        layer's out-projection all-reduce. With it (Megatron SP, Korthikanti et al. 2022) an all-gather
-        of the sequence comes before each column-parallel matmul (QKV, MLP-in, the head) and a
-        reduce-scatter after each row-parallel one (out projection, MLP-out, the vocab-parallel
-        embedding); the backward transposes them (gather <-> scatter), and full remat's recomputed
-        forward adds two all-gathers and a reduce-scatter per layer. An all-gather and a reduce-scatter
-        of a buffer each move ``(t-1)/t`` of it (nccl-tests' bus bytes), an all-reduce ``2(t-1)/t``: a
-        chunk holding the embedding and the head moves the same bytes either way. ``W`` runs none.
-        """
+        Without sequence parallelism, the all-reduces above (``B`` also redoes, under full remat, the
+        out projections'). With it (Megatron SP, Korthikanti et al. 2022) an all-gather of the sequence
+        before each column-parallel matmul (QKV, MLP-in, head), a reduce-scatter after each row-parallel
+        one (out projection, MLP-out, vocab-parallel embedding); the backward transposes them, full
+        remat's forward adds its gathers and the redone scatters. Either way a chunk moves the same bytes
+        (all-gather and reduce-scatter ``(t-1)/t`` of the buffer, all-reduce ``2(t-1)/t``). ``W`` none."""
         if not self.tensor_allreduce_bytes or kind == "W":
             return ()
         layers, full, one = self.layers, Remat(remat) is Remat.FULL, self.parallel_block
         per = layers if one else 2 * layers  # a parallel block: one collective where a serial block has two
-        redo = 0 if one or not full else layers  # full remat: the out projection's, a parallel block's none
+        # Full remat redoes the out projections' collectives: the attention's (a parallel block's none: JAX drops
+        # it), and the MLP's too when the whole block is rerun (runtime.recompute: a parallel block's one).
+        redo = 0 if not full else (int(self.recompute_block) if one else 1 + int(self.recompute_block)) * layers
         if not self.sequence_parallel:
             count = self.tensor_allreduces_forward if kind == "F" else self.tensor_allreduces_backward + redo
             return (("all_reduce", count),)
@@ -462,6 +459,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     dropped = (DROPOUT_MASK_BYTES + c) * scores if spec.dropout > 0 else 0
     recompute = {Remat.NONE: (0, 0), Remat.FULL: (replicated, split),
                  Remat.SELECTIVE: (0, layers * (c * scores + dropped))}[plan.remat]
+    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":  # per-op: the block's elementwise work
+        recompute = (replicated, split // 2)  # again, and about half the projections' outputs (those recomputed)
     replicated += (n_bytes // t if sp else n_bytes) if embed else 0
     if head:
         n = b * spec.seq_len
@@ -472,7 +471,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,
         recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t) + steps // 2 + (
             steps if plan.remat is Remat.FULL else 0) + (
-            round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0),
+            round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0)
+        + gemm.policy_recompute_flops(plan, spec, layers, moe_layers),
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
         activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=(replicated, split),
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
@@ -481,7 +481,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         has_embedding=embed, has_head=head, sequence_parallel=sp,
         loss_allreduce_bytes=LOSS_BYTES * b * spec.seq_len if tp and head else 0,
         position_gather_bytes=spec.seq_len * spec.d_model * c
-        if tp and sp and embed and spec.position is Position.LEARNED else 0, parallel_block=spec.parallel_block)
+        if tp and sp and embed and spec.position is Position.LEARNED else 0, parallel_block=spec.parallel_block,
+        recompute_block=plan.remat is Remat.FULL and plan.runtime.recompute != "runner")
 
 
 def model_flops_per_step(plan: Plan) -> float:

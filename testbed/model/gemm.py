@@ -36,7 +36,8 @@ A weight matmul ``Y = X W`` (``m x n x k``) has two gradients: the input's
 (``k x n x m``, in W). Both attention products' gradients are input
 gradients (B). Remat re-runs forward matmuls in B: full, all but the MLP
 out projection (its output only feeds the residual add); selective, the
-scores; flash attention's backward recomputes the scores in any case. The FLOPs of every list equal testbed.model.costs' counts (tested).
+scores; flash attention's backward recomputes the scores in any case. The plan's ``runtime.recompute``
+(testbed.plan.runtime) changes what remat reruns: :func:`recompute_gemms`. The FLOPs of every list equal testbed.model.costs' counts (tested).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
 __all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms", "gemm_flops", "scaled",
-           "ring_step_gemms", "without"]
+           "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms", "policy_recompute_flops"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +202,63 @@ def _ring_steps(plan: Plan, out: list[tuple[Gemm, ...]], layers: int) -> list[tu
     return [o + scaled(x, layers * (plan.mesh.context - 1)) for o, x in zip(out, extra)]
 
 
+def alternate_matmuls(spec: ModelSpec, tokens: int, tensor: int) -> tuple[Gemm, ...]:
+    """The matmuls torchtitan's per-op selective remat recomputes in one dense layer: every other one of the
+    layer's forward matmuls in the order it issues them (Q, K, V, out, the MLP's input ones, its out), the
+    second, fourth, ... (it saves the first, third, ...); ``tokens`` tokens on one tensor rank."""
+    d, kv, t = spec.d_model, spec.kv_dim, tensor
+    if spec.kv_split(t):
+        q, k, v = Gemm(tokens, d // t, d), Gemm(tokens, kv // t, d), Gemm(tokens, kv // t, d)
+    else:
+        q, k, v = Gemm(tokens, d // t, d), Gemm(tokens, kv, d), Gemm(tokens, kv, d)
+    weights, mlp_out = _projections(spec, tokens, tensor)
+    order = [q, k, v, *weights[-spec.mlp_matrices:], mlp_out]  # out projection and MLP inputs, as issued
+    return tuple(order[1::2])
+
+
+def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention: tuple[Gemm, Gemm],
+                    dense: bool) -> list[Gemm]:
+    """The forward GEMMs one layer's backward reruns, by the plan's remat and ``runtime.recompute``
+    (testbed.plan.runtime): full, all but the out projections ``outs`` (``runner``) or all (``block``, ``op``);
+    selective, the scores (``runner``, ``block``) or every other matmul (``op``, :func:`alternate_matmuls`, on a
+    ``dense`` layer; an MoE layer keeps the scores). Flash attention's backward recomputes the scores besides,
+    but under selective remat (whose recompute they are)."""
+    scores, values = attention
+    policy = plan.runtime.recompute
+    if plan.remat is Remat.NONE:
+        out: list[Gemm] = []
+    elif plan.remat is Remat.FULL:
+        out = [*weights, *(outs if policy != "runner" else ()), scores, values]
+    elif policy == "op" and dense:
+        spec = rank_spec(plan)
+        out = list(alternate_matmuls(spec, plan.microbatch_size * spec.seq_len, plan.mesh.tensor))
+    else:
+        return [scores]
+    return out + ([scores] if scores.flash else [])
+
+
+def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers: int) -> int:
+    """The FLOPs ``runtime.recompute`` adds to the runner's remat in one chunk of ``layers`` layers
+    (testbed.model.costs adds them to its count; :func:`recompute_gemms` lists the same GEMMs): ``block`` (or
+    ``op``) under full remat reruns the out projections too; ``op`` under selective reruns every other matmul of
+    a dense layer in place of the scores (which flash attention's backward recomputes anyway)."""
+    policy, t, b = plan.runtime.recompute, plan.mesh.tensor, plan.microbatch_size
+    n = b * spec.seq_len
+    if policy == "runner" or plan.remat is Remat.NONE:
+        return 0
+    dense = layers - moe_layers
+    if plan.remat is Remat.FULL:
+        extra = dense * 2 * n * spec.d_model * (spec.d_ff // t)
+        if moe_layers:
+            _, outs = moe_gemms(spec, n, expert_tokens(plan), t, plan.mesh.expert)
+            extra += round(moe_layers * gemm_flops(tuple(outs)))
+        return extra
+    if policy != "op":
+        return 0
+    scores = 0 if spec.attention is Attention.FLASH else 2 * b * spec.seq_len ** 2 * spec.d_model // t
+    return dense * (round(gemm_flops(alternate_matmuls(spec, n, t))) - scores)
+
+
 def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     """GEMMs of virtual chunk ``chunk`` on pipeline stage ``stage``, one microbatch, one device (one context
     rank's ``seq_len / context`` tokens, :func:`testbed.model.ring.rank_spec`)."""
@@ -211,20 +269,18 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     scores, values = _attention(spec, b, t)
     weights, mlp_out = _projections(spec, b * spec.seq_len, t)
     moe = moe_layers(spec, span)
-    kinds = [(len(span) - moe, weights, [mlp_out])]
+    kinds = [(len(span) - moe, weights, [mlp_out], True)]
     if moe:
         ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert)
-        kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs))
+        kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs, False))
     out: list[tuple[Gemm, ...]] = [(), (), (), ()]
-    for layers, weights, outs in kinds:
+    for layers, weights, outs, dense in kinds:
         per_layer_weights = (*weights, *outs)
         forward = [*per_layer_weights, scores, values]
         inputs = [g.input_grad() for g in per_layer_weights] + [scores.input_grad(), scores.weight_grad(),
                                                                  values.input_grad(), values.weight_grad()]
         grads = [g.weight_grad() for g in per_layer_weights]
-        recompute = {Remat.NONE: [], Remat.SELECTIVE: [scores], Remat.FULL: [*weights, scores, values]}[plan.remat]
-        if scores.flash and plan.remat is not Remat.SELECTIVE:  # flash's backward recomputes the scores (selective's)
-            recompute.append(scores)
+        recompute = recompute_gemms(plan, weights, outs, (scores, values), dense)
         if layers:
             out = [o + scaled(tuple(x), layers) for o, x in zip(out, (forward, inputs, grads, recompute))]
     if plan.mesh.context > 1:

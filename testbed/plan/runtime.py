@@ -5,7 +5,7 @@ whether gradient reduction overlaps the backward and in what buckets, whether FS
 at a time and how far ahead, how pipeline sends travel over the tensor group, what is recomputed,
 which elementwise work is fused. A plan states these under ``runtime:``; a named profile
 (``megatron``, ``deepspeed``, ``fsdp``, ``torchtitan``, ``xla``) fills every field with the value that
-stack uses, each value citing the stack's source or documentation in :data:`PROFILES`. Fields given
+stack uses, each value citing the stack's source or documentation in :data:`SOURCES`. Fields given
 beside the profile override it. The default profile, ``testbed``, is what testbed's own runner does,
 so a plan without ``runtime:`` prices the program the runner executes.
 
@@ -23,7 +23,7 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 
-__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,21 +32,136 @@ class RuntimeSpec:
 
     #: The named profile the fields were filled from (``testbed``: the runner's own behaviour).
     profile: str = "testbed"
+    #: How the plan's ``remat`` is carried out (:data:`RECOMPUTE`): ``runner``, full remat reruns each layer's
+    #: forward but the MLP's down projection (whose output only feeds the residual add) and selective the
+    #: attention scores; ``block``, full remat reruns each block's whole forward, down projection and its
+    #: tensor collectives included (a checkpoint around the block: Megatron-LM, DeepSpeed, torch's
+    #: ``checkpoint_wrapper``); ``op``, selective remat saves every other matmul's output and attention's
+    #: and recomputes the rest of the block (torchtitan's per-op policy; full remat as ``block``).
+    recompute: str = "runner"
+    #: The tensor-parallel collectives of an action overlap its GEMMs (NeMo's userbuffers ``tp_comm_overlap``)
+    #: instead of following them: the action takes the longer of its compute and its tensor collectives.
+    tp_comm_overlap: bool = False
+    #: Gradients replicated over an axis (ZeRO 0/1 data parallelism) reduce bucket by bucket while the last
+    #: microbatch's backward goes on (PyTorch DDP, Megatron's ``--overlap-grad-reduce``, FSDP's post-backward
+    #: hooks) instead of once after it (the runner sums replicas in the update). Sharded gradients always do.
+    grad_reduce_overlap: bool = False
+    #: Bytes of one gradient bucket (0: the runner's, one per layer and at most four per chunk): a chunk's
+    #: gradients reduce as ``ceil(bytes / grad_bucket_bytes)`` buckets, at most one per layer.
+    grad_bucket_bytes: float = 0.0
+    #: The dtype gradients are reduced (all-reduced, reduce-scattered) in (:data:`GRAD_REDUCE_DTYPES`): ``grad``,
+    #: their own (bf16 under mixed precision, as the runner reduces them); ``fp32`` (FSDP's
+    #: ``MixedPrecision(reduce_dtype=torch.float32)``, Megatron's fp32 main-grad buffers): twice the bytes.
+    grad_reduce_dtype: str = "grad"
+    #: Without sequence parallelism, a pipeline send carries each tensor rank's ``1/t`` share of the activation
+    #: (or its gradient) and the receiving stage all-gathers it over its tensor group (Megatron-LM's
+    #: scatter/gather of pipeline tensors) instead of every tensor rank sending the whole tensor.
+    pipeline_scatter_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
             raise InputError(f"unknown runtime profile `{self.profile}`; valid: {', '.join(PROFILES)}",
                              field="runtime.profile")
+        if self.recompute not in RECOMPUTE:
+            raise InputError(f"unknown recompute `{self.recompute}`; valid: {', '.join(RECOMPUTE)}",
+                             field="runtime.recompute")
+        if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
+            raise InputError(f"unknown grad_reduce_dtype `{self.grad_reduce_dtype}`; valid: "
+                             f"{', '.join(GRAD_REDUCE_DTYPES)}", field="runtime.grad_reduce_dtype")
+        if not 0 <= self.grad_bucket_bytes < float("inf"):
+            raise InputError(f"must be a finite number >= 0 (0: the runner's buckets), got {self.grad_bucket_bytes}",
+                             field="runtime.grad_bucket_bytes")
+
+
+#: Values of :attr:`RuntimeSpec.recompute`.
+RECOMPUTE = ("runner", "block", "op")
+#: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
+GRAD_REDUCE_DTYPES = ("grad", "fp32")
 
 
 #: Field values of each named profile that differ from the runner's defaults: ``{profile: {field: value}}``.
 #: Every value has its source in :data:`SOURCES` under the same (profile, field).
 PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
+    # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
+    "xla": {},
+    "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
+                 "pipeline_scatter_gather": True},
+    "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True},
+    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9},
+    "fsdp": {"recompute": "block", "grad_reduce_overlap": True},
+    "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
+    "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
 }
 
+_MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
+                   "--recompute-granularity full checkpoints whole TransformerLayers (tensor_parallel.checkpoint), "
+                   "so the backward reruns each layer's whole forward with its tensor-parallel collectives")
+_MEGATRON_BUCKET = ("Megatron-LM megatron/core/distributed/distributed_data_parallel.py: bucket_size defaults to "
+                    "max(40000000, 1000000 * dp_size) parameters; bf16 training reduces fp32 main grads "
+                    "(arguments.py forces accumulate_allreduce_grads_in_fp32 for --bf16): 40e6 x 4 bytes")
+_FSDP_OVERLAP = ("torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook` (FSDP1) and FSDP2's "
+                 "post-backward: each unit's gradients are reduce-scattered (and all-reduced over HSDP replicas) "
+                 "as soon as its backward is done, while earlier units' backward runs")
+
 #: ``{(profile, field): "where the value comes from"}`` (a file and line of the stack, or its docs).
-SOURCES: dict[tuple[str, str], str] = {}
+SOURCES: dict[tuple[str, str], str] = {
+    ("megatron", "recompute"): _MEGATRON_BLOCK,
+    ("megatron", "grad_bucket_bytes"): _MEGATRON_BUCKET,
+    ("megatron", "grad_reduce_dtype"): (
+        "Megatron-LM megatron/training/arguments.py validate_args: with --bf16, "
+        "accumulate_allreduce_grads_in_fp32 is set (\"bfloat16 requires gradient accumulation and all-reduce to be "
+        "performed in fp32\"); DDP reduces the fp32 main_grad buffers"),
+    ("megatron", "pipeline_scatter_gather"): (
+        "Megatron-LM megatron/training/arguments.py: --no-scatter-gather-tensors-in-pipeline (dest "
+        "scatter_gather_tensors_in_pipeline) defaults to True; p2p_communication.py sends "
+        "split_tensor_into_1d_equal_chunks of the tensor and gather_split_1d_tensor rebuilds it on the receiver"),
+    ("nemo", "recompute"): _MEGATRON_BLOCK + " (Megatron-Bridge runs Megatron-Core's TransformerBlock)",
+    ("nemo", "grad_bucket_bytes"): _MEGATRON_BUCKET + " (Megatron-Bridge's DistributedDataParallelConfig)",
+    ("nemo", "tp_comm_overlap"): (
+        "Megatron-Bridge scripts/performance/configs/llama/llama3_llm_pretrain.py: "
+        "llama3_70b_pretrain_config_h100 sets comm_overlap.tp_comm_overlap_cfg = "
+        "userbuffers_{bf16,fp8}_h100_h8192_tp4_mbs1_seqlen8192 (TE userbuffers: TP all-gather/reduce-scatter "
+        "overlapped with the GEMMs); the 8B configs set tp_comm_overlap when tensor parallel > 1"),
+    ("nemo", "grad_reduce_overlap"): (
+        "Megatron-Bridge src/megatron/bridge/recipes/llama/llama3.py: the recipes' "
+        "DistributedDataParallelConfig(overlap_grad_reduce=True, overlap_param_gather=True, "
+        "use_distributed_optimizer=True)"),
+    ("deepspeed", "recompute"): (
+        "DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py `checkpoint`: Megatron-DeepSpeed "
+        "checkpoints whole transformer layers (--checkpoint-activations, checkpoint_num_layers 1)"),
+    ("deepspeed", "grad_bucket_bytes"): (
+        "DeepSpeed deepspeed/runtime/zero/config.py: reduce_bucket_size default 5e8 elements (2 bytes each in "
+        "bf16/fp16); overlap_comm defaults to False for ZeRO stages 1-2 (ZERO_OPTIMIZATION_OVERLAP_COMM_DEFAULT)"),
+    ("fsdp", "recompute"): (
+        "torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py: FSDP's activation checkpointing "
+        "wraps each block (apply_activation_checkpointing with a block check_fn), rerunning its whole forward"),
+    ("fsdp", "grad_reduce_overlap"): _FSDP_OVERLAP,
+    ("torchtitan", "recompute"): (
+        "torchtitan torchtitan/models/llama3/train_configs/llama3_8b.toml: activation_checkpoint mode "
+        "'selective', selective_ac_option 'op'; torchtitan/distributed/activation_checkpoint.py "
+        "`_get_custom_policy`: saves the outputs of SDPA and collectives and of every other mm "
+        "('Only save every other mm'), recomputing the rest of the block; 'full' is checkpoint_wrapper per block"),
+    ("torchtitan", "grad_reduce_overlap"): _FSDP_OVERLAP + " (torchtitan uses FSDP2, fully_shard per block)",
+    ("torchtitan", "grad_reduce_dtype"): (
+        "torchtitan torchtitan/config/job_config.py: training.mixed_precision_reduce = 'float32' (FSDP2's "
+        "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32))"),
+    ("llm-foundry", "recompute"): (
+        "llm-foundry llmfoundry/models/mpt/modeling_mpt.py `activation_checkpointing_fn` (True for MPTBlock): "
+        "Composer's FSDP wraps each block in checkpoint_wrapper, rerunning its whole forward"),
+    ("llm-foundry", "grad_reduce_overlap"): _FSDP_OVERLAP + " (Composer runs PyTorch FSDP FULL_SHARD)",
+    ("llm-foundry", "grad_reduce_dtype"): (
+        "Composer composer/distributed/mosaic_parallelism.py `get_mixed_precision`: mixed_precision 'DEFAULT' "
+        "(the MPT yamls' fsdp_config) is MixedPrecision(param_dtype=autocast dtype, reduce_dtype=torch.float32)"),
+}
+
+
+def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
+    """The fields of ``spec`` whose values the runner does not execute (it runs its own behaviour, the defaults):
+    the simulator prices them, the runner says it runs without them (testbed.runner.train)."""
+    default = RuntimeSpec()
+    return tuple(f.name for f in fields(RuntimeSpec)
+                 if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name))
 
 
 def runtime_fields() -> tuple[str, ...]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import replace
 from typing import Any
 
@@ -77,6 +78,12 @@ def _check_runnable(plan: Plan, devices: list[Any]) -> None:
     from testbed.plan.sharding import state_sharding
 
     check_precision(plan, devices)  # fp8 (check-sharding lowers for devices it does not have: not checked there)
+    from testbed.plan.runtime import runner_differences
+
+    if differs := runner_differences(plan.runtime):  # priced by the simulator; the runner runs its own program
+        warnings.warn(f"runtime {', '.join(differs)} (profile `{plan.runtime.profile}`) are the stack's mechanisms "
+                      "the simulator prices; the runner executes its own behaviour for them (the defaults)",
+                      stacklevel=3)
     cpu = any(getattr(d, "platform", "") == "cpu" for d in devices)
     if (plan.model.experts and plan.mesh.expert > 1 and plan.precision is not Precision.FP32 and plan.mesh.data > 1
             and not state_sharding(plan).split_axes(plan, "params") and cpu):

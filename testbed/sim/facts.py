@@ -12,30 +12,34 @@ chunk's sharded parameters is (``leaves``, under the calibration's
 stage's optimizer update. :func:`step_facts` works these out once into a
 frozen :class:`StepFacts`; testbed.sim.program builds the task graph from it
 (one small builder per stream) and testbed.explore.analytic plays the same
-facts without the graph.
+facts without the graph. The plan's ``runtime:`` (testbed.plan.runtime) is read
+here too: the gradient buckets, whether replicated gradients reduce during the
+backward, the bytes they are reduced in, and whether pipeline sends are split.
+The memos it reads (schedule orders, chunk costs and GEMMs) are testbed.sim.memo's.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
 from testbed.model import buffers
 from testbed.model import costs
 from testbed.model.costs import ChunkCost
-from testbed.model.gemm import ChunkGemms, Gemm, chunk_gemms, gemm_flops, without
+from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
-from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
+from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.plan.spec import Axis, Plan, Remat
+from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 
 __all__ = ["tensor_transfers", "cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
-           "accumulate_bytes", "cached_order", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES"]
+           "accumulate_bytes", "cached_order", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES",
+           "gradient_buckets", "reduce_bytes"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -45,8 +49,6 @@ OPTIMIZER_FLOPS_PER_PARAM = 12
 #: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
 ACCUMULATE_PASSES = 3
 
-#: One action in execution order: (stage, action, the (stage, kind, microbatch, chunk) keys it waits for).
-OrderedAction = tuple[int, Action, tuple[tuple[int, str, int, int], ...]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,8 +79,8 @@ class ChunkFacts:
     ``leaves``: the collectives one gather of its sharded parameters (and one reduce-scatter of their
     gradients) is (testbed.model.leaves.parameter_collectives); ``expert_params`` the routed experts'
     parameters on one device (0 when nothing reduces gradients); ``buckets`` the gradient buckets of its
-    last backward when gradients reduce while the backward goes on (one bucket per layer, at most
-    :data:`BUCKETS`; one when they wait for the backward's end). ``moved``: the elements one collective over
+    last backward when gradients reduce while the backward goes on (:func:`gradient_buckets`: one per layer, at
+    most :data:`BUCKETS`, or by ``runtime.grad_bucket_bytes``; one when they wait for the backward's end). ``moved``: the elements one collective over
     the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
     (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
     """
@@ -164,6 +166,27 @@ class StepFacts:
         """The kind of action that ends a microbatch's gradients: W when the backward is split, else B."""
         return "W" if self.schedule.split_backward else "B"
 
+    @property
+    def reduce_bytes(self) -> float:
+        """Bytes per gradient value as gradients are reduced: their own, or 4 with ``runtime.grad_reduce_dtype``
+        ``fp32``."""
+        return reduce_bytes(self.plan, self.grad_bytes)
+
+    @property
+    def scatter_sends(self) -> int:
+        """The tensor degree a pipeline send is split over (``runtime.pipeline_scatter_gather`` without sequence
+        parallelism, whose sends are split already: the receiver all-gathers the pieces); 1: whole sends."""
+        plan = self.plan
+        split = plan.runtime.pipeline_scatter_gather and plan.mesh.tensor > 1 and not plan.sequence_parallel
+        return plan.mesh.tensor if split else 1
+
+    @property
+    def reduce_in_backward(self) -> bool:
+        """Whether the last microbatch's gradient buckets reduce while its backward goes on: always when they
+        accumulate sharded, and replicated ones too with ``runtime.grad_reduce_overlap`` (else the replicas
+        sum once, after the stage's backward)."""
+        return bool(self.per_microbatch) or self.plan.runtime.grad_reduce_overlap
+
     def gathers(self, kind: str) -> bool:
         """Whether a ``kind`` action all-gathers its chunk's sharded parameters first."""
         return gathers_parameters(self.plan, kind)
@@ -190,7 +213,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     if schedule is None:
         schedule, order = cached_order(plan.schedule.name.value, p, m, v)
     else:
-        order = _order(schedule)
+        order = order_of(schedule)
     param_b, grad_b, _ = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     o_ways = sharding.ways(plan, "optimizer")
@@ -200,7 +223,9 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
-                                      bool(reductions), bool(per_microbatch)) for c in range(v)) for s in range(p))
+                                      bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b))
+                         for c in range(v))
+                   for s in range(p))
     updates = tuple(_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
                     for s in range(p))
     return StepFacts(plan=plan, schedule=schedule, order=order,
@@ -211,7 +236,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
 
 
 def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
-                 reduces: bool, sharded_accumulation: bool) -> ChunkFacts:
+                 reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, 4 * cost.layers)
@@ -221,10 +246,27 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                                   plan.mesh.tensor, 1, plan.mesh.expert, experts_only=True) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
+    moved = tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer"))
+    during = sharded_accumulation or plan.runtime.grad_reduce_overlap  # buckets reduce while the backward goes on
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=parameter_collectives(plan, s, c, combine, param_b),
-                      buckets=min(BUCKETS, max(1, cost.layers)) if sharded_accumulation else 1, actions=actions,
-                      moved=tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")))
+                      buckets=gradient_buckets(plan, cost.layers, moved[2] * reduce_b) if during else 1,
+                      actions=actions, moved=moved)
+
+
+def reduce_bytes(plan: Plan, grad_bytes: float) -> float:
+    """Bytes per gradient value as they are reduced (``runtime.grad_reduce_dtype``: their own, or fp32's 4)."""
+    return 4.0 if plan.runtime.grad_reduce_dtype == "fp32" else float(grad_bytes)
+
+
+def gradient_buckets(plan: Plan, layers: int, grad_bytes: float) -> int:
+    """Gradient buckets of a chunk of ``layers`` layers whose gradients on a device are ``grad_bytes``: the
+    runner's one per layer, at most :data:`BUCKETS`; with ``runtime.grad_bucket_bytes`` as many as that size
+    makes, at least one and at most one per layer (the backward is split no finer than a layer)."""
+    size = plan.runtime.grad_bucket_bytes
+    if not size:
+        return min(BUCKETS, max(1, layers))
+    return max(1, min(max(1, layers), math.ceil(grad_bytes / size)))
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
@@ -340,47 +382,3 @@ def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, chunk_costs) -
         if dst != stage:
             return [(dst, c, float(chunk_costs[dst][c].activation_out_bytes))]
     return []
-
-
-def _order(schedule: Schedule) -> tuple[OrderedAction, ...]:
-    return tuple((s, a, tuple(dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
-                 for s, a in execution_order(schedule))
-
-
-@functools.lru_cache(maxsize=4096)
-def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, tuple[OrderedAction, ...]]:
-    """(schedule table, its execution order with dependency keys), memoized: many plans share a table."""
-    schedule = build_schedule(name, stages, microbatches, virtual)
-    return schedule, _order(schedule)
-
-
-def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
-    """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
-    layers per stage)."""
-    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
-           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
-    cost = _CHUNKS.get(key)
-    if cost is None:
-        if len(_CHUNKS) > 100_000:
-            _CHUNKS.clear()
-        cost = _CHUNKS[key] = costs.chunk_cost(plan, stage, chunk)
-    return cost
-
-
-_CHUNKS: dict[tuple, ChunkCost] = {}
-
-
-def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
-    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`)."""
-    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
-           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context)
-    shapes = _GEMMS.get(key)
-    if shapes is None:
-        if len(_GEMMS) > 100_000:
-            _GEMMS.clear()
-        shapes = _GEMMS[key] = chunk_gemms(plan, stage, chunk)
-    return shapes
-
-
-_GEMMS: dict[tuple, ChunkGemms] = {}

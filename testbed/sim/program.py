@@ -15,7 +15,8 @@ Streams of a representative: ``compute`` (F/B/W actions, optimizer),
 ``tensor`` (tensor-parallel all-reduces, or with sequence parallelism all-gathers
 and reduce-scatters; blocking: the next action waits),
 ``gather`` (fsdp/ZeRO-3 parameter all-gathers, prefetched), ``pipe``
-(activation and gradient sends) and ``grad`` (gradient reduction, updated
+(activation and gradient sends; ``recv``: the receivers' all-gather of a send split over the tensor
+ranks, ``runtime.pipeline_scatter_gather``) and ``grad`` (gradient reduction, updated
 parameter all-gathers) and ``expert`` (an MoE layer's dispatch and combine
 all-to-alls under expert parallelism, beside the shared experts' compute:
 testbed.sim.moe) and ``ring`` (ring attention's K/V sends to the next
@@ -107,7 +108,7 @@ from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axi
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "program_of", "axis_groups", "STREAMS"]
 
-STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "grad", "host")
+STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv", "recv-grad", "grad", "host")
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
@@ -212,7 +213,7 @@ class _Graph:
             last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce)
         if scatter:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
-        last = self._tensor(s, chunk, work, label, last)
+        last = self._tensor(s, chunk, work, label, last, tuple(deps))
         if action.kind == facts.last_backward and (acc := accumulate_bytes(self.plan, chunk.cost.params,
                                                                            facts.grad_bytes)):
             # The add into the accumulator ends the action's program: its sends leave after it.
@@ -225,7 +226,7 @@ class _Graph:
         self.done[key] = self.previous[s] = last
         self._program(s, first)
         for dst, _, nbytes in work.sends:
-            self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last)
+            self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last, action.kind)
 
     def _program(self, s: int, first: int) -> None:
         """The tasks from ``first`` are one program of stage ``s``'s devices (when they are several)."""
@@ -269,8 +270,8 @@ class _Graph:
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
                 # they accumulate sharded, else once the stage's backward is done.
-                self._bucket(s, last, (chunk.moved[2] / pieces * self.facts.grad_bytes,
-                                       chunk.expert_params / pieces * self.facts.grad_bytes,
+                self._bucket(s, last, (chunk.moved[2] / pieces * self.facts.reduce_bytes,
+                                       chunk.expert_params / pieces * self.facts.reduce_bytes,
                                        label if pieces == 1 else f"{label}/{k}", bucket_share(chunk.leaves, pieces, k)))
         return last, computes
 
@@ -301,7 +302,7 @@ class _Graph:
             bucket += piece.layer_end
             if piece.layer_end and bucket in closes:
                 share, done_buckets = 1 / len(closes), done_buckets + 1
-                grad_b = self.facts.grad_bytes
+                grad_b = self.facts.reduce_bytes
                 self._bucket(s, last, (chunk.moved[2] * share * grad_b, chunk.expert_params * share * grad_b,
                                        f"{label}/{done_buckets - 1}",
                                        bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
@@ -322,29 +323,47 @@ class _Graph:
                 pipeline=True, gemms=t.gemms))
         return ids[-1] if ids else None
 
-    def _tensor(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, last: int) -> int:
+    def _tensor(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, last: int,
+                start: tuple[int, ...]) -> int:
         """Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters, after the action's
         compute (tensor stream, blocking: ChunkCost.tensor_collectives, the one decision the analytic tier reads
-        too). Returns the action's last task."""
-        if self.plan.mesh.tensor <= 1:
+        too). With ``runtime.tp_comm_overlap`` they start with the compute (after ``start``, the compute's own
+        dependencies) and the action ends when both have: an empty join task on the compute stream. Returns the
+        action's last task."""
+        if self.plan.mesh.tensor <= 1 or not work.tensor:
             return last
         rep, groups = self.reps[s], self.tensor[s]
+        overlap = self.plan.runtime.tp_comm_overlap
+        compute, tp = last, start if overlap else (last,)
         for op, count, nbytes in work.tensor:
-            last = self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
-                              stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,), op=op,
-                              nbytes=nbytes, count=count, group=rep_group(groups, rep),
-                              instances=groups, pipeline=True)
-        return last
+            tp = (self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
+                             stream="tensor", kind=TaskKind.COLLECTIVE, deps=tp, op=op, nbytes=nbytes, count=count,
+                             group=rep_group(groups, rep), instances=groups, pipeline=True),)
+        if not overlap:
+            return tp[0]
+        return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
+                          deps=(compute, tp[0]), pipeline=True)
 
-    def _send(self, s: int, dst: int, label: str, nbytes: float, last: int) -> int:
-        """An activation or gradient sent to stage ``dst`` after the action (pipe stream)."""
-        return self.b.add(name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND,
-                          deps=(last,), nbytes=nbytes, group=(self.reps[s], self.reps[dst]),
+    def _send(self, s: int, dst: int, label: str, nbytes: float, last: int, kind: str) -> int:
+        """An activation or gradient sent to stage ``dst`` after the action (pipe stream). Split over the tensor
+        ranks (StepFacts.scatter_sends), each sends its share and the receivers all-gather the whole over their
+        tensor group (``dst``'s ``recv`` stream for activations, ``recv-grad`` for gradients: each in the order
+        its one sender sends); returns the task the receiving action waits for."""
+        ways, rep = self.facts.scatter_sends, self.reps[dst]
+        send = self.b.add(name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND,
+                          deps=(last,), nbytes=nbytes / ways, group=(self.reps[s], rep),
                           instances=self._stage_pairs(s, dst))
+        if ways == 1:
+            return send
+        groups = self.tensor[dst]
+        return self.b.add(name=f"gather {label}->{dst}", device=rep, stream="recv" if kind == "F" else "recv-grad",
+                          kind=TaskKind.COLLECTIVE,
+                          deps=(send,), op="all_gather", nbytes=nbytes, group=rep_group(groups, rep),
+                          instances=groups)
 
     def _bucket(self, s: int, after: int, bucket_of: tuple) -> None:
         """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
-        if self.facts.per_microbatch:
+        if self.facts.reduce_in_backward:
             self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of))
         else:
             self.once[s].append(bucket_of)
@@ -354,7 +373,7 @@ class _Graph:
         rep, groups, leaves = self.reps[s], self.g_groups[s], max(1, chunk.leaves)
         return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                           kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                          nbytes=chunk.moved[1] * self.facts.grad_bytes / leaves, count=leaves,
+                          nbytes=chunk.moved[1] * self.facts.reduce_bytes / leaves, count=leaves,
                           group=rep_group(groups, rep), instances=groups)
 
     def _reduce(self, s: int, after: int, nbytes: float, expert_bytes: float, label: str, leaves: int) -> list[int]:

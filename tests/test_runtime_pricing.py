@@ -1,0 +1,202 @@
+"""The ``runtime:`` fields priced: each moves both the task graph (DES) and the analytic tier the stated way,
+and the default (the runner's behaviour) leaves every prediction as it was.
+
+Plans are small GPTs on an 8-GPU H100 node (tensor, data and pipeline degrees as each mechanism needs);
+testbed.plan.runtime documents the fields, testbed.model.gemm and testbed.sim.facts price them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import pytest
+
+from testbed.explore.analytic import estimate
+from testbed.model import costs
+from testbed.model.gemm import alternate_matmuls, chunk_gemms, gemm_flops
+from testbed.plan.io import plan_from_dict
+from testbed.plan.placement import place
+from testbed.plan.runtime import PROFILES, RuntimeSpec
+from testbed.sim.engine import simulate
+from testbed.sim.facts import BUCKETS, step_facts
+from testbed.sim.program import build_program
+from testbed.topology.io import load_topology
+
+TOPOLOGY = "dgx-h100"
+
+
+def _plan(runtime: dict | None = None, **over):
+    spec = {"name": "r", "model": {"layers": 8, "d_model": 1024, "heads": 16, "d_ff": 4096, "seq_len": 1024,
+                                   "vocab": 32000, "attention": "flash"},
+            "batch": {"global_batch": 16, "microbatches": 2}, "mesh": {"data": 2, "tensor": 4},
+            "precision": "bf16-mixed", "remat": "full", "zero": 0}
+    spec.update(over)
+    if runtime is not None:
+        spec["runtime"] = runtime
+    return plan_from_dict(spec, default_name="r")
+
+
+def _both(plan) -> tuple[float, float]:
+    """(DES step seconds, analytic step seconds)."""
+    topology = load_topology(TOPOLOGY)
+    return simulate(plan, topology).report.step_time_s, estimate(plan, topology).step_time_s
+
+
+@pytest.mark.parametrize("over", [{}, {"remat": "selective"}, {"remat": "none", "zero": 1},
+                                  {"mesh": {"fsdp": 2, "tensor": 4}}, {"mesh": {"data": 2, "stage": 2, "tensor": 2}}])
+def test_the_default_and_every_field_at_its_default_change_nothing(over):
+    """No ``runtime:``, the ``testbed`` and ``xla`` profiles and every field stated at its default: the same task
+    graph, DES step and analytic step, bit for bit."""
+    topology = load_topology(TOPOLOGY)
+    base = _plan(**over)
+    stated = {f.name: getattr(RuntimeSpec(), f.name) for f in fields(RuntimeSpec)}
+    for runtime in ({"profile": "testbed"}, {"profile": "xla"}, stated):
+        plan = _plan(runtime, **over)
+        placement = place(plan, topology)
+        assert build_program(plan, placement).tasks == build_program(base, placement).tasks
+        assert _both(plan) == _both(base)
+
+
+def test_block_recompute_reruns_the_out_projections_and_their_collectives():
+    runner, block = _plan(), _plan({"recompute": "block"})
+    c0, c1 = costs.chunk_cost(runner, 0, 0), costs.chunk_cost(block, 0, 0)
+    d, f, n, t = 1024, 4096, runner.microbatch_size * 1024, 4
+    assert c1.recompute_flops - c0.recompute_flops == 8 * 2 * n * d * f // t  # one down projection per layer
+    (_, ar0), = c0.tensor_collectives("B", "full")
+    (_, ar1), = c1.tensor_collectives("B", "full")
+    assert ar1 - ar0 == 8  # its all-reduce, once per layer
+    (d0, a0), (d1, a1) = _both(runner), _both(block)
+    assert d1 > d0 and a1 > a0
+
+
+def test_op_recompute_reruns_every_other_matmul():
+    """torchtitan's per-op policy under selective remat: the 2nd, 4th, ... of Q, K, V, out, MLP in, MLP out."""
+    plan = _plan({"recompute": "op"}, remat="selective")
+    g = chunk_gemms(plan, 0, 0)
+    alt = alternate_matmuls(plan.model, plan.microbatch_size * 1024, 4)
+    # Of Q, K, V, out, MLP in, MLP out (tensor 4): K, the out projection and the MLP out projection.
+    assert [(x.n, x.k) for x in alt] == [(1024 // 4, 1024), (1024, 1024 // 4), (1024, 4096 // 4)]
+    assert gemm_flops(g.recompute) == pytest.approx(costs.chunk_cost(plan, 0, 0).recompute_flops)
+    none, selective = _both(_plan(remat="selective"))
+    op = _both(plan)
+    full = _both(_plan({"recompute": "block"}))
+    assert none < op[0] < full[0] and selective < op[1] < full[1]
+
+
+@pytest.mark.parametrize("over", [{"remat": "full"}, {"remat": "selective"}, {"remat": "none"}])
+@pytest.mark.parametrize("policy", ["runner", "block", "op"])
+def test_recompute_gemms_equal_the_cost_model(policy, over):
+    for model in ({}, {"kv_heads": 4, "mlp": "swiglu", "norm": "rmsnorm", "position": "rope"},
+                  {"attention": "plain"}):
+        plan = _plan({"recompute": policy}, **over, model={"layers": 4, "d_model": 256, "heads": 8, "d_ff": 1024,
+                                                           "seq_len": 128, "vocab": 512, **model})
+        cost, g = costs.chunk_cost(plan, 0, 0), chunk_gemms(plan, 0, 0)
+        assert gemm_flops(g.recompute) == pytest.approx(cost.recompute_flops)
+
+
+def test_recompute_gemms_equal_the_cost_model_with_moe_layers():
+    model = {"layers": 4, "d_model": 256, "heads": 8, "d_ff": 1024, "seq_len": 128, "vocab": 512, "experts": 4,
+             "top_k": 2, "moe_every": 2}
+    for policy in ("runner", "block", "op"):
+        for remat in ("full", "selective"):
+            plan = _plan({"recompute": policy}, model=model, remat=remat, mesh={"data": 2, "expert": 2, "tensor": 2})
+            cost, g = costs.chunk_cost(plan, 0, 0), chunk_gemms(plan, 0, 0)
+            assert gemm_flops(g.recompute) == pytest.approx(cost.recompute_flops)
+
+
+def test_tp_comm_overlap_hides_tensor_collectives_behind_the_compute():
+    plan = _plan(remat="none", zero=1)
+    overlapped = _plan({"tp_comm_overlap": True}, remat="none", zero=1)
+    (d0, a0), (d1, a1) = _both(plan), _both(overlapped)
+    assert d1 < d0 and a1 < a0
+    # Without tensor parallelism there is nothing to hide.
+    solo = {"mesh": {"data": 8}}
+    assert _both(_plan({"tp_comm_overlap": True}, **solo)) == _both(_plan(**solo))
+
+
+def test_grad_reduce_overlap_reduces_replicated_buckets_during_the_backward():
+    plan, overlapped = _plan(zero=0), _plan({"grad_reduce_overlap": True}, zero=0)
+    topology = load_topology(TOPOLOGY)
+    ids = place(plan, topology).device_ids
+    assert not step_facts(plan, ids).reduce_in_backward and step_facts(overlapped, ids).reduce_in_backward
+    assert step_facts(overlapped, ids).chunks[0][0].buckets == min(BUCKETS, 8)
+    (d0, a0), (d1, a1) = _both(plan), _both(overlapped)
+    assert d1 < d0 and a1 < a0
+    # Sharded gradients reduce during the backward already: the field changes nothing there.
+    fsdp = {"mesh": {"fsdp": 2, "tensor": 4}}
+    assert _both(_plan({"grad_reduce_overlap": True}, **fsdp)) == _both(_plan(**fsdp))
+
+
+def test_grad_bucket_bytes_sets_the_bucket_count():
+    topology = load_topology(TOPOLOGY)
+    ids = place(_plan(), topology).device_ids
+
+    def buckets(size: float) -> int:
+        return step_facts(_plan({"grad_reduce_overlap": True, "grad_bucket_bytes": size}), ids).chunks[0][0].buckets
+
+    grads = step_facts(_plan(), ids).chunks[0][0].moved[2] * 2  # bf16 gradients of the chunk on a device
+    assert buckets(grads * 2) == 1
+    assert buckets(grads / 3) == 3
+    assert buckets(1.0) == 8  # at most one per layer
+    assert buckets(0.0) == BUCKETS
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_profile_prices(profile):
+    """Each named profile builds and simulates (both tiers) on a plan with tensor, data and pipeline axes."""
+    plan = _plan({"profile": profile}, mesh={"data": 2, "stage": 2, "tensor": 2})
+    des, analytic = _both(plan)
+    assert des > 0 and analytic > 0
+
+
+def test_bad_fields_name_the_field():
+    from testbed.errors import InputError
+    for runtime, field in (({"recompute": "everything"}, "runtime.recompute"),
+                           ({"grad_bucket_bytes": -1}, "runtime.grad_bucket_bytes"),
+                           ({"tp_comm_overlap": "yes"}, "runtime.tp_comm_overlap")):
+        with pytest.raises(InputError) as err:
+            _plan(runtime)
+        assert field in str(err.value)
+
+
+def test_runner_profile_of_a_plan_is_unchanged_by_replace():
+    plan = _plan({"profile": "nemo"})
+    assert replace(plan, runtime=RuntimeSpec()) == _plan()
+
+
+def test_fp32_gradient_reduction_moves_twice_the_bytes():
+    topology = load_topology(TOPOLOGY)
+    plan, fp32 = _plan(zero=1), _plan({"grad_reduce_dtype": "fp32"}, zero=1)
+    placement = place(plan, topology)
+
+    def reduced(p) -> float:
+        return sum(t.nbytes * t.count for t in build_program(p, placement).tasks
+                   if t.stream == "grad" and t.op in ("all_reduce", "reduce_scatter"))
+
+    assert reduced(fp32) == pytest.approx(2 * reduced(plan))
+    (d0, a0), (d1, a1) = _both(plan), _both(fp32)
+    assert d1 > d0 and a1 > a0
+
+
+def test_pipeline_scatter_gather_splits_sends_over_the_tensor_ranks():
+    """Stages on different nodes: each tensor rank sends 1/t of the activation over the network and the receivers
+    all-gather it over NVLink, faster than every rank sending the whole tensor (both tiers)."""
+    topology = load_topology("dgx-h100-x4")
+    over = {"mesh": {"data": 2, "stage": 2, "tensor": 8}, "batch": {"global_batch": 16, "microbatches": 8},
+            "remat": "none", "zero": 1}
+    plan, split = _plan(**over), _plan({"pipeline_scatter_gather": True}, **over)
+    placement = place(plan, topology)
+    whole = [t for t in build_program(plan, placement).tasks if t.stream == "pipe"]
+    parts = build_program(split, placement).tasks
+    sends = [t for t in parts if t.stream == "pipe"]
+    gathers = [t for t in parts if t.stream in ("recv", "recv-grad")]
+    assert len(sends) == len(whole) == len(gathers)
+    assert all(a.nbytes == pytest.approx(b.nbytes / 8) for a, b in zip(sends, whole))
+    assert all(g.op == "all_gather" and g.nbytes == b.nbytes for g, b in zip(gathers, whole))
+    des = [simulate(p, topology).report.step_time_s for p in (plan, split)]
+    analytic = [estimate(p, topology).step_time_s for p in (plan, split)]
+    assert des[1] < des[0] and analytic[1] < analytic[0]
+    # With sequence parallelism the sends are split already: nothing changes.
+    sp = {**over, "sequence_parallel": True}
+    assert build_program(_plan({"pipeline_scatter_gather": True}, **sp), placement).tasks == \
+        build_program(_plan(**sp), placement).tasks
