@@ -263,6 +263,33 @@ def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
         assert shapes == {(rows, MODEL.seq_len, MODEL.d_model)}
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_pipeline_gradient_reductions_run_as_often_as_the_plan_says(zero: int) -> None:
+    """Per stage and device, the gradients' reductions over ``data`` move the stage's gradient bytes once per
+    microbatch where testbed.plan.sharding.gradient_reduction accumulates them sharded (ZeRO-2/3: reduce-scatters
+    in the backward programs), once per step otherwise (the update's); no backward gathers anything over
+    ``data``. A per-microbatch all-reduce of replicated gradients (or ZeRO-2's whole-gradient all-reduce with
+    the activations gathered over ``data``, which XLA made of a constrained partial sum) fails it."""
+    from testbed.plan.sharding import gradient_reduction
+
+    m = 2
+    plan = Plan(name="pp", model=ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=8, vocab=64),
+                batch=BatchSpec(global_batch=4 * m, microbatches=m), mesh=MeshSpec(data=2, stage=2), zero=zero)
+    result = check_sharding(plan)
+    assert result.ok, result.error
+    per_microbatch = "data" in gradient_reduction(plan)[0]
+    assert per_microbatch == (zero >= 2)
+    for stage in range(2):
+        grads = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in result.params if p.stage == stage)
+        reduced, backward = 0, set()
+        for program in (g for g in result.programs if g.stages == str(stage)):
+            for c in (c for c in program.collectives if c.axes == ("data",) and c.shape):
+                reduced += c.bytes * c.times * program.runs if c.kind in ("all-reduce", "reduce-scatter") else 0
+                backward |= {c.kind} if program.name.endswith(".B") else set()
+        assert reduced == (m if per_microbatch else 1) * grads, (stage, reduced, grads)
+        assert backward == ({"reduce-scatter"} if per_microbatch else set()), (stage, backward)
+
+
 @pytest.fixture(scope="module")
 def llama3_405b():
     from testbed.plan.io import load_plan

@@ -18,7 +18,15 @@ inside its microbatch loop and sums the replicas after the loop.
 
 Only for gradients not sharded over ``data`` (ZeRO 0 and 1). ZeRO-2/3 keep
 sharded gradients, so each microbatch's gradients are reduce-scattered as
-they come (what DeepSpeed does too); :func:`replicas` is 1 for them.
+they come (what DeepSpeed does too, and testbed.plan.sharding.gradient_reduction
+decides for both interpreters); :func:`replicas` is 1 for them. ZeRO-3's
+reduce-scatters are its parameter maps' (testbed.runner.parallel.ParamShards).
+ZeRO-2's whole parameters run spread like ZeRO 0/1 (:func:`scatters`), and
+:class:`Scatter` reduce-scatters each microbatch's per-replica gradients with
+an explicit ``psum_scatter``: left to XLA, a partial sum constrained to a
+``data``-sharded layout compiles (on XLA:CPU) to an all-reduce of the whole
+gradient and a slice, and its propagation all-gathers activations over
+``data`` to shard the weight gradients' matmuls.
 """
 
 from __future__ import annotations
@@ -32,9 +40,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.runner.parallel import Constrain
 from testbed.plan.spec import Plan
-from testbed.plan.sharding import gradient_reduction
+from testbed.plan.sharding import gradient_reduction, state_sharding
 
-__all__ = ["replicas", "Spread", "per_replica_forward", "per_replica_losses",
+__all__ = ["replicas", "scatters", "Spread", "Scatter", "per_replica_forward", "per_replica_losses",
            "replica_value_and_grad", "sum_replicas"]
 
 #: The mesh axis the replicas run over.
@@ -44,6 +52,13 @@ AXIS = "data"
 def replicas(plan: Plan) -> int:
     """Data replicas whose gradients are kept apart until the step's end (1: none, or reduced as they come)."""
     return plan.mesh.data if AXIS in gradient_reduction(plan)[1] else 1
+
+
+def scatters(plan: Plan) -> bool:
+    """Whether whole parameter copies over ``data`` reduce-scatter their gradients into ``data`` shards every
+    microbatch (ZeRO-2 without parameter maps): then the pipeline runs them spread and :class:`Scatter` s."""
+    return (plan.mesh.data > 1 and AXIS in gradient_reduction(plan)[0]
+            and not state_sharding(plan).split_axes(plan, "params"))
 
 
 class Spread:
@@ -63,6 +78,47 @@ class Spread:
 
     def __call__(self, params: Any) -> Any:
         return self._constrain(jax.tree.map(lambda a: jnp.broadcast_to(a, (self.count, *a.shape)), params))
+
+
+class Scatter:
+    """Per-replica gradients ``[R, ...]`` (:class:`Spread`'s layout) -> their sum in the ``data``-sharded layout.
+
+    One ``jax.shard_map`` manual over the whole mesh (a map with automatic axes
+    gives the reducer a sharding XLA:CPU's bf16 all-reduce promotion aborts on):
+    a leaf whose gradient layout splits a dim over ``data`` (as its minor part)
+    is ``psum_scatter`` -ed along it, one not split over ``data`` ``psum`` -ed.
+    Built from a stage's per-chunk parameter and gradient shardings; identity-
+    compared, one instance per stage (a static argument of the engine's programs).
+    """
+
+    def __init__(self, mesh: Any, param_shardings: list[Any], grad_shardings: list[Any]):
+        self.mesh = mesh
+        self._by_structure = {jax.tree.structure(p): (p, g) for p, g in zip(param_shardings, grad_shardings)}
+
+    @staticmethod
+    def _dim(param: P, grad: P, rank: int) -> int:
+        """The dim the gradient layout adds ``data`` to (as the minor part of its entry), or -1."""
+        names = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)  # noqa: E731
+        pe, ge = (list(s) + [None] * (rank - len(s)) for s in (param, grad))
+        for i, (a, b) in enumerate(zip(pe, ge)):
+            if names(b) == (*names(a), AXIS):
+                return i
+        return -1
+
+    def __call__(self, grads: Any) -> Any:
+        params, layout = self._by_structure[jax.tree.structure(grads)]
+        leaves, tree = jax.tree.flatten(grads)
+        specs = [(ps.spec, gs.spec) for ps, gs in zip(jax.tree.leaves(params), jax.tree.leaves(layout))]
+        dims = [self._dim(p, g, leaf.ndim - 1) for (p, g), leaf in zip(specs, leaves)]
+        outs = [g if d >= 0 else p for (p, g), d in zip(specs, dims)]
+
+        def body(*blocks: jax.Array) -> list[jax.Array]:
+            return [jax.lax.psum_scatter(b[0], AXIS, scatter_dimension=d, tiled=True) if d >= 0
+                    else jax.lax.psum(b[0], AXIS) for b, d in zip(blocks, dims)]
+
+        summed = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(P(AXIS, *p) for p, _ in specs),
+                               out_specs=outs, axis_names=frozenset(self.mesh.axis_names), check_vma=False)(*leaves)
+        return jax.lax.with_sharding_constraint(jax.tree.unflatten(tree, summed), layout)
 
 
 def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
