@@ -42,7 +42,7 @@ from testbed.runner.parallel import Constrain
 from testbed.plan.spec import Plan
 from testbed.plan.sharding import gradient_reduction, state_sharding
 
-__all__ = ["replicas", "scatters", "Spread", "Scatter", "per_replica_forward", "per_replica_losses",
+__all__ = ["replicas", "scatters", "replica_axis", "Spread", "Scatter", "per_replica_forward", "per_replica_losses",
            "replica_value_and_grad", "sum_replicas"]
 
 #: The mesh axis the replicas run over.
@@ -131,27 +131,41 @@ def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
         xs, NamedSharding(mesh, P(AXIS, rest, *[P.UNCONSTRAINED] * (x.ndim - 1))))
 
 
+def replica_axis(plan: Plan) -> str | None:
+    """The name the per-replica ``vmap`` gives its dim in the maps inside (``spmd_axis_name``), or None.
+
+    ``data`` with sequence parallelism: its maps are manual over the batch axes, and per replica
+    (testbed.runner.parallel.SequenceShards.per_replica) over ``data`` through that dim, each device on its
+    replica's rows; under a plain vmap they would split each replica's rows over ``data`` again, gathering
+    the spread parameters and the activations. The context and expert maps are not written for it yet
+    (automatic over ``data``): with them the vmap stays plain (XLA places the replica dim).
+    """
+    ok = plan.sequence_parallel and plan.mesh.context == 1 and plan.mesh.expert == 1 and plan.mesh.data > 1
+    return AXIS if ok else None
+
+
 def per_replica_forward(forward: Callable[[int, int, Any, jax.Array], jax.Array], count: int,
-                        meshes: list[Any]) -> Callable[[int, int, Any, jax.Array], jax.Array]:
-    """``forward(stage, chunk, params, x)`` on spread params: each replica on its part of the batch."""
+                        meshes: list[Any], axis: str | None = None) -> Callable[[int, int, Any, jax.Array], jax.Array]:
+    """``forward(stage, chunk, params, x)`` on spread params: each replica on its part of the batch (``axis``:
+    :func:`replica_axis`)."""
     def run(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
         xs = _split(x, count, meshes[stage])
-        ys = jax.vmap(lambda p, h: forward(stage, chunk, p, h))(params, xs)
+        ys = jax.vmap(lambda p, h: forward(stage, chunk, p, h), spmd_axis_name=axis)(params, xs)
         return ys.reshape(x.shape[0], *ys.shape[2:])
     return run
 
 
-def per_replica_losses(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
-                       ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+def per_replica_losses(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any,
+                       axis: str | None = None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """``loss(params, y, targets)`` on spread params, per replica: ``[R]`` over ``data`` (nothing reduced)."""
     def run(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-        losses = jax.vmap(loss)(params, _split(y, count, mesh), _split(targets, count, mesh))
+        losses = jax.vmap(loss, spmd_axis_name=axis)(params, _split(y, count, mesh), _split(targets, count, mesh))
         return jax.lax.with_sharding_constraint(losses, NamedSharding(mesh, P(AXIS)))
     return run
 
 
-def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
-                           ) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
+def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any,
+                           axis: str | None = None) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
     """``(per-replica losses [R], grads of their mean)`` on spread params: no reduction over ``data``.
 
     The mean's value is left unused, so XLA drops its all-reduce; the
@@ -159,7 +173,7 @@ def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array
     is ``1/R``). A microbatch loop accumulates the ``[R]`` losses and reduces
     them once, with the gradients, after it.
     """
-    losses = per_replica_losses(loss, count, mesh)
+    losses = per_replica_losses(loss, count, mesh, axis)
 
     def mean_and_losses(params: Any, y: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
         per = losses(params, y, targets)

@@ -38,7 +38,7 @@ from testbed.runner.moe import expert_shards
 from testbed.runner.parallel import batch_axes, batch_spec, layout_for, param_shards, sequence_shards
 from testbed.runner.precision import Optimizer
 from testbed.runner.pipeline.memory import program_bytes
-from testbed.runner.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
+from testbed.runner.replicas import Spread, replica_axis, replica_value_and_grad, replicas, sum_replicas
 from testbed.runner.ring_attention import context_shards
 from testbed.plan.spec import BatchSpec, Plan
 
@@ -127,7 +127,9 @@ def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
         if fsdp[1] is not None:  # the model's FSDP maps take the spread parameters: one loss per replica
             per_replica = _replica_value_and_grad(_loss_fn(plan, seq, fsdp[1], context, **moe))
         else:
-            per_replica = replica_value_and_grad(_loss_fn(plan, seq, context=context, **moe), spread.count, mesh)
+            axis = replica_axis(plan)
+            per_replica = replica_value_and_grad(_loss_fn(plan, seq.per_replica if axis else seq, context=context,
+                                                          **moe), spread.count, mesh, axis)
         spread_params = spread(params)
         losses, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
                                   spread.shardings[0], loss_shape=(spread.count,))

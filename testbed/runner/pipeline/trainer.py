@@ -26,8 +26,8 @@ from testbed.runner.parallel import Constrain, activation_spec, layout_for, para
 from testbed.runner.pipeline.engine import Prepare
 from testbed.runner.precision import Optimizer
 from testbed.runner.pipeline.memory import StageProgramMemory, pipeline_memory
-from testbed.runner.replicas import (Scatter, Spread, per_replica_forward, per_replica_losses, replicas, scatters,
-                                     sum_replicas)
+from testbed.runner.replicas import (Scatter, Spread, per_replica_forward, per_replica_losses, replica_axis, replicas,
+                                     scatters, sum_replicas)
 from testbed.runner.ring_attention import context_shards
 from testbed.runner.step import host_tree, place_tree, state_shardings, step_batch
 from testbed.errors import InputError
@@ -100,10 +100,6 @@ class PipelineTrainer:
                                        plan.schedule.virtual_stages)
         spec, precision, remat = plan.model, plan.precision, plan.remat
 
-        # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None.
-        seqs = [sequence_shards(plan, m) for m in stage_meshes]
-        last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
-        last = seqs[last_stage]
         # Data replicas keep their gradients apart until the update, and their losses until the step's end:
         # one reduction per step (testbed.runner.replicas), none per microbatch.
         self.replicas = replicas(plan)
@@ -113,6 +109,12 @@ class PipelineTrainer:
         copies = plan.mesh.data if scatter else self.replicas
         # FSDP / ZeRO-3 (testbed.runner.parallel.ParamShards) per stage sub-mesh, on spread parameters with replicas.
         fsdps = [param_shards(plan, m, spread=self.replicas > 1) for m in stage_meshes]
+        # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None; run per replica
+        # when the chunks are (below).
+        axis = replica_axis(plan) if copies > 1 and fsdps[0] is None else None
+        seqs = [q.per_replica if axis else q for q in (sequence_shards(plan, m) for m in stage_meshes)]
+        last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
+        last = seqs[last_stage]
         # Context parallelism per stage sub-mesh (testbed.runner.ring_attention): stages pass the context shards on.
         ctxs = [context_shards(plan, m) for m in stage_meshes]
         self.context_order = None if ctxs[0] is None else ctxs[0].order
@@ -133,8 +135,8 @@ class PipelineTrainer:
 
         # ParamShards' maps take spread parameters themselves; otherwise each replica runs in a vmap.
         if copies > 1 and fsdps[0] is None:
-            chunk_forward = per_replica_forward(chunk_forward, copies, stage_meshes)
-            loss_fn = per_replica_losses(loss_fn, copies, stage_meshes[last_stage])
+            chunk_forward = per_replica_forward(chunk_forward, copies, stage_meshes, axis)
+            loss_fn = per_replica_losses(loss_fn, copies, stage_meshes[last_stage], axis)
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
         mb = plan.batch.global_batch // plan.batch.microbatches
         self.act_shape = (mb, spec.seq_len, spec.d_model)
