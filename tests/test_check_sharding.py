@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -82,7 +83,7 @@ def test_axes_agree_with_xlas_compiled_program():
     shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
     held = jax.eval_shape(trainer.optimizer.held, shape)
     sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
-    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, MODEL.seq_len), np.int32,
+    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, plan.model.seq_len), np.int32,
                                   sharding=trainer.batch_sharding)
     text = trainer._step.lower(sds(held, trainer.param_shardings),
                                sds(jax.eval_shape(trainer.optimizer.init, shape), trainer.opt_shardings),
@@ -224,6 +225,8 @@ SPMD_KINDS = {
     # The ring backward re-sends K/V with their dK/dV (testbed.model.ring): stacked, so XLA cannot merge those
     # sends with the forward's (testbed.runner.ring_attention._shift_packed).
     "context x data x tensor": dict(mesh=dict(data=2, context=2, tensor=2)),
+    # The expert map is manual over the rows' batch axes too, its router's top-k as well (testbed.runner.moe).
+    "expert x data x tensor": dict(mesh=dict(data=2, expert=2, tensor=2), model=replace(MODEL, experts=4)),
 }
 
 
@@ -239,8 +242,8 @@ def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
     spec = dict(SPMD_KINDS[kind])
     mesh_spec = MeshSpec(**spec.pop("mesh"))
     replicas = mesh_spec.data * mesh_spec.fsdp
-    plan = Plan(name="k", model=MODEL, batch=BatchSpec(global_batch=2 * replicas, microbatches=1), mesh=mesh_spec,
-                **spec)
+    plan = Plan(name="k", model=spec.pop("model", MODEL), mesh=mesh_spec, **spec,
+                batch=BatchSpec(global_batch=2 * replicas * mesh_spec.expert, microbatches=1))
     result = check_sharding(plan)
     assert result.ok, result.error
     names = tuple(a.value for a in MESH_AXES)
@@ -250,7 +253,7 @@ def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
     params = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
     held = jax.eval_shape(trainer.optimizer.held, params)
     sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
-    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, MODEL.seq_len), np.int32,
+    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, plan.model.seq_len), np.int32,
                                   sharding=trainer.batch_sharding)
     text = trainer._step.lower(sds(held, trainer.param_shardings),
                                sds(jax.eval_shape(trainer.optimizer.init, params), trainer.opt_shardings),

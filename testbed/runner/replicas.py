@@ -134,13 +134,13 @@ def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
 def replica_axis(plan: Plan) -> str | None:
     """The name the per-replica ``vmap`` gives its dim in the maps inside (``spmd_axis_name``), or None.
 
-    ``data`` with sequence parallelism: its maps are manual over the batch axes, and per replica
-    (testbed.runner.parallel.SequenceShards.per_replica) over ``data`` through that dim, each device on its
-    replica's rows; under a plain vmap they would split each replica's rows over ``data`` again, gathering
-    the spread parameters and the activations. The context and expert maps are not written for it yet
-    (automatic over ``data``): with them the vmap stays plain (XLA places the replica dim).
+    ``data`` with sequence parallelism or expert parallelism: their maps are manual over the batch axes, and
+    per replica (``per_replica`` of testbed.runner.parallel.SequenceShards and testbed.runner.moe.ExpertShards)
+    over ``data`` through that dim, each device on its replica's rows; under a plain vmap they would split each
+    replica's rows over ``data`` again, gathering the spread parameters and the activations. The context map
+    is not written for it yet (automatic over ``data``): with it the vmap stays plain (XLA places the dim).
     """
-    ok = plan.sequence_parallel and plan.mesh.context == 1 and plan.mesh.expert == 1 and plan.mesh.data > 1
+    ok = (plan.sequence_parallel or plan.mesh.expert > 1) and plan.mesh.context == 1 and plan.mesh.data > 1
     return AXIS if ok else None
 
 

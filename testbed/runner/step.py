@@ -128,8 +128,10 @@ def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
             per_replica = _replica_value_and_grad(_loss_fn(plan, seq, fsdp[1], context, **moe))
         else:
             axis = replica_axis(plan)
-            per_replica = replica_value_and_grad(_loss_fn(plan, seq.per_replica if axis else seq, context=context,
-                                                          **moe), spread.count, mesh, axis)
+            mine = (lambda shards: shards.per_replica if axis and shards is not None else shards)  # noqa: E731
+            moe = dict(moe, experts=mine(experts))
+            per_replica = replica_value_and_grad(_loss_fn(plan, mine(seq), context=context, **moe), spread.count,
+                                                 mesh, axis)
         spread_params = spread(params)
         losses, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
                                   spread.shardings[0], loss_shape=(spread.count,))

@@ -112,7 +112,8 @@ class PipelineTrainer:
         # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None; run per replica
         # when the chunks are (below).
         axis = replica_axis(plan) if copies > 1 and fsdps[0] is None else None
-        seqs = [q.per_replica if axis else q for q in (sequence_shards(plan, m) for m in stage_meshes)]
+        seqs = [q.per_replica if axis and q is not None else q
+                for q in (sequence_shards(plan, m) for m in stage_meshes)]
         last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
         last = seqs[last_stage]
         # Context parallelism per stage sub-mesh (testbed.runner.ring_attention): stages pass the context shards on.
@@ -120,7 +121,8 @@ class PipelineTrainer:
         self.context_order = None if ctxs[0] is None else ctxs[0].order
         # Expert parallelism per stage sub-mesh (testbed.runner.moe); the engine's loss seeds weigh each microbatch's
         # mean 1/microbatches, so one sequence's MoE load-balancing loss weighs 1/global batch.
-        exps = [expert_shards(plan, m) for m in stage_meshes]
+        exps = [e.per_replica if axis and e is not None else e
+                for e in (expert_shards(plan, m) for m in stage_meshes)]
         aux_weight = 1.0 / plan.batch.global_batch
 
         # The held parameters are already in the compute dtype (testbed.runner.precision): no cast here.
