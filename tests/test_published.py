@@ -153,7 +153,7 @@ def test_runs_cases_build_and_state_their_categories():
         assert case["assumptions"] and case["tokens_per_s_per_gpu"] > 0
         plan = plan_from_dict({"name": case["name"], **case["plan"]}, default_name=case["name"])
         # the plan uses the case's GPUs, and fp8 cases run fp8-mixed
-        assert plan.mesh.data * plan.mesh.fsdp * plan.mesh.tensor * plan.mesh.stage * plan.mesh.context == case["gpus"]
+        assert plan.mesh.size == case["gpus"]  # every mesh axis, the expert axis of MoE cases included
         assert (plan.precision.value == "fp8-mixed") == (case["precision"] == "fp8")
     mpt_1b = next(c for c in data["cases"] if c["name"] == "mpt-1b-bf16-a100-8gpu")
     plan = plan_from_dict({"name": "x", **mpt_1b["plan"]}, default_name="x")
@@ -162,4 +162,22 @@ def test_runs_cases_build_and_state_their_categories():
             for e, s, g in ((0.1, "a", 8), (-0.3, "a", 512), (0.2, "b", 1024))]
     by = runs.by_category(rows)
     assert by["stack"]["a"] == {"cases": 2, "median_abs_error": 0.2, "max_abs_error": 0.3, "median_signed_error": -0.1}
-    assert set(by["scale"]) == {"<=64", "65-512", ">512"}
+    assert set(by["scale"]) == {"<=64", "65-512", "513-4096"}
+
+
+def test_every_ici_case_has_a_source_and_a_line_or_neighbour_of_its_slice():
+    """TPU ICI cases: a source each; all-gathers over a whole line of the slice, ppermutes to a neighbour chip."""
+    import collectives
+
+    from testbed.topology.io import load_topology
+
+    data = yaml.safe_load((PUBLISHED / "ici.yaml").read_text())
+    assert all(c.get("source") and float(c["time_us"]) > 0 for c in data["cases"])
+    rows = collectives.evaluate_ici()
+    assert len(rows) == len(data["cases"]) and {r["op"] for r in rows} >= {"all_gather", "ppermute"}
+    v5e = load_topology("tpu-v5e-8x4")
+    line = next(c["devices"] for c in data["cases"] if c["op"] == "all_gather")
+    assert {v5e.coords(d)[0] for d in line} == {0} and len({v5e.coords(d)[1] for d in line}) == 4
+    for row in rows:
+        # error is the bandwidth ratio: published time over predicted time, minus one
+        assert row["error"] == pytest.approx(row["published"] / row["predicted"] - 1, abs=1e-3)
