@@ -154,25 +154,30 @@ class PipelineTrainer:
         #: Per stage: the engine's Prepare, and the sharding of the gradients it returns (the update's input).
         self.prepare, self.engine_grad_shardings = [], []
         for s, mesh in enumerate(stage_meshes):
-            layout = layout_for(shape[s], plan)
-            p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
-            o_sh = state_shardings(jax.eval_shape(self.optimizer.init, shape[s]), shape[s],
-                                   self.optimizer.moment_shardings(layout.shardings(mesh, "moments")),
-                                   NamedSharding(mesh, P()))
-            spread = Spread(mesh, p_sh, copies) if copies > 1 else None
-            in_sh = spread.shardings if spread and not scatter else g_sh
-            reduce = Scatter(mesh, p_sh, g_sh) if scatter else None
-            # Outputs leave the engine's programs where the next stage and the update take them (no host copy).
-            self.prepare.append(Prepare(spread=spread, activations=self.act_shardings[s], grads=Constrain(in_sh),
-                                        reduce=reduce))
-            self.param_shardings.append(p_sh)
-            self.opt_shardings.append(o_sh)
-            self.grad_shardings.append(g_sh)
-            self.engine_grad_shardings.append(in_sh)
-            self.update_programs.append(jax.jit(self._update_fn(g_sh, self.replicas > 1), donate_argnums=(0, 1),
-                                                in_shardings=(p_sh, o_sh, in_sh), out_shardings=(p_sh, o_sh)))
+            self._add_stage(s, mesh, shape[s], copies, scatter)
         self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots,
                                  prepare=self.prepare)
+
+    def _add_stage(self, s: int, mesh: Any, shape: Any, copies: int, scatter: bool) -> None:
+        """Stage ``s``'s shardings, the engine's :class:`Prepare` and the update program (``copies``: replicas
+        its chunks run spread over; ``scatter``: ZeRO-2's per-microbatch reduce-scatter)."""
+        layout = layout_for(shape, self.plan)
+        p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
+        o_sh = state_shardings(jax.eval_shape(self.optimizer.init, shape), shape,
+                               self.optimizer.moment_shardings(layout.shardings(mesh, "moments")),
+                               NamedSharding(mesh, P()))
+        spread = Spread(mesh, p_sh, copies) if copies > 1 else None
+        in_sh = spread.shardings if spread and not scatter else g_sh
+        reduce = Scatter(mesh, p_sh, g_sh) if scatter else None
+        # Outputs leave the engine's programs where the next stage and the update take them (no host copy).
+        self.prepare.append(Prepare(spread=spread, activations=self.act_shardings[s], grads=Constrain(in_sh),
+                                    reduce=reduce))
+        self.param_shardings.append(p_sh)
+        self.opt_shardings.append(o_sh)
+        self.grad_shardings.append(g_sh)
+        self.engine_grad_shardings.append(in_sh)
+        self.update_programs.append(jax.jit(self._update_fn(g_sh, self.replicas > 1), donate_argnums=(0, 1),
+                                            in_shardings=(p_sh, o_sh, in_sh), out_shardings=(p_sh, o_sh)))
 
     def _update_fn(self, grad_shardings: Any, per_replica: bool):
         opt = self.optimizer
