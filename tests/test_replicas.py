@@ -146,15 +146,18 @@ def _non_entry_gradient_reductions(text: str, scalars: bool = False) -> int:
     return count
 
 
-@pytest.mark.parametrize("zero, inside", [(0, 0), (1, 0), (2, 1)])
-def test_spmd_accumulation_reduces_once_unless_gradients_are_sharded(zero: int, inside: int) -> None:
-    """The SPMD step's microbatch loop keeps per-replica gradients (ZeRO 0/1); ZeRO-2 reduces in the loop."""
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_spmd_accumulation_reduces_once_unless_gradients_are_sharded(zero: int) -> None:
+    """The SPMD step's microbatch loop keeps per-replica gradients (ZeRO 0/1); ZeRO-2 reduce-scatters each
+    microbatch's in the loop, every leaf (testbed.runner.replicas.Scatter), and all-reduces none of them."""
     plan = Plan(model=MODEL, batch=BatchSpec(global_batch=48, microbatches=2), mesh=MeshSpec(data=4), zero=zero,
                 name="accumulate")
     trainer = build_trainer(plan, dev.select_devices(4))
     (text,) = trainer.compiled_texts(trainer.init())
-    assert _non_entry_gradient_reductions(text) == inside
-    if inside == 0:  # the loss too is kept per replica in the loop and reduced after it
+    loop = "\n\n".join(c for c in text.split("\n\n") if not c.lstrip().startswith("ENTRY"))
+    leaves = len(jax.tree.leaves(trainer.param_shardings))
+    assert (_count(loop, "all-reduce"), _count(loop, "reduce-scatter")) == ((0, leaves) if zero == 2 else (0, 0))
+    if zero < 2:  # the loss too is kept per replica in the loop and reduced after it
         assert _non_entry_gradient_reductions(text, scalars=True) == 0
     assert _count(text, "all-reduce") + _count(text, "reduce-scatter") >= 1
 
