@@ -21,12 +21,13 @@ sharded gradients, so each microbatch's gradients are reduce-scattered as
 they come (what DeepSpeed does too, and testbed.plan.sharding.gradient_reduction
 decides for both interpreters); :func:`replicas` is 1 for them. ZeRO-3's
 reduce-scatters are its parameter maps' (testbed.runner.parallel.ParamShards).
-ZeRO-2's whole parameters run spread like ZeRO 0/1 (:func:`scatters`), and
-:class:`Scatter` reduce-scatters each microbatch's per-replica gradients with
-an explicit ``psum_scatter``: left to XLA, a partial sum constrained to a
-``data``-sharded layout compiles (on XLA:CPU) to an all-reduce of the whole
-gradient and a slice, and its propagation all-gathers activations over
-``data`` to shard the weight gradients' matmuls.
+ZeRO-2's whole parameters run spread like ZeRO 0/1 (:func:`scatters`; in
+pipeline stages and in the SPMD step's microbatch loop), and :class:`Scatter`
+reduce-scatters each microbatch's per-replica gradients with an explicit
+``psum_scatter``: left to XLA, a partial sum constrained to a ``data``-sharded
+layout compiles (on XLA:CPU) to an all-reduce of the whole gradient and a
+slice, and its propagation all-gathers activations over ``data`` to shard the
+weight gradients' matmuls.
 """
 
 from __future__ import annotations
