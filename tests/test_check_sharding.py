@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import textwrap
+from dataclasses import replace
 
 import jax
 import numpy as np
@@ -82,7 +83,7 @@ def test_axes_agree_with_xlas_compiled_program():
     shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
     held = jax.eval_shape(trainer.optimizer.held, shape)
     sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
-    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, MODEL.seq_len), np.int32,
+    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, plan.model.seq_len), np.int32,
                                   sharding=trainer.batch_sharding)
     text = trainer._step.lower(sds(held, trainer.param_shardings),
                                sds(jax.eval_shape(trainer.optimizer.init, shape), trainer.opt_shardings),
@@ -221,6 +222,11 @@ SPMD_KINDS = {
     "data x tensor, zero-3": dict(mesh=dict(data=4, tensor=2), zero=3),
     "sequence parallel, data 2": dict(mesh=dict(data=2, tensor=4), sequence_parallel=True),
     "fsdp x data x sequence parallel": dict(mesh=dict(data=2, fsdp=2, tensor=2), sequence_parallel=True),
+    # The ring backward re-sends K/V with their dK/dV (testbed.model.ring): stacked, so XLA cannot merge those
+    # sends with the forward's (testbed.runner.ring_attention._shift_packed).
+    "context x data x tensor": dict(mesh=dict(data=2, context=2, tensor=2)),
+    # The expert map is manual over the rows' batch axes too, its router's top-k as well (testbed.runner.moe).
+    "expert x data x tensor": dict(mesh=dict(data=2, expert=2, tensor=2), model=replace(MODEL, experts=4)),
 }
 
 
@@ -236,8 +242,8 @@ def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
     spec = dict(SPMD_KINDS[kind])
     mesh_spec = MeshSpec(**spec.pop("mesh"))
     replicas = mesh_spec.data * mesh_spec.fsdp
-    plan = Plan(name="k", model=MODEL, batch=BatchSpec(global_batch=2 * replicas, microbatches=1), mesh=mesh_spec,
-                **spec)
+    plan = Plan(name="k", model=spec.pop("model", MODEL), mesh=mesh_spec, **spec,
+                batch=BatchSpec(global_batch=2 * replicas * mesh_spec.expert, microbatches=1))
     result = check_sharding(plan)
     assert result.ok, result.error
     names = tuple(a.value for a in MESH_AXES)
@@ -247,7 +253,7 @@ def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
     params = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
     held = jax.eval_shape(trainer.optimizer.held, params)
     sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
-    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, MODEL.seq_len), np.int32,
+    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, plan.model.seq_len), np.int32,
                                   sharding=trainer.batch_sharding)
     text = trainer._step.lower(sds(held, trainer.param_shardings),
                                sds(jax.eval_shape(trainer.optimizer.init, params), trainer.opt_shardings),
@@ -263,6 +269,33 @@ def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
         assert shapes == {(rows, MODEL.seq_len, MODEL.d_model)}
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_pipeline_gradient_reductions_run_as_often_as_the_plan_says(zero: int) -> None:
+    """Per stage and device, the gradients' reductions over ``data`` move the stage's gradient bytes once per
+    microbatch where testbed.plan.sharding.gradient_reduction accumulates them sharded (ZeRO-2/3: reduce-scatters
+    in the backward programs), once per step otherwise (the update's); no backward gathers anything over
+    ``data``. A per-microbatch all-reduce of replicated gradients (or ZeRO-2's whole-gradient all-reduce with
+    the activations gathered over ``data``, which XLA made of a constrained partial sum) fails it."""
+    from testbed.plan.sharding import gradient_reduction
+
+    m = 2
+    plan = Plan(name="pp", model=ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=8, vocab=64),
+                batch=BatchSpec(global_batch=4 * m, microbatches=m), mesh=MeshSpec(data=2, stage=2), zero=zero)
+    result = check_sharding(plan)
+    assert result.ok, result.error
+    per_microbatch = "data" in gradient_reduction(plan)[0]
+    assert per_microbatch == (zero >= 2)
+    for stage in range(2):
+        grads = sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in result.params if p.stage == stage)
+        reduced, backward = 0, set()
+        for program in (g for g in result.programs if g.stages == str(stage)):
+            for c in (c for c in program.collectives if c.axes == ("data",) and c.shape):
+                reduced += c.bytes * c.times * program.runs if c.kind in ("all-reduce", "reduce-scatter") else 0
+                backward |= {c.kind} if program.name.endswith(".B") else set()
+        assert reduced == (m if per_microbatch else 1) * grads, (stage, reduced, grads)
+        assert backward == ({"reduce-scatter"} if per_microbatch else set()), (stage, backward)
+
+
 @pytest.fixture(scope="module")
 def llama3_405b():
     from testbed.plan.io import load_plan
@@ -275,7 +308,7 @@ def llama3_405b():
 def test_llama3_405b_bytes_per_device_agree_with_a_hand_count(llama3_405b) -> None:
     """16,384 devices (tensor 8 x stage 16 x data 128, sequence parallel, ZeRO-2, bf16): per stage and device,
     Megatron SP's gathers and scatters of one replica's microbatch [1, 8192, 16384] over tensor, ZeRO-2's gather
-    of the stage's bf16 parameters over data, and the activations between stages, within 1% of a hand count."""
+    of the stage's bf16 parameters over data and its gradients' reduce-scatter per microbatch, and the activations between stages, within 1% of a hand count."""
     plan, result = llama3_405b
     assert result.ok, result.error
     m = plan.batch.microbatches
@@ -298,9 +331,13 @@ def test_llama3_405b_bytes_per_device_agree_with_a_hand_count(llama3_405b) -> No
     # ZeRO-2: the updated bf16 parameters, sharded over data, gathered once per step (each tensor rank its part).
     heads, kv, ff = plan.model.heads, plan.model.num_kv_heads, plan.model.d_ff
     per_layer = (2 * d * d + 2 * d * (kv * d // heads) + 3 * d * ff) // t * 2 + 2 * d * 2
+    # And its bf16 gradients reduce-scattered over data by every microbatch's backward (ZeRO-2 accumulates
+    # sharded, testbed.plan.sharding.gradient_reduction); nothing else of the layers' goes over data.
     for stage in ("1..14",):
-        reported = rows_of[(stage, "data", "all-gather")]["bytes"]
-        assert abs(reported - groups[stage] * per_layer) <= 0.01 * groups[stage] * per_layer
+        for kind, count in (("all-gather", 1), ("reduce-scatter", m)):
+            reported = rows_of[(stage, "data", kind)]["bytes"]
+            expected = count * groups[stage] * per_layer
+            assert abs(reported - expected) <= 0.01 * expected, (stage, kind, reported, expected)
     # 1F1B: each microbatch's activation forward and its gradient back over the 15 stage boundaries.
     sends = rows_of[("all", "stage", "cross-mesh-transfer")]
     assert sends["count"] == 2 * m * (plan.mesh.stage - 1) and sends["bytes"] == sends["count"] * act // t

@@ -106,6 +106,25 @@ def test_per_device_statistics_are_named() -> None:
         assert_parallel_equal(bn_buggy.make_parallel_bn(mesh), bn.batch_norm, x, mesh=mesh, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_per_device_statistics_within_bf16_tolerances_are_caught(dtype: str) -> None:
+    """Shards alike: the buggy BatchNorm errs by ~1e-3, inside bf16 tolerances; the error's structure (the
+    output is the reference run per shard; in fp32 for bf16 inputs) fails it, and the correct one passes."""
+    import bn
+    import bn_buggy
+    import test_bn
+
+    mesh = jax.make_mesh((4,), ("data",))
+    x = test_bn.mixed_batch().astype(dtype)
+    tol = dict(rtol=3e-2, atol=3e-2)  # bf16 code: its own rounding errs up to 1.5e-2 of |y| + 1
+    assert_parallel_equal(bn.make_parallel_bn(mesh), bn.batch_norm, x, mesh=mesh, **tol)
+    buggy, reference = (np.asarray(y, np.float64) for y in (bn_buggy.make_parallel_bn(mesh)(x), bn.batch_norm(x)))
+    assert np.allclose(buggy, reference, **tol) and not np.array_equal(buggy, reference)  # only the structure tells
+    with pytest.raises(AssertionError, match=r"within the tolerance, but its error is per-device statistics: .* "
+                                             r"4 batch shards of mesh axis 'data' alone .* pmean over 'data'\?"):
+        assert_parallel_equal(bn_buggy.make_parallel_bn(mesh), bn.batch_norm, x, mesh=mesh, **tol)
+
+
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
 def test_an_unfolded_dropout_key_is_caught(make_key) -> None:
     import dropout

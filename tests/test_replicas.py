@@ -12,6 +12,8 @@ single-device reference.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import pytest
 
@@ -144,14 +146,59 @@ def _non_entry_gradient_reductions(text: str, scalars: bool = False) -> int:
     return count
 
 
-@pytest.mark.parametrize("zero, inside", [(0, 0), (1, 0), (2, 1)])
-def test_spmd_accumulation_reduces_once_unless_gradients_are_sharded(zero: int, inside: int) -> None:
-    """The SPMD step's microbatch loop keeps per-replica gradients (ZeRO 0/1); ZeRO-2 reduces in the loop."""
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_spmd_accumulation_reduces_once_unless_gradients_are_sharded(zero: int) -> None:
+    """The SPMD step's microbatch loop keeps per-replica gradients (ZeRO 0/1); ZeRO-2 reduce-scatters each
+    microbatch's in the loop, every leaf (testbed.runner.replicas.Scatter), and all-reduces none of them."""
     plan = Plan(model=MODEL, batch=BatchSpec(global_batch=48, microbatches=2), mesh=MeshSpec(data=4), zero=zero,
                 name="accumulate")
     trainer = build_trainer(plan, dev.select_devices(4))
     (text,) = trainer.compiled_texts(trainer.init())
-    assert _non_entry_gradient_reductions(text) == inside
-    if inside == 0:  # the loss too is kept per replica in the loop and reduced after it
+    loop = "\n\n".join(c for c in text.split("\n\n") if not c.lstrip().startswith("ENTRY"))
+    leaves = len(jax.tree.leaves(trainer.param_shardings))
+    assert (_count(loop, "all-reduce"), _count(loop, "reduce-scatter")) == ((0, leaves) if zero == 2 else (0, 0))
+    if zero < 2:  # the loss too is kept per replica in the loop and reduced after it
         assert _non_entry_gradient_reductions(text, scalars=True) == 0
     assert _count(text, "all-reduce") + _count(text, "reduce-scatter") >= 1
+
+
+def _data_reductions(text: str, shape: tuple[int, ...]) -> tuple[set[str], int]:
+    """The kinds of a compiled stage program's collectives over ``data``, and the elements it all-reduces."""
+    from testbed.runner import hlo
+
+    kinds, elements = set(), 0
+    for line, _, kind, _, axes in hlo._compiled_collectives(text, shape, dev.STAGE_MESH_AXES):
+        if "data" in axes.split("+"):
+            kinds.add(kind)
+            if kind == "all-reduce":
+                result = hlo._HLO_RESULT.search(line).group(1)
+                elements += sum(math.prod(int(d) for d in dims.split(",") if d)
+                                for _, dims in hlo._HLO_ARRAY.findall(result))
+    return kinds, elements
+
+
+def test_pipeline_zero2_reduce_scatters_each_microbatch_and_gathers_no_activations() -> None:
+    """ZeRO-2 keeps data-sharded gradients: every backward program reduce-scatters its microbatch's gradients
+    over ``data`` (testbed.runner.replicas.Scatter). It all-reduces only the leaves whose gradient layout is not
+    split over ``data``, never the whole gradient, and gathers no activations over ``data`` (what XLA made of
+    a constrained partial sum); the step equals the single-device reference (bf16, a tensor axis, the split
+    backward's W programs)."""
+    plan = _plan(zero=2, tensor=2, schedule="zb-h1", precision="bf16-mixed")
+    devices = dev.select_devices(plan.mesh.size)
+    trainer = build_trainer(plan, devices)
+    assert trainer.replicas == 1 and all(p.reduce is not None for p in trainer.prepare)
+    params, _ = trainer.init()
+    shape = tuple(plan.mesh.degree(a) for a in dev.STAGE_MESH_AXES)
+    assert trainer.schedule.split_backward
+    for g, s, c, _, _, stored, cot in _forwards(trainer, params):
+        layout = trainer.engine_grad_shardings[s][c]
+        whole = sum(math.prod(sh.shard_shape(p.shape)) for p, sh in zip(jax.tree.leaves(params[s][c]),
+                    jax.tree.leaves(layout)) if "data" not in jax.tree.leaves(tuple(sh.spec)))
+        weight = engine._pull_weight.lower(trainer.prepare[s], stored, params[s][c], cot).compile().as_text()
+        assert _data_reductions(weight, shape) == ({"reduce-scatter", "all-reduce"} if whole else
+                                                   {"reduce-scatter"}, whole)
+        if g > 0:
+            inputs = engine._pull_input.lower(trainer.prepare[s], stored, params[s][c], cot).compile().as_text()
+            assert _data_reductions(inputs, shape) == (set(), 0)
+    result = verify_plan(plan, devices, steps=2, check_hlo=False)
+    assert result["ok"], result["errors"]

@@ -203,7 +203,9 @@ def test_jit_with_shardings_and_the_reference_device() -> None:
         return (v * 2).sum(axis=1)
 
     assert_parallel_equal(jax.jit(lambda v: (v * 2).sum(axis=1)), reference, x, mesh=mesh)
-    assert seen == [np.ndarray]  # the reference got host data, not the sharded array
+    # Every reference run got host data, not the sharded array: the comparison's and the structure check's
+    # reruns on each batch shard (testbed.testing.structure).
+    assert seen and set(seen) == {np.ndarray}
 
 
 def test_typed_and_raw_keys_reach_the_reference_and_the_comparison() -> None:

@@ -82,17 +82,19 @@ class Routing(NamedTuple):
     aux: jax.Array       # fp32 [rows]: each sequence's load-balancing loss (coefficient included)
 
 
-def route(h: jax.Array, router: jax.Array, cfg: MoeConfig, positions: np.ndarray | None = None) -> Routing:
+def route(h: jax.Array, router: jax.Array, cfg: MoeConfig, positions: np.ndarray | None = None,
+          top_k: Any = None) -> Routing:
     """Routing of ``h`` ``[rows, seq, d]`` by the module's rules (fp32 logits, top-k, capacity, aux loss).
 
     ``positions``: each token's position in its sequence when the array holds them in another order
     (context parallelism's zigzag order); the capacity's priority follows positions, not the array.
+    ``top_k``: ``lax.top_k`` or a replacement (:meth:`ExpertShards.top_k`, on each device's rows).
     """
     rows, seq, _ = h.shape
     k, e = cfg.top_k, cfg.experts
     logits = jnp.einsum("bsd,de->bse", h.astype(jnp.float32), router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
-    top, chosen = jax.lax.top_k(probs, k)
+    top, chosen = (top_k or jax.lax.top_k)(probs, k)
     gates = top / jnp.sum(top, axis=-1, keepdims=True) if k > 1 else top
     onehot = jax.nn.one_hot(chosen, e, dtype=jnp.int32)                       # [rows, seq, k, E]
     # Priority: choice rank first, then position (GShard); a slot is the count of earlier assignments.
@@ -192,23 +194,44 @@ class ExpertShards:
     0.10 misnames a checked map's residuals when nested in another map. Identity-hashed: one per mesh.
     """
 
-    def __init__(self, mesh: Any):
+    def __init__(self, mesh: Any, spread: bool = False):
         self.mesh = mesh
         if mesh.shape.get(AXIS, 1) < 2:
             raise ValueError(f"ExpertShards needs a mesh with an `{AXIS}` axis of degree > 1")
+        # The other batch axes that split the slots' rows (degree > 1), before `expert` as the batch spec orders
+        # them: manual too, so each device dispatches its own rows (left automatic, XLA re-lays the slots out
+        # over them around the all-to-all). ``spread``: run per data replica (a vmap whose dim is over `data`,
+        # testbed.runner.replicas.replica_axis): manual over `data` through that dim, a replica's rows not split
+        # over it again.
+        rows = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+        self._rows = tuple(a for a in rows if not (spread and a == "data")) + (AXIS,)
+        self._manual = frozenset(rows) | {AXIS}
+        #: The same map run per data replica, or this instance when it is that.
+        self.per_replica = self if spread or "data" not in rows else ExpertShards(mesh, spread=True)
 
-    def __call__(self, slots: jax.Array, weights: dict[str, Any], cfg: MoeConfig) -> jax.Array:
+    def _map(self, fn: Any, weights: Any = None) -> Any:
+        """``fn(rows, weights)`` in a map over the rows' batch axes (module doc), or None inside a map already
+        manual over ``expert``."""
         context = jax.sharding.get_abstract_mesh()
         manual = frozenset() if context.empty else frozenset(context.manual_axes)
         if AXIS in manual:
-            return _exchanged_experts(slots, weights, cfg)
+            return None
         mesh = self.mesh if context.empty or not manual else context
         trivial = {name for name, size in mesh.shape.items() if size == 1 and name not in manual}
-        specs = {name: jax.P(AXIS) for name in weights}
-        mapped = jax.shard_map(lambda s, w: _exchanged_experts(s, w, cfg), mesh=mesh,
-                               in_specs=(jax.P(AXIS), specs), out_specs=jax.P(AXIS),
-                               axis_names=frozenset({AXIS} | trivial), check_vma=False)
-        return mapped(slots, weights)
+        rows = jax.P(self._rows if len(self._rows) > 1 else AXIS) if not manual else jax.P(AXIS)
+        axes = (self._manual if not manual else frozenset({AXIS})) | trivial
+        specs = (rows,) if weights is None else (rows, {name: jax.P(AXIS) for name in weights})
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=rows, axis_names=axes, check_vma=False)
+
+    def __call__(self, slots: jax.Array, weights: dict[str, Any], cfg: MoeConfig) -> jax.Array:
+        mapped = self._map(lambda s, w: _exchanged_experts(s, w, cfg), weights)
+        return _exchanged_experts(slots, weights, cfg) if mapped is None else mapped(slots, weights)
+
+    def top_k(self, probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """``lax.top_k`` of the router's ``[rows, seq, E]`` on each device's rows (XLA's partitioner gathers
+        the whole batch's probabilities for a top-k of rows split over several axes)."""
+        mapped = self._map(lambda p: jax.lax.top_k(p, k))
+        return jax.lax.top_k(probs, k) if mapped is None else mapped(probs)
 
 
 def moe_mlp(p: dict[str, Any], h: jax.Array, cfg: MoeConfig, experts: ExpertShards | None = None,
@@ -218,7 +241,7 @@ def moe_mlp(p: dict[str, Any], h: jax.Array, cfg: MoeConfig, experts: ExpertShar
     ``experts``: :class:`ExpertShards` (expert parallelism), or None (every expert on this device);
     ``positions``: as :func:`route`.
     """
-    routing = route(h, p["router"], cfg, positions)
+    routing = route(h, p["router"], cfg, positions, experts.top_k if experts is not None else None)
     slots = dispatch(h, routing, cfg)
     weights = {name: p[name] for name in _EXPERT_KEYS if name in p}
     y = _local_experts(slots, weights, cfg) if experts is None else experts(slots, weights, cfg)

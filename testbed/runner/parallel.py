@@ -190,7 +190,7 @@ class SequenceShards:
     per mesh is a static argument of the jitted programs.
     """
 
-    def __init__(self, plan: Plan, mesh: Any):
+    def __init__(self, plan: Plan, mesh: Any, spread: bool = False):
         self.mesh, self.model, self.tensor = mesh, plan.model, plan.mesh.tensor
         #: Whether the tensor axis splits the K/V heads (else every rank projects all of them).
         self.kv_split = plan.model.kv_split(self.tensor)
@@ -201,9 +201,14 @@ class SequenceShards:
         self._sharded = NamedSharding(mesh, P(P.UNCONSTRAINED, self._seq, None))
         # The batch axes that split the rows (degree > 1): manual too, so each device gathers and scatters only
         # its own rows (left automatic, XLA would gather the whole microbatch over them first).
-        split = tuple(a for a in batch_axes(plan) if plan.mesh.degree(a) > 1)
-        self._batch_axes = frozenset(split)
+        # ``spread``: called per data replica (testbed.runner.replicas, a vmap whose dim is over ``data``, its
+        # spmd_axis_name): the maps are manual over ``data`` through that dim, and the rows of one replica are not
+        # split over it again.
+        split = tuple(a for a in batch_axes(plan) if plan.mesh.degree(a) > 1 and not (spread and a == "data"))
+        self._batch_axes = frozenset(split) | ({"data"} if spread and plan.mesh.data > 1 else set())
         self._batch_entry = _entry(split) if split else None
+        #: The same maps run per data replica (``spread``), or this instance when it is that.
+        self.per_replica = self if spread or plan.mesh.data == 1 else SequenceShards(plan, mesh, spread=True)
 
     def _mesh(self) -> Any:
         """The mesh, or inside FSDP's map over the batch axes (:class:`ParamShards`) the context's."""

@@ -18,7 +18,16 @@ inside its microbatch loop and sums the replicas after the loop.
 
 Only for gradients not sharded over ``data`` (ZeRO 0 and 1). ZeRO-2/3 keep
 sharded gradients, so each microbatch's gradients are reduce-scattered as
-they come (what DeepSpeed does too); :func:`replicas` is 1 for them.
+they come (what DeepSpeed does too, and testbed.plan.sharding.gradient_reduction
+decides for both interpreters); :func:`replicas` is 1 for them. ZeRO-3's
+reduce-scatters are its parameter maps' (testbed.runner.parallel.ParamShards).
+ZeRO-2's whole parameters run spread like ZeRO 0/1 (:func:`scatters`; in
+pipeline stages and in the SPMD step's microbatch loop), and :class:`Scatter`
+reduce-scatters each microbatch's per-replica gradients with an explicit
+``psum_scatter``: left to XLA, a partial sum constrained to a ``data``-sharded
+layout compiles (on XLA:CPU) to an all-reduce of the whole gradient and a
+slice, and its propagation all-gathers activations over ``data`` to shard the
+weight gradients' matmuls.
 """
 
 from __future__ import annotations
@@ -32,9 +41,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.runner.parallel import Constrain
 from testbed.plan.spec import Plan
-from testbed.plan.sharding import gradient_reduction
+from testbed.plan.sharding import gradient_reduction, state_sharding
 
-__all__ = ["replicas", "Spread", "per_replica_forward", "per_replica_losses",
+__all__ = ["replicas", "scatters", "replica_axis", "Spread", "Scatter", "per_replica_forward", "per_replica_losses",
            "replica_value_and_grad", "sum_replicas"]
 
 #: The mesh axis the replicas run over.
@@ -44,6 +53,13 @@ AXIS = "data"
 def replicas(plan: Plan) -> int:
     """Data replicas whose gradients are kept apart until the step's end (1: none, or reduced as they come)."""
     return plan.mesh.data if AXIS in gradient_reduction(plan)[1] else 1
+
+
+def scatters(plan: Plan) -> bool:
+    """Whether whole parameter copies over ``data`` reduce-scatter their gradients into ``data`` shards every
+    microbatch (ZeRO-2 without parameter maps): then the pipeline runs them spread and :class:`Scatter` s."""
+    return (plan.mesh.data > 1 and AXIS in gradient_reduction(plan)[0]
+            and not state_sharding(plan).split_axes(plan, "params"))
 
 
 class Spread:
@@ -65,6 +81,47 @@ class Spread:
         return self._constrain(jax.tree.map(lambda a: jnp.broadcast_to(a, (self.count, *a.shape)), params))
 
 
+class Scatter:
+    """Per-replica gradients ``[R, ...]`` (:class:`Spread`'s layout) -> their sum in the ``data``-sharded layout.
+
+    One ``jax.shard_map`` manual over the whole mesh (a map with automatic axes
+    gives the reducer a sharding XLA:CPU's bf16 all-reduce promotion aborts on):
+    a leaf whose gradient layout splits a dim over ``data`` (as its minor part)
+    is ``psum_scatter`` -ed along it, one not split over ``data`` ``psum`` -ed.
+    Built from a stage's per-chunk parameter and gradient shardings; identity-
+    compared, one instance per stage (a static argument of the engine's programs).
+    """
+
+    def __init__(self, mesh: Any, param_shardings: list[Any], grad_shardings: list[Any]):
+        self.mesh = mesh
+        self._by_structure = {jax.tree.structure(p): (p, g) for p, g in zip(param_shardings, grad_shardings)}
+
+    @staticmethod
+    def _dim(param: P, grad: P, rank: int) -> int:
+        """The dim the gradient layout adds ``data`` to (as the minor part of its entry), or -1."""
+        names = lambda e: () if e is None else (e,) if isinstance(e, str) else tuple(e)  # noqa: E731
+        pe, ge = (list(s) + [None] * (rank - len(s)) for s in (param, grad))
+        for i, (a, b) in enumerate(zip(pe, ge)):
+            if names(b) == (*names(a), AXIS):
+                return i
+        return -1
+
+    def __call__(self, grads: Any) -> Any:
+        params, layout = self._by_structure[jax.tree.structure(grads)]
+        leaves, tree = jax.tree.flatten(grads)
+        specs = [(ps.spec, gs.spec) for ps, gs in zip(jax.tree.leaves(params), jax.tree.leaves(layout))]
+        dims = [self._dim(p, g, leaf.ndim - 1) for (p, g), leaf in zip(specs, leaves)]
+        outs = [g if d >= 0 else p for (p, g), d in zip(specs, dims)]
+
+        def body(*blocks: jax.Array) -> list[jax.Array]:
+            return [jax.lax.psum_scatter(b[0], AXIS, scatter_dimension=d, tiled=True) if d >= 0
+                    else jax.lax.psum(b[0], AXIS) for b, d in zip(blocks, dims)]
+
+        summed = jax.shard_map(body, mesh=self.mesh, in_specs=tuple(P(AXIS, *p) for p, _ in specs),
+                               out_specs=outs, axis_names=frozenset(self.mesh.axis_names), check_vma=False)(*leaves)
+        return jax.lax.with_sharding_constraint(jax.tree.unflatten(tree, summed), layout)
+
+
 def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
     """``[mb, ...] -> [R, mb / R, ...]``: replica ``r`` takes the rows its data coordinate holds."""
     rest = tuple(a for a in ("fsdp", "expert") if a in mesh.axis_names) or None
@@ -75,27 +132,41 @@ def _split(x: jax.Array, count: int, mesh: Any) -> jax.Array:
         xs, NamedSharding(mesh, P(AXIS, rest, *[P.UNCONSTRAINED] * (x.ndim - 1))))
 
 
+def replica_axis(plan: Plan) -> str | None:
+    """The name the per-replica ``vmap`` gives its dim in the maps inside (``spmd_axis_name``), or None.
+
+    ``data`` with sequence parallelism or expert parallelism: their maps are manual over the batch axes, and
+    per replica (``per_replica`` of testbed.runner.parallel.SequenceShards and testbed.runner.moe.ExpertShards)
+    over ``data`` through that dim, each device on its replica's rows; under a plain vmap they would split each
+    replica's rows over ``data`` again, gathering the spread parameters and the activations. The context map
+    is not written for it yet (automatic over ``data``): with it the vmap stays plain (XLA places the dim).
+    """
+    ok = (plan.sequence_parallel or plan.mesh.expert > 1) and plan.mesh.context == 1 and plan.mesh.data > 1
+    return AXIS if ok else None
+
+
 def per_replica_forward(forward: Callable[[int, int, Any, jax.Array], jax.Array], count: int,
-                        meshes: list[Any]) -> Callable[[int, int, Any, jax.Array], jax.Array]:
-    """``forward(stage, chunk, params, x)`` on spread params: each replica on its part of the batch."""
+                        meshes: list[Any], axis: str | None = None) -> Callable[[int, int, Any, jax.Array], jax.Array]:
+    """``forward(stage, chunk, params, x)`` on spread params: each replica on its part of the batch (``axis``:
+    :func:`replica_axis`)."""
     def run(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
         xs = _split(x, count, meshes[stage])
-        ys = jax.vmap(lambda p, h: forward(stage, chunk, p, h))(params, xs)
+        ys = jax.vmap(lambda p, h: forward(stage, chunk, p, h), spmd_axis_name=axis)(params, xs)
         return ys.reshape(x.shape[0], *ys.shape[2:])
     return run
 
 
-def per_replica_losses(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
-                       ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+def per_replica_losses(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any,
+                       axis: str | None = None) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
     """``loss(params, y, targets)`` on spread params, per replica: ``[R]`` over ``data`` (nothing reduced)."""
     def run(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-        losses = jax.vmap(loss)(params, _split(y, count, mesh), _split(targets, count, mesh))
+        losses = jax.vmap(loss, spmd_axis_name=axis)(params, _split(y, count, mesh), _split(targets, count, mesh))
         return jax.lax.with_sharding_constraint(losses, NamedSharding(mesh, P(AXIS)))
     return run
 
 
-def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any
-                           ) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
+def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array], count: int, mesh: Any,
+                           axis: str | None = None) -> Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]:
     """``(per-replica losses [R], grads of their mean)`` on spread params: no reduction over ``data``.
 
     The mean's value is left unused, so XLA drops its all-reduce; the
@@ -103,7 +174,7 @@ def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array
     is ``1/R``). A microbatch loop accumulates the ``[R]`` losses and reduces
     them once, with the gradients, after it.
     """
-    losses = per_replica_losses(loss, count, mesh)
+    losses = per_replica_losses(loss, count, mesh, axis)
 
     def mean_and_losses(params: Any, y: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
         per = losses(params, y, targets)

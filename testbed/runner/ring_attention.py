@@ -117,6 +117,21 @@ def _shift(xs: tuple, axis: str, size: int) -> tuple:
     return tuple(jax.lax.ppermute(x, axis, perm) for x in xs)
 
 
+def _shift_packed(pairs: tuple, axis: str, size: int) -> tuple:
+    """:func:`_shift` of pairs of arrays of one shape and dtype, each pair stacked into one message.
+
+    The backward's K/V are the forward's; sent as they are, XLA's common-subexpression elimination (after it
+    drops the optimization barrier, when forward and backward share a program) merges their sends with the
+    forward's and keeps every shifted K/V block alive until the backward. Stacked, the message differs from
+    any forward send, so the backward runs its ring as written (the module doc; testbed.model.ring's sends).
+    """
+    out = []
+    for a, b in pairs:
+        both = _shift((jnp.stack([a, b]),), axis, size)[0]
+        out += [both[0], both[1]]
+    return tuple(out)
+
+
 def _rows(tree: tuple, start: int, stop: int | None = None) -> tuple:
     return tuple(x[:, start:stop] for x in tree)
 
@@ -172,7 +187,7 @@ def _ring_bwd(axis: str, block: int | None, window: int | None, res: tuple, g: j
     delta = jnp.sum(gg.astype(jnp.float32) * _grouped(out, kv_heads).astype(jnp.float32), axis=-1)
     dq, dk, dv = _bwd_keys(qg, gg, lse, delta, k, v, qpos, qpos, block, scale, window)
     for t in range(1, size):
-        k, v, dk, dv = _shift((k, v, dk, dv), axis, size)   # the accumulators travel with their K/V
+        k, v, dk, dv = _shift_packed(((k, v), (dk, dv)), axis, size)   # the accumulators travel with their K/V
         src = (rank - t) % size
         kpos = zigzag_positions(s, size, src)
 
@@ -190,7 +205,7 @@ def _ring_bwd(axis: str, block: int | None, window: int | None, res: tuple, g: j
 
         dq, dk, dv = jax.lax.cond(src < rank, earlier, later, (dq, dk, dv))
     if size > 1:
-        dk, dv = _shift((dk, dv), axis, size)   # home: rank r holds the accumulators of rank r + 1's K/V
+        dk, dv = _shift_packed(((dk, dv),), axis, size)   # home: rank r holds the accumulators of rank r + 1's K/V
     return dq.astype(q.dtype).reshape(b, s, heads, d), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -38,7 +38,8 @@ from testbed.runner.moe import expert_shards
 from testbed.runner.parallel import batch_axes, batch_spec, layout_for, param_shards, sequence_shards
 from testbed.runner.precision import Optimizer
 from testbed.runner.pipeline.memory import program_bytes
-from testbed.runner.replicas import Spread, replica_value_and_grad, replicas, sum_replicas
+from testbed.runner.replicas import (Scatter, Spread, replica_axis, replica_value_and_grad, replicas, scatters,
+                                     sum_replicas)
 from testbed.runner.ring_attention import context_shards
 from testbed.plan.spec import BatchSpec, Plan
 
@@ -117,12 +118,14 @@ def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None, context: Any = None,
 def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
                  grad_shardings: Any | None, spread: Spread | None = None, seq: Any = None,
                  fsdp: tuple[Any, Any] = (None, None), context: Any = None,
-                 experts: Any = None) -> tuple[jax.Array, Any]:
+                 experts: Any = None, scatter: Any = None) -> tuple[jax.Array, Any]:
     """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``).
 
     With ``spread`` (data replicas, testbed.runner.replicas) the loop accumulates
     each replica's gradients where they are and sums the replicas once after
     it: one data-parallel reduction per step, not one per microbatch.
+    ``scatter`` (ZeRO-2, testbed.runner.replicas.Scatter; ``spread`` then spreads over every data rank):
+    each microbatch's per-replica gradients are reduce-scattered into their ``data`` shards in the loop.
     ``experts``: testbed.runner.moe.ExpertShards, or None; an MoE layer's load-balancing loss weighs
     ``microbatches / global batch`` per sequence in each microbatch's gradient (their mean is the step's).
     """
@@ -135,8 +138,18 @@ def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
         if fsdp[1] is not None:  # the model's FSDP maps take the spread parameters: one loss per replica
             per_replica = _replica_value_and_grad(_loss_fn(plan, seq, fsdp[1], context, **moe))
         else:
-            per_replica = replica_value_and_grad(_loss_fn(plan, seq, context=context, **moe), spread.count, mesh)
+            axis = replica_axis(plan)
+            mine = (lambda shards: shards.per_replica if axis and shards is not None else shards)  # noqa: E731
+            moe = dict(moe, experts=mine(experts))
+            per_replica = replica_value_and_grad(_loss_fn(plan, mine(seq), context=context, **moe), spread.count,
+                                                 mesh, axis)
         spread_params = spread(params)
+        if scatter is not None:
+            def reduced(xs: tuple) -> tuple:
+                losses, grads = per_replica(spread_params, *xs)
+                return losses, scatter(grads)
+            losses, grads = _scan_sum(reduced, params, tokens, targets, grad_shardings, loss_shape=(spread.count,))
+            return jnp.mean(losses), grads
         losses, grads = _scan_sum(lambda xs: per_replica(spread_params, *xs), spread_params, tokens, targets,
                                   spread.shardings[0], loss_shape=(spread.count,))
         return jnp.mean(losses), sum_replicas(grads)
@@ -196,7 +209,9 @@ class SpmdTrainer:
         spec = batch_spec(3, leading=1, axes=batch_axes(plan))
         self.batch_sharding = NamedSharding(mesh, spec if context is None else P(*spec[:2], "context"))
         grad_sh = self.grad_shardings
-        count = replicas(plan)
+        # ZeRO-2: every data rank's gradients apart, reduce-scattered each microbatch (testbed.runner.replicas).
+        scatter = Scatter(mesh, [self.param_shardings], [grad_sh]) if scatters(plan) else None
+        count = plan.mesh.data if scatter is not None else replicas(plan)
         spread = Spread(mesh, [self.param_shardings], count) if count > 1 else None
         seq = sequence_shards(plan, mesh)  # Megatron sequence parallelism (testbed.runner.parallel), or None
         # FSDP / ZeRO-3 (testbed.runner.parallel.ParamShards): whole batch, and per data replica on spread parameters.
@@ -204,7 +219,8 @@ class SpmdTrainer:
         experts = expert_shards(plan, mesh)  # expert parallelism (testbed.runner.moe): all-to-all over `expert`, or None
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
-            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp, context, experts)
+            loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp, context, experts,
+                                       scatter)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
             out = (*opt.update(params, opt_state, grads), loss)
             return out + (grads,) if return_grads else out

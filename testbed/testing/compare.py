@@ -7,6 +7,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from testbed.testing.devices import ReferenceDevice, is_key, to_host
 from testbed.testing.hints import equal_blocks_hint, per_device_hint, replica_hint
+from testbed.testing.structure import statistics_check
 
 __all__ = ["assert_parallel_equal", "assert_outputs_equal"]
 
@@ -26,7 +27,9 @@ def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callabl
     (an updated parameter); an error confined to one shard; NaN where the reference is finite (a
     pipeline bubble leaking); device copies of a replicated output that differ (a missing psum over the
     axis they differ along); blocks made equal by a collective over the wrong axis; outputs that match the
-    reference run on each batch shard alone (per-device statistics). Random keys (``jax.random.key`` or
+    reference run on each batch shard alone (per-device statistics). Outputs equal within the tolerance still
+    fail when they are per-device statistics along a ``mesh`` axis: at least twice as close to the reference
+    run on each batch shard alone as to the reference (testbed.testing.structure; bf16 inputs upcast to fp32). Random keys (``jax.random.key`` or
     raw ``uint32[2]``) pass to the reference as they are; for code whose shards draw their own numbers,
     give a :func:`testbed.testing.per_shard_reference` as ``reference_fn``.
     """
@@ -37,7 +40,7 @@ def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callabl
 
         reference_device = ReferenceDevice(reference_device if reference_device is not None else jax.devices()[0])
     reference = reference_device(reference_fn, *args, **kwargs)
-    rerun = (lambda *a: reference_device(reference_fn, *a, **kwargs), args)
+    rerun = (lambda *a: reference_device(reference_fn, *a, **kwargs), args, lambda *a: parallel_fn(*a, **kwargs))
     assert_outputs_equal(parallel, reference, rtol=rtol, atol=atol, mesh=mesh, axis_sizes=axis_sizes,
                          inputs=(args, kwargs), _rerun=rerun)
 
@@ -72,6 +75,11 @@ def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, a
     if failures:
         more = f"\n({len(failures)} of {len(par_leaves)} leaves differ)" if len(failures) > 1 else ""
         raise AssertionError("\n\n".join(failures) + more)
+    axes = [(n, what) for n, what in counts if what.startswith("mesh axis")]
+    if _rerun is not None and len(_rerun) > 2 and axes:  # equal within the tolerance: the error's structure
+        found = statistics_check(_rerun[2], _rerun[0], _rerun[1], parallel, reference, axes)
+        if found:
+            raise AssertionError(found)
 
 
 def _array(x: Any) -> Any:

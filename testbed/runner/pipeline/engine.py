@@ -56,7 +56,9 @@ class Prepare:
     (a new leading axis sharded over the replicas); the backward does NOT take
     its transpose, so gradients come back per replica and the caller sums them
     once per step: the data-parallel reduction happens once, not once per
-    microbatch. ``cast`` (optional, e.g. to the compute dtype) is taken back
+    microbatch. ``reduce`` (optional) takes each microbatch's gradients (per
+    replica when spread) before they are added into the accumulator: ZeRO-2's
+    reduce-scatter into ``data`` shards (testbed.runner.replicas.Scatter). ``cast`` (optional, e.g. to the compute dtype) is taken back
     in every backward. ``activations`` (a sharding) and ``grads`` (``tree ->
     tree``, e.g. :class:`testbed.runner.parallel.Constrain`) pin the layout of the
     output activation and input gradient, and of the parameter gradients,
@@ -72,6 +74,7 @@ class Prepare:
     spread: Callable[[Any], Any] | None = None
     activations: Any = None
     grads: Callable[[Any], Any] | None = None
+    reduce: Callable[[Any], Any] | None = None
 
 
 def _as_prepare(prepare: Prepare | Callable[[Any], Any] | None) -> Prepare:
@@ -181,7 +184,10 @@ def _backward(prepare: Prepare | None, stored: Stored, params: Any, cotangent: A
     return ((back(out[0])[0] if weights else None), *out[1:])
 
 
-def _accumulate(acc: Any, grads: Any) -> Any:
+def _accumulate(prepare: Prepare | None, acc: Any, grads: Any) -> Any:
+    """``acc`` plus one microbatch's gradients, reduced first when ``prepare`` reduces them."""
+    reduce = _as_prepare(prepare).reduce
+    grads = grads if reduce is None else reduce(grads)
     return grads if acc is None else jax.tree.map(jnp.add, acc, grads)
 
 
@@ -195,7 +201,7 @@ def _pull(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, 
     accumulating costs no program and no second gradient buffer.
     """
     grads, *rest = _backward(prepare, stored, params, cotangent)
-    grads, dx = _leave(prepare, _accumulate(acc, grads), *rest)
+    grads, dx = _leave(prepare, _accumulate(prepare, acc, grads), *rest)
     return (grads, dx) if rest else (grads,)
 
 
@@ -208,7 +214,7 @@ def _pull_input(prepare: Prepare | None, stored: Stored, params: Any, cotangent:
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=4)
 def _pull_weight(prepare: Prepare | None, stored: Stored, params: Any, cotangent: Any, acc: Any = None) -> Any:
     """W of a split backward: the parameter gradient only, added to ``acc`` (donated) as in :func:`_pull`."""
-    return _leave(prepare, _accumulate(acc, _backward(prepare, stored, params, cotangent)[0]))[0]
+    return _leave(prepare, _accumulate(prepare, acc, _backward(prepare, stored, params, cotangent)[0]))[0]
 
 
 def _nan_like(shape: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:

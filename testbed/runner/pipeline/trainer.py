@@ -26,7 +26,8 @@ from testbed.runner.parallel import Constrain, activation_spec, layout_for, para
 from testbed.runner.pipeline.engine import Prepare
 from testbed.runner.precision import Optimizer
 from testbed.runner.pipeline.memory import StageProgramMemory, pipeline_memory
-from testbed.runner.replicas import Spread, per_replica_forward, per_replica_losses, replicas, sum_replicas
+from testbed.runner.replicas import (Scatter, Spread, per_replica_forward, per_replica_losses, replica_axis, replicas,
+                                     scatters, sum_replicas)
 from testbed.runner.ring_attention import context_shards
 from testbed.runner.step import host_tree, place_tree, state_shardings, step_batch
 from testbed.errors import InputError
@@ -99,21 +100,29 @@ class PipelineTrainer:
                                        plan.schedule.virtual_stages)
         spec, precision, remat = plan.model, plan.precision, plan.remat
 
-        # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None.
-        seqs = [sequence_shards(plan, m) for m in stage_meshes]
-        last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
-        last = seqs[last_stage]
         # Data replicas keep their gradients apart until the update, and their losses until the step's end:
         # one reduction per step (testbed.runner.replicas), none per microbatch.
         self.replicas = replicas(plan)
+        # ZeRO-2: whole parameters run spread too, and each microbatch's gradients are reduce-scattered into
+        # their `data` shards (testbed.runner.replicas.Scatter); none is left per replica for the update.
+        scatter = scatters(plan)
+        copies = plan.mesh.data if scatter else self.replicas
         # FSDP / ZeRO-3 (testbed.runner.parallel.ParamShards) per stage sub-mesh, on spread parameters with replicas.
         fsdps = [param_shards(plan, m, spread=self.replicas > 1) for m in stage_meshes]
+        # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None; run per replica
+        # when the chunks are (below).
+        axis = replica_axis(plan) if copies > 1 and fsdps[0] is None else None
+        seqs = [q.per_replica if axis and q is not None else q
+                for q in (sequence_shards(plan, m) for m in stage_meshes)]
+        last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
+        last = seqs[last_stage]
         # Context parallelism per stage sub-mesh (testbed.runner.ring_attention): stages pass the context shards on.
         ctxs = [context_shards(plan, m) for m in stage_meshes]
         self.context_order = None if ctxs[0] is None else ctxs[0].order
         # Expert parallelism per stage sub-mesh (testbed.runner.moe); the engine's loss seeds weigh each microbatch's
         # mean 1/microbatches, so one sequence's MoE load-balancing loss weighs 1/global batch.
-        exps = [expert_shards(plan, m) for m in stage_meshes]
+        exps = [e.per_replica if axis and e is not None else e
+                for e in (expert_shards(plan, m) for m in stage_meshes)]
         aux_weight = 1.0 / plan.batch.global_batch
 
         # The held parameters are already in the compute dtype (testbed.runner.precision): no cast here.
@@ -127,9 +136,9 @@ class PipelineTrainer:
             return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last, fsdp=fsdps[last_stage])
 
         # ParamShards' maps take spread parameters themselves; otherwise each replica runs in a vmap.
-        if self.replicas > 1 and fsdps[0] is None:
-            chunk_forward = per_replica_forward(chunk_forward, self.replicas, stage_meshes)
-            loss_fn = per_replica_losses(loss_fn, self.replicas, stage_meshes[last_stage])
+        if copies > 1 and fsdps[0] is None:
+            chunk_forward = per_replica_forward(chunk_forward, copies, stage_meshes, axis)
+            loss_fn = per_replica_losses(loss_fn, copies, stage_meshes[last_stage], axis)
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
         mb = plan.batch.global_batch // plan.batch.microbatches
         self.act_shape = (mb, spec.seq_len, spec.d_model)
@@ -145,23 +154,30 @@ class PipelineTrainer:
         #: Per stage: the engine's Prepare, and the sharding of the gradients it returns (the update's input).
         self.prepare, self.engine_grad_shardings = [], []
         for s, mesh in enumerate(stage_meshes):
-            layout = layout_for(shape[s], plan)
-            p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
-            o_sh = state_shardings(jax.eval_shape(self.optimizer.init, shape[s]), shape[s],
-                                   self.optimizer.moment_shardings(layout.shardings(mesh, "moments")),
-                                   NamedSharding(mesh, P()))
-            spread = Spread(mesh, p_sh, self.replicas) if self.replicas > 1 else None
-            in_sh = spread.shardings if spread else g_sh
-            # Outputs leave the engine's programs where the next stage and the update take them (no host copy).
-            self.prepare.append(Prepare(spread=spread, activations=self.act_shardings[s], grads=Constrain(in_sh)))
-            self.param_shardings.append(p_sh)
-            self.opt_shardings.append(o_sh)
-            self.grad_shardings.append(g_sh)
-            self.engine_grad_shardings.append(in_sh)
-            self.update_programs.append(jax.jit(self._update_fn(g_sh, spread is not None), donate_argnums=(0, 1),
-                                                in_shardings=(p_sh, o_sh, in_sh), out_shardings=(p_sh, o_sh)))
+            self._add_stage(s, mesh, shape[s], copies, scatter)
         self.engine = MpmdEngine(self.schedule, chunk_forward, loss_fn, self.act_shardings, nan_slots=nan_slots,
                                  prepare=self.prepare)
+
+    def _add_stage(self, s: int, mesh: Any, shape: Any, copies: int, scatter: bool) -> None:
+        """Stage ``s``'s shardings, the engine's :class:`Prepare` and the update program (``copies``: replicas
+        its chunks run spread over; ``scatter``: ZeRO-2's per-microbatch reduce-scatter)."""
+        layout = layout_for(shape, self.plan)
+        p_sh, g_sh = layout.shardings(mesh, "params"), layout.shardings(mesh, "grads")
+        o_sh = state_shardings(jax.eval_shape(self.optimizer.init, shape), shape,
+                               self.optimizer.moment_shardings(layout.shardings(mesh, "moments")),
+                               NamedSharding(mesh, P()))
+        spread = Spread(mesh, p_sh, copies) if copies > 1 else None
+        in_sh = spread.shardings if spread and not scatter else g_sh
+        reduce = Scatter(mesh, p_sh, g_sh) if scatter else None
+        # Outputs leave the engine's programs where the next stage and the update take them (no host copy).
+        self.prepare.append(Prepare(spread=spread, activations=self.act_shardings[s], grads=Constrain(in_sh),
+                                    reduce=reduce))
+        self.param_shardings.append(p_sh)
+        self.opt_shardings.append(o_sh)
+        self.grad_shardings.append(g_sh)
+        self.engine_grad_shardings.append(in_sh)
+        self.update_programs.append(jax.jit(self._update_fn(g_sh, self.replicas > 1), donate_argnums=(0, 1),
+                                            in_shardings=(p_sh, o_sh, in_sh), out_shardings=(p_sh, o_sh)))
 
     def _update_fn(self, grad_shardings: Any, per_replica: bool):
         opt = self.optimizer
@@ -240,8 +256,9 @@ class PipelineTrainer:
                 def f(p: Any) -> jax.Array:
                     y = self.chunk_forward(s, 0, p, h)
                     return jnp.mean(self.loss_fn(p, y, t)) if last else jnp.sum(y.astype(jnp.float32))
-                spread = self.prepare[s].spread
-                return jax.grad(f)(spread(p) if spread else p)  # per replica, as the engine's backward
+                prep = self.prepare[s]
+                grads = jax.grad(f)(prep.spread(p) if prep.spread else p)  # per replica, as the engine's backward
+                return prep.reduce(grads) if prep.reduce else grads
 
             h = x if s == 0 else place_tree(np.zeros(self.act_shape, np.float32).astype(self.act_dtype),
                                             self.act_shardings[s])
