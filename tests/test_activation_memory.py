@@ -25,6 +25,7 @@ from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.model import costs
+from testbed.model.costs import chunk_cost
 from testbed.model.memory import memory_breakdown
 from testbed.plan.io import plan_from_dict, plan_to_dict
 from testbed.plan.placement import place
@@ -144,7 +145,16 @@ def _bus_bytes(tasks: list, n: int) -> float:
 @pytest.mark.parametrize("kw", [{"tensor": 4}, {"tensor": 2, "remat": "selective", "mb": 2},
                                 {"tensor": 2, "stage": 2, "mb": 2}])
 def test_simulator_replaces_all_reduces_with_gathers_and_scatters(kw) -> None:
-    plain, sp = _tensor_tasks(_plan(False, **dict(kw))), _tensor_tasks(_plan(True, **dict(kw)))
+    """SP's gathers and scatters replace the all-reduces of the [tokens, d_model] activations, moving the same bus
+    bytes; the vocab-parallel loss's small all-reduces are the same either way, and SP adds the learned position
+    table's gradient gather (testbed.sim.facts.tensor_transfers)."""
+    plans = _plan(False, **dict(kw)), _plan(True, **dict(kw))
+    buffer = chunk_cost(plans[0], 0).tensor_allreduce_bytes
+    (plain, plain_rest), (sp, sp_rest) = ([[t for t in tasks if (t.nbytes == buffer) == keep] for keep in (True, False)]
+                                          for tasks in map(_tensor_tasks, plans))
+    position = chunk_cost(plans[1], 0).position_gather_bytes
+    assert sorted((t.op, t.nbytes) for t in sp_rest if t.nbytes != position) == sorted(
+        (t.op, t.nbytes) for t in plain_rest) and all(t.op == "all_reduce" for t in plain_rest)
     assert {t.op for t in plain} == {"all_reduce"} and {t.op for t in sp} == {"all_gather", "reduce_scatter"}
     gathers = sum(t.count for t in sp if t.op == "all_gather")
     assert gathers == sum(t.count for t in sp if t.op == "reduce_scatter") == sum(t.count for t in plain)
@@ -158,19 +168,23 @@ def test_full_remat_redoes_two_gathers_and_a_scatter_per_layer() -> None:
     sp = _tensor_tasks(plan)
     per_op = {op: sum(t.count for t in sp if t.op == op) for op in ("all_gather", "reduce_scatter")}
     layers = plan.model.layers
-    # Forward 2L + head, backward 2L + embedding, recompute 2L gathers; scatters 2L + 1 twice, plus L.
-    assert per_op == {"all_gather": 6 * layers + 2, "reduce_scatter": 5 * layers + 2}
+    # Forward 2L + head, backward 2L + embedding, recompute 2L gathers, and the learned position table's gradient
+    # gathered (testbed.sim.facts.tensor_transfers); scatters 2L + 1 twice, plus L.
+    assert plan.model.position.value == "learned"
+    assert per_op == {"all_gather": 6 * layers + 3, "reduce_scatter": 5 * layers + 2}
 
 
 def test_analytic_tier_prices_the_same_collectives() -> None:
     """On the host's ring collectives a reduce-scatter + an all-gather cost what the all-reduce does; SP saves
     activation memory (and elementwise traffic on the residual stream). Without the host's stragglers: SP's
-    devices meet twice as often, and each meeting waits for the last of them (tests/test_barriers.py)."""
+    devices meet twice as often, and each meeting waits for the last of them (tests/test_barriers.py). RoPE: no
+    learned position table, whose gradient SP gathers (an extra collective, tests above)."""
     data = topology_to_dict(load_topology("host-cpu-8"))
     data["calibration"]["host"].pop("skew_s")
     host = topology_from_dict(data)
     plain, sp = (estimate(_plan(on, tensor=8, batch=8, model={"d_model": 256, "heads": 8, "d_ff": 1024,
-                                                                 "seq_len": 256}), host) for on in (False, True))
+                                                                 "seq_len": 256, "position": "rope"}), host)
+                 for on in (False, True))
     assert math.isclose(sp.comm_s, plain.comm_s, rel_tol=1e-9) and sp.comm_s > 0
     assert sp.memory_bytes < plain.memory_bytes and sp.compute_s < plain.compute_s
 
