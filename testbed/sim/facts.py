@@ -35,7 +35,7 @@ from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
-           "accumulate_bytes", "cached_order", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES"]
+           "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -78,7 +78,10 @@ class ChunkFacts:
     gradients) is (testbed.model.leaves.parameter_collectives); ``expert_params`` the routed experts'
     parameters on one device (0 when nothing reduces gradients); ``buckets`` the gradient buckets of its
     last backward when gradients reduce while the backward goes on (one bucket per layer, at most
-    :data:`BUCKETS`; one when they wait for the backward's end). ``moved``: the elements one collective over
+    :data:`BUCKETS`, one per block when the parameters are sharded; one when they wait for the backward's end).
+    ``blocks``: the pieces an action that gathers the sharded parameters is split into, one per layer (the
+    embedding and the head ride with the first and last), each gathered before it computes
+    (testbed.plan.sharding.gathered_blocks). ``moved``: the elements one collective over
     the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
     (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
     """
@@ -92,6 +95,7 @@ class ChunkFacts:
     buckets: int
     actions: tuple[ActionWork, ...]
     moved: tuple[int, int, int]
+    blocks: int = 1
 
     def action(self, kind: str) -> ActionWork:
         return next(a for a in self.actions if a.kind == kind)
@@ -165,8 +169,14 @@ class StepFacts:
         return "W" if self.schedule.split_backward else "B"
 
     def gathers(self, kind: str) -> bool:
-        """Whether a ``kind`` action all-gathers its chunk's sharded parameters first."""
+        """Whether a ``kind`` action all-gathers its chunk's sharded parameters (block by block)."""
         return gathers_parameters(self.plan, kind)
+
+    @property
+    def prefetch(self) -> int:
+        """Blocks gathered ahead of the one computing (``runtime.fsdp_prefetch``): block ``i``'s gather waits
+        for block ``i - 1 - prefetch`` to finish, whose gathered weights it replaces."""
+        return self.plan.runtime.fsdp_prefetch
 
     def dispatch_buffers(self, stage: int, chunk: int, kind: str, accumulated: bool) -> int:
         """Device buffers the controller passes dispatching one action's program and its sends
@@ -221,10 +231,12 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                                   plan.mesh.tensor, 1, plan.mesh.expert, experts_only=True) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
+    blocks = max(1, cost.layers) if gathers_parameters(plan, "F") else 1
+    buckets = (blocks if blocks > 1 else min(BUCKETS, max(1, cost.layers))) if sharded_accumulation else 1
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
-                      leaves=parameter_collectives(plan, s, c, combine, param_b),
-                      buckets=min(BUCKETS, max(1, cost.layers)) if sharded_accumulation else 1, actions=actions,
-                      moved=tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")))
+                      leaves=parameter_collectives(plan, s, c, combine, param_b), buckets=buckets, actions=actions,
+                      moved=tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")),
+                      blocks=blocks)
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
@@ -368,3 +380,11 @@ def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
 
 
 _GEMMS: dict[tuple, ChunkGemms] = {}
+
+
+def bucket_share(leaves: int, buckets: int, k: int) -> int:
+    """Of a chunk's ``leaves`` gradient collectives, those bucket ``k`` of ``buckets`` reduces (0 stays 0: the
+    parameters are not sharded, one reduction per bucket). Whole numbers summing to ``leaves``, at least 1."""
+    if leaves <= 0:
+        return 0
+    return max(1, leaves * (k + 1) // buckets - leaves * k // buckets)
