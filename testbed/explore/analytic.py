@@ -372,8 +372,10 @@ class _Play:
         the later blocks wait for their gathers). Block ``i``'s gather waits for block ``i - 1 - prefetch``; with
         equal blocks of gather ``g`` and compute ``c`` the action computes a block every ``max(g, c)`` (``g + c``
         without prefetch). The stage's next gather may start as this action's last ``prefetch`` blocks compute."""
-        n, d = priced.blocks, self.facts.prefetch
+        n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
         g, c = priced.gather / n, compute / n
+        if skewed is not None and d == 0:  # each gather, exposed, first meets its group after a block's computing
+            g += skewed.barrier_wait(self.facts.params_ways, c)
         period = g + c if d == 0 else max(g, c)
         first = max(start, self.gather_free[s] + g)
         self.comm[s] += first - start
@@ -397,6 +399,11 @@ class _Play:
             wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
             self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
             compute += wait
+        if skewed is not None and priced.gather and priced.blocks > 1:
+            # Each block's gather is a meeting of the shard group (testbed.sim.barriers): the last one runs as
+            # block n - 1 - prefetch starts, so only the blocks from there on are computed since.
+            n = priced.blocks
+            self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
         finish = start + compute + stretch + priced.tensor
         self.busy[s] += compute - wait
         self.comm[s] += priced.tensor + wait + stretch
