@@ -214,17 +214,20 @@ class _Step:
         self.prices: dict[tuple[int, int, str], _Priced] = {}
         for s in range(p):
             for c, chunk in enumerate(facts.chunks[s]):
-                whole = self._gather_seconds(s, chunk, 1) if facts.params_ways > 1 else 0.0
-                blocks = self._gather_seconds(s, chunk, chunk.blocks) if facts.params_ways > 1 else 0.0
                 for work in chunk.actions:
-                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s],
-                                                                 whole if work.chain else blocks)
+                    gather = 0.0
+                    if facts.params_ways > 1:
+                        gather = self._gather_seconds(s, (chunk.moved[0], chunk.leaves), 1) if work.chain else \
+                            self._gather_seconds(s, chunk.gather(work.kind), chunk.blocks)
+                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)
 
-    def _gather_seconds(self, s: int, chunk: ChunkFacts, pieces: int) -> float:
-        """Seconds of the gathers of a chunk's sharded parameters in ``pieces`` blocks (testbed.sim.program's: each
-        block its share of the bytes and of the ``leaves`` collectives, :func:`~testbed.sim.facts.bucket_share`)."""
-        total, per = 0.0, chunk.moved[0] * self.facts.param_bytes / pieces
-        for count, times in Counter(bucket_share(chunk.leaves, pieces, k) for k in range(pieces)).items():
+    def _gather_seconds(self, s: int, moved: tuple[int, int], pieces: int) -> float:
+        """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces`` blocks
+        (testbed.sim.program's: each block its share of the bytes and of the collectives,
+        :func:`~testbed.sim.facts.bucket_share`)."""
+        elements, leaves = moved
+        total, per = 0.0, elements * self.facts.param_bytes / pieces
+        for count, times in Counter(bucket_share(leaves, pieces, k) for k in range(pieces)).items():
             total += times * count * self.coll.time("all_gather", self.facts.params_axes, s, per / count)
         return total
 

@@ -25,8 +25,8 @@ from testbed.model import buffers
 from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, chunk_gemms, gemm_flops, without
-from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import moved_elements, parameter_collectives
+from testbed.model.layout import chunk_layers, chunk_params, embedding_params, held_elements, holds
+from testbed.model.leaves import gathered_leaves, moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
@@ -96,6 +96,13 @@ class ChunkFacts:
     actions: tuple[ActionWork, ...]
     moved: tuple[int, int, int]
     blocks: int = 1
+    regather: tuple[int, int] = (0, 0)
+
+    def gather(self, kind: str) -> tuple[int, int]:
+        """(elements, collectives) a ``kind`` action's gathers of the chunk's sharded parameters move on a device:
+        the forward all of them (``moved[0]``, ``leaves``); the backward all but the embedding's, whose backward
+        (a scatter-add of the rows' gradients) reads no weight (``regather``)."""
+        return (self.moved[0], self.leaves) if kind == "F" else self.regather
 
     def action(self, kind: str) -> ActionWork:
         return next(a for a in self.actions if a.kind == kind)
@@ -233,10 +240,24 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
     blocks = max(1, cost.layers) if gathers_parameters(plan, "F") else 1
     buckets = (blocks if blocks > 1 else min(BUCKETS, max(1, cost.layers))) if sharded_accumulation else 1
+    moved = tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer"))
+    leaves = parameter_collectives(plan, s, c, combine, param_b)
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
-                      leaves=parameter_collectives(plan, s, c, combine, param_b), buckets=buckets, actions=actions,
-                      moved=tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")),
-                      blocks=blocks)
+                      leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
+                      regather=_regather(plan, s, c, moved[0], leaves))
+
+
+def _regather(plan: Plan, s: int, c: int, moved: int, leaves: int) -> tuple[int, int]:
+    """(elements, collectives) of the backward's gathers of a chunk: all but the embedding's leaves (one collective
+    fewer per leaf when the combiner merges none; the whole chunk's count when it merges them)."""
+    if not holds(s, c, plan.mesh.stage, plan.schedule.virtual_stages)[0] or not leaves:
+        return moved, leaves
+    ways, mesh = state_sharding(plan).ways(plan, "params"), plan.mesh
+    embed = embedding_params(plan.model)
+    elements = ways * held_elements(((q, 1) for q in embed), mesh.tensor, ways, mesh.expert)
+    separate = leaves == len(gathered_leaves(plan, s, c))
+    return moved - elements, max(1, leaves - len(embed)) if separate else leaves
+
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,

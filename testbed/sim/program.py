@@ -262,7 +262,7 @@ class _Graph:
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
             if gathering:
-                deps = [*deps, self._gather_block(s, chunk, name, k, pieces, ends)]
+                deps = [*deps, self._gather_block(s, chunk, work.kind, name, k, pieces, ends)]
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
                                               work.work, work.gemms, kernels), deps, cost.tensor_bytes)
@@ -285,16 +285,18 @@ class _Graph:
             self.blocks_done[s] = ends
         return last, computes
 
-    def _gather_block(self, s: int, chunk: ChunkFacts, name: str, k: int, pieces: int, ends: list[int]) -> int:
+    def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
+                      ends: list[int]) -> int:
         """The all-gather of block ``k`` of ``pieces`` of a chunk's sharded parameters (gather stream): its share of
         the chunk's bytes and collectives, once block ``k - 1 - prefetch`` has finished (its weights freed: this
         action's block, or the stage's previous gathering action's; ``ends`` this action's blocks so far)."""
         rep, j = self.reps[s], k - 1 - self.facts.prefetch
         before = self.blocks_done.get(s, [])
         after = (ends[j],) if j >= 0 else (before[len(before) + j],) if len(before) + j >= 0 and before else ()
-        count = bucket_share(chunk.leaves, pieces, k)
+        elements, leaves = chunk.gather(kind)
+        count = bucket_share(leaves, pieces, k)
         return self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                          op="all_gather", deps=after, nbytes=chunk.moved[0] * self.facts.param_bytes / pieces / count,
+                          op="all_gather", deps=after, nbytes=elements * self.facts.param_bytes / pieces / count,
                           count=count, group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
 
     def _chain(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], buckets: int) -> int:
