@@ -235,6 +235,9 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     loss_ws = _loss_workspace(plan) if holds_head else 0
     layer_ws = _layer_workspace(plan)
     # (activations, gradients, workspace) at each candidate peak instant.
+    # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
+    # (each block's gradients are reduce-scattered in its backward, testbed.runner.parallel.ParamShards).
+    unsharded = grad_b * (gathered // plan.precision.compute_bytes // gathered_blocks(plan) if gathered else held)
     if plan.batch.microbatches > 1:
         # A microbatch's gradients are written whole before they join the accumulator. The
         # one-program step's accumulation loop adds them after the microbatch's backward, and
@@ -243,11 +246,11 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
         # reduce-scatters sharded ones (fsdp, ZeRO-2/3) after the backward; XLA combines the
         # layers' reduce-scatters, so all are live at once. (Measured with XLA:CPU.)
         if p == 1:
-            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws) + gathered + grad_b * held),
+            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws) + gathered + unsharded),
                         (0, grads, reduce_ws)]
         else:
             # The axes reduced after every microbatch (testbed.plan.sharding's one rule, as program and runner).
-            whole = grad_b * held if gradient_reduction(plan)[0] else 0
+            whole = unsharded if gradient_reduction(plan)[0] else 0
             instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered + whole)]
     else:
         layer_grads = grad_b * _layer_params_per_device(plan, grad_ways)
