@@ -25,8 +25,8 @@ from testbed.model import buffers
 from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, chunk_gemms, gemm_flops, without
-from testbed.model.layout import chunk_layers, chunk_params, embedding_params, held_elements, holds
-from testbed.model.leaves import gathered_leaves, moved_elements, parameter_collectives
+from testbed.model.layout import chunk_layers, chunk_params, held_elements
+from testbed.model.leaves import bucket_share, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
@@ -244,20 +244,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     leaves = parameter_collectives(plan, s, c, combine, param_b)
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
-                      regather=_regather(plan, s, c, moved[0], leaves))
-
-
-def _regather(plan: Plan, s: int, c: int, moved: int, leaves: int) -> tuple[int, int]:
-    """(elements, collectives) of the backward's gathers of a chunk: all but the embedding's leaves (one collective
-    fewer per leaf when the combiner merges none; the whole chunk's count when it merges them)."""
-    if not holds(s, c, plan.mesh.stage, plan.schedule.virtual_stages)[0] or not leaves:
-        return moved, leaves
-    ways, mesh = state_sharding(plan).ways(plan, "params"), plan.mesh
-    embed = embedding_params(plan.model)
-    elements = ways * held_elements(((q, 1) for q in embed), mesh.tensor, ways, mesh.expert)
-    separate = leaves == len(gathered_leaves(plan, s, c))
-    return moved - elements, max(1, leaves - len(embed)) if separate else leaves
-
+                      regather=regathered(plan, s, c, moved[0], leaves))
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
@@ -401,11 +388,3 @@ def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
 
 
 _GEMMS: dict[tuple, ChunkGemms] = {}
-
-
-def bucket_share(leaves: int, buckets: int, k: int) -> int:
-    """Of a chunk's ``leaves`` gradient collectives, those bucket ``k`` of ``buckets`` reduces (0 stays 0: the
-    parameters are not sharded, one reduction per bucket). Whole numbers summing to ``leaves``, at least 1."""
-    if leaves <= 0:
-        return 0
-    return max(1, leaves * (k + 1) // buckets - leaves * k // buckets)
