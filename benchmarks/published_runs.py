@@ -8,6 +8,8 @@ Categories:
   Narayanan et al. 2021 Table 1 in megatron.yaml), predicted vs published TFLOP/s per GPU;
 - ``runs``: other stacks' training throughput (benchmarks/published/runs.py, runs.yaml:
   Megatron-Bridge/NeMo and torchtitan on H100, BF16 and FP8), predicted vs published tokens/s per GPU;
+- ``ici``: TPU collective times over ICI (benchmarks/published/collectives.py, cases in ici.yaml),
+  predicted vs published microseconds, error as bandwidth (published / predicted time - 1);
 - ``memory``: model states per device under ZeRO 1-3 (benchmarks/published/memory.py,
   Rajbhandari et al. 2020 Table 1 in zero_memory.yaml), predicted vs published GB.
 
@@ -35,9 +37,10 @@ import memory as published_memory  # noqa: E402
 import runs as published_runs  # noqa: E402
 
 CATEGORIES = {"collectives": published_collectives.evaluate, "end_to_end": published_end_to_end.evaluate,
-              "runs": published_runs.evaluate, "memory": published_memory.evaluate}
+              "runs": published_runs.evaluate, "memory": published_memory.evaluate,
+              "ici": published_collectives.evaluate_ici}
 UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU", "runs": "tokens/s per GPU",
-         "memory": "GB of model states per device"}
+         "memory": "GB of model states per device", "ici": "us per collective"}
 #: What the Megatron-LM SC21 Table 1 rows are, in the runs' categories (megatron.yaml).
 _TABLE1 = {"stack": "megatron-lm", "device": "A100", "precision": "bf16"}
 
@@ -51,8 +54,8 @@ def run(only: list[str] | None = None) -> dict:
         categories[name] = {**published_collectives.summary(rows), "unit": UNITS[name]}
         results[name] = [{"case": r["case"], "predicted": r["predicted"], "published": r["published"],
                           "error": r["error"]} for r in rows]
-        if name == "collectives":
-            out["collective_bands"] = published_collectives.by_band(rows)
+        if name in ("collectives", "ici"):
+            out["collective_bands" if name == "collectives" else "ici_bands"] = published_collectives.by_band(rows)
         if name == "end_to_end":
             pooled += [{**r, **_TABLE1, "gpus": int(r["case"].rsplit("-", 1)[1].removesuffix("gpu"))} for r in rows]
         if name == "runs":

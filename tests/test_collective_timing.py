@@ -491,6 +491,8 @@ def test_parallel_copies_take_one_groups_time(name, over):
         for algorithm in applicable_algorithms(topology, op, groups[0]):
             together = groups_time(topology, op, groups, 2.0**26, algorithm, use_closed_form=False)
             routed, _ = program_time(topology, op, algorithm, groups, 2.0**26)
+            c = topology.calibration.collectives  # groups_time adds a collective's own cost to its program's
+            routed += c.launch_s + c.rendezvous_s * (len(groups[0]) - 1)
             assert together.groups == len(groups)
             assert together.time_s == pytest.approx(routed, rel=1e-9), (op, algorithm)
     assert not parallel_copies(load_topology("tpu-v5e-4x4"), [(0, 2), (1, 3)])  # 0 -> 2 crosses 1's link
@@ -529,3 +531,22 @@ def test_rendezvous_adds_its_cost_per_rank_beyond_the_first_to_every_algorithm(t
     assert send_time(with_r, 0, 1, 4096.0) == send_time(topology, 0, 1, 4096.0)
     with pytest.raises(InputError, match=r"calibration\.collectives\.rendezvous_s"):
         CollectiveCalibration(rendezvous_s=-1e-6)
+
+
+@pytest.mark.parametrize("name,over", [("tpu-v5e-4x4", "x"), ("tpu-v5e-8x4", "y")])
+def test_launch_is_paid_once_per_collective_and_per_send_whatever_the_rounds(name, over):
+    """``collectives.launch_s`` adds once to every algorithm's time (however many rounds) and to a send."""
+    topology = load_topology(name)
+    zero = dataclasses.replace(topology, calibration=topology.calibration.updated(collectives={"launch_s": 0.0}))
+    launch = topology.calibration.collectives.launch_s
+    assert launch > 0
+    group = topology.groups(over)[0]
+    for op in COLLECTIVE_OPS:
+        for algorithm in applicable_algorithms(topology, op, group):
+            with_launch = groups_time(topology, op, [group], 2.0 ** 20, algorithm)
+            assert with_launch.rounds >= 1
+            assert with_launch.time_s == pytest.approx(
+                groups_time(zero, op, [group], 2.0 ** 20, algorithm).time_s + launch, rel=1e-12)
+    assert send_time(topology, 0, 1, 4096.0) == pytest.approx(send_time(zero, 0, 1, 4096.0) + launch)
+    with pytest.raises(InputError, match=r"calibration\.collectives\.launch_s"):
+        CollectiveCalibration(launch_s=-1e-6)

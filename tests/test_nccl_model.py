@@ -89,6 +89,8 @@ def test_shipped_multinode_fit_is_the_fit_over_its_category():
     cases, topologies = module.load_cases()
     points = module._multinode(cases, topologies)
     assert len({p[0]["sweep"] for p in points}) >= 5 and len(points) >= 70
+    # approximate cases (rounded figures, unstated sizes) are reported, never fitted
+    assert any(c.get("approximate") for c in cases) and not any(p[0].get("approximate") for p in points)
     assert module.fit_multinode(points) == MULTINODE_FIT, dataclasses.asdict(module.fit_multinode(points))
 
 
@@ -105,4 +107,24 @@ def test_multinode_fit_leaves_one_node_alone_and_slows_many():
         fitted = nccl_best(superpod, Op.ALL_REDUCE, four, size)
         assert fitted[2] >= own[2]
     with pytest.raises(ValueError):
-        MultiNodeFit(nvls_efficiency=1.5)
+        MultiNodeFit(nvls_tree_efficiency=1.5)
+
+
+def test_ll128_cap_falls_with_tree_depth_and_leaves_two_nodes_at_the_fit():
+    from testbed.collectives.nccl import MULTINODE_FIT
+
+    caps = [MULTINODE_FIT.ll128_cap(nodes) for nodes in (2, 4, 8, 16, 128)]
+    assert caps[0] == pytest.approx(MULTINODE_FIT.ll128_busbw * 1e9)
+    assert all(a > b for a, b in zip(caps, caps[1:]))
+
+
+def test_multinode_busbw_grows_with_size_and_protocols_go_ll_ll128_simple():
+    """Across nodes the pick's bus bandwidth never falls as messages grow, and its protocol never steps back
+    (NCCL's cost model: LL has the lowest latency and rate, Simple the highest of both)."""
+    superpod = load_topology("dgx-h100-superpod")
+    order = {"LL": 0, "LL128": 1, "Simple": 2}
+    for nodes in (2, 4, 8, 16):
+        group = tuple(range(8 * nodes))
+        picks = [collective_time(superpod, "all_reduce", group, 2.0 ** k) for k in range(10, 34)]
+        assert all(a.busbw <= b.busbw * (1 + 1e-9) for a, b in zip(picks, picks[1:])), nodes
+        assert all(order[a.protocol] <= order[b.protocol] for a, b in zip(picks, picks[1:])), nodes

@@ -163,3 +163,21 @@ def test_runs_cases_build_and_state_their_categories():
     by = runs.by_category(rows)
     assert by["stack"]["a"] == {"cases": 2, "median_abs_error": 0.2, "max_abs_error": 0.3, "median_signed_error": -0.1}
     assert set(by["scale"]) == {"<=64", "65-512", ">512"}
+
+
+def test_every_ici_case_has_a_source_and_a_line_or_neighbour_of_its_slice():
+    """TPU ICI cases: a source each; all-gathers over a whole line of the slice, ppermutes to a neighbour chip."""
+    import collectives
+
+    from testbed.topology.io import load_topology
+
+    data = yaml.safe_load((PUBLISHED / "ici.yaml").read_text())
+    assert all(c.get("source") and float(c["time_us"]) > 0 for c in data["cases"])
+    rows = collectives.evaluate_ici()
+    assert len(rows) == len(data["cases"]) and {r["op"] for r in rows} >= {"all_gather", "ppermute"}
+    v5e = load_topology("tpu-v5e-8x4")
+    line = next(c["devices"] for c in data["cases"] if c["op"] == "all_gather")
+    assert {v5e.coords(d)[0] for d in line} == {0} and len({v5e.coords(d)[1] for d in line}) == 4
+    for row in rows:
+        # error is the bandwidth ratio: published time over predicted time, minus one
+        assert row["error"] == pytest.approx(row["published"] / row["predicted"] - 1, abs=1e-3)

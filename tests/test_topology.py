@@ -219,7 +219,8 @@ def test_gpu_and_tpu_topologies_have_no_host_or_controller_group():
                                          c.elementwise.cache_bytes) == (2.0, 2.0, 0.0), name
         assert not c.shares_host and c.host_share(8) == 1.0 and c.cached_fraction(1.0, 8) == 0.0
         assert isinstance(c.compute, ComputeCalibration) and isinstance(c.memory, MemoryCalibration)
-        assert isinstance(c.collectives, CollectiveCalibration) and c.collectives.overhead_s > 0
+        # a software cost per collective: per round (GPUs, NCCL) or per launch (TPUs: one op per collective)
+        assert isinstance(c.collectives, CollectiveCalibration) and c.collectives.overhead_s + c.collectives.launch_s > 0
     h100 = load_topology("dgx-h100").calibration
     assert (h100.compute.efficiency, h100.compute.launch_overhead_s, h100.memory.efficiency) == (
         0.801, pytest.approx(5e-6), 1.0)

@@ -29,17 +29,17 @@ import yaml
 
 from testbed.collectives.nccl import MULTINODE_FIT, MultiNodeFit, nccl_best, nccl_group
 from testbed.collectives.ops import BUS_FACTOR, parse_op
-from testbed.collectives.timing import collective_time
+from testbed.collectives.timing import collective_time, send_time
 from testbed.topology.io import load_topology, topology_from_dict
 from testbed.units import parse_bytes
 
 CASES = Path(__file__).with_name("nccl_tests.yaml")
+ICI_CASES = Path(__file__).with_name("ici.yaml")
 MIB = 2 ** 20
 #: Size bands (upper bound in bytes, inclusive) the issue's goal is stated over.
 BANDS = (("<=4MiB", 4 * MIB), ("4-64MiB", 64 * MIB), ("64MiB-1GiB", 1024 * MIB), (">1GiB", math.inf))
 #: The fitted fields and the 1-D grids coordinate descent searches (refined around the best value).
-_GRID = {"nvls_efficiency": (0.5, 1.0), "net_efficiency": (0.5, 1.0), "simple_latency_us": (0.0, 400.0), "simple_latency_per_level_us": (0.0, 150.0),
-         "ll128_busbw": (20.0, 500.0)}
+_GRID = {"nvls_tree_efficiency": (0.5, 1.0), "simple_latency_per_level_us": (0.0, 150.0), "ll128_busbw": (20.0, 500.0)}
 
 
 def band(nbytes: float) -> str:
@@ -93,12 +93,42 @@ def by_band(rows: list[dict]) -> dict:
     return {name: summary(picked) for name, _ in BANDS if (picked := [r for r in rows if r["band"] == name])}
 
 
+def evaluate_ici(path: Path | str = ICI_CASES) -> list[dict]:
+    """Every TPU case of ``path``: predicted (``auto``, or a neighbour send for ``ppermute``) and published time.
+
+    ``predicted`` and ``published`` are microseconds; ``error`` is predicted bandwidth over published
+    bandwidth - 1 (= published time / predicted time - 1), the sign convention of the NCCL cases.
+    """
+    data = yaml.safe_load(Path(path).read_text())
+    topologies = {name: topology_from_dict(spec, default_name=name)
+                  for name, spec in (data.get("topologies") or {}).items()}
+    out = []
+    for case in data["cases"]:
+        name = case["topology"]
+        topology = topologies[name] if name in topologies else topologies.setdefault(name, load_topology(name))
+        devices = tuple(int(d) for d in case["devices"])
+        nbytes = float(parse_bytes(case["bytes"], "bytes"))
+        if case["op"] == "ppermute":
+            seconds, algorithm = send_time(topology, devices[0], devices[1], nbytes), "send"
+        else:
+            result = collective_time(topology, case["op"], devices, nbytes, case.get("algorithm", "auto"))
+            seconds, algorithm = result.time_s, result.algorithm
+        published = float(case["time_us"])
+        out.append({"case": case["name"], "source": case["source"], "topology": name, "op": case["op"],
+                    "ranks": len(devices), "bytes": nbytes, "band": band(nbytes), "algorithm": algorithm,
+                    "protocol": "", "predicted": round(seconds * 1e6, 2), "published": published,
+                    "error": round(published / (seconds * 1e6) - 1, 4)})
+    return out
+
+
 # -- the multi-node fit ----------------------------------------------------------------------------
 
 def _multinode(cases: list[dict], topologies: dict) -> list[tuple]:
-    """(case, topology, group, op) of every case NCCL runs across nodes."""
+    """(case, topology, group, op) of every case NCCL runs across nodes (but the ``approximate`` ones)."""
     out = []
     for case in cases:
+        if case.get("approximate"):
+            continue
         topology, group = topologies[case["topology"]], tuple(range(int(case["ranks"])))
         g = nccl_group(topology, group)
         if g is not None and g.nodes > 1:
@@ -121,8 +151,7 @@ def _loss(points: list[tuple], fit_: MultiNodeFit) -> float:
 
 def fit_multinode(points: list[tuple], rounds: int = 4, steps: int = 12) -> MultiNodeFit:
     """Least squares in log busbw over ``points``: coordinate descent over each field's grid, refined each round."""
-    best = MultiNodeFit(nvls_efficiency=0.9, net_efficiency=0.9, simple_latency_us=100.0, simple_latency_per_level_us=20.0,
-                        ll128_busbw=200.0)
+    best = MultiNodeFit(nvls_tree_efficiency=0.9, simple_latency_per_level_us=20.0, ll128_busbw=200.0)
     spans = {k: (hi - lo) for k, (lo, hi) in _GRID.items()}
     for _ in range(rounds):
         for _sweep in range(2):
@@ -170,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = evaluate()
     out = {**summary(rows), "bands": by_band(rows)}
+    ici = evaluate_ici()
+    out["tpu_ici"] = {**summary(ici), "bands": by_band(ici),
+                      "results": [{k: r[k] for k in ("case", "algorithm", "predicted", "published", "error")}
+                                  for r in ici]}
     if not args.no_fit:
         out["multinode_fit"] = fit(leave_one_out=not args.quick)
     out["results"] = [{k: r[k] for k in ("case", "band", "algorithm", "protocol", "predicted", "published", "error")}

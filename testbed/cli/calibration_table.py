@@ -43,6 +43,8 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows.append(("collectives", "overhead_s", format_time(groups["collectives"]["overhead_s"])))
     rows.append(("collectives", "rendezvous_s",
                  f"{format_time(groups['collectives']['rendezvous_s'])} per rank beyond the first"))
+    if groups["collectives"].get("launch_s"):
+        rows.append(("collectives", "launch_s", f"{format_time(groups['collectives']['launch_s'])} per collective"))
     for name, level in fitted["levels"].items():
         rows.append(("links", f"level {name}", f"{format_bandwidth(level['bandwidth'])}, "
                                                 f"{format_time(level['latency'])}/hop"))

@@ -10,7 +10,7 @@ levels, for GPU topologies (a ``levels`` form whose innermost level is an
 of the model is NCCL's (``src/graph/tuning.cc``, ``src/graph/topo.h``,
 ``src/transport/nvls.cc`` of NVIDIA/nccl, master 2025) or a vendor's
 (docs/collectives.md lists them). Across nodes, measured collectives run
-short of that model; :class:`MultiNodeFit` (five numbers fitted over every
+short of that model; :class:`MultiNodeFit` (three numbers fitted over every
 published multi-node nccl-tests case, with leave-one-out errors) prices
 that, while NCCL still picks its algorithm and protocol by its own model.
 
@@ -65,11 +65,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from testbed.collectives.algorithms import NCCL_ALGORITHMS  # NCCL's RING, TREE, NVLS, NVLS_TREE, COLLNET_DIRECT
+from testbed.collectives.nccl_fit import MULTINODE_FIT, MultiNodeFit
 from testbed.collectives.ops import Op
 from testbed.topology import Form, LinkKind, Topology
 
 __all__ = ["NCCL_ALGORITHMS", "PROTOCOLS", "NcclGroup", "nccl_group", "nccl_algorithms", "nccl_time", "nccl_best",
-           "nccl_link_loads", "arch_of",
+           "arch_of",
            "MultiNodeFit", "MULTINODE_FIT"]
 
 PROTOCOLS: tuple[str, ...] = ("LL", "LL128", "Simple")
@@ -125,49 +126,6 @@ _MAX_CHANNELS = 32  # MAXCHANNELS (src/include/device.h)
 #: Data rate of an InfiniBand NIC over its line rate (HDR: 24 of 25 GB/s, NVIDIA/nccl#412; NDR: 48-49 of 50,
 #: NVIDIA/nccl-tests#267).
 NET_EFFICIENCY = 0.96
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MultiNodeFit:
-    """How NCCL's multi-node collectives run short of its tuning model (fitted, not NCCL's constants).
-
-    NCCL's model picks the algorithm; measured across nodes, NVLS-tree runs
-    below its modelled bandwidth and every Simple-protocol collective pays a
-    pipeline start-up the model leaves out. Five numbers, fitted together over
-    every published multi-node nccl-tests case of
-    ``benchmarks/published/nccl_tests.yaml`` (sweeps of 1 MiB to 8 GiB on 2 to
-    8 nodes), with the fit and its leave-out errors printed by
-    ``benchmarks/published/collectives.py``:
-
-    - ``nvls_efficiency``: NVLS-tree's NVSwitch part across nodes, over the
-      one-node NVLS rate (a node's reduction now waits on the network's);
-    - ``net_efficiency``: NVLS-tree's network part over the NICs' rate (NCCL
-      runs it on fewer channels than saturate the NICs: ``NCCL_MIN_CTAS=24``
-      raises 365 to over 380 GB/s on 4 x 8 H100, NCCL maintainer,
-      NVIDIA/nccl-tests#309);
-    - ``simple_latency_us``, ``simple_latency_per_level_us``: start-up of a
-      Simple-protocol collective, ``a + b * log2(nodes)`` microseconds (the
-      pipeline fills one tree level, or ring hop, after another);
-    - ``ll128_busbw``: LL128's bus bandwidth across nodes (GB/s per GPU);
-      NCCL caps it per channel (``perChMaxTreeLL128Bw``, ``perChMaxRingLL128Bw``).
-    """
-
-    nvls_efficiency: float = 1.0
-    net_efficiency: float = 1.0
-    simple_latency_us: float = 0.0
-    simple_latency_per_level_us: float = 0.0
-    ll128_busbw: float = math.inf
-
-    def __post_init__(self) -> None:
-        if not (0 < self.nvls_efficiency <= 1 and 0 < self.net_efficiency <= 1):
-            raise ValueError("efficiencies must be in (0, 1]")
-        if self.simple_latency_us < 0 or self.simple_latency_per_level_us < 0 or self.ll128_busbw <= 0:
-            raise ValueError("latencies must be >= 0 and ll128_busbw > 0")
-
-
-#: The fit over benchmarks/published/nccl_tests.yaml (``python benchmarks/published/collectives.py``).
-MULTINODE_FIT = MultiNodeFit(nvls_efficiency=0.847, net_efficiency=0.865, simple_latency_us=7.292,
-                             simple_latency_per_level_us=19.219, ll128_busbw=136.25)
 
 
 def arch_of(topology: Topology) -> str | None:
@@ -289,10 +247,10 @@ def nccl_time(g: NcclGroup, op: Op, algorithm: str, protocol: str, nbytes: float
     if g.nodes == 1 or float(nbytes) <= 0:
         return lat + seconds
     if protocol == "Simple":
-        lat += (fit.simple_latency_us + fit.simple_latency_per_level_us * math.log2(g.nodes)) * 1e-6
+        lat += fit.simple_latency_per_level_us * math.log2(g.nodes) * 1e-6
     elif protocol == "LL128":
         bus = 2 * (g.n - 1) / g.n if op is Op.ALL_REDUCE else (g.n - 1) / g.n
-        seconds = max(seconds, float(nbytes) * bus / (fit.ll128_busbw * 1e9))
+        seconds = max(seconds, float(nbytes) * bus / fit.ll128_cap(g.nodes))
     return lat + seconds
 
 
@@ -300,90 +258,104 @@ def _model_time(g: NcclGroup, op: Op, algorithm: str, protocol: str, nbytes: flo
                 fit: MultiNodeFit) -> tuple[float, float] | None:
     """NCCL's model of (algorithm, protocol): (latency seconds, seconds of data), or None where it does not run."""
     p = _protocol_index(protocol)
-    n, ppn, nodes = g.n, g.ppn, g.nodes
-    arch = _ARCH_INDEX[g.arch]
-    multi = nodes > 1
-    index2 = 0 if nodes == 1 else (1 if nodes == 2 else 2)
-    ll_max = _LL_MAX_BW[arch if nodes == 1 else 0][index2] * 1e9  # multi-node: by CPU (Intel x86 assumed)
-    nvlink = g.nvlink_bw if ppn > 1 else math.inf
-    net = g.net_bw if multi else math.inf
-    intra_hw = "nvlink"
-    s = float(nbytes)
-    net_lat_us = g.net_latency * 1e6
-    if op is Op.ALL_REDUCE:
-        nsteps = 2 * (n - 1)
-    elif op in (Op.ALL_GATHER, Op.REDUCE_SCATTER):
-        nsteps = n - 1
-    else:
-        nsteps = n
     if algorithm == "nccl_ring":
-        bw = min(nvlink, net)
-        if op is Op.ALL_TO_ALL:
-            if p != 2:
-                return None
-            # point-to-point to every peer at once: in-node bytes over NVLink, the rest over the node's NICs
-            local = (ppn - 1) / n * s / nvlink if ppn > 1 else 0.0
-            remote = (n - ppn) / n * s * ppn / net if multi else 0.0
-            lat = _BASE_LAT["ring"][2] + _HW_LAT[intra_hw]["ring"][2] + (
-                _HW_LAT["net"]["ring"][2] + 2 * net_lat_us if multi else 0.0)
-            return lat * 1e-6, max(local, remote)
-        if p == 0:
-            bw = min(ll_max, bw * 0.5)
-        elif p == 1:
-            bw = bw * 0.92
-        algbw = bw * n / nsteps
-        intra = _HW_LAT[intra_hw]["ring"][p]
-        inter = _HW_LAT["net"]["tree" if ppn == 1 else "ring"][p] + net_lat_us * (2 if p == 2 else 1)
-        if multi:
-            intra = max(intra, _NET_OVERHEAD_US * (3 if p == 2 else 1))
-        n_inter = 0 if not multi else (2 * (nodes - 1) if op is Op.ALL_REDUCE else nodes - 1)
-        lat = _BASE_LAT["ring"][p] + (nsteps - n_inter) * intra + n_inter * inter
-        if p == 2 and multi and op is Op.ALL_REDUCE and s / (_MAX_CHANNELS * n) >= 64:
-            lat *= _RING_PLATEAU
-        return lat * 1e-6, s / algbw
+        return _ring_time(g, op, p, float(nbytes))
     if algorithm == "nccl_tree":
-        if op is not Op.ALL_REDUCE:
-            return None
-        # NCCL's two trees over two nodes root one on each: a node's NICs carry half the data each way
-        # (tuning.cc prices two-node trees at the intra-node bandwidth, bwIntra)
-        bw = min(nvlink, net * (2 if nodes == 2 else 1)) * 0.92
-        if p == 0:
-            bw = min(bw / 3.8, ll_max)
-        elif p == 1:
-            bw = bw * (7.0 / 9.0 if nodes == 1 else 120.0 / 128.0)
-        algbw = bw * 0.5
-        log_size = _log2i(int(s) >> 6)
-        if 0 <= log_size < len(_TREE_CORRECTION[p]) and int(s) >> 6:
-            algbw *= _TREE_CORRECTION[p][log_size]
-        intra = _HW_LAT[intra_hw]["tree"][p]
-        inter = _HW_LAT["net"]["tree"][p] + net_lat_us * (2 if p == 2 else 1)
-        lat = _BASE_LAT["tree"][p] + 2 * ((ppn - 1) * intra + _log2i(nodes) * inter)
-        return lat * 1e-6, s / algbw
+        return _tree_time(g, p, float(nbytes)) if op is Op.ALL_REDUCE else None
     if p != 2:
         return None  # NVLS, NVLS tree and CollNet run Simple only
+    return _in_network_time(g, op, algorithm, float(nbytes), fit)
+
+
+def _rates(g: NcclGroup) -> tuple[float, float, float, float]:
+    """(NVLink bytes/s per GPU, NICs' bytes/s per node, LL's cap bytes/s, network latency us) of the group."""
+    multi = g.nodes > 1
+    index2 = 0 if g.nodes == 1 else (1 if g.nodes == 2 else 2)
+    ll_max = _LL_MAX_BW[_ARCH_INDEX[g.arch] if not multi else 0][index2] * 1e9  # multi-node: by CPU (Intel x86)
+    nvlink = g.nvlink_bw if g.ppn > 1 else math.inf
+    net = g.net_bw if multi else math.inf
+    return nvlink, net, ll_max, g.net_latency * 1e6
+
+
+def _ring_time(g: NcclGroup, op: Op, p: int, s: float) -> tuple[float, float] | None:
+    """NCCL's ring (and all-to-all as point-to-point) in protocol ``p``: (latency s, data s)."""
+    n, ppn, nodes, multi = g.n, g.ppn, g.nodes, g.nodes > 1
+    nvlink, net, ll_max, net_lat_us = _rates(g)
+    nsteps = 2 * (n - 1) if op is Op.ALL_REDUCE else (n - 1 if op in (Op.ALL_GATHER, Op.REDUCE_SCATTER) else n)
+    bw = min(nvlink, net)
+    if op is Op.ALL_TO_ALL:
+        if p != 2:
+            return None
+        # point-to-point to every peer at once: in-node bytes over NVLink, the rest over the node's NICs
+        local = (ppn - 1) / n * s / nvlink if ppn > 1 else 0.0
+        remote = (n - ppn) / n * s * ppn / net if multi else 0.0
+        lat = _BASE_LAT["ring"][2] + _HW_LAT["nvlink"]["ring"][2] + (
+            _HW_LAT["net"]["ring"][2] + 2 * net_lat_us if multi else 0.0)
+        return lat * 1e-6, max(local, remote)
+    if p == 0:
+        bw = min(ll_max, bw * 0.5)
+    elif p == 1:
+        bw = bw * 0.92
+    algbw = bw * n / nsteps
+    intra = _HW_LAT["nvlink"]["ring"][p]
+    inter = _HW_LAT["net"]["tree" if ppn == 1 else "ring"][p] + net_lat_us * (2 if p == 2 else 1)
+    if multi:
+        intra = max(intra, _NET_OVERHEAD_US * (3 if p == 2 else 1))
+    n_inter = 0 if not multi else (2 * (nodes - 1) if op is Op.ALL_REDUCE else nodes - 1)
+    lat = _BASE_LAT["ring"][p] + (nsteps - n_inter) * intra + n_inter * inter
+    if p == 2 and multi and op is Op.ALL_REDUCE and s / (_MAX_CHANNELS * n) >= 64:
+        lat *= _RING_PLATEAU
+    return lat * 1e-6, s / algbw
+
+
+def _tree_time(g: NcclGroup, p: int, s: float) -> tuple[float, float]:
+    """NCCL's tree all-reduce in protocol ``p``: (latency s, data s), with NCCL's correction by size."""
+    nvlink, net, ll_max, net_lat_us = _rates(g)
+    # NCCL's two trees over two nodes root one on each: a node's NICs carry half the data each way
+    # (tuning.cc prices two-node trees at the intra-node bandwidth, bwIntra)
+    bw = min(nvlink, net * (2 if g.nodes == 2 else 1)) * 0.92
+    if p == 0:
+        bw = min(bw / 3.8, ll_max)
+    elif p == 1:
+        bw = bw * (7.0 / 9.0 if g.nodes == 1 else 120.0 / 128.0)
+    algbw = bw * 0.5
+    log_size = _log2i(int(s) >> 6)
+    if 0 <= log_size < len(_TREE_CORRECTION[p]) and int(s) >> 6:
+        algbw *= _TREE_CORRECTION[p][log_size]
+    intra = _HW_LAT["nvlink"]["tree"][p]
+    inter = _HW_LAT["net"]["tree"][p] + net_lat_us * (2 if p == 2 else 1)
+    lat = _BASE_LAT["tree"][p] + 2 * ((g.ppn - 1) * intra + _log2i(g.nodes) * inter)
+    return lat * 1e-6, s / algbw
+
+
+def _in_network_time(g: NcclGroup, op: Op, algorithm: str, s: float,
+                     fit: MultiNodeFit) -> tuple[float, float] | None:
+    """NVLS, NVLS-tree and SHARP (CollNet direct), Simple only: (latency s, data s)."""
+    n, ppn, nodes, multi = g.n, g.ppn, g.nodes, g.nodes > 1
+    nvlink, net, _, net_lat_us = _rates(g)
+    arch = _ARCH_INDEX[g.arch]
     eff = _NVLS_EFFICIENCY[arch]
-    inter_lat = _HW_LAT["net"]["nvls"][2] + 2 * net_lat_us
     if algorithm == "nvls":
         traffic = (ppn + 1) / ppn if op is Op.ALL_REDUCE else (ppn - 1) / ppn
         seconds = s * traffic / (nvlink * eff)
-        lat = _HW_LAT[intra_hw]["nvls"][2]
+        lat = _HW_LAT["nvlink"]["nvls"][2]
         if multi:  # NVLS + SHARP: the node's NICs carry S each way, pipelined with the NVSwitch
             seconds = max(seconds, s / net)
-            lat += inter_lat
+            lat += _HW_LAT["net"]["nvls"][2] + 2 * net_lat_us
         return lat * 1e-6, seconds
     if algorithm == "nvls_tree":
-        intra = s * (ppn + 1) / ppn / (nvlink * eff * fit.nvls_efficiency)
-        inter = s * 2 * (n - 1) / n / (net * fit.net_efficiency * (2 if nodes <= 2 else 1))
-        lat = _HW_LAT[intra_hw]["nvls_tree"][2] + 2 * _log2i(nodes) * (
+        intra = s * (ppn + 1) / ppn / (nvlink * eff * fit.nvls_tree_efficiency)
+        inter = s * 2 * (n - 1) / n / (net * fit.nvls_tree_efficiency * (2 if nodes <= 2 else 1))
+        lat = _HW_LAT["nvlink"]["nvls_tree"][2] + 2 * _log2i(nodes) * (
             _HW_LAT["net"]["nvls_tree"][2] + 2 * net_lat_us)
         return lat * 1e-6, max(intra, inter)
     if algorithm == "sharp":
         hopper = _COLLNET_HOPPER if arch >= _ARCH_INDEX["hopper"] else 1.0
         intra = s * 2 * (ppn - 1) / ppn / nvlink if ppn > 1 else 0.0
-        inter = s / net
-        intra_lat = _HW_LAT[intra_hw]["collnet_direct"][2]
-        lat = 2 * (min(1, ppn - 1) * intra_lat + (ppn - 1) * 0.4) + _HW_LAT["net"]["collnet_direct"][2] + 2 * net_lat_us
-        return lat * 1e-6, max(intra, inter) / hopper
+        intra_lat = _HW_LAT["nvlink"]["collnet_direct"][2]
+        lat = (2 * (min(1, ppn - 1) * intra_lat + (ppn - 1) * 0.4) + _HW_LAT["net"]["collnet_direct"][2]
+               + 2 * net_lat_us)
+        return lat * 1e-6, max(intra, s / net) / hopper
     return None
 
 
@@ -399,7 +371,7 @@ def nccl_best(topology: Topology, op: Op, group: Sequence[int], nbytes: float,
     if g is None:
         return None
     names = [algorithm] if algorithm else nccl_algorithms(topology, op, group)
-    own = replace(fit, nvls_efficiency=1.0, net_efficiency=1.0)
+    own = replace(fit, nvls_tree_efficiency=1.0)
     best = None
     for name in names:
         for protocol in PROTOCOLS:
@@ -409,44 +381,3 @@ def nccl_best(topology: Topology, op: Op, group: Sequence[int], nbytes: float,
     if best is None:
         return None
     return best[0], best[1], nccl_time(g, op, best[0], best[1], nbytes, fit)
-
-
-def nccl_traffic(g: NcclGroup, op: Op, algorithm: str) -> tuple[float, float]:
-    """(bytes per GPU over its NVLink, bytes per GPU over the network) per byte of the collective, each way."""
-    n, ppn = g.n, g.ppn
-    multi = g.nodes > 1
-    if algorithm in ("nvls", "nvls_tree"):
-        intra = (ppn + 1) / ppn if op is Op.ALL_REDUCE else (ppn - 1) / ppn
-        inter = (1.0 if algorithm == "nvls" else 2.0 * (n - 1) / n / (2 if g.nodes <= 2 else 1)) / ppn
-        return intra, inter if multi else 0.0
-    if algorithm == "sharp":
-        return 2 * (ppn - 1) / ppn, 1.0 / ppn
-    if op is Op.ALL_TO_ALL:
-        return (ppn - 1) / n, (n - ppn) / n if multi else 0.0
-    factor = 2 * (n - 1) / n if op is Op.ALL_REDUCE else (n - 1) / n
-    if algorithm == "nccl_tree":
-        factor = 2.0
-    return factor if ppn > 1 else 0.0, factor if multi else 0.0
-
-
-def nccl_link_loads(topology: Topology, op: Op, group: Sequence[int], nbytes: float, algorithm: str) -> dict:
-    """Bytes on each directed link of the group's GPUs (their NVLink and NIC links, up and down)."""
-    g = nccl_group(topology, group)
-    intra, inter = nccl_traffic(g, op, algorithm)
-    loads: dict = {}
-    s = float(nbytes)
-    levels = topology.levels
-    blocks = [math.prod(l.size for l in levels[: k + 1]) for k in range(len(levels))]
-    spanned = [k for k, level in enumerate(levels)
-               if level.size > 1 and len({d // (blocks[k] // level.size) % level.size for d in group}) > 1]
-    for d in group:
-        for k in spanned:
-            per_gpu = (intra if k == 0 else inter) * s
-            if per_gpu <= 0:
-                continue
-            level = levels[k]
-            switch = f"{level.name}{d // blocks[k]}"
-            below = d if (k == 0 or level.attach == "device") else f"{levels[k - 1].name}{d // blocks[k - 1]}"
-            for link in ((below, switch), (switch, below)):
-                loads[link] = loads.get(link, 0.0) + per_gpu
-    return loads

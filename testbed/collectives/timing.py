@@ -33,7 +33,8 @@ from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, parall
                                         program_flows, routed_cost, topology_memo)
 from testbed.collectives.bounds import distinct_groups, lower_bound
 from testbed.collectives.closed_form import closed_form_time
-from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best, nccl_link_loads
+from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best
+from testbed.collectives.nccl_loads import nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
 from testbed.collectives.hierarchy import hierarchical_link_loads
 from testbed.collectives.torus import across_slices, disjoint_sub_tori, torus_link_loads
@@ -272,8 +273,10 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
 
 
 def _rendezvous(topology: Topology, ranks: int) -> float:
-    """``collectives.rendezvous_s`` for each of ``ranks`` ranks beyond the first."""
-    return topology.calibration.collectives.rendezvous_s * (ranks - 1)
+    """A collective's cost whatever its rounds: ``collectives.launch_s``, and ``rendezvous_s`` for each of
+    ``ranks`` ranks beyond the first."""
+    c = topology.calibration.collectives
+    return c.launch_s + c.rendezvous_s * (ranks - 1)
 
 
 def _copies(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> bool:
@@ -331,8 +334,9 @@ def link_loads(topology: Topology, op: Op | str, group: Sequence[int], nbytes: f
 
 
 def send_time(topology: Topology, src: int, dst: int, nbytes: float) -> float:
-    """Point-to-point: route latency + bytes / bottleneck bandwidth + collective overhead (0 when src == dst)."""
+    """Point-to-point: route latency + bytes / bottleneck bandwidth + collective overhead and launch (0 when src == dst)."""
     if src == dst:
         return 0.0
+    c = topology.calibration.collectives
     return (topology.path_latency(src, dst) + float(nbytes) / topology.path_bandwidth(src, dst)
-            + topology.calibration.collectives.overhead_s)
+            + c.overhead_s + c.launch_s)

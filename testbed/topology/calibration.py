@@ -218,15 +218,22 @@ class CollectiveCalibration(_Group):
         validation suite's 4-layer GPT in the compiled step). None (default):
         one per chunk (PyTorch FSDP's flat parameter per unit; XLA:GPU's
         combiners, whose thresholds are tens of MiB).
+    launch_s: per collective and per send, whatever its rounds and ranks:
+        issuing the one operation a whole collective is where the hardware
+        moves every step (a TPU's ICI collective is one XLA op whose hops the
+        links carry: 1-16 KiB ppermutes take 4.5-5.5 us on v5p against a hop
+        of about 1 us, marin-community/marin#6736 and jax-ml/scaling-book).
+        0 (default): the rounds' ``overhead_s`` holds the software cost.
     """
 
     GROUP: ClassVar[str] = "collectives"
     overhead_s: float = 0.0
     rendezvous_s: float = 0.0
     combine_bytes: float | None = None
+    launch_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self._nonnegative("overhead_s", "rendezvous_s")
+        self._nonnegative("overhead_s", "rendezvous_s", "launch_s")
         if self.combine_bytes is not None:
             self._nonnegative("combine_bytes")
 
