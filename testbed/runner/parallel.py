@@ -436,8 +436,8 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...])
 
     A custom VJP: the forward takes ``fn``'s VJP at the gathered weights and drops from its residuals the
     gathered leaves themselves; the backward gathers the shards again and puts them back. The backward's
-    gather depends on the cotangent (the shards plus zero times one of its elements), so it runs in the
-    backward and no common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers
+    gather depends on the cotangent and a residual (the shards plus zero times one element of each), so it
+    runs in the backward and no common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers
     ``jax.checkpoint`` places before its last CSE pass, which merged a rematerialised gather with the forward's.
     """
     meta: dict[str, Any] = {}
@@ -456,7 +456,8 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...])
 
     def backward(res: Any, ct: Any) -> tuple[Any, Any]:
         params, kept = res
-        zero = jnp.ravel(jax.tree.leaves(ct)[0])[0] * 0
+        # Zero, from the cotangent and a residual: never a constant XLA could fold (a loss's cotangent is one).
+        zero = (jnp.ravel(jax.tree.leaves(ct)[0])[0] + sum(jnp.ravel(r)[0] for r in kept[:1])) * 0
         full = jax.tree.leaves(gather(jax.tree.map(lambda w: w + zero.astype(w.dtype), params)))
         rest = iter(kept)
         leaves = [full[meta["gathered"][j]] if j in meta["gathered"] else next(rest)
