@@ -42,6 +42,7 @@ import optax  # noqa: E402
 from testbed.runner import model as jm  # noqa: E402
 from testbed.model import costs as tm  # noqa: E402
 from testbed.model.memory import memory_breakdown  # noqa: E402
+from testbed.plan.runtime import RuntimeSpec  # noqa: E402
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
 from testbed.topology.io import load_topology  # noqa: E402
 
@@ -58,9 +59,11 @@ def _plans() -> list[Plan]:
     flash_gqa = replace(flash_long, kv_heads=2)
 
     def plan(name, spec, batch, precision="fp32", remat="none", data=1, fsdp=1, zero=0, tensor=1, sp=False, context=1):
+        # XLA:CPU runs collectives synchronously, between the kernels: no block's gather runs ahead of the compute
+        # (runtime.fsdp_prefetch 0; XLA's latency-hiding scheduler on GPU/TPU prefetches one, the default).
         return Plan(name=name, model=spec, batch=BatchSpec(global_batch=batch),
                     mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, context=context), precision=precision,
-                    remat=remat, zero=zero, sequence_parallel=sp)
+                    remat=remat, zero=zero, sequence_parallel=sp, runtime=RuntimeSpec(fsdp_prefetch=0))
 
     return [
         plan("small-b8", small, 8),
