@@ -237,7 +237,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     # (activations, gradients, workspace) at each candidate peak instant.
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
     # (each block's gradients are reduce-scattered in its backward, testbed.runner.parallel.ParamShards).
-    unsharded = grad_b * (gathered // plan.precision.compute_bytes // gathered_blocks(plan) if gathered else held)
+    unsharded = grad_b * (_stage_blocks(plan, stage)[0] if gathered else held)
     if plan.batch.microbatches > 1:
         # A microbatch's gradients are written whole before they join the accumulator. The
         # one-program step's accumulation loop adds them after the microbatch's backward, and
@@ -280,13 +280,15 @@ def gathered_bytes(plan: Plan, stage: int) -> int:
     and backward alike: the backward gathers each block again instead of keeping the forward's as residuals
     (testbed.runner.parallel.ParamShards), so the whole stage is never gathered at once."""
     blocks = gathered_blocks(plan)
-    if not blocks:
-        return 0
+    return plan.precision.compute_bytes * sum(_stage_blocks(plan, stage)[:blocks]) if blocks else 0
+
+
+def _stage_blocks(plan: Plan, stage: int) -> tuple[int, ...]:
+    """Elements per device of ``stage``'s blocks whole over the shard axes, largest first."""
     p, v, mesh = plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh
     embed = any(layout.holds(stage, c, p, v)[0] for c in range(v))
     head = any(layout.holds(stage, c, p, v)[1] for c in range(v))
-    sizes = _block_sizes(plan.model, mesh.tensor, mesh.expert, embed, head, plan.stage_layers[stage])
-    return plan.precision.compute_bytes * sum(sizes[:blocks])
+    return _block_sizes(plan.model, mesh.tensor, mesh.expert, embed, head, plan.stage_layers[stage])
 
 
 @functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
