@@ -95,6 +95,7 @@ def test_the_task_graph_counts_the_collectives_an_action_runs_among_its_kernels(
     tensor parallelism's all-reduces among both (testbed.model.costs counts them). The counted
     collectives are marked and wait no more."""
     from testbed.model.costs import chunk_cost
+    from testbed.sim.facts import tensor_transfers
 
     topo = load_topology("host-cpu-8")
     fsdp = load_plan("plans/validation/fsdp8.yaml")
@@ -106,7 +107,7 @@ def test_the_task_graph_counts_the_collectives_an_action_runs_among_its_kernels(
     program = build_program(tp, place(tp, topo), combine_bytes=0.0)
     cost = chunk_cost(tp, 0, 0)
     for kind in ("F", "B"):
-        assert _actions(program, kind) == {8: pytest.approx(sum(n for _, n in cost.tensor_collectives(kind, tp.remat)))}
+        assert _actions(program, kind) == {8: pytest.approx(sum(n for _, n, _ in tensor_transfers(cost, kind, tp.remat)))}
     for plan in (fsdp, tp):
         program = build_program(plan, place(plan, topo), combine_bytes=0.0)
         counted = [t for t in program.tasks if t.kind is TaskKind.COLLECTIVE and t.interleaved]

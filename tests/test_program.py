@@ -116,8 +116,9 @@ def test_tensor_allreduces_match_the_model(plan):
             for c in range(plan.schedule.virtual_stages):
                 cost = costs.chunk_cost(plan, s, c)
                 redo = cost.layers if plan.remat == "full" else 0  # full remat reruns the attention all-reduce
+                loss = 2 if cost.loss_allreduce_bytes else 0  # the vocab-parallel loss's (two merged, then one)
                 expected += plan.batch.microbatches * (cost.tensor_allreduces_forward + cost.tensor_allreduces_backward
-                                                       + redo)
+                                                       + redo + loss)
         got = sum(t.count for t in program.tasks if t.device == rep and t.stream == "tensor")
         assert got == expected
 

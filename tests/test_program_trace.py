@@ -45,6 +45,27 @@ def test_a_megatron_mlp_on_data_x_tensor_is_read_per_device() -> None:
     assert w.memory["arguments"] == (2 * d * local_h + local_rows * d) * 4
 
 
+def test_an_adam_update_is_one_multi_output_fusion() -> None:
+    """optax's AdamW over an fp32 master from bf16 gradients: XLA fuses the moments' and the parameters'
+    updates into one kernel with several outputs, so each parameter costs its reads (bf16 gradient, fp32
+    master and two moments: 14 bytes) and writes (master, moments, bf16 copy: 14 bytes) once - the 28 bytes
+    plan-driven simulation charges (testbed.sim.facts: grad + param + 2 x (4 + 4 x moments)). The new
+    moments, written because the step returns them, are not read back."""
+    import optax
+
+    n, tx = 1 << 16, optax.adamw(1e-3)
+
+    def update(master, mu, nu, count, grads):
+        state = (optax.ScaleByAdamState(count=count, mu=mu, nu=nu), optax.EmptyState(), optax.EmptyState())
+        updates, (adam, *_) = tx.update(grads.astype(jnp.float32), state, master)
+        master = optax.apply_updates(master, updates)
+        return master.astype(jnp.bfloat16), master, adam.mu, adam.nu, adam.count
+
+    w = trace(jax.jit(update), *(sd((n,), jnp.float32),) * 3, sd((), jnp.int32), sd((n,), jnp.bfloat16),
+              mesh={"data": 1})
+    assert sum(op.hbm_bytes for op in w.ops) == pytest.approx(28 * n, rel=1e-3)
+
+
 def test_a_pmap_step_is_a_shard_map_over_one_axis() -> None:
     sys.path.insert(0, str(EXAMPLES / "predict"))
     try:
@@ -100,6 +121,27 @@ def test_a_scan_is_unrolled_or_counted_with_its_trip_count() -> None:
     assert len(gemms) == 1 and gemms[0].count == many
     assert w.flops() == many * 2 * 8 * d * d
     assert any("priced as its body repeated" in a for a in w.assumptions)
+
+
+def test_a_collective_repeats_in_every_iteration_but_not_twice_in_one() -> None:
+    """A loop's body gathers a loop-invariant shard again in every iteration (XLA runs a while body's
+    collectives each time), while the same gather of the same value twice in one body runs once (XLA's
+    common-subexpression elimination, as for a checkpoint's recomputed gather)."""
+    trips, rows, d = 4, 8, 16
+
+    def step(w, xs):
+        def body(total, x):
+            full = lax.all_gather(w, "data", tiled=True)
+            again = lax.all_gather(w, "data", tiled=True)
+            return total + jnp.sum(x @ full) + jnp.sum(x @ again), None
+
+        return lax.scan(body, jnp.zeros(()), xs)[0]
+
+    mesh = abstract_mesh({"data": 4})
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P()), out_specs=P(), check_vma=False)
+    w = trace(mapped, sd((d, d), jnp.float32), sd((trips, rows, d), jnp.float32), mesh=mesh)
+    gathers = [op for op in w.ops if op.kind is OpKind.COLLECTIVE and op.collective == "all_gather"]
+    assert sum(op.count for op in gathers) == trips and all(op.nbytes == d * d * 4 for op in gathers)
 
 
 def test_a_convolution_is_priced_as_its_implicit_gemm() -> None:
@@ -166,6 +208,39 @@ def test_the_traced_collectives_are_those_xla_compiles(example, shape, names, si
     merged = combine_collectives(trace(step, *args, mesh=abstract), 0)
     traced = Counter(("+".join(op.axes), op.collective.replace("_", "-")) for op in merged.ops
                      if op.kind is OpKind.COLLECTIVE and op.group > 1)
+    assert traced == compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, remat, sequence_parallel", [({"fsdp": 8}, "full", False),
+                                                            ({"fsdp": 2, "tensor": 4}, "none", True)])
+def test_the_runners_step_moves_the_bytes_xla_compiles(mesh, remat, sequence_parallel) -> None:
+    """testbed's GPT step on 8 emulated devices: per mesh axis and kind, the traced bytes are XLA:CPU's
+    compiled step's exactly. Full remat gathers each fsdp leaf once (XLA reuses the forward's gather in the
+    recomputation), sequence parallelism's recomputed sequence gathers likewise."""
+    import numpy as np
+
+    from testbed.plan.spec import MESH_AXES, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+    from testbed.runner import model
+    from testbed.runner.program.plans import trace_plan
+    from testbed.runner.reshards import compiled_bytes
+    from testbed.runner.step import SpmdTrainer
+
+    spec = ModelSpec(layers=2, d_model=256, heads=4, d_ff=1024, seq_len=128, vocab=1024)
+    plan = Plan(name="compiled", model=spec, batch=BatchSpec(global_batch=8), mesh=MeshSpec(**mesh),
+                schedule=ScheduleSpec(name="1f1b"), precision="fp32", remat=remat, sequence_parallel=sequence_parallel)
+    names = tuple(a.value for a in MESH_AXES)
+    shape = tuple(plan.mesh.degree(n) for n in names)
+    trainer = SpmdTrainer(plan, jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(shape), names))
+    params = jax.eval_shape(lambda: model.init_params(spec, plan.seed))
+    typed = (lambda tree, shardings: jax.tree.map(lambda a, s: sd(a.shape, a.dtype, sharding=s), tree, shardings))
+    tokens = sd((1, plan.batch.global_batch, spec.seq_len), np.int32, sharding=trainer.batch_sharding)
+    text = trainer._step.lower(typed(jax.eval_shape(trainer.optimizer.held, params), trainer.param_shardings),
+                               typed(jax.eval_shape(trainer.optimizer.init, params), trainer.opt_shardings),
+                               tokens, tokens).compile().as_text()
+    compiled = {("+".join(axes) if isinstance(axes, tuple) else axes, kind.replace("-", "_")): float(b)
+                for (axes, kind), b in compiled_bytes(text, shape, names).items()}
+    traced = {(axes, kind): b for axes, row in trace_plan(plan).collective_bytes().items() for kind, b in row.items()}
     assert traced == compiled
 
 

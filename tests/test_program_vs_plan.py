@@ -1,12 +1,20 @@
 """testbed's own GPT step traced like a user's program and priced, against plan-driven simulation of the plan.
 
 Issue 36's check: the runner's SPMD step (testbed.runner.program.plans.trace_plan) priced on a topology
-(testbed.sim.traced) agrees with testbed.sim.engine.simulate. What holds (docs/program.md, "Against
-plan-driven simulation"): collective bytes per mesh axis within 0.2% (the traced program also reduces
-the loss and a few small replicated gradients the plan's model does not count) and, for data and
-tensor parallelism, the step time within 5%. With fsdp the traced step gathers each layer's
-parameters on its own where the plan's model gathers a whole chunk at once, and the NCCL model prices
-many small gathers slower: the step time does not agree (a strict xfail, so agreement would show).
+(testbed.sim.traced) agrees with testbed.sim.engine.simulate. Plans are drawn at realistic sizes on
+abstract meshes of whole topologies (tracing needs no devices): a tiny model's step is a few kernel and
+collective latencies, where the two descriptions' fixed costs, not the model, decide the time.
+
+What holds (docs/program.md, "Against plan-driven simulation"): the tensor axis's collective bytes
+exactly (Megatron's all-reduces, sequence parallelism's gathers and scatters, the vocab-parallel loss's
+all-reduces, the position table's gradient gather) on a GPU superpod and a TPU slice, and on the superpod
+the step time within 5% for data and tensor parallelism with or without sequence parallelism, bf16 and
+fp32. What does not yet (strict xfails, so agreement would show): the other axes' bytes exactly (the
+loss's mean, the norms' fp32 gradient sums under bf16-mixed and sequence parallelism's replicated
+parameters are reduced as the plan's model does not count them); on the TPU slice an attention-heavy
+tensor-parallel step (1.07: per-segment rooflines); the fsdp step time (the traced step's gradient
+reduce-scatters merge into one at the end of the backward pass where the plan's model overlaps four
+buckets with it; the plan's fsdp pricing is being reworked).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
@@ -22,19 +31,36 @@ from testbed.sim.engine import simulate
 from testbed.sim.traced import collective_bytes, simulate_workload
 from testbed.topology.io import load_topology
 
-MODEL = ModelSpec(layers=4, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
+pytestmark = pytest.mark.slow  # each example traces and prices a 256-1024-device step: ~10 s of CPU
+
+#: Topologies and the device counts their meshes fill.
+TOPOLOGIES = {"dgx-h100-superpod": 1024, "tpu-v5e-16x16": 256}
+#: A share of the profile's examples: each traces and prices a 256-1024-device step (seconds each).
+EXAMPLES = max(1, settings().max_examples // 5)
 
 
-def _plan(name: str, mesh: dict, batch: int, precision: str) -> Plan:
-    return Plan(name=name, model=MODEL, batch=BatchSpec(global_batch=batch), mesh=MeshSpec(**mesh),
-                schedule=ScheduleSpec(name="1f1b"), precision=precision, remat="none")
+@st.composite
+def spmd_plans(draw: st.DrawFn, fsdp: bool = False, topologies: tuple[str, ...] = tuple(TOPOLOGIES)
+               ) -> tuple[Plan, str]:
+    """(a plan the runner runs as one SPMD program, the topology of ``topologies`` it fills): GPT of 2 layers,
+    d_model 1024 or 2048, sequence 1024 or 2048, one sequence per replica; data x tensor (sequence parallel or
+    not), or with ``fsdp`` fsdp x tensor; bf16-mixed or fp32."""
+    topology = draw(st.sampled_from(sorted(topologies)))
+    devices = TOPOLOGIES[topology]
+    tensor = draw(st.sampled_from([1, 2, 4, 8]))
+    sp = tensor > 1 and draw(st.booleans())
+    d = draw(st.sampled_from([1024, 2048]))
+    model = ModelSpec(layers=2, d_model=d, heads=16, d_ff=4 * d, seq_len=draw(st.sampled_from([1024, 2048])),
+                      vocab=32768)
+    replicas = devices // tensor
+    mesh = MeshSpec(fsdp=replicas, tensor=tensor) if fsdp else MeshSpec(data=replicas, tensor=tensor)
+    plan = Plan(name="drawn", model=model, batch=BatchSpec(global_batch=replicas), mesh=mesh,
+                schedule=ScheduleSpec(name="1f1b"), precision=draw(st.sampled_from(["bf16-mixed", "fp32"])),
+                remat="none", sequence_parallel=sp)
+    return plan, topology
 
 
-@functools.cache
-def _fsdp():
-    return _both(_plan("fsdp16", {"fsdp": 16}, 16, "fp32"), "tpu-v5e-4x4")
-
-
+@functools.lru_cache(maxsize=32)
 def _both(plan: Plan, topology_name: str):
     topology = load_topology(topology_name)
     traced = simulate_workload(trace_plan(plan), topology)
@@ -43,25 +69,58 @@ def _both(plan: Plan, topology_name: str):
     return traced, planned, collective_bytes(traced.program, ids, names), collective_bytes(planned.program, ids, names)
 
 
-def _bytes_agree(traced: dict, planned: dict) -> None:
-    assert set(traced) == set(planned)
-    for axes, nbytes in planned.items():
-        assert traced[axes] == pytest.approx(nbytes, rel=2e-3), axes
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans())
+def test_data_tensor_and_sequence_parallel_steps_move_the_plans_tensor_bytes(drawn) -> None:
+    plan, topology = drawn
+    _, _, moved, expected = _both(plan, topology)
+    assert moved.get("tensor", 0.0) == expected.get("tensor", 0.0)
 
 
-def test_data_x_tensor_on_a_superpod_agrees() -> None:
-    plan = _plan("dp128-tp8", {"data": 128, "tensor": 8}, 128, "bf16-mixed")
-    traced, planned, moved, expected = _both(plan, "dgx-h100-superpod")
-    _bytes_agree(moved, expected)
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans(topologies=("dgx-h100-superpod",)))
+def test_data_tensor_and_sequence_parallel_step_times_agree_on_a_superpod(drawn) -> None:
+    plan, topology = drawn
+    traced, planned, _, _ = _both(plan, topology)
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
-def test_fsdp_on_a_tpu_slice_moves_the_plans_bytes() -> None:
-    _, _, moved, expected = _fsdp()
-    _bytes_agree(moved, expected)
+@pytest.mark.xfail(strict=True, reason="without an elementwise calibration each traced segment between two "
+                                       "collectives is its own roofline: attention's memory-bound segments do not "
+                                       "hide under the matmuls of the action, as the plan's one roofline per action has them")
+def test_an_attention_heavy_tensor_parallel_step_time_on_a_tpu_slice() -> None:
+    model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=2048, vocab=32768)
+    plan = Plan(name="tpu", model=model, batch=BatchSpec(global_batch=32), mesh=MeshSpec(data=32, tensor=8),
+                schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none")
+    traced, planned, _, _ = _both(plan, "tpu-v5e-16x16")
+    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="per-layer fsdp gathers (traced) vs whole-chunk gathers (plan model)")
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans(fsdp=True).filter(lambda drawn: not drawn[0].sequence_parallel))
+def test_fsdp_steps_move_the_plans_tensor_bytes(drawn) -> None:
+    """(With sequence parallelism under fsdp the norms' and biases' gradients are also summed over tensor.)"""
+    plan, topology = drawn
+    _, _, moved, expected = _both(plan, topology)
+    assert moved.get("tensor", 0.0) == expected.get("tensor", 0.0)
+
+
+@pytest.mark.xfail(strict=True, reason="the loss's mean, bf16-mixed norms' fp32 gradient sums and sequence "
+                                       "parallelism's replicated parameters' reductions are not in the plan's model")
+@settings(max_examples=EXAMPLES)
+@given(st.booleans().flatmap(lambda fsdp: spmd_plans(fsdp=fsdp)))
+def test_every_axis_moves_the_plans_bytes_exactly(drawn) -> None:
+    plan, topology = drawn
+    _, _, moved, expected = _both(plan, topology)
+    assert moved == expected
+
+
+@pytest.mark.xfail(strict=True, reason="the traced gradient reduce-scatters merge into one after the backward "
+                                       "pass; the plan's model overlaps four buckets with it")
 def test_fsdp_step_time_on_a_tpu_slice() -> None:
-    traced, planned, _, _ = _fsdp()
+    plan = Plan(name="fsdp16", model=ModelSpec(layers=4, d_model=1024, heads=16, d_ff=4096, seq_len=1024,
+                                               vocab=32768),
+                batch=BatchSpec(global_batch=16), mesh=MeshSpec(fsdp=16), schedule=ScheduleSpec(name="1f1b"),
+                precision="fp32", remat="none")
+    traced, planned, _, _ = _both(plan, "tpu-v5e-4x4")
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)

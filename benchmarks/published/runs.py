@@ -2,13 +2,15 @@
 
 Each case is a testbed plan (the source's model, parallel layout, batch and
 precision; runs.yaml states every assumption) simulated on its topology
-resized to the case's GPUs. The published number is tokens per second per
-GPU; the prediction is ``global_batch x seq_len / step time / GPUs``.
+resized to the case's devices (GPUs or TPU chips; the field is ``gpus``). The
+published number is tokens per second per device; the prediction is
+``global_batch x seq_len / step time / devices``.
 
 :func:`evaluate` returns one dict per case: ``case``, ``source``, ``stack``,
-``device``, ``precision``, ``gpus``, ``step_time_s``, ``predicted`` and
-``published`` tokens/s/GPU and ``error`` = predicted / published - 1.
-:func:`by_category` summarises rows by stack, device, precision and scale.
+``device``, ``precision``, ``gpus``, ``architecture`` (dense or moe),
+``step_time_s``, ``predicted`` and ``published`` tokens/s/device and
+``error`` = predicted / published - 1. :func:`by_category` summarises rows by
+stack, device, precision, scale band and architecture.
 Run as a script it prints one JSON object.
 """
 
@@ -23,42 +25,68 @@ import yaml
 
 from testbed.explore.space import resize_topology
 from testbed.plan.io import plan_from_dict
+from testbed.plan.spec import Plan
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology, topology_from_dict
+from testbed.topology.spec import Topology
 
 CASES = Path(__file__).with_name("runs.yaml")
-#: Scale bands of the category report (GPUs, inclusive upper bounds).
-SCALES = (("<=64", 64), ("65-512", 512), (">512", float("inf")))
+#: Scale bands of the category report (devices, inclusive upper bounds).
+SCALES = (("<=64", 64), ("65-512", 512), ("513-4096", 4096), (">4096", float("inf")))
+#: The categories errors are reported by: each row's own key, or (scale) its band of ``gpus``.
+CATEGORIES = ("stack", "device", "precision", "scale", "architecture")
 
 
 def scale(gpus: int) -> str:
     return next(name for name, top in SCALES if gpus <= top)
 
 
-def evaluate(path: Path | str = CASES) -> list[dict]:
-    """Every case of ``path``: predicted and published tokens/s/GPU and the relative error."""
+def architecture(plan: Plan) -> str:
+    """``moe`` when the plan's model routes tokens to experts, else ``dense``."""
+    return "moe" if plan.model.experts else "dense"
+
+
+def load_cases(path: Path | str = CASES) -> tuple[list[dict], dict[str, Topology]]:
+    """The cases of ``path`` and its inline topologies by name."""
     data = yaml.safe_load(Path(path).read_text())
     inline = {name: topology_from_dict(spec, default_name=name) for name, spec in (data.get("topologies") or {}).items()}
-    out = []
-    for case in data["cases"]:
-        name = case["topology"]
-        base = inline[name] if name in inline else load_topology(name)
-        gpus = int(case["gpus"])
-        topology = resize_topology(base, gpus)
-        plan = plan_from_dict({"name": case["name"], **case["plan"]}, default_name=case["name"])
-        report = simulate(plan, topology).report
-        tokens = plan.batch.global_batch * plan.model.seq_len
-        predicted = tokens / report.step_time_s / gpus
-        published = float(case["tokens_per_s_per_gpu"])
-        out.append({"case": case["name"], "source": case["source"], "stack": case["stack"],
-                    "device": case["device"], "precision": case["precision"], "gpus": gpus,
-                    "step_time_s": round(report.step_time_s, 3),
-                    "published_step_s": round(tokens / published / gpus, 3),
-                    "exposed_comm_s": round(report.exposed_comm_s or 0.0, 3),
-                    "bubble_fraction": round(report.bubble_fraction or 0.0, 4),
-                    "predicted": round(predicted, 1), "published": published,
-                    "error": round(predicted / published - 1, 4)})
-    return out
+    return data["cases"], inline
+
+
+def case_plan(case: dict) -> Plan:
+    """The case's plan (its ``plan:`` section, named after the case)."""
+    return plan_from_dict({"name": case["name"], **case["plan"]}, default_name=case["name"])
+
+
+def case_topology(case: dict, inline: dict[str, Topology]) -> Topology:
+    """The case's topology (inline in the file, else bundled) resized to its devices."""
+    name = case["topology"]
+    return resize_topology(inline[name] if name in inline else load_topology(name), int(case["gpus"]))
+
+
+def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
+    """One case simulated: predicted and published tokens/s/device, the error and the case's categories."""
+    gpus = int(case["gpus"])
+    plan = case_plan(case)
+    report = simulate(plan, case_topology(case, inline)).report
+    tokens = plan.batch.global_batch * plan.model.seq_len
+    predicted = tokens / report.step_time_s / gpus
+    published = float(case["tokens_per_s_per_gpu"])
+    return {"case": case["name"], "source": case["source"], "stack": case["stack"],
+            "device": case["device"], "precision": case["precision"], "gpus": gpus,
+            "architecture": architecture(plan),
+            "step_time_s": round(report.step_time_s, 3),
+            "published_step_s": round(tokens / published / gpus, 3),
+            "exposed_comm_s": round(report.exposed_comm_s or 0.0, 3),
+            "bubble_fraction": round(report.bubble_fraction or 0.0, 4),
+            "predicted": round(predicted, 1), "published": published,
+            "error": round(predicted / published - 1, 4)}
+
+
+def evaluate(path: Path | str = CASES) -> list[dict]:
+    """Every case of ``path``: predicted and published tokens/s/GPU and the relative error."""
+    cases, inline = load_cases(path)
+    return [evaluate_case(case, inline) for case in cases]
 
 
 def summary(rows: list[dict]) -> dict:
@@ -69,12 +97,14 @@ def summary(rows: list[dict]) -> dict:
 
 
 def by_category(rows: list[dict]) -> dict:
-    """:func:`summary` per stack, device, precision and scale band (rows need those keys and ``gpus``)."""
+    """:func:`summary` per stack, device, precision, scale band and architecture (rows need those keys and
+    ``gpus``; a row without ``architecture`` is dense)."""
     out: dict = {}
-    for key in ("stack", "device", "precision", "scale"):
+    for key in CATEGORIES:
         groups: dict[str, list[dict]] = {}
         for r in rows:
-            groups.setdefault(scale(r["gpus"]) if key == "scale" else r[key], []).append(r)
+            value = scale(r["gpus"]) if key == "scale" else r.get(key, "dense") if key == "architecture" else r[key]
+            groups.setdefault(value, []).append(r)
         out[key] = {name: summary(picked) for name, picked in sorted(groups.items())}
     return out
 

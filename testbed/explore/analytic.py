@@ -252,7 +252,7 @@ class _Step:
             scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.moved[1] * facts.grad_bytes / n)
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
-        tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, cost.tensor_allreduce_bytes) for op, count in work.tensor)
+        tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in work.tensor)
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
         reps = facts.representatives
@@ -262,7 +262,7 @@ class _Step:
         # their own stream ahead of the action, with next to no computing since the last meeting (no wait here;
         # the task graph's prefetched gathers wait next to nothing too).
         gathering = facts.gathers(kind) and facts.params_ways > 1
-        own = [(plan.mesh.tensor, n) for _, n in work.tensor if plan.mesh.tensor > 1]
+        own = [(plan.mesh.tensor, n) for _, n, _ in work.tensor if plan.mesh.tensor > 1]
         plain, ends = not chain and not ringed, self.ends  # the task graph's interleaved actions
         g_ways = math.prod(plan.mesh.degree(a) for a in per_microbatch)
         syncs = (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]) if plain else ends,

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from testbed.errors import InputError
 from testbed.model import layout, moe, ring
 from testbed.model.layout import chunk_layers
-from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Precision, Remat
+from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Position, Precision, Remat
 
 __all__ = [
     "embedding_param_count", "layer_param_count", "head_param_count", "param_count", "padded_param_count", "chunk_layers",
@@ -354,11 +354,10 @@ class ChunkCost:
     tensor is 1): 2 per layer forward (after the out projection and the MLP)
     and 2 per layer backward (gradients into QKV and MLP-in), plus 1 forward
     for the vocab-parallel embedding and 1 backward for the head's input
-    gradient. The vocab-parallel loss's three all-reduces of ``N`` fp32 values
-    are tiny and not counted. With ``sequence_parallel`` each becomes an
-    all-gather and a reduce-scatter (:meth:`tensor_collectives`, the one place
-    both the task graph and the analytic tier read), the residual stream's
-    traffic and ``activation_out_bytes`` are ``1/t`` per rank.
+    gradient. With ``sequence_parallel`` each becomes an all-gather and a
+    reduce-scatter (:meth:`tensor_collectives`), the residual stream's traffic
+    and ``activation_out_bytes`` are ``1/t`` per rank. The loss's and the position
+    table's tensor collectives: testbed.sim.facts.tensor_transfers.
     """
 
     layers: int
@@ -379,6 +378,8 @@ class ChunkCost:
     has_embedding: bool
     has_head: bool
     sequence_parallel: bool = False
+    loss_allreduce_bytes: int = 0
+    position_gather_bytes: int = 0
 
     @property
     def backward_flops(self) -> int:
@@ -472,7 +473,10 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
         tensor_allreduces_forward=(2 * layers + int(embed)) if tp else 0,
         tensor_allreduces_backward=(2 * layers + int(head)) if tp else 0,
-        has_embedding=embed, has_head=head, sequence_parallel=sp)
+        has_embedding=embed, has_head=head, sequence_parallel=sp,
+        loss_allreduce_bytes=LOSS_BYTES * b * spec.seq_len if tp and head else 0,
+        position_gather_bytes=spec.seq_len * spec.d_model * c
+        if tp and sp and embed and spec.position is Position.LEARNED else 0)
 
 
 def model_flops_per_step(plan: Plan) -> float:

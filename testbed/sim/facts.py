@@ -34,7 +34,7 @@ from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduct
 from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 
-__all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
+__all__ = ["tensor_transfers", "cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
@@ -54,7 +54,7 @@ class ActionWork:
     """One F/B/W action of one chunk, one microbatch: its work, collectives, MoE chain, ring part and sends.
 
     ``work`` is (FLOPs, HBM bytes, replicated activation bytes, split activation bytes) (:func:`action_work`);
-    ``tensor`` its tensor collectives as ``(op, count)``; ``chain`` the per-layer MoE chain under expert
+    ``tensor`` its tensor collectives as ``(op, count, bytes each)``; ``chain`` the per-layer MoE chain under expert
     parallelism (testbed.sim.moe; empty without), after the ring when context parallelism plays one too;
     ``ring_work`` and ``ring_gemms`` what the ring plays (all the work, or all but the routed and shared
     experts' when there is a chain); ``sends`` the (destination stage, its chunk, bytes) it produces.
@@ -62,7 +62,7 @@ class ActionWork:
 
     kind: str
     work: tuple[float, float, float, float]
-    tensor: tuple[tuple[str, int], ...]
+    tensor: tuple[tuple[str, int, int], ...]
     gemms: tuple[Gemm, ...]
     chain: tuple[Piece, ...]
     ring_work: tuple[float, float, float, float]
@@ -294,7 +294,7 @@ def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction
 
 
 def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
-                ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int], ...]]:
+                ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
     """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
 
     The backward writes about twice the forward's activation traffic (the
@@ -303,20 +303,36 @@ def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
     each layer's forward up to the MLP down projection in the backward, so
     the attention output's tensor all-reduce runs again (one per layer);
     selective remat redoes no all-reduce. The tensor collectives are
-    ``(op, count)`` pairs from :meth:`testbed.model.costs.ChunkCost.tensor_collectives`
-    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters).
+    ``(op, count, bytes each)`` from :func:`tensor_transfers`
+    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters; the loss's all-reduces).
     """
     forward = cost.forward_traffic
     if kind == "F":
         return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
-            cost.tensor_collectives("F", remat)
+            tensor_transfers(cost, "F", remat)
     if kind == "B":
         flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
         times = 1 if split else 2
         traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
-        return float(flops), float(hbm), traffic, cost.tensor_collectives("B", remat)
+        return float(flops), float(hbm), traffic, tensor_transfers(cost, "B", remat)
     return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
+
+
+def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str) -> tuple[tuple[str, int, int], ...]:
+    """``(op, count, bytes each)`` of the tensor collectives of one action, the one decision the task graph
+    and the analytic tier read (through :class:`ActionWork`): :meth:`ChunkCost.tensor_collectives`
+    (``tensor_allreduce_bytes`` each); the head's forward's vocab-parallel loss, three all-reduces of one
+    fp32 value per token (``loss_allreduce_bytes``: the logits' maximum and the target's logit merged, as
+    XLA's combiner does, then the sum of exponentials); with sequence parallelism and a learned position
+    table, which the runner adds to each rank's sequence shard, the embedding's backward's all-gather of
+    the table's gradient (``position_gather_bytes``)."""
+    out = [(op, count, cost.tensor_allreduce_bytes) for op, count in cost.tensor_collectives(kind, remat)]
+    if kind == "F" and cost.loss_allreduce_bytes:
+        out += [("all_reduce", 1, 2 * cost.loss_allreduce_bytes), ("all_reduce", 1, cost.loss_allreduce_bytes)]
+    if kind == "B" and cost.position_gather_bytes:
+        out.append(("all_gather", 1, cost.position_gather_bytes))
+    return tuple(out)
 
 
 def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:

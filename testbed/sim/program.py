@@ -354,10 +354,10 @@ class _Graph:
         if self.plan.mesh.tensor <= 1:
             return last
         rep, groups = self.reps[s], self.tensor[s]
-        for op, count in work.tensor:
+        for op, count, nbytes in work.tensor:
             last = self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
                               stream="tensor", kind=TaskKind.COLLECTIVE, deps=(last,), op=op,
-                              nbytes=chunk.cost.tensor_allreduce_bytes, count=count, group=rep_group(groups, rep),
+                              nbytes=nbytes, count=count, group=rep_group(groups, rep),
                               instances=groups, pipeline=True)
         return last
 

@@ -13,7 +13,9 @@ elementwise ops into one kernel that reads its inputs from HBM once and writes i
 is *materialized* (lives in HBM) when a matmul, convolution, collective, reduction, loop, call, custom
 call or data-movement op produces it, when such an op or the program's return consumes it, or when it
 is an argument. A memory-bound op costs the bytes of the materialized values it reads plus the bytes of
-its results that are materialized; values between fused elementwise ops cost nothing. Reshapes,
+its results that are materialized; values between fused elementwise ops cost nothing, and so does an
+elementwise result that is materialized only because an HBM reader needs it, for its elementwise consumers
+(multi-output fusion: testbed.runner.program.evaluate). Reshapes,
 broadcasts, transposes and constants move no bytes (XLA folds them into their consumers); their
 consumers read the bytes of the source. Slices and gathers read what they produce, an update-slice or
 scatter reads and writes its update.

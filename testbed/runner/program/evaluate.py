@@ -25,13 +25,17 @@ _SINKS = frozenset({"gemm", "collective", "while", "call", "case", "region"})
 
 @dataclass(frozen=True, slots=True)
 class _Val:
-    """What a consumer of a value needs: the ops it depends on, whether it lives in HBM, its bytes there, and
-    (a value inside a fusion) the HBM values its fusion has read already (read once per fusion)."""
+    """What a consumer of a value needs: the ops it depends on, whether it lives in HBM, its bytes there,
+    (a value inside a fusion) the HBM values its fusion has read already (read once per fusion), and
+    and, for an output of an elementwise fusion written to HBM because a matmul, a collective or the return
+    needs it, the matmuls and collectives emitted before it (``region``; -1 otherwise): elementwise
+    consumers before the next matmul or collective fuse with its fusion and read it from registers."""
 
     deps: frozenset
     materialized: bool
     read: int
     fused: frozenset = frozenset()
+    region: int = -1
 
 
 _EMPTY = _Val(frozenset(), False, 0)
@@ -50,6 +54,9 @@ class _Emitter:
         self.env: dict = {}
         self.sunk: dict[int, frozenset] = {}
         self.notes: list[str] = []
+        self.barriers = 0  # matmuls and collectives emitted: a multi-output fusion does not reach past one
+        self.computed: dict = {}  # (scope, collective, result bytes, operand identities) -> (operands, results)
+        self.scope = self.scopes = 0  # one per loop iteration walked: XLA runs a while body's collectives each time
 
     def sinks(self, block: Block) -> frozenset:
         """Values of ``block`` that a HBM-reading consumer (or the terminator) reads, through passthroughs."""
@@ -65,6 +72,7 @@ class _Emitter:
         return self.sunk[key]
 
     def add(self, op: TracedOp) -> frozenset:
+        self.barriers += op.kind is not OpKind.MEMORY
         self.ops.append(op)
         return frozenset((len(self.ops) - 1,))
 
@@ -99,24 +107,45 @@ class _Emitter:
             for r, w in zip(node.results, node.writes):
                 env[r] = _Val(ids, True, w)
         elif kind == "collective":
-            op, axes, group, nbytes = node.collective
-            ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
-                                    deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
-                                    group=group, nbytes=float(nbytes), count=self.count))
-            for r, w in zip(node.results, node.writes):
-                env[r] = _Val(ids, True, w)
+            self.collective(node)
         elif kind == "memory":
             self.memory(node, sunk)
         else:
             self.structure(node)
 
+    def collective(self, node: Node) -> None:
+        """A collective, or nothing when the same collective of the same values ran before: XLA's common
+        subexpression elimination keeps one (a checkpoint's backward gathering its saved input again, as
+        Megatron's sequence parallelism does for the weight gradient, reuses the forward's gather; the
+        compiled step has none: tests/test_check_sharding.py)."""
+        vals = [self.env.get(o, _EMPTY) for o in node.operands]
+        key = (self.scope, node.collective, tuple(node.writes), tuple(map(id, vals)))
+        if vals and _EMPTY not in vals and key in self.computed:
+            for r, v in zip(node.results, self.computed[key][1]):
+                self.env[r] = v
+            return
+        op, axes, group, nbytes = node.collective
+        ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
+                                deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
+                                group=group, nbytes=float(nbytes), count=self.count))
+        out = [_Val(ids, True, w) for w in node.writes]
+        for r, v in zip(node.results, out):
+            self.env[r] = v
+        self.computed[key] = (vals, out)  # the operands kept alive: their ids stay theirs
+
     def memory(self, node: Node, sunk: frozenset) -> None:
+        """An elementwise or data-movement op: the materialized values its fusion has not read yet, plus the
+        results it must write. A fusion's output that an HBM reader also needs is written once and stays
+        fusible for elementwise consumers up to the next matmul or collective (XLA's multi-output fusion,
+        which may not make a cycle through one: Adam's new moments are written and
+        read by the parameter update in one kernel)."""
         env = self.env
         reads = 0
         vals = [env.get(o, _EMPTY) for o in node.operands]
-        fused = frozenset().union(*(v.fused for v in vals if not v.materialized))
-        for o, r, val in zip(node.operands, node.reads, vals):
-            if val.materialized and o not in fused:
+        near = [v.region == self.barriers for v in vals]
+        fused = frozenset().union(*(v.fused for v, n in zip(vals, near) if not v.materialized or n))
+        for o, r, val, n in zip(node.operands, node.reads, vals, near):
+            if val.materialized and not n and o not in fused:
                 reads += val.read if r is None else r
                 fused = fused | {o}
         kept = [root or r in sunk for r, root in zip(node.results, node.roots)]
@@ -125,23 +154,28 @@ class _Emitter:
         if reads + writes > 0:
             deps = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.MEMORY, deps=tuple(sorted(deps)),
                                      hbm_bytes=float(reads + writes), count=self.count))
-        for r, w, k in zip(node.results, node.writes, kept):
-            env[r] = _Val(deps, k, w if k else 0, frozenset() if k else fused)
+        for r, w, k, root in zip(node.results, node.writes, kept, node.roots):
+            env[r] = _Val(deps, k, w if k else 0, fused if not root else frozenset(),
+                          self.barriers if k and not root else -1)
 
     def structure(self, node: Node) -> None:
         """Loops, conditionals, shard_map bodies and calls: their blocks run with the node's operands."""
         args = [self.env.get(o, _EMPTY) for o in node.operands]
         if node.kind == "while":
             body = node.blocks[0]
+            outer = self.scope
             if self.visits + node.trips * body.size <= UNROLL_NODES:
                 for _ in range(node.trips):
+                    self.scope = self.scopes = self.scopes + 1
                     args = self.run(body, args)
             else:
                 self.notes.append(f"a loop of {node.trips} iterations priced as its body repeated back to back "
                                   f"(unrolled it would exceed {UNROLL_NODES} ops)")
                 saved, self.count = self.count, self.count * node.trips
+                self.scope = self.scopes = self.scopes + 1
                 args = self.run(body, args)
                 self.count = saved
+            self.scope = outer
             out = [_Val(a.deps, True, a.read) for a in args]
         elif node.kind == "case":
             out = self.run(max(node.blocks, key=_block_cost), [])  # branches capture, they take no arguments

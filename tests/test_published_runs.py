@@ -1,0 +1,80 @@
+"""Every end-to-end case of benchmarks/published/runs.yaml loads, cites its source, states its assumptions and
+simulates on its topology; the category report covers the stacks, devices, precisions, scales and architectures
+the suite claims. The accuracy itself is measured by benchmarks/published_runs.py, not asserted here."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.sim.engine import simulate
+
+PUBLISHED = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
+sys.path.insert(0, str(PUBLISHED))
+
+import runs  # noqa: E402
+
+CASES, INLINE = runs.load_cases()
+#: Pipeline work items (stages x microbatches x chunks) or devices from which a case takes seconds to simulate.
+HEAVY_ITEMS = 512
+HEAVY_DEVICES = 512
+
+
+def _heavy(case: dict) -> bool:
+    plan = runs.case_plan(case)
+    items = plan.mesh.stage * plan.batch.microbatches * plan.schedule.virtual_stages
+    return items > HEAVY_ITEMS or plan.mesh.size >= HEAVY_DEVICES
+
+
+def _params():
+    return [pytest.param(c, id=c["name"], marks=[pytest.mark.slow] if _heavy(c) else []) for c in CASES]
+
+
+def test_case_names_are_unique() -> None:
+    names = [c["name"] for c in CASES]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("case", _params())
+def test_case_cites_states_and_simulates(case: dict) -> None:
+    """The source names where the number comes from, every assumption is a sentence, the plan uses exactly the
+    case's devices on its topology, and the simulated throughput is finite and within 3x of the published one
+    (a guard against unit slips such as sequences for tokens, not an accuracy bound)."""
+    assert isinstance(case["source"], str) and len(case["source"]) >= 30
+    assert any(ch.isdigit() for ch in case["source"])  # a table, section, release or the number itself
+    assert case["assumptions"] and all(isinstance(a, str) and len(a) >= 15 for a in case["assumptions"])
+    assert case["stack"] and case["device"] and case["precision"] in ("bf16", "fp8")
+    plan = runs.case_plan(case)
+    topology = runs.case_topology(case, INLINE)
+    assert plan.mesh.size == int(case["gpus"]) == topology.num_devices
+    assert (plan.precision.value == "fp8-mixed") == (case["precision"] == "fp8")
+    report = simulate(plan, topology).report
+    assert math.isfinite(report.step_time_s) and report.step_time_s > 0
+    predicted = plan.batch.global_batch * plan.model.seq_len / report.step_time_s / plan.mesh.size
+    assert 1 / 3 < predicted / float(case["tokens_per_s_per_gpu"]) < 3
+
+
+def test_suite_spans_what_users_run() -> None:
+    """Issue 34's span: >= 30 cases, >= 4 stacks, A100 + H100 + a TPU, BF16 and FP8, dense and MoE, up to 16,384."""
+    assert len(CASES) >= 30
+    assert len({c["stack"] for c in CASES}) >= 4
+    devices = {c["device"] for c in CASES}
+    assert {"A100", "H100"} <= devices and any(d.startswith("TPU") for d in devices)
+    assert {c["precision"] for c in CASES} == {"bf16", "fp8"}
+    assert {runs.architecture(runs.case_plan(c)) for c in CASES} == {"dense", "moe"}
+    assert max(int(c["gpus"]) for c in CASES) == 16_384
+
+
+def test_by_category_groups_every_category() -> None:
+    rows = [{"error": e, "stack": s, "device": d, "precision": "bf16", "gpus": g, "architecture": a}
+            for e, s, d, g, a in ((0.1, "a", "H100", 8, "dense"), (-0.3, "a", "TPU-v5p", 512, "moe"),
+                                  (0.2, "b", "H100", 16_384, "dense"))]
+    by = runs.by_category(rows)
+    assert set(by) == set(runs.CATEGORIES)
+    assert set(by["scale"]) == {"<=64", "65-512", ">4096"}
+    assert by["architecture"]["moe"]["cases"] == 1 and by["architecture"]["dense"]["cases"] == 2
+    assert by["device"]["TPU-v5p"]["median_signed_error"] == -0.3
+    assert runs.scale(4096) == "513-4096" and runs.scale(4097) == ">4096"
