@@ -12,6 +12,9 @@ Prints one JSON object:
   included) and ``search_plans_per_cpu_minute`` (the whole search, replay
   included, per CPU minute: the rate on a quiet machine where the process
   has its core; wall-clock rates on a shared machine measure the sharing);
+- ``load_average``: the machine's 1-minute load when the rates were measured (``os.getloadavg``): the
+  wall-clock rates hold for a quiet machine only when it is below the core count; the per-CPU-minute
+  rates are what one process with its own core does;
 - ``agreement``: on three small grids (every candidate simulated with the
   DES), the search's top-1 step time and the exhaustive optimum.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from testbed.explore.search import evaluate, exhaustive_optimum, search
@@ -73,7 +77,8 @@ def main() -> None:
                           "equal": abs(found.best.step_time_s - optimum) <= 1e-9 * optimum,
                           "search_s": time.perf_counter() - start, "exhaustive_s": exhaustive_s})
     print(json.dumps({
-        "plans_per_minute": rate["plans_per_minute"], "analytic": rate, "cold": args.cold,
+        "plans_per_minute": rate["plans_per_minute"], "plans_per_cpu_minute": rate["plans_per_cpu_minute"],
+        "load_average": os.getloadavg()[0], "cpus": os.cpu_count(), "analytic": rate, "cold": args.cold,
         "search": {"model": "gpt-1b-cluster", "topology": "dgx-h100-x4", "enumerated": result.enumerated,
                    "pruned_memory": result.pruned_memory, "replayed": result.replayed,
                    "search_plans_per_minute": result.plans_per_minute,

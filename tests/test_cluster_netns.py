@@ -199,3 +199,85 @@ def test_down_all_removes_every_cluster_and_its_state(clean, monkeypatch, capsys
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["namespaces_removed"] == 3
     assert not (clean / "state" / "tall.json").exists()
     assert "tall" not in {c.name for c in netns.clusters()}
+
+
+def test_the_message_says_whether_a_rootless_run_is_possible():
+    refused = netns.privilege_problem(euid=1000, capabilities=0, userns="user namespaces are disabled (test)")
+    assert "CAP_NET_ADMIN" in refused and "no rootless mode here" in refused and "disabled (test)" in refused
+    allowed = netns.privilege_problem(euid=1000, capabilities=0, userns=None)
+    assert "allows unprivileged user namespaces" in allowed and "unshare --user --map-root-user" in allowed
+    assert netns.privilege_problem(euid=0, userns="never asked") in (None, *(
+        f"`{t}` (iproute2) is not installed" for t in ("ip", "tc")))
+
+
+@needs_netns
+def test_calibrate_verify_validate_on_a_cluster(clean, capsys):
+    """The commands that run on a kept cluster: calibrate its host costs, verify a plan, validate its step."""
+    topology = _topology(clean)
+    plan = clean / "dp2.yaml"
+    plan.write_text(PLAN)
+    calibrated = clean / "cal.yaml"
+    assert main(["cluster", "up", "cal", "--topology", topology, "--scale", "0.01"]) == 0
+    try:
+        assert main(["calibrate", "--cluster", "cal", "--out", str(calibrated), "--max-call-s", "0.05",
+                     "--json"]) == 0
+        costs = json.loads(capsys.readouterr().out.splitlines()[-1])["costs"]
+        assert 0 < costs["link_efficiency"] <= 1 and costs["call_s"] >= 0
+        assert load_topology(str(calibrated)).levels[-1].bandwidth == pytest.approx(
+            costs["link_efficiency"] * 1e8 / 8 * 1448 / 1514)
+        assert main(["verify", "--plan", str(plan), "--cluster", "cal", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["ok"]
+        assert main(["validate", str(plan), "--cluster", "cal", "--topology", str(calibrated), "--steps", "2",
+                     "--json"]) == 0
+        row = json.loads(capsys.readouterr().out)["plans"][0]
+        assert row["measured_s"] > 0 and row["host_step_s"] > 0
+        assert row["predicted_s"] == pytest.approx(row["host_step_s"] + row["links_s"])
+    finally:
+        assert main(["cluster", "down", "cal"]) == 0
+
+
+def _as_nobody() -> list[str] | None:
+    """A command prefix running as uid/gid 65534 (root with setpriv only), else None."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return None
+    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@pytest.mark.skipif(_as_nobody() is None, reason="needs root and setpriv to run a command as an unprivileged user")
+def test_rootless_one_shot_collective_as_an_unprivileged_user(tmp_path):
+    """As uid 65534: the message is honest, and where user namespaces work a one-shot collective runs."""
+    import os
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="tb-rootless-"))
+    try:
+        os.chmod(shared, 0o777)
+        topology = shared / "eth-2x1.yaml"
+        topology.write_text(TWO_NODES)
+        os.chmod(topology, 0o644)
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": str(shared), "TMPDIR": str(shared)}
+        probe = [sys.executable, "-c", "from testbed.cluster.rootless import userns_problem as p; print(p())"]
+        refused = subprocess.run(_as_nobody() + probe, capture_output=True, text=True, env=env, timeout=60)
+        if refused.stdout.strip() == "None":
+            inside = ["unshare", "--user", "--map-root-user", sys.executable, "-c", "pass"]
+            runs = subprocess.run(_as_nobody() + inside, capture_output=True, text=True, env=env, timeout=60)
+            if runs.returncode != 0:
+                pytest.skip(f"this Python cannot run inside an unprivileged user namespace here (it lives where "
+                            f"the namespace's root has no access): {runs.stderr.strip()[:200]}")
+        before = set(netns.namespaces())
+        argv = [sys.executable, "-m", "testbed.cli", "collective", "all_gather", "--topology", str(topology),
+                "--execute", "cluster", "--scale", "0.01", "--bytes", "64KiB", "--repeats", "1", "--json"]
+        done = subprocess.run(_as_nobody() + argv, capture_output=True, text=True, env=env, timeout=300)
+        if refused.stdout.strip() != "None":
+            assert done.returncode == 2 and "no rootless mode here" in done.stderr
+        else:
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert json.loads(done.stdout)["execute"]["ok"]
+        assert set(netns.namespaces()) == before  # it all lived in the command's own user namespace
+    finally:
+        import shutil
+
+        shutil.rmtree(shared, ignore_errors=True)

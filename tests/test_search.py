@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,21 @@ def test_candidates_are_runnable_and_distinct() -> None:
         assert p.mesh.size == 8 and p.model == base.model and p.batch.global_batch == base.batch.global_batch
         assert p.zero == 0 or p.mesh.data > 1
         assert p.mesh.stage > 1 or p.schedule.name.value == "1f1b"
+
+
+def test_sequence_parallel_candidates() -> None:
+    """Sequence parallelism where a tensor axis can split the sequence only; a base plan with it searches meshes
+    without a tensor axis too (it used to fail there); both choices when the space lists both."""
+    base = replace(preset_plan("gpt-tiny"), sequence_parallel=False)
+    sp_base = replace(base, mesh=replace(base.mesh, tensor=2), sequence_parallel=True)
+    plans = list(candidates(sp_base, 8, SMALL))
+    assert {p.sequence_parallel for p in plans if p.mesh.tensor == 1} == {False}
+    assert {p.sequence_parallel for p in plans if p.mesh.tensor > 1} == {True}
+    both = list(candidates(base, 8, replace(SMALL, sequence_parallel=(True, False))))
+    plain = list(candidates(base, 8, SMALL))
+    assert len(both) == len(plain) + sum(p.mesh.tensor > 1 for p in plain)
+    with pytest.raises(InputError, match="space.sequence_parallel"):
+        SearchSpace(sequence_parallel=("yes",))
 
 
 def test_memory_is_the_memory_model_exactly() -> None:
@@ -143,6 +159,8 @@ def test_search_command_takes_the_context_and_expert_degrees(tmp_path: Path, cap
         assert main(argv + [flag, bad]) == 2
         err = capsys.readouterr().err
         assert flag in err and "Traceback" not in err
+    assert main(argv + ["--sequence-parallel", "maybe"]) == 2
+    assert "--sequence-parallel" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -177,3 +195,31 @@ def test_analytic_tier_shares_a_host_as_the_task_graph_does_for_one_program(name
     plan, topo = load_plan(f"plans/validation/{name}.yaml"), load_topology("host-cpu-8")
     assert topo.calibration.shares_host and plan.mesh.stage == 1
     assert estimate(plan, topo).step_time_s == pytest.approx(simulate(plan, topo).report.step_time_s, rel=0.02)
+
+
+def test_search_settles_when_the_des_is_slower_than_the_analytic_tier(monkeypatch) -> None:
+    """Where the analytic tier is optimistic for some plans (it prices each collective alone; the DES shares
+    links between concurrent ones), the replay list can fill with plans that replay slower than plans ranked
+    below them. The search replays on while an unreplayed plan's estimate (or skipped plan's floor) is below the
+    best replayed step time, so it still finds the DES optimum. Here a stand-in DES slows every plan with a
+    tensor degree the analytic tier likes best 1.6x."""
+    import types
+
+    import testbed.explore.search as search_module
+
+    topology, base = load_topology("dgx-h100"), preset_plan("gpt-125m")
+    space = replace(SMALL, zero=(0, 1))
+    fitting = [p for p in candidates(base, 8, space) if plan_memory(p, topology).fits]
+    first = min(fitting, key=lambda p: estimate(p, topology).step_time_s)
+
+    def slow_des(plan, topology):  # every plan of the analytic tier's favourite tensor degree replays 1.6x slower
+        est = estimate(plan, topology).step_time_s
+        return types.SimpleNamespace(report=types.SimpleNamespace(
+            step_time_s=est * (1.6 if plan.mesh.tensor == first.mesh.tensor else 1.0)))
+
+    monkeypatch.setattr(search_module, "simulate", slow_des)
+    optimum = min(slow_des(p, topology).report.step_time_s for p in fitting)
+    assert optimum > estimate(first, topology).step_time_s  # the stand-in moves the optimum
+    found = search(base, topology, space, replay=2, top=2)
+    assert found.best.report.step_time_s == pytest.approx(optimum, rel=1e-12)
+    assert found.replayed > 2

@@ -47,6 +47,11 @@ def _calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="name of the calibrated topology (default BASE-calibrated)")
     parser.add_argument("--from-measurements", default=None, metavar="JSON",
                         help="refit from a saved FILE.measurements.json instead of measuring (no JAX)")
+    parser.add_argument("--cluster", default=None, metavar="NAME",
+                        help="calibrate gloo's host costs on emulated cluster NAME (testbed cluster up); writes the "
+                             "topology the cluster is, priced with them (docs/cluster.md)")
+    parser.add_argument("--max-call-s", type=float, default=2.0,
+                        help="with --cluster: time sizes whose collective takes up to this long (default 2)")
 
 
 def _calibrate(args: argparse.Namespace) -> CommandResult:
@@ -56,6 +61,10 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
         raise InputError(f"expected a .yaml path for the calibrated topology, got `{args.out}`", field="--out")
     if args.rounds < 1:
         raise InputError(f"must be at least 1, got {args.rounds}", field="--rounds")
+    if args.cluster is not None:
+        from testbed.cli import calibrate_cluster
+
+        return calibrate_cluster.calibrate(args)
     if calibrate_multi.wanted(args):  # --processes K: K local workers emulate K hosts
         return calibrate_multi.calibrate(args)
     if args.from_measurements:

@@ -44,21 +44,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all", action="store_true", help="with down: every cluster of this project, leftovers too")
 
 
-def require_privilege(field: str = "cluster") -> None:
-    """Exit 2 (an InputError) naming what is missing when this process cannot build namespaces."""
+def require_privilege(field: str = "cluster", *, one_shot: bool = False) -> None:
+    """Exit 2 (an InputError) naming what is missing when this process cannot build namespaces.
+
+    ``one_shot`` (a command that builds and removes its own cluster): without privilege, re-execute the
+    command as root of a new user namespace where the kernel allows it (:mod:`testbed.cluster.rootless`).
+    """
     problem = netns.privilege_problem()
+    if problem and one_shot:
+        from testbed.cluster import rootless
+
+        rootless.reexec_rootless()  # returns only when that is not possible
     if problem:
         raise InputError(f"an emulated cluster cannot be built here: {problem}", field=field)
 
 
-def saved_spec(name: str) -> ClusterSpec:
+def saved_spec(name: str, field: str = "execute") -> ClusterSpec:
     """The spec of a cluster ``testbed cluster up`` built, from its state file."""
     path = state_dir() / f"{name}.json"
     kept = {c.name for c in netns.clusters() if c.owner == "keep"}
     if name not in kept or not path.exists():
         known = ", ".join(sorted(kept)) or "none"
         raise InputError(f"no cluster `{name}` is up (up: {known}); build it with `testbed cluster up {name} "
-                         "--topology T --scale S`", field="execute")
+                         "--topology T --scale S`", field=field)
     state = json.loads(path.read_text())
     return cluster_spec(load_topology(state["topology"]), name=name, scale=state["scale"], mtu=state["mtu"])
 

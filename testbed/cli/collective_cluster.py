@@ -53,7 +53,7 @@ def _cluster(text: str, topology: Topology, scale: float | None) -> Iterator[tup
         raise InputError("--execute cluster builds a cluster for this command: give --scale (e.g. 0.01 runs "
                          "100 Gb/s links at 1 Gb/s), or use a built one with --execute cluster:NAME", field="scale")
     spec = cluster_spec(topology, name=f"c{os.getpid()}", scale=scale)
-    require_privilege("execute")
+    require_privilege("execute", one_shot=True)
     with netns.ephemeral(spec) as owner:
         yield spec, owner
 

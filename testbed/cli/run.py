@@ -54,7 +54,7 @@ def _cluster_processes(name: str, processes: int, request: Any) -> int:
     """The worker count on emulated cluster ``name``: one per node (``--processes``, if given, must agree)."""
     from testbed.cli.cluster import require_privilege, saved_spec
 
-    spec = saved_spec(name)
+    spec = saved_spec(name, field="--cluster")
     require_privilege("--cluster")
     nodes = len(spec.nodes)
     if processes not in (1, nodes):
@@ -161,8 +161,11 @@ def _execute_verify(args: argparse.Namespace) -> CommandResult:
     plan = load_plan(args.plan)
     _check_steps(args.steps)
     request = devices.parse_devices(args.devices, plan.mesh.size)
-    devices.prepare(request)
-    data = train.verify_plan(plan, _devices_for(plan, request), args.steps).to_dict()
+    if args.cluster is not None:
+        data = _verify_on_cluster(args.cluster, plan, request, args.steps)
+    else:
+        devices.prepare(request)
+        data = train.verify_plan(plan, _devices_for(plan, request), args.steps).to_dict()
 
     def render(console: Any) -> None:
         verdict = "[green]ok[/green]" if data["ok"] else "[red]NOT ok[/red]"
@@ -177,6 +180,31 @@ def _execute_verify(args: argparse.Namespace) -> CommandResult:
                       f"{ {k: v for k, v in c['found'].items() if v} }" + (f", missing {c['missing']}" if c["missing"] else ""))
 
     return CommandResult(data, render, exit_code=0 if data["ok"] else 1)
+
+
+def _verify_on_cluster(name: str, plan: Plan, request: Any, steps: int) -> dict[str, Any]:
+    """``verify --cluster NAME``: one worker per node runs the plan and the reference; worker 0's verdict."""
+    from testbed.cli.cluster import saved_spec
+    from testbed.runner import launch
+    from testbed.runner.on_cluster import cluster_launch
+
+    _cluster_processes(name, 1, request)
+    if request.count != plan.mesh.size:
+        raise InputError(f"emulated:{request.count} does not match the plan's mesh of {plan.mesh.size} devices",
+                         field="--devices")
+    try:
+        results = cluster_launch(saved_spec(name), "keep", {"body": "verify", "plan": plan_to_dict(plan),
+                                                            "steps": steps})
+    except launch.WorkerFailed as exc:
+        raise InputError(f"a worker on cluster `{name}` failed: {exc}", field="--cluster") from None
+    return {**results[0], "ok": all(r["ok"] for r in results), "cluster": name}
+
+
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    _common_arguments(parser, steps=2)
+    parser.add_argument("--cluster", default=None, metavar="NAME",
+                        help="verify on emulated cluster NAME (testbed cluster up): one worker per node over the "
+                             "shaped links, each checking the plan against the single-device reference")
 
 
 def _run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,4 +225,4 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 run = types.SimpleNamespace(add_arguments=_run_arguments, execute=_execute_run)
-verify = types.SimpleNamespace(add_arguments=lambda p: _common_arguments(p, steps=2), execute=_execute_verify)
+verify = types.SimpleNamespace(add_arguments=_verify_arguments, execute=_execute_verify)

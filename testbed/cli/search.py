@@ -30,6 +30,13 @@ def _csv(text: str | None) -> tuple[str, ...] | None:
     return None if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _on_off(value: str) -> bool:
+    choices = {"on": True, "true": True, "off": False, "false": False}
+    if value.lower() not in choices:
+        raise InputError(f"expected on or off (comma-separated), got `{value}`", field="--sequence-parallel")
+    return choices[value.lower()]
+
+
 def _add(parser: argparse.ArgumentParser) -> None:
     from testbed.explore.search import OBJECTIVES
     from testbed.plan.presets import preset_names
@@ -55,6 +62,8 @@ def _add(parser: argparse.ArgumentParser) -> None:
                                            "of 16K tokens or more every degree that fits)")
     parser.add_argument("--experts", help="comma-separated expert-parallel degrees of an MoE model (default: every "
                                           "degree dividing the experts and the devices)")
+    parser.add_argument("--sequence-parallel", help="comma-separated on/off: Megatron sequence parallelism on the "
+                                                    "candidates with a tensor axis (default: the plan's; off for a preset)")
     parser.add_argument("--out", help="write the best plan as YAML")
 
 
@@ -102,6 +111,8 @@ def _space(args: argparse.Namespace):
         fields["contexts"] = _csv(args.contexts)
     if args.experts:
         fields["experts"] = _csv(args.experts)
+    if args.sequence_parallel:
+        fields["sequence_parallel"] = tuple(_on_off(v) for v in _csv(args.sequence_parallel) or ())
     try:
         return SearchSpace(**fields)
     except InputError as exc:
@@ -177,7 +188,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
             mesh = f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}" + (
                 f" ep{r['expert']}" if r.get("expert", 1) > 1 else "") + (  # MoE: the expert degree beside
-                f" cp{r['context']}" if r.get("context", 1) > 1 else "")  # context parallelism likewise
+                f" cp{r['context']}" if r.get("context", 1) > 1 else "") + (  # context parallelism likewise
+                " sp" if r.get("sequence_parallel") else "")  # and sequence parallelism
             cells.append([str(i), mesh, sched, str(r["microbatches"]), str(r["zero"]), r["remat"],
                           format_time(r["step_time_s"]), format_time(r.get("exposed_comm_s", 0.0)),
                           f"{r.get('bubble_fraction', 0.0):.0%}", f"{r.get('mfu', 0.0):.0%}",

@@ -47,6 +47,9 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=5,
                         help="time every plan this many times (later rounds in reverse order; each plan compiled "
                              "once) and keep each plan's least disturbed median: for shared hosts (default 5)")
+    parser.add_argument("--cluster", default=None, metavar="NAME",
+                        help="measure on emulated cluster NAME (testbed cluster up) against the topology "
+                             "`testbed calibrate --cluster NAME` wrote (docs/cluster.md)")
 
 
 def _validate(args: argparse.Namespace) -> CommandResult:
@@ -56,6 +59,10 @@ def _validate(args: argparse.Namespace) -> CommandResult:
         raise InputError(f"must be at least 1, got {args.steps}", field="--steps")
     if args.rounds < 1:
         raise InputError(f"must be at least 1, got {args.rounds}", field="--rounds")
+    if args.cluster is not None:
+        from testbed.cli.validate_cluster import validate_on_cluster
+
+        return validate_on_cluster(args)
     topology = load_topology(args.topology)
     plans = [load_plan(p) for p in args.plans]
     for path, plan in zip(args.plans, plans):

@@ -31,7 +31,7 @@ from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
 
 __all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
            "namespaces",
-           "build", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
+           "build", "reshape", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
            "ClusterInfo"]
 
 _NET_ADMIN = 12  # capability bit
@@ -53,23 +53,30 @@ def _capabilities() -> int:
     return 0
 
 
-def privilege_problem(euid: int | None = None, capabilities: int | None = None) -> str | None:
+def privilege_problem(euid: int | None = None, capabilities: int | None = None,
+                      userns: str | None | bool = True) -> str | None:
     """Why this process cannot build a cluster, or None when it can (root or CAP_NET_ADMIN, and ``ip``/``tc``).
 
-    ``euid`` and ``capabilities`` (a CapEff mask) default to this process's.
+    ``euid`` and ``capabilities`` (a CapEff mask) default to this process's;
+    ``userns`` is :func:`testbed.cluster.rootless.userns_problem`'s answer
+    (True: ask it), so the message says whether a rootless run is possible here.
     """
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not installed"
     euid = os.geteuid() if euid is None else euid
-    if euid != 0:
-        caps = _capabilities() if capabilities is None else capabilities
-        if not caps >> _NET_ADMIN & 1:
-            return ("creating network namespaces needs root or CAP_NET_ADMIN (this process has neither); run as "
-                    "root, or rootless inside a user namespace where the kernel allows one: `unshare --user "
-                    "--map-root-user --net --mount sh -c 'mount -t tmpfs none /run && testbed ...'` (the cluster "
-                    "then lives only as long as that command)")
-    return None
+    if euid == 0 or (_capabilities() if capabilities is None else capabilities) >> _NET_ADMIN & 1:
+        return None
+    from testbed.cluster import rootless
+
+    refused = rootless.userns_problem() if userns is True else userns
+    missing = "creating network namespaces needs root or CAP_NET_ADMIN (this process has neither)"
+    if refused:
+        return f"{missing}, and there is no rootless mode here: {refused}"
+    return (f"{missing}. This kernel allows unprivileged user namespaces: a one-shot `testbed collective OP "
+            "--execute cluster --scale S` enters one by itself; a kept cluster (`cluster up`, `--cluster NAME`) "
+            "lives only as long as the namespace, so run the whole session inside one: "
+            f"`{rootless.session_recipe()}`")
 
 
 def unavailable() -> str | None:
@@ -227,6 +234,20 @@ def build(spec: ClusterSpec, owner: str) -> list[str]:
         _delete(made)
         raise
     return made
+
+
+def reshape(spec: ClusterSpec, owner: str, scale: float) -> ClusterSpec:
+    """Change a built cluster's link rates in place to ``scale`` (tbf replaced on every link end); the new spec."""
+    from testbed.cluster.spec import cluster_spec
+
+    new = cluster_spec(spec.topology, name=spec.name, scale=scale, mtu=spec.mtu)
+    fabric = namespace_name(spec.name, owner, "sw")
+    roles = {n.role for n in spec.nodes}
+    for link in new.links:
+        lower_ns = namespace_name(spec.name, owner, link.lower) if link.lower in roles else fabric
+        for ns, dev in ((lower_ns, link.lower_dev), (fabric, link.upper_dev)):
+            _shape(ns, dev, link.rate_bps, spec.mtu)
+    return new
 
 
 @contextlib.contextmanager

@@ -130,7 +130,8 @@ class ClusterSpec:
         return f"{self.nodes[0].address}:{port}"
 
     def emulated_topology(self, *, inner_bandwidth: float, inner_latency_s: float, hop_latency_s: float,
-                          overhead_s: float | None = None, link_efficiency: float = 1.0) -> Topology:
+                          overhead_s: float | None = None, link_efficiency: float = 1.0,
+                          launch_s: float | None = None) -> Topology:
         """The topology this cluster is, for the simulator to price.
 
         Switch levels get the shaped rate's TCP goodput (bytes/s) with one
@@ -140,8 +141,8 @@ class ClusterSpec:
         ``inner_bandwidth`` and ``inner_latency_s`` (the namespace's
         measured loopback TCP), as gloo's ranks of one process talk over
         loopback (:mod:`testbed.cluster.probe` measures all three).
-        ``overhead_s`` (a measured per-round cost) replaces the
-        calibration's collective overhead when given; ``link_efficiency``
+        ``overhead_s`` (a measured per-round cost) and ``launch_s`` (per
+        call) replace the calibration's when given; ``link_efficiency``
         (default 1) is the share of the goodput a job gets from the links,
         fitted on the host by ``benchmarks/emulated_cluster.py``.
         """
@@ -157,8 +158,9 @@ class ClusterSpec:
             net.append(replace(level, bandwidth=goodput, latency=hop_latency_s,
                                attach="switch", in_network_reduction=None))
         calibration = self.topology.calibration
-        if overhead_s is not None:
-            calibration = calibration.updated(collectives={"overhead_s": overhead_s})
+        measured = {k: v for k, v in (("overhead_s", overhead_s), ("launch_s", launch_s)) if v is not None}
+        if measured:
+            calibration = calibration.updated(collectives=measured)
         return replace(self.topology, name=f"{self.topology.name}-emulated-{self.name}",
                        levels=(inner, *net), calibration=calibration)
 

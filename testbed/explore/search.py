@@ -19,6 +19,7 @@ space lists several precisions (MFU counts each against its own peak).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import time
@@ -95,6 +96,7 @@ class Candidate:
                "expert": p.mesh.expert, "context": p.mesh.context,
                "schedule": p.schedule.name.value, "virtual_stages": p.schedule.virtual_stages,
                "microbatches": p.batch.microbatches, "zero": p.zero, "remat": p.remat.value,
+               "sequence_parallel": p.sequence_parallel,
                "precision": p.precision.value, "value": self.value, "step_time_s": self.step_time_s,
                "analytic_step_time_s": e.step_time_s, "memory_bytes": e.memory_bytes,
                "capacity_bytes": e.capacity_bytes}
@@ -218,33 +220,15 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
                          f"the plan limits (testbed.plan.limits)",
                          field="--devices")
     start = time.perf_counter()
-    shortlist: list[Candidate] = []
-    pruned = bounded = 0
-    floors: dict = {}
-    keep = max(replay, top)
-    fastest: list[float] = []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
     # Every objective but MFU ranks plans of one model, batch and device count as step time does (MFU also
     # weighs each precision's peak): only then may a plan be skipped for its step-time floor.
     by_time = objective != "mfu" or space.precisions is None
-    for i, plan in enumerate(plans):
-        if _overflows(plan, topology, memory_cap, floors):
-            pruned += 1
-        elif by_time and len(fastest) >= keep and _beaten(plan, topology, -fastest[0], margin):
-            bounded += 1
-        else:
-            est = evaluate(plan, topology, memory_cap, floors)
-            if est is None:
-                pruned += 1
-            else:
-                value = objective_value(objective, plan, topology, est.step_time_s, price_per_device_hour)
-                shortlist.append(Candidate(plan=plan, estimate=est, value=value))
-                heapq.heappush(fastest, -est.step_time_s)
-                if len(fastest) > keep:
-                    heapq.heappop(fastest)
-        if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
-            progress("analytic", i + 1, len(plans))
+    def rank(plan: Plan, step_time_s: float) -> float:
+        return objective_value(objective, plan, topology, step_time_s, price_per_device_hour)
+
+    tier = _analytic_tier(plans, topology, memory_cap, max(replay, top), margin, by_time, rank, progress)
     analytic_s = time.perf_counter() - start
-    shortlist.sort(key=lambda c: _sort_key(objective, c))
+    shortlist = sorted(tier.shortlist, key=lambda c: _sort_key(objective, c))
     chosen = shortlist[:max(replay, top)]
     if shortlist:
         best_est = shortlist[0].estimate.step_time_s
@@ -252,23 +236,109 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
     start = time.perf_counter()
     replayed = []
     for k, c in enumerate(chosen):
-        report = simulate(c.plan, topology).report
-        value = objective_value(objective, c.plan, topology, report.step_time_s, price_per_device_hour)
-        replayed.append(Candidate(plan=c.plan, estimate=c.estimate, report=report, value=value))
+        replayed.append(_replayed(c, topology, rank))
         if progress is not None:
             progress("replay", k + 1, len(chosen))
+    if by_time and replayed:
+        replayed += _settle(shortlist[len(chosen):], tier, replayed, topology, memory_cap, margin, rank, progress)
+        shortlist = sorted([*shortlist, *tier.revived], key=lambda c: _sort_key(objective, c))
     replayed.sort(key=lambda c: _sort_key(objective, c))
-    return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=len(plans), pruned_memory=pruned,
-                        pruned_bound=bounded, estimated=len(shortlist), replayed=len(replayed),
-                        analytic_s=analytic_s, replay_s=time.perf_counter() - start, shortlist=tuple(shortlist))
+    return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=len(plans),
+                        pruned_memory=tier.pruned, pruned_bound=tier.bounded - len(tier.revived), estimated=len(shortlist),
+                        replayed=len(replayed), analytic_s=analytic_s, replay_s=time.perf_counter() - start,
+                        shortlist=tuple(shortlist))
 
 
-def _beaten(plan: Plan, topology: Topology, kth: float, margin: float) -> bool:
-    """Whether ``plan`` cannot be replayed: its step-time floor (testbed.explore.floor.step_floor) is above
-    ``kth``, the slowest of the fastest estimates so far that fill the replay list, and above the margin
-    the replay extends to. Its estimate would be at least its floor, so the replayed plans stay the same."""
+@dataclass
+class _Tier:
+    """What the analytic pass over the candidates found: the estimated plans, the plans skipped for their
+    step floor (``deferred``: (floor, plan), for :func:`_settle`), the memory floors memo and the counts."""
+
+    shortlist: list[Candidate] = field(default_factory=list)
+    deferred: list[tuple[float, Plan]] = field(default_factory=list)
+    floors: dict = field(default_factory=dict)
+    #: Deferred plans :func:`_settle` estimated after all (those that fit).
+    revived: list[Candidate] = field(default_factory=list)
+    pruned: int = 0
+    bounded: int = 0
+
+
+def _analytic_tier(plans: list[Plan], topology: Topology, memory_cap: float, keep: int, margin: float,
+                   by_time: bool, rank: Callable, progress) -> _Tier:
+    """Every candidate's memory, and the estimate of each that fits unless its step floor cannot reach the
+    ``keep`` fastest estimates so far (plus ``margin``)."""
+    tier, fastest = _Tier(), []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
+    for i, plan in enumerate(plans):
+        floor = None
+        if _overflows(plan, topology, memory_cap, tier.floors):
+            tier.pruned += 1
+        elif by_time and len(fastest) >= keep and (floor := _beaten(plan, topology, -fastest[0], margin)):
+            tier.bounded += 1
+            tier.deferred.append((floor, plan))
+        else:
+            est = evaluate(plan, topology, memory_cap, tier.floors)
+            if est is None:
+                tier.pruned += 1
+            else:
+                tier.shortlist.append(Candidate(plan=plan, estimate=est, value=rank(plan, est.step_time_s)))
+                heapq.heappush(fastest, -est.step_time_s)
+                if len(fastest) > keep:
+                    heapq.heappop(fastest)
+        if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
+            progress("analytic", i + 1, len(plans))
+    return tier
+
+
+def _replayed(c: Candidate, topology: Topology, rank: Callable) -> Candidate:
+    report = simulate(c.plan, topology).report
+    return Candidate(plan=c.plan, estimate=c.estimate, report=report,
+                     value=rank(c.plan, report.step_time_s))
+
+
+#: At most this many replays beyond the replay list while settling (:func:`_settle`).
+SETTLE_LIMIT = 64
+
+
+def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topology: Topology, memory_cap: float,
+            margin: float, rank: Callable, progress) -> list[Candidate]:
+    """Replays past the replay list while an unreplayed plan could still beat the best replayed step time.
+
+    The analytic tier prices each collective alone, so where concurrent collectives share links (a tensor
+    group across nodes beside the data-parallel reductions) it is optimistic, and a list of such plans can
+    replay slower than plans it ranked lower. So, in estimate order, every plan whose estimate is more than
+    ``margin`` below the best replayed step time is replayed too (the tier's usual optimism, a few percent,
+    replays nothing more); a plan skipped for its step floor is estimated first once its floor is that far
+    below it. At most :data:`SETTLE_LIMIT` more (the result says how many it replayed).
+    """
+    best = min(c.report.step_time_s for c in replayed)
+    pending = sorted(rest, key=lambda c: c.estimate.step_time_s)
+    deferred = sorted(tier.deferred, key=lambda x: x[0])
+    out: list[Candidate] = []
+    while len(out) < SETTLE_LIMIT:
+        while deferred and deferred[0][0] * (1 + margin) < best:  # its estimate may beat the best: estimate it
+            plan = deferred.pop(0)[1]
+            est = evaluate(plan, topology, memory_cap, tier.floors)
+            if est is None:
+                tier.pruned += 1
+                tier.bounded -= 1
+                continue
+            tier.revived.append(Candidate(plan=plan, estimate=est, value=rank(plan, est.step_time_s)))
+            bisect.insort(pending, tier.revived[-1], key=lambda c: c.estimate.step_time_s)
+        if not pending or pending[0].estimate.step_time_s * (1 + margin) >= best:
+            break
+        out.append(_replayed(pending.pop(0), topology, rank))
+        best = min(best, out[-1].report.step_time_s)
+        if progress is not None:
+            progress("replay", len(replayed) + len(out), len(replayed) + len(out))
+    return out
+
+
+def _beaten(plan: Plan, topology: Topology, kth: float, margin: float) -> float | None:
+    """``plan``'s step-time floor (testbed.explore.floor.step_floor) when it cannot be replayed, else None: the
+    floor is above ``kth``, the slowest of the fastest estimates so far that fill the replay list, and above the
+    margin the replay extends to. Its estimate would be at least its floor, so the replayed plans stay the same."""
     floor = step_floor(plan, topology)
-    return floor is not None and floor > kth * (1 + margin)
+    return floor if floor is not None and floor > kth * (1 + margin) else None
 
 
 def exhaustive_optimum(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *,

@@ -22,6 +22,7 @@ every stage is the same plan), and a single-stage mesh runs ``1f1b`` only
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -73,6 +74,9 @@ class SearchSpace:
     #: Expert-parallel degrees of an MoE model. None: every degree that divides both the experts and the devices
     #: (1 only for a dense model).
     experts: tuple[int, ...] | None = None
+    #: Megatron sequence parallelism, tried where the tensor degree is above 1 (it needs a tensor axis; at tensor 1
+    #: every candidate runs without). None: the base plan's choice.
+    sequence_parallel: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedules", _choices(self.schedules, "space.schedules",
@@ -90,6 +94,12 @@ class SearchSpace:
             object.__setattr__(self, "contexts", _positive_ints(self.contexts, "space.contexts"))
         if self.experts is not None:
             object.__setattr__(self, "experts", _positive_ints(self.experts, "space.experts"))
+        if self.sequence_parallel is not None:
+            sp = _choices(self.sequence_parallel, "space.sequence_parallel", lambda v: v)
+            if any(not isinstance(v, bool) for v in sp):
+                raise InputError(f"must be true or false values, got {list(self.sequence_parallel)}",
+                                 field="space.sequence_parallel")
+            object.__setattr__(self, "sequence_parallel", sp)
         if self.precisions is not None:
             object.__setattr__(self, "precisions", _choices(self.precisions, "space.precisions",
                                                             lambda p: Precision(p).value))
@@ -173,6 +183,7 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
         per_replica = base.batch.global_batch // replicas
         micro = [x for x in (space.microbatches or _divisors(per_replica, space.max_microbatches))
                  if per_replica % x == 0]
+        sp_choices = _sequence_parallel(base, space, tensor, context)
         schedules: list[ScheduleSpec] = []
         for name in (space.schedules if stage > 1 else (ScheduleName.ONE_F_ONE_B.value,)):
             if name == ScheduleName.INTERLEAVED.value:  # uneven stages' chunks split as testbed.plan.stages says
@@ -188,11 +199,20 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
                     continue
                 batch = BatchSpec(global_batch=base.batch.global_batch, microbatches=mb)
                 for zero in (space.zero if data > 1 else (0,)):
-                    for remat in space.remat:
-                        for precision in precisions:
-                            # The base's layers_per_stage fits its own mesh only: each candidate gets its own.
-                            yield replace(base, mesh=mesh, schedule=schedule, batch=batch, zero=zero,
-                                          remat=Remat(remat), precision=Precision(precision), layers_per_stage=split)
+                    for remat, precision, sp in itertools.product(space.remat, precisions, sp_choices):
+                        # The base's layers_per_stage fits its own mesh only: each candidate gets its own.
+                        yield replace(base, mesh=mesh, schedule=schedule, batch=batch, zero=zero,
+                                      remat=Remat(remat), precision=Precision(precision), layers_per_stage=split,
+                                      sequence_parallel=sp)
+
+
+def _sequence_parallel(base: Plan, space: SearchSpace, tensor: int, context: int) -> tuple[bool, ...]:
+    """The sequence-parallel choices of a mesh: none without a tensor axis, or where the tensor ranks cannot split
+    each context rank's tokens; else the space's (the base plan's by default)."""
+    chosen = space.sequence_parallel if space.sequence_parallel is not None else (base.sequence_parallel,)
+    if tensor == 1 or (base.model.seq_len // context) % tensor:
+        return (False,)
+    return chosen
 
 
 def count_candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> int:

@@ -84,6 +84,7 @@ def padded_param_count(spec: ModelSpec) -> int:
     return embedding_param_count(spec) + layers + head_param_count(spec)
 
 
+@functools.lru_cache(maxsize=1024)
 def param_count(spec: ModelSpec) -> int:
     """Distinct trainable parameters of the whole model, as published: the vocab padding not counted.
 

@@ -151,7 +151,7 @@ def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]
 
 def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
     """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
-    return tuple(replace(g, count=g.count * factor) for g in gemms)
+    return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash) for g in gemms)  # not replace(): hot
 
 
 def gemm_flops(gemms: tuple[Gemm, ...]) -> float:

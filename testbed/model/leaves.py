@@ -72,8 +72,16 @@ def moved_elements(plan: Plan, stage: int, chunk: int | None, which: str = "para
     if chunk is None:
         return sum(moved_elements(plan, stage, c, which) for c in range(v))
     ways = max(1, state_sharding(plan).ways(plan, which))
-    held = layout.chunk_params(plan.model, stage, chunk, mesh.stage, v, stage_layers=plan.stage_layers)
-    return ways * layout.held_elements(held, mesh.tensor, ways, mesh.expert)
+    return _moved(plan.model, stage, chunk, mesh.stage, v, plan.stage_layers, mesh.tensor, ways, mesh.expert)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _moved(spec: ModelSpec, stage: int, chunk: int, stages: int, v: int, stage_layers: tuple[int, ...], tensor: int, ways: int,
+           expert: int) -> int:
+    """:func:`moved_elements` of one chunk, memoized on what it reads (a search asks for the same chunk under
+    every schedule, microbatch count and remat of a mesh)."""
+    held = layout.chunk_params(spec, stage, chunk, stages, v, stage_layers=stage_layers)
+    return ways * layout.held_elements(held, tensor, ways, expert)
 
 
 def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:

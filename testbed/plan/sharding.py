@@ -38,13 +38,20 @@ class StateSharding:
 
 
 def state_sharding(plan: Plan) -> StateSharding:
-    """The state sharding a plan's fsdp degree and ZeRO stage imply."""
+    """The state sharding a plan's fsdp degree and ZeRO stage imply (one object per ZeRO stage: the axes
+    depend on nothing else, and the search asks for it hundreds of thousands of times)."""
+    return _SHARDINGS[plan.zero]
 
+
+def _sharding(zero: int) -> StateSharding:
     def axes(zero_stage: int) -> tuple[Axis, ...]:
-        chosen = {Axis.FSDP} | ({Axis.DATA} if plan.zero >= zero_stage else set())
+        chosen = {Axis.FSDP} | ({Axis.DATA} if zero >= zero_stage else set())
         return tuple(a for a in MESH_AXES if a in chosen)
 
     return StateSharding(params=axes(3), grads=axes(2), optimizer=axes(1))
+
+
+_SHARDINGS = {zero: _sharding(zero) for zero in range(4)}
 
 
 def gradient_reduction(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:

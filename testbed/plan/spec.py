@@ -46,6 +46,8 @@ class Axis(StrEnum):
 #: order is the default placement (Megatron's tp-cp-ep-dp-pp, innermost first).
 MESH_AXES: tuple[Axis, ...] = (Axis.STAGE, Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.CONTEXT, Axis.TENSOR)
 
+_AXIS_NAMES = frozenset(a.value for a in Axis)
+
 #: The axes that split the batch (each replica of the dense model sees its own sequences).
 BATCH_AXES: tuple[Axis, ...] = (Axis.DATA, Axis.FSDP, Axis.EXPERT)
 
@@ -131,7 +133,8 @@ class MeshSpec:
         object.__setattr__(self, "order", order)
 
     def degree(self, axis: Axis | str) -> int:
-        return getattr(self, Axis(axis).value)
+        # An Axis is a str equal to its field's name: read it directly (a search asks millions of times).
+        return getattr(self, axis if axis in _AXIS_NAMES else Axis(axis).value)
 
     @property
     def size(self) -> int:
@@ -205,6 +208,8 @@ class Plan:
     expert_imbalance: float = 1.0
     #: How the program behind the plan runs (``testbed.plan.runtime``): the runner's own behaviour by default.
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    #: :attr:`stage_layers`, resolved once on construction (the models read it millions of times in a search).
+    _stage_layers: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -225,7 +230,8 @@ class Plan:
         self._check_axes()
         if isinstance(self.layers_per_stage, list):
             object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
-        resolve_layers_per_stage(self.layers_per_stage, m.layers, mesh.stage, self.schedule.virtual_stages)
+        object.__setattr__(self, "_stage_layers", resolve_layers_per_stage(self.layers_per_stage, m.layers, mesh.stage,
+                                                                           self.schedule.virtual_stages))
         if m.heads % mesh.tensor:
             raise InputError(f"heads {m.heads} must be divisible by mesh.tensor {mesh.tensor}", field="model.heads")
         if m.d_ff % mesh.tensor:
@@ -278,8 +284,7 @@ class Plan:
     @property
     def stage_layers(self) -> tuple[int, ...]:
         """Layers each pipeline stage holds (all its chunks): ``layers_per_stage`` resolved (even by default)."""
-        return resolve_layers_per_stage(self.layers_per_stage, self.model.layers, self.mesh.stage,
-                                        self.schedule.virtual_stages)
+        return self._stage_layers
 
     @property
     def replicas(self) -> int:

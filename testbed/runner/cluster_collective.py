@@ -1,9 +1,10 @@
 """A worker body that times JAX's own collectives across processes (gloo on CPU), one size after another.
 
-``testbed collective OP --execute cluster`` and ``benchmarks/emulated_cluster.py``
+``testbed collective OP --execute cluster`` and ``testbed calibrate --cluster``
 launch one worker per node of an emulated cluster (:mod:`testbed.cluster`)
 with ``payload = {"body": "collective", "op": ..., "sizes": [...],
-"repeats": R}`` (or ``"repeats_per_size"``, one count per size); every
+"repeats": R}`` (or ``"repeats_per_size"``, one count per size; or
+``"calls": [[op, bytes, repeats], ...]``, several ops in one job); every
 worker runs the same jitted ``shard_map`` over all devices of the job, so
 each call is one collective over every node. Sizes
 follow nccl-tests' convention (as :mod:`testbed.collectives.ops` does): the
@@ -71,8 +72,12 @@ def collective_times(op: str, nbytes: int, repeats: int, warmup: int = 2) -> dic
 
 
 def worker_body(payload: dict) -> dict:
-    """Time ``payload["op"]`` at each of ``payload["sizes"]``; this process's rows."""
+    """Time ``payload["op"]`` at each of ``payload["sizes"]``, or each ``[op, bytes, repeats]`` of
+    ``payload["calls"]`` (several ops in one job); this process's rows."""
+    warmup = int(payload.get("warmup", 2))
+    if "calls" in payload:
+        return {"rows": [collective_times(op, int(size), int(count), warmup) for op, size, count in payload["calls"]]}
     repeats = payload.get("repeats_per_size") or [payload.get("repeats", 5)] * len(payload["sizes"])
-    rows = [collective_times(payload["op"], int(size), int(count), int(payload.get("warmup", 2)))
+    rows = [collective_times(payload["op"], int(size), int(count), warmup)
             for size, count in zip(payload["sizes"], repeats)]
     return {"rows": rows}

@@ -7,7 +7,8 @@ times JAX's all-reduce or all-gather over every device of the cluster at
 several sizes and prices the same sizes on the emulated topology
 (:meth:`testbed.cluster.spec.ClusterSpec.emulated_topology`) with gloo's
 algorithm, the host's TCP measured by :mod:`testbed.cluster.probe` and a
-per-round overhead fitted to a call of 4 bytes a rank.
+per-round overhead fitted to a call of 4 KiB (``testbed calibrate --cluster``
+fits the host's costs over many sizes instead: :mod:`testbed.runner.cluster_calibrate`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from testbed.cluster.spec import GLOO_ALGORITHMS, ClusterSpec
 from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.collectives.timing import groups_time
 
-__all__ = ["cluster_launch", "collective_sweep"]
+__all__ = ["cluster_launch", "slowest_medians", "collective_sweep", "cluster_steps", "host_and_shaped_steps"]
 
 _TINY_REPEATS = 15
 
@@ -36,15 +37,22 @@ def cluster_launch(spec: ClusterSpec, owner: str, payload: dict, *, timeout_s: f
                   hosts=[n.address for n in spec.nodes], prefixes=prefixes, timeout_s=timeout_s, stale_s=stale_s)
 
 
-def _medians(results: list[dict]) -> list[dict[str, Any]]:
+def slowest_medians(results: list[dict]) -> list[dict[str, Any]]:
     """Per size: the median over calls of the slowest process's time (a collective ends with its last rank)."""
     rows = []
     for per_process in zip(*[r["rows"] for r in results]):
         calls = [max(ts) for ts in zip(*[row["times_s"] for row in per_process])]
         first = per_process[0]
-        rows.append({"bytes": first["bytes"], "ranks": first["ranks"], "time_s": statistics.median(calls),
-                     "ok": all(row["ok"] for row in per_process)})
+        rows.append({"op": first["op"], "bytes": first["bytes"], "measured_s": statistics.median(calls),
+                     "calls_s": calls, "ok": all(row["ok"] for row in per_process)})
     return rows
+
+
+def _medians(results: list[dict]) -> list[dict[str, Any]]:
+    """Per size: the median over calls of the slowest process's time (:func:`slowest_medians`), as ``time_s``."""
+    ranks = [row["ranks"] for row in results[0]["rows"]]
+    return [{"bytes": row["bytes"], "ranks": r, "time_s": row["measured_s"], "ok": row["ok"]}
+            for row, r in zip(slowest_medians(results), ranks)]
 
 
 def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *, repeats: int = 5,
@@ -53,7 +61,8 @@ def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *
     op_ = parse_op(op)
     tcp = probe.measure(spec, owner)
     n = len(spec.nodes) * spec.devices_per_node
-    tiny = 4 * n if op == "all_gather" else 4
+    # 4 KiB, not 4 bytes: gloo skips the rounds of empty segments, so a 4-byte all-reduce runs few of its rounds.
+    tiny = 4096
     # The tiny call is cheap and noisy (the host's scheduling): timed more often than the sizes compared.
     payload = {"body": "collective", "op": op, "sizes": [tiny, *sizes],
                "repeats_per_size": [max(repeats, _TINY_REPEATS)] + [repeats] * len(sizes)}
@@ -86,3 +95,38 @@ def collective_sweep(spec: ClusterSpec, owner: str, op: str, sizes: list[int], *
                       "across_latency_s": tcp.across_latency_s},
             "overhead_s": overhead, "overhead_call_s": measured[0]["time_s"], "overhead_measured_at_bytes": tiny_bytes,
             "rows": rows}
+
+
+def cluster_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps: int, *,
+                  timeout_s: float | None = 900) -> dict[str, Any]:
+    """``steps`` timed steps of a plan on the cluster: per step the slowest worker's time, and their median."""
+    results = cluster_launch(spec, owner, {"plan": plan_dict, "steps": steps}, timeout_s=timeout_s)
+    per_step = [max(ts) for ts in zip(*[r["step_times_s"] for r in results])]
+    loss = next((r["loss"] for r in results if r.get("loss") is not None), None)
+    return {"step_times_s": per_step, "median_step_s": statistics.median(per_step), "loss": loss,
+            "compile_time_s": results[0].get("compile_time_s")}
+
+
+def host_and_shaped_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps: int, *,
+                          timeout_s: float | None = 900) -> dict[str, Any]:
+    """The plan's step on the cluster's shaped links and on the same links unshaped (the host's part).
+
+    The unshaped run reshapes every link to :data:`testbed.cluster.step.UNSHAPED_RATE_BPS` and back, so
+    the two are timed minutes apart on the same processes' host.
+    """
+    import os
+
+    from testbed.cluster.netns import reshape
+    from testbed.cluster.step import UNSHAPED_RATE_BPS
+
+    loads = [os.getloadavg()[0]]
+    shaped = cluster_steps(spec, owner, plan_dict, steps, timeout_s=timeout_s)
+    loads.append(os.getloadavg()[0])
+    fast = UNSHAPED_RATE_BPS / min(link.rate_bps for link in spec.links) * spec.scale
+    reshape(spec, owner, fast)
+    try:
+        host = cluster_steps(spec, owner, plan_dict, steps, timeout_s=timeout_s)
+    finally:
+        reshape(spec, owner, spec.scale)
+    loads.append(os.getloadavg()[0])
+    return {"shaped": shaped, "unshaped": host, "load": loads}

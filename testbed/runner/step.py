@@ -63,8 +63,16 @@ def place_tree(tree: Any, shardings: Any) -> Any:
 
 
 def host_tree(tree: Any) -> Any:
-    """Numpy copies of fully addressable arrays."""
-    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+    """Numpy copies of arrays; with several processes, arrays not fully addressable are gathered from all
+    (every process must call it, in the same order: verify on an emulated cluster)."""
+    def get(x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(get, tree)
 
 
 def scalar(x: jax.Array) -> float:

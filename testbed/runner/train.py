@@ -39,7 +39,7 @@ from testbed.plan.io import plan_from_dict
 from testbed.plan.spec import Plan, Precision
 from testbed.sim.measured import measured_report
 
-__all__ = ["build_trainer", "run_plan", "verify_plan", "worker_body", "merge_worker_results", "THRESHOLDS",
+__all__ = ["build_trainer", "run_plan", "verify_plan", "worker_body", "verify_worker_body", "merge_worker_results", "THRESHOLDS",
            "RunResult", "VerifyResult"]
 
 #: precision -> {loss: relative, grads: relative, param_steps: optimizer steps}. bf16-mixed gradients
@@ -160,7 +160,8 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
     from testbed.runner.step import ReferenceTrainer, scalar
 
     trainer = build_trainer(plan, devices, return_grads=True)
-    reference = ReferenceTrainer(plan, devices[0])
+    # With several processes (an emulated cluster) each runs the reference on a device of its own.
+    reference = ReferenceTrainer(plan, next(d for d in devices if d.process_index == jax.process_index()))
     state, ref_state = trainer.init(), reference.init()
     losses, ref_losses, loss_rel, grad_rel, max_abs = [], [], [], [], 0.0
     times, starts, first = [], [], None
@@ -207,6 +208,14 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
 
     plan = plan_from_dict(payload["plan"], default_name=payload["plan"].get("name", "plan"))
     return run_plan(plan, select_devices(plan.mesh.size), payload["steps"]).to_dict()
+
+
+def verify_worker_body(payload: dict[str, Any]) -> dict[str, Any]:
+    """What one launched worker runs for ``testbed verify --cluster``: the plan against the reference."""
+    from testbed.runner.devices import select_devices
+
+    plan = plan_from_dict(payload["plan"], default_name=payload["plan"].get("name", "plan"))
+    return verify_plan(plan, select_devices(plan.mesh.size), payload["steps"]).to_dict()
 
 
 def merge_worker_results(results: list[dict[str, Any]]) -> RunResult:

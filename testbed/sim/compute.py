@@ -130,30 +130,60 @@ def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool = True)
     """Seconds of ``gemm`` (all its ``count`` x ``batch`` products) on one device of ``topology``.
 
     In fp8 the recipe's casts (:func:`fp8_cast_bytes`) are added unless ``casts`` is false (the GEMM kernel alone).
+    The time is ``count`` times one product's, which is memoized per topology (a search prices the same
+    shapes under thousands of plans).
     """
+    return _gemm_seconds(_memo(topology), topology, dtype, gemm, casts)
+
+
+def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts: bool) -> float:
     if gemm.count <= 0:
         return 0.0
+    key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts)
+    one = memo.get(key)
+    if one is None:
+        one = memo[key] = _one_product_seconds(topology, dtype, Gemm(gemm.m, gemm.n, gemm.k, gemm.batch, 1.0,
+                                                                       gemm.flash), casts)
+    return gemm.count * one
+
+
+#: Per topology object (kept alive beside its memo, so its id is not reused): one product's seconds by shape.
+_MEMOS: dict[int, tuple[Topology, dict]] = {}
+
+
+def _memo(topology: Topology) -> dict:
+    entry = _MEMOS.get(id(topology))
+    if entry is None or entry[0] is not topology:
+        if len(_MEMOS) >= 16:  # a sweep over many topologies keeps the newest few
+            _MEMOS.pop(next(iter(_MEMOS)))
+        entry = _MEMOS[id(topology)] = (topology, {})
+    return entry[1]
+
+
+def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool) -> float:
+    """Seconds of one product of ``gemm`` (``count`` 1): the calibrated roofline, the fp8 recipe's casts."""
     cal = topology.calibration
     if dtype == "fp8" and (not topology.device.has_fp8() or gemm.flash):
         # no fp8 units: fp8-mixed matmuls run (and read their operands) in bf16; flash attention runs in
         # bf16 under Transformer Engine's fp8 recipe too (its DotProductAttention is bf16 unless fp8
         # attention is asked for)
         dtype = "bf16"
-    one = gemm.flops / gemm.count
+    one = gemm.flops
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
         eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
-        return gemm.count * (cal.compute.gemm_latency_s + one / (topology.device.flops(dtype) * eff))
+        return cal.compute.gemm_latency_s + one / (topology.device.flops(dtype) * eff)
     math = one / (topology.device.flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype))
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
     cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0
-    return gemm.count * (cal.compute.gemm_latency_s + max(math, memory)) + cast
+    return cal.compute.gemm_latency_s + max(math, memory) + cast
 
 
 def gemms_seconds(topology: Topology, dtype: str, gemms: Iterable[Gemm]) -> float:
     """Seconds of all ``gemms``, one after another."""
-    return sum(gemm_seconds(topology, dtype, g) for g in gemms)
+    memo = _memo(topology)
+    return sum(_gemm_seconds(memo, topology, dtype, g, True) for g in gemms)
 
 
 def fit_shape_model(rows: Sequence[tuple[int, int, int, int, float]], peak: float, bandwidth: float,

@@ -1,0 +1,150 @@
+"""The step study: data- and tensor-parallel training steps on an emulated 4-node cluster at three link rates.
+
+For each rate (default 10, 30, 100 Mb/s; ``eth-4x2`` scaled) this builds the
+cluster and, as ``testbed calibrate --cluster`` does, probes it and times
+collectives to fit gloo's host costs (:mod:`testbed.cluster.fit`), giving the
+calibrated topology. Then, as ``testbed validate --cluster`` does, for each
+plan (``benchmarks/cluster_plans``: a 0.5 M-parameter GPT, ``mesh: {data:
+8}`` and ``mesh: {tensor: 8}``) it times ``--steps`` steps on the shaped
+links and again on the same links unshaped (the host's part), and predicts
+the shaped step as ``host + simulated(calibrated) - simulated(unshaped)``
+(:mod:`testbed.cluster.step`). Per plan it also compares the slowest rate's
+step with the fastest's (measured and predicted ratio). The 1-minute load
+average is recorded beside every measurement.
+
+Needs root or CAP_NET_ADMIN. Prints one JSON object. Goal (issue 37): steps
+within 15%, the slow/fast ratio within 15%. ``--refit FILE`` recomputes the
+predictions of a saved run (no privilege); ``--png P`` plots it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from testbed.cluster import cluster_spec, netns
+from testbed.cluster.fit import HostProbe, emulated, fit_host_costs
+from testbed.cluster.step import predict_step
+from testbed.plan.io import load_plan, plan_to_dict
+from testbed.topology.io import load_topology
+
+TOPOLOGY = "eth-4x2"
+PLAN_DIR = Path(__file__).parent / "cluster_plans"
+PLANS = sorted(p.name for p in PLAN_DIR.glob("*.yaml"))  # saved runs name them by file name
+
+
+def _spec(topology, rate_mbps: float):
+    return cluster_spec(topology, name="steps", scale=rate_mbps * 1e6 / (topology.levels[-1].bandwidth * 8))
+
+
+def measure(rates: list[float], plans: list[str], steps: int) -> dict:
+    from testbed.runner.cluster_calibrate import measure as measure_collectives
+    from testbed.runner.on_cluster import host_and_shaped_steps
+
+    topology = load_topology(TOPOLOGY)
+    runs = []
+    for rate in rates:
+        spec = _spec(topology, rate)
+        with netns.ephemeral(spec) as owner:
+            calibration = measure_collectives(spec, owner, max_call_s=1.5)
+            timed = {name: host_and_shaped_steps(spec, owner, plan_to_dict(load_plan(str(PLAN_DIR / name))), steps)
+                     for name in plans}
+        runs.append({"rate_mbps": rate, "calibration": calibration, "steps": timed})
+        print(json.dumps({"rate_mbps": rate, "load": {p: t["load"] for p, t in timed.items()}}), file=sys.stderr,
+              flush=True)
+    return {"topology": TOPOLOGY, "plans": plans, "steps": steps, "runs": runs}
+
+
+def predictions(doc: dict) -> list[dict]:
+    """Per rate and plan: measured beside predicted (calibrated on that rate's collectives)."""
+    topology = load_topology(doc["topology"])
+    rows = []
+    for run in doc["runs"]:
+        spec = _spec(topology, run["rate_mbps"])
+        probe = HostProbe.from_dict(run["calibration"]["probe"])
+        costs = fit_host_costs(spec, probe, run["calibration"]["rows"])
+        calibrated = emulated(spec, probe, costs)
+        for name, timed in run["steps"].items():
+            plan = load_plan(str(PLAN_DIR / Path(name).name))
+            prediction = predict_step(plan, calibrated, timed["unshaped"]["median_step_s"])
+            measured = timed["shaped"]["median_step_s"]
+            rows.append({"rate_mbps": run["rate_mbps"], "plan": plan.name, "measured_s": measured,
+                         **prediction.to_dict(), "error": prediction.predicted_s / measured - 1,
+                         "simulator_alone_error": prediction.simulated_s / measured - 1, "load": timed["load"],
+                         "costs": costs.to_dict()})
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per plan: slowest-rate step over fastest-rate step, measured and predicted."""
+    out = []
+    for plan in sorted({r["plan"] for r in rows}):
+        mine = sorted((r for r in rows if r["plan"] == plan), key=lambda r: r["rate_mbps"])
+        slow, fast = mine[0], mine[-1]
+        measured = slow["measured_s"] / fast["measured_s"]
+        predicted = slow["predicted_s"] / fast["predicted_s"]
+        out.append({"plan": plan, "slow_mbps": slow["rate_mbps"], "fast_mbps": fast["rate_mbps"],
+                    "measured_ratio": measured, "predicted_ratio": predicted, "error": predicted / measured - 1,
+                    "simulator_alone_ratio": slow["simulated_s"] / fast["simulated_s"]})
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Step time against link rate per plan: measured (markers), predicted (line), the simulator alone (dashed)."""
+    from testbed.viz.plots import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for i, plan in enumerate(sorted({r["plan"] for r in rows})):
+        mine = sorted((r for r in rows if r["plan"] == plan), key=lambda r: r["rate_mbps"])
+        rates = [r["rate_mbps"] for r in mine]
+        ax.plot(rates, [r["measured_s"] for r in mine], "o", color=f"C{i}", label=f"{plan} measured")
+        ax.plot(rates, [r["predicted_s"] for r in mine], "-", color=f"C{i}", label=f"{plan} predicted")
+        ax.plot(rates, [r["simulated_s"] for r in mine], ":", color=f"C{i}", label=f"{plan} simulator alone")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate (Mb/s)")
+    ax.set_ylabel("step time (s)")
+    ax.set_title("training steps on an emulated 4 x 2 cluster")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="10,30,100", help="link rates in Mb/s (default 10,30,100)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run after the first (default 4)")
+    parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
+    parser.add_argument("--refit", default=None, metavar="FILE", help="only the predictions of a saved --save file")
+    parser.add_argument("--png", default=None, help="plot step time against link rate")
+    args = parser.parse_args(argv)
+    started = time.time()
+    if args.refit:
+        doc = json.loads(Path(args.refit).read_text())
+    else:
+        problem = netns.unavailable()
+        if problem:
+            print(json.dumps({"skipped": problem}))
+            return 0
+        doc = measure([float(r) for r in args.rates.split(",")], PLANS, args.steps)
+        if args.save:
+            Path(args.save).write_text(json.dumps(doc, indent=1))
+    rows = predictions(doc)
+    if args.png:
+        plot(rows, args.png)
+    errors = [abs(r["error"]) for r in rows]
+    ratio = ratios(rows)
+    print(json.dumps({"topology": TOPOLOGY, "wall_s": round(time.time() - started, 1), "rows": rows, "ratios": ratio,
+                      "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
+                      "max_abs_ratio_error": max(abs(r["error"]) for r in ratio),
+                      "goal": "steps within 15%, slow/fast ratio within 15%"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Measure gloo's host costs on a built emulated cluster: the probe and timed collectives, as raw rows.
+
+:func:`measure` runs :mod:`testbed.cluster.probe` and then, in one job of one
+worker per node (:func:`testbed.runner.on_cluster.cluster_launch`), all-reduce
+and all-gather over every device at a tiny size (4 KiB: every one of gloo's
+segments holds data, so every round runs; a 4-byte all-reduce skips most)
+and at 64 KiB x 4^k while the call is priced under ``max_call_s`` at the
+links' goodput. :func:`testbed.cluster.fit.fit_host_costs` fits the per-round
+overhead and link efficiency to those rows. The 1-minute load average is
+recorded before and after: on a shared host the per-call cost follows it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from testbed.cluster import probe as tcp_probe
+from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, predict
+from testbed.cluster.spec import ClusterSpec
+from testbed.runner.on_cluster import cluster_launch, slowest_medians
+
+__all__ = ["TINY_BYTES", "sizes_for", "measure"]
+
+#: The call that fixes the per-call cost: 4 KiB (the all-reduce's buffer, the all-gather's result).
+TINY_BYTES = 4096
+_FIRST, _LAST = 2**16, 2**26  # 64 KiB .. 64 MiB, nccl-tests' sizes
+
+
+def sizes_for(spec: ClusterSpec, probe: HostProbe, op: str, max_call_s: float) -> list[int]:
+    """The tiny size and 64 KiB x 4^k up to 64 MiB whose call the links' goodput prices under ``max_call_s``."""
+    guess = emulated(spec, probe, HostCosts(call_s=5e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec)))
+    sizes, size = [TINY_BYTES], _FIRST
+    while size <= _LAST and predict(guess, op, size) <= max_call_s:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduce", "all_gather"),
+            max_call_s: float = 2.0, repeats: int = 3, tiny_repeats: int = 15,
+            timeout_s: float | None = 900) -> dict[str, Any]:
+    """Probe the cluster, then time ``ops`` at :func:`sizes_for`'s sizes; the raw measurements (JSON-ready)."""
+    load_before, started = _load(), time.perf_counter()
+    measured = tcp_probe.measure(spec, owner)
+    probe = HostProbe(loopback_bandwidth=measured.loopback_bandwidth,
+                      loopback_latency_s=measured.loopback_latency_s, across_latency_s=measured.across_latency_s)
+    calls = [[op, size, tiny_repeats if size == TINY_BYTES else repeats]
+             for op in ops for size in sizes_for(spec, probe, op, max_call_s)]
+    # One job for every op: each launch compiles and joins the workers anew (~20 s on a busy 2-core host).
+    rows = slowest_medians(cluster_launch(spec, owner, {"body": "collective", "calls": calls}, timeout_s=timeout_s))
+    return {"cluster": spec.name, "topology": spec.topology.name, "scale": spec.scale, "mtu": spec.mtu,
+            "link_rate_bps": min(link.rate_bps for link in spec.links), "goodput": link_goodput(spec),
+            "probe": probe.to_dict(), "rows": rows, "max_call_s": max_call_s, "repeats": repeats,
+            "load_before": load_before, "load_after": _load(), "seconds": time.perf_counter() - started}

@@ -1,0 +1,139 @@
+"""gloo's host costs on an emulated cluster (testbed.cluster.fit, .step) and `calibrate --cluster` refits: pure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from testbed.cli.main import main
+from testbed.cluster import cluster_spec
+from testbed.cluster.fit import (FIT_MIN_BYTES, HostCosts, HostProbe, costs_at_rate, emulated, fit_host_costs,
+                                 link_goodput, predict, row_errors)
+from testbed.cluster.step import predict_step, unshaped
+from testbed.errors import InputError
+from testbed.plan.io import load_plan
+from testbed.topology.io import load_topology
+
+PROBE = HostProbe(loopback_bandwidth=5e8, loopback_latency_s=3e-6, across_latency_s=5e-6)
+SIZES = [4096] + [2**16 * 4**k for k in range(4)]
+
+
+def _spec(rate_mbps: float = 100.0):
+    topology = load_topology("eth-4x2")
+    return cluster_spec(topology, name="t", scale=rate_mbps * 1e6 / (topology.levels[-1].bandwidth * 8))
+
+
+def _rows(spec, costs: HostCosts) -> list[dict]:
+    topology = emulated(spec, PROBE, costs)
+    return [{"op": op, "bytes": size, "measured_s": predict(topology, op, size)}
+            for op in ("all_reduce", "all_gather") for size in SIZES]
+
+
+def test_the_fit_recovers_the_costs_that_priced_the_rows():
+    spec = _spec()
+    truth = HostCosts(call_s=6e-3, overhead_s=2e-4, link_efficiency=0.85, goodput=link_goodput(spec))
+    fitted = fit_host_costs(spec, PROBE, _rows(spec, truth))
+    assert fitted.link_efficiency == pytest.approx(0.85, abs=0.006)
+    assert fitted.call_s == pytest.approx(6e-3, abs=5e-4)
+    assert fitted.overhead_s == pytest.approx(2e-4, abs=4e-5)
+    assert all(abs(r["error"]) < 0.02 for r in row_errors(spec, PROBE, fitted, _rows(spec, truth)))
+
+
+def test_the_fit_ignores_calls_under_64KiB():
+    spec = _spec()
+    truth = HostCosts(call_s=2e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec))
+    rows = _rows(spec, truth)
+    noisy = [{**r, "measured_s": r["measured_s"] * (5 if r["bytes"] < FIT_MIN_BYTES else 1)} for r in rows]
+    assert fit_host_costs(spec, PROBE, noisy).link_efficiency == pytest.approx(0.9, abs=0.006)
+    with pytest.raises(InputError, match="64|65536"):
+        fit_host_costs(spec, PROBE, [r for r in rows if r["bytes"] < FIT_MIN_BYTES])
+
+
+def test_costs_carried_to_another_rate():
+    a = HostCosts(call_s=4e-3, overhead_s=1e-4, link_efficiency=0.8, goodput=1e6)
+    b = HostCosts(call_s=6e-3, overhead_s=3e-4, link_efficiency=0.9, goodput=1e6)
+    share = costs_at_rate([a, b], 1e7)
+    assert (share.call_s, share.overhead_s, share.link_efficiency) == pytest.approx((5e-3, 2e-4, 0.85))
+    per_byte = costs_at_rate([a, b], 1e7, per_byte=True)
+    # A cost per byte independent of the rate takes a larger share of a faster link.
+    assert per_byte.per_byte_s == pytest.approx((a.per_byte_s + b.per_byte_s) / 2)
+    assert per_byte.link_efficiency < share.link_efficiency
+
+
+def test_efficiency_is_the_network_levels_share_of_goodput():
+    spec = _spec()
+    costs = HostCosts(call_s=0.0, overhead_s=0.0, link_efficiency=0.8, goodput=link_goodput(spec))
+    topology = emulated(spec, PROBE, costs)
+    assert topology.levels[-1].bandwidth == pytest.approx(0.8 * link_goodput(spec))
+    assert topology.levels[0].bandwidth == PROBE.loopback_bandwidth
+    with_call = emulated(spec, PROBE, HostCosts(call_s=7e-3, overhead_s=0.0, link_efficiency=0.8, goodput=1.0))
+    assert predict(with_call, "all_reduce", 2**20) - predict(topology, "all_reduce", 2**20) == pytest.approx(7e-3)
+
+
+@pytest.mark.parametrize("field, value", [("call_s", -1e-3), ("overhead_s", 2.0), ("link_efficiency", 0.0),
+                                          ("link_efficiency", 1.2)])
+def test_bad_costs_name_the_field(field, value):
+    kwargs = {"call_s": 0.0, "overhead_s": 0.0, "link_efficiency": 0.9, "goodput": 1e6, field: value}
+    with pytest.raises(InputError) as err:
+        HostCosts(**kwargs)
+    assert err.value.field == field
+
+
+def test_a_step_is_the_host_part_plus_what_the_links_add():
+    spec = _spec(10.0)
+    costs = HostCosts(call_s=5e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec))
+    topology = emulated(spec, PROBE, costs)
+    loose = unshaped(topology)
+    assert loose.levels[-1].bandwidth == loose.levels[0].bandwidth == PROBE.loopback_bandwidth
+    plan = load_plan("benchmarks/cluster_plans/dp8-small.yaml")
+    step = predict_step(plan, topology, host_step_s=0.5)
+    assert step.predicted_s == pytest.approx(0.5 + step.simulated_s - step.simulated_unshaped_s)
+    assert step.links_s > 0
+    fast = predict_step(plan, emulated(_spec(100.0), PROBE, costs), host_step_s=0.5)
+    assert 0 < fast.links_s < step.links_s  # 10x faster links add less
+
+
+def _measurements(tmp_path, rows: list[dict]) -> str:
+    spec = _spec()
+    path = tmp_path / "c.measurements.json"
+    path.write_text(json.dumps({"cluster": "t", "topology": "eth-4x2", "scale": spec.scale, "mtu": 1500,
+                                "link_rate_bps": spec.links[0].rate_bps, "probe": PROBE.to_dict(), "rows": rows,
+                                "load_before": 1.0, "load_after": 1.5}))
+    return str(path)
+
+
+def test_calibrate_cluster_refit_writes_the_calibrated_topology(tmp_path, capsys):
+    spec = _spec()
+    truth = HostCosts(call_s=6e-3, overhead_s=0.0, link_efficiency=0.85, goodput=link_goodput(spec))
+    out = tmp_path / "c.yaml"
+    code = main(["calibrate", "--cluster", "t", "--out", str(out), "--from-measurements",
+                 _measurements(tmp_path, _rows(spec, truth)), "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["costs"]["link_efficiency"] == pytest.approx(0.85, abs=0.006)
+    topology = load_topology(str(out))
+    assert topology.levels[-1].bandwidth == pytest.approx(data["costs"]["link_efficiency"] * link_goodput(spec))
+    assert topology.calibration.collectives.launch_s == pytest.approx(data["costs"]["call_s"])
+
+
+def test_calibrate_cluster_bad_measurements_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    assert main(["calibrate", "--cluster", "t", "--out", str(tmp_path / "c.yaml"), "--from-measurements",
+                 str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json" in err and "--from-measurements" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["validate", "benchmarks/cluster_plans/dp8-small.yaml", "--cluster", "nosuch", "--topology", "eth-4x2"],
+    ["verify", "--plan", "benchmarks/cluster_plans/dp8-small.yaml", "--cluster", "nosuch"],
+    ["calibrate", "--cluster", "nosuch", "--out", "OUT"],
+])
+def test_commands_on_a_cluster_that_is_not_up_exit_2(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TESTBED_CLUSTER_STATE", str(tmp_path / "state"))
+    argv = [str(tmp_path / "c.yaml") if a == "OUT" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no cluster `nosuch` is up" in err and "--cluster" in err
