@@ -42,12 +42,15 @@ import optax  # noqa: E402
 from testbed.runner import model as jm  # noqa: E402
 from testbed.model import costs as tm  # noqa: E402
 from testbed.model.memory import memory_breakdown  # noqa: E402
+from testbed.plan.runtime import RuntimeSpec  # noqa: E402
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan  # noqa: E402
 from testbed.topology.io import load_topology  # noqa: E402
 
 
 def _plans() -> list[Plan]:
-    """Plans spanning the terms: state-dominated, activation-dominated, remat, bf16, tied, DP, ZeRO, FSDP, flash."""
+    """Plans spanning the terms: state-dominated, activation-dominated, remat, bf16, tied, DP, ZeRO, FSDP, flash.
+
+    FSDP and ZeRO-3 rows compile the runner's step (per-block gathers, gathered again in the backward)."""
     small = ModelSpec(layers=4, d_model=256, heads=4, d_ff=1024, seq_len=128, vocab=2048)
     wide = ModelSpec(layers=2, d_model=512, heads=8, d_ff=2048, seq_len=64, vocab=4096)
     long = ModelSpec(layers=2, d_model=128, heads=4, d_ff=512, seq_len=512, vocab=1024)
@@ -56,9 +59,11 @@ def _plans() -> list[Plan]:
     flash_gqa = replace(flash_long, kv_heads=2)
 
     def plan(name, spec, batch, precision="fp32", remat="none", data=1, fsdp=1, zero=0, tensor=1, sp=False, context=1):
+        # XLA:CPU runs collectives synchronously, between the kernels: no block's gather runs ahead of the compute
+        # (runtime.fsdp_prefetch 0; XLA's latency-hiding scheduler on GPU/TPU prefetches one, the default).
         return Plan(name=name, model=spec, batch=BatchSpec(global_batch=batch),
                     mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, context=context), precision=precision,
-                    remat=remat, zero=zero, sequence_parallel=sp)
+                    remat=remat, zero=zero, sequence_parallel=sp, runtime=RuntimeSpec(fsdp_prefetch=0))
 
     return [
         plan("small-b8", small, 8),
@@ -77,6 +82,8 @@ def _plans() -> list[Plan]:
         plan("wide-dp8-zero1", wide, 32, data=8, zero=1),
         plan("small-fsdp8", small, 64, fsdp=8),
         plan("wide-fsdp8", wide, 32, fsdp=8),
+        plan("wide-dp2-fsdp4-zero3", wide, 32, data=2, fsdp=4, zero=3),
+        plan("wide-fsdp8-full", wide, 32, fsdp=8, remat="full"),
         plan("small-b32-flash", flash_small, 32),
         plan("small-b32-flash-selective", flash_small, 32, remat="selective"),
         plan("small-b32-flash-full", flash_small, 32, remat="full"),
@@ -136,7 +143,9 @@ def measure(plan: Plan) -> dict:
     flops = jm.count_matmul_flops(jax.make_jaxpr(jax.grad(loss_fn))(params, tokens, tokens))
 
     replicas = plan.replicas
-    if plan.mesh.tensor > 1 or plan.mesh.context > 1:  # the runner's own step: Megatron shardings, SP, the ring
+    if plan.mesh.tensor > 1 or plan.mesh.context > 1 or plan.mesh.fsdp > 1 or plan.zero >= 3:
+        # The runner's own step: Megatron shardings, SP, the ring, FSDP's per-block gathers (gathered again in
+        # the backward: testbed.runner.parallel.ParamShards), which plain GSPMD keeps from forward to backward.
         from testbed.runner.train import build_trainer
 
         trainer = build_trainer(plan, jax.devices()[:plan.mesh.size])

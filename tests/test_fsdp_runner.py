@@ -38,8 +38,10 @@ def _plan(microbatches: int = 1, zero: int = 0, **mesh: int) -> Plan:
                 batch=BatchSpec(global_batch=2 * replicas * microbatches, microbatches=microbatches))
 
 
-def _compiled(plan: Plan) -> tuple[SpmdTrainer, list[tuple[str, str, int]]]:
-    """The trainer and its compiled step's collectives: (axes, kind, elements of the result) per instruction."""
+def _compiled(plan: Plan) -> tuple[SpmdTrainer, list[tuple[str, str, int]], list[tuple[str, int]]]:
+    """The trainer, its compiled step's collectives but the backward's parameter gathers: (axes, kind, elements
+    of the result) per instruction, and those backward gathers: (axes, elements) (testbed.runner.parallel's
+    pieces gather their weights again in the backward)."""
     shape = (1, plan.mesh.data, plan.mesh.fsdp, plan.mesh.tensor)
     devices = np.asarray(jax.devices()[:math.prod(shape)]).reshape(shape)
     mesh = jax.sharding.Mesh(devices, ("stage", "data", "fsdp", "tensor"))
@@ -56,7 +58,7 @@ def _compiled(plan: Plan) -> tuple[SpmdTrainer, list[tuple[str, str, int]]]:
     text = trainer._step.lower(sds(held, trainer.param_shardings),
                                sds(jax.eval_shape(trainer.optimizer.init, params), trainer.opt_shardings),
                                tokens, tokens).compile().as_text()
-    found = []
+    found, regathered = [], []
     for line in text.splitlines():
         axes = reshards.compiled_axes(line, shape, mesh.axis_names)
         if not axes:
@@ -64,8 +66,11 @@ def _compiled(plan: Plan) -> tuple[SpmdTrainer, list[tuple[str, str, int]]]:
         (label, kind), = axes
         result = line.split("=", 1)[1].split(kind)[0]  # the result type(s), before the op name
         elements = sum(math.prod(int(n) for n in dims.split(",") if n) for _, dims in _SHAPE.findall(result))
-        found.append((label, kind, elements))
-    return trainer, found
+        if kind == "all-gather" and "transpose(" in line:
+            regathered.append((label, elements))
+        else:
+            found.append((label, kind, elements))
+    return trainer, found, regathered
 
 
 def _leaves(trainer: SpmdTrainer, axes: set[str]) -> tuple[list[int], list[int]]:
@@ -93,20 +98,24 @@ def _activation(plan: Plan) -> int:
                          ids=["data2-fsdp2-tensor2", "data2-fsdp2-zero3"])
 def test_fsdp_gathers_weights_and_reduce_scatters_gradients(degrees: dict) -> None:
     plan = _plan(**degrees)
-    trainer, found = _compiled(plan)
+    trainer, found, regathered = _compiled(plan)
     shard_axes = {"fsdp", "data"} if plan.zero == 3 else {"fsdp"}
     label = "+".join(a for a in ("data", "fsdp") if a in shard_axes)
     leaves, whole = _leaves(trainer, shard_axes)
     gathers = sorted(n for axes, kind, n in found if axes == label and kind == "all-gather")
     scatters = [n for axes, kind, n in found if axes == label and kind == "reduce-scatter"]
-    # Every sharded leaf is gathered once for its forward (no remat: the backward reuses it) with the bytes of
-    # its tensor-rank shard, and its gradient is reduce-scattered once into the shards. A leaf the one rule pads
+    # Every sharded leaf is gathered once for its forward with the bytes of its tensor-rank shard (and those the
+    # backward reads once more there), and its gradient is reduce-scattered once into the shards. A leaf the one rule pads
     # (no free dim divides) the runner holds whole, but shards its optimizer state flat and padded
     # (testbed.runner.padding): gathered once after the update, the padded flat form of its tensor-rank block.
     ways = math.prod(plan.mesh.degree(a) for a in shard_axes)
     padded = [p.gathered_elements(plan.mesh.tensor, ways) for p, n in layout.chunk_params(MODEL, 0, 0, 1)
               for _ in range(n) if p.padded(plan.mesh.tensor, ways)]
-    assert gathers == sorted(leaves + padded), (gathers, sorted(leaves), padded)
+    # (Which of a leaf's two gathers XLA names the backward's is its choice where it merged them: the head's.)
+    gathers = Counter(gathers + [n for axes, n in regathered if axes == label])
+    again = gathers - Counter(leaves + padded)
+    assert not Counter(leaves + padded) - gathers, (gathers, sorted(leaves), padded)
+    assert again and not again - Counter(leaves), (again, leaves)
     assert sorted(n * ways for n in scatters) == sorted(leaves)
     # No activation crosses the batch axes: what is all-reduced over a group spanning fsdp is the loss and
     # the gradients of the few leaves no free dim of which the shard count divides (the qkv bias here).
@@ -146,7 +155,7 @@ def test_compiled_collectives_are_the_rule_count() -> None:
     from testbed.model.leaves import gathered_leaves, parameter_collectives, runner_whole_params
 
     plan = _plan(fsdp=2, tensor=2)
-    _, found = _compiled(plan)
+    _, found, regathered = _compiled(plan)
     kinds = Counter(kind for axes, kind, _ in found if axes == "fsdp")
     rule = parameter_collectives(plan, 0, 0, combine_bytes=0)
     assert rule == len(gathered_leaves(plan, 0, 0))
@@ -154,8 +163,11 @@ def test_compiled_collectives_are_the_rule_count() -> None:
     held_whole = sum(n for p, n in layout.chunk_params(MODEL, 0, 0, 1, tied_copy=False) if p.name in whole)
     assert held_whole > 0  # some leaves are padded at tensor 2: the runner's count must see them
     assert kinds["reduce-scatter"] == rule - held_whole, (kinds, rule, held_whole)
-    # Their optimizer state is sharded padded (testbed.runner.padding): each is gathered whole after the update.
-    assert kinds["all-gather"] == rule - held_whole + held_whole, (kinds, rule, held_whole)
+    # Their optimizer state is sharded padded (testbed.runner.padding): each is gathered whole after the update,
+    # so the forward's gathers and those are the rule's count.
+    # The backward gathers again the leaves it reads (weights and norm scales, not biases), evenly split ones only.
+    again = kinds["all-gather"] + len([n for axes, n in regathered if axes == "fsdp"]) - rule
+    assert 0 < again < rule - held_whole, (kinds, rule, held_whole, again)
 
 
 def test_compiled_zero1_regathers_are_the_rule_count() -> None:
@@ -164,7 +176,7 @@ def test_compiled_zero1_regathers_are_the_rule_count() -> None:
     from testbed.model.leaves import parameter_collectives
 
     plan = _plan(data=2, zero=1)
-    _, found = _compiled(plan)
+    _, found, _ = _compiled(plan)
     gathers = sum(1 for axes, kind, _ in found if axes == "data" and kind == "all-gather")
     assert gathers == parameter_collectives(plan, 0, None, combine_bytes=0, which="optimizer") > 1
 
@@ -178,7 +190,7 @@ def test_compiled_gradient_all_reduces_are_combined_into_one() -> None:
     from testbed.sim.program import build_program
 
     for plan in (_plan(data=2), _plan(data=2, tensor=2), _plan(data=2, zero=1)):
-        _, found = _compiled(plan)
+        _, found, _ = _compiled(plan)
         reduces = [elements for axes, kind, elements in found if axes == "data" and kind == "all-reduce"]
         assert len(reduces) == 1, (plan.mesh, plan.zero, reduces)
         program = build_program(plan, place(plan, num_devices=plan.mesh.size), combine_bytes=0.0)

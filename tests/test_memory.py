@@ -10,7 +10,9 @@ import yaml
 
 from testbed.model import costs as tm
 from testbed.cli import main
+from testbed.model import layout
 from testbed.model.memory import inflight_microbatches, memory_breakdown, state_bytes_per_param
+from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat, ScheduleSpec
 from testbed.plan.io import bundled_plan_names, load_plan
 from testbed.topology.io import bundled_names, load_topology
@@ -42,12 +44,27 @@ def test_zero_stages_shard_states_in_order(precision: str) -> None:
     assert m[0].params + m[0].grads + m[0].optimizer == 16 * tm.param_count(SPEC)
 
 
-def test_zero3_without_remat_keeps_gathered_weights() -> None:
-    z2 = memory_breakdown(_plan(mesh={"data": 8}, mb=2, zero=2), HOST)
-    z3 = memory_breakdown(_plan(mesh={"data": 8}, mb=2, zero=3), HOST)
-    assert z3.params * 8 == z2.params
-    # Without remat the gathered fp32 weights of the whole stage stay live as autodiff residuals.
-    assert z3.workspace == z2.workspace + 4 * tm.param_count(SPEC)
+@pytest.mark.parametrize("remat", list(Remat))
+def test_zero3_gathers_one_block_and_its_prefetch(remat: Remat) -> None:
+    # Gathered per block, forward and backward (the backward gathers again), whatever the remat: the block
+    # computing and `fsdp_prefetch` blocks ahead are live, never the whole stage.
+    z2 = memory_breakdown(_plan(mesh={"data": 8}, mb=2, zero=2, remat=remat), HOST)
+    layer = sum(p.size for p in layout.layer_params(SPEC, 0))
+    embed = sum(p.size for p in layout.embedding_params(SPEC))
+    head = sum(p.size for p in layout.head_params(SPEC))
+    assert embed + SPEC.layers * layer + head == tm.param_count(SPEC)
+    blocks = sorted([layer] * SPEC.layers + [embed, head], reverse=True)
+    # A microbatch's unsharded fp32 gradients: ZeRO-2 writes the whole stage's before reduce-scattering them,
+    # ZeRO-3 one block's at a time (reduce-scattered in each block's backward).
+    z2_rest = z2.workspace - 4 * tm.param_count(SPEC)
+    for prefetch in (0, 1, 3):
+        z3 = memory_breakdown(_plan(mesh={"data": 8}, mb=2, zero=3, remat=remat,
+                                    runtime=RuntimeSpec(fsdp_prefetch=prefetch)), HOST)
+        assert z3.params * 8 == z2.params
+        assert z3.workspace == z2_rest + 4 * blocks[0] + 4 * sum(blocks[:1 + prefetch])
+    whole = memory_breakdown(_plan(mesh={"data": 8}, mb=2, zero=3, remat=remat,
+                                   runtime=RuntimeSpec(fsdp_prefetch=64)), HOST)
+    assert whole.workspace == z2_rest + 4 * blocks[0] + 4 * tm.param_count(SPEC)  # never more than the stage holds
 
 
 def test_zero_without_data_parallelism_changes_nothing() -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed.model import costs
+from testbed.model import costs, layout
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
@@ -83,11 +83,13 @@ def test_gradient_bytes_are_conserved(plan):
                             rel_tol=1e-9)
         assert math.isclose(sum(t.nbytes for t in firsts), costs.device_stage_params(plan, s) * grad_b, rel_tol=1e-9)
         assert all(int(program.representative[d]) == rep for t in firsts for d in t.group)
-        # One bucket per layer (at most BUCKETS) when they reduce during the backward (sharded accumulation);
-        # one per chunk when the replicas' gradients are summed once, after the stage's backward (ZeRO 0/1).
+        # One bucket per layer (at most BUCKETS; every layer, a block, when the parameters are sharded) when they
+        # reduce during the backward (sharded accumulation); one per chunk when the replicas' gradients are summed
+        # once, after the stage's backward (ZeRO 0/1).
         during = bool(gradient_reduction(plan)[0])
-        assert len(firsts) == plan.schedule.virtual_stages * (min(BUCKETS, plan.model.layers // (
-            plan.mesh.stage * plan.schedule.virtual_stages)) if during else 1)
+        layers = plan.model.layers // (plan.mesh.stage * plan.schedule.virtual_stages)
+        per_chunk = layers if state_sharding(plan).ways(plan, "params") > 1 else min(BUCKETS, layers)
+        assert len(firsts) == plan.schedule.virtual_stages * (per_chunk if during else 1)
 
 
 @given(plans)
@@ -158,10 +160,10 @@ def test_sharding_model(zero, fsdp, ops):
     gathers = [t for t in program.tasks if t.stream == "gather"]
     sharded_params = fsdp > 1 or zero == 3
     assert bool(gathers) == sharded_params
-    if sharded_params:  # one gather before every F (the backward keeps the gathered weights), and B with full remat
-        assert len(gathers) == plan.batch.microbatches
+    if sharded_params:  # a gather per block (layer) in every F and B, whatever the remat
+        assert len(gathers) == 2 * plan.batch.microbatches * plan.model.layers
         _, full = _program(replace(plan, remat="full"))
-        assert len([t for t in full.tasks if t.stream == "gather"]) == 2 * plan.batch.microbatches
+        assert len([t for t in full.tasks if t.stream == "gather"]) == len(gathers)
 
 
 @given(plans)
@@ -208,8 +210,16 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
             mine = [t for t in program.tasks if t.device == rep and (m := re.search(r"[FBW]\d+(?:\.(\d+))?", t.name))
                     and int(m.group(1) or 0) == c]
             gathers = [t for t in mine if t.stream == "gather"]
-            assert all(t.count == max(1, n) for t in gathers)
-            assert all(math.isclose(t.count * t.nbytes, cost.params * param_b, rel_tol=1e-9) for t in gathers)
+            embed = layout.held_elements(((p, 1) for p in layout.embedding_params(plan.model)), plan.mesh.tensor) \
+                if s == c == 0 else 0
+            for label in {t.name.split("/")[0] for t in gathers}:  # an action's gathers: one per block
+                blocks = [t for t in gathers if t.name.split("/")[0] == label]
+                backward = label.split()[-1].startswith("B")  # the backward does not gather the embedding again
+                want = n - 2 if backward and embed and combine == 0 and n > 2 else n
+                assert len(blocks) == max(1, cost.layers)
+                assert sum(t.count for t in blocks) == max(want, len(blocks))  # a block is at least one collective
+                assert math.isclose(sum(t.count * t.nbytes for t in blocks),
+                                    (cost.params - (embed if backward else 0)) * param_b, rel_tol=1e-9)
             if not sharded:
                 assert gathers == []
                 continue
@@ -223,8 +233,9 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
 
 def test_host_counts_one_collective_per_leaf():
     """The bundled host (XLA:CPU combines none) gathers the validation suite's fsdp8 GPT leaf by leaf: 53
-    all-gathers and 53 reduce-scatters per pass, the compiled step's count (tests/test_fsdp_runner.py checks
-    the rule against XLA); a topology without combine_bytes keeps one per chunk."""
+    all-gathers per pass (forward and backward, spread over the blocks) and 53 reduce-scatters, the rule's
+    count (tests/test_fsdp_runner.py checks the rule against XLA); a topology without combine_bytes keeps one
+    per block."""
     from testbed.plan.io import load_plan
     from testbed.model.leaves import combined_sizes, gathered_leaves
     from testbed.sim.engine import simulate
@@ -235,13 +246,15 @@ def test_host_counts_one_collective_per_leaf():
     plan = load_plan("plans/validation/fsdp8.yaml")
     assert len(gathered_leaves(plan, 0, 0)) == 53
     tasks = simulate(plan, host).program.tasks
-    assert [t.count for t in tasks if t.op == "all_gather"] == [53]
+    blocks = plan.model.layers
+    assert sum(t.count for t in tasks if t.op == "all_gather") == 53 + 53 - 2  # the backward: not the embedding's
+    assert len([t for t in tasks if t.op == "all_gather"]) == 2 * blocks
     assert sum(t.count for t in tasks if t.op == "reduce_scatter") == 53
     # ZeRO-1 re-gathers the updated parameters over data leaf by leaf too (53 all-gathers in zero1-dp8's step).
     zero1 = load_plan("plans/validation/zero1-dp8.yaml")
     assert [t.count for t in simulate(zero1, host).program.tasks if t.name == "gather params"] == [53]
     merged = replace(host, calibration=host.calibration.updated(collectives={"combine_bytes": None}))
-    assert [t.count for t in simulate(plan, merged).program.tasks if t.op == "all_gather"] == [1]
+    assert [t.count for t in simulate(plan, merged).program.tasks if t.op == "all_gather"] == [1] * 2 * blocks
     assert [t.count for t in simulate(zero1, merged).program.tasks if t.name == "gather params"] == [1]
     # The combiner's rule: consecutive collectives merge while the merged one stays within the threshold.
     assert combined_sizes((4.0, 4.0, 8.0, 2.0, 1.0), 8.0) == (8.0, 8.0, 3.0)

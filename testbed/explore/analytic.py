@@ -10,8 +10,10 @@ the pipeline schedule table, stage by stage, with the same prices:
   into gradient buckets as the program splits it), plus its blocking
   tensor-parallel all-reduces timed by testbed.collectives.timing over every
   tensor group at once (``groups_time``: the groups share links);
-- fsdp/ZeRO-3 parameter gathers run ahead on their own stream, so an action
-  waits for its gather only when gathering is the bottleneck;
+- fsdp/ZeRO-3 parameter gathers run block by block on their own stream, at
+  most ``runtime.fsdp_prefetch`` blocks ahead of the compute: an action of
+  ``n`` blocks waits for its first block's gather, then runs a block every
+  ``max(gather, compute)`` per block (``gather + compute`` without prefetch);
 - activations and gradients cross stages with ``send_time`` on the sender's
   pipe stream (serial, as the program's);
 - under context parallelism an action is priced as the task graph splits
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -50,7 +53,8 @@ from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, interleaved_wait, merge, step_end_wait
 from testbed.sim.compute import compute_seconds
-from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, cached_order, step_facts
+from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
+                               step_facts)
 from testbed.sim.moe import Piece
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
 from testbed.topology import Topology
@@ -188,6 +192,7 @@ class _Priced(NamedTuple):
     syncs: tuple[Syncs, Syncs]
     bucket_syncs: Syncs
     hidden: float = 0.0
+    blocks: int = 1
 
 
 class _Step:
@@ -211,11 +216,22 @@ class _Step:
         self.prices: dict[tuple[int, int, str], _Priced] = {}
         for s in range(p):
             for c, chunk in enumerate(facts.chunks[s]):
-                gather = chunk.leaves * self.coll.time("all_gather", facts.params_axes, s, chunk.moved[0]
-                                                       * facts.param_bytes / chunk.leaves) \
-                    if facts.params_ways > 1 else 0.0
                 for work in chunk.actions:
+                    gather = 0.0
+                    if facts.params_ways > 1:
+                        gather = self._gather_seconds(s, (chunk.moved[0], chunk.leaves), 1) if work.chain else \
+                            self._gather_seconds(s, chunk.gather(work.kind), chunk.blocks)
                     self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)
+
+    def _gather_seconds(self, s: int, moved: tuple[int, int], pieces: int) -> float:
+        """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces`` blocks
+        (testbed.sim.program's: each block its share of the bytes and of the collectives,
+        :func:`~testbed.sim.facts.bucket_share`)."""
+        elements, leaves = moved
+        total, per = 0.0, elements * self.facts.param_bytes / pieces
+        for count, times in Counter(bucket_share(leaves, pieces, k) for k in range(pieces)).items():
+            total += times * count * self.coll.time("all_gather", self.facts.params_axes, s, per / count)
+        return total
 
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> _Priced:
         """One action's :class:`_Priced` (``gather``: the seconds of a gather of its chunk's parameters)."""
@@ -259,7 +275,7 @@ class _Step:
                  merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden)
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks)
 
     def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
                  ) -> tuple[float, tuple[float, float] | None, tuple[Piece, ...]]:
@@ -359,19 +375,32 @@ class _Play:
             t = self.end[key] if key[0] == s else self.arrive[key]
             if t > start:
                 start = t
-        if priced.gather:
-            self.gather_free[s] += priced.gather
-            if self.gather_free[s] > start:
-                self.comm[s] += self.gather_free[s] - start
-                start = self.gather_free[s]
         return start
+
+    def _gather(self, s: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
+        """An action's gathers block by block (testbed.sim.program's): (when its first block computes, the seconds
+        the later blocks wait for their gathers). Block ``i``'s gather waits for block ``i - 1 - prefetch``; with
+        equal blocks of gather ``g`` and compute ``c`` the action computes a block every ``max(g, c)`` (``g + c``
+        without prefetch). The stage's next gather may start as this action's last ``prefetch`` blocks compute."""
+        n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
+        g, c = priced.gather / n, compute / n
+        if skewed is not None and d == 0:  # each gather, exposed, first meets its group after a block's computing
+            g += skewed.barrier_wait(self.facts.params_ways, c)
+        period = g + c if d == 0 else max(g, c)
+        first = max(start, self.gather_free[s] + g)
+        self.comm[s] += first - start
+        # When the stage's next gather may start: after this action's gathers, and once block n - 1 - d is done.
+        self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
+        return first, (n - 1) * (period - c)
 
     def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
         """Plays one F/B/W action of stage ``s``."""
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.prices[(s, c, kind)]
         compute = self.slow * priced.compute
-        start = self._start(s, c, kind, priced, deps)
+        start, stretch = self._start(s, c, kind, priced, deps), 0.0
+        if priced.gather:
+            start, stretch = self._gather(s, priced, start, compute)
         wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
         skewed = self.step.skewed
         last = kind == self.facts.last_backward
@@ -381,12 +410,17 @@ class _Play:
             wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
             self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
             compute += wait
+        if skewed is not None and priced.gather and priced.blocks > 1:
+            # Each block's gather is a meeting of the shard group (testbed.sim.barriers): the last one runs as
+            # block n - 1 - prefetch starts, so only the blocks from there on are computed since.
+            n = priced.blocks
+            self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
         tensor = priced.tensor
         if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
             tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
-        finish = start + compute + tensor
+        finish = start + compute + stretch + tensor
         self.busy[s] += compute - wait
-        self.comm[s] += tensor + wait
+        self.comm[s] += tensor + wait + stretch
         self.free[s] = finish
         if self.step.serial:  # the program ends with its reductions too
             self.launch = max(finish, self.grad[s])

@@ -19,7 +19,7 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
-           "parameter_collectives"]
+           "parameter_collectives", "regathered", "bucket_share"]
 
 
 def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> tuple[int, ...]:
@@ -133,3 +133,23 @@ def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_byt
         return 0
     leaves = gathered_leaves(plan, stage, chunk, which)
     return max(1, len(combined_sizes(tuple(n * bytes_per_element for n in leaves), combine_bytes)))
+
+
+def regathered(plan: Plan, s: int, c: int, moved: int, leaves: int) -> tuple[int, int]:
+    """(elements, collectives) of the backward's gathers of a chunk: all but the embedding's leaves (one collective
+    fewer per leaf when the combiner merges none; the whole chunk's count when it merges them)."""
+    if not layout.holds(s, c, plan.mesh.stage, plan.schedule.virtual_stages)[0] or not leaves:
+        return moved, leaves
+    ways, mesh = state_sharding(plan).ways(plan, "params"), plan.mesh
+    embed = layout.embedding_params(plan.model)
+    elements = ways * layout.held_elements(((q, 1) for q in embed), mesh.tensor, ways, mesh.expert)
+    separate = leaves == len(gathered_leaves(plan, s, c))
+    return moved - elements, max(1, leaves - len(embed)) if separate else leaves
+
+
+def bucket_share(leaves: int, buckets: int, k: int) -> int:
+    """Of a chunk's ``leaves`` gradient collectives, those bucket ``k`` of ``buckets`` reduces (0 stays 0: the
+    parameters are not sharded, one reduction per bucket). Whole numbers summing to ``leaves``, at least 1."""
+    if leaves <= 0:
+        return 0
+    return max(1, leaves * (k + 1) // buckets - leaves * k // buckets)

@@ -29,9 +29,9 @@ layer's backward (score-matrix and MLP-hidden gradients, plus what remat
 recomputes), the out-of-place data-parallel gradient reduction, a
 microbatch's whole gradients before they join the accumulator (one-program
 accumulation loops; pipelines only when they reduce-scatter), and with
-sharded parameters (fsdp, ZeRO-3) the gathered weights the backward needs
-(all of the stage's, kept as autodiff residuals, unless full remat
-re-gathers them per layer: then two layers).
+sharded parameters (fsdp, ZeRO-3) the gathered weights: one block at a
+time plus the ``runtime.fsdp_prefetch`` blocks gathered ahead, forward and
+backward (:func:`gathered_bytes`; the backward gathers again).
 
 Context parallelism: activations and workspace are one context rank's
 (``seq_len / context`` tokens, as flash attention keeps them:
@@ -54,11 +54,11 @@ from testbed.model import layout, moe
 from testbed.model.ring import rank_spec, ring_workspace
 from testbed.pipeline.schedules import build_schedule, peak_inflight
 from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
-from testbed.plan.sharding import gradient_reduction, state_sharding
+from testbed.plan.sharding import gathered_blocks, gradient_reduction, state_sharding
 from testbed.topology import Topology
 
 __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param",
-           "stage_memory", "probe_stages", "state_floor"]
+           "stage_memory", "probe_stages", "state_floor", "gathered_bytes"]
 
 
 def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
@@ -224,14 +224,9 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     # exactly layers / v per pair when the chunks are even; uneven chunks (testbed.plan.stages) average.
     layer_acts = inflight * layers // v * per_layer
     grads = grad_b * grad_held
-    # Sharded parameters are all-gathered for the forward, and the gathered weights are what the
-    # backward multiplies by: autodiff saves them as residuals, so they stay live from forward to
-    # backward (measured under GSPMD). Full remat recomputes the block, gather included: then only
-    # the layer in use and the next one are gathered.
-    gathered = 0
-    if param_ways > 1:
-        gathered = plan.precision.compute_bytes * (2 * _layer_params_per_device(plan) if plan.remat is Remat.FULL
-                                                   else held)
+    # Sharded parameters are gathered block by block, forward and backward (the backward gathers each block
+    # again): the block computing and the prefetched ones are live (testbed.plan.sharding.gathered_blocks).
+    gathered = gathered_bytes(plan, stage)
     # Data-parallel gradient reduction is out of place: an all-reduce writes a second gradient
     # buffer; a reduce-scatter (ZeRO >= 1) writes only the shard.
     reduce_ws = 0
@@ -240,6 +235,9 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     loss_ws = _loss_workspace(plan) if holds_head else 0
     layer_ws = _layer_workspace(plan)
     # (activations, gradients, workspace) at each candidate peak instant.
+    # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
+    # (each block's gradients are reduce-scattered in its backward, testbed.runner.parallel.ParamShards).
+    unsharded = grad_b * (_stage_blocks(plan, stage)[0] if gathered else held)
     if plan.batch.microbatches > 1:
         # A microbatch's gradients are written whole before they join the accumulator. The
         # one-program step's accumulation loop adds them after the microbatch's backward, and
@@ -248,11 +246,11 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
         # reduce-scatters sharded ones (fsdp, ZeRO-2/3) after the backward; XLA combines the
         # layers' reduce-scatters, so all are live at once. (Measured with XLA:CPU.)
         if p == 1:
-            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws) + gathered + grad_b * held),
+            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws) + gathered + unsharded),
                         (0, grads, reduce_ws)]
         else:
             # The axes reduced after every microbatch (testbed.plan.sharding's one rule, as program and runner).
-            whole = grad_b * held if gradient_reduction(plan)[0] else 0
+            whole = unsharded if gradient_reduction(plan)[0] else 0
             instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered + whole)]
     else:
         layer_grads = grad_b * _layer_params_per_device(plan, grad_ways)
@@ -272,6 +270,39 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     return StageMemory(stage=stage, params_count=param_held, params=param_b * param_held + fp8_copies,
                        grads=live_grads, optimizer=opt_b * opt_held, activations=acts,
                        workspace=workspace, inflight=inflight)
+
+
+def gathered_bytes(plan: Plan, stage: int) -> int:
+    """Bytes of gathered (whole over the shard axes) parameters live at once on a device of ``stage`` under
+    fsdp/ZeRO-3: the ``1 + runtime.fsdp_prefetch`` largest of the stage's blocks (testbed.plan.sharding's
+    :func:`~testbed.plan.sharding.gathered_blocks`; a block is a layer, the embedding, or the head with the tied
+    token table), after the tensor and expert splits, in compute precision; 0 when nothing is sharded. Forward
+    and backward alike: the backward gathers each block again instead of keeping the forward's as residuals
+    (testbed.runner.parallel.ParamShards), so the whole stage is never gathered at once."""
+    blocks = gathered_blocks(plan)
+    return plan.precision.compute_bytes * sum(_stage_blocks(plan, stage)[:blocks]) if blocks else 0
+
+
+def _stage_blocks(plan: Plan, stage: int) -> tuple[int, ...]:
+    """Elements per device of ``stage``'s blocks whole over the shard axes, largest first."""
+    p, v, mesh = plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh
+    embed = any(layout.holds(stage, c, p, v)[0] for c in range(v))
+    head = any(layout.holds(stage, c, p, v)[1] for c in range(v))
+    return _block_sizes(plan.model, mesh.tensor, mesh.expert, embed, head, plan.stage_layers[stage])
+
+
+@functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
+def _block_sizes(spec: ModelSpec, tensor: int, expert: int, embed: bool, head: bool, layers: int,
+                 ) -> tuple[int, ...]:
+    """Elements per device of a stage's blocks whole over the shard axes, largest first (the layers as the
+    largest layer kind: :func:`_largest_layer`)."""
+    sizes = [_largest_layer(spec, tensor, expert, 1)] * layers
+    if embed:
+        sizes.append(layout.held_elements(((q, 1) for q in layout.embedding_params(spec)), tensor, 1, expert))
+    if head:
+        tied = (layout.tied_table(spec),) if spec.tied_embeddings else ()
+        sizes.append(layout.held_elements(((q, 1) for q in (*layout.head_params(spec), *tied)), tensor, 1, expert))
+    return tuple(sorted(sizes, reverse=True))
 
 
 def _layer_params_per_device(plan: Plan, ways: int = 1) -> int:

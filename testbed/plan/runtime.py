@@ -57,6 +57,13 @@ class RuntimeSpec:
     #: (or its gradient) and the receiving stage all-gathers it over its tensor group (Megatron-LM's
     #: scatter/gather of pipeline tensors) instead of every tensor rank sending the whole tensor.
     pipeline_scatter_gather: bool = False
+    #: FSDP/ZeRO-3: blocks (a layer; the embedding, the head) whose parameters are gathered ahead of the one
+    #: computing, forward and backward (the backward gathers each block again). The live gathered weights are
+    #: ``1 + fsdp_prefetch`` blocks (testbed.model.memory); block ``i``'s gather may start once block
+    #: ``i - 1 - fsdp_prefetch`` is done (testbed.sim.program, testbed.explore.analytic); 0: each gather waits
+    #: for the previous block's compute. The runner gathers per block inside the layer loop and again in the
+    #: backward (testbed.runner.parallel.ParamShards); how far ahead is XLA's latency-hiding scheduler's (one).
+    fsdp_prefetch: int = 1
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -72,6 +79,11 @@ class RuntimeSpec:
             raise InputError(f"must be a finite number >= 0 (0: the runner's buckets), got {self.grad_bucket_bytes}",
                              field="runtime.grad_bucket_bytes")
 
+        if isinstance(self.fsdp_prefetch, bool) or not isinstance(self.fsdp_prefetch, int) \
+                or not 0 <= self.fsdp_prefetch <= 64:
+            raise InputError("fsdp_prefetch must be a whole number of blocks from 0 to 64, "
+                             f"got {self.fsdp_prefetch!r:.40}", field="runtime.fsdp_prefetch")
+
 
 #: Values of :attr:`RuntimeSpec.recompute`.
 RECOMPUTE = ("runner", "block", "op")
@@ -84,13 +96,14 @@ GRAD_REDUCE_DTYPES = ("grad", "fp32")
 PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
-    "xla": {},
+    "xla": {"fsdp_prefetch": 1},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
                  "pipeline_scatter_gather": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True},
-    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9},
-    "fsdp": {"recompute": "block", "grad_reduce_overlap": True},
-    "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
+    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1},
+    "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1},
+    "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
+                   "fsdp_prefetch": 1},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
 }
 
@@ -153,6 +166,26 @@ SOURCES: dict[tuple[str, str], str] = {
     ("llm-foundry", "grad_reduce_dtype"): (
         "Composer composer/distributed/mosaic_parallelism.py `get_mixed_precision`: mixed_precision 'DEFAULT' "
         "(the MPT yamls' fsdp_config) is MixedPrecision(param_dtype=autocast dtype, reduce_dtype=torch.float32)"),
+    ("fsdp", "fsdp_prefetch"):
+        "PyTorch FSDP (FullyShardedDataParallel) defaults limit_all_gathers=True (pytorch/pytorch#104900): the "
+        "rate limiter keeps two consecutive FSDP units' all-gathers in flight, the computing one and the "
+        "prefetched next; backward_prefetch=BACKWARD_PRE issues the next unit's gather before the current "
+        "gradient computation (torch.distributed.fsdp docs; docs/notes/fsdp 'FSDP Prefetch Nuances': implicit "
+        "forward prefetching overlaps layer i+1's all-gather with layer i's compute)",
+    ("torchtitan", "fsdp_prefetch"):
+        "torchtitan applies FSDP2 fully_shard per transformer block; FSDP2's defaults 'allow two all-gather "
+        "output tensors to be alive at once' in forward (implicit prefetching) and prefetch the next block in "
+        "backward by the reverse post-forward order (pytorch/pytorch#128884, which added "
+        "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch to change it)",
+    ("deepspeed", "fsdp_prefetch"):
+        "DeepSpeed ZeRO-3 prefetches the next sub-modules' parameters up to stage3_prefetch_bucket_size "
+        "(default 5e7 elements, deepspeed/runtime/zero/config.py) within stage3_max_live_parameters (1e9): "
+        "less than one block of a model of 2B+ parameters (a 7B block is ~2e8), so one block ahead; smaller "
+        "blocks prefetch further (not modelled: the field counts blocks)",
+    ("xla", "fsdp_prefetch"):
+        "XLA's latency-hiding scheduler (xla/service/latency_hiding_scheduler.cc; on by default on TPU, "
+        "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "
+        "previous layer's compute, bounded by its memory limit: the next block's weights, one ahead",
 }
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
+from testbed.plan.spec import MESH_AXES, Axis, Plan
 
-__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters"]
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters",
+           "gathered_blocks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,11 +86,22 @@ def reduction_axes(plan: Plan, expert: bool = False) -> tuple[Axis, ...]:
 def gathers_parameters(plan: Plan, kind: str) -> bool:
     """Whether a pipeline action of ``kind`` (F, B or W) all-gathers the sharded parameters it uses.
 
-    Every forward gathers; the gathered weights stay as residuals for the backward (what
-    testbed.model.memory counts), so only full remat, which recomputes each block from its input
-    inside the backward, gathers again in B (testbed.runner.parallel.ParamShards: the gather sits inside
-    the checkpointed block). W needs no weights. False when nothing shards the parameters.
+    Forward and backward gather block by block (:func:`gathered_blocks`): the backward gathers each block
+    again rather than keeping the forward's gathered weights as residuals (PyTorch FSDP's
+    ``reshard_after_forward``, ZeRO-3; testbed.runner.parallel.ParamShards rematerialises the gather in
+    the backward). W needs no weights. False when nothing shards the parameters.
     """
     if not state_sharding(plan).split_axes(plan, "params"):
         return False
-    return kind == "F" or (kind == "B" and plan.remat is Remat.FULL)
+    return kind in ("F", "B")
+
+
+def gathered_blocks(plan: Plan) -> int:
+    """How many blocks' gathered parameters are live at once under fsdp/ZeRO-3: the one computing and the
+    ``runtime.fsdp_prefetch`` gathered ahead of it (testbed.plan.runtime), forward and backward; 0 when nothing
+    shards the parameters. The one rule testbed.model.memory counts, testbed.sim.program and
+    testbed.explore.analytic time (block ``i``'s gather waits for block ``i - 1 - prefetch``) and the runner
+    executes (each block in its own map, gathered again in the backward)."""
+    if not state_sharding(plan).split_axes(plan, "params"):
+        return 0
+    return 1 + plan.runtime.fsdp_prefetch

@@ -374,7 +374,11 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
     rms = spec is not None and spec.norm is Norm.RMSNORM
     h = _layer_norm(params_head["norm"], x, rms)
     prefix, w = (("head",), {"w": params_head["w"]}) if tied_tokens is None else (("embed",), {"tokens": tied_tokens})
-    logits = _column(seq, h, w, prefix, lambda h, w: h @ (w["tokens"].T if "tokens" in w else w["w"]), 2)
+    # The tied table contracted on its d_model dim in place (no transposed copy: under fsdp a transposed
+    # gathered table would be a saved residual, testbed.runner.parallel.ParamShards).
+    logits = _column(seq, h, w, prefix, lambda h, w: jax.lax.dot_general(h, w["tokens"], (((h.ndim - 1,), (1,)),
+                                                                                          ((), ())))
+                     if "tokens" in w else h @ w["w"], 2)
     logits = logits.astype(jnp.float32)
     if spec is not None and spec.padded_vocab > spec.vocab:
         pad = np.where(np.arange(spec.padded_vocab) < spec.vocab, 0.0, np.finfo(np.float32).min)

@@ -365,8 +365,10 @@ class ParamShards:
     ``jax.shard_map`` manual over the batch axes (``data`` and ``fsdp`` of degree > 1; ``tensor`` stays
     with XLA, Megatron's collectives too): the activations are each device's batch rows, and every
     sharded leaf is ``all_gather``-ed over its shard axes on entry, its gradient ``psum_scatter``-ed
-    (explicit collectives: XLA:CPU lowers a constrained partial sum to an all-reduce and a slice). With
-    full remat each block's gather is recomputed in its backward.
+    (explicit collectives: XLA:CPU lowers a constrained partial sum to an all-reduce and a slice). The
+    gathered weights are left out of the residuals (:func:`_regathered`): the backward gathers each piece again, as PyTorch FSDP with
+    ``reshard_after_forward`` and ZeRO-3 do, so a stage never holds all its weights gathered
+    (testbed.plan.sharding.gathered_blocks, the rule testbed.model.memory counts and testbed.sim.program times).
 
     A leaf replicated over batch axes (over ``data`` below ZeRO 3; a leaf no free dim of which the shard
     count divides) enters as copies on a new leading dim over those axes (each device its own, nothing
@@ -441,8 +443,11 @@ class ParamShards:
         dims, copies, specs, tensor_specs = self._leaves(params)
         params = jax.tree.map(self._copies, params, copies)
 
+        def gather(params: Any) -> Any:
+            return jax.tree.map(self._gather, params, dims, copies, tensor_specs)
+
         def body(params: Any, *batch: jax.Array) -> Any:
-            out = fn(jax.tree.map(self._gather, params, dims, copies, tensor_specs), *batch)
+            out = _regathered(fn, gather, params, batch)
             return out[None] if loss else out
 
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, *(self._batch,) * len(batch)),
@@ -482,6 +487,46 @@ def _gather_bwd(axes: tuple[str, ...], dim: int, tensor_spec: P, _: None, g: jax
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...]) -> Any:
+    """``fn(gather(params), *batch)`` whose backward gathers ``params`` again instead of keeping the gathered
+    weights as residuals (every other residual of ``fn`` is kept as autodiff keeps it).
+
+    A custom VJP: the forward takes ``fn``'s VJP at the gathered weights and drops from its residuals the
+    gathered leaves themselves; the backward gathers the shards again and puts them back. The backward's
+    gather depends on the cotangent and a residual (the shards plus zero times one element of each), so it
+    runs in the backward and no common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers
+    ``jax.checkpoint`` places before its last CSE pass, which merged a rematerialised gather with the forward's.
+    """
+    meta: dict[str, Any] = {}
+
+    @jax.custom_vjp
+    def piece(params: Any, batch: tuple[jax.Array, ...]) -> Any:
+        return fn(gather(params), *batch)
+
+    def forward(params: Any, batch: tuple[jax.Array, ...]) -> tuple[Any, Any]:
+        full = gather(params)
+        out, vjp = jax.vjp(lambda w, b: fn(w, *b), full, batch)
+        leaves, meta["tree"] = jax.tree.flatten(vjp)
+        where = {id(w): i for i, w in enumerate(jax.tree.leaves(full))}
+        meta["gathered"] = {j: where[id(x)] for j, x in enumerate(leaves) if id(x) in where}
+        return out, (params, [x for j, x in enumerate(leaves) if j not in meta["gathered"]])
+
+    def backward(res: Any, ct: Any) -> tuple[Any, Any]:
+        params, kept = res
+        # Zero, from the cotangent and a residual: never a constant XLA could fold (a loss's cotangent is one).
+        zero = (jnp.ravel(jax.tree.leaves(ct)[0])[0] + sum(jnp.ravel(r)[0] for r in kept[:1])) * 0
+        full = jax.tree.leaves(gather(jax.tree.map(lambda w: w + zero.astype(w.dtype), params)))
+        rest = iter(kept)
+        leaves = [full[meta["gathered"][j]] if j in meta["gathered"] else next(rest)
+                  for j in range(len(meta["gathered"]) + len(kept))]
+        d_full, d_batch = jax.tree.unflatten(meta["tree"], leaves)(ct)
+        (d_params,) = jax.vjp(gather, params)[1](d_full)
+        return d_params, d_batch
+
+    piece.defvjp(forward, backward)
+    return piece(params, batch)
 
 
 def _manual(fn: Any, spec: P) -> Any:

@@ -28,7 +28,7 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import moved_elements, parameter_collectives
+from testbed.model.leaves import bucket_share, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Schedule
@@ -38,8 +38,8 @@ from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemm
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 
 __all__ = ["tensor_transfers", "cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
-           "accumulate_bytes", "cached_order", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM", "ACCUMULATE_PASSES",
-           "gradient_buckets", "reduce_bytes"]
+           "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
+           "ACCUMULATE_PASSES", "gradient_buckets", "reduce_bytes"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -80,7 +80,10 @@ class ChunkFacts:
     gradients) is (testbed.model.leaves.parameter_collectives); ``expert_params`` the routed experts'
     parameters on one device (0 when nothing reduces gradients); ``buckets`` the gradient buckets of its
     last backward when gradients reduce while the backward goes on (:func:`gradient_buckets`: one per layer, at
-    most :data:`BUCKETS`, or by ``runtime.grad_bucket_bytes``; one when they wait for the backward's end). ``moved``: the elements one collective over
+    most :data:`BUCKETS`, or by ``runtime.grad_bucket_bytes``; one per block when the parameters are sharded; one
+    when they wait for the backward's end). ``blocks``: the pieces an action that gathers the sharded parameters
+    is split into, one per layer (the embedding and the head ride with the first and last), each gathered
+    before it computes (testbed.plan.sharding.gathered_blocks). ``moved``: the elements one collective over
     the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
     (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
     """
@@ -94,6 +97,14 @@ class ChunkFacts:
     buckets: int
     actions: tuple[ActionWork, ...]
     moved: tuple[int, int, int]
+    blocks: int = 1
+    regather: tuple[int, int] = (0, 0)
+
+    def gather(self, kind: str) -> tuple[int, int]:
+        """(elements, collectives) a ``kind`` action's gathers of the chunk's sharded parameters move on a device:
+        the forward all of them (``moved[0]``, ``leaves``); the backward all but the embedding's, whose backward
+        (a scatter-add of the rows' gradients) reads no weight (``regather``)."""
+        return (self.moved[0], self.leaves) if kind == "F" else self.regather
 
     def action(self, kind: str) -> ActionWork:
         return next(a for a in self.actions if a.kind == kind)
@@ -188,8 +199,14 @@ class StepFacts:
         return bool(self.per_microbatch) or self.plan.runtime.grad_reduce_overlap
 
     def gathers(self, kind: str) -> bool:
-        """Whether a ``kind`` action all-gathers its chunk's sharded parameters first."""
+        """Whether a ``kind`` action all-gathers its chunk's sharded parameters (block by block)."""
         return gathers_parameters(self.plan, kind)
+
+    @property
+    def prefetch(self) -> int:
+        """Blocks gathered ahead of the one computing (``runtime.fsdp_prefetch``): block ``i``'s gather waits
+        for block ``i - 1 - prefetch`` to finish, whose gathered weights it replaces."""
+        return self.plan.runtime.fsdp_prefetch
 
     def dispatch_buffers(self, stage: int, chunk: int, kind: str, accumulated: bool) -> int:
         """Device buffers the controller passes dispatching one action's program and its sends
@@ -246,12 +263,15 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                                   plan.mesh.tensor, 1, plan.mesh.expert, experts_only=True) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
+    blocks = max(1, cost.layers) if gathers_parameters(plan, "F") else 1
     moved = tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer"))
     during = sharded_accumulation or plan.runtime.grad_reduce_overlap  # buckets reduce while the backward goes on
+    buckets = (blocks if blocks > 1 and sharded_accumulation else gradient_buckets(plan, cost.layers,
+                                                                                    moved[2] * reduce_b)) if during else 1
+    leaves = parameter_collectives(plan, s, c, combine, param_b)
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
-                      leaves=parameter_collectives(plan, s, c, combine, param_b),
-                      buckets=gradient_buckets(plan, cost.layers, moved[2] * reduce_b) if during else 1,
-                      actions=actions, moved=moved)
+                      leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
+                      regather=regathered(plan, s, c, moved[0], leaves))
 
 
 def reduce_bytes(plan: Plan, grad_bytes: float) -> float:

@@ -59,8 +59,10 @@ and Megatron-LM's backward both finish the add before the gradient goes out).
 
 Parameter and gradient sharding (same conventions as testbed.model.memory):
 parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
-all-gathered before each forward action (and backward with full remat:
-:func:`~testbed.plan.sharding.gathers_parameters`); optimizer state over
+all-gathered block by block in every forward and backward action
+(:func:`~testbed.plan.sharding.gathers_parameters`): each block's compute waits
+for its gather, which waits for block ``i - 1 - runtime.fsdp_prefetch`` to finish
+(across actions too), so gathers overlap the blocks before; optimizer state over
 ``O`` = fsdp (+ data when zero >= 1). Gradients are reduced in buckets: the
 last backward (or W) of each chunk is split into up to :data:`BUCKETS`
 pieces; when gradients accumulate sharded (fsdp, ZeRO >= 2: the runner
@@ -101,7 +103,7 @@ from testbed.model.gemm import scaled
 from testbed.pipeline.schedules import Action, Schedule
 from testbed.plan.placement import Placement
 from testbed.plan.spec import Axis, Plan
-from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, step_facts
+from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
@@ -165,6 +167,7 @@ class _Graph:
         self.once: dict[int, list[tuple]] = {s: [] for s in range(p)}  # buckets reduced after the backward
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
+        self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
         self.programs: list[tuple[range, int]] = []
@@ -198,9 +201,11 @@ class _Graph:
             deps.append(self._dispatch(f"dispatch {label}@{s}", facts.dispatch_buffers(
                 s, action.chunk, action.kind, accumulated), count=1 + len(work.sends)))
         deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in waits]
-        if facts.gathers(action.kind):
+        gathering = facts.gathers(action.kind)
+        if gathering and work.chain:  # an MoE chain: the chunk's gather ahead of it, whole
             deps.append(self._gather(s, chunk, label))
-        pieces, scatter, reduce = 1, False, False
+        gathering = gathering and not work.chain  # else block by block, each gathered before it computes
+        pieces, scatter, reduce = chunk.blocks if gathering else 1, False, False
         if action.kind == facts.last_backward:
             self.remaining[(s, action.chunk)] -= 1
             if self.remaining[(s, action.chunk)] == 0 and facts.reductions:
@@ -210,7 +215,7 @@ class _Graph:
         if work.chain:
             last, computes = self._chain(s, chunk, work, label, deps, pieces if reduce else 0), []
         else:
-            last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce)
+            last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce, gathering)
         if scatter:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
         last = self._tensor(s, chunk, work, label, last, tuple(deps))
@@ -240,22 +245,25 @@ class _Graph:
                           buffers=n_buffers)
 
     def _gather(self, s: int, chunk: ChunkFacts, label: str) -> int:
-        """The all-gather of a chunk's sharded parameters before an action (gather stream, prefetched)."""
+        """The all-gather of a chunk's sharded parameters before an MoE chain (gather stream, prefetched)."""
         rep, leaves = self.reps[s], chunk.leaves
         return self.b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                           op="all_gather", nbytes=chunk.moved[0] * self.facts.param_bytes / leaves, count=leaves,
                           group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
 
     def _compute(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], pieces: int,
-                 reduce: bool) -> tuple[int, list[int]]:
+                 reduce: bool, gathering: bool = False) -> tuple[int, list[int]]:
         """A dense action's compute (compute stream, or the ring's steps and sends under context parallelism),
-        split into ``pieces`` gradient buckets when it ends the chunk's backward; returns its last task and
-        its compute tasks."""
+        split into ``pieces`` (the chunk's blocks when it gathers its sharded parameters, each after its own
+        gather; gradient buckets when it ends the chunk's backward); returns its last task and its compute
+        tasks."""
         b, rep, cost = self.b, self.reps[s], chunk.cost
         flops, hbm, replicated, split = work.work
-        kernels, last, computes = chunk.kernels, -1, []
+        kernels, last, computes, ends = chunk.kernels, -1, [], []
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
+            if gathering:
+                deps = [*deps, self._gather_block(s, chunk, work.kind, name, k, pieces, ends)]
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
                                               work.work, work.gemms, kernels), deps, cost.tensor_bytes)
@@ -266,6 +274,7 @@ class _Graph:
                 tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
                 gemms=scaled(work.gemms, 1 / pieces) if pieces > 1 else work.gemms)
             computes += [] if ringed is not None else [last]
+            ends.append(last)
             deps = []
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
@@ -273,7 +282,23 @@ class _Graph:
                 self._bucket(s, last, (chunk.moved[2] / pieces * self.facts.reduce_bytes,
                                        chunk.expert_params / pieces * self.facts.reduce_bytes,
                                        label if pieces == 1 else f"{label}/{k}", bucket_share(chunk.leaves, pieces, k)))
+        if gathering:
+            self.blocks_done[s] = ends
         return last, computes
+
+    def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
+                      ends: list[int]) -> int:
+        """The all-gather of block ``k`` of ``pieces`` of a chunk's sharded parameters (gather stream): its share of
+        the chunk's bytes and collectives, once block ``k - 1 - prefetch`` has finished (its weights freed: this
+        action's block, or the stage's previous gathering action's; ``ends`` this action's blocks so far)."""
+        rep, j = self.reps[s], k - 1 - self.facts.prefetch
+        before = self.blocks_done.get(s, [])
+        after = (ends[j],) if j >= 0 else (before[len(before) + j],) if len(before) + j >= 0 and before else ()
+        elements, leaves = chunk.gather(kind)
+        count = bucket_share(leaves, pieces, k)
+        return self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
+                          op="all_gather", deps=after, nbytes=elements * self.facts.param_bytes / pieces / count,
+                          count=count, group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
 
     def _chain(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], buckets: int) -> int:
         """An MoE action under expert parallelism: its per-layer chain (testbed.sim.moe; the all-to-alls on the
@@ -423,11 +448,3 @@ class _Graph:
                   op="all_gather", nbytes=update.regather_bytes, count=update.regathers,
                   group=rep_group(groups, rep), instances=groups)
         self._program(s, first)
-
-
-def bucket_share(leaves: int, buckets: int, k: int) -> int:
-    """Of a chunk's ``leaves`` gradient collectives, those bucket ``k`` of ``buckets`` reduces (0 stays 0: the
-    parameters are not sharded, one reduction per bucket). Whole numbers summing to ``leaves``, at least 1."""
-    if leaves <= 0:
-        return 0
-    return max(1, leaves * (k + 1) // buckets - leaves * k // buckets)
