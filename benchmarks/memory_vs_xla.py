@@ -145,7 +145,7 @@ def measure(plan: Plan) -> dict:
     replicas = plan.replicas
     if plan.mesh.tensor > 1 or plan.mesh.context > 1 or plan.mesh.fsdp > 1 or plan.zero >= 3:
         # The runner's own step: Megatron shardings, SP, the ring, FSDP's per-block gathers (gathered again in
-        # the backward: testbed.runner.parallel.ParamShards), which plain GSPMD keeps from forward to backward.
+        # the backward: testbed.runner.param_shards.ParamShards), which plain GSPMD keeps from forward to backward.
         from testbed.runner.train import build_trainer
 
         trainer = build_trainer(plan, jax.devices()[:plan.mesh.size])

@@ -3,7 +3,7 @@
 testbed.plan.sharding.gathered_blocks (``1 + runtime.fsdp_prefetch``) is what testbed.model.memory counts
 live, what testbed.sim.program and testbed.explore.analytic time (a gather per block, block ``i``'s waiting
 for block ``i - 1 - prefetch``), and what the runner executes: each block in its own map, the backward
-gathering the block's shards again (testbed.runner.parallel._regathered) rather than keeping the forward's
+gathering the block's shards again (testbed.runner.param_shards._regathered) rather than keeping the forward's
 gathered weights; the runner still equals the single-device reference.
 """
 

@@ -6,7 +6,7 @@ gradients reduce-scattered, once per sharded leaf, with the bytes of the
 leaf's tensor-rank shard, and no activation crosses those axes (the batch
 stays split over them), as testbed.sim.program and testbed.model.memory
 model FSDP; check-sharding's abstract lowering finds the same axes and kinds.
-Without testbed.runner.parallel.ParamShards XLA's propagation split the weights'
+Without testbed.runner.param_shards.ParamShards XLA's propagation split the weights'
 d_model (contracting) dim over fsdp and all-reduced activations there in
 every layer.
 """

@@ -215,7 +215,7 @@ def test_the_traced_collectives_are_those_xla_compiles(example, shape, names, si
 @pytest.mark.parametrize("mesh, remat, sequence_parallel", [
     ({"fsdp": 8}, "full", False),
     pytest.param({"fsdp": 2, "tensor": 4}, "none", True, marks=pytest.mark.xfail(strict=True, reason=(
-        "since FSDP gathers per block with a custom VJP (testbed.runner.parallel._regathered), XLA:CPU keeps the "
+        "since FSDP gathers per block with a custom VJP (testbed.runner.param_shards._regathered), XLA:CPU keeps the "
         "sequence-parallel gathers that each fsdp piece's backward recomputes (one per layer: 1 MiB more tensor "
         "all-gather here); the tracer still merges them with the forward's, as XLA did before")))])
 def test_the_runners_step_moves_the_bytes_xla_compiles(mesh, remat, sequence_parallel) -> None:

@@ -6,7 +6,7 @@ a chunk's parameter leaves that actually splits is the layout's one shard rule
 combiners, under the topology's ``calibration.collectives.combine_bytes``)
 merges consecutive leaves' collectives. The simulator's task graph and the
 analytic tier count a chunk's gathers and gradient reduce-scatters here
-(:func:`parameter_collectives`), as testbed.runner.parallel.ParamShards issues them.
+(:func:`parameter_collectives`), as testbed.runner.param_shards.ParamShards issues them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "par
     the parameters' shard axes, evenly along a dim or flattened and padded
     (:meth:`testbed.model.layout.ParamSpec.gathered_elements`: the gathered size, padding included); the
     gathered leaf is whole over them and split as the device holds it by ``tensor`` and ``expert``.
-    testbed.runner.parallel.ParamShards issues one ``all_gather`` per evenly split leaf where a piece of the
+    testbed.runner.param_shards.ParamShards issues one ``all_gather`` per evenly split leaf where a piece of the
     model uses it, and one ``psum_scatter`` of its gradient; it still holds the padded leaves' parameters
     and gradients whole (:func:`runner_whole_params`). Layout order: the embedding, each layer's rows layer
     by layer, the head (the order XLA meets them in the forward).

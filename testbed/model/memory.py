@@ -236,7 +236,7 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     layer_ws = _layer_workspace(plan)
     # (activations, gradients, workspace) at each candidate peak instant.
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
-    # (each block's gradients are reduce-scattered in its backward, testbed.runner.parallel.ParamShards).
+    # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
     unsharded = grad_b * (_stage_blocks(plan, stage)[0] if gathered else held)
     if plan.batch.microbatches > 1:
         # A microbatch's gradients are written whole before they join the accumulator. The
@@ -278,7 +278,7 @@ def gathered_bytes(plan: Plan, stage: int) -> int:
     :func:`~testbed.plan.sharding.gathered_blocks`; a block is a layer, the embedding, or the head with the tied
     token table), after the tensor and expert splits, in compute precision; 0 when nothing is sharded. Forward
     and backward alike: the backward gathers each block again instead of keeping the forward's as residuals
-    (testbed.runner.parallel.ParamShards), so the whole stage is never gathered at once."""
+    (testbed.runner.param_shards.ParamShards), so the whole stage is never gathered at once."""
     blocks = gathered_blocks(plan)
     return plan.precision.compute_bytes * sum(_stage_blocks(plan, stage)[:blocks]) if blocks else 0
 

@@ -62,7 +62,7 @@ class RuntimeSpec:
     #: ``1 + fsdp_prefetch`` blocks (testbed.model.memory); block ``i``'s gather may start once block
     #: ``i - 1 - fsdp_prefetch`` is done (testbed.sim.program, testbed.explore.analytic); 0: each gather waits
     #: for the previous block's compute. The runner gathers per block inside the layer loop and again in the
-    #: backward (testbed.runner.parallel.ParamShards); how far ahead is XLA's latency-hiding scheduler's (one).
+    #: backward (testbed.runner.param_shards.ParamShards); how far ahead is XLA's latency-hiding scheduler's (one).
     fsdp_prefetch: int = 1
 
     def __post_init__(self) -> None:

@@ -88,7 +88,7 @@ def gathers_parameters(plan: Plan, kind: str) -> bool:
 
     Forward and backward gather block by block (:func:`gathered_blocks`): the backward gathers each block
     again rather than keeping the forward's gathered weights as residuals (PyTorch FSDP's
-    ``reshard_after_forward``, ZeRO-3; testbed.runner.parallel.ParamShards rematerialises the gather in
+    ``reshard_after_forward``, ZeRO-3; testbed.runner.param_shards.ParamShards rematerialises the gather in
     the backward). W needs no weights. False when nothing shards the parameters.
     """
     if not state_sharding(plan).split_axes(plan, "params"):

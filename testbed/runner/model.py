@@ -112,7 +112,7 @@ class _Arch(NamedTuple):
     rope_theta: float | None = None     # None: learned positions (no rotation)
     seq: Any = None                     # sequence parallelism: testbed.runner.parallel.SequenceShards, or None
     flash_block: int | None = None      # None: plain attention; else flash over K/V blocks of this many keys
-    fsdp: Any = None                    # testbed.runner.parallel.ParamShards, or None
+    fsdp: Any = None                    # testbed.runner.param_shards.ParamShards, or None
     context: ContextShards | None = None  # context parallelism (zigzag sequence, ring attention), or None
     moe: moe.MoeConfig | None = None    # the MoE layers' routing settings (a model with experts), or None
     experts: moe.ExpertShards | None = None  # expert parallelism (all-to-all over `expert`), or None
@@ -163,7 +163,7 @@ def embed(params_embed: Params, tokens: jax.Array, seq: Any = None, fsdp: Any = 
 
     Without a position table (``position: rope``) the token embedding alone: the blocks rotate Q and K.
     ``seq``: sequence parallelism's testbed.runner.parallel.SequenceShards (the lookup reduce-scattered), or None.
-    ``fsdp``: testbed.runner.parallel.ParamShards (sharded parameters gathered for use, on each device's rows), or None.
+    ``fsdp``: testbed.runner.param_shards.ParamShards (sharded parameters gathered for use, on each device's rows), or None.
     ``context``: testbed.runner.ring_attention.ContextShards (tokens in its zigzag order: the positions follow), or None.
     """
     if fsdp is not None:
@@ -336,7 +336,7 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
                   context: ContextShards | None = None, experts: moe.ExpertShards | None = None,
                   aux_weight: float | None = None) -> jax.Array:
     """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
-    ``seq``: sequence parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.parallel.ParamShards,
+    ``seq``: sequence parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.param_shards.ParamShards,
     each block in its own map, so a block's gathered weights live from its forward to its backward, or with full
     remat are gathered again there; ``context``: testbed.runner.ring_attention.ContextShards, or None; ``experts``:
     testbed.runner.moe.ExpertShards, or None; ``aux_weight``: the objective's weight of one sequence's MoE
@@ -375,7 +375,7 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
     h = _layer_norm(params_head["norm"], x, rms)
     prefix, w = (("head",), {"w": params_head["w"]}) if tied_tokens is None else (("embed",), {"tokens": tied_tokens})
     # The tied table contracted on its d_model dim in place (no transposed copy: under fsdp a transposed
-    # gathered table would be a saved residual, testbed.runner.parallel.ParamShards).
+    # gathered table would be a saved residual, testbed.runner.param_shards.ParamShards).
     logits = _column(seq, h, w, prefix, lambda h, w: jax.lax.dot_general(h, w["tokens"], (((h.ndim - 1,), (1,)),
                                                                                           ((), ())))
                      if "tokens" in w else h @ w["w"], 2)
@@ -391,7 +391,7 @@ def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec:
                  seq: Any = None, fsdp: Any = None, context: ContextShards | None = None,
                  experts: moe.ExpertShards | None = None, aux_weight: float | None = None) -> jax.Array:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
-    parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.parallel.ParamShards, or None;
+    parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.param_shards.ParamShards, or None;
     ``context``: testbed.runner.ring_attention.ContextShards, tokens and targets in its zigzag order, or None).
 
     MoE models: ``experts`` (testbed.runner.moe.ExpertShards, or None) and ``aux_weight`` as :func:`stage_forward`

@@ -189,7 +189,7 @@ class ExpertShards:
     :meth:`__call__` runs :func:`_exchanged_experts` in ``jax.shard_map`` manual over ``expert`` (and the
     mesh axes of degree 1): the slots split by rows (the device's sequences), the experts' weights by
     experts. Other axes stay with XLA (the batch axes, ``tensor``). Inside a map already manual over
-    ``expert`` (testbed.runner.parallel.ParamShards) the body runs directly. The map is unchecked: every input
+    ``expert`` (testbed.runner.param_shards.ParamShards) the body runs directly. The map is unchecked: every input
     varies over ``expert`` (nothing replicated over a manual axis, so no gradient sum is missed), and JAX
     0.10 misnames a checked map's residuals when nested in another map. Identity-hashed: one per mesh.
     """

@@ -17,7 +17,7 @@ partitioner then inserts the collectives:
   stage 2 also the gradients, stage 3 also the parameters.
 
 Activations: the batch dim is sharded over ``(data, fsdp)``; with sharded
-parameters (fsdp, ZeRO 3) :class:`ParamShards` runs each layer on the
+parameters (fsdp, ZeRO 3) testbed.runner.param_shards.ParamShards runs each layer on the
 device's batch rows, gathering the weights for use. With
 ``sequence_parallel`` (Megatron SP, Korthikanti et al. 2022)
 :class:`SequenceShards` also splits the residual stream, the norms and the
@@ -30,8 +30,6 @@ of another shape, is an error).
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +45,7 @@ from testbed.plan.sharding import state_sharding
 
 __all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_axes", "batch_spec", "Constrain", "SequenceShards",
            "TensorShards",
-           "sequence_shards", "activation_spec", "ParamShards", "param_shards"]
+           "sequence_shards", "activation_spec"]
 
 #: Mesh axes the batch dim of activations is split over (testbed.plan.spec.BATCH_AXES: ``expert`` splits the
 #: batch like ``data`` in the dense parts).
@@ -182,7 +180,7 @@ class SequenceShards:
     The maps are manual over ``tensor`` and the batch axes of degree > 1, each device gathering and
     scattering only its own batch rows (left automatic, XLA would all-gather the microbatch over them
     first, and every collective would carry the whole microbatch). With sharded parameters (fsdp, ZeRO 3)
-    they nest in :class:`ParamShards`' maps, already manual over the batch axes.
+    they nest in testbed.runner.param_shards.ParamShards' maps, already manual over the batch axes.
 
     Explicit collectives, not sharding constraints: XLA:CPU lowers a constrained partial sum to an
     all-reduce and a slice (only XLA:GPU's pipeline rewrites that into a reduce-scatter), and an
@@ -211,7 +209,7 @@ class SequenceShards:
         self.per_replica = self if spread or plan.mesh.data == 1 else SequenceShards(plan, mesh, spread=True)
 
     def _mesh(self) -> Any:
-        """The mesh, or inside FSDP's map over the batch axes (:class:`ParamShards`) the context's."""
+        """The mesh, or inside FSDP's map over the batch axes (testbed.runner.param_shards.ParamShards) the context's."""
         context = jax.sharding.get_abstract_mesh()
         return context if not context.empty and context.manual_axes else self.mesh
 
@@ -352,192 +350,6 @@ def sequence_shards(plan: Plan, mesh: Any) -> SequenceShards | None:
     return TensorShards(plan, mesh) if plan.model.parallel_block and plan.mesh.tensor > 1 else None
 
 
-class ParamShards:
-    """FSDP and ZeRO-3 on one mesh: the batch split over the batch axes, each parameter gathered for its use.
-
-    Parameters sharded over ``fsdp`` (and over ``data`` under ZeRO 3) are all-gathered where a layer uses
-    them and their gradients reduce-scattered back into the shards (PyTorch FSDP, Zhao et al. 2023; ZeRO-3,
-    Rajbhandari et al. 2020), as testbed.sim.program and testbed.model.memory model them. Left to XLA's
-    propagation, the sharded dim (a weight's ``d_model``, contracting) splits the matmuls instead, and XLA
-    all-reduces activations over ``fsdp`` in every layer, as over a second tensor axis.
-
-    :meth:`apply` runs a piece of the model (the embedding, one block, the head and its loss) in
-    ``jax.shard_map`` manual over the batch axes (``data`` and ``fsdp`` of degree > 1; ``tensor`` stays
-    with XLA, Megatron's collectives too): the activations are each device's batch rows, and every
-    sharded leaf is ``all_gather``-ed over its shard axes on entry, its gradient ``psum_scatter``-ed
-    (explicit collectives: XLA:CPU lowers a constrained partial sum to an all-reduce and a slice). The
-    gathered weights are left out of the residuals (:func:`_regathered`): the backward gathers each piece again, as PyTorch FSDP with
-    ``reshard_after_forward`` and ZeRO-3 do, so a stage never holds all its weights gathered
-    (testbed.plan.sharding.gathered_blocks, the rule testbed.model.memory counts and testbed.sim.program times).
-
-    A leaf replicated over batch axes (over ``data`` below ZeRO 3; a leaf no free dim of which the shard
-    count divides) enters as copies on a new leading dim over those axes (each device its own, nothing
-    moves), so its gradient leaves the map per device and XLA sums the copies outside: after the
-    reduce-scatter over ``fsdp``, the sum over ``data`` is of the shard (hybrid sharding). ``spread``: the
-    parameters already lead with one copy per data replica over ``data`` (testbed.runner.replicas.Spread):
-    their gradients stay per replica, and the loss is one per replica (``[R]`` over ``data``).
-
-    The maps are unchecked (``check_vma=False``): Megatron sequence parallelism's maps nest in them, and
-    JAX 0.10 names a checked nested map's residuals by the outer map's axes too. Identity-hashed: one
-    instance per mesh is a static argument of the jitted programs.
-    """
-
-    def __init__(self, plan: Plan, mesh: Any, spread: bool = False):
-        self.mesh, self.model, self.tensor, self.spread = mesh, plan.model, plan.mesh.tensor, spread
-        self.expert = plan.mesh.expert
-        #: Axes the parameters are sharded over; their product is the shard count.
-        self.shard_axes = state_sharding(plan).split_axes(plan, "params")
-        self.ways = math.prod(plan.mesh.degree(a) for a in self.shard_axes)
-        #: The manual axes: the batch axes that split the batch.
-        self.axes = tuple(a for a in BATCH_AXES if plan.mesh.degree(a) > 1)
-        self._sizes = {a: plan.mesh.degree(a) for a in self.axes}
-        if not self.shard_axes or not set(self.shard_axes) <= set(self.axes):
-            raise ValueError(f"parameters sharded over {self.shard_axes}, the batch over {self.axes}")
-        if spread and ("data" not in self.axes or "data" in self.shard_axes):
-            raise ValueError("spread parameters need data replicas holding whole copies (ZeRO < 3)")
-        self._batch = P(_entry(self.axes))
-
-    def _leaves(self, params: Any) -> tuple[Any, Any, Any, Any]:
-        """Per leaf: the dim sharded (-1: none), the axes it is copied over, its spec in the map, its tensor spec."""
-        lead = ("data",) if self.spread else ()
-
-        def entry(path: tuple[Any, ...], leaf: Any) -> tuple[int, tuple[str, ...], P, P]:
-            param = layout.param_at(self.model, _path_names(path))
-            dim, tdims = param.shard_dim(self.tensor, self.ways, self.expert), param.tensor_dims(self.tensor)
-            edims = param.expert_dims(self.expert)  # a routed expert's weight: split over `expert`, not copied
-            split = (*lead, *(self.shard_axes if dim is not None else ()), *(("expert",) if edims else ()))
-            copies = tuple(a for a in self.axes if a not in split)
-            dims = [_entry(self.shard_axes) if i == dim else "expert" if i in edims else None
-                    for i in range(len(param.shape))]
-            return (-1 if dim is None else dim, copies,
-                    P(*((_entry(copies),) if copies else ()), *((lead[0],) if lead else ()), *dims),
-                    P(*("tensor" if i in tdims else None for i in range(len(param.shape)))))
-
-        table = jax.tree_util.tree_map_with_path(entry, params)
-        is_entry = lambda x: isinstance(x, tuple) and len(x) == 4 and isinstance(x[2], P)  # noqa: E731
-        return tuple(jax.tree.map(lambda e: e[k], table, is_leaf=is_entry) for k in range(4))
-
-    def _copies(self, w: jax.Array, copies: tuple[str, ...]) -> jax.Array:
-        """``w`` with a leading dim of one copy per device of ``copies`` (sharded over them: nothing moves)."""
-        if not copies:
-            return w
-        return jnp.broadcast_to(w[None], (math.prod(self._sizes[a] for a in copies), *w.shape))
-
-    def _gather(self, w: jax.Array, dim: int, copies: tuple[str, ...], tensor_spec: P) -> jax.Array:
-        """The leaf whole over the shard axes, its tensor split kept (inside the map over the batch axes)."""
-        if copies:
-            w = w[0]
-        if self.spread:
-            w = w[0]
-        return w if dim < 0 else _gather(w, self.shard_axes, dim, tensor_spec)
-
-    def apply(self, fn: Any, params: Any, *batch: jax.Array, loss: bool = False) -> Any:
-        """``fn(gathered params, *batch rows)`` on every device's rows of the batch.
-
-        ``params``: a tree keyed from a layout root (``{"layers": one layer}``, ``{"embed": ...}``,
-        ``{"head": ...}``), so each leaf's path finds it in testbed.model.layout's table; ``batch``:
-        arrays whose dim 0 is the batch (split over the batch axes). ``fn`` returns the rows of an
-        array of the same batch, or with ``loss`` a mean over the rows, averaged here over the batch
-        (one per replica when spread).
-        """
-        dims, copies, specs, tensor_specs = self._leaves(params)
-        params = jax.tree.map(self._copies, params, copies)
-
-        def gather(params: Any) -> Any:
-            return jax.tree.map(self._gather, params, dims, copies, tensor_specs)
-
-        def body(params: Any, *batch: jax.Array) -> Any:
-            out = _regathered(fn, gather, params, batch)
-            return out[None] if loss else out
-
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, *(self._batch,) * len(batch)),
-                               out_specs=self._batch, axis_names=frozenset(self.axes), check_vma=False)
-        out = mapped(params, *batch)
-        if not loss:
-            return out
-        # One loss per device of the batch axes (data-major): their mean, or per replica when spread.
-        return jnp.mean(out.reshape(self._sizes["data"], -1), axis=1) if self.spread else jnp.mean(out)
-
-
 def _entry(axes: tuple[str, ...]) -> Any:
     """A PartitionSpec entry for ``axes`` (one name, or a tuple of several)."""
     return axes if len(axes) > 1 else axes[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(w: jax.Array, axes: tuple[str, ...], dim: int, tensor_spec: P) -> jax.Array:
-    """``all_gather`` of a parameter shard over ``axes`` (manual) on ``dim``; its gradient ``psum_scatter``-ed.
-
-    Both collectives run in a map manual over every axis the context leaves automatic (``tensor``, and
-    axes of degree 1), the leaf split over ``tensor`` as ``tensor_spec`` says: an explicit collective on
-    an operand XLA splits over an automatic axis is gathered over that axis first, and in a map with
-    automatic axes JAX 0.10 gives the reduce-scatter's reducer a sharding annotation that XLA:CPU's bf16
-    all-reduce promotion cannot clone (it aborts). A custom VJP, so the backward runs this map forward
-    (a transposed unchecked map would also sum the tensor-replicated leaves' gradients over ``tensor``).
-    """
-    return _manual(lambda w: jax.lax.all_gather(w, axes, axis=dim, tiled=True), tensor_spec)(w)
-
-
-def _gather_fwd(w: jax.Array, axes: tuple[str, ...], dim: int, tensor_spec: P) -> tuple[jax.Array, None]:
-    return _gather(w, axes, dim, tensor_spec), None
-
-
-def _gather_bwd(axes: tuple[str, ...], dim: int, tensor_spec: P, _: None, g: jax.Array) -> tuple[jax.Array]:
-    return (_manual(lambda g: jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True), tensor_spec)(g),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...]) -> Any:
-    """``fn(gather(params), *batch)`` whose backward gathers ``params`` again instead of keeping the gathered
-    weights as residuals (every other residual of ``fn`` is kept as autodiff keeps it).
-
-    A custom VJP: the forward takes ``fn``'s VJP at the gathered weights and drops from its residuals the
-    gathered leaves themselves; the backward gathers the shards again and puts them back. The backward's
-    gather depends on the cotangent and a residual (the shards plus zero times one element of each), so it
-    runs in the backward and no common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers
-    ``jax.checkpoint`` places before its last CSE pass, which merged a rematerialised gather with the forward's.
-    """
-    meta: dict[str, Any] = {}
-
-    @jax.custom_vjp
-    def piece(params: Any, batch: tuple[jax.Array, ...]) -> Any:
-        return fn(gather(params), *batch)
-
-    def forward(params: Any, batch: tuple[jax.Array, ...]) -> tuple[Any, Any]:
-        full = gather(params)
-        out, vjp = jax.vjp(lambda w, b: fn(w, *b), full, batch)
-        leaves, meta["tree"] = jax.tree.flatten(vjp)
-        where = {id(w): i for i, w in enumerate(jax.tree.leaves(full))}
-        meta["gathered"] = {j: where[id(x)] for j, x in enumerate(leaves) if id(x) in where}
-        return out, (params, [x for j, x in enumerate(leaves) if j not in meta["gathered"]])
-
-    def backward(res: Any, ct: Any) -> tuple[Any, Any]:
-        params, kept = res
-        # Zero, from the cotangent and a residual: never a constant XLA could fold (a loss's cotangent is one).
-        zero = (jnp.ravel(jax.tree.leaves(ct)[0])[0] + sum(jnp.ravel(r)[0] for r in kept[:1])) * 0
-        full = jax.tree.leaves(gather(jax.tree.map(lambda w: w + zero.astype(w.dtype), params)))
-        rest = iter(kept)
-        leaves = [full[meta["gathered"][j]] if j in meta["gathered"] else next(rest)
-                  for j in range(len(meta["gathered"]) + len(kept))]
-        d_full, d_batch = jax.tree.unflatten(meta["tree"], leaves)(ct)
-        (d_params,) = jax.vjp(gather, params)[1](d_full)
-        return d_params, d_batch
-
-    piece.defvjp(forward, backward)
-    return piece(params, batch)
-
-
-def _manual(fn: Any, spec: P) -> Any:
-    """``fn`` in a map manual over the context mesh's automatic axes (``spec`` in and out), or ``fn``."""
-    context = jax.sharding.get_abstract_mesh()
-    rest = frozenset(context.axis_names) - frozenset(context.manual_axes)
-    if not rest:
-        return fn
-    return jax.shard_map(fn, mesh=context, in_specs=spec, out_specs=spec, axis_names=rest, check_vma=False)
-
-
-def param_shards(plan: Plan, mesh: Any, spread: bool = False) -> ParamShards | None:
-    """The plan's :class:`ParamShards` on ``mesh``, or None when no parameter is sharded (no fsdp, ZeRO < 3)."""
-    return ParamShards(plan, mesh, spread) if state_sharding(plan).split_axes(plan, "params") else None

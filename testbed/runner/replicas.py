@@ -20,7 +20,7 @@ Only for gradients not sharded over ``data`` (ZeRO 0 and 1). ZeRO-2/3 keep
 sharded gradients, so each microbatch's gradients are reduce-scattered as
 they come (what DeepSpeed does too, and testbed.plan.sharding.gradient_reduction
 decides for both interpreters); :func:`replicas` is 1 for them. ZeRO-3's
-reduce-scatters are its parameter maps' (testbed.runner.parallel.ParamShards).
+reduce-scatters are its parameter maps' (testbed.runner.param_shards.ParamShards).
 ZeRO-2's whole parameters run spread like ZeRO 0/1 (:func:`scatters`; in
 pipeline stages and in the SPMD step's microbatch loop), and :class:`Scatter`
 reduce-scatters each microbatch's per-replica gradients with an explicit

@@ -234,7 +234,7 @@ class ContextShards:
     MLP, head, loss) need nothing else, and XLA sums the replicated parameters' gradients over ``context``
     as over ``data``. :meth:`attend` runs :func:`ring_attention` in a ``shard_map`` manual over
     ``context`` (and the axes of degree 1, as testbed.runner.parallel.SequenceShards' maps); nested in
-    testbed.runner.parallel.ParamShards' map, over the axes that map leaves. Identity-hashed: one instance per
+    testbed.runner.param_shards.ParamShards' map, over the axes that map leaves. Identity-hashed: one instance per
     mesh is a static argument of the jitted programs.
     """
 

@@ -35,7 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.runner import model
 from testbed.runner.moe import expert_shards
-from testbed.runner.parallel import batch_axes, batch_spec, layout_for, param_shards, sequence_shards
+from testbed.runner.param_shards import param_shards
+from testbed.runner.parallel import batch_axes, batch_spec, layout_for, sequence_shards
 from testbed.runner.precision import Optimizer
 from testbed.runner.pipeline.memory import program_bytes
 from testbed.runner.replicas import (Scatter, Spread, replica_axis, replica_value_and_grad, replicas, scatters,
@@ -214,7 +215,7 @@ class SpmdTrainer:
         count = plan.mesh.data if scatter is not None else replicas(plan)
         spread = Spread(mesh, [self.param_shardings], count) if count > 1 else None
         seq = sequence_shards(plan, mesh)  # Megatron sequence parallelism (testbed.runner.parallel), or None
-        # FSDP / ZeRO-3 (testbed.runner.parallel.ParamShards): whole batch, and per data replica on spread parameters.
+        # FSDP / ZeRO-3 (testbed.runner.param_shards.ParamShards): whole batch, and per data replica on spread parameters.
         fsdp = (param_shards(plan, mesh), param_shards(plan, mesh, spread=True) if spread is not None else None)
         experts = expert_shards(plan, mesh)  # expert parallelism (testbed.runner.moe): all-to-all over `expert`, or None
 

@@ -85,7 +85,7 @@ are reduced once per step. After the optimizer, parameters sharded in ``O``
 but not in ``P`` are all-gathered over the data axis.
 
 How many collectives a gather and a gradient reduce-scatter of a chunk's sharded
-parameters is: the runner (testbed.runner.parallel.ParamShards) gathers every sharded
+parameters is: the runner (testbed.runner.param_shards.ParamShards) gathers every sharded
 leaf on its own and reduce-scatters its gradient on its own, which XLA:CPU runs
 as that many collectives and XLA:GPU combines; testbed.plan.sharding's
 :func:`~testbed.model.leaves.parameter_collectives` counts them under the

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from testbed.runner import model
 from testbed.runner.moe import expert_shards
 from testbed.runner.pipeline.lockstep import lockstep_step
-from testbed.runner.parallel import Constrain, activation_spec, layout_for, param_shards, sequence_shards
+from testbed.runner.param_shards import param_shards
+from testbed.runner.parallel import Constrain, activation_spec, layout_for, sequence_shards
 from testbed.runner.pipeline.engine import Prepare
 from testbed.runner.precision import Optimizer
 from testbed.runner.pipeline.memory import StageProgramMemory, pipeline_memory
@@ -107,7 +108,7 @@ class PipelineTrainer:
         # their `data` shards (testbed.runner.replicas.Scatter); none is left per replica for the update.
         scatter = scatters(plan)
         copies = plan.mesh.data if scatter else self.replicas
-        # FSDP / ZeRO-3 (testbed.runner.parallel.ParamShards) per stage sub-mesh, on spread parameters with replicas.
+        # FSDP / ZeRO-3 (testbed.runner.param_shards.ParamShards) per stage sub-mesh, on spread parameters with replicas.
         fsdps = [param_shards(plan, m, spread=self.replicas > 1) for m in stage_meshes]
         # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None; run per replica
         # when the chunks are (below).
