@@ -177,7 +177,12 @@ def test_runner_params_are_the_layout(spec: ModelSpec) -> None:
     dict(kv_heads=2, **LLAMA), dict(kv_heads=1, mlp="swiglu"), dict(norm="rmsnorm", position="rope"),
     dict(kv_heads=2, mlp="swiglu", bias=True, tied_embeddings=True, pad_vocab_to=16),
     dict(kv_heads=2, attention="flash", attention_block=4, **LLAMA),
-], ids=["llama", "mqa-swiglu", "rms-rope", "gqa-bias-tied-padded", "llama-flash"])
+    # head width apart from d_model / heads, parallel blocks, sliding windows (tests/test_model_layouts.py)
+    dict(head_dim=12, kv_heads=2, **LLAMA), dict(parallel_block=True, head_dim=6),
+    dict(sliding_window=5), dict(sliding_window=5, attention="flash", attention_block=4),
+    dict(sliding_window=3, attention="flash", attention_block=2, parallel_block=True, kv_heads=1, mlp="swiglu"),
+], ids=["llama", "mqa-swiglu", "rms-rope", "gqa-bias-tied-padded", "llama-flash", "head-dim-gqa", "parallel",
+        "window-plain", "window-flash", "window-flash-parallel-mqa"])
 def test_flops_equal_jaxpr_count(options: dict, remat: Remat) -> None:
     spec = ModelSpec(layers=2, d_model=32, heads=4, d_ff=40, seq_len=16, vocab=45, **options)
     plan = Plan(model=spec, batch=BatchSpec(global_batch=4), remat=remat)
