@@ -72,23 +72,12 @@ def test_parameter_specs_are_the_runners_on_a_real_mesh(data_tensor):
 
 def test_axes_agree_with_xlas_compiled_program():
     """The axes Shardy's partitioning communicates over are those of XLA's compiled step on 4 real devices."""
-    from testbed.runner import model
-    from testbed.runner.step import SpmdTrainer
+    from testbed.runner.check_sharding import compiled_spmd
 
     plan = _plan(microbatches=1, data=2, tensor=2)  # one microbatch: the smallest program to compile
     result = check_sharding(plan)
-    devices = np.asarray(jax.devices()[:4]).reshape(1, 2, 1, 2)
-    mesh = jax.sharding.Mesh(devices, ("stage", "data", "fsdp", "tensor"))
-    trainer = SpmdTrainer(plan, mesh)
-    shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
-    held = jax.eval_shape(trainer.optimizer.held, shape)
-    sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
-    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, plan.model.seq_len), np.int32,
-                                  sharding=trainer.batch_sharding)
-    text = trainer._step.lower(sds(held, trainer.param_shardings),
-                               sds(jax.eval_shape(trainer.optimizer.init, shape), trainer.opt_shardings),
-                               tokens, tokens).compile().as_text()
-    compiled = reshards.compiled_axes(text, devices.shape, mesh.axis_names)
+    mesh, text = compiled_spmd(plan)
+    compiled = reshards.compiled_axes(text, mesh.devices.shape, mesh.axis_names)
     assert set(compiled) == {(r["axes"], r["kind"]) for r in result.per_axis()} == {
         ("data", "all-reduce"), ("tensor", "all-reduce")}
 
@@ -235,9 +224,7 @@ SPMD_KINDS = {
 def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
     """On 8 emulated devices XLA's compiled step moves, per device and mesh axis, the bytes check-sharding
     reports, less the gathers a checkpoint recomputes (XLA:CPU reuses the forward's gathered sequence)."""
-    from testbed.runner import model
-    from testbed.runner.step import SpmdTrainer
-    from testbed.plan.spec import MESH_AXES
+    from testbed.runner.check_sharding import compiled_spmd
 
     spec = dict(SPMD_KINDS[kind])
     mesh_spec = MeshSpec(**spec.pop("mesh"))
@@ -246,20 +233,10 @@ def test_bytes_per_device_equal_the_compiled_programs(kind: str) -> None:
                 batch=BatchSpec(global_batch=2 * replicas * mesh_spec.expert, microbatches=1))
     result = check_sharding(plan)
     assert result.ok, result.error
-    names = tuple(a.value for a in MESH_AXES)
-    shape = tuple(plan.mesh.degree(n) for n in names)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(shape), names)
-    trainer = SpmdTrainer(plan, mesh)
-    params = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
-    held = jax.eval_shape(trainer.optimizer.held, params)
-    sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
-    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, plan.model.seq_len), np.int32,
-                                  sharding=trainer.batch_sharding)
-    text = trainer._step.lower(sds(held, trainer.param_shardings),
-                               sds(jax.eval_shape(trainer.optimizer.init, params), trainer.opt_shardings),
-                               tokens, tokens).compile().as_text()
+    mesh, text = compiled_spmd(plan)
     assert "while" not in text  # one microbatch: every instruction runs once
-    compiled = _per_axis_bytes((axes, b) for (axes, _), b in reshards.compiled_bytes(text, shape, names).items())
+    compiled = _per_axis_bytes((axes, b) for (axes, _), b in reshards.compiled_bytes(
+        text, mesh.devices.shape, mesh.axis_names).items())
     reported = _per_axis_bytes((r["axes"], r["bytes"] - r["recomputed_bytes"]) for r in result.per_axis())
     assert reported == compiled
     if plan.sequence_parallel:  # each device gathers its own rows: the operand is one replica's microbatch

@@ -9,13 +9,10 @@ gathered weights; the runner still equals the single-device reference.
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from dataclasses import replace
 
-import jax
-import numpy as np
 import pytest
 
 from testbed.model import layout
@@ -23,8 +20,8 @@ from testbed.plan.placement import place
 from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.sharding import gathered_blocks, gathers_parameters
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
-from testbed.runner import devices as dev, model
-from testbed.runner.step import SpmdTrainer
+from testbed.runner import devices as dev
+from testbed.runner.check_sharding import compiled_spmd
 from testbed.runner.train import verify_plan
 from testbed.sim.program import build_program
 
@@ -46,20 +43,7 @@ def test_rule_gathers_forward_and_backward_with_prefetch() -> None:
 
 def _gathers(plan: Plan) -> Counter:
     """(pass, result shape) of every all-gather over fsdp in the compiled SPMD step (pass: forward/backward)."""
-    shape = (1, plan.mesh.data, plan.mesh.fsdp, plan.mesh.tensor)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:math.prod(shape)]).reshape(shape),
-                             ("stage", "data", "fsdp", "tensor"))
-    trainer = SpmdTrainer(plan, mesh)
-    params = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
-
-    def sds(tree: object, shardings: object) -> object:
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-    tokens = jax.ShapeDtypeStruct((1, plan.batch.global_batch, plan.model.seq_len), np.int32,
-                                  sharding=trainer.batch_sharding)
-    text = trainer._step.lower(sds(jax.eval_shape(trainer.optimizer.held, params), trainer.param_shardings),
-                               sds(jax.eval_shape(trainer.optimizer.init, params), trainer.opt_shardings),
-                               tokens, tokens).compile().as_text()
+    _, text = compiled_spmd(plan)
     found = Counter()
     for line in text.splitlines():
         if " all-gather(" in line and "/shard_map/" in line:

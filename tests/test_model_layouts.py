@@ -143,20 +143,10 @@ def test_parallel_block_prices_one_collective_per_layer() -> None:
 def _activation_reductions(plan: Plan) -> dict[str, int]:
     """Buffers of the activation's shape ``[batch, seq, d]`` each tensor collective kind of the compiled SPMD
     step reduces or gathers (a combined tuple counts each of its buffers)."""
-    from testbed.runner.check_sharding import abstract_mesh
-    from testbed.runner.step import SpmdTrainer
+    from testbed.runner.check_sharding import compiled_spmd
 
-    names = abstract_mesh(plan).axis_names
-    sizes = [plan.mesh.degree(a) for a in names]
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:plan.mesh.size]).reshape(sizes), names)
-    trainer = SpmdTrainer(plan, mesh)
-    shape = jax.eval_shape(lambda: jm.init_params(plan.model, plan.seed))
-    sds = (lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), t, sh))
     b, s, d = plan.batch.global_batch, plan.model.seq_len, plan.model.d_model
-    tokens = jax.ShapeDtypeStruct((1, b, s), np.int32, sharding=trainer.batch_sharding)
-    text = trainer._step.lower(sds(jax.eval_shape(trainer.optimizer.held, shape), trainer.param_shardings),
-                               sds(jax.eval_shape(trainer.optimizer.init, shape), trainer.opt_shardings),
-                               tokens, tokens).compile().as_text()
+    _, text = compiled_spmd(plan)
     shapes = {"all-reduce": f"f32[{b},{s},{d}]", "reduce-scatter": f"f32[{b},{s // 2},{d}]",
               "all-gather": f"f32[{b},{s},{d}]"}
     out = {k: 0 for k in shapes}

@@ -222,28 +222,17 @@ def test_the_runners_step_moves_the_bytes_xla_compiles(mesh, remat, sequence_par
     """testbed's GPT step on 8 emulated devices: per mesh axis and kind, the traced bytes are XLA:CPU's
     compiled step's exactly. Full remat gathers each fsdp leaf once (XLA reuses the forward's gather in the
     recomputation), sequence parallelism's recomputed sequence gathers likewise."""
-    import numpy as np
-
-    from testbed.plan.spec import MESH_AXES, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-    from testbed.runner import model
+    from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+    from testbed.runner.check_sharding import compiled_spmd
     from testbed.runner.program.plans import trace_plan
     from testbed.runner.reshards import compiled_bytes
-    from testbed.runner.step import SpmdTrainer
 
     spec = ModelSpec(layers=2, d_model=256, heads=4, d_ff=1024, seq_len=128, vocab=1024)
     plan = Plan(name="compiled", model=spec, batch=BatchSpec(global_batch=8), mesh=MeshSpec(**mesh),
                 schedule=ScheduleSpec(name="1f1b"), precision="fp32", remat=remat, sequence_parallel=sequence_parallel)
-    names = tuple(a.value for a in MESH_AXES)
-    shape = tuple(plan.mesh.degree(n) for n in names)
-    trainer = SpmdTrainer(plan, jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(shape), names))
-    params = jax.eval_shape(lambda: model.init_params(spec, plan.seed))
-    typed = (lambda tree, shardings: jax.tree.map(lambda a, s: sd(a.shape, a.dtype, sharding=s), tree, shardings))
-    tokens = sd((1, plan.batch.global_batch, spec.seq_len), np.int32, sharding=trainer.batch_sharding)
-    text = trainer._step.lower(typed(jax.eval_shape(trainer.optimizer.held, params), trainer.param_shardings),
-                               typed(jax.eval_shape(trainer.optimizer.init, params), trainer.opt_shardings),
-                               tokens, tokens).compile().as_text()
+    mesh, text = compiled_spmd(plan)
     compiled = {("+".join(axes) if isinstance(axes, tuple) else axes, kind.replace("-", "_")): float(b)
-                for (axes, kind), b in compiled_bytes(text, shape, names).items()}
+                for (axes, kind), b in compiled_bytes(text, mesh.devices.shape, mesh.axis_names).items()}
     traced = {(axes, kind): b for axes, row in trace_plan(plan).collective_bytes().items() for kind, b in row.items()}
     assert traced == compiled
 

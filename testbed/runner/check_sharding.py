@@ -218,13 +218,14 @@ class _Lowering:
         return lowered, text
 
 
-def spmd_step(plan: Plan) -> tuple[AbstractMesh, Any, Any, tuple[Any, ...]]:
-    """The runner's SPMD training step for ``plan`` on its abstract mesh, without devices: (mesh, the jitted
-    step, the parameters' shapes, the step's abstract arguments: held parameters, optimizer state, tokens,
-    targets). check-sharding lowers it; testbed.runner.program.plans traces it."""
+def spmd_step(plan: Plan, mesh: Any = None) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+    """The runner's SPMD training step for ``plan`` on its abstract mesh, without devices (or on ``mesh``): (mesh,
+    the jitted step, the parameters' shapes, the step's abstract arguments: held parameters, optimizer state,
+    tokens, targets). check-sharding lowers it; testbed.runner.program.plans traces it; :func:`compiled_spmd`
+    compiles it on devices."""
     from testbed.runner.step import SpmdTrainer
 
-    mesh = abstract_mesh(plan)
+    mesh = abstract_mesh(plan) if mesh is None else mesh
     trainer = SpmdTrainer(plan, mesh)
     shape = jax.eval_shape(lambda: model.init_params(plan.model, plan.seed))
     held = jax.eval_shape(trainer.optimizer.held, shape)
@@ -233,6 +234,16 @@ def spmd_step(plan: Plan) -> tuple[AbstractMesh, Any, Any, tuple[Any, ...]]:
     args = (_sds(held, trainer.param_shardings), _sds(jax.eval_shape(trainer.optimizer.init, shape),
                                                        trainer.opt_shardings), tokens, tokens)
     return mesh, trainer._step, shape, args
+
+
+def compiled_spmd(plan: Plan) -> tuple[jax.sharding.Mesh, str]:
+    """The runner's SPMD step for ``plan`` compiled on this process's first ``mesh.size`` devices (the abstract
+    mesh's axes): (the device mesh, XLA's compiled program text), what tests compare the counts with."""
+    names = abstract_mesh(plan).axis_names
+    devices = np.asarray(jax.devices()[:plan.mesh.size]).reshape([plan.mesh.degree(a) for a in names])
+    mesh = jax.sharding.Mesh(devices, names)
+    _, step, _, args = spmd_step(plan, mesh)
+    return mesh, step.lower(*args).compile().as_text()
 
 
 def _spmd(plan: Plan, lowering: _Lowering) -> list[ParamSharding]:
