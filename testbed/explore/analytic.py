@@ -247,11 +247,11 @@ class _Step:
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
                                     rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(work.gemms, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
-            bucket, bucket_syncs = self._reduce(s, chunk.moved[2] / pieces * facts.reduce_bytes,
+            bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
                                                 chunk.expert_params / pieces * facts.reduce_bytes, chunk.leaves / pieces)
         if last and per_microbatch and facts.microbatches > 1:
             n = max(1, chunk.leaves)
-            scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.moved[1] * facts.reduce_bytes / n)
+            scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.reduced[0] / n)
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in work.tensor)

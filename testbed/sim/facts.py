@@ -28,7 +28,7 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import bucket_share, moved_elements, parameter_collectives, regathered
+from testbed.model.leaves import bucket_share, moved_elements, norm_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Schedule
@@ -86,6 +86,9 @@ class ChunkFacts:
     before it computes (testbed.plan.sharding.gathered_blocks). ``moved``: the elements one collective over
     the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
     (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
+    ``reduced``: the bytes a device's reduction of the chunk's gradients moves, a microbatch's reduce-scatter
+    into the sharded accumulator (over ``moved[1]``) and the last one (over ``moved[2]``), at
+    :func:`reduce_bytes` each but the norms' parameters' at 4 (:func:`reduced_bytes`).
     """
 
     cost: ChunkCost
@@ -99,6 +102,7 @@ class ChunkFacts:
     moved: tuple[int, int, int]
     blocks: int = 1
     regather: tuple[int, int] = (0, 0)
+    reduced: tuple[float, float] = (0.0, 0.0)
 
     def gather(self, kind: str) -> tuple[int, int]:
         """(elements, collectives) a ``kind`` action's gathers of the chunk's sharded parameters move on a device:
@@ -271,12 +275,25 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     leaves = parameter_collectives(plan, s, c, combine, param_b)
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
-                      regather=regathered(plan, s, c, moved[0], leaves))
+                      regather=regathered(plan, s, c, moved[0], leaves),
+                      reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
+                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer")))
 
 
 def reduce_bytes(plan: Plan, grad_bytes: float) -> float:
     """Bytes per gradient value as they are reduced (``runtime.grad_reduce_dtype``: their own, or fp32's 4)."""
     return 4.0 if plan.runtime.grad_reduce_dtype == "fp32" else float(grad_bytes)
+
+
+def reduced_bytes(plan: Plan, s: int, c: int, moved: int, reduce_b: float, which: str) -> float:
+    """Bytes one reduction of chunk ``c``'s gradients moves on a device (``moved`` elements sharded as ``which``):
+    ``reduce_b`` per value, but where the partitioner sums replicated gradients (nothing shards them) the norms'
+    parameters' reduce in fp32 (testbed.model.leaves.NORM_PARTS: JAX sums bf16 in fp32 and the partitioner
+    reduces the fp32 partial sums), 4 bytes each. Sharded gradients are reduce-scattered by the runner's own
+    ``psum_scatter`` of the bf16 gradient (testbed.runner.param_shards, testbed.runner.replicas)."""
+    if reduce_b >= 4.0 or state_sharding(plan).split_axes(plan, "grads"):
+        return moved * reduce_b
+    return moved * reduce_b + norm_elements(plan, s, c, which) * (4.0 - reduce_b)
 
 
 def gradient_buckets(plan: Plan, layers: int, grad_bytes: float) -> int:
