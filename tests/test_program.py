@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from testbed.model import costs, layout
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
-from testbed.plan.spec import MESH_AXES, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM
 from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
@@ -298,3 +298,28 @@ def test_the_norms_gradients_are_reduced_in_fp32_where_the_partitioner_sums_them
                 if p.path[0] in ("ln1", "ln2", "norm"))
     grad_b = 2 if precision == "bf16-mixed" else 4
     assert moved == everything * grad_b + (norms * 2 if grad_b == 2 and fsdp == 1 else 0)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_sequence_parallel_replicated_gradients_are_summed_over_tensor_too(zero):
+    """Under sequence parallelism each tensor rank computes on its sequence shard: the tensor-replicated
+    parameters' gradients (norms at fp32, row-parallel biases) are all-reduced over data and tensor at once, the
+    learned position table's over data as each rank's 1/t shard (the traced runner step's reductions). With the
+    optimizer state sharded (ZeRO-1) the plan keeps the dense rule."""
+    plan = replace(make_plan(data=2, tensor=2, microbatches=1, zero=zero), sequence_parallel=True,
+                   precision="bf16-mixed")
+    placement, program = _program(plan)
+    both = axis_groups(placement, [Axis.DATA, Axis.TENSOR])[0]
+    over_both = [t for t in program.tasks if t.kind is TaskKind.COLLECTIVE and t.group in both and t.stream == "grad"]
+    if zero:
+        assert not over_both
+        return
+    m, t = plan.model, plan.mesh.tensor
+    norms = 2 * m.d_model * (2 * m.layers + 1)  # scale and shift of two norms per layer and the final one
+    biases = 2 * m.d_model * m.layers  # attention's and the MLP's output biases
+    assert sum(x.nbytes * x.count for x in over_both) == norms * 4 + biases * 2
+    data = axis_groups(placement, [Axis.DATA])[0]
+    dense = sum(x.nbytes * x.count for x in program.tasks if x.stream == "grad" and x.group in data)
+    params = sum(math.prod(p.shape) * (m.layers if p.part is layout.Part.LAYER else 1) for p in layout.model_params(m))
+    split = params - norms - biases - m.seq_len * m.d_model  # the rest, split over tensor but the positions
+    assert dense == split // t * 2 + m.seq_len * m.d_model // t * 2

@@ -287,8 +287,7 @@ class _Graph:
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
                 # they accumulate sharded, else once the stage's backward is done.
-                self._bucket(s, last, (chunk.reduced[1] / pieces,
-                                       chunk.expert_params / pieces * self.facts.reduce_bytes,
+                self._bucket(s, last, (chunk.reduced[1] / pieces, chunk.special(1 / pieces, self.facts.reduce_bytes),
                                        label if pieces == 1 else f"{label}/{k}", bucket_share(chunk.leaves, pieces, k)))
         if gathering:
             self.blocks_done[s] = ends
@@ -336,7 +335,7 @@ class _Graph:
             if piece.layer_end and bucket in closes:
                 share, done_buckets = 1 / len(closes), done_buckets + 1
                 grad_b = self.facts.reduce_bytes
-                self._bucket(s, last, (chunk.reduced[1] * share, chunk.expert_params * share * grad_b,
+                self._bucket(s, last, (chunk.reduced[1] * share, chunk.special(share, grad_b),
                                        f"{label}/{done_buckets - 1}",
                                        bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
         return last
@@ -420,9 +419,10 @@ class _Graph:
                           nbytes=chunk.reduced[0] / leaves, count=leaves,
                           group=rep_group(groups, rep), instances=groups)
 
-    def _reduce(self, s: int, after: int, nbytes: float, expert_bytes: float, label: str, leaves: int) -> list[int]:
-        """Gradient reduction tasks of one bucket of ``nbytes`` (``expert_bytes`` of them routed experts'
-        weights); returns the last task(s). ``leaves``: the collectives the bucket's reduce-scatter is when the
+    def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,
+                leaves: int) -> list[int]:
+        """Gradient reduction tasks of one bucket of ``nbytes`` (``special``: those of them routed experts' weights
+        and sequence-replicated parameters', ChunkFacts.special); returns the last task(s). ``leaves``: the collectives the bucket's reduce-scatter is when the
         parameters are sharded (:func:`bucket_share`; 0: one).
 
         Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
@@ -432,10 +432,10 @@ class _Graph:
         """
         b, rep, out = self.b, self.reps[s], []
         for r in self.facts.reductions:
-            size = expert_bytes if r.expert else nbytes - expert_bytes
+            size = special[0] if r.expert else special[1] if r.sequence else nbytes - sum(special)
             if size <= 0:
                 continue
-            kind, last = " experts" if r.expert else "", after
+            kind, last = " experts" if r.expert else " sequence" if r.sequence else "", after
             if r.sharded:
                 g = axis_groups_cached(self.groups, self.plan, list(r.sharded), s)
                 # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
