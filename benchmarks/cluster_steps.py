@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 from testbed.cluster import cluster_spec, netns
 from testbed.cluster.fit import HostProbe, emulated, fit_host_costs
-from testbed.cluster.step import predict_step
+from testbed.cluster.step import StepCall, calls_links, predict_step
 from testbed.plan.io import load_plan, plan_to_dict
 from testbed.topology.io import load_topology
 
@@ -39,6 +41,32 @@ PLANS = sorted(p.name for p in PLAN_DIR.glob("*.yaml"))  # saved runs name them 
 
 def _spec(topology, rate_mbps: float):
     return cluster_spec(topology, name="steps", scale=rate_mbps * 1e6 / (topology.levels[-1].bandwidth * 8))
+
+
+_CALLS = """
+import json, sys
+from testbed.plan.io import load_plan
+from testbed.runner.check_sharding import compiled_spmd
+from testbed.runner.hlo import compiled_calls
+mesh, text = compiled_spmd(load_plan(sys.argv[1]))
+print(json.dumps(compiled_calls(text, mesh.devices.shape, mesh.axis_names)))
+"""
+
+
+def program_calls(name: str) -> list[dict]:
+    """The collective instructions of the plan's compiled step (runner's SPMD step, XLA:CPU, its mesh's devices
+    emulated in a fresh process): :func:`testbed.runner.hlo.compiled_calls`."""
+    plan = load_plan(str(PLAN_DIR / name))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.mesh.size}"}
+    out = subprocess.run([sys.executable, "-c", _CALLS, str(PLAN_DIR / name)], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def step_calls(instructions: list[dict]) -> list[StepCall]:
+    """One :class:`StepCall` per buffer of each instruction: XLA:CPU calls gloo once per buffer."""
+    return [StepCall(op=i["kind"].replace("-", "_"), nbytes=b, groups=tuple(map(tuple, i["groups"])))
+            for i in instructions for b in i["buffers"]]
 
 
 def measure(rates: list[float], plans: list[str], steps: int) -> dict:
@@ -56,12 +84,14 @@ def measure(rates: list[float], plans: list[str], steps: int) -> dict:
         runs.append({"rate_mbps": rate, "calibration": calibration, "steps": timed})
         print(json.dumps({"rate_mbps": rate, "load": {p: t["load"] for p, t in timed.items()}}), file=sys.stderr,
               flush=True)
-    return {"topology": TOPOLOGY, "plans": plans, "steps": steps, "runs": runs}
+    return {"topology": TOPOLOGY, "plans": plans, "steps": steps, "runs": runs,
+            "calls": {name: program_calls(name) for name in plans}}
 
 
 def predictions(doc: dict) -> list[dict]:
     """Per rate and plan: measured beside predicted (calibrated on that rate's collectives)."""
     topology = load_topology(doc["topology"])
+    programs = doc.get("calls") or {name: program_calls(name) for name in doc["plans"]}
     rows = []
     for run in doc["runs"]:
         spec = _spec(topology, run["rate_mbps"])
@@ -72,8 +102,13 @@ def predictions(doc: dict) -> list[dict]:
             plan = load_plan(str(PLAN_DIR / Path(name).name))
             prediction = predict_step(plan, calibrated, timed["unshaped"]["median_step_s"])
             measured = timed["shaped"]["median_step_s"]
+            calls = step_calls(programs[Path(name).name])
+            by_call = {kind: prediction.host_step_s + calls_links(calls, calibrated, overlap=kind == "overlap")
+                       for kind in ("additive", "overlap")}
             rows.append({"rate_mbps": run["rate_mbps"], "plan": plan.name, "measured_s": measured,
                          **prediction.to_dict(), "error": prediction.predicted_s / measured - 1,
+                         "calls": len(calls), **{f"by_call_{k}_s": v for k, v in by_call.items()},
+                         **{f"by_call_{k}_error": v / measured - 1 for k, v in by_call.items()},
                          "simulator_alone_error": prediction.simulated_s / measured - 1, "load": timed["load"],
                          "costs": costs.to_dict()})
     return rows
@@ -89,7 +124,9 @@ def ratios(rows: list[dict]) -> list[dict]:
         predicted = slow["predicted_s"] / fast["predicted_s"]
         out.append({"plan": plan, "slow_mbps": slow["rate_mbps"], "fast_mbps": fast["rate_mbps"],
                     "measured_ratio": measured, "predicted_ratio": predicted, "error": predicted / measured - 1,
-                    "simulator_alone_ratio": slow["simulated_s"] / fast["simulated_s"]})
+                    "simulator_alone_ratio": slow["simulated_s"] / fast["simulated_s"],
+                    **{f"by_call_{k}_error": slow[f"by_call_{k}_s"] / fast[f"by_call_{k}_s"] / measured - 1
+                       for k in ("additive", "overlap")}})
     return out
 
 
