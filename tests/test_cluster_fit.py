@@ -94,6 +94,16 @@ def test_a_step_is_the_host_part_plus_what_the_links_add():
     assert 0 < fast.links_s < step.links_s  # 10x faster links add less
 
 
+def test_cheap_sizes_are_timed_more_often():
+    from testbed.runner.cluster_calibrate import TINY_BYTES, repeats_for, sizes_for
+
+    fast, slow = _spec(100.0), _spec(10.0)
+    assert repeats_for(fast, PROBE, "all_reduce", TINY_BYTES, 3, 15) == 15
+    assert repeats_for(fast, PROBE, "all_reduce", 2**16, 3, 15) == 15  # ~10 ms a call
+    assert repeats_for(slow, PROBE, "all_reduce", 2**20, 3, 15) == 3  # ~2 s a call
+    assert sizes_for(slow, PROBE, "all_reduce", 3.0)[-1] < sizes_for(fast, PROBE, "all_reduce", 3.0)[-1]
+
+
 # The data-parallel gradients' combined all-reduce and a tensor-parallel one, as XLA:CPU's compiled text has them.
 HLO = """\
   %all-reduce.30 = (f32[64,128]{1,0}, f32[128]{0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
