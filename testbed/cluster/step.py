@@ -32,7 +32,8 @@ from testbed.errors import InputError
 from testbed.plan.spec import Plan
 from testbed.topology import Topology
 
-__all__ = ["UNSHAPED_RATE_BPS", "unshaped", "StepPrediction", "predict_step", "StepCall", "calls_links"]
+__all__ = ["UNSHAPED_RATE_BPS", "unshaped", "StepPrediction", "predict_step", "StepCall", "step_calls",
+           "calls_links"]
 
 #: The link rate a cluster is reshaped to for the host's part of a step: far above what the host's TCP carries.
 UNSHAPED_RATE_BPS = 10e9
@@ -53,16 +54,24 @@ class StepPrediction:
     host_step_s: float
     simulated_s: float
     simulated_unshaped_s: float
+    calls_links_s: float | None = None  # the program's calls priced one by one, overlapped (calls_links)
 
     def __post_init__(self) -> None:
         for name in ("host_step_s", "simulated_s", "simulated_unshaped_s"):
             if not 0 <= getattr(self, name) < 1e6:
                 raise InputError(f"must be a time in [0, 1e6) s, got {getattr(self, name)}", field=name)
+        if self.calls_links_s is not None and not 0 <= self.calls_links_s < 1e6:
+            raise InputError(f"must be a time in [0, 1e6) s, got {self.calls_links_s}", field="calls_links_s")
+
+    @property
+    def simulated_links_s(self) -> float:
+        """What the shaped links add over unshaped ones, as the simulator prices the plan's step."""
+        return self.simulated_s - self.simulated_unshaped_s
 
     @property
     def links_s(self) -> float:
-        """What the shaped links add over unshaped ones, as the simulator prices it."""
-        return self.simulated_s - self.simulated_unshaped_s
+        """What the shaped links add: the program's calls overlapped where known, else the simulator's."""
+        return self.simulated_links_s if self.calls_links_s is None else self.calls_links_s
 
     @property
     def predicted_s(self) -> float:
@@ -70,11 +79,15 @@ class StepPrediction:
 
     def to_dict(self) -> dict[str, float]:
         return {"predicted_s": self.predicted_s, "host_step_s": self.host_step_s, "links_s": self.links_s,
+                "simulated_links_s": self.simulated_links_s, "calls_links_s": self.calls_links_s,
                 "simulated_s": self.simulated_s, "simulated_unshaped_s": self.simulated_unshaped_s}
 
 
-def predict_step(plan: Plan, topology: Topology, host_step_s: float) -> StepPrediction:
-    """The step of ``plan`` on the cluster ``topology`` describes, given its measured unshaped step."""
+def predict_step(plan: Plan, topology: Topology, host_step_s: float,
+                 calls: "Sequence[StepCall] | None" = None) -> StepPrediction:
+    """The step of ``plan`` on the cluster ``topology`` describes, given its measured unshaped step and (where
+    known) the collective calls its compiled program makes, priced one by one with the host's part of each
+    hidden under its wire (:func:`calls_links`)."""
     from testbed.sim import simulate
 
     if not any(level.kind in NETWORK_KINDS for level in topology.levels):
@@ -82,7 +95,9 @@ def predict_step(plan: Plan, topology: Topology, host_step_s: float) -> StepPred
                          "wrote for the cluster", field="topology")
     shaped = simulate(plan, topology).report.step_time_s
     loose = simulate(plan, unshaped(topology)).report.step_time_s
-    return StepPrediction(host_step_s=host_step_s, simulated_s=shaped, simulated_unshaped_s=loose)
+    by_call = None if calls is None else calls_links(calls, topology, overlap=True)
+    return StepPrediction(host_step_s=host_step_s, simulated_s=shaped, simulated_unshaped_s=loose,
+                          calls_links_s=by_call)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +116,13 @@ class StepCall:
             raise InputError(f"must be positive, got {self.nbytes}", field="nbytes")
         if not self.groups or min(len(g) for g in self.groups) < 2:
             raise InputError("needs groups of two devices or more", field="groups")
+
+
+def step_calls(instructions: Sequence[dict]) -> list[StepCall]:
+    """The calls of a compiled program's collective instructions (``kind``, ``groups``, ``buffers`` as
+    :func:`testbed.runner.hlo.compiled_calls` reads them): one per buffer, as XLA:CPU calls gloo."""
+    return [StepCall(op=i["kind"].replace("-", "_"), nbytes=b, groups=tuple(map(tuple, i["groups"])))
+            for i in instructions for b in i["buffers"]]
 
 
 def calls_links(calls: Sequence[StepCall], topology: Topology, *, overlap: bool = False) -> float:
