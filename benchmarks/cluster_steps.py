@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -63,7 +64,8 @@ def measure(rates: list[float], plans: list[str], steps: int) -> dict:
         runs.append({"rate_mbps": rate, "calibration": calibration, "steps": timed})
         print(json.dumps({"rate_mbps": rate, "load": {p: t["load"] for p, t in timed.items()}}), file=sys.stderr,
               flush=True)
-    return {"topology": TOPOLOGY, "plans": plans, "steps": steps, "runs": runs,
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return {"measured": f"{when}, nice {os.nice(0)}", "topology": TOPOLOGY, "plans": plans, "steps": steps, "runs": runs,
             "calls": {name: program_calls(name) for name in plans}}
 
 

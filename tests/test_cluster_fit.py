@@ -105,11 +105,13 @@ def test_cheap_sizes_are_timed_more_often():
 
 
 # The data-parallel gradients' combined all-reduce and a tensor-parallel one, as XLA:CPU's compiled text has them.
-HLO = """\
-  %all-reduce.30 = (f32[64,128]{1,0}, f32[128]{0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
-  %all-reduce.1 = f32[4,64,128]{2,1,0} all-reduce(%x), channel_id=3, replica_groups=[2,4]<=[8], use_global_device_ids=true, to_apply=%add
-  %all-gather = f32[8,16]{1,0} all-gather(%y), channel_id=4, replica_groups=[8,1]<=[8], dimensions={0}
-"""
+HLO = "\n".join([
+    "  %all-reduce.30 = (f32[64,128]{1,0}, f32[128]{0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, "
+    "replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add",
+    "  %all-reduce.1 = f32[4,64,128]{2,1,0} all-reduce(%x), channel_id=3, replica_groups=[2,4]<=[8], "
+    "use_global_device_ids=true, to_apply=%add",
+    "  %all-gather = f32[8,16]{1,0} all-gather(%y), channel_id=4, replica_groups=[8,1]<=[8], dimensions={0}",
+])
 
 
 def test_compiled_calls_are_one_per_buffer_of_each_instruction():
