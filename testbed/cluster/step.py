@@ -20,6 +20,16 @@ unshaped topology's network levels run at the node level's bandwidth, the
 loopback TCP measured by the probe). ``host_step_s`` is one stated
 quantity per plan and host, measured beside the shaped step, never fitted
 to it.
+
+What the links add can also be priced from the program rather than the plan:
+the collective calls the compiled step makes (:class:`StepCall`, one per
+buffer of each collective instruction, as XLA:CPU calls gloo), each priced on
+the calibrated topology and on it unshaped (:func:`calls_links`), either
+added or with the call's host part hidden under its wire (``max(host,
+wire)`` per call): a step's many small calls (one per gradient leaf) cost the
+host the same whatever the links, and on slow links that cost overlaps the
+transfer instead of adding to it. ``benchmarks/cluster_steps.py`` reports the
+three readings beside each measured step.
 """
 
 from __future__ import annotations
@@ -54,24 +64,16 @@ class StepPrediction:
     host_step_s: float
     simulated_s: float
     simulated_unshaped_s: float
-    calls_links_s: float | None = None  # the program's calls priced one by one, overlapped (calls_links)
 
     def __post_init__(self) -> None:
         for name in ("host_step_s", "simulated_s", "simulated_unshaped_s"):
             if not 0 <= getattr(self, name) < 1e6:
                 raise InputError(f"must be a time in [0, 1e6) s, got {getattr(self, name)}", field=name)
-        if self.calls_links_s is not None and not 0 <= self.calls_links_s < 1e6:
-            raise InputError(f"must be a time in [0, 1e6) s, got {self.calls_links_s}", field="calls_links_s")
-
-    @property
-    def simulated_links_s(self) -> float:
-        """What the shaped links add over unshaped ones, as the simulator prices the plan's step."""
-        return self.simulated_s - self.simulated_unshaped_s
 
     @property
     def links_s(self) -> float:
-        """What the shaped links add: the program's calls overlapped where known, else the simulator's."""
-        return self.simulated_links_s if self.calls_links_s is None else self.calls_links_s
+        """What the shaped links add over unshaped ones, as the simulator prices it."""
+        return self.simulated_s - self.simulated_unshaped_s
 
     @property
     def predicted_s(self) -> float:
@@ -79,15 +81,11 @@ class StepPrediction:
 
     def to_dict(self) -> dict[str, float]:
         return {"predicted_s": self.predicted_s, "host_step_s": self.host_step_s, "links_s": self.links_s,
-                "simulated_links_s": self.simulated_links_s, "calls_links_s": self.calls_links_s,
                 "simulated_s": self.simulated_s, "simulated_unshaped_s": self.simulated_unshaped_s}
 
 
-def predict_step(plan: Plan, topology: Topology, host_step_s: float,
-                 calls: "Sequence[StepCall] | None" = None) -> StepPrediction:
-    """The step of ``plan`` on the cluster ``topology`` describes, given its measured unshaped step and (where
-    known) the collective calls its compiled program makes, priced one by one with the host's part of each
-    hidden under its wire (:func:`calls_links`)."""
+def predict_step(plan: Plan, topology: Topology, host_step_s: float) -> StepPrediction:
+    """The step of ``plan`` on the cluster ``topology`` describes, given its measured unshaped step."""
     from testbed.sim import simulate
 
     if not any(level.kind in NETWORK_KINDS for level in topology.levels):
@@ -95,9 +93,7 @@ def predict_step(plan: Plan, topology: Topology, host_step_s: float,
                          "wrote for the cluster", field="topology")
     shaped = simulate(plan, topology).report.step_time_s
     loose = simulate(plan, unshaped(topology)).report.step_time_s
-    by_call = None if calls is None else calls_links(calls, topology, overlap=True)
-    return StepPrediction(host_step_s=host_step_s, simulated_s=shaped, simulated_unshaped_s=loose,
-                          calls_links_s=by_call)
+    return StepPrediction(host_step_s=host_step_s, simulated_s=shaped, simulated_unshaped_s=loose)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
