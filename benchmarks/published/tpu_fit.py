@@ -1,0 +1,130 @@
+"""The TPU compute calibration of runs.yaml's MaxText cases, fitted over the whole category with its leave-one-out error.
+
+Cloud TPU documents each chip's peak (bf16 FLOP/s, HBM bandwidth) but no
+fraction of it that an XLA training step reaches, and XLA's fusions leave
+some memory-bound work between the matmuls (normalisation, rope, SwiGLU,
+residual adds, the recomputed forward's elementwise work), which costs far more
+on TPU v6e (918 TFLOP/s over 1.64 TB/s: 560 FLOP per byte) than on v5p (459
+over 2.77: 166). Two numbers describe that on every TPU topology of runs.yaml,
+one value each for all of them (no per-device or per-case value):
+
+- ``efficiency``: ``calibration.compute.efficiency``, the fraction of the
+  bf16 peak a matmul reaches;
+- ``passes``: ``calibration.elementwise.replicated_passes`` and
+  ``split_passes`` (equal: the MaxText cases have no tensor axis), memory
+  passes at the device's HBM bandwidth over each byte of activations a compute
+  task writes (testbed.model.costs.layer_traffic_bytes).
+
+Fitted over every ``maxtext`` case of runs.yaml (the category: one stack, two
+TPU generations, dense and MoE, 8-512 chips) by least absolute relative error
+of tokens/s, on a grid (efficiency by 0.005, passes by 0.1). A case's step
+time is linear in ``1 / efficiency`` and ``passes`` while compute dominates
+(every case here: its exposed communication is what the simulator says,
+unchanged by either), so each case is simulated three times (ideal compute
+without passes, half efficiency, one pass) and the fit and each
+leave-one-out refit are exact on that decomposition; :func:`fit_report`
+prints both and the values runs.yaml ships (they must be the fit's).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+import runs
+
+from testbed.sim.engine import simulate
+from testbed.topology.calibration import ElementwiseCalibration
+from testbed.topology.spec import Topology
+
+#: The category fitted: runs.yaml's cases of this stack.
+STACK = "maxtext"
+#: The grids searched: efficiency and passes, (low, high, step).
+EFFICIENCY_GRID = (0.5, 0.95, 0.005)
+PASSES_GRID = (0.0, 8.0, 0.1)
+
+
+def calibrated(topology: Topology, efficiency: float, passes: float) -> Topology:
+    """``topology`` with the compute efficiency and the elementwise passes set (no passes: the group absent)."""
+    cal = topology.calibration
+    elementwise = ElementwiseCalibration(replicated_passes=passes, split_passes=passes) if passes else None
+    return replace(topology, calibration=replace(cal, compute=replace(cal.compute, efficiency=efficiency),
+                                                 elementwise=elementwise))
+
+
+def decompose(case: dict, inline: dict[str, Topology]) -> dict:
+    """The case's step time as ``matmul_s / efficiency + passes * pass_s + other_s`` (seconds at ideal compute and
+    one pass) and its published step time."""
+    plan, topology = runs.case_plan(case), runs.case_topology(case, inline)
+
+    def step(efficiency: float, passes: float) -> float:
+        return simulate(plan, calibrated(topology, efficiency, passes)).report.step_time_s
+
+    ideal = step(1.0, 0.0)
+    matmul = step(0.5, 0.0) - ideal
+    tokens = plan.batch.global_batch * plan.model.seq_len
+    return {"case": case["name"], "device": case["device"], "matmul_s": matmul, "pass_s": step(1.0, 1.0) - ideal,
+            "other_s": ideal - matmul, "published_s": tokens / float(case["tokens_per_s_per_gpu"]) / int(case["gpus"])}
+
+
+def error(row: dict, efficiency: float, passes: float) -> float:
+    """Predicted over published tokens/s, minus 1, under the two values (the decomposition's step time)."""
+    step = row["matmul_s"] / efficiency + passes * row["pass_s"] + row["other_s"]
+    return row["published_s"] / step - 1
+
+
+def _grid(low: float, high: float, step: float) -> list[float]:
+    return [round(low + i * step, 6) for i in range(int(round((high - low) / step)) + 1)]
+
+
+def fit(rows: list[dict]) -> tuple[float, float]:
+    """(efficiency, passes) of least summed absolute error over ``rows`` (ties: the first on the grids)."""
+    best: tuple[float, float, float] | None = None
+    for efficiency in _grid(*EFFICIENCY_GRID):
+        for passes in _grid(*PASSES_GRID):
+            total = sum(abs(error(r, efficiency, passes)) for r in rows)
+            if best is None or total < best[0] - 1e-12:
+                best = (total, efficiency, passes)
+    assert best is not None
+    return best[1], best[2]
+
+
+def _summary(errors: list[float]) -> dict:
+    magnitudes = [abs(e) for e in errors]
+    return {"cases": len(errors), "median_abs_error": round(statistics.median(magnitudes), 4),
+            "max_abs_error": round(max(magnitudes), 4)}
+
+
+def leave_one_out(rows: list[dict]) -> list[float]:
+    """Each row's error under the fit over the other rows."""
+    return [error(r, *fit(rows[:i] + rows[i + 1:])) for i, r in enumerate(rows)]
+
+
+def shipped(inline: dict[str, Topology]) -> dict:
+    """The values runs.yaml's TPU topologies carry: ``{(efficiency, passes): [topology names]}`` as strings."""
+    out: dict[str, list[str]] = {}
+    for name, topology in sorted(inline.items()):
+        if not topology.device.name.startswith("TPU"):
+            continue
+        cal = topology.calibration
+        passes = cal.elementwise.replicated_passes if cal.elementwise else 0.0
+        out.setdefault(f"efficiency {cal.compute.efficiency:g}, passes {passes:g}", []).append(name)
+    return out
+
+
+def fit_report(path=runs.CASES) -> dict:
+    """The fit over the category, its in-sample and leave-one-out errors, and the values runs.yaml ships."""
+    cases, inline = runs.load_cases(path)
+    rows = [decompose(c, inline) for c in cases if c["stack"] == STACK]
+    efficiency, passes = fit(rows)
+    return {"category": f"stack {STACK}", "cases": len(rows),
+            "fitted": {"efficiency": efficiency, "elementwise_passes": passes},
+            "shipped": shipped(inline),
+            "in_sample": _summary([error(r, efficiency, passes) for r in rows]),
+            "leave_one_out": _summary(leave_one_out(rows))}
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(fit_report(), indent=1))
