@@ -482,7 +482,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         loss_allreduce_bytes=LOSS_BYTES * b * spec.seq_len if tp and head else 0,
         position_gather_bytes=spec.seq_len * spec.d_model * c
         if tp and sp and embed and spec.position is Position.LEARNED else 0, parallel_block=spec.parallel_block,
-        recompute_block=plan.remat is Remat.FULL and plan.runtime.recompute != "runner")
+        recompute_block=plan.remat is Remat.FULL and plan.runtime.recompute in ("block", "op"))
 
 
 def model_flops_per_step(plan: Plan) -> float:

@@ -37,7 +37,12 @@ class RuntimeSpec:
     #: attention scores; ``block``, full remat reruns each block's whole forward, down projection and its
     #: tensor collectives included (a checkpoint around the block: Megatron-LM, DeepSpeed, torch's
     #: ``checkpoint_wrapper``); ``op``, selective remat saves every other matmul's output and attention's
-    #: and recomputes the rest of the block (torchtitan's per-op policy; full remat as ``block``).
+    #: and recomputes the rest of the block (torchtitan's per-op policy; full remat as ``block``); ``save-qkv``,
+    #: full remat as the runner's but the Q/K/V projections' outputs are saved (MaxText's ``save_qkv_proj`` and
+    #: ``qkv_proj_offloaded``); ``save-attention-dots``, the out projection's too, so the backward reruns only
+    #: attention and the MLP's input projections (MaxText's ``save_dot_except_mlpwi``). The two save-policies
+    #: change a dense layer's recompute only (an MoE layer's is the runner's) and the FLOPs only (the memory of
+    #: the saved outputs and, with a tensor axis, the collectives are priced as the runner's full remat).
     recompute: str = "runner"
     #: The tensor-parallel collectives of an action overlap its GEMMs (NeMo's userbuffers ``tp_comm_overlap``)
     #: instead of following them: the action takes the longer of its compute and its tensor collectives.
@@ -86,7 +91,7 @@ class RuntimeSpec:
 
 
 #: Values of :attr:`RuntimeSpec.recompute`.
-RECOMPUTE = ("runner", "block", "op")
+RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
 GRAD_REDUCE_DTYPES = ("grad", "fp32")
 
