@@ -79,13 +79,12 @@ def _grid(low: float, high: float, step: float) -> list[float]:
 
 def fit(rows: list[dict]) -> tuple[float, float]:
     """(efficiency, passes) of least summed absolute error over ``rows`` (ties: the first on the grids)."""
-    best: tuple[float, float, float] | None = None
+    best = (float("inf"), EFFICIENCY_GRID[0], PASSES_GRID[0])
     for efficiency in _grid(*EFFICIENCY_GRID):
         for passes in _grid(*PASSES_GRID):
             total = sum(abs(error(r, efficiency, passes)) for r in rows)
-            if best is None or total < best[0] - 1e-12:
+            if total < best[0] - 1e-12:
                 best = (total, efficiency, passes)
-    assert best is not None
     return best[1], best[2]
 
 
