@@ -23,7 +23,7 @@ time is linear in ``1 / efficiency`` and ``passes`` while compute dominates
 unchanged by either), so each case is simulated three times (ideal compute
 without passes, half efficiency, one pass) and the fit and each
 leave-one-out refit are exact on that decomposition; :func:`fit_report`
-prints both and the values runs.yaml ships (they must be the fit's).
+prints both, per case and summarised, and the values runs.yaml ships (they must be the fit's).
 """
 
 from __future__ import annotations
@@ -116,11 +116,12 @@ def fit_report(path=runs.CASES) -> dict:
     cases, inline = runs.load_cases(path)
     rows = [decompose(c, inline) for c in cases if c["stack"] == STACK]
     efficiency, passes = fit(rows)
+    in_sample, left_out = [error(r, efficiency, passes) for r in rows], leave_one_out(rows)
     return {"category": f"stack {STACK}", "cases": len(rows),
             "fitted": {"efficiency": efficiency, "elementwise_passes": passes},
-            "shipped": shipped(inline),
-            "in_sample": _summary([error(r, efficiency, passes) for r in rows]),
-            "leave_one_out": _summary(leave_one_out(rows))}
+            "shipped": shipped(inline), "in_sample": _summary(in_sample), "leave_one_out": _summary(left_out),
+            "rows": [{"case": r["case"], "in_sample": round(a, 4), "leave_one_out": round(b, 4)}
+                     for r, a, b in zip(rows, in_sample, left_out)]}
 
 
 if __name__ == "__main__":
