@@ -1,4 +1,4 @@
-"""The TPU compute calibration of runs.yaml's MaxText cases, fitted over the whole category with its leave-one-out error.
+"""The TPU compute calibration of runs.yaml's MaxText cases, fitted over the category with its leave-one-out error.
 
 Cloud TPU documents each chip's peak (bf16 FLOP/s, HBM bandwidth) but no
 fraction of it that an XLA training step reaches, and XLA's fusions leave

@@ -256,8 +256,9 @@ def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention
 def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers: int) -> int:
     """The FLOPs ``runtime.recompute`` adds to the runner's remat in one chunk of ``layers`` layers
     (testbed.model.costs adds them to its count; :func:`recompute_gemms` lists the same GEMMs): ``block`` (or
-    ``op``) under full remat reruns the out projections too, a :data:`SAVED_PROJECTIONS` policy fewer (negative); ``op`` under selective reruns every other matmul of
-    a dense layer in place of the scores (which flash attention's backward recomputes anyway)."""
+    ``op``) under full remat reruns the out projections too, a :data:`SAVED_PROJECTIONS` policy fewer
+    (negative); ``op`` under selective reruns every other matmul of a dense layer in place of the scores
+    (which flash attention's backward recomputes anyway)."""
     policy, t, b = plan.runtime.recompute, plan.mesh.tensor, plan.microbatch_size
     n = b * spec.seq_len
     if policy == "runner" or plan.remat is Remat.NONE:
