@@ -293,14 +293,17 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     if moe:
         ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert)
         kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs, False))
+    from testbed.model.dispatch import einsum_gemms  # here: testbed.model.dispatch builds this module's Gemms
+    einsum = einsum_gemms(plan)  # runtime.moe_dispatch einsum: an MoE layer's one-hot dispatch and combine
     out: list[tuple[Gemm, ...]] = [(), (), (), ()]
     for layers, weights, outs, dense in kinds:
         per_layer_weights = (*weights, *outs)
-        forward = [*per_layer_weights, scores, values]
+        extra = ((), (), ()) if dense else einsum
+        forward = [*per_layer_weights, scores, values, *extra[0]]
         inputs = [g.input_grad() for g in per_layer_weights] + [scores.input_grad(), scores.weight_grad(),
-                                                                 values.input_grad(), values.weight_grad()]
+                                                                 values.input_grad(), values.weight_grad(), *extra[1]]
         grads = [g.weight_grad() for g in per_layer_weights]
-        recompute = recompute_gemms(plan, weights, outs, (scores, values), dense)
+        recompute = recompute_gemms(plan, weights, outs, (scores, values), dense) + list(extra[2])
         if layers:
             out = [o + scaled(tuple(x), layers) for o, x in zip(out, (forward, inputs, grads, recompute))]
     if plan.mesh.context > 1:
