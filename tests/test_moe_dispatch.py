@@ -16,7 +16,7 @@ from testbed.cli.main import main
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.model import costs
-from testbed.model.dispatch import einsum_flops, einsum_gemms
+from testbed.model.dispatch import einsum_flops, einsum_shapes
 from testbed.model.gemm import chunk_gemms, gemm_flops
 from testbed.plan.io import plan_from_dict
 from testbed.sim.engine import simulate
@@ -59,7 +59,7 @@ def test_bad_value_exits_2_on_the_command_line(tmp_path, capsys):
 
 def test_default_is_gather_and_changes_nothing():
     assert _both(_plan({"moe_dispatch": "gather"})) == _both(_plan())
-    assert einsum_gemms(_plan()) == ((), (), ())
+    assert einsum_shapes(_plan()) == ((), (), ())
 
 
 def test_a_dense_model_is_unchanged():

@@ -27,15 +27,18 @@ the einsums' operands; the experts' GEMMs already run the padded rows, testbed.m
 
 from __future__ import annotations
 
-from testbed.model.gemm import Gemm, gemm_flops
 from testbed.model.moe import expert_capacity, local_tokens
 from testbed.plan.spec import Plan, Remat
 
-__all__ = ["einsum_gemms", "einsum_flops"]
+__all__ = ["Shape", "einsum_shapes", "einsum_flops"]
+
+#: One einsum as a batched matmul: ``(m, n, k, batch)``, ``2 m n k batch`` FLOPs (testbed.model.gemm.Gemm's
+#: fields; that module builds its GEMMs from these, so this one does not import it).
+Shape = tuple[int, int, int, int]
 
 
-def einsum_gemms(plan: Plan) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...], tuple[Gemm, ...]]:
-    """(forward, backward, recompute) GEMMs of one MoE layer's dispatch einsums on one rank for one microbatch
+def einsum_shapes(plan: Plan) -> tuple[tuple[Shape, ...], tuple[Shape, ...], tuple[Shape, ...]]:
+    """(forward, backward, recompute) einsums of one MoE layer's dispatch on one rank for one microbatch
     (module docstring); all empty unless the plan has experts and ``runtime.moe_dispatch`` is ``einsum``."""
     spec = plan.model
     if not spec.experts or plan.runtime.moe_dispatch != "einsum":
@@ -43,16 +46,15 @@ def einsum_gemms(plan: Plan) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...], tuple[
     seq = spec.seq_len // plan.mesh.context
     sequences = max(1, local_tokens(plan) // seq)
     slots, m = spec.experts * expert_capacity(spec), spec.d_model // plan.mesh.tensor
-    dispatch = Gemm(slots, m, seq, batch=sequences)  # mask^T (EC x S) @ x (S x M)
-    combine = Gemm(seq, m, slots, batch=sequences)  # mask (S x EC) @ y (EC x M)
-    backward = (combine, dispatch, Gemm(seq, slots, m, batch=sequences))  # dx; dy; d(combine weights)
+    dispatch = (slots, m, seq, sequences)  # mask^T (EC x S) @ x (S x M)
+    combine = (seq, m, slots, sequences)  # mask (S x EC) @ y (EC x M)
+    backward = (combine, dispatch, (seq, slots, m, sequences))  # dx; dy; d(combine weights)
     recompute = (dispatch,) if plan.remat is Remat.FULL else ()
     return (dispatch, combine), backward, recompute
 
 
 def einsum_flops(plan: Plan, moe_layers: int) -> tuple[int, int, int]:
-    """(forward, backward, recompute) FLOPs :func:`einsum_gemms` adds to ``moe_layers`` MoE layers (what
+    """(forward, backward, recompute) FLOPs :func:`einsum_shapes` adds to ``moe_layers`` MoE layers (what
     testbed.model.costs counts; testbed.model.gemm lists the same GEMMs)."""
-    if not moe_layers:
-        return 0, 0, 0
-    return tuple(moe_layers * round(gemm_flops(g)) for g in einsum_gemms(plan))  # type: ignore[return-value]
+    return tuple(moe_layers * sum(2 * m * n * k * b for m, n, k, b in group)  # type: ignore[return-value]
+                 for group in einsum_shapes(plan))

@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from testbed.model import layout
+from testbed.model.dispatch import einsum_shapes
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
@@ -293,8 +294,8 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     if moe:
         ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert)
         kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs, False))
-    from testbed.model.dispatch import einsum_gemms  # here: testbed.model.dispatch builds this module's Gemms
-    einsum = einsum_gemms(plan)  # runtime.moe_dispatch einsum: an MoE layer's one-hot dispatch and combine
+    # runtime.moe_dispatch einsum: an MoE layer's one-hot dispatch and combine (testbed.model.dispatch)
+    einsum = tuple(tuple(Gemm(m, n, k, batch=b) for m, n, k, b in group) for group in einsum_shapes(plan))
     out: list[tuple[Gemm, ...]] = [(), (), (), ()]
     for layers, weights, outs, dense in kinds:
         per_layer_weights = (*weights, *outs)
