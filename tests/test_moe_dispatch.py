@@ -64,7 +64,8 @@ def test_default_is_gather_and_changes_nothing():
 
 def test_a_dense_model_is_unchanged():
     dense = {"experts": 0, "top_k": 1, "capacity_factor": None, "moe_every": 1}
-    plan, einsum = _plan(model=dense, mesh={"data": 8}), _plan({"moe_dispatch": "einsum"}, model=dense, mesh={"data": 8})
+    plan = _plan(model=dense, mesh={"data": 8})
+    einsum = _plan({"moe_dispatch": "einsum"}, model=dense, mesh={"data": 8})
     assert _both(einsum) == _both(plan)
 
 

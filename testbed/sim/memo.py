@@ -37,7 +37,8 @@ def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
     layers per stage, ``runtime.recompute`` and ``moe_dispatch``)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
-           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute, plan.runtime.moe_dispatch)
+           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute,
+           plan.runtime.moe_dispatch)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:
