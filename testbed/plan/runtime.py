@@ -67,8 +67,9 @@ class RuntimeSpec:
     #: The fused attention kernel flash attention's products run in (:data:`ATTENTION_KERNELS`): ``runner``, the
     #: runner's own blockwise attention, priced at the device calibration's ``flash_efficiency`` (or by shape) over
     #: every ``s x s`` product, masked blocks included; ``flash2`` (FlashAttention-2), ``flash3``
-    #: (FlashAttention-3), ``cudnn`` (cuDNN's fused attention, Transformer Engine's FusedAttention), ``splash``
-    #: (TPU splash attention): a kernel that skips the causally masked tiles (half of a causal block's products),
+    #: (FlashAttention-3), ``cudnn`` (cuDNN's fused attention, Transformer Engine's FusedAttention), ``triton``
+    #: (FlashAttention's Triton kernel, flash_attn_triton.py), ``splash`` (TPU splash attention): a kernel that
+    #: skips the causally masked tiles (half of a causal block's products),
     #: its forward and backward each at the efficiency published for that kernel on the device
     #: (testbed.sim.attention_kernels; a device without a published figure for the kernel: the runner's pricing).
     attention_kernel: str = "runner"
@@ -101,7 +102,7 @@ RECOMPUTE = ("runner", "block", "op")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
 GRAD_REDUCE_DTYPES = ("grad", "fp32")
 #: Values of :attr:`RuntimeSpec.attention_kernel`.
-ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "splash")
+ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash")
 
 
 #: Field values of each named profile that differ from the runner's defaults: ``{profile: {field: value}}``.
@@ -119,7 +120,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                    "fsdp_prefetch": 1, "attention_kernel": "flash2"},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                    "attention_kernel": "flash2"},
+                    "attention_kernel": "triton"},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -212,9 +213,10 @@ SOURCES: dict[tuple[str, str], str] = {
         "transformers/cuda/sdp_utils.cpp priority_order: flash_attention, efficient_attention, math, "
         "cudnn_attention): PyTorch's vendored FlashAttention-2 either way",
     ("llm-foundry", "attention_kernel"):
-        "llm-foundry llmfoundry/models/layers/attention.py: attn_impl 'flash' calls flash_attn's "
-        "flash_attn_varlen_func/flash_attn_func (flash-attn 2.x, causal=True); 'triton' is the FlashAttention "
-        "Triton kernel, which also skips masked tiles; both FlashAttention-2's algorithm",
+        "llm-foundry scripts/train/benchmarking/sweep.sh (the MPT benchmark tables' runs: GIT_COMMIT v0.0.4, "
+        "mosaicml/pytorch:2.0.1_cu118) calls submit_benchmarks.py without --attn_impl, whose default is 'triton' "
+        "(as the pretrain yamls' attn_config.attn_impl): llm-foundry's flash_attn_triton.py, FlashAttention's Triton "
+        "kernel (causal tiles skipped). No published H100 figure for it: priced as the runner's kernel",
     ("xla", "fsdp_prefetch"):
         "XLA's latency-hiding scheduler (xla/service/latency_hiding_scheduler.cc; on by default on TPU, "
         "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "
