@@ -107,8 +107,9 @@ def test_faster_kernels_price_faster_and_unmeasured_devices_fall_back():
     steps = {k: simulate(_plan(k), h100).report.step_time_s for k in ("flash2", "cudnn", "flash3")}
     assert steps["flash3"] < steps["cudnn"] < steps["flash2"]
     assert estimate(_plan("flash3"), h100).step_time_s < estimate(_plan("flash2"), h100).step_time_s
-    # no published A100 figure: the runner's pricing (the calibration's flash_efficiency)
+    # no published A100 figure, no H100 figure for the Triton kernel: the runner's pricing
     assert simulate(_plan("flash2"), a100).report.step_time_s == simulate(_plan(), a100).report.step_time_s
+    assert simulate(_plan("triton"), h100).report.step_time_s == simulate(_plan(), h100).report.step_time_s
 
 
 def test_the_backward_kernel_carries_the_gradients_and_the_recomputed_scores():
