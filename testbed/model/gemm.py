@@ -18,7 +18,9 @@ them; ``N = microbatch x seq`` tokens, ``t`` the tensor degree):
 - attention, batched over ``microbatch x heads / t``: scores ``s x s x
   d_head`` and values ``s x d_head x s`` (``flash``: inside one fused
   kernel that keeps the scores on chip, testbed.sim.compute prices them at
-  the device's flash attention efficiency);
+  the device's flash attention efficiency, or tagged with the plan's
+  ``runtime.attention_kernel`` and their pass, :class:`AttentionPass`, at
+  that kernel's published speed);
 - head (last chunk): ``N x V/t x d`` over the padded vocab;
 - an MoE layer (:func:`moe_gemms`) replaces the MLP by the router ``N x E x d`` (replicated over
   the tensor ranks), the routed experts as one grouped GEMM per matrix, batched over the rank's

@@ -130,8 +130,8 @@ _MEGATRON_BUCKET = ("Megatron-LM megatron/core/distributed/distributed_data_para
                     "max(40000000, 1000000 * dp_size) parameters; bf16 training reduces fp32 main grads "
                     "(arguments.py forces accumulate_allreduce_grads_in_fp32 for --bf16): 40e6 x 4 bytes")
 _TE_CUDNN = ("Transformer Engine transformer_engine/pytorch/attention.py (TE 1.x; "
-             "attention/dot_product_attention/utils.py in 2.x) `get_attention_backend`: with both FlashAttention and FusedAttention (cuDNN, F16_arbitrary_seqlen) "
-             "available on compute capability >= 9.0, 'Disabling FlashAttention to give FusedAttention preference on "
+             "attention/dot_product_attention/utils.py in 2.x) `get_attention_backend`: with both FlashAttention "
+             "and FusedAttention (cuDNN, F16_arbitrary_seqlen) available on compute capability >= 9.0, 'Disabling FlashAttention to give FusedAttention preference on "
              "Hopper+ for performance reasons'; Megatron-Core's TEDotProductAttention runs it (--attention-backend "
              "auto). On Ampere TE runs flash-attn 2, for which testbed has no A100 figure (priced as the runner's)")
 _FSDP_OVERLAP = ("torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook` (FSDP1) and FSDP2's "

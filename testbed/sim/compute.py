@@ -30,8 +30,9 @@ kernel. Flash attention's products (testbed.model.gemm ``flash``) run in one
 fused kernel at the calibration's ``flash_efficiency`` of peak (FlashAttention-2
 on A100: 50-73%, Dao 2023), their scores never in HBM; under a named
 ``runtime.attention_kernel`` at that kernel's published speed on the device, forward
-and backward apart, over the products it computes (testbed.sim.attention_kernels). Each factor grows with its dimension, so a GEMM's FLOP rate never
-falls as any dimension grows (tested): the curve is monotone in size.
+and backward apart, over the products it computes (testbed.sim.attention_kernels).
+Each factor grows with its dimension, so a GEMM's FLOP rate never falls as any
+dimension grows (tested): the curve is monotone in size.
 
 An fp8 GEMM (fp8-mixed on a device with fp8 units) runs at the fp8 peak with
 its own cap, ``fp8_efficiency * k / (k + fp8_gemm_half_k)`` in place of
