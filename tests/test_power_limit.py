@@ -108,3 +108,16 @@ def test_a_bad_power_limit_in_a_topology_file_exits_2_naming_the_field(tmp_path:
     assert "device.power_limit" in err and "Traceback" not in err
     path.write_text(yaml.safe_dump(_device_yaml(power_limit="500W", power_curve=[["400W", 0.8443], ["700W", 1.0]])))
     assert main(["topology", "show", str(path)]) == 0
+
+
+def test_a_calibrated_topology_does_not_apply_the_limit_twice():
+    """``calibrate`` measures the rates a device sustains as it runs (its power limit included): the fitted topology
+    prices those rates, without the limit's fraction on top."""
+    from testbed.calibration.calibrated import calibrated_topology
+
+    held = _limited(500)
+    rate = 0.5 * held.device.flops("bf16")
+    fitted = calibrated_topology(held, rates={"bf16": rate}, half_flops=0.0, memory_bandwidth=1e12, launch_s=0.0,
+                                 host_cores=0.0, collectives=None)
+    assert fitted.device.clock_fraction() == 1.0
+    assert fitted.device.sustained_flops("bf16") * fitted.calibration.compute.efficiency == pytest.approx(rate)
