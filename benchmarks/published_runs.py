@@ -20,7 +20,8 @@ Prints ``{"categories": {NAME: {cases, median_abs_error, max_abs_error}}, "end_t
 error is predicted / published - 1. ``end_to_end_by`` pools ``end_to_end`` (Megatron-LM, A100, BF16, dense)
 and ``runs``; ``end_to_end_all`` summarises the pool. Every case runs under its stack's runtime profile
 (testbed.plan.runtime; runs.py's ``STACK_PROFILES``, megatron.yaml's ``setup.runtime``) and
-``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``).
+``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``; its
+``device.power_limit``: what a topology's device power limit changed).
 The largest Megatron rows take about a minute each to simulate.
 
     .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|runs|memory]

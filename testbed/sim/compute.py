@@ -79,7 +79,7 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     elif flops > 0:
         per_kernel = flops / max(1, kernels)
         eff = compute.cap(dtype) * per_kernel / (per_kernel + compute.efficiency_half_flops)
-        t = flops / (dev.flops(dtype) * eff)
+        t = flops / (dev.sustained_flops(dtype) * eff)
     if hbm_bytes > 0:
         t = max(t, pass_seconds(topology, hbm_bytes))
     if passes is not None:
@@ -176,11 +176,11 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
     named = kernel_efficiency(topology.device.name, gemm.attention) if gemm.flash and gemm.attention else None
     if named is not None:  # the stack's kernel at its published speed, over the products it computes
         eff, work = named
-        return cal.compute.gemm_latency_s + one * work / (topology.device.flops(dtype) * eff)
+        return cal.compute.gemm_latency_s + one * work / (topology.device.sustained_flops(dtype) * eff)
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
         eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
-        return cal.compute.gemm_latency_s + one / (topology.device.flops(dtype) * eff)
-    math = one / (topology.device.flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype))
+        return cal.compute.gemm_latency_s + one / (topology.device.sustained_flops(dtype) * eff)
+    math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype))
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
