@@ -78,7 +78,9 @@ class Gemm:
     """``count`` x ``batch`` products of an ``m x k`` and a ``k x n`` matrix (``2 m n k`` FLOPs each).
 
     ``flash``: a product inside a fused flash attention kernel (its operands and output stay on chip);
-    ``attention``: the named kernel and pass it runs in (None: the runner's kernel, testbed.sim.compute).
+    ``attention``: the named kernel and pass it runs in (None: the runner's kernel, testbed.sim.compute);
+    ``amax_pass``: under fp8 its operand's cast finds the amax in a read pass of its own (the plan's
+    ``runtime.fp8_scaling`` ``current``, testbed.sim.compute.fp8_cast_bytes).
     """
 
     m: int
@@ -88,6 +90,7 @@ class Gemm:
     count: float = 1.0
     flash: bool = False
     attention: AttentionPass | None = None
+    amax_pass: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0:
@@ -174,7 +177,8 @@ def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]
 
 def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
     """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
-    return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention) for g in gemms)  # not replace()
+    return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention, g.amax_pass)  # not replace()
+                 for g in gemms)
 
 
 def gemm_flops(gemms: tuple[Gemm, ...]) -> float:
@@ -328,4 +332,13 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     if head:
         (h,) = head_gemms(spec, b, t)
         out[0], out[1], out[2] = out[0] + (h,), out[1] + (h.input_grad(),), out[2] + (h.weight_grad(),)
+    out = [_amax_passes(plan, o) for o in out]
     return ChunkGemms(forward=out[0], backward_input=out[1], backward_weight=out[2], recompute=out[3])
+
+
+def _amax_passes(plan: Plan, gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+    """``gemms`` with their fp8 casts' own amax read (``amax_pass``) under fp8 current scaling; untouched otherwise
+    (flash products are not cast), so other plans' task graphs stay as they were."""
+    if plan.runtime.fp8_scaling != "current" or "fp8" not in plan.precision.value:
+        return gemms
+    return tuple(g if g.flash else replace(g, amax_pass=True) for g in gemms)

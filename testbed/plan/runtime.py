@@ -23,7 +23,7 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 
-__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "ATTENTION_KERNELS", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "ATTENTION_KERNELS", "FP8_SCALINGS", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +73,14 @@ class RuntimeSpec:
     #: its forward and backward each at the efficiency published for that kernel on the device
     #: (testbed.sim.attention_kernels; a device without a published figure for the kernel: the runner's pricing).
     attention_kernel: str = "runner"
+    #: How an fp8 matmul's operands find their scale (:data:`FP8_SCALINGS`), priced only under fp8-mixed:
+    #: ``delayed``, from an amax history, the amax of the tensor being cast found inside the cast kernel (Transformer
+    #: Engine's ``DelayedScaling``: one pass, testbed.sim.compute.fp8_cast_bytes); ``current``, from the tensor's own
+    #: amax, found by a reduction kernel that reads the tensor before the cast reads it again (Transformer Engine's
+    #: ``Float8CurrentScaling``: ``Float8CurrentScalingQuantizer::quantize_impl`` runs ``nvte_compute_amax``, the
+    #: optional amax all-reduce, then the quantize). The runner has no fp8 matmuls: the default is the simulator's
+    #: pricing so far.
+    fp8_scaling: str = "delayed"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -95,6 +103,9 @@ class RuntimeSpec:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise InputError(f"unknown attention_kernel `{self.attention_kernel!s:.40}`; valid: "
                              f"{', '.join(ATTENTION_KERNELS)}", field="runtime.attention_kernel")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
+                             field="runtime.fp8_scaling")
 
 
 #: Values of :attr:`RuntimeSpec.recompute`.
@@ -103,6 +114,8 @@ RECOMPUTE = ("runner", "block", "op")
 GRAD_REDUCE_DTYPES = ("grad", "fp32")
 #: Values of :attr:`RuntimeSpec.attention_kernel`.
 ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash")
+#: Values of :attr:`RuntimeSpec.fp8_scaling`.
+FP8_SCALINGS = ("delayed", "current")
 
 
 #: Field values of each named profile that differ from the runner's defaults: ``{profile: {field: value}}``.

@@ -125,9 +125,11 @@ def fp8_cast_bytes(gemm: Gemm) -> float:
     operand, read in bf16 (2 bytes) and written in fp8 (1): the forward's input (cast and transpose:
     4 bytes counted 3), the input gradient's output gradient (likewise), the weight gradient's left
     operand (already cast: 0 counted 3) - 9 bytes for the layer's 8. The weights' casts, once per step
-    and not per microbatch, are left out.
+    and not per microbatch, are left out. Under current scaling (``gemm.amax_pass``, the plan's
+    ``runtime.fp8_scaling``) the amax is a reduction kernel of its own that reads the forward's input and the
+    output gradient once more before their casts (2 bytes each): the layer's 4 bytes spread as 4/3 per product.
     """
-    return 3.0 * gemm.batch * gemm.m * gemm.k * gemm.count
+    return (3.0 + (4.0 / 3.0 if gemm.amax_pass else 0.0)) * gemm.batch * gemm.m * gemm.k * gemm.count
 
 
 def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool = True) -> float:
@@ -143,11 +145,12 @@ def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool = True)
 def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts: bool) -> float:
     if gemm.count <= 0:
         return 0.0
-    key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention)
+    key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, Gemm(gemm.m, gemm.n, gemm.k, gemm.batch, 1.0,
-                                                                       gemm.flash, gemm.attention), casts)
+                                                                       gemm.flash, gemm.attention, gemm.amax_pass),
+                                               casts)
     return gemm.count * one
 
 
