@@ -131,7 +131,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                   "fsdp_prefetch": 1, "attention_kernel": "flash2"},
+                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current"},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                     "attention_kernel": "triton"},
 }
@@ -225,6 +225,12 @@ SOURCES: dict[tuple[str, str], str] = {
         "F.scaled_dot_product_attention(is_causal=True) takes PyTorch's default order (aten/src/ATen/native/"
         "transformers/cuda/sdp_utils.cpp priority_order: flash_attention, efficient_attention, math, "
         "cudnn_attention): PyTorch's vendored FlashAttention-2 either way",
+    ("torchtitan", "fp8_scaling"):
+        "torchtitan's float8 converter swaps nn.Linear for torchao's Float8Linear with tensorwise dynamic scaling "
+        "(its default recipe): torchao/float8/float8_scaling_utils.py hp_tensor_to_float8_dynamic computes the "
+        "tensor's amax (tensor_to_scale, max(abs(x)) over the whole tensor) and then casts with that scale "
+        "(hp_tensor_and_scale_to_float8): a whole-tensor reduction that must finish before any value is cast, so "
+        "the tensor (or, compiled, its producer's inputs) is read twice",
     ("llm-foundry", "attention_kernel"):
         "llm-foundry scripts/train/benchmarking/sweep.sh (the MPT benchmark tables' runs: GIT_COMMIT v0.0.4, "
         "mosaicml/pytorch:2.0.1_cu118) calls submit_benchmarks.py without --attn_impl, whose default is 'triton' "
