@@ -21,7 +21,8 @@ predicted, published, error}, ...]}}``;
 error is predicted / published - 1. ``end_to_end_by`` pools ``end_to_end`` (Megatron-LM, A100, BF16, dense)
 and ``runs``; ``end_to_end_all`` summarises the pool. Every case runs under its stack's runtime profile
 (testbed.plan.runtime; runs.py's ``STACK_PROFILES``, megatron.yaml's ``setup.runtime``) and
-``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``). ``fits`` prints
+``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``; its
+``device.power_limit``: what a topology's device power limit changed). ``fits`` prints
 each parameter fitted over a category of ``runs``, with its in-sample and leave-one-out errors and the values the
 data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext cases, tpu_fit.py).
 The largest Megatron rows take about a minute each to simulate.

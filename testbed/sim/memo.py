@@ -51,10 +51,12 @@ _CHUNKS: dict[tuple, ChunkCost] = {}
 
 
 def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
-    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`)."""
+    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`, and
+    ``runtime.attention_kernel``, which tags the attention products, and ``runtime.fp8_scaling`` with the
+    precision, which tag the fp8 casts' amax passes)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context,
-           plan.runtime.recompute, plan.runtime.moe_dispatch)
+           plan.runtime.recompute, plan.runtime.moe_dispatch, plan.runtime.attention_kernel, plan.runtime.fp8_scaling, plan.precision)
     shapes = _GEMMS.get(key)
     if shapes is None:
         if len(_GEMMS) > 100_000:
