@@ -309,6 +309,9 @@ class Plan:
             raise InputError(f"expert width {m.expert_width} (expert_d_ff, or d_ff) must be divisible by the experts' "
                              f"tensor degree {mesh.expert_tensor_degree} (mesh.expert_tensor, else mesh.tensor)",
                              field="model.expert_d_ff")
+        if m.experts and m.shared_experts * m.expert_width % mesh.tensor:
+            raise InputError(f"the shared experts' width {m.shared_experts} x {m.expert_width} must be divisible by "
+                             f"mesh.tensor {mesh.tensor} (they split like the dense MLP)", field="model.expert_d_ff")
         imb = self.expert_imbalance
         if isinstance(imb, bool) or not isinstance(imb, (int, float)) or not imb >= 1:
             raise InputError(f"must be a number >= 1 (the busiest expert rank's tokens over the mean; 1 is uniform), "
