@@ -342,3 +342,35 @@ def test_folded_map_flops_are_the_model_gemms() -> None:
     combine = 2 * rows * spec.seq_len * spec.top_k * spec.d_model
     assert model.count_matmul_flops(folded.params["jaxpr"]) == gemm_flops(tuple(ins[1:] + outs)) + combine
     assert ins[1].batch == spec.experts // 4 and ins[1].n == spec.d_ff  # whole experts, a quarter of them each
+
+
+@pytest.mark.slow  # two 8-device SPMD steps compiled
+def test_folded_step_moves_the_simulated_all_to_all_bytes() -> None:
+    """XLA's compiled step of a folded plan (data 2 x expert 2 x tensor 2) moves over ``expert`` exactly the
+    all-to-all bytes testbed.sim.program's task graph carries (``1 / tensor`` of the unfolded plan's), and over
+    ``tensor`` fewer bytes than the unfolded plan (whose expert map all-reduces the capacity-padded outputs)."""
+    from testbed.plan.placement import place
+    from testbed.plan.spec import Axis
+    from testbed.runner import reshards
+    from testbed.runner.check_sharding import compiled_spmd
+    from testbed.sim.program import axis_groups, build_program
+    from testbed.topology.io import load_topology
+
+    host = load_topology("host-cpu-8")
+    spec = dataclasses.replace(_folded_spec(), capacity_factor=1.0)
+    moved = {}
+    for et in (1, None):
+        plan = Plan(name="bytes", model=spec, mesh=MeshSpec(tensor=2, expert=2, data=2, expert_tensor=et),
+                    batch=BatchSpec(global_batch=8))
+        placement = place(plan, host)
+        experts = {g for gs in axis_groups(placement, [Axis.EXPERT]).values() for g in gs}
+        a2a = [t for t in build_program(plan, placement).tasks if t.op == "all_to_all"]
+        assert all(tuple(t.group) in experts for t in a2a)
+        simulated = sum(t.nbytes * t.count for t in a2a if t.device == a2a[0].device)  # one representative
+        mesh, text = compiled_spmd(plan)
+        compiled = reshards.compiled_bytes(text, mesh.devices.shape, mesh.axis_names)
+        assert compiled[("expert", "all-to-all")] == simulated > 0
+        moved[et] = compiled
+    assert moved[1][("expert", "all-to-all")] * 2 == moved[None][("expert", "all-to-all")]
+    tensor = lambda c: sum(b for (axes, _), b in c.items() if axes == "tensor")  # noqa: E731
+    assert tensor(moved[1]) < tensor(moved[None])

@@ -198,8 +198,8 @@ class ExpertShards:
     :meth:`folded` runs the whole routed and shared part of the layer there.
     """
 
-    def __init__(self, mesh: Any, spread: bool = False, folded: bool = False):
-        self.mesh = mesh
+    def __init__(self, mesh: Any, spread: bool = False, folded: bool = False, scatter: bool = False):
+        self.mesh, self.scatter = mesh, scatter
         self.expert = mesh.shape.get(AXIS, 1)
         self.tensor = mesh.shape.get(TENSOR, 1) if folded else 1
         if self.expert * self.tensor < 2:
@@ -217,7 +217,7 @@ class ExpertShards:
         #: Axes the routed experts' weights are split over on their experts dim (testbed.plan.sharding.expert_axes).
         self.weight_axes = own + ((TENSOR,) if self.tensor > 1 else ())
         #: The same map run per data replica, or this instance when it is that.
-        self.per_replica = self if spread or "data" not in rows else ExpertShards(mesh, spread=True, folded=folded)
+        self.per_replica = self if spread or "data" not in rows else ExpertShards(mesh, True, folded, scatter)
 
     @property
     def is_folded(self) -> bool:
@@ -247,17 +247,21 @@ class ExpertShards:
                            lambda r, w: (jax.P(r), {name: jax.P(w) for name in weights}), jax.P)
         return _exchanged_experts(slots, weights, cfg) if mapped is None else mapped(slots, weights)
 
-    def folded(self, slots: jax.Array, weights: dict[str, Any], routing: Routing, h: jax.Array,
-               shared: dict[str, Any], cfg: MoeConfig) -> jax.Array:
+    def folded(self, weights: dict[str, Any], routing: Routing, h: jax.Array, shared: dict[str, Any],
+               cfg: MoeConfig) -> jax.Array:
         """The routed and shared experts' output ``[rows, seq, d]`` under MoE parallel folding
         (testbed.runner.moe_folded.folded_experts), in a map manual over ``tensor`` and the expert axes."""
         from testbed.runner.moe_folded import folded_experts, shared_specs
 
-        body = functools.partial(folded_experts, cfg=cfg, expert=self.expert, tensor=self.tensor, dtype=h.dtype)
-        mapped = self._map(body, lambda r, w: (jax.P(r), {name: jax.P(w) for name in weights},
+        context = jax.sharding.get_abstract_mesh()
+        scatter = self.scatter and (context.empty or TENSOR not in context.manual_axes)
+        body = functools.partial(folded_experts, cfg=cfg, expert=self.expert, tensor=self.tensor, dtype=h.dtype,
+                                 scatter=scatter)
+        out = (lambda r: jax.P(r, TENSOR)) if scatter else jax.P
+        mapped = self._map(body, lambda r, w: ({name: jax.P(w) for name in weights},
                                                jax.P(r), jax.P(r), jax.P(r), jax.P(r), shared_specs(shared)),
-                           jax.P, with_tensor=True)
-        args = (slots, weights, routing.experts, routing.slots, routing.gates, h, shared)
+                           out, with_tensor=True)
+        args = (weights, routing.experts, routing.slots, routing.gates, h, shared)
         return body(*args) if mapped is None else mapped(*args)
 
     def top_k(self, probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -277,11 +281,11 @@ def moe_mlp(p: dict[str, Any], h: jax.Array, cfg: MoeConfig, experts: ExpertShar
     ``positions``: as :func:`route`.
     """
     routing = route(h, p["router"], cfg, positions, experts.top_k if experts is not None else None)
-    slots = dispatch(h, routing, cfg)
     weights = {name: p[name] for name in _EXPERT_KEYS if name in p}
     if experts is not None and experts.is_folded:
         shared = {name: p[name] for name in p if name.startswith("shared_")}
-        return experts.folded(slots, weights, routing, h, shared, cfg), routing.aux
+        return experts.folded(weights, routing, h, shared, cfg), routing.aux
+    slots = dispatch(h, routing, cfg)
     y = _local_experts(slots, weights, cfg) if experts is None else experts(slots, weights, cfg)
     out = combine(y, routing, h.dtype)
     if "shared_w1" in p:
@@ -316,4 +320,7 @@ def expert_shards(plan: Any, mesh: Any) -> ExpertShards | None:
     """The plan's :class:`ExpertShards` on ``mesh`` (a trainer's mesh or a stage's), or None without expert
     parallelism (``mesh.expert_parallel`` 1: testbed.plan.spec.MeshSpec)."""
     folded = plan.mesh.expert_tensor_degree != plan.mesh.tensor
-    return ExpertShards(mesh, folded=folded) if plan.mesh.expert_parallel > 1 else None
+    # Sequence parallelism: the folded layer's output leaves reduce-scattered over the sequence (one context rank's
+    # sequence is not contiguous with context parallelism: reduced whole there, XLA slicing it).
+    scatter = folded and plan.sequence_parallel and plan.mesh.context == 1
+    return ExpertShards(mesh, folded=folded, scatter=scatter) if plan.mesh.expert_parallel > 1 else None

@@ -8,16 +8,18 @@ expert-parallel ranks. The routed experts' stacked weights are split on their ex
 
 :func:`folded_experts` runs in ``jax.shard_map`` manual over ``tensor`` and the expert axes
 (testbed.runner.moe.ExpertShards.folded). The tensor ranks of one expert rank hold the same rows (the
-dense layers' replicas), so the rank at tensor position ``t`` takes, without moving anything, the slots of
-the experts whose group position has tensor part ``t``; the dispatch all-to-all over ``expert`` moves those
+dense layers' replicas), so the rank at tensor position ``t`` dispatches them and takes, without moving
+anything, the slots of the experts whose group position has tensor part ``t`` (the dispatch inside the map,
+so the backward's gradient of the layer's input is one partial sum per rank, reduced once); the dispatch all-to-all over ``expert`` moves those
 (``1 / tensor`` of the slots), the local experts run whole, the combine all-to-all brings their outputs
 back, and the rank's gate-weighted sum over its own experts' outputs is a partial sum of the layer's
 output. The shared experts run in the same map on the tensor split of the dense MLP (their width over
 ``tensor``) and add their partial sums, so the layer ends in ONE all-reduce over ``tensor`` of
-``[rows, seq, d]``, the dense MLP's (testbed.model.moe's module doc: what the simulator prices).
+``[rows, seq, d]``, the dense MLP's (testbed.model.moe's module doc: what the simulator prices; with
+sequence parallelism one reduce-scatter over the sequence, as the dense MLP's).
 
 The map is unchecked (as :class:`~testbed.runner.moe.ExpertShards`): inputs replicated over ``tensor``
-(the slots, the routing, ``h``, ``shared_b2``) get their gradients summed over it by the map's transpose,
+(the routing, ``h``, ``shared_b2``) get their gradients summed over it by the map's transpose,
 each rank's part of them being its own experts' (zero elsewhere).
 """
 
@@ -28,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from testbed.runner.moe import AXIS, TENSOR, MoeConfig, experts_ffn
+from testbed.runner.moe import AXIS, TENSOR, MoeConfig, Routing, dispatch, experts_ffn
 
 __all__ = ["folded_experts", "shared_specs"]
 
@@ -71,19 +73,21 @@ def _run_local(mine: jax.Array, weights: dict[str, Any], cfg: MoeConfig, expert:
     return jnp.moveaxis(y, 0, 1)
 
 
-def folded_experts(slots: jax.Array, weights: dict[str, Any], chosen: jax.Array, slot: jax.Array,
+def folded_experts(weights: dict[str, Any], chosen: jax.Array, slot: jax.Array,
                    gates: jax.Array, h: jax.Array, shared: dict[str, Any], *, cfg: MoeConfig, expert: int,
-                   tensor: int, dtype: Any) -> jax.Array:
+                   tensor: int, dtype: Any, scatter: bool = False) -> jax.Array:
     """The MoE layer's routed and shared output ``[rows, seq, d]`` (module doc) on one rank of the folded map.
 
     Args:
-      slots: ``[rows, E, C, d]``, every expert's slots of this rank's rows (testbed.runner.moe.dispatch).
       weights: this rank's ``L = E / (expert x tensor)`` experts' stacked weights, whole.
       chosen, slot, gates: the routing (``[rows, seq, k]``: expert, slot, gate of each choice).
       h: the layer's normed input ``[rows, seq, d]``; shared: the shared experts' parameters, this rank's
         tensor shard (empty without shared experts).
       expert, tensor: the degrees of the two axes the experts are split over (expert major).
+      scatter: Megatron sequence parallelism: the sum reduce-scattered over the sequence (this tensor rank's
+        ``seq / tensor`` rows of ``[rows, seq / tensor, d]``) instead of all-reduced.
     """
+    slots = dispatch(h, Routing(experts=chosen, slots=slot, gates=gates, aux=gates), cfg)  # [rows, E, C, d]
     rows, e, c, d = slots.shape
     local = e // (expert * tensor)
     t = jax.lax.axis_index(TENSOR)
@@ -99,5 +103,8 @@ def folded_experts(slots: jax.Array, weights: dict[str, Any], chosen: jax.Array,
     partial = jnp.einsum("bskd,bsk->bsd", picked.astype(jnp.float32), jnp.where(mine, gates, 0.0))
     if "shared_w1" in shared:
         partial = partial + _shared_partial(shared, h, cfg.swiglu).astype(jnp.float32)
-    out = jax.lax.psum(partial, TENSOR).astype(dtype)
+    if scatter:
+        out = jax.lax.psum_scatter(partial, TENSOR, scatter_dimension=1, tiled=True).astype(dtype)
+    else:
+        out = jax.lax.psum(partial, TENSOR).astype(dtype)
     return _plus(out, shared, "shared_b2")
