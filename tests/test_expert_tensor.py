@@ -155,3 +155,25 @@ def test_analytic_tier_follows_the_simulator_on_folded_plans(order: tuple[str, .
         times[name] = (fast, des)
     assert times["folded"][0] < times["base"][0] and times["folded"][1] < times["base"][1]
     assert math.isfinite(times["folded"][1])
+
+
+def test_the_search_space_tries_folding_where_it_is_valid() -> None:
+    """An MoE model on 8 devices: with a tensor axis both splits of the experts (folded where the expert and tensor
+    ranks divide the experts), without one only the plain; ``fold_experts`` narrows it; dense models unchanged."""
+    from testbed.explore.space import SearchSpace, candidates
+
+    spec = ModelSpec(**MODEL, expert_d_ff=6)  # width 6: a tensor degree of 4 can only fold
+    base = Plan(model=spec, batch=BatchSpec(global_batch=8), precision="fp32")
+    space = SearchSpace(zero=(0,), remat=("none",), microbatches=(1,), schedules=("1f1b",))
+    plans = list(candidates(base, 8, space))
+    meshes = {(p.mesh.expert, p.mesh.tensor, p.mesh.expert_tensor) for p in plans}
+    assert {(1, 2, None), (1, 2, 1), (2, 2, 1), (2, 4, 1), (1, 4, 1)} <= meshes
+    assert (2, 4, None) not in meshes and (4, 4, 1) not in meshes  # 6 % 4; 8 experts over 16 ranks
+    assert all(p.mesh.expert_tensor is None for p in plans if p.mesh.tensor == 1)
+    narrowed = {p.mesh.expert_tensor for p in candidates(base, 8, replace(space, fold_experts=(False,)))}
+    assert narrowed == {None}
+    dense = replace(base, model=replace(spec, experts=0, expert_d_ff=None))
+    assert {p.mesh.expert_tensor for p in candidates(dense, 8, space)} == {None}
+    with pytest.raises(InputError) as err:
+        SearchSpace(fold_experts=("yes",))
+    assert err.value.field == "space.fold_experts"
