@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from testbed.runner import devices as dev, model, moe
+from testbed.runner.moe_folded import FoldedExpertShards
 from testbed.testing.compare import assert_outputs_equal
 from testbed.testing.strategies import moe_plans
 from testbed.runner.train import verify_plan
@@ -290,7 +291,7 @@ def test_folded_layer_matches_dense_reference(expert, data, tensor, shared, bias
     shard = lambda tree, spec: jax.device_put(tree, jax.NamedSharding(mesh, spec))  # noqa: E731
     rows_spec = jax.P(("data", "expert"))
     args = ({n: shard(a, specs[n]) for n, a in p.items()}, *(shard(x, rows_spec) for x in (h, g, w)))
-    shards = moe.ExpertShards(mesh, folded=True)
+    shards = FoldedExpertShards(mesh, folded=True)
     assert shards.is_folded and shards.weight_axes == (("expert",) if expert > 1 else ()) + ("tensor",)
     layer = lambda p, h: moe.moe_mlp(p, h, cfg, shards)  # noqa: E731
     _close(jax.jit(lambda *a: _value_and_grads(layer, *a))(*args), want, mesh)
@@ -334,7 +335,7 @@ def test_folded_map_flops_are_the_model_gemms() -> None:
     rows = plan.microbatch_size
     params = jax.eval_shape(lambda: model.init_params(spec, 0))["layers"][0]["moe"]
     h = jax.ShapeDtypeStruct((rows * 2, spec.seq_len, spec.d_model), jnp.float32)
-    shards = moe.ExpertShards(mesh, folded=True)
+    shards = FoldedExpertShards(mesh, folded=True)
     jaxpr = jax.make_jaxpr(lambda p, h: moe.moe_mlp(p, h, cfg, shards)[0])(params, h)
     maps = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "shard_map"]
     folded = max(maps, key=lambda e: model.count_matmul_flops(e.params["jaxpr"]))

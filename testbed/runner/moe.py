@@ -50,7 +50,7 @@ from testbed.model.moe import expert_capacity
 from testbed.plan.spec import Mlp, ModelSpec
 
 __all__ = ["MoeConfig", "moe_config", "expert_capacity", "Routing", "route", "dispatch", "combine",
-           "experts_ffn", "moe_mlp", "ExpertShards", "expert_shards", "aux_into_grads"]
+           "experts_ffn", "moe_mlp", "ExpertShards", "aux_into_grads"]
 
 AXIS = "expert"
 TENSOR = "tensor"
@@ -194,8 +194,9 @@ class ExpertShards:
     varies over ``expert`` (nothing replicated over a manual axis, so no gradient sum is missed), and JAX
     0.10 misnames a checked map's residuals when nested in another map. Identity-hashed: one per mesh.
 
-    ``folded`` (``mesh.expert_tensor`` 1, testbed.runner.moe_folded): the map is manual over ``tensor`` too and
-    :meth:`folded` runs the whole routed and shared part of the layer there.
+    ``folded`` (``mesh.expert_tensor`` 1): the experts are split over ``tensor`` too and a subclass
+    (testbed.runner.moe_folded.FoldedExpertShards) runs the routed and shared part of the layer in a map manual
+    over it; testbed.runner.moe_folded.expert_shards builds the plan's.
     """
 
     def __init__(self, mesh: Any, spread: bool = False, folded: bool = False, scatter: bool = False):
@@ -217,12 +218,17 @@ class ExpertShards:
         #: Axes the routed experts' weights are split over on their experts dim (testbed.plan.sharding.expert_axes).
         self.weight_axes = own + ((TENSOR,) if self.tensor > 1 else ())
         #: The same map run per data replica, or this instance when it is that.
-        self.per_replica = self if spread or "data" not in rows else ExpertShards(mesh, True, folded, scatter)
+        self.per_replica = self if spread or "data" not in rows else type(self)(mesh, True, folded, scatter)
 
     @property
     def is_folded(self) -> bool:
         """Whether the tensor ranks are expert-parallel ranks in the MoE layers (``mesh.expert_tensor`` 1)."""
         return self.tensor > 1
+
+    def folded(self, weights: dict[str, Any], routing: Routing, h: jax.Array, shared: dict[str, Any],
+               cfg: MoeConfig) -> jax.Array:
+        """The folded layer's routed and shared output (testbed.runner.moe_folded.FoldedExpertShards)."""
+        raise NotImplementedError("a folded layer needs testbed.runner.moe_folded.FoldedExpertShards")
 
     def _map(self, fn: Any, specs: tuple[Any, ...], out: Any, with_tensor: bool = False) -> Any:
         """``fn`` in a map over the rows' batch axes (module doc; ``tensor`` too when ``with_tensor``), or None
@@ -246,23 +252,6 @@ class ExpertShards:
         mapped = self._map(lambda s, w: _exchanged_experts(s, w, cfg),
                            lambda r, w: (jax.P(r), {name: jax.P(w) for name in weights}), jax.P)
         return _exchanged_experts(slots, weights, cfg) if mapped is None else mapped(slots, weights)
-
-    def folded(self, weights: dict[str, Any], routing: Routing, h: jax.Array, shared: dict[str, Any],
-               cfg: MoeConfig) -> jax.Array:
-        """The routed and shared experts' output ``[rows, seq, d]`` under MoE parallel folding
-        (testbed.runner.moe_folded.folded_experts), in a map manual over ``tensor`` and the expert axes."""
-        from testbed.runner.moe_folded import folded_experts, shared_specs
-
-        context = jax.sharding.get_abstract_mesh()
-        scatter = self.scatter and (context.empty or TENSOR not in context.manual_axes)
-        body = functools.partial(folded_experts, cfg=cfg, expert=self.expert, tensor=self.tensor, dtype=h.dtype,
-                                 scatter=scatter)
-        out = (lambda r: jax.P(r, TENSOR)) if scatter else jax.P
-        mapped = self._map(body, lambda r, w: ({name: jax.P(w) for name in weights},
-                                               jax.P(r), jax.P(r), jax.P(r), jax.P(r), shared_specs(shared)),
-                           out, with_tensor=True)
-        args = (weights, routing.experts, routing.slots, routing.gates, h, shared)
-        return body(*args) if mapped is None else mapped(*args)
 
     def top_k(self, probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         """``lax.top_k`` of the router's ``[rows, seq, E]`` on each device's rows (XLA's partitioner gathers
@@ -314,13 +303,3 @@ def _aux_bwd(weight: float, zeros: jax.Array, g: jax.Array) -> tuple[jax.Array, 
 
 
 aux_into_grads.defvjp(_aux_fwd, _aux_bwd)
-
-
-def expert_shards(plan: Any, mesh: Any) -> ExpertShards | None:
-    """The plan's :class:`ExpertShards` on ``mesh`` (a trainer's mesh or a stage's), or None without expert
-    parallelism (``mesh.expert_parallel`` 1: testbed.plan.spec.MeshSpec)."""
-    folded = plan.mesh.expert_tensor_degree != plan.mesh.tensor
-    # Sequence parallelism: the folded layer's output leaves reduce-scattered over the sequence (one context rank's
-    # sequence is not contiguous with context parallelism: reduced whole there, XLA slicing it).
-    scatter = folded and plan.sequence_parallel and plan.mesh.context == 1
-    return ExpertShards(mesh, folded=folded, scatter=scatter) if plan.mesh.expert_parallel > 1 else None

@@ -7,7 +7,7 @@ expert-parallel ranks. The routed experts' stacked weights are split on their ex
 ``e // L`` of that group, ``L = E / (expert x tensor)``, ``expert`` major) and their width is not split.
 
 :func:`folded_experts` runs in ``jax.shard_map`` manual over ``tensor`` and the expert axes
-(testbed.runner.moe.ExpertShards.folded). The tensor ranks of one expert rank hold the same rows (the
+(:meth:`FoldedExpertShards.folded`). The tensor ranks of one expert rank hold the same rows (the
 dense layers' replicas), so the rank at tensor position ``t`` dispatches them and takes, without moving
 anything, the slots of the experts whose group position has tensor part ``t`` (the dispatch inside the map,
 so the backward's gradient of the layer's input is one partial sum per rank, reduced once); the dispatch all-to-all over ``expert`` moves those
@@ -25,14 +25,15 @@ each rank's part of them being its own experts' (zero elsewhere).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from testbed.runner.moe import AXIS, TENSOR, MoeConfig, Routing, dispatch, experts_ffn
+from testbed.runner.moe import AXIS, TENSOR, ExpertShards, MoeConfig, Routing, dispatch, experts_ffn
 
-__all__ = ["folded_experts", "shared_specs"]
+__all__ = ["FoldedExpertShards", "expert_shards", "folded_experts", "shared_specs"]
 
 #: The shared experts' tensor split (testbed.model.layout's rows: in projections by columns, out by rows);
 #: ``shared_b2`` is added once, after the reduction.
@@ -108,3 +109,37 @@ def folded_experts(weights: dict[str, Any], chosen: jax.Array, slot: jax.Array,
     else:
         out = jax.lax.psum(partial, TENSOR).astype(dtype)
     return _plus(out, shared, "shared_b2")
+
+
+class FoldedExpertShards(ExpertShards):
+    """:class:`~testbed.runner.moe.ExpertShards` of a folded plan (build it with ``folded=True``): the layer's
+    routed and shared part in one map manual over ``tensor`` and the expert axes (:func:`folded_experts`)."""
+
+    def folded(self, weights: dict[str, Any], routing: Routing, h: jax.Array, shared: dict[str, Any],
+               cfg: MoeConfig) -> jax.Array:
+        """The routed and shared experts' output ``[rows, seq, d]`` (``[rows, seq / tensor, d]`` reduce-scattered
+        under sequence parallelism)."""
+        context = jax.sharding.get_abstract_mesh()
+        scatter = self.scatter and (context.empty or TENSOR not in context.manual_axes)
+        body = functools.partial(folded_experts, cfg=cfg, expert=self.expert, tensor=self.tensor, dtype=h.dtype,
+                                 scatter=scatter)
+        out = (lambda r: jax.P(r, TENSOR)) if scatter else jax.P
+        mapped = self._map(body, lambda r, w: ({name: jax.P(w) for name in weights},
+                                               jax.P(r), jax.P(r), jax.P(r), jax.P(r), shared_specs(shared)),
+                           out, with_tensor=True)
+        args = (weights, routing.experts, routing.slots, routing.gates, h, shared)
+        return body(*args) if mapped is None else mapped(*args)
+
+
+def expert_shards(plan: Any, mesh: Any) -> ExpertShards | None:
+    """The plan's :class:`~testbed.runner.moe.ExpertShards` on ``mesh`` (a trainer's mesh or a stage's): folded
+    when ``mesh.expert_tensor`` is 1 with a tensor axis; None without expert parallelism (``mesh.expert_parallel``
+    1: testbed.plan.spec.MeshSpec)."""
+    if plan.mesh.expert_parallel <= 1:
+        return None
+    if plan.mesh.expert_tensor_degree == plan.mesh.tensor:
+        return ExpertShards(mesh)
+    # Sequence parallelism: the folded layer's output leaves reduce-scattered over the sequence (one context rank's
+    # sequence is not contiguous with context parallelism: reduced whole there, XLA slicing it).
+    scatter = plan.sequence_parallel and plan.mesh.context == 1
+    return FoldedExpertShards(mesh, folded=True, scatter=scatter)
