@@ -177,3 +177,21 @@ def test_the_search_space_tries_folding_where_it_is_valid() -> None:
     with pytest.raises(InputError) as err:
         SearchSpace(fold_experts=("yes",))
     assert err.value.field == "space.fold_experts"
+
+
+def test_the_search_command_takes_fold_experts(tmp_path: Path, capsys) -> None:
+    """``--fold-experts on`` keeps the folded MoE candidates where the mesh has a tensor axis (and the plain ones
+    without one), ``off`` the unfolded ones; a bad value is exit 2 naming the flag."""
+    import json
+
+    argv = ["search", "--model", "mixtral-8x7b", "--topology", "dgx-h100-x4", "--schedules", "1f1b",
+            "--microbatches", "1", "--remat", "full", "--zero", "1", "--replay", "2", "--json", "--global-batch", "64",
+            "--seq", "1024", "--experts", "4"]
+    assert main(argv + ["--fold-experts", "on"]) == 0, capsys.readouterr().err
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and all(r["expert_tensor"] == 1 for r in ranked) and any(r["tensor"] > 1 for r in ranked)
+    assert main(argv + ["--fold-experts", "off"]) == 0, capsys.readouterr().err
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and all(r["expert_tensor"] == r["tensor"] for r in ranked) and any(r["tensor"] > 1 for r in ranked)
+    assert main(argv + ["--fold-experts", "maybe"]) == 2
+    assert "--fold-experts" in capsys.readouterr().err

@@ -222,9 +222,10 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
 def _expert_tensor(base: Plan, space: SearchSpace, tensor: int, expert: int) -> tuple[int | None, ...]:
     """The ``mesh.expert_tensor`` values of a mesh the plan rules accept: None (the experts split over the tensor
     axis) where ``tensor`` divides the expert width, 1 (folded) where an MoE model has a tensor axis whose ranks
-    with the expert ranks divide the experts and the shared experts' width; (None,) for a dense model."""
+    with the expert ranks divide the experts and the shared experts' width; (None,) for a dense model and at
+    tensor 1 (nothing to fold)."""
     m = base.model
-    if not m.experts:
+    if not m.experts or tensor == 1:
         return (None,)
     chosen = space.fold_experts if space.fold_experts is not None else (False, True)
     out: list[int | None] = []
