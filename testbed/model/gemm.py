@@ -45,13 +45,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from testbed.model import layout
+from testbed.model.dispatch import einsum_shapes
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
 __all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms", "gemm_flops", "scaled",
-           "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms", "policy_recompute_flops"]
+           "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms", "policy_recompute_flops",
+           "SAVED_PROJECTIONS"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,10 +221,23 @@ def alternate_matmuls(spec: ModelSpec, tokens: int, tensor: int) -> tuple[Gemm, 
     return tuple(order[1::2])
 
 
+#: Full-remat policies that save some projections' outputs (``runtime.recompute``): what each saves of a dense
+#: layer, the rest rerun as the runner's full remat (MaxText's remat_policy names them: testbed.plan.runtime).
+SAVED_PROJECTIONS = {"save-qkv": ("qkv",), "save-attention-dots": ("qkv", "out")}
+
+
+def _saved_count(plan: Plan, policy: str) -> int:
+    """How many of :func:`_projections`' leading GEMMs (Q/K/V as one or two, then the out projection) ``policy``
+    saves."""
+    qkv = 1 if rank_spec(plan).kv_split(plan.mesh.tensor) else 2
+    return qkv + (1 if "out" in SAVED_PROJECTIONS[policy] else 0)
+
+
 def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention: tuple[Gemm, Gemm],
                     dense: bool) -> list[Gemm]:
     """The forward GEMMs one layer's backward reruns, by the plan's remat and ``runtime.recompute``
-    (testbed.plan.runtime): full, all but the out projections ``outs`` (``runner``) or all (``block``, ``op``);
+    (testbed.plan.runtime): full, all but the out projections ``outs`` (``runner``) or all (``block``, ``op``), or
+    on a ``dense`` layer the runner's less the projections a :data:`SAVED_PROJECTIONS` policy saves;
     selective, the scores (``runner``, ``block``) or every other matmul (``op``, :func:`alternate_matmuls`, on a
     ``dense`` layer; an MoE layer keeps the scores). Flash attention's backward recomputes the scores besides,
     but under selective remat (whose recompute they are)."""
@@ -230,8 +245,10 @@ def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention
     policy = plan.runtime.recompute
     if plan.remat is Remat.NONE:
         out: list[Gemm] = []
+    elif plan.remat is Remat.FULL and dense and policy in SAVED_PROJECTIONS:
+        out = [*weights[_saved_count(plan, policy):], scores, values]
     elif plan.remat is Remat.FULL:
-        out = [*weights, *(outs if policy != "runner" else ()), scores, values]
+        out = [*weights, *(outs if policy in ("block", "op") else ()), scores, values]
     elif policy == "op" and dense:
         spec = rank_spec(plan)
         out = list(alternate_matmuls(spec, plan.microbatch_size * spec.seq_len, plan.mesh.tensor))
@@ -243,13 +260,17 @@ def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention
 def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers: int) -> int:
     """The FLOPs ``runtime.recompute`` adds to the runner's remat in one chunk of ``layers`` layers
     (testbed.model.costs adds them to its count; :func:`recompute_gemms` lists the same GEMMs): ``block`` (or
-    ``op``) under full remat reruns the out projections too; ``op`` under selective reruns every other matmul of
-    a dense layer in place of the scores (which flash attention's backward recomputes anyway)."""
+    ``op``) under full remat reruns the out projections too, a :data:`SAVED_PROJECTIONS` policy fewer
+    (negative); ``op`` under selective reruns every other matmul of a dense layer in place of the scores
+    (which flash attention's backward recomputes anyway)."""
     policy, t, b = plan.runtime.recompute, plan.mesh.tensor, plan.microbatch_size
     n = b * spec.seq_len
     if policy == "runner" or plan.remat is Remat.NONE:
         return 0
     dense = layers - moe_layers
+    if plan.remat is Remat.FULL and policy in SAVED_PROJECTIONS:  # fewer than the runner's: the saved ones
+        weights, _ = _projections(spec, n, t)
+        return -dense * round(gemm_flops(tuple(weights[:_saved_count(plan, policy)])))
     if plan.remat is Remat.FULL:
         extra = dense * 2 * n * spec.d_model * (spec.d_ff // t)
         if moe_layers:
@@ -276,14 +297,17 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     if moe:
         ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert, plan.mesh.expert_tensor)
         kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs, False))
+    # runtime.moe_dispatch einsum: an MoE layer's one-hot dispatch and combine (testbed.model.dispatch)
+    einsum = tuple(tuple(Gemm(m, n, k, batch=b) for m, n, k, b in group) for group in einsum_shapes(plan))
     out: list[tuple[Gemm, ...]] = [(), (), (), ()]
     for layers, weights, outs, dense in kinds:
         per_layer_weights = (*weights, *outs)
-        forward = [*per_layer_weights, scores, values]
+        extra = ((), (), ()) if dense else einsum
+        forward = [*per_layer_weights, scores, values, *extra[0]]
         inputs = [g.input_grad() for g in per_layer_weights] + [scores.input_grad(), scores.weight_grad(),
-                                                                 values.input_grad(), values.weight_grad()]
+                                                                 values.input_grad(), values.weight_grad(), *extra[1]]
         grads = [g.weight_grad() for g in per_layer_weights]
-        recompute = recompute_gemms(plan, weights, outs, (scores, values), dense)
+        recompute = recompute_gemms(plan, weights, outs, (scores, values), dense) + list(extra[2])
         if layers:
             out = [o + scaled(tuple(x), layers) for o, x in zip(out, (forward, inputs, grads, recompute))]
     if plan.mesh.context > 1:

@@ -23,7 +23,7 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 
-__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "MOE_DISPATCH", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,7 +37,12 @@ class RuntimeSpec:
     #: attention scores; ``block``, full remat reruns each block's whole forward, down projection and its
     #: tensor collectives included (a checkpoint around the block: Megatron-LM, DeepSpeed, torch's
     #: ``checkpoint_wrapper``); ``op``, selective remat saves every other matmul's output and attention's
-    #: and recomputes the rest of the block (torchtitan's per-op policy; full remat as ``block``).
+    #: and recomputes the rest of the block (torchtitan's per-op policy; full remat as ``block``); ``save-qkv``,
+    #: full remat as the runner's but the Q/K/V projections' outputs are saved (MaxText's ``save_qkv_proj`` and
+    #: ``qkv_proj_offloaded``); ``save-attention-dots``, the out projection's too, so the backward reruns only
+    #: attention and the MLP's input projections (MaxText's ``save_dot_except_mlpwi``). The two save-policies
+    #: change a dense layer's recompute only (an MoE layer's is the runner's) and the FLOPs only (the memory of
+    #: the saved outputs and, with a tensor axis, the collectives are priced as the runner's full remat).
     recompute: str = "runner"
     #: The tensor-parallel collectives of an action overlap its GEMMs (NeMo's userbuffers ``tp_comm_overlap``)
     #: instead of following them: the action takes the longer of its compute and its tensor collectives.
@@ -64,6 +69,11 @@ class RuntimeSpec:
     #: for the previous block's compute. The runner gathers per block inside the layer loop and again in the
     #: backward (testbed.runner.param_shards.ParamShards); how far ahead is XLA's latency-hiding scheduler's (one).
     fsdp_prefetch: int = 1
+    #: How an MoE layer moves tokens to its experts' capacity slots and back (:data:`MOE_DISPATCH`):
+    #: ``gather``, the runner's index gather and weighted scatter (memory work, testbed.runner.moe);
+    #: ``einsum``, one-hot dispatch and combine einsums (MaxText's dropping path, ``sparse_matmul: False``),
+    #: whose matmuls testbed.model.dispatch prices. No effect on a dense model.
+    moe_dispatch: str = "gather"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -72,6 +82,9 @@ class RuntimeSpec:
         if self.recompute not in RECOMPUTE:
             raise InputError(f"unknown recompute `{self.recompute}`; valid: {', '.join(RECOMPUTE)}",
                              field="runtime.recompute")
+        if self.moe_dispatch not in MOE_DISPATCH:
+            raise InputError(f"unknown moe_dispatch `{self.moe_dispatch}`; valid: {', '.join(MOE_DISPATCH)}",
+                             field="runtime.moe_dispatch")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise InputError(f"unknown grad_reduce_dtype `{self.grad_reduce_dtype}`; valid: "
                              f"{', '.join(GRAD_REDUCE_DTYPES)}", field="runtime.grad_reduce_dtype")
@@ -86,9 +99,11 @@ class RuntimeSpec:
 
 
 #: Values of :attr:`RuntimeSpec.recompute`.
-RECOMPUTE = ("runner", "block", "op")
+RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
 GRAD_REDUCE_DTYPES = ("grad", "fp32")
+#: Values of :attr:`RuntimeSpec.moe_dispatch` (testbed.model.dispatch reads the same names).
+MOE_DISPATCH = ("gather", "einsum")
 
 
 #: Field values of each named profile that differ from the runner's defaults: ``{profile: {field: value}}``.

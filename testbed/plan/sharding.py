@@ -16,8 +16,13 @@ from dataclasses import dataclass
 
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 
+<<<<<<< HEAD
 __all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters",
            "gathered_blocks", "expert_axes"]
+=======
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "loss_reductions",
+           "gathers_parameters", "gathered_blocks"]
+>>>>>>> main
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,6 +88,7 @@ def reduction_axes(plan: Plan, expert: bool = False) -> tuple[Axis, ...]:
     return tuple(a for a in MESH_AXES if a in axes and plan.mesh.degree(a) > 1)
 
 
+<<<<<<< HEAD
 def expert_axes(plan: Plan) -> tuple[Axis, ...]:
     """The mesh axes (degree > 1, MESH_AXES order: ``expert`` major) the routed experts are split over in the MoE
     layers, the group their dispatch and combine all-to-alls run over: ``expert``, and ``tensor`` too when
@@ -92,6 +98,22 @@ def expert_axes(plan: Plan) -> tuple[Axis, ...]:
     mesh = plan.mesh
     folded = mesh.expert_tensor_degree != mesh.tensor
     return tuple(a for a in (Axis.EXPERT, Axis.TENSOR) if mesh.degree(a) > 1 and (a is Axis.EXPERT or folded))
+=======
+def loss_reductions(plan: Plan) -> tuple[tuple[tuple[Axis, ...], bool], ...]:
+    """The all-reduces of the step's loss (one fp32 value each) over the axes that split the batch (those a dense
+    gradient sums over, :func:`reduction_axes`), as ``(axes, per microbatch)``.
+
+    The runner returns the step's mean loss, so its compiled step all-reduces it (check-sharding counts the 4
+    bytes beside the gradients'). With one microbatch once over every such axis; with several, each microbatch's
+    within its replica (every such axis but data: the microbatch loop runs per data replica) and the replicas'
+    once over data. Empty when nothing splits the batch.
+    """
+    axes = reduction_axes(plan)
+    if plan.batch.microbatches == 1:
+        return ((axes, False),) if axes else ()
+    inner = tuple(a for a in axes if a is not Axis.DATA)
+    return (((inner, True),) if inner else ()) + (((Axis.DATA,), False),) * (Axis.DATA in axes)
+>>>>>>> main
 
 
 def gathers_parameters(plan: Plan, kind: str) -> bool:
