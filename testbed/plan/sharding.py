@@ -16,13 +16,8 @@ from dataclasses import dataclass
 
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 
-<<<<<<< HEAD
-__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters",
-           "gathered_blocks", "expert_axes"]
-=======
 __all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "loss_reductions",
-           "gathers_parameters", "gathered_blocks"]
->>>>>>> main
+           "gathers_parameters", "gathered_blocks", "expert_axes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
