@@ -83,7 +83,6 @@ def reduction_axes(plan: Plan, expert: bool = False) -> tuple[Axis, ...]:
     return tuple(a for a in MESH_AXES if a in axes and plan.mesh.degree(a) > 1)
 
 
-<<<<<<< HEAD
 def expert_axes(plan: Plan) -> tuple[Axis, ...]:
     """The mesh axes (degree > 1, MESH_AXES order: ``expert`` major) the routed experts are split over in the MoE
     layers, the group their dispatch and combine all-to-alls run over: ``expert``, and ``tensor`` too when
@@ -93,7 +92,8 @@ def expert_axes(plan: Plan) -> tuple[Axis, ...]:
     mesh = plan.mesh
     folded = mesh.expert_tensor_degree != mesh.tensor
     return tuple(a for a in (Axis.EXPERT, Axis.TENSOR) if mesh.degree(a) > 1 and (a is Axis.EXPERT or folded))
-=======
+
+
 def loss_reductions(plan: Plan) -> tuple[tuple[tuple[Axis, ...], bool], ...]:
     """The all-reduces of the step's loss (one fp32 value each) over the axes that split the batch (those a dense
     gradient sums over, :func:`reduction_axes`), as ``(axes, per microbatch)``.
@@ -108,7 +108,6 @@ def loss_reductions(plan: Plan) -> tuple[tuple[tuple[Axis, ...], bool], ...]:
         return ((axes, False),) if axes else ()
     inner = tuple(a for a in axes if a is not Axis.DATA)
     return (((inner, True),) if inner else ()) + (((Axis.DATA,), False),) * (Axis.DATA in axes)
->>>>>>> main
 
 
 def gathers_parameters(plan: Plan, kind: str) -> bool:
