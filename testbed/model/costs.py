@@ -94,9 +94,9 @@ def _layer_params_per_tensor_rank(spec: ModelSpec, tensor: int) -> int:
 @functools.lru_cache(maxsize=65536)  # pure; a plan search counts the same chunks for thousands of plans
 def _chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: int, tensor: int,
                   ways: int = 1, stage_layers: tuple[int, ...] | None = None, expert: int = 1,
-                  experts_only: bool | None = None) -> int:
+                  experts_only: bool | None = None, expert_tensor: int | None = None) -> int:
     held = layout.chunk_params(spec, stage, chunk, stages, virtual, stage_layers=stage_layers)
-    return layout.held_elements(held, tensor, ways, expert, experts_only)
+    return layout.held_elements(held, tensor, ways, expert, experts_only, expert_tensor)
 
 
 def stage_param_count(spec: ModelSpec, stage: int, stages: int, virtual: int = 1,
@@ -122,7 +122,7 @@ def device_stage_params(plan: Plan, stage: int, ways: int = 1, experts_only: boo
     """
     v, split = plan.schedule.virtual_stages, plan.stage_layers
     return sum(_chunk_params(plan.model, stage, c, plan.mesh.stage, v, plan.mesh.tensor, ways, split,
-                             plan.mesh.expert, experts_only) for c in range(v))
+                             plan.mesh.expert, experts_only, plan.mesh.expert_tensor) for c in range(v))
 
 
 # -- FLOPs ----------------------------------------------------------------------------
@@ -447,7 +447,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     if head:
         hf = head_forward_flops(spec, b, t)
         forward, b_flops, w_flops = forward + hf, b_flops + hf, w_flops + hf
-    params = _chunk_params(plan.model, stage, chunk, p, v, t, stage_layers=split, expert=plan.mesh.expert)
+    params = _chunk_params(plan.model, stage, chunk, p, v, t, 1, split, plan.mesh.expert, None, plan.mesh.expert_tensor)
     sp = plan.sequence_parallel  # the residual stream split over the sequence on the tensor ranks
     kept = layers * activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp)
     kept += moe_layers * moe.activation_bytes_swap(plan, t) if moe_layers else 0

@@ -288,15 +288,15 @@ def _stage_blocks(plan: Plan, stage: int) -> tuple[int, ...]:
     p, v, mesh = plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh
     embed = any(layout.holds(stage, c, p, v)[0] for c in range(v))
     head = any(layout.holds(stage, c, p, v)[1] for c in range(v))
-    return _block_sizes(plan.model, mesh.tensor, mesh.expert, embed, head, plan.stage_layers[stage])
+    return _block_sizes(plan.model, mesh.tensor, mesh.expert, embed, head, plan.stage_layers[stage], mesh.expert_tensor)
 
 
 @functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
 def _block_sizes(spec: ModelSpec, tensor: int, expert: int, embed: bool, head: bool, layers: int,
-                 ) -> tuple[int, ...]:
+                 expert_tensor: int | None = None) -> tuple[int, ...]:
     """Elements per device of a stage's blocks whole over the shard axes, largest first (the layers as the
     largest layer kind: :func:`_largest_layer`)."""
-    sizes = [_largest_layer(spec, tensor, expert, 1)] * layers
+    sizes = [_largest_layer(spec, tensor, expert, 1, expert_tensor)] * layers
     if embed:
         sizes.append(layout.held_elements(((q, 1) for q in layout.embedding_params(spec)), tensor, 1, expert))
     if head:
@@ -308,14 +308,14 @@ def _block_sizes(spec: ModelSpec, tensor: int, expert: int, embed: bool, head: b
 def _layer_params_per_device(plan: Plan, ways: int = 1) -> int:
     """The largest layer's parameters on one device (MoE and dense layers differ): tensor and expert split,
     then ``ways``-way sharded by the layout's one rule."""
-    return _largest_layer(plan.model, plan.mesh.tensor, plan.mesh.expert, ways)
+    return _largest_layer(plan.model, plan.mesh.tensor, plan.mesh.expert, ways, plan.mesh.expert_tensor)
 
 
 @functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
-def _largest_layer(spec: ModelSpec, tensor: int, expert: int, ways: int) -> int:
+def _largest_layer(spec: ModelSpec, tensor: int, expert: int, ways: int, expert_tensor: int | None = None) -> int:
     kinds = {layout.is_moe_layer(spec, i): i for i in range(spec.layers)} if spec.experts else {False: 0}
-    return max(layout.held_elements(((p, 1) for p in layout.layer_params(spec, i)), tensor, ways, expert)
-               for i in kinds.values())
+    return max(layout.held_elements(((p, 1) for p in layout.layer_params(spec, i)), tensor, ways, expert,
+                                    expert_tensor=expert_tensor) for i in kinds.values())
 
 
 def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] | None = None) -> MemoryBreakdown:
