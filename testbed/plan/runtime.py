@@ -64,6 +64,17 @@ class RuntimeSpec:
     #: for the previous block's compute. The runner gathers per block inside the layer loop and again in the
     #: backward (testbed.runner.param_shards.ParamShards); how far ahead is XLA's latency-hiding scheduler's (one).
     fsdp_prefetch: int = 1
+    #: Under fp8-mixed, each linear layer keeps for its weight-gradient GEMM the fp8 cast of its input (1 byte a
+    #: value) instead of the compute-dtype input, and a norm feeding a GEMM writes its output in fp8 directly
+    #: (Transformer Engine's Linear, LayerNormLinear, LayerNormMLP). False: the compute-dtype inputs are kept and
+    #: cast again in the backward (torchao's float8 linear; the runner runs no fp8). Memory only
+    #: (testbed.model.kept).
+    fp8_saved_inputs: bool = False
+    #: The loss is one fused kernel over the compute-dtype logits (flash-attn's Triton cross-entropy): it keeps
+    #: them and each row's log-sum-exp and writes their gradient in the compute dtype, with no fp32 copy.
+    #: False: the runner's XLA loss, which keeps fp32 logits and writes two fp32 buffers in its backward.
+    #: Memory only (testbed.model.kept).
+    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -98,13 +109,15 @@ PROFILES: dict[str, dict[str, Any]] = {
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
     "xla": {"fsdp_prefetch": 1},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
-                 "pipeline_scatter_gather": True},
-    "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True},
+                 "pipeline_scatter_gather": True, "fp8_saved_inputs": True},
+    "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
+             "fp8_saved_inputs": True},
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                    "fsdp_prefetch": 1},
-    "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
+    "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
+                    "fused_loss": True},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -116,6 +129,12 @@ _MEGATRON_BUCKET = ("Megatron-LM megatron/core/distributed/distributed_data_para
 _FSDP_OVERLAP = ("torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook` (FSDP1) and FSDP2's "
                  "post-backward: each unit's gradients are reduce-scattered (and all-reduced over HSDP replicas) "
                  "as soon as its backward is done, while earlier units' backward runs")
+
+_TE_FP8_INPUTS = ("Transformer Engine transformer_engine/pytorch/module/linear.py `_Linear.forward` (and "
+                  "layernorm_linear.py, layernorm_mlp.py): under fp8_autocast the GEMM input is cast to fp8 (the fused "
+                  "norm writes its output in fp8) and that fp8 tensor is what save_for_backward keeps for the wgrad "
+                  "GEMM; Megatron-Core's TransformerLayer is built of these TE modules (transformer_impl "
+                  "'transformer_engine', the default of its GPT layer specs)")
 
 #: ``{(profile, field): "where the value comes from"}`` (a file and line of the stack, or its docs).
 SOURCES: dict[tuple[str, str], str] = {
@@ -166,6 +185,12 @@ SOURCES: dict[tuple[str, str], str] = {
     ("llm-foundry", "grad_reduce_dtype"): (
         "Composer composer/distributed/mosaic_parallelism.py `get_mixed_precision`: mixed_precision 'DEFAULT' "
         "(the MPT yamls' fsdp_config) is MixedPrecision(param_dtype=autocast dtype, reduce_dtype=torch.float32)"),
+    ("megatron", "fp8_saved_inputs"): _TE_FP8_INPUTS,
+    ("nemo", "fp8_saved_inputs"): _TE_FP8_INPUTS + " (Megatron-Bridge runs Megatron-Core with TE)",
+    ("llm-foundry", "fused_loss"): (
+        "llm-foundry llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM: loss_fn defaults to "
+        "'fused_crossentropy', flash_attn.losses.cross_entropy.CrossEntropyLoss (a Triton kernel that saves the "
+        "logits and the per-row lse and writes the logits' gradient in their dtype)"),
     ("fsdp", "fsdp_prefetch"):
         "PyTorch FSDP (FullyShardedDataParallel) defaults limit_all_gathers=True (pytorch/pytorch#104900): the "
         "rate limiter keeps two consecutive FSDP units' all-gathers in flight, the computing one and the "
