@@ -13,6 +13,13 @@ them here, one rule per mechanism:
 - ``fused_loss`` (flash-attn's cross-entropy kernel): the head keeps compute-dtype logits and their row
   log-sum-exp, and the loss backward writes one compute-dtype gradient (:func:`head_kept_bytes`,
   :func:`loss_workspace_bytes`).
+- ``framework: jax`` (the runner; XLA's buffer assignment, read from the compiled HLO of
+  ``benchmarks/memory_vs_xla.py``'s steps): under sequence parallelism the all-gathered input of each
+  column-parallel matmul (:func:`sp_gathered_bytes`); with a tensor axis each layer's LayerNorm-backward
+  normalised input, computed in the forward (:func:`normalized_input_bytes`), and both halves of the
+  backward's tensor collectives (:func:`tensor_collective_workspace`); under full remat the residual
+  stream's summands (:func:`residual_summand_bytes`) and the last block's recompute beside the loss
+  backward (:func:`loss_instant_recompute`). ``pytorch`` keeps Korthikanti et al. (2022)'s accounting.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from testbed.model.ring import rank_spec
 from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
-           "head_kept_bytes", "loss_workspace_bytes", "block_matmul_outputs"]
+           "head_kept_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
+           "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
+           "loss_instant_recompute"]
 
 
 def layer_kept_bytes(plan: Plan) -> int:
@@ -32,6 +41,7 @@ def layer_kept_bytes(plan: Plan) -> int:
     if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
         return op_saved_bytes(plan)
     kept = activation_bytes_per_layer(spec, b, plan.precision, plan.remat, t, sp)
+    kept += residual_summand_bytes(plan) if plan.remat is Remat.FULL else _xla_layer_extra(plan)
     if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_saved_inputs and plan.remat is not Remat.FULL:
         kept -= fp8_input_savings(plan)
     return kept
@@ -86,7 +96,7 @@ def recompute_workspace_bytes(plan: Plan) -> int:
     """What a layer's backward recomputes and holds besides the kept set: full remat the whole block forward,
     per-op recompute the part its policy did not save; 0 otherwise."""
     spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
-    whole = activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp)
+    whole = activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp) + _xla_layer_extra(plan)
     if plan.remat is Remat.FULL:
         return whole
     if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
@@ -94,11 +104,89 @@ def recompute_workspace_bytes(plan: Plan) -> int:
     return 0
 
 
+def xla_program(plan: Plan) -> bool:
+    """Whether XLA's buffer assignment decides what the step keeps (``runtime.framework: jax``)."""
+    return plan.runtime.framework == "jax"
+
+
+def _residual_values(plan: Plan) -> int:
+    """Values of one ``[tokens, d_model]`` residual-stream tensor on one device (its sequence shard under SP)."""
+    spec = rank_spec(plan)
+    n = plan.microbatch_size * spec.seq_len * spec.d_model
+    return n // plan.mesh.tensor if plan.sequence_parallel else n
+
+
+def _xla_layer_extra(plan: Plan) -> int:
+    """What XLA keeps of one layer beyond :func:`activation_bytes_per_layer`'s no-remat and selective sets."""
+    return norms(rank_spec(plan)) * sp_gathered_bytes(plan) + normalized_input_bytes(plan)
+
+
+def sp_gathered_bytes(plan: Plan) -> int:
+    """Bytes one column-parallel matmul's gathered input keeps beyond its sequence shard.
+
+    Under sequence parallelism the runner all-gathers the sequence before each column-parallel matmul (QKV,
+    MLP-in, the head) and XLA keeps the all-gather's output, the whole ``[tokens, d_model]``, as the
+    weight-gradient matmul's operand; Megatron-LM and Transformer Engine keep the shard and gather it again in
+    the backward (``framework: pytorch``, Korthikanti et al. 2022: ``1/t`` each). 0 without SP."""
+    t = plan.mesh.tensor
+    if not plan.sequence_parallel or t == 1 or not xla_program(plan):
+        return 0
+    return plan.precision.compute_bytes * (t - 1) * _residual_values(plan)
+
+
+def normalized_input_bytes(plan: Plan) -> int:
+    """Bytes of one layer's LayerNorm-backward operand ``(x - mean) * rstd`` that XLA computes in the forward.
+
+    With a tensor axis the norm's input arrives from a collective (the all-reduce or reduce-scatter of the
+    previous row-parallel matmul), and XLA materialises one normalised input per layer in the forward, kept
+    until that layer's backward (``(x - mean) * rstd`` fusions in the compiled step; without a tensor axis
+    the backward recomputes it from the kept input). One residual-stream tensor, its shard under SP."""
+    if plan.mesh.tensor == 1 or not xla_program(plan):
+        return 0
+    return plan.precision.compute_bytes * _residual_values(plan)
+
+
+def tensor_collective_workspace(plan: Plan) -> int:
+    """Bytes a layer's backward holds for its tensor-axis collectives of the input gradients.
+
+    Each of the layer's column-parallel matmuls (QKV, MLP-in; a parallel block's one) writes a whole-sequence
+    partial input gradient that is reduced over the tensor axis (all-reduce; reduce-scatter under SP, whose
+    row-parallel side all-gathers the output gradient whole). XLA's collectives are out of place: the operand
+    and the result are both live, two whole ``[tokens, d_model]`` buffers per collective. 0 without a tensor
+    axis or for PyTorch stacks (NCCL all-reduces in place)."""
+    if plan.mesh.tensor == 1 or not xla_program(plan):
+        return 0
+    spec = rank_spec(plan)
+    return norms(spec) * 2 * plan.precision.compute_bytes * plan.microbatch_size * spec.seq_len * spec.d_model
+
+
+def residual_summand_bytes(plan: Plan) -> int:
+    """Bytes XLA keeps per layer under the runner's full remat beside the block input.
+
+    The residual stream is a chain of adds (``x + attention + mlp``); XLA fuses each add into its consumers
+    instead of writing the sum, so the summands, each block's attention and MLP outputs (one per norm), stay
+    live until the backward's recompute of every later block has read them. PyTorch's checkpoint (``runtime.
+    recompute`` block/op) keeps the block input only."""
+    if plan.remat is not Remat.FULL or plan.runtime.recompute != "runner" or not xla_program(plan):
+        return 0
+    return norms(rank_spec(plan)) * plan.precision.compute_bytes * _residual_values(plan)
+
+
+def loss_instant_recompute(plan: Plan) -> int:
+    """Bytes of the last block's recompute live during the loss backward under the runner's full remat.
+
+    The last block's rematerialisation depends only on its kept input, so XLA's scheduler runs it next to the
+    loss backward rather than after it: one block's recomputed activations beside the loss workspace."""
+    if plan.remat is not Remat.FULL or plan.runtime.recompute != "runner" or not xla_program(plan):
+        return 0
+    return recompute_workspace_bytes(plan)
+
+
 def head_kept_bytes(plan: Plan) -> int:
     """Bytes the final norm and the loss keep per microbatch: fp32 logits (the runner's loss), or with
     ``runtime.fused_loss`` compute-dtype logits; their per-row log-sum-exp either way."""
     spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
-    kept = head_activation_bytes(spec, b, plan.precision, t, sp)
+    kept = head_activation_bytes(spec, b, plan.precision, t, sp) + sp_gathered_bytes(plan)
     if plan.runtime.fused_loss:
         kept -= (LOSS_BYTES - plan.precision.compute_bytes) * _logits(plan)
     return kept

@@ -173,7 +173,7 @@ def _layer_workspace(plan: Plan) -> int:
     n = plan.microbatch_size * spec.seq_len
     residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
     hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
-    recompute = kept.recompute_workspace_bytes(plan)
+    recompute = kept.recompute_workspace_bytes(plan) + kept.tensor_collective_workspace(plan)
     return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan) + ring_workspace(plan)
 
 
@@ -217,12 +217,16 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     reduce_ws = 0
     if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
         reduce_ws = grad_b * costs.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
-    loss_ws = kept.loss_workspace_bytes(plan) if holds_head else 0
+    loss_ws = kept.loss_workspace_bytes(plan) + kept.loss_instant_recompute(plan) if holds_head else 0
     layer_ws = _layer_workspace(plan)
     # (activations, gradients, workspace) at each candidate peak instant.
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
     # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
     unsharded = grad_b * (_stage_blocks(plan, stage)[0] if gathered else held)
+    if not kept.xla_program(plan):
+        # PyTorch: autograd accumulates replicated gradients into .grad in place; sharded ones (FSDP, ZeRO-2/3)
+        # are reduce-scattered block by block in the backward (post-backward hooks), one block's unsharded.
+        unsharded = grad_b * _stage_blocks(plan, stage)[0] if grad_ways > 1 else 0
     if plan.batch.microbatches > 1:
         # A microbatch's gradients are written whole before they join the accumulator. The
         # one-program step's accumulation loop adds them after the microbatch's backward, and

@@ -23,7 +23,7 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 
-__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "FRAMEWORKS", "GRAD_REDUCE_DTYPES", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,6 +75,13 @@ class RuntimeSpec:
     #: False: the runner's XLA loss, which keeps fp32 logits and writes two fp32 buffers in its backward.
     #: Memory only (testbed.model.kept).
     fused_loss: bool = False
+    #: The framework whose autograd decides which buffers a step keeps (:data:`FRAMEWORKS`): ``jax``, XLA's
+    #: compiled program (the runner; MaxText), whose buffer assignment keeps what XLA's fusion and scheduling
+    #: leave live (testbed.model.kept: gathered sequence-parallel inputs, tensor-parallel backward buffers, the
+    #: residual stream's summands under remat, all of a microbatch's sharded gradients until their combined
+    #: reduce-scatter); ``pytorch``, autograd's saved tensors (Korthikanti et al. 2022's accounting: sequence
+    #: parallelism keeps 1/t shards, sharded gradients reduce-scatter per block in the backward). Memory only.
+    framework: str = "jax"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -83,6 +90,9 @@ class RuntimeSpec:
         if self.recompute not in RECOMPUTE:
             raise InputError(f"unknown recompute `{self.recompute}`; valid: {', '.join(RECOMPUTE)}",
                              field="runtime.recompute")
+        if self.framework not in FRAMEWORKS:
+            raise InputError(f"unknown framework `{self.framework}`; valid: {', '.join(FRAMEWORKS)}",
+                             field="runtime.framework")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise InputError(f"unknown grad_reduce_dtype `{self.grad_reduce_dtype}`; valid: "
                              f"{', '.join(GRAD_REDUCE_DTYPES)}", field="runtime.grad_reduce_dtype")
@@ -98,6 +108,8 @@ class RuntimeSpec:
 
 #: Values of :attr:`RuntimeSpec.recompute`.
 RECOMPUTE = ("runner", "block", "op")
+#: Values of :attr:`RuntimeSpec.framework`.
+FRAMEWORKS = ("jax", "pytorch")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
 GRAD_REDUCE_DTYPES = ("grad", "fp32")
 
@@ -109,15 +121,17 @@ PROFILES: dict[str, dict[str, Any]] = {
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
     "xla": {"fsdp_prefetch": 1},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
-                 "pipeline_scatter_gather": True, "fp8_saved_inputs": True},
+                 "pipeline_scatter_gather": True, "fp8_saved_inputs": True, "framework": "pytorch"},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
-             "fp8_saved_inputs": True},
-    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1},
-    "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1},
+             "fp8_saved_inputs": True, "framework": "pytorch"},
+    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "framework": "pytorch"},
+    "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, "framework": "pytorch"},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                   "fsdp_prefetch": 1},
+                   "fsdp_prefetch": 1, "framework": "pytorch"},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                    "fused_loss": True},
+                    "fused_loss": True, "framework": "pytorch"},
+    # Meta's Llama 3 stack is not public; of its mechanisms only the framework is stated (see SOURCES).
+    "meta": {"framework": "pytorch"},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -135,6 +149,8 @@ _TE_FP8_INPUTS = ("Transformer Engine transformer_engine/pytorch/module/linear.p
                   "norm writes its output in fp8) and that fp8 tensor is what save_for_backward keeps for the wgrad "
                   "GEMM; Megatron-Core's TransformerLayer is built of these TE modules (transformer_impl "
                   "'transformer_engine', the default of its GPT layer specs)")
+
+_PYTORCH = "{} is a PyTorch program: autograd's saved tensors and the caching allocator decide what lives"
 
 #: ``{(profile, field): "where the value comes from"}`` (a file and line of the stack, or its docs).
 SOURCES: dict[tuple[str, str], str] = {
@@ -187,6 +203,15 @@ SOURCES: dict[tuple[str, str], str] = {
         "(the MPT yamls' fsdp_config) is MixedPrecision(param_dtype=autocast dtype, reduce_dtype=torch.float32)"),
     ("megatron", "fp8_saved_inputs"): _TE_FP8_INPUTS,
     ("nemo", "fp8_saved_inputs"): _TE_FP8_INPUTS + " (Megatron-Bridge runs Megatron-Core with TE)",
+    ("megatron", "framework"): _PYTORCH.format("Megatron-LM (github.com/NVIDIA/Megatron-LM)"),
+    ("nemo", "framework"): _PYTORCH.format("Megatron-Bridge (Megatron-Core on PyTorch)"),
+    ("deepspeed", "framework"): _PYTORCH.format("DeepSpeed (github.com/deepspeedai/DeepSpeed)"),
+    ("fsdp", "framework"): _PYTORCH.format("torch.distributed.fsdp"),
+    ("torchtitan", "framework"): _PYTORCH.format("torchtitan (github.com/pytorch/torchtitan)"),
+    ("llm-foundry", "framework"): _PYTORCH.format("llm-foundry (Composer on PyTorch)"),
+    ("meta", "framework"): _PYTORCH.format(
+        "Meta's Llama 3 stack (Llama Team 2024, arXiv:2407.21783, Sec. 3.3.4: its collective tracing is PyTorch's "
+        "built-in NCCL flight recorder)"),
     ("llm-foundry", "fused_loss"): (
         "llm-foundry llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM: loss_fn defaults to "
         "'fused_crossentropy', flash_attn.losses.cross_entropy.CrossEntropyLoss (a Triton kernel that saves the "
