@@ -19,9 +19,10 @@ flattened and padded (``ceil(elements / ways)`` per device, the padding
 counted), so any rank count shards (ZeRO's and FSDP's flat buffers).
 
 Activations: the bytes one microbatch-chunk keeps for its backward
-(``testbed.model.costs.activation_bytes_per_layer``, plus the head's) times the
-(microbatch, chunk) pairs a stage holds at peak, which the pipeline schedule
-decides (:func:`inflight_microbatches`).
+(``testbed.model.kept``: ``testbed.model.activations``' sets under the stack's
+mechanisms, ``plan.runtime``, plus the head's) times the (microbatch, chunk)
+pairs a stage holds at peak, which the pipeline schedule decides
+(:func:`inflight_microbatches`).
 
 Workspace: buffers live only inside one phase, never across microbatches —
 the loss backward (softmax of the logits and their gradient, fp32), one
@@ -37,6 +38,11 @@ Context parallelism: activations and workspace are one context rank's
 (``seq_len / context`` tokens, as flash attention keeps them:
 ``testbed.model.ring.rank_spec``), plus two ring messages in flight
 (``ring_workspace``); model states are replicated over ``context``.
+
+``runtime.framework`` decides the terms only XLA's buffer assignment keeps (``testbed.model.kept``: tensor-
+parallel backward buffers, the residual summands under full remat) and how a microbatch's gradients live:
+XLA's step writes them whole before it reduces them, PyTorch accumulates replicated gradients in place and
+reduce-scatters sharded ones per block in the backward.
 
 The breakdown is taken at each stage's peak instant: without gradient
 accumulation (one microbatch) activations are freed layer by layer while
