@@ -97,6 +97,8 @@ def test_the_runners_full_remat_keeps_the_residual_summands() -> None:
     checkpoint = replace(plan, runtime=replace(plan.runtime, recompute="block"))
     assert kept.layer_kept_bytes(checkpoint) == block and kept.loss_instant_recompute(checkpoint) == 0
     assert kept.loss_instant_recompute(plan) == kept.recompute_workspace_bytes(plan) > 0
+    scanned = replace(plan, runtime=replace(plan.runtime, scan_layers=True))  # MaxText: a materialised carry
+    assert kept.layer_kept_bytes(scanned) == block and kept.loss_instant_recompute(scanned) == 0
 
 
 #: Published runs that trained and that the memory model used to put over their devices' memory (issue 35):

@@ -166,8 +166,9 @@ def residual_summand_bytes(plan: Plan) -> int:
     The residual stream is a chain of adds (``x + attention + mlp``); XLA fuses each add into its consumers
     instead of writing the sum, so the summands, each block's attention and MLP outputs (one per norm), stay
     live until the backward's recompute of every later block has read them. PyTorch's checkpoint (``runtime.
-    recompute`` block/op) keeps the block input only."""
-    if plan.remat is not Remat.FULL or plan.runtime.recompute != "runner" or not xla_program(plan):
+    recompute`` block/op) keeps the block input only, and so does a scanned layer loop (``runtime.scan_layers``:
+    each layer's output is a materialised carry)."""
+    if not _unrolled_runner_remat(plan):
         return 0
     return norms(rank_spec(plan)) * plan.precision.compute_bytes * _residual_values(plan)
 
@@ -177,9 +178,15 @@ def loss_instant_recompute(plan: Plan) -> int:
 
     The last block's rematerialisation depends only on its kept input, so XLA's scheduler runs it next to the
     loss backward rather than after it: one block's recomputed activations beside the loss workspace."""
-    if plan.remat is not Remat.FULL or plan.runtime.recompute != "runner" or not xla_program(plan):
+    if not _unrolled_runner_remat(plan):
         return 0
     return recompute_workspace_bytes(plan)
+
+
+def _unrolled_runner_remat(plan: Plan) -> bool:
+    """Full remat as the runner's ``jax.checkpoint`` per block over an unrolled layer loop, compiled by XLA."""
+    return (plan.remat is Remat.FULL and plan.runtime.recompute == "runner" and xla_program(plan)
+            and not plan.runtime.scan_layers)
 
 
 def head_kept_bytes(plan: Plan) -> int:

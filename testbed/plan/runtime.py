@@ -82,6 +82,11 @@ class RuntimeSpec:
     #: reduce-scatter); ``pytorch``, autograd's saved tensors (Korthikanti et al. 2022's accounting: sequence
     #: parallelism keeps 1/t shards, sharded gradients reduce-scatter per block in the backward). Memory only.
     framework: str = "jax"
+    #: The layers run as one loop over stacked parameters (``jax.lax.scan``, MaxText's ``scan_layers``) instead
+    #: of the runner's unrolled Python loop: each layer's output is a materialised loop carry, so XLA cannot keep
+    #: the residual stream's summands in its place, nor run the last block's remat beside the loss backward
+    #: (testbed.model.kept). Memory only.
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -119,7 +124,7 @@ GRAD_REDUCE_DTYPES = ("grad", "fp32")
 PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
-    "xla": {"fsdp_prefetch": 1},
+    "xla": {"fsdp_prefetch": 1, "scan_layers": True},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
                  "pipeline_scatter_gather": True, "fp8_saved_inputs": True, "framework": "pytorch"},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
@@ -209,6 +214,9 @@ SOURCES: dict[tuple[str, str], str] = {
     ("fsdp", "framework"): _PYTORCH.format("torch.distributed.fsdp"),
     ("torchtitan", "framework"): _PYTORCH.format("torchtitan (github.com/pytorch/torchtitan)"),
     ("llm-foundry", "framework"): _PYTORCH.format("llm-foundry (Composer on PyTorch)"),
+    ("xla", "scan_layers"): (
+        "MaxText MaxText/configs/base.yml: scan_layers: True (the decoder's layers run as one nn.scan over stacked "
+        "parameters; its runs log 'Config param scan_layers: True')"),
     ("meta", "framework"): _PYTORCH.format(
         "Meta's Llama 3 stack (Llama Team 2024, arXiv:2407.21783, Sec. 3.3.4: its collective tracing is PyTorch's "
         "built-in NCCL flight recorder)"),
