@@ -67,6 +67,9 @@ def _add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fold-experts", help="comma-separated on/off: MoE parallel folding (mesh.expert_tensor 1: "
                                                "each expert whole, the experts over expert x tensor) on the MoE "
                                                "candidates with a tensor axis (default: both)")
+    parser.add_argument("--runtime", help="the training stack the plans run under: a runtime profile "
+                        "(testbed, xla, megatron, nemo, deepspeed, fsdp, torchtitan, llm-foundry, meta; default: the "
+                        "plan's, testbed's runner for a preset); it decides what a microbatch keeps and how work overlaps")
     parser.add_argument("--out", help="write the best plan as YAML")
 
 
@@ -134,6 +137,13 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.sim.engine import simulate
 
     plan = base_plan(args.model, args.global_batch, args.seq)
+    if args.runtime is not None:
+        from testbed.plan.runtime import runtime_from_dict
+
+        try:
+            plan = replace(plan, runtime=runtime_from_dict({"profile": args.runtime}))
+        except InputError as exc:
+            raise InputError(exc.message, field="--runtime") from None
     if args.topology is None and plan.topology is None:
         raise InputError("give --topology (a preset model names none)", field="--topology")
     topology = plan_topology(plan, args.topology)
