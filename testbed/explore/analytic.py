@@ -397,7 +397,9 @@ class _Play:
         """Plays one F/B/W action of stage ``s``."""
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.prices[(s, c, kind)]
-        compute = self.slow * priced.compute
+        compute = self.slow * priced.compute  # and longer beside the communication that overlaps it (DeviceSpec):
+        compute += self.step.topology.device.comm_slowdown * min(compute, priced.hidden + max(priced.scatter, (
+            priced.bucket * priced.pieces)) + sum(x[1] for x in priced.sends) + priced.gather * (self.facts.prefetch > 0))
         start, stretch = self._start(s, c, kind, priced, deps), 0.0
         if priced.gather:
             start, stretch = self._gather(s, priced, start, compute)
