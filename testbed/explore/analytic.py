@@ -25,15 +25,14 @@ the pipeline schedule table, stage by stage, with the same prices:
 - gradient buckets reduce on the grad stream while the backward goes on
   (all-reduce, reduce-scatter or HSDP, testbed.plan.sharding's rule), then
   the optimizer runs and, with ZeRO-1/2, the data axis re-gathers parameters;
-- the single controller (when the topology calibrates one) dispatches every
-  program serially, and devices computing at once on a shared host slow each
-  other by ``calibration.host_share``.
+- the single controller (when the topology calibrates one) dispatches every program serially, and devices
+  computing at once on a shared host slow each other by ``calibration.host_share``; an action's compute is
+  ``device.comm_slowdown`` longer for the communication beside it (gathers, reductions, sends, hidden tensor).
 
-What it leaves out is what the DES adds: max-min link sharing between
-concurrent streams (gathers and reductions vs. sends), and a shared host's
-share varying as stages idle. So the estimate is a fast, honest ranking
-signal, not the verdict: the search replays its best candidates with the
-DES (testbed.explore.search). Memory comes from testbed.model.memory exactly.
+What it leaves out is what the DES adds: max-min link sharing between concurrent streams (gathers and reductions
+vs. sends), and a shared host's share varying as stages idle. So the estimate is a fast, honest ranking signal,
+not the verdict: the search replays its best candidates with the DES (testbed.explore.search). Memory comes from
+testbed.model.memory exactly.
 """
 
 from __future__ import annotations
@@ -415,6 +414,9 @@ class _Play:
             # block n - 1 - prefetch starts, so only the blocks from there on are computed since.
             n = priced.blocks
             self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
+        extra = self.step.topology.device.comm_slowdown * min(compute - wait, priced.hidden + sum(x[1] for x in (
+            priced.sends)) + max(priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(self.facts.prefetch))
+        compute, stretch = compute + extra, stretch - min(stretch, extra)  # gather waits absorb a slower compute
         tensor = priced.tensor
         if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
             tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden

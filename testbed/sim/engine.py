@@ -130,6 +130,8 @@ class _Fluid:
         # Compute task -> when its work was done (it then waited for the last device).
         self.worked: dict[int, float] = {}
         self.ledger = LinkLedger(priced.bandwidth)
+        # Compute beside its device's own collectives and sends runs 1 + slowdown times longer (DeviceSpec).
+        self.beside = 1.0 + priced.comm_slowdown
 
     def try_rows(self, rows) -> None:
         """Starts the head task of each of ``rows`` that is free and whose dependencies are done (and of the rows
@@ -161,6 +163,7 @@ class _Fluid:
         if self.is_comm[i]:
             self.ledger.add(i, Flow(1.0 / self.durations[i], self.loads[i] or {}))
             self.dirty_comm = True
+            self.dirty_compute = self.dirty_compute or self.beside > 1.0
         else:
             self.dirty_compute = True
         return []
@@ -192,7 +195,8 @@ class _Fluid:
     def _rates(self) -> None:
         """Re-evaluates the rates that changed: transfers' max-min shares of the links, computes' share of the
         host (the programs computing at once: one per stage representative, MPMD pipeline stages being separate
-        programs and an SPMD step one, share the host worse than one program's devices do)."""
+        programs and an SPMD step one, share the host worse than one program's devices do), slowed while a
+        collective or send of their device is in flight (``DeviceSpec.comm_slowdown``)."""
         if self.dirty_comm:
             self.rate.update(self.ledger.rates())
             self.dirty_comm = False
@@ -201,8 +205,9 @@ class _Fluid:
             programs = len({self.tasks[i].device for i in comp if self.tasks[i].kind is TaskKind.COMPUTE}) or 1
             share = self.sharing.host_share(sum(self.weight[i] for i in comp), programs) \
                 if self.sharing.shares_host else 1.0
+            talking = {self.tasks[j].device for j in self.active if self.is_comm[j]} if self.beside > 1.0 else ()
             for i in comp:
-                self.rate[i] = share / self.durations[i]
+                self.rate[i] = share / self.durations[i] / (self.beside if self.tasks[i].device in talking else 1.0)
             self.dirty_compute = False
 
     def advance(self) -> None:
@@ -233,6 +238,7 @@ class _Fluid:
             if self.is_comm[i]:
                 self.ledger.remove(i)
                 self.dirty_comm = True
+                self.dirty_compute = self.dirty_compute or self.beside > 1.0
             else:
                 self.dirty_compute = True
             rows.extend(self.computed(i))

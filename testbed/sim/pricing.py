@@ -30,11 +30,13 @@ __all__ = ["Priced", "price", "controller_seconds"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Priced:
-    """Standalone seconds per task and, for transfers, bytes per directed link (normalised)."""
+    """Standalone seconds per task and, for transfers, bytes per directed link (normalised); how much longer
+    compute takes beside its device's communication (the topology's ``device.comm_slowdown``)."""
 
     durations: tuple[float, ...]
     loads: tuple[Mapping | None, ...]
     bandwidth: Mapping
+    comm_slowdown: float = 0.0
 
 
 def controller_seconds(calibration: Calibration, task: Task) -> float:
@@ -97,7 +99,8 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
             cached = memo[key] = _price_transfer(topology, timing, task, bw, sym)
         durations.append(cached[0])
         loads.append(cached[1])
-    return Priced(durations=tuple(durations), loads=tuple(loads), bandwidth=bandwidth)
+    return Priced(durations=tuple(durations), loads=tuple(loads), bandwidth=bandwidth,
+                  comm_slowdown=topology.device.comm_slowdown)
 
 
 class _Symmetry:

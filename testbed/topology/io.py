@@ -93,7 +93,8 @@ def _link_end(value: Any, field: str) -> int | str:
 
 def _device(data: Any) -> DeviceSpec:
     data = expect_mapping(data, "device")
-    check_keys(data, ("name", "flops", "memory", "memory_bandwidth", "power_limit", "power_curve"), "device",
+    check_keys(data, ("name", "flops", "memory", "memory_bandwidth", "power_limit", "power_curve",
+                      "comm_slowdown"), "device",
                required=("flops", "memory", "memory_bandwidth"))
     flops = expect_mapping(data["flops"], "device.flops")
     curve = data.get("power_curve", [])
@@ -107,6 +108,7 @@ def _device(data: Any) -> DeviceSpec:
         memory_bandwidth=parse_bandwidth(data["memory_bandwidth"], "device.memory_bandwidth"),
         power_limit=_watts(data.get("power_limit", 0), "device.power_limit"),
         power_curve=tuple((_watts(w, "device.power_curve"), _fraction(f, "device.power_curve")) for w, f in curve),
+        comm_slowdown=data.get("comm_slowdown", 0.0),
     )
 
 
@@ -324,6 +326,8 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
         out["device"]["power_curve"] = [list(p) for p in dev.power_curve]
     if dev.power_limit:
         out["device"]["power_limit"] = dev.power_limit
+    if dev.comm_slowdown:
+        out["device"]["comm_slowdown"] = dev.comm_slowdown
     if topology.form is Form.LEVELS:
         out["levels"] = [{"name": l.name, "size": l.size, "bandwidth": l.bandwidth, "latency": l.latency,
                           "kind": str(l.kind), "attach": l.attach,

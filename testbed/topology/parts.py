@@ -52,6 +52,10 @@ class DeviceSpec:
     FLOP/s the device's clock sustains when held to that board power, linear between points) price a
     device run below its rated power: its math runs at :meth:`sustained_flops`, the peak times
     :meth:`clock_fraction`. The memory bandwidth is not scaled (HBM has its own clock).
+
+    ``comm_slowdown``: how much longer the device's compute takes while one of its collectives or sends runs
+    beside it (communication kernels hold SMs and HBM bandwidth the compute would use): 0.189 = 18.9% longer
+    for the time they overlap; 0 (the default): communication beside compute costs it nothing.
     """
 
     name: str
@@ -60,6 +64,7 @@ class DeviceSpec:
     memory_bandwidth: float
     power_limit: float = 0.0
     power_curve: tuple[tuple[float, float], ...] = ()
+    comm_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -70,6 +75,10 @@ class DeviceSpec:
         _check_range(self.memory_bandwidth, "bandwidth", "device.memory_bandwidth", "memory bandwidth")
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         self._check_power()
+        slow = self.comm_slowdown
+        if isinstance(slow, bool) or not isinstance(slow, (int, float)) or not 0 <= slow <= 1:
+            raise InputError(f"must be a fraction from 0 to 1 (how much longer compute takes beside communication: "
+                             f"0.189 = 18.9%), got {slow!r:.40}", field="device.comm_slowdown")
 
     def _check_power(self) -> None:
         curve = tuple((float(w), float(f)) for w, f in self.power_curve)
