@@ -153,7 +153,8 @@ def test_bad_fields_name_the_field():
     from testbed.errors import InputError
     for runtime, field in (({"recompute": "everything"}, "runtime.recompute"),
                            ({"grad_bucket_bytes": -1}, "runtime.grad_bucket_bytes"),
-                           ({"tp_comm_overlap": "yes"}, "runtime.tp_comm_overlap")):
+                           ({"tp_comm_overlap": "yes"}, "runtime.tp_comm_overlap"),
+                           ({"pipeline_blocking_sends": 1}, "runtime.pipeline_blocking_sends")):
         with pytest.raises(InputError) as err:
             _plan(runtime)
         assert field in str(err.value)
@@ -200,3 +201,26 @@ def test_pipeline_scatter_gather_splits_sends_over_the_tensor_ranks():
     sp = {**over, "sequence_parallel": True}
     assert build_program(_plan({"pipeline_scatter_gather": True}, **sp), placement).tasks == \
         build_program(_plan(**sp), placement).tasks
+
+
+def test_pipeline_blocking_sends_hold_the_sender_until_its_send_arrives():
+    """Stages on different nodes: with blocking sends a stage's next action waits for its send (task graph), and
+    both tiers' steps grow by the sends the stage can no longer hide behind its compute; without stages or
+    sends there is nothing to block."""
+    topology = load_topology("dgx-h100-x4")
+    over = {"mesh": {"data": 2, "stage": 2, "tensor": 8}, "batch": {"global_batch": 16, "microbatches": 8},
+            "remat": "none", "zero": 1}
+    plan, blocking = _plan(**over), _plan({"pipeline_blocking_sends": True}, **over)
+    placement = place(plan, topology)
+
+    def own_sends_waited(p) -> int:  # a sender's compute waiting for its own send
+        tasks = build_program(p, placement).tasks
+        return sum(1 for t in tasks if t.stream == "compute" for d in t.deps
+                   if tasks[d].stream == "pipe" and tasks[d].device == t.device)
+
+    assert own_sends_waited(blocking) > 0 and own_sends_waited(plan) == 0
+    des = [simulate(p, topology).report.step_time_s for p in (plan, blocking)]
+    analytic = [estimate(p, topology).step_time_s for p in (plan, blocking)]
+    assert des[1] > des[0] and analytic[1] > analytic[0]
+    flat = {"mesh": {"data": 2, "tensor": 4}}
+    assert _both(_plan({"pipeline_blocking_sends": True}, **flat)) == _both(_plan(**flat))

@@ -3,7 +3,7 @@ stage's gradient tail and update (testbed.explore.analytic prices the actions; t
 
 An action starts once its stage is free, its dispatch is out and what it waits for has arrived; it computes,
 then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`` hides), and its sends leave
-on the stage's pipe stream (serial). Gathers (fsdp/ZeRO-3) run block by block ahead of the compute, gradient
+on the stage's pipe stream (serial; with ``runtime.pipeline_blocking_sends`` the stage waits for them). Gathers (fsdp/ZeRO-3) run block by block ahead of the compute, gradient
 buckets reduce on the grad stream, and a shared host's stragglers wait at the action's barriers
 (testbed.sim.barriers).
 """
@@ -126,6 +126,11 @@ class Play:
             if gather:  # the receivers' all-gather of a split send (their recv stream of this direction)
                 recv = self.recv.get((dst, kind), 0.0)
                 self.recv[(dst, kind)] = self.arrive[(s, kind, mb, c)] = max(recv, self.pipe[s]) + gather
+        if priced.sends and self.plan.runtime.pipeline_blocking_sends:  # the stage waits for its sends
+            self.comm[s] += max(0.0, self.pipe[s] - self.free[s])
+            self.free[s] = max(self.free[s], self.pipe[s])
+            if self.step.serial:
+                self.launch = max(self.launch, self.free[s])
 
     def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
         """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait).

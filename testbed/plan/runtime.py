@@ -64,6 +64,11 @@ class RuntimeSpec:
     #: for the previous block's compute. The runner gathers per block inside the layer loop and again in the
     #: backward (testbed.runner.param_shards.ParamShards); how far ahead is XLA's latency-hiding scheduler's (one).
     fsdp_prefetch: int = 1
+    #: Pipeline sends block the sender: a stage's next action starts once its activation or gradient has reached
+    #: the next stage (DeepSpeed's PipelineEngine runs each send as a blocking ``dist.send`` between its computes;
+    #: Megatron-LM's 1F1B waits on its ``batch_isend_irecv`` requests) instead of leaving on a stream of their own
+    #: while the stage computes on (the runner's sends, dispatched beside its next action).
+    pipeline_blocking_sends: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -83,6 +88,10 @@ class RuntimeSpec:
                 or not 0 <= self.fsdp_prefetch <= 64:
             raise InputError("fsdp_prefetch must be a whole number of blocks from 0 to 64, "
                              f"got {self.fsdp_prefetch!r:.40}", field="runtime.fsdp_prefetch")
+        for name in ("pipeline_blocking_sends",):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
+                                 field=f"runtime.{name}")
 
 
 #: Values of :attr:`RuntimeSpec.recompute`.
@@ -98,13 +107,16 @@ PROFILES: dict[str, dict[str, Any]] = {
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
     "xla": {"fsdp_prefetch": 1},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
-                 "pipeline_scatter_gather": True},
+                 "pipeline_scatter_gather": True, "pipeline_blocking_sends": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True},
-    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1},
+    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "grad_reduce_dtype": "fp32",
+                  "pipeline_scatter_gather": True, "pipeline_blocking_sends": True},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                    "fsdp_prefetch": 1},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
+    # Meta's Llama 3 training stack (not public): what the Llama 3 paper states of it.
+    "llama3": {"grad_reduce_dtype": "fp32"},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -182,6 +194,29 @@ SOURCES: dict[tuple[str, str], str] = {
         "(default 5e7 elements, deepspeed/runtime/zero/config.py) within stage3_max_live_parameters (1e9): "
         "less than one block of a model of 2B+ parameters (a 7B block is ~2e8), so one block ahead; smaller "
         "blocks prefetch further (not modelled: the field counts blocks)",
+    ("megatron", "pipeline_blocking_sends"): (
+        "Megatron-LM megatron/core/pipeline_parallel/p2p_communication.py `_communicate`: the 1F1B schedule's "
+        "send_forward_recv_backward / send_backward_recv_forward run with wait_on_reqs=True (the batch_isend_irecv "
+        "requests are waited on, then torch.cuda.synchronize() with batch_p2p_sync) before the next step's compute; "
+        "overlap_p2p_comm, which defers the waits, defaults to False (ModelParallelConfig). The 2021 SC21 code "
+        "(megatron/p2p_communication.py at de7dc40f88) waits on every request and synchronizes the same way"),
+    ("deepspeed", "pipeline_blocking_sends"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py: TrainSchedule's SendActivation/SendGrad/RecvActivation/RecvGrad "
+        "are instructions run in order between ForwardPass and BackwardPass (_exec_send_activations calls "
+        "p2p.send, deepspeed/runtime/pipe/p2p.py: dist.send, or a broadcast in a two-rank group, synchronous)"),
+    ("deepspeed", "pipeline_scatter_gather"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py: is_pipe_partitioned = is_model_parallel and "
+        "pipeline['pipe_partitioned'] (default True, deepspeed/runtime/config.py get_pipeline_config, "
+        "grad_partitioned too): a stage sends its tensor rank's PartitionedTensor part and the receiver rebuilds "
+        "the whole with .full(), an all-gather over the tensor (slice-parallel) group"),
+    ("deepspeed", "grad_reduce_dtype"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py: 'BF16 Optimizer is hardcoded for fp32 gradient "
+        "accumulation'; with bf16 (BF16_Optimizer, bf16 + ZeRO-1, as Megatron-DeepSpeed's BLOOM runs) "
+        "_exec_reduce_grads calls _bf16_reduce_grads, buffered_allreduce_fallback over the fp32 gradients"),
+    ("llama3", "grad_reduce_dtype"): (
+        "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Numerical stability': FP32 "
+        "gradient accumulation over micro-batches, and gradients reduce-scattered in FP32 across the data-parallel "
+        "workers in FSDP"),
     ("xla", "fsdp_prefetch"):
         "XLA's latency-hiding scheduler (xla/service/latency_hiding_scheduler.cc; on by default on TPU, "
         "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "

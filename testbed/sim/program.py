@@ -16,7 +16,8 @@ Streams of a representative: ``compute`` (F/B/W actions, optimizer),
 and reduce-scatters; blocking: the next action waits),
 ``gather`` (fsdp/ZeRO-3 parameter all-gathers, prefetched), ``pipe``
 (activation and gradient sends; ``recv``: the receivers' all-gather of a send split over the tensor
-ranks, ``runtime.pipeline_scatter_gather``) and ``grad`` (gradient reduction, updated
+ranks, ``runtime.pipeline_scatter_gather``; with ``runtime.pipeline_blocking_sends`` the stage's next action
+waits for the send) and ``grad`` (gradient reduction, updated
 parameter all-gathers) and ``expert`` (an MoE layer's dispatch and combine
 all-to-alls under expert parallelism, beside the shared experts' compute:
 testbed.sim.moe) and ``ring`` (ring attention's K/V sends to the next
@@ -167,6 +168,7 @@ class _Graph:
         self.once: dict[int, list[tuple]] = {s: [] for s in range(p)}  # buckets reduced after the backward
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
+        self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
@@ -232,6 +234,8 @@ class _Graph:
         self._program(s, first)
         for dst, _, nbytes in work.sends:
             self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last, action.kind)
+            if self.plan.runtime.pipeline_blocking_sends:  # the stage goes on once its send has arrived
+                self.previous[s] = self.last_send
 
     def _program(self, s: int, first: int) -> None:
         """The tasks from ``first`` are one program of stage ``s``'s devices (when they are several)."""
@@ -375,9 +379,9 @@ class _Graph:
         tensor group (``dst``'s ``recv`` stream for activations, ``recv-grad`` for gradients: each in the order
         its one sender sends); returns the task the receiving action waits for."""
         ways, rep = self.facts.scatter_sends, self.reps[dst]
-        send = self.b.add(name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND,
-                          deps=(last,), nbytes=nbytes / ways, group=(self.reps[s], rep),
-                          instances=self._stage_pairs(s, dst))
+        send = self.last_send = self.b.add(
+            name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND, deps=(last,),
+            nbytes=nbytes / ways, group=(self.reps[s], rep), instances=self._stage_pairs(s, dst))
         if ways == 1:
             return send
         groups = self.tensor[dst]
