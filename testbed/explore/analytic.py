@@ -193,6 +193,7 @@ class _Priced(NamedTuple):
     bucket_syncs: Syncs
     hidden: float = 0.0
     blocks: int = 1
+    overlap: tuple[tuple[float, float, float], ...] = ()
 
 
 class _Step:
@@ -236,7 +237,9 @@ class _Step:
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> _Priced:
         """One action's :class:`_Priced` (``gather``: the seconds of a gather of its chunk's parameters)."""
         facts, topology, dtype, coll, plan = self.facts, self.topology, self.dtype, self.coll, self.facts.plan
-        cost, kind, (flops, hbm, rep_b, split_b) = chunk.cost, work.kind, work.work
+        cost, kind, overlap = chunk.cost, work.kind, work.overlap
+        flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
+        gemms = overlap.gemms if overlap else work.gemms
         whole, ringed, chain = self._compute(chunk, work, ring)
         ring_s = ringed[1] if ringed else 0.0
         last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
@@ -245,7 +248,7 @@ class _Step:
         bucket_syncs: Syncs = ()
         if last and reduces:  # the program reduces even a one-layer chunk's gradients
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
-                                    rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(work.gemms, 1 / pieces))
+                                    rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
             bucket, bucket_syncs = self._reduce(s, chunk.moved[2] / pieces * facts.reduce_bytes,
                                                 chunk.expert_params / pieces * facts.reduce_bytes, chunk.leaves / pieces)
@@ -254,8 +257,12 @@ class _Step:
             scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.moved[1] * facts.reduce_bytes / n)
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
-        tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in work.tensor)
-        hidden = tp_s if plan.runtime.tp_comm_overlap else 0.0  # beside the compute (the task graph's join)
+        tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
+        hidden = tp_s if plan.runtime.tp_comm_overlap and not overlap else 0.0  # beside the compute (the join)
+        blocks = tuple((self._tensor_seconds(s, blk.first),  # GEMM by GEMM (testbed.sim.tp_overlap)
+                        compute_seconds(topology, dtype, blk.flops, blk.hbm_bytes, max(1, len(blk.gemms)),
+                                        tensor_bytes=cost.tensor_bytes, gemms=blk.gemms),
+                        self._tensor_seconds(s, blk.rest)) for blk in (overlap.blocks if overlap else ()))
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
         reps = facts.representatives
@@ -275,7 +282,11 @@ class _Step:
                  merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks)
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks)
+
+    def _tensor_seconds(self, s: int, transfers) -> float:
+        """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""
+        return sum(count * self.coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in transfers)
 
     def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
                  ) -> tuple[float, tuple[float, float] | None, tuple[Piece, ...]]:
@@ -283,11 +294,13 @@ class _Step:
         priced as the task graph splits it: whole, as the ring's tasks under context parallelism (testbed.sim.ring),
         and the chain's compute tasks each as the graph prices them."""
         topology, dtype, cost = self.topology, self.dtype, chunk.cost
-        flops, hbm, rep_b, split_b = work.work
+        overlap = work.overlap  # its blocks' GEMMs are priced beside their collectives (_price)
+        flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
         whole = compute_seconds(topology, dtype, flops, hbm, chunk.kernels, rep_b, split_b, cost.tensor_bytes,
-                                work.gemms)
-        ringed = ring_action_seconds(self.facts.plan, topology, dtype, ring, work.kind, cost.layers, work.ring_work,
-                                     work.ring_gemms, chunk.kernels, cost.tensor_bytes)
+                                overlap.gemms if overlap else work.gemms)
+        ringed = ring_action_seconds(self.facts.plan, topology, dtype, ring, work.kind, cost.layers,
+                                     overlap.work if overlap else work.ring_work,
+                                     overlap.gemms if overlap else work.ring_gemms, chunk.kernels, cost.tensor_bytes)
         whole = ringed[0] if ringed else whole
         if work.chain:
             whole = (ringed[0] if ringed else 0.0) + sum(

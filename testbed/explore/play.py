@@ -17,6 +17,7 @@ from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.compute import compute_seconds
+from testbed.sim.tp_overlap import overlap_end
 
 if TYPE_CHECKING:
     from testbed.explore.analytic import _Priced, _Step
@@ -113,9 +114,11 @@ class Play:
         tensor = priced.tensor
         if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
             tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
-        finish = start + compute + stretch + tensor
-        self.busy[s] += compute - wait
-        self.comm[s] += tensor + wait + stretch
+        gemms = self.slow * sum(g for _, g, _ in priced.overlap)  # tp_comm_overlap GEMM by GEMM, after the rest
+        blocks = overlap_end(tuple((f, self.slow * g, r) for f, g, r in priced.overlap)) if priced.overlap else 0.0
+        finish = start + compute + stretch + blocks + tensor
+        self.busy[s] += compute - wait + gemms
+        self.comm[s] += tensor + wait + stretch + blocks - gemms
         self.free[s] = finish
         if self.step.serial:  # the program ends with its reductions too
             self.launch = max(finish, self.grad[s])

@@ -50,7 +50,7 @@ from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
-__all__ = ["Gemm", "ChunkGemms", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms", "gemm_flops", "scaled",
+__all__ = ["Gemm", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms", "gemm_flops", "scaled",
            "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms", "policy_recompute_flops"]
 
 
@@ -113,6 +113,15 @@ def _projections(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm],
         qkv = [Gemm(tokens, q // t, d), Gemm(tokens, 2 * kv, d)]
     mlp_in = [Gemm(tokens, f // t, d) for _ in range(spec.mlp_matrices - 1)]
     return qkv + [Gemm(tokens, d, q // t)] + mlp_in, Gemm(tokens, d, f // t)
+
+
+def projection_sides(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm], list[Gemm]]:
+    """One dense layer's weight GEMMs on one rank by block: (the attention block's QKV and out projections, the
+    MLP's input and out projections), ``tokens`` tokens (testbed.sim.tp_overlap pairs each block with its tensor
+    collectives)."""
+    weights, mlp_out = _projections(spec, tokens, tensor)
+    attention = len(weights) - (spec.mlp_matrices - 1)
+    return weights[:attention], [*weights[attention:], mlp_out]
 
 
 def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int
