@@ -40,7 +40,9 @@ class RuntimeSpec:
     #: and recomputes the rest of the block (torchtitan's per-op policy; full remat as ``block``).
     recompute: str = "runner"
     #: The tensor-parallel collectives of an action overlap its GEMMs (NeMo's userbuffers ``tp_comm_overlap``)
-    #: instead of following them: the action takes the longer of its compute and its tensor collectives.
+    #: instead of following them, GEMM by GEMM (testbed.sim.tp_overlap): each block's collectives beside its own
+    #: projections, the first chunk of each exposed (an MoE chunk's action takes the longer of its compute and
+    #: its tensor collectives).
     tp_comm_overlap: bool = False
     #: Gradients replicated over an axis (ZeRO 0/1 data parallelism) reduce bucket by bucket while the last
     #: microbatch's backward goes on (PyTorch DDP, Megatron's ``--overlap-grad-reduce``, FSDP's post-backward
