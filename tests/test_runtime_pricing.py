@@ -224,3 +224,18 @@ def test_pipeline_blocking_sends_hold_the_sender_until_its_send_arrives():
     assert des[1] > des[0] and analytic[1] > analytic[0]
     flat = {"mesh": {"data": 2, "tensor": 4}}
     assert _both(_plan({"pipeline_blocking_sends": True}, **flat)) == _both(_plan(**flat))
+
+
+@pytest.mark.parametrize("runtime, field", [({"pipeline_blocking_sends": "yes"}, "runtime.pipeline_blocking_sends"),
+                                            ({"tp_comm_overlap": 2}, "runtime.tp_comm_overlap"),
+                                            ({"profile": "llama4"}, "runtime.profile")])
+def test_a_bad_runtime_value_exits_2_naming_the_field(runtime, field, tmp_path, capsys):
+    import yaml
+
+    from testbed.cli.main import main
+    spec = {"name": "r", "model": {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "seq_len": 16, "vocab": 128},
+            "batch": {"global_batch": 8, "microbatches": 1}, "mesh": {"data": 8}, "runtime": runtime}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(spec))
+    code = main(["simulate", "--plan", str(tmp_path / "p.yaml"), "--topology", "host-cpu-8"])
+    err = capsys.readouterr().err
+    assert code == 2 and field in err and "Traceback" not in err, err
