@@ -12,7 +12,7 @@ from testbed.plan.placement import place
 from testbed.sim.engine import simulate
 from testbed.sim.facts import step_facts
 from testbed.sim.program import build_program
-from testbed.sim.tp_overlap import overlap_end
+from testbed.sim.tp_overlap import exposed_share, overlap_end
 from testbed.topology.io import load_topology
 
 TOPOLOGY = "dgx-h100"
@@ -46,8 +46,9 @@ def test_each_block_keeps_its_work_and_bytes():
             moved = sum(n * b for b_ in o.blocks for _, n, b in (*b_.first, *b_.rest)) + \
                 sum(n * b for _, n, b in o.after)
             assert moved == pytest.approx(sum(n * b for _, n, b in work.tensor))
-            assert all(b * 3 == pytest.approx(r) for blk in o.blocks
-                       for (_, _, b), (_, _, r) in zip(blk.first, blk.rest))  # tensor 4: 1/4 first, 3/4 beside
+            for blk in o.blocks:  # each collective's exposed share first, the rest beside the GEMMs
+                for (op, n, b), (_, m, r) in zip(blk.first, blk.rest):
+                    assert n == m and b == pytest.approx((b + r) * exposed_share(op, work.kind, 4))
 
 
 def test_a_block_gemm_waits_for_its_first_chunks():
@@ -57,6 +58,13 @@ def test_a_block_gemm_waits_for_its_first_chunks():
     assert gemms
     for g in gemms:
         assert any(tasks[d].stream == "tensor" for d in g.deps)
+
+
+def test_exposed_shares_follow_userbuffers_methods():
+    assert exposed_share("all_gather", "F", 8) == 1 / 8  # ring exchange: the first rank's share
+    assert exposed_share("reduce_scatter", "F", 8) == 1 / 4  # pipelined in 4 splits: the last one's
+    assert exposed_share("reduce_scatter", "B", 8) == 0.0  # bulk beside the weight gradient
+    assert exposed_share("all_gather", "B", 8) == 1 / 16  # half ring exchange, half bulk
 
 
 def test_overlap_end_hides_the_chunks_a_gemm_covers():

@@ -8,9 +8,15 @@ consumes or produces it, never beside the rest of the layer (TransformerEngine
 projection runs beside that GEMM, the reduce-scatter after the out projection and after the MLP's out projection
 beside it; in the backward the all-gather of the output gradient beside the row-parallel GEMMs' input gradient,
 and the column-parallel GEMMs' input all-gather and gradient reduce-scatter beside their input- and weight-gradient
-GEMMs ("bulk" overlap). The collective is split into chunks (the ring exchange sends one rank's ``1/t`` share per
-step, ``t`` the tensor degree) and the GEMM into as many pieces, so the first chunk's exchange comes before any
-GEMM piece can start: it stays exposed, and the rest runs beside the GEMM, exposed where it outlasts it.
+GEMMs ("bulk" overlap). A chunked collective leaves one chunk exposed, the rest runs beside the GEMM, exposed
+where it outlasts it (:func:`exposed_share`, from NeMo's ``tp_overlap_configs/userbuffers.py``, e.g.
+``userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192``): a ring-exchange all-gather (``qkv_fprop``, ``fc1_fprop``,
+``proj_dgrad``, ``fc2_dgrad``) sends one rank's ``1/t`` share per step, ``t`` the tensor degree, and the first
+share must arrive before any GEMM piece starts; a pipelined reduce-scatter (``proj_fprop``, ``fc2_fprop``:
+``PipelineOverlapCfg(num_splits=4)``) reduces each of 4 GEMM pieces as the next computes, the last one's after
+them; a bulk overlap (``qkv_dgrad``, ``qkv_wgrad``, ``fc1_dgrad``, ``fc1_wgrad``) runs the whole collective beside
+the whole GEMM, nothing exposed but what outlasts it. In the backward half the all-gathers are ring exchanges
+(row-parallel input gradients), half bulk (the column-parallel weight gradients' inputs), the reduce-scatters bulk.
 
 Priced per block of the layer (testbed.model.gemm.projection_sides): the attention block's projections (QKV and
 out) beside half of the layer's collectives, the MLP's beside the other half (Megatron's layer runs the same
@@ -32,7 +38,7 @@ from testbed.model.gemm import Gemm, gemm_flops, projection_sides, scaled, witho
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Plan
 
-__all__ = ["OverlapBlock", "TpOverlap", "tp_overlap", "overlap_end"]
+__all__ = ["OverlapBlock", "TpOverlap", "tp_overlap", "overlap_end", "exposed_share", "PIPELINE_SPLITS"]
 
 Transfers = tuple[tuple[str, int, float], ...]
 
@@ -61,6 +67,20 @@ class TpOverlap:
     work: tuple[float, float, float, float]
     gemms: tuple[Gemm, ...]
     after: Transfers
+
+
+#: Pieces of a pipelined reduce-scatter (userbuffers' ``PipelineOverlapCfg(num_splits=4)`` in every NeMo config).
+PIPELINE_SPLITS = 4
+
+
+def exposed_share(op: str, kind: str, tensor: int) -> float:
+    """The share of a ``kind`` action's ``op`` over ``tensor`` ranks that cannot run beside its GEMM (module
+    docstring): a ring exchange's first ``1/t``, a pipelined reduce-scatter's last ``1/4``, nothing of a bulk one."""
+    if kind == "F":
+        return 1 / PIPELINE_SPLITS if op == "reduce_scatter" else 1 / tensor
+    if op == "all_gather":
+        return 1 / (2 * tensor)  # half ring exchanges (row-parallel dgrad), half bulk
+    return 0.0 if op == "reduce_scatter" else 1 / tensor
 
 
 def _block_gemms(block: tuple[Gemm, ...], kind: str, split: bool) -> tuple[Gemm, ...]:
@@ -93,8 +113,8 @@ def tp_overlap(plan: Plan, cost: ChunkCost, kind: str, split: bool, work: tuple[
         g = scaled(_block_gemms(tuple(side), kind, split), layers)
         # The roofline's HBM bytes go with the FLOPs (a GEMM-bound action stays GEMM-bound piece by piece).
         blocks.append(OverlapBlock(name=name, gemms=g, flops=gemm_flops(g), hbm_bytes=hbm * gemm_flops(g) / flops,
-                                   first=tuple((op, n, b / t) for op, n, b in own),
-                                   rest=tuple((op, n, b * (t - 1) / t) for op, n, b in own)))
+                                   first=tuple((op, n, b * exposed_share(op, kind, t)) for op, n, b in own),
+                                   rest=tuple((op, n, b * (1 - exposed_share(op, kind, t))) for op, n, b in own)))
     side_gemms = tuple(g for blk in blocks for g in blk.gemms)
     return TpOverlap(blocks=tuple(blocks), work=(flops - gemm_flops(side_gemms),
                                                  hbm - sum(b.hbm_bytes for b in blocks), replicated, split_b),
