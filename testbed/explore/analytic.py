@@ -9,7 +9,9 @@ the pipeline schedule table, stage by stage, with the same prices:
   work the facts give it (``chunk_cost`` of testbed.model.costs, split
   into gradient buckets as the program splits it), plus its blocking
   tensor-parallel all-reduces timed by testbed.collectives.timing over every
-  tensor group at once (``groups_time``: the groups share links);
+  tensor group at once (``groups_time``: the groups share links); under
+  ``runtime.tp_comm_overlap`` each block's collectives beside its own GEMMs
+  (testbed.sim.tp_overlap, played by testbed.explore.play);
 - fsdp/ZeRO-3 parameter gathers run block by block on their own stream, at
   most ``runtime.fsdp_prefetch`` blocks ahead of the compute: an action of
   ``n`` blocks waits for its first block's gather, then runs a block every

@@ -2,9 +2,10 @@
 stage's gradient tail and update (testbed.explore.analytic prices the actions; this module plays them).
 
 An action starts once its stage is free, its dispatch is out and what it waits for has arrived; it computes,
-then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`` hides), and its sends leave
-on the stage's pipe stream (serial; with ``runtime.pipeline_blocking_sends`` the stage waits for them). Gathers (fsdp/ZeRO-3) run block by block ahead of the compute, gradient
-buckets reduce on the grad stream, and a shared host's stragglers wait at the action's barriers
+then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`` hides: testbed.sim.tp_overlap),
+and its sends leave on the stage's pipe stream (serial; with ``runtime.pipeline_blocking_sends`` the stage waits
+for them). Gathers (fsdp/ZeRO-3) run block by block ahead of the compute, gradient buckets reduce on the grad
+stream, and a shared host's stragglers wait at the action's barriers
 (testbed.sim.barriers).
 """
 
