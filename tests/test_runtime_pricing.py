@@ -154,7 +154,8 @@ def test_bad_fields_name_the_field():
     for runtime, field in (({"recompute": "everything"}, "runtime.recompute"),
                            ({"grad_bucket_bytes": -1}, "runtime.grad_bucket_bytes"),
                            ({"tp_comm_overlap": "yes"}, "runtime.tp_comm_overlap"),
-                           ({"pipeline_blocking_sends": 1}, "runtime.pipeline_blocking_sends")):
+                           ({"pipeline_blocking_sends": 1}, "runtime.pipeline_blocking_sends"),
+                           ({"grad_all_reduce": "no"}, "runtime.grad_all_reduce")):
         with pytest.raises(InputError) as err:
             _plan(runtime)
         assert field in str(err.value)
@@ -239,3 +240,24 @@ def test_a_bad_runtime_value_exits_2_naming_the_field(runtime, field, tmp_path, 
     code = main(["simulate", "--plan", str(tmp_path / "p.yaml"), "--topology", "host-cpu-8"])
     err = capsys.readouterr().err
     assert code == 2 and field in err and "Traceback" not in err, err
+
+
+def test_grad_all_reduce_all_reduces_zero1_gradients_over_data():
+    """ZeRO-1 with ``grad_all_reduce``: every bucket an all-reduce of the whole gradients over data instead of a
+    reduce-scatter (twice the bus bytes), slower in both tiers; sharded gradients (ZeRO-2) are unchanged."""
+    topology = load_topology(TOPOLOGY)
+    plan, whole = _plan(zero=1), _plan({"grad_all_reduce": True}, zero=1)
+    placement = place(plan, topology)
+
+    def reductions(p) -> dict:
+        ops: dict = {}
+        for t in build_program(p, placement).tasks:
+            if t.stream == "grad" and t.op in ("all_reduce", "reduce_scatter"):
+                ops[t.op] = ops.get(t.op, 0.0) + t.nbytes * t.count
+        return ops
+
+    assert set(reductions(plan)) == {"reduce_scatter"} and set(reductions(whole)) == {"all_reduce"}
+    assert reductions(whole)["all_reduce"] == pytest.approx(reductions(plan)["reduce_scatter"])
+    (d0, a0), (d1, a1) = _both(plan), _both(whole)
+    assert d1 > d0 and a1 > a0
+    assert _both(_plan({"grad_all_reduce": True}, zero=2)) == _both(_plan(zero=2))

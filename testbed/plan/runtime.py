@@ -71,6 +71,11 @@ class RuntimeSpec:
     #: Megatron-LM's 1F1B waits on its ``batch_isend_irecv`` requests) instead of leaving on a stream of their own
     #: while the stage computes on (the runner's sends, dispatched beside its next action).
     pipeline_blocking_sends: bool = False
+    #: With the optimizer state sharded over data but the gradients not (ZeRO-1), the gradients are all-reduced
+    #: whole over data and each rank updates its shard (DeepSpeed's pipeline engine with its BF16_Optimizer)
+    #: instead of reduce-scattered to the shard's owner (the runner's ZeRO-1). Sharded gradients (ZeRO >= 2,
+    #: fsdp) are reduce-scattered either way.
+    grad_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -90,7 +95,7 @@ class RuntimeSpec:
                 or not 0 <= self.fsdp_prefetch <= 64:
             raise InputError("fsdp_prefetch must be a whole number of blocks from 0 to 64, "
                              f"got {self.fsdp_prefetch!r:.40}", field="runtime.fsdp_prefetch")
-        for name in ("pipeline_blocking_sends",):
+        for name in ("pipeline_blocking_sends", "grad_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
@@ -112,7 +117,7 @@ PROFILES: dict[str, dict[str, Any]] = {
                  "pipeline_scatter_gather": True, "pipeline_blocking_sends": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True},
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "grad_reduce_dtype": "fp32",
-                  "pipeline_scatter_gather": True, "pipeline_blocking_sends": True},
+                  "pipeline_scatter_gather": True, "pipeline_blocking_sends": True, "grad_all_reduce": True},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                    "fsdp_prefetch": 1},
@@ -215,6 +220,11 @@ SOURCES: dict[tuple[str, str], str] = {
         "DeepSpeed deepspeed/runtime/pipe/engine.py: 'BF16 Optimizer is hardcoded for fp32 gradient "
         "accumulation'; with bf16 (BF16_Optimizer, bf16 + ZeRO-1, as Megatron-DeepSpeed's BLOOM runs) "
         "_exec_reduce_grads calls _bf16_reduce_grads, buffered_allreduce_fallback over the fp32 gradients"),
+    ("deepspeed", "grad_all_reduce"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py `_exec_reduce_grads`: with the BF16_Optimizer (bf16 + ZeRO-1) "
+        "`_bf16_reduce_grads` calls buffered_allreduce_fallback(elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE): "
+        "every gradient all-reduced over the data-parallel group in 5e8-element buffers; the optimizer then "
+        "updates the rank's partition and all-gathers the bf16 parameters"),
     ("llama3", "grad_reduce_dtype"): (
         "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Numerical stability': FP32 "
         "gradient accumulation over micro-batches, and gradients reduce-scattered in FP32 across the data-parallel "

@@ -331,8 +331,11 @@ def _update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: 
 
 def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction, ...]:
     """Per parameter kind (dense, then routed experts'), how its gradients are summed (kinds nothing sums left
-    out): over the axes the optimizer state is split on a reduce-scatter, over the rest an all-reduce."""
+    out): over the axes the optimizer state is split on a reduce-scatter, over the rest an all-reduce
+    (``runtime.grad_all_reduce``: unsharded gradients all-reduced over data too)."""
     out = []
+    if plan.runtime.grad_all_reduce and not state_sharding(plan).split_axes(plan, "grads"):
+        optimizer_axes = tuple(a for a in optimizer_axes if a is not Axis.DATA)  # all-reduced whole over data
     for expert in (False, True):
         axes = reduction_axes(plan, expert)
         if axes:
