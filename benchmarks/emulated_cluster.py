@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -117,7 +118,8 @@ def measure_rates(rates: list[float], max_call_s: float, repeats: int) -> dict:
         runs.append({"rate_mbps": rate, **raw})
         print(json.dumps({"rate_mbps": rate, "load_before": raw["load_before"], "load_after": raw["load_after"],
                           "seconds": raw["seconds"]}), file=sys.stderr, flush=True)
-    return {"topology": TOPOLOGY, "runs": runs}
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return {"measured": f"{when}, nice {os.nice(0)}", "topology": TOPOLOGY, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:

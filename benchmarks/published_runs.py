@@ -16,11 +16,15 @@ Categories:
 
 Prints ``{"categories": {NAME: {cases, median_abs_error, max_abs_error}}, "end_to_end_all": {...},
 "end_to_end_by": {stack|device|precision|scale|architecture: {VALUE: {...}}}, "runtime_mechanisms":
-{FIELD: {...}}, "collective_bands": {BAND: {...}}, "results": {NAME: [{case, predicted, published, error}, ...]}}``;
+{FIELD: {...}}, "fits": {"tpu_compute": {...}}, "collective_bands": {BAND: {...}}, "results": {NAME: [{case,
+predicted, published, error}, ...]}}``;
 error is predicted / published - 1. ``end_to_end_by`` pools ``end_to_end`` (Megatron-LM, A100, BF16, dense)
 and ``runs``; ``end_to_end_all`` summarises the pool. Every case runs under its stack's runtime profile
 (testbed.plan.runtime; runs.py's ``STACK_PROFILES``, megatron.yaml's ``setup.runtime``) and
-``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``).
+``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``; its
+``device.power_limit``: what a topology's device power limit changed). ``fits`` prints
+each parameter fitted over a category of ``runs``, with its in-sample and leave-one-out errors and the values the
+data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext cases, tpu_fit.py).
 The largest Megatron rows take about a minute each to simulate.
 
     .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|runs|memory]
@@ -39,6 +43,7 @@ import collectives as published_collectives  # noqa: E402
 import end_to_end as published_end_to_end  # noqa: E402
 import memory as published_memory  # noqa: E402
 import runs as published_runs  # noqa: E402
+import tpu_fit  # noqa: E402
 
 CATEGORIES = {"collectives": published_collectives.evaluate, "end_to_end": published_end_to_end.evaluate,
               "runs": published_runs.evaluate, "memory": published_memory.evaluate,
@@ -65,6 +70,7 @@ def run(only: list[str] | None = None) -> dict:
         if name == "runs":
             pooled += rows
             out["runtime_mechanisms"] = published_runs.mechanisms(rows)
+            out["fits"] = {"tpu_compute": tpu_fit.fit_report()}
     if pooled:
         out["end_to_end_all"] = published_runs.summary(pooled)
         out["end_to_end_by"] = published_runs.by_category(pooled)

@@ -22,6 +22,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from testbed.collectives.ops import BUS_FACTOR, parse_op
+from testbed.collectives.timing import groups_time
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.model import costs
@@ -30,6 +31,7 @@ from testbed.model.memory import memory_breakdown
 from testbed.plan.io import plan_from_dict, plan_to_dict
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat
+from testbed.sim.facts import step_facts
 from testbed.sim.program import build_program
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
@@ -178,14 +180,19 @@ def test_analytic_tier_prices_the_same_collectives() -> None:
     """On the host's ring collectives a reduce-scatter + an all-gather cost what the all-reduce does; SP saves
     activation memory (and elementwise traffic on the residual stream). Without the host's stragglers: SP's
     devices meet twice as often, and each meeting waits for the last of them (tests/test_barriers.py). RoPE: no
-    learned position table, whose gradient SP gathers (an extra collective, tests above)."""
+    learned position table, whose gradient SP gathers (an extra collective, tests above). SP adds one
+    collective: the tensor-replicated parameters' gradients (norms, row-parallel biases), partial sums over the
+    sequence shards, all-reduced over tensor (testbed.sim.facts.sequence_reduced)."""
     data = topology_to_dict(load_topology("host-cpu-8"))
     data["calibration"]["host"].pop("skew_s")
     host = topology_from_dict(data)
-    plain, sp = (estimate(_plan(on, tensor=8, batch=8, model={"d_model": 256, "heads": 8, "d_ff": 1024,
-                                                                 "seq_len": 256, "position": "rope"}), host)
-                 for on in (False, True))
-    assert math.isclose(sp.comm_s, plain.comm_s, rel_tol=1e-9) and sp.comm_s > 0
+    plans = [_plan(on, tensor=8, batch=8, model={"d_model": 256, "heads": 8, "d_ff": 1024, "seq_len": 256,
+                                                 "position": "rope"}) for on in (False, True)]
+    plain, sp = (estimate(plan, host) for plan in plans)
+    replicated = sum(c.sequence_bytes for c in step_facts(plans[1], place(plans[1], host).device_ids).chunks[0])
+    assert replicated > 0 and step_facts(plans[0], place(plans[0], host).device_ids).reductions == ()
+    extra = groups_time(host, "all_reduce", [tuple(range(8))], replicated).time_s
+    assert math.isclose(sp.comm_s, plain.comm_s + extra, rel_tol=1e-9) and plain.comm_s > 0
     assert sp.memory_bytes < plain.memory_bytes and sp.compute_s < plain.compute_s
 
 

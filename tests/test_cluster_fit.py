@@ -10,7 +10,7 @@ from testbed.cli.main import main
 from testbed.cluster import cluster_spec
 from testbed.cluster.fit import (FIT_MIN_BYTES, HostCosts, HostProbe, costs_at_rate, emulated, fit_host_costs,
                                  link_goodput, predict, row_errors)
-from testbed.cluster.step import predict_step, unshaped
+from testbed.cluster.step import StepCall, calls_links, predict_step, unshaped
 from testbed.errors import InputError
 from testbed.plan.io import load_plan
 from testbed.topology.io import load_topology
@@ -92,6 +92,59 @@ def test_a_step_is_the_host_part_plus_what_the_links_add():
     assert step.links_s > 0
     fast = predict_step(plan, emulated(_spec(100.0), PROBE, costs), host_step_s=0.5)
     assert 0 < fast.links_s < step.links_s  # 10x faster links add less
+
+
+def test_cheap_sizes_are_timed_more_often():
+    from testbed.runner.cluster_calibrate import TINY_BYTES, repeats_for, sizes_for
+
+    fast, slow = _spec(100.0), _spec(10.0)
+    assert repeats_for(fast, PROBE, "all_reduce", TINY_BYTES, 3, 15) == 15
+    assert repeats_for(fast, PROBE, "all_reduce", 2**16, 3, 15) == 15  # ~10 ms a call
+    assert repeats_for(slow, PROBE, "all_reduce", 2**20, 3, 15) == 3  # ~2 s a call
+    assert sizes_for(slow, PROBE, "all_reduce", 3.0)[-1] < sizes_for(fast, PROBE, "all_reduce", 3.0)[-1]
+
+
+# The data-parallel gradients' combined all-reduce and a tensor-parallel one, as XLA:CPU's compiled text has them.
+HLO = "\n".join([
+    "  %all-reduce.30 = (f32[64,128]{1,0}, f32[128]{0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, "
+    "replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add",
+    "  %all-reduce.1 = f32[4,64,128]{2,1,0} all-reduce(%x), channel_id=3, replica_groups=[2,4]<=[8], "
+    "use_global_device_ids=true, to_apply=%add",
+    "  %all-gather = f32[8,16]{1,0} all-gather(%y), channel_id=4, replica_groups=[8,1]<=[8], dimensions={0}",
+])
+
+
+def test_compiled_calls_are_one_per_buffer_of_each_instruction():
+    from testbed.runner.hlo import compiled_bytes, compiled_calls
+
+    calls = compiled_calls(HLO, (2, 4), ("data", "tensor"))
+    assert [(c["kind"], c["axes"], c["group"], c["buffers"]) for c in calls] == [
+        ("all-reduce", "data+tensor", 8, [32768, 512, 4]), ("all-reduce", "tensor", 4, [131072])]  # no 1-groups
+    assert calls[1]["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    totals = compiled_bytes(HLO, (2, 4), ("data", "tensor"))
+    assert sum(sum(c["buffers"]) for c in calls) == sum(totals.values())
+
+
+def test_a_step_priced_call_by_call_additive_or_overlapped():
+    spec = _spec(10.0)
+    topology = emulated(spec, PROBE, HostCosts(call_s=5e-3, overhead_s=1e-4, link_efficiency=0.9,
+                                               goodput=link_goodput(spec)))
+    everyone = (tuple(range(8)),)
+    big, tiny = StepCall(op="all_reduce", nbytes=2**17, groups=everyone), StepCall(op="all_reduce", nbytes=4,
+                                                                                  groups=everyone)
+    one = calls_links([big], topology)
+    wire = 2 * 7 / 8 * 2**17 / topology.levels[-1].bandwidth  # the ring's bytes on the slowest link
+    assert one == pytest.approx(wire, rel=0.01)  # the host's costs cancel: what the shaped wire adds
+    assert calls_links([big, big], topology) == pytest.approx(2 * one)
+    assert calls_links([big], unshaped(topology)) == pytest.approx(0.0)  # unshaped links add nothing
+    # Overlapped, a call's host part (its time on unshaped links) hides under its wire: the links add less, and
+    # nothing for a call whose wire is shorter than its host part.
+    assert calls_links([big], topology, overlap=True) < one
+    assert calls_links([tiny], topology, overlap=True) == 0.0 < calls_links([tiny], topology)
+    with pytest.raises(InputError, match="groups"):
+        StepCall(op="all_reduce", nbytes=4, groups=((0,),))
+    with pytest.raises(InputError, match="op"):
+        StepCall(op="broadcast", nbytes=4, groups=everyone)
 
 
 def _measurements(tmp_path, rows: list[dict]) -> str:

@@ -9,6 +9,7 @@ and the workers still running inside it.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +24,17 @@ from testbed.topology.io import load_topology
 
 REASON = netns.unavailable()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster here: {REASON}")
+
+#: Every cluster a test here makes is named ``<word><TAG>``: another run of these tests on the same machine (a
+#: second checkout's suite, a benchmark) makes others, which the ``clean`` fixture must neither count nor remove.
+TAG = str(os.getpid() % 10**6)
+#: The one-shot clusters of the commands these tests start (``c<pid>``, testbed.cli.collective_cluster).
+SPAWNED: set[str] = set()
+
+
+def _name(word: str) -> str:
+    return f"{word}{TAG}"
+
 
 TWO_NODES = """\
 name: eth-2x1
@@ -47,12 +59,12 @@ def _root_state() -> tuple[str, str]:
 
 @pytest.fixture
 def clean(tmp_path, monkeypatch):
-    """The test's state directory; afterwards no namespace, link or qdisc of the project remains."""
+    """The test's state directory; afterwards no cluster of these tests remains, nor a new link or qdisc in the
+    machine's namespace."""
     monkeypatch.setenv("TESTBED_CLUSTER_STATE", str(tmp_path / "state"))
     before = _root_state()
-    mine = {c.name for c in netns.clusters()}
     yield tmp_path
-    left = [c for c in netns.clusters() if c.name not in mine]
+    left = [c for c in netns.clusters() if c.name.endswith(TAG) or c.name in SPAWNED]
     for c in left:
         netns.remove(c.name, c.owner)
     assert not left, f"clusters left behind: {left}"
@@ -79,20 +91,20 @@ def test_privilege_problem_names_the_capability():
 
 @needs_netns
 def test_build_shapes_both_ways_and_removes_everything(clean):
-    spec = cluster_spec(load_topology("eth-4x2"), name="tshape", scale=0.001)
+    spec = cluster_spec(load_topology("eth-4x2"), name=_name("tshape"), scale=0.001)
     with netns.ephemeral(spec) as owner:
-        made = [c for c in netns.clusters() if c.name == "tshape"]
+        made = [c for c in netns.clusters() if c.name == _name("tshape")]
         assert len(made) == 1 and made[0].alive and len(made[0].namespaces) == 5
         node = netns.node_namespace(spec, owner, 0)
         qdisc = subprocess.run(["tc", "-n", node, "qdisc", "show", "dev", "eth0"], capture_output=True,
                                text=True).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
-        fabric = f"tbc-tshape-{owner}-sw"
+        fabric = f"tbc-{_name('tshape')}-{owner}-sw"
         ports = subprocess.run(["tc", "-n", fabric, "qdisc"], capture_output=True, text=True).stdout
         assert ports.count("tbf") == 4  # the switch side of each link: the other direction
         routes = subprocess.run(["ip", "-n", node, "route"], capture_output=True, text=True).stdout
         assert "default" not in routes  # no way out of the cluster
-    assert not [c for c in netns.clusters() if c.name == "tshape"]
+    assert not [c for c in netns.clusters() if c.name == _name("tshape")]
 
 
 def _command(tmp_path: Path, scale: str, nbytes: str) -> subprocess.Popen:
@@ -100,7 +112,9 @@ def _command(tmp_path: Path, scale: str, nbytes: str) -> subprocess.Popen:
             "--bytes", nbytes, "--repeats", "2", "--json"]
     code = f"import sys; from testbed.cli.main import main; sys.exit(main({argv!r}))"
     with open(tmp_path / "command.log", "ab") as log:
-        return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+    SPAWNED.add(f"c{proc.pid}")
+    return proc
 
 
 def _wait_for_workers(pid: int, timeout: float = 90.0) -> tuple[list[str], list[int]]:
@@ -129,7 +143,7 @@ def test_sigkill_mid_run_then_the_next_build_cleans_up(clean):
         proc.wait()
     killed = [c for c in netns.clusters() if c.owner.startswith(f"{proc.pid}x")]
     assert killed and not killed[0].alive  # left behind, its owner gone
-    spec = cluster_spec(load_topology(_topology(clean)), name="tnext", scale=0.01)
+    spec = cluster_spec(load_topology(_topology(clean)), name=_name("tnext"), scale=0.01)
     with netns.ephemeral(spec):
         assert not set(names) & set(netns.namespaces())
     for ns in names:
@@ -160,45 +174,18 @@ def test_sigterm_mid_run_removes_the_cluster(clean):
 
 
 @needs_netns
-def test_smoke_up_collective_status_down(clean, capsys):
-    """CI's smoke test: a 2-node cluster over shaped links, a collective and a 2-step run on it, then down."""
-    topology = _topology(clean)
-    assert main(["cluster", "up", "smoke", "--topology", topology, "--scale", "0.01", "--json"]) == 0
-    try:
-        assert json.loads(capsys.readouterr().out)["cluster"]["links"][0]["rate_bps"] == pytest.approx(1e8)
-        assert main(["cluster", "up", "smoke", "--topology", topology, "--scale", "0.01"]) == 2  # taken
-        assert main(["collective", "all_gather", "--topology", topology, "--execute", "cluster:smoke",
-                     "--bytes", "256KiB", "--repeats", "2", "--json"]) == 0
-        run = json.loads(capsys.readouterr().out)["execute"]
-        assert run["ok"] and run["ranks"] == 2 and run["cluster"] == "smoke" and run["kept"]
-        assert run["time_s"] > 0 and run["predicted_s"] > 0
-        plan = clean / "dp2.yaml"
-        plan.write_text(PLAN)
-        assert main(["run", "--plan", str(plan), "--devices", "emulated:2", "--cluster", "smoke", "--steps", "2",
-                     "--json"]) == 0
-        steps = json.loads(capsys.readouterr().out)
-        assert steps["processes"] == 2 and steps["steps"] == 2 and steps["loss"] is not None
-        assert main(["cluster", "status", "--json"]) == 0
-        status = json.loads(capsys.readouterr().out)
-        assert [c["nodes"] for c in status["clusters"] if c["name"] == "smoke"] == [2]
-    finally:
-        assert main(["cluster", "down", "smoke"]) == 0
-    assert main(["cluster", "down", "smoke"]) == 2  # gone
-
-
-@needs_netns
 def test_down_all_removes_every_cluster_and_its_state(clean, monkeypatch, capsys):
     topology = _topology(clean)
-    others = set(netns.namespaces())
-    assert main(["cluster", "up", "tall", "--topology", topology, "--scale", "0.01"]) == 0
-    assert (clean / "state" / "tall.json").exists()
-    # `down --all` removes every cluster of the project: here, only those this test made (others may be running).
+    name = _name("tall")
+    assert main(["cluster", "up", name, "--topology", topology, "--scale", "0.01"]) == 0
+    assert (clean / "state" / f"{name}.json").exists()
+    # `down --all` removes every cluster of the project: here, only the one this test made (others may be running).
     real = netns.namespaces
-    monkeypatch.setattr(netns, "namespaces", lambda: [ns for ns in real() if ns not in others])
+    monkeypatch.setattr(netns, "namespaces", lambda: [ns for ns in real() if ns.startswith(f"tbc-{name}-")])
     assert main(["cluster", "down", "--all", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["namespaces_removed"] == 3
-    assert not (clean / "state" / "tall.json").exists()
-    assert "tall" not in {c.name for c in netns.clusters()}
+    assert not (clean / "state" / f"{name}.json").exists()
+    assert name not in {c.name for c in netns.clusters()}
 
 
 def test_the_message_says_whether_a_rootless_run_is_possible():
@@ -211,29 +198,49 @@ def test_the_message_says_whether_a_rootless_run_is_possible():
 
 
 @needs_netns
-def test_calibrate_verify_validate_on_a_cluster(clean, capsys):
-    """The commands that run on a kept cluster: calibrate its host costs, verify a plan, validate its step."""
-    topology = _topology(clean)
+def test_smoke_one_kept_cluster_collective_calibrate_verify_validate(clean, capsys):
+    """CI's smoke test, one 2-node cluster over shaped links for every command that runs on a kept cluster: up,
+    a collective, calibrate its host costs, verify a plan, validate its step (a 2-step run on the shaped links,
+    then on the links unshaped), status, down. One cluster and one launch per command: each launch starts and
+    compiles JAX in two workers, the cost of this test."""
+    topology, name = _topology(clean), _name("smoke")
     plan = clean / "dp2.yaml"
     plan.write_text(PLAN)
     calibrated = clean / "cal.yaml"
-    assert main(["cluster", "up", "cal", "--topology", topology, "--scale", "0.01"]) == 0
+    assert main(["cluster", "up", name, "--topology", topology, "--scale", "0.01", "--json"]) == 0
     try:
-        assert main(["calibrate", "--cluster", "cal", "--out", str(calibrated), "--max-call-s", "0.05",
+        assert json.loads(capsys.readouterr().out)["cluster"]["links"][0]["rate_bps"] == pytest.approx(1e8)
+        assert main(["cluster", "up", name, "--topology", topology, "--scale", "0.01"]) == 2  # taken
+        assert main(["collective", "all_gather", "--topology", topology, "--execute", f"cluster:{name}",
+                     "--bytes", "256KiB", "--repeats", "2", "--json"]) == 0
+        run = json.loads(capsys.readouterr().out)["execute"]
+        assert run["ok"] and run["ranks"] == 2 and run["cluster"] == name and run["kept"]
+        assert run["time_s"] > 0 and run["predicted_s"] > 0
+        # `run --cluster` checks the job against the cluster before starting anything: one worker per node.
+        assert main(["run", "--plan", str(plan), "--devices", "emulated:2", "--cluster", name, "--processes", "3",
+                     "--steps", "2"]) == 2
+        assert "one worker each" in capsys.readouterr().err
+        assert main(["calibrate", "--cluster", name, "--out", str(calibrated), "--max-call-s", "0.05",
                      "--json"]) == 0
         costs = json.loads(capsys.readouterr().out.splitlines()[-1])["costs"]
         assert 0 < costs["link_efficiency"] <= 1 and costs["call_s"] >= 0
         assert load_topology(str(calibrated)).levels[-1].bandwidth == pytest.approx(
             costs["link_efficiency"] * 1e8 / 8 * 1448 / 1514)
-        assert main(["verify", "--plan", str(plan), "--cluster", "cal", "--json"]) == 0
+        assert main(["verify", "--plan", str(plan), "--cluster", name, "--steps", "1", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["ok"]
-        assert main(["validate", str(plan), "--cluster", "cal", "--topology", str(calibrated), "--steps", "2",
+        assert main(["validate", str(plan), "--cluster", name, "--topology", str(calibrated), "--steps", "2",
                      "--json"]) == 0
         row = json.loads(capsys.readouterr().out)["plans"][0]
+        shaped = row["measured"]["shaped"]
+        assert len(shaped["step_times_s"]) == 2 and shaped["loss"] is not None  # the 2-step run, shaped links
         assert row["measured_s"] > 0 and row["host_step_s"] > 0
         assert row["predicted_s"] == pytest.approx(row["host_step_s"] + row["links_s"])
+        assert main(["cluster", "status", "--json"]) == 0
+        status = json.loads(capsys.readouterr().out)
+        assert [c["nodes"] for c in status["clusters"] if c["name"] == name] == [2]
     finally:
-        assert main(["cluster", "down", "cal"]) == 0
+        assert main(["cluster", "down", name]) == 0
+    assert main(["cluster", "down", name]) == 2  # gone
 
 
 def _as_nobody() -> list[str] | None:

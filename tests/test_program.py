@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from testbed.model import costs, layout
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
-from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM
 from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
@@ -155,7 +156,7 @@ def test_sharding_model(zero, fsdp, ops):
     """Which collectives each ZeRO stage / fsdp uses (module docstring of testbed.sim.program)."""
     plan = make_plan(data=2, fsdp=fsdp, zero=zero)
     _, program = _program(plan)
-    used = {t.op for t in program.tasks if t.kind is TaskKind.COLLECTIVE}
+    used = {t.op for t in program.tasks if t.kind is TaskKind.COLLECTIVE and t.stream != "loss"}
     assert used == ops
     gathers = [t for t in program.tasks if t.stream == "gather"]
     sharded_params = fsdp > 1 or zero == 3
@@ -164,6 +165,27 @@ def test_sharding_model(zero, fsdp, ops):
         assert len(gathers) == 2 * plan.batch.microbatches * plan.model.layers
         _, full = _program(replace(plan, remat="full"))
         assert len([t for t in full.tasks if t.stream == "gather"]) == len(gathers)
+
+
+@pytest.mark.parametrize("microbatches,expected", [(1, [("data+fsdp", 1)]), (3, [("fsdp", 3), ("data", 1)])])
+def test_the_loss_is_all_reduced_over_the_batch_axes(microbatches, expected):
+    """The step's mean loss (one fp32 value) is all-reduced as the runner's compiled step does
+    (testbed.plan.sharding.loss_reductions): with one microbatch once over every axis splitting the batch; with
+    several each microbatch's within its data replica, then the replicas' once. Nothing waits for it."""
+    plan = make_plan(data=2, fsdp=2, microbatches=microbatches, stage=2)
+    placement, program = _program(plan)
+    coords = {int(d): c for c, d in np.ndenumerate(placement.device_ids)}
+    losses = [t for t in program.tasks if t.stream == "loss"]
+    assert all(t.op == "all_reduce" and t.nbytes == 4 and t.device == program.representatives[-1] for t in losses)
+    names = [a.value for a in MESH_AXES]
+    found: dict[str, int] = {}
+    for t in losses:
+        members = np.array([coords[d] for d in t.group])
+        label = "+".join(names[k] for k in range(members.shape[1]) if len(set(members[:, k].tolist())) > 1)
+        found[label] = found.get(label, 0) + 1
+    assert sorted(found.items()) == sorted(expected)
+    waited = {d for t in program.tasks for d in t.deps}
+    assert not waited & {i for i, t in enumerate(program.tasks) if t.stream == "loss"}
 
 
 @given(plans)
@@ -259,3 +281,45 @@ def test_host_counts_one_collective_per_leaf():
     # The combiner's rule: consecutive collectives merge while the merged one stays within the threshold.
     assert combined_sizes((4.0, 4.0, 8.0, 2.0, 1.0), 8.0) == (8.0, 8.0, 3.0)
     assert combined_sizes((4.0, 4.0), 0.0) == (4.0, 4.0) and combined_sizes((4.0, 4.0), math.inf) == (8.0,)
+
+
+@pytest.mark.parametrize("precision,fsdp", [("bf16-mixed", 1), ("fp32", 1), ("bf16-mixed", 2)])
+def test_the_norms_gradients_are_reduced_in_fp32_where_the_partitioner_sums_them(precision, fsdp):
+    """Under bf16-mixed the replicated gradients are all-reduced at 2 bytes each, but the norms' at 4: JAX sums
+    bf16 in fp32 and the partitioner reduces those fp32 partial sums (the traced runner step's bytes,
+    tests/test_program_vs_plan.py). Sharded gradients are the runner's own bf16 psum_scatter: no extra."""
+    plan = replace(make_plan(data=2 // fsdp, fsdp=fsdp, microbatches=1), precision=precision)
+    _, program = _program(plan)
+    moved = sum(t.nbytes * t.count for t in program.tasks
+                if t.kind is TaskKind.COLLECTIVE and t.stream not in ("loss", "gather"))
+    params = layout.model_params(plan.model)
+    everything = sum(math.prod(p.shape) * (plan.model.layers if p.part is layout.Part.LAYER else 1) for p in params)
+    norms = sum(math.prod(p.shape) * (plan.model.layers if p.part is layout.Part.LAYER else 1) for p in params
+                if p.path[0] in ("ln1", "ln2", "norm"))
+    grad_b = 2 if precision == "bf16-mixed" else 4
+    assert moved == everything * grad_b + (norms * 2 if grad_b == 2 and fsdp == 1 else 0)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_sequence_parallel_replicated_gradients_are_summed_over_tensor_too(zero):
+    """Under sequence parallelism each tensor rank computes on its sequence shard: the tensor-replicated
+    parameters' gradients (norms at fp32, row-parallel biases) are all-reduced over data and tensor at once, the
+    learned position table's over data as each rank's 1/t shard (the traced runner step's reductions). With the
+    optimizer state sharded (ZeRO-1) the plan keeps the dense rule."""
+    plan = replace(make_plan(data=2, tensor=2, microbatches=1, zero=zero), sequence_parallel=True,
+                   precision="bf16-mixed")
+    placement, program = _program(plan)
+    both = axis_groups(placement, [Axis.DATA, Axis.TENSOR])[0]
+    over_both = [t for t in program.tasks if t.kind is TaskKind.COLLECTIVE and t.group in both and t.stream == "grad"]
+    if zero:
+        assert not over_both
+        return
+    m, t = plan.model, plan.mesh.tensor
+    norms = 2 * m.d_model * (2 * m.layers + 1)  # scale and shift of two norms per layer and the final one
+    biases = 2 * m.d_model * m.layers  # attention's and the MLP's output biases
+    assert sum(x.nbytes * x.count for x in over_both) == norms * 4 + biases * 2
+    data = axis_groups(placement, [Axis.DATA])[0]
+    dense = sum(x.nbytes * x.count for x in program.tasks if x.stream == "grad" and x.group in data)
+    params = sum(math.prod(p.shape) * (m.layers if p.part is layout.Part.LAYER else 1) for p in layout.model_params(m))
+    split = params - norms - biases - m.seq_len * m.d_model  # the rest, split over tensor but the positions
+    assert dense == split // t * 2 + m.seq_len * m.d_model // t * 2

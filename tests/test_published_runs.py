@@ -78,3 +78,13 @@ def test_by_category_groups_every_category() -> None:
     assert by["architecture"]["moe"]["cases"] == 1 and by["architecture"]["dense"]["cases"] == 2
     assert by["device"]["TPU-v5p"]["median_signed_error"] == -0.3
     assert runs.scale(4096) == "513-4096" and runs.scale(4097) == ">4096"
+
+
+def test_a_power_limited_device_reports_what_its_limit_changed() -> None:
+    """torchtitan's Grand Teton H100s run at their 500 W limit (runs.yaml): the case's mechanisms say what the limit
+    changed, and at the rated power the prediction is faster (a larger error: the published runs are slower)."""
+    case = next(c for c in CASES if c["name"] == "titan-llama3-8b-bf16-8gpu")
+    assert runs.case_topology(case, INLINE).device.clock_fraction() < 1
+    row = runs.evaluate_case(case, INLINE)
+    assert row["mechanisms"]["device.power_limit"] > row["error"]
+    assert "device.power_limit" in runs.mechanisms([row])

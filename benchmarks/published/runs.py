@@ -83,7 +83,8 @@ def case_topology(case: dict, inline: dict[str, Topology]) -> Topology:
 def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
     """One case simulated: predicted and published tokens/s/device, the error and the case's categories; the
     error under the runner's mechanisms (``runner_error``) and without each of the case's runtime fields
-    (``mechanisms``: {field: the error with that field at the runner's value})."""
+    (``mechanisms``: {field: the error with that field at the runner's value}; ``device.power_limit``: the error
+    with the device at its rated power, where its topology holds it below)."""
     gpus = int(case["gpus"])
     plan, topology = case_plan(case), case_topology(case, inline)
     report = simulate(plan, topology).report
@@ -97,7 +98,11 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
     without = {field: error(simulate(replace(plan, runtime=replace(plan.runtime, **{field: getattr(default, field)})),
                                      topology).report.step_time_s)
                for field in runner_differences(plan.runtime)}
-    runner = simulate(replace(plan, runtime=default), topology).report.step_time_s if without else report.step_time_s
+    if topology.device.power_limit:  # the device held below its rated power: the error at the rated power
+        rated = replace(topology, device=replace(topology.device, power_limit=0.0))
+        without["device.power_limit"] = error(simulate(plan, rated).report.step_time_s)
+    runner = simulate(replace(plan, runtime=default), topology).report.step_time_s \
+        if runner_differences(plan.runtime) else report.step_time_s
     return {"case": case["name"], "source": case["source"], "stack": case["stack"],
             "device": case["device"], "precision": case["precision"], "gpus": gpus,
             "architecture": architecture(plan),

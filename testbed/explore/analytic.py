@@ -252,11 +252,11 @@ class _Step:
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
                                     rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
-            bucket, bucket_syncs = self._reduce(s, chunk.moved[2] / pieces * facts.reduce_bytes,
-                                                chunk.expert_params / pieces * facts.reduce_bytes, chunk.leaves / pieces)
+            bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
+                                                chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces)
         if last and per_microbatch and facts.microbatches > 1:
             n = max(1, chunk.leaves)
-            scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.moved[1] * facts.reduce_bytes / n)
+            scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.reduced[0] / n)
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
@@ -310,7 +310,7 @@ class _Step:
                                 x.split_bytes, cost.tensor_bytes, x.gemms) for x in work.chain if not x.transfer)
         return whole, ringed, work.chain
 
-    def _reduce(self, stage: int, nbytes: float, expert_bytes: float, leaves: float = 0.0) -> tuple[float, Syncs]:
+    def _reduce(self, stage: int, nbytes: float, special: tuple, leaves: float = 0.0) -> tuple[float, Syncs]:
         """One gradient bucket's reduction (testbed.sim.program's ``_reduce``, by the facts' reductions): per
         parameter kind, a reduce-scatter over its reduction axes the optimizer state is sharded on (``leaves``
         collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
@@ -318,7 +318,7 @@ class _Step:
         first."""
         mesh, t, syncs = self.facts.plan.mesh, 0.0, []
         for r in self.facts.reductions:
-            size = expert_bytes if r.expert else nbytes - expert_bytes
+            size = special[0] if r.expert else special[1] if r.sequence else nbytes - sum(special)
             if size <= 0:
                 continue
             if r.sharded:

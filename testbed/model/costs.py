@@ -35,7 +35,7 @@ import functools
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError
-from testbed.model import gemm, layout, moe, ring
+from testbed.model import dispatch, gemm, layout, moe, ring
 from testbed.model.layout import chunk_layers
 from testbed.plan.spec import Attention, ModelSpec, Norm, Plan, Position, Precision, Remat
 
@@ -438,8 +438,9 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     embed, head = layout.holds(stage, chunk, p, v)
     dense, attention = _layer_matmul_flops(spec, b, t)
     swap = round(moe_layers * moe.mlp_flops_swap(plan)) if moe_layers else 0  # MoE blocks for dense MLPs
-    forward = layers * (dense + attention) // t + swap
-    b_flops = layers * (dense + 2 * attention) // t + swap
+    einsum = dispatch.einsum_flops(plan, moe_layers)  # runtime.moe_dispatch: (forward, backward, recompute)
+    forward = layers * (dense + attention) // t + swap + einsum[0]
+    b_flops = layers * (dense + 2 * attention) // t + swap + einsum[1]
     w_flops = layers * dense // t + swap
     steps = layers * ring.extra_attention_flops(plan)  # context parallelism: ring steps 1..c-1 (0 otherwise)
     forward, b_flops = forward + steps, b_flops + 2 * steps
@@ -472,7 +473,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t) + steps // 2 + (
             steps if plan.remat is Remat.FULL else 0) + (
             round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0)
-        + gemm.policy_recompute_flops(plan, spec, layers, moe_layers),
+        + gemm.policy_recompute_flops(plan, spec, layers, moe_layers) + einsum[2],
         forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
         activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=(replicated, split),
         recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
@@ -482,7 +483,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         loss_allreduce_bytes=LOSS_BYTES * b * spec.seq_len if tp and head else 0,
         position_gather_bytes=spec.seq_len * spec.d_model * c
         if tp and sp and embed and spec.position is Position.LEARNED else 0, parallel_block=spec.parallel_block,
-        recompute_block=plan.remat is Remat.FULL and plan.runtime.recompute != "runner")
+        recompute_block=plan.remat is Remat.FULL and plan.runtime.recompute in ("block", "op"))
 
 
 def model_flops_per_step(plan: Plan) -> float:

@@ -18,7 +18,9 @@ them; ``N = microbatch x seq`` tokens, ``t`` the tensor degree):
 - attention, batched over ``microbatch x heads / t``: scores ``s x s x
   d_head`` and values ``s x d_head x s`` (``flash``: inside one fused
   kernel that keeps the scores on chip, testbed.sim.compute prices them at
-  the device's flash attention efficiency);
+  the device's flash attention efficiency, or tagged with the plan's
+  ``runtime.attention_kernel`` and their pass, :class:`AttentionPass`, at
+  that kernel's published speed);
 - head (last chunk): ``N x V/t x d`` over the padded vocab;
 - an MoE layer (:func:`moe_gemms`) replaces the MLP by the router ``N x E x d`` (replicated over
   the tensor ranks), the routed experts as one grouped GEMM per matrix, batched over the rank's
@@ -45,20 +47,42 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from testbed.model import layout
+from testbed.model.dispatch import einsum_shapes
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
-__all__ = ["Gemm", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms", "gemm_flops", "scaled",
-           "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms", "policy_recompute_flops"]
+__all__ = ["Gemm", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
+           "chunk_gemms", "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
+           "policy_recompute_flops", "SAVED_PROJECTIONS"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPass:
+    """Which pass of a named fused attention kernel (the plan's ``runtime.attention_kernel``) a flash product is in.
+
+    ``backward``: the backward kernel (its four gradient products and the scores it recomputes; a full-remat rerun
+    of the forward is the forward kernel); ``causal``: the product covers a causally masked square block (the
+    whole sequence, or a ring's step 0), of which a kernel that skips masked tiles computes half; ``seq``: the
+    keys each query row meets in the call (the kernel benchmarks' sequence length); ``head_dim``: the head size.
+    """
+
+    kernel: str
+    backward: bool
+    causal: bool
+    seq: int
+    head_dim: int
 
 
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """``count`` x ``batch`` products of an ``m x k`` and a ``k x n`` matrix (``2 m n k`` FLOPs each).
 
-    ``flash``: a product inside a fused flash attention kernel (its operands and output stay on chip).
+    ``flash``: a product inside a fused flash attention kernel (its operands and output stay on chip);
+    ``attention``: the named kernel and pass it runs in (None: the runner's kernel, testbed.sim.compute);
+    ``amax_pass``: under fp8 its operand's cast finds the amax in a read pass of its own (the plan's
+    ``runtime.fp8_scaling`` ``current``, testbed.sim.compute.fp8_cast_bytes).
     """
 
     m: int
@@ -67,6 +91,8 @@ class Gemm:
     batch: int = 1
     count: float = 1.0
     flash: bool = False
+    attention: AttentionPass | None = None
+    amax_pass: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0:
@@ -115,13 +141,14 @@ def _projections(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm],
     return qkv + [Gemm(tokens, d, q // t)] + mlp_in, Gemm(tokens, d, f // t)
 
 
-def projection_sides(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm], list[Gemm]]:
+def projection_sides(plan: Plan, spec: ModelSpec, tokens: int, tensor: int,
+                     ) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
     """One dense layer's weight GEMMs on one rank by block: (the attention block's QKV and out projections, the
-    MLP's input and out projections), ``tokens`` tokens (testbed.sim.tp_overlap pairs each block with its tensor
-    collectives)."""
+    MLP's input and out projections), ``tokens`` tokens, marked as :func:`chunk_gemms` marks them
+    (testbed.sim.tp_overlap pairs each block with its tensor collectives)."""
     weights, mlp_out = _projections(spec, tokens, tensor)
     attention = len(weights) - (spec.mlp_matrices - 1)
-    return weights[:attention], [*weights[attention:], mlp_out]
+    return _amax_passes(plan, tuple(weights[:attention])), _amax_passes(plan, (*weights[attention:], mlp_out))
 
 
 def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int
@@ -162,7 +189,8 @@ def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]
 
 def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
     """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
-    return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash) for g in gemms)  # not replace(): hot
+    return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention, g.amax_pass)  # not replace()
+                 for g in gemms)
 
 
 def gemm_flops(gemms: tuple[Gemm, ...]) -> float:
@@ -178,11 +206,28 @@ def ring_step_gemms(plan: Plan, kind: str, first: bool) -> tuple[Gemm, ...]:
     local = spec.seq_len // plan.mesh.context
     keys, heads = (local if first else local // 2), plan.microbatch_size * spec.heads // plan.mesh.tensor
     flash = spec.attention is Attention.FLASH
-    scores, values = (Gemm(local, keys, spec.head_size, batch=heads, flash=flash),
-                      Gemm(local, spec.head_size, keys, batch=heads, flash=flash))
+    scores, values = _marked(plan, (Gemm(local, keys, spec.head_size, batch=heads, flash=flash),
+                                    Gemm(local, spec.head_size, keys, batch=heads, flash=flash)), keys, first)
     if kind == "F":
         return scores, values
-    return scores.input_grad(), scores.weight_grad(), values.input_grad(), values.weight_grad(), scores
+    return tuple(backward_pass(g) for g in (scores.input_grad(), scores.weight_grad(), values.input_grad(),
+                                            values.weight_grad(), scores))
+
+
+def _marked(plan: Plan, attention: tuple[Gemm, Gemm], keys: int, causal: bool) -> tuple[Gemm, Gemm]:
+    """The forward attention products tagged with the plan's named kernel (:class:`AttentionPass`); untouched under
+    the runner's kernel or without flash attention, so the default's task graphs stay as they were."""
+    kernel = plan.runtime.attention_kernel
+    if kernel == "runner" or not attention[0].flash:
+        return attention
+    mark = AttentionPass(kernel=kernel, backward=False, causal=causal, seq=keys, head_dim=plan.model.head_size)
+    return replace(attention[0], attention=mark), replace(attention[1], attention=mark)
+
+
+def backward_pass(gemm: Gemm) -> Gemm:
+    """``gemm`` as a product of its attention kernel's backward pass (unchanged when it has no named kernel)."""
+    mark = gemm.attention
+    return gemm if mark is None or mark.backward else replace(gemm, attention=replace(mark, backward=True))
 
 
 def without(gemms: tuple[Gemm, ...], removed: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
@@ -205,7 +250,8 @@ def _ring_steps(plan: Plan, out: list[tuple[Gemm, ...]], layers: int) -> list[tu
     :func:`~testbed.model.ring.rank_spec`'s attention), and the plan's own flash flag on the attention products
     (the rank's model is priced as flash: its memory and recompute)."""
     flash = plan.model.attention is Attention.FLASH
-    out = [tuple(replace(g, flash=flash) if g.flash else g for g in x) for x in out]
+    out = [tuple(replace(g, flash=flash, attention=g.attention if flash else None) if g.flash else g for g in x)
+           for x in out]
     f, b = ring_step_gemms(plan, "F", False), ring_step_gemms(plan, "B", False)
     extra = (f, b[:4], (), b[4:] + (f if plan.remat is Remat.FULL else ()))
     return [o + scaled(x, layers * (plan.mesh.context - 1)) for o, x in zip(out, extra)]
@@ -225,10 +271,23 @@ def alternate_matmuls(spec: ModelSpec, tokens: int, tensor: int) -> tuple[Gemm, 
     return tuple(order[1::2])
 
 
+#: Full-remat policies that save some projections' outputs (``runtime.recompute``): what each saves of a dense
+#: layer, the rest rerun as the runner's full remat (MaxText's remat_policy names them: testbed.plan.runtime).
+SAVED_PROJECTIONS = {"save-qkv": ("qkv",), "save-attention-dots": ("qkv", "out")}
+
+
+def _saved_count(plan: Plan, policy: str) -> int:
+    """How many of :func:`_projections`' leading GEMMs (Q/K/V as one or two, then the out projection) ``policy``
+    saves."""
+    qkv = 1 if rank_spec(plan).kv_split(plan.mesh.tensor) else 2
+    return qkv + (1 if "out" in SAVED_PROJECTIONS[policy] else 0)
+
+
 def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention: tuple[Gemm, Gemm],
                     dense: bool) -> list[Gemm]:
     """The forward GEMMs one layer's backward reruns, by the plan's remat and ``runtime.recompute``
-    (testbed.plan.runtime): full, all but the out projections ``outs`` (``runner``) or all (``block``, ``op``);
+    (testbed.plan.runtime): full, all but the out projections ``outs`` (``runner``) or all (``block``, ``op``), or
+    on a ``dense`` layer the runner's less the projections a :data:`SAVED_PROJECTIONS` policy saves;
     selective, the scores (``runner``, ``block``) or every other matmul (``op``, :func:`alternate_matmuls`, on a
     ``dense`` layer; an MoE layer keeps the scores). Flash attention's backward recomputes the scores besides,
     but under selective remat (whose recompute they are)."""
@@ -236,26 +295,32 @@ def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention
     policy = plan.runtime.recompute
     if plan.remat is Remat.NONE:
         out: list[Gemm] = []
+    elif plan.remat is Remat.FULL and dense and policy in SAVED_PROJECTIONS:
+        out = [*weights[_saved_count(plan, policy):], scores, values]
     elif plan.remat is Remat.FULL:
-        out = [*weights, *(outs if policy != "runner" else ()), scores, values]
+        out = [*weights, *(outs if policy in ("block", "op") else ()), scores, values]
     elif policy == "op" and dense:
         spec = rank_spec(plan)
         out = list(alternate_matmuls(spec, plan.microbatch_size * spec.seq_len, plan.mesh.tensor))
     else:
-        return [scores]
-    return out + ([scores] if scores.flash else [])
+        return [backward_pass(scores)]
+    return out + ([backward_pass(scores)] if scores.flash else [])
 
 
 def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers: int) -> int:
     """The FLOPs ``runtime.recompute`` adds to the runner's remat in one chunk of ``layers`` layers
     (testbed.model.costs adds them to its count; :func:`recompute_gemms` lists the same GEMMs): ``block`` (or
-    ``op``) under full remat reruns the out projections too; ``op`` under selective reruns every other matmul of
-    a dense layer in place of the scores (which flash attention's backward recomputes anyway)."""
+    ``op``) under full remat reruns the out projections too, a :data:`SAVED_PROJECTIONS` policy fewer
+    (negative); ``op`` under selective reruns every other matmul of a dense layer in place of the scores
+    (which flash attention's backward recomputes anyway)."""
     policy, t, b = plan.runtime.recompute, plan.mesh.tensor, plan.microbatch_size
     n = b * spec.seq_len
     if policy == "runner" or plan.remat is Remat.NONE:
         return 0
     dense = layers - moe_layers
+    if plan.remat is Remat.FULL and policy in SAVED_PROJECTIONS:  # fewer than the runner's: the saved ones
+        weights, _ = _projections(spec, n, t)
+        return -dense * round(gemm_flops(tuple(weights[:_saved_count(plan, policy)])))
     if plan.remat is Remat.FULL:
         extra = dense * 2 * n * spec.d_model * (spec.d_ff // t)
         if moe_layers:
@@ -275,21 +340,25 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     b = plan.microbatch_size
     span = chunk_layers(spec, p, v, plan.stage_layers)[stage][chunk]
     _, head = layout.holds(stage, chunk, p, v)
-    scores, values = _attention(spec, b, t)
+    scores, values = _marked(plan, _attention(spec, b, t), spec.seq_len, spec.score_rows == spec.seq_len)
     weights, mlp_out = _projections(spec, b * spec.seq_len, t)
     moe = moe_layers(spec, span)
     kinds = [(len(span) - moe, weights, [mlp_out], True)]
     if moe:
         ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert)
         kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs, False))
+    # runtime.moe_dispatch einsum: an MoE layer's one-hot dispatch and combine (testbed.model.dispatch)
+    einsum = tuple(tuple(Gemm(m, n, k, batch=b) for m, n, k, b in group) for group in einsum_shapes(plan))
     out: list[tuple[Gemm, ...]] = [(), (), (), ()]
     for layers, weights, outs, dense in kinds:
         per_layer_weights = (*weights, *outs)
-        forward = [*per_layer_weights, scores, values]
-        inputs = [g.input_grad() for g in per_layer_weights] + [scores.input_grad(), scores.weight_grad(),
-                                                                 values.input_grad(), values.weight_grad()]
+        extra = ((), (), ()) if dense else einsum
+        forward = [*per_layer_weights, scores, values, *extra[0]]
+        inputs = [g.input_grad() for g in per_layer_weights] + [
+            backward_pass(g) for g in (scores.input_grad(), scores.weight_grad(), values.input_grad(),
+                                       values.weight_grad())] + list(extra[1])
         grads = [g.weight_grad() for g in per_layer_weights]
-        recompute = recompute_gemms(plan, weights, outs, (scores, values), dense)
+        recompute = recompute_gemms(plan, weights, outs, (scores, values), dense) + list(extra[2])
         if layers:
             out = [o + scaled(tuple(x), layers) for o, x in zip(out, (forward, inputs, grads, recompute))]
     if plan.mesh.context > 1:
@@ -297,4 +366,13 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     if head:
         (h,) = head_gemms(spec, b, t)
         out[0], out[1], out[2] = out[0] + (h,), out[1] + (h.input_grad(),), out[2] + (h.weight_grad(),)
+    out = [_amax_passes(plan, o) for o in out]
     return ChunkGemms(forward=out[0], backward_input=out[1], backward_weight=out[2], recompute=out[3])
+
+
+def _amax_passes(plan: Plan, gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+    """``gemms`` with their fp8 casts' own amax read (``amax_pass``) under fp8 current scaling; untouched otherwise
+    (flash products are not cast), so other plans' task graphs stay as they were."""
+    if plan.runtime.fp8_scaling != "current" or "fp8" not in plan.precision.value:
+        return gemms
+    return tuple(g if g.flash else replace(g, amax_pass=True) for g in gemms)

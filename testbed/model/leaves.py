@@ -19,7 +19,12 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
-           "parameter_collectives", "regathered", "bucket_share"]
+           "parameter_collectives", "regathered", "bucket_share", "NORM_PARTS", "norm_elements"]
+
+#: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
+#: norms (testbed.runner.norms) sum their gradients over the tokens with ``jnp.sum``, which accumulates bf16 in
+#: fp32: the partitioner reduces those partial sums across devices in fp32, before the cast back.
+NORM_PARTS = ("ln1", "ln2", "norm")
 
 
 def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> tuple[int, ...]:
@@ -82,6 +87,15 @@ def _moved(spec: ModelSpec, stage: int, chunk: int, stages: int, v: int, stage_l
     every schedule, microbatch count and remat of a mesh)."""
     held = layout.chunk_params(spec, stage, chunk, stages, v, stage_layers=stage_layers)
     return ways * layout.held_elements(held, tensor, ways, expert)
+
+
+def norm_elements(plan: Plan, stage: int, chunk: int, which: str = "optimizer") -> int:
+    """Of :func:`moved_elements`, the norms' parameters' (:data:`NORM_PARTS`)."""
+    v, mesh = plan.schedule.virtual_stages, plan.mesh
+    ways = max(1, state_sharding(plan).ways(plan, which))
+    held = layout.chunk_params(plan.model, stage, chunk, mesh.stage, v, stage_layers=plan.stage_layers)
+    norms = ((p, n) for p, n in held if p.path[0] in NORM_PARTS)
+    return ways * layout.held_elements(norms, mesh.tensor, ways, mesh.expert)
 
 
 def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:

@@ -23,7 +23,8 @@ from typing import Any
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 
-__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+__all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "MOE_DISPATCH", "ATTENTION_KERNELS",
+           "FP8_SCALINGS", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,7 +38,12 @@ class RuntimeSpec:
     #: attention scores; ``block``, full remat reruns each block's whole forward, down projection and its
     #: tensor collectives included (a checkpoint around the block: Megatron-LM, DeepSpeed, torch's
     #: ``checkpoint_wrapper``); ``op``, selective remat saves every other matmul's output and attention's
-    #: and recomputes the rest of the block (torchtitan's per-op policy; full remat as ``block``).
+    #: and recomputes the rest of the block (torchtitan's per-op policy; full remat as ``block``); ``save-qkv``,
+    #: full remat as the runner's but the Q/K/V projections' outputs are saved (MaxText's ``save_qkv_proj`` and
+    #: ``qkv_proj_offloaded``); ``save-attention-dots``, the out projection's too, so the backward reruns only
+    #: attention and the MLP's input projections (MaxText's ``save_dot_except_mlpwi``). The two save-policies
+    #: change a dense layer's recompute only (an MoE layer's is the runner's) and the FLOPs only (the memory of
+    #: the saved outputs and, with a tensor axis, the collectives are priced as the runner's full remat).
     recompute: str = "runner"
     #: The tensor-parallel collectives of an action overlap its GEMMs (NeMo's userbuffers ``tp_comm_overlap``)
     #: instead of following them, GEMM by GEMM (testbed.sim.tp_overlap): each block's collectives beside its own
@@ -66,6 +72,28 @@ class RuntimeSpec:
     #: for the previous block's compute. The runner gathers per block inside the layer loop and again in the
     #: backward (testbed.runner.param_shards.ParamShards); how far ahead is XLA's latency-hiding scheduler's (one).
     fsdp_prefetch: int = 1
+    #: How an MoE layer moves tokens to its experts' capacity slots and back (:data:`MOE_DISPATCH`):
+    #: ``gather``, the runner's index gather and weighted scatter (memory work, testbed.runner.moe);
+    #: ``einsum``, one-hot dispatch and combine einsums (MaxText's dropping path, ``sparse_matmul: False``),
+    #: whose matmuls testbed.model.dispatch prices. No effect on a dense model.
+    moe_dispatch: str = "gather"
+    #: The fused attention kernel flash attention's products run in (:data:`ATTENTION_KERNELS`): ``runner``, the
+    #: runner's own blockwise attention, priced at the device calibration's ``flash_efficiency`` (or by shape) over
+    #: every ``s x s`` product, masked blocks included; ``flash2`` (FlashAttention-2), ``flash3``
+    #: (FlashAttention-3), ``cudnn`` (cuDNN's fused attention, Transformer Engine's FusedAttention), ``triton``
+    #: (FlashAttention's Triton kernel, flash_attn_triton.py), ``splash`` (TPU splash attention): a kernel that
+    #: skips the causally masked tiles (half of a causal block's products),
+    #: its forward and backward each at the efficiency published for that kernel on the device
+    #: (testbed.sim.attention_kernels; a device without a published figure for the kernel: the runner's pricing).
+    attention_kernel: str = "runner"
+    #: How an fp8 matmul's operands find their scale (:data:`FP8_SCALINGS`), priced only under fp8-mixed:
+    #: ``delayed``, from an amax history, the amax of the tensor being cast found inside the cast kernel (Transformer
+    #: Engine's ``DelayedScaling``: one pass, testbed.sim.compute.fp8_cast_bytes); ``current``, from the tensor's own
+    #: amax, found by a reduction kernel that reads the tensor before the cast reads it again (Transformer Engine's
+    #: ``Float8CurrentScaling``: ``Float8CurrentScalingQuantizer::quantize_impl`` runs ``nvte_compute_amax``, the
+    #: optional amax all-reduce, then the quantize). The runner has no fp8 matmuls: the default is the simulator's
+    #: pricing so far.
+    fp8_scaling: str = "delayed"
     #: Pipeline sends block the sender: a stage's next action starts once its activation or gradient has reached
     #: the next stage (DeepSpeed's PipelineEngine runs each send as a blocking ``dist.send`` between its computes;
     #: Megatron-LM's 1F1B waits on its ``batch_isend_irecv`` requests) instead of leaving on a stream of their own
@@ -84,6 +112,9 @@ class RuntimeSpec:
         if self.recompute not in RECOMPUTE:
             raise InputError(f"unknown recompute `{self.recompute}`; valid: {', '.join(RECOMPUTE)}",
                              field="runtime.recompute")
+        if self.moe_dispatch not in MOE_DISPATCH:
+            raise InputError(f"unknown moe_dispatch `{self.moe_dispatch}`; valid: {', '.join(MOE_DISPATCH)}",
+                             field="runtime.moe_dispatch")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise InputError(f"unknown grad_reduce_dtype `{self.grad_reduce_dtype}`; valid: "
                              f"{', '.join(GRAD_REDUCE_DTYPES)}", field="runtime.grad_reduce_dtype")
@@ -95,6 +126,12 @@ class RuntimeSpec:
                 or not 0 <= self.fsdp_prefetch <= 64:
             raise InputError("fsdp_prefetch must be a whole number of blocks from 0 to 64, "
                              f"got {self.fsdp_prefetch!r:.40}", field="runtime.fsdp_prefetch")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise InputError(f"unknown attention_kernel `{self.attention_kernel!s:.40}`; valid: "
+                             f"{', '.join(ATTENTION_KERNELS)}", field="runtime.attention_kernel")
+        if self.fp8_scaling not in FP8_SCALINGS:
+            raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
+                             field="runtime.fp8_scaling")
         for name in ("pipeline_blocking_sends", "grad_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
@@ -102,9 +139,15 @@ class RuntimeSpec:
 
 
 #: Values of :attr:`RuntimeSpec.recompute`.
-RECOMPUTE = ("runner", "block", "op")
+RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
 GRAD_REDUCE_DTYPES = ("grad", "fp32")
+#: Values of :attr:`RuntimeSpec.moe_dispatch` (testbed.model.dispatch reads the same names).
+MOE_DISPATCH = ("gather", "einsum")
+#: Values of :attr:`RuntimeSpec.attention_kernel`.
+ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash")
+#: Values of :attr:`RuntimeSpec.fp8_scaling`.
+FP8_SCALINGS = ("delayed", "current")
 
 
 #: Field values of each named profile that differ from the runner's defaults: ``{profile: {field: value}}``.
@@ -114,14 +157,16 @@ PROFILES: dict[str, dict[str, Any]] = {
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
     "xla": {"fsdp_prefetch": 1},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
-                 "pipeline_scatter_gather": True, "pipeline_blocking_sends": True},
-    "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True},
+                 "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "pipeline_blocking_sends": True},
+    "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
+             "attention_kernel": "cudnn"},
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "grad_reduce_dtype": "fp32",
                   "pipeline_scatter_gather": True, "pipeline_blocking_sends": True, "grad_all_reduce": True},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                   "fsdp_prefetch": 1},
-    "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32"},
+                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current"},
+    "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
+                    "attention_kernel": "triton"},
     # Meta's Llama 3 training stack (not public): what the Llama 3 paper states of it.
     "llama3": {"grad_reduce_dtype": "fp32"},
 }
@@ -132,6 +177,11 @@ _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `
 _MEGATRON_BUCKET = ("Megatron-LM megatron/core/distributed/distributed_data_parallel.py: bucket_size defaults to "
                     "max(40000000, 1000000 * dp_size) parameters; bf16 training reduces fp32 main grads "
                     "(arguments.py forces accumulate_allreduce_grads_in_fp32 for --bf16): 40e6 x 4 bytes")
+_TE_CUDNN = ("Transformer Engine transformer_engine/pytorch/attention.py (TE 1.x; "
+             "attention/dot_product_attention/utils.py in 2.x) `get_attention_backend`: with both FlashAttention "
+             "and FusedAttention (cuDNN, F16_arbitrary_seqlen) available on compute capability >= 9.0, 'Disabling FlashAttention to give FusedAttention preference on "
+             "Hopper+ for performance reasons'; Megatron-Core's TEDotProductAttention runs it (--attention-backend "
+             "auto). On Ampere TE runs flash-attn 2, for which testbed has no A100 figure (priced as the runner's)")
 _FSDP_OVERLAP = ("torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook` (FSDP1) and FSDP2's "
                  "post-backward: each unit's gradients are reduce-scattered (and all-reduced over HSDP replicas) "
                  "as soon as its backward is done, while earlier units' backward runs")
@@ -201,6 +251,26 @@ SOURCES: dict[tuple[str, str], str] = {
         "(default 5e7 elements, deepspeed/runtime/zero/config.py) within stage3_max_live_parameters (1e9): "
         "less than one block of a model of 2B+ parameters (a 7B block is ~2e8), so one block ahead; smaller "
         "blocks prefetch further (not modelled: the field counts blocks)",
+    ("megatron", "attention_kernel"): _TE_CUDNN,
+    ("nemo", "attention_kernel"): _TE_CUDNN + " (Megatron-Bridge's recipes run Megatron-Core with TE)",
+    ("torchtitan", "attention_kernel"):
+        "torchtitan (end of 2024, torchtitan/utils.py `get_train_context`): with context parallelism the step runs "
+        "under sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]) ('currently we only "
+        "support these two SDP backends. TODO (xilunwu): support cuDNN backend'); without it Llama's "
+        "F.scaled_dot_product_attention(is_causal=True) takes PyTorch's default order (aten/src/ATen/native/"
+        "transformers/cuda/sdp_utils.cpp priority_order: flash_attention, efficient_attention, math, "
+        "cudnn_attention): PyTorch's vendored FlashAttention-2 either way",
+    ("torchtitan", "fp8_scaling"):
+        "torchtitan's float8 converter swaps nn.Linear for torchao's Float8Linear with tensorwise dynamic scaling "
+        "(its default recipe): torchao/float8/float8_scaling_utils.py hp_tensor_to_float8_dynamic computes the "
+        "tensor's amax (tensor_to_scale, max(abs(x)) over the whole tensor) and then casts with that scale "
+        "(hp_tensor_and_scale_to_float8): a whole-tensor reduction that must finish before any value is cast, so "
+        "the tensor (or, compiled, its producer's inputs) is read twice",
+    ("llm-foundry", "attention_kernel"):
+        "llm-foundry scripts/train/benchmarking/sweep.sh (the MPT benchmark tables' runs: GIT_COMMIT v0.0.4, "
+        "mosaicml/pytorch:2.0.1_cu118) calls submit_benchmarks.py without --attn_impl, whose default is 'triton' "
+        "(as the pretrain yamls' attn_config.attn_impl): llm-foundry's flash_attn_triton.py, FlashAttention's Triton "
+        "kernel (causal tiles skipped). No published H100 figure for it: priced as the runner's kernel",
     ("megatron", "pipeline_blocking_sends"): (
         "Megatron-LM megatron/core/pipeline_parallel/p2p_communication.py `_communicate`: the 1F1B schedule's "
         "send_forward_recv_backward / send_backward_recv_forward run with wait_on_reqs=True (the batch_isend_irecv "

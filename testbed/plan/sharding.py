@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 
-__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "gathers_parameters",
-           "gathered_blocks"]
+__all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "loss_reductions",
+           "gathers_parameters", "gathered_blocks"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +81,22 @@ def reduction_axes(plan: Plan, expert: bool = False) -> tuple[Axis, ...]:
     """
     axes = (Axis.DATA, Axis.FSDP, Axis.CONTEXT) if expert else (Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.CONTEXT)
     return tuple(a for a in MESH_AXES if a in axes and plan.mesh.degree(a) > 1)
+
+
+def loss_reductions(plan: Plan) -> tuple[tuple[tuple[Axis, ...], bool], ...]:
+    """The all-reduces of the step's loss (one fp32 value each) over the axes that split the batch (those a dense
+    gradient sums over, :func:`reduction_axes`), as ``(axes, per microbatch)``.
+
+    The runner returns the step's mean loss, so its compiled step all-reduces it (check-sharding counts the 4
+    bytes beside the gradients'). With one microbatch once over every such axis; with several, each microbatch's
+    within its replica (every such axis but data: the microbatch loop runs per data replica) and the replicas'
+    once over data. Empty when nothing splits the batch.
+    """
+    axes = reduction_axes(plan)
+    if plan.batch.microbatches == 1:
+        return ((axes, False),) if axes else ()
+    inner = tuple(a for a in axes if a is not Axis.DATA)
+    return (((inner, True),) if inner else ()) + (((Axis.DATA,), False),) * (Axis.DATA in axes)
 
 
 def gathers_parameters(plan: Plan, kind: str) -> bool:

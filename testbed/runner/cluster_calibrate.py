@@ -21,21 +21,37 @@ from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, pr
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
-__all__ = ["TINY_BYTES", "sizes_for", "measure"]
+__all__ = ["TINY_BYTES", "sizes_for", "repeats_for", "measure"]
 
 #: The call that fixes the per-call cost: 4 KiB (the all-reduce's buffer, the all-gather's result).
 TINY_BYTES = 4096
 _FIRST, _LAST = 2**16, 2**26  # 64 KiB .. 64 MiB, nccl-tests' sizes
+_CHEAP_S = 0.5  # seconds of calls below which a size is timed more often (repeats_for)
+
+
+def _guess(spec: ClusterSpec, probe: HostProbe) -> Any:
+    """The cluster priced with typical host costs (5 ms a call, 90% of goodput): what sizes and repeats to ask."""
+    return emulated(spec, probe, HostCosts(call_s=5e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec)))
 
 
 def sizes_for(spec: ClusterSpec, probe: HostProbe, op: str, max_call_s: float) -> list[int]:
     """The tiny size and 64 KiB x 4^k up to 64 MiB whose call the links' goodput prices under ``max_call_s``."""
-    guess = emulated(spec, probe, HostCosts(call_s=5e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec)))
+    guess = _guess(spec, probe)
     sizes, size = [TINY_BYTES], _FIRST
     while size <= _LAST and predict(guess, op, size) <= max_call_s:
         sizes.append(size)
         size *= 4
     return sizes
+
+
+def repeats_for(spec: ClusterSpec, probe: HostProbe, op: str, size: int, repeats: int, tiny_repeats: int) -> int:
+    """Calls to time at ``size``: ``tiny_repeats`` for the tiny call, else ``repeats``, raised towards
+    ``tiny_repeats`` while the calls take under :data:`_CHEAP_S` in all: cheap calls are the ones the host's
+    scheduling moves most (a 64 KiB all-reduce at 100 Mb/s: 24-64 ms where the wire takes 10), so their median
+    is taken over more of them."""
+    if size == TINY_BYTES:
+        return tiny_repeats
+    return max(repeats, min(tiny_repeats, int(_CHEAP_S / predict(_guess(spec, probe), op, size))))
 
 
 def _load() -> float:
@@ -50,7 +66,7 @@ def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduc
     measured = tcp_probe.measure(spec, owner)
     probe = HostProbe(loopback_bandwidth=measured.loopback_bandwidth,
                       loopback_latency_s=measured.loopback_latency_s, across_latency_s=measured.across_latency_s)
-    calls = [[op, size, tiny_repeats if size == TINY_BYTES else repeats]
+    calls = [[op, size, repeats_for(spec, probe, op, size, repeats, tiny_repeats)]
              for op in ops for size in sizes_for(spec, probe, op, max_call_s)]
     # One job for every op: each launch compiles and joins the workers anew (~20 s on a busy 2-core host).
     rows = slowest_medians(cluster_launch(spec, owner, {"body": "collective", "calls": calls}, timeout_s=timeout_s))

@@ -27,7 +27,7 @@ from testbed.plan.spec import Plan
 from testbed.plan.sharding import state_sharding
 
 __all__ = ["COLLECTIVES", "count_collectives", "expected_collectives", "check_collectives", "replica_groups",
-           "varying_dims", "compiled_axes", "compiled_bytes"]
+           "varying_dims", "compiled_axes", "compiled_bytes", "compiled_calls"]
 
 #: HLO collective op names counted in compiled programs.
 COLLECTIVES: tuple[str, ...] = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
@@ -167,10 +167,15 @@ def _compiled_collectives(hlo_text: str, mesh_shape: tuple[int, ...], axis_names
         yield line, match, match.group(1), groups, axes
 
 
+def _array_bytes(types: str) -> list[int]:
+    """Bytes of each array of an HLO result type: one array ``f32[4,8]{1,0}`` or a tuple of them."""
+    return [math.prod(int(d) for d in dims.split(",") if d) * (1 if element == "pred" else _element_bytes(element))
+            for element, dims in _HLO_ARRAY.findall(types)]
+
+
 def _hlo_bytes(types: str) -> int:
-    """Bytes of an HLO result type: one array ``f32[4,8]{1,0}`` or a tuple of them (a combined collective)."""
-    return sum(math.prod(int(d) for d in dims.split(",") if d) * (1 if element == "pred" else _element_bytes(element))
-               for element, dims in _HLO_ARRAY.findall(types))
+    """Bytes of an HLO result type: one array or a tuple of them (a combined collective)."""
+    return sum(_array_bytes(types))
 
 
 def compiled_bytes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Counter:
@@ -195,3 +200,28 @@ def compiled_bytes(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple
             size *= max(len(g) for g in groups) if groups else 1
         found[(axes, kind)] += size
     return found
+
+
+def compiled_calls(hlo_text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each collective instruction of a compiled SPMD program, in the text's order: its kind, the mesh axes its
+    groups span, its groups (partition ids; all devices where the text names none), their size and the bytes per
+    device of each buffer (:func:`compiled_bytes`' convention).
+
+    A combined instruction (a tuple of arrays, e.g. the data-parallel gradients' all-reduce) is one instruction
+    but not one call: XLA:CPU's collective thunks call the communicator once per buffer
+    (``xla/backends/cpu/runtime/all_reduce_thunk.cc``), so on gloo every buffer is a collective of its own, with
+    its own fixed cost. Groups of one device (no traffic) are left out.
+    """
+    calls = []
+    for line, match, kind, groups, axes in _compiled_collectives(hlo_text, mesh_shape, axis_names):
+        if match.group(2):
+            raise ValueError(f"asynchronous collective not supported here: {line.strip()[:120]}")
+        group = max(len(g) for g in groups) if groups else math.prod(mesh_shape)
+        if group == 1:
+            continue
+        buffers = _array_bytes(_HLO_RESULT.search(line).group(1))
+        if kind == "reduce-scatter":
+            buffers = [b * group for b in buffers]
+        calls.append({"kind": kind, "axes": axes, "group": group, "buffers": buffers,
+                      "groups": groups if groups is not None else [list(range(math.prod(mesh_shape)))]})
+    return calls

@@ -22,7 +22,8 @@ from testbed.cluster.spec import GLOO_ALGORITHMS, ClusterSpec
 from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.collectives.timing import groups_time
 
-__all__ = ["cluster_launch", "slowest_medians", "collective_sweep", "cluster_steps", "host_and_shaped_steps"]
+__all__ = ["cluster_launch", "slowest_medians", "collective_sweep", "cluster_steps", "host_and_shaped_steps",
+           "program_calls"]
 
 _TINY_REPEATS = 15
 
@@ -130,3 +131,35 @@ def host_and_shaped_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps:
         reshape(spec, owner, spec.scale)
     loads.append(os.getloadavg()[0])
     return {"shaped": shaped, "unshaped": host, "load": loads}
+
+
+_PROGRAM = """
+import json, sys
+from testbed.plan.io import plan_from_dict
+from testbed.runner.check_sharding import compiled_spmd
+from testbed.runner.hlo import compiled_calls
+mesh, text = compiled_spmd(plan_from_dict(json.loads(sys.stdin.read()), default_name="plan"))
+print(json.dumps(compiled_calls(text, mesh.devices.shape, mesh.axis_names)))
+"""
+
+
+def program_calls(plan_dict: dict, *, timeout_s: float = 600) -> list[dict]:
+    """The collective instructions of the plan's compiled SPMD step (:func:`testbed.runner.hlo.compiled_calls`).
+
+    Compiled by XLA:CPU in a fresh process on the plan's devices emulated (this process's JAX may have
+    started with fewer); the partitioned program is the one each cluster worker runs.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from testbed.plan.io import plan_from_dict
+
+    devices = plan_from_dict(plan_dict, default_name="plan").mesh.size
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    done = subprocess.run([sys.executable, "-c", _PROGRAM], input=json.dumps(plan_dict), capture_output=True,
+                          text=True, env=env, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling the plan's step for its collectives failed: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.splitlines()[-1])

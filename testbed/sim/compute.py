@@ -28,8 +28,11 @@ dtype) make GEMMs with a short dimension (attention's ``d_head``) memory
 bound where the roofline says so; ``gemm_latency_s`` is the fixed time of a
 kernel. Flash attention's products (testbed.model.gemm ``flash``) run in one
 fused kernel at the calibration's ``flash_efficiency`` of peak (FlashAttention-2
-on A100: 50-73%, Dao 2023), their scores never in HBM. Each factor grows with its dimension, so a GEMM's FLOP rate never
-falls as any dimension grows (tested): the curve is monotone in size.
+on A100: 50-73%, Dao 2023), their scores never in HBM; under a named
+``runtime.attention_kernel`` at that kernel's published speed on the device, forward
+and backward apart, over the products it computes (testbed.sim.attention_kernels).
+Each factor grows with its dimension, so a GEMM's FLOP rate never falls as any
+dimension grows (tested): the curve is monotone in size.
 
 An fp8 GEMM (fp8-mixed on a device with fp8 units) runs at the fp8 peak with
 its own cap, ``fp8_efficiency * k / (k + fp8_gemm_half_k)`` in place of
@@ -50,6 +53,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from testbed.model.gemm import Gemm
+from testbed.sim.attention_kernels import kernel_efficiency
 from testbed.topology import Topology
 from testbed.topology.calibration import ComputeCalibration
 
@@ -75,7 +79,7 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     elif flops > 0:
         per_kernel = flops / max(1, kernels)
         eff = compute.cap(dtype) * per_kernel / (per_kernel + compute.efficiency_half_flops)
-        t = flops / (dev.flops(dtype) * eff)
+        t = flops / (dev.sustained_flops(dtype) * eff)
     if hbm_bytes > 0:
         t = max(t, pass_seconds(topology, hbm_bytes))
     if passes is not None:
@@ -121,9 +125,11 @@ def fp8_cast_bytes(gemm: Gemm) -> float:
     operand, read in bf16 (2 bytes) and written in fp8 (1): the forward's input (cast and transpose:
     4 bytes counted 3), the input gradient's output gradient (likewise), the weight gradient's left
     operand (already cast: 0 counted 3) - 9 bytes for the layer's 8. The weights' casts, once per step
-    and not per microbatch, are left out.
+    and not per microbatch, are left out. Under current scaling (``gemm.amax_pass``, the plan's
+    ``runtime.fp8_scaling``) the amax is a reduction kernel of its own that reads the forward's input and the
+    output gradient once more before their casts (2 bytes each): the layer's 4 bytes spread as 4/3 per product.
     """
-    return 3.0 * gemm.batch * gemm.m * gemm.k * gemm.count
+    return (3.0 + (4.0 / 3.0 if gemm.amax_pass else 0.0)) * gemm.batch * gemm.m * gemm.k * gemm.count
 
 
 def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool = True) -> float:
@@ -139,11 +145,12 @@ def gemm_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool = True)
 def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts: bool) -> float:
     if gemm.count <= 0:
         return 0.0
-    key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts)
+    key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, Gemm(gemm.m, gemm.n, gemm.k, gemm.batch, 1.0,
-                                                                       gemm.flash), casts)
+                                                                       gemm.flash, gemm.attention, gemm.amax_pass),
+                                               casts)
     return gemm.count * one
 
 
@@ -169,10 +176,14 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
         # attention is asked for)
         dtype = "bf16"
     one = gemm.flops
+    named = kernel_efficiency(topology.device.name, gemm.attention) if gemm.flash and gemm.attention else None
+    if named is not None:  # the stack's kernel at its published speed, over the products it computes
+        eff, work = named
+        return cal.compute.gemm_latency_s + one * work / (topology.device.sustained_flops(dtype) * eff)
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
         eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
-        return cal.compute.gemm_latency_s + one / (topology.device.flops(dtype) * eff)
-    math = one / (topology.device.flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype))
+        return cal.compute.gemm_latency_s + one / (topology.device.sustained_flops(dtype) * eff)
+    math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype))
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)

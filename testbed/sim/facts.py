@@ -27,13 +27,14 @@ from testbed.model import buffers
 from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
-from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import bucket_share, moved_elements, parameter_collectives, regathered
+from testbed.model.layout import Part, chunk_layers, chunk_params, held_elements
+from testbed.model.leaves import (NORM_PARTS, bucket_share, moved_elements, norm_elements, parameter_collectives,
+                                  regathered)
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
-from testbed.plan.spec import Axis, Plan, Remat
+from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
@@ -90,6 +91,10 @@ class ChunkFacts:
     before it computes (testbed.plan.sharding.gathered_blocks). ``moved``: the elements one collective over
     the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
     (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
+    ``reduced``: the bytes a device's reduction of the chunk's gradients moves, a microbatch's reduce-scatter
+    into the sharded accumulator (over ``moved[1]``) and the last one (over ``moved[2]``), at
+    :func:`reduce_bytes` each but the norms' parameters' at 4 (:func:`reduced_bytes`); ``sequence_bytes`` of
+    the last, the tensor-replicated parameters' under sequence parallelism (:func:`sequence_reduced`).
     """
 
     cost: ChunkCost
@@ -103,6 +108,13 @@ class ChunkFacts:
     moved: tuple[int, int, int]
     blocks: int = 1
     regather: tuple[int, int] = (0, 0)
+    reduced: tuple[float, float] = (0.0, 0.0)
+    sequence_bytes: float = 0.0
+
+    def special(self, share: float, reduce_b: float) -> tuple[float, float]:
+        """(routed experts', sequence-replicated) bytes of ``share`` of the chunk's last gradient reduction: the
+        parameter kinds reduced over axes of their own (:class:`Reduction`); the rest of ``reduced[1]`` is dense."""
+        return self.expert_params * share * reduce_b, self.sequence_bytes * share
 
     def gather(self, kind: str) -> tuple[int, int]:
         """(elements, collectives) a ``kind`` action's gathers of the chunk's sharded parameters move on a device:
@@ -129,12 +141,15 @@ class StageUpdate:
 class Reduction:
     """How one kind of parameter's gradients are summed (testbed.plan.sharding.reduction_axes): a reduce-scatter
     over ``sharded`` (the axes the optimizer state is split on), then an all-reduce of the ``ways``-th shard over
-    ``rest``. ``expert``: the routed experts' weights (summed over every batch axis but expert)."""
+    ``rest``. ``expert``: the routed experts' weights (summed over every batch axis but expert); ``sequence``:
+    under sequence parallelism the parameters replicated over tensor (summed over tensor too:
+    :func:`sequence_reduced`)."""
 
     expert: bool
     sharded: tuple[Axis, ...]
     rest: tuple[Axis, ...]
     ways: int
+    sequence: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,14 +288,56 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     buckets = (blocks if blocks > 1 and sharded_accumulation else gradient_buckets(plan, cost.layers,
                                                                                     moved[2] * reduce_b)) if during else 1
     leaves = parameter_collectives(plan, s, c, combine, param_b)
+    sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b) if reduces else (0.0, 0.0)
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
-                      regather=regathered(plan, s, c, moved[0], leaves))
+                      regather=regathered(plan, s, c, moved[0], leaves),
+                      reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
+                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved),
+                      sequence_bytes=sequence_b)
 
 
 def reduce_bytes(plan: Plan, grad_bytes: float) -> float:
     """Bytes per gradient value as they are reduced (``runtime.grad_reduce_dtype``: their own, or fp32's 4)."""
     return 4.0 if plan.runtime.grad_reduce_dtype == "fp32" else float(grad_bytes)
+
+
+def reduced_bytes(plan: Plan, s: int, c: int, moved: int, reduce_b: float, which: str) -> float:
+    """Bytes one reduction of chunk ``c``'s gradients moves on a device (``moved`` elements sharded as ``which``):
+    ``reduce_b`` per value, but where the partitioner sums replicated gradients (nothing shards them) the norms'
+    parameters' reduce in fp32 (testbed.model.leaves.NORM_PARTS: JAX sums bf16 in fp32 and the partitioner
+    reduces the fp32 partial sums), 4 bytes each. Sharded gradients are reduce-scattered by the runner's own
+    ``psum_scatter`` of the bf16 gradient (testbed.runner.param_shards, testbed.runner.replicas)."""
+    if reduce_b >= 4.0 or state_sharding(plan).split_axes(plan, "grads"):
+        return moved * reduce_b
+    return moved * reduce_b + norm_elements(plan, s, c, which) * (4.0 - reduce_b)
+
+
+def sequence_replicated(plan: Plan) -> bool:
+    """Whether sequence parallelism's tensor-replicated parameters (norms, row-parallel biases) sum their
+    gradients over tensor too: each tensor rank computes on its sequence shard, so their gradients are partial
+    sums over tensor as well as over the batch axes (Megatron-LM all-reduces them over the tensor group; the
+    runner's partitioner reduces them over data and tensor in one all-reduce). Counted where nothing shards the
+    optimizer state (the case checked against the traced step; under fsdp/ZeRO the plan keeps the dense rule)."""
+    return plan.sequence_parallel and plan.mesh.tensor > 1 and not state_sharding(plan).split_axes(plan, "optimizer")
+
+
+def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float, float]:
+    """(bytes of chunk ``c``'s tensor-replicated parameters' gradients, reduced over tensor too; bytes the position
+    table's reduction saves) under :func:`sequence_replicated`, else zeros. The norms' at 4 bytes each
+    (:func:`reduced_bytes`). The learned position table's gradient is reduced as each tensor rank's 1/t shard of
+    the positions (the runner adds positions to its sequence shard), then gathered over tensor
+    (testbed.model.costs.ChunkCost.position_gather_bytes)."""
+    if not sequence_replicated(plan):
+        return 0.0, 0.0
+    t, replicated, saved = plan.mesh.tensor, 0.0, 0.0
+    held = chunk_params(plan.model, s, c, plan.mesh.stage, plan.schedule.virtual_stages, stage_layers=plan.stage_layers)
+    for q, copies in held:
+        if q.part is Part.EMBEDDING:
+            saved += copies * q.device_elements(t, 1, 1) * reduce_b * (1 - 1 / t) if q.path == ("positions",) else 0
+        elif q.tensor_dim is None and not q.is_expert:
+            replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS else reduce_b)
+    return replicated, saved
 
 
 def gradient_buckets(plan: Plan, layers: int, grad_bytes: float) -> int:
@@ -342,6 +399,10 @@ def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction
             sharded = tuple(a for a in axes if a in optimizer_axes)
             out.append(Reduction(expert=expert, sharded=sharded, rest=tuple(a for a in axes if a not in optimizer_axes),
                                  ways=math.prod(plan.mesh.degree(a) for a in sharded)))
+    if sequence_replicated(plan):  # nothing shards the optimizer state here: one all-reduce
+        axes = (*reduction_axes(plan), Axis.TENSOR)
+        out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1,
+                             rest=tuple(a for a in MESH_AXES if a in axes)))
     return tuple(out)
 
 

@@ -34,10 +34,11 @@ def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tup
 
 def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
     """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
-    layers per stage, ``runtime.recompute``)."""
+    layers per stage, ``runtime.recompute`` and ``moe_dispatch``)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
-           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute)
+           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute,
+           plan.runtime.moe_dispatch)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:
@@ -50,10 +51,12 @@ _CHUNKS: dict[tuple, ChunkCost] = {}
 
 
 def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
-    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`)."""
+    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`, and
+    ``runtime.attention_kernel``, which tags the attention products, and ``runtime.fp8_scaling`` with the
+    precision, which tag the fp8 casts' amax passes)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context,
-           plan.runtime.recompute)
+           plan.runtime.recompute, plan.runtime.moe_dispatch, plan.runtime.attention_kernel, plan.runtime.fp8_scaling, plan.precision)
     shapes = _GEMMS.get(key)
     if shapes is None:
         if len(_GEMMS) > 100_000:

@@ -102,7 +102,9 @@ import numpy as np
 from testbed.model import buffers
 from testbed.model.gemm import scaled
 from testbed.pipeline.schedules import Action, Schedule
+from testbed.model.layout import holds
 from testbed.plan.placement import Placement
+from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.moe import A2A_STREAM
@@ -141,6 +143,10 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
     if serial and facts.stages > 1:
         graph.b.serialize(graph.programs)
     return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
+
+
+#: Bytes of the loss each of its all-reduces moves: one fp32 value.
+LOSS_BYTES = 4.0
 
 
 class _Graph:
@@ -230,6 +236,8 @@ class _Graph:
         if not work.chain:  # the action's collectives run among its kernels (a shared host's barriers); XLA
             # hoists the parameter gathers (they need only the parameters) ahead of the kernels: those meet alone.
             b.interleave(computes, [i for i in range(first, len(b.tasks)) if b.tasks[i].stream != "gather"])
+        if action.kind == "F" and holds(s, action.chunk, facts.stages, v)[1]:
+            self._loss(s, action, last)
         key = (s, action.kind, action.microbatch, action.chunk)
         self.done[key] = self.previous[s] = last
         self._program(s, first)
@@ -285,8 +293,7 @@ class _Graph:
             if reduce:
                 # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
                 # they accumulate sharded, else once the stage's backward is done.
-                self._bucket(s, last, (chunk.moved[2] / pieces * self.facts.reduce_bytes,
-                                       chunk.expert_params / pieces * self.facts.reduce_bytes,
+                self._bucket(s, last, (chunk.reduced[1] / pieces, chunk.special(1 / pieces, self.facts.reduce_bytes),
                                        label if pieces == 1 else f"{label}/{k}", bucket_share(chunk.leaves, pieces, k)))
         if gathering:
             self.blocks_done[s] = ends
@@ -362,7 +369,7 @@ class _Graph:
             if piece.layer_end and bucket in closes:
                 share, done_buckets = 1 / len(closes), done_buckets + 1
                 grad_b = self.facts.reduce_bytes
-                self._bucket(s, last, (chunk.moved[2] * share * grad_b, chunk.expert_params * share * grad_b,
+                self._bucket(s, last, (chunk.reduced[1] * share, chunk.special(share, grad_b),
                                        f"{label}/{done_buckets - 1}",
                                        bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
         return last
@@ -405,6 +412,17 @@ class _Graph:
         return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
                           deps=(compute, tp[0]), pipeline=True)
 
+    def _loss(self, s: int, action: Action, last: int) -> None:
+        """The loss's all-reduces after a forward of the head's chunk (testbed.plan.sharding.loss_reductions: one
+        fp32 value each; loss stream: nothing waits for them)."""
+        rep, final = self.reps[s], action.microbatch == self.facts.microbatches - 1
+        for axes, per_microbatch in loss_reductions(self.plan):
+            if per_microbatch or final:
+                g = axis_groups_cached(self.groups, self.plan, list(axes), s)
+                self.b.add(name=f"loss {action.label(self.facts.virtual)}", device=rep, stream="loss",
+                           kind=TaskKind.COLLECTIVE, deps=(last,), op="all_reduce", nbytes=LOSS_BYTES,
+                           group=rep_group(g, rep), instances=g)
+
     def _send(self, s: int, dst: int, label: str, nbytes: float, last: int, kind: str) -> int:
         """An activation or gradient sent to stage ``dst`` after the action (pipe stream). Split over the tensor
         ranks (StepFacts.scatter_sends), each sends its share and the receivers all-gather the whole over their
@@ -434,12 +452,13 @@ class _Graph:
         rep, groups, leaves = self.reps[s], self.g_groups[s], max(1, chunk.leaves)
         return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                           kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                          nbytes=chunk.moved[1] * self.facts.reduce_bytes / leaves, count=leaves,
+                          nbytes=chunk.reduced[0] / leaves, count=leaves,
                           group=rep_group(groups, rep), instances=groups)
 
-    def _reduce(self, s: int, after: int, nbytes: float, expert_bytes: float, label: str, leaves: int) -> list[int]:
-        """Gradient reduction tasks of one bucket of ``nbytes`` (``expert_bytes`` of them routed experts'
-        weights); returns the last task(s). ``leaves``: the collectives the bucket's reduce-scatter is when the
+    def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,
+                leaves: int) -> list[int]:
+        """Gradient reduction tasks of one bucket of ``nbytes`` (``special``: those of them routed experts' weights
+        and sequence-replicated parameters', ChunkFacts.special); returns the last task(s). ``leaves``: the collectives the bucket's reduce-scatter is when the
         parameters are sharded (:func:`bucket_share`; 0: one).
 
         Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
@@ -449,10 +468,10 @@ class _Graph:
         """
         b, rep, out = self.b, self.reps[s], []
         for r in self.facts.reductions:
-            size = expert_bytes if r.expert else nbytes - expert_bytes
+            size = special[0] if r.expert else special[1] if r.sequence else nbytes - sum(special)
             if size <= 0:
                 continue
-            kind, last = " experts" if r.expert else "", after
+            kind, last = " experts" if r.expert else " sequence" if r.sequence else "", after
             if r.sharded:
                 g = axis_groups_cached(self.groups, self.plan, list(r.sharded), s)
                 # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).

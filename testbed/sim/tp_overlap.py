@@ -100,7 +100,7 @@ def tp_overlap(plan: Plan, cost: ChunkCost, kind: str, split: bool, work: tuple[
         return None
     t = plan.mesh.tensor
     spec = rank_spec(plan)
-    sides = projection_sides(spec, plan.microbatch_size * spec.seq_len, t)
+    sides = projection_sides(plan, spec, plan.microbatch_size * spec.seq_len, t)
     paired = [(op, count, cost.tensor_allreduce_bytes) for op, count in cost.tensor_collectives(kind, plan.remat)]
     after = list(transfers)
     for x in paired:

@@ -93,14 +93,39 @@ def _link_end(value: Any, field: str) -> int | str:
 
 def _device(data: Any) -> DeviceSpec:
     data = expect_mapping(data, "device")
-    check_keys(data, ("name", "flops", "memory", "memory_bandwidth"), "device", required=("flops", "memory", "memory_bandwidth"))
+    check_keys(data, ("name", "flops", "memory", "memory_bandwidth", "power_limit", "power_curve"), "device",
+               required=("flops", "memory", "memory_bandwidth"))
     flops = expect_mapping(data["flops"], "device.flops")
+    curve = data.get("power_curve", [])
+    if not isinstance(curve, list) or any(not isinstance(p, list) or len(p) != 2 for p in curve):
+        raise InputError(f"expected a list of [watts, fraction] pairs, e.g. [[400W, 0.84], [700W, 1.0]], got "
+                         f"{quote(curve)}", field="device.power_curve")
     return DeviceSpec(
         name=get_str(data, "name", "device", default="device", max_length=MAX_NAME),
         peak_flops={_dtype(k): parse_flops(v, f"device.flops.{quote(k)}") for k, v in flops.items()},
         memory_bytes=parse_bytes(data["memory"], "device.memory"),
         memory_bandwidth=parse_bandwidth(data["memory_bandwidth"], "device.memory_bandwidth"),
+        power_limit=_watts(data.get("power_limit", 0), "device.power_limit"),
+        power_curve=tuple((_watts(w, "device.power_curve"), _fraction(f, "device.power_curve")) for w, f in curve),
     )
+
+
+def _watts(value: Any, field: str) -> float:
+    """Watts: a number, or a string with a ``W`` suffix (``500W``)."""
+    text = value.strip().removesuffix("W").strip() if isinstance(value, str) else value
+    try:
+        watts = float(text) if not isinstance(text, bool) else None
+    except (TypeError, ValueError):
+        watts = None
+    if watts is None or not math.isfinite(watts):
+        raise InputError(f"expected watts (a number or e.g. 500W), got {quote(value)}", field=field)
+    return watts
+
+
+def _fraction(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InputError(f"expected a fraction of the listed peak FLOP/s (a number), got {quote(value)}", field=field)
+    return float(value)
 
 
 def _dtype(key: Any) -> str:
@@ -295,6 +320,10 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
         out["description"] = topology.description
     out["device"] = {"name": dev.name, "flops": dict(dev.peak_flops), "memory": dev.memory_bytes,
                      "memory_bandwidth": dev.memory_bandwidth}
+    if dev.power_curve:
+        out["device"]["power_curve"] = [list(p) for p in dev.power_curve]
+    if dev.power_limit:
+        out["device"]["power_limit"] = dev.power_limit
     if topology.form is Form.LEVELS:
         out["levels"] = [{"name": l.name, "size": l.size, "bandwidth": l.bandwidth, "latency": l.latency,
                           "kind": str(l.kind), "attach": l.attach,

@@ -15,6 +15,8 @@ __all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_RE
 #: that no byte count or FLOP count of a plan divided by them overflows or divides by zero.
 RANGES = {"bandwidth": (1.0, 1e30, "B/s"), "flops": (1.0, 1e30, "FLOP/s"), "memory": (1.0, 2.0**60, "bytes"),
           "latency": (0.0, 3600.0, "s")}
+#: The most watts a device's power limit or power curve may state (far above any accelerator's board power).
+MAX_WATTS = 1e5
 
 
 def _check_range(value: float, kind: str, field: str, what: str) -> None:
@@ -43,12 +45,21 @@ class Form(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceSpec:
-    """One accelerator: peak FLOP/s per dtype, memory bytes and memory bandwidth."""
+    """One accelerator: peak FLOP/s per dtype, memory bytes and memory bandwidth; optionally a power limit.
+
+    ``power_limit`` (watts; 0: the device runs at the power its listed peaks are rated at) and
+    ``power_curve`` (``(watts, fraction)`` points, watts increasing: the fraction of the listed peak
+    FLOP/s the device's clock sustains when held to that board power, linear between points) price a
+    device run below its rated power: its math runs at :meth:`sustained_flops`, the peak times
+    :meth:`clock_fraction`. The memory bandwidth is not scaled (HBM has its own clock).
+    """
 
     name: str
     peak_flops: Mapping[str, float]
     memory_bytes: float
     memory_bandwidth: float
+    power_limit: float = 0.0
+    power_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.peak_flops:
@@ -58,6 +69,40 @@ class DeviceSpec:
         _check_range(self.memory_bytes, "memory", "device.memory", "memory")
         _check_range(self.memory_bandwidth, "bandwidth", "device.memory_bandwidth", "memory bandwidth")
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
+        self._check_power()
+
+    def _check_power(self) -> None:
+        curve = tuple((float(w), float(f)) for w, f in self.power_curve)
+        object.__setattr__(self, "power_curve", curve)
+        if any(not (0 < w <= MAX_WATTS and 0 < f <= 1.5) for w, f in curve) \
+                or any(b[0] <= a[0] for a, b in zip(curve, curve[1:])):
+            raise InputError(f"must be (watts, fraction) points with watts increasing in (0, {MAX_WATTS:g}] and "
+                             f"fractions of the listed peak in (0, 1.5], e.g. [[400, 0.84], [700, 1.0]]; got "
+                             f"{list(curve)}", field="device.power_curve")
+        limit = self.power_limit
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= limit <= MAX_WATTS:
+            raise InputError(f"must be watts in [0, {MAX_WATTS:g}] (0: the rated power), got {limit!r:.40}",
+                             field="device.power_limit")
+        if limit and not curve:
+            raise InputError("a power limit needs the device's power_curve (watts -> fraction of the listed peak "
+                             "FLOP/s) to price it", field="device.power_limit")
+        if limit and not curve[0][0] <= limit <= curve[-1][0]:
+            raise InputError(f"{limit:g} W lies outside the power_curve's {curve[0][0]:g}-{curve[-1][0]:g} W; add a "
+                             "measured point that covers it", field="device.power_limit")
+
+    def clock_fraction(self) -> float:
+        """Fraction of the listed peak FLOP/s the device sustains at its ``power_limit`` (1 without one)."""
+        if not self.power_limit:
+            return 1.0
+        curve = self.power_curve
+        for (w0, f0), (w1, f1) in zip(curve, curve[1:]):
+            if self.power_limit <= w1:
+                return f0 + (f1 - f0) * (self.power_limit - w0) / (w1 - w0)
+        return curve[-1][1]
+
+    def sustained_flops(self, dtype: str) -> float:
+        """FLOP/s the device's math runs at for ``dtype``: :meth:`flops` times :meth:`clock_fraction`."""
+        return self.flops(dtype) * self.clock_fraction()
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (``fp32``, ``bf16``, ``fp8``); falls back to the slowest listed.

@@ -1,0 +1,179 @@
+"""Accuracy benchmark: the three example programs of ``examples/predict`` predicted on ``host-cpu-8`` and
+measured on 8 emulated CPU devices of this host.
+
+Each example is traced as ``testbed simulate --program`` traces it (an abstract mesh, no devices) and priced on
+the bundled ``host-cpu-8`` topology (8 emulated devices sharing a 2-core host, calibrated by ``testbed
+calibrate``); then the same step is compiled on 8 emulated devices and timed as ``testbed validate`` times a
+plan: ``--rounds`` rounds of ``--steps`` steps after a warm-up, each round's median, the least disturbed round
+kept (other processes on the host's cores only ever slow a step down). Sizes are the examples' own, shrunk to
+what two cores run in a fraction of a second (``HOST_SIZES``; the examples' defaults are for a superpod):
+
+- ``pmap_mlp``: 3-layer MLP, fp32, ``jax.pmap`` over ``batch=8``, ``lax.pmean`` of the gradients;
+- ``shard_map_mlp``: Megatron's MLP, fp32, ``jax.shard_map`` over ``data=2, model=4``;
+- ``vision_cnn``: two 3x3 convolutions and a classifier, bf16, ``jit`` data parallel over ``data=8``.
+
+Goal (issue 36): predicted vs measured step time, median <= 10%, max <= 25% (the host validation's goal).
+Prints ONE JSON object: per example the predicted and measured step (seconds), the error
+(predicted / measured - 1), every round's median step and CPU time; the median and max absolute error; the
+load average before and after (other processes on the 2 cores disturb the measurement, never the
+prediction). As ``testbed validate`` does, calibrate's reference step (``cpu-m``) is timed after every round:
+``host_speeds`` (its predicted / measured time: the host's speed against its calibration) and the errors
+``at_calibrated_speed`` (each round's median scaled by the host's speed then: the model's error apart from
+the host's drift since calibration) are diagnostics beside the raw errors, which are the headline.
+
+    python benchmarks/program_host.py [--steps S] [--rounds R] [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "predict"
+
+#: example -> (mesh in mesh order, the sizes its SIZES dict takes here).
+HOST_SIZES = {
+    "pmap_mlp": ({"batch": 8}, {"d_in": 512, "d_hidden": 1024, "d_out": 512, "rows": 64}),
+    "shard_map_mlp": ({"data": 2, "model": 4}, {"d_model": 1024, "d_hidden": 4096, "rows": 128}),
+    "vision_cnn": ({"data": 8}, {"image": 32, "channels": (16, 32), "classes": 10, "per_device": 8}),
+}
+
+
+def _example(name: str, sizes: dict):
+    """The example's module with its SIZES replaced by ``sizes``."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.SIZES = dict(sizes)
+    return module
+
+
+def predicted(module, mesh: dict[str, int], topology) -> float:
+    """The step time ``testbed simulate --program`` predicts on ``topology`` (traced on an abstract mesh)."""
+    from testbed.runner.program import PmapStep, abstract_mesh, trace, trace_pmap
+    from testbed.sim.traced import simulate_workload
+
+    step, args = module.predict(abstract_mesh(mesh))
+    if isinstance(step, PmapStep):
+        workload = trace_pmap(step.fn, *args, axis_name=step.axis_name, devices=next(iter(mesh.values())),
+                              in_axes=step.in_axes)
+    else:
+        workload = trace(step, *args, mesh=abstract_mesh(mesh))
+    return float(simulate_workload(workload, topology).report.step_time_s)
+
+
+def _runnable(module, mesh: dict[str, int]):
+    """The compiled step on this process's emulated devices and concrete arguments for it."""
+    import jax
+    import numpy as np
+
+    from testbed.runner.program import PmapStep
+
+    concrete = jax.make_mesh(tuple(mesh.values()), tuple(mesh))
+    step, args = module.predict(concrete)
+    rng = np.random.default_rng(0)
+
+    def value(s):
+        if np.issubdtype(s.dtype, np.integer):
+            return rng.integers(0, 2, size=s.shape).astype(s.dtype)
+        return (rng.standard_normal(s.shape) * 0.1).astype(s.dtype)
+
+    leaves = jax.tree.map(value, args)
+    if isinstance(step, PmapStep):
+        devices = list(concrete.devices.flat)
+        fn = jax.pmap(step.fn, axis_name=step.axis_name, in_axes=step.in_axes, devices=devices)
+        spread = jax.NamedSharding(concrete, jax.P(step.axis_name))  # each device its block, as pmap maps it
+        leaves = jax.tree.map(lambda a: jax.device_put(a, spread), leaves)
+        return fn, leaves
+    leaves = jax.tree.map(lambda a, s: jax.device_put(a, s.sharding), leaves, args)
+    return step, leaves
+
+
+class Timed:
+    """An example's compiled step on the emulated devices, timed a round at a time."""
+
+    def __init__(self, module, mesh: dict[str, int]) -> None:
+        import jax
+
+        self.fn, self.args = _runnable(module, mesh)
+        for _ in range(3):  # compile and warm up
+            jax.block_until_ready(self.fn(*self.args))
+
+    def round(self, steps: int) -> tuple[float, float]:
+        """The median step time (seconds) of ``steps`` steps, and their median CPU time per step (all of this
+        process's threads: how much of the host the step got)."""
+        import jax
+
+        times, cpu_times = [], []
+        for _ in range(steps):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            jax.block_until_ready(self.fn(*self.args))
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - start_cpu)
+        return statistics.median(times), statistics.median(cpu_times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; the least disturbed median kept (default 5)")
+    parser.add_argument("--only", nargs="*", default=None, help="examples to run (default all three)")
+    args = parser.parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from testbed.topology.io import load_topology
+
+    topology = load_topology("host-cpu-8")
+    load_before = os.getloadavg()
+    import jax
+
+    from testbed.runner.validate import ReferenceStep
+
+    names = args.only or list(HOST_SIZES)
+    modules = {name: _example(name, HOST_SIZES[name][1]) for name in names}
+    timed = {name: Timed(modules[name], HOST_SIZES[name][0]) for name in names}
+    reference = ReferenceStep(topology, jax.devices()[:8])
+    medians = {name: [] for name in names}
+    cpu = {name: [] for name in names}
+    speeds = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[::1 if r % 2 == 0 else -1]:  # as validate: a slow spell does not hit the same one twice
+            median, cpu_s = timed[name].round(args.steps)
+            medians[name].append(median)
+            cpu[name].append(cpu_s)
+            # The reference step right after: the host's speed for this round (validate's diagnostic).
+            speeds[name].append(reference.time()["speed"])
+    rows = {}
+    for name in names:
+        mesh, sizes = HOST_SIZES[name]
+        predicted_s, measured_s = predicted(modules[name], mesh, topology), min(medians[name])
+        at_calibrated = statistics.median(m * v for m, v in zip(medians[name], speeds[name]))
+        rows[name] = {"mesh": mesh, "sizes": sizes, "predicted_s": predicted_s, "measured_s": measured_s,
+                      "error": predicted_s / measured_s - 1, "round_medians_s": medians[name],
+                      "round_cpu_s": cpu[name], "host_speeds": speeds[name],
+                      "measured_at_calibrated_speed_s": at_calibrated,
+                      "error_at_calibrated_speed": predicted_s / at_calibrated - 1}
+    errors = [abs(r["error"]) for r in rows.values()]
+    calibrated = [abs(r["error_at_calibrated_speed"]) for r in rows.values()]
+    print(json.dumps({
+        "benchmark": "program_host", "topology": topology.name, "devices": "emulated:8",
+        "median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
+        "goal": {"median_abs_error": 0.10, "max_abs_error": 0.25},
+        "at_calibrated_speed": {"median_abs_error": statistics.median(calibrated), "max_abs_error": max(calibrated)},
+        "reference_step": {"plan": reference.timer.plan.name, "predicted_s": reference.predicted_s}, "rows": rows,
+        "steps": args.steps, "rounds": args.rounds,
+        "load_average": {"before": [round(x, 2) for x in load_before],
+                         "after": [round(x, 2) for x in os.getloadavg()]}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
