@@ -62,7 +62,8 @@ def run(only: list[str] | None = None) -> dict:
         rows = evaluate()
         categories[name] = {**published_collectives.summary(rows), "unit": UNITS[name]}
         results[name] = [{"case": r["case"], "predicted": r["predicted"], "published": r["published"],
-                          "error": r["error"]} for r in rows]
+                          "error": r["error"], **({"memory_gib": r["memory_gib"]} if "memory_gib" in r else {})}
+                         for r in rows]
         if name in ("collectives", "ici"):
             out["collective_bands" if name == "collectives" else "ici_bands"] = published_collectives.by_band(rows)
         if name == "end_to_end":
@@ -70,6 +71,7 @@ def run(only: list[str] | None = None) -> dict:
         if name == "runs":
             pooled += rows
             out["runtime_mechanisms"] = published_runs.mechanisms(rows)
+            out["predicted_out_of_memory"] = [r["case"] for r in rows if not r["fits"]]
             out["fits"] = {"tpu_compute": tpu_fit.fit_report()}
     if pooled:
         out["end_to_end_all"] = published_runs.summary(pooled)

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from testbed.runner import devices as dev, model, moe
+from testbed.runner.moe_folded import FoldedExpertShards
 from testbed.testing.compare import assert_outputs_equal
 from testbed.testing.strategies import moe_plans
 from testbed.runner.train import verify_plan
@@ -257,3 +258,120 @@ def test_bf16_expert_parallelism_with_data_replicas_is_refused_on_cpu() -> None:
     with pytest.raises(InputError) as err:
         build_trainer(plan, dev.select_devices(4))
     assert err.value.field == "precision"
+
+
+# -- MoE parallel folding (mesh.expert_tensor 1): each expert whole on one rank of expert x tensor ----------
+
+@pytest.mark.parametrize("expert, data, tensor, shared, bias, swiglu, cf", [
+    (1, 1, 2, 0, False, False, None),     # 2 devices: the tensor ranks alone are the expert group, no all-to-all
+    (2, 1, 2, 1, True, True, 0.5),        # 4: all-to-all over expert, drops, shared experts in the map
+    (2, 2, 2, 2, False, True, 1.0),       # 8: data replicas too
+    (1, 2, 4, 1, True, False, None),      # 8: four tensor ranks folded
+], ids=["t2", "e2-t2", "d2-e2-t2", "d2-t4"])
+def test_folded_layer_matches_dense_reference(expert, data, tensor, shared, bias, swiglu, cf) -> None:
+    """Output, aux loss and gradients of the folded layer (experts split over ``("expert", "tensor")``, whole;
+    shared experts split over ``tensor``) equal the dense single-device reference at 1e-5."""
+    e, top_k = 2 * expert * tensor, 2
+    rows, seq, d, fe = data * expert, 8, 16, 8
+    cap = seq if cf is None else max(1, min(seq, math.ceil(cf * seq * top_k / e)))
+    cfg = moe.MoeConfig(experts=e, top_k=top_k, capacity=cap, swiglu=swiglu, aux_coef=0.01)
+    kp, kh, kg, kw = jax.random.split(jax.random.key(7), 4)
+    p = _params(kp, d, e, fe, swiglu, shared, bias)
+    h, g = (jax.random.normal(k, (rows, seq, d), jnp.float32) for k in (kh, kg))
+    w = jax.random.uniform(kw, (rows,), jnp.float32)
+    reference = jax.device_put((p, h, g, w), jax.devices()[0])
+    chosen = np.asarray(jax.jit(lambda h, r: moe.route(h, r, cfg).experts)(reference[1], reference[0]["router"]))
+    dense = lambda p, h: _dense_reference(p, h, cfg, chosen, _kept(chosen, e, cap))  # noqa: E731
+    want = jax.jit(lambda *a: _value_and_grads(dense, *a))(*reference)
+
+    mesh = _mesh(data, expert, tensor)
+    shared_dims = {"shared_w1": 1, "shared_w3": 1, "shared_w2": 0}
+    specs = {n: jax.P(*[("expert", "tensor") if i == 0 and n in moe._EXPERT_KEYS else
+                        "tensor" if i == shared_dims.get(n) else None for i in range(a.ndim)]) for n, a in p.items()}
+    shard = lambda tree, spec: jax.device_put(tree, jax.NamedSharding(mesh, spec))  # noqa: E731
+    rows_spec = jax.P(("data", "expert"))
+    args = ({n: shard(a, specs[n]) for n, a in p.items()}, *(shard(x, rows_spec) for x in (h, g, w)))
+    shards = FoldedExpertShards(mesh, folded=True)
+    assert shards.is_folded and shards.weight_axes == (("expert",) if expert > 1 else ()) + ("tensor",)
+    layer = lambda p, h: moe.moe_mlp(p, h, cfg, shards)  # noqa: E731
+    _close(jax.jit(lambda *a: _value_and_grads(layer, *a))(*args), want, mesh)
+
+
+def _folded_spec(shared: int = 1) -> ModelSpec:
+    return ModelSpec(layers=2, d_model=32, heads=4, kv_heads=2, d_ff=32, seq_len=8, vocab=64, mlp="swiglu",
+                     norm="rmsnorm", position="rope", bias=False, experts=8, top_k=2, shared_experts=shared)
+
+
+def test_folded_plan_matches_reference() -> None:
+    """A whole plan with ``mesh.expert_tensor: 1`` (tensor 2 x expert 2, attention tensor-parallel, the MoE layers'
+    eight experts over the four ranks whole): loss, gradients and parameters equal the single-device trainer's;
+    the compiled step all-to-alls."""
+    _verify(Plan(name="folded", model=_folded_spec(), mesh=MeshSpec(tensor=2, expert=2, expert_tensor=1),
+                 batch=BatchSpec(global_batch=8, microbatches=2)), check_hlo=True)
+
+
+@pytest.mark.slow  # three trainers and their references (minutes on 2 cores)
+@pytest.mark.parametrize("mesh, extra", [
+    (dict(tensor=2, fsdp=2, expert_tensor=1), {}),                       # ZeRO-3 blocks around the folded map
+    (dict(tensor=2, expert=2, stage=2, expert_tensor=1), {}),            # pipeline stages
+    (dict(tensor=2, data=2, expert=2, expert_tensor=1), dict(zero=1, sequence_parallel=True)),
+], ids=["fsdp", "stages", "zero1-sp"])
+def test_folded_plans_with_other_axes_match_reference(mesh, extra) -> None:
+    _verify(Plan(name="folded", model=_folded_spec(), mesh=MeshSpec(**mesh),
+                 batch=BatchSpec(global_batch=8, microbatches=2), **extra))
+
+
+def test_folded_map_flops_are_the_model_gemms() -> None:
+    """The matmul FLOPs traced inside the folded map (one rank's shapes) are the routed and shared experts' GEMMs
+    of testbed.model.gemm.moe_gemms for the plan (whole experts, ``E / (expert x tensor)`` of them), plus the
+    gate-weighted combine (``2 rows seq k d``, outside the cost model: it is no GEMM of a weight)."""
+    from testbed.model import moe as cost_moe
+    from testbed.model.gemm import gemm_flops, moe_gemms
+
+    spec = dataclasses.replace(_folded_spec(), capacity_factor=1.0)
+    plan = Plan(model=spec, mesh=MeshSpec(tensor=2, expert=2, expert_tensor=1), batch=BatchSpec(global_batch=4))
+    mesh = _mesh(1, 2, 2)
+    cfg = moe.moe_config(spec)
+    rows = plan.microbatch_size
+    params = jax.eval_shape(lambda: model.init_params(spec, 0))["layers"][0]["moe"]
+    h = jax.ShapeDtypeStruct((rows * 2, spec.seq_len, spec.d_model), jnp.float32)
+    shards = FoldedExpertShards(mesh, folded=True)
+    jaxpr = jax.make_jaxpr(lambda p, h: moe.moe_mlp(p, h, cfg, shards)[0])(params, h)
+    maps = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "shard_map"]
+    folded = max(maps, key=lambda e: model.count_matmul_flops(e.params["jaxpr"]))
+    ins, outs = moe_gemms(spec, cost_moe.local_tokens(plan), cost_moe.expert_tokens(plan), 2, 2, 1)
+    combine = 2 * rows * spec.seq_len * spec.top_k * spec.d_model
+    assert model.count_matmul_flops(folded.params["jaxpr"]) == gemm_flops(tuple(ins[1:] + outs)) + combine
+    assert ins[1].batch == spec.experts // 4 and ins[1].n == spec.d_ff  # whole experts, a quarter of them each
+
+
+@pytest.mark.slow  # two 8-device SPMD steps compiled
+def test_folded_step_moves_the_simulated_all_to_all_bytes() -> None:
+    """XLA's compiled step of a folded plan (data 2 x expert 2 x tensor 2) moves over ``expert`` exactly the
+    all-to-all bytes testbed.sim.program's task graph carries (``1 / tensor`` of the unfolded plan's), and over
+    ``tensor`` fewer bytes than the unfolded plan (whose expert map all-reduces the capacity-padded outputs)."""
+    from testbed.plan.placement import place
+    from testbed.plan.spec import Axis
+    from testbed.runner import reshards
+    from testbed.runner.check_sharding import compiled_spmd
+    from testbed.sim.program import axis_groups, build_program
+    from testbed.topology.io import load_topology
+
+    host = load_topology("host-cpu-8")
+    spec = dataclasses.replace(_folded_spec(), capacity_factor=1.0)
+    moved = {}
+    for et in (1, None):
+        plan = Plan(name="bytes", model=spec, mesh=MeshSpec(tensor=2, expert=2, data=2, expert_tensor=et),
+                    batch=BatchSpec(global_batch=8))
+        placement = place(plan, host)
+        experts = {g for gs in axis_groups(placement, [Axis.EXPERT]).values() for g in gs}
+        a2a = [t for t in build_program(plan, placement).tasks if t.op == "all_to_all"]
+        assert all(tuple(t.group) in experts for t in a2a)
+        simulated = sum(t.nbytes * t.count for t in a2a if t.device == a2a[0].device)  # one representative
+        mesh, text = compiled_spmd(plan)
+        compiled = reshards.compiled_bytes(text, mesh.devices.shape, mesh.axis_names)
+        assert compiled[("expert", "all-to-all")] == simulated > 0
+        moved[et] = compiled
+    assert moved[1][("expert", "all-to-all")] * 2 == moved[None][("expert", "all-to-all")]
+    tensor = lambda c: sum(b for (axes, _), b in c.items() if axes == "tensor")  # noqa: E731
+    assert tensor(moved[1]) < tensor(moved[None])

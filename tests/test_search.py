@@ -125,7 +125,7 @@ def test_cost_objective_prices_by_the_topology_unless_given() -> None:
     assert info.value.field == "price_per_device_hour"
 
 
-def test_search_command_json_and_exit_codes(tmp_path: Path) -> None:
+def test_search_command_json_and_exit_codes(tmp_path: Path, capsys) -> None:
     from testbed.cli.main import main
 
     out = tmp_path / "best.yaml"
@@ -137,6 +137,10 @@ def test_search_command_json_and_exit_codes(tmp_path: Path) -> None:
     assert plan.mesh.size == 8 and plan.topology == "host-cpu-8"
     assert main(["search", "--model", "gpt-nope", "--topology", "host-cpu-8"]) == 2
     assert main(["search", "--model", "gpt-tiny"]) == 2  # a preset names no topology
+    assert main(argv + ["--runtime", "meta"]) == 0  # the stack the plans run under, kept in the written plan
+    assert load_plan(str(out)).runtime.profile == "meta"
+    assert main(argv + ["--runtime", "jax"]) == 2
+    assert "--runtime" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, degree", [("--contexts", 2), ("--experts", 4)])

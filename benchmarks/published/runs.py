@@ -14,7 +14,8 @@ what the stack's mechanisms change.
 :func:`evaluate` returns one dict per case: ``case``, ``source``, ``stack``,
 ``device``, ``precision``, ``gpus``, ``architecture`` (dense or moe),
 ``step_time_s``, ``predicted`` and ``published`` tokens/s/device and
-``error`` = predicted / published - 1. :func:`by_category` summarises rows by
+``error`` = predicted / published - 1, ``memory_gib`` and ``fits`` (the memory model's bytes on the fullest
+device; every case trained, so ``fits`` false is a miss). :func:`by_category` summarises rows by
 stack, device, precision, scale band and architecture.
 Run as a script it prints one JSON object.
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from testbed.explore.space import resize_topology
+from testbed.model.memory import memory_breakdown
 from testbed.plan.io import plan_from_dict
 from testbed.plan.runtime import RuntimeSpec, runner_differences
 from testbed.plan.spec import Plan
@@ -42,8 +44,8 @@ CASES = Path(__file__).with_name("runs.yaml")
 STACK_PROFILES = {"megatron-lm": "megatron", "megatron-bridge": "nemo", "nemo": "nemo", "deepspeed": "deepspeed",
                   "megatron-deepspeed": "deepspeed", "torchtitan": "torchtitan", "llm-foundry": "llm-foundry",
                   "fsdp": "fsdp", "pytorch-fsdp": "fsdp", "maxtext": "xla", "jax": "xla", "xla": "xla", "pax": "xla",
-                  # Meta's Llama 3 training stack is not public: the values its paper states (testbed.plan.runtime).
-                  "meta-llama3": "llama3"}
+                  # Meta's Llama 3 training stack is not public: what its paper states (testbed.plan.runtime).
+                  "meta-llama3": "meta"}
 #: Scale bands of the category report (devices, inclusive upper bounds).
 SCALES = (("<=64", 64), ("65-512", 512), ("513-4096", 4096), (">4096", float("inf")))
 #: The categories errors are reported by: each row's own key, or (scale) its band of ``gpus``.
@@ -112,7 +114,14 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
             "bubble_fraction": round(report.bubble_fraction or 0.0, 4),
             "runtime": plan.runtime.profile, "predicted": round(tokens / report.step_time_s / gpus, 1),
             "published": published, "error": error(report.step_time_s), "runner_error": error(runner),
-            "mechanisms": without}
+            "mechanisms": without, **_memory(plan, topology)}
+
+
+def _memory(plan: Plan, topology: Topology) -> dict:
+    """The case's predicted bytes per device (GiB, its fullest device) and whether they fit: every case trained,
+    so a case that does not fit is the memory model's miss."""
+    memory = memory_breakdown(plan, topology)
+    return {"memory_gib": round(memory.total / 2 ** 30, 2), "fits": memory.fits}
 
 
 def evaluate(path: Path | str = CASES) -> list[dict]:
@@ -162,7 +171,9 @@ def by_category(rows: list[dict]) -> dict:
 def main() -> None:
     rows = evaluate()
     json.dump({**summary(rows), "runner": summary([{**r, "error": r["runner_error"]} for r in rows]),
-               "categories": by_category(rows), "mechanisms": mechanisms(rows), "results": rows}, sys.stdout, indent=1)
+               "categories": by_category(rows), "mechanisms": mechanisms(rows),
+               "predicted_out_of_memory": [r["case"] for r in rows if not r["fits"]], "results": rows},
+              sys.stdout, indent=1)
     print()
 
 

@@ -30,10 +30,10 @@ def _csv(text: str | None) -> tuple[str, ...] | None:
     return None if text is None else tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def _on_off(value: str) -> bool:
+def _on_off(value: str, flag: str = "--sequence-parallel") -> bool:
     choices = {"on": True, "true": True, "off": False, "false": False}
     if value.lower() not in choices:
-        raise InputError(f"expected on or off (comma-separated), got `{value}`", field="--sequence-parallel")
+        raise InputError(f"expected on or off (comma-separated), got `{value}`", field=flag)
     return choices[value.lower()]
 
 
@@ -64,6 +64,12 @@ def _add(parser: argparse.ArgumentParser) -> None:
                                           "degree dividing the experts and the devices)")
     parser.add_argument("--sequence-parallel", help="comma-separated on/off: Megatron sequence parallelism on the "
                                                     "candidates with a tensor axis (default: the plan's; off for a preset)")
+    parser.add_argument("--fold-experts", help="comma-separated on/off: MoE parallel folding (mesh.expert_tensor 1: "
+                                               "each expert whole, the experts over expert x tensor) on the MoE "
+                                               "candidates with a tensor axis (default: both)")
+    parser.add_argument("--runtime", help="the training stack the plans run under: a runtime profile "
+                        "(testbed, xla, megatron, nemo, deepspeed, fsdp, torchtitan, llm-foundry, meta; default: the "
+                        "plan's, testbed's runner for a preset); it decides what a microbatch keeps and how work overlaps")
     parser.add_argument("--out", help="write the best plan as YAML")
 
 
@@ -113,6 +119,8 @@ def _space(args: argparse.Namespace):
         fields["experts"] = _csv(args.experts)
     if args.sequence_parallel:
         fields["sequence_parallel"] = tuple(_on_off(v) for v in _csv(args.sequence_parallel) or ())
+    if args.fold_experts:
+        fields["fold_experts"] = tuple(_on_off(v, "--fold-experts") for v in _csv(args.fold_experts) or ())
     try:
         return SearchSpace(**fields)
     except InputError as exc:
@@ -129,6 +137,13 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.sim.engine import simulate
 
     plan = base_plan(args.model, args.global_batch, args.seq)
+    if args.runtime is not None:
+        from testbed.plan.runtime import runtime_from_dict
+
+        try:
+            plan = replace(plan, runtime=runtime_from_dict({"profile": args.runtime}))
+        except InputError as exc:
+            raise InputError(exc.message, field="--runtime") from None
     if args.topology is None and plan.topology is None:
         raise InputError("give --topology (a preset model names none)", field="--topology")
     topology = plan_topology(plan, args.topology)
@@ -188,6 +203,7 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
             mesh = f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}" + (
                 f" ep{r['expert']}" if r.get("expert", 1) > 1 else "") + (  # MoE: the expert degree beside
+                " etp1" if r.get("expert_tensor", r["tensor"]) != r["tensor"] else "") + (  # folded experts
                 f" cp{r['context']}" if r.get("context", 1) > 1 else "") + (  # context parallelism likewise
                 " sp" if r.get("sequence_parallel") else "")  # and sequence parallelism
             cells.append([str(i), mesh, sched, str(r["microbatches"]), str(r["zero"]), r["remat"],

@@ -93,7 +93,7 @@ class Candidate:
         """JSON-ready: the layout choices, both step times, the DES breakdown and the memory."""
         p, r, e = self.plan, self.report, self.estimate
         out = {"data": p.mesh.data, "fsdp": p.mesh.fsdp, "tensor": p.mesh.tensor, "stage": p.mesh.stage,
-               "expert": p.mesh.expert, "context": p.mesh.context,
+               "expert": p.mesh.expert, "context": p.mesh.context, "expert_tensor": p.mesh.expert_tensor_degree,
                "schedule": p.schedule.name.value, "virtual_stages": p.schedule.virtual_stages,
                "microbatches": p.batch.microbatches, "zero": p.zero, "remat": p.remat.value,
                "sequence_parallel": p.sequence_parallel,

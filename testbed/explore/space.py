@@ -77,6 +77,9 @@ class SearchSpace:
     #: Megatron sequence parallelism, tried where the tensor degree is above 1 (it needs a tensor axis; at tensor 1
     #: every candidate runs without). None: the base plan's choice.
     sequence_parallel: tuple[bool, ...] | None = None
+    #: MoE parallel folding (``mesh.expert_tensor`` 1: each expert whole, the experts over expert x tensor), tried
+    #: where an MoE model has a tensor axis. None: both (false: the experts split over tensor like the dense MLP).
+    fold_experts: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedules", _choices(self.schedules, "space.schedules",
@@ -100,6 +103,12 @@ class SearchSpace:
                 raise InputError(f"must be true or false values, got {list(self.sequence_parallel)}",
                                  field="space.sequence_parallel")
             object.__setattr__(self, "sequence_parallel", sp)
+        if self.fold_experts is not None:
+            folds = _choices(self.fold_experts, "space.fold_experts", lambda v: v)
+            if any(not isinstance(v, bool) for v in folds):
+                raise InputError(f"must be true or false values, got {list(self.fold_experts)}",
+                                 field="space.fold_experts")
+            object.__setattr__(self, "fold_experts", folds)
         if self.precisions is not None:
             object.__setattr__(self, "precisions", _choices(self.precisions, "space.precisions",
                                                             lambda p: Precision(p).value))
@@ -175,10 +184,13 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
     for context, expert, data, fsdp, tensor, stage in meshes:
         replicas = data * fsdp * expert  # the expert axis splits the batch in the dense parts
         if (m.heads % tensor or m.d_ff % tensor or m.vocab % tensor or m.layers < stage
-                or base.batch.global_batch % replicas or (stage > 1 and m.tied_embeddings)
-                or (m.experts and m.expert_width % tensor)):
+                or base.batch.global_batch % replicas or (stage > 1 and m.tied_embeddings)):
             continue
-        mesh = MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage, context=context, expert=expert)
+        folds = _expert_tensor(base, space, tensor, expert)
+        if not folds:
+            continue
+        meshes_here = [MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage, context=context, expert=expert,
+                                expert_tensor=f) for f in folds]
         split = near_even(m.layers, stage)  # None: the even split; else uneven, the ends lighter
         per_replica = base.batch.global_batch // replicas
         micro = [x for x in (space.microbatches or _divisors(per_replica, space.max_microbatches))
@@ -199,11 +211,30 @@ def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> 
                     continue
                 batch = BatchSpec(global_batch=base.batch.global_batch, microbatches=mb)
                 for zero in (space.zero if data > 1 else (0,)):
-                    for remat, precision, sp in itertools.product(space.remat, precisions, sp_choices):
+                    for remat, precision, sp, mesh in itertools.product(space.remat, precisions, sp_choices,
+                                                                        meshes_here):
                         # The base's layers_per_stage fits its own mesh only: each candidate gets its own.
                         yield replace(base, mesh=mesh, schedule=schedule, batch=batch, zero=zero,
                                       remat=Remat(remat), precision=Precision(precision), layers_per_stage=split,
                                       sequence_parallel=sp)
+
+
+def _expert_tensor(base: Plan, space: SearchSpace, tensor: int, expert: int) -> tuple[int | None, ...]:
+    """The ``mesh.expert_tensor`` values of a mesh the plan rules accept: None (the experts split over the tensor
+    axis) where ``tensor`` divides the expert width, 1 (folded) where an MoE model has a tensor axis whose ranks
+    with the expert ranks divide the experts and the shared experts' width; (None,) for a dense model and at
+    tensor 1 (nothing to fold)."""
+    m = base.model
+    if not m.experts or tensor == 1:
+        return (None,)
+    chosen = space.fold_experts if space.fold_experts is not None else (False, True)
+    out: list[int | None] = []
+    if False in chosen and m.expert_width % tensor == 0:
+        out.append(None)
+    if (True in chosen and tensor > 1 and m.experts % (expert * tensor) == 0
+            and (m.shared_experts * m.expert_width) % tensor == 0):
+        out.append(1)
+    return tuple(out)
 
 
 def _sequence_parallel(base: Plan, space: SearchSpace, tensor: int, context: int) -> tuple[bool, ...]:

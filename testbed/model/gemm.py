@@ -151,17 +151,20 @@ def projection_sides(plan: Plan, spec: ModelSpec, tokens: int, tensor: int,
     return _amax_passes(plan, tuple(weights[:attention])), _amax_passes(plan, (*weights[attention:], mlp_out))
 
 
-def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int
-              ) -> tuple[list[Gemm], list[Gemm]]:
+def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int,
+              expert_tensor: int | None = None) -> tuple[list[Gemm], list[Gemm]]:
     """(the MoE block's GEMMs but its out projections, its out projections) on one rank, ``tokens`` tokens.
 
     The router, the routed experts' grouped GEMMs (``expert_rows`` rows each, :func:`testbed.model.moe.expert_tokens`)
-    and the shared experts' MLP, as an MoE layer runs them in place of the dense MLP.
+    and the shared experts' MLP, as an MoE layer runs them in place of the dense MLP. ``expert_tensor`` (the
+    mesh's, None: ``tensor``) is the routed experts' tensor degree: at 1 a rank runs ``E / (expert x tensor)``
+    whole experts (MoE parallel folding), the shared experts still split over ``tensor``.
     """
     d, fe, t = spec.d_model, spec.expert_d_ff or spec.d_ff, tensor
-    local, inner = spec.experts // expert, spec.mlp_matrices - 1
-    ins = [Gemm(tokens, spec.experts, d)] + [Gemm(expert_rows, fe // t, d, batch=local) for _ in range(inner)]
-    outs = [Gemm(expert_rows, d, fe // t, batch=local)]
+    et = t if expert_tensor is None else expert_tensor
+    local, inner = spec.experts // (expert * t // et), spec.mlp_matrices - 1
+    ins = [Gemm(tokens, spec.experts, d)] + [Gemm(expert_rows, fe // et, d, batch=local) for _ in range(inner)]
+    outs = [Gemm(expert_rows, d, fe // et, batch=local)]
     if spec.shared_experts:
         ins += [Gemm(tokens, spec.shared_experts * fe // t, d) for _ in range(inner)]
         outs.append(Gemm(tokens, d, spec.shared_experts * fe // t))
@@ -324,7 +327,7 @@ def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers:
     if plan.remat is Remat.FULL:
         extra = dense * 2 * n * spec.d_model * (spec.d_ff // t)
         if moe_layers:
-            _, outs = moe_gemms(spec, n, expert_tokens(plan), t, plan.mesh.expert)
+            _, outs = moe_gemms(spec, n, expert_tokens(plan), t, plan.mesh.expert, plan.mesh.expert_tensor)
             extra += round(moe_layers * gemm_flops(tuple(outs)))
         return extra
     if policy != "op":
@@ -345,7 +348,7 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     moe = moe_layers(spec, span)
     kinds = [(len(span) - moe, weights, [mlp_out], True)]
     if moe:
-        ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert)
+        ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert, plan.mesh.expert_tensor)
         kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs, False))
     # runtime.moe_dispatch einsum: an MoE layer's one-hot dispatch and combine (testbed.model.dispatch)
     einsum = tuple(tuple(Gemm(m, n, k, batch=b) for m, n, k, b in group) for group in einsum_shapes(plan))

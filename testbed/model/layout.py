@@ -41,7 +41,7 @@ embeddings on another chunk than the embedding's, that chunk holds a copy
 of the token table (Megatron style; its gradient is all-reduced with the
 original), so held parameters then exceed the model's.
 
-FSDP and ZeRO shard every parameter by ONE rule (:meth:`ParamSpec.shard_dim`,
+FSDP and ZeRO shard every parameter by ONE rule (testbed.model.param_spec) (:meth:`ParamSpec.shard_dim`,
 :meth:`ParamSpec.device_elements`): along the largest dim not already split
 by the tensor (or expert) axis whose size the shard count divides; a
 parameter with no such dim is sharded *padded* (:meth:`ParamSpec.padded`):
@@ -61,8 +61,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import NamedTuple
 
 from testbed.errors import InputError
@@ -79,131 +77,7 @@ __all__ = [
 INIT_STD = 0.02
 
 
-class Part(StrEnum):
-    """Which part of the model a parameter belongs to; :attr:`root` is its key in the params pytree."""
-
-    EMBEDDING = "embedding"
-    LAYER = "layer"
-    HEAD = "head"
-
-    @property
-    def root(self) -> str:
-        return {"embedding": "embed", "layer": "layers", "head": "head"}[self.value]
-
-
-class Init(StrEnum):
-    """How the runner initialises a parameter (fp32)."""
-
-    ZEROS = "zeros"
-    ONES = "ones"
-    NORMAL = "normal"
-    #: Normal scaled by ``1/sqrt(2 layers)`` (GPT-2's output projections, so the residual stream stays O(1)).
-    NORMAL_RESIDUAL = "normal-residual"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ParamSpec:
-    """One parameter array of the model, for one :class:`ModelSpec`.
-
-    ``path`` is under :attr:`Part.root` (a layer's under its list entry);
-    ``tensor_dim`` the dim the tensor axis splits (None: replicated over it);
-    ``rng`` the index of the random key it is drawn from (the global keys for
-    embedding and head, the layer's own keys for a layer; None if constant).
-    """
-
-    part: Part
-    path: tuple[str, ...]
-    shape: tuple[int, ...]
-    tensor_dim: int | None
-    init: Init
-    std: float = 0.0
-    rng: int | None = None
-    #: Whole units (K/V heads) along ``tensor_dim``: the tensor axis splits it only at degrees dividing
-    #: this, and leaves the parameter replicated otherwise (fewer K/V heads than tensor ranks). 0: always split.
-    tensor_units: int = 0
-    #: The experts dim of a routed expert's stacked weight, which the expert mesh axis splits; None: a dense
-    #: parameter (replicated over the expert axis, its gradient summed over it).
-    expert_dim: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.path or not all(isinstance(p, str) and p for p in self.path):
-            raise ValueError(f"path must be non-empty names, got {self.path!r}")
-        if not self.shape or not all(isinstance(n, int) and n >= 1 for n in self.shape):
-            raise ValueError(f"{self.name}: shape must be positive sizes, got {self.shape!r}")
-        if self.tensor_dim is not None and not 0 <= self.tensor_dim < len(self.shape):
-            raise ValueError(f"{self.name}: tensor_dim {self.tensor_dim} outside shape {self.shape}")
-        if self.expert_dim is not None and (not 0 <= self.expert_dim < len(self.shape)
-                                            or self.expert_dim == self.tensor_dim):
-            raise ValueError(f"{self.name}: expert_dim {self.expert_dim} outside shape {self.shape} or the tensor dim")
-        random = self.init in (Init.NORMAL, Init.NORMAL_RESIDUAL)
-        if random != (self.rng is not None) or random != (self.std > 0):
-            raise ValueError(f"{self.name}: a random init needs rng and std > 0, a constant one neither")
-
-    @property
-    def name(self) -> str:
-        """``root/path`` (e.g. ``layers/attn/wqkv``), for messages."""
-        return "/".join((self.part.root, *self.path))
-
-    @property
-    def size(self) -> int:
-        """Elements of the whole parameter."""
-        return math.prod(self.shape)
-
-    def tensor_dims(self, tensor: int) -> tuple[int, ...]:
-        """Dims the tensor axis takes at degree ``tensor`` (none at degree 1, nor for an optional split it
-        does not divide)."""
-        if tensor <= 1 or self.tensor_dim is None:
-            return ()
-        if self.tensor_units and self.tensor_units % tensor:
-            return ()
-        return (self.tensor_dim,)
-
-    @property
-    def is_expert(self) -> bool:
-        """A routed expert's weight: split over the expert axis, its gradient not summed over it."""
-        return self.expert_dim is not None
-
-    def expert_dims(self, expert: int) -> tuple[int, ...]:
-        """Dims the expert axis takes at degree ``expert`` (none at degree 1, nor for a dense parameter)."""
-        return (self.expert_dim,) if expert > 1 and self.expert_dim is not None else ()
-
-    def shard_dim(self, tensor: int, ways: int, expert: int = 1) -> int | None:
-        """The dim fsdp/ZeRO split ``ways`` ways (:func:`shard_dim` on the dims tensor and expert leave free)."""
-        return shard_dim(self.shape, self.tensor_dims(tensor) + self.expert_dims(expert), ways)
-
-    def padded(self, tensor: int, ways: int, expert: int = 1) -> bool:
-        """Whether fsdp/ZeRO shard it ``ways`` ways flattened and padded: no free dim divides (the one rule)."""
-        return ways > 1 and self.shard_dim(tensor, ways, expert) is None
-
-    def gathered_elements(self, tensor: int = 1, ways: int = 1, expert: int = 1) -> int:
-        """Elements an all-gather of its ``ways`` shards outputs (a reduce-scatter of its gradient takes),
-        the padding of a padded parameter included: ``ways`` times :meth:`device_elements`."""
-        return ways * self.device_elements(tensor, ways, expert)
-
-    def device_elements(self, tensor: int = 1, ways: int = 1, expert: int = 1) -> int:
-        """Elements one device holds: split by ``tensor`` (if it has a tensor dim), by ``expert`` (a routed
-        expert's weight) and by ``ways`` under the rule: ``1/ways`` of them along the shard dim, or
-        ``ceil(elements / ways)`` flattened and padded when no free dim divides."""
-        n = self.size
-        for dim, degree in [(d, tensor) for d in self.tensor_dims(tensor)] + \
-                [(d, expert) for d in self.expert_dims(expert)]:
-            if self.shape[dim] % degree:
-                raise ValueError(f"{self.name}: degree {degree} does not divide dim {dim} of {self.shape}")
-            n //= degree
-        return -(-n // ways)  # an even split along the shard dim, or the padded flat shard (1 way: whole)
-
-
-def shard_dim(shape: tuple[int, ...], taken: tuple[int, ...], ways: int) -> int | None:
-    """The ONE fsdp/ZeRO shard rule's dim: the largest dim not in ``taken`` whose size ``ways`` divides.
-
-    Ties go to the lower dim. None: ``ways`` is 1 (not split), or no free dim
-    divides, and the parameter is sharded flattened and padded instead
-    (:meth:`ParamSpec.padded`).
-    """
-    if ways <= 1:
-        return None
-    free = sorted((i for i in range(len(shape)) if i not in taken), key=lambda i: -shape[i])
-    return next((i for i in free if shape[i] % ways == 0), None)
+from testbed.model.param_spec import Init, ParamSpec, Part, shard_dim  # noqa: F401 (re-exported)
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -492,8 +366,9 @@ def chunk_params(spec: ModelSpec, stage: int, chunk: int, stages: int, virtual: 
 
 
 def held_elements(held: Iterable[tuple[ParamSpec, int]], tensor: int = 1, ways: int = 1, expert: int = 1,
-                  experts_only: bool | None = None) -> int:
-    """Elements one device holds of ``held`` ((parameter, copies) pairs) at tensor and expert degree and shard
-    ways; ``experts_only`` True counts only routed experts' weights, False only the others."""
-    return sum(copies * p.device_elements(tensor, ways, expert) for p, copies in held
+                  experts_only: bool | None = None, expert_tensor: int | None = None) -> int:
+    """Elements one device holds of ``held`` ((parameter, copies) pairs) at tensor and expert degree (the MoE
+    layers' ``expert_tensor``: :meth:`ParamSpec.degrees`) and shard ways; ``experts_only`` True counts only
+    routed experts' weights, False only the others."""
+    return sum(copies * p.device_elements(tensor, ways, expert, expert_tensor) for p, copies in held
                if experts_only is None or p.is_expert == experts_only)

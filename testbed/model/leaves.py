@@ -62,7 +62,7 @@ def _gathered(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, 
     for i in span:
         params += layout.layer_params(spec, i)
     params += layout.head_params(spec) if head else ()
-    return tuple(p.gathered_elements(mesh.tensor, ways, mesh.expert) for p in params)
+    return tuple(p.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) for p in params)
 
 
 def moved_elements(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> int:
@@ -77,16 +77,17 @@ def moved_elements(plan: Plan, stage: int, chunk: int | None, which: str = "para
     if chunk is None:
         return sum(moved_elements(plan, stage, c, which) for c in range(v))
     ways = max(1, state_sharding(plan).ways(plan, which))
-    return _moved(plan.model, stage, chunk, mesh.stage, v, plan.stage_layers, mesh.tensor, ways, mesh.expert)
+    return _moved(plan.model, stage, chunk, mesh.stage, v, plan.stage_layers, mesh.tensor, ways, mesh.expert,
+                  mesh.expert_tensor)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _moved(spec: ModelSpec, stage: int, chunk: int, stages: int, v: int, stage_layers: tuple[int, ...], tensor: int, ways: int,
-           expert: int) -> int:
+           expert: int, expert_tensor: int | None = None) -> int:
     """:func:`moved_elements` of one chunk, memoized on what it reads (a search asks for the same chunk under
     every schedule, microbatch count and remat of a mesh)."""
     held = layout.chunk_params(spec, stage, chunk, stages, v, stage_layers=stage_layers)
-    return ways * layout.held_elements(held, tensor, ways, expert)
+    return ways * layout.held_elements(held, tensor, ways, expert, expert_tensor=expert_tensor)
 
 
 def norm_elements(plan: Plan, stage: int, chunk: int, which: str = "optimizer") -> int:
@@ -108,7 +109,7 @@ def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:
         return ()
     names: dict[str, None] = {}
     for p in layout.model_params(plan.model):
-        if p.padded(mesh.tensor, ways, mesh.expert):
+        if p.padded(mesh.tensor, ways, mesh.expert, mesh.expert_tensor):
             names.setdefault(p.name)
     return tuple(names)
 

@@ -19,9 +19,10 @@ flattened and padded (``ceil(elements / ways)`` per device, the padding
 counted), so any rank count shards (ZeRO's and FSDP's flat buffers).
 
 Activations: the bytes one microbatch-chunk keeps for its backward
-(``testbed.model.costs.activation_bytes_per_layer``, plus the head's) times the
-(microbatch, chunk) pairs a stage holds at peak, which the pipeline schedule
-decides (:func:`inflight_microbatches`).
+(``testbed.model.kept``: ``testbed.model.activations``' sets under the stack's
+mechanisms, ``plan.runtime``, plus the head's) times the (microbatch, chunk)
+pairs a stage holds at peak, which the pipeline schedule decides
+(:func:`inflight_microbatches`).
 
 Workspace: buffers live only inside one phase, never across microbatches —
 the loss backward (softmax of the logits and their gradient, fp32), one
@@ -38,6 +39,11 @@ Context parallelism: activations and workspace are one context rank's
 ``testbed.model.ring.rank_spec``), plus two ring messages in flight
 (``ring_workspace``); model states are replicated over ``context``.
 
+``runtime.framework`` decides the terms only XLA's buffer assignment keeps (``testbed.model.kept``: tensor-
+parallel backward buffers, the residual summands under full remat) and how a microbatch's gradients live:
+XLA's step writes them whole before it reduces them, PyTorch accumulates replicated gradients in place and
+reduce-scatters sharded ones per block in the backward.
+
 The breakdown is taken at each stage's peak instant: without gradient
 accumulation (one microbatch) activations are freed layer by layer while
 gradients appear, so the two never peak together.
@@ -50,7 +56,7 @@ import math
 from dataclasses import dataclass
 
 from testbed.model import costs
-from testbed.model import layout, moe
+from testbed.model import kept, layout, moe
 from testbed.model.ring import rank_spec, ring_workspace
 from testbed.pipeline.schedules import build_schedule, peak_inflight
 from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
@@ -168,26 +174,13 @@ def _flash_workspace(plan: Plan) -> int:
 
 
 def _layer_workspace(plan: Plan) -> int:
-    """One layer's backward: attention transients, MLP-hidden gradients, what full remat recomputes."""
+    """One layer's backward: attention transients, MLP-hidden gradients, what remat recomputes (testbed.model.kept)."""
     spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
     n = plan.microbatch_size * spec.seq_len
     residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
     hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
-    recompute = 0
-    if plan.remat is Remat.FULL:
-        recompute = costs.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, Remat.NONE, t,
-                                                     plan.sequence_parallel)
+    recompute = kept.recompute_workspace_bytes(plan) + kept.tensor_collective_workspace(plan)
     return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan) + ring_workspace(plan)
-
-
-def _loss_workspace(plan: Plan) -> int:
-    """The loss backward: ``exp(logits - lse)`` and the logits gradient in fp32 (the logits are kept).
-
-    Under bf16 the projection also writes compute-dtype logits before the fp32 cast.
-    """
-    spec, c = rank_spec(plan), plan.precision.compute_bytes
-    logits = plan.microbatch_size * spec.seq_len * spec.padded_vocab // plan.mesh.tensor
-    return logits * (2 * costs.LOSS_BYTES + (c if c != costs.LOSS_BYTES else 0))
 
 
 def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
@@ -210,16 +203,14 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
                                        for w in (param_ways, grad_ways, opt_ways))
     holds_head = stage == layout.head_holder(p, v)[0]
     layers = plan.stage_layers[stage]  # all the stage's chunks (layers_per_stage, or the even split)
-    per_layer = costs.activation_bytes_per_layer(spec, plan.microbatch_size, plan.precision, plan.remat, mesh.tensor,
-                                                 plan.sequence_parallel)
+    per_layer = kept.layer_kept_bytes(plan)  # the stack's mechanisms (runtime) included
     if spec.experts and plan.remat is not Remat.FULL:  # MoE layers keep router, dispatched tokens, experts' hidden
         span = [i for r in layout.chunk_layers(spec, p, v, plan.stage_layers)[stage] for i in r]
         per_layer += moe.moe_layers(spec, span) * moe.activation_bytes_swap(plan, mesh.tensor) // max(1, len(span))
     head_acts = 0
     if holds_head:
         # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
-        head_acts = math.ceil(inflight / v) * costs.head_activation_bytes(
-            spec, plan.microbatch_size, plan.precision, mesh.tensor, plan.sequence_parallel)
+        head_acts = math.ceil(inflight / v) * kept.head_kept_bytes(plan)
     # In-flight pairs spread over the stage's chunks (as the head term assumes): the mean chunk's layers each,
     # exactly layers / v per pair when the chunks are even; uneven chunks (testbed.plan.stages) average.
     layer_acts = inflight * layers // v * per_layer
@@ -232,12 +223,16 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     reduce_ws = 0
     if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
         reduce_ws = grad_b * costs.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
-    loss_ws = _loss_workspace(plan) if holds_head else 0
+    loss_ws = kept.loss_workspace_bytes(plan) + kept.loss_instant_recompute(plan) if holds_head else 0
     layer_ws = _layer_workspace(plan)
     # (activations, gradients, workspace) at each candidate peak instant.
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
     # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
     unsharded = grad_b * (_stage_blocks(plan, stage)[0] if gathered else held)
+    if not kept.xla_program(plan):
+        # PyTorch: autograd accumulates replicated gradients into .grad in place; sharded ones (FSDP, ZeRO-2/3)
+        # are reduce-scattered block by block in the backward (post-backward hooks), one block's unsharded.
+        unsharded = grad_b * _stage_blocks(plan, stage)[0] if grad_ways > 1 else 0
     if plan.batch.microbatches > 1:
         # A microbatch's gradients are written whole before they join the accumulator. The
         # one-program step's accumulation loop adds them after the microbatch's backward, and
@@ -288,15 +283,15 @@ def _stage_blocks(plan: Plan, stage: int) -> tuple[int, ...]:
     p, v, mesh = plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh
     embed = any(layout.holds(stage, c, p, v)[0] for c in range(v))
     head = any(layout.holds(stage, c, p, v)[1] for c in range(v))
-    return _block_sizes(plan.model, mesh.tensor, mesh.expert, embed, head, plan.stage_layers[stage])
+    return _block_sizes(plan.model, mesh.tensor, mesh.expert, embed, head, plan.stage_layers[stage], mesh.expert_tensor)
 
 
 @functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
 def _block_sizes(spec: ModelSpec, tensor: int, expert: int, embed: bool, head: bool, layers: int,
-                 ) -> tuple[int, ...]:
+                 expert_tensor: int | None = None) -> tuple[int, ...]:
     """Elements per device of a stage's blocks whole over the shard axes, largest first (the layers as the
     largest layer kind: :func:`_largest_layer`)."""
-    sizes = [_largest_layer(spec, tensor, expert, 1)] * layers
+    sizes = [_largest_layer(spec, tensor, expert, 1, expert_tensor)] * layers
     if embed:
         sizes.append(layout.held_elements(((q, 1) for q in layout.embedding_params(spec)), tensor, 1, expert))
     if head:
@@ -308,14 +303,14 @@ def _block_sizes(spec: ModelSpec, tensor: int, expert: int, embed: bool, head: b
 def _layer_params_per_device(plan: Plan, ways: int = 1) -> int:
     """The largest layer's parameters on one device (MoE and dense layers differ): tensor and expert split,
     then ``ways``-way sharded by the layout's one rule."""
-    return _largest_layer(plan.model, plan.mesh.tensor, plan.mesh.expert, ways)
+    return _largest_layer(plan.model, plan.mesh.tensor, plan.mesh.expert, ways, plan.mesh.expert_tensor)
 
 
 @functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
-def _largest_layer(spec: ModelSpec, tensor: int, expert: int, ways: int) -> int:
+def _largest_layer(spec: ModelSpec, tensor: int, expert: int, ways: int, expert_tensor: int | None = None) -> int:
     kinds = {layout.is_moe_layer(spec, i): i for i in range(spec.layers)} if spec.experts else {False: 0}
-    return max(layout.held_elements(((p, 1) for p in layout.layer_params(spec, i)), tensor, ways, expert)
-               for i in kinds.values())
+    return max(layout.held_elements(((p, 1) for p in layout.layer_params(spec, i)), tensor, ways, expert,
+                                    expert_tensor=expert_tensor) for i in kinds.values())
 
 
 def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] | None = None) -> MemoryBreakdown:

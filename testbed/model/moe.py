@@ -23,6 +23,16 @@ The quantities, per microbatch on one rank (``N`` = microbatch x seq / context t
   tokens and the experts' outputs (``N top_k load d`` each), the experts' and shared experts'
   hidden values; the dispatch send and combine receive buffers are workspace.
 
+MoE parallel folding (``mesh.expert_tensor`` 1 with ``mesh.tensor`` ``t`` > 1, Megatron-Core's
+``--expert-tensor-parallel-size 1``): the experts are split over ``ep t`` ranks
+(``MeshSpec.expert_parallel``) and each is whole on its rank. The tensor ranks of an expert rank hold the
+same tokens (the dense layers' replicas), so each takes the slots of its own ``E / (ep t)`` experts without
+moving them; the all-to-alls stay over the expert group, ``1 / t`` of the buffer each
+(:func:`routed_rows`); the gate-weighted outputs of each rank's experts are partial sums that the MLP's one
+reduction over the tensor ranks completes, as a dense MLP's. Per rank the routed FLOPs are the same (``E /
+(ep t)`` experts of width ``fe`` for ``E / ep`` of width ``fe / t``); the dispatched tokens and the
+dispatch buffers are ``1 / t`` of them.
+
 Parameters: :func:`active_param_count` is the published "active" count (the routed experts a
 token does not use left out); expert weights are split over the expert axis (layout's
 ``expert_dim``) and their gradients summed over the batch axes but ``expert``
@@ -39,7 +49,7 @@ from testbed.model import layout
 from testbed.plan.spec import ModelSpec, Plan, Precision
 
 __all__ = ["moe_layers", "expert_capacity", "active_param_count", "expert_load", "expert_tokens", "local_tokens",
-           "dispatch_bytes", "mlp_flops_swap", "recompute_flops_swap", "model_flops_swap",
+           "dispatch_bytes", "routed_rows", "mlp_flops_swap", "recompute_flops_swap", "model_flops_swap",
            "activation_bytes_swap", "hidden_workspace", "dispatch_workspace", "ROUTER_BYTES"]
 
 #: Bytes per router logit and probability (fp32 for a stable softmax, as Switch and Mixtral keep them).
@@ -107,9 +117,14 @@ def dispatch_bytes(plan: Plan) -> float:
     the even share, and an all-to-all lasts as long as its busiest receiver, so the even-share buffer scaled
     by the load is what the (uniform) collective timing prices.
     """
-    spec = plan.model
-    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
-    return float(rows * spec.d_model * plan.precision.compute_bytes)
+    return float(routed_rows(plan) * plan.model.d_model * plan.precision.compute_bytes)
+
+
+def routed_rows(plan: Plan) -> int:
+    """Rows of all local experts' GEMMs together per microbatch on one rank: ``E / expert_parallel`` experts x
+    :func:`expert_tokens` (MoE parallel folding, ``mesh.expert_tensor`` 1: the tensor ranks share the expert
+    group's experts, each taking a ``1 / tensor`` share of the slots of the tokens all of them hold)."""
+    return plan.model.experts // plan.mesh.expert_parallel * expert_tokens(plan)
 
 
 def _routed_forward(spec: ModelSpec, rows: float, tensor: int) -> float:
@@ -117,12 +132,13 @@ def _routed_forward(spec: ModelSpec, rows: float, tensor: int) -> float:
     return 2.0 * rows * spec.d_model * spec.mlp_matrices * spec.expert_width / tensor
 
 
-def _moe_forward(spec: ModelSpec, tokens: int, routed_rows: float, tensor: int) -> float:
-    """Forward FLOPs of one MoE block on one tensor rank: router, routed experts, shared experts."""
+def _moe_forward(spec: ModelSpec, tokens: int, rows: float, tensor: int, expert_tensor: int | None = None) -> float:
+    """Forward FLOPs of one MoE block on one tensor rank: router, routed experts (``rows`` rows at the experts'
+    tensor degree, ``tensor`` when None), shared experts."""
     d, m, fe = spec.d_model, spec.mlp_matrices, spec.expert_width
     router = 2.0 * tokens * d * spec.experts
     shared = 2.0 * tokens * d * m * spec.shared_experts * fe / tensor
-    return router + _routed_forward(spec, routed_rows, tensor) + shared
+    return router + _routed_forward(spec, rows, tensor if expert_tensor is None else expert_tensor) + shared
 
 
 def _dense_mlp(spec: ModelSpec, tokens: int, tensor: int) -> float:
@@ -135,8 +151,7 @@ def mlp_flops_swap(plan: Plan, tokens: int | None = None) -> float:
     weight gradients are each the same again (the GEMMs of testbed.model.gemm.moe_gemms)."""
     spec, t = plan.model, plan.mesh.tensor
     n = local_tokens(plan) if tokens is None else tokens
-    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
-    return _moe_forward(spec, n, rows, t) - _dense_mlp(spec, n, t)
+    return _moe_forward(spec, n, routed_rows(plan), t, plan.mesh.expert_tensor) - _dense_mlp(spec, n, t)
 
 
 def recompute_flops_swap(plan: Plan) -> float:
@@ -144,10 +159,10 @@ def recompute_flops_swap(plan: Plan) -> float:
     (routed and shared ``w2``), against the dense MLP less its out projection."""
     spec, t = plan.model, plan.mesh.tensor
     n = local_tokens(plan)
-    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
     keep = (spec.mlp_matrices - 1) / spec.mlp_matrices
-    return 2.0 * n * spec.d_model * spec.experts + keep * (
-        _moe_forward(spec, n, rows, t) - 2.0 * n * spec.d_model * spec.experts - _dense_mlp(spec, n, t))
+    moe_block = _moe_forward(spec, n, routed_rows(plan), t, plan.mesh.expert_tensor)
+    return 2.0 * n * spec.d_model * spec.experts + keep * (moe_block - 2.0 * n * spec.d_model * spec.experts
+                                                          - _dense_mlp(spec, n, t))
 
 
 def model_flops_swap(spec: ModelSpec, tokens: int) -> float:
@@ -165,9 +180,9 @@ def activation_bytes_swap(plan: Plan, tensor: int) -> int:
     output); less the dense MLP's hidden (``m N d_ff / t``).
     """
     spec, c = plan.model, Precision(plan.precision).compute_bytes
-    n, fe, m = local_tokens(plan), spec.expert_width, spec.mlp_matrices
-    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
-    kept = 2 * rows * spec.d_model + m * rows * fe // tensor + m * n * spec.shared_experts * fe // tensor
+    n, fe, m, rows = local_tokens(plan), spec.expert_width, spec.mlp_matrices, routed_rows(plan)
+    et = tensor if plan.mesh.expert_tensor is None else plan.mesh.expert_tensor
+    kept = 2 * rows * spec.d_model + m * rows * fe // et + m * n * spec.shared_experts * fe // tensor
     return ROUTER_BYTES * 2 * n * spec.experts + c * kept - c * m * n * spec.d_ff // tensor
 
 
@@ -185,6 +200,6 @@ def hidden_workspace(plan: Plan) -> int:
     spec, c, t = plan.model, plan.precision.compute_bytes, plan.mesh.tensor
     if not spec.experts:
         return 0
-    n, fe, m = local_tokens(plan), spec.expert_width, spec.mlp_matrices
-    rows = spec.experts // plan.mesh.expert * expert_tokens(plan)
-    return c * (2 * n * spec.d_model + rows * spec.d_model + m * rows * fe // t + m * n * spec.shared_experts * fe // t)
+    n, fe, m, rows, et = local_tokens(plan), spec.expert_width, spec.mlp_matrices, routed_rows(plan), \
+        plan.mesh.expert_tensor_degree
+    return c * (2 * n * spec.d_model + rows * spec.d_model + m * rows * fe // et + m * n * spec.shared_experts * fe // t)

@@ -131,8 +131,9 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
             raise InputError(f"expected a list of the axes {', '.join(valid)} (outermost first); `{bad}` is not one"
                              + (f" (did you mean `{hint}`?)" if hint else ""), field="mesh.order")
         order = tuple(Axis(a) for a in order)
+    expert_tensor = None if mesh.get("expert_tensor") is None else get_int(mesh, "expert_tensor", "mesh")
     mesh_spec = MeshSpec(**{a.value: get_int(mesh, a.value, "mesh", default=1) for a in Axis},
-                         **({"order": order} if order is not None else {}))
+                         **({"order": order} if order is not None else {}), expert_tensor=expert_tensor)
     raw_schedule = data.get("schedule", "1f1b")
     names = [s.value for s in ScheduleName]
     if isinstance(raw_schedule, str):
@@ -211,6 +212,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     out["batch"] = {"global_batch": b.global_batch, "microbatches": b.microbatches}
     out["mesh"] = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor, "stage": mesh.stage,
                    "expert": mesh.expert, "context": mesh.context, "order": [a.value for a in mesh.order]}
+    if mesh.expert_tensor is not None:
+        out["mesh"]["expert_tensor"] = mesh.expert_tensor
     out["schedule"] = {"name": plan.schedule.name.value, "virtual_stages": plan.schedule.virtual_stages}
     out["precision"] = plan.precision.value
     out["remat"] = plan.remat.value

@@ -24,7 +24,7 @@ from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 
 __all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "MOE_DISPATCH", "ATTENTION_KERNELS",
-           "FP8_SCALINGS", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+           "FP8_SCALINGS", "FRAMEWORKS", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,6 +94,29 @@ class RuntimeSpec:
     #: optional amax all-reduce, then the quantize). The runner has no fp8 matmuls: the default is the simulator's
     #: pricing so far.
     fp8_scaling: str = "delayed"
+    #: Under fp8-mixed, each linear layer keeps for its weight-gradient GEMM the fp8 cast of its input (1 byte a
+    #: value) instead of the compute-dtype input, and a norm feeding a GEMM writes its output in fp8 directly
+    #: (Transformer Engine's Linear, LayerNormLinear, LayerNormMLP). False: the compute-dtype inputs are kept and
+    #: cast again in the backward (torchao's float8 linear; the runner runs no fp8). Memory only
+    #: (testbed.model.kept).
+    fp8_saved_inputs: bool = False
+    #: The loss is one fused kernel over the compute-dtype logits (flash-attn's Triton cross-entropy): it keeps
+    #: them and each row's log-sum-exp and writes their gradient in the compute dtype, with no fp32 copy.
+    #: False: the runner's XLA loss, which keeps fp32 logits and writes two fp32 buffers in its backward.
+    #: Memory only (testbed.model.kept).
+    fused_loss: bool = False
+    #: The framework whose autograd decides which buffers a step keeps (:data:`FRAMEWORKS`): ``jax``, XLA's
+    #: compiled program (the runner; MaxText), whose buffer assignment keeps what XLA's fusion and scheduling
+    #: leave live (testbed.model.kept: gathered sequence-parallel inputs, tensor-parallel backward buffers, the
+    #: residual stream's summands under remat, all of a microbatch's sharded gradients until their combined
+    #: reduce-scatter); ``pytorch``, autograd's saved tensors (Korthikanti et al. 2022's accounting: sequence
+    #: parallelism keeps 1/t shards, sharded gradients reduce-scatter per block in the backward). Memory only.
+    framework: str = "jax"
+    #: The layers run as one loop over stacked parameters (``jax.lax.scan``, MaxText's ``scan_layers``) instead
+    #: of the runner's unrolled Python loop: each layer's output is a materialised loop carry, so XLA cannot keep
+    #: the residual stream's summands in its place, nor run the last block's remat beside the loss backward
+    #: (testbed.model.kept). Memory only.
+    scan_layers: bool = False
     #: Pipeline sends block the sender: a stage's next action starts once its activation or gradient has reached
     #: the next stage (DeepSpeed's PipelineEngine runs each send as a blocking ``dist.send`` between its computes;
     #: Megatron-LM's 1F1B waits on its ``batch_isend_irecv`` requests) instead of leaving on a stream of their own
@@ -115,6 +138,9 @@ class RuntimeSpec:
         if self.moe_dispatch not in MOE_DISPATCH:
             raise InputError(f"unknown moe_dispatch `{self.moe_dispatch}`; valid: {', '.join(MOE_DISPATCH)}",
                              field="runtime.moe_dispatch")
+        if self.framework not in FRAMEWORKS:
+            raise InputError(f"unknown framework `{self.framework}`; valid: {', '.join(FRAMEWORKS)}",
+                             field="runtime.framework")
         if self.grad_reduce_dtype not in GRAD_REDUCE_DTYPES:
             raise InputError(f"unknown grad_reduce_dtype `{self.grad_reduce_dtype}`; valid: "
                              f"{', '.join(GRAD_REDUCE_DTYPES)}", field="runtime.grad_reduce_dtype")
@@ -140,6 +166,8 @@ class RuntimeSpec:
 
 #: Values of :attr:`RuntimeSpec.recompute`.
 RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots")
+#: Values of :attr:`RuntimeSpec.framework`.
+FRAMEWORKS = ("jax", "pytorch")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
 GRAD_REDUCE_DTYPES = ("grad", "fp32")
 #: Values of :attr:`RuntimeSpec.moe_dispatch` (testbed.model.dispatch reads the same names).
@@ -155,20 +183,23 @@ FP8_SCALINGS = ("delayed", "current")
 PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
-    "xla": {"fsdp_prefetch": 1},
+    "xla": {"fsdp_prefetch": 1, "scan_layers": True},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
-                 "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "pipeline_blocking_sends": True},
+                 "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
+                 "framework": "pytorch", "pipeline_blocking_sends": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
-             "attention_kernel": "cudnn"},
-    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "grad_reduce_dtype": "fp32",
-                  "pipeline_scatter_gather": True, "pipeline_blocking_sends": True, "grad_all_reduce": True},
-    "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1},
+             "attention_kernel": "cudnn", "fp8_saved_inputs": True, "framework": "pytorch"},
+    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "framework": "pytorch",
+                  "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True, "pipeline_blocking_sends": True,
+                  "grad_all_reduce": True},
+    "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, "framework": "pytorch"},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current"},
+                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", "framework": "pytorch"},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                    "attention_kernel": "triton"},
-    # Meta's Llama 3 training stack (not public): what the Llama 3 paper states of it.
-    "llama3": {"grad_reduce_dtype": "fp32"},
+                    "attention_kernel": "triton", "fused_loss": True, "framework": "pytorch"},
+    # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
+    # (fp32 gradient reduce-scatter) are stated (see SOURCES).
+    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32"},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -185,6 +216,14 @@ _TE_CUDNN = ("Transformer Engine transformer_engine/pytorch/attention.py (TE 1.x
 _FSDP_OVERLAP = ("torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook` (FSDP1) and FSDP2's "
                  "post-backward: each unit's gradients are reduce-scattered (and all-reduced over HSDP replicas) "
                  "as soon as its backward is done, while earlier units' backward runs")
+
+_TE_FP8_INPUTS = ("Transformer Engine transformer_engine/pytorch/module/linear.py `_Linear.forward` (and "
+                  "layernorm_linear.py, layernorm_mlp.py): under fp8_autocast the GEMM input is cast to fp8 (the fused "
+                  "norm writes its output in fp8) and that fp8 tensor is what save_for_backward keeps for the wgrad "
+                  "GEMM; Megatron-Core's TransformerLayer is built of these TE modules (transformer_impl "
+                  "'transformer_engine', the default of its GPT layer specs)")
+
+_PYTORCH = "{} is a PyTorch program: autograd's saved tensors and the caching allocator decide what lives"
 
 #: ``{(profile, field): "where the value comes from"}`` (a file and line of the stack, or its docs).
 SOURCES: dict[tuple[str, str], str] = {
@@ -235,6 +274,24 @@ SOURCES: dict[tuple[str, str], str] = {
     ("llm-foundry", "grad_reduce_dtype"): (
         "Composer composer/distributed/mosaic_parallelism.py `get_mixed_precision`: mixed_precision 'DEFAULT' "
         "(the MPT yamls' fsdp_config) is MixedPrecision(param_dtype=autocast dtype, reduce_dtype=torch.float32)"),
+    ("megatron", "fp8_saved_inputs"): _TE_FP8_INPUTS,
+    ("nemo", "fp8_saved_inputs"): _TE_FP8_INPUTS + " (Megatron-Bridge runs Megatron-Core with TE)",
+    ("megatron", "framework"): _PYTORCH.format("Megatron-LM (github.com/NVIDIA/Megatron-LM)"),
+    ("nemo", "framework"): _PYTORCH.format("Megatron-Bridge (Megatron-Core on PyTorch)"),
+    ("deepspeed", "framework"): _PYTORCH.format("DeepSpeed (github.com/deepspeedai/DeepSpeed)"),
+    ("fsdp", "framework"): _PYTORCH.format("torch.distributed.fsdp"),
+    ("torchtitan", "framework"): _PYTORCH.format("torchtitan (github.com/pytorch/torchtitan)"),
+    ("llm-foundry", "framework"): _PYTORCH.format("llm-foundry (Composer on PyTorch)"),
+    ("xla", "scan_layers"): (
+        "MaxText MaxText/configs/base.yml: scan_layers: True (the decoder's layers run as one nn.scan over stacked "
+        "parameters; its runs log 'Config param scan_layers: True')"),
+    ("meta", "framework"): _PYTORCH.format(
+        "Meta's Llama 3 stack (Llama Team 2024, arXiv:2407.21783, Sec. 3.3.4: its collective tracing is PyTorch's "
+        "built-in NCCL flight recorder)"),
+    ("llm-foundry", "fused_loss"): (
+        "llm-foundry llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM: loss_fn defaults to "
+        "'fused_crossentropy', flash_attn.losses.cross_entropy.CrossEntropyLoss (a Triton kernel that saves the "
+        "logits and the per-row lse and writes the logits' gradient in their dtype)"),
     ("fsdp", "fsdp_prefetch"):
         "PyTorch FSDP (FullyShardedDataParallel) defaults limit_all_gathers=True (pytorch/pytorch#104900): the "
         "rate limiter keeps two consecutive FSDP units' all-gathers in flight, the computing one and the "
@@ -295,7 +352,7 @@ SOURCES: dict[tuple[str, str], str] = {
         "`_bf16_reduce_grads` calls buffered_allreduce_fallback(elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE): "
         "every gradient all-reduced over the data-parallel group in 5e8-element buffers; the optimizer then "
         "updates the rank's partition and all-gathers the bf16 parameters"),
-    ("llama3", "grad_reduce_dtype"): (
+    ("meta", "grad_reduce_dtype"): (
         "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Numerical stability': FP32 "
         "gradient accumulation over micro-batches, and gradients reduce-scattered in FP32 across the data-parallel "
         "workers in FSDP"),

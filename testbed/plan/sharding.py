@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 
 __all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "loss_reductions",
-           "gathers_parameters", "gathered_blocks"]
+           "gathers_parameters", "gathered_blocks", "expert_axes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,6 +81,17 @@ def reduction_axes(plan: Plan, expert: bool = False) -> tuple[Axis, ...]:
     """
     axes = (Axis.DATA, Axis.FSDP, Axis.CONTEXT) if expert else (Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.CONTEXT)
     return tuple(a for a in MESH_AXES if a in axes and plan.mesh.degree(a) > 1)
+
+
+def expert_axes(plan: Plan) -> tuple[Axis, ...]:
+    """The mesh axes (degree > 1, MESH_AXES order: ``expert`` major) the routed experts are split over in the MoE
+    layers, the group their dispatch and combine all-to-alls run over: ``expert``, and ``tensor`` too when
+    ``mesh.expert_tensor`` is 1 (Megatron-Core's MoE parallel folding: the tensor ranks of the dense layers are
+    expert-parallel ranks in the MoE layers). Their product is ``mesh.expert_parallel``; an expert's index
+    ``e`` sits on the rank whose position in that group is ``e // (experts / expert_parallel)``."""
+    mesh = plan.mesh
+    folded = mesh.expert_tensor_degree != mesh.tensor
+    return tuple(a for a in (Axis.EXPERT, Axis.TENSOR) if mesh.degree(a) > 1 and (a is Axis.EXPERT or folded))
 
 
 def loss_reductions(plan: Plan) -> tuple[tuple[tuple[Axis, ...], bool], ...]:

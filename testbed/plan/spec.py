@@ -108,7 +108,15 @@ class BatchSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshSpec:
-    """Degrees of the six mesh axes and the placement order (outermost first)."""
+    """Degrees of the six mesh axes, the placement order (outermost first) and the MoE layers' expert tensor degree.
+
+    ``expert_tensor`` is Megatron-Core's ``--expert-tensor-parallel-size`` (MoE parallel folding): the tensor
+    degree of each routed expert's own matrices. None (or ``tensor``) splits every expert's width over the
+    tensor axis like the dense MLP; 1 folds the tensor ranks into expert parallelism in the MoE layers (each
+    expert whole on one rank, the experts split over ``expert`` x ``tensor``: testbed.plan.sharding.expert_axes)
+    while attention and the dense layers keep the tensor split. Values between would split the tensor axis in
+    two, which a mesh of named axes cannot express.
+    """
 
     data: int = 1
     fsdp: int = 1
@@ -117,10 +125,17 @@ class MeshSpec:
     expert: int = 1
     context: int = 1
     order: tuple[Axis, ...] = MESH_AXES
+    expert_tensor: int | None = None
 
     def __post_init__(self) -> None:
         for axis in Axis:
             _positive(getattr(self, axis.value), f"mesh.{axis.value}")
+        if self.expert_tensor is not None:
+            _positive(self.expert_tensor, "mesh.expert_tensor")
+            if self.expert_tensor not in (1, self.tensor):
+                raise InputError(f"must be 1 (experts whole, the tensor ranks folded into expert parallelism) or "
+                                 f"mesh.tensor {self.tensor} (each expert split like the dense MLP), got "
+                                 f"{self.expert_tensor}", field="mesh.expert_tensor")
         order = tuple(Axis(a) for a in self.order)
         # An order may leave out axes of degree 1 (an order written before they existed): where they sit
         # places nothing, so they are put outermost.
@@ -135,6 +150,16 @@ class MeshSpec:
     def degree(self, axis: Axis | str) -> int:
         # An Axis is a str equal to its field's name: read it directly (a search asks millions of times).
         return getattr(self, axis if axis in _AXIS_NAMES else Axis(axis).value)
+
+    @property
+    def expert_tensor_degree(self) -> int:
+        """The tensor degree of the routed experts' matrices: ``expert_tensor``, else ``tensor``."""
+        return self.tensor if self.expert_tensor is None else self.expert_tensor
+
+    @property
+    def expert_parallel(self) -> int:
+        """Ranks the routed experts are split over in the MoE layers: ``expert`` x ``tensor / expert_tensor``."""
+        return self.expert * self.tensor // self.expert_tensor_degree
 
     @property
     def size(self) -> int:
@@ -270,12 +295,23 @@ class Plan:
         if mesh.expert > 1 and not m.experts:
             raise InputError(f"mesh.expert {mesh.expert} splits the experts of mixture-of-experts layers, but the "
                              "model is dense (model.experts 0); set model.experts or mesh.expert: 1", field="mesh.expert")
-        if m.experts and m.experts % mesh.expert:
-            raise InputError(f"model.experts {m.experts} must be divisible by mesh.expert {mesh.expert}",
-                             field="mesh.expert")
-        if m.experts and m.expert_width % mesh.tensor:
-            raise InputError(f"expert width {m.expert_width} (expert_d_ff, or d_ff) must be divisible by mesh.tensor "
-                             f"{mesh.tensor}", field="model.expert_d_ff")
+        if mesh.expert_tensor_degree != mesh.tensor and not m.experts:
+            raise InputError(f"mesh.expert_tensor {mesh.expert_tensor} sets the tensor degree of mixture-of-experts "
+                             "layers' experts, but the model is dense (model.experts 0); set model.experts or leave "
+                             "mesh.expert_tensor out", field="mesh.expert_tensor")
+        if m.experts and m.experts % mesh.expert_parallel:
+            folded = "" if mesh.expert_parallel == mesh.expert else \
+                f" x (mesh.tensor {mesh.tensor} / mesh.expert_tensor {mesh.expert_tensor_degree})"
+            raise InputError(f"model.experts {m.experts} must be divisible by the expert-parallel degree mesh.expert "
+                             f"{mesh.expert}{folded} = {mesh.expert_parallel}",
+                             field="mesh.expert_tensor" if folded else "mesh.expert")
+        if m.experts and m.expert_width % mesh.expert_tensor_degree:
+            raise InputError(f"expert width {m.expert_width} (expert_d_ff, or d_ff) must be divisible by the experts' "
+                             f"tensor degree {mesh.expert_tensor_degree} (mesh.expert_tensor, else mesh.tensor)",
+                             field="model.expert_d_ff")
+        if m.experts and m.shared_experts * m.expert_width % mesh.tensor:
+            raise InputError(f"the shared experts' width {m.shared_experts} x {m.expert_width} must be divisible by "
+                             f"mesh.tensor {mesh.tensor} (they split like the dense MLP)", field="model.expert_d_ff")
         imb = self.expert_imbalance
         if isinstance(imb, bool) or not isinstance(imb, (int, float)) or not imb >= 1:
             raise InputError(f"must be a number >= 1 (the busiest expert rank's tokens over the mean; 1 is uniform), "
@@ -324,7 +360,7 @@ def plan_fields() -> Mapping[str, tuple[str, ...]]:
                   "first_dense_layers", "capacity_factor", "router_aux_loss", "head_dim", "parallel_block",
                   "sliding_window"),
         "batch": ("global_batch", "microbatches"),
-        "mesh": ("data", "fsdp", "tensor", "stage", "expert", "context", "order"),
+        "mesh": ("data", "fsdp", "tensor", "stage", "expert", "context", "order", "expert_tensor"),
         "schedule": ("name", "virtual_stages"),
         "optimizer": ("name", "learning_rate", "b1", "b2", "eps", "weight_decay"),
         "runtime": runtime_fields(),

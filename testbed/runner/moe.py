@@ -50,9 +50,10 @@ from testbed.model.moe import expert_capacity
 from testbed.plan.spec import Mlp, ModelSpec
 
 __all__ = ["MoeConfig", "moe_config", "expert_capacity", "Routing", "route", "dispatch", "combine",
-           "experts_ffn", "moe_mlp", "ExpertShards", "expert_shards", "aux_into_grads"]
+           "experts_ffn", "moe_mlp", "ExpertShards", "aux_into_grads"]
 
 AXIS = "expert"
+TENSOR = "tensor"
 
 
 class MoeConfig(NamedTuple):
@@ -192,45 +193,72 @@ class ExpertShards:
     ``expert`` (testbed.runner.param_shards.ParamShards) the body runs directly. The map is unchecked: every input
     varies over ``expert`` (nothing replicated over a manual axis, so no gradient sum is missed), and JAX
     0.10 misnames a checked map's residuals when nested in another map. Identity-hashed: one per mesh.
+
+    ``folded`` (``mesh.expert_tensor`` 1): the experts are split over ``tensor`` too and a subclass
+    (testbed.runner.moe_folded.FoldedExpertShards) runs the routed and shared part of the layer in a map manual
+    over it; testbed.runner.moe_folded.expert_shards builds the plan's.
     """
 
-    def __init__(self, mesh: Any, spread: bool = False):
-        self.mesh = mesh
-        if mesh.shape.get(AXIS, 1) < 2:
-            raise ValueError(f"ExpertShards needs a mesh with an `{AXIS}` axis of degree > 1")
+    def __init__(self, mesh: Any, spread: bool = False, folded: bool = False, scatter: bool = False):
+        self.mesh, self.scatter = mesh, scatter
+        self.expert = mesh.shape.get(AXIS, 1)
+        self.tensor = mesh.shape.get(TENSOR, 1) if folded else 1
+        if self.expert * self.tensor < 2:
+            raise ValueError(f"ExpertShards needs a mesh with an `{AXIS}` axis of degree > 1, or `{TENSOR}` > 1 "
+                             "folded into expert parallelism")
+        own = (AXIS,) if self.expert > 1 else ()
         # The other batch axes that split the slots' rows (degree > 1), before `expert` as the batch spec orders
         # them: manual too, so each device dispatches its own rows (left automatic, XLA re-lays the slots out
         # over them around the all-to-all). ``spread``: run per data replica (a vmap whose dim is over `data`,
         # testbed.runner.replicas.replica_axis): manual over `data` through that dim, a replica's rows not split
         # over it again.
         rows = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-        self._rows = tuple(a for a in rows if not (spread and a == "data")) + (AXIS,)
-        self._manual = frozenset(rows) | {AXIS}
+        self._rows = tuple(a for a in rows if not (spread and a == "data")) + own
+        self._manual = frozenset(rows) | frozenset(own)
+        #: Axes the routed experts' weights are split over on their experts dim (testbed.plan.sharding.expert_axes).
+        self.weight_axes = own + ((TENSOR,) if self.tensor > 1 else ())
         #: The same map run per data replica, or this instance when it is that.
-        self.per_replica = self if spread or "data" not in rows else ExpertShards(mesh, spread=True)
+        self.per_replica = self if spread or "data" not in rows else type(self)(mesh, True, folded, scatter)
 
-    def _map(self, fn: Any, weights: Any = None) -> Any:
-        """``fn(rows, weights)`` in a map over the rows' batch axes (module doc), or None inside a map already
-        manual over ``expert``."""
+    @property
+    def is_folded(self) -> bool:
+        """Whether the tensor ranks are expert-parallel ranks in the MoE layers (``mesh.expert_tensor`` 1)."""
+        return self.tensor > 1
+
+    def folded(self, weights: dict[str, Any], routing: Routing, h: jax.Array, shared: dict[str, Any],
+               cfg: MoeConfig) -> jax.Array:
+        """The folded layer's routed and shared output (testbed.runner.moe_folded.FoldedExpertShards)."""
+        raise NotImplementedError("a folded layer needs testbed.runner.moe_folded.FoldedExpertShards")
+
+    def _map(self, fn: Any, specs: tuple[Any, ...], out: Any, with_tensor: bool = False) -> Any:
+        """``fn`` in a map over the rows' batch axes (module doc; ``tensor`` too when ``with_tensor``), or None
+        when every axis it needs is manual already. ``specs``/``out``: callables of (rows entry, weights entry)
+        giving the in and out specs."""
         context = jax.sharding.get_abstract_mesh()
         manual = frozenset() if context.empty else frozenset(context.manual_axes)
-        if AXIS in manual:
+        wanted = self._manual | (frozenset({TENSOR}) if with_tensor else frozenset())
+        now = wanted if not manual else frozenset(a for a in (AXIS, TENSOR) if a in wanted and a not in manual)
+        if not now:
             return None
-        mesh = self.mesh if context.empty or not manual else context
+        mesh = self.mesh if not manual else context
         trivial = {name for name, size in mesh.shape.items() if size == 1 and name not in manual}
-        rows = jax.P(self._rows if len(self._rows) > 1 else AXIS) if not manual else jax.P(AXIS)
-        axes = (self._manual if not manual else frozenset({AXIS})) | trivial
-        specs = (rows,) if weights is None else (rows, {name: jax.P(AXIS) for name in weights})
-        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=rows, axis_names=axes, check_vma=False)
+        rows = self._rows if not manual else tuple(a for a in (AXIS,) if a in now)
+        weights = tuple(a for a in self.weight_axes if a in now)
+        entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes  # noqa: E731
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs(entry(rows), entry(weights)),
+                             out_specs=out(entry(rows)), axis_names=now | trivial, check_vma=False)
 
     def __call__(self, slots: jax.Array, weights: dict[str, Any], cfg: MoeConfig) -> jax.Array:
-        mapped = self._map(lambda s, w: _exchanged_experts(s, w, cfg), weights)
+        mapped = self._map(lambda s, w: _exchanged_experts(s, w, cfg),
+                           lambda r, w: (jax.P(r), {name: jax.P(w) for name in weights}), jax.P)
         return _exchanged_experts(slots, weights, cfg) if mapped is None else mapped(slots, weights)
 
     def top_k(self, probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
         """``lax.top_k`` of the router's ``[rows, seq, E]`` on each device's rows (XLA's partitioner gathers
         the whole batch's probabilities for a top-k of rows split over several axes)."""
-        mapped = self._map(lambda p: jax.lax.top_k(p, k))
+        if not self._rows:
+            return jax.lax.top_k(probs, k)
+        mapped = self._map(lambda p: jax.lax.top_k(p, k), lambda r, w: (jax.P(r),), jax.P)
         return jax.lax.top_k(probs, k) if mapped is None else mapped(probs)
 
 
@@ -242,8 +270,11 @@ def moe_mlp(p: dict[str, Any], h: jax.Array, cfg: MoeConfig, experts: ExpertShar
     ``positions``: as :func:`route`.
     """
     routing = route(h, p["router"], cfg, positions, experts.top_k if experts is not None else None)
-    slots = dispatch(h, routing, cfg)
     weights = {name: p[name] for name in _EXPERT_KEYS if name in p}
+    if experts is not None and experts.is_folded:
+        shared = {name: p[name] for name in p if name.startswith("shared_")}
+        return experts.folded(weights, routing, h, shared, cfg), routing.aux
+    slots = dispatch(h, routing, cfg)
     y = _local_experts(slots, weights, cfg) if experts is None else experts(slots, weights, cfg)
     out = combine(y, routing, h.dtype)
     if "shared_w1" in p:
@@ -272,9 +303,3 @@ def _aux_bwd(weight: float, zeros: jax.Array, g: jax.Array) -> tuple[jax.Array, 
 
 
 aux_into_grads.defvjp(_aux_fwd, _aux_bwd)
-
-
-def expert_shards(plan: Any, mesh: Any) -> ExpertShards | None:
-    """The plan's :class:`ExpertShards` on ``mesh`` (a trainer's mesh or a stage's), or None without expert
-    parallelism."""
-    return ExpertShards(mesh) if plan.mesh.expert > 1 else None

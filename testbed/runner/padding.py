@@ -34,22 +34,24 @@ from testbed.plan.spec import Plan
 __all__ = ["FlatState", "flatten", "unflatten", "flat_shape"]
 
 
-def _split_dims(param: ParamSpec, tensor: int, expert: int) -> tuple[tuple[int, int, str], ...]:
-    """(dim, degree, axis) of each dim the tensor and expert axes split, in dim order."""
-    dims = [(d, tensor, "tensor") for d in param.tensor_dims(tensor)] + \
-        [(d, expert, "expert") for d in param.expert_dims(expert)]
-    return tuple(sorted(dims))
+def _split_dims(param: ParamSpec, tensor: int, expert: int, expert_tensor: int | None = None
+                ) -> tuple[tuple[int, int, Any], ...]:
+    """(dim, degree, axis entry) of each dim the tensor and expert axes split, in dim order
+    (testbed.model.param_spec.ParamSpec.splits)."""
+    return tuple((d, k, axes[0] if len(axes) == 1 else axes) for d, k, axes in param.splits(tensor, expert, expert_tensor))
 
 
-def flat_shape(param: ParamSpec, tensor: int, ways: int, expert: int = 1) -> tuple[int, ...]:
+def flat_shape(param: ParamSpec, tensor: int, ways: int, expert: int = 1, expert_tensor: int | None = None
+               ) -> tuple[int, ...]:
     """The flat form's shape: the split dims' degrees, then ``ways`` times the device's padded shard."""
-    split = _split_dims(param, tensor, expert)
-    return (*(k for _, k, _ in split), ways * param.device_elements(tensor, ways, expert))
+    split = _split_dims(param, tensor, expert, expert_tensor)
+    return (*(k for _, k, _ in split), ways * param.device_elements(tensor, ways, expert, expert_tensor))
 
 
-def flatten(x: jax.Array, param: ParamSpec, tensor: int, ways: int, expert: int = 1) -> jax.Array:
+def flatten(x: jax.Array, param: ParamSpec, tensor: int, ways: int, expert: int = 1,
+            expert_tensor: int | None = None) -> jax.Array:
     """``x`` (the parameter's shape) in its flat form (:func:`flat_shape`), zero-padded."""
-    split = _split_dims(param, tensor, expert)
+    split = _split_dims(param, tensor, expert, expert_tensor)
     shape: list[int] = []
     fronts: list[int] = []
     for i, n in enumerate(param.shape):
@@ -61,13 +63,14 @@ def flatten(x: jax.Array, param: ParamSpec, tensor: int, ways: int, expert: int 
             shape.append(n)
     y = jnp.moveaxis(x.reshape(shape), fronts, list(range(len(fronts))))
     y = y.reshape(*(k for _, k, _ in split), -1)
-    pad = flat_shape(param, tensor, ways, expert)[-1] - y.shape[-1]
+    pad = flat_shape(param, tensor, ways, expert, expert_tensor)[-1] - y.shape[-1]
     return jnp.pad(y, [(0, 0)] * (y.ndim - 1) + [(0, pad)])
 
 
-def unflatten(y: jax.Array, param: ParamSpec, tensor: int, expert: int = 1) -> jax.Array:
+def unflatten(y: jax.Array, param: ParamSpec, tensor: int, expert: int = 1, expert_tensor: int | None = None
+              ) -> jax.Array:
     """The parameter's shape back from its flat form (the padding cut off): :func:`flatten`'s inverse."""
-    split = _split_dims(param, tensor, expert)
+    split = _split_dims(param, tensor, expert, expert_tensor)
     local = [n // next((k for d, k, _ in split if d == i), 1) for i, n in enumerate(param.shape)]
     y = y[..., :math.prod(local)].reshape(*(k for _, k, _ in split), *local)
     dims = [d for d, _, _ in split]
@@ -87,6 +90,7 @@ class FlatState:
     def __init__(self, plan: Plan, active: bool = True):
         sharding = state_sharding(plan)
         self.model, self.tensor, self.expert = plan.model, plan.mesh.tensor, plan.mesh.expert
+        self.expert_tensor = plan.mesh.expert_tensor
         self.ways = sharding.ways(plan, "optimizer") if active else 1
         self.axes = sharding.split_axes(plan, "optimizer")
 
@@ -94,7 +98,7 @@ class FlatState:
         from testbed.runner.parallel import _path_names  # the runner's leaf naming
 
         param = layout.param_at(self.model, _path_names(path))
-        return param if param.padded(self.tensor, self.ways, self.expert) else None
+        return param if param.padded(self.tensor, self.ways, self.expert, self.expert_tensor) else None
 
     @property
     def active(self) -> bool:
@@ -107,7 +111,7 @@ class FlatState:
 
         def one(path: tuple[Any, ...], x: Any) -> Any:
             param = self._param(path)
-            return x if param is None else flatten(x, param, self.tensor, self.ways, self.expert)
+            return x if param is None else flatten(x, param, self.tensor, self.ways, self.expert, self.expert_tensor)
         return jax.tree_util.tree_map_with_path(one, tree)
 
     def back(self, tree: Any) -> Any:
@@ -117,7 +121,7 @@ class FlatState:
 
         def one(path: tuple[Any, ...], x: Any) -> Any:
             param = self._param(path)
-            return x if param is None else unflatten(x, param, self.tensor, self.expert)
+            return x if param is None else unflatten(x, param, self.tensor, self.expert, self.expert_tensor)
         return jax.tree_util.tree_map_with_path(one, tree)
 
     def spec(self, path: tuple[Any, ...], spec: P) -> P:
@@ -127,4 +131,4 @@ class FlatState:
         if param is None:
             return spec
         axes = self.axes if len(self.axes) > 1 else self.axes[0]
-        return P(*(a for _, _, a in _split_dims(param, self.tensor, self.expert)), axes)
+        return P(*(a for _, _, a in _split_dims(param, self.tensor, self.expert, self.expert_tensor)), axes)

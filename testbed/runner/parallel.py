@@ -61,7 +61,7 @@ def _path_names(path: tuple[Any, ...]) -> list[str]:
 
 
 def leaf_spec(param: ParamSpec, *, tensor: int, shard_axes: tuple[str, ...], shard_size: int,
-              expert: int = 1) -> P:
+              expert: int = 1, expert_tensor: int | None = None) -> P:
     """The spec of one parameter leaf, from its entry in testbed.model.layout's table.
 
     Args:
@@ -70,14 +70,14 @@ def leaf_spec(param: ParamSpec, *, tensor: int, shard_axes: tuple[str, ...], sha
       shard_axes: mesh axes a further dim is split over (``("fsdp",)``, ``("data", "fsdp")`` or ``()``).
       shard_size: product of the degrees of ``shard_axes``.
       expert: the expert-parallel degree (a routed expert's weight split over ``expert`` on its experts dim).
+      expert_tensor: the MoE layers' expert tensor degree (None: ``tensor``; 1 folds ``tensor`` into the
+        experts dim's split: testbed.model.param_spec.ParamSpec.splits).
     """
     dims: list[Any] = [None] * len(param.shape)
-    for dim in param.tensor_dims(tensor):
-        dims[dim] = "tensor"
-    for dim in param.expert_dims(expert):
-        dims[dim] = "expert"
+    for dim, _, axes in param.splits(tensor, expert, expert_tensor):
+        dims[dim] = axes[0] if len(axes) == 1 else axes
     # The layout's one fsdp/ZeRO rule, the one testbed.model.memory counts.
-    dim = param.shard_dim(tensor, shard_size, expert) if shard_axes else None
+    dim = param.shard_dim(tensor, shard_size, expert, expert_tensor) if shard_axes else None
     if dim is not None:
         dims[dim] = shard_axes if len(shard_axes) > 1 else shard_axes[0]
     return P(*dims)
@@ -111,7 +111,8 @@ def _specs(params_shape: Any, plan: Plan, shard_axes: tuple[str, ...]) -> Any:
         size *= plan.mesh.degree(axis)
     return jax.tree_util.tree_map_with_path(
         lambda path, leaf: leaf_spec(_param(plan.model, path, tuple(leaf.shape)), tensor=plan.mesh.tensor,
-                                     shard_axes=shard_axes, shard_size=size, expert=plan.mesh.expert), params_shape)
+                                     shard_axes=shard_axes, shard_size=size, expert=plan.mesh.expert,
+                                     expert_tensor=plan.mesh.expert_tensor), params_shape)
 
 
 def layout_for(params_shape: Any, plan: Plan) -> Layout:

@@ -55,7 +55,7 @@ class ParamShards:
 
     def __init__(self, plan: Plan, mesh: Any, spread: bool = False):
         self.mesh, self.model, self.tensor, self.spread = mesh, plan.model, plan.mesh.tensor, spread
-        self.expert = plan.mesh.expert
+        self.expert, self.expert_tensor = plan.mesh.expert, plan.mesh.expert_tensor
         #: Axes the parameters are sharded over; their product is the shard count.
         self.shard_axes = state_sharding(plan).split_axes(plan, "params")
         self.ways = math.prod(plan.mesh.degree(a) for a in self.shard_axes)
@@ -74,8 +74,11 @@ class ParamShards:
 
         def entry(path: tuple[Any, ...], leaf: Any) -> tuple[int, tuple[str, ...], P, P]:
             param = layout.param_at(self.model, _path_names(path))
-            dim, tdims = param.shard_dim(self.tensor, self.ways, self.expert), param.tensor_dims(self.tensor)
-            edims = param.expert_dims(self.expert)  # a routed expert's weight: split over `expert`, not copied
+            dim = param.shard_dim(self.tensor, self.ways, self.expert, self.expert_tensor)
+            splits = param.splits(self.tensor, self.expert, self.expert_tensor)
+            # A routed expert's weight: split over `expert`, not copied (folded: over `tensor` too, automatic here).
+            edims = {d for d, _, axes in splits if "expert" in axes}
+            tdims = {d for d, _, axes in splits if "tensor" in axes}
             split = (*lead, *(self.shard_axes if dim is not None else ()), *(("expert",) if edims else ()))
             copies = tuple(a for a in self.axes if a not in split)
             dims = [_entry(self.shard_axes) if i == dim else "expert" if i in edims else None

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.runner import model
-from testbed.runner.moe import expert_shards
+from testbed.runner.moe_folded import expert_shards
 from testbed.runner.param_shards import param_shards
 from testbed.runner.parallel import batch_axes, batch_spec, layout_for, sequence_shards
 from testbed.runner.precision import Optimizer

@@ -279,7 +279,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     n_moe = moe_layers(plan.model, span)
     p, v = plan.mesh.stage, plan.schedule.virtual_stages
     expert_params = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
-                                  plan.mesh.tensor, 1, plan.mesh.expert, experts_only=True) if reduces else 0
+                                  plan.mesh.tensor, 1, plan.mesh.expert, True, plan.mesh.expert_tensor) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
     blocks = max(1, cost.layers) if gathers_parameters(plan, "F") else 1

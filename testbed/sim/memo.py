@@ -34,11 +34,11 @@ def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tup
 
 def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
     """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
-    layers per stage, ``runtime.recompute`` and ``moe_dispatch``)."""
+    layers per stage, ``runtime.recompute`` and ``moe_dispatch``, ``mesh.expert_tensor``)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
            plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute,
-           plan.runtime.moe_dispatch)
+           plan.runtime.moe_dispatch, plan.mesh.expert_tensor)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:
@@ -56,7 +56,8 @@ def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
     precision, which tag the fp8 casts' amax passes)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context,
-           plan.runtime.recompute, plan.runtime.moe_dispatch, plan.runtime.attention_kernel, plan.runtime.fp8_scaling, plan.precision)
+           plan.runtime.recompute, plan.runtime.moe_dispatch, plan.runtime.attention_kernel, plan.runtime.fp8_scaling, plan.precision,
+           plan.mesh.expert_tensor)
     shapes = _GEMMS.get(key)
     if shapes is None:
         if len(_GEMMS) > 100_000:

@@ -53,7 +53,8 @@ def _action_gemms(forward: list[Gemm], kind: str, split: bool, remat: Remat) -> 
 def _layer_gemms(plan: Plan, kind: str, split: bool) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
     """(routed experts', shared experts') GEMMs of one MoE layer in an F or B action on one rank."""
     spec, mesh = plan.model, plan.mesh
-    ins, outs = moe_gemms(spec, moe.local_tokens(plan), moe.expert_tokens(plan), mesh.tensor, mesh.expert)
+    ins, outs = moe_gemms(spec, moe.local_tokens(plan), moe.expert_tokens(plan), mesh.tensor, mesh.expert,
+                          mesh.expert_tensor)
     inner = spec.mlp_matrices - 1
     routed = _action_gemms([*ins[1:1 + inner], outs[0]], kind, split, plan.remat)
     shared = _action_gemms([*ins[1 + inner:], *outs[1:]], kind, split, plan.remat) if spec.shared_experts else []

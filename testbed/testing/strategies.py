@@ -131,7 +131,8 @@ def plans(draw: st.DrawFn, num_devices: int | Sequence[int] = 8, *, schedules: S
     """Small valid testbed :class:`~testbed.plan.spec.Plan` objects whose mesh uses exactly the drawn device
     count: data x fsdp x tensor x stage (x context, drawn from ``contexts`` where it divides the count), a GPT
     sized to fit (heads, d_ff, layers, vocab divisible as needed; seq_len by 2 x context), microbatches,
-    schedule and ZeRO stage."""
+    schedule and ZeRO stage, and the model family keys: ``head_dim`` apart from ``d_model / heads``, a
+    parallel (PaLM) block, a ``sliding_window`` shorter than the sequence."""
     from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
     n = draw(_counts(num_devices))
@@ -143,9 +144,11 @@ def plans(draw: st.DrawFn, num_devices: int | Sequence[int] = 8, *, schedules: S
     heads = tensor * draw(st.sampled_from([1, 2]))
     head_dim = draw(st.sampled_from([2, 4]))
     layers = stage * draw(st.sampled_from([1, 2]))
+    seq_len = draw(st.sampled_from([s for s in (4, 8, 16) if s % (2 * context) == 0][:2]))
     model = ModelSpec(layers=layers, d_model=heads * head_dim, heads=heads, d_ff=2 * heads * head_dim,
-                      seq_len=draw(st.sampled_from([s for s in (4, 8, 16) if s % (2 * context) == 0][:2])),
-                      vocab=16 * tensor)
+                      seq_len=seq_len, vocab=16 * tensor, head_dim=draw(st.sampled_from([None, 2 * head_dim])),
+                      parallel_block=draw(st.booleans()),
+                      sliding_window=draw(st.sampled_from([None, max(1, seq_len // 2 - 1)])))
     microbatches = draw(st.sampled_from([stage, 2 * stage]) if stage > 1 else st.sampled_from([1, 2]))
     global_batch = data * fsdp * microbatches * draw(st.sampled_from([1, 2]))
     schedule = draw(st.sampled_from(list(schedules))) if stage > 1 else "1f1b"
@@ -166,7 +169,8 @@ def moe_plans(draw: st.DrawFn, num_devices: int = 8, *, experts_degrees: Sequenc
     """Small valid mixture-of-experts :class:`~testbed.plan.spec.Plan` objects on exactly ``num_devices``:
     ``mesh.expert`` from ``experts_degrees`` times data x tensor x stage, a tiny model whose experts the
     expert degree divides (1 or 2 per rank), top-1 or top-2 routing, dropless or with capacity drops, shared
-    experts, a first dense layer, GELU or SwiGLU, and a load-balancing coefficient large enough to show."""
+    experts, a first dense layer, GELU or SwiGLU, a load-balancing coefficient large enough to show, and with
+    tensor > 1 ``mesh.expert_tensor`` 1 (MoE parallel folding: the experts over expert x tensor) or unset."""
     from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
     expert = draw(st.sampled_from([e for e in experts_degrees if num_devices % e == 0]))
@@ -176,8 +180,10 @@ def moe_plans(draw: st.DrawFn, num_devices: int = 8, *, experts_degrees: Sequenc
     first_dense = draw(st.sampled_from([0, 1]))
     layers = stage * draw(st.sampled_from([1, 2])) + (first_dense if stage == 1 else 0)
     swiglu = draw(st.booleans())
+    expert_tensor = draw(st.sampled_from([None, 1])) if tensor > 1 else None
     model = ModelSpec(layers=layers, d_model=16, heads=heads, d_ff=32, seq_len=8, vocab=16 * tensor,
-                      mlp="swiglu" if swiglu else "gelu", experts=expert * draw(st.sampled_from([1, 2])),
+                      mlp="swiglu" if swiglu else "gelu",
+                      experts=expert * (tensor if expert_tensor == 1 else 1) * draw(st.sampled_from([1, 2])),
                       top_k=draw(st.sampled_from([1, 2])), expert_d_ff=8 * tensor,
                       shared_experts=draw(st.sampled_from([0, 1])), first_dense_layers=first_dense,
                       capacity_factor=draw(st.sampled_from([None, 0.75, 1.25])),
@@ -187,7 +193,7 @@ def moe_plans(draw: st.DrawFn, num_devices: int = 8, *, experts_degrees: Sequenc
     schedule = draw(st.sampled_from(list(schedules))) if stage > 1 else "1f1b"
     try:
         return Plan(model=model, batch=BatchSpec(global_batch=global_batch, microbatches=microbatches),
-                    mesh=MeshSpec(data=data, expert=expert, tensor=tensor, stage=stage),
+                    mesh=MeshSpec(data=data, expert=expert, tensor=tensor, stage=stage, expert_tensor=expert_tensor),
                     schedule=ScheduleSpec(name=schedule), name=f"moe-drawn-{num_devices}")
     except InputError:  # a combination the plan rules reject: draw again
         from hypothesis import reject

@@ -1,0 +1,218 @@
+"""What one microbatch's forward keeps for its backward under the plan's stack: per layer, the head, the loss.
+
+``testbed.model.activations`` counts what the runner's XLA program keeps per remat mode. A stack's mechanisms
+(``plan.runtime``, testbed.plan.runtime) change that set, and the memory model (testbed.model.memory) reads
+them here, one rule per mechanism:
+
+- ``recompute: op`` with selective remat (torchtitan's per-op policy): the block's input, the outputs of every
+  other matmul in the block's order, the attention kernel's output and row log-sum-exp and, under sequence
+  parallelism, the reduce-scatters' outputs (:func:`op_saved_bytes`); the rest of the block is recomputed in
+  its backward (:func:`recompute_workspace_bytes`).
+- ``fp8_saved_inputs`` with fp8-mixed (Transformer Engine): each linear keeps the fp8 cast of its input,
+  1 byte a value, instead of the compute-dtype tensor (:func:`fp8_input_savings`).
+- ``fused_loss`` (flash-attn's cross-entropy kernel): the head keeps compute-dtype logits and their row
+  log-sum-exp, and the loss backward writes one compute-dtype gradient (:func:`head_kept_bytes`,
+  :func:`loss_workspace_bytes`).
+- ``framework: jax`` (the runner; XLA's buffer assignment, read from the compiled HLO of
+  ``benchmarks/memory_vs_xla.py``'s steps): under sequence parallelism the all-gathered input of each
+  column-parallel matmul (:func:`sp_gathered_bytes`); with a tensor axis each layer's LayerNorm-backward
+  normalised input, computed in the forward (:func:`normalized_input_bytes`), and both halves of the
+  backward's tensor collectives (:func:`tensor_collective_workspace`); under full remat the residual
+  stream's summands (:func:`residual_summand_bytes`) and the last block's recompute beside the loss
+  backward (:func:`loss_instant_recompute`). ``pytorch`` keeps Korthikanti et al. (2022)'s accounting.
+"""
+
+from __future__ import annotations
+
+from testbed.model.activations import (FLASH_BYTES, LOSS_BYTES, activation_bytes_per_layer, head_activation_bytes,
+                                       norms)
+from testbed.model.ring import rank_spec
+from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
+
+__all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
+           "head_kept_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
+           "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
+           "loss_instant_recompute"]
+
+
+def layer_kept_bytes(plan: Plan) -> int:
+    """Bytes one layer keeps from its forward until its backward, one microbatch, one device of the plan."""
+    spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
+    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
+        return op_saved_bytes(plan)
+    kept = activation_bytes_per_layer(spec, b, plan.precision, plan.remat, t, sp)
+    kept += residual_summand_bytes(plan) if plan.remat is Remat.FULL else _xla_layer_extra(plan)
+    if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_saved_inputs and plan.remat is not Remat.FULL:
+        kept -= fp8_input_savings(plan)
+    return kept
+
+
+def block_matmul_outputs(spec: ModelSpec, tokens: int, tensor: int) -> tuple[int, ...]:
+    """Values of each matmul output of one block on one tensor rank, in the forward's order: Q, K, V, the out
+    projection, then the MLP's (SwiGLU: gate, up, down; GELU: in, out). Column-parallel outputs are split over
+    the tensor ranks; a row-parallel output (out projection, MLP down) is the whole ``[tokens, d_model]`` partial
+    sum before its reduction."""
+    n, t = tokens, tensor
+    kv = n * spec.kv_dim // t if spec.kv_split(t) else n * spec.kv_dim
+    mlp_in = (n * spec.d_ff // t,) * (spec.mlp_matrices - 1)
+    return (n * spec.q_dim // t, kv, kv, n * spec.d_model, *mlp_in, n * spec.d_model)
+
+
+def op_saved_bytes(plan: Plan) -> int:
+    """One layer's kept bytes under torchtitan's per-op selective recompute (``runtime.recompute: op``).
+
+    torchtitan's policy (torchtitan/distributed/activation_checkpoint.py ``_get_custom_policy``) saves the
+    outputs of the attention kernel (its output and fp32 row log-sum-exp), of the tensor-parallel
+    reduce-scatters, and of every other ``mm`` (the 1st, 3rd, ...: Q, V, the MLP's first matrix, and SwiGLU's
+    down projection); the checkpointed block keeps its input besides. Everything else (norms, RoPE, the
+    activation function, the other matmuls) is recomputed in the backward.
+    """
+    spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
+    c, n = plan.precision.compute_bytes, b * spec.seq_len
+    residual = n * spec.d_model // (t if sp else 1)  # the block input; SP shards it over the sequence
+    saved = sum(block_matmul_outputs(spec, n, t)[::2])
+    attention = n * spec.q_dim // t
+    scatters = norms(spec) * residual if sp and t > 1 else 0  # one reduce-scatter per row-parallel matmul
+    lse = FLASH_BYTES * b * spec.heads * spec.seq_len // t
+    return c * (residual + saved + attention + scatters) + lse
+
+
+def fp8_input_savings(plan: Plan) -> int:
+    """Bytes one layer keeps fewer when each linear keeps the fp8 cast of its input (``runtime.fp8_saved_inputs``).
+
+    The norms feeding the QKV and MLP-in GEMMs write fp8 outputs (a parallel block's one norm feeds both),
+    and the MLP's down projection keeps its input in fp8: each ``compute - 1`` bytes a value fewer. The out
+    projection keeps an fp8 copy of the attention output, which the attention kernel keeps in the compute
+    dtype for its own backward: 1 byte a value more.
+    """
+    spec, t, sp = rank_spec(plan), plan.mesh.tensor, plan.sequence_parallel
+    c, n = plan.precision.compute_bytes, plan.microbatch_size * spec.seq_len
+    norm_outputs = norms(spec) * n * spec.d_model // (t if sp else 1)
+    down_input = n * spec.d_ff // t
+    return (c - 1) * (norm_outputs + down_input) - n * spec.q_dim // t
+
+
+def recompute_workspace_bytes(plan: Plan) -> int:
+    """What a layer's backward recomputes and holds besides the kept set: full remat the whole block forward,
+    per-op recompute the part its policy did not save; 0 otherwise."""
+    spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
+    whole = activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp) + _xla_layer_extra(plan)
+    if plan.remat is Remat.FULL:
+        return whole
+    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
+        return max(whole - op_saved_bytes(plan), 0)
+    return 0
+
+
+def xla_program(plan: Plan) -> bool:
+    """Whether XLA's buffer assignment decides what the step keeps (``runtime.framework: jax``)."""
+    return plan.runtime.framework == "jax"
+
+
+def _residual_values(plan: Plan) -> int:
+    """Values of one ``[tokens, d_model]`` residual-stream tensor on one device (its sequence shard under SP)."""
+    spec = rank_spec(plan)
+    n = plan.microbatch_size * spec.seq_len * spec.d_model
+    return n // plan.mesh.tensor if plan.sequence_parallel else n
+
+
+def _xla_layer_extra(plan: Plan) -> int:
+    """What XLA keeps of one layer beyond :func:`activation_bytes_per_layer`'s no-remat and selective sets."""
+    return norms(rank_spec(plan)) * sp_gathered_bytes(plan) + normalized_input_bytes(plan)
+
+
+def sp_gathered_bytes(plan: Plan) -> int:
+    """Bytes one column-parallel matmul's gathered input keeps beyond its sequence shard.
+
+    Under sequence parallelism the runner all-gathers the sequence before each column-parallel matmul (QKV,
+    MLP-in, the head) and XLA keeps the all-gather's output, the whole ``[tokens, d_model]``, as the
+    weight-gradient matmul's operand; Megatron-LM and Transformer Engine keep the shard and gather it again in
+    the backward (``framework: pytorch``, Korthikanti et al. 2022: ``1/t`` each). 0 without SP."""
+    t = plan.mesh.tensor
+    if not plan.sequence_parallel or t == 1 or not xla_program(plan):
+        return 0
+    return plan.precision.compute_bytes * (t - 1) * _residual_values(plan)
+
+
+def normalized_input_bytes(plan: Plan) -> int:
+    """Bytes of one layer's LayerNorm-backward operand ``(x - mean) * rstd`` that XLA computes in the forward.
+
+    With a tensor axis the norm's input arrives from a collective (the all-reduce or reduce-scatter of the
+    previous row-parallel matmul), and XLA materialises one normalised input per layer in the forward, kept
+    until that layer's backward (``(x - mean) * rstd`` fusions in the compiled step; without a tensor axis
+    the backward recomputes it from the kept input). One residual-stream tensor, its shard under SP."""
+    if plan.mesh.tensor == 1 or not xla_program(plan):
+        return 0
+    return plan.precision.compute_bytes * _residual_values(plan)
+
+
+def tensor_collective_workspace(plan: Plan) -> int:
+    """Bytes a layer's backward holds for its tensor-axis collectives of the input gradients.
+
+    Each of the layer's column-parallel matmuls (QKV, MLP-in; a parallel block's one) writes a whole-sequence
+    partial input gradient that is reduced over the tensor axis (all-reduce; reduce-scatter under SP, whose
+    row-parallel side all-gathers the output gradient whole). XLA's collectives are out of place: the operand
+    and the result are both live, two whole ``[tokens, d_model]`` buffers per collective. 0 without a tensor
+    axis or for PyTorch stacks (NCCL all-reduces in place)."""
+    if plan.mesh.tensor == 1 or not xla_program(plan):
+        return 0
+    spec = rank_spec(plan)
+    return norms(spec) * 2 * plan.precision.compute_bytes * plan.microbatch_size * spec.seq_len * spec.d_model
+
+
+def residual_summand_bytes(plan: Plan) -> int:
+    """Bytes XLA keeps per layer under the runner's full remat beside the block input.
+
+    The residual stream is a chain of adds (``x + attention + mlp``); XLA fuses each add into its consumers
+    instead of writing the sum, so the summands, each block's attention and MLP outputs (one per norm), stay
+    live until the backward's recompute of every later block has read them. PyTorch's checkpoint (``runtime.
+    recompute`` block/op) keeps the block input only, and so does a scanned layer loop (``runtime.scan_layers``:
+    each layer's output is a materialised carry)."""
+    if not _unrolled_runner_remat(plan):
+        return 0
+    return norms(rank_spec(plan)) * plan.precision.compute_bytes * _residual_values(plan)
+
+
+def loss_instant_recompute(plan: Plan) -> int:
+    """Bytes of the last block's recompute live during the loss backward under the runner's full remat.
+
+    The last block's rematerialisation depends only on its kept input, so XLA's scheduler runs it next to the
+    loss backward rather than after it: one block's recomputed activations beside the loss workspace."""
+    if not _unrolled_runner_remat(plan):
+        return 0
+    return recompute_workspace_bytes(plan)
+
+
+def _unrolled_runner_remat(plan: Plan) -> bool:
+    """Full remat as the runner's ``jax.checkpoint`` per block over an unrolled layer loop, compiled by XLA."""
+    return (plan.remat is Remat.FULL and plan.runtime.recompute == "runner" and xla_program(plan)
+            and not plan.runtime.scan_layers)
+
+
+def head_kept_bytes(plan: Plan) -> int:
+    """Bytes the final norm and the loss keep per microbatch: fp32 logits (the runner's loss), or with
+    ``runtime.fused_loss`` compute-dtype logits; their per-row log-sum-exp either way."""
+    spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
+    kept = head_activation_bytes(spec, b, plan.precision, t, sp) + sp_gathered_bytes(plan)
+    if plan.runtime.fused_loss:
+        kept -= (LOSS_BYTES - plan.precision.compute_bytes) * _logits(plan)
+    return kept
+
+
+def loss_workspace_bytes(plan: Plan) -> int:
+    """The loss backward's transient buffers besides the kept logits.
+
+    The runner's XLA loss: ``exp(logits - lse)`` and the logits gradient in fp32, and under bf16 the
+    compute-dtype logits the projection wrote before the fp32 cast. ``runtime.fused_loss``: the logits
+    gradient in the compute dtype only (the kernel reads the kept logits and lse).
+    """
+    c = plan.precision.compute_bytes
+    if plan.runtime.fused_loss:
+        return c * _logits(plan)
+    return _logits(plan) * (2 * LOSS_BYTES + (c if c != LOSS_BYTES else 0))
+
+
+def _logits(plan: Plan) -> int:
+    """Logits one tensor rank holds for one microbatch (the padded vocabulary split over the tensor ranks)."""
+    spec = rank_spec(plan)
+    return plan.microbatch_size * spec.seq_len * spec.padded_vocab // plan.mesh.tensor

@@ -1,0 +1,117 @@
+"""What a microbatch keeps under each stack's mechanisms (testbed.model.kept): reference counts of the tensors each
+stack's code saves, the XLA-only terms vanishing for PyTorch stacks, and the published runs that trained fitting.
+
+The XLA terms' agreement with XLA's compiled bytes is measured by benchmarks/memory_vs_xla.py (the memory-minimising
+scheduler it needs is a process-wide flag the test session does not set)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from testbed.model import kept
+from testbed.model.activations import FLASH_BYTES, activation_bytes_per_layer, head_activation_bytes
+from testbed.model.memory import memory_breakdown
+from testbed.plan.io import plan_from_dict
+from testbed.plan.spec import Remat
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "published"))
+import runs  # noqa: E402
+
+
+def _plan(preset: str, runtime: str, **over):
+    spec = {"name": "t", "model": {"preset": preset, "seq_len": 8192, "attention": "flash"},
+            "batch": {"global_batch": 2, "microbatches": 1}, "mesh": {"data": 2}, "precision": "bf16-mixed",
+            "remat": "selective", "runtime": runtime, **over}
+    return plan_from_dict(spec, default_name="t")
+
+
+def test_torchtitans_op_policy_keeps_every_other_matmul_and_the_attention_output() -> None:
+    """Llama 3 8B, one sequence: torchtitan saves the block input, wq's, wv's, w1's and w2's outputs (mm calls
+    1, 3, 5, 7), SDPA's output and its fp32 log-sum-exp; nothing else of the block."""
+    plan = _plan("llama3-8b", "torchtitan", batch={"global_batch": 1, "microbatches": 1}, mesh={})
+    spec, n = plan.model, plan.model.seq_len
+    d, kv, f = spec.d_model, spec.kv_dim, spec.d_ff
+    values = n * d + n * d + n * kv + n * f + n * d + n * d  # input, wq, wv, w1, w2, SDPA output
+    assert kept.layer_kept_bytes(plan) == 2 * values + FLASH_BYTES * spec.heads * n
+    full = activation_bytes_per_layer(spec, 1, plan.precision, Remat.FULL)
+    none = activation_bytes_per_layer(spec, 1, plan.precision, Remat.NONE)
+    assert full < kept.layer_kept_bytes(plan) < none
+    # The backward recomputes the rest of the block: saved + recomputed is the whole no-remat set.
+    assert kept.op_saved_bytes(plan) + kept.recompute_workspace_bytes(plan) == none
+
+
+def test_transformer_engines_fp8_layers_keep_fp8_gemm_inputs() -> None:
+    """Llama 3 70B, TP 4 with sequence parallelism, fp8 (NeMo): per layer TE keeps the norms' bf16 inputs and fp8
+    outputs (sequence shards), bf16 Q, K, V and attention output (flash attention's), the out projection's fp8
+    input, the bf16 fc1 output (gate and up, SwiGLU's input) and fc2's fp8 input; plus the norms' fp32-free
+    statistics and flash's log-sum-exp."""
+    plan = _plan("llama3-70b", "nemo", precision="fp8-mixed", remat="none", mesh={"tensor": 4, "data": 2},
+                 sequence_parallel=True)
+    spec, t, n = plan.model, 4, plan.model.seq_len
+    d, q, kv, f = spec.d_model, spec.q_dim, spec.kv_dim, spec.d_ff
+    te = (2 * (2 * n * d // t) + 1 * (2 * n * d // t)     # two norms: bf16 input, fp8 output
+          + 2 * n * (q + 2 * kv) // t + 2 * n * q // t    # Q, K, V and the attention output (bf16)
+          + 1 * n * q // t                                # the out projection's fp8 input
+          + 2 * (2 * n * f // t) + 1 * n * f // t)        # fc1's bf16 output, fc2's fp8 input
+    stats = 2 * 2 * n // t + FLASH_BYTES * spec.heads * n // t  # two RMSNorms' rstd (bf16), flash's lse
+    assert kept.layer_kept_bytes(plan) == te + stats
+    bf16 = replace(plan, runtime=replace(plan.runtime, fp8_saved_inputs=False))
+    assert kept.layer_kept_bytes(plan) < kept.layer_kept_bytes(bf16)
+
+
+def test_the_fused_loss_keeps_compute_dtype_logits_and_writes_one_gradient() -> None:
+    plan = _plan("gpt-125m", "llm-foundry", remat="full", model={"preset": "gpt-125m", "attention": "flash"})
+    runner = replace(plan, runtime=replace(plan.runtime, fused_loss=False))
+    logits = plan.microbatch_size * plan.model.seq_len * plan.model.padded_vocab
+    assert kept.head_kept_bytes(runner) - kept.head_kept_bytes(plan) == (4 - 2) * logits
+    assert kept.loss_workspace_bytes(plan) == 2 * logits          # the bf16 logits gradient
+    assert kept.loss_workspace_bytes(runner) == (4 + 4 + 2) * logits  # exp, gradient (fp32), bf16 logits
+    assert kept.head_kept_bytes(runner) == head_activation_bytes(plan.model, plan.microbatch_size, plan.precision)
+
+
+@pytest.mark.parametrize("tensor, sp", [(1, False), (4, False), (4, True)])
+def test_xla_terms_are_jaxs_alone(tensor: int, sp: bool) -> None:
+    """The terms read from XLA's compiled steps vanish for PyTorch programs; without a tensor axis there are none;
+    under SP the gathered input is the rest of the sequence, (t - 1) / t of the whole."""
+    plan = _plan("llama3-8b", "testbed", remat="none", mesh={"tensor": tensor}, sequence_parallel=sp,
+                 batch={"global_batch": 1, "microbatches": 1})
+    torch = replace(plan, runtime=replace(plan.runtime, framework="pytorch"))
+    c, n, d = 2, plan.model.seq_len, plan.model.d_model
+    for term in (kept.sp_gathered_bytes, kept.normalized_input_bytes, kept.tensor_collective_workspace,
+                 kept.residual_summand_bytes, kept.loss_instant_recompute):
+        assert term(torch) == 0
+    assert kept.sp_gathered_bytes(plan) == (c * (tensor - 1) * n * d // tensor if sp else 0)
+    assert kept.normalized_input_bytes(plan) == (0 if tensor == 1 else c * n * d // (tensor if sp else 1))
+    assert kept.tensor_collective_workspace(plan) == (0 if tensor == 1 else 2 * 2 * c * n * d)
+    assert kept.layer_kept_bytes(plan) >= kept.layer_kept_bytes(torch)
+
+
+def test_the_runners_full_remat_keeps_the_residual_summands() -> None:
+    plan = _plan("llama3-8b", "testbed", remat="full")
+    block = activation_bytes_per_layer(plan.model, 1, plan.precision, Remat.FULL)
+    assert kept.layer_kept_bytes(plan) == 3 * block  # the block input and its two sublayer outputs
+    checkpoint = replace(plan, runtime=replace(plan.runtime, recompute="block"))
+    assert kept.layer_kept_bytes(checkpoint) == block and kept.loss_instant_recompute(checkpoint) == 0
+    assert kept.loss_instant_recompute(plan) == kept.recompute_workspace_bytes(plan) > 0
+    scanned = replace(plan, runtime=replace(plan.runtime, scan_layers=True))  # MaxText: a materialised carry
+    assert kept.layer_kept_bytes(scanned) == block and kept.loss_instant_recompute(scanned) == 0
+
+
+#: Published runs that trained and that the memory model used to put over their devices' memory (issue 35):
+#: NeMo's Llama 3 70B (fp8 inputs), torchtitan's Llama 3 8B (per-op recompute), MosaicML's MPT-3B at 8K (the
+#: fused loss), Meta's Llama 3 405B on 16K GPUs (PyTorch: gradients reduce-scattered per block).
+TRAINED = ("nemo-llama3-70b-fp8-64gpu-gbs128", "nemo-llama3-70b-fp8-64gpu-gbs256", "titan-llama3-8b-bf16-8gpu",
+           "titan-llama3-8b-fp8-8gpu", "titan-llama3-8b-bf16-128gpu", "titan-llama3-8b-fp8-128gpu",
+           "mpt-3b-bf16-h100-8gpu-seq8k", "mpt-3b-fp8-h100-8gpu-seq8k", "titan-a100-llama2-70b-op-64gpu",
+           "llama3-405b-h100-16384gpu")
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_published_runs_that_trained_fit(name: str) -> None:
+    cases, inline = runs.load_cases()
+    case = next(c for c in cases if c["name"] == name)
+    assert memory_breakdown(runs.case_plan(case), runs.case_topology(case, inline)).fits
