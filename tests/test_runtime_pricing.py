@@ -175,7 +175,9 @@ def test_bad_fields_name_the_field():
     from testbed.errors import InputError
     for runtime, field in (({"recompute": "everything"}, "runtime.recompute"),
                            ({"grad_bucket_bytes": -1}, "runtime.grad_bucket_bytes"),
-                           ({"tp_comm_overlap": "yes"}, "runtime.tp_comm_overlap")):
+                           ({"tp_comm_overlap": "yes"}, "runtime.tp_comm_overlap"),
+                           ({"pipeline_blocking_sends": 1}, "runtime.pipeline_blocking_sends"),
+                           ({"grad_all_reduce": "no"}, "runtime.grad_all_reduce")):
         with pytest.raises(InputError) as err:
             _plan(runtime)
         assert field in str(err.value)
@@ -224,3 +226,62 @@ def test_pipeline_scatter_gather_splits_sends_over_the_tensor_ranks():
     sp = {**over, "sequence_parallel": True}
     assert build_program(_plan({"pipeline_scatter_gather": True}, **sp), placement).tasks == \
         build_program(_plan(**sp), placement).tasks
+
+
+def test_pipeline_blocking_sends_hold_the_sender_until_its_send_arrives():
+    """Stages on different nodes: with blocking sends a stage's next action waits for its send (task graph), and
+    both tiers' steps grow by the sends the stage can no longer hide behind its compute; without stages or
+    sends there is nothing to block."""
+    topology = load_topology("dgx-h100-x4")
+    over = {"mesh": {"data": 2, "stage": 2, "tensor": 8}, "batch": {"global_batch": 16, "microbatches": 8},
+            "remat": "none", "zero": 1}
+    plan, blocking = _plan(**over), _plan({"pipeline_blocking_sends": True}, **over)
+    placement = place(plan, topology)
+
+    def own_sends_waited(p) -> int:  # a sender's compute waiting for its own send
+        tasks = build_program(p, placement).tasks
+        return sum(1 for t in tasks if t.stream == "compute" for d in t.deps
+                   if tasks[d].stream == "pipe" and tasks[d].device == t.device)
+
+    assert own_sends_waited(blocking) > 0 and own_sends_waited(plan) == 0
+    des = [simulate(p, topology).report.step_time_s for p in (plan, blocking)]
+    analytic = [estimate(p, topology).step_time_s for p in (plan, blocking)]
+    assert des[1] > des[0] and analytic[1] > analytic[0]
+    flat = {"mesh": {"data": 2, "tensor": 4}}
+    assert _both(_plan({"pipeline_blocking_sends": True}, **flat)) == _both(_plan(**flat))
+
+
+@pytest.mark.parametrize("runtime, field", [({"pipeline_blocking_sends": "yes"}, "runtime.pipeline_blocking_sends"),
+                                            ({"tp_comm_overlap": 2}, "runtime.tp_comm_overlap"),
+                                            ({"profile": "llama4"}, "runtime.profile")])
+def test_a_bad_runtime_value_exits_2_naming_the_field(runtime, field, tmp_path, capsys):
+    import yaml
+
+    from testbed.cli.main import main
+    spec = {"name": "r", "model": {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "seq_len": 16, "vocab": 128},
+            "batch": {"global_batch": 8, "microbatches": 1}, "mesh": {"data": 8}, "runtime": runtime}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(spec))
+    code = main(["simulate", "--plan", str(tmp_path / "p.yaml"), "--topology", "host-cpu-8"])
+    err = capsys.readouterr().err
+    assert code == 2 and field in err and "Traceback" not in err, err
+
+
+def test_grad_all_reduce_all_reduces_zero1_gradients_over_data():
+    """ZeRO-1 with ``grad_all_reduce``: every bucket an all-reduce of the whole gradients over data instead of a
+    reduce-scatter (twice the bus bytes), slower in both tiers; sharded gradients (ZeRO-2) are unchanged."""
+    topology = load_topology(TOPOLOGY)
+    plan, whole = _plan(zero=1), _plan({"grad_all_reduce": True}, zero=1)
+    placement = place(plan, topology)
+
+    def reductions(p) -> dict:
+        ops: dict = {}
+        for t in build_program(p, placement).tasks:
+            if t.stream == "grad" and t.op in ("all_reduce", "reduce_scatter"):
+                ops[t.op] = ops.get(t.op, 0.0) + t.nbytes * t.count
+        return ops
+
+    assert set(reductions(plan)) == {"reduce_scatter"} and set(reductions(whole)) == {"all_reduce"}
+    assert reductions(whole)["all_reduce"] == pytest.approx(reductions(plan)["reduce_scatter"])
+    (d0, a0), (d1, a1) = _both(plan), _both(whole)
+    assert d1 > d0 and a1 > a0
+    assert _both(_plan({"grad_all_reduce": True}, zero=2)) == _both(_plan(zero=2))

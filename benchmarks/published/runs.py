@@ -44,7 +44,7 @@ CASES = Path(__file__).with_name("runs.yaml")
 STACK_PROFILES = {"megatron-lm": "megatron", "megatron-bridge": "nemo", "nemo": "nemo", "deepspeed": "deepspeed",
                   "megatron-deepspeed": "deepspeed", "torchtitan": "torchtitan", "llm-foundry": "llm-foundry",
                   "fsdp": "fsdp", "pytorch-fsdp": "fsdp", "maxtext": "xla", "jax": "xla", "xla": "xla", "pax": "xla",
-                  # Meta's Llama 3 training stack is not public: no cited value to state, so the runner's.
+                  # Meta's Llama 3 training stack is not public: what its paper states (testbed.plan.runtime).
                   "meta-llama3": "meta"}
 #: Scale bands of the category report (devices, inclusive upper bounds).
 SCALES = (("<=64", 64), ("65-512", 512), ("513-4096", 4096), (">4096", float("inf")))

@@ -9,7 +9,9 @@ the pipeline schedule table, stage by stage, with the same prices:
   work the facts give it (``chunk_cost`` of testbed.model.costs, split
   into gradient buckets as the program splits it), plus its blocking
   tensor-parallel all-reduces timed by testbed.collectives.timing over every
-  tensor group at once (``groups_time``: the groups share links);
+  tensor group at once (``groups_time``: the groups share links); under
+  ``runtime.tp_comm_overlap`` each block's collectives beside its own GEMMs
+  (testbed.sim.tp_overlap, played by testbed.explore.play);
 - fsdp/ZeRO-3 parameter gathers run block by block on their own stream, at
   most ``runtime.fsdp_prefetch`` blocks ahead of the compute: an action of
   ``n`` blocks waits for its first block's gather, then runs a block every
@@ -44,13 +46,13 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from testbed.collectives.timing import groups_time, send_time
-from testbed.model import buffers
+from testbed.explore.play import Play
 from testbed.model.gemm import scaled
 from testbed.model.memory import MemoryBreakdown, memory_breakdown
-from testbed.pipeline.schedules import Action, peak_inflight
+from testbed.pipeline.schedules import peak_inflight
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, Plan
-from testbed.sim.barriers import Syncs, interleaved_wait, merge, step_end_wait
+from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
@@ -153,18 +155,18 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
     """
     priced = _Step(facts, topology, device_ids)
     cal, p, per_stage = topology.calibration, facts.stages, priced.per_stage
-    step, busy, comm, host = _Play(priced, 1.0).run()
+    step, busy, comm, host = Play(priced, 1.0).run()
     if cal.shares_host and p == 1:
-        step, busy, comm, host = _Play(priced, 1.0 / cal.host_share(topology.num_devices)).run()
+        step, busy, comm, host = Play(priced, 1.0 / cal.host_share(topology.num_devices)).run()
     elif cal.shares_host and priced.serial:
         # One stage's program computes at a time, beside the controller for the share of the step it works.
         for _ in range(2):
             share = cal.host_share(per_stage + (min(1.0, host / step) if step > 0 else 0.0))
-            step, busy, comm, host = _Play(priced, 1.0 / share).run()
+            step, busy, comm, host = Play(priced, 1.0 / share).run()
     elif cal.shares_host:
         for _ in range(2):
             stages = sum(busy) / step if step > 0 else 1.0
-            step, busy, comm, host = _Play(priced, 1.0 / cal.host_share(stages * per_stage, max(1.0, stages))).run()
+            step, busy, comm, host = Play(priced, 1.0 / cal.host_share(stages * per_stage, max(1.0, stages))).run()
     worst = max(range(p), key=lambda s: busy[s] + comm[s])
     return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
                     bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),
@@ -192,6 +194,7 @@ class _Priced(NamedTuple):
     bucket_syncs: Syncs
     hidden: float = 0.0
     blocks: int = 1
+    overlap: tuple[tuple[float, float, float], ...] = ()
 
 
 class _Step:
@@ -235,7 +238,9 @@ class _Step:
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> _Priced:
         """One action's :class:`_Priced` (``gather``: the seconds of a gather of its chunk's parameters)."""
         facts, topology, dtype, coll, plan = self.facts, self.topology, self.dtype, self.coll, self.facts.plan
-        cost, kind, (flops, hbm, rep_b, split_b) = chunk.cost, work.kind, work.work
+        cost, kind, overlap = chunk.cost, work.kind, work.overlap
+        flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
+        gemms = overlap.gemms if overlap else work.gemms
         whole, ringed, chain = self._compute(chunk, work, ring)
         ring_s = ringed[1] if ringed else 0.0
         last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
@@ -244,7 +249,7 @@ class _Step:
         bucket_syncs: Syncs = ()
         if last and reduces:  # the program reduces even a one-layer chunk's gradients
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
-                                    rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(work.gemms, 1 / pieces))
+                                    rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
             bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
                                                 chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces)
@@ -253,8 +258,12 @@ class _Step:
             scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.reduced[0] / n)
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
-        tp_s = sum(count * coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in work.tensor)
-        hidden = tp_s if plan.runtime.tp_comm_overlap else 0.0  # beside the compute (the task graph's join)
+        tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
+        hidden = tp_s if plan.runtime.tp_comm_overlap and not overlap else 0.0  # beside the compute (the join)
+        blocks = tuple((self._tensor_seconds(s, blk.first),  # GEMM by GEMM (testbed.sim.tp_overlap)
+                        compute_seconds(topology, dtype, blk.flops, blk.hbm_bytes, max(1, len(blk.gemms)),
+                                        tensor_bytes=cost.tensor_bytes, gemms=blk.gemms),
+                        self._tensor_seconds(s, blk.rest)) for blk in (overlap.blocks if overlap else ()))
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
         reps = facts.representatives
@@ -274,7 +283,11 @@ class _Step:
                  merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks)
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks)
+
+    def _tensor_seconds(self, s: int, transfers) -> float:
+        """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""
+        return sum(count * self.coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in transfers)
 
     def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
                  ) -> tuple[float, tuple[float, float] | None, tuple[Piece, ...]]:
@@ -282,11 +295,13 @@ class _Step:
         priced as the task graph splits it: whole, as the ring's tasks under context parallelism (testbed.sim.ring),
         and the chain's compute tasks each as the graph prices them."""
         topology, dtype, cost = self.topology, self.dtype, chunk.cost
-        flops, hbm, rep_b, split_b = work.work
+        overlap = work.overlap  # its blocks' GEMMs are priced beside their collectives (_price)
+        flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
         whole = compute_seconds(topology, dtype, flops, hbm, chunk.kernels, rep_b, split_b, cost.tensor_bytes,
-                                work.gemms)
-        ringed = ring_action_seconds(self.facts.plan, topology, dtype, ring, work.kind, cost.layers, work.ring_work,
-                                     work.ring_gemms, chunk.kernels, cost.tensor_bytes)
+                                overlap.gemms if overlap else work.gemms)
+        ringed = ring_action_seconds(self.facts.plan, topology, dtype, ring, work.kind, cost.layers,
+                                     overlap.work if overlap else work.ring_work,
+                                     overlap.gemms if overlap else work.ring_gemms, chunk.kernels, cost.tensor_bytes)
         whole = ringed[0] if ringed else whole
         if work.chain:
             whole = (ringed[0] if ringed else 0.0) + sum(
@@ -326,175 +341,3 @@ class _Step:
                                           gemms=beside.gemms) if beside else 0.0
                 total += max(0.0, a2a - overlap)
         return total
-
-
-class _Play:
-    """One play of the schedule table, stage by stage, with compute slowed ``slow`` times: every action in
-    execution order (:meth:`action`), then each stage's gradient tail and update (:meth:`update`)."""
-
-    def __init__(self, step: _Step, slow: float) -> None:
-        facts, p = step.facts, step.facts.stages
-        self.step, self.facts, self.slow, self.plan = step, facts, slow, facts.plan
-        self.end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
-        self.arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
-        self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
-            [0.0] * p
-        self.recv: dict[tuple[int, str], float] = {}  # (stage, direction) -> its split sends' gathers done
-        self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
-        self.busy, self.comm = [0.0] * p, [0.0] * p
-        self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
-        self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
-        self.launch = 0.0  # with ``serial``: when the previous program completed
-        self.host, controller = 0.0, step.controller
-        if controller is not None:
-            self.host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
-            if p == 1:
-                self.host += controller.overhead_s + buffers.spmd_step_buffers(self.plan) * controller.buffer_s
-
-    def run(self) -> tuple[float, list[float], list[float], float]:
-        """(step seconds, per-stage compute, per-stage communication, the controller's seconds)."""
-        for s, action, deps in self.facts.order:
-            self.action(s, action, deps)
-        step = 0.0
-        for s in range(self.facts.stages):
-            step = max(step, self.update(s), self.host)
-        return step, self.busy, self.comm, self.host
-
-    def _start(self, s: int, c: int, kind: str, priced: _Priced, deps: tuple[tuple, ...]) -> float:
-        """When an action starts: after its stage's previous action (and program), its dispatch, its
-        dependencies and its parameter gather (the wait for which is communication)."""
-        step, controller = self.step, self.step.controller
-        start = max(self.free[s], self.launch) if step.serial else self.free[s]
-        if controller is not None:
-            if self.facts.stages > 1:
-                n_buffers = self.facts.dispatch_buffers(s, c, kind, self.remaining[(s, c)] < self.facts.microbatches)
-                self.host += (1 + len(priced.sends)) * controller.overhead_s + n_buffers * controller.buffer_s
-            start = max(start, self.host)
-        for key in deps:
-            t = self.end[key] if key[0] == s else self.arrive[key]
-            if t > start:
-                start = t
-        return start
-
-    def _gather(self, s: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
-        """An action's gathers block by block (testbed.sim.program's): (when its first block computes, the seconds
-        the later blocks wait for their gathers). Block ``i``'s gather waits for block ``i - 1 - prefetch``; with
-        equal blocks of gather ``g`` and compute ``c`` the action computes a block every ``max(g, c)`` (``g + c``
-        without prefetch). The stage's next gather may start as this action's last ``prefetch`` blocks compute."""
-        n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
-        g, c = priced.gather / n, compute / n
-        if skewed is not None and d == 0:  # each gather, exposed, first meets its group after a block's computing
-            g += skewed.barrier_wait(self.facts.params_ways, c)
-        period = g + c if d == 0 else max(g, c)
-        first = max(start, self.gather_free[s] + g)
-        self.comm[s] += first - start
-        # When the stage's next gather may start: after this action's gathers, and once block n - 1 - d is done.
-        self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
-        return first, (n - 1) * (period - c)
-
-    def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
-        """Plays one F/B/W action of stage ``s``."""
-        c, kind, mb = action.chunk, action.kind, action.microbatch
-        priced = self.step.prices[(s, c, kind)]
-        compute = self.slow * priced.compute
-        start, stretch = self._start(s, c, kind, priced, deps), 0.0
-        if priced.gather:
-            start, stretch = self._gather(s, priced, start, compute)
-        wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
-        skewed = self.step.skewed
-        last = kind == self.facts.last_backward
-        if last:
-            compute, wait = self._backward_end(s, c, priced, start, compute)
-        elif skewed is not None:
-            wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
-            self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
-            compute += wait
-        if skewed is not None and priced.gather and priced.blocks > 1:
-            # Each block's gather is a meeting of the shard group (testbed.sim.barriers): the last one runs as
-            # block n - 1 - prefetch starts, so only the blocks from there on are computed since.
-            n = priced.blocks
-            self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
-        extra = self.step.topology.device.comm_slowdown * min(compute - wait, priced.hidden + sum(x[1] for x in (
-            priced.sends)) + max(priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(self.facts.prefetch))
-        compute, stretch = compute + extra, stretch - min(stretch, extra)  # gather waits absorb a slower compute
-        tensor = priced.tensor
-        if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
-            tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
-        finish = start + compute + stretch + tensor
-        self.busy[s] += compute - wait
-        self.comm[s] += tensor + wait + stretch
-        self.free[s] = finish
-        if self.step.serial:  # the program ends with its reductions too
-            self.launch = max(finish, self.grad[s])
-        self.end[(s, kind, mb, c)] = finish
-        for dst, seconds, gather in priced.sends:
-            self.pipe[s] = max(self.pipe[s], finish) + seconds
-            self.arrive[(s, kind, mb, c)] = self.pipe[s]
-            if gather:  # the receivers' all-gather of a split send (their recv stream of this direction)
-                recv = self.recv.get((dst, kind), 0.0)
-                self.recv[(dst, kind)] = self.arrive[(s, kind, mb, c)] = max(recv, self.pipe[s]) + gather
-
-    def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
-        """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait).
-        The last microbatch's buckets reduce as its pieces finish (or once, after the stage's backward, when
-        gradients do not accumulate sharded); an earlier one's gradients are reduce-scattered."""
-        piece, acc, pieces, skewed = self.slow * priced.piece, self.slow * priced.acc, priced.pieces, self.step.skewed
-        self.remaining[(s, c)] -= 1
-        last_mb = self.remaining[(s, c)] == 0
-        if last_mb and piece:
-            compute = pieces * piece
-        wait = 0.0
-        if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the accumulator's add
-            own = priced.syncs[1] if last_mb else priced.syncs[0]
-            if last_mb and piece and pieces > 1:  # the task graph's bucket pieces: an equal share each
-                share = tuple((g, n / pieces) for g, n in own)
-                wait = interleaved_wait(skewed, share, piece, self.carry[s]) + (pieces - 1) * interleaved_wait(
-                    skewed, share, piece, 0.0)
-            else:
-                wait = interleaved_wait(skewed, own, compute, self.carry[s])
-            self.carry[s] = acc if own else self.carry[s] + compute + acc
-            compute += wait
-            piece += wait / pieces
-        if last_mb and piece:
-            if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
-                self.once[s] += pieces * priced.bucket
-                self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
-            for k in range(pieces if self.facts.reduce_in_backward else 0):
-                self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + priced.bucket
-        elif not last_mb and priced.scatter:
-            self.grad[s] = max(self.grad[s], start + compute) + priced.scatter
-        return compute + acc, wait
-
-    def update(self, s: int) -> float:
-        """Plays stage ``s``'s gradient tail, optimizer and (ZeRO-1/2) re-gather; returns when the stage is done."""
-        step, skewed, update, controller = self.step, self.step.skewed, self.facts.updates[s], self.step.controller
-        if self.once[s]:  # the replicas meet first (a shared host's stragglers)
-            self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.once[s] + (
-                skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
-            self.carry[s] = 0.0
-        ready = max(self.free[s], self.grad[s], self.launch)
-        if controller is not None and self.facts.stages > 1:
-            self.host += controller.overhead_s + buffers.update_buffers(self.plan, s) * controller.buffer_s
-            ready = max(ready, self.host)
-        self.comm[s] += max(0.0, self.grad[s] - self.free[s])
-        opt = self.slow * compute_seconds(step.topology, step.dtype, update.flops, update.hbm_bytes, 1)
-        self.busy[s] += opt
-        done = ready + opt
-        self.carry[s] += opt
-        if step.serial and skewed is not None:  # the update program's end: the stage's devices meet
-            wait = interleaved_wait(skewed, step.ends, opt, self.carry[s] - opt)
-            self.comm[s] += wait
-            done += wait
-            self.carry[s] = 0.0
-        if update.regathers:
-            regather = update.regathers * step.coll.time("all_gather", (Axis.DATA,), s, update.regather_bytes)
-            self.comm[s] += regather
-            done += regather
-            if skewed is not None:  # back to back after the update: the first meets the data group
-                wait = skewed.barrier_wait(self.plan.mesh.data, self.carry[s])
-                self.comm[s] += wait
-                done += wait
-                self.carry[s] = 0.0
-        done += step_end_wait(skewed, step.per_stage, self.carry[s])  # every device meets at the end
-        self.launch = done if step.serial else self.launch
-        return done

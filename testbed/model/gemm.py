@@ -53,8 +53,8 @@ from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
-__all__ = ["Gemm", "AttentionPass", "ChunkGemms", "layer_gemms", "head_gemms", "moe_gemms", "chunk_gemms",
-           "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
+__all__ = ["Gemm", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
+           "chunk_gemms", "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
            "policy_recompute_flops", "SAVED_PROJECTIONS"]
 
 
@@ -139,6 +139,16 @@ def _projections(spec: ModelSpec, tokens: int, tensor: int) -> tuple[list[Gemm],
         qkv = [Gemm(tokens, q // t, d), Gemm(tokens, 2 * kv, d)]
     mlp_in = [Gemm(tokens, f // t, d) for _ in range(spec.mlp_matrices - 1)]
     return qkv + [Gemm(tokens, d, q // t)] + mlp_in, Gemm(tokens, d, f // t)
+
+
+def projection_sides(plan: Plan, spec: ModelSpec, tokens: int, tensor: int,
+                     ) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
+    """One dense layer's weight GEMMs on one rank by block: (the attention block's QKV and out projections, the
+    MLP's input and out projections), ``tokens`` tokens, marked as :func:`chunk_gemms` marks them
+    (testbed.sim.tp_overlap pairs each block with its tensor collectives)."""
+    weights, mlp_out = _projections(spec, tokens, tensor)
+    attention = len(weights) - (spec.mlp_matrices - 1)
+    return _amax_passes(plan, tuple(weights[:attention])), _amax_passes(plan, (*weights[attention:], mlp_out))
 
 
 def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int,

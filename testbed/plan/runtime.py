@@ -46,7 +46,9 @@ class RuntimeSpec:
     #: the saved outputs and, with a tensor axis, the collectives are priced as the runner's full remat).
     recompute: str = "runner"
     #: The tensor-parallel collectives of an action overlap its GEMMs (NeMo's userbuffers ``tp_comm_overlap``)
-    #: instead of following them: the action takes the longer of its compute and its tensor collectives.
+    #: instead of following them, GEMM by GEMM (testbed.sim.tp_overlap): each block's collectives beside its own
+    #: projections, the first chunk of each exposed (an MoE chunk's action takes the longer of its compute and
+    #: its tensor collectives).
     tp_comm_overlap: bool = False
     #: Gradients replicated over an axis (ZeRO 0/1 data parallelism) reduce bucket by bucket while the last
     #: microbatch's backward goes on (PyTorch DDP, Megatron's ``--overlap-grad-reduce``, FSDP's post-backward
@@ -115,6 +117,16 @@ class RuntimeSpec:
     #: the residual stream's summands in its place, nor run the last block's remat beside the loss backward
     #: (testbed.model.kept). Memory only.
     scan_layers: bool = False
+    #: Pipeline sends block the sender: a stage's next action starts once its activation or gradient has reached
+    #: the next stage (DeepSpeed's PipelineEngine runs each send as a blocking ``dist.send`` between its computes;
+    #: Megatron-LM's 1F1B waits on its ``batch_isend_irecv`` requests) instead of leaving on a stream of their own
+    #: while the stage computes on (the runner's sends, dispatched beside its next action).
+    pipeline_blocking_sends: bool = False
+    #: With the optimizer state sharded over data but the gradients not (ZeRO-1), the gradients are all-reduced
+    #: whole over data and each rank updates its shard (DeepSpeed's pipeline engine with its BF16_Optimizer)
+    #: instead of reduce-scattered to the shard's owner (the runner's ZeRO-1). Sharded gradients (ZeRO >= 2,
+    #: fsdp) are reduce-scattered either way.
+    grad_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -146,6 +158,10 @@ class RuntimeSpec:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
                              field="runtime.fp8_scaling")
+        for name in ("pipeline_blocking_sends", "grad_all_reduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
+                                 field=f"runtime.{name}")
 
 
 #: Values of :attr:`RuntimeSpec.recompute`.
@@ -170,17 +186,20 @@ PROFILES: dict[str, dict[str, Any]] = {
     "xla": {"fsdp_prefetch": 1, "scan_layers": True},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
                  "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
-                 "framework": "pytorch"},
+                 "framework": "pytorch", "pipeline_blocking_sends": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
              "attention_kernel": "cudnn", "fp8_saved_inputs": True, "framework": "pytorch"},
-    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "framework": "pytorch"},
+    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "framework": "pytorch",
+                  "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True, "pipeline_blocking_sends": True,
+                  "grad_all_reduce": True},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, "framework": "pytorch"},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                    "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", "framework": "pytorch"},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                     "attention_kernel": "triton", "fused_loss": True, "framework": "pytorch"},
-    # Meta's Llama 3 stack is not public; of its mechanisms only the framework is stated (see SOURCES).
-    "meta": {"framework": "pytorch"},
+    # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
+    # (fp32 gradient reduce-scatter) are stated (see SOURCES).
+    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32"},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -309,6 +328,34 @@ SOURCES: dict[tuple[str, str], str] = {
         "mosaicml/pytorch:2.0.1_cu118) calls submit_benchmarks.py without --attn_impl, whose default is 'triton' "
         "(as the pretrain yamls' attn_config.attn_impl): llm-foundry's flash_attn_triton.py, FlashAttention's Triton "
         "kernel (causal tiles skipped). No published H100 figure for it: priced as the runner's kernel",
+    ("megatron", "pipeline_blocking_sends"): (
+        "Megatron-LM megatron/core/pipeline_parallel/p2p_communication.py `_communicate`: the 1F1B schedule's "
+        "send_forward_recv_backward / send_backward_recv_forward run with wait_on_reqs=True (the batch_isend_irecv "
+        "requests are waited on, then torch.cuda.synchronize() with batch_p2p_sync) before the next step's compute; "
+        "overlap_p2p_comm, which defers the waits, defaults to False (ModelParallelConfig). The 2021 SC21 code "
+        "(megatron/p2p_communication.py at de7dc40f88) waits on every request and synchronizes the same way"),
+    ("deepspeed", "pipeline_blocking_sends"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py: TrainSchedule's SendActivation/SendGrad/RecvActivation/RecvGrad "
+        "are instructions run in order between ForwardPass and BackwardPass (_exec_send_activations calls "
+        "p2p.send, deepspeed/runtime/pipe/p2p.py: dist.send, or a broadcast in a two-rank group, synchronous)"),
+    ("deepspeed", "pipeline_scatter_gather"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py: is_pipe_partitioned = is_model_parallel and "
+        "pipeline['pipe_partitioned'] (default True, deepspeed/runtime/config.py get_pipeline_config, "
+        "grad_partitioned too): a stage sends its tensor rank's PartitionedTensor part and the receiver rebuilds "
+        "the whole with .full(), an all-gather over the tensor (slice-parallel) group"),
+    ("deepspeed", "grad_reduce_dtype"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py: 'BF16 Optimizer is hardcoded for fp32 gradient "
+        "accumulation'; with bf16 (BF16_Optimizer, bf16 + ZeRO-1, as Megatron-DeepSpeed's BLOOM runs) "
+        "_exec_reduce_grads calls _bf16_reduce_grads, buffered_allreduce_fallback over the fp32 gradients"),
+    ("deepspeed", "grad_all_reduce"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py `_exec_reduce_grads`: with the BF16_Optimizer (bf16 + ZeRO-1) "
+        "`_bf16_reduce_grads` calls buffered_allreduce_fallback(elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE): "
+        "every gradient all-reduced over the data-parallel group in 5e8-element buffers; the optimizer then "
+        "updates the rank's partition and all-gathers the bf16 parameters"),
+    ("meta", "grad_reduce_dtype"): (
+        "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Numerical stability': FP32 "
+        "gradient accumulation over micro-batches, and gradients reduce-scattered in FP32 across the data-parallel "
+        "workers in FSDP"),
     ("xla", "fsdp_prefetch"):
         "XLA's latency-hiding scheduler (xla/service/latency_hiding_scheduler.cc; on by default on TPU, "
         "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "

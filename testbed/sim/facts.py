@@ -37,6 +37,7 @@ from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduct
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
+from testbed.sim.tp_overlap import TpOverlap, tp_overlap
 
 __all__ = ["tensor_transfers", "cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
@@ -60,7 +61,9 @@ class ActionWork:
     ``tensor`` its tensor collectives as ``(op, count, bytes each)``; ``chain`` the per-layer MoE chain under expert
     parallelism (testbed.sim.moe; empty without), after the ring when context parallelism plays one too;
     ``ring_work`` and ``ring_gemms`` what the ring plays (all the work, or all but the routed and shared
-    experts' when there is a chain); ``sends`` the (destination stage, its chunk, bytes) it produces.
+    experts' when there is a chain); ``sends`` the (destination stage, its chunk, bytes) it produces;
+    ``overlap`` its tensor collectives GEMM by GEMM under ``runtime.tp_comm_overlap`` (testbed.sim.tp_overlap;
+    None: they follow the compute, or with the overlap on an MoE chunk run beside the whole action).
     """
 
     kind: str
@@ -71,6 +74,7 @@ class ActionWork:
     ring_work: tuple[float, float, float, float]
     ring_gemms: tuple[Gemm, ...]
     sends: tuple[tuple[int, int, float], ...]
+    overlap: TpOverlap | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -360,9 +364,12 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
         moe_g = expert_gemms(plan, n_moe, kind, split)
         ring_work, ring_gemms = (flops - gemm_flops(moe_g), hbm, replicated, split_b), without(gemms, moe_g)
         chain = moe_pieces(plan, n_moe, kind, split, gemm_flops(moe_g), 0.0, (0.0, 0.0), moe_g, len(moe_g))
+    overlap = None if chain or gathers_parameters(plan, kind) else tp_overlap(
+        plan, chunk_costs[s][c], kind, split, (flops, hbm, replicated, split_b), gemms, tensor,
+        chunk_costs[s][c].layers, n_moe)
     return ActionWork(kind=kind, work=(flops, hbm, replicated, split_b), tensor=tensor, gemms=gemms,
                       chain=tuple(chain), ring_work=ring_work, ring_gemms=ring_gemms,
-                      sends=tuple(_sends(schedule, s, kind, c, chunk_costs)))
+                      sends=tuple(_sends(schedule, s, kind, c, chunk_costs)), overlap=overlap)
 
 
 def _update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: float, param_b: float,
@@ -381,8 +388,11 @@ def _update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: 
 
 def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction, ...]:
     """Per parameter kind (dense, then routed experts'), how its gradients are summed (kinds nothing sums left
-    out): over the axes the optimizer state is split on a reduce-scatter, over the rest an all-reduce."""
+    out): over the axes the optimizer state is split on a reduce-scatter, over the rest an all-reduce
+    (``runtime.grad_all_reduce``: unsharded gradients all-reduced over data too)."""
     out = []
+    if plan.runtime.grad_all_reduce and not state_sharding(plan).split_axes(plan, "grads"):
+        optimizer_axes = tuple(a for a in optimizer_axes if a is not Axis.DATA)  # all-reduced whole over data
     for expert in (False, True):
         axes = reduction_axes(plan, expert)
         if axes:

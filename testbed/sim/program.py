@@ -16,7 +16,8 @@ Streams of a representative: ``compute`` (F/B/W actions, optimizer),
 and reduce-scatters; blocking: the next action waits),
 ``gather`` (fsdp/ZeRO-3 parameter all-gathers, prefetched), ``pipe``
 (activation and gradient sends; ``recv``: the receivers' all-gather of a send split over the tensor
-ranks, ``runtime.pipeline_scatter_gather``) and ``grad`` (gradient reduction, updated
+ranks, ``runtime.pipeline_scatter_gather``; with ``runtime.pipeline_blocking_sends`` the stage's next action
+waits for the send) and ``grad`` (gradient reduction, updated
 parameter all-gathers) and ``expert`` (an MoE layer's dispatch and combine
 all-to-alls under expert parallelism, beside the shared experts' compute:
 testbed.sim.moe) and ``ring`` (ring attention's K/V sends to the next
@@ -109,6 +110,7 @@ from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_byte
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
+from testbed.sim.tp_overlap import TpOverlap
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "program_of", "axis_groups", "STREAMS"]
 
@@ -173,6 +175,7 @@ class _Graph:
         self.once: dict[int, list[tuple]] = {s: [] for s in range(p)}  # buckets reduced after the backward
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
+        self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
@@ -240,6 +243,8 @@ class _Graph:
         self._program(s, first)
         for dst, _, nbytes in work.sends:
             self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last, action.kind)
+            if self.plan.runtime.pipeline_blocking_sends:  # the stage goes on once its send has arrived
+                self.previous[s] = self.last_send
 
     def _program(self, s: int, first: int) -> None:
         """The tasks from ``first`` are one program of stage ``s``'s devices (when they are several)."""
@@ -265,8 +270,9 @@ class _Graph:
         split into ``pieces`` (the chunk's blocks when it gathers its sharded parameters, each after its own
         gather; gradient buckets when it ends the chunk's backward); returns its last task and its compute
         tasks."""
-        b, rep, cost = self.b, self.reps[s], chunk.cost
-        flops, hbm, replicated, split = work.work
+        b, rep, cost, overlap = self.b, self.reps[s], chunk.cost, work.overlap
+        whole, gemms = (overlap.work, overlap.gemms) if overlap else (work.work, work.gemms)
+        flops, hbm, replicated, split = whole
         kernels, last, computes, ends = chunk.kernels, -1, [], []
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
@@ -274,13 +280,13 @@ class _Graph:
                 deps = [*deps, self._gather_block(s, chunk, work.kind, name, k, pieces, ends)]
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
-                                              work.work, work.gemms, kernels), deps, cost.tensor_bytes)
+                                              whole, gemms, kernels), deps, cost.tensor_bytes)
             last = ringed if ringed is not None else b.add(
                 name=name, device=rep, stream="compute",
                 kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
                 replicated_bytes=replicated / pieces, split_bytes=split / pieces,
                 tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
-                gemms=scaled(work.gemms, 1 / pieces) if pieces > 1 else work.gemms)
+                gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             computes += [] if ringed is not None else [last]
             ends.append(last)
             deps = []
@@ -291,7 +297,35 @@ class _Graph:
                                        label if pieces == 1 else f"{label}/{k}", bucket_share(chunk.leaves, pieces, k)))
         if gathering:
             self.blocks_done[s] = ends
+        if overlap:
+            last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
+
+    def _overlap(self, s: int, chunk: ChunkFacts, overlap: TpOverlap, label: str, last: int) -> int:
+        """``runtime.tp_comm_overlap`` GEMM by GEMM (testbed.sim.tp_overlap), after the action's other work
+        ``last``: per block, its collectives' first chunks (tensor stream), then its GEMMs (compute stream, after
+        the previous block's) beside the other chunks; an empty join ends the action when both streams have."""
+        rep, compute, tensor = self.reps[s], last, last
+        for blk in overlap.blocks:
+            first = tensor = self._tensor_chain(s, f"tp {label} {blk.name}", blk.first, (tensor,))
+            compute = self.b.add(name=f"{label} {blk.name} gemms", device=rep, stream="compute",
+                                 kind=TaskKind.COMPUTE, deps=(compute, first), flops=blk.flops,
+                                 hbm_bytes=blk.hbm_bytes,
+                                 tensor_bytes=chunk.cost.tensor_bytes, kernels=max(1, len(blk.gemms)), pipeline=True,
+                                 gemms=blk.gemms)
+            tensor = self._tensor_chain(s, f"tp {label} {blk.name} beside", blk.rest, (first,))
+        return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
+                          deps=(compute, tensor), pipeline=True)
+
+    def _tensor_chain(self, s: int, name: str, transfers, deps: tuple[int, ...]) -> int:
+        """Tensor collectives ``(op, count, bytes each)`` one after another on the tensor stream after ``deps``;
+        returns the last (``deps[0]`` when there are none)."""
+        rep, groups, last = self.reps[s], self.tensor[s], deps
+        for op, count, nbytes in transfers:
+            last = (self.b.add(name=f"{name} {op}", device=rep, stream="tensor", kind=TaskKind.COLLECTIVE, deps=last,
+                               op=op, nbytes=nbytes, count=count, group=rep_group(groups, rep), instances=groups,
+                               pipeline=True),)
+        return last[0]
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
                       ends: list[int]) -> int:
@@ -364,6 +398,8 @@ class _Graph:
         action's last task."""
         if self.plan.mesh.tensor <= 1 or not work.tensor:
             return last
+        if work.overlap is not None:  # GEMM by GEMM (_overlap); what sits beside no GEMM blocks after it
+            return self._tensor_chain(s, f"tp {label}", work.overlap.after, (last,))
         rep, groups = self.reps[s], self.tensor[s]
         overlap = self.plan.runtime.tp_comm_overlap
         compute, tp = last, start if overlap else (last,)
@@ -393,9 +429,9 @@ class _Graph:
         tensor group (``dst``'s ``recv`` stream for activations, ``recv-grad`` for gradients: each in the order
         its one sender sends); returns the task the receiving action waits for."""
         ways, rep = self.facts.scatter_sends, self.reps[dst]
-        send = self.b.add(name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND,
-                          deps=(last,), nbytes=nbytes / ways, group=(self.reps[s], rep),
-                          instances=self._stage_pairs(s, dst))
+        send = self.last_send = self.b.add(
+            name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND, deps=(last,),
+            nbytes=nbytes / ways, group=(self.reps[s], rep), instances=self._stage_pairs(s, dst))
         if ways == 1:
             return send
         groups = self.tensor[dst]

@@ -1,0 +1,206 @@
+"""One play of the analytic tier's schedule table: every action in execution order on its stage, then each
+stage's gradient tail and update (testbed.explore.analytic prices the actions; this module plays them).
+
+An action starts once its stage is free, its dispatch is out and what it waits for has arrived; it computes,
+then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`` hides: testbed.sim.tp_overlap),
+and its sends leave on the stage's pipe stream (serial; with ``runtime.pipeline_blocking_sends`` the stage waits
+for them). Gathers (fsdp/ZeRO-3) run block by block ahead of the compute, gradient buckets reduce on the grad
+stream, and a shared host's stragglers wait at the action's barriers
+(testbed.sim.barriers).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from testbed.model import buffers
+from testbed.pipeline.schedules import Action
+from testbed.plan.spec import Axis
+from testbed.sim.barriers import interleaved_wait, step_end_wait
+from testbed.sim.compute import compute_seconds
+from testbed.sim.tp_overlap import overlap_end
+
+if TYPE_CHECKING:
+    from testbed.explore.analytic import _Priced, _Step
+
+__all__ = ["Play"]
+
+
+class Play:
+    """One play of the schedule table, stage by stage, with compute slowed ``slow`` times: every action in
+    execution order (:meth:`action`), then each stage's gradient tail and update (:meth:`update`)."""
+
+    def __init__(self, step: _Step, slow: float) -> None:
+        facts, p = step.facts, step.facts.stages
+        self.step, self.facts, self.slow, self.plan = step, facts, slow, facts.plan
+        self.end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
+        self.arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
+        self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
+            [0.0] * p
+        self.recv: dict[tuple[int, str], float] = {}  # (stage, direction) -> its split sends' gathers done
+        self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
+        self.busy, self.comm = [0.0] * p, [0.0] * p
+        self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
+        self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
+        self.launch = 0.0  # with ``serial``: when the previous program completed
+        self.host, controller = 0.0, step.controller
+        if controller is not None:
+            self.host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
+            if p == 1:
+                self.host += controller.overhead_s + buffers.spmd_step_buffers(self.plan) * controller.buffer_s
+
+    def run(self) -> tuple[float, list[float], list[float], float]:
+        """(step seconds, per-stage compute, per-stage communication, the controller's seconds)."""
+        for s, action, deps in self.facts.order:
+            self.action(s, action, deps)
+        step = 0.0
+        for s in range(self.facts.stages):
+            step = max(step, self.update(s), self.host)
+        return step, self.busy, self.comm, self.host
+
+    def _start(self, s: int, c: int, kind: str, priced: _Priced, deps: tuple[tuple, ...]) -> float:
+        """When an action starts: after its stage's previous action (and program), its dispatch, its
+        dependencies and its parameter gather (the wait for which is communication)."""
+        step, controller = self.step, self.step.controller
+        start = max(self.free[s], self.launch) if step.serial else self.free[s]
+        if controller is not None:
+            if self.facts.stages > 1:
+                n_buffers = self.facts.dispatch_buffers(s, c, kind, self.remaining[(s, c)] < self.facts.microbatches)
+                self.host += (1 + len(priced.sends)) * controller.overhead_s + n_buffers * controller.buffer_s
+            start = max(start, self.host)
+        for key in deps:
+            t = self.end[key] if key[0] == s else self.arrive[key]
+            if t > start:
+                start = t
+        return start
+
+    def _gather(self, s: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
+        """An action's gathers block by block (testbed.sim.program's): (when its first block computes, the seconds
+        the later blocks wait for their gathers). Block ``i``'s gather waits for block ``i - 1 - prefetch``; with
+        equal blocks of gather ``g`` and compute ``c`` the action computes a block every ``max(g, c)`` (``g + c``
+        without prefetch). The stage's next gather may start as this action's last ``prefetch`` blocks compute."""
+        n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
+        g, c = priced.gather / n, compute / n
+        if skewed is not None and d == 0:  # each gather, exposed, first meets its group after a block's computing
+            g += skewed.barrier_wait(self.facts.params_ways, c)
+        period = g + c if d == 0 else max(g, c)
+        first = max(start, self.gather_free[s] + g)
+        self.comm[s] += first - start
+        # When the stage's next gather may start: after this action's gathers, and once block n - 1 - d is done.
+        self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
+        return first, (n - 1) * (period - c)
+
+    def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
+        """Plays one F/B/W action of stage ``s``."""
+        c, kind, mb = action.chunk, action.kind, action.microbatch
+        priced = self.step.prices[(s, c, kind)]
+        compute = self.slow * priced.compute
+        start, stretch = self._start(s, c, kind, priced, deps), 0.0
+        if priced.gather:
+            start, stretch = self._gather(s, priced, start, compute)
+        wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
+        skewed = self.step.skewed
+        last = kind == self.facts.last_backward
+        if last:
+            compute, wait = self._backward_end(s, c, priced, start, compute)
+        elif skewed is not None:
+            wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
+            self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
+            compute += wait
+        if skewed is not None and priced.gather and priced.blocks > 1:
+            # Each block's gather is a meeting of the shard group (testbed.sim.barriers): the last one runs as
+            # block n - 1 - prefetch starts, so only the blocks from there on are computed since.
+            n = priced.blocks
+            self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
+        # compute is device.comm_slowdown longer for the communication beside it (gathers, reductions, sends, tensor)
+        extra = self.step.topology.device.comm_slowdown * min(compute - wait, priced.hidden + sum(x[1] for x in (
+            priced.sends)) + max(priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(self.facts.prefetch))
+        compute, stretch = compute + extra, stretch - min(stretch, extra)  # gather waits absorb a slower compute
+        tensor = priced.tensor
+        if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
+            tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
+        gemms = self.slow * sum(g for _, g, _ in priced.overlap)  # tp_comm_overlap GEMM by GEMM, after the rest
+        blocks = overlap_end(tuple((f, self.slow * g, r) for f, g, r in priced.overlap)) if priced.overlap else 0.0
+        finish = start + compute + stretch + blocks + tensor
+        self.busy[s] += compute - wait + gemms
+        self.comm[s] += tensor + wait + stretch + blocks - gemms
+        self.free[s] = finish
+        if self.step.serial:  # the program ends with its reductions too
+            self.launch = max(finish, self.grad[s])
+        self.end[(s, kind, mb, c)] = finish
+        for dst, seconds, gather in priced.sends:
+            self.pipe[s] = max(self.pipe[s], finish) + seconds
+            self.arrive[(s, kind, mb, c)] = self.pipe[s]
+            if gather:  # the receivers' all-gather of a split send (their recv stream of this direction)
+                recv = self.recv.get((dst, kind), 0.0)
+                self.recv[(dst, kind)] = self.arrive[(s, kind, mb, c)] = max(recv, self.pipe[s]) + gather
+        if priced.sends and self.plan.runtime.pipeline_blocking_sends:  # the stage waits for its sends
+            self.comm[s] += max(0.0, self.pipe[s] - self.free[s])
+            self.free[s] = max(self.free[s], self.pipe[s])
+            if self.step.serial:
+                self.launch = max(self.launch, self.free[s])
+
+    def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
+        """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait).
+        The last microbatch's buckets reduce as its pieces finish (or once, after the stage's backward, when
+        gradients do not accumulate sharded); an earlier one's gradients are reduce-scattered."""
+        piece, acc, pieces, skewed = self.slow * priced.piece, self.slow * priced.acc, priced.pieces, self.step.skewed
+        self.remaining[(s, c)] -= 1
+        last_mb = self.remaining[(s, c)] == 0
+        if last_mb and piece:
+            compute = pieces * piece
+        wait = 0.0
+        if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the accumulator's add
+            own = priced.syncs[1] if last_mb else priced.syncs[0]
+            if last_mb and piece and pieces > 1:  # the task graph's bucket pieces: an equal share each
+                share = tuple((g, n / pieces) for g, n in own)
+                wait = interleaved_wait(skewed, share, piece, self.carry[s]) + (pieces - 1) * interleaved_wait(
+                    skewed, share, piece, 0.0)
+            else:
+                wait = interleaved_wait(skewed, own, compute, self.carry[s])
+            self.carry[s] = acc if own else self.carry[s] + compute + acc
+            compute += wait
+            piece += wait / pieces
+        if last_mb and piece:
+            if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
+                self.once[s] += pieces * priced.bucket
+                self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
+            for k in range(pieces if self.facts.reduce_in_backward else 0):
+                self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + priced.bucket
+        elif not last_mb and priced.scatter:
+            self.grad[s] = max(self.grad[s], start + compute) + priced.scatter
+        return compute + acc, wait
+
+    def update(self, s: int) -> float:
+        """Plays stage ``s``'s gradient tail, optimizer and (ZeRO-1/2) re-gather; returns when the stage is done."""
+        step, skewed, update, controller = self.step, self.step.skewed, self.facts.updates[s], self.step.controller
+        if self.once[s]:  # the replicas meet first (a shared host's stragglers)
+            self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.once[s] + (
+                skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
+            self.carry[s] = 0.0
+        ready = max(self.free[s], self.grad[s], self.launch)
+        if controller is not None and self.facts.stages > 1:
+            self.host += controller.overhead_s + buffers.update_buffers(self.plan, s) * controller.buffer_s
+            ready = max(ready, self.host)
+        self.comm[s] += max(0.0, self.grad[s] - self.free[s])
+        opt = self.slow * compute_seconds(step.topology, step.dtype, update.flops, update.hbm_bytes, 1)
+        self.busy[s] += opt
+        done = ready + opt
+        self.carry[s] += opt
+        if step.serial and skewed is not None:  # the update program's end: the stage's devices meet
+            wait = interleaved_wait(skewed, step.ends, opt, self.carry[s] - opt)
+            self.comm[s] += wait
+            done += wait
+            self.carry[s] = 0.0
+        if update.regathers:
+            regather = update.regathers * step.coll.time("all_gather", (Axis.DATA,), s, update.regather_bytes)
+            self.comm[s] += regather
+            done += regather
+            if skewed is not None:  # back to back after the update: the first meets the data group
+                wait = skewed.barrier_wait(self.plan.mesh.data, self.carry[s])
+                self.comm[s] += wait
+                done += wait
+                self.carry[s] = 0.0
+        done += step_end_wait(skewed, step.per_stage, self.carry[s])  # every device meets at the end
+        self.launch = done if step.serial else self.launch
+        return done
