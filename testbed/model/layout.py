@@ -41,19 +41,8 @@ embeddings on another chunk than the embedding's, that chunk holds a copy
 of the token table (Megatron style; its gradient is all-reduced with the
 original), so held parameters then exceed the model's.
 
-FSDP and ZeRO shard every parameter by ONE rule (testbed.model.param_spec) (:meth:`ParamSpec.shard_dim`,
-:meth:`ParamSpec.device_elements`): along the largest dim not already split
-by the tensor (or expert) axis whose size the shard count divides; a
-parameter with no such dim is sharded *padded* (:meth:`ParamSpec.padded`):
-flattened and padded to a multiple of the shard count, each device holding
-``ceil(elements / ways)`` of it (DeepSpeed ZeRO's and PyTorch FSDP's flat
-parameters, Megatron's distributed optimizer), so any rank count shards.
-The memory model counts the padding, the simulator's gathers and
-reduce-scatters move it (:meth:`ParamSpec.gathered_elements`). The JAX
-runner shards the evenly divided parameters by the same dim and keeps the
-padded ones' optimizer state flat and padded (``testbed.runner.padding``);
-their fsdp/ZeRO-2/3 parameters and gradients it still holds whole
-(``testbed.model.leaves.runner_whole_params`` names them).
+FSDP and ZeRO shard every parameter by ONE rule, padded where the shard
+count does not divide it: testbed.model.param_spec says how.
 """
 
 from __future__ import annotations
