@@ -1,0 +1,79 @@
+"""A step's gradient reduction tasks (the task graph's ``grad`` stream), one rule per bucket.
+
+Parameter and gradient sharding (same conventions as testbed.model.memory):
+parameters are sharded over ``P`` = fsdp (+ data when zero = 3) and
+all-gathered block by block in every forward and backward action
+(:func:`~testbed.plan.sharding.gathers_parameters`): each block's compute waits
+for its gather, which waits for block ``i - 1 - runtime.fsdp_prefetch`` to finish
+(across actions too), so gathers overlap the blocks before; optimizer state over
+``O`` = fsdp (+ data when zero >= 1). Gradients are reduced in buckets: the
+last backward (or W) of each chunk is split into up to :data:`BUCKETS`
+pieces; when gradients accumulate sharded (fsdp, ZeRO >= 2: the runner
+reduce-scatters them inside each backward) each piece's gradients start
+reducing at once, overlapping the rest of the backward pass. When no axis
+shards them (ZeRO 0/1 data parallelism) every replica accumulates its own
+and the runner sums them once, in the stage's update program
+(testbed.runner.replicas.sum_replicas): the buckets then reduce one after another
+once the stage's last backward is done, not overlapping it (Megatron-LM's
+own DDP, ``--DDP-impl local``, does the same). Each kind of parameter is summed over its
+axes (testbed.plan.sharding.reduction_axes: dense ones over the batch axes
+data, fsdp, expert and context; routed experts' weights over those but
+expert): a reduce-scatter over those of them ``O`` spans, then an all-reduce
+of the shard over the rest (an all-reduce over the replicas when nothing is
+sharded, one reduce-scatter when ``O`` spans them all, HSDP otherwise). Gradients sharded over an axis (fsdp; data when
+zero >= 2) accumulate sharded, so each earlier microbatch's last backward
+action also reduce-scatters the chunk's gradients over those axes (as the
+runner and DeepSpeed do); over the axes they are replicated on, gradients
+are reduced once per step. After the optimizer, parameters sharded in ``O``
+but not in ``P`` are all-gathered over the data axis.
+
+How many collectives a gather and a gradient reduce-scatter of a chunk's sharded
+parameters is: the runner (testbed.runner.param_shards.ParamShards) gathers every sharded
+leaf on its own and reduce-scatters its gradient on its own, which XLA:CPU runs
+as that many collectives and XLA:GPU combines; testbed.plan.sharding's
+:func:`~testbed.model.leaves.parameter_collectives` counts them under the
+topology's ``calibration.collectives.combine_bytes``, and the task carries the
+count (``count`` back-to-back collectives of an equal share of the bytes; a
+bucket's reduce-scatter its share of them).
+"""
+
+from __future__ import annotations
+
+from testbed.plan.spec import Plan
+from testbed.sim.tasks import Builder, TaskKind, axis_groups_cached, rep_group
+
+__all__ = ["reduce_tasks"]
+
+
+def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int, rep: int, after: int, nbytes: float,
+                 special: tuple[float, float], label: str, leaves: int) -> list[int]:
+    """Gradient reduction tasks of one bucket of ``nbytes`` of stage ``s`` (representative ``rep``), after task
+    ``after``; returns the last task of each parameter kind. ``special``: those of the bytes that are routed
+    experts' weights and sequence-replicated parameters' (ChunkFacts.special); ``leaves``: the collectives the
+    bucket's reduce-scatter is when the parameters are sharded (testbed.sim.facts.bucket_share; 0: one);
+    ``groups``: the graph's memo of groups by axes.
+
+    Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
+    data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
+    them the optimizer state is sharded on (fsdp; data with ZeRO >= 1), then an all-reduce of the shard over
+    the rest (HSDP: data without ZeRO; expert, context).
+    """
+    out = []
+    for r in reductions:
+        size = special[0] if r.expert else special[1] if r.sequence else nbytes - sum(special)
+        if size <= 0:
+            continue
+        kind, last = " experts" if r.expert else " sequence" if r.sequence else "", after
+        if r.sharded:
+            g = axis_groups_cached(groups, plan, list(r.sharded), s)
+            # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
+            n = max(1, round(leaves * size / nbytes)) if leaves else 1
+            last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream="grad",
+                         kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter", nbytes=size / n, count=n,
+                         group=rep_group(g, rep), instances=g)
+        if r.rest:
+            g = axis_groups_cached(groups, plan, list(r.rest), s)
+            last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
+                         deps=(last,), op="all_reduce", nbytes=size / r.ways, group=rep_group(g, rep), instances=g)
+        out.append(last)
+    return out
