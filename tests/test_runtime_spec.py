@@ -1,6 +1,7 @@
 """The plan's ``runtime:`` section: profiles, overrides, round trip and bad input naming the field."""
 
 import pytest
+import yaml
 
 from testbed.errors import InputError
 from testbed.plan.io import load_plan, plan_from_dict, plan_to_dict
@@ -38,6 +39,24 @@ def test_bad_runtime_names_the_field(runtime, field):
     with pytest.raises(InputError) as err:
         plan_from_dict(_plan_dict(runtime))
     assert field in str(err.value)
+
+
+@pytest.mark.parametrize("runtime, field, valid", [
+    ({"profile": "torchtitan", "attention_kernel": "flash9"}, "runtime.attention_kernel", "flash2"),
+    ({"profile": "nemo", "fp8_scaling": "sometimes"}, "runtime.fp8_scaling", "current"),
+    ({"profile": "xla", "moe_dispatch": 1}, "runtime.moe_dispatch", "")])
+def test_a_bad_runtime_value_exits_2_naming_the_field(tmp_path, capsys, runtime, field, valid):
+    """`testbed plan check` on a plan with a bad runtime value: exit 2, the field and a valid value named."""
+    from testbed.cli.main import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(yaml.safe_dump({"model": {"layers": 4, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32,
+                                              "vocab": 256, "attention": "flash"},
+                                    "batch": {"global_batch": 16, "microbatches": 2}, "mesh": {"data": 8},
+                                    "runtime": runtime}))
+    code = main(["plan", "check", str(plan), "--topology", "host-cpu-8"])
+    err = capsys.readouterr().err
+    assert code == 2 and field in err and valid in err and "Traceback" not in err, err
 
 
 def test_runner_differences_name_the_fields_the_runner_does_not_execute():
