@@ -63,8 +63,17 @@ def test_a_gemm_and_a_memory_pass_price_as_the_compute_model_says() -> None:
     expected = (topology.calibration.compute.launch_overhead_s + gemms_seconds(topology, "bf16", w.ops[0].gemms)
                 + memory_seconds(topology, 3e9))
     assert sim.report.step_time_s == pytest.approx(expected, rel=1e-9)
-    # dgx-h100's elementwise group: 2 passes per byte written (written once, read once) -> 1 per counted byte
     assert memory_seconds(topology, 3e9) == pytest.approx(pass_seconds(topology, 3e9))
+
+
+@pytest.mark.parametrize("name", ["dgx-h100", "host-cpu-8", "tpu-v5e-4x4"])
+def test_a_traced_memory_bound_byte_costs_one_pass_of_the_calibrated_stream(name) -> None:
+    """The fusion estimate counts a fused kernel's reads and writes; each costs what calibrate's memory stream
+    (one fused elementwise loop) measured, not the elementwise passes a plan's activation bytes get (the host's
+    22.7 would price a pmap SGD update's 12 bytes per parameter at 11 passes a byte)."""
+    topology = load_topology(name)
+    bandwidth = topology.device.memory_bandwidth * topology.calibration.memory.efficiency
+    assert memory_seconds(topology, 3e9) == pytest.approx(3e9 / bandwidth, rel=1e-12)
 
 
 def test_without_elementwise_passes_a_segment_is_one_roofline_task() -> None:

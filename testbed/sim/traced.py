@@ -8,8 +8,9 @@ plan-driven simulation does for a step without pipeline stages. Its ops become t
   ``compute`` stream, priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
   convolutions (``gemms``: the calibration's GEMM shape model, or its FLOPs roofline), and its
   memory-bound ops' ``hbm_bytes``: with the calibration's ``elementwise`` group a second task after the
-  matmuls, at its passes (:func:`memory_seconds`); without one, the roofline of one task (matmuls and
-  memory traffic overlap: the slower of the two), as a plan's task is priced there;
+  matmuls, one pass per counted byte at the calibrated memory bandwidth (:func:`memory_seconds`);
+  without one, the roofline of one task (matmuls and memory traffic overlap: the slower of the two), as a
+  plan's task is priced there;
 - collectives: one task each, on a stream per kind and mesh axes (``all_reduce data``), over the
   representative's group along those axes, every group of the mesh running it at once (``instances``),
   timed and placed by testbed.collectives as a plan's are; ``count`` executions back to back. A
@@ -177,16 +178,18 @@ def workload_report(workload: Workload, topology: Topology, timeline: Timeline, 
 def memory_seconds(topology: Topology, hbm_bytes: float) -> float:
     """Seconds of memory-bound kernels moving ``hbm_bytes`` (reads and writes, the tracer's fusion estimate).
 
-    The calibration's elementwise passes (``replicated_passes``: seconds per activation byte written, in
-    passes at the calibrated bandwidth; 2 where each byte is written once and read once) say how fast
-    the topology's compiler runs such kernels; the fusion estimate counts that byte's write and read, so
-    each counted byte costs ``replicated_passes / 2`` passes (1 without an ``elementwise`` group: the
-    roofline). The passes' cached share (``cached_passes``) is not applied: a traced op's working set is
-    not known per activation.
+    One pass per counted byte at the calibrated memory bandwidth (``device.memory_bandwidth x
+    memory.efficiency``): the fusion estimate already counts each fused kernel's reads and writes, and the
+    calibration's ``memory`` group is what one such kernel streams (``testbed calibrate`` fits it to a
+    fused elementwise loop, ``v * 1.5 + 1``, reading and writing its buffer once). The ``elementwise``
+    group's passes are not applied: they price a plan's activation bytes (each written once), and on a
+    host they absorb what XLA:CPU does beyond one fused pass over GPT's activations (LayerNorm's
+    reductions, layout copies, GELU's transcendentals: 14-23 passes on the 2-core host) - applied to a
+    traced program's fused kernels they priced an SGD update's 12 bytes per parameter at 7-11 passes a
+    byte (docs/validation.md, "Users' programs on the host"). Where the passes are 2 (written once and
+    read once: the GPU topologies) this is the same price.
     """
-    passes = topology.calibration.elementwise
-    per_byte = passes.replicated_passes / 2 if passes is not None else 1.0
-    return per_byte * pass_seconds(topology, hbm_bytes)
+    return pass_seconds(topology, hbm_bytes)
 
 
 def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
