@@ -9,7 +9,7 @@ kept (other processes on the host's cores only ever slow a step down). Sizes are
 what two cores run in a fraction of a second (``HOST_SIZES``; the examples' defaults are for a superpod):
 
 - ``pmap_mlp``: 3-layer MLP, fp32, ``jax.pmap`` over ``batch=8``, ``lax.pmean`` of the gradients;
-- ``shard_map_mlp``: Megatron's MLP, fp32, ``jax.shard_map`` over ``data=2, model=4``;
+- ``shard_map_mlp``: Megatron's MLP, bf16 (the example's), ``jax.shard_map`` over ``data=2, model=4``;
 - ``vision_cnn``: two 3x3 convolutions and a classifier, bf16, ``jit`` data parallel over ``data=8``.
 
 Goal (issue 36): predicted vs measured step time, median <= 10%, max <= 25% (the host validation's goal).
@@ -21,7 +21,10 @@ prediction). As ``testbed validate`` does, calibrate's reference step (``cpu-m``
 ``at_calibrated_speed`` (each round's median scaled by the host's speed then: the model's error apart from
 the host's drift since calibration) are diagnostics beside the raw errors, which are the headline.
 
-    python benchmarks/program_host.py [--steps S] [--rounds R] [--only NAME ...]
+``--topology`` prices on another host topology (a file from ``testbed calibrate --devices emulated:8`` on
+this machine) instead of the bundled ``host-cpu-8``.
+
+    python benchmarks/program_host.py [--steps S] [--rounds R] [--only NAME ...] [--topology NAME_OR_FILE]
 """
 
 from __future__ import annotations
@@ -125,13 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the least disturbed median kept (default 5)")
     parser.add_argument("--only", nargs="*", default=None, help="examples to run (default all three)")
+    parser.add_argument("--topology", default="host-cpu-8",
+                        help="the host topology to price on: a bundled name or a calibrated file (default host-cpu-8)")
     args = parser.parse_args(argv)
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from testbed.topology.io import load_topology
 
-    topology = load_topology("host-cpu-8")
+    topology = load_topology(args.topology)
     load_before = os.getloadavg()
     import jax
 
