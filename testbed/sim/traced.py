@@ -45,7 +45,7 @@ from testbed.sim.workload import OpKind, Workload
 from testbed.topology import Topology
 
 __all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload",
-           "mesh_groups", "collective_bytes", "workload_report"]
+           "mesh_groups", "collective_bytes", "workload_report", "matmul_dtype", "convert_bytes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +93,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     pending: list[int] = []           # op indices of the open segment whose task ids are filled at close
     previous: tuple[int, ...] = ()
     passes = topology.calibration.elementwise is not None
+    upcast = workload.dtype == "bf16" and topology.device.bf16_matmuls == "fp32"
     if topology.calibration.controller is not None:
         prep = b.add(name="prepare step", device=rep, stream="host", kind=TaskKind.HOST, op="step", count=0)
         previous = (b.add(name="dispatch step", device=rep, stream="host", kind=TaskKind.HOST, deps=(prep,),
@@ -107,7 +108,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
         ops = [workload.ops[i] for i in segment]
         gemms = tuple(g if op.count == 1 else _repeat(g, op.count) for op in ops for g in op.gemms)
         flops = sum(op.flops * op.count for op in ops)
-        hbm = sum(op.hbm_bytes * op.count for op in ops)
+        hbm = sum(op.hbm_bytes * op.count for op in ops) + (sum(map(convert_bytes, gemms)) if upcast else 0.0)
         tasks = []
         kernels = max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))
         if not passes and flops + hbm > 0:  # the roofline: matmuls and memory-bound ops overlap
@@ -157,6 +158,23 @@ def _shifts(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
     return tuple((g[k], g[(k + 1) % len(g)]) for g in groups if len(g) > 1 for k in range(len(g)))
 
 
+def matmul_dtype(topology: Topology, dtype: str) -> str:
+    """The dtype a traced program's ``dtype`` matmuls run in on ``topology``: fp32 for bf16 where the device's
+    compiler runs bf16 matmuls in fp32 between converts (``device.bf16_matmuls: fp32``, XLA:CPU)."""
+    return "fp32" if dtype == "bf16" and topology.device.bf16_matmuls == "fp32" else dtype
+
+
+def convert_bytes(gemm) -> float:
+    """Bytes the convert loops around one bf16 GEMM run in fp32 move (``device.bf16_matmuls: fp32``), read and
+    written as the fusion estimate counts them: its result (fp32 read, bf16 written) and its ``k x n`` operand
+    (bf16 read, fp32 written), 6 B per element each. The ``m x k`` operand is left out: for a convolution it is
+    the implicit im2col the compiler never writes, and XLA:CPU fuses the convert of an activation into the
+    loop that produced it (the examples' compiled steps: ``maximum_convert_fusion``,
+    ``multiply_convert_fusion``), so counting it per GEMM would count most values twice. An approximation of
+    the compiled HLO (docs/program.md)."""
+    return 6.0 * gemm.batch * gemm.count * (gemm.m * gemm.n + gemm.k * gemm.n)
+
+
 def _repeat(gemm, count: int):
     return replace(gemm, count=gemm.count * count)
 
@@ -199,7 +217,7 @@ def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
     ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
     pays it per action, each a program; a traced step is one program, so only its first compute task does.
     """
-    priced = price(program, topology, dtype)
+    priced = price(program, topology, matmul_dtype(topology, dtype))
     launch = topology.calibration.compute.launch_overhead_s
     durations = list(priced.durations)
     computes = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and durations[i] > 0]
