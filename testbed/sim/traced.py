@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from testbed.errors import InputError
+from testbed.model.gemm import Gemm
 from testbed.sim.engine import run
 from testbed.sim.overlap import defer_consumers
 from testbed.sim.combine import combine_collectives
@@ -164,7 +165,7 @@ def matmul_dtype(topology: Topology, dtype: str) -> str:
     return "fp32" if dtype == "bf16" and topology.device.bf16_matmuls == "fp32" else dtype
 
 
-def convert_bytes(gemm) -> float:
+def convert_bytes(gemm: Gemm) -> float:
     """Bytes the convert loops around one bf16 GEMM run in fp32 move (``device.bf16_matmuls: fp32``), read and
     written as the fusion estimate counts them: its result (fp32 read, bf16 written) and its ``k x n`` operand
     (bf16 read, fp32 written), 6 B per element each. The ``m x k`` operand is left out: for a convolution it is
