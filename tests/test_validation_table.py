@@ -128,3 +128,11 @@ def test_not_json_and_a_lone_marker_exit_2(tmp_path: Path, capsys: pytest.Captur
     doc, source = _write(tmp_path, _json(), doc_text=f"# V\n\n{vt.BEGIN}\nstale\n")
     assert vt.main([str(source), "--doc", str(doc)]) == 2
     assert "only one of the markers" in capsys.readouterr().err
+
+
+def test_published_runs_reports_what_each_mechanism_added_to_a_run() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import published_runs
+
+    row = {"error": 0.1, "mechanisms": {"attention_kernel": 0.15, "framework": 0.1, "device.power_limit": 0.05}}
+    assert published_runs._moved(row) == {"attention_kernel": -0.05, "device.power_limit": 0.05}
