@@ -54,6 +54,15 @@ UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU", "runs": "
 _TABLE1 = {"stack": "megatron-lm", "device": "A100", "precision": "bf16", "architecture": "dense"}
 
 
+def _moved(row: dict) -> dict:
+    """A run's ``mechanisms`` in ``results``: what each runtime field the case sets added to its error (error with
+    it minus error without it), for the fields that move it by more than 0.01% (runs.py's ``mechanisms`` holds
+    the error without each field). Every result also carries its ``source``; validation_table.py writes both
+    into docs/validation.md."""
+    changes = {field: round(row["error"] - without, 4) for field, without in row["mechanisms"].items()}
+    return {field: change for field, change in sorted(changes.items()) if abs(change) > 1e-4}
+
+
 def run(only: list[str] | None = None) -> dict:
     categories, results, pooled, out = {}, {}, [], {}
     for name, evaluate in CATEGORIES.items():
@@ -61,8 +70,10 @@ def run(only: list[str] | None = None) -> dict:
             continue
         rows = evaluate()
         categories[name] = {**published_collectives.summary(rows), "unit": UNITS[name]}
-        results[name] = [{"case": r["case"], "predicted": r["predicted"], "published": r["published"],
-                          "error": r["error"], **({"memory_gib": r["memory_gib"]} if "memory_gib" in r else {})}
+        results[name] = [{"case": r["case"], "source": r.get("source", ""), "predicted": r["predicted"],
+                          "published": r["published"], "error": r["error"],
+                          **({"memory_gib": r["memory_gib"]} if "memory_gib" in r else {}),
+                          **({"mechanisms": _moved(r)} if r.get("mechanisms") else {})}
                          for r in rows]
         if name in ("collectives", "ici"):
             out["collective_bands" if name == "collectives" else "ici_bands"] = published_collectives.by_band(rows)
