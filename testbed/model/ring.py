@@ -122,6 +122,8 @@ def ring_bytes_per_layer(plan: Plan) -> tuple[int, int]:
     if c == 1:
         return 0, 0
     kv, grad = kv_bytes(plan), grad_bytes(plan)
+    if plan.runtime.context_all_gather:
+        return (c - 1) * kv, (c - 1) * (grad + (kv if plan.remat is Remat.FULL else 0))
     return (c - 1) * kv, (c - 1) * (kv + grad) + grad
 
 
@@ -165,6 +167,8 @@ def ring_phases(plan: Plan, kind: str) -> tuple[RingPhase, ...]:
     then the backward ring and the home send of the dK/dV accumulators."""
     if plan.mesh.context == 1 or kind not in ("F", "B"):
         return ()
+    if plan.runtime.context_all_gather:
+        return _gathered(plan, kind)
     kv = kv_bytes(plan)
     if kind == "F":
         return tuple(_pass(plan, "F", kv))
@@ -172,6 +176,27 @@ def ring_phases(plan: Plan, kind: str) -> tuple[RingPhase, ...]:
     phases += _pass(plan, "B", kv + grad_bytes(plan))
     phases.append(RingPhase(name="ring B home", kind="B", units=0, sends=1, nbytes=grad_bytes(plan)))
     return tuple(phases)
+
+
+def _gathered(plan: Plan, kind: str) -> tuple[RingPhase, ...]:
+    """``runtime.context_all_gather``'s stretches: the K/V all-gather (``c - 1`` ring messages of ``kv``, the
+    bytes of a ring all-gather over ``c`` ranks) with no compute beside it, then every step's attention; the
+    backward reruns the forward's under full remat (else autograd keeps the gathered K/V), then computes and
+    reduce-scatters dK/dV (``c - 1`` messages of ``grad``) before the layer's backward goes on."""
+    c, units = plan.mesh.context, step_units(plan.mesh.context)
+
+    def attention(k: str) -> list[RingPhase]:
+        out = [RingPhase(name=f"attention {k} step 0", kind=k, units=units[0], sends=0, nbytes=0, first=True,
+                         after_ring=True)]
+        return out + [RingPhase(name=f"attention {k} steps 1-{c - 1}", kind=k, units=sum(units[1:]), sends=0,
+                                nbytes=0, after_ring=True)]
+
+    forward = [RingPhase(name="all-gather K/V", kind="F", units=0, sends=c - 1, nbytes=kv_bytes(plan)),
+               *attention("F")]
+    if kind == "F":
+        return tuple(forward)
+    return tuple((forward if plan.remat is Remat.FULL else []) + attention("B") + [
+        RingPhase(name="reduce-scatter dK/dV", kind="B", units=0, sends=c - 1, nbytes=grad_bytes(plan))])
 
 
 def ring_workspace(plan: Plan) -> int:

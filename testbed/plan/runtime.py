@@ -133,6 +133,12 @@ class RuntimeSpec:
     #: backward writes fresh gradients): 2 + 4 and 4 + 4 + 4 bytes a parameter per microbatch (testbed.sim.facts
     #: .accumulate_bytes) instead of the runner's add in the gradient dtype from the second microbatch on.
     grad_accumulate_fp32: bool = False
+    #: Context parallelism all-gathers K and V over the context group before a layer's attention and
+    #: reduce-scatters dK and dV after its backward, the attention waiting for the gather and the layer's backward
+    #: for the reduce-scatter (Llama 3's context parallelism: "the all-gather communication latency is exposed in
+    #: the critical path"), instead of the runner's ring, whose step ``k + 1`` block travels while step ``k``
+    #: computes (testbed.model.ring). Same attention work; no effect without a context axis.
+    context_all_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -164,7 +170,7 @@ class RuntimeSpec:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
                              field="runtime.fp8_scaling")
-        for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32"):
+        for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "context_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
@@ -205,7 +211,7 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "attention_kernel": "triton", "fused_loss": True, "framework": "pytorch"},
     # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
     # (fp32 gradient reduce-scatter) are stated (see SOURCES).
-    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32"},
+    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32", "context_all_gather": True},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -369,6 +375,11 @@ SOURCES: dict[tuple[str, str], str] = {
         "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Numerical stability': FP32 "
         "gradient accumulation over micro-batches, and gradients reduce-scattered in FP32 across the data-parallel "
         "workers in FSDP"),
+    ("meta", "context_all_gather"): (
+        "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Context parallelism': 'we adopt an "
+        "all-gather based method where we first all-gather the key (K) and value (V) tensors, and then compute "
+        "attention output for the local query (Q) tensor chunk. Although the all-gather communication latency is "
+        "exposed in the critical path, we still adopt this approach' (document masks; K and V small under GQA)"),
     ("xla", "fsdp_prefetch"):
         "XLA's latency-hiding scheduler (xla/service/latency_hiding_scheduler.cc; on by default on TPU, "
         "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "

@@ -111,8 +111,9 @@ def ring_action_seconds(plan: Plan, topology: Topology, dtype: str, pair: tuple[
         seconds = compute_seconds(topology, dtype, t.flops, t.hbm_bytes, t.kernels, t.replicated_bytes,
                                   t.split_bytes, tensor_bytes, t.gemms)
         compute += seconds
-        if i and tasks[i - 1].transfer:  # the sends beside this compute (their phase's)
-            exposed += max(0.0, pending - seconds)
+        if i and tasks[i - 1].transfer:  # the sends beside this compute (their phase's), or before it when it
+            # waits for them (runtime.context_all_gather's gather)
+            exposed += pending if i - 1 in (t.after or ()) else max(0.0, pending - seconds)
             pending = 0.0
     return compute, exposed + pending
 
