@@ -311,3 +311,7 @@ def test_grad_accumulate_fp32_casts_and_adds_every_microbatch_in_fp32(microbatch
     assert d1 > d0 and a1 > a0
     full = {**over, "precision": "fp32"}
     assert _both(_plan({"grad_accumulate_fp32": True}, **full)) == _both(_plan(**full))
+    # Memory: BF16_Optimizer's fp32 gradient buffer beside the bf16 gradients (4 more bytes a parameter).
+    from testbed.model.memory import memory_breakdown
+    grads = [memory_breakdown(p, topology).per_stage[0].grads for p in (plan, fp32)]
+    assert grads[1] - grads[0] == 4 * costs.device_stage_params(plan, 0)

@@ -131,7 +131,8 @@ class RuntimeSpec:
     #: into an fp32 accumulator by another, the first microbatch's too (DeepSpeed's BF16_Optimizer: the pipeline
     #: engine calls ``update_hp_grads`` after each backward, ``hp_grad.add_(lp.grad.to(fp32))``, and the next
     #: backward writes fresh gradients): 2 + 4 and 4 + 4 + 4 bytes a parameter per microbatch (testbed.sim.facts
-    #: .accumulate_bytes) instead of the runner's add in the gradient dtype from the second microbatch on.
+    #: .accumulate_bytes) instead of the runner's add in the gradient dtype from the second microbatch on; the fp32
+    #: buffer is held beside the bf16 gradients (testbed.model.memory: 4 more bytes a parameter).
     grad_accumulate_fp32: bool = False
     #: Context parallelism all-gathers K and V over the context group before a layer's attention and
     #: reduce-scatters dK and dV after its backward, the attention waiting for the gather and the layer's backward
