@@ -285,3 +285,36 @@ def test_all_gather_context_exposes_what_the_ring_hides_in_both_tiers():
     assert est_g > est_r and est_g == pytest.approx(sim_g.report.step_time_s, rel=0.02)
     flat = make_plan(data=8, seq=4096, d_model=512, heads=8, precision="bf16-mixed")
     assert build_program(_gathering(flat), place(flat)).tasks == build_program(flat, place(flat)).tasks
+
+
+# -- runtime.context_merge_fp32 (PyTorch context_parallel's eager fp32 merges) ------------------------------------
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_fp32_merges_add_their_bytes_as_one_task_per_ring_action_in_both_tiers(remat):
+    """Each F/B action of the ring gets one memory task with the merges of its steps (forward: step 0's casts and
+    c - 1 merges per layer; backward: c accumulations, plus the rerun forward's under full remat); no FLOPs change;
+    both tiers slower by about the same; no context axis: nothing."""
+    from dataclasses import replace
+    base = make_plan(context=4, data=2, layers=3, microbatches=2, remat=remat, seq=4096, d_model=512, heads=8,
+                     precision="bf16-mixed")
+    plan = replace(base, runtime=replace(base.runtime, context_merge_fp32=True))
+    program, rep = build_program(plan, place(plan)), None
+    rep = program.tasks[0].device
+    merges = [t for t in program.tasks if t.device == rep and t.name.endswith("ring merges")]
+    c, layers, m = 4, plan.model.layers, plan.batch.microbatches
+    forward = layers * (ring.merge_bytes(plan, "F", True) + (c - 1) * ring.merge_bytes(plan, "F", False))
+    backward = layers * c * ring.merge_bytes(plan, "B", False) + (forward if remat == "full" else 0)
+    assert sorted(t.hbm_bytes for t in merges) == pytest.approx(sorted([forward] * m + [backward] * m))
+    assert all(t.flops == 0 for t in merges)
+    assert ring.merge_bytes(base, "F", False) == 0  # the field off: nothing
+    flops = [sum(t.flops for t in build_program(p, place(p)).tasks) for p in (base, plan)]
+    assert flops[0] == pytest.approx(flops[1])
+    topo = load_topology("dgx-h100")
+    des = [simulate(p, topo).report.step_time_s for p in (base, plan)]
+    est = [estimate(p, topo).step_time_s for p in (base, plan)]
+    assert des[1] > des[0] and est[1] > est[0]
+    assert (est[1] - est[0]) == pytest.approx(des[1] - des[0], rel=0.1)
+    flat = make_plan(data=8, seq=4096, d_model=512, heads=8, precision="bf16-mixed")
+    flat_merged = replace(flat, runtime=replace(flat.runtime, context_merge_fp32=True))
+    assert build_program(flat_merged, place(flat)).tasks == build_program(flat, place(flat)).tasks

@@ -140,6 +140,11 @@ class RuntimeSpec:
     #: the critical path"), instead of the runner's ring, whose step ``k + 1`` block travels while step ``k``
     #: computes (testbed.model.ring). Same attention work; no effect without a context axis.
     context_all_gather: bool = False
+    #: Context parallelism merges each ring step's partial attention output into an fp32 running output, and the
+    #: backward accumulates dQ, dK and dV in fp32, by eager elementwise kernels (PyTorch's ``context_parallel``:
+    #: ``_SDPAMerger`` with ``convert_to_f32``), priced as memory passes beside the ring's attention steps
+    #: (testbed.model.ring.merge_bytes) instead of the runner's (not priced). No effect without a context axis.
+    context_merge_fp32: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -171,7 +176,8 @@ class RuntimeSpec:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
                              field="runtime.fp8_scaling")
-        for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "context_all_gather"):
+        for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "context_all_gather",
+                     "context_merge_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
@@ -207,7 +213,8 @@ PROFILES: dict[str, dict[str, Any]] = {
                   "grad_all_reduce": True, "grad_accumulate_fp32": True},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, "framework": "pytorch"},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", "framework": "pytorch"},
+                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", "framework": "pytorch",
+                   "context_merge_fp32": True},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                     "attention_kernel": "triton", "fused_loss": True, "framework": "pytorch"},
     # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
@@ -376,6 +383,11 @@ SOURCES: dict[tuple[str, str], str] = {
         "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Numerical stability': FP32 "
         "gradient accumulation over micro-batches, and gradients reduce-scattered in FP32 across the data-parallel "
         "workers in FSDP"),
+    ("torchtitan", "context_merge_fp32"): (
+        "torchtitan (end of 2024, torchtitan/utils.py create_context_parallel_ctx) runs PyTorch's context_parallel "
+        "(torch/distributed/tensor/experimental/_attention.py): _templated_ring_attention merges each step's SDPA "
+        "output with _SDPAMerger (convert_to_f32: out.to(float32), then out - sigmoid(block_lse - lse) * "
+        "(out - block_out), eager) and its backward adds each step's dq/dk/dv into float32 accumulators"),
     ("meta", "context_all_gather"): (
         "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Context parallelism': 'we adopt an "
         "all-gather based method where we first all-gather the key (K) and value (V) tensors, and then compute "
