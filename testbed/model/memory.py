@@ -215,6 +215,8 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
     # exactly layers / v per pair when the chunks are even; uneven chunks (testbed.plan.stages) average.
     layer_acts = inflight * layers // v * per_layer
     grads = grad_b * grad_held
+    if plan.runtime.grad_accumulate_fp32 and plan.precision.mixed:  # the fp32 accumulator beside the bf16 grads
+        grads += 4 * grad_held
     # Sharded parameters are gathered block by block, forward and backward (the backward gathers each block
     # again): the block computing and the prefetched ones are live (testbed.plan.sharding.gathered_blocks).
     gathered = gathered_bytes(plan, stage)

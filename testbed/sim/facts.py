@@ -41,7 +41,7 @@ from testbed.sim.tp_overlap import TpOverlap, tp_overlap
 
 __all__ = ["tensor_transfers", "cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
-           "ACCUMULATE_PASSES", "gradient_buckets", "reduce_bytes"]
+           "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -50,6 +50,9 @@ OPTIMIZER_FLOPS_PER_PARAM = 12
 #: Memory passes of adding one microbatch's gradients into the step's accumulator: read both, write one (an
 #: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
 ACCUMULATE_PASSES = 3
+#: Bytes per parameter of ``runtime.grad_accumulate_fp32``'s two kernels a microbatch: the fp32 copy of the
+#: compute-dtype gradient (read 2, write 4) and its add into the fp32 accumulator (read 4 + 4, write 4).
+FP32_ACCUMULATE_BYTES = 2 + 4 + 4 + 4 + 4
 
 
 
@@ -453,8 +456,11 @@ def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
 
     Every microbatch adds into an accumulator that starts at zero; a step of one microbatch keeps its
     gradients as they are (0). Sharded accumulation (each microbatch's gradients reduce-scattered first,
-    testbed.plan.sharding.gradient_reduction) adds into the device's shard.
+    testbed.plan.sharding.gradient_reduction) adds into the device's shard. ``runtime.grad_accumulate_fp32``:
+    a cast to fp32 and an fp32 add every microbatch (:data:`FP32_ACCUMULATE_BYTES`).
     """
+    if plan.runtime.grad_accumulate_fp32 and plan.precision.mixed:  # every microbatch, the first too
+        return FP32_ACCUMULATE_BYTES * params / state_sharding(plan).ways(plan, "grads")
     if plan.batch.microbatches <= 1:
         return 0.0
     return ACCUMULATE_PASSES * params * grad_bytes / state_sharding(plan).ways(plan, "grads")
