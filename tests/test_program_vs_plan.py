@@ -113,8 +113,10 @@ def test_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
     assert moved == expected
 
 
-@pytest.mark.xfail(strict=True, reason="the traced gradient reduce-scatters merge into one after the backward "
-                                       "pass; the plan's model overlaps four buckets with it")
+@pytest.mark.xfail(strict=True, reason="the traced step merges the forward's 53 gathers into one before any "
+                                       "compute, cannot prefetch the backward's (each waits for its block's "
+                                       "cotangent) and merges the gradient reduce-scatters into one after the "
+                                       "backward; the plan's model prefetches block by block and overlaps buckets")
 def test_fsdp_step_time_on_a_tpu_slice() -> None:
     plan = Plan(name="fsdp16", model=ModelSpec(layers=4, d_model=1024, heads=16, d_ff=4096, seq_len=1024,
                                                vocab=32768),
