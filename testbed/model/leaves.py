@@ -155,7 +155,7 @@ def regathered_in_backward(param: layout.ParamSpec) -> bool:
     so all but the additive ones (:attr:`~testbed.model.param_spec.ParamSpec.additive`: biases, LayerNorm
     shifts), whose gradients need no value (XLA drops a gather nothing reads). The one rule :func:`regathered`
     counts and testbed.runner.param_shards executes: where a recomputed forward reads an additive leaf, the
-    runner keeps the forward's gathered copy (a vector) instead of gathering it again."""
+    runner keeps the forward's gathered copy (a bias is small) instead of gathering it again."""
     return not param.additive
 
 

@@ -342,7 +342,8 @@ def sequence_apart(plan: Plan) -> bool:
 
 def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float, float]:
     """(bytes of chunk ``c``'s tensor-replicated parameters' gradients, reduced over tensor too; bytes the position
-    table's reduction saves) under :func:`sequence_replicated`, else zeros. The norms' at 4 bytes each
+    table's reduction saves) under :func:`sequence_replicated` or :func:`sequence_apart`, else zeros (nothing
+    saved under the latter). The norms' at 4 bytes each
     (:func:`reduced_bytes`). The learned position table's gradient is reduced as each tensor rank's 1/t shard of
     the positions (the runner adds positions to its sequence shard), then gathered over tensor
     (testbed.model.costs.ChunkCost.position_gather_bytes)."""
