@@ -317,7 +317,7 @@ class _Step:
         first."""
         mesh, t, syncs = self.facts.plan.mesh, 0.0, []
         for r in self.facts.reductions:
-            size = special[0] if r.expert else special[1] if r.sequence else nbytes - sum(special)
+            size = r.size(nbytes, special)
             if size <= 0:
                 continue
             if r.sharded:

@@ -153,6 +153,15 @@ class Reduction:
     rest: tuple[Axis, ...]
     ways: int
     sequence: bool = False
+    #: Whether the sequence-replicated parameters' bytes stay in this (dense) reduction although a ``sequence``
+    #: one sums them over tensor too (:func:`sequence_apart`); False: that reduction takes them out of this one.
+    holds_sequence: bool = False
+
+    def size(self, nbytes: float, special: tuple[float, float]) -> float:
+        """Bytes this reduction sums of a bucket of ``nbytes`` (``special``: ChunkFacts.special's shares)."""
+        if self.expert or self.sequence:
+            return special[0] if self.expert else special[1]
+        return nbytes - special[0] - (0.0 if self.holds_sequence else special[1])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -325,19 +334,31 @@ def sequence_replicated(plan: Plan) -> bool:
     return plan.sequence_parallel and plan.mesh.tensor > 1 and not state_sharding(plan).split_axes(plan, "optimizer")
 
 
+def sequence_apart(plan: Plan) -> bool:
+    """Whether, with the parameters sharded (fsdp, ZeRO-3) under sequence parallelism, the tensor-replicated
+    parameters' gradients are all-reduced whole over tensor on their own before their reduce-scatter with the rest:
+    testbed.runner.param_shards reduce-scatters each gathered leaf's gradient over the batch axes in its map, and
+    the partitioner sums the tensor ranks' partial sums first (the norms' in fp32). The traced runner step moves
+    exactly these bytes (tests/test_program_vs_plan.py)."""
+    return plan.sequence_parallel and plan.mesh.tensor > 1 and bool(state_sharding(plan).split_axes(plan, "params"))
+
+
 def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float, float]:
     """(bytes of chunk ``c``'s tensor-replicated parameters' gradients, reduced over tensor too; bytes the position
-    table's reduction saves) under :func:`sequence_replicated`, else zeros. The norms' at 4 bytes each
+    table's reduction saves) under :func:`sequence_replicated` or :func:`sequence_apart`, else zeros (nothing
+    saved under the latter). The norms' at 4 bytes each
     (:func:`reduced_bytes`). The learned position table's gradient is reduced as each tensor rank's 1/t shard of
     the positions (the runner adds positions to its sequence shard), then gathered over tensor
     (testbed.model.costs.ChunkCost.position_gather_bytes)."""
-    if not sequence_replicated(plan):
+    apart = sequence_apart(plan)
+    if not apart and not sequence_replicated(plan):
         return 0.0, 0.0
     t, replicated, saved = plan.mesh.tensor, 0.0, 0.0
     held = chunk_params(plan.model, s, c, plan.mesh.stage, plan.schedule.virtual_stages, stage_layers=plan.stage_layers)
     for q, copies in held:
         if q.part is Part.EMBEDDING:
-            saved += copies * q.device_elements(t, 1, 1) * reduce_b * (1 - 1 / t) if q.path == ("positions",) else 0
+            positions = q.path == ("positions",) and not apart
+            saved += copies * q.device_elements(t, 1, 1) * reduce_b * (1 - 1 / t) if positions else 0
         elif q.tensor_dim is None and not q.is_expert:
             replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS else reduce_b)
     return replicated, saved
@@ -401,11 +422,14 @@ def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction
         if axes:
             sharded = tuple(a for a in axes if a in optimizer_axes)
             out.append(Reduction(expert=expert, sharded=sharded, rest=tuple(a for a in axes if a not in optimizer_axes),
-                                 ways=math.prod(plan.mesh.degree(a) for a in sharded)))
+                                 ways=math.prod(plan.mesh.degree(a) for a in sharded),
+                                 holds_sequence=not expert and sequence_apart(plan)))
     if sequence_replicated(plan):  # nothing shards the optimizer state here: one all-reduce
         axes = (*reduction_axes(plan), Axis.TENSOR)
         out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1,
                              rest=tuple(a for a in MESH_AXES if a in axes)))
+    elif sequence_apart(plan):  # summed whole over tensor first, then reduce-scattered with the rest
+        out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1, rest=(Axis.TENSOR,)))
     return tuple(out)
 
 
