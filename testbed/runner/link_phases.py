@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["worker_body", "run_phases", "phase_medians"]
+__all__ = ["worker_body", "collective_worker_body", "run_phases", "phase_medians"]
 
 _POLL_S = 0.005
 
@@ -80,9 +80,30 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
     return {"phases": phases, "compile_time_s": compile_s, "loss": value}
 
 
+def collective_worker_body(payload: dict[str, Any]) -> dict[str, Any]:
+    """One worker's collectives in phases: per phase wait for ``go-K``, time that phase's ``calls`` (``[op,
+    bytes, repeats]`` each, as :func:`testbed.runner.cluster_collective.collective_times`), write ``done-K-P``.
+    Payload: ``phase_calls`` (one list of calls per phase), ``phases``, ``sync``."""
+    from testbed.runner.cluster_collective import collective_times
+    from testbed.runner.launch import worker_context
+
+    sync, me, warmup = Path(payload["sync"]), worker_context().process_id, int(payload.get("warmup", 2))
+    phases = []
+    for k, calls in enumerate(payload["phase_calls"]):
+        if not _wait_for(sync / f"go-{k}", float(payload.get("timeout_s", 600))):
+            raise TimeoutError(f"no go for phase {k} within {payload.get('timeout_s', 600)} s")
+        phases.append([collective_times(op, int(size), int(count), warmup) for op, size, count in calls])
+        (sync / f"done-{k}-{me}").touch()
+    return {"phases": phases}
+
+
 def run_phases(launch: Callable[[dict], list[dict]], payload: dict, phases: Sequence[str], workers: int,
-               set_links: Callable[[str], None], sync: Path, *, timeout_s: float = 600) -> list[dict]:
+               set_links: Callable[[str], None], sync: Path, *, timeout_s: float = 600,
+               body: str = "phases") -> list[dict]:
     """Run the phased ``payload`` through ``launch`` (one worker per node); before phase K, ``set_links(name)``.
+
+    ``body``: ``phases`` (a plan's steps, :func:`worker_body`) or ``collective_phases``
+    (:func:`collective_worker_body`).
 
     The links are set by a thread of this process while the workers wait; the workers' results in order.
     """
@@ -101,7 +122,7 @@ def run_phases(launch: Callable[[dict], list[dict]], payload: dict, phases: Sequ
     conductor = threading.Thread(target=conduct, daemon=True, name="testbed-link-phases")
     conductor.start()
     try:
-        results = launch({**payload, "body": "phases", "phases": list(phases), "sync": str(sync),
+        results = launch({**payload, "body": body, "phases": list(phases), "sync": str(sync),
                           "timeout_s": timeout_s})
     finally:
         stop.set()
