@@ -290,3 +290,15 @@ def test_rootless_one_shot_collective_as_an_unprivileged_user(tmp_path):
         import shutil
 
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_chained_all_reduces_time_one_program_per_chain():
+    """`collective_times(..., chain=k)` (no cluster: this process's emulated devices) makes k all-reduces in one
+    program, each on the last one's mean, so the sum comes out right, and reports a call as the program / k."""
+    from testbed.runner.cluster_collective import collective_times
+
+    one = collective_times("all_reduce", 4096, 2, warmup=1)
+    chained = collective_times("all_reduce", 4096, 2, warmup=1, chain=3)
+    assert one["ok"] and chained["ok"] and len(chained["times_s"]) == 2 and chained["bytes"] == one["bytes"]
+    with pytest.raises(ValueError, match="all_reduce only"):
+        collective_times("all_gather", 4096, 1, chain=2)
