@@ -157,7 +157,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
 
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
-                label = "plans (analytic tier)" if phase == "analytic" else "best plans (DES replay)"
+                label = {"bounds": "plans (memory and step floors)", "analytic": "plans (analytic tier)"}.get(
+                    phase, "best plans (DES replay)")
                 tasks[phase] = bar.add_task(label, total=total)
             bar.update(tasks[phase], completed=done, total=total)
 
