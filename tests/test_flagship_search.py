@@ -10,6 +10,7 @@ published layout as the simulator prices it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 import random
 
@@ -109,15 +110,25 @@ def test_best_first_tier_estimates_the_fastest_as_estimating_all_does() -> None:
 
 
 @pytest.mark.slow
-def test_llama3_405b_search_finds_a_plan_no_slower_than_metas() -> None:
-    """`testbed search --model llama3-405b --topology llama3-h100-16k --global-batch 2048` (issue 35): the
-    default space, and the DES step of its best plan at most that of the paper's TP8/PP16/DP128 plan. Both under
-    Meta's stack (`runtime: meta`, the bundled plan's): its memory is a PyTorch program's, whereas the runner's XLA
-    program keeps the gathered sequence-parallel inputs, which the paper's layout does not fit in 80 GB."""
-    topology = load_topology("llama3-h100-16k")
-    paper = load_plan("llama3-405b")
-    result = search(replace(preset_plan("llama3-405b", 2048), runtime=paper.runtime), topology)
-    meta = simulate(paper, topology).report.step_time_s
-    assert result.best.plan.mesh.size == 16_384 and result.best.estimate.fits
-    assert result.best.step_time_s <= meta
-    assert result.enumerated > result.pruned_memory + result.pruned_bound
+def test_llama3_405b_search_finds_a_plan_no_slower_than_metas(capsys) -> None:
+    """`testbed search --model llama3-405b --topology llama3-h100-16k --global-batch 2048` as typed (issue 35):
+    the command's own path and defaults (a preset starts from flash attention and sequence parallelism, the
+    runner's runtime), and the DES step of its best plan at most that of the paper's TP8/PP16/DP128 plan, priced
+    under the same runtime and under Meta's stack (`runtime: meta`, the bundled plan's). Its wall time is a
+    measurement (docs/explore.md), not asserted here."""
+    from testbed.cli.main import main
+    from testbed.plan.runtime import RuntimeSpec
+
+    argv = ["search", "--model", "llama3-405b", "--topology", "llama3-h100-16k", "--global-batch", "2048", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    best = data["ranked"][0]
+    topology, paper = load_topology("llama3-h100-16k"), load_plan("llama3-405b")
+    same_runtime = simulate(replace(paper, runtime=RuntimeSpec()), topology).report.step_time_s
+    metas = simulate(paper, topology).report.step_time_s
+    assert data["devices"] == 16_384 and best["memory_bytes"] <= best["capacity_bytes"]
+    assert (data["best_plan"].get("runtime") or {"profile": "testbed"})["profile"] == "testbed"
+    assert best["step_time_s"] <= min(same_runtime, metas)
+    assert data["enumerated"] > data["pruned_memory"] + data["pruned_bound"]
+    assert "searching plans (analytic tier): " in out.err  # progress on stderr, which is not a terminal here

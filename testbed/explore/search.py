@@ -298,7 +298,7 @@ def _analytic_tier(plans: list[Plan], topology: Topology, memory_cap: float, kee
             tier.deferred.extend((f, p) for f, _, p in bounded[k:])
             break
         _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep)
-        if progress is not None and (k % 64 == 0):
+        if progress is not None and (k % 8 == 0):  # an estimate at flagship scale takes tens of ms
             progress("analytic", tier.pruned + k + 1, len(plans))
     if progress is not None:
         progress("analytic", len(plans), len(plans))
