@@ -95,7 +95,7 @@ def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], .
     size = 1
     for d in dims:
         size *= ids.shape[d]
-    return tuple(tuple(int(x) for x in row) for row in moved.reshape(-1, size))
+    return tuple(map(tuple, moved.reshape(-1, size).tolist()))  # Python ints, as int(x) each
 
 
 #: (placement, axes, stage) -> that stage's device groups along the axes: a pure function of its key, kept
