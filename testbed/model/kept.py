@@ -32,7 +32,7 @@ from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
            "head_kept_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
-           "loss_instant_recompute"]
+           "loss_instant_recompute", "device_layer_sets"]
 
 
 def layer_kept_bytes(plan: Plan) -> int:
@@ -45,6 +45,14 @@ def layer_kept_bytes(plan: Plan) -> int:
     if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_saved_inputs and plan.remat is not Remat.FULL:
         kept -= fp8_input_savings(plan)
     return kept
+
+
+def device_layer_sets(plan: Plan, sets: int) -> int:
+    """How many of ``sets`` layer kept sets (one layer, one microbatch) are in device memory at once.
+
+    All of them, unless ``runtime.offload_activations`` sends them to host memory: then the one being offloaded
+    in the forward (or fetched back for the backward) and the next one, in transit, at most two."""
+    return min(sets, 2) if plan.runtime.offload_activations else sets
 
 
 def block_matmul_outputs(spec: ModelSpec, tokens: int, tensor: int) -> tuple[int, ...]:
