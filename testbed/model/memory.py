@@ -166,7 +166,8 @@ def _flash_workspace(plan: Plan) -> int:
     Per ``seq x block`` tile of every query head, no ``seq x seq`` buffer. Over
     several blocks (a loop): two fp32 tiles (the recomputed probabilities, whose
     scores XLA fuses in, and the probability gradient), the score gradient in the
-    compute dtype, and the fp32 dq accumulator ``[tokens, heads x head_dim / t]``. One
+    compute dtype, the fp32 dq accumulator ``[tokens, heads x head_dim / t]`` and the dK and dV outputs the loop
+    fills block by block (``[tokens, kv_dim / t]`` each, compute dtype). One
     block (``seq <= 128`` by default) is compiled without the loop, and XLA keeps
     scores, probabilities and both gradients as fp32 tiles. (Measured with
     XLA:CPU, ``benchmarks/memory_vs_xla.py``.)
@@ -175,7 +176,10 @@ def _flash_workspace(plan: Plan) -> int:
     tile = plan.microbatch_size * spec.heads * spec.score_rows * spec.flash_block // t  # a window: fewer rows
     if spec.flash_block == spec.seq_len:
         return 4 * costs.FLASH_BYTES * tile
-    return tile * (2 * costs.FLASH_BYTES + c) + costs.FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.q_dim // t
+    n = plan.microbatch_size * spec.seq_len
+    kv = n * spec.kv_dim // t if spec.kv_split(t) else n * spec.kv_dim
+    # The loop's carry: the fp32 dq accumulator and the whole-sequence dK and dV it fills block by block.
+    return tile * (2 * costs.FLASH_BYTES + c) + costs.FLASH_BYTES * n * spec.q_dim // t + 2 * c * kv
 
 
 def _layer_workspace(plan: Plan) -> int:
