@@ -95,3 +95,17 @@ def test_the_runner_keeps_its_own_state_sharding() -> None:
     assert not ran.runtime.shard_context and state_sharding(ran).split_axes(ran, "params") == ("fsdp",)
     assert ran.runtime.recompute == plan.runtime.recompute  # nothing else changes
     assert runner_plan(ran) is ran
+
+
+def test_vocab_tiling_keeps_no_logits_and_one_tiles_loss_buffers() -> None:
+    """MaxText's num_vocab_tiling: the hidden states kept, one tile's recomputed logits and loss buffers live."""
+    from testbed.errors import InputError
+
+    plan = _plan({"fsdp": 8}, {"profile": "xla"}, batch=8)
+    tiled = replace(plan, runtime=replace(plan.runtime, vocab_tiles=4))
+    logits = plan.microbatch_size * plan.model.seq_len * plan.model.padded_vocab
+    assert kept.head_kept_bytes(plan) - kept.head_kept_bytes(tiled) == 4 * logits  # the fp32 logits
+    assert kept.loss_workspace_bytes(tiled) == (kept.loss_workspace_bytes(plan) + 4 * logits) // 4
+    for bad in (0, True, 2.5):
+        with pytest.raises(InputError):
+            runtime_from_dict({"profile": "xla", "vocab_tiles": bad})

@@ -143,6 +143,12 @@ class RuntimeSpec:
     #: Core's ``--fp8-param-gather``, Transformer Engine's ``fp8_model_init``) instead of bf16 parameters plus the
     #: per-step fp8 casts and transposes (2 + 2 bytes). Memory only (testbed.model.memory).
     fp8_params: bool = False
+    #: The loss runs over ``vocab_tiles`` tiles of the tokens (MaxText's ``num_vocab_tiling``): each tile's logits,
+    #: loss and gradient are computed and dropped in turn, the hidden states kept, and the backward recomputes each
+    #: tile's logits (utils/vocabulary_tiling.py, a custom_vjp whose residuals are the hidden states) instead of the
+    #: whole ``[tokens, vocab]`` logits kept from the forward (1). Memory only (the backward's recompute of the
+    #: logits, one more head forward, is not priced).
+    vocab_tiles: int = 1
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -168,6 +174,10 @@ class RuntimeSpec:
                 or not 0 <= self.fsdp_prefetch <= 64:
             raise InputError("fsdp_prefetch must be a whole number of blocks from 0 to 64, "
                              f"got {self.fsdp_prefetch!r:.40}", field="runtime.fsdp_prefetch")
+        if isinstance(self.vocab_tiles, bool) or not isinstance(self.vocab_tiles, int) \
+                or not 1 <= self.vocab_tiles <= 4096:
+            raise InputError(f"vocab_tiles must be a whole number of tiles from 1 to 4096, got {self.vocab_tiles!r:.40}",
+                             field="runtime.vocab_tiles")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise InputError(f"unknown attention_kernel `{self.attention_kernel!s:.40}`; valid: "
                              f"{', '.join(ATTENTION_KERNELS)}", field="runtime.attention_kernel")
