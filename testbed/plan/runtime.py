@@ -391,9 +391,10 @@ SOURCES: dict[tuple[str, str], str] = {
         "(parallel_dims.py build_mesh): the parameters, gradients and optimizer state are sharded over data-shard "
         "x context ranks, even with dp_shard 1"),
     ("nemo", "fp8_params"): (
-        "Megatron-Bridge src/megatron/bridge/training/mixed_precision.py: every FP8 recipe "
+        "Megatron-Bridge src/megatron/bridge/training/mixed_precision.py: the per-tensor FP8 recipes "
         "(bf16_with_fp8_current_scaling_mixed, the FP8-CS performance configs', and "
-        "bf16_with_fp8_delayed_scaling_mixed) sets fp8_param_gather = True (kept in sync with fp8_param): "
+        "bf16_with_fp8_delayed_scaling_mixed) set fp8_param_gather = True (kept in sync with fp8_param; the "
+        "blockwise/subchannel recipes, which testbed does not model, do not): "
         "Megatron-Core builds the model under Transformer Engine's fp8_model_init, so the compute parameters are "
         "Float8Tensors (fp8 data and its transpose), the distributed optimizer keeps the fp32 master and "
         "all-gathers the parameters in fp8"),
