@@ -108,7 +108,7 @@ def test_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
     backward gathers again only the parameters it reads (testbed.model.leaves.regathered_in_backward: no bias
     or norm shift), the leaves held whole (padded) are all-reduced and their updated values gathered in the held
     dtype, and under sequence parallelism the tensor-replicated gradients are summed over tensor on their own
-    (testbed.sim.facts.sequence_apart)."""
+    (testbed.sim.grad_bytes.sequence_apart)."""
     plan, topology = drawn
     _, _, moved, expected = _both(plan, topology)
     assert moved == expected

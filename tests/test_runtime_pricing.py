@@ -198,7 +198,7 @@ def test_fp32_gradient_reduction_moves_twice_the_bytes():
         return sum(t.nbytes * t.count for t in build_program(p, placement).tasks
                    if t.stream == "grad" and t.op in ("all_reduce", "reduce_scatter"))
 
-    # The norms' gradients reduce in fp32 already (testbed.sim.facts.reduced_bytes): 4 bytes each either way.
+    # The norms' gradients reduce in fp32 already (testbed.sim.grad_bytes.reduced_bytes): 4 bytes each either way.
     norms = sum(norm_elements(plan, s, c) for s in range(plan.mesh.stage) for c in range(plan.schedule.virtual_stages))
     assert norms > 0 and reduced(fp32) == pytest.approx(2 * reduced(plan) - 4 * norms, rel=1e-12)
     (d0, a0), (d1, a1) = _both(plan), _both(fp32)
