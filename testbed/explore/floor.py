@@ -27,10 +27,7 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     schedule's dependency order, so its step is at least (a) any stage's compute over all its actions and
     (b), with one chunk per stage, the first microbatch's forward through the stages before the last, the
     last stage's whole forward and backward, and the last microbatch's backward back through the others
-    (weight gradients of split backwards left out of (b): they need not be on that path), and (c) any stage's
-    start (every action of stage ``s`` waits, through its dependencies, for some microbatch's forward of chunk 0
-    through stages ``0 .. s - 1``, one after another: the fill of any schedule, interleaved included) plus its
-    compute over all its actions. Compute as the
+    (weight gradients of split backwards left out of (b): they need not be on that path). Compute as the
     estimate prices it; the gradient-bucket split of the last backward is taken at the cheaper of its two
     prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
     exceeds the estimates it would have to beat to be replayed, without changing what it replays.
@@ -43,7 +40,6 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     kinds = ("F", "B", "W") if split else ("F", "B")
     priced: dict[tuple, dict[str, float]] = {}
     per_stage: list[dict[str, float]] = []
-    first: dict[tuple, float] = {}  # a stage's forward of chunk 0, one microbatch
     for s in range(p):
         key = (plan.stage_layers[s], s == 0, s == p - 1)
         if key not in priced:
@@ -62,14 +58,9 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
                             topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
                             split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces)))
                     seconds[kind] += whole + _tensor_floor(plan, topology, tensor)
-                    if c == 0 and kind == "F":
-                        first[key] = whole + _tensor_floor(plan, topology, tensor)
             priced[key] = seconds
         per_stage.append(priced[key])
-    floor, head = 0.0, 0.0
-    for s in range(p):  # (c): stage s starts once a forward of chunk 0 has passed every stage before it
-        floor = max(floor, head + m * sum(per_stage[s].values()))
-        head += first[(plan.stage_layers[s], s == 0, s == p - 1)]
+    floor = max(m * sum(x.values()) for x in per_stage)
     if v == 1 and p > 1:
         last = per_stage[-1]
         path = sum(x["F"] + x["B"] for x in per_stage[:-1]) + m * (last["F"] + last["B"])
