@@ -137,3 +137,13 @@ def test_every_gpu_topology_of_the_published_cases_carries_one_value_per_generat
             values.setdefault(gpu_fit.generation(topology), set()).add(topology.device.sustained)
     assert set(values) == set(gpu_fit.GENERATIONS)
     assert all(len(v) == 1 for v in values.values()), values
+
+
+def test_stale_names_each_topology_whose_shipped_value_is_not_its_generation_s_fit():
+    rows = [{"topology": "dgx-a100-superpod"}, {"topology": "dgx-h100-superpod"}]
+    ships = gpu_fit.shipped(rows)
+    a100 = float(next(iter(ships["A100"])))
+    h100 = float(next(iter(ships["H100"])))
+    assert gpu_fit.stale(ships, {"A100": a100, "H100": h100}) == {}
+    assert gpu_fit.stale(ships, {"A100": a100, "H100": h100 - 0.05}) == {
+        "dgx-h100-superpod": {"shipped": h100, "fitted": h100 - 0.05}}

@@ -85,3 +85,15 @@ def test_per_device_leave_one_out_falls_back_to_the_shared_value_for_a_lone_devi
     report = tpu_fit.per_device_report(rows, shared=0.7)
     assert report["rows"][-1]["in_sample"] == pytest.approx(0.0, abs=1e-9)  # its own value fits it exactly
     assert report["rows"][-1]["leave_one_out"] < -0.15  # left out, it takes 0.7: predicted slow, as it is
+
+
+def test_stale_names_each_topology_whose_calibration_is_not_the_fit():
+    cases, inline = runs.load_cases()
+    cases = [c for c in cases if c["stack"] == tpu_fit.STACK]
+    shipped = {c["device"]: inline[c["topology"]].calibration.compute.efficiency for c in cases}
+    fitted = {"efficiency": dict(shipped), "elementwise_passes": 0.0}
+    assert tpu_fit.stale(cases, inline, fitted) == {}
+    fitted["efficiency"]["TPU-v5p"] += 0.05
+    moved = tpu_fit.stale(cases, inline, fitted)
+    assert moved and all(inline[name].device.name.startswith("TPU") for name in moved)
+    assert {c["topology"] for c in cases if c["device"] == "TPU-v5p"} == set(moved)

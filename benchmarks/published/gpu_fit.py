@@ -169,16 +169,23 @@ def shipped(rows: list[dict], path=runs.CASES) -> dict:
     return out
 
 
+def stale(ships: dict, fitted: dict[str, float]) -> dict:
+    """The topologies of :func:`shipped` whose value is not their generation's ``fitted`` one:
+    ``{name: {shipped, fitted}}`` (empty when the data files hold the fit)."""
+    return {name: {"shipped": float(value), "fitted": fitted[g]} for g, values in ships.items()
+            for value, names in values.items() for name in names if float(value) != fitted[g]}
+
+
 def fit_report(path=runs.CASES, table1=end_to_end.CASES) -> dict:
-    """Per generation: the fit, its errors and what ships; the shared alternative; ``stale``: the topologies whose
-    shipped value is not their generation's fit (empty when the data files hold the fit)."""
+    """Per generation: the fit, its errors and what ships (``ship``: the value each generation's topologies must
+    state; ``stale``: those that do not); the one-value alternative."""
     rows = run_rows(path) + table1_rows(table1)
     fits = {g: generation_report([r for r in rows if r["generation"] == g]) for g in GENERATIONS}
+    ship = {g: fits[g]["fitted"] for g in GENERATIONS}
     ships = shipped(rows, path)
-    stale = {name: {"shipped": float(value), "fitted": fits[g]["fitted"]} for g, values in ships.items()
-             for value, names in values.items() for name in names if float(value) != fits[g]["fitted"]}
-    return {"parameter": "device.sustained", "ship": {g: fits[g]["fitted"] for g in GENERATIONS},
-            "shipped": ships, "stale": stale, "generations": fits, "shared_alternative": shared_report(rows)}
+    return {"parameter": "device.sustained", "objective": "least squares of the relative error", "ship": ship,
+            "shipped": ships, "stale": stale(ships, ship), "generations": fits,
+            "shared_alternative": shared_report(rows)}
 
 
 def main(argv: list[str] | None = None) -> int:
