@@ -147,3 +147,17 @@ def test_stale_names_each_topology_whose_shipped_value_is_not_its_generation_s_f
     assert gpu_fit.stale(ships, {"A100": a100, "H100": h100}) == {}
     assert gpu_fit.stale(ships, {"A100": a100, "H100": h100 - 0.05}) == {
         "dgx-h100-superpod": {"shipped": h100, "fitted": h100 - 0.05}}
+
+
+def test_a_case_splits_into_math_and_the_rest_named_by_its_base_topology():
+    """The split reproduces the simulated step at sustained 1 and (within the linear model) at the probe, and names
+    the topology the case resizes, which :func:`gpu_fit.shipped` loads."""
+    from testbed.explore.space import resize_topology
+
+    topology = resize_topology(load_topology("dgx-h100-superpod"), 8)
+    at_one = simulate(_plan(), gpu_fit.held(topology, 1.0)).report.step_time_s
+    row = gpu_fit._split("p", "runs x", _plan(), topology, published_s=at_one, base="dgx-h100-superpod")
+    assert row["topology"] == "dgx-h100-superpod" and row["generation"] == "H100"
+    assert row["math_s"] > 0 and row["other_s"] >= 0
+    assert gpu_fit.error(row, 1.0) == pytest.approx(0.0, abs=1e-9)
+    assert gpu_fit.shipped([row])["H100"]

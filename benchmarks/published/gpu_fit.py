@@ -66,11 +66,12 @@ def held(topology: Topology, sustained: float) -> Topology:
     return replace(topology, device=replace(topology.device, sustained=sustained))
 
 
-def _split(name: str, category: str, plan, topology: Topology, published_s: float) -> dict:
-    """One case's step as ``other_s + math_s / sustained`` and the step time its published rate means."""
+def _split(name: str, category: str, plan, topology: Topology, published_s: float, base: str) -> dict:
+    """One case's step as ``other_s + math_s / sustained`` and the step time its published rate means (``base``:
+    the name of the topology the case resizes)."""
     step = {x: simulate(plan, held(topology, x)).report.step_time_s for x in (1.0, PROBE)}
     math = (step[PROBE] - step[1.0]) / (1 / PROBE - 1)
-    return {"case": name, "category": category, "generation": generation(topology), "topology": topology.name,
+    return {"case": name, "category": category, "generation": generation(topology), "topology": base,
             "math_s": math, "other_s": step[1.0] - math, "published_s": published_s}
 
 
@@ -84,7 +85,7 @@ def run_rows(path=runs.CASES) -> list[dict]:
             continue
         tokens = plan.batch.global_batch * plan.model.seq_len
         out.append(_split(case["name"], f"runs {case['stack']}", plan, topology,
-                          tokens / float(case["tokens_per_s_per_gpu"]) / int(case["gpus"])))
+                          tokens / float(case["tokens_per_s_per_gpu"]) / int(case["gpus"]), case["topology"]))
     return out
 
 
@@ -100,7 +101,8 @@ def table1_rows(path=end_to_end.CASES) -> list[dict]:
         plan = plan_from_dict(spec, default_name=spec["name"])
         gpus = int(row["gpus"])
         published_s = end_to_end.executed_flops(plan) / (float(row["tflops_per_gpu"]) * 1e12 * gpus)
-        out.append(_split(spec["name"], "end_to_end megatron-lm", plan, resize_topology(base, gpus), published_s))
+        out.append(_split(spec["name"], "end_to_end megatron-lm", plan, resize_topology(base, gpus), published_s,
+                          setup["topology"]))
     return out
 
 
