@@ -136,14 +136,18 @@ def _device_error(row: dict, efficiencies: dict[str, float], passes: float, shar
 
 
 def per_device_report(rows: list[dict], shared: float) -> dict:
-    """The per-generation fit (what runs.yaml ships): its values, sum of absolute errors, in-sample and
-    leave-one-out errors (a row whose device has no other row takes the ``shared`` efficiency when left out)."""
+    """The per-generation fit (what runs.yaml ships): its values, summed loss, in-sample and leave-one-out errors,
+    all and per generation (each efficiency's own rows; a row whose device has no other row takes the ``shared``
+    efficiency when left out)."""
     efficiencies, passes = fit_per_device(rows)
     in_sample = [_device_error(r, efficiencies, passes, shared) for r in rows]
     left_out = [_device_error(r, *fit_per_device(rows[:i] + rows[i + 1:]), shared) for i, r in enumerate(rows)]
+    by_generation = {d: {kind: _summary([e for r, e in zip(rows, errors) if r["device"] == d])
+                         for kind, errors in (("in_sample", in_sample), ("leave_one_out", left_out))}
+                     for d in sorted(efficiencies)}
     return {"fitted": {"efficiency": efficiencies, "elementwise_passes": passes},
             "sum_squared_error": round(sum(loss(e) for e in in_sample), 4),
-            "in_sample": _summary(in_sample), "leave_one_out": _summary(left_out),
+            "in_sample": _summary(in_sample), "leave_one_out": _summary(left_out), "by_generation": by_generation,
             "rows": [{"case": r["case"], "in_sample": round(a, 4), "leave_one_out": round(b, 4)}
                      for r, a, b in zip(rows, in_sample, left_out)]}
 
