@@ -6,7 +6,9 @@ collectives to fit gloo's host costs (:mod:`testbed.cluster.fit`), giving the
 calibrated topology. Then, as ``testbed validate --cluster`` does, for each
 plan (``benchmarks/cluster_plans``: a 0.5 M-parameter GPT, ``mesh: {data:
 8}`` and ``mesh: {tensor: 8}``) it times ``--steps`` steps on the shaped
-links and again on the same links unshaped (the host's part), and predicts
+links and again on the same links unshaped (the host's part), ``--rounds``
+times over in one job (:mod:`testbed.runner.link_phases`: the same processes
+and compiled program, shaped and unshaped interleaved), and predicts
 the shaped step as the host's part plus what the links add
 (:mod:`testbed.cluster.step`), read three ways: the simulator's plan step on
 the calibrated topology less its step unshaped (``predicted_s``, what
@@ -55,7 +57,7 @@ def program_calls(name: str) -> list[dict]:
     return compiled(plan_to_dict(load_plan(str(PLAN_DIR / name))))
 
 
-def measure(rates: list[float], plans: list[str], steps: int) -> dict:
+def measure(rates: list[float], plans: list[str], steps: int, rounds: int = 2) -> dict:
     from testbed.runner.cluster_calibrate import measure as measure_collectives
     from testbed.runner.on_cluster import host_and_shaped_steps
 
@@ -65,13 +67,14 @@ def measure(rates: list[float], plans: list[str], steps: int) -> dict:
         spec = _spec(topology, rate)
         with netns.ephemeral(spec) as owner:
             calibration = measure_collectives(spec, owner, max_call_s=1.5)
-            timed = {name: host_and_shaped_steps(spec, owner, plan_to_dict(load_plan(str(PLAN_DIR / name))), steps)
-                     for name in plans}
+            timed = {name: host_and_shaped_steps(spec, owner, plan_to_dict(load_plan(str(PLAN_DIR / name))), steps,
+                                                 rounds=rounds) for name in plans}
         runs.append({"rate_mbps": rate, "calibration": calibration, "steps": timed})
         print(json.dumps({"rate_mbps": rate, "load": {p: t["load"] for p, t in timed.items()}}), file=sys.stderr,
               flush=True)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return {"measured": f"{when}, nice {os.nice(0)}", "topology": TOPOLOGY, "plans": plans, "steps": steps, "runs": runs,
+    return {"measured": f"{when}, nice {os.nice(0)}, load average {os.getloadavg()[0]:.1f}", "topology": TOPOLOGY,
+            "plans": plans, "steps": steps, "rounds": rounds, "runs": runs,
             "calls": {name: program_calls(name) for name in plans}}
 
 
@@ -143,7 +146,9 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="10,30,100", help="link rates in Mb/s (default 10,30,100)")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per run after the first (default 4)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per phase after the first (default 4)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="shaped-then-unshaped phases per plan, in one job (default 2: 2 x --steps steps each)")
     parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
     parser.add_argument("--refit", default=None, metavar="FILE", help="only the predictions of a saved --save file")
     parser.add_argument("--png", default=None, help="plot step time against link rate")
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(json.dumps({"skipped": problem}))
             return 0
-        doc = measure([float(r) for r in args.rates.split(",")], PLANS, args.steps)
+        doc = measure([float(r) for r in args.rates.split(",")], PLANS, args.steps, args.rounds)
         if args.save:
             Path(args.save).write_text(json.dumps(doc, indent=1))
     rows = predictions(doc)

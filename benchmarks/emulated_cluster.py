@@ -1,9 +1,11 @@
 """Measured vs predicted collectives on an emulated 4 nodes x 2 devices cluster, calibrated leave-one-rate-out.
 
 For each link rate (default 10, 30 and 100 Mb/s: the ``eth-4x2`` topology's
-100 GbE scaled by 1e-4, 3e-4 and 1e-3) this builds the cluster
-(``testbed.cluster``: a namespace per node, tbf on both ends of every link)
-and runs what ``testbed calibrate --cluster`` runs
+100 GbE scaled by 1e-4, 3e-4 and 1e-3) this shapes the cluster
+(``testbed.cluster``: a namespace per node, tbf on both ends of every link;
+one cluster and one job for all rates, the links reshaped between them,
+``--rounds`` passes over the rates: the same processes time every rate, so a
+change of load reaches all of them) and runs what ``testbed calibrate --cluster`` runs
 (:func:`testbed.runner.cluster_calibrate.measure`): the host's TCP probed,
 then ``all_reduce`` and ``all_gather`` over all 8 devices (one JAX worker per
 node, gloo over the shaped links) at 4 KiB and at 64 KiB x 4^k up to the
@@ -107,19 +109,28 @@ def plot(result: dict, path: str) -> None:
     save_figure(fig, path)
 
 
-def measure_rates(rates: list[float], max_call_s: float, repeats: int) -> dict:
-    from testbed.runner.cluster_calibrate import measure
+def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: int = 2) -> dict:
+    """Every rate's collectives: in one job on one cluster, the links reshaped between rates, ``rounds`` passes
+    (:func:`testbed.runner.cluster_calibrate.measure_interleaved`); ``rounds`` 0: one cluster and job per rate."""
+    from testbed.runner.cluster_calibrate import measure, measure_interleaved
 
     topology = load_topology(TOPOLOGY)
     runs = []
-    for rate in rates:
+    if rounds:
+        first = _spec(topology, rates[0])
+        with netns.ephemeral(first) as owner:
+            raws = measure_interleaved(first, owner, [_spec(topology, r).scale for r in rates], rounds=rounds,
+                                       max_call_s=max_call_s, repeats=repeats)
+        runs = [{"rate_mbps": rate, **raw} for rate, raw in zip(rates, raws)]
+    for rate in rates if not rounds else ():
         with netns.ephemeral(_spec(topology, rate)) as owner:
             raw = measure(_spec(topology, rate), owner, max_call_s=max_call_s, repeats=repeats)
         runs.append({"rate_mbps": rate, **raw})
-        print(json.dumps({"rate_mbps": rate, "load_before": raw["load_before"], "load_after": raw["load_after"],
-                          "seconds": raw["seconds"]}), file=sys.stderr, flush=True)
+    for run in runs:
+        print(json.dumps({"rate_mbps": run["rate_mbps"], "load_before": run["load_before"],
+                          "load_after": run["load_after"], "seconds": run["seconds"]}), file=sys.stderr, flush=True)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return {"measured": f"{when}, nice {os.nice(0)}", "topology": TOPOLOGY, "runs": runs}
+    return {"measured": f"{when}, nice {os.nice(0)}, rounds {rounds}", "topology": TOPOLOGY, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="10,30,100", help="link rates in Mb/s (default 10,30,100)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-call-s", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="passes over the rates in one job, the links reshaped between them (default 2; 0: one "
+                             "job per rate)")
     parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
     parser.add_argument("--refit", default=None, metavar="FILE", help="only the fits of a saved --save file")
     parser.add_argument("--png", default=None, help="plot measured vs held-out predicted bus bandwidth")
@@ -140,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(json.dumps({"skipped": problem}))
             return 0
-        doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats)
+        doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats, args.rounds)
         if args.save:
             with open(args.save, "w") as f:
                 json.dump(doc, f, indent=1)

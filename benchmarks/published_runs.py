@@ -25,8 +25,8 @@ and ``runs``; ``end_to_end_all`` summarises the pool. Every case runs under its 
 ``device.power_limit``: what a topology's device power limit changed). ``fits`` prints
 each parameter fitted over a category of ``runs``, with its in-sample and leave-one-out errors and the values the
 data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext cases, tpu_fit.py;
-``gpu_compute``: each GPU generation's ``device.sustained`` over its runs.yaml cases and, for A100, Table 1,
-gpu_fit.py, which simulates each GPU case twice more).
+``gpu_compute_A100``, ``gpu_compute_H100``: each GPU generation's ``device.sustained`` over its runs.yaml cases
+and, for A100, Table 1, gpu_fit.py, which simulates each GPU case twice more).
 The largest Megatron rows take about a minute each to simulate.
 
     .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|runs|memory]
@@ -57,6 +57,15 @@ UNITS = {"collectives": "busbw GB/s", "end_to_end": "TFLOP/s per GPU", "runs": "
 _TABLE1 = {"stack": "megatron-lm", "device": "A100", "precision": "bf16", "architecture": "dense"}
 
 
+def _moved(row: dict) -> dict:
+    """A run's ``mechanisms`` in ``results``: what each runtime field the case sets added to its error (error with
+    it minus error without it), for the fields that move it by more than 0.01% (runs.py's ``mechanisms`` holds
+    the error without each field). Every result also carries its ``source``; validation_table.py writes both
+    into docs/validation.md."""
+    changes = {field: round(row["error"] - without, 4) for field, without in row["mechanisms"].items()}
+    return {field: change for field, change in sorted(changes.items()) if abs(change) > 1e-4}
+
+
 def run(only: list[str] | None = None) -> dict:
     categories, results, pooled, out = {}, {}, [], {}
     for name, evaluate in CATEGORIES.items():
@@ -64,8 +73,10 @@ def run(only: list[str] | None = None) -> dict:
             continue
         rows = evaluate()
         categories[name] = {**published_collectives.summary(rows), "unit": UNITS[name]}
-        results[name] = [{"case": r["case"], "predicted": r["predicted"], "published": r["published"],
-                          "error": r["error"], **({"memory_gib": r["memory_gib"]} if "memory_gib" in r else {})}
+        results[name] = [{"case": r["case"], "source": r.get("source", ""), "predicted": r["predicted"],
+                          "published": r["published"], "error": r["error"],
+                          **({"memory_gib": r["memory_gib"]} if "memory_gib" in r else {}),
+                          **({"mechanisms": _moved(r)} if r.get("mechanisms") else {})}
                          for r in rows]
         if name in ("collectives", "ici"):
             out["collective_bands" if name == "collectives" else "ici_bands"] = published_collectives.by_band(rows)
@@ -75,7 +86,7 @@ def run(only: list[str] | None = None) -> dict:
             pooled += rows
             out["runtime_mechanisms"] = published_runs.mechanisms(rows)
             out["predicted_out_of_memory"] = [r["case"] for r in rows if not r["fits"]]
-            out["fits"] = {"tpu_compute": tpu_fit.fit_report(), "gpu_compute": gpu_fit.fit_report()}
+            out["fits"] = {"tpu_compute": tpu_fit.fit_report(), **gpu_fit.fits(gpu_fit.fit_report())}
     if pooled:
         out["end_to_end_all"] = published_runs.summary(pooled)
         out["end_to_end_by"] = published_runs.by_category(pooled)

@@ -182,7 +182,7 @@ def test_analytic_tier_prices_the_same_collectives() -> None:
     devices meet twice as often, and each meeting waits for the last of them (tests/test_barriers.py). RoPE: no
     learned position table, whose gradient SP gathers (an extra collective, tests above). SP adds one
     collective: the tensor-replicated parameters' gradients (norms, row-parallel biases), partial sums over the
-    sequence shards, all-reduced over tensor (testbed.sim.facts.sequence_reduced)."""
+    sequence shards, all-reduced over tensor (testbed.sim.grad_bytes.sequence_reduced)."""
     data = topology_to_dict(load_topology("host-cpu-8"))
     data["calibration"]["host"].pop("skew_s")
     host = topology_from_dict(data)

@@ -147,6 +147,76 @@ def test_a_step_priced_call_by_call_additive_or_overlapped():
         StepCall(op="broadcast", nbytes=4, groups=everyone)
 
 
+def test_the_simulator_prices_gloos_algorithm_where_gloo_runs():
+    """CPU hosts across a network run XLA:CPU's gloo: a ring all-reduce over the devices in order, whatever
+    faster algorithm the topology allows; one host alone (in-process collectives) and GPUs keep their choice."""
+    from testbed.collectives.gloo import gloo_algorithm, gloo_runs
+    from testbed.collectives.timing import collective_time
+
+    cluster = emulated(_spec(10.0), PROBE)
+    everyone = list(range(8))
+    assert gloo_runs(cluster) and gloo_runs(load_topology("eth-4x2"))
+    assert not gloo_runs(load_topology("host-cpu-8")) and not gloo_runs(load_topology("eth-100g-8"))
+    assert gloo_algorithm(cluster, "all_to_all") is None
+    assert gloo_algorithm(load_topology("host-cpu-8"), "all_reduce") is None
+    ring = collective_time(cluster, "all_reduce", everyone, 2**21, "ring")
+    assert collective_time(cluster, "all_reduce", everyone, 2**21).algorithm == "ring"
+    assert collective_time(cluster, "all_reduce", everyone, 2**21).time_s == pytest.approx(ring.time_s)
+    # The ring moves 1.75 S over each node's link; the hierarchical grid the topology would allow, 1.5 S.
+    assert collective_time(cluster, "all_reduce", everyone, 2**21, "hierarchical").time_s < ring.time_s
+    assert collective_time(cluster, "all_gather", everyone, 2**21).algorithm == "ring"
+    assert collective_time(load_topology("host-cpu-8"), "all_reduce", everyone, 2**21).algorithm != "ring"
+
+
+def test_phases_run_in_order_with_the_links_set_between_them(tmp_path):
+    """link_phases' hand-over without JAX: workers (threads here) wait for each phase's go, the conductor sets the
+    links only once every worker is done with the phase before; per phase name the slowest worker's steps."""
+    import threading
+    import time
+
+    from testbed.runner.link_phases import _wait_for, phase_medians, run_phases
+
+    events: list[str] = []
+
+    def worker(p: int, phases: list[str]) -> dict:
+        out = []
+        for k, name in enumerate(phases):
+            assert _wait_for(tmp_path / f"go-{k}", 10)
+            events.append(f"w{p}-{k}")
+            time.sleep(0.01 * (p + 1))
+            out.append([1.0 + k + p, 2.0 + k + p])
+            (tmp_path / f"done-{k}-{p}").touch()
+        return {"phases": out, "loss": 3.0 if p == 1 else None, "compile_time_s": 0.5}
+
+    def launch(payload: dict) -> list[dict]:
+        assert payload["body"] == "phases" and payload["steps"] == 2
+        results: list = [None, None]
+        threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, worker(p, payload["phases"])))
+                   for p in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    phases = ["shaped", "unshaped", "shaped", "unshaped"]
+    names: list[str] = []
+
+    def set_links(name: str) -> None:
+        events.append(f"links-{len(names)}")
+        names.append(name)
+
+    results = run_phases(launch, {"steps": 2}, phases, 2, set_links, tmp_path, timeout_s=10)
+    assert names == phases
+    for k in range(len(phases)):  # phase k's links are set after every worker's phase k - 1, before any phase k
+        at = events.index(f"links-{k}")
+        assert all(events.index(f"w{p}-{k - 1}") < at for p in range(2) if k)
+        assert all(events.index(f"w{p}-{k}") > at for p in range(2))
+    timed = phase_medians(results, phases)
+    assert timed["shaped"]["step_times_s"] == [2.0, 3.0, 4.0, 5.0]  # the slower worker's, phases 0 and 2
+    assert timed["unshaped"]["median_step_s"] == pytest.approx(4.5) and timed["unshaped"]["loss"] == 3.0
+
+
 def _measurements(tmp_path, rows: list[dict]) -> str:
     spec = _spec()
     path = tmp_path / "c.measurements.json"

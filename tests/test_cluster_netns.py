@@ -201,8 +201,8 @@ def test_the_message_says_whether_a_rootless_run_is_possible():
 def test_smoke_one_kept_cluster_collective_calibrate_verify_validate(clean, capsys):
     """CI's smoke test, one 2-node cluster over shaped links for every command that runs on a kept cluster: up,
     a collective, calibrate its host costs, verify a plan, validate its step (a 2-step run on the shaped links,
-    then on the links unshaped), status, down. One cluster and one launch per command: each launch starts and
-    compiles JAX in two workers, the cost of this test."""
+    then on the links unshaped, in one job that reshapes the links between them), status, down. One cluster and
+    one launch per command: each launch starts and compiles JAX in two workers, the cost of this test."""
     topology, name = _topology(clean), _name("smoke")
     plan = clean / "dp2.yaml"
     plan.write_text(PLAN)
@@ -233,6 +233,8 @@ def test_smoke_one_kept_cluster_collective_calibrate_verify_validate(clean, caps
         row = json.loads(capsys.readouterr().out)["plans"][0]
         shaped = row["measured"]["shaped"]
         assert len(shaped["step_times_s"]) == 2 and shaped["loss"] is not None  # the 2-step run, shaped links
+        assert row["measured"]["phases"] == ["shaped", "unshaped"]  # one job, the links reshaped between
+        assert len(row["measured"]["unshaped"]["step_times_s"]) == 2
         assert row["measured_s"] > 0 and row["host_step_s"] > 0
         assert row["predicted_s"] == pytest.approx(row["host_step_s"] + row["links_s"])
         assert main(["cluster", "status", "--json"]) == 0
@@ -288,3 +290,15 @@ def test_rootless_one_shot_collective_as_an_unprivileged_user(tmp_path):
         import shutil
 
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_chained_all_reduces_time_one_program_per_chain():
+    """`collective_times(..., chain=k)` (no cluster: this process's emulated devices) makes k all-reduces in one
+    program, each on the last one's mean, so the sum comes out right, and reports a call as the program / k."""
+    from testbed.runner.cluster_collective import collective_times
+
+    one = collective_times("all_reduce", 4096, 2, warmup=1)
+    chained = collective_times("all_reduce", 4096, 2, warmup=1, chain=3)
+    assert one["ok"] and chained["ok"] and len(chained["times_s"]) == 2 and chained["bytes"] == one["bytes"]
+    with pytest.raises(ValueError, match="all_reduce only"):
+        collective_times("all_gather", 4096, 1, chain=2)

@@ -237,3 +237,84 @@ def test_gradients_are_summed_over_context():
     replicas = {tuple(sorted(g)) for g in placement.groups("context")}
     for t in reduced:  # one all-reduce over data x context: each group joins two context rings
         assert len(t.group) == 8 and sum(tuple(sorted(set(t.group) & set(g))) in replicas for g in replicas) == 2
+
+
+# -- runtime.context_all_gather (Llama 3's all-gather context parallelism) --------------------------------------
+
+
+def _gathering(plan):
+    from dataclasses import replace
+    return replace(plan, runtime=replace(plan.runtime, context_all_gather=True))
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_all_gather_context_sends_its_bytes_before_the_attention_and_keeps_the_work(remat):
+    """K/V gathered (c - 1 messages of kv) before any attention step, dK/dV reduce-scattered (c - 1 of grad) after
+    the last; the backward regathers only to rerun the forward under full remat; the action's FLOPs unchanged."""
+    plan = _gathering(make_plan(context=4, data=2, layers=3, microbatches=2, remat=remat))
+    program = build_program(plan, place(plan))
+    rep, (fwd, bwd) = program.tasks[0].device, ring.ring_bytes_per_layer(plan)
+    kv, grad = ring.kv_bytes(plan), ring.grad_bytes(plan)
+    assert (fwd, bwd) == (3 * kv, 3 * grad + (3 * kv if remat == "full" else 0))
+    if remat == "full":
+        bwd += fwd - 3 * kv  # bytes_per_layer counts the rerun's gather already
+    sent = {"F": 0.0, "B": 0.0}
+    for t in program.tasks:
+        if t.stream == RING_STREAM and t.device == rep:
+            sent[t.name.split()[-1][0]] += t.nbytes * t.count
+    m, layers = plan.batch.microbatches, plan.model.layers
+    assert sent == pytest.approx({"F": m * layers * fwd, "B": m * layers * bwd})
+    cost = costs.chunk_cost(plan, 0)
+    total = sum(t.flops for t in program.tasks if t.stream == "compute" and t.name != "optimizer")
+    assert total == pytest.approx(m * cost.total_flops)
+    # Every forward attention step (a rerun one too) waits for its action's gather: nothing of the ring beside it.
+    steps = [t for t in program.tasks if t.device == rep and " attention F " in t.name]
+    assert steps and all(any(program.tasks[d].name.startswith("all-gather K/V ") for d in t.deps) for t in steps)
+
+
+def test_all_gather_context_exposes_what_the_ring_hides_in_both_tiers():
+    """Across nodes the ring hides its sends behind the attention steps; the all-gather waits for them: slower in
+    the task graph and the analytic tier (which agree), more ring time exposed; no context axis: no change."""
+    topo = load_topology("dgx-h100-x4")
+    order = ["stage", "context", "data", "fsdp", "expert", "tensor"]
+    ring_plan = make_plan(context=4, data=8, seq=65536, d_model=512, heads=4, precision="bf16-mixed", order=order)
+    gathered = _gathering(ring_plan)
+    (sim_r, exposed_r), (sim_g, exposed_g) = _sim(ring_plan, topo), _sim(gathered, topo)
+    assert exposed_g > exposed_r and sim_g.report.step_time_s > sim_r.report.step_time_s
+    est_r, est_g = estimate(ring_plan, topo).step_time_s, estimate(gathered, topo).step_time_s
+    assert est_g > est_r and est_g == pytest.approx(sim_g.report.step_time_s, rel=0.02)
+    flat = make_plan(data=8, seq=4096, d_model=512, heads=8, precision="bf16-mixed")
+    assert build_program(_gathering(flat), place(flat)).tasks == build_program(flat, place(flat)).tasks
+
+
+# -- runtime.context_merge_fp32 (PyTorch context_parallel's eager fp32 merges) ------------------------------------
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_fp32_merges_add_their_bytes_as_one_task_per_ring_action_in_both_tiers(remat):
+    """Each F/B action of the ring gets one memory task with the merges of its steps (forward: step 0's casts and
+    c - 1 merges per layer; backward: c accumulations, plus the rerun forward's under full remat); no FLOPs change;
+    both tiers slower by about the same; no context axis: nothing."""
+    from dataclasses import replace
+    base = make_plan(context=4, data=2, layers=3, microbatches=2, remat=remat, seq=4096, d_model=512, heads=8,
+                     precision="bf16-mixed")
+    plan = replace(base, runtime=replace(base.runtime, context_merge_fp32=True))
+    program, rep = build_program(plan, place(plan)), None
+    rep = program.tasks[0].device
+    merges = [t for t in program.tasks if t.device == rep and t.name.endswith("ring merges")]
+    c, layers, m = 4, plan.model.layers, plan.batch.microbatches
+    forward = layers * (ring.merge_bytes(plan, "F", True) + (c - 1) * ring.merge_bytes(plan, "F", False))
+    backward = layers * c * ring.merge_bytes(plan, "B", False) + (forward if remat == "full" else 0)
+    assert sorted(t.hbm_bytes for t in merges) == pytest.approx(sorted([forward] * m + [backward] * m))
+    assert all(t.flops == 0 for t in merges)
+    assert ring.merge_bytes(base, "F", False) == 0  # the field off: nothing
+    flops = [sum(t.flops for t in build_program(p, place(p)).tasks) for p in (base, plan)]
+    assert flops[0] == pytest.approx(flops[1])
+    topo = load_topology("dgx-h100")
+    des = [simulate(p, topo).report.step_time_s for p in (base, plan)]
+    est = [estimate(p, topo).step_time_s for p in (base, plan)]
+    assert des[1] > des[0] and est[1] > est[0]
+    assert (est[1] - est[0]) == pytest.approx(des[1] - des[0], rel=0.1)
+    flat = make_plan(data=8, seq=4096, d_model=512, heads=8, precision="bf16-mixed")
+    flat_merged = replace(flat, runtime=replace(flat.runtime, context_merge_fp32=True))
+    assert build_program(flat_merged, place(flat)).tasks == build_program(flat, place(flat)).tasks

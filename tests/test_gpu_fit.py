@@ -161,3 +161,16 @@ def test_a_case_splits_into_math_and_the_rest_named_by_its_base_topology():
     assert row["math_s"] > 0 and row["other_s"] >= 0
     assert gpu_fit.error(row, 1.0) == pytest.approx(0.0, abs=1e-9)
     assert gpu_fit.shipped([row])["H100"]
+
+
+def test_fits_gives_one_entry_per_generation_with_its_own_stale_topologies():
+    rows = [_row(m, o, 0.8) for m, o in ((10, 1), (5, 0), (20, 3))]
+    report = {"parameter": "device.sustained", "generations": {"A100": gpu_fit.generation_report(rows),
+                                                               "H100": gpu_fit.generation_report(rows)},
+              "shipped": {"A100": {"0.8": ["a"]}, "H100": {"0.9": ["h"]}},
+              "stale": {"h": {"shipped": 0.9, "fitted": 0.8}}, "shared_alternative": {}}
+    out = gpu_fit.fits(report)
+    assert set(out) == {"gpu_compute_A100", "gpu_compute_H100"}
+    assert out["gpu_compute_A100"]["fitted"] == 0.8 and out["gpu_compute_A100"]["stale"] == {}
+    assert out["gpu_compute_H100"]["stale"] == {"h": {"shipped": 0.9, "fitted": 0.8}}
+    assert out["gpu_compute_A100"]["in_sample"]["cases"] == 3

@@ -110,12 +110,19 @@ def test_multinode_fit_leaves_one_node_alone_and_slows_many():
         MultiNodeFit(nvls_tree_efficiency=1.5)
 
 
-def test_ll128_cap_falls_with_tree_depth_and_leaves_two_nodes_at_the_fit():
-    from testbed.collectives.nccl import MULTINODE_FIT
+def test_ll128_cap_is_by_nccls_node_class_two_nodes_or_more():
+    """LL128's rate across nodes is one per NCCL node class (tuning.cc's index2: two nodes, three or more), lower
+    in the deeper class, and the classes are what the cap reads."""
+    from testbed.collectives.nccl import MULTINODE_FIT, MultiNodeFit
 
-    caps = [MULTINODE_FIT.ll128_cap(nodes) for nodes in (2, 4, 8, 16, 128)]
-    assert caps[0] == pytest.approx(MULTINODE_FIT.ll128_busbw * 1e9)
-    assert all(a > b for a, b in zip(caps, caps[1:]))
+    assert MULTINODE_FIT.ll128_cap(2) == pytest.approx(MULTINODE_FIT.ll128_busbw * 1e9)
+    deep = [MULTINODE_FIT.ll128_cap(nodes) for nodes in (3, 4, 8, 16, 128)]
+    assert all(c == pytest.approx(MULTINODE_FIT.ll128_busbw_deep * 1e9) for c in deep)
+    assert MULTINODE_FIT.ll128_busbw_deep < MULTINODE_FIT.ll128_busbw
+    fit = MultiNodeFit(ll128_busbw=100.0, ll128_busbw_deep=40.0)
+    assert (fit.ll128_cap(2), fit.ll128_cap(4)) == (100e9, 40e9)
+    with pytest.raises(ValueError):
+        MultiNodeFit(ll128_busbw_deep=0.0)
 
 
 def test_multinode_busbw_grows_with_size_and_protocols_go_ll_ll128_simple():

@@ -232,16 +232,18 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
             mine = [t for t in program.tasks if t.device == rep and (m := re.search(r"[FBW]\d+(?:\.(\d+))?", t.name))
                     and int(m.group(1) or 0) == c]
             gathers = [t for t in mine if t.stream == "gather"]
-            embed = layout.held_elements(((p, 1) for p in layout.embedding_params(plan.model)), plan.mesh.tensor) \
-                if s == c == 0 else 0
+            # The backward gathers neither the embedding again nor the additive leaves (biases, norm shifts).
+            held = layout.chunk_params(plan.model, s, c, plan.mesh.stage, v, stage_layers=plan.stage_layers)
+            skipped = [(p, k) for p, k in held if p.additive or (s == c == 0 and p.part is layout.Part.EMBEDDING)]
+            unread = layout.held_elements(skipped, plan.mesh.tensor)
             for label in {t.name.split("/")[0] for t in gathers}:  # an action's gathers: one per block
                 blocks = [t for t in gathers if t.name.split("/")[0] == label]
-                backward = label.split()[-1].startswith("B")  # the backward does not gather the embedding again
-                want = n - 2 if backward and embed and combine == 0 and n > 2 else n
+                backward = label.split()[-1].startswith("B")
+                want = max(1, n - sum(k for _, k in skipped)) if backward and combine == 0 and skipped else n
                 assert len(blocks) == max(1, cost.layers)
                 assert sum(t.count for t in blocks) == max(want, len(blocks))  # a block is at least one collective
                 assert math.isclose(sum(t.count * t.nbytes for t in blocks),
-                                    (cost.params - (embed if backward else 0)) * param_b, rel_tol=1e-9)
+                                    (cost.params - (unread if backward else 0)) * param_b, rel_tol=1e-9)
             if not sharded:
                 assert gathers == []
                 continue
@@ -269,7 +271,8 @@ def test_host_counts_one_collective_per_leaf():
     assert len(gathered_leaves(plan, 0, 0)) == 53
     tasks = simulate(plan, host).program.tasks
     blocks = plan.model.layers
-    assert sum(t.count for t in tasks if t.op == "all_gather") == 53 + 53 - 2  # the backward: not the embedding's
+    # The backward: not the embedding's 2, nor the 25 additive leaves (6 biases and shifts a layer, the final shift).
+    assert sum(t.count for t in tasks if t.op == "all_gather") == 53 + 53 - 2 - 25
     assert len([t for t in tasks if t.op == "all_gather"]) == 2 * blocks
     assert sum(t.count for t in tasks if t.op == "reduce_scatter") == 53
     # ZeRO-1 re-gathers the updated parameters over data leaf by leaf too (53 all-gathers in zero1-dp8's step).
@@ -323,3 +326,32 @@ def test_sequence_parallel_replicated_gradients_are_summed_over_tensor_too(zero)
     params = sum(math.prod(p.shape) * (m.layers if p.part is layout.Part.LAYER else 1) for p in layout.model_params(m))
     split = params - norms - biases - m.seq_len * m.d_model  # the rest, split over tensor but the positions
     assert dense == split // t * 2 + m.seq_len * m.d_model // t * 2
+
+
+def test_sequence_parallel_replicated_gradients_under_fsdp_are_summed_over_tensor_on_their_own():
+    """With the parameters sharded (fsdp), the runner reduce-scatters every leaf's gradient over fsdp in its map,
+    and the partitioner first sums the tensor-replicated parameters' partial sums over tensor alone (norms at
+    fp32, the row-parallel biases at 2 bytes), the whole leaves (the traced runner step's bytes,
+    tests/test_program_vs_plan.py); the reduce-scatters still carry every parameter."""
+    plan = replace(make_plan(fsdp=2, tensor=2, microbatches=1), sequence_parallel=True, precision="bf16-mixed")
+    placement, program = _program(plan)
+    tensor = axis_groups(placement, [Axis.TENSOR])[0]
+    fsdp = axis_groups(placement, [Axis.FSDP])[0]
+    grads = [t for t in program.tasks if t.kind is TaskKind.COLLECTIVE and t.stream == "grad"]
+    m, t = plan.model, plan.mesh.tensor
+    norms = 2 * m.d_model * (2 * m.layers + 1)
+    biases = 2 * m.d_model * m.layers
+    assert sum(x.nbytes * x.count for x in grads if x.group in tensor and x.op == "all_reduce") == norms * 4 + biases * 2
+    params = sum(math.prod(p.shape) // (t if p.tensor_dim is not None else 1)
+                 * (m.layers if p.part is layout.Part.LAYER else 1) for p in layout.model_params(m))
+    assert sum(x.nbytes * x.count for x in grads if x.group in fsdp and x.op == "reduce_scatter") == params * 2
+
+
+def test_additive_parameters_are_the_biases_and_the_norms_shifts():
+    """The parameters no backward reads (testbed.model.leaves.regathered_in_backward gathers the rest again)."""
+    from testbed.model.leaves import regathered_in_backward
+
+    spec = ModelSpec(layers=1, d_model=32, heads=4, d_ff=64, seq_len=16, vocab=64)
+    additive = {p.name for p in layout.model_params(spec) if not regathered_in_backward(p)}
+    assert additive == {"layers/ln1/bias", "layers/attn/bqkv", "layers/attn/bo", "layers/ln2/bias", "layers/mlp/b1",
+                        "layers/mlp/b2", "head/norm/bias"}

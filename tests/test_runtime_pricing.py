@@ -177,7 +177,8 @@ def test_bad_fields_name_the_field():
                            ({"grad_bucket_bytes": -1}, "runtime.grad_bucket_bytes"),
                            ({"tp_comm_overlap": "yes"}, "runtime.tp_comm_overlap"),
                            ({"pipeline_blocking_sends": 1}, "runtime.pipeline_blocking_sends"),
-                           ({"grad_all_reduce": "no"}, "runtime.grad_all_reduce")):
+                           ({"grad_all_reduce": "no"}, "runtime.grad_all_reduce"),
+                           ({"grad_accumulate_fp32": 1}, "runtime.grad_accumulate_fp32")):
         with pytest.raises(InputError) as err:
             _plan(runtime)
         assert field in str(err.value)
@@ -197,7 +198,7 @@ def test_fp32_gradient_reduction_moves_twice_the_bytes():
         return sum(t.nbytes * t.count for t in build_program(p, placement).tasks
                    if t.stream == "grad" and t.op in ("all_reduce", "reduce_scatter"))
 
-    # The norms' gradients reduce in fp32 already (testbed.sim.facts.reduced_bytes): 4 bytes each either way.
+    # The norms' gradients reduce in fp32 already (testbed.sim.grad_bytes.reduced_bytes): 4 bytes each either way.
     norms = sum(norm_elements(plan, s, c) for s in range(plan.mesh.stage) for c in range(plan.schedule.virtual_stages))
     assert norms > 0 and reduced(fp32) == pytest.approx(2 * reduced(plan) - 4 * norms, rel=1e-12)
     (d0, a0), (d1, a1) = _both(plan), _both(fp32)
@@ -285,3 +286,32 @@ def test_grad_all_reduce_all_reduces_zero1_gradients_over_data():
     (d0, a0), (d1, a1) = _both(plan), _both(whole)
     assert d1 > d0 and a1 > a0
     assert _both(_plan({"grad_all_reduce": True}, zero=2)) == _both(_plan(zero=2))
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_grad_accumulate_fp32_casts_and_adds_every_microbatch_in_fp32(microbatches):
+    """DeepSpeed's BF16_Optimizer: each microbatch's bf16 gradients are copied to fp32 and added into the fp32
+    accumulator (18 bytes a parameter), the first microbatch's too, where the runner adds in bf16 (3 passes of 2
+    bytes) from the second on; both tiers slower; a full-precision plan has no compute-dtype gradients to cast."""
+    from testbed.sim.facts import FP32_ACCUMULATE_BYTES
+    topology = load_topology(TOPOLOGY)
+    over = {"batch": {"global_batch": 16, "microbatches": microbatches}, "zero": 1}
+    plan, fp32 = _plan(**over), _plan({"grad_accumulate_fp32": True}, **over)
+    placement = place(plan, topology)
+
+    def adds(p) -> list:
+        rep = build_program(p, placement).representatives[0]
+        return [t.hbm_bytes for t in build_program(p, placement).tasks
+                if t.device == rep and t.name.startswith("accumulate ")]
+
+    params = costs.chunk_cost(plan, 0, 0).params
+    assert adds(fp32) == pytest.approx([FP32_ACCUMULATE_BYTES * params] * microbatches)
+    assert adds(plan) == ([] if microbatches == 1 else pytest.approx([3 * 2 * params] * microbatches))
+    (d0, a0), (d1, a1) = _both(plan), _both(fp32)
+    assert d1 > d0 and a1 > a0
+    full = {**over, "precision": "fp32"}
+    assert _both(_plan({"grad_accumulate_fp32": True}, **full)) == _both(_plan(**full))
+    # Memory: BF16_Optimizer's fp32 gradient buffer beside the bf16 gradients (4 more bytes a parameter).
+    from testbed.model.memory import memory_breakdown
+    grads = [memory_breakdown(p, topology).per_stage[0].grads for p in (plan, fp32)]
+    assert grads[1] - grads[0] == 4 * costs.device_stage_params(plan, 0)

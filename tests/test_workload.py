@@ -63,8 +63,17 @@ def test_a_gemm_and_a_memory_pass_price_as_the_compute_model_says() -> None:
     expected = (topology.calibration.compute.launch_overhead_s + gemms_seconds(topology, "bf16", w.ops[0].gemms)
                 + memory_seconds(topology, 3e9))
     assert sim.report.step_time_s == pytest.approx(expected, rel=1e-9)
-    # dgx-h100's elementwise group: 2 passes per byte written (written once, read once) -> 1 per counted byte
     assert memory_seconds(topology, 3e9) == pytest.approx(pass_seconds(topology, 3e9))
+
+
+@pytest.mark.parametrize("name", ["dgx-h100", "host-cpu-8", "tpu-v5e-4x4"])
+def test_a_traced_memory_bound_byte_costs_one_pass_of_the_calibrated_stream(name) -> None:
+    """The fusion estimate counts a fused kernel's reads and writes; each costs what calibrate's memory stream
+    (one fused elementwise loop) measured, not the elementwise passes a plan's activation bytes get (the host's
+    22.7 would price a pmap SGD update's 12 bytes per parameter at 11 passes a byte)."""
+    topology = load_topology(name)
+    bandwidth = topology.device.memory_bandwidth * topology.calibration.memory.efficiency
+    assert memory_seconds(topology, 3e9) == pytest.approx(3e9 / bandwidth, rel=1e-12)
 
 
 def test_without_elementwise_passes_a_segment_is_one_roofline_task() -> None:
@@ -165,3 +174,44 @@ def test_a_collective_permute_is_priced_as_sends_around_its_groups() -> None:
     (send,) = [t for t in sim.program.tasks if t.kind is TaskKind.SEND]
     assert send.group == (0, 1) and len(send.instances) == 8
     assert sim.report.step_time_s > 1e8 / 450e9  # at least the bytes over one NVSwitch link
+
+
+def test_bf16_matmuls_run_in_fp32_between_converts_where_the_devices_compiler_does() -> None:
+    """XLA:CPU computes a bf16 dot in fp32 between converts (host-cpu-8's ``device.bf16_matmuls: fp32``): the
+    traced GEMM is priced at the fp32 peak, its result's and k x n operand's converts as memory-bound bytes;
+    a device running bf16 natively keeps the bf16 peak and no converts."""
+    from dataclasses import replace
+
+    from testbed.sim.compute import compute_seconds
+    from testbed.sim.traced import convert_bytes, price_workload
+
+    host = load_topology("host-cpu-8")
+    assert host.device.bf16_matmuls == "fp32" and load_topology("dgx-h100").device.bf16_matmuls == "native"
+    native = replace(host, device=replace(host.device, bf16_matmuls="native"))
+    w = workload([gemm(m=512, n=256, k=128)])
+    g = w.ops[0].gemms[0]
+    assert convert_bytes(g) == 6.0 * (512 * 256 + 128 * 256)
+    for topology, dtype, converts in ((host, "fp32", convert_bytes(g)), (native, "bf16", 0.0)):
+        program = workload_program(w, topology)
+        computes = [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
+        assert sum(t.hbm_bytes for t in computes) == converts
+        priced = price_workload(program, topology, w.dtype)
+        matmul = next(i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and t.flops > 0)
+        assert priced.durations[matmul] == pytest.approx(compute_seconds(topology, dtype, g.flops, 0.0, 1,
+                                                                         gemms=(g,)), rel=1e-12)
+    # fp32 programs are priced alike on both
+    w32 = replace(w, dtype="fp32")
+    assert simulate_workload(w32, host).report.step_time_s == simulate_workload(w32, native).report.step_time_s
+
+
+@pytest.mark.parametrize("value", ["bf16", "", 1, None])
+def test_a_bad_bf16_matmuls_names_the_field(value) -> None:
+    from testbed.topology.io import topology_from_dict, topology_to_dict
+
+    data = topology_to_dict(load_topology("host-cpu-8"))
+    assert data["device"]["bf16_matmuls"] == "fp32"
+    assert topology_from_dict(data).device == load_topology("host-cpu-8").device  # round trip
+    data["device"]["bf16_matmuls"] = value
+    with pytest.raises(InputError) as info:
+        topology_from_dict(data)
+    assert info.value.field == "device.bf16_matmuls" and "native, fp32" in info.value.message

@@ -39,7 +39,8 @@ MIB = 2 ** 20
 #: Size bands (upper bound in bytes, inclusive) the issue's goal is stated over.
 BANDS = (("<=4MiB", 4 * MIB), ("4-64MiB", 64 * MIB), ("64MiB-1GiB", 1024 * MIB), (">1GiB", math.inf))
 #: The fitted fields and the 1-D grids coordinate descent searches (refined around the best value).
-_GRID = {"nvls_tree_efficiency": (0.5, 1.0), "simple_latency_per_level_us": (0.0, 150.0), "ll128_busbw": (20.0, 500.0)}
+_GRID = {"nvls_tree_efficiency": (0.5, 1.0), "simple_latency_per_level_us": (0.0, 150.0), "ll128_busbw": (20.0, 500.0),
+         "ll128_busbw_deep": (20.0, 500.0)}
 
 
 def band(nbytes: float) -> str:
@@ -151,7 +152,8 @@ def _loss(points: list[tuple], fit_: MultiNodeFit) -> float:
 
 def fit_multinode(points: list[tuple], rounds: int = 4, steps: int = 12) -> MultiNodeFit:
     """Least squares in log busbw over ``points``: coordinate descent over each field's grid, refined each round."""
-    best = MultiNodeFit(nvls_tree_efficiency=0.9, simple_latency_per_level_us=20.0, ll128_busbw=200.0)
+    best = MultiNodeFit(nvls_tree_efficiency=0.9, simple_latency_per_level_us=20.0, ll128_busbw=200.0,
+                        ll128_busbw_deep=100.0)
     spans = {k: (hi - lo) for k, (lo, hi) in _GRID.items()}
     for _ in range(rounds):
         for _sweep in range(2):

@@ -190,6 +190,23 @@ def fit_report(path=runs.CASES, table1=end_to_end.CASES) -> dict:
             "shared_alternative": shared_report(rows)}
 
 
+def fits(report: dict) -> dict:
+    """:func:`fit_report` as one entry per fitted value (``gpu_compute_A100``, ...), each with its category, cases,
+    value, in-sample and leave-one-out summaries and the topologies that carry it: the shape
+    benchmarks/published_runs.py prints under ``fits`` beside ``tpu_compute``."""
+    out = {}
+    for g, fit_ in report["generations"].items():
+        out[f"gpu_compute_{g}"] = {
+            "parameter": report["parameter"], "category": f"every {g} case (runs.yaml{' and Table 1' if g == 'A100' else ''})",
+            "cases": fit_["cases"], "fitted": fit_["fitted"], "in_sample": fit_["in_sample"],
+            "leave_one_out": fit_["leave_one_out"], "unfitted": fit_["unfitted"], "by_category": fit_["by_category"],
+            "shipped": report["shipped"].get(g, {}),
+            "stale": {n: v for n, v in report["stale"].items()
+                      if any(n in names for names in report["shipped"].get(g, {}).values())},
+            "shared_alternative": report["shared_alternative"]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a shipped value is not the fit")

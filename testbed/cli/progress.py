@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from typing import Any, TextIO
 
 from testbed.text import shown
 
-__all__ = ["progress_bar", "progress_lines", "LineProgress", "LINE_INTERVAL_S"]
+__all__ = ["progress_bar", "LineProgress", "LINE_INTERVAL_S"]
 
 #: Seconds between two progress lines when stderr is not a terminal.
 LINE_INTERVAL_S = 5.0
@@ -95,29 +94,3 @@ class LineProgress:
         label = f" {shown(description, 80)}" if description else ""
         self._stream.write(f"{self._verb}{label}: {count}, {now - self._started:.0f} s\n")
         self._stream.flush()
-
-
-def progress_lines(verb: str, every_s: float = 5.0, stream: TextIO | None = None,
-                   clock: Callable[[], float] = time.monotonic) -> Callable[[str, int, int], None]:
-    """A ``(label, done, total)`` callback that writes a plain line to ``stream`` (stderr) at most every
-    ``every_s`` seconds, and on each label's last item, when ``stream`` is not a terminal.
-
-    A rich bar draws nothing when stderr is a pipe or a file, so a long command in CI or over ssh would be
-    silent; these lines (``searching: analytic 1,234/65,610 (12 s)``) say it is alive and how far it is.
-    On a terminal the callback does nothing: the bar shows the same. (:func:`progress_bar` already writes
-    such lines itself when stderr is not a terminal; this callback is for code without a bar.)
-    """
-    out = sys.stderr if stream is None else stream
-    quiet = hasattr(out, "isatty") and out.isatty()
-    start = clock()
-    last = [start - every_s]
-
-    def report(label: str, done: int, total: int) -> None:
-        now = clock()
-        if quiet or (now - last[0] < every_s and done < total):
-            return
-        last[0] = now
-        out.write(f"{verb}: {label} {done:,}/{total:,} ({now - start:.0f} s)\n")
-        out.flush()
-
-    return report

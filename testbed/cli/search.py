@@ -63,7 +63,7 @@ def _add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", help="comma-separated expert-parallel degrees of an MoE model (default: every "
                                           "degree dividing the experts and the devices)")
     parser.add_argument("--sequence-parallel", help="comma-separated on/off: Megatron sequence parallelism on the "
-                                                    "candidates with a tensor axis (default: the plan's; off for a preset)")
+                                                    "candidates with a tensor axis (default: the plan's; on for a preset)")
     parser.add_argument("--fold-experts", help="comma-separated on/off: MoE parallel folding (mesh.expert_tensor 1: "
                                                "each expert whole, the experts over expert x tensor) on the MoE "
                                                "candidates with a tensor axis (default: both)")
@@ -73,17 +73,29 @@ def _add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="write the best plan as YAML")
 
 
+#: What a search from a model preset starts from beyond the preset's shape, context and batch: FlashAttention
+#: (Dao et al. 2022, arXiv:2205.14135: the same attention, exactly, without the ``seq x seq`` scores in memory;
+#: the kernel Megatron-LM, NeMo, torchtitan and MaxText run by default) and, on the candidates with a tensor
+#: axis, Megatron sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198: the tensor group's
+#: all-reduces become reduce-scatters and all-gathers of the same bytes, and the activations between them are
+#: split over the group). A plan file keeps its own choices; ``--sequence-parallel on,off`` tries both.
+PRESET_START = "flash attention; sequence parallelism where there is a tensor axis (--sequence-parallel on,off: both)"
+
+
 def base_plan(model: str, global_batch: int | None = None, seq: int | None = None) -> Plan:
-    """The plan a search starts from: a preset's, or a plan file's with the batch and sequence overridden."""
+    """The plan a search starts from: a preset's (with flash attention: :data:`PRESET_START`), or a plan file's
+    with the batch and sequence overridden."""
     from testbed.explore.space import preset_plan
+    from testbed.plan.spec import Attention
     from testbed.plan.presets import PRESETS
     from testbed.plan.io import load_plan
 
     for name, value in (("--global-batch", global_batch), ("--seq", seq)):
         if value is not None and value < 1:
             raise InputError(f"must be a positive whole number, got {value}", field=name)
-    if model in PRESETS:
-        return preset_plan(model, global_batch, seq)
+    if model in PRESETS:  # the attention kernel is a choice of the program's, as remat is (PRESET_START)
+        plan = preset_plan(model, global_batch, seq)
+        return replace(plan, model=replace(plan.model, attention=Attention.FLASH))
     try:
         plan = load_plan(model)
     except InputError as exc:
@@ -99,7 +111,8 @@ def base_plan(model: str, global_batch: int | None = None, seq: int | None = Non
     return plan
 
 
-def _space(args: argparse.Namespace):
+def _space(args: argparse.Namespace, preset: bool = False):
+    """The search space of the command's flags (``preset``: the model is a preset, :data:`PRESET_START`)."""
     from testbed.explore.space import SearchSpace
 
     fields: dict[str, Any] = {}
@@ -119,6 +132,8 @@ def _space(args: argparse.Namespace):
         fields["experts"] = _csv(args.experts)
     if args.sequence_parallel:
         fields["sequence_parallel"] = tuple(_on_off(v) for v in _csv(args.sequence_parallel) or ())
+    elif preset:  # PRESET_START
+        fields["sequence_parallel"] = (True,)
     if args.fold_experts:
         fields["fold_experts"] = tuple(_on_off(v, "--fold-experts") for v in _csv(args.fold_experts) or ())
     try:
@@ -151,13 +166,16 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         topology = resize_topology(topology, args.devices)
     if args.out:
         output_target(args.out, "--out")  # refused before the search, not after it
-    space = _space(args)
+    from testbed.plan.presets import PRESETS
+
+    space = _space(args, preset=args.model in PRESETS)
     with progress_bar("searching") as bar:
         tasks: dict[str, Any] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
-                label = "plans (analytic tier)" if phase == "analytic" else "best plans (DES replay)"
+                label = {"bounds": "plans (memory and step floors)", "analytic": "plans (analytic tier)"}.get(
+                    phase, "best plans (DES replay)")
                 tasks[phase] = bar.add_task(label, total=total)
             bar.update(tasks[phase], completed=done, total=total)
 
@@ -178,7 +196,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
                   f"{format_time(best.step_time_s)} per step (DES).\n")
         files.append(str(write_atomic(args.out, header + dump_plan(written), "--out")))
     rows = [c.summary() for c in result.ranked[:args.top]]
-    data = {"model": plan.name, "topology": topology.name, "devices": topology.num_devices,
+    start = PRESET_START if args.model in PRESETS else None
+    data = {"model": plan.name, "preset_start": start, "topology": topology.name, "devices": topology.num_devices,
             "objective": args.objective, "enumerated": result.enumerated, "pruned_memory": result.pruned_memory,
             "pruned_bound": result.pruned_bound, "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
             "replay_s": result.replay_s, "plans_per_minute": result.plans_per_minute,
@@ -191,6 +210,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
                       f"({topology.num_devices} devices): {result.enumerated} plans, {result.pruned_memory} over "
                       f"memory, {result.pruned_bound} too slow to replay by their step floor, {result.estimated} estimated "
                       f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed")
+        if start:
+            console.print(f"from the preset with {start}; runtime {markup(plan.runtime.profile)}")
         # The layout (mesh, schedule, microbatches, ZeRO, remat) identifies a candidate; comm, bubble and
         # memory go first when the terminal is narrow.
         columns = [Col(header="#"), Col(header="d.f.t.s", key=True, justify="left"),

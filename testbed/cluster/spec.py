@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError
+from testbed.collectives.gloo import GLOO_ALGORITHMS, NETWORK_KINDS  # re-exported: the cluster's view of them
 from testbed.topology import Topology
 from testbed.topology.parts import Form, Level, LinkKind
 
@@ -39,8 +40,6 @@ __all__ = ["PREFIX", "NETWORK_KINDS", "GLOO_ALGORITHMS", "NodeSpec", "ShapedLink
 
 #: Every namespace this project creates starts with it; ``down --all`` and leftover cleanup look for it.
 PREFIX = "tbc"
-#: Link kinds that are a network between nodes (emulated by shaped veths); all others are inside a node.
-NETWORK_KINDS = frozenset({LinkKind.ETHERNET, LinkKind.INFINIBAND, LinkKind.DCN})
 #: The test range the nodes' addresses come from (RFC 2544 benchmarking; each cluster's namespaces are
 #: isolated stacks, so clusters may reuse it).
 SUBNET = "198.18.0"
@@ -229,10 +228,3 @@ def cluster_spec(topology: Topology, *, name: str, scale: float, mtu: int = 1500
                        bridges=tuple(bridges), links=tuple(links), inner_levels=inner)
 
 
-#: The algorithm gloo runs for each op, as XLA:CPU calls it (openxla/xla
-#: xla/backends/cpu/collectives/gloo_communicator.cc): all-reduce is ``gloo::allreduce`` with
-#: ``Algorithm::RING`` (gloo/allreduce.cc: ring reduce-scatter then ring all-gather, each chunk in
-#: >= 2 pipelined segments, every rank sending to rank - 1), all-gather is ``gloo::allgather`` (a ring,
-#: gloo/allgather.cc) and reduce-scatter ``ReduceScatterHalvingDoubling``. Ranks are the job's devices
-#: in order, so a ring crosses each node's link once each way.
-GLOO_ALGORITHMS: dict[str, str] = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "halving_doubling"}

@@ -28,7 +28,7 @@ import numpy as np
 from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Form, Topology
 
-__all__ = ["lower_bound", "injection_bandwidth", "subtree_cuts", "torus_cuts", "distinct_groups"]
+__all__ = ["lower_bound", "injection_bandwidth", "max_injection_bandwidth", "subtree_cuts", "torus_cuts", "distinct_groups"]
 
 
 def injection_bandwidth(topology: Topology, device: int) -> float:
@@ -206,6 +206,11 @@ def _all_injection(topology: Topology) -> np.ndarray:
         cached = np.asarray([injection_bandwidth(topology, d) for d in range(topology.num_devices)], dtype=float)
         topology._routes[key] = cached
     return cached
+
+
+def max_injection_bandwidth(topology: Topology) -> float:
+    """The largest injection bandwidth of any device: a group's rank moves its bytes no faster than this."""
+    return float(_all_injection(topology).max())
 
 
 def _cached_cuts(topology: Topology) -> list[tuple[int, int, float]]:

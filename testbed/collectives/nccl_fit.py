@@ -20,7 +20,8 @@ class MultiNodeFit:
     NCCL's model picks the algorithm; measured across nodes, NVLS-tree runs
     below its modelled bandwidth, every Simple-protocol collective pays a
     pipeline start-up the model leaves out, and LL128 runs at a bandwidth that
-    falls with the depth of NCCL's tree. Three numbers, fitted together over
+    is lower on three nodes or more than on two. Four numbers, fitted together
+    over
     every published multi-node nccl-tests case of
     ``benchmarks/published/nccl_tests.yaml`` (sweeps of 1 MiB to 8 GiB on 2 to
     8 nodes), with the fit and its leave-out errors printed by
@@ -34,32 +35,39 @@ class MultiNodeFit:
     - ``simple_latency_per_level_us``: start-up of a Simple-protocol
       collective per level of the tree, ``b * log2(nodes)`` microseconds (the
       pipeline fills one tree level after another);
-    - ``ll128_busbw``: LL128's bus bandwidth across two nodes (GB/s per GPU);
-      on ``nodes`` it is ``ll128_busbw / log2(nodes)``: the 8-node sweep's
-      LL128 sizes (1-8 MiB) lie on one line of about 69 GB/s, the 2-node
-      sweeps' reach 150+. NCCL caps LL128 per channel
-      (``perChMaxTreeLL128Bw``), lower above two nodes.
+    - ``ll128_busbw``, ``ll128_busbw_deep``: LL128's bus bandwidth (GB/s
+      per GPU) on two nodes and on three or more. NCCL's tuning tables index
+      every per-channel cap by the same node classes (``index2``: one node,
+      two, more; ``perChMaxTreeLL128Bws`` for Hopper 36.7, 36.7, 29.0 GB/s per
+      channel, ``src/graph/tuning.cc``), and LL128 runs slower in the deeper
+      class: the 2-node sweeps' LL128 sizes reach 150+ GB/s, the 8-node
+      sweep's (1-8 MiB) lie on one line of about 69 GB/s. The measured drop
+      is larger than NCCL's table has it, so the two rates are fitted.
 
     Five numbers (two efficiencies, a start-up ``a + b log2(nodes)``, one
     LL128 cap for every node count) fitted the same cases to 5.8% / 34.1%
     in-sample but 6.2% / 42.8% left out one at a time: the cap was held up
-    by one sweep's 8 MiB point. These three leave-out within two points.
+    by one sweep's 8 MiB point. Three numbers, the cap falling as
+    ``ll128_busbw / log2(nodes)``, fitted them to 6.6% / 26.1% (left out
+    7.3% / 27.9%); these four fit 5.3% / 24.1% (left out 5.5% / 25.3%).
     """
 
     nvls_tree_efficiency: float = 1.0
     simple_latency_per_level_us: float = 0.0
     ll128_busbw: float = math.inf
+    ll128_busbw_deep: float = math.inf
 
     def __post_init__(self) -> None:
         if not 0 < self.nvls_tree_efficiency <= 1:
             raise ValueError("nvls_tree_efficiency must be in (0, 1]")
-        if self.simple_latency_per_level_us < 0 or self.ll128_busbw <= 0:
-            raise ValueError("simple_latency_per_level_us must be >= 0 and ll128_busbw > 0")
+        if self.simple_latency_per_level_us < 0 or self.ll128_busbw <= 0 or self.ll128_busbw_deep <= 0:
+            raise ValueError("simple_latency_per_level_us must be >= 0, ll128_busbw and ll128_busbw_deep > 0")
 
     def ll128_cap(self, nodes: int) -> float:
-        """LL128's bus bandwidth across ``nodes`` (bytes/s)."""
-        return self.ll128_busbw * 1e9 / max(1.0, math.log2(nodes))
+        """LL128's bus bandwidth across ``nodes`` (bytes/s): NCCL's node class, two nodes or more."""
+        return (self.ll128_busbw if nodes <= 2 else self.ll128_busbw_deep) * 1e9
 
 
 #: The fit over benchmarks/published/nccl_tests.yaml (``python benchmarks/published/collectives.py``).
-MULTINODE_FIT = MultiNodeFit(nvls_tree_efficiency=0.859, simple_latency_per_level_us=25.859, ll128_busbw=235.0)
+MULTINODE_FIT = MultiNodeFit(nvls_tree_efficiency=0.857, simple_latency_per_level_us=23.516, ll128_busbw=161.25,
+                             ll128_busbw_deep=111.25)

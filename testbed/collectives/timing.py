@@ -33,6 +33,7 @@ from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, parall
                                         program_flows, routed_cost, topology_memo)
 from testbed.collectives.bounds import distinct_groups, lower_bound
 from testbed.collectives.closed_form import closed_form_time
+from testbed.collectives.gloo import gloo_algorithm
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best
 from testbed.collectives.nccl_loads import nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
@@ -235,8 +236,10 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
                                  f"time here, and none has a closed form for them; pick smaller groups with --over",
                                  field="over")
             able = sized
-        # On an NVIDIA GPU hierarchy NCCL runs the collective: the algorithm its own tuning model picks.
-        picked = [nccl_best(topology, op, groups[0], nbytes)[0]] if nccl else able
+        # On an NVIDIA GPU hierarchy NCCL runs the collective: the algorithm its own tuning model picks; on CPU
+        # hosts across a network gloo does: the one algorithm XLA:CPU asks of it for the op (collectives/gloo.py).
+        gloo = gloo_algorithm(topology, op)
+        picked = [nccl_best(topology, op, groups[0], nbytes)[0]] if nccl else [gloo] if gloo in able else able
         candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form) for a in picked]
         result = min(candidates, key=lambda c: (c.time_s, c.rounds))
     elif algorithm in NCCL_ALGORITHMS:

@@ -95,7 +95,7 @@ def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], .
     size = 1
     for d in dims:
         size *= ids.shape[d]
-    return tuple(tuple(int(x) for x in row) for row in moved.reshape(-1, size))
+    return tuple(map(tuple, moved.reshape(-1, size).tolist()))  # Python ints, as int(x) each
 
 
 #: (placement, axes, stage) -> that stage's device groups along the axes: a pure function of its key, kept
@@ -317,7 +317,7 @@ class _Step:
         first."""
         mesh, t, syncs = self.facts.plan.mesh, 0.0, []
         for r in self.facts.reductions:
-            size = special[0] if r.expert else special[1] if r.sequence else nbytes - sum(special)
+            size = r.size(nbytes, special)
             if size <= 0:
                 continue
             if r.sharded:

@@ -8,6 +8,7 @@ checks it on sampled plans), so what the search replays is unchanged.
 
 from __future__ import annotations
 
+from testbed.collectives.bounds import max_injection_bandwidth
 from testbed.model.gemm import scaled
 from testbed.plan.spec import Plan
 from testbed.sim.compute import compute_seconds
@@ -18,10 +19,11 @@ __all__ = ["step_floor"]
 
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
-    """A lower bound of :func:`estimate`'s step seconds from compute alone, at a few stages' cost; None where
+    """A lower bound of :func:`estimate`'s step seconds from compute and tensor collectives, at a few stages' cost; None where
     the plan's actions are not plain compute (context or expert parallelism) or the host is shared.
 
-    :func:`estimate` plays every action on its stage's one stream for at least its compute seconds, in the
+    :func:`estimate` plays every action on its stage's one stream for at least its compute seconds and its
+    blocking tensor collectives' (:func:`_tensor_floor`: a bandwidth bound of them), in the
     schedule's dependency order, so its step is at least (a) any stage's compute over all its actions and
     (b), with one chunk per stage, the first microbatch's forward through the stages before the last, the
     last stage's whole forward and backward, and the last microbatch's backward back through the others
@@ -46,7 +48,7 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
                 cost = cached_chunk_cost(plan, s, c)
                 kernels = max(1, 4 * cost.layers)
                 for kind in kinds:
-                    flops, hbm, (rep_b, split_b), _ = action_work(cost, kind, split, plan.remat)
+                    flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, plan.remat)
                     gemms = cached_chunk_gemms(plan, s, c).action(kind, split)
                     whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
                                             gemms)
@@ -55,7 +57,7 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
                         whole = min(whole, pieces * compute_seconds(
                             topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
                             split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces)))
-                    seconds[kind] += whole
+                    seconds[kind] += whole + _tensor_floor(plan, topology, tensor)
             priced[key] = seconds
         per_stage.append(priced[key])
     floor = max(m * sum(x.values()) for x in per_stage)
@@ -64,6 +66,18 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
         path = sum(x["F"] + x["B"] for x in per_stage[:-1]) + m * (last["F"] + last["B"])
         floor = max(floor, path)
     return floor
+
+
+def _tensor_floor(plan: Plan, topology: Topology, transfers: tuple[tuple[str, int, int], ...]) -> float:
+    """A lower bound of the seconds an action's blocking tensor collectives ``(op, count, bytes each)`` add to it
+    in :func:`estimate` (0 where ``runtime.tp_comm_overlap`` runs them beside the compute): each rank of a group
+    of ``t`` moves at least ``(t - 1) / t`` of the bytes through its own links (testbed.collectives.bounds, which
+    no algorithm beats), at best at the topology's largest injection bandwidth, whichever devices hold the group."""
+    t = plan.mesh.tensor
+    if t == 1 or not transfers or plan.runtime.tp_comm_overlap:
+        return 0.0
+    moved = sum(count * nbytes for _, count, nbytes in transfers) * (t - 1) / t
+    return moved / max_injection_bandwidth(topology)
 
 
 def _splits_backward(plan: Plan) -> bool:

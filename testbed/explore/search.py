@@ -197,8 +197,10 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         memory_cap: fraction of device memory a plan may use (0, 1].
         replay: how many analytically best candidates the DES replays; also
             every one within ``margin`` (relative) of the best estimate.
-        progress: called with ("analytic", done, total) as the analytic tier
-            advances, then ("replay", done, total) during the DES replay.
+        progress: called with ("bounds", done, total) while every plan's memory
+            and step floor are bounded (ranking by step time), ("analytic", done,
+            total) as the analytic tier advances, then ("replay", done, total)
+            during the DES replay.
     """
     if objective not in OBJECTIVES:
         raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
@@ -265,28 +267,57 @@ class _Tier:
 
 def _analytic_tier(plans: list[Plan], topology: Topology, memory_cap: float, keep: int, margin: float,
                    by_time: bool, rank: Callable, progress) -> _Tier:
-    """Every candidate's memory, and the estimate of each that fits unless its step floor cannot reach the
-    ``keep`` fastest estimates so far (plus ``margin``)."""
-    tier, fastest = _Tier(), []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
+    """Every candidate's memory bound, and the estimate of each that fits unless its step floor cannot reach the
+    ``keep`` fastest estimates (plus ``margin``).
+
+    Ranked by step time (``by_time``), it is best-first: the floors of all the plans that may fit first, then
+    the estimates in floor order, so the ``keep`` fastest estimates are found early and every plan whose floor
+    is above them is skipped (once one is, all later ones are: the floors only grow, the bar only falls). A
+    plan whose estimate could reach the replay list has a floor below it, so it is estimated in either order.
+    """
+    tier = _Tier()
+    if not by_time:
+        for i, plan in enumerate(plans):
+            _estimate_into(tier, plan, topology, memory_cap, rank, None, keep)
+            if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
+                progress("analytic", i + 1, len(plans))
+        return tier
+    bounded: list[tuple[float, int, Plan]] = []
     for i, plan in enumerate(plans):
-        floor = None
         if _overflows(plan, topology, memory_cap, tier.floors):
             tier.pruned += 1
-        elif by_time and len(fastest) >= keep and (floor := _beaten(plan, topology, -fastest[0], margin)):
-            tier.bounded += 1
-            tier.deferred.append((floor, plan))
-        else:
-            est = evaluate(plan, topology, memory_cap, tier.floors)
-            if est is None:
-                tier.pruned += 1
-            else:
-                tier.shortlist.append(Candidate(plan=plan, estimate=est, value=rank(plan, est.step_time_s)))
-                heapq.heappush(fastest, -est.step_time_s)
-                if len(fastest) > keep:
-                    heapq.heappop(fastest)
+        else:  # no floor (context, expert parallelism, a shared host): estimated first
+            bounded.append((step_floor(plan, topology) or 0.0, i, plan))
         if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
-            progress("analytic", i + 1, len(plans))
+            progress("bounds", i + 1, len(plans))
+    bounded.sort(key=lambda x: x[:2])
+    fastest: list[float] = []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
+    for k, (floor, _, plan) in enumerate(bounded):
+        if len(fastest) >= keep and floor > -fastest[0] * (1 + margin):
+            tier.bounded += len(bounded) - k
+            tier.deferred.extend((f, p) for f, _, p in bounded[k:])
+            break
+        _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep)
+        if progress is not None and (k % 8 == 0):  # an estimate at flagship scale takes tens of ms
+            progress("analytic", tier.pruned + k + 1, len(plans))
+    if progress is not None:
+        progress("analytic", len(plans), len(plans))
     return tier
+
+
+def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: float, rank: Callable,
+                   fastest: list[float] | None, keep: int) -> None:
+    """Estimate ``plan`` into ``tier``'s shortlist (or count it pruned when it does not fit), keeping the heap of
+    the ``keep`` fastest estimates when given."""
+    est = evaluate(plan, topology, memory_cap, tier.floors)
+    if est is None:
+        tier.pruned += 1
+        return
+    tier.shortlist.append(Candidate(plan=plan, estimate=est, value=rank(plan, est.step_time_s)))
+    if fastest is not None:
+        heapq.heappush(fastest, -est.step_time_s)
+        if len(fastest) > keep:
+            heapq.heappop(fastest)
 
 
 def _replayed(c: Candidate, topology: Topology, rank: Callable) -> Candidate:
@@ -331,14 +362,6 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
         if progress is not None:
             progress("replay", len(replayed) + len(out), len(replayed) + len(out))
     return out
-
-
-def _beaten(plan: Plan, topology: Topology, kth: float, margin: float) -> float | None:
-    """``plan``'s step-time floor (testbed.explore.floor.step_floor) when it cannot be replayed, else None: the
-    floor is above ``kth``, the slowest of the fastest estimates so far that fill the replay list, and above the
-    margin the replay extends to. Its estimate would be at least its floor, so the replayed plans stay the same."""
-    floor = step_floor(plan, topology)
-    return floor if floor is not None and floor > kth * (1 + margin) else None
 
 
 def exhaustive_optimum(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *,

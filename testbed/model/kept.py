@@ -13,6 +13,8 @@ them here, one rule per mechanism:
 - ``fused_loss`` (flash-attn's cross-entropy kernel): the head keeps compute-dtype logits and their row
   log-sum-exp, and the loss backward writes one compute-dtype gradient (:func:`head_kept_bytes`,
   :func:`loss_workspace_bytes`).
+- ``vocab_tiles`` (MaxText's ``num_vocab_tiling``): no logits kept; one tile's recomputed logits and loss buffers
+  at a time.
 - ``framework: jax`` (the runner; XLA's buffer assignment, read from the compiled HLO of
   ``benchmarks/memory_vs_xla.py``'s steps): under sequence parallelism the all-gathered input of each
   column-parallel matmul (:func:`sp_gathered_bytes`); with a tensor axis each layer's LayerNorm-backward
@@ -32,7 +34,7 @@ from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
            "head_kept_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
-           "loss_instant_recompute"]
+           "loss_instant_recompute", "device_layer_sets"]
 
 
 def layer_kept_bytes(plan: Plan) -> int:
@@ -45,6 +47,14 @@ def layer_kept_bytes(plan: Plan) -> int:
     if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_saved_inputs and plan.remat is not Remat.FULL:
         kept -= fp8_input_savings(plan)
     return kept
+
+
+def device_layer_sets(plan: Plan, sets: int) -> int:
+    """How many of ``sets`` layer kept sets (one layer, one microbatch) are in device memory at once.
+
+    All of them, unless ``runtime.offload_activations`` sends them to host memory: then the one being offloaded
+    in the forward (or fetched back for the backward) and the next one, in transit, at most two."""
+    return min(sets, 2) if plan.runtime.offload_activations else sets
 
 
 def block_matmul_outputs(spec: ModelSpec, tokens: int, tensor: int) -> tuple[int, ...]:
@@ -196,7 +206,14 @@ def head_kept_bytes(plan: Plan) -> int:
     kept = head_activation_bytes(spec, b, plan.precision, t, sp) + sp_gathered_bytes(plan)
     if plan.runtime.fused_loss:
         kept -= (LOSS_BYTES - plan.precision.compute_bytes) * _logits(plan)
+    if plan.runtime.vocab_tiles > 1:  # the tiled loss keeps the hidden states; the backward recomputes the logits
+        kept -= _kept_logit_bytes(plan) * _logits(plan)
     return kept
+
+
+def _kept_logit_bytes(plan: Plan) -> int:
+    """Bytes a logit the head keeps for the loss backward: fp32, or the compute dtype under ``fused_loss``."""
+    return plan.precision.compute_bytes if plan.runtime.fused_loss else LOSS_BYTES
 
 
 def loss_workspace_bytes(plan: Plan) -> int:
@@ -208,8 +225,13 @@ def loss_workspace_bytes(plan: Plan) -> int:
     """
     c = plan.precision.compute_bytes
     if plan.runtime.fused_loss:
-        return c * _logits(plan)
-    return _logits(plan) * (2 * LOSS_BYTES + (c if c != LOSS_BYTES else 0))
+        per_logit = c
+    else:
+        per_logit = 2 * LOSS_BYTES + (c if c != LOSS_BYTES else 0)
+    tiles = plan.runtime.vocab_tiles
+    if tiles > 1:  # one tile at a time: its recomputed logits beside its loss backward's buffers
+        return -(-_logits(plan) * (per_logit + _kept_logit_bytes(plan)) // tiles)
+    return _logits(plan) * per_logit
 
 
 def _logits(plan: Plan) -> int:

@@ -19,7 +19,7 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
-           "parameter_collectives", "regathered", "bucket_share", "NORM_PARTS", "norm_elements"]
+           "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements"]
 
 #: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
 #: norms (testbed.runner.norms) sum their gradients over the tokens with ``jnp.sum``, which accumulates bf16 in
@@ -150,16 +150,33 @@ def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_byt
     return max(1, len(combined_sizes(tuple(n * bytes_per_element for n in leaves), combine_bytes)))
 
 
+def regathered_in_backward(param: layout.ParamSpec) -> bool:
+    """Whether a backward pass all-gathers ``param`` again under fsdp/ZeRO-3: every parameter the backward reads,
+    so all but the additive ones (:attr:`~testbed.model.param_spec.ParamSpec.additive`: biases, LayerNorm
+    shifts), whose gradients need no value (XLA drops a gather nothing reads). The one rule :func:`regathered`
+    counts and testbed.runner.param_shards executes: where a recomputed forward reads an additive leaf, the
+    runner keeps the forward's gathered copy (a bias is small) instead of gathering it again."""
+    return not param.additive
+
+
 def regathered(plan: Plan, s: int, c: int, moved: int, leaves: int) -> tuple[int, int]:
-    """(elements, collectives) of the backward's gathers of a chunk: all but the embedding's leaves (one collective
-    fewer per leaf when the combiner merges none; the whole chunk's count when it merges them)."""
-    if not layout.holds(s, c, plan.mesh.stage, plan.schedule.virtual_stages)[0] or not leaves:
+    """(elements, collectives) of the backward's gathers of a chunk: all but the embedding's leaves (its backward,
+    a scatter-add of the rows' gradients, reads no table) and the additive ones (:func:`regathered_in_backward`);
+    one collective fewer per leaf left out when the combiner merges none, the whole chunk's count when it merges
+    them."""
+    if not leaves:
         return moved, leaves
     ways, mesh = state_sharding(plan).ways(plan, "params"), plan.mesh
-    embed = layout.embedding_params(plan.model)
-    elements = ways * layout.held_elements(((q, 1) for q in embed), mesh.tensor, ways, mesh.expert)
+    embed, _ = layout.holds(s, c, mesh.stage, plan.schedule.virtual_stages)
+    held = layout.chunk_params(plan.model, s, c, mesh.stage, plan.schedule.virtual_stages,
+                               stage_layers=plan.stage_layers)
+    skipped = tuple((q, n) for q, n in held
+                    if (embed and q in layout.embedding_params(plan.model)) or not regathered_in_backward(q))
+    if not skipped:
+        return moved, leaves
+    elements = ways * layout.held_elements(skipped, mesh.tensor, ways, mesh.expert, expert_tensor=mesh.expert_tensor)
     separate = leaves == len(gathered_leaves(plan, s, c))
-    return moved - elements, max(1, leaves - len(embed)) if separate else leaves
+    return moved - elements, max(1, leaves - sum(n for _, n in skipped)) if separate else leaves
 
 
 def bucket_share(leaves: int, buckets: int, k: int) -> int:

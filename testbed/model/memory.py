@@ -37,7 +37,12 @@ backward (:func:`gathered_bytes`; the backward gathers again).
 Context parallelism: activations and workspace are one context rank's
 (``seq_len / context`` tokens, as flash attention keeps them:
 ``testbed.model.ring.rank_spec``), plus two ring messages in flight
-(``ring_workspace``); model states are replicated over ``context``.
+(``ring_workspace``); model states are replicated over ``context`` unless ``runtime.shard_context`` shards
+them over it as over fsdp (testbed.plan.sharding).
+
+``runtime.offload_activations``: the layers' kept sets live in host memory, two of them on the device in transit
+(:func:`testbed.model.kept.device_layer_sets`). ``runtime.fp8_params`` under fp8-mixed: fp8 parameters and their
+transposes (1 + 1 bytes) instead of bf16 parameters and per-step fp8 copies (2 + 2).
 
 ``runtime.framework`` decides the terms only XLA's buffer assignment keeps (``testbed.model.kept``: tensor-
 parallel backward buffers, the residual summands under full remat) and how a microbatch's gradients live:
@@ -161,7 +166,8 @@ def _flash_workspace(plan: Plan) -> int:
     Per ``seq x block`` tile of every query head, no ``seq x seq`` buffer. Over
     several blocks (a loop): two fp32 tiles (the recomputed probabilities, whose
     scores XLA fuses in, and the probability gradient), the score gradient in the
-    compute dtype, and the fp32 dq accumulator ``[tokens, heads x head_dim / t]``. One
+    compute dtype, the fp32 dq accumulator ``[tokens, heads x head_dim / t]`` and the dK and dV outputs the loop
+    fills block by block (``[tokens, kv_dim / t]`` each, compute dtype). One
     block (``seq <= 128`` by default) is compiled without the loop, and XLA keeps
     scores, probabilities and both gradients as fp32 tiles. (Measured with
     XLA:CPU, ``benchmarks/memory_vs_xla.py``.)
@@ -170,7 +176,10 @@ def _flash_workspace(plan: Plan) -> int:
     tile = plan.microbatch_size * spec.heads * spec.score_rows * spec.flash_block // t  # a window: fewer rows
     if spec.flash_block == spec.seq_len:
         return 4 * costs.FLASH_BYTES * tile
-    return tile * (2 * costs.FLASH_BYTES + c) + costs.FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.q_dim // t
+    n = plan.microbatch_size * spec.seq_len
+    kv = n * spec.kv_dim // t if spec.kv_split(t) else n * spec.kv_dim
+    # The loop's carry: the fp32 dq accumulator and the whole-sequence dK and dV it fills block by block.
+    return tile * (2 * costs.FLASH_BYTES + c) + costs.FLASH_BYTES * n * spec.q_dim // t + 2 * c * kv
 
 
 def _layer_workspace(plan: Plan) -> int:
@@ -213,8 +222,10 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
         head_acts = math.ceil(inflight / v) * kept.head_kept_bytes(plan)
     # In-flight pairs spread over the stage's chunks (as the head term assumes): the mean chunk's layers each,
     # exactly layers / v per pair when the chunks are even; uneven chunks (testbed.plan.stages) average.
-    layer_acts = inflight * layers // v * per_layer
+    layer_acts = kept.device_layer_sets(plan, inflight * layers // v) * per_layer
     grads = grad_b * grad_held
+    if plan.runtime.grad_accumulate_fp32 and plan.precision.mixed:  # the fp32 accumulator beside the bf16 grads
+        grads += 4 * grad_held
     # Sharded parameters are gathered block by block, forward and backward (the backward gathers each block
     # again): the block computing and the prefetched ones are live (testbed.plan.sharding.gathered_blocks).
     gathered = gathered_bytes(plan, stage)
@@ -252,17 +263,22 @@ def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
         head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
         instants = [(layer_acts + head_acts, head_grads, loss_ws + gathered)]
         for done in range(layers):
-            instants.append(((layers - done) * per_layer, head_grads + (done + 1) * layer_grads,
+            instants.append((kept.device_layer_sets(plan, layers - done) * per_layer,
+                             head_grads + (done + 1) * layer_grads,
                              layer_ws + gathered))
         instants.append((0, grads, reduce_ws))
     acts, live_grads, workspace = max(instants, key=sum)
     # fp8-mixed (Transformer Engine): from the step's first microbatch on, each weight is also kept cast to
     # fp8 with its transpose for the backward (1 byte each); sharded weights only for the gathered layer.
     # The amax histories (a few KB per layer) are left out.
-    fp8_copies = 0
-    if plan.precision is Precision.FP8_MIXED:
-        fp8_copies = 2 * (held if param_ways == 1 else _layer_params_per_device(plan))
-    return StageMemory(stage=stage, params_count=param_held, params=param_b * param_held + fp8_copies,
+    params = param_b * param_held
+    if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_params:
+        # fp8 parameters (1 byte) and their fp8 transposes (1 byte); a sharded parameter's shard is fp8 data only,
+        # its gathered block (gathered_bytes, 2 bytes a value) holds both.
+        params = param_held * (2 if param_ways == 1 else 1)
+    elif plan.precision is Precision.FP8_MIXED:
+        params += 2 * (held if param_ways == 1 else _layer_params_per_device(plan))
+    return StageMemory(stage=stage, params_count=param_held, params=params,
                        grads=live_grads, optimizer=opt_b * opt_held, activations=acts,
                        workspace=workspace, inflight=inflight)
 

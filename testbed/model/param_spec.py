@@ -28,6 +28,7 @@ their fsdp/ZeRO-2/3 parameters and gradients it still holds whole
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -98,6 +99,13 @@ class ParamSpec:
     def name(self) -> str:
         """``root/path`` (e.g. ``layers/attn/wqkv``), for messages."""
         return "/".join((self.part.root, *self.path))
+
+    @property
+    def additive(self) -> bool:
+        """Whether it is added to the activations (a bias, a LayerNorm's shift): its gradient is a sum of the
+        output's, and the input's gradient passes through it, so no backward pass reads its value
+        (testbed.model.leaves.regathered_in_backward)."""
+        return self.path[-1] == "bias" or re.fullmatch(r"(shared_)?b[0-9a-z]*", self.path[-1]) is not None
 
     @property
     def size(self) -> int:

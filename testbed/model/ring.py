@@ -53,10 +53,18 @@ from testbed.plan.context import ring_step_units
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
 __all__ = ["GRAD_BYTES", "RingPhase", "rank_spec", "step_units", "unit_flops", "extra_attention_flops",
-           "kv_bytes", "grad_bytes", "ring_bytes_per_layer", "ring_phases", "ring_workspace"]
+           "kv_bytes", "grad_bytes", "ring_bytes_per_layer", "ring_phases", "ring_workspace", "merge_bytes"]
 
 #: Bytes per value of the dK/dV accumulators the backward ring sends (fp32, testbed/runner/ring_attention.py).
 GRAD_BYTES = 4
+#: ``runtime.context_merge_fp32``, bytes per output value (:func:`merge_bytes`): a later ring step's eager merge into
+#: the fp32 running output (the step's output cast to fp32, 2 + 4; ``out - block_out``, 4 + 4 + 4; times the
+#: sigmoid of the log-sum-exp difference, 4 + 4; ``out - that``, 4 + 4 + 4; the copy into the running output, 4 + 4);
+#: step 0's cast to fp32 and the final cast back (2 + 4 each).
+MERGE_BYTES, FIRST_MERGE_BYTES = 42, 12
+#: ``runtime.context_merge_fp32``, bytes a backward step moves per value: dQ (and dK, dV) accumulated in fp32 from
+#: the step's compute-dtype gradient (read 4 + 2, write 4); dK/dV also copied into the next send (read 4, write 4).
+ACCUMULATE_BYTES, SEND_COPY_BYTES = 10, 8
 
 
 def rank_spec(plan: Plan) -> ModelSpec:
@@ -122,6 +130,8 @@ def ring_bytes_per_layer(plan: Plan) -> tuple[int, int]:
     if c == 1:
         return 0, 0
     kv, grad = kv_bytes(plan), grad_bytes(plan)
+    if plan.runtime.context_all_gather:
+        return (c - 1) * kv, (c - 1) * (grad + (kv if plan.remat is Remat.FULL else 0))
     return (c - 1) * kv, (c - 1) * (kv + grad) + grad
 
 
@@ -165,6 +175,8 @@ def ring_phases(plan: Plan, kind: str) -> tuple[RingPhase, ...]:
     then the backward ring and the home send of the dK/dV accumulators."""
     if plan.mesh.context == 1 or kind not in ("F", "B"):
         return ()
+    if plan.runtime.context_all_gather:
+        return _gathered(plan, kind)
     kv = kv_bytes(plan)
     if kind == "F":
         return tuple(_pass(plan, "F", kv))
@@ -172,6 +184,43 @@ def ring_phases(plan: Plan, kind: str) -> tuple[RingPhase, ...]:
     phases += _pass(plan, "B", kv + grad_bytes(plan))
     phases.append(RingPhase(name="ring B home", kind="B", units=0, sends=1, nbytes=grad_bytes(plan)))
     return tuple(phases)
+
+
+def _gathered(plan: Plan, kind: str) -> tuple[RingPhase, ...]:
+    """``runtime.context_all_gather``'s stretches: the K/V all-gather (``c - 1`` ring messages of ``kv``, the
+    bytes of a ring all-gather over ``c`` ranks) with no compute beside it, then every step's attention; the
+    backward reruns the forward's under full remat (else autograd keeps the gathered K/V), then computes and
+    reduce-scatters dK/dV (``c - 1`` messages of ``grad``) before the layer's backward goes on."""
+    c, units = plan.mesh.context, step_units(plan.mesh.context)
+
+    def attention(k: str) -> list[RingPhase]:
+        out = [RingPhase(name=f"attention {k} step 0", kind=k, units=units[0], sends=0, nbytes=0, first=True,
+                         after_ring=True)]
+        return out + [RingPhase(name=f"attention {k} steps 1-{c - 1}", kind=k, units=sum(units[1:]), sends=0,
+                                nbytes=0, after_ring=True)]
+
+    forward = [RingPhase(name="all-gather K/V", kind="F", units=0, sends=c - 1, nbytes=kv_bytes(plan)),
+               *attention("F")]
+    if kind == "F":
+        return tuple(forward)
+    return tuple((forward if plan.remat is Remat.FULL else []) + attention("B") + [
+        RingPhase(name="reduce-scatter dK/dV", kind="B", units=0, sends=c - 1, nbytes=grad_bytes(plan))])
+
+
+def merge_bytes(plan: Plan, kind: str, first: bool) -> float:
+    """HBM bytes of one ring step of one layer (one microbatch, one tensor rank) under ``runtime.context_merge_fp32``
+    (PyTorch's context_parallel, torch/distributed/tensor/experimental/_attention.py: ``_SDPAMerger`` with
+    ``convert_to_f32`` merges each step's output into an fp32 running output with eager ops, and the backward
+    accumulates dQ, dK, dV in fp32): forward, the step's merge (:data:`MERGE_BYTES`, step 0 its casts) over the
+    rank's output values (the rank holding the last chunks merges every query row every step: the step waits for
+    it); backward, dQ's and dK/dV's fp32 adds and dK/dV's copy into the next send. 0 without the field or a ring."""
+    if not plan.runtime.context_merge_fp32 or plan.mesh.context == 1:
+        return 0.0
+    tokens = plan.microbatch_size * plan.model.seq_len // plan.mesh.context
+    q_values, kv_values = tokens * plan.model.q_dim // plan.mesh.tensor, tokens * _kv_width(plan)
+    if kind == "F":
+        return float((FIRST_MERGE_BYTES if first else MERGE_BYTES) * q_values)
+    return float(ACCUMULATE_BYTES * (q_values + 2 * kv_values) + SEND_COPY_BYTES * 2 * kv_values)
 
 
 def ring_workspace(plan: Plan) -> int:

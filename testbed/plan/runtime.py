@@ -127,6 +127,46 @@ class RuntimeSpec:
     #: instead of reduce-scattered to the shard's owner (the runner's ZeRO-1). Sharded gradients (ZeRO >= 2,
     #: fsdp) are reduce-scattered either way.
     grad_all_reduce: bool = False
+    #: Under mixed precision, every microbatch's gradients (compute dtype) are cast to fp32 by one kernel and added
+    #: into an fp32 accumulator by another, the first microbatch's too (DeepSpeed's BF16_Optimizer: the pipeline
+    #: engine calls ``update_hp_grads`` after each backward, ``hp_grad.add_(lp.grad.to(fp32))``, and the next
+    #: backward writes fresh gradients): 2 + 4 and 4 + 4 + 4 bytes a parameter per microbatch (testbed.sim.facts
+    #: .accumulate_bytes) instead of the runner's add in the gradient dtype from the second microbatch on; the fp32
+    #: buffer is held beside the bf16 gradients (testbed.model.memory: 4 more bytes a parameter).
+    grad_accumulate_fp32: bool = False
+    #: Context parallelism all-gathers K and V over the context group before a layer's attention and
+    #: reduce-scatters dK and dV after its backward, the attention waiting for the gather and the layer's backward
+    #: for the reduce-scatter (Llama 3's context parallelism: "the all-gather communication latency is exposed in
+    #: the critical path"), instead of the runner's ring, whose step ``k + 1`` block travels while step ``k``
+    #: computes (testbed.model.ring). Same attention work; no effect without a context axis.
+    context_all_gather: bool = False
+    #: Context parallelism merges each ring step's partial attention output into an fp32 running output, and the
+    #: backward accumulates dQ, dK and dV in fp32, by eager elementwise kernels (PyTorch's ``context_parallel``:
+    #: ``_SDPAMerger`` with ``convert_to_f32``), priced as memory passes beside the ring's attention steps
+    #: (testbed.model.ring.merge_bytes) instead of the runner's (not priced). No effect without a context axis.
+    context_merge_fp32: bool = False
+    #: The context axis shards the model state as the fsdp axis does (parameters, gradients, optimizer state: FSDP
+    #: over the flattened data-shard x context mesh, torchtitan's ``dp_shard_cp``) instead of replicating it over
+    #: the context ranks (the runner's). One rule (testbed.plan.sharding.state_sharding) for memory, the gathers and
+    #: reduce-scatters the simulator times, and the runner's shardings.
+    shard_context: bool = False
+    #: Each layer's saved activations (the remat policy's checkpoints, the layer input included) are offloaded to
+    #: host memory in the forward and fetched back for the backward (MaxText's ``remat_policy: custom`` with
+    #: ``decoder_layer_input`` and the saved projections set to ``offload``): the device holds two layers' kept
+    #: sets in transit (the one leaving, the one coming back) instead of every layer's. Memory only: the host
+    #: transfers overlap the compute (XLA's host-offload scheduling) and are not priced.
+    offload_activations: bool = False
+    #: Under fp8-mixed the model's parameters are fp8 tensors (1 byte) with their fp8 transpose for the backward
+    #: (1 byte), the fp32 master copy in the optimizer state, and the parameter all-gather runs in fp8 (Megatron-
+    #: Core's ``--fp8-param-gather``, Transformer Engine's ``fp8_model_init``) instead of bf16 parameters plus the
+    #: per-step fp8 casts and transposes (2 + 2 bytes). Memory only (testbed.model.memory).
+    fp8_params: bool = False
+    #: The loss runs over ``vocab_tiles`` tiles of the tokens (MaxText's ``num_vocab_tiling``): each tile's logits,
+    #: loss and gradient are computed and dropped in turn, the hidden states kept, and the backward recomputes each
+    #: tile's logits (utils/vocabulary_tiling.py, a custom_vjp whose residuals are the hidden states) instead of the
+    #: whole ``[tokens, vocab]`` logits kept from the forward (1). Memory only (the backward's recompute of the
+    #: logits, one more head forward, is not priced).
+    vocab_tiles: int = 1
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -152,13 +192,18 @@ class RuntimeSpec:
                 or not 0 <= self.fsdp_prefetch <= 64:
             raise InputError("fsdp_prefetch must be a whole number of blocks from 0 to 64, "
                              f"got {self.fsdp_prefetch!r:.40}", field="runtime.fsdp_prefetch")
+        if isinstance(self.vocab_tiles, bool) or not isinstance(self.vocab_tiles, int) \
+                or not 1 <= self.vocab_tiles <= 4096:
+            raise InputError(f"vocab_tiles must be a whole number of tiles from 1 to 4096, got {self.vocab_tiles!r:.40}",
+                             field="runtime.vocab_tiles")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise InputError(f"unknown attention_kernel `{self.attention_kernel!s:.40}`; valid: "
                              f"{', '.join(ATTENTION_KERNELS)}", field="runtime.attention_kernel")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
                              field="runtime.fp8_scaling")
-        for name in ("pipeline_blocking_sends", "grad_all_reduce"):
+        for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "context_all_gather",
+                     "context_merge_fp32", "shard_context", "offload_activations", "fp8_params"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
@@ -188,18 +233,19 @@ PROFILES: dict[str, dict[str, Any]] = {
                  "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
                  "framework": "pytorch", "pipeline_blocking_sends": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
-             "attention_kernel": "cudnn", "fp8_saved_inputs": True, "framework": "pytorch"},
+             "attention_kernel": "cudnn", "fp8_saved_inputs": True, "framework": "pytorch", "fp8_params": True},
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "framework": "pytorch",
                   "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True, "pipeline_blocking_sends": True,
-                  "grad_all_reduce": True},
+                  "grad_all_reduce": True, "grad_accumulate_fp32": True},
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, "framework": "pytorch"},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", "framework": "pytorch"},
+                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", "framework": "pytorch",
+                   "context_merge_fp32": True, "shard_context": True},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                     "attention_kernel": "triton", "fused_loss": True, "framework": "pytorch"},
     # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
     # (fp32 gradient reduce-scatter) are stated (see SOURCES).
-    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32"},
+    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32", "context_all_gather": True},
 }
 
 _MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
@@ -352,10 +398,41 @@ SOURCES: dict[tuple[str, str], str] = {
         "`_bf16_reduce_grads` calls buffered_allreduce_fallback(elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE): "
         "every gradient all-reduced over the data-parallel group in 5e8-element buffers; the optimizer then "
         "updates the rank's partition and all-gathers the bf16 parameters"),
+    ("deepspeed", "grad_accumulate_fp32"): (
+        "DeepSpeed deepspeed/runtime/pipe/engine.py `_exec_backward_pass` (since 'bf16+pipeline parallelism', #1801, "
+        "2022, the code BLOOM trained with): with the BF16_Optimizer every stage calls clear_lp_grads() before and "
+        "optimizer.update_hp_grads(clear_lp_grads=False) after each microbatch's backward (the last stage through "
+        "BF16_Optimizer.backward, which does the same); deepspeed/runtime/bf16_optimizer.py `update_hp_grads` runs "
+        "hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)) per parameter: an fp32 copy of the bf16 gradient, then an "
+        "add into the fp32 gradient buffer, eager kernels"),
     ("meta", "grad_reduce_dtype"): (
         "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Numerical stability': FP32 "
         "gradient accumulation over micro-batches, and gradients reduce-scattered in FP32 across the data-parallel "
         "workers in FSDP"),
+    ("torchtitan", "context_merge_fp32"): (
+        "torchtitan (end of 2024, torchtitan/utils.py create_context_parallel_ctx) runs PyTorch's context_parallel "
+        "(torch/distributed/tensor/experimental/_attention.py): _templated_ring_attention merges each step's SDPA "
+        "output with _SDPAMerger (convert_to_f32: out.to(float32), then out - sigmoid(block_lse - lse) * "
+        "(out - block_out), eager) and its backward adds each step's dq/dk/dv into float32 accumulators"),
+    ("meta", "context_all_gather"): (
+        "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Context parallelism': 'we adopt an "
+        "all-gather based method where we first all-gather the key (K) and value (V) tensors, and then compute "
+        "attention output for the local query (Q) tensor chunk. Although the all-gather communication latency is "
+        "exposed in the critical path, we still adopt this approach' (document masks; K and V small under GQA)"),
+    ("torchtitan", "shard_context"): (
+        "torchtitan torchtitan/parallelisms/parallelize_llama.py (Dec 2024, 82f7387f8) `parallelize_llama`: 'if "
+        "parallel_dims.dp_shard_enabled or parallel_dims.cp_enabled: # apply FSDP or HSDP, potentially with Context "
+        "Parallel' applies fully_shard over world_mesh['dp_shard_cp'], the dp_shard and cp mesh dims flattened "
+        "(parallel_dims.py build_mesh): the parameters, gradients and optimizer state are sharded over data-shard "
+        "x context ranks, even with dp_shard 1"),
+    ("nemo", "fp8_params"): (
+        "Megatron-Bridge src/megatron/bridge/training/mixed_precision.py: the per-tensor FP8 recipes "
+        "(bf16_with_fp8_current_scaling_mixed, the FP8-CS performance configs', and "
+        "bf16_with_fp8_delayed_scaling_mixed) set fp8_param_gather = True (kept in sync with fp8_param; the "
+        "blockwise/subchannel recipes, which testbed does not model, do not): "
+        "Megatron-Core builds the model under Transformer Engine's fp8_model_init, so the compute parameters are "
+        "Float8Tensors (fp8 data and its transpose), the distributed optimizer keeps the fp32 master and "
+        "all-gathers the parameters in fp8"),
     ("xla", "fsdp_prefetch"):
         "XLA's latency-hiding scheduler (xla/service/latency_hiding_scheduler.cc; on by default on TPU, "
         "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "

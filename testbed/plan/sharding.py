@@ -3,7 +3,8 @@
 One decision read by the memory model, the simulator's task graph and the
 runner's shardings alike: the ``fsdp`` axis shards all three; ZeRO over the
 ``data`` axis adds the optimizer state (stage 1), the gradients (2) and the
-parameters (3). It also decides when gradients are reduced over each
+parameters (3); ``runtime.shard_context`` adds the ``context`` axis to all three
+(torchtitan's FSDP over its ``dp_shard_cp`` mesh). It also decides when gradients are reduced over each
 replica axis with several microbatches (:func:`gradient_reduction`); how
 many collectives one pass over a chunk's sharded parameters issues, which
 needs the model's layout, is testbed.model.leaves'.
@@ -38,20 +39,20 @@ class StateSharding:
 
 
 def state_sharding(plan: Plan) -> StateSharding:
-    """The state sharding a plan's fsdp degree and ZeRO stage imply (one object per ZeRO stage: the axes
-    depend on nothing else, and the search asks for it hundreds of thousands of times)."""
-    return _SHARDINGS[plan.zero]
+    """The state sharding a plan's fsdp degree, ZeRO stage and ``runtime.shard_context`` imply (one object per
+    combination: the axes depend on nothing else, and the search asks for it hundreds of thousands of times)."""
+    return _SHARDINGS[plan.zero, plan.runtime.shard_context]
 
 
-def _sharding(zero: int) -> StateSharding:
+def _sharding(zero: int, context: bool) -> StateSharding:
     def axes(zero_stage: int) -> tuple[Axis, ...]:
-        chosen = {Axis.FSDP} | ({Axis.DATA} if zero >= zero_stage else set())
+        chosen = {Axis.FSDP} | ({Axis.DATA} if zero >= zero_stage else set()) | ({Axis.CONTEXT} if context else set())
         return tuple(a for a in MESH_AXES if a in chosen)
 
     return StateSharding(params=axes(3), grads=axes(2), optimizer=axes(1))
 
 
-_SHARDINGS = {zero: _sharding(zero) for zero in range(4)}
+_SHARDINGS = {(zero, context): _sharding(zero, context) for zero in range(4) for context in (False, True)}
 
 
 def gradient_reduction(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 from testbed.cluster import probe as tcp_probe
 from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, predict
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
-__all__ = ["TINY_BYTES", "sizes_for", "repeats_for", "measure"]
+__all__ = ["TINY_BYTES", "sizes_for", "repeats_for", "measure", "measure_interleaved"]
 
 #: The call that fixes the per-call cost: 4 KiB (the all-reduce's buffer, the all-gather's result).
 TINY_BYTES = 4096
@@ -74,3 +74,64 @@ def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduc
             "link_rate_bps": min(link.rate_bps for link in spec.links), "goodput": link_goodput(spec),
             "probe": probe.to_dict(), "rows": rows, "max_call_s": max_call_s, "repeats": repeats,
             "load_before": load_before, "load_after": _load(), "seconds": time.perf_counter() - started}
+
+
+def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], *, rounds: int = 2,
+                        ops: tuple[str, ...] = ("all_reduce", "all_gather"), max_call_s: float = 2.0,
+                        repeats: int = 3, tiny_repeats: int = 15,
+                        timeout_s: float | None = 900) -> list[dict[str, Any]]:
+    """:func:`measure` at every link scale of ``scales`` in one job, the links reshaped between phases.
+
+    The host's per-call cost follows the load (a 4 KiB call: 8-25 ms over load averages 3-16), so rates
+    measured in separate jobs minutes apart carry different host costs into each other's leave-one-out
+    prediction. Here the same processes time every rate's calls, ``rounds`` passes over the rates, and each
+    size's calls from every pass are pooled (median of the slowest process's per call). One dict per scale,
+    as :func:`measure` returns; the links are left at ``spec.scale``.
+    """
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from testbed.cluster.netns import reshape
+    from testbed.cluster.spec import cluster_spec
+    from testbed.runner.link_phases import run_phases
+
+    specs = [cluster_spec(spec.topology, name=spec.name, scale=s, mtu=spec.mtu) for s in scales]
+    probes, calls, loads = [], [], [_load()]
+    for one in specs:
+        reshape(spec, owner, one.scale)
+        measured = tcp_probe.measure(one, owner)
+        probes.append(HostProbe(loopback_bandwidth=measured.loopback_bandwidth,
+                                loopback_latency_s=measured.loopback_latency_s,
+                                across_latency_s=measured.across_latency_s))
+        calls.append([[op, size, repeats_for(one, probes[-1], op, size, repeats, tiny_repeats)]
+                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s)])
+    phases = [str(i) for i in range(len(specs))] * rounds
+
+    def job(payload: dict) -> list[dict]:
+        return cluster_launch(spec, owner, payload, timeout_s=timeout_s)
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="testbed-phases-") as sync:
+        try:
+            results = run_phases(job, {"phase_calls": [calls[int(n)] for n in phases]}, phases, len(spec.nodes),
+                                 lambda name: reshape(spec, owner, specs[int(name)].scale), Path(sync),
+                                 timeout_s=timeout_s or 600, body="collective_phases")
+        finally:
+            reshape(spec, owner, spec.scale)
+    loads.append(_load())
+    out = []
+    for i, one in enumerate(specs):
+        passes = [slowest_medians([{"rows": r["phases"][k]} for r in results]) for k, n in enumerate(phases)
+                  if n == str(i)]
+        rows = []
+        for same in zip(*passes):
+            pooled = [t for row in same for t in row["calls_s"]]
+            rows.append({**same[0], "measured_s": statistics.median(pooled), "calls_s": pooled,
+                         "ok": all(row["ok"] for row in same)})
+        out.append({"cluster": one.name, "topology": one.topology.name, "scale": one.scale, "mtu": one.mtu,
+                    "link_rate_bps": min(link.rate_bps for link in one.links), "goodput": link_goodput(one),
+                    "probe": probes[i].to_dict(), "rows": rows, "max_call_s": max_call_s, "repeats": repeats,
+                    "rounds": rounds, "load_before": loads[0], "load_after": loads[-1],
+                    "seconds": time.perf_counter() - started})
+    return out

@@ -28,21 +28,27 @@ OPS = ("all_reduce", "all_gather")
 AXIS = "d"
 
 
-def _function(op: str, mesh: Any):
+def _function(op: str, mesh: Any, chain: int = 1):
     import jax
 
     spec = jax.P(AXIS)
 
     def local(x):
         if op == "all_reduce":
+            for _ in range(chain - 1):  # all-reduces one after another in one program, each on the last's mean
+                x = jax.lax.psum(x, AXIS) / jax.lax.axis_size(AXIS)
             return jax.lax.psum(x, AXIS)
         return jax.lax.all_gather(x, AXIS, tiled=True)
 
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec))
 
 
-def collective_times(op: str, nbytes: int, repeats: int, warmup: int = 2) -> dict[str, Any]:
-    """Seconds of each of ``repeats`` calls of ``op`` over every device of the job, after ``warmup`` calls."""
+def collective_times(op: str, nbytes: int, repeats: int, warmup: int = 2, chain: int = 1) -> dict[str, Any]:
+    """Seconds of each of ``repeats`` calls of ``op`` over every device of the job, after ``warmup`` calls.
+
+    ``chain`` > 1 (all-reduce only): each timed program makes ``chain`` all-reduces one after another, with no
+    host synchronisation between them, as a training step's calls run; a call's time is the program's over
+    ``chain``."""
     import jax
     import numpy as np
 
@@ -55,14 +61,16 @@ def collective_times(op: str, nbytes: int, repeats: int, warmup: int = 2) -> dic
     sharding = jax.NamedSharding(mesh, jax.P(AXIS))
     shape = (n * per_device,)
     x = jax.make_array_from_callback(shape, sharding, lambda index: np.ones(per_device, np.float32))
-    fn = _function(op, mesh)
+    if chain > 1 and op != "all_reduce":
+        raise ValueError(f"chain applies to all_reduce only, got {op!r}")
+    fn = _function(op, mesh, chain)
     for _ in range(warmup):
         jax.block_until_ready(fn(x))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / chain)
     out = fn(x)
     local = np.asarray(out.addressable_shards[0].data)
     expect = float(n) if op == "all_reduce" else 1.0
@@ -76,7 +84,8 @@ def worker_body(payload: dict) -> dict:
     ``payload["calls"]`` (several ops in one job); this process's rows."""
     warmup = int(payload.get("warmup", 2))
     if "calls" in payload:
-        return {"rows": [collective_times(op, int(size), int(count), warmup) for op, size, count in payload["calls"]]}
+        return {"rows": [collective_times(op, int(size), int(count), warmup, *map(int, chain))
+                         for op, size, count, *chain in payload["calls"]]}
     repeats = payload.get("repeats_per_size") or [payload.get("repeats", 5)] * len(payload["sizes"])
     rows = [collective_times(payload["op"], int(size), int(count), warmup)
             for size, count in zip(payload["sizes"], repeats)]

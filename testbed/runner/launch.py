@@ -50,7 +50,9 @@ __all__ = ["launch", "WorkerFailed", "free_port", "port_is_free", "worker_contex
 #: Named by string so the launcher imports only the body a job runs.
 BODIES: dict[str, str] = {"run": "testbed.runner.train:worker_body", "calibrate": "testbed.runner.calibrate_multi:worker_body",
                           "collective": "testbed.runner.cluster_collective:worker_body",
-                          "verify": "testbed.runner.train:verify_worker_body"}
+                          "verify": "testbed.runner.train:verify_worker_body",
+                          "phases": "testbed.runner.link_phases:worker_body",
+                          "collective_phases": "testbed.runner.link_phases:collective_worker_body"}
 
 _ENV = "TESTBED_WORKER"
 _LAUNCHER_ENV = "TESTBED_LAUNCHER_PID"

@@ -108,29 +108,45 @@ def cluster_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps: int, *,
             "compile_time_s": results[0].get("compile_time_s")}
 
 
-def host_and_shaped_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps: int, *,
+def host_and_shaped_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps: int, *, rounds: int = 1,
                           timeout_s: float | None = 900) -> dict[str, Any]:
     """The plan's step on the cluster's shaped links and on the same links unshaped (the host's part).
 
-    The unshaped run reshapes every link to :data:`testbed.cluster.step.UNSHAPED_RATE_BPS` and back, so
-    the two are timed minutes apart on the same processes' host.
+    One job (:mod:`testbed.runner.link_phases`): the workers compile once and time ``steps`` steps on the
+    shaped links, then ``steps`` with every link reshaped to :data:`testbed.cluster.step.UNSHAPED_RATE_BPS`,
+    ``rounds`` times over, so shaped and unshaped steps come from the same processes, interleaved. The links
+    are left as they were.
     """
     import os
+    import tempfile
+    from pathlib import Path
 
     from testbed.cluster.netns import reshape
     from testbed.cluster.step import UNSHAPED_RATE_BPS
+    from testbed.runner.link_phases import phase_medians, run_phases
 
-    loads = [os.getloadavg()[0]]
-    shaped = cluster_steps(spec, owner, plan_dict, steps, timeout_s=timeout_s)
-    loads.append(os.getloadavg()[0])
+    if rounds < 1:
+        raise ValueError(f"rounds must be 1 or more, got {rounds}")
     fast = UNSHAPED_RATE_BPS / min(link.rate_bps for link in spec.links) * spec.scale
-    reshape(spec, owner, fast)
-    try:
-        host = cluster_steps(spec, owner, plan_dict, steps, timeout_s=timeout_s)
-    finally:
-        reshape(spec, owner, spec.scale)
+    phases = ["shaped", "unshaped"] * rounds
+    loads = [os.getloadavg()[0]]
+
+    def set_links(name: str) -> None:
+        reshape(spec, owner, spec.scale if name == "shaped" else fast)
+        loads.append(os.getloadavg()[0])
+
+    def job(payload: dict) -> list[dict]:
+        return cluster_launch(spec, owner, payload, timeout_s=timeout_s)
+
+    with tempfile.TemporaryDirectory(prefix="testbed-phases-") as sync:
+        try:
+            results = run_phases(job, {"plan": plan_dict, "steps": steps}, phases, len(spec.nodes), set_links,
+                                 Path(sync), timeout_s=timeout_s or 600)
+        finally:
+            reshape(spec, owner, spec.scale)
     loads.append(os.getloadavg()[0])
-    return {"shaped": shaped, "unshaped": host, "load": loads}
+    timed = phase_medians(results, phases)
+    return {"shaped": timed["shaped"], "unshaped": timed["unshaped"], "load": loads, "phases": phases}
 
 
 _PROGRAM = """

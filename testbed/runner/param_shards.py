@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from testbed.model import layout
+from testbed.model.leaves import regathered_in_backward
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import Plan
 from testbed.runner.parallel import BATCH_AXES, _entry, _path_names
@@ -115,13 +116,15 @@ class ParamShards:
         (one per replica when spread).
         """
         dims, copies, specs, tensor_specs = self._leaves(params)
+        again = jax.tree_util.tree_map_with_path(
+            lambda path, _: regathered_in_backward(layout.param_at(self.model, _path_names(path))), params)
         params = jax.tree.map(self._copies, params, copies)
 
         def gather(params: Any) -> Any:
             return jax.tree.map(self._gather, params, dims, copies, tensor_specs)
 
         def body(params: Any, *batch: jax.Array) -> Any:
-            out = _regathered(fn, gather, params, batch)
+            out = _regathered(fn, gather, params, batch, jax.tree.leaves(again))
             return out[None] if loss else out
 
         mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, *(self._batch,) * len(batch)),
@@ -158,9 +161,12 @@ def _gather_bwd(axes: tuple[str, ...], dim: int, tensor_spec: P, _: None, g: jax
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...]) -> Any:
+def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...], again: list[bool]) -> Any:
     """``fn(gather(params), *batch)`` whose backward gathers ``params`` again instead of keeping the gathered
-    weights as residuals (every other residual of ``fn`` is kept as autodiff keeps it).
+    weights as residuals (every other residual of ``fn`` is kept as autodiff keeps it). ``again``: per leaf of
+    ``params``, whether its backward gathers it again (testbed.model.leaves.regathered_in_backward, the rule
+    plan-driven simulation counts); a leaf it does not (a bias, where a recomputation reads one) keeps the
+    forward's gathered copy.
 
     A custom VJP: the forward takes ``fn``'s VJP at the gathered weights and drops from its residuals the
     gathered leaves themselves; the backward gathers the shards again and puts them back. The backward's
@@ -178,7 +184,7 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...])
         full = gather(params)
         out, vjp = jax.vjp(lambda w, b: fn(w, *b), full, batch)
         leaves, meta["tree"] = jax.tree.flatten(vjp)
-        where = {id(w): i for i, w in enumerate(jax.tree.leaves(full))}
+        where = {id(w): i for i, w in enumerate(jax.tree.leaves(full)) if again[i]}
         meta["gathered"] = {j: where[id(x)] for j, x in enumerate(leaves) if id(x) in where}
         return out, (params, [x for j, x in enumerate(leaves) if j not in meta["gathered"]])
 

@@ -138,7 +138,8 @@ class Optimizer:
         grads = self.flat.to(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
         updates, inner = self.tx.update(grads, state.inner, state.master)
         master = optax.apply_updates(state.master, updates)
-        return self.held(self.flat.back(master)), MasterState(master=master, inner=inner)
+        # Cast, then rebuild the padded leaves: a rebuild that regathers a flat shard moves the held dtype's bytes.
+        return self.flat.back(self.held(master)), MasterState(master=master, inner=inner)
 
     def master(self, params: Any, state: Any) -> Any:
         """The full-precision parameters: the master under bf16-mixed, else ``params`` themselves."""

@@ -60,11 +60,18 @@ def build_trainer(plan: Plan, devices: list[Any], return_grads: bool = False) ->
     from testbed.runner.step import SpmdTrainer
 
     _check_runnable(plan, devices)
+    plan = runner_plan(plan)
     placement = dev.plan_placement(plan, devices)
     if plan.mesh.stage == 1:
         return SpmdTrainer(plan, dev.build_mesh(placement, devices), return_grads=return_grads)
     meshes = [dev.stage_mesh(placement, devices, s) for s in range(plan.mesh.stage)]
     return PipelineTrainer(plan, meshes, return_grads=return_grads)
+
+
+def runner_plan(plan: Plan) -> Plan:
+    """The plan as the runner executes it: its own state sharding, replicated over context (``runtime.shard_context``
+    is priced by the simulator only: testbed.plan.sharding reads it for memory and the simulator's collectives)."""
+    return replace(plan, runtime=replace(plan.runtime, shard_context=False)) if plan.runtime.shard_context else plan
 
 
 def _check_runnable(plan: Plan, devices: list[Any]) -> None:
@@ -166,6 +173,7 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
     from testbed.runner.hlo import check_collectives
     from testbed.runner.step import ReferenceTrainer, scalar
 
+    plan = runner_plan(plan)
     trainer = build_trainer(plan, devices, return_grads=True)
     # With several processes (an emulated cluster) each runs the reference on a device of its own.
     reference = ReferenceTrainer(plan, next(d for d in devices if d.process_index == jax.process_index()))

@@ -15,7 +15,9 @@ frozen :class:`StepFacts`; testbed.sim.program builds the task graph from it
 facts without the graph. The plan's ``runtime:`` (testbed.plan.runtime) is read
 here too: the gradient buckets, whether replicated gradients reduce during the
 backward, the bytes they are reduced in, and whether pipeline sends are split.
-The memos it reads (schedule orders, chunk costs and GEMMs) are testbed.sim.memo's.
+The memos it reads (schedule orders, chunk costs and GEMMs) are testbed.sim.memo's; the rules of the
+gradients' bytes (buckets, reduction dtype, sequence parallelism's replicated parameters, accumulation) are
+testbed.sim.grad_bytes'.
 """
 
 from __future__ import annotations
@@ -27,29 +29,27 @@ from testbed.model import buffers
 from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
-from testbed.model.layout import Part, chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import (NORM_PARTS, bucket_share, moved_elements, norm_elements, parameter_collectives,
-                                  regathered)
+from testbed.model.layout import chunk_layers, chunk_params, held_elements
+from testbed.model.leaves import bucket_share, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
+from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
+                                     gradient_buckets, reduce_bytes, reduced_bytes, sequence_apart,
+                                     sequence_reduced, sequence_replicated)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
 
 __all__ = ["tensor_transfers", "cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
-           "ACCUMULATE_PASSES", "gradient_buckets", "reduce_bytes"]
+           "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
 
-#: Most gradient buckets per chunk (split of the chunk's last backward action).
-BUCKETS = 4
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
 OPTIMIZER_FLOPS_PER_PARAM = 12
-#: Memory passes of adding one microbatch's gradients into the step's accumulator: read both, write one (an
-#: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
-ACCUMULATE_PASSES = 3
+
 
 
 
@@ -150,6 +150,15 @@ class Reduction:
     rest: tuple[Axis, ...]
     ways: int
     sequence: bool = False
+    #: Whether the sequence-replicated parameters' bytes stay in this (dense) reduction although a ``sequence``
+    #: one sums them over tensor too (:func:`sequence_apart`); False: that reduction takes them out of this one.
+    holds_sequence: bool = False
+
+    def size(self, nbytes: float, special: tuple[float, float]) -> float:
+        """Bytes this reduction sums of a bucket of ``nbytes`` (``special``: ChunkFacts.special's shares)."""
+        if self.expert or self.sequence:
+            return special[0] if self.expert else special[1]
+        return nbytes - special[0] - (0.0 if self.holds_sequence else special[1])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -297,59 +306,6 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       sequence_bytes=sequence_b)
 
 
-def reduce_bytes(plan: Plan, grad_bytes: float) -> float:
-    """Bytes per gradient value as they are reduced (``runtime.grad_reduce_dtype``: their own, or fp32's 4)."""
-    return 4.0 if plan.runtime.grad_reduce_dtype == "fp32" else float(grad_bytes)
-
-
-def reduced_bytes(plan: Plan, s: int, c: int, moved: int, reduce_b: float, which: str) -> float:
-    """Bytes one reduction of chunk ``c``'s gradients moves on a device (``moved`` elements sharded as ``which``):
-    ``reduce_b`` per value, but where the partitioner sums replicated gradients (nothing shards them) the norms'
-    parameters' reduce in fp32 (testbed.model.leaves.NORM_PARTS: JAX sums bf16 in fp32 and the partitioner
-    reduces the fp32 partial sums), 4 bytes each. Sharded gradients are reduce-scattered by the runner's own
-    ``psum_scatter`` of the bf16 gradient (testbed.runner.param_shards, testbed.runner.replicas)."""
-    if reduce_b >= 4.0 or state_sharding(plan).split_axes(plan, "grads"):
-        return moved * reduce_b
-    return moved * reduce_b + norm_elements(plan, s, c, which) * (4.0 - reduce_b)
-
-
-def sequence_replicated(plan: Plan) -> bool:
-    """Whether sequence parallelism's tensor-replicated parameters (norms, row-parallel biases) sum their
-    gradients over tensor too: each tensor rank computes on its sequence shard, so their gradients are partial
-    sums over tensor as well as over the batch axes (Megatron-LM all-reduces them over the tensor group; the
-    runner's partitioner reduces them over data and tensor in one all-reduce). Counted where nothing shards the
-    optimizer state (the case checked against the traced step; under fsdp/ZeRO the plan keeps the dense rule)."""
-    return plan.sequence_parallel and plan.mesh.tensor > 1 and not state_sharding(plan).split_axes(plan, "optimizer")
-
-
-def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float, float]:
-    """(bytes of chunk ``c``'s tensor-replicated parameters' gradients, reduced over tensor too; bytes the position
-    table's reduction saves) under :func:`sequence_replicated`, else zeros. The norms' at 4 bytes each
-    (:func:`reduced_bytes`). The learned position table's gradient is reduced as each tensor rank's 1/t shard of
-    the positions (the runner adds positions to its sequence shard), then gathered over tensor
-    (testbed.model.costs.ChunkCost.position_gather_bytes)."""
-    if not sequence_replicated(plan):
-        return 0.0, 0.0
-    t, replicated, saved = plan.mesh.tensor, 0.0, 0.0
-    held = chunk_params(plan.model, s, c, plan.mesh.stage, plan.schedule.virtual_stages, stage_layers=plan.stage_layers)
-    for q, copies in held:
-        if q.part is Part.EMBEDDING:
-            saved += copies * q.device_elements(t, 1, 1) * reduce_b * (1 - 1 / t) if q.path == ("positions",) else 0
-        elif q.tensor_dim is None and not q.is_expert:
-            replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS else reduce_b)
-    return replicated, saved
-
-
-def gradient_buckets(plan: Plan, layers: int, grad_bytes: float) -> int:
-    """Gradient buckets of a chunk of ``layers`` layers whose gradients on a device are ``grad_bytes``: the
-    runner's one per layer, at most :data:`BUCKETS`; with ``runtime.grad_bucket_bytes`` as many as that size
-    makes, at least one and at most one per layer (the backward is split no finer than a layer)."""
-    size = plan.runtime.grad_bucket_bytes
-    if not size:
-        return min(BUCKETS, max(1, layers))
-    return max(1, min(max(1, layers), math.ceil(grad_bytes / size)))
-
-
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
             kernels: int, n_moe: int) -> ActionWork:
     """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s``."""
@@ -398,11 +354,14 @@ def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction
         if axes:
             sharded = tuple(a for a in axes if a in optimizer_axes)
             out.append(Reduction(expert=expert, sharded=sharded, rest=tuple(a for a in axes if a not in optimizer_axes),
-                                 ways=math.prod(plan.mesh.degree(a) for a in sharded)))
+                                 ways=math.prod(plan.mesh.degree(a) for a in sharded),
+                                 holds_sequence=not expert and sequence_apart(plan)))
     if sequence_replicated(plan):  # nothing shards the optimizer state here: one all-reduce
         axes = (*reduction_axes(plan), Axis.TENSOR)
         out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1,
                              rest=tuple(a for a in MESH_AXES if a in axes)))
+    elif sequence_apart(plan):  # summed whole over tensor first, then reduce-scattered with the rest
+        out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1, rest=(Axis.TENSOR,)))
     return tuple(out)
 
 
@@ -446,18 +405,6 @@ def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str) -> tuple[tu
     if kind == "B" and cost.position_gather_bytes:
         out.append(("all_gather", 1, cost.position_gather_bytes))
     return tuple(out)
-
-
-def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
-    """HBM bytes one device streams adding one microbatch's gradients of ``params`` into the accumulator.
-
-    Every microbatch adds into an accumulator that starts at zero; a step of one microbatch keeps its
-    gradients as they are (0). Sharded accumulation (each microbatch's gradients reduce-scattered first,
-    testbed.plan.sharding.gradient_reduction) adds into the device's shard.
-    """
-    if plan.batch.microbatches <= 1:
-        return 0.0
-    return ACCUMULATE_PASSES * params * grad_bytes / state_sharding(plan).ways(plan, "grads")
 
 
 def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, chunk_costs) -> list[tuple[int, int, float]]:

@@ -60,7 +60,7 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
     """
     out = []
     for r in reductions:
-        size = special[0] if r.expert else special[1] if r.sequence else nbytes - sum(special)
+        size = r.size(nbytes, special)
         if size <= 0:
             continue
         kind, last = " experts" if r.expert else " sequence" if r.sequence else "", after

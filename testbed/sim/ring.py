@@ -89,7 +89,18 @@ def ring_tasks(plan: Plan, kind: str, name: str, layers: int, fraction: float, w
             compute = len(out) - 1
         if sent is not None:
             sending = sent
+    merges = layers * sum(_merges(plan, ph, ph.units // (units[0] if ph.first else units[1])) for ph in phases)
+    if merges:  # runtime.context_merge_fp32: eager kernels of their own after the attention (their sum, one task)
+        out.append(RingTask(name=f"{name} ring merges", after=(), hbm_bytes=merges, kernels=max(1, layers * len(phases))))
     return out
+
+
+def _merges(plan: Plan, phase: ring.RingPhase, steps: int) -> float:
+    """Bytes of ``runtime.context_merge_fp32``'s merges of one layer's ``steps`` ring steps of ``phase`` (a forward
+    phase that is step 0 holds its first step's casts)."""
+    if phase.kind == "F" and phase.first:
+        return ring.merge_bytes(plan, "F", True) + (steps - 1) * ring.merge_bytes(plan, "F", False)
+    return steps * ring.merge_bytes(plan, phase.kind, False)
 
 
 def ring_action_seconds(plan: Plan, topology: Topology, dtype: str, pair: tuple[int, int], kind: str, layers: int,
@@ -111,8 +122,9 @@ def ring_action_seconds(plan: Plan, topology: Topology, dtype: str, pair: tuple[
         seconds = compute_seconds(topology, dtype, t.flops, t.hbm_bytes, t.kernels, t.replicated_bytes,
                                   t.split_bytes, tensor_bytes, t.gemms)
         compute += seconds
-        if i and tasks[i - 1].transfer:  # the sends beside this compute (their phase's)
-            exposed += max(0.0, pending - seconds)
+        if i and tasks[i - 1].transfer:  # the sends beside this compute (their phase's), or before it when it
+            # waits for them (runtime.context_all_gather's gather)
+            exposed += pending if i - 1 in (t.after or ()) else max(0.0, pending - seconds)
             pending = 0.0
     return compute, exposed + pending
 

@@ -8,8 +8,9 @@ plan-driven simulation does for a step without pipeline stages. Its ops become t
   ``compute`` stream, priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
   convolutions (``gemms``: the calibration's GEMM shape model, or its FLOPs roofline), and its
   memory-bound ops' ``hbm_bytes``: with the calibration's ``elementwise`` group a second task after the
-  matmuls, at its passes (:func:`memory_seconds`); without one, the roofline of one task (matmuls and
-  memory traffic overlap: the slower of the two), as a plan's task is priced there;
+  matmuls, one pass per counted byte at the calibrated memory bandwidth (:func:`memory_seconds`);
+  without one, the roofline of one task (matmuls and memory traffic overlap: the slower of the two), as a
+  plan's task is priced there;
 - collectives: one task each, on a stream per kind and mesh axes (``all_reduce data``), over the
   representative's group along those axes, every group of the mesh running it at once (``instances``),
   timed and placed by testbed.collectives as a plan's are; ``count`` executions back to back. A
@@ -33,6 +34,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from testbed.errors import InputError
+from testbed.model.gemm import Gemm
 from testbed.sim.engine import run
 from testbed.sim.overlap import defer_consumers
 from testbed.sim.combine import combine_collectives
@@ -44,7 +46,7 @@ from testbed.sim.workload import OpKind, Workload
 from testbed.topology import Topology
 
 __all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload",
-           "mesh_groups", "collective_bytes", "workload_report"]
+           "mesh_groups", "collective_bytes", "workload_report", "matmul_dtype", "convert_bytes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,6 +94,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     pending: list[int] = []           # op indices of the open segment whose task ids are filled at close
     previous: tuple[int, ...] = ()
     passes = topology.calibration.elementwise is not None
+    upcast = workload.dtype == "bf16" and topology.device.bf16_matmuls == "fp32"
     if topology.calibration.controller is not None:
         prep = b.add(name="prepare step", device=rep, stream="host", kind=TaskKind.HOST, op="step", count=0)
         previous = (b.add(name="dispatch step", device=rep, stream="host", kind=TaskKind.HOST, deps=(prep,),
@@ -106,7 +109,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
         ops = [workload.ops[i] for i in segment]
         gemms = tuple(g if op.count == 1 else _repeat(g, op.count) for op in ops for g in op.gemms)
         flops = sum(op.flops * op.count for op in ops)
-        hbm = sum(op.hbm_bytes * op.count for op in ops)
+        hbm = sum(op.hbm_bytes * op.count for op in ops) + (sum(map(convert_bytes, gemms)) if upcast else 0.0)
         tasks = []
         kernels = max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))
         if not passes and flops + hbm > 0:  # the roofline: matmuls and memory-bound ops overlap
@@ -156,6 +159,23 @@ def _shifts(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
     return tuple((g[k], g[(k + 1) % len(g)]) for g in groups if len(g) > 1 for k in range(len(g)))
 
 
+def matmul_dtype(topology: Topology, dtype: str) -> str:
+    """The dtype a traced program's ``dtype`` matmuls run in on ``topology``: fp32 for bf16 where the device's
+    compiler runs bf16 matmuls in fp32 between converts (``device.bf16_matmuls: fp32``, XLA:CPU)."""
+    return "fp32" if dtype == "bf16" and topology.device.bf16_matmuls == "fp32" else dtype
+
+
+def convert_bytes(gemm: Gemm) -> float:
+    """Bytes the convert loops around one bf16 GEMM run in fp32 move (``device.bf16_matmuls: fp32``), read and
+    written as the fusion estimate counts them: its result (fp32 read, bf16 written) and its ``k x n`` operand
+    (bf16 read, fp32 written), 6 B per element each. The ``m x k`` operand is left out: for a convolution it is
+    the implicit im2col the compiler never writes, and XLA:CPU fuses the convert of an activation into the
+    loop that produced it (the examples' compiled steps: ``maximum_convert_fusion``,
+    ``multiply_convert_fusion``), so counting it per GEMM would count most values twice. An approximation of
+    the compiled HLO (docs/program.md)."""
+    return 6.0 * gemm.batch * gemm.count * (gemm.m * gemm.n + gemm.k * gemm.n)
+
+
 def _repeat(gemm, count: int):
     return replace(gemm, count=gemm.count * count)
 
@@ -177,16 +197,18 @@ def workload_report(workload: Workload, topology: Topology, timeline: Timeline, 
 def memory_seconds(topology: Topology, hbm_bytes: float) -> float:
     """Seconds of memory-bound kernels moving ``hbm_bytes`` (reads and writes, the tracer's fusion estimate).
 
-    The calibration's elementwise passes (``replicated_passes``: seconds per activation byte written, in
-    passes at the calibrated bandwidth; 2 where each byte is written once and read once) say how fast
-    the topology's compiler runs such kernels; the fusion estimate counts that byte's write and read, so
-    each counted byte costs ``replicated_passes / 2`` passes (1 without an ``elementwise`` group: the
-    roofline). The passes' cached share (``cached_passes``) is not applied: a traced op's working set is
-    not known per activation.
+    One pass per counted byte at the calibrated memory bandwidth (``device.memory_bandwidth x
+    memory.efficiency``): the fusion estimate already counts each fused kernel's reads and writes, and the
+    calibration's ``memory`` group is what one such kernel streams (``testbed calibrate`` fits it to a
+    fused elementwise loop, ``v * 1.5 + 1``, reading and writing its buffer once). The ``elementwise``
+    group's passes are not applied: they price a plan's activation bytes (each written once), and on a
+    host they absorb what XLA:CPU does beyond one fused pass over GPT's activations (LayerNorm's
+    reductions, layout copies, GELU's transcendentals: 14-23 passes on the 2-core host) - applied to a
+    traced program's fused kernels they priced an SGD update's 12 bytes per parameter at 7-11 passes a
+    byte (docs/validation.md, "Users' programs on the host"). Where the passes are 2 (written once and
+    read once: the GPU topologies) this is the same price.
     """
-    passes = topology.calibration.elementwise
-    per_byte = passes.replicated_passes / 2 if passes is not None else 1.0
-    return per_byte * pass_seconds(topology, hbm_bytes)
+    return pass_seconds(topology, hbm_bytes)
 
 
 def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
@@ -196,7 +218,7 @@ def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
     ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
     pays it per action, each a program; a traced step is one program, so only its first compute task does.
     """
-    priced = price(program, topology, dtype)
+    priced = price(program, topology, matmul_dtype(topology, dtype))
     launch = topology.calibration.compute.launch_overhead_s
     durations = list(priced.durations)
     computes = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and durations[i] > 0]

@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 from testbed.errors import InputError
 
-__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "RANGES"]
+__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "RANGES", "BF16_MATMULS"]
 
 #: Stated ranges of a topology's rates and times: far beyond any hardware on both sides, and narrow enough
 #: that no byte count or FLOP count of a plan divided by them overflows or divides by zero.
@@ -43,6 +43,10 @@ class Form(StrEnum):
     GRAPH = "graph"
 
 
+#: How a device's compiler may run bf16 matmuls and convolutions (:attr:`DeviceSpec.bf16_matmuls`).
+BF16_MATMULS = ("native", "fp32")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceSpec:
     """One accelerator: peak FLOP/s per dtype, memory bytes and memory bandwidth; optionally a power limit.
@@ -56,6 +60,12 @@ class DeviceSpec:
     ``comm_slowdown``: how much longer the device's compute takes while one of its collectives or sends runs
     beside it (communication kernels hold SMs and HBM bandwidth the compute would use): 0.189 = 18.9% longer
     for the time they overlap; 0 (the default): communication beside compute costs it nothing.
+
+    ``bf16_matmuls``: how the device's compiler runs a bf16 matmul or convolution: ``native`` (the default:
+    at the listed bf16 peak) or ``fp32`` (in fp32 between converts: XLA:CPU's compiled HLO of a bf16 dot or
+    convolution is an f32 one whose operands and result pass through convert loops). A traced program's
+    bf16 matmuls are then priced at the fp32 peak plus the converts (testbed.sim.traced); plan-driven
+    simulation keeps the listed bf16 peak, which ``calibrate`` fits to its bf16 GPT steps, converts included.
 
     ``sustained``: the fraction of the calibrated matmul rates the device's math holds over a whole training
     step (1, the default: the rates as calibrated). The GPU calibrations' caps are short measurements of one
@@ -73,9 +83,14 @@ class DeviceSpec:
     power_limit: float = 0.0
     power_curve: tuple[tuple[float, float], ...] = ()
     comm_slowdown: float = 0.0
+    bf16_matmuls: str = "native"
     sustained: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.bf16_matmuls not in BF16_MATMULS:
+            raise InputError(f"must be one of {', '.join(BF16_MATMULS)} (how the compiler runs bf16 matmuls: at "
+                             f"the bf16 peak, or in fp32 between converts as XLA:CPU does), got "
+                             f"{self.bf16_matmuls!r:.40}", field="device.bf16_matmuls")
         if not self.peak_flops:
             raise InputError("needs at least one dtype with its peak FLOP/s, e.g. {bf16: 989TFLOP/s}", field="device.flops")
         for dtype, value in self.peak_flops.items():

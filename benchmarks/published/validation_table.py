@@ -1,0 +1,238 @@
+"""Write the table of every published case into docs/validation.md, from ``published_runs.py``'s JSON.
+
+``benchmarks/published_runs.py`` prints one JSON object (categories, size bands,
+the pooled end-to-end categories, ``runtime_mechanisms``, ``fits`` and every
+case's ``results``). This script reads that object (a file, or ``-`` for
+standard input) and rewrites the generated section of docs/validation.md, the
+text between :data:`BEGIN` and :data:`END` (appended at the end of the file
+the first time). The section holds, in this order: the summary per category;
+the size bands of the collectives and of TPU ICI; the pooled end-to-end
+errors by stack, device, precision, scale and architecture; what each runtime
+mechanism moved (``runtime_mechanisms``); the fitted parameters with their
+leave-one-out errors; and one table per category of every case with its
+source, predicted, published and error, each run with the error each of its
+runtime fields added. Nothing in the section is written by hand: rerun this
+after ``published_runs.py`` whenever a number moves.
+
+    .venv/bin/python benchmarks/published_runs.py > runs.json
+    .venv/bin/python benchmarks/published/validation_table.py runs.json
+
+Bad input (a file that is not JSON, an object without ``categories`` or
+``results``, a case without its fields) exits with status 2 and a message
+naming the file and the field; the document is written atomically (a
+temporary file in its folder, then renamed), so it is never left half
+written. ``--check`` writes nothing and exits 1 when the section is out of
+date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from testbed.output import write_atomic
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "validation.md"
+BEGIN = "<!-- BEGIN GENERATED: every published case (benchmarks/published/validation_table.py) -->"
+END = "<!-- END GENERATED: every published case -->"
+#: The categories in the order the section lists them, and what each table calls its unit.
+ORDER = ("end_to_end", "runs", "collectives", "ici", "memory")
+TITLES = {"end_to_end": "Megatron-LM SC21 Table 1", "runs": "Published training runs",
+          "collectives": "NCCL collectives (nccl-tests)", "ici": "TPU ICI collectives", "memory": "ZeRO model states"}
+_CASE_FIELDS = ("case", "predicted", "published", "error")
+
+
+class TableInputError(ValueError):
+    """The JSON does not have the shape ``published_runs.py`` prints (the message names the field)."""
+
+
+def _pct(value: float | None, signed: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return f"{value * 100:+.1f}%" if signed else f"{value * 100:.1f}%"
+
+
+def _cell(text: object) -> str:
+    """Text safe inside a Markdown table cell (pipes escaped, one line)."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _summary_row(name: str, s: dict) -> tuple:
+    return (name, s.get("cases", ""), _pct(s.get("median_abs_error")), _pct(s.get("max_abs_error")))
+
+
+def validate(data: object, source: str) -> dict:
+    """``data`` if it is ``published_runs.py``'s object, else :class:`TableInputError` naming the field."""
+    def bad(field: str, valid: str) -> TableInputError:
+        return TableInputError(f"{source}: field '{field}' {valid}. The input must be the JSON object "
+                               "benchmarks/published_runs.py prints.")
+    if not isinstance(data, dict):
+        raise bad("(top level)", "is not a JSON object")
+    for key in ("categories", "results"):
+        if not isinstance(data.get(key), dict):
+            raise bad(key, "is missing or not an object of categories")
+    for name, rows in data["results"].items():
+        if not isinstance(rows, list):
+            raise bad(f"results.{name}", "is not a list of cases")
+        for i, row in enumerate(rows):
+            missing = [f for f in _CASE_FIELDS if not isinstance(row, dict) or f not in row]
+            if missing:
+                raise bad(f"results.{name}[{i}].{missing[0]}", "is missing (every case has case, predicted, "
+                          "published and error)")
+            if not isinstance(row["error"], (int, float)) or isinstance(row["error"], bool):
+                raise bad(f"results.{name}[{i}].error", "is not a number")
+        if name not in data["categories"]:
+            raise bad(f"categories.{name}", "is missing for a category that has results")
+    return data
+
+
+def _summaries(data: dict) -> list[str]:
+    out = ["#### Summary by category", ""]
+    out += _table(("category", "unit", "cases", "median abs error", "max abs error"),
+                  [(TITLES.get(n, n) + f" (`{n}`)", s.get("unit", ""), *_summary_row(n, s)[1:])
+                   for n, s in _ordered(data["categories"])])
+    for key, title in (("collective_bands", "NCCL collectives by size band"), ("ici_bands", "TPU ICI by size band")):
+        if data.get(key):
+            out += ["", f"#### {title}", ""]
+            out += _table(("band", "cases", "median abs error", "max abs error"),
+                          [_summary_row(b, s) for b, s in data[key].items()])
+    if data.get("end_to_end_all"):
+        out += ["", "#### End to end (Table 1 and the runs pooled) by category", ""]
+        rows = [_summary_row("all", data["end_to_end_all"]) + (_pct(data["end_to_end_all"].get("median_signed_error"),
+                                                                    True),)]
+        for key, groups in (data.get("end_to_end_by") or {}).items():
+            rows += [_summary_row(f"{key} {value}", s) + (_pct(s.get("median_signed_error"), True),)
+                     for value, s in groups.items()]
+        out += _table(("category", "cases", "median abs error", "max abs error", "median signed error"), rows)
+    return out
+
+
+def _mechanisms(data: dict) -> list[str]:
+    mechanisms = data.get("runtime_mechanisms") or {}
+    if not mechanisms:
+        return []
+    out = ["", "#### What each runtime mechanism moved", "",
+           "Per runtime field (and a topology's `device.power_limit`): the runs whose profile sets it, the runs it "
+           "moves by more than 0.01%, and over those the error with the field minus the error without it "
+           "(negative: the prediction became slower). Each run's own changes are in its row below.", ""]
+    out += _table(("field", "set", "moved", "median change", "least", "most"),
+                  [(f"`{f}`", m.get("set", ""), m.get("moved", ""), _pct(m.get("median_error_change"), True),
+                    _pct(m.get("min"), True), _pct(m.get("max"), True)) for f, m in sorted(mechanisms.items())])
+    return out
+
+
+def _fits(data: dict) -> list[str]:
+    fits = data.get("fits") or {}
+    rows = []
+    for name, f in sorted(fits.items()):
+        if not isinstance(f, dict):
+            continue
+        ins, loo = f.get("in_sample") or {}, f.get("leave_one_out") or {}
+        rows.append((f"`{name}`", f.get("category", ""), f.get("cases", ins.get("cases", "")),
+                     json.dumps(f.get("fitted", ""), sort_keys=True), _pct(ins.get("median_abs_error")),
+                     _pct(ins.get("max_abs_error")), _pct(loo.get("median_abs_error")), _pct(loo.get("max_abs_error"))))
+    if not rows:
+        return []
+    return ["", "#### Fitted parameters", ""] + _table(
+        ("fit", "category", "cases", "fitted", "in-sample median", "in-sample max", "left-out median", "left-out max"),
+        rows)
+
+
+def _cases(data: dict) -> list[str]:
+    out = []
+    oom = set(data.get("predicted_out_of_memory") or [])
+    for name, rows in _ordered(data["results"]):
+        unit = data["categories"][name].get("unit", "")
+        runs = any("mechanisms" in r for r in rows)
+        out += ["", f"#### {TITLES.get(name, name)} (`{name}`): every case, {unit}", ""]
+        header = ("case", "source", "predicted", "published", "error")
+        header += ("what each mechanism added",) if runs else ()
+        table = []
+        for r in rows:
+            case = r["case"] + (" (predicted out of memory)" if r["case"] in oom else "")
+            row = (case, r.get("source", ""), r["predicted"], r["published"], _pct(r["error"], True))
+            if runs:
+                row += (", ".join(f"{f} {_pct(d, True)}" for f, d in (r.get("mechanisms") or {}).items()),)
+            table.append(row)
+        out += _table(header, table)
+    return out
+
+
+def _ordered(mapping: dict) -> list[tuple]:
+    rank = {n: i for i, n in enumerate(ORDER)}
+    return sorted(mapping.items(), key=lambda kv: (rank.get(kv[0], len(ORDER)), kv[0]))
+
+
+def section(data: dict) -> str:
+    """The generated section, :data:`BEGIN` to :data:`END` (no trailing newline)."""
+    lines = [BEGIN, "", "### Every published case (generated)", "",
+             "Generated by `benchmarks/published/validation_table.py` from the JSON "
+             "`benchmarks/published_runs.py` printed; do not edit by hand. Error is predicted / published - 1 "
+             "(for ICI, predicted bandwidth over published), in percent.", ""]
+    lines += _summaries(data) + _mechanisms(data) + _fits(data) + _cases(data)
+    return "\n".join(lines + ["", END])
+
+
+def updated(document: str, data: dict, name: str = "the document") -> str:
+    """``document`` with its generated section replaced (or appended when it has none)."""
+    new = section(data)
+    start, end = document.find(BEGIN), document.find(END)
+    if start >= 0 and end > start:
+        return document[:start] + new + document[end + len(END):]
+    if start >= 0 or end >= 0:
+        raise TableInputError(f"{name}: has only one of the markers {BEGIN!r} and {END!r}: restore the "
+                              "other or delete both")
+    return document.rstrip("\n") + "\n\n" + new + "\n"
+
+
+def _read(path: str) -> dict:
+    source = "standard input" if path == "-" else path
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise TableInputError(f"{source}: cannot be read ({exc.strerror}); give the file "
+                              "benchmarks/published_runs.py's output was saved to, or - for standard input.") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TableInputError(f"{source}: not JSON (line {exc.lineno}: {exc.msg}). The input must be the JSON "
+                              "object benchmarks/published_runs.py prints.") from None
+    return validate(data, source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("json", nargs="?", default="-", help="published_runs.py's JSON (a file, or - for stdin)")
+    parser.add_argument("--doc", default=str(DOC), help="the document to update (default docs/validation.md)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the section is out of date")
+    args = parser.parse_args(argv)
+    try:
+        data = _read(args.json)
+        doc = Path(args.doc)
+        document = doc.read_text()
+        new = updated(document, data, args.doc)
+    except OSError as exc:
+        print(f"{args.doc}: the document cannot be read ({exc.strerror}); --doc must name docs/validation.md "
+              "or another existing Markdown file.", file=sys.stderr)
+        return 2
+    except TableInputError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.check:
+        return 0 if new == document else 1
+    if new != document:
+        write_atomic(doc, new, "--doc")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The collective library of CPU hosts across a network: gloo, and the algorithm it runs for each op.
+
+A JAX job of several CPU processes runs its cross-process collectives through
+XLA:CPU's gloo communicator (openxla/xla
+``xla/backends/cpu/collectives/gloo_communicator.cc``), which fixes the
+algorithm per op rather than choosing one by size or topology:
+
+- all-reduce: ``gloo::allreduce`` with ``AllreduceOptions::Algorithm::RING``
+  (``gloo/allreduce.cc``: a ring reduce-scatter then a ring all-gather over
+  the ranks in order, every rank sending to rank - 1, each rank's chunk cut
+  into two or more segments so one is on the wire while the other is
+  reduced);
+- all-gather: ``gloo::allgather``, a ring (``gloo/allgather.cc``);
+- reduce-scatter: ``ReduceScatterHalvingDoubling``.
+
+Ranks are the job's devices in order, so on a cluster of nodes a ring crosses
+each node's link once each way, whatever faster algorithm the topology would
+allow (the simulator's ``hierarchical`` moves 1.5 S over each node's link of
+a 4 x 2 cluster's all-reduce where gloo's ring moves 1.75 S). The simulator
+prices that algorithm where gloo runs (:func:`gloo_algorithm`), as it prices
+NCCL's own choice on an NVIDIA GPU hierarchy (:mod:`testbed.collectives.nccl`).
+
+Where gloo runs: a levels topology whose innermost level is ``host`` (CPU
+devices, a process's ranks talking over its loopback) under one or more
+network levels (Ethernet, InfiniBand, DCN: processes on separate nodes).
+One process on its own (``host-cpu-8``: no network level) uses XLA's
+in-process collectives instead, and the simulator picks its fastest.
+"""
+
+from __future__ import annotations
+
+from testbed.collectives.ops import Op, parse_op
+from testbed.topology import Topology
+from testbed.topology.parts import Form, LinkKind
+
+__all__ = ["GLOO_ALGORITHMS", "NETWORK_KINDS", "gloo_runs", "gloo_algorithm"]
+
+#: The algorithm gloo runs for each op, as XLA:CPU calls it (the module's docstring has the sources).
+GLOO_ALGORITHMS: dict[str, str] = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "halving_doubling"}
+#: Link kinds that are a network between nodes; all others are inside a node.
+NETWORK_KINDS = frozenset({LinkKind.ETHERNET, LinkKind.INFINIBAND, LinkKind.DCN})
+
+
+def gloo_runs(topology: Topology) -> bool:
+    """Whether a job on ``topology`` runs its collectives through gloo: CPU hosts (an innermost ``host``
+    level) joined by a network level."""
+    if topology.form is not Form.LEVELS or not topology.levels:
+        return False
+    levels = topology.levels
+    return levels[0].kind is LinkKind.HOST and any(level.kind in NETWORK_KINDS for level in levels[1:])
+
+
+def gloo_algorithm(topology: Topology, op: Op | str) -> str | None:
+    """The algorithm gloo runs for ``op`` on ``topology``, or None where gloo does not run it (another
+    library, or an op XLA:CPU does not hand to one of gloo's algorithms: all-to-all, send)."""
+    if not gloo_runs(topology):
+        return None
+    return GLOO_ALGORITHMS.get(str(parse_op(op)))

@@ -1,0 +1,108 @@
+"""The bytes of a chunk's gradients: how many buckets they reduce in, the bytes per value they are reduced in, what
+sequence parallelism's tensor-replicated parameters add, and what adding a microbatch into the accumulator streams.
+
+Rules of a plan's gradients that testbed.sim.facts works into each chunk's facts, and that the task graph
+(testbed.sim.program, testbed.sim.grad_tasks) and the analytic tier (testbed.explore.analytic) read as they are:
+one place for each, so the two tiers move the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from testbed.model.layout import Part, chunk_params
+from testbed.model.leaves import NORM_PARTS, norm_elements
+from testbed.plan.sharding import state_sharding
+from testbed.plan.spec import Plan
+
+__all__ = ["BUCKETS", "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "reduce_bytes", "reduced_bytes",
+           "sequence_replicated", "sequence_apart", "sequence_reduced", "gradient_buckets", "accumulate_bytes"]
+
+#: Most gradient buckets per chunk (split of the chunk's last backward action).
+BUCKETS = 4
+#: Memory passes of adding one microbatch's gradients into the step's accumulator: read both, write one (an
+#: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
+ACCUMULATE_PASSES = 3
+#: Bytes per parameter of ``runtime.grad_accumulate_fp32``'s two kernels a microbatch: the fp32 copy of the
+#: compute-dtype gradient (read 2, write 4) and its add into the fp32 accumulator (read 4 + 4, write 4).
+FP32_ACCUMULATE_BYTES = 2 + 4 + 4 + 4 + 4
+
+
+def reduce_bytes(plan: Plan, grad_bytes: float) -> float:
+    """Bytes per gradient value as they are reduced (``runtime.grad_reduce_dtype``: their own, or fp32's 4)."""
+    return 4.0 if plan.runtime.grad_reduce_dtype == "fp32" else float(grad_bytes)
+
+
+def reduced_bytes(plan: Plan, s: int, c: int, moved: int, reduce_b: float, which: str) -> float:
+    """Bytes one reduction of chunk ``c``'s gradients moves on a device (``moved`` elements sharded as ``which``):
+    ``reduce_b`` per value, but where the partitioner sums replicated gradients (nothing shards them) the norms'
+    parameters' reduce in fp32 (testbed.model.leaves.NORM_PARTS: JAX sums bf16 in fp32 and the partitioner
+    reduces the fp32 partial sums), 4 bytes each. Sharded gradients are reduce-scattered by the runner's own
+    ``psum_scatter`` of the bf16 gradient (testbed.runner.param_shards, testbed.runner.replicas)."""
+    if reduce_b >= 4.0 or state_sharding(plan).split_axes(plan, "grads"):
+        return moved * reduce_b
+    return moved * reduce_b + norm_elements(plan, s, c, which) * (4.0 - reduce_b)
+
+
+def sequence_replicated(plan: Plan) -> bool:
+    """Whether sequence parallelism's tensor-replicated parameters (norms, row-parallel biases) sum their
+    gradients over tensor too: each tensor rank computes on its sequence shard, so their gradients are partial
+    sums over tensor as well as over the batch axes (Megatron-LM all-reduces them over the tensor group; the
+    runner's partitioner reduces them over data and tensor in one all-reduce). Counted where nothing shards the
+    optimizer state (the case checked against the traced step; under fsdp/ZeRO the plan keeps the dense rule)."""
+    return plan.sequence_parallel and plan.mesh.tensor > 1 and not state_sharding(plan).split_axes(plan, "optimizer")
+
+
+def sequence_apart(plan: Plan) -> bool:
+    """Whether, with the parameters sharded (fsdp, ZeRO-3) under sequence parallelism, the tensor-replicated
+    parameters' gradients are all-reduced whole over tensor on their own before their reduce-scatter with the rest:
+    testbed.runner.param_shards reduce-scatters each gathered leaf's gradient over the batch axes in its map, and
+    the partitioner sums the tensor ranks' partial sums first (the norms' in fp32). The traced runner step moves
+    exactly these bytes (tests/test_program_vs_plan.py)."""
+    return plan.sequence_parallel and plan.mesh.tensor > 1 and bool(state_sharding(plan).split_axes(plan, "params"))
+
+
+def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float, float]:
+    """(bytes of chunk ``c``'s tensor-replicated parameters' gradients, reduced over tensor too; bytes the position
+    table's reduction saves) under :func:`sequence_replicated` or :func:`sequence_apart`, else zeros (nothing
+    saved under the latter). The norms' at 4 bytes each
+    (:func:`reduced_bytes`). The learned position table's gradient is reduced as each tensor rank's 1/t shard of
+    the positions (the runner adds positions to its sequence shard), then gathered over tensor
+    (testbed.model.costs.ChunkCost.position_gather_bytes)."""
+    apart = sequence_apart(plan)
+    if not apart and not sequence_replicated(plan):
+        return 0.0, 0.0
+    t, replicated, saved = plan.mesh.tensor, 0.0, 0.0
+    held = chunk_params(plan.model, s, c, plan.mesh.stage, plan.schedule.virtual_stages, stage_layers=plan.stage_layers)
+    for q, copies in held:
+        if q.part is Part.EMBEDDING:
+            positions = q.path == ("positions",) and not apart
+            saved += copies * q.device_elements(t, 1, 1) * reduce_b * (1 - 1 / t) if positions else 0
+        elif q.tensor_dim is None and not q.is_expert:
+            replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS else reduce_b)
+    return replicated, saved
+
+
+def gradient_buckets(plan: Plan, layers: int, grad_bytes: float) -> int:
+    """Gradient buckets of a chunk of ``layers`` layers whose gradients on a device are ``grad_bytes``: the
+    runner's one per layer, at most :data:`BUCKETS`; with ``runtime.grad_bucket_bytes`` as many as that size
+    makes, at least one and at most one per layer (the backward is split no finer than a layer)."""
+    size = plan.runtime.grad_bucket_bytes
+    if not size:
+        return min(BUCKETS, max(1, layers))
+    return max(1, min(max(1, layers), math.ceil(grad_bytes / size)))
+
+
+def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
+    """HBM bytes one device streams adding one microbatch's gradients of ``params`` into the accumulator.
+
+    Every microbatch adds into an accumulator that starts at zero; a step of one microbatch keeps its
+    gradients as they are (0). Sharded accumulation (each microbatch's gradients reduce-scattered first,
+    testbed.plan.sharding.gradient_reduction) adds into the device's shard. ``runtime.grad_accumulate_fp32``:
+    a cast to fp32 and an fp32 add every microbatch (:data:`FP32_ACCUMULATE_BYTES`).
+    """
+    if plan.runtime.grad_accumulate_fp32 and plan.precision.mixed:  # every microbatch, the first too
+        return FP32_ACCUMULATE_BYTES * params / state_sharding(plan).ways(plan, "grads")
+    if plan.batch.microbatches <= 1:
+        return 0.0
+    return ACCUMULATE_PASSES * params * grad_bytes / state_sharding(plan).ways(plan, "grads")
