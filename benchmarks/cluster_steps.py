@@ -10,13 +10,14 @@ links and again on the same links unshaped (the host's part), ``--rounds``
 times over in one job (:mod:`testbed.runner.link_phases`: the same processes
 and compiled program, shaped and unshaped interleaved), and predicts
 the shaped step as the host's part plus what the links add
-(:mod:`testbed.cluster.step`), read three ways: the simulator's plan step on
-the calibrated topology less its step unshaped (``predicted_s``, what
-``testbed validate --cluster`` reports), and the collective calls the plan's
-compiled step makes (:func:`testbed.runner.on_cluster.program_calls`: XLA:CPU
-calls gloo once per buffer, 30 calls a step for ``dp8-small``'s gradients, 13
-for ``tp8-small``) priced one by one, added (``by_call_added_s``) or with each
-call's host part hidden under its wire (``by_call_overlapped_s``). Per plan it also
+(:mod:`testbed.cluster.step`): the collective calls the plan's compiled step
+makes (:func:`testbed.runner.on_cluster.program_calls`: XLA:CPU calls gloo
+once per buffer, 30 calls a step for ``dp8-small``'s gradients, 13 for
+``tp8-small``) priced one by one with each call's host part hidden under its
+wire (``predicted_s`` = ``by_call_overlapped_s``, what ``testbed validate
+--cluster`` reports); beside it the same calls added (``by_call_added_s``)
+and the simulator's plan step on the calibrated topology less its step
+unshaped (``by_plan_added_s``, the prediction until steps run 10). Per plan it also
 compares the slowest rate's step with the fastest's (measured and predicted
 ratio). The 1-minute load average is recorded beside every measurement.
 
@@ -91,11 +92,13 @@ def predictions(doc: dict) -> list[dict]:
         for name, timed in run["steps"].items():
             plan = load_plan(str(PLAN_DIR / Path(name).name))
             calls = step_calls(programs[Path(name).name])
-            prediction = predict_step(plan, calibrated, timed["unshaped"]["median_step_s"])
+            prediction = predict_step(plan, calibrated, timed["unshaped"]["median_step_s"], calls)
             measured = timed["shaped"]["median_step_s"]
-            # The headline (predicted_s) is validate --cluster's; beside it the program's calls, added or overlapped.
-            others = {"by_call_added": prediction.host_step_s + calls_links(calls, calibrated),
-                      "by_call_overlapped": prediction.host_step_s + calls_links(calls, calibrated, overlap=True)}
+            # The headline (predicted_s: the calls overlapped) is validate --cluster's; beside it the plan's links
+            # and the program's calls, added.
+            others = {"by_plan_added": prediction.host_step_s + prediction.plan_links_s,
+                      "by_call_added": prediction.host_step_s + calls_links(calls, calibrated),
+                      "by_call_overlapped": prediction.predicted_s}
             rows.append({"rate_mbps": run["rate_mbps"], "plan": plan.name, "measured_s": measured,
                          **prediction.to_dict(), "error": prediction.predicted_s / measured - 1,
                          "calls": len(calls), **{f"{k}_s": v for k, v in others.items()},
@@ -117,12 +120,13 @@ def ratios(rows: list[dict]) -> list[dict]:
                     "measured_ratio": measured, "predicted_ratio": predicted, "error": predicted / measured - 1,
                     "simulator_alone_ratio": slow["simulated_s"] / fast["simulated_s"],
                     **{f"{k}_error": slow[f"{k}_s"] / fast[f"{k}_s"] / measured - 1
-                       for k in ("by_call_added", "by_call_overlapped")}})
+                       for k in ("by_plan_added", "by_call_added", "by_call_overlapped")}})
     return out
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Step time against link rate per plan: measured (markers), predicted (line), the simulator alone (dashed)."""
+    """Step time against link rate per plan: measured (markers), predicted (line: the calls overlapped), the plan's
+    links added (dashed), the simulator alone (dotted)."""
     from testbed.viz.plots import pyplot, save_figure
 
     plt = pyplot()
@@ -132,6 +136,8 @@ def plot(rows: list[dict], path: str) -> None:
         rates = [r["rate_mbps"] for r in mine]
         ax.plot(rates, [r["measured_s"] for r in mine], "o", color=f"C{i}", label=f"{plan} measured")
         ax.plot(rates, [r["predicted_s"] for r in mine], "-", color=f"C{i}", label=f"{plan} predicted")
+        ax.plot(rates, [r["by_plan_added_s"] for r in mine], "--", color=f"C{i}", alpha=0.6,
+                label=f"{plan} host + plan links (added)")
         ax.plot(rates, [r["simulated_s"] for r in mine], ":", color=f"C{i}", label=f"{plan} simulator alone")
     ax.set_xscale("log")
     ax.set_yscale("log")

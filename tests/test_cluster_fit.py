@@ -9,7 +9,7 @@ import pytest
 from testbed.cli.main import main
 from testbed.cluster import cluster_spec
 from testbed.cluster.fit import (FIT_MIN_BYTES, HostCosts, HostProbe, costs_at_rate, emulated, fit_host_costs,
-                                 link_goodput, predict, row_errors)
+                                 link_goodput, predict, price_rows, row_errors)
 from testbed.cluster.step import StepCall, calls_links, predict_step, unshaped
 from testbed.errors import InputError
 from testbed.plan.io import load_plan
@@ -48,6 +48,32 @@ def test_the_fit_ignores_calls_under_64KiB():
     assert fit_host_costs(spec, PROBE, noisy).link_efficiency == pytest.approx(0.9, abs=0.006)
     with pytest.raises(InputError, match="64|65536"):
         fit_host_costs(spec, PROBE, [r for r in rows if r["bytes"] < FIT_MIN_BYTES])
+
+
+def test_the_hidden_form_prices_each_round_as_the_longer_of_host_and_wire():
+    spec = _spec()
+    costs = HostCosts(call_s=3e-3, overhead_s=4e-4, link_efficiency=0.9, goodput=link_goodput(spec))
+    rows = [{"op": op, "bytes": size, "measured_s": 1.0} for op in ("all_reduce", "all_gather") for size in SIZES]
+    added = price_rows(spec, PROBE, costs, rows)
+    hidden = price_rows(spec, PROBE, costs, rows, form="hidden")
+    assert added == [predict(emulated(spec, PROBE, costs), r["op"], r["bytes"]) for r in rows]
+    wire = price_rows(spec, PROBE, HostCosts(call_s=0.0, overhead_s=0.0, link_efficiency=0.9,
+                                             goodput=costs.goodput), rows)
+    rounds = {"all_reduce": 14, "all_gather": 7}  # gloo's ring over 8 ranks
+    for row, a, h, w in zip(rows, added, hidden, wire):
+        n = rounds[row["op"]]
+        assert a == pytest.approx(costs.call_s + w + n * costs.overhead_s)
+        assert h == pytest.approx(costs.call_s + n * max(costs.overhead_s, w / n))
+        assert h < a
+    # A 4 KiB round's wire is under the round's cost, a 16 MiB round's far over it.
+    assert hidden[0] == pytest.approx(costs.call_s + 14 * 4e-4)
+    assert hidden[4] == pytest.approx(costs.call_s + wire[4])
+    truth = [{**r, "measured_s": h} for r, h in zip(rows, hidden)]
+    fitted = fit_host_costs(spec, PROBE, truth, form="hidden", min_bytes=4096)
+    assert (fitted.call_s, fitted.overhead_s, fitted.link_efficiency) == pytest.approx((3e-3, 4e-4, 0.9), abs=6e-3)
+    assert fitted.overhead_s == pytest.approx(4e-4, abs=4e-5)
+    with pytest.raises(InputError, match="form"):
+        price_rows(spec, PROBE, costs, rows, form="overlapped")
 
 
 def test_costs_carried_to_another_rate():
@@ -92,6 +118,15 @@ def test_a_step_is_the_host_part_plus_what_the_links_add():
     assert step.links_s > 0
     fast = predict_step(plan, emulated(_spec(100.0), PROBE, costs), host_step_s=0.5)
     assert 0 < fast.links_s < step.links_s  # 10x faster links add less
+    # The prediction: the compiled step's calls, each call's host part hidden under its wire.
+    calls = [StepCall(op="all_reduce", nbytes=2**20, groups=(tuple(range(8)),))] * 3
+    by_calls = predict_step(plan, topology, host_step_s=0.5, calls=calls)
+    assert by_calls.links_s == pytest.approx(calls_links(calls, topology, overlap=True))
+    assert by_calls.links_s > 0
+    assert by_calls.predicted_s == pytest.approx(0.5 + by_calls.links_s)
+    assert by_calls.links_s < calls_links(calls, topology)  # hidden, not added
+    assert by_calls.plan_links_s == pytest.approx(step.links_s)
+    assert (by_calls.to_dict()["links_from"], step.to_dict()["links_from"]) == ("calls overlapped", "plan")
 
 
 def test_cheap_sizes_are_timed_more_often():

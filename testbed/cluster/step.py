@@ -9,27 +9,33 @@ not modelled: ``host_step_s`` is the plan's step timed on the same cluster,
 the same processes and program, with the links unshaped
 (:func:`testbed.cluster.netns.reshape` to 10 Gb/s, where the host's TCP, not
 tbf, sets the pace). A step on the shaped links is then predicted as
-
-    host_step_s + simulated(calibrated topology) - simulated(unshaped topology)
-
-where both simulations use the cluster's calibrated topology
-(``testbed calibrate --cluster``): gloo's per-call and per-round costs and the
-compute are priced the same way in both, so they cancel, and what remains is
-the simulator's price of the shaped links over the unshaped ones (the
-unshaped topology's network levels run at the node level's bandwidth, the
-loopback TCP measured by the probe). ``host_step_s`` is one stated
+``host_step_s`` plus what the links add, priced on the cluster's calibrated
+topology (``testbed calibrate --cluster``). ``host_step_s`` is one stated
 quantity per plan and host, measured beside the shaped step, never fitted
 to it.
 
-What the links add can also be priced from the program rather than the plan:
-the collective calls the compiled step makes (:class:`StepCall`, one per
-buffer of each collective instruction, as XLA:CPU calls gloo), each priced on
-the calibrated topology and on it unshaped (:func:`calls_links`), either
-added or with the call's host part hidden under its wire (``max(host,
-wire)`` per call): a step's many small calls (one per gradient leaf) cost the
-host the same whatever the links, and on slow links that cost overlaps the
-transfer instead of adding to it. ``benchmarks/cluster_steps.py`` reports the
-three readings beside each measured step.
+What the links add is priced from the program (the prediction, when the
+compiled step's calls are given): the collective calls the compiled step
+makes (:class:`StepCall`, one per buffer of each collective instruction, as
+XLA:CPU calls gloo), each priced with gloo's algorithm on the calibrated
+topology (``T``) and on it unshaped (``U``, the call's host part: its per-call
+and per-round costs; the loopback wire is next to nothing), **with the call's
+host part hidden under its wire**: a call takes ``max(U, T - U)``, so the
+links add ``max(0, T - 2U)`` (:func:`calls_links`). The sources of the
+overlap: XLA:CPU's ``ThunkExecutor`` runs independent thunks concurrently
+(the XLA:CPU runtime's README in openxla/xla), so a call's dispatch and
+rendezvous overlap the compute and calls around it, and gloo keeps one segment
+of its ring on the wire while it reduces the other (``gloo/allreduce.cc``).
+On the five one-job step runs (``benchmarks/cluster_steps.py``, steps 6-10,
+load 3-28) this reading has the lower median and the lower largest step error
+in every run; the quiet run (steps 10) is within 12% at every point, both
+slow/fast ratios within 9% (docs/cluster.md).
+
+Without the calls (or for comparison) the links are the simulator's plan
+step on the calibrated topology less its step unshaped, host costs added
+(``plan_links_s``: per-call and per-round costs cancel between the two);
+``benchmarks/cluster_steps.py`` reports it and the calls added beside the
+prediction.
 """
 
 from __future__ import annotations
@@ -59,33 +65,47 @@ def unshaped(topology: Topology) -> Topology:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPrediction:
-    """A step's predicted time on the cluster and its parts (seconds)."""
+    """A step's predicted time on the cluster and its parts (seconds). ``calls_links_s``: what the links add priced
+    from the compiled step's calls, host hidden under the wire (:func:`calls_links`); None: from the plan."""
 
     host_step_s: float
     simulated_s: float
     simulated_unshaped_s: float
+    calls_links_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("host_step_s", "simulated_s", "simulated_unshaped_s"):
             if not 0 <= getattr(self, name) < 1e6:
                 raise InputError(f"must be a time in [0, 1e6) s, got {getattr(self, name)}", field=name)
+        if self.calls_links_s is not None and not 0 <= self.calls_links_s < 1e6:
+            raise InputError(f"must be a time in [0, 1e6) s, got {self.calls_links_s}", field="calls_links_s")
+
+    @property
+    def plan_links_s(self) -> float:
+        """What the shaped links add over unshaped ones, as the simulator prices the plan's step."""
+        return self.simulated_s - self.simulated_unshaped_s
 
     @property
     def links_s(self) -> float:
-        """What the shaped links add over unshaped ones, as the simulator prices it."""
-        return self.simulated_s - self.simulated_unshaped_s
+        """What the shaped links add: from the program's calls when given, else from the plan."""
+        return self.plan_links_s if self.calls_links_s is None else self.calls_links_s
 
     @property
     def predicted_s(self) -> float:
         return self.host_step_s + self.links_s
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float | str]:
         return {"predicted_s": self.predicted_s, "host_step_s": self.host_step_s, "links_s": self.links_s,
-                "simulated_s": self.simulated_s, "simulated_unshaped_s": self.simulated_unshaped_s}
+                "links_from": "plan" if self.calls_links_s is None else "calls overlapped",
+                "plan_links_s": self.plan_links_s, "simulated_s": self.simulated_s,
+                "simulated_unshaped_s": self.simulated_unshaped_s}
 
 
-def predict_step(plan: Plan, topology: Topology, host_step_s: float) -> StepPrediction:
-    """The step of ``plan`` on the cluster ``topology`` describes, given its measured unshaped step."""
+def predict_step(plan: Plan, topology: Topology, host_step_s: float,
+                 calls: Sequence["StepCall"] | None = None) -> StepPrediction:
+    """The step of ``plan`` on the cluster ``topology`` describes, given its measured unshaped step and (the
+    prediction) the compiled step's collective ``calls``, whose links are priced with the host hidden under the
+    wire; without ``calls`` the links are the plan's, host costs added."""
     from testbed.sim import simulate
 
     if not any(level.kind in NETWORK_KINDS for level in topology.levels):
@@ -93,7 +113,9 @@ def predict_step(plan: Plan, topology: Topology, host_step_s: float) -> StepPred
                          "wrote for the cluster", field="topology")
     shaped = simulate(plan, topology).report.step_time_s
     loose = simulate(plan, unshaped(topology)).report.step_time_s
-    return StepPrediction(host_step_s=host_step_s, simulated_s=shaped, simulated_unshaped_s=loose)
+    links = None if calls is None else calls_links(calls, topology, overlap=True)
+    return StepPrediction(host_step_s=host_step_s, simulated_s=shaped, simulated_unshaped_s=loose,
+                          calls_links_s=links)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
