@@ -124,7 +124,7 @@ def test_bf16_state_drops_the_master_and_keeps_bf16_moments() -> None:
     mine, theirs = memory_breakdown(bf16, H100), memory_breakdown(fp32, H100)
     assert (mine.params, mine.grads) == (theirs.params, theirs.grads)
     assert 3 * mine.optimizer == theirs.optimizer == 12 * costs.device_stage_params(bf16, 0, 8)
-    assert state_bytes_per_param(_plan({"fsdp": 8}, {"state_dtype": "bf16"}, precision="fp32")) == (4, 4, 8)
+    assert state_bytes_per_param(_plan({"fsdp": 8}, {"state_dtype": "bf16"}, precision="fp32", batch=8)) == (4, 4, 8)
     for bad in ("fp16", True, 2):
         with pytest.raises(InputError):
             runtime_from_dict({"profile": "xla", "state_dtype": bad})
