@@ -1,6 +1,7 @@
 """Stack mechanisms that change where model state and kept activations live (issue 35): torchtitan's FSDP over
-the context ranks (``runtime.shard_context``), MaxText's host-offloaded activations (``runtime.offload_activations``)
-and Megatron-Bridge's fp8 parameters (``runtime.fp8_params``); and the published runs they bring within memory."""
+the context ranks (``runtime.shard_context``), MaxText's host-offloaded activations (``runtime.offload_activations``),
+Megatron-Bridge's fp8 parameters (``runtime.fp8_params``), MaxText's bf16 weights and optimizer state
+(``runtime.state_dtype``); and the published runs they bring within memory."""
 
 from __future__ import annotations
 
@@ -109,3 +110,24 @@ def test_vocab_tiling_keeps_no_logits_and_one_tiles_loss_buffers() -> None:
     for bad in (0, True, 2.5):
         with pytest.raises(InputError):
             runtime_from_dict({"profile": "xla", "vocab_tiles": bad})
+
+
+def test_bf16_state_drops_the_master_and_keeps_bf16_moments() -> None:
+    """MaxText's ``weight_dtype: bfloat16``: the bf16 weights are the ones updated, Adam's two moments bf16
+    (2 + 2 + 2 x 2 bytes a parameter instead of 2 + 2 + 4 + 2 x 4); parameters and gradients unchanged; no effect
+    under fp32; only the published cases whose configs state it set it."""
+    from testbed.errors import InputError
+
+    bf16 = _plan({"fsdp": 8}, {"profile": "xla", "state_dtype": "bf16"}, batch=8)
+    fp32 = replace(bf16, runtime=replace(bf16.runtime, state_dtype="fp32"))
+    assert state_bytes_per_param(bf16) == (2, 2, 4) and state_bytes_per_param(fp32) == (2, 2, 12)
+    mine, theirs = memory_breakdown(bf16, H100), memory_breakdown(fp32, H100)
+    assert (mine.params, mine.grads) == (theirs.params, theirs.grads)
+    assert 3 * mine.optimizer == theirs.optimizer == 12 * costs.device_stage_params(bf16, 0, 8)
+    assert state_bytes_per_param(_plan({"fsdp": 8}, {"state_dtype": "bf16"}, precision="fp32", batch=8)) == (4, 4, 8)
+    for bad in ("fp16", True, 2):
+        with pytest.raises(InputError):
+            runtime_from_dict({"profile": "xla", "state_dtype": bad})
+    cases, _ = runs.load_cases()
+    stated = {c["name"] for c in cases if runs.case_plan(c).runtime.state_dtype == "bf16"}
+    assert stated == {"maxtext-llama31-70b-v6e-32chip", "maxtext-mixtral-8x22b-v6e-256chip"}

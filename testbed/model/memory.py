@@ -42,7 +42,8 @@ them over it as over fsdp (testbed.plan.sharding).
 
 ``runtime.offload_activations``: the layers' kept sets live in host memory, two of them on the device in transit
 (:func:`testbed.model.kept.device_layer_sets`). ``runtime.fp8_params`` under fp8-mixed: fp8 parameters and their
-transposes (1 + 1 bytes) instead of bf16 parameters and per-step fp8 copies (2 + 2).
+transposes (1 + 1 bytes) instead of bf16 parameters and per-step fp8 copies (2 + 2). ``runtime.state_dtype`` bf16
+under mixed precision: no fp32 master and bf16 moments (2 + 2 + 2 x moments bytes a parameter).
 
 ``runtime.framework`` decides the terms only XLA's buffer assignment keeps (``testbed.model.kept``: tensor-
 parallel backward buffers, the residual summands under full remat) and how a microbatch's gradients live:
@@ -75,6 +76,8 @@ __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_micro
 def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter before sharding."""
     moments = plan.optimizer.moments
+    if plan.precision.mixed and plan.runtime.state_dtype == "bf16":  # bf16 weights updated in place, bf16 moments
+        return 2, 2, 2 * moments
     if plan.precision.mixed:  # bf16-mixed and fp8-mixed (fp8 GEMM inputs are transient casts)
         return 2, 2, 4 + 4 * moments
     return 4, 4, 4 * moments

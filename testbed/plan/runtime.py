@@ -22,9 +22,10 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
+from testbed.plan.runtime_sources import SOURCES
 
 __all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "MOE_DISPATCH", "ATTENTION_KERNELS",
-           "FP8_SCALINGS", "FRAMEWORKS", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+           "FP8_SCALINGS", "FRAMEWORKS", "STATE_DTYPES", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,6 +168,16 @@ class RuntimeSpec:
     #: whole ``[tokens, vocab]`` logits kept from the forward (1). Memory only (the backward's recompute of the
     #: logits, one more head forward, is not priced).
     vocab_tiles: int = 1
+    #: Under mixed precision, the dtype of the trained weights and the optimizer's moments (:data:`STATE_DTYPES`):
+    #: ``fp32``, an fp32 master copy and fp32 moments beside the bf16 parameters and gradients (the runner's,
+    #: testbed.runner.precision; MaxText's default ``weight_dtype: float32``, whose fp32 weights are the master);
+    #: ``bf16``, the bf16 weights are the ones the optimizer updates, with no master copy, and the moments are bf16
+    #: too (MaxText's ``weight_dtype: bfloat16``: its base.yml ``mu_dtype: ""`` "inherits from weight_dtype if
+    #: unset" (pyconfig.py ``set_mu_dtype``), optimizers.py passes it to ``optax.adamw``, and optax's
+    #: ``scale_by_adam`` creates ``nu`` as ``zeros_like(params)``): 2 + 2 + 2 x moments bytes a parameter instead of
+    #: 2 + 2 + 4 + 4 x moments. Memory only (testbed.model.memory; the optimizer update's bytes are priced as fp32
+    #: state's); no effect under fp32.
+    state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -199,6 +210,9 @@ class RuntimeSpec:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise InputError(f"unknown attention_kernel `{self.attention_kernel!s:.40}`; valid: "
                              f"{', '.join(ATTENTION_KERNELS)}", field="runtime.attention_kernel")
+        if self.state_dtype not in STATE_DTYPES:
+            raise InputError(f"unknown state_dtype `{self.state_dtype!s:.40}`; valid: {', '.join(STATE_DTYPES)}",
+                             field="runtime.state_dtype")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
                              field="runtime.fp8_scaling")
@@ -221,6 +235,8 @@ MOE_DISPATCH = ("gather", "einsum")
 ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash")
 #: Values of :attr:`RuntimeSpec.fp8_scaling`.
 FP8_SCALINGS = ("delayed", "current")
+#: Values of :attr:`RuntimeSpec.state_dtype`.
+STATE_DTYPES = ("fp32", "bf16")
 
 
 #: Field values of each named profile that differ from the runner's defaults: ``{profile: {field: value}}``.
@@ -246,197 +262,6 @@ PROFILES: dict[str, dict[str, Any]] = {
     # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
     # (fp32 gradient reduce-scatter) are stated (see SOURCES).
     "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32", "context_all_gather": True},
-}
-
-_MEGATRON_BLOCK = ("Megatron-LM megatron/core/transformer/transformer_block.py `_checkpointed_forward`: "
-                   "--recompute-granularity full checkpoints whole TransformerLayers (tensor_parallel.checkpoint), "
-                   "so the backward reruns each layer's whole forward with its tensor-parallel collectives")
-_MEGATRON_BUCKET = ("Megatron-LM megatron/core/distributed/distributed_data_parallel.py: bucket_size defaults to "
-                    "max(40000000, 1000000 * dp_size) parameters; bf16 training reduces fp32 main grads "
-                    "(arguments.py forces accumulate_allreduce_grads_in_fp32 for --bf16): 40e6 x 4 bytes")
-_TE_CUDNN = ("Transformer Engine transformer_engine/pytorch/attention.py (TE 1.x; "
-             "attention/dot_product_attention/utils.py in 2.x) `get_attention_backend`: with both FlashAttention "
-             "and FusedAttention (cuDNN, F16_arbitrary_seqlen) available on compute capability >= 9.0, 'Disabling FlashAttention to give FusedAttention preference on "
-             "Hopper+ for performance reasons'; Megatron-Core's TEDotProductAttention runs it (--attention-backend "
-             "auto). On Ampere TE runs flash-attn 2, for which testbed has no A100 figure (priced as the runner's)")
-_FSDP_OVERLAP = ("torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook` (FSDP1) and FSDP2's "
-                 "post-backward: each unit's gradients are reduce-scattered (and all-reduced over HSDP replicas) "
-                 "as soon as its backward is done, while earlier units' backward runs")
-
-_TE_FP8_INPUTS = ("Transformer Engine transformer_engine/pytorch/module/linear.py `_Linear.forward` (and "
-                  "layernorm_linear.py, layernorm_mlp.py): under fp8_autocast the GEMM input is cast to fp8 (the fused "
-                  "norm writes its output in fp8) and that fp8 tensor is what save_for_backward keeps for the wgrad "
-                  "GEMM; Megatron-Core's TransformerLayer is built of these TE modules (transformer_impl "
-                  "'transformer_engine', the default of its GPT layer specs)")
-
-_PYTORCH = "{} is a PyTorch program: autograd's saved tensors and the caching allocator decide what lives"
-
-#: ``{(profile, field): "where the value comes from"}`` (a file and line of the stack, or its docs).
-SOURCES: dict[tuple[str, str], str] = {
-    ("megatron", "recompute"): _MEGATRON_BLOCK,
-    ("megatron", "grad_bucket_bytes"): _MEGATRON_BUCKET,
-    ("megatron", "grad_reduce_dtype"): (
-        "Megatron-LM megatron/training/arguments.py validate_args: with --bf16, "
-        "accumulate_allreduce_grads_in_fp32 is set (\"bfloat16 requires gradient accumulation and all-reduce to be "
-        "performed in fp32\"); DDP reduces the fp32 main_grad buffers"),
-    ("megatron", "pipeline_scatter_gather"): (
-        "Megatron-LM megatron/training/arguments.py: --no-scatter-gather-tensors-in-pipeline (dest "
-        "scatter_gather_tensors_in_pipeline) defaults to True; p2p_communication.py sends "
-        "split_tensor_into_1d_equal_chunks of the tensor and gather_split_1d_tensor rebuilds it on the receiver"),
-    ("nemo", "recompute"): _MEGATRON_BLOCK + " (Megatron-Bridge runs Megatron-Core's TransformerBlock)",
-    ("nemo", "grad_bucket_bytes"): _MEGATRON_BUCKET + " (Megatron-Bridge's DistributedDataParallelConfig)",
-    ("nemo", "tp_comm_overlap"): (
-        "Megatron-Bridge scripts/performance/configs/llama/llama3_llm_pretrain.py: "
-        "llama3_70b_pretrain_config_h100 sets comm_overlap.tp_comm_overlap_cfg = "
-        "userbuffers_{bf16,fp8}_h100_h8192_tp4_mbs1_seqlen8192 (TE userbuffers: TP all-gather/reduce-scatter "
-        "overlapped with the GEMMs); the 8B configs set tp_comm_overlap when tensor parallel > 1"),
-    ("nemo", "grad_reduce_overlap"): (
-        "Megatron-Bridge src/megatron/bridge/recipes/llama/llama3.py: the recipes' "
-        "DistributedDataParallelConfig(overlap_grad_reduce=True, overlap_param_gather=True, "
-        "use_distributed_optimizer=True)"),
-    ("deepspeed", "recompute"): (
-        "DeepSpeed deepspeed/runtime/activation_checkpointing/checkpointing.py `checkpoint`: Megatron-DeepSpeed "
-        "checkpoints whole transformer layers (--checkpoint-activations, checkpoint_num_layers 1)"),
-    ("deepspeed", "grad_bucket_bytes"): (
-        "DeepSpeed deepspeed/runtime/zero/config.py: reduce_bucket_size default 5e8 elements (2 bytes each in "
-        "bf16/fp16); overlap_comm defaults to False for ZeRO stages 1-2 (ZERO_OPTIMIZATION_OVERLAP_COMM_DEFAULT)"),
-    ("fsdp", "recompute"): (
-        "torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py: FSDP's activation checkpointing "
-        "wraps each block (apply_activation_checkpointing with a block check_fn), rerunning its whole forward"),
-    ("fsdp", "grad_reduce_overlap"): _FSDP_OVERLAP,
-    ("torchtitan", "recompute"): (
-        "torchtitan torchtitan/models/llama3/train_configs/llama3_8b.toml: activation_checkpoint mode "
-        "'selective', selective_ac_option 'op'; torchtitan/distributed/activation_checkpoint.py "
-        "`_get_custom_policy`: saves the outputs of SDPA and collectives and of every other mm "
-        "('Only save every other mm'), recomputing the rest of the block; 'full' is checkpoint_wrapper per block"),
-    ("torchtitan", "grad_reduce_overlap"): _FSDP_OVERLAP + " (torchtitan uses FSDP2, fully_shard per block)",
-    ("torchtitan", "grad_reduce_dtype"): (
-        "torchtitan torchtitan/config/job_config.py: training.mixed_precision_reduce = 'float32' (FSDP2's "
-        "MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32))"),
-    ("llm-foundry", "recompute"): (
-        "llm-foundry llmfoundry/models/mpt/modeling_mpt.py `activation_checkpointing_fn` (True for MPTBlock): "
-        "Composer's FSDP wraps each block in checkpoint_wrapper, rerunning its whole forward"),
-    ("llm-foundry", "grad_reduce_overlap"): _FSDP_OVERLAP + " (Composer runs PyTorch FSDP FULL_SHARD)",
-    ("llm-foundry", "grad_reduce_dtype"): (
-        "Composer composer/distributed/mosaic_parallelism.py `get_mixed_precision`: mixed_precision 'DEFAULT' "
-        "(the MPT yamls' fsdp_config) is MixedPrecision(param_dtype=autocast dtype, reduce_dtype=torch.float32)"),
-    ("megatron", "fp8_saved_inputs"): _TE_FP8_INPUTS,
-    ("nemo", "fp8_saved_inputs"): _TE_FP8_INPUTS + " (Megatron-Bridge runs Megatron-Core with TE)",
-    ("megatron", "framework"): _PYTORCH.format("Megatron-LM (github.com/NVIDIA/Megatron-LM)"),
-    ("nemo", "framework"): _PYTORCH.format("Megatron-Bridge (Megatron-Core on PyTorch)"),
-    ("deepspeed", "framework"): _PYTORCH.format("DeepSpeed (github.com/deepspeedai/DeepSpeed)"),
-    ("fsdp", "framework"): _PYTORCH.format("torch.distributed.fsdp"),
-    ("torchtitan", "framework"): _PYTORCH.format("torchtitan (github.com/pytorch/torchtitan)"),
-    ("llm-foundry", "framework"): _PYTORCH.format("llm-foundry (Composer on PyTorch)"),
-    ("xla", "scan_layers"): (
-        "MaxText MaxText/configs/base.yml: scan_layers: True (the decoder's layers run as one nn.scan over stacked "
-        "parameters; its runs log 'Config param scan_layers: True')"),
-    ("meta", "framework"): _PYTORCH.format(
-        "Meta's Llama 3 stack (Llama Team 2024, arXiv:2407.21783, Sec. 3.3.4: its collective tracing is PyTorch's "
-        "built-in NCCL flight recorder)"),
-    ("llm-foundry", "fused_loss"): (
-        "llm-foundry llmfoundry/models/mpt/modeling_mpt.py ComposerMPTCausalLM: loss_fn defaults to "
-        "'fused_crossentropy', flash_attn.losses.cross_entropy.CrossEntropyLoss (a Triton kernel that saves the "
-        "logits and the per-row lse and writes the logits' gradient in their dtype)"),
-    ("fsdp", "fsdp_prefetch"):
-        "PyTorch FSDP (FullyShardedDataParallel) defaults limit_all_gathers=True (pytorch/pytorch#104900): the "
-        "rate limiter keeps two consecutive FSDP units' all-gathers in flight, the computing one and the "
-        "prefetched next; backward_prefetch=BACKWARD_PRE issues the next unit's gather before the current "
-        "gradient computation (torch.distributed.fsdp docs; docs/notes/fsdp 'FSDP Prefetch Nuances': implicit "
-        "forward prefetching overlaps layer i+1's all-gather with layer i's compute)",
-    ("torchtitan", "fsdp_prefetch"):
-        "torchtitan applies FSDP2 fully_shard per transformer block; FSDP2's defaults 'allow two all-gather "
-        "output tensors to be alive at once' in forward (implicit prefetching) and prefetch the next block in "
-        "backward by the reverse post-forward order (pytorch/pytorch#128884, which added "
-        "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch to change it)",
-    ("deepspeed", "fsdp_prefetch"):
-        "DeepSpeed ZeRO-3 prefetches the next sub-modules' parameters up to stage3_prefetch_bucket_size "
-        "(default 5e7 elements, deepspeed/runtime/zero/config.py) within stage3_max_live_parameters (1e9): "
-        "less than one block of a model of 2B+ parameters (a 7B block is ~2e8), so one block ahead; smaller "
-        "blocks prefetch further (not modelled: the field counts blocks)",
-    ("megatron", "attention_kernel"): _TE_CUDNN,
-    ("nemo", "attention_kernel"): _TE_CUDNN + " (Megatron-Bridge's recipes run Megatron-Core with TE)",
-    ("torchtitan", "attention_kernel"):
-        "torchtitan (end of 2024, torchtitan/utils.py `get_train_context`): with context parallelism the step runs "
-        "under sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]) ('currently we only "
-        "support these two SDP backends. TODO (xilunwu): support cuDNN backend'); without it Llama's "
-        "F.scaled_dot_product_attention(is_causal=True) takes PyTorch's default order (aten/src/ATen/native/"
-        "transformers/cuda/sdp_utils.cpp priority_order: flash_attention, efficient_attention, math, "
-        "cudnn_attention): PyTorch's vendored FlashAttention-2 either way",
-    ("torchtitan", "fp8_scaling"):
-        "torchtitan's float8 converter swaps nn.Linear for torchao's Float8Linear with tensorwise dynamic scaling "
-        "(its default recipe): torchao/float8/float8_scaling_utils.py hp_tensor_to_float8_dynamic computes the "
-        "tensor's amax (tensor_to_scale, max(abs(x)) over the whole tensor) and then casts with that scale "
-        "(hp_tensor_and_scale_to_float8): a whole-tensor reduction that must finish before any value is cast, so "
-        "the tensor (or, compiled, its producer's inputs) is read twice",
-    ("llm-foundry", "attention_kernel"):
-        "llm-foundry scripts/train/benchmarking/sweep.sh (the MPT benchmark tables' runs: GIT_COMMIT v0.0.4, "
-        "mosaicml/pytorch:2.0.1_cu118) calls submit_benchmarks.py without --attn_impl, whose default is 'triton' "
-        "(as the pretrain yamls' attn_config.attn_impl): llm-foundry's flash_attn_triton.py, FlashAttention's Triton "
-        "kernel (causal tiles skipped). No published H100 figure for it: priced as the runner's kernel",
-    ("megatron", "pipeline_blocking_sends"): (
-        "Megatron-LM megatron/core/pipeline_parallel/p2p_communication.py `_communicate`: the 1F1B schedule's "
-        "send_forward_recv_backward / send_backward_recv_forward run with wait_on_reqs=True (the batch_isend_irecv "
-        "requests are waited on, then torch.cuda.synchronize() with batch_p2p_sync) before the next step's compute; "
-        "overlap_p2p_comm, which defers the waits, defaults to False (ModelParallelConfig). The 2021 SC21 code "
-        "(megatron/p2p_communication.py at de7dc40f88) waits on every request and synchronizes the same way"),
-    ("deepspeed", "pipeline_blocking_sends"): (
-        "DeepSpeed deepspeed/runtime/pipe/engine.py: TrainSchedule's SendActivation/SendGrad/RecvActivation/RecvGrad "
-        "are instructions run in order between ForwardPass and BackwardPass (_exec_send_activations calls "
-        "p2p.send, deepspeed/runtime/pipe/p2p.py: dist.send, or a broadcast in a two-rank group, synchronous)"),
-    ("deepspeed", "pipeline_scatter_gather"): (
-        "DeepSpeed deepspeed/runtime/pipe/engine.py: is_pipe_partitioned = is_model_parallel and "
-        "pipeline['pipe_partitioned'] (default True, deepspeed/runtime/config.py get_pipeline_config, "
-        "grad_partitioned too): a stage sends its tensor rank's PartitionedTensor part and the receiver rebuilds "
-        "the whole with .full(), an all-gather over the tensor (slice-parallel) group"),
-    ("deepspeed", "grad_reduce_dtype"): (
-        "DeepSpeed deepspeed/runtime/pipe/engine.py: 'BF16 Optimizer is hardcoded for fp32 gradient "
-        "accumulation'; with bf16 (BF16_Optimizer, bf16 + ZeRO-1, as Megatron-DeepSpeed's BLOOM runs) "
-        "_exec_reduce_grads calls _bf16_reduce_grads, buffered_allreduce_fallback over the fp32 gradients"),
-    ("deepspeed", "grad_all_reduce"): (
-        "DeepSpeed deepspeed/runtime/pipe/engine.py `_exec_reduce_grads`: with the BF16_Optimizer (bf16 + ZeRO-1) "
-        "`_bf16_reduce_grads` calls buffered_allreduce_fallback(elements_per_buffer=MEMORY_OPT_ALLREDUCE_SIZE): "
-        "every gradient all-reduced over the data-parallel group in 5e8-element buffers; the optimizer then "
-        "updates the rank's partition and all-gathers the bf16 parameters"),
-    ("deepspeed", "grad_accumulate_fp32"): (
-        "DeepSpeed deepspeed/runtime/pipe/engine.py `_exec_backward_pass` (since 'bf16+pipeline parallelism', #1801, "
-        "2022, the code BLOOM trained with): with the BF16_Optimizer every stage calls clear_lp_grads() before and "
-        "optimizer.update_hp_grads(clear_lp_grads=False) after each microbatch's backward (the last stage through "
-        "BF16_Optimizer.backward, which does the same); deepspeed/runtime/bf16_optimizer.py `update_hp_grads` runs "
-        "hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)) per parameter: an fp32 copy of the bf16 gradient, then an "
-        "add into the fp32 gradient buffer, eager kernels"),
-    ("meta", "grad_reduce_dtype"): (
-        "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Numerical stability': FP32 "
-        "gradient accumulation over micro-batches, and gradients reduce-scattered in FP32 across the data-parallel "
-        "workers in FSDP"),
-    ("torchtitan", "context_merge_fp32"): (
-        "torchtitan (end of 2024, torchtitan/utils.py create_context_parallel_ctx) runs PyTorch's context_parallel "
-        "(torch/distributed/tensor/experimental/_attention.py): _templated_ring_attention merges each step's SDPA "
-        "output with _SDPAMerger (convert_to_f32: out.to(float32), then out - sigmoid(block_lse - lse) * "
-        "(out - block_out), eager) and its backward adds each step's dq/dk/dv into float32 accumulators"),
-    ("meta", "context_all_gather"): (
-        "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783) Sec. 3.3.2, 'Context parallelism': 'we adopt an "
-        "all-gather based method where we first all-gather the key (K) and value (V) tensors, and then compute "
-        "attention output for the local query (Q) tensor chunk. Although the all-gather communication latency is "
-        "exposed in the critical path, we still adopt this approach' (document masks; K and V small under GQA)"),
-    ("torchtitan", "shard_context"): (
-        "torchtitan torchtitan/parallelisms/parallelize_llama.py (Dec 2024, 82f7387f8) `parallelize_llama`: 'if "
-        "parallel_dims.dp_shard_enabled or parallel_dims.cp_enabled: # apply FSDP or HSDP, potentially with Context "
-        "Parallel' applies fully_shard over world_mesh['dp_shard_cp'], the dp_shard and cp mesh dims flattened "
-        "(parallel_dims.py build_mesh): the parameters, gradients and optimizer state are sharded over data-shard "
-        "x context ranks, even with dp_shard 1"),
-    ("nemo", "fp8_params"): (
-        "Megatron-Bridge src/megatron/bridge/training/mixed_precision.py: the per-tensor FP8 recipes "
-        "(bf16_with_fp8_current_scaling_mixed, the FP8-CS performance configs', and "
-        "bf16_with_fp8_delayed_scaling_mixed) set fp8_param_gather = True (kept in sync with fp8_param; the "
-        "blockwise/subchannel recipes, which testbed does not model, do not): "
-        "Megatron-Core builds the model under Transformer Engine's fp8_model_init, so the compute parameters are "
-        "Float8Tensors (fp8 data and its transpose), the distributed optimizer keeps the fp32 master and "
-        "all-gathers the parameters in fp8"),
-    ("xla", "fsdp_prefetch"):
-        "XLA's latency-hiding scheduler (xla/service/latency_hiding_scheduler.cc; on by default on TPU, "
-        "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "
-        "previous layer's compute, bounded by its memory limit: the next block's weights, one ahead",
 }
 
 
