@@ -114,6 +114,19 @@ def test_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
     assert moved == expected
 
 
+def test_an_fsdp_step_time_on_a_superpod() -> None:
+    """fsdp over the whole superpod in fp32: both sides merge the parameter gathers and the gradient reduce-scatters
+    within one bound (testbed.model.leaves.combine_limit: XLA's default 30 MiB), so the traced step's merged
+    gathers of the later blocks run while the first block computes, as the plan's model prefetches block by
+    block, and its merged reduce-scatters overlap the backward as the plan's buckets do."""
+    plan = Plan(name="fsdp1024", model=ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024,
+                                                 vocab=32768),
+                batch=BatchSpec(global_batch=1024), mesh=MeshSpec(fsdp=1024), schedule=ScheduleSpec(name="1f1b"),
+                precision="fp32", remat="none")
+    traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
+    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
+
+
 @pytest.mark.xfail(strict=True, reason="the traced step merges the forward's 53 gathers into one before any "
                                        "compute, cannot prefetch the backward's (each waits for its block's "
                                        "cotangent) and merges the gradient reduce-scatters into one after the "
