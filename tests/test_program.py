@@ -215,8 +215,9 @@ def test_each_microbatch_adds_its_gradients_into_the_accumulator(plan):
 def test_parameter_collectives_follow_the_rule(plan, combine):
     """Every gather of a chunk's sharded parameters, and its gradient reduce-scatters (each earlier microbatch's,
     the last one's buckets together), is as many collectives as testbed.plan.sharding's rule counts under the
-    topology's combine_bytes (None: one per chunk), the chunk's bytes shared among them."""
-    from testbed.model.leaves import gathered_leaves, parameter_collectives
+    topology's combine_bytes (None: the stack's bound, testbed.model.leaves.combine_limit: XLA's default threshold
+    for the runner's JAX program), the chunk's bytes shared among them."""
+    from testbed.model.leaves import XLA_COMBINE_BYTES, combine_limit, gathered_leaves, parameter_collectives, regathered
 
     placement = place(plan, num_devices=plan.mesh.size)
     program = build_program(plan, placement, combine_bytes=combine)
@@ -224,10 +225,14 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
     v, sharded = plan.schedule.virtual_stages, bool(state_sharding(plan).split_axes(plan, "params"))
     for s, rep in enumerate(program.representatives):
         for c in range(v):
-            n = parameter_collectives(plan, s, c, math.inf if combine is None else combine)
+            limit = combine_limit(combine, plan.runtime.framework)
+            assert limit == (XLA_COMBINE_BYTES if combine is None and plan.runtime.framework == "jax"
+                             else math.inf if combine is None else combine)
+            n = parameter_collectives(plan, s, c, limit, param_b)
             leaves = len(gathered_leaves(plan, s, c))
             assert (n >= 1) == sharded and n <= max(1, leaves)
-            assert n == (sharded if combine is None else max(1, leaves) if combine == 0 and sharded else n)
+            small = sum(gathered_leaves(plan, s, c)) * param_b <= limit  # one chunk's gather within the bound
+            assert n == (sharded if combine is None and small else max(1, leaves) if combine == 0 and sharded else n)
             cost = costs.chunk_cost(plan, s, c)
             mine = [t for t in program.tasks if t.device == rep and (m := re.search(r"[FBW]\d+(?:\.(\d+))?", t.name))
                     and int(m.group(1) or 0) == c]
@@ -240,6 +245,8 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
                 blocks = [t for t in gathers if t.name.split("/")[0] == label]
                 backward = label.split()[-1].startswith("B")
                 want = max(1, n - sum(k for _, k in skipped)) if backward and combine == 0 and skipped else n
+                if backward and combine != 0 and not math.isinf(limit):  # each piece's merged on their own
+                    want = regathered(plan, s, c, 0, n, limit, param_b)[1]
                 assert len(blocks) == max(1, cost.layers)
                 assert sum(t.count for t in blocks) == max(want, len(blocks))  # a block is at least one collective
                 assert math.isclose(sum(t.count * t.nbytes for t in blocks),
@@ -258,8 +265,8 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
 def test_host_counts_one_collective_per_leaf():
     """The bundled host (XLA:CPU combines none) gathers the validation suite's fsdp8 GPT leaf by leaf: 53
     all-gathers per pass (forward and backward, spread over the blocks) and 53 reduce-scatters, the rule's
-    count (tests/test_fsdp_runner.py checks the rule against XLA); a topology without combine_bytes keeps one
-    per block."""
+    count (tests/test_fsdp_runner.py checks the rule against XLA); a topology without combine_bytes combines
+    within XLA's default threshold (testbed.model.leaves.combine_limit), one per block of this small GPT."""
     from testbed.plan.io import load_plan
     from testbed.model.leaves import combined_sizes, gathered_leaves
     from testbed.sim.engine import simulate
@@ -279,7 +286,9 @@ def test_host_counts_one_collective_per_leaf():
     zero1 = load_plan("plans/validation/zero1-dp8.yaml")
     assert [t.count for t in simulate(zero1, host).program.tasks if t.name == "gather params"] == [53]
     merged = replace(host, calibration=host.calibration.updated(collectives={"combine_bytes": None}))
-    assert [t.count for t in simulate(plan, merged).program.tasks if t.op == "all_gather"] == [1] * 2 * blocks
+    # Within XLA's default bound: one per block forward; backward, one per piece (a piece's gather waits for its
+    # own cotangent, so none merge across pieces): the last block's layer and the head's two.
+    assert [t.count for t in simulate(plan, merged).program.tasks if t.op == "all_gather"] == [1] * (2 * blocks - 1) + [2]
     assert [t.count for t in simulate(zero1, merged).program.tasks if t.name == "gather params"] == [1]
     # The combiner's rule: consecutive collectives merge while the merged one stays within the threshold.
     assert combined_sizes((4.0, 4.0, 8.0, 2.0, 1.0), 8.0) == (8.0, 8.0, 3.0)

@@ -19,7 +19,7 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
-           "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements"]
+           "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements"]
 
 #: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
 #: norms (testbed.runner.norms) sum their gradients over the tokens with ``jnp.sum``, which accumulates bf16 in
@@ -36,8 +36,9 @@ def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "par
     gathered leaf is whole over them and split as the device holds it by ``tensor`` and ``expert``.
     testbed.runner.param_shards.ParamShards issues one ``all_gather`` per evenly split leaf where a piece of the
     model uses it, and one ``psum_scatter`` of its gradient; it still holds the padded leaves' parameters
-    and gradients whole (:func:`runner_whole_params`). Layout order: the embedding, each layer's rows layer
-    by layer, the head (the order XLA meets them in the forward).
+    and gradients whole (:func:`runner_whole_params`). In the order the runner issues them, which a combiner's
+    merges follow (:func:`issue_order`): the embedding, each layer, the head, each piece's leaves in its pytree's
+    order.
 
     ``chunk`` None: every chunk of the stage, in chunk order. ``which="optimizer"``: the leaves sharded with the
     optimizer state instead, which ZeRO-1/2 all-gathers over ``data`` after the update (XLA's partitioner,
@@ -58,11 +59,19 @@ def _gathered(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, 
     """:func:`gathered_leaves` of one chunk, from what it depends on."""
     embed, head = layout.holds(stage, chunk, mesh.stage, v)
     span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
-    params = list(layout.embedding_params(spec) if embed else ())
+    params = list(issue_order(layout.embedding_params(spec)) if embed else ())
     for i in span:
-        params += layout.layer_params(spec, i)
-    params += layout.head_params(spec) if head else ()
+        params += issue_order(layout.layer_params(spec, i))
+    params += issue_order(layout.head_params(spec)) if head else ()
     return tuple(p.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) for p in params)
+
+
+def issue_order(piece) -> list[layout.ParamSpec]:
+    """A piece's parameters (the embedding, a layer, the head) in the order the runner issues their collectives:
+    its pytree's leaf order, which for nested dicts is JAX's (keys sorted at every level: ``attn/bo``,
+    ``attn/bqkv``, ..., ``mlp/w2``), not the layout table's. XLA's combiners merge consecutive collectives in
+    program order, so where the bound splits a piece's collectives this order decides how many there are."""
+    return sorted(piece, key=lambda p: p.path)
 
 
 def moved_elements(plan: Plan, stage: int, chunk: int | None, which: str = "params") -> int:
@@ -123,6 +132,23 @@ def runner_whole_params(plan: Plan) -> dict[str, tuple[str, ...]]:
     return {w: names for w, names in out.items() if names}
 
 
+#: XLA's default all-gather and reduce-scatter combine thresholds (xla/service/collective_utils.h:
+#: ``kDefaultAllGatherCombineThreshold`` and ``kDefaultReduceScatterCombineThreshold``, ``30 * 1024 * 1024 + 7``
+#: bytes): a combined collective stays within them unless a compiler flag says otherwise.
+XLA_COMBINE_BYTES = 30 * 1024 * 1024 + 7
+
+
+def combine_limit(combine_bytes: float | None, framework: str = "jax") -> float:
+    """The bytes a combined all-gather or reduce-scatter of parameters stays within: the topology's
+    ``calibration.collectives.combine_bytes`` where it states one (0 on XLA:CPU, which combines none); else XLA's
+    default threshold (:data:`XLA_COMBINE_BYTES`) for an XLA program (``framework`` ``jax``: the runner, MaxText,
+    any traced JAX step), and no bound for a PyTorch one (FSDP's one flat parameter per unit). The one rule the
+    plan's model (testbed.sim.facts) and the traced program's combiner (testbed.sim.traced) both read."""
+    if combine_bytes is not None:
+        return float(combine_bytes)
+    return float(XLA_COMBINE_BYTES) if framework == "jax" else math.inf
+
+
 def combined_sizes(sizes: tuple[float, ...], combine_bytes: float) -> tuple[float, ...]:
     """``sizes`` (bytes of collectives issued one after another) as a combiner merges them: consecutive ones
     joined while the merged collective stays within ``combine_bytes`` (XLA's all-gather and reduce-scatter
@@ -159,24 +185,44 @@ def regathered_in_backward(param: layout.ParamSpec) -> bool:
     return not param.additive
 
 
-def regathered(plan: Plan, s: int, c: int, moved: int, leaves: int) -> tuple[int, int]:
+def regathered(plan: Plan, s: int, c: int, moved: int, leaves: int, combine_bytes: float = math.inf,
+               bytes_per_element: float = 4.0) -> tuple[int, int]:
     """(elements, collectives) of the backward's gathers of a chunk: all but the embedding's leaves (its backward,
-    a scatter-add of the rows' gradients, reads no table) and the additive ones (:func:`regathered_in_backward`);
-    one collective fewer per leaf left out when the combiner merges none, the whole chunk's count when it merges
-    them."""
+    a scatter-add of the rows' gradients, reads no table) and the additive ones (:func:`regathered_in_backward`).
+    Collectives: under a finite ``combine_bytes`` (:func:`combine_limit`) each piece's on their own, as
+    :func:`combined_sizes` merges the piece's leaves in :func:`issue_order` (the runner's backward gather of a
+    piece waits for that piece's cotangent, so no merge spans two pieces); unbounded, the whole chunk's count."""
     if not leaves:
         return moved, leaves
+    if not math.isinf(combine_bytes):
+        return moved - _unread(plan, s, c), _regathered_collectives(plan, s, c, combine_bytes, bytes_per_element)
+    return moved - _unread(plan, s, c), leaves
+
+
+def _unread(plan: Plan, s: int, c: int) -> int:
+    """Elements of a chunk's gathered leaves its backward does not gather again (:func:`regathered`)."""
     ways, mesh = state_sharding(plan).ways(plan, "params"), plan.mesh
     embed, _ = layout.holds(s, c, mesh.stage, plan.schedule.virtual_stages)
     held = layout.chunk_params(plan.model, s, c, mesh.stage, plan.schedule.virtual_stages,
                                stage_layers=plan.stage_layers)
     skipped = tuple((q, n) for q, n in held
                     if (embed and q in layout.embedding_params(plan.model)) or not regathered_in_backward(q))
-    if not skipped:
-        return moved, leaves
-    elements = ways * layout.held_elements(skipped, mesh.tensor, ways, mesh.expert, expert_tensor=mesh.expert_tensor)
-    separate = leaves == len(gathered_leaves(plan, s, c))
-    return moved - elements, max(1, leaves - sum(n for _, n in skipped)) if separate else leaves
+    return ways * layout.held_elements(skipped, mesh.tensor, ways, mesh.expert, expert_tensor=mesh.expert_tensor)
+
+
+def _regathered_collectives(plan: Plan, s: int, c: int, combine_bytes: float, bytes_per_element: float) -> int:
+    """The backward's gather collectives of a chunk, each piece's (a layer; the head) merged on their own."""
+    spec, mesh, v = plan.model, plan.mesh, plan.schedule.virtual_stages
+    ways = state_sharding(plan).ways(plan, "params")
+    _, head = layout.holds(s, c, mesh.stage, v)
+    pieces = [layout.layer_params(spec, i) for i in layout.chunk_layers(spec, mesh.stage, v, plan.stage_layers)[s][c]]
+    pieces += [layout.head_params(spec)] if head else []
+    count = 0
+    for piece in pieces:
+        sizes = tuple(q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+                      for q in issue_order(piece) if regathered_in_backward(q))
+        count += len(combined_sizes(sizes, combine_bytes))
+    return max(1, count)
 
 
 def bucket_share(leaves: int, buckets: int, k: int) -> int:

@@ -7,9 +7,10 @@ groups that do not depend on each other into one:
 - all-reduces merge whenever they are independent, on every backend (XLA:CPU too: the vision
   example's three gradient all-reduces and its loss's compile to one on 8 emulated devices, and the
   shard_map example's over ``data`` to one; tests/test_program_trace.py);
-- all-gathers and reduce-scatters merge within the topology's ``calibration.collectives.combine_bytes``
-  (0: none, as on XLA:CPU; None: no limit; the field plan-driven simulation counts fsdp gathers with,
-  testbed.plan.sharding.parameter_collectives), and only until an op reads one of them: a layer's
+- all-gathers and reduce-scatters merge within a bound (testbed.sim.traced passes
+  testbed.model.leaves.combine_limit: the topology's ``calibration.collectives.combine_bytes``, 0 on XLA:CPU,
+  else XLA's default 30 MiB; the bound plan-driven simulation counts fsdp gathers with,
+  testbed.model.leaves.parameter_collectives; None here: no bound), and only until an op reads one of them: a layer's
   parameter gathers are not merged with the next layer's, which a latency-hiding schedule prefetches
   while the layer computes.
 

@@ -30,7 +30,7 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import bucket_share, moved_elements, parameter_collectives, regathered
+from testbed.model.leaves import bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Schedule
@@ -249,8 +249,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
-        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: unbounded, one
-            collective per chunk's parameter gather or gradient reduce-scatter).
+        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound,
+            testbed.model.leaves.combine_limit: XLA's default threshold, or none for PyTorch's flat parameters).
         schedule: the pipeline table to follow (default: the plan's schedule, memoized).
     """
     mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
@@ -264,7 +264,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     o_ways = sharding.ways(plan, "optimizer")
     per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
     reductions = _reductions(plan, sharding.optimizer)
-    combine = math.inf if combine_bytes is None else combine_bytes
+    combine = combine_limit(combine_bytes, plan.runtime.framework)
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
@@ -300,7 +300,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b) if reduces else (0.0, 0.0)
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
-                      regather=regathered(plan, s, c, moved[0], leaves),
+                      regather=regathered(plan, s, c, moved[0], leaves, combine, param_b),
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved),
                       sequence_bytes=sequence_b)

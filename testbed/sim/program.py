@@ -92,8 +92,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
     Args:
         schedule: the pipeline table to follow (default: the plan's schedule).
         controller: add the single controller's dispatch tasks (module docstring).
-        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: unbounded, one
-            collective per chunk's parameter gather or gradient reduce-scatter; module docstring).
+        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound,
+            testbed.model.leaves.combine_limit; module docstring).
         serial: the host runs programs over several devices one at a time in dispatch order (the
             topology's ``calibration.host.serial_programs``; module docstring).
     """

@@ -35,6 +35,7 @@ import numpy as np
 
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
+from testbed.model.leaves import combine_limit
 from testbed.sim.engine import run
 from testbed.sim.overlap import defer_consumers
 from testbed.sim.combine import combine_collectives
@@ -237,9 +238,11 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
 
     First the ops are ordered as XLA's scheduler would (testbed.sim.overlap: collectives' results read as
     late as possible) and independent collectives merged as the topology's compiler would
-    (testbed.sim.combine, ``calibration.collectives.combine_bytes``).
+    (testbed.sim.combine, within testbed.model.leaves.combine_limit: the topology's
+    ``calibration.collectives.combine_bytes``, else XLA's default threshold, as the plan's model counts them).
     """
-    workload = combine_collectives(defer_consumers(workload), topology.calibration.collectives.combine_bytes)
+    limit = combine_limit(topology.calibration.collectives.combine_bytes, "jax")
+    workload = combine_collectives(defer_consumers(workload), limit)
     program = workload_program(workload, topology, device_ids)
     priced = price_workload(program, topology, workload.dtype)
     timeline = run(program, priced, calibration=topology.calibration)

@@ -216,8 +216,9 @@ class CollectiveCalibration(_Group):
         testbed.model.leaves.parameter_collectives). 0: one per leaf (XLA:CPU
         combines none: 53 all-gathers and 53 reduce-scatters per pass of the
         validation suite's 4-layer GPT in the compiled step). None (default):
-        one per chunk (PyTorch FSDP's flat parameter per unit; XLA:GPU's
-        combiners, whose thresholds are tens of MiB).
+        the stack's own (testbed.model.leaves.combine_limit): XLA's default
+        threshold, 30 MiB, for a JAX program; no bound, one per chunk, for
+        PyTorch FSDP's flat parameter per unit.
     launch_s: per collective and per send, whatever its rounds and ranks:
         issuing the one operation a whole collective is where the hardware
         moves every step (a TPU's ICI collective is one XLA op whose hops the
