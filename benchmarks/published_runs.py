@@ -24,7 +24,9 @@ and ``runs``; ``end_to_end_all`` summarises the pool. Every case runs under its 
 ``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``; its
 ``device.power_limit``: what a topology's device power limit changed). ``fits`` prints
 each parameter fitted over a category of ``runs``, with its in-sample and leave-one-out errors and the values the
-data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext cases, tpu_fit.py).
+data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext cases, tpu_fit.py;
+``gpu_compute_A100``, ``gpu_compute_H100``: each GPU generation's ``device.sustained`` over its runs.yaml cases
+and, for A100, Table 1, gpu_fit.py, which simulates each GPU case twice more).
 The largest Megatron rows take about a minute each to simulate.
 
 With ``collectives`` run, ``fits`` also carries ``nccl_multinode``: testbed.collectives.nccl_fit's
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "published"))
 
 import collectives as published_collectives  # noqa: E402
 import end_to_end as published_end_to_end  # noqa: E402
+import gpu_fit  # noqa: E402
 import memory as published_memory  # noqa: E402
 import runs as published_runs  # noqa: E402
 import tpu_fit  # noqa: E402
@@ -94,7 +97,7 @@ def run(only: list[str] | None = None) -> dict:
             pooled += rows
             out["runtime_mechanisms"] = published_runs.mechanisms(rows)
             out["predicted_out_of_memory"] = [r["case"] for r in rows if not r["fits"]]
-            out["fits"] = {"tpu_compute": tpu_fit.fit_report()}
+            out["fits"] = {"tpu_compute": tpu_fit.fit_report(), **gpu_fit.fits(gpu_fit.fit_report())}
     if "collectives" in categories:
         out["fits"] = {**out.get("fits", {}), "nccl_multinode": nccl_fit()}
     if pooled:

@@ -126,4 +126,4 @@ def test_flash_attention_products_run_at_the_kernels_efficiency():
     eff = a100.calibration.compute.flash_efficiency
     assert eff == 0.5
     assert gemm_seconds(a100, "bf16", flash) == pytest.approx(
-        a100.calibration.compute.gemm_latency_s + flash.flops / (a100.device.flops("bf16") * eff))
+        a100.calibration.compute.gemm_latency_s + flash.flops / (a100.device.sustained_flops("bf16") * eff))

@@ -25,7 +25,7 @@ def _row(matmul: float, passes: float, other: float, efficiency: float, elementw
 
 def test_fit_recovers_the_values_that_made_the_data():
     rows = [_row(m, x, c, 0.62, 2.3) for m, x, c in ((10, 1, 0.1), (5, 2, 0.0), (20, 0.5, 1.0), (3, 1.5, 0.2))]
-    assert tpu_fit.fit(rows) == (0.62, 2.3)
+    assert tpu_fit.fit(rows) == (0.62, 2.3)  # the shared alternative fits passes too
     assert max(abs(e) for e in tpu_fit.leave_one_out(rows)) < 1e-9
 
 
@@ -60,17 +60,40 @@ def test_runs_yaml_ships_one_calibration_per_tpu_generation_and_it_moves_the_ste
 
 def test_per_device_fit_recovers_two_generations_and_the_shared_fit_cannot():
     shape = ((10, 1, 0.1), (5, 2, 0.0), (20, 0.5, 1.0), (3, 1.5, 0.2))
-    rows = [_row(m, x, c, 0.6, 2.0, "TPU-a") for m, x, c in shape]
-    rows += [_row(m, x, c, 0.8, 2.0, "TPU-b") for m, x, c in shape]
-    assert tpu_fit.fit_per_device(rows) == ({"TPU-a": 0.6, "TPU-b": 0.8}, 2.0)
+    rows = [_row(m, x, c, 0.6, 0.0, "TPU-a") for m, x, c in shape]
+    rows += [_row(m, x, c, 0.8, 0.0, "TPU-b") for m, x, c in shape]
+    assert tpu_fit.fit_per_device(rows) == ({"TPU-a": 0.6, "TPU-b": 0.8}, tpu_fit.PER_DEVICE_PASSES)
     report = tpu_fit.per_device_report(rows, shared=0.7)
-    assert report["leave_one_out"]["max_abs_error"] < 1e-4 and report["sum_abs_error"] < 1e-4
+    assert report["leave_one_out"]["max_abs_error"] < 1e-4 and report["sum_squared_error"] < 1e-8
     shared = tpu_fit.fit(rows)
     assert sum(abs(tpu_fit.error(r, *shared)) for r in rows) > 0.5  # one value cannot fit both generations
+    with_passes = [_row(m, x, c, 0.6, 2.0, "TPU-a") for m, x, c in shape]  # the per-generation fit's passes are 0:
+    assert tpu_fit.fit_per_device(with_passes, passes=2.0) == ({"TPU-a": 0.6}, 2.0)  # stated, not fitted
+
+
+def test_least_squares_spreads_the_error_where_least_absolute_error_interpolates_a_row():
+    """Three rows wanting different efficiencies: least absolute error would fit one of them exactly (an
+    in-sample error of 0 that leave-one-out does not keep); least squares leaves each some error."""
+    rows = [_row(10, 0, 0, e, 0.0, "TPU-a") for e in (0.7, 0.8, 0.9)]
+    efficiencies, _ = tpu_fit.fit_per_device(rows)
+    assert 0.7 < efficiencies["TPU-a"] < 0.9
+    assert min(abs(tpu_fit.error(r, efficiencies["TPU-a"], 0.0)) for r in rows) > 0.005
 
 
 def test_per_device_leave_one_out_falls_back_to_the_shared_value_for_a_lone_device():
-    rows = [_row(m, x, 0.0, 0.7, 2.0) for m, x in ((10, 1), (5, 2), (20, 0.5))] + [_row(8, 1, 0.0, 0.9, 2.0, "TPU-z")]
+    rows = [_row(m, x, 0.0, 0.7, 0.0) for m, x in ((10, 1), (5, 2), (20, 0.5))] + [_row(8, 1, 0.0, 0.9, 0.0, "TPU-z")]
     report = tpu_fit.per_device_report(rows, shared=0.7)
     assert report["rows"][-1]["in_sample"] == pytest.approx(0.0, abs=1e-9)  # its own value fits it exactly
     assert report["rows"][-1]["leave_one_out"] < -0.15  # left out, it takes 0.7: predicted slow, as it is
+
+
+def test_stale_names_each_topology_whose_calibration_is_not_the_fit():
+    cases, inline = runs.load_cases()
+    cases = [c for c in cases if c["stack"] == tpu_fit.STACK]
+    shipped = {c["device"]: inline[c["topology"]].calibration.compute.efficiency for c in cases}
+    fitted = {"efficiency": dict(shipped), "elementwise_passes": 0.0}
+    assert tpu_fit.stale(cases, inline, fitted) == {}
+    fitted["efficiency"]["TPU-v5p"] += 0.05
+    moved = tpu_fit.stale(cases, inline, fitted)
+    assert moved and all(inline[name].device.name.startswith("TPU") for name in moved)
+    assert {c["topology"] for c in cases if c["device"] == "TPU-v5p"} == set(moved)

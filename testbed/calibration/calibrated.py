@@ -149,7 +149,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     peaks.update({d: peaks[d] * x for d, x in (peak_scales or {}).items() if d in peaks})
     memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
     # the measured rates are what the device sustained as it ran, power limit included: none is applied again
-    device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency, power_limit=0.0)
+    device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency, power_limit=0.0,
+                     sustained=1.0)
     cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
     efficiency = matmul_efficiency if efficiency is None else efficiency
     if cores and not host_throughput:

@@ -66,6 +66,14 @@ class DeviceSpec:
     convolution is an f32 one whose operands and result pass through convert loops). A traced program's
     bf16 matmuls are then priced at the fp32 peak plus the converts (testbed.sim.traced); plan-driven
     simulation keeps the listed bf16 peak, which ``calibrate`` fits to its bf16 GPT steps, converts included.
+
+    ``sustained``: the fraction of the calibrated matmul rates the device's math holds over a whole training
+    step (1, the default: the rates as calibrated). The GPU calibrations' caps are short measurements of one
+    matmul at a time (mamf-finder's Maximum Achievable Matmul FLOPS); a long step runs at lower clocks under
+    its power and thermal limits, and pays compute-proportional work no plan lists. No published measurement
+    pins it, so it is fitted per device generation over every published whole step of that generation
+    (benchmarks/published/gpu_fit.py, with its leave-one-out error). It multiplies every matmul's rate
+    (:meth:`sustained_flops`: GEMMs at any shape, fp8, attention kernels), never a memory pass or a transfer.
     """
 
     name: str
@@ -76,6 +84,7 @@ class DeviceSpec:
     power_curve: tuple[tuple[float, float], ...] = ()
     comm_slowdown: float = 0.0
     bf16_matmuls: str = "native"
+    sustained: float = 1.0
 
     def __post_init__(self) -> None:
         if self.bf16_matmuls not in BF16_MATMULS:
@@ -94,6 +103,10 @@ class DeviceSpec:
         if isinstance(slow, bool) or not isinstance(slow, (int, float)) or not 0 <= slow <= 1:
             raise InputError(f"must be a fraction from 0 to 1 (how much longer compute takes beside communication: "
                              f"0.189 = 18.9%), got {slow!r:.40}", field="device.comm_slowdown")
+        held = self.sustained
+        if isinstance(held, bool) or not isinstance(held, (int, float)) or not 0 < held <= 1:
+            raise InputError(f"must be a fraction above 0 and at most 1 (the share of the calibrated matmul rates a "
+                             f"whole step sustains: 0.85 = 85%), got {held!r:.40}", field="device.sustained")
 
     def _check_power(self) -> None:
         curve = tuple((float(w), float(f)) for w, f in self.power_curve)
@@ -125,8 +138,9 @@ class DeviceSpec:
         return curve[-1][1]
 
     def sustained_flops(self, dtype: str) -> float:
-        """FLOP/s the device's math runs at for ``dtype``: :meth:`flops` times :meth:`clock_fraction`."""
-        return self.flops(dtype) * self.clock_fraction()
+        """FLOP/s the device's math runs at for ``dtype``: :meth:`flops` times :meth:`clock_fraction` and
+        ``sustained``."""
+        return self.flops(dtype) * self.clock_fraction() * self.sustained
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for ``dtype`` (``fp32``, ``bf16``, ``fp8``); falls back to the slowest listed.
