@@ -29,6 +29,11 @@ data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext c
 and, for A100, Table 1, gpu_fit.py, which simulates each GPU case twice more).
 The largest Megatron rows take about a minute each to simulate.
 
+With ``collectives`` run, ``fits`` also carries ``nccl_multinode``: testbed.collectives.nccl_fit's
+``MULTINODE_FIT``, refitted over every multi-node nccl-tests case with its in-sample, leave-one-out and
+leave-one-sweep-out errors (collectives.py ``fit``: one refit per case and per sweep sharing one memo of
+every case's error per fit, about 20 s on the shared 2-core machine).
+
     .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|runs|memory]
 """
 
@@ -66,6 +71,12 @@ def _moved(row: dict) -> dict:
     return {field: change for field, change in sorted(changes.items()) if abs(change) > 1e-4}
 
 
+def nccl_fit() -> dict:
+    """The NCCL multi-node fit over its category (``fits``' ``nccl_multinode``): the fitted and shipped values,
+    in-sample, leave-one-out (one refit per case) and leave-one-sweep-out errors (collectives.py ``fit``)."""
+    return published_collectives.fit(leave_one_out=True)
+
+
 def run(only: list[str] | None = None) -> dict:
     categories, results, pooled, out = {}, {}, [], {}
     for name, evaluate in CATEGORIES.items():
@@ -87,6 +98,8 @@ def run(only: list[str] | None = None) -> dict:
             out["runtime_mechanisms"] = published_runs.mechanisms(rows)
             out["predicted_out_of_memory"] = [r["case"] for r in rows if not r["fits"]]
             out["fits"] = {"tpu_compute": tpu_fit.fit_report(), **gpu_fit.fits(gpu_fit.fit_report())}
+    if "collectives" in categories:
+        out["fits"] = {**out.get("fits", {}), "nccl_multinode": nccl_fit()}
     if pooled:
         out["end_to_end_all"] = published_runs.summary(pooled)
         out["end_to_end_by"] = published_runs.by_category(pooled)

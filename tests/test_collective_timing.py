@@ -550,3 +550,17 @@ def test_launch_is_paid_once_per_collective_and_per_send_whatever_the_rounds(nam
     assert send_time(topology, 0, 1, 4096.0) == pytest.approx(send_time(zero, 0, 1, 4096.0) + launch)
     with pytest.raises(InputError, match=r"calibration\.collectives\.launch_s"):
         CollectiveCalibration(launch_s=-1e-6)
+
+
+def test_an_open_ici_line_all_gathers_both_ways_without_a_wrap_step():
+    # TPU v5e 8x4: Y (4 chips) has no wraparound. Every ring-family program pays for a wrap step across the
+    # whole line and halving-doubling puts two flows on the middle link; `line` moves one block per link
+    # and direction a round: 4 us launch + 3 rounds of (1 us hop + 32 KiB at 45 GB/s).
+    topology = load_topology("tpu-v5e-8x4")
+    group = (0, 8, 16, 24)
+    assert "line" in applicable_algorithms(topology, "all_gather", group)
+    line = collective_time(topology, "all_gather", group, 2.0**17, "line")
+    assert line.time_s == pytest.approx(4e-6 + 3 * (1e-6 + 2**15 / 45e9), rel=1e-6)
+    picked = collective_time(topology, "all_gather", group, 2.0**17)
+    assert picked.algorithm == "line"
+    assert picked.time_s < collective_time(topology, "all_gather", group, 2.0**17, "halving_doubling").time_s

@@ -160,3 +160,18 @@ def test_flow_counts_equal_the_programs_transfers(dims):
             pieces, rounds = flow_rounds(op, algorithm, n, tuple(grid))
             assert pieces == program.pieces, (algorithm, op)
             assert [Counter({(a, b): c for a, b, c in r}) for r in rounds] == want, (algorithm, op, dims)
+
+
+@pytest.mark.parametrize("op", [Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_REDUCE])
+def test_line_moves_one_hop_and_one_block_per_link_each_way_a_round(op):
+    # `line` never wraps: every transfer is between neighbours, and no directed link carries more than one
+    # block (or, for all_reduce, one rank's piece) a round; all-gather and reduce-scatter take n - 1 rounds.
+    n = 5
+    program = step_program(op, "line", n)
+    assert len(program.rounds) == (2 if op is Op.ALL_REDUCE else 1) * (n - 1)
+    for round_ in program.rounds:
+        assert all(abs(t.src - t.dst) == 1 for t in round_)
+        assert max(Counter((t.src, t.dst) for t in round_).values()) == 1
+    x = [np.arange(n * 3).reshape(n, 3) * (r + 1) for r in range(n)]
+    for got, want in zip(interpret(program, x), reference(op, x)):
+        np.testing.assert_array_equal(got, want)

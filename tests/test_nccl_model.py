@@ -94,6 +94,21 @@ def test_shipped_multinode_fit_is_the_fit_over_its_category():
     assert module.fit_multinode(points) == MULTINODE_FIT, dataclasses.asdict(module.fit_multinode(points))
 
 
+def test_shared_errors_refit_equals_a_refit_over_the_kept_points_alone():
+    # fit() shares one memo of every point's error between its leave-out refits: a refit over the kept indices
+    # must be the refit over those points alone (same start, grids and summation order).
+    module = _published_module()
+    cases, topologies = module.load_cases()
+    points = module._multinode(cases, topologies)[::9]
+    errors = module._Errors(points)
+    for i in (0, len(points) - 1):
+        rest = [j for j in range(len(points)) if j != i]
+        shared = module.fit_multinode(points, rounds=1, steps=4, keep=rest, errors=errors)
+        alone = module.fit_multinode([points[j] for j in rest], rounds=1, steps=4)
+        assert shared == alone
+    assert module.fit_multinode(points, rounds=1, steps=4, errors=errors) == module.fit_multinode(points, 1, 4)
+
+
 def test_multinode_fit_leaves_one_node_alone_and_slows_many():
     from testbed.collectives.nccl import MULTINODE_FIT, MultiNodeFit, nccl_best
     from testbed.collectives.ops import Op

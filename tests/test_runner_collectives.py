@@ -58,9 +58,11 @@ def test_programs_equal_jax_collectives(algorithm, data, n, rows, cols, dtype, s
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("algorithm,op,n", [("torus", Op.ALL_REDUCE, 6), ("halving_doubling", Op.ALL_REDUCE, 6)])
+@pytest.mark.parametrize("algorithm,op,n", [("torus", Op.ALL_REDUCE, 6), ("halving_doubling", Op.ALL_REDUCE, 6),
+                                            ("line", Op.ALL_REDUCE, 5), ("line", Op.REDUCE_SCATTER, 4),
+                                            ("line", Op.ALL_GATHER, 4)])
 def test_selected_algorithms_on_uneven_chunks(algorithm, op, n):
-    rows = n if op is Op.ALL_TO_ALL else 1
+    rows = n if op in (Op.ALL_TO_ALL, Op.REDUCE_SCATTER) else 1
     x = np.random.default_rng(n).normal(size=(n, rows, 7)).astype(np.float32)
     got, want = _both(op, algorithm, n, x)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -30,7 +30,13 @@ def _json() -> dict:
                                "framework": {"set": 1, "moved": 0}},
         "fits": {"tpu_compute": {"category": "stack maxtext", "cases": 13, "fitted": {"efficiency": 0.7},
                                  "in_sample": {"median_abs_error": 0.047, "max_abs_error": 0.22},
-                                 "leave_one_out": {"median_abs_error": 0.072, "max_abs_error": 0.27}}},
+                                 "leave_one_out": {"median_abs_error": 0.072, "max_abs_error": 0.27}},
+                 "nccl_multinode": {"category": "every multi-node nccl-tests case", "cases": 88,
+                                    "fitted": {"ll128_busbw": 161.25},
+                                    "in_sample": {"median_abs_error": 0.0528, "max_abs_error": 0.241},
+                                    "leave_one_out": {"median_abs_error": 0.0554, "max_abs_error": 0.2529},
+                                    "leave_one_sweep_out": {"median_abs_error": 0.0704, "max_abs_error": 0.2623,
+                                                            "held_out": 10}}},
         "end_to_end_all": {"cases": 1, "median_abs_error": 0.123, "max_abs_error": 0.123, "median_signed_error": 0.123},
         "end_to_end_by": {"stack": {"nemo": {"cases": 1, "median_abs_error": 0.123, "max_abs_error": 0.123,
                                              "median_signed_error": 0.123}}},
@@ -72,6 +78,10 @@ def test_section_lists_every_case_its_source_error_medians_and_mechanisms(tmp_pa
         assert line in section, line
     assert "| NCCL collectives (nccl-tests) (`collectives`) | busbw GB/s | 2 | 5.0% | 8.0% |" in section
     assert "| `tpu_compute` | stack maxtext | 13 |" in section and "| 4.7% | 22.0% | 7.2% | 27.0% |" in section
+    assert "| `nccl_multinode` | every multi-node nccl-tests case | 88 |" in section
+    assert "| 5.3% | 24.1% | 5.5% | 25.3% |" in section
+    assert "| `nccl_multinode` | 10 | 7.0% | 26.2% |" in section  # left out a sweep at a time
+    assert section.count("sweeps held out") == 1  # tpu_compute has no sweep-out row
     # runs are listed before collectives (ORDER), each category once
     assert section.index("(`runs`): every case") < section.index("(`collectives`): every case")
 

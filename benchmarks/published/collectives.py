@@ -146,12 +146,36 @@ def _log_errors(points: list[tuple], fit_: MultiNodeFit) -> list[float]:
     return out
 
 
-def _loss(points: list[tuple], fit_: MultiNodeFit) -> float:
-    return sum(e * e for e in _log_errors(points, fit_))
+class _Errors:
+    """Every point's log error under a fit, computed once per fit for all points.
+
+    The leave-out refits start where the full fit starts and search the same grids, so they walk mostly the
+    same fits: each refit's loss sums the memoized errors of the points it keeps (in the points' order, so the
+    loss, and the fit, are the ones a refit over those points alone finds).
+    """
+
+    def __init__(self, points: list[tuple]) -> None:
+        self.points = points
+        self._memo: dict[MultiNodeFit, tuple[float, ...]] = {}
+
+    def __call__(self, fit_: MultiNodeFit) -> tuple[float, ...]:
+        hit = self._memo.get(fit_)
+        if hit is None:
+            hit = self._memo[fit_] = tuple(_log_errors(self.points, fit_))
+        return hit
 
 
-def fit_multinode(points: list[tuple], rounds: int = 4, steps: int = 12) -> MultiNodeFit:
-    """Least squares in log busbw over ``points``: coordinate descent over each field's grid, refined each round."""
+def fit_multinode(points: list[tuple], rounds: int = 4, steps: int = 12, *, keep: list[int] | None = None,
+                  errors: _Errors | None = None) -> MultiNodeFit:
+    """Least squares in log busbw over ``points`` (those at indices ``keep``, all by default): coordinate descent
+    over each field's grid, refined each round. ``errors`` (over the same ``points``) shares work between refits."""
+    errors = _Errors(points) if errors is None else errors
+    keep = range(len(points)) if keep is None else keep
+
+    def loss(f: MultiNodeFit) -> float:
+        e = errors(f)
+        return sum(e[j] * e[j] for j in keep)
+
     best = MultiNodeFit(nvls_tree_efficiency=0.9, simple_latency_per_level_us=20.0, ll128_busbw=200.0,
                         ll128_busbw_deep=100.0)
     spans = {k: (hi - lo) for k, (lo, hi) in _GRID.items()}
@@ -160,7 +184,7 @@ def fit_multinode(points: list[tuple], rounds: int = 4, steps: int = 12) -> Mult
             for field, (lo, hi) in _GRID.items():
                 centre, span = getattr(best, field), spans[field]
                 grid = sorted({min(hi, max(lo, centre + span * (i / steps - 0.5))) for i in range(steps + 1)})
-                best = min((dataclasses.replace(best, **{field: v}) for v in grid), key=lambda f: _loss(points, f))
+                best = min((dataclasses.replace(best, **{field: v}) for v in grid), key=loss)
         spans = {k: v / 4 for k, v in spans.items()}
     return MultiNodeFit(**{k: round(getattr(best, k), 3) for k in _GRID})
 
@@ -171,25 +195,33 @@ def _abs_summary(errors: list[float]) -> dict:
 
 
 def fit(path: Path | str = CASES, leave_one_out: bool = True) -> dict:
-    """The fit over the multi-node cases, its in-sample error and its leave-one-case / leave-one-sweep-out errors."""
+    """The fit over the multi-node cases, its in-sample error and its leave-one-case / leave-one-sweep-out errors.
+
+    Every refit shares one :class:`_Errors`, so the leave-one-out refits (one per case) cost about what a few
+    fits do.
+    """
     cases, topologies = load_cases(path)
     points = _multinode(cases, topologies)
-    fitted = fit_multinode(points)
-    out = {"cases": len(points), "fitted": dataclasses.asdict(fitted),
-           "shipped": dataclasses.asdict(MULTINODE_FIT), "in_sample": _abs_summary(_log_errors(points, fitted))}
-    sweeps = sorted({p[0]["sweep"] for p in points if p[0]["sweep"]})
+    errors = _Errors(points)
+    fitted = fit_multinode(points, errors=errors)
+    out = {"category": "every multi-node nccl-tests case (nccl_tests.yaml)", "cases": len(points),
+           "fitted": dataclasses.asdict(fitted), "shipped": dataclasses.asdict(MULTINODE_FIT),
+           "in_sample": _abs_summary(list(errors(fitted)))}
+    # Leave one sweep out (one cluster's whole log), each single case counting as its own sweep.
+    held_groups = [[i for i, p in enumerate(points) if p[0]["sweep"] == name]
+                   for name in sorted({p[0]["sweep"] for p in points if p[0]["sweep"]})]
+    held_groups += [[i] for i, p in enumerate(points) if not p[0]["sweep"]]
     held = []
-    for name in sweeps:
-        rest = [p for p in points if p[0]["sweep"] != name]
-        held += _log_errors([p for p in points if p[0]["sweep"] == name], fit_multinode(rest))
-    single = [p for p in points if not p[0]["sweep"]]
-    for p in single:
-        held += _log_errors([p], fit_multinode([q for q in points if q is not p]))
-    out["leave_one_sweep_out"] = {**_abs_summary(held), "held_out": len(sweeps) + len(single)}
+    for group in held_groups:
+        rest = [i for i in range(len(points)) if i not in group]
+        refit = errors(fit_multinode(points, keep=rest, errors=errors))
+        held += [refit[i] for i in group]
+    out["leave_one_sweep_out"] = {**_abs_summary(held), "held_out": len(held_groups)}
     if leave_one_out:
         loo = []
-        for i, p in enumerate(points):
-            loo += _log_errors([p], fit_multinode(points[:i] + points[i + 1:], rounds=3))
+        for i in range(len(points)):
+            refit = fit_multinode(points, rounds=3, keep=[j for j in range(len(points)) if j != i], errors=errors)
+            loo.append(errors(refit)[i])
         out["leave_one_out"] = _abs_summary(loo)
     return out
 

@@ -2,7 +2,9 @@
 
 :mod:`~testbed.collectives.ops` defines ops, step programs and the numpy
 interpreter; :mod:`~testbed.collectives.algorithms` generates programs (ring,
-tree, halving-doubling, multidim, ...); :mod:`~testbed.collectives.timing`
+tree, halving-doubling, multidim, line, ...) from the line programs of
+:mod:`~testbed.collectives.lines` and the grid programs of
+:mod:`~testbed.collectives.grids`; :mod:`~testbed.collectives.timing`
 times them: routed (:mod:`~testbed.collectives.routed`, sized before it is
 built), by formula on symmetric groups (:mod:`~testbed.collectives.closed_form`,
 :mod:`~testbed.collectives.torus` for sub-tori,

@@ -10,7 +10,7 @@ levels, for GPU topologies (a ``levels`` form whose innermost level is an
 of the model is NCCL's (``src/graph/tuning.cc``, ``src/graph/topo.h``,
 ``src/transport/nvls.cc`` of NVIDIA/nccl, master 2025) or a vendor's
 (docs/collectives.md lists them). Across nodes, measured collectives run
-short of that model; :class:`MultiNodeFit` (three numbers fitted over every
+short of that model; :class:`MultiNodeFit` (four numbers fitted over every
 published multi-node nccl-tests case, with leave-one-out errors) prices
 that, while NCCL still picks its algorithm and protocol by its own model.
 

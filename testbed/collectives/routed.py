@@ -57,7 +57,7 @@ def topology_memo(topology: Topology) -> dict:
 MAX_ROUTED_TRANSFERS = 750_000
 
 #: Algorithms whose transfers go between ring neighbours (one or two hops on a grid).
-_NEIGHBOURLY = ("ring", "bidir_ring", "torus", "hierarchical", "multidim", "multislice")
+_NEIGHBOURLY = ("ring", "bidir_ring", "torus", "hierarchical", "multidim", "multislice", "line")
 
 
 def routed_cost(topology: Topology, algorithm: str, group: Sequence[int], groups: int = 1,

@@ -84,7 +84,8 @@ def applicable_algorithms(topology: Topology, op: Op | str, group: Sequence[int]
     """Algorithms that implement ``op``, fit ``group`` on ``topology`` and can be timed for it.
 
     ``torus`` and ``multidim`` need a sub-grid of a torus (``multidim`` two or
-    more dims), ``hierarchical`` a grid over two or more levels of a hierarchy;
+    more dims), ``line`` a line along one torus dim without a wrap link of its own,
+    ``hierarchical`` a grid over two or more levels of a hierarchy;
     ``direct`` and ``one_shot`` go through a switch, so on tori they serve only
     all-to-all and send. An algorithm with neither a closed form for the group
     nor a routed program small enough to time (:data:`MAX_ROUTED_TRANSFERS`)
@@ -116,12 +117,24 @@ def _fitting(topology: Topology, op: Op, group: tuple[int, ...]) -> list[str]:
         if name in GRID_ALGORITHMS:
             grid = group_grid(topology, group) if grid is None else grid
             on_torus = topology.form is Form.TORUS
-            if grid is None or (name in ("torus", "multidim", "multislice")) != on_torus \
+            if grid is None or (name in ("torus", "multidim", "multislice", "line")) != on_torus \
                     or (name in ("hierarchical", "multidim") and len(grid[0]) < 2) \
-                    or (name == "multislice" and not across_slices(topology, group)):
+                    or (name == "multislice" and not across_slices(topology, group)) \
+                    or (name == "line" and not _open_line(topology, grid[1])):
                 continue
         out.append(name)
     return out
+
+
+def _open_line(topology: Topology, members: tuple[int, ...]) -> bool:
+    """Whether ``members`` (a torus sub-grid) lie along one dim without a wrap link of their own: the dim has
+    no wraparound, or they are not the whole dim (``line`` runs there; on a closed ring a ring is faster)."""
+    stride, varying = 1, []
+    for level in topology.levels:
+        if len({d // stride % level.size for d in members}) > 1:
+            varying.append(level)
+        stride *= level.size
+    return len(varying) == 1 and not (varying[0].wraparound and len(members) == varying[0].size)
 
 
 def _check_applicable(topology: Topology, op: Op, group: Sequence[int], algorithm: str, groups: int = 1) -> None:
