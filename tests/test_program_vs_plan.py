@@ -114,29 +114,25 @@ def test_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
     assert moved == expected
 
 
-def test_an_fsdp_step_time_on_a_superpod() -> None:
-    """fsdp over the whole superpod in fp32: both sides merge the parameter gathers and the gradient reduce-scatters
+_FSDP_TPU_GAP = ("1.37 with both sides' collectives merged alike (the same counts): the runner's backward gather of a "
+                 "piece waits for the piece's cotangent, so none is prefetched (each exposed), where the plan's model "
+                 "prefetches one block ahead (runtime.fsdp_prefetch) in the backward too")
+
+
+@pytest.mark.parametrize(("layers", "fsdp", "topology"), [
+    (2, 1024, "dgx-h100-superpod"),
+    pytest.param(4, 16, "tpu-v5e-4x4", marks=pytest.mark.xfail(strict=True, reason=_FSDP_TPU_GAP)),
+])
+def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str) -> None:
+    """fsdp over a whole topology in fp32: both sides merge the parameter gathers and the gradient reduce-scatters
     within one bound (testbed.model.leaves.combine_limit: XLA's default 30 MiB), so the traced step's merged
     gathers of the later blocks run while the first block computes, as the plan's model prefetches block by
     block, and its merged reduce-scatters overlap the backward as the plan's buckets do."""
-    plan = Plan(name="fsdp1024", model=ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024,
-                                                 vocab=32768),
-                batch=BatchSpec(global_batch=1024), mesh=MeshSpec(fsdp=1024), schedule=ScheduleSpec(name="1f1b"),
+    plan = Plan(name=f"fsdp{fsdp}", model=ModelSpec(layers=layers, d_model=1024, heads=16, d_ff=4096, seq_len=1024,
+                                                     vocab=32768),
+                batch=BatchSpec(global_batch=fsdp), mesh=MeshSpec(fsdp=fsdp), schedule=ScheduleSpec(name="1f1b"),
                 precision="fp32", remat="none")
-    traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
-    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
-
-
-@pytest.mark.xfail(strict=True, reason="1.37 with both sides' collectives merged alike (the same counts): the "
-                                       "runner's backward gather of a piece waits for the piece's cotangent, so "
-                                       "none is prefetched (each exposed), where the plan's model prefetches one "
-                                       "block ahead (runtime.fsdp_prefetch) in the backward too")
-def test_fsdp_step_time_on_a_tpu_slice() -> None:
-    plan = Plan(name="fsdp16", model=ModelSpec(layers=4, d_model=1024, heads=16, d_ff=4096, seq_len=1024,
-                                               vocab=32768),
-                batch=BatchSpec(global_batch=16), mesh=MeshSpec(fsdp=16), schedule=ScheduleSpec(name="1f1b"),
-                precision="fp32", remat="none")
-    traced, planned, _, _ = _both(plan, "tpu-v5e-4x4")
+    traced, planned, _, _ = _both(plan, topology)
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
