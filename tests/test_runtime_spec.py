@@ -92,3 +92,23 @@ def test_every_published_case_runs_under_a_profile():
     assert set(runs.STACK_PROFILES.values()) <= set(PROFILES)
     for case in yaml.safe_load((here / "runs.yaml").read_text())["cases"]:
         assert case["stack"] in runs.STACK_PROFILES or "runtime" in case["plan"], case["name"]
+
+
+def test_verify_hands_the_runner_the_plan_as_given(monkeypatch):
+    """verify_plan builds its trainer from the plan as given, so the runner's warning names every runtime field it
+    does not run (shard_context too), and only then takes the runner's own plan for the reference and the expected
+    collectives (testbed.runner.train.runner_plan)."""
+    import jax
+
+    import testbed.runner.train as train
+    plan = plan_from_dict({**_plan_dict({"profile": "torchtitan"}), "precision": "fp32"})
+    seen = []
+
+    def stop(given, devices, return_grads=False):
+        seen.append(given)
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(train, "build_trainer", stop)
+    with pytest.raises(RuntimeError, match="built"):
+        train.verify_plan(plan, jax.devices())
+    assert seen == [plan] and seen[0].runtime.shard_context

@@ -173,8 +173,8 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
     from testbed.runner.hlo import check_collectives
     from testbed.runner.step import ReferenceTrainer, scalar
 
-    plan = runner_plan(plan)
-    trainer = build_trainer(plan, devices, return_grads=True)
+    trainer = build_trainer(plan, devices, return_grads=True)  # warns of the runtime fields the runner does not run
+    plan = runner_plan(plan)  # the reference and the expected collectives follow the program the runner built
     # With several processes (an emulated cluster) each runs the reference on a device of its own.
     reference = ReferenceTrainer(plan, next(d for d in devices if d.process_index == jax.process_index()))
     state, ref_state = trainer.init(), reference.init()
