@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -251,6 +252,36 @@ def test_phases_run_in_order_with_the_links_set_between_them(tmp_path):
     assert timed["shaped"]["step_times_s"] == [2.0, 3.0, 4.0, 5.0]  # the slower worker's, phases 0 and 2
     assert timed["unshaped"]["median_step_s"] == pytest.approx(4.5) and timed["unshaped"]["loss"] == 3.0
 
+
+
+def test_steps_at_rates_interleave_every_rate_with_the_links_unshaped(tmp_path, monkeypatch):
+    """steps_at_rates without JAX or namespaces: one job, the links set to each rate then unshaped in turn, every
+    pass; per rate its own phases' steps, the host's part pooled over every unshaped phase; links restored."""
+    from testbed.cluster import netns
+    from testbed.cluster.step import UNSHAPED_RATE_BPS
+    from testbed.runner import on_cluster
+    from testbed.runner.link_phases import _wait_for
+
+    spec, scales, shapes = _spec(), [1e-4, 1e-3], []
+    monkeypatch.setattr(netns, "reshape", lambda _spec, _owner, scale: shapes.append(scale))
+
+    def launch(_spec, _owner, payload: dict, timeout_s=None) -> list[dict]:
+        out = []
+        for k, _ in enumerate(payload["phases"]):  # one worker; phase k's steps are k, k + 0.5
+            assert _wait_for(Path(payload["sync"]) / f"go-{k}", 10)
+            out.append([float(k), k + 0.5])
+            (Path(payload["sync"]) / f"done-{k}-0").touch()
+        return [{"phases": out, "loss": 1.0}]
+
+    monkeypatch.setattr(on_cluster, "cluster_launch", launch)
+    one = type("One", (), {"nodes": spec.nodes[:1], "links": spec.links, "scale": spec.scale})()
+    timed = on_cluster.steps_at_rates(one, "o", {"plan": 1}, 2, scales, rounds=2)
+    fast = UNSHAPED_RATE_BPS / min(link.rate_bps for link in spec.links) * spec.scale
+    assert timed["phases"] == ["rate-0", "unshaped", "rate-1", "unshaped"] * 2
+    assert shapes == [1e-4, fast, 1e-3, fast] * 2 + [spec.scale]
+    assert timed["rates"][0]["step_times_s"] == [0.0, 0.5, 4.0, 4.5]
+    assert timed["rates"][1]["step_times_s"] == [2.0, 2.5, 6.0, 6.5]
+    assert timed["unshaped"]["step_times_s"] == [1.0, 1.5, 3.0, 3.5, 5.0, 5.5, 7.0, 7.5]
 
 def _measurements(tmp_path, rows: list[dict]) -> str:
     spec = _spec()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
 
-__all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
+__all__ = ["ClusterUnavailable", "bucket_bytes", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
            "namespaces",
            "build", "reshape", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
            "ClusterInfo"]
@@ -191,15 +191,26 @@ def node_namespace(spec: ClusterSpec, owner: str, index: int) -> str:
 
 
 def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
-    """tbf on ``dev``'s egress: ``rate_bps``, a bucket of max(1 ms of rate, two frames), 50 ms of queue.
-
-    The bucket is what leaves at line speed after an idle spell, so it is kept small: a 64 KiB bucket (one
-    GSO packet whole, cheaper on CPU) let a 64 KiB all-gather at 30 Mb/s pass almost unshaped.
-    """
+    """tbf on ``dev``'s egress: ``rate_bps``, a bucket of :func:`bucket_bytes`, 50 ms of queue."""
     rate = max(int(rate_bps), 8000)
-    burst = max(rate // 8 // 1000, 2 * (mtu + 14))
     _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-          "burst", str(burst), "latency", "50ms"])
+          "burst", str(bucket_bytes(mtu)), "latency", "50ms"])
+
+
+def bucket_bytes(mtu: int) -> int:
+    """tbf's bucket on every link: two full frames at any rate, the least that passes a frame with slack.
+
+    The bucket is what leaves at line speed after an idle spell: tbf banks up to that many bytes of a link's
+    idle time and spends them at memory speed, which a real link cannot. gloo's ring leaves its links idle
+    between segments, so a larger bucket gives back part of that idle time, and more of it the larger the
+    bucket is against the calls: at 100 Mb/s and load ~9, one job (``benchmarks/cluster_runs/burst-probe.json``),
+    a 1 MiB all-reduce got 87% of the goodput with two frames, 92% with 12.5 KB (1 ms of rate, the bucket until
+    then) and 98% with 50 KB; a 64 KiB all-gather took 10.3, 5.9 and 5.2 ms (fastest calls), its 4.8 ms wire
+    the same. A 64 KiB bucket (one GSO packet) let a 64 KiB all-gather at 30 Mb/s pass almost unshaped. With
+    1 ms of rate the bucket was two frames at 10 Mb/s and eight at 100 Mb/s, so the rates differed in what
+    they hid; two frames everywhere is the link as it is, the same at every rate.
+    """
+    return 2 * (mtu + 14)
 
 
 def build(spec: ClusterSpec, owner: str) -> list[str]:
