@@ -194,23 +194,24 @@ def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
     """tbf on ``dev``'s egress: ``rate_bps``, a bucket of :func:`bucket_bytes`, 50 ms of queue."""
     rate = max(int(rate_bps), 8000)
     _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-          "burst", str(bucket_bytes(mtu)), "latency", "50ms"])
+          "burst", str(bucket_bytes(rate, mtu)), "latency", "50ms"])
 
 
-def bucket_bytes(mtu: int) -> int:
-    """tbf's bucket on every link: two full frames at any rate, the least that passes a frame with slack.
+def bucket_bytes(rate_bps: float, mtu: int) -> int:
+    """tbf's bucket on a link: two full frames, or 0.1 ms of the rate where that is more (above 240 Mb/s).
 
     The bucket is what leaves at line speed after an idle spell: tbf banks up to that many bytes of a link's
     idle time and spends them at memory speed, which a real link cannot. gloo's ring leaves its links idle
     between segments, so a larger bucket gives back part of that idle time, and more of it the larger the
-    bucket is against the calls: at 100 Mb/s and load ~9, one job (``benchmarks/cluster_runs/burst-probe.json``),
+    bucket is against the calls: at 100 Mb/s and load ~9, one job (``benchmarks/cluster_runs/bucket-probe.json``),
     a 1 MiB all-reduce got 87% of the goodput with two frames, 92% with 12.5 KB (1 ms of rate, the bucket until
     then) and 98% with 50 KB; a 64 KiB all-gather took 10.3, 5.9 and 5.2 ms (fastest calls), its 4.8 ms wire
-    the same. A 64 KiB bucket (one GSO packet) let a 64 KiB all-gather at 30 Mb/s pass almost unshaped. With
-    1 ms of rate the bucket was two frames at 10 Mb/s and eight at 100 Mb/s, so the rates differed in what
-    they hid; two frames everywhere is the link as it is, the same at every rate.
+    the same. With 1 ms of rate the bucket was two frames at 10 Mb/s but eight at 100 Mb/s, so the rates hid
+    different amounts of host time. Two frames at the emulated rates (10-100 Mb/s) is the link as it is; 0.1 ms
+    of the rate keeps the links set "unshaped" (10 Gb/s, :data:`testbed.cluster.step.UNSHAPED_RATE_BPS`) from
+    costing a timer per two frames (a bucket of 2.4 us there).
     """
-    return 2 * (mtu + 14)
+    return max(2 * (mtu + 14), int(rate_bps / 8 * 1e-4))
 
 
 def build(spec: ClusterSpec, owner: str) -> list[str]:
