@@ -41,14 +41,14 @@ def test_the_fit_recovers_the_costs_that_priced_the_rows():
     assert all(abs(r["error"]) < 0.02 for r in row_errors(spec, PROBE, fitted, _rows(spec, truth)))
 
 
-def test_the_fit_ignores_calls_under_64KiB():
+def test_the_fit_ignores_calls_under_4KiB():
     spec = _spec()
     truth = HostCosts(call_s=2e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec))
-    rows = _rows(spec, truth)
-    noisy = [{**r, "measured_s": r["measured_s"] * (5 if r["bytes"] < FIT_MIN_BYTES else 1)} for r in rows]
-    assert fit_host_costs(spec, PROBE, noisy).link_efficiency == pytest.approx(0.9, abs=0.006)
-    with pytest.raises(InputError, match="64|65536"):
-        fit_host_costs(spec, PROBE, [r for r in rows if r["bytes"] < FIT_MIN_BYTES])
+    tiny = [{**r, "bytes": 1024, "measured_s": r["measured_s"] * 5} for r in _rows(spec, truth) if r["bytes"] == 4096]
+    assert FIT_MIN_BYTES == 4096
+    assert fit_host_costs(spec, PROBE, _rows(spec, truth) + tiny).link_efficiency == pytest.approx(0.9, abs=0.006)
+    with pytest.raises(InputError, match="4096"):
+        fit_host_costs(spec, PROBE, tiny)
 
 
 def test_the_hidden_form_prices_each_round_as_the_longer_of_host_and_wire():
