@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from testbed.cluster import cluster_spec, netns
-from testbed.cluster.fit import HostProbe, emulated, fit_host_costs
+from testbed.cluster.fit import HostProbe, emulated, fit_from_bytes, fit_host_costs
 from testbed.cluster.step import calls_links, predict_step, step_calls
 from testbed.plan.io import load_plan, plan_to_dict
 from testbed.topology.io import load_topology
@@ -123,7 +123,7 @@ def predictions(doc: dict) -> list[dict]:
     for run in doc["runs"]:
         spec = _spec(topology, run["rate_mbps"])
         probe = HostProbe.from_dict(run["calibration"]["probe"])
-        costs = fit_host_costs(spec, probe, run["calibration"]["rows"])
+        costs = fit_host_costs(spec, probe, run["calibration"]["rows"], min_bytes=fit_from_bytes(run["calibration"]))
         calibrated = emulated(spec, probe, costs)
         for name, timed in run["steps"].items():
             plan = load_plan(str(PLAN_DIR / Path(name).name))

@@ -39,7 +39,7 @@ import sys
 import time
 
 from testbed.cluster import cluster_spec, netns
-from testbed.cluster.fit import FIT_MIN_BYTES, HostProbe, costs_at_rate, fit_host_costs, row_errors
+from testbed.cluster.fit import HostProbe, costs_at_rate, fit_from_bytes, fit_host_costs, row_errors
 from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.topology.io import load_topology
 
@@ -58,10 +58,12 @@ def _summary(rows: list[dict]) -> dict:
 
 
 def leave_one_rate_out(doc: dict, *, per_byte: bool = False, form: str = "added",
-                       min_bytes: int = FIT_MIN_BYTES) -> dict:
+                       min_bytes: int | None = None) -> dict:
     """Each rate's rows priced with the mean of the other rates' fitted costs (fitted in ``form`` on the rows of
-    ``min_bytes`` and up); per rate and overall."""
+    ``min_bytes`` and up; default: :func:`testbed.cluster.fit.fit_from_bytes`, by the run's bucket); per rate and
+    overall."""
     topology = load_topology(doc["topology"])
+    min_bytes = min_bytes or fit_from_bytes(doc["runs"][0])
     fits = {run["rate_mbps"]: fit_host_costs(_spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"]),
                                              run["rows"], form=form, min_bytes=min_bytes) for run in doc["runs"]}
     held, rows = [], []
@@ -83,7 +85,7 @@ def leave_one_rate_out(doc: dict, *, per_byte: bool = False, form: str = "added"
 #: the rounds' host cost hidden under their wire, and the headline fitted from 64 KiB (the headline of the runs
 #: whose links had a bucket of 1 ms of rate, 1-12: there the 4 KiB calls did not carry the larger calls' costs).
 VARIANTS = {"leave_one_rate_out_per_byte": {"per_byte": True},
-            "leave_one_rate_out_hidden_rounds": {"form": "hidden"},
+            "leave_one_rate_out_hidden_rounds": {"form": "hidden", "min_bytes": 2**12},
             "leave_one_rate_out_from_64KiB": {"min_bytes": 2**16}}
 
 
@@ -93,7 +95,8 @@ def refit(doc: dict) -> dict:
     own = []
     for run in doc["runs"]:
         spec, probe = _spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"])
-        own += row_errors(spec, probe, fit_host_costs(spec, probe, run["rows"]), run["rows"])
+        own += row_errors(spec, probe, fit_host_costs(spec, probe, run["rows"], min_bytes=fit_from_bytes(run)),
+                          run["rows"])
     return {"in_sample": _summary(own), "leave_one_rate_out": leave_one_rate_out(doc),
             **{key: leave_one_rate_out(doc, **kwargs) for key, kwargs in VARIANTS.items()}}
 

@@ -57,7 +57,7 @@ from testbed.collectives.timing import groups_time
 from testbed.errors import InputError
 from testbed.topology import Topology
 
-__all__ = ["FIT_MIN_BYTES", "FORMS", "HostProbe", "HostCosts", "emulated", "predict", "fit_host_costs", "costs_at_rate",
+__all__ = ["FIT_MIN_BYTES", "fit_from_bytes", "FORMS", "HostProbe", "HostCosts", "emulated", "predict", "fit_host_costs", "costs_at_rate",
            "price_rows", "row_errors"]
 
 #: The smallest call the fit uses (see the module doc): ``calibrate --cluster``'s tiny call.
@@ -67,6 +67,16 @@ FORMS = ("added", "hidden")
 _EFFICIENCIES = [round(0.40 + 0.005 * k, 3) for k in range(121)]  # 0.40 .. 1.00
 _OVERHEADS = np.arange(101) * 2e-5  # 0 .. 2 ms a round
 _CALLS = np.arange(121) * 2.5e-4  # 0 .. 30 ms a call
+
+#: Where the fit started for measurements that record no ``bucket_bytes``: taken on links with a bucket of 1 ms
+#: of rate, whose 4 KiB calls did not carry the larger calls' costs (the module doc).
+LEGACY_FIT_MIN_BYTES = 2**16
+
+
+def fit_from_bytes(measurements: Mapping[str, Any]) -> int:
+    """The smallest call to fit for a measurement (``calibrate --cluster``'s raw dict): :data:`FIT_MIN_BYTES` where
+    it records the links' bucket, :data:`LEGACY_FIT_MIN_BYTES` for the earlier measurements, refitted as they were."""
+    return FIT_MIN_BYTES if measurements.get("bucket_bytes") else LEGACY_FIT_MIN_BYTES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

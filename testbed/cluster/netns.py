@@ -203,13 +203,14 @@ def bucket_bytes(rate_bps: float, mtu: int) -> int:
     The bucket is what leaves at line speed after an idle spell: tbf banks up to that many bytes of a link's
     idle time and spends them at memory speed, which a real link cannot. gloo's ring leaves its links idle
     between segments, so a larger bucket gives back part of that idle time, and more of it the larger the
-    bucket is against the calls: at 100 Mb/s and load ~9, one job (``benchmarks/cluster_runs/bucket-probe.json``),
-    a 1 MiB all-reduce got 87% of the goodput with two frames, 92% with 12.5 KB (1 ms of rate, the bucket until
-    then) and 98% with 50 KB; a 64 KiB all-gather took 10.3, 5.9 and 5.2 ms (fastest calls), its 4.8 ms wire
-    the same. With 1 ms of rate the bucket was two frames at 10 Mb/s but eight at 100 Mb/s, so the rates hid
-    different amounts of host time. Two frames at the emulated rates (10-100 Mb/s) is the link as it is; 0.1 ms
-    of the rate keeps the links set "unshaped" (10 Gb/s, :data:`testbed.cluster.step.UNSHAPED_RATE_BPS`) from
-    costing a timer per two frames (a bucket of 2.4 us there).
+    bucket is against the calls. At 100 Mb/s, load ~12, one job (``benchmarks/cluster_bucket_probe.py``,
+    ``benchmarks/cluster_runs/bucket-probe-100mbps.json``): a 1 MiB all-reduce got 83%, 87% and 92% of the
+    goodput (median call) with buckets of two frames, 12.5 kB (1 ms of rate, the bucket until then) and
+    50 kB; a 64 KiB all-gather's fastest call took 8.1, 6.9 and 4.9 ms, its wire 4.8 ms at every bucket:
+    with 50 kB its host costs hid entirely. With 1 ms of rate the bucket was two frames at 10 Mb/s but eight at
+    100 Mb/s, so the rates hid different amounts of host time. Two frames at the emulated rates (10-100 Mb/s)
+    is the link as it is; 0.1 ms of the rate keeps the links set "unshaped" (10 Gb/s,
+    :data:`testbed.cluster.step.UNSHAPED_RATE_BPS`) from costing a timer per two frames (2.4 us there).
     """
     return max(2 * (mtu + 14), int(rate_bps / 8 * 1e-4))
 
