@@ -19,11 +19,11 @@ The prediction is the host's part plus what the links add
 (:mod:`testbed.cluster.step`): the collective calls the plan's compiled step
 makes (:func:`testbed.runner.on_cluster.program_calls`: XLA:CPU calls gloo
 once per buffer, 30 calls a step for ``dp8-small``'s gradients, 13 for
-``tp8-small``) priced one by one with each call's host part hidden under its
-wire (``predicted_s`` = ``by_call_overlapped_s``, what ``testbed validate
---cluster`` reports); beside it the same calls added (``by_call_added_s``)
-and the simulator's plan step on the calibrated topology less its step
-unshaped (``by_plan_added_s``). Per plan it also compares the slowest rate's
+``tp8-small``) priced one by one, added (``predicted_s`` = ``by_call_added_s``,
+what ``testbed validate --cluster`` reports); beside it the same calls with
+each call's host part hidden under its wire (``by_call_overlapped_s``, the
+prediction of steps runs 10-11) and the simulator's plan step on the
+calibrated topology less its step unshaped (``by_plan_added_s``). Per plan it also compares the slowest rate's
 step with the fastest's (measured and predicted ratio). The 1-minute load
 average is recorded beside every phase.
 
@@ -130,11 +130,11 @@ def predictions(doc: dict) -> list[dict]:
             calls = step_calls(programs[Path(name).name])
             prediction = predict_step(plan, calibrated, timed["unshaped"]["median_step_s"], calls)
             measured = timed["shaped"]["median_step_s"]
-            # The headline (predicted_s: the calls overlapped) is validate --cluster's; beside it the plan's links
-            # and the program's calls, added.
+            # The headline (predicted_s: the calls added) is validate --cluster's; beside it the plan's links
+            # added and the program's calls overlapped.
             others = {"by_plan_added": prediction.host_step_s + prediction.plan_links_s,
-                      "by_call_added": prediction.host_step_s + calls_links(calls, calibrated),
-                      "by_call_overlapped": prediction.predicted_s}
+                      "by_call_added": prediction.predicted_s,
+                      "by_call_overlapped": prediction.host_step_s + calls_links(calls, calibrated, overlap=True)}
             rows.append({"rate_mbps": run["rate_mbps"], "plan": plan.name, "measured_s": measured,
                          **prediction.to_dict(), "error": prediction.predicted_s / measured - 1,
                          "calls": len(calls), **{f"{k}_s": v for k, v in others.items()},
@@ -161,8 +161,8 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Step time against link rate per plan: measured (markers), predicted (line: the calls overlapped), the plan's
-    links added (dashed), the simulator alone (dotted)."""
+    """Step time against link rate per plan: measured (markers), predicted (line: the calls added), the calls
+    overlapped (dashed), the simulator alone (dotted)."""
     from testbed.viz.plots import pyplot, save_figure
 
     plt = pyplot()
@@ -172,8 +172,8 @@ def plot(rows: list[dict], path: str) -> None:
         rates = [r["rate_mbps"] for r in mine]
         ax.plot(rates, [r["measured_s"] for r in mine], "o", color=f"C{i}", label=f"{plan} measured")
         ax.plot(rates, [r["predicted_s"] for r in mine], "-", color=f"C{i}", label=f"{plan} predicted")
-        ax.plot(rates, [r["by_plan_added_s"] for r in mine], "--", color=f"C{i}", alpha=0.6,
-                label=f"{plan} host + plan links (added)")
+        ax.plot(rates, [r["by_call_overlapped_s"] for r in mine], "--", color=f"C{i}", alpha=0.6,
+                label=f"{plan} calls overlapped")
         ax.plot(rates, [r["simulated_s"] for r in mine], ":", color=f"C{i}", label=f"{plan} simulator alone")
     ax.set_xscale("log")
     ax.set_yscale("log")
