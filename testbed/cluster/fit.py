@@ -33,8 +33,8 @@ idle time of gloo's host gaps, so a 64 KiB all-reduce at 100 Mb/s ran at
 its wire time while a 4 KiB call took 8-16 ms, which no cost added per
 call or round could say. With the link as it is, the 4 KiB calls carry the
 costs the larger ones pay (held out, ``benchmarks/emulated_cluster.py``:
-23 of 24 sizes within 15% fitted from 4 KiB, 21-22 from 64 KiB, in the two
-runs so measured).
+22-23 of 24 sizes within 15% fitted from 4 KiB, 21-22 from 64 KiB, largest
+error 17.5-22.8% against 30.7-57.3%, in the three runs so measured).
 
 A second form of the same three costs is evaluated beside the additive one
 (``form="hidden"``, :func:`price_rows`; the simulator prices only the

@@ -22,15 +22,15 @@ topology (``T``) and on it unshaped (``U``, the call's host part: its per-call
 and per-round costs; the loopback wire is next to nothing): the links add
 ``T - U`` a call (:func:`calls_links`). On links shaped as they are (tbf's
 bucket two frames, :func:`testbed.cluster.netns.bucket_bytes`) this is
-within 15% at every step and both slow/fast ratios within 8% in both runs
-so measured (steps 12-13, load 11-16; docs/cluster.md).
+within 15% at every step and both slow/fast ratios within 8% in the three
+runs so measured (steps 12-14, load 11-16; docs/cluster.md).
 
 A reading with each call's host part hidden under its wire (``max(U, T -
 U)`` a call, ``overlap``) was the prediction while the bucket was 1 ms of
 rate (steps runs 10-11): that bucket gave the links back up to 1 ms of the
 host's idle time per spell, which the reading stood in for. With the link
-as it is it hides too much (tp8 at 100 Mb/s -29% and -34%, its ratio +38%
-and +51%), and ``benchmarks/cluster_steps.py`` reports it beside.
+as it is it hides too much (tp8 at 100 Mb/s -29% to -37%, its ratio +38% to
++60%), and ``benchmarks/cluster_steps.py`` reports it beside.
 
 Without the calls (or for comparison) the links are the simulator's plan
 step on the calibrated topology less its step unshaped, host costs added
