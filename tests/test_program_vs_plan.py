@@ -122,19 +122,28 @@ _FSDP_TPU_GAP = ("1.37 with both sides' collectives merged alike (the same count
                  "hoisting collectives as XLA's scheduler does gives 1.18 (docs/program.md)")
 
 
-@pytest.mark.parametrize(("layers", "fsdp", "topology"), [
-    (2, 1024, "dgx-h100-superpod"),
-    pytest.param(4, 16, "tpu-v5e-4x4", marks=pytest.mark.xfail(strict=True, reason=_FSDP_TPU_GAP)),
+_FSDP_EVEN_SPLIT = ("0.873: the same collectives and bytes on both sides, but the plan's model prices a block's "
+                    "gathers and reduce-scatters as its count of equal shares of the chunk's bytes, where the runner's "
+                    "merges differ in size (the head's and the embedding's tables one each, the layers' smaller): at "
+                    "1024 ranks a collective's time is latency-bound, concave in its bytes, so equal shares cost more "
+                    "(gather stream 73.0 ms against 68.4, reduce-scatters 40.1 against 37.7)")
+
+
+@pytest.mark.parametrize(("layers", "fsdp", "topology", "d_model", "precision"), [
+    (2, 1024, "dgx-h100-superpod", 1024, "fp32"),
+    pytest.param(2, 1024, "dgx-h100-superpod", 2048, "bf16-mixed",
+                 marks=pytest.mark.xfail(strict=True, reason=_FSDP_EVEN_SPLIT)),
+    pytest.param(4, 16, "tpu-v5e-4x4", 1024, "fp32", marks=pytest.mark.xfail(strict=True, reason=_FSDP_TPU_GAP)),
 ])
-def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str) -> None:
-    """fsdp over a whole topology in fp32: both sides merge the parameter gathers and the gradient reduce-scatters
+def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, precision: str) -> None:
+    """fsdp over a whole topology (fp32, and d_model 2048 in bf16-mixed): both sides merge the parameter gathers and the gradient reduce-scatters
     within one bound (testbed.model.leaves.combine_limit: XLA's default 30 MiB), so the traced step's merged
     gathers of the later blocks run while the first block computes, as the plan's model prefetches block by
     block, and its merged reduce-scatters overlap the backward as the plan's buckets do."""
-    plan = Plan(name=f"fsdp{fsdp}", model=ModelSpec(layers=layers, d_model=1024, heads=16, d_ff=4096, seq_len=1024,
-                                                     vocab=32768),
+    plan = Plan(name=f"fsdp{fsdp}", model=ModelSpec(layers=layers, d_model=d_model, heads=16, d_ff=4 * d_model,
+                                                     seq_len=1024, vocab=32768),
                 batch=BatchSpec(global_batch=fsdp), mesh=MeshSpec(fsdp=fsdp), schedule=ScheduleSpec(name="1f1b"),
-                precision="fp32", remat="none")
+                precision=precision, remat="none")
     traced, planned, _, _ = _both(plan, topology)
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
