@@ -137,9 +137,9 @@ _FSDP_EVEN_SPLIT = ("0.873: the same collectives and bytes on both sides, but th
 ])
 def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, precision: str) -> None:
     """fsdp over a whole topology (fp32, and d_model 2048 in bf16-mixed): both sides merge the parameter gathers
-    and the gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit: XLA's default 30 MiB), so the traced step's merged
-    gathers of the later blocks run while the first block computes, as the plan's model prefetches block by
-    block, and its merged reduce-scatters overlap the backward as the plan's buckets do."""
+    and the gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit: XLA's default 30 MiB),
+    so the traced step's merged gathers of the later blocks run while the first block computes, as the plan's
+    model prefetches block by block, and its merged reduce-scatters overlap the backward as the plan's buckets do."""
     plan = Plan(name=f"fsdp{fsdp}", model=ModelSpec(layers=layers, d_model=d_model, heads=16, d_ff=4 * d_model,
                                                      seq_len=1024, vocab=32768),
                 batch=BatchSpec(global_batch=fsdp), mesh=MeshSpec(fsdp=fsdp), schedule=ScheduleSpec(name="1f1b"),
