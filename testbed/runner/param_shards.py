@@ -193,13 +193,13 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
     """
     meta: dict[str, Any] = {}
 
-    def run(params: Any, batch: tuple[jax.Array, ...], full: Any) -> Any:
-        out = fn(full, *batch)
+    def tied(out: Any) -> Any:
         return (out, jnp.zeros((1,), jnp.float32)) if linked else out
 
     @jax.custom_vjp
     def piece(params: Any, batch: tuple[jax.Array, ...], link: jax.Array | None) -> Any:
-        return run(params, batch, gather(params))
+        # ``link`` is not read: it is an input only so that its cotangent reaches the piece before this one.
+        return tied(fn(gather(params), *batch))
 
     def forward(params: Any, batch: tuple[jax.Array, ...], link: jax.Array | None) -> tuple[Any, Any]:
         full = gather(params)
@@ -208,7 +208,7 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
         where = {id(w): i for i, w in enumerate(jax.tree.leaves(full)) if again[i]}
         meta["gathered"] = {j: where[id(x)] for j, x in enumerate(leaves) if id(x) in where}
         kept = [x for j, x in enumerate(leaves) if j not in meta["gathered"]]
-        return ((out, jnp.zeros((1,), jnp.float32)) if linked else out), (params, kept)
+        return tied(out), (params, kept)
 
     def backward(res: Any, cts: Any) -> tuple[Any, Any, Any]:
         params, kept = res
