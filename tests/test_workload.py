@@ -95,6 +95,18 @@ def test_an_independent_collective_overlaps_compute_a_needed_one_blocks() -> Non
     assert hidden.exposed_comm_s < blocked.exposed_comm_s
 
 
+def test_a_matmul_that_reads_a_gather_waits_for_it_and_the_matmuls_before_it_do_not() -> None:
+    """Two gathers issued first (their operands are arguments: FSDP's forward); the first layer's matmul reads the
+    first, the second layer's the second. The first matmul starts when its own gather is done, not when the second
+    (larger) one is, though no collective stands between the two matmuls in program order."""
+    topology = load_topology("tpu-v5e-4x4")
+    ops = [reduce((), nbytes=1e6, group=16, op="all_gather"), reduce((), nbytes=4e8, group=16, op="all_gather"),
+           gemm((0,)), gemm((1, 2))]
+    program = workload_program(workload(ops, mesh={"data": 16}), topology)
+    computes = [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
+    assert [t.deps for t in computes] == [(0,), (1, 2)]
+
+
 def test_the_mesh_must_fill_the_topology() -> None:
     with pytest.raises(InputError, match="give a mesh whose sizes multiply to 8"):
         simulate_workload(workload([gemm()], mesh={"data": 4}), load_topology("dgx-h100"))

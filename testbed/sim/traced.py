@@ -5,7 +5,10 @@ representative (device 0 of the mesh) and :attr:`Program.representative` maps ev
 plan-driven simulation does for a step without pipeline stages. Its ops become tasks:
 
 - compute: the ops between two consecutive collectives (in program order) are one *segment* on the
-  ``compute`` stream, priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
+  ``compute`` stream, and a matmul that reads a collective's result the segment has not yet read starts a new
+  one (a matmul is a kernel of its own; the compute before it need not wait for that collective: FSDP's
+  forward, whose gathers all come first, computes each layer once its own gathers are done). Each segment is
+  priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
   convolutions (``gemms``: the calibration's GEMM shape model, or its FLOPs roofline), and its
   memory-bound ops' ``hbm_bytes``: with the calibration's ``elementwise`` group a second task after the
   matmuls, one pass per counted byte at the calibrated memory bandwidth (:func:`memory_seconds`);
@@ -131,9 +134,15 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
         segment.clear()
         pending.clear()
 
+    waited: set[int] = set()  # collectives the open segment reads
     for i, op in enumerate(workload.ops):
         done.append(())
         if op.kind is not OpKind.COLLECTIVE:
+            reads = {d for d in op.deps if workload.ops[d].kind is OpKind.COLLECTIVE}
+            if op.kind is OpKind.GEMM and reads - waited:  # a new kernel that waits for that collective
+                close()
+                waited.clear()
+            waited.update(reads)
             segment.append(i)
             pending.append(i)
             continue
