@@ -795,3 +795,27 @@ def test_calibrate_table_is_grouped_and_says_which_groups_are_absent():
     absent = {g: v for g, f, v in calibration_rows(gpu) if not f}
     assert set(absent) == {"elementwise", "host", "controller"} and all(v.startswith("absent") for v in absent.values())
     json.dumps(host), json.dumps(gpu)
+
+
+def test_calibrate_keeps_one_matmuls_half_beside_the_steps_refit_half(tmp_path):
+    """The training steps refit ``compute.efficiency_half_flops`` (it prices a plan's uncounted work between its
+    matmuls too); the matmul samples' own half is kept as ``matmul_half_flops`` (a traced program's kernels'),
+    and only then: without steps the one half is the matmul samples'."""
+    from testbed.sim.engine import simulate
+
+    base = load_topology("host-cpu-8")
+    samples = _synthetic_measurements(base)  # matmuls: half 2e6
+    plain, _, _ = calibrated.fit_all(base, samples)
+    assert plain.calibration.compute.matmul_half_flops is None
+    assert plain.calibration.compute.efficiency_half_flops == pytest.approx(2e6, rel=1e-6)
+    assert plain.calibration.compute.kernel_half_flops == plain.calibration.compute.efficiency_half_flops
+    truth = replace(plain, calibration=plain.calibration.updated(compute={"efficiency": 0.3,
+                                                                          "efficiency_half_flops": 4e7}))
+    steps = [Sample(kind="step", op=name, devices=8, seconds=simulate(cal_steps.step_plan(name, 8), truth)
+                    .report.step_time_s) for name in ("cpu-s", "cpu-m", "cpu-l")]
+    fitted, _, _ = calibrated.fit_all(base, samples + steps)
+    compute = fitted.calibration.compute
+    assert compute.matmul_half_flops == pytest.approx(2e6, rel=1e-6) == compute.kernel_half_flops
+    assert compute.efficiency_half_flops > 1e7  # the steps' (their truth: 4e7)
+    (tmp_path / "t.yaml").write_text(dump_topology(fitted))
+    assert load_topology(str(tmp_path / "t.yaml")).calibration.compute == compute
