@@ -819,3 +819,23 @@ def test_calibrate_keeps_one_matmuls_half_beside_the_steps_refit_half(tmp_path):
     assert compute.efficiency_half_flops > 1e7  # the steps' (their truth: 4e7)
     (tmp_path / "t.yaml").write_text(dump_topology(fitted))
     assert load_topology(str(tmp_path / "t.yaml")).calibration.compute == compute
+
+
+def test_fit_step_compute_leaves_the_controllers_host_time_out_of_the_compute():
+    """A step's time beyond its compute (the controller preparing and dispatching it, exposed communication) is
+    what the simulator adds on top: the fit takes it from the simulated step, so steps whose host time is a
+    large share (small models) do not inflate the compute curve."""
+    from testbed.sim.engine import simulate
+
+    base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+                                          memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
+    single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
+    single = replace(single, calibration=single.calibration.updated(controller={"step_s": 4e-3, "overhead_s": 1e-4}))
+    truth = replace(single, calibration=single.calibration.updated(compute={"efficiency": 0.4,
+                                                                            "efficiency_half_flops": 3e6}))
+    samples = [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
+               for name in ("cpu-xxs", "cpu-s", "cpu-m", "cpu-l")]
+    efficiency, half, _, _, fit = cal_steps.fit_step_compute(single, samples)
+    assert efficiency == pytest.approx(0.4, rel=0.03)
+    assert half == pytest.approx(3e6, rel=0.3)
+    assert fit.max_abs_rel < 0.02

@@ -226,6 +226,10 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
     if controller is not None:  # its buffer cost: real steps' when they tell it, else the empty programs'
         controller_step_s, controller_s, pipeline_step_s, buffer_s, controller_fit = controller
         fits.append(controller_fit)
+    if controller is not None or buffer_s:  # the steps' own host time is the controller's, not their compute
+        topo = replace(topo, calibration=topo.calibration.updated(controller={
+            "overhead_s": controller_s, "step_s": controller_step_s, "pipeline_step_s": pipeline_step_s,
+            "buffer_s": buffer_s}))
     steps = cal_steps.fit_step_compute(topo, samples)
     efficiency, scales, passes, matmul_half = None, None, (0.0, 0.0, 0.0), None
     if steps is not None:  # the steps refit the half; one matmul alone keeps its own (traced programs')
