@@ -787,11 +787,13 @@ def test_calibrate_table_is_grouped_and_says_which_groups_are_absent():
     assert [g for g in dict.fromkeys(g for g, _, _ in rows)] == [
         "device", "compute", "memory", "elementwise", "collectives", "links", "host", "controller"]
     assert ("controller", "buffer_s") in {(g, f) for g, f, _ in rows}
+    assert ("compute", "matmul_half_flops") in {(g, f) for g, f, _ in rows}  # host-cpu-8 keeps one matmul's half
     # A GPU whose calibration found no elementwise passes (the bundled dgx-h100 assumes 2: docs/validation.md)
     h100 = load_topology("dgx-h100")
     h100 = replace(h100, calibration=h100.calibration.updated(elementwise=None))
     gpu = fitted_values(h100, shared=0.0, rates={"bf16": 6e14}, memory_bandwidth=3e12)
     assert gpu["calibration"]["host"] is None and gpu["host_cores"] == 0 and gpu["controller_overhead_s"] == 0.0
+    assert "matmul_half_flops" not in {f for _, f, _ in calibration_rows(gpu)}
     absent = {g: v for g, f, v in calibration_rows(gpu) if not f}
     assert set(absent) == {"elementwise", "host", "controller"} and all(v.startswith("absent") for v in absent.values())
     json.dumps(host), json.dumps(gpu)
