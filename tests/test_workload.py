@@ -209,7 +209,9 @@ def test_bf16_matmuls_run_in_fp32_between_converts_where_the_devices_compiler_do
         assert sum(t.hbm_bytes for t in computes) == converts
         priced = price_workload(program, topology, w.dtype)
         matmul = next(i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and t.flops > 0)
-        assert priced.durations[matmul] == pytest.approx(compute_seconds(topology, dtype, g.flops, 0.0, 1,
+        kernels = replace(topology, calibration=topology.calibration.updated(  # a traced kernel's half
+            compute={"efficiency_half_flops": topology.calibration.compute.kernel_half_flops}))
+        assert priced.durations[matmul] == pytest.approx(compute_seconds(kernels, dtype, g.flops, 0.0, 1,
                                                                          gemms=(g,)), rel=1e-12)
     # fp32 programs are priced alike on both
     w32 = replace(w, dtype="fp32")
@@ -227,3 +229,41 @@ def test_a_bad_bf16_matmuls_names_the_field(value) -> None:
     with pytest.raises(InputError) as info:
         topology_from_dict(data)
     assert info.value.field == "device.bf16_matmuls" and "native, fp32" in info.value.message
+
+
+def test_a_traced_kernel_takes_one_matmuls_half_where_calibrate_measured_it() -> None:
+    """host-cpu-8's steps-refitted half (14.4 MFLOP) prices GPT's uncounted work between its matmuls; a traced
+    program counts its memory-bound ops itself, so each of its kernels takes one matmul's own half
+    (``compute.matmul_half_flops``, calibrate's matmul samples): F + n h over the calibrated rate. Without
+    the field the steps' half, as plans are priced."""
+    from dataclasses import replace
+
+    from testbed.sim.compute import compute_seconds
+    from testbed.sim.traced import price_workload
+
+    host = load_topology("host-cpu-8")
+    compute = host.calibration.compute
+    assert compute.matmul_half_flops is not None and compute.matmul_half_flops < compute.efficiency_half_flops / 10
+    steps = replace(host, calibration=host.calibration.updated(compute={"matmul_half_flops": None}))
+    w = replace(workload([gemm(m=64, n=64, k=64), gemm((0,), m=8, n=16, k=32), gemm((1,), m=256, n=512, k=128)]),
+                dtype="fp32")
+    flops = sum(op.flops for op in w.ops)
+    rate = compute.efficiency * host.device.sustained_flops("fp32")
+    for topology, half in ((host, compute.matmul_half_flops), (steps, compute.efficiency_half_flops)):
+        program = workload_program(w, topology)
+        (matmuls,) = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE]
+        seconds = price_workload(program, topology, "fp32").durations[matmuls]
+        assert seconds == pytest.approx(compute.launch_overhead_s + (flops + 3 * half) / rate, rel=1e-9)
+    # plan-driven pricing keeps the steps' half
+    assert compute_seconds(host, "fp32", flops, 0.0, 3) == compute_seconds(steps, "fp32", flops, 0.0, 3)
+
+
+@pytest.mark.parametrize("value", [-1.0, "x", True])
+def test_a_bad_matmul_half_flops_names_the_field(value) -> None:
+    from testbed.topology.io import topology_from_dict, topology_to_dict
+
+    data = topology_to_dict(load_topology("host-cpu-8"))
+    data["calibration"]["compute"]["matmul_half_flops"] = value
+    with pytest.raises(InputError) as info:
+        topology_from_dict(data)
+    assert "calibration.compute.matmul_half_flops" in str(info.value)

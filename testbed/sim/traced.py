@@ -227,7 +227,14 @@ def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
 
     ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
     pays it per action, each a program; a traced step is one program, so only its first compute task does.
+    Its kernels take the size curve's half-efficiency FLOPs of one matmul alone
+    (``compute.kernel_half_flops``): a plan's, refitted to training steps, also prices the work between its
+    matmuls that a plan does not count, which a traced program counts itself (its memory-bound ops).
     """
+    compute = topology.calibration.compute
+    if compute.kernel_half_flops != compute.efficiency_half_flops:
+        topology = replace(topology, calibration=topology.calibration.updated(
+            compute={"efficiency_half_flops": compute.kernel_half_flops}))
     priced = price(program, topology, matmul_dtype(topology, dtype))
     launch = topology.calibration.compute.launch_overhead_s
     durations = list(priced.durations)
