@@ -36,8 +36,9 @@ SPLASH = "splash"
 
 def splash_kernel(plan: Plan) -> bool:
     """Whether the plan's flash attention runs in the splash kernel (its backward workspace is
-    :func:`splash_workspace`, not the runner's flash scan)."""
-    return plan.runtime.attention_kernel == SPLASH
+    :func:`splash_workspace`, not the runner's flash scan). Not under context parallelism: the ring's steps
+    carry fp32 dq, dK and dV accumulators across the kernel's calls whatever the kernel."""
+    return plan.runtime.attention_kernel == SPLASH and plan.mesh.context == 1
 
 
 def splash_workspace(plan: Plan) -> int:
