@@ -17,9 +17,9 @@ import runs  # noqa: E402
 
 
 def _plan(kernel: str = "splash", *, seq: int = 4096, batch: int = 8, fsdp: int = 8, prefetch: int = 1,
-          attention: str = "flash", preset: str = "llama3-8b"):
+          attention: str = "flash", preset: str = "llama3-8b", context: int = 1):
     spec = {"name": "t", "model": {"preset": preset, "seq_len": seq, "attention": attention},
-            "batch": {"global_batch": batch, "microbatches": 1}, "mesh": {"fsdp": fsdp}, "precision": "bf16-mixed",
+            "batch": {"global_batch": batch, "microbatches": 1}, "mesh": {"fsdp": fsdp, "context": context}, "precision": "bf16-mixed",
             "remat": "full", "runtime": {"profile": "xla", "attention_kernel": kernel, "fsdp_prefetch": prefetch}}
     return plan_from_dict(spec, default_name="t")
 
@@ -44,10 +44,13 @@ def test_splash_workspace_is_dq_dk_dv_and_two_fp32_rows_per_head() -> None:
 
 
 def test_the_kernel_only_changes_flash_attention() -> None:
-    """Plain attention materialises its scores whatever the kernel's name; the runner's kernel keeps its scan."""
+    """Plain attention materialises its scores whatever the kernel's name; the runner's kernel keeps its scan, and
+    so does a context-parallel ring (its steps carry fp32 accumulators whatever the kernel)."""
     plain, plain_splash = _plan("runner", attention="plain", seq=1024), _plan(attention="plain", seq=1024)
     assert memory._attention_workspace(plain) == memory._attention_workspace(plain_splash)
     assert memory._attention_workspace(_plan("runner")) == memory._flash_workspace(_plan("runner"))
+    ring, ring_splash = _plan("runner", fsdp=4, context=2), _plan(fsdp=4, context=2)
+    assert memory._attention_workspace(ring_splash) == memory._attention_workspace(ring) > splash_workspace(ring)
 
 
 def test_a_layers_backward_holds_that_layer_and_the_next_gathered() -> None:
