@@ -1,25 +1,31 @@
 """The step study: data- and tensor-parallel training steps on an emulated 4-node cluster at three link rates.
 
-For each rate (default 10, 30, 100 Mb/s; ``eth-4x2`` scaled) this builds the
-cluster and, as ``testbed calibrate --cluster`` does, probes it and times
-collectives to fit gloo's host costs (:mod:`testbed.cluster.fit`), giving the
-calibrated topology. Then, as ``testbed validate --cluster`` does, for each
-plan (``benchmarks/cluster_plans``: a 0.5 M-parameter GPT, ``mesh: {data:
-8}`` and ``mesh: {tensor: 8}``) it times ``--steps`` steps on the shaped
-links and again on the same links unshaped (the host's part), ``--rounds``
-times over in one job (:mod:`testbed.runner.link_phases`: the same processes
-and compiled program, shaped and unshaped interleaved), and predicts
-the shaped step as the host's part plus what the links add
+One cluster (``eth-4x2`` scaled; rates default 10, 30, 100 Mb/s). As
+``testbed calibrate --cluster`` does, it probes the cluster and times
+collectives to fit gloo's host costs (:mod:`testbed.cluster.fit`) at every
+rate, in one job, the links reshaped between rates; that gives each rate's
+calibrated topology. Then per plan (``benchmarks/cluster_plans``: a
+0.5 M-parameter GPT, ``mesh: {data: 8}`` and ``mesh: {tensor: 8}``) one job
+times ``--steps`` steps at each rate and with the links unshaped (the
+host's part) in turn, ``rate-0, unshaped, rate-1, unshaped, ...``,
+``--rounds`` passes (:func:`testbed.runner.on_cluster.steps_at_rates`): the
+same processes and compiled program at every rate, so a change of load
+reaches all of them, and the slow/fast ratio compares steps timed minutes
+apart at most. ``--separate`` times as until steps run 10: one cluster and
+job per rate and plan, shaped and unshaped interleaved, each rate in its own
+minutes. Each step is the slowest process's; a phase's median is reported.
+
+The prediction is the host's part plus what the links add
 (:mod:`testbed.cluster.step`): the collective calls the plan's compiled step
 makes (:func:`testbed.runner.on_cluster.program_calls`: XLA:CPU calls gloo
 once per buffer, 30 calls a step for ``dp8-small``'s gradients, 13 for
-``tp8-small``) priced one by one with each call's host part hidden under its
-wire (``predicted_s`` = ``by_call_overlapped_s``, what ``testbed validate
---cluster`` reports); beside it the same calls added (``by_call_added_s``)
-and the simulator's plan step on the calibrated topology less its step
-unshaped (``by_plan_added_s``, the prediction until steps run 10). Per plan it also
-compares the slowest rate's step with the fastest's (measured and predicted
-ratio). The 1-minute load average is recorded beside every measurement.
+``tp8-small``) priced one by one, added (``predicted_s`` = ``by_call_added_s``,
+what ``testbed validate --cluster`` reports); beside it the same calls with
+each call's host part hidden under its wire (``by_call_overlapped_s``, the
+prediction of steps runs 10-11) and the simulator's plan step on the
+calibrated topology less its step unshaped (``by_plan_added_s``). Per plan it also compares the slowest rate's
+step with the fastest's (measured and predicted ratio). The 1-minute load
+average is recorded beside every phase.
 
 Needs root or CAP_NET_ADMIN. Prints one JSON object. Goal (issue 37): steps
 within 15%, the slow/fast ratio within 15%. ``--refit FILE`` recomputes the
@@ -37,7 +43,7 @@ import time
 from pathlib import Path
 
 from testbed.cluster import cluster_spec, netns
-from testbed.cluster.fit import HostProbe, emulated, fit_host_costs
+from testbed.cluster.fit import HostProbe, emulated, fit_from_bytes, fit_host_costs
 from testbed.cluster.step import calls_links, predict_step, step_calls
 from testbed.plan.io import load_plan, plan_to_dict
 from testbed.topology.io import load_topology
@@ -59,6 +65,8 @@ def program_calls(name: str) -> list[dict]:
 
 
 def measure(rates: list[float], plans: list[str], steps: int, rounds: int = 2) -> dict:
+    """One job per rate and plan (the method until steps run 10): each rate's cluster built, calibrated and its
+    plans timed in turn, so each rate carries the load of its own minutes."""
     from testbed.runner.cluster_calibrate import measure as measure_collectives
     from testbed.runner.on_cluster import host_and_shaped_steps
 
@@ -73,9 +81,37 @@ def measure(rates: list[float], plans: list[str], steps: int, rounds: int = 2) -
         runs.append({"rate_mbps": rate, "calibration": calibration, "steps": timed})
         print(json.dumps({"rate_mbps": rate, "load": {p: t["load"] for p, t in timed.items()}}), file=sys.stderr,
               flush=True)
+    return _document(plans, steps, rounds, runs, "one job per rate and plan")
+
+
+def measure_interleaved(rates: list[float], plans: list[str], steps: int, rounds: int = 2) -> dict:
+    """The rates interleaved (the default): one cluster; its collectives at every rate in one job
+    (:func:`testbed.runner.cluster_calibrate.measure_interleaved`, one pass); per plan one job timing every
+    rate and the links unshaped in turn, ``rounds`` passes (:func:`testbed.runner.on_cluster.steps_at_rates`).
+    A change of load then reaches every rate of a plan alike, and the host's part pools every unshaped phase."""
+    from testbed.runner.cluster_calibrate import measure_interleaved as collectives_interleaved
+    from testbed.runner.on_cluster import steps_at_rates
+
+    topology = load_topology(TOPOLOGY)
+    specs = [_spec(topology, rate) for rate in rates]
+    with netns.ephemeral(specs[0]) as owner:
+        calibrations = collectives_interleaved(specs[0], owner, [s.scale for s in specs], rounds=1, max_call_s=1.5)
+        timed = {}
+        for name in plans:
+            timed[name] = steps_at_rates(specs[0], owner, plan_to_dict(load_plan(str(PLAN_DIR / name))), steps,
+                                         [s.scale for s in specs], rounds=rounds)
+            print(json.dumps({"plan": name, "load": timed[name]["load"]}), file=sys.stderr, flush=True)
+    runs = [{"rate_mbps": rate, "calibration": calibrations[i],
+             "steps": {name: {"shaped": t["rates"][i], "unshaped": t["unshaped"], "load": t["load"],
+                              "phases": t["phases"]} for name, t in timed.items()}}
+            for i, rate in enumerate(rates)]
+    return _document(plans, steps, rounds, runs, "rates interleaved: one job per plan")
+
+
+def _document(plans: list[str], steps: int, rounds: int, runs: list[dict], method: str) -> dict:
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return {"measured": f"{when}, nice {os.nice(0)}, load average {os.getloadavg()[0]:.1f}", "topology": TOPOLOGY,
-            "plans": plans, "steps": steps, "rounds": rounds, "runs": runs,
+    return {"measured": f"{when}, nice {os.nice(0)}, load average {os.getloadavg()[0]:.1f}", "method": method,
+            "topology": TOPOLOGY, "plans": plans, "steps": steps, "rounds": rounds, "runs": runs,
             "calls": {name: program_calls(name) for name in plans}}
 
 
@@ -87,18 +123,18 @@ def predictions(doc: dict) -> list[dict]:
     for run in doc["runs"]:
         spec = _spec(topology, run["rate_mbps"])
         probe = HostProbe.from_dict(run["calibration"]["probe"])
-        costs = fit_host_costs(spec, probe, run["calibration"]["rows"])
+        costs = fit_host_costs(spec, probe, run["calibration"]["rows"], min_bytes=fit_from_bytes(run["calibration"]))
         calibrated = emulated(spec, probe, costs)
         for name, timed in run["steps"].items():
             plan = load_plan(str(PLAN_DIR / Path(name).name))
             calls = step_calls(programs[Path(name).name])
             prediction = predict_step(plan, calibrated, timed["unshaped"]["median_step_s"], calls)
             measured = timed["shaped"]["median_step_s"]
-            # The headline (predicted_s: the calls overlapped) is validate --cluster's; beside it the plan's links
-            # and the program's calls, added.
+            # The headline (predicted_s: the calls added) is validate --cluster's; beside it the plan's links
+            # added and the program's calls overlapped.
             others = {"by_plan_added": prediction.host_step_s + prediction.plan_links_s,
-                      "by_call_added": prediction.host_step_s + calls_links(calls, calibrated),
-                      "by_call_overlapped": prediction.predicted_s}
+                      "by_call_added": prediction.predicted_s,
+                      "by_call_overlapped": prediction.host_step_s + calls_links(calls, calibrated, overlap=True)}
             rows.append({"rate_mbps": run["rate_mbps"], "plan": plan.name, "measured_s": measured,
                          **prediction.to_dict(), "error": prediction.predicted_s / measured - 1,
                          "calls": len(calls), **{f"{k}_s": v for k, v in others.items()},
@@ -125,8 +161,8 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Step time against link rate per plan: measured (markers), predicted (line: the calls overlapped), the plan's
-    links added (dashed), the simulator alone (dotted)."""
+    """Step time against link rate per plan: measured (markers), predicted (line: the calls added), the calls
+    overlapped (dashed), the simulator alone (dotted)."""
     from testbed.viz.plots import pyplot, save_figure
 
     plt = pyplot()
@@ -136,8 +172,8 @@ def plot(rows: list[dict], path: str) -> None:
         rates = [r["rate_mbps"] for r in mine]
         ax.plot(rates, [r["measured_s"] for r in mine], "o", color=f"C{i}", label=f"{plan} measured")
         ax.plot(rates, [r["predicted_s"] for r in mine], "-", color=f"C{i}", label=f"{plan} predicted")
-        ax.plot(rates, [r["by_plan_added_s"] for r in mine], "--", color=f"C{i}", alpha=0.6,
-                label=f"{plan} host + plan links (added)")
+        ax.plot(rates, [r["by_call_overlapped_s"] for r in mine], "--", color=f"C{i}", alpha=0.6,
+                label=f"{plan} calls overlapped")
         ax.plot(rates, [r["simulated_s"] for r in mine], ":", color=f"C{i}", label=f"{plan} simulator alone")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -154,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="10,30,100", help="link rates in Mb/s (default 10,30,100)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per phase after the first (default 4)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="shaped-then-unshaped phases per plan, in one job (default 2: 2 x --steps steps each)")
+                        help="passes over the phases per plan, in one job (default 2: 2 x --steps steps each)")
+    parser.add_argument("--separate", action="store_true",
+                        help="one job per rate and plan (the method until steps run 10) instead of the rates "
+                             "interleaved in one job per plan")
     parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
     parser.add_argument("--refit", default=None, metavar="FILE", help="only the predictions of a saved --save file")
     parser.add_argument("--png", default=None, help="plot step time against link rate")
@@ -167,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(json.dumps({"skipped": problem}))
             return 0
-        doc = measure([float(r) for r in args.rates.split(",")], PLANS, args.steps, args.rounds)
+        timing = measure if args.separate else measure_interleaved
+        doc = timing([float(r) for r in args.rates.split(",")], PLANS, args.steps, args.rounds)
         if args.save:
             Path(args.save).write_text(json.dumps(doc, indent=1))
     rows = predictions(doc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -40,14 +41,14 @@ def test_the_fit_recovers_the_costs_that_priced_the_rows():
     assert all(abs(r["error"]) < 0.02 for r in row_errors(spec, PROBE, fitted, _rows(spec, truth)))
 
 
-def test_the_fit_ignores_calls_under_64KiB():
+def test_the_fit_ignores_calls_under_4KiB():
     spec = _spec()
     truth = HostCosts(call_s=2e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec))
-    rows = _rows(spec, truth)
-    noisy = [{**r, "measured_s": r["measured_s"] * (5 if r["bytes"] < FIT_MIN_BYTES else 1)} for r in rows]
-    assert fit_host_costs(spec, PROBE, noisy).link_efficiency == pytest.approx(0.9, abs=0.006)
-    with pytest.raises(InputError, match="64|65536"):
-        fit_host_costs(spec, PROBE, [r for r in rows if r["bytes"] < FIT_MIN_BYTES])
+    tiny = [{**r, "bytes": 1024, "measured_s": r["measured_s"] * 5} for r in _rows(spec, truth) if r["bytes"] == 4096]
+    assert FIT_MIN_BYTES == 4096
+    assert fit_host_costs(spec, PROBE, _rows(spec, truth) + tiny).link_efficiency == pytest.approx(0.9, abs=0.006)
+    with pytest.raises(InputError, match="4096"):
+        fit_host_costs(spec, PROBE, tiny)
 
 
 def test_the_hidden_form_prices_each_round_as_the_longer_of_host_and_wire():
@@ -118,15 +119,15 @@ def test_a_step_is_the_host_part_plus_what_the_links_add():
     assert step.links_s > 0
     fast = predict_step(plan, emulated(_spec(100.0), PROBE, costs), host_step_s=0.5)
     assert 0 < fast.links_s < step.links_s  # 10x faster links add less
-    # The prediction: the compiled step's calls, each call's host part hidden under its wire.
+    # The prediction: the compiled step's calls, each priced on the shaped links less on them unshaped.
     calls = [StepCall(op="all_reduce", nbytes=2**20, groups=(tuple(range(8)),))] * 3
     by_calls = predict_step(plan, topology, host_step_s=0.5, calls=calls)
-    assert by_calls.links_s == pytest.approx(calls_links(calls, topology, overlap=True))
+    assert by_calls.links_s == pytest.approx(calls_links(calls, topology))
     assert by_calls.links_s > 0
     assert by_calls.predicted_s == pytest.approx(0.5 + by_calls.links_s)
-    assert by_calls.links_s < calls_links(calls, topology)  # hidden, not added
+    assert calls_links(calls, topology, overlap=True) < by_calls.links_s  # added, not hidden
     assert by_calls.plan_links_s == pytest.approx(step.links_s)
-    assert (by_calls.to_dict()["links_from"], step.to_dict()["links_from"]) == ("calls overlapped", "plan")
+    assert (by_calls.to_dict()["links_from"], step.to_dict()["links_from"]) == ("calls added", "plan")
 
 
 def test_cheap_sizes_are_timed_more_often():
@@ -251,6 +252,36 @@ def test_phases_run_in_order_with_the_links_set_between_them(tmp_path):
     assert timed["shaped"]["step_times_s"] == [2.0, 3.0, 4.0, 5.0]  # the slower worker's, phases 0 and 2
     assert timed["unshaped"]["median_step_s"] == pytest.approx(4.5) and timed["unshaped"]["loss"] == 3.0
 
+
+
+def test_steps_at_rates_interleave_every_rate_with_the_links_unshaped(tmp_path, monkeypatch):
+    """steps_at_rates without JAX or namespaces: one job, the links set to each rate then unshaped in turn, every
+    pass; per rate its own phases' steps, the host's part pooled over every unshaped phase; links restored."""
+    from testbed.cluster import netns
+    from testbed.cluster.step import UNSHAPED_RATE_BPS
+    from testbed.runner import on_cluster
+    from testbed.runner.link_phases import _wait_for
+
+    spec, scales, shapes = _spec(), [1e-4, 1e-3], []
+    monkeypatch.setattr(netns, "reshape", lambda _spec, _owner, scale: shapes.append(scale))
+
+    def launch(_spec, _owner, payload: dict, timeout_s=None) -> list[dict]:
+        out = []
+        for k, _ in enumerate(payload["phases"]):  # one worker; phase k's steps are k, k + 0.5
+            assert _wait_for(Path(payload["sync"]) / f"go-{k}", 10)
+            out.append([float(k), k + 0.5])
+            (Path(payload["sync"]) / f"done-{k}-0").touch()
+        return [{"phases": out, "loss": 1.0}]
+
+    monkeypatch.setattr(on_cluster, "cluster_launch", launch)
+    one = type("One", (), {"nodes": spec.nodes[:1], "links": spec.links, "scale": spec.scale})()
+    timed = on_cluster.steps_at_rates(one, "o", {"plan": 1}, 2, scales, rounds=2)
+    fast = UNSHAPED_RATE_BPS / min(link.rate_bps for link in spec.links) * spec.scale
+    assert timed["phases"] == ["rate-0", "unshaped", "rate-1", "unshaped"] * 2
+    assert shapes == [1e-4, fast, 1e-3, fast] * 2 + [spec.scale]
+    assert timed["rates"][0]["step_times_s"] == [0.0, 0.5, 4.0, 4.5]
+    assert timed["rates"][1]["step_times_s"] == [2.0, 2.5, 6.0, 6.5]
+    assert timed["unshaped"]["step_times_s"] == [1.0, 1.5, 3.0, 3.5, 5.0, 5.5, 7.0, 7.5]
 
 def _measurements(tmp_path, rows: list[dict]) -> str:
     spec = _spec()

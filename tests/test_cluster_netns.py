@@ -237,7 +237,7 @@ def test_smoke_one_kept_cluster_collective_calibrate_verify_validate(clean, caps
         assert len(row["measured"]["unshaped"]["step_times_s"]) == 2
         assert row["measured_s"] > 0 and row["host_step_s"] > 0
         assert row["predicted_s"] == pytest.approx(row["host_step_s"] + row["links_s"])
-        assert row["links_from"] == "calls overlapped" and row["plan_links_s"] >= 0  # the compiled step's calls
+        assert row["links_from"] == "calls added" and row["plan_links_s"] >= 0  # the compiled step's calls
         assert main(["cluster", "status", "--json"]) == 0
         status = json.loads(capsys.readouterr().out)
         assert [c["nodes"] for c in status["clusters"] if c["name"] == name] == [2]

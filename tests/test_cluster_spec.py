@@ -130,3 +130,13 @@ def test_link_efficiency_scales_only_the_network_and_is_checked():
     assert part.levels[0].bandwidth == full.levels[0].bandwidth
     with pytest.raises(InputError):
         spec.emulated_topology(**kwargs, link_efficiency=1.5)
+
+
+def test_the_bucket_is_two_frames_at_the_emulated_rates():
+    """tbf's bucket banks a link's idle time: two frames at 10-100 Mb/s at any MTU (the link as it is), 0.1 ms of the
+    rate only where that is more (the links set unshaped, 10 Gb/s: 125 kB, not a timer per two frames)."""
+    from testbed.cluster.netns import bucket_bytes
+
+    assert [bucket_bytes(r, 1500) for r in (1e7, 3e7, 1e8)] == [3028] * 3
+    assert bucket_bytes(1e8, 9000) == 2 * 9014
+    assert bucket_bytes(1e10, 1500) == 125_000

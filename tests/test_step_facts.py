@@ -16,7 +16,8 @@ import pytest
 from testbed.explore.analytic import estimate, estimate_of, plan_memory
 from testbed.plan.io import load_plan
 from testbed.plan.placement import place
-from testbed.sim.facts import StepFacts, step_facts
+from testbed.plan.spec import Precision
+from testbed.sim.facts import OPTIMIZER_FLOPS_PER_PARAM, StepFacts, step_facts
 from testbed.sim.program import TaskKind, build_program, program_of
 from testbed.topology.io import load_topology
 
@@ -79,3 +80,24 @@ def test_facts_are_frozen_and_the_order_puts_dependencies_first() -> None:
         assert all(key in seen for key in waits)
         seen.add((s, action.kind, action.microbatch, action.chunk))
     assert len(seen) == sum(len(row) for row in facts.schedule.actions)
+
+
+def test_the_update_moves_the_state_the_memory_model_keeps() -> None:
+    """The optimizer update's HBM bytes per parameter of its shard follow the state the plan keeps: mixed
+    precision with an fp32 master reads the gradient, writes the bf16 parameters and reads and writes master and
+    moments; ``state_dtype: bf16`` has no master, so its bf16 weights are read and written in place beside bf16
+    moments; fp32 training has no separate master either."""
+    plan, _, placement, _ = _facts("gpt-small-dgx", "dgx-h100")
+    m = plan.optimizer.moments
+
+    def per_param(p):
+        facts = step_facts(p, placement.device_ids)
+        update = facts.updates[0]
+        return update.hbm_bytes / (update.flops / OPTIMIZER_FLOPS_PER_PARAM)
+
+    assert plan.precision.mixed and plan.runtime.state_dtype == "fp32"
+    assert per_param(plan) == pytest.approx(2 + 2 + 2 * (4 + 4 * m))
+    bf16_state = replace(plan, runtime=replace(plan.runtime, state_dtype="bf16"))
+    assert per_param(bf16_state) == pytest.approx(2 + 2 * 2 + 2 * (2 * m))
+    fp32 = replace(plan, precision=Precision.FP32)
+    assert per_param(fp32) == pytest.approx(4 + 2 * 4 + 2 * (4 * m))

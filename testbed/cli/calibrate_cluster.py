@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from testbed.cluster.fit import HostCosts, HostProbe, emulated, fit_host_costs, row_errors
+from testbed.cluster.fit import HostCosts, HostProbe, emulated, fit_from_bytes, fit_host_costs, row_errors
 from testbed.cluster.spec import ClusterSpec, cluster_spec
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic
@@ -55,7 +55,7 @@ def calibrated_topology(spec: ClusterSpec, raw: dict[str, Any]) -> tuple[Any, Ho
     """The emulated topology priced with the host costs fitted to ``raw``; the costs; each row's error."""
     probe = HostProbe.from_dict(raw["probe"])
     rows = [r for r in raw["rows"] if r.get("ok", True)]
-    costs = fit_host_costs(spec, probe, rows)
+    costs = fit_host_costs(spec, probe, rows, min_bytes=fit_from_bytes(raw))
     return emulated(spec, probe, costs), costs, row_errors(spec, probe, costs, rows)
 
 

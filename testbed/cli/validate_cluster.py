@@ -3,9 +3,9 @@
 For each plan: its step timed on the cluster's shaped links, and again with
 the links unshaped (the host's part: compute of the processes sharing the
 cores, dispatch, gloo's per-call costs), then the prediction: the host's part
-plus what the links add, the compiled step's gloo calls priced on CAL with
-each call's host part hidden under its wire (:mod:`testbed.cluster.step`; the
-calls read from the plan compiled on emulated devices,
+plus what the links add, the compiled step's gloo calls each priced on CAL
+less on CAL unshaped, added (:mod:`testbed.cluster.step`; the calls read from
+the plan compiled on emulated devices,
 :func:`testbed.runner.on_cluster.program_calls`), beside the measurement and
 the plan's links added. ``CAL`` is what ``testbed calibrate --cluster NAME``
 wrote. The simulator's own step on ``CAL`` is shown too, for what the host's

@@ -23,13 +23,18 @@ calibrated topology where the simulator reads them:
   ``benchmarks/emulated_cluster.py`` tests leave-one-rate-out.
 
 The fit minimises the squared log ratio predicted / measured over the timed
-rows of :data:`FIT_MIN_BYTES` and up by a grid over the three (the model is
-linear in the two costs for a given efficiency). Smaller calls are timed and
-reported but not fitted: on a 2-core host a 4 KiB call takes 8-16 ms while a
-64 KiB all-reduce at 100 Mb/s takes 11.5 ms, 9.6 ms of it on the wire - the
-cost of a tiny call hides under the wire once data flows, which a cost
-added per call or round cannot say; the sizes asked about (64 KiB up) are
-what the fit is for.
+rows of :data:`FIT_MIN_BYTES` (4 KiB) and up by a grid over the three (the
+model is linear in the two costs for a given efficiency). The 4 KiB calls
+are what fixes the per-call and per-round costs; the larger ones the
+efficiency. Until tbf's bucket was two frames at every rate
+(:func:`testbed.cluster.netns.bucket_bytes`) the fit started at 64 KiB: a
+bucket of 1 ms of rate (eight frames at 100 Mb/s) gave the links back the
+idle time of gloo's host gaps, so a 64 KiB all-reduce at 100 Mb/s ran at
+its wire time while a 4 KiB call took 8-16 ms, which no cost added per
+call or round could say. With the link as it is, the 4 KiB calls carry the
+costs the larger ones pay (held out, ``benchmarks/emulated_cluster.py``:
+22-23 of 24 sizes within 15% fitted from 4 KiB, 21-22 from 64 KiB, largest
+error 17.5-22.8% against 30.7-57.3%, in the three runs so measured).
 
 A second form of the same three costs is evaluated beside the additive one
 (``form="hidden"``, :func:`price_rows`; the simulator prices only the
@@ -52,16 +57,26 @@ from testbed.collectives.timing import groups_time
 from testbed.errors import InputError
 from testbed.topology import Topology
 
-__all__ = ["FIT_MIN_BYTES", "FORMS", "HostProbe", "HostCosts", "emulated", "predict", "fit_host_costs", "costs_at_rate",
+__all__ = ["FIT_MIN_BYTES", "fit_from_bytes", "FORMS", "HostProbe", "HostCosts", "emulated", "predict", "fit_host_costs", "costs_at_rate",
            "price_rows", "row_errors"]
 
-#: The smallest call the fit uses (see the module doc).
-FIT_MIN_BYTES = 2**16
+#: The smallest call the fit uses (see the module doc): ``calibrate --cluster``'s tiny call.
+FIT_MIN_BYTES = 2**12
 #: How a round's host cost meets its wire: ``added`` (the simulator's) or ``hidden`` under it (``max``).
 FORMS = ("added", "hidden")
 _EFFICIENCIES = [round(0.40 + 0.005 * k, 3) for k in range(121)]  # 0.40 .. 1.00
 _OVERHEADS = np.arange(101) * 2e-5  # 0 .. 2 ms a round
 _CALLS = np.arange(121) * 2.5e-4  # 0 .. 30 ms a call
+
+#: Where the fit started for measurements that record no ``bucket_bytes``: taken on links with a bucket of 1 ms
+#: of rate, whose 4 KiB calls did not carry the larger calls' costs (the module doc).
+LEGACY_FIT_MIN_BYTES = 2**16
+
+
+def fit_from_bytes(measurements: Mapping[str, Any]) -> int:
+    """The smallest call to fit for a measurement (``calibrate --cluster``'s raw dict): :data:`FIT_MIN_BYTES` where
+    it records the links' bucket, :data:`LEGACY_FIT_MIN_BYTES` for the earlier measurements, refitted as they were."""
+    return FIT_MIN_BYTES if measurements.get("bucket_bytes") else LEGACY_FIT_MIN_BYTES
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

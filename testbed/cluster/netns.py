@@ -29,7 +29,7 @@ from pathlib import Path
 
 from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
 
-__all__ = ["ClusterUnavailable", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
+__all__ = ["ClusterUnavailable", "bucket_bytes", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
            "namespaces",
            "build", "reshape", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
            "ClusterInfo"]
@@ -191,15 +191,28 @@ def node_namespace(spec: ClusterSpec, owner: str, index: int) -> str:
 
 
 def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
-    """tbf on ``dev``'s egress: ``rate_bps``, a bucket of max(1 ms of rate, two frames), 50 ms of queue.
-
-    The bucket is what leaves at line speed after an idle spell, so it is kept small: a 64 KiB bucket (one
-    GSO packet whole, cheaper on CPU) let a 64 KiB all-gather at 30 Mb/s pass almost unshaped.
-    """
+    """tbf on ``dev``'s egress: ``rate_bps``, a bucket of :func:`bucket_bytes`, 50 ms of queue."""
     rate = max(int(rate_bps), 8000)
-    burst = max(rate // 8 // 1000, 2 * (mtu + 14))
     _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-          "burst", str(burst), "latency", "50ms"])
+          "burst", str(bucket_bytes(rate, mtu)), "latency", "50ms"])
+
+
+def bucket_bytes(rate_bps: float, mtu: int) -> int:
+    """tbf's bucket on a link: two full frames, or 0.1 ms of the rate where that is more (above 240 Mb/s).
+
+    The bucket is what leaves at line speed after an idle spell: tbf banks up to that many bytes of a link's
+    idle time and spends them at memory speed, which a real link cannot. gloo's ring leaves its links idle
+    between segments, so a larger bucket gives back part of that idle time, and more of it the larger the
+    bucket is against the calls. At 100 Mb/s, load ~12, one job (``benchmarks/cluster_bucket_probe.py``,
+    ``benchmarks/cluster_runs/bucket-probe-100mbps.json``): a 1 MiB all-reduce got 83%, 87% and 92% of the
+    goodput (median call) with buckets of two frames, 12.5 kB (1 ms of rate, the bucket until then) and
+    50 kB; a 64 KiB all-gather's fastest call took 8.1, 6.9 and 4.9 ms, its wire 4.8 ms at every bucket:
+    with 50 kB its host costs hid entirely. With 1 ms of rate the bucket was two frames at 10 Mb/s but eight at
+    100 Mb/s, so the rates hid different amounts of host time. Two frames at the emulated rates (10-100 Mb/s)
+    is the link as it is; 0.1 ms of the rate keeps the links set "unshaped" (10 Gb/s,
+    :data:`testbed.cluster.step.UNSHAPED_RATE_BPS`) from costing a timer per two frames (2.4 us there).
+    """
+    return max(2 * (mtu + 14), int(rate_bps / 8 * 1e-4))
 
 
 def build(spec: ClusterSpec, owner: str) -> list[str]:

@@ -19,17 +19,18 @@ compiled step's calls are given): the collective calls the compiled step
 makes (:class:`StepCall`, one per buffer of each collective instruction, as
 XLA:CPU calls gloo), each priced with gloo's algorithm on the calibrated
 topology (``T``) and on it unshaped (``U``, the call's host part: its per-call
-and per-round costs; the loopback wire is next to nothing), **with the call's
-host part hidden under its wire**: a call takes ``max(U, T - U)``, so the
-links add ``max(0, T - 2U)`` (:func:`calls_links`). The sources of the
-overlap: XLA:CPU's ``ThunkExecutor`` runs independent thunks concurrently
-(the XLA:CPU runtime's README in openxla/xla), so a call's dispatch and
-rendezvous overlap the compute and calls around it, and gloo keeps one segment
-of its ring on the wire while it reduces the other (``gloo/allreduce.cc``).
-On the five one-job step runs (``benchmarks/cluster_steps.py``, steps 6-10,
-load 3-28) this reading has the lower median and the lower largest step error
-in every run; the quiet run (steps 10) is within 12% at every point, both
-slow/fast ratios within 9% (docs/cluster.md).
+and per-round costs; the loopback wire is next to nothing): the links add
+``T - U`` a call (:func:`calls_links`). On links shaped as they are (tbf's
+bucket two frames, :func:`testbed.cluster.netns.bucket_bytes`) this is
+within 15% at every step and both slow/fast ratios within 8% in the three
+runs so measured (steps 12-14, load 11-16; docs/cluster.md).
+
+A reading with each call's host part hidden under its wire (``max(U, T -
+U)`` a call, ``overlap``) was the prediction while the bucket was 1 ms of
+rate (steps runs 10-11): that bucket gave the links back up to 1 ms of the
+host's idle time per spell, which the reading stood in for. With the link
+as it is it hides too much (tp8 at 100 Mb/s -29% to -37%, its ratio +38% to
++60%), and ``benchmarks/cluster_steps.py`` reports it beside.
 
 Without the calls (or for comparison) the links are the simulator's plan
 step on the calibrated topology less its step unshaped, host costs added
@@ -66,7 +67,7 @@ def unshaped(topology: Topology) -> Topology:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepPrediction:
     """A step's predicted time on the cluster and its parts (seconds). ``calls_links_s``: what the links add priced
-    from the compiled step's calls, host hidden under the wire (:func:`calls_links`); None: from the plan."""
+    from the compiled step's calls (:func:`calls_links`); None: from the plan."""
 
     host_step_s: float
     simulated_s: float
@@ -96,7 +97,7 @@ class StepPrediction:
 
     def to_dict(self) -> dict[str, float | str]:
         return {"predicted_s": self.predicted_s, "host_step_s": self.host_step_s, "links_s": self.links_s,
-                "links_from": "plan" if self.calls_links_s is None else "calls overlapped",
+                "links_from": "plan" if self.calls_links_s is None else "calls added",
                 "plan_links_s": self.plan_links_s, "simulated_s": self.simulated_s,
                 "simulated_unshaped_s": self.simulated_unshaped_s}
 
@@ -104,8 +105,8 @@ class StepPrediction:
 def predict_step(plan: Plan, topology: Topology, host_step_s: float,
                  calls: Sequence["StepCall"] | None = None) -> StepPrediction:
     """The step of ``plan`` on the cluster ``topology`` describes, given its measured unshaped step and (the
-    prediction) the compiled step's collective ``calls``, whose links are priced with the host hidden under the
-    wire; without ``calls`` the links are the plan's, host costs added."""
+    prediction) the compiled step's collective ``calls``, whose links are priced call by call; without ``calls``
+    the links are the plan's, host costs added."""
     from testbed.sim import simulate
 
     if not any(level.kind in NETWORK_KINDS for level in topology.levels):
@@ -113,7 +114,7 @@ def predict_step(plan: Plan, topology: Topology, host_step_s: float,
                          "wrote for the cluster", field="topology")
     shaped = simulate(plan, topology).report.step_time_s
     loose = simulate(plan, unshaped(topology)).report.step_time_s
-    links = None if calls is None else calls_links(calls, topology, overlap=True)
+    links = None if calls is None else calls_links(calls, topology)
     return StepPrediction(host_step_s=host_step_s, simulated_s=shaped, simulated_unshaped_s=loose,
                           calls_links_s=links)
 

@@ -178,8 +178,8 @@ class RuntimeSpec:
     #: too (MaxText's ``weight_dtype: bfloat16``: its base.yml ``mu_dtype: ""`` "inherits from weight_dtype if
     #: unset" (pyconfig.py ``set_mu_dtype``), optimizers.py passes it to ``optax.adamw``, and optax's
     #: ``scale_by_adam`` creates ``nu`` as ``zeros_like(params)``): 2 + 2 + 2 x moments bytes a parameter instead of
-    #: 2 + 2 + 4 + 4 x moments. Memory only (testbed.model.memory; the optimizer update's bytes are priced as fp32
-    #: state's); no effect under fp32.
+    #: 2 + 2 + 4 + 4 x moments, in memory (testbed.model.memory) and in the optimizer update's HBM bytes
+    #: (testbed.sim.facts); no effect under fp32.
     state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 from testbed.cluster import probe as tcp_probe
 from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, predict
+from testbed.cluster.netns import bucket_bytes
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
@@ -71,7 +72,9 @@ def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduc
     # One job for every op: each launch compiles and joins the workers anew (~20 s on a busy 2-core host).
     rows = slowest_medians(cluster_launch(spec, owner, {"body": "collective", "calls": calls}, timeout_s=timeout_s))
     return {"cluster": spec.name, "topology": spec.topology.name, "scale": spec.scale, "mtu": spec.mtu,
-            "link_rate_bps": min(link.rate_bps for link in spec.links), "goodput": link_goodput(spec),
+            "bucket_bytes": bucket_bytes(min(link.rate_bps for link in spec.links), spec.mtu),
+            "link_rate_bps": min(link.rate_bps for link in spec.links),
+            "goodput": link_goodput(spec),
             "probe": probe.to_dict(), "rows": rows, "max_call_s": max_call_s, "repeats": repeats,
             "load_before": load_before, "load_after": _load(), "seconds": time.perf_counter() - started}
 
@@ -130,7 +133,9 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
             rows.append({**same[0], "measured_s": statistics.median(pooled), "calls_s": pooled,
                          "ok": all(row["ok"] for row in same)})
         out.append({"cluster": one.name, "topology": one.topology.name, "scale": one.scale, "mtu": one.mtu,
-                    "link_rate_bps": min(link.rate_bps for link in one.links), "goodput": link_goodput(one),
+                    "bucket_bytes": bucket_bytes(min(link.rate_bps for link in one.links), one.mtu),
+                    "link_rate_bps": min(link.rate_bps for link in one.links),
+                    "goodput": link_goodput(one),
                     "probe": probes[i].to_dict(), "rows": rows, "max_call_s": max_call_s, "repeats": repeats,
                     "rounds": rounds, "load_before": loads[0], "load_after": loads[-1],
                     "seconds": time.perf_counter() - started})

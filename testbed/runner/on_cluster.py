@@ -23,7 +23,7 @@ from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.collectives.timing import groups_time
 
 __all__ = ["cluster_launch", "slowest_medians", "collective_sweep", "cluster_steps", "host_and_shaped_steps",
-           "program_calls"]
+           "steps_at_rates", "program_calls"]
 
 _TINY_REPEATS = 15
 
@@ -147,6 +147,47 @@ def host_and_shaped_steps(spec: ClusterSpec, owner: str, plan_dict: dict, steps:
     loads.append(os.getloadavg()[0])
     timed = phase_medians(results, phases)
     return {"shaped": timed["shaped"], "unshaped": timed["unshaped"], "load": loads, "phases": phases}
+
+
+def steps_at_rates(spec: ClusterSpec, owner: str, plan_dict: dict, steps: int, scales: list[float], *,
+                   rounds: int = 2, timeout_s: float | None = 900) -> dict[str, Any]:
+    """The plan's step at every link scale of ``scales`` and unshaped, all in one job, the rates interleaved.
+
+    As :func:`host_and_shaped_steps`, with phases ``rate-0, unshaped, rate-1, unshaped, ...`` ``rounds``
+    times over: a slow/fast ratio then compares steps the same processes timed minutes apart at most, under
+    the same load, where separate jobs per rate put each rate under the load of its own minutes. The
+    host's part pools every unshaped phase. Returns ``rates`` (per scale ``shaped``), ``unshaped``, ``load``
+    and ``phases``; the links are left at ``spec.scale``.
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from testbed.cluster.netns import reshape
+    from testbed.cluster.step import UNSHAPED_RATE_BPS
+    from testbed.runner.link_phases import phase_medians, run_phases
+
+    if rounds < 1 or not scales:
+        raise ValueError(f"needs rounds >= 1 and one or more scales, got {rounds}, {scales}")
+    fast = UNSHAPED_RATE_BPS / min(link.rate_bps for link in spec.links) * spec.scale
+    phases = [name for i in range(len(scales)) for name in (f"rate-{i}", "unshaped")] * rounds
+    loads = [os.getloadavg()[0]]
+
+    def set_links(name: str) -> None:
+        reshape(spec, owner, fast if name == "unshaped" else scales[int(name.split("-")[1])])
+        loads.append(os.getloadavg()[0])
+
+    with tempfile.TemporaryDirectory(prefix="testbed-phases-") as sync:
+        try:
+            results = run_phases(lambda payload: cluster_launch(spec, owner, payload, timeout_s=timeout_s),
+                                 {"plan": plan_dict, "steps": steps}, phases, len(spec.nodes), set_links,
+                                 Path(sync), timeout_s=timeout_s or 600)
+        finally:
+            reshape(spec, owner, spec.scale)
+    loads.append(os.getloadavg()[0])
+    timed = phase_medians(results, phases)
+    return {"rates": [timed[f"rate-{i}"] for i in range(len(scales))], "unshaped": timed["unshaped"],
+            "load": loads, "phases": phases}
 
 
 _PROGRAM = """

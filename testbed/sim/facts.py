@@ -337,9 +337,18 @@ def _update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: 
     if o_ways > p_ways and plan.mesh.data > 1:
         regathers = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
         regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
-    return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard,
-                       hbm_bytes=shard * (grad_b + param_b + 2 * (4 + 4 * plan.optimizer.moments)),
+    return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard, hbm_bytes=shard * _update_bytes(plan, param_b, grad_b),
                        regathers=regathers, regather_bytes=regather_bytes)
+
+
+def _update_bytes(plan: Plan, param_b: float, grad_b: float) -> float:
+    """HBM bytes the optimizer update moves per parameter of its shard: the gradient read, the optimizer state
+    (:func:`state_bytes_per_param`'s: an fp32 master and the moments, or bf16 moments only) read and written, and
+    the parameters written; read too where no master copy holds them (fp32 training, ``runtime.state_dtype``
+    bf16's weights updated in place)."""
+    _, _, state_b = state_bytes_per_param(plan)
+    has_master = plan.precision.mixed and plan.runtime.state_dtype == "fp32"
+    return grad_b + param_b * (1 if has_master else 2) + 2 * state_b
 
 
 def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction, ...]:
