@@ -24,8 +24,12 @@ the host's drift since calibration) are diagnostics beside the raw errors, which
 ``--topology`` prices on another host topology (a file from ``testbed calibrate --devices emulated:8`` on
 this machine) instead of the bundled ``host-cpu-8``; ``--also`` prices the same measurements on more topologies
 (under ``also``: each one's errors, its host speeds scaled by its reference-step prediction over the headline's).
+``--from-json FILE`` measures nothing: it prices the rounds a previous run printed (its ``rows``), each round's
+host speed scaled by the reference step's prediction on ``--topology`` over the one FILE recorded, and prints the
+same JSON (with ``from_json``): a change of the model judged on a quiet run's measurements.
 
     python benchmarks/program_host.py [--steps S] [--rounds R] [--only NAME ...] [--topology T] [--also T ...]
+                                      [--from-json FILE]
 """
 
 from __future__ import annotations
@@ -148,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the host topology to price on: a bundled name or a calibrated file (default host-cpu-8)")
     parser.add_argument("--also", nargs="*", default=[],
                         help="more host topologies to price the same measurements on (reported under `also`)")
+    parser.add_argument("--from-json", default=None,
+                        help="price the measurements of a previous run's JSON instead of measuring (no timing)")
     args = parser.parse_args(argv)
+    if args.from_json:
+        return _from_json(args)
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -197,6 +205,35 @@ def main(argv: list[str] | None = None) -> int:
         "also": also, "steps": args.steps, "rounds": args.rounds,
         "load_average": {"before": [round(x, 2) for x in load_before],
                          "after": [round(x, 2) for x in os.getloadavg()]}}))
+    return 0
+
+
+def _from_json(args) -> int:
+    """``--from-json``: the saved run's rounds priced on ``--topology`` (and ``--also``), nothing timed."""
+    from testbed.calibration.steps import step_plan
+    from testbed.sim.engine import simulate
+    from testbed.topology.io import load_topology
+
+    saved = json.loads(Path(args.from_json).read_text())
+    names = [n for n in saved["rows"] if not args.only or n in args.only]
+    measured = {n: {k: saved["rows"][n][k] for k in ("mesh", "sizes", "measured_s", "round_medians_s", "round_cpu_s",
+                                                      "host_speeds", "measured_at_calibrated_speed_s")} for n in names}
+    modules = {n: _example(n, measured[n]["sizes"]) for n in names}
+    reference = saved["reference_step"]
+
+    def scored(topology) -> dict:
+        scale = simulate(step_plan(reference["plan"], 8), topology).report.step_time_s / reference["predicted_s"]
+        return _scored(measured, {n: predicted(modules[n], measured[n]["mesh"], topology) for n in names}, scale)
+
+    topology = load_topology(args.topology)
+    headline = scored(topology)
+    print(json.dumps({
+        "benchmark": "program_host", "topology": topology.name, "devices": "emulated:8", "from_json": args.from_json,
+        "median_abs_error": headline["median_abs_error"], "max_abs_error": headline["max_abs_error"],
+        "goal": {"median_abs_error": 0.10, "max_abs_error": 0.25}, "at_calibrated_speed": headline["at_calibrated_speed"],
+        "rows": {n: {**measured[n], **headline["rows"][n]} for n in names},
+        "also": {given: scored(load_topology(given)) for given in args.also},
+        "steps": saved.get("steps"), "rounds": saved.get("rounds"), "load_average": saved.get("load_average")}))
     return 0
 
 

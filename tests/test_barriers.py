@@ -130,15 +130,7 @@ def _skewed(name: str = "host-cpu-8"):
     return topology_from_dict(data)
 
 
-#: Known gap (2026-12-03): on host-cpu-8 as recalibrated (compute.launch_overhead_s 31.8 us, was 218 us) the
-#: analytic tier prices the plans of many small collectives above the DES: fsdp8 +5.9%, zero3-dp8 +8.6% with these
-#: stragglers (+2.2%, +2.5% without); with the earlier 218 us launch overhead +2.7%, +1.1%. Not fixed yet.
-_LAUNCH_GAP = pytest.mark.xfail(strict=True, reason="analytic tier vs DES with many small collectives at a 32 us "
-                                                    "launch overhead: +5.9% (fsdp8), +8.6% (zero3-dp8)")
-
-
-@pytest.mark.parametrize("name", ["dp8", pytest.param("fsdp8", marks=_LAUNCH_GAP), "tp8", "zero1-dp8",
-                                  pytest.param("zero3-dp8", marks=_LAUNCH_GAP), "zero2-dp4-tp2", "tp4-dp2"])
+@pytest.mark.parametrize("name", ["dp8", "fsdp8", "tp8", "zero1-dp8", "zero3-dp8", "zero2-dp4-tp2", "tp4-dp2"])
 def test_the_analytic_tier_waits_at_the_barriers_the_task_graph_does(name: str) -> None:
     """One program (no stages): within 2% of the DES with stragglers, and both slower than without."""
     plan, topo = load_plan(f"plans/validation/{name}.yaml"), _skewed()

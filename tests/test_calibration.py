@@ -787,11 +787,57 @@ def test_calibrate_table_is_grouped_and_says_which_groups_are_absent():
     assert [g for g in dict.fromkeys(g for g, _, _ in rows)] == [
         "device", "compute", "memory", "elementwise", "collectives", "links", "host", "controller"]
     assert ("controller", "buffer_s") in {(g, f) for g, f, _ in rows}
+    assert ("compute", "matmul_half_flops") in {(g, f) for g, f, _ in rows}  # host-cpu-8 keeps one matmul's half
     # A GPU whose calibration found no elementwise passes (the bundled dgx-h100 assumes 2: docs/validation.md)
     h100 = load_topology("dgx-h100")
     h100 = replace(h100, calibration=h100.calibration.updated(elementwise=None))
     gpu = fitted_values(h100, shared=0.0, rates={"bf16": 6e14}, memory_bandwidth=3e12)
     assert gpu["calibration"]["host"] is None and gpu["host_cores"] == 0 and gpu["controller_overhead_s"] == 0.0
+    assert "matmul_half_flops" not in {f for _, f, _ in calibration_rows(gpu)}
     absent = {g: v for g, f, v in calibration_rows(gpu) if not f}
     assert set(absent) == {"elementwise", "host", "controller"} and all(v.startswith("absent") for v in absent.values())
     json.dumps(host), json.dumps(gpu)
+
+
+def test_calibrate_keeps_one_matmuls_half_beside_the_steps_refit_half(tmp_path):
+    """The training steps refit ``compute.efficiency_half_flops`` (it prices a plan's uncounted work between its
+    matmuls too); the matmul samples' own half is kept as ``matmul_half_flops`` (a traced program's kernels'),
+    and only then: without steps the one half is the matmul samples'."""
+    from testbed.sim.engine import simulate
+
+    base = load_topology("host-cpu-8")
+    samples = _synthetic_measurements(base)  # matmuls: half 2e6
+    plain, _, _ = calibrated.fit_all(base, samples)
+    assert plain.calibration.compute.matmul_half_flops is None
+    assert plain.calibration.compute.efficiency_half_flops == pytest.approx(2e6, rel=1e-6)
+    assert plain.calibration.compute.kernel_half_flops == plain.calibration.compute.efficiency_half_flops
+    truth = replace(plain, calibration=plain.calibration.updated(compute={"efficiency": 0.3,
+                                                                          "efficiency_half_flops": 4e7}))
+    steps = [Sample(kind="step", op=name, devices=8, seconds=simulate(cal_steps.step_plan(name, 8), truth)
+                    .report.step_time_s) for name in ("cpu-s", "cpu-m", "cpu-l")]
+    fitted, _, _ = calibrated.fit_all(base, samples + steps)
+    compute = fitted.calibration.compute
+    assert compute.matmul_half_flops == pytest.approx(2e6, rel=1e-6) == compute.kernel_half_flops
+    assert compute.efficiency_half_flops > 1e7  # the steps' (their truth: 4e7)
+    (tmp_path / "t.yaml").write_text(dump_topology(fitted))
+    assert load_topology(str(tmp_path / "t.yaml")).calibration.compute == compute
+
+
+def test_fit_step_compute_leaves_the_controllers_host_time_out_of_the_compute():
+    """A step's time beyond its compute (the controller preparing and dispatching it, exposed communication) is
+    what the simulator adds on top: the fit takes it from the simulated step, so steps whose host time is a
+    large share (small models) do not inflate the compute curve."""
+    from testbed.sim.engine import simulate
+
+    base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
+                                          memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
+    single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
+    single = replace(single, calibration=single.calibration.updated(controller={"step_s": 4e-3, "overhead_s": 1e-4}))
+    truth = replace(single, calibration=single.calibration.updated(compute={"efficiency": 0.4,
+                                                                            "efficiency_half_flops": 3e6}))
+    samples = [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
+               for name in ("cpu-xxs", "cpu-s", "cpu-m", "cpu-l")]
+    efficiency, half, _, _, fit = cal_steps.fit_step_compute(single, samples)
+    assert efficiency == pytest.approx(0.4, rel=0.03)
+    assert half == pytest.approx(3e6, rel=0.3)
+    assert fit.max_abs_rel < 0.02

@@ -124,3 +124,28 @@ def test_prefetch_hides_the_gathers_and_both_tiers_agree_without_accumulation() 
     assert step[0].exposed_comm_s > step[1].exposed_comm_s
     for d in (1, 2):
         assert estimate(_gpu_plan(d, fsdp=8), topo).step_time_s == pytest.approx(step[d].step_time_s, rel=1e-3)
+
+
+def test_each_backward_gather_waits_for_the_block_after_it_to_start_not_to_finish() -> None:
+    """One block ahead in the backward too (runtime.fsdp_prefetch's one): block ``i``'s backward gather reads the
+    link the block after it hands back as soon as its own backward starts (testbed.runner.param_shards), so it does
+    not read that block's gathered weights (it may overlap that block's backward) but reads those of the block
+    after that (it is not issued further ahead). Read off the traced program's data flow (no devices)."""
+    from testbed.runner.program.plans import trace_plan
+    ops = trace_plan(_plan(replace(MODEL, layers=4), fsdp=2)).ops
+    seen: list[set[int]] = []
+    for op in ops:  # per op: the all-gathers whose results it reads, through any chain of ops
+        seen.append(set().union(*(seen[d] | ({d} if ops[d].collective == "all_gather" else set())
+                                  for d in op.deps)))
+    backward = [i for i, op in enumerate(ops) if op.collective == "all_gather" and seen[i]]  # forward's: none
+    pieces: list[list[int]] = []
+    for i in backward:  # a piece's gathers are consecutive ops
+        if pieces and i == pieces[-1][-1] + 1:
+            pieces[-1].append(i)
+        else:
+            pieces.append([i])
+    assert len(pieces) == 5, pieces  # the head's, then the four blocks' (the embedding's table is not gathered again)
+    for k in range(2, len(pieces)):
+        reads = set().union(*(seen[i] for i in pieces[k]))
+        assert not reads & set(pieces[k - 1]), k
+        assert reads & set(pieces[k - 2]), k

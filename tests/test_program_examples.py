@@ -59,3 +59,33 @@ def test_the_cnn_trained_data_parallel_equals_its_single_device_step(testbed_dev
     labels = rng.integers(0, 3, size=(16,)).astype(np.int32)
     assert_parallel_equal(step, jax.jit(vision_cnn.train_step), vision_cnn.init_params(), images, labels,
                           rtol=1e-4, atol=1e-5)
+
+
+def test_program_host_prices_a_saved_run_without_measuring(tmp_path, capsys) -> None:
+    """``benchmarks/program_host.py --from-json``: a saved run's rounds priced anew (nothing timed): the
+    prediction is the traced step's on the topology, the error against the saved step, and each round's host
+    speed is scaled by the reference step's prediction now over the one the run recorded."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("program_host", EXAMPLES.parent / "benchmarks" / "program_host.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from testbed.calibration.steps import step_plan
+    from testbed.sim.engine import simulate
+    from testbed.topology.io import load_topology
+
+    mesh, sizes = bench.HOST_SIZES["vision_cnn"]
+    row = {"mesh": mesh, "sizes": sizes, "measured_s": 0.02, "round_medians_s": [0.02, 0.03], "round_cpu_s": [0.03, 0.03],
+           "host_speeds": [1.0, 0.5], "measured_at_calibrated_speed_s": 0.016}
+    reference = simulate(step_plan("cpu-m", 8), load_topology("host-cpu-8")).report.step_time_s
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"rows": {"vision_cnn": row}, "reference_step": {"plan": "cpu-m", "predicted_s": 2 * reference},
+                                 "steps": 10, "rounds": 2}))
+    assert bench.main(["--from-json", str(saved)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    got = out["rows"]["vision_cnn"]
+    predicted = bench.predicted(bench._example("vision_cnn", sizes), mesh, load_topology("host-cpu-8"))
+    assert got["predicted_s"] == pytest.approx(predicted) and got["error"] == pytest.approx(predicted / 0.02 - 1)
+    assert got["measured_at_calibrated_speed_s"] == pytest.approx(0.016 / 2)  # the reference now predicts half
+    assert out["median_abs_error"] == out["max_abs_error"] == pytest.approx(abs(predicted / 0.02 - 1))

@@ -191,15 +191,7 @@ def test_written_plan_shrunk_to_8_devices_passes_verify(tmp_path: Path) -> None:
 # test_top1_equals_exhaustive_des_optimum above.
 
 
-#: Known gap (2026-12-03): on host-cpu-8 as recalibrated (compute.launch_overhead_s 31.8 us, was 218 us) the analytic
-#: tier prices the plans of many small collectives above the DES: fsdp8 +2.2%, zero3-dp8 +2.5% (tests/test_barriers.py:
-#: +5.9%, +8.6% with stragglers). Not fixed yet.
-_LAUNCH_GAP = pytest.mark.xfail(strict=True, reason="analytic tier vs DES with many small collectives at a 32 us "
-                                                    "launch overhead: +2.2% (fsdp8), +2.5% (zero3-dp8)")
-
-
-@pytest.mark.parametrize("name", ["dp8", pytest.param("fsdp8", marks=_LAUNCH_GAP), "tp8",
-                                  pytest.param("zero3-dp8", marks=_LAUNCH_GAP)])
+@pytest.mark.parametrize("name", ["dp8", "fsdp8", "tp8", "zero3-dp8"])
 def test_analytic_tier_shares_a_host_as_the_task_graph_does_for_one_program(name: str) -> None:
     """Emulated devices of one program all compute together whenever it computes: the analytic tier prices
     them at the host's share of every device (not a step-averaged count, which exposed communication

@@ -130,4 +130,5 @@ def test_bf16_state_drops_the_master_and_keeps_bf16_moments() -> None:
             runtime_from_dict({"profile": "xla", "state_dtype": bad})
     cases, _ = runs.load_cases()
     stated = {c["name"] for c in cases if runs.case_plan(c).runtime.state_dtype == "bf16"}
-    assert stated == {"maxtext-llama31-70b-v6e-32chip", "maxtext-mixtral-8x22b-v6e-256chip"}
+    assert stated == {"maxtext-llama31-70b-v6e-32chip", "maxtext-mixtral-8x22b-v6e-256chip",
+                      "maxtext-mixtral-8x7b-v5p-128chip"}

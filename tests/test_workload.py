@@ -95,6 +95,18 @@ def test_an_independent_collective_overlaps_compute_a_needed_one_blocks() -> Non
     assert hidden.exposed_comm_s < blocked.exposed_comm_s
 
 
+def test_a_matmul_that_reads_a_gather_waits_for_it_and_the_matmuls_before_it_do_not() -> None:
+    """Two gathers issued first (their operands are arguments: FSDP's forward); the first layer's matmul reads the
+    first, the second layer's the second. The first matmul starts when its own gather is done, not when the second
+    (larger) one is, though no collective stands between the two matmuls in program order."""
+    topology = load_topology("tpu-v5e-4x4")
+    ops = [reduce((), nbytes=1e6, group=16, op="all_gather"), reduce((), nbytes=4e8, group=16, op="all_gather"),
+           gemm((0,)), gemm((1, 2))]
+    program = workload_program(workload(ops, mesh={"data": 16}), topology)
+    computes = [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
+    assert [t.deps for t in computes] == [(0,), (1, 2)]
+
+
 def test_the_mesh_must_fill_the_topology() -> None:
     with pytest.raises(InputError, match="give a mesh whose sizes multiply to 8"):
         simulate_workload(workload([gemm()], mesh={"data": 4}), load_topology("dgx-h100"))
@@ -197,7 +209,9 @@ def test_bf16_matmuls_run_in_fp32_between_converts_where_the_devices_compiler_do
         assert sum(t.hbm_bytes for t in computes) == converts
         priced = price_workload(program, topology, w.dtype)
         matmul = next(i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and t.flops > 0)
-        assert priced.durations[matmul] == pytest.approx(compute_seconds(topology, dtype, g.flops, 0.0, 1,
+        kernels = replace(topology, calibration=topology.calibration.updated(  # a traced kernel's half
+            compute={"efficiency_half_flops": topology.calibration.compute.kernel_half_flops}))
+        assert priced.durations[matmul] == pytest.approx(compute_seconds(kernels, dtype, g.flops, 0.0, 1,
                                                                          gemms=(g,)), rel=1e-12)
     # fp32 programs are priced alike on both
     w32 = replace(w, dtype="fp32")
@@ -215,3 +229,41 @@ def test_a_bad_bf16_matmuls_names_the_field(value) -> None:
     with pytest.raises(InputError) as info:
         topology_from_dict(data)
     assert info.value.field == "device.bf16_matmuls" and "native, fp32" in info.value.message
+
+
+def test_a_traced_kernel_takes_one_matmuls_half_where_calibrate_measured_it() -> None:
+    """host-cpu-8's steps-refitted half (14.4 MFLOP) prices GPT's uncounted work between its matmuls; a traced
+    program counts its memory-bound ops itself, so each of its kernels takes one matmul's own half
+    (``compute.matmul_half_flops``, calibrate's matmul samples): F + n h over the calibrated rate. Without
+    the field the steps' half, as plans are priced."""
+    from dataclasses import replace
+
+    from testbed.sim.compute import compute_seconds
+    from testbed.sim.traced import price_workload
+
+    host = load_topology("host-cpu-8")
+    compute = host.calibration.compute
+    assert compute.matmul_half_flops is not None and compute.matmul_half_flops < compute.efficiency_half_flops / 10
+    steps = replace(host, calibration=host.calibration.updated(compute={"matmul_half_flops": None}))
+    w = replace(workload([gemm(m=64, n=64, k=64), gemm((0,), m=8, n=16, k=32), gemm((1,), m=256, n=512, k=128)]),
+                dtype="fp32")
+    flops = sum(op.flops for op in w.ops)
+    rate = compute.efficiency * host.device.sustained_flops("fp32")
+    for topology, half in ((host, compute.matmul_half_flops), (steps, compute.efficiency_half_flops)):
+        program = workload_program(w, topology)
+        (matmuls,) = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE]
+        seconds = price_workload(program, topology, "fp32").durations[matmuls]
+        assert seconds == pytest.approx(compute.launch_overhead_s + (flops + 3 * half) / rate, rel=1e-9)
+    # plan-driven pricing keeps the steps' half
+    assert compute_seconds(host, "fp32", flops, 0.0, 3) == compute_seconds(steps, "fp32", flops, 0.0, 3)
+
+
+@pytest.mark.parametrize("value", [-1.0, "x", True])
+def test_a_bad_matmul_half_flops_names_the_field(value) -> None:
+    from testbed.topology.io import topology_from_dict, topology_to_dict
+
+    data = topology_to_dict(load_topology("host-cpu-8"))
+    data["calibration"]["compute"]["matmul_half_flops"] = value
+    with pytest.raises(InputError) as info:
+        topology_from_dict(data)
+    assert "calibration.compute.matmul_half_flops" in str(info.value)

@@ -106,14 +106,15 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         host_serial: bool = False,
                         host_skew: tuple[tuple[tuple[int, float], ...], float, float] = ((), 0.0, 0.0),
                         passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
-                        cache_bytes: float = 0.0) -> Topology:
+                        cache_bytes: float = 0.0, matmul_half_flops: float | None = None) -> Topology:
     """The base topology with fitted device rates, calibration and link parameters.
 
     Peaks: the matmul rate's fraction of the base device's peak (median over
     dtypes, at most 1) is ``e``; each dtype's peak becomes ``rate / e`` (so
     ``peak * e`` is its measured rate and the ratios between dtypes are
     measured). ``compute.efficiency`` is ``efficiency`` when given (the fit on
-    training steps, :func:`fit_step_compute`), else ``e``. Memory bandwidth
+    training steps, :func:`fit_step_compute`), else ``e``; ``half_flops`` is
+    the steps' half then and ``matmul_half_flops`` the matmul samples' own. Memory bandwidth
     likewise (``memory.efficiency``). Dtypes not measured keep their base
     peak; ``peak_scales`` (from the training steps) multiply a dtype's peak
     last. ``collectives`` is the base's until ``collectives`` (the fitted
@@ -167,7 +168,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
         controller = ControllerCalibration(overhead_s=controller_s, step_s=controller_step_s,
                                            pipeline_step_s=controller_pipeline_step_s, buffer_s=controller_buffer_s)
     calibration = Calibration(
-        compute=ComputeCalibration(efficiency=efficiency, efficiency_half_flops=half_flops, launch_overhead_s=launch_s),
+        compute=ComputeCalibration(efficiency=efficiency, efficiency_half_flops=half_flops, launch_overhead_s=launch_s,
+                                   matmul_half_flops=matmul_half_flops),
         memory=MemoryCalibration(efficiency=memory_efficiency), elementwise=elementwise,
         collectives=base.calibration.collectives, host=host, controller=controller)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",
@@ -224,9 +226,14 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
     if controller is not None:  # its buffer cost: real steps' when they tell it, else the empty programs'
         controller_step_s, controller_s, pipeline_step_s, buffer_s, controller_fit = controller
         fits.append(controller_fit)
+    if controller is not None or buffer_s:  # the steps' own host time is the controller's, not their compute
+        topo = replace(topo, calibration=topo.calibration.updated(controller={
+            "overhead_s": controller_s, "step_s": controller_step_s, "pipeline_step_s": pipeline_step_s,
+            "buffer_s": buffer_s}))
     steps = cal_steps.fit_step_compute(topo, samples)
-    efficiency, scales, passes = None, None, (0.0, 0.0, 0.0)
-    if steps is not None:
+    efficiency, scales, passes, matmul_half = None, None, (0.0, 0.0, 0.0), None
+    if steps is not None:  # the steps refit the half; one matmul alone keeps its own (traced programs')
+        matmul_half = half
         efficiency, half, scales, passes, step_fit = steps
         fits.append(step_fit)
     if steps is not None or controller is not None or buffer_s:
@@ -236,8 +243,7 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
                                        controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
                                        controller_pipeline_step_s=pipeline_step_s, passes=passes,
                                        host_throughput=curve, host_programs=programs, host_serial=serial,
-                                       host_skew=skew,
-                                       cache_bytes=cache_bytes)
+                                       host_skew=skew, cache_bytes=cache_bytes, matmul_half_flops=matmul_half)
     return topo, fitted_values(topo, shared=shared, rates=rates, memory_bandwidth=memory_bw), fits
 
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from testbed.errors import InputError
 from testbed.fields import MAX_DEVICES, check_keys, expect_mapping, get_float, get_int, get_str
-from testbed.topology.calibration import skew_growth
+from testbed.topology.curves import skew_growth
 
 __all__ = [
     "Sample", "Fit", "SAMPLE_KINDS", "nonnegative_lstsq", "fit_quality", "fit_line", "weighted_fit", "of_kind",

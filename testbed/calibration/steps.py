@@ -105,8 +105,11 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     A step sample is the plan of :func:`step_plan` on ``devices`` devices.
     Its predicted time is the representative's compute tasks
     (:func:`testbed.sim.engine.compute_seconds`, slowed by the host's share
-    of ``devices`` computing at once, ``Calibration.host_share``) plus the exposed
-    communication the simulator finds at the starting calibration. A grid
+    of ``devices`` computing at once, ``Calibration.host_share``) plus the rest of
+    the step the simulator finds at the starting calibration beyond its compute
+    (exposed communication, and the controller's host time when ``topology``
+    carries the fitted controller: left out, the curve absorbed it, most on
+    the small models' steps). A grid
     over (efficiency, half), refined three times, fits the fp32 steps; at
     each point the elementwise passes (``replicated_passes``,
     ``split_passes``; ``cached_passes`` over the part of each task's
@@ -127,8 +130,8 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     tasks = [[t for t in build_program(p, place(p, num_devices=r.devices)).tasks
               if t.kind is TaskKind.COMPUTE and t.device == 0] for p, r in zip(plans, rows)]
     slowdown = np.array([1.0 / topology.calibration.host_share(r.devices) for r in rows])
-    comm = np.array([simulate(p, topology).report.exposed_comm_s if r.devices > 1 else 0.0
-                     for p, r in zip(plans, rows)])
+    reports = [simulate(p, topology).report for p in plans]
+    comm = np.array([rep.step_time_s - rep.compute_s for rep in reports])
     measured = np.array([r.seconds for r in rows])
     dtypes = [p.precision.compute_dtype for p in plans]
     # Seconds per elementwise pass over each plan's replicated, split and cached activation bytes

@@ -29,6 +29,8 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows += [("compute", "efficiency", f"{c['efficiency']:.3f}"),
              ("compute", "efficiency_half_flops", f"{c['efficiency_half_flops']:.3g}"),
              ("compute", "launch_overhead_s", format_time(c["launch_overhead_s"]))]
+    if c.get("matmul_half_flops") is not None:
+        rows.append(("compute", "matmul_half_flops", f"{c['matmul_half_flops']:.3g} (one matmul alone: traced kernels)"))
     rows.append(("memory", "efficiency", f"{groups['memory']['efficiency']:.3f}"))
     e = groups["elementwise"]
     if e is None:

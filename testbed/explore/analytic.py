@@ -242,6 +242,11 @@ class _Step:
         flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
         gemms = overlap.gemms if overlap else work.gemms
         whole, ringed, chain = self._compute(chunk, work, ring)
+        if facts.gathers(kind) and not chain and not ringed and chunk.blocks > 1:
+            # the task graph's blocks, each after its own gather, are compute tasks of their own (each launched)
+            n = chunk.blocks
+            whole = n * compute_seconds(topology, dtype, flops / n, hbm / n, max(1, chunk.kernels // n), rep_b / n,
+                                        split_b / n, cost.tensor_bytes, scaled(gemms, 1 / n))
         ring_s = ringed[1] if ringed else 0.0
         last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
         pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)

@@ -96,10 +96,14 @@ class Play:
         priced = self.step.prices[(s, c, kind)]
         compute = self.slow * priced.compute
         start, stretch = self._start(s, c, kind, priced, deps), 0.0
+        skewed = self.step.skewed
         if priced.gather:
             start, stretch = self._gather(s, priced, start, compute)
+            if skewed is not None and priced.blocks > self.facts.prefetch:
+                # Its first prefetch + 1 blocks' gathers met the shard group as the stage's previous gathering
+                # action ended (or later): nothing computed since (the task graph's gathers, testbed.sim.barriers).
+                self.carry[s] = 0.0
         wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
-        skewed = self.step.skewed
         last = kind == self.facts.last_backward
         if last:
             compute, wait = self._backward_end(s, c, priced, start, compute)

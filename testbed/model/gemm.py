@@ -55,7 +55,7 @@ from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
 __all__ = ["Gemm", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
            "chunk_gemms", "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
-           "policy_recompute_flops", "SAVED_PROJECTIONS", "fp8_scaled"]
+           "policy_recompute_flops", "SAVED_PROJECTIONS", "grouped_kernel", "fp8_scaled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +82,11 @@ class Gemm:
     ``flash``: a product inside a fused flash attention kernel (its operands and output stay on chip);
     ``attention``: the named kernel and pass it runs in (None: the runner's kernel, testbed.sim.compute);
     ``amax_pass``: under fp8 its operand's cast finds the amax in a read pass of its own (the plan's
-    ``runtime.fp8_scaling`` ``current``, testbed.sim.compute.fp8_cast_bytes); ``block_scaled``: under fp8 its
-    operands carry a scale per block (``runtime.fp8_scaling`` ``blockwise``), which the GEMM applies in its main
-    loop (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE).
+    ``runtime.fp8_scaling`` ``current``, testbed.sim.compute.fp8_cast_bytes); ``grouped``: the grouped-matmul
+    kernel a routed expert's GEMM runs in (the plan's ``runtime.moe_dispatch`` ``megablox``; None: the device's
+    dense matmul, testbed.sim.grouped_kernels); ``block_scaled``: under fp8 its operands carry a scale per block
+    (``runtime.fp8_scaling`` ``blockwise``), which the GEMM applies in its main loop
+    (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE).
     """
 
     m: int
@@ -95,6 +97,7 @@ class Gemm:
     flash: bool = False
     attention: AttentionPass | None = None
     amax_pass: bool = False
+    grouped: str | None = None
     block_scaled: bool = False
 
     def __post_init__(self) -> None:
@@ -155,23 +158,31 @@ def projection_sides(plan: Plan, spec: ModelSpec, tokens: int, tensor: int,
 
 
 def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int,
-              expert_tensor: int | None = None) -> tuple[list[Gemm], list[Gemm]]:
+              expert_tensor: int | None = None, grouped: str | None = None) -> tuple[list[Gemm], list[Gemm]]:
     """(the MoE block's GEMMs but its out projections, its out projections) on one rank, ``tokens`` tokens.
 
     The router, the routed experts' grouped GEMMs (``expert_rows`` rows each, :func:`testbed.model.moe.expert_tokens`)
     and the shared experts' MLP, as an MoE layer runs them in place of the dense MLP. ``expert_tensor`` (the
     mesh's, None: ``tensor``) is the routed experts' tensor degree: at 1 a rank runs ``E / (expert x tensor)``
-    whole experts (MoE parallel folding), the shared experts still split over ``tensor``.
+    whole experts (MoE parallel folding), the shared experts still split over ``tensor``. ``grouped``: the
+    kernel the routed experts' GEMMs run in (:func:`grouped_kernel`).
     """
     d, fe, t = spec.d_model, spec.expert_d_ff or spec.d_ff, tensor
     et = t if expert_tensor is None else expert_tensor
     local, inner = spec.experts // (expert * t // et), spec.mlp_matrices - 1
-    ins = [Gemm(tokens, spec.experts, d)] + [Gemm(expert_rows, fe // et, d, batch=local) for _ in range(inner)]
-    outs = [Gemm(expert_rows, d, fe // et, batch=local)]
+    ins = [Gemm(tokens, spec.experts, d)] + [Gemm(expert_rows, fe // et, d, batch=local, grouped=grouped)
+                                             for _ in range(inner)]
+    outs = [Gemm(expert_rows, d, fe // et, batch=local, grouped=grouped)]
     if spec.shared_experts:
         ins += [Gemm(tokens, spec.shared_experts * fe // t, d) for _ in range(inner)]
         outs.append(Gemm(tokens, d, spec.shared_experts * fe // t))
     return ins, outs
+
+
+def grouped_kernel(plan: Plan) -> str | None:
+    """The grouped-matmul kernel the plan's routed experts run in: ``megablox`` under that
+    ``runtime.moe_dispatch``, else None (the dense matmul)."""
+    return "megablox" if plan.runtime.moe_dispatch == "megablox" else None
 
 
 def _attention(spec: ModelSpec, batch: int, tensor: int) -> tuple[Gemm, Gemm]:
@@ -195,9 +206,8 @@ def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]
 
 def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
     """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
-    return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention, g.amax_pass,
-                      g.block_scaled)  # not replace()
-                 for g in gemms)
+    return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention, g.amax_pass,  # not replace()
+                      g.grouped, g.block_scaled) for g in gemms)
 
 
 def gemm_flops(gemms: tuple[Gemm, ...]) -> float:
@@ -352,7 +362,8 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     moe = moe_layers(spec, span)
     kinds = [(len(span) - moe, weights, [mlp_out], True)]
     if moe:
-        ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert, plan.mesh.expert_tensor)
+        ins, outs = moe_gemms(spec, b * spec.seq_len, expert_tokens(plan), t, plan.mesh.expert, plan.mesh.expert_tensor,
+                              grouped_kernel(plan))
         kinds.append((moe, weights[:len(weights) - spec.mlp_matrices + 1] + ins, outs, False))
     # runtime.moe_dispatch einsum: an MoE layer's one-hot dispatch and combine (testbed.model.dispatch)
     einsum = tuple(tuple(Gemm(m, n, k, batch=b) for m, n, k, b in group) for group in einsum_shapes(plan))

@@ -191,7 +191,8 @@ def regathered(plan: Plan, s: int, c: int, moved: int, leaves: int, combine_byte
     a scatter-add of the rows' gradients, reads no table) and the additive ones (:func:`regathered_in_backward`).
     Collectives: under a finite ``combine_bytes`` (:func:`combine_limit`) each piece's on their own, as
     :func:`combined_sizes` merges the piece's leaves in :func:`issue_order` (the runner's backward gather of a
-    piece waits for that piece's cotangent, so no merge spans two pieces); unbounded, the whole chunk's count."""
+    piece waits for its own link from the piece after it, testbed.runner.param_shards, so no merge spans two
+    pieces); unbounded, the whole chunk's count."""
     if not leaves:
         return moved, leaves
     if not math.isinf(combine_bytes):

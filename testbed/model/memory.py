@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from testbed.model import costs
 from testbed.model import kept, layout, moe
@@ -70,7 +70,7 @@ from testbed.plan.sharding import gathered_blocks, gradient_reduction, state_sha
 from testbed.topology import Topology
 
 __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param",
-           "stage_memory", "probe_stages", "state_floor", "gathered_bytes"]
+           "stage_memory", "probe_stages", "state_floor", "gathered_bytes", "loss_floor_plan"]
 
 
 def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
@@ -128,6 +128,9 @@ class MemoryBreakdown:
     fits: bool
     worst_stage: int
     per_stage: tuple[StageMemory, ...]
+    #: Whether the worst stage's row is the loss floor (:func:`loss_floor_plan`): the plan's XLA program would
+    #: not fit with the loss's fp32 buffers, so the compiler rematerialises them.
+    rematerialised_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.total != self.params + self.grads + self.optimizer + self.activations + self.workspace:
@@ -138,6 +141,8 @@ class MemoryBreakdown:
         keys = ("params_count", "device_params_count", "params", "grads", "optimizer", "activations", "workspace",
                 "total", "capacity", "fits", "worst_stage")
         out = {k: getattr(self, k) for k in keys}
+        if self.rematerialised_loss:
+            out["rematerialised_loss"] = True
         out["per_stage"] = [{"stage": s.stage, "params_count": s.params_count, "params": s.params, "grads": s.grads,
                              "optimizer": s.optimizer, "activations": s.activations, "workspace": s.workspace,
                              "total": s.total, "inflight": s.inflight} for s in self.per_stage]
@@ -195,7 +200,38 @@ def _layer_workspace(plan: Plan) -> int:
     return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan) + ring_workspace(plan)
 
 
-def _stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
+def loss_floor_plan(plan: Plan) -> Plan | None:
+    """``plan`` with the loss at its floor, or None when its loss has no buffers a compiler could drop.
+
+    An XLA program (``runtime.framework: jax``) compiled for a device with a memory limit runs XLA's
+    rematerialisation pass (``HloRematerialization``, openxla/xla ``hlo_rematerialization.cc``) against that
+    limit: when the program would not fit, it recomputes cheap values at their uses instead of keeping them.
+    The runner's loss keeps fp32 logits and writes two fp32 logits-sized buffers (testbed.model.kept), all
+    elementwise functions of the compute-dtype logits the head's matmul wrote (the fp32 cast, ``exp(logits -
+    max)``, the softmax gradient). What no compiler can drop: the compute-dtype logits, kept for the backward,
+    and the compute-dtype logits gradient the head's backward matmuls read, 2 + 2 bytes a logit under bf16 and
+    the per-row log-sum-exp: the buffers ``runtime.fused_loss`` describes. The floor is what a published run
+    shows XLA:TPU reaching: MaxText's Llama 3.1 8B on v6e-64 (tpu-recipes, per_device_batch_size 5, 8192
+    tokens, vocabulary 128,256: 5.25e9 logits a chip) trained on 31.25 GiB of HBM, where one fp32 logits
+    buffer alone is 19.6 GiB; XLA:TPU's own ``memory_analysis`` of a program that fits with room (MaxText's
+    docs, understand_logs_and_metrics.md: DeepSeek2-16B on v5p-8, 5.03e9 logits a chip, temp 55.9 GB)
+    keeps more, so the floor applies only to programs that would not fit."""
+    if not kept.xla_program(plan) or plan.runtime.fused_loss:
+        return None
+    return replace(plan, runtime=replace(plan.runtime, fused_loss=True))
+
+
+def _stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
+    """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the row at the loss floor
+    (:func:`loss_floor_plan`) when that is smaller (the compiler's rematerialisation runs against the limit)."""
+    row = _stage_peak(plan, stage, inflight)
+    floor = loss_floor_plan(plan) if capacity is not None and row.total > capacity else None
+    if floor is None:
+        return row
+    return min(row, _stage_peak(floor, stage, inflight), key=lambda r: r.total)
+
+
+def _stage_peak(plan: Plan, stage: int, inflight: int) -> StageMemory:
     """Bytes on one device of ``stage`` at its peak instant.
 
     With one microbatch the step does not accumulate gradients: the backward
@@ -340,23 +376,25 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
     times); by default :func:`inflight_microbatches` builds the table.
     """
     inflight = inflight_microbatches(plan) if inflight is None else inflight
-    stages = [_stage_memory(plan, s, inflight[s]) for s in range(plan.mesh.stage)]
-    worst = max(stages, key=lambda m: m.total)
     capacity = int(topology.device.memory_bytes)
+    stages = [_stage_memory(plan, s, inflight[s], capacity) for s in range(plan.mesh.stage)]
+    worst = max(stages, key=lambda m: m.total)
     return MemoryBreakdown(
         params_count=costs.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
-        per_stage=tuple(stages))
+        per_stage=tuple(stages), rematerialised_loss=worst.total < _stage_peak(plan, worst.stage,
+                                                                              inflight[worst.stage]).total)
 
 
-def stage_memory(plan: Plan, stage: int, inflight: int) -> StageMemory:
+def stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
     """Bytes on one device of ``stage`` at its peak instant with ``inflight`` activation sets (the schedule's).
 
-    Exactly the row :func:`memory_breakdown` reports for that stage, so each is a lower bound of the plan's
-    worst-device total: a search drops a plan as soon as one stage overflows, without the other stages.
+    With the device's ``capacity`` (bytes), exactly the row :func:`memory_breakdown` reports for that stage, so
+    each is a lower bound of the plan's worst-device total: a search drops a plan as soon as one stage
+    overflows, without the other stages.
     """
-    return _stage_memory(plan, stage, inflight)
+    return _stage_memory(plan, stage, inflight, capacity)
 
 
 def probe_stages(plan: Plan) -> tuple[int, ...]:

@@ -76,7 +76,10 @@ class RuntimeSpec:
     #: How an MoE layer moves tokens to its experts' capacity slots and back (:data:`MOE_DISPATCH`):
     #: ``gather``, the runner's index gather and weighted scatter (memory work, testbed.runner.moe);
     #: ``einsum``, one-hot dispatch and combine einsums (MaxText's dropping path, ``sparse_matmul: False``),
-    #: whose matmuls testbed.model.dispatch prices. No effect on a dense model.
+    #: whose matmuls testbed.model.dispatch prices; ``megablox``, the gather's token movement with the routed
+    #: experts' GEMMs in MaxText's megablox grouped-matmul kernel (its dropless ``sparse_matmul`` path, the
+    #: default ``megablox: True``), at the kernel's published rate on the device (testbed.sim.grouped_kernels).
+    #: No effect on a dense model.
     moe_dispatch: str = "gather"
     #: The fused attention kernel flash attention's products run in (:data:`ATTENTION_KERNELS`): ``runner``, the
     #: runner's own blockwise attention, priced at the device calibration's ``flash_efficiency`` (or by shape) over
@@ -233,7 +236,7 @@ FRAMEWORKS = ("jax", "pytorch")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
 GRAD_REDUCE_DTYPES = ("grad", "fp32")
 #: Values of :attr:`RuntimeSpec.moe_dispatch` (testbed.model.dispatch reads the same names).
-MOE_DISPATCH = ("gather", "einsum")
+MOE_DISPATCH = ("gather", "einsum", "megablox")
 #: Values of :attr:`RuntimeSpec.attention_kernel`.
 ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash")
 #: Values of :attr:`RuntimeSpec.fp8_scaling`.

@@ -344,17 +344,23 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
     remat = Remat(remat)
     weight = 1.0 / x.shape[0] if aux_weight is None else float(aux_weight)
     arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context, experts=experts, aux_weight=weight)
-    step = jax.checkpoint(_block, static_argnums=(2, 3)) if remat is Remat.FULL else _block
-    for layer in params_layers:
-        x = step(layer, x, arch, remat)
+    step = jax.checkpoint(_block, static_argnums=(2, 3, 5)) if remat is Remat.FULL else _block
+    link = None
+    for k, layer in enumerate(params_layers):
+        x, link = step(layer, x, arch, remat, link, k + 1 < len(params_layers))
     return x
 
 
-def _block(params_layer: Params, x: jax.Array, arch: _Arch, remat: Remat) -> jax.Array:
+def _block(params_layer: Params, x: jax.Array, arch: _Arch, remat: Remat, link: jax.Array | None = None,
+           linked: bool = False) -> tuple[jax.Array, jax.Array | None]:
+    """One block on ``x``, and under FSDP the link its backward hands the block before it (``linked``: a block
+    follows; testbed.runner.param_shards.ParamShards.apply: the backward gathers one block ahead)."""
     if arch.fsdp is not None:
         inner = arch._replace(fsdp=None)
-        return arch.fsdp.apply(lambda p, h: block(p["layers"], h, inner, remat), {"layers": params_layer}, x)
-    return block(params_layer, x, arch, remat)
+        out = arch.fsdp.apply(lambda p, h: block(p["layers"], h, inner, remat), {"layers": params_layer}, x,
+                              link=link, linked=linked)
+        return out if linked else (out, None)
+    return block(params_layer, x, arch, remat), None
 
 
 def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,

@@ -106,7 +106,8 @@ class ParamShards:
             w = w[0]
         return w if dim < 0 else _gather(w, self.shard_axes, dim, tensor_spec)
 
-    def apply(self, fn: Any, params: Any, *batch: jax.Array, loss: bool = False) -> Any:
+    def apply(self, fn: Any, params: Any, *batch: jax.Array, loss: bool = False, link: jax.Array | None = None,
+              linked: bool = False) -> Any:
         """``fn(gathered params, *batch rows)`` on every device's rows of the batch.
 
         ``params``: a tree keyed from a layout root (``{"layers": one layer}``, ``{"embed": ...}``,
@@ -114,6 +115,12 @@ class ParamShards:
         arrays whose dim 0 is the batch (split over the batch axes). ``fn`` returns the rows of an
         array of the same batch, or with ``loss`` a mean over the rows, averaged here over the batch
         (one per replica when spread).
+
+        Backward prefetch, one piece ahead (``runtime.fsdp_prefetch``'s one, as plan-driven simulation times it):
+        with ``linked`` the piece also returns a link (zeros, one per device of the batch axes) for the next
+        piece's ``link``, and returns ``(out, link)``; in the backward, this piece's gather waits for the link's
+        cotangent, which the next piece gives as soon as its own cotangent arrives, so it runs while the next
+        piece's backward computes. Without ``linked`` (the last piece of a run) it waits for its own cotangent.
         """
         dims, copies, specs, tensor_specs = self._leaves(params)
         again = jax.tree_util.tree_map_with_path(
@@ -123,13 +130,18 @@ class ParamShards:
         def gather(params: Any) -> Any:
             return jax.tree.map(self._gather, params, dims, copies, tensor_specs)
 
-        def body(params: Any, *batch: jax.Array) -> Any:
-            out = _regathered(fn, gather, params, batch, jax.tree.leaves(again))
-            return out[None] if loss else out
+        def body(params: Any, link: jax.Array | None, *batch: jax.Array) -> Any:
+            out = _regathered(fn, gather, params, batch, jax.tree.leaves(again), link, linked)
+            if not linked:
+                return out[None] if loss else out
+            return (out[0][None] if loss else out[0]), out[1]
 
-        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, *(self._batch,) * len(batch)),
-                               out_specs=self._batch, axis_names=frozenset(self.axes), check_vma=False)
-        out = mapped(params, *batch)
+        outs = (self._batch, self._batch) if linked else self._batch
+        mapped = jax.shard_map(body, mesh=self.mesh, in_specs=(specs, self._batch, *(self._batch,) * len(batch)),
+                               out_specs=outs, axis_names=frozenset(self.axes), check_vma=False)
+        out = mapped(params, link, *batch)
+        if linked:
+            return out
         if not loss:
             return out
         # One loss per device of the batch axes (data-major): their mean, or per replica when spread.
@@ -161,47 +173,60 @@ def _gather_bwd(axes: tuple[str, ...], dim: int, tensor_spec: P, _: None, g: jax
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...], again: list[bool]) -> Any:
+def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...], again: list[bool],
+                link: jax.Array | None = None, linked: bool = False) -> Any:
     """``fn(gather(params), *batch)`` whose backward gathers ``params`` again instead of keeping the gathered
     weights as residuals (every other residual of ``fn`` is kept as autodiff keeps it). ``again``: per leaf of
     ``params``, whether its backward gathers it again (testbed.model.leaves.regathered_in_backward, the rule
     plan-driven simulation counts); a leaf it does not (a bias, where a recomputation reads one) keeps the
-    forward's gathered copy.
+    forward's gathered copy. ``link``, ``linked``: as :meth:`ParamShards.apply` (with ``linked`` the result is
+    ``(out, link)``, the link zeros of shape ``[1]``).
 
     A custom VJP: the forward takes ``fn``'s VJP at the gathered weights and drops from its residuals the
     gathered leaves themselves; the backward gathers the shards again and puts them back. The backward's
-    gather depends on the cotangent and a residual (the shards plus zero times one element of each), so it
-    runs in the backward and no common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers
-    ``jax.checkpoint`` places before its last CSE pass, which merged a rematerialised gather with the forward's.
+    gather depends on a cotangent (the link's when ``linked``: the next piece's, one piece ahead; else its own)
+    and a residual (the shards plus zero times one element of each), so it runs in the backward and no
+    common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers ``jax.checkpoint``
+    places before its last CSE pass, which merged a rematerialised gather with the forward's. The cotangent
+    of ``link`` is zero times one element of this piece's own cotangent: the previous piece's gather may start
+    as soon as this piece's backward does.
     """
     meta: dict[str, Any] = {}
 
-    @jax.custom_vjp
-    def piece(params: Any, batch: tuple[jax.Array, ...]) -> Any:
-        return fn(gather(params), *batch)
+    def tied(out: Any) -> Any:
+        return (out, jnp.zeros((1,), jnp.float32)) if linked else out
 
-    def forward(params: Any, batch: tuple[jax.Array, ...]) -> tuple[Any, Any]:
+    @jax.custom_vjp
+    def piece(params: Any, batch: tuple[jax.Array, ...], link: jax.Array | None) -> Any:
+        # ``link`` is not read: it is an input only so that its cotangent reaches the piece before this one.
+        return tied(fn(gather(params), *batch))
+
+    def forward(params: Any, batch: tuple[jax.Array, ...], link: jax.Array | None) -> tuple[Any, Any]:
         full = gather(params)
         out, vjp = jax.vjp(lambda w, b: fn(w, *b), full, batch)
         leaves, meta["tree"] = jax.tree.flatten(vjp)
         where = {id(w): i for i, w in enumerate(jax.tree.leaves(full)) if again[i]}
         meta["gathered"] = {j: where[id(x)] for j, x in enumerate(leaves) if id(x) in where}
-        return out, (params, [x for j, x in enumerate(leaves) if j not in meta["gathered"]])
+        kept = [x for j, x in enumerate(leaves) if j not in meta["gathered"]]
+        return tied(out), (params, kept)
 
-    def backward(res: Any, ct: Any) -> tuple[Any, Any]:
+    def backward(res: Any, cts: Any) -> tuple[Any, Any, Any]:
         params, kept = res
-        # Zero, from the cotangent and a residual: never a constant XLA could fold (a loss's cotangent is one).
-        zero = (jnp.ravel(jax.tree.leaves(ct)[0])[0] + sum(jnp.ravel(r)[0] for r in kept[:1])) * 0
+        ct, after = cts if linked else (cts, None)
+        own = jnp.ravel(jax.tree.leaves(ct)[0])[0]
+        # Zero, from a cotangent and a residual: never a constant XLA could fold (a loss's cotangent is one).
+        zero = ((own if after is None else after[0]) + sum(jnp.ravel(r)[0] for r in kept[:1])) * 0
         full = jax.tree.leaves(gather(jax.tree.map(lambda w: w + zero.astype(w.dtype), params)))
         rest = iter(kept)
         leaves = [full[meta["gathered"][j]] if j in meta["gathered"] else next(rest)
                   for j in range(len(meta["gathered"]) + len(kept))]
         d_full, d_batch = jax.tree.unflatten(meta["tree"], leaves)(ct)
         (d_params,) = jax.vjp(gather, params)[1](d_full)
-        return d_params, d_batch
+        d_link = None if link is None else jnp.broadcast_to(own.astype(jnp.float32) * 0, (1,))
+        return d_params, d_batch, d_link
 
     piece.defvjp(forward, backward)
-    return piece(params, batch)
+    return piece(params, batch, link)
 
 
 def _manual(fn: Any, spec: P) -> Any:

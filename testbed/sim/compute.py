@@ -54,6 +54,7 @@ from collections.abc import Iterable, Sequence
 
 from testbed.model.gemm import Gemm
 from testbed.sim.attention_kernels import kernel_efficiency
+from testbed.sim.grouped_kernels import grouped_rate
 from testbed.topology import Topology
 from testbed.topology.calibration import ComputeCalibration
 
@@ -89,7 +90,7 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     elif flops > 0:
         per_kernel = flops / max(1, kernels)
         eff = compute.cap(dtype) * per_kernel / (per_kernel + compute.efficiency_half_flops)
-        t = flops / (dev.sustained_flops(dtype) * eff)
+        t = (flops + _grouped_extra_flops(dev.name, gemms)) / (dev.sustained_flops(dtype) * eff)
     if hbm_bytes > 0:
         t = max(t, pass_seconds(topology, hbm_bytes))
     if passes is not None:
@@ -98,6 +99,12 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
                        + (1 - f) * (passes.replicated_passes * replicated_bytes + passes.split_passes * split_bytes))
         t += pass_seconds(topology, activations)
     return compute.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
+
+
+def _grouped_extra_flops(device_name: str, gemms: Sequence[Gemm]) -> float:
+    """FLOPs at the dense rate that the time a grouped-matmul kernel's GEMMs lose to it is worth
+    (testbed.sim.grouped_kernels: ``flops / rate - flops`` each; 0 without such GEMMs or without a figure)."""
+    return sum(g.flops * (1.0 / grouped_rate(device_name, g.grouped) - 1.0) for g in gemms if g.grouped)
 
 
 def host_devices(topology: Topology) -> int:
@@ -157,13 +164,12 @@ def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts:
     if gemm.count <= 0:
         return 0.0
     key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass,
-           gemm.block_scaled)
+           gemm.grouped, gemm.block_scaled)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, Gemm(gemm.m, gemm.n, gemm.k, gemm.batch, 1.0,
                                                                        gemm.flash, gemm.attention, gemm.amax_pass,
-                                                                       gemm.block_scaled),
-                                               casts)
+                                                                       gemm.grouped, gemm.block_scaled), casts)
     return gemm.count * one
 
 
@@ -196,7 +202,8 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
         eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
         return cal.compute.gemm_latency_s + one / (topology.device.sustained_flops(dtype) * eff)
-    math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype))
+    rate = grouped_rate(topology.device.name, gemm.grouped)  # a grouped-matmul kernel's (1: the dense matmul)
+    math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype) * rate)
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)

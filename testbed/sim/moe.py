@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from testbed.model import moe
-from testbed.model.gemm import Gemm, fp8_scaled, gemm_flops, moe_gemms, scaled, without
+from testbed.model.gemm import Gemm, fp8_scaled, gemm_flops, grouped_kernel, moe_gemms, scaled, without
 from testbed.plan.spec import Plan, Remat
 from testbed.sim.pieces import ActionTask
 
@@ -54,7 +54,7 @@ def _layer_gemms(plan: Plan, kind: str, split: bool) -> tuple[tuple[Gemm, ...], 
     """(routed experts', shared experts') GEMMs of one MoE layer in an F or B action on one rank."""
     spec, mesh = plan.model, plan.mesh
     ins, outs = moe_gemms(spec, moe.local_tokens(plan), moe.expert_tokens(plan), mesh.tensor, mesh.expert,
-                          mesh.expert_tensor)
+                          mesh.expert_tensor, grouped_kernel(plan))
     inner = spec.mlp_matrices - 1
     routed = _action_gemms([*ins[1:1 + inner], outs[0]], kind, split, plan.remat)
     shared = _action_gemms([*ins[1 + inner:], *outs[1:]], kind, split, plan.remat) if spec.shared_experts else []

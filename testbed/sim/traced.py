@@ -5,7 +5,10 @@ representative (device 0 of the mesh) and :attr:`Program.representative` maps ev
 plan-driven simulation does for a step without pipeline stages. Its ops become tasks:
 
 - compute: the ops between two consecutive collectives (in program order) are one *segment* on the
-  ``compute`` stream, priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
+  ``compute`` stream, and a matmul that reads a collective's result the segment has not yet read starts a new
+  one (a matmul is a kernel of its own; the compute before it need not wait for that collective: FSDP's
+  forward, whose gathers all come first, computes each layer once its own gathers are done). Each segment is
+  priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
   convolutions (``gemms``: the calibration's GEMM shape model, or its FLOPs roofline), and its
   memory-bound ops' ``hbm_bytes``: with the calibration's ``elementwise`` group a second task after the
   matmuls, one pass per counted byte at the calibrated memory bandwidth (:func:`memory_seconds`);
@@ -131,9 +134,15 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
         segment.clear()
         pending.clear()
 
+    waited: set[int] = set()  # collectives the open segment reads
     for i, op in enumerate(workload.ops):
         done.append(())
         if op.kind is not OpKind.COLLECTIVE:
+            reads = {d for d in op.deps if workload.ops[d].kind is OpKind.COLLECTIVE}
+            if op.kind is OpKind.GEMM and reads - waited:  # a new kernel that waits for that collective
+                close()
+                waited.clear()
+            waited.update(reads)
             segment.append(i)
             pending.append(i)
             continue
@@ -218,7 +227,14 @@ def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
 
     ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
     pays it per action, each a program; a traced step is one program, so only its first compute task does.
+    Its kernels take the size curve's half-efficiency FLOPs of one matmul alone
+    (``compute.kernel_half_flops``): a plan's, refitted to training steps, also prices the work between its
+    matmuls that a plan does not count, which a traced program counts itself (its memory-bound ops).
     """
+    compute = topology.calibration.compute
+    if compute.kernel_half_flops != compute.efficiency_half_flops:
+        topology = replace(topology, calibration=topology.calibration.updated(
+            compute={"efficiency_half_flops": compute.kernel_half_flops}))
     priced = price(program, topology, matmul_dtype(topology, dtype))
     launch = topology.calibration.compute.launch_overhead_s
     durations = list(priced.durations)

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from testbed.errors import InputError
+from testbed.topology.curves import interpolate, skew_growth
 
 __all__ = ["Calibration", "ComputeCalibration", "MemoryCalibration", "ElementwiseCalibration",
-           "CollectiveCalibration", "HostCalibration", "ControllerCalibration", "GROUPS"]
+           "CollectiveCalibration", "HostCalibration", "ControllerCalibration", "GROUPS", "skew_growth"]
 
 
 def _ceiling(name: str) -> tuple[float, str]:
@@ -105,6 +106,12 @@ class ComputeCalibration(_Group):
         device's fp8 peak, ``fp8_efficiency * k / (k + fp8_gemm_half_k)`` (a
         tile's fixed work amortised over the reduction), in place of
         ``efficiency``; 0: fp8 matmuls are capped at ``efficiency`` (bf16's).
+    matmul_half_flops: the half-efficiency FLOPs of one matmul timed alone
+        (``calibrate``'s matmul samples), where ``efficiency_half_flops`` was
+        refitted to training steps of a plan (whose compute tasks it prices,
+        their uncounted work between the matmuls with them). A traced
+        program counts its memory-bound ops itself (testbed.sim.traced), so
+        its kernels take this one. None: the same as ``efficiency_half_flops``.
     """
 
     GROUP: ClassVar[str] = "compute"
@@ -117,8 +124,11 @@ class ComputeCalibration(_Group):
     flash_efficiency: float = 0.0
     fp8_efficiency: float = 0.0
     fp8_gemm_half_k: float = 0.0
+    matmul_half_flops: float | None = None
 
     def __post_init__(self) -> None:
+        if self.matmul_half_flops is not None:
+            self._nonnegative("matmul_half_flops")
         self._fraction("efficiency")
         if self.flash_efficiency:
             self._fraction("flash_efficiency")
@@ -130,6 +140,12 @@ class ComputeCalibration(_Group):
     def cap(self, dtype: str) -> float:
         """The efficiency of a very large matmul in ``dtype`` (``fp8_efficiency`` for fp8 where set)."""
         return self.fp8_efficiency if dtype == "fp8" and self.fp8_efficiency else self.efficiency
+
+    @property
+    def kernel_half_flops(self) -> float:
+        """The half-efficiency FLOPs of a traced program's kernels: ``matmul_half_flops`` where measured, else
+        ``efficiency_half_flops``."""
+        return self.efficiency_half_flops if self.matmul_half_flops is None else self.matmul_half_flops
 
     @property
     def shapes(self) -> bool:
@@ -336,41 +352,21 @@ class HostCalibration(_Group):
     def share(self, computing: float, programs: float = 1.0) -> float:
         """Fraction of its speed alone each of ``computing`` devices (at once, in ``programs`` separate programs)
         runs at."""
-        return self._share(computing) / _interpolate(self.programs, min(programs, max(1.0, computing)), 1.0)
+        return self._share(computing) / interpolate(self.programs, min(programs, max(1.0, computing)), 1.0)
 
     def barrier_wait(self, group: float, seconds: float) -> float:
         """How long ``group`` devices that computed ``seconds`` since they last met wait for the last of them."""
         if group <= 1 or seconds <= 0 or not self.skew_s:
             return 0.0
-        skew = _interpolate(((1, 0.0), *self.skew_s), group, 0.0)
+        skew = interpolate(((1, 0.0), *self.skew_s), group, 0.0)
         return math.sqrt(skew) * skew_growth(seconds, self.skew_onset_s, self.skew_saturation_s)
 
     def _share(self, computing: float) -> float:
         if computing <= 1:
             return 1.0
         if self.throughput:
-            return min(1.0, _interpolate(self.throughput, computing, 1.0) / computing)
+            return min(1.0, interpolate(self.throughput, computing, 1.0) / computing)
         return min(1.0, self.cores / computing)
-
-
-def skew_growth(seconds: float, onset: float, saturation: float) -> float:
-    """A straggler's lag after ``seconds`` of computing, per ``sqrt(skew_s)``: ``sqrt(min(t, saturation)) *
-    min(1, sqrt(t / onset))`` (0 for either: no limit). The one shape :meth:`HostCalibration.barrier_wait`
-    prices and testbed.calibration.fit.fit_host_skew fits."""
-    if seconds <= 0:
-        return 0.0
-    grown = min(seconds, saturation) if saturation > 0 else seconds
-    return math.sqrt(grown) * (min(1.0, math.sqrt(seconds / onset)) if onset > 0 else 1.0)
-
-
-def _interpolate(curve: tuple[tuple[int, float], ...], x: float, default: float) -> float:
-    """A piecewise-linear curve of ``(n, value)`` points at ``x``: flat after its last point; ``default`` when empty."""
-    if not curve or x <= curve[0][0]:
-        return curve[0][1] if curve else default
-    for (n0, v0), (n1, v1) in zip(curve, curve[1:]):
-        if x <= n1:
-            return v0 + (v1 - v0) * (x - n0) / (n1 - n0)
-    return curve[-1][1]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
