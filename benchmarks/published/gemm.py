@@ -9,8 +9,9 @@ constants in the H100 topology files (and, by assumption, the A100 ones).
 FP8: ``fit_fp8`` fits the H100's ``fp8_efficiency`` and ``fp8_gemm_half_k`` (the cap of
 an fp8 GEMM over the fp8 peak, ``fp8_efficiency k / (k + fp8_gemm_half_k)``; everything
 else the bf16 fit's) to measured per-tensor-scaled H800 FP8 GEMMs (gemm_fp8_h800.yaml),
-and reports its in-sample and leave-one-out errors and, as a check, its error on
-DeepGEMM's block-scaled GEMMs.
+and reports its in-sample and leave-one-out errors. ``fit_blockwise`` fits the share of that cap a
+block-scaled fp8 GEMM reaches (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE) to DeepGEMM's block-scaled
+GEMMs at training shapes, with its in-sample and leave-one-out errors.
 
     .venv/bin/python benchmarks/published/gemm.py   # one JSON object
 """
@@ -28,7 +29,7 @@ import math
 import statistics
 
 from testbed.model.gemm import Gemm
-from testbed.sim.compute import fit_shape_model, gemm_seconds
+from testbed.sim.compute import FP8_BLOCK_SCALED_SHARE, fit_shape_model, gemm_seconds
 from testbed.topology.io import load_topology
 
 TABLE = Path(__file__).with_name("gemm_h100.yaml")
@@ -78,12 +79,11 @@ def _table(data: dict, name: str, min_m: int = 1) -> list[tuple[Gemm, float]]:
 
 def fit_fp8(path: Path | str = FP8_TABLE) -> dict:
     """fp8_efficiency and fp8_gemm_half_k fitted to the per-tensor fp8 table, the shipped values, in-sample and
-    leave-one-out errors, the blockwise table's error under the fit, and the old rule's (bf16's cap over the fp8
+    leave-one-out errors, the blockwise share's fit (:func:`fit_blockwise`), and the old rule's (bf16's cap over the fp8
     peak) on both."""
     data = yaml.safe_load(Path(path).read_text())
     topology = load_topology(data["topology"])
     rows = _table(data, "per_tensor")
-    blockwise = _table(data, "blockwise", min_m=1024)  # the training shapes (data file: why)
     efficiency, half_k = _fit_fp8(topology, rows)
     loo = [_fp8_log_errors(topology, [row], *_fit_fp8(topology, rows[:i] + rows[i + 1:]))[0]
            for i, row in enumerate(rows)]
@@ -94,11 +94,31 @@ def fit_fp8(path: Path | str = FP8_TABLE) -> dict:
             "in_sample": _errors(_fp8_log_errors(topology, rows, efficiency, half_k)),
             "leave_one_out": _errors(loo),
             "old_rule": _errors(_fp8_log_errors(topology, rows, 0.0, 0.0)),
-            "blockwise": {"source": data["blockwise"]["source"], "rows": len(blockwise),
-                          "fit": _errors(_fp8_log_errors(topology, blockwise, efficiency, half_k)),
-                          "median_signed_error": round(statistics.median(
-                              math.exp(x) - 1 for x in _fp8_log_errors(topology, blockwise, efficiency, half_k)), 4),
-                          "old_rule": _errors(_fp8_log_errors(topology, blockwise, 0.0, 0.0))}}
+            "blockwise": fit_blockwise(path)}
+
+
+def fit_blockwise(path: Path | str = FP8_TABLE) -> dict:
+    """The share of the per-tensor fp8 cap a block-scaled fp8 GEMM reaches, fitted over DeepGEMM's training-shape
+    rows (least squares of the log error: the cap binds at these shapes, so the share is ``exp(-mean)`` of the
+    per-tensor pricing's log errors), the shipped value (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE) priced as the
+    simulator prices a ``block_scaled`` GEMM (in-sample), leave-one-out errors, and the per-tensor pricing's."""
+    data = yaml.safe_load(Path(path).read_text())
+    topology = load_topology(data["topology"])
+    rows = _table(data, "blockwise", min_m=1024)  # the training shapes (data file: why)
+    compute = topology.calibration.compute
+    per_tensor = _fp8_log_errors(topology, rows, compute.fp8_efficiency, compute.fp8_gemm_half_k)
+    share = round(math.exp(-statistics.fmean(per_tensor)), 3)
+    loo = [x - statistics.fmean(per_tensor[:i] + per_tensor[i + 1:]) for i, x in enumerate(per_tensor)]
+    shipped = [math.log(g.flops / gemm_seconds(topology, "fp8", dataclasses.replace(g, block_scaled=True),
+                                               casts=False) / rate) for g, rate in rows]
+    return {"source": data["blockwise"]["source"], "rows": len(rows), "share": share,
+            "shipped": FP8_BLOCK_SCALED_SHARE, "stale": share != FP8_BLOCK_SCALED_SHARE,
+            "in_sample": {**_errors(shipped), "median_signed_error": round(statistics.median(
+                math.exp(x) - 1 for x in shipped), 4)},
+            "leave_one_out": _errors(loo),
+            "per_tensor_cap": {**_errors(per_tensor), "median_signed_error": round(statistics.median(
+                math.exp(x) - 1 for x in per_tensor), 4)},
+            "old_rule": _errors(_fp8_log_errors(topology, rows, 0.0, 0.0))}
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
 __all__ = ["Gemm", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
            "chunk_gemms", "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
-           "policy_recompute_flops", "SAVED_PROJECTIONS", "grouped_kernel"]
+           "policy_recompute_flops", "SAVED_PROJECTIONS", "grouped_kernel", "fp8_scaled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,9 @@ class Gemm:
     ``amax_pass``: under fp8 its operand's cast finds the amax in a read pass of its own (the plan's
     ``runtime.fp8_scaling`` ``current``, testbed.sim.compute.fp8_cast_bytes); ``grouped``: the grouped-matmul
     kernel a routed expert's GEMM runs in (the plan's ``runtime.moe_dispatch`` ``megablox``; None: the device's
-    dense matmul, testbed.sim.grouped_kernels).
+    dense matmul, testbed.sim.grouped_kernels); ``block_scaled``: under fp8 its operands carry a scale per block
+    (``runtime.fp8_scaling`` ``blockwise``), which the GEMM applies in its main loop
+    (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE).
     """
 
     m: int
@@ -96,6 +98,7 @@ class Gemm:
     attention: AttentionPass | None = None
     amax_pass: bool = False
     grouped: str | None = None
+    block_scaled: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0:
@@ -151,7 +154,7 @@ def projection_sides(plan: Plan, spec: ModelSpec, tokens: int, tensor: int,
     (testbed.sim.tp_overlap pairs each block with its tensor collectives)."""
     weights, mlp_out = _projections(spec, tokens, tensor)
     attention = len(weights) - (spec.mlp_matrices - 1)
-    return _amax_passes(plan, tuple(weights[:attention])), _amax_passes(plan, (*weights[attention:], mlp_out))
+    return fp8_scaled(plan, tuple(weights[:attention])), fp8_scaled(plan, (*weights[attention:], mlp_out))
 
 
 def moe_gemms(spec: ModelSpec, tokens: int, expert_rows: int, tensor: int, expert: int,
@@ -204,7 +207,7 @@ def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]
 def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
     """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
     return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention, g.amax_pass,  # not replace()
-                      g.grouped) for g in gemms)
+                      g.grouped, g.block_scaled) for g in gemms)
 
 
 def gemm_flops(gemms: tuple[Gemm, ...]) -> float:
@@ -381,13 +384,16 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
     if head:
         (h,) = head_gemms(spec, b, t)
         out[0], out[1], out[2] = out[0] + (h,), out[1] + (h.input_grad(),), out[2] + (h.weight_grad(),)
-    out = [_amax_passes(plan, o) for o in out]
+    out = [fp8_scaled(plan, o) for o in out]
     return ChunkGemms(forward=out[0], backward_input=out[1], backward_weight=out[2], recompute=out[3])
 
 
-def _amax_passes(plan: Plan, gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
-    """``gemms`` with their fp8 casts' own amax read (``amax_pass``) under fp8 current scaling; untouched otherwise
-    (flash products are not cast), so other plans' task graphs stay as they were."""
-    if plan.runtime.fp8_scaling != "current" or "fp8" not in plan.precision.value:
+def fp8_scaled(plan: Plan, gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+    """``gemms`` with their fp8 casts' own amax read (``amax_pass``) under fp8 current scaling, or their block
+    scales (``block_scaled``) under blockwise scaling; untouched otherwise (flash products are not cast), so other
+    plans' task graphs stay as they were."""
+    scaling = plan.runtime.fp8_scaling
+    if scaling not in ("current", "blockwise") or "fp8" not in plan.precision.value:
         return gemms
-    return tuple(g if g.flash else replace(g, amax_pass=True) for g in gemms)
+    tag = {"amax_pass": True} if scaling == "current" else {"block_scaled": True}
+    return tuple(g if g.flash else replace(g, **tag) for g in gemms)

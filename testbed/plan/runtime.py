@@ -96,8 +96,11 @@ class RuntimeSpec:
     #: Engine's ``DelayedScaling``: one pass, testbed.sim.compute.fp8_cast_bytes); ``current``, from the tensor's own
     #: amax, found by a reduction kernel that reads the tensor before the cast reads it again (Transformer Engine's
     #: ``Float8CurrentScaling``: ``Float8CurrentScalingQuantizer::quantize_impl`` runs ``nvte_compute_amax``, the
-    #: optional amax all-reduce, then the quantize). The runner has no fp8 matmuls: the default is the simulator's
-    #: pricing so far.
+    #: optional amax all-reduce, then the quantize); ``blockwise``, a scale per 1 x 128 activation and 128 x 128
+    #: weight block, each block's amax found inside the cast (one pass, as ``delayed``) and the scales applied in
+    #: the GEMM's main loop, which runs at testbed.sim.compute.FP8_BLOCK_SCALED_SHARE of the per-tensor cap
+    #: (Transformer Engine's ``Float8BlockScaling``, Megatron's ``--fp8-recipe blockwise``; DeepSeek-V3's recipe).
+    #: The runner has no fp8 matmuls: the default is the simulator's pricing so far.
     fp8_scaling: str = "delayed"
     #: Under fp8-mixed, each linear layer keeps for its weight-gradient GEMM the fp8 cast of its input (1 byte a
     #: value) instead of the compute-dtype input, and a norm feeding a GEMM writes its output in fp8 directly
@@ -238,7 +241,7 @@ MOE_DISPATCH = ("gather", "einsum", "megablox")
 #: Values of :attr:`RuntimeSpec.attention_kernel`.
 ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash")
 #: Values of :attr:`RuntimeSpec.fp8_scaling`.
-FP8_SCALINGS = ("delayed", "current")
+FP8_SCALINGS = ("delayed", "current", "blockwise")
 #: Values of :attr:`RuntimeSpec.state_dtype`.
 STATE_DTYPES = ("fp32", "bf16")
 

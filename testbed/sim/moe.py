@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from testbed.model import moe
-from testbed.model.gemm import Gemm, gemm_flops, grouped_kernel, moe_gemms, scaled, without
+from testbed.model.gemm import Gemm, fp8_scaled, gemm_flops, grouped_kernel, moe_gemms, scaled, without
 from testbed.plan.spec import Plan, Remat
 from testbed.sim.pieces import ActionTask
 
@@ -58,7 +58,7 @@ def _layer_gemms(plan: Plan, kind: str, split: bool) -> tuple[tuple[Gemm, ...], 
     inner = spec.mlp_matrices - 1
     routed = _action_gemms([*ins[1:1 + inner], outs[0]], kind, split, plan.remat)
     shared = _action_gemms([*ins[1 + inner:], *outs[1:]], kind, split, plan.remat) if spec.shared_experts else []
-    return tuple(routed), tuple(shared)
+    return fp8_scaled(plan, tuple(routed)), fp8_scaled(plan, tuple(shared))  # tagged as the action's (chunk_gemms)
 
 
 def expert_gemms(plan: Plan, moe_layers: int, kind: str, split: bool) -> tuple[Gemm, ...]:
