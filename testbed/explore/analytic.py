@@ -195,6 +195,7 @@ class _Priced(NamedTuple):
     hidden: float = 0.0
     blocks: int = 1
     overlap: tuple[tuple[float, float, float], ...] = ()
+    block_gathers: tuple[float, ...] = ()  # each block's gather seconds (empty: ``gather`` in equal shares)
 
 
 class _Step:
@@ -219,21 +220,30 @@ class _Step:
         for s in range(p):
             for c, chunk in enumerate(facts.chunks[s]):
                 for work in chunk.actions:
-                    gather = 0.0
-                    if facts.params_ways > 1:
-                        gather = self._gather_seconds(s, (chunk.moved[0], chunk.leaves), 1) if work.chain else \
-                            self._gather_seconds(s, chunk.gather(work.kind), chunk.blocks)
-                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)
+                    gather, per_block = 0.0, ()
+                    if facts.params_ways > 1 and work.chain:
+                        gather = self._gather_seconds(s, (chunk.moved[0], chunk.leaves), 1)
+                    elif facts.params_ways > 1:
+                        per_block = self._block_gather_seconds(s, chunk, work.kind)
+                        gather = sum(per_block)
+                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)._replace(
+                        block_gathers=per_block if len(set(per_block)) > 1 else ())
 
     def _gather_seconds(self, s: int, moved: tuple[int, int], pieces: int) -> float:
-        """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces`` blocks
-        (testbed.sim.program's: each block its share of the bytes and of the collectives,
-        :func:`~testbed.sim.facts.bucket_share`)."""
+        """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces``
+        equal shares (an MoE chain's whole gather, as testbed.sim.program's)."""
         elements, leaves = moved
         total, per = 0.0, elements * self.facts.param_bytes / pieces
         for count, times in Counter(bucket_share(leaves, pieces, k) for k in range(pieces)).items():
             total += times * count * self.coll.time("all_gather", self.facts.params_axes, s, per / count)
         return total
+
+    def _block_gather_seconds(self, s: int, chunk: ChunkFacts, kind: str) -> tuple[float, ...]:
+        """Each block's seconds of a ``kind`` action's gathers, each collective at its merged size
+        (:meth:`ChunkFacts.gather_sizes`, as testbed.sim.program's tasks)."""
+        time, axes = self.coll.time, self.facts.params_axes
+        return tuple(sum(count * time("all_gather", axes, s, n) for n, count in Counter(block).items())
+                     for block in chunk.gather_sizes(kind))
 
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> _Priced:
         """One action's :class:`_Priced` (``gather``: the seconds of a gather of its chunk's parameters)."""
