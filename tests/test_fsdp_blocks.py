@@ -96,17 +96,21 @@ def _gpu_plan(prefetch: int, microbatches: int = 1, **mesh: int) -> Plan:
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_each_blocks_gather_waits_for_the_block_prefetch_before(prefetch: int) -> None:
-    """Task graph: a gather per block of every F and B, block k's waiting for block k - 1 - prefetch of the same
-    action, or of the stage's previous gathering action; each block computes after its gather."""
+    """Task graph: gathers per block of every F and B (one task per merged size, one after another), block k's
+    first waiting for block k - 1 - prefetch of the same action, or of the stage's previous gathering action;
+    each block computes after its last gather."""
     plan = _gpu_plan(prefetch, fsdp=8)
     tasks = build_program(plan, place(plan, num_devices=8)).tasks
     blocks = [i for i, t in enumerate(tasks) if t.stream == "compute" and t.name[0] in "FB"]
-    gathers = [i for i, t in enumerate(tasks) if t.op == "all_gather"]
+    gathers: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        if t.op == "all_gather":
+            gathers.setdefault(t.name.removeprefix("gather "), []).append(i)
     assert len(blocks) == len(gathers) == 2 * plan.model.layers
-    for k, (g, b) in enumerate(zip(gathers, blocks)):
-        assert g in tasks[b].deps
+    for k, (own, b) in enumerate(zip(gathers.values(), blocks)):
+        assert own[-1] in tasks[b].deps and all(tasks[g].deps == (f,) for f, g in zip(own, own[1:]))
         j = k - 1 - prefetch
-        assert tasks[g].deps == ((blocks[j],) if j >= 0 else ())
+        assert tasks[own[0]].deps == ((blocks[j],) if j >= 0 else ())
 
 
 def test_prefetch_hides_the_gathers_and_both_tiers_agree_without_accumulation() -> None:
