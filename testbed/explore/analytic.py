@@ -242,9 +242,11 @@ class _Step:
     def _block_gather_seconds(self, s: int, chunk: ChunkFacts, kind: str) -> tuple[float, ...]:
         """Each block's seconds of a ``kind`` action's gathers, each collective at its merged size
         (:meth:`ChunkFacts.gather_sizes`, as testbed.sim.program's tasks)."""
-        time, axes = self.coll.time, self.facts.params_axes
-        return tuple(sum(count * time("all_gather", axes, s, n) for n, count in Counter(block).items())
-                     for block in chunk.gather_sizes(kind))
+        time, axes, memo = self.coll.time, self.facts.params_axes, {}
+        for block in chunk.gather_sizes(kind):  # the middle layers' blocks alike: each kind priced once
+            if block not in memo:
+                memo[block] = sum(count * time("all_gather", axes, s, n) for n, count in Counter(block).items())
+        return tuple(memo[block] for block in chunk.gather_sizes(kind))
 
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> _Priced:
         """One action's :class:`_Priced` (``gather``: the seconds of a gather of its chunk's parameters)."""

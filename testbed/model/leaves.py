@@ -248,10 +248,18 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
     ``elements`` (the action's gathered elements, :meth:`testbed.sim.facts.ChunkFacts.gather`) above the leaves'
     (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
     graph and the analytic tier both price."""
-    spec, mesh, v = plan.model, plan.mesh, plan.schedule.virtual_stages
-    ways = state_sharding(plan).ways(plan, "params")
+    return _block_gathers(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                          state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, elements,
+                          combine_bytes, bytes_per_element)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a search prices the same chunk under many schedules and microbatch counts
+def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+                   chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float,
+                   bytes_per_element: float) -> tuple[tuple[float, ...], ...]:
+    """:func:`block_gathers` from what it depends on."""
     embed, head = layout.holds(stage, chunk, mesh.stage, v)
-    span = layout.chunk_layers(spec, mesh.stage, v, plan.stage_layers)[stage][chunk]
+    span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
     last = blocks - 1
     pieces = [(0, layout.embedding_params(spec))] if embed and kind == "F" else []
     pieces += [(min(j, last), layout.layer_params(spec, i)) for j, i in enumerate(span)]
