@@ -205,6 +205,19 @@ def test_plain_attention_under_context_keeps_no_score_matrix():
     assert memory_breakdown(plain, topo).activations == memory_breakdown(flash, topo).activations
 
 
+@pytest.mark.parametrize("attention", ["plain", "flash"])
+def test_a_ring_step_is_priced_as_a_loop_step_even_over_one_block(attention):
+    """The ring carries fp32 dq, dK and dV across its steps whatever the block: a rank holding one K/V block (plain
+    attention's whole ``s_l``, or flash's ``s_l <= block``) is priced as the flash loop, not as the single-device
+    one-block program's four fp32 tiles (memory_vs_xla's plain ``long-b4-cp2``)."""
+    from testbed.model.memory import _attention_workspace
+    plan = make_plan(context=2, seq=64, attention=attention, microbatches=1)
+    b, heads, s_l, d = plan.microbatch_size, 4, 32, 64
+    tile = b * heads * s_l * s_l                                # one s_l x s_l block, every query head
+    loop = tile * (2 * 4 + 4) + 4 * b * s_l * d + 2 * 4 * b * s_l * d  # 2 fp32 tiles, the score gradient, the carry
+    assert _attention_workspace(plan) == loop != 4 * 4 * tile
+
+
 # -- the bundled long-context plan and the search -------------------------------------------------------------
 
 

@@ -14,9 +14,12 @@ import json
 from dataclasses import replace
 import random
 
+import numpy as np
 import pytest
 
 from testbed.collectives.bounds import distinct_groups, lower_bound
+from testbed.collectives.timing import groups_time
+from testbed.errors import InputError
 from testbed.explore.analytic import estimate, plan_memory
 from testbed.explore.floor import step_floor
 from testbed.explore.search import _analytic_tier, _overflows, evaluate, search
@@ -64,6 +67,22 @@ def test_group_kinds_bound_as_all_groups() -> None:
         for op in ("all_reduce", "all_gather", "broadcast"):
             assert max(lower_bound(topology, op, g, 1e6) for g in kinds) == \
                 max(lower_bound(topology, op, g, 1e6) for g in groups)
+
+
+def test_group_kinds_are_each_kinds_first_group_in_order() -> None:
+    """distinct_groups keeps the first group of each kind, in the order given (the rows' bytes decide kinds)."""
+    topology = load_topology("dgx-h100-x4")
+    groups = ((8, 9, 10, 11), (0, 1, 8, 9), (12, 13, 14, 15), (2, 3, 10, 11), (0, 1, 2, 3))
+    assert distinct_groups(topology, groups) == ((8, 9, 10, 11), (0, 1, 8, 9))
+
+
+def test_groups_time_takes_numpy_ranks_and_refuses_groups_of_unequal_size() -> None:
+    """groups_time's normalization: numpy ranks time as Python ints do; groups of unequal size are bad input."""
+    topology = load_topology("dgx-h100-x4")
+    plain = groups_time(topology, "all_reduce", ((0, 1, 2, 3), (4, 5, 6, 7)), 1e6)
+    assert groups_time(topology, "all_reduce", np.arange(8).reshape(2, 4), 1e6 + 0.0).time_s == plain.time_s
+    with pytest.raises(InputError, match="same non-zero size"):
+        groups_time(topology, "all_reduce", ((0, 1, 2, 3), (4, 5, 6)), 1e6)
 
 
 def test_pruning_bounds_are_lower_bounds() -> None:

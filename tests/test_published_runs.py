@@ -88,3 +88,16 @@ def test_a_power_limited_device_reports_what_its_limit_changed() -> None:
     row = runs.evaluate_case(case, INLINE)
     assert row["mechanisms"]["device.power_limit"] > row["error"]
     assert "device.power_limit" in runs.mechanisms([row])
+
+
+#: Megatron-DeepSpeed's --attention-dropout and --hidden-dropout defaults (megatron/arguments.py
+#: `_add_regularization_args`), which BLOOM's training script leaves as they are and MT-NLG's paper does not restate.
+MEGATRON_DEEPSPEED_DROPOUT = 0.1
+
+
+def test_megatron_deepspeed_cases_run_the_codes_dropout() -> None:
+    """The Megatron-DeepSpeed cases drop out at the code's default rate (runs.yaml's stack header): its masks and
+    their passes are work the published steps did."""
+    cases = [c for c in CASES if c["stack"] == "megatron-deepspeed"]
+    assert cases
+    assert all(runs.case_plan(c).model.dropout == MEGATRON_DEEPSPEED_DROPOUT for c in cases)

@@ -186,8 +186,11 @@ def distinct_groups(topology: Topology, groups: tuple[tuple[int, ...], ...]) -> 
     for block, _ in _level_cuts(topology):
         subtree = members // block
         keys.append((subtree - subtree[:, :1]).astype(float))
-    _, first = np.unique(np.concatenate(keys, axis=1), axis=0, return_index=True)
-    return tuple(groups[i] for i in sorted(first))
+    # Each kind's first group, by the rows' bytes (np.unique over rows sorts a structured view: 4x slower here).
+    first: dict[bytes, int] = {}
+    for i, row in enumerate(map(bytes, np.ascontiguousarray(np.concatenate(keys, axis=1)))):
+        first.setdefault(row, i)
+    return tuple(groups[i] for i in sorted(first.values()))
 
 
 def _injection(topology: Topology, group: Sequence[int]) -> np.ndarray:

@@ -45,6 +45,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple
 
+from testbed.collectives.routed import topology_memo
 from testbed.collectives.timing import groups_time, send_time
 from testbed.explore.play import Play
 from testbed.model.gemm import scaled
@@ -101,6 +102,8 @@ def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], .
 #: (placement, axes, stage) -> that stage's device groups along the axes: a pure function of its key, kept
 #: across plans since building the groups of a 16,384-device mesh takes longer than pricing them.
 _GROUPS: dict = {}
+#: At most this many collective prices kept per topology by :meth:`_Collectives.time`.
+_SECONDS = 100_000
 
 
 class _Collectives:
@@ -111,15 +114,23 @@ class _Collectives:
         self.placement = (ids.shape, ids.tobytes())  # plans of one mesh share their groups (a search meets many)
 
     def time(self, op: str, axes: tuple[Axis, ...], stage: int, nbytes: float) -> float:
-        key = (self.placement, axes, stage)
-        groups = _GROUPS.get(key)
-        if groups is None:
-            if len(_GROUPS) > 4096:
-                _GROUPS.clear()
-            groups = _GROUPS[key] = _groups(self.ids, axes, stage)
-        if nbytes <= 0 or len(groups[0]) < 2:
-            return 0.0
-        return groups_time(self.topology, op, groups, nbytes).time_s
+        # Memoized by placement rather than by the groups themselves: groups_time's own memo hashes every group's
+        # every rank per call (thousands at 16,384 devices), while the placement's bytes hash once.
+        memo = topology_memo(self.topology).setdefault("analytic", {})  # one entry of it (its size bounds it)
+        seconds = memo.get((self.placement, axes, stage, op, nbytes))
+        if seconds is None:
+            key = (self.placement, axes, stage)
+            groups = _GROUPS.get(key)
+            if groups is None:
+                if len(_GROUPS) > 4096:
+                    _GROUPS.clear()
+                groups = _GROUPS[key] = _groups(self.ids, axes, stage)
+            seconds = 0.0 if nbytes <= 0 or len(groups[0]) < 2 else groups_time(self.topology, op, groups,
+                                                                                 nbytes).time_s
+            if len(memo) > _SECONDS:
+                memo.clear()
+            memo[(self.placement, axes, stage, op, nbytes)] = seconds
+        return seconds
 
 
 @lru_cache(maxsize=4096)

@@ -9,8 +9,10 @@ checks it on sampled plans), so what the search replays is unchanged.
 from __future__ import annotations
 
 from testbed.collectives.bounds import max_injection_bandwidth
-from testbed.model.gemm import scaled
-from testbed.plan.spec import Plan
+from testbed.collectives.routed import topology_memo
+from testbed.model.costs import ChunkCost
+from testbed.model.gemm import ChunkGemms, scaled
+from testbed.plan.spec import Plan, Remat
 from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, action_work, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
@@ -45,18 +47,9 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
         if key not in priced:
             seconds = dict.fromkeys(kinds, 0.0)
             for c in range(v):
-                cost = cached_chunk_cost(plan, s, c)
-                kernels = max(1, 4 * cost.layers)
+                cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
                 for kind in kinds:
-                    flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, plan.remat)
-                    gemms = cached_chunk_gemms(plan, s, c).action(kind, split)
-                    whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes,
-                                            gemms)
-                    pieces = min(BUCKETS, max(1, cost.layers))
-                    if kind == ("W" if split else "B") and pieces > 1:
-                        whole = min(whole, pieces * compute_seconds(
-                            topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
-                            split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces)))
+                    whole, tensor = _action_floor(topology, cost, gemms, kind, split, plan.remat, dtype)
                     seconds[kind] += whole + _tensor_floor(plan, topology, tensor)
             priced[key] = seconds
         per_stage.append(priced[key])
@@ -66,6 +59,32 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
         path = sum(x["F"] + x["B"] for x in per_stage[:-1]) + m * (last["F"] + last["B"])
         floor = max(floor, path)
     return floor
+
+
+def _action_floor(topology: Topology, cost: ChunkCost, gemms: ChunkGemms, kind: str, split: bool, remat: Remat,
+                  dtype: str) -> tuple[float, tuple[tuple[str, int, int], ...]]:
+    """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``: its
+    compute as the estimate prices it, a microbatch's last backward at the cheaper of whole and split into gradient
+    buckets. Memoized per topology on the chunk's (memoized, testbed.sim.memo) cost and GEMMs: plans that differ in
+    ZeRO, schedule or data degree share them."""
+    memo = topology_memo(topology).setdefault("step_floor", {})
+    key = (id(cost), id(gemms), kind, split, remat, dtype)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is cost and hit[1] is gemms:  # the very objects (ids are reused once freed)
+        return hit[2]
+    kernels = max(1, 4 * cost.layers)
+    flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat)
+    shapes = gemms.action(kind, split)
+    whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes, shapes)
+    pieces = min(BUCKETS, max(1, cost.layers))
+    if kind == ("W" if split else "B") and pieces > 1:
+        whole = min(whole, pieces * compute_seconds(
+            topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
+            split_b / pieces, cost.tensor_bytes, scaled(shapes, 1 / pieces)))
+    if len(memo) > 100_000:
+        memo.clear()
+    memo[key] = (cost, gemms, (whole, tensor))
+    return whole, tensor
 
 
 def _tensor_floor(plan: Plan, topology: Topology, transfers: tuple[tuple[str, int, int], ...]) -> float:

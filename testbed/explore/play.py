@@ -33,6 +33,7 @@ class Play:
     def __init__(self, step: _Step, slow: float) -> None:
         facts, p = step.facts, step.facts.stages
         self.step, self.facts, self.slow, self.plan = step, facts, slow, facts.plan
+        self.slowdown = step.topology.device.comm_slowdown  # read per action
         self.end: dict[tuple, float] = {}     # (stage, kind, microbatch, chunk) -> done on its stage
         self.arrive: dict[tuple, float] = {}  # ... -> its send has reached the next stage
         self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
@@ -138,14 +139,17 @@ class Play:
             n = priced.blocks
             self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
         # compute is device.comm_slowdown longer for the communication beside it (gathers, reductions, sends, tensor)
-        extra = self.step.topology.device.comm_slowdown * min(compute - wait, priced.hidden + sum(x[1] for x in (
-            priced.sends)) + max(priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(self.facts.prefetch))
+        sends = sum(x[1] for x in priced.sends) if priced.sends else 0.0
+        extra = self.slowdown * min(compute - wait, priced.hidden + sends + max(
+            priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(self.facts.prefetch))
         compute, stretch = compute + extra, stretch - min(stretch, extra)  # gather waits absorb a slower compute
         tensor = priced.tensor
         if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
             tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
-        gemms = self.slow * sum(g for _, g, _ in priced.overlap)  # tp_comm_overlap GEMM by GEMM, after the rest
-        blocks = overlap_end(tuple((f, self.slow * g, r) for f, g, r in priced.overlap)) if priced.overlap else 0.0
+        gemms = blocks = 0.0
+        if priced.overlap:  # tp_comm_overlap GEMM by GEMM, after the rest
+            gemms = self.slow * sum(g for _, g, _ in priced.overlap)
+            blocks = overlap_end(tuple((f, self.slow * g, r) for f, g, r in priced.overlap))
         finish = start + compute + stretch + blocks + tensor
         self.busy[s] += compute - wait + gemms
         self.comm[s] += tensor + wait + stretch + blocks - gemms

@@ -162,6 +162,7 @@ _TABLE: tuple[_Row, ...] = (
 _GPT = ModelSpec(layers=1, d_model=1, heads=1, d_ff=1, seq_len=1, vocab=1)
 
 
+@functools.lru_cache(maxsize=256)  # read per layer of every chunk a search prices
 def _kinds(spec: ModelSpec) -> tuple[bool, ...]:
     """Whether each layer is an MoE layer (:meth:`ModelSpec.is_moe_layer`, the one rule)."""
     return tuple(bool(spec.experts) and spec.is_moe_layer(i) for i in range(spec.layers))

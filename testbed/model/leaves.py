@@ -214,14 +214,23 @@ def _unread(plan: Plan, s: int, c: int) -> int:
 
 def _regathered_collectives(plan: Plan, s: int, c: int, combine_bytes: float, bytes_per_element: float) -> int:
     """The backward's gather collectives of a chunk, each piece's (a layer; the head) merged on their own."""
-    spec, mesh, v = plan.model, plan.mesh, plan.schedule.virtual_stages
-    ways = state_sharding(plan).ways(plan, "params")
-    _, head = layout.holds(s, c, mesh.stage, v)
-    pieces = [layout.layer_params(spec, i) for i in layout.chunk_layers(spec, mesh.stage, v, plan.stage_layers)[s][c]]
+    mesh = plan.mesh
+    return _regathered_count(plan.model, mesh.stage, plan.schedule.virtual_stages, plan.stage_layers, s, c,
+                             state_sharding(plan).ways(plan, "params"), mesh.tensor, mesh.expert, mesh.expert_tensor,
+                             combine_bytes, bytes_per_element)
+
+
+@functools.lru_cache(maxsize=8192)  # a search prices the chunks of thousands of plans that differ elsewhere
+def _regathered_count(spec: ModelSpec, stages: int, v: int, stage_layers: tuple[int, ...], s: int, c: int, ways: int,
+                      tensor: int, expert: int, expert_tensor: int | None, combine_bytes: float,
+                      bytes_per_element: float) -> int:
+    """:func:`_regathered_collectives` of the plan facts it depends on."""
+    _, head = layout.holds(s, c, stages, v)
+    pieces = [layout.layer_params(spec, i) for i in layout.chunk_layers(spec, stages, v, stage_layers)[s][c]]
     pieces += [layout.head_params(spec)] if head else []
     count = 0
     for piece in pieces:
-        sizes = tuple(q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+        sizes = tuple(q.gathered_elements(tensor, ways, expert, expert_tensor) * bytes_per_element
                       for q in issue_order(piece) if regathered_in_backward(q))
         count += len(combined_sizes(sizes, combine_bytes))
     return max(1, count)

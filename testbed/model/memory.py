@@ -177,12 +177,16 @@ def _flash_workspace(plan: Plan) -> int:
     compute dtype, the fp32 dq accumulator ``[tokens, heads x head_dim / t]`` and the dK and dV outputs the loop
     fills block by block (``[tokens, kv_dim / t]`` each, compute dtype). One
     block (``seq <= 128`` by default) is compiled without the loop, and XLA keeps
-    scores, probabilities and both gradients as fp32 tiles. (Measured with
-    XLA:CPU, ``benchmarks/memory_vs_xla.py``.)
+    scores, probabilities and both gradients as fp32 tiles. Under context
+    parallelism the ring is that loop whatever the block (plain attention: one
+    ``s_l`` block a ring step): its steps carry the fp32 dq, dK and dV
+    accumulators, so a ring step is priced as a loop step (plain ``long-b4-cp2``
+    +13.5% -> +8.0%, the ``cp4`` rows +4.6% -> +3.7%). (Measured with XLA:CPU,
+    ``benchmarks/memory_vs_xla.py``.)
     """
     spec, c, t = rank_spec(plan), plan.precision.compute_bytes, plan.mesh.tensor
     tile = plan.microbatch_size * spec.heads * spec.score_rows * spec.flash_block // t  # a window: fewer rows
-    if spec.flash_block == spec.seq_len:
+    if spec.flash_block == spec.seq_len and plan.mesh.context == 1:
         return 4 * costs.FLASH_BYTES * tile
     n = plan.microbatch_size * spec.seq_len
     kv = n * spec.kv_dim // t if spec.kv_split(t) else n * spec.kv_dim

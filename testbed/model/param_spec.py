@@ -27,6 +27,7 @@ their fsdp/ZeRO-2/3 parameters and gradients it still holds whole
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -169,6 +170,9 @@ class ParamSpec:
         """Elements one device holds: split by ``tensor`` (if it has a tensor dim), by ``expert`` (a routed
         expert's weight; both as :meth:`degrees` resolves them) and by ``ways`` under the rule: ``1/ways`` of
         them along the shard dim, or ``ceil(elements / ways)`` flattened and padded when no free dim divides."""
+        return _device_elements(self, tensor, ways, expert, expert_tensor)
+
+    def _device_elements(self, tensor: int, ways: int, expert: int, expert_tensor: int | None) -> int:
         n = self.size
         tensor, expert = self.degrees(tensor, expert, expert_tensor)
         for dim, degree in [(d, tensor) for d in self.tensor_dims(tensor)] + \
@@ -177,6 +181,12 @@ class ParamSpec:
                 raise ValueError(f"{self.name}: degree {degree} does not divide dim {dim} of {self.shape}")
             n //= degree
         return -(-n // ways)  # an even split along the shard dim, or the padded flat shard (1 way: whole)
+
+
+@functools.lru_cache(maxsize=65536)  # a search reads each leaf's shard thousands of times
+def _device_elements(param: ParamSpec, tensor: int, ways: int, expert: int, expert_tensor: int | None) -> int:
+    """:meth:`ParamSpec.device_elements`, memoized."""
+    return param._device_elements(tensor, ways, expert, expert_tensor)
 
 
 def shard_dim(shape: tuple[int, ...], taken: tuple[int, ...], ways: int) -> int | None:

@@ -9,6 +9,7 @@ construction; the :class:`~testbed.plan.spec.Plan` checks it against the mesh.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -23,6 +24,12 @@ def window_rows(seq: int, block: int, window: int | None) -> int:
     sees keys ``i - N < j <= i``): ``block + ceil((N - 1) / block) x block``, at most ``seq``; ``seq`` without a
     window. The blockwise kernel (``testbed/runner/attention.py``) scores each block against these rows only."""
     return seq if window is None else min(seq, block + -(-(window - 1) // block) * block)
+
+
+@functools.lru_cache(maxsize=256)  # read per plan a search bounds (tens of thousands)
+def _largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of ``n`` not above ``cap`` (``n`` itself up to ``cap``)."""
+    return max(b for b in range(1, min(n, cap) + 1) if n % b == 0)
 
 
 def positive(value: int, name: str) -> None:
@@ -259,7 +266,7 @@ class ModelSpec:
         of ``seq_len`` not above :data:`FLASH_BLOCK` (``seq_len`` itself up to 128)."""
         if self.attention_block is not None:
             return self.attention_block
-        return max(b for b in range(1, min(self.seq_len, FLASH_BLOCK) + 1) if self.seq_len % b == 0)
+        return _largest_divisor(self.seq_len, FLASH_BLOCK)
 
     @property
     def num_kv_heads(self) -> int:

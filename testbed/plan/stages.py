@@ -166,6 +166,11 @@ def chunk_counts(counts: Sequence[int], virtual: int) -> tuple[tuple[int, ...], 
     stage's chunk ``virtual - 1``) last, so they stay the lighter. An even
     count splits evenly; ``virtual`` 1 gives ``((n,), ...)``.
     """
+    return _chunk_counts(tuple(counts), virtual)
+
+
+@functools.lru_cache(maxsize=4096)  # a search reads it per chunk of every plan it prices
+def _chunk_counts(counts: tuple[int, ...], virtual: int) -> tuple[tuple[int, ...], ...]:
     stages, out = len(counts), []
     for s, n in enumerate(counts):
         ends = _ends(s, stages, virtual)
