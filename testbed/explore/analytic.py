@@ -207,7 +207,7 @@ class _Priced(NamedTuple):
     blocks: int = 1
     overlap: tuple[tuple[float, float, float], ...] = ()
     block_gathers: tuple[float, ...] = ()  # each block's gather seconds (empty: ``gather`` in equal shares)
-    last_bucket: float = 0.0  # the last bucket's reduction, of its own count of collectives (0: ``bucket``)
+    bucket_each: tuple[float, ...] = ()  # each bucket's reduction, of its own count of collectives (empty: ``bucket``)
 
 
 class _Step:
@@ -274,17 +274,19 @@ class _Step:
         ring_s = ringed[1] if ringed else 0.0
         last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
         pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)
-        piece = bucket = scatter = acc = last_bucket = 0.0
+        piece = bucket = scatter = acc = 0.0
         bucket_syncs: Syncs = ()
+        each: tuple[float, ...] = ()
         if last and reduces:  # the program reduces even a one-layer chunk's gradients
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
                                     rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
             bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
                                                 chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces)
-            if chunk.leaves and chunk.leaves % pieces:  # the task graph's last bucket: its own count of them
-                last_bucket = self._reduce(s, chunk.reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
-                                           bucket_share(chunk.leaves, pieces, pieces - 1))[0]
+            if chunk.leaves and chunk.leaves % pieces:  # the task graph's buckets: each its own count of them
+                own = {n: self._reduce(s, chunk.reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
+                       for n in {bucket_share(chunk.leaves, pieces, k) for k in range(pieces)}}
+                each = tuple(own[bucket_share(chunk.leaves, pieces, k)] for k in range(pieces))
         if last and per_microbatch and facts.microbatches > 1:
             n = max(1, chunk.leaves)
             scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.reduced[0] / n)
@@ -315,7 +317,7 @@ class _Step:
                  merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, last_bucket=last_bucket)
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each)
 
     def _tensor_seconds(self, s: int, transfers) -> float:
         """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""

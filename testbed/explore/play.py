@@ -195,7 +195,7 @@ class Play:
                 self.once[s] += pieces * priced.bucket
                 self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
             for k in range(pieces if self.facts.reduce_in_backward else 0):
-                own = priced.last_bucket if k == pieces - 1 and priced.last_bucket else priced.bucket
+                own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
                 self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + own
         elif not last_mb and priced.scatter:
             self.grad[s] = max(self.grad[s], start + compute) + priced.scatter
