@@ -478,16 +478,29 @@ def test_base_topology_matches_the_detected_devices(platform, count, kind, expec
         base_topology("host-cpu-8", platform, count + 1, kind)
 
 
-def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
-    from testbed.sim.engine import simulate
-
+def _one_device_host(controller: dict | None = None):
+    """A one-device host-cpu-8 with a plain curve (and ``controller`` times, if given), and the same host whose
+    compute runs at efficiency 0.4 with a 3 MFLOP half: the truth simulated steps are drawn from."""
     base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
-                                   memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
+                                          memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
     single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
+    if controller:
+        single = replace(single, calibration=single.calibration.updated(controller=controller))
     truth = replace(single, calibration=single.calibration.updated(compute={"efficiency": 0.4,
                                                                             "efficiency_half_flops": 3e6}))
-    samples = [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
-               for name in ("cpu-s", "cpu-m", "cpu-l", "cpu-xl")]
+    return single, truth
+
+
+def _step_samples(truth, names) -> list:
+    from testbed.sim.engine import simulate
+
+    return [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
+            for name in names]
+
+
+def test_fit_step_compute_recovers_efficiency_from_simulated_steps():
+    single, truth = _one_device_host()
+    samples = _step_samples(truth, ("cpu-s", "cpu-m", "cpu-l", "cpu-xl"))
     efficiency, half, scales, passes, fit = cal_steps.fit_step_compute(single, samples)
     assert efficiency == pytest.approx(0.4, rel=0.03)
     assert half == pytest.approx(3e6, rel=0.3)
@@ -827,16 +840,8 @@ def test_fit_step_compute_leaves_the_controllers_host_time_out_of_the_compute():
     """A step's time beyond its compute (the controller preparing and dispatching it, exposed communication) is
     what the simulator adds on top: the fit takes it from the simulated step, so steps whose host time is a
     large share (small models) do not inflate the compute curve."""
-    from testbed.sim.engine import simulate
-
-    base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
-                                          memory_bandwidth=1e11, launch_s=1e-5, host_cores=0, collectives=None)
-    single = replace(base, levels=(replace(base.levels[0], size=1),), num_devices=1)
-    single = replace(single, calibration=single.calibration.updated(controller={"step_s": 4e-3, "overhead_s": 1e-4}))
-    truth = replace(single, calibration=single.calibration.updated(compute={"efficiency": 0.4,
-                                                                            "efficiency_half_flops": 3e6}))
-    samples = [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
-               for name in ("cpu-xxs", "cpu-s", "cpu-m", "cpu-l")]
+    single, truth = _one_device_host(controller={"step_s": 4e-3, "overhead_s": 1e-4})
+    samples = _step_samples(truth, ("cpu-xxs", "cpu-s", "cpu-m", "cpu-l"))
     efficiency, half, _, _, fit = cal_steps.fit_step_compute(single, samples)
     assert efficiency == pytest.approx(0.4, rel=0.03)
     assert half == pytest.approx(3e6, rel=0.3)

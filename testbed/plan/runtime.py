@@ -89,6 +89,7 @@ class RuntimeSpec:
     #: skips the causally masked tiles (half of a causal block's products),
     #: its forward and backward each at the efficiency published for that kernel on the device
     #: (testbed.sim.attention_kernels; a device without a published figure for the kernel: the runner's pricing).
+    #: ``splash`` also sets the layer backward's attention memory (testbed.model.splash: no tiles in HBM).
     attention_kernel: str = "runner"
     #: How an fp8 matmul's operands find their scale (:data:`FP8_SCALINGS`), priced only under fp8-mixed:
     #: ``delayed``, from an amax history, the amax of the tensor being cast found inside the cast kernel (Transformer
