@@ -9,6 +9,7 @@ gathered weights; the runner still equals the single-device reference.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import replace
@@ -16,6 +17,7 @@ from dataclasses import replace
 import pytest
 
 from testbed.model import layout
+from testbed.model.leaves import XLA_COMBINE_BYTES
 from testbed.plan.placement import place
 from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.sharding import gathered_blocks, gathers_parameters
@@ -23,6 +25,7 @@ from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 from testbed.runner import devices as dev
 from testbed.runner.check_sharding import compiled_spmd
 from testbed.runner.train import verify_plan
+from testbed.sim.facts import step_facts
 from testbed.sim.program import build_program
 
 MODEL = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=8, vocab=64)
@@ -96,17 +99,21 @@ def _gpu_plan(prefetch: int, microbatches: int = 1, **mesh: int) -> Plan:
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_each_blocks_gather_waits_for_the_block_prefetch_before(prefetch: int) -> None:
-    """Task graph: a gather per block of every F and B, block k's waiting for block k - 1 - prefetch of the same
-    action, or of the stage's previous gathering action; each block computes after its gather."""
+    """Task graph: gathers per block of every F and B (one task per merged size, one after another), block k's
+    first waiting for block k - 1 - prefetch of the same action, or of the stage's previous gathering action;
+    each block computes after its last gather."""
     plan = _gpu_plan(prefetch, fsdp=8)
     tasks = build_program(plan, place(plan, num_devices=8)).tasks
     blocks = [i for i, t in enumerate(tasks) if t.stream == "compute" and t.name[0] in "FB"]
-    gathers = [i for i, t in enumerate(tasks) if t.op == "all_gather"]
+    gathers: dict[str, list[int]] = {}
+    for i, t in enumerate(tasks):
+        if t.op == "all_gather":
+            gathers.setdefault(t.name.removeprefix("gather "), []).append(i)
     assert len(blocks) == len(gathers) == 2 * plan.model.layers
-    for k, (g, b) in enumerate(zip(gathers, blocks)):
-        assert g in tasks[b].deps
+    for k, (own, b) in enumerate(zip(gathers.values(), blocks)):
+        assert own[-1] in tasks[b].deps and all(tasks[g].deps == (f,) for f, g in zip(own, own[1:]))
         j = k - 1 - prefetch
-        assert tasks[g].deps == ((blocks[j],) if j >= 0 else ())
+        assert tasks[own[0]].deps == ((blocks[j],) if j >= 0 else ())
 
 
 def test_prefetch_hides_the_gathers_and_both_tiers_agree_without_accumulation() -> None:
@@ -149,3 +156,27 @@ def test_each_backward_gather_waits_for_the_block_after_it_to_start_not_to_finis
         reads = set().union(*(seen[i] for i in pieces[k]))
         assert not reads & set(pieces[k - 1]), k
         assert reads & set(pieces[k - 2]), k
+
+
+@pytest.mark.parametrize("combine", [XLA_COMBINE_BYTES, math.inf])
+def test_each_blocks_gathers_are_its_merges_at_their_own_sizes(combine: float) -> None:
+    """A block's gathers carry their merged sizes, not equal shares of the chunk's: every byte once, as many
+    collectives as the chunk's count (the forward's, the backward's regathered), the token table's gather in the
+    forward's first block and, the head's table, in its last and in the backward's first (it computes the head
+    first); unbounded, one collective per block."""
+    spec = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
+    plan = Plan(name="fsdp8", model=spec, mesh=MeshSpec(fsdp=8), precision="fp32", batch=BatchSpec(global_batch=8))
+    facts = step_facts(plan, place(plan, num_devices=8).device_ids, combine)
+    chunk, table = facts.chunks[0][0], spec.vocab * spec.d_model * 4.0
+    for kind in "FB":
+        sizes = chunk.gather_sizes(kind)
+        elements, count = chunk.gather(kind)
+        assert len(sizes) == chunk.blocks == 2
+        assert sum(map(sum, sizes)) == pytest.approx(elements * 4.0, rel=1e-12)
+        if math.isinf(combine):
+            assert [len(block) for block in sizes] == [1, 1]
+        else:
+            assert sum(map(len, sizes)) == count
+    if not math.isinf(combine):
+        forward, backward = chunk.gather_sizes("F"), chunk.gather_sizes("B")
+        assert table in forward[0] and table in forward[1] and table in backward[0] and table not in backward[1]

@@ -206,6 +206,8 @@ class _Priced(NamedTuple):
     hidden: float = 0.0
     blocks: int = 1
     overlap: tuple[tuple[float, float, float], ...] = ()
+    block_gathers: tuple[float, ...] = ()  # each block's gather seconds (empty: ``gather`` in equal shares)
+    bucket_each: tuple[float, ...] = ()  # each bucket's reduction, of its own count of collectives (empty: ``bucket``)
 
 
 class _Step:
@@ -230,21 +232,32 @@ class _Step:
         for s in range(p):
             for c, chunk in enumerate(facts.chunks[s]):
                 for work in chunk.actions:
-                    gather = 0.0
-                    if facts.params_ways > 1:
-                        gather = self._gather_seconds(s, (chunk.moved[0], chunk.leaves), 1) if work.chain else \
-                            self._gather_seconds(s, chunk.gather(work.kind), chunk.blocks)
-                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)
+                    gather, per_block = 0.0, ()
+                    if facts.params_ways > 1 and work.chain:
+                        gather = self._gather_seconds(s, (chunk.moved[0], chunk.leaves), 1)
+                    elif facts.params_ways > 1:
+                        per_block = self._block_gather_seconds(s, chunk, work.kind)
+                        gather = sum(per_block)
+                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)._replace(
+                        block_gathers=per_block if len(set(per_block)) > 1 else ())
 
     def _gather_seconds(self, s: int, moved: tuple[int, int], pieces: int) -> float:
-        """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces`` blocks
-        (testbed.sim.program's: each block its share of the bytes and of the collectives,
-        :func:`~testbed.sim.facts.bucket_share`)."""
+        """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces``
+        equal shares (an MoE chain's whole gather, as testbed.sim.program's)."""
         elements, leaves = moved
         total, per = 0.0, elements * self.facts.param_bytes / pieces
         for count, times in Counter(bucket_share(leaves, pieces, k) for k in range(pieces)).items():
             total += times * count * self.coll.time("all_gather", self.facts.params_axes, s, per / count)
         return total
+
+    def _block_gather_seconds(self, s: int, chunk: ChunkFacts, kind: str) -> tuple[float, ...]:
+        """Each block's seconds of a ``kind`` action's gathers, each collective at its merged size
+        (:meth:`ChunkFacts.gather_sizes`, as testbed.sim.program's tasks)."""
+        time, axes, memo = self.coll.time, self.facts.params_axes, {}
+        for block in chunk.gather_sizes(kind):  # the middle layers' blocks alike: each kind priced once
+            if block not in memo:
+                memo[block] = sum(count * time("all_gather", axes, s, n) for n, count in Counter(block).items())
+        return tuple(memo[block] for block in chunk.gather_sizes(kind))
 
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> _Priced:
         """One action's :class:`_Priced` (``gather``: the seconds of a gather of its chunk's parameters)."""
@@ -263,12 +276,17 @@ class _Step:
         pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)
         piece = bucket = scatter = acc = 0.0
         bucket_syncs: Syncs = ()
+        each: tuple[float, ...] = ()
         if last and reduces:  # the program reduces even a one-layer chunk's gradients
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
                                     rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
             bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
                                                 chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces)
+            if chunk.leaves and chunk.leaves % pieces:  # the task graph's buckets: each its own count of them
+                own = {n: self._reduce(s, chunk.reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
+                       for n in {bucket_share(chunk.leaves, pieces, k) for k in range(pieces)}}
+                each = tuple(own[bucket_share(chunk.leaves, pieces, k)] for k in range(pieces))
         if last and per_microbatch and facts.microbatches > 1:
             n = max(1, chunk.leaves)
             scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.reduced[0] / n)
@@ -299,7 +317,7 @@ class _Step:
                  merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks)
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each)
 
     def _tensor_seconds(self, s: int, transfers) -> float:
         """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""

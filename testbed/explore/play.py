@@ -39,6 +39,7 @@ class Play:
         self.free, self.pipe, self.gather_free, self.grad, self.once = [0.0] * p, [0.0] * p, [0.0] * p, [0.0] * p, \
             [0.0] * p
         self.recv: dict[tuple[int, str], float] = {}  # (stage, direction) -> its split sends' gathers done
+        self.block_ends: list[list[float]] = [[] for _ in range(p)]  # the last gathering action's blocks' ends
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.busy, self.comm = [0.0] * p, [0.0] * p
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
@@ -82,14 +83,34 @@ class Play:
         without prefetch). The stage's next gather may start as this action's last ``prefetch`` blocks compute."""
         n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
         g, c = priced.gather / n, compute / n
-        if skewed is not None and d == 0:  # each gather, exposed, first meets its group after a block's computing
-            g += skewed.barrier_wait(self.facts.params_ways, c)
+        wait = skewed.barrier_wait(self.facts.params_ways, c) if skewed is not None and d == 0 else 0.0
+        if priced.block_gathers:
+            return self._unequal_gathers(s, tuple(x + wait for x in priced.block_gathers), start, c)
+        self.block_ends[s] = []
+        g += wait  # each gather, exposed, first meets its group after a block's computing
         period = g + c if d == 0 else max(g, c)
         first = max(start, self.gather_free[s] + g)
         self.comm[s] += first - start
         # When the stage's next gather may start: after this action's gathers, and once block n - 1 - d is done.
         self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
         return first, (n - 1) * (period - c)
+
+    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, c: float) -> tuple[float, float]:
+        """:meth:`_gather` with each block's own gather seconds (a block's merged collectives differ in size): block
+        ``i``'s gather starts after block ``i - 1``'s and once block ``i - 1 - prefetch`` has computed (of the stage's
+        previous gathering action when negative), its compute
+        once its gather and block ``i - 1`` are done, block by block as the task graph plays them."""
+        n, d, before = len(gathers), self.facts.prefetch, self.block_ends[s]
+        gather_end, ends = self.gather_free[s], []
+        for i, g in enumerate(gathers):
+            j = i - 1 - d
+            after = ends[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
+            gather_end = max(gather_end, after) + g
+            ends.append(max(ends[-1] if ends else start, gather_end) + c)
+        first = ends[0] - c
+        self.comm[s] += first - start
+        self.gather_free[s], self.block_ends[s] = max(gather_end, ends[n - 1 - d] if n > d else 0.0), ends
+        return first, ends[-1] - first - n * c
 
     def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
         """Plays one F/B/W action of stage ``s``."""
@@ -174,7 +195,8 @@ class Play:
                 self.once[s] += pieces * priced.bucket
                 self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
             for k in range(pieces if self.facts.reduce_in_backward else 0):
-                self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + priced.bucket
+                own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
+                self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + own
         elif not last_mb and priced.scatter:
             self.grad[s] = max(self.grad[s], start + compute) + priced.scatter
         return compute + acc, wait

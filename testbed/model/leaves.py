@@ -19,7 +19,8 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
-           "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements"]
+           "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements",
+           "block_gathers"]
 
 #: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
 #: norms (testbed.runner.norms) sum their gradients over the tokens with ``jnp.sum``, which accumulates bf16 in
@@ -241,3 +242,51 @@ def bucket_share(leaves: int, buckets: int, k: int) -> int:
     if leaves <= 0:
         return 0
     return max(1, leaves * (k + 1) // buckets - leaves * k // buckets)
+
+
+def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
+                  combine_bytes: float = math.inf, bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
+    """Bytes of each all-gather a ``kind`` action's block of a chunk's sharded parameters issues, per block in the
+    order the action computes them (the backward's from the last layer): the
+    real merged sizes, not equal shares (at many ranks a collective's time is concave in its bytes, so equal
+    shares of unequal merges would overprice them). Block ``i`` gathers layer ``i``'s leaves, the first also the
+    embedding's and the last the head's (testbed.sim.facts.ChunkFacts.blocks); a merged collective belongs to
+    the block of its first leaf, the first the runner reads. Merges as :func:`parameter_collectives` (forward:
+    the chunk's leaves in :func:`issue_order`) and :func:`regathered` (backward: each piece's regathered leaves
+    on their own) count them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
+    ``elements`` (the action's gathered elements, :meth:`testbed.sim.facts.ChunkFacts.gather`) above the leaves'
+    (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
+    graph and the analytic tier both price."""
+    return _block_gathers(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                          state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, elements,
+                          combine_bytes, bytes_per_element)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a search prices the same chunk under many schedules and microbatch counts
+def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+                   chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float,
+                   bytes_per_element: float) -> tuple[tuple[float, ...], ...]:
+    """:func:`block_gathers` from what it depends on."""
+    embed, head = layout.holds(stage, chunk, mesh.stage, v)
+    span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
+    last = blocks - 1
+    pieces = [(0, layout.embedding_params(spec))] if embed and kind == "F" else []
+    pieces += [(min(j, last), layout.layer_params(spec, i)) for j, i in enumerate(span)]
+    pieces += [(last, layout.head_params(spec))] if head else []
+    out: list[list[float]] = [[] for _ in range(blocks)]
+    run = None  # what merges: the whole chunk (forward), a piece (backward), a block (unbounded)
+    for p, (block, piece) in enumerate(pieces):
+        for q in issue_order(piece):
+            if kind != "F" and not regathered_in_backward(q):
+                continue
+            size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+            key = block if math.isinf(combine_bytes) else 0 if kind == "F" else p
+            if run is not None and run[0] == key and run[1][-1] + size <= combine_bytes:
+                run[1][-1] += size  # combined_sizes' rule
+            else:
+                run = (key, out[block])
+                out[block].append(size)
+    rest = elements * bytes_per_element - sum(map(sum, out))
+    if rest > 1e-6 * max(1.0, elements * bytes_per_element):
+        out[last].append(rest)
+    return tuple(tuple(sizes) for sizes in (out if kind == "F" else reversed(out)))

@@ -30,7 +30,7 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
+from testbed.model.leaves import block_gathers, bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Schedule
@@ -110,6 +110,7 @@ class ChunkFacts:
     regather: tuple[int, int] = (0, 0)
     reduced: tuple[float, float] = (0.0, 0.0)
     sequence_bytes: float = 0.0
+    block_sizes: tuple[tuple[tuple[float, ...], ...], ...] = ((), ())
 
     def special(self, share: float, reduce_b: float) -> tuple[float, float]:
         """(routed experts', sequence-replicated) bytes of ``share`` of the chunk's last gradient reduction: the
@@ -121,6 +122,11 @@ class ChunkFacts:
         the forward all of them (``moved[0]``, ``leaves``); the backward all but the embedding's, whose backward
         (a scatter-add of the rows' gradients) reads no weight (``regather``)."""
         return (self.moved[0], self.leaves) if kind == "F" else self.regather
+
+    def gather_sizes(self, kind: str) -> tuple[tuple[float, ...], ...]:
+        """Per block, the bytes of each all-gather a ``kind`` action's gathers issue (``block_sizes``: the
+        forward's, then the backward's; testbed.model.leaves.block_gathers): the merges' real sizes."""
+        return self.block_sizes[0 if kind == "F" else 1]
 
     def action(self, kind: str) -> ActionWork:
         return next(a for a in self.actions if a.kind == kind)
@@ -298,9 +304,12 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                                                                                     moved[2] * reduce_b)) if during else 1
     leaves = parameter_collectives(plan, s, c, combine, param_b)
     sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b) if reduces else (0.0, 0.0)
+    regather = regathered(plan, s, c, moved[0], leaves, combine, param_b)
+    sizes = tuple(block_gathers(plan, s, c, kind, blocks, n, combine, param_b)
+                  for kind, n in (("F", moved[0]), ("B", regather[0]))) if leaves else ((), ())
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
-                      regather=regathered(plan, s, c, moved[0], leaves, combine, param_b),
+                      regather=regather, block_sizes=sizes,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved),
                       sequence_bytes=sequence_b)

@@ -64,6 +64,8 @@ testbed.sim.grad_tasks, whose builders the graph calls.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from testbed.model import buffers
@@ -245,7 +247,8 @@ class _Graph:
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
             if gathering:
-                deps = [*deps, self._gather_block(s, chunk, work.kind, name, k, pieces, ends)]
+                gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends)
+                deps = [*deps, gathered] if gathered is not None else deps
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
                                               whole, gemms, kernels), deps, cost.tensor_bytes)
@@ -296,18 +299,21 @@ class _Graph:
         return last[0]
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
-                      ends: list[int]) -> int:
-        """The all-gather of block ``k`` of ``pieces`` of a chunk's sharded parameters (gather stream): its share of
-        the chunk's bytes and collectives, once block ``k - 1 - prefetch`` has finished (its weights freed: this
-        action's block, or the stage's previous gathering action's; ``ends`` this action's blocks so far)."""
+                      ends: list[int]) -> int | None:
+        """The all-gathers of block ``k`` of ``pieces`` of a chunk's sharded parameters (gather stream), each at its
+        merged size (:meth:`ChunkFacts.gather_sizes`; one task per distinct size, one after another), once block
+        ``k - 1 - prefetch`` has finished (its weights freed: this action's block, or the stage's previous gathering
+        action's; ``ends`` this action's blocks so far). Returns the last (None: the block's leaves were merged
+        into an earlier block's collective)."""
         rep, j = self.reps[s], k - 1 - self.facts.prefetch
         before = self.blocks_done.get(s, [])
         after = (ends[j],) if j >= 0 else (before[len(before) + j],) if len(before) + j >= 0 and before else ()
-        elements, leaves = chunk.gather(kind)
-        count = bucket_share(leaves, pieces, k)
-        return self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                          op="all_gather", deps=after, nbytes=elements * self.facts.param_bytes / pieces / count,
-                          count=count, group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
+        last = None
+        for size, count in Counter(chunk.gather_sizes(kind)[k]).items():
+            last = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
+                              op="all_gather", deps=after if last is None else (last,), nbytes=size, count=count,
+                              group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
+        return last
 
     def _chain(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], buckets: int) -> int:
         """An MoE action under expert parallelism: its per-layer chain (testbed.sim.moe; the all-to-alls on the
