@@ -63,12 +63,12 @@ def test_a_layers_backward_holds_that_layer_and_the_next_gathered() -> None:
     bound = gathered_bytes(plan, 0)
     assert bound == c * (2 * embed + 4096)  # the head and the embedding are the two largest blocks
     layers = plan.stage_layers[0]
-    assert memory._gathered_at(plan, 0, 1, bound) == c * 2 * layer  # the last layer and the one before it
-    assert memory._gathered_at(plan, 0, layers, bound) == c * (layer + embed)  # the first layer and the embedding
-    assert all(memory._gathered_at(plan, 0, i, bound) <= bound for i in range(layers + 2))
+    assert memory._gathered_at(plan, 0, bound)(1) == c * 2 * layer  # the last layer and the one before it
+    assert memory._gathered_at(plan, 0, bound)(layers) == c * (layer + embed)  # the first layer and the embedding
+    assert all(memory._gathered_at(plan, 0, bound)(i) <= bound for i in range(layers + 2))
     no_prefetch = _plan(prefetch=0)
-    assert memory._gathered_at(no_prefetch, 0, 1, gathered_bytes(no_prefetch, 0)) == c * layer
-    assert memory._gathered_at(_plan(fsdp=1), 0, 1, 0) == 0
+    assert memory._gathered_at(no_prefetch, 0, gathered_bytes(no_prefetch, 0))(1) == c * layer
+    assert memory._gathered_at(_plan(fsdp=1), 0, 0)(1) == 0
 
 
 def test_published_layer_bound_rows_fit_and_the_rule_can_fail(monkeypatch) -> None:
@@ -83,7 +83,7 @@ def test_published_layer_bound_rows_fit_and_the_rule_can_fail(monkeypatch) -> No
     plan, topology = _case("maxtext-llama31-70b-v6e-32chip")
     assert memory_breakdown(plan, topology).fits
     runner = replace(plan, runtime=replace(plan.runtime, attention_kernel="runner"))
-    monkeypatch.setattr(memory, "_gathered_at", lambda plan, stage, position, bound: bound)
+    monkeypatch.setattr(memory, "_gathered_at", lambda plan, stage, bound: lambda position: bound)
     assert not memory_breakdown(runner, topology).fits
     monkeypatch.undo()
     plan, topology = _case("maxtext-llama31-405b-v5p-512chip")

@@ -58,6 +58,7 @@ gradients appear, so the two never peak together.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, replace
 
@@ -306,10 +307,11 @@ def _stage_peak(plan: Plan, stage: int, inflight: int) -> StageMemory:
         layer_grads = grad_b * _layer_params_per_device(plan, grad_ways)
         head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
         instants = [(layer_acts + head_acts, head_grads, loss_ws + gathered)]
+        gathered_at = _gathered_at(plan, stage, gathered)
         for done in range(layers):
             instants.append((kept.device_layer_sets(plan, layers - done) * per_layer,
                              head_grads + (done + 1) * layer_grads,
-                             layer_ws + _gathered_at(plan, stage, done + holds_head, gathered)))
+                             layer_ws + gathered_at(done + holds_head)))
         instants.append((0, grads, reduce_ws))
     acts, live_grads, workspace = max(instants, key=sum)
     # fp8-mixed (Transformer Engine): from the step's first microbatch on, each weight is also kept cast to
@@ -338,8 +340,9 @@ def gathered_bytes(plan: Plan, stage: int) -> int:
     return plan.precision.compute_bytes * sum(_stage_blocks(plan, stage)[:blocks]) if blocks else 0
 
 
-def _gathered_at(plan: Plan, stage: int, position: int, bound: int) -> int:
-    """Gathered bytes live while the ``position``-th block of the stage's backward (a layer's) computes: that
+def _gathered_at(plan: Plan, stage: int, bound: int):
+    """A function of ``position``: the gathered bytes live while the ``position``-th block of the stage's backward
+    (a layer's) computes (the stage's blocks and their running sums worked out once, read per layer): that
     block and the ``runtime.fsdp_prefetch`` blocks after it in the backward's order (the head, the layers last to
     first, the embedding: the blocks the stage holds), the rule :func:`gathered_bytes` bounds by the largest
     blocks. The head's gathered weights die with the head's backward, the embedding's are gathered only after
@@ -349,14 +352,15 @@ def _gathered_at(plan: Plan, stage: int, position: int, bound: int) -> int:
     keep ``bound``."""
     blocks = gathered_blocks(plan)
     if not blocks or plan.schedule.virtual_stages != 1:
-        return bound
+        return lambda position: bound
     p, mesh = plan.mesh.stage, plan.mesh
     embed, head = layout.holds(stage, 0, p, 1)
     sizes = _block_sizes(plan.model, mesh.tensor, mesh.expert, False, False, 1, mesh.expert_tensor)
     tables = [_block_sizes(plan.model, mesh.tensor, mesh.expert, e, h, 0, mesh.expert_tensor)
               for e, h in ((False, head), (embed, False))]
-    order = [*tables[0], *sizes * plan.stage_layers[stage], *tables[1]]
-    return plan.precision.compute_bytes * sum(order[position:position + blocks])
+    running = (0, *itertools.accumulate([*tables[0], *sizes * plan.stage_layers[stage], *tables[1]]))
+    last, b = len(running) - 1, plan.precision.compute_bytes
+    return lambda position: b * (running[min(position + blocks, last)] - running[min(position, last)])
 
 
 def _stage_blocks(plan: Plan, stage: int) -> tuple[int, ...]:
