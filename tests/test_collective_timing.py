@@ -564,3 +564,34 @@ def test_an_open_ici_line_all_gathers_both_ways_without_a_wrap_step():
     picked = collective_time(topology, "all_gather", group, 2.0**17)
     assert picked.algorithm == "line"
     assert picked.time_s < collective_time(topology, "all_gather", group, 2.0**17, "halving_doubling").time_s
+
+
+@pytest.mark.parametrize("group", [tuple(range(8)), (0, 2, 4, 6)])
+def test_gloo_rings_hide_a_rounds_host_cost_under_its_wire(group):
+    """Where gloo runs (``eth-4x2``: CPU hosts across Ethernet) its rings keep a second segment on the wire while
+    the host works: each round lasts the longer of ``collectives.overhead_s`` and its wire, not the sum; other
+    algorithms and topologies still add the two. One device a node is a closed form, every device a routed
+    program: both priced alike."""
+    from testbed.collectives.gloo import gloo_pipelined
+
+    base = load_topology("eth-4x2")
+
+    def with_overhead(topology, overhead):
+        return dataclasses.replace(topology, calibration=topology.calibration.updated(
+            collectives={"overhead_s": overhead, "launch_s": 0.0, "rendezvous_s": 0.0}))
+
+    bare, slow = with_overhead(base, 0.0), with_overhead(base, 1e-3)
+    for op, rounds in (("all_reduce", 2 * (len(group) - 1)), ("all_gather", len(group) - 1)):
+        assert gloo_pipelined(base, op, "ring") and not gloo_pipelined(base, op, "hierarchical")
+        for nbytes in (4096.0, 2.0 ** 30):
+            wire = groups_time(bare, op, [group], nbytes, "ring")
+            timed = groups_time(slow, op, [group], nbytes, "ring")
+            assert timed.rounds == wire.rounds == rounds
+            assert timed.time_s == pytest.approx(rounds * max(1e-3, wire.time_s / rounds), rel=1e-9)
+        # A round's wire far over its host cost: the host cost is hidden whole.
+        assert groups_time(slow, op, [group], 2.0 ** 30, "ring").time_s == pytest.approx(
+            groups_time(bare, op, [group], 2.0 ** 30, "ring").time_s, rel=1e-9)
+    assert not gloo_pipelined(base, "reduce_scatter", "halving_doubling")
+    # NVLink GPUs (NCCL) and a lone CPU host: rounds still add their host cost.
+    assert not gloo_pipelined(load_topology("eth-100g-8"), "all_reduce", "ring")
+    assert not gloo_pipelined(load_topology("host-cpu-8"), "all_reduce", "ring")

@@ -9,40 +9,46 @@ calibrated topology where the simulator reads them:
 - **per call**: ``call_s``, written as ``collectives.launch_s`` (the
   simulator charges it once per collective) -
   XLA's dispatch, the rendezvous of a process's device threads, gloo's
-  set-up; measured on a 2-core host at 8-16 ms for either op;
-- **per round**: ``collectives.overhead_s``, charged per round of the
-  collective's algorithm (gloo's ring: 2(n-1) rounds for an all-reduce, n-1
-  for an all-gather): the handshakes between segments and the wake-ups of
-  processes that share the cores;
+  set-up; fitted at 0-12 ms on a 2-core host (it follows the load);
+- **per round**: ``collectives.overhead_s``, the host's work for a round
+  of the collective's algorithm (gloo's ring: 2(n-1) rounds for an
+  all-reduce, n-1 for an all-gather): the wake-up of the thread a segment
+  arrived for, the reduction, the next send; a round lasts the longer of it
+  and its wire, since gloo keeps a second segment on the wire meanwhile
+  (:mod:`testbed.collectives.gloo`, the simulator's form);
 - **per byte**: ``link_efficiency``, the share of the links' TCP goodput a
-  collective gets (gloo's ring waits between segments for its neighbour,
-  the link idles meanwhile), folded into the network level's bandwidth. The
+  collective gets, folded into the network level's bandwidth. The
   same measurement read as a rate-independent host cost per byte is
   ``per_byte_s = (1 / efficiency - 1) / goodput``; the two differ only in how
   they carry over to another link rate, which
   ``benchmarks/emulated_cluster.py`` tests leave-one-rate-out.
 
 The fit minimises the squared log ratio predicted / measured over the timed
-rows of :data:`FIT_MIN_BYTES` (4 KiB) and up by a grid over the three (the
-model is linear in the two costs for a given efficiency). The 4 KiB calls
-are what fixes the per-call and per-round costs; the larger ones the
-efficiency. Until tbf's bucket was two frames at every rate
-(:func:`testbed.cluster.netns.bucket_bytes`) the fit started at 64 KiB: a
-bucket of 1 ms of rate (eight frames at 100 Mb/s) gave the links back the
-idle time of gloo's host gaps, so a 64 KiB all-reduce at 100 Mb/s ran at
-its wire time while a 4 KiB call took 8-16 ms, which no cost added per
-call or round could say. With the link as it is, the 4 KiB calls carry the
-costs the larger ones pay (held out, ``benchmarks/emulated_cluster.py``:
-22-23 of 24 sizes within 15% fitted from 4 KiB, 21-22 from 64 KiB, largest
-error 17.5-22.8% against 30.7-57.3%, in the three runs so measured).
+rows of :data:`FIT_MIN_BYTES` (4 KiB) and up by a grid over the three (for a
+given efficiency the time is a function of the two costs evaluated on their
+whole grid at once).
 
-A second form of the same three costs is evaluated beside the additive one
-(``form="hidden"``, :func:`price_rows`; the simulator prices only the
-additive): each round of gloo's ring takes ``max(overhead, wire)`` instead of
-their sum, the reading of gloo keeping one segment on the wire while it
-reduces the other (``gloo/allreduce.cc``), fitted with the 4 KiB calls too
-(they are what shows the hidden per-round cost at the slow rates).
-``benchmarks/emulated_cluster.py --refit`` reports both held out.
+Why each round's host cost hides under its wire: on a quiet host (the
+lead's run 16) a 64 KiB all-reduce at 100 Mb/s took 13.0 ms where its 4 KiB
+call, all host cost, took 6.7 ms and its wire alone is 9.6 ms: the sum (16.3
+ms) is 25% over, the longer of the two plus the call's own cost is not. Added
+(``form="added"``, the simulator's form until then, :func:`price_rows`) the
+4 KiB calls' costs overprice the 64 KiB calls at 100 Mb/s by 35-40%, which
+is what made a fit from 64 KiB look better; hidden, the fit from 4 KiB is
+within 9.3% at every size held out by rate (``benchmarks/emulated_cluster.py``).
+
+Why the fit starts at 4 KiB (the cut-off, on principle): a parameter is
+fitted only from calls in which it shows. The per-round and per-call costs
+show in a call only where they outlast the wire; at 10 and 30 Mb/s that is
+the 4 KiB calls alone (a 64 KiB all-reduce there is 37-110 ms of wire against
+a host cost of about a millisecond a round), so a fit from 64 KiB leaves them
+unidentified (fitted as 0 at those rates) and carries nothing of them to
+another rate. ``calibrate --cluster`` times 4 KiB for that reason. Until
+tbf's bucket was two frames at every rate
+(:func:`testbed.cluster.netns.bucket_bytes`) the fit started at 64 KiB: a
+bucket of 1 ms of rate gave the links back the host's idle time, so the 4
+KiB calls did not carry the larger ones' costs; measurements that record no
+bucket are still fitted that way (:func:`fit_from_bytes`).
 """
 
 from __future__ import annotations
@@ -62,8 +68,9 @@ __all__ = ["FIT_MIN_BYTES", "fit_from_bytes", "FORMS", "HostProbe", "HostCosts",
 
 #: The smallest call the fit uses (see the module doc): ``calibrate --cluster``'s tiny call.
 FIT_MIN_BYTES = 2**12
-#: How a round's host cost meets its wire: ``added`` (the simulator's) or ``hidden`` under it (``max``).
-FORMS = ("added", "hidden")
+#: How a round's host cost meets its wire: ``hidden`` under it (``max``, the simulator's for gloo's rings) or
+#: ``added`` (the simulator's until gloo's two segments in flight were modelled; kept for comparison).
+FORMS = ("hidden", "added")
 _EFFICIENCIES = [round(0.40 + 0.005 * k, 3) for k in range(121)]  # 0.40 .. 1.00
 _OVERHEADS = np.arange(101) * 2e-5  # 0 .. 2 ms a round
 _CALLS = np.arange(121) * 2.5e-4  # 0 .. 30 ms a call
@@ -167,13 +174,12 @@ def predict(topology: Topology, op: str, nbytes: float) -> float:
 
 def _terms(spec: ClusterSpec, probe: HostProbe, rows: Sequence[Mapping[str, Any]], efficiency: float
            ) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: the time with no host costs, and seconds per second of overhead a round (the rounds)."""
-    goodput = link_goodput(spec)
-    base = emulated(spec, probe, HostCosts(call_s=0.0, overhead_s=0.0, link_efficiency=efficiency, goodput=goodput))
-    step = emulated(spec, probe, HostCosts(call_s=0.0, overhead_s=1e-3, link_efficiency=efficiency, goodput=goodput))
-    t0 = np.array([predict(base, row["op"], row["bytes"]) for row in rows])
-    t1 = np.array([predict(step, row["op"], row["bytes"]) for row in rows])
-    return t0, (t1 - t0) / 1e-3
+    """Per row: the time with no host costs (the wire), and the rounds of gloo's algorithm."""
+    base = emulated(spec, probe, HostCosts(call_s=0.0, overhead_s=0.0, link_efficiency=efficiency,
+                                           goodput=link_goodput(spec)))
+    group = [tuple(range(base.num_devices))]
+    timings = [groups_time(base, row["op"], group, row["bytes"], GLOO_ALGORITHMS[row["op"]]) for row in rows]
+    return np.array([t.time_s for t in timings]), np.array([float(t.rounds) for t in timings])
 
 
 def _check_form(form: str) -> None:
@@ -182,7 +188,7 @@ def _check_form(form: str) -> None:
 
 
 def fit_host_costs(spec: ClusterSpec, probe: HostProbe, rows: Sequence[Mapping[str, Any]], *,
-                   form: str = "added", min_bytes: int = FIT_MIN_BYTES) -> HostCosts:
+                   form: str = "hidden", min_bytes: int = FIT_MIN_BYTES) -> HostCosts:
     """The per-call and per-round costs and link efficiency that price ``rows`` (``op``, ``bytes``,
     ``measured_s``; those of ``min_bytes`` and up) best in ``form``: least squares of log(predicted / measured)
     over a grid of efficiencies 0.40-1.00 (step 0.005), per-round costs 0-2 ms (step 20 us) and per-call costs
@@ -210,20 +216,21 @@ def fit_host_costs(spec: ClusterSpec, probe: HostProbe, rows: Sequence[Mapping[s
 
 
 def price_rows(spec: ClusterSpec, probe: HostProbe, costs: HostCosts, rows: Sequence[Mapping[str, Any]], *,
-               form: str = "added") -> list[float]:
-    """Seconds of each row priced with ``costs``: by the simulator (``added``), or each of gloo's rounds
-    ``max(overhead, wire)`` plus the call's cost (``hidden``; the ring's rounds on the cluster are alike, so
-    a round's wire is the call's wire over its rounds)."""
+               form: str = "hidden") -> list[float]:
+    """Seconds of each row priced with ``costs``: by the simulator (``hidden``: each of gloo's rounds
+    ``max(overhead, wire)``, :func:`testbed.collectives.gloo.round_s`), or with each round's host cost added to
+    its wire (``added``, the simulator's form until gloo's pipelining was modelled; the ring's rounds on the
+    cluster are alike, so a round's wire is the call's wire over its rounds)."""
     _check_form(form)
-    if form == "added":
+    if form == "hidden":
         topology = emulated(spec, probe, costs)
         return [predict(topology, row["op"], row["bytes"]) for row in rows]
     t0, rounds = _terms(spec, probe, rows, costs.link_efficiency)
-    return [float(t) for t in costs.call_s + np.maximum(costs.overhead_s, t0 / rounds) * rounds]
+    return [float(t) for t in costs.call_s + t0 + costs.overhead_s * rounds]
 
 
 def row_errors(spec: ClusterSpec, probe: HostProbe, costs: HostCosts, rows: Sequence[Mapping[str, Any]], *,
-               form: str = "added") -> list[dict[str, Any]]:
+               form: str = "hidden") -> list[dict[str, Any]]:
     """Each row priced with ``costs`` in ``form``: predicted seconds and error (predicted / measured - 1)."""
     return [{**row, "predicted_s": p, "error": p / row["measured_s"] - 1}
             for row, p in zip(rows, price_rows(spec, probe, costs, rows, form=form))]

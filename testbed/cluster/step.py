@@ -20,17 +20,21 @@ makes (:class:`StepCall`, one per buffer of each collective instruction, as
 XLA:CPU calls gloo), each priced with gloo's algorithm on the calibrated
 topology (``T``) and on it unshaped (``U``, the call's host part: its per-call
 and per-round costs; the loopback wire is next to nothing): the links add
-``T - U`` a call (:func:`calls_links`). On links shaped as they are (tbf's
-bucket two frames, :func:`testbed.cluster.netns.bucket_bytes`) this is
-within 15% at every step and both slow/fast ratios within 8% in the three
-runs so measured (steps 12-14, load 11-16; docs/cluster.md).
+``T - U`` a call (:func:`calls_links`). The simulator prices each round of
+gloo's ring as the longer of its host cost and its wire
+(:mod:`testbed.collectives.gloo`: two segments in flight), so a call adds
+what its rounds' wire outlasts their host cost, nothing for a call whose
+wire is shorter. On the lead's quiet run (steps 15) that is within 7.1% at
+every step, both slow/fast ratios within 3%; with each round's host cost
+added to its wire instead (the prediction of steps runs 12-15) tp8 at 100
+Mb/s was +18.2%, its ratio -11.0% (docs/cluster.md).
 
-A reading with each call's host part hidden under its wire (``max(U, T -
-U)`` a call, ``overlap``) was the prediction while the bucket was 1 ms of
-rate (steps runs 10-11): that bucket gave the links back up to 1 ms of the
-host's idle time per spell, which the reading stood in for. With the link
-as it is it hides too much (tp8 at 100 Mb/s -29% to -37%, its ratio +38% to
-+60%), and ``benchmarks/cluster_steps.py`` reports it beside.
+A reading with each whole call's host part hidden under its wire (``max(U,
+T - U)`` a call, ``overlap``) was the prediction while the bucket was 1 ms
+of rate (steps runs 10-11): that bucket gave the links back up to 1 ms of
+the host's idle time per spell, which the reading stood in for. With the
+link as it is it hides too much (tp8 at 100 Mb/s -28% to -42%), and
+``benchmarks/cluster_steps.py`` reports it beside.
 
 Without the calls (or for comparison) the links are the simulator's plan
 step on the calibrated topology less its step unshaped, host costs added

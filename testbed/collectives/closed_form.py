@@ -15,7 +15,8 @@ Two symmetric shapes are recognised (:func:`symmetry`):
   link bandwidth), and each direction of a link is its own resource.
 
 With ``u = alpha + collectives.overhead_s`` (calibration) per round, ``S`` bytes and ``n``
-ranks (``p`` the largest power of two <= n):
+ranks (``p`` the largest power of two <= n; where gloo's own ring runs a round is
+``max(overhead_s, alpha + S/(nB))`` instead, :func:`testbed.collectives.gloo.round_s`):
 
 =================================== =======================================
 ring / bidir_ring all-reduce        2(n-1) (u + S/(nB))   (bidir on a ring: S/(2nB))
@@ -47,6 +48,7 @@ import math
 from collections.abc import Sequence
 
 from testbed.collectives.algorithms import TREE_PIECES
+from testbed.collectives.gloo import gloo_pipelined, round_s
 from testbed.collectives.ops import Op, parse_op
 from testbed.collectives.hierarchy import hierarchical_time
 from testbed.collectives.torus import TORUS_FORMS, torus_time
@@ -143,7 +145,8 @@ def closed_form_time(topology: Topology, op: Op | str, algorithm: str, group: Se
             return rounds * (u + s / pieces * beta), rounds
         share = s / n / (2 if kind == "ring" and algorithm == "bidir_ring" else 1)
         rounds = (2 if op is Op.ALL_REDUCE else 1) * (n - 1)
-        return rounds * (u + share * beta), rounds
+        overhead = topology.calibration.collectives.overhead_s
+        return rounds * round_s(alpha + share * beta, overhead, gloo_pipelined(topology, op, algorithm)), rounds
     if algorithm == "direct":
         if op is Op.ALL_REDUCE:
             return 2 * (u + (n - 1) * s / n * beta), 2

@@ -25,6 +25,24 @@ devices, a process's ranks talking over its loopback) under one or more
 network levels (Ethernet, InfiniBand, DCN: processes on separate nodes).
 One process on its own (``host-cpu-8``: no network level) uses XLA's
 in-process collectives instead, and the simulator picks its fastest.
+
+How a round's host cost meets its wire (:func:`gloo_pipelined`): both rings
+keep two sends in flight. ``gloo/allreduce.cc`` cuts each rank's chunk into
+two or more segments ("we split up a chunk into multiple segments (>= 2),
+and ensure we have one segment in flight while computing a reduction on the
+other"; segments of at most ``kMaxSegmentSize`` = 1 MiB, ``gloo/allreduce.h``,
+which XLA:CPU leaves as is), and ``gloo/allgather.cc`` sends each chunk as
+two halves, waiting only on the next-to-last operation. So while a rank does
+its host work for one segment (the wake-up, the reduction, the next send)
+the other is on the wire: a round takes the longer of the two, not their
+sum. The simulator prices gloo's own ring that way, each round ``max(host
+cost, wire)`` (``collectives.overhead_s`` being the host cost of a round,
+:func:`round_s`). Counted in segments the ring has twice the rounds at half
+the wire each (``max(o/2, w/2)`` twice is ``max(o, w)``); above 16 MiB an
+all-reduce has more segments than two per rank, each a full 1 MiB, whose wire
+outlasts any host cost measured (tens of microseconds to a millisecond), so
+the round form holds at every size. Every other algorithm, and reduce-scatter
+(``ReduceScatterHalvingDoubling``, one exchange per step), adds the two.
 """
 
 from __future__ import annotations
@@ -33,10 +51,13 @@ from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Topology
 from testbed.topology.parts import Form, LinkKind
 
-__all__ = ["GLOO_ALGORITHMS", "NETWORK_KINDS", "gloo_runs", "gloo_algorithm"]
+__all__ = ["GLOO_ALGORITHMS", "NETWORK_KINDS", "PIPELINED_OPS", "gloo_runs", "gloo_algorithm", "gloo_pipelined",
+           "round_s"]
 
 #: The algorithm gloo runs for each op, as XLA:CPU calls it (the module's docstring has the sources).
 GLOO_ALGORITHMS: dict[str, str] = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "halving_doubling"}
+#: The ops whose gloo algorithm keeps two segments in flight (the module's docstring has the sources).
+PIPELINED_OPS = frozenset({"all_reduce", "all_gather"})
 #: Link kinds that are a network between nodes; all others are inside a node.
 NETWORK_KINDS = frozenset({LinkKind.ETHERNET, LinkKind.INFINIBAND, LinkKind.DCN})
 
@@ -56,3 +77,17 @@ def gloo_algorithm(topology: Topology, op: Op | str) -> str | None:
     if not gloo_runs(topology):
         return None
     return GLOO_ALGORITHMS.get(str(parse_op(op)))
+
+
+def gloo_pipelined(topology: Topology, op: Op | str, algorithm: str) -> bool:
+    """Whether ``algorithm`` for ``op`` on ``topology`` is gloo's own two-in-flight ring, whose rounds last the
+    longer of their host cost and their wire (:func:`round_s`) rather than the sum."""
+    name = str(parse_op(op))
+    return name in PIPELINED_OPS and algorithm == gloo_algorithm(topology, name)
+
+
+def round_s(wire_s: float, overhead_s: float, pipelined: bool) -> float:
+    """One round of a collective: its wire (latency and bytes) and the host's cost of a round
+    (``collectives.overhead_s``), overlapped where the algorithm keeps a segment in flight while the host works
+    (``pipelined``, :func:`gloo_pipelined`), else added."""
+    return max(wire_s, overhead_s) if pipelined else wire_s + overhead_s

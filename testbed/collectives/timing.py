@@ -6,7 +6,9 @@ common switch on hierarchies); transfers of one round share every directed
 link's bandwidth, so a transfer from a to b takes ``latency(route) + max over
 its links of (bytes crossing that link this round / link bandwidth)``. A round
 lasts as long as its slowest transfer plus
-``topology.calibration.collectives.overhead_s``; rounds with only local copies
+``topology.calibration.collectives.overhead_s`` (where gloo's own ring runs,
+the longer of the two: it keeps a segment on the wire while the host works,
+:func:`testbed.collectives.gloo.round_s`); rounds with only local copies
 are free. Several groups (``--over node`` with many nodes) run their rounds
 together and so contend for shared links.
 
@@ -34,7 +36,7 @@ from testbed.collectives.routed import (MAX_ROUTED_TRANSFERS, group_grid, parall
                                         program_flows, routed_cost, topology_memo)
 from testbed.collectives.bounds import distinct_groups, lower_bound
 from testbed.collectives.closed_form import closed_form_time
-from testbed.collectives.gloo import gloo_algorithm
+from testbed.collectives.gloo import gloo_algorithm, gloo_pipelined, round_s
 from testbed.collectives.nccl import NCCL_ALGORITHMS, nccl_algorithms, nccl_best
 from testbed.collectives.nccl_loads import nccl_link_loads
 from testbed.collectives.ops import BUS_FACTOR, Op, StepProgram, parse_op
@@ -189,7 +191,9 @@ def program_time(topology: Topology, op: Op | str, algorithm: str, groups: Seque
     chunks, envelopes, _, rounds = _cached_profile(topology, op, algorithm, groups, root, peer)
     chunk = float(nbytes) / chunks
     overhead = topology.calibration.collectives.overhead_s
-    total = sum(count * (overhead + max(lat + coef * chunk for lat, coef in env)) for env, count in envelopes.items())
+    pipelined = gloo_pipelined(topology, op, algorithm)
+    total = sum(count * round_s(max(lat + coef * chunk for lat, coef in env), overhead, pipelined)
+                for env, count in envelopes.items())
     return total, rounds
 
 
