@@ -28,7 +28,10 @@ load average is recorded beside every rate (the host is shared).
 Needs root or CAP_NET_ADMIN. Prints one JSON object. Goal (issue 37): every
 size within 15%, the median within 10%. ``--refit FILE`` redoes the fits on a
 saved output (no privilege), ``--png P`` plots measured vs held-out bus
-bandwidth.
+bandwidth. ``--costs-from FILE`` prices every size of this run with the
+costs fitted to another saved run's other rates (held out by job and rate):
+one rate timed up to 64 MiB (``--rates 100 --max-call-s 12``), which the
+three-rate run leaves out, priced with a full run's fits.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import sys
 import time
 
 from testbed.cluster import cluster_spec, netns
-from testbed.cluster.fit import HostProbe, costs_at_rate, fit_from_bytes, fit_host_costs, row_errors
+from testbed.cluster.fit import HostProbe, costs_at_rate, fit_from_bytes, fit_host_costs, link_goodput, row_errors
 from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.topology.io import load_topology
 
@@ -103,6 +106,23 @@ def refit(doc: dict) -> dict:
                           run["rows"])
     return {"in_sample": _summary(own), "leave_one_rate_out": leave_one_rate_out(doc),
             **{key: leave_one_rate_out(doc, **kwargs) for key, kwargs in VARIANTS.items()}}
+
+
+def priced_by(doc: dict, costs_doc: dict) -> dict:
+    """Each run of ``doc`` priced with the mean of the costs fitted to ``costs_doc``'s other rates (another job's:
+    held out by job and by rate; e.g. one rate timed up to 64 MiB, priced with a full run's fits)."""
+    topology = load_topology(costs_doc["topology"])
+    fits = {run["rate_mbps"]: fit_host_costs(_spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"]),
+                                             run["rows"], min_bytes=fit_from_bytes(run)) for run in costs_doc["runs"]}
+    rows = []
+    for run in doc["runs"]:
+        spec = _spec(topology, run["rate_mbps"])
+        others = [c for rate, c in fits.items() if rate != run["rate_mbps"]] or list(fits.values())
+        costs = costs_at_rate(others, link_goodput(spec))
+        rows += [{"rate_mbps": run["rate_mbps"], **r}
+                 for r in row_errors(spec, HostProbe.from_dict(run["probe"]), costs, run["rows"])]
+    return {"rows": [{k: r[k] for k in ("rate_mbps", "op", "bytes", "measured_s", "predicted_s", "error")}
+                     for r in rows], **_summary(rows)}
 
 
 def plot(result: dict, path: str) -> None:
@@ -167,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
     parser.add_argument("--refit", default=None, metavar="FILE", help="only the fits of a saved --save file")
     parser.add_argument("--png", default=None, help="plot measured vs held-out predicted bus bandwidth")
+    parser.add_argument("--costs-from", default=None, metavar="FILE",
+                        help="price every size with the costs fitted to FILE's other rates (a saved --save run) "
+                             "instead of leave-one-rate-out within this run (e.g. --rates 100 --max-call-s 12: "
+                             "one rate up to 64 MiB)")
     args = parser.parse_args(argv)
     started = time.time()
     if args.refit:
@@ -181,11 +205,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.save:
             with open(args.save, "w") as f:
                 json.dump(doc, f, indent=1)
-    result = refit(doc)
-    if args.png:
-        plot(result, args.png)
-    for key in ("leave_one_rate_out", *VARIANTS):
-        result[key].pop("rows")
+    if args.costs_from:
+        with open(args.costs_from) as f:
+            result = {"costs_from": args.costs_from, "held_out_by_file": priced_by(doc, json.load(f))}
+    else:
+        result = refit(doc)
+        if args.png:
+            plot(result, args.png)
+        for key in ("leave_one_rate_out", *VARIANTS):
+            result[key].pop("rows")
     print(json.dumps({"topology": TOPOLOGY, "nodes": 4, "devices_per_node": 2, "rates_mbps":
                       [run["rate_mbps"] for run in doc["runs"]], "algorithm": "ring (gloo's, both ops)",
                       "load": {run["rate_mbps"]: [run["load_before"], run["load_after"]] for run in doc["runs"]},

@@ -40,7 +40,7 @@ within 9.3% at every size held out by rate (``benchmarks/emulated_cluster.py``).
 Why the fit starts at 4 KiB (the cut-off, on principle): a parameter is
 fitted only from calls in which it shows. The per-round and per-call costs
 show in a call only where they outlast the wire; at 10 and 30 Mb/s that is
-the 4 KiB calls alone (a 64 KiB all-reduce there is 37-110 ms of wire against
+the 4 KiB calls alone (a 64 KiB all-reduce there is 32-96 ms of wire against
 a host cost of about a millisecond a round), so a fit from 64 KiB leaves them
 unidentified (fitted as 0 at those rates) and carries nothing of them to
 another rate. ``calibrate --cluster`` times 4 KiB for that reason. Until
