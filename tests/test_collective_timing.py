@@ -576,22 +576,32 @@ def test_gloo_rings_hide_a_rounds_host_cost_under_its_wire(group):
 
     base = load_topology("eth-4x2")
 
-    def with_overhead(topology, overhead):
+    def with_overhead(topology, overhead, overlap=True):
         return dataclasses.replace(topology, calibration=topology.calibration.updated(
-            collectives={"overhead_s": overhead, "launch_s": 0.0, "rendezvous_s": 0.0}))
+            collectives={"overhead_s": overhead, "launch_s": 0.0, "rendezvous_s": 0.0, "rounds_overlap": overlap}))
 
-    bare, slow = with_overhead(base, 0.0), with_overhead(base, 1e-3)
+    bare, slow, summed = with_overhead(base, 0.0), with_overhead(base, 1e-3), with_overhead(base, 1e-3, False)
+    # Only a calibration fitted in that form says so (calibrate --cluster); a linear fit's rounds stay added.
+    assert not gloo_pipelined(base, "all_reduce", "ring") and not gloo_pipelined(summed, "all_reduce", "ring")
     for op, rounds in (("all_reduce", 2 * (len(group) - 1)), ("all_gather", len(group) - 1)):
-        assert gloo_pipelined(base, op, "ring") and not gloo_pipelined(base, op, "hierarchical")
+        assert gloo_pipelined(slow, op, "ring") and not gloo_pipelined(slow, op, "hierarchical")
         for nbytes in (4096.0, 2.0 ** 30):
             wire = groups_time(bare, op, [group], nbytes, "ring")
             timed = groups_time(slow, op, [group], nbytes, "ring")
             assert timed.rounds == wire.rounds == rounds
             assert timed.time_s == pytest.approx(rounds * max(1e-3, wire.time_s / rounds), rel=1e-9)
+            assert groups_time(summed, op, [group], nbytes, "ring").time_s == pytest.approx(
+                wire.time_s + rounds * 1e-3, rel=1e-9)
         # A round's wire far over its host cost: the host cost is hidden whole.
         assert groups_time(slow, op, [group], 2.0 ** 30, "ring").time_s == pytest.approx(
             groups_time(bare, op, [group], 2.0 ** 30, "ring").time_s, rel=1e-9)
-    assert not gloo_pipelined(base, "reduce_scatter", "halving_doubling")
-    # NVLink GPUs (NCCL) and a lone CPU host: rounds still add their host cost.
-    assert not gloo_pipelined(load_topology("eth-100g-8"), "all_reduce", "ring")
-    assert not gloo_pipelined(load_topology("host-cpu-8"), "all_reduce", "ring")
+    assert not gloo_pipelined(slow, "reduce_scatter", "halving_doubling")
+    # NVLink GPUs (NCCL) and a lone CPU host: rounds still add their host cost, whatever the flag.
+    for name in ("eth-100g-8", "host-cpu-8"):
+        assert not gloo_pipelined(with_overhead(load_topology(name), 1e-3), "all_reduce", "ring")
+    # The flag travels through a topology file, and is refused when not true or false.
+    from testbed.topology.io import dump_topology, topology_from_text
+
+    assert topology_from_text("t", dump_topology(slow)).calibration.collectives.rounds_overlap is True
+    with pytest.raises(InputError, match="rounds_overlap"):
+        CollectiveCalibration(rounds_overlap="yes")

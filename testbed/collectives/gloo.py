@@ -37,7 +37,10 @@ its host work for one segment (the wake-up, the reduction, the next send)
 the other is on the wire: a round takes the longer of the two, not their
 sum. The simulator prices gloo's own ring that way, each round ``max(host
 cost, wire)`` (``collectives.overhead_s`` being the host cost of a round,
-:func:`round_s`). Counted in segments the ring has twice the rounds at half
+:func:`round_s`), where the calibration's per-round cost was fitted in that
+form (``collectives.rounds_overlap``: an emulated cluster's topology and
+``calibrate --cluster``; the linear fits of ``calibrate --processes`` assume
+the sum, and keep it). Counted in segments the ring has twice the rounds at half
 the wire each (``max(o/2, w/2)`` twice is ``max(o, w)``); above 16 MiB an
 all-reduce has more segments than two per rank, each a full 1 MiB, whose wire
 outlasts any host cost measured (tens of microseconds to a millisecond), so
@@ -80,8 +83,12 @@ def gloo_algorithm(topology: Topology, op: Op | str) -> str | None:
 
 
 def gloo_pipelined(topology: Topology, op: Op | str, algorithm: str) -> bool:
-    """Whether ``algorithm`` for ``op`` on ``topology`` is gloo's own two-in-flight ring, whose rounds last the
-    longer of their host cost and their wire (:func:`round_s`) rather than the sum."""
+    """Whether ``algorithm`` for ``op`` on ``topology`` is gloo's own two-in-flight ring priced so: its rounds
+    last the longer of their host cost and their wire (:func:`round_s`) rather than the sum, where the
+    topology's calibration was fitted in that form (``calibration.collectives.rounds_overlap``, set by
+    ``calibrate --cluster``; a linear fit's per-round cost stays added)."""
+    if not topology.calibration.collectives.rounds_overlap:
+        return False
     name = str(parse_op(op))
     return name in PIPELINED_OPS and algorithm == gloo_algorithm(topology, name)
 

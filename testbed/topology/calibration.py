@@ -241,6 +241,13 @@ class CollectiveCalibration(_Group):
         links carry: 1-16 KiB ppermutes take 4.5-5.5 us on v5p against a hop
         of about 1 us, marin-community/marin#6736 and jax-ml/scaling-book).
         0 (default): the rounds' ``overhead_s`` holds the software cost.
+    rounds_overlap: whether a round of gloo's own ring (all-reduce and
+        all-gather where gloo runs, testbed.collectives.gloo) lasts the
+        longer of ``overhead_s`` and its wire instead of their sum, as gloo's
+        two segments in flight do. Set by the calibration fitted in that form
+        (``calibrate --cluster``, an emulated cluster's topology); False
+        (default): added, the form the linear fits of ``calibrate`` (and
+        ``--processes``) assume, and of every other library's rounds.
     """
 
     GROUP: ClassVar[str] = "collectives"
@@ -248,9 +255,12 @@ class CollectiveCalibration(_Group):
     rendezvous_s: float = 0.0
     combine_bytes: float | None = None
     launch_s: float = 0.0
+    rounds_overlap: bool = False
 
     def __post_init__(self) -> None:
         self._nonnegative("overhead_s", "rendezvous_s", "launch_s")
+        if not isinstance(self.rounds_overlap, bool):
+            raise InputError(f"expected true or false, got {self.rounds_overlap!r}", field=self._path("rounds_overlap"))
         if self.combine_bytes is not None:
             self._nonnegative("combine_bytes")
 

@@ -164,7 +164,7 @@ def _calibration_value(group: str, name: str, value: Any) -> Any:
     path = f"calibration.{group}.{name}"
     if name == "cores":
         return get_int({name: value}, name, f"calibration.{group}", minimum=0)
-    if name == "serial_programs":
+    if name in ("serial_programs", "rounds_overlap"):
         if not isinstance(value, bool):
             raise InputError(f"expected true or false, got {quote(value)}", field=path)
         return value
