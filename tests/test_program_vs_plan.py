@@ -9,7 +9,8 @@ What holds (docs/program.md, "Against plan-driven simulation"): the tensor axis'
 exactly (Megatron's all-reduces, sequence parallelism's gathers and scatters, the vocab-parallel loss's
 all-reduces, the position table's gradient gather) on a GPU superpod and a TPU slice, and on the superpod
 the step time within 5% for data and tensor parallelism with or without sequence parallelism, bf16 and
-fp32; for data x tensor and fsdp x tensor with or without sequence parallelism, every axis's bytes exactly.
+fp32; for data x tensor and fsdp x tensor with or without sequence parallelism, and data x fsdp x tensor with
+leaves the fsdp count cannot split (sharded flat and padded on both sides), every axis's bytes exactly.
 What does not yet (strict xfails, so agreement would show): on the TPU slice an attention-heavy
 tensor-parallel step (1.09: per-segment rooflines); the fsdp step time on the TPU slice (1.08: the tracer's
 compute segments make the runner's backward gathers wait for the next block's backward, where the plan's model
