@@ -36,9 +36,9 @@ def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "par
     (:meth:`testbed.model.layout.ParamSpec.gathered_elements`: the gathered size, padding included); the
     gathered leaf is whole over them and split as the device holds it by ``tensor`` and ``expert``.
     testbed.runner.param_shards.ParamShards issues one ``all_gather`` per leaf where a piece of the model uses
-    it (a padded leaf's flat shards, testbed.runner.padding) and one ``psum_scatter`` of its gradient. In the order the runner issues them, which a combiner's
-    merges follow (:func:`issue_order`): the embedding, each layer, the head, each piece's leaves in its pytree's
-    order.
+    it (a padded leaf's flat shards, testbed.runner.padding) and one ``psum_scatter`` of its gradient. In the
+    order the runner issues them, which a combiner's merges follow (:func:`issue_order`): the embedding, each
+    layer, the head, each piece's leaves in its pytree's order.
 
     ``chunk`` None: every chunk of the stage, in chunk order. ``which="optimizer"``: the leaves sharded with the
     optimizer state instead, which ZeRO-1/2 all-gathers over ``data`` after the update (XLA's partitioner,

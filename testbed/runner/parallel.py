@@ -43,7 +43,8 @@ from testbed.plan.spec import BATCH_AXES as PLAN_BATCH_AXES
 from testbed.plan.spec import ModelSpec, Plan
 from testbed.plan.sharding import state_sharding
 
-__all__ = ["Layout", "layout_for", "flat_spec", "BATCH_AXES", "leaf_spec", "batch_axes", "batch_spec", "Constrain", "SequenceShards",
+__all__ = ["Layout", "layout_for", "flat_spec",
+           "BATCH_AXES", "leaf_spec", "batch_axes", "batch_spec", "Constrain", "SequenceShards",
            "TensorShards",
            "sequence_shards", "activation_spec"]
 
