@@ -74,9 +74,9 @@ def _compiled(plan: Plan) -> tuple[SpmdTrainer, list[tuple[str, str, int]], list
 
 
 def _leaves(trainer: SpmdTrainer, axes: set[str]) -> tuple[list[int], list[int]]:
-    """Elements on one device of the parameter leaves sharded over ``axes`` once gathered (their tensor shard),
-    and of the others."""
-    params = jax.eval_shape(lambda: model.init_params(MODEL, 0))
+    """Elements on one device of the held parameter leaves sharded over ``axes`` once gathered (their tensor
+    shard; a padded leaf's flat form, testbed.runner.padding, its padding included), and of the others."""
+    params = jax.eval_shape(trainer.optimizer.held, jax.eval_shape(lambda: model.init_params(MODEL, 0)))
     sharded, whole = [], []
     for leaf, sharding in zip(jax.tree.leaves(params), jax.tree.leaves(trainer.param_shardings)):
         names = {a for entry in sharding.spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))}
@@ -105,20 +105,21 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients(degrees: dict) -> No
     gathers = sorted(n for axes, kind, n in found if axes == label and kind == "all-gather")
     scatters = [n for axes, kind, n in found if axes == label and kind == "reduce-scatter"]
     # Every sharded leaf is gathered once for its forward with the bytes of its tensor-rank shard (and those the
-    # backward reads once more there), and its gradient is reduce-scattered once into the shards. A leaf the one rule pads
-    # (no free dim divides) the runner holds whole, but shards its optimizer state flat and padded
-    # (testbed.runner.padding): gathered once after the update, the padded flat form of its tensor-rank block.
+    # backward reads once more there), and its gradient is reduce-scattered once into the shards. A leaf the one
+    # rule pads (no free dim divides: the tensor-split biases here) is held flat and padded (testbed.runner.padding):
+    # gathered and reduce-scattered as the padded flat form of its tensor-rank block, nothing gathered after the update.
     ways = math.prod(plan.mesh.degree(a) for a in shard_axes)
     padded = [p.gathered_elements(plan.mesh.tensor, ways) for p, n in layout.chunk_params(MODEL, 0, 0, 1)
               for _ in range(n) if p.padded(plan.mesh.tensor, ways)]
+    assert not Counter(padded) - Counter(leaves), (padded, leaves)
     # (Which of a leaf's two gathers XLA names the backward's is its choice where it merged them: the head's.)
     gathers = Counter(gathers + [n for axes, n in regathered if axes == label])
-    again = gathers - Counter(leaves + padded)
-    assert not Counter(leaves + padded) - gathers, (gathers, sorted(leaves), padded)
+    again = gathers - Counter(leaves)
+    assert not Counter(leaves) - gathers, (gathers, sorted(leaves))
     assert again and not again - Counter(leaves), (again, leaves)
     assert sorted(n * ways for n in scatters) == sorted(leaves)
     # No activation crosses the batch axes: what is all-reduced over a group spanning fsdp is the loss and
-    # the gradients of the few leaves no free dim of which the shard count divides (the qkv bias here).
+    # the gradients of the leaves left whole (none here: every leaf is sharded, padded or not).
     over_fsdp = Counter(kind for axes, kind, _ in found if "fsdp" in axes.split("+"))
     assert set(over_fsdp) <= {"all-gather", "reduce-scatter", "all-reduce"}, over_fsdp
     reduced = [n for axes, kind, n in found if "fsdp" in axes.split("+") and kind == "all-reduce"]
@@ -149,9 +150,9 @@ def test_compiled_collectives_are_the_rule_count() -> None:
     """The simulator's count of a chunk's parameter collectives (testbed.model.leaves.parameter_collectives
     at combine_bytes 0, the host's: XLA:CPU combines none) is what the compiled step runs: one all-gather per
     sharded leaf and one reduce-scatter of its gradient. The rule shards every leaf (padded where no free dim
-    divides: the tensor-split biases here); the runner still holds the padded leaves' parameters whole and
-    reports them (runner_whole_params), so it runs the rule's count less those, and gathers each of them once
-    after the update, which shards their optimizer state padded."""
+    divides: the tensor-split biases here), and so does the runner (testbed.runner.padding: a padded leaf held
+    flat, its flat shards gathered and its gradient reduce-scattered like any other; runner_whole_params names
+    none)."""
     from testbed.model.leaves import gathered_leaves, parameter_collectives, regathered_in_backward, runner_whole_params
 
     plan = _plan(fsdp=2, tensor=2)
@@ -159,17 +160,15 @@ def test_compiled_collectives_are_the_rule_count() -> None:
     kinds = Counter(kind for axes, kind, _ in found if axes == "fsdp")
     rule = parameter_collectives(plan, 0, 0, combine_bytes=0)
     assert rule == len(gathered_leaves(plan, 0, 0))
-    whole = runner_whole_params(plan)["params"]
-    held_whole = sum(n for p, n in layout.chunk_params(MODEL, 0, 0, 1, tied_copy=False) if p.name in whole)
-    assert held_whole > 0  # some leaves are padded at tensor 2: the runner's count must see them
-    assert kinds["reduce-scatter"] == rule - held_whole, (kinds, rule, held_whole)
-    # Their optimizer state is sharded padded (testbed.runner.padding): each is gathered whole after the update,
-    # so the forward's gathers and those are the rule's count.
-    # The backward gathers again the leaves it reads (weights and norm scales, not biases), evenly split ones only.
+    assert runner_whole_params(plan) == {}
+    padded = sum(n for p, n in layout.chunk_params(MODEL, 0, 0, 1, tied_copy=False) if p.padded(plan.mesh.tensor, 2))
+    assert padded > 0  # some leaves are padded at tensor 2: the runner's count includes them
+    assert kinds["reduce-scatter"] == rule, (kinds, rule)
+    # The backward gathers again the leaves it reads (weights and norm scales, not biases).
     again = kinds["all-gather"] + len([n for axes, n in regathered if axes == "fsdp"]) - rule
     reread = sum(n for p, n in layout.chunk_params(MODEL, 0, 0, 1, tied_copy=False)
-                 if p.name not in whole and p.part is not layout.Part.EMBEDDING and regathered_in_backward(p))
-    assert again == reread, (kinds, rule, held_whole, again)  # the rule plan-driven simulation counts
+                 if p.part is not layout.Part.EMBEDDING and regathered_in_backward(p))
+    assert again == reread, (kinds, rule, again)  # the rule plan-driven simulation counts
 
 
 def test_compiled_zero1_regathers_are_the_rule_count() -> None:

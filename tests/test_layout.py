@@ -148,14 +148,15 @@ def _stage_trees(plan: Plan) -> list[Any]:
 
 
 def _runner_stage_elements(plan: Plan, which: str) -> list[int]:
-    """Per stage, the elements a device holds of ``which``: what the runner's specs split (the moments of a
-    padded leaf in their flat form, testbed.runner.padding), and for the padded leaves' parameters and
-    gradients (which the runner still holds whole, and reports) the rule's padded flat shard."""
+    """Per stage, the elements a device holds of ``which``: what the runner's specs split (a padded leaf's
+    moments in their flat form, and under fsdp / ZeRO-3 its parameters and gradients: testbed.runner.padding),
+    and for the padded leaves' gradients it does not pad (ZeRO-2, reported: held whole) the rule's flat shard."""
     out = []
     kind = {"moments": "optimizer"}.get(which, which)
     ways = state_sharding(plan).ways(plan, kind)
     reported = runner_whole_params(plan).get(kind, ())
     flat = FlatState(plan)
+    held_flat = FlatState(plan, which="params")
     for tree in _stage_trees(plan):
         specs = getattr(layout_for(tree, plan), which)
         total = 0
@@ -166,6 +167,12 @@ def _runner_stage_elements(plan: Plan, which: str) -> list[int]:
             if which == "moments" and padded:
                 held = _device_elements(flat_shape(param, plan.mesh.tensor, ways, plan.mesh.expert),
                                         flat.spec(path, pspec), plan.mesh)
+            elif which != "moments" and held_flat.param(path) is not None:  # held flat over the params' axes
+                held = _device_elements(flat_shape(param, plan.mesh.tensor, held_flat.ways, plan.mesh.expert),
+                                        pspec, plan.mesh)
+                assert held == param.device_elements(plan.mesh.tensor, held_flat.ways, plan.mesh.expert)
+                if padded and param.name in reported:  # ZeRO-2 over fsdp: the rule's shard over more axes
+                    held = param.device_elements(plan.mesh.tensor, ways, plan.mesh.expert)
             else:
                 held = _device_elements(leaf.shape, pspec, plan.mesh)
                 if padded:
@@ -200,7 +207,7 @@ def test_memory_counts_what_the_runner_shards(mesh: dict, zero: int) -> None:
 
 def test_one_rule_pads_what_no_dim_divides_and_both_sides_follow_it() -> None:
     # fsdp 8 cannot split the 12-wide LayerNorms, biases and positions' d: they are sharded flattened and padded,
-    # ceil(elements / 8) each; the runner still holds them whole and names them (runner_whole_params).
+    # ceil(elements / 8) each; the runner holds them flat and padded too (runner_whole_params names none).
     spec = ModelSpec(layers=2, d_model=12, heads=2, d_ff=20, seq_len=6, vocab=30)
     plan = Plan(model=spec, batch=BatchSpec(global_batch=8, microbatches=1), mesh=MeshSpec(fsdp=8))
     held = costs.device_stage_params(plan, 0)
@@ -208,7 +215,7 @@ def test_one_rule_pads_what_no_dim_divides_and_both_sides_follow_it() -> None:
     padded = [p for p in layout.model_params(spec) if p.padded(1, 8)]
     assert {p.name for p in padded} >= {"layers/ln1/scale", "layers/attn/bo", "head/norm/bias"}
     assert set(padding_params := padded_params(plan, "params")) == {p.name for p in padded}
-    assert runner_whole_params(plan) == {w: padding_params for w in ("params", "grads")}  # the optimizer's: padded
+    assert runner_whole_params(plan) == {}  # its parameters, gradients and optimizer state: padded
     # Every device holds at most one element of padding per parameter leaf: >= 1/8 of the model, never whole.
     leaves = sum(c for _, c in layout.chunk_params(spec, 0, 0, 1))
     assert held / 8 <= sharded <= held / 8 + leaves and sharded < held

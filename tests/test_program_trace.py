@@ -214,15 +214,13 @@ def test_the_traced_collectives_are_those_xla_compiles(example, shape, names, si
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, remat, sequence_parallel", [
     ({"fsdp": 8}, "full", False),
-    pytest.param({"fsdp": 2, "tensor": 4}, "none", True, marks=pytest.mark.xfail(strict=True, reason=(
-        "XLA:CPU's backward gathers over tensor the transposes' 5, 5 the partitioner adds where the residuals enter "
-        "the backward's fsdp map (op_name .../shard_map/reshape) and 1 more; the tracer's CSE merges 2 of the "
-        "partitioner's with earlier gathers (1 MiB less). Giving values that cross a shard_map boundary new "
-        "identities keeps those but also the 5 recomputed Megatron gathers XLA drops (2.6 MB more)")))])
+    ({"fsdp": 2, "tensor": 4}, "none", True)])
 def test_the_runners_step_moves_the_bytes_xla_compiles(mesh, remat, sequence_parallel) -> None:
     """testbed's GPT step on 8 emulated devices: per mesh axis and kind, the traced bytes are XLA:CPU's
     compiled step's exactly. Full remat gathers each fsdp leaf once (XLA reuses the forward's gather in the
-    recomputation), sequence parallelism's recomputed sequence gathers likewise."""
+    recomputation), sequence parallelism's recomputed sequence gathers likewise; the gathers the partitioner adds
+    where values enter the backward's maps merge with none, not even a shard_map's gather of the same value
+    (each has a channel id of its own: testbed.runner.program.evaluate's CSE)."""
     from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
     from testbed.runner.check_sharding import compiled_spmd
     from testbed.runner.program.plans import trace_plan

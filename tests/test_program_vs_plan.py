@@ -9,9 +9,9 @@ What holds (docs/program.md, "Against plan-driven simulation"): the tensor axis'
 exactly (Megatron's all-reduces, sequence parallelism's gathers and scatters, the vocab-parallel loss's
 all-reduces, the position table's gradient gather) on a GPU superpod and a TPU slice, and on the superpod
 the step time within 5% for data and tensor parallelism with or without sequence parallelism, bf16 and
-fp32; for data x tensor and fsdp x tensor with or without sequence parallelism, every axis's bytes exactly.
-What does not yet (strict xfails, so agreement would show): with data and fsdp together (hybrid sharding), the
-leaves the runner holds whole (bytes on other axes); on the TPU slice an attention-heavy
+fp32; for data x tensor and fsdp x tensor with or without sequence parallelism, and data x fsdp x tensor with
+leaves the fsdp count cannot split (sharded flat and padded on both sides), every axis's bytes exactly.
+What does not yet (strict xfails, so agreement would show): on the TPU slice an attention-heavy
 tensor-parallel step (1.09: per-segment rooflines); the fsdp step time on the TPU slice (1.08: the tracer's
 compute segments make the runner's backward gathers wait for the next block's backward, where the plan's model
 prefetches them); fsdp 1024 d_model 2048 bf16 on the superpod (0.88: the plan's first backward block holds the
@@ -108,8 +108,8 @@ def test_data_tensor_and_sequence_parallel_steps_move_the_plans_bytes_on_every_a
 def test_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
     """fsdp x tensor with or without sequence parallelism, bf16-mixed or fp32: every axis's bytes exactly. The
     backward gathers again only the parameters it reads (testbed.model.leaves.regathered_in_backward: no bias
-    or norm shift), the leaves held whole (padded) are all-reduced and their updated values gathered in the held
-    dtype, and under sequence parallelism the tensor-replicated gradients are summed over tensor on their own
+    or norm shift), the padded leaves are gathered and reduce-scattered flat (testbed.runner.padding), and under
+    sequence parallelism the tensor-replicated gradients are summed over tensor on their own
     (testbed.sim.grad_bytes.sequence_apart)."""
     plan, topology = drawn
     _, _, moved, expected = _both(plan, topology)
@@ -151,11 +151,10 @@ def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, 
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="the runner holds the leaves no free dim of which the fsdp count divides "
-                                       "whole (testbed.model.leaves.runner_whole_params) and all-reduces their "
-                                       "gradients over data+fsdp at once; the plan's model reduce-scatters them over "
-                                       "fsdp and all-reduces the shard over data (bytes on other axes)")
 def test_hybrid_sharded_steps_with_padded_leaves_move_the_plans_bytes_on_every_axis() -> None:
+    """data x fsdp x tensor (hybrid sharding): the leaves no free dim of which the fsdp count divides (the qkv
+    and first MLP biases) are sharded flat and padded on both sides (testbed.runner.padding), their gradients
+    reduce-scattered over fsdp and only the shard all-reduced over data, as PyTorch FSDP's HYBRID_SHARD does."""
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="hsdp", model=model, batch=BatchSpec(global_batch=128), mesh=MeshSpec(data=8, fsdp=16, tensor=8),
                 schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none")

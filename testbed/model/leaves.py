@@ -35,11 +35,10 @@ def gathered_leaves(plan: Plan, stage: int, chunk: int | None, which: str = "par
     the parameters' shard axes, evenly along a dim or flattened and padded
     (:meth:`testbed.model.layout.ParamSpec.gathered_elements`: the gathered size, padding included); the
     gathered leaf is whole over them and split as the device holds it by ``tensor`` and ``expert``.
-    testbed.runner.param_shards.ParamShards issues one ``all_gather`` per evenly split leaf where a piece of the
-    model uses it, and one ``psum_scatter`` of its gradient; it still holds the padded leaves' parameters
-    and gradients whole (:func:`runner_whole_params`). In the order the runner issues them, which a combiner's
-    merges follow (:func:`issue_order`): the embedding, each layer, the head, each piece's leaves in its pytree's
-    order.
+    testbed.runner.param_shards.ParamShards issues one ``all_gather`` per leaf where a piece of the model uses
+    it (a padded leaf's flat shards, testbed.runner.padding) and one ``psum_scatter`` of its gradient. In the
+    order the runner issues them, which a combiner's merges follow (:func:`issue_order`): the embedding, each
+    layer, the head, each piece's leaves in its pytree's order.
 
     ``chunk`` None: every chunk of the stage, in chunk order. ``which="optimizer"``: the leaves sharded with the
     optimizer state instead, which ZeRO-1/2 all-gathers over ``data`` after the update (XLA's partitioner,
@@ -112,8 +111,9 @@ def norm_elements(plan: Plan, stage: int, chunk: int, which: str = "optimizer") 
 def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:
     """Names (layout order, each once) of the parameters whose ``which`` state is sharded flattened and padded:
     no free dim divides the shard count (:meth:`testbed.model.layout.ParamSpec.padded`). The memory model and
-    the simulator count them sharded padded; so does the JAX runner's optimizer state (testbed.runner.padding),
-    while its fsdp/ZeRO-2/3 parameters and gradients still hold these whole (:func:`runner_whole_params`)."""
+    the simulator count them sharded padded; so does the JAX runner (testbed.runner.padding: its optimizer
+    state, and under fsdp / ZeRO-3 its held parameters and their gradients, flat and padded), but for the
+    gradients :func:`runner_whole_params` names."""
     ways, mesh = state_sharding(plan).ways(plan, which), plan.mesh
     if ways <= 1:
         return ()
@@ -125,12 +125,17 @@ def padded_params(plan: Plan, which: str = "optimizer") -> tuple[str, ...]:
 
 
 def runner_whole_params(plan: Plan) -> dict[str, tuple[str, ...]]:
-    """Per kind of state (params, grads) sharded by the plan, the parameters the JAX runner holds whole where
-    the rule shards them padded (:func:`padded_params`): what remains to flatten in the runner. The optimizer
-    state it does shard padded (testbed.runner.padding), so it never appears. Empty when every sharded
-    parameter divides evenly."""
-    out = {w: padded_params(plan, w) for w in ("params", "grads")}
-    return {w: names for w, names in out.items() if names}
+    """Per kind of state sharded by the plan, the parameters the JAX runner does not shard padded where the rule
+    does (:func:`padded_params`): only gradients, only under ZeRO-2 (the gradients cut into more pieces than
+    the parameters). The runner's gradients have its held parameters' shapes, so a leaf the rule pads for the
+    gradients is held whole, or where the parameters are held flat (fsdp under ZeRO-2) flat over the
+    parameters' axes alone. Its parameters (fsdp, ZeRO-3) and optimizer state it does shard padded
+    (testbed.runner.padding), so they never appear. Empty when nothing else is padded."""
+    sharding = state_sharding(plan)
+    if sharding.ways(plan, "grads") == sharding.ways(plan, "params"):
+        return {}
+    names = padded_params(plan, "grads")
+    return {"grads": names} if names else {}
 
 
 #: XLA's default all-gather and reduce-scatter combine thresholds (xla/service/collective_utils.h:

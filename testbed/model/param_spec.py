@@ -19,9 +19,10 @@ flattened and padded to a multiple of the shard count, each device holding
 parameters, Megatron's distributed optimizer), so any rank count shards.
 The memory model counts the padding, the simulator's gathers and
 reduce-scatters move it (:meth:`ParamSpec.gathered_elements`). The JAX
-runner shards the evenly divided parameters by the same dim and keeps the
-padded ones' optimizer state flat and padded (``testbed.runner.padding``);
-their fsdp/ZeRO-2/3 parameters and gradients it still holds whole
+runner shards the evenly divided parameters by the same dim and holds the
+padded ones flat and padded (``testbed.runner.padding``): their optimizer
+state, and under fsdp/ZeRO-3 their parameters and gradients; only ZeRO-2's
+gradients of them it does not pad
 (``testbed.model.leaves.runner_whole_params`` names them).
 """
 

@@ -1,4 +1,4 @@
-"""Flattened, padded optimizer state: ZeRO-1/2 shards every parameter's moments, whatever the rank count.
+"""Flattened, padded model state: FSDP and ZeRO shard every parameter and its moments, whatever the rank count.
 
 testbed.model.layout's one shard rule splits a parameter along a free dim the
 shard count divides, and shards it *padded* where none does: flattened,
@@ -13,8 +13,15 @@ optimizer's shard axes. The update is elementwise (Adam, AdamW, SGD), so it
 runs on the flat form unchanged; the padding holds zeros (zero gradient,
 zero moments, zero update) and is cut off when the parameters are rebuilt.
 
-What the runner still holds whole: the parameters and gradients of padded
-leaves under fsdp / ZeRO-2/3 (testbed.model.leaves.runner_whole_params).
+The parameters and gradients of a parameter the rule pads under fsdp /
+ZeRO-3 are held in their flat form too (``FlatState(plan, "params")``, the
+trainers' *held* form: testbed.runner.precision.Optimizer.held):
+testbed.runner.param_shards.ParamShards all-gathers the flat shards and
+rebuilds the leaf where a piece of the model uses it, and reduce-scatters its
+gradient back into the flat shards, as PyTorch FSDP does with its flat
+parameters; over ``data`` (hybrid sharding) only that shard is then summed.
+What the runner still holds whole: the gradients of padded leaves under
+ZeRO-2 over data (testbed.model.leaves.runner_whole_params).
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from testbed.model import layout
 from testbed.model.layout import ParamSpec
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import Plan
+from testbed.runner.parallel import _path_names, flat_spec
 
-__all__ = ["FlatState", "flatten", "unflatten", "flat_shape"]
+__all__ = ["FlatState", "flatten", "unflatten", "flat_shape", "refold"]
 
 
 def _split_dims(param: ParamSpec, tensor: int, expert: int, expert_tensor: int | None = None
@@ -80,23 +88,26 @@ def unflatten(y: jax.Array, param: ParamSpec, tensor: int, expert: int = 1, expe
 
 
 class FlatState:
-    """The optimizer's view of a params tree: padded leaves (of the optimizer's sharding) in flat form.
+    """A view of a params tree with the leaves padded under ``which``'s sharding (optimizer: the moments and
+    master; params: the held parameters and their gradients) in flat form.
 
     Trees are matched to testbed.model.layout's table by leaf path, so one instance serves every stage's
-    chunk trees. ``ways`` is the optimizer state's shard count; with ``ways`` 1 (or ``active`` False: the
-    single-device reference) nothing is padded.
+    chunk trees. ``ways`` is ``which``'s shard count; with ``ways`` 1 (or ``active`` False: the single-device
+    reference) nothing is padded.
     """
 
-    def __init__(self, plan: Plan, active: bool = True):
+    def __init__(self, plan: Plan, active: bool = True, which: str = "optimizer"):
         sharding = state_sharding(plan)
         self.model, self.tensor, self.expert = plan.model, plan.mesh.tensor, plan.mesh.expert
         self.expert_tensor = plan.mesh.expert_tensor
-        self.ways = sharding.ways(plan, "optimizer") if active else 1
-        self.axes = sharding.split_axes(plan, "optimizer")
+        self.ways = sharding.ways(plan, which) if active else 1
+        self.axes = sharding.split_axes(plan, which)
+
+    def param(self, path: tuple[Any, ...]) -> ParamSpec | None:
+        """The table entry of the leaf at ``path`` when this view holds it flat, else None."""
+        return self._param(path) if self.active else None
 
     def _param(self, path: tuple[Any, ...]) -> ParamSpec | None:
-        from testbed.runner.parallel import _path_names  # the runner's leaf naming
-
         param = layout.param_at(self.model, _path_names(path))
         return param if param.padded(self.tensor, self.ways, self.expert, self.expert_tensor) else None
 
@@ -130,5 +141,16 @@ class FlatState:
         param = self._param(path) if self.active else None
         if param is None:
             return spec
-        axes = self.axes if len(self.axes) > 1 else self.axes[0]
-        return P(*(a for _, _, a in _split_dims(param, self.tensor, self.expert, self.expert_tensor)), axes)
+        return flat_spec(param, self.axes, self.tensor, self.expert, self.expert_tensor)
+
+
+def refold(tree: Any, src: FlatState, dst: FlatState) -> Any:
+    """``tree`` held as ``src`` holds it, as ``dst`` holds it: a leaf both hold flat at the same shard count is
+    left as it is (the same flat form: nothing moves), any other flat leaf rebuilt and flattened again."""
+    def one(path: tuple[Any, ...], x: Any) -> Any:
+        a, b = src.param(path), dst.param(path)
+        if a is not None and b is not None and src.ways == dst.ways:
+            return x
+        x = x if a is None else unflatten(x, a, src.tensor, src.expert, src.expert_tensor)
+        return x if b is None else flatten(x, b, dst.tensor, dst.ways, dst.expert, dst.expert_tensor)
+    return jax.tree_util.tree_map_with_path(one, tree)

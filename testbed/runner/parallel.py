@@ -43,7 +43,8 @@ from testbed.plan.spec import BATCH_AXES as PLAN_BATCH_AXES
 from testbed.plan.spec import ModelSpec, Plan
 from testbed.plan.sharding import state_sharding
 
-__all__ = ["Layout", "layout_for", "BATCH_AXES", "leaf_spec", "batch_axes", "batch_spec", "Constrain", "SequenceShards",
+__all__ = ["Layout", "layout_for", "flat_spec",
+           "BATCH_AXES", "leaf_spec", "batch_axes", "batch_spec", "Constrain", "SequenceShards",
            "TensorShards",
            "sequence_shards", "activation_spec"]
 
@@ -115,11 +116,31 @@ def _specs(params_shape: Any, plan: Plan, shard_axes: tuple[str, ...]) -> Any:
                                      expert_tensor=plan.mesh.expert_tensor), params_shape)
 
 
+def flat_spec(param: ParamSpec, axes: tuple[str, ...], tensor: int, expert: int = 1,
+              expert_tensor: int | None = None) -> P:
+    """The spec of a parameter's flat form (testbed.runner.padding: the dims the tensor and expert axes split
+    as their degrees, then the padded flat dim) sharded over ``axes``."""
+    splits = param.splits(tensor, expert, expert_tensor)
+    return P(*(a[0] if len(a) == 1 else a for _, _, a in splits), axes if len(axes) > 1 else axes[0])
+
+
 def layout_for(params_shape: Any, plan: Plan) -> Layout:
-    """The layout of ``params_shape`` (arrays or ShapeDtypeStructs) under ``plan``'s fsdp and ZeRO stage."""
-    sharding = state_sharding(plan)
-    return Layout(params=_specs(params_shape, plan, sharding.split_axes(plan, "params")),
-                  grads=_specs(params_shape, plan, sharding.split_axes(plan, "grads")),
+    """The layout of ``params_shape`` (arrays or ShapeDtypeStructs in the model's shapes) under ``plan``'s fsdp
+    and ZeRO stage: the specs of the trees a trainer holds. A leaf the one rule pads under the parameters'
+    sharding (fsdp / ZeRO-3) is held flat (testbed.runner.padding), its parameter and gradient specs its flat
+    form's (:func:`flat_spec` over the parameters' axes); the moments' specs are the model's shapes'
+    (testbed.runner.precision.Optimizer flattens them)."""
+    sharding, m = state_sharding(plan), plan.mesh
+    axes, ways = sharding.split_axes(plan, "params"), sharding.ways(plan, "params")
+
+    def flat(specs: Any) -> Any:
+        def one(path: tuple[Any, ...], spec: P) -> P:
+            param = layout.param_at(plan.model, _path_names(path))
+            held_flat = axes and param.padded(m.tensor, ways, m.expert, m.expert_tensor)
+            return flat_spec(param, axes, m.tensor, m.expert, m.expert_tensor) if held_flat else spec
+        return jax.tree_util.tree_map_with_path(one, specs, is_leaf=lambda x: isinstance(x, P))
+    return Layout(params=flat(_specs(params_shape, plan, axes)),
+                  grads=flat(_specs(params_shape, plan, sharding.split_axes(plan, "grads"))),
                   moments=_specs(params_shape, plan, sharding.split_axes(plan, "optimizer")))
 
 

@@ -19,6 +19,7 @@ from testbed.model import layout
 from testbed.model.leaves import regathered_in_backward
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import Plan
+from testbed.runner.padding import unflatten
 from testbed.runner.parallel import BATCH_AXES, _entry, _path_names
 
 __all__ = ["ParamShards", "param_shards"]
@@ -42,8 +43,10 @@ class ParamShards:
     ``reshard_after_forward`` and ZeRO-3 do, so a stage never holds all its weights gathered
     (testbed.plan.sharding.gathered_blocks, the rule testbed.model.memory counts and testbed.sim.program times).
 
-    A leaf replicated over batch axes (over ``data`` below ZeRO 3; a leaf no free dim of which the shard
-    count divides) enters as copies on a new leading dim over those axes (each device its own, nothing
+    A leaf no free dim of which the shard count divides is held flat and padded (testbed.runner.padding, the
+    one rule's padded partition): its flat shards are gathered and the leaf rebuilt in the map, its gradient
+    flattened and reduce-scattered, as PyTorch FSDP's flat parameters. A leaf replicated over batch axes (over
+    ``data`` below ZeRO 3) enters as copies on a new leading dim over those axes (each device its own, nothing
     moves), so its gradient leaves the map per device and XLA sums the copies outside: after the
     reduce-scatter over ``fsdp``, the sum over ``data`` is of the shard (hybrid sharding). ``spread``: the
     parameters already lead with one copy per data replica over ``data`` (testbed.runner.replicas.Spread):
@@ -69,28 +72,33 @@ class ParamShards:
             raise ValueError("spread parameters need data replicas holding whole copies (ZeRO < 3)")
         self._batch = P(_entry(self.axes))
 
-    def _leaves(self, params: Any) -> tuple[Any, Any, Any, Any]:
-        """Per leaf: the dim sharded (-1: none), the axes it is copied over, its spec in the map, its tensor spec."""
+    def _leaves(self, params: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """Per leaf: the dim sharded (-1: none), the axes it is copied over, its spec in the map, its tensor spec,
+        and the table entry of a leaf held flat (testbed.runner.padding; else False)."""
         lead = ("data",) if self.spread else ()
 
-        def entry(path: tuple[Any, ...], leaf: Any) -> tuple[int, tuple[str, ...], P, P]:
+        def entry(path: tuple[Any, ...], leaf: Any) -> tuple[int, tuple[str, ...], P, P, Any]:
             param = layout.param_at(self.model, _path_names(path))
-            dim = param.shard_dim(self.tensor, self.ways, self.expert, self.expert_tensor)
+            flat = param.padded(self.tensor, self.ways, self.expert, self.expert_tensor)
             splits = param.splits(self.tensor, self.expert, self.expert_tensor)
+            if flat:  # the flat form: the split dims' degrees in dim order, then the padded flat dim
+                splits = tuple((k, n, axes) for k, (_, n, axes) in enumerate(splits))
+                rank, dim = len(splits) + 1, len(splits)
+            else:
+                rank, dim = len(param.shape), param.shard_dim(self.tensor, self.ways, self.expert, self.expert_tensor)
             # A routed expert's weight: split over `expert`, not copied (folded: over `tensor` too, automatic here).
             edims = {d for d, _, axes in splits if "expert" in axes}
             tdims = {d for d, _, axes in splits if "tensor" in axes}
             split = (*lead, *(self.shard_axes if dim is not None else ()), *(("expert",) if edims else ()))
             copies = tuple(a for a in self.axes if a not in split)
-            dims = [_entry(self.shard_axes) if i == dim else "expert" if i in edims else None
-                    for i in range(len(param.shape))]
+            dims = [_entry(self.shard_axes) if i == dim else "expert" if i in edims else None for i in range(rank)]
             return (-1 if dim is None else dim, copies,
                     P(*((_entry(copies),) if copies else ()), *((lead[0],) if lead else ()), *dims),
-                    P(*("tensor" if i in tdims else None for i in range(len(param.shape)))))
+                    P(*("tensor" if i in tdims else None for i in range(rank))), param if flat else False)
 
         table = jax.tree_util.tree_map_with_path(entry, params)
-        is_entry = lambda x: isinstance(x, tuple) and len(x) == 4 and isinstance(x[2], P)  # noqa: E731
-        return tuple(jax.tree.map(lambda e: e[k], table, is_leaf=is_entry) for k in range(4))
+        is_entry = lambda x: isinstance(x, tuple) and len(x) == 5 and isinstance(x[2], P)  # noqa: E731
+        return tuple(jax.tree.map(lambda e: e[k], table, is_leaf=is_entry) for k in range(5))
 
     def _copies(self, w: jax.Array, copies: tuple[str, ...]) -> jax.Array:
         """``w`` with a leading dim of one copy per device of ``copies`` (sharded over them: nothing moves)."""
@@ -98,13 +106,15 @@ class ParamShards:
             return w
         return jnp.broadcast_to(w[None], (math.prod(self._sizes[a] for a in copies), *w.shape))
 
-    def _gather(self, w: jax.Array, dim: int, copies: tuple[str, ...], tensor_spec: P) -> jax.Array:
-        """The leaf whole over the shard axes, its tensor split kept (inside the map over the batch axes)."""
+    def _gather(self, w: jax.Array, dim: int, copies: tuple[str, ...], tensor_spec: P, flat: Any) -> jax.Array:
+        """The leaf whole over the shard axes, its tensor split kept (inside the map over the batch axes); a leaf
+        held flat gathered flat and rebuilt in the model's shape (its padding cut off)."""
         if copies:
             w = w[0]
         if self.spread:
             w = w[0]
-        return w if dim < 0 else _gather(w, self.shard_axes, dim, tensor_spec)
+        w = w if dim < 0 else _gather(w, self.shard_axes, dim, tensor_spec)
+        return w if flat is False else unflatten(w, flat, self.tensor, self.expert, self.expert_tensor)
 
     def apply(self, fn: Any, params: Any, *batch: jax.Array, loss: bool = False, link: jax.Array | None = None,
               linked: bool = False) -> Any:
@@ -122,13 +132,13 @@ class ParamShards:
         cotangent, which the next piece gives as soon as its own cotangent arrives, so it runs while the next
         piece's backward computes. Without ``linked`` (the last piece of a run) it waits for its own cotangent.
         """
-        dims, copies, specs, tensor_specs = self._leaves(params)
+        dims, copies, specs, tensor_specs, flats = self._leaves(params)
         again = jax.tree_util.tree_map_with_path(
             lambda path, _: regathered_in_backward(layout.param_at(self.model, _path_names(path))), params)
         params = jax.tree.map(self._copies, params, copies)
 
         def gather(params: Any) -> Any:
-            return jax.tree.map(self._gather, params, dims, copies, tensor_specs)
+            return jax.tree.map(self._gather, params, dims, copies, tensor_specs, flats)
 
         def body(params: Any, link: jax.Array | None, *batch: jax.Array) -> Any:
             out = _regathered(fn, gather, params, batch, jax.tree.leaves(again), link, linked)

@@ -36,7 +36,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from testbed.runner.model import compute_dtype
-from testbed.runner.padding import FlatState
+from testbed.runner.padding import FlatState, refold
 from testbed.errors import InputError
 from testbed.plan.spec import Plan, Precision
 
@@ -113,14 +113,25 @@ class Optimizer:
         #: The state of parameters the one shard rule pads is kept flat and padded (testbed.runner.padding);
         #: ``sharded`` False: the plan's optimizer on one device (the single-device reference), nothing padded.
         self.flat = FlatState(plan, active=sharded)
+        #: The held parameters (and their gradients) that the rule pads under fsdp / ZeRO-3, flat and padded too.
+        self.hold = FlatState(plan, active=sharded, which="params")
         #: dtype of the parameters the trainers hold (and of their gradients).
         self.param_dtype = compute_dtype(plan.precision)
 
-    def held(self, params: Any) -> Any:
-        """The parameters a trainer holds, from fp32 ones (host numpy or arrays; bf16 copies under bf16-mixed)."""
+    def _cast(self, params: Any) -> Any:
+        """``params`` in the held dtype (bf16 copies under bf16-mixed)."""
         if not self.mixed:
             return params
         return jax.tree.map(lambda a: a.astype(self.param_dtype), params)
+
+    def held(self, params: Any) -> Any:
+        """The parameters a trainer holds, from fp32 ones in the model's shapes (host numpy or arrays): bf16
+        copies under bf16-mixed, the leaves the rule pads under fsdp / ZeRO-3 in their flat form."""
+        return self.hold.to(self._cast(params))
+
+    def whole(self, tree: Any) -> Any:
+        """A held tree (parameters or gradients) in the model's shapes: :meth:`held`'s flat leaves rebuilt."""
+        return self.hold.back(tree)
 
     def init(self, params: Any) -> Any:
         """The optimizer state for fp32 ``params`` (the initial values: under bf16-mixed the master is exact)."""
@@ -129,21 +140,27 @@ class Optimizer:
         master = self.flat.to(jax.tree.map(lambda a: a.astype(jnp.float32), params))
         return MasterState(master=master, inner=self.tx.init(master))
 
+    def init_held(self, params: Any) -> Any:
+        """:meth:`init` from fp32 parameters held as :meth:`held` holds them (flat where it pads): a trainer
+        places them with its parameters' shardings."""
+        return self.init(self.whole(params))
+
     def update(self, params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
-        """One optimizer step: new held parameters and state (see the module doc for bf16-mixed)."""
+        """One optimizer step on held ``params`` and ``grads``: new held parameters and state (see the module
+        doc for bf16-mixed). A leaf held flat at the optimizer's shard count stays in that form throughout."""
         if not self.mixed:
-            flat = self.flat.to(params)
-            updates, state = self.tx.update(self.flat.to(grads), state, flat)
-            return self.flat.back(optax.apply_updates(flat, updates)), state
-        grads = self.flat.to(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+            flat = refold(params, self.hold, self.flat)
+            updates, state = self.tx.update(refold(grads, self.hold, self.flat), state, flat)
+            return refold(optax.apply_updates(flat, updates), self.flat, self.hold), state
+        grads = refold(jax.tree.map(lambda g: g.astype(jnp.float32), grads), self.hold, self.flat)
         updates, inner = self.tx.update(grads, state.inner, state.master)
         master = optax.apply_updates(state.master, updates)
         # Cast, then rebuild the padded leaves: a rebuild that regathers a flat shard moves the held dtype's bytes.
-        return self.flat.back(self.held(master)), MasterState(master=master, inner=inner)
+        return refold(self._cast(master), self.flat, self.hold), MasterState(master=master, inner=inner)
 
     def master(self, params: Any, state: Any) -> Any:
-        """The full-precision parameters: the master under bf16-mixed, else ``params`` themselves."""
-        return self.flat.back(state.master) if self.mixed else params
+        """The full-precision parameters in the model's shapes: the master under bf16-mixed, else ``params``."""
+        return self.flat.back(state.master) if self.mixed else self.whole(params)
 
     def moment_shardings(self, moments: Any) -> Any:
         """The moments' NamedShardings (testbed.runner.parallel.Layout's) with the padded leaves' flat forms'."""

@@ -236,8 +236,8 @@ class SpmdTrainer:
 
     def init(self) -> tuple[Any, Any]:
         full = host_tree(model.init_params(self.plan.model, self.plan.seed))
-        opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(
-            place_tree(full, self.param_shardings))
+        opt_state = jax.jit(self.optimizer.init_held, out_shardings=self.opt_shardings)(
+            place_tree(self.optimizer.hold.to(full), self.param_shardings))
         return place_tree(self.optimizer.held(full), self.param_shardings), opt_state
 
     def _program(self, params: Any, opt_state: Any, batch: tuple[jax.Array, jax.Array]) -> Any:
@@ -263,7 +263,7 @@ class SpmdTrainer:
         return (params, opt_state), loss
 
     def full_grads(self) -> Any:
-        return host_tree(self.last_grads)
+        return host_tree(self.optimizer.whole(host_tree(self.last_grads)))
 
     def full_params(self, state: tuple[Any, Any]) -> Any:
         return host_tree(self.optimizer.master(*state))

@@ -198,8 +198,8 @@ class PipelineTrainer:
                 params.append(None)
                 states.append(None)
                 continue
-            full = place_tree(pieces[s], self.param_shardings[s])
-            states.append(jax.jit(self.optimizer.init, out_shardings=self.opt_shardings[s])(full))
+            full = place_tree(self.optimizer.hold.to(pieces[s]), self.param_shardings[s])
+            states.append(jax.jit(self.optimizer.init_held, out_shardings=self.opt_shardings[s])(full))
             params.append(place_tree(self.optimizer.held(pieces[s]), self.param_shardings[s]))
         return params, states
 
@@ -234,7 +234,7 @@ class PipelineTrainer:
         return merge_params(self.plan, host_tree([self.optimizer.master(p, o) for p, o in zip(*state)]))
 
     def full_grads(self) -> Any:
-        return merge_params(self.plan, host_tree(self.last_grads))
+        return merge_params(self.plan, host_tree(self.optimizer.whole(host_tree(self.last_grads))))
 
     def engine_grads_shape(self, params: Any, stage: int) -> Any:
         """Abstract gradients of ``stage`` as the engine returns them (per replica when spread): the update's input."""

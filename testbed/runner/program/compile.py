@@ -64,6 +64,7 @@ _COLLECTIVE_NAMES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "re
 _DTYPES = {"f32": "fp32", "bf16": "bf16", "f16": "fp16", "f64": "fp32"}
 _VALUE_SHARDING = re.compile(r"<@[\w.$-]+, \[[^\[\]]*\]")
 _INTS = re.compile(r"(\w+) = \[([\d, ]*)\]")
+_CHANNEL = re.compile(r"handle = (\d+)")
 
 
 @dataclass(slots=True)
@@ -82,6 +83,9 @@ class Node:
     flops: float = 0.0
     gemm: Gemm | None = None
     collective: tuple = ()
+    #: A collective's channel id as XLA will see it: the program's own (``channel_handle``; 0 without one),
+    #: None for one the partitioner inserts (a reshard: XLA's partitioner gives each a new channel).
+    channel: int | None = None
     blocks: list = field(default_factory=list)
     trips: int = 1
     callee: str = ""
@@ -180,9 +184,11 @@ class _Reader:
             self.define(results, [out] * len(results) if out else self._shardings(op))
             if name in reshards.MANUAL:  # one device's block: also split over the body's free axes
                 nbytes = self.nbytes(results[0] if kind == "all-gather" else operands[0])
+            handle = _CHANNEL.search(str(attrs["channel_handle"])) if "channel_handle" in attrs else None
+            channel = None if name in reshards.KINDS else int(handle.group(1)) if handle else 0
             return Node(kind="collective", name=name, operands=operands, results=results,
                         collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes),
-                        writes=[self.nbytes(r) for r in results])
+                        writes=[self.nbytes(r) for r in results], channel=channel)
         self.define(results, self._shardings(op))
         if name == "stablehlo.while":
             carried = self._shardings(op)

@@ -117,10 +117,19 @@ class _Emitter:
         """A collective, or nothing when the same collective of the same values ran before: XLA's common
         subexpression elimination keeps one (a checkpoint's backward gathering its saved input again, as
         Megatron's sequence parallelism does for the weight gradient, reuses the forward's gather; the
-        compiled step has none: tests/test_check_sharding.py)."""
+        compiled step has none: tests/test_check_sharding.py).
+
+        Same means identical to XLA's CSE (HloInstruction::Identical), channel id included: the program's own
+        collectives (a shard_map's: JAX lowers them all with channel handle 1) merge with each other; one
+        the partitioner inserts (a reshard, e.g. where a value enters a map's body in another sharding) gets
+        a channel of its own from XLA's SPMD partitioner, so it merges with none, not even with the program's
+        gather of the same value (XLA:CPU's compiled fsdp x tensor SP step keeps both:
+        tests/test_program_trace.py)."""
         vals = [self.env.get(o, _EMPTY) for o in node.operands]
-        key = (self.scope, node.collective, tuple(node.writes), tuple(map(id, vals)))
-        if vals and _EMPTY not in vals and key in self.computed:
+        key = (self.scope, node.collective, node.channel, tuple(node.writes), tuple(map(id, vals)))
+        if node.channel is None:  # the partitioner's: a new channel, identical to nothing
+            key = None
+        elif vals and _EMPTY not in vals and key in self.computed:
             for r, v in zip(node.results, self.computed[key][1]):
                 self.env[r] = v
             return
@@ -131,7 +140,8 @@ class _Emitter:
         out = [_Val(ids, True, w) for w in node.writes]
         for r, v in zip(node.results, out):
             self.env[r] = v
-        self.computed[key] = (vals, out)  # the operands kept alive: their ids stay theirs
+        if key is not None:
+            self.computed[key] = (vals, out)  # the operands kept alive: their ids stay theirs
 
     def memory(self, node: Node, sunk: frozenset) -> None:
         """An elementwise or data-movement op: the materialized values its fusion has not read yet, plus the
