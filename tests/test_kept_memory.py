@@ -101,6 +101,36 @@ def test_the_runners_full_remat_keeps_the_residual_summands() -> None:
     assert kept.layer_kept_bytes(scanned) == block and kept.loss_instant_recompute(scanned) == 0
 
 
+
+@pytest.mark.parametrize("mesh", [{}, {"data": 2}, {"tensor": 4}, {"context": 2}])
+def test_xla_defers_weight_gradients_after_a_collective(mesh: dict) -> None:
+    """The head's weight-gradient operand (the fp32 softmax) is held through the layers' backward by every XLA
+    step; a step with a collective defers every weight gradient and also holds the kept logits and the MLP's
+    input-matrix output gradients (per tensor rank); PyTorch stacks hold none of it."""
+    plan = _plan("llama3-8b", "testbed", remat="none", mesh=mesh, batch={"global_batch": 2, "microbatches": 1})
+    torch = replace(plan, runtime=replace(plan.runtime, framework="pytorch"))
+    assert kept.deferred_backward_bytes(torch, True) == 0 and not kept.weight_grads_deferred(torch)
+    spec, t = kept.rank_spec(plan), plan.mesh.tensor
+    logits = plan.microbatch_size * spec.seq_len * spec.padded_vocab // t
+    collective = bool(mesh)
+    assert kept.weight_grads_deferred(plan) == collective
+    mlp_in = 2 * 2 * plan.microbatch_size * spec.seq_len * spec.d_ff // t  # SwiGLU's gate and up, bf16
+    assert kept.deferred_backward_bytes(plan, False) == (mlp_in if collective else 0)
+    assert kept.deferred_backward_bytes(plan, True) == 4 * logits + (4 * logits + mlp_in if collective else 0)
+    tiled = replace(plan, runtime=replace(plan.runtime, vocab_tiles=4))  # the tiles recompute: no head operand
+    assert kept.deferred_backward_bytes(tiled, True) == kept.deferred_backward_bytes(plan, False)
+
+
+def test_a_layers_backward_workspace_is_its_larger_sublayer() -> None:
+    """The MLP's backward frees its transients before the attention's backward starts: a layer's backward
+    workspace takes the larger of the two, not their sum."""
+    from testbed.model import memory
+    plan = _plan("llama3-8b", "testbed", remat="none", batch={"global_batch": 1, "microbatches": 1}, mesh={})
+    spec, n = plan.model, plan.model.seq_len
+    hidden = 2 * n * (2 * spec.d_model + spec.mlp_matrices * spec.d_ff)
+    assert memory._sublayer_workspace(plan) == max(memory._attention_workspace(plan), hidden)
+
+
 #: Published runs that trained and that the memory model used to put over their devices' memory (issue 35):
 #: NeMo's Llama 3 70B (fp8 inputs), torchtitan's Llama 3 8B (per-op recompute), MosaicML's MPT-3B at 8K (the
 #: fused loss), Meta's Llama 3 405B on 16K GPUs (PyTorch: gradients reduce-scattered per block).

@@ -76,7 +76,9 @@ def test_zero_without_data_parallelism_changes_nothing() -> None:
 def test_states_fall_with_tensor_and_fsdp_degree(axis: str) -> None:
     m = [memory_breakdown(_plan(mesh={axis: n}), HOST) for n in (1, 2, 4)]
     for a, b in zip(m, m[1:]):
-        assert b.params < a.params and b.grads < a.grads and b.optimizer < a.optimizer
+        # Gradients at the peak instant: an XLA step with a collective computes its weight gradients after the
+        # layers' backward (testbed.model.kept.weight_grads_deferred), so its peak may hold none.
+        assert b.params < a.params and b.grads <= a.grads and b.optimizer < a.optimizer
     if axis == "tensor":
         assert all(b.activations < a.activations for a, b in zip(m, m[1:]))
         assert all(b.total < a.total for a, b in zip(m, m[1:]))

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from testbed.explore.analytic import estimate
-from testbed.model import costs, layout, moe
+from testbed.model import costs, layout, memory, moe
 from testbed.model.gemm import chunk_gemms, gemm_flops
 from testbed.model.memory import memory_breakdown
 from testbed.plan.presets import PUBLISHED_ACTIVE_PARAMS, PUBLISHED_PARAMS, preset
@@ -232,6 +232,9 @@ def test_capacity_padding_grows_buffers_not_state():
                 schedule=ScheduleSpec(), precision="fp32")
     padded = replace(plan, model=replace(spec, capacity_factor=2.0))
     a, b = memory_breakdown(plan, HOST).per_stage[0], memory_breakdown(padded, HOST).per_stage[0]
-    assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer)
-    assert b.activations > a.activations and b.workspace - a.workspace >= 2 * moe.dispatch_bytes(plan)
+    # Gradients live at the peak instant: none at a layer's backward, where XLA defers them (kept.weight_grads_deferred).
+    assert (a.params, a.optimizer) == (b.params, b.optimizer) and b.grads <= a.grads
+    # The peak instants differ (the padded plan's is a layer's backward): compare the terms themselves.
+    assert moe.activation_bytes_swap(padded, 1) > moe.activation_bytes_swap(plan, 1) and b.total > a.total
+    assert memory._layer_workspace(padded) - memory._layer_workspace(plan) >= 2 * moe.dispatch_bytes(plan)
     assert moe.dispatch_bytes(padded) == 2 * moe.dispatch_bytes(plan) == 2 * 16 * 2 * 32 * 4

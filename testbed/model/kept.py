@@ -21,7 +21,9 @@ them here, one rule per mechanism:
   normalised input, computed in the forward (:func:`normalized_input_bytes`), and both halves of the
   backward's tensor collectives (:func:`tensor_collective_workspace`); under full remat the residual
   stream's summands (:func:`residual_summand_bytes`) and the last block's recompute beside the loss
-  backward (:func:`loss_instant_recompute`). ``pytorch`` keeps Korthikanti et al. (2022)'s accounting.
+  backward (:func:`loss_instant_recompute`); the operands of the weight gradients XLA schedules after the
+  layers' input-gradient chain, live through every layer's backward (:func:`deferred_backward_bytes`).
+  ``pytorch`` keeps Korthikanti et al. (2022)'s accounting.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
            "head_kept_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
-           "loss_instant_recompute", "device_layer_sets"]
+           "loss_instant_recompute", "device_layer_sets", "weight_grads_deferred", "deferred_backward_bytes"]
 
 
 def layer_kept_bytes(plan: Plan) -> int:
@@ -238,3 +240,39 @@ def _logits(plan: Plan) -> int:
     """Logits one tensor rank holds for one microbatch (the padded vocabulary split over the tensor ranks)."""
     spec = rank_spec(plan)
     return plan.microbatch_size * spec.seq_len * spec.padded_vocab // plan.mesh.tensor
+
+
+def weight_grads_deferred(plan: Plan) -> bool:
+    """Whether the step's XLA program computes every weight gradient only after the whole input-gradient chain.
+
+    Read from XLA:CPU's scheduled steps (``benchmarks/memory_vs_xla.py``, ``--xla_dump_to``: the live-range
+    reports): whenever the step reduces its gradients or its loss over devices (data, fsdp, expert, tensor or
+    context ranks; the gradients feed one combined all-reduce), no weight gradient is live at any layer's
+    backward instant; the single-device step interleaves them. Not for PyTorch stacks (autograd's order)."""
+    return xla_program(plan) and plan.replicas * plan.mesh.tensor * plan.mesh.context > 1
+
+
+def deferred_backward_bytes(plan: Plan, holds_head: bool) -> int:
+    """Bytes held through every layer's backward for weight gradients XLA computes after the input gradients.
+
+    The head's weight gradient reads the loss's softmax ``exp(logits - lse)``, an fp32 logits-sized buffer
+    (the compute-dtype logits gradient under ``runtime.fused_loss``; nothing under ``vocab_tiles``, whose tiles
+    recompute), and XLA runs it after the layers' backward in every step it compiles (live from the loss
+    backward to the end of the backward in the single-device ``long-b4-flash`` as in ``long-b8-flash-dp8``).
+    When the weight gradients are deferred (:func:`weight_grads_deferred`) the step also keeps the kept logits
+    until the loss value, reduced over the ranks, is taken (``long-b8-flash-dp8``, ``long-b4-tp4``,
+    ``long-b4-cp4``; not ``long-b4-cp2``), and during a layer's attention backward the MLP's input-matrix
+    output gradients (``[tokens, d_ff / t]`` each: the first matrices' weight-gradient operands). 0 for PyTorch
+    stacks."""
+    if not xla_program(plan):
+        return 0
+    head = 0
+    if holds_head and plan.runtime.vocab_tiles == 1:
+        softmax = plan.precision.compute_bytes if plan.runtime.fused_loss else LOSS_BYTES
+        head = _logits(plan) * (softmax + (_kept_logit_bytes(plan) if weight_grads_deferred(plan) else 0))
+    if not weight_grads_deferred(plan):
+        return head
+    spec = rank_spec(plan)
+    tokens = plan.microbatch_size * spec.seq_len
+    mlp_in = (spec.mlp_matrices - 1) * tokens * spec.d_ff // plan.mesh.tensor
+    return head + plan.precision.compute_bytes * mlp_in

@@ -26,8 +26,10 @@ pairs a stage holds at peak, which the pipeline schedule decides
 
 Workspace: buffers live only inside one phase, never across microbatches —
 the loss backward (softmax of the logits and their gradient, fp32), one
-layer's backward (score-matrix and MLP-hidden gradients, plus what remat
-recomputes), the out-of-place data-parallel gradient reduction, a
+layer's backward (the larger of its score-matrix and its MLP-hidden gradients, plus what remat
+recomputes, plus the operands of the weight gradients an XLA step computes after the layers' backward:
+``testbed.model.kept.deferred_backward_bytes``; not in a row over the device's capacity, which XLA schedules
+against its limit), the out-of-place data-parallel gradient reduction, a
 microbatch's whole gradients before they join the accumulator (one-program
 accumulation loops; pipelines only when they reduce-scatter), and with
 sharded parameters (fsdp, ZeRO-3) the gathered weights: one block at a
@@ -197,13 +199,23 @@ def _flash_workspace(plan: Plan) -> int:
 
 
 def _layer_workspace(plan: Plan) -> int:
-    """One layer's backward: attention transients, MLP-hidden gradients, what remat recomputes (testbed.model.kept)."""
+    """One layer's backward: the larger of its attention's and its MLP's transients (:func:`_sublayer_workspace`),
+    plus what remat recomputes and the collectives' buffers (testbed.model.kept)."""
+    recompute = kept.recompute_workspace_bytes(plan) + kept.tensor_collective_workspace(plan)
+    return _sublayer_workspace(plan) + recompute + moe.dispatch_workspace(plan)
+
+
+def _sublayer_workspace(plan: Plan) -> int:
+    """The larger of a layer's attention-backward transients (score or flash tiles, the ring's messages) and its
+    MLP-backward transients (the hidden and residual gradients): the MLP's backward ends, and frees them, before
+    the attention's begins (XLA:CPU's scheduled steps in ``benchmarks/memory_vs_xla.py``: no MLP-backward buffer
+    is live in the attention backward but the weight-gradient operands :func:`kept.deferred_backward_bytes`
+    counts)."""
     spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
     n = plan.microbatch_size * spec.seq_len
     residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
     hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
-    recompute = kept.recompute_workspace_bytes(plan) + kept.tensor_collective_workspace(plan)
-    return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan) + ring_workspace(plan)
+    return max(_attention_workspace(plan) + ring_workspace(plan), hidden)
 
 
 def loss_floor_plan(plan: Plan) -> Plan | None:
@@ -228,16 +240,27 @@ def loss_floor_plan(plan: Plan) -> Plan | None:
 
 
 def _stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
-    """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the row at the loss floor
-    (:func:`loss_floor_plan`) when that is smaller (the compiler's rematerialisation runs against the limit)."""
+    """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the smallest of it, the row without
+    deferred weight gradients and the row at the loss floor (:func:`loss_floor_plan`) without them: the
+    compiler's rematerialisation and scheduling run against the limit (:func:`_undeferred_row`)."""
     row = _stage_peak(plan, stage, inflight)
-    floor = loss_floor_plan(plan) if capacity is not None and row.total > capacity else None
-    if floor is None:
+    if capacity is None or row.total <= capacity:
         return row
-    return min(row, _stage_peak(floor, stage, inflight), key=lambda r: r.total)
+    floor = loss_floor_plan(plan)
+    rows = (row, _undeferred_row(plan, stage, inflight), *([_undeferred_row(floor, stage, inflight)] if floor else ()))
+    return min(rows, key=lambda r: r.total)
 
 
-def _stage_peak(plan: Plan, stage: int, inflight: int) -> StageMemory:
+def _undeferred_row(plan: Plan, stage: int, inflight: int) -> StageMemory:
+    """The stage's peak with each weight gradient computed at its layer's backward (no deferred operands,
+    ``testbed.model.kept.deferred_backward_bytes``). Deferring them is XLA:CPU's list scheduler's choice for a
+    program without a memory limit (``benchmarks/memory_vs_xla.py``), not a dependency: a program compiled
+    against a device it would overflow is scheduled with the limit in mind, as the loss floor's
+    rematerialisation is, so a row over capacity is priced without it."""
+    return _stage_peak(plan, stage, inflight, defer=False)
+
+
+def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> StageMemory:
     """Bytes on one device of ``stage`` at its peak instant.
 
     With one microbatch the step does not accumulate gradients: the backward
@@ -308,10 +331,13 @@ def _stage_peak(plan: Plan, stage: int, inflight: int) -> StageMemory:
         head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
         instants = [(layer_acts + head_acts, head_grads, loss_ws + gathered)]
         gathered_at = _gathered_at(plan, stage, gathered)
+        # XLA's deferred weight gradients: their operands live through the layers' backward, no weight gradient yet.
+        deferred = kept.deferred_backward_bytes(plan, holds_head) if defer else 0
+        later = defer and kept.weight_grads_deferred(plan)
         for done in range(layers):
             instants.append((kept.device_layer_sets(plan, layers - done) * per_layer,
-                             head_grads + (done + 1) * layer_grads,
-                             layer_ws + gathered_at(done + holds_head)))
+                             0 if later else head_grads + (done + 1) * layer_grads,
+                             layer_ws + deferred + gathered_at(done + holds_head)))
         instants.append((0, grads, reduce_ws))
     acts, live_grads, workspace = max(instants, key=sum)
     # fp8-mixed (Transformer Engine): from the step's first microbatch on, each weight is also kept cast to
@@ -413,8 +439,8 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
         params_count=costs.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
-        per_stage=tuple(stages), rematerialised_loss=worst.total < _stage_peak(plan, worst.stage,
-                                                                              inflight[worst.stage]).total)
+        per_stage=tuple(stages), rematerialised_loss=worst.total < min(
+            r(plan, worst.stage, inflight[worst.stage]).total for r in (_stage_peak, _undeferred_row)))
 
 
 def stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
