@@ -339,8 +339,9 @@ def lazy_grad_instants(plan: Plan, stage: int) -> tuple[tuple[int, int], ...]:
     ``.grad``): a pipeline stage's candidate peak instants as (activation sets held, chunks with gradients), from
     the schedule table (testbed.pipeline.schedules.held_by_gradient_chunks). The memory model weighs the held
     sets at the stage's mean set and the chunks at ``1 / virtual_stages`` of its gradients each: when every
-    forward runs before the first backward (interleaved, ``microbatches <= stages``) the activation peak has no
-    gradients beside it, and the gradients peak when the activations are gone."""
+    forward runs before the first backward (interleaved, ``microbatches <= stages``, the first half of the stages)
+    the activation peak has only the first backward's chunk of gradients beside it, and the gradients peak when
+    the activations are gone."""
     schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
                               plan.schedule.virtual_stages)
     return tuple((held, chunks) for chunks, held in enumerate(held_by_gradient_chunks(schedule)[stage]))

@@ -275,8 +275,9 @@ def held_by_gradient_chunks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
 
     For stacks whose gradients are allocated by the step's first backward of each parameter and freed after
     the update (``runtime.lazy_grads``), the memory model weighs each entry's held sets against ``g`` chunks'
-    gradients (testbed.model.memory): when every forward of a stage runs before its first backward (the
-    interleaved schedule with ``microbatches <= stages``), the activation peak holds no gradients. Sets are held
+    gradients (testbed.model.memory): when every forward of a stage runs before its first backward (the first
+    half of the stages of the interleaved schedule with ``microbatches <= stages``), the activation peak holds
+    only the gradients the first backward is writing. Sets are held
     from ``F`` to ``B`` as :func:`peak_inflight` counts them; linear in the row.
     """
     writes = "W" if schedule.split_backward else "B"

@@ -148,7 +148,8 @@ class RuntimeSpec:
     #: reduce-scatter) instead of a buffer live through the whole step (the runner's accumulator, Megatron's and
     #: DeepSpeed's contiguous gradient buffers). Under a pipeline a stage's gradients then grow chunk by chunk
     #: with its backwards, so its activation peak holds only the gradients of the chunks that have run a backward
-    #: by then (testbed.pipeline.schedules.held_by_gradient_chunks; none when every forward runs first). Memory only.
+    #: by then (testbed.pipeline.schedules.held_by_gradient_chunks: the first backward's alone when every forward runs
+    #: first). Memory only.
     lazy_grads: bool = False
     #: Context parallelism all-gathers K and V over the context group before a layer's attention and
     #: reduce-scatters dK and dV after its backward, the attention waiting for the gather and the layer's backward
