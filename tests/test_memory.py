@@ -124,6 +124,27 @@ def test_inflight_follows_schedule() -> None:
     assert all(1 <= n <= 16 for n in peaks) and peaks[0] >= peaks[-1]
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_lazy_gradients_leave_the_peak_only_where_every_forward_runs_first(zero: int) -> None:
+    """runtime.lazy_grads (PyTorch's .grad, allocated by the first backward): 1F1B runs its first backward at its
+    activation peak, so nothing changes; interleaved with m = p runs every forward of stage 0 first, so its peak
+    holds one chunk's gradients (the first backward's, being written) instead of all of them, and the total falls by
+    the rest; it never rises."""
+    ofob = _plan(model=replace(SPEC, layers=8), batch=8, mb=4, mesh={"stage": 4, "data": 2}, zero=zero,
+                 schedule=ScheduleSpec(name="1f1b"))
+    inter = replace(ofob, schedule=ScheduleSpec(name="interleaved", virtual_stages=2))
+    for plan in (ofob, inter):
+        lazy = replace(plan, runtime=replace(plan.runtime, lazy_grads=True))
+        eager_rows, lazy_rows = memory_breakdown(plan, HOST).per_stage, memory_breakdown(lazy, HOST).per_stage
+        assert all(b.total <= a.total for a, b in zip(eager_rows, lazy_rows))
+        if plan is ofob:
+            assert lazy_rows == eager_rows
+    eager0, lazy0 = memory_breakdown(inter, HOST).per_stage[0], memory_breakdown(
+        replace(inter, runtime=replace(inter.runtime, lazy_grads=True)), HOST).per_stage[0]
+    assert lazy0.activations == eager0.activations and lazy0.grads == eager0.grads // 2
+    assert eager0.total - lazy0.total == eager0.grads - eager0.grads // 2
+
+
 def test_breakdown_parts_sum_and_per_stage_worst() -> None:
     m = memory_breakdown(_plan(batch=8, mb=4, mesh={"stage": 2, "tensor": 2, "data": 2}, zero=1), HOST)
     assert m.total == max(s.total for s in m.per_stage)

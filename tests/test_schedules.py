@@ -13,7 +13,8 @@ from testbed.errors import InputError
 from testbed.viz.gantt import Bar, draw_gantt, idle_gaps
 from testbed.pipeline.timing import ActionCosts, gantt_bars, play
 from testbed.pipeline.schedules import (Action, Schedule, build_schedule, dependencies, execution_order,
-                               peak_deferred_weight_grads, peak_inflight, schedule_names, sends, validate)
+                               held_by_gradient_chunks, peak_deferred_weight_grads, peak_inflight, schedule_names,
+                               sends, validate)
 
 stages = st.integers(1, 16)
 micro = st.integers(1, 64)
@@ -121,6 +122,29 @@ def test_peak_inflight_bounds(p, m) -> None:
     zb2 = build_schedule("zb-h2", p, m)
     assert peak_inflight(zb2) == tuple(min(2 * (p - s) - 1, m) for s in range(p))
     assert peak_deferred_weight_grads(build_schedule("1f1b", p, m)) == (0,) * p
+
+
+@given(any_schedule())
+def test_held_by_gradient_chunks_splits_the_peak(schedule: Schedule) -> None:
+    """The sets held while g chunks have gradients: their most is the stage's peak; a stage that runs its first
+    backward at its peak (1F1B, GPipe: one chunk) holds its peak beside that chunk's gradients."""
+    held = held_by_gradient_chunks(schedule)
+    assert tuple(max(row) for row in held) == peak_inflight(schedule)
+    assert all(len(row) == schedule.virtual + 1 for row in held)
+    if schedule.name in ("gpipe", "1f1b"):
+        assert tuple(row[1] for row in held) == peak_inflight(schedule)
+
+
+@given(st.integers(2, 16), st.integers(2, 4))
+def test_interleaved_with_few_microbatches_runs_every_forward_before_a_gradient(p, v) -> None:
+    """Interleaved with m = p (the fewest it takes): on the first half of the stages, whose warm-up
+    ((v - 1) p + 2 (p - 1 - s) forwards, Megatron's and PyTorch's) covers every forward, the stage's whole m x v
+    sets are held before any chunk has gradients; on every stage each chunk's backwards free its m sets before
+    the next chunk's first one."""
+    m = p
+    held = held_by_gradient_chunks(build_schedule("interleaved", p, m, v))
+    assert all(row[0] == row[1] == m * v for s, row in enumerate(held) if 2 * (p - 1 - s) >= m)
+    assert all(row[g] == m * (v - g + 1) for row in held for g in range(2, v + 1))
 
 
 def test_validate_rejects_broken_tables() -> None:

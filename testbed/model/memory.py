@@ -68,13 +68,13 @@ from testbed.model import costs
 from testbed.model import kept, layout, moe
 from testbed.model.splash import splash_kernel, splash_workspace
 from testbed.model.ring import rank_spec, ring_workspace
-from testbed.pipeline.schedules import build_schedule, peak_inflight
+from testbed.pipeline.schedules import build_schedule, held_by_gradient_chunks, peak_inflight
 from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 from testbed.plan.sharding import gathered_blocks, gradient_reduction, state_sharding
 from testbed.topology import Topology
 
 __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param",
-           "stage_memory", "probe_stages", "state_floor", "gathered_bytes", "loss_floor_plan"]
+           "stage_memory", "probe_stages", "state_floor", "gathered_bytes", "loss_floor_plan", "lazy_grad_instants"]
 
 
 def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
@@ -326,6 +326,11 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
             # The axes reduced after every microbatch (testbed.plan.sharding's one rule, as program and runner).
             whole = unsharded if gradient_reduction(plan)[0] else 0
             instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered + whole)]
+            if plan.runtime.lazy_grads:  # gradients grow chunk by chunk with the stage's backwards
+                ws, pairs = instants[0][2], lazy_grad_instants(plan, stage)
+                peak = max(held for held, _ in pairs) or 1
+                instants = [((layer_acts + head_acts) * held // peak, grads * chunks // v, ws)
+                            for held, chunks in pairs]
     else:
         layer_grads = grad_b * _layer_params_per_device(plan, grad_ways)
         head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
@@ -353,6 +358,19 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
     return StageMemory(stage=stage, params_count=param_held, params=params,
                        grads=live_grads, optimizer=opt_b * opt_held, activations=acts,
                        workspace=workspace, inflight=inflight)
+
+
+def lazy_grad_instants(plan: Plan, stage: int) -> tuple[tuple[int, int], ...]:
+    """Under ``runtime.lazy_grads`` (gradients allocated by each parameter's first backward of the step, PyTorch's
+    ``.grad``): a pipeline stage's candidate peak instants as (activation sets held, chunks with gradients), from
+    the schedule table (testbed.pipeline.schedules.held_by_gradient_chunks). The memory model weighs the held
+    sets at the stage's mean set and the chunks at ``1 / virtual_stages`` of its gradients each: when every
+    forward runs before the first backward (interleaved, ``microbatches <= stages``, the first half of the stages)
+    the activation peak has only the first backward's chunk of gradients beside it, and the gradients peak when
+    the activations are gone."""
+    schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
+                              plan.schedule.virtual_stages)
+    return tuple((held, chunks) for chunks, held in enumerate(held_by_gradient_chunks(schedule)[stage]))
 
 
 def gathered_bytes(plan: Plan, stage: int) -> int:

@@ -29,7 +29,8 @@ from testbed.plan.spec import Plan, ScheduleName
 
 __all__ = [
     "Action", "Schedule", "Send", "KINDS", "build_schedule", "dependencies", "validate",
-    "execution_order", "peak_inflight", "held_during", "peak_deferred_weight_grads", "sends", "schedule_names",
+    "execution_order", "peak_inflight", "held_during", "peak_deferred_weight_grads", "held_by_gradient_chunks",
+    "sends", "schedule_names",
     "schedule_for_plan", "dependency_keys", "MAX_ACTIONS", "check_schedule_size",
 ]
 
@@ -265,6 +266,34 @@ def peak_inflight(schedule: Schedule, release: str = "B") -> tuple[int, ...]:
     if not schedule.split_backward:
         release = "B"
     return tuple(_peak_held(row, "F", release) for row in schedule.actions)
+
+
+def held_by_gradient_chunks(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Per stage, indexed by ``g``: the most activation sets held at once while exactly ``g`` of the stage's
+    chunks have gradients, i.e. have run (or are running) their first weight-gradient action of the step
+    (``W`` when split, else ``B``). Entry ``g`` is 0 where no instant has ``g`` chunks with gradients.
+
+    For stacks whose gradients are allocated by the step's first backward of each parameter and freed after
+    the update (``runtime.lazy_grads``), the memory model weighs each entry's held sets against ``g`` chunks'
+    gradients (testbed.model.memory): when every forward of a stage runs before its first backward (the first
+    half of the stages of the interleaved schedule with ``microbatches <= stages``), the activation peak holds
+    only the gradients the first backward is writing. Sets are held
+    from ``F`` to ``B`` as :func:`peak_inflight` counts them; linear in the row.
+    """
+    writes = "W" if schedule.split_backward else "B"
+    out = []
+    for row in schedule.actions:
+        held, done, best = 0, set(), [0] * (schedule.virtual + 1)
+        for a in row:
+            if a.kind == "F":
+                held += 1
+            if a.kind == writes:
+                done.add(a.chunk)
+            best[len(done)] = max(best[len(done)], held)
+            if a.kind == "B":
+                held -= 1
+        out.append(tuple(best))
+    return tuple(out)
 
 
 def peak_deferred_weight_grads(schedule: Schedule) -> tuple[int, ...]:

@@ -142,6 +142,15 @@ class RuntimeSpec:
     #: .accumulate_bytes) instead of the runner's add in the gradient dtype from the second microbatch on; the fp32
     #: buffer is held beside the bf16 gradients (testbed.model.memory: 4 more bytes a parameter).
     grad_accumulate_fp32: bool = False
+    #: A parameter's gradient buffer is allocated by the step's first backward that writes it and freed after the
+    #: step (PyTorch autograd's ``.grad``, created on first accumulation and reset to None by ``zero_grad``, whose
+    #: ``set_to_none`` defaults to True since PyTorch 2.0; FSDP's unsharded gradients, freed after their
+    #: reduce-scatter) instead of a buffer live through the whole step (the runner's accumulator, Megatron's and
+    #: DeepSpeed's contiguous gradient buffers). Under a pipeline a stage's gradients then grow chunk by chunk
+    #: with its backwards, so its activation peak holds only the gradients of the chunks that have run a backward
+    #: by then (testbed.pipeline.schedules.held_by_gradient_chunks: the first backward's alone when every forward runs
+    #: first). Memory only.
+    lazy_grads: bool = False
     #: Context parallelism all-gathers K and V over the context group before a layer's attention and
     #: reduce-scatters dK and dV after its backward, the attention waiting for the gather and the layer's backward
     #: for the reduce-scatter (Llama 3's context parallelism: "the all-gather communication latency is exposed in
@@ -223,7 +232,8 @@ class RuntimeSpec:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
                              field="runtime.fp8_scaling")
-        for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "context_all_gather",
+        for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
+                     "context_all_gather",
                      "context_merge_fp32", "shard_context", "offload_activations", "fp8_params"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
@@ -263,12 +273,12 @@ PROFILES: dict[str, dict[str, Any]] = {
     "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, "framework": "pytorch"},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                    "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", "framework": "pytorch",
-                   "context_merge_fp32": True, "shard_context": True},
+                   "context_merge_fp32": True, "shard_context": True, "lazy_grads": True},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                     "attention_kernel": "triton", "fused_loss": True, "framework": "pytorch"},
     # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
-    # (fp32 gradient reduce-scatter) are stated (see SOURCES).
-    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32", "context_all_gather": True},
+    # (fp32 gradient reduce-scatter) are stated, and PyTorch FSDP's gradient lifetime (see SOURCES).
+    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32", "context_all_gather": True, "lazy_grads": True},
 }
 
 

@@ -32,6 +32,14 @@ _TE_FP8_INPUTS = ("Transformer Engine transformer_engine/pytorch/module/linear.p
 
 _PYTORCH = "{} is a PyTorch program: autograd's saved tensors and the caching allocator decide what lives"
 
+#: The gradient lifetime of PyTorch stacks that shard data parallelism with FSDP (``{}``: the stack).
+_LAZY_GRADS = (
+    "{}: autograd's AccumulateGrad creates a parameter's .grad at the first backward that writes it, and "
+    "torch.optim.Optimizer.zero_grad(set_to_none=True) (the default since PyTorch 2.0) frees it after the step; FSDP2 "
+    "(torch/distributed/fsdp/_fully_shard/_fsdp_param.py) accumulates a microbatch's unsharded gradient into "
+    "unsharded_accumulated_grad only from the first backward on (to_accumulated_grad_if_needed) and frees it after "
+    "the step's reduce-scatter, so no gradient buffer exists at a step's start")
+
 #: ``{(profile, field): "where the value comes from"}`` (a file and line of the stack, or its docs).
 SOURCES: dict[tuple[str, str], str] = {
     ("megatron", "recompute"): _MEGATRON_BLOCK,
@@ -180,6 +188,12 @@ SOURCES: dict[tuple[str, str], str] = {
         "all-gather based method where we first all-gather the key (K) and value (V) tensors, and then compute "
         "attention output for the local query (Q) tensor chunk. Although the all-gather communication latency is "
         "exposed in the critical path, we still adopt this approach' (document masks; K and V small under GQA)"),
+    ("meta", "lazy_grads"): _LAZY_GRADS.format(
+        "Meta's Llama 3 stack (arXiv:2407.21783 Sec. 3.3.2: data parallelism is PyTorch FSDP, whose gradients are "
+        "reduce-scattered in fp32)"),
+    ("torchtitan", "lazy_grads"): _LAZY_GRADS.format(
+        "torchtitan (FSDP2 fully_shard per block; its train step calls optimizers.zero_grad() with PyTorch's default "
+        "set_to_none)"),
     ("torchtitan", "shard_context"): (
         "torchtitan torchtitan/parallelisms/parallelize_llama.py (Dec 2024, 82f7387f8) `parallelize_llama`: 'if "
         "parallel_dims.dp_shard_enabled or parallel_dims.cp_enabled: # apply FSDP or HSDP, potentially with Context "
