@@ -24,7 +24,7 @@ without passes, half efficiency, one pass) and the fit and each
 leave-one-out refit are exact on that decomposition; :func:`fit_report`
 prints both, per case and summarised, the values runs.yaml ships (they must be the fit's), and the same
 summaries for the alternative of one efficiency and one pass count for both generations (:func:`fit`),
-which fits worse in and out of sample: MaxText's own TFLOP/s logs put the v5p runs at 53-69% of the bf16
+which fits worse in and out of sample: MaxText's own TFLOP/s logs put the v5p runs at 53-71% of the bf16
 peak and the v6e runs at 33-50%.
 
 What ships is as few free values as the rows support: one efficiency per generation and no elementwise

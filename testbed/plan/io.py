@@ -132,8 +132,13 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
                              + (f" (did you mean `{hint}`?)" if hint else ""), field="mesh.order")
         order = tuple(Axis(a) for a in order)
     expert_tensor = None if mesh.get("expert_tensor") is None else get_int(mesh, "expert_tensor", "mesh")
+    tile = mesh.get("tile") or []
+    if not isinstance(tile, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile):
+        raise InputError(f"expected a list of positive integers, one tile size per topology level (innermost "
+                         f"first), got {tile!r}", field="mesh.tile")
     mesh_spec = MeshSpec(**{a.value: get_int(mesh, a.value, "mesh", default=1) for a in Axis},
-                         **({"order": order} if order is not None else {}), expert_tensor=expert_tensor)
+                         **({"order": order} if order is not None else {}), expert_tensor=expert_tensor,
+                         tile=tuple(tile))
     raw_schedule = data.get("schedule", "1f1b")
     names = [s.value for s in ScheduleName]
     if isinstance(raw_schedule, str):
@@ -214,6 +219,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
                    "expert": mesh.expert, "context": mesh.context, "order": [a.value for a in mesh.order]}
     if mesh.expert_tensor is not None:
         out["mesh"]["expert_tensor"] = mesh.expert_tensor
+    if mesh.tile:
+        out["mesh"]["tile"] = list(mesh.tile)
     out["schedule"] = {"name": plan.schedule.name.value, "virtual_stages": plan.schedule.virtual_stages}
     out["precision"] = plan.precision.value
     out["remat"] = plan.remat.value

@@ -16,6 +16,15 @@ varying fastest keeps tensor groups inside a node, and the context ring there
 too when tensor x context fits in it. A plan may override the order with
 ``mesh.order``.
 
+A plan may also state ``mesh.tile`` (one size per topology level): the mesh is then filled tile by tile, the
+tiles in device-id order, each tile's devices in a snake (the innermost level forward, then back, each
+outer step of the tile in turn), so the innermost mesh axis whose degree is the tile's size lies on a block
+of neighbouring chips, and on a torus tile of two rows on a ring. MaxText's ``custom_mesh: hybrid_ring_64x4``
+(maxtext ``max_utils.reshape_mesh_to_rings``) lays a 16x16 v6e pod's 4-chip groups so: ``[a[i, j],
+a[i, j+1], a[i+1, j+1], a[i+1, j]]`` for each 2x2 block, tile ``[2, 2]``; its ``hybrid_ring_32x8`` is tile
+``[4, 2]``. The tile needs the topology's geometry: placed on anonymous devices (``num_devices``, as the
+runner places on the devices it is given) the mesh keeps device-id order.
+
 The simulator and the runner both take the mesh from here: the runner builds
 its ``jax.sharding.Mesh`` from :attr:`Placement.device_ids`.
 """
@@ -26,10 +35,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from testbed.errors import InputError
 from testbed.plan.spec import MESH_AXES, Axis, Plan, check_plan
 from testbed.topology import Topology
 
-__all__ = ["Placement", "place", "group_span"]
+__all__ = ["Placement", "place", "group_span", "tile_order"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,8 +111,39 @@ def place(plan: Plan, topology: Topology | None = None, num_devices: int | None 
     # Linear device id of each coordinate in `order` (last axis fastest), then
     # transposed into the canonical MESH_AXES layout.
     linear = np.arange(n, dtype=np.int64).reshape(degrees)
+    if plan.mesh.tile and topology is not None:
+        linear = tile_order(topology, plan.mesh.tile)[linear]
     perm = [order.index(a) for a in MESH_AXES]
     return Placement(device_ids=np.transpose(linear, perm), order=order)
+
+
+def _snake(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every coordinate of ``shape`` (innermost first) once, each next to the one before: the innermost digit
+    runs forward or back as the digits outside it sum to even or odd (a boustrophedon)."""
+    if not shape:
+        return [()]
+    inner, out = shape[0], []
+    for k, rest in enumerate(_snake(shape[1:])):
+        steps = range(inner) if k % 2 == 0 else range(inner - 1, -1, -1)
+        out += [(i, *rest) for i in steps]
+    return out
+
+
+def tile_order(topology: Topology, tile: tuple[int, ...]) -> np.ndarray:
+    """The device ids in the order ``mesh.tile`` fills them: tile after tile (tiles in device-id order), each
+    tile's devices in :func:`_snake` order. InputError (``mesh.tile``) when the tile does not divide the levels."""
+    sizes = [level.size for level in topology.levels]
+    if len(tile) > len(sizes) or any(s % t for s, t in zip(sizes, tile)):
+        raise InputError(f"a tile of {list(tile)} does not divide topology `{topology.name}`'s levels "
+                         f"{dict(zip(topology.level_names, sizes))}: give one size per level (innermost first, at "
+                         f"most {len(sizes)}), each dividing its level", field="mesh.tile")
+    tile = tuple(tile) + (1,) * (len(sizes) - len(tile))
+    strides = np.cumprod([1] + sizes[:-1])
+    inside = _snake(tile)
+    blocks = [tuple(reversed(b)) for b in np.ndindex(*reversed([s // t for s, t in zip(sizes, tile)]))]
+    order = [sum((b * t + c) * stride for b, t, c, stride in zip(block, tile, cell, strides))
+             for block in blocks for cell in inside]
+    return np.array(order, dtype=np.int64)
 
 
 def group_span(topology: Topology, group: tuple[int, ...]) -> str:

@@ -116,6 +116,11 @@ class MeshSpec:
     expert whole on one rank, the experts split over ``expert`` x ``tensor``: testbed.plan.sharding.expert_axes)
     while attention and the dense layers keep the tensor split. Values between would split the tensor axis in
     two, which a mesh of named axes cannot express.
+
+    ``tile`` (one size per topology level, innermost first; empty: none) makes the placement fill the topology
+    tile by tile instead of in device-id order, each tile's devices visited in a snake, which on a torus closes
+    into a ring when the tile has two rows: MaxText's ``custom_mesh: hybrid_ring_64x4`` (its
+    ``reshape_mesh_to_rings``) is tile ``[2, 2]`` with a 4-way innermost axis (testbed.plan.placement).
     """
 
     data: int = 1
@@ -126,10 +131,14 @@ class MeshSpec:
     context: int = 1
     order: tuple[Axis, ...] = MESH_AXES
     expert_tensor: int | None = None
+    tile: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for axis in Axis:
             _positive(getattr(self, axis.value), f"mesh.{axis.value}")
+        object.__setattr__(self, "tile", tuple(self.tile))
+        for size in self.tile:
+            _positive(size, "mesh.tile")
         if self.expert_tensor is not None:
             _positive(self.expert_tensor, "mesh.expert_tensor")
             if self.expert_tensor not in (1, self.tensor):
@@ -360,7 +369,7 @@ def plan_fields() -> Mapping[str, tuple[str, ...]]:
                   "first_dense_layers", "capacity_factor", "router_aux_loss", "head_dim", "parallel_block",
                   "sliding_window"),
         "batch": ("global_batch", "microbatches"),
-        "mesh": ("data", "fsdp", "tensor", "stage", "expert", "context", "order", "expert_tensor"),
+        "mesh": ("data", "fsdp", "tensor", "stage", "expert", "context", "order", "expert_tensor", "tile"),
         "schedule": ("name", "virtual_stages"),
         "optimizer": ("name", "learning_rate", "b1", "b2", "eps", "weight_decay"),
         "runtime": runtime_fields(),
