@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from testbed.collectives.bounds import distinct_groups, lower_bound
-from testbed.collectives.timing import groups_time
+from testbed.collectives.timing import groups_time, timed_groups
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate, plan_memory
 from testbed.explore.floor import played_floor, step_floor
@@ -83,6 +83,22 @@ def test_groups_time_takes_numpy_ranks_and_refuses_groups_of_unequal_size() -> N
     assert groups_time(topology, "all_reduce", np.arange(8).reshape(2, 4), 1e6 + 0.0).time_s == plain.time_s
     with pytest.raises(InputError, match="same non-zero size"):
         groups_time(topology, "all_reduce", ((0, 1, 2, 3), (4, 5, 6)), 1e6)
+
+
+def test_timed_groups_time_as_all_the_groups() -> None:
+    """timed_groups: one group for translates on disjoint links, all of them otherwise; groups_time of them is that
+    of all the groups, at every op and size (the analytic tier times them in their place)."""
+    for name, groups in (("dgx-h100-x4", [tuple(range(i * 8, i * 8 + 8)) for i in range(4)]),
+                         ("dgx-h100-x4", [tuple(range(i, 32, 8)) for i in range(8)]),
+                         ("tpu-v5e-4x4", [tuple(range(i * 4, i * 4 + 4)) for i in range(4)]),
+                         ("tpu-v5e-4x4", [(0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15)])):
+        topology = load_topology(name)
+        timed = timed_groups(topology, np.asarray(groups))
+        assert timed == tuple(groups) or timed == tuple(groups[:1])
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            for nbytes in (1e3, 1e6, 3e8):
+                assert groups_time(topology, op, timed, nbytes).time_s == groups_time(topology, op, groups, nbytes).time_s
+    assert len(timed_groups(load_topology("dgx-h100-x4"), [tuple(range(i * 8, i * 8 + 8)) for i in range(4)])) == 1
 
 
 def test_pruning_bounds_are_lower_bounds() -> None:

@@ -46,7 +46,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from testbed.collectives.routed import topology_memo
-from testbed.collectives.timing import groups_time, send_time
+from testbed.collectives.timing import groups_time, send_time, timed_groups
 from testbed.explore.play import Play
 from testbed.model.gemm import scaled
 from testbed.model.memory import MemoryBreakdown, memory_breakdown
@@ -120,13 +120,16 @@ class _Collectives:
         seconds = memo.get((self.placement, axes, stage, op, nbytes))
         if seconds is None:
             key = (self.placement, axes, stage)
-            groups = _GROUPS.get(key)
-            if groups is None:
-                if len(_GROUPS) > 4096:
-                    _GROUPS.clear()
-                groups = _GROUPS[key] = _groups(self.ids, axes, stage)
-            seconds = 0.0 if nbytes <= 0 or len(groups[0]) < 2 else groups_time(self.topology, op, groups,
-                                                                                 nbytes).time_s
+            timed = memo.get(key)  # the groups groups_time times for all of them (one, when they are copies)
+            if timed is None:
+                groups = _GROUPS.get(key)
+                if groups is None:
+                    if len(_GROUPS) > 4096:
+                        _GROUPS.clear()
+                    groups = _GROUPS[key] = _groups(self.ids, axes, stage)
+                timed = memo[key] = timed_groups(self.topology, groups)
+            seconds = 0.0 if nbytes <= 0 or len(timed[0]) < 2 else groups_time(self.topology, op, timed,
+                                                                                nbytes).time_s
             if len(memo) > _SECONDS:
                 memo.clear()
             memo[(self.placement, axes, stage, op, nbytes)] = seconds
