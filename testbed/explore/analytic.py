@@ -211,6 +211,7 @@ class _Priced(NamedTuple):
     overlap: tuple[tuple[float, float, float], ...] = ()
     block_gathers: tuple[float, ...] = ()  # each block's gather seconds (empty: ``gather`` in equal shares)
     bucket_each: tuple[float, ...] = ()  # each bucket's reduction, of its own count of collectives (empty: ``bucket``)
+    send_s: float = 0.0  # the sends' seconds together (read by every play of the action)
 
 
 class _Step:
@@ -320,7 +321,8 @@ class _Step:
                  merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each)
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
+                       send_s=sum(x[1] for x in sends) if sends else 0.0)
 
     def _tensor_seconds(self, s: int, transfers) -> float:
         """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""
