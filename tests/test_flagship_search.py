@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from testbed.collectives.bounds import distinct_groups, lower_bound
-from testbed.collectives.timing import groups_time
+from testbed.collectives.timing import groups_time, timed_groups
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate, plan_memory
-from testbed.explore.floor import step_floor
+from testbed.explore.floor import played_floor, step_floor
 from testbed.explore.search import _analytic_tier, _overflows, evaluate, search
 from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.model.memory import state_floor
@@ -85,6 +85,22 @@ def test_groups_time_takes_numpy_ranks_and_refuses_groups_of_unequal_size() -> N
         groups_time(topology, "all_reduce", ((0, 1, 2, 3), (4, 5, 6)), 1e6)
 
 
+def test_timed_groups_time_as_all_the_groups() -> None:
+    """timed_groups: one group for translates on disjoint links, all of them otherwise; groups_time of them is that
+    of all the groups, at every op and size (the analytic tier times them in their place)."""
+    for name, groups in (("dgx-h100-x4", [tuple(range(i * 8, i * 8 + 8)) for i in range(4)]),
+                         ("dgx-h100-x4", [tuple(range(i, 32, 8)) for i in range(8)]),
+                         ("tpu-v5e-4x4", [tuple(range(i * 4, i * 4 + 4)) for i in range(4)]),
+                         ("tpu-v5e-4x4", [(0, 1, 4, 5), (2, 3, 6, 7), (8, 9, 12, 13), (10, 11, 14, 15)])):
+        topology = load_topology(name)
+        timed = timed_groups(topology, np.asarray(groups))
+        assert timed == tuple(groups) or timed == tuple(groups[:1])
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            for nbytes in (1e3, 1e6, 3e8):
+                assert groups_time(topology, op, timed, nbytes).time_s == groups_time(topology, op, groups, nbytes).time_s
+    assert len(timed_groups(load_topology("dgx-h100-x4"), [tuple(range(i * 8, i * 8 + 8)) for i in range(4)])) == 1
+
+
 def test_pruning_bounds_are_lower_bounds() -> None:
     """Memory floors never above the exact worst device; the step floor never above the estimate."""
     topology = load_topology("dgx-h100-x4")
@@ -111,6 +127,36 @@ def test_pruning_bounds_are_lower_bounds() -> None:
     for plan in plans[:20]:
         floor, est = step_floor(plan, topology), estimate(plan, topology)
         assert floor is not None and floor <= est.step_time_s
+
+
+def test_played_floor_is_a_lower_bound_above_the_step_floor() -> None:
+    """The schedule played at each action's floor: never above the estimate, never below the step floor (but for
+    rounding), and above it where a pipeline has a bubble (interleaved and zero-bubble schedules included)."""
+    topology = load_topology("dgx-h100-x4")
+    plans = [p for p in candidates(preset_plan("gpt-1.3b"), 32, SearchSpace(microbatches=(1, 4, 8, 16),
+                                                                            sequence_parallel=(False, True)))
+             if p.mesh.stage > 1]
+    random.Random(2).shuffle(plans)
+    checked, above, schedules = 0, 0, set()
+    for plan in plans[:120]:
+        memory = plan_memory(plan, topology)
+        floor, played = step_floor(plan, topology), played_floor(plan, topology)
+        assert played is not None and played >= floor * (1 - 1e-12)
+        above += played > floor * (1 + 1e-6)
+        if memory.fits:
+            assert played <= estimate(plan, topology, memory).step_time_s
+            checked += 1
+            schedules.add(plan.schedule.name.value)
+    assert checked >= 20 and above >= 20 and {"interleaved", "zb-h1", "1f1b"} <= schedules
+    # At flagship scale: deep pipelines, interleaved over uneven stages, fsdp beside them.
+    topology, flash = load_topology("llama3-h100-16k"), preset_plan("llama3-405b", 2048)
+    flash = replace(flash, model=replace(flash.model, attention=type(flash.model.attention)("flash")))
+    plans = [p for p in candidates(flash, 16_384, SearchSpace(zero=(1, 3), remat=("full",),
+                                                             sequence_parallel=(True,))) if p.mesh.stage > 1]
+    random.Random(3).shuffle(plans)
+    for plan in plans[:12]:
+        played = played_floor(plan, topology)
+        assert step_floor(plan, topology) * (1 - 1e-12) <= played <= estimate(plan, topology).step_time_s
 
 
 def test_best_first_tier_estimates_the_fastest_as_estimating_all_does() -> None:

@@ -45,8 +45,8 @@ from testbed.collectives.torus import across_slices, disjoint_sub_tori, torus_li
 from testbed.errors import InputError
 from testbed.topology import Form, Topology
 
-__all__ = ["CollectiveTiming", "collective_time", "groups_time", "link_loads", "send_time", "applicable_algorithms",
-           "program_time", "placed_program"]
+__all__ = ["CollectiveTiming", "collective_time", "groups_time", "timed_groups", "link_loads", "send_time",
+           "applicable_algorithms", "program_time", "placed_program"]
 
 Link = tuple[object, object]
 
@@ -216,7 +216,8 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
 
     ``algorithm='auto'`` picks the fastest applicable algorithm.
     """
-    groups = tuple(map(tuple, groups))
+    if type(groups) is not _Groups:
+        groups = tuple(map(tuple, groups))
     nbytes = float(nbytes)
     memo = topology_memo(topology)
     key = ("time", op, algorithm, groups, nbytes, root, peer, use_closed_form)
@@ -227,8 +228,7 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
         memo.clear()
     op = parse_op(op)
     algorithm = parse_algorithm(algorithm)
-    # Whole numbers, every group as long as the first (map and set: no Python frame per group of thousands).
-    groups = tuple(map(tuple, map(functools.partial(map, operator.index), groups)))
+    groups = _normalized(groups)
     if not groups or len(set(map(len, groups))) != 1 or not groups[0]:
         raise InputError("needs one or more groups of the same non-zero size", field="over")
     n = len(groups[0])
@@ -292,6 +292,35 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
                                   groups=len(groups), closed_form=closed is not None)
     memo[key] = result
     return result
+
+
+class _Groups(tuple):
+    """Groups of ranks as :func:`groups_time` reads them (tuples of Python ints), hashed once: its memo keys hold
+    the groups, and at 16,384 devices each hash of thousands of groups costs more than the pricing it saves."""
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
+
+
+def _normalized(groups: Sequence[Sequence[int]]) -> _Groups:
+    """Whole numbers (numpy ranks as Python ints), as one hashed-once :class:`_Groups` (map: no Python frame per
+    group of thousands)."""
+    if type(groups) is _Groups:
+        return groups
+    return _Groups(map(tuple, map(functools.partial(map, operator.index), groups)))
+
+
+def timed_groups(topology: Topology, groups: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """The groups :func:`groups_time` times in place of ``groups`` (whole numbers): the first alone when they are
+    translates on disjoint links (it returns that one's timing then, ``groups`` aside), else all of them, hashed
+    once. A caller timing one set of groups at many sizes passes these, and each call hashes them at most once."""
+    groups = _normalized(groups)
+    alike = len(groups) > 1 and len(set(map(len, groups))) == 1 and groups[0]  # else groups_time refuses them
+    return _normalized(groups[:1]) if alike and _copies(topology, groups) else groups
 
 
 def _rendezvous(topology: Topology, ranks: int) -> float:

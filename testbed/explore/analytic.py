@@ -46,7 +46,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from testbed.collectives.routed import topology_memo
-from testbed.collectives.timing import groups_time, send_time
+from testbed.collectives.timing import groups_time, send_time, timed_groups
 from testbed.explore.play import Play
 from testbed.model.gemm import scaled
 from testbed.model.memory import MemoryBreakdown, memory_breakdown
@@ -120,13 +120,16 @@ class _Collectives:
         seconds = memo.get((self.placement, axes, stage, op, nbytes))
         if seconds is None:
             key = (self.placement, axes, stage)
-            groups = _GROUPS.get(key)
-            if groups is None:
-                if len(_GROUPS) > 4096:
-                    _GROUPS.clear()
-                groups = _GROUPS[key] = _groups(self.ids, axes, stage)
-            seconds = 0.0 if nbytes <= 0 or len(groups[0]) < 2 else groups_time(self.topology, op, groups,
-                                                                                 nbytes).time_s
+            timed = memo.get(key)  # the groups groups_time times for all of them (one, when they are copies)
+            if timed is None:
+                groups = _GROUPS.get(key)
+                if groups is None:
+                    if len(_GROUPS) > 4096:
+                        _GROUPS.clear()
+                    groups = _GROUPS[key] = _groups(self.ids, axes, stage)
+                timed = memo[key] = timed_groups(self.topology, groups)
+            seconds = 0.0 if nbytes <= 0 or len(timed[0]) < 2 else groups_time(self.topology, op, timed,
+                                                                                nbytes).time_s
             if len(memo) > _SECONDS:
                 memo.clear()
             memo[(self.placement, axes, stage, op, nbytes)] = seconds
@@ -208,6 +211,7 @@ class _Priced(NamedTuple):
     overlap: tuple[tuple[float, float, float], ...] = ()
     block_gathers: tuple[float, ...] = ()  # each block's gather seconds (empty: ``gather`` in equal shares)
     bucket_each: tuple[float, ...] = ()  # each bucket's reduction, of its own count of collectives (empty: ``bucket``)
+    send_s: float = 0.0  # the sends' seconds together (read by every play of the action)
 
 
 class _Step:
@@ -317,7 +321,8 @@ class _Step:
                  merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each)
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
+                       send_s=sum(x[1] for x in sends) if sends else 0.0)
 
     def _tensor_seconds(self, s: int, transfers) -> float:
         """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""

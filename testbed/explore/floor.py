@@ -17,7 +17,7 @@ from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, action_work, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
-__all__ = ["step_floor"]
+__all__ = ["step_floor", "played_floor"]
 
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
@@ -34,31 +34,81 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
     exceeds the estimates it would have to beat to be replayed, without changing what it replays.
     """
-    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
+    priced = _stage_floors(plan, topology)
+    if priced is None:
+        return None
+    m, p = plan.batch.microbatches, plan.mesh.stage
+    sums: dict[int, dict[str, float]] = {}  # stages alike share one dict of floors, and one of their sums
+    for chunks in priced:
+        if id(chunks) not in sums:
+            sums[id(chunks)] = {kind: sum(x for (_, k), x in chunks.items() if k == kind) for kind in ("F", "B", "W")}
+    per_stage = [sums[id(chunks)] for chunks in priced]
+    floor = max(m * sum(x.values()) for x in per_stage)
+    if plan.schedule.virtual_stages == 1 and p > 1:
+        last = per_stage[-1]
+        path = sum(x["F"] + x["B"] for x in per_stage[:-1]) + m * (last["F"] + last["B"])
+        floor = max(floor, path)
+    return floor
+
+
+def played_floor(plan: Plan, topology: Topology) -> float | None:
+    """A tighter lower bound of :func:`estimate`'s step seconds: the schedule's dependency order played with
+    each action at its floor (None where :func:`step_floor` is None).
+
+    The estimate's play (testbed.explore.play) starts an action no earlier than its stage's previous action
+    ends and than each action it waits for ends (a send arrives after its sender ends), and runs it for at
+    least its compute and blocking tensor floor (the per-action terms of :func:`step_floor`); so replaying
+    the same order (testbed.sim.memo's ``cached_order``, its dependency keys) with ``start = max(stage free,
+    dependencies' ends)`` and ``end = start + floor`` gives, at each action, an end no later than the
+    estimate's, and the latest end no later than its step. It counts the pipeline's fill and drain (the
+    bubble of any schedule, interleaved and zero-bubble included), which :func:`step_floor` bounds only for
+    one chunk per stage; its (a) and (b) are paths of this play, so but for rounding it is never below.
+    The optimizer, gathers and gradient reductions are left out (they only add). At one action per
+    microsecond or so it costs far less than an estimate, so the search plays it only for plans
+    :func:`step_floor` did not already rule out.
+    """
+    priced = _stage_floors(plan, topology)
+    if priced is None:
+        return None
+    p, m, v = plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages
+    _, order = cached_order(plan.schedule.name.value, p, m, v)
+    end: dict[tuple, float] = {}
+    free = [0.0] * p
+    for s, action, deps in order:
+        start = free[s]
+        for key in deps:
+            t = end[key]
+            if t > start:
+                start = t
+        free[s] = end[(s, action.kind, action.microbatch, action.chunk)] = start + priced[s][(action.chunk,
+                                                                                             action.kind)]
+    return max(free)
+
+
+def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], float]] | None:
+    """Per stage, each ``(chunk, kind)`` action's floor seconds (its compute, :func:`_action_floor`, and its
+    blocking tensor collectives', :func:`_tensor_floor`); None where no floor applies (:func:`step_floor`).
+    Stages alike in layers, embedding and head share one dict."""
+    mesh, v = plan.mesh, plan.schedule.virtual_stages
     if mesh.context > 1 or plan.model.experts or topology.calibration.host is not None:
         return None
     p, dtype = mesh.stage, plan.precision.compute_dtype
     split = _splits_backward(plan)
     kinds = ("F", "B", "W") if split else ("F", "B")
-    priced: dict[tuple, dict[str, float]] = {}
-    per_stage: list[dict[str, float]] = []
+    priced: dict[tuple, dict[tuple[int, str], float]] = {}
+    out = []
     for s in range(p):
         key = (plan.stage_layers[s], s == 0, s == p - 1)
         if key not in priced:
-            seconds = dict.fromkeys(kinds, 0.0)
+            seconds = {}
             for c in range(v):
                 cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
                 for kind in kinds:
                     whole, tensor = _action_floor(topology, cost, gemms, kind, split, plan.remat, dtype)
-                    seconds[kind] += whole + _tensor_floor(plan, topology, tensor)
+                    seconds[(c, kind)] = whole + _tensor_floor(plan, topology, tensor)
             priced[key] = seconds
-        per_stage.append(priced[key])
-    floor = max(m * sum(x.values()) for x in per_stage)
-    if v == 1 and p > 1:
-        last = per_stage[-1]
-        path = sum(x["F"] + x["B"] for x in per_stage[:-1]) + m * (last["F"] + last["B"])
-        floor = max(floor, path)
-    return floor
+        out.append(priced[key])
+    return out
 
 
 def _action_floor(topology: Topology, cost: ChunkCost, gemms: ChunkGemms, kind: str, split: bool, remat: Remat,

@@ -139,8 +139,7 @@ class Play:
             n = priced.blocks
             self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
         # compute is device.comm_slowdown longer for the communication beside it (gathers, reductions, sends, tensor)
-        sends = sum(x[1] for x in priced.sends) if priced.sends else 0.0
-        extra = self.slowdown * min(compute - wait, priced.hidden + sends + max(
+        extra = self.slowdown * min(compute - wait, priced.hidden + priced.send_s + max(
             priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(self.facts.prefetch))
         compute, stretch = compute + extra, stretch - min(stretch, extra)  # gather waits absorb a slower compute
         tensor = priced.tensor

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from testbed.errors import InputError
 from testbed.explore.analytic import Estimate, cached_inflight, estimate, plan_memory
-from testbed.explore.floor import step_floor
+from testbed.explore.floor import played_floor, step_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.space import SearchSpace, candidates
 from testbed.model.costs import model_flops_per_step
@@ -275,6 +275,10 @@ def _analytic_tier(plans: list[Plan], topology: Topology, memory_cap: float, kee
     the estimates in floor order, so the ``keep`` fastest estimates are found early and every plan whose floor
     is above them is skipped (once one is, all later ones are: the floors only grow, the bar only falls). A
     plan whose estimate could reach the replay list has a floor below it, so it is estimated in either order.
+    Before its estimate, a plan's schedule is played at its floors (:func:`testbed.explore.floor.played_floor`,
+    a lower bound of the estimate that counts the pipeline's bubble) and skipped when that is above the bar:
+    the bar only falls, so it would be above the final bar too, and the plans estimated at or below the final
+    bar are the same.
     """
     tier = _Tier()
     if not by_time:
@@ -298,6 +302,12 @@ def _analytic_tier(plans: list[Plan], topology: Topology, memory_cap: float, kee
             tier.bounded += len(bounded) - k
             tier.deferred.extend((f, p) for f, _, p in bounded[k:])
             break
+        if len(fastest) >= keep and floor:  # the schedule played at its floors (the bubble): skipped if too slow
+            played = max(floor, played_floor(plan, topology) or 0.0)
+            if played > -fastest[0] * (1 + margin):
+                tier.bounded += 1
+                tier.deferred.append((played, plan))
+                continue
         _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep)
         if progress is not None and (k % 8 == 0):  # an estimate at flagship scale takes tens of ms
             progress("analytic", tier.pruned + k + 1, len(plans))
