@@ -131,3 +131,16 @@ def test_every_published_run_that_trained_fits() -> None:
     assert over == []
     _, v5p = _case("maxtext-mixtral-8x7b-v5p-128chip")
     assert v5p.device.memory_bytes == pytest.approx(95.74 * 2 ** 30)
+
+
+def test_the_search_bound_equals_the_breakdown_at_every_capacity() -> None:
+    """The search's bound (deepest floor first) and the breakdown's walk agree on the total wherever the capacity
+    falls: below every floor, between them, above the program."""
+    plan = _plan(64, {"profile": "xla"})
+    rows = [stage_memory(p, 0, 1).total for p in (plan, loss_floor_plan(plan), prefetch_floor_plan(loss_floor_plan(plan)))]
+    assert rows[0] > rows[1] > rows[2]
+    for capacity in (rows[2] - 1, rows[2], (rows[1] + rows[2]) // 2, rows[1], rows[0] - 1, rows[0]):
+        device = replace(H100, device=replace(H100.device, memory_bytes=capacity))
+        got = memory_breakdown(plan, device)
+        assert stage_memory(plan, 0, 1, capacity).total == got.total
+        assert got.delayed_gathers == (capacity < rows[1]) and got.rematerialised_loss == (capacity < rows[0])

@@ -229,14 +229,23 @@ def _layer_workspace(plan: Plan) -> int:
     return _attention_workspace(plan) + hidden + recompute + moe.dispatch_workspace(plan) + ring_workspace(plan)
 
 
-def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None) -> tuple[StageMemory, tuple[str, ...]]:
+def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None,
+                  names: bool = True) -> tuple[StageMemory, tuple[str, ...]]:
     """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the first of :func:`compiler_floors`'
     rows that fits (else the last, the smallest), with the names of the floors taken: a compiler acts against the
-    limit only as far as the program needs."""
-    row, taken = _stage_peak(plan, stage, inflight), ()
+    limit only as far as the program needs. ``names`` False (the search's bound, which reads the total only): the
+    same total, the deepest floor tried first, since each floor only lowers the row (most plans a search meets fit
+    at no floor, so the walk runs only for those that fit at the deepest)."""
+    row = _stage_peak(plan, stage, inflight)
     if capacity is None or row.total <= capacity:
-        return row, taken
-    for name, floor in compiler_floors(plan):
+        return row, ()
+    floors = compiler_floors(plan)
+    if not names and floors:
+        deepest = _stage_peak(floors[-1][1], stage, inflight)
+        if deepest.total > capacity or len(floors) == 1:
+            return min(row, deepest, key=lambda r: r.total), ()
+    taken: tuple[str, ...] = ()
+    for name, floor in floors:
         lower = _stage_peak(floor, stage, inflight)
         if lower.total < row.total:
             row, taken = lower, (*taken, name)
@@ -248,7 +257,7 @@ def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None) -
 def _stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
     """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the row at the compiler's floors
     (:func:`_floored_peak`: the loss floor, then no prefetched gathers)."""
-    return _floored_peak(plan, stage, inflight, capacity)[0]
+    return _floored_peak(plan, stage, inflight, capacity, names=False)[0]
 
 
 def _stage_peak(plan: Plan, stage: int, inflight: int) -> StageMemory:
