@@ -137,7 +137,8 @@ def test_the_search_bound_equals_the_breakdown_at_every_capacity() -> None:
     """The search's bound (deepest floor first) and the breakdown's walk agree on the total wherever the capacity
     falls: below every floor, between them, above the program."""
     plan = _plan(64, {"profile": "xla"})
-    rows = [stage_memory(p, 0, 1).total for p in (plan, loss_floor_plan(plan), prefetch_floor_plan(loss_floor_plan(plan)))]
+    floors = (plan, loss_floor_plan(plan), prefetch_floor_plan(loss_floor_plan(plan)))
+    rows = [stage_memory(p, 0, 1).total for p in floors]
     assert rows[0] > rows[1] > rows[2]
     for capacity in (rows[2] - 1, rows[2], (rows[1] + rows[2]) // 2, rows[1], rows[0] - 1, rows[0]):
         device = replace(H100, device=replace(H100.device, memory_bytes=capacity))

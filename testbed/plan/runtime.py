@@ -177,7 +177,8 @@ class RuntimeSpec:
     vocab_tiles: int = 1
     #: Under mixed precision, the dtype of the trained weights and the optimizer's moments (:data:`STATE_DTYPES`):
     #: ``fp32``, an fp32 master copy and fp32 moments beside the bf16 parameters and gradients (the runner's,
-    #: testbed.runner.precision; MaxText's default ``weight_dtype: float32``, whose fp32 weights are the master);
+    #: testbed.runner.precision; MaxText's default ``weight_dtype: float32`` holds the fp32 weights alone:
+    #: ``cast_weights``);
     #: ``bf16``, the bf16 weights are the ones the optimizer updates, with no master copy, and the moments are bf16
     #: too (MaxText's ``weight_dtype: bfloat16``: its base.yml ``mu_dtype: ""`` "inherits from weight_dtype if
     #: unset" (pyconfig.py ``set_mu_dtype``), optimizers.py passes it to ``optax.adamw``, and optax's
