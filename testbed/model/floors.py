@@ -18,7 +18,7 @@ from testbed.model import kept
 from testbed.plan.sharding import gathered_blocks
 from testbed.plan.spec import Plan
 
-__all__ = ["loss_floor_plan", "prefetch_floor_plan", "compiler_floors"]
+__all__ = ["loss_floor_plan", "prefetch_floor_plan", "compiler_floors", "deepest_floor"]
 
 
 def loss_floor_plan(plan: Plan) -> Plan | None:
@@ -37,9 +37,12 @@ def loss_floor_plan(plan: Plan) -> Plan | None:
     buffer alone is 19.6 GiB; XLA:TPU's own ``memory_analysis`` of a program that fits with room (MaxText's
     docs, understand_logs_and_metrics.md: DeepSeek2-16B on v5p-8, 5.03e9 logits a chip, temp 55.9 GB)
     keeps more, so the floor applies only to programs that would not fit."""
-    if not kept.xla_program(plan) or plan.runtime.fused_loss:
-        return None
-    return replace(plan, runtime=replace(plan.runtime, fused_loss=True))
+    return _applied(plan, _loss_fields(plan))
+
+
+def _loss_fields(plan: Plan) -> dict | None:
+    """The runtime fields :func:`loss_floor_plan` sets, or None."""
+    return None if not kept.xla_program(plan) or plan.runtime.fused_loss else {"fused_loss": True}
 
 
 def prefetch_floor_plan(plan: Plan) -> Plan | None:
@@ -52,18 +55,40 @@ def prefetch_floor_plan(plan: Plan) -> Plan | None:
     whose early start would put the prefetched block's gathered weights beside the peak is not started there. The
     block computing still needs its own weights, so what can be dropped is the ``fsdp_prefetch`` blocks gathered
     ahead; the gather then overlaps less (not priced: memory only). PyTorch's FSDP prefetches whatever the memory."""
+    return _applied(plan, _prefetch_fields(plan))
+
+
+def _prefetch_fields(plan: Plan) -> dict | None:
+    """The runtime fields :func:`prefetch_floor_plan` sets, or None."""
     if not kept.xla_program(plan) or plan.runtime.fsdp_prefetch == 0 or not gathered_blocks(plan):
         return None
-    return replace(plan, runtime=replace(plan.runtime, fsdp_prefetch=0))
+    return {"fsdp_prefetch": 0}
+
+
+def _applied(plan: Plan, fields: dict | None) -> Plan | None:
+    return None if fields is None else replace(plan, runtime=replace(plan.runtime, **fields))
+
+
+#: The floors in the order a compiler reaches them: (name, the runtime fields it sets or None). Each floor's
+#: condition reads fields the others leave alone, so they apply independently.
+_FLOORS = (("rematerialised_loss", _loss_fields), ("delayed_gathers", _prefetch_fields))
 
 
 def compiler_floors(plan: Plan) -> tuple[tuple[str, Plan], ...]:
     """The plans an XLA compiler reaches against a memory limit, in order, each on top of the one before:
     the loss at its floor (:func:`loss_floor_plan`), then no prefetched gathers (:func:`prefetch_floor_plan`)."""
-    floors, current = [], plan
-    for name, floor_of in (("rematerialised_loss", loss_floor_plan), ("delayed_gathers", prefetch_floor_plan)):
-        floor = floor_of(current)
-        if floor is not None:
-            floors.append((name, floor))
-            current = floor
+    floors, fields = [], {}
+    for name, fields_of in _FLOORS:
+        more = fields_of(plan)
+        if more is not None:
+            fields = {**fields, **more}
+            floors.append((name, _applied(plan, fields)))
     return tuple(floors)
+
+
+def deepest_floor(plan: Plan) -> Plan | None:
+    """The last of :func:`compiler_floors` (every floor at once), built in one step; None when there is none."""
+    fields = {}
+    for _, fields_of in _FLOORS:
+        fields.update(fields_of(plan) or {})
+    return _applied(plan, fields) if fields else None

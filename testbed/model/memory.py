@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 from testbed.model import costs
 from testbed.model import kept, layout, moe
-from testbed.model.floors import compiler_floors, loss_floor_plan, prefetch_floor_plan
+from testbed.model.floors import compiler_floors, deepest_floor, loss_floor_plan, prefetch_floor_plan
 from testbed.model.splash import splash_kernel, splash_workspace
 from testbed.model.ring import rank_spec, ring_workspace
 from testbed.pipeline.schedules import build_schedule, peak_inflight
@@ -234,18 +234,21 @@ def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None,
     """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the first of :func:`compiler_floors`'
     rows that fits (else the last, the smallest), with the names of the floors taken: a compiler acts against the
     limit only as far as the program needs. ``names`` False (the search's bound, which reads the total only): the
-    same total, the deepest floor tried first, since each floor only lowers the row (most plans a search meets fit
-    at no floor, so the walk runs only for those that fit at the deepest)."""
+    same total with the deepest floor tried first (:func:`~testbed.model.floors.deepest_floor`: each floor only
+    lowers the row, so a plan over the capacity there is over it at every floor, and the walk runs only for the
+    plans that fit at the deepest): two peaks for a plan that overflows, as with the loss floor alone."""
     row = _stage_peak(plan, stage, inflight)
     if capacity is None or row.total <= capacity:
         return row, ()
-    floors = compiler_floors(plan)
-    if not names and floors:
-        deepest = _stage_peak(floors[-1][1], stage, inflight)
-        if deepest.total > capacity or len(floors) == 1:
+    if not names:
+        floor = deepest_floor(plan)
+        if floor is None:
+            return row, ()
+        deepest = _stage_peak(floor, stage, inflight)
+        if deepest.total > capacity:
             return min(row, deepest, key=lambda r: r.total), ()
     taken: tuple[str, ...] = ()
-    for name, floor in floors:
+    for name, floor in compiler_floors(plan):
         lower = _stage_peak(floor, stage, inflight)
         if lower.total < row.total:
             row, taken = lower, (*taken, name)
