@@ -83,9 +83,9 @@ def test_the_search_bound_is_the_breakdowns_row() -> None:
 def test_published_maxtext_rows_fit_at_the_floor_and_the_rule_can_fail() -> None:
     """MaxText's Llama 3.1 8B on v6e-64 (5.25e9 logits a chip) trained on 32 GB: with the runner's loss it would
     need more than twice the chip; at the floor it fits. GPT-3 175B on v6e-256 peaks in its layers, not at the
-    loss, and the floor does not rescue it."""
+    loss, and the loss floor alone does not rescue it (no prefetched gathers does: tests/test_compiler_floors.py)."""
     plan, topology = _case("maxtext-llama31-8b-v6e-64chip")
     got = memory_breakdown(plan, topology)
     assert got.fits and got.rematerialised_loss
     plan, topology = _case("maxtext-gpt3-175b-v6e-256chip")
-    assert not memory_breakdown(plan, topology).fits
+    assert stage_memory(loss_floor_plan(plan), 0, 1).total > topology.device.memory_bytes

@@ -45,7 +45,13 @@ them over it as over fsdp (testbed.plan.sharding).
 ``runtime.offload_activations``: the layers' kept sets live in host memory, two of them on the device in transit
 (:func:`testbed.model.kept.device_layer_sets`). ``runtime.fp8_params`` under fp8-mixed: fp8 parameters and their
 transposes (1 + 1 bytes) instead of bf16 parameters and per-step fp8 copies (2 + 2). ``runtime.state_dtype`` bf16
-under mixed precision: no fp32 master and bf16 moments (2 + 2 + 2 x moments bytes a parameter).
+under mixed precision: no fp32 master and bf16 moments (2 + 2 + 2 x moments bytes a parameter); ``runtime.cast_weights``
+(MaxText's fp32 ``weight_dtype``): the fp32 weights are the only copy, cast at each use (4 + 4 + 4 x moments held,
+:func:`held_state_bytes`).
+
+Against the device's memory limit an XLA program is compiled to fit where it can (:func:`compiler_floors`, each
+only when the program would not fit otherwise): the loss's fp32 buffers rematerialised (:func:`loss_floor_plan`),
+then no block's gather started ahead of the peak (:func:`prefetch_floor_plan`).
 
 ``runtime.framework`` decides the terms only XLA's buffer assignment keeps (``testbed.model.kept``: tensor-
 parallel backward buffers, the residual summands under full remat) and how a microbatch's gradients live:
@@ -62,10 +68,11 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from testbed.model import costs
 from testbed.model import kept, layout, moe
+from testbed.model.floors import compiler_floors, deepest_floor, loss_floor_plan, prefetch_floor_plan
 from testbed.model.splash import splash_kernel, splash_workspace
 from testbed.model.ring import rank_spec, ring_workspace
 from testbed.pipeline.schedules import build_schedule, held_by_gradient_chunks, peak_inflight
@@ -74,7 +81,8 @@ from testbed.plan.sharding import gathered_blocks, gradient_reduction, state_sha
 from testbed.topology import Topology
 
 __all__ = ["StageMemory", "MemoryBreakdown", "memory_breakdown", "inflight_microbatches", "state_bytes_per_param",
-           "stage_memory", "probe_stages", "state_floor", "gathered_bytes", "loss_floor_plan", "lazy_grad_instants"]
+           "stage_memory", "probe_stages", "state_floor", "gathered_bytes", "loss_floor_plan",
+           "prefetch_floor_plan", "held_state_bytes", "lazy_grad_instants"]
 
 
 def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
@@ -85,6 +93,17 @@ def state_bytes_per_param(plan: Plan) -> tuple[int, int, int]:
     if plan.precision.mixed:  # bf16-mixed and fp8-mixed (fp8 GEMM inputs are transient casts)
         return 2, 2, 4 + 4 * moments
     return 4, 4, 4 * moments
+
+
+def held_state_bytes(plan: Plan) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per parameter a device holds before sharding:
+    :func:`state_bytes_per_param`'s, or under ``runtime.cast_weights`` (MaxText's fp32 ``weight_dtype``) the fp32
+    weights themselves with fp32 gradients (``jax.grad`` returns the parameters' dtype) and fp32 moments, no
+    compute-dtype copy and no separate master: 4, 4 and 4 x moments. (:func:`state_bytes_per_param` stays the bytes
+    the collectives and the update move, which the per-use casts leave unchanged: testbed.plan.runtime.)"""
+    if plan.runtime.cast_weights and plan.precision.mixed and plan.runtime.state_dtype == "fp32":
+        return 4, 4, 4 * plan.optimizer.moments
+    return state_bytes_per_param(plan)
 
 
 def inflight_microbatches(plan: Plan) -> tuple[int, ...]:
@@ -135,6 +154,9 @@ class MemoryBreakdown:
     #: Whether the worst stage's row is the loss floor (:func:`loss_floor_plan`): the plan's XLA program would
     #: not fit with the loss's fp32 buffers, so the compiler rematerialises them.
     rematerialised_loss: bool = False
+    #: Whether the worst stage's row has no prefetched gathers (:func:`prefetch_floor_plan`): with them the
+    #: plan's XLA program would not fit, so the scheduler starts no block's gather ahead at its peak.
+    delayed_gathers: bool = False
 
     def __post_init__(self) -> None:
         if self.total != self.params + self.grads + self.optimizer + self.activations + self.workspace:
@@ -145,8 +167,9 @@ class MemoryBreakdown:
         keys = ("params_count", "device_params_count", "params", "grads", "optimizer", "activations", "workspace",
                 "total", "capacity", "fits", "worst_stage")
         out = {k: getattr(self, k) for k in keys}
-        if self.rematerialised_loss:
-            out["rematerialised_loss"] = True
+        for flag in ("rematerialised_loss", "delayed_gathers"):
+            if getattr(self, flag):
+                out[flag] = True
         out["per_stage"] = [{"stage": s.stage, "params_count": s.params_count, "params": s.params, "grads": s.grads,
                              "optimizer": s.optimizer, "activations": s.activations, "workspace": s.workspace,
                              "total": s.total, "inflight": s.inflight} for s in self.per_stage]
@@ -218,37 +241,42 @@ def _sublayer_workspace(plan: Plan) -> int:
     return max(_attention_workspace(plan) + ring_workspace(plan), hidden)
 
 
-def loss_floor_plan(plan: Plan) -> Plan | None:
-    """``plan`` with the loss at its floor, or None when its loss has no buffers a compiler could drop.
-
-    An XLA program (``runtime.framework: jax``) compiled for a device with a memory limit runs XLA's
-    rematerialisation pass (``HloRematerialization``, openxla/xla ``hlo_rematerialization.cc``) against that
-    limit: when the program would not fit, it recomputes cheap values at their uses instead of keeping them.
-    The runner's loss keeps fp32 logits and writes two fp32 logits-sized buffers (testbed.model.kept), all
-    elementwise functions of the compute-dtype logits the head's matmul wrote (the fp32 cast, ``exp(logits -
-    max)``, the softmax gradient). What no compiler can drop: the compute-dtype logits, kept for the backward,
-    and the compute-dtype logits gradient the head's backward matmuls read, 2 + 2 bytes a logit under bf16 and
-    the per-row log-sum-exp: the buffers ``runtime.fused_loss`` describes. The floor is what a published run
-    shows XLA:TPU reaching: MaxText's Llama 3.1 8B on v6e-64 (tpu-recipes, per_device_batch_size 5, 8192
-    tokens, vocabulary 128,256: 5.25e9 logits a chip) trained on 31.25 GiB of HBM, where one fp32 logits
-    buffer alone is 19.6 GiB; XLA:TPU's own ``memory_analysis`` of a program that fits with room (MaxText's
-    docs, understand_logs_and_metrics.md: DeepSeek2-16B on v5p-8, 5.03e9 logits a chip, temp 55.9 GB)
-    keeps more, so the floor applies only to programs that would not fit."""
-    if not kept.xla_program(plan) or plan.runtime.fused_loss:
-        return None
-    return replace(plan, runtime=replace(plan.runtime, fused_loss=True))
+def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None,
+                  names: bool = True) -> tuple[StageMemory, tuple[str, ...]]:
+    """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the first row at the compiler's floors
+    that fits (else the smallest), with the names of the floors taken: a compiler acts against the limit only as
+    far as the program needs. First each weight gradient at its layer's backward (:func:`_undeferred_row`: the
+    scheduler with the limit in mind), then on top of it :func:`compiler_floors`' rows in order. ``names`` False
+    (the search's bound, which reads the total only): the same total with the deepest floor tried first
+    (:func:`~testbed.model.floors.deepest_floor`: each floor only lowers the row, so a plan over the capacity
+    there is over it at every floor, and the walk runs only for the plans that fit at the deepest)."""
+    row = _stage_peak(plan, stage, inflight)
+    if capacity is None or row.total <= capacity:
+        return row, ()
+    row = min(row, _undeferred_row(plan, stage, inflight), key=lambda r: r.total)
+    if row.total <= capacity:
+        return row, ()
+    if not names:
+        floor = deepest_floor(plan)
+        if floor is None:
+            return row, ()
+        deepest = _undeferred_row(floor, stage, inflight)
+        if deepest.total > capacity:
+            return min(row, deepest, key=lambda r: r.total), ()
+    taken: tuple[str, ...] = ()
+    for name, floor in compiler_floors(plan):
+        lower = _undeferred_row(floor, stage, inflight)
+        if lower.total < row.total:
+            row, taken = lower, (*taken, name)
+        if row.total <= capacity:
+            break
+    return row, taken
 
 
 def _stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
-    """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the smallest of it, the row without
-    deferred weight gradients and the row at the loss floor (:func:`loss_floor_plan`) without them: the
-    compiler's rematerialisation and scheduling run against the limit (:func:`_undeferred_row`)."""
-    row = _stage_peak(plan, stage, inflight)
-    if capacity is None or row.total <= capacity:
-        return row
-    floor = loss_floor_plan(plan)
-    rows = (row, _undeferred_row(plan, stage, inflight), *([_undeferred_row(floor, stage, inflight)] if floor else ()))
-    return min(rows, key=lambda r: r.total)
+    """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the row at the compiler's floors
+    (:func:`_floored_peak`: each weight gradient at its layer, the loss floor, then no prefetched gathers)."""
+    return _floored_peak(plan, stage, inflight, capacity, names=False)[0]
 
 
 def _undeferred_row(plan: Plan, stage: int, inflight: int) -> StageMemory:
@@ -272,7 +300,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
     """
     spec, mesh = rank_spec(plan), plan.mesh
     p, v = mesh.stage, plan.schedule.virtual_stages
-    param_b, grad_b, opt_b = state_bytes_per_param(plan)
+    param_b, grad_b, opt_b = held_state_bytes(plan)
     sharding = state_sharding(plan)
     param_ways, grad_ways, opt_ways = (sharding.ways(plan, w) for w in ("params", "grads", "optimizer"))
     held = costs.device_stage_params(plan, stage)
@@ -451,14 +479,15 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
     """
     inflight = inflight_microbatches(plan) if inflight is None else inflight
     capacity = int(topology.device.memory_bytes)
-    stages = [_stage_memory(plan, s, inflight[s], capacity) for s in range(plan.mesh.stage)]
-    worst = max(stages, key=lambda m: m.total)
+    floored = [_floored_peak(plan, s, inflight[s], capacity) for s in range(plan.mesh.stage)]
+    stages = [row for row, _ in floored]
+    worst, taken = max(floored, key=lambda f: f[0].total)
     return MemoryBreakdown(
         params_count=costs.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
-        per_stage=tuple(stages), rematerialised_loss=worst.total < min(
-            r(plan, worst.stage, inflight[worst.stage]).total for r in (_stage_peak, _undeferred_row)))
+        per_stage=tuple(stages), rematerialised_loss="rematerialised_loss" in taken,
+        delayed_gathers="delayed_gathers" in taken)
 
 
 def stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
@@ -482,7 +511,7 @@ def state_floor(plan: Plan) -> int:
     """A lower bound of the plan's worst-device bytes from its model states alone: the most parameter and
     optimizer bytes one device of a :func:`probe_stages` stage holds (schedule, microbatches and remat aside,
     which change only activations, workspace and live gradients)."""
-    param_b, _, opt_b = state_bytes_per_param(plan)
+    param_b, _, opt_b = held_state_bytes(plan)
     sharding = state_sharding(plan)
     param_ways, opt_ways = sharding.ways(plan, "params"), sharding.ways(plan, "optimizer")
     return max(param_b * costs.device_stage_params(plan, s, param_ways)

@@ -186,7 +186,8 @@ class RuntimeSpec:
     vocab_tiles: int = 1
     #: Under mixed precision, the dtype of the trained weights and the optimizer's moments (:data:`STATE_DTYPES`):
     #: ``fp32``, an fp32 master copy and fp32 moments beside the bf16 parameters and gradients (the runner's,
-    #: testbed.runner.precision; MaxText's default ``weight_dtype: float32``, whose fp32 weights are the master);
+    #: testbed.runner.precision; MaxText's default ``weight_dtype: float32`` holds the fp32 weights alone:
+    #: ``cast_weights``);
     #: ``bf16``, the bf16 weights are the ones the optimizer updates, with no master copy, and the moments are bf16
     #: too (MaxText's ``weight_dtype: bfloat16``: its base.yml ``mu_dtype: ""`` "inherits from weight_dtype if
     #: unset" (pyconfig.py ``set_mu_dtype``), optimizers.py passes it to ``optax.adamw``, and optax's
@@ -194,6 +195,15 @@ class RuntimeSpec:
     #: 2 + 2 + 4 + 4 x moments, in memory (testbed.model.memory) and in the optimizer update's HBM bytes
     #: (testbed.sim.facts); no effect under fp32.
     state_dtype: str = "fp32"
+    #: Under mixed precision with ``state_dtype`` fp32, the trained weights are fp32 and each use casts them to the
+    #: compute dtype (MaxText's default ``weight_dtype: float32`` with ``dtype: bfloat16``: the TrainState holds fp32
+    #: parameters, its layers cast them, e.g. ``DenseGeneral``'s ``jnp.asarray(kernel, self.dtype)``, and
+    #: ``jax.grad`` returns gradients in the parameters' dtype) instead of the runner's bf16 parameters beside an fp32
+    #: master copy: no kept compute-dtype copy, 4 + 4 + 4 x moments bytes a parameter held (testbed.model.memory)
+    #: instead of 2 + 2 + 4 + 4 x moments. The casts are per use, inside the gathered blocks, so the gathers and
+    #: gradient reductions move compute-dtype values as before, and the optimizer update moves the same HBM bytes
+    #: (4 + 2 x 4 + 2 x 4 x moments against 2 + 2 + 2 x (4 + 4 x moments)): memory only.
+    cast_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -233,8 +243,8 @@ class RuntimeSpec:
             raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
                              field="runtime.fp8_scaling")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
-                     "context_all_gather",
-                     "context_merge_fp32", "shard_context", "offload_activations", "fp8_params"):
+                     "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params",
+                     "cast_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
