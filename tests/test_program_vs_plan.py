@@ -12,12 +12,12 @@ the step time within 5% for data and tensor parallelism with or without sequence
 fp32; for data x tensor and fsdp x tensor with or without sequence parallelism, every axis's bytes exactly.
 What does not yet (strict xfails, so agreement would show): with data and fsdp together (hybrid sharding), the
 leaves the runner holds whole (bytes on other axes); on the TPU slice an attention-heavy
-tensor-parallel step (1.09: per-segment rooflines); the fsdp step time on the TPU slice (1.08: the tracer's
-compute segments make the runner's backward gathers wait for the next block's backward). Both sides merge
+tensor-parallel step (1.09: per-segment rooflines). Both sides merge
 parameter gathers and gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit, XLA's
-default 30 MiB) in the runner's issue order, the backward's per piece; the plan's model makes the embedding and the
-head fsdp blocks of their own (testbed.model.leaves.own_blocks), reduce-scattering each block's gradients at their
-merged sizes: fsdp over the whole superpod (fp32, and d_model 2048 bf16) agrees within 5%.
+default 30 MiB) in the runner's issue order, the backward's per piece; the tracer starts each collective once its
+operands are ready (testbed.sim.overlap.hoist_collectives) and the plan's model makes the embedding and the head
+fsdp blocks of their own (testbed.model.leaves.own_blocks), reduce-scattering each block's gradients at their
+merged sizes: fsdp over the whole superpod (fp32, and d_model 2048 bf16) and over a TPU slice agree within 5%.
 """
 
 from __future__ import annotations
@@ -121,10 +121,7 @@ def test_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
 @pytest.mark.parametrize(("layers", "fsdp", "topology", "d_model", "precision"), [
     (2, 1024, "dgx-h100-superpod", 1024, "fp32"),
     (2, 1024, "dgx-h100-superpod", 2048, "bf16-mixed"),
-    pytest.param(4, 16, "tpu-v5e-4x4", 1024, "fp32", marks=pytest.mark.xfail(strict=True, reason=(
-        "1.08: the runner's backward gather of a block waits only for the next block's link, but the tracer's "
-        "compute segments (in-order tasks) put the link's ops after that block's backward, so the gather still "
-        "waits for it (docs/program.md)"))),
+    (4, 16, "tpu-v5e-4x4", 1024, "fp32"),
 ])
 def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, precision: str) -> None:
     """fsdp over a whole topology (fp32, and d_model 2048 in bf16-mixed) and over a TPU slice: both sides merge the
