@@ -20,7 +20,7 @@ from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
            "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements",
-           "block_gathers", "own_blocks", "block_pieces", "block_scatters"]
+           "block_gathers", "own_blocks", "block_pieces", "block_scatters", "SHARE_QUANTUM"]
 
 #: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
 #: norms (testbed.runner.norms) sum their gradients over the tokens with ``jnp.sum``, which accumulates bf16 in
@@ -348,5 +348,24 @@ def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
             merged[block] = [sum(merged[block]) + sum(sizes)]
         else:
             merged[block] += combined_sizes(sizes, combine_bytes)
-    total = sum(map(sum, merged)) or 1.0
-    return tuple(tuple(n / total for n in sizes) for sizes in reversed(merged))
+    return _exact_shares(tuple(tuple(sizes) for sizes in reversed(merged)))
+
+
+#: Shares of a chunk's gradients are multiples of this (a power of two): a whole number of bytes (below 2^37) times
+#: each is exact in floating point, so the buckets' bytes sum to the chunk's exactly (bytes per axis compared to the
+#: byte); a share is then within 8e-6 of its block's.
+SHARE_QUANTUM = 2.0 ** -16
+
+
+def _exact_shares(sizes: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    """``sizes`` (bytes per merged collective, per block) as shares of their sum, each a multiple of
+    :data:`SHARE_QUANTUM`, the last taking what the others leave so that they sum to 1 exactly."""
+    total = sum(map(sum, sizes)) or 1.0
+    flat = [max(1, round(n / total / SHARE_QUANTUM)) * SHARE_QUANTUM for block in sizes for n in block]
+    if flat:
+        flat[-1] = 1.0 - sum(flat[:-1])
+    out, k = [], 0
+    for block in sizes:
+        out.append(tuple(flat[k:k + len(block)]))
+        k += len(block)
+    return tuple(out)

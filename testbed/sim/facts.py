@@ -322,7 +322,8 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     gathering = gathers_parameters(plan, "F")
     own = (gathering and (cost.has_embedding or cost.has_head) and cost.layers >= 1 and plan.mesh.context == 1
            and not any(a.chain or a.overlap for a in actions))
-    blocks = own_blocks(cost.layers, cost.has_embedding, cost.has_head) if own else max(1, cost.layers) if gathering else 1
+    blocks = (own_blocks(cost.layers, cost.has_embedding, cost.has_head) if own
+              else max(1, cost.layers) if gathering else 1)
     moved = tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer"))
     during = sharded_accumulation or plan.runtime.grad_reduce_overlap  # buckets reduce while the backward goes on
     buckets = (blocks if blocks > 1 and sharded_accumulation else gradient_buckets(plan, cost.layers,
