@@ -247,11 +247,14 @@ def bucket_share(leaves: int, buckets: int, k: int) -> int:
 def own_blocks(layers: int, embed: bool, head: bool) -> int:
     """Blocks an fsdp action of a chunk of ``layers`` layers is split into when the embedding and the head are
     blocks of their own (``embed``, ``head``: the chunk holds them): each layer, and the embedding and the head
-    apart. The runner (testbed.runner.param_shards.ParamShards) gathers, computes and reduce-scatters the
-    embedding, each layer and the head as pieces of their own (its backward computes the head's gradients and
-    reduce-scatters them once the head's tables are gathered, before any layer's), as PyTorch FSDP wraps them
-    (torchtitan shards the token embedding, each block, and the norm with the output as units of their own). The
-    one split the plan's model (testbed.sim.facts.ChunkFacts.blocks) and its gathers (:func:`block_gathers`)
+    apart. A JAX program's (``runtime.framework`` ``jax``): the runner (testbed.runner.param_shards.ParamShards)
+    gathers, computes and reduce-scatters the embedding, each layer and the head as pieces of their own (its
+    backward computes the head's gradients and reduce-scatters them once the head's tables are gathered, before
+    any layer's; MaxText's scanned layers leave the embedding and the head outside the loop likewise). A PyTorch
+    stack's split is its wrapping policy, which differs (torchtitan wraps the token embedding and the norm with
+    the output as units of their own; Composer's FSDP keeps them in the root unit with the model) and is not
+    stated per stack: there the layers' blocks stay, the embedding riding with the first, the head with the last.
+    The one split the plan's model (testbed.sim.facts.ChunkFacts.blocks) and its gathers (:func:`block_gathers`)
     read."""
     return max(1, layers) + int(embed) + int(head)
 

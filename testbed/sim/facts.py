@@ -320,8 +320,8 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
     gathering = gathers_parameters(plan, "F")
-    own = (gathering and (cost.has_embedding or cost.has_head) and cost.layers >= 1 and plan.mesh.context == 1
-           and not any(a.chain or a.overlap for a in actions))
+    own = (gathering and plan.runtime.framework == "jax" and (cost.has_embedding or cost.has_head)  # own_blocks
+           and cost.layers >= 1 and plan.mesh.context == 1 and not any(a.chain or a.overlap for a in actions))
     blocks = (own_blocks(cost.layers, cost.has_embedding, cost.has_head) if own
               else max(1, cost.layers) if gathering else 1)
     moved = tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer"))
