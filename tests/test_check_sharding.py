@@ -125,7 +125,9 @@ def test_sharding_error_is_a_failure_with_jaxs_message(monkeypatch, tmp_path, ca
 
     def bad(param, **kwargs):
         spec = real(param, **kwargs)
-        return P("fsdp", *spec[1:]) if len(param.shape) == 2 and param.shape[0] == 3 else spec
+        # the fused Q/K/V weight [d, 3, width]: fsdp over its dim of 3 (a leaf the one rule shards, not one it
+        # holds flat and padded, whose spec the layout replaces by its flat form's)
+        return P(None, "fsdp", *spec[2:]) if len(param.shape) == 3 and param.shape[1] == 3 else spec
 
     monkeypatch.setattr(parallel, "leaf_spec", bad)
     result = check_sharding(_plan(fsdp=2, tensor=2))

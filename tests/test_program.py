@@ -15,7 +15,7 @@ from testbed.model import costs, layout
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM
+from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, step_facts
 from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
 from testbed.plan.sharding import gradient_reduction, state_sharding
@@ -87,10 +87,14 @@ def test_gradient_bytes_are_conserved(plan):
         # One bucket per layer (at most BUCKETS; every layer, a block, when the parameters are sharded) when they
         # reduce during the backward (sharded accumulation); one per chunk when the replicas' gradients are summed
         # once, after the stage's backward (ZeRO 0/1).
+        # The blocks are the embedding's and the head's too where the chunk holds them (testbed.model.leaves.own_blocks).
         during = bool(gradient_reduction(plan)[0])
         layers = plan.model.layers // (plan.mesh.stage * plan.schedule.virtual_stages)
-        per_chunk = layers if state_sharding(plan).ways(plan, "params") > 1 else min(BUCKETS, layers)
-        assert len(firsts) == plan.schedule.virtual_stages * (per_chunk if during else 1)
+        facts = step_facts(plan, place(plan, num_devices=plan.mesh.size).device_ids)
+        blocks = sum(chunk.blocks for chunk in facts.chunks[s])
+        per_chunk = min(BUCKETS, layers)
+        expected = blocks if state_sharding(plan).ways(plan, "params") > 1 else plan.schedule.virtual_stages * per_chunk
+        assert len(firsts) == (expected if during else plan.schedule.virtual_stages)
 
 
 @given(plans)
@@ -221,6 +225,7 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
 
     placement = place(plan, num_devices=plan.mesh.size)
     program = build_program(plan, placement, combine_bytes=combine)
+    facts = step_facts(plan, placement.device_ids, combine)
     param_b, grad_b, _ = state_bytes_per_param(plan)
     v, sharded = plan.schedule.virtual_stages, bool(state_sharding(plan).split_axes(plan, "params"))
     for s, rep in enumerate(program.representatives):
@@ -250,7 +255,7 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
                 # A block's gathers at their merged sizes (one task per distinct size, named for the block); a block
                 # whose leaves joined an earlier block's collective has none.
                 named = len({t.name for t in blocks})
-                assert named <= max(1, cost.layers)
+                assert named <= facts.chunks[s][c].blocks  # the layers', the embedding's and the head's
                 assert sum(t.count for t in blocks) == max(want, named)  # a block gathering is at least one collective
                 assert math.isclose(sum(t.count * t.nbytes for t in blocks),
                                     (cost.params - (unread if backward else 0)) * param_b, rel_tol=1e-9)
@@ -283,7 +288,9 @@ def test_host_counts_one_collective_per_leaf():
     blocks = plan.model.layers
     # The backward: not the embedding's 2, nor the 25 additive leaves (6 biases and shifts a layer, the final shift).
     assert sum(t.count for t in tasks if t.op == "all_gather") == 53 + 53 - 2 - 25
-    assert len({t.name for t in tasks if t.op == "all_gather"}) == 2 * blocks  # leaf by leaf: every block gathers
+    # leaf by leaf: every block gathers, the embedding's and the head's blocks of their own (the backward's embedding
+    # block gathers nothing)
+    assert len({t.name for t in tasks if t.op == "all_gather"}) == 2 * (blocks + 2) - 1
     assert sum(t.count for t in tasks if t.op == "reduce_scatter") == 53
     # ZeRO-1 re-gathers the updated parameters over data leaf by leaf too (53 all-gathers in zero1-dp8's step).
     zero1 = load_plan("plans/validation/zero1-dp8.yaml")
@@ -291,9 +298,9 @@ def test_host_counts_one_collective_per_leaf():
     merged = replace(host, calibration=host.calibration.updated(collectives={"combine_bytes": None}))
     # Within XLA's default bound: the forward's gathers (all issued before its blocks compute) one collective, in the
     # first block, its first leaf's; the backward one per piece (a piece's gather waits for the next block's
-    # backward, so none merge across pieces), its first block the head's and the last layer's, at their own sizes.
+    # backward, so none merge across pieces), its first block the head's, at their own sizes.
     gathers = [t for t in simulate(plan, merged).program.tasks if t.op == "all_gather"]
-    assert [(t.name, t.count) for t in gathers] == [("gather F0/0", 1), *[(f"gather B0/{k}", 1) for k in (0, 0, 1, 2, 3)]]
+    assert [(t.name, t.count) for t in gathers] == [("gather F0/0", 1), *[(f"gather B0/{k}", 1) for k in range(5)]]
     leaf_by_leaf = simulate(plan, host).program.tasks  # the same forward bytes, merged into one
     assert gathers[0].nbytes == sum(t.count * t.nbytes for t in leaf_by_leaf if t.name.startswith("gather F"))
     assert [t.count for t in simulate(zero1, merged).program.tasks if t.name == "gather params"] == [1]

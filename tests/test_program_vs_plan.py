@@ -11,14 +11,13 @@ all-reduces, the position table's gradient gather) on a GPU superpod and a TPU s
 the step time within 5% for data and tensor parallelism with or without sequence parallelism, bf16 and
 fp32; for data x tensor and fsdp x tensor with or without sequence parallelism, and data x fsdp x tensor with
 leaves the fsdp count cannot split (sharded flat and padded on both sides), every axis's bytes exactly.
-What does not yet (strict xfails, so agreement would show): on the TPU slice an attention-heavy
-tensor-parallel step (1.09: per-segment rooflines); the fsdp step time on the TPU slice (1.08: the tracer's
-compute segments make the runner's backward gathers wait for the next block's backward, where the plan's model
-prefetches them); fsdp 1024 d_model 2048 bf16 on the superpod (0.88: the plan's first backward block holds the
-head, which the runner computes and reduces on its own). Both sides merge
+What does not yet (a strict xfail, so agreement would show): on the TPU slice an attention-heavy
+tensor-parallel step (1.09: per-segment rooflines). Both sides merge
 parameter gathers and gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit, XLA's
-default 30 MiB) in the runner's issue order, the backward's per piece: fsdp over the whole superpod in fp32
-agrees within 5%.
+default 30 MiB) in the runner's issue order, the backward's per piece; the tracer starts each collective once its
+operands are ready (testbed.sim.overlap.hoist_collectives) and the plan's model makes the embedding and the head
+fsdp blocks of their own (testbed.model.leaves.own_blocks), reduce-scattering each block's gradients at their
+merged sizes: fsdp over the whole superpod (fp32, and d_model 2048 bf16) and over a TPU slice agree within 5%.
 """
 
 from __future__ import annotations
@@ -81,9 +80,12 @@ def test_data_tensor_and_sequence_parallel_step_times_agree_on_a_superpod(drawn)
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
-@pytest.mark.xfail(strict=True, reason="without an elementwise calibration each traced segment between two "
-                                       "collectives is its own roofline: attention's memory-bound segments do not "
-                                       "hide under the matmuls of the action, as the plan's one roofline per action has them")
+@pytest.mark.xfail(strict=True, reason="1.087: without an elementwise calibration each traced segment between two "
+                                       "collectives is its own roofline, so attention's softmax (a segment between "
+                                       "tensor collectives) does not hide under the matmuls as the plan's one "
+                                       "roofline per action has it; pricing the softmax apart on the plan's side "
+                                       "alone gives 1.03 but TPU fsdp 16 0.90 (there a layer is one traced "
+                                       "segment): both sides need a fusion's granularity (docs/program.md)")
 def test_an_attention_heavy_tensor_parallel_step_time_on_a_tpu_slice() -> None:
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=2048, vocab=32768)
     plan = Plan(name="tpu", model=model, batch=BatchSpec(global_batch=32), mesh=MeshSpec(data=32, tensor=8),
@@ -116,33 +118,19 @@ def test_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
     assert moved == expected
 
 
-_FSDP_TPU_GAP = ("1.08 with both sides' gathers at their merged sizes (1.20 while the plan priced a block's gathers as "
-                 "equal shares, 1.37 while the whole forward waited for every gather): the runner's backward gather "
-                 "of a block waits only for the next block's link (prefetchable one block ahead, as the plan's "
-                 "runtime.fsdp_prefetch), but the tracer's compute segments (in-order tasks) put the link's ops after "
-                 "that block's backward, so the gather still waits for it; hoisting collectives as XLA's scheduler "
-                 "does gives 0.98, but the superpod's fsdp 1024 fp32 row then reads 0.90 (docs/program.md)")
-
-
-_FSDP_HEAD_PIECE = ("0.88: the same collectives and bytes on both sides, the gathers at their merged sizes (0.87 "
-                    "while the plan's model priced them as equal shares of the chunk's), but the runner's backward "
-                    "computes the head's backward on its own once the head's tables are gathered and reduce-scatters "
-                    "its gradient at once, where the plan's first backward block (the head and the last layer) "
-                    "computes after all their gathers; and the plan's gradient buckets are still equal shares of the "
-                    "chunk's bytes (docs/program.md)")
-
-
 @pytest.mark.parametrize(("layers", "fsdp", "topology", "d_model", "precision"), [
     (2, 1024, "dgx-h100-superpod", 1024, "fp32"),
-    pytest.param(2, 1024, "dgx-h100-superpod", 2048, "bf16-mixed",
-                 marks=pytest.mark.xfail(strict=True, reason=_FSDP_HEAD_PIECE)),
-    pytest.param(4, 16, "tpu-v5e-4x4", 1024, "fp32", marks=pytest.mark.xfail(strict=True, reason=_FSDP_TPU_GAP)),
+    (2, 1024, "dgx-h100-superpod", 2048, "bf16-mixed"),
+    (4, 16, "tpu-v5e-4x4", 1024, "fp32"),
 ])
 def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, precision: str) -> None:
-    """fsdp over a whole topology (fp32, and d_model 2048 in bf16-mixed): both sides merge the parameter gathers
-    and the gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit: XLA's default 30 MiB),
-    so the traced step's merged gathers of the later blocks run while the first block computes, as the plan's
-    model prefetches block by block, and its merged reduce-scatters overlap the backward as the plan's buckets do."""
+    """fsdp over a whole topology (fp32, and d_model 2048 in bf16-mixed) and over a TPU slice: both sides merge the
+    parameter gathers and the gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit: XLA's
+    default 30 MiB), so the traced step's merged gathers of the later blocks run while the first block computes,
+    as the plan's model prefetches block by block; the tracer starts each collective once its operands are ready
+    (testbed.sim.overlap.hoist_collectives), so the backward's gathers run one block ahead on both sides; and the
+    plan's model makes the embedding and the head blocks of their own (testbed.model.leaves.own_blocks), whose
+    gradients are reduce-scattered at their merged sizes as soon as each is computed, as the runner's are."""
     plan = Plan(name=f"fsdp{fsdp}", model=ModelSpec(layers=layers, d_model=d_model, heads=16, d_ff=4 * d_model,
                                                      seq_len=1024, vocab=32768),
                 batch=BatchSpec(global_batch=fsdp), mesh=MeshSpec(fsdp=fsdp), schedule=ScheduleSpec(name="1f1b"),

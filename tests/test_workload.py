@@ -12,9 +12,11 @@ from testbed.errors import InputError
 from testbed.model.gemm import Gemm
 from testbed.sim.combine import combine_collectives
 from testbed.sim.compute import gemms_seconds, pass_seconds
-from testbed.sim.overlap import defer_consumers
+from testbed.sim.overlap import defer_consumers, hoist_collectives
 from testbed.sim.tasks import TaskKind
-from testbed.sim.traced import collective_bytes, memory_seconds, mesh_groups, simulate_workload, workload_program
+from testbed.sim.engine import run
+from testbed.sim.traced import (collective_bytes, memory_seconds, mesh_groups, price_workload, simulate_workload,
+                                 workload_program)
 from testbed.sim.workload import OpKind, TracedOp, Workload
 from testbed.topology.io import load_topology
 
@@ -139,6 +141,32 @@ def test_deferring_moves_a_collective_consumer_after_independent_compute() -> No
     assert len(moved.ops) == len(ops)
 
 
+def test_hoisting_starts_a_collective_once_its_operands_are_ready() -> None:
+    """A collective JAX emits after unrelated compute (the runner's fsdp backward gather, whose link is a slice of
+    an earlier gradient) moves, with the memory-bound op that makes its operand, to just after the matmul it reads:
+    it runs beside the matmul after it instead of waiting for it."""
+    ops = [gemm(), gemm((0,)), memory((0,)), reduce((2,), op="all_gather"), gemm((1, 3))]
+    hoisted = hoist_collectives(workload(ops))
+    assert [(op.kind, op.deps) for op in hoisted.ops] == [
+        (OpKind.GEMM, ()), (OpKind.MEMORY, (0,)), (OpKind.COLLECTIVE, (1,)), (OpKind.GEMM, (0,)),
+        (OpKind.GEMM, (2, 3))]
+    topology = load_topology("dgx-h100")
+
+    def played(w: Workload) -> float:  # the task graph as ordered, no ordering pass of simulate_workload's
+        program = workload_program(w, topology)
+        return run(program, price_workload(program, topology, w.dtype)).step_time_s
+
+    assert played(hoisted) < played(workload(ops))
+    assert simulate_workload(workload(ops), topology).report.step_time_s == pytest.approx(played(hoisted))
+
+
+def test_hoisting_leaves_compute_that_reads_a_collective_where_it_is() -> None:
+    """A memory-bound op whose latest input is a collective's result stays put (moved up, it would stall the
+    in-order compute stream on that collective), and a collective reading it follows it."""
+    ops = [reduce(()), gemm(), memory((0,)), reduce((2,), op="all_gather"), gemm((1,))]
+    assert hoist_collectives(workload(ops)).ops == workload(ops).ops
+
+
 @st.composite
 def random_workloads(draw) -> Workload:
     """Random DAGs of gemms, memory ops and collectives over two axes."""
@@ -160,7 +188,7 @@ def random_workloads(draw) -> Workload:
 
 @given(random_workloads(), st.sampled_from([None, 0, 1e5, 1e6]))
 def test_ordering_and_combining_keep_the_program_a_dag_and_conserve_work(w: Workload, limit) -> None:
-    out = combine_collectives(defer_consumers(w), limit)  # Workload's checks: every dep is an earlier op
+    out = hoist_collectives(combine_collectives(defer_consumers(w), limit))  # Workload's checks: deps come first
     for kind in OpKind:
         assert math.isclose(sum(o.flops + o.hbm_bytes for o in out.ops if o.kind is kind),
                             sum(o.flops + o.hbm_bytes for o in w.ops if o.kind is kind))

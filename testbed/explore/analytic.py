@@ -212,6 +212,7 @@ class _Priced(NamedTuple):
     block_gathers: tuple[float, ...] = ()  # each block's gather seconds (empty: ``gather`` in equal shares)
     bucket_each: tuple[float, ...] = ()  # each bucket's reduction, of its own count of collectives (empty: ``bucket``)
     send_s: float = 0.0  # the sends' seconds together (read by every play of the action)
+    parts: tuple[float, ...] = ()  # each block's (or bucket piece's) compute where they differ (empty: equal shares)
 
 
 class _Step:
@@ -270,11 +271,14 @@ class _Step:
         flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
         gemms = overlap.gemms if overlap else work.gemms
         whole, ringed, chain = self._compute(chunk, work, ring)
+        parts: tuple[float, ...] = ()  # each block's compute where the blocks differ (the embedding's, the head's)
         if facts.gathers(kind) and not chain and not ringed and chunk.blocks > 1:
             # the task graph's blocks, each after its own gather, are compute tasks of their own (each launched)
             n = chunk.blocks
-            whole = n * compute_seconds(topology, dtype, flops / n, hbm / n, max(1, chunk.kernels // n), rep_b / n,
-                                        split_b / n, cost.tensor_bytes, scaled(gemms, 1 / n))
+            parts = self._parts(chunk, work, n)
+            whole = sum(parts) if parts else n * compute_seconds(
+                topology, dtype, flops / n, hbm / n, max(1, chunk.kernels // n), rep_b / n, split_b / n,
+                cost.tensor_bytes, scaled(gemms, 1 / n))
         ring_s = ringed[1] if ringed else 0.0
         last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
         pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)
@@ -285,9 +289,13 @@ class _Step:
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
                                     rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
+            parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
             bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
                                                 chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces)
-            if chunk.leaves and chunk.leaves % pieces:  # the task graph's buckets: each its own count of them
+            if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):  # each bucket its block's merged sizes
+                each = tuple(sum(self._reduce(s, chunk.reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
+                                 for f, n in chunk.bucket(pieces, k)) for k in range(pieces))
+            elif chunk.leaves and chunk.leaves % pieces:  # the task graph's buckets: each its own count of them
                 own = {n: self._reduce(s, chunk.reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
                        for n in {bucket_share(chunk.leaves, pieces, k) for k in range(pieces)}}
                 each = tuple(own[bucket_share(chunk.leaves, pieces, k)] for k in range(pieces))
@@ -322,7 +330,18 @@ class _Step:
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
-                       send_s=sum(x[1] for x in sends) if sends else 0.0)
+                       send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts)
+
+    def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
+        """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's
+        (:meth:`ChunkFacts.block_shares`, as testbed.sim.program's tasks); empty where its blocks are equal."""
+        shares = chunk.block_shares(work.kind, pieces)
+        if not shares:
+            return ()
+        flops, hbm, rep_b, split_b = work.work
+        kernels, tensor_bytes = max(1, chunk.kernels // pieces), chunk.cost.tensor_bytes
+        return tuple(compute_seconds(self.topology, self.dtype, flops * w, hbm * w, kernels, rep_b * w, split_b * w,
+                                     tensor_bytes, gemms) for w, gemms in shares)
 
     def _tensor_seconds(self, s: int, transfers) -> float:
         """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""

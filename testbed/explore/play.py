@@ -84,8 +84,10 @@ class Play:
         n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
         g, c = priced.gather / n, compute / n
         wait = skewed.barrier_wait(self.facts.params_ways, c) if skewed is not None and d == 0 else 0.0
-        if priced.block_gathers:
-            return self._unequal_gathers(s, tuple(x + wait for x in priced.block_gathers), start, c)
+        if priced.block_gathers or priced.parts:
+            gathers = priced.block_gathers or (g,) * n
+            parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
+            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts)
         self.block_ends[s] = []
         g += wait  # each gather, exposed, first meets its group after a block's computing
         period = g + c if d == 0 else max(g, c)
@@ -95,22 +97,24 @@ class Play:
         self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
         return first, (n - 1) * (period - c)
 
-    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, c: float) -> tuple[float, float]:
-        """:meth:`_gather` with each block's own gather seconds (a block's merged collectives differ in size): block
+    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...]
+                         ) -> tuple[float, float]:
+        """:meth:`_gather` with each block's own gather and compute seconds (a block's merged collectives differ in
+        size; the embedding's and the head's blocks compute their own share): block
         ``i``'s gather starts after block ``i - 1``'s and once block ``i - 1 - prefetch`` has computed (of the stage's
         previous gathering action when negative), its compute
         once its gather and block ``i - 1`` are done, block by block as the task graph plays them."""
         n, d, before = len(gathers), self.facts.prefetch, self.block_ends[s]
         gather_end, ends = self.gather_free[s], []
-        for i, g in enumerate(gathers):
+        for i, (g, c) in enumerate(zip(gathers, parts)):
             j = i - 1 - d
             after = ends[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
             gather_end = max(gather_end, after) + g
             ends.append(max(ends[-1] if ends else start, gather_end) + c)
-        first = ends[0] - c
+        first = ends[0] - parts[0]
         self.comm[s] += first - start
         self.gather_free[s], self.block_ends[s] = max(gather_end, ends[n - 1 - d] if n > d else 0.0), ends
-        return first, ends[-1] - first - n * c
+        return first, ends[-1] - first - sum(parts)
 
     def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
         """Plays one F/B/W action of stage ``s``."""
@@ -119,6 +123,8 @@ class Play:
         compute = self.slow * priced.compute
         start, stretch = self._start(s, c, kind, priced, deps), 0.0
         skewed = self.step.skewed
+        beside = priced.hidden + priced.send_s + max(priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(
+            self.facts.prefetch)  # the communication beside the compute (device.comm_slowdown, below)
         if priced.gather:
             start, stretch = self._gather(s, priced, start, compute)
             if skewed is not None and priced.blocks > self.facts.prefetch:
@@ -139,9 +145,11 @@ class Play:
             n = priced.blocks
             self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
         # compute is device.comm_slowdown longer for the communication beside it (gathers, reductions, sends, tensor)
-        extra = self.slowdown * min(compute - wait, priced.hidden + priced.send_s + max(
-            priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(self.facts.prefetch))
-        compute, stretch = compute + extra, stretch - min(stretch, extra)  # gather waits absorb a slower compute
+        # Gather waits absorb a slower compute; where the blocks differ (the embedding's, the head's) the waits are
+        # the exposed part of the gathers, which runs beside no compute: the rest is beside it, slowing it.
+        unequal = bool(priced.gather and priced.parts)
+        extra = self.slowdown * min(compute - wait, max(0.0, beside - stretch) if unequal else beside)
+        compute, stretch = compute + extra, stretch if unequal else stretch - min(stretch, extra)
         tensor = priced.tensor
         if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
             tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
@@ -175,8 +183,9 @@ class Play:
         piece, acc, pieces, skewed = self.slow * priced.piece, self.slow * priced.acc, priced.pieces, self.step.skewed
         self.remaining[(s, c)] -= 1
         last_mb = self.remaining[(s, c)] == 0
+        parts = tuple(self.slow * x for x in priced.parts) if priced.parts and len(priced.parts) == pieces else ()
         if last_mb and piece:
-            compute = pieces * piece
+            compute = sum(parts) if parts else pieces * piece
         wait = 0.0
         if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the accumulator's add
             own = priced.syncs[1] if last_mb else priced.syncs[0]
@@ -193,9 +202,13 @@ class Play:
             if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
                 self.once[s] += pieces * priced.bucket
                 self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
+            # Each bucket once its piece has computed: where the blocks played their own gathers, when each ended.
+            ends = self.block_ends[s] if priced.gather and parts and len(self.block_ends[s]) == pieces else ()
+            done = start
             for k in range(pieces if self.facts.reduce_in_backward else 0):
                 own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
-                self.grad[s] = max(self.grad[s], start + (k + 1) * piece) + own
+                done = ends[k] if ends else done + (parts[k] + wait / pieces if parts else piece)
+                self.grad[s] = max(self.grad[s], done) + own
         elif not last_mb and priced.scatter:
             self.grad[s] = max(self.grad[s], start + compute) + priced.scatter
         return compute + acc, wait

@@ -20,7 +20,7 @@ from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
            "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements",
-           "block_gathers"]
+           "block_gathers", "own_blocks", "block_pieces", "block_scatters", "SHARE_QUANTUM"]
 
 #: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
 #: norms (testbed.runner.norms) sum their gradients over the tokens with ``jnp.sum``, which accumulates bf16 in
@@ -249,14 +249,39 @@ def bucket_share(leaves: int, buckets: int, k: int) -> int:
     return max(1, leaves * (k + 1) // buckets - leaves * k // buckets)
 
 
+def own_blocks(layers: int, embed: bool, head: bool) -> int:
+    """Blocks an fsdp action of a chunk of ``layers`` layers is split into when the embedding and the head are
+    blocks of their own (``embed``, ``head``: the chunk holds them): each layer, and the embedding and the head
+    apart. A JAX program's (``runtime.framework`` ``jax``): the runner (testbed.runner.param_shards.ParamShards)
+    gathers, computes and reduce-scatters the embedding, each layer and the head as pieces of their own (its
+    backward computes the head's gradients and reduce-scatters them once the head's tables are gathered, before
+    any layer's; MaxText's scanned layers leave the embedding and the head outside the loop likewise). A PyTorch
+    stack's split is its wrapping policy, which differs (torchtitan wraps the token embedding and the norm with
+    the output as units of their own; Composer's FSDP keeps them in the root unit with the model) and is not
+    stated per stack: there the layers' blocks stay, the embedding riding with the first, the head with the last.
+    The one split the plan's model (testbed.sim.facts.ChunkFacts.blocks) and its gathers (:func:`block_gathers`)
+    read."""
+    return max(1, layers) + int(embed) + int(head)
+
+
+def block_pieces(layers: int, embed: bool, head: bool, blocks: int) -> tuple[int, ...]:
+    """Per piece of a chunk in forward order (the embedding if held, each layer, the head if held), the block of
+    ``blocks`` (forward order) it belongs to: its own block where ``blocks`` is :func:`own_blocks`'s; else the
+    layers' blocks, the embedding riding with the first and the head with the last."""
+    last = blocks - 1
+    if blocks == own_blocks(layers, embed, head) and blocks > max(1, layers):
+        return tuple(range(int(embed) + layers + int(head)))
+    return (0,) * int(embed) + tuple(min(j, last) for j in range(layers)) + (last,) * int(head)
+
+
 def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
                   combine_bytes: float = math.inf, bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
     """Bytes of each all-gather a ``kind`` action's block of a chunk's sharded parameters issues, per block in the
-    order the action computes them (the backward's from the last layer): the
+    order the action computes them (the backward's from the head): the
     real merged sizes, not equal shares (at many ranks a collective's time is concave in its bytes, so equal
-    shares of unequal merges would overprice them). Block ``i`` gathers layer ``i``'s leaves, the first also the
-    embedding's and the last the head's (testbed.sim.facts.ChunkFacts.blocks); a merged collective belongs to
-    the block of its first leaf, the first the runner reads. Merges as :func:`parameter_collectives` (forward:
+    shares of unequal merges would overprice them). Each piece (the embedding, a layer, the head) gathers in its
+    block (:func:`block_pieces`); a merged collective belongs to the block of its first leaf, the first the runner
+    reads. Merges as :func:`parameter_collectives` (forward:
     the chunk's leaves in :func:`issue_order`) and :func:`regathered` (backward: each piece's regathered leaves
     on their own) count them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
     ``elements`` (the action's gathered elements, :meth:`testbed.sim.facts.ChunkFacts.gather`) above the leaves'
@@ -267,17 +292,26 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
                           combine_bytes, bytes_per_element)
 
 
+def _chunk_pieces(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], stage: int, chunk: int,
+                  blocks: int) -> list[tuple[int, str, list]]:
+    """(block, what it is, its parameters) of each piece of a chunk, forward order (:func:`block_pieces`)."""
+    embed, head = layout.holds(stage, chunk, mesh.stage, v)
+    span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
+    where = block_pieces(len(span), embed, head, blocks)
+    pieces = ([("embedding", layout.embedding_params(spec))] if embed else [])
+    pieces += [("layer", layout.layer_params(spec, i)) for i in span]
+    pieces += [("head", layout.head_params(spec))] if head else []
+    return [(b, what, params) for b, (what, params) in zip(where, pieces)]
+
+
 @functools.lru_cache(maxsize=1 << 14)  # a search prices the same chunk under many schedules and microbatch counts
 def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                    chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float,
                    bytes_per_element: float) -> tuple[tuple[float, ...], ...]:
     """:func:`block_gathers` from what it depends on."""
-    embed, head = layout.holds(stage, chunk, mesh.stage, v)
-    span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
     last = blocks - 1
-    pieces = [(0, layout.embedding_params(spec))] if embed and kind == "F" else []
-    pieces += [(min(j, last), layout.layer_params(spec, i)) for j, i in enumerate(span)]
-    pieces += [(last, layout.head_params(spec))] if head else []
+    pieces = [(b, params) for b, what, params in _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
+              if kind == "F" or what != "embedding"]
     out: list[list[float]] = [[] for _ in range(blocks)]
     run = None  # what merges: the whole chunk (forward), a piece (backward), a block (unbounded)
     for p, (block, piece) in enumerate(pieces):
@@ -295,3 +329,51 @@ def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
     if rest > 1e-6 * max(1.0, elements * bytes_per_element):
         out[last].append(rest)
     return tuple(tuple(sizes) for sizes in (out if kind == "F" else reversed(out)))
+
+
+def block_scatters(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
+                   bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
+    """Per block of a chunk's backward (from the head, :func:`block_pieces`), each reduce-scatter its gradients
+    are, as a share of the chunk's gradient elements: each piece's leaves merged within ``combine_bytes`` in
+    :func:`issue_order` (:func:`combined_sizes`; unbounded: one per block). The gradient buckets at their real
+    merged sizes, where equal shares of the chunk's would price the head's large table as a layer's share and
+    split it into equal collectives."""
+    return _block_scatters(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                           state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
+                           bytes_per_element)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+                    chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float
+                    ) -> tuple[tuple[float, ...], ...]:
+    """:func:`block_scatters` from what it depends on."""
+    merged: list[list[float]] = [[] for _ in range(blocks)]
+    for block, _, params in _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks):
+        sizes = tuple(q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+                      for q in issue_order(params))
+        if math.isinf(combine_bytes):
+            merged[block] = [sum(merged[block]) + sum(sizes)]
+        else:
+            merged[block] += combined_sizes(sizes, combine_bytes)
+    return _exact_shares(tuple(tuple(sizes) for sizes in reversed(merged)))
+
+
+#: Shares of a chunk's gradients are multiples of this (a power of two): a whole number of bytes (below 2^37) times
+#: each is exact in floating point, so the buckets' bytes sum to the chunk's exactly (bytes per axis compared to the
+#: byte); a share is then within 8e-6 of its block's.
+SHARE_QUANTUM = 2.0 ** -16
+
+
+def _exact_shares(sizes: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    """``sizes`` (bytes per merged collective, per block) as shares of their sum, each a multiple of
+    :data:`SHARE_QUANTUM`, the last taking what the others leave so that they sum to 1 exactly."""
+    total = sum(map(sum, sizes)) or 1.0
+    flat = [max(1, round(n / total / SHARE_QUANTUM)) * SHARE_QUANTUM for block in sizes for n in block]
+    if flat:
+        flat[-1] = 1.0 - sum(flat[:-1])
+    out, k = [], 0
+    for block in sizes:
+        out.append(tuple(flat[k:k + len(block)]))
+        k += len(block)
+    return tuple(out)

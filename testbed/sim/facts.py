@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from testbed.model import buffers
 from testbed.model import costs
 from testbed.model.costs import ChunkCost
-from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, without
+from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import block_gathers, bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
+from testbed.model.leaves import (block_gathers, block_scatters, bucket_share, combine_limit, moved_elements, own_blocks,
+                                  parameter_collectives, regathered)
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.pipeline.schedules import Schedule
@@ -111,6 +112,12 @@ class ChunkFacts:
     reduced: tuple[float, float] = (0.0, 0.0)
     sequence_bytes: float = 0.0
     block_sizes: tuple[tuple[tuple[float, ...], ...], ...] = ((), ())
+    #: Per action kind, (kind, each block's (share of the action's work, its GEMMs)) where the embedding and the
+    #: head are blocks of their own (testbed.model.leaves.own_blocks); empty: equal shares of the action.
+    block_work: tuple[tuple[str, tuple[tuple[float, tuple[Gemm, ...]], ...]], ...] = ()
+    #: Per gradient bucket of the last backward (from the head), each merged reduce-scatter's share of the
+    #: gradients, at the blocks' real sizes (testbed.model.leaves.block_scatters); empty: equal shares.
+    bucket_sizes: tuple[tuple[float, ...], ...] = ()
 
     def special(self, share: float, reduce_b: float) -> tuple[float, float]:
         """(routed experts', sequence-replicated) bytes of ``share`` of the chunk's last gradient reduction: the
@@ -130,6 +137,21 @@ class ChunkFacts:
 
     def action(self, kind: str) -> ActionWork:
         return next(a for a in self.actions if a.kind == kind)
+
+    def block_shares(self, kind: str, pieces: int) -> tuple[tuple[float, tuple[Gemm, ...]], ...]:
+        """Each of ``pieces`` blocks' (share of a ``kind`` action's work, its GEMMs) where the blocks are the
+        embedding's, each layer's and the head's (``block_work``); empty: ``pieces`` equal shares."""
+        if pieces != self.blocks:
+            return ()
+        return next((blocks for k, blocks in self.block_work if k == kind), ())
+
+    def bucket(self, pieces: int, k: int) -> tuple[tuple[float, int], ...]:
+        """Each reduction of bucket ``k`` of ``pieces`` as (share of the chunk's gradients, reduce-scatters): each
+        merged reduce-scatter of its block at its real size (``bucket_sizes``) where the buckets are the blocks,
+        else one equal share of :func:`bucket_share`'s count."""
+        if self.bucket_sizes and pieces == len(self.bucket_sizes):
+            return tuple((share, 1) for share in self.bucket_sizes[k])
+        return ((1 / pieces, bucket_share(self.leaves, pieces, k)),)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -297,7 +319,11 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                                   plan.mesh.tensor, 1, plan.mesh.expert, True, plan.mesh.expert_tensor) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
-    blocks = max(1, cost.layers) if gathers_parameters(plan, "F") else 1
+    gathering = gathers_parameters(plan, "F")
+    own = (gathering and plan.runtime.framework == "jax" and (cost.has_embedding or cost.has_head)  # own_blocks
+           and cost.layers >= 1 and plan.mesh.context == 1 and not any(a.chain or a.overlap for a in actions))
+    blocks = (own_blocks(cost.layers, cost.has_embedding, cost.has_head) if own
+              else max(1, cost.layers) if gathering else 1)
     moved = tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer"))
     during = sharded_accumulation or plan.runtime.grad_reduce_overlap  # buckets reduce while the backward goes on
     buckets = (blocks if blocks > 1 and sharded_accumulation else gradient_buckets(plan, cost.layers,
@@ -307,12 +333,35 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     regather = regathered(plan, s, c, moved[0], leaves, combine, param_b)
     sizes = tuple(block_gathers(plan, s, c, kind, blocks, n, combine, param_b)
                   for kind, n in (("F", moved[0]), ("B", regather[0]))) if leaves else ((), ())
+    block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
+        if own else ()
+    bucket_sizes = block_scatters(plan, s, c, blocks, combine, reduce_b) if own and buckets == blocks else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
-                      regather=regather, block_sizes=sizes,
+                      regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved),
                       sequence_bytes=sequence_b)
+
+
+def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bool
+                ) -> tuple[tuple[float, tuple[Gemm, ...]], ...]:
+    """Each block's (share of ``work``, its GEMMs) in the order the action computes them (forward: the embedding,
+    each layer, the head; backward from the head), the embedding and the head as blocks of their own
+    (testbed.model.leaves.own_blocks): the head's share is its GEMMs' FLOPs (its projection, and in the backward
+    its input and weight gradients), the embedding's none (a lookup, and its backward a scatter-add), the layers
+    the rest in equal shares. Its HBM and activation bytes follow the same shares."""
+    kind, layers, head = work.kind, cost.layers, cost.has_head
+    own: tuple[Gemm, ...] = ()
+    if head:
+        own = {"F": (shapes.forward[-1],), "W": (shapes.backward_weight[-1],),
+               "B": (shapes.backward_input[-1],) + (() if split else (shapes.backward_weight[-1],))}[kind]
+    rest = without(work.gemms, own)
+    flops = work.work[0]
+    share = gemm_flops(own) / flops if flops > 0 else 0.0
+    layer = ((1.0 - share) / layers, scaled(rest, 1 / layers))
+    blocks = [(0.0, ())] * int(cost.has_embedding) + [layer] * layers + [(share, own)] * int(head)
+    return tuple(blocks if kind == "F" else reversed(blocks))
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from testbed.sim.workload import OpKind, Workload
 
-__all__ = ["defer_consumers"]
+__all__ = ["defer_consumers", "hoist_collectives"]
 
 
 def defer_consumers(workload: Workload) -> Workload:
@@ -44,3 +44,55 @@ def defer_consumers(workload: Workload) -> Workload:
     index = {old: new for new, old in enumerate(order)}
     moved = tuple(replace(ops[old], deps=tuple(sorted(index[d] for d in ops[old].deps))) for old in order)
     return replace(workload, ops=moved)
+
+
+def hoist_collectives(workload: Workload) -> Workload:
+    """``workload`` with each collective moved up to just after the last matmul or collective it reads.
+
+    XLA's latency-hiding scheduler issues an asynchronous collective's start as soon as its operands are
+    ready, so the compute between its last producer and its first consumer runs beside it. The tracer's
+    compute segments run in program order (one in-order stream), so a collective JAX emits after
+    unrelated compute would otherwise wait for that compute: the runner's fsdp backward gather of a
+    block, whose link (a slice of the residual stream's gradient) JAX emits after the next block's
+    backward, waited for it. The rule, by data flow: a collective, with the memory-bound ops it reads
+    through memory-bound ops only (the small fusions that make its operand: a cast, a link's add), goes
+    just after the latest matmul or collective it depends on (the program's start when none). A
+    memory-bound op whose latest such dependency is a collective stays where it is (moved up, it would
+    hold the in-order compute stream until that collective is done, which XLA's scheduler avoids by
+    placing it before its first consumer: :func:`defer_consumers`), and what reads it follows it.
+    Bounded as XLA's scheduler bounds an async start: by its operands (never above a producer), and by
+    one collective in flight per kind and device groups (a stream per kind and axes in the task graph
+    runs them in order: XLA's default overlap limit of 1 for each kind); no memory-pressure bound (the
+    scheduler's memory limit is not modelled). Ties keep program order, so collectives that read the
+    same producers stay in the order they were issued.
+    """
+    ops = workload.ops
+    n = len(ops)
+    if not any(op.kind is OpKind.COLLECTIVE for op in ops):
+        return workload
+    feeds = [False] * n  # a memory-bound op a collective reads through memory-bound ops
+    for i in range(n - 1, -1, -1):
+        if ops[i].kind is OpKind.COLLECTIVE or feeds[i]:
+            for d in ops[i].deps:
+                feeds[d] = feeds[d] or ops[d].kind is OpKind.MEMORY
+    # Sort key (base, index): an op that stays has base = its index and sorts first among equals (index -1);
+    # a moved one has the latest base of its dependencies and sorts after that op, in program order.
+    base, moved, late = list(range(n)), [False] * n, [False] * n  # late: its latest dependency is a collective
+    for i, op in enumerate(ops):
+        if op.kind is OpKind.GEMM or not (op.kind is OpKind.COLLECTIVE or feeds[i]):
+            continue
+        top, from_collective = -1, False
+        for d in op.deps:
+            at = base[d]
+            if at > top or (at == top and not from_collective):
+                top = at
+                from_collective = ops[d].kind is OpKind.COLLECTIVE or late[d]
+        if op.kind is OpKind.MEMORY and from_collective:
+            continue
+        base[i], moved[i], late[i] = top, True, from_collective and op.kind is OpKind.MEMORY
+    order = sorted(range(n), key=lambda i: (base[i], i if moved[i] else -1))
+    if order == list(range(n)):
+        return workload
+    index = {old: new for new, old in enumerate(order)}
+    hoisted = tuple(replace(ops[old], deps=tuple(sorted(index[d] for d in ops[old].deps))) for old in order)
+    return replace(workload, ops=hoisted)

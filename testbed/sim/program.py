@@ -244,8 +244,10 @@ class _Graph:
         whole, gemms = (overlap.work, overlap.gemms) if overlap else (work.work, work.gemms)
         flops, hbm, replicated, split = whole
         kernels, last, computes, ends = chunk.kernels, -1, [], []
+        own = chunk.block_shares(work.kind, pieces)  # the embedding and the head as blocks of their own
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
+            part, part_gemms = own[k] if own else (1 / pieces, scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             if gathering:
                 gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends)
                 deps = [*deps, gathered] if gathered is not None else deps
@@ -254,18 +256,20 @@ class _Graph:
                                               whole, gemms, kernels), deps, cost.tensor_bytes)
             last = ringed if ringed is not None else b.add(
                 name=name, device=rep, stream="compute",
-                kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops / pieces, hbm_bytes=hbm / pieces,
-                replicated_bytes=replicated / pieces, split_bytes=split / pieces,
+                kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops * part, hbm_bytes=hbm * part,
+                replicated_bytes=replicated * part, split_bytes=split * part,
                 tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
-                gemms=scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
+                gemms=part_gemms)
             computes += [] if ringed is not None else [last]
             ends.append(last)
             deps = []
             if reduce:
-                # Bucket k holds 1/pieces of the chunk's gradients: reduced while the backward continues when
-                # they accumulate sharded, else once the stage's backward is done.
-                self._bucket(s, last, (chunk.reduced[1] / pieces, chunk.special(1 / pieces, self.facts.reduce_bytes),
-                                       label if pieces == 1 else f"{label}/{k}", bucket_share(chunk.leaves, pieces, k)))
+                # Bucket k holds its share of the chunk's gradients (ChunkFacts.bucket): reduced while the backward
+                # continues when they accumulate sharded, else once the stage's backward is done.
+                for fraction, count in chunk.bucket(pieces, k):
+                    self._bucket(s, last, (chunk.reduced[1] * fraction,
+                                           chunk.special(fraction, self.facts.reduce_bytes),
+                                           label if pieces == 1 else f"{label}/{k}", count))
         if gathering:
             self.blocks_done[s] = ends
         if overlap:

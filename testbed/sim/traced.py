@@ -40,7 +40,7 @@ from testbed.errors import InputError
 from testbed.model.gemm import Gemm
 from testbed.model.leaves import combine_limit
 from testbed.sim.engine import run
-from testbed.sim.overlap import defer_consumers
+from testbed.sim.overlap import defer_consumers, hoist_collectives
 from testbed.sim.combine import combine_collectives
 from testbed.sim.compute import pass_seconds
 from testbed.sim.pricing import Priced, price
@@ -258,7 +258,7 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     ``calibration.collectives.combine_bytes``, else XLA's default threshold, as the plan's model counts them).
     """
     limit = combine_limit(topology.calibration.collectives.combine_bytes, "jax")
-    workload = combine_collectives(defer_consumers(workload), limit)
+    workload = hoist_collectives(combine_collectives(defer_consumers(workload), limit))
     program = workload_program(workload, topology, device_ids)
     priced = price_workload(program, topology, workload.dtype)
     timeline = run(program, priced, calibration=topology.calibration)
