@@ -105,6 +105,20 @@ def test_save_policies_rerun_fewer_projections_than_full_remat(mesh):
         _plan(mesh=mesh, remat="selective"))
 
 
+def test_save_dots_recomputes_selectives_flops_and_the_elementwise_passes():
+    """MaxText's ``minimal`` (``save-dots``) under selective remat: the same recompute FLOPs as selective (the
+    weight matmuls' outputs are kept, attention is rerun); the norms and the activation function are rerun, so
+    the recompute's elementwise traffic grows and the step is no faster than selective's. Under full remat it
+    is the runner's, bit for bit."""
+    for mesh in ({"data": 2, "tensor": 4}, {"fsdp": 8}):
+        plan, dots = _plan(mesh=mesh, remat="selective"), _plan({"recompute": "save-dots"}, mesh=mesh, remat="selective")
+        a, b = costs.chunk_cost(plan, 0, 0), costs.chunk_cost(dots, 0, 0)
+        assert b.recompute_flops == a.recompute_flops
+        assert b.recompute_traffic[0] > a.recompute_traffic[0] and b.recompute_traffic[1] > a.recompute_traffic[1]
+        assert all(x >= y for x, y in zip(_both(dots), _both(plan)))
+        assert _both(_plan({"recompute": "save-dots"}, mesh=mesh)) == _both(_plan(mesh=mesh))
+
+
 @pytest.mark.parametrize("over", [{"remat": "full"}, {"remat": "selective"}, {"remat": "none"}])
 @pytest.mark.parametrize("policy", RECOMPUTE)
 def test_recompute_gemms_equal_the_cost_model(policy, over):

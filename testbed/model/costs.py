@@ -309,6 +309,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
                  Remat.SELECTIVE: (0, layers * (c * scores + dropped))}[plan.remat]
     if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":  # per-op: the block's elementwise work
         recompute = (replicated, split // 2)  # again, and about half the projections' outputs (those recomputed)
+    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots":  # MaxText's minimal: the norms
+        recompute = (replicated, recompute[1] + layers * c * b * spec.seq_len * (spec.d_ff // t))  # and activation
     replicated += (n_bytes // t if sp else n_bytes) if embed else 0
     if head:
         n = b * spec.seq_len

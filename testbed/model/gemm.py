@@ -332,7 +332,7 @@ def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers:
     (which flash attention's backward recomputes anyway)."""
     policy, t, b = plan.runtime.recompute, plan.mesh.tensor, plan.microbatch_size
     n = b * spec.seq_len
-    if policy == "runner" or plan.remat is Remat.NONE:
+    if policy in ("runner", "save-dots") or plan.remat is Remat.NONE:  # save-dots: selective's, or the runner's
         return 0
     dense = layers - moe_layers
     if plan.remat is Remat.FULL and policy in SAVED_PROJECTIONS:  # fewer than the runner's: the saved ones

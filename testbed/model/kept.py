@@ -8,6 +8,8 @@ them here, one rule per mechanism:
   other matmul in the block's order, the attention kernel's output and row log-sum-exp and, under sequence
   parallelism, the reduce-scatters' outputs (:func:`op_saved_bytes`); the rest of the block is recomputed in
   its backward (:func:`recompute_workspace_bytes`).
+- ``recompute: save-dots`` with selective remat (MaxText's ``minimal``): the block's input and every weight
+  matmul's output (:func:`dots_saved_bytes`); attention and the elementwise work are recomputed.
 - ``fp8_saved_inputs`` with fp8-mixed (Transformer Engine): each linear keeps the fp8 cast of its input,
   1 byte a value, instead of the compute-dtype tensor (:func:`fp8_input_savings`).
 - ``fused_loss`` (flash-attn's cross-entropy kernel): the head keeps compute-dtype logits and their row
@@ -34,7 +36,7 @@ from testbed.model.ring import rank_spec
 from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
-           "head_kept_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
+           "head_kept_bytes", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
            "loss_instant_recompute", "device_layer_sets", "weight_grads_deferred", "deferred_backward_bytes"]
 
@@ -44,6 +46,8 @@ def layer_kept_bytes(plan: Plan) -> int:
     spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
     if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
         return op_saved_bytes(plan)
+    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots":
+        return dots_saved_bytes(plan)
     kept = activation_bytes_per_layer(spec, b, plan.precision, plan.remat, t, sp)
     kept += residual_summand_bytes(plan) if plan.remat is Remat.FULL else _xla_layer_extra(plan)
     if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_saved_inputs and plan.remat is not Remat.FULL:
@@ -89,6 +93,25 @@ def op_saved_bytes(plan: Plan) -> int:
     return c * (residual + saved + attention + scatters) + lse
 
 
+def dots_saved_bytes(plan: Plan) -> int:
+    """One layer's kept bytes under MaxText's ``remat_policy: minimal`` (``runtime.recompute: save-dots``).
+
+    MaxText maps ``minimal`` to ``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims`` (maxtext
+    MaxText/layers/models.py ``Decoder.get_remat_policy``): every ``dot_general`` without batch dimensions is
+    saved, i.e. each weight matmul's output (Q, K and V, GQA's narrower K/V included; the out projection; the
+    MLP's input projections, SwiGLU's two; its down projection), and everything else is recomputed in the
+    backward: the norms, RoPE, the activation function and attention (the score and value matmuls have batch
+    dimensions; the splash kernel is no dot). The scanned layer loop keeps the block input, its carry.
+    Column-parallel outputs are split over the tensor ranks; GSPMD reduces a row-parallel output (out
+    projection, MLP down) before the policy sees it, so it is kept as the residual stream's layout keeps it
+    (its sequence shard under sequence parallelism). An MoE layer is counted as a dense one of its ``d_ff``.
+    """
+    spec, t = rank_spec(plan), plan.mesh.tensor
+    outputs = block_matmul_outputs(spec, plan.microbatch_size * spec.seq_len, t)
+    columns = sum(outputs[:3]) + sum(outputs[4:-1])  # Q, K, V; the MLP's input projections
+    return plan.precision.compute_bytes * (columns + 3 * _residual_values(plan))  # input, out proj, MLP down
+
+
 def fp8_input_savings(plan: Plan) -> int:
     """Bytes one layer keeps fewer when each linear keeps the fp8 cast of its input (``runtime.fp8_saved_inputs``).
 
@@ -113,6 +136,8 @@ def recompute_workspace_bytes(plan: Plan) -> int:
         return whole
     if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
         return max(whole - op_saved_bytes(plan), 0)
+    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots":
+        return max(whole - dots_saved_bytes(plan), 0)
     return 0
 
 
@@ -197,7 +222,7 @@ def loss_instant_recompute(plan: Plan) -> int:
 
 def _unrolled_runner_remat(plan: Plan) -> bool:
     """Full remat as the runner's ``jax.checkpoint`` per block over an unrolled layer loop, compiled by XLA."""
-    return (plan.remat is Remat.FULL and plan.runtime.recompute == "runner" and xla_program(plan)
+    return (plan.remat is Remat.FULL and plan.runtime.recompute in ("runner", "save-dots") and xla_program(plan)
             and not plan.runtime.scan_layers)
 
 

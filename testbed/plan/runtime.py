@@ -44,7 +44,11 @@ class RuntimeSpec:
     #: ``qkv_proj_offloaded``); ``save-attention-dots``, the out projection's too, so the backward reruns only
     #: attention and the MLP's input projections (MaxText's ``save_dot_except_mlpwi``). The two save-policies
     #: change a dense layer's recompute only (an MoE layer's is the runner's) and the FLOPs only (the memory of
-    #: the saved outputs and, with a tensor axis, the collectives are priced as the runner's full remat).
+    #: the saved outputs and, with a tensor axis, the collectives are priced as the runner's full remat);
+    #: ``save-dots``, with selective remat, every weight matmul's output and the block input saved, attention and
+    #: the elementwise work recomputed (MaxText's ``minimal``: ``checkpoint_dots_with_no_batch_dims``,
+    #: testbed.model.kept.dots_saved_bytes; the FLOPs are selective's, the elementwise recompute priced as its
+    #: passes); with full remat it is the runner's.
     recompute: str = "runner"
     #: The tensor-parallel collectives of an action overlap its GEMMs (NeMo's userbuffers ``tp_comm_overlap``)
     #: instead of following them, GEMM by GEMM (testbed.sim.tp_overlap): each block's collectives beside its own
@@ -251,7 +255,7 @@ class RuntimeSpec:
 
 
 #: Values of :attr:`RuntimeSpec.recompute`.
-RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots")
+RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots")
 #: Values of :attr:`RuntimeSpec.framework`.
 FRAMEWORKS = ("jax", "pytorch")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
