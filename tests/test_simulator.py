@@ -166,13 +166,14 @@ def test_pure_data_parallel_is_backward_plus_exposed_allreduce(topology):
 
 def test_sharded_gradients_reduce_while_the_backward_goes_on():
     """FSDP: gradients accumulate sharded, so the last backward's buckets reduce-scatter as each piece (a block,
-    gathered before it computes) ends."""
+    gathered before it computes) ends: the 8 layers', and the head's and the embedding's own (a JAX program's
+    blocks: testbed.model.leaves.own_blocks)."""
     plan = make_plan(fsdp=8, microbatches=1, layers=8)
     tasks = simulate(plan, TOPOLOGIES["switch8"]).program.tasks
     compute = [i for i, t in enumerate(tasks) if t.kind is TaskKind.COMPUTE]
     buckets = [i for i, t in enumerate(tasks) if t.stream == "grad"]
-    assert len(buckets) == 8 and all(tasks[i].op == "reduce_scatter" for i in buckets)
-    assert [tasks[i].deps[0] for i in buckets] == compute[-9:-1]  # one per backward piece
+    assert len(buckets) == 10 and all(tasks[i].op == "reduce_scatter" for i in buckets)
+    assert [tasks[i].deps[0] for i in buckets] == compute[-11:-1]  # one per backward piece
 
 
 def test_trace_parses_and_has_every_device(tmp_path):
