@@ -218,6 +218,24 @@ def test_a_ring_step_is_priced_as_a_loop_step_even_over_one_block(attention):
     assert _attention_workspace(plan) == loop != 4 * 4 * tile
 
 
+@pytest.mark.parametrize("context", [2, 4])
+def test_the_rings_messages_ride_beside_a_later_steps_half_tiles(context):
+    """Step 0 attends to the rank's own K/V (no message in flight); with one K/V block a ring step, each later step
+    computes half a block (testbed.plan.context's units: 4, then 2), so the messages add only what they exceed
+    half the tiles by. A blockwise step keeps its whole tiles beside them."""
+    from testbed.model.memory import _attention_workspace, _sublayer_workspace
+    plan = make_plan(context=context, seq=64 * context, attention="plain", microbatches=1)
+    b, heads, s_l = plan.microbatch_size, 4, 64
+    tiles = b * heads * s_l * s_l * (2 * 4 + 4)  # two fp32 tiles and the score gradient
+    attention, messages = _attention_workspace(plan), ring.ring_workspace(plan)
+    assert ring.ring_attention_workspace(plan, attention, tiles) == max(attention, attention - tiles // 2 + messages)
+    assert attention <= _sublayer_workspace(plan) < attention + messages
+    blockwise = make_plan(context=context, seq=512 * context, attention="flash", microbatches=1)
+    spec = ring.rank_spec(blockwise)
+    assert spec.flash_block < spec.seq_len
+    assert ring.ring_attention_workspace(blockwise, attention, tiles) == attention + ring.ring_workspace(blockwise)
+
+
 # -- the bundled long-context plan and the search -------------------------------------------------------------
 
 

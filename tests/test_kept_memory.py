@@ -16,7 +16,7 @@ from testbed.model import kept
 from testbed.model.activations import FLASH_BYTES, activation_bytes_per_layer, head_activation_bytes
 from testbed.model.memory import memory_breakdown
 from testbed.plan.io import plan_from_dict
-from testbed.plan.spec import Remat
+from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Remat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "published"))
 import runs  # noqa: E402
@@ -63,6 +63,22 @@ def test_maxtexts_minimal_policy_keeps_every_weight_matmuls_output(tensor: int, 
     full = replace(plan, remat=Remat.FULL)
     assert kept.layer_kept_bytes(full) == kept.layer_kept_bytes(replace(full, runtime=replace(
         plan.runtime, recompute="runner")))
+
+
+def test_the_runners_selective_remat_drops_only_the_softmax_output_under_xla() -> None:
+    """The runner checkpoints the core attention on q, k and v, whose head-major copies XLA makes outside the
+    checkpoint: under XLA selective keeps the no-remat set but the softmax output (kept.selective_copies_bytes);
+    PyTorch's kernels keep Korthikanti et al.'s selective set; flash attention makes no copies."""
+    spec = ModelSpec(layers=2, d_model=256, heads=4, d_ff=1024, seq_len=128, vocab=2048)
+    plan = Plan(name="t", model=spec, batch=BatchSpec(global_batch=8), remat="selective")
+    n, scores = 8 * spec.seq_len, 4 * 8 * spec.heads * spec.seq_len ** 2
+    assert kept.selective_copies_bytes(plan) == 4 * 2 * n * spec.d_model  # Q and K, fp32
+    assert kept.layer_kept_bytes(plan) == kept.layer_kept_bytes(replace(plan, remat=Remat.NONE)) - scores
+    torch = replace(plan, runtime=replace(plan.runtime, framework="pytorch"))
+    assert kept.selective_copies_bytes(torch) == 0
+    assert kept.layer_kept_bytes(torch) == activation_bytes_per_layer(spec, 8, plan.precision, Remat.SELECTIVE)
+    assert kept.selective_copies_bytes(replace(plan, model=replace(spec, attention="flash"))) == 0
+    assert kept.selective_copies_bytes(replace(plan, remat=Remat.NONE)) == 0
 
 
 def test_transformer_engines_fp8_layers_keep_fp8_gemm_inputs() -> None:

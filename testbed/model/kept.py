@@ -23,22 +23,25 @@ them here, one rule per mechanism:
   normalised input, computed in the forward (:func:`normalized_input_bytes`), and both halves of the
   backward's tensor collectives (:func:`tensor_collective_workspace`); under full remat the residual
   stream's summands (:func:`residual_summand_bytes`) and the last block's recompute beside the loss
-  backward (:func:`loss_instant_recompute`); the operands of the weight gradients XLA schedules after the
-  layers' input-gradient chain, live through every layer's backward (:func:`deferred_backward_bytes`).
+  backward (:func:`loss_instant_recompute`); under the runner's selective remat the head-major Q and K
+  copies, made outside its checkpoint (:func:`selective_copies_bytes`); the operands of the weight gradients
+  XLA schedules after the layers' input-gradient chain, live through every layer's backward
+  (:func:`deferred_backward_bytes`).
   ``pytorch`` keeps Korthikanti et al. (2022)'s accounting.
 """
 
 from __future__ import annotations
 
 from testbed.model.activations import (FLASH_BYTES, LOSS_BYTES, activation_bytes_per_layer, head_activation_bytes,
-                                       norms)
+                                       norms, xla_only_bytes_per_layer)
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
            "head_kept_bytes", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
-           "loss_instant_recompute", "device_layer_sets", "weight_grads_deferred", "deferred_backward_bytes"]
+           "loss_instant_recompute", "device_layer_sets", "selective_copies_bytes", "weight_grads_deferred",
+           "deferred_backward_bytes"]
 
 
 def layer_kept_bytes(plan: Plan) -> int:
@@ -50,6 +53,7 @@ def layer_kept_bytes(plan: Plan) -> int:
         return dots_saved_bytes(plan)
     kept = activation_bytes_per_layer(spec, b, plan.precision, plan.remat, t, sp)
     kept += residual_summand_bytes(plan) if plan.remat is Remat.FULL else _xla_layer_extra(plan)
+    kept += selective_copies_bytes(plan)
     if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_saved_inputs and plan.remat is not Remat.FULL:
         kept -= fp8_input_savings(plan)
     return kept
@@ -151,6 +155,23 @@ def _residual_values(plan: Plan) -> int:
     spec = rank_spec(plan)
     n = plan.microbatch_size * spec.seq_len * spec.d_model
     return n // plan.mesh.tensor if plan.sequence_parallel else n
+
+
+def selective_copies_bytes(plan: Plan) -> int:
+    """Bytes of one layer's head-major Q and K copies XLA keeps under the runner's selective remat.
+
+    The runner checkpoints the core attention only (``jax.checkpoint(plain_attention)`` on q, k and v:
+    testbed.runner.model), and XLA's layout assignment writes q, k and v head-major where the QKV projection's
+    output is split, outside the checkpoint. The copies are then the checkpoint's saved inputs, kept from the
+    forward to the layer's backward as without remat (XLA:CPU's scheduled ``small-b32-selective`` step in
+    ``benchmarks/memory_vs_xla.py``, ``--xla_dump_to``: each layer's ``[b, heads, head_dim, seq]`` and
+    ``[b, heads, seq, head_dim]`` reshape copies live from its forward to its backward), and selective drops the
+    softmax output alone. The no-remat set's copies (testbed.model.activations' ``xla_only_bytes_per_layer``);
+    0 for flash attention (it makes none), the per-op and save-dots policies (their own sets) and PyTorch."""
+    if plan.remat is not Remat.SELECTIVE or plan.runtime.recompute in ("op", "save-dots") or not xla_program(plan):
+        return 0
+    return xla_only_bytes_per_layer(rank_spec(plan), plan.microbatch_size, plan.precision, Remat.NONE,
+                                    plan.mesh.tensor)
 
 
 def _xla_layer_extra(plan: Plan) -> int:

@@ -38,9 +38,9 @@ backward (:func:`gathered_bytes`; the backward gathers again).
 
 Context parallelism: activations and workspace are one context rank's
 (``seq_len / context`` tokens, as flash attention keeps them:
-``testbed.model.ring.rank_spec``), plus two ring messages in flight
-(``ring_workspace``); model states are replicated over ``context`` unless ``runtime.shard_context`` shards
-them over it as over fsdp (testbed.plan.sharding).
+``testbed.model.ring.rank_spec``), plus two ring messages in flight from the ring's second step on, beside that
+step's tiles (``ring_attention_workspace``); model states are replicated over ``context`` unless
+``runtime.shard_context`` shards them over it as over fsdp (testbed.plan.sharding).
 
 ``runtime.offload_activations``: the layers' kept sets live in host memory, two of them on the device in transit
 (:func:`testbed.model.kept.device_layer_sets`). ``runtime.fp8_params`` under fp8-mixed: fp8 parameters and their
@@ -74,7 +74,7 @@ from testbed.model import costs
 from testbed.model import kept, layout, moe
 from testbed.model.floors import compiler_floors, deepest_floor, loss_floor_plan, prefetch_floor_plan
 from testbed.model.splash import splash_kernel, splash_workspace
-from testbed.model.ring import rank_spec, ring_workspace
+from testbed.model.ring import rank_spec, ring_attention_workspace, ring_workspace
 from testbed.pipeline.schedules import build_schedule, held_by_gradient_chunks, peak_inflight
 from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 from testbed.plan.sharding import gathered_blocks, gradient_reduction, state_sharding
@@ -212,13 +212,19 @@ def _flash_workspace(plan: Plan) -> int:
     ``benchmarks/memory_vs_xla.py``.)
     """
     spec, c, t = rank_spec(plan), plan.precision.compute_bytes, plan.mesh.tensor
-    tile = plan.microbatch_size * spec.heads * spec.score_rows * spec.flash_block // t  # a window: fewer rows
+    tile = _flash_tile(plan)
     if spec.flash_block == spec.seq_len and plan.mesh.context == 1:
         return 4 * costs.FLASH_BYTES * tile
     n = plan.microbatch_size * spec.seq_len
     kv = n * spec.kv_dim // t if spec.kv_split(t) else n * spec.kv_dim
     # The loop's carry: the fp32 dq accumulator and the whole-sequence dK and dV it fills block by block.
     return tile * (2 * costs.FLASH_BYTES + c) + costs.FLASH_BYTES * n * spec.q_dim // t + 2 * c * kv
+
+
+def _flash_tile(plan: Plan) -> int:
+    """Values of one ``seq x block`` score tile over every query head on one tensor rank (a window: fewer rows)."""
+    spec = rank_spec(plan)
+    return plan.microbatch_size * spec.heads * spec.score_rows * spec.flash_block // plan.mesh.tensor
 
 
 def _layer_workspace(plan: Plan) -> int:
@@ -238,7 +244,11 @@ def _sublayer_workspace(plan: Plan) -> int:
     n = plan.microbatch_size * spec.seq_len
     residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
     hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
-    return max(_attention_workspace(plan) + ring_workspace(plan), hidden)
+    attention = _attention_workspace(plan)
+    if plan.mesh.context > 1 and not splash_kernel(plan):  # the ring's messages beside a later step's tiles
+        tiles = _flash_tile(plan) * (2 * costs.FLASH_BYTES + plan.precision.compute_bytes)
+        attention = ring_attention_workspace(plan, attention, tiles)
+    return max(attention, hidden)
 
 
 def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None,

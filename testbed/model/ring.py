@@ -40,8 +40,9 @@ GEMM shapes and the memory model all come here):
 - **Memory.** Activations as flash attention's for ``s_l`` tokens (q, k, v,
   the output, the fp32 log-sum-exp); in flight, two K/V blocks (the one in
   use and the one arriving), in the backward two ``kv + grad`` blocks
-  (:func:`ring_workspace`). Parameters and optimizer state are replicated
-  over ``context`` (gradients are summed over it: testbed.plan.sharding).
+  (:func:`ring_workspace`), from the second step on (:func:`ring_attention_workspace`).
+  Parameters and optimizer state are replicated over ``context`` (gradients are summed over it:
+  testbed.plan.sharding).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from testbed.plan.context import ring_step_units
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
 __all__ = ["GRAD_BYTES", "RingPhase", "rank_spec", "step_units", "unit_flops", "extra_attention_flops",
-           "kv_bytes", "grad_bytes", "ring_bytes_per_layer", "ring_phases", "ring_workspace", "merge_bytes"]
+           "kv_bytes", "grad_bytes", "ring_bytes_per_layer", "ring_phases", "ring_workspace",
+           "ring_attention_workspace", "merge_bytes"]
 
 #: Bytes per value of the dK/dV accumulators the backward ring sends (fp32, testbed/runner/ring_attention.py).
 GRAD_BYTES = 4
@@ -227,3 +229,19 @@ def ring_workspace(plan: Plan) -> int:
     """Transient bytes of one layer's ring on one device: two messages in flight (the block in use and the one
     arriving), the backward's ``kv + grad`` (larger than the forward's ``kv``). 0 without context parallelism."""
     return 0 if plan.mesh.context == 1 else 2 * (kv_bytes(plan) + grad_bytes(plan))
+
+
+def ring_attention_workspace(plan: Plan, attention: int, tiles: int) -> int:
+    """One layer's attention-backward transients on a context rank: its step's ``attention`` workspace (``tiles``
+    of it the fp32 score tiles of one K/V block) and :func:`ring_workspace`'s messages, which are in flight only
+    from the first step on: step 0 attends to the rank's own K/V. With one K/V block a ring step (plain
+    attention, or flash's block as long as ``s_l``) each later step computes half a block's tiles
+    (:func:`step_units`: 4 chunk-pair units, then 2: all query rows against the visiting first chunk, or the
+    second query chunk against both), so the larger of step 0's whole tiles and a later step's half tiles
+    beside the messages. (XLA:CPU's ``long-b4-cp2`` and ``long-b4-cp4`` in ``benchmarks/memory_vs_xla.py``
+    peak at step 0 of a layer's ring backward with no message live.) Blockwise steps (``block < s_l``) keep
+    whole tiles at every step: ``attention + ring``."""
+    ring = ring_workspace(plan)
+    if not ring or rank_spec(plan).flash_block != rank_spec(plan).seq_len:
+        return attention + ring
+    return max(attention, attention - tiles // 2 + ring)
