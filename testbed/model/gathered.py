@@ -1,0 +1,89 @@
+"""The gathered parameters an fsdp/ZeRO-3 device holds at once: whole blocks over the shard axes.
+
+Under fsdp (and ZeRO-3) a device gathers a block's parameters before the block computes and frees them after,
+forward and backward (the backward gathers again: testbed.runner.param_shards.ParamShards), so the bytes live at
+once are a few blocks' (the one computing and the ``runtime.fsdp_prefetch`` blocks gathered ahead), never the
+whole stage. A block is a layer, the embedding, or the head with the tied token table
+(:func:`~testbed.plan.sharding.gathered_blocks` says how many are live). testbed.model.memory reads these at each
+instant of a stage's peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+from testbed.model import layout
+from testbed.plan.sharding import gathered_blocks
+from testbed.plan.spec import ModelSpec, Plan
+
+__all__ = ["gathered_bytes"]
+
+
+def gathered_bytes(plan: Plan, stage: int) -> int:
+    """Bytes of gathered (whole over the shard axes) parameters live at once on a device of ``stage`` under
+    fsdp/ZeRO-3: the ``1 + runtime.fsdp_prefetch`` largest of the stage's blocks (testbed.plan.sharding's
+    :func:`~testbed.plan.sharding.gathered_blocks`; a block is a layer, the embedding, or the head with the tied
+    token table), after the tensor and expert splits, in compute precision; 0 when nothing is sharded. Forward
+    and backward alike: the backward gathers each block again instead of keeping the forward's as residuals
+    (testbed.runner.param_shards.ParamShards), so the whole stage is never gathered at once."""
+    blocks = gathered_blocks(plan)
+    return plan.precision.compute_bytes * sum(_stage_blocks(plan, stage)[:blocks]) if blocks else 0
+
+
+def _gathered_at(plan: Plan, stage: int, bound: int):
+    """A function of ``position``: the gathered bytes live while the ``position``-th block of the stage's backward
+    (a layer's) computes (the stage's blocks and their running sums worked out once, read per layer): that
+    block and the ``runtime.fsdp_prefetch`` blocks after it in the backward's order (the head, the layers last to
+    first, the embedding: the blocks the stage holds), the rule :func:`gathered_bytes` bounds by the largest
+    blocks. The head's gathered weights die with the head's backward, the embedding's are gathered only after
+    the first layer's. Layer instants only: at the loss the bound stays (XLA:CPU keeps more there than the head
+    block alone: ``benchmarks/memory_vs_xla.py``'s wide-fsdp8, whose peak is the loss, measures 65.8 MB against
+    64.1 MB with the bound and 59.9 MB with the head alone). With one model chunk per stage; interleaved chunks
+    keep ``bound``."""
+    blocks = gathered_blocks(plan)
+    if not blocks or plan.schedule.virtual_stages != 1:
+        return lambda position: bound
+    p, mesh = plan.mesh.stage, plan.mesh
+    embed, head = layout.holds(stage, 0, p, 1)
+    sizes = _block_sizes(plan.model, mesh.tensor, mesh.expert, False, False, 1, mesh.expert_tensor)
+    tables = [_block_sizes(plan.model, mesh.tensor, mesh.expert, e, h, 0, mesh.expert_tensor)
+              for e, h in ((False, head), (embed, False))]
+    running = (0, *itertools.accumulate([*tables[0], *sizes * plan.stage_layers[stage], *tables[1]]))
+    last, b = len(running) - 1, plan.precision.compute_bytes
+    return lambda position: b * (running[min(position + blocks, last)] - running[min(position, last)])
+
+
+def _stage_blocks(plan: Plan, stage: int) -> tuple[int, ...]:
+    """Elements per device of ``stage``'s blocks whole over the shard axes, largest first."""
+    p, v, mesh = plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh
+    embed = any(layout.holds(stage, c, p, v)[0] for c in range(v))
+    head = any(layout.holds(stage, c, p, v)[1] for c in range(v))
+    return _block_sizes(plan.model, mesh.tensor, mesh.expert, embed, head, plan.stage_layers[stage], mesh.expert_tensor)
+
+
+@functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
+def _block_sizes(spec: ModelSpec, tensor: int, expert: int, embed: bool, head: bool, layers: int,
+                 expert_tensor: int | None = None) -> tuple[int, ...]:
+    """Elements per device of a stage's blocks whole over the shard axes, largest first (the layers as the
+    largest layer kind: :func:`_largest_layer`)."""
+    sizes = [_largest_layer(spec, tensor, expert, 1, expert_tensor)] * layers
+    if embed:
+        sizes.append(layout.held_elements(((q, 1) for q in layout.embedding_params(spec)), tensor, 1, expert))
+    if head:
+        tied = (layout.tied_table(spec),) if spec.tied_embeddings else ()
+        sizes.append(layout.held_elements(((q, 1) for q in (*layout.head_params(spec), *tied)), tensor, 1, expert))
+    return tuple(sorted(sizes, reverse=True))
+
+
+def _layer_params_per_device(plan: Plan, ways: int = 1) -> int:
+    """The largest layer's parameters on one device (MoE and dense layers differ): tensor and expert split,
+    then ``ways``-way sharded by the layout's one rule."""
+    return _largest_layer(plan.model, plan.mesh.tensor, plan.mesh.expert, ways, plan.mesh.expert_tensor)
+
+
+@functools.lru_cache(maxsize=4096)  # pure; read per stage of every plan a search meets
+def _largest_layer(spec: ModelSpec, tensor: int, expert: int, ways: int, expert_tensor: int | None = None) -> int:
+    kinds = {layout.is_moe_layer(spec, i): i for i in range(spec.layers)} if spec.experts else {False: 0}
+    return max(layout.held_elements(((p, 1) for p in layout.layer_params(spec, i)), tensor, ways, expert,
+                                    expert_tensor=expert_tensor) for i in kinds.values())
