@@ -139,6 +139,22 @@ def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, 
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_fsdp_by_tensor_bf16_step_time(sequence_parallel: bool) -> None:
+    """8 layers, fsdp 128 x tensor 8 in bf16-mixed on the superpod (1.46 and 1.52 before): the runner casts each
+    leaf's fp32 shard to bf16 before its gather, and JAX emits a layer's casts and gathers after the layer before
+    it. XLA's combiner rule (testbed.sim.combine: by data-flow reachability, not program order) merges the
+    forward's gathers across layers within the bound, as the plan's model does, and the backward's of two
+    adjacent pieces (a piece's gather waits for a cotangent computed two pieces back), as the plan's model now
+    counts them (testbed.model.leaves.backward_merges)."""
+    model = ModelSpec(layers=8, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
+    plan = Plan(name="fsdp-tp", model=model, batch=BatchSpec(global_batch=128), mesh=MeshSpec(fsdp=128, tensor=8),
+                schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none",
+                sequence_parallel=sequence_parallel)
+    traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
+    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
+
+
 def test_hybrid_sharded_steps_with_padded_leaves_move_the_plans_bytes_on_every_axis() -> None:
     """data x fsdp x tensor (hybrid sharding): the leaves no free dim of which the fsdp count divides (the qkv
     and first MLP biases) are sharded flat and padded on both sides (testbed.runner.padding), their gradients
