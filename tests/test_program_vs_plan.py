@@ -14,7 +14,8 @@ leaves the fsdp count cannot split (sharded flat and padded on both sides), ever
 What does not yet (a strict xfail, so agreement would show): on the TPU slice an attention-heavy
 tensor-parallel step (1.09: per-segment rooflines). Both sides merge
 parameter gathers and gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit, XLA's
-default 30 MiB) in the runner's issue order, the backward's per piece; the tracer starts each collective once its
+default 30 MiB) by XLA's combiner rule (testbed.sim.combine: by data-flow reachability; the plan's model counts what
+it gives the runner's program, the backward's gathers of two adjacent pieces together); the tracer starts each collective once its
 operands are ready (testbed.sim.overlap.hoist_collectives) and the plan's model makes the embedding and the head
 fsdp blocks of their own (testbed.model.leaves.own_blocks), reduce-scattering each block's gradients at their
 merged sizes: fsdp over the whole superpod (fp32, and d_model 2048 bf16) and over a TPU slice agree within 5%.
