@@ -205,8 +205,9 @@ def test_each_blocks_gradients_are_reduce_scattered_at_their_merged_sizes() -> N
     assert len(chunk.bucket_sizes) == chunk.blocks == 4 and all(t.count == 1 for t in scatters)
     by_bucket = {k: [t.nbytes for t in scatters if t.name.endswith(f"/{k}")] for k in range(4)}
     # the head's table first, the token table last (shares of the chunk's bytes within testbed.model.leaves'
-    # SHARE_QUANTUM, so that the buckets sum to it exactly); the layers' alike, each under a table's size
+    # SHARE_QUANTUM, so that the buckets sum to it exactly); the layers' merged as XLA's combiner merges them
+    # (nothing reads a reduce-scatter before the optimizer, so a merge spans pieces), each within the bound
     quantum = len(scatters) * SHARE_QUANTUM * chunk.reduced[1]  # the last share takes the others' rounding
     assert max(by_bucket[0]) == pytest.approx(table, abs=quantum)
     assert max(by_bucket[3]) == pytest.approx(table, abs=quantum)
-    assert by_bucket[1] == pytest.approx(by_bucket[2], abs=quantum) and max(by_bucket[1]) < table / 2
+    assert max(by_bucket[1] + by_bucket[2]) <= XLA_COMBINE_BYTES + quantum < table

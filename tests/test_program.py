@@ -91,7 +91,10 @@ def test_gradient_bytes_are_conserved(plan):
         during = bool(gradient_reduction(plan)[0])
         layers = plan.model.layers // (plan.mesh.stage * plan.schedule.virtual_stages)
         facts = step_facts(plan, place(plan, num_devices=plan.mesh.size).device_ids)
-        blocks = sum(chunk.blocks for chunk in facts.chunks[s])
+        # A block whose gradients all merge into a later block's reduce-scatters (XLA's combiner rule across pieces,
+        # testbed.model.leaves.block_scatters) reduces none of its own.
+        blocks = sum(sum(1 for b in chunk.bucket_sizes if b) if chunk.bucket_sizes else chunk.blocks
+                     for chunk in facts.chunks[s])
         per_chunk = min(BUCKETS, layers)
         expected = blocks if state_sharding(plan).ways(plan, "params") > 1 else plan.schedule.virtual_stages * per_chunk
         assert len(firsts) == (expected if during else plan.schedule.virtual_stages)
@@ -297,10 +300,11 @@ def test_host_counts_one_collective_per_leaf():
     assert [t.count for t in simulate(zero1, host).program.tasks if t.name == "gather params"] == [53]
     merged = replace(host, calibration=host.calibration.updated(collectives={"combine_bytes": None}))
     # Within XLA's default bound: the forward's gathers (all issued before its blocks compute) one collective, in the
-    # first block, its first leaf's; the backward one per piece (a piece's gather waits for the next block's
-    # backward, so none merge across pieces), its first block the head's, at their own sizes.
+    # first block, its first leaf's; the backward's (a piece's gather waits for a cotangent two pieces back, so a
+    # merge spans two adjacent pieces: testbed.model.leaves.backward_merges) the head with the last layer, then
+    # pairs of layers, each in its first piece's block, at their own sizes.
     gathers = [t for t in simulate(plan, merged).program.tasks if t.op == "all_gather"]
-    assert [(t.name, t.count) for t in gathers] == [("gather F0/0", 1), *[(f"gather B0/{k}", 1) for k in range(5)]]
+    assert [(t.name, t.count) for t in gathers] == [("gather F0/0", 1), *[(f"gather B0/{k}", 1) for k in (0, 2, 4)]]
     leaf_by_leaf = simulate(plan, host).program.tasks  # the same forward bytes, merged into one
     assert gathers[0].nbytes == sum(t.count * t.nbytes for t in leaf_by_leaf if t.name.startswith("gather F"))
     assert [t.count for t in simulate(zero1, merged).program.tasks if t.name == "gather params"] == [1]

@@ -14,7 +14,8 @@ leaves the fsdp count cannot split (sharded flat and padded on both sides), ever
 What does not yet (a strict xfail, so agreement would show): on the TPU slice an attention-heavy
 tensor-parallel step (1.09: per-segment rooflines). Both sides merge
 parameter gathers and gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit, XLA's
-default 30 MiB) in the runner's issue order, the backward's per piece; the tracer starts each collective once its
+default 30 MiB) by XLA's combiner rule (testbed.sim.combine: by data-flow reachability; the plan's model counts what
+it gives the runner's program, the backward's gathers of two adjacent pieces together); the tracer starts each collective once its
 operands are ready (testbed.sim.overlap.hoist_collectives) and the plan's model makes the embedding and the head
 fsdp blocks of their own (testbed.model.leaves.own_blocks), reduce-scattering each block's gradients at their
 merged sizes: fsdp over the whole superpod (fp32, and d_model 2048 bf16) and over a TPU slice agree within 5%.
@@ -136,6 +137,22 @@ def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, 
                 batch=BatchSpec(global_batch=fsdp), mesh=MeshSpec(fsdp=fsdp), schedule=ScheduleSpec(name="1f1b"),
                 precision=precision, remat="none")
     traced, planned, _, _ = _both(plan, topology)
+    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_fsdp_by_tensor_bf16_step_time(sequence_parallel: bool) -> None:
+    """8 layers, fsdp 128 x tensor 8 in bf16-mixed on the superpod (1.46 and 1.52 before): the runner casts each
+    leaf's fp32 shard to bf16 before its gather, and JAX emits a layer's casts and gathers after the layer before
+    it. XLA's combiner rule (testbed.sim.combine: by data-flow reachability, not program order) merges the
+    forward's gathers across layers within the bound, as the plan's model does, and the backward's of two
+    adjacent pieces (a piece's gather waits for a cotangent computed two pieces back), as the plan's model now
+    counts them (testbed.model.leaves.backward_merges)."""
+    model = ModelSpec(layers=8, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
+    plan = Plan(name="fsdp-tp", model=model, batch=BatchSpec(global_batch=128), mesh=MeshSpec(fsdp=128, tensor=8),
+                schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none",
+                sequence_parallel=sequence_parallel)
+    traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 

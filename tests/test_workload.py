@@ -133,6 +133,21 @@ def test_combining_merges_independent_collectives_and_keeps_dependent_ones_apart
     assert _collectives(combine_collectives(workload(ops), 0)) == 2
 
 
+def test_a_reader_between_two_independent_gathers_does_not_keep_them_apart() -> None:
+    """XLA's rule (CombineInstructionsByKey): two gathers neither of which reaches the other merge, though a matmul
+    reads the first before the second is issued (the runner's bf16 fsdp step: a layer's casts and gathers are
+    emitted after the layer before it); a gather over the bound alone merges with none and ends no group."""
+    ops = [reduce((), op="all_gather"), gemm((0,)), memory(()), reduce((2,), op="all_gather"), gemm((1, 3))]
+    merged = combine_collectives(workload(ops), 2e6)
+    assert _collectives(merged) == 1
+    assert [op.deps for op in merged.ops if op.kind is OpKind.GEMM] == [(1,), (1, 2)]  # both wait for the merge
+    ops = [reduce((), op="all_gather"), reduce((), op="all_gather", nbytes=4e6), reduce((), op="all_gather")]
+    assert sorted(op.nbytes for op in combine_collectives(workload(ops), 2e6).ops) == [2e6, 4e6]
+    # the third reads the first's result: it reaches the group and opens the next one
+    ops = [reduce((), op="all_gather"), gemm((0,)), reduce((1,), op="all_gather"), reduce((), op="all_gather")]
+    assert sorted(op.nbytes for op in combine_collectives(workload(ops), None).ops if op.nbytes) == [1e6, 2e6]
+
+
 def test_deferring_moves_a_collective_consumer_after_independent_compute() -> None:
     ops = [gemm(), reduce((0,)), memory((1,)), gemm((0,)), gemm((3,))]
     moved = defer_consumers(workload(ops))

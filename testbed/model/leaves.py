@@ -18,7 +18,7 @@ from testbed.model import layout
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes",
+__all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes", "backward_merges",
            "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements",
            "block_gathers", "own_blocks", "block_pieces", "block_scatters", "SHARE_QUANTUM"]
 
@@ -158,14 +158,41 @@ def combine_limit(combine_bytes: float | None, framework: str = "jax") -> float:
 def combined_sizes(sizes: tuple[float, ...], combine_bytes: float) -> tuple[float, ...]:
     """``sizes`` (bytes of collectives issued one after another) as a combiner merges them: consecutive ones
     joined while the merged collective stays within ``combine_bytes`` (XLA's all-gather and reduce-scatter
-    combiners' threshold rule). 0: none merged; ``math.inf``: all of them one collective."""
+    combiners' threshold rule, CombineInstructionsByKey: one over the bound alone merges with none and does not
+    end the open merge). 0: none merged; ``math.inf``: all of them one collective."""
     out: list[float] = []
+    group = -1  # the open merge's index in out
     for size in sizes:
-        if out and out[-1] + size <= combine_bytes:
-            out[-1] += size
+        if size > combine_bytes:
+            out.append(float(size))
+        elif group >= 0 and out[group] + size <= combine_bytes:
+            out[group] += size
         else:
             out.append(float(size))
+            group = len(out) - 1
     return tuple(out)
+
+
+def backward_merges(pieces: list[tuple[float, ...]], combine_bytes: float) -> list[tuple[float, int]]:
+    """(bytes, piece) of each backward gather of a chunk, ``pieces`` the bytes of each piece's regathered leaves
+    in the backward's order (the head, then the layers from the last): XLA's combiner rule
+    (CombineInstructionsByKey, testbed.sim.combine) on the runner's program, where a piece's gather waits for
+    the link from the piece before it in this order (testbed.runner.param_shards), a cotangent computed by the
+    piece before that one: so a merge spans at most two adjacent pieces, runs while its bytes stay within
+    ``combine_bytes``, and a leaf over it alone merges with none (nor ends a merge). ``piece``: the index of the
+    merge's first leaf's piece, the first the backward reads."""
+    out: list[list] = []
+    group: list | None = None  # [bytes, first piece]
+    for k, sizes in enumerate(pieces):
+        for size in sizes:
+            if size > combine_bytes:
+                out.append([size, k])
+            elif group is not None and group[1] >= k - 1 and group[0] + size <= combine_bytes:
+                group[0] += size
+            else:
+                group = [size, k]
+                out.append(group)
+    return [(size, k) for size, k in out]
 
 
 def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_bytes: float = math.inf,
@@ -195,10 +222,9 @@ def regathered(plan: Plan, s: int, c: int, moved: int, leaves: int, combine_byte
                bytes_per_element: float = 4.0) -> tuple[int, int]:
     """(elements, collectives) of the backward's gathers of a chunk: all but the embedding's leaves (its backward,
     a scatter-add of the rows' gradients, reads no table) and the additive ones (:func:`regathered_in_backward`).
-    Collectives: under a finite ``combine_bytes`` (:func:`combine_limit`) each piece's on their own, as
-    :func:`combined_sizes` merges the piece's leaves in :func:`issue_order` (the runner's backward gather of a
-    piece waits for its own link from the piece after it, testbed.runner.param_shards, so no merge spans two
-    pieces); unbounded, the whole chunk's count."""
+    Collectives: under a finite ``combine_bytes`` (:func:`combine_limit`) as :func:`backward_merges` merges the
+    pieces' leaves in :func:`issue_order`, from the head (XLA's combiner rule on the runner's program: a merge
+    spans at most two adjacent pieces); unbounded, the whole chunk's count."""
     if not leaves:
         return moved, leaves
     if not math.isinf(combine_bytes):
@@ -218,7 +244,7 @@ def _unread(plan: Plan, s: int, c: int) -> int:
 
 
 def _regathered_collectives(plan: Plan, s: int, c: int, combine_bytes: float, bytes_per_element: float) -> int:
-    """The backward's gather collectives of a chunk, each piece's (a layer; the head) merged on their own."""
+    """The backward's gather collectives of a chunk (pieces: a layer; the head), as :func:`backward_merges`."""
     mesh = plan.mesh
     return _regathered_count(plan.model, mesh.stage, plan.schedule.virtual_stages, plan.stage_layers, s, c,
                              state_sharding(plan).ways(plan, "params"), mesh.tensor, mesh.expert, mesh.expert_tensor,
@@ -233,12 +259,9 @@ def _regathered_count(spec: ModelSpec, stages: int, v: int, stage_layers: tuple[
     _, head = layout.holds(s, c, stages, v)
     pieces = [layout.layer_params(spec, i) for i in layout.chunk_layers(spec, stages, v, stage_layers)[s][c]]
     pieces += [layout.head_params(spec)] if head else []
-    count = 0
-    for piece in pieces:
-        sizes = tuple(q.gathered_elements(tensor, ways, expert, expert_tensor) * bytes_per_element
-                      for q in issue_order(piece) if regathered_in_backward(q))
-        count += len(combined_sizes(sizes, combine_bytes))
-    return max(1, count)
+    sizes = [tuple(q.gathered_elements(tensor, ways, expert, expert_tensor) * bytes_per_element
+                   for q in issue_order(piece) if regathered_in_backward(q)) for piece in reversed(pieces)]
+    return max(1, len(backward_merges(sizes, combine_bytes)))
 
 
 def bucket_share(leaves: int, buckets: int, k: int) -> int:
@@ -282,8 +305,8 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
     shares of unequal merges would overprice them). Each piece (the embedding, a layer, the head) gathers in its
     block (:func:`block_pieces`); a merged collective belongs to the block of its first leaf, the first the runner
     reads. Merges as :func:`parameter_collectives` (forward:
-    the chunk's leaves in :func:`issue_order`) and :func:`regathered` (backward: each piece's regathered leaves
-    on their own) count them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
+    the chunk's leaves in :func:`issue_order`) and :func:`regathered` (backward: :func:`backward_merges`) count
+    them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
     ``elements`` (the action's gathered elements, :meth:`testbed.sim.facts.ChunkFacts.gather`) above the leaves'
     (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
     graph and the analytic tier both price."""
@@ -313,29 +336,46 @@ def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
     pieces = [(b, params) for b, what, params in _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
               if kind == "F" or what != "embedding"]
     out: list[list[float]] = [[] for _ in range(blocks)]
-    run = None  # what merges: the whole chunk (forward), a piece (backward), a block (unbounded)
-    for p, (block, piece) in enumerate(pieces):
+    if kind != "F" and not math.isinf(combine_bytes):
+        backward = [(block, tuple(q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor)
+                                  * bytes_per_element for q in issue_order(piece) if regathered_in_backward(q)))
+                    for block, piece in reversed(pieces)]
+        for size, k in backward_merges([sizes for _, sizes in backward], combine_bytes):
+            out[backward[k][0]].append(size)
+        return _with_rest(out, elements * bytes_per_element, last, reverse=True)
+    run = None  # the open merge (what merges: the whole chunk, forward; a block, unbounded), its block and index
+    for block, piece in pieces:
         for q in issue_order(piece):
             if kind != "F" and not regathered_in_backward(q):
                 continue
             size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-            key = block if math.isinf(combine_bytes) else 0 if kind == "F" else p
-            if run is not None and run[0] == key and run[1][-1] + size <= combine_bytes:
-                run[1][-1] += size  # combined_sizes' rule
+            key = block if math.isinf(combine_bytes) else 0
+            if size > combine_bytes:
+                out[block].append(size)  # combined_sizes' rule: alone, the open merge goes on
+            elif run is not None and run[0] == key and out[run[1]][run[2]] + size <= combine_bytes:
+                out[run[1]][run[2]] += size
             else:
-                run = (key, out[block])
                 out[block].append(size)
-    rest = elements * bytes_per_element - sum(map(sum, out))
-    if rest > 1e-6 * max(1.0, elements * bytes_per_element):
+                run = (key, block, len(out[block]) - 1)
+    return _with_rest(out, elements * bytes_per_element, last, reverse=kind != "F")
+
+
+def _with_rest(out: list[list[float]], total: float, last: int, reverse: bool) -> tuple[tuple[float, ...], ...]:
+    """``out`` with what ``total`` has above its collectives (a tied table's copy) one more of block ``last``,
+    per block in forward order, or reversed (the backward's)."""
+    rest = total - sum(map(sum, out))
+    if rest > 1e-6 * max(1.0, total):
         out[last].append(rest)
-    return tuple(tuple(sizes) for sizes in (out if kind == "F" else reversed(out)))
+    return tuple(tuple(sizes) for sizes in (reversed(out) if reverse else out))
 
 
 def block_scatters(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
                    bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
     """Per block of a chunk's backward (from the head, :func:`block_pieces`), each reduce-scatter its gradients
-    are, as a share of the chunk's gradient elements: each piece's leaves merged within ``combine_bytes`` in
-    :func:`issue_order` (:func:`combined_sizes`; unbounded: one per block). The gradient buckets at their real
+    are, as a share of the chunk's gradient elements: the pieces' leaves from the head, each piece's in
+    :func:`issue_order`, merged within ``combine_bytes`` by :func:`combined_sizes`' rule across pieces (XLA's
+    combiner: nothing reads a reduce-scatter before the optimizer, so none reaches another), a merge in the
+    block of its last leaf, whose gradients end it (unbounded: one per block). The gradient buckets at their real
     merged sizes, where equal shares of the chunk's would price the head's large table as a layer's share and
     split it into equal collectives."""
     return _block_scatters(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
@@ -349,13 +389,23 @@ def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
                     ) -> tuple[tuple[float, ...], ...]:
     """:func:`block_scatters` from what it depends on."""
     merged: list[list[float]] = [[] for _ in range(blocks)]
-    for block, _, params in _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks):
-        sizes = tuple(q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-                      for q in issue_order(params))
-        if math.isinf(combine_bytes):
-            merged[block] = [sum(merged[block]) + sum(sizes)]
+    group: list | None = None  # the open merge: [bytes, block of its last member]
+    groups: list[list] = []
+    for block, _, params in reversed(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)):
+        for q in issue_order(params):
+            size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+            if math.isinf(combine_bytes) or size > combine_bytes:
+                groups.append([size, block])  # unbounded: one per block (summed below); over the bound: alone
+            elif group is not None and group[0] + size <= combine_bytes:
+                group[0], group[1] = group[0] + size, block
+            else:
+                group = [size, block]
+                groups.append(group)
+    for size, block in groups:
+        if math.isinf(combine_bytes) and merged[block]:
+            merged[block][0] += size
         else:
-            merged[block] += combined_sizes(sizes, combine_bytes)
+            merged[block].append(size)
     return _exact_shares(tuple(tuple(sizes) for sizes in reversed(merged)))
 
 

@@ -10,15 +10,26 @@ groups that do not depend on each other into one:
 - all-gathers and reduce-scatters merge within a bound (testbed.sim.traced passes
   testbed.model.leaves.combine_limit: the topology's ``calibration.collectives.combine_bytes``, 0 on XLA:CPU,
   else XLA's default 30 MiB; the bound plan-driven simulation counts fsdp gathers with,
-  testbed.model.leaves.parameter_collectives; None here: no bound), and only until an op reads one of them: a layer's
-  parameter gathers are not merged with the next layer's, which a latency-hiding schedule prefetches
-  while the layer computes.
+  testbed.model.leaves.parameter_collectives; None here: no bound); one larger than the bound alone is
+  never merged.
 
-Walking the ops in program order, a collective joins the open merge of its kind and axes unless it
-depends, through any chain of ops (a merge counting as one op), on that merge, or a bound above says
-no; then a new merge opens. A merged collective needs all its members' operands and is needed by all
-their readers, so the ops are then put in a topological order, each as close to its old position as
-that allows (a merge at its last member's). Bytes are conserved: a merge's are its members' sum.
+The rule is XLA's ``CombineInstructionsByKey`` (xla/service/collective_combiner_utils.h, which the
+all-gather, reduce-scatter and all-reduce combiners call): walking the instructions in a topological
+order, a group of one key (kind and device groups) takes each next collective of that key while the
+group's bytes stay within the bound and the collective is not reachable, in the data-flow graph, from
+any member already taken (HloReachabilityMap); the first that fails ends the group and opens the next.
+Readers in between do not end a group: a layer's gathers whose operands are ready before the layer
+before it has computed (bf16 casts of the fp32 shards, which JAX emits after that layer) merge with
+that layer's, as XLA merges them. The combiners run before XLA's latency-hiding scheduler, so
+testbed.sim.traced combines the ops in the traced (JAX's) order, before testbed.sim.overlap orders them;
+the walk is that order, where XLA walks its own post order (both topological: the groups differ only
+where two orders interleave one key's collectives differently).
+
+Here the keys are walked together in one pass, each with its open group; reachability counts a merge as
+one op (XLA recomputes it after each combined group). A merged collective needs all its members'
+operands and is needed by all their readers, so the ops are then put in a topological order, each as
+close to its old position as that allows (a merge at its last member's). Bytes are conserved: a merge's
+are its members' sum.
 """
 
 from __future__ import annotations
@@ -29,50 +40,50 @@ from dataclasses import replace
 
 from testbed.sim.workload import OpKind, TracedOp, Workload
 
-__all__ = ["combine_collectives"]
+__all__ = ["PASSES", "combine_collectives"]
 
 
-def _merges(ops: tuple[TracedOp, ...], limit: float) -> list[int]:
-    """Per op, the merge it belongs to (named by its first member; an op alone is its own)."""
+#: The combiners' order in XLA's GPU pipeline (gpu_compiler.cc's post-fusion passes): each pass merges one kind,
+#: and a later pass sees the earlier passes' merged collectives.
+PASSES = ("all_gather", "all_reduce", "reduce_scatter")
+
+
+def _merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[int]:
+    """Per op, the merge it belongs to (named by its first member; an op alone is its own), merging the
+    collectives of ``key`` (kind, axes) by CombineInstructionsByKey's rule (module docstring). ``after[i]``: the
+    newest group of this key op ``i`` depends on (groups open in walk order, so depending on the open one is
+    ``after >= first``); the ops' other merges are already single ops, so the data flow is exact."""
     merge = list(range(len(ops)))
-    reach: list[dict] = [{} for _ in ops]   # op -> {merge key: newest merge it depends on}
-    together: dict[int, dict] = {}           # merge -> what its members together depend on, and itself
-    opened: dict[tuple, tuple[int, float]] = {}  # merge key -> (open merge, its bytes)
+    after = [-1] * len(ops)
+    first, size = -1, 0.0
     for i, op in enumerate(ops):
-        seen = reach[i]
-        for d in op.deps:
-            for key, value in together.get(merge[d], reach[d]).items():
-                if seen.get(key, -1) < value:
-                    seen[key] = value
-            key = (ops[d].collective, ops[d].axes) if ops[d].kind is OpKind.COLLECTIVE else None
-            if key in opened and opened[key][0] == merge[d] and key[0] != "all_reduce":
-                del opened[key]  # an all-gather or reduce-scatter merge ends at its first reader
-        if op.kind is not OpKind.COLLECTIVE or op.count != 1:
-            continue
-        key = (op.collective, op.axes)
-        bound = math.inf if op.collective == "all_reduce" else limit
-        if key in opened:
-            first, size = opened[key]
-            if seen.get(key, -1) >= first or size + op.nbytes > bound:
-                del opened[key]
-        if key not in opened:
-            opened[key] = (i, 0.0)
-            together[i] = {}
-        first, size = opened[key]
-        opened[key] = (first, size + op.nbytes)
-        merge[i] = first
-        seen[key] = first
-        total = together[first]
-        for k, value in seen.items():
-            if total.get(k, -1) < value:
-                total[k] = value
+        newest = max((after[d] for d in op.deps), default=-1)
+        if (op.kind is OpKind.COLLECTIVE and op.count == 1 and (op.collective, op.axes) == key
+                and op.nbytes <= bound):  # one over the bound alone is never merged; the group goes on
+            if first < 0 or newest >= first or size + op.nbytes > bound:
+                first, size = i, 0.0  # reachable from the group, or over the bound: the next group
+            merge[i], size, newest = first, size + op.nbytes, first
+        after[i] = newest
     return merge
 
 
 def combine_collectives(workload: Workload, combine_bytes: float | None) -> Workload:
-    """``workload`` with its independent same-kind, same-axes collectives merged (module docstring)."""
+    """``workload`` with its independent same-kind, same-axes collectives merged (module docstring): one pass
+    per kind in :data:`PASSES`' order (then any other kind, all-to-all or collective-permute, within the bound as
+    an all-gather), one key (kind, axes) at a time, each on the last one's result."""
+    limit = math.inf if combine_bytes is None else float(combine_bytes)
+    kinds = dict.fromkeys(op.collective for op in workload.ops if op.kind is OpKind.COLLECTIVE)
+    for kind in (*PASSES, *sorted(set(kinds) - set(PASSES))):
+        keys = dict.fromkeys((op.collective, op.axes) for op in workload.ops
+                             if op.kind is OpKind.COLLECTIVE and op.collective == kind)
+        for key in keys:
+            workload = _merged(workload, _merges(workload.ops, key, math.inf if kind == "all_reduce" else limit))
+    return workload
+
+
+def _merged(workload: Workload, merge: list[int]) -> Workload:
+    """``workload`` with the ops ``merge`` names together as one, in a topological order near the old one."""
     ops = workload.ops
-    merge = _merges(ops, math.inf if combine_bytes is None else float(combine_bytes))
     members: dict[int, list[int]] = {}
     for i, m in enumerate(merge):
         members.setdefault(m, []).append(i)

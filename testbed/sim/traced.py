@@ -252,13 +252,14 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
                       ) -> TracedSimulation:
     """Price and play ``workload`` on ``topology`` (raises InputError when the mesh does not fill it).
 
-    First the ops are ordered as XLA's scheduler would (testbed.sim.overlap: collectives' results read as
-    late as possible) and independent collectives merged as the topology's compiler would
-    (testbed.sim.combine, within testbed.model.leaves.combine_limit: the topology's
-    ``calibration.collectives.combine_bytes``, else XLA's default threshold, as the plan's model counts them).
+    First independent collectives are merged as the topology's compiler would (testbed.sim.combine, by data-flow
+    reachability within testbed.model.leaves.combine_limit: the topology's ``calibration.collectives.combine_bytes``,
+    else XLA's default threshold, as the plan's model counts them), on the traced order, since XLA's combiners
+    run before its scheduler; then the ops are ordered as that scheduler would (testbed.sim.overlap: collectives'
+    results read as late as possible, each collective started once its operands are ready).
     """
     limit = combine_limit(topology.calibration.collectives.combine_bytes, "jax")
-    workload = hoist_collectives(combine_collectives(defer_consumers(workload), limit))
+    workload = hoist_collectives(defer_consumers(combine_collectives(workload, limit)))
     program = workload_program(workload, topology, device_ids)
     priced = price_workload(program, topology, workload.dtype)
     timeline = run(program, priced, calibration=topology.calibration)
