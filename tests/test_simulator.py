@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 
 import pytest
+
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -14,6 +16,7 @@ from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.sim.program import TaskKind, build_program
 from testbed.model.costs import chunk_cost
+from testbed.model.leaves import combine_limit
 from testbed.pipeline.timing import ActionCosts, play
 from testbed.pipeline.schedules import build_schedule
 from testbed.sim.engine import price, run, simulate
@@ -165,15 +168,21 @@ def test_pure_data_parallel_is_backward_plus_exposed_allreduce(topology):
 
 
 def test_sharded_gradients_reduce_while_the_backward_goes_on():
-    """FSDP: gradients accumulate sharded, so the last backward's buckets reduce-scatter as each piece (a block,
-    gathered before it computes) ends: the 8 layers', and the head's and the embedding's own (a JAX program's
-    blocks: testbed.model.leaves.own_blocks)."""
+    """FSDP: gradients accumulate sharded, so the last backward's reduce-scatters start as the pieces whose
+    gradients they carry end, merged within XLA's bound across pieces (testbed.model.leaves.block_scatters): at
+    d_model 1024 in fp32 a layer's gradients (50 MB) are two merges, each released as its layer's backward ends,
+    all but the last before the backward's last piece."""
     plan = make_plan(fsdp=8, microbatches=1, layers=8)
+    plan = replace(plan, model=replace(plan.model, d_model=1024, heads=16, d_ff=4096))
     tasks = simulate(plan, TOPOLOGIES["switch8"]).program.tasks
     compute = [i for i, t in enumerate(tasks) if t.kind is TaskKind.COMPUTE]
     buckets = [i for i, t in enumerate(tasks) if t.stream == "grad"]
-    assert len(buckets) == 10 and all(tasks[i].op == "reduce_scatter" for i in buckets)
-    assert [tasks[i].deps[0] for i in buckets] == compute[-11:-1]  # one per backward piece
+    assert all(tasks[i].op == "reduce_scatter" for i in buckets)
+    bound = combine_limit(TOPOLOGIES["switch8"].calibration.collectives.combine_bytes, plan.runtime.framework)
+    assert all(tasks[i].nbytes <= bound for i in buckets)
+    released = [tasks[i].deps[0] for i in buckets]
+    assert set(released) <= set(compute) and len(set(released)) == plan.model.layers + 1  # each layer's, the last
+    assert sum(r < compute[-2] for r in released) == len(buckets) - 1  # all but the last during the backward
 
 
 def test_trace_parses_and_has_every_device(tmp_path):
