@@ -4,15 +4,22 @@ fits 80 GB per GPU, and each option the paper relies on is needed for it to fit.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from testbed.model.memory import memory_breakdown
+from testbed.model.kept import layer_kept_bytes
+from testbed.model.memory import inflight_microbatches, memory_breakdown
+from testbed.pipeline.schedules import build_schedule, held_by_gradient_chunks
 from testbed.plan.io import load_plan
 from testbed.plan.spec import Attention, Remat
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "published"))
+import runs  # noqa: E402
 
 GB = 1e9
 
@@ -64,3 +71,25 @@ def test_each_of_the_papers_memory_options_is_needed(case, change: str) -> None:
 def test_full_recompute_fits_with_room_to_spare(case) -> None:
     plan, topology = case
     assert memory_breakdown(replace(plan, remat=Remat.FULL), topology).total < 0.5 * memory_breakdown(plan, topology).total
+
+
+def test_a_stage_holds_its_layers_sets_and_nothing_at_its_edges() -> None:
+    """The 8,192-GPU row of Table 4 (TP 8, PP 16, DP 64, 32 microbatches, interleaved V 8; issue 35, predicted out
+    of memory): its fullest stage (1) holds ``(V - 1) p + 2 (p - 1 - s) + 1`` = 141 (microbatch, chunk) sets at its
+    peak (Megatron-LM's and PyTorch's ``ScheduleInterleaved1F1B`` warm-up, plus the steady state's forward), one layer
+    each under balanced ends, with every chunk's gradients already written (so ``lazy_grads`` cannot lower it), and
+    the memory model counts exactly those 141 layer sets: a stage's received input is its first layer's saved norm
+    input, counted once, and its sent output is freed once sent (Megatron-LM's ``deallocate_output_tensor``; the
+    Llama 3 paper, Sec. 3.3.2, deallocates "the input and output tensors of each pipeline stage"), counted never
+    (docs/validation.md, "Llama 3 405B on 8,192 GPUs: what the memory model was checked against")."""
+    cases, inline = runs.load_cases(runs.CASES)
+    case = next(c for c in cases if c["name"] == "llama3-405b-h100-8192gpu")
+    plan, topology = runs.case_plan(case), runs.case_topology(case, inline)
+    p, v, m = plan.mesh.stage, plan.schedule.virtual_stages, plan.batch.microbatches
+    assert (p, v, m) == (16, 8, 32) and plan.stage_layers[1] == v  # one layer a chunk
+    peak = (v - 1) * p + 2 * (p - 1 - 1) + 1
+    assert inflight_microbatches(plan)[1] == peak == 141
+    assert held_by_gradient_chunks(build_schedule(plan.schedule.name, p, m, v))[1][v] == peak  # all chunks' grads
+    memory = memory_breakdown(plan, topology)
+    assert memory.worst_stage == 1
+    assert memory.per_stage[1].activations == peak * layer_kept_bytes(plan)
