@@ -104,8 +104,11 @@ def refit(doc: dict) -> dict:
         spec, probe = _spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"])
         own += row_errors(spec, probe, fit_host_costs(spec, probe, run["rows"], min_bytes=fit_from_bytes(run)),
                           run["rows"])
+    smallest = min(row["bytes"] for run in doc["runs"] for row in run["rows"])
+    extra = {"leave_one_rate_out_from_smallest": {"min_bytes": smallest}} if smallest < fit_from_bytes(
+        doc["runs"][0]) else {}  # a run with --tiny below 4 KiB: fitted from its smallest call too
     return {"in_sample": _summary(own), "leave_one_rate_out": leave_one_rate_out(doc),
-            **{key: leave_one_rate_out(doc, **kwargs) for key, kwargs in VARIANTS.items()}}
+            **{key: leave_one_rate_out(doc, **kwargs) for key, kwargs in {**VARIANTS, **extra}.items()}}
 
 
 def priced_by(doc: dict, costs_doc: dict) -> dict:
@@ -173,7 +176,7 @@ def combine(first: dict, second: dict) -> dict:
 
 
 def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: int = 2,
-                  min_call_s: float = 0.0) -> dict:
+                  min_call_s: float = 0.0, tiny: tuple[int, ...] = (4096,)) -> dict:
     """Every rate's collectives: in one job on one cluster, the links reshaped between rates, ``rounds`` passes
     (:func:`testbed.runner.cluster_calibrate.measure_interleaved`); ``rounds`` 0: one cluster and job per rate.
     ``min_call_s``: only the sizes priced over it (and the 4 KiB call)."""
@@ -185,10 +188,10 @@ def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: i
         first = _spec(topology, rates[0])
         with netns.ephemeral(first) as owner:
             raws = measure_interleaved(first, owner, [_spec(topology, r).scale for r in rates], rounds=rounds,
-                                       max_call_s=max_call_s, repeats=repeats, min_call_s=min_call_s)
+                                       max_call_s=max_call_s, repeats=repeats, min_call_s=min_call_s, tiny=tiny)
         runs = [{"rate_mbps": rate, **raw} for rate, raw in zip(rates, raws)]
-    if min_call_s and not rounds:
-        raise ValueError("--min-call-s needs --rounds 1 or more")
+    if (min_call_s or tiny != (4096,)) and not rounds:
+        raise ValueError("--min-call-s and --tiny need --rounds 1 or more")
     for rate in rates if not rounds else ():
         with netns.ephemeral(_spec(topology, rate)) as owner:
             raw = measure(_spec(topology, rate), owner, max_call_s=max_call_s, repeats=repeats)
@@ -213,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                              "job per rate)")
     parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
     parser.add_argument("--refit", default=None, metavar="FILE", help="only the fits of a saved --save file")
+    parser.add_argument("--tiny", default="4096",
+                        help="the host-bound sizes under 64 KiB to time, bytes (default 4096; e.g. 1024,4096: a "
+                             "variant fitted from the smallest is reported beside the headline)")
     parser.add_argument("--combine", nargs=2, default=None, metavar=("FIRST", "SECOND"),
                         help="fit one document of two saved runs at the same rates (e.g. a run to 3 s a call and "
                              "one of the sizes over it, --min-call-s 3): every size of both; --save writes it")
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"skipped": problem}))
             return 0
         doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats, args.rounds,
-                            args.min_call_s)
+                            args.min_call_s, tuple(int(t) for t in args.tiny.split(",")))
         if args.save:
             with open(args.save, "w") as f:
                 json.dump(doc, f, indent=1)
@@ -249,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         result = refit(doc)
         if args.png:
             plot(result, args.png)
-        for key in ("leave_one_rate_out", *VARIANTS):
+        for key in [key for key in result if key.startswith("leave_one_rate_out")]:
             result[key].pop("rows")
     print(json.dumps({"topology": TOPOLOGY, "nodes": 4, "devices_per_node": 2, "rates_mbps":
                       [run["rate_mbps"] for run in doc["runs"]], "algorithm": "ring (gloo's, both ops)",

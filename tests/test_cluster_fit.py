@@ -138,6 +138,11 @@ def test_cheap_sizes_are_timed_more_often():
     assert repeats_for(fast, PROBE, "all_reduce", 2**16, 3, 15) == 15  # ~10 ms a call
     assert repeats_for(slow, PROBE, "all_reduce", 2**20, 3, 15) == 3  # ~2 s a call
     assert sizes_for(slow, PROBE, "all_reduce", 3.0)[-1] < sizes_for(fast, PROBE, "all_reduce", 3.0)[-1]
+    # More than one host-bound size (--tiny): each timed as often as the tiny call; none from 64 KiB up.
+    assert sizes_for(fast, PROBE, "all_reduce", 3.0, tiny=(4096, 1024))[:3] == [1024, 4096, 2**16]
+    assert repeats_for(fast, PROBE, "all_reduce", 1024, 3, 15) == 15
+    with pytest.raises(ValueError, match="tiny sizes"):
+        sizes_for(fast, PROBE, "all_reduce", 3.0, tiny=(2**16,))
 
 
 def test_the_long_sizes_are_the_ones_a_shorter_run_left_out_and_have_no_warmup():

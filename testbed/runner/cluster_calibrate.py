@@ -36,12 +36,16 @@ def _guess(spec: ClusterSpec, probe: HostProbe) -> Any:
     return emulated(spec, probe, HostCosts(call_s=5e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec)))
 
 
-def sizes_for(spec: ClusterSpec, probe: HostProbe, op: str, max_call_s: float, min_call_s: float = 0.0) -> list[int]:
-    """The tiny size and 64 KiB x 4^k up to 64 MiB whose call the links' goodput prices under ``max_call_s``
-    (and, with ``min_call_s``, over it: the sizes a run to ``min_call_s`` left out; the tiny call is kept, it
-    opens the job's connections before the first long call, which has no warm-up call, :func:`warmup_for`)."""
+def sizes_for(spec: ClusterSpec, probe: HostProbe, op: str, max_call_s: float, min_call_s: float = 0.0,
+              tiny: Sequence[int] = (TINY_BYTES,)) -> list[int]:
+    """The tiny sizes (``tiny``, each under 64 KiB) and 64 KiB x 4^k up to 64 MiB whose call the links' goodput
+    prices under ``max_call_s`` (and, with ``min_call_s``, over it: the sizes a run to ``min_call_s`` left out;
+    the tiny calls are kept, they open the job's connections before the first long call, which has no warm-up
+    call, :func:`warmup_for`)."""
+    if not tiny or any(not 0 < t < _FIRST for t in tiny):
+        raise ValueError(f"tiny sizes must be given, each in (0, {_FIRST}) bytes, got {list(tiny)}")
     guess = _guess(spec, probe)
-    sizes, size = [TINY_BYTES], _FIRST
+    sizes, size = sorted(set(tiny)), _FIRST
     while size <= _LAST and predict(guess, op, size) <= max_call_s:
         if predict(guess, op, size) > min_call_s:
             sizes.append(size)
@@ -68,7 +72,7 @@ def repeats_for(spec: ClusterSpec, probe: HostProbe, op: str, size: int, repeats
     ``tiny_repeats`` while the calls take under :data:`_CHEAP_S` in all: cheap calls are the ones the host's
     scheduling moves most (a 64 KiB all-reduce at 100 Mb/s: 24-64 ms where the wire takes 10), so their median
     is taken over more of them."""
-    if size == TINY_BYTES:
+    if size < _FIRST:
         return tiny_repeats
     return max(repeats, min(tiny_repeats, int(_CHEAP_S / predict(_guess(spec, probe), op, size))))
 
@@ -100,7 +104,7 @@ def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduc
 def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], *, rounds: int = 2,
                         ops: tuple[str, ...] = ("all_reduce", "all_gather"), max_call_s: float = 2.0,
                         repeats: int = 3, tiny_repeats: int = 15, min_call_s: float = 0.0,
-                        timeout_s: float | None = 900) -> list[dict[str, Any]]:
+                        tiny: Sequence[int] = (TINY_BYTES,), timeout_s: float | None = 900) -> list[dict[str, Any]]:
     """:func:`measure` at every link scale of ``scales`` in one job, the links reshaped between phases.
 
     The host's per-call cost follows the load (a 4 KiB call: 8-25 ms over load averages 3-16), so rates
@@ -108,8 +112,8 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
     prediction. Here the same processes time every rate's calls, ``rounds`` passes over the rates, and each
     size's calls from every pass are pooled (median of the slowest process's per call). One dict per scale,
     as :func:`measure` returns; the links are left at ``spec.scale``. ``min_call_s``: only the sizes priced over
-    it (:func:`sizes_for`: a run to 64 MiB beside one to a few seconds a call); the job's timeout grows with its
-    calls' priced seconds.
+    it (:func:`sizes_for`: a run to 64 MiB beside one to a few seconds a call); ``tiny``: the host-bound sizes
+    under 64 KiB (default 4 KiB); the job's timeout grows with its calls' priced seconds.
     """
     import statistics
     import tempfile
@@ -129,7 +133,7 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
                                 across_latency_s=measured.across_latency_s))
         calls.append([[op, size, repeats_for(one, probes[-1], op, size, repeats, tiny_repeats),
                        warmup_for(one, probes[-1], op, size)]
-                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s)])
+                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s, tiny)])
     phases = [str(i) for i in range(len(specs))] * rounds
     if timeout_s:  # the job's calls priced at the links' goodput, twice over, with a margin for the host
         timeout_s = max(timeout_s, 2 * rounds * sum(priced_s(one, p, c) for one, p, c in zip(specs, probes, calls))
