@@ -32,6 +32,15 @@ bandwidth. ``--costs-from FILE`` prices every size of this run with the
 costs fitted to another saved run's other rates (held out by job and rate):
 one rate timed up to 64 MiB (``--rates 100 --max-call-s 12``), which the
 three-rate run leaves out, priced with a full run's fits.
+
+Every size to 64 MiB at every rate (a 64 MiB all-reduce at 10 Mb/s is ~106 s
+a call): ``--min-call-s 3 --max-call-s 200 --repeats 2 --rounds 1`` times only
+the sizes a run to 3 s a call left out (and the 4 KiB call, first), with no
+warm-up call for those over 3 s; ``--combine RUN LONG --save ALL`` joins the
+two saved runs rate by rate into one document, fitted and scored as one run
+(36 sizes from 64 KiB). ``--tiny 1024,4096`` times more host-bound sizes and
+reports a variant fitted from the smallest. docs/cluster.md, "Rerunning the
+measurements", has the commands.
 """
 
 from __future__ import annotations
