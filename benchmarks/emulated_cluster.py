@@ -32,6 +32,15 @@ bandwidth. ``--costs-from FILE`` prices every size of this run with the
 costs fitted to another saved run's other rates (held out by job and rate):
 one rate timed up to 64 MiB (``--rates 100 --max-call-s 12``), which the
 three-rate run leaves out, priced with a full run's fits.
+
+Every size to 64 MiB at every rate (a 64 MiB all-reduce at 10 Mb/s is ~106 s
+a call): ``--min-call-s 3 --max-call-s 200 --repeats 2 --rounds 1`` times only
+the sizes a run to 3 s a call left out (and the 4 KiB call, first), with no
+warm-up call for those over 3 s; ``--combine RUN LONG --save ALL`` joins the
+two saved runs rate by rate into one document, fitted and scored as one run
+(36 sizes from 64 KiB). ``--tiny 1024,4096`` times more host-bound sizes and
+reports a variant fitted from the smallest. docs/cluster.md, "Rerunning the
+measurements", has the commands.
 """
 
 from __future__ import annotations
@@ -104,8 +113,11 @@ def refit(doc: dict) -> dict:
         spec, probe = _spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"])
         own += row_errors(spec, probe, fit_host_costs(spec, probe, run["rows"], min_bytes=fit_from_bytes(run)),
                           run["rows"])
+    smallest = min(row["bytes"] for run in doc["runs"] for row in run["rows"])
+    extra = {"leave_one_rate_out_from_smallest": {"min_bytes": smallest}} if smallest < fit_from_bytes(
+        doc["runs"][0]) else {}  # a run with --tiny below 4 KiB: fitted from its smallest call too
     return {"in_sample": _summary(own), "leave_one_rate_out": leave_one_rate_out(doc),
-            **{key: leave_one_rate_out(doc, **kwargs) for key, kwargs in VARIANTS.items()}}
+            **{key: leave_one_rate_out(doc, **kwargs) for key, kwargs in {**VARIANTS, **extra}.items()}}
 
 
 def priced_by(doc: dict, costs_doc: dict) -> dict:
@@ -152,9 +164,31 @@ def plot(result: dict, path: str) -> None:
     save_figure(fig, path)
 
 
-def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: int = 2) -> dict:
+def combine(first: dict, second: dict) -> dict:
+    """One document of two saved runs at the same rates: each rate's rows of both, a size timed in both kept from
+    ``first`` (e.g. the 4 KiB call, which a run of the long sizes (``--min-call-s``) times to open its connections),
+    the probe and bucket of ``first``'s; the parts' loads and times are kept (``parts``)."""
+    if [r["rate_mbps"] for r in first["runs"]] != [r["rate_mbps"] for r in second["runs"]] or \
+            first["topology"] != second["topology"]:
+        raise ValueError("--combine: the two runs must have the same topology and rates, in the same order")
+    runs = []
+    for one, two in zip(first["runs"], second["runs"]):
+        have = {(r["op"], r["bytes"]) for r in one["rows"]}
+        rows = one["rows"] + [r for r in two["rows"] if (r["op"], r["bytes"]) not in have]
+        runs.append({**one, "rows": sorted(rows, key=lambda r: (r["op"], r["bytes"])),
+                     "load_before": min(one["load_before"], two["load_before"]),
+                     "load_after": max(one["load_after"], two["load_after"]),
+                     "parts": [{k: run.get(k) for k in ("load_before", "load_after", "seconds", "max_call_s",
+                                                        "min_call_s", "repeats", "rounds")}
+                               | {"sizes": sorted({r["bytes"] for r in run["rows"]})} for run in (one, two)]})
+    return {"measured": [first["measured"], second["measured"]], "topology": first["topology"], "runs": runs}
+
+
+def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: int = 2,
+                  min_call_s: float = 0.0, tiny: tuple[int, ...] = (4096,)) -> dict:
     """Every rate's collectives: in one job on one cluster, the links reshaped between rates, ``rounds`` passes
-    (:func:`testbed.runner.cluster_calibrate.measure_interleaved`); ``rounds`` 0: one cluster and job per rate."""
+    (:func:`testbed.runner.cluster_calibrate.measure_interleaved`); ``rounds`` 0: one cluster and job per rate.
+    ``min_call_s``: only the sizes priced over it (and the 4 KiB call)."""
     from testbed.runner.cluster_calibrate import measure, measure_interleaved
 
     topology = load_topology(TOPOLOGY)
@@ -163,8 +197,10 @@ def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: i
         first = _spec(topology, rates[0])
         with netns.ephemeral(first) as owner:
             raws = measure_interleaved(first, owner, [_spec(topology, r).scale for r in rates], rounds=rounds,
-                                       max_call_s=max_call_s, repeats=repeats)
+                                       max_call_s=max_call_s, repeats=repeats, min_call_s=min_call_s, tiny=tiny)
         runs = [{"rate_mbps": rate, **raw} for rate, raw in zip(rates, raws)]
+    if (min_call_s or tiny != (4096,)) and not rounds:
+        raise ValueError("--min-call-s and --tiny need --rounds 1 or more")
     for rate in rates if not rounds else ():
         with netns.ephemeral(_spec(topology, rate)) as owner:
             raw = measure(_spec(topology, rate), owner, max_call_s=max_call_s, repeats=repeats)
@@ -181,11 +217,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="10,30,100", help="link rates in Mb/s (default 10,30,100)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-call-s", type=float, default=3.0)
+    parser.add_argument("--min-call-s", type=float, default=0.0,
+                        help="time only the sizes whose call is priced over this (and the 4 KiB call): the long "
+                             "sizes a run to --max-call-s S left out, for --combine")
     parser.add_argument("--rounds", type=int, default=2,
                         help="passes over the rates in one job, the links reshaped between them (default 2; 0: one "
                              "job per rate)")
     parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
     parser.add_argument("--refit", default=None, metavar="FILE", help="only the fits of a saved --save file")
+    parser.add_argument("--tiny", default="4096",
+                        help="the host-bound sizes under 64 KiB to time, bytes (default 4096; e.g. 1024,4096: a "
+                             "variant fitted from the smallest is reported beside the headline)")
+    parser.add_argument("--combine", nargs=2, default=None, metavar=("FIRST", "SECOND"),
+                        help="fit one document of two saved runs at the same rates (e.g. a run to 3 s a call and "
+                             "one of the sizes over it, --min-call-s 3): every size of both; --save writes it")
     parser.add_argument("--png", default=None, help="plot measured vs held-out predicted bus bandwidth")
     parser.add_argument("--costs-from", default=None, metavar="FILE",
                         help="price every size with the costs fitted to FILE's other rates (a saved --save run) "
@@ -196,12 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.refit:
         with open(args.refit) as f:
             doc = json.load(f)
+    elif args.combine:
+        with open(args.combine[0]) as f, open(args.combine[1]) as g:
+            doc = combine(json.load(f), json.load(g))
+        if args.save:
+            with open(args.save, "w") as f:
+                json.dump(doc, f, indent=1)
     else:
         problem = netns.unavailable()
         if problem:
             print(json.dumps({"skipped": problem}))
             return 0
-        doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats, args.rounds)
+        doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats, args.rounds,
+                            args.min_call_s, tuple(int(t) for t in args.tiny.split(",")))
         if args.save:
             with open(args.save, "w") as f:
                 json.dump(doc, f, indent=1)
@@ -212,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         result = refit(doc)
         if args.png:
             plot(result, args.png)
-        for key in ("leave_one_rate_out", *VARIANTS):
+        for key in [key for key in result if key.startswith("leave_one_rate_out")]:
             result[key].pop("rows")
     print(json.dumps({"topology": TOPOLOGY, "nodes": 4, "devices_per_node": 2, "rates_mbps":
                       [run["rate_mbps"] for run in doc["runs"]], "algorithm": "ring (gloo's, both ops)",

@@ -138,6 +138,48 @@ def test_cheap_sizes_are_timed_more_often():
     assert repeats_for(fast, PROBE, "all_reduce", 2**16, 3, 15) == 15  # ~10 ms a call
     assert repeats_for(slow, PROBE, "all_reduce", 2**20, 3, 15) == 3  # ~2 s a call
     assert sizes_for(slow, PROBE, "all_reduce", 3.0)[-1] < sizes_for(fast, PROBE, "all_reduce", 3.0)[-1]
+    # More than one host-bound size (--tiny): each timed as often as the tiny call; none from 64 KiB up.
+    assert sizes_for(fast, PROBE, "all_reduce", 3.0, tiny=(4096, 1024))[:3] == [1024, 4096, 2**16]
+    assert repeats_for(fast, PROBE, "all_reduce", 1024, 3, 15) == 15
+    with pytest.raises(ValueError, match="tiny sizes"):
+        sizes_for(fast, PROBE, "all_reduce", 3.0, tiny=(2**16,))
+
+
+def test_the_long_sizes_are_the_ones_a_shorter_run_left_out_and_have_no_warmup():
+    from testbed.runner.cluster_calibrate import TINY_BYTES, priced_s, sizes_for, warmup_for
+
+    slow = _spec(10.0)
+    short, every = sizes_for(slow, PROBE, "all_reduce", 3.0), sizes_for(slow, PROBE, "all_reduce", 1e4)
+    long = sizes_for(slow, PROBE, "all_reduce", 1e4, min_call_s=3.0)
+    assert every[-1] == 2**26  # up to 64 MiB
+    assert long[0] == TINY_BYTES and sorted(set(short) | set(long)) == every  # the tiny call in both
+    assert set(short) & set(long) == {TINY_BYTES}
+    assert [warmup_for(slow, PROBE, "all_reduce", size) for size in long] == [2] + [0] * (len(long) - 1)
+    calls = [["all_reduce", size, 2, warmup_for(slow, PROBE, "all_reduce", size)] for size in long]
+    assert priced_s(slow, PROBE, calls) > 2 * 1.75 * 2**26 / link_goodput(slow)  # two 64 MiB calls' wire at least
+
+
+def test_combine_joins_two_runs_rate_by_rate():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "emulated_cluster", Path(__file__).resolve().parents[1] / "benchmarks" / "emulated_cluster.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(rate, sizes, load):
+        return {"rate_mbps": rate, "load_before": load, "load_after": load, "seconds": 1.0,
+                "rows": [{"op": "all_reduce", "bytes": b, "measured_s": b * load} for b in sizes]}
+
+    first = {"measured": "a", "topology": "eth-4x2", "runs": [run(10.0, [4096, 2**16], 1.0)]}
+    second = {"measured": "b", "topology": "eth-4x2", "runs": [run(10.0, [4096, 2**22], 3.0)]}
+    joined = bench.combine(first, second)["runs"][0]
+    assert [(r["bytes"], r["measured_s"] / r["bytes"]) for r in joined["rows"]] == [(4096, 1.0), (2**16, 1.0),
+                                                                                   (2**22, 3.0)]
+    assert (joined["load_before"], joined["load_after"]) == (1.0, 3.0)
+    assert [part["sizes"] for part in joined["parts"]] == [[4096, 2**16], [4096, 2**22]]
+    with pytest.raises(ValueError, match="same topology and rates"):
+        bench.combine(first, {**second, "runs": [run(30.0, [2**22], 3.0)]})
 
 
 # The data-parallel gradients' combined all-reduce and a tensor-parallel one, as XLA:CPU's compiled text has them.

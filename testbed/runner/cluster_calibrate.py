@@ -22,12 +22,13 @@ from testbed.cluster.netns import bucket_bytes
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
-__all__ = ["TINY_BYTES", "sizes_for", "repeats_for", "measure", "measure_interleaved"]
+__all__ = ["TINY_BYTES", "sizes_for", "repeats_for", "warmup_for", "priced_s", "measure", "measure_interleaved"]
 
 #: The call that fixes the per-call cost: 4 KiB (the all-reduce's buffer, the all-gather's result).
 TINY_BYTES = 4096
 _FIRST, _LAST = 2**16, 2**26  # 64 KiB .. 64 MiB, nccl-tests' sizes
 _CHEAP_S = 0.5  # seconds of calls below which a size is timed more often (repeats_for)
+_LONG_S = 3.0  # a call priced over this many seconds is wire-bound and timed with no warm-up call (warmup_for)
 
 
 def _guess(spec: ClusterSpec, probe: HostProbe) -> Any:
@@ -35,14 +36,35 @@ def _guess(spec: ClusterSpec, probe: HostProbe) -> Any:
     return emulated(spec, probe, HostCosts(call_s=5e-3, overhead_s=0.0, link_efficiency=0.9, goodput=link_goodput(spec)))
 
 
-def sizes_for(spec: ClusterSpec, probe: HostProbe, op: str, max_call_s: float) -> list[int]:
-    """The tiny size and 64 KiB x 4^k up to 64 MiB whose call the links' goodput prices under ``max_call_s``."""
+def sizes_for(spec: ClusterSpec, probe: HostProbe, op: str, max_call_s: float, min_call_s: float = 0.0,
+              tiny: Sequence[int] = (TINY_BYTES,)) -> list[int]:
+    """The tiny sizes (``tiny``, each under 64 KiB) and 64 KiB x 4^k up to 64 MiB whose call the links' goodput
+    prices under ``max_call_s`` (and, with ``min_call_s``, over it: the sizes a run to ``min_call_s`` left out;
+    the tiny calls are kept, they open the job's connections before the first long call, which has no warm-up
+    call, :func:`warmup_for`)."""
+    if not tiny or any(not 0 < t < _FIRST for t in tiny):
+        raise ValueError(f"tiny sizes must be given, each in (0, {_FIRST}) bytes, got {list(tiny)}")
     guess = _guess(spec, probe)
-    sizes, size = [TINY_BYTES], _FIRST
+    sizes, size = sorted(set(tiny)), _FIRST
     while size <= _LAST and predict(guess, op, size) <= max_call_s:
-        sizes.append(size)
+        if predict(guess, op, size) > min_call_s:
+            sizes.append(size)
         size *= 4
     return sizes
+
+
+def warmup_for(spec: ClusterSpec, probe: HostProbe, op: str, size: int, warmup: int = 2) -> int:
+    """Untimed calls before ``size``'s timed ones: ``warmup``, none for a call priced over :data:`_LONG_S`.
+    Its program is compiled ahead (:func:`testbed.runner.cluster_collective.collective_times`) and the job's
+    connections are open (the tiny call runs first), so a warm-up would only repeat seconds to minutes of wire
+    (a 64 MiB all-reduce at 10 Mb/s: ~2 minutes)."""
+    return 0 if predict(_guess(spec, probe), op, size) > _LONG_S else warmup
+
+
+def priced_s(spec: ClusterSpec, probe: HostProbe, calls: Sequence[Sequence]) -> float:
+    """Seconds the links' goodput prices ``calls`` (``[op, bytes, repeats, warmup]`` each) at: a job's timeout."""
+    guess = _guess(spec, probe)
+    return sum(predict(guess, op, size) * (count + warm) for op, size, count, warm in calls)
 
 
 def repeats_for(spec: ClusterSpec, probe: HostProbe, op: str, size: int, repeats: int, tiny_repeats: int) -> int:
@@ -50,7 +72,7 @@ def repeats_for(spec: ClusterSpec, probe: HostProbe, op: str, size: int, repeats
     ``tiny_repeats`` while the calls take under :data:`_CHEAP_S` in all: cheap calls are the ones the host's
     scheduling moves most (a 64 KiB all-reduce at 100 Mb/s: 24-64 ms where the wire takes 10), so their median
     is taken over more of them."""
-    if size == TINY_BYTES:
+    if size < _FIRST:
         return tiny_repeats
     return max(repeats, min(tiny_repeats, int(_CHEAP_S / predict(_guess(spec, probe), op, size))))
 
@@ -81,15 +103,17 @@ def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduc
 
 def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], *, rounds: int = 2,
                         ops: tuple[str, ...] = ("all_reduce", "all_gather"), max_call_s: float = 2.0,
-                        repeats: int = 3, tiny_repeats: int = 15,
-                        timeout_s: float | None = 900) -> list[dict[str, Any]]:
+                        repeats: int = 3, tiny_repeats: int = 15, min_call_s: float = 0.0,
+                        tiny: Sequence[int] = (TINY_BYTES,), timeout_s: float | None = 900) -> list[dict[str, Any]]:
     """:func:`measure` at every link scale of ``scales`` in one job, the links reshaped between phases.
 
     The host's per-call cost follows the load (a 4 KiB call: 8-25 ms over load averages 3-16), so rates
     measured in separate jobs minutes apart carry different host costs into each other's leave-one-out
     prediction. Here the same processes time every rate's calls, ``rounds`` passes over the rates, and each
     size's calls from every pass are pooled (median of the slowest process's per call). One dict per scale,
-    as :func:`measure` returns; the links are left at ``spec.scale``.
+    as :func:`measure` returns; the links are left at ``spec.scale``. ``min_call_s``: only the sizes priced over
+    it (:func:`sizes_for`: a run to 64 MiB beside one to a few seconds a call); ``tiny``: the host-bound sizes
+    under 64 KiB (default 4 KiB); the job's timeout grows with its calls' priced seconds.
     """
     import statistics
     import tempfile
@@ -107,9 +131,13 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
         probes.append(HostProbe(loopback_bandwidth=measured.loopback_bandwidth,
                                 loopback_latency_s=measured.loopback_latency_s,
                                 across_latency_s=measured.across_latency_s))
-        calls.append([[op, size, repeats_for(one, probes[-1], op, size, repeats, tiny_repeats)]
-                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s)])
+        calls.append([[op, size, repeats_for(one, probes[-1], op, size, repeats, tiny_repeats),
+                       warmup_for(one, probes[-1], op, size)]
+                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s, tiny)])
     phases = [str(i) for i in range(len(specs))] * rounds
+    if timeout_s:  # the job's calls priced at the links' goodput, twice over, with a margin for the host
+        timeout_s = max(timeout_s, 2 * rounds * sum(priced_s(one, p, c) for one, p, c in zip(specs, probes, calls))
+                        + 300)
 
     def job(payload: dict) -> list[dict]:
         return cluster_launch(spec, owner, payload, timeout_s=timeout_s)
@@ -136,7 +164,7 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
                     "bucket_bytes": bucket_bytes(min(link.rate_bps for link in one.links), one.mtu),
                     "link_rate_bps": min(link.rate_bps for link in one.links),
                     "goodput": link_goodput(one),
-                    "probe": probes[i].to_dict(), "rows": rows, "max_call_s": max_call_s, "repeats": repeats,
-                    "rounds": rounds, "load_before": loads[0], "load_after": loads[-1],
+                    "probe": probes[i].to_dict(), "rows": rows, "max_call_s": max_call_s, "min_call_s": min_call_s,
+                    "repeats": repeats, "rounds": rounds, "load_before": loads[0], "load_after": loads[-1],
                     "seconds": time.perf_counter() - started})
     return out

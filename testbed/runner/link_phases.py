@@ -82,8 +82,9 @@ def worker_body(payload: dict[str, Any]) -> dict[str, Any]:
 
 def collective_worker_body(payload: dict[str, Any]) -> dict[str, Any]:
     """One worker's collectives in phases: per phase wait for ``go-K``, time that phase's ``calls`` (``[op,
-    bytes, repeats]`` each, as :func:`testbed.runner.cluster_collective.collective_times`), write ``done-K-P``.
-    Payload: ``phase_calls`` (one list of calls per phase), ``phases``, ``sync``."""
+    bytes, repeats]`` each, or ``[op, bytes, repeats, warmup]``, as
+    :func:`testbed.runner.cluster_collective.collective_times`), write ``done-K-P``.
+    Payload: ``phase_calls`` (one list of calls per phase), ``phases``, ``sync``, ``warmup`` (default 2)."""
     from testbed.runner.cluster_collective import collective_times
     from testbed.runner.launch import worker_context
 
@@ -92,7 +93,8 @@ def collective_worker_body(payload: dict[str, Any]) -> dict[str, Any]:
     for k, calls in enumerate(payload["phase_calls"]):
         if not _wait_for(sync / f"go-{k}", float(payload.get("timeout_s", 600))):
             raise TimeoutError(f"no go for phase {k} within {payload.get('timeout_s', 600)} s")
-        phases.append([collective_times(op, int(size), int(count), warmup) for op, size, count in calls])
+        phases.append([collective_times(op, int(size), int(count), int(rest[0]) if rest else warmup)
+                       for op, size, count, *rest in calls])
         (sync / f"done-{k}-{me}").touch()
     return {"phases": phases}
 
