@@ -6,7 +6,8 @@ then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`
 and its sends leave on the stage's pipe stream (serial; with ``runtime.pipeline_blocking_sends`` the stage waits
 for them). Gathers (fsdp/ZeRO-3) run block by block ahead of the compute, gradient buckets reduce on the grad
 stream, and a shared host's stragglers wait at the action's barriers
-(testbed.sim.barriers).
+(testbed.sim.barriers). With ``device.comm_slowdown`` the compute beside communication is slower before the
+action's reductions leave (:meth:`Play._slowed`), so its buckets and its end carry the extra once.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Play:
         if priced.block_gathers or priced.parts:
             gathers = priced.block_gathers or (g,) * n
             parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
-            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts)
+            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts))
         self.block_ends[s] = []
         g += wait  # each gather, exposed, first meets its group after a block's computing
         period = g + c if d == 0 else max(g, c)
@@ -103,17 +104,18 @@ class Play:
         self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
         return first, (n - 1) * (period - c)
 
-    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...]
-                         ) -> tuple[float, float]:
+    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
+                         own: bool) -> tuple[float, float]:
         """:meth:`_gather` with each block's own gather and compute seconds (a block's merged collectives differ in
         size; the embedding's and the head's blocks compute their own share): block
         ``i``'s gather starts after block ``i - 1``'s and once block ``i - 1 - prefetch`` has computed (of the stage's
         previous gathering action when negative), its compute
-        once its gather and block ``i - 1`` are done, block by block as the task graph plays them."""
+        once its gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
+        blocks compute their own shares (with a slowdown, kept to play them again, each slowed: :meth:`_slowed`)."""
         n, d, before = len(gathers), self.facts.prefetch, self.block_ends[s]
-        ends, gather_end, self.gathered = _blocks(gathers, parts, start, self.gather_free[s], before, d,
-                                                  self.slowdown > 0)
-        if self.slowdown:  # to play the blocks again, each slowed (_slowed)
+        replay = own and bool(self.slowdown)
+        ends, gather_end, self.gathered = _blocks(gathers, parts, start, self.gather_free[s], before, d, replay)
+        if replay:
             self.replay = (gathers, start, self.gather_free[s], before)
         first = ends[0] - parts[0]
         self.comm[s] += first - start
