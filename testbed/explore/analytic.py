@@ -29,7 +29,8 @@ the pipeline schedule table, stage by stage, with the same prices:
   the optimizer runs and, with ZeRO-1/2, the data axis re-gathers parameters;
 - the single controller (when the topology calibrates one) dispatches every program serially, and devices
   computing at once on a shared host slow each other by ``calibration.host_share``; an action's compute is
-  ``device.comm_slowdown`` longer for the communication beside it (gathers, reductions, sends, hidden tensor).
+  ``device.comm_slowdown`` longer for the communication beside it (gathers, reductions, sends, hidden tensor;
+  block by block where its blocks play their own gathers), before its gradient reductions leave.
 
 What it leaves out is what the DES adds: max-min link sharing between concurrent streams (gathers and reductions
 vs. sends), and a shared host's share varying as stages idle. So the estimate is a fast, honest ranking signal,

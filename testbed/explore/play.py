@@ -6,7 +6,8 @@ then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`
 and its sends leave on the stage's pipe stream (serial; with ``runtime.pipeline_blocking_sends`` the stage waits
 for them). Gathers (fsdp/ZeRO-3) run block by block ahead of the compute, gradient buckets reduce on the grad
 stream, and a shared host's stragglers wait at the action's barriers
-(testbed.sim.barriers).
+(testbed.sim.barriers). With ``device.comm_slowdown`` the compute beside communication is slower before the
+action's reductions leave (:meth:`Play._slowed`), so its buckets and its end carry the extra once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Play"]
 
+#: A gradient reduction leaving for the grad stream: (when, its seconds, the share of its action's compute before it).
+Release = tuple[float, float, float]
+
 
 class Play:
     """One play of the schedule table, stage by stage, with compute slowed ``slow`` times: every action in
@@ -40,6 +44,9 @@ class Play:
             [0.0] * p
         self.recv: dict[tuple[int, str], float] = {}  # (stage, direction) -> its split sends' gathers done
         self.block_ends: list[list[float]] = [[] for _ in range(p)]  # the last gathering action's blocks' ends
+        # With a slowdown, the last action's block gathers in flight, and what its blocks were played from.
+        self.gathered: list[tuple[float, float]] = []
+        self.replay: tuple[tuple[float, ...], float, float, list[float]] = ((), 0.0, 0.0, [])
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.busy, self.comm = [0.0] * p, [0.0] * p
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
@@ -87,7 +94,7 @@ class Play:
         if priced.block_gathers or priced.parts:
             gathers = priced.block_gathers or (g,) * n
             parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
-            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts)
+            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts))
         self.block_ends[s] = []
         g += wait  # each gather, exposed, first meets its group after a block's computing
         period = g + c if d == 0 else max(g, c)
@@ -97,20 +104,19 @@ class Play:
         self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
         return first, (n - 1) * (period - c)
 
-    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...]
-                         ) -> tuple[float, float]:
+    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
+                         own: bool) -> tuple[float, float]:
         """:meth:`_gather` with each block's own gather and compute seconds (a block's merged collectives differ in
         size; the embedding's and the head's blocks compute their own share): block
         ``i``'s gather starts after block ``i - 1``'s and once block ``i - 1 - prefetch`` has computed (of the stage's
         previous gathering action when negative), its compute
-        once its gather and block ``i - 1`` are done, block by block as the task graph plays them."""
+        once its gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
+        blocks compute their own shares (with a slowdown, kept to play them again, each slowed: :meth:`_slowed`)."""
         n, d, before = len(gathers), self.facts.prefetch, self.block_ends[s]
-        gather_end, ends = self.gather_free[s], []
-        for i, (g, c) in enumerate(zip(gathers, parts)):
-            j = i - 1 - d
-            after = ends[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
-            gather_end = max(gather_end, after) + g
-            ends.append(max(ends[-1] if ends else start, gather_end) + c)
+        replay = own and bool(self.slowdown)
+        ends, gather_end, self.gathered = _blocks(gathers, parts, start, self.gather_free[s], before, d, replay)
+        if replay:
+            self.replay = (gathers, start, self.gather_free[s], before)
         first = ends[0] - parts[0]
         self.comm[s] += first - start
         self.gather_free[s], self.block_ends[s] = max(gather_end, ends[n - 1 - d] if n > d else 0.0), ends
@@ -123,8 +129,6 @@ class Play:
         compute = self.slow * priced.compute
         start, stretch = self._start(s, c, kind, priced, deps), 0.0
         skewed = self.step.skewed
-        beside = priced.hidden + priced.send_s + max(priced.scatter, priced.bucket * priced.pieces) + priced.gather * bool(
-            self.facts.prefetch)  # the communication beside the compute (device.comm_slowdown, below)
         if priced.gather:
             start, stretch = self._gather(s, priced, start, compute)
             if skewed is not None and priced.blocks > self.facts.prefetch:
@@ -132,9 +136,9 @@ class Play:
                 # action ended (or later): nothing computed since (the task graph's gathers, testbed.sim.barriers).
                 self.carry[s] = 0.0
         wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
-        last = kind == self.facts.last_backward
+        last, releases = kind == self.facts.last_backward, ()
         if last:
-            compute, wait = self._backward_end(s, c, priced, start, compute)
+            compute, wait, releases = self._backward_end(s, c, priced, start, compute)
         elif skewed is not None:
             wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
             self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
@@ -144,12 +148,11 @@ class Play:
             # block n - 1 - prefetch starts, so only the blocks from there on are computed since.
             n = priced.blocks
             self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
-        # compute is device.comm_slowdown longer for the communication beside it (gathers, reductions, sends, tensor)
-        # Gather waits absorb a slower compute; where the blocks differ (the embedding's, the head's) the waits are
-        # the exposed part of the gathers, which runs beside no compute: the rest is beside it, slowing it.
-        unequal = bool(priced.gather and priced.parts)
-        extra = self.slowdown * min(compute - wait, max(0.0, beside - stretch) if unequal else beside)
-        compute, stretch = compute + extra, stretch if unequal else stretch - min(stretch, extra)
+        if self.slowdown:  # compute is longer for the communication beside it, before its reductions leave
+            extra, stretch, releases = self._slowed(s, priced, compute - wait, stretch, releases)
+            compute += extra
+        for at, seconds, _ in releases:  # the gradient buckets (or reduce-scatter) on the grad stream
+            self.grad[s] = max(self.grad[s], at) + seconds
         tensor = priced.tensor
         if priced.hidden:  # overlapped with the compute before the accumulator's add (the task graph's join)
             tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
@@ -176,10 +179,12 @@ class Play:
             if self.step.serial:
                 self.launch = max(self.launch, self.free[s])
 
-    def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
-        """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait).
-        The last microbatch's buckets reduce as its pieces finish (or once, after the stage's backward, when
-        gradients do not accumulate sharded); an earlier one's gradients are reduce-scattered."""
+    def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float
+                      ) -> tuple[float, float, tuple[Release, ...]]:
+        """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait, its
+        reductions ``(when it leaves, seconds, the share of the compute before)``). The last microbatch's buckets
+        reduce as its pieces finish (or once, after the stage's backward, when gradients do not accumulate
+        sharded); an earlier one's gradients are reduce-scattered."""
         piece, acc, pieces, skewed = self.slow * priced.piece, self.slow * priced.acc, priced.pieces, self.step.skewed
         self.remaining[(s, c)] -= 1
         last_mb = self.remaining[(s, c)] == 0
@@ -198,20 +203,65 @@ class Play:
             self.carry[s] = acc if own else self.carry[s] + compute + acc
             compute += wait
             piece += wait / pieces
+        releases: tuple[Release, ...] = ()
         if last_mb and piece:
             if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
                 self.once[s] += pieces * priced.bucket
                 self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
             # Each bucket once its piece has computed: where the blocks played their own gathers, when each ended.
             ends = self.block_ends[s] if priced.gather and parts and len(self.block_ends[s]) == pieces else ()
-            done = start
+            done, total, before, out = start, sum(parts), 0.0, []
             for k in range(pieces if self.facts.reduce_in_backward else 0):
                 own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
                 done = ends[k] if ends else done + (parts[k] + wait / pieces if parts else piece)
-                self.grad[s] = max(self.grad[s], done) + own
+                before += parts[k] if parts else 0.0
+                out.append((done, own, before / total if parts and total else (k + 1) / pieces))
+            releases = tuple(out)
         elif not last_mb and priced.scatter:
-            self.grad[s] = max(self.grad[s], start + compute) + priced.scatter
-        return compute + acc, wait
+            releases = ((start + compute, priced.scatter, 1.0),)
+        return compute + acc, wait, releases
+
+    def _slowed(self, s: int, priced: _Priced, compute: float, stretch: float, releases: tuple[Release, ...]
+                ) -> tuple[float, float, tuple[Release, ...]]:
+        """``device.comm_slowdown``: (the action's extra compute, its gather waits left, its reductions' releases
+        ``(when, seconds, share of the compute before)`` later by the extra computed before each). The extra is the
+        slowdown times the communication beside the compute (gathers, reductions, sends, tensor), at most the
+        compute (``compute``, less the barriers' wait); gather waits absorb a slower compute. Where the blocks
+        played their own gathers (the embedding's, the head's differ) it is each block's own, as the task graph
+        slows each compute task: the seconds the action's gathers, its buckets and the stage's reductions still in
+        flight are beside the block (the exposed part of a gather runs beside no compute), the rest (sends, tensor)
+        spread by compute; the blocks are played again, each slowed (a later gather may absorb it), and each bucket
+        leaves as its block now ends: the extra counts once, in the buckets and in the action's end."""
+        rate, facts = self.slowdown, self.facts
+        if not (priced.gather and priced.parts):  # (the buckets are beside no compute when they wait for the end)
+            buckets = priced.bucket * priced.pieces if facts.reduce_in_backward else 0.0
+            beside = priced.hidden + priced.send_s + max(priced.scatter, buckets) + priced.gather * bool(facts.prefetch)
+            extra = rate * min(compute, beside)
+            late = extra - min(stretch, extra)
+            return extra, stretch - min(stretch, extra), tuple((t + late * f, x, f) for t, x, f in releases)
+        ends, parts = self.block_ends[s], tuple(self.slow * x for x in priced.parts)
+        gathers, start, gather_free, before = self.replay
+        spans, grad = list(self.gathered), self.grad[s]
+        if grad > start:  # the earlier actions' reductions still in flight (back to back from the start on)
+            spans.append((start, grad))
+        for t, x, _ in releases:  # the reductions as they leave without the slowdown
+            grad = max(grad, t) + x
+            spans.append((grad - x, grad))
+        each = _overlaps([(e - c, e) for e, c in zip(ends, parts)], sorted(spans))
+        total = sum(parts[:len(ends)])
+        spread = rate * min(max(0.0, total - sum(each)), priced.hidden + priced.send_s) / (total or 1.0)
+        longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
+        slowed, gather_end, _ = _blocks(gathers, longer, start, gather_free, before, facts.prefetch, False)
+        n, d = len(slowed), facts.prefetch
+        self.gather_free[s], self.block_ends[s] = max(gather_end, slowed[n - 1 - d] if n > d else 0.0), slowed
+        out, i, done = [], 0, parts[0]
+        for t, x, f in releases:  # each after the block its share of the compute ends in
+            while i < n - 1 and (done < f * total * (1 - 1e-9) or not parts[i + 1]):  # (the last of equal ends)
+                i += 1
+                done += parts[i]
+            out.append((t + slowed[i] - ends[i], x, f))
+        first = ends[0] - parts[0]
+        return sum(longer) - total, slowed[-1] - first - sum(longer), tuple(out)
 
     def update(self, s: int) -> float:
         """Plays stage ``s``'s gradient tail, optimizer and (ZeRO-1/2) re-gather; returns when the stage is done."""
@@ -246,3 +296,39 @@ class Play:
         done += step_end_wait(skewed, step.per_stage, self.carry[s])  # every device meets at the end
         self.launch = done if step.serial else self.launch
         return done
+
+
+def _blocks(gathers: tuple[float, ...], parts: tuple[float, ...], start: float, gather_free: float,
+            before: list[float], prefetch: int, spans: bool) -> tuple[list[float], float, list[tuple[float, float]]]:
+    """Blocks of ``gathers`` and ``parts`` seconds played (:meth:`Play._unequal_gathers`): (each block's end, when
+    the last gather ends, when each gather is in flight if ``spans``)."""
+    gather_end, ends, flying = gather_free, [], []
+    for i, (g, c) in enumerate(zip(gathers, parts)):
+        j = i - 1 - prefetch
+        after = ends[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
+        gather_end = max(gather_end, after) + g
+        if spans:
+            flying.append((gather_end - g, gather_end))
+        ends.append(max(ends[-1] if ends else start, gather_end) + c)
+    return ends, gather_end, flying
+
+
+def _overlaps(blocks: list[tuple[float, float]], spans: list[tuple[float, float]]) -> list[float]:
+    """Each of ``blocks`` (in order, apart), the seconds of it some of ``spans`` (sorted by start, on several
+    streams) covers."""
+    union: list[list[float]] = []
+    for a, b in spans:
+        if union and a <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], b)
+        else:
+            union.append([a, b])
+    out, j = [], 0
+    for lo, hi in blocks:
+        while j < len(union) and union[j][1] <= lo:
+            j += 1
+        k, covered = j, 0.0
+        while k < len(union) and union[k][0] < hi:
+            covered += min(hi, union[k][1]) - max(lo, union[k][0])
+            k += 1
+        out.append(covered)
+    return out
