@@ -101,6 +101,25 @@ def test_gradient_bytes_are_conserved(plan):
 
 
 @given(plans)
+def test_a_microbatchs_reduce_scatter_waits_for_its_own_backward_and_never_for_a_send(plan):
+    """Sharded accumulation (fsdp, ZeRO >= 2): each earlier microbatch's reduce-scatter depends on its own backward's
+    compute alone, and runs on its stage's ``grad`` stream behind the stage's other reductions only (FSDP2 issues
+    its reduce-scatters in order on one stream); the pipeline's sends run on ``pipe``, so neither queues behind the
+    other (they share links only while both are in flight: docs/validation.md, zero2 round 7)."""
+    _, program = _program(plan)
+    tasks = program.tasks
+    for t in tasks:
+        if t.name.endswith("(accumulate)"):
+            assert t.stream == "grad" and t.op == "reduce_scatter"
+            assert [(tasks[d].stream, tasks[d].device, tasks[d].kind) for d in t.deps] == \
+                [("compute", t.device, TaskKind.COMPUTE)]
+        if t.stream == "grad":
+            assert t.op != "send" and not t.name.startswith("send")
+        if t.stream == "pipe":
+            assert "reduce" not in t.name
+
+
+@given(plans)
 def test_sends_match_the_schedule(plan):
     """One send task per inter-stage transfer of the schedule table, each between the two representatives."""
     _, program = _program(plan)
