@@ -9,7 +9,8 @@ them here, one rule per mechanism:
   parallelism, the reduce-scatters' outputs (:func:`op_saved_bytes`); the rest of the block is recomputed in
   its backward (:func:`recompute_workspace_bytes`).
 - ``recompute: save-dots`` with selective remat (MaxText's ``minimal``): the block's input and every weight
-  matmul's output (:func:`dots_saved_bytes`); attention and the elementwise work are recomputed.
+  matmul's output the backward reads, all but the MLP's down projection (:func:`dots_saved_bytes`); attention
+  and the elementwise work are recomputed.
 - ``fp8_saved_inputs`` with fp8-mixed (Transformer Engine): each linear keeps the fp8 cast of its input,
   1 byte a value, instead of the compute-dtype tensor (:func:`fp8_input_savings`).
 - ``fused_loss`` (flash-attn's cross-entropy kernel): the head keeps compute-dtype logits and their row
@@ -101,19 +102,23 @@ def dots_saved_bytes(plan: Plan) -> int:
     """One layer's kept bytes under MaxText's ``remat_policy: minimal`` (``runtime.recompute: save-dots``).
 
     MaxText maps ``minimal`` to ``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims`` (maxtext
-    MaxText/layers/models.py ``Decoder.get_remat_policy``): every ``dot_general`` without batch dimensions is
-    saved, i.e. each weight matmul's output (Q, K and V, GQA's narrower K/V included; the out projection; the
-    MLP's input projections, SwiGLU's two; its down projection), and everything else is recomputed in the
-    backward: the norms, RoPE, the activation function and attention (the score and value matmuls have batch
-    dimensions; the splash kernel is no dot). The scanned layer loop keeps the block input, its carry.
-    Column-parallel outputs are split over the tensor ranks; GSPMD reduces a row-parallel output (out
-    projection, MLP down) before the policy sees it, so it is kept as the residual stream's layout keeps it
-    (its sequence shard under sequence parallelism). An MoE layer is counted as a dense one of its ``d_ff``.
+    MaxText/layers/models.py ``Decoder.get_remat_policy``): a ``dot_general`` without batch dimensions may be
+    saved, i.e. each weight matmul's output, and everything else is recomputed in the backward: the norms, RoPE,
+    the activation function and attention (the score and value matmuls have batch dimensions; the splash kernel
+    is no dot). A policy only says what may be saved: JAX's partial evaluation saves the allowed values the
+    backward reads, so the MLP's down projection, whose output only feeds the residual add (an add's backward
+    reads no value), is not kept. Kept: Q, K and V (GQA's narrower K/V included), the out projection (the
+    recomputed norm's input is the block input plus it) and the MLP's input projections, SwiGLU's two; the
+    scanned layer loop keeps the block input, its carry (``jax.ad_checkpoint.saved_residuals`` of the runner's
+    block under the policy: tests/test_saved_dots.py). Column-parallel outputs are split over the tensor ranks;
+    GSPMD reduces the row-parallel out projection before the policy sees it, so it is kept as the residual
+    stream's layout keeps it (its sequence shard under sequence parallelism). An MoE layer is counted as a dense
+    one of its ``d_ff``.
     """
     spec, t = rank_spec(plan), plan.mesh.tensor
     outputs = block_matmul_outputs(spec, plan.microbatch_size * spec.seq_len, t)
     columns = sum(outputs[:3]) + sum(outputs[4:-1])  # Q, K, V; the MLP's input projections
-    return plan.precision.compute_bytes * (columns + 3 * _residual_values(plan))  # input, out proj, MLP down
+    return plan.precision.compute_bytes * (columns + 2 * _residual_values(plan))  # the input, the out projection
 
 
 def fp8_input_savings(plan: Plan) -> int:

@@ -45,7 +45,8 @@ class RuntimeSpec:
     #: attention and the MLP's input projections (MaxText's ``save_dot_except_mlpwi``). The two save-policies
     #: change a dense layer's recompute only (an MoE layer's is the runner's) and the FLOPs only (the memory of
     #: the saved outputs and, with a tensor axis, the collectives are priced as the runner's full remat);
-    #: ``save-dots``, with selective remat, every weight matmul's output and the block input saved, attention and
+    #: ``save-dots``, with selective remat, the block input and every weight matmul's output the backward reads
+    #: saved (all but the MLP's down projection, which feeds the residual add only), attention and
     #: the elementwise work recomputed (MaxText's ``minimal``: ``checkpoint_dots_with_no_batch_dims``,
     #: testbed.model.kept.dots_saved_bytes; the FLOPs are selective's, the elementwise recompute priced as its
     #: passes); with full remat it is the runner's.
