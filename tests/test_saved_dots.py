@@ -2,10 +2,11 @@
 ``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims``, against testbed.model.kept.dots_saved_bytes.
 
 JAX's partial evaluation saves, of the values the policy allows (the outputs of ``dot_general``s without batch
-dimensions), only those the backward reads; ``jax.ad_checkpoint.saved_residuals`` lists them. The runner's block
+dimensions), only those the backward reads; ``jax.ad_checkpoint.print_saved_residuals`` lists them. The runner's block
 (testbed.runner.model.block, the model testbed prices) checkpointed with the policy keeps its input, Q, K, V, the
 out projection and the MLP's input projections; not the MLP's down projection, whose output only feeds the
-residual add.
+residual add. The runner executes the policy (testbed.runner.model.stage_forward's ``save_dots``): its steps
+match the reference in tests/test_runner.py.
 """
 
 from __future__ import annotations
@@ -50,15 +51,21 @@ def _saved_bytes(spec: ModelSpec, batch: int) -> tuple[int, list[str]]:
     return total, lines
 
 
-@pytest.mark.parametrize("attention, kv_heads, batch", [("flash", 2, 2), ("plain", 2, 1), ("flash", 4, 3)])
-def test_the_policy_keeps_the_input_and_every_dot_the_backward_reads(attention: str, kv_heads: int,
-                                                                      batch: int) -> None:
-    spec = replace(MODEL, attention=attention, kv_heads=kv_heads)
+@pytest.mark.parametrize("attention, kv_heads, batch, parallel, mlp", [
+    ("flash", 2, 2, False, "swiglu"), ("plain", 2, 1, False, "swiglu"), ("flash", 4, 3, False, "gelu"),
+    ("flash", 4, 2, True, "swiglu"), ("flash", 4, 2, True, "gelu")])
+def test_the_policy_keeps_the_input_and_every_dot_the_backward_reads(attention: str, kv_heads: int, batch: int,
+                                                                      parallel: bool, mlp: str) -> None:
+    """A parallel block (``model.parallel_block``, PaLM's and MaxText's 2023 default decoder layer) keeps no out
+    projection either: its output, like the MLP's, only feeds the residual add."""
+    spec = replace(MODEL, attention=attention, kv_heads=kv_heads, parallel_block=parallel, mlp=mlp)
     plan = Plan(name="t", model=spec, batch=BatchSpec(global_batch=batch), precision="bf16-mixed",
                 remat="selective", runtime=RuntimeSpec(recompute="save-dots"))
     measured, what = _saved_bytes(spec, batch)
     assert kept.dots_saved_bytes(plan) == measured, what
     n, d = batch * spec.seq_len, spec.d_model
     down = 2 * n * d  # the MLP's down projection output, bf16: not among them
-    assert measured == 2 * (2 * n * d + n * (spec.q_dim + 2 * spec.kv_dim + 2 * spec.d_ff))
+    residuals = 1 if parallel else 2  # the input; a sequential block's out projection
+    inputs = spec.mlp_matrices - 1  # the MLP's input projections: SwiGLU's gate and up, GELU's one
+    assert measured == 2 * (residuals * n * d + n * (spec.q_dim + 2 * spec.kv_dim + inputs * spec.d_ff))
     assert measured + down != kept.dots_saved_bytes(plan)

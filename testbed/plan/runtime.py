@@ -299,10 +299,13 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
     """The fields of ``spec`` whose values the runner does not execute (it runs its own behaviour, the defaults):
-    the simulator prices them, the runner says it runs without them (testbed.runner.train)."""
+    the simulator prices them, the runner says it runs without them (testbed.runner.train). The runner executes
+    ``recompute: save-dots`` (testbed.runner.model.stage_forward; under full remat the value is its own)."""
     default = RuntimeSpec()
+    executed = {"recompute": ("save-dots",)}
     return tuple(f.name for f in fields(RuntimeSpec)
-                 if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name))
+                 if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name)
+                 and getattr(spec, f.name) not in executed.get(f.name, ()))
 
 
 def runtime_fields() -> tuple[str, ...]:
