@@ -130,9 +130,6 @@ def test_no_all_to_all_buffers_without_expert_parallelism() -> None:
 _STILL_OVER = {
     "llama3-405b-h100-8192gpu": "ZeRO 1's whole fp32-reduced gradients beside the 141 activation sets stage 1 keeps "
                                 "with 32 microbatches interleaved (docs/validation.md, Meta's rows, round 6)",
-    "maxtext-32b-v5p-64chip": "MaxText's remat_policy minimal (runtime.recompute save-dots) keeps 3.05 GB a layer "
-                              "over 32 layers beside 7 GB of states: 106 of 95.74 GiB; what XLA:TPU rematerialises "
-                              "against the limit beyond the loss is not modelled (docs/validation.md, remat round 6)",
 }
 
 
