@@ -128,9 +128,6 @@ def test_no_all_to_all_buffers_without_expert_parallelism() -> None:
 #: Published runs that trained and are still predicted out of memory, each with what the model lacks (issue 35
 #: stays open while this is not empty).
 _STILL_OVER = {
-    "maxtext-32b-v5p-64chip": "MaxText's remat_policy minimal (runtime.recompute save-dots) keeps 3.05 GB a layer "
-                              "over 32 layers beside 7 GB of states: 106 of 95.74 GiB; what XLA:TPU rematerialises "
-                              "against the limit beyond the loss is not modelled (docs/validation.md, remat round 6)",
 }
 
 

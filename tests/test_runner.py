@@ -19,6 +19,7 @@ from testbed.runner.results import RunResult, VerifyResult
 from testbed.runner.train import run_plan, verify_plan
 from testbed.runner.hlo import check_collectives, count_collectives, expected_collectives
 from testbed.errors import InputError
+from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 
 MODEL = ModelSpec(layers=4, d_model=16, heads=4, d_ff=32, seq_len=8, vocab=32)
@@ -26,12 +27,12 @@ GLOBAL_BATCH = 48  # divisible by every (data x fsdp x microbatches) drawn below
 
 
 def _plan(data=1, fsdp=1, tensor=1, stage=1, microbatches=1, schedule="1f1b", virtual=1, zero=0,
-          remat="none", precision="fp32", model=MODEL) -> Plan:
+          remat="none", precision="fp32", model=MODEL, recompute="runner") -> Plan:
     # One global batch for every plan, so plans share the compiled reference step.
     return Plan(model=model, batch=BatchSpec(global_batch=GLOBAL_BATCH, microbatches=microbatches),
                 mesh=MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage),
                 schedule=ScheduleSpec(name=schedule, virtual_stages=virtual), zero=zero, remat=remat,
-                precision=precision, name="test")
+                precision=precision, name="test", runtime=RuntimeSpec(recompute=recompute))
 
 
 def _assert_ok(result: VerifyResult) -> None:
@@ -55,9 +56,12 @@ def plans(draw) -> Plan:
     if schedule == "interleaved" and virtual == 1:
         schedule = "1f1b"
     microbatches = draw(st.sampled_from([stage, 2 * stage])) if stage > 1 else draw(st.sampled_from([1, 2]))
+    remat = draw(st.sampled_from(["none", "selective", "full"]))
+    # MaxText's remat_policy minimal (runtime.recompute save-dots) under selective remat.
+    recompute = draw(st.sampled_from(["runner", "save-dots"])) if remat == "selective" else "runner"
     return _plan(data=data, fsdp=fsdp, tensor=tensor, stage=stage, microbatches=microbatches, schedule=schedule,
-                 virtual=virtual, zero=draw(st.integers(0, 3)), remat=draw(st.sampled_from(["none", "selective", "full"])),
-                 precision=draw(st.sampled_from(["fp32", "fp32", "bf16-mixed"])))
+                 virtual=virtual, zero=draw(st.integers(0, 3)), remat=remat,
+                 precision=draw(st.sampled_from(["fp32", "fp32", "bf16-mixed"])), recompute=recompute)
 
 
 @settings(max_examples=max(1, settings().max_examples // 5))  # ci 3, thorough 60
@@ -72,7 +76,9 @@ def test_random_plans_on_8_devices_match_reference(plan: Plan) -> None:
     dict(data=3),
     dict(fsdp=2, tensor=2, zero=3),
     dict(data=3, stage=2, microbatches=2),    # 6 devices
-], ids=["1", "2", "3", "4", "6"])
+    dict(fsdp=2, tensor=2, remat="selective", recompute="save-dots", precision="bf16-mixed"),
+    dict(stage=2, microbatches=2, remat="selective", recompute="save-dots"),
+], ids=["1", "2", "3", "4", "6", "4-save-dots", "2-stages-save-dots"])
 def test_device_counts(degrees: dict) -> None:
     plan = _plan(**degrees)
     n = plan.mesh.size

@@ -66,6 +66,9 @@ def test_runner_differences_name_the_fields_the_runner_does_not_execute():
     assert runner_differences(plan_from_dict(_plan_dict("xla")).runtime) == ("scan_layers",)
     nemo = plan_from_dict(_plan_dict("nemo")).runtime
     assert set(runner_differences(nemo)) == set(PROFILES["nemo"])
+    # MaxText's remat_policy minimal is the runner's too (testbed.runner.model.stage_forward's ``save_dots``).
+    assert runner_differences(RuntimeSpec(recompute="save-dots")) == ()
+    assert runner_differences(RuntimeSpec(recompute="op")) == ("recompute",)
 
 
 def test_the_runner_says_it_runs_its_own_behaviour():

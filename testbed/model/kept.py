@@ -9,7 +9,8 @@ them here, one rule per mechanism:
   parallelism, the reduce-scatters' outputs (:func:`op_saved_bytes`); the rest of the block is recomputed in
   its backward (:func:`recompute_workspace_bytes`).
 - ``recompute: save-dots`` with selective remat (MaxText's ``minimal``): the block's input and every weight
-  matmul's output (:func:`dots_saved_bytes`); attention and the elementwise work are recomputed.
+  matmul's output the backward reads, all but the MLP's down projection (:func:`dots_saved_bytes`); attention
+  and the elementwise work are recomputed.
 - ``fp8_saved_inputs`` with fp8-mixed (Transformer Engine): each linear keeps the fp8 cast of its input,
   1 byte a value, instead of the compute-dtype tensor (:func:`fp8_input_savings`).
 - ``fused_loss`` (flash-attn's cross-entropy kernel): the head keeps compute-dtype logits and their row
@@ -38,7 +39,7 @@ from testbed.model.ring import rank_spec
 from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
-           "head_kept_bytes", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
+           "head_kept_bytes", "saves_dots", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
            "loss_instant_recompute", "device_layer_sets", "selective_copies_bytes", "weight_grads_deferred",
            "deferred_backward_bytes"]
@@ -49,7 +50,7 @@ def layer_kept_bytes(plan: Plan) -> int:
     spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
     if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
         return op_saved_bytes(plan)
-    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots":
+    if saves_dots(plan):
         return dots_saved_bytes(plan)
     kept = activation_bytes_per_layer(spec, b, plan.precision, plan.remat, t, sp)
     kept += residual_summand_bytes(plan) if plan.remat is Remat.FULL else _xla_layer_extra(plan)
@@ -97,23 +98,36 @@ def op_saved_bytes(plan: Plan) -> int:
     return c * (residual + saved + attention + scatters) + lse
 
 
+def saves_dots(plan: Plan) -> bool:
+    """Whether each block is checkpointed with ``checkpoint_dots_with_no_batch_dims`` (``runtime.recompute:
+    save-dots`` under selective remat; under full remat the value is the runner's full remat): the memory model
+    here and the runner (testbed.runner.model.stage_forward) both read it."""
+    return plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots"
+
+
 def dots_saved_bytes(plan: Plan) -> int:
     """One layer's kept bytes under MaxText's ``remat_policy: minimal`` (``runtime.recompute: save-dots``).
 
     MaxText maps ``minimal`` to ``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims`` (maxtext
-    MaxText/layers/models.py ``Decoder.get_remat_policy``): every ``dot_general`` without batch dimensions is
-    saved, i.e. each weight matmul's output (Q, K and V, GQA's narrower K/V included; the out projection; the
-    MLP's input projections, SwiGLU's two; its down projection), and everything else is recomputed in the
-    backward: the norms, RoPE, the activation function and attention (the score and value matmuls have batch
-    dimensions; the splash kernel is no dot). The scanned layer loop keeps the block input, its carry.
-    Column-parallel outputs are split over the tensor ranks; GSPMD reduces a row-parallel output (out
-    projection, MLP down) before the policy sees it, so it is kept as the residual stream's layout keeps it
-    (its sequence shard under sequence parallelism). An MoE layer is counted as a dense one of its ``d_ff``.
+    MaxText/layers/models.py ``Decoder.get_remat_policy``): a ``dot_general`` without batch dimensions may be
+    saved, i.e. each weight matmul's output, and everything else is recomputed in the backward: the norms, RoPE,
+    the activation function and attention (the score and value matmuls have batch dimensions; the splash kernel
+    is no dot). A policy only says what may be saved: JAX's partial evaluation saves the allowed values the
+    backward reads, so the MLP's down projection, whose output only feeds the residual add (an add's backward
+    reads no value), is not kept, nor a parallel block's out projection (``model.parallel_block``: no norm reads
+    it). Kept: Q, K and V (GQA's narrower K/V included), the out projection of a sequential block (the
+    recomputed second norm's input is the block input plus it) and the MLP's input projections, SwiGLU's two;
+    the scanned layer loop keeps the block input, its carry (``jax.ad_checkpoint.print_saved_residuals`` of the
+    runner's block under the policy: tests/test_saved_dots.py). Column-parallel outputs are split over the tensor ranks;
+    GSPMD reduces the row-parallel out projection before the policy sees it, so it is kept as the residual
+    stream's layout keeps it (its sequence shard under sequence parallelism). An MoE layer is counted as a dense
+    one of its ``d_ff``.
     """
     spec, t = rank_spec(plan), plan.mesh.tensor
     outputs = block_matmul_outputs(spec, plan.microbatch_size * spec.seq_len, t)
     columns = sum(outputs[:3]) + sum(outputs[4:-1])  # Q, K, V; the MLP's input projections
-    return plan.precision.compute_bytes * (columns + 3 * _residual_values(plan))  # input, out proj, MLP down
+    # The input, and a sequential block's out projection: one residual-stream tensor per norm.
+    return plan.precision.compute_bytes * (columns + norms(spec) * _residual_values(plan))
 
 
 def fp8_input_savings(plan: Plan) -> int:
@@ -140,7 +154,7 @@ def recompute_workspace_bytes(plan: Plan) -> int:
         return whole
     if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":
         return max(whole - op_saved_bytes(plan), 0)
-    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots":
+    if saves_dots(plan):
         return max(whole - dots_saved_bytes(plan), 0)
     return 0
 

@@ -45,7 +45,8 @@ class RuntimeSpec:
     #: attention and the MLP's input projections (MaxText's ``save_dot_except_mlpwi``). The two save-policies
     #: change a dense layer's recompute only (an MoE layer's is the runner's) and the FLOPs only (the memory of
     #: the saved outputs and, with a tensor axis, the collectives are priced as the runner's full remat);
-    #: ``save-dots``, with selective remat, every weight matmul's output and the block input saved, attention and
+    #: ``save-dots``, with selective remat, the block input and every weight matmul's output the backward reads
+    #: saved (all but the MLP's down projection, which feeds the residual add only), attention and
     #: the elementwise work recomputed (MaxText's ``minimal``: ``checkpoint_dots_with_no_batch_dims``,
     #: testbed.model.kept.dots_saved_bytes; the FLOPs are selective's, the elementwise recompute priced as its
     #: passes); with full remat it is the runner's.
@@ -298,10 +299,13 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
     """The fields of ``spec`` whose values the runner does not execute (it runs its own behaviour, the defaults):
-    the simulator prices them, the runner says it runs without them (testbed.runner.train)."""
+    the simulator prices them, the runner says it runs without them (testbed.runner.train). The runner executes
+    ``recompute: save-dots`` (testbed.runner.model.stage_forward; under full remat the value is its own)."""
     default = RuntimeSpec()
+    executed = {"recompute": ("save-dots",)}
     return tuple(f.name for f in fields(RuntimeSpec)
-                 if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name))
+                 if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name)
+                 and getattr(spec, f.name) not in executed.get(f.name, ()))
 
 
 def runtime_fields() -> tuple[str, ...]:

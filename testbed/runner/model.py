@@ -19,7 +19,9 @@ dtype; given fp32 parameters it casts them (the functions stay usable on
 fp32 parameters with a bf16 compute dtype).
 
 Remat: ``selective`` checkpoints the core attention (scores, softmax, values),
-``full`` checkpoints each whole block. Attention (``testbed.runner.attention``): plain
+``full`` checkpoints each whole block; ``save_dots`` (``runtime.recompute: save-dots`` under selective:
+MaxText's ``minimal``, testbed.model.kept.saves_dots) checkpoints each whole block with
+``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims``. Attention (``testbed.runner.attention``): plain
 (dense scores) or flash (blockwise, recomputing its scores in the backward, so
 ``selective`` changes nothing for it).
 """
@@ -334,17 +336,24 @@ def _moe_mlp(p: Params, x: jax.Array, h: jax.Array, arch: _Arch) -> jax.Array:
 def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
                   remat: Remat | str = Remat.NONE, seq: Any = None, fsdp: Any = None,
                   context: ContextShards | None = None, experts: moe.ExpertShards | None = None,
-                  aux_weight: float | None = None) -> jax.Array:
+                  aux_weight: float | None = None, save_dots: bool = False) -> jax.Array:
     """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
     ``seq``: sequence parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.param_shards.ParamShards,
     each block in its own map, so a block's gathered weights live from its forward to its backward, or with full
     remat are gathered again there; ``context``: testbed.runner.ring_attention.ContextShards, or None; ``experts``:
     testbed.runner.moe.ExpertShards, or None; ``aux_weight``: the objective's weight of one sequence's MoE
-    load-balancing loss, None: ``1 / rows of x``, right when the objective is the mean over these rows)."""
+    load-balancing loss, None: ``1 / rows of x``, right when the objective is the mean over these rows;
+    ``save_dots``: each block checkpointed with JAX's policy saving the outputs of dots without batch dimensions,
+    the weight matmuls', and recomputing the rest, attention included)."""
     remat = Remat(remat)
     weight = 1.0 / x.shape[0] if aux_weight is None else float(aux_weight)
     arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context, experts=experts, aux_weight=weight)
-    step = jax.checkpoint(_block, static_argnums=(2, 3, 5)) if remat is Remat.FULL else _block
+    if save_dots:  # the policy decides what the whole block keeps: no inner attention checkpoint
+        step = jax.checkpoint(_block, static_argnums=(2, 3, 5),
+                              policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+        remat = Remat.NONE
+    else:
+        step = jax.checkpoint(_block, static_argnums=(2, 3, 5)) if remat is Remat.FULL else _block
     link = None
     for k, layer in enumerate(params_layers):
         x, link = step(layer, x, arch, remat, link, k + 1 < len(params_layers))
@@ -395,18 +404,20 @@ def head_loss(params_head: Params, x: jax.Array, targets: jax.Array,
 def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec: ModelSpec,
                  precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE,
                  seq: Any = None, fsdp: Any = None, context: ContextShards | None = None,
-                 experts: moe.ExpertShards | None = None, aux_weight: float | None = None) -> jax.Array:
+                 experts: moe.ExpertShards | None = None, aux_weight: float | None = None,
+                 save_dots: bool = False) -> jax.Array:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
     parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.param_shards.ParamShards, or None;
     ``context``: testbed.runner.ring_attention.ContextShards, tokens and targets in its zigzag order, or None).
 
     MoE models: ``experts`` (testbed.runner.moe.ExpertShards, or None) and ``aux_weight`` as :func:`stage_forward`
     (None: ``1 / rows of tokens``); the load-balancing loss enters the gradients, not the returned value.
+    ``save_dots``: as :func:`stage_forward`.
     """
     p = cast_params(params, precision)
     x = embed(p["embed"], tokens, seq, fsdp, context)
     weight = 1.0 / tokens.shape[0] if aux_weight is None else aux_weight
-    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp, context, experts, weight)
+    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp, context, experts, weight, save_dots)
     tied = p["embed"]["tokens"] if spec.tied_embeddings else None
     return head_loss(p["head"], x, targets, tied, spec, seq, fsdp)
 

@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.runner import model
+from testbed.model.kept import saves_dots
 from testbed.runner.moe_folded import expert_shards
 from testbed.runner.pipeline.lockstep import lockstep_step
 from testbed.runner.param_shards import param_shards
@@ -99,7 +100,7 @@ class PipelineTrainer:
         self.optimizer = Optimizer(plan)
         self.schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
                                        plan.schedule.virtual_stages)
-        spec, precision, remat = plan.model, plan.precision, plan.remat
+        spec, precision, remat, dots = plan.model, plan.precision, plan.remat, saves_dots(plan)
 
         # Data replicas keep their gradients apart until the update, and their losses until the step's end:
         # one reduction per step (testbed.runner.replicas), none per microbatch.
@@ -131,7 +132,7 @@ class PipelineTrainer:
             if _EMBED in params:
                 x = model.embed(params[_EMBED], x, seqs[stage], fsdps[stage], ctxs[stage])
             return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage], fsdps[stage], ctxs[stage],
-                                       exps[stage], aux_weight)
+                                       exps[stage], aux_weight, dots)
 
         def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
             return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last, fsdp=fsdps[last_stage])

@@ -1,0 +1,71 @@
+"""MaxText's ``remat_policy: minimal`` (``runtime.recompute: save-dots``): what JAX saves under
+``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims``, against testbed.model.kept.dots_saved_bytes.
+
+JAX's partial evaluation saves, of the values the policy allows (the outputs of ``dot_general``s without batch
+dimensions), only those the backward reads; ``jax.ad_checkpoint.print_saved_residuals`` lists them. The runner's block
+(testbed.runner.model.block, the model testbed prices) checkpointed with the policy keeps its input, Q, K, V, the
+out projection and the MLP's input projections; not the MLP's down projection, whose output only feeds the
+residual add. The runner executes the policy (testbed.runner.model.stage_forward's ``save_dots``): its steps
+match the reference in tests/test_runner.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+from dataclasses import replace
+
+import jax
+from jax.ad_checkpoint import print_saved_residuals
+import jax.numpy as jnp
+import pytest
+
+from testbed.model import kept
+from testbed.plan.runtime import RuntimeSpec
+from testbed.plan.spec import BatchSpec, ModelSpec, Plan
+from testbed.runner.model import block, cast_params, init_params
+
+MODEL = ModelSpec(layers=2, d_model=64, heads=4, kv_heads=2, d_ff=160, seq_len=32, vocab=128, mlp="swiglu",
+                  norm="rmsnorm", position="rope", bias=False)
+
+
+def _saved_bytes(spec: ModelSpec, batch: int) -> tuple[int, list[str]]:
+    """Bytes of the residuals JAX saves for one bf16 block under the policy, the parameters left out (model
+    states, counted apart), and what each residual is."""
+    layer = cast_params(init_params(spec, 0)["layers"][0], "bf16-mixed")
+    x = jnp.ones((batch, spec.seq_len, spec.d_model), jnp.bfloat16)
+    step = jax.checkpoint(lambda p, h: block(p, h, spec),
+                          policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # one line a residual: "bf16[2,32,64] output of dot_general from ..."
+        print_saved_residuals(lambda p, h: jnp.sum(step(p, h).astype(jnp.float32)), layer, x)
+    lines = [line for line in out.getvalue().splitlines() if line and "argument p" not in line
+             and "from a constant" not in line]  # RoPE's cos and sin tables: per position, not per token
+    sizes = {"bf16": 2, "f32": 4}
+    total = 0
+    for line in lines:
+        dtype, shape = re.match(r"(\w+)\[([\d,]*)\]", line).groups()
+        total += sizes[dtype] * math.prod(int(n) for n in shape.split(",") if n)
+    return total, lines
+
+
+@pytest.mark.parametrize("attention, kv_heads, batch, parallel, mlp", [
+    ("flash", 2, 2, False, "swiglu"), ("plain", 2, 1, False, "swiglu"), ("flash", 4, 3, False, "gelu"),
+    ("flash", 4, 2, True, "swiglu"), ("flash", 4, 2, True, "gelu")])
+def test_the_policy_keeps_the_input_and_every_dot_the_backward_reads(attention: str, kv_heads: int, batch: int,
+                                                                      parallel: bool, mlp: str) -> None:
+    """A parallel block (``model.parallel_block``, PaLM's and MaxText's 2023 default decoder layer) keeps no out
+    projection either: its output, like the MLP's, only feeds the residual add."""
+    spec = replace(MODEL, attention=attention, kv_heads=kv_heads, parallel_block=parallel, mlp=mlp)
+    plan = Plan(name="t", model=spec, batch=BatchSpec(global_batch=batch), precision="bf16-mixed",
+                remat="selective", runtime=RuntimeSpec(recompute="save-dots"))
+    measured, what = _saved_bytes(spec, batch)
+    assert kept.dots_saved_bytes(plan) == measured, what
+    n, d = batch * spec.seq_len, spec.d_model
+    down = 2 * n * d  # the MLP's down projection output, bf16: not among them
+    residuals = 1 if parallel else 2  # the input; a sequential block's out projection
+    inputs = spec.mlp_matrices - 1  # the MLP's input projections: SwiGLU's gate and up, GELU's one
+    assert measured == 2 * (residuals * n * d + n * (spec.q_dim + 2 * spec.kv_dim + inputs * spec.d_ff))
+    assert measured + down != kept.dots_saved_bytes(plan)
