@@ -7,12 +7,12 @@ collective latencies, where the two descriptions' fixed costs, not the model, de
 
 What holds (docs/program.md, "Against plan-driven simulation"): the tensor axis's collective bytes
 exactly (Megatron's all-reduces, sequence parallelism's gathers and scatters, the vocab-parallel loss's
-all-reduces, the position table's gradient gather) on a GPU superpod and a TPU slice, and on the superpod
-the step time within 5% for data and tensor parallelism with or without sequence parallelism, bf16 and
-fp32; for data x tensor and fsdp x tensor with or without sequence parallelism, and data x fsdp x tensor with
-leaves the fsdp count cannot split (sharded flat and padded on both sides), every axis's bytes exactly.
-What does not yet (a strict xfail, so agreement would show): on the TPU slice an attention-heavy
-tensor-parallel step (1.07: per-segment rooflines against the plan's one per action). Both sides merge
+all-reduces, the position table's gradient gather) on a GPU superpod and a TPU slice, and on both the step
+time within 5% for data and tensor parallelism with or without sequence parallelism, bf16 and fp32 (on the TPU
+slice since the plan prices a roofline per span between tensor collectives, as the traced segments are:
+testbed.model.spans, its softmax passes held to the traced attention's); for data x tensor and fsdp x tensor
+with or without sequence parallelism, and data x fsdp x tensor with leaves the fsdp count cannot split (sharded
+flat and padded on both sides), every axis's bytes exactly. Both sides merge
 parameter gathers and gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit, XLA's
 default 30 MiB) by XLA's combiner rule (testbed.sim.combine: by data-flow reachability; the plan's model counts what
 it gives the runner's program, the backward's gathers of two adjacent pieces together); the tracer starts each collective once its
