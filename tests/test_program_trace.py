@@ -66,6 +66,26 @@ def test_an_adam_update_is_one_multi_output_fusion() -> None:
     assert sum(op.hbm_bytes for op in w.ops) == pytest.approx(28 * n, rel=1e-3)
 
 
+def test_a_causal_mask_of_index_generators_is_fused_into_its_consumers() -> None:
+    """A causal mask built from iotas (compare, select) depends on no input: XLA fuses it into each consumer
+    and recomputes it in registers (XLA:CPU's compiled attention: the iotas and the compare sit inside the
+    select's loop fusion, whose only operand is the scores), so it moves no HBM bytes: a masked softmax costs
+    what an unmasked one does."""
+    h, s, d = 2, 256, 64
+
+    def attention(q, k, v, causal):
+        scores = jnp.einsum("hqd,hkd->hqk", q, k) / 8.0
+        if causal:  # the runner's form (testbed.runner.attention): an additive bias of 0 or the dtype's minimum
+            keys = jnp.arange(s)
+            scores = scores + jnp.where(keys[None, :] <= keys[:, None], 0.0, jnp.finfo(scores.dtype).min)
+        return jnp.einsum("hqk,hkd->hqd", jax.nn.softmax(scores, axis=-1), v)
+
+    args = (sd((h, s, d), jnp.float32),) * 3
+    masked, plain = (trace(jax.jit(lambda q, k, v, c=c: attention(q, k, v, c)), *args, mesh={"data": 1})
+                     for c in (True, False))
+    assert sum(op.hbm_bytes for op in masked.ops) == sum(op.hbm_bytes for op in plain.ops) > 0
+
+
 def test_a_pmap_step_is_a_shard_map_over_one_axis() -> None:
     sys.path.insert(0, str(EXAMPLES / "predict"))
     try:

@@ -56,6 +56,7 @@ from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds
+from testbed.model.spans import scaled_spans
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
 from testbed.sim.moe import Piece
@@ -279,7 +280,7 @@ class _Step:
             parts = self._parts(chunk, work, n)
             whole = sum(parts) if parts else n * compute_seconds(
                 topology, dtype, flops / n, hbm / n, max(1, chunk.kernels // n), rep_b / n, split_b / n,
-                cost.tensor_bytes, scaled(gemms, 1 / n))
+                cost.tensor_bytes, scaled(gemms, 1 / n), scaled_spans(work.spans, 1 / n))
         ring_s = ringed[1] if ringed else 0.0
         last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
         pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)
@@ -288,7 +289,8 @@ class _Step:
         each: tuple[float, ...] = ()
         if last and reduces:  # the program reduces even a one-layer chunk's gradients
             piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
-                                    rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces))
+                                    rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces),
+                                    scaled_spans(work.spans, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
             parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
             bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
@@ -342,7 +344,7 @@ class _Step:
         flops, hbm, rep_b, split_b = work.work
         kernels, tensor_bytes = max(1, chunk.kernels // pieces), chunk.cost.tensor_bytes
         return tuple(compute_seconds(self.topology, self.dtype, flops * w, hbm * w, kernels, rep_b * w, split_b * w,
-                                     tensor_bytes, gemms) for w, gemms in shares)
+                                     tensor_bytes, gemms, scaled_spans(work.spans, w)) for w, gemms in shares)
 
     def _tensor_seconds(self, s: int, transfers) -> float:
         """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""
@@ -357,7 +359,7 @@ class _Step:
         overlap = work.overlap  # its blocks' GEMMs are priced beside their collectives (_price)
         flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
         whole = compute_seconds(topology, dtype, flops, hbm, chunk.kernels, rep_b, split_b, cost.tensor_bytes,
-                                overlap.gemms if overlap else work.gemms)
+                                overlap.gemms if overlap else work.gemms, work.spans)
         ringed = ring_action_seconds(self.facts.plan, topology, dtype, ring, work.kind, cost.layers,
                                      overlap.work if overlap else work.ring_work,
                                      overlap.gemms if overlap else work.ring_gemms, chunk.kernels, cost.tensor_bytes)

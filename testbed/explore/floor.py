@@ -12,7 +12,8 @@ from testbed.collectives.bounds import max_injection_bandwidth
 from testbed.collectives.routed import topology_memo
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, scaled
-from testbed.plan.spec import Plan, Remat
+from testbed.model.spans import action_spans, scaled_spans
+from testbed.plan.spec import Plan
 from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, action_work, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
@@ -104,33 +105,36 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
             for c in range(v):
                 cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
                 for kind in kinds:
-                    whole, tensor = _action_floor(topology, cost, gemms, kind, split, plan.remat, dtype)
+                    whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype)
                     seconds[(c, kind)] = whole + _tensor_floor(plan, topology, tensor)
             priced[key] = seconds
         out.append(priced[key])
     return out
 
 
-def _action_floor(topology: Topology, cost: ChunkCost, gemms: ChunkGemms, kind: str, split: bool, remat: Remat,
+def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkGemms, kind: str, split: bool,
                   dtype: str) -> tuple[float, tuple[tuple[str, int, int], ...]]:
     """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``: its
     compute as the estimate prices it, a microbatch's last backward at the cheaper of whole and split into gradient
     buckets. Memoized per topology on the chunk's (memoized, testbed.sim.memo) cost and GEMMs: plans that differ in
-    ZeRO, schedule or data degree share them."""
+    ZeRO, schedule or data degree share them (and their spans between tensor collectives, testbed.model.spans, which
+    the cost and ``runtime.tp_comm_overlap`` decide)."""
+    remat = plan.remat
     memo = topology_memo(topology).setdefault("step_floor", {})
-    key = (id(cost), id(gemms), kind, split, remat, dtype)
+    key = (id(cost), id(gemms), kind, split, remat, dtype, plan.runtime.tp_comm_overlap)
     hit = memo.get(key)
     if hit is not None and hit[0] is cost and hit[1] is gemms:  # the very objects (ids are reused once freed)
         return hit[2]
     kernels = max(1, 4 * cost.layers)
     flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat)
     shapes = gemms.action(kind, split)
-    whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes, shapes)
+    spans = action_spans(plan, cost, kind, split)  # no MoE here (step_floor: None)
+    whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes, shapes, spans)
     pieces = min(BUCKETS, max(1, cost.layers))
     if kind == ("W" if split else "B") and pieces > 1:
         whole = min(whole, pieces * compute_seconds(
             topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
-            split_b / pieces, cost.tensor_bytes, scaled(shapes, 1 / pieces)))
+            split_b / pieces, cost.tensor_bytes, scaled(shapes, 1 / pieces), scaled_spans(spans, 1 / pieces)))
     if len(memo) > 100_000:
         memo.clear()
     memo[key] = (cost, gemms, (whole, tensor))

@@ -77,11 +77,15 @@ GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1,
 
 def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
                     replicated_bytes: float = 0.0, split_bytes: float = 0.0, tensor_bytes: float = 0.0,
-                    gemms: Sequence[Gemm] = ()) -> float:
+                    gemms: Sequence[Gemm] = (), spans: Sequence[tuple[float, float]] = ()) -> float:
     """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes).
 
     With the calibration's GEMM shape model (``compute.shapes``) and the task's ``gemms`` (whose FLOPs are
     its ``flops``), the matmuls are priced shape by shape (testbed.sim.compute) instead of by FLOPs.
+    ``spans``: the task's spans between blocking tensor collectives (testbed.model.spans: each its share of the
+    matmuls and its HBM bytes); without an elementwise calibration each is a roofline of its own, the slower of
+    its matmuls and its bytes, summed (its bytes in place of ``hbm_bytes``): a device that runs its fusions one
+    at a time hides a span's memory traffic under its own matmuls only. Ignored with an elementwise calibration.
     """
     compute, passes, dev = topology.calibration.compute, topology.calibration.elementwise, topology.device
     t = 0.0
@@ -91,7 +95,9 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
         per_kernel = flops / max(1, kernels)
         eff = compute.cap(dtype) * per_kernel / (per_kernel + compute.efficiency_half_flops)
         t = (flops + _grouped_extra_flops(dev.name, gemms)) / (dev.sustained_flops(dtype) * eff)
-    if hbm_bytes > 0:
+    if spans and passes is None:
+        t = sum(max(share * t, pass_seconds(topology, nbytes)) for share, nbytes in spans)
+    elif hbm_bytes > 0:
         t = max(t, pass_seconds(topology, hbm_bytes))
     if passes is not None:
         f = topology.calibration.cached_fraction(tensor_bytes, host_devices(topology))

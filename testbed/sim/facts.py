@@ -34,6 +34,7 @@ from testbed.model.leaves import (block_gathers, block_scatters, bucket_share, c
                                   parameter_collectives, regathered)
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
+from testbed.model.spans import action_spans
 from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
@@ -76,6 +77,9 @@ class ActionWork:
     ring_gemms: tuple[Gemm, ...]
     sends: tuple[tuple[int, int, float], ...]
     overlap: TpOverlap | None = None
+    #: Its spans between blocking tensor collectives (testbed.model.spans; empty: one span), each a roofline of its
+    #: own without an elementwise calibration (testbed.sim.compute.compute_seconds).
+    spans: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -381,9 +385,10 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
     overlap = None if chain or gathers_parameters(plan, kind) else tp_overlap(
         plan, chunk_costs[s][c], kind, split, (flops, hbm, replicated, split_b), gemms, tensor,
         chunk_costs[s][c].layers, n_moe)
+    spans = () if chain or overlap else action_spans(plan, chunk_costs[s][c], kind, split, n_moe)
     return ActionWork(kind=kind, work=(flops, hbm, replicated, split_b), tensor=tensor, gemms=gemms,
                       chain=tuple(chain), ring_work=ring_work, ring_gemms=ring_gemms,
-                      sends=tuple(_sends(schedule, s, kind, c, chunk_costs)), overlap=overlap)
+                      sends=tuple(_sends(schedule, s, kind, c, chunk_costs)), overlap=overlap, spans=spans)
 
 
 def _update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: float, param_b: float,

@@ -90,7 +90,8 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
             continue
         if task.kind is TaskKind.COMPUTE:
             durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels,
-                                             task.replicated_bytes, task.split_bytes, task.tensor_bytes, task.gemms))
+                                             task.replicated_bytes, task.split_bytes, task.tensor_bytes, task.gemms,
+                                             task.spans))
             loads.append(None)
             continue
         key = (task.kind, task.op, task.group, task.nbytes, task.count, id(task.instances))

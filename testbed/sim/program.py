@@ -72,6 +72,7 @@ from testbed.model import buffers
 from testbed.model.gemm import scaled
 from testbed.pipeline.schedules import Action, Schedule
 from testbed.model.layout import holds
+from testbed.model.spans import scaled_spans
 from testbed.plan.placement import Placement
 from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
@@ -259,7 +260,7 @@ class _Graph:
                 kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops * part, hbm_bytes=hbm * part,
                 replicated_bytes=replicated * part, split_bytes=split * part,
                 tensor_bytes=cost.tensor_bytes, kernels=max(1, kernels // pieces), pipeline=True,
-                gemms=part_gemms)
+                gemms=part_gemms, spans=() if overlap else scaled_spans(work.spans, part))
             computes += [] if ringed is not None else [last]
             ends.append(last)
             deps = []

@@ -50,7 +50,9 @@ class Task:
     On a shared host (testbed.sim.barriers) a compute task's ``syncs`` are the
     ``(group size, count)`` barriers its action's program meets among its
     kernels, and a collective counted there is ``interleaved`` (it does not
-    wait for stragglers again).
+    wait for stragglers again). ``spans``: a compute task's spans between blocking tensor collectives (share of
+    its matmuls, HBM bytes; testbed.model.spans), each its own roofline where the calibration has no
+    elementwise passes (testbed.sim.compute.compute_seconds).
     """
 
     name: str
@@ -74,6 +76,7 @@ class Task:
     gemms: tuple[Gemm, ...] = ()
     syncs: tuple[tuple[int, float], ...] = ()
     interleaved: bool = False
+    spans: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

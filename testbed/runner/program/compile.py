@@ -17,7 +17,9 @@ its results that are materialized; values between fused elementwise ops cost not
 elementwise result that is materialized only because an HBM reader needs it, for its elementwise consumers
 (multi-output fusion: testbed.runner.program.evaluate). Reshapes,
 broadcasts, transposes and constants move no bytes (XLA folds them into their consumers); their
-consumers read the bytes of the source. Slices and gathers read what they produce, an update-slice or
+consumers read the bytes of the source. An elementwise op of constants and index generators alone (a causal
+mask's iota, compare and select) is never materialized unless the step returns it: XLA fuses it into each
+consumer (testbed.runner.program.evaluate). Slices and gathers read what they produce, an update-slice or
 scatter reads and writes its update.
 """
 

@@ -36,9 +36,13 @@ class _Val:
     read: int
     fused: frozenset = frozenset()
     region: int = -1
+    #: Computed from constants and index generators alone (a causal mask's iota, compare and select): XLA
+    #: fuses such a chain into each of its consumers, recomputing it in registers, so it is never in HBM.
+    constant: bool = False
 
 
 _EMPTY = _Val(frozenset(), False, 0)
+_CONSTANT = _Val(frozenset(), False, 0, constant=True)
 
 
 def _block_cost(block: Block) -> tuple[float, float]:
@@ -57,6 +61,7 @@ class _Emitter:
         self.barriers = 0  # matmuls and collectives emitted: a multi-output fusion does not reach past one
         self.computed: dict = {}  # (scope, collective, result bytes, operand identities) -> (operands, results)
         self.scope = self.scopes = 0  # one per loop iteration walked: XLA runs a while body's collectives each time
+        self.returned = _returned(compiled.entry)  # values the step returns: written to HBM even if constant
 
     def sinks(self, block: Block) -> frozenset:
         """Values of ``block`` that a HBM-reading consumer (or the terminator) reads, through passthroughs."""
@@ -95,7 +100,7 @@ class _Emitter:
         env, kind = self.env, node.kind
         if kind == "free":
             for r in node.results:
-                env[r] = _EMPTY
+                env[r] = _CONSTANT
         elif kind == "passthrough":
             sources = node.operands if len(node.operands) == len(node.results) else \
                 node.operands[:1] * len(node.results)
@@ -129,7 +134,7 @@ class _Emitter:
         key = (self.scope, node.collective, node.channel, tuple(node.writes), tuple(map(id, vals)))
         if node.channel is None:  # the partitioner's: a new channel, identical to nothing
             key = None
-        elif vals and _EMPTY not in vals and key in self.computed:
+        elif vals and not any(v == _EMPTY or v.constant for v in vals) and key in self.computed:
             for r, v in zip(node.results, self.computed[key][1]):
                 self.env[r] = v
             return
@@ -152,6 +157,10 @@ class _Emitter:
         env = self.env
         reads = 0
         vals = [env.get(o, _EMPTY) for o in node.operands]
+        if vals and all(v.constant for v in vals) and not any(node.roots) and self.returned.isdisjoint(node.results):
+            for r in node.results:  # a chain of constants: fused into each consumer (``_Val.constant``)
+                env[r] = _CONSTANT
+            return
         near = [v.region == self.barriers for v in vals]
         fused = frozenset().union(*(v.fused for v, n in zip(vals, near) if not v.materialized or n))
         for o, r, val, n in zip(node.operands, node.reads, vals, near):
@@ -195,6 +204,15 @@ class _Emitter:
             out = self.run(node.blocks[0], args)
         for r, v in zip(node.results, out):
             self.env[r] = v
+
+
+def _returned(block: Block) -> frozenset:
+    """The values ``block`` yields, and through passthroughs (reshapes, broadcasts) the values they are made of."""
+    out = set(block.yields)
+    for node in reversed(block.nodes):
+        if node.kind == "passthrough" and any(r in out for r in node.results):
+            out.update(node.operands)
+    return frozenset(out)
 
 
 def emit(compiled: Compiled) -> tuple[list[TracedOp], list[str]]:
