@@ -208,7 +208,8 @@ class Play:
             for k in range(pieces if self.facts.reduce_in_backward else 0):
                 own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
                 done = ends[k] if ends else done + (parts[k] + wait / pieces if parts else piece)
-                self.grad[s] = max(self.grad[s], done) + own
+                tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= priced.after_tp else 0.0
+                self.grad[s] = max(self.grad[s], done, tp) + own
         elif not last_mb and priced.scatter:
             self.grad[s] = max(self.grad[s], start + compute) + priced.scatter
         return compute + acc, wait
