@@ -319,11 +319,12 @@ def test_host_counts_one_collective_per_leaf():
     assert [t.count for t in simulate(zero1, host).program.tasks if t.name == "gather params"] == [53]
     merged = replace(host, calibration=host.calibration.updated(collectives={"combine_bytes": None}))
     # Within XLA's default bound: the forward's gathers (all issued before its blocks compute) one collective, in the
-    # first block, its first leaf's; the backward's (a piece's gather waits for a cotangent two pieces back, so a
-    # merge spans two adjacent pieces: testbed.model.leaves.backward_merges) the head with the last layer, then
-    # pairs of layers, each in its first piece's block, at their own sizes.
+    # first block, its first leaf's; the backward's (a linked layer's gather waits for a cotangent two pieces back,
+    # so a merge spans two adjacent pieces; the last layer's, unlinked, for its own, which the head's backward
+    # computes: testbed.model.leaves.backward_waits) the head alone, then pairs of layers from the last, each in
+    # its first piece's block, at their own sizes.
     gathers = [t for t in simulate(plan, merged).program.tasks if t.op == "all_gather"]
-    assert [(t.name, t.count) for t in gathers] == [("gather F0/0", 1), *[(f"gather B0/{k}", 1) for k in (0, 2, 4)]]
+    assert [(t.name, t.count) for t in gathers] == [("gather F0/0", 1), *[(f"gather B0/{k}", 1) for k in (0, 1, 3)]]
     leaf_by_leaf = simulate(plan, host).program.tasks  # the same forward bytes, merged into one
     assert gathers[0].nbytes == sum(t.count * t.nbytes for t in leaf_by_leaf if t.name.startswith("gather F"))
     assert [t.count for t in simulate(zero1, merged).program.tasks if t.name == "gather params"] == [1]

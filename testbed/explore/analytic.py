@@ -57,6 +57,7 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds
 from testbed.model.spans import scaled_spans
+from testbed.sim.grad_tasks import after_tensor
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
 from testbed.sim.moe import Piece
@@ -215,6 +216,7 @@ class _Priced(NamedTuple):
     bucket_each: tuple[float, ...] = ()  # each bucket's reduction, of its own count of collectives (empty: ``bucket``)
     send_s: float = 0.0  # the sends' seconds together (read by every play of the action)
     parts: tuple[float, ...] = ()  # each block's (or bucket piece's) compute where they differ (empty: equal shares)
+    after_tp: int = 1 << 30  # the first bucket reduced after the tensor collectives (testbed.sim.grad_tasks.after_tensor)
 
 
 class _Step:
@@ -333,7 +335,9 @@ class _Step:
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
-                       send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts)
+                       send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts,
+                       after_tp=after_tensor(plan, bool(chunk.block_shares(kind, pieces)),
+                                             bool(work.tensor) and overlap is None, pieces))
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's

@@ -215,7 +215,8 @@ class Play:
                 own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
                 done = ends[k] if ends else done + (parts[k] + wait / pieces if parts else piece)
                 before += parts[k] if parts else 0.0
-                out.append((done, own, before / total if parts and total else (k + 1) / pieces))
+                tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= priced.after_tp else 0.0
+                out.append((max(done, tp), own, before / total if parts and total else (k + 1) / pieces))
             releases = tuple(out)
         elif not last_mb and priced.scatter:
             releases = ((start + compute, priced.scatter, 1.0),)

@@ -18,7 +18,7 @@ from testbed.model import layout
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes", "backward_merges",
+__all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes", "backward_merges", "backward_waits", "linked_layer",
            "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements",
            "block_gathers", "own_blocks", "block_pieces", "block_scatters", "SHARE_QUANTUM"]
 
@@ -173,21 +173,49 @@ def combined_sizes(sizes: tuple[float, ...], combine_bytes: float) -> tuple[floa
     return tuple(out)
 
 
-def backward_merges(pieces: list[tuple[float, ...]], combine_bytes: float) -> list[tuple[float, int]]:
+def linked_layer(k: int, layers: int) -> bool:
+    """Whether layer ``k`` (forward order) of a run of ``layers`` under fsdp hands the layer after it a link, so
+    that its backward gather waits for the link's cotangent, which the next layer gives as soon as its own
+    cotangent arrives (a prefetch one layer ahead: the gather runs while the next layer's backward computes),
+    rather than for its own cotangent, which that backward computes: every layer of a run but its last, whose
+    gather waits for its own cotangent (the head's backward, or the next stage's, computes it). The one rule
+    testbed.runner.model links its layers by (testbed.runner.param_shards.ParamShards.apply) and
+    :func:`backward_waits` reads."""
+    return k + 1 < layers
+
+
+def backward_waits(layers: int, head: bool) -> tuple[int, ...]:
+    """Per piece of a chunk's backward (the head if held, then its ``layers`` layers from the last), the index of
+    the piece whose backward computes the cotangent its gather waits for, -1 where none of the chunk's does (the
+    head's waits for the loss's; the last layer's, without a head, for the next stage's). A linked layer
+    (:func:`linked_layer`) waits for the cotangent into the piece after it, computed two pieces back; an unlinked
+    one for its own, computed by the piece just before it (whose gather then reaches it)."""
+    out = [-1] * int(head)
+    for j in range(layers):
+        k = len(out)
+        linked = linked_layer(layers - 1 - j, layers)
+        out.append(max(-1, k - 2) if linked else k - 1)
+    return tuple(out)
+
+
+def backward_merges(pieces: list[tuple[float, ...]], combine_bytes: float, waits: tuple[int, ...] | None = None
+                    ) -> list[tuple[float, int]]:
     """(bytes, piece) of each backward gather of a chunk, ``pieces`` the bytes of each piece's regathered leaves
     in the backward's order (the head, then the layers from the last): XLA's combiner rule
-    (CombineInstructionsByKey, testbed.sim.combine) on the runner's program, where a piece's gather waits for
-    the link from the piece before it in this order (testbed.runner.param_shards), a cotangent computed by the
-    piece before that one: so a merge spans at most two adjacent pieces, runs while its bytes stay within
-    ``combine_bytes``, and a leaf over it alone merges with none (nor ends a merge). ``piece``: the index of the
-    merge's first leaf's piece, the first the backward reads."""
+    (CombineInstructionsByKey, testbed.sim.combine) on the runner's program, where piece ``k``'s gather waits for
+    the backward of piece ``waits[k]`` (:func:`backward_waits`; default: every piece linked, ``k - 2``), so it is
+    reachable from the gathers of that piece and those before it: a merge takes the next piece's leaves while
+    none of its pieces is among those, runs while its bytes stay within ``combine_bytes``, and a leaf over it
+    alone merges with none (nor ends a merge). ``piece``: the index of the merge's first leaf's piece, the first
+    the backward reads."""
+    waits = tuple(max(-1, k - 2) for k in range(len(pieces))) if waits is None else waits
     out: list[list] = []
     group: list | None = None  # [bytes, first piece]
     for k, sizes in enumerate(pieces):
         for size in sizes:
             if size > combine_bytes:
                 out.append([size, k])
-            elif group is not None and group[1] >= k - 1 and group[0] + size <= combine_bytes:
+            elif group is not None and group[1] > waits[k] and group[0] + size <= combine_bytes:
                 group[0] += size
             else:
                 group = [size, k]
@@ -261,7 +289,7 @@ def _regathered_count(spec: ModelSpec, stages: int, v: int, stage_layers: tuple[
     pieces += [layout.head_params(spec)] if head else []
     sizes = [tuple(q.gathered_elements(tensor, ways, expert, expert_tensor) * bytes_per_element
                    for q in issue_order(piece) if regathered_in_backward(q)) for piece in reversed(pieces)]
-    return max(1, len(backward_merges(sizes, combine_bytes)))
+    return max(1, len(backward_merges(sizes, combine_bytes, backward_waits(len(pieces) - int(head), head))))
 
 
 def bucket_share(leaves: int, buckets: int, k: int) -> int:
@@ -333,14 +361,16 @@ def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
                    bytes_per_element: float) -> tuple[tuple[float, ...], ...]:
     """:func:`block_gathers` from what it depends on."""
     last = blocks - 1
-    pieces = [(b, params) for b, what, params in _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
-              if kind == "F" or what != "embedding"]
+    held = _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
+    pieces = [(b, params) for b, what, params in held if kind == "F" or what != "embedding"]
     out: list[list[float]] = [[] for _ in range(blocks)]
     if kind != "F" and not math.isinf(combine_bytes):
         backward = [(block, tuple(q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor)
                                   * bytes_per_element for q in issue_order(piece) if regathered_in_backward(q)))
                     for block, piece in reversed(pieces)]
-        for size, k in backward_merges([sizes for _, sizes in backward], combine_bytes):
+        head = any(what == "head" for _, what, _ in held)
+        waits = backward_waits(len(backward) - int(head), head)
+        for size, k in backward_merges([sizes for _, sizes in backward], combine_bytes, waits):
             out[backward[k][0]].append(size)
         return _with_rest(out, elements * bytes_per_element, last, reverse=True)
     run = None  # the open merge (what merges: the whole chunk, forward; a block, unbounded), its block and index
@@ -380,28 +410,41 @@ def block_scatters(plan: Plan, stage: int, chunk: int, blocks: int, combine_byte
     split it into equal collectives."""
     return _block_scatters(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
                            state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
-                           bytes_per_element)
+                           bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
 
 
 @functools.lru_cache(maxsize=1 << 12)
 def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
-                    chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float
+                    chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool = False
                     ) -> tuple[tuple[float, ...], ...]:
-    """:func:`block_scatters` from what it depends on."""
+    """:func:`block_scatters` from what it depends on (``apart``: sequence parallelism over tensor ranks)."""
     merged: list[list[float]] = [[] for _ in range(blocks)]
-    group: list | None = None  # the open merge: [bytes, block of its last member]
+    group: list | None = None  # the open merge: [bytes, block of its last member, index of its last member, apart]
     groups: list[list] = []
-    for block, _, params in reversed(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)):
-        for q in issue_order(params):
-            size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-            if math.isinf(combine_bytes) or size > combine_bytes:
-                groups.append([size, block])  # unbounded: one per block (summed below); over the bound: alone
-            elif group is not None and group[0] + size <= combine_bytes:
-                group[0], group[1] = group[0] + size, block
-            else:
-                group = [size, block]
-                groups.append(group)
-    for size, block in groups:
+    ended = 1 << 30  # past every leaf: where the merges that wait for the backward's end are issued
+    leaves = (q for block, _, params in reversed(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks))
+              for q in reversed(issue_order(params)))  # a piece's gradients, as its transposed gathers issue them
+    blocks_of = (block for block, _, params in reversed(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk,
+                                                                      blocks)) for _ in params)
+    for i, (q, block) in enumerate(zip(leaves, blocks_of)):
+        size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+        late = apart and q.tensor_dim is None and not q.is_expert
+        if math.isinf(combine_bytes) or size > combine_bytes:
+            groups.append([size, block, i, late])  # unbounded: one per block (summed below); over the bound: alone
+        elif group is not None and group[0] + size <= combine_bytes:
+            group[0], group[1], group[2], group[3] = group[0] + size, block, i, group[3] or late
+        else:
+            group = [size, block, i, late]
+            groups.append(group)
+    # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands). Under
+    # sequence parallelism a merge holding a tensor-replicated gradient (a norm's, a bias of a row-parallel
+    # matmul) reads its sum over the tensor ranks, and XLA's all-reduce combiner merges the whole backward's
+    # sums into one that ends with it (nothing reads them before the reduce-scatters, so none reaches another):
+    # such a merge is issued in the backward's last block, after the others.
+    for g in groups:
+        if not math.isinf(combine_bytes) and g[3]:
+            g[1], g[2] = 0, ended + g[2]
+    for size, block, _, _ in sorted(groups, key=lambda g: g[2]):
         if math.isinf(combine_bytes) and merged[block]:
             merged[block][0] += size
         else:

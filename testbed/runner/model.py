@@ -43,6 +43,7 @@ from testbed.runner.norms import layer_norm as _layer_norm
 from testbed.runner.ring_attention import ContextShards
 from testbed.model import layout
 from testbed.model.layout import Init, ParamSpec, Part
+from testbed.model.leaves import linked_layer
 from testbed.plan.spec import Attention, ModelSpec, Norm, Position, Precision, Remat
 
 __all__ = [
@@ -356,7 +357,7 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
         step = jax.checkpoint(_block, static_argnums=(2, 3, 5)) if remat is Remat.FULL else _block
     link = None
     for k, layer in enumerate(params_layers):
-        x, link = step(layer, x, arch, remat, link, k + 1 < len(params_layers))
+        x, link = step(layer, x, arch, remat, link, linked_layer(k, len(params_layers)))
     return x
 
 

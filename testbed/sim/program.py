@@ -77,7 +77,7 @@ from testbed.plan.placement import Placement
 from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
-from testbed.sim.grad_tasks import reduce_tasks
+from testbed.sim.grad_tasks import after_tensor, reduce_tasks
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
@@ -148,6 +148,7 @@ class _Graph:
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
+        self.tail: list[tuple] = []  # the last block's buckets, reduced after the action's tensor collectives
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
         self.programs: list[tuple[range, int]] = []
@@ -199,6 +200,9 @@ class _Graph:
         if scatter:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
         last = self._tensor(s, chunk, work, label, last, tuple(deps))
+        for bucket_of in self.tail:  # buckets reduced after the tensor collectives (after_tensor)
+            self._bucket(s, last, bucket_of)
+        self.tail = []
         if action.kind == facts.last_backward and (acc := accumulate_bytes(self.plan, chunk.cost.params,
                                                                            facts.grad_bytes)):
             # The add into the accumulator ends the action's program: its sends leave after it.
@@ -267,10 +271,14 @@ class _Graph:
             if reduce:
                 # Bucket k holds its share of the chunk's gradients (ChunkFacts.bucket): reduced while the backward
                 # continues when they accumulate sharded, else once the stage's backward is done.
+                tail = k >= after_tensor(self.plan, bool(own), bool(work.tensor) and work.overlap is None, pieces)
                 for fraction, count in chunk.bucket(pieces, k):
-                    self._bucket(s, last, (chunk.reduced[1] * fraction,
-                                           chunk.special(fraction, self.facts.reduce_bytes),
-                                           label if pieces == 1 else f"{label}/{k}", count))
+                    bucket_of = (chunk.reduced[1] * fraction, chunk.special(fraction, self.facts.reduce_bytes),
+                                 label if pieces == 1 else f"{label}/{k}", count)
+                    if tail:
+                        self.tail.append(bucket_of)
+                    else:
+                        self._bucket(s, last, bucket_of)
         if gathering:
             self.blocks_done[s] = ends
         if overlap:
