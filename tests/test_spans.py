@@ -111,3 +111,20 @@ def test_both_tiers_price_the_spans(monkeypatch) -> None:
     assert analytic - analytic_one == pytest.approx(graph - graph_one, rel=0.02)
     floor = step_floor(plan, topology)
     assert floor is not None and floor <= analytic
+
+
+def test_with_the_heads_weight_gathered_the_loss_gradient_is_a_span_of_its_own() -> None:
+    """fsdp x tensor: the head's input-gradient matmul reads the head's backward gather (a merge of its own), so
+    the loss's gradient before it is a span without matmuls (the traced segments split there too,
+    testbed.sim.traced): the fp32 logits' share of the head's backward bytes, moved out of the head's span; the
+    backward's bytes and FLOPs shares are unchanged."""
+    data = _plan(tensor=4)
+    fsdp = replace(data, mesh=MeshSpec(fsdp=data.mesh.data, tensor=4))
+    spec, b = data.model, data.microbatch_size
+    logits = LOSS_BYTES * b * spec.seq_len * (spec.padded_vocab // 4 + 1)
+    for split in (False, True):
+        plain, gathered = (action_spans(p, chunk_cost(p, 0), "B", split) for p in (data, fsdp))
+        assert len(gathered) == len(plain) + 1
+        assert gathered[0] == (0.0, (1 if split else 2) * logits)
+        assert gathered[1] == (plain[0][0], pytest.approx(plain[0][1] - gathered[0][1]))
+        assert gathered[2:] == plain[1:]

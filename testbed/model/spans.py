@@ -25,10 +25,11 @@ program (testbed.runner.program, XLA's fusions): :data:`SOFTMAX_PASSES` over the
 scores, write the probabilities) and backward (read the probabilities and their gradient twice each, write the
 scores' gradient), where the plan's byte model counts the kept probabilities once (twice backward). The
 backward (B) spans run in reverse, each with twice its forward bytes (the plan's ``backward_bytes``; B split
-from W once) and its input gradients' matmuls, the loss's gradient in the head's span, the embedding's
-scatter-add after the first layer's last all-reduce; the weight gradients, which no tensor collective waits
-for, in the last span, where the tracer's segments of the runner's program put them (XLA's scheduler computes
-them where it likes: the last span is where nothing waits). Without a tensor axis, under MoE,
+from W once) and its input gradients' matmuls, the loss's gradient in the head's span (a span of its own before
+it where the head's weight is gathered again for the backward, fsdp or ZeRO-3: :func:`_backward`), the
+embedding's scatter-add after the first layer's last all-reduce; the weight gradients, which no tensor
+collective waits for, in the last span, where the tracer's segments of the runner's program put them (XLA's
+scheduler computes them where it likes: the last span is where nothing waits). Without a tensor axis, under MoE,
 context parallelism or ``runtime.tp_comm_overlap`` (priced GEMM by GEMM), and for W (no tensor collective):
 no spans, the action is one roofline.
 """
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 from testbed.model.activations import LOSS_BYTES, head_activation_bytes, layer_traffic_bytes, norm_stats, norms
 from testbed.model.costs import ChunkCost, _layer_matmul_flops, head_forward_flops
+from testbed.plan.sharding import gathers_parameters
 from testbed.plan.spec import Attention, Plan
 
 __all__ = ["SOFTMAX_PASSES", "Span", "action_spans", "scaled_spans"]
@@ -93,18 +95,33 @@ def action_spans(plan: Plan, cost: ChunkCost, kind: str, split: bool, moe_layers
     if kind == "F":
         loss = [["loss", 0.0, 0.0, LOSS_BYTES * n * spec.padded_vocab / t]] if cost.has_head else []
         return _shares([(proj + prod, nbytes) for _, proj, prod, nbytes in spans + loss])
-    return _shares(_backward(spans, scores, split))
+    gathered = cost.has_head and gathers_parameters(plan, "B")  # the head's weight gathered again for B
+    logits = LOSS_BYTES * n * (spec.padded_vocab // t + 1) if gathered else 0.0
+    return _shares(_backward(spans, scores, split, logits))
 
 
-def _backward(forward: list[list], scores: float, split: bool) -> list[tuple[float, float]]:
+def _backward(forward: list[list], scores: float, split: bool, logits: float = 0.0) -> list[tuple[float, float]]:
     """B's (FLOPs, bytes) spans from the forward's (the loss's exp-sum left out: its gradient is the head's), in
     reverse: each block's input gradients (the projections' once, the attention products' twice), its bytes twice
     (once split from W) and the softmax's backward passes; the weight gradients, which no tensor collective waits
-    for, in the last span (where the runner's traced program computes them, after the last all-reduce)."""
+    for, in the last span (where the runner's traced program computes them, after the last all-reduce).
+
+    ``logits``: the fp32 logits' bytes (with their log-sum-exp) when the head's weight is gathered over fsdp for
+    the backward. The head's input-gradient matmul then reads a gather of its own (testbed.model.leaves: the
+    head's backward merge is alone), where testbed.sim.traced starts a new segment (a matmul that reads a
+    collective's result the segment has not yet read), so the loss's gradient before it is a span of its own,
+    without matmuls, with the logits' share of the head's backward bytes. No fusion undoes that split: XLA
+    materializes the loss's gradient, which both of the head's gradient matmuls read, as a fusion of its own
+    (its ``exp`` is one of the ops xla/service/instruction_fusion.cc ``IsExpensive`` lists, which instruction
+    fusion does not duplicate into several consumers), and a TPU runs its fusions one at a time."""
     times = 1 if split else 2
     extra = (SOFTMAX_PASSES["B"] - times * SOFTMAX_PASSES["F"]) * scores
-    out = [[proj + 2 * prod, times * nbytes + (extra if what == "attention" else 0.0)]
-           for what, proj, prod, nbytes in reversed(forward)]
+    out = []
+    for what, proj, prod, nbytes in reversed(forward):
+        if what == "head" and logits:
+            out.append([0.0, times * logits])
+            nbytes -= logits
+        out.append([proj + 2 * prod, times * nbytes + (extra if what == "attention" else 0.0)])
     if out and not split:
         out[-1][0] += sum(proj for _, proj, _, _ in forward)
     return [(f, nbytes) for f, nbytes in out]
