@@ -62,11 +62,11 @@ def _minus(after: dict, before: dict) -> dict:
 
 
 def probe(rate_mbps: float, op: str, nbytes: int, repeats: int, sysctls: tuple[str, ...] = (),
-          switch_factor: float = 1.0) -> dict:
+          switch_factor: float = 1.0, latency_ms: float = 50.0) -> dict:
     """One job on a fresh cluster at ``rate_mbps``: the calls' times and the counters' differences.
     ``sysctls`` (``key=value``) are set in every node's namespace first; ``switch_factor`` multiplies the rate of
-    the switch's ends of the links (towards the nodes), leaving one shaped hop on each path (what changes the
-    outcome)."""
+    the switch's ends of the links (towards the nodes), leaving one shaped hop on each path; ``latency_ms``
+    sets every link end's tbf ``latency`` (the queue: this many ms of the rate; as built 50 ms)."""
     topology = load_topology("eth-4x2")
     spec = cluster_spec(topology, name="qprobe", scale=rate_mbps * 1e6 / (topology.levels[-1].bandwidth * 8))
     with netns.ephemeral(spec) as owner:
@@ -75,11 +75,13 @@ def probe(rate_mbps: float, op: str, nbytes: int, repeats: int, sysctls: tuple[s
                 subprocess.run(["ip", "netns", "exec", netns.node_namespace(spec, owner, i), "sysctl", "-q", "-w",
                                 setting], check=True)
         fabric = namespace_name(spec.name, owner, "sw")
-        for link in spec.links if switch_factor != 1.0 else ():
-            rate = int(link.rate_bps * switch_factor)
-            subprocess.run(["tc", "-n", fabric, "qdisc", "replace", "dev", link.upper_dev, "root", "tbf", "rate",
-                            f"{rate}bit", "burst", str(netns.bucket_bytes(rate, spec.mtu)), "latency", "50ms"],
-                           check=True)
+        for link in spec.links if (switch_factor, latency_ms) != (1.0, 50.0) else ():
+            lower = netns.node_namespace(spec, owner, [n.role for n in spec.nodes].index(link.lower))
+            for ns, dev, rate in ((lower, link.lower_dev, int(link.rate_bps)),
+                                  (fabric, link.upper_dev, int(link.rate_bps * switch_factor))):
+                subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
+                                "burst", str(netns.bucket_bytes(rate, spec.mtu)), "latency", f"{latency_ms}ms"],
+                               check=True)
         load, before = os.getloadavg()[0], _snapshot(spec, owner)
         started = time.perf_counter()
         results = cluster_launch(spec, owner, {"body": "collective",
@@ -90,7 +92,7 @@ def probe(rate_mbps: float, op: str, nbytes: int, repeats: int, sysctls: tuple[s
     row = slowest_medians(results)[-1]
     links = delta["links"]
     tcp = {k: sum(node[k] for node in delta["tcp"].values()) for k in TCP_COUNTERS}
-    return {"rate_mbps": rate_mbps, "op": op, "sysctls": list(sysctls), "switch_factor": switch_factor, "bytes": nbytes, "calls_s": row["calls_s"],
+    return {"rate_mbps": rate_mbps, "op": op, "sysctls": list(sysctls), "switch_factor": switch_factor, "latency_ms": latency_ms, "bytes": nbytes, "calls_s": row["calls_s"],
             "median_s": row["measured_s"], "ok": row["ok"], "job_s": seconds,
             "load_before": load, "load_after": os.getloadavg()[0],
             "drops": sum(v["drops"] for v in links.values()), "tcp": tcp, "links": links,
@@ -107,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="set in every node's namespace before the job (repeatable)")
     parser.add_argument("--switch-factor", type=float, default=1.0,
                         help="the switch ends' rate x this (default 1: both ends shaped alike, as built)")
+    parser.add_argument("--latency-ms", type=float, default=50.0,
+                        help="every link end's tbf latency, the queue in ms of the rate (default 50, as built)")
     args = parser.parse_args(argv)
     rows = []
     for rate in (float(r) for r in args.rates.split(",")):
         for op in args.ops.split(","):
             rows.append(probe(rate, op, args.bytes, args.repeats, tuple(args.sysctl),
-                              args.switch_factor))
+                              args.switch_factor, args.latency_ms))
             print(json.dumps({k: rows[-1][k] for k in ("rate_mbps", "op", "median_s", "drops", "tcp",
                                                          "load_before")}), file=sys.stderr, flush=True)
     print(json.dumps({"measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "nice": os.nice(0),
