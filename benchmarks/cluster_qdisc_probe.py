@@ -9,8 +9,9 @@ times (slowest process per call) and the 1-minute load average, are printed as o
 
 Why: the 30 Mb/s all-gather at 1-16 MiB was measured 7-15% slower than predicted in runs 17 and 18 while the
 all-reduce and the other rates were within a few %; this shows whether the links dropped packets (and TCP
-recovered by timeouts) during those calls. Needs root or CAP_NET_ADMIN. docs/cluster.md, "Drops on the
-shaped links", has the results and the command.
+recovered by timeouts) during those calls, and what changes when the nodes' TCP settings (``--sysctl``), the
+switch ends' rate (``--switch-factor``) or the links' queue (``--latency-ms``, tbf's latency) change. Needs
+root or CAP_NET_ADMIN. docs/cluster.md, "The 30 Mb/s all-gather at 1-16 MiB", has the results and commands.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def probe(rate_mbps: float, op: str, nbytes: int, repeats: int, sysctls: tuple[s
     row = slowest_medians(results)[-1]
     links = delta["links"]
     tcp = {k: sum(node[k] for node in delta["tcp"].values()) for k in TCP_COUNTERS}
-    return {"rate_mbps": rate_mbps, "op": op, "sysctls": list(sysctls), "switch_factor": switch_factor, "latency_ms": latency_ms, "bytes": nbytes, "calls_s": row["calls_s"],
+    return {"rate_mbps": rate_mbps, "op": op, "sysctls": list(sysctls), "switch_factor": switch_factor,
+            "latency_ms": latency_ms, "bytes": nbytes, "calls_s": row["calls_s"],
             "median_s": row["measured_s"], "ok": row["ok"], "job_s": seconds,
             "load_before": load, "load_after": os.getloadavg()[0],
             "drops": sum(v["drops"] for v in links.values()), "tcp": tcp, "links": links,
