@@ -29,7 +29,7 @@ import functools
 
 import numpy as np
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from testbed.model.costs import chunk_cost
 from testbed.model.spans import SOFTMAX_PASSES, action_spans
@@ -187,11 +187,11 @@ def test_fsdp_steps_merge_the_plans_gathers_and_reduce_scatters(drawn) -> None:
     merges with none), the reduce-scatters in the order the transposed gathers issue a piece's gradients, each
     merge where its last member is (testbed.model.leaves.block_scatters). The plan's shares are multiples of
     testbed.model.leaves.SHARE_QUANTUM of the chunk's bytes, each rounded, the last the rest: the reduce-scatters
-    equal to that, the gathers exactly. Without sequence parallelism: with
-    it the plan's model moves whole merges that hold a tensor-replicated gradient to the backward's end, where
-    XLA's combiners regroup some of those leaves (sizes within a few norm and bias leaves, 10 KB of 17-30 MB)."""
+    equal to that, the gathers exactly. With sequence parallelism too: the tensor-replicated gradients (norms,
+    row-parallel biases) of the pieces before the last that holds one are walked at that piece's start, where
+    XLA's all-reduce combiner puts their merged sum over the tensor ranks (testbed.model.leaves, _scatter_walk;
+    whole merges moved to the backward's end were within a few of those leaves, 10 KB of 17-30 MB, before)."""
     plan, topology = drawn
-    assume(not plan.sequence_parallel)
     traced, planned, _, _ = _both(plan, topology)
     moved, expected = _fsdp_sizes(traced.program, plan, topology), _fsdp_sizes(planned.program, plan, topology)
     assert moved.keys() == expected.keys()
@@ -234,6 +234,22 @@ def test_an_fsdp_by_tensor_bf16_step_time(sequence_parallel: bool) -> None:
     plan = Plan(name="fsdp-tp", model=model, batch=BatchSpec(global_batch=128), mesh=MeshSpec(fsdp=128, tensor=8),
                 schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none",
                 sequence_parallel=sequence_parallel)
+    traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
+    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
+
+
+@pytest.mark.parametrize(("tensor", "precision"), [(2, "bf16-mixed"), (4, "fp32")])
+def test_an_fsdp_by_tensor_sequence_parallel_step_time_on_a_superpod(tensor: int, precision: str) -> None:
+    """fsdp over the superpod's other ranks x tensor with sequence parallelism, d_model 2048: the step is the
+    gradients' reduce-scatters and the parameters' gathers over 256-512 ranks. The traced program reduce-scatters
+    a layer's weights while the layer before is gathered and computes, and only the merges its replicated
+    gradients (norms, row-parallel biases) join wait for the backward's last layer, where XLA's all-reduce
+    combiner puts their merged sum over the tensor ranks; the plan's merges are those (testbed.model.leaves,
+    _scatter_walk; 0.902 and 0.936 when every merge holding one waited for the backward's end)."""
+    model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
+    plan = Plan(name="fsdp-tp-sp", model=model, batch=BatchSpec(global_batch=1024 // tensor),
+                mesh=MeshSpec(fsdp=1024 // tensor, tensor=tensor), schedule=ScheduleSpec(name="1f1b"),
+                precision=precision, remat="none", sequence_parallel=True)
     traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 

@@ -419,16 +419,13 @@ def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
                     ) -> tuple[tuple[float, ...], ...]:
     """:func:`block_scatters` from what it depends on (``apart``: sequence parallelism over tensor ranks)."""
     merged: list[list[float]] = [[] for _ in range(blocks)]
-    group: list | None = None  # the open merge: [bytes, block of its last member, index of its last member, apart]
+    group: list | None = None  # the open merge: [bytes, block of its last member, index of its last member, late]
     groups: list[list] = []
     ended = 1 << 30  # past every leaf: where the merges that wait for the backward's end are issued
-    leaves = (q for block, _, params in reversed(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks))
-              for q in reversed(issue_order(params)))  # a piece's gradients, as its transposed gathers issue them
-    blocks_of = (block for block, _, params in reversed(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk,
-                                                                      blocks)) for _ in params)
-    for i, (q, block) in enumerate(zip(leaves, blocks_of)):
+    walk = _scatter_walk(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks),
+                         apart and not math.isinf(combine_bytes))
+    for i, (q, block, late) in enumerate(walk):
         size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-        late = apart and q.tensor_dim is None and not q.is_expert
         if math.isinf(combine_bytes) or size > combine_bytes:
             groups.append([size, block, i, late])  # unbounded: one per block (summed below); over the bound: alone
         elif group is not None and group[0] + size <= combine_bytes:
@@ -436,13 +433,11 @@ def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
         else:
             group = [size, block, i, late]
             groups.append(group)
-    # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands). Under
-    # sequence parallelism a merge holding a tensor-replicated gradient (a norm's, a bias of a row-parallel
-    # matmul) reads its sum over the tensor ranks, and XLA's all-reduce combiner merges the whole backward's
-    # sums into one that ends with it (nothing reads them before the reduce-scatters, so none reaches another):
-    # such a merge is issued in the backward's last block, after the others.
+    # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands); one
+    # holding a tensor-replicated gradient reads the merged all-reduce of the backward's last layer: it is issued
+    # in the backward's last block, after the others (after its tensor collectives: testbed.sim.grad_tasks).
     for g in groups:
-        if not math.isinf(combine_bytes) and g[3]:
+        if g[3]:
             g[1], g[2] = 0, ended + g[2]
     for size, block, _, _ in sorted(groups, key=lambda g: g[2]):
         if math.isinf(combine_bytes) and merged[block]:
@@ -450,6 +445,27 @@ def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
         else:
             merged[block].append(size)
     return _exact_shares(tuple(tuple(sizes) for sizes in reversed(merged)))
+
+
+def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tuple]:
+    """(leaf, block, late) of a chunk's gradients in the order XLA's reduce-scatter combiner walks them: the pieces
+    from the head, each piece's leaves as its transposed gathers issue them (reversed :func:`issue_order`).
+
+    ``apart`` (sequence parallelism over tensor ranks, merges bounded): a tensor-replicated gradient (``late``: a
+    norm's, a bias of a row-parallel matmul; not the position table's, whose sequence-sharded gradient is
+    gathered over the ranks) is reduce-scattered from its sum over the tensor ranks. XLA's all-reduce combiner
+    (which runs first) merges the whole backward's sums into one all-reduce, which the last piece holding such
+    a gradient issues before its reduce-scatters: the earlier pieces' are walked there, at that piece's start,
+    in its block (the traced program's merges, testbed.sim.combine; one for one in
+    tests/test_program_vs_plan.py)."""
+    walk = [(q, block, apart and what != "embedding" and q.tensor_dim is None and not q.is_expert)
+            for block, what, params in reversed(pieces) for q in reversed(issue_order(params))]
+    if not any(late for _, _, late in walk):
+        return walk
+    last = max(i for i, (_, _, late) in enumerate(walk) if late)
+    start = next(i for i, (_, block, _) in enumerate(walk) if block == walk[last][1])
+    held = [(q, walk[start][1], True) for q, _, late in walk[:start] if late]
+    return [w for w in walk[:start] if not w[2]] + held + walk[start:]
 
 
 #: Shares of a chunk's gradients are multiples of this (a power of two): a whole number of bytes (below 2^37) times
