@@ -128,3 +128,16 @@ def test_with_the_heads_weight_gathered_the_loss_gradient_is_a_span_of_its_own()
         assert gathered[0] == (0.0, (1 if split else 2) * logits)
         assert gathered[1] == (plain[0][0], pytest.approx(plain[0][1] - gathered[0][1]))
         assert gathered[2:] == plain[1:]
+
+
+def test_a_plans_floor_does_not_take_the_spans_of_a_plan_sharing_its_chunk_costs() -> None:
+    """Plans that differ only in ZeRO share their chunks' costs (testbed.sim.memo), but not their spans: ZeRO-3
+    gathers the head's weight again for the backward, so its loss gradient is a span of its own. The search's floor
+    memo (per topology) keys on that, so a plan's floor is the same whether or not a ZeRO-3 plan was floored first."""
+    plain = replace(_plan(tensor=4), batch=BatchSpec(global_batch=4), mesh=MeshSpec(data=4, tensor=4))
+    zero3 = replace(plain, zero=3)
+    fresh = load_topology("tpu-v5e-4x4")
+    alone = step_floor(plain, fresh)
+    shared = load_topology("tpu-v5e-4x4")
+    assert step_floor(zero3, shared) is not None
+    assert step_floor(plain, shared) == alone

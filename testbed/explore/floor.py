@@ -13,6 +13,7 @@ from testbed.collectives.routed import topology_memo
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, scaled
 from testbed.model.spans import action_spans, scaled_spans
+from testbed.plan.sharding import gathers_parameters
 from testbed.plan.spec import Plan
 from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, action_work, cached_chunk_cost, cached_chunk_gemms, cached_order
@@ -117,11 +118,12 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
     """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``: its
     compute as the estimate prices it, a microbatch's last backward at the cheaper of whole and split into gradient
     buckets. Memoized per topology on the chunk's (memoized, testbed.sim.memo) cost and GEMMs: plans that differ in
-    ZeRO, schedule or data degree share them (and their spans between tensor collectives, testbed.model.spans, which
-    the cost and ``runtime.tp_comm_overlap`` decide)."""
+    ZeRO, schedule or data degree share them; their spans between tensor collectives (testbed.model.spans) also
+    follow ``runtime.tp_comm_overlap`` and whether the backward gathers the parameters again (the loss's gradient a
+    span of its own), which the chunk's cost does not, so the key holds both."""
     remat = plan.remat
     memo = topology_memo(topology).setdefault("step_floor", {})
-    key = (id(cost), id(gemms), kind, split, remat, dtype, plan.runtime.tp_comm_overlap)
+    key = (id(cost), id(gemms), kind, split, remat, dtype, plan.runtime.tp_comm_overlap, gathers_parameters(plan, "B"))
     hit = memo.get(key)
     if hit is not None and hit[0] is cost and hit[1] is gemms:  # the very objects (ids are reused once freed)
         return hit[2]
