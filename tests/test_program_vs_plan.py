@@ -38,6 +38,7 @@ from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.runner.program.plans import trace_plan
 from testbed.sim.engine import simulate
+from testbed.sim.program import LOSS_BYTES
 from testbed.sim.tasks import TaskKind
 from testbed.sim.traced import collective_bytes, simulate_workload
 from testbed.topology.io import load_topology
@@ -300,12 +301,62 @@ def test_hybrid_sharded_steps_with_padded_leaves_move_the_plans_bytes_on_every_a
 
 
 def test_a_sequence_parallel_fp32_step_with_learned_positions_on_a_superpod() -> None:
-    """A point of the superpod draw space that was 1.06 while the tracer merged all-gathers without a bound: the
-    embedding backward's tensor all-gather merged with the learned position table's gradient gather, which
-    follows the data all-reduce, and put two data all-reduces in series. Within XLA's default bound
-    (testbed.model.leaves.combine_limit) the two stay apart, as XLA's combiner keeps them."""
+    """A point of the superpod draw space that was 1.06 while the tracer merged all-gathers without a bound and the
+    plan counted one data all-reduce. The embedding backward's tensor all-gather merges with the learned position
+    table's gradient gather, which follows the data all-reduce, and puts two data all-reduces in series; the plan
+    counts them so now (testbed.sim.grad_bytes.token_table_last; 0.974 before, with one)."""
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="sp", model=model, batch=BatchSpec(global_batch=256), mesh=MeshSpec(data=256, tensor=4),
                 schedule=ScheduleSpec(name="1f1b"), precision="fp32", remat="none", sequence_parallel=True)
+    traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
+    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
+
+
+def _all_reduce_sizes(program, plan: Plan, topology_name: str) -> dict[tuple[str, ...], list[float]]:
+    """Per set of mesh axes an all-reduce's group spans, the bytes of each all-reduce over it, sorted (one entry per
+    repeat of a task)."""
+    ids = place(plan, load_topology(topology_name)).device_ids
+    coords = {int(d): c for c, d in np.ndenumerate(np.asarray(ids))}
+    out: dict[tuple[str, ...], list[float]] = {}
+    for task in program.tasks:
+        if task.op != "all_reduce" or len(task.group) < 2:
+            continue
+        members = np.array([coords[d] for d in task.group])
+        axes = tuple(MESH_AXES[k].value for k in range(members.shape[1]) if len(set(members[:, k].tolist())) > 1)
+        out.setdefault(axes, []).extend([task.nbytes] * task.count)
+    return {axes: sorted(sizes) for axes, sizes in out.items()}
+
+
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans())
+def test_data_steps_sum_the_gradients_in_the_plans_all_reduces(drawn) -> None:
+    """Data x tensor with or without sequence parallelism, bf16-mixed or fp32: the traced step's all-reduces over
+    each set of mesh axes are the plan's one for one, at their sizes (XLA's all-reduce combiner merges the
+    independent ones: testbed.sim.combine). Under sequence parallelism with a learned position table the embedding
+    backward's all-gather of the lookup's cotangent merges with the position table's gradient gather, which waits
+    for that gradient's sum over data, so the token table's sum over data is an all-reduce of its own after the
+    rest (testbed.sim.grad_bytes.token_table_last); the tensor-replicated gradients' sum over data and tensor is one
+    more. The loss's one fp32 value, which XLA merges into the first sum and the plan's model reduces on its own, is
+    the 4 bytes set apart."""
+    plan, topology = drawn
+    traced, planned, _, _ = _both(plan, topology)
+    moved, expected = _all_reduce_sizes(traced.program, plan, topology), _all_reduce_sizes(planned.program, plan,
+                                                                                            topology)
+    expected[("data",)].remove(LOSS_BYTES)
+    assert moved.keys() == expected.keys()
+    for axes, sizes in expected.items():
+        assert moved[axes] == pytest.approx(sizes, rel=1e-12, abs=LOSS_BYTES)
+
+
+@pytest.mark.parametrize("d_model", [1024, 2048])
+def test_a_data_by_tensor_2_sequence_parallel_bf16_step_time_on_a_superpod(d_model: int) -> None:
+    """data 512 x tensor 2 with sequence parallelism in bf16-mixed, sequence 1024 (1.052 and 1.057 before): the step
+    is the gradients' sums over 512 replicas after the backward. The traced program sums the token table's gradient
+    after the rest (test_data_steps_sum_the_gradients_in_the_plans_all_reduces) and the tensor-replicated
+    gradients' as the layers' backward ends, beside the rest of it (testbed.sim.grad_bytes.summed_in_the_step); the
+    plan's model had one all-reduce and that sum after it."""
+    model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=1024, vocab=32768)
+    plan = Plan(name="data-tp-sp", model=model, batch=BatchSpec(global_batch=512), mesh=MeshSpec(data=512, tensor=2),
+                schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none", sequence_parallel=True)
     traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)

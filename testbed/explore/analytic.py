@@ -57,6 +57,7 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds
 from testbed.model.spans import scaled_spans
+from testbed.sim.grad_bytes import summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
@@ -217,6 +218,7 @@ class _Priced(NamedTuple):
     send_s: float = 0.0  # the sends' seconds together (read by every play of the action)
     parts: tuple[float, ...] = ()  # each block's (or bucket piece's) compute where they differ (empty: equal shares)
     after_tp: int = 1 << 30  # the first bucket reduced after the tensor collectives (testbed.sim.grad_tasks.after_tensor)
+    early: float = 0.0  # the sequence-replicated gradients' sum as the compute ends (grad_bytes.summed_in_the_step)
 
 
 class _Step:
@@ -286,7 +288,7 @@ class _Step:
         ring_s = ringed[1] if ringed else 0.0
         last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
         pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)
-        piece = bucket = scatter = acc = 0.0
+        piece = bucket = scatter = acc = sequence_s = 0.0
         bucket_syncs: Syncs = ()
         each: tuple[float, ...] = ()
         if last and reduces:  # the program reduces even a one-layer chunk's gradients
@@ -295,8 +297,12 @@ class _Step:
                                     scaled_spans(work.spans, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
             parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
+            early = summed_in_the_step(plan)  # the sequence-replicated sum leaves as the compute ends (its own stream)
             bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
-                                                chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces)
+                                                chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces,
+                                                chunk.tail if pieces == 1 else (0.0, 0.0), False if early else None)
+            sequence_s = self._reduce(s, chunk.reduced[1], chunk.special(1.0, facts.reduce_bytes),
+                                      select=True)[0] if early else 0.0
             if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):  # each bucket its block's merged sizes
                 each = tuple(sum(self._reduce(s, chunk.reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
                                  for f, n in chunk.bucket(pieces, k)) for k in range(pieces))
@@ -335,7 +341,7 @@ class _Step:
                  if plain else ends)
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
-                       send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts,
+                       send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
                        after_tp=after_tensor(plan, bool(chunk.block_shares(kind, pieces)),
                                              bool(work.tensor) and overlap is None, pieces))
 
@@ -374,24 +380,31 @@ class _Step:
                                 x.split_bytes, cost.tensor_bytes, x.gemms) for x in work.chain if not x.transfer)
         return whole, ringed, work.chain
 
-    def _reduce(self, stage: int, nbytes: float, special: tuple, leaves: float = 0.0) -> tuple[float, Syncs]:
+    def _reduce(self, stage: int, nbytes: float, special: tuple, leaves: float = 0.0,
+                tail: tuple[float, float] = (0.0, 0.0), select: bool | None = None) -> tuple[float, Syncs]:
         """One gradient bucket's reduction (testbed.sim.program's ``_reduce``, by the facts' reductions): per
         parameter kind, a reduce-scatter over its reduction axes the optimizer state is sharded on (``leaves``
         collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
-        all-reduce over the rest. Its seconds and its collectives as barriers (testbed.sim.barriers), the first
-        first."""
+        all-reduce over the rest (with ``tail``, ChunkFacts.tail, the token table's apart after a tensor
+        all-gather; ``select``: testbed.sim.grad_tasks.reduce_tasks'). Its seconds and its collectives as barriers
+        (testbed.sim.barriers), the first first."""
         mesh, t, syncs = self.facts.plan.mesh, 0.0, []
         for r in self.facts.reductions:
             size = r.size(nbytes, special)
-            if size <= 0:
+            if size <= 0 or (select is not None and r.sequence != select):
                 continue
+            token = tail[0] if not (r.expert or r.sequence or r.sharded) and r.rest else 0.0
             if r.sharded:
                 n = max(1.0, leaves * size / nbytes) if leaves else 1.0
                 t += n * self.coll.time("reduce_scatter", r.sharded, stage, size / n)
                 syncs.append((r.ways, n))
             if r.rest:
-                t += self.coll.time("all_reduce", r.rest, stage, size / r.ways)
+                t += self.coll.time("all_reduce", r.rest, stage, (size - token) / r.ways)
                 syncs.append((math.prod(mesh.degree(a) for a in r.rest), 1))
+            if token:  # the embedding's merged gather over tensor, then the token table's sum
+                t += self.coll.time("all_gather", (Axis.TENSOR,), stage, tail[1])
+                t += self.coll.time("all_reduce", r.rest, stage, token / r.ways)
+                syncs += [(mesh.tensor, 1), (math.prod(mesh.degree(a) for a in r.rest), 1)]
         return t, tuple(syncs)
 
     def _exposed_all_to_all(self, chain: tuple[Piece, ...], stage: int) -> float:

@@ -48,6 +48,7 @@ class Play:
         self.gathered: list[tuple[float, float]] = []
         self.replay: tuple[tuple[float, ...], float, float, list[float]] = ((), 0.0, 0.0, [])
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
+        self.early = [0.0] * p  # the sequence-replicated gradients' sum done (_Priced.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
         self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
         self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
@@ -207,6 +208,7 @@ class Play:
         if last_mb and piece:
             if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
                 self.once[s] += pieces * priced.bucket
+                self.early[s] = max(self.early[s], start + compute) + priced.early  # its own stream, from here
                 self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
             # Each bucket once its piece has computed: where the blocks played their own gathers, when each ended.
             ends = self.block_ends[s] if priced.gather and parts and len(self.block_ends[s]) == pieces else ()
@@ -271,11 +273,11 @@ class Play:
             self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.once[s] + (
                 skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
             self.carry[s] = 0.0
-        ready = max(self.free[s], self.grad[s], self.launch)
+        ready = max(self.free[s], self.grad[s], self.launch, self.early[s])
         if controller is not None and self.facts.stages > 1:
             self.host += controller.overhead_s + buffers.update_buffers(self.plan, s) * controller.buffer_s
             ready = max(ready, self.host)
-        self.comm[s] += max(0.0, self.grad[s] - self.free[s])
+        self.comm[s] += max(0.0, max(self.grad[s], self.early[s]) - self.free[s])
         opt = self.slow * compute_seconds(step.topology, step.dtype, update.flops, update.hbm_bytes, 1)
         self.busy[s] += opt
         done = ready + opt

@@ -40,7 +40,7 @@ from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduct
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
                                      gradient_buckets, reduce_bytes, reduced_bytes, sequence_apart,
-                                     sequence_reduced, sequence_replicated)
+                                     sequence_reduced, sequence_replicated, token_table_last, without_embedding_gathers)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
@@ -51,8 +51,6 @@ __all__ = ["tensor_transfers", "cached_chunk_cost", "cached_chunk_gemms", "Actio
 
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
 OPTIMIZER_FLOPS_PER_PARAM = 12
-
-
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -122,6 +120,8 @@ class ChunkFacts:
     #: Per gradient bucket of the last backward (from the head), each merged reduce-scatter's share of the
     #: gradients, at the blocks' real sizes (testbed.model.leaves.block_scatters); empty: equal shares.
     bucket_sizes: tuple[tuple[float, ...], ...] = ()
+    #: (token table's gradient bytes summed after the rest, the gather's between): grad_bytes.token_table_last.
+    tail: tuple[float, float] = (0.0, 0.0)
 
     def special(self, share: float, reduce_b: float) -> tuple[float, float]:
         """(routed experts', sequence-replicated) bytes of ``share`` of the chunk's last gradient reduction: the
@@ -322,7 +322,9 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     expert_params = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
                                   plan.mesh.tensor, 1, plan.mesh.expert, True, plan.mesh.expert_tensor) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
-    actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe) for kind in kinds)
+    tail = token_table_last(plan, cost, combine, reduce_b) if reduces else (0.0, 0.0)
+    actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe, bool(tail[1]))
+                    for kind in kinds)
     gathering = gathers_parameters(plan, "F")
     own = (gathering and plan.runtime.framework == "jax" and (cost.has_embedding or cost.has_head)  # own_blocks
            and cost.layers >= 1 and plan.mesh.context == 1 and not any(a.chain or a.overlap for a in actions))
@@ -345,7 +347,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved),
-                      sequence_bytes=sequence_b)
+                      sequence_bytes=sequence_b, tail=tail)
 
 
 def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bool
@@ -369,10 +371,12 @@ def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bo
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
-            kernels: int, n_moe: int) -> ActionWork:
-    """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s``."""
+            kernels: int, n_moe: int, tail_gather: bool = False) -> ActionWork:
+    """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s`` (``tail_gather``: ChunkFacts.tail's)."""
     split = schedule.split_backward
     flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat)
+    if tail_gather and kind == "B":
+        tensor = without_embedding_gathers(tensor)
     gemms = shapes.action(kind, split)
     chain = moe_pieces(plan, n_moe, kind, split, flops, hbm, (replicated, split_b), gemms, kernels)
     ring_work, ring_gemms = (flops, hbm, replicated, split_b), gemms

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import math
 
-from testbed.model.layout import Part, chunk_params
+from testbed.model.costs import ChunkCost
+from testbed.model.layout import Part, chunk_params, tied_table
 from testbed.model.leaves import NORM_PARTS, norm_elements
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import Plan
 
 __all__ = ["BUCKETS", "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "reduce_bytes", "reduced_bytes",
-           "sequence_replicated", "sequence_apart", "sequence_reduced", "gradient_buckets", "accumulate_bytes"]
+           "sequence_replicated", "sequence_apart", "sequence_reduced", "summed_in_the_step", "token_table_last",
+           "without_embedding_gathers", "gradient_buckets", "accumulate_bytes"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -81,6 +83,53 @@ def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float
         elif q.tensor_dim is None and not q.is_expert:
             replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS else reduce_b)
     return replicated, saved
+
+
+def summed_in_the_step(plan: Plan) -> bool:
+    """Whether the replicas' gradient sums are the partitioner's all-reduces inside the one jitted step of a
+    sequence-parallel data x tensor plan (:func:`sequence_replicated`; one SPMD program of one microbatch: the
+    case checked against the traced runner step): XLA's all-reduce combiner merges the independent ones of one
+    kind and device groups, and its scheduler starts each once its operands are ready. So the tensor-replicated
+    parameters' sum over data and tensor (the norms' and row-parallel biases' gradients, complete when the
+    layers' backward is) leaves before the embedding's backward, on a stream of its own beside the rest (it never
+    merges with the sums over data), where the plan's model otherwise puts it after them
+    (tests/test_program_vs_plan.py)."""
+    rt = plan.runtime
+    return (sequence_replicated(plan) and rt.framework == "jax" and plan.mesh.stage == 1 and plan.mesh.context == 1
+            and plan.schedule.virtual_stages == 1 and plan.batch.microbatches == 1 and not rt.grad_reduce_overlap
+            and not rt.tp_comm_overlap)
+
+
+def token_table_last(plan: Plan, cost: ChunkCost, combine_bytes: float, reduce_b: float) -> tuple[float, float]:
+    """(bytes of the token table's gradient summed over data after the other gradients', bytes of the one tensor
+    all-gather between the two sums) under :func:`summed_in_the_step` with a learned position table (its gradient
+    gathered over tensor: ``position_gather_bytes``); zeros otherwise. ``cost``: the chunk's; its embedding
+    backward's all-gather of the lookup's cotangent over tensor (sequence parallelism's,
+    ``tensor_allreduce_bytes``) and the position table's gradient gather, which waits for the sum over data of
+    each rank's shard of that gradient.
+
+    XLA's all-gather combiner (it runs before the all-reduce combiner: testbed.sim.combine.PASSES) merges the two
+    independent gathers within its bound (``combine_bytes``: testbed.model.leaves.combine_limit); the token table's
+    gradient is the scatter-add of the gathered cotangent, so its all-reduce then depends on the position table's,
+    and the all-reduce combiner cannot merge the two: the step sums the rest, gathers, then sums the token table
+    (the tied head's gradient included), in series where one merged all-reduce was counted before."""
+    gathered = cost.tensor_allreduce_bytes + cost.position_gather_bytes
+    if not (summed_in_the_step(plan) and cost.position_gather_bytes and gathered <= combine_bytes):
+        return 0.0, 0.0
+    return tied_table(plan.model).device_elements(plan.mesh.tensor, 1, 1) * reduce_b, gathered
+
+
+def without_embedding_gathers(tensor: tuple[tuple[str, int, int], ...]) -> tuple[tuple[str, int, int], ...]:
+    """A backward's tensor collectives (testbed.sim.facts.tensor_transfers) less the embedding's, which are the
+    gradient sums' merged gather under :func:`token_table_last`: one of the all-gathers (the lookup's cotangent) and
+    the position table's gradient gather, its last entry."""
+    out, dropped = [], False
+    for op, count, nbytes in tensor[:-1]:
+        if op == "all_gather" and not dropped:
+            count, dropped = count - 1, True
+        if count:
+            out.append((op, count, nbytes))
+    return tuple(out)
 
 
 def gradient_buckets(plan: Plan, layers: int, grad_bytes: float) -> int:

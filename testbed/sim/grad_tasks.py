@@ -39,19 +39,22 @@ bucket's reduce-scatter its share of them).
 
 from __future__ import annotations
 
-from testbed.plan.spec import Plan
+from testbed.plan.spec import Axis, Plan
 from testbed.sim.tasks import Builder, TaskKind, axis_groups_cached, rep_group
 
 __all__ = ["reduce_tasks", "after_tensor"]
 
 
 def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int, rep: int, after: int, nbytes: float,
-                 special: tuple[float, float], label: str, leaves: int) -> list[int]:
+                 special: tuple[float, float], label: str, leaves: int, tail: tuple[float, float] = (0.0, 0.0),
+                 select: bool | None = None, stream: str = "grad") -> list[int]:
     """Gradient reduction tasks of one bucket of ``nbytes`` of stage ``s`` (representative ``rep``), after task
     ``after``; returns the last task of each parameter kind. ``special``: those of the bytes that are routed
     experts' weights and sequence-replicated parameters' (ChunkFacts.special); ``leaves``: the collectives the
     bucket's reduce-scatter is when the parameters are sharded (testbed.sim.facts.bucket_share; 0: one);
-    ``groups``: the graph's memo of groups by axes.
+    ``groups``: the graph's memo of groups by axes; ``tail``: the token table's bytes summed after the rest of the
+    dense ones and the tensor all-gather between (ChunkFacts.tail); ``select``: only the sequence-replicated
+    parameters' reduction (True), all but it (False), or all (None), on ``stream``.
 
     Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
     data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
@@ -61,20 +64,28 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
     out = []
     for r in reductions:
         size = r.size(nbytes, special)
-        if size <= 0:
+        if size <= 0 or (select is not None and r.sequence != select):
             continue
         kind, last = " experts" if r.expert else " sequence" if r.sequence else "", after
         if r.sharded:
             g = axis_groups_cached(groups, plan, list(r.sharded), s)
             # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
             n = max(1, round(leaves * size / nbytes)) if leaves else 1
-            last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream="grad",
+            last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream=stream,
                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter", nbytes=size / n, count=n,
                          group=rep_group(g, rep), instances=g)
+        token = tail[0] if not (r.expert or r.sequence or r.sharded) else 0.0
         if r.rest:
             g = axis_groups_cached(groups, plan, list(r.rest), s)
-            last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream="grad", kind=TaskKind.COLLECTIVE,
-                         deps=(last,), op="all_reduce", nbytes=size / r.ways, group=rep_group(g, rep), instances=g)
+            last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream=stream, kind=TaskKind.COLLECTIVE,
+                         deps=(last,), op="all_reduce", nbytes=(size - token) / r.ways, group=rep_group(g, rep),
+                         instances=g)
+        if token and r.rest:  # the embedding's merged gather over tensor, then the token table's sum
+            t = axis_groups_cached(groups, plan, [Axis.TENSOR], s)
+            last = b.add(name=f"gather {label} embedding", device=rep, stream=stream, kind=TaskKind.COLLECTIVE,
+                         deps=(last,), op="all_gather", nbytes=tail[1], group=rep_group(t, rep), instances=t)
+            last = b.add(name=f"all_reduce {label} tokens", device=rep, stream=stream, kind=TaskKind.COLLECTIVE,
+                         deps=(last,), op="all_reduce", nbytes=token / r.ways, group=rep_group(g, rep), instances=g)
         out.append(last)
     return out
 

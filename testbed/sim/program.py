@@ -18,7 +18,8 @@ and reduce-scatters; blocking: the next action waits),
 (activation and gradient sends; ``recv``: the receivers' all-gather of a send split over the tensor
 ranks, ``runtime.pipeline_scatter_gather``; with ``runtime.pipeline_blocking_sends`` the stage's next action
 waits for the send) and ``grad`` (gradient reduction, updated
-parameter all-gathers) and ``expert`` (an MoE layer's dispatch and combine
+parameter all-gathers; ``sequence``: sequence parallelism's tensor-replicated gradients' sum where it leaves as the
+backward's compute ends, testbed.sim.grad_bytes.summed_in_the_step) and ``expert`` (an MoE layer's dispatch and combine
 all-to-alls under expert parallelism, beside the shared experts' compute:
 testbed.sim.moe) and ``ring`` (ring attention's K/V sends to the next
 context rank, beside each ring step's attention: testbed.sim.ring). A stream runs its tasks in program order, one at a
@@ -77,6 +78,7 @@ from testbed.plan.placement import Placement
 from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
+from testbed.sim.grad_bytes import summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor, reduce_tasks
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
@@ -85,7 +87,8 @@ from testbed.sim.tp_overlap import TpOverlap
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "program_of", "axis_groups", "STREAMS"]
 
-STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv", "recv-grad", "grad", "host")
+STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv", "recv-grad", "grad", "sequence",
+           "host")
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
@@ -199,6 +202,10 @@ class _Graph:
             last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce, gathering)
         if scatter:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
+        if reduce and summed_in_the_step(self.plan):  # the tensor-replicated gradients' sum leaves as compute ends
+            self.reduce_tasks[s].extend(reduce_tasks(
+                self.b, facts.reductions, self.groups, self.plan, s, self.reps[s], last, chunk.reduced[1],
+                chunk.special(1.0, facts.reduce_bytes), label, 0, select=True, stream="sequence"))
         last = self._tensor(s, chunk, work, label, last, tuple(deps))
         for bucket_of in self.tail:  # buckets reduced after the tensor collectives (after_tensor)
             self._bucket(s, last, bucket_of)
@@ -274,7 +281,8 @@ class _Graph:
                 tail = k >= after_tensor(self.plan, bool(own), bool(work.tensor) and work.overlap is None, pieces)
                 for fraction, count in chunk.bucket(pieces, k):
                     bucket_of = (chunk.reduced[1] * fraction, chunk.special(fraction, self.facts.reduce_bytes),
-                                 label if pieces == 1 else f"{label}/{k}", count)
+                                 label if pieces == 1 else f"{label}/{k}", count,
+                                 chunk.tail if pieces == 1 else (0.0, 0.0))
                     if tail:
                         self.tail.append(bucket_of)
                     else:
@@ -443,10 +451,13 @@ class _Graph:
                           group=rep_group(groups, rep), instances=groups)
 
     def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,
-                leaves: int) -> list[int]:
-        """One bucket's gradient reduction tasks (testbed.sim.grad_tasks.reduce_tasks); returns the last one(s)."""
+                leaves: int, tail: tuple[float, float] = (0.0, 0.0)) -> list[int]:
+        """One bucket's gradient reduction tasks (testbed.sim.grad_tasks.reduce_tasks; ``tail``: ChunkFacts.tail),
+        but the sequence-replicated parameters' where they left at the backward's end
+        (testbed.sim.grad_bytes.summed_in_the_step);
+        returns the last one(s)."""
         return reduce_tasks(self.b, self.facts.reductions, self.groups, self.plan, s, self.reps[s], after, nbytes,
-                            special, label, leaves)
+                            special, label, leaves, tail, select=False if summed_in_the_step(self.plan) else None)
 
     def update(self, s: int) -> None:
         """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute
