@@ -30,7 +30,8 @@ from testbed.topology.io import load_topology
 
 TCP_COUNTERS = ("TcpOutSegs", "TcpRetransSegs", "TcpExtTCPTimeouts", "TcpExtTCPLossProbes",
                 "TcpExtTCPFastRetrans", "TcpExtTCPSlowStartRetrans", "TcpExtTCPLostRetransmit",
-                "TcpExtTCPSpuriousRTOs", "TcpExtTCPSackRecovery", "TcpExtTCPRenoRecovery")
+                "TcpExtTCPSpuriousRTOs", "TcpExtTCPSackRecovery", "TcpExtTCPRenoRecovery",
+                "TcpExtTCPSACKReorder", "TcpExtTCPTSReorder", "TcpExtTCPDSACKRecv", "TcpExtTCPDSACKUndo")
 
 
 def _qdiscs(ns: str) -> dict[str, dict]:
@@ -146,7 +147,7 @@ def probe(rate_mbps: float, op: str, nbytes: int, repeats: int, sysctls: tuple[s
     links = delta["links"]
     tcp = {k: sum(node[k] for node in delta["tcp"].values()) for k in TCP_COUNTERS}
     return {"rate_mbps": rate_mbps, "op": op, "sysctls": list(sysctls), "switch_factor": switch_factor,
-            "latency_ms": latency_ms, "queue": in_use, "bytes": nbytes, "calls_s": row["calls_s"],
+            "latency_ms": latency_ms, "queue": in_use, "queue_asked": queue, "sparse_below_asked": sparse_below, "bytes": nbytes, "calls_s": row["calls_s"],
             "median_s": row["measured_s"], "ok": row["ok"], "job_s": seconds,
             "load_before": load, "load_after": os.getloadavg()[0],
             "drops": sum(v["drops"] for k, v in links.items() if "/" not in k), "tcp": tcp, "links": links,

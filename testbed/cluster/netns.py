@@ -223,8 +223,8 @@ def queue_in_use(spec: ClusterSpec, owner: str) -> dict[str, object]:
         tbf = next((q for q in qdiscs if q.get("kind") == "tbf"), {})
         rate = tbf.get("options", {}).get("rate", 0) * 8
         return {"kind": FIFO, "limit_bytes": queue_bytes(rate, bucket_bytes(rate, spec.mtu)) if rate else None,
-                "why": "tbf's one FIFO: this kernel (or the build) has no htb qdisc or u32 classifier, so sparse "
-                       "packets are not served first (testbed.cluster.queue)"}
+                "why": "tbf's one FIFO, sparse packets not served first: asked for (reshape's queue='fifo'), or "
+                       "this kernel refused htb or the u32 classifier (testbed.cluster.queue)"}
     filters = json.loads(_run(["tc", "-n", ns, "-j", "filter", "show", "dev", dev, "parent", "10:"]).stdout or "[]")
     masks = [int(f["options"]["match"]["mask"], 16) & 0xFFFF for f in filters
              if "match" in f.get("options", {})]
@@ -331,8 +331,9 @@ def _signals_exit() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def ephemeral(spec: ClusterSpec) -> Iterator[str]:
-    """Build ``spec`` owned by this process for the ``with`` block; yields the owner token.
+def ephemeral(spec: ClusterSpec, *, queue: str = SPARSE_FIRST) -> Iterator[str]:
+    """Build ``spec`` owned by this process for the ``with`` block (its links' ``queue``: :func:`build`); yields
+    the owner token.
 
     Leftovers of dead owners are removed first. The cluster is removed on
     leaving the block, on Ctrl-C, SIGTERM and SIGHUP; after a SIGKILL the next
@@ -345,7 +346,7 @@ def ephemeral(spec: ClusterSpec) -> Iterator[str]:
     owner = owner_token()
     with _signals_exit():
         try:
-            build(spec, owner)
+            build(spec, owner, queue=queue)
             yield owner
         finally:
             remove(spec.name, owner)

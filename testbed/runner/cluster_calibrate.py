@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from testbed.cluster import probe as tcp_probe
 from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, predict
 from testbed.cluster.netns import bucket_bytes, queue_in_use
+from testbed.cluster.queue import queue_bytes
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
@@ -101,6 +102,13 @@ def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduc
             "load_before": load_before, "load_after": _load(), "seconds": time.perf_counter() - started}
 
 
+def _queue_at(queue: dict[str, Any], spec: ClusterSpec) -> dict[str, Any]:
+    """The cluster's queue (:func:`testbed.cluster.netns.queue_in_use`, read at one rate) at ``spec``'s rate: the
+    same kind, its limit 50 ms of that rate plus the bucket."""
+    rate = min(link.rate_bps for link in spec.links)
+    return {**queue, "limit_bytes": queue_bytes(rate, bucket_bytes(rate, spec.mtu))}
+
+
 def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], *, rounds: int = 2,
                         ops: tuple[str, ...] = ("all_reduce", "all_gather"), max_call_s: float = 2.0,
                         repeats: int = 3, tiny_repeats: int = 15, min_call_s: float = 0.0,
@@ -163,7 +171,7 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
                          "ok": all(row["ok"] for row in same)})
         out.append({"cluster": one.name, "topology": one.topology.name, "scale": one.scale, "mtu": one.mtu,
                     "bucket_bytes": bucket_bytes(min(link.rate_bps for link in one.links), one.mtu),
-                    "queue": queue, "link_rate_bps": min(link.rate_bps for link in one.links),
+                    "queue": _queue_at(queue, one), "link_rate_bps": min(link.rate_bps for link in one.links),
                     "goodput": link_goodput(one),
                     "probe": probes[i].to_dict(), "rows": rows, "max_call_s": max_call_s, "min_call_s": min_call_s,
                     "repeats": repeats, "rounds": rounds, "load_before": loads[0], "load_after": loads[-1],
