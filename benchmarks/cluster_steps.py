@@ -88,17 +88,19 @@ def measure(rates: list[float], plans: list[str], steps: int, rounds: int = 2) -
     return _document(plans, steps, rounds, runs, "one job per rate and plan")
 
 
-def measure_interleaved(rates: list[float], plans: list[str], steps: int, rounds: int = 2) -> dict:
+def measure_interleaved(rates: list[float], plans: list[str], steps: int, rounds: int = 2,
+                        queue: str = "sparse-first") -> dict:
     """The rates interleaved (the default): one cluster; its collectives at every rate in one job
     (:func:`testbed.runner.cluster_calibrate.measure_interleaved`, one pass); per plan one job timing every
     rate and the links unshaped in turn, ``rounds`` passes (:func:`testbed.runner.on_cluster.steps_at_rates`).
-    A change of load then reaches every rate of a plan alike, and the host's part pools every unshaped phase."""
+    A change of load then reaches every rate of a plan alike, and the host's part pools every unshaped phase.
+    ``queue``: the links' queue (:mod:`testbed.cluster.queue`; ``fifo`` as in steps runs 1-16)."""
     from testbed.runner.cluster_calibrate import measure_interleaved as collectives_interleaved
     from testbed.runner.on_cluster import steps_at_rates
 
     topology = load_topology(TOPOLOGY)
     specs = [_spec(topology, rate) for rate in rates]
-    with netns.ephemeral(specs[0]) as owner:
+    with netns.ephemeral(specs[0], queue=queue) as owner:
         calibrations = collectives_interleaved(specs[0], owner, [s.scale for s in specs], rounds=1, max_call_s=1.5)
         timed = {}
         for name in plans:
@@ -207,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
     parser.add_argument("--refit", default=None, metavar="FILE", help="only the predictions of a saved --save file")
     parser.add_argument("--png", default=None, help="plot step time against link rate")
+    parser.add_argument("--queue", choices=("sparse-first", "fifo"), default="sparse-first",
+                        help="the links' queue (default sparse-first, as built; fifo: tbf's one FIFO, as until steps "
+                             "run 16)")
     args = parser.parse_args(argv)
     started = time.time()
     if args.refit:
@@ -216,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             print(json.dumps({"skipped": problem}))
             return 0
-        timing = measure if args.separate else measure_interleaved
-        doc = timing([float(r) for r in args.rates.split(",")], PLANS, args.steps, args.rounds)
+        if args.separate:
+            doc = measure([float(r) for r in args.rates.split(",")], PLANS, args.steps, args.rounds)
+        else:
+            doc = measure_interleaved([float(r) for r in args.rates.split(",")], PLANS, args.steps, args.rounds,
+                                      args.queue)
         if args.save:
             Path(args.save).write_text(json.dumps(doc, indent=1))
     rows = predictions(doc)

@@ -107,6 +107,52 @@ def test_build_shapes_both_ways_and_removes_everything(clean):
     assert not [c for c in netns.clusters() if c.name == _name("tshape")]
 
 
+def _trees(spec, owner: str) -> list[list[dict]]:
+    """Every link end's qdiscs (``tc -j qdisc show``), node ends first, then the switch's."""
+    ends = [(netns.node_namespace(spec, owner, i), "eth0") for i in range(len(spec.nodes))]
+    ends += [(f"tbc-{spec.name}-{owner}-sw", link.upper_dev) for link in spec.links]
+    return [json.loads(subprocess.run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev], capture_output=True,
+                                      text=True, check=True).stdout) for ns, dev in ends]
+
+
+@needs_netns
+def test_the_links_serve_sparse_packets_first_and_keep_it_when_reshaped(clean):
+    """Every link end: tbf (rate, bucket, 50 ms of queue) over htb over two bfifos, small IPv4 packets first
+    (testbed.cluster.queue); a reshape keeps that queue at the new rate, or makes the plain FIFO when asked."""
+    spec = cluster_spec(load_topology(_topology(clean)), name=_name("tqueue"), scale=0.001)
+    with netns.ephemeral(spec) as owner:
+        in_use = netns.queue_in_use(spec, owner)
+        if in_use["kind"] != "sparse-first":
+            pytest.skip(f"the links have the plain FIFO here: {in_use['why']}")
+        assert in_use["sparse_below_bytes"] == 256 and in_use["limit_bytes"] == int(1e7 / 8 * 0.05) + 3028
+        for tree in _trees(spec, owner):
+            kinds = sorted((q["kind"], q.get("parent", "root")) for q in tree)
+            assert kinds == [("bfifo", "10:1"), ("bfifo", "10:2"), ("htb", "1:1"), ("tbf", "root")]
+            tbf = next(q for q in tree if q["kind"] == "tbf")
+            assert tbf["options"]["rate"] == 1e7 / 8 and tbf["options"]["lat"] == 50_000  # 50 ms of the rate
+        netns.reshape(spec, owner, 0.003)
+        assert netns.queue_in_use(spec, owner)["limit_bytes"] == int(3e7 / 8 * 0.05) + 3028
+        assert all(next(q for q in t if q["kind"] == "tbf")["options"]["rate"] == 3e7 / 8 for t in _trees(spec, owner))
+        netns.reshape(spec, owner, 0.003, queue="fifo")
+        assert netns.queue_in_use(spec, owner)["kind"] == "fifo"
+        assert all([q["kind"] for q in t] == ["tbf"] for t in _trees(spec, owner))
+
+
+@needs_netns
+def test_without_htb_every_link_end_falls_back_to_the_fifo_and_says_so(clean, monkeypatch):
+    """Where tc refuses the tree (a kernel without htb or u32: here a qdisc that does not exist stands in for it),
+    the cluster is still built, every end with tbf's one FIFO, and queue_in_use says so and why."""
+    real = netns.sparse_first_commands
+    monkeypatch.setattr(netns, "sparse_first_commands", lambda *a, **k: [
+        [word if word != "htb" else "nosuchqdisc" for word in command] for command in real(*a, **k)])
+    spec = cluster_spec(load_topology(_topology(clean)), name=_name("tfifo"), scale=0.001)
+    with netns.ephemeral(spec) as owner:
+        in_use = netns.queue_in_use(spec, owner)
+        assert in_use["kind"] == "fifo" and "htb" in in_use["why"]
+        assert in_use["limit_bytes"] == int(1e7 / 8 * 0.05) + 3028
+        assert all([q["kind"] for q in t] == ["tbf"] for t in _trees(spec, owner))
+
+
 def _command(tmp_path: Path, scale: str, nbytes: str) -> subprocess.Popen:
     argv = ["collective", "all_reduce", "--topology", _topology(tmp_path), "--execute", "cluster", "--scale", scale,
             "--bytes", nbytes, "--repeats", "2", "--json"]
@@ -209,7 +255,9 @@ def test_smoke_one_kept_cluster_collective_calibrate_verify_validate(clean, caps
     calibrated = clean / "cal.yaml"
     assert main(["cluster", "up", name, "--topology", topology, "--scale", "0.01", "--json"]) == 0
     try:
-        assert json.loads(capsys.readouterr().out)["cluster"]["links"][0]["rate_bps"] == pytest.approx(1e8)
+        up = json.loads(capsys.readouterr().out)
+        assert up["cluster"]["links"][0]["rate_bps"] == pytest.approx(1e8)
+        assert up["queue"]["kind"] in ("sparse-first", "fifo")  # the output says which queue the links have
         assert main(["cluster", "up", name, "--topology", topology, "--scale", "0.01"]) == 2  # taken
         assert main(["collective", "all_gather", "--topology", topology, "--execute", f"cluster:{name}",
                      "--bytes", "256KiB", "--repeats", "2", "--json"]) == 0

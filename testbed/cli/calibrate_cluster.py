@@ -93,7 +93,8 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
     data = {"topology": str(args.out), "name": topology.name, "cluster": spec.name, "scale": spec.scale,
             "link_rate_bps": raw["link_rate_bps"], "measurements": str(Path(args.out).with_suffix(".measurements.json")),
             "costs": costs.to_dict(), "rows": rows, "median_abs_error": sorted(errors)[len(errors) // 2],
-            "max_abs_error": max(errors), "load_before": raw["load_before"], "load_after": raw["load_after"]}
+            "max_abs_error": max(errors), "load_before": raw["load_before"], "load_after": raw["load_after"],
+            "queue": raw.get("queue")}
     return CommandResult(data=data, render=lambda console: _render(console, data), files=[str(args.out)])
 
 

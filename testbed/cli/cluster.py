@@ -2,7 +2,8 @@
 
 ``up --topology T --scale S [--name N]`` builds one namespace per node of a
 levels topology, a bridge per switch and tbf shaping both ways at the
-levels' bandwidths times ``S`` (docs/cluster.md); it stays until ``down N``
+levels' bandwidths times ``S``, sparse packets first where the kernel allows (the output says which queue the
+links have; docs/cluster.md); it stays until ``down N``
 (or ``down --all``, which removes every cluster of this project, including
 leftovers of killed commands). ``status`` lists them. Commands that run on a
 cluster (``testbed collective OP --execute cluster:N``) read the cluster's
@@ -90,7 +91,8 @@ def _up(args: argparse.Namespace) -> dict[str, object]:
     state_dir().mkdir(parents=True, exist_ok=True)
     write_atomic(state_dir() / f"{spec.name}.json",
                  json.dumps({"topology": _topology_source(args.topology), "scale": spec.scale, "mtu": spec.mtu}))
-    return {"action": "up", "cluster": spec.to_dict(), "namespaces": made, "removed_leftovers": removed}
+    return {"action": "up", "cluster": spec.to_dict(), "namespaces": made, "removed_leftovers": removed,
+            "queue": netns.queue_in_use(spec, "keep")}
 
 
 def _down(args: argparse.Namespace) -> dict[str, object]:
@@ -133,6 +135,10 @@ def execute(args: argparse.Namespace) -> CommandResult:
                           f"{markup(spec['topology'])} at "
                           f"scale {spec['scale']:g}, links {', '.join(format_bandwidth(r / 8) for r in rates)}, "
                           f"{len(data['namespaces'])} namespaces")
+            queue = data["queue"]
+            console.print(f"queue: {queue['kind']}, {queue['limit_bytes']} bytes a link end"
+                          + (f", IPv4 packets under {queue['sparse_below_bytes']} bytes first"
+                             if queue["kind"] == "sparse-first" else f" ({markup(str(queue['why']))})"))
         elif args.action == "down":
             console.print(f"removed {data['namespaces_removed']} namespace(s)")
         else:

@@ -2,7 +2,8 @@
 
 :mod:`testbed.cluster.spec` (pure) turns a levels topology into namespaces,
 bridges, links and rates; :mod:`testbed.cluster.netns` builds and removes
-them with ``ip`` and ``tc``; :mod:`testbed.cluster.probe` measures the
+them with ``ip`` and ``tc``, each link end's queue as
+:mod:`testbed.cluster.queue` writes it (sparse packets first); :mod:`testbed.cluster.probe` measures the
 host's TCP on it (loopback throughput, per-hop latency) for the simulator.
 """
 

@@ -27,12 +27,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from testbed.cluster.queue import (FIFO, SPARSE_BELOW, SPARSE_FIRST, fifo_commands, queue_bytes,
+                                   sparse_first_commands)
 from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
 
 __all__ = ["ClusterUnavailable", "bucket_bytes", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
            "namespaces",
            "build", "reshape", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
-           "ClusterInfo"]
+           "ClusterInfo", "queue_in_use"]
 
 _NET_ADMIN = 12  # capability bit
 
@@ -190,11 +192,44 @@ def node_namespace(spec: ClusterSpec, owner: str, index: int) -> str:
     return namespace_name(spec.name, owner, spec.nodes[index].role)
 
 
-def _shape(ns: str, dev: str, rate_bps: float, mtu: int) -> None:
-    """tbf on ``dev``'s egress: ``rate_bps``, a bucket of :func:`bucket_bytes`, 50 ms of queue."""
-    rate = max(int(rate_bps), 8000)
-    _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
-          "burst", str(bucket_bytes(rate, mtu)), "latency", "50ms"])
+def _shape(ns: str, dev: str, rate_bps: float, mtu: int, queue: str = SPARSE_FIRST,
+           sparse_below: int = SPARSE_BELOW) -> str:
+    """Shape ``dev``'s egress: tbf at ``rate_bps``, a bucket of :func:`bucket_bytes`, 50 ms of queue
+    (:mod:`testbed.cluster.queue`), sparse packets first where ``queue`` asks and the kernel has htb and u32;
+    the queue it got (``sparse-first`` or ``fifo``). Whatever the link end had is replaced."""
+    bucket = bucket_bytes(max(int(rate_bps), 8000), mtu)
+    _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+    if queue == SPARSE_FIRST:
+        try:
+            for args in sparse_first_commands(ns, dev, rate_bps, bucket, mtu, sparse_below):
+                _run(args)
+            return SPARSE_FIRST
+        except ClusterError:  # no htb or no u32 here: the plain FIFO, recorded by queue_in_use
+            _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
+    for args in fifo_commands(ns, dev, rate_bps, bucket):
+        _run(args)
+    return FIFO
+
+
+def queue_in_use(spec: ClusterSpec, owner: str) -> dict[str, object]:
+    """What queue the cluster's links have, read from node 0's link end: ``{"kind": "sparse-first",
+    "sparse_below_bytes": N, "limit_bytes": L}``, or ``{"kind": "fifo", "limit_bytes": L, "why": ...}``."""
+    import json
+
+    ns, dev = node_namespace(spec, owner, 0), spec.links[0].lower_dev
+    qdiscs = json.loads(_run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev]).stdout or "[]")
+    bfifo = [q for q in qdiscs if q.get("kind") == "bfifo"]
+    if not any(q.get("kind") == "htb" for q in qdiscs) or not bfifo:
+        tbf = next((q for q in qdiscs if q.get("kind") == "tbf"), {})
+        rate = tbf.get("options", {}).get("rate", 0) * 8
+        return {"kind": FIFO, "limit_bytes": queue_bytes(rate, bucket_bytes(rate, spec.mtu)) if rate else None,
+                "why": "tbf's one FIFO, sparse packets not served first: asked for (reshape's queue='fifo'), or "
+                       "this kernel refused htb or the u32 classifier (testbed.cluster.queue)"}
+    filters = json.loads(_run(["tc", "-n", ns, "-j", "filter", "show", "dev", dev, "parent", "10:"]).stdout or "[]")
+    masks = [int(f["options"]["match"]["mask"], 16) & 0xFFFF for f in filters
+             if "match" in f.get("options", {})]
+    return {"kind": SPARSE_FIRST, "sparse_below_bytes": (~masks[0] & 0xFFFF) + 1 if masks else None,
+            "limit_bytes": bfifo[0]["options"]["limit"]}
 
 
 def bucket_bytes(rate_bps: float, mtu: int) -> int:
@@ -215,10 +250,12 @@ def bucket_bytes(rate_bps: float, mtu: int) -> int:
     return max(2 * (mtu + 14), int(rate_bps / 8 * 1e-4))
 
 
-def build(spec: ClusterSpec, owner: str) -> list[str]:
+def build(spec: ClusterSpec, owner: str, *, queue: str = SPARSE_FIRST) -> list[str]:
     """Create the cluster's namespaces, bridges, links and shaping; its namespaces.
 
-    A failure part-way removes what was made and raises :class:`ClusterError`.
+    Every link end gets ``queue`` (:mod:`testbed.cluster.queue`): sparse packets first where the kernel allows,
+    else, on every end alike, tbf's one FIFO (:func:`queue_in_use` says which). A failure part-way removes what
+    was made and raises :class:`ClusterError`.
     """
     fabric = namespace_name(spec.name, owner, "sw")
     made: list[str] = []
@@ -241,7 +278,7 @@ def build(spec: ClusterSpec, owner: str) -> list[str]:
             else:
                 _run(["ip", "-n", fabric, "link", "set", link.lower_dev, "master", link.lower])
             for ns, dev in ((lower_ns, link.lower_dev), (fabric, link.upper_dev)):
-                _shape(ns, dev, link.rate_bps, spec.mtu)
+                queue = _shape(ns, dev, link.rate_bps, spec.mtu, queue)  # a first refusal: FIFO on every end
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
     except BaseException:
         _delete(made)
@@ -249,17 +286,25 @@ def build(spec: ClusterSpec, owner: str) -> list[str]:
     return made
 
 
-def reshape(spec: ClusterSpec, owner: str, scale: float) -> ClusterSpec:
-    """Change a built cluster's link rates in place to ``scale`` (tbf replaced on every link end); the new spec."""
+def reshape(spec: ClusterSpec, owner: str, scale: float, *, queue: str | None = None,
+            sparse_below: int | None = None) -> ClusterSpec:
+    """Change a built cluster's link rates in place to ``scale`` (every link end's tree replaced); the new spec.
+
+    The queue stays what the cluster has (:func:`queue_in_use`) unless ``queue``/``sparse_below`` say otherwise.
+    """
     from testbed.cluster.spec import cluster_spec
 
+    if queue is None or sparse_below is None:
+        now = queue_in_use(spec, owner)
+        queue = queue or str(now["kind"])
+        sparse_below = sparse_below or int(now.get("sparse_below_bytes") or SPARSE_BELOW)
     new = cluster_spec(spec.topology, name=spec.name, scale=scale, mtu=spec.mtu)
     fabric = namespace_name(spec.name, owner, "sw")
     roles = {n.role for n in spec.nodes}
     for link in new.links:
         lower_ns = namespace_name(spec.name, owner, link.lower) if link.lower in roles else fabric
         for ns, dev in ((lower_ns, link.lower_dev), (fabric, link.upper_dev)):
-            _shape(ns, dev, link.rate_bps, spec.mtu)
+            queue = _shape(ns, dev, link.rate_bps, spec.mtu, queue, sparse_below)
     return new
 
 
@@ -286,8 +331,9 @@ def _signals_exit() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def ephemeral(spec: ClusterSpec) -> Iterator[str]:
-    """Build ``spec`` owned by this process for the ``with`` block; yields the owner token.
+def ephemeral(spec: ClusterSpec, *, queue: str = SPARSE_FIRST) -> Iterator[str]:
+    """Build ``spec`` owned by this process for the ``with`` block (its links' ``queue``: :func:`build`); yields
+    the owner token.
 
     Leftovers of dead owners are removed first. The cluster is removed on
     leaving the block, on Ctrl-C, SIGTERM and SIGHUP; after a SIGKILL the next
@@ -300,7 +346,7 @@ def ephemeral(spec: ClusterSpec) -> Iterator[str]:
     owner = owner_token()
     with _signals_exit():
         try:
-            build(spec, owner)
+            build(spec, owner, queue=queue)
             yield owner
         finally:
             remove(spec.name, owner)

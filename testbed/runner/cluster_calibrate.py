@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 from testbed.cluster import probe as tcp_probe
 from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, predict
-from testbed.cluster.netns import bucket_bytes
+from testbed.cluster.netns import bucket_bytes, queue_in_use
+from testbed.cluster.queue import queue_bytes
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
@@ -95,10 +96,17 @@ def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduc
     rows = slowest_medians(cluster_launch(spec, owner, {"body": "collective", "calls": calls}, timeout_s=timeout_s))
     return {"cluster": spec.name, "topology": spec.topology.name, "scale": spec.scale, "mtu": spec.mtu,
             "bucket_bytes": bucket_bytes(min(link.rate_bps for link in spec.links), spec.mtu),
-            "link_rate_bps": min(link.rate_bps for link in spec.links),
+            "queue": queue_in_use(spec, owner), "link_rate_bps": min(link.rate_bps for link in spec.links),
             "goodput": link_goodput(spec),
             "probe": probe.to_dict(), "rows": rows, "max_call_s": max_call_s, "repeats": repeats,
             "load_before": load_before, "load_after": _load(), "seconds": time.perf_counter() - started}
+
+
+def _queue_at(queue: dict[str, Any], spec: ClusterSpec) -> dict[str, Any]:
+    """The cluster's queue (:func:`testbed.cluster.netns.queue_in_use`, read at one rate) at ``spec``'s rate: the
+    same kind, its limit 50 ms of that rate plus the bucket."""
+    rate = min(link.rate_bps for link in spec.links)
+    return {**queue, "limit_bytes": queue_bytes(rate, bucket_bytes(rate, spec.mtu))}
 
 
 def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], *, rounds: int = 2,
@@ -151,6 +159,7 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
         finally:
             reshape(spec, owner, spec.scale)
     loads.append(_load())
+    queue = queue_in_use(spec, owner)
     out = []
     for i, one in enumerate(specs):
         passes = [slowest_medians([{"rows": r["phases"][k]} for r in results]) for k, n in enumerate(phases)
@@ -162,7 +171,7 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
                          "ok": all(row["ok"] for row in same)})
         out.append({"cluster": one.name, "topology": one.topology.name, "scale": one.scale, "mtu": one.mtu,
                     "bucket_bytes": bucket_bytes(min(link.rate_bps for link in one.links), one.mtu),
-                    "link_rate_bps": min(link.rate_bps for link in one.links),
+                    "queue": _queue_at(queue, one), "link_rate_bps": min(link.rate_bps for link in one.links),
                     "goodput": link_goodput(one),
                     "probe": probes[i].to_dict(), "rows": rows, "max_call_s": max_call_s, "min_call_s": min_call_s,
                     "repeats": repeats, "rounds": rounds, "load_before": loads[0], "load_after": loads[-1],
