@@ -11,7 +11,10 @@ Prints one JSON object: ``points`` (each with its ``ratio``, traced over planned
 collective bytes per axis agree), ``outside_5pct`` (the points whose ratio is off by more than 5%),
 ``bytes_differ``, and per family and topology the count, the number outside and the largest miss.
 
-Run: ``.venv/bin/python benchmarks/program_vs_plan.py [--family data|fsdp] [--topology NAME]``.
+``--microbatches M`` gives each replica M sequences (gradient accumulation over the runner's microbatch loop;
+default 1, the drawn space).
+
+Run: ``.venv/bin/python benchmarks/program_vs_plan.py [--family data|fsdp] [--topology NAME] [--microbatches M]``.
 """
 
 from __future__ import annotations
