@@ -52,9 +52,9 @@ def summed_after_the_loop(plan: Plan) -> bool:
     """Whether the data replicas' gradients are accumulated apart over a microbatch loop and summed after it
     (testbed.runner.step._accumulated, testbed.runner.replicas.sum_replicas): in the accumulator's dtype, the
     norms' parameters' too, where the partitioner's sum of one microbatch's gradients reduces the norms' fp32
-    partial sums (:func:`reduced_bytes`). Pipelines, whose stages also sum the replicas after the
-    microbatches, are not counted here (no traced step checks them)."""
-    return plan.batch.microbatches > 1 and plan.mesh.stage == 1
+    partial sums (:func:`reduced_bytes`). JAX's one SPMD step only: pipelines, whose stages also sum the
+    replicas after the microbatches, and the PyTorch stacks are not counted here (no traced step checks them)."""
+    return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.framework == "jax"
 
 
 def sequence_replicated(plan: Plan) -> bool:
