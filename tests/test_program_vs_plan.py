@@ -364,12 +364,14 @@ def test_a_data_by_tensor_2_sequence_parallel_bf16_step_time_on_a_superpod(d_mod
 
 
 @settings(max_examples=EXAMPLES)
-@given(spmd_plans(microbatches=2, sequence_parallel=False))
+@given(spmd_plans(microbatches=2))
 def test_accumulating_data_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
-    """Data x tensor without sequence parallelism at 2 microbatches (gradient accumulation), bf16-mixed or fp32:
-    every axis's bytes exactly. The runner accumulates each replica's gradients over the microbatch loop and sums
-    the replicas once after it, in the gradients' dtype (testbed.runner.replicas.sum_replicas: the norms' too,
-    testbed.sim.grad_bytes.summed_after_the_loop), as the plan reduces them once after the last backward."""
+    """Data x tensor with or without sequence parallelism at 2 microbatches (gradient accumulation), bf16-mixed or
+    fp32: every axis's bytes exactly. The runner accumulates each replica's gradients over the microbatch loop and
+    sums the replicas once after it, in the gradients' dtype (testbed.runner.replicas.sum_replicas: the norms' too,
+    testbed.sim.grad_bytes.summed_after_the_loop), as the plan reduces them once after the last backward; under
+    sequence parallelism the tensor-replicated gradients are summed over tensor every microbatch, then over data
+    with the rest, the position table's whole (testbed.sim.grad_bytes.summed_each_microbatch)."""
     plan, topology = drawn
     _, _, moved, expected = _both(plan, topology)
     assert moved == expected

@@ -41,7 +41,8 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
                                      accumulated_bytes, gradient_buckets, in_last_span, reduce_bytes, reduced_bytes,
                                      sequence_apart,
-                                     sequence_reduced, sequence_replicated, token_table_last, without_embedding_gathers)
+                                     sequence_reduced, sequence_replicated, summed_each_microbatch, token_table_last,
+                                     without_embedding_gathers)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
@@ -347,7 +348,8 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
-                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved),
+                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved
+                               + (sequence_b if summed_each_microbatch(plan) else 0.0)),  # and over data after
                       sequence_bytes=sequence_b, tail=tail)
 
 
@@ -435,7 +437,7 @@ def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction
                                  ways=math.prod(plan.mesh.degree(a) for a in sharded),
                                  holds_sequence=not expert and sequence_apart(plan)))
     if sequence_replicated(plan):  # nothing shards the optimizer state here: one all-reduce
-        axes = (*reduction_axes(plan), Axis.TENSOR)
+        axes = (Axis.TENSOR,) if summed_each_microbatch(plan) else (*reduction_axes(plan), Axis.TENSOR)
         out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1,
                              rest=tuple(a for a in MESH_AXES if a in axes)))
     elif sequence_apart(plan):  # summed whole over tensor first, then reduce-scattered with the rest

@@ -18,7 +18,7 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import Plan
 
 __all__ = ["BUCKETS", "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "reduce_bytes", "reduced_bytes",
-           "summed_after_the_loop", "sequence_replicated", "sequence_apart", "sequence_reduced",
+           "summed_after_the_loop", "summed_each_microbatch", "sequence_replicated", "sequence_apart", "sequence_reduced",
            "summed_in_the_step", "token_table_last", "without_embedding_gathers", "gradient_buckets",
            "accumulate_bytes", "accumulated_in_the_backward", "accumulated_bytes", "in_last_span"]
 
@@ -66,6 +66,17 @@ def sequence_replicated(plan: Plan) -> bool:
     return plan.sequence_parallel and plan.mesh.tensor > 1 and not state_sharding(plan).split_axes(plan, "optimizer")
 
 
+def summed_each_microbatch(plan: Plan) -> bool:
+    """Whether, under :func:`sequence_replicated` with the replicas summed after a microbatch loop
+    (:func:`summed_after_the_loop`), the tensor-replicated parameters' gradients are summed over tensor alone
+    every microbatch: the loop's accumulators are each replica's whole gradients, replicated over tensor, so the
+    partitioner sums the tensor ranks' partial sums of each microbatch's (the norms' in fp32) before the add,
+    as that microbatch's compute ends; the replicas' sum after the loop carries them with the rest in the
+    accumulator's dtype, and the position table's gradient whole (gathered over tensor in the loop). The traced
+    runner step moves these bytes (tests/test_program_vs_plan.py)."""
+    return sequence_replicated(plan) and summed_after_the_loop(plan)
+
+
 def sequence_apart(plan: Plan) -> bool:
     """Whether, with the parameters sharded (fsdp, ZeRO-3) under sequence parallelism, the tensor-replicated
     parameters' gradients are all-reduced whole over tensor on their own before their reduce-scatter with the rest:
@@ -89,7 +100,7 @@ def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float
     held = chunk_params(plan.model, s, c, plan.mesh.stage, plan.schedule.virtual_stages, stage_layers=plan.stage_layers)
     for q, copies in held:
         if q.part is Part.EMBEDDING:
-            positions = q.path == ("positions",) and not apart
+            positions = q.path == ("positions",) and not apart and not summed_each_microbatch(plan)
             saved += copies * q.device_elements(t, 1, 1) * reduce_b * (1 - 1 / t) if positions else 0
         elif q.tensor_dim is None and not q.is_expert:
             replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS else reduce_b)
