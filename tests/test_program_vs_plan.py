@@ -414,3 +414,14 @@ def test_an_accumulating_sequence_parallel_step_slices_the_position_table_locall
     slices = [op.hbm_bytes for op in trace_plan(plan).ops if op.name == "all_slice"]
     shard = model.seq_len // 2 * model.d_model * 2  # this device's bf16 positions
     assert slices and max(slices) == 2 * shard  # at most read and written once
+
+
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans(fsdp=True, microbatches=2))
+def test_accumulating_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
+    """fsdp x tensor with or without sequence parallelism at 2 microbatches: every axis's bytes exactly, each
+    microbatch's gradients reduce-scattered in the loop, under sequence parallelism each after the
+    tensor-replicated ones' sum over tensor (testbed.sim.grad_bytes.summed_each_microbatch)."""
+    plan, topology = drawn
+    _, _, moved, expected = _both(plan, topology)
+    assert moved == expected

@@ -349,7 +349,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved
-                               + (sequence_b if summed_each_microbatch(plan) else 0.0)),  # and over data after
+                               + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),
                       sequence_bytes=sequence_b, tail=tail)
 
 

@@ -67,14 +67,16 @@ def sequence_replicated(plan: Plan) -> bool:
 
 
 def summed_each_microbatch(plan: Plan) -> bool:
-    """Whether, under :func:`sequence_replicated` with the replicas summed after a microbatch loop
-    (:func:`summed_after_the_loop`), the tensor-replicated parameters' gradients are summed over tensor alone
-    every microbatch: the loop's accumulators are each replica's whole gradients, replicated over tensor, so the
-    partitioner sums the tensor ranks' partial sums of each microbatch's (the norms' in fp32) before the add,
-    as that microbatch's compute ends; the replicas' sum after the loop carries them with the rest in the
-    accumulator's dtype, and the position table's gradient whole (gathered over tensor in the loop). The traced
-    runner step moves these bytes (tests/test_program_vs_plan.py)."""
-    return sequence_replicated(plan) and summed_after_the_loop(plan)
+    """Whether, in JAX's one SPMD step over more than one microbatch, the tensor-replicated parameters' gradients
+    of sequence parallelism are summed over tensor alone every microbatch, as that microbatch's compute ends.
+    Under :func:`sequence_replicated` (data replicas summed after the loop, :func:`summed_after_the_loop`) the
+    loop's accumulators are each replica's whole gradients, replicated over tensor, so the partitioner sums the
+    tensor ranks' partial sums of each microbatch's (the norms' in fp32) before the add; the replicas' sum after
+    the loop carries them with the rest in the accumulator's dtype, and the position table's gradient whole
+    (gathered over tensor in the loop). Under :func:`sequence_apart` (fsdp) each microbatch's gradients are
+    reduce-scattered in the loop, each after its own sum over tensor. The traced runner step moves these bytes
+    (tests/test_program_vs_plan.py)."""
+    return (sequence_replicated(plan) or sequence_apart(plan)) and summed_after_the_loop(plan)
 
 
 def sequence_apart(plan: Plan) -> bool:
