@@ -40,9 +40,8 @@ from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduct
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
                                      accumulated_bytes, gradient_buckets, in_last_span, reduce_bytes, reduced_bytes,
-                                     sequence_apart,
-                                     sequence_reduced, sequence_replicated, summed_each_microbatch, token_table_last,
-                                     without_embedding_gathers)
+                                     sequence_apart, sequence_reduced, sequence_replicated, summed_each_microbatch,
+                                     token_table_last, without_embedding_gathers)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
