@@ -39,8 +39,9 @@ from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
 from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
-                                     gradient_buckets, reduce_bytes, reduced_bytes, sequence_apart,
-                                     sequence_reduced, sequence_replicated, token_table_last, without_embedding_gathers)
+                                     accumulated_bytes, gradient_buckets, in_last_span, reduce_bytes, reduced_bytes,
+                                     sequence_apart, sequence_reduced, sequence_replicated, summed_each_microbatch,
+                                     token_table_last, without_embedding_gathers)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
@@ -346,7 +347,8 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
-                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved),
+                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved
+                               + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),
                       sequence_bytes=sequence_b, tail=tail)
 
 
@@ -375,6 +377,7 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
     """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s`` (``tail_gather``: ChunkFacts.tail's)."""
     split = schedule.split_backward
     flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat)
+    hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B")))  # the adds
     if tail_gather and kind == "B":
         tensor = without_embedding_gathers(tensor)
     gemms = shapes.action(kind, split)
@@ -389,7 +392,7 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
     overlap = None if chain or gathers_parameters(plan, kind) else tp_overlap(
         plan, chunk_costs[s][c], kind, split, (flops, hbm, replicated, split_b), gemms, tensor,
         chunk_costs[s][c].layers, n_moe)
-    spans = () if chain or overlap else action_spans(plan, chunk_costs[s][c], kind, split, n_moe)
+    spans = () if chain or overlap else in_last_span(action_spans(plan, chunk_costs[s][c], kind, split, n_moe), acc)
     return ActionWork(kind=kind, work=(flops, hbm, replicated, split_b), tensor=tensor, gemms=gemms,
                       chain=tuple(chain), ring_work=ring_work, ring_gemms=ring_gemms,
                       sends=tuple(_sends(schedule, s, kind, c, chunk_costs)), overlap=overlap, spans=spans)
@@ -433,7 +436,7 @@ def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction
                                  ways=math.prod(plan.mesh.degree(a) for a in sharded),
                                  holds_sequence=not expert and sequence_apart(plan)))
     if sequence_replicated(plan):  # nothing shards the optimizer state here: one all-reduce
-        axes = (*reduction_axes(plan), Axis.TENSOR)
+        axes = (Axis.TENSOR,) if summed_each_microbatch(plan) else (*reduction_axes(plan), Axis.TENSOR)
         out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1,
                              rest=tuple(a for a in MESH_AXES if a in axes)))
     elif sequence_apart(plan):  # summed whole over tensor first, then reduce-scattered with the rest
