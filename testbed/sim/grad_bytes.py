@@ -117,9 +117,11 @@ def summed_in_the_step(plan: Plan) -> bool:
     parameters' sum over data and tensor (the norms' and row-parallel biases' gradients, complete when the
     layers' backward is) leaves before the embedding's backward, on a stream of its own beside the rest (it never
     merges with the sums over data), where the plan's model otherwise puts it after them
-    (tests/test_program_vs_plan.py)."""
+    (tests/test_program_vs_plan.py). Only with data replicas, the case checked: without them there is no sum over
+    data to leave beside, and the merged gathers of :func:`token_table_last` stay in the backward."""
     rt = plan.runtime
-    return (sequence_replicated(plan) and rt.framework == "jax" and plan.mesh.stage == 1 and plan.mesh.context == 1
+    return (sequence_replicated(plan) and rt.framework == "jax" and plan.mesh.data > 1 and plan.mesh.stage == 1
+            and plan.mesh.context == 1
             and plan.schedule.virtual_stages == 1 and plan.batch.microbatches == 1 and not rt.grad_reduce_overlap
             and not rt.tp_comm_overlap)
 
