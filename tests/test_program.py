@@ -16,7 +16,8 @@ from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.model.spans import action_spans
-from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, action_work, step_facts
+from testbed.sim.action_work import action_work
+from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, step_facts
 from testbed.sim.grad_bytes import accumulated_in_the_backward
 from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends

@@ -146,7 +146,7 @@ def token_table_last(plan: Plan, cost: ChunkCost, combine_bytes: float, reduce_b
 
 
 def without_embedding_gathers(tensor: tuple[tuple[str, int, int], ...]) -> tuple[tuple[str, int, int], ...]:
-    """A backward's tensor collectives (testbed.sim.facts.tensor_transfers) less the embedding's, which are the
+    """A backward's tensor collectives (testbed.sim.action_work.tensor_transfers) less the embedding's, which are the
     gradient sums' merged gather under :func:`token_table_last`: one of the all-gathers (the lookup's cotangent) and
     the position table's gradient gather, its last entry."""
     out, dropped = [], False
