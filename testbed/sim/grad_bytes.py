@@ -180,6 +180,13 @@ def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
         return FP32_ACCUMULATE_BYTES * params / state_sharding(plan).ways(plan, "grads")
     if plan.batch.microbatches <= 1 or accumulated_in_the_backward(plan):
         return 0.0
+    return _added_bytes(plan, params, grad_bytes)
+
+
+def _added_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
+    """The add's traffic: :data:`ACCUMULATE_PASSES` over the device's share of ``params`` gradients of
+    ``grad_bytes`` each, whether a kernel of its own (:func:`accumulate_bytes`) or in the backward
+    (:func:`accumulated_bytes`)."""
     return ACCUMULATE_PASSES * params * grad_bytes / state_sharding(plan).ways(plan, "grads")
 
 
@@ -207,7 +214,7 @@ def accumulated_bytes(plan: Plan, params: int, weight_gradients: bool) -> float:
     gradients; else 0."""
     if not (weight_gradients and accumulated_in_the_backward(plan)):
         return 0.0
-    return ACCUMULATE_PASSES * params * state_bytes_per_param(plan)[1]
+    return _added_bytes(plan, params, state_bytes_per_param(plan)[1])
 
 
 def in_last_span(spans: tuple[tuple[float, float], ...], acc: float) -> tuple[tuple[float, float], ...]:
