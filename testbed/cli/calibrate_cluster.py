@@ -1,8 +1,10 @@
 """``testbed calibrate --cluster NAME --out F.yaml``: gloo's host costs on an emulated cluster, as a topology.
 
 On a cluster ``testbed cluster up NAME`` built, this probes the host's TCP
-and times all-reduce and all-gather over every device
-(:mod:`testbed.runner.cluster_calibrate`), fits the per-round overhead and
+and times all-reduce, all-gather and reduce-scatter over every device
+(:mod:`testbed.runner.cluster_calibrate`; the reduce-scatter's rounds, 4
+against the rings' 7 and 14 on 8 devices, separate a call's cost from a
+round's), fits the per-call and per-round costs and
 the link efficiency (:mod:`testbed.cluster.fit`) and writes the topology the
 cluster is (:meth:`ClusterSpec.emulated_topology`) with them: the network
 level's bandwidth is the links' TCP goodput times the efficiency, and

@@ -1,12 +1,15 @@
 """Measure gloo's host costs on a built emulated cluster: the probe and timed collectives, as raw rows.
 
 :func:`measure` runs :mod:`testbed.cluster.probe` and then, in one job of one
-worker per node (:func:`testbed.runner.on_cluster.cluster_launch`), all-reduce
-and all-gather over every device at a tiny size (4 KiB: every one of gloo's
-segments holds data, so every round runs; a 4-byte all-reduce skips most)
-and at 64 KiB x 4^k while the call is priced under ``max_call_s`` at the
-links' goodput. :func:`testbed.cluster.fit.fit_host_costs` fits the per-round
-overhead and link efficiency to those rows. The 1-minute load average is
+worker per node (:func:`testbed.runner.on_cluster.cluster_launch`), all-reduce,
+all-gather and reduce-scatter over every device at a tiny size (4 KiB: every
+one of gloo's segments holds data, so every round runs; a 4-byte all-reduce
+skips most) and at 64 KiB x 4^k while the call is priced under ``max_call_s``
+at the links' goodput. :func:`testbed.cluster.fit.fit_host_costs` fits the
+per-call and per-round costs and link efficiency to those rows: the three
+ops' tiny calls have 14, 7 and 4 rounds on 8 devices (gloo's rings and its
+halving-doubling reduce-scatter), which is what separates a call's cost
+from a round's (:mod:`testbed.cluster.fit`). The 1-minute load average is
 recorded before and after: on a shared host the per-call cost follows it.
 """
 
@@ -23,8 +26,11 @@ from testbed.cluster.queue import queue_bytes
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
-__all__ = ["TINY_BYTES", "sizes_for", "repeats_for", "warmup_for", "priced_s", "measure", "measure_interleaved"]
+__all__ = ["OPS", "TINY_BYTES", "sizes_for", "repeats_for", "warmup_for", "priced_s", "measure", "measure_interleaved"]
 
+#: The ops timed: gloo's two rings and its reduce-scatter, whose rounds (14, 7 and 4 on 8 devices) separate the
+#: per-call cost from the per-round one.
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
 #: The call that fixes the per-call cost: 4 KiB (the all-reduce's buffer, the all-gather's result).
 TINY_BYTES = 4096
 _FIRST, _LAST = 2**16, 2**26  # 64 KiB .. 64 MiB, nccl-tests' sizes
@@ -82,7 +88,7 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduce", "all_gather"),
+def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = OPS,
             max_call_s: float = 2.0, repeats: int = 3, tiny_repeats: int = 15,
             timeout_s: float | None = 900) -> dict[str, Any]:
     """Probe the cluster, then time ``ops`` at :func:`sizes_for`'s sizes; the raw measurements (JSON-ready)."""
@@ -110,7 +116,7 @@ def _queue_at(queue: dict[str, Any], spec: ClusterSpec) -> dict[str, Any]:
 
 
 def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], *, rounds: int = 2,
-                        ops: tuple[str, ...] = ("all_reduce", "all_gather"), max_call_s: float = 2.0,
+                        ops: tuple[str, ...] = OPS, max_call_s: float = 2.0,
                         repeats: int = 3, tiny_repeats: int = 15, min_call_s: float = 0.0,
                         tiny: Sequence[int] = (TINY_BYTES,), timeout_s: float | None = 900) -> list[dict[str, Any]]:
     """:func:`measure` at every link scale of ``scales`` in one job, the links reshaped between phases.
