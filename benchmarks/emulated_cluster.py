@@ -55,9 +55,13 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 from testbed.cluster import cluster_spec, netns
-from testbed.cluster.fit import (CAPPED_OPS, HostProbe, costs_at_rate, fit_from_bytes, fit_host_costs, link_goodput,
-                                 row_errors)
+from testbed.cluster.fit import (CAPPED_OPS, HostProbe, costs_at_rate, emulated, fit_from_bytes, fit_host_costs,
+                                 link_goodput, row_errors)
+from testbed.cluster.spec import GLOO_ALGORITHMS
+from testbed.collectives.timing import groups_time
 from testbed.collectives.ops import BUS_FACTOR, parse_op
 from testbed.topology.io import load_topology
 
@@ -122,18 +126,40 @@ VARIANTS = {"leave_one_rate_out_rings_only": {"capped": {"reduce_scatter": 0}},
             "leave_one_rate_out_added_from_64KiB": {"form": "added", "min_bytes": 2**16}}
 
 
+def host_bound(spec, probe: HostProbe, rows: list[dict], costs) -> dict:
+    """The calls under 64 KiB of one rate (each op's rounds, measured and in-sample priced ms) and the straight line
+    ``call + rounds x round`` through their times by least squares (ms; with one call size and three ops, the
+    reduce-scatter among them, whether the three lie on one line, the split the fit relies on)."""
+    group = [tuple(range(spec.topology.num_devices))]
+    bare = emulated(spec, probe)
+    tiny = [{"op": r["op"], "bytes": r["bytes"], "rounds": groups_time(bare, r["op"], group, r["bytes"],
+                                                                     GLOO_ALGORITHMS[r["op"]]).rounds,
+             "measured_ms": r["measured_s"] * 1e3, "priced_ms": r["predicted_s"] * 1e3}
+            for r in row_errors(spec, probe, costs, rows) if r["bytes"] < GOAL_MIN_BYTES]
+    out: dict = {"calls": tiny}
+    if len({t["rounds"] for t in tiny}) >= 2:
+        rounds = np.array([t["rounds"] for t in tiny], dtype=float)
+        times = np.array([t["measured_ms"] for t in tiny])
+        slope, intercept = np.polyfit(rounds, times, 1)
+        out["line"] = {"call_ms": float(intercept), "round_ms": float(slope),
+                       "max_residual_ms": float(np.max(np.abs(times - (intercept + slope * rounds))))}
+    return out
+
+
 def refit(doc: dict) -> dict:
-    """The in-sample (each rate's own fit) and the leave-one-rate-out results of a saved run."""
+    """The in-sample (each rate's own fit) and the leave-one-rate-out results of a saved run; each rate's
+    host-bound calls (:func:`host_bound`)."""
     topology = load_topology(doc["topology"])
-    own = []
+    own, tiny = [], {}
     for run in doc["runs"]:
         spec, probe = _spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"])
-        own += row_errors(spec, probe, fit_host_costs(spec, probe, run["rows"], min_bytes=fit_from_bytes(run)),
-                          run["rows"])
+        costs = fit_host_costs(spec, probe, run["rows"], min_bytes=fit_from_bytes(run))
+        own += row_errors(spec, probe, costs, run["rows"])
+        tiny[run["rate_mbps"]] = host_bound(spec, probe, run["rows"], costs)
     smallest = min(row["bytes"] for run in doc["runs"] for row in run["rows"])
     extra = {"leave_one_rate_out_from_smallest": {"min_bytes": smallest}} if smallest < fit_from_bytes(
         doc["runs"][0]) else {}  # a run with --tiny below 4 KiB: fitted from its smallest call too
-    return {"in_sample": _summary(own), "leave_one_rate_out": leave_one_rate_out(doc),
+    return {"in_sample": _summary(own), "host_bound": tiny, "leave_one_rate_out": leave_one_rate_out(doc),
             **{key: leave_one_rate_out(doc, **kwargs) for key, kwargs in {**VARIANTS, **extra}.items()}}
 
 

@@ -258,6 +258,64 @@ def test_combine_joins_two_runs_rate_by_rate():
         bench.combine(first, {**second, "runs": [run(30.0, [2**22], 3.0)]})
 
 
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "emulated_cluster", Path(__file__).resolve().parents[1] / "benchmarks" / "emulated_cluster.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _doc(slow_rate: float | None = None) -> dict:
+    """A saved run at 10/30/100 Mb/s whose rows the simulator priced with one set of costs (three ops), the rows of
+    ``slow_rate`` (if given) measured twice as slow."""
+    runs = []
+    for rate in (10.0, 30.0, 100.0):
+        spec = _spec(rate)
+        truth = HostCosts(call_s=5e-3, overhead_s=6e-4, link_efficiency=0.95, goodput=link_goodput(spec))
+        rows = [{**r, "measured_s": r["measured_s"] * (2 if rate == slow_rate else 1)} for r in _three_ops(spec, truth)]
+        runs.append({"rate_mbps": rate, "probe": PROBE.to_dict(), "bucket_bytes": 3028, "rows": rows,
+                     "load_before": 1.0, "load_after": 1.0})
+    return {"topology": "eth-4x2", "runs": runs}
+
+
+def test_leave_one_rate_out_scores_the_goals_ops_and_the_reduce_scatter_apart_and_holds_each_rate_out():
+    bench = _bench()
+    result = bench.leave_one_rate_out(_doc())
+    assert result["sizes"] == 2 * 3 * 4  # all-reduce and all-gather from 64 KiB, three rates
+    assert result["reduce_scatter"]["sizes"] == 3 * 4
+    assert result["max_abs_error"] < 1e-9 and result["reduce_scatter"]["max_abs_error"] < 1e-9
+    # A rate's rows enter no fit that prices them: slowing 30 Mb/s moves the other rates' prices only.
+    slowed = bench.leave_one_rate_out(_doc(slow_rate=30.0))
+    for before, after in zip(result["rows"], slowed["rows"]):
+        if before["rate_mbps"] == 30.0:
+            assert after["predicted_s"] == pytest.approx(before["predicted_s"], rel=1e-12)
+    assert any(abs(a["predicted_s"] / b["predicted_s"] - 1) > 0.05 for a, b in zip(slowed["rows"], result["rows"])
+               if a["rate_mbps"] != 30.0)
+    rings = bench.leave_one_rate_out(_doc(), capped={"reduce_scatter": 0})
+    assert rings["capped"] == {"reduce_scatter": 0} and rings["max_abs_error"] < 1e-9
+
+
+def test_the_host_bound_calls_of_each_rate_and_their_line():
+    bench = _bench()
+    spec = _spec(100.0)
+    truth = HostCosts(call_s=5e-3, overhead_s=6e-4, link_efficiency=0.95, goodput=link_goodput(spec))
+    found = bench.host_bound(spec, PROBE, _three_ops(spec, truth), truth)
+    assert [(c["op"], c["rounds"]) for c in found["calls"]] == [("all_reduce", 14), ("all_gather", 7),
+                                                                ("reduce_scatter", 4)]
+    assert all(c["measured_ms"] == pytest.approx(c["priced_ms"]) for c in found["calls"])
+    # At 100 Mb/s a 4 KiB ring round is all host cost (0.6 ms over its wire): 5 + 14 x 0.6 and 5 + 7 x 0.6 ms; the
+    # reduce-scatter adds its wire w to 5 + 4 x 0.6. Least squares over rounds (14, 7, 4) moves the line's
+    # intercept by 161/158 w and its slope by -13/158 w.
+    w = price_rows(spec, PROBE, dataclasses.replace(truth, call_s=0.0, overhead_s=0.0),
+                   [{"op": "reduce_scatter", "bytes": 4096}])[0] * 1e3
+    assert found["line"]["call_ms"] == pytest.approx(5.0 + w * 161 / 158, rel=1e-6)
+    assert found["line"]["round_ms"] == pytest.approx(0.6 - w * 13 / 158, rel=1e-6)
+    assert found["line"]["max_residual_ms"] == pytest.approx(w * 70 / 158, rel=1e-6)  # the all-gather's
+
+
 # The data-parallel gradients' combined all-reduce and a tensor-parallel one, as XLA:CPU's compiled text has them.
 HLO = "\n".join([
     "  %all-reduce.30 = (f32[64,128]{1,0}, f32[128]{0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, "
