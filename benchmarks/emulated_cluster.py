@@ -9,8 +9,8 @@ change of load reaches all of them) and runs what ``testbed calibrate --cluster`
 (:func:`testbed.runner.cluster_calibrate.measure`): the host's TCP probed,
 then ``all_reduce``, ``all_gather`` and ``reduce_scatter`` (``--ops``) over
 all 8 devices (one JAX worker per node, gloo over the shaped links) at 4 KiB
-and at 64 KiB x 4^k up to the size whose call takes ``--max-call-s``, the median over ``--repeats`` calls
-of the slowest process. Each rate's rows are fitted on their own
+and at 64 KiB x 4^k up to the size whose call takes ``--max-call-s``, the
+median over ``--repeats`` calls of the slowest process. Each rate's rows are fitted on their own
 (:func:`testbed.cluster.fit.fit_host_costs`: gloo's per-call and per-round
 cost and the links' efficiency, as ``calibrate --cluster`` writes them) and,
 **leave one rate out**, priced with the mean of the other two rates' fits,
@@ -29,8 +29,9 @@ Needs root or CAP_NET_ADMIN. Prints one JSON object. Goal (issue 37): every
 all-reduce and all-gather size within 15%, the median within 10%; the
 reduce-scatter's sizes are scored apart (``reduce_scatter``): its 4 KiB call
 (4 rounds against the rings' 7 and 14) is in the fit to separate the
-per-call cost from the per-round one (:mod:`testbed.cluster.fit`). ``--refit FILE`` redoes the fits on a
-saved output (no privilege), ``--png P`` plots measured vs held-out bus
+per-call cost from the per-round one (:mod:`testbed.cluster.fit`; ``host_bound``
+shows each rate's calls under 64 KiB and the line through them). ``--refit
+FILE`` redoes the fits on a saved output (no privilege), ``--png P`` plots measured vs held-out bus
 bandwidth. ``--costs-from FILE`` prices every size of this run with the
 costs fitted to another saved run's other rates (held out by job and rate):
 one rate timed up to 64 MiB (``--rates 100 --max-call-s 12``), which the
@@ -61,8 +62,8 @@ from testbed.cluster import cluster_spec, netns
 from testbed.cluster.fit import (CAPPED_OPS, HostProbe, costs_at_rate, emulated, fit_from_bytes, fit_host_costs,
                                  link_goodput, row_errors)
 from testbed.cluster.spec import GLOO_ALGORITHMS
-from testbed.collectives.timing import groups_time
 from testbed.collectives.ops import BUS_FACTOR, parse_op
+from testbed.collectives.timing import groups_time
 from testbed.topology.io import load_topology
 
 TOPOLOGY = "eth-4x2"
