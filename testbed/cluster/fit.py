@@ -99,7 +99,8 @@ _CALLS = np.arange(121) * 2.5e-4  # 0 .. 30 ms a call
 #: third round count that pins the split of a call's cost and a round's (the module doc); its larger calls took,
 #: beyond their 4 KiB call, 1.7-3.6x their priced wire in the (loaded) runs that timed them
 #: (``cluster_runs/rs-probe-loaded.json``, docs/cluster.md), links idle for a reason not found yet, which would pull
-#: the links' efficiency the rings are scored on. They are reported, not fitted. ``{"reduce_scatter": 0}``: the rings alone (the fits until the reduce-scatter was timed).
+#: the links' efficiency the rings are scored on. They are reported, not fitted. ``{"reduce_scatter": 0}``: the
+#: rings alone (the fits until the reduce-scatter was timed).
 CAPPED_OPS: Mapping[str, int] = {"reduce_scatter": 2**16}
 
 #: Where the fit started for measurements that record no ``bucket_bytes``: taken on links with a bucket of 1 ms
