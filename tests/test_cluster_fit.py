@@ -221,6 +221,18 @@ def test_cheap_sizes_are_timed_more_often():
         sizes_for(fast, PROBE, "all_reduce", 3.0, tiny=(2**16,))
 
 
+def test_calibrate_times_the_reduce_scatter_where_it_fits_it_and_the_benchmark_at_every_size():
+    from testbed.runner.cluster_calibrate import OPS, calls_for
+
+    spec = _spec(100.0)
+    every = calls_for(spec, PROBE, OPS, 3.0, 3, 15)
+    fitted = calls_for(spec, PROBE, OPS, 3.0, 3, 15, CAPPED_OPS)
+    assert {op for op, *_ in every} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert [size for op, size, _ in fitted if op == "reduce_scatter"] == [4096]
+    assert [c for c in fitted if c[0] != "reduce_scatter"] == [c for c in every if c[0] != "reduce_scatter"]
+    assert max(size for op, size, _ in every if op == "reduce_scatter") >= 2**20
+
+
 def test_the_long_sizes_are_the_ones_a_shorter_run_left_out_and_have_no_warmup():
     from testbed.runner.cluster_calibrate import TINY_BYTES, priced_s, sizes_for, warmup_for
 

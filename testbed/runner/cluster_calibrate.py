@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from testbed.cluster import probe as tcp_probe
 from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, predict
@@ -26,7 +26,8 @@ from testbed.cluster.queue import queue_bytes
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
-__all__ = ["OPS", "TINY_BYTES", "sizes_for", "repeats_for", "warmup_for", "priced_s", "measure", "measure_interleaved"]
+__all__ = ["OPS", "TINY_BYTES", "calls_for", "sizes_for", "repeats_for", "warmup_for", "priced_s", "measure",
+           "measure_interleaved"]
 
 #: The ops timed: gloo's two rings and its reduce-scatter, whose rounds (14, 7 and 4 on 8 devices) separate the
 #: per-call cost from the per-round one.
@@ -88,16 +89,25 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
+def calls_for(spec: ClusterSpec, probe: HostProbe, ops: Sequence[str], max_call_s: float, repeats: int,
+              tiny_repeats: int, capped: Mapping[str, int] | None = None) -> list[list]:
+    """``[op, bytes, repeats]`` for each op at :func:`sizes_for`'s sizes; an op in ``capped`` only below its size
+    (``calibrate --cluster`` times only what it fits: the reduce-scatter's 4 KiB call,
+    :data:`testbed.cluster.fit.CAPPED_OPS`)."""
+    capped = capped or {}
+    return [[op, size, repeats_for(spec, probe, op, size, repeats, tiny_repeats)]
+            for op in ops for size in sizes_for(spec, probe, op, max_call_s) if size < capped.get(op, float("inf"))]
+
+
 def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = OPS,
             max_call_s: float = 2.0, repeats: int = 3, tiny_repeats: int = 15,
-            timeout_s: float | None = 900) -> dict[str, Any]:
-    """Probe the cluster, then time ``ops`` at :func:`sizes_for`'s sizes; the raw measurements (JSON-ready)."""
+            timeout_s: float | None = 900, capped: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Probe the cluster, then time ``ops`` at :func:`calls_for`'s sizes; the raw measurements (JSON-ready)."""
     load_before, started = _load(), time.perf_counter()
     measured = tcp_probe.measure(spec, owner)
     probe = HostProbe(loopback_bandwidth=measured.loopback_bandwidth,
                       loopback_latency_s=measured.loopback_latency_s, across_latency_s=measured.across_latency_s)
-    calls = [[op, size, repeats_for(spec, probe, op, size, repeats, tiny_repeats)]
-             for op in ops for size in sizes_for(spec, probe, op, max_call_s)]
+    calls = calls_for(spec, probe, ops, max_call_s, repeats, tiny_repeats, capped)
     # One job for every op: each launch compiles and joins the workers anew (~20 s on a busy 2-core host).
     rows = slowest_medians(cluster_launch(spec, owner, {"body": "collective", "calls": calls}, timeout_s=timeout_s))
     return {"cluster": spec.name, "topology": spec.topology.name, "scale": spec.scale, "mtu": spec.mtu,
