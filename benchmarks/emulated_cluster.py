@@ -229,12 +229,12 @@ def combine(first: dict, second: dict) -> dict:
 
 
 def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: int = 2,
-                  min_call_s: float = 0.0, tiny: tuple[int, ...] = (4096,), ops: tuple[str, ...] | None = None
-                  ) -> dict:
+                  min_call_s: float = 0.0, tiny: tuple[int, ...] = (4096,), ops: tuple[str, ...] | None = None,
+                  tiny_ops: tuple[str, ...] = ()) -> dict:
     """Every rate's collectives: in one job on one cluster, the links reshaped between rates, ``rounds`` passes
     (:func:`testbed.runner.cluster_calibrate.measure_interleaved`); ``rounds`` 0: one cluster and job per rate.
     ``min_call_s``: only the sizes priced over it (and the 4 KiB call); ``ops``: default
-    :data:`testbed.runner.cluster_calibrate.OPS`."""
+    :data:`testbed.runner.cluster_calibrate.OPS`; ``tiny_ops``: those timed at the sizes under 64 KiB only."""
     from testbed.runner.cluster_calibrate import OPS, measure, measure_interleaved
 
     ops = ops or OPS
@@ -246,13 +246,14 @@ def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: i
         with netns.ephemeral(first) as owner:
             raws = measure_interleaved(first, owner, [_spec(topology, r).scale for r in rates], rounds=rounds,
                                        max_call_s=max_call_s, repeats=repeats, min_call_s=min_call_s, tiny=tiny,
-                                       ops=ops)
+                                       ops=ops, capped={op: GOAL_MIN_BYTES for op in tiny_ops})
         runs = [{"rate_mbps": rate, **raw} for rate, raw in zip(rates, raws)]
     if (min_call_s or tiny != (4096,)) and not rounds:
         raise ValueError("--min-call-s and --tiny need --rounds 1 or more")
     for rate in rates if not rounds else ():
         with netns.ephemeral(_spec(topology, rate)) as owner:
-            raw = measure(_spec(topology, rate), owner, max_call_s=max_call_s, repeats=repeats, ops=ops)
+            raw = measure(_spec(topology, rate), owner, max_call_s=max_call_s, repeats=repeats, ops=ops,
+                          capped={op: GOAL_MIN_BYTES for op in tiny_ops})
         runs.append({"rate_mbps": rate, **raw})
     for run in runs:
         print(json.dumps({"rate_mbps": run["rate_mbps"], "load_before": run["load_before"],
@@ -280,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
                         help="the collectives to time (default all three: the reduce-scatter's 4 rounds against the "
                              "rings' 7 and 14 separate the per-call cost from the per-round one)")
+    parser.add_argument("--tiny-ops", default="",
+                        help="of --ops, those timed only under 64 KiB (e.g. reduce_scatter: its 4 KiB call is all the "
+                             "fit takes of it; its larger calls add minutes at 10 Mb/s)")
     parser.add_argument("--note", default=None,
                         help="a line saved with the run (--save) as `note`, e.g. what else loaded the host")
     parser.add_argument("--combine", nargs=2, default=None, metavar=("FIRST", "SECOND"),
@@ -308,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats, args.rounds,
                             args.min_call_s, tuple(int(t) for t in args.tiny.split(",")),
-                            tuple(op.strip() for op in args.ops.split(",")))
+                            tuple(op.strip() for op in args.ops.split(",")),
+                            tuple(op.strip() for op in args.tiny_ops.split(",") if op.strip()))
         if args.note:
             doc["note"] = args.note
         if args.save:

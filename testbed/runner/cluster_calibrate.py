@@ -128,7 +128,8 @@ def _queue_at(queue: dict[str, Any], spec: ClusterSpec) -> dict[str, Any]:
 def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], *, rounds: int = 2,
                         ops: tuple[str, ...] = OPS, max_call_s: float = 2.0,
                         repeats: int = 3, tiny_repeats: int = 15, min_call_s: float = 0.0,
-                        tiny: Sequence[int] = (TINY_BYTES,), timeout_s: float | None = 900) -> list[dict[str, Any]]:
+                        tiny: Sequence[int] = (TINY_BYTES,), timeout_s: float | None = 900,
+                        capped: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """:func:`measure` at every link scale of ``scales`` in one job, the links reshaped between phases.
 
     The host's per-call cost follows the load (a 4 KiB call: 8-25 ms over load averages 3-16), so rates
@@ -137,7 +138,8 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
     size's calls from every pass are pooled (median of the slowest process's per call). One dict per scale,
     as :func:`measure` returns; the links are left at ``spec.scale``. ``min_call_s``: only the sizes priced over
     it (:func:`sizes_for`: a run to 64 MiB beside one to a few seconds a call); ``tiny``: the host-bound sizes
-    under 64 KiB (default 4 KiB); the job's timeout grows with its calls' priced seconds.
+    under 64 KiB (default 4 KiB); ``capped``: an op only below its size (:func:`calls_for`); the job's timeout
+    grows with its calls' priced seconds.
     """
     import statistics
     import tempfile
@@ -157,7 +159,8 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
                                 across_latency_s=measured.across_latency_s))
         calls.append([[op, size, repeats_for(one, probes[-1], op, size, repeats, tiny_repeats),
                        warmup_for(one, probes[-1], op, size)]
-                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s, tiny)])
+                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s, tiny)
+                      if size < (capped or {}).get(op, float("inf"))])
     phases = [str(i) for i in range(len(specs))] * rounds
     if timeout_s:  # the job's calls priced at the links' goodput, twice over, with a margin for the host
         timeout_s = max(timeout_s, 2 * rounds * sum(priced_s(one, p, c) for one, p, c in zip(specs, probes, calls))
