@@ -187,7 +187,7 @@ def plot(result: dict, path: str) -> None:
 
     plt = pyplot()
     rows = [r for r in result["leave_one_rate_out"]["rows"] if r["bytes"] >= GOAL_MIN_BYTES]
-    ops = sorted({r["op"] for r in rows}, reverse=True)
+    ops = [op for op in (*GOAL_OPS, "reduce_scatter") if any(r["op"] == op for r in rows)]
     fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.2), squeeze=False)
     for ax, op in zip(axes[0], ops):
         factor = BUS_FACTOR[parse_op(op)](8)
