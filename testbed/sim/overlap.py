@@ -56,11 +56,16 @@ def hoist_collectives(workload: Workload) -> Workload:
     block, whose link (a slice of the residual stream's gradient) JAX emits after the next block's
     backward, waited for it. The rule, by data flow: a collective, with the memory-bound ops it reads
     through memory-bound ops only (the small fusions that make its operand: a cast, a link's add), goes
-    just after the latest matmul or collective it depends on (the program's start when none). A
-    memory-bound op whose latest such dependency is a collective stays where it is (moved up, it would
-    hold the in-order compute stream until that collective is done, which XLA's scheduler avoids by
-    placing it before its first consumer: :func:`defer_consumers`), and what reads it follows it.
-    Bounded as XLA's scheduler bounds an async start: by its operands (never above a producer), and by
+    just after the latest matmul or collective it depends on (the program's start when none). Where that
+    latest dependency is a collective (the last layer's fsdp backward gather reads the final norm's
+    backward, which reads the all-reduce over tensor of the head's input gradient), the chain goes just
+    after that collective, ahead of the compute JAX emitted in between (the head's weight-gradient matmul):
+    the in-order compute stream waits for that collective there, and the collective the chain feeds starts
+    before that compute rather than after it. So does XLA's scheduler: scheduling bottom-up, it holds back an
+    async start whose latency is not yet covered while independent compute is ready (``kLessStall`` in
+    xla/service/latency_hiding_scheduler.cc), so that compute lands between the start and its done, and the
+    start's operand chain above the start. Memory-bound ops that read a collective but feed none stay where
+    :func:`defer_consumers` put them, before their first consumer. Bounded as XLA's scheduler bounds an async start: by its operands (never above a producer), and by
     one collective in flight per kind and device groups (a stream per kind and axes in the task graph
     runs them in order: XLA's default overlap limit of 1 for each kind); no memory-pressure bound (the
     scheduler's memory limit is not modelled). Ties keep program order, so collectives that read the
@@ -77,19 +82,11 @@ def hoist_collectives(workload: Workload) -> Workload:
                 feeds[d] = feeds[d] or ops[d].kind is OpKind.MEMORY
     # Sort key (base, index): an op that stays has base = its index and sorts first among equals (index -1);
     # a moved one has the latest base of its dependencies and sorts after that op, in program order.
-    base, moved, late = list(range(n)), [False] * n, [False] * n  # late: its latest dependency is a collective
+    base, moved = list(range(n)), [False] * n
     for i, op in enumerate(ops):
         if op.kind is OpKind.GEMM or not (op.kind is OpKind.COLLECTIVE or feeds[i]):
             continue
-        top, from_collective = -1, False
-        for d in op.deps:
-            at = base[d]
-            if at > top or (at == top and not from_collective):
-                top = at
-                from_collective = ops[d].kind is OpKind.COLLECTIVE or late[d]
-        if op.kind is OpKind.MEMORY and from_collective:
-            continue
-        base[i], moved[i], late[i] = top, True, from_collective and op.kind is OpKind.MEMORY
+        base[i], moved[i] = max((base[d] for d in op.deps), default=-1), True
     order = sorted(range(n), key=lambda i: (base[i], i if moved[i] else -1))
     if order == list(range(n)):
         return workload
