@@ -180,13 +180,18 @@ def test_hoisting_starts_a_collective_fed_by_a_collective_before_independent_com
     backward gather: the final norm's backward reads the head's input-gradient all-reduce) moves, with that op,
     to just after the collective it reads, ahead of the matmul JAX emitted between them (XLA's scheduler holds an
     async start back while independent compute is ready, so that compute runs under the start); a memory-bound
-    op that reads a collective but feeds none stays where it is."""
+    op that reads a collective but feeds none stays where it is, and so does one whose collective cannot start
+    there."""
     ops = [reduce(()), gemm(), memory((0,)), reduce((2,), op="all_gather"), gemm((1,))]
     hoisted = hoist_collectives(workload(ops))
     assert [(op.kind, op.deps) for op in hoisted.ops] == [
         (OpKind.COLLECTIVE, ()), (OpKind.MEMORY, (0,)), (OpKind.COLLECTIVE, (1,)), (OpKind.GEMM, ()),
         (OpKind.GEMM, (3,))]
     ops = [reduce(()), gemm(), memory((0,)), gemm((1,))]
+    assert hoist_collectives(workload(ops)).ops == workload(ops).ops
+    # the chain moves only with its collective: one that also reads later compute (a merged all-reduce over data
+    # of every layer's gradients) leaves it where it is, so the compute stream does not wait for the first
+    ops = [reduce(()), gemm(), memory((0,)), gemm((1,)), reduce((2, 3), op="all_gather")]
     assert hoist_collectives(workload(ops)).ops == workload(ops).ops
 
 
