@@ -211,3 +211,30 @@ def test_each_blocks_gradients_are_reduce_scattered_at_their_merged_sizes() -> N
     assert max(by_bucket[0]) == pytest.approx(table, abs=quantum)
     assert max(by_bucket[3]) == pytest.approx(table, abs=quantum)
     assert max(by_bucket[1] + by_bucket[2]) <= XLA_COMBINE_BYTES + quantum < table
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_fsdp_by_tensor_step_plays_each_spans_tensor_collectives_after_it(sequence_parallel: bool) -> None:
+    """fsdp x tensor, the blocks the runner's own pieces: each span's tensor collectives follow that span and the
+    next span waits for them (testbed.sim.span_play), not all after the action's compute; every collective of
+    the action is played once (the same ops and bytes as :func:`testbed.sim.facts.tensor_transfers`), and each
+    action's compute is its blocks' (the FLOPs add up)."""
+    plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
+    placement = place(plan, num_devices=4)
+    facts = step_facts(plan, placement.device_ids, math.inf)
+    chunk = facts.chunks[0][0]
+    tasks = build_program(plan, placement, combine_bytes=math.inf).tasks
+    for kind in "FB":
+        work = chunk.action(kind)
+        tp = [t for t in tasks if t.stream == "tensor" and t.name.startswith(f"tp {kind}0/")]
+        expected = Counter()
+        for op, count, nbytes in work.tensor:
+            expected[(op, nbytes)] += count
+        assert Counter({(t.op, t.nbytes): 0 for t in tp}) + Counter(
+            x for t in tp for x in [(t.op, t.nbytes)] * t.count) == expected
+        for t in tp:  # after the span it follows; the next span (if any) of the block waits for it
+            assert [tasks[d].name for d in t.deps][0].split()[-1].startswith(f"{kind}0/")
+        readers = {d for t in tasks if t.stream == "compute" for d in t.deps}
+        assert all(tasks.index(t) in readers for t in tp[:-1])
+        compute = sum(t.flops for t in tasks if t.stream == "compute" and t.name.startswith(f"{kind}0/"))
+        assert compute == pytest.approx(work.work[0])

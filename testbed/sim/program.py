@@ -80,6 +80,7 @@ from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.grad_bytes import summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor, reduce_tasks
+from testbed.sim.span_play import SpanPlay
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
@@ -123,7 +124,7 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
 LOSS_BYTES = 4.0
 
 
-class _Graph:
+class _Graph(SpanPlay):
     """The task graph while it is built from a step's facts: one small builder per stream, and the bookkeeping
     that links them (each action's last task, the sends between stages, the gradient reductions)."""
 
@@ -151,6 +152,7 @@ class _Graph:
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
+        self.first_gather, self.held = -1, []  # a block's first gather task; weight gradients held (SpanPlay)
         self.tail: list[tuple] = []  # the last block's buckets, reduced after the action's tensor collectives
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
@@ -257,12 +259,22 @@ class _Graph:
         flops, hbm, replicated, split = whole
         kernels, last, computes, ends = chunk.kernels, -1, [], []
         own = chunk.block_shares(work.kind, pieces)  # the embedding and the head as blocks of their own
+        by_span = self._block_spans(chunk, work, pieces) if gathering and own else ()
+        self.held = []
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
             part, part_gemms = own[k] if own else (1 / pieces, scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             if gathering:
                 gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends)
                 deps = [*deps, gathered] if gathered is not None else deps
+            if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.span_play)
+                lookup = [*deps[:-1], self.first_gather] if work.kind == "F" and k == 0 and cost.has_embedding \
+                    and gathered is not None else None
+                last, deps, tasks, done = self._span_block(s, chunk, work, label, k, pieces, by_span[k], (
+                    flops, part, part_gemms, kernels // pieces, replicated, split), deps, lookup, reduce)
+                computes += tasks
+                ends.append(done)
+                continue
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
                                               whole, gemms, kernels), deps, cost.tensor_bytes)
@@ -289,6 +301,8 @@ class _Graph:
                         self._bucket(s, last, bucket_of)
         if gathering:
             self.blocks_done[s] = ends
+        if by_span:
+            last = deps[-1]  # the last span's tensor collectives end the action
         if overlap:
             last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
@@ -325,11 +339,13 @@ class _Graph:
         merged size (:meth:`ChunkFacts.gather_sizes`; one task per distinct size, one after another), once block
         ``k - 1 - prefetch`` has finished (its weights freed: this action's block, or the stage's previous gathering
         action's; ``ends`` this action's blocks so far). Returns the last (None: the block's leaves were merged
-        into an earlier block's collective)."""
+        into an earlier block's collective); ``first_gather`` is the first (the table's, in the embedding's
+        block: testbed.sim.span_play)."""
         rep, j = self.reps[s], k - 1 - self.facts.prefetch
         before = self.blocks_done.get(s, [])
         after = (ends[j],) if j >= 0 else (before[len(before) + j],) if len(before) + j >= 0 and before else ()
         last = None
+        self.first_gather = len(self.b.tasks)
         for size, count in Counter(chunk.gather_sizes(kind)[k]).items():
             last = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                               op="all_gather", deps=after if last is None else (last,), nbytes=size, count=count,
@@ -391,8 +407,9 @@ class _Graph:
         too). With ``runtime.tp_comm_overlap`` they start with the compute (after ``start``, the compute's own
         dependencies) and the action ends when both have: an empty join task on the compute stream. Returns the
         action's last task."""
-        if self.plan.mesh.tensor <= 1 or not work.tensor:
-            return last
+        if self.plan.mesh.tensor <= 1 or not work.tensor or (
+                self.facts.gathers(work.kind) and not work.chain and self._block_spans(chunk, work, chunk.blocks)):
+            return last  # played span by span (_compute)
         if work.overlap is not None:  # GEMM by GEMM (_overlap); what sits beside no GEMM blocks after it
             return self._tensor_chain(s, f"tp {label}", work.overlap.after, (last,))
         rep, groups = self.reps[s], self.tensor[s]
