@@ -152,7 +152,7 @@ class _Graph(SpanPlay):
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
-        self.first_gather, self.held = -1, []  # a block's first gather task; weight gradients held (SpanPlay)
+        self.first_gather, self.held, self.span_end = -1, [], None  # (SpanPlay)
         self.tail: list[tuple] = []  # the last block's buckets, reduced after the action's tensor collectives
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
@@ -198,6 +198,7 @@ class _Graph(SpanPlay):
                 pieces, reduce = chunk.buckets, True  # module docstring: buckets, or one after the backward
             # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
             scatter = self.remaining[(s, action.chunk)] > 0 and bool(facts.per_microbatch)
+        self.span_end = None
         if work.chain:
             last, computes = self._chain(s, chunk, work, label, deps, pieces if reduce else 0), []
         else:
@@ -301,8 +302,7 @@ class _Graph(SpanPlay):
                         self._bucket(s, last, bucket_of)
         if gathering:
             self.blocks_done[s] = ends
-        if by_span:
-            last = deps[-1]  # the last span's tensor collectives end the action
+        self.span_end = deps[-1] if by_span else None  # the last span's tensor collectives end the action (_tensor)
         if overlap:
             last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
@@ -407,9 +407,10 @@ class _Graph(SpanPlay):
         too). With ``runtime.tp_comm_overlap`` they start with the compute (after ``start``, the compute's own
         dependencies) and the action ends when both have: an empty join task on the compute stream. Returns the
         action's last task."""
-        if self.plan.mesh.tensor <= 1 or not work.tensor or (
-                self.facts.gathers(work.kind) and not work.chain and self._block_spans(chunk, work, chunk.blocks)):
-            return last  # played span by span (_compute)
+        if self.span_end is not None:  # played span by span (_compute)
+            return self.span_end
+        if self.plan.mesh.tensor <= 1 or not work.tensor:
+            return last
         if work.overlap is not None:  # GEMM by GEMM (_overlap); what sits beside no GEMM blocks after it
             return self._tensor_chain(s, f"tp {label}", work.overlap.after, (last,))
         rep, groups = self.reps[s], self.tensor[s]
