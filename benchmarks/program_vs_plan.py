@@ -11,7 +11,10 @@ Prints one JSON object: ``points`` (each with its ``ratio``, traced over planned
 collective bytes per axis agree), ``outside_5pct`` (the points whose ratio is off by more than 5%),
 ``bytes_differ``, and per family and topology the count, the number outside and the largest miss.
 
-Run: ``.venv/bin/python benchmarks/program_vs_plan.py [--family data|fsdp] [--topology NAME]``.
+``--microbatches M`` gives each replica M sequences (gradient accumulation over the runner's microbatch loop;
+default 1, the drawn space).
+
+Run: ``.venv/bin/python benchmarks/program_vs_plan.py [--family data|fsdp] [--topology NAME] [--microbatches M]``.
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ TOPOLOGIES = {"dgx-h100-superpod": 1024, "tpu-v5e-16x16": 256}
 FAMILIES = ("data", "fsdp")
 
 
-def plans(family: str, topology: str) -> list[Plan]:
-    """Every plan of one family's drawn space on one topology."""
+def plans(family: str, topology: str, microbatches: int = 1) -> list[Plan]:
+    """Every plan of one family's drawn space on one topology, each replica's batch in ``microbatches`` sequences.
+
+    The drawn space has one sequence per replica (``microbatches`` 1); more sequences per replica make the
+    runner's step accumulate the gradients over a loop of microbatches (gradient accumulation).
+    """
     out = []
     for d, seq, tensor, precision in itertools.product((1024, 2048), (1024, 2048), (1, 2, 4, 8),
                                                         ("bf16-mixed", "fp32")):
@@ -42,8 +49,10 @@ def plans(family: str, topology: str) -> list[Plan]:
             replicas = TOPOLOGIES[topology] // tensor
             mesh = (MeshSpec(fsdp=replicas, tensor=tensor) if family == "fsdp"
                     else MeshSpec(data=replicas, tensor=tensor))
-            out.append(Plan(name=f"{family}-d{d}-s{seq}-t{tensor}{'-sp' if sp else ''}-{precision}", model=model,
-                            batch=BatchSpec(global_batch=replicas), mesh=mesh, schedule=ScheduleSpec(name="1f1b"),
+            name = f"{family}-d{d}-s{seq}-t{tensor}{'-sp' if sp else ''}-{precision}"
+            out.append(Plan(name=name + (f"-mb{microbatches}" if microbatches > 1 else ""), model=model,
+                            batch=BatchSpec(global_batch=replicas * microbatches, microbatches=microbatches),
+                            mesh=mesh, schedule=ScheduleSpec(name="1f1b"),
                             precision=precision, remat="none", sequence_parallel=sp))
     return out
 
@@ -64,9 +73,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=FAMILIES, action="append")
     parser.add_argument("--topology", choices=sorted(TOPOLOGIES), action="append")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="sequences per replica, accumulated over a loop of microbatches (default 1)")
     args = parser.parse_args()
+    if args.microbatches < 1:
+        parser.error(f"--microbatches must be a positive integer, got {args.microbatches}")
     points = [point(plan, topology) for family in (args.family or FAMILIES)
-              for topology in (args.topology or sorted(TOPOLOGIES)) for plan in plans(family, topology)]
+              for topology in (args.topology or sorted(TOPOLOGIES)) for plan in plans(family, topology, args.microbatches)]
     groups = {}
     for p in points:
         key = f"{p['plan'].split('-')[0]} {p['topology']}"

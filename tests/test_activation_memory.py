@@ -149,7 +149,7 @@ def _bus_bytes(tasks: list, n: int) -> float:
 def test_simulator_replaces_all_reduces_with_gathers_and_scatters(kw) -> None:
     """SP's gathers and scatters replace the all-reduces of the [tokens, d_model] activations, moving the same bus
     bytes; the vocab-parallel loss's small all-reduces are the same either way, and SP adds the learned position
-    table's gradient gather (testbed.sim.facts.tensor_transfers)."""
+    table's gradient gather (testbed.sim.action_work.tensor_transfers)."""
     plans = _plan(False, **dict(kw)), _plan(True, **dict(kw))
     buffer = chunk_cost(plans[0], 0).tensor_allreduce_bytes
     (plain, plain_rest), (sp, sp_rest) = ([[t for t in tasks if (t.nbytes == buffer) == keep] for keep in (True, False)]
@@ -171,7 +171,7 @@ def test_full_remat_redoes_two_gathers_and_a_scatter_per_layer() -> None:
     per_op = {op: sum(t.count for t in sp if t.op == op) for op in ("all_gather", "reduce_scatter")}
     layers = plan.model.layers
     # Forward 2L + head, backward 2L + embedding, recompute 2L gathers, and the learned position table's gradient
-    # gathered (testbed.sim.facts.tensor_transfers); scatters 2L + 1 twice, plus L.
+    # gathered (testbed.sim.action_work.tensor_transfers); scatters 2L + 1 twice, plus L.
     assert plan.model.position.value == "learned"
     assert per_op == {"all_gather": 6 * layers + 3, "reduce_scatter": 5 * layers + 2}
 

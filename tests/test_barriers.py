@@ -95,7 +95,7 @@ def test_the_task_graph_counts_the_collectives_an_action_runs_among_its_kernels(
     tensor parallelism's all-reduces among both (testbed.model.costs counts them). The counted
     collectives are marked and wait no more."""
     from testbed.model.costs import chunk_cost
-    from testbed.sim.facts import tensor_transfers
+    from testbed.sim.action_work import tensor_transfers
 
     topo = load_topology("host-cpu-8")
     fsdp = load_plan("plans/validation/fsdp8.yaml")

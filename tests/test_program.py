@@ -15,7 +15,10 @@ from testbed.model import costs, layout
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.model.spans import action_spans
+from testbed.sim.action_work import action_work
 from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, step_facts
+from testbed.sim.grad_bytes import accumulated_in_the_backward
 from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
 from testbed.plan.sharding import gradient_reduction, state_sharding
@@ -217,8 +220,10 @@ def test_the_loss_is_all_reduced_over_the_batch_axes(microbatches, expected):
 @given(plans)
 def test_each_microbatch_adds_its_gradients_into_the_accumulator(plan):
     """One `accumulate` task per chunk and microbatch (none with one microbatch), after the chunk's weight
-    gradients: three passes over the device's gradients, or over its shard when they accumulate sharded."""
-    _, program = _program(plan)
+    gradients: three passes over the device's gradients, or over its shard when they accumulate sharded. In JAX's
+    one SPMD step (testbed.sim.grad_bytes.accumulated_in_the_backward) the three passes are the weight-gradient
+    action's own bytes instead, in its last span (where its weight gradients are), and no task of their own."""
+    placement, program = _program(plan)
     _, grad_b, _ = state_bytes_per_param(plan)
     m, v = plan.batch.microbatches, plan.schedule.virtual_stages
     ways = plan.mesh.fsdp * (plan.mesh.data if plan.zero >= 2 else 1)
@@ -226,6 +231,18 @@ def test_each_microbatch_adds_its_gradients_into_the_accumulator(plan):
         adds = [t for t in program.tasks if t.device == rep and t.name.startswith("accumulate ")]
         if m == 1:
             assert adds == []
+            continue
+        if accumulated_in_the_backward(plan):
+            assert adds == []
+            split = build_schedule(plan.schedule.name, plan.mesh.stage, m, v).split_backward
+            for c in range(v):
+                work = step_facts(plan, placement.device_ids).chunks[s][c].action("W" if split else "B")
+                cost = costs.chunk_cost(plan, s, c)
+                extra = work.work[1] - action_work(cost, work.kind, split, plan.remat)[1]
+                assert math.isclose(extra, 3 * cost.params * grad_b, rel_tol=1e-9)
+                if work.spans:
+                    assert math.isclose(sum(b for _, b in work.spans) - sum(
+                        b for _, b in action_spans(plan, cost, work.kind, split, 0)), extra, rel_tol=1e-9)
             continue
         assert len(adds) == m * v and all(t.stream == "compute" and t.flops == 0 for t in adds)
         total = sum(t.hbm_bytes for t in adds)

@@ -21,6 +21,8 @@ it gives the runner's program, the backward's gathers of two adjacent pieces tog
 operands are ready (testbed.sim.overlap.hoist_collectives) and the plan's model makes the embedding and the head
 fsdp blocks of their own (testbed.model.leaves.own_blocks), reduce-scattering each block's gradients at their
 merged sizes: fsdp over the whole superpod (fp32, and d_model 2048 bf16) and over a TPU slice agree within 5%.
+At 2 microbatches (the runner's accumulation loop): data x tensor with or without sequence parallelism within
+5% on both, and every axis's bytes exactly for data and fsdp x tensor (docs/program.md, "Gradient accumulation").
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from testbed.model.costs import chunk_cost
+from testbed.model.costs import chunk_cost, param_count
 from testbed.model.spans import SOFTMAX_PASSES, action_spans
 from testbed.model.leaves import SHARE_QUANTUM
 from testbed.plan.placement import place
@@ -52,22 +54,23 @@ EXAMPLES = max(1, settings().max_examples // 5)
 
 
 @st.composite
-def spmd_plans(draw: st.DrawFn, fsdp: bool = False, topologies: tuple[str, ...] = tuple(TOPOLOGIES)
-               ) -> tuple[Plan, str]:
+def spmd_plans(draw: st.DrawFn, fsdp: bool = False, topologies: tuple[str, ...] = tuple(TOPOLOGIES),
+               microbatches: int = 1, sequence_parallel: bool = True) -> tuple[Plan, str]:
     """(a plan the runner runs as one SPMD program, the topology of ``topologies`` it fills): GPT of 2 layers,
-    d_model 1024 or 2048, sequence 1024 or 2048, one sequence per replica; data x tensor (sequence parallel or
-    not), or with ``fsdp`` fsdp x tensor; bf16-mixed or fp32."""
+    d_model 1024 or 2048, sequence 1024 or 2048, ``microbatches`` sequences per replica (one by default);
+    data x tensor (sequence parallel or not, or never without ``sequence_parallel``), or with ``fsdp`` fsdp x
+    tensor; bf16-mixed or fp32."""
     topology = draw(st.sampled_from(sorted(topologies)))
     devices = TOPOLOGIES[topology]
     tensor = draw(st.sampled_from([1, 2, 4, 8]))
-    sp = tensor > 1 and draw(st.booleans())
+    sp = sequence_parallel and tensor > 1 and draw(st.booleans())
     d = draw(st.sampled_from([1024, 2048]))
     model = ModelSpec(layers=2, d_model=d, heads=16, d_ff=4 * d, seq_len=draw(st.sampled_from([1024, 2048])),
                       vocab=32768)
     replicas = devices // tensor
     mesh = MeshSpec(fsdp=replicas, tensor=tensor) if fsdp else MeshSpec(data=replicas, tensor=tensor)
-    plan = Plan(name="drawn", model=model, batch=BatchSpec(global_batch=replicas), mesh=mesh,
-                schedule=ScheduleSpec(name="1f1b"), precision=draw(st.sampled_from(["bf16-mixed", "fp32"])),
+    plan = Plan(name="drawn", model=model, batch=BatchSpec(global_batch=replicas * microbatches, microbatches=microbatches),
+                mesh=mesh, schedule=ScheduleSpec(name="1f1b"), precision=draw(st.sampled_from(["bf16-mixed", "fp32"])),
                 remat="none", sequence_parallel=sp)
     return plan, topology
 
@@ -373,3 +376,67 @@ def test_a_data_by_tensor_2_sequence_parallel_bf16_step_time_on_a_superpod(d_mod
                 schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none", sequence_parallel=True)
     traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
+
+
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans(microbatches=2))
+def test_accumulating_data_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
+    """Data x tensor with or without sequence parallelism at 2 microbatches (gradient accumulation), bf16-mixed or
+    fp32: every axis's bytes exactly. The runner accumulates each replica's gradients over the microbatch loop and
+    sums the replicas once after it, in the gradients' dtype (testbed.runner.replicas.sum_replicas: the norms' too,
+    testbed.sim.grad_bytes.summed_after_the_loop), as the plan reduces them once after the last backward; under
+    sequence parallelism the tensor-replicated gradients are summed over tensor every microbatch, then over data
+    with the rest, the position table's whole (testbed.sim.grad_bytes.summed_each_microbatch)."""
+    plan, topology = drawn
+    _, _, moved, expected = _both(plan, topology)
+    assert moved == expected
+
+
+def test_an_accumulating_bf16_data_step_sums_its_gradients_once_in_bf16() -> None:
+    """Superpod data 1024 bf16-mixed at 2 microbatches: one all-reduce over data of the bf16 gradients (the norms'
+    included, the loss's 4 bytes merged into it), the bytes of the plan's; ``jnp.sum``'s fp32 sum of the replicas
+    had moved twice the plan's bytes (traced/plan 1.14 where it is now 0.93)."""
+    model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
+    plan = Plan(name="accumulate", model=model, batch=BatchSpec(global_batch=2048, microbatches=2),
+                mesh=MeshSpec(data=1024), schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none")
+    traced, _, moved, expected = _both(plan, "dgx-h100-superpod")
+    sums = [t for t in traced.program.tasks if t.kind is TaskKind.COLLECTIVE and len(t.group) > 1]
+    assert len(sums) == 1 and moved == expected
+    assert expected["data"] == pytest.approx(2 * param_count(plan.model) + LOSS_BYTES, rel=1e-3)  # 2 bytes each
+
+
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans(microbatches=2))
+def test_accumulating_data_step_times_agree(drawn) -> None:
+    """Data x tensor with or without sequence parallelism at 2 microbatches, on both topologies: within 5%. The
+    traced loop body adds each microbatch's gradients into the accumulator beside the weight gradients' GEMMs (its
+    last segment), and so does the plan's backward (testbed.sim.grad_bytes.accumulated_in_the_backward: its last
+    span), where an add of its own after the backward made the plan 3-11% slower on the TPU slice; the traced
+    sequence-parallel step slices its replica's position table locally (sdy.all_slice). benchmarks/
+    program_vs_plan.py --microbatches 2: all 112 data corners 0.950-1.030."""
+    _step_times_agree(drawn)
+
+
+def test_an_accumulating_sequence_parallel_step_slices_the_position_table_locally() -> None:
+    """Superpod data 512 x tensor 2, sequence parallel, bf16, 2 microbatches: each replica's copy of the position
+    table (the loop's spread parameters) is sliced to this device's sequence shard by Shardy's ``sdy.all_slice``,
+    which reads and writes that shard (testbed.runner.program.compile.LOCAL_SLICES: its ``out_sharding``), not the
+    whole ``[replicas, seq, d_model]`` broadcast: 1.08 GB twice a microbatch before (traced/plan 1.165, now 0.966)."""
+    model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
+    plan = Plan(name="accumulate", model=model, batch=BatchSpec(global_batch=1024, microbatches=2),
+                mesh=MeshSpec(data=512, tensor=2), schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed",
+                remat="none", sequence_parallel=True)
+    slices = [op.hbm_bytes for op in trace_plan(plan).ops if op.name == "all_slice"]
+    shard = model.seq_len // 2 * model.d_model * 2  # this device's bf16 positions
+    assert slices and max(slices) == 2 * shard  # at most read and written once
+
+
+@settings(max_examples=EXAMPLES)
+@given(spmd_plans(fsdp=True, microbatches=2))
+def test_accumulating_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
+    """fsdp x tensor with or without sequence parallelism at 2 microbatches: every axis's bytes exactly, each
+    microbatch's gradients reduce-scattered in the loop, under sequence parallelism each after the
+    tensor-replicated ones' sum over tensor (testbed.sim.grad_bytes.summed_each_microbatch)."""
+    plan, topology = drawn
+    _, _, moved, expected = _both(plan, topology)
+    assert moved == expected

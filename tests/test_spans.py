@@ -22,7 +22,7 @@ from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.sim.compute import compute_seconds
 from testbed.sim.engine import simulate
 from testbed.sim import facts
-from testbed.sim.facts import action_work
+from testbed.sim.action_work import action_work
 from testbed.topology.io import load_topology
 
 

@@ -19,6 +19,7 @@ with any process still running inside them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -214,8 +215,6 @@ def _shape(ns: str, dev: str, rate_bps: float, mtu: int, queue: str = SPARSE_FIR
 def queue_in_use(spec: ClusterSpec, owner: str) -> dict[str, object]:
     """What queue the cluster's links have, read from node 0's link end: ``{"kind": "sparse-first",
     "sparse_below_bytes": N, "limit_bytes": L}``, or ``{"kind": "fifo", "limit_bytes": L, "why": ...}``."""
-    import json
-
     ns, dev = node_namespace(spec, owner, 0), spec.links[0].lower_dev
     qdiscs = json.loads(_run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev]).stdout or "[]")
     bfifo = [q for q in qdiscs if q.get("kind") == "bfifo"]

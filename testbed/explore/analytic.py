@@ -57,7 +57,7 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds
 from testbed.model.spans import scaled_spans
-from testbed.sim.grad_bytes import summed_in_the_step
+from testbed.sim.grad_bytes import summed_each_microbatch, summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
@@ -297,7 +297,8 @@ class _Step:
                                     scaled_spans(work.spans, 1 / pieces))
             piece = whole / pieces if ringed or chain else piece
             parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
-            early = summed_in_the_step(plan)  # the sequence-replicated sum leaves as the compute ends (its own stream)
+            early = summed_in_the_step(plan) or summed_each_microbatch(plan)  # the sequence-replicated sum leaves as
+            # the compute ends (its own stream; each microbatch's is the same small sum, counted once)
             bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
                                                 chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces,
                                                 chunk.tail if pieces == 1 else (0.0, 0.0), False if early else None)

@@ -15,8 +15,9 @@ from testbed.model.gemm import ChunkGemms, scaled
 from testbed.model.spans import action_spans, scaled_spans
 from testbed.plan.sharding import gathers_parameters
 from testbed.plan.spec import Plan
+from testbed.sim.action_work import action_work
 from testbed.sim.compute import compute_seconds
-from testbed.sim.facts import BUCKETS, action_work, cached_chunk_cost, cached_chunk_gemms, cached_order
+from testbed.sim.facts import BUCKETS, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
 __all__ = ["step_floor", "played_floor"]

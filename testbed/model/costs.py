@@ -205,7 +205,7 @@ class ChunkCost:
     gradient. With ``sequence_parallel`` each becomes an all-gather and a
     reduce-scatter (:meth:`tensor_collectives`), the residual stream's traffic
     and ``activation_out_bytes`` are ``1/t`` per rank. The loss's and the position
-    table's tensor collectives: testbed.sim.facts.tensor_transfers.
+    table's tensor collectives: testbed.sim.action_work.tensor_transfers.
     """
 
     layers: int

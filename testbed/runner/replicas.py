@@ -189,5 +189,10 @@ def replica_value_and_grad(loss: Callable[[Any, jax.Array, jax.Array], jax.Array
 
 
 def sum_replicas(grads: Any) -> Any:
-    """The per-replica gradients' sum: the step's one data-parallel reduction (inside a jitted update)."""
-    return jax.tree.map(lambda g: jnp.sum(g, axis=0), grads)
+    """The per-replica gradients' sum: the step's one data-parallel reduction (inside a jitted update).
+
+    Summed in the gradients' own dtype, as the partitioner's all-reduce of a step of one microbatch is:
+    ``jnp.sum`` computes a bf16 sum in fp32, so under bf16-mixed the all-reduce after a microbatch loop
+    would carry twice the bytes of the step without one (and of the plan's bf16 gradients).
+    """
+    return jax.tree.map(lambda g: jax.lax.reduce(g, jnp.zeros((), g.dtype), jax.lax.add, (0,)), grads)

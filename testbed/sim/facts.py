@@ -37,15 +37,17 @@ from testbed.model.moe import moe_layers
 from testbed.model.spans import action_spans
 from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
-from testbed.plan.spec import MESH_AXES, Axis, Plan, Remat
+from testbed.plan.spec import MESH_AXES, Axis, Plan
+from testbed.sim.action_work import action_work, tensor_transfers
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
-                                     gradient_buckets, reduce_bytes, reduced_bytes, sequence_apart,
-                                     sequence_reduced, sequence_replicated, token_table_last, without_embedding_gathers)
+                                     accumulated_bytes, gradient_buckets, in_last_span, reduce_bytes, reduced_bytes,
+                                     sequence_apart, sequence_reduced, sequence_replicated, summed_each_microbatch,
+                                     token_table_last, without_embedding_gathers)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
 
-__all__ = ["tensor_transfers", "cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts", "action_work",
+__all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
            "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
 
@@ -346,7 +348,8 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
-                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved),
+                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved
+                               + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),
                       sequence_bytes=sequence_b, tail=tail)
 
 
@@ -375,6 +378,7 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
     """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s`` (``tail_gather``: ChunkFacts.tail's)."""
     split = schedule.split_backward
     flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat)
+    hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B")))  # the adds
     if tail_gather and kind == "B":
         tensor = without_embedding_gathers(tensor)
     gemms = shapes.action(kind, split)
@@ -389,7 +393,7 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
     overlap = None if chain or gathers_parameters(plan, kind) else tp_overlap(
         plan, chunk_costs[s][c], kind, split, (flops, hbm, replicated, split_b), gemms, tensor,
         chunk_costs[s][c].layers, n_moe)
-    spans = () if chain or overlap else action_spans(plan, chunk_costs[s][c], kind, split, n_moe)
+    spans = () if chain or overlap else in_last_span(action_spans(plan, chunk_costs[s][c], kind, split, n_moe), acc)
     return ActionWork(kind=kind, work=(flops, hbm, replicated, split_b), tensor=tensor, gemms=gemms,
                       chain=tuple(chain), ring_work=ring_work, ring_gemms=ring_gemms,
                       sends=tuple(_sends(schedule, s, kind, c, chunk_costs)), overlap=overlap, spans=spans)
@@ -433,53 +437,11 @@ def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction
                                  ways=math.prod(plan.mesh.degree(a) for a in sharded),
                                  holds_sequence=not expert and sequence_apart(plan)))
     if sequence_replicated(plan):  # nothing shards the optimizer state here: one all-reduce
-        axes = (*reduction_axes(plan), Axis.TENSOR)
+        axes = (Axis.TENSOR,) if summed_each_microbatch(plan) else (*reduction_axes(plan), Axis.TENSOR)
         out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1,
                              rest=tuple(a for a in MESH_AXES if a in axes)))
     elif sequence_apart(plan):  # summed whole over tensor first, then reduce-scattered with the rest
         out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1, rest=(Axis.TENSOR,)))
-    return tuple(out)
-
-
-def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
-                ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
-    """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
-
-    The backward writes about twice the forward's activation traffic (the
-    gradients of each activation and of its inputs), B and W one forward's
-    worth each when split, plus what remat writes again. Full remat reruns
-    each layer's forward up to the MLP down projection in the backward, so
-    the attention output's tensor all-reduce runs again (one per layer);
-    selective remat redoes no all-reduce. The tensor collectives are
-    ``(op, count, bytes each)`` from :func:`tensor_transfers`
-    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters; the loss's all-reduces).
-    """
-    forward = cost.forward_traffic
-    if kind == "F":
-        return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
-            tensor_transfers(cost, "F", remat)
-    if kind == "B":
-        flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
-        hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
-        times = 1 if split else 2
-        traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
-        return float(flops), float(hbm), traffic, tensor_transfers(cost, "B", remat)
-    return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
-
-
-def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str) -> tuple[tuple[str, int, int], ...]:
-    """``(op, count, bytes each)`` of the tensor collectives of one action, the one decision the task graph
-    and the analytic tier read (through :class:`ActionWork`): :meth:`ChunkCost.tensor_collectives`
-    (``tensor_allreduce_bytes`` each); the head's forward's vocab-parallel loss, three all-reduces of one
-    fp32 value per token (``loss_allreduce_bytes``: the logits' maximum and the target's logit merged, as
-    XLA's combiner does, then the sum of exponentials); with sequence parallelism and a learned position
-    table, which the runner adds to each rank's sequence shard, the embedding's backward's all-gather of
-    the table's gradient (``position_gather_bytes``)."""
-    out = [(op, count, cost.tensor_allreduce_bytes) for op, count in cost.tensor_collectives(kind, remat)]
-    if kind == "F" and cost.loss_allreduce_bytes:
-        out += [("all_reduce", 1, 2 * cost.loss_allreduce_bytes), ("all_reduce", 1, cost.loss_allreduce_bytes)]
-    if kind == "B" and cost.position_gather_bytes:
-        out.append(("all_gather", 1, cost.position_gather_bytes))
     return tuple(out)
 
 

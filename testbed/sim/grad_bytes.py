@@ -13,12 +13,14 @@ import math
 from testbed.model.costs import ChunkCost
 from testbed.model.layout import Part, chunk_params, tied_table
 from testbed.model.leaves import NORM_PARTS, norm_elements
+from testbed.model.memory import state_bytes_per_param
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import Plan
 
 __all__ = ["BUCKETS", "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "reduce_bytes", "reduced_bytes",
-           "sequence_replicated", "sequence_apart", "sequence_reduced", "summed_in_the_step", "token_table_last",
-           "without_embedding_gathers", "gradient_buckets", "accumulate_bytes"]
+           "summed_after_the_loop", "summed_each_microbatch", "sequence_replicated", "sequence_apart", "sequence_reduced",
+           "summed_in_the_step", "token_table_last", "without_embedding_gathers", "gradient_buckets",
+           "accumulate_bytes", "accumulated_in_the_backward", "accumulated_bytes", "in_last_span"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -41,9 +43,18 @@ def reduced_bytes(plan: Plan, s: int, c: int, moved: int, reduce_b: float, which
     parameters' reduce in fp32 (testbed.model.leaves.NORM_PARTS: JAX sums bf16 in fp32 and the partitioner
     reduces the fp32 partial sums), 4 bytes each. Sharded gradients are reduce-scattered by the runner's own
     ``psum_scatter`` of the bf16 gradient (testbed.runner.param_shards, testbed.runner.replicas)."""
-    if reduce_b >= 4.0 or state_sharding(plan).split_axes(plan, "grads"):
+    if reduce_b >= 4.0 or state_sharding(plan).split_axes(plan, "grads") or summed_after_the_loop(plan):
         return moved * reduce_b
     return moved * reduce_b + norm_elements(plan, s, c, which) * (4.0 - reduce_b)
+
+
+def summed_after_the_loop(plan: Plan) -> bool:
+    """Whether the data replicas' gradients are accumulated apart over a microbatch loop and summed after it
+    (testbed.runner.step._accumulated, testbed.runner.replicas.sum_replicas): in the accumulator's dtype, the
+    norms' parameters' too, where the partitioner's sum of one microbatch's gradients reduces the norms' fp32
+    partial sums (:func:`reduced_bytes`). JAX's one SPMD step only: pipelines, whose stages also sum the
+    replicas after the microbatches, and the PyTorch stacks are not counted here (no traced step checks them)."""
+    return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.framework == "jax"
 
 
 def sequence_replicated(plan: Plan) -> bool:
@@ -53,6 +64,19 @@ def sequence_replicated(plan: Plan) -> bool:
     runner's partitioner reduces them over data and tensor in one all-reduce). Counted where nothing shards the
     optimizer state (the case checked against the traced step; under fsdp/ZeRO the plan keeps the dense rule)."""
     return plan.sequence_parallel and plan.mesh.tensor > 1 and not state_sharding(plan).split_axes(plan, "optimizer")
+
+
+def summed_each_microbatch(plan: Plan) -> bool:
+    """Whether, in JAX's one SPMD step over more than one microbatch, the tensor-replicated parameters' gradients
+    of sequence parallelism are summed over tensor alone every microbatch, as that microbatch's compute ends.
+    Under :func:`sequence_replicated` (data replicas summed after the loop, :func:`summed_after_the_loop`) the
+    loop's accumulators are each replica's whole gradients, replicated over tensor, so the partitioner sums the
+    tensor ranks' partial sums of each microbatch's (the norms' in fp32) before the add; the replicas' sum after
+    the loop carries them with the rest in the accumulator's dtype, and the position table's gradient whole
+    (gathered over tensor in the loop). Under :func:`sequence_apart` (fsdp) each microbatch's gradients are
+    reduce-scattered in the loop, each after its own sum over tensor. The traced runner step moves these bytes
+    (tests/test_program_vs_plan.py)."""
+    return (sequence_replicated(plan) or sequence_apart(plan)) and summed_after_the_loop(plan)
 
 
 def sequence_apart(plan: Plan) -> bool:
@@ -78,7 +102,7 @@ def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float
     held = chunk_params(plan.model, s, c, plan.mesh.stage, plan.schedule.virtual_stages, stage_layers=plan.stage_layers)
     for q, copies in held:
         if q.part is Part.EMBEDDING:
-            positions = q.path == ("positions",) and not apart
+            positions = q.path == ("positions",) and not apart and not summed_each_microbatch(plan)
             saved += copies * q.device_elements(t, 1, 1) * reduce_b * (1 - 1 / t) if positions else 0
         elif q.tensor_dim is None and not q.is_expert:
             replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS else reduce_b)
@@ -93,9 +117,11 @@ def summed_in_the_step(plan: Plan) -> bool:
     parameters' sum over data and tensor (the norms' and row-parallel biases' gradients, complete when the
     layers' backward is) leaves before the embedding's backward, on a stream of its own beside the rest (it never
     merges with the sums over data), where the plan's model otherwise puts it after them
-    (tests/test_program_vs_plan.py)."""
+    (tests/test_program_vs_plan.py). Only with data replicas, the case checked: without them there is no sum over
+    data to leave beside, and the merged gathers of :func:`token_table_last` stay in the backward."""
     rt = plan.runtime
-    return (sequence_replicated(plan) and rt.framework == "jax" and plan.mesh.stage == 1 and plan.mesh.context == 1
+    return (sequence_replicated(plan) and rt.framework == "jax" and plan.mesh.data > 1 and plan.mesh.stage == 1
+            and plan.mesh.context == 1
             and plan.schedule.virtual_stages == 1 and plan.batch.microbatches == 1 and not rt.grad_reduce_overlap
             and not rt.tp_comm_overlap)
 
@@ -120,7 +146,7 @@ def token_table_last(plan: Plan, cost: ChunkCost, combine_bytes: float, reduce_b
 
 
 def without_embedding_gathers(tensor: tuple[tuple[str, int, int], ...]) -> tuple[tuple[str, int, int], ...]:
-    """A backward's tensor collectives (testbed.sim.facts.tensor_transfers) less the embedding's, which are the
+    """A backward's tensor collectives (testbed.sim.action_work.tensor_transfers) less the embedding's, which are the
     gradient sums' merged gather under :func:`token_table_last`: one of the all-gathers (the lookup's cotangent) and
     the position table's gradient gather, its last entry."""
     out, dropped = [], False
@@ -152,6 +178,46 @@ def accumulate_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
     """
     if plan.runtime.grad_accumulate_fp32 and plan.precision.mixed:  # every microbatch, the first too
         return FP32_ACCUMULATE_BYTES * params / state_sharding(plan).ways(plan, "grads")
-    if plan.batch.microbatches <= 1:
+    if plan.batch.microbatches <= 1 or accumulated_in_the_backward(plan):
         return 0.0
+    return _added_bytes(plan, params, grad_bytes)
+
+
+def _added_bytes(plan: Plan, params: int, grad_bytes: float) -> float:
+    """The add's traffic: :data:`ACCUMULATE_PASSES` over the device's share of ``params`` gradients of
+    ``grad_bytes`` each, whether a kernel of its own (:func:`accumulate_bytes`) or in the backward
+    (:func:`accumulated_bytes`)."""
     return ACCUMULATE_PASSES * params * grad_bytes / state_sharding(plan).ways(plan, "grads")
+
+
+def accumulated_in_the_backward(plan: Plan) -> bool:
+    """Whether the add of each microbatch's gradients into the accumulator is part of the backward's program,
+    not a memory-bound kernel of its own after it: JAX's one SPMD step (no pipeline stages) adds the whole
+    gradients in its microbatch loop (testbed.runner.step._scan_sum), each weight's add a consumer of the GEMM
+    that produces its gradient (one XLA can fuse into that GEMM's output). The traced loop body has the adds in
+    the segment of the weight gradients' GEMMs, which no collective waits for (testbed.sim.traced), so the
+    plan's last backward carries them in its last span, where testbed.model.spans puts the weight gradients
+    (testbed.sim.facts): they hide beside those matmuls as the traced ones do. Traced/plan over the data x tensor
+    corners at 2 microbatches without sequence parallelism (benchmarks/program_vs_plan.py): TPU slice
+    0.888-0.973, superpod 0.929-0.992 with an add of its own; 0.973-1.015 and 0.964-1.030 now. Not where the
+    gradients accumulate sharded (the add follows a reduce-scatter) nor under ``runtime.grad_accumulate_fp32``
+    (a cast and an fp32 add, kernels of their own)."""
+    rt = plan.runtime
+    return (plan.batch.microbatches > 1 and plan.mesh.stage == 1 and rt.framework == "jax"
+            and not (rt.grad_accumulate_fp32 and plan.precision.mixed)
+            and not state_sharding(plan).split_axes(plan, "grads"))
+
+
+def accumulated_bytes(plan: Plan, params: int, weight_gradients: bool) -> float:
+    """HBM bytes a microbatch's weight-gradient action (``weight_gradients``) of ``params`` carries for the add into
+    the accumulator under :func:`accumulated_in_the_backward`: :data:`ACCUMULATE_PASSES` over the device's
+    gradients; else 0."""
+    if not (weight_gradients and accumulated_in_the_backward(plan)):
+        return 0.0
+    return _added_bytes(plan, params, state_bytes_per_param(plan)[1])
+
+
+def in_last_span(spans: tuple[tuple[float, float], ...], acc: float) -> tuple[tuple[float, float], ...]:
+    """An action's spans (testbed.model.spans) with ``acc`` more bytes in the last, where its weight gradients
+    are: the adds into the accumulator beside their GEMMs (:func:`accumulated_in_the_backward`)."""
+    return (*spans[:-1], (spans[-1][0], spans[-1][1] + acc)) if acc and spans else spans

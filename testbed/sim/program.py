@@ -78,7 +78,7 @@ from testbed.plan.placement import Placement
 from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
-from testbed.sim.grad_bytes import summed_in_the_step
+from testbed.sim.grad_bytes import summed_each_microbatch, summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor, reduce_tasks
 from testbed.sim.span_play import SpanPlay
 from testbed.sim.moe import A2A_STREAM
@@ -205,7 +205,8 @@ class _Graph(SpanPlay):
             last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce, gathering)
         if scatter:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
-        if reduce and summed_in_the_step(self.plan):  # the tensor-replicated gradients' sum leaves as compute ends
+        if (reduce and summed_in_the_step(self.plan)  # the tensor-replicated gradients' sum leaves as compute ends
+                or action.kind == facts.last_backward and summed_each_microbatch(self.plan)):  # each microbatch's
             self.reduce_tasks[s].extend(reduce_tasks(
                 self.b, facts.reductions, self.groups, self.plan, s, self.reps[s], last, chunk.reduced[1],
                 chunk.special(1.0, facts.reduce_bytes), label, 0, select=True, stream="sequence"))
@@ -475,7 +476,8 @@ class _Graph(SpanPlay):
         (testbed.sim.grad_bytes.summed_in_the_step);
         returns the last one(s)."""
         return reduce_tasks(self.b, self.facts.reductions, self.groups, self.plan, s, self.reps[s], after, nbytes,
-                            special, label, leaves, tail, select=False if summed_in_the_step(self.plan) else None)
+                            special, label, leaves, tail,
+                            select=False if summed_in_the_step(self.plan) or summed_each_microbatch(self.plan) else None)
 
     def update(self, s: int) -> None:
         """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute

@@ -94,7 +94,7 @@ def _block_gemms(block: tuple[Gemm, ...], kind: str, split: bool) -> tuple[Gemm,
 def tp_overlap(plan: Plan, cost: ChunkCost, kind: str, split: bool, work: tuple[float, float, float, float],
                gemms: tuple[Gemm, ...], transfers: Transfers, layers: int, moe: int) -> TpOverlap | None:
     """The per-GEMM overlap of one F or B action of a chunk of ``layers`` layers (``moe`` of them MoE) whose work,
-    GEMMs and tensor collectives (testbed.sim.facts.tensor_transfers) are given; None where it does not apply
+    GEMMs and tensor collectives (testbed.sim.action_work.tensor_transfers) are given; None where it does not apply
     (no ``tp_comm_overlap``, no tensor parallelism, W actions, chunks with MoE layers or no layers)."""
     if not plan.runtime.tp_comm_overlap or plan.mesh.tensor <= 1 or kind == "W" or moe or layers < 1:
         return None

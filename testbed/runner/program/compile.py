@@ -49,8 +49,12 @@ ROOTS = frozenset({"stablehlo.reduce", "stablehlo.reduce_window", "stablehlo.sor
                    "stablehlo.select_and_scatter", "stablehlo.gather", "stablehlo.dynamic_slice",
                    "stablehlo.dynamic_update_slice", "stablehlo.rng_bit_generator", "stablehlo.fft",
                    "stablehlo.cholesky", "stablehlo.triangular_solve"})
+#: Shardy's slice of a replicated value into this device's shard (no communication; the partitioner's
+#: reshard of a broadcast, e.g. a ``vmap`` over the spread data replicas): its result's sharding is its
+#: ``out_sharding`` attribute.
+LOCAL_SLICES = frozenset({"sdy.all_slice"})
 #: Ops that read only as many bytes as they write (a slice of a materialized operand).
-SLICES = frozenset({"stablehlo.slice", "stablehlo.dynamic_slice", "stablehlo.gather"})
+SLICES = frozenset({"stablehlo.slice", "stablehlo.dynamic_slice", "stablehlo.gather"}) | LOCAL_SLICES
 #: Ops that read and write only their update operand (in place).
 UPDATES = {"stablehlo.dynamic_update_slice": 1, "stablehlo.scatter": 2}
 #: Custom calls that are annotations, not work.
@@ -191,7 +195,10 @@ class _Reader:
             return Node(kind="collective", name=name, operands=operands, results=results,
                         collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes),
                         writes=[self.nbytes(r) for r in results], channel=channel)
-        self.define(results, self._shardings(op))
+        if name in LOCAL_SLICES:  # its results are sharded as its out_sharding says (no sdy.sharding attribute)
+            self.define(results, [str(attrs["out_sharding"])] * len(results))
+        else:
+            self.define(results, self._shardings(op))
         if name == "stablehlo.while":
             carried = self._shardings(op)
             body = self.block(op.regions[1].blocks[0], carried)
