@@ -8,7 +8,8 @@ layer, the head: testbed.model.leaves.own_blocks), that order hides the later bl
 alone, and the collectives then run beside the next action's first gathers on shared links. In the runner's
 program each span's collective follows that span, before the next computes: a block's gathers hide behind its
 spans and their collectives together. :func:`block_spans` cuts each block into its spans, each with the
-collectives that follow it; testbed.sim.span_play plays them so (the analytic tier keeps the action's order).
+collectives that follow it; testbed.sim.span_order decides what each span waits for, which the task graph
+(testbed.sim.span_play) and the analytic tier (testbed.explore.span_times) both play.
 
 Which collective follows which span (forward; backward their transposes, in reverse): the embedding's lookup,
 the vocab-parallel sum (an all-reduce, under sequence parallelism a reduce-scatter); a layer's attention and MLP,

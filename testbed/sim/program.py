@@ -84,7 +84,6 @@ from testbed.sim.span_play import SpanPlay
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
-from testbed.sim.tp_overlap import TpOverlap
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "program_of", "axis_groups", "STREAMS"]
 
@@ -152,7 +151,7 @@ class _Graph(SpanPlay):
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
-        self.first_gather, self.held, self.span_end = -1, [], None  # (SpanPlay)
+        self.first_gather, self.block_gemms, self.span_end = -1, [], None  # (SpanPlay)
         self.tail: list[tuple] = []  # the last block's buckets, reduced after the action's tensor collectives
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
@@ -261,8 +260,8 @@ class _Graph(SpanPlay):
         flops, hbm, replicated, split = whole
         kernels, last, computes, ends = chunk.kernels, -1, [], []
         own = chunk.block_shares(work.kind, pieces)  # the embedding and the head as blocks of their own
-        by_span = self._block_spans(chunk, work, pieces) if gathering and own else ()
-        self.held = []
+        by_span = self._block_spans(chunk, work, pieces, reduce) if gathering and own else ()
+        self.block_gemms = [g for _, g in own]
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
             part, part_gemms = own[k] if own else (1 / pieces, scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
@@ -270,10 +269,9 @@ class _Graph(SpanPlay):
                 gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends)
                 deps = [*deps, gathered] if gathered is not None else deps
             if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.span_play)
-                lookup = [*deps[:-1], self.first_gather] if work.kind == "F" and k == 0 and cost.has_embedding \
-                    and gathered is not None else None
-                last, deps, tasks, done = self._span_block(s, chunk, work, label, k, pieces, by_span[k], (
-                    flops, part, part_gemms, kernels // pieces, replicated, split), deps, lookup, reduce)
+                last, deps, tasks, done = self._span_block(s, chunk, label, k, pieces, by_span[k], (
+                    flops, part, part_gemms, kernels // pieces, replicated, split), deps,
+                    (self.first_gather, gathered) if gathered is not None else None)
                 computes += tasks
                 ends.append(done)
                 continue
@@ -307,32 +305,6 @@ class _Graph(SpanPlay):
         if overlap:
             last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
-
-    def _overlap(self, s: int, chunk: ChunkFacts, overlap: TpOverlap, label: str, last: int) -> int:
-        """``runtime.tp_comm_overlap`` GEMM by GEMM (testbed.sim.tp_overlap), after the action's other work
-        ``last``: per block, its collectives' first chunks (tensor stream), then its GEMMs (compute stream, after
-        the previous block's) beside the other chunks; an empty join ends the action when both streams have."""
-        rep, compute, tensor = self.reps[s], last, last
-        for blk in overlap.blocks:
-            first = tensor = self._tensor_chain(s, f"tp {label} {blk.name}", blk.first, (tensor,))
-            compute = self.b.add(name=f"{label} {blk.name} gemms", device=rep, stream="compute",
-                                 kind=TaskKind.COMPUTE, deps=(compute, first), flops=blk.flops,
-                                 hbm_bytes=blk.hbm_bytes,
-                                 tensor_bytes=chunk.cost.tensor_bytes, kernels=max(1, len(blk.gemms)), pipeline=True,
-                                 gemms=blk.gemms)
-            tensor = self._tensor_chain(s, f"tp {label} {blk.name} beside", blk.rest, (first,))
-        return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
-                          deps=(compute, tensor), pipeline=True)
-
-    def _tensor_chain(self, s: int, name: str, transfers, deps: tuple[int, ...]) -> int:
-        """Tensor collectives ``(op, count, bytes each)`` one after another on the tensor stream after ``deps``;
-        returns the last (``deps[0]`` when there are none)."""
-        rep, groups, last = self.reps[s], self.tensor[s], deps
-        for op, count, nbytes in transfers:
-            last = (self.b.add(name=f"{name} {op}", device=rep, stream="tensor", kind=TaskKind.COLLECTIVE, deps=last,
-                               op=op, nbytes=nbytes, count=count, group=rep_group(groups, rep), instances=groups,
-                               pipeline=True),)
-        return last[0]
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
                       ends: list[int]) -> int | None:
@@ -400,31 +372,6 @@ class _Graph(SpanPlay):
                 count=t.count or 1, group=pair if t.transfer else (), instances=rings if t.transfer else (),
                 pipeline=True, gemms=t.gemms))
         return ids[-1] if ids else None
-
-    def _tensor(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, last: int,
-                start: tuple[int, ...]) -> int:
-        """Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters, after the action's
-        compute (tensor stream, blocking: ChunkCost.tensor_collectives, the one decision the analytic tier reads
-        too). With ``runtime.tp_comm_overlap`` they start with the compute (after ``start``, the compute's own
-        dependencies) and the action ends when both have: an empty join task on the compute stream. Returns the
-        action's last task."""
-        if self.span_end is not None:  # played span by span (_compute)
-            return self.span_end
-        if self.plan.mesh.tensor <= 1 or not work.tensor:
-            return last
-        if work.overlap is not None:  # GEMM by GEMM (_overlap); what sits beside no GEMM blocks after it
-            return self._tensor_chain(s, f"tp {label}", work.overlap.after, (last,))
-        rep, groups = self.reps[s], self.tensor[s]
-        overlap = self.plan.runtime.tp_comm_overlap
-        compute, tp = last, start if overlap else (last,)
-        for op, count, nbytes in work.tensor:
-            tp = (self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
-                             stream="tensor", kind=TaskKind.COLLECTIVE, deps=tp, op=op, nbytes=nbytes, count=count,
-                             group=rep_group(groups, rep), instances=groups, pipeline=True),)
-        if not overlap:
-            return tp[0]
-        return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
-                          deps=(compute, tp[0]), pipeline=True)
 
     def _loss(self, s: int, action: Action, last: int) -> None:
         """The loss's all-reduces after a forward of the head's chunk (testbed.plan.sharding.loss_reductions: one
