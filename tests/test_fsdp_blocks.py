@@ -284,3 +284,25 @@ def test_a_span_play_computes_each_blocks_work_once_and_releases_each_bucket_onc
         assert flops == pytest.approx(work.work[0])
         everything = Counter((k, j) for k in range(chunk.blocks) for j in range(len(chunk.bucket(chunk.blocks, k))))
         assert released == (everything if reduce else Counter())
+
+
+def test_under_sequence_parallelism_a_blocks_weight_gradients_run_beside_its_last_collectives() -> None:
+    """testbed.sim.span_order under sequence parallelism: a layer's weight gradients start as its last span ends,
+    beside that span's collectives (the cotangent's all-gather the next block reads), not after them, and the
+    next block waits for both; without sequence parallelism they wait for the collectives (the traced program's
+    order on tpu-v5e-16x16: docs/program.md)."""
+    from testbed.sim.span_play import action_plays
+
+    for sequence_parallel in (False, True):
+        plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
+        chunk = step_facts(plan, place(plan, num_devices=4).device_ids, math.inf).chunks[0][0]
+        plays = action_plays(chunk, chunk.action("B"), chunk.blocks, True, sequence_parallel, False)
+        layers = [p for p in plays[1:-1] if any(x.name.endswith("weights") for x in p.items)]
+        assert layers
+        for play in layers:
+            w = next(i for i, x in enumerate(play.items) if x.name.endswith("weights"))
+            assert all(x.name.endswith("weights") for x in play.items[w:] if x.stream == "compute")  # after the spans
+            read = {play.items[d].stream for d in play.items[w].deps}
+            assert read == ({"compute"} if sequence_parallel else {"tensor"})
+            assert {play.items[d].stream for d in play.after} == ({"compute", "tensor"} if sequence_parallel
+                                                                  else {"compute"})

@@ -12,9 +12,9 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
 - A block's weight gradients (what it computes beyond its spans' input gradients, which no tensor collective
   waits for) are computed just before the gradient reduce-scatter that reads them: after the block's last
   collectives where the block releases a bucket, else in the first later block that does. Under sequence
-  parallelism the program runs them among the spans, beside each span's all-gather and reduce-scatter: there
-  they are spread over the spans in proportion to the spans' input-gradient FLOPs. The first layer's go with
-  the embedding's block, after its table's reduce-scatter has left (that merge reads only the scatter-add).
+  parallelism they start as the block's last span ends, beside its last collectives (the all-gather of the
+  cotangent the next block reads), and the next block waits for both. The first layer's go with the
+  embedding's block, after its table's reduce-scatter has left (that merge reads only the scatter-add).
 - A block is done, for the gathers that wait for it to free its weights (the prefetch rule), once its last
   span's collectives are: the next gathers do not contend with them on the links.
 - The forward's embedding lookup, and its vocab-parallel sum, read only the table, the block's first gather.
@@ -61,15 +61,12 @@ class BlockPlay(NamedTuple):
     last: int
 
 
-def _spans(spans: tuple, block: float, flops: float, k: int, sequence_parallel: bool, lookup: bool,
-           items: list[Item]) -> tuple[list[int], float]:
+def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items: list[Item]
+           ) -> tuple[list[int], float]:
     """Block ``k``'s spans (each its share of the action's ``flops``, at most the block's ``block``), each span's
-    tensor collectives after it; under sequence parallelism each span's share of the weight gradients beside its
-    collectives. Returns what the next item waits for and the FLOPs played."""
+    tensor collectives after it. Returns what the next item waits for and the FLOPs played."""
     done, deps = 0.0, [START]
-    dx = sum(min(block, flops * share) for share, _, _ in spans)
     total = sum(nbytes for _, nbytes, _ in spans) or 1.0
-    spread = block - dx if sequence_parallel and dx > 0 and block - dx > 1e-6 * block else 0.0
     for j, (share, nbytes, transfers) in enumerate(spans):
         f = max(0.0, min(block - done, flops * share))  # (the last spans' rounding: never below none)
         done += f
@@ -80,11 +77,6 @@ def _spans(spans: tuple, block: float, flops: float, k: int, sequence_parallel: 
         if transfers:
             items.append(Item("tensor", f".{j}", (span,), transfers=transfers))
         deps = [len(items) - 1] + ([WAITING] if first else [])
-        if spread and f:  # this span's share of the weight gradients, beside its collectives
-            w = spread * f / dx
-            done += w
-            items.append(Item("compute", f".{j} weights", (span,), w, (k, w / block)))
-            deps = [len(items) - 1, *deps] if transfers else [len(items) - 1]
     return deps, done
 
 
@@ -97,7 +89,7 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
     out, pieces, reduce = [], len(blocks), buckets is not None
     for k, (mine, block) in enumerate(zip(spans, blocks)):
         items: list[Item] = []
-        deps, played = _spans(mine, block, flops, k, sequence_parallel, lookup and k == 0 and kind == "F", items)
+        deps, played = _spans(mine, block, flops, k, lookup and k == 0 and kind == "F", items)
         done = tuple(deps)
         last = max(i for i, x in enumerate(items) if x.stream == "compute")
         rest = block - played if block - played > 1e-6 * block else 0.0
@@ -112,10 +104,12 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
                     and any(f for i, f, _ in held if i != k))
         if reduce and first:
             items.append(Item("buckets", "", (after,), bucket=(k, 0, first)))
+        # Under sequence parallelism beside the block's last collectives (the embedding's: after them).
+        beside, chain = sequence_parallel and k < pieces - 1, list(deps)
         for i, f, share in ((i, f, share) for i, f, share in held if f):
-            items.append(Item("compute", f"{i} weights", tuple(deps), f, (i, share)))
+            items.append(Item("compute", f"{i} weights", (last,) if beside else tuple(deps), f, (i, share)))
             last = after = len(items) - 1
-            deps = [last]
+            deps = [last, *chain] if beside else [last]
         for i in dict.fromkeys(i for i, _, _ in held if i != k) if reduce else ():
             items.append(Item("buckets", "", (after,), bucket=(i, 0, None)))
         if reduce:

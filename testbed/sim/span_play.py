@@ -5,21 +5,10 @@ by span among an fsdp action's blocks (testbed.sim.block_spans): the tasks of te
 decision the analytic tier (testbed.explore.span_times) times too.
 
 Where an action gathers its sharded parameters block by block and the blocks are the runner's own pieces (the
-embedding, each layer, the head), the runner's program runs each span's blocking tensor collectives (Megatron's
-all-reduces; under sequence parallelism its all-gathers and reduce-scatters) right after that span, before the
-next span computes, not all after the action's compute. Measured against the traced program
-(``simulate_workload(trace_plan(plan), topology)``, fsdp x tensor on tpu-v5e-16x16), three more rules of XLA's
-schedule of that program (its latency-hiding scheduler, testbed.sim.overlap) hold, and the graph plays them:
-
-- A block's weight gradients (what it computes beyond its spans' input gradients, which no tensor collective
-  waits for) are computed just before the gradient reduce-scatter that reads them: after the block's last
-  collectives where the block releases a bucket, else in the first later block that does. Under sequence
-  parallelism the program runs them among the spans, beside each span's all-gather and reduce-scatter: there
-  they are spread over the spans in proportion to the spans' input-gradient FLOPs. The first layer's go with
-  the embedding's block, after its table's reduce-scatter has left (that merge reads only the scatter-add).
-- A block is done, for the gathers that wait for it to free its weights (the prefetch rule), once its last
-  span's collectives are: the next gathers do not contend with them on the links.
-- The forward's embedding lookup, and its vocab-parallel sum, read only the table, the block's first gather.
+embedding, each layer, the head), the runner's program runs each span's blocking tensor collectives right after
+that span, before the next span computes, not all after the action's compute; testbed.sim.span_order states the
+rules of that schedule (measured against the traced program) and writes each block's play, which
+:meth:`SpanPlay._span_block` makes tasks of.
 
 Without a tensor axis actions have no collectives between spans: nothing changes.
 """
