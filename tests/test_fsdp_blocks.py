@@ -212,3 +212,98 @@ def test_each_blocks_gradients_are_reduce_scattered_at_their_merged_sizes() -> N
     assert max(by_bucket[0]) == pytest.approx(table, abs=quantum)
     assert max(by_bucket[3]) == pytest.approx(table, abs=quantum)
     assert max(by_bucket[1] + by_bucket[2]) <= XLA_COMBINE_BYTES + quantum < table
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_fsdp_by_tensor_step_plays_each_spans_tensor_collectives_after_it(sequence_parallel: bool) -> None:
+    """fsdp x tensor, the blocks the runner's own pieces: each span's tensor collectives follow that span and the
+    next span waits for them (testbed.sim.span_play), not all after the action's compute; every collective of
+    the action is played once (the same ops and bytes as :func:`testbed.sim.facts.tensor_transfers`), and each
+    action's compute is its blocks' (the FLOPs add up)."""
+    plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
+    placement = place(plan, num_devices=4)
+    facts = step_facts(plan, placement.device_ids, math.inf)
+    chunk = facts.chunks[0][0]
+    tasks = build_program(plan, placement, combine_bytes=math.inf).tasks
+    for kind in "FB":
+        work = chunk.action(kind)
+        tp = [t for t in tasks if t.stream == "tensor" and t.name.startswith(f"tp {kind}0/")]
+        expected = Counter()
+        for op, count, nbytes in work.tensor:
+            expected[(op, nbytes)] += count
+        assert Counter({(t.op, t.nbytes): 0 for t in tp}) + Counter(
+            x for t in tp for x in [(t.op, t.nbytes)] * t.count) == expected
+        for t in tp:  # after the span it follows; the next span (if any) of the block waits for it
+            assert [tasks[d].name for d in t.deps][0].split()[-1].startswith(f"{kind}0/")
+        readers = {d for t in tasks if t.stream == "compute" for d in t.deps}
+        assert all(tasks.index(t) in readers for t in tp[:-1])
+        compute = sum(t.flops for t in tasks if t.stream == "compute" and t.name.startswith(f"{kind}0/"))
+        assert compute == pytest.approx(work.work[0])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_analytic_tier_times_the_task_graphs_span_play(sequence_parallel: bool) -> None:
+    """fsdp x tensor at one microbatch: both tiers play the blocks span by span from one decision
+    (testbed.sim.span_order), each span's tensor collectives among the blocks, a block done once its collectives
+    are, the weight gradients held for the bucket that reads them; the analytic tier's step is the task graph's
+    within 1% (it was 2.4-2.8% fast when it played the collectives after the action's compute)."""
+    from testbed.explore.analytic import estimate
+    from testbed.explore.space import resize_topology
+    from testbed.sim.engine import simulate
+    from testbed.topology.io import load_topology
+
+    topo = resize_topology(load_topology("dgx-h100-x4"), 8)
+    plan = replace(_gpu_plan(1, fsdp=4, tensor=2), sequence_parallel=sequence_parallel)
+    assert estimate(plan, topo).step_time_s == pytest.approx(simulate(plan, topo).report.step_time_s, rel=0.01)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_span_play_computes_each_blocks_work_once_and_releases_each_bucket_once(sequence_parallel: bool) -> None:
+    """testbed.sim.span_order's plays of an fsdp x tensor chunk's actions: every item waits only for earlier ones;
+    a block's spans and its weight gradients (wherever they are held to) add up to the action's FLOPs; with the
+    buckets released, each block's gradient reductions leave exactly once, after the compute of its weights."""
+    from testbed.sim.span_play import action_plays
+
+    plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
+    facts = step_facts(plan, place(plan, num_devices=4).device_ids, math.inf)
+    chunk = facts.chunks[0][0]
+    for kind, reduce in (("F", False), ("B", False), ("B", True)):
+        work = chunk.action(kind)
+        plays = action_plays(chunk, work, chunk.blocks, True, sequence_parallel, reduce)
+        assert len(plays) == chunk.blocks
+        flops, released, computed = 0.0, Counter(), set()
+        for k, play in enumerate(plays):
+            for i, item in enumerate(play.items):
+                assert all(d < i for d in item.deps)
+                if item.stream == "compute":
+                    flops += item.flops
+                    computed.add(item.gemms[0])
+                elif item.stream == "buckets":
+                    block, lo, hi = item.bucket
+                    assert block in computed
+                    released.update((block, j) for j in range(len(chunk.bucket(chunk.blocks, block)))[lo:hi])
+        assert flops == pytest.approx(work.work[0])
+        everything = Counter((k, j) for k in range(chunk.blocks) for j in range(len(chunk.bucket(chunk.blocks, k))))
+        assert released == (everything if reduce else Counter())
+
+
+def test_under_sequence_parallelism_a_blocks_weight_gradients_run_beside_its_last_collectives() -> None:
+    """testbed.sim.span_order under sequence parallelism: a layer's weight gradients start as its last span ends,
+    beside that span's collectives (the cotangent's all-gather the next block reads), not after them, and the
+    next block waits for both; without sequence parallelism they wait for the collectives (the traced program's
+    order on tpu-v5e-16x16: docs/program.md)."""
+    from testbed.sim.span_play import action_plays
+
+    for sequence_parallel in (False, True):
+        plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
+        chunk = step_facts(plan, place(plan, num_devices=4).device_ids, math.inf).chunks[0][0]
+        plays = action_plays(chunk, chunk.action("B"), chunk.blocks, True, sequence_parallel, False)
+        layers = [p for p in plays[1:-1] if any(x.name.endswith("weights") for x in p.items)]
+        assert layers
+        for play in layers:
+            w = next(i for i, x in enumerate(play.items) if x.name.endswith("weights"))
+            assert all(x.name.endswith("weights") for x in play.items[w:] if x.stream == "compute")  # after the spans
+            read = {play.items[d].stream for d in play.items[w].deps}
+            assert read == ({"compute"} if sequence_parallel else {"tensor"})
+            assert {play.items[d].stream for d in play.after} == ({"compute", "tensor"} if sequence_parallel
+                                                                  else {"compute"})

@@ -10,7 +10,7 @@ from hypothesis import given, strategies as st
 
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
-from testbed.sim.combine import combine_collectives
+from testbed.sim.combine import combine_collectives, drop_trivial_collectives
 from testbed.sim.compute import gemms_seconds, pass_seconds
 from testbed.sim.overlap import defer_consumers, hoist_collectives
 from testbed.sim.tasks import TaskKind
@@ -175,11 +175,40 @@ def test_hoisting_starts_a_collective_once_its_operands_are_ready() -> None:
     assert simulate_workload(workload(ops), topology).report.step_time_s == pytest.approx(played(hoisted))
 
 
-def test_hoisting_leaves_compute_that_reads_a_collective_where_it_is() -> None:
-    """A memory-bound op whose latest input is a collective's result stays put (moved up, it would stall the
-    in-order compute stream on that collective), and a collective reading it follows it."""
+def test_hoisting_starts_a_collective_fed_by_a_collective_before_independent_compute() -> None:
+    """A collective whose operand a memory-bound op makes from another collective's result (the last layer's fsdp
+    backward gather: the final norm's backward reads the head's input-gradient all-reduce) moves, with that op,
+    to just after the collective it reads, ahead of the matmul JAX emitted between them (XLA's scheduler holds an
+    async start back while independent compute is ready, so that compute runs under the start); a memory-bound
+    op that reads a collective but feeds none stays where it is, and so does one whose collective cannot start
+    there."""
     ops = [reduce(()), gemm(), memory((0,)), reduce((2,), op="all_gather"), gemm((1,))]
+    hoisted = hoist_collectives(workload(ops))
+    assert [(op.kind, op.deps) for op in hoisted.ops] == [
+        (OpKind.COLLECTIVE, ()), (OpKind.MEMORY, (0,)), (OpKind.COLLECTIVE, (1,)), (OpKind.GEMM, ()),
+        (OpKind.GEMM, (3,))]
+    ops = [reduce(()), gemm(), memory((0,)), gemm((1,))]
     assert hoist_collectives(workload(ops)).ops == workload(ops).ops
+    # the chain moves only with its collective: one that also reads later compute (a merged all-reduce over data
+    # of every layer's gradients) leaves it where it is, so the compute stream does not wait for the first
+    ops = [reduce(()), gemm(), memory((0,)), gemm((1,)), reduce((2, 3), op="all_gather")]
+    assert hoist_collectives(workload(ops)).ops == workload(ops).ops
+
+
+def test_collectives_over_one_device_are_dropped_before_combining() -> None:
+    """XLA's AllReduceSimplifier replaces an all-reduce (all-gather, reduce-scatter) over groups of one device by
+    its operand before the combiners run: two such no-ops do not merge into one that makes an activation's
+    reader wait for an unrelated weight gradient, and their readers read their operands."""
+    one = {"axes": (), "group": 1}
+    ops = [gemm(), reduce((0,), **one), gemm(), reduce((2,), **one), memory((1,)), reduce((4,), op="all_gather"),
+           memory((3,)), reduce((1,), op="all_gather", **one), memory((7,))]
+    out = drop_trivial_collectives(workload(ops))
+    assert [(op.kind, op.deps) for op in out.ops] == [
+        (OpKind.GEMM, ()), (OpKind.GEMM, ()), (OpKind.MEMORY, (0,)), (OpKind.COLLECTIVE, (2,)),
+        (OpKind.MEMORY, (1,)), (OpKind.MEMORY, (0,))]
+    assert out.collective_bytes() == workload(ops).collective_bytes()
+    merged = combine_collectives(workload(ops), None)
+    assert [op.deps for op in merged.ops if op.kind is OpKind.MEMORY] == [(0,), (1,), (0,)]
 
 
 @st.composite
@@ -195,9 +224,9 @@ def random_workloads(draw) -> Workload:
         elif kind == "memory":
             ops.append(memory(deps, nbytes=draw(st.floats(0, 1e6))))
         else:
-            axes = draw(st.sampled_from([("data",), ("tensor",), ("data", "tensor")]))
+            axes = draw(st.sampled_from([(), ("data",), ("tensor",), ("data", "tensor")]))  # (): one device
             op = draw(st.sampled_from(["all_reduce", "all_gather", "reduce_scatter"]))
-            ops.append(reduce(deps, axes=axes, nbytes=draw(st.floats(1, 1e6)), group=8, op=op))
+            ops.append(reduce(deps, axes=axes, nbytes=draw(st.floats(1, 1e6)), group=8 if axes else 1, op=op))
     return workload(ops, mesh={"data": 4, "tensor": 2})
 
 

@@ -61,6 +61,7 @@ from testbed.sim.grad_bytes import summed_each_microbatch, summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
+from testbed.explore.span_times import priced_plays
 from testbed.sim.moe import Piece
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
 from testbed.topology import Topology
@@ -219,6 +220,8 @@ class _Priced(NamedTuple):
     parts: tuple[float, ...] = ()  # each block's (or bucket piece's) compute where they differ (empty: equal shares)
     after_tp: int = 1 << 30  # the first bucket reduced after the tensor collectives (testbed.sim.grad_tasks.after_tensor)
     early: float = 0.0  # the sequence-replicated gradients' sum as the compute ends (grad_bytes.summed_in_the_step)
+    plays: tuple = ()  # its blocks played span by span (testbed.explore.span_times; empty: not so played)
+    plays_last: tuple = ()  # the same, of the microbatch that releases the chunk's gradient buckets
 
 
 class _Step:
@@ -340,11 +343,15 @@ class _Step:
         syncs = (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]) if plain else ends,
                  merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
                  if plain else ends)
+        spans = gathering and not chain and not ringed  # the blocks played span by span, as the task graph's
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
                        send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
                        after_tp=after_tensor(plan, bool(chunk.block_shares(kind, pieces)),
-                                             bool(work.tensor) and overlap is None, pieces))
+                                             bool(work.tensor) and overlap is None, pieces),
+                       plays=priced_plays(self, s, chunk, work, chunk.blocks, False) if spans else (),
+                       plays_last=priced_plays(self, s, chunk, work, pieces, True) if spans and last and reduces
+                       else ())
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from testbed.model import buffers
 from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
+from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.compute import compute_seconds
 from testbed.sim.tp_overlap import overlap_end
@@ -47,6 +48,7 @@ class Play:
         # With a slowdown, the last action's block gathers in flight, and what its blocks were played from.
         self.gathered: list[tuple[float, float]] = []
         self.replay: tuple[tuple[float, ...], float, float, list[float]] = ((), 0.0, 0.0, [])
+        self.played: Played | None = None  # the last action's blocks played span by span (span_times)
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.early = [0.0] * p  # the sequence-replicated gradients' sum done (_Priced.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
@@ -95,7 +97,8 @@ class Play:
         if priced.block_gathers or priced.parts:
             gathers = priced.block_gathers or (g,) * n
             parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
-            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts))
+            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts),
+                                         priced.plays)
         self.block_ends[s] = []
         g += wait  # each gather, exposed, first meets its group after a block's computing
         period = g + c if d == 0 else max(g, c)
@@ -106,15 +109,26 @@ class Play:
         return first, (n - 1) * (period - c)
 
     def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
-                         own: bool) -> tuple[float, float]:
+                         own: bool, plays: tuple = ()) -> tuple[float, float]:
         """:meth:`_gather` with each block's own gather and compute seconds (a block's merged collectives differ in
         size; the embedding's and the head's blocks compute their own share): block
         ``i``'s gather starts after block ``i - 1``'s and once block ``i - 1 - prefetch`` has computed (of the stage's
         previous gathering action when negative), its compute
         once its gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
-        blocks compute their own shares (with a slowdown, kept to play them again, each slowed: :meth:`_slowed`)."""
+        blocks compute their own shares (with a slowdown, kept to play them again, each slowed: :meth:`_slowed`);
+        ``plays``: the blocks played span by span (testbed.explore.span_times), each done once its collectives are."""
         n, d, before = len(gathers), self.facts.prefetch, self.block_ends[s]
         replay = own and bool(self.slowdown)
+        self.played = None
+        if plays:
+            self.played = played = play_blocks(plays, gathers, start, self.gather_free[s], before, d, (self.slow,) * n)
+            if replay:
+                self.replay, self.gathered = (gathers, start, self.gather_free[s], before), played.flying
+            first = played.starts[0]
+            self.comm[s] += first - start
+            self.gather_free[s] = max(played.gather_end, played.dones[n - 1 - d] if n > d else 0.0)
+            self.block_ends[s] = played.dones
+            return first, played.ends[-1] - first - sum(parts)
         ends, gather_end, self.gathered = _blocks(gathers, parts, start, self.gather_free[s], before, d, replay)
         if replay:
             self.replay = (gathers, start, self.gather_free[s], before)
@@ -127,6 +141,13 @@ class Play:
         """Plays one F/B/W action of stage ``s``."""
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.prices[(s, c, kind)]
+        final = kind == self.facts.last_backward and self.remaining[(s, c)] == 1 and bool(self.facts.reductions)
+        if priced.plays_last if final else priced.plays:  # its blocks span by span: the tensor among them
+            plays = priced.plays_last if final else priced.plays
+            parts = tuple(block.compute for block in plays)
+            priced = priced._replace(compute=sum(parts), parts=parts, tensor=0.0, hidden=0.0, plays=plays)
+        else:
+            priced = priced._replace(plays=())
         compute = self.slow * priced.compute
         start, stretch = self._start(s, c, kind, priced, deps), 0.0
         skewed = self.step.skewed
@@ -213,6 +234,8 @@ class Play:
             # Each bucket once its piece has computed: where the blocks played their own gathers, when each ended.
             ends = self.block_ends[s] if priced.gather and parts and len(self.block_ends[s]) == pieces else ()
             done, total, before, out = start, sum(parts), 0.0, []
+            if priced.plays and self.played is not None and self.facts.reduce_in_backward:  # as the play releases
+                return compute + acc, wait, tuple((at, x, 1.0) for at, x in self.played.releases)
             for k in range(pieces if self.facts.reduce_in_backward else 0):
                 own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
                 done = ends[k] if ends else done + (parts[k] + wait / pieces if parts else piece)
@@ -236,6 +259,8 @@ class Play:
         spread by compute; the blocks are played again, each slowed (a later gather may absorb it), and each bucket
         leaves as its block now ends: the extra counts once, in the buckets and in the action's end."""
         rate, facts = self.slowdown, self.facts
+        if priced.plays and self.played is not None:
+            return self._slowed_spans(s, priced, releases)
         if not (priced.gather and priced.parts):  # (the buckets are beside no compute when they wait for the end)
             buckets = priced.bucket * priced.pieces if facts.reduce_in_backward else 0.0
             beside = priced.hidden + priced.send_s + max(priced.scatter, buckets) + priced.gather * bool(facts.prefetch)
@@ -265,6 +290,34 @@ class Play:
             out.append((t + slowed[i] - ends[i], x, f))
         first = ends[0] - parts[0]
         return sum(longer) - total, slowed[-1] - first - sum(longer), tuple(out)
+
+    def _slowed_spans(self, s: int, priced: _Priced, releases: tuple[Release, ...]
+                      ) -> tuple[float, float, tuple[Release, ...]]:
+        """:meth:`_slowed` of an action whose blocks are played span by span (testbed.explore.span_times): each
+        block's compute longer by the slowdown times the communication beside the block (its gathers, the stage's
+        reductions in flight), the rest (sends, tensor) spread by compute; the blocks played again so, each
+        bucket leaving as the play now releases it."""
+        played, rate, d = self.played, self.slowdown, self.facts.prefetch
+        parts = tuple(self.slow * x for x in priced.parts)
+        gathers, start, gather_free, before = self.replay
+        spans, grad = list(self.gathered), self.grad[s]
+        if grad > start:  # the earlier actions' reductions still in flight (back to back from the start on)
+            spans.append((start, grad))
+        for t, x, _ in releases:  # the reductions as they leave without the slowdown
+            grad = max(grad, t) + x
+            spans.append((grad - x, grad))
+        each = [min(o, c) for o, c in zip(_overlaps(list(zip(played.starts, played.ends)), sorted(spans)), parts)]
+        total = sum(parts)
+        spread = rate * min(max(0.0, total - sum(each)), priced.hidden + priced.send_s) / (total or 1.0)
+        longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
+        scale = tuple(self.slow * x / c if c else self.slow for x, c in zip(longer, parts))
+        again = play_blocks(priced.plays, gathers, start, gather_free, before, d, scale)
+        n = len(again.ends)
+        self.gather_free[s], self.block_ends[s] = max(again.gather_end, again.dones[n - 1 - d] if n > d else 0.0), \
+            again.dones
+        first = played.starts[0]
+        out = tuple((at, x, 1.0) for at, x in again.releases) if releases else releases
+        return sum(longer) - total, again.ends[-1] - first - sum(longer), out
 
     def update(self, s: int) -> float:
         """Plays stage ``s``'s gradient tail, optimizer and (ZeRO-1/2) re-gather; returns when the stage is done."""

@@ -25,6 +25,13 @@ testbed.sim.traced combines the ops in the traced (JAX's) order, before testbed.
 the walk is that order, where XLA walks its own post order (both topological: the groups differ only
 where two orders interleave one key's collectives differently).
 
+First, as XLA's ``AllReduceSimplifier`` does ahead of the combiners (the first pass of gpu_compiler.cc's
+collective-optimizations pipeline), a collective over groups of one device (an all-reduce, all-gather or
+reduce-scatter: the runner's ``psum`` over an axis of size 1) is dropped, its readers reading its operand:
+left in, the all-reduce combiner merged such no-ops with each other, so an activation gradient's no-op waited
+for a weight gradient's (fsdp x tensor with sequence parallelism: the last layer's backward gathers then
+waited for the head's weight-gradient matmul).
+
 Here the keys are walked together in one pass, each with its open group; reachability counts a merge as
 one op (XLA recomputes it after each combined group). A merged collective needs all its members'
 operands and is needed by all their readers, so the ops are then put in a topological order, each as
@@ -40,12 +47,14 @@ from dataclasses import replace
 
 from testbed.sim.workload import OpKind, TracedOp, Workload
 
-__all__ = ["PASSES", "combine_collectives"]
+__all__ = ["PASSES", "combine_collectives", "drop_trivial_collectives"]
 
 
 #: The combiners' order in XLA's GPU pipeline (gpu_compiler.cc's post-fusion passes): each pass merges one kind,
 #: and a later pass sees the earlier passes' merged collectives.
 PASSES = ("all_gather", "all_reduce", "reduce_scatter")
+#: The kinds XLA's AllReduceSimplifier removes over groups of one device (their result is their operand).
+TRIVIAL_KINDS = frozenset(PASSES)
 
 
 def _merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[int]:
@@ -71,6 +80,7 @@ def combine_collectives(workload: Workload, combine_bytes: float | None) -> Work
     """``workload`` with its independent same-kind, same-axes collectives merged (module docstring): one pass
     per kind in :data:`PASSES`' order (then any other kind, all-to-all or collective-permute, within the bound as
     an all-gather), one key (kind, axes) at a time, each on the last one's result."""
+    workload = drop_trivial_collectives(workload)
     limit = math.inf if combine_bytes is None else float(combine_bytes)
     kinds = dict.fromkeys(op.collective for op in workload.ops if op.kind is OpKind.COLLECTIVE)
     for kind in (*PASSES, *sorted(set(kinds) - set(PASSES))):
@@ -79,6 +89,27 @@ def combine_collectives(workload: Workload, combine_bytes: float | None) -> Work
         for key in keys:
             workload = _merged(workload, _merges(workload.ops, key, math.inf if kind == "all_reduce" else limit))
     return workload
+
+
+def drop_trivial_collectives(workload: Workload) -> Workload:
+    """``workload`` without its all-reduces, all-gathers and reduce-scatters over groups of one device (module
+    docstring): each op that read one reads what it read instead."""
+    ops = workload.ops
+    trivial = [op.kind is OpKind.COLLECTIVE and op.group < 2 and op.collective in TRIVIAL_KINDS for op in ops]
+    if not any(trivial):
+        return workload
+    reads: list[tuple[int, ...]] = []  # per op, the kept ops its result stands for (itself when kept)
+    index: dict[int, int] = {}
+    out: list[TracedOp] = []
+    for i, op in enumerate(ops):
+        deps = tuple(sorted({k for d in op.deps for k in reads[d]}))
+        if trivial[i]:
+            reads.append(deps)
+            continue
+        reads.append((i,))
+        index[i] = len(out)
+        out.append(replace(op, deps=tuple(index[d] for d in deps)))
+    return replace(workload, ops=tuple(out))
 
 
 def _merged(workload: Workload, merge: list[int]) -> Workload:

@@ -80,10 +80,10 @@ from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.grad_bytes import summed_each_microbatch, summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor, reduce_tasks
+from testbed.sim.span_play import SpanPlay
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
-from testbed.sim.tp_overlap import TpOverlap
 
 __all__ = ["TaskKind", "Task", "Program", "build_program", "program_of", "axis_groups", "STREAMS"]
 
@@ -123,7 +123,7 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
 LOSS_BYTES = 4.0
 
 
-class _Graph:
+class _Graph(SpanPlay):
     """The task graph while it is built from a step's facts: one small builder per stream, and the bookkeeping
     that links them (each action's last task, the sends between stages, the gradient reductions)."""
 
@@ -151,6 +151,7 @@ class _Graph:
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
+        self.first_gather, self.block_gemms, self.span_end = -1, [], None  # (SpanPlay)
         self.tail: list[tuple] = []  # the last block's buckets, reduced after the action's tensor collectives
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
@@ -196,6 +197,7 @@ class _Graph:
                 pieces, reduce = chunk.buckets, True  # module docstring: buckets, or one after the backward
             # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
             scatter = self.remaining[(s, action.chunk)] > 0 and bool(facts.per_microbatch)
+        self.span_end = None
         if work.chain:
             last, computes = self._chain(s, chunk, work, label, deps, pieces if reduce else 0), []
         else:
@@ -258,12 +260,21 @@ class _Graph:
         flops, hbm, replicated, split = whole
         kernels, last, computes, ends = chunk.kernels, -1, [], []
         own = chunk.block_shares(work.kind, pieces)  # the embedding and the head as blocks of their own
+        by_span = self._block_spans(chunk, work, pieces, reduce) if gathering and own else ()
+        self.block_gemms = [g for _, g in own]
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
             part, part_gemms = own[k] if own else (1 / pieces, scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             if gathering:
                 gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends)
                 deps = [*deps, gathered] if gathered is not None else deps
+            if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.span_play)
+                last, deps, tasks, done = self._span_block(s, chunk, label, k, pieces, by_span[k], (
+                    flops, part, part_gemms, kernels // pieces, replicated, split), deps,
+                    (self.first_gather, gathered) if gathered is not None else None)
+                computes += tasks
+                ends.append(done)
+                continue
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
                                               whole, gemms, kernels), deps, cost.tensor_bytes)
@@ -290,35 +301,10 @@ class _Graph:
                         self._bucket(s, last, bucket_of)
         if gathering:
             self.blocks_done[s] = ends
+        self.span_end = deps[-1] if by_span else None  # the last span's tensor collectives end the action (_tensor)
         if overlap:
             last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
-
-    def _overlap(self, s: int, chunk: ChunkFacts, overlap: TpOverlap, label: str, last: int) -> int:
-        """``runtime.tp_comm_overlap`` GEMM by GEMM (testbed.sim.tp_overlap), after the action's other work
-        ``last``: per block, its collectives' first chunks (tensor stream), then its GEMMs (compute stream, after
-        the previous block's) beside the other chunks; an empty join ends the action when both streams have."""
-        rep, compute, tensor = self.reps[s], last, last
-        for blk in overlap.blocks:
-            first = tensor = self._tensor_chain(s, f"tp {label} {blk.name}", blk.first, (tensor,))
-            compute = self.b.add(name=f"{label} {blk.name} gemms", device=rep, stream="compute",
-                                 kind=TaskKind.COMPUTE, deps=(compute, first), flops=blk.flops,
-                                 hbm_bytes=blk.hbm_bytes,
-                                 tensor_bytes=chunk.cost.tensor_bytes, kernels=max(1, len(blk.gemms)), pipeline=True,
-                                 gemms=blk.gemms)
-            tensor = self._tensor_chain(s, f"tp {label} {blk.name} beside", blk.rest, (first,))
-        return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
-                          deps=(compute, tensor), pipeline=True)
-
-    def _tensor_chain(self, s: int, name: str, transfers, deps: tuple[int, ...]) -> int:
-        """Tensor collectives ``(op, count, bytes each)`` one after another on the tensor stream after ``deps``;
-        returns the last (``deps[0]`` when there are none)."""
-        rep, groups, last = self.reps[s], self.tensor[s], deps
-        for op, count, nbytes in transfers:
-            last = (self.b.add(name=f"{name} {op}", device=rep, stream="tensor", kind=TaskKind.COLLECTIVE, deps=last,
-                               op=op, nbytes=nbytes, count=count, group=rep_group(groups, rep), instances=groups,
-                               pipeline=True),)
-        return last[0]
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
                       ends: list[int]) -> int | None:
@@ -326,11 +312,13 @@ class _Graph:
         merged size (:meth:`ChunkFacts.gather_sizes`; one task per distinct size, one after another), once block
         ``k - 1 - prefetch`` has finished (its weights freed: this action's block, or the stage's previous gathering
         action's; ``ends`` this action's blocks so far). Returns the last (None: the block's leaves were merged
-        into an earlier block's collective)."""
+        into an earlier block's collective); ``first_gather`` is the first (the table's, in the embedding's
+        block: testbed.sim.span_play)."""
         rep, j = self.reps[s], k - 1 - self.facts.prefetch
         before = self.blocks_done.get(s, [])
         after = (ends[j],) if j >= 0 else (before[len(before) + j],) if len(before) + j >= 0 and before else ()
         last = None
+        self.first_gather = len(self.b.tasks)
         for size, count in Counter(chunk.gather_sizes(kind)[k]).items():
             last = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                               op="all_gather", deps=after if last is None else (last,), nbytes=size, count=count,
@@ -384,29 +372,6 @@ class _Graph:
                 count=t.count or 1, group=pair if t.transfer else (), instances=rings if t.transfer else (),
                 pipeline=True, gemms=t.gemms))
         return ids[-1] if ids else None
-
-    def _tensor(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, last: int,
-                start: tuple[int, ...]) -> int:
-        """Megatron's all-reduces, or with sequence parallelism all-gathers and reduce-scatters, after the action's
-        compute (tensor stream, blocking: ChunkCost.tensor_collectives, the one decision the analytic tier reads
-        too). With ``runtime.tp_comm_overlap`` they start with the compute (after ``start``, the compute's own
-        dependencies) and the action ends when both have: an empty join task on the compute stream. Returns the
-        action's last task."""
-        if self.plan.mesh.tensor <= 1 or not work.tensor:
-            return last
-        if work.overlap is not None:  # GEMM by GEMM (_overlap); what sits beside no GEMM blocks after it
-            return self._tensor_chain(s, f"tp {label}", work.overlap.after, (last,))
-        rep, groups = self.reps[s], self.tensor[s]
-        overlap = self.plan.runtime.tp_comm_overlap
-        compute, tp = last, start if overlap else (last,)
-        for op, count, nbytes in work.tensor:
-            tp = (self.b.add(name=f"tp {label}" if op == "all_reduce" else f"tp {label} {op}", device=rep,
-                             stream="tensor", kind=TaskKind.COLLECTIVE, deps=tp, op=op, nbytes=nbytes, count=count,
-                             group=rep_group(groups, rep), instances=groups, pipeline=True),)
-        if not overlap:
-            return tp[0]
-        return self.b.add(name=f"tp overlap {label}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
-                          deps=(compute, tp[0]), pipeline=True)
 
     def _loss(self, s: int, action: Action, last: int) -> None:
         """The loss's all-reduces after a forward of the head's chunk (testbed.plan.sharding.loss_reductions: one

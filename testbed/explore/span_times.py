@@ -1,0 +1,107 @@
+"""The analytic tier's fsdp blocks played span by span: testbed.sim.span_order's plays (the ones the task graph
+builds its tasks from, testbed.sim.span_play), each item priced as the task graph prices its task
+(:func:`priced_plays`) and each block timed on its compute and tensor streams (:func:`play_blocks`).
+
+Where an action's blocks are so played, its tensor collectives sit among its blocks (the action has none after
+its compute), its blocks are done for the next gathers once their last span's collectives are, and its gradient
+buckets leave as the play releases them (its weight gradients held for the bucket that reads them).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from testbed.model.gemm import scaled
+from testbed.sim.compute import compute_seconds
+from testbed.sim.facts import ActionWork, ChunkFacts
+from testbed.sim.span_order import BlockPlay, time_block
+from testbed.sim.span_play import action_plays
+
+if TYPE_CHECKING:
+    from testbed.explore.analytic import _Step
+
+__all__ = ["PricedBlock", "priced_plays", "play_blocks"]
+
+
+class PricedBlock(NamedTuple):
+    """One block's play, each item's seconds (a bucket item's: 0), each bucket item's reductions' seconds, and
+    the block's compute seconds."""
+
+    play: BlockPlay
+    seconds: tuple[float, ...]
+    buckets: tuple[float, ...]
+    compute: float
+
+
+def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool
+                 ) -> tuple[PricedBlock, ...]:
+    """Each block of an action's play (testbed.sim.span_play.action_plays; empty: not played by spans), priced:
+    a compute item as testbed.sim.span_play's ``_span`` prices its task (a roofline of its matmuls and its bytes,
+    its FLOPs' share of its block's kernels, its share of the block's replicated and split bytes), a tensor item
+    its collectives one after another, a bucket item its reductions (``reduce``: the action releases them)."""
+    facts = step.facts
+    plays = action_plays(chunk, work, pieces, facts.gathers("B"), facts.plan.sequence_parallel, reduce)
+    if not plays:
+        return ()
+    own = chunk.block_shares(work.kind, pieces)
+    flops, _, replicated, split = work.work
+    kernels, tensor_bytes = chunk.kernels // pieces, chunk.cost.tensor_bytes
+    out = []
+    for k, play in enumerate(plays):
+        part = own[k][0]
+        seconds, buckets = [], []
+        for item in play.items:
+            nbytes = 0.0
+            if item.stream == "compute":
+                j, share = item.gemms
+                n = max(1, round(kernels * item.flops / (flops * part))) if flops * part else max(1, kernels)
+                seconds.append(compute_seconds(step.topology, step.dtype, item.flops, item.nbytes, n,
+                                               replicated * part * item.passes, split * part * item.passes,
+                                               tensor_bytes, scaled(own[j][1], share), ((1.0, item.nbytes),)))
+            elif item.stream == "tensor":
+                seconds.append(step._tensor_seconds(s, item.transfers))
+            else:
+                j, lo, hi = item.bucket
+                seconds.append(0.0)
+                nbytes = sum(step._reduce(s, chunk.reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
+                             for f, n in chunk.bucket(pieces, j)[lo:hi])
+            buckets.append(nbytes)
+        compute = sum(x for x, item in zip(seconds, play.items) if item.stream == "compute")
+        out.append(PricedBlock(play, tuple(seconds), tuple(buckets), compute))
+    return tuple(out)
+
+
+class Played(NamedTuple):
+    """Blocks played: when each starts and ends (what the next block waits for), when each is done (its weights
+    freed), when the last gather ends, when each gather is in flight, and each bucket release (when, seconds)."""
+
+    starts: list[float]
+    ends: list[float]
+    dones: list[float]
+    gather_end: float
+    flying: list[tuple[float, float]]
+    releases: list[tuple[float, float]]
+
+
+def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], start: float, gather_free: float,
+                before: list[float], prefetch: int, scale: tuple[float, ...]) -> Played:
+    """The blocks of ``plays`` timed (testbed.explore.play's ``_blocks`` for blocks played by spans): block
+    ``i``'s gather (``gathers``) after the previous one and once block ``i - 1 - prefetch`` is done (of the
+    stage's previous gathering action, ``before``, when negative); the block once its gather and what the
+    previous block leaves (from ``start``) are done, its compute items ``scale`` times as long."""
+    gather_end, compute, tensor = gather_free, start, start
+    starts, ends, dones, flying, releases = [], [], [], [], []
+    for i, (g, block) in enumerate(zip(gathers, plays)):
+        j = i - 1 - prefetch
+        after = dones[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
+        gather_end = max(gather_end, after) + g
+        flying.append((gather_end - g, gather_end))
+        t0 = max(ends[-1] if ends else start, gather_end)
+        seconds = tuple(x * scale[i] if item.stream == "compute" else x
+                        for x, item in zip(block.seconds, block.play.items))
+        end, done, compute, tensor, out = time_block(block.play, seconds, t0, t0, gather_end, compute, tensor)
+        starts.append(t0)
+        ends.append(end)
+        dones.append(done)
+        releases += [(at, block.buckets[idx]) for idx, at in out]
+    return Played(starts, ends, dones, gather_end, flying, releases)

@@ -1,0 +1,101 @@
+"""An fsdp action's blocks span by span, each span's tensor collectives after it, where the blocks are the runner's.
+
+Plan-driven simulation plays an action's blocking tensor collectives (Megatron's all-reduces, or sequence
+parallelism's all-gathers and reduce-scatters; the vocab-parallel loss's) after the action's compute, and prices
+the compute as a roofline per span between them (testbed.model.spans). Where the action is split into blocks that
+each gather their parameters first (fsdp, ZeRO-3) and the blocks are the runner's own pieces (the embedding, each
+layer, the head: testbed.model.leaves.own_blocks), that order hides the later blocks' gathers behind compute
+alone, and the collectives then run beside the next action's first gathers on shared links. In the runner's
+program each span's collective follows that span, before the next computes: a block's gathers hide behind its
+spans and their collectives together. :func:`block_spans` cuts each block into its spans, each with the
+collectives that follow it; testbed.sim.span_order decides what each span waits for, which the task graph
+(testbed.sim.span_play) and the analytic tier (testbed.explore.span_times) both play.
+
+Which collective follows which span (forward; backward their transposes, in reverse): the embedding's lookup,
+the vocab-parallel sum (an all-reduce, under sequence parallelism a reduce-scatter); a layer's attention and MLP,
+each its out projection's all-reduce (reduce-scatter); under sequence parallelism each norm, the all-gather of
+the sequence before the next column-parallel matmul; the head, the loss's first all-reduce (the logits' maximum
+and the target's logit); the loss's sum of exponentials, its second. Backward: the loss's gradient none, the
+head's input gradient its all-reduce (reduce-scatter), each layer's MLP and attention their input gradients'
+all-reduces (reduce-scatters), each norm the all-gather of its cotangent, the embedding's scatter-add the
+position table's gradient gather where there is one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from testbed.model.costs import ChunkCost
+
+__all__ = ["block_spans"]
+
+Transfer = tuple[str, int, int]
+#: One span of a block: (share of the action's matmul work, HBM bytes, the tensor collectives after it).
+BlockSpan = tuple[float, float, tuple[Transfer, ...]]
+
+
+def _labels(cost: ChunkCost, kind: str, gathered: bool) -> list[tuple[str, str]]:
+    """(piece, what) of each span of a ``kind`` action in testbed.model.spans' order."""
+    sp, per = cost.sequence_parallel, 1 if cost.parallel_block else 2
+    layer = ["norm", "block"] * per if sp else ["block"] * per
+    head = (["norm"] if sp else []) + ["head"]
+    if kind == "F":
+        return ([("embedding", "lookup")] * cost.has_embedding
+                + [(f"layer{i}", w) for i in range(cost.layers) for w in layer]
+                + [("head", w) for w in head + ["loss"]] * cost.has_head)
+    return ([("head", "lossgrad")] * (cost.has_head and gathered) + [("head", w) for w in head[::-1]] * cost.has_head
+            + [(f"layer{i}", w) for i in reversed(range(cost.layers)) for w in layer[::-1]]
+            + [("embedding", "lookup")] * cost.has_embedding)
+
+
+def _after(cost: ChunkCost, kind: str, what: str, loss: list[Transfer], position: list[Transfer]
+           ) -> list[tuple[str, int]]:
+    """(op, bytes) of the collectives after one span (module docstring)."""
+    main = "reduce_scatter" if cost.sequence_parallel else "all_reduce"
+    nbytes = cost.tensor_allreduce_bytes
+    if not nbytes:  # no tensor axis: no collective between the spans
+        return []
+    if what == "norm":
+        return [("all_gather", nbytes)]
+    if kind == "F":
+        if what in ("lookup", "block"):
+            return [(main, nbytes)]
+        return [(op, b) for op, _, b in loss[:1]] if what == "head" else [(op, b) for op, _, b in loss[1:]]
+    if what in ("head", "block"):
+        return [(main, nbytes)]
+    return [(op, b) for op, _, b in position] if what == "lookup" else []
+
+
+def block_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
+                gathered: bool, blocks: int) -> tuple[tuple[BlockSpan, ...], ...]:
+    """Per block of a ``kind`` action (F from the embedding, B from the head), its spans with the collectives
+    after each (module docstring); empty where the blocks are not the chunk's own pieces, the action is one span,
+    or the collectives are not exactly one per span boundary as above (full remat's redone ones).
+    ``spans``: the action's (testbed.model.spans.action_spans); ``transfers``: its tensor collectives
+    (testbed.sim.facts.tensor_transfers); ``gathered``: the head's weight is gathered again for the backward."""
+    pieces = int(cost.has_embedding) + cost.layers + int(cost.has_head)
+    labels = _labels(cost, kind, gathered) if kind in ("F", "B") else []
+    if not spans or blocks != pieces or cost.layers < 1 or len(labels) != len(spans):
+        return ()
+    extra = 2 if kind == "F" and cost.loss_allreduce_bytes else int(kind == "B" and bool(cost.position_gather_bytes))
+    tail = list(transfers[len(transfers) - extra:])
+    after = [_after(cost, kind, what, tail if kind == "F" else [], tail if kind == "B" else []) for _, what in labels]
+    expected: Counter = Counter()
+    for op, n, b in transfers:
+        expected[(op, b)] += n
+    if Counter(x for a in after for x in a) != expected:
+        return ()
+    order = list(dict.fromkeys(piece for piece, _ in labels))
+    out = []
+    for piece in order:
+        mine: list[list] = []
+        for (p, what), (share, nbytes), a in zip(labels, spans, after):
+            if p != piece:
+                continue
+            if mine and not mine[-1][2] and what != "head":
+                mine[-1][0] += share
+                mine[-1][1] += nbytes
+                mine[-1][2] = a
+            else:  # (the head's matmuls after the loss's gradient read its gathered weight: a segment of their own)
+                mine.append([share, nbytes, a])
+        out.append(tuple((share, nbytes, tuple((op, 1, b) for op, b in a)) for share, nbytes, a in mine))
+    return tuple(out)

@@ -1,0 +1,145 @@
+"""What each task of an fsdp action's blocks waits for when the blocks are played span by span: the one decision
+the task graph (testbed.sim.span_play builds its tasks from it) and the analytic tier (testbed.explore.play times
+it with :func:`time_block`) both read.
+
+Where an action gathers its sharded parameters block by block and the blocks are the runner's own pieces (the
+embedding, each layer, the head: testbed.sim.block_spans), the runner's program runs each span's blocking tensor
+collectives (Megatron's all-reduces; under sequence parallelism its all-gathers and reduce-scatters) right after
+that span, before the next span computes. Measured against the traced program (``simulate_workload(trace_plan(
+plan), topology)``, fsdp x tensor on tpu-v5e-16x16), three more rules of XLA's schedule of that program (its
+latency-hiding scheduler, testbed.sim.overlap) hold:
+
+- A block's weight gradients (what it computes beyond its spans' input gradients, which no tensor collective
+  waits for) are computed just before the gradient reduce-scatter that reads them: after the block's last
+  collectives where the block releases a bucket, else in the first later block that does. Under sequence
+  parallelism they start as the block's last span ends, beside its last collectives (the all-gather of the
+  cotangent the next block reads), and the next block waits for both. The first layer's go with the
+  embedding's block, after its table's reduce-scatter has left (that merge reads only the scatter-add).
+- A block is done, for the gathers that wait for it to free its weights (the prefetch rule), once its last
+  span's collectives are: the next gathers do not contend with them on the links.
+- The forward's embedding lookup, and its vocab-parallel sum, read only the table, the block's first gather.
+
+:func:`block_plays` writes each block's play as :class:`Item` s whose ``deps`` name earlier items of the block or
+one of :data:`START` (what the block starts after: the previous block's and the block's gathers), :data:`LOOKUP`
+(the same but of the block's gathers only the first, the table's) and :data:`WAITING` (the block's other gathers).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Item", "BlockPlay", "block_plays", "time_block", "START", "LOOKUP", "WAITING"]
+
+START, LOOKUP, WAITING = -1, -2, -3
+
+
+class Item(NamedTuple):
+    """One task of a block's play. ``stream``: ``compute`` (``flops``, ``gemms``: (block, the share of that
+    block's GEMMs), ``nbytes`` its HBM bytes, ``passes`` its share of the block's replicated and split bytes),
+    ``tensor`` (``transfers``: tensor collectives ``(op, count, bytes)`` one after another) or ``buckets`` (block
+    ``bucket[0]``'s gradient reductions ``bucket[1]:bucket[2]`` of ChunkFacts.bucket, ``bucket[2]`` None: to the
+    end, leaving once ``deps`` are done)."""
+
+    stream: str
+    name: str
+    deps: tuple[int, ...]
+    flops: float = 0.0
+    gemms: tuple[int, float] = (0, 0.0)
+    nbytes: float = 0.0
+    passes: float = 0.0
+    transfers: tuple = ()
+    bucket: tuple = ()
+
+
+class BlockPlay(NamedTuple):
+    """One block's :class:`Item` s; ``after``: what the next block starts after; ``done``: the last of these is when
+    the block has freed its weights (the prefetch rule); ``last``: its last compute item."""
+
+    items: tuple[Item, ...]
+    after: tuple[int, ...]
+    done: tuple[int, ...]
+    last: int
+
+
+def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items: list[Item]
+           ) -> tuple[list[int], float]:
+    """Block ``k``'s spans (each its share of the action's ``flops``, at most the block's ``block``), each span's
+    tensor collectives after it. Returns what the next item waits for and the FLOPs played."""
+    done, deps = 0.0, [START]
+    total = sum(nbytes for _, nbytes, _ in spans) or 1.0
+    for j, (share, nbytes, transfers) in enumerate(spans):
+        f = max(0.0, min(block - done, flops * share))  # (the last spans' rounding: never below none)
+        done += f
+        first = lookup and j == 0
+        items.append(Item("compute", f".{j}", (LOOKUP,) if first else tuple(deps), f,
+                          (k, f / block if block else 1.0), nbytes, nbytes / total))
+        span = len(items) - 1
+        if transfers:
+            items.append(Item("tensor", f".{j}", (span,), transfers=transfers))
+        deps = [len(items) - 1] + ([WAITING] if first else [])
+    return deps, done
+
+
+def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str, sequence_parallel: bool,
+                has_embedding: bool, buckets: tuple[bool, ...] | None, lookup: bool) -> tuple[BlockPlay, ...]:
+    """Each block's play (module docstring). ``spans``: testbed.sim.block_spans' per block; ``blocks``: each
+    block's FLOPs; ``flops``: the action's; ``buckets``: whether each block releases a gradient bucket (None: the
+    action reduces none); ``lookup``: the forward's first block waits only for its first gather."""
+    held: list[tuple[int, float, float]] = []  # (block, weight-gradient FLOPs not played yet, their GEMMs' share)
+    out, pieces, reduce = [], len(blocks), buckets is not None
+    for k, (mine, block) in enumerate(zip(spans, blocks)):
+        items: list[Item] = []
+        deps, played = _spans(mine, block, flops, k, lookup and k == 0 and kind == "F", items)
+        done = tuple(deps)
+        last = max(i for i, x in enumerate(items) if x.stream == "compute")
+        rest = block - played if block - played > 1e-6 * block else 0.0
+        held.append((k, rest, 1 - played / block if block else 0.0))
+        first_layer = kind == "B" and has_embedding and k == pieces - 2
+        if reduce and (not buckets[k] or first_layer) and k < pieces - 1:
+            out.append(BlockPlay(tuple(items), tuple(deps), done, last))
+            continue  # its weight gradients wait for the bucket that reads them
+        after = last if k < pieces - 1 else deps[-1]
+        # The embedding's first merge (its table's gradient) reads only its scatter-add.
+        first = int(reduce and kind == "B" and k == pieces - 1 and has_embedding
+                    and any(f for i, f, _ in held if i != k))
+        if reduce and first:
+            items.append(Item("buckets", "", (after,), bucket=(k, 0, first)))
+        # Under sequence parallelism beside the block's last collectives (the embedding's: after them).
+        beside, chain = sequence_parallel and k < pieces - 1, list(deps)
+        for i, f, share in ((i, f, share) for i, f, share in held if f):
+            items.append(Item("compute", f"{i} weights", (last,) if beside else tuple(deps), f, (i, share)))
+            last = after = len(items) - 1
+            deps = [last, *chain] if beside else [last]
+        for i in dict.fromkeys(i for i, _, _ in held if i != k) if reduce else ():
+            items.append(Item("buckets", "", (after,), bucket=(i, 0, None)))
+        if reduce:
+            items.append(Item("buckets", "", (after,), bucket=(k, first, None)))
+        held = []
+        out.append(BlockPlay(tuple(items), tuple(deps), done, last))
+    return tuple(out)
+
+
+def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, lookup: float, gathered: float,
+               compute: float, tensor: float) -> tuple[float, float, float, float, list[tuple[int, float]]]:
+    """One block's play timed (the analytic tier): each item its ``seconds`` once its stream (``compute`` and
+    ``tensor``: when each is free) and its ``deps`` are (:data:`START` at ``start``, :data:`LOOKUP` at ``lookup``,
+    :data:`WAITING` at ``gathered``). Returns (when what the next block waits for is done, when the block is done,
+    the compute stream's and the tensor stream's end, each ``buckets`` item's index and when it leaves)."""
+    ends: list[float] = []
+    token = {START: start, LOOKUP: lookup, WAITING: gathered}
+    releases = []
+    for item, s in zip(play.items, seconds):
+        at = max((ends[d] if d >= 0 else token[d] for d in item.deps), default=start)
+        if item.stream == "compute":
+            at = max(at, compute)
+            compute = at + s
+        elif item.stream == "tensor":
+            at = max(at, tensor)
+            tensor = at + s
+        else:
+            releases.append((len(ends), at))
+        ends.append(at + s if item.stream != "buckets" else at)
+
+    def when(d: int) -> float:
+        return ends[d] if d >= 0 else token[d]
+    return max(when(d) for d in play.after), when(play.done[-1]), compute, tensor, releases
