@@ -8,7 +8,10 @@ between them. This module holds only that description and its checks; it imports
 simulator core prices it (testbed.sim.traced) like a plan's task graph.
 
 An op inside a loop that was not unrolled carries the loop's trip count in ``count``: its FLOPs,
-bytes and executions are per execution, and the op runs ``count`` times back to back.
+bytes and executions are per execution, and the op runs ``count`` times back to back. An op inside a loop
+carries the loop iteration it runs in (``iteration``): XLA keeps a ``lax.scan``'s while loop and runs its
+body one iteration at a time, so what orders and merges the ops (testbed.sim.combine, testbed.sim.overlap)
+moves and merges none across an iteration's start or end (docs/program.md, "Gradient accumulation").
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class TracedOp:
     approximates them); ``collective`` ops ``collective`` (a :data:`COLLECTIVE_KINDS` entry),
     ``axes`` (the mesh axes its device groups span, in mesh order), ``group`` (devices in one group)
     and ``nbytes`` per device. ``deps`` index earlier ops of the workload whose results it reads.
+    ``iteration``: 0 outside loops; inside one, the innermost loop iteration the op runs in, a number of its own
+    per iteration walked (increasing in program order; an op after an inner loop has its enclosing iteration's).
     """
 
     name: str
@@ -56,11 +61,14 @@ class TracedOp:
     group: int = 1
     nbytes: float = 0.0
     count: int = 1
+    iteration: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
         if self.count < 1:
             raise ValueError(f"{self.name}: count must be >= 1, got {self.count}")
+        if self.iteration < 0:
+            raise ValueError(f"{self.name}: iteration must be >= 0, got {self.iteration}")
         if min(self.flops, self.hbm_bytes, self.nbytes) < 0 or not all(
                 math.isfinite(x) for x in (self.flops, self.hbm_bytes, self.nbytes)):
             raise ValueError(f"{self.name}: flops, hbm_bytes and nbytes must be finite and >= 0")

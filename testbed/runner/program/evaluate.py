@@ -108,7 +108,8 @@ class _Emitter:
                 env[r] = env.get(o, _EMPTY)
         elif kind == "gemm":
             ids = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.GEMM, deps=tuple(sorted(
-                self.deps(node.operands))), flops=node.flops, gemms=(node.gemm,), count=self.count))
+                self.deps(node.operands))), flops=node.flops, gemms=(node.gemm,), count=self.count,
+                iteration=self.scope))
             for r, w in zip(node.results, node.writes):
                 env[r] = _Val(ids, True, w)
         elif kind == "collective":
@@ -141,7 +142,8 @@ class _Emitter:
         op, axes, group, nbytes = node.collective
         ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
                                 deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
-                                group=group, nbytes=float(nbytes), count=self.count))
+                                group=group, nbytes=float(nbytes), count=self.count,
+                                iteration=self.scope))
         out = [_Val(ids, True, w) for w in node.writes]
         for r, v in zip(node.results, out):
             self.env[r] = v
@@ -172,7 +174,8 @@ class _Emitter:
         deps = self.deps(node.operands)
         if reads + writes > 0:
             deps = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.MEMORY, deps=tuple(sorted(deps)),
-                                     hbm_bytes=float(reads + writes), count=self.count))
+                                     hbm_bytes=float(reads + writes), count=self.count,
+                                     iteration=self.scope))
         for r, w, k, root in zip(node.results, node.writes, kept, node.roots):
             env[r] = _Val(deps, k, w if k else 0, fused if not root else frozenset(),
                           self.barriers if k and not root else -1)
