@@ -208,6 +208,18 @@ def test_no_merge_or_move_crosses_a_loop_iterations_start_or_end() -> None:
     assert [op.iteration for op in deferred.ops] == [1] * 5 + [2] * 5 and deferred.ops[4].kind is OpKind.MEMORY
     topology = load_topology("dgx-h100")
     assert simulate_workload(loop, topology).report.step_time_s > simulate_workload(flat, topology).report.step_time_s
+    # The loop's iterations in order (Workload.loops): the second begins once the first has ended, its reduce-scatter
+    # included, and its gather (which reads only the parameters) starts no earlier.
+    kept = replace(loop, loops=((1, 2),))
+    program = workload_program(kept, topology)
+    (join,) = [i for i, t in enumerate(program.tasks) if t.name == "iteration 2"]
+    first_scatter = next(i for i, t in enumerate(program.tasks) if t.op == "reduce_scatter")
+    assert first_scatter in program.tasks[join].deps
+    second_gather = [i for i, t in enumerate(program.tasks) if t.op == "all_gather"][1]
+    assert join in program.tasks[second_gather].deps
+    assert simulate_workload(kept, topology).report.step_time_s > simulate_workload(loop, topology).report.step_time_s
+    with pytest.raises(ValueError, match="increasing"):
+        replace(loop, loops=((2, 1),))
 
 
 @st.composite

@@ -19,6 +19,7 @@ from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.compute import compute_seconds
+from testbed.sim.grad_bytes import loop_kept
 from testbed.sim.tp_overlap import overlap_end
 
 if TYPE_CHECKING:
@@ -128,6 +129,8 @@ class Play:
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.prices[(s, c, kind)]
         compute = self.slow * priced.compute
+        if kind == "F" and mb > 0 and loop_kept(self.plan):
+            self._iteration(s)
         start, stretch = self._start(s, c, kind, priced, deps), 0.0
         skewed = self.step.skewed
         if priced.gather:
@@ -220,9 +223,21 @@ class Play:
                 tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= priced.after_tp else 0.0
                 out.append((max(done, tp), own, before / total if parts and total else (k + 1) / pieces))
             releases = tuple(out)
+        elif not last_mb and priced.scatter_each:  # a loop XLA keeps: bucket by bucket as the backward makes them
+            n = len(priced.scatter_each)
+            ends = self.block_ends[s] if priced.gather and len(self.block_ends[s]) == n else ()
+            releases = tuple((ends[k] if ends else start + compute * (k + 1) / n, x, (k + 1) / n)
+                             for k, x in enumerate(priced.scatter_each) if x)
         elif not last_mb and priced.scatter:
             releases = ((start + compute, priced.scatter, 1.0),)
         return compute + acc, wait, releases
+
+    def _iteration(self, s: int) -> None:
+        """A microbatch of a loop XLA keeps (testbed.sim.grad_bytes.loop_kept) begins once the one before it has
+        ended, its reduce-scatters and sums too, and gathers nothing before (testbed.sim.program's join)."""
+        end = max(self.free[s], self.grad[s], self.early[s])
+        self.comm[s] += end - self.free[s]
+        self.free[s], self.gather_free[s] = end, max(self.gather_free[s], end)
 
     def _slowed(self, s: int, priced: _Priced, compute: float, stretch: float, releases: tuple[Release, ...]
                 ) -> tuple[float, float, tuple[Release, ...]]:

@@ -85,7 +85,9 @@ class Workload:
     run in (the most common operand type of the dots). ``assumptions`` are the tracer's stated
     approximations of ops it could not price exactly; ``memory`` its per-device memory estimate
     (bytes; ``method`` names how it was made); ``buffers`` the device buffers one dispatch of the step
-    passes (its argument arrays, for a controller's calibrated per-buffer cost).
+    passes (its argument arrays, for a controller's calibrated per-buffer cost); ``loops`` each loop the tracer
+    unrolled, its iterations' ``TracedOp.iteration`` numbers in order (XLA runs one iteration's body at a time:
+    testbed.sim.traced starts an iteration once the one before it, inner loops included, has ended).
     """
 
     name: str
@@ -95,6 +97,7 @@ class Workload:
     assumptions: tuple[str, ...] = ()
     memory: dict = field(default_factory=dict)
     buffers: int = 0
+    loops: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.mesh or any(int(n) < 1 for n in self.mesh.values()):
@@ -104,6 +107,9 @@ class Workload:
                 raise ValueError(f"op {i} ({op.name}) depends on a later or missing op: {op.deps}")
             if op.kind is OpKind.COLLECTIVE and not set(op.axes) <= set(self.mesh):
                 raise ValueError(f"op {i} ({op.name}) runs over axes {op.axes} not all in the mesh {list(self.mesh)}")
+        for loop in self.loops:
+            if min(loop, default=1) < 1 or list(loop) != sorted(set(loop)):
+                raise ValueError(f"a loop's iterations must be increasing numbers >= 1, got {loop}")
 
     @property
     def devices(self) -> int:

@@ -61,6 +61,7 @@ class _Emitter:
         self.barriers = 0  # matmuls and collectives emitted: a multi-output fusion does not reach past one
         self.computed: dict = {}  # (scope, collective, result bytes, operand identities) -> (operands, results)
         self.scope = self.scopes = 0  # one per loop iteration walked: XLA runs a while body's collectives each time
+        self.loops: list[tuple[int, ...]] = []  # each unrolled loop's iterations (their scopes), in order
         self.returned = _returned(compiled.entry)  # values the step returns: written to HBM even if constant
 
     def sinks(self, block: Block) -> frozenset:
@@ -187,9 +188,12 @@ class _Emitter:
             body = node.blocks[0]
             outer = self.scope
             if self.visits + node.trips * body.size <= UNROLL_NODES:
+                iterations = []
                 for _ in range(node.trips):
                     self.scope = self.scopes = self.scopes + 1
+                    iterations.append(self.scope)
                     args = self.run(body, args)
+                self.loops.append(tuple(iterations))
             else:
                 self.notes.append(f"a loop of {node.trips} iterations priced as its body repeated back to back "
                                   f"(unrolled it would exceed {UNROLL_NODES} ops)")
@@ -218,8 +222,9 @@ def _returned(block: Block) -> frozenset:
     return frozenset(out)
 
 
-def emit(compiled: Compiled) -> tuple[list[TracedOp], list[str]]:
-    """One device's ops in program order (loops unrolled or counted) and notes on what was approximated."""
+def emit(compiled: Compiled) -> tuple[list[TracedOp], list[str], tuple[tuple[int, ...], ...]]:
+    """One device's ops in program order (loops unrolled or counted), notes on what was approximated, and each
+    unrolled loop's iterations in order (``Workload.loops``)."""
     emitter = _Emitter(compiled)
     emitter.run(compiled.entry, [_Val(frozenset(), True, b) for b in compiled.arg_bytes])
-    return emitter.ops, sorted(set(emitter.notes))
+    return emitter.ops, sorted(set(emitter.notes)), tuple(emitter.loops)
