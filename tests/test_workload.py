@@ -157,6 +157,18 @@ def test_deferring_moves_a_collective_consumer_after_independent_compute() -> No
     assert len(moved.ops) == len(ops)
 
 
+def test_deferring_leaves_compute_a_collective_reads_where_it_is() -> None:
+    """XLA's scheduler starts a collective as early as it can, so it runs the compute that makes its operand before
+    independent compute: a matmul that reads a gather and feeds another through a memory-bound op (the fsdp head's
+    input gradient, the cotangent the layers' backward gathers wait for) stays ahead of an independent matmul (the
+    head's weight gradient), where deferring it held the second gather back by that matmul."""
+    ops = [reduce((), op="all_gather"), gemm((0,)), gemm(), memory((1,)), reduce((3,), op="all_gather"), gemm((4,))]
+    assert defer_consumers(workload(ops)).ops == workload(ops).ops
+    ops[4] = gemm((3,))  # no collective reads it: it waits at the end as before
+    assert [op.kind for op in defer_consumers(workload(ops)).ops][1:3] == [OpKind.GEMM, OpKind.GEMM]
+    assert defer_consumers(workload(ops)).ops[1].deps == ()
+
+
 def test_hoisting_starts_a_collective_once_its_operands_are_ready() -> None:
     """A collective JAX emits after unrelated compute (the runner's fsdp backward gather, whose link is a slice of
     an earlier gradient) moves, with the memory-bound op that makes its operand, to just after the matmul it reads:
