@@ -18,7 +18,7 @@ from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, P
 from testbed.model.spans import action_spans
 from testbed.sim.action_work import action_work
 from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, step_facts
-from testbed.sim.grad_bytes import accumulated_in_the_backward
+from testbed.sim.grad_bytes import accumulated_in_the_backward, loop_kept
 from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
 from testbed.plan.sharding import gradient_reduction, state_sharding
@@ -81,8 +81,10 @@ def test_gradient_bytes_are_conserved(plan):
         accumulate = [t for t in firsts if t.name.endswith("(accumulate)")]
         firsts = [t for t in firsts if t not in accumulate]
         sharded = state_sharding(plan).ways(plan, "grads") > 1
-        assert len(accumulate) == (plan.schedule.virtual_stages * (plan.batch.microbatches - 1) if sharded else 0)
-        assert math.isclose(sum(t.nbytes for t in accumulate),
+        # In a loop XLA keeps, bucket by bucket as the last microbatch's (grad_bytes.loop_kept), else one each
+        each = len(firsts) if loop_kept(plan) else plan.schedule.virtual_stages
+        assert len(accumulate) == (each * (plan.batch.microbatches - 1) if sharded else 0)
+        assert math.isclose(sum(t.nbytes * t.count for t in accumulate),
                             sharded * (plan.batch.microbatches - 1) * costs.device_stage_params(plan, s) * grad_b,
                             rel_tol=1e-9)
         assert math.isclose(sum(t.nbytes for t in firsts), costs.device_stage_params(plan, s) * grad_b, rel_tol=1e-9)
@@ -304,9 +306,40 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
             scatters = [t for t in mine if t.op == "reduce_scatter"]
             accumulate = [t for t in scatters if t.name.endswith("(accumulate)")]
             buckets = [t for t in scatters if t not in accumulate]
-            assert all(t.count == n for t in accumulate)
+            if loop_kept(plan):  # each earlier microbatch's bucket by bucket, as the last one's
+                assert sum(t.count for t in accumulate) == (plan.batch.microbatches - 1) * sum(t.count for t in buckets)
+            else:
+                assert all(t.count == n for t in accumulate)
+            assert math.isclose(sum(t.count * t.nbytes for t in accumulate),
+                                (plan.batch.microbatches - 1) * cost.params * grad_b, rel_tol=1e-9)
             assert sum(t.count for t in buckets) == n or len(buckets) > n  # a bucket is at least one collective
             assert math.isclose(sum(t.count * t.nbytes for t in buckets), cost.params * grad_b, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("framework", ["jax", "pytorch"])
+def test_in_a_loop_xla_keeps_a_microbatch_begins_once_the_one_before_it_has_ended(framework):
+    """JAX's one SPMD step accumulates its microbatches in a ``lax.scan`` XLA keeps (grad_bytes.loop_kept): the
+    second microbatch's gathers and forward wait for everything of the first, whose gradients leave bucket by bucket
+    as its backward makes them (the loop body's reduce-scatters); a PyTorch step's next microbatch starts beside the
+    first's one reduce-scatter (FSDP's post-backward hooks, on a stream of their own)."""
+    plan = make_plan(fsdp=4, microbatches=2, layers=4)
+    plan = replace(plan, runtime=replace(plan.runtime, framework=framework))
+    _, program = _program(plan)
+    tasks = program.tasks
+    joins = [i for i, t in enumerate(tasks) if t.name.startswith("iteration ")]
+    scatters = [i for i, t in enumerate(tasks) if t.name.endswith("(accumulate)")]
+    if framework == "pytorch":
+        assert joins == [] and len(scatters) == 1
+        return
+    chunk = step_facts(plan, place(plan, num_devices=4).device_ids).chunks[0][0]
+    assert len(joins) == 1 and len(scatters) == sum(len(chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
+    assert set(scatters) <= set(tasks[joins[0]].deps)
+    after = {joins[0]}  # the tasks that wait for the join: through their dependencies, or behind it in order
+    for i, t in enumerate(tasks):
+        if after.intersection(t.deps) or (i > joins[0] and t.stream == "compute"):
+            after.add(i)
+    second = [i for i, t in enumerate(tasks) if t.name.startswith(("F1", "gather F1", "B1", "gather B1"))]
+    assert second and set(second) <= after
 
 
 def test_host_counts_one_collective_per_leaf():

@@ -162,6 +162,8 @@ def test_a_collective_repeats_in_every_iteration_but_not_twice_in_one() -> None:
     w = trace(mapped, sd((d, d), jnp.float32), sd((trips, rows, d), jnp.float32), mesh=mesh)
     gathers = [op for op in w.ops if op.kind is OpKind.COLLECTIVE and op.collective == "all_gather"]
     assert sum(op.count for op in gathers) == trips and all(op.nbytes == d * d * 4 for op in gathers)
+    # each iteration's ops carry an iteration of their own (XLA keeps the loop: nothing merges or moves across)
+    assert len({op.iteration for op in gathers}) == trips and all(op.iteration > 0 for op in gathers)
 
 
 def test_a_convolution_is_priced_as_its_implicit_gemm() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -211,13 +212,54 @@ def test_collectives_over_one_device_are_dropped_before_combining() -> None:
     assert [op.deps for op in merged.ops if op.kind is OpKind.MEMORY] == [(0,), (1,), (0,)]
 
 
+def test_no_merge_or_move_crosses_a_loop_iterations_start_or_end() -> None:
+    """Two iterations of a microbatch loop (the tracer unrolls XLA's while loop; XLA keeps it): each iteration
+    gathers the loop-invariant parameters (no dependencies), computes, reduce-scatters its gradient and adds it to
+    the accumulator. Without the iterations, the second's gather would merge with the first's (the combiner), rise
+    to the step's start (the hoist) and the first accumulation add would wait for the second's reduce-scatter (the
+    deferral); XLA runs one iteration's body at a time, so none of that happens."""
+    def body(at: int, it: int, acc: tuple) -> list[TracedOp]:
+        return [replace(op, iteration=it) for op in (
+            reduce((), op="all_gather"), gemm((at,)), gemm((at + 1,)), reduce((at + 2,), op="reduce_scatter"),
+            memory((*acc, at + 3)))]
+
+    ops = body(0, 1, ()) + body(5, 2, (4,))
+    flat = workload([replace(op, iteration=0) for op in ops])
+    loop = workload(ops)
+    gathers = lambda w: [op for op in w.ops if op.collective == "all_gather"]  # noqa: E731
+    assert len(gathers(combine_collectives(flat, None))) == 1  # merged across the two microbatches
+    assert len(gathers(combine_collectives(loop, None))) == 2
+    hoisted = hoist_collectives(flat)
+    assert [op.collective for op in hoisted.ops[:2]] == ["all_gather", "all_gather"]
+    assert hoist_collectives(loop).ops == loop.ops
+    assert [op.kind for op in defer_consumers(flat).ops[3:5]] == [OpKind.COLLECTIVE, OpKind.COLLECTIVE]
+    deferred = defer_consumers(loop)
+    assert [op.iteration for op in deferred.ops] == [1] * 5 + [2] * 5 and deferred.ops[4].kind is OpKind.MEMORY
+    topology = load_topology("dgx-h100")
+    assert simulate_workload(loop, topology).report.step_time_s > simulate_workload(flat, topology).report.step_time_s
+    # The loop's iterations in order (Workload.loops): the second begins once the first has ended, its reduce-scatter
+    # included, and its gather (which reads only the parameters) starts no earlier.
+    kept = replace(loop, loops=((1, 2),))
+    program = workload_program(kept, topology)
+    (join,) = [i for i, t in enumerate(program.tasks) if t.name == "iteration 2"]
+    first_scatter = next(i for i, t in enumerate(program.tasks) if t.op == "reduce_scatter")
+    assert first_scatter in program.tasks[join].deps
+    second_gather = [i for i, t in enumerate(program.tasks) if t.op == "all_gather"][1]
+    assert join in program.tasks[second_gather].deps
+    assert simulate_workload(kept, topology).report.step_time_s > simulate_workload(loop, topology).report.step_time_s
+    with pytest.raises(ValueError, match="increasing"):
+        replace(loop, loops=((2, 1),))
+
+
 @st.composite
 def random_workloads(draw) -> Workload:
     """Random DAGs of gemms, memory ops and collectives over two axes."""
     n = draw(st.integers(1, 30))
     ops = []
+    iteration = 0  # consecutive loop iterations (0: outside loops), as the tracer numbers an unrolled loop's
     for i in range(n):
         deps = tuple(sorted(set(draw(st.lists(st.integers(0, i - 1), max_size=3))))) if i else ()
+        iteration += draw(st.booleans()) and draw(st.booleans())
         kind = draw(st.sampled_from(["gemm", "memory", "collective"]))
         if kind == "gemm":
             ops.append(gemm(deps, m=draw(st.integers(1, 64)), n=16, k=16))
@@ -227,12 +269,15 @@ def random_workloads(draw) -> Workload:
             axes = draw(st.sampled_from([(), ("data",), ("tensor",), ("data", "tensor")]))  # (): one device
             op = draw(st.sampled_from(["all_reduce", "all_gather", "reduce_scatter"]))
             ops.append(reduce(deps, axes=axes, nbytes=draw(st.floats(1, 1e6)), group=8 if axes else 1, op=op))
+        ops[-1] = replace(ops[-1], iteration=iteration)
     return workload(ops, mesh={"data": 4, "tensor": 2})
 
 
 @given(random_workloads(), st.sampled_from([None, 0, 1e5, 1e6]))
 def test_ordering_and_combining_keep_the_program_a_dag_and_conserve_work(w: Workload, limit) -> None:
     out = hoist_collectives(combine_collectives(defer_consumers(w), limit))  # Workload's checks: deps come first
+    iterations = [o.iteration for o in out.ops]
+    assert iterations == sorted(iterations)  # no op moved or merged across a loop iteration's start or end
     for kind in OpKind:
         assert math.isclose(sum(o.flops + o.hbm_bytes for o in out.ops if o.kind is kind),
                             sum(o.flops + o.hbm_bytes for o in w.ops if o.kind is kind))

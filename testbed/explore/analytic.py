@@ -57,7 +57,7 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds
 from testbed.model.spans import scaled_spans
-from testbed.sim.grad_bytes import summed_each_microbatch, summed_in_the_step
+from testbed.sim.grad_bytes import loop_kept, summed_each_microbatch, summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
@@ -222,6 +222,7 @@ class _Priced(NamedTuple):
     early: float = 0.0  # the sequence-replicated gradients' sum as the compute ends (grad_bytes.summed_in_the_step)
     plays: tuple = ()  # its blocks played span by span (testbed.explore.span_times; empty: not so played)
     plays_last: tuple = ()  # the same, of the microbatch that releases the chunk's gradient buckets
+    scatter_each: tuple[float, ...] = ()  # an earlier microbatch's reduce-scatter bucket by bucket (grad_bytes.loop_kept)
 
 
 class _Step:
@@ -314,9 +315,9 @@ class _Step:
                 own = {n: self._reduce(s, chunk.reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
                        for n in {bucket_share(chunk.leaves, pieces, k) for k in range(pieces)}}
                 each = tuple(own[bucket_share(chunk.leaves, pieces, k)] for k in range(pieces))
+        scatter_each: tuple[float, ...] = ()
         if last and per_microbatch and facts.microbatches > 1:
-            n = max(1, chunk.leaves)
-            scatter = n * coll.time("reduce_scatter", per_microbatch, s, chunk.reduced[0] / n)
+            scatter, scatter_each = self._scatters(s, chunk, bool(chain))
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
@@ -347,11 +348,23 @@ class _Step:
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
                        send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
+                       scatter_each=scatter_each,
                        after_tp=after_tensor(plan, bool(chunk.block_shares(kind, pieces)),
                                              bool(work.tensor) and overlap is None, pieces),
                        plays=priced_plays(self, s, chunk, work, chunk.blocks, False) if spans else (),
                        plays_last=priced_plays(self, s, chunk, work, pieces, True) if spans and last and reduces
                        else ())
+
+    def _scatters(self, s: int, chunk: ChunkFacts, chain: bool) -> tuple[float, tuple[float, ...]]:
+        """An earlier microbatch's reduce-scatter into the sharded accumulator: its seconds, and in a loop XLA keeps
+        (testbed.sim.grad_bytes.loop_kept) each bucket's as testbed.sim.program reduce-scatters them, bucket by
+        bucket as the backward makes them (empty: one, after the backward)."""
+        coll, axes, n = self.coll, self.facts.per_microbatch, max(1, chunk.leaves)
+        each: tuple[float, ...] = ()
+        if loop_kept(self.facts.plan) and not chain and chunk.buckets > 1:
+            each = tuple(sum(max(1, m) * coll.time("reduce_scatter", axes, s, chunk.reduced[0] * f / max(1, m))
+                             for f, m in chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
+        return n * coll.time("reduce_scatter", axes, s, chunk.reduced[0] / n), each
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's

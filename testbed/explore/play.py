@@ -20,6 +20,7 @@ from testbed.plan.spec import Axis
 from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.compute import compute_seconds
+from testbed.sim.grad_bytes import loop_kept
 from testbed.sim.tp_overlap import overlap_end
 
 if TYPE_CHECKING:
@@ -149,6 +150,8 @@ class Play:
         else:
             priced = priced._replace(plays=())
         compute = self.slow * priced.compute
+        if kind == "F" and mb > 0 and loop_kept(self.plan):
+            self._iteration(s)
         start, stretch = self._start(s, c, kind, priced, deps), 0.0
         skewed = self.step.skewed
         if priced.gather:
@@ -243,9 +246,21 @@ class Play:
                 tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= priced.after_tp else 0.0
                 out.append((max(done, tp), own, before / total if parts and total else (k + 1) / pieces))
             releases = tuple(out)
+        elif not last_mb and priced.scatter_each:  # a loop XLA keeps: bucket by bucket as the backward makes them
+            n = len(priced.scatter_each)
+            ends = self.block_ends[s] if priced.gather and len(self.block_ends[s]) == n else ()
+            releases = tuple((ends[k] if ends else start + compute * (k + 1) / n, x, (k + 1) / n)
+                             for k, x in enumerate(priced.scatter_each) if x)
         elif not last_mb and priced.scatter:
             releases = ((start + compute, priced.scatter, 1.0),)
         return compute + acc, wait, releases
+
+    def _iteration(self, s: int) -> None:
+        """A microbatch of a loop XLA keeps (testbed.sim.grad_bytes.loop_kept) begins once the one before it has
+        ended, its reduce-scatters and sums too, and gathers nothing before (testbed.sim.program's join)."""
+        end = max(self.free[s], self.grad[s], self.early[s])
+        self.comm[s] += end - self.free[s]
+        self.free[s], self.gather_free[s] = end, max(self.gather_free[s], end)
 
     def _slowed(self, s: int, priced: _Priced, compute: float, stretch: float, releases: tuple[Release, ...]
                 ) -> tuple[float, float, tuple[Release, ...]]:
@@ -316,7 +331,10 @@ class Play:
         self.gather_free[s], self.block_ends[s] = max(again.gather_end, again.dones[n - 1 - d] if n > d else 0.0), \
             again.dones
         first = played.starts[0]
-        out = tuple((at, x, 1.0) for at, x in again.releases) if releases else releases
+        if again.releases or not releases:
+            out = tuple((at, x, 1.0) for at, x in again.releases) if releases else releases
+        else:  # an earlier microbatch's reduce-scatters (a loop XLA keeps), each as its block is now done
+            out = tuple((t + _later(t, played.dones, again.dones), x, f) for t, x, f in releases)
         return sum(longer) - total, again.ends[-1] - first - sum(longer), out
 
     def update(self, s: int) -> float:
@@ -367,6 +385,13 @@ def _blocks(gathers: tuple[float, ...], parts: tuple[float, ...], start: float, 
             flying.append((gather_end - g, gather_end))
         ends.append(max(ends[-1] if ends else start, gather_end) + c)
     return ends, gather_end, flying
+
+
+def _later(t: float, dones: list[float], again: list[float]) -> float:
+    """How much later a release at ``t`` (a block's done, of ``dones``) leaves with the blocks done at ``again``:
+    the latest block done by ``t``'s shift."""
+    k = max((i for i, d in enumerate(dones) if d <= t * (1 + 1e-12)), default=0)
+    return again[k] - dones[k]
 
 
 def _overlaps(blocks: list[tuple[float, float]], spans: list[tuple[float, float]]) -> list[float]:

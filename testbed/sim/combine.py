@@ -32,6 +32,10 @@ left in, the all-reduce combiner merged such no-ops with each other, so an activ
 for a weight gradient's (fsdp x tensor with sequence parallelism: the last layer's backward gathers then
 waited for the head's weight-gradient matmul).
 
+A combiner merges within one computation, and a while loop's body is one: the tracer unrolls the loops it
+walks, but no merge takes collectives of two loop iterations (``TracedOp.iteration``; XLA keeps the loop of a
+``lax.scan``, docs/program.md "Gradient accumulation"), nor one inside a loop with one outside it.
+
 Here the keys are walked together in one pass, each with its open group; reachability counts a merge as
 one op (XLA recomputes it after each combined group). A merged collective needs all its members'
 operands and is needed by all their readers, so the ops are then put in a topological order, each as
@@ -69,8 +73,8 @@ def _merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[int]:
         newest = max((after[d] for d in op.deps), default=-1)
         if (op.kind is OpKind.COLLECTIVE and op.count == 1 and (op.collective, op.axes) == key
                 and op.nbytes <= bound):  # one over the bound alone is never merged; the group goes on
-            if first < 0 or newest >= first or size + op.nbytes > bound:
-                first, size = i, 0.0  # reachable from the group, or over the bound: the next group
+            if first < 0 or newest >= first or size + op.nbytes > bound or op.iteration != ops[first].iteration:
+                first, size = i, 0.0  # reachable from the group, over the bound, or another loop iteration: the next
             merge[i], size, newest = first, size + op.nbytes, first
         after[i] = newest
     return merge

@@ -208,6 +208,15 @@ def accumulated_in_the_backward(plan: Plan) -> bool:
             and not state_sharding(plan).split_axes(plan, "grads"))
 
 
+def loop_kept(plan: Plan) -> bool:
+    """Whether the step accumulates its microbatches in a loop XLA keeps (JAX's one SPMD step, no pipeline stages:
+    testbed.runner.step._scan_sum's ``lax.scan``), one iteration's body at a time: a microbatch begins once the one
+    before it has ended, its collectives too (an asynchronous collective starts and ends inside the body). XLA:GPU
+    at its default settings neither unrolls the loop, nor hoists its loop-invariant parameter gathers, nor
+    pipelines its collectives across iterations (docs/program.md, "Gradient accumulation")."""
+    return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.framework == "jax"
+
+
 def accumulated_bytes(plan: Plan, params: int, weight_gradients: bool) -> float:
     """HBM bytes a microbatch's weight-gradient action (``weight_gradients``) of ``params`` carries for the add into
     the accumulator under :func:`accumulated_in_the_backward`: :data:`ACCUMULATE_PASSES` over the device's

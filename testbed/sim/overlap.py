@@ -34,16 +34,33 @@ def defer_consumers(workload: Workload) -> Workload:
         for d in op.deps:
             consumers[d].append(i)
     # Sort key: (position of the anchoring op that is not deferred, -steps before it); deferred ops sit just
-    # before their earliest consumer, chains of them in their order.
+    # before their earliest consumer, chains of them in their order, and no later than just after the last op
+    # of their loop iteration (``_iteration_spans``).
+    last = {it: end for it, (_, end) in _iteration_spans(workload).items()}
     key: list[tuple[int, int]] = [(i, 0) for i in range(n)]
     for i in range(n - 1, -1, -1):
         if waits[i]:
             anchor = min((key[c] for c in consumers[i]), default=(n, 0))
-            key[i] = (anchor[0], anchor[1] - 1)
+            key[i] = min((anchor[0], anchor[1] - 1), (last[ops[i].iteration], 1))
     order = sorted(range(n), key=lambda i: (key[i], i))
     index = {old: new for new, old in enumerate(order)}
     moved = tuple(replace(ops[old], deps=tuple(sorted(index[d] for d in ops[old].deps))) for old in order)
     return replace(workload, ops=moved)
+
+
+def _iteration_spans(workload: Workload) -> dict[int, tuple[int, int]]:
+    """Per loop iteration (``TracedOp.iteration``; 0: outside loops), the positions of its first and last op.
+
+    XLA keeps the while loop of a ``lax.scan`` and its scheduler orders one computation at a time, a loop body
+    being one: no op of an iteration starts before the iteration does, nor ends after it (the tracer unrolls
+    the loop: docs/program.md, "Gradient accumulation"). So the orderings here move no op above its
+    iteration's first op nor below its last. An op after an inner loop has its enclosing iteration's number,
+    so it may still move across the inner loop, as XLA's scheduler moves it across the inner while."""
+    spans: dict[int, tuple[int, int]] = {}
+    for i, op in enumerate(workload.ops):
+        start, _ = spans.get(op.iteration, (i, i))
+        spans[op.iteration] = (start, i)
+    return spans
 
 
 def hoist_collectives(workload: Workload) -> Workload:
@@ -88,10 +105,11 @@ def hoist_collectives(workload: Workload) -> Workload:
     # Sort key (base, index): an op that stays has base = its index and sorts first among equals (index -1);
     # a moved one has the latest base of its dependencies and sorts after that op, in program order.
     base, moved, late = list(range(n)), [False] * n, [False] * n  # late: its latest dependency is a collective
+    first = {it: start for it, (start, _) in _iteration_spans(workload).items()}
     for i, op in enumerate(ops):
         if op.kind is OpKind.GEMM or not (op.kind is OpKind.COLLECTIVE or feeds[i]):
             continue
-        top, from_collective = -1, False
+        top, from_collective = first[op.iteration] - 1, False  # not above its loop iteration's first op
         for d in op.deps:
             at = base[d]
             if at > top or (at == top and not from_collective):
@@ -102,7 +120,7 @@ def hoist_collectives(workload: Workload) -> Workload:
         base[i], moved[i], late[i] = top, True, from_collective and op.kind is OpKind.MEMORY
     for i, op in enumerate(ops):
         if op.kind is OpKind.COLLECTIVE:
-            _with_its_chain(ops, i, base, moved)
+            _with_its_chain(ops, i, base, moved, first[op.iteration] - 1)
     order = sorted(range(n), key=lambda i: (base[i], i if moved[i] else -1))
     if order == list(range(n)):
         return workload
@@ -111,20 +129,22 @@ def hoist_collectives(workload: Workload) -> Workload:
     return replace(workload, ops=hoisted)
 
 
-def _with_its_chain(ops: tuple, g: int, base: list[int], moved: list[bool]) -> None:
+def _with_its_chain(ops: tuple, g: int, base: list[int], moved: list[bool], floor: int = -1) -> None:
     """Collective ``g`` and the memory-bound ops it reads through memory-bound ops (its operand chain) up to just
     after the latest matmul or collective any of them reads, where that is above ``g``: the ops of the chain below
     that point (those left in place because they read a collective's result) move up with ``g``, none moves down.
     A chain moves only with its collective, so the in-order compute stream waits for a collective only where the
     collective the chain feeds starts at once (a merged all-reduce over data that waits for every layer's
-    gradients leaves each layer's chain where it is)."""
+    gradients leaves each layer's chain where it is). Nothing moves above ``floor`` (just before the first op of
+    ``g``'s loop iteration)."""
     chain, stack = set(), [g]
     while stack:
         for d in ops[stack.pop()].deps:
             if ops[d].kind is OpKind.MEMORY and d not in chain:
                 chain.add(d)
                 stack.append(d)
-    top = max((base[d] for k in (g, *chain) for d in ops[k].deps if d not in chain), default=-1)
+    top = max((base[d] for k in (g, *chain) for d in ops[k].deps if d not in chain), default=floor)
+    top = max(top, floor)
     if top >= base[g]:
         return
     for k in (g, *chain):

@@ -78,7 +78,7 @@ from testbed.plan.placement import Placement
 from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
-from testbed.sim.grad_bytes import summed_each_microbatch, summed_in_the_step
+from testbed.sim.grad_bytes import loop_kept, summed_each_microbatch, summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor, reduce_tasks
 from testbed.sim.span_play import SpanPlay
 from testbed.sim.moe import A2A_STREAM
@@ -152,6 +152,8 @@ class _Graph(SpanPlay):
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
         self.first_gather, self.block_gemms, self.span_end = -1, [], None  # (SpanPlay)
+        self.iteration: tuple[int, ...] = ()  # the loop's barrier: what an iteration's first tasks wait for
+        self.began = -1  # the first task of the loop iteration (microbatch) running
         self.tail: list[tuple] = []  # the last block's buckets, reduced after the action's tensor collectives
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
@@ -181,6 +183,13 @@ class _Graph(SpanPlay):
         label = action.label(v)
         first = len(b.tasks)  # the action's tasks from here (its program; barriers)
         deps: list[int] = [self.previous[s]] if s in self.previous else []
+        if action.kind == "F" and loop_kept(self.plan):  # a microbatch begins once the one before it has ended
+            if self.began >= 0:
+                self.iteration = (b.add(name=f"iteration {action.microbatch}", device=self.reps[s],
+                                        stream="compute", kind=TaskKind.COMPUTE,
+                                        deps=tuple(range(self.began, len(b.tasks)))),)
+                deps.append(self.iteration[0])
+            self.began = len(b.tasks)
         if self.controller and facts.stages > 1:
             accumulated = self.remaining[(s, action.chunk)] < facts.microbatches
             deps.append(self._dispatch(f"dispatch {label}@{s}", facts.dispatch_buffers(
@@ -195,13 +204,16 @@ class _Graph(SpanPlay):
             self.remaining[(s, action.chunk)] -= 1
             if self.remaining[(s, action.chunk)] == 0 and facts.reductions:
                 pieces, reduce = chunk.buckets, True  # module docstring: buckets, or one after the backward
-            # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator.
+            # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator, in a loop XLA
+            # keeps bucket by bucket as the backward makes them (the loop body's reduce-scatters), else after it.
             scatter = self.remaining[(s, action.chunk)] > 0 and bool(facts.per_microbatch)
+            if scatter and loop_kept(self.plan) and not work.chain:
+                pieces, scatter = chunk.buckets, None
         self.span_end = None
         if work.chain:
             last, computes = self._chain(s, chunk, work, label, deps, pieces if reduce else 0), []
         else:
-            last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce, gathering)
+            last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce, gathering, scatter is None)
         if scatter:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
         if (reduce and summed_in_the_step(self.plan)  # the tensor-replicated gradients' sum leaves as compute ends
@@ -250,7 +262,7 @@ class _Graph(SpanPlay):
                           group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
 
     def _compute(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], pieces: int,
-                 reduce: bool, gathering: bool = False) -> tuple[int, list[int]]:
+                 reduce: bool, gathering: bool = False, scatter: bool = False) -> tuple[int, list[int]]:
         """A dense action's compute (compute stream, or the ring's steps and sends under context parallelism),
         split into ``pieces`` (the chunk's blocks when it gathers its sharded parameters, each after its own
         gather; gradient buckets when it ends the chunk's backward); returns its last task and its compute
@@ -274,6 +286,9 @@ class _Graph(SpanPlay):
                     (self.first_gather, gathered) if gathered is not None else None)
                 computes += tasks
                 ends.append(done)
+                for fraction, count in chunk.bucket(pieces, k) if scatter else ():  # an earlier microbatch's, as
+                    # the block is done (the analytic tier's releases at the played blocks' ends)
+                    self.reduce_tasks[s].append(self._scatter(s, chunk, f"{label}/{k}", done, fraction, count))
                 continue
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
@@ -287,6 +302,8 @@ class _Graph(SpanPlay):
             computes += [] if ringed is not None else [last]
             ends.append(last)
             deps = []
+            for fraction, count in chunk.bucket(pieces, k) if scatter else ():  # an earlier microbatch's, each bucket
+                self.reduce_tasks[s].append(self._scatter(s, chunk, name, last, fraction, count))
             if reduce:
                 # Bucket k holds its share of the chunk's gradients (ChunkFacts.bucket): reduced while the backward
                 # continues when they accumulate sharded, else once the stage's backward is done.
@@ -321,7 +338,8 @@ class _Graph(SpanPlay):
         self.first_gather = len(self.b.tasks)
         for size, count in Counter(chunk.gather_sizes(kind)[k]).items():
             last = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                              op="all_gather", deps=after if last is None else (last,), nbytes=size, count=count,
+                              op="all_gather", deps=(*after, *self.iteration) if last is None else (last,),
+                              nbytes=size, count=count,
                               group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
         return last
 
@@ -408,12 +426,14 @@ class _Graph(SpanPlay):
         else:
             self.once[s].append(bucket_of)
 
-    def _scatter(self, s: int, chunk: ChunkFacts, label: str, last: int) -> int:
-        """An earlier microbatch's gradients reduce-scattered into the sharded accumulator (grad stream)."""
-        rep, groups, leaves = self.reps[s], self.g_groups[s], max(1, chunk.leaves)
+    def _scatter(self, s: int, chunk: ChunkFacts, label: str, last: int, fraction: float = 1.0,
+                 count: int = 0) -> int:
+        """An earlier microbatch's gradients (``fraction`` of them, in ``count`` collectives; default all, one per
+        leaf) reduce-scattered into the sharded accumulator (grad stream)."""
+        rep, groups, leaves = self.reps[s], self.g_groups[s], count or max(1, chunk.leaves)
         return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                           kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                          nbytes=chunk.reduced[0] / leaves, count=leaves,
+                          nbytes=chunk.reduced[0] * fraction / leaves, count=leaves,
                           group=rep_group(groups, rep), instances=groups)
 
     def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,

@@ -135,8 +135,12 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
         pending.clear()
 
     waited: set[int] = set()  # collectives the open segment reads
+    follows = {it: loop[j - 1] for loop in workload.loops for j, it in enumerate(loop) if j}
+    began: dict[int, int] = {}  # loop iteration -> its first task
     for i, op in enumerate(workload.ops):
         done.append(())
+        if op.iteration not in began:
+            previous = _iteration_begins(b, rep, op.iteration, follows, began, close, waited, previous)
         if op.kind is not OpKind.COLLECTIVE:
             reads = {d for d in op.deps if workload.ops[d].kind is OpKind.COLLECTIVE}
             if op.kind is OpKind.GEMM and reads - waited:  # a new kernel that waits for that collective
@@ -161,6 +165,24 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     close()
     representative = np.full(workload.devices, rep, dtype=np.int64)
     return Program(tasks=tuple(b.tasks), representative=representative)
+
+
+def _iteration_begins(b: Builder, rep: int, iteration: int, follows: dict[int, int], began: dict[int, int],
+                      close, waited: set[int], previous: tuple[int, ...]) -> tuple[int, ...]:
+    """A loop iteration's first op is reached: what the tasks from here wait for besides their data.
+
+    XLA keeps the loop of a ``lax.scan`` (``Workload.loops``) and runs its body one iteration at a time: an
+    asynchronous collective starts and ends within the body, so an iteration begins once the one before it
+    (``follows``), its collectives and inner loops included, has ended. That is an empty join task on the compute
+    stream after every task since that iteration's first (``began``), which the open segment closes before; a
+    loop's first iteration waits for its operands alone. docs/program.md, "Gradient accumulation"."""
+    if follows.get(iteration) in began:
+        close()
+        waited.clear()
+        previous = (b.add(name=f"iteration {iteration}", device=rep, stream="compute", kind=TaskKind.COMPUTE,
+                          deps=tuple(range(began[follows[iteration]], len(b.tasks)))),)
+    began[iteration] = len(b.tasks)
+    return previous
 
 
 def _shifts(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:

@@ -8,7 +8,10 @@ between them. This module holds only that description and its checks; it imports
 simulator core prices it (testbed.sim.traced) like a plan's task graph.
 
 An op inside a loop that was not unrolled carries the loop's trip count in ``count``: its FLOPs,
-bytes and executions are per execution, and the op runs ``count`` times back to back.
+bytes and executions are per execution, and the op runs ``count`` times back to back. An op inside a loop
+carries the loop iteration it runs in (``iteration``): XLA keeps a ``lax.scan``'s while loop and runs its
+body one iteration at a time, so what orders and merges the ops (testbed.sim.combine, testbed.sim.overlap)
+moves and merges none across an iteration's start or end (docs/program.md, "Gradient accumulation").
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class TracedOp:
     approximates them); ``collective`` ops ``collective`` (a :data:`COLLECTIVE_KINDS` entry),
     ``axes`` (the mesh axes its device groups span, in mesh order), ``group`` (devices in one group)
     and ``nbytes`` per device. ``deps`` index earlier ops of the workload whose results it reads.
+    ``iteration``: 0 outside loops; inside one, the innermost loop iteration the op runs in, a number of its own
+    per iteration walked (increasing in program order; an op after an inner loop has its enclosing iteration's).
     """
 
     name: str
@@ -56,11 +61,14 @@ class TracedOp:
     group: int = 1
     nbytes: float = 0.0
     count: int = 1
+    iteration: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
         if self.count < 1:
             raise ValueError(f"{self.name}: count must be >= 1, got {self.count}")
+        if self.iteration < 0:
+            raise ValueError(f"{self.name}: iteration must be >= 0, got {self.iteration}")
         if min(self.flops, self.hbm_bytes, self.nbytes) < 0 or not all(
                 math.isfinite(x) for x in (self.flops, self.hbm_bytes, self.nbytes)):
             raise ValueError(f"{self.name}: flops, hbm_bytes and nbytes must be finite and >= 0")
@@ -77,7 +85,9 @@ class Workload:
     run in (the most common operand type of the dots). ``assumptions`` are the tracer's stated
     approximations of ops it could not price exactly; ``memory`` its per-device memory estimate
     (bytes; ``method`` names how it was made); ``buffers`` the device buffers one dispatch of the step
-    passes (its argument arrays, for a controller's calibrated per-buffer cost).
+    passes (its argument arrays, for a controller's calibrated per-buffer cost); ``loops`` each loop the tracer
+    unrolled, its iterations' ``TracedOp.iteration`` numbers in order (XLA runs one iteration's body at a time:
+    testbed.sim.traced starts an iteration once the one before it, inner loops included, has ended).
     """
 
     name: str
@@ -87,6 +97,7 @@ class Workload:
     assumptions: tuple[str, ...] = ()
     memory: dict = field(default_factory=dict)
     buffers: int = 0
+    loops: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.mesh or any(int(n) < 1 for n in self.mesh.values()):
@@ -96,6 +107,9 @@ class Workload:
                 raise ValueError(f"op {i} ({op.name}) depends on a later or missing op: {op.deps}")
             if op.kind is OpKind.COLLECTIVE and not set(op.axes) <= set(self.mesh):
                 raise ValueError(f"op {i} ({op.name}) runs over axes {op.axes} not all in the mesh {list(self.mesh)}")
+        for loop in self.loops:
+            if min(loop, default=1) < 1 or list(loop) != sorted(set(loop)):
+                raise ValueError(f"a loop's iterations must be increasing numbers >= 1, got {loop}")
 
     @property
     def devices(self) -> int:

@@ -61,6 +61,7 @@ class _Emitter:
         self.barriers = 0  # matmuls and collectives emitted: a multi-output fusion does not reach past one
         self.computed: dict = {}  # (scope, collective, result bytes, operand identities) -> (operands, results)
         self.scope = self.scopes = 0  # one per loop iteration walked: XLA runs a while body's collectives each time
+        self.loops: list[tuple[int, ...]] = []  # each unrolled loop's iterations (their scopes), in order
         self.returned = _returned(compiled.entry)  # values the step returns: written to HBM even if constant
 
     def sinks(self, block: Block) -> frozenset:
@@ -108,7 +109,8 @@ class _Emitter:
                 env[r] = env.get(o, _EMPTY)
         elif kind == "gemm":
             ids = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.GEMM, deps=tuple(sorted(
-                self.deps(node.operands))), flops=node.flops, gemms=(node.gemm,), count=self.count))
+                self.deps(node.operands))), flops=node.flops, gemms=(node.gemm,), count=self.count,
+                iteration=self.scope))
             for r, w in zip(node.results, node.writes):
                 env[r] = _Val(ids, True, w)
         elif kind == "collective":
@@ -141,7 +143,8 @@ class _Emitter:
         op, axes, group, nbytes = node.collective
         ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
                                 deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
-                                group=group, nbytes=float(nbytes), count=self.count))
+                                group=group, nbytes=float(nbytes), count=self.count,
+                                iteration=self.scope))
         out = [_Val(ids, True, w) for w in node.writes]
         for r, v in zip(node.results, out):
             self.env[r] = v
@@ -172,7 +175,8 @@ class _Emitter:
         deps = self.deps(node.operands)
         if reads + writes > 0:
             deps = self.add(TracedOp(name=node.name.split(".")[-1], kind=OpKind.MEMORY, deps=tuple(sorted(deps)),
-                                     hbm_bytes=float(reads + writes), count=self.count))
+                                     hbm_bytes=float(reads + writes), count=self.count,
+                                     iteration=self.scope))
         for r, w, k, root in zip(node.results, node.writes, kept, node.roots):
             env[r] = _Val(deps, k, w if k else 0, fused if not root else frozenset(),
                           self.barriers if k and not root else -1)
@@ -184,9 +188,12 @@ class _Emitter:
             body = node.blocks[0]
             outer = self.scope
             if self.visits + node.trips * body.size <= UNROLL_NODES:
+                iterations = []
                 for _ in range(node.trips):
                     self.scope = self.scopes = self.scopes + 1
+                    iterations.append(self.scope)
                     args = self.run(body, args)
+                self.loops.append(tuple(iterations))
             else:
                 self.notes.append(f"a loop of {node.trips} iterations priced as its body repeated back to back "
                                   f"(unrolled it would exceed {UNROLL_NODES} ops)")
@@ -215,8 +222,9 @@ def _returned(block: Block) -> frozenset:
     return frozenset(out)
 
 
-def emit(compiled: Compiled) -> tuple[list[TracedOp], list[str]]:
-    """One device's ops in program order (loops unrolled or counted) and notes on what was approximated."""
+def emit(compiled: Compiled) -> tuple[list[TracedOp], list[str], tuple[tuple[int, ...], ...]]:
+    """One device's ops in program order (loops unrolled or counted), notes on what was approximated, and each
+    unrolled loop's iterations in order (``Workload.loops``)."""
     emitter = _Emitter(compiled)
     emitter.run(compiled.entry, [_Val(frozenset(), True, b) for b in compiled.arg_bytes])
-    return emitter.ops, sorted(set(emitter.notes))
+    return emitter.ops, sorted(set(emitter.notes)), tuple(emitter.loops)

@@ -139,7 +139,7 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
     module, context = partition(text)
     compiled = compile_module(module, context, sizes, on_unknown)
     with context:
-        ops, notes = emit(compiled)
+        ops, notes, loops = emit(compiled)
     dtype = Counter(compiled.dtypes).most_common(1)[0][0] if compiled.dtypes else "fp32"
     arguments = float(sum(compiled.arg_bytes))
     total = peak_bytes(compiled)
@@ -148,7 +148,7 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
                         "arguments plus the peak of the values it keeps alive; not XLA's buffer assignment"}
     return Workload(name=name, mesh=dict(sizes), ops=tuple(ops), dtype=dtype,
                     assumptions=tuple(compiled.assumptions + notes), memory=memory,
-                    buffers=len(compiled.arg_bytes))
+                    buffers=len(compiled.arg_bytes), loops=loops)
 
 
 def compiled_memory(step: Any, args: Any, devices: int) -> dict | None:
