@@ -7,10 +7,10 @@ one cluster and one job for all rates, the links reshaped between them,
 ``--rounds`` passes over the rates: the same processes time every rate, so a
 change of load reaches all of them) and runs what ``testbed calibrate --cluster`` runs
 (:func:`testbed.runner.cluster_calibrate.measure`): the host's TCP probed,
-then ``all_reduce`` and ``all_gather`` over all 8 devices (one JAX worker per
-node, gloo over the shaped links) at 4 KiB and at 64 KiB x 4^k up to the
-size whose call takes ``--max-call-s``, the median over ``--repeats`` calls
-of the slowest process. Each rate's rows are fitted on their own
+then ``all_reduce``, ``all_gather`` and ``reduce_scatter`` (``--ops``) over
+all 8 devices (one JAX worker per node, gloo over the shaped links) at 4 KiB
+and at 64 KiB x 4^k up to the size whose call takes ``--max-call-s``, the
+median over ``--repeats`` calls of the slowest process. Each rate's rows are fitted on their own
 (:func:`testbed.cluster.fit.fit_host_costs`: gloo's per-call and per-round
 cost and the links' efficiency, as ``calibrate --cluster`` writes them) and,
 **leave one rate out**, priced with the mean of the other two rates' fits,
@@ -26,8 +26,12 @@ from 4 KiB and from 64 KiB. The held-out errors of the sizes from 64 KiB up are 
 load average is recorded beside every rate (the host is shared).
 
 Needs root or CAP_NET_ADMIN. Prints one JSON object. Goal (issue 37): every
-size within 15%, the median within 10%. ``--refit FILE`` redoes the fits on a
-saved output (no privilege), ``--png P`` plots measured vs held-out bus
+all-reduce and all-gather size within 15%, the median within 10%; the
+reduce-scatter's sizes are scored apart (``reduce_scatter``): its 4 KiB call
+(4 rounds against the rings' 7 and 14) is in the fit to separate the
+per-call cost from the per-round one (:mod:`testbed.cluster.fit`; ``host_bound``
+shows each rate's calls under 64 KiB and the line through them). ``--refit
+FILE`` redoes the fits on a saved output (no privilege), ``--png P`` plots measured vs held-out bus
 bandwidth. ``--costs-from FILE`` prices every size of this run with the
 costs fitted to another saved run's other rates (held out by job and rate):
 one rate timed up to 64 MiB (``--rates 100 --max-call-s 12``), which the
@@ -52,34 +56,49 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 from testbed.cluster import cluster_spec, netns
-from testbed.cluster.fit import HostProbe, costs_at_rate, fit_from_bytes, fit_host_costs, link_goodput, row_errors
+from testbed.cluster.fit import (CAPPED_OPS, HostProbe, costs_at_rate, emulated, fit_from_bytes, fit_host_costs,
+                                 link_goodput, row_errors)
+from testbed.cluster.spec import GLOO_ALGORITHMS
 from testbed.collectives.ops import BUS_FACTOR, parse_op
+from testbed.collectives.timing import groups_time
 from testbed.topology.io import load_topology
 
 TOPOLOGY = "eth-4x2"
 GOAL_MIN_BYTES = 2**16  # issue 37's sizes: 64 KiB up
+GOAL_OPS = ("all_reduce", "all_gather")  # issue 37's ops; the reduce-scatter is reported beside them
 
 
 def _spec(topology, rate_mbps: float):
     return cluster_spec(topology, name="bench", scale=rate_mbps * 1e6 / (topology.levels[-1].bandwidth * 8))
 
 
-def _summary(rows: list[dict]) -> dict:
-    errors = [abs(r["error"]) for r in rows if r["bytes"] >= GOAL_MIN_BYTES]
+def _scores(errors: list[float]) -> dict:
     return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors),
             "within_15pct": sum(e <= 0.15 for e in errors), "sizes": len(errors)}
 
 
+def _summary(rows: list[dict]) -> dict:
+    """The goal's scores (all-reduce and all-gather from 64 KiB) and, where timed, the reduce-scatter's apart."""
+    errors = [abs(r["error"]) for r in rows if r["bytes"] >= GOAL_MIN_BYTES and r["op"] in GOAL_OPS]
+    scatter = [abs(r["error"]) for r in rows if r["bytes"] >= GOAL_MIN_BYTES and r["op"] == "reduce_scatter"]
+    return {**_scores(errors), **({"reduce_scatter": _scores(scatter)} if scatter else {})}
+
+
 def leave_one_rate_out(doc: dict, *, per_byte: bool = False, form: str = "hidden",
-                       min_bytes: int | None = None) -> dict:
+                       min_bytes: int | None = None, capped: dict | None = None) -> dict:
     """Each rate's rows priced with the mean of the other rates' fitted costs (fitted in ``form`` on the rows of
-    ``min_bytes`` and up; default: :func:`testbed.cluster.fit.fit_from_bytes`, by the run's bucket); per rate and
-    overall."""
+    ``min_bytes`` and up; default: :func:`testbed.cluster.fit.fit_from_bytes`, by the run's bucket; ``capped``:
+    :data:`testbed.cluster.fit.CAPPED_OPS` by default, the reduce-scatter's 4 KiB call); per rate and overall. The
+    held-out rate's rows are in no fit that prices them."""
     topology = load_topology(doc["topology"])
     min_bytes = min_bytes or fit_from_bytes(doc["runs"][0])
+    capped = CAPPED_OPS if capped is None else capped
     fits = {run["rate_mbps"]: fit_host_costs(_spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"]),
-                                             run["rows"], form=form, min_bytes=min_bytes) for run in doc["runs"]}
+                                             run["rows"], form=form, min_bytes=min_bytes, capped=capped)
+            for run in doc["runs"]}
     held, rows = [], []
     for run in doc["runs"]:
         spec = _spec(topology, run["rate_mbps"])
@@ -91,32 +110,57 @@ def leave_one_rate_out(doc: dict, *, per_byte: bool = False, form: str = "hidden
                      "own_fit": fits[run["rate_mbps"]].to_dict(), "held_out_costs": costs.to_dict(),
                      **_summary(priced)})
     carried = "per-byte cost" if per_byte else "link efficiency"
-    return {"carried": carried, "form": form, "fitted_from_bytes": min_bytes, "held_out": held, "rows": rows,
-            **_summary(rows)}
+    return {"carried": carried, "form": form, "fitted_from_bytes": min_bytes, "capped": capped, "held_out": held,
+            "rows": rows, **_summary(rows)}
 
 
 #: The variants beside the headline (``leave_one_rate_out``: the simulator's form, each round's host cost hidden under
-#: its wire, fitted from 4 KiB): the per-byte cost carried; the headline fitted from 64 KiB (the cut-off of runs
-#: 1-12, whose links had a bucket of 1 ms of rate); each round's host cost added to its wire (the simulator's form
-#: until gloo's two segments in flight were modelled), from 4 KiB and from 64 KiB.
-VARIANTS = {"leave_one_rate_out_per_byte": {"per_byte": True},
+#: a ring's wire, fitted from 4 KiB, the reduce-scatter's 4 KiB call in the fit): the rings alone fitted (as until
+#: run 21); every reduce-scatter call fitted; the per-byte cost carried; the headline fitted from 64 KiB (the
+#: cut-off of runs 1-12, whose links had a bucket of 1 ms of rate); each round's host cost added to its wire (the
+#: simulator's form until gloo's two segments in flight were modelled), from 4 KiB and from 64 KiB.
+VARIANTS = {"leave_one_rate_out_rings_only": {"capped": {"reduce_scatter": 0}},
+            "leave_one_rate_out_every_reduce_scatter": {"capped": {}},
+            "leave_one_rate_out_per_byte": {"per_byte": True},
             "leave_one_rate_out_from_64KiB": {"min_bytes": 2**16},
             "leave_one_rate_out_added": {"form": "added", "min_bytes": 2**12},
             "leave_one_rate_out_added_from_64KiB": {"form": "added", "min_bytes": 2**16}}
 
 
+def host_bound(spec, probe: HostProbe, rows: list[dict], costs) -> dict:
+    """The calls under 64 KiB of one rate (each op's rounds, measured and in-sample priced ms) and the straight line
+    ``call + rounds x round`` through their times by least squares (ms; with one call size and three ops, the
+    reduce-scatter among them, whether the three lie on one line, the split the fit relies on)."""
+    group = [tuple(range(spec.topology.num_devices))]
+    bare = emulated(spec, probe)
+    tiny = [{"op": r["op"], "bytes": r["bytes"], "rounds": groups_time(bare, r["op"], group, r["bytes"],
+                                                                     GLOO_ALGORITHMS[r["op"]]).rounds,
+             "measured_ms": r["measured_s"] * 1e3, "priced_ms": r["predicted_s"] * 1e3}
+            for r in row_errors(spec, probe, costs, rows) if r["bytes"] < GOAL_MIN_BYTES]
+    out: dict = {"calls": tiny}
+    if len({t["rounds"] for t in tiny}) >= 2:
+        rounds = np.array([t["rounds"] for t in tiny], dtype=float)
+        times = np.array([t["measured_ms"] for t in tiny])
+        slope, intercept = np.polyfit(rounds, times, 1)
+        out["line"] = {"call_ms": float(intercept), "round_ms": float(slope),
+                       "max_residual_ms": float(np.max(np.abs(times - (intercept + slope * rounds))))}
+    return out
+
+
 def refit(doc: dict) -> dict:
-    """The in-sample (each rate's own fit) and the leave-one-rate-out results of a saved run."""
+    """The in-sample (each rate's own fit) and the leave-one-rate-out results of a saved run; each rate's
+    host-bound calls (:func:`host_bound`)."""
     topology = load_topology(doc["topology"])
-    own = []
+    own, tiny = [], {}
     for run in doc["runs"]:
         spec, probe = _spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"])
-        own += row_errors(spec, probe, fit_host_costs(spec, probe, run["rows"], min_bytes=fit_from_bytes(run)),
-                          run["rows"])
+        costs = fit_host_costs(spec, probe, run["rows"], min_bytes=fit_from_bytes(run))
+        own += row_errors(spec, probe, costs, run["rows"])
+        tiny[run["rate_mbps"]] = host_bound(spec, probe, run["rows"], costs)
     smallest = min(row["bytes"] for run in doc["runs"] for row in run["rows"])
     extra = {"leave_one_rate_out_from_smallest": {"min_bytes": smallest}} if smallest < fit_from_bytes(
         doc["runs"][0]) else {}  # a run with --tiny below 4 KiB: fitted from its smallest call too
-    return {"in_sample": _summary(own), "leave_one_rate_out": leave_one_rate_out(doc),
+    return {"in_sample": _summary(own), "host_bound": tiny, "leave_one_rate_out": leave_one_rate_out(doc),
             **{key: leave_one_rate_out(doc, **kwargs) for key, kwargs in {**VARIANTS, **extra}.items()}}
 
 
@@ -143,7 +187,7 @@ def plot(result: dict, path: str) -> None:
 
     plt = pyplot()
     rows = [r for r in result["leave_one_rate_out"]["rows"] if r["bytes"] >= GOAL_MIN_BYTES]
-    ops = sorted({r["op"] for r in rows}, reverse=True)
+    ops = [op for op in (*GOAL_OPS, "reduce_scatter") if any(r["op"] == op for r in rows)]
     fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.2), squeeze=False)
     for ax, op in zip(axes[0], ops):
         factor = BUS_FACTOR[parse_op(op)](8)
@@ -185,11 +229,15 @@ def combine(first: dict, second: dict) -> dict:
 
 
 def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: int = 2,
-                  min_call_s: float = 0.0, tiny: tuple[int, ...] = (4096,)) -> dict:
+                  min_call_s: float = 0.0, tiny: tuple[int, ...] = (4096,), ops: tuple[str, ...] | None = None,
+                  tiny_ops: tuple[str, ...] = ()) -> dict:
     """Every rate's collectives: in one job on one cluster, the links reshaped between rates, ``rounds`` passes
     (:func:`testbed.runner.cluster_calibrate.measure_interleaved`); ``rounds`` 0: one cluster and job per rate.
-    ``min_call_s``: only the sizes priced over it (and the 4 KiB call)."""
-    from testbed.runner.cluster_calibrate import measure, measure_interleaved
+    ``min_call_s``: only the sizes priced over it (and the 4 KiB call); ``ops``: default
+    :data:`testbed.runner.cluster_calibrate.OPS`; ``tiny_ops``: those timed at the sizes under 64 KiB only."""
+    from testbed.runner.cluster_calibrate import OPS, measure, measure_interleaved
+
+    ops = ops or OPS
 
     topology = load_topology(TOPOLOGY)
     runs = []
@@ -197,13 +245,15 @@ def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: i
         first = _spec(topology, rates[0])
         with netns.ephemeral(first) as owner:
             raws = measure_interleaved(first, owner, [_spec(topology, r).scale for r in rates], rounds=rounds,
-                                       max_call_s=max_call_s, repeats=repeats, min_call_s=min_call_s, tiny=tiny)
+                                       max_call_s=max_call_s, repeats=repeats, min_call_s=min_call_s, tiny=tiny,
+                                       ops=ops, capped={op: GOAL_MIN_BYTES for op in tiny_ops})
         runs = [{"rate_mbps": rate, **raw} for rate, raw in zip(rates, raws)]
     if (min_call_s or tiny != (4096,)) and not rounds:
         raise ValueError("--min-call-s and --tiny need --rounds 1 or more")
     for rate in rates if not rounds else ():
         with netns.ephemeral(_spec(topology, rate)) as owner:
-            raw = measure(_spec(topology, rate), owner, max_call_s=max_call_s, repeats=repeats)
+            raw = measure(_spec(topology, rate), owner, max_call_s=max_call_s, repeats=repeats, ops=ops,
+                          capped={op: GOAL_MIN_BYTES for op in tiny_ops})
         runs.append({"rate_mbps": rate, **raw})
     for run in runs:
         print(json.dumps({"rate_mbps": run["rate_mbps"], "load_before": run["load_before"],
@@ -228,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", default="4096",
                         help="the host-bound sizes under 64 KiB to time, bytes (default 4096; e.g. 1024,4096: a "
                              "variant fitted from the smallest is reported beside the headline)")
+    parser.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter",
+                        help="the collectives to time (default all three: the reduce-scatter's 4 rounds against the "
+                             "rings' 7 and 14 separate the per-call cost from the per-round one)")
+    parser.add_argument("--tiny-ops", default="",
+                        help="of --ops, those timed only under 64 KiB (e.g. reduce_scatter: its 4 KiB call is all the "
+                             "fit takes of it; its larger calls add minutes at 10 Mb/s)")
+    parser.add_argument("--note", default=None,
+                        help="a line saved with the run (--save) as `note`, e.g. what else loaded the host")
     parser.add_argument("--combine", nargs=2, default=None, metavar=("FIRST", "SECOND"),
                         help="fit one document of two saved runs at the same rates (e.g. a run to 3 s a call and "
                              "one of the sizes over it, --min-call-s 3): every size of both; --save writes it")
@@ -253,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"skipped": problem}))
             return 0
         doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats, args.rounds,
-                            args.min_call_s, tuple(int(t) for t in args.tiny.split(",")))
+                            args.min_call_s, tuple(int(t) for t in args.tiny.split(",")),
+                            tuple(op.strip() for op in args.ops.split(",")),
+                            tuple(op.strip() for op in args.tiny_ops.split(",") if op.strip()))
+        if args.note:
+            doc["note"] = args.note
         if args.save:
             with open(args.save, "w") as f:
                 json.dump(doc, f, indent=1)
@@ -267,10 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         for key in [key for key in result if key.startswith("leave_one_rate_out")]:
             result[key].pop("rows")
     print(json.dumps({"topology": TOPOLOGY, "nodes": 4, "devices_per_node": 2, "rates_mbps":
-                      [run["rate_mbps"] for run in doc["runs"]], "algorithm": "ring (gloo's, both ops)",
+                      [run["rate_mbps"] for run in doc["runs"]],
+                      "algorithm": "gloo's: ring (all-reduce, all-gather), halving-doubling (reduce-scatter)",
                       "load": {run["rate_mbps"]: [run["load_before"], run["load_after"]] for run in doc["runs"]},
                       "wall_s": round(time.time() - started, 1), **result,
-                      "goal": "every size from 64 KiB within 15%, median within 10%"}))
+                      "goal": "every all-reduce and all-gather size from 64 KiB within 15%, median within 10% "
+                              "(the reduce-scatter reported apart)"}))
     return 0
 
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from testbed.cli.main import main
 from testbed.cluster import cluster_spec
-from testbed.cluster.fit import (FIT_MIN_BYTES, HostCosts, HostProbe, costs_at_rate, emulated, fit_host_costs,
-                                 link_goodput, predict, price_rows, row_errors)
+from testbed.cluster.fit import (CAPPED_OPS, FIT_MIN_BYTES, HostCosts, HostProbe, costs_at_rate, emulated,
+                                 fit_host_costs, link_goodput, predict, price_rows, row_errors)
 from testbed.cluster.step import StepCall, calls_links, predict_step, unshaped
 from testbed.errors import InputError
 from testbed.plan.io import load_plan
@@ -75,6 +77,80 @@ def test_the_hidden_form_prices_each_round_as_the_longer_of_host_and_wire():
     assert fitted.overhead_s == pytest.approx(4e-4, abs=4e-5)
     with pytest.raises(InputError, match="form"):
         price_rows(spec, PROBE, costs, rows, form="overlapped")
+
+
+def _three_ops(spec, costs: HostCosts) -> list[dict]:
+    """Rows of gloo's two rings and its reduce-scatter (14, 7 and 4 rounds on 8 devices), priced with ``costs``."""
+    topology = emulated(spec, PROBE, costs)
+    return [{"op": op, "bytes": size, "measured_s": predict(topology, op, size)}
+            for op in ("all_reduce", "all_gather", "reduce_scatter") for size in SIZES]
+
+
+@pytest.mark.parametrize("rate", [10.0, 30.0, 100.0])
+def test_the_fit_recovers_the_costs_from_three_round_counts(rate):
+    spec = _spec(rate)
+    truth = HostCosts(call_s=5e-3, overhead_s=3e-4, link_efficiency=0.95, goodput=link_goodput(spec))
+    fitted = fit_host_costs(spec, PROBE, _three_ops(spec, truth))
+    assert (fitted.call_s, fitted.overhead_s, fitted.link_efficiency) == pytest.approx((5e-3, 3e-4, 0.95), abs=1e-9)
+    # The reduce-scatter's rounds add their host cost to their wire: its rows are the call, wire and 4 rounds.
+    wire = price_rows(spec, PROBE, dataclasses.replace(truth, call_s=0.0, overhead_s=0.0), _three_ops(spec, truth))
+    for row, w in zip(_three_ops(spec, truth), wire):
+        if row["op"] == "reduce_scatter":
+            assert row["measured_s"] == pytest.approx(5e-3 + w + 4 * 3e-4, rel=1e-9)
+
+
+def test_the_reduce_scatter_is_fitted_by_its_4KiB_call_alone():
+    """Its larger calls (their wire not understood yet: CAPPED_OPS) are left out of the fit unless asked for: slowed
+    three times over they move nothing; fitted (``capped={}``) they pull the links' efficiency down."""
+    spec = _spec(30.0)
+    truth = HostCosts(call_s=5e-3, overhead_s=3e-4, link_efficiency=0.95, goodput=link_goodput(spec))
+    slowed = [{**r, "measured_s": r["measured_s"] * (3 if r["op"] == "reduce_scatter" and r["bytes"] >= 2**16 else 1)}
+              for r in _three_ops(spec, truth)]
+    assert CAPPED_OPS == {"reduce_scatter": 2**16}
+    assert fit_host_costs(spec, PROBE, slowed) == fit_host_costs(spec, PROBE, _three_ops(spec, truth))
+    assert fit_host_costs(spec, PROBE, slowed, capped={}).link_efficiency < 0.9
+    rings = fit_host_costs(spec, PROBE, slowed, capped={"reduce_scatter": 0})
+    assert rings == fit_host_costs(spec, PROBE, [r for r in slowed if r["op"] != "reduce_scatter"])
+
+
+def test_without_the_reduce_scatter_a_rounds_cost_under_the_wire_is_unidentified():
+    """At 10 Mb/s a 4 KiB ring round's wire (~0.45 ms) outlasts a round's host cost of 0.1 or 0.3 ms, which it hides:
+    the two rings' rows are the same for both and the fit cannot tell them apart (nor carry the right one to a
+    faster link, where it shows). The reduce-scatter adds each round's cost to its wire, so with its rows the fit
+    recovers each."""
+    spec = _spec(10.0)
+    truths = [HostCosts(call_s=5e-3, overhead_s=o, link_efficiency=0.95, goodput=link_goodput(spec))
+              for o in (1e-4, 3e-4)]
+    rows = [_three_ops(spec, t) for t in truths]
+    rings = [[r for r in rs if r["op"] != "reduce_scatter"] for rs in rows]
+    assert rings[0] == rings[1]
+    assert fit_host_costs(spec, PROBE, rings[0]) == fit_host_costs(spec, PROBE, rings[1])
+    for truth, rs in zip(truths, rows):
+        fitted = fit_host_costs(spec, PROBE, rs)
+        assert (fitted.call_s, fitted.overhead_s) == pytest.approx((truth.call_s, truth.overhead_s), abs=1e-9)
+
+
+@pytest.mark.parametrize("rate", [10.0, 30.0, 100.0])
+def test_the_reduce_scatters_rounds_pin_the_split_of_call_and_round(rate):
+    """Where the 4 KiB calls are host-bound (a round's cost 0.6 ms over its wire) the two rings alone fix the call's
+    and a round's cost from 7 and 14 rounds: an intercept extrapolated from 7 rounds away, so a noise of the
+    calls' times moves the call's cost ~4x as much (the Gauss-Newton standard error of the log fit, its Jacobian
+    by finite differences of the simulator's prices). The reduce-scatter's 4 rounds, nearer the intercept, cut
+    that error by at least 1.6x and a round's by at least 1.35x."""
+    spec = _spec(rate)
+    truth = HostCosts(call_s=5e-3, overhead_s=6e-4, link_efficiency=0.95, goodput=link_goodput(spec))
+    rows = [{"op": op, "bytes": 4096} for op in ("all_reduce", "all_gather", "reduce_scatter")]
+    base = np.log(price_rows(spec, PROBE, truth, rows))
+    step = 1e-7
+    jacobian = np.stack([(np.log(price_rows(spec, PROBE, dataclasses.replace(truth, **{k: getattr(truth, k) + step}),
+                                            rows)) - base) / step for k in ("call_s", "overhead_s")], axis=1)
+
+    def standard_errors(used: list[int]) -> np.ndarray:
+        return np.sqrt(np.diag(np.linalg.inv(jacobian[used].T @ jacobian[used])))
+
+    two, three = standard_errors([0, 1]), standard_errors([0, 1, 2])
+    assert two[0] > 3.5 * truth.call_s  # a 1% noise moves the call's cost by over 3.5% of it
+    assert two[0] / three[0] > 1.6 and two[1] / three[1] > 1.35
 
 
 def test_costs_carried_to_another_rate():
@@ -145,6 +221,18 @@ def test_cheap_sizes_are_timed_more_often():
         sizes_for(fast, PROBE, "all_reduce", 3.0, tiny=(2**16,))
 
 
+def test_calibrate_times_the_reduce_scatter_where_it_fits_it_and_the_benchmark_at_every_size():
+    from testbed.runner.cluster_calibrate import OPS, calls_for
+
+    spec = _spec(100.0)
+    every = calls_for(spec, PROBE, OPS, 3.0, 3, 15)
+    fitted = calls_for(spec, PROBE, OPS, 3.0, 3, 15, CAPPED_OPS)
+    assert {op for op, *_ in every} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert [size for op, size, _ in fitted if op == "reduce_scatter"] == [4096]
+    assert [c for c in fitted if c[0] != "reduce_scatter"] == [c for c in every if c[0] != "reduce_scatter"]
+    assert max(size for op, size, _ in every if op == "reduce_scatter") >= 2**20
+
+
 def test_the_long_sizes_are_the_ones_a_shorter_run_left_out_and_have_no_warmup():
     from testbed.runner.cluster_calibrate import TINY_BYTES, priced_s, sizes_for, warmup_for
 
@@ -180,6 +268,64 @@ def test_combine_joins_two_runs_rate_by_rate():
     assert [part["sizes"] for part in joined["parts"]] == [[4096, 2**16], [4096, 2**22]]
     with pytest.raises(ValueError, match="same topology and rates"):
         bench.combine(first, {**second, "runs": [run(30.0, [2**22], 3.0)]})
+
+
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "emulated_cluster", Path(__file__).resolve().parents[1] / "benchmarks" / "emulated_cluster.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _doc(slow_rate: float | None = None) -> dict:
+    """A saved run at 10/30/100 Mb/s whose rows the simulator priced with one set of costs (three ops), the rows of
+    ``slow_rate`` (if given) measured twice as slow."""
+    runs = []
+    for rate in (10.0, 30.0, 100.0):
+        spec = _spec(rate)
+        truth = HostCosts(call_s=5e-3, overhead_s=6e-4, link_efficiency=0.95, goodput=link_goodput(spec))
+        rows = [{**r, "measured_s": r["measured_s"] * (2 if rate == slow_rate else 1)} for r in _three_ops(spec, truth)]
+        runs.append({"rate_mbps": rate, "probe": PROBE.to_dict(), "bucket_bytes": 3028, "rows": rows,
+                     "load_before": 1.0, "load_after": 1.0})
+    return {"topology": "eth-4x2", "runs": runs}
+
+
+def test_leave_one_rate_out_scores_the_goals_ops_and_the_reduce_scatter_apart_and_holds_each_rate_out():
+    bench = _bench()
+    result = bench.leave_one_rate_out(_doc())
+    assert result["sizes"] == 2 * 3 * 4  # all-reduce and all-gather from 64 KiB, three rates
+    assert result["reduce_scatter"]["sizes"] == 3 * 4
+    assert result["max_abs_error"] < 1e-9 and result["reduce_scatter"]["max_abs_error"] < 1e-9
+    # A rate's rows enter no fit that prices them: slowing 30 Mb/s moves the other rates' prices only.
+    slowed = bench.leave_one_rate_out(_doc(slow_rate=30.0))
+    for before, after in zip(result["rows"], slowed["rows"]):
+        if before["rate_mbps"] == 30.0:
+            assert after["predicted_s"] == pytest.approx(before["predicted_s"], rel=1e-12)
+    assert any(abs(a["predicted_s"] / b["predicted_s"] - 1) > 0.05 for a, b in zip(slowed["rows"], result["rows"])
+               if a["rate_mbps"] != 30.0)
+    rings = bench.leave_one_rate_out(_doc(), capped={"reduce_scatter": 0})
+    assert rings["capped"] == {"reduce_scatter": 0} and rings["max_abs_error"] < 1e-9
+
+
+def test_the_host_bound_calls_of_each_rate_and_their_line():
+    bench = _bench()
+    spec = _spec(100.0)
+    truth = HostCosts(call_s=5e-3, overhead_s=6e-4, link_efficiency=0.95, goodput=link_goodput(spec))
+    found = bench.host_bound(spec, PROBE, _three_ops(spec, truth), truth)
+    assert [(c["op"], c["rounds"]) for c in found["calls"]] == [("all_reduce", 14), ("all_gather", 7),
+                                                                ("reduce_scatter", 4)]
+    assert all(c["measured_ms"] == pytest.approx(c["priced_ms"]) for c in found["calls"])
+    # At 100 Mb/s a 4 KiB ring round is all host cost (0.6 ms over its wire): 5 + 14 x 0.6 and 5 + 7 x 0.6 ms; the
+    # reduce-scatter adds its wire w to 5 + 4 x 0.6. Least squares over rounds (14, 7, 4) moves the line's
+    # intercept by 161/158 w and its slope by -13/158 w.
+    w = price_rows(spec, PROBE, dataclasses.replace(truth, call_s=0.0, overhead_s=0.0),
+                   [{"op": "reduce_scatter", "bytes": 4096}])[0] * 1e3
+    assert found["line"]["call_ms"] == pytest.approx(5.0 + w * 161 / 158, rel=1e-6)
+    assert found["line"]["round_ms"] == pytest.approx(0.6 - w * 13 / 158, rel=1e-6)
+    assert found["line"]["max_residual_ms"] == pytest.approx(w * 70 / 158, rel=1e-6)  # the all-gather's
 
 
 # The data-parallel gradients' combined all-reduce and a tensor-parallel one, as XLA:CPU's compiled text has them.
@@ -350,6 +496,30 @@ def test_calibrate_cluster_refit_writes_the_calibrated_topology(tmp_path, capsys
     topology = load_topology(str(out))
     assert topology.levels[-1].bandwidth == pytest.approx(data["costs"]["link_efficiency"] * link_goodput(spec))
     assert topology.calibration.collectives.launch_s == pytest.approx(data["costs"]["call_s"])
+
+
+def test_calibrate_cluster_fits_and_reports_the_reduce_scatter_with_the_rings(tmp_path, capsys):
+    """A measurement of today's links (its bucket recorded: fitted from 4 KiB) with the three ops' rows: the JSON
+    prices each row, the reduce-scatter's too, and the costs are those that priced them; the written topology
+    prices the reduce-scatter with gloo's algorithm, its rounds' cost added."""
+    from testbed.collectives.timing import groups_time
+
+    spec = _spec(10.0)
+    truth = HostCosts(call_s=5e-3, overhead_s=3e-4, link_efficiency=0.95, goodput=link_goodput(spec))
+    path = tmp_path / "c.measurements.json"
+    path.write_text(json.dumps({"cluster": "t", "topology": "eth-4x2", "scale": spec.scale, "mtu": 1500,
+                                "link_rate_bps": spec.links[0].rate_bps, "probe": PROBE.to_dict(),
+                                "bucket_bytes": 3028, "rows": _three_ops(spec, truth),
+                                "load_before": 1.0, "load_after": 1.5}))
+    out = tmp_path / "c.yaml"
+    assert main(["calibrate", "--cluster", "t", "--out", str(out), "--from-measurements", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["costs"]["call_s"], data["costs"]["overhead_s"]) == pytest.approx((5e-3, 3e-4), abs=1e-9)
+    scatter = [r for r in data["rows"] if r["op"] == "reduce_scatter"]
+    assert [r["bytes"] for r in scatter] == SIZES and all(abs(r["error"]) < 1e-6 for r in scatter)
+    timed = groups_time(load_topology(str(out)), "reduce_scatter", [tuple(range(8))], 4096)
+    assert timed.algorithm == "gloo_halving_doubling" and timed.rounds == 4
+    assert timed.time_s == pytest.approx(scatter[0]["measured_s"], rel=1e-6)
 
 
 def test_calibrate_cluster_bad_measurements_exit_2(tmp_path, capsys):

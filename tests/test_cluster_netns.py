@@ -270,8 +270,12 @@ def test_smoke_one_kept_cluster_collective_calibrate_verify_validate(clean, caps
         assert "one worker each" in capsys.readouterr().err
         assert main(["calibrate", "--cluster", name, "--out", str(calibrated), "--max-call-s", "0.05",
                      "--json"]) == 0
-        costs = json.loads(capsys.readouterr().out.splitlines()[-1])["costs"]
+        calibrated_json = json.loads(capsys.readouterr().out.splitlines()[-1])
+        costs = calibrated_json["costs"]
         assert 0 < costs["link_efficiency"] <= 1 and costs["call_s"] >= 0
+        # The three ops' 4 KiB calls, the reduce-scatter's among them (a third round count for the fit).
+        assert {r["op"] for r in calibrated_json["rows"] if r["bytes"] == 4096} == {
+            "all_reduce", "all_gather", "reduce_scatter"}
         assert load_topology(str(calibrated)).levels[-1].bandwidth == pytest.approx(
             costs["link_efficiency"] * 1e8 / 8 * 1448 / 1514)
         assert main(["verify", "--plan", str(plan), "--cluster", name, "--steps", "1", "--json"]) == 0

@@ -17,7 +17,8 @@ from dataclasses import replace
 import pytest
 
 from testbed.model import layout
-from testbed.model.leaves import SHARE_QUANTUM, XLA_COMBINE_BYTES, own_blocks
+from testbed.model.blocks import SHARE_QUANTUM, own_blocks
+from testbed.model.leaves import XLA_COMBINE_BYTES
 from testbed.plan.placement import place
 from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.sharding import gathered_blocks, gathers_parameters
@@ -102,7 +103,7 @@ def test_each_blocks_gather_waits_for_the_block_prefetch_before(prefetch: int) -
     """Task graph: gathers per block of every F and B (one task per merged size, one after another), block k's
     first waiting for block k - 1 - prefetch of the same action, or of the stage's previous gathering action;
     each block computes after its last gather. The blocks are the embedding, each layer and the head
-    (testbed.model.leaves.own_blocks); the backward's embedding block gathers nothing (its backward reads no table)."""
+    (testbed.model.blocks.own_blocks); the backward's embedding block gathers nothing (its backward reads no table)."""
     plan = _gpu_plan(prefetch, fsdp=8)
     tasks = build_program(plan, place(plan, num_devices=8)).tasks
     blocks = [i for i, t in enumerate(tasks) if t.stream == "compute" and t.name[0] in "FB"]
@@ -168,7 +169,7 @@ def test_each_backward_gather_waits_for_the_block_after_it_to_start_not_to_finis
 def test_each_blocks_gathers_are_its_merges_at_their_own_sizes(combine: float) -> None:
     """A block's gathers carry their merged sizes, not equal shares of the chunk's: every byte once, as many
     collectives as the chunk's count (the forward's, the backward's regathered). The embedding and the head are
-    blocks of their own (testbed.model.leaves.own_blocks): the token table's gather is the forward's first block,
+    blocks of their own (testbed.model.blocks.own_blocks): the token table's gather is the forward's first block,
     the head's table its last and the backward's first (it computes the head first), and the backward's last
     block, the embedding's, gathers nothing; unbounded, one collective per block that gathers."""
     spec = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
@@ -193,7 +194,7 @@ def test_each_blocks_gathers_are_its_merges_at_their_own_sizes(combine: float) -
 
 def test_each_blocks_gradients_are_reduce_scattered_at_their_merged_sizes() -> None:
     """The last backward's gradient buckets are its blocks (from the head) at the real sizes of their merged
-    reduce-scatters (testbed.model.leaves.block_scatters), every gradient byte once: the head's and the token
+    reduce-scatters (testbed.model.blocks.block_scatters), every gradient byte once: the head's and the token
     table's gradients each a collective of their own, not equal shares of the chunk's."""
     spec = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="fsdp8", model=spec, mesh=MeshSpec(fsdp=8), precision="fp32", batch=BatchSpec(global_batch=8))

@@ -90,12 +90,12 @@ def test_gradient_bytes_are_conserved(plan):
         # One bucket per layer (at most BUCKETS; every layer, a block, when the parameters are sharded) when they
         # reduce during the backward (sharded accumulation); one per chunk when the replicas' gradients are summed
         # once, after the stage's backward (ZeRO 0/1).
-        # The blocks are the embedding's and the head's too where the chunk holds them (testbed.model.leaves.own_blocks).
+        # The blocks are the embedding's and the head's too where the chunk holds them (testbed.model.blocks.own_blocks).
         during = bool(gradient_reduction(plan)[0])
         layers = plan.model.layers // (plan.mesh.stage * plan.schedule.virtual_stages)
         facts = step_facts(plan, place(plan, num_devices=plan.mesh.size).device_ids)
         # A block whose gradients all merge into a later block's reduce-scatters (XLA's combiner rule across pieces,
-        # testbed.model.leaves.block_scatters) reduces none of its own.
+        # testbed.model.blocks.block_scatters) reduces none of its own.
         blocks = sum(sum(1 for b in chunk.bucket_sizes if b) if chunk.bucket_sizes else chunk.blocks
                      for chunk in facts.chunks[s])
         per_chunk = min(BUCKETS, layers)

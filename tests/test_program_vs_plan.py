@@ -19,7 +19,7 @@ parameter gathers and gradient reduce-scatters within one bound (testbed.model.l
 default 30 MiB) by XLA's combiner rule (testbed.sim.combine: by data-flow reachability; the plan's model counts what
 it gives the runner's program, the backward's gathers of two adjacent pieces together); the tracer starts each collective once its
 operands are ready (testbed.sim.overlap.hoist_collectives) and the plan's model makes the embedding and the head
-fsdp blocks of their own (testbed.model.leaves.own_blocks), reduce-scattering each block's gradients at their
+fsdp blocks of their own (testbed.model.blocks.own_blocks), reduce-scattering each block's gradients at their
 merged sizes: fsdp over the whole superpod (fp32, and d_model 2048 bf16) and over a TPU slice agree within 5%.
 At 2 microbatches (the runner's accumulation loop): data x tensor with or without sequence parallelism within
 5% on both, and every axis's bytes exactly for data and fsdp x tensor (docs/program.md, "Gradient accumulation").
@@ -35,7 +35,7 @@ from hypothesis import given, settings, strategies as st
 
 from testbed.model.costs import chunk_cost, param_count
 from testbed.model.spans import SOFTMAX_PASSES, action_spans
-from testbed.model.leaves import SHARE_QUANTUM
+from testbed.model.blocks import SHARE_QUANTUM
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.runner.program.plans import trace_plan
@@ -192,8 +192,8 @@ def test_fsdp_steps_merge_the_plans_gathers_and_reduce_scatters(drawn) -> None:
     gathers as testbed.model.leaves.backward_merges counts them from the runner's links
     (testbed.model.leaves.linked_layer: the last layer's gather waits for the head's backward, so the head's
     merges with none), the reduce-scatters in the order the transposed gathers issue a piece's gradients, each
-    merge where its last member is (testbed.model.leaves.block_scatters). The plan's shares are multiples of
-    testbed.model.leaves.SHARE_QUANTUM of the chunk's bytes, each rounded, the last the rest: the reduce-scatters
+    merge where its last member is (testbed.model.blocks.block_scatters). The plan's shares are multiples of
+    testbed.model.blocks.SHARE_QUANTUM of the chunk's bytes, each rounded, the last the rest: the reduce-scatters
     equal to that, the gathers exactly. With sequence parallelism too: the tensor-replicated gradients (norms,
     row-parallel biases) of the pieces before the last that holds one are walked at that piece's start, where
     XLA's all-reduce combiner puts their merged sum over the tensor ranks (testbed.model.leaves, _scatter_walk;
@@ -219,7 +219,7 @@ def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, 
     default 30 MiB), so the traced step's merged gathers of the later blocks run while the first block computes,
     as the plan's model prefetches block by block; the tracer starts each collective once its operands are ready
     (testbed.sim.overlap.hoist_collectives), so the backward's gathers run one block ahead on both sides; and the
-    plan's model makes the embedding and the head blocks of their own (testbed.model.leaves.own_blocks), whose
+    plan's model makes the embedding and the head blocks of their own (testbed.model.blocks.own_blocks), whose
     gradients are reduce-scattered at their merged sizes as soon as each is computed, as the runner's are."""
     plan = Plan(name=f"fsdp{fsdp}", model=ModelSpec(layers=layers, d_model=d_model, heads=16, d_ff=4 * d_model,
                                                      seq_len=1024, vocab=32768),

@@ -1,8 +1,10 @@
 """``testbed calibrate --cluster NAME --out F.yaml``: gloo's host costs on an emulated cluster, as a topology.
 
 On a cluster ``testbed cluster up NAME`` built, this probes the host's TCP
-and times all-reduce and all-gather over every device
-(:mod:`testbed.runner.cluster_calibrate`), fits the per-round overhead and
+and times all-reduce, all-gather and reduce-scatter over every device
+(:mod:`testbed.runner.cluster_calibrate`; the reduce-scatter at 4 KiB only,
+whose rounds, 4 against the rings' 7 and 14 on 8 devices, separate a call's
+cost from a round's), fits the per-call and per-round costs and
 the link efficiency (:mod:`testbed.cluster.fit`) and writes the topology the
 cluster is (:meth:`ClusterSpec.emulated_topology`) with them: the network
 level's bandwidth is the links' TCP goodput times the efficiency, and
@@ -19,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from testbed.cluster.fit import HostCosts, HostProbe, emulated, fit_from_bytes, fit_host_costs, row_errors
+from testbed.cluster.fit import CAPPED_OPS, HostCosts, HostProbe, emulated, fit_from_bytes, fit_host_costs, row_errors
 from testbed.cluster.spec import ClusterSpec, cluster_spec
 from testbed.errors import InputError
 from testbed.output import CommandResult, write_atomic
@@ -67,7 +69,7 @@ def _measure(args: argparse.Namespace) -> tuple[ClusterSpec, dict[str, Any]]:
     spec = saved_spec(args.cluster, field="--cluster")
     require_privilege("--cluster")
     try:
-        raw = measure(spec, "keep", max_call_s=args.max_call_s)
+        raw = measure(spec, "keep", max_call_s=args.max_call_s, capped=CAPPED_OPS)
     except launch.WorkerFailed as exc:
         raise InputError(f"a worker on cluster `{spec.name}` failed: {exc}", field="--cluster") from None
     write_atomic(Path(args.out).with_suffix(".measurements.json"), json.dumps(raw, indent=1), field_name="--out")

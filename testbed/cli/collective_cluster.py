@@ -27,7 +27,7 @@ from testbed.units import format_bandwidth, format_bytes, format_time
 
 __all__ = ["is_cluster", "execute_on_cluster", "render_cluster_execution"]
 
-_OPS = (Op.ALL_REDUCE, Op.ALL_GATHER)
+_OPS = (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER)
 
 
 def is_cluster(text: str | None) -> bool:

@@ -10,6 +10,11 @@ on bytes, so they are memoized and shared by the simulator and the runner.
   all-gather (Rabenseifner); for non-power-of-two n the ``n - p`` extra ranks
   fold into ranks ``0..n-p-1`` before and are served after; broadcast is a
   binomial tree.
+- ``gloo_halving_doubling``: gloo's reduce-scatter, the one XLA:CPU runs
+  across processes (:func:`testbed.collectives.gloo.gloo_reduce_scatter`):
+  recursive halving nearest partner first, then every block sent to its
+  rank; a non-power-of-two n is priced as ``halving_doubling`` (gloo's
+  binary blocks are not modelled). Applies only where gloo runs.
 - ``double_binary_tree``: two complementary binary trees (heap order over
   ranks and over reversed ranks), each reducing and broadcasting half of the
   buffer in pipelined pieces.
@@ -49,6 +54,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from testbed.collectives.gloo import gloo_reduce_scatter
 from testbed.collectives.grids import dim_ordered, multidim, multidim_orders, multidim_weights, open_line_program, \
     part_orders
 from testbed.collectives.lines import Rounds, merge as _merge, transfer as _t
@@ -68,6 +74,7 @@ SUPPORTED_OPS: dict[str, tuple[Op, ...]] = {
     "ring": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.BROADCAST),
     "bidir_ring": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.BROADCAST),
     "halving_doubling": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.BROADCAST),
+    "gloo_halving_doubling": (Op.REDUCE_SCATTER,),
     "double_binary_tree": (Op.ALL_REDUCE,),
     "direct": (Op.ALL_REDUCE, Op.ALL_GATHER, Op.REDUCE_SCATTER, Op.ALL_TO_ALL, Op.BROADCAST, Op.SEND),
     "one_shot": (Op.ALL_REDUCE,),
@@ -218,6 +225,8 @@ def _build(op: Op, algorithm: str, n: int, dims: tuple[int, ...] | None, root: i
         if op is Op.BROADCAST:
             return 1, _binomial_broadcast(n, root)
         return _halving_doubling(op, n)
+    if algorithm == "gloo_halving_doubling":
+        return gloo_reduce_scatter(n) if n & (n - 1) == 0 else _halving_doubling(op, n)
     if algorithm == "double_binary_tree":
         if n == 1:
             return 1, []

@@ -11,7 +11,20 @@ algorithm per op rather than choosing one by size or topology:
   into two or more segments so one is on the wire while the other is
   reduced);
 - all-gather: ``gloo::allgather``, a ring (``gloo/allgather.cc``);
-- reduce-scatter: ``ReduceScatterHalvingDoubling``.
+- reduce-scatter: ``gloo::ReduceScatterHalvingDoubling`` (``gloo/reduce_scatter.h``;
+  XLA's ``GlooCommunicator::ReduceScatter`` copies the input to a temporary
+  buffer and runs it with every rank receiving an equal block), which is not
+  the textbook recursive halving (``halving_doubling``, farthest partner
+  first): it exchanges with the nearest partner first (rank ^ 1, then ^ 2,
+  ^ 4, ...; "sending large messages to nearby ranks"), halving the data each
+  step (S/2, S/4, ...), so each rank ends holding the block of its
+  bit-reversed rank, and a last *distribution* step sends every block to its
+  rank (rank r to bitrev(r), where they differ). On 8 ranks: 3 halving steps
+  and the distribution, 4 rounds, each a single send waited for (then
+  the reduction and a notification), so a round's host cost adds to its wire.
+  :func:`gloo_reduce_scatter` is that program (``gloo_halving_doubling``);
+  on 4 nodes x 2 devices its first step stays inside each node and 7/8 S
+  crosses each node's link (the textbook order sends 3/2 S across).
 
 Ranks are the job's devices in order, so on a cluster of nodes a ring crosses
 each node's link once each way, whatever faster algorithm the topology would
@@ -50,15 +63,17 @@ the round form holds at every size. Every other algorithm, and reduce-scatter
 
 from __future__ import annotations
 
+from testbed.collectives.lines import Rounds, transfer
 from testbed.collectives.ops import Op, parse_op
 from testbed.topology import Topology
 from testbed.topology.parts import Form, LinkKind
 
 __all__ = ["GLOO_ALGORITHMS", "NETWORK_KINDS", "PIPELINED_OPS", "gloo_runs", "gloo_algorithm", "gloo_pipelined",
-           "round_s"]
+           "round_s", "gloo_reduce_scatter", "bit_reversed"]
 
 #: The algorithm gloo runs for each op, as XLA:CPU calls it (the module's docstring has the sources).
-GLOO_ALGORITHMS: dict[str, str] = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "halving_doubling"}
+GLOO_ALGORITHMS: dict[str, str] = {"all_reduce": "ring", "all_gather": "ring",
+                                   "reduce_scatter": "gloo_halving_doubling"}
 #: The ops whose gloo algorithm keeps two segments in flight (the module's docstring has the sources).
 PIPELINED_OPS = frozenset({"all_reduce", "all_gather"})
 #: Link kinds that are a network between nodes; all others are inside a node.
@@ -98,3 +113,30 @@ def round_s(wire_s: float, overhead_s: float, pipelined: bool) -> float:
     (``collectives.overhead_s``), overlapped where the algorithm keeps a segment in flight while the host works
     (``pipelined``, :func:`gloo_pipelined`), else added."""
     return max(wire_s, overhead_s) if pipelined else wire_s + overhead_s
+
+
+def bit_reversed(value: int, bits: int) -> int:
+    """``value``'s lowest ``bits`` bits in reverse order (gloo's ``reverseLastNBits``)."""
+    return int(format(value, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+def gloo_reduce_scatter(n: int) -> tuple[int, Rounds]:
+    """(pieces, rounds) of gloo's ``ReduceScatterHalvingDoubling`` on ``n`` ranks, ``n`` a power of two (the
+    module's docstring): step k exchanges with rank ^ 2^k the half of what it still reduces that the partner's
+    side ends with (rank r ends with block bitrev(r)), then each block goes to its own rank. Chunk c is block c."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"gloo's halving-doubling program is modelled for a power-of-two number of ranks, got {n}")
+    bits = n.bit_length() - 1
+    holder = [bit_reversed(c, bits) for c in range(n)]  # who holds block c at the end of the halving steps
+    held = [set(range(n)) for _ in range(n)]
+    rounds: Rounds = []
+    for k in range(bits):
+        d = 1 << k
+        round_ = []
+        for r in range(n):
+            give = sorted(c for c in held[r] if holder[c] & d == (r ^ d) & d)
+            round_.extend(transfer(r, r ^ d, c, True) for c in give)
+            held[r] -= set(give)
+        rounds.append(round_)
+    spread = [transfer(r, holder[r], holder[r], False) for r in range(n) if holder[r] != r]
+    return 1, rounds + ([spread] if spread else [])

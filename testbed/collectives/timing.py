@@ -117,6 +117,8 @@ def _fitting(topology: Topology, op: Op, group: tuple[int, ...]) -> list[str]:
             continue
         if name in ("direct", "one_shot") and topology.form is Form.TORUS and op not in (Op.ALL_TO_ALL, Op.SEND):
             continue  # through a switch only: on a torus every pair would cross many shared links
+        if name.startswith("gloo_") and gloo_algorithm(topology, op) != name:
+            continue  # gloo's own variant: where gloo runs it (collectives/gloo.py), never a candidate elsewhere
         if name in GRID_ALGORITHMS:
             grid = group_grid(topology, group) if grid is None else grid
             on_torus = topology.form is Form.TORUS

@@ -1,12 +1,15 @@
 """Measure gloo's host costs on a built emulated cluster: the probe and timed collectives, as raw rows.
 
 :func:`measure` runs :mod:`testbed.cluster.probe` and then, in one job of one
-worker per node (:func:`testbed.runner.on_cluster.cluster_launch`), all-reduce
-and all-gather over every device at a tiny size (4 KiB: every one of gloo's
-segments holds data, so every round runs; a 4-byte all-reduce skips most)
-and at 64 KiB x 4^k while the call is priced under ``max_call_s`` at the
-links' goodput. :func:`testbed.cluster.fit.fit_host_costs` fits the per-round
-overhead and link efficiency to those rows. The 1-minute load average is
+worker per node (:func:`testbed.runner.on_cluster.cluster_launch`), all-reduce,
+all-gather and reduce-scatter over every device at a tiny size (4 KiB: every
+one of gloo's segments holds data, so every round runs; a 4-byte all-reduce
+skips most) and at 64 KiB x 4^k while the call is priced under ``max_call_s``
+at the links' goodput. :func:`testbed.cluster.fit.fit_host_costs` fits the
+per-call and per-round costs and link efficiency to those rows: the three
+ops' tiny calls have 14, 7 and 4 rounds on 8 devices (gloo's rings and its
+halving-doubling reduce-scatter), which is what separates a call's cost
+from a round's (:mod:`testbed.cluster.fit`). The 1-minute load average is
 recorded before and after: on a shared host the per-call cost follows it.
 """
 
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from testbed.cluster import probe as tcp_probe
 from testbed.cluster.fit import HostCosts, HostProbe, emulated, link_goodput, predict
@@ -23,8 +26,12 @@ from testbed.cluster.queue import queue_bytes
 from testbed.cluster.spec import ClusterSpec
 from testbed.runner.on_cluster import cluster_launch, slowest_medians
 
-__all__ = ["TINY_BYTES", "sizes_for", "repeats_for", "warmup_for", "priced_s", "measure", "measure_interleaved"]
+__all__ = ["OPS", "TINY_BYTES", "calls_for", "sizes_for", "repeats_for", "warmup_for", "priced_s", "measure",
+           "measure_interleaved"]
 
+#: The ops timed: gloo's two rings and its reduce-scatter, whose rounds (14, 7 and 4 on 8 devices) separate the
+#: per-call cost from the per-round one.
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
 #: The call that fixes the per-call cost: 4 KiB (the all-reduce's buffer, the all-gather's result).
 TINY_BYTES = 4096
 _FIRST, _LAST = 2**16, 2**26  # 64 KiB .. 64 MiB, nccl-tests' sizes
@@ -82,16 +89,25 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = ("all_reduce", "all_gather"),
+def calls_for(spec: ClusterSpec, probe: HostProbe, ops: Sequence[str], max_call_s: float, repeats: int,
+              tiny_repeats: int, capped: Mapping[str, int] | None = None) -> list[list]:
+    """``[op, bytes, repeats]`` for each op at :func:`sizes_for`'s sizes; an op in ``capped`` only below its size
+    (``calibrate --cluster`` times only what it fits: the reduce-scatter's 4 KiB call,
+    :data:`testbed.cluster.fit.CAPPED_OPS`)."""
+    capped = capped or {}
+    return [[op, size, repeats_for(spec, probe, op, size, repeats, tiny_repeats)]
+            for op in ops for size in sizes_for(spec, probe, op, max_call_s) if size < capped.get(op, float("inf"))]
+
+
+def measure(spec: ClusterSpec, owner: str, *, ops: tuple[str, ...] = OPS,
             max_call_s: float = 2.0, repeats: int = 3, tiny_repeats: int = 15,
-            timeout_s: float | None = 900) -> dict[str, Any]:
-    """Probe the cluster, then time ``ops`` at :func:`sizes_for`'s sizes; the raw measurements (JSON-ready)."""
+            timeout_s: float | None = 900, capped: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """Probe the cluster, then time ``ops`` at :func:`calls_for`'s sizes; the raw measurements (JSON-ready)."""
     load_before, started = _load(), time.perf_counter()
     measured = tcp_probe.measure(spec, owner)
     probe = HostProbe(loopback_bandwidth=measured.loopback_bandwidth,
                       loopback_latency_s=measured.loopback_latency_s, across_latency_s=measured.across_latency_s)
-    calls = [[op, size, repeats_for(spec, probe, op, size, repeats, tiny_repeats)]
-             for op in ops for size in sizes_for(spec, probe, op, max_call_s)]
+    calls = calls_for(spec, probe, ops, max_call_s, repeats, tiny_repeats, capped)
     # One job for every op: each launch compiles and joins the workers anew (~20 s on a busy 2-core host).
     rows = slowest_medians(cluster_launch(spec, owner, {"body": "collective", "calls": calls}, timeout_s=timeout_s))
     return {"cluster": spec.name, "topology": spec.topology.name, "scale": spec.scale, "mtu": spec.mtu,
@@ -110,9 +126,10 @@ def _queue_at(queue: dict[str, Any], spec: ClusterSpec) -> dict[str, Any]:
 
 
 def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], *, rounds: int = 2,
-                        ops: tuple[str, ...] = ("all_reduce", "all_gather"), max_call_s: float = 2.0,
+                        ops: tuple[str, ...] = OPS, max_call_s: float = 2.0,
                         repeats: int = 3, tiny_repeats: int = 15, min_call_s: float = 0.0,
-                        tiny: Sequence[int] = (TINY_BYTES,), timeout_s: float | None = 900) -> list[dict[str, Any]]:
+                        tiny: Sequence[int] = (TINY_BYTES,), timeout_s: float | None = 900,
+                        capped: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """:func:`measure` at every link scale of ``scales`` in one job, the links reshaped between phases.
 
     The host's per-call cost follows the load (a 4 KiB call: 8-25 ms over load averages 3-16), so rates
@@ -121,7 +138,8 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
     size's calls from every pass are pooled (median of the slowest process's per call). One dict per scale,
     as :func:`measure` returns; the links are left at ``spec.scale``. ``min_call_s``: only the sizes priced over
     it (:func:`sizes_for`: a run to 64 MiB beside one to a few seconds a call); ``tiny``: the host-bound sizes
-    under 64 KiB (default 4 KiB); the job's timeout grows with its calls' priced seconds.
+    under 64 KiB (default 4 KiB); ``capped``: an op only below its size (:func:`calls_for`); the job's timeout
+    grows with its calls' priced seconds.
     """
     import statistics
     import tempfile
@@ -141,7 +159,8 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
                                 across_latency_s=measured.across_latency_s))
         calls.append([[op, size, repeats_for(one, probes[-1], op, size, repeats, tiny_repeats),
                        warmup_for(one, probes[-1], op, size)]
-                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s, tiny)])
+                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s, tiny)
+                      if size < (capped or {}).get(op, float("inf"))])
     phases = [str(i) for i in range(len(specs))] * rounds
     if timeout_s:  # the job's calls priced at the links' goodput, twice over, with a margin for the host
         timeout_s = max(timeout_s, 2 * rounds * sum(priced_s(one, p, c) for one, p, c in zip(specs, probes, calls))

@@ -8,7 +8,8 @@ with ``payload = {"body": "collective", "op": ..., "sizes": [...],
 worker runs the same jitted ``shard_map`` over all devices of the job, so
 each call is one collective over every node. Sizes
 follow nccl-tests' convention (as :mod:`testbed.collectives.ops` does): the
-all-reduce's buffer per device, the all-gather's gathered result.
+all-reduce's buffer per device, the all-gather's gathered result, the
+reduce-scatter's whole input (each device keeps one n-th of it, reduced).
 
 Each call is waited for; the time of a call is the slowest process's, as a
 collective ends for the job when its last rank is done: every worker
@@ -24,7 +25,7 @@ from typing import Any
 __all__ = ["worker_body", "collective_times", "OPS"]
 
 #: The collectives a worker can time, by the project's op names.
-OPS = ("all_reduce", "all_gather")
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
 AXIS = "d"
 
 
@@ -38,6 +39,8 @@ def _function(op: str, mesh: Any, chain: int = 1):
             for _ in range(chain - 1):  # all-reduces one after another in one program, each on the last's mean
                 x = jax.lax.psum(x, AXIS) / jax.lax.axis_size(AXIS)
             return jax.lax.psum(x, AXIS)
+        if op == "reduce_scatter":  # XLA:CPU keeps the reduce-scatter, gloo's ReduceScatterHalvingDoubling runs it
+            return jax.lax.psum_scatter(x, AXIS, tiled=True)
         return jax.lax.all_gather(x, AXIS, tiled=True)
 
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec))
@@ -61,7 +64,10 @@ def collective_times(op: str, nbytes: int, repeats: int, warmup: int = 2, chain:
     devices = jax.devices()
     n = len(devices)
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
-    per_device = nbytes // 4 if op == "all_reduce" else max(nbytes // 4 // n, 1)
+    if op == "reduce_scatter":  # the whole buffer per device, n blocks of at least one element
+        per_device = max(nbytes // 4 // n, 1) * n
+    else:
+        per_device = nbytes // 4 if op == "all_reduce" else max(nbytes // 4 // n, 1)
     sharding = jax.NamedSharding(mesh, jax.P(AXIS))
     shape = (n * per_device,)
     x = jax.make_array_from_callback(shape, sharding, lambda index: np.ones(per_device, np.float32))
@@ -78,9 +84,9 @@ def collective_times(op: str, nbytes: int, repeats: int, warmup: int = 2, chain:
         out = jax.block_until_ready(fn(x))
         times.append((time.perf_counter() - start) / chain)
     local = np.asarray(out.addressable_shards[0].data)
-    expect = float(n) if op == "all_reduce" else 1.0
+    expect = 1.0 if op == "all_gather" else float(n)
     ok = bool(np.all(local == expect))
-    return {"op": op, "bytes": per_device * 4 * (1 if op == "all_reduce" else n), "ranks": n, "times_s": times,
+    return {"op": op, "bytes": per_device * 4 * (n if op == "all_gather" else 1), "ranks": n, "times_s": times,
             "ok": ok}
 
 

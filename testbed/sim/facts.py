@@ -30,8 +30,8 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.leaves import (block_gathers, block_scatters, bucket_share, combine_limit, moved_elements, own_blocks,
-                                  parameter_collectives, regathered)
+from testbed.model.blocks import block_gathers, block_scatters, own_blocks
+from testbed.model.leaves import bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.model.spans import action_spans
@@ -117,10 +117,10 @@ class ChunkFacts:
     sequence_bytes: float = 0.0
     block_sizes: tuple[tuple[tuple[float, ...], ...], ...] = ((), ())
     #: Per action kind, (kind, each block's (share of the action's work, its GEMMs)) where the embedding and the
-    #: head are blocks of their own (testbed.model.leaves.own_blocks); empty: equal shares of the action.
+    #: head are blocks of their own (testbed.model.blocks.own_blocks); empty: equal shares of the action.
     block_work: tuple[tuple[str, tuple[tuple[float, tuple[Gemm, ...]], ...]], ...] = ()
     #: Per gradient bucket of the last backward (from the head), each merged reduce-scatter's share of the
-    #: gradients, at the blocks' real sizes (testbed.model.leaves.block_scatters); empty: equal shares.
+    #: gradients, at the blocks' real sizes (testbed.model.blocks.block_scatters); empty: equal shares.
     bucket_sizes: tuple[tuple[float, ...], ...] = ()
     #: (token table's gradient bytes summed after the rest, the gather's between): grad_bytes.token_table_last.
     tail: tuple[float, float] = (0.0, 0.0)
@@ -138,7 +138,7 @@ class ChunkFacts:
 
     def gather_sizes(self, kind: str) -> tuple[tuple[float, ...], ...]:
         """Per block, the bytes of each all-gather a ``kind`` action's gathers issue (``block_sizes``: the
-        forward's, then the backward's; testbed.model.leaves.block_gathers): the merges' real sizes."""
+        forward's, then the backward's; testbed.model.blocks.block_gathers): the merges' real sizes."""
         return self.block_sizes[0 if kind == "F" else 1]
 
     def action(self, kind: str) -> ActionWork:
@@ -357,7 +357,7 @@ def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bo
                 ) -> tuple[tuple[float, tuple[Gemm, ...]], ...]:
     """Each block's (share of ``work``, its GEMMs) in the order the action computes them (forward: the embedding,
     each layer, the head; backward from the head), the embedding and the head as blocks of their own
-    (testbed.model.leaves.own_blocks): the head's share is its GEMMs' FLOPs (its projection, and in the backward
+    (testbed.model.blocks.own_blocks): the head's share is its GEMMs' FLOPs (its projection, and in the backward
     its input and weight gradients), the embedding's none (a lookup, and its backward a scatter-add), the layers
     the rest in equal shares. Its HBM and activation bytes follow the same shares."""
     kind, layers, head = work.kind, cost.layers, cost.has_head

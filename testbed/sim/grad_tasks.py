@@ -94,10 +94,10 @@ def after_tensor(plan: Plan, own_blocks: bool, blocking_tensor: bool, pieces: in
     """The first of the ``pieces`` gradient buckets of a chunk's last backward that is reduced only after the
     action's blocking tensor collectives, which both tiers play after its compute (``blocking_tensor``: it has
     some, not overlapped GEMM by GEMM); ``pieces``: none. Where the buckets are a JAX program's own blocks
-    (``own_blocks``: the embedding, each layer, the head; testbed.model.leaves.own_blocks) the last block's
+    (``own_blocks``: the embedding, each layer, the head; testbed.model.blocks.own_blocks) the last block's
     gradients are complete only after them: they sit among its kernels in the program (and under sequence
     parallelism the merges that read the tensor ranks' combined sums are the last block's:
-    testbed.model.leaves.block_scatters). The one rule the task graph (testbed.sim.program) and the analytic
+    testbed.model.blocks.block_scatters). The one rule the task graph (testbed.sim.program) and the analytic
     tier (testbed.explore.play) read."""
     if not own_blocks or not blocking_tensor or plan.mesh.tensor <= 1 or plan.runtime.tp_comm_overlap:
         return pieces

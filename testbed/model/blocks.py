@@ -1,0 +1,208 @@
+"""An fsdp action's blocks: how a chunk's pieces (the embedding, each layer, the head) group into the blocks an
+action gathers, computes and reduce-scatters one after another, and each block's collectives at their real merged
+sizes.
+
+The runner (testbed.runner.param_shards.ParamShards) gathers, computes and reduce-scatters each piece of a JAX
+program as a unit of its own; XLA's combiners merge the collectives of consecutive pieces
+(:mod:`testbed.model.leaves` counts them). The task graph (testbed.sim.facts, testbed.sim.grad_tasks) and the
+analytic tier read the one split and the merged sizes here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from testbed.model import layout
+from testbed.model.leaves import backward_merges, backward_waits, issue_order, regathered_in_backward
+from testbed.plan.sharding import state_sharding
+from testbed.plan.spec import MeshSpec, ModelSpec, Plan
+
+__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "SHARE_QUANTUM"]
+
+def own_blocks(layers: int, embed: bool, head: bool) -> int:
+    """Blocks an fsdp action of a chunk of ``layers`` layers is split into when the embedding and the head are
+    blocks of their own (``embed``, ``head``: the chunk holds them): each layer, and the embedding and the head
+    apart. A JAX program's (``runtime.framework`` ``jax``): the runner (testbed.runner.param_shards.ParamShards)
+    gathers, computes and reduce-scatters the embedding, each layer and the head as pieces of their own (its
+    backward computes the head's gradients and reduce-scatters them once the head's tables are gathered, before
+    any layer's; MaxText's scanned layers leave the embedding and the head outside the loop likewise). A PyTorch
+    stack's split is its wrapping policy, which differs (torchtitan wraps the token embedding and the norm with
+    the output as units of their own; Composer's FSDP keeps them in the root unit with the model) and is not
+    stated per stack: there the layers' blocks stay, the embedding riding with the first, the head with the last.
+    The one split the plan's model (testbed.sim.facts.ChunkFacts.blocks) and its gathers (:func:`block_gathers`)
+    read."""
+    return max(1, layers) + int(embed) + int(head)
+
+
+def block_pieces(layers: int, embed: bool, head: bool, blocks: int) -> tuple[int, ...]:
+    """Per piece of a chunk in forward order (the embedding if held, each layer, the head if held), the block of
+    ``blocks`` (forward order) it belongs to: its own block where ``blocks`` is :func:`own_blocks`'s; else the
+    layers' blocks, the embedding riding with the first and the head with the last."""
+    last = blocks - 1
+    if blocks == own_blocks(layers, embed, head) and blocks > max(1, layers):
+        return tuple(range(int(embed) + layers + int(head)))
+    return (0,) * int(embed) + tuple(min(j, last) for j in range(layers)) + (last,) * int(head)
+
+
+def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
+                  combine_bytes: float = math.inf, bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
+    """Bytes of each all-gather a ``kind`` action's block of a chunk's sharded parameters issues, per block in the
+    order the action computes them (the backward's from the head): the
+    real merged sizes, not equal shares (at many ranks a collective's time is concave in its bytes, so equal
+    shares of unequal merges would overprice them). Each piece (the embedding, a layer, the head) gathers in its
+    block (:func:`block_pieces`); a merged collective belongs to the block of its first leaf, the first the runner
+    reads. Merges as :func:`parameter_collectives` (forward:
+    the chunk's leaves in :func:`issue_order`) and :func:`regathered` (backward: :func:`backward_merges`) count
+    them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
+    ``elements`` (the action's gathered elements, :meth:`testbed.sim.facts.ChunkFacts.gather`) above the leaves'
+    (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
+    graph and the analytic tier both price."""
+    return _block_gathers(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                          state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, elements,
+                          combine_bytes, bytes_per_element)
+
+
+def _chunk_pieces(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], stage: int, chunk: int,
+                  blocks: int) -> list[tuple[int, str, list]]:
+    """(block, what it is, its parameters) of each piece of a chunk, forward order (:func:`block_pieces`)."""
+    embed, head = layout.holds(stage, chunk, mesh.stage, v)
+    span = layout.chunk_layers(spec, mesh.stage, v, stage_layers)[stage][chunk]
+    where = block_pieces(len(span), embed, head, blocks)
+    pieces = ([("embedding", layout.embedding_params(spec))] if embed else [])
+    pieces += [("layer", layout.layer_params(spec, i)) for i in span]
+    pieces += [("head", layout.head_params(spec))] if head else []
+    return [(b, what, params) for b, (what, params) in zip(where, pieces)]
+
+
+@functools.lru_cache(maxsize=1 << 14)  # a search prices the same chunk under many schedules and microbatch counts
+def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+                   chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float,
+                   bytes_per_element: float) -> tuple[tuple[float, ...], ...]:
+    """:func:`block_gathers` from what it depends on."""
+    last = blocks - 1
+    held = _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
+    pieces = [(b, params) for b, what, params in held if kind == "F" or what != "embedding"]
+    out: list[list[float]] = [[] for _ in range(blocks)]
+    if kind != "F" and not math.isinf(combine_bytes):
+        backward = [(block, tuple(q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor)
+                                  * bytes_per_element for q in issue_order(piece) if regathered_in_backward(q)))
+                    for block, piece in reversed(pieces)]
+        head = any(what == "head" for _, what, _ in held)
+        waits = backward_waits(len(backward) - int(head), head)
+        for size, k in backward_merges([sizes for _, sizes in backward], combine_bytes, waits):
+            out[backward[k][0]].append(size)
+        return _with_rest(out, elements * bytes_per_element, last, reverse=True)
+    run = None  # the open merge (what merges: the whole chunk, forward; a block, unbounded), its block and index
+    for block, piece in pieces:
+        for q in issue_order(piece):
+            if kind != "F" and not regathered_in_backward(q):
+                continue
+            size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+            key = block if math.isinf(combine_bytes) else 0
+            if size > combine_bytes:
+                out[block].append(size)  # combined_sizes' rule: alone, the open merge goes on
+            elif run is not None and run[0] == key and out[run[1]][run[2]] + size <= combine_bytes:
+                out[run[1]][run[2]] += size
+            else:
+                out[block].append(size)
+                run = (key, block, len(out[block]) - 1)
+    return _with_rest(out, elements * bytes_per_element, last, reverse=kind != "F")
+
+
+def _with_rest(out: list[list[float]], total: float, last: int, reverse: bool) -> tuple[tuple[float, ...], ...]:
+    """``out`` with what ``total`` has above its collectives (a tied table's copy) one more of block ``last``,
+    per block in forward order, or reversed (the backward's)."""
+    rest = total - sum(map(sum, out))
+    if rest > 1e-6 * max(1.0, total):
+        out[last].append(rest)
+    return tuple(tuple(sizes) for sizes in (reversed(out) if reverse else out))
+
+
+def block_scatters(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
+                   bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
+    """Per block of a chunk's backward (from the head, :func:`block_pieces`), each reduce-scatter its gradients
+    are, as a share of the chunk's gradient elements: the pieces' leaves from the head, each piece's in
+    :func:`issue_order`, merged within ``combine_bytes`` by :func:`combined_sizes`' rule across pieces (XLA's
+    combiner: nothing reads a reduce-scatter before the optimizer, so none reaches another), a merge in the
+    block of its last leaf, whose gradients end it (unbounded: one per block). The gradient buckets at their real
+    merged sizes, where equal shares of the chunk's would price the head's large table as a layer's share and
+    split it into equal collectives."""
+    return _block_scatters(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                           state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
+                           bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+                    chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool = False
+                    ) -> tuple[tuple[float, ...], ...]:
+    """:func:`block_scatters` from what it depends on (``apart``: sequence parallelism over tensor ranks)."""
+    merged: list[list[float]] = [[] for _ in range(blocks)]
+    group: list | None = None  # the open merge: [bytes, block of its last member, index of its last member, late]
+    groups: list[list] = []
+    ended = 1 << 30  # past every leaf: where the merges that wait for the backward's end are issued
+    walk = _scatter_walk(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks),
+                         apart and not math.isinf(combine_bytes))
+    for i, (q, block, late) in enumerate(walk):
+        size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+        if math.isinf(combine_bytes) or size > combine_bytes:
+            groups.append([size, block, i, late])  # unbounded: one per block (summed below); over the bound: alone
+        elif group is not None and group[0] + size <= combine_bytes:
+            group[0], group[1], group[2], group[3] = group[0] + size, block, i, group[3] or late
+        else:
+            group = [size, block, i, late]
+            groups.append(group)
+    # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands); one
+    # holding a tensor-replicated gradient reads the merged all-reduce of the backward's last layer: it is issued
+    # in the backward's last block, after the others (after its tensor collectives: testbed.sim.grad_tasks).
+    for g in groups:
+        if g[3]:
+            g[1], g[2] = 0, ended + g[2]
+    for size, block, _, _ in sorted(groups, key=lambda g: g[2]):
+        if math.isinf(combine_bytes) and merged[block]:
+            merged[block][0] += size
+        else:
+            merged[block].append(size)
+    return _exact_shares(tuple(tuple(sizes) for sizes in reversed(merged)))
+
+
+def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tuple]:
+    """(leaf, block, late) of a chunk's gradients in the order XLA's reduce-scatter combiner walks them: the pieces
+    from the head, each piece's leaves as its transposed gathers issue them (reversed :func:`issue_order`).
+
+    ``apart`` (sequence parallelism over tensor ranks, merges bounded): a tensor-replicated gradient (``late``: a
+    norm's, a bias of a row-parallel matmul; not the position table's, whose sequence-sharded gradient is
+    gathered over the ranks) is reduce-scattered from its sum over the tensor ranks. XLA's all-reduce combiner
+    (which runs first) merges the whole backward's sums into one all-reduce, which the last piece holding such
+    a gradient issues before its reduce-scatters: the earlier pieces' are walked there, at that piece's start,
+    in its block (the traced program's merges, testbed.sim.combine; one for one in
+    tests/test_program_vs_plan.py)."""
+    walk = [(q, block, apart and what != "embedding" and q.tensor_dim is None and not q.is_expert)
+            for block, what, params in reversed(pieces) for q in reversed(issue_order(params))]
+    if not any(late for _, _, late in walk):
+        return walk
+    last = max(i for i, (_, _, late) in enumerate(walk) if late)
+    start = next(i for i, (_, block, _) in enumerate(walk) if block == walk[last][1])
+    held = [(q, walk[start][1], True) for q, _, late in walk[:start] if late]
+    return [w for w in walk[:start] if not w[2]] + held + walk[start:]
+
+
+#: Shares of a chunk's gradients are multiples of this (a power of two): a whole number of bytes (below 2^37) times
+#: each is exact in floating point, so the buckets' bytes sum to the chunk's exactly (bytes per axis compared to the
+#: byte); a share is then within 8e-6 of its block's.
+SHARE_QUANTUM = 2.0 ** -16
+
+
+def _exact_shares(sizes: tuple[tuple[float, ...], ...]) -> tuple[tuple[float, ...], ...]:
+    """``sizes`` (bytes per merged collective, per block) as shares of their sum, each a multiple of
+    :data:`SHARE_QUANTUM`, the last taking what the others leave so that they sum to 1 exactly."""
+    total = sum(map(sum, sizes)) or 1.0
+    flat = [max(1, round(n / total / SHARE_QUANTUM)) * SHARE_QUANTUM for block in sizes for n in block]
+    if flat:
+        flat[-1] = 1.0 - sum(flat[:-1])
+    out, k = [], 0
+    for block in sizes:
+        out.append(tuple(flat[k:k + len(block)]))
+        k += len(block)
+    return tuple(out)
