@@ -307,3 +307,30 @@ def test_under_sequence_parallelism_a_blocks_weight_gradients_run_beside_its_las
             assert read == ({"compute"} if sequence_parallel else {"tensor"})
             assert {play.items[d].stream for d in play.after} == ({"compute", "tensor"} if sequence_parallel
                                                                   else {"compute"})
+
+
+def test_no_combiner_merges_a_forward_gather_with_a_backward_one() -> None:
+    """The runner's backward gathers read the forward's (param_shards._regathered; the head's, whose loss
+    cotangent is a constant, through one element of each gathered leaf): XLA's all-gather combiner (as
+    testbed.sim.combine merges the traced program's) cannot merge a forward gather, which reads only
+    parameters, with a backward one. On TPU fsdp32 x t8 d2048 bf16 the head's backward gather of its norm
+    scale read only the head's input and was merged into the head's forward gather, which then waited for the
+    whole forward."""
+    from testbed.model.leaves import combine_limit
+    from testbed.runner.program.plans import trace_plan
+    from testbed.sim.combine import combine_collectives
+    from testbed.sim.workload import OpKind
+    from testbed.topology.io import load_topology
+
+    model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
+    plan = Plan(name="head", model=model, batch=BatchSpec(global_batch=32), mesh=MeshSpec(fsdp=32, tensor=8),
+                precision="bf16-mixed")
+    workload = trace_plan(plan)
+    limit = combine_limit(load_topology("tpu-v5e-16x16").calibration.collectives.combine_bytes, "jax")
+
+    def forward_bytes(w) -> float:
+        return sum(op.nbytes for op in w.ops if op.kind is OpKind.COLLECTIVE and op.collective == "all_gather"
+                   and op.axes == ("fsdp",) and not op.deps)
+
+    assert forward_bytes(workload) > 0
+    assert forward_bytes(combine_collectives(workload, limit)) == forward_bytes(workload)

@@ -110,6 +110,21 @@ def test_a_matmul_that_reads_a_gather_waits_for_it_and_the_matmuls_before_it_do_
     assert [t.deps for t in computes] == [(0,), (1, 2)]
 
 
+def test_the_small_ops_that_feed_a_collective_wait_for_a_gather_and_the_matmuls_before_them_do_not() -> None:
+    """The runner's head re-gather: its link (a memory-bound op) reads the head's forward gather and feeds only the
+    backward's gather. The matmul before the link in program order (a layer's forward) starts when its own gather
+    is done; the link waits for the head's; an op that feeds compute keeps the segment's wait (the rule is only
+    for the ops that feed collectives)."""
+    topology = load_topology("tpu-v5e-4x4")
+    head = [reduce((), nbytes=1e6, group=16, op="all_gather"), reduce((), nbytes=4e8, group=16, op="all_gather")]
+    tail = [gemm((0,)), memory((1, 2)), reduce((3,), nbytes=1e6, group=16, op="all_gather")]
+    program = workload_program(workload(head + tail, mesh={"data": 16}), topology)
+    assert [t.deps for t in program.tasks if t.kind is TaskKind.COMPUTE] == [(0,), (1, 2)]
+    feeding_compute = head + [gemm((0,)), memory((1, 2)), gemm((3,))]
+    program = workload_program(workload(feeding_compute, mesh={"data": 16}), topology)
+    assert [t.deps for t in program.tasks if t.kind is TaskKind.COMPUTE][0] == (0, 1)
+
+
 def test_the_mesh_must_fill_the_topology() -> None:
     with pytest.raises(InputError, match="give a mesh whose sizes multiply to 8"):
         simulate_workload(workload([gemm()], mesh={"data": 4}), load_topology("dgx-h100"))

@@ -116,6 +116,33 @@ class ParamShards:
         w = w if dim < 0 else _gather(w, self.shard_axes, dim, tensor_spec)
         return w if flat is False else unflatten(w, flat, self.tensor, self.expert, self.expert_tensor)
 
+    def _taken(self, full: Any, dims: Any, copies: Any, tensor_specs: Any, flats: Any) -> Any:
+        """Per leaf of ``full`` gathered whole (no copies, not flat): its first element along every dim, each
+        device's own (in a map manual over ``tensor``, split as the leaf: nothing moves; a leaf ``tensor`` does
+        not split sliced as it is: XLA:CPU's partitioner aborts on that map of a replicated leaf); else None."""
+        def take(w: jax.Array, dim: int, copy: tuple[str, ...], spec: P, flat: Any) -> jax.Array | None:
+            if dim < 0 or copy or flat is not False or self.spread:
+                return None
+            corner = lambda w: w[(slice(0, 1),) * w.ndim]  # noqa: E731
+            return corner(w) if all(a is None for a in spec) else _manual(corner, spec)(w)
+        return jax.tree.map(take, full, dims, copies, tensor_specs, flats)
+
+    def _tied(self, params: Any, taken: Any, tensor_specs: Any) -> Any:
+        """``params`` (shards), each leaf plus zero times the taken corners (:meth:`_taken`) of all: the same
+        values, read after all the forward's gathers of the piece."""
+        pairs = [(c, spec) for c, spec in zip(jax.tree.leaves(taken, is_leaf=lambda x: x is None),
+                                              _spec_leaves(tensor_specs)) if c is not None]
+        if not pairs:
+            return params
+        corners, specs = [c for c, _ in pairs], [spec for _, spec in pairs]
+
+        def tie(w: jax.Array, own: jax.Array | None, spec: P) -> jax.Array:
+            if own is None:  # a leaf with copies or held flat: as it is
+                return w
+            add = lambda w, *cs: w + (sum(jnp.ravel(c)[0] for c in cs) * 0).astype(w.dtype)  # noqa: E731
+            return _manual_many(add, spec, specs)(w, *corners)
+        return jax.tree.map(tie, params, taken, tensor_specs, is_leaf=lambda x: x is None)
+
     def apply(self, fn: Any, params: Any, *batch: jax.Array, loss: bool = False, link: jax.Array | None = None,
               linked: bool = False) -> Any:
         """``fn(gathered params, *batch rows)`` on every device's rows of the batch.
@@ -141,7 +168,10 @@ class ParamShards:
             return jax.tree.map(self._gather, params, dims, copies, tensor_specs, flats)
 
         def body(params: Any, link: jax.Array | None, *batch: jax.Array) -> Any:
-            out = _regathered(fn, gather, params, batch, jax.tree.leaves(again), link, linked)
+            # A loss's cotangent is a constant: its piece's backward gather also reads the forward's gathers.
+            probe = ((lambda full: self._taken(full, dims, copies, tensor_specs, flats)),
+                     (lambda params, taken: self._tied(params, taken, tensor_specs))) if loss else None
+            out = _regathered(fn, gather, params, batch, jax.tree.leaves(again), link, linked, probe)
             if not linked:
                 return out[None] if loss else out
             return (out[0][None] if loss else out[0]), out[1]
@@ -184,20 +214,28 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...], again: list[bool],
-                link: jax.Array | None = None, linked: bool = False) -> Any:
+                link: jax.Array | None = None, linked: bool = False, probe: Any = None) -> Any:
     """``fn(gather(params), *batch)`` whose backward gathers ``params`` again instead of keeping the gathered
     weights as residuals (every other residual of ``fn`` is kept as autodiff keeps it). ``again``: per leaf of
     ``params``, whether its backward gathers it again (testbed.model.leaves.regathered_in_backward, the rule
     plan-driven simulation counts); a leaf it does not (a bias, where a recomputation reads one) keeps the
     forward's gathered copy. ``link``, ``linked``: as :meth:`ParamShards.apply` (with ``linked`` the result is
-    ``(out, link)``, the link zeros of shape ``[1]``).
+    ``(out, link)``, the link zeros of shape ``[1]``). ``probe``: None, or (take, tie): ``take(gathered
+    leaves)`` keeps a corner of each (:meth:`ParamShards._taken`), ``tie(shards, corners)`` reads them all
+    into every shard (:meth:`ParamShards._tied`).
 
     A custom VJP: the forward takes ``fn``'s VJP at the gathered weights and drops from its residuals the
     gathered leaves themselves; the backward gathers the shards again and puts them back. The backward's
     gather depends on a cotangent (the link's when ``linked``: the next piece's, one piece ahead; else its own)
     and a residual (the shards plus zero times one element of each), so it runs in the backward and no
-    common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers ``jax.checkpoint``
-    places before its last CSE pass, which merged a rematerialised gather with the forward's. The cotangent
+    common-subexpression pass can merge it with the forward's: XLA:CPU expands the barriers
+    ``jax.checkpoint`` places before its last CSE pass, which merged a rematerialised gather with the
+    forward's. A loss's cotangent is a constant, so there (``probe``, :meth:`ParamShards.apply` with
+    ``loss``) each shard also reads one element of every leaf the forward gathered (one-element residuals):
+    no combiner can then merge the backward's gather with the forward's, as a merge would depend on itself.
+    Read from the piece's input residual alone, the head's backward gather of its norm scale was ready with
+    that input and XLA's all-gather combiner (as testbed.sim.combine) merged it into the head's forward
+    gather, which then waited for the whole forward instead of being prefetched during it. The cotangent
     of ``link`` is zero times one element of this piece's own cotangent: the previous piece's gather may start
     as soon as this piece's backward does.
     """
@@ -218,15 +256,18 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
         where = {id(w): i for i, w in enumerate(jax.tree.leaves(full)) if again[i]}
         meta["gathered"] = {j: where[id(x)] for j, x in enumerate(leaves) if id(x) in where}
         kept = [x for j, x in enumerate(leaves) if j not in meta["gathered"]]
-        return tied(out), (params, kept)
+        # With a probe, one element of each gathered leaf, which the backward's gather reads (see above).
+        taken = None if probe is None else probe[0](full)
+        return tied(out), (params, kept, taken)
 
     def backward(res: Any, cts: Any) -> tuple[Any, Any, Any]:
-        params, kept = res
+        params, kept, taken = res
         ct, after = cts if linked else (cts, None)
         own = jnp.ravel(jax.tree.leaves(ct)[0])[0]
         # Zero, from a cotangent and a residual: never a constant XLA could fold (a loss's cotangent is one).
         zero = ((own if after is None else after[0]) + sum(jnp.ravel(r)[0] for r in kept[:1])) * 0
-        full = jax.tree.leaves(gather(jax.tree.map(lambda w: w + zero.astype(w.dtype), params)))
+        again = jax.tree.map(lambda w: w + zero.astype(w.dtype), params)
+        full = jax.tree.leaves(gather(again if probe is None else probe[1](again, taken)))
         rest = iter(kept)
         leaves = [full[meta["gathered"][j]] if j in meta["gathered"] else next(rest)
                   for j in range(len(meta["gathered"]) + len(kept))]
@@ -237,6 +278,22 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
 
     piece.defvjp(forward, backward)
     return piece(params, batch, link)
+
+
+def _spec_leaves(tree: Any) -> list[P]:
+    """The :class:`P` leaves of a tree of partition specs (a spec is a tuple: not flattened)."""
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, P))
+
+
+def _manual_many(fn: Any, spec: P, more: list[P]) -> Any:
+    """:func:`_manual` for ``fn(w, *more arrays)``: ``w`` split as ``spec`` (also the result's), the others as
+    ``more``."""
+    context = jax.sharding.get_abstract_mesh()
+    rest = frozenset(context.axis_names) - frozenset(context.manual_axes)
+    if not rest:
+        return fn
+    return jax.shard_map(fn, mesh=context, in_specs=(spec, *more), out_specs=spec, axis_names=rest,
+                         check_vma=False)
 
 
 def _manual(fn: Any, spec: P) -> Any:

@@ -7,7 +7,9 @@ plan-driven simulation does for a step without pipeline stages. Its ops become t
 - compute: the ops between two consecutive collectives (in program order) are one *segment* on the
   ``compute`` stream, and a matmul that reads a collective's result the segment has not yet read starts a new
   one (a matmul is a kernel of its own; the compute before it need not wait for that collective: FSDP's
-  forward, whose gathers all come first, computes each layer once its own gathers are done). Each segment is
+  forward, whose gathers all come first, computes each layer once its own gathers are done); so do, after
+  a matmul, the memory-bound ops that only feed collectives (the runner's head re-gather's link reads the
+  head's forward gather, and the layers' forward before it need not wait for that gather). Each segment is
   priced by testbed.sim.compute's model as a plan's tasks are: its matmuls and
   convolutions (``gemms``: the calibration's GEMM shape model, or its FLOPs roofline), and its
   memory-bound ops' ``hbm_bytes``: with the calibration's ``elementwise`` group a second task after the
@@ -86,6 +88,21 @@ def _placement(workload: Workload, topology: Topology, device_ids: np.ndarray | 
     return ids
 
 
+def _feeds_collectives(workload: Workload) -> list[bool]:
+    """Per op: a memory-bound op whose results only collectives read, directly or through such ops (the
+    small fusions that make a collective's operand, as testbed.sim.overlap.hoist_collectives moves them)."""
+    ops = workload.ops
+    consumers: list[list[int]] = [[] for _ in ops]
+    for i, op in enumerate(ops):
+        for d in op.deps:
+            consumers[d].append(i)
+    out = [False] * len(ops)
+    for i in range(len(ops) - 1, -1, -1):
+        out[i] = (ops[i].kind is OpKind.MEMORY and bool(consumers[i])
+                  and all(ops[c].kind is OpKind.COLLECTIVE or out[c] for c in consumers[i]))
+    return out
+
+
 def workload_program(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None) -> Program:
     """The task graph of ``workload`` on ``topology`` (module docstring)."""
     ids = _placement(workload, topology, device_ids)
@@ -137,13 +154,14 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     waited: set[int] = set()  # collectives the open segment reads
     follows = {it: loop[j - 1] for loop in workload.loops for j, it in enumerate(loop) if j}
     began: dict[int, int] = {}  # loop iteration -> its first task
+    feeds = _feeds_collectives(workload)
     for i, op in enumerate(workload.ops):
         done.append(())
         if op.iteration not in began:
             previous = _iteration_begins(b, rep, op.iteration, follows, began, close, waited, previous)
         if op.kind is not OpKind.COLLECTIVE:
             reads = {d for d in op.deps if workload.ops[d].kind is OpKind.COLLECTIVE}
-            if op.kind is OpKind.GEMM and reads - waited:  # a new kernel that waits for that collective
+            if _new_kernel(workload, i, reads - waited, feeds, segment):
                 close()
                 waited.clear()
             waited.update(reads)
@@ -165,6 +183,15 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     close()
     representative = np.full(workload.devices, rep, dtype=np.int64)
     return Program(tasks=tuple(b.tasks), representative=representative)
+
+
+def _new_kernel(workload: Workload, i: int, unwaited: set[int], feeds: list[bool], segment: list[int]) -> bool:
+    """Whether op ``i``, reading collectives ``unwaited`` the open ``segment`` has not, starts a new kernel that waits
+    for them: a matmul, or, after matmuls, a memory-bound op that only feeds collectives (a gather's link;
+    :func:`_feeds_collectives`), which the matmuls before it need not wait for."""
+    op = workload.ops[i]
+    return bool(unwaited) and (op.kind is OpKind.GEMM or (feeds[i] and any(
+        workload.ops[j].kind is OpKind.GEMM for j in segment)))
 
 
 def _iteration_begins(b: Builder, rep: int, iteration: int, follows: dict[int, int], began: dict[int, int],
