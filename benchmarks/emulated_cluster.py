@@ -59,7 +59,7 @@ import time
 import numpy as np
 
 from testbed.cluster import cluster_spec, netns
-from testbed.cluster.fit import (CAPPED_OPS, HostProbe, costs_at_rate, emulated, fit_from_bytes, fit_host_costs,
+from testbed.cluster.fit import (CAPPED_OPS, FITTED_OPS, HostProbe, costs_at_rate, emulated, fit_from_bytes, fit_host_costs,
                                  link_goodput, row_errors)
 from testbed.cluster.spec import GLOO_ALGORITHMS
 from testbed.collectives.ops import BUS_FACTOR, parse_op
@@ -91,11 +91,11 @@ def leave_one_rate_out(doc: dict, *, per_byte: bool = False, form: str = "hidden
                        min_bytes: int | None = None, capped: dict | None = None) -> dict:
     """Each rate's rows priced with the mean of the other rates' fitted costs (fitted in ``form`` on the rows of
     ``min_bytes`` and up; default: :func:`testbed.cluster.fit.fit_from_bytes`, by the run's bucket; ``capped``:
-    :data:`testbed.cluster.fit.CAPPED_OPS` by default, the reduce-scatter's 4 KiB call); per rate and overall. The
+    :data:`testbed.cluster.fit.FITTED_OPS` by default, the rings alone); per rate and overall. The
     held-out rate's rows are in no fit that prices them."""
     topology = load_topology(doc["topology"])
     min_bytes = min_bytes or fit_from_bytes(doc["runs"][0])
-    capped = CAPPED_OPS if capped is None else capped
+    capped = FITTED_OPS if capped is None else capped
     fits = {run["rate_mbps"]: fit_host_costs(_spec(topology, run["rate_mbps"]), HostProbe.from_dict(run["probe"]),
                                              run["rows"], form=form, min_bytes=min_bytes, capped=capped)
             for run in doc["runs"]}
@@ -119,7 +119,7 @@ def leave_one_rate_out(doc: dict, *, per_byte: bool = False, form: str = "hidden
 #: run 21); every reduce-scatter call fitted; the per-byte cost carried; the headline fitted from 64 KiB (the
 #: cut-off of runs 1-12, whose links had a bucket of 1 ms of rate); each round's host cost added to its wire (the
 #: simulator's form until gloo's two segments in flight were modelled), from 4 KiB and from 64 KiB.
-VARIANTS = {"leave_one_rate_out_rings_only": {"capped": {"reduce_scatter": 0}},
+VARIANTS = {"leave_one_rate_out_reduce_scatter_4KiB": {"capped": dict(CAPPED_OPS)},
             "leave_one_rate_out_every_reduce_scatter": {"capped": {}},
             "leave_one_rate_out_per_byte": {"per_byte": True},
             "leave_one_rate_out_from_64KiB": {"min_bytes": 2**16},

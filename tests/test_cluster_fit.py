@@ -11,7 +11,7 @@ import pytest
 
 from testbed.cli.main import main
 from testbed.cluster import cluster_spec
-from testbed.cluster.fit import (CAPPED_OPS, FIT_MIN_BYTES, HostCosts, HostProbe, costs_at_rate, emulated,
+from testbed.cluster.fit import (CAPPED_OPS, FITTED_OPS, FIT_MIN_BYTES, HostCosts, HostProbe, costs_at_rate, emulated,
                                  fit_host_costs, link_goodput, predict, price_rows, row_errors)
 from testbed.cluster.step import StepCall, calls_links, predict_step, unshaped
 from testbed.errors import InputError
@@ -90,7 +90,7 @@ def _three_ops(spec, costs: HostCosts) -> list[dict]:
 def test_the_fit_recovers_the_costs_from_three_round_counts(rate):
     spec = _spec(rate)
     truth = HostCosts(call_s=5e-3, overhead_s=3e-4, link_efficiency=0.95, goodput=link_goodput(spec))
-    fitted = fit_host_costs(spec, PROBE, _three_ops(spec, truth))
+    fitted = fit_host_costs(spec, PROBE, _three_ops(spec, truth), capped=CAPPED_OPS)
     assert (fitted.call_s, fitted.overhead_s, fitted.link_efficiency) == pytest.approx((5e-3, 3e-4, 0.95), abs=1e-9)
     # The reduce-scatter's rounds add their host cost to their wire: its rows are the call, wire and 4 rounds.
     wire = price_rows(spec, PROBE, dataclasses.replace(truth, call_s=0.0, overhead_s=0.0), _three_ops(spec, truth))
@@ -107,9 +107,11 @@ def test_the_reduce_scatter_is_fitted_by_its_4KiB_call_alone():
     slowed = [{**r, "measured_s": r["measured_s"] * (3 if r["op"] == "reduce_scatter" and r["bytes"] >= 2**16 else 1)}
               for r in _three_ops(spec, truth)]
     assert CAPPED_OPS == {"reduce_scatter": 2**16}
-    assert fit_host_costs(spec, PROBE, slowed) == fit_host_costs(spec, PROBE, _three_ops(spec, truth))
+    assert fit_host_costs(spec, PROBE, slowed, capped=CAPPED_OPS) == fit_host_costs(
+        spec, PROBE, _three_ops(spec, truth), capped=CAPPED_OPS)
     assert fit_host_costs(spec, PROBE, slowed, capped={}).link_efficiency < 0.9
-    rings = fit_host_costs(spec, PROBE, slowed, capped={"reduce_scatter": 0})
+    rings = fit_host_costs(spec, PROBE, slowed)  # the default (FITTED_OPS): the rings alone
+    assert FITTED_OPS == {"reduce_scatter": 0}
     assert rings == fit_host_costs(spec, PROBE, [r for r in slowed if r["op"] != "reduce_scatter"])
 
 
@@ -126,7 +128,7 @@ def test_without_the_reduce_scatter_a_rounds_cost_under_the_wire_is_unidentified
     assert rings[0] == rings[1]
     assert fit_host_costs(spec, PROBE, rings[0]) == fit_host_costs(spec, PROBE, rings[1])
     for truth, rs in zip(truths, rows):
-        fitted = fit_host_costs(spec, PROBE, rs)
+        fitted = fit_host_costs(spec, PROBE, rs, capped=CAPPED_OPS)
         assert (fitted.call_s, fitted.overhead_s) == pytest.approx((truth.call_s, truth.overhead_s), abs=1e-9)
 
 
@@ -498,13 +500,14 @@ def test_calibrate_cluster_refit_writes_the_calibrated_topology(tmp_path, capsys
     assert topology.calibration.collectives.launch_s == pytest.approx(data["costs"]["call_s"])
 
 
-def test_calibrate_cluster_fits_and_reports_the_reduce_scatter_with_the_rings(tmp_path, capsys):
-    """A measurement of today's links (its bucket recorded: fitted from 4 KiB) with the three ops' rows: the JSON
-    prices each row, the reduce-scatter's too, and the costs are those that priced them; the written topology
-    prices the reduce-scatter with gloo's algorithm, its rounds' cost added."""
+def test_calibrate_cluster_fits_the_rings_and_reports_the_reduce_scatter(tmp_path, capsys):
+    """A measurement of today's links (its bucket recorded: fitted from 4 KiB) with the three ops' rows: the rings'
+    rows fit the costs that priced them (at 100 Mb/s, where a 4 KiB round's host cost outlasts its wire), the JSON
+    prices each row, the reduce-scatter's too (FITTED_OPS: reported, not fitted); the written topology prices the
+    reduce-scatter with gloo's algorithm, its rounds' cost added."""
     from testbed.collectives.timing import groups_time
 
-    spec = _spec(10.0)
+    spec = _spec(100.0)
     truth = HostCosts(call_s=5e-3, overhead_s=3e-4, link_efficiency=0.95, goodput=link_goodput(spec))
     path = tmp_path / "c.measurements.json"
     path.write_text(json.dumps({"cluster": "t", "topology": "eth-4x2", "scale": spec.scale, "mtu": 1500,
