@@ -284,13 +284,7 @@ class Play:
             return extra, stretch - min(stretch, extra), tuple((t + late * f, x, f) for t, x, f in releases)
         ends, parts = self.block_ends[s], tuple(self.slow * x for x in priced.parts)
         gathers, start, gather_free, before = self.replay
-        spans, grad = list(self.gathered), self.grad[s]
-        if grad > start:  # the earlier actions' reductions still in flight (back to back from the start on)
-            spans.append((start, grad))
-        for t, x, _ in releases:  # the reductions as they leave without the slowdown
-            grad = max(grad, t) + x
-            spans.append((grad - x, grad))
-        each = _overlaps([(e - c, e) for e, c in zip(ends, parts)], sorted(spans))
+        each = _overlaps([(e - c, e) for e, c in zip(ends, parts)], self._in_flight(s, start, releases))
         total = sum(parts[:len(ends)])
         spread = rate * min(max(0.0, total - sum(each)), priced.hidden + priced.send_s) / (total or 1.0)
         longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
@@ -306,6 +300,18 @@ class Play:
         first = ends[0] - parts[0]
         return sum(longer) - total, slowed[-1] - first - sum(longer), tuple(out)
 
+    def _in_flight(self, s: int, start: float, releases: tuple[Release, ...]) -> list[tuple[float, float]]:
+        """The spans, sorted, in which communication runs beside an action of stage ``s`` starting at ``start``: its
+        gathers, the earlier actions' reductions still in flight (back to back from the start on) and its own
+        ``releases`` as they leave without the slowdown."""
+        spans, grad = list(self.gathered), self.grad[s]
+        if grad > start:
+            spans.append((start, grad))
+        for t, x, _ in releases:
+            grad = max(grad, t) + x
+            spans.append((grad - x, grad))
+        return sorted(spans)
+
     def _slowed_spans(self, s: int, priced: _Priced, releases: tuple[Release, ...]
                       ) -> tuple[float, float, tuple[Release, ...]]:
         """:meth:`_slowed` of an action whose blocks are played span by span (testbed.explore.span_times): each
@@ -315,13 +321,8 @@ class Play:
         played, rate, d = self.played, self.slowdown, self.facts.prefetch
         parts = tuple(self.slow * x for x in priced.parts)
         gathers, start, gather_free, before = self.replay
-        spans, grad = list(self.gathered), self.grad[s]
-        if grad > start:  # the earlier actions' reductions still in flight (back to back from the start on)
-            spans.append((start, grad))
-        for t, x, _ in releases:  # the reductions as they leave without the slowdown
-            grad = max(grad, t) + x
-            spans.append((grad - x, grad))
-        each = [min(o, c) for o, c in zip(_overlaps(list(zip(played.starts, played.ends)), sorted(spans)), parts)]
+        each = [min(o, c) for o, c in zip(_overlaps(list(zip(played.starts, played.ends)),
+                                                     self._in_flight(s, start, releases)), parts)]
         total = sum(parts)
         spread = rate * min(max(0.0, total - sum(each)), priced.hidden + priced.send_s) / (total or 1.0)
         longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
