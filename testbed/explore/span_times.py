@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from testbed.model.gemm import scaled
 from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import ActionWork, ChunkFacts
-from testbed.sim.span_order import BlockPlay, time_block
+from testbed.sim.span_order import BlockPlay, span_kernels, time_block
 from testbed.sim.span_play import action_plays
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, piece
             nbytes = 0.0
             if item.stream == "compute":
                 j, share = item.gemms
-                n = max(1, round(kernels * item.flops / (flops * part))) if flops * part else max(1, kernels)
+                n = span_kernels(kernels, item.flops, flops * part)
                 seconds.append(compute_seconds(step.topology, step.dtype, item.flops, item.nbytes, n,
                                                replicated * part * item.passes, split * part * item.passes,
                                                tensor_bytes, scaled(own[j][1], share), ((1.0, item.nbytes),)))

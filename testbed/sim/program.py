@@ -286,9 +286,8 @@ class _Graph(SpanPlay):
                     (self.first_gather, gathered) if gathered is not None else None)
                 computes += tasks
                 ends.append(done)
-                for fraction, count in chunk.bucket(pieces, k) if scatter else ():  # an earlier microbatch's, as
-                    # the block is done (the analytic tier's releases at the played blocks' ends)
-                    self.reduce_tasks[s].append(self._scatter(s, chunk, f"{label}/{k}", done, fraction, count))
+                if scatter:  # as the block is done (the analytic tier's releases at the played blocks' ends)
+                    self._accumulate(s, chunk, f"{label}/{k}", done, chunk.bucket(pieces, k))
                 continue
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
@@ -302,8 +301,8 @@ class _Graph(SpanPlay):
             computes += [] if ringed is not None else [last]
             ends.append(last)
             deps = []
-            for fraction, count in chunk.bucket(pieces, k) if scatter else ():  # an earlier microbatch's, each bucket
-                self.reduce_tasks[s].append(self._scatter(s, chunk, name, last, fraction, count))
+            if scatter:
+                self._accumulate(s, chunk, name, last, chunk.bucket(pieces, k))
             if reduce:
                 # Bucket k holds its share of the chunk's gradients (ChunkFacts.bucket): reduced while the backward
                 # continues when they accumulate sharded, else once the stage's backward is done.
@@ -425,6 +424,12 @@ class _Graph(SpanPlay):
             self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of))
         else:
             self.once[s].append(bucket_of)
+
+    def _accumulate(self, s: int, chunk: ChunkFacts, label: str, after: int, buckets) -> None:
+        """An earlier microbatch's ``buckets`` (ChunkFacts.bucket of one block) reduce-scattered into the sharded
+        accumulator once ``after`` is done: in a loop XLA keeps, bucket by bucket as the backward makes them."""
+        for fraction, count in buckets:
+            self.reduce_tasks[s].append(self._scatter(s, chunk, label, after, fraction, count))
 
     def _scatter(self, s: int, chunk: ChunkFacts, label: str, last: int, fraction: float = 1.0,
                  count: int = 0) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Item", "BlockPlay", "block_plays", "time_block", "START", "LOOKUP", "WAITING"]
+__all__ = ["Item", "BlockPlay", "block_plays", "time_block", "span_kernels", "START", "LOOKUP", "WAITING"]
 
 START, LOOKUP, WAITING = -1, -2, -3
 
@@ -59,6 +59,12 @@ class BlockPlay(NamedTuple):
     after: tuple[int, ...]
     done: tuple[int, ...]
     last: int
+
+
+def span_kernels(kernels: int, flops: float, block: float) -> int:
+    """The kernels of a span of ``flops`` in a block of ``block`` FLOPs and ``kernels`` kernels: its FLOPs' share of
+    them, at least one (the task graph's task and the analytic tier's price read it)."""
+    return max(1, round(kernels * flops / block)) if block else max(1, kernels)
 
 
 def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items: list[Item]

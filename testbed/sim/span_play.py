@@ -18,7 +18,7 @@ from __future__ import annotations
 from testbed.model.gemm import scaled
 from testbed.sim.block_spans import block_spans
 from testbed.sim.facts import ActionWork, ChunkFacts
-from testbed.sim.span_order import LOOKUP, START, WAITING, BlockPlay, block_plays
+from testbed.sim.span_order import LOOKUP, START, WAITING, BlockPlay, block_plays, span_kernels
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
 
@@ -99,7 +99,7 @@ class SpanPlay:
         return self.b.add(name=name, device=self.reps[s], stream="compute", kind=TaskKind.COMPUTE, deps=tuple(deps),
                           flops=flops, hbm_bytes=nbytes, replicated_bytes=replicated * part * passes,
                           split_bytes=split * part * passes, tensor_bytes=chunk.cost.tensor_bytes,
-                          kernels=max(1, round(kernels * flops / (whole * part))) if whole * part else max(1, kernels),
+                          kernels=span_kernels(kernels, flops, whole * part),
                           pipeline=True, gemms=gemms, spans=((1.0, nbytes),))
 
     def _tensor(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, last: int,
