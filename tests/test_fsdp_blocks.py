@@ -287,6 +287,53 @@ def test_a_span_play_computes_each_blocks_work_once_and_releases_each_bucket_onc
         assert released == (everything if reduce else Counter())
 
 
+def _released_after(chunk, plays) -> list[tuple[int, int, int, dict[int, int]]]:
+    """Per merged reduce-scatter a play releases: (its block, its index, its item's index, the index of each
+    held block's weight-gradient item in the same play)."""
+    out = []
+    for play in plays:
+        weights = {item.gemms[0]: i for i, item in enumerate(play.items) if item.name.endswith("weights")}
+        for i, item in enumerate(play.items):
+            if item.stream == "buckets":
+                block, lo, hi = item.bucket
+                out += [(block, m, i, weights) for m in range(lo, hi)]
+    return out
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_merged_reduce_scatter_leaves_once_the_weight_gradients_it_reads_are_computed(
+        sequence_parallel: bool) -> None:
+    """testbed.model.blocks.scatter_reads and testbed.sim.span_order on fsdp64 x tensor 4 on the TPU slice (d_model
+    2048, sequence 2048, bf16): each merged gradient reduce-scatter leaves after the weight gradients of every
+    block it reads and right after the last of them, as XLA starts a collective once its operands are ready.
+    Under sequence parallelism every layer's merge is issued in the embedding's block (it reads the backward's
+    all-reduce of the tensor-replicated gradients), yet the traced program's last-layer merge (x14) leaves beside
+    the first layer's weight gradients and only the first layer's (x12) after them: the plan had released every
+    merge after all held weight gradients (0.949 against the traced step)."""
+    from testbed.sim.span_play import action_plays
+    from testbed.topology.io import load_topology
+
+    model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=32768)
+    plan = Plan(name="reads", model=model, batch=BatchSpec(global_batch=64), mesh=MeshSpec(fsdp=64, tensor=4),
+                precision="bf16-mixed", sequence_parallel=sequence_parallel)
+    topology = load_topology("tpu-v5e-16x16")
+    chunk = step_facts(plan, place(plan, topology).device_ids,
+                       topology.calibration.collectives.combine_bytes).chunks[0][0]
+    plays = action_plays(chunk, chunk.action("B"), chunk.blocks, True, sequence_parallel, True)
+    released = _released_after(chunk, plays)
+    assert sorted((j, m) for j, m, _, _ in released) == [
+        (k, m) for k in range(chunk.blocks) for m in range(len(chunk.bucket(chunk.blocks, k)))]
+    for j, m, i, weights in released:
+        held = [weights[r] for r in chunk.reads(chunk.blocks, j)[m] if r in weights]
+        assert all(w < i for w in held)
+        assert not any(held[-1:] and max(held) < w < i for w in weights.values())  # no later weights before it
+    if sequence_parallel:  # the layers' merges in the embedding's block, one after each layer's weights
+        embedding = [(chunk.reads(chunk.blocks, j)[m], i, weights) for j, m, i, weights in released
+                     if j == chunk.blocks - 1]
+        assert any(reads == (1,) and i < weights[2] for reads, i, weights in embedding)
+        assert any(2 in reads and i > weights[2] for reads, i, weights in embedding)
+
+
 def test_under_sequence_parallelism_a_blocks_weight_gradients_run_beside_its_last_collectives() -> None:
     """testbed.sim.span_order under sequence parallelism: a layer's weight gradients start as its last span ends,
     beside that span's collectives (the cotangent's all-gather the next block reads), not after them, and the

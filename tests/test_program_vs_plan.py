@@ -335,6 +335,22 @@ def test_a_sequence_parallel_fsdp_by_tensor_step_time(topology: str, devices: in
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
+@pytest.mark.parametrize(("tensor", "precision"), [(4, "bf16-mixed"), (8, "fp32")])
+def test_a_sequence_parallel_layers_gradients_leave_after_its_own_weight_gradients(tensor: int,
+                                                                                   precision: str) -> None:
+    """fsdp x tensor with sequence parallelism on the TPU slice, d_model 2048, sequence 2048: every layer's merged
+    reduce-scatter is issued in the embedding's block (it reads the backward's all-reduce of the tensor-replicated
+    gradients), but each leaves once its own layer's weight gradients are computed, the last layer's beside the
+    first layer's (testbed.model.blocks.scatter_reads, testbed.sim.span_order); the plan released every merge
+    after all weight gradients: 0.949 and 0.949."""
+    model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=32768)
+    plan = Plan(name="fsdp-sp-reads", model=model, batch=BatchSpec(global_batch=256 // tensor),
+                mesh=MeshSpec(fsdp=256 // tensor, tensor=tensor), schedule=ScheduleSpec(name="1f1b"),
+                precision=precision, remat="none", sequence_parallel=True)
+    traced, planned, _, _ = _both(plan, "tpu-v5e-16x16")
+    assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
+
+
 def test_an_fsdp_by_tensor_8_bf16_step_prefetches_the_heads_gather() -> None:
     """fsdp32 x tensor 8, bf16, d_model 2048: the runner's head re-gathers for its backward reading one element of
     each leaf its forward gathered (testbed.runner.param_shards._tied), no combiner merges the head's forward

@@ -18,7 +18,7 @@ from testbed.model.leaves import backward_merges, backward_waits, issue_order, r
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "SHARE_QUANTUM"]
+__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "SHARE_QUANTUM"]
 
 def own_blocks(layers: int, embed: bool, head: bool) -> int:
     """Blocks an fsdp action of a chunk of ``layers`` layers is split into when the embedding and the head are
@@ -138,20 +138,45 @@ def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
                     chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool = False
                     ) -> tuple[tuple[float, ...], ...]:
     """:func:`block_scatters` from what it depends on (``apart``: sequence parallelism over tensor ranks)."""
-    merged: list[list[float]] = [[] for _ in range(blocks)]
-    group: list | None = None  # the open merge: [bytes, block of its last member, index of its last member, late]
+    merges = _scatter_merges(spec, mesh, v, stage_layers, ways, stage, chunk, blocks, combine_bytes,
+                             bytes_per_element, apart)
+    return _exact_shares(tuple(tuple(size for size, _ in block) for block in merges))
+
+
+def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
+                  bytes_per_element: float = 4.0) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Per block of a chunk's backward (as :func:`block_scatters`), per merged reduce-scatter, the blocks (backward
+    order) whose weight gradients it reads: those of its members but the tensor-replicated ones under sequence
+    parallelism, which it reads from the backward's one merged all-reduce over tensor (:func:`_scatter_walk`).
+    XLA issues a reduce-scatter as soon as its operands are ready, so a merge the backward's end holds leaves once
+    the weight gradients of its own blocks are computed, not after every block's (testbed.sim.span_order)."""
+    merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                             state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
+                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
+    return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read in block) for block in merges)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+                    chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool
+                    ) -> tuple[tuple[tuple[float, frozenset[int]], ...], ...]:
+    """Per block of a chunk's backward (from the head), each merged reduce-scatter as (bytes, the forward-order
+    blocks of the members it reads but the tensor-replicated ones): :func:`block_scatters`' merges."""
+    merged: list[list[list]] = [[] for _ in range(blocks)]
+    group: list | None = None  # the open merge: [bytes, block of its last member, its index, late, blocks read]
     groups: list[list] = []
     ended = 1 << 30  # past every leaf: where the merges that wait for the backward's end are issued
     walk = _scatter_walk(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks),
                          apart and not math.isinf(combine_bytes))
     for i, (q, block, late) in enumerate(walk):
         size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+        read = frozenset(() if late else (block,))
         if math.isinf(combine_bytes) or size > combine_bytes:
-            groups.append([size, block, i, late])  # unbounded: one per block (summed below); over the bound: alone
+            groups.append([size, block, i, late, read])  # unbounded: one per block (summed below); over it: alone
         elif group is not None and group[0] + size <= combine_bytes:
-            group[0], group[1], group[2], group[3] = group[0] + size, block, i, group[3] or late
+            group[:] = group[0] + size, block, i, group[3] or late, group[4] | read
         else:
-            group = [size, block, i, late]
+            group = [size, block, i, late, read]
             groups.append(group)
     # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands); one
     # holding a tensor-replicated gradient reads the merged all-reduce of the backward's last layer: it is issued
@@ -159,12 +184,13 @@ def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
     for g in groups:
         if g[3]:
             g[1], g[2] = 0, ended + g[2]
-    for size, block, _, _ in sorted(groups, key=lambda g: g[2]):
+    for size, block, _, _, read in sorted(groups, key=lambda g: g[2]):
         if math.isinf(combine_bytes) and merged[block]:
-            merged[block][0] += size
+            merged[block][0][0] += size
+            merged[block][0][1] |= read
         else:
-            merged[block].append(size)
-    return _exact_shares(tuple(tuple(sizes) for sizes in reversed(merged)))
+            merged[block].append([size, read])
+    return tuple(tuple((size, frozenset(read)) for size, read in block) for block in reversed(merged))
 
 
 def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tuple]:

@@ -30,7 +30,7 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.blocks import block_gathers, block_scatters, own_blocks
+from testbed.model.blocks import block_gathers, block_scatters, own_blocks, scatter_reads
 from testbed.model.leaves import bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
@@ -122,6 +122,9 @@ class ChunkFacts:
     #: Per gradient bucket of the last backward (from the head), each merged reduce-scatter's share of the
     #: gradients, at the blocks' real sizes (testbed.model.blocks.block_scatters); empty: equal shares.
     bucket_sizes: tuple[tuple[float, ...], ...] = ()
+    #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the buckets (blocks) whose weight gradients it
+    #: reads (testbed.model.blocks.scatter_reads); empty: each reads its own.
+    bucket_reads: tuple[tuple[tuple[int, ...], ...], ...] = ()
     #: (token table's gradient bytes summed after the rest, the gather's between): grad_bytes.token_table_last.
     tail: tuple[float, float] = (0.0, 0.0)
 
@@ -158,6 +161,13 @@ class ChunkFacts:
         if self.bucket_sizes and pieces == len(self.bucket_sizes):
             return tuple((share, 1) for share in self.bucket_sizes[k])
         return ((1 / pieces, bucket_share(self.leaves, pieces, k)),)
+
+    def reads(self, pieces: int, k: int) -> tuple[tuple[int, ...], ...]:
+        """Per reduction of :meth:`bucket` ``k``, the buckets whose weight gradients it reads (``bucket_reads``;
+        else its own): a merge leaves once those are computed (testbed.sim.span_order)."""
+        if self.bucket_reads and pieces == len(self.bucket_reads):
+            return self.bucket_reads[k]
+        return ((k,),) * len(self.bucket(pieces, k))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -344,9 +354,11 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
     bucket_sizes = block_scatters(plan, s, c, blocks, combine, reduce_b) if own and buckets == blocks else ()
+    bucket_reads = scatter_reads(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
+                      bucket_reads=bucket_reads,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved
                                + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),

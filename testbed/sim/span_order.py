@@ -14,7 +14,13 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
   collectives where the block releases a bucket, else in the first later block that does. Under sequence
   parallelism they start as the block's last span ends, beside its last collectives (the all-gather of the
   cotangent the next block reads), and the next block waits for both. The first layer's go with the
-  embedding's block, after its table's reduce-scatter has left (that merge reads only the scatter-add).
+  embedding's block, after the merges that read no held weight gradient have left (the table's reads only
+  the scatter-add).
+- A merged gradient reduce-scatter leaves once the weight gradients of the blocks it reads are computed
+  (testbed.model.blocks.scatter_reads; XLA's scheduler starts a collective once its operands are ready), not
+  after every held block's. Under sequence parallelism every layer's merge is issued in the embedding's block
+  (it reads the backward's one all-reduce of the tensor-replicated gradients), yet the last layer's leaves
+  beside the first layer's weight gradients, and a merge that reads the first layer's waits for them.
 - A block is done, for the gathers that wait for it to free its weights (the prefetch rule), once its last
   span's collectives are: the next gathers do not contend with them on the links.
 - The forward's embedding lookup, and its vocab-parallel sum, read only the table, the block's first gather.
@@ -87,10 +93,12 @@ def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items
 
 
 def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str, sequence_parallel: bool,
-                has_embedding: bool, buckets: tuple[bool, ...] | None, lookup: bool) -> tuple[BlockPlay, ...]:
+                has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None, lookup: bool
+                ) -> tuple[BlockPlay, ...]:
     """Each block's play (module docstring). ``spans``: testbed.sim.block_spans' per block; ``blocks``: each
-    block's FLOPs; ``flops``: the action's; ``buckets``: whether each block releases a gradient bucket (None: the
-    action reduces none); ``lookup``: the forward's first block waits only for its first gather."""
+    block's FLOPs; ``flops``: the action's; ``buckets``: per block, each of its gradient reductions as the blocks
+    whose weight gradients it reads (ChunkFacts.reads; None: the action reduces none); ``lookup``: the forward's
+    first block waits only for its first gather."""
     held: list[tuple[int, float, float]] = []  # (block, weight-gradient FLOPs not played yet, their GEMMs' share)
     out, pieces, reduce = [], len(blocks), buckets is not None
     for k, (mine, block) in enumerate(zip(spans, blocks)):
@@ -105,24 +113,43 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
             out.append(BlockPlay(tuple(items), tuple(deps), done, last))
             continue  # its weight gradients wait for the bucket that reads them
         after = last if k < pieces - 1 else deps[-1]
-        # The embedding's first merge (its table's gradient) reads only its scatter-add.
-        first = int(reduce and kind == "B" and k == pieces - 1 and has_embedding
-                    and any(f for i, f, _ in held if i != k))
-        if reduce and first:
-            items.append(Item("buckets", "", (after,), bucket=(k, 0, first)))
+        pending = _pending(buckets, held, k) if reduce else []
+        _release(items, pending, set(), after)  # what reads no weight gradient held (the embedding's table)
         # Under sequence parallelism beside the block's last collectives (the embedding's: after them).
-        beside, chain = sequence_parallel and k < pieces - 1, list(deps)
+        beside, chain, computed = sequence_parallel and k < pieces - 1, list(deps), set()
         for i, f, share in ((i, f, share) for i, f, share in held if f):
             items.append(Item("compute", f"{i} weights", (last,) if beside else tuple(deps), f, (i, share)))
             last = after = len(items) - 1
             deps = [last, *chain] if beside else [last]
-        for i in dict.fromkeys(i for i, _, _ in held if i != k) if reduce else ():
-            items.append(Item("buckets", "", (after,), bucket=(i, 0, None)))
-        if reduce:
-            items.append(Item("buckets", "", (after,), bucket=(k, first, None)))
+            computed.add(i)
+            _release(items, pending, computed, after)
+        _release(items, pending, None, after)
         held = []
         out.append(BlockPlay(tuple(items), tuple(deps), done, last))
     return tuple(out)
+
+
+def _pending(buckets: tuple, held: list[tuple[int, float, float]], k: int) -> list[tuple[int, int, set[int]]]:
+    """The reductions block ``k`` releases (those of the blocks it holds weight gradients of, then its own), each
+    (block, index, the held blocks whose weight gradients it still waits for)."""
+    waiting = {i for i, f, _ in held if f}
+    return [(j, m, set(reads) & waiting) for j in dict.fromkeys([*(i for i, _, _ in held if i != k), k])
+            for m, reads in enumerate(buckets[j])]
+
+
+def _release(items: list[Item], pending: list[tuple[int, int, set[int]]], computed: set[int] | None,
+             after: int) -> None:
+    """A ``buckets`` item after ``after`` for each run of ``pending`` reductions whose weight gradients are all
+    ``computed`` (None: every one left), in order; removes them. XLA starts a reduce-scatter once its operands are
+    ready: a merge leaves once the blocks it reads have computed their weight gradients, not after every block's."""
+    ready = [p for p in pending if computed is None or p[2] <= computed]
+    for j, m, _ in ready:
+        if items and items[-1].stream == "buckets" and items[-1].deps == (after,) and items[-1].bucket[0] == j \
+                and items[-1].bucket[2] == m:
+            items[-1] = items[-1]._replace(bucket=(j, items[-1].bucket[1], m + 1))
+        else:
+            items.append(Item("buckets", "", (after,), bucket=(j, m, m + 1)))
+    pending[:] = [p for p in pending if p not in ready]
 
 
 def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, lookup: float, gathered: float,
