@@ -241,19 +241,20 @@ def test_an_fsdp_by_tensor_step_plays_each_spans_tensor_collectives_after_it(seq
         assert compute == pytest.approx(work.work[0])
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_the_analytic_tier_times_the_task_graphs_span_play(sequence_parallel: bool) -> None:
-    """fsdp x tensor at one microbatch: both tiers play the blocks span by span from one decision
-    (testbed.sim.span_order), each span's tensor collectives among the blocks, a block done once its collectives
-    are, the weight gradients held for the bucket that reads them; the analytic tier's step is the task graph's
-    within 1% (it was 2.4-2.8% fast when it played the collectives after the action's compute)."""
+@pytest.mark.parametrize(("sequence_parallel", "microbatches"), [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_the_analytic_tier_times_the_task_graphs_span_play(sequence_parallel: bool, microbatches: int) -> None:
+    """fsdp x tensor: both tiers play the blocks span by span from one decision (testbed.sim.span_order), each
+    span's tensor collectives among the blocks, a block done once its collectives are, the weight gradients held
+    for the bucket that reads them (at 2 microbatches an earlier microbatch's reduce-scatters into the
+    accumulator as well); the analytic tier's step is the task graph's within 1% (it was 2.4-2.8% fast when it
+    played the collectives after the action's compute)."""
     from testbed.explore.analytic import estimate
     from testbed.explore.space import resize_topology
     from testbed.sim.engine import simulate
     from testbed.topology.io import load_topology
 
     topo = resize_topology(load_topology("dgx-h100-x4"), 8)
-    plan = replace(_gpu_plan(1, fsdp=4, tensor=2), sequence_parallel=sequence_parallel)
+    plan = replace(_gpu_plan(1, microbatches, fsdp=4, tensor=2), sequence_parallel=sequence_parallel)
     assert estimate(plan, topo).step_time_s == pytest.approx(simulate(plan, topo).report.step_time_s, rel=0.01)
 
 
@@ -332,6 +333,33 @@ def test_a_merged_reduce_scatter_leaves_once_the_weight_gradients_it_reads_are_c
                      if j == chunk.blocks - 1]
         assert any(reads == (1,) and i < weights[2] for reads, i, weights in embedding)
         assert any(2 in reads and i > weights[2] for reads, i, weights in embedding)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_earlier_microbatch_plays_its_blocks_as_the_last_one_does(sequence_parallel: bool) -> None:
+    """fsdp x tensor at 2 microbatches in the loop XLA keeps (testbed.sim.grad_bytes.loop_kept): the first
+    microbatch's backward reduce-scatters its gradients into the accumulator bucket by bucket, reading the same
+    weight gradients as the last one's buckets, so the task graph plays its blocks as the last microbatch's
+    (the weight gradients held for the merges that read them, each merge leaving once they are computed:
+    testbed.sim.span_order), each of its reduce-scatters after the same compute. On the TPU slice the traced
+    program computes the first layer's weight gradients after the embedding's scatter-add in both iterations;
+    the plan had played them right after the layer's spans in the first (0.948 at fsdp128 x tensor 2, d_model
+    2048, sequence parallel, bf16)."""
+    model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
+    plan = replace(_plan(model, fsdp=2, tensor=2, microbatches=2), sequence_parallel=sequence_parallel)
+    tasks = build_program(plan, place(plan, num_devices=4), combine_bytes=XLA_COMBINE_BYTES).tasks
+
+    def played(mb: int) -> tuple[list[str], list[tuple[str, ...]]]:
+        label = f"B{mb}/"
+        compute = [t.name[len(label):] for t in tasks if t.stream == "compute" and t.name.startswith(label)]
+        scatters = [tuple(sorted(tasks[d].name.replace(label, "") for d in t.deps)) for t in tasks
+                    if t.stream == "grad" and t.op == "reduce_scatter" and f" {label}" in t.name]
+        return compute, scatters
+
+    first, last = played(0), played(1)
+    assert any(name.endswith("weights") for name in first[0]) and len(first[1]) > 2
+    assert first == last
+    assert all(t.name.endswith("(accumulate)") for t in tasks if t.stream == "grad" and " B0/" in t.name)
 
 
 def test_under_sequence_parallelism_a_blocks_weight_gradients_run_beside_its_last_collectives() -> None:

@@ -222,6 +222,7 @@ class _Priced(NamedTuple):
     early: float = 0.0  # the sequence-replicated gradients' sum as the compute ends (grad_bytes.summed_in_the_step)
     plays: tuple = ()  # its blocks played span by span (testbed.explore.span_times; empty: not so played)
     plays_last: tuple = ()  # the same, of the microbatch that releases the chunk's gradient buckets
+    plays_scatter: tuple = ()  # the same, of an earlier microbatch reduce-scattering bucket by bucket (loop_kept)
     scatter_each: tuple[float, ...] = ()  # an earlier microbatch's reduce-scatter bucket by bucket (grad_bytes.loop_kept)
 
 
@@ -351,9 +352,17 @@ class _Step:
                        scatter_each=scatter_each,
                        after_tp=after_tensor(plan, bool(chunk.block_shares(kind, pieces)),
                                              bool(work.tensor) and overlap is None, pieces),
-                       plays=priced_plays(self, s, chunk, work, chunk.blocks, False) if spans else (),
-                       plays_last=priced_plays(self, s, chunk, work, pieces, True) if spans and last and reduces
-                       else ())
+                       **(self._plays(s, chunk, work, pieces, last and reduces, bool(scatter_each)) if spans else {}))
+
+    def _plays(self, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, final: bool, scatters: bool
+               ) -> dict[str, tuple]:
+        """An action's blocks played span by span (testbed.explore.span_times): ``plays`` (a microbatch releasing no
+        gradients), ``plays_last`` (the one releasing the chunk's gradient buckets: ``final``) and ``plays_scatter``
+        (an earlier one reduce-scattering into the accumulator bucket by bucket: ``scatters``)."""
+        return {"plays": priced_plays(self, s, chunk, work, chunk.blocks, False),
+                "plays_last": priced_plays(self, s, chunk, work, pieces, True) if final else (),
+                "plays_scatter": priced_plays(self, s, chunk, work, chunk.buckets, True, accumulate=True)
+                if scatters else ()}
 
     def _scatters(self, s: int, chunk: ChunkFacts, chain: bool) -> tuple[float, tuple[float, ...]]:
         """An earlier microbatch's reduce-scatter into the sharded accumulator: its seconds, and in a loop XLA keeps
@@ -362,9 +371,14 @@ class _Step:
         coll, axes, n = self.coll, self.facts.per_microbatch, max(1, chunk.leaves)
         each: tuple[float, ...] = ()
         if loop_kept(self.facts.plan) and not chain and chunk.buckets > 1:
-            each = tuple(sum(max(1, m) * coll.time("reduce_scatter", axes, s, chunk.reduced[0] * f / max(1, m))
-                             for f, m in chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
+            each = tuple(self._accumulated(s, chunk, chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
         return n * coll.time("reduce_scatter", axes, s, chunk.reduced[0] / n), each
+
+    def _accumulated(self, s: int, chunk: ChunkFacts, buckets) -> float:
+        """Seconds of an earlier microbatch's reduce-scatters of ``buckets`` (ChunkFacts.bucket's (share,
+        collectives)) into the sharded accumulator, as testbed.sim.program's tasks."""
+        time, axes = self.coll.time, self.facts.per_microbatch
+        return sum(max(1, m) * time("reduce_scatter", axes, s, chunk.reduced[0] * f / max(1, m)) for f, m in buckets)
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's

@@ -143,8 +143,9 @@ class Play:
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.prices[(s, c, kind)]
         final = kind == self.facts.last_backward and self.remaining[(s, c)] == 1 and bool(self.facts.reductions)
-        if priced.plays_last if final else priced.plays:  # its blocks span by span: the tensor among them
-            plays = priced.plays_last if final else priced.plays
+        earlier = kind == self.facts.last_backward and self.remaining[(s, c)] > 1  # an earlier microbatch's
+        plays = priced.plays_last if final else priced.plays_scatter or priced.plays if earlier else priced.plays
+        if plays:  # its blocks span by span: the tensor among them
             parts = tuple(block.compute for block in plays)
             priced = priced._replace(compute=sum(parts), parts=parts, tensor=0.0, hidden=0.0, plays=plays)
         else:
@@ -246,6 +247,8 @@ class Play:
                 tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= priced.after_tp else 0.0
                 out.append((max(done, tp), own, before / total if parts and total else (k + 1) / pieces))
             releases = tuple(out)
+        elif not last_mb and priced.plays and self.played is not None and self.played.releases:  # as played
+            releases = tuple((at, x, 1.0) for at, x in self.played.releases)
         elif not last_mb and priced.scatter_each:  # a loop XLA keeps: bucket by bucket as the backward makes them
             n = len(priced.scatter_each)
             ends = self.block_ends[s] if priced.gather and len(self.block_ends[s]) == n else ()

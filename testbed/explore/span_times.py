@@ -33,12 +33,13 @@ class PricedBlock(NamedTuple):
     compute: float
 
 
-def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool
-                 ) -> tuple[PricedBlock, ...]:
+def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
+                 accumulate: bool = False) -> tuple[PricedBlock, ...]:
     """Each block of an action's play (testbed.sim.span_play.action_plays; empty: not played by spans), priced:
     a compute item as testbed.sim.span_play's ``_span`` prices its task (a roofline of its matmuls and its bytes,
     its FLOPs' share of its block's kernels, its share of the block's replicated and split bytes), a tensor item
-    its collectives one after another, a bucket item its reductions (``reduce``: the action releases them)."""
+    its collectives one after another, a bucket item its reductions (``reduce``: the action releases them;
+    ``accumulate``: as an earlier microbatch's reduce-scatters into the sharded accumulator)."""
     facts = step.facts
     plays = action_plays(chunk, work, pieces, facts.gathers("B"), facts.plan.sequence_parallel, reduce)
     if not plays:
@@ -63,8 +64,9 @@ def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, piece
             else:
                 j, lo, hi = item.bucket
                 seconds.append(0.0)
-                nbytes = sum(step._reduce(s, chunk.reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
-                             for f, n in chunk.bucket(pieces, j)[lo:hi])
+                nbytes = step._accumulated(s, chunk, chunk.bucket(pieces, j)[lo:hi]) if accumulate else sum(
+                    step._reduce(s, chunk.reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
+                    for f, n in chunk.bucket(pieces, j)[lo:hi])
             buckets.append(nbytes)
         compute = sum(x for x, item in zip(seconds, play.items) if item.stream == "compute")
         out.append(PricedBlock(play, tuple(seconds), tuple(buckets), compute))

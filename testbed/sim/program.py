@@ -272,7 +272,8 @@ class _Graph(SpanPlay):
         flops, hbm, replicated, split = whole
         kernels, last, computes, ends = chunk.kernels, -1, [], []
         own = chunk.block_shares(work.kind, pieces)  # the embedding and the head as blocks of their own
-        by_span = self._block_spans(chunk, work, pieces, reduce) if gathering and own else ()
+        # An earlier microbatch's play releases its reduce-scatters into the accumulator as the last one's buckets.
+        by_span = self._block_spans(chunk, work, pieces, reduce or scatter) if gathering and own else ()
         self.block_gemms = [g for _, g in own]
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
@@ -283,11 +284,9 @@ class _Graph(SpanPlay):
             if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.span_play)
                 last, deps, tasks, done = self._span_block(s, chunk, label, k, pieces, by_span[k], (
                     flops, part, part_gemms, kernels // pieces, replicated, split), deps,
-                    (self.first_gather, gathered) if gathered is not None else None)
+                    (self.first_gather, gathered) if gathered is not None else None, scatter)
                 computes += tasks
                 ends.append(done)
-                if scatter:  # as the block is done (the analytic tier's releases at the played blocks' ends)
-                    self._accumulate(s, chunk, f"{label}/{k}", done, chunk.bucket(pieces, k))
                 continue
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),

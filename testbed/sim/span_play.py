@@ -52,10 +52,12 @@ class SpanPlay:
         return action_plays(chunk, work, pieces, self.facts.gathers("B"), self.plan.sequence_parallel, reduce)
 
     def _span_block(self, s: int, chunk: ChunkFacts, label: str, k: int, pieces: int, play: BlockPlay,
-                    matmuls: tuple, deps: list[int], gathers: tuple[int, int] | None) -> tuple[int, list[int], int]:
+                    matmuls: tuple, deps: list[int], gathers: tuple[int, int] | None, accumulate: bool = False
+                    ) -> tuple[int, list[int], int]:
         """Block ``k`` of ``pieces`` played (``play``; ``matmuls``: :meth:`_span`'s work; ``gathers``: the block's
-        first and last gather tasks, None: it has none). Returns the block's last compute task, what the next
-        block waits for, the compute tasks and when the block is done."""
+        first and last gather tasks, None: it has none; ``accumulate``: its buckets are an earlier microbatch's
+        reduce-scatters into the sharded accumulator). Returns the block's last compute task, what the next block
+        waits for, the compute tasks and when the block is done."""
         first, last_gather = gathers if gathers is not None else (None, None)
         token = {START: deps, LOOKUP: [*deps[:-1], first] if first is not None else deps,
                  WAITING: [last_gather] if gathers is not None and last_gather != first else []}
@@ -75,7 +77,10 @@ class SpanPlay:
                 ids.append(self._tensor_chain(s, f"tp {label}/{k}{item.name}", item.transfers, tuple(after)))
             else:
                 j, lo, hi = item.bucket
-                self._span_buckets(s, chunk, label, after[0], j, chunk.bucket(pieces, j)[lo:hi])
+                if accumulate:
+                    self._accumulate(s, chunk, f"{label}/{j}", after[0], chunk.bucket(pieces, j)[lo:hi])
+                else:
+                    self._span_buckets(s, chunk, label, after[0], j, chunk.bucket(pieces, j)[lo:hi])
                 ids.append(after[0])
 
         def when(d: int) -> list[int]:
