@@ -149,7 +149,10 @@ def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     order) whose weight gradients it reads: those of its members but the tensor-replicated ones under sequence
     parallelism, which it reads from the backward's one merged all-reduce over tensor (:func:`_scatter_walk`).
     XLA issues a reduce-scatter as soon as its operands are ready, so a merge the backward's end holds leaves once
-    the weight gradients of its own blocks are computed, not after every block's (testbed.sim.span_order)."""
+    the weight gradients of its own blocks are computed, not after every block's (testbed.sim.span_order); a merge
+    XLA's combiner made is one collective reading every member's operand (xla/service/reduce_scatter_combiner.h:
+    "combines small non-dependent ReduceScatter ops"), so where all of a small model's gradients fit one merge it
+    waits for every layer's weight gradients."""
     merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
                              bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
