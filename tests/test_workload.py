@@ -13,7 +13,7 @@ from testbed.errors import InputError
 from testbed.model.gemm import Gemm
 from testbed.sim.combine import combine_collectives, drop_trivial_collectives
 from testbed.sim.compute import gemms_seconds, pass_seconds
-from testbed.sim.overlap import defer_consumers, hoist_collectives
+from testbed.sim.overlap import chain_gathers, defer_consumers, hoist_collectives
 from testbed.sim.tasks import TaskKind
 from testbed.sim.engine import run
 from testbed.sim.traced import (collective_bytes, memory_seconds, mesh_groups, price_workload, simulate_workload,
@@ -110,19 +110,46 @@ def test_a_matmul_that_reads_a_gather_waits_for_it_and_the_matmuls_before_it_do_
     assert [t.deps for t in computes] == [(0,), (1, 2)]
 
 
+def _computes(ops) -> list:
+    program = workload_program(workload(ops, mesh={"data": 16}), load_topology("tpu-v5e-4x4"))
+    return [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
+
+
 def test_the_small_ops_that_feed_a_collective_wait_for_a_gather_and_the_matmuls_before_them_do_not() -> None:
     """The runner's head re-gather: its link (a memory-bound op) reads the head's forward gather and feeds only the
     backward's gather. The matmul before the link in program order (a layer's forward) starts when its own gather
-    is done; the link waits for the head's; an op that feeds compute keeps the segment's wait (the rule is only
-    for the ops that feed collectives)."""
-    topology = load_topology("tpu-v5e-4x4")
+    is done; the link waits for the head's."""
     head = [reduce((), nbytes=1e6, group=16, op="all_gather"), reduce((), nbytes=4e8, group=16, op="all_gather")]
     tail = [gemm((0,)), memory((1, 2)), reduce((3,), nbytes=1e6, group=16, op="all_gather")]
-    program = workload_program(workload(head + tail, mesh={"data": 16}), topology)
-    assert [t.deps for t in program.tasks if t.kind is TaskKind.COMPUTE] == [(0,), (1, 2)]
-    feeding_compute = head + [gemm((0,)), memory((1, 2)), gemm((3,))]
-    program = workload_program(workload(feeding_compute, mesh={"data": 16}), topology)
-    assert [t.deps for t in program.tasks if t.kind is TaskKind.COMPUTE][0] == (0, 1)
+    assert [t.deps for t in _computes(head + tail)] == [(0,), (1, 2)]
+
+
+def test_a_memory_bound_op_reading_a_gather_first_waits_for_it_and_the_layer_before_does_not() -> None:
+    """The second layer's norm scale (a memory-bound multiply) reads its gather before the layer's first matmul:
+    that multiply's kernel is where XLA waits for the gather, so the first layer's matmul waits only for its own
+    (the fsdp 256 forward on a TPU slice was one segment waiting for the last layer's gather: +173 us)."""
+    ag = dict(group=16, op="all_gather")
+    ops = [reduce((), nbytes=1e6, **ag), reduce((), nbytes=4e8, **ag), gemm((0,)), memory((1, 2)), gemm((1, 3))]
+    assert [t.deps for t in _computes(ops)] == [(0,), (1, 2)]
+
+
+def test_an_elementwise_producer_runs_in_the_kernel_that_waits_for_the_collective() -> None:
+    """Adam's ``b1 * m`` reads only the moment, but XLA fuses it into the update that reads the all-reduced
+    gradient: it waits with that kernel, not under the all-reduce. A producer a matmul reads is a kernel's
+    output in HBM and runs before the wait."""
+    big = dict(nbytes=4e8, group=16)
+    fused = _computes([gemm(), reduce((0,), **big), memory(()), memory((1, 2))])
+    assert [t.deps for t in fused] == [(), (1,)] and fused[1].hbm_bytes == 2e6
+    apart = _computes([gemm(), reduce((0,), **big), memory(()), gemm((2,)), memory((1, 2, 3))])
+    assert [t.deps for t in apart] == [(), (), (1, 2)] and apart[1].hbm_bytes == 1e6
+
+
+def test_a_collective_an_earlier_segment_waited_for_starts_no_segment() -> None:
+    """A matmul reading a gather an earlier segment waited for does not wait: the gather is complete, so the
+    segment goes on (the fsdp 256 first layer's backward was four segments, re-split at merges already waited for)."""
+    ag = dict(group=16, op="all_gather")
+    ops = [reduce((), nbytes=1e6, **ag), reduce((), nbytes=1e6, **ag), gemm((0,)), gemm((1, 2)), gemm((0, 3))]
+    assert [len(t.gemms) for t in _computes(ops)] == [1, 2]
 
 
 def test_the_mesh_must_fill_the_topology() -> None:
@@ -211,6 +238,55 @@ def test_hoisting_starts_a_collective_fed_by_a_collective_before_independent_com
     assert hoist_collectives(workload(ops)).ops == workload(ops).ops
 
 
+def test_an_all_gather_starts_no_earlier_than_the_one_before_it_can_be_done() -> None:
+    """With one all-gather in flight XLA's program reads start 0, done 0, start 1, done 1, each done as late as
+    the first reader of its gather or of any later one allows: the second gather goes just before the first
+    gather's reader, after the compute both skip; the stream's order is kept even where the later gather's reader
+    comes first; reduce-scatters (read by the optimizer only) are not chained; a gather the compute from there to
+    its own reader would not cover stays where it was (XLA's scheduler holds a start until its latency is covered,
+    and the done before it floats up)."""
+    ag = dict(op="all_gather")
+    ops = [reduce((), **ag), reduce((), **ag), gemm(), gemm((0, 2)), gemm((1, 3))]
+    chained = chain_gathers(workload(ops))
+    assert [(op.kind, op.deps) for op in chained.ops] == [
+        (OpKind.COLLECTIVE, ()), (OpKind.GEMM, ()), (OpKind.COLLECTIVE, ()), (OpKind.GEMM, (0, 1)),
+        (OpKind.GEMM, (2, 3))]
+    ops = [reduce((), **ag), reduce((), **ag), gemm(), gemm((1, 2)), gemm((0, 3))]  # the second read first
+    assert [op.kind for op in chain_gathers(workload(ops)).ops] == [
+        OpKind.COLLECTIVE, OpKind.GEMM, OpKind.COLLECTIVE, OpKind.GEMM, OpKind.GEMM]
+    rs = dict(op="reduce_scatter")
+    ops = [gemm(), reduce((0,), **rs), gemm(), reduce((2,), **rs), memory((1, 3))]
+    assert chain_gathers(workload(ops)).ops == workload(ops).ops
+    ops = [reduce((), **ag), reduce((), nbytes=4e9, **ag), gemm(), gemm((0, 2)), gemm((1, 3))]
+    seconds = [1e-3, 1.0, 1e-3, 1e-3, 1e-3]  # the compute from the first gather's reader would not cover the second
+    assert chain_gathers(workload(ops), seconds).ops == workload(ops).ops
+    assert chain_gathers(workload(ops), [1e-3] * 5).ops == chain_gathers(workload(ops)).ops != workload(ops).ops
+
+
+def test_gathers_are_chained_only_where_they_are_a_scheduler_resource_of_their_own() -> None:
+    """``device.collective_resources``: a TPU (per kind, the open scheduler's default) chains its gathers, XLA:GPU
+    (one resource shared by every kind) does not; a bad value names the field."""
+    ag = dict(op="all_gather", nbytes=2e7, group=16)  # two over XLA's combine threshold: no merge
+    ops = [reduce((), **ag), gemm(), reduce((1,), **ag), gemm(), gemm((0,)), gemm((2, 4))]
+    tpu = load_topology("tpu-v5e-4x4")
+    gpu = replace(tpu, device=replace(tpu.device, collective_resources="shared"))
+    assert tpu.device.collective_resources == "per_kind" and load_topology("dgx-h100").device.collective_resources \
+        == "shared"
+    w = workload(ops, mesh={"data": 16})
+    kinds = [OpKind.COLLECTIVE, OpKind.GEMM, OpKind.GEMM, OpKind.COLLECTIVE, OpKind.GEMM, OpKind.GEMM]
+    assert [op.kind for op in simulate_workload(w, tpu).workload.ops] == kinds
+    assert simulate_workload(w, gpu).workload.ops == w.ops
+    from testbed.topology.io import topology_from_dict, topology_to_dict
+
+    data = topology_to_dict(load_topology("dgx-h100"))
+    assert topology_from_dict(data).device == load_topology("dgx-h100").device  # round trip
+    for value in ("per_axis", 1, None):
+        data["device"]["collective_resources"] = value
+        with pytest.raises(InputError) as info:
+            topology_from_dict(data)
+        assert info.value.field == "device.collective_resources" and "per_kind, shared" in info.value.message
+
+
 def test_collectives_over_one_device_are_dropped_before_combining() -> None:
     """XLA's AllReduceSimplifier replaces an all-reduce (all-gather, reduce-scatter) over groups of one device by
     its operand before the combiners run: two such no-ops do not merge into one that makes an activation's
@@ -290,7 +366,10 @@ def random_workloads(draw) -> Workload:
 
 @given(random_workloads(), st.sampled_from([None, 0, 1e5, 1e6]))
 def test_ordering_and_combining_keep_the_program_a_dag_and_conserve_work(w: Workload, limit) -> None:
-    out = hoist_collectives(combine_collectives(defer_consumers(w), limit))  # Workload's checks: deps come first
+    hoisted = hoist_collectives(combine_collectives(defer_consumers(w), limit))  # Workload's checks: deps come first
+    out = chain_gathers(hoisted)
+    gathers = [o for o in hoisted.ops if o.collective == "all_gather"]
+    assert [o for o in out.ops if o.collective == "all_gather"] == gathers  # no gather overtakes another
     iterations = [o.iteration for o in out.ops]
     assert iterations == sorted(iterations)  # no op moved or merged across a loop iteration's start or end
     for kind in OpKind:
@@ -304,6 +383,8 @@ def test_ordering_and_combining_keep_the_program_a_dag_and_conserve_work(w: Work
     topology = load_topology("dgx-h100")
     sim = simulate_workload(w, topology)  # plays to the end (no deadlock)
     assert sim.report.step_time_s >= 0
+    tpu = replace(topology, device=replace(topology.device, collective_resources="per_kind"))
+    assert simulate_workload(w, tpu).report.step_time_s >= 0  # with gathers chained by their estimated times
     ids = np.arange(8).reshape(4, 2)
     priced = collective_bytes(sim.program, ids, ("data", "tensor"))
     for axes, kinds in before.items():

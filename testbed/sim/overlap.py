@@ -12,11 +12,13 @@ everything else. Data-flow dependencies are kept: an op still follows everything
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
+from itertools import accumulate
 
 from testbed.sim.workload import OpKind, Workload
 
-__all__ = ["defer_consumers", "hoist_collectives"]
+__all__ = ["chain_gathers", "defer_consumers", "hoist_collectives"]
 
 
 def defer_consumers(workload: Workload) -> Workload:
@@ -150,3 +152,66 @@ def _with_its_chain(ops: tuple, g: int, base: list[int], moved: list[bool], floo
     for k in (g, *chain):
         if base[k] > top:
             base[k], moved[k] = top, True
+
+
+def chain_gathers(workload: Workload, seconds: Sequence[float] | None = None) -> Workload:
+    """``workload`` with each all-gather placed no earlier than the previous one of its stream can be done, where
+    the compute from there to its own first reader covers it (``seconds``: each op's estimated time; None: always).
+
+    Where all-gathers are a scheduler resource of their own with one in flight (``device.collective_resources:
+    per_kind``: ``all_gather_overlap_limit = 1`` in ``SchedulerConfig``, xla/service/latency_hiding_scheduler.h),
+    XLA's program reads start 0, done 0, start 1, done 1: a gather's start comes after the previous gather's done,
+    and the dones come in start order. The scheduler (bottom-up) places a done as late as it can
+    (``kScheduleDone``): before the first op reading it and before every later done, so before the first reader of
+    that gather or of any later one; the next start goes just above it. So a gather goes there, where
+    :func:`hoist_collectives` put it earlier, when the compute from there to its own first reader covers its
+    estimated time. When it does not, the scheduler holds that start back no further than its latency allows
+    (``kLessStall``: a start waits while its latency is not covered) and the previous done floats above its reader
+    to make room (``kFreeBackedupResource``): the gather stays where it was hoisted. The stream's order is kept (the
+    tracer's in-order stream per kind and axes runs one gather at a time; an earlier gather never goes below a later
+    one). A gather's place in the order is what compute it waits for (the segment holding its operand ends at it),
+    so a backward gather, whose operand is a cotangent, waits for the compute up to there; a forward gather, reading
+    only the step's parameters, still starts when the gather before it ends. Reduce-scatters are not chained: the
+    optimizer alone reads them, so the scheduler moves a done up to the next start, not down to its reader. A stream
+    is one loop iteration's gathers over one set of axes (XLA schedules a loop body on its own), and no gather moves
+    below its iteration's last op. The estimate is all or nothing: a place between the two would split the
+    tracer's roofline segments where XLA's kernels are not split (the fsdp 256 point at 1.15 for 1.04)."""
+    ops = workload.ops
+    n = len(ops)
+    first = [n] * n  # each collective's first reader that is not a collective
+    read = [n] * n   # each op's first reader
+    for i, op in enumerate(ops):
+        for d in op.deps:
+            read[d] = min(read[d], i)
+            if op.kind is not OpKind.COLLECTIVE and ops[d].kind is OpKind.COLLECTIVE:
+                first[d] = min(first[d], i)
+    streams: dict[tuple, list[int]] = {}
+    for i, op in enumerate(ops):
+        if op.kind is OpKind.COLLECTIVE and op.collective == "all_gather":
+            streams.setdefault((op.axes, op.iteration), []).append(i)
+    last = {it: end for it, (_, end) in _iteration_spans(workload).items()}
+    covered = list(accumulate((0.0 if op.kind is OpKind.COLLECTIVE or seconds is None else seconds[i]
+                               for i, op in enumerate(ops)), initial=0.0))  # compute time before each position
+    key = [float(i) for i in range(n)]
+    for members in streams.values():
+        done_by = n  # the earliest first reader of this gather or a later one of the stream
+        bounds = {}
+        for g in reversed(members):
+            done_by = min(done_by, first[g])
+            bounds[g] = done_by
+        for before, g in zip(members, members[1:]):
+            if bounds[before] == n:
+                continue
+            at = min(bounds[before], last[ops[g].iteration] + 1, read[g])  # just before this position
+            if seconds is not None and covered[min(first[g], n)] - covered[at] < seconds[g]:
+                continue  # the compute from there to its reader would not cover it: where it was hoisted
+            if at > g:
+                key[g] = at - 0.5
+        for before, g in zip(reversed(members[:-1]), reversed(members)):  # the stream's order kept (ties: index)
+            key[before] = min(key[before], key[g])
+    order = sorted(range(n), key=lambda i: (key[i], i))
+    if order == list(range(n)):
+        return workload
+    index = {old: new for new, old in enumerate(order)}
+    chained = tuple(replace(ops[old], deps=tuple(sorted(index[d] for d in ops[old].deps))) for old in order)
+    return replace(workload, ops=chained)

@@ -45,6 +45,8 @@ class Form(StrEnum):
 
 #: How a device's compiler may run bf16 matmuls and convolutions (:attr:`DeviceSpec.bf16_matmuls`).
 BF16_MATMULS = ("native", "fp32")
+#: How the device's compiler schedules asynchronous collectives (:attr:`DeviceSpec.collective_resources`).
+COLLECTIVE_RESOURCES = ("per_kind", "shared")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +69,16 @@ class DeviceSpec:
     bf16 matmuls are then priced at the fp32 peak plus the converts (testbed.sim.traced); plan-driven
     simulation keeps the listed bf16 peak, which ``calibrate`` fits to its bf16 GPT steps, converts included.
 
+    ``collective_resources``: the resources XLA's latency-hiding scheduler holds an asynchronous collective on,
+    each with one collective in flight: ``per_kind`` (the default: one per kind, all-gathers apart from
+    reduce-scatters and all-reduces; the open scheduler's ``SchedulerConfig`` defaults, ``all_gather_overlap_limit
+    = 1``, ``reduce_scatter_overlap_limit = 1``, ..., xla/service/latency_hiding_scheduler.h; a TPU's config is in
+    libtpu, not public, and taken as these) or ``shared`` (one for every kind: XLA:GPU's ``GpuAsyncTracker`` maps
+    every async collective to ``kGpuAsyncStreamCollectives``, xla/service/gpu/gpu_latency_hiding_scheduler.cc,
+    limited by ``xla_gpu_experimental_parallel_collective_overlap_limit``, default 1, debug_options_flags.cc).
+    Read by traced programs (testbed.sim.overlap.chain_gathers runs where all-gathers are a resource of their
+    own); it says what XLA's scheduler does, so it does not apply to a plan of another stack (Megatron, PyTorch).
+
     ``sustained``: the fraction of the calibrated matmul rates the device's math holds over a whole training
     step (1, the default: the rates as calibrated). The GPU calibrations' caps are short measurements of one
     matmul at a time (mamf-finder's Maximum Achievable Matmul FLOPS); a long step runs at lower clocks under
@@ -85,12 +97,18 @@ class DeviceSpec:
     comm_slowdown: float = 0.0
     bf16_matmuls: str = "native"
     sustained: float = 1.0
+    collective_resources: str = "per_kind"
 
     def __post_init__(self) -> None:
         if self.bf16_matmuls not in BF16_MATMULS:
             raise InputError(f"must be one of {', '.join(BF16_MATMULS)} (how the compiler runs bf16 matmuls: at "
                              f"the bf16 peak, or in fp32 between converts as XLA:CPU does), got "
                              f"{self.bf16_matmuls!r:.40}", field="device.bf16_matmuls")
+        if self.collective_resources not in COLLECTIVE_RESOURCES:
+            raise InputError(f"must be one of {', '.join(COLLECTIVE_RESOURCES)} (the resources XLA's scheduler "
+                             f"holds collectives on: one per kind, as its open default and a TPU, or one shared by "
+                             f"every kind, as XLA:GPU), got {self.collective_resources!r:.40}",
+                             field="device.collective_resources")
         if not self.peak_flops:
             raise InputError("needs at least one dtype with its peak FLOP/s, e.g. {bf16: 989TFLOP/s}", field="device.flops")
         for dtype, value in self.peak_flops.items():
