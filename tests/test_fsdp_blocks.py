@@ -409,3 +409,22 @@ def test_no_combiner_merges_a_forward_gather_with_a_backward_one() -> None:
 
     assert forward_bytes(workload) > 0
     assert forward_bytes(combine_collectives(workload, limit)) == forward_bytes(workload)
+
+
+def test_under_sequence_parallelism_the_embeddings_block_computes_held_weight_gradients_beside_its_collectives(
+        ) -> None:
+    """testbed.sim.span_order under sequence parallelism: the embedding's block (the backward's last) starts the
+    weight gradients it holds (the first layer's) as its last span ends, beside that span's all-gather, as a
+    layer's block does, and the action ends once both have (the traced program, TPU fsdp32 x tensor 8 sequence
+    parallel bf16 d_model 2048 seq 2048: the weight-gradient matmuls run beside the last merged all-gather,
+    docs/program.md)."""
+    from testbed.sim.span_play import action_plays
+
+    plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=True)
+    chunk = step_facts(plan, place(plan, num_devices=4).device_ids, math.inf).chunks[0][0]
+    play = action_plays(chunk, chunk.action("B"), chunk.blocks, True, True, True)[-1]
+    w = next(i for i, x in enumerate(play.items) if x.name.endswith("weights"))
+    span = max(i for i, x in enumerate(play.items[:w]) if x.stream == "compute")
+    assert play.items[span + 1].stream == "tensor" and play.items[span + 1].deps == (span,)
+    assert play.items[w].deps == (span,)
+    assert {play.items[d].stream for d in play.after} == {"compute", "tensor"}
