@@ -85,6 +85,15 @@ def _both(plan: Plan, topology_name: str):
     return traced, planned, collective_bytes(traced.program, ids, names), collective_bytes(planned.program, ids, names)
 
 
+def _sequence_parallel_fsdp_by_tensor(name: str, devices: int, tensor: int, seq_len: int, precision: str) -> Plan:
+    """fsdp over a topology's other ranks x ``tensor`` with sequence parallelism: 2 layers, d_model 2048, one
+    sequence per fsdp rank."""
+    model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=seq_len, vocab=32768)
+    return Plan(name=name, model=model, batch=BatchSpec(global_batch=devices // tensor),
+                mesh=MeshSpec(fsdp=devices // tensor, tensor=tensor), schedule=ScheduleSpec(name="1f1b"),
+                precision=precision, remat="none", sequence_parallel=True)
+
+
 def _step_times_agree(drawn) -> None:
     """The traced step and the plan's, drawn on one topology, within 5%."""
     plan, topology = drawn
@@ -284,10 +293,7 @@ def test_an_fsdp_by_tensor_sequence_parallel_step_time_on_a_superpod(tensor: int
     gradients (norms, row-parallel biases) join wait for the backward's last layer, where XLA's all-reduce
     combiner puts their merged sum over the tensor ranks; the plan's merges are those (testbed.model.leaves,
     _scatter_walk; 0.902 and 0.936 when every merge holding one waited for the backward's end)."""
-    model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
-    plan = Plan(name="fsdp-tp-sp", model=model, batch=BatchSpec(global_batch=1024 // tensor),
-                mesh=MeshSpec(fsdp=1024 // tensor, tensor=tensor), schedule=ScheduleSpec(name="1f1b"),
-                precision=precision, remat="none", sequence_parallel=True)
+    plan = _sequence_parallel_fsdp_by_tensor("fsdp-tp-sp", 1024, tensor, 1024, precision)
     traced, planned, _, _ = _both(plan, "dgx-h100-superpod")
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
@@ -343,10 +349,7 @@ def test_a_sequence_parallel_layers_gradients_leave_after_its_own_weight_gradien
     gradients), but each leaves once its own layer's weight gradients are computed, the last layer's beside the
     first layer's (testbed.model.blocks.scatter_reads, testbed.sim.span_order); the plan released every merge
     after all weight gradients: 0.949 and 0.949."""
-    model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=32768)
-    plan = Plan(name="fsdp-sp-reads", model=model, batch=BatchSpec(global_batch=256 // tensor),
-                mesh=MeshSpec(fsdp=256 // tensor, tensor=tensor), schedule=ScheduleSpec(name="1f1b"),
-                precision=precision, remat="none", sequence_parallel=True)
+    plan = _sequence_parallel_fsdp_by_tensor("fsdp-sp-reads", 256, tensor, 2048, precision)
     traced, planned, _, _ = _both(plan, "tpu-v5e-16x16")
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
