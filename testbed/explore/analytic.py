@@ -160,7 +160,8 @@ def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
 def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None) -> Estimate:
     """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory."""
     ids = place(plan, topology).device_ids
-    return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes), topology, ids,
+    return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
+                                  chained_gathers=topology.device.collective_resources == "per_kind"), topology, ids,
                        memory or plan_memory(plan, topology))
 
 

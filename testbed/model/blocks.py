@@ -18,7 +18,8 @@ from testbed.model.leaves import backward_merges, backward_waits, issue_order, r
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "SHARE_QUANTUM"]
+__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "scatter_early",
+           "SHARE_QUANTUM"]
 
 def own_blocks(layers: int, embed: bool, head: bool) -> int:
     """Blocks an fsdp action of a chunk of ``layers`` layers is split into when the embedding and the head are
@@ -140,7 +141,7 @@ def _block_scatters(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
     """:func:`block_scatters` from what it depends on (``apart``: sequence parallelism over tensor ranks)."""
     merges = _scatter_merges(spec, mesh, v, stage_layers, ways, stage, chunk, blocks, combine_bytes,
                              bytes_per_element, apart)
-    return _exact_shares(tuple(tuple(size for size, _ in block) for block in merges))
+    return _exact_shares(tuple(tuple(size for size, *_ in block) for block in merges))
 
 
 def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
@@ -156,7 +157,43 @@ def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
                              bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
-    return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read in block) for block in merges)
+    return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, _ in block) for block in merges)
+
+
+def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
+                  bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
+    """Per block of a chunk's backward (as :func:`scatter_reads`), per merged reduce-scatter, the share of its
+    block's weight-gradient matmuls it reads where it leaves before the block's input gradients, else 0.
+
+    A layer's backward starts with its MLP's output projection (``mlp/w2``), whose weight gradient reads only the
+    layer's incoming cotangent and a saved activation: JAX's transpose of that matmul emits the weight gradient
+    first, and where XLA's combiner closes a merge on that gradient alone (the next leaf does not fit the combine
+    bound: d_model 2048 at tensor 1 or 2) the reduce-scatter is ready at once, so XLA's scheduler computes that
+    weight gradient and starts its reduce-scatter before the layer's input gradients (the traced TPU fsdp x tensor
+    2 sequence parallel bf16 d_model 2048 step: the last layer's ``w2`` gradient, a third of its weight-gradient
+    matmuls, at the layer's start), not with the weight gradients held to its end. Only where all-gathers are a
+    scheduler resource of their own (testbed.sim.facts.step_facts' ``chained_gathers``): the input gradient
+    waits for the layer's re-gathered weights, which arrive one gather after another; where they do not (the
+    superpod's traced step) the weight gradient follows the layer's input gradients."""
+    merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                             state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
+                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
+    return tuple(tuple(early for *_, early in block) for block in merges)
+
+
+#: The leaves whose weight gradients read only their layer's incoming cotangent (:func:`scatter_early`).
+_COTANGENT_ONLY = (("mlp", "w2"), ("mlp", "b2"))
+
+
+def _early_share(members: list, first: dict[int, int], matrices: dict[int, int]) -> float:
+    """The share of its block's weight-gradient matmuls of a merge's ``members`` ((walk index, leaf, block, what))
+    where they are their layer's first leaves and only the output projection's (:func:`scatter_early`), else 0."""
+    blocks = {block for _, _, block, _ in members}
+    if len(blocks) != 1 or members[0][0] != first[members[0][2]] or any(
+            what != "layer" or q.path[-2:] not in _COTANGENT_ONLY for _, q, _, what in members):
+        return 0.0
+    own = sum(math.prod(q.shape) for _, q, _, _ in members if len(q.shape) >= 2)
+    return own / matrices[members[0][2]] if matrices.get(members[0][2]) else 0.0
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -164,22 +201,27 @@ def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
                     chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool
                     ) -> tuple[tuple[tuple[float, frozenset[int]], ...], ...]:
     """Per block of a chunk's backward (from the head), each merged reduce-scatter as (bytes, the forward-order
-    blocks of the members it reads but the tensor-replicated ones): :func:`block_scatters`' merges."""
+    blocks of the members it reads but the tensor-replicated ones, :func:`scatter_early`'s share):
+    :func:`block_scatters`' merges."""
     merged: list[list[list]] = [[] for _ in range(blocks)]
     group: list | None = None  # the open merge: [bytes, block of its last member, its index, late, blocks read]
     groups: list[list] = []
     ended = 1 << 30  # past every leaf: where the merges that wait for the backward's end are issued
-    walk = _scatter_walk(_chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks),
-                         apart and not math.isinf(combine_bytes))
+    pieces = _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
+    kinds = {block: what for block, what, _ in pieces}
+    matrices = {block: sum(math.prod(q.shape) for q in params if len(q.shape) >= 2) for block, _, params in pieces}
+    walk = _scatter_walk(pieces, apart and not math.isinf(combine_bytes))
+    first: dict[int, int] = {}
     for i, (q, block, late) in enumerate(walk):
+        first.setdefault(block, i)
         size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-        read = frozenset(() if late else (block,))
+        read, member = frozenset(() if late else (block,)), (i, q, block, "late" if late else kinds[block])
         if math.isinf(combine_bytes) or size > combine_bytes:
-            groups.append([size, block, i, late, read])  # unbounded: one per block (summed below); over it: alone
+            groups.append([size, block, i, late, read, [member]])  # unbounded: one per block (summed); over: alone
         elif group is not None and group[0] + size <= combine_bytes:
-            group[:] = group[0] + size, block, i, group[3] or late, group[4] | read
+            group[:] = group[0] + size, block, i, group[3] or late, group[4] | read, group[5] + [member]
         else:
-            group = [size, block, i, late, read]
+            group = [size, block, i, late, read, [member]]
             groups.append(group)
     # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands); one
     # holding a tensor-replicated gradient reads the merged all-reduce of the backward's last layer: it is issued
@@ -187,13 +229,14 @@ def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
     for g in groups:
         if g[3]:
             g[1], g[2] = 0, ended + g[2]
-    for size, block, _, _, read in sorted(groups, key=lambda g: g[2]):
+    for size, block, _, _, read, members in sorted(groups, key=lambda g: g[2]):
         if math.isinf(combine_bytes) and merged[block]:
             merged[block][0][0] += size
             merged[block][0][1] |= read
         else:
-            merged[block].append([size, read])
-    return tuple(tuple((size, frozenset(read)) for size, read in block) for block in reversed(merged))
+            early = 0.0 if math.isinf(combine_bytes) else _early_share(members, first, matrices)
+            merged[block].append([size, read, early])
+    return tuple(tuple((size, frozenset(read), early) for size, read, early in block) for block in reversed(merged))
 
 
 def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tuple]:

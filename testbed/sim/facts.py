@@ -30,7 +30,7 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.blocks import block_gathers, block_scatters, own_blocks, scatter_reads
+from testbed.model.blocks import block_gathers, block_scatters, own_blocks, scatter_early, scatter_reads
 from testbed.model.leaves import bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
@@ -125,6 +125,9 @@ class ChunkFacts:
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the buckets (blocks) whose weight gradients it
     #: reads (testbed.model.blocks.scatter_reads); empty: each reads its own.
     bucket_reads: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the share of its block's weight-gradient matmuls
+    #: it reads where it leaves before the block's input gradients, else 0 (testbed.model.blocks.scatter_early).
+    bucket_early: tuple[tuple[float, ...], ...] = ()
     #: (token table's gradient bytes summed after the rest, the gather's between): grad_bytes.token_table_last.
     tail: tuple[float, float] = (0.0, 0.0)
 
@@ -168,6 +171,13 @@ class ChunkFacts:
         if self.bucket_reads and pieces == len(self.bucket_reads):
             return self.bucket_reads[k]
         return ((k,),) * len(self.bucket(pieces, k))
+
+    def early(self, pieces: int, k: int) -> tuple[float, ...]:
+        """Per reduction of :meth:`bucket` ``k``, the share of its block's weight-gradient matmuls computed before
+        the block's input gradients for it to leave (``bucket_early``; else none)."""
+        if self.bucket_early and pieces == len(self.bucket_early):
+            return self.bucket_early[k]
+        return (0.0,) * len(self.bucket(pieces, k))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -289,13 +299,16 @@ class StepFacts:
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
-               schedule: Schedule | None = None) -> StepFacts:
+               schedule: Schedule | None = None, chained_gathers: bool = False) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
         combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound,
             testbed.model.leaves.combine_limit: XLA's default threshold, or none for PyTorch's flat parameters).
         schedule: the pipeline table to follow (default: the plan's schedule, memoized).
+        chained_gathers: all-gathers are a scheduler resource of their own, one in flight (the topology's
+            ``device.collective_resources: per_kind``): a layer's re-gathered weights arrive one gather after
+            another, so a weight gradient that reads none of them runs first (ChunkFacts.bucket_early).
     """
     mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
     p = mesh.stage
@@ -312,7 +325,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
-                                      bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b))
+                                      bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
+                                      chained_gathers)
                          for c in range(v))
                    for s in range(p))
     updates = tuple(_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
@@ -325,7 +339,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
 
 
 def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
-                 reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0) -> ChunkFacts:
+                 reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False
+                 ) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, 4 * cost.layers)
@@ -355,10 +370,11 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
         if own else ()
     bucket_sizes = block_scatters(plan, s, c, blocks, combine, reduce_b) if own and buckets == blocks else ()
     bucket_reads = scatter_reads(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
+    bucket_early = scatter_early(plan, s, c, blocks, combine, reduce_b) if bucket_sizes and chained else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
-                      bucket_reads=bucket_reads,
+                      bucket_reads=bucket_reads, bucket_early=bucket_early,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved
                                + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),

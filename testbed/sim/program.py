@@ -92,7 +92,8 @@ STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv
 
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
-                  controller: bool = False, combine_bytes: float | None = None, serial: bool = False) -> Program:
+                  controller: bool = False, combine_bytes: float | None = None, serial: bool = False,
+                  chained_gathers: bool = False) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -102,8 +103,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             testbed.model.leaves.combine_limit; module docstring).
         serial: the host runs programs over several devices one at a time in dispatch order (the
             topology's ``calibration.host.serial_programs``; module docstring).
+        chained_gathers: the topology's all-gathers are a scheduler resource of their own
+            (``device.collective_resources: per_kind``; testbed.sim.facts.step_facts).
     """
-    return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule), placement,
+    return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule, chained_gathers), placement,
                       controller=controller, serial=serial)
 
 

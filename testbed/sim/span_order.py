@@ -94,17 +94,22 @@ def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items
 
 
 def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str, sequence_parallel: bool,
-                has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None, lookup: bool
-                ) -> tuple[BlockPlay, ...]:
+                has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None, lookup: bool,
+                early: tuple[tuple[float, ...], ...] | None = None) -> tuple[BlockPlay, ...]:
     """Each block's play (module docstring). ``spans``: testbed.sim.block_spans' per block; ``blocks``: each
     block's FLOPs; ``flops``: the action's; ``buckets``: per block, each of its gradient reductions as the blocks
     whose weight gradients it reads (ChunkFacts.reads; None: the action reduces none); ``lookup``: the forward's
-    first block waits only for its first gather."""
+    first block waits only for its first gather; ``early``: per block, per reduction, the share of the block's
+    weight gradients computed before its spans for that reduction to leave (ChunkFacts.early; 0 or None: none)."""
     held: list[tuple[int, float, float]] = []  # (block, weight-gradient FLOPs not played yet, their GEMMs' share)
     out, pieces, reduce = [], len(blocks), buckets is not None
+    released: set[tuple[int, int]] = set()  # the reductions left before their block's spans
     for k, (mine, block) in enumerate(zip(spans, blocks)):
         items: list[Item] = []
+        first = _first_weights(mine, block, flops, k, early[k] if reduce and early else (), items)
+        released |= {(k, it.bucket[1]) for it in items if it.stream == "buckets"}
         deps, played = _spans(mine, block, flops, k, lookup and k == 0 and kind == "F", items)
+        played += first
         done = tuple(deps)
         last = max(i for i, x in enumerate(items) if x.stream == "compute")
         rest = block - played if block - played > 1e-6 * block else 0.0
@@ -114,7 +119,7 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
             out.append(BlockPlay(tuple(items), tuple(deps), done, last))
             continue  # its weight gradients wait for the bucket that reads them
         after = last if k < pieces - 1 else deps[-1]
-        pending = _pending(buckets, held, k) if reduce else []
+        pending = [p for p in _pending(buckets, held, k) if p[:2] not in released] if reduce else []
         _release(items, pending, set(), after)  # what reads no weight gradient held (the embedding's table)
         # Under sequence parallelism beside the block's last collectives.
         beside, chain, computed = sequence_parallel, list(deps), set()
@@ -128,6 +133,23 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
         held = []
         out.append(BlockPlay(tuple(items), tuple(deps), done, last))
     return tuple(out)
+
+
+def _first_weights(spans: tuple, block: float, flops: float, k: int, early: tuple[float, ...], items: list[Item]
+                   ) -> float:
+    """Block ``k``'s weight gradients that reductions read before its spans (``early``: per reduction, its share
+    of the block's weight gradients; testbed.model.blocks.scatter_early), each computed first and its reduction
+    released after it (XLA starts a reduce-scatter once its operands are ready). Returns their FLOPs."""
+    if not any(early):
+        return 0.0
+    _, played = _spans(spans, block, flops, k, False, [])
+    rest, share = max(0.0, block - played), 1 - played / block if block else 0.0
+    done = 0.0
+    for m, e in ((m, e) for m, e in enumerate(early) if e):
+        items.append(Item("compute", f"{k} first weights", (START,), rest * e, (k, share * e)))
+        items.append(Item("buckets", "", (len(items) - 1,), bucket=(k, m, m + 1)))
+        done += rest * e
+    return done
 
 
 def _pending(buckets: tuple, held: list[tuple[int, float, float]], k: int) -> list[tuple[int, int, set[int]]]:

@@ -39,7 +39,8 @@ def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: b
     flops = work.work[0]
     return block_plays(spans, tuple(flops * part for part, _ in own), flops, work.kind, sequence_parallel,
                        chunk.cost.has_embedding, tuple(chunk.reads(pieces, k) for k in range(pieces))
-                       if reduce else None, chunk.cost.has_embedding)
+                       if reduce else None, chunk.cost.has_embedding,
+                       tuple(chunk.early(pieces, k) for k in range(pieces)) if reduce and work.kind == "B" else None)
 
 
 class SpanPlay:
