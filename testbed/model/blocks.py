@@ -199,7 +199,7 @@ def _early_share(members: list, first: dict[int, int], matrices: dict[int, int])
 @functools.lru_cache(maxsize=1 << 12)
 def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                     chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool
-                    ) -> tuple[tuple[tuple[float, frozenset[int]], ...], ...]:
+                    ) -> tuple[tuple[tuple[float, frozenset[int], float], ...], ...]:
     """Per block of a chunk's backward (from the head), each merged reduce-scatter as (bytes, the forward-order
     blocks of the members it reads but the tensor-replicated ones, :func:`scatter_early`'s share):
     :func:`block_scatters`' merges."""
