@@ -329,7 +329,7 @@ def simulate(plan: Plan, topology: Topology) -> Simulation:
     program = build_program(plan, place(plan, topology), controller=topology.calibration.controller is not None,
                             combine_bytes=topology.calibration.collectives.combine_bytes,
                             serial=host is not None and host.serial_programs,
-                            chained_gathers=topology.device.collective_resources == "per_kind")
+                            chained_gathers=topology.device.gathers_apart())
     priced = price(program, topology, plan.precision.compute_dtype)
     timeline = run(program, priced, calibration=topology.calibration)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

@@ -315,7 +315,7 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     """
     limit = combine_limit(topology.calibration.collectives.combine_bytes, "jax")
     workload = hoist_collectives(defer_consumers(combine_collectives(workload, limit)))
-    if topology.device.collective_resources == "per_kind":
+    if topology.device.gathers_apart():
         workload = chain_gathers(workload, _op_seconds(workload, topology, device_ids))
     program = workload_program(workload, topology, device_ids)
     priced = price_workload(program, topology, workload.dtype)

@@ -176,6 +176,12 @@ class DeviceSpec:
         """Whether the device lists an fp8 peak (fp8 tensor cores)."""
         return "fp8" in self.peak_flops
 
+    def gathers_apart(self) -> bool:
+        """Whether XLA's scheduler holds all-gathers on a resource of their own (``collective_resources: per_kind``),
+        one in flight: the tracer chains them (testbed.sim.overlap.chain_gathers) and the plan computes a weight
+        gradient that reads none of a layer's re-gathered weights first (testbed.sim.facts.step_facts)."""
+        return self.collective_resources == "per_kind"
+
 
 #: in-network reduction a level may declare -> the link kind whose switches do it.
 IN_NETWORK_REDUCTION = {"nvls": LinkKind.NVSWITCH, "sharp": LinkKind.INFINIBAND}
