@@ -31,10 +31,7 @@ def defer_consumers(workload: Workload) -> Workload:
             waits[i] = any(ops[d].kind is OpKind.COLLECTIVE or waits[d] for d in op.deps)
     if not any(waits):
         return workload
-    consumers: list[list[int]] = [[] for _ in range(n)]
-    for i, op in enumerate(ops):
-        for d in op.deps:
-            consumers[d].append(i)
+    consumers = workload.readers()
     # Sort key: (position of the anchoring op that is not deferred, -steps before it); deferred ops sit just
     # before their earliest consumer, chains of them in their order, and no later than just after the last op
     # of their loop iteration (``_iteration_spans``).

@@ -140,7 +140,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     waited: set[int] = set()  # collectives a segment has waited for: complete for every later one
     follows = {it: loop[j - 1] for loop in workload.loops for j, it in enumerate(loop) if j}
     began: dict[int, int] = {}  # loop iteration -> its first task
-    readers = _readers(workload)
+    readers = workload.readers()
     for i, op in enumerate(workload.ops):
         done.append(())
         if op.iteration not in began:
@@ -170,15 +170,6 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     close()
     representative = np.full(workload.devices, rep, dtype=np.int64)
     return Program(tasks=tuple(b.tasks), representative=representative)
-
-
-def _readers(workload: Workload) -> list[list[int]]:
-    """Per op, the ops that read its result."""
-    out: list[list[int]] = [[] for _ in workload.ops]
-    for i, op in enumerate(workload.ops):
-        for d in op.deps:
-            out[d].append(i)
-    return out
 
 
 def _fused_producers(workload: Workload, readers: list[list[int]], segment: list[int], first: int) -> set[int]:

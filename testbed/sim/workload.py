@@ -115,6 +115,15 @@ class Workload:
     def devices(self) -> int:
         return math.prod(self.mesh.values())
 
+    def readers(self) -> list[list[int]]:
+        """Per op, the ops that read its result, in program order (what the ordering passes and the tracer's
+        segments follow)."""
+        out: list[list[int]] = [[] for _ in self.ops]
+        for i, op in enumerate(self.ops):
+            for d in op.deps:
+                out[d].append(i)
+        return out
+
     def flops(self) -> float:
         """Matmul and convolution FLOPs of one device's step."""
         return sum(op.flops * op.count for op in self.ops)
