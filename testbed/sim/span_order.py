@@ -28,9 +28,9 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
   block's: XLA starts an op once its operands are ready, and XLA's all-gather combiner splits a block's gathers
   into several merges (testbed.model.blocks.gather_holds), a merge at its last member's place. The traced TPU
   fsdp 128 x tensor 2 sequence parallel bf16 d_model 2048 seq 1024 step computes its first layer's norm and
-  attention once the merge holding them (issued with the embedding's block) has landed, 0.36 ms before that
-  layer's own merges (the MLP's weights), and the superpod's traced step the same; the embedding's lookup, and
-  its vocab-parallel sum, read only the token table.
+  attention once the merge holding them (issued with the embedding's block) has landed (0.783 ms), before that
+  layer's own merges, its MLP's weights (0.983 and 1.251 ms), and the superpod's traced step the same; the
+  embedding's lookup, and its vocab-parallel sum, read only the token table (docs/program.md, session 11).
 
 :func:`block_plays` writes each block's play as :class:`Item` s whose ``deps`` name earlier items of the block or
 one of :data:`START` (what the block starts after: the previous block's and the block's gathers), a
