@@ -380,8 +380,8 @@ def test_under_sequence_parallelism_a_blocks_weight_gradients_run_beside_its_las
             assert all(x.name.endswith("weights") for x in play.items[w:] if x.stream == "compute")  # after the spans
             read = {play.items[d].stream for d in play.items[w].deps}
             assert read == ({"compute"} if sequence_parallel else {"tensor"})
-            assert {play.items[d].stream for d in play.after} == ({"compute", "tensor"} if sequence_parallel
-                                                                  else {"compute"})
+            after = {play.items[d].stream for d in play.after if d >= 0}  # (and the block's gathers: WAITING)
+            assert after == ({"compute", "tensor"} if sequence_parallel else {"compute"})
 
 
 def test_no_combiner_merges_a_forward_gather_with_a_backward_one() -> None:
@@ -427,7 +427,7 @@ def test_under_sequence_parallelism_the_embeddings_block_computes_held_weight_gr
     span = max(i for i, x in enumerate(play.items[:w]) if x.stream == "compute")
     assert play.items[span + 1].stream == "tensor" and play.items[span + 1].deps == (span,)
     assert play.items[w].deps == (span,)
-    assert {play.items[d].stream for d in play.after} == {"compute", "tensor"}
+    assert {play.items[d].stream for d in play.after if d >= 0} == {"compute", "tensor"}
 
 
 def test_a_layers_output_projection_gradient_merged_alone_leaves_before_its_input_gradients() -> None:

@@ -9,6 +9,7 @@ buckets leave as the play releases them (its weight gradients held for the bucke
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, NamedTuple
 
 from testbed.model.gemm import scaled
@@ -24,13 +25,14 @@ __all__ = ["PricedBlock", "priced_plays", "play_blocks"]
 
 
 class PricedBlock(NamedTuple):
-    """One block's play, each item's seconds (a bucket item's: 0), each bucket item's reductions' seconds, and
-    the block's compute seconds."""
+    """One block's play, each item's seconds (a bucket item's: 0), each bucket item's reductions' seconds, the
+    block's compute seconds, and each of its merged gathers' seconds (ChunkFacts.gather_sizes)."""
 
     play: BlockPlay
     seconds: tuple[float, ...]
     buckets: tuple[float, ...]
     compute: float
+    merges: tuple[float, ...] = ()
 
 
 def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
@@ -47,6 +49,8 @@ def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, piece
     own = chunk.block_shares(work.kind, pieces)
     flops, _, replicated, split = work.work
     kernels, tensor_bytes = chunk.kernels // pieces, chunk.cost.tensor_bytes
+    sizes = chunk.gather_sizes(work.kind) if facts.params_ways > 1 else ()
+    time, axes = step.coll.time, facts.params_axes
     out = []
     for k, play in enumerate(plays):
         part = own[k][0]
@@ -69,7 +73,8 @@ def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, piece
                     for f, n in chunk.bucket(pieces, j)[lo:hi])
             buckets.append(nbytes)
         compute = sum(x for x, item in zip(seconds, play.items) if item.stream == "compute")
-        out.append(PricedBlock(play, tuple(seconds), tuple(buckets), compute))
+        merges = tuple(time("all_gather", axes, s, n) for n in sizes[k]) if k < len(sizes) else ()
+        out.append(PricedBlock(play, tuple(seconds), tuple(buckets), compute, merges))
     return tuple(out)
 
 
@@ -89,20 +94,26 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
                 before: list[float], prefetch: int, scale: tuple[float, ...]) -> Played:
     """The blocks of ``plays`` timed (testbed.explore.play's ``_blocks`` for blocks played by spans): block
     ``i``'s gather (``gathers``) after the previous one and once block ``i - 1 - prefetch`` is done (of the
-    stage's previous gathering action, ``before``, when negative); the block once its gather and what the
-    previous block leaves (from ``start``) are done, its compute items ``scale`` times as long."""
+    stage's previous gathering action, ``before``, when negative); each span of the block once what the previous
+    block leaves (from ``start``) and the merged gathers it reads are done (each merge landing in its share of the
+    block's gather: testbed.sim.span_order), its compute items ``scale`` times as long."""
     gather_end, compute, tensor = gather_free, start, start
     starts, ends, dones, flying, releases = [], [], [], [], []
     for i, (g, block) in enumerate(zip(gathers, plays)):
         j = i - 1 - prefetch
         after = dones[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
-        gather_end = max(gather_end, after) + g
-        flying.append((gather_end - g, gather_end))
-        t0 = max(ends[-1] if ends else start, gather_end)
+        begin = max(gather_end, after)
+        gather_end = begin + g
+        flying.append((begin, gather_end))
+        total = sum(block.merges)  # each merge lands in its share of the block's gather (g: with a barrier's wait)
+        merges = tuple(itertools.accumulate((begin, *(x * g / total for x in block.merges))))[1:] if total else ()
+        previous = ends[-1] if ends else start
+        t0 = max(previous, gather_end)
         seconds = tuple(x * scale[i] if item.stream == "compute" else x
                         for x, item in zip(block.seconds, block.play.items))
-        end, done, compute, tensor, out = time_block(block.play, seconds, t0, t0, gather_end, compute, tensor)
-        starts.append(t0)
+        end, done, compute, tensor, out, first = time_block(block.play, seconds, t0, previous, merges, gather_end,
+                                                            compute, tensor)
+        starts.append(min(t0, first))
         ends.append(end)
         dones.append(done)
         releases += [(at, block.buckets[idx]) for idx, at in out]

@@ -14,11 +14,11 @@ import functools
 import math
 
 from testbed.model import layout
-from testbed.model.leaves import backward_merges, backward_waits, issue_order, regathered_in_backward
+from testbed.model.leaves import backward_groups as backward_merges_members, backward_waits, issue_order, regathered_in_backward
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "scatter_early",
+__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "scatter_early", "gather_holds", "span_leaves", "PIECE_PARTS",
            "SHARE_QUANTUM"]
 
 def own_blocks(layers: int, embed: bool, head: bool) -> int:
@@ -81,34 +81,106 @@ def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
                    chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float,
                    bytes_per_element: float) -> tuple[tuple[float, ...], ...]:
     """:func:`block_gathers` from what it depends on."""
-    last = blocks - 1
+    merges = _gather_merges(spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, combine_bytes,
+                            bytes_per_element)
+    out = [[size for size, _ in block] for block in merges]
+    return _with_rest(out, elements * bytes_per_element, blocks - 1, reverse=kind != "F")
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
+                   chunk: int, kind: str, blocks: int, combine_bytes: float, bytes_per_element: float
+                   ) -> tuple[tuple[tuple[float, frozenset[tuple[int, str]]], ...], ...]:
+    """Per block (forward order), each merged all-gather of a ``kind`` action as (bytes, its members as (block,
+    the leaf's first path part)), in the order the traced program issues them: a merge at its last member's
+    place (testbed.sim.combine; XLA's combiner puts the combined collective after all its operands), so a leaf
+    over the bound (the token table) goes before the open merge it interrupts. A merge is in the block of its
+    first member (:func:`block_gathers`)."""
     held = _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
     pieces = [(b, params) for b, what, params in held if kind == "F" or what != "embedding"]
-    out: list[list[float]] = [[] for _ in range(blocks)]
+    order = list(enumerate(pieces))
+    walk = [(block, j, q) for j, (block, piece) in (reversed(order) if kind != "F" else order)
+            for q in issue_order(piece) if kind == "F" or regathered_in_backward(q)]
+    sizes = [q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
+             for *_, q in walk]
+    groups: list[tuple[float, int, tuple[int, ...]]] = []  # (bytes, block, members' walk indices)
     if kind != "F" and not math.isinf(combine_bytes):
-        backward = [(block, tuple(q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor)
-                                  * bytes_per_element for q in issue_order(piece) if regathered_in_backward(q)))
-                    for block, piece in reversed(pieces)]
+        backward = [(block, tuple(n for (_, i, _), n in zip(walk, sizes) if i == j))
+                    for j, (block, _) in reversed(order)]
         head = any(what == "head" for _, what, _ in held)
         waits = backward_waits(len(backward) - int(head), head)
-        for size, k in backward_merges([sizes for _, sizes in backward], combine_bytes, waits):
-            out[backward[k][0]].append(size)
-        return _with_rest(out, elements * bytes_per_element, last, reverse=True)
-    run = None  # the open merge (what merges: the whole chunk, forward; a block, unbounded), its block and index
-    for block, piece in pieces:
-        for q in issue_order(piece):
-            if kind != "F" and not regathered_in_backward(q):
-                continue
-            size = q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-            key = block if math.isinf(combine_bytes) else 0
+        groups = [(size, backward[k][0], members) for size, k, members in
+                  backward_merges_members([n for _, n in backward], combine_bytes, waits)]
+    else:
+        run: list | None = None  # the open merge: [bytes, block, members, key, its index]
+        for i, ((block, _, _), size) in enumerate(zip(walk, sizes)):
+            key = block if math.isinf(combine_bytes) else 0  # what merges: the whole chunk; a block, unbounded
             if size > combine_bytes:
-                out[block].append(size)  # combined_sizes' rule: alone, the open merge goes on
-            elif run is not None and run[0] == key and out[run[1]][run[2]] + size <= combine_bytes:
-                out[run[1]][run[2]] += size
+                groups.append((size, block, (i,)))  # combined_sizes' rule: alone, the open merge goes on
+            elif run is not None and run[3] == key and run[0] + size <= combine_bytes:
+                run[0], run[2] = run[0] + size, run[2] + (i,)
+                groups[run[4]] = (run[0], run[1], run[2])
             else:
-                out[block].append(size)
-                run = (key, block, len(out[block]) - 1)
-    return _with_rest(out, elements * bytes_per_element, last, reverse=kind != "F")
+                run = [size, block, (i,), key, len(groups)]
+                groups.append((size, block, (i,)))
+    out: list[list] = [[] for _ in range(blocks)]
+    for size, block, members in sorted(groups, key=lambda g: g[2][-1]):
+        out[block].append((size, frozenset((walk[i][0], walk[i][2].path[0]) for i in members)))
+    return tuple(tuple(block) for block in out)
+
+
+def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
+                 combine_bytes: float = math.inf, bytes_per_element: float = 4.0
+                 ) -> tuple[tuple[frozenset[str] | None, ...], ...]:
+    """Per block of a ``kind`` action (in the order it computes them, as :func:`block_gathers`), per merged
+    all-gather (as its sizes), the first path parts (``attn``, ``ln1``, ``mlp``, ``tokens``, ...) of the block's
+    own leaves the merge holds (None: what :func:`block_gathers` adds beyond the leaves, a tied table's copy,
+    holding anything). XLA starts an op once its operands are ready: a span of the block waits for the merges
+    holding the leaves it reads (testbed.sim.span_order), not for all of its block's."""
+    spec, mesh = plan.model, plan.mesh
+    merges = _gather_merges(spec, mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                            state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
+                            bytes_per_element)
+    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element)
+    ordered = merges if kind == "F" else tuple(reversed(merges))
+    out = []
+    for k, (block, total) in enumerate(zip(ordered, sizes)):
+        own = blocks - 1 - k if kind != "F" else k
+        holds = [frozenset(part for b, part in members if b == own) for _, members in block]
+        out.append(tuple(holds) + (None,) * (len(total) - len(holds)))
+    return tuple(out)
+
+
+#: The leaves (first path parts) a layer's spans read, forward order: under sequence parallelism each norm a span
+#: of its own (before the all-gather of the sequence), else computed in the span of the matmuls after it.
+_LAYER_READS = {True: (("norm", 0, ("ln1",)), ("block", 0, ("attn",)), ("norm", 1, ("ln2",)), ("block", 1, ("mlp",))),
+                False: (("block", 0, ("ln1", "attn")), ("block", 1, ("ln2", "mlp")))}
+
+
+def span_leaves(piece: str, what: str, nth: int, kind: str, sequence_parallel: bool, parallel_block: bool
+                ) -> frozenset[str] | None:
+    """The leaves (first path parts) of its piece a span of an fsdp block's work reads (testbed.sim.block_spans'
+    labels: ``piece`` embedding, layer<i> or head; ``what`` the span; ``nth`` which of the piece's spans of that
+    kind, forward order), None where all of them. XLA starts an op once its operands are ready, so a span waits
+    only for the merged all-gathers holding these (testbed.sim.span_order). The embedding's lookup reads the token
+    table (the position table is added after the lookup's vocab-parallel sum: testbed.runner.model.embed, so the
+    next block's first span reads it); a layer's attention its ``attn`` leaves, its MLP its ``mlp`` leaves, each
+    norm its own (the backward their transposes: the same weights); the head its norm and weight; the loss none.
+    Leaves none of these name (:data:`PIECE_PARTS`) are read by every span (testbed.sim.span_order). The
+    backward's loss gradient, and a parallel block, keep waiting for all of their block's gathers."""
+    if piece == "embedding":
+        return frozenset(("tokens",)) if kind == "F" else frozenset()
+    if piece == "head":
+        reads = {"norm": ("norm",), "head": ("w",) if sequence_parallel else ("norm", "w"), "loss": ()}
+        return None if what not in reads else frozenset(reads[what])
+    if parallel_block:
+        return None
+    return next((frozenset(r) for w, n, r in _LAYER_READS[sequence_parallel] if (w, n) == (what, nth)), None)
+
+
+#: Per piece, the leaves (first path parts) :func:`span_leaves` names; a merge holding another is read by every span.
+PIECE_PARTS = {"embedding": frozenset(("tokens", "positions")), "layer": frozenset(("ln1", "attn", "ln2", "mlp")),
+               "head": frozenset(("norm", "w"))}
 
 
 def _with_rest(out: list[list[float]], total: float, last: int, reverse: bool) -> tuple[tuple[float, ...], ...]:

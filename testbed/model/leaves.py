@@ -18,7 +18,7 @@ from testbed.model import layout
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes", "backward_merges", "backward_waits", "linked_layer",
+__all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes", "backward_merges", "backward_groups", "backward_waits", "linked_layer",
            "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements"]
 
 #: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
@@ -207,19 +207,29 @@ def backward_merges(pieces: list[tuple[float, ...]], combine_bytes: float, waits
     none of its pieces is among those, runs while its bytes stay within ``combine_bytes``, and a leaf over it
     alone merges with none (nor ends a merge). ``piece``: the index of the merge's first leaf's piece, the first
     the backward reads."""
+    return [(size, k) for size, k, _ in backward_groups(pieces, combine_bytes, waits)]
+
+
+def backward_groups(pieces: list[tuple[float, ...]], combine_bytes: float, waits: tuple[int, ...] | None = None
+                    ) -> list[tuple[float, int, tuple[int, ...]]]:
+    """:func:`backward_merges` with each merge's members: (bytes, piece, the members' indices in the walk of every
+    piece's leaves one after another), in the order the merges open."""
     waits = tuple(max(-1, k - 2) for k in range(len(pieces))) if waits is None else waits
     out: list[list] = []
-    group: list | None = None  # [bytes, first piece]
+    group: list | None = None  # [bytes, first piece, members]
+    t = 0
     for k, sizes in enumerate(pieces):
         for size in sizes:
             if size > combine_bytes:
-                out.append([size, k])
+                out.append([size, k, [t]])
             elif group is not None and group[1] > waits[k] and group[0] + size <= combine_bytes:
                 group[0] += size
+                group[2].append(t)
             else:
-                group = [size, k]
+                group = [size, k, [t]]
                 out.append(group)
-    return [(size, k) for size, k in out]
+            t += 1
+    return [(size, k, tuple(members)) for size, k, members in out]
 
 
 def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_bytes: float = math.inf,

@@ -24,27 +24,30 @@ position table's gradient gather where there is one.
 from __future__ import annotations
 
 from collections import Counter
+from testbed.model.blocks import span_leaves
 from testbed.model.costs import ChunkCost
 
-__all__ = ["block_spans"]
+__all__ = ["block_spans", "span_reads"]
 
 Transfer = tuple[str, int, int]
 #: One span of a block: (share of the action's matmul work, HBM bytes, the tensor collectives after it).
 BlockSpan = tuple[float, float, tuple[Transfer, ...]]
 
 
-def _labels(cost: ChunkCost, kind: str, gathered: bool) -> list[tuple[str, str]]:
-    """(piece, what) of each span of a ``kind`` action in testbed.model.spans' order."""
+def _labels(cost: ChunkCost, kind: str, gathered: bool) -> list[tuple[str, str, int]]:
+    """(piece, what, which of the piece's spans of that kind in forward order) of each span of a ``kind`` action in
+    testbed.model.spans' order."""
     sp, per = cost.sequence_parallel, 1 if cost.parallel_block else 2
-    layer = ["norm", "block"] * per if sp else ["block"] * per
+    layer = [(w, n) for n in range(per) for w in (["norm", "block"] if sp else ["block"])]
     head = (["norm"] if sp else []) + ["head"]
     if kind == "F":
-        return ([("embedding", "lookup")] * cost.has_embedding
-                + [(f"layer{i}", w) for i in range(cost.layers) for w in layer]
-                + [("head", w) for w in head + ["loss"]] * cost.has_head)
-    return ([("head", "lossgrad")] * (cost.has_head and gathered) + [("head", w) for w in head[::-1]] * cost.has_head
-            + [(f"layer{i}", w) for i in reversed(range(cost.layers)) for w in layer[::-1]]
-            + [("embedding", "lookup")] * cost.has_embedding)
+        return ([("embedding", "lookup", 0)] * cost.has_embedding
+                + [(f"layer{i}", w, n) for i in range(cost.layers) for w, n in layer]
+                + [("head", w, 0) for w in head + ["loss"]] * cost.has_head)
+    return ([("head", "lossgrad", 0)] * (cost.has_head and gathered)
+            + [("head", w, 0) for w in head[::-1]] * cost.has_head
+            + [(f"layer{i}", w, n) for i in reversed(range(cost.layers)) for w, n in layer[::-1]]
+            + [("embedding", "lookup", 0)] * cost.has_embedding)
 
 
 def _after(cost: ChunkCost, kind: str, what: str, loss: list[Transfer], position: list[Transfer]
@@ -72,30 +75,54 @@ def block_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ..
     or the collectives are not exactly one per span boundary as above (full remat's redone ones).
     ``spans``: the action's (testbed.model.spans.action_spans); ``transfers``: its tensor collectives
     (testbed.sim.facts.tensor_transfers); ``gathered``: the head's weight is gathered again for the backward."""
+    return tuple(tuple((share, nbytes, tuple((op, 1, b) for op, b in a)) for share, nbytes, a, _ in block)
+                 for block in _cut(cost, kind, spans, transfers, gathered, blocks))
+
+
+def span_reads(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
+               gathered: bool, blocks: int) -> tuple[tuple[frozenset[str] | None, ...], ...]:
+    """Per block and span of :func:`block_spans`, the block's leaves the span reads (their first path parts;
+    None: all of them): testbed.model.blocks.span_leaves of each piece of work the span is made of."""
+    out = []
+    for block in _cut(cost, kind, spans, transfers, gathered, blocks):
+        mine = []
+        for *_, labels in block:
+            reads = [span_leaves(p, what, n, kind, cost.sequence_parallel, cost.parallel_block)
+                     for p, what, n in labels]
+            mine.append(None if any(r is None for r in reads) else frozenset().union(*reads))
+        out.append(tuple(mine))
+    return tuple(out)
+
+
+def _cut(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
+         gathered: bool, blocks: int) -> list[list[list]]:
+    """:func:`block_spans`' spans, each as [share, bytes, its collectives (op, bytes), its labels]."""
     pieces = int(cost.has_embedding) + cost.layers + int(cost.has_head)
     labels = _labels(cost, kind, gathered) if kind in ("F", "B") else []
     if not spans or blocks != pieces or cost.layers < 1 or len(labels) != len(spans):
-        return ()
+        return []
     extra = 2 if kind == "F" and cost.loss_allreduce_bytes else int(kind == "B" and bool(cost.position_gather_bytes))
     tail = list(transfers[len(transfers) - extra:])
-    after = [_after(cost, kind, what, tail if kind == "F" else [], tail if kind == "B" else []) for _, what in labels]
+    after = [_after(cost, kind, what, tail if kind == "F" else [], tail if kind == "B" else [])
+             for _, what, _ in labels]
     expected: Counter = Counter()
     for op, n, b in transfers:
         expected[(op, b)] += n
     if Counter(x for a in after for x in a) != expected:
-        return ()
-    order = list(dict.fromkeys(piece for piece, _ in labels))
+        return []
+    order = list(dict.fromkeys(piece for piece, _, _ in labels))
     out = []
     for piece in order:
         mine: list[list] = []
-        for (p, what), (share, nbytes), a in zip(labels, spans, after):
-            if p != piece:
+        for label, (share, nbytes), a in zip(labels, spans, after):
+            if label[0] != piece:
                 continue
-            if mine and not mine[-1][2] and what != "head":
+            if mine and not mine[-1][2] and label[1] != "head":
                 mine[-1][0] += share
                 mine[-1][1] += nbytes
                 mine[-1][2] = a
+                mine[-1][3].append(label)
             else:  # (the head's matmuls after the loss's gradient read its gathered weight: a segment of their own)
-                mine.append([share, nbytes, a])
-        out.append(tuple((share, nbytes, tuple((op, 1, b) for op, b in a)) for share, nbytes, a in mine))
-    return tuple(out)
+                mine.append([share, nbytes, a, [label]])
+        out.append(mine)
+    return out

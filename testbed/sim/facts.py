@@ -30,7 +30,7 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.blocks import block_gathers, block_scatters, own_blocks, scatter_early, scatter_reads
+from testbed.model.blocks import block_gathers, block_scatters, gather_holds, own_blocks, scatter_early, scatter_reads
 from testbed.model.leaves import bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
@@ -116,6 +116,9 @@ class ChunkFacts:
     reduced: tuple[float, float] = (0.0, 0.0)
     sequence_bytes: float = 0.0
     block_sizes: tuple[tuple[tuple[float, ...], ...], ...] = ((), ())
+    #: As ``block_sizes``, each merge's block's own leaves (their first path parts; None: anything), where the
+    #: blocks are the chunk's own pieces (testbed.model.blocks.gather_holds); empty: not known.
+    block_holds: tuple[tuple[tuple[frozenset[str] | None, ...], ...], ...] = ((), ())
     #: Per action kind, (kind, each block's (share of the action's work, its GEMMs)) where the embedding and the
     #: head are blocks of their own (testbed.model.blocks.own_blocks); empty: equal shares of the action.
     block_work: tuple[tuple[str, tuple[tuple[float, tuple[Gemm, ...]], ...]], ...] = ()
@@ -146,6 +149,11 @@ class ChunkFacts:
         """Per block, the bytes of each all-gather a ``kind`` action's gathers issue (``block_sizes``: the
         forward's, then the backward's; testbed.model.blocks.block_gathers): the merges' real sizes."""
         return self.block_sizes[0 if kind == "F" else 1]
+
+    def gather_holds(self, kind: str) -> tuple[tuple[frozenset[str] | None, ...], ...]:
+        """Per block, per all-gather of :meth:`gather_sizes`, the block's own leaves it holds (``block_holds``;
+        empty: not known, every span of a block waits for all of its gathers)."""
+        return self.block_holds[0 if kind == "F" else 1]
 
     def action(self, kind: str) -> ActionWork:
         return next(a for a in self.actions if a.kind == kind)
@@ -368,12 +376,15 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                   for kind, n in (("F", moved[0]), ("B", regather[0]))) if leaves else ((), ())
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
+    holds = tuple(gather_holds(plan, s, c, kind, blocks, n, combine, param_b)
+                  for kind, n in (("F", moved[0]), ("B", regather[0]))) if leaves and own else ((), ())
     bucket_sizes = block_scatters(plan, s, c, blocks, combine, reduce_b) if own and buckets == blocks else ()
     bucket_reads = scatter_reads(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
     bucket_early = scatter_early(plan, s, c, blocks, combine, reduce_b) if bucket_sizes and chained else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
-                      regather=regather, block_sizes=sizes, block_work=block_work, bucket_sizes=bucket_sizes,
+                      regather=regather, block_sizes=sizes, block_holds=holds, block_work=block_work,
+                      bucket_sizes=bucket_sizes,
                       bucket_reads=bucket_reads, bucket_early=bucket_early,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved

@@ -65,7 +65,7 @@ testbed.sim.grad_tasks, whose builders the graph calls.
 
 from __future__ import annotations
 
-from collections import Counter
+import itertools
 
 import numpy as np
 
@@ -154,7 +154,7 @@ class _Graph(SpanPlay):
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
-        self.first_gather, self.block_gemms, self.span_end = -1, [], None  # (SpanPlay)
+        self.merge_tasks, self.block_gemms, self.span_end = [], [], None  # (SpanPlay)
         self.iteration: tuple[int, ...] = ()  # the loop's barrier: what an iteration's first tasks wait for
         self.began = -1  # the first task of the loop iteration (microbatch) running
         self.tail: list[tuple] = []  # the last block's buckets, reduced after the action's tensor collectives
@@ -287,7 +287,7 @@ class _Graph(SpanPlay):
             if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.span_play)
                 last, deps, tasks, done = self._span_block(s, chunk, label, k, pieces, by_span[k], (
                     flops, part, part_gemms, kernels // pieces, replicated, split), deps,
-                    (self.first_gather, gathered) if gathered is not None else None, scatter)
+                    self.merge_tasks if gathered is not None else None, scatter)
                 computes += tasks
                 ends.append(done)
                 continue
@@ -327,21 +327,23 @@ class _Graph(SpanPlay):
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
                       ends: list[int]) -> int | None:
         """The all-gathers of block ``k`` of ``pieces`` of a chunk's sharded parameters (gather stream), each at its
-        merged size (:meth:`ChunkFacts.gather_sizes`; one task per distinct size, one after another), once block
+        merged size (:meth:`ChunkFacts.gather_sizes`; one task per run of equal sizes, one after another), once block
         ``k - 1 - prefetch`` has finished (its weights freed: this action's block, or the stage's previous gathering
         action's; ``ends`` this action's blocks so far). Returns the last (None: the block's leaves were merged
-        into an earlier block's collective); ``first_gather`` is the first (the table's, in the embedding's
-        block: testbed.sim.span_play)."""
+        into an earlier block's collective); ``merge_tasks``: each merge's task (testbed.sim.span_play waits for
+        the merges a span reads)."""
         rep, j = self.reps[s], k - 1 - self.facts.prefetch
         before = self.blocks_done.get(s, [])
         after = (ends[j],) if j >= 0 else (before[len(before) + j],) if len(before) + j >= 0 and before else ()
         last = None
-        self.first_gather = len(self.b.tasks)
-        for size, count in Counter(chunk.gather_sizes(kind)[k]).items():
+        self.merge_tasks = []
+        for size, run in itertools.groupby(chunk.gather_sizes(kind)[k]):
+            count = len(list(run))
             last = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                               op="all_gather", deps=(*after, *self.iteration) if last is None else (last,),
                               nbytes=size, count=count,
                               group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
+            self.merge_tasks += [last] * count
         return last
 
     def _chain(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], buckets: int) -> int:

@@ -24,20 +24,28 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
   beside the first layer's weight gradients, and a merge that reads the first layer's waits for them.
 - A block is done, for the gathers that wait for it to free its weights (the prefetch rule), once its last
   span's collectives are: the next gathers do not contend with them on the links.
-- The forward's embedding lookup, and its vocab-parallel sum, read only the table, the block's first gather.
+- A span waits for the merged all-gathers holding the leaves it reads (:func:`span_needs`), not for all of its
+  block's: XLA starts an op once its operands are ready, and XLA's all-gather combiner splits a block's gathers
+  into several merges (testbed.model.blocks.gather_holds), a merge at its last member's place. The traced TPU
+  fsdp 128 x tensor 2 sequence parallel bf16 d_model 2048 seq 1024 step computes its first layer's norm and
+  attention once the merge holding them (issued with the embedding's block) has landed (0.783 ms), before that
+  layer's own merges, its MLP's weights (0.983 and 1.251 ms), and the superpod's traced step the same; the
+  embedding's lookup, and its vocab-parallel sum, read only the token table (docs/program.md, session 11).
 
 :func:`block_plays` writes each block's play as :class:`Item` s whose ``deps`` name earlier items of the block or
-one of :data:`START` (what the block starts after: the previous block's and the block's gathers), :data:`LOOKUP`
-(the same but of the block's gathers only the first, the table's) and :data:`WAITING` (the block's other gathers).
+one of :data:`START` (what the block starts after: the previous block's and the block's gathers), a
+:func:`merged` token (the previous block's and the block's gathers up to one merge) and :data:`WAITING` (the
+block's gathers; what the next block waits for includes them).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Item", "BlockPlay", "block_plays", "time_block", "span_kernels", "START", "LOOKUP", "WAITING"]
+__all__ = ["Item", "BlockPlay", "block_plays", "time_block", "span_kernels", "span_needs", "merged", "merge_of",
+           "START", "WAITING", "MERGED"]
 
-START, LOOKUP, WAITING = -1, -2, -3
+START, WAITING, MERGED = -1, -3, -4
 
 
 class Item(NamedTuple):
@@ -74,33 +82,65 @@ def span_kernels(kernels: int, flops: float, block: float) -> int:
     return max(1, round(kernels * flops / block)) if block else max(1, kernels)
 
 
-def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items: list[Item]
-           ) -> tuple[list[int], float]:
+def merged(m: int) -> int:
+    """The token of a span that waits for the previous block's and its block's gathers up to merge ``m`` (-1: none
+    of its block's; :func:`merge_of` reads it back)."""
+    return MERGED - 1 - m
+
+
+def merge_of(token: int) -> int:
+    """The merge a :func:`merged` token waits for (-1: none of its block's)."""
+    return MERGED - 1 - token
+
+
+def span_needs(reads: tuple[frozenset[str] | None, ...], holds: tuple[frozenset[str] | None, ...],
+               parts: frozenset[str]) -> tuple[int | None, ...]:
+    """Per span of a block (``reads``: the leaves it reads, testbed.sim.block_spans.span_reads; None: all), the
+    last of the block's merged gathers (``holds``: each one's leaves of the block, testbed.model.blocks.
+    gather_holds; None: anything) it waits for: the last holding a leaf it reads or one ``parts`` (the piece's
+    leaves testbed.model.blocks.span_leaves names) does not name; -1 where none of the block's (its leaves came
+    in earlier blocks' merges); None: all of them (what it reads is not known)."""
+    out: list[int | None] = []
+    for read in reads:
+        if read is None or not holds:
+            out.append(None)
+            continue
+        out.append(max((m for m, held in enumerate(holds) if held is None or held & read or held - parts),
+                       default=-1))
+    return tuple(out)
+
+
+def _spans(spans: tuple, block: float, flops: float, k: int, needs: tuple[int | None, ...] | None,
+           items: list[Item]) -> tuple[list[int], float]:
     """Block ``k``'s spans (each its share of the action's ``flops``, at most the block's ``block``), each span's
-    tensor collectives after it. Returns what the next item waits for and the FLOPs played."""
-    done, deps = 0.0, [START]
+    tensor collectives after it, each span after the merged gathers it reads (``needs``: :func:`span_needs`;
+    None: every span after all of them). Returns what the next item waits for and the FLOPs played."""
+    done, deps = 0.0, []
     total = sum(nbytes for _, nbytes, _ in spans) or 1.0
     for j, (share, nbytes, transfers) in enumerate(spans):
         f = max(0.0, min(block - done, flops * share))  # (the last spans' rounding: never below none)
         done += f
-        first = lookup and j == 0
-        items.append(Item("compute", f".{j}", (LOOKUP,) if first else tuple(deps), f,
-                          (k, f / block if block else 1.0), nbytes, nbytes / total))
+        need = needs[j] if needs is not None and j < len(needs) else None
+        token = START if need is None else merged(need)
+        after = tuple(deps) + ((token,) if j == 0 or token != START else ())
+        items.append(Item("compute", f".{j}", after, f, (k, f / block if block else 1.0), nbytes, nbytes / total))
         span = len(items) - 1
         if transfers:
             items.append(Item("tensor", f".{j}", (span,), transfers=transfers))
-        deps = [len(items) - 1] + ([WAITING] if first else [])
+        deps = [len(items) - 1]
     return deps, done
 
 
 def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str, sequence_parallel: bool,
-                has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None, lookup: bool,
+                has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None,
+                needs: tuple[tuple[int | None, ...], ...] | None,
                 early: tuple[tuple[float, ...], ...] | None = None) -> tuple[BlockPlay, ...]:
     """Each block's play (module docstring). ``spans``: testbed.sim.block_spans' per block; ``blocks``: each
     block's FLOPs; ``flops``: the action's; ``buckets``: per block, each of its gradient reductions as the blocks
-    whose weight gradients it reads (ChunkFacts.reads; None: the action reduces none); ``lookup``: the forward's
-    first block waits only for its first gather; ``early``: per block, per reduction, the share of the block's
-    weight gradients computed before its spans for that reduction to leave (ChunkFacts.early; 0 or None: none)."""
+    whose weight gradients it reads (ChunkFacts.reads; None: the action reduces none); ``needs``: per block, per
+    span, the last of the block's merged gathers it waits for (:func:`span_needs`; None: all); ``early``: per
+    block, per reduction, the share of the block's weight gradients computed before its spans for that reduction
+    to leave (ChunkFacts.early; 0 or None: none)."""
     held: list[tuple[int, float, float]] = []  # (block, weight-gradient FLOPs not played yet, their GEMMs' share)
     out, pieces, reduce = [], len(blocks), buckets is not None
     released: set[tuple[int, int]] = set()  # the reductions left before their block's spans
@@ -108,7 +148,7 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
         items: list[Item] = []
         first = _first_weights(mine, block, flops, k, early[k] if reduce and early else (), items)
         released |= {(k, it.bucket[1]) for it in items if it.stream == "buckets"}
-        deps, played = _spans(mine, block, flops, k, lookup and k == 0 and kind == "F", items)
+        deps, played = _spans(mine, block, flops, k, needs[k] if needs else None, items)
         played += first
         done = tuple(deps)
         last = max(i for i, x in enumerate(items) if x.stream == "compute")
@@ -116,7 +156,7 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
         held.append((k, rest, 1 - played / block if block else 0.0))
         first_layer = kind == "B" and has_embedding and k == pieces - 2
         if reduce and (not buckets[k] or first_layer) and k < pieces - 1:
-            out.append(BlockPlay(tuple(items), tuple(deps), done, last))
+            out.append(BlockPlay(tuple(items), (WAITING, *deps), done, last))
             continue  # its weight gradients wait for the bucket that reads them
         after = last if k < pieces - 1 else deps[-1]
         pending = [p for p in _pending(buckets, held, k) if p[:2] not in released] if reduce else []
@@ -131,7 +171,7 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
             _release(items, pending, computed, after)
         _release(items, pending, None, after)
         held = []
-        out.append(BlockPlay(tuple(items), tuple(deps), done, last))
+        out.append(BlockPlay(tuple(items), (WAITING, *deps), done, last))
     return tuple(out)
 
 
@@ -142,7 +182,7 @@ def _first_weights(spans: tuple, block: float, flops: float, k: int, early: tupl
     released after it (XLA starts a reduce-scatter once its operands are ready). Returns their FLOPs."""
     if not any(early):
         return 0.0
-    _, played = _spans(spans, block, flops, k, False, [])
+    _, played = _spans(spans, block, flops, k, None, [])
     rest, share = max(0.0, block - played), 1 - played / block if block else 0.0
     done = 0.0
     for m, e in ((m, e) for m, e in enumerate(early) if e):
@@ -175,27 +215,39 @@ def _release(items: list[Item], pending: list[tuple[int, int, set[int]]], comput
     pending[:] = [p for p in pending if p not in ready]
 
 
-def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, lookup: float, gathered: float,
-               compute: float, tensor: float) -> tuple[float, float, float, float, list[tuple[int, float]]]:
+def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, previous: float,
+               merges: tuple[float, ...], gathered: float, compute: float, tensor: float
+               ) -> tuple[float, float, float, float, list[tuple[int, float]], float]:
     """One block's play timed (the analytic tier): each item its ``seconds`` once its stream (``compute`` and
-    ``tensor``: when each is free) and its ``deps`` are (:data:`START` at ``start``, :data:`LOOKUP` at ``lookup``,
-    :data:`WAITING` at ``gathered``). Returns (when what the next block waits for is done, when the block is done,
-    the compute stream's and the tensor stream's end, each ``buckets`` item's index and when it leaves)."""
+    ``tensor``: when each is free) and its ``deps`` are (:data:`START` at ``start``, a :func:`merged` token once
+    ``previous`` (the previous block's) and that merge (``merges``: when each of the block's lands; none: at
+    ``gathered``) are, :data:`WAITING` at ``gathered``). Returns (when what the next block waits for is done, when
+    the block is done, the compute stream's and the tensor stream's end, each ``buckets`` item's index and when it
+    leaves, when its first compute item starts)."""
     ends: list[float] = []
-    token = {START: start, LOOKUP: lookup, WAITING: gathered}
     releases = []
+    first = None
+
+    def when(d: int) -> float:
+        if d >= 0:
+            return ends[d]
+        if d == START:
+            return start
+        if d == WAITING:
+            return gathered
+        m = merge_of(d)
+        return max(previous, merges[m] if m < len(merges) else gathered) if m >= 0 else previous
     for item, s in zip(play.items, seconds):
-        at = max((ends[d] if d >= 0 else token[d] for d in item.deps), default=start)
+        at = max((when(d) for d in item.deps), default=start)
         if item.stream == "compute":
             at = max(at, compute)
             compute = at + s
+            first = at if first is None else first
         elif item.stream == "tensor":
             at = max(at, tensor)
             tensor = at + s
         else:
             releases.append((len(ends), at))
         ends.append(at + s if item.stream != "buckets" else at)
-
-    def when(d: int) -> float:
-        return ends[d] if d >= 0 else token[d]
-    return max(when(d) for d in play.after), when(play.done[-1]), compute, tensor, releases
+    return (max(when(d) for d in play.after), when(play.done[-1]), compute, tensor, releases,
+            start if first is None else first)

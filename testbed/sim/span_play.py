@@ -16,9 +16,10 @@ Without a tensor axis actions have no collectives between spans: nothing changes
 from __future__ import annotations
 
 from testbed.model.gemm import scaled
-from testbed.sim.block_spans import block_spans
+from testbed.model.blocks import PIECE_PARTS
+from testbed.sim.block_spans import block_spans, span_reads
 from testbed.sim.facts import ActionWork, ChunkFacts
-from testbed.sim.span_order import LOOKUP, START, WAITING, BlockPlay, block_plays, span_kernels
+from testbed.sim.span_order import START, WAITING, BlockPlay, block_plays, merge_of, span_kernels, span_needs
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
 
@@ -33,14 +34,28 @@ def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: b
     own = chunk.block_shares(work.kind, pieces)
     if work.overlap is not None or not work.spans or pieces != chunk.blocks or not own:
         return ()
-    spans = block_spans(chunk.cost, work.kind, work.spans, work.tensor, chunk.cost.has_head and gathered_b, pieces)
+    gathered = chunk.cost.has_head and gathered_b
+    spans = block_spans(chunk.cost, work.kind, work.spans, work.tensor, gathered, pieces)
     if not spans:
         return ()
     flops = work.work[0]
     return block_plays(spans, tuple(flops * part for part, _ in own), flops, work.kind, sequence_parallel,
                        chunk.cost.has_embedding, tuple(chunk.reads(pieces, k) for k in range(pieces))
-                       if reduce else None, chunk.cost.has_embedding,
+                       if reduce else None, _needs(chunk, work, pieces, gathered),
                        tuple(chunk.early(pieces, k) for k in range(pieces)) if reduce and work.kind == "B" else None)
+
+
+def _needs(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered: bool) -> tuple | None:
+    """Per block of the action, per span, the last of the block's merged gathers it waits for
+    (testbed.sim.span_order.span_needs of the leaves each span reads and each merge holds); None: not known."""
+    holds = chunk.gather_holds(work.kind) if work.kind in ("F", "B") else ()
+    reads = span_reads(chunk.cost, work.kind, work.spans, work.tensor, gathered, pieces)
+    if len(holds) != pieces or len(reads) != pieces:
+        return None
+    cost = chunk.cost
+    what = ["embedding"] * cost.has_embedding + ["layer"] * cost.layers + ["head"] * cost.has_head
+    what = what if work.kind == "F" else what[::-1]
+    return tuple(span_needs(r, h, PIECE_PARTS[w]) for r, h, w in zip(reads, holds, what))
 
 
 class SpanPlay:
@@ -53,20 +68,27 @@ class SpanPlay:
         return action_plays(chunk, work, pieces, self.facts.gathers("B"), self.plan.sequence_parallel, reduce)
 
     def _span_block(self, s: int, chunk: ChunkFacts, label: str, k: int, pieces: int, play: BlockPlay,
-                    matmuls: tuple, deps: list[int], gathers: tuple[int, int] | None, accumulate: bool = False
+                    matmuls: tuple, deps: list[int], gathers: list[int] | None, accumulate: bool = False
                     ) -> tuple[int, list[int], int]:
-        """Block ``k`` of ``pieces`` played (``play``; ``matmuls``: :meth:`_span`'s work; ``gathers``: the block's
-        first and last gather tasks, None: it has none; ``accumulate``: its buckets are an earlier microbatch's
-        reduce-scatters into the sharded accumulator). Returns the block's last compute task, what the next block
-        waits for, the compute tasks and when the block is done."""
-        first, last_gather = gathers if gathers is not None else (None, None)
-        token = {START: deps, LOOKUP: [*deps[:-1], first] if first is not None else deps,
-                 WAITING: [last_gather] if gathers is not None and last_gather != first else []}
+        """Block ``k`` of ``pieces`` played (``play``; ``matmuls``: :meth:`_span`'s work; ``deps``: what it starts
+        after, the block's last gather last where it has one; ``gathers``: the task of each of the block's merged
+        gathers, None: it has none; ``accumulate``: its buckets are an earlier microbatch's reduce-scatters into
+        the sharded accumulator). Returns the block's last compute task, what the next block waits for, the compute
+        tasks and when the block is done."""
+        previous = deps[:-1] if gathers else deps
+
+        def token(d: int) -> list[int]:
+            if d == START:
+                return deps
+            if d == WAITING:
+                return gathers[-1:] if gathers else []
+            m = merge_of(d)
+            return [*previous, gathers[min(m, len(gathers) - 1)]] if gathers and m >= 0 else previous
         ids: list[int] = []
         tasks: list[int] = []
         flops, kernels = matmuls[0], matmuls[3]
         for item in play.items:
-            after = [x for d in item.deps for x in ([ids[d]] if d >= 0 else token[d])]
+            after = [x for d in item.deps for x in ([ids[d]] if d >= 0 else token(d))]
             if item.stream == "compute":
                 j, share = item.gemms
                 gemms = scaled(self.block_gemms[j], share)
@@ -85,7 +107,7 @@ class SpanPlay:
                 ids.append(after[0])
 
         def when(d: int) -> list[int]:
-            return [ids[d]] if d >= 0 else token[d]
+            return [ids[d]] if d >= 0 else token(d)
         done = [x for d in play.done for x in when(d)]
         return ids[play.last], [x for d in play.after for x in when(d)], tasks, done[-1]
 
