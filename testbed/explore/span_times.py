@@ -89,19 +89,23 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
                 before: list[float], prefetch: int, scale: tuple[float, ...]) -> Played:
     """The blocks of ``plays`` timed (testbed.explore.play's ``_blocks`` for blocks played by spans): block
     ``i``'s gather (``gathers``) after the previous one and once block ``i - 1 - prefetch`` is done (of the
-    stage's previous gathering action, ``before``, when negative); the block once its gather and what the
+    stage's previous gathering action, ``before``, when negative), and the unlinked last layer's once the head's
+    input gradient is summed (testbed.sim.span_order's ``waits``); the block once its gather and what the
     previous block leaves (from ``start``) are done, its compute items ``scale`` times as long."""
     gather_end, compute, tensor = gather_free, start, start
-    starts, ends, dones, flying, releases = [], [], [], [], []
+    starts, ends, dones, flying, releases, summed = [], [], [], [], [], []
     for i, (g, block) in enumerate(zip(gathers, plays)):
         j = i - 1 - prefetch
         after = dones[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
+        if block.play.waits >= 0:  # the unlinked last layer's, after the head's summed input gradient
+            after = max(after, summed[block.play.waits])
         gather_end = max(gather_end, after) + g
         flying.append((gather_end - g, gather_end))
         t0 = max(ends[-1] if ends else start, gather_end)
         seconds = tuple(x * scale[i] if item.stream == "compute" else x
                         for x, item in zip(block.seconds, block.play.items))
-        end, done, compute, tensor, out = time_block(block.play, seconds, t0, t0, gather_end, compute, tensor)
+        end, done, compute, tensor, out, sums = time_block(block.play, seconds, t0, t0, gather_end, compute, tensor)
+        summed.append(sums)
         starts.append(t0)
         ends.append(end)
         dones.append(done)

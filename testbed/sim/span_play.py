@@ -40,7 +40,8 @@ def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: b
     return block_plays(spans, tuple(flops * part for part, _ in own), flops, work.kind, sequence_parallel,
                        chunk.cost.has_embedding, tuple(chunk.reads(pieces, k) for k in range(pieces))
                        if reduce else None, chunk.cost.has_embedding,
-                       tuple(chunk.early(pieces, k) for k in range(pieces)) if reduce and work.kind == "B" else None)
+                       tuple(chunk.early(pieces, k) for k in range(pieces)) if reduce and work.kind == "B" else None,
+                       chunk.cost.has_head)
 
 
 class SpanPlay:
@@ -58,7 +59,8 @@ class SpanPlay:
         """Block ``k`` of ``pieces`` played (``play``; ``matmuls``: :meth:`_span`'s work; ``gathers``: the block's
         first and last gather tasks, None: it has none; ``accumulate``: its buckets are an earlier microbatch's
         reduce-scatters into the sharded accumulator). Returns the block's last compute task, what the next block
-        waits for, the compute tasks and when the block is done."""
+        waits for, the compute tasks, when the block is done and the task that sums its input gradient
+        (``play.summed``'s; -1: none)."""
         first, last_gather = gathers if gathers is not None else (None, None)
         token = {START: deps, LOOKUP: [*deps[:-1], first] if first is not None else deps,
                  WAITING: [last_gather] if gathers is not None and last_gather != first else []}
@@ -87,7 +89,8 @@ class SpanPlay:
         def when(d: int) -> list[int]:
             return [ids[d]] if d >= 0 else token[d]
         done = [x for d in play.done for x in when(d)]
-        return ids[play.last], [x for d in play.after for x in when(d)], tasks, done[-1]
+        return ids[play.last], [x for d in play.after for x in when(d)], tasks, done[-1], \
+            ids[play.summed] if play.summed >= 0 else -1
 
     def _span_buckets(self, s: int, chunk: ChunkFacts, label: str, after: int, k: int, buckets) -> None:
         """Block ``k``'s gradient ``buckets`` (ChunkFacts.bucket), reduced after ``after``."""
