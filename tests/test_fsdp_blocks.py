@@ -462,3 +462,24 @@ def test_a_layers_output_projection_gradient_merged_alone_leaves_before_its_inpu
     assert first.name == "1 first weights" and release.stream == "buckets" and release.deps == (0,)
     assert first.flops / (first.flops + held.flops) == pytest.approx(1 / 3, rel=1e-3)
     assert all(x.stream != "compute" or x.name.startswith(".") for x in play.items[2:play.items.index(held)])
+
+
+def _backward_tasks(sequence_parallel: bool):
+    """The task graph of fsdp 2 x tensor 2 (the head's weight gathered again for its backward): its tasks by name."""
+    plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
+    tasks = build_program(plan, place(plan, num_devices=4), combine_bytes=math.inf).tasks
+    return tasks, {t.name: i for i, t in enumerate(tasks) if t.device == tasks[0].device}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_unlinked_last_layers_backward_gather_waits_for_the_heads_summed_input_gradient(
+        sequence_parallel: bool) -> None:
+    """The runner does not link the chunk's last layer (testbed.model.leaves.linked_layer): its backward gather
+    waits for its own cotangent, the head's input gradient summed over tensor (the all-reduce after the head's
+    input-gradient span; under sequence parallelism its reduce-scatter), on top of the prefetch rule's wait
+    (testbed.sim.span_order.cotangent_block)."""
+    tasks, by_name = _backward_tasks(sequence_parallel)
+    op = "reduce_scatter" if sequence_parallel else "all_reduce"
+    gather = tasks[by_name["gather B0/1"]]
+    assert by_name[f"tp B0/0.1 {op}"] in gather.deps
+
