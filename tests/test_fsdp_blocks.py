@@ -483,3 +483,14 @@ def test_the_unlinked_last_layers_backward_gather_waits_for_the_heads_summed_inp
     gather = tasks[by_name["gather B0/1"]]
     assert by_name[f"tp B0/0.1 {op}"] in gather.deps
 
+
+
+def test_the_heads_loss_gradient_runs_beside_the_heads_backward_gather() -> None:
+    """The head's backward starts with the loss's gradient, a span of its own that reads the forward's logits and
+    not the head's re-gathered weight (testbed.sim.block_spans): it waits for the forward, not for the head's
+    backward gather; the head's matmuls wait for both (testbed.sim.span_order's PREVIOUS)."""
+    tasks, by_name = _backward_tasks(False)
+    gather = by_name["gather B0/0"]
+    loss, matmul = tasks[by_name["B0/0.0"]], tasks[by_name["B0/0.1"]]
+    assert gather not in loss.deps and loss.deps
+    assert gather in matmul.deps and by_name["B0/0.0"] in matmul.deps

@@ -104,7 +104,8 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
         t0 = max(ends[-1] if ends else start, gather_end)
         seconds = tuple(x * scale[i] if item.stream == "compute" else x
                         for x, item in zip(block.seconds, block.play.items))
-        end, done, compute, tensor, out, sums = time_block(block.play, seconds, t0, t0, gather_end, compute, tensor)
+        end, done, compute, tensor, out, sums = time_block(block.play, seconds, t0, t0, gather_end, compute, tensor,
+                                                           ends[-1] if ends else start)
         summed.append(sums)
         starts.append(t0)
         ends.append(end)

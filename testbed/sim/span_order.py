@@ -25,6 +25,10 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
 - A block is done, for the gathers that wait for it to free its weights (the prefetch rule), once its last
   span's collectives are: the next gathers do not contend with them on the links.
 - The forward's embedding lookup, and its vocab-parallel sum, read only the table, the block's first gather.
+- The backward's loss gradient (the head's first span, a span of its own where the head's weight is gathered again
+  for the backward: testbed.sim.block_spans) reads only the forward's logits, not the head's re-gathered weight:
+  it runs beside the head's backward gather, and the head's matmuls wait for both (XLA's scheduler orders by data
+  flow; the tracer starts a segment where an op first reads a collective, testbed.sim.traced).
 - The backward's gather of the chunk's last layer, which the runner does not link (testbed.model.leaves.linked_layer:
   it waits for its own cotangent, testbed.model.leaves.backward_waits), starts once the head's block has summed
   its input gradient over tensor (the collectives after the head's input-gradient span: Megatron's all-reduce,
@@ -35,7 +39,8 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
 
 :func:`block_plays` writes each block's play as :class:`Item` s whose ``deps`` name earlier items of the block or
 one of :data:`START` (what the block starts after: the previous block's and the block's gathers), :data:`LOOKUP`
-(the same but of the block's gathers only the first, the table's) and :data:`WAITING` (the block's other gathers).
+(the same but of the block's gathers only the first, the table's), :data:`WAITING` (the block's other gathers)
+and :data:`PREVIOUS` (the same as :data:`START` without the block's gathers).
 """
 
 from __future__ import annotations
@@ -45,9 +50,9 @@ from typing import NamedTuple
 from testbed.model.leaves import backward_waits
 
 __all__ = ["Item", "BlockPlay", "block_plays", "cotangent_block", "time_block", "span_kernels", "START", "LOOKUP",
-           "WAITING"]
+           "WAITING", "PREVIOUS"]
 
-START, LOOKUP, WAITING = -1, -2, -3
+START, LOOKUP, WAITING, PREVIOUS = -1, -2, -3, -4
 
 
 class Item(NamedTuple):
@@ -108,34 +113,38 @@ def span_kernels(kernels: int, flops: float, block: float) -> int:
     return max(1, round(kernels * flops / block)) if block else max(1, kernels)
 
 
-def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items: list[Item]
+def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items: list[Item], loss: bool = False
            ) -> tuple[list[int], float]:
     """Block ``k``'s spans (each its share of the action's ``flops``, at most the block's ``block``), each span's
-    tensor collectives after it. Returns what the next item waits for and the FLOPs played."""
+    tensor collectives after it; ``loss``: the first span is the loss's gradient, which waits for none of the
+    block's gathers. Returns what the next item waits for and the FLOPs played."""
     done, deps = 0.0, [START]
     total = sum(nbytes for _, nbytes, _ in spans) or 1.0
     for j, (share, nbytes, transfers) in enumerate(spans):
         f = max(0.0, min(block - done, flops * share))  # (the last spans' rounding: never below none)
         done += f
         first = lookup and j == 0
-        items.append(Item("compute", f".{j}", (LOOKUP,) if first else tuple(deps), f,
+        alone = loss and j == 0
+        items.append(Item("compute", f".{j}", (LOOKUP,) if first else (PREVIOUS,) if alone else tuple(deps), f,
                           (k, f / block if block else 1.0), nbytes, nbytes / total))
         span = len(items) - 1
         if transfers:
             items.append(Item("tensor", f".{j}", (span,), transfers=transfers))
-        deps = [len(items) - 1] + ([WAITING] if first else [])
+        deps = [len(items) - 1] + ([WAITING] if first else [START] if alone else [])
     return deps, done
 
 
 def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str, sequence_parallel: bool,
                 has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None, lookup: bool,
-                early: tuple[tuple[float, ...], ...] | None = None, head: bool = False) -> tuple[BlockPlay, ...]:
+                early: tuple[tuple[float, ...], ...] | None = None, head: bool = False, loss: bool = False
+                ) -> tuple[BlockPlay, ...]:
     """Each block's play (module docstring). ``spans``: testbed.sim.block_spans' per block; ``blocks``: each
     block's FLOPs; ``flops``: the action's; ``buckets``: per block, each of its gradient reductions as the blocks
     whose weight gradients it reads (ChunkFacts.reads; None: the action reduces none); ``lookup``: the forward's
     first block waits only for its first gather; ``early``: per block, per reduction, the share of the block's
     weight gradients computed before its spans for that reduction to leave (ChunkFacts.early; 0 or None: none);
-    ``head``: the action's chunk holds the head (the backward's first block)."""
+    ``head``: the action's chunk holds the head (the backward's first block); ``loss``: the head's backward starts
+    with the loss's gradient, a span of its own (testbed.sim.block_spans)."""
     held: list[tuple[int, float, float]] = []  # (block, weight-gradient FLOPs not played yet, their GEMMs' share)
     out, pieces, reduce = [], len(blocks), buckets is not None
     released: set[tuple[int, int]] = set()  # the reductions left before their block's spans
@@ -144,7 +153,8 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
         first = _first_weights(mine, block, flops, k, early[k] if reduce and early else (), items)
         released |= {(k, it.bucket[1]) for it in items if it.stream == "buckets"}
         spanned = len(items)
-        deps, played = _spans(mine, block, flops, k, lookup and k == 0 and kind == "F", items)
+        deps, played = _spans(mine, block, flops, k, lookup and k == 0 and kind == "F", items,
+                              loss and kind == "B" and k == 0)
         summed = _summed(items, spanned) if kind == "B" and head and k == 0 else -1
         waits = cotangent_block(kind, k, pieces - int(has_embedding) - int(head), head)
         played += first
@@ -214,14 +224,14 @@ def _release(items: list[Item], pending: list[tuple[int, int, set[int]]], comput
 
 
 def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, lookup: float, gathered: float,
-               compute: float, tensor: float) -> tuple[float, float, float, float, list[tuple[int, float]], float]:
+               compute: float, tensor: float, previous: float | None = None) -> tuple[float, float, float, float, list[tuple[int, float]], float]:
     """One block's play timed (the analytic tier): each item its ``seconds`` once its stream (``compute`` and
     ``tensor``: when each is free) and its ``deps`` are (:data:`START` at ``start``, :data:`LOOKUP` at ``lookup``,
-    :data:`WAITING` at ``gathered``). Returns (when what the next block waits for is done, when the block is done,
+    :data:`WAITING` at ``gathered``, :data:`PREVIOUS` at ``previous``, default ``start``). Returns (when what the next block waits for is done, when the block is done,
     the compute stream's and the tensor stream's end, each ``buckets`` item's index and when it leaves, when its
     input gradient is summed: ``play.summed``'s end, 0 where none)."""
     ends: list[float] = []
-    token = {START: start, LOOKUP: lookup, WAITING: gathered}
+    token = {START: start, LOOKUP: lookup, WAITING: gathered, PREVIOUS: start if previous is None else previous}
     releases = []
     for item, s in zip(play.items, seconds):
         at = max((ends[d] if d >= 0 else token[d] for d in item.deps), default=start)

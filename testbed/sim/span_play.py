@@ -18,7 +18,7 @@ from __future__ import annotations
 from testbed.model.gemm import scaled
 from testbed.sim.block_spans import block_spans
 from testbed.sim.facts import ActionWork, ChunkFacts
-from testbed.sim.span_order import LOOKUP, START, WAITING, BlockPlay, block_plays, span_kernels
+from testbed.sim.span_order import LOOKUP, PREVIOUS, START, WAITING, BlockPlay, block_plays, span_kernels
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
 
@@ -41,7 +41,7 @@ def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: b
                        chunk.cost.has_embedding, tuple(chunk.reads(pieces, k) for k in range(pieces))
                        if reduce else None, chunk.cost.has_embedding,
                        tuple(chunk.early(pieces, k) for k in range(pieces)) if reduce and work.kind == "B" else None,
-                       chunk.cost.has_head)
+                       chunk.cost.has_head, chunk.cost.has_head and gathered_b)
 
 
 class SpanPlay:
@@ -63,7 +63,8 @@ class SpanPlay:
         (``play.summed``'s; -1: none)."""
         first, last_gather = gathers if gathers is not None else (None, None)
         token = {START: deps, LOOKUP: [*deps[:-1], first] if first is not None else deps,
-                 WAITING: [last_gather] if gathers is not None and last_gather != first else []}
+                 WAITING: [last_gather] if gathers is not None and last_gather != first else [],
+                 PREVIOUS: deps[:-1] if gathers is not None else deps}
         ids: list[int] = []
         tasks: list[int] = []
         flops, kernels = matmuls[0], matmuls[3]
