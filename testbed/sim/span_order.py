@@ -22,6 +22,10 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
   after every held block's. Under sequence parallelism every layer's merge is issued in the embedding's block
   (it reads the backward's one all-reduce of the tensor-replicated gradients), yet the last layer's leaves
   beside the first layer's weight gradients, and a merge that reads the first layer's waits for them.
+- A held block's weight gradients are cut by the merges that wait for them last (testbed.model.blocks
+  .scatter_cuts): each merge's share (its members' matmuls) is computed and the merge leaves, then the next's;
+  what later blocks' merges read after them (the traced TPU fsdp128 x tensor 2 sequence parallel fp32 d_model
+  2048 layer: 0.498, 0.499, 0.373 ms of weight-gradient matmuls, a reduce-scatter leaving after each).
 - A block is done, for the gathers that wait for it to free its weights (the prefetch rule), once its last
   span's collectives are: the next gathers do not contend with them on the links.
 - The forward's embedding lookup, and its vocab-parallel sum, read only the table, the block's first gather.
@@ -136,15 +140,17 @@ def _spans(spans: tuple, block: float, flops: float, k: int, lookup: bool, items
 
 def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str, sequence_parallel: bool,
                 has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None, lookup: bool,
-                early: tuple[tuple[float, ...], ...] | None = None, head: bool = False, loss: bool = False
-                ) -> tuple[BlockPlay, ...]:
+                early: tuple[tuple[float, ...], ...] | None = None, head: bool = False, loss: bool = False,
+                cuts: tuple[tuple[tuple[float, ...], ...], ...] | None = None) -> tuple[BlockPlay, ...]:
     """Each block's play (module docstring). ``spans``: testbed.sim.block_spans' per block; ``blocks``: each
     block's FLOPs; ``flops``: the action's; ``buckets``: per block, each of its gradient reductions as the blocks
     whose weight gradients it reads (ChunkFacts.reads; None: the action reduces none); ``lookup``: the forward's
     first block waits only for its first gather; ``early``: per block, per reduction, the share of the block's
     weight gradients computed before its spans for that reduction to leave (ChunkFacts.early; 0 or None: none);
     ``head``: the action's chunk holds the head (the backward's first block); ``loss``: the head's backward starts
-    with the loss's gradient, a span of its own (testbed.sim.block_spans)."""
+    with the loss's gradient, a span of its own (testbed.sim.block_spans); ``cuts``: per block, per reduction, per
+    block it reads, the share of that block's weight-gradient matmuls it reads (ChunkFacts.cuts; None: the held
+    weight gradients are not cut, :func:`_held`)."""
     held: list[tuple[int, float, float]] = []  # (block, weight-gradient FLOPs not played yet, their GEMMs' share)
     out, pieces, reduce = [], len(blocks), buckets is not None
     released: set[tuple[int, int]] = set()  # the reductions left before their block's spans
@@ -169,18 +175,58 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
         after = last if k < pieces - 1 else deps[-1]
         pending = [p for p in _pending(buckets, held, k) if p[:2] not in released] if reduce else []
         _release(items, pending, set(), after)  # what reads no weight gradient held (the embedding's table)
-        # Under sequence parallelism beside the block's last collectives.
-        beside, chain, computed = sequence_parallel, list(deps), set()
-        for i, f, share in ((i, f, share) for i, f, share in held if f):
-            items.append(Item("compute", f"{i} weights", (last,) if beside else tuple(deps), f, (i, share)))
-            last = after = len(items) - 1
-            deps = [last, *chain] if beside else [last]
-            computed.add(i)
-            _release(items, pending, computed, after)
+        last, after, deps = _held(items, held, pending, last, after, deps, sequence_parallel,
+                                  _cuts(buckets, cuts, early) if reduce else None)
         _release(items, pending, None, after)
         held = []
         out.append(BlockPlay(tuple(items), tuple(deps), done, last, summed, waits))
     return tuple(out)
+
+
+def _cuts(buckets: tuple, cuts: tuple | None, early: tuple | None):
+    """``cut(block j, reduction m, held block i)``: the share of block ``i``'s weight gradients held to its play
+    (those not computed first for ``early`` reductions) that reduction ``m`` of bucket ``j`` reads (``cuts``: per
+    block, per reduction, per block of its ``buckets`` reads, the share of that block's weight-gradient matmuls;
+    None: the cut is not played)."""
+    if cuts is None:
+        return None
+
+    def cut(j: int, m: int, i: int) -> float:
+        held = 1.0 - (sum(early[i]) if early else 0.0)
+        return min(1.0, cuts[j][m][buckets[j][m].index(i)] / held) if held > 1e-9 and i in buckets[j][m] else 0.0
+    return cut
+
+
+def _held(items: list[Item], held: list[tuple[int, float, float]], pending: list, last: int, after: int,
+          deps: list[int], beside: bool, cut) -> tuple[int, int, list[int]]:
+    """The held blocks' weight gradients (``held``: (block, FLOPs, their GEMMs' share)) computed after ``deps``
+    (under sequence parallelism beside the block's last collectives: after its ``last`` compute item), each
+    ``pending`` reduction released once the weight gradients it reads are. The cut (``cut``, :func:`_cuts`; None:
+    none): a held block's weight gradients are cut by the reductions that wait for that block last, each
+    computing its share and leaving after it, before the block's other weight gradients (the traced layer
+    computes a merge's weight-gradient matmuls, then that merge's reduce-scatter leaves: XLA starts a
+    reduce-scatter once its operands are ready; testbed.model.blocks.scatter_cuts). Returns (the last compute
+    item, what a release waits for, what the next item waits for)."""
+    chain, computed = list(deps), set()
+    for i, f, share in ((i, f, share) for i, f, share in held if f):
+        ready = [p for p in pending if i in p[2] and p[2] <= computed | {i}] if cut is not None else []
+        parts, left = [], f
+        for p in ready:
+            x = min(left, f * cut(p[0], p[1], i))
+            parts.append((p, x))
+            left -= x
+        for p, x in parts + [(None, left)]:
+            if x > 1e-9 * f:
+                items.append(Item("compute", f"{i} weights", (last,) if beside else tuple(deps), x,
+                                  (i, share * x / f)))
+                last = after = len(items) - 1
+                deps = [last, *chain] if beside else [last]
+            if p is not None:
+                _release(items, [p], None, after)
+                pending.remove(p)
+        computed.add(i)
+        _release(items, pending, computed, after)
+    return last, after, deps
 
 
 def _first_weights(spans: tuple, block: float, flops: float, k: int, early: tuple[float, ...], items: list[Item]

@@ -41,7 +41,8 @@ def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: b
                        chunk.cost.has_embedding, tuple(chunk.reads(pieces, k) for k in range(pieces))
                        if reduce else None, chunk.cost.has_embedding,
                        tuple(chunk.early(pieces, k) for k in range(pieces)) if reduce and work.kind == "B" else None,
-                       chunk.cost.has_head, chunk.cost.has_head and gathered_b)
+                       chunk.cost.has_head, chunk.cost.has_head and gathered_b,
+                       tuple(chunk.cuts(pieces, k) for k in range(pieces)) if reduce else None)
 
 
 class SpanPlay:
