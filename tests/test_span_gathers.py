@@ -71,6 +71,7 @@ def test_each_span_waits_for_the_merges_holding_the_leaves_it_reads() -> None:
     assert all(WAITING in play.after for play in forward)  # the next block after all of this one's gathers
     backward = action_plays(chunk, chunk.action("B"), chunk.blocks, True, True, True)
     assert _waits(backward[1])[0] == len(chunk.gather_holds("B")[1]) - 1
+    assert _waits(backward[0])[0] == -1  # the loss gradient: none of the head's (it reads the logits)
 
 
 def test_span_needs_reads_what_a_merge_holds() -> None:

@@ -94,14 +94,17 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
                 before: list[float], prefetch: int, scale: tuple[float, ...]) -> Played:
     """The blocks of ``plays`` timed (testbed.explore.play's ``_blocks`` for blocks played by spans): block
     ``i``'s gather (``gathers``) after the previous one and once block ``i - 1 - prefetch`` is done (of the
-    stage's previous gathering action, ``before``, when negative); each span of the block once what the previous
+    stage's previous gathering action, ``before``, when negative), and the unlinked last layer's once the head's
+    input gradient is summed (testbed.sim.span_order's ``waits``); each span of the block once what the previous
     block leaves (from ``start``) and the merged gathers it reads are done (each merge landing in its share of the
     block's gather: testbed.sim.span_order), its compute items ``scale`` times as long."""
     gather_end, compute, tensor = gather_free, start, start
-    starts, ends, dones, flying, releases = [], [], [], [], []
+    starts, ends, dones, flying, releases, summed = [], [], [], [], [], []
     for i, (g, block) in enumerate(zip(gathers, plays)):
         j = i - 1 - prefetch
         after = dones[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
+        if block.play.waits >= 0:  # the unlinked last layer's, after the head's summed input gradient
+            after = max(after, summed[block.play.waits])
         begin = max(gather_end, after)
         gather_end = begin + g
         flying.append((begin, gather_end))
@@ -111,8 +114,9 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
         t0 = max(previous, gather_end)
         seconds = tuple(x * scale[i] if item.stream == "compute" else x
                         for x, item in zip(block.seconds, block.play.items))
-        end, done, compute, tensor, out, first = time_block(block.play, seconds, t0, previous, merges, gather_end,
-                                                            compute, tensor)
+        end, done, compute, tensor, out, first, sums = time_block(block.play, seconds, t0, previous, merges,
+                                                                  gather_end, compute, tensor)
+        summed.append(sums)
         starts.append(min(t0, first))
         ends.append(end)
         dones.append(done)

@@ -18,8 +18,8 @@ from testbed.model.leaves import backward_groups as backward_merges_members, bac
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "scatter_early", "gather_holds", "span_leaves", "PIECE_PARTS",
-           "SHARE_QUANTUM"]
+__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "scatter_early",
+           "scatter_cuts", "gather_holds", "span_leaves", "PIECE_PARTS", "SHARE_QUANTUM"]
 
 def own_blocks(layers: int, embed: bool, head: bool) -> int:
     """Blocks an fsdp action of a chunk of ``layers`` layers is split into when the embedding and the head are
@@ -165,13 +165,14 @@ def span_leaves(piece: str, what: str, nth: int, kind: str, sequence_parallel: b
     only for the merged all-gathers holding these (testbed.sim.span_order). The embedding's lookup reads the token
     table (the position table is added after the lookup's vocab-parallel sum: testbed.runner.model.embed, so the
     next block's first span reads it); a layer's attention its ``attn`` leaves, its MLP its ``mlp`` leaves, each
-    norm its own (the backward their transposes: the same weights); the head its norm and weight; the loss none.
-    Leaves none of these name (:data:`PIECE_PARTS`) are read by every span (testbed.sim.span_order). The
-    backward's loss gradient, and a parallel block, keep waiting for all of their block's gathers."""
+    norm its own (the backward their transposes: the same weights); the head its norm and weight; the loss, and
+    the backward's loss gradient (it reads the forward's logits), none. Leaves none of these name
+    (:data:`PIECE_PARTS`) are read by every span (testbed.sim.span_order). A parallel block keeps waiting for all
+    of its block's gathers."""
     if piece == "embedding":
         return frozenset(("tokens",)) if kind == "F" else frozenset()
     if piece == "head":
-        reads = {"norm": ("norm",), "head": ("w",) if sequence_parallel else ("norm", "w"), "loss": ()}
+        reads = {"norm": ("norm",), "head": ("w",) if sequence_parallel else ("norm", "w"), "loss": (), "lossgrad": ()}
         return None if what not in reads else frozenset(reads[what])
     if parallel_block:
         return None
@@ -229,7 +230,7 @@ def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
                              bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
-    return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, _ in block) for block in merges)
+    return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, *_ in block) for block in merges)
 
 
 def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
@@ -250,11 +251,38 @@ def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
                              bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
-    return tuple(tuple(early for *_, early in block) for block in merges)
+    return tuple(tuple(early for _, _, early, _ in block) for block in merges)
+
+
+def scatter_cuts(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes: float = math.inf,
+                 bytes_per_element: float = 4.0) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """Per block of a chunk's backward (as :func:`scatter_reads`), per merged reduce-scatter, for each block it
+    reads (:func:`scatter_reads`' order) the share of that block's weight-gradient matmuls (its matrices'
+    elements) among the merge's members.
+
+    A merge reads only its members' weight gradients, so XLA's scheduler, which starts a reduce-scatter once its
+    operands are ready, computes a merge's weight-gradient matmuls and starts it before the block's other weight
+    gradients: the traced layer cuts its weight gradients by the merges that read them (testbed.sim.span_order),
+    not all of them before its first merge leaves."""
+    merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                             state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
+                             bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
+    return tuple(tuple(tuple(dict(cuts).get(b, 0.0) for b in sorted(read, reverse=True)) for _, read, _, cuts in block)
+                 for block in merges)
 
 
 #: The leaves whose weight gradients read only their layer's incoming cotangent (:func:`scatter_early`).
 _COTANGENT_ONLY = (("mlp", "w2"), ("mlp", "b2"))
+
+
+def _cut_shares(members: list, matrices: dict[int, int]) -> tuple[tuple[int, float], ...]:
+    """(forward-order block, its share of that block's weight-gradient matmuls) of a merge's ``members`` ((walk
+    index, leaf, block, what)), the tensor-replicated (``late``) ones aside (:func:`scatter_cuts`)."""
+    own: dict[int, int] = {}
+    for _, q, block, what in members:
+        if what != "late" and len(q.shape) >= 2:
+            own[block] = own.get(block, 0) + math.prod(q.shape)
+    return tuple(sorted((block, n / matrices[block]) for block, n in own.items() if matrices.get(block)))
 
 
 def _early_share(members: list, first: dict[int, int], matrices: dict[int, int]) -> float:
@@ -271,10 +299,10 @@ def _early_share(members: list, first: dict[int, int], matrices: dict[int, int])
 @functools.lru_cache(maxsize=1 << 12)
 def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                     chunk: int, blocks: int, combine_bytes: float, bytes_per_element: float, apart: bool
-                    ) -> tuple[tuple[tuple[float, frozenset[int], float], ...], ...]:
+                    ) -> tuple[tuple[tuple[float, frozenset[int], float, tuple[tuple[int, float], ...]], ...], ...]:
     """Per block of a chunk's backward (from the head), each merged reduce-scatter as (bytes, the forward-order
-    blocks of the members it reads but the tensor-replicated ones, :func:`scatter_early`'s share):
-    :func:`block_scatters`' merges."""
+    blocks of the members it reads but the tensor-replicated ones, :func:`scatter_early`'s share,
+    :func:`scatter_cuts`' shares per forward-order block): :func:`block_scatters`' merges."""
     merged: list[list[list]] = [[] for _ in range(blocks)]
     group: list | None = None  # the open merge: [bytes, block of its last member, its index, late, blocks read]
     groups: list[list] = []
@@ -305,10 +333,12 @@ def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
         if math.isinf(combine_bytes) and merged[block]:
             merged[block][0][0] += size
             merged[block][0][1] |= read
+            merged[block][0][3] += members
         else:
             early = 0.0 if math.isinf(combine_bytes) else _early_share(members, first, matrices)
-            merged[block].append([size, read, early])
-    return tuple(tuple((size, frozenset(read), early) for size, read, early in block) for block in reversed(merged))
+            merged[block].append([size, read, early, list(members)])
+    return tuple(tuple((size, frozenset(read), early, _cut_shares(members, matrices))
+                       for size, read, early, members in block) for block in reversed(merged))
 
 
 def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tuple]:

@@ -30,7 +30,8 @@ from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
-from testbed.model.blocks import block_gathers, block_scatters, gather_holds, own_blocks, scatter_early, scatter_reads
+from testbed.model.blocks import (block_gathers, block_scatters, gather_holds, own_blocks, scatter_cuts, scatter_early,
+                                   scatter_reads)
 from testbed.model.leaves import bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
@@ -131,6 +132,9 @@ class ChunkFacts:
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the share of its block's weight-gradient matmuls
     #: it reads where it leaves before the block's input gradients, else 0 (testbed.model.blocks.scatter_early).
     bucket_early: tuple[tuple[float, ...], ...] = ()
+    #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, for each bucket of its ``bucket_reads`` the share
+    #: of that block's weight-gradient matmuls it reads (testbed.model.blocks.scatter_cuts); empty: all of it.
+    bucket_cuts: tuple[tuple[tuple[float, ...], ...], ...] = ()
     #: (token table's gradient bytes summed after the rest, the gather's between): grad_bytes.token_table_last.
     tail: tuple[float, float] = (0.0, 0.0)
 
@@ -179,6 +183,13 @@ class ChunkFacts:
         if self.bucket_reads and pieces == len(self.bucket_reads):
             return self.bucket_reads[k]
         return ((k,),) * len(self.bucket(pieces, k))
+
+    def cuts(self, pieces: int, k: int) -> tuple[tuple[float, ...], ...]:
+        """Per reduction of :meth:`bucket` ``k``, per bucket of its :meth:`reads`, the share of that block's
+        weight-gradient matmuls it reads (``bucket_cuts``; else all of them)."""
+        if self.bucket_cuts and pieces == len(self.bucket_cuts):
+            return self.bucket_cuts[k]
+        return tuple((1.0,) * len(r) for r in self.reads(pieces, k))
 
     def early(self, pieces: int, k: int) -> tuple[float, ...]:
         """Per reduction of :meth:`bucket` ``k``, the share of its block's weight-gradient matmuls computed before
@@ -381,11 +392,12 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     bucket_sizes = block_scatters(plan, s, c, blocks, combine, reduce_b) if own and buckets == blocks else ()
     bucket_reads = scatter_reads(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
     bucket_early = scatter_early(plan, s, c, blocks, combine, reduce_b) if bucket_sizes and chained else ()
+    bucket_cuts = scatter_cuts(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_holds=holds, block_work=block_work,
                       bucket_sizes=bucket_sizes,
-                      bucket_reads=bucket_reads, bucket_early=bucket_early,
+                      bucket_reads=bucket_reads, bucket_early=bucket_early, bucket_cuts=bucket_cuts,
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved
                                + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),

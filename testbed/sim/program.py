@@ -278,18 +278,22 @@ class _Graph(SpanPlay):
         # An earlier microbatch's play releases its reduce-scatters into the accumulator as the last one's buckets.
         by_span = self._block_spans(chunk, work, pieces, reduce or scatter) if gathering and own else ()
         self.block_gemms = [g for _, g in own]
+        summed: list[int] = []  # per block played, the task that sums its input gradient (the head's; -1: none)
         for k in range(pieces):
             name, share = label if pieces == 1 else f"{label}/{k}", layers_share(cost.layers, pieces, k)
             part, part_gemms = own[k] if own else (1 / pieces, scaled(gemms, 1 / pieces) if pieces > 1 else gemms)
             if gathering:
-                gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends)
+                waits = by_span[k].waits if by_span else -1  # (the unlinked last layer's: testbed.sim.span_order)
+                gathered = self._gather_block(s, chunk, work.kind, name, k, pieces, ends,
+                                              summed[waits] if waits >= 0 and summed[waits] >= 0 else None)
                 deps = [*deps, gathered] if gathered is not None else deps
             if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.span_play)
-                last, deps, tasks, done = self._span_block(s, chunk, label, k, pieces, by_span[k], (
+                last, deps, tasks, done, sums = self._span_block(s, chunk, label, k, pieces, by_span[k], (
                     flops, part, part_gemms, kernels // pieces, replicated, split), deps,
                     self.merge_tasks if gathered is not None else None, scatter)
                 computes += tasks
                 ends.append(done)
+                summed.append(sums)
                 continue
             # Context parallelism: the ring's steps and sends (testbed.sim.ring).
             ringed = self._ring(s, ring_tasks(self.plan, work.kind, name, share, share / max(1, cost.layers),
@@ -325,16 +329,18 @@ class _Graph(SpanPlay):
         return last, computes
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
-                      ends: list[int]) -> int | None:
+                      ends: list[int], cotangent: int | None = None) -> int | None:
         """The all-gathers of block ``k`` of ``pieces`` of a chunk's sharded parameters (gather stream), each at its
         merged size (:meth:`ChunkFacts.gather_sizes`; one task per run of equal sizes, one after another), once block
         ``k - 1 - prefetch`` has finished (its weights freed: this action's block, or the stage's previous gathering
         action's; ``ends`` this action's blocks so far). Returns the last (None: the block's leaves were merged
         into an earlier block's collective); ``merge_tasks``: each merge's task (testbed.sim.span_play waits for
-        the merges a span reads)."""
+        the merges a span reads). ``cotangent``: a task the gathers wait for too (the head's summed input
+        gradient, for the unlinked last layer's backward gather: testbed.sim.span_order.cotangent_block)."""
         rep, j = self.reps[s], k - 1 - self.facts.prefetch
         before = self.blocks_done.get(s, [])
         after = (ends[j],) if j >= 0 else (before[len(before) + j],) if len(before) + j >= 0 and before else ()
+        after += (cotangent,) if cotangent is not None else ()
         last = None
         self.merge_tasks = []
         for size, run in itertools.groupby(chunk.gather_sizes(kind)[k]):

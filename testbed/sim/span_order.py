@@ -22,6 +22,10 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
   after every held block's. Under sequence parallelism every layer's merge is issued in the embedding's block
   (it reads the backward's one all-reduce of the tensor-replicated gradients), yet the last layer's leaves
   beside the first layer's weight gradients, and a merge that reads the first layer's waits for them.
+- A held block's weight gradients are cut by the merges that wait for them last (testbed.model.blocks
+  .scatter_cuts): each merge's share (its members' matmuls) is computed and the merge leaves, then the next's;
+  what later blocks' merges read after them (the traced TPU fsdp128 x tensor 2 sequence parallel fp32 d_model
+  2048 layer: 0.498, 0.499, 0.373 ms of weight-gradient matmuls, a reduce-scatter leaving after each).
 - A block is done, for the gathers that wait for it to free its weights (the prefetch rule), once its last
   span's collectives are: the next gathers do not contend with them on the links.
 - A span waits for the merged all-gathers holding the leaves it reads (:func:`span_needs`), not for all of its
@@ -31,6 +35,16 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
   attention once the merge holding them (issued with the embedding's block) has landed (0.783 ms), before that
   layer's own merges, its MLP's weights (0.983 and 1.251 ms), and the superpod's traced step the same; the
   embedding's lookup, and its vocab-parallel sum, read only the token table (docs/program.md, session 11).
+- The backward's gather of the chunk's last layer, which the runner does not link (testbed.model.leaves.linked_layer:
+  it waits for its own cotangent, testbed.model.leaves.backward_waits), starts once the head's block has summed
+  its input gradient over tensor (the collectives after the head's input-gradient span: Megatron's all-reduce,
+  under sequence parallelism the reduce-scatter; without a tensor axis that span itself), not by the prefetch
+  rule beside the head's backward (:attr:`BlockPlay.waits`, :attr:`BlockPlay.summed`). Side by side on the
+  traced program (the final norm's backward, a few elementwise ops, between): TPU fsdp 32 x tensor 8 bf16
+  d_model 2048 seq 2048, traced 4.054 ms, the plan's gather 3.229 before, at the all-reduce's end 3.908 after.
+- The backward's loss gradient (the head's first span, a span of its own where the head's weight is gathered again
+  for the backward: testbed.sim.block_spans) reads only the forward's logits, not the head's re-gathered weight
+  (testbed.model.blocks.span_leaves): it runs beside the head's backward gather.
 
 :func:`block_plays` writes each block's play as :class:`Item` s whose ``deps`` name earlier items of the block or
 one of :data:`START` (what the block starts after: the previous block's and the block's gathers), a
@@ -42,7 +56,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Item", "BlockPlay", "block_plays", "time_block", "span_kernels", "span_needs", "merged", "merge_of",
+from testbed.model.leaves import backward_waits
+
+__all__ = ["Item", "BlockPlay", "block_plays", "cotangent_block", "time_block", "span_kernels", "span_needs", "merged", "merge_of",
            "START", "WAITING", "MERGED"]
 
 START, WAITING, MERGED = -1, -3, -4
@@ -68,12 +84,36 @@ class Item(NamedTuple):
 
 class BlockPlay(NamedTuple):
     """One block's :class:`Item` s; ``after``: what the next block starts after; ``done``: the last of these is when
-    the block has freed its weights (the prefetch rule); ``last``: its last compute item."""
+    the block has freed its weights (the prefetch rule); ``last``: its last compute item; ``summed``: the item
+    whose end has the block's input gradient summed over tensor (-1: none stated; the head's in the backward);
+    ``waits``: the earlier block whose ``summed`` this block's gather also waits for (-1: none; the unlinked
+    last layer's in the backward waits for the head's, :func:`cotangent_block`)."""
 
     items: tuple[Item, ...]
     after: tuple[int, ...]
     done: tuple[int, ...]
     last: int
+    summed: int = -1
+    waits: int = -1
+
+
+def cotangent_block(kind: str, k: int, layers: int, head: bool) -> int:
+    """The earlier block (backward order) whose summed input gradient block ``k``'s gather waits for beyond the
+    prefetch rule, -1 where none: a ``B`` action's unlinked layer (testbed.model.leaves.backward_waits: its gather
+    waits for its own cotangent, which the block just before computes), the chunk's last layer after the head.
+    A linked layer's gather waits for the cotangent two blocks back, which the prefetch rule's wait covers (that
+    block is done, its collectives included, before the gather starts)."""
+    if kind != "B" or layers < 1:
+        return -1
+    waits = backward_waits(layers, head)
+    return k - 1 if 0 < k < len(waits) and waits[k] == k - 1 else -1
+
+
+def _summed(items: list[Item], first: int) -> int:
+    """The item that ends the head's input-gradient span in its backward play (its spans ``items[first:]``): the
+    first span's collectives (the loss's gradient, a span of its own before it, has none), without a tensor axis
+    the last span."""
+    return next((i for i in range(first, len(items)) if items[i].stream == "tensor"), len(items) - 1)
 
 
 def span_kernels(kernels: int, flops: float, block: float) -> int:
@@ -134,13 +174,16 @@ def _spans(spans: tuple, block: float, flops: float, k: int, needs: tuple[int | 
 def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str, sequence_parallel: bool,
                 has_embedding: bool, buckets: tuple[tuple[tuple[int, ...], ...], ...] | None,
                 needs: tuple[tuple[int | None, ...], ...] | None,
-                early: tuple[tuple[float, ...], ...] | None = None) -> tuple[BlockPlay, ...]:
+                early: tuple[tuple[float, ...], ...] | None = None, head: bool = False,
+                cuts: tuple[tuple[tuple[float, ...], ...], ...] | None = None) -> tuple[BlockPlay, ...]:
     """Each block's play (module docstring). ``spans``: testbed.sim.block_spans' per block; ``blocks``: each
     block's FLOPs; ``flops``: the action's; ``buckets``: per block, each of its gradient reductions as the blocks
     whose weight gradients it reads (ChunkFacts.reads; None: the action reduces none); ``needs``: per block, per
     span, the last of the block's merged gathers it waits for (:func:`span_needs`; None: all); ``early``: per
     block, per reduction, the share of the block's weight gradients computed before its spans for that reduction
-    to leave (ChunkFacts.early; 0 or None: none)."""
+    to leave (ChunkFacts.early; 0 or None: none); ``head``: the action's chunk holds the head (the backward's first
+    block); ``cuts``: per block, per reduction, per block it reads, the share of that block's weight-gradient
+    matmuls it reads (ChunkFacts.cuts; None: the held weight gradients are not cut, :func:`_held`)."""
     held: list[tuple[int, float, float]] = []  # (block, weight-gradient FLOPs not played yet, their GEMMs' share)
     out, pieces, reduce = [], len(blocks), buckets is not None
     released: set[tuple[int, int]] = set()  # the reductions left before their block's spans
@@ -148,7 +191,10 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
         items: list[Item] = []
         first = _first_weights(mine, block, flops, k, early[k] if reduce and early else (), items)
         released |= {(k, it.bucket[1]) for it in items if it.stream == "buckets"}
+        spanned = len(items)
         deps, played = _spans(mine, block, flops, k, needs[k] if needs else None, items)
+        summed = _summed(items, spanned) if kind == "B" and head and k == 0 else -1
+        waits = cotangent_block(kind, k, pieces - int(has_embedding) - int(head), head)
         played += first
         done = tuple(deps)
         last = max(i for i, x in enumerate(items) if x.stream == "compute")
@@ -156,23 +202,63 @@ def block_plays(spans: tuple, blocks: tuple[float, ...], flops: float, kind: str
         held.append((k, rest, 1 - played / block if block else 0.0))
         first_layer = kind == "B" and has_embedding and k == pieces - 2
         if reduce and (not buckets[k] or first_layer) and k < pieces - 1:
-            out.append(BlockPlay(tuple(items), (WAITING, *deps), done, last))
+            out.append(BlockPlay(tuple(items), (WAITING, *deps), done, last, summed, waits))
             continue  # its weight gradients wait for the bucket that reads them
         after = last if k < pieces - 1 else deps[-1]
         pending = [p for p in _pending(buckets, held, k) if p[:2] not in released] if reduce else []
         _release(items, pending, set(), after)  # what reads no weight gradient held (the embedding's table)
-        # Under sequence parallelism beside the block's last collectives.
-        beside, chain, computed = sequence_parallel, list(deps), set()
-        for i, f, share in ((i, f, share) for i, f, share in held if f):
-            items.append(Item("compute", f"{i} weights", (last,) if beside else tuple(deps), f, (i, share)))
-            last = after = len(items) - 1
-            deps = [last, *chain] if beside else [last]
-            computed.add(i)
-            _release(items, pending, computed, after)
+        last, after, deps = _held(items, held, pending, last, after, deps, sequence_parallel,
+                                  _cuts(buckets, cuts, early) if reduce else None)
         _release(items, pending, None, after)
         held = []
-        out.append(BlockPlay(tuple(items), (WAITING, *deps), done, last))
+        out.append(BlockPlay(tuple(items), (WAITING, *deps), done, last, summed, waits))
     return tuple(out)
+
+
+def _cuts(buckets: tuple, cuts: tuple | None, early: tuple | None):
+    """``cut(block j, reduction m, held block i)``: the share of block ``i``'s weight gradients held to its play
+    (those not computed first for ``early`` reductions) that reduction ``m`` of bucket ``j`` reads (``cuts``: per
+    block, per reduction, per block of its ``buckets`` reads, the share of that block's weight-gradient matmuls;
+    None: the cut is not played)."""
+    if cuts is None:
+        return None
+
+    def cut(j: int, m: int, i: int) -> float:
+        held = 1.0 - (sum(early[i]) if early else 0.0)
+        return min(1.0, cuts[j][m][buckets[j][m].index(i)] / held) if held > 1e-9 and i in buckets[j][m] else 0.0
+    return cut
+
+
+def _held(items: list[Item], held: list[tuple[int, float, float]], pending: list, last: int, after: int,
+          deps: list[int], beside: bool, cut) -> tuple[int, int, list[int]]:
+    """The held blocks' weight gradients (``held``: (block, FLOPs, their GEMMs' share)) computed after ``deps``
+    (under sequence parallelism beside the block's last collectives: after its ``last`` compute item), each
+    ``pending`` reduction released once the weight gradients it reads are. The cut (``cut``, :func:`_cuts`; None:
+    none): a held block's weight gradients are cut by the reductions that wait for that block last, each
+    computing its share and leaving after it, before the block's other weight gradients (the traced layer
+    computes a merge's weight-gradient matmuls, then that merge's reduce-scatter leaves: XLA starts a
+    reduce-scatter once its operands are ready; testbed.model.blocks.scatter_cuts). Returns (the last compute
+    item, what a release waits for, what the next item waits for)."""
+    chain, computed = list(deps), set()
+    for i, f, share in ((i, f, share) for i, f, share in held if f):
+        ready = [p for p in pending if i in p[2] and p[2] <= computed | {i}] if cut is not None else []
+        parts, left = [], f
+        for p in ready:
+            x = min(left, f * cut(p[0], p[1], i))
+            parts.append((p, x))
+            left -= x
+        for p, x in parts + [(None, left)]:
+            if x > 1e-9 * f:
+                items.append(Item("compute", f"{i} weights", (last,) if beside else tuple(deps), x,
+                                  (i, share * x / f)))
+                last = after = len(items) - 1
+                deps = [last, *chain] if beside else [last]
+            if p is not None:
+                _release(items, [p], None, after)
+                pending.remove(p)
+        computed.add(i)
+        _release(items, pending, computed, after)
+    return last, after, deps
 
 
 def _first_weights(spans: tuple, block: float, flops: float, k: int, early: tuple[float, ...], items: list[Item]
@@ -217,13 +303,14 @@ def _release(items: list[Item], pending: list[tuple[int, int, set[int]]], comput
 
 def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, previous: float,
                merges: tuple[float, ...], gathered: float, compute: float, tensor: float
-               ) -> tuple[float, float, float, float, list[tuple[int, float]], float]:
+               ) -> tuple[float, float, float, float, list[tuple[int, float]], float, float]:
     """One block's play timed (the analytic tier): each item its ``seconds`` once its stream (``compute`` and
     ``tensor``: when each is free) and its ``deps`` are (:data:`START` at ``start``, a :func:`merged` token once
     ``previous`` (the previous block's) and that merge (``merges``: when each of the block's lands; none: at
     ``gathered``) are, :data:`WAITING` at ``gathered``). Returns (when what the next block waits for is done, when
     the block is done, the compute stream's and the tensor stream's end, each ``buckets`` item's index and when it
-    leaves, when its first compute item starts)."""
+    leaves, when its first compute item starts, when its input gradient is summed: ``play.summed``'s end, 0 where
+    none)."""
     ends: list[float] = []
     releases = []
     first = None
@@ -250,4 +337,4 @@ def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, previo
             releases.append((len(ends), at))
         ends.append(at + s if item.stream != "buckets" else at)
     return (max(when(d) for d in play.after), when(play.done[-1]), compute, tensor, releases,
-            start if first is None else first)
+            start if first is None else first, ends[play.summed] if play.summed >= 0 else 0.0)

@@ -42,7 +42,8 @@ def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: b
     return block_plays(spans, tuple(flops * part for part, _ in own), flops, work.kind, sequence_parallel,
                        chunk.cost.has_embedding, tuple(chunk.reads(pieces, k) for k in range(pieces))
                        if reduce else None, _needs(chunk, work, pieces, gathered),
-                       tuple(chunk.early(pieces, k) for k in range(pieces)) if reduce and work.kind == "B" else None)
+                       tuple(chunk.early(pieces, k) for k in range(pieces)) if reduce and work.kind == "B" else None,
+                       chunk.cost.has_head, tuple(chunk.cuts(pieces, k) for k in range(pieces)) if reduce else None)
 
 
 def _needs(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered: bool) -> tuple | None:
@@ -74,7 +75,7 @@ class SpanPlay:
         after, the block's last gather last where it has one; ``gathers``: the task of each of the block's merged
         gathers, None: it has none; ``accumulate``: its buckets are an earlier microbatch's reduce-scatters into
         the sharded accumulator). Returns the block's last compute task, what the next block waits for, the compute
-        tasks and when the block is done."""
+        tasks, when the block is done and the task that sums its input gradient (``play.summed``'s; -1: none)."""
         previous = deps[:-1] if gathers else deps
 
         def token(d: int) -> list[int]:
@@ -109,7 +110,8 @@ class SpanPlay:
         def when(d: int) -> list[int]:
             return [ids[d]] if d >= 0 else token(d)
         done = [x for d in play.done for x in when(d)]
-        return ids[play.last], [x for d in play.after for x in when(d)], tasks, done[-1]
+        return ids[play.last], [x for d in play.after for x in when(d)], tasks, done[-1], \
+            ids[play.summed] if play.summed >= 0 else -1
 
     def _span_buckets(self, s: int, chunk: ChunkFacts, label: str, after: int, k: int, buckets) -> None:
         """Block ``k``'s gradient ``buckets`` (ChunkFacts.bucket), reduced after ``after``."""
