@@ -9,7 +9,7 @@ MoE chain (testbed.sim.moe) and the part of it the context ring plays
 (testbed.sim.ring), the sends it makes, how many collectives a gather of a
 chunk's sharded parameters is (``leaves``, under the calibration's
 ``combine_bytes``), the gradient buckets and how each is reduced, and each
-stage's optimizer update. :func:`step_facts` works these out once into a
+stage's optimizer update (testbed.sim.update_facts). :func:`step_facts` works these out once into a
 frozen :class:`StepFacts`; testbed.sim.program builds the task graph from it
 (one small builder per stream) and testbed.explore.analytic plays the same
 facts without the graph. The plan's ``runtime:`` (testbed.plan.runtime) is read
@@ -22,11 +22,9 @@ testbed.sim.grad_bytes'.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from testbed.model import buffers
-from testbed.model import costs
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
@@ -37,23 +35,23 @@ from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.model.spans import action_spans
 from testbed.pipeline.schedules import Schedule
-from testbed.plan.sharding import gathers_parameters, gradient_reduction, reduction_axes, state_sharding
-from testbed.plan.spec import MESH_AXES, Axis, Plan
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, state_sharding
+from testbed.plan.spec import Axis, Plan
 from testbed.sim.action_work import action_work, tensor_transfers
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
                                      accumulated_bytes, gradient_buckets, in_last_span, reduce_bytes, reduced_bytes,
-                                     sequence_apart, sequence_reduced, sequence_replicated, summed_each_microbatch,
+                                     sequence_reduced, sequence_replicated, summed_each_microbatch,
                                      token_table_last, without_embedding_gathers)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
+from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
 
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
            "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
 
-#: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
-OPTIMIZER_FLOPS_PER_PARAM = 12
+
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,41 +198,6 @@ class ChunkFacts:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StageUpdate:
-    """One stage's optimizer update: its FLOPs and HBM bytes on one device, and with ZeRO-1/2 the re-gather of
-    the updated shards over data (``regathers`` collectives of ``regather_bytes`` each; 0: none)."""
-
-    flops: float
-    hbm_bytes: float
-    regathers: int
-    regather_bytes: float
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Reduction:
-    """How one kind of parameter's gradients are summed (testbed.plan.sharding.reduction_axes): a reduce-scatter
-    over ``sharded`` (the axes the optimizer state is split on), then an all-reduce of the ``ways``-th shard over
-    ``rest``. ``expert``: the routed experts' weights (summed over every batch axis but expert); ``sequence``:
-    under sequence parallelism the parameters replicated over tensor (summed over tensor too:
-    :func:`sequence_reduced`)."""
-
-    expert: bool
-    sharded: tuple[Axis, ...]
-    rest: tuple[Axis, ...]
-    ways: int
-    sequence: bool = False
-    #: Whether the sequence-replicated parameters' bytes stay in this (dense) reduction although a ``sequence``
-    #: one sums them over tensor too (:func:`sequence_apart`); False: that reduction takes them out of this one.
-    holds_sequence: bool = False
-
-    def size(self, nbytes: float, special: tuple[float, float]) -> float:
-        """Bytes this reduction sums of a bucket of ``nbytes`` (``special``: ChunkFacts.special's shares)."""
-        if self.expert or self.sequence:
-            return special[0] if self.expert else special[1]
-        return nbytes - special[0] - (0.0 if self.holds_sequence else special[1])
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class StepFacts:
     """Everything one training step of ``plan`` on a placement is made of, before any of it is timed.
 
@@ -339,7 +302,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     sharding = state_sharding(plan)
     o_ways = sharding.ways(plan, "optimizer")
     per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
-    reductions = _reductions(plan, sharding.optimizer)
+    reductions = parameter_reductions(plan, sharding.optimizer)
     combine = combine_limit(combine_bytes, plan.runtime.framework)
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
@@ -348,7 +311,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                                       chained_gathers)
                          for c in range(v))
                    for s in range(p))
-    updates = tuple(_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
+    updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
                     for s in range(p))
     return StepFacts(plan=plan, schedule=schedule, order=order,
                      representatives=tuple(int(device_ids[s].flat[0]) for s in range(p)),
@@ -448,52 +411,6 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
     return ActionWork(kind=kind, work=(flops, hbm, replicated, split_b), tensor=tensor, gemms=gemms,
                       chain=tuple(chain), ring_work=ring_work, ring_gemms=ring_gemms,
                       sends=tuple(_sends(schedule, s, kind, c, chunk_costs)), overlap=overlap, spans=spans)
-
-
-def _update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: float, param_b: float,
-            grad_b: float) -> StageUpdate:
-    """Stage ``s``'s :class:`StageUpdate`: the optimizer over its shard (by the layout's one rule), and with
-    ZeRO-1/2 the updated shards gathered over data, as many collectives as the rule counts (per leaf)."""
-    shard = costs.device_stage_params(plan, s, o_ways)
-    regathers, regather_bytes = 0, 0.0
-    if o_ways > p_ways and plan.mesh.data > 1:
-        regathers = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
-        regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
-    return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard, hbm_bytes=shard * _update_bytes(plan, param_b, grad_b),
-                       regathers=regathers, regather_bytes=regather_bytes)
-
-
-def _update_bytes(plan: Plan, param_b: float, grad_b: float) -> float:
-    """HBM bytes the optimizer update moves per parameter of its shard: the gradient read, the optimizer state
-    (:func:`state_bytes_per_param`'s: an fp32 master and the moments, or bf16 moments only) read and written, and
-    the parameters written; read too where no master copy holds them (fp32 training, ``runtime.state_dtype``
-    bf16's weights updated in place)."""
-    _, _, state_b = state_bytes_per_param(plan)
-    has_master = plan.precision.mixed and plan.runtime.state_dtype == "fp32"
-    return grad_b + param_b * (1 if has_master else 2) + 2 * state_b
-
-
-def _reductions(plan: Plan, optimizer_axes: tuple[Axis, ...]) -> tuple[Reduction, ...]:
-    """Per parameter kind (dense, then routed experts'), how its gradients are summed (kinds nothing sums left
-    out): over the axes the optimizer state is split on a reduce-scatter, over the rest an all-reduce
-    (``runtime.grad_all_reduce``: unsharded gradients all-reduced over data too)."""
-    out = []
-    if plan.runtime.grad_all_reduce and not state_sharding(plan).split_axes(plan, "grads"):
-        optimizer_axes = tuple(a for a in optimizer_axes if a is not Axis.DATA)  # all-reduced whole over data
-    for expert in (False, True):
-        axes = reduction_axes(plan, expert)
-        if axes:
-            sharded = tuple(a for a in axes if a in optimizer_axes)
-            out.append(Reduction(expert=expert, sharded=sharded, rest=tuple(a for a in axes if a not in optimizer_axes),
-                                 ways=math.prod(plan.mesh.degree(a) for a in sharded),
-                                 holds_sequence=not expert and sequence_apart(plan)))
-    if sequence_replicated(plan):  # nothing shards the optimizer state here: one all-reduce
-        axes = (Axis.TENSOR,) if summed_each_microbatch(plan) else (*reduction_axes(plan), Axis.TENSOR)
-        out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1,
-                             rest=tuple(a for a in MESH_AXES if a in axes)))
-    elif sequence_apart(plan):  # summed whole over tensor first, then reduce-scattered with the rest
-        out.append(Reduction(expert=False, sequence=True, sharded=(), ways=1, rest=(Axis.TENSOR,)))
-    return tuple(out)
 
 
 def _sends(schedule: Schedule, stage: int, kind: str, chunk: int, chunk_costs) -> list[tuple[int, int, float]]:
