@@ -6,6 +6,7 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 from testbed.testing.devices import ReferenceDevice, is_key, to_host
+from testbed.testing.diagnose import DEFAULT_BUDGET, diagnose
 from testbed.testing.hints import equal_blocks_hint, per_device_hint, replica_hint
 from testbed.testing.structure import statistics_check
 
@@ -15,7 +16,7 @@ __all__ = ["assert_parallel_equal", "assert_outputs_equal"]
 def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callable[..., Any], *args: Any,
                           rtol: float = 1e-5, atol: float = 1e-6, mesh: Any = None,
                           axis_sizes: Mapping[str, int] | None = None, reference_device: Any = None,
-                          **kwargs: Any) -> None:
+                          diagnose: int = DEFAULT_BUDGET, **kwargs: Any) -> None:
     """Run ``parallel_fn(*args, **kwargs)`` and ``reference_fn`` on the same arguments; assert equal outputs.
 
     The reference runs on one device (``reference_device``: a device or a :class:`ReferenceDevice`;
@@ -29,7 +30,9 @@ def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callabl
     axis they differ along); blocks made equal by a collective over the wrong axis; outputs that match the
     reference run on each batch shard alone (per-device statistics). Outputs equal within the tolerance still
     fail when they are per-device statistics along a ``mesh`` axis: at least twice as close to the reference
-    run on each batch shard alone as to the reference (testbed.testing.structure; bf16 inputs upcast to fp32). Random keys (``jax.random.key`` or
+    run on each batch shard alone as to the reference (testbed.testing.structure; bf16 inputs upcast to fp32). On a
+    difference the parallel function is also re-run with one controlled change at a time, at most ``diagnose`` times
+    (0: never), and the change that makes it match is named (testbed.testing.diagnose). Random keys (``jax.random.key`` or
     raw ``uint32[2]``) pass to the reference as they are; for code whose shards draw their own numbers,
     give a :func:`testbed.testing.per_shard_reference` as ``reference_fn``.
     """
@@ -42,11 +45,12 @@ def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callabl
     reference = reference_device(reference_fn, *args, **kwargs)
     rerun = (lambda *a: reference_device(reference_fn, *a, **kwargs), args, lambda *a: parallel_fn(*a, **kwargs))
     assert_outputs_equal(parallel, reference, rtol=rtol, atol=atol, mesh=mesh, axis_sizes=axis_sizes,
-                         inputs=(args, kwargs), _rerun=rerun)
+                         inputs=(args, kwargs), _rerun=rerun, _diagnose=diagnose)
 
 
 def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, atol: float = 1e-6, mesh: Any = None,
-                         axis_sizes: Mapping[str, int] | None = None, inputs: Any = (), _rerun: Any = None) -> None:
+                         axis_sizes: Mapping[str, int] | None = None, inputs: Any = (), _rerun: Any = None,
+                         _diagnose: int = 0) -> None:
     """The comparison of :func:`assert_parallel_equal` on outputs already computed (``inputs``: the arguments,
     for the hint on updated parameters)."""
     __tracebackhide__ = True
@@ -74,12 +78,34 @@ def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, a
             failures.append(message + "".join(f"\n  hint: {h}" for h in extra if h))
     if failures:
         more = f"\n({len(failures)} of {len(par_leaves)} leaves differ)" if len(failures) > 1 else ""
-        raise AssertionError("\n\n".join(failures) + more)
+        found = None
+        if _rerun is not None and len(_rerun) > 2 and _diagnose > 0:
+            found = diagnose(_rerun[2], _rerun[1], lambda out: _matches(out, reference, rtol, atol), _diagnose)
+        raise AssertionError("\n\n".join(failures) + more + (f"\n\n{found}" if found else ""))
     axes = [(n, what) for n, what in counts if what.startswith("mesh axis")]
     if _rerun is not None and len(_rerun) > 2 and axes:  # equal within the tolerance: the error's structure
         found = statistics_check(_rerun[2], _rerun[0], _rerun[1], parallel, reference, axes)
         if found:
             raise AssertionError(found)
+
+
+def _matches(output: Any, reference: Any, rtol: float, atol: float) -> bool:
+    """Whether ``output`` equals ``reference`` leaf by leaf within the tolerances (the comparison's test)."""
+    import jax
+    import numpy as np
+
+    out, ref = jax.tree_util.tree_flatten(output), jax.tree_util.tree_flatten(reference)
+    if out[1] != ref[1]:
+        return False
+    for p, r in zip(out[0], ref[0]):
+        pa, ra = _array(p), _array(r)
+        if pa.shape != ra.shape:
+            return False
+        same = (np.isclose(pa, ra, rtol=rtol, atol=atol, equal_nan=True) if pa.dtype.kind in "fc" and ra.dtype.kind in "fc"
+                else pa == ra)
+        if not np.all(same):
+            return False
+    return True
 
 
 def _array(x: Any) -> Any:
