@@ -8,21 +8,27 @@ from typing import Any, Callable, Mapping, Sequence
 from testbed.testing.devices import ReferenceDevice, is_key, to_host
 from testbed.testing.diagnose import DEFAULT_BUDGET, diagnose
 from testbed.testing.hints import equal_blocks_hint, per_device_hint, replica_hint
+from testbed.testing.precision import Tolerance, resolve_tolerance
 from testbed.testing.structure import statistics_check
 
 __all__ = ["assert_parallel_equal", "assert_outputs_equal"]
 
 
 def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callable[..., Any], *args: Any,
-                          rtol: float = 1e-5, atol: float = 1e-6, mesh: Any = None,
+                          rtol: float | None = None, atol: float | None = None, mesh: Any = None,
                           axis_sizes: Mapping[str, int] | None = None, reference_device: Any = None,
-                          diagnose: int = DEFAULT_BUDGET, **kwargs: Any) -> None:
+                          diagnose: int = DEFAULT_BUDGET, precision: Any = None, contraction: int | None = None,
+                          depth: int = 1, **kwargs: Any) -> None:
     """Run ``parallel_fn(*args, **kwargs)`` and ``reference_fn`` on the same arguments; assert equal outputs.
 
     The reference runs on one device (``reference_device``: a device or a :class:`ReferenceDevice`;
     default, JAX's first device) with its array arguments copied to the host, so it never sees the
     parallel run's shardings. Outputs are compared leaf by leaf with numpy (``rtol``, ``atol``; NaN
-    equals NaN). On a difference the AssertionError names the leaf path, the worst index and both
+    equals NaN). Unset tolerances are 1e-5 and 1e-6, or, where the backend's float32 matmuls run below float32
+    (TPU bf16 passes, GPU tf32; ``precision`` names a backend to simulate, or is a
+    :class:`testbed.testing.precision.MatmulPrecision`; bf16 arguments count too), the bound that precision
+    implies for a contraction of ``contraction`` (default: the arguments' largest dim) over ``depth`` chained
+    matmuls; a mismatch within that bound says so (testbed.testing.precision). On a difference the AssertionError names the leaf path, the worst index and both
     values, and adds hints: a constant ratio that is a device count or a ``mesh`` axis size
     (``axis_sizes`` adds others) -- psum where pmean was meant --, also on the change from an input
     (an updated parameter); an error confined to one shard; NaN where the reference is finite (a
@@ -45,17 +51,20 @@ def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callabl
     reference = reference_device(reference_fn, *args, **kwargs)
     rerun = (lambda *a: reference_device(reference_fn, *a, **kwargs), args, lambda *a: parallel_fn(*a, **kwargs))
     assert_outputs_equal(parallel, reference, rtol=rtol, atol=atol, mesh=mesh, axis_sizes=axis_sizes,
-                         inputs=(args, kwargs), _rerun=rerun, _diagnose=diagnose)
+                         inputs=(args, kwargs), precision=precision, contraction=contraction, depth=depth,
+                         _rerun=rerun, _diagnose=diagnose)
 
 
-def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, atol: float = 1e-6, mesh: Any = None,
-                         axis_sizes: Mapping[str, int] | None = None, inputs: Any = (), _rerun: Any = None,
+def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float | None = None, atol: float | None = None,
+                         mesh: Any = None, axis_sizes: Mapping[str, int] | None = None, inputs: Any = (),
+                         precision: Any = None, contraction: int | None = None, depth: int = 1, _rerun: Any = None,
                          _diagnose: int = 0) -> None:
     """The comparison of :func:`assert_parallel_equal` on outputs already computed (``inputs``: the arguments,
-    for the hint on updated parameters)."""
+    for the hint on updated parameters and the precision's contraction length)."""
     __tracebackhide__ = True
     import jax
 
+    tol = resolve_tolerance(rtol, atol, precision, contraction, depth, jax.tree.leaves(inputs))
     counts = _counts(mesh, axis_sizes)
     par_leaves, par_def = jax.tree_util.tree_flatten_with_path(parallel)
     ref_leaves, ref_def = jax.tree_util.tree_flatten_with_path(reference)
@@ -65,23 +74,21 @@ def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, a
     if isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], dict):  # (args, kwargs)
         input_leaves = [(("args" + name[3:]) if name.startswith("[0]") else ("kwargs" + name[3:]), x)
                         for name, x in input_leaves]
-    failures = []
+    failures, differing = [], []
     for (path, p), (_, r) in zip(par_leaves, ref_leaves):
         pa, ra = _array(p), _array(r)
+        rtol, atol = tol.rtol, tol.atol_for(ra)
         message = _compare_leaf(jax.tree_util.keystr(path) or "<root>", pa, ra, rtol, atol, counts, input_leaves)
         if message:
             extra = [replica_hint(p, ra, rtol, atol)]
             if pa.dtype.kind in "fc" and pa.shape == ra.shape:
+                differing.append((pa, ra))
                 extra.append(equal_blocks_hint(p, pa, ra, atol))
                 if _rerun is not None and len(par_leaves) == 1:
                     extra.append(per_device_hint(_rerun[0], _rerun[1], pa, counts, rtol, atol))
             failures.append(message + "".join(f"\n  hint: {h}" for h in extra if h))
     if failures:
-        more = f"\n({len(failures)} of {len(par_leaves)} leaves differ)" if len(failures) > 1 else ""
-        found = None
-        if _rerun is not None and len(_rerun) > 2 and _diagnose > 0:
-            found = diagnose(_rerun[2], _rerun[1], lambda out: _matches(out, reference, rtol, atol), _diagnose)
-        raise AssertionError("\n\n".join(failures) + more + (f"\n\n{found}" if found else ""))
+        _fail(failures, len(par_leaves), differing, reference, tol, _rerun, _diagnose)
     axes = [(n, what) for n, what in counts if what.startswith("mesh axis")]
     if _rerun is not None and len(_rerun) > 2 and axes:  # equal within the tolerance: the error's structure
         found = statistics_check(_rerun[2], _rerun[0], _rerun[1], parallel, reference, axes)
@@ -89,7 +96,23 @@ def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float = 1e-5, a
             raise AssertionError(found)
 
 
-def _matches(output: Any, reference: Any, rtol: float, atol: float) -> bool:
+def _fail(failures: Sequence[str], leaves: int, differing: Sequence[tuple[Any, Any]], reference: Any,
+          tol: Tolerance, rerun: Any, budget: int) -> None:
+    """Raise the comparison's AssertionError: the leaves' messages, the precision's note, the diagnosis."""
+    __tracebackhide__ = True
+    text = "\n\n".join(failures)
+    if len(failures) > 1:
+        text += f"\n({len(failures)} of {leaves} leaves differ)"
+    note = tol.note(differing) if len(differing) == len(failures) else None
+    if note:
+        text += f"\n\n{note}"
+    if rerun is not None and len(rerun) > 2 and budget > 0 and not (note or "").startswith("within precision"):
+        found = diagnose(rerun[2], rerun[1], lambda out: _matches(out, reference, tol), budget)
+        text += f"\n\n{found}" if found else ""
+    raise AssertionError(text)
+
+
+def _matches(output: Any, reference: Any, tol: Tolerance) -> bool:
     """Whether ``output`` equals ``reference`` leaf by leaf within the tolerances (the comparison's test)."""
     import jax
     import numpy as np
@@ -101,8 +124,8 @@ def _matches(output: Any, reference: Any, rtol: float, atol: float) -> bool:
         pa, ra = _array(p), _array(r)
         if pa.shape != ra.shape:
             return False
-        same = (np.isclose(pa, ra, rtol=rtol, atol=atol, equal_nan=True) if pa.dtype.kind in "fc" and ra.dtype.kind in "fc"
-                else pa == ra)
+        floats = pa.dtype.kind in "fc" and ra.dtype.kind in "fc"
+        same = np.isclose(pa, ra, rtol=tol.rtol, atol=tol.atol_for(ra), equal_nan=True) if floats else pa == ra
         if not np.all(same):
             return False
     return True

@@ -180,6 +180,8 @@ def diagnose(run_parallel: Callable[..., Any], args: Sequence[Any], matches: Cal
     except Exception as err:  # noqa: BLE001 -- the patched trace failed: say so rather than hide the comparison
         return f"diagnosis not run: the survey re-run raised {type(err).__name__}: {str(err).splitlines()[0][:200]}"
     todo = experiments(survey)
+    if not survey.env:  # no shard_map or pmap was traced: nothing parallel to change
+        return None
     if not todo:
         return ("diagnosis: the re-run saw no collective, statistic over dim 0, shared key or differentiated loss "
                 "inside a mapped region to change (names bound by `from jax.lax import ...` are not seen)")
