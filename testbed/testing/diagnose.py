@@ -45,10 +45,11 @@ class Experiment:
 
 
 def _sites(survey: Survey, *kinds: str) -> list[Site]:
+    """The first call from each source line of the given kinds (a change applies to every call from its line)."""
     seen, out = set(), []
     for site in survey.sites:
-        if site.kind in kinds and site.key not in seen:
-            seen.add(site.key)
+        if site.kind in kinds and site.line not in seen:
+            seen.add(site.line)
             out.append(site)
     return out
 

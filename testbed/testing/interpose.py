@@ -63,6 +63,11 @@ class Site:
     def key(self) -> tuple[str, str, int]:
         return self.kind, self.where, self.index
 
+    @property
+    def line(self) -> tuple[str, str]:
+        """What a source line is: the kind of call and where (a loop's calls from one line share it)."""
+        return self.kind, self.where
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Change:
@@ -72,7 +77,7 @@ class Change:
     ``pmean`` over it), ``fold_keys`` (every key the shards share is folded with ``axis_index(axis)`` before
     use), ``as_pmean`` / ``as_psum`` (the collective at ``site`` made the other), ``swap_axis`` (the
     collective at ``site`` runs over ``axis``), ``gather_dim`` (the all_gather at ``site`` gathers along
-    ``dim``), ``scale_loss`` (every differentiated function's output multiplied by ``factor``).
+    ``dim``) -- each at every call from the site's source line --, ``scale_loss`` (every differentiated function's output multiplied by ``factor``).
     """
 
     what: str
@@ -156,7 +161,7 @@ def _collective(state: Survey, kind: str, orig: dict[str, Callable[..., Any]]) -
         ndim = None if kind != "all_gather" else getattr(x, "ndim", 0) + (0 if kwargs.get("tiled") else 1)
         site = _record(state, kind, _names(axis_name), dim=dim, ndim=ndim)
         change = state.change
-        if change is None or change.site is None or change.site.key != site.key:
+        if change is None or change.site is None or change.site.line != site.line:  # every call from that line
             return orig[kind](x, axis_name, *args, **kwargs)
         if change.what == "as_pmean":
             return orig["pmean"](x, axis_name, **kwargs)
