@@ -17,12 +17,13 @@ import jax
 import numpy as np
 import pytest
 
-from testbed.testing import (assert_parallel_equal, assert_replicas_differ, per_shard_reference, replicate,
-                             shard_batch, unreplicate)
+from testbed.testing import (assert_parallel_equal, assert_replicas_differ, assert_sharded, per_shard_reference,
+                             replicate, shard_batch, unreplicate)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DIRS = ("pmap_data_parallel", "shard_map_tensor_parallel", "pipeline_bubble", "batch_norm", "dropout",
-        "shard_map_data_parallel")
+        "shard_map_data_parallel", "batch_stats_step", "dropout_step", "grad_accumulation", "loss_normalisation",
+        "all_gather_dim", "zero_optimizer")
 
 
 @pytest.fixture(autouse=True)
@@ -185,3 +186,95 @@ def test_a_bubble_leak_is_caught() -> None:
         assert_parallel_equal(my_pipeline_buggy.make_pipeline(mesh), my_pipeline.reference,
                               my_pipeline.init_params(4), xs, mesh=mesh, atol=1e-5)
     assert "NaN/inf" in str(caught.value) and "bubble" in str(caught.value)
+
+
+def _rows(n: int, rows: int, features: int, outputs: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.normal(1.0, 2.0, size=(rows, features)).astype(np.float32),
+            rng.normal(size=(rows, outputs)).astype(np.float32))
+
+
+def _twin(name: str, n: int) -> tuple[object, object, object, tuple]:
+    """(correct parallel function, buggy twin's, reference, arguments) of a classic bug on ``n`` data shards."""
+    import accum
+    import accum_buggy
+    import bn_step
+    import bn_step_buggy
+    import dropout_step
+    import dropout_step_buggy
+    import gather
+    import gather_buggy
+    import global_norm
+    import global_norm_buggy
+
+    mesh = jax.make_mesh((n,), ("data",))
+    if name == "batch_stats_step":
+        return (bn_step.make_parallel_step(mesh), bn_step_buggy.make_parallel_step(mesh), bn_step.reference_step,
+                (bn_step.init_params(), *_rows(n, 48, 4, 2)))
+    if name == "dropout_step":
+        return (dropout_step.make_parallel_step(mesh), dropout_step_buggy.make_parallel_step(mesh),
+                dropout_step.make_reference_step(n), (dropout_step.init_params(), jax.random.key(0), *_rows(n, 48, 4, 2)))
+    if name == "grad_accumulation":
+        return (accum.make_parallel_step(mesh), accum_buggy.make_parallel_step(mesh), accum.reference_step,
+                (accum.init_params(), *_rows(n, 72, 4, 2)))
+    if name == "loss_normalisation":
+        return (_pmapped(global_norm.train_step, n), _pmapped(global_norm_buggy.train_step, n),
+                global_norm.reference_step, (global_norm.init_params(), *_rows(n, 48, 4, 2)))
+    a, b = _rows(n, 48, 8, 8)
+    return gather.make_parallel_loss(mesh), gather_buggy.make_parallel_loss(mesh), gather.contrastive_loss, (a, b)
+
+
+#: What the diagnosis must say of each twin: the change that made it match, and the cause it names.
+DIAGNOSED = {
+    "batch_stats_step": r"statistics over dim 0 pmean-ed over 'data' -- batch statistics are per device: pmean them "
+                        r"over 'data' \(the statistics over dim 0 at .*bn_step_buggy.py:10, .*bn_step_buggy.py:11",
+    "dropout_step": r"keys folded with axis_index\('data'\) -- every shard draws the same random numbers from one key: "
+                    r"fold each shard's key with its index, jax.random.fold_in\(key, jax.lax.axis_index\('data'\)\)",
+    "grad_accumulation": r"the loss scaled by 3 -- the gradients of the 3 accumulated microbatches are averaged twice",
+    "loss_normalisation": r"the psum at .*global_norm.py:\d+ as pmean -- .*the loss is normalised by the local batch "
+                          r"instead of the global one",
+    "all_gather_dim": r"the all_gather at .*gather_buggy.py:11 along dim 0 -- the all_gather over 'data' at "
+                      r".*gather_buggy.py:11 gathers along dim 1 where dim 0 was meant",
+}
+
+
+def _check_twin(name: str, n: int) -> str:
+    correct, buggy, reference, args = _twin(name, n)
+    assert_parallel_equal(correct, reference, *args, atol=1e-5, diagnose=0)
+    with pytest.raises(AssertionError) as caught:
+        assert_parallel_equal(buggy, reference, *args, atol=1e-5)
+    message = str(caught.value)
+    assert re.search(r"diagnosis \(re-ran the parallel function with one change at a time; \d re-run\(s\)\): it "
+                     r"matches the reference with " + DIAGNOSED[name], message), message
+    return message
+
+
+@pytest.mark.parametrize("name", sorted(DIAGNOSED))
+def test_a_classic_bug_in_a_step_is_diagnosed_by_experiment(name: str) -> None:
+    """On 8 data shards each buggy twin fails, and the re-run with one change names its cause; the correct passes."""
+    _check_twin(name, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_the_classic_bugs_are_diagnosed_at_other_device_counts(n: int) -> None:
+    for name in sorted(DIAGNOSED):
+        _check_twin(name, n)
+
+
+def test_an_unsharded_optimizer_state_is_named() -> None:
+    import zero
+    import zero_buggy
+
+    mesh = jax.make_mesh((8,), ("data",))
+    x, y = _rows(8, 48, 24, 4)
+    params = zero.init_params()
+    momentum = zero.init_momentum(params)
+    for module in (zero, zero_buggy):  # equal numbers either way: only the layout tells
+        assert_parallel_equal(module.make_parallel_step(mesh), zero.reference_step, params, momentum, x, y,
+                              mesh=mesh, atol=1e-5)
+    assert_sharded(zero.make_parallel_step(mesh)(params, momentum, x, y)[1], "data")
+    with pytest.raises(AssertionError, match=r"leaf \['w'\] \(shape \(24, 4\), 384 bytes\) is not split over 'data': it "
+                                             r"is replicated over mesh axis 'data' .* 384 bytes of it where 48 were "
+                                             r"meant\n  hint: optimizer state left unsharded"):
+        assert_sharded(zero_buggy.make_parallel_step(mesh)(params, momentum, x, y)[1], "data")
