@@ -45,10 +45,11 @@ class Experiment:
 
 
 def _sites(survey: Survey, *kinds: str) -> list[Site]:
-    """The first call from each source line of the given kinds (a change applies to every call from its line)."""
+    """The first call from each source line of the given kinds (a change applies to every call from its line);
+    collectives of constants (``psum(1, axis)``: the axis size) left out."""
     seen, out = set(), []
     for site in survey.sites:
-        if site.kind in kinds and site.line not in seen:
+        if site.kind in kinds and site.line not in seen and not site.constant:
             seen.add(site.line)
             out.append(site)
     return out

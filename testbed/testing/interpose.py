@@ -49,7 +49,8 @@ class Site:
 
     ``kind``: a collective's name, a statistic's (``mean``), ``grad`` or ``key``; ``axes``: the mesh axes it
     reduces over (collectives), else the axes in scope; ``where``: the user's ``file:line``; ``index``: the
-    how-manieth call of ``kind`` at ``where`` in this trace; ``dim``: all_gather's ``axis`` argument.
+    how-manieth call of ``kind`` at ``where`` in this trace; ``dim``: all_gather's ``axis`` argument; ``ndim``:
+    the rank of its output; ``constant``: a collective of constants (``psum(1, axis)``, the axis size idiom).
     """
 
     kind: str
@@ -58,6 +59,7 @@ class Site:
     index: int = 0
     dim: int | None = None
     ndim: int | None = None
+    constant: bool = False
 
     @property
     def key(self) -> tuple[str, str, int]:
@@ -149,6 +151,12 @@ def _record(state: Survey, kind: str, axes: tuple[str, ...], **extra: Any) -> Si
     return site
 
 
+def _leaves(x: Any) -> list[Any]:
+    import jax
+
+    return jax.tree.leaves(x)
+
+
 def _names(axis_name: Any) -> tuple[str, ...]:
     return tuple(str(a) for a in axis_name) if isinstance(axis_name, (tuple, list)) else (str(axis_name),)
 
@@ -159,7 +167,10 @@ def _collective(state: Survey, kind: str, orig: dict[str, Callable[..., Any]]) -
             return orig[kind](x, axis_name, *args, **kwargs)
         dim = kwargs.get("axis", args[0] if args else 0) if kind == "all_gather" else None
         ndim = None if kind != "all_gather" else getattr(x, "ndim", 0) + (0 if kwargs.get("tiled") else 1)
-        site = _record(state, kind, _names(axis_name), dim=dim, ndim=ndim)
+        from jax._src import core
+
+        site = _record(state, kind, _names(axis_name), dim=dim, ndim=ndim,
+                       constant=not any(isinstance(v, core.Tracer) for v in _leaves(x)))
         change = state.change
         if change is None or change.site is None or change.site.line != site.line:  # every call from that line
             return orig[kind](x, axis_name, *args, **kwargs)

@@ -31,16 +31,17 @@ def _problem(leaf: Any, axis: str) -> str | None:
     mesh = sharding.mesh
     if axis not in mesh.axis_names:
         return f"the mesh has no axis '{axis}' (axes {tuple(mesh.axis_names)})"
-    if any(axis in _axes(e) for e in sharding.spec):
-        return None
     size = int(mesh.shape[axis])
+    if size == 1 or any(axis in _axes(e) for e in sharding.spec):  # one device on the axis: nothing to split
+        return None
     nbytes = math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     return (f"it is replicated over mesh axis '{axis}' (spec {sharding.spec}): each of the {size} devices along "
             f"'{axis}' holds {nbytes} bytes of it where {nbytes // size} were meant")
 
 
 def assert_sharded(tree: Any, axis: str, *, min_bytes: int = 0, what: str = "optimizer state") -> None:
-    """Assert that every array leaf of ``tree`` of at least ``min_bytes`` is split over mesh ``axis``.
+    """Assert that every array leaf of ``tree`` of at least ``min_bytes`` is split over mesh ``axis`` (an axis of
+    size 1 splits nothing and always passes).
 
     Leaves must be ``jax.Array`` s with a ``NamedSharding`` (what ``jit`` with ``out_shardings``,
     ``shard_map`` and ``device_put`` give). ``what`` names the tree in the message (the hint says how to
