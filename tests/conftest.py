@@ -1,4 +1,4 @@
-"""Test setup: 8 emulated CPU devices before JAX starts, hypothesis profiles.
+"""Test setup: 8 emulated CPU devices before JAX starts (TESTBED_TEST_DEVICES=N: N), hypothesis profiles.
 
 HYPOTHESIS_PROFILE=ci (default, small and fast) or thorough (large). The profile governs every
 property test: a test that needs fewer (or more) examples than the profile's ``max_examples`` asks
@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import re
 
+# TESTBED_TEST_DEVICES=1 is the one-device mode (tests/test_kit_one_device.py, what a single TPU chip runs).
+_count = int(os.environ.get("TESTBED_TEST_DEVICES", "8"))
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (_flags + f" --xla_force_host_platform_device_count={_count}").strip()
 else:
     os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+",
-                                     "--xla_force_host_platform_device_count=8", _flags)
+                                     f"--xla_force_host_platform_device_count={_count}", _flags)
 # The tests check what programs compute and which collectives they run, on tiny models, never how fast the
 # compiled code is: XLA:CPU's LLVM backend optimisation is most of each compile and buys nothing here (an
 # 8-device pipeline verify: 41 s of CPU at the default level, 24 s at 0). HLO passes (SPMD partitioning,
