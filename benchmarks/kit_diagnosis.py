@@ -65,7 +65,7 @@ def main() -> None:
         timed(parallel, reference, args, 0)  # warm: the first compile of both
         plain = timed(parallel, reference, args, 0)
         full = timed(parallel, reference, args, 8)
-        runs = re.search(r"(\d+) re-run\(s\)\): it matches the reference with ([^-]+) --", full[2])
+        runs = re.search(r"(\d+) re-run\(s\)\): it matches the reference with (.+?) -- ", full[2])
         rows.append({"twin": name, "compare_wall_s": round(plain[0], 2), "compare_cpu_s": round(plain[1], 2),
                      "with_diagnosis_wall_s": round(full[0], 2), "with_diagnosis_cpu_s": round(full[1], 2),
                      "re_runs": int(runs.group(1)) + 1 if runs else None,  # the survey run and the experiments

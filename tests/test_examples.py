@@ -238,9 +238,10 @@ DIAGNOSED = {
 }
 
 
-def _check_twin(name: str, n: int) -> str:
+def _check_twin(name: str, n: int, correct_too: bool = True) -> str:
     correct, buggy, reference, args = _twin(name, n)
-    assert_parallel_equal(correct, reference, *args, atol=1e-5, diagnose=0)
+    if correct_too:
+        assert_parallel_equal(correct, reference, *args, atol=1e-5, diagnose=0)
     with pytest.raises(AssertionError) as caught:
         assert_parallel_equal(buggy, reference, *args, atol=1e-5)
     message = str(caught.value)
@@ -258,8 +259,9 @@ def test_a_classic_bug_in_a_step_is_diagnosed_by_experiment(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4, 6])
 def test_the_classic_bugs_are_diagnosed_at_other_device_counts(n: int) -> None:
+    """The twins at 2, 4 and 6 shards (the correct versions pass there in the examples' own tests)."""
     for name in sorted(DIAGNOSED):
-        _check_twin(name, n)
+        _check_twin(name, n, correct_too=False)
 
 
 def test_an_unsharded_optimizer_state_is_named() -> None:
