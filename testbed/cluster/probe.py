@@ -68,11 +68,15 @@ class ProbeResult:
 
 def _serve(host: str, port: int) -> None:
     """Answer connections one at a time: mode ``e`` echoes single bytes, ``s`` drains a stream."""
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((host, port))
-    srv.listen(4)
-    print("ready", flush=True)
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((host, port))
+        srv.listen(4)
+        print("ready", flush=True)
+        _answer(srv)
+
+
+def _answer(srv: socket.socket) -> None:
     while True:
         conn, _ = srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
