@@ -98,8 +98,9 @@ def _up(args: argparse.Namespace) -> dict[str, object]:
             state.write_state(spec.name, _topology_source(args.topology), spec.scale, spec.mtu)
             queue = netns.queue_in_use(spec, "keep")
         except BaseException:
-            netns.remove(spec.name, "keep")
-            state.remove_state(spec.name)
+            with netns.signals_held():
+                netns.remove(spec.name, "keep")
+                state.remove_state(spec.name)
             raise
     return {"action": "up", "cluster": spec.to_dict(), "namespaces": made, "removed_leftovers": removed,
             "queue": queue}

@@ -39,7 +39,7 @@ from testbed.errors import InputError
 __all__ = ["ClusterUnavailable", "bucket_bytes", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
            "namespaces",
            "build", "reshape", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
-           "ClusterInfo", "queue_in_use", "leaving_on_signals", "LEAVING_SIGNALS"]
+           "ClusterInfo", "queue_in_use", "leaving_on_signals", "LEAVING_SIGNALS", "signals_held"]
 
 _NET_ADMIN = 12  # capability bit
 
@@ -48,8 +48,12 @@ class ClusterUnavailable(RuntimeError):
     """This process may not create network namespaces (no root, no CAP_NET_ADMIN, no ``ip``)."""
 
 
-class ClusterError(RuntimeError):
-    """An ``ip``/``tc`` command failed while building or removing a cluster."""
+class ClusterError(InputError):
+    """An ``ip``/``tc`` command failed while building or removing a cluster (exit 2, one paragraph, as bad input:
+    what the machine refused is named)."""
+
+    def __init__(self, message: str, *, field: str | None = "cluster", file: str | None = None):
+        super().__init__(message, field=field, file=file)
 
 
 def _capabilities() -> int:
@@ -100,7 +104,10 @@ def unavailable() -> str | None:
 
 
 def _run(args: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ClusterError(f"`{' '.join(args)}` could not run: {exc}") from None
     if check and proc.returncode != 0:
         raise ClusterError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -295,7 +302,7 @@ def build(spec: ClusterSpec, owner: str, *, queue: str = SPARSE_FIRST) -> list[s
     made: list[str] = []
     try:
         for ns in [fabric, *(namespace_name(spec.name, owner, n.role) for n in spec.nodes)]:
-            with _signals_held():  # the record and the namespace together: a signal lands before or after both
+            with signals_held():  # the record and the namespace together: a signal lands before or after both
                 state.write_owner(ns, builder, made=False)
                 try:
                     _run(["ip", "netns", "add", ns])
@@ -322,7 +329,8 @@ def build(spec: ClusterSpec, owner: str, *, queue: str = SPARSE_FIRST) -> list[s
                 queue = _shape(ns, dev, link.rate_bps, spec.mtu, queue)  # a first refusal: FIFO on every end
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
     except BaseException:
-        _delete(made, made_here=True)
+        with signals_held():  # a second signal does not stop the removal half-way
+            _delete(made, made_here=True)
         raise
     return made
 
@@ -356,30 +364,57 @@ LEAVING_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGQU
                                                      "SIGSTKFLT") if hasattr(signal, n))
 
 
+class _Held:
+    """Critical sections open now (:func:`signals_held`) and the first signal that arrived during them."""
+
+    depth = 0
+    pending: int | None = None
+
+
+def _leave(signum: int) -> None:
+    """End the process's current work for signal ``signum``: KeyboardInterrupt for SIGINT, else SystemExit."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGINT and :data:`LEAVING_SIGNALS` held (blocked) for the block, delivered when it ends."""
-    held = {signal.SIGINT, *LEAVING_SIGNALS}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+def signals_held() -> Iterator[None]:
+    """SIGINT and :data:`LEAVING_SIGNALS` held for the block and acted on when it ends.
+
+    Blocked at the OS (so no child inherits a half-done step), and, for a signal Python's C handler caught just
+    before, deferred by the handlers of :func:`leaving_on_signals` (Python runs handlers between bytecodes,
+    which may fall inside the block).
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *LEAVING_SIGNALS})
+    _Held.depth += 1
     try:
         yield
     finally:
+        _Held.depth -= 1
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if _Held.depth == 0 and _Held.pending is not None:
+            signum, _Held.pending = _Held.pending, None
+            _leave(signum)
 
 
 @contextlib.contextmanager
 def leaving_on_signals() -> Iterator[None]:
-    """Each of :data:`LEAVING_SIGNALS` raises SystemExit(128 + N) here, so ``finally`` blocks run (SIGINT already
-    raises KeyboardInterrupt); outside the main thread, where handlers cannot be set, nothing changes."""
+    """Each of :data:`LEAVING_SIGNALS` raises SystemExit(128 + N) here and SIGINT KeyboardInterrupt, so
+    ``finally`` blocks run; inside :func:`signals_held` they wait for its end. Outside the main thread, where
+    handlers cannot be set, nothing changes."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in LEAVING_SIGNALS}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, *LEAVING_SIGNALS)}
 
     def leave(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
+        if _Held.depth:
+            _Held.pending = _Held.pending or signum
+            return
+        _leave(signum)
 
     for s in previous:
         signal.signal(s, leave)
@@ -409,5 +444,6 @@ def ephemeral(spec: ClusterSpec, *, queue: str = SPARSE_FIRST) -> Iterator[str]:
             build(spec, owner, queue=queue)
             yield owner
         finally:
-            remove(spec.name, owner)
+            with signals_held():
+                remove(spec.name, owner)
 
