@@ -55,7 +55,7 @@ def _check_row(row: Any, field: str) -> dict[str, Any]:
 def check_measurements(raw: Any) -> dict[str, Any]:
     """``raw`` (a parsed measurements file) if every field the refit reads is valid; InputError (no file) else."""
     raw = expect_mapping(raw, None)
-    check_name(raw.get("cluster"), "cluster")
+    check_name(get_str(raw, "cluster", None), "cluster")
     _text(raw, "topology", None)
     get_float(raw, "scale", None, positive=True)
     get_int(raw, "mtu", None, minimum=576, maximum=65535)
