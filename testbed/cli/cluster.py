@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", default="tb", help="the cluster's name (1-12 of a-z0-9; default tb)")
     parser.add_argument("--topology", default=None, help="with up: a levels topology (bundled name or YAML path)")
     parser.add_argument("--scale", type=float, default=None,
-                        help="with up: link rate = level bandwidth x SCALE (0.01: 100 Gb/s runs at 1 Gb/s)")
+                        help="with up: link rate = level bandwidth x SCALE (0.01: 100 Gb/s runs at 1 Gb/s); every "
+                             "link must come out at 8 kb/s..100 Gb/s, what tc shapes")
     parser.add_argument("--mtu", type=int, default=1500, help="with up: the links' MTU in bytes (default 1500)")
     parser.add_argument("--all", action="store_true", help="with down: every cluster of this project, leftovers too")
 
