@@ -58,6 +58,8 @@ CASES = [
     (("topology",), "eth-4x2\0", "topology"),
     (("topology",), ["eth-4x2"], "topology"),
     (("topology",), "no-such-topology", "topology"),
+    (("topology",), 0, "topology"),
+    (("topology",), float("inf"), "topology"),
     (("probe",), None, "probe"),
     (("probe", "loopback_bandwidth"), 0, "probe.loopback_bandwidth"),
     (("probe", "across_latency_s"), KeyError, "probe.across_latency_s"),

@@ -41,42 +41,41 @@ def _text(data: Mapping[str, Any], key: str, field: str | None) -> str:
 
 def _check_row(row: Any, field: str) -> dict[str, Any]:
     row = expect_mapping(row, field)
-    get_str(row, "op", field, choices=OPS)
-    get_int(row, "bytes", field, minimum=1)
-    get_float(row, "measured_s", field, positive=True)
-    get_bool(row, "ok", field, default=True)
+    checked = {"op": get_str(row, "op", field, choices=OPS), "bytes": get_int(row, "bytes", field, minimum=1),
+               "measured_s": get_float(row, "measured_s", field, positive=True),
+               "ok": get_bool(row, "ok", field, default=True)}
     calls = row.get("calls_s", [])
     if not isinstance(calls, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e9
                                               for t in calls):
         raise InputError("expected a list of positive seconds", field=f"{field}.calls_s")
-    return dict(row)
+    return {**row, **checked}
 
 
 def check_measurements(raw: Any) -> dict[str, Any]:
-    """``raw`` (a parsed measurements file) if every field the refit reads is valid; InputError (no file) else."""
+    """``raw`` (a parsed measurements file) with every field the refit reads checked and in its type (a number
+    given as text read as the number, ...); InputError (naming no file) at the first problem."""
     raw = expect_mapping(raw, None)
-    check_name(get_str(raw, "cluster", None), "cluster")
-    _text(raw, "topology", None)
-    get_float(raw, "scale", None, positive=True)
-    get_int(raw, "mtu", None, minimum=576, maximum=65535)
-    get_float(raw, "link_rate_bps", None, positive=True)
-    for key in ("load_before", "load_after"):
-        get_float(raw, key, None, minimum=0.0)
+    checked: dict[str, Any] = {
+        "cluster": check_name(get_str(raw, "cluster", None), "cluster"), "topology": _text(raw, "topology", None),
+        "scale": get_float(raw, "scale", None, positive=True),
+        "mtu": get_int(raw, "mtu", None, minimum=576, maximum=65535),
+        "link_rate_bps": get_float(raw, "link_rate_bps", None, positive=True),
+        **{key: get_float(raw, key, None, minimum=0.0) for key in ("load_before", "load_after")}}
     if "bucket_bytes" in raw:
-        get_int(raw, "bucket_bytes", None, minimum=0)
+        checked["bucket_bytes"] = get_int(raw, "bucket_bytes", None, minimum=0)
     probe = expect_mapping(raw.get("probe"), "probe")
-    for key in ("loopback_bandwidth", "loopback_latency_s", "across_latency_s"):
-        get_float(probe, key, "probe", minimum=0.0)
-    HostProbe.from_dict(probe)  # its own ranges (latencies under 1 s, bandwidth positive)
+    checked["probe"] = {key: get_float(probe, key, "probe", minimum=0.0)
+                        for key in ("loopback_bandwidth", "loopback_latency_s", "across_latency_s")}
+    HostProbe.from_dict(checked["probe"])  # its own ranges (latencies under 1 s, bandwidth positive)
     rows = raw.get("rows")
     if not isinstance(rows, list) or not rows:
         raise InputError("expected a non-empty list of timed calls ({op, bytes, measured_s})", field="rows")
     if len(rows) > MAX_ROWS:
         raise InputError(f"at most {MAX_ROWS:,} rows, got {len(rows):,}", field="rows")
-    checked = [_check_row(row, f"rows[{i}]") for i, row in enumerate(rows)]
-    if not any(row.get("ok", True) for row in checked):
+    checked["rows"] = [_check_row(row, f"rows[{i}]") for i, row in enumerate(rows)]
+    if not any(row["ok"] for row in checked["rows"]):
         raise InputError("every row is marked ok: false; there is nothing to fit", field="rows")
-    return {**raw, "rows": checked}
+    return {**raw, **checked}
 
 
 def load_measurements(path: str) -> dict[str, Any]:
