@@ -254,7 +254,10 @@ def get_float(data: Mapping[str, Any], key: str, field: str | None, default: flo
             raise InputError(f"expected a number, got {quote(value)}", field=name) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"expected a number, got {quote(value)}", field=name)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # a whole number past a float's range
+        raise InputError("must be a finite number, got a whole number too large for one", field=name) from None
     if not math.isfinite(value):
         raise InputError(f"must be a finite number, got {value}", field=name)
     if positive and not value > 0:

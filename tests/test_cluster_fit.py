@@ -531,7 +531,7 @@ def test_calibrate_cluster_bad_measurements_exit_2(tmp_path, capsys):
     assert main(["calibrate", "--cluster", "t", "--out", str(tmp_path / "c.yaml"), "--from-measurements",
                  str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "bad.json" in err and "--from-measurements" in err
+    assert "bad.json" in err and "field `cluster`: is required but missing" in err
 
 
 @pytest.mark.parametrize("argv", [

@@ -63,7 +63,7 @@ def _bad(argv, capsys) -> str:
 def test_bad_programs_are_refused_in_one_paragraph(tmp_path, capsys) -> None:
     example = f"{EXAMPLES / 'vision_cnn.py'}:predict"
     assert "no such file" in _bad(["simulate", "--program", "nowhere/x.py:predict", "--topology", "dgx-h100"], capsys)
-    assert "importing 'no_such_module_xyz' failed" in _bad(
+    assert "'no_such_module_xyz:predict' raised ModuleNotFoundError" in _bad(
         ["simulate", "--program", "no_such_module_xyz:predict", "--topology", "dgx-h100"], capsys)
     assert "has no function 'missing'" in _bad(
         ["simulate", "--program", f"{EXAMPLES / 'vision_cnn.py'}:missing", "--topology", "dgx-h100"], capsys)
@@ -86,7 +86,7 @@ def test_bad_programs_are_refused_in_one_paragraph(tmp_path, capsys) -> None:
         """))
     assert "it must return (step, args)" in _bad(
         ["simulate", "--program", f"{module}:wrong", "--topology", "dgx-h100"], capsys)
-    assert "failed: RuntimeError: my bug" in _bad(
+    assert "raised RuntimeError: my bug (while being called" in _bad(
         ["simulate", "--program", f"{module}:broken", "--topology", "dgx-h100"], capsys)
     assert "host callback" in _bad(["simulate", "--program", f"{module}:callback", "--topology", "dgx-h100"], capsys)
     code, out, _ = run_cli(["simulate", "--program", f"{module}:callback", "--topology", "dgx-h100",

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from testbed.cluster.measurements import load_measurements
 from testbed.cluster.fit import CAPPED_OPS, HostCosts, HostProbe, emulated, fit_from_bytes, fit_host_costs, row_errors
 from testbed.cluster.spec import ClusterSpec, cluster_spec
 from testbed.errors import InputError
@@ -32,24 +33,13 @@ __all__ = ["calibrate", "read_cluster_measurements", "calibrated_topology"]
 
 
 def read_cluster_measurements(path: str) -> tuple[ClusterSpec, dict[str, Any]]:
-    """A ``.measurements.json`` that ``calibrate --cluster`` wrote: the cluster's spec and the raw document."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise InputError("measurements file not found", file=path, field="--from-measurements") from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise InputError(f"not a measurements JSON file ({exc})", file=path, field="--from-measurements") from None
-    keys = ("cluster", "topology", "scale", "mtu", "probe", "rows")
-    if not isinstance(raw, dict) or any(k not in raw for k in keys) or not raw["rows"]:
-        raise InputError(f"expected an object with {', '.join(keys)} (written by `testbed calibrate --cluster`)",
-                         file=path, field="--from-measurements")
+    """A ``.measurements.json`` that ``calibrate --cluster`` wrote, checked field by field
+    (:mod:`testbed.cluster.measurements`): the cluster's spec and the document."""
+    raw = load_measurements(path)
     try:
         spec = cluster_spec(load_topology(raw["topology"]), name=raw["cluster"], scale=raw["scale"], mtu=raw["mtu"])
-        HostProbe.from_dict(raw["probe"])
     except InputError as exc:
         raise exc.with_file(path) from None
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"a field is missing or malformed ({exc})", file=path, field="probe") from None
     return spec, raw
 
 
@@ -84,7 +74,10 @@ def _calibrate(args: argparse.Namespace) -> CommandResult:
     if not args.max_call_s > 0:
         raise InputError(f"must be a positive number of seconds, got {args.max_call_s}", field="--max-call-s")
     spec, raw = read_cluster_measurements(args.from_measurements) if args.from_measurements else _measure(args)
-    topology, costs, rows = calibrated_topology(spec, raw)
+    try:
+        topology, costs, rows = calibrated_topology(spec, raw)
+    except InputError as exc:  # e.g. no row large enough to fit
+        raise (exc.with_file(args.from_measurements) if args.from_measurements else exc) from None
     errors = [abs(r["error"]) for r in rows]
     header = (f"# Fitted by `testbed calibrate --cluster {spec.name}` on emulated cluster `{spec.name}` "
               f"({spec.topology.name} at scale {spec.scale:g}, links {raw['link_rate_bps'] / 1e6:g} Mb/s): gloo's "

@@ -5,7 +5,9 @@ one ``data`` axis over every device) and returns ``(step, args)``: the step (a f
 function, or ``testbed.runner.program.PmapStep`` for a pmap step) and its arguments, ``jax.ShapeDtypeStruct`` s
 carrying ``NamedSharding`` s on that mesh (or arrays). testbed.runner.program traces it without devices and
 testbed.sim.traced prices it. Every mistake in the module path, the function or what it returns is
-bad input: exit status 2 and one paragraph.
+bad input: exit status 2 and one paragraph, whatever the code raises (testbed.cli.user_code); importing,
+calling and tracing it have a time limit (``--timeout``, default 600 s). The program's folder (a ``.py``
+file's own, or the working directory for a dotted module) is on ``sys.path`` only while its code runs.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from testbed.cli.user_code import DEFAULT_TIMEOUT_S, reported, user_code
 from testbed.errors import InputError, quote
 from testbed.text import markup
 from testbed.topology import Topology
 
-__all__ = ["parse_mesh", "load_function", "trace_program"]
+__all__ = ["parse_mesh", "load_function", "trace_program", "program_folder"]
 
 _CONTRACT = ("it must return (step, args): the step (a function, a jax.jit-ed function or "
              "testbed.runner.program.PmapStep) and a tuple of its arguments (jax.ShapeDtypeStructs with NamedShardings "
@@ -46,35 +50,46 @@ def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
     return mesh
 
 
-def load_function(spec: str) -> Any:
-    """The function ``module:function`` names (a dotted module importable from the working directory, or a
-    ``.py`` file path)."""
+def _split(spec: str) -> tuple[str, str]:
     module_name, sep, function = spec.rpartition(":")
     if not sep or not module_name or not function.isidentifier():
         raise InputError(f"{quote(spec)} is not `module:function` (e.g. examples/vision/cnn.py:predict or "
                          "mypackage.train:predict)", field="--program")
+    return module_name, function
+
+
+def _is_file(module_name: str) -> bool:
+    return module_name.endswith(".py") or Path(module_name).is_file()
+
+
+def program_folder(spec: str) -> str:
+    """The folder the user's code is imported from: a ``.py`` file's own folder, else the working directory
+    (where a dotted module is looked up)."""
+    module_name, _ = _split(spec)
+    return str(Path(module_name).resolve().parent) if _is_file(module_name) else os.getcwd()
+
+
+def load_function(spec: str) -> Any:
+    """The function ``module:function`` names (a dotted module importable from the working directory, or a
+    ``.py`` file path). The folder is on ``sys.path`` for the import only; what the import raises, of any kind,
+    is an InputError (:func:`testbed.cli.user_code.reported`)."""
+    module_name, function = _split(spec)
     path = Path(module_name)
+    if _is_file(module_name) and not path.is_file():
+        raise InputError(f"no such file {quote(module_name)}; give a Python file or an importable module",
+                         field="--program")
+    saved = list(sys.path)
+    sys.path.insert(0, program_folder(spec))
     try:
-        if module_name.endswith(".py") or path.is_file():
-            if not path.is_file():
-                raise InputError(f"no such file {quote(module_name)}; give a Python file or an importable module",
-                                 field="--program")
-            loader = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(loader)
-            sys.path.insert(0, str(path.resolve().parent))
-            try:
+        with reported(spec, "being imported"):
+            if _is_file(module_name):
+                loader = importlib.util.spec_from_file_location(path.stem, path)
+                module = importlib.util.module_from_spec(loader)
                 loader.loader.exec_module(module)
-            finally:
-                sys.path.pop(0)
-        else:
-            if "" not in sys.path and "." not in sys.path:
-                sys.path.insert(0, "")
-            module = importlib.import_module(module_name)
-    except InputError:
-        raise
-    except Exception as exc:  # the user's module failed to import: bad input, said in one paragraph
-        raise InputError(f"importing {quote(module_name)} failed: {type(exc).__name__}: {exc}",
-                         field="--program") from None
+            else:
+                module = importlib.import_module(module_name)
+    finally:
+        sys.path[:] = saved
     fn = getattr(module, function, None)
     if not callable(fn):
         raise InputError(f"module {quote(module_name)} has no function {quote(function)}; it should define "
@@ -82,38 +97,44 @@ def load_function(spec: str) -> Any:
     return fn
 
 
-def trace_program(spec: str, mesh: dict[str, int], on_unknown: str = "refuse") -> Any:
-    """Call the ``--program`` function with the abstract mesh and trace what it returns (a Workload)."""
+def trace_program(spec: str, mesh: dict[str, int], on_unknown: str = "refuse",
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+    """Call the ``--program`` function with the abstract mesh and trace what it returns (a Workload), all within
+    ``timeout_s`` and with the program's folder on ``sys.path`` until it is done (:mod:`testbed.cli.user_code`)."""
+    with user_code(spec, program_folder(spec), timeout_s), reported(spec, "running"):
+        return _trace_program(spec, mesh, on_unknown)
+
+
+def _trace_program(spec: str, mesh: dict[str, int], on_unknown: str) -> Any:
     from testbed.runner.program import PmapStep, abstract_mesh, trace, trace_pmap
 
     fn = load_function(spec)
     abstract = abstract_mesh(mesh)
-    try:
+    with reported(spec, f"being called with the mesh {mesh}"):
         returned = fn(abstract)
-    except Exception as exc:
-        raise InputError(f"calling {quote(spec)} with the mesh {mesh} failed: {type(exc).__name__}: {exc}",
-                         field="--program") from None
     if not (isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[1], (tuple, list))
             and (callable(returned[0]) or isinstance(returned[0], PmapStep))):
-        raise InputError(f"{quote(spec)} returned {quote(returned)}; {_CONTRACT}", field="--program")
+        raise InputError(f"{quote(spec)} returned {_shown(returned)}; {_CONTRACT}", field="--program")
     step, args = returned
     name = spec.rpartition(":")[2]
-    try:
+    if isinstance(step, PmapStep) and len(mesh) != 1:
+        raise InputError(f"a pmap step runs over one axis, but the mesh is {mesh}; give --mesh "
+                         f"{step.axis_name}=N", field="--mesh")
+    with reported(spec, f"being traced on the mesh {mesh}"):  # a JAX error while tracing or partitioning the step
         if isinstance(step, PmapStep):
-            if len(mesh) != 1:
-                raise InputError(f"a pmap step runs over one axis, but the mesh is {mesh}; give --mesh "
-                                 f"{step.axis_name}=N", field="--mesh")
             workload = trace_pmap(step.fn, *args, axis_name=step.axis_name, devices=next(iter(mesh.values())),
                                   in_axes=step.in_axes, name=name, on_unknown=on_unknown)
         else:
             workload = trace(step, *args, mesh=abstract, name=name, on_unknown=on_unknown)
-    except InputError:
-        raise
-    except Exception as exc:  # a JAX error while tracing or partitioning the user's step
-        text = " ".join(str(exc).split())
-        raise InputError(f"tracing {quote(spec)} on the mesh {mesh} failed: {type(exc).__name__}: {text}",
-                         field="--program") from None
     return _with_xla_memory(workload, fn, mesh)
+
+
+def _shown(value: Any) -> str:
+    """``quote(value)``, or its type where its ``repr`` raises."""
+    try:
+        return quote(value)
+    except BaseException:  # noqa: BLE001 - a user's __repr__ may raise anything
+        return f"a {type(value).__name__} (its repr raised)"
 
 
 def _with_xla_memory(workload: Any, fn: Any, mesh: dict[str, int]) -> Any:
@@ -147,6 +168,7 @@ def execute(args: Any) -> Any:
     from testbed.sim.trace_args import write_outputs
     from testbed.sim.traced import simulate_workload
     from testbed.topology.io import load_topology
+    from testbed.cli.user_code import check_timeout
     from testbed.units import format_bytes, format_time, parse_bytes
 
     if args.plan:
@@ -156,7 +178,7 @@ def execute(args: Any) -> Any:
     max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
     topology = load_topology(args.topology)
     mesh = parse_mesh(args.mesh, topology)
-    workload = trace_program(args.program, mesh, args.unknown_ops)
+    workload = trace_program(args.program, mesh, args.unknown_ops, check_timeout(args.timeout))
     sim = simulate_workload(workload, topology)
     r = sim.report
     summary = workload.summary()

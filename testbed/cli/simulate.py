@@ -54,6 +54,11 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--program", metavar="MODULE:FUNCTION",
                         help="predict your own JAX step instead of a plan: FUNCTION(mesh) returns (step, args) "
                              "(docs/program.md); needs --topology")
+    from testbed.cli.user_code import DEFAULT_TIMEOUT_S
+
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help="with --program: the time limit for importing, calling and tracing it (default 600 s); "
+                             "past it the command stops with exit status 2")
     parser.add_argument("--mesh", help="with --program: mesh axes and sizes, e.g. data=64,tensor=8 "
                                        "(default: data over every device)")
     parser.add_argument("--unknown-ops", choices=("refuse", "assume"), default="refuse",

@@ -12,8 +12,10 @@ default route: the cluster cannot reach anything outside itself.
 The owner is ``keep`` for a cluster made by ``testbed cluster up`` (removed
 by ``down``), or ``<pid>x<start time>`` of the process that made a cluster
 for one command: :func:`remove_leftovers` (run before every build) removes
-clusters whose owner is gone, e.g. a parent killed with SIGKILL, together
-with any process still running inside them.
+clusters whose owner is gone, e.g. a parent killed with SIGKILL, and kept
+clusters whose build stopped before their state file was written, together
+with any process still running inside them. Only namespaces whose owner
+record testbed wrote (:mod:`testbed.cluster.state`) are listed or removed.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from pathlib import Path
 
 from testbed.cluster.queue import (FIFO, SPARSE_BELOW, SPARSE_FIRST, fifo_commands, queue_bytes,
                                    sparse_first_commands)
-from testbed.cluster.spec import ClusterSpec, namespace_name, parse_namespace
+from testbed.cluster import state
+from testbed.cluster.spec import ClusterSpec, check_name, namespace_name, parse_namespace
+from testbed.errors import InputError
 
 __all__ = ["ClusterUnavailable", "bucket_bytes", "ClusterError", "privilege_problem", "unavailable", "owner_token", "owner_alive",
            "namespaces",
            "build", "reshape", "remove", "remove_leftovers", "remove_all", "clusters", "ephemeral", "node_namespace",
-           "ClusterInfo", "queue_in_use"]
+           "ClusterInfo", "queue_in_use", "leaving_on_signals", "LEAVING_SIGNALS", "signals_held"]
 
 _NET_ADMIN = 12  # capability bit
 
@@ -44,8 +48,12 @@ class ClusterUnavailable(RuntimeError):
     """This process may not create network namespaces (no root, no CAP_NET_ADMIN, no ``ip``)."""
 
 
-class ClusterError(RuntimeError):
-    """An ``ip``/``tc`` command failed while building or removing a cluster."""
+class ClusterError(InputError):
+    """An ``ip``/``tc`` command failed while building or removing a cluster (exit 2, one paragraph, as bad input:
+    what the machine refused is named)."""
+
+    def __init__(self, message: str, *, field: str | None = "cluster", file: str | None = None):
+        super().__init__(message, field=field, file=file)
 
 
 def _capabilities() -> int:
@@ -96,7 +104,10 @@ def unavailable() -> str | None:
 
 
 def _run(args: list[str], *, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ClusterError(f"`{' '.join(args)}` could not run: {exc}") from None
     if check and proc.returncode != 0:
         raise ClusterError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -125,30 +136,51 @@ def owner_alive(owner: str) -> bool:
 
 
 def namespaces() -> list[str]:
-    """This project's network namespaces (names starting ``tbc-``)."""
+    """This project's network namespaces: those named ``tbc-...`` whose owner record testbed wrote
+    (:mod:`testbed.cluster.state`); another tool's namespace of the same form is never listed."""
     out = _run(["ip", "netns", "list"], check=False).stdout
     names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return [n for n in names if parse_namespace(n) is not None]
+    return [n for n in names if parse_namespace(n) is not None and state.owner_record(n) is not None]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterInfo:
-    """A cluster found on the machine: its name, owner, namespaces, and whether its owner still runs."""
+    """A cluster found on the machine: its name, owner, namespaces, whether its owner still runs, and whether it
+    is complete (a kept cluster has its state file; a one-command cluster always is)."""
 
     name: str
     owner: str
     namespaces: tuple[str, ...]
     alive: bool
+    complete: bool = True
+    builder_alive: bool = True
+
+    @property
+    def stale(self) -> bool:
+        """Left behind: its owner is gone, or a kept cluster's build stopped before its state file was written."""
+        return not self.alive or (not self.complete and not self.builder_alive)
 
 
 def clusters() -> list[ClusterInfo]:
-    """The clusters on this machine, from their namespaces' names."""
+    """The clusters on this machine, from their namespaces' names and owner records."""
     found: dict[tuple[str, str], list[str]] = {}
     for ns in namespaces():
         cluster, owner, _ = parse_namespace(ns)  # type: ignore[misc]
         found.setdefault((cluster, owner), []).append(ns)
-    return [ClusterInfo(name=c, owner=o, namespaces=tuple(sorted(ns)), alive=owner_alive(o))
-            for (c, o), ns in sorted(found.items())]
+    out = []
+    for (c, o), names in sorted(found.items()):
+        builders = {str((state.owner_record(ns) or {}).get("builder")) for ns in names}
+        complete = o != "keep" or _has_state(c)
+        out.append(ClusterInfo(name=c, owner=o, namespaces=tuple(sorted(names)), alive=owner_alive(o),
+                               complete=complete, builder_alive=any(owner_alive(b) for b in builders)))
+    return out
+
+
+def _has_state(name: str) -> bool:
+    try:
+        return state.state_path(name).exists()
+    except InputError:
+        return False
 
 
 def _kill_inside(ns: str) -> None:
@@ -160,15 +192,20 @@ def _kill_inside(ns: str) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _delete(names: list[str]) -> None:
-    for ns in names:
+def _delete(names: list[str], *, made_here: bool = False) -> None:
+    """Remove namespaces testbed made (their owner record checked again here, unless this process has just made
+    them: ``made_here``) and their records."""
+    ours = [ns for ns in names if made_here or state.owner_record(ns) is not None]
+    for ns in ours:
         _kill_inside(ns)
-    for ns in names:
-        _run(["ip", "netns", "delete", ns], check=False)
+    for ns in ours:
+        if _run(["ip", "netns", "delete", ns], check=False).returncode == 0 or state.netns_inode(ns) is None:
+            state.remove_owner(ns)
 
 
 def remove(name: str, owner: str | None = None) -> int:
     """Remove cluster ``name`` (of ``owner``, or any owner); the number of namespaces removed."""
+    check_name(name)
     names = [ns for ns in namespaces() if parse_namespace(ns)[0] == name  # type: ignore[index]
              and (owner is None or parse_namespace(ns)[1] == owner)]  # type: ignore[index]
     _delete(names)
@@ -176,9 +213,13 @@ def remove(name: str, owner: str | None = None) -> int:
 
 
 def remove_leftovers() -> list[str]:
-    """Remove the clusters whose owning process is gone; their names."""
-    stale = [c for c in clusters() if not c.alive]
+    """Remove the clusters left behind (:attr:`ClusterInfo.stale`) and owner records of namespaces gone; their
+    names."""
+    stale = [c for c in clusters() if c.stale]
     _delete([ns for c in stale for ns in c.namespaces])
+    for ns in state.recorded_namespaces():
+        if state.netns_inode(ns) is None:
+            state.remove_owner(ns)
     return [c.name for c in stale]
 
 
@@ -257,11 +298,19 @@ def build(spec: ClusterSpec, owner: str, *, queue: str = SPARSE_FIRST) -> list[s
     was made and raises :class:`ClusterError`.
     """
     fabric = namespace_name(spec.name, owner, "sw")
+    builder = owner_token()
     made: list[str] = []
     try:
         for ns in [fabric, *(namespace_name(spec.name, owner, n.role) for n in spec.nodes)]:
-            _run(["ip", "netns", "add", ns])
-            made.append(ns)
+            with signals_held():  # the record and the namespace together: a signal lands before or after both
+                state.write_owner(ns, builder, made=False)
+                try:
+                    _run(["ip", "netns", "add", ns])
+                except ClusterError:
+                    state.remove_owner(ns)
+                    raise
+                made.append(ns)
+                state.write_owner(ns, builder)
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
         for bridge in spec.bridges:
             _run(["ip", "-n", fabric, "link", "add", bridge, "mtu", str(spec.mtu), "type", "bridge"])
@@ -280,7 +329,8 @@ def build(spec: ClusterSpec, owner: str, *, queue: str = SPARSE_FIRST) -> list[s
                 queue = _shape(ns, dev, link.rate_bps, spec.mtu, queue)  # a first refusal: FIFO on every end
                 _run(["ip", "-n", ns, "link", "set", dev, "up"])
     except BaseException:
-        _delete(made)
+        with signals_held():  # a second signal does not stop the removal half-way
+            _delete(made, made_here=True)
         raise
     return made
 
@@ -307,18 +357,64 @@ def reshape(spec: ClusterSpec, owner: str, scale: float, *, queue: str | None = 
     return new
 
 
+#: The signals that end a process by default and that it can catch, other than SIGINT (KeyboardInterrupt) and
+#: the faults a program raises itself (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP, SIGSYS).
+LEAVING_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM",
+                                                     "SIGVTALRM", "SIGPROF", "SIGXCPU", "SIGXFSZ", "SIGPWR", "SIGIO",
+                                                     "SIGSTKFLT") if hasattr(signal, n))
+
+
+class _Held:
+    """Critical sections open now (:func:`signals_held`) and the first signal that arrived during them."""
+
+    depth = 0
+    pending: int | None = None
+
+
+def _leave(signum: int) -> None:
+    """End the process's current work for signal ``signum``: KeyboardInterrupt for SIGINT, else SystemExit."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
 @contextlib.contextmanager
-def _signals_exit() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise SystemExit here, so ``finally`` blocks run (SIGINT already raises)."""
+def signals_held() -> Iterator[None]:
+    """SIGINT and :data:`LEAVING_SIGNALS` held for the block and acted on when it ends.
+
+    Blocked at the OS (so no child inherits a half-done step), and, for a signal Python's C handler caught just
+    before, deferred by the handlers of :func:`leaving_on_signals` (Python runs handlers between bytecodes,
+    which may fall inside the block).
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *LEAVING_SIGNALS})
+    _Held.depth += 1
+    try:
+        yield
+    finally:
+        _Held.depth -= 1
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if _Held.depth == 0 and _Held.pending is not None:
+            signum, _Held.pending = _Held.pending, None
+            _leave(signum)
+
+
+@contextlib.contextmanager
+def leaving_on_signals() -> Iterator[None]:
+    """Each of :data:`LEAVING_SIGNALS` raises SystemExit(128 + N) here and SIGINT KeyboardInterrupt, so
+    ``finally`` blocks run; inside :func:`signals_held` they wait for its end. Outside the main thread, where
+    handlers cannot be set, nothing changes."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, *LEAVING_SIGNALS)}
 
     def leave(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
+        if _Held.depth:
+            _Held.pending = _Held.pending or signum
+            return
+        _leave(signum)
 
     for s in previous:
         signal.signal(s, leave)
@@ -335,7 +431,7 @@ def ephemeral(spec: ClusterSpec, *, queue: str = SPARSE_FIRST) -> Iterator[str]:
     the owner token.
 
     Leftovers of dead owners are removed first. The cluster is removed on
-    leaving the block, on Ctrl-C, SIGTERM and SIGHUP; after a SIGKILL the next
+    leaving the block, on Ctrl-C and every signal of :data:`LEAVING_SIGNALS`; after a SIGKILL the next
     :func:`ephemeral` or ``testbed cluster up`` removes it.
     """
     problem = privilege_problem()
@@ -343,10 +439,11 @@ def ephemeral(spec: ClusterSpec, *, queue: str = SPARSE_FIRST) -> Iterator[str]:
         raise ClusterUnavailable(problem)
     remove_leftovers()
     owner = owner_token()
-    with _signals_exit():
+    with leaving_on_signals():
         try:
             build(spec, owner, queue=queue)
             yield owner
         finally:
-            remove(spec.name, owner)
+            with signals_held():
+                remove(spec.name, owner)
 

@@ -15,12 +15,19 @@ kernel's and the bridge's). Both are measured here with plain sockets:
 - loopback: 32 MiB streamed over TCP inside node 0.
 
 Run as ``python -m testbed.cluster.probe serve HOST PORT`` or ``... client
-HOST PORT LOOP_PORT`` inside the namespaces (by :func:`measure`).
+HOST PORT LOOP_PORT`` inside the namespaces (by :func:`measure`), without the
+working directory on ``sys.path`` (:mod:`testbed.interpreter`). A server dies
+with the process that started it, even a SIGKILLed one (a parent-death signal
+and a watchdog, :func:`testbed.lifetime.die_with_parent`), so no orphan keeps
+a kept cluster's probe port.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -29,11 +36,15 @@ import time
 from dataclasses import dataclass
 
 from testbed.cluster.spec import ClusterSpec, namespace_name
+from testbed.interpreter import python_argv, python_env
+from testbed.lifetime import die_with_parent
 
 __all__ = ["ProbeResult", "measure"]
 
 _CHUNK = 1 << 20
 _PORT = 7455
+#: The pid a probe server dies with (the process running :func:`measure`).
+_PARENT = "TESTBED_PROBE_PARENT"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,11 +68,15 @@ class ProbeResult:
 
 def _serve(host: str, port: int) -> None:
     """Answer connections one at a time: mode ``e`` echoes single bytes, ``s`` drains a stream."""
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((host, port))
-    srv.listen(4)
-    print("ready", flush=True)
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((host, port))
+        srv.listen(4)
+        print("ready", flush=True)
+        _answer(srv)
+
+
+def _answer(srv: socket.socket) -> None:
     while True:
         conn, _ = srv.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -101,33 +116,68 @@ def _throughput(host: str, port: int, nbytes: int = 32 * _CHUNK) -> float:
 
 
 def _exec(ns: str, *args: str) -> list[str]:
-    return ["ip", "netns", "exec", ns, sys.executable, "-m", "testbed.cluster.probe", *args]
+    return ["ip", "netns", "exec", ns, *python_argv("-m", "testbed.cluster.probe", *args)]
+
+
+def _start_server(ns: str, host: str) -> subprocess.Popen:
+    """A probe server in namespace ``ns``, dying with this process however it ends (:data:`_PARENT`)."""
+    env = {**python_env(), _PARENT: str(os.getpid())}
+    return subprocess.Popen(_exec(ns, "serve", host, str(_PORT)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+
+
+def _stop(server: subprocess.Popen) -> str:
+    """Kill a server's process group and reap it; its stderr's last line (why it ended, if it did early)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+    err = server.stderr.read() if server.stderr else ""
+    for stream in (server.stdout, server.stderr):
+        if stream:
+            stream.close()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
 
 
 def measure(spec: ClusterSpec, owner: str) -> ProbeResult:
-    """Probe a built cluster (nodes 0 and 1): one server per node, one client in node 0."""
+    """Probe a built cluster (nodes 0 and 1): one server per node, one client in node 0.
+
+    A server that cannot listen (its port taken in the namespace) raises
+    :class:`testbed.cluster.netns.ClusterError` naming the namespace and why.
+    """
+    from testbed.cluster.netns import ClusterError
+
     n0, n1 = (namespace_name(spec.name, owner, spec.nodes[i].role) for i in (0, 1))
-    servers = [subprocess.Popen(_exec(n1, "serve", spec.nodes[1].address, str(_PORT)), stdout=subprocess.PIPE,
-                                text=True),
-               subprocess.Popen(_exec(n0, "serve", "127.0.0.1", str(_PORT)), stdout=subprocess.PIPE, text=True)]
+    servers: list[tuple[str, subprocess.Popen]] = []
     try:
-        for server in servers:
-            server.stdout.readline()  # "ready"
-        out = subprocess.run(_exec(n0, "client", spec.nodes[1].address, str(_PORT), str(_PORT)),
-                             capture_output=True, text=True, timeout=120, check=True).stdout
+        for ns, host in ((n1, spec.nodes[1].address), (n0, "127.0.0.1")):
+            servers.append((ns, _start_server(ns, host)))
+            if servers[-1][1].stdout.readline().strip() != "ready":
+                raise ClusterError(f"the TCP probe's server in namespace {ns} did not start: "
+                                   f"{_stop(servers.pop()[1]) or 'no reason given'}")
+        client = subprocess.run(_exec(n0, "client", spec.nodes[1].address, str(_PORT), str(_PORT)),
+                                capture_output=True, text=True, timeout=120, env=python_env())
+        if client.returncode != 0:
+            raise ClusterError(f"the TCP probe's client in namespace {n0} failed ({client.returncode}): "
+                               f"{client.stderr.strip()[-300:]}")
     finally:
-        for server in servers:
-            server.kill()
-            server.wait()
-            server.stdout.close()
-    data = json.loads(out)
+        for _, server in servers:
+            _stop(server)
+    data = json.loads(client.stdout)
     return ProbeResult(loopback_bandwidth=data["loopback"], loopback_latency_s=data["loopback_latency"],
                        across_latency_s=data["latency"])
 
 
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["serve"]:
-        _serve(argv[1], int(argv[2]))
+        parent = os.environ.get(_PARENT, "")
+        if parent.isdigit():  # a SIGKILLed measure() cannot stop its servers: each stops itself
+            die_with_parent(int(parent))
+        try:
+            _serve(argv[1], int(argv[2]))
+        except OSError as exc:
+            sys.stderr.write(f"cannot listen on {argv[1]}:{argv[2]}: {exc.strerror or exc}\n")
+            return 1
         return 0
     if argv[:1] == ["client"]:
         print(json.dumps({"latency": _latency(argv[1], int(argv[2])),

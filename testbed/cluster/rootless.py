@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from testbed.interpreter import python_argv, python_env
+
 __all__ = ["ENV", "userns_problem", "rootless_argv", "reexec_rootless", "session_recipe"]
 
 #: Set in the re-executed command, so it never re-executes again.
@@ -72,8 +74,9 @@ def reexec_rootless() -> bool:
     if os.environ.get(ENV) or not started_as_testbed or userns_problem() is not None:
         return False  # (a `main([...])` called from Python, e.g. a test, is never re-executed)
     # The same command line, whether it was started as the `testbed` script or `python -m testbed.cli`.
-    argv = rootless_argv([sys.executable, "-m", "testbed.cli", *sys.argv[1:]])
+    # ... without the working directory on sys.path (testbed.interpreter).
+    argv = rootless_argv(python_argv("-m", "testbed.cli", *sys.argv[1:]))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(argv[0], argv, {**os.environ, ENV: "1"})
+    os.execvpe(argv[0], argv, {**python_env(), ENV: "1"})
     return True  # pragma: no cover - execvpe does not return

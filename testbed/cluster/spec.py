@@ -34,7 +34,7 @@ from testbed.collectives.gloo import GLOO_ALGORITHMS, NETWORK_KINDS  # re-export
 from testbed.topology import Topology
 from testbed.topology.parts import Form, Level, LinkKind
 
-__all__ = ["PREFIX", "NETWORK_KINDS", "GLOO_ALGORITHMS", "NodeSpec", "ShapedLink", "ClusterSpec", "cluster_spec",
+__all__ = ["PREFIX", "check_name", "MIN_RATE_BPS", "MAX_RATE_BPS", "NETWORK_KINDS", "GLOO_ALGORITHMS", "NodeSpec", "ShapedLink", "ClusterSpec", "cluster_spec",
            "goodput_fraction",
            "namespace_name", "parse_namespace"]
 
@@ -44,9 +44,24 @@ PREFIX = "tbc"
 #: isolated stacks, so clusters may reuse it).
 SUBNET = "198.18.0"
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
+#: The slowest link rate (bits/s) a cluster's links are shaped to: tbf's rate is whole bytes/s and a link of
+#: 8 kb/s already takes 1.5 s per full frame.
+MIN_RATE_BPS = 8e3
+#: The fastest: tbf's queue limit (50 ms of the rate plus the bucket, testbed.cluster.queue) is a 32-bit byte
+#: count in the kernel, which 100 Gb/s keeps well under (625 MB); tc refuses limits past 4 GiB (about 680 Gb/s).
+MAX_RATE_BPS = 1e11
 #: Bytes on the wire (what tbf counts: Ethernet header + IP packet) per TCP packet beyond the MTU's payload.
 _ETH_HEADER = 14
 _TCPIP_HEADERS = 20 + 20 + 12  # IPv4, TCP, TCP timestamps option (Linux default)
+
+
+def check_name(name: object, field: str = "name") -> str:
+    """``name`` if it is a cluster name (1-12 lowercase letters and digits, a letter first), else InputError."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        shown = repr(name)[:40]
+        raise InputError(f"a cluster name is 1-12 lowercase letters and digits starting with a letter, got {shown}",
+                         field=field)
+    return name
 
 
 def goodput_fraction(mtu: int) -> float:
@@ -111,9 +126,7 @@ class ClusterSpec:
     inner_levels: int
 
     def __post_init__(self) -> None:
-        if not _NAME.match(self.name):
-            raise InputError(f"a cluster name is 1-12 lowercase letters and digits starting with a letter, got "
-                             f"{self.name!r}", field="name")
+        check_name(self.name)
         if not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale) and self.scale > 0):
             raise InputError(f"must be a positive factor (0.01 emulates 100 Gb/s at 1 Gb/s), got {self.scale!r}",
                              field="scale")
@@ -192,6 +205,17 @@ def _inner_levels(topology: Topology) -> int:
     return count
 
 
+def _check_rates(topology: Topology, unit_bps: float, scale: float) -> None:
+    """A link of ``unit_bps`` at scale 1 shaped within what tc shapes (:data:`MIN_RATE_BPS`..:data:`MAX_RATE_BPS`)
+    at ``scale``, else InputError saying the scales that keep this link in range."""
+    if MIN_RATE_BPS <= unit_bps * scale <= MAX_RATE_BPS:
+        return
+    raise InputError(f"{scale:g} shapes a link of {topology.name} ({unit_bps:.3g} bit/s) at "
+                     f"{unit_bps * scale:.3g} bit/s, but tc shapes {MIN_RATE_BPS:.0f} bit/s to {MAX_RATE_BPS:.0e} "
+                     f"bit/s: give a scale from {MIN_RATE_BPS / unit_bps:.3g} to {MAX_RATE_BPS / unit_bps:.3g}",
+                     field="scale")
+
+
 def cluster_spec(topology: Topology, *, name: str, scale: float, mtu: int = 1500) -> ClusterSpec:
     """The emulated cluster of a levels topology: one namespace per node, a bridge per switch.
 
@@ -216,7 +240,9 @@ def cluster_spec(topology: Topology, *, name: str, scale: float, mtu: int = 1500
     under = per_node  # devices under each member
     for depth, level in enumerate(topology.levels[inner:]):
         assert level.bandwidth is not None  # a levels topology's levels all have one (generators.hierarchical)
-        rate = level.bandwidth * 8 * scale * (under if level.attach == "device" else 1)
+        unit = level.bandwidth * 8 * (under if level.attach == "device" else 1)  # bits/s at scale 1
+        _check_rates(topology, unit, scale)
+        rate = unit * scale
         groups = len(members) // level.size
         names = [f"b{depth}x{g}" for g in range(groups)]
         bridges.extend(names)

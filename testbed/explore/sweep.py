@@ -175,7 +175,9 @@ def _executor(kind: str, workers: int, address: str | None):
 
         from testbed.lifetime import die_with_parent
 
-        # Pool processes die with the sweep, even a SIGKILLed one (nothing else would stop them).
+        # Pool processes die with the sweep, even a SIGKILLed one (nothing else would stop them), and start
+        # without the working directory on sys.path (their parent's sys.path follows; testbed.interpreter).
+        os.environ["PYTHONSAFEPATH"] = "1"
         return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=die_with_parent, initargs=(os.getpid(),))
     if kind == "ray":

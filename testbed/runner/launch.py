@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from testbed.interpreter import python_argv, python_env
+
 __all__ = ["launch", "WorkerFailed", "free_port", "port_is_free", "worker_context", "WorkerContext", "BODIES"]
 
 #: Command bodies a worker can run: payload ``body`` -> ``module:function`` taking the payload, returning a dict.
@@ -136,7 +138,7 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
         path.unlink(missing_ok=True)
     try:
         for i in range(processes):
-            env = dict(os.environ)
+            env = python_env()  # nothing from the working directory on the worker's sys.path
             env[_ENV] = json.dumps({
                 "coordinator": f"127.0.0.1:{port}", "num_processes": processes, "process_id": i,
                 "local_devices": local_devices, "result_file": str(results[i]), "heartbeat_file": str(beats[i]),
@@ -148,7 +150,7 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
             env[_LAUNCHER_ENV] = str(os.getpid())  # the worker dies with this process (testbed.lifetime)
             with open(errs[i], "wb") as err:
                 prefix = list(prefixes[i]) if prefixes else []  # e.g. `ip netns exec NS`: a worker per namespace
-                procs.append(subprocess.Popen([*prefix, sys.executable, "-m", "testbed.runner.launch"], env=env,
+                procs.append(subprocess.Popen([*prefix, *python_argv("-m", "testbed.runner.launch")], env=env,
                                               stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
         start = time.monotonic()
         while True:

@@ -209,13 +209,13 @@ def program_calls(plan_dict: dict, *, timeout_s: float = 600) -> list[dict]:
     import json
     import os
     import subprocess
-    import sys
 
+    from testbed.interpreter import python_argv, python_env
     from testbed.plan.io import plan_from_dict
 
     devices = plan_from_dict(plan_dict, default_name="plan").mesh.size
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    done = subprocess.run([sys.executable, "-c", _PROGRAM], input=json.dumps(plan_dict), capture_output=True,
+    env = {**python_env(), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    done = subprocess.run(python_argv("-c", _PROGRAM), input=json.dumps(plan_dict), capture_output=True,
                           text=True, env=env, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"compiling the plan's step for its collectives failed: {done.stderr.strip()[-500:]}")
