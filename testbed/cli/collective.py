@@ -46,7 +46,7 @@ def sweep_sizes(start: float = 2.0**10, stop: float = 2.0**32, factor: float = 4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("op", help=f"collective op: {', '.join(OPS)}")
-    parser.add_argument("--topology", required=True, help="bundled topology name or YAML path")
+    parser.add_argument("--topology", required=True, help="bundled topology name or YAML path; NAME@DEVICES resizes it")
     parser.add_argument("--over", default="all", help="levels the group spans, e.g. node, x,y or all (default all)")
     parser.add_argument("--bytes", default=None,
                         help="buffer size, e.g. 1GiB or 4MB (default 1GiB; 4MiB with --execute)")

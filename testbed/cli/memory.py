@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from testbed.cli.basic import plan_topology
+from testbed.cli.basic import add_devices_argument, plan_topology
 from testbed.errors import InputError
 from testbed.model.memory import memory_breakdown
 from testbed.output import CommandResult
@@ -25,14 +25,15 @@ _PARTS = ("params", "grads", "optimizer", "activations", "workspace", "total")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan YAML file (or a bundled plan name, e.g. demo)")
-    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    parser.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
+    add_devices_argument(parser)
     parser.add_argument("--fail-if-oom", action="store_true", help="exit 1 when the plan does not fit in memory")
 
 
 def execute(args: argparse.Namespace) -> CommandResult:
     plan = load_plan(args.plan)
     try:
-        topology = plan_topology(plan, args.topology, args.plan)
+        topology = plan_topology(plan, args.topology, args.plan, args.devices)
         breakdown = memory_breakdown(plan, topology)
     except InputError as exc:
         raise exc.with_file(args.plan) from None

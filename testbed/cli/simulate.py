@@ -6,7 +6,7 @@ import argparse
 from types import SimpleNamespace
 from typing import Any
 
-from testbed.cli.basic import plan_topology
+from testbed.cli.basic import add_devices_argument, plan_topology
 from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.plan.spec import Plan
@@ -59,7 +59,8 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unknown-ops", choices=("refuse", "assume"), default="refuse",
                         help="with --program: refuse a custom call or host callback (default), or price it as a "
                              "memory-bound op and say so")
-    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    parser.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
+    add_devices_argument(parser)
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON (open in ui.perfetto.dev)")
     parser.add_argument("--max-trace-bytes", default="256MiB",
                         help="refuse a --trace estimated larger than this (default 256MiB; e.g. 4GiB)")
@@ -77,7 +78,7 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
         raise InputError("give --plan (a plan YAML file or bundled name) or --program MODULE:FUNCTION", field="--plan")
     max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
     plan = load_plan(args.plan)
-    topology = plan_topology(plan, args.topology, args.plan)
+    topology = plan_topology(plan, args.topology, args.plan, args.devices)
     sim = simulate_file_plan(plan, topology, args.plan)
     data = _summary(sim)
     written = write_outputs(sim.timeline, sim.program, topology, args.trace, args.gantt, max_trace,
