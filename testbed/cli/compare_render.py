@@ -52,8 +52,8 @@ def render_rows(console: Any, rows: list[dict], title: str, files: list[str]) ->
     key_cols = [Col(header=h, key=True, justify="left") for _, h in keys]
     devices = [Col(header="devices", drop=4)] if any(k == "topology" for k, _ in keys) else []
     columns = [*key_cols, *devices, *([Col(header="data", drop=5)] if scaled else []), Col(header="step"),
-               Col(header="compute"), *(Col(header=k, drop=1) for k in kinds), Col(header="idle", drop=2),
-               Col(header="bubble", drop=3), Col(header="MFU")]
+               Col(header="compute"), *(Col(header=k, drop=1) for k in kinds), Col(header="idle"),
+               Col(header="bubble", drop=3), Col(header="MFU", drop=2)]
     cells = []
     for r in rows:
         row = [shown(r[k]) for k, _ in keys] + ([str(r["devices"])] if devices else [])
