@@ -164,10 +164,14 @@ def execute(args: argparse.Namespace) -> CommandResult:
                   format_time(row["time_s"]), format_bandwidth(row["algbw"]), format_bandwidth(row["busbw"]),
                   format_time(row["bound_s"]), str(row["rounds"])] for row in compared]
         console.print(fitted_table(console, columns, cells))
+        console.print("algbw: bytes / time; busbw: algbw x nccl-tests' bus factor (all-reduce 2(n-1)/n); bound: the "
+                      "links' lower bound on the time; rounds: steps of the algorithm's program (NCCL's: one call)")
         fastest = min(compared, key=lambda row: row["time_s"])["algorithm"] if compared else result.algorithm
         how = ("requested" if algorithm != "auto" else "auto: fastest" if result.algorithm == fastest
                else "auto: NCCL's tuning model's pick")  # on NVIDIA hierarchies NCCL chooses, not the fastest
         console.print(f"* chosen ({how})")
+        if how.startswith("auto: NCCL"):
+            console.print(_why_nccl(topology, op, groups[0], nbytes, result.algorithm, fastest))
         if sweep_rows:
             for name in dict.fromkeys(r["algorithm"] for r in sweep_rows):
                 sweep = Table(title=f"{name}")
@@ -193,6 +197,20 @@ def execute(args: argparse.Namespace) -> CommandResult:
 #: The JAX collective each executable op is checked against (testbed.runner.collectives.builtin_collective).
 LAX_NAMES = {Op.ALL_REDUCE: "lax.psum", Op.ALL_GATHER: "lax.all_gather", Op.REDUCE_SCATTER: "lax.psum_scatter",
              Op.ALL_TO_ALL: "lax.all_to_all"}
+
+
+def _why_nccl(topology: Any, op: Op, group: Any, nbytes: float, chosen: str, fastest: str) -> str:
+    """Why NCCL runs ``chosen`` when ``fastest`` is faster in the table: its own model's predictions."""
+    from testbed.collectives.nccl import nccl_predictions
+
+    own = nccl_predictions(topology, op, group, nbytes)
+    ranked = ", ".join(f"{name} {format_time(t)} ({protocol})" for name, (protocol, t) in
+                       sorted(own.items(), key=lambda kv: kv[1][1]))
+    gap = "" if fastest not in own else (f"; {fastest} is fastest in the table, but NCCL only runs what its model "
+                                         "ranks first")
+    return (f"why {chosen}: NCCL picks the (algorithm, protocol) its own tuning model (src/graph/tuning.cc) predicts "
+            f"fastest: {ranked}. The table's times add what measured multi-node runs show that model leaves out "
+            f"(NVLS-tree's network shortfall, docs/collectives.md){gap}")
 
 
 def _executed_algorithm(op: Op, requested: str, chosen: str, compared: list[dict[str, object]]) -> tuple[str, str]:
