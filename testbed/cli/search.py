@@ -232,6 +232,9 @@ def _execute(args: argparse.Namespace) -> CommandResult:
                           f"{r.get('bubble_fraction', 0.0):.0%}", f"{r.get('mfu', 0.0):.0%}",
                           format_bytes(r["memory_bytes"])])
         console.print(fitted_table(console, columns, cells, **compact()))
+        console.print("d.f.t.s: data.fsdp.tensor.stage degrees (ep expert, etp1 experts whole, cp context, sp "
+                      "sequence parallel); mb: microbatches; Z: ZeRO stage; step: simulated step; comm: exposed "
+                      "communication; bubble: idle pipeline share; memory: the fullest device")
         if baseline:
             console.print(f"the plan as written: {format_time(baseline)} per step; best: "
                           f"{format_time(best.step_time_s)} ({baseline / best.step_time_s:.2f}x faster)")
