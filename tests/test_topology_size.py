@@ -117,4 +117,6 @@ def test_search_out_runs_as_is(topology: str, devices: int | None, written: str,
     rows = json.loads(capsys.readouterr().out)
     assert rows["points"] == 2 and rows["ok"] == 2
     assert main(["run", "--plan", str(out), "--devices", "emulated:8", "--steps", "1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["devices"] == 8
+    ran = capsys.readouterr()
+    assert json.loads(ran.out)["devices"] == 8
+    assert f"running {plan.name}: compile and first step: 1/1 (100%)" in ran.err  # progress on stderr

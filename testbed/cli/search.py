@@ -146,7 +146,7 @@ def _space(args: argparse.Namespace, preset: bool = False):
 
 def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.cli.basic import plan_topology
-    from testbed.cli.progress import progress_bar
+    from testbed.cli.progress import phase_progress, progress_bar
     from testbed.explore.search import search as run_search
     from testbed.topology.resize import sized_name
     from testbed.plan.io import dump_plan, plan_to_dict
@@ -168,16 +168,9 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.plan.presets import PRESETS
 
     space = _space(args, preset=args.model in PRESETS)
-    with progress_bar("searching") as bar:
-        tasks: dict[str, Any] = {}
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                label = {"bounds": "plans (memory and step floors)", "analytic": "plans (analytic tier)"}.get(
-                    phase, "best plans (DES replay)")
-                tasks[phase] = bar.add_task(label, total=total)
-            bar.update(tasks[phase], completed=done, total=total)
-
+    with progress_bar("searching", eta=True, heartbeat=True) as bar:
+        progress = phase_progress(bar, {"bounds": "plans (memory and step floors)",
+                                        "analytic": "plans (analytic tier)", "replay": "best plans (DES replay)"})
         result = run_search(plan, topology, space, objective=args.objective, memory_cap=args.memory_cap,
                             replay=args.replay, top=args.top, price_per_device_hour=args.price, progress=progress)
     best = result.best
