@@ -45,7 +45,16 @@ class Variant:
     def label(self, named: bool = True) -> str:
         """``name k=v ...`` (``named`` False: the varied fields alone, when every row is of one plan)."""
         return " ".join([*([self.plan.name] if named or not self.varied else []),
-                         *(f"{k}={v}" for k, v in self.varied)])
+                         *(f"{k}={_short(v)}" for k, v in self.varied)])
+
+
+def _short(value: Any) -> str:
+    """A varied value as a label shows it: a mapping or list by its values (``interleaved/8``)."""
+    if isinstance(value, dict):
+        return "/".join(_short(v) for v in value.values())
+    if isinstance(value, list):
+        return "/".join(_short(v) for v in value)
+    return str(value)
 
 
 def _add(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +64,9 @@ def _add(parser: argparse.ArgumentParser) -> None:
                                        "on several topologies)")
     parser.add_argument("--plans", nargs="+", metavar="P", help="two or more plans side by side")
     parser.add_argument("--vary", action="append", default=[], metavar="FIELD=V1,V2",
-                        help="a plan field and its values (zero=1,3; remat=none,full; mesh.tensor=4,8); "
-                             "repeat for every combination")
+                        help="a plan field and its values (zero=1,3; remat=none,full; mesh.tensor=4,8; a value may "
+                             "be YAML: 'schedule=1f1b,{name: interleaved, virtual_stages: 8}'); repeat for every "
+                             "combination")
     parser.add_argument("--topology", nargs="+", metavar="T",
                         help="topologies (bundled names or YAML paths, NAME@DEVICES resizes; default: each "
                              "plan's `topology:`)")
@@ -66,12 +76,23 @@ def _add(parser: argparse.ArgumentParser) -> None:
                         help="scale the plan's data degree (and global batch) to each topology's device count")
 
 
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside ``{}`` and ``[]`` (a value may be a YAML flow mapping or list)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += (ch in "{[") - (ch in "}]")
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
 def _vary_values(text: str) -> tuple[str, list[Any]]:
     import yaml
 
     field, sep, values = text.partition("=")
     field = field.strip().removeprefix("plan.")
-    items = [v.strip() for v in values.split(",") if v.strip()]
+    items = [v.strip() for v in _split_top(values) if v.strip()]
     if not sep or not field or not items:
         raise InputError(f"expected FIELD=V1,V2 (e.g. zero=1,3 or remat=none,full), got {quote(text)}", field="--vary")
     parsed = []

@@ -96,31 +96,34 @@ def draw_breakdown(rows: list[dict], path: str, title: str = ""):
     plt = pyplot()
     keys, kinds = _keys(rows), comm_kinds(rows)
     labels = [plot_label(" / ".join(str(r[k]) for k, _ in keys), 40) for r in rows]
-    height = max(2.6, 0.55 * len(rows) + 1.9)
+    height = max(3.4, 0.55 * len(rows) + 2.3)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11.0, height), sharey=True)
     y = list(range(len(rows)))[::-1]
     parts = [("compute", _COMPUTE, [r["compute_s"] for r in rows])]
     parts += [(f"exposed {k}", _KIND_COLOURS[i % len(_KIND_COLOURS)], [r["exposed_by_kind"].get(k, 0.0) for r in rows])
               for i, k in enumerate(kinds)]
     parts += [("idle (bubble, waits)", _IDLE, [r["idle_s"] for r in rows])]
-    _stack(left, y, parts, scale=1e3)
+    longest = max(r["step_time_s"] for r in rows)
+    unit, scale = ("s", 1.0) if longest >= 10 else ("ms", 1e3)
+    _stack(left, y, parts, scale=scale)
     for yi, r in zip(y, rows):
-        left.text(r["step_time_s"] * 1e3, yi, f" {format_time(r['step_time_s'])}, MFU {r['mfu']:.0%}",
+        left.text(r["step_time_s"] * scale, yi, f" {format_time(r['step_time_s'])}, MFU {r['mfu']:.0%}",
                   va="center", fontsize=8)
-    left.set_xlabel("time per step (ms)")
+    left.set_xlabel(f"time per step ({unit})")
     left.set_yticks(y, labels)
-    left.set_xlim(0, max(r["step_time_s"] for r in rows) * 1e3 * 1.35)
-    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8, frameon=False)
+    left.set_xlim(0, longest * scale * 1.35)
+    left.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8, frameon=False)
     mem = [(p, c, [(r["memory"][p] or 0) for r in rows]) for (p, _, _), c in zip(MEMORY_PARTS, _MEMORY_COLOURS)]
     _stack(right, y, mem, scale=1 / _GIB)
     capacity = max((r["memory"]["capacity"] or 0) for r in rows) / _GIB
-    right.axvline(capacity, color="black", linestyle="--", linewidth=1, label="device memory")
+    right.axvline(capacity, color="black", linestyle="--", linewidth=1, label="device memory", zorder=0)
     for yi, r in zip(y, rows):
         right.text((r["memory"]["total"] or 0) / _GIB, yi, f" {format_bytes(r['memory']['total'] or 0)}"
-                   + ("" if r["fits"] else " OOM"), va="center", fontsize=8)
+                   + ("" if r["fits"] else " OOM"), va="center", fontsize=8,
+                   bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
     right.set_xlabel("memory of the fullest device (GiB)")
     right.set_xlim(0, max(capacity, *((r["memory"]["total"] or 0) / _GIB for r in rows)) * 1.3)
-    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8, frameon=False)
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8, frameon=False)
     for ax in (left, right):
         ax.ticklabel_format(axis="x", style="plain")
         ax.grid(axis="x", alpha=0.3)
