@@ -51,7 +51,7 @@ def render_rows(console: Any, rows: list[dict], title: str, files: list[str]) ->
     scaled = len({r["data"] for r in rows}) > 1
     key_cols = [Col(header=h, key=True, justify="left") for _, h in keys]
     devices = [Col(header="devices", drop=4)] if any(k == "topology" for k, _ in keys) else []
-    columns = [*key_cols, *devices, *([Col(header="data", drop=5)] if scaled else []), Col(header="step"),
+    columns = [*key_cols, *devices, *([Col(header="data")] if scaled else []), Col(header="step"),
                Col(header="compute"), *(Col(header=k, drop=1) for k in kinds), Col(header="idle"),
                Col(header="bubble", drop=3), Col(header="MFU", drop=2)]
     cells = []
@@ -116,7 +116,9 @@ def draw_breakdown(rows: list[dict], path: str, title: str = ""):
     mem = [(p, c, [(r["memory"][p] or 0) for r in rows]) for (p, _, _), c in zip(MEMORY_PARTS, _MEMORY_COLOURS)]
     _stack(right, y, mem, scale=1 / _GIB)
     capacity = max((r["memory"]["capacity"] or 0) for r in rows) / _GIB
-    right.axvline(capacity, color="black", linestyle="--", linewidth=1, label="device memory", zorder=0)
+    for i, (yi, r) in enumerate(zip(y, rows)):  # each row's own device: topologies differ in memory
+        right.plot([(r["memory"]["capacity"] or 0) / _GIB] * 2, [yi - 0.42, yi + 0.42], color="black", linestyle="--",
+                   linewidth=1.2, label="device memory" if i == 0 else None)
     for yi, r in zip(y, rows):
         right.text((r["memory"]["total"] or 0) / _GIB, yi, f" {format_bytes(r['memory']['total'] or 0)}"
                    + ("" if r["fits"] else " OOM"), va="center", fontsize=8,
