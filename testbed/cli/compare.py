@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from testbed.cli.compare_render import MEMORY_PARTS, draw_breakdown
 from testbed.errors import InputError, quote
 from testbed.output import CommandResult
 from testbed.plan.spec import Plan
@@ -26,12 +27,6 @@ from testbed.topology import Topology
 
 __all__ = ["compare", "compare_rows", "draw_breakdown", "plan_variants", "MEMORY_PARTS"]
 
-#: (row key, table header, legend) of the memory columns, in the order they stack.
-MEMORY_PARTS: tuple[tuple[str, str, str], ...] = (
-    ("params", "params", "parameters"), ("grads", "grads", "gradients live at the peak"),
-    ("optimizer", "optim", "optimizer state (Adam moments, fp32 master)"),
-    ("activations", "acts", "activations kept for the backward"),
-    ("workspace", "work", "transient buffers of one phase (`testbed memory` names them)"))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,7 +148,7 @@ def compare_rows(plan: Plan, topologies: list[Topology], plan_file: str, scale: 
 
 def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.cli.basic import plan_topology
-    from testbed.cli.compare_render import draw_breakdown, render_rows
+    from testbed.cli.compare_render import render_rows
     from testbed.plan.io import load_plan
     from testbed.topology.io import load_topology
 
@@ -188,9 +183,3 @@ def _execute(args: argparse.Namespace) -> CommandResult:
 
 compare = SimpleNamespace(add_arguments=_add, execute=_execute)
 
-
-def draw_breakdown(rows: list[dict], path: str, title: str = ""):
-    """The rows' time and memory breakdowns as a PNG (testbed.cli.compare_render)."""
-    from testbed.cli.compare_render import draw_breakdown as draw
-
-    return draw(rows, path, title)

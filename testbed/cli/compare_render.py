@@ -13,7 +13,14 @@ from typing import Any
 from testbed.text import markup, plot_label, shown
 from testbed.units import format_bytes, format_time
 
-__all__ = ["render_rows", "draw_breakdown", "comm_kinds"]
+__all__ = ["render_rows", "draw_breakdown", "comm_kinds", "MEMORY_PARTS"]
+
+#: (row key, table header, legend) of the memory columns, in the order they stack.
+MEMORY_PARTS: tuple[tuple[str, str, str], ...] = (
+    ("params", "params", "parameters"), ("grads", "grads", "gradients live at the peak"),
+    ("optimizer", "optim", "optimizer state (Adam moments, fp32 master)"),
+    ("activations", "acts", "activations kept for the backward"),
+    ("workspace", "work", "transient buffers of one phase (`testbed memory` names them)"))
 
 _GIB = 1024 ** 3
 #: Colours of the stacked parts (the compute and idle ones shared with the topology comparison).
@@ -43,7 +50,6 @@ def render_rows(console: Any, rows: list[dict], title: str, files: list[str]) ->
     """Two tables of the rows (time per step, memory per device), each with its legend line."""
     from rich.text import Text
 
-    from testbed.cli.compare import MEMORY_PARTS
     from testbed.cli.tables import Col, compact, fitted_table
     from testbed.sim.exposed import KIND_LEGEND
 
@@ -90,7 +96,6 @@ def _gib(value: int | None) -> str:
 def draw_breakdown(rows: list[dict], path: str, title: str = ""):
     """Two panels, one bar per row: the step's milliseconds (compute, each exposed kind, idle) and the fullest
     device's GiB (parameters ... workspace) against its capacity. Linear axes; each bar's total is written."""
-    from testbed.cli.compare import MEMORY_PARTS
     from testbed.viz.plots import pyplot, save_figure
 
     plt = pyplot()

@@ -366,8 +366,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
     if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
         reduce_ws = grad_b * costs.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
     loss_ws = kept.loss_workspace_bytes(plan) + kept.loss_instant_recompute(plan) if holds_head else 0
-    layer_ws = _layer_workspace(plan)
-    loss, layer = (LOSS_BACKWARD, loss_ws), (LAYER_BACKWARD, layer_ws)
+    loss, layer = (LOSS_BACKWARD, loss_ws), (LAYER_BACKWARD, _layer_workspace(plan))
     # (activations, gradients, workspace) at each candidate peak instant.
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
     # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
