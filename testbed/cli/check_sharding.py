@@ -97,8 +97,13 @@ def execute(args: argparse.Namespace) -> CommandResult:
     _host_only()
     from testbed.runner.check_sharding import check_sharding
 
+    from testbed.cli.progress import progress_bar
+
     try:
-        result = check_sharding(plan)
+        with progress_bar("checking", heartbeat=True) as bar:  # lowering takes about a second a program
+            task = bar.add_task(f"{plan.name}: lowering its programs on abstract devices", total=1)
+            result = check_sharding(plan)
+            bar.update(task, completed=1)
     except InputError as exc:
         raise exc.with_file(args.plan) from None
     data = {**result.to_dict(), "topology": topology.name}
