@@ -83,8 +83,14 @@ def plot_sweep(rows: list[dict[str, object]], title: str, path: str) -> None:
         # Distinct markers and dashes: algorithms with equal busbw would otherwise hide each other.
         ax.plot([r["bytes"] for r in mine], [r["busbw"] / 1e9 for r in mine], marker=marker, linestyle=line,
                 markersize=5, label=name)
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
+    ax.xaxis.set_major_locator(LogLocator(base=4))  # 1 KiB, 4 KiB, 16 KiB ...: sizes read as sizes, not 2^n
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    ax.set_xlabel("message size")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(plot_label(title, 160))
     ax.grid(True, which="both", alpha=0.3)
