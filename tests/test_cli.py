@@ -226,3 +226,27 @@ def test_search_json_stays_strict_with_progress_lines_on_stderr(capsys):
     n = data["enumerated"]
     assert f"searching plans (analytic tier): {n}/{n} (100%)" in out.err
     assert all(line.startswith("searching ") for line in out.err.splitlines())
+
+
+def test_progress_lines_estimate_the_time_left_and_beat_during_a_long_call():
+    import io
+    import time
+
+    from testbed.cli.progress import LineProgress, phase_progress
+
+    now = [0.0]
+    stream = io.StringIO()
+    bar = LineProgress("searching", stream, interval_s=5.0, clock=lambda: now[0], eta=True)
+    progress = phase_progress(bar, {"analytic": "plans (analytic tier)"})
+    progress("analytic", 0, 100)
+    now[0] = 10.0
+    progress("analytic", 25, 100)  # a quarter in 10 s: 30 s left
+    assert stream.getvalue().splitlines()[-1] == "searching plans (analytic tier): 25/100 (25%), 10 s, about 30 s left"
+    stream = io.StringIO()
+    with LineProgress("running", stream, interval_s=0.05, heartbeat=True) as beating:
+        task = beating.add_task("compile and first step", total=1)
+        time.sleep(0.5)  # one long call, no update: the heartbeat still writes lines
+        beating.update(task, completed=1)
+    lines = stream.getvalue().splitlines()
+    assert len(lines) >= 3 and lines[0].startswith("running compile and first step: 0/1 (0%)")
+    assert lines[-1].startswith("running compile and first step: 1/1 (100%)")

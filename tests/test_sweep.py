@@ -204,9 +204,13 @@ def test_cli_plot_from_database_and_json(tmp_path, capsys):
     plots = tmp_path / "plots"
     assert main(["sweep", "--db", str(db), "--plot", str(plots)]) == 0
     names = sorted(p.name for p in plots.iterdir())
-    assert names == ["step_time_vs_cost.png", "step_time_vs_devices.png", "step_time_vs_memory.png",
-                     "tokens_per_dollar_vs_devices.png"]
+    assert names == ["step_time_by_field.png", "step_time_vs_cost.png", "step_time_vs_devices.png",
+                     "step_time_vs_memory.png", "tokens_per_dollar_vs_devices.png"]
     assert all((plots / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+    from matplotlib.image import imread
+
+    height, width = imread(str(plots / "step_time_by_field.png")).shape[:2]
+    assert width > 1.5 * height  # two swept fields: two panels side by side
 
 
 def test_cli_errors_exit_2(tmp_path, capsys):

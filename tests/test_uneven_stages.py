@@ -349,7 +349,7 @@ def test_metas_interleaved_layout_simulates() -> None:
     from testbed.plan.io import load_plan
 
     topology = load_topology("llama3-h100-16k")
-    flat = load_plan("llama3-405b")
+    flat = replace(load_plan("llama3-405b"), schedule=ScheduleSpec(name="1f1b"))  # the bundled mesh under 1F1B
     inter = replace(flat, schedule=ScheduleSpec(name="interleaved", virtual_stages=2))
     first = [costs.chunk_cost(inter, 0, c) for c in range(2)]
     assert [c.layers for c in first] == [3, 4] and first[0].forward_flops < first[1].forward_flops

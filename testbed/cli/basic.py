@@ -102,27 +102,48 @@ topology = SimpleNamespace(add_arguments=_topology_add, execute=_topology_execut
 
 # -- testbed plan check ------------------------------------------------------------
 
-def plan_topology(plan: Plan, topology_arg: str | None, plan_file: str | None = None) -> Topology:
-    """The topology named on the command line, else the plan's own ``topology:``.
+def plan_topology(plan: Plan, topology_arg: str | None, plan_file: str | None = None,
+                  devices: int | None = None) -> Topology:
+    """The topology named on the command line, else the plan's own ``topology:``; resized to ``devices``.
 
-    When the plan's ``topology:`` names a path that cannot be used (missing,
-    too long, a folder), the error names ``plan_file`` and the field
-    ``topology``; errors inside the topology file name that file.
+    Either name may be ``NAME@DEVICES`` (testbed.topology.resize). When the
+    plan's ``topology:`` names a path that cannot be used (missing, too long,
+    a folder) or a size its topology cannot take, the error names
+    ``plan_file`` and the field ``topology``; errors inside the topology file
+    name that file.
     """
     from testbed.errors import quote
+    from testbed.fields import is_input_file
     from testbed.topology.io import resolve_topology_path, topology_from_text
+    from testbed.topology.resize import resize_topology, split_sized_name
 
     if topology_arg:
-        return load_topology(topology_arg)
+        return load_topology(topology_arg, devices)
     name = plan.topology
     if not name:
         raise InputError("no topology: pass --topology NAME or set `topology:` in the plan", field="topology",
                          file=plan_file)
     try:
-        display, text = resolve_topology_path(name)
+        base, sized = name, None
+        if "@" in name and not is_input_file(name, "topology YAML file"):
+            base, sized = split_sized_name(name)
+        display, text = resolve_topology_path(base)
     except InputError as exc:
         raise InputError(f"topology {quote(name)}: {exc.message}", field="topology", file=plan_file) from None
-    return topology_from_text(display, text)
+    topology = topology_from_text(display, text)
+    if sized is not None:
+        try:
+            topology = resize_topology(topology, sized, field="topology")
+        except InputError as exc:
+            raise exc.with_file(plan_file) if plan_file else exc from None
+    return topology if devices is None else resize_topology(topology, devices)
+
+
+def add_devices_argument(parser: argparse.ArgumentParser) -> None:
+    """``--devices N``: the topology's outermost level resized to N devices (as ``--topology NAME@N``)."""
+    parser.add_argument("--devices", type=int, metavar="N",
+                        help="resize the topology's outermost level (nodes, a torus's last dim, slices) to N "
+                             "devices; the same as --topology NAME@N")
 
 
 def placement_report(plan: Plan, topology: Topology, placement: Placement) -> dict:
@@ -149,7 +170,8 @@ def _plan_add(parser: argparse.ArgumentParser) -> None:
     sub.required = True
     check = sub.add_parser("check", help="validate a plan and show its placement on a topology")
     check.add_argument("plan", help="plan YAML file (or a bundled plan name, e.g. demo)")
-    check.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    check.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
+    add_devices_argument(check)
     check.add_argument("--fail-if-oom", action="store_true",
                        help="exit 1 when the plan does not fit its topology's device memory (else a warning)")
     check.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -157,7 +179,7 @@ def _plan_add(parser: argparse.ArgumentParser) -> None:
 
 def _plan_execute(args: argparse.Namespace) -> CommandResult:
     p = load_plan(args.plan)
-    t = plan_topology(p, args.topology, args.plan)
+    t = plan_topology(p, args.topology, args.plan, args.devices)
     try:
         placement = place(p, t)
     except Exception as exc:

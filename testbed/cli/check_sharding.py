@@ -20,7 +20,7 @@ import re
 import sys
 from typing import Any
 
-from testbed.cli.basic import plan_topology
+from testbed.cli.basic import add_devices_argument, plan_topology
 from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.plan.io import load_plan
@@ -33,7 +33,8 @@ __all__ = ["add_arguments", "execute", "param_rows"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan YAML file (or a bundled plan name, e.g. demo)")
-    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    parser.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
+    add_devices_argument(parser)
 
 
 def _host_only() -> None:
@@ -88,7 +89,7 @@ def _check_work(plan) -> None:
 def execute(args: argparse.Namespace) -> CommandResult:
     plan = load_plan(args.plan)
     try:
-        topology = plan_topology(plan, args.topology, args.plan)
+        topology = plan_topology(plan, args.topology, args.plan, args.devices)
         place(plan, topology)
         _check_work(plan)
     except InputError as exc:
@@ -96,8 +97,13 @@ def execute(args: argparse.Namespace) -> CommandResult:
     _host_only()
     from testbed.runner.check_sharding import check_sharding
 
+    from testbed.cli.progress import progress_bar
+
     try:
-        result = check_sharding(plan)
+        with progress_bar("checking", heartbeat=True) as bar:  # lowering takes about a second a program
+            task = bar.add_task(f"{plan.name}: lowering its programs on abstract devices", total=1)
+            result = check_sharding(plan)
+            bar.update(task, completed=1)
     except InputError as exc:
         raise exc.with_file(args.plan) from None
     data = {**result.to_dict(), "topology": topology.name}

@@ -46,7 +46,7 @@ def sweep_sizes(start: float = 2.0**10, stop: float = 2.0**32, factor: float = 4
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("op", help=f"collective op: {', '.join(OPS)}")
-    parser.add_argument("--topology", required=True, help="bundled topology name or YAML path")
+    parser.add_argument("--topology", required=True, help="bundled topology name or YAML path; NAME@DEVICES resizes it")
     parser.add_argument("--over", default="all", help="levels the group spans, e.g. node, x,y or all (default all)")
     parser.add_argument("--bytes", default=None,
                         help="buffer size, e.g. 1GiB or 4MB (default 1GiB; 4MiB with --execute)")
@@ -83,8 +83,14 @@ def plot_sweep(rows: list[dict[str, object]], title: str, path: str) -> None:
         # Distinct markers and dashes: algorithms with equal busbw would otherwise hide each other.
         ax.plot([r["bytes"] for r in mine], [r["busbw"] / 1e9 for r in mine], marker=marker, linestyle=line,
                 markersize=5, label=name)
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
+    ax.xaxis.set_major_locator(LogLocator(base=4))  # 1 KiB, 4 KiB, 16 KiB ...: sizes read as sizes, not 2^n
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    ax.set_xlabel("message size")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(plot_label(title, 160))
     ax.grid(True, which="both", alpha=0.3)
@@ -164,10 +170,14 @@ def execute(args: argparse.Namespace) -> CommandResult:
                   format_time(row["time_s"]), format_bandwidth(row["algbw"]), format_bandwidth(row["busbw"]),
                   format_time(row["bound_s"]), str(row["rounds"])] for row in compared]
         console.print(fitted_table(console, columns, cells))
+        console.print("algbw: bytes / time; busbw: algbw x nccl-tests' bus factor (all-reduce 2(n-1)/n); bound: the "
+                      "links' lower bound on the time; rounds: steps of the algorithm's program (NCCL's: one call)")
         fastest = min(compared, key=lambda row: row["time_s"])["algorithm"] if compared else result.algorithm
         how = ("requested" if algorithm != "auto" else "auto: fastest" if result.algorithm == fastest
                else "auto: NCCL's tuning model's pick")  # on NVIDIA hierarchies NCCL chooses, not the fastest
         console.print(f"* chosen ({how})")
+        if how.startswith("auto: NCCL"):
+            console.print(_why_nccl(topology, op, groups[0], nbytes, result.algorithm, fastest))
         if sweep_rows:
             for name in dict.fromkeys(r["algorithm"] for r in sweep_rows):
                 sweep = Table(title=f"{name}")
@@ -193,6 +203,20 @@ def execute(args: argparse.Namespace) -> CommandResult:
 #: The JAX collective each executable op is checked against (testbed.runner.collectives.builtin_collective).
 LAX_NAMES = {Op.ALL_REDUCE: "lax.psum", Op.ALL_GATHER: "lax.all_gather", Op.REDUCE_SCATTER: "lax.psum_scatter",
              Op.ALL_TO_ALL: "lax.all_to_all"}
+
+
+def _why_nccl(topology: Any, op: Op, group: Any, nbytes: float, chosen: str, fastest: str) -> str:
+    """Why NCCL runs ``chosen`` when ``fastest`` is faster in the table: its own model's predictions."""
+    from testbed.collectives.nccl import nccl_predictions
+
+    own = nccl_predictions(topology, op, group, nbytes)
+    ranked = ", ".join(f"{name} {format_time(t)} ({protocol})" for name, (protocol, t) in
+                       sorted(own.items(), key=lambda kv: kv[1][1]))
+    gap = "" if fastest not in own else (f"; {fastest} is fastest in the table, but NCCL only runs what its model "
+                                         "ranks first")
+    return (f"why {chosen}: NCCL picks the (algorithm, protocol) its own tuning model (src/graph/tuning.cc) predicts "
+            f"fastest: {ranked}. The table's times add what measured multi-node runs show that model leaves out "
+            f"(NVLS-tree's network shortfall, docs/collectives.md){gap}")
 
 
 def _executed_algorithm(op: Op, requested: str, chosen: str, compared: list[dict[str, object]]) -> tuple[str, str]:

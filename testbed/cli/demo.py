@@ -58,7 +58,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
     from rich.console import Console
 
     from testbed.calibration.validation import compare_reports, relative_error
-    from testbed.cli.simulate import compare_rows, draw_breakdown
+    from testbed.cli.compare import compare_rows, draw_breakdown
     from testbed.model.memory import memory_breakdown
     from testbed.sim.engine import simulate
     from testbed.sim.timeline import write_gantt, write_trace

@@ -34,7 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("testbed.cli.cluster", "build, remove or list an emulated cluster (network namespaces, shaped links)"),
     "schedule": ("testbed.cli.schedule", "build a pipeline schedule, its bubble and Gantt chart"),
     "simulate": ("testbed.cli.simulate:simulate", "simulate one training step of a plan on a topology"),
-    "compare": ("testbed.cli.simulate:compare", "simulate a plan on several topologies side by side"),
+    "compare": ("testbed.cli.compare:compare", "plans side by side (--plans, --vary) or a plan on several topologies: time and memory breakdowns"),
     "search": ("testbed.cli.search:search", "search the best layout of a model on a topology (analytic + DES)"),
     "sweep": ("testbed.cli.sweep:sweep", "a grid over plan and topology fields into a DuckDB database, with Pareto plots"),
     "run": ("testbed.cli.run:run", "execute a plan with JAX and time its steps"),

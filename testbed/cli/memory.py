@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from testbed.cli.basic import plan_topology
+from testbed.cli.basic import add_devices_argument, plan_topology
 from testbed.errors import InputError
 from testbed.model.memory import memory_breakdown
 from testbed.output import CommandResult
@@ -25,14 +25,40 @@ _PARTS = ("params", "grads", "optimizer", "activations", "workspace", "total")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan YAML file (or a bundled plan name, e.g. demo)")
-    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
+    parser.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
+    add_devices_argument(parser)
     parser.add_argument("--fail-if-oom", action="store_true", help="exit 1 when the plan does not fit in memory")
+
+
+def _explained(plan, breakdown) -> list[str]:
+    """Lines naming the worst stage's workspace terms and why a part may look surprising."""
+    lines = []
+    if breakdown.workspace_parts:
+        parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in breakdown.workspace_parts)
+        lines.append(f"work (stage {breakdown.worst_stage}) = {parts}")
+    if breakdown.grads == 0 and breakdown.activations > 0:
+        from testbed.model.memory import DEFERRED
+
+        if any(name == DEFERRED for name, _ in breakdown.workspace_parts):
+            lines.append("grads 0 B: the peak is inside the layers' backward, before any weight gradient exists: "
+                         "XLA computes them after the layers' backward, from the operands counted in work; the "
+                         "gradients peak later, beside no activations")
+        else:
+            lines.append("grads 0 B: the peak is where the backward starts, before any gradient is written; one "
+                         "microbatch keeps no accumulator, and gradients grow as activations are freed")
+    if breakdown.rematerialised_loss:
+        lines.append("the loss's fp32 buffers are rematerialised: without that the program would not fit, as "
+                     "XLA compiles against the device's limit (so memory can fall as the sequence grows)")
+    if breakdown.delayed_gathers:
+        lines.append("no block's gather starts ahead at the peak: with the prefetch the program would not fit, "
+                     "as XLA schedules against the device's limit")
+    return lines
 
 
 def execute(args: argparse.Namespace) -> CommandResult:
     plan = load_plan(args.plan)
     try:
-        topology = plan_topology(plan, args.topology, args.plan)
+        topology = plan_topology(plan, args.topology, args.plan, args.devices)
         breakdown = memory_breakdown(plan, topology)
     except InputError as exc:
         raise exc.with_file(args.plan) from None
@@ -62,7 +88,11 @@ def execute(args: argparse.Namespace) -> CommandResult:
                  for s in breakdown.per_stage]
         console.print(fitted_table(console, columns, cells,
                                    title=f"bytes per device (worst: stage {breakdown.worst_stage})"))
-        console.print("mb: (microbatch, chunk) activation sets held at peak, from the schedule")
+        console.print("params, grads, optim(izer state), acts (activations kept for the backward), work "
+                      "(buffers of one phase) at the device's peak instant; mb: (microbatch, chunk) activation sets "
+                      "held at peak, from the schedule")
+        for line in _explained(plan, breakdown):
+            console.print(line)
         if data["padded"]:
             kinds = ", ".join(f"{w} of {len(names)}" for w, names in data["padded"].items())
             console.print(f"padded: {kinds} parameters sharded flattened and padded (no dim divides the shard count; "

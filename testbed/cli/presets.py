@@ -48,19 +48,50 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     rows = preset_rows(list(args.names))
 
     def render(console) -> None:
-        from rich.table import Table
-
-        table = Table(title="model presets (model: {preset: NAME}; any key may be overridden beside it)")
-        for column in ("name", "params", "seq", "batch", "configuration", "source"):
-            table.add_column(column, overflow="fold")
-        for r in rows:
-            m = r["model"]
-            config = ", ".join(f"{k} {v}" for k, v in m.items() if k not in ("kind", "seq_len"))
-            table.add_row(r["name"], f"{r['params'] / 1e9:.2f}B", str(m["seq_len"]), str(r["global_batch"]), config,
-                          r["source"])
-        console.print(table)
+        if args.names:
+            _render_details(console, rows)
+        else:
+            _render_summary(console, rows)
 
     return CommandResult({"presets": rows}, render)
+
+
+def _count(n: int) -> str:
+    """A parameter count in the unit that keeps it short: 405.9B, 162M, 107K."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}" if n < 100 * scale else f"{n / scale:.0f}{unit}"
+    return str(n)
+
+
+def _render_summary(console, rows: list[dict]) -> None:
+    """One line per preset (fits 80 columns); ``testbed presets NAME`` shows one in full."""
+    from testbed.cli.tables import Col, compact, fitted_table
+
+    columns = [Col(header="name", key=True, justify="left"), Col(header="params"), Col(header="layers"),
+               Col(header="d_model"), Col(header="heads", drop=2), Col(header="seq"), Col(header="batch", drop=1),
+               Col(header="experts", drop=3)]
+    cells = []
+    for r in rows:
+        m = r["model"]
+        experts = f"{m['experts']} top {m['top_k']}" if m.get("experts") else "-"
+        cells.append([r["name"], _count(r["params"]), str(m["layers"]), str(m["d_model"]),
+                      f"{m['heads']}/{m.get('kv_heads', m['heads'])}", str(m["seq_len"]), str(r["global_batch"]),
+                      experts])
+    console.print(fitted_table(console, columns, cells, title="model presets", **compact()))
+    console.print("params: parameter count; heads: query/key-value heads; seq: tokens per sequence; batch: the "
+                  "default global batch (sequences); `testbed presets NAME` shows the whole configuration and its "
+                  "source; a plan uses one as `model: {preset: NAME}` (any key may be overridden beside it)")
+
+
+def _render_details(console, rows: list[dict]) -> None:
+    """Each named preset's whole model mapping, one key per line, then its batch and source."""
+    for r in rows:
+        console.print(f"[bold]{r['name']}[/bold]: {r['params']:,} parameters; default batch {r['global_batch']} "
+                      f"sequences ({r['tokens_per_batch']:,} tokens)")
+        for key, value in r["model"].items():
+            console.print(f"  {key:<22} {value}", markup=False)
+        console.print(f"  source: {r['source']}", markup=False)
 
 
 presets = SimpleNamespace(add_arguments=_add, execute=_execute)

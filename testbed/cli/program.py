@@ -176,7 +176,7 @@ def execute(args: Any) -> Any:
     if not args.topology:
         raise InputError("--program needs --topology (a bundled name or a YAML path)", field="--topology")
     max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
-    topology = load_topology(args.topology)
+    topology = load_topology(args.topology, getattr(args, "devices", None))
     mesh = parse_mesh(args.mesh, topology)
     workload = trace_program(args.program, mesh, args.unknown_ops, check_timeout(args.timeout))
     sim = simulate_workload(workload, topology)

@@ -123,7 +123,12 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
         result = train.run_plan(plan, _devices_for(plan, request), args.steps)
     else:
         devices.prepare(request)
-        result = train.run_plan(plan, _devices_for(plan, request), args.steps)
+        from testbed.cli.progress import phase_progress, progress_bar
+
+        with progress_bar("running", eta=True, heartbeat=True) as bar:
+            progress = phase_progress(bar, {"compile": f"{plan.name}: compile and first step",
+                                            "steps": f"{plan.name}: timed steps"})
+            result = train.run_plan(plan, _devices_for(plan, request), args.steps, progress=progress)
     files = []
     if args.trace:
         from testbed.sim.timeline import write_trace
@@ -165,7 +170,13 @@ def _execute_verify(args: argparse.Namespace) -> CommandResult:
         data = _verify_on_cluster(args.cluster, plan, request, args.steps)
     else:
         devices.prepare(request)
-        data = train.verify_plan(plan, _devices_for(plan, request), args.steps).to_dict()
+        from testbed.cli.progress import phase_progress, progress_bar
+
+        with progress_bar("verifying", heartbeat=True) as bar:
+            progress = phase_progress(bar, {"plan": f"{plan.name}: steps (the first compiles)",
+                                            "reference": "single-device reference: steps (the first compiles)",
+                                            "check": "compiled programs' collectives"})
+            data = train.verify_plan(plan, _devices_for(plan, request), args.steps, progress=progress).to_dict()
 
     def render(console: Any) -> None:
         verdict = "[green]ok[/green]" if data["ok"] else "[red]NOT ok[/red]"

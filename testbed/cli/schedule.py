@@ -105,8 +105,12 @@ def execute(args: argparse.Namespace) -> CommandResult:
         console.print(table)
         if schedule.stages > _SHOWN_STAGES:
             console.print(f"(first {_SHOWN_STAGES} of {schedule.stages} stages shown; --json has all)")
-        console.print(f"step time {timing.step_time:g}, bubble fraction {timing.bubble_fraction:.4f}"
+        console.print(f"step time {timing.step_time:g} time units (--costs: F,B,W of one microbatch-chunk = "
+                      f"{args.costs}), bubble fraction {timing.bubble_fraction:.4f}"
                       f" (steady-state {timing.steady_bubble_fraction:.4f})")
+        console.print("F/B/W: forward, backward (input gradients; with W apart) and weight-gradient actions, "
+                      "microbatch number after the letter (.chunk with virtual stages); peak in-flight: activation "
+                      "sets a stage holds at once; idle: its time units with nothing to run")
         for f in files:
             console.print(f"wrote {markup(f)}")
 

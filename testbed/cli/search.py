@@ -38,14 +38,15 @@ def _on_off(value: str, flag: str = "--sequence-parallel") -> bool:
 
 
 def _add(parser: argparse.ArgumentParser) -> None:
+    from testbed.cli.basic import add_devices_argument
     from testbed.explore.search import OBJECTIVES
     from testbed.plan.presets import preset_names
 
     parser.add_argument("--model", required=True,
                         help=f"plan file or bundled plan (its model, batch, precision, optimizer are kept) or a "
                              f"model preset: {', '.join(preset_names())}")
-    parser.add_argument("--topology", help="bundled name or YAML path (default: the plan's `topology:`)")
-    parser.add_argument("--devices", type=int, help="resize the topology's outermost level to N devices")
+    parser.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
+    add_devices_argument(parser)
     parser.add_argument("--global-batch", type=int, help="sequences per step (default: the plan's or preset's)")
     parser.add_argument("--seq", type=int, help="sequence length (default: the plan's or preset's)")
     parser.add_argument("--objective", default="step_time", choices=list(OBJECTIVES))
@@ -145,9 +146,9 @@ def _space(args: argparse.Namespace, preset: bool = False):
 
 def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.cli.basic import plan_topology
-    from testbed.cli.progress import progress_bar
+    from testbed.cli.progress import phase_progress, progress_bar
     from testbed.explore.search import search as run_search
-    from testbed.explore.space import resize_topology
+    from testbed.topology.resize import sized_name
     from testbed.plan.io import dump_plan, plan_to_dict
     from testbed.sim.engine import simulate
 
@@ -161,24 +162,15 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             raise InputError(exc.message, field="--runtime") from None
     if args.topology is None and plan.topology is None:
         raise InputError("give --topology (a preset model names none)", field="--topology")
-    topology = plan_topology(plan, args.topology)
-    if args.devices is not None:
-        topology = resize_topology(topology, args.devices)
+    topology = plan_topology(plan, args.topology, devices=args.devices)
     if args.out:
         output_target(args.out, "--out")  # refused before the search, not after it
     from testbed.plan.presets import PRESETS
 
     space = _space(args, preset=args.model in PRESETS)
-    with progress_bar("searching") as bar:
-        tasks: dict[str, Any] = {}
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                label = {"bounds": "plans (memory and step floors)", "analytic": "plans (analytic tier)"}.get(
-                    phase, "best plans (DES replay)")
-                tasks[phase] = bar.add_task(label, total=total)
-            bar.update(tasks[phase], completed=done, total=total)
-
+    with progress_bar("searching", eta=True, heartbeat=True) as bar:
+        progress = phase_progress(bar, {"bounds": "plans (memory and step floors)",
+                                        "analytic": "plans (analytic tier)", "replay": "best plans (DES replay)"})
         result = run_search(plan, topology, space, objective=args.objective, memory_cap=args.memory_cap,
                             replay=args.replay, top=args.top, price_per_device_hour=args.price, progress=progress)
     best = result.best
@@ -189,7 +181,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         except InputError:
             baseline = None
     name = f"{plan.name}-searched"
-    written = replace(best.plan, name=name, topology=args.topology or plan.topology)
+    # The plan names the topology it was searched on, resized as it was (NAME@DEVICES), so that it runs as is.
+    written = replace(best.plan, name=name, topology=sized_name(args.topology or plan.topology, args.devices))
     files = []
     if args.out:
         header = (f"# Found by `testbed search` ({args.objective}) on {shown(topology.name)}: "
@@ -232,6 +225,9 @@ def _execute(args: argparse.Namespace) -> CommandResult:
                           f"{r.get('bubble_fraction', 0.0):.0%}", f"{r.get('mfu', 0.0):.0%}",
                           format_bytes(r["memory_bytes"])])
         console.print(fitted_table(console, columns, cells, **compact()))
+        console.print("d.f.t.s: data.fsdp.tensor.stage degrees (ep expert, etp1 experts whole, cp context, sp "
+                      "sequence parallel); mb: microbatches; Z: ZeRO stage; step: simulated step; comm: exposed "
+                      "communication; bubble: idle pipeline share; memory: the fullest device")
         if baseline:
             console.print(f"the plan as written: {format_time(baseline)} per step; best: "
                           f"{format_time(best.step_time_s)} ({baseline / best.step_time_s:.2f}x faster)")

@@ -136,6 +136,9 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         else:
             console.print(f"{markup(db)}: {len(rows)} points, {len(ok)} valid")
         console.print(_points_table(console, ok[:args.top]))
+        console.print("dev: devices; d.f.t.s: data.fsdp.tensor.stage degrees; mb: microbatches; comm: exposed "
+                      "communication; bubble: idle pipeline share; memory: the fullest device (! over its memory); "
+                      "tok/$: tokens per dollar")
         bad = [r for r in rows if r["status"] != "ok"]
         if bad:
             console.print(f"{len(bad)} invalid points, e.g. point {bad[0]['point']}: {markup(bad[0]['error'], 400)}")

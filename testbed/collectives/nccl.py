@@ -70,7 +70,7 @@ from testbed.collectives.ops import Op
 from testbed.topology import Form, LinkKind, Topology
 
 __all__ = ["NCCL_ALGORITHMS", "PROTOCOLS", "NcclGroup", "nccl_group", "nccl_algorithms", "nccl_time", "nccl_best",
-           "arch_of",
+           "nccl_predictions", "arch_of",
            "MultiNodeFit", "MULTINODE_FIT"]
 
 PROTOCOLS: tuple[str, ...] = ("LL", "LL128", "Simple")
@@ -381,3 +381,20 @@ def nccl_best(topology: Topology, op: Op, group: Sequence[int], nbytes: float,
     if best is None:
         return None
     return best[0], best[1], nccl_time(g, op, best[0], best[1], nbytes, fit)
+
+
+def nccl_predictions(topology: Topology, op: Op, group: Sequence[int], nbytes: float,
+                     fit: MultiNodeFit = MULTINODE_FIT) -> dict[str, tuple[str, float]]:
+    """Per NCCL algorithm, (its best protocol, seconds) by NCCL's own tuning model: what :func:`nccl_best`
+    compares to pick (no NVLS-tree network shortfall), so a table can say why the pick is not the fastest."""
+    g = nccl_group(topology, group)
+    if g is None:
+        return {}
+    own = replace(fit, nvls_tree_efficiency=1.0)
+    out: dict[str, tuple[str, float]] = {}
+    for name in nccl_algorithms(topology, op, group):
+        times = [(protocol, t) for protocol in PROTOCOLS
+                 if (t := nccl_time(g, op, name, protocol, nbytes, own)) is not None]
+        if times:
+            out[name] = min(times, key=lambda pt: pt[1])
+    return out

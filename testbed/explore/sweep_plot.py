@@ -7,7 +7,13 @@
   valid point and the Pareto front;
 - ``step_time_vs_cost.png`` (when priced): step time against dollars per
   step, every point and the Pareto front;
-- ``tokens_per_dollar_vs_devices.png`` (when priced).
+- ``tokens_per_dollar_vs_devices.png`` (when priced);
+- ``step_time_by_field.png``: step time against each swept field, one panel
+  per field (small multiples), every point and the fastest fitting one per
+  value joined; numbers on a linear axis in order, other values (bandwidths,
+  names) in the grid's order.
+
+Axes on a log scale carry plain tick labels (``0.5``, ``2``), not powers of ten.
 
 Points over device memory (``fits`` false) are drawn hollow and kept off
 the fronts.
@@ -114,7 +120,50 @@ def plot_sweep(rows: list[dict[str, Any]], folder: str | Path, title: str = "") 
                     color=f"C{i % 10}", label=label)
         ax.set_xscale("log", base=2)
         written.append(_finish(fig, ax, "devices", "tokens per dollar", "tokens per dollar vs devices" + suffix, "both", out_dir / "tokens_per_dollar_vs_devices.png"))
+    fields = list(dict.fromkeys(k for r in ok for k in json.loads(r["params"])))
+    if fields:
+        written.append(_by_field(ok, fields, "step time by swept field" + suffix, out_dir / "step_time_by_field.png"))
     return written
+
+
+def _by_field(rows: list[dict], fields: list[str], title: str, path: Path) -> Path:
+    """One panel per swept field: every point's step time at its value, the fastest fitting one per value joined."""
+    plt = pyplot()
+    cols = min(3, len(fields))
+    nrows = -(-len(fields) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows + 0.6), squeeze=False)
+    for ax, field in zip(axes.flat, fields):
+        values = [json.loads(r["params"]).get(field) for r in rows]
+        order = list(dict.fromkeys(v for v in values if v is not None))
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in order)
+        if numeric:
+            order = sorted(order)
+        where = {v: (v if numeric else i) for i, v in enumerate(order)}
+        xs = [where[v] for v in values if v is not None]
+        ys = [r["step_time_s"] for r, v in zip(rows, values) if v is not None]
+        fits = [bool(r.get("fits")) for r, v in zip(rows, values) if v is not None]
+        ax.scatter([x for x, f in zip(xs, fits) if f], [y for y, f in zip(ys, fits) if f], s=14, color="C0",
+                   alpha=0.6, label="points")
+        ax.scatter([x for x, f in zip(xs, fits) if not f], [y for y, f in zip(ys, fits) if not f], s=14,
+                   facecolors="none", edgecolors="C3", label="over memory")
+        best = {}
+        for x, y, f in zip(xs, ys, fits):
+            if f and (x not in best or y < best[x]):
+                best[x] = y
+        ax.plot(sorted(best), [best[x] for x in sorted(best)], color="black", marker="o", markersize=4,
+                label="fastest")
+        if not numeric:
+            ax.set_xticks(range(len(order)), [plot_label(str(v), 14) for v in order], rotation=20, ha="right")
+        ax.set_xlabel(plot_label(field, 40))
+        ax.set_ylabel("step time (s)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(fields):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(plot_label(title, 120), fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
 
 
 def _finish(fig, ax, xlabel: str, ylabel: str, title: str, grid: str, path: Path) -> Path:
@@ -123,6 +172,12 @@ def _finish(fig, ax, xlabel: str, ylabel: str, title: str, grid: str, path: Path
     ax.set_ylabel(ylabel)
     ax.set_title(plot_label(title, 120), fontsize=10)
     ax.grid(True, which=grid, alpha=0.3)
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+        if scale == "log":  # plain numbers (0.5, 2, 1024), not 5x10^-1
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(NullFormatter())
     handles, labels = ax.get_legend_handles_labels()  # series labels hold the SPEC's names and grid values
     if labels:  # an empty database draws no series (and needs no legend)
         ax.legend(handles, [plot_label(label, 80) for label in labels], fontsize=8)

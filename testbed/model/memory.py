@@ -128,6 +128,12 @@ class StageMemory:
     activations: int
     workspace: int
     inflight: int
+    #: The workspace's named terms at the peak instant (:data:`WORKSPACE_PARTS`), summing to ``workspace``.
+    workspace_parts: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.workspace_parts and sum(b for _, b in self.workspace_parts) != self.workspace:
+            raise ValueError("workspace must be the sum of its parts")
 
     @property
     def total(self) -> int:
@@ -150,6 +156,8 @@ class MemoryBreakdown:
     fits: bool
     worst_stage: int
     per_stage: tuple[StageMemory, ...]
+    #: The worst stage's workspace terms (:attr:`StageMemory.workspace_parts`).
+    workspace_parts: tuple[tuple[str, int], ...] = ()
     #: Whether the worst stage's row is the loss floor (:func:`loss_floor_plan`): the plan's XLA program would
     #: not fit with the loss's fp32 buffers, so the compiler rematerialises them.
     rematerialised_loss: bool = False
@@ -169,10 +177,28 @@ class MemoryBreakdown:
         for flag in ("rematerialised_loss", "delayed_gathers"):
             if getattr(self, flag):
                 out[flag] = True
+        out["workspace_parts"] = dict(self.workspace_parts)
         out["per_stage"] = [{"stage": s.stage, "params_count": s.params_count, "params": s.params, "grads": s.grads,
                              "optimizer": s.optimizer, "activations": s.activations, "workspace": s.workspace,
                              "total": s.total, "inflight": s.inflight} for s in self.per_stage]
         return out
+
+
+#: The workspace's terms (the module docstring's "Workspace"), by the names tables show them under.
+LOSS_BACKWARD, LAYER_BACKWARD = "loss backward", "layer backward"
+GATHERED, MICROBATCH_GRADS, REDUCTION, DEFERRED = ("gathered weights", "microbatch gradients", "gradient reduction",
+                                                  "deferred weight-gradient operands")
+WORKSPACE_PARTS = (LOSS_BACKWARD, LAYER_BACKWARD, GATHERED, MICROBATCH_GRADS, REDUCTION, DEFERRED)
+
+
+def _work(*terms: tuple[str, int]) -> tuple[tuple[str, int], ...]:
+    """The workspace terms live at one instant, the empty ones left out."""
+    return tuple((name, int(size)) for name, size in terms if size)
+
+
+def _larger(*terms: tuple[str, int]) -> tuple[str, int]:
+    """Of terms that are never live together (one phase's buffers, then the next's), the larger."""
+    return max(terms, key=lambda t: t[1])
 
 
 def _layer_param_bytes(plan: Plan) -> int:
@@ -340,7 +366,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
     if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
         reduce_ws = grad_b * costs.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
     loss_ws = kept.loss_workspace_bytes(plan) + kept.loss_instant_recompute(plan) if holds_head else 0
-    layer_ws = _layer_workspace(plan)
+    loss, layer = (LOSS_BACKWARD, loss_ws), (LAYER_BACKWARD, _layer_workspace(plan))
     # (activations, gradients, workspace) at each candidate peak instant.
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
     # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
@@ -357,12 +383,14 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
         # reduce-scatters sharded ones (fsdp, ZeRO-2/3) after the backward; XLA combines the
         # layers' reduce-scatters, so all are live at once. (Measured with XLA:CPU.)
         if p == 1:
-            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws) + gathered + unsharded),
-                        (0, grads, reduce_ws)]
+            instants = [(layer_acts + head_acts, grads, _work(_larger(loss, layer), (GATHERED, gathered),
+                                                              (MICROBATCH_GRADS, unsharded))),
+                        (0, grads, _work((REDUCTION, reduce_ws)))]
         else:
             # The axes reduced after every microbatch (testbed.plan.sharding's one rule, as program and runner).
             whole = unsharded if gradient_reduction(plan)[0] else 0
-            instants = [(layer_acts + head_acts, grads, max(loss_ws, layer_ws, reduce_ws) + gathered + whole)]
+            instants = [(layer_acts + head_acts, grads, _work(_larger(loss, layer, (REDUCTION, reduce_ws)),
+                                                              (GATHERED, gathered), (MICROBATCH_GRADS, whole)))]
             if plan.runtime.lazy_grads:  # gradients grow chunk by chunk with the stage's backwards
                 ws, pairs = instants[0][2], lazy_grad_instants(plan, stage)
                 peak = max(held for held, _ in pairs) or 1
@@ -371,7 +399,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
     else:
         layer_grads = grad_b * _layer_params_per_device(plan, grad_ways)
         head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
-        instants = [(layer_acts + head_acts, head_grads, loss_ws + gathered)]
+        instants = [(layer_acts + head_acts, head_grads, _work(loss, (GATHERED, gathered)))]
         gathered_at = _gathered_at(plan, stage, gathered)
         # XLA's deferred weight gradients: their operands live through the layers' backward, no weight gradient yet.
         deferred = kept.deferred_backward_bytes(plan, holds_head) if defer else 0
@@ -379,9 +407,9 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
         for done in range(layers):
             instants.append((kept.device_layer_sets(plan, layers - done) * per_layer,
                              0 if later else head_grads + (done + 1) * layer_grads,
-                             layer_ws + deferred + gathered_at(done + holds_head)))
-        instants.append((0, grads, reduce_ws))
-    acts, live_grads, workspace = max(instants, key=sum)
+                             _work(layer, (DEFERRED, deferred), (GATHERED, gathered_at(done + holds_head)))))
+        instants.append((0, grads, _work((REDUCTION, reduce_ws))))
+    acts, live_grads, work = max(instants, key=lambda i: i[0] + i[1] + sum(b for _, b in i[2]))
     # fp8-mixed (Transformer Engine): from the step's first microbatch on, each weight is also kept cast to
     # fp8 with its transpose for the backward (1 byte each); sharded weights only for the gathered layer.
     # The amax histories (a few KB per layer) are left out.
@@ -394,7 +422,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
         params += 2 * (held if param_ways == 1 else _layer_params_per_device(plan))
     return StageMemory(stage=stage, params_count=param_held, params=params,
                        grads=live_grads, optimizer=opt_b * opt_held, activations=acts,
-                       workspace=workspace, inflight=inflight)
+                       workspace=sum(b for _, b in work), inflight=inflight, workspace_parts=work)
 
 
 def lazy_grad_instants(plan: Plan, stage: int) -> tuple[tuple[int, int], ...]:
@@ -426,7 +454,7 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
         params_count=costs.param_count(plan.model), device_params_count=worst.params_count, params=worst.params,
         grads=worst.grads, optimizer=worst.optimizer, activations=worst.activations, workspace=worst.workspace,
         total=worst.total, capacity=capacity, fits=worst.total <= capacity, worst_stage=worst.stage,
-        per_stage=tuple(stages), rematerialised_loss="rematerialised_loss" in taken,
+        per_stage=tuple(stages), workspace_parts=worst.workspace_parts, rematerialised_loss="rematerialised_loss" in taken,
         delayed_gathers="delayed_gathers" in taken)
 
 

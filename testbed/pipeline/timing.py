@@ -150,8 +150,8 @@ def play(schedule: Schedule, costs: ActionCosts | None = None) -> ScheduleTiming
 
 
 def gantt_bars(timing: ScheduleTiming) -> list[Bar]:
-    """One Gantt bar per action: row = stage, label = microbatch (``mb.chunk`` when interleaved)."""
+    """One Gantt bar per action: row = stage, label = kind and microbatch (``F3``; ``F3.1`` with chunk 1)."""
     v = timing.schedule.virtual
     return [Bar(row=i.stage, start=i.start, end=i.end, category=i.action.kind,
-                label=f"{i.action.microbatch}" + (f".{i.action.chunk}" if v > 1 else ""))
+                label=f"{i.action.kind}{i.action.microbatch}" + (f".{i.action.chunk}" if v > 1 else ""))
             for row in timing.intervals for i in row]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -107,7 +108,7 @@ def _loss_value(loss: Any) -> float | None:
 
 
 def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: bool = False,
-             peak_flops: float | None = None) -> RunResult:
+             peak_flops: float | None = None, progress: Progress | None = None) -> RunResult:
     """Warm-up step (compiles), then ``steps`` timed steps; their times, losses and measured Report.
 
     The Report (:func:`testbed.sim.measured.measured_report`) has the median
@@ -115,18 +116,22 @@ def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: boo
     plan's compute dtype; default: the datasheet peak of a known
     accelerator, :func:`testbed.runner.results.device_peak_flops`, None on CPU);
     memory, XLA's compiled bytes per device, only with ``compiled_memory``
-    (it compiles the step's programs once more, after the timed steps).
+    (it compiles the step's programs once more, after the timed steps). ``progress(phase, done, total)``
+    hears of the phases ``compile`` (0 of 1 before, 1 after) and ``steps``.
     """
     import jax
 
     from testbed.runner.devices import describe
 
+    tell = progress or _silent
+    tell("compile", 0, 1)
     trainer = build_trainer(plan, devices)
     start = time.perf_counter()
     state = trainer.init()
     state, loss = trainer.step(state, 0)
     jax.block_until_ready((state, loss))
     compile_s = time.perf_counter() - start
+    tell("compile", 1, 1)
     times, starts, losses, first = [], [], [], None
     for i in range(1, steps + 1):
         t = time.perf_counter()
@@ -136,6 +141,7 @@ def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: boo
         first = t if first is None else first
         starts.append(t - first)
         losses.append(_loss_value(loss))
+        tell("steps", i, steps)
     info = describe(devices)
     if peak_flops is None:
         peak_flops = device_peak_flops(info["platform"], str(info.get("device_kind", "")),
@@ -147,6 +153,14 @@ def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: boo
                      processes=info["processes"], device_kind=str(info.get("device_kind", "")), steps=steps,
                      step_times_s=times, step_starts_s=starts, compile_time_s=compile_s, loss=losses[-1],
                      losses=losses, report=report)
+
+
+#: ``progress(phase, done, total)``: the commands' progress display (testbed.cli.progress.phase_progress).
+Progress = Callable[[str, int, int], None]
+
+
+def _silent(phase: str, done: int, total: int) -> None:
+    return None
 
 
 def _tree_errors(a: Any, b: Any) -> tuple[float, float]:
@@ -162,17 +176,20 @@ def _tree_errors(a: Any, b: Any) -> tuple[float, float]:
 
 
 def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool = True,
-                peak_flops: float | None = None) -> VerifyResult:
+                peak_flops: float | None = None, progress: Progress | None = None) -> VerifyResult:
     """Run the plan and the single-device reference for ``steps`` steps and compare (see module doc).
 
     The plan's steps after the first are timed (:class:`testbed.runner.results.VerifyResult`); ``peak_flops``
-    as in :func:`run_plan`.
+    as in :func:`run_plan`; ``progress(phase, done, total)`` hears of the phases ``plan`` and ``reference``
+    (steps done of ``steps``; the first of each compiles) and ``check`` (the compiled programs' collectives).
     """
     import jax
 
     from testbed.runner.hlo import check_collectives
     from testbed.runner.step import ReferenceTrainer, scalar
 
+    tell = progress or _silent
+    tell("plan", 0, steps)
     trainer = build_trainer(plan, devices, return_grads=True)  # warns of the runtime fields the runner does not run
     plan = runner_plan(plan)  # the reference and the expected collectives follow the program the runner built
     # With several processes (an emulated cluster) each runs the reference on a device of its own.
@@ -182,13 +199,18 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
     times, starts, first = [], [], None
     for i in range(steps):
         t = time.perf_counter()
+        tell("plan", i, steps)
         state, loss = trainer.step(state, i)
         jax.block_until_ready((state, loss))
+        tell("plan", i + 1, steps)
         if i > 0:  # step 0 compiles
             first = t if first is None else first
             times.append(time.perf_counter() - t)
             starts.append(t - first)
+        tell("reference", i, steps)
         ref_state, ref_loss = reference.step(ref_state, i)
+        ref_loss = jax.block_until_ready(ref_loss)
+        tell("reference", i + 1, steps)
         losses.append(scalar(loss))
         ref_losses.append(scalar(ref_loss))
         loss_rel.append(abs(losses[-1] - ref_losses[-1]) / abs(ref_losses[-1]))
@@ -201,8 +223,10 @@ def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool 
     param_steps = param_abs / (plan.optimizer.learning_rate * steps)
     tol = THRESHOLDS[plan.precision]
     max_rel = max(loss_rel + grad_rel)
+    tell("check", 0, 1)
     collectives = (check_collectives(plan, trainer.compiled_texts(state), trainer.transfers()) if check_hlo
                    else {"expected": [], "found": {}, "missing": [], "ok": True, "skipped": True})
+    tell("check", 1, 1)
     ok = (max(loss_rel) <= tol["loss"] and max(grad_rel) <= tol["grads"] and param_steps <= tol["param_steps"]
           and collectives["ok"])
     if peak_flops is None:

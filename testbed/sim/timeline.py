@@ -401,19 +401,52 @@ def write_trace(timeline: Timeline, path: str | Path, devices: Sequence[int] | N
 
 
 def write_gantt(timeline: Timeline, path: str | Path, title: str = "") -> Path:
-    """Gantt PNG of the representative rows (one row per representative stream), via testbed.viz.gantt.
+    """Gantt PNG of the representative devices, via testbed.viz.gantt: per device a compute row and a
+    communication row (all its collective streams merged; pipeline sends apart by colour), times in ms.
 
-    Times are in milliseconds; idle gaps are hatched by testbed.viz.gantt itself.
+    Compute spans are coloured by their pipeline action (``F``/``B``/``W`` and the microbatch in the label),
+    other compute (gradient accumulation, optimizer, loss) plainly; idle gaps are hatched by testbed.viz.gantt.
+    A row named ``dev D (xN)`` stands for device D and the N - 1 devices that run the same spans.
     """
     from testbed.viz.gantt import Bar, draw_gantt
 
-    names = []
+    keys: list[tuple[int, str]] = []
     for device, stream in timeline.rows:
+        key = (device, "host" if stream == "host" else "compute" if stream == "compute" else "comm")
+        if key not in keys:
+            keys.append(key)
+    keys.sort(key=lambda k: (k[1] == "host", k[0], k[1] != "compute"))
+    names = []
+    for device, kind in keys:
         count = int(np.count_nonzero(timeline.representative == device))
-        names.append("controller" if stream == "host" else f"dev {device}{f' (x{count})' if count > 1 else ''} {stream}")
-    bubble = CATEGORIES.index("bubble")
-    bars = [Bar(row=int(r), start=float(s) * 1e3, end=float(e) * 1e3, label=lab, category=CATEGORIES[int(c)])
-            for r, s, e, lab, c in zip(timeline.row, timeline.start, timeline.end, timeline.label, timeline.category)
-            if c != bubble]
-    return draw_gantt(names, bars, path, time_unit="ms",
+        names.append("controller" if kind == "host" else f"dev {device}{f' (x{count})' if count > 1 else ''} {kind}")
+    bars = []
+    for r, start, end, label, code in zip(timeline.row, timeline.start, timeline.end, timeline.label,
+                                          timeline.category):
+        category = CATEGORIES[int(code)]
+        if category == "bubble":
+            continue
+        device, stream = timeline.rows[int(r)]
+        key = (device, "host" if stream == "host" else "compute" if stream == "compute" else "comm")
+        bars.append(Bar(row=keys.index(key), start=float(start) * 1e3, end=float(end) * 1e3,
+                        label=_action_label(label) if category == "compute" else "",
+                        category=_gantt_category(stream, category, label)))
+    note = "dev D (xN): device D and the N - 1 devices that run the same spans" if any(
+        int(np.count_nonzero(timeline.representative == d)) > 1 for d, _ in keys) else ""
+    return draw_gantt(names, bars, path, time_unit="ms", note=note,
                       title=title or f"{timeline.source} step: {timeline.step_time_s * 1e3:.4g} ms")
+
+
+def _gantt_category(stream: str, category: str, label: str) -> str:
+    """The Gantt colour of a span: F/B/W for pipeline actions, ``send`` for pipeline sends, else its category."""
+    if category == "compute" and _action_label(label):
+        return label[0]
+    if category == "comm" and stream in ("pipe", "recv"):
+        return "send"
+    return category
+
+
+def _action_label(label: str) -> str:
+    """``F3``/``B3``/``W3`` (``.c`` for a chunk) when ``label`` is a pipeline action, else ``""``."""
+    head = label.split(" ")[0]
+    return head if len(head) > 1 and head[0] in "FBW" and head[1].isdigit() else ""

@@ -58,10 +58,22 @@ def resolve_topology_path(name_or_path: str) -> tuple[str, str]:
     return f"topologies/{name_or_path}.yaml", text
 
 
-def load_topology(name_or_path: str) -> Topology:
-    """Load a bundled topology by name or a topology YAML file."""
-    display, text = resolve_topology_path(name_or_path)
-    return topology_from_text(display, text)
+def load_topology(name_or_path: str, devices: int | None = None, field: str = "--devices") -> Topology:
+    """Load a bundled topology by name or a topology YAML file, resized to ``devices`` when given.
+
+    ``NAME@DEVICES`` (a bundled name or a path, then ``@`` and a device count) resizes the outermost
+    level as ``devices`` does (testbed.topology.resize); a file whose own name ends so is read as it is.
+    """
+    from testbed.topology.resize import resize_topology, split_sized_name
+
+    base, sized = name_or_path, None
+    if "@" in str(name_or_path) and not is_input_file(Path(name_or_path), "topology YAML file"):
+        base, sized = split_sized_name(name_or_path)
+    display, text = resolve_topology_path(base)
+    topology = topology_from_text(display, text)
+    if sized is not None:
+        topology = resize_topology(topology, sized, field="topology")
+    return topology if devices is None else resize_topology(topology, devices, field=field)
 
 
 def topology_from_text(display: str, text: str) -> Topology:

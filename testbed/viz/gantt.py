@@ -24,7 +24,7 @@ CATEGORY_COLOURS: dict[str, str] = {
     "F": "#4e79a7",
     "B": "#59a14f",
     "W": "#b07aa1",
-    "compute": "#4e79a7",
+    "compute": "#76b7b2",
     "comm": "#f28e2b",
     "send": "#e15759",
     "bubble": "#d9d9d9",
@@ -32,8 +32,13 @@ CATEGORY_COLOURS: dict[str, str] = {
     "host": "#9c755f",
 }
 
-_LEGEND_NAMES = {"F": "forward (F)", "B": "backward (B)", "W": "weight gradient (W)", "bubble": "idle (bubble)",
-                "host": "controller dispatch"}
+_LEGEND_NAMES = {"F": "forward (F + microbatch)", "B": "backward (B + microbatch)",
+                 "W": "weight gradient (W + microbatch)", "bubble": "idle (bubble)", "host": "controller dispatch",
+                 "compute": "other compute (accumulate, optimizer)", "comm": "collectives", "send": "pipeline sends"}
+
+#: The widest and the least wide a chart is drawn (inches at 120 dpi: 1,920 and 960 pixels), so that it reads at
+#: the size it is written; bars too narrow for their label at that width go unlabelled (their colour says F/B/W).
+MAX_WIDTH_IN, MIN_WIDTH_IN = 16.0, 8.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,7 +80,7 @@ def idle_gaps(bars: Sequence[Bar], rows: int, until: float | None = None) -> lis
 
 
 def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, title: str = "",
-               time_unit: str = "", show_idle: bool = True) -> Path:
+               time_unit: str = "", show_idle: bool = True, note: str = "") -> Path:
     """Draw ``bars`` on ``rows`` (top to bottom) and write a PNG atomically to ``path``.
 
     Args:
@@ -84,6 +89,7 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
         title: figure title.
         time_unit: x-axis unit, e.g. ``"s"`` or ``"ms"`` (empty: arbitrary units).
         show_idle: hatch idle gaps of every row (pipeline bubbles).
+        note: a line under the time axis (what a row stands for).
     """
     for b in bars:
         if not 0 <= b.row < len(rows):
@@ -94,8 +100,8 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
     # Wide enough that the shortest bar holds its label (~0.1 inch per character at font size 7).
     shortest = min((b.end - b.start for b in bars if b.end > b.start and b.category != "bubble"), default=horizon)
     longest_label = max((len(b.label) for b in bars), default=1)
-    width = min(40.0, max(8.0, 2.5 + horizon / shortest * 0.1 * (longest_label + 1.5)))
-    fig, ax = plt.subplots(figsize=(width, 0.55 * len(rows) + 1.6))
+    width = min(MAX_WIDTH_IN, max(MIN_WIDTH_IN, 2.5 + horizon / shortest * 0.1 * (longest_label + 1.5)))
+    fig, ax = plt.subplots(figsize=(width, 0.5 * len(rows) + 1.8))
     # Character budget: a label fits if its bar is wider than ~0.7 em of the axes at this size.
     char_width = horizon / (width * 72 / 7.0)
     used: list[str] = []
@@ -113,21 +119,35 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
             ax.broken_barh(spans, (y - 0.4, 0.8), facecolors="white", edgecolors=colour, hatch="///", linewidth=0.0)
         else:
             ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.6)
-    labelled = [b for b in bars if b.label and (b.end - b.start) > char_width * (len(b.label) + 0.5)]
-    for b in labelled[:2000]:
-        ax.text((b.start + b.end) / 2, len(rows) - 1 - b.row, plot_label(b.label), ha="center", va="center", fontsize=7,
-                color="white")
+    # A label runs along its bar where it fits, else across it when the bar is a character wide and the row tall
+    # enough (rows are 0.5 inch: 0.4 of bar, about 4 characters of 7 points per 0.1 inch... 6 characters).
+    shown = 0
+    for b in bars:
+        if not b.label or shown >= 2000:
+            continue
+        span, across = b.end - b.start, len(b.label) <= 6
+        if span > char_width * (len(b.label) + 0.5) or (across and span > char_width * 1.3):
+            rotation = 0 if span > char_width * (len(b.label) + 0.5) else 90
+            ax.text((b.start + b.end) / 2, len(rows) - 1 - b.row, plot_label(b.label), ha="center", va="center",
+                    fontsize=7 if rotation == 0 else 6, color="white", rotation=rotation)
+            shown += 1
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([plot_label(row, 40) for row in reversed(list(rows))])
     ax.set_xlim(0, horizon)
     ax.set_ylim(-0.6, len(rows) - 0.4)
-    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time")
+    ax.set_xlabel(f"time ({time_unit})" if time_unit else "time (units of --costs)")
+    ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+    ax.grid(axis="x", alpha=0.25)
+    if note:
+        ax.annotate(plot_label(note, 200), xy=(0, 0), xycoords="axes fraction", xytext=(0, -34),
+                    textcoords="offset points", fontsize=8, color="#555555", va="top")
     for spine in ("top", "right"):
         ax.spines[spine].set_visible(False)
     handles = []
     from matplotlib.patches import Patch
 
-    for category in used:
+    order = list(CATEGORY_COLOURS)
+    for category in sorted(used, key=order.index):
         colour = CATEGORY_COLOURS[category]
         name = _LEGEND_NAMES.get(category, category)
         if category == "bubble":
