@@ -183,7 +183,8 @@ def _overflows(plan: Plan, topology: Topology, memory_cap: float, floors: dict |
         return True
     inflight = cached_inflight(plan)
     capacity = int(topology.device.memory_bytes)
-    return any(stage_memory(plan, s, inflight[s], capacity).total > limit for s in probe_stages(plan))
+    rules = topology.device.buffer_rules
+    return any(stage_memory(plan, s, inflight[s], capacity, rules).total > limit for s in probe_stages(plan))
 
 
 def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *, objective: str = "step_time",

@@ -69,7 +69,7 @@ import math
 from dataclasses import dataclass
 
 from testbed.model import costs
-from testbed.model import kept, layout, moe
+from testbed.model import kept, layout, moe, xla_tpu
 from testbed.model.floors import compiler_floors, deepest_floor, loss_floor_plan, prefetch_floor_plan
 from testbed.model.gathered import _gathered_at, _layer_params_per_device, _stage_blocks, gathered_bytes
 from testbed.model.splash import splash_kernel, splash_workspace
@@ -252,10 +252,11 @@ def _flash_tile(plan: Plan) -> int:
     return plan.microbatch_size * spec.heads * spec.score_rows * spec.flash_block // plan.mesh.tensor
 
 
-def _layer_workspace(plan: Plan) -> int:
+def _layer_workspace(plan: Plan, tpu: bool = False) -> int:
     """One layer's backward: the larger of its attention's and its MLP's transients (:func:`_sublayer_workspace`),
     plus what remat recomputes and the collectives' buffers (testbed.model.kept)."""
-    recompute = kept.recompute_workspace_bytes(plan) + kept.tensor_collective_workspace(plan)
+    recompute = xla_tpu.recompute_workspace_bytes(plan) if tpu else kept.recompute_workspace_bytes(plan)
+    recompute += kept.tensor_collective_workspace(plan)
     return _sublayer_workspace(plan) + recompute + moe.dispatch_workspace(plan)
 
 
@@ -276,8 +277,8 @@ def _sublayer_workspace(plan: Plan) -> int:
     return max(attention, hidden)
 
 
-def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None,
-                  names: bool = True) -> tuple[StageMemory, tuple[str, ...]]:
+def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None, names: bool = True,
+                  rules: str = "xla") -> tuple[StageMemory, tuple[str, ...]]:
     """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the first row at the compiler's floors
     that fits (else the smallest), with the names of the floors taken: a compiler acts against the limit only as
     far as the program needs. First each weight gradient at its layer's backward (:func:`_undeferred_row`: the
@@ -285,22 +286,22 @@ def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None,
     (the search's bound, which reads the total only): the same total with the deepest floor tried first
     (:func:`~testbed.model.floors.deepest_floor`: each floor only lowers the row, so a plan over the capacity
     there is over it at every floor, and the walk runs only for the plans that fit at the deepest)."""
-    row = _stage_peak(plan, stage, inflight)
+    row = _stage_peak(plan, stage, inflight, rules=rules)
     if capacity is None or row.total <= capacity:
         return row, ()
-    row = min(row, _undeferred_row(plan, stage, inflight), key=lambda r: r.total)
+    row = min(row, _undeferred_row(plan, stage, inflight, rules), key=lambda r: r.total)
     if row.total <= capacity:
         return row, ()
     if not names:
         floor = deepest_floor(plan)
         if floor is None:
             return row, ()
-        deepest = _undeferred_row(floor, stage, inflight)
+        deepest = _undeferred_row(floor, stage, inflight, rules)
         if deepest.total > capacity:
             return min(row, deepest, key=lambda r: r.total), ()
     taken: tuple[str, ...] = ()
     for name, floor in compiler_floors(plan):
-        lower = _undeferred_row(floor, stage, inflight)
+        lower = _undeferred_row(floor, stage, inflight, rules)
         if lower.total < row.total:
             row, taken = lower, (*taken, name)
         if row.total <= capacity:
@@ -308,22 +309,23 @@ def _floored_peak(plan: Plan, stage: int, inflight: int, capacity: int | None,
     return row, taken
 
 
-def _stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
+def _stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None,
+                  rules: str = "xla") -> StageMemory:
     """:func:`_stage_peak`, or with a device ``capacity`` it overflows, the row at the compiler's floors
     (:func:`_floored_peak`: each weight gradient at its layer, the loss floor, then no prefetched gathers)."""
-    return _floored_peak(plan, stage, inflight, capacity, names=False)[0]
+    return _floored_peak(plan, stage, inflight, capacity, names=False, rules=rules)[0]
 
 
-def _undeferred_row(plan: Plan, stage: int, inflight: int) -> StageMemory:
+def _undeferred_row(plan: Plan, stage: int, inflight: int, rules: str = "xla") -> StageMemory:
     """The stage's peak with each weight gradient computed at its layer's backward (no deferred operands,
     ``testbed.model.kept.deferred_backward_bytes``). Deferring them is XLA:CPU's list scheduler's choice for a
     program without a memory limit (``benchmarks/memory_vs_xla.py``), not a dependency: a program compiled
     against a device it would overflow is scheduled with the limit in mind, as the loss floor's
     rematerialisation is, so a row over capacity is priced without it."""
-    return _stage_peak(plan, stage, inflight, defer=False)
+    return _stage_peak(plan, stage, inflight, defer=False, rules=rules)
 
 
-def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> StageMemory:
+def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules: str = "xla") -> StageMemory:
     """Bytes on one device of ``stage`` at its peak instant.
 
     With one microbatch the step does not accumulate gradients: the backward
@@ -343,14 +345,15 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
                                        for w in (param_ways, grad_ways, opt_ways))
     holds_head = stage == layout.head_holder(p, v)[0]
     layers = plan.stage_layers[stage]  # all the stage's chunks (layers_per_stage, or the even split)
-    per_layer = kept.layer_kept_bytes(plan)  # the stack's mechanisms (runtime) included
+    tpu = xla_tpu.applies(plan, rules)  # XLA:TPU's buffer assignment keeps fewer buffers (testbed.model.xla_tpu)
+    per_layer = xla_tpu.layer_kept_bytes(plan) if tpu else kept.layer_kept_bytes(plan)  # the stack's mechanisms
     if spec.experts and plan.remat is not Remat.FULL:  # MoE layers keep router, dispatched tokens, experts' hidden
         span = [i for r in layout.chunk_layers(spec, p, v, plan.stage_layers)[stage] for i in r]
         per_layer += moe.moe_layers(spec, span) * moe.activation_bytes_swap(plan, mesh.tensor) // max(1, len(span))
     head_acts = 0
     if holds_head:
         # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
-        head_acts = math.ceil(inflight / v) * kept.head_kept_bytes(plan)
+        head_acts = math.ceil(inflight / v) * (xla_tpu.head_kept_bytes(plan) if tpu else kept.head_kept_bytes(plan))
     # In-flight pairs spread over the stage's chunks (as the head term assumes): the mean chunk's layers each,
     # exactly layers / v per pair when the chunks are even; uneven chunks (testbed.plan.stages) average.
     layer_acts = kept.device_layer_sets(plan, inflight * layers // v) * per_layer
@@ -365,8 +368,11 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
     reduce_ws = 0
     if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
         reduce_ws = grad_b * costs.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
-    loss_ws = kept.loss_workspace_bytes(plan) + kept.loss_instant_recompute(plan) if holds_head else 0
-    loss, layer = (LOSS_BACKWARD, loss_ws), (LAYER_BACKWARD, _layer_workspace(plan))
+    loss_ws = 0
+    if holds_head:
+        loss_ws = (xla_tpu.loss_workspace_bytes(plan) if tpu
+                   else kept.loss_workspace_bytes(plan) + kept.loss_instant_recompute(plan))
+    loss, layer = (LOSS_BACKWARD, loss_ws), (LAYER_BACKWARD, _layer_workspace(plan, tpu))
     # (activations, gradients, workspace) at each candidate peak instant.
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
     # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
@@ -402,8 +408,8 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True) -> St
         instants = [(layer_acts + head_acts, head_grads, _work(loss, (GATHERED, gathered)))]
         gathered_at = _gathered_at(plan, stage, gathered)
         # XLA's deferred weight gradients: their operands live through the layers' backward, no weight gradient yet.
-        deferred = kept.deferred_backward_bytes(plan, holds_head) if defer else 0
-        later = defer and kept.weight_grads_deferred(plan)
+        deferred = kept.deferred_backward_bytes(plan, holds_head) if defer and not tpu else 0
+        later = defer and not tpu and kept.weight_grads_deferred(plan)
         for done in range(layers):
             instants.append((kept.device_layer_sets(plan, layers - done) * per_layer,
                              0 if later else head_grads + (done + 1) * layer_grads,
@@ -447,7 +453,8 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
     """
     inflight = inflight_microbatches(plan) if inflight is None else inflight
     capacity = int(topology.device.memory_bytes)
-    floored = [_floored_peak(plan, s, inflight[s], capacity) for s in range(plan.mesh.stage)]
+    rules = topology.device.buffer_rules
+    floored = [_floored_peak(plan, s, inflight[s], capacity, rules=rules) for s in range(plan.mesh.stage)]
     stages = [row for row, _ in floored]
     worst, taken = max(floored, key=lambda f: f[0].total)
     return MemoryBreakdown(
@@ -458,14 +465,15 @@ def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] |
         delayed_gathers="delayed_gathers" in taken)
 
 
-def stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None) -> StageMemory:
+def stage_memory(plan: Plan, stage: int, inflight: int, capacity: int | None = None,
+                 rules: str = "xla") -> StageMemory:
     """Bytes on one device of ``stage`` at its peak instant with ``inflight`` activation sets (the schedule's).
 
     With the device's ``capacity`` (bytes), exactly the row :func:`memory_breakdown` reports for that stage, so
     each is a lower bound of the plan's worst-device total: a search drops a plan as soon as one stage
-    overflows, without the other stages.
+    overflows, without the other stages. ``rules``: the device's ``buffer_rules`` (testbed.topology.DeviceSpec).
     """
-    return _stage_memory(plan, stage, inflight, capacity)
+    return _stage_memory(plan, stage, inflight, capacity, rules)
 
 
 def probe_stages(plan: Plan) -> tuple[int, ...]:

@@ -106,7 +106,8 @@ def _link_end(value: Any, field: str) -> int | str:
 def _device(data: Any) -> DeviceSpec:
     data = expect_mapping(data, "device")
     check_keys(data, ("name", "flops", "memory", "memory_bandwidth", "power_limit", "power_curve",
-                      "comm_slowdown", "bf16_matmuls", "sustained", "collective_resources"), "device",
+                      "comm_slowdown", "bf16_matmuls", "sustained", "collective_resources", "buffer_rules"),
+               "device",
                required=("flops", "memory", "memory_bandwidth"))
     flops = expect_mapping(data["flops"], "device.flops")
     curve = data.get("power_curve", [])
@@ -124,6 +125,7 @@ def _device(data: Any) -> DeviceSpec:
         bf16_matmuls=data.get("bf16_matmuls", "native"),
         sustained=data.get("sustained", 1.0),
         collective_resources=data.get("collective_resources", "per_kind"),
+        buffer_rules=data.get("buffer_rules", "xla"),
     )
 
 
@@ -349,6 +351,8 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
         out["device"]["sustained"] = dev.sustained
     if dev.collective_resources != "per_kind":
         out["device"]["collective_resources"] = dev.collective_resources
+    if dev.buffer_rules != "xla":
+        out["device"]["buffer_rules"] = dev.buffer_rules
     if topology.form is Form.LEVELS:
         out["levels"] = [{"name": l.name, "size": l.size, "bandwidth": l.bandwidth, "latency": l.latency,
                           "kind": str(l.kind), "attach": l.attach,

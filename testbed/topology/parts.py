@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 from testbed.errors import InputError
 
-__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "RANGES", "BF16_MATMULS"]
+__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "RANGES", "BF16_MATMULS", "BUFFER_RULES"]
 
 #: Stated ranges of a topology's rates and times: far beyond any hardware on both sides, and narrow enough
 #: that no byte count or FLOP count of a plan divided by them overflows or divides by zero.
@@ -47,6 +47,8 @@ class Form(StrEnum):
 BF16_MATMULS = ("native", "fp32")
 #: How the device's compiler schedules asynchronous collectives (:attr:`DeviceSpec.collective_resources`).
 COLLECTIVE_RESOURCES = ("per_kind", "shared")
+#: Whose buffer assignment the memory model follows for the runner's XLA programs (:attr:`DeviceSpec.buffer_rules`).
+BUFFER_RULES = ("xla", "xla-tpu")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +81,11 @@ class DeviceSpec:
     Read by traced programs (testbed.sim.overlap.chain_gathers runs where all-gathers are a resource of their
     own); it says what XLA's scheduler does, so it does not apply to a plan of another stack (Megatron, PyTorch).
 
+    ``buffer_rules``: which compiler's buffer assignment the memory model follows for the runner's XLA programs:
+    ``xla`` (the default: the rules read from XLA:CPU's compiled steps, testbed.model.kept) or ``xla-tpu``
+    (XLA:TPU's fusion keeps fewer buffers: testbed.model.xla_tpu, read from deviceless XLA:TPU compiles). A plan of
+    another stack (``runtime.framework: pytorch``) is priced by its own rules on every device.
+
     ``sustained``: the fraction of the calibrated matmul rates the device's math holds over a whole training
     step (1, the default: the rates as calibrated). The GPU calibrations' caps are short measurements of one
     matmul at a time (mamf-finder's Maximum Achievable Matmul FLOPS); a long step runs at lower clocks under
@@ -98,6 +105,7 @@ class DeviceSpec:
     bf16_matmuls: str = "native"
     sustained: float = 1.0
     collective_resources: str = "per_kind"
+    buffer_rules: str = "xla"
 
     def __post_init__(self) -> None:
         if self.bf16_matmuls not in BF16_MATMULS:
@@ -109,6 +117,10 @@ class DeviceSpec:
                              f"holds collectives on: one per kind, as its open default and a TPU, or one shared by "
                              f"every kind, as XLA:GPU), got {self.collective_resources!r:.40}",
                              field="device.collective_resources")
+        if self.buffer_rules not in BUFFER_RULES:
+            raise InputError(f"must be one of {', '.join(BUFFER_RULES)} (whose buffer assignment the memory model "
+                             f"follows: XLA's as measured on CPU, or XLA:TPU's), got {self.buffer_rules!r:.40}",
+                             field="device.buffer_rules")
         if not self.peak_flops:
             raise InputError("needs at least one dtype with its peak FLOP/s, e.g. {bf16: 989TFLOP/s}", field="device.flops")
         for dtype, value in self.peak_flops.items():

@@ -1,0 +1,93 @@
+"""What XLA:TPU's buffer assignment keeps of the runner's step where it differs from XLA:CPU's.
+
+testbed.model.kept holds the rules read from XLA:CPU's compiled steps. XLA:TPU fuses every elementwise chain into
+the matmuls and reductions around it, so a value that is an elementwise function of other kept values is
+recomputed inside the backward's fusions instead of kept (read from the buffer assignment and live ranges of the
+runner's step compiled deviceless for ``v5e`` slices, ``benchmarks/memory_vs_xla_tpu.py`` and
+``benchmarks/xla_tpu/``):
+
+- a layer keeps its norms' inputs, Q, K, V, the attention output, the MLP's input-matrix outputs (the activation
+  function's output is recomputed), and without remat the attention probabilities (:func:`layer_kept_bytes`);
+  under full remat only the block input, no residual summands (the unrolled CPU step's extra);
+- the head keeps its norm's input and the logits in the compute dtype; the loss's fp32 log-softmax is one
+  logits-sized fp32 buffer at the loss (:func:`head_kept_bytes`, :func:`loss_workspace_bytes`); no block's
+  recompute is scheduled beside it and no logits-sized buffer waits for a deferred weight gradient.
+
+These rules cover the runner's own mechanisms (``runtime.recompute: runner``, no fused or tiled loss, no
+offloading); any other stack keeps testbed.model.kept's rules (:func:`applies`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from testbed.model.activations import FLASH_BYTES, LOSS_BYTES, norms
+from testbed.model.kept import sp_gathered_bytes, xla_program
+from testbed.model.ring import rank_spec
+from testbed.plan.spec import Attention, Plan, Remat
+
+__all__ = ["applies", "layer_kept_bytes", "recompute_workspace_bytes", "head_kept_bytes", "loss_workspace_bytes"]
+
+
+def applies(plan: Plan, buffer_rules: str) -> bool:
+    """Whether the plan's step is priced by XLA:TPU's rules: a ``xla-tpu`` device and the runner's own program."""
+    runtime = plan.runtime
+    return (buffer_rules == "xla-tpu" and xla_program(plan) and runtime.recompute == "runner"
+            and not runtime.fused_loss and runtime.vocab_tiles == 1 and not runtime.offload_activations
+            and not runtime.scan_layers)
+
+
+def _residual(plan: Plan) -> int:
+    """Values of one ``[tokens, d_model]`` residual-stream tensor on one device (its sequence shard under SP)."""
+    spec = rank_spec(plan)
+    values = plan.microbatch_size * spec.seq_len * spec.d_model
+    return values // plan.mesh.tensor if plan.sequence_parallel else values
+
+
+def layer_kept_bytes(plan: Plan) -> int:
+    """Bytes one dense layer keeps from its forward to its backward, one microbatch, on one device.
+
+    Full remat: the block input. Otherwise the norms' inputs (residual stream), Q, K, V and the attention output
+    (split over the tensor ranks; GQA's K and V whole where the degree does not divide ``kv_heads``), the MLP's
+    ``mlp_matrices - 1`` input-matrix outputs, under SP the column-parallel matmuls' gathered inputs
+    (testbed.model.kept.sp_gathered_bytes, as XLA:CPU), and the attention's softmax output without remat (plain
+    attention) or its fp32 row log-sum-exp (flash)."""
+    spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
+    if plan.remat is Remat.FULL:
+        return c * _residual(plan)
+    b = plan.microbatch_size
+    n = b * spec.seq_len
+    kv = 2 * n * spec.kv_dim // (t if spec.kv_split(t) else 1)
+    values = norms(spec) * _residual(plan) + 2 * n * spec.q_dim // t + kv
+    values += (spec.mlp_matrices - 1) * n * spec.d_ff // t
+    kept = c * values + norms(spec) * sp_gathered_bytes(plan)
+    if spec.attention is Attention.FLASH:
+        return kept + FLASH_BYTES * b * spec.heads * spec.seq_len // t
+    if plan.remat is Remat.NONE:
+        kept += c * b * spec.heads * spec.score_rows * spec.seq_len // t
+    return kept
+
+
+def recompute_workspace_bytes(plan: Plan) -> int:
+    """What a layer's backward recomputes and holds besides its kept set: under full remat the layer's no-remat
+    set as XLA:TPU keeps it (:func:`layer_kept_bytes`); selective remat's recomputed scores are the attention
+    workspace's (testbed.model.memory); 0 otherwise."""
+    return layer_kept_bytes(replace(plan, remat=Remat.NONE)) if plan.remat is Remat.FULL else 0
+
+
+def _logits(plan: Plan) -> int:
+    """Logits one tensor rank holds for one microbatch (the padded vocabulary split over the tensor ranks)."""
+    spec = rank_spec(plan)
+    return plan.microbatch_size * spec.seq_len * spec.padded_vocab // plan.mesh.tensor
+
+
+def head_kept_bytes(plan: Plan) -> int:
+    """Bytes the head keeps per microbatch: its norm's input (and under SP the gathered input) and the logits in
+    the compute dtype."""
+    c = plan.precision.compute_bytes
+    return c * _residual(plan) + sp_gathered_bytes(plan) + c * _logits(plan)
+
+
+def loss_workspace_bytes(plan: Plan) -> int:
+    """The loss's transient: one fp32 logits-sized buffer (the log-softmax the loss and its gradient read)."""
+    return LOSS_BYTES * _logits(plan)

@@ -1,0 +1,84 @@
+"""testbed.model.xla_tpu: the memory model follows XLA:TPU's buffer assignment on devices with buffer_rules xla-tpu.
+
+The rules' values are checked against XLA:TPU's recorded compiles in tests/test_xla_tpu_records.py; these tests hold
+what the rules say: which device and stack they apply to, and the sets they keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from testbed.errors import InputError
+from testbed.model import kept, xla_tpu
+from testbed.model.memory import memory_breakdown
+from testbed.plan.runtime import RuntimeSpec
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
+from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
+
+TPU = load_topology("tpu-v5e-4x4")
+SPEC = ModelSpec(layers=4, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32000)
+
+
+def _plan(**kw) -> Plan:
+    batch = BatchSpec(global_batch=kw.pop("batch", 32), microbatches=kw.pop("mb", 1))
+    kw.setdefault("precision", "bf16-mixed")
+    return Plan(model=kw.pop("model", SPEC), batch=batch, mesh=MeshSpec(**kw.pop("mesh", {"fsdp": 16})), **kw)
+
+
+def _as_cpu_rules(topology):
+    return replace(topology, device=replace(topology.device, buffer_rules="xla"))
+
+
+def test_bundled_tpu_topologies_use_xla_tpu_rules_and_others_do_not() -> None:
+    assert TPU.device.buffer_rules == "xla-tpu"
+    assert load_topology("dgx-h100").device.buffer_rules == "xla"
+    assert topology_from_dict(topology_to_dict(TPU)).device.buffer_rules == "xla-tpu"
+
+
+def test_an_unknown_buffer_rule_names_the_field() -> None:
+    data = topology_to_dict(TPU)
+    data["device"]["buffer_rules"] = "xla-gpu"
+    with pytest.raises(InputError, match="buffer_rules"):
+        topology_from_dict(data)
+
+
+@pytest.mark.parametrize("remat", ["none", "selective", "full"])
+def test_tpu_rules_keep_fewer_bytes_than_the_cpu_rules(remat: str) -> None:
+    plan = _plan(remat=remat)
+    tpu, cpu = memory_breakdown(plan, TPU), memory_breakdown(plan, _as_cpu_rules(TPU))
+    assert tpu.activations + tpu.workspace < cpu.activations + cpu.workspace
+    assert (tpu.params, tpu.optimizer) == (cpu.params, cpu.optimizer)  # model states are the compiler's arguments
+
+
+def test_full_remat_keeps_the_block_input_only() -> None:
+    plan = _plan(remat="full")
+    assert xla_tpu.layer_kept_bytes(plan) == 2 * plan.microbatch_size * SPEC.seq_len * SPEC.d_model
+    assert kept.layer_kept_bytes(plan) > xla_tpu.layer_kept_bytes(plan)  # XLA:CPU's unrolled step keeps summands
+
+
+def test_the_layer_set_without_remat_counts_inputs_projections_and_probabilities() -> None:
+    plan = _plan(remat="none")
+    n, d, f = plan.microbatch_size * SPEC.seq_len, SPEC.d_model, SPEC.d_ff
+    probabilities = plan.microbatch_size * SPEC.heads * SPEC.seq_len ** 2
+    # Two norms' inputs, Q, K, V and the attention output, the MLP's input matrix's output (GELU: one matrix).
+    assert xla_tpu.layer_kept_bytes(plan) == 2 * (2 * n * d + 4 * n * d + n * f + probabilities)
+    selective = xla_tpu.layer_kept_bytes(replace(plan, remat="selective"))
+    assert selective == 2 * (6 * n * d + n * f)
+
+
+def test_the_head_keeps_compute_dtype_logits_beside_one_fp32_buffer() -> None:
+    plan = _plan(remat="full")
+    logits = plan.microbatch_size * SPEC.seq_len * SPEC.padded_vocab
+    assert xla_tpu.head_kept_bytes(plan) == 2 * plan.microbatch_size * SPEC.seq_len * SPEC.d_model + 2 * logits
+    assert xla_tpu.loss_workspace_bytes(plan) == 4 * logits
+
+
+def test_other_stacks_keep_their_own_rules_on_a_tpu() -> None:
+    plan = _plan(remat="full")
+    assert xla_tpu.applies(plan, "xla-tpu") and not xla_tpu.applies(plan, "xla")
+    for runtime in (RuntimeSpec(framework="pytorch"), RuntimeSpec(fused_loss=True), RuntimeSpec(vocab_tiles=4)):
+        other = replace(plan, runtime=runtime)
+        assert not xla_tpu.applies(other, "xla-tpu")
+        assert memory_breakdown(other, TPU).total == memory_breakdown(other, _as_cpu_rules(TPU)).total
