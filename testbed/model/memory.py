@@ -325,6 +325,34 @@ def _undeferred_row(plan: Plan, stage: int, inflight: int, rules: str = "xla") -
     return _stage_peak(plan, stage, inflight, defer=False, rules=rules)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _KeptTerms:
+    """What one microbatch keeps and the transients beside it, by the compiler's rules: per layer (the stage's mean,
+    MoE layers included), the head's kept set, the loss's and one layer backward's workspace."""
+
+    tpu: bool
+    per_layer: int
+    head: int
+    loss: int
+    layer: int
+
+
+def _kept_terms(plan: Plan, stage: int, tpu: bool) -> _KeptTerms:
+    """The stage's kept sets and transients: XLA:TPU's (testbed.model.xla_tpu) where ``tpu``, else
+    testbed.model.kept's (XLA:CPU's, or the stack's mechanisms)."""
+    spec, p, v = rank_spec(plan), plan.mesh.stage, plan.schedule.virtual_stages
+    per_layer = xla_tpu.layer_kept_bytes(plan) if tpu else kept.layer_kept_bytes(plan)
+    if spec.experts and plan.remat is not Remat.FULL:  # MoE layers keep router, dispatched tokens, experts' hidden
+        span = [i for r in layout.chunk_layers(spec, p, v, plan.stage_layers)[stage] for i in r]
+        per_layer += moe.moe_layers(spec, span) * moe.activation_bytes_swap(plan, plan.mesh.tensor) // max(1, len(span))
+    if tpu:
+        head, loss = xla_tpu.head_kept_bytes(plan), xla_tpu.loss_workspace_bytes(plan)
+    else:
+        head = kept.head_kept_bytes(plan)
+        loss = kept.loss_workspace_bytes(plan) + kept.loss_instant_recompute(plan)
+    return _KeptTerms(tpu=tpu, per_layer=per_layer, head=head, loss=loss, layer=_layer_workspace(plan, tpu))
+
+
 def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules: str = "xla") -> StageMemory:
     """Bytes on one device of ``stage`` at its peak instant.
 
@@ -345,15 +373,10 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
                                        for w in (param_ways, grad_ways, opt_ways))
     holds_head = stage == layout.head_holder(p, v)[0]
     layers = plan.stage_layers[stage]  # all the stage's chunks (layers_per_stage, or the even split)
-    tpu = xla_tpu.applies(plan, rules)  # XLA:TPU's buffer assignment keeps fewer buffers (testbed.model.xla_tpu)
-    per_layer = xla_tpu.layer_kept_bytes(plan) if tpu else kept.layer_kept_bytes(plan)  # the stack's mechanisms
-    if spec.experts and plan.remat is not Remat.FULL:  # MoE layers keep router, dispatched tokens, experts' hidden
-        span = [i for r in layout.chunk_layers(spec, p, v, plan.stage_layers)[stage] for i in r]
-        per_layer += moe.moe_layers(spec, span) * moe.activation_bytes_swap(plan, mesh.tensor) // max(1, len(span))
-    head_acts = 0
-    if holds_head:
-        # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
-        head_acts = math.ceil(inflight / v) * (xla_tpu.head_kept_bytes(plan) if tpu else kept.head_kept_bytes(plan))
+    terms = _kept_terms(plan, stage, xla_tpu.applies(plan, rules))
+    per_layer, tpu = terms.per_layer, terms.tpu
+    # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
+    head_acts = math.ceil(inflight / v) * terms.head if holds_head else 0
     # In-flight pairs spread over the stage's chunks (as the head term assumes): the mean chunk's layers each,
     # exactly layers / v per pair when the chunks are even; uneven chunks (testbed.plan.stages) average.
     layer_acts = kept.device_layer_sets(plan, inflight * layers // v) * per_layer
@@ -368,11 +391,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
     reduce_ws = 0
     if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
         reduce_ws = grad_b * costs.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
-    loss_ws = 0
-    if holds_head:
-        loss_ws = (xla_tpu.loss_workspace_bytes(plan) if tpu
-                   else kept.loss_workspace_bytes(plan) + kept.loss_instant_recompute(plan))
-    loss, layer = (LOSS_BACKWARD, loss_ws), (LAYER_BACKWARD, _layer_workspace(plan, tpu))
+    loss, layer = (LOSS_BACKWARD, terms.loss if holds_head else 0), (LAYER_BACKWARD, terms.layer)
     # (activations, gradients, workspace) at each candidate peak instant.
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
     # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
