@@ -178,7 +178,7 @@ def test_sharded_gradients_reduce_while_the_backward_goes_on():
     compute = [i for i, t in enumerate(tasks) if t.kind is TaskKind.COMPUTE]
     buckets = [i for i, t in enumerate(tasks) if t.stream == "grad"]
     assert all(tasks[i].op == "reduce_scatter" for i in buckets)
-    bound = combine_limit(TOPOLOGIES["switch8"].calibration.collectives.combine_bytes, plan.runtime.framework)
+    bound = combine_limit(TOPOLOGIES["switch8"].calibration.collectives.combine_bytes, plan.runtime.gather_combine_bytes)
     assert all(tasks[i].nbytes <= bound for i in buckets)
     released = [tasks[i].deps[0] for i in buckets]
     assert set(released) <= set(compute) and len(set(released)) == plan.model.layers + 1  # each layer's, the last

@@ -25,7 +25,11 @@ from testbed.fields import check_keys, expect_mapping, get_str
 from testbed.plan.runtime_sources import SOURCES
 
 __all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "MOE_DISPATCH", "ATTENTION_KERNELS",
-           "FP8_SCALINGS", "FRAMEWORKS", "STATE_DTYPES", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+           "FP8_SCALINGS", "FRAMEWORKS", "STATE_DTYPES", "XLA_COMBINE_BYTES", "PYTORCH_PROGRAM", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+
+#: XLA's default all-gather and reduce-scatter combine thresholds (xla/service/collective_utils.h:
+#: ``kDefaultAllGatherCombineThreshold``, ``kDefaultReduceScatterCombineThreshold``, ``30 * 1024 * 1024 + 7`` bytes).
+XLA_COMBINE_BYTES = 30 * 1024 * 1024 + 7
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -209,6 +213,23 @@ class RuntimeSpec:
     #: gradient reductions move compute-dtype values as before, and the optimizer update moves the same HBM bytes
     #: (4 + 2 x 4 + 2 x 4 x moments against 2 + 2 + 2 x (4 + 4 x moments)): memory only.
     cast_weights: bool = False
+    #: Without pipeline stages, the microbatches run as one compiled loop inside the step (the runner's
+    #: ``lax.scan``, testbed.runner.step._scan_sum): one iteration at a time, each microbatch's gradient add fused
+    #: into its backward, the data replicas' gradients summed once after the loop in the accumulator's dtype
+    #: (testbed.sim.grad_bytes). False: an eager loop of backward calls (PyTorch autograd).
+    microbatch_scan: bool = True
+    #: Independent all-reduces of one kind and device group merge into one that starts once its operands are ready
+    #: (XLA's AllReduceCombiner and latency-hiding scheduler; testbed.sim.grad_bytes.summed_in_the_step). False:
+    #: each reduction is issued as the program reaches it.
+    allreduce_combiner: bool = True
+    #: Bytes a combined parameter all-gather or gradient reduce-scatter stays within (XLA's default combine
+    #: thresholds, :data:`XLA_COMBINE_BYTES`; ``.inf``: a unit's flat buffer is one collective whatever its size).
+    #: A topology's ``calibration.collectives.combine_bytes`` takes precedence (testbed.model.leaves.combine_limit).
+    gather_combine_bytes: float = float(XLA_COMBINE_BYTES)
+    #: Under FSDP/ZeRO-3 the embedding and the head are gathered and reduce-scattered as blocks of their own
+    #: (the runner's testbed.runner.param_shards; testbed.model.blocks.own_blocks). False: they ride with the
+    #: first and the last layer's block.
+    fsdp_edge_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.profile not in PROFILES:
@@ -247,14 +268,20 @@ class RuntimeSpec:
         if self.fp8_scaling not in FP8_SCALINGS:
             raise InputError(f"unknown fp8_scaling `{self.fp8_scaling!s:.40}`; valid: {', '.join(FP8_SCALINGS)}",
                              field="runtime.fp8_scaling")
+        if not self.gather_combine_bytes >= 0:  # NaN fails too; .inf is valid
+            raise InputError(f"must be a number of bytes >= 0 (.inf: no bound), got {self.gather_combine_bytes}",
+                             field="runtime.gather_combine_bytes")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
                      "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params",
-                     "cast_weights"):
+                     "cast_weights", "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
 
 
+#: The fields of every PyTorch stack's profile that say its program is eager PyTorch rather than one XLA program.
+PYTORCH_PROGRAM = {"framework": "pytorch", "microbatch_scan": False, "allreduce_combiner": False,
+          "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False}
 #: Values of :attr:`RuntimeSpec.recompute`.
 RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots")
 #: Values of :attr:`RuntimeSpec.framework`.
@@ -279,21 +306,21 @@ PROFILES: dict[str, dict[str, Any]] = {
     "xla": {"fsdp_prefetch": 1, "scan_layers": True},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
                  "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
-                 "framework": "pytorch", "pipeline_blocking_sends": True},
+                 **PYTORCH_PROGRAM, "pipeline_blocking_sends": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
-             "attention_kernel": "cudnn", "fp8_saved_inputs": True, "framework": "pytorch", "fp8_params": True},
-    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, "framework": "pytorch",
+             "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM, "fp8_params": True},
+    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, **PYTORCH_PROGRAM,
                   "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True, "pipeline_blocking_sends": True,
                   "grad_all_reduce": True, "grad_accumulate_fp32": True},
-    "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, "framework": "pytorch"},
+    "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, **PYTORCH_PROGRAM},
     "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", "framework": "pytorch",
+                   "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", **PYTORCH_PROGRAM,
                    "context_merge_fp32": True, "shard_context": True, "lazy_grads": True},
     "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
-                    "attention_kernel": "triton", "fused_loss": True, "framework": "pytorch"},
+                    "attention_kernel": "triton", "fused_loss": True, **PYTORCH_PROGRAM},
     # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
     # (fp32 gradient reduce-scatter) are stated, and PyTorch FSDP's gradient lifetime (see SOURCES).
-    "meta": {"framework": "pytorch", "grad_reduce_dtype": "fp32", "context_all_gather": True, "lazy_grads": True},
+    "meta": {**PYTORCH_PROGRAM, "grad_reduce_dtype": "fp32", "context_all_gather": True, "lazy_grads": True},
 }
 
 
