@@ -200,7 +200,7 @@ def accumulated_in_the_backward(plan: Plan) -> bool:
     plan's last backward carries them in its last span, where testbed.model.spans puts the weight gradients
     (testbed.sim.facts): they hide beside those matmuls as the traced ones do. Traced/plan over the data x tensor
     corners at 2 microbatches without sequence parallelism (benchmarks/program_vs_plan.py): TPU slice
-    0.888-0.973, superpod 0.929-0.992 with an add of its own; 0.973-1.015 and 0.964-1.030 now. Not where the
+    0.973-1.015, superpod 0.964-1.030 (0.888-0.973 and 0.929-0.992 with an add of its own). Not where the
     gradients accumulate sharded (the add follows a reduce-scatter) nor under ``runtime.grad_accumulate_fp32``
     (a cast and an fp32 add, kernels of their own)."""
     rt = plan.runtime
