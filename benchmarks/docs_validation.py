@@ -76,6 +76,48 @@ datasheets and microbenchmarks cited in the topology files, and the few paramete
 listed with their leave-one-out errors.
 """
 
+NOTES = """\
+## Method notes
+
+### Users' programs on the host
+
+`benchmarks/program_host.py` traces the three programs of `examples/predict` (a `jax.pmap` MLP, fp32; Megatron's
+MLP in `jax.shard_map`, bf16; a data-parallel CNN, bf16) as `testbed simulate --program` does, prices them on
+`host-cpu-8` and times their compiled steps on 8 emulated devices as `validate` times plans. The traced side prices
+memory-bound bytes at the calibrated memory stream and bf16 matmuls at XLA:CPU's fp32 rate (XLA:CPU computes them
+through fp32 converts). On a quiet host (2026-12-04): pmap MLP +18.7%, shard_map MLP -6.3%, CNN -6.3% raw; at the
+calibrated speed +3.1%, -15.5%, -15.6%. What remains in the pmap MLP is mostly the host's all-reduce
+([program.md](program.md), "The host's collectives").
+
+### Llama 3 405B on 8,192 GPUs: what the memory model was checked against
+
+The row (TP 8, PP 16, DP 64, interleaved V 8, balanced ends) is predicted out of memory under ZeRO 1 (82.8 of 79.65
+GiB on stage 1, 70.0 GiB of it activations) and fits under the ZeRO 2 the paper states (77.7 GiB). Four terms were
+checked against sources and none is over-counted: a stage's received input and sent output are freed after use (the
+paper, Sec. 3.3.2; Megatron-LM's `deallocate_output_tensor`) and not counted; the per-layer set is Korthikanti et
+al.'s (2022) for SwiGLU and GQA under sequence parallelism with flash attention (15.875 units of `s d / t` values);
+the in-flight count at the fullest stage, 141 (microbatch, chunk) pairs, is Megatron's and PyTorch's interleaved
+warm-up; the gradients are held whole in bf16 (fp32 accumulation would hold more). `tests/test_llama3_405b.py`
+holds the accounting.
+
+### Meta's per-microbatch fp32 reduce-scatters
+
+Under ZeRO 2 every microbatch's gradients are reduce-scattered in fp32 into the shard, on the stage's one
+reduce-scatter stream (FSDP2's), one after another in issue order; where a layer's reduce-scatter outlasts its
+backward, the backlog is exposed at the step's end. The task graph lets a reduce-scatter share links with other
+collectives only while both are in flight. The paper's words ("shards the optimizer states and gradients",
+"reduce-scatter gradients in FP32") decide the cases' ZeRO 2.
+
+### MaxText's v5p table as measured
+
+The v5p rows take their model, batch and mesh from the commit that published `MaxText/configs/v5p/README.md`
+(76bd53b), whose numbers never changed: at scale 32, 32 layers of width 10240 with a 32768 relu MLP and
+`per_device_batch_size=8` over fsdp 16 x tensor 4. Under `runtime.recompute: save-dots` the step keeps what JAX's
+partial evaluation saves under `checkpoint_dots_with_no_batch_dims`: the block input, Q, K, V, a sequential block's
+out projection and the MLP's input projections, not the down projection, whose output only feeds the residual add
+(`tests/test_saved_dots.py` checks it with `print_saved_residuals`).
+"""
+
 LIMITS = """\
 ## Known limits
 
@@ -102,6 +144,29 @@ LIMITS = """\
   modelled.
 - **Runner**: multi-process pipelines use the lockstep executor (correct, about 9x slower per step than one
   process); tied embeddings with `stage > 1` are rejected.
+"""
+
+
+PUBLISHED_NOTES = """\
+How each category is priced (every case's configuration and source are in its YAML file):
+
+- `end_to_end`: Megatron-LM's Table 1 (Narayanan et al., SC21, arXiv:2104.04473; `megatron.yaml`), GPT 1.7B-1T on
+  32-3072 A100s, each row configured as the authors' `examples/sc21/run_table_1.sh` ran it (microbatch size,
+  virtual stages, full recompute, the data-parallel implementation) under the `megatron` runtime profile. The
+  rate is Megatron's own definition: Eq. 3's FLOPs over the step.
+- `runs`: other stacks' published throughput (`runs.yaml`), tokens/s per device, each under its stack's profile;
+  the last column says what each of the profile's fields added to the error (the case rerun with that field at
+  the runner's value).
+- `collectives`: nccl-tests bus bandwidths (`nccl_tests.yaml`); `ici`: TPU collective times (`ici.yaml`), the
+  error as bandwidth.
+- `memory`: ZeRO's Table 1 (Rajbhandari et al., SC20, arXiv:1910.02054; `zero_memory.yaml`): the paper's
+  accounting of model states, not a measurement; tests/test_published.py holds every entry to its last digit.
+
+Device constants come from datasheets and microbenchmarks (a matmul's cap is the measured MAMF over the
+datasheet peak; the GEMM shape model is fitted to XLA's 375 measured sm_90 BF16 matmuls,
+`benchmarks/published/gemm.py`, median error 4.1%; memory passes at the bandwidth kernels reach). The parameters
+fitted over a category are in "Fitted parameters" with their leave-one-out errors: no constant is fitted to one
+case.
 """
 
 
@@ -189,10 +254,12 @@ def _signed(value: float) -> str:
 
 def published_section(data: dict, meta: dict) -> list[str]:
     """The published suite: where the numbers come from, then validation_table's tables."""
-    made = ", ".join(f"{k} {meta[k]}" for k in ("date", "commit", "command") if meta.get(k))
+    made = "; ".join(f"{k}: {meta[k]}" for k in ("date", "commit", "command", "note") if meta.get(k))
     out = ["## Published runs", "",
            f"From `benchmarks/results/published_runs.json` ({made})." if made else
-           "From `benchmarks/results/published_runs.json`.", ""]
+           "From `benchmarks/results/published_runs.json`.", "",
+           "Error is predicted / published - 1 (for ICI, predicted bandwidth over published).", "",
+           *PUBLISHED_NOTES.rstrip("\n").splitlines(), ""]
     body = vt.section(data).splitlines()[1:-1]  # the markers left out: the whole page is generated
     while body and (not body[0] or body[0].startswith(("### Every published case", "Generated by"))):
         body = body[1:]
@@ -202,7 +269,7 @@ def published_section(data: dict, meta: dict) -> list[str]:
 def page(published: dict, meta: dict, runs: list[tuple[str, dict]]) -> str:
     """The whole of docs/validation.md."""
     lines = [HEADER.rstrip("\n"), ""] + host_section(runs) + [""] + published_section(published, meta)
-    text = "\n".join(lines).rstrip("\n") + "\n\n" + LIMITS
+    text = "\n".join(lines).rstrip("\n") + "\n\n" + NOTES + "\n" + LIMITS
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
 
 

@@ -111,7 +111,8 @@ def test_a_microbatchs_reduce_scatter_waits_for_its_own_backward_and_never_for_a
     """Sharded accumulation (fsdp, ZeRO >= 2): each earlier microbatch's reduce-scatter depends on its own backward's
     compute alone, and runs on its stage's ``grad`` stream behind the stage's other reductions only (FSDP2 issues
     its reduce-scatters in order on one stream); the pipeline's sends run on ``pipe``, so neither queues behind the
-    other (they share links only while both are in flight: docs/validation.md, zero2 round 7)."""
+    other (they share links only while both are in flight: docs/validation.md, "Meta's per-microbatch fp32
+    reduce-scatters")."""
     _, program = _program(plan)
     tasks = program.tasks
     for t in tasks:

@@ -214,7 +214,8 @@ def loop_kept(plan: Plan) -> bool:
     testbed.runner.step._scan_sum's ``lax.scan``), one iteration's body at a time: a microbatch begins once the one
     before it has ended, its collectives too (an asynchronous collective starts and ends inside the body). XLA:GPU
     at its default settings neither unrolls the loop, nor hoists its loop-invariant parameter gathers, nor
-    pipelines its collectives across iterations (docs/program.md, "Gradient accumulation"). ``runtime.microbatch_scan``."""
+    pipelines its collectives across iterations (docs/program.md, "The microbatch loop XLA keeps");
+    ``runtime.microbatch_scan``."""
     return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.microbatch_scan
 
 
