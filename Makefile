@@ -1,4 +1,4 @@
-# Two commands: `make demo` and `make test` (the whole suite; `make test-quick` leaves out the slow cases). They create
+# Two commands: `make demo` and `make test` (the whole suite; `make test-quick` runs one test per module). They create
 # .venv and install the project with its test extra when missing or when pyproject.toml changed.
 PYTHON ?= python3
 VENV := .venv
@@ -24,15 +24,15 @@ demo: $(STAMP)
 # two workers halve the wall time; each worker starts its own 8 emulated devices (tests/conftest.py).
 TEST_WORKERS ?= 2
 
-# `make test` (and .ci/run) runs the whole suite; `make test-quick` leaves out the end-to-end cases marked
-# `slow` (a pytest or calibrate run in a subprocess, the whole demo with JAX: minutes on 2 cores).
+# `make test` (and .ci/run) runs the whole suite; `make test-quick` runs one test per module (tests/conftest.py's
+# --quick: those marked `quick`, else the module's first test not marked `slow`), the inner loop.
 TEST_MARKERS ?=
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(if $(TEST_MARKERS),-m "$(TEST_MARKERS)") $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
-	$(MAKE) test TEST_MARKERS="not slow"
+	$(MAKE) test PYTEST_ARGS="--quick $(PYTEST_ARGS)"
 
 clean:
 	rm -rf $(VENV) testbed-out .pytest_cache .hypothesis

@@ -19,7 +19,7 @@ chunk of all ``n`` inputs (reads B) and copies it into the ``n`` outputs
 not twice. The second form here prices each sample so: ``latency + k B / bw``
 with ``k`` those bytes (2, or ``1 + 1/n`` for reduce-scatter), two parameters
 fitted by relative least squares. Only the fit of the first form is what the
-simulator does; the second is not implemented (docs/program.md, "host").
+simulator does; the second is not implemented (docs/program.md, "The host's collectives").
 
 It prints ONE JSON object: per kept host run (``benchmarks/host_runs/*/run-*``)
 and for the median over runs, each form's median absolute relative error on

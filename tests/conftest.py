@@ -89,6 +89,28 @@ class _FileProgress:
                 reporter.write_line(f"{path}: {summary or 'nothing run'} ({self.seconds[path]:.1f} s)")
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--quick", action="store_true",
+                     help="the inner loop: per test module its tests marked `quick`, else its first test not marked "
+                          "`slow` (make test-quick)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under ``--quick``, keep per module the tests marked ``quick`` (else its first one not marked ``slow``): every
+    module still imports and runs at least one test, in minutes instead of the whole suite's time."""
+    if not config.getoption("--quick"):
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    keep = set()
+    for tests in modules.values():
+        marked = [t for t in tests if t.get_closest_marker("quick")]
+        keep.update(marked or [next((t for t in tests if not t.get_closest_marker("slow")), tests[0])])
+    config.hook.pytest_deselected(items=[t for t in items if t not in keep])
+    items[:] = [t for t in items if t in keep]
+
+
 def pytest_configure(config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) prints the lines
         config.pluginmanager.register(_FileProgress(config), "testbed-file-progress")

@@ -75,6 +75,7 @@ def test_flash_keeps_no_seq_by_seq_buffer() -> None:
     assert sizes and max(sizes) <= b * s * h * d and b * h * s * s not in sizes
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_plan_keys_and_block_rule() -> None:
     data = {"model": {"layers": 1, "d_model": 16, "heads": 2, "d_ff": 8, "seq_len": 384, "vocab": 8,
                       "attention": "flash"}, "batch": {"global_batch": 1}}

@@ -98,6 +98,7 @@ def test_split_backward_pipeline_reports_memory() -> None:
     assert all(m.activations >= m.inflight * m.residuals[0] for m in stages)
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_stage_peak_walks_the_row() -> None:
     f, b = (lambda mb: Action("F", mb)), (lambda mb: Action("B", mb))
     work = {("F", 0): 1, ("B", 0): 3}

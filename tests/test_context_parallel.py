@@ -61,6 +61,7 @@ def test_context_plans_match_reference(plan: Plan) -> None:
     _verifies(plan)
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_tokens_are_split_in_zigzag_order() -> None:
     # The trainer's batch is the global batch with its sequence dim permuted once, split over `context`:
     # context rank r holds chunks r and 2c-1-r of every sequence.

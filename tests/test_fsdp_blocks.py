@@ -401,7 +401,7 @@ def test_no_combiner_merges_a_forward_gather_with_a_backward_one() -> None:
     plan = Plan(name="head", model=model, batch=BatchSpec(global_batch=32), mesh=MeshSpec(fsdp=32, tensor=8),
                 precision="bf16-mixed")
     workload = trace_plan(plan)
-    limit = combine_limit(load_topology("tpu-v5e-16x16").calibration.collectives.combine_bytes, "jax")
+    limit = combine_limit(load_topology("tpu-v5e-16x16").calibration.collectives.combine_bytes)
 
     def forward_bytes(w) -> float:
         return sum(op.nbytes for op in w.ops if op.kind is OpKind.COLLECTIVE and op.collective == "all_gather"

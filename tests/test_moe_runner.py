@@ -154,6 +154,7 @@ def test_layer_matches_dense_reference(case: dict) -> None:
         assert not kept.all()  # the case exercises drops
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_capacity_drops_by_choice_then_position() -> None:
     """Two tokens choosing the same expert with capacity 1: the earlier keeps it; first choices go first."""
     cfg = moe.MoeConfig(experts=2, top_k=2, capacity=1, swiglu=False, aux_coef=0.0)

@@ -79,6 +79,7 @@ def test_fp32_keeps_plain_optax_state() -> None:
     assert optimizer.held(params) is params and not isinstance(optimizer.init(params), MasterState)
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_master_keeps_updates_below_bf16_spacing() -> None:
     """Adam moves a weight at 1.0 by lr = 1e-3 a step, under bf16's spacing (2^-8) there: only a master keeps it."""
     plan = Plan(model=MODEL, batch=BatchSpec(global_batch=2), precision="bf16-mixed",

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from testbed.model import costs, layout
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.placement import place
+from testbed.plan.runtime import PYTORCH_PROGRAM
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.model.spans import action_spans
 from testbed.sim.action_work import action_work
@@ -110,7 +111,8 @@ def test_a_microbatchs_reduce_scatter_waits_for_its_own_backward_and_never_for_a
     """Sharded accumulation (fsdp, ZeRO >= 2): each earlier microbatch's reduce-scatter depends on its own backward's
     compute alone, and runs on its stage's ``grad`` stream behind the stage's other reductions only (FSDP2 issues
     its reduce-scatters in order on one stream); the pipeline's sends run on ``pipe``, so neither queues behind the
-    other (they share links only while both are in flight: docs/validation.md, zero2 round 7)."""
+    other (they share links only while both are in flight: docs/validation.md, "Meta's per-microbatch fp32
+    reduce-scatters")."""
     _, program = _program(plan)
     tasks = program.tasks
     for t in tasks:
@@ -262,7 +264,7 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
     the last one's buckets together), is as many collectives as testbed.plan.sharding's rule counts under the
     topology's combine_bytes (None: the stack's bound, testbed.model.leaves.combine_limit: XLA's default threshold
     for the runner's JAX program), the chunk's bytes shared among them."""
-    from testbed.model.leaves import XLA_COMBINE_BYTES, combine_limit, gathered_leaves, parameter_collectives, regathered
+    from testbed.model.leaves import combine_limit, gathered_leaves, parameter_collectives, regathered
 
     placement = place(plan, num_devices=plan.mesh.size)
     program = build_program(plan, placement, combine_bytes=combine)
@@ -271,9 +273,8 @@ def test_parameter_collectives_follow_the_rule(plan, combine):
     v, sharded = plan.schedule.virtual_stages, bool(state_sharding(plan).split_axes(plan, "params"))
     for s, rep in enumerate(program.representatives):
         for c in range(v):
-            limit = combine_limit(combine, plan.runtime.framework)
-            assert limit == (XLA_COMBINE_BYTES if combine is None and plan.runtime.framework == "jax"
-                             else math.inf if combine is None else combine)
+            limit = combine_limit(combine, plan.runtime.gather_combine_bytes)
+            assert limit == (plan.runtime.gather_combine_bytes if combine is None else combine)
             n = parameter_collectives(plan, s, c, limit, param_b)
             leaves = len(gathered_leaves(plan, s, c))
             assert (n >= 1) == sharded and n <= max(1, leaves)
@@ -323,7 +324,7 @@ def test_in_a_loop_xla_keeps_a_microbatch_begins_once_the_one_before_it_has_ende
     as its backward makes them (the loop body's reduce-scatters); a PyTorch step's next microbatch starts beside the
     first's one reduce-scatter (FSDP's post-backward hooks, on a stream of their own)."""
     plan = make_plan(fsdp=4, microbatches=2, layers=4)
-    plan = replace(plan, runtime=replace(plan.runtime, framework=framework))
+    plan = replace(plan, runtime=replace(plan.runtime, **(PYTORCH_PROGRAM if framework == "pytorch" else {})))
     _, program = _program(plan)
     tasks = program.tasks
     joins = [i for i, t in enumerate(tasks) if t.name.startswith("iteration ")]

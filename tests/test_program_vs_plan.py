@@ -128,7 +128,7 @@ def test_fsdp_tensor_and_sequence_parallel_step_times_agree_on_a_tpu_slice(drawn
     misses 4.99% and 4.97%): besides the superpod's rules, each span waits only for the merged gathers holding the
     leaves it reads (testbed.sim.span_order.span_needs), the unlinked last layer's backward gather for the head's
     summed input gradient (span_order.cotangent_block), and a held block's weight gradients are cut by the merges
-    that read them (testbed.model.blocks.scatter_cuts); docs/program.md, session 11."""
+    that read them (testbed.model.blocks.scatter_cuts); docs/program.md, "FSDP blocks span by span"."""
     _step_times_agree(drawn)
 
 

@@ -34,6 +34,7 @@ def test_a_kept_run_refits_and_its_two_errors_agree():
     assert -0.5 < out["reference_in_sample_error"] < 0.5
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_bad_run_folders_exit_2_with_one_message(tmp_path):
     (tmp_path / "measurements.json").write_text('{"samples": []}')
     (tmp_path / "validate_host.json").write_text("not json")

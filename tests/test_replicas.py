@@ -126,6 +126,7 @@ def test_engine_programs_leave_outputs_where_they_are_taken(kwargs: dict) -> Non
             assert same(dx, sh)
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_sharded_gradients_reduce_per_microbatch() -> None:
     """ZeRO-2/3 accumulate sharded gradients, so each microbatch's are reduce-scattered as they come."""
     assert replicas(_plan(zero=2)) == 1 and replicas(_plan(zero=3)) == 1

@@ -70,6 +70,7 @@ def test_positions_are_the_plans_zigzag() -> None:
                                           context_positions(8 * size, size, rank))
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_odd_local_rows_refused() -> None:
     q = jnp.zeros((1, 3, 2, 4))
     with pytest.raises(ValueError, match="even"):

@@ -91,6 +91,7 @@ def test_device_counts(degrees: dict) -> None:
         assert found["all-reduce"] > 0 and found["all-gather"] > 0
 
 
+@pytest.mark.quick  # make test-quick's test of this module
 def test_hlo_counting_and_expectations() -> None:
     text = ("  %ar = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups={{0,1}}\n"
             "  %ags = (f32[2], f32[4]) all-gather-start(f32[2] %y)\n"

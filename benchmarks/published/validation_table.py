@@ -1,28 +1,23 @@
-"""Write the table of every published case into docs/validation.md, from ``published_runs.py``'s JSON.
+"""The tables of every published case, from ``published_runs.py``'s JSON, as a delimited Markdown section.
 
 ``benchmarks/published_runs.py`` prints one JSON object (categories, size bands,
 the pooled end-to-end categories, ``runtime_mechanisms``, ``fits`` and every
-case's ``results``). This script reads that object (a file, or ``-`` for
-standard input) and rewrites the generated section of docs/validation.md, the
-text between :data:`BEGIN` and :data:`END` (appended at the end of the file
-the first time). The section holds, in this order: the summary per category;
-the size bands of the collectives and of TPU ICI; the pooled end-to-end
-errors by stack, device, precision, scale and architecture; what each runtime
-mechanism moved (``runtime_mechanisms``); the fitted parameters with their
-leave-one-out errors; and one table per category of every case with its
-source, predicted, published and error, each run with the error each of its
-runtime fields added. Nothing in the section is written by hand: rerun this
-after ``published_runs.py`` whenever a number moves.
+case's ``results``). :func:`section` turns it into, in this order: the summary
+per category; the size bands of the collectives and of TPU ICI; the pooled
+end-to-end errors by stack, device, precision, scale and architecture; what
+each runtime mechanism moved; the fitted parameters with their leave-one-out
+errors; and one table per category of every case with its source, predicted,
+published and error, each run with the error each of its runtime fields added.
+benchmarks/docs_validation.py writes docs/validation.md with it. As a command it
+rewrites the section between :data:`BEGIN` and :data:`END` of another Markdown
+file (appended the first time):
 
-    .venv/bin/python benchmarks/published_runs.py > runs.json
-    .venv/bin/python benchmarks/published/validation_table.py runs.json
+    .venv/bin/python benchmarks/published/validation_table.py runs.json --doc OTHER.md
 
 Bad input (a file that is not JSON, an object without ``categories`` or
 ``results``, a case without its fields) exits with status 2 and a message
-naming the file and the field; the document is written atomically (a
-temporary file in its folder, then renamed), so it is never left half
-written. ``--check`` writes nothing and exits 1 when the section is out of
-date.
+naming the file and the field; the document is written atomically. ``--check``
+writes nothing and exits 1 when the section is out of date.
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ from pathlib import Path
 
 from testbed.output import write_atomic
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "validation.md"
 BEGIN = "<!-- BEGIN GENERATED: every published case (benchmarks/published/validation_table.py) -->"
 END = "<!-- END GENERATED: every published case -->"
 #: The categories in the order the section lists them, and what each table calls its unit.
@@ -225,7 +219,7 @@ def _read(path: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", nargs="?", default="-", help="published_runs.py's JSON (a file, or - for stdin)")
-    parser.add_argument("--doc", default=str(DOC), help="the document to update (default docs/validation.md)")
+    parser.add_argument("--doc", required=True, help="the Markdown document whose section to update")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the section is out of date")
     args = parser.parse_args(argv)
     try:
@@ -234,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         document = doc.read_text()
         new = updated(document, data, args.doc)
     except OSError as exc:
-        print(f"{args.doc}: the document cannot be read ({exc.strerror}); --doc must name docs/validation.md "
-              "or another existing Markdown file.", file=sys.stderr)
+        print(f"{args.doc}: the document cannot be read ({exc.strerror}); --doc must name an existing Markdown "
+              "file.", file=sys.stderr)
         return 2
     except TableInputError as exc:
         print(exc, file=sys.stderr)

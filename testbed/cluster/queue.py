@@ -10,7 +10,7 @@ them. Two trees, the same rate, bucket and queue depth:
           10:1 prio 0  <- u32: IPv4 total length under SPARSE_BELOW bytes    bfifo (limit)
           10:2 prio 1  everything else                                          bfifo (limit)
 
-- **fifo** (the fallback, and every cluster until session 8): tbf alone, its one FIFO of ``limit`` bytes.
+- **fifo** (the fallback): tbf alone, its one FIFO of ``limit`` bytes.
 
 Why: a Linux host's NIC is fed by a per-flow scheduler, fq_codel, most distributions' default qdisc, which
 serves a flow with no packets queued ahead of the flows that keep a queue (RFC 8290 section 4, "new" and "old"

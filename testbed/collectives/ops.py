@@ -161,10 +161,6 @@ class StepProgram:
         """Bytes of one chunk when the collective moves ``nbytes`` (the nccl-tests convention, docs/design.md)."""
         return float(nbytes) / (self.data_blocks * self.pieces)
 
-    @property
-    def num_transfers(self) -> int:
-        return sum(len(r) for r in self.rounds)
-
 
 # -- layout --------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ __all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "sca
 def own_blocks(layers: int, embed: bool, head: bool) -> int:
     """Blocks an fsdp action of a chunk of ``layers`` layers is split into when the embedding and the head are
     blocks of their own (``embed``, ``head``: the chunk holds them): each layer, and the embedding and the head
-    apart. A JAX program's (``runtime.framework`` ``jax``): the runner (testbed.runner.param_shards.ParamShards)
+    apart, under ``runtime.fsdp_edge_blocks``: the runner (testbed.runner.param_shards.ParamShards)
     gathers, computes and reduce-scatters the embedding, each layer and the head as pieces of their own (its
     backward computes the head's gradients and reduce-scatters them once the head's tables are gathered, before
     any layer's; MaxText's scanned layers leave the embedding and the head outside the loop likewise). A PyTorch

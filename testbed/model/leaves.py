@@ -15,6 +15,7 @@ import functools
 import math
 
 from testbed.model import layout
+from testbed.plan.runtime import XLA_COMBINE_BYTES
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
@@ -137,21 +138,12 @@ def runner_whole_params(plan: Plan) -> dict[str, tuple[str, ...]]:
     return {"grads": names} if names else {}
 
 
-#: XLA's default all-gather and reduce-scatter combine thresholds (xla/service/collective_utils.h:
-#: ``kDefaultAllGatherCombineThreshold`` and ``kDefaultReduceScatterCombineThreshold``, ``30 * 1024 * 1024 + 7``
-#: bytes): a combined collective stays within them unless a compiler flag says otherwise.
-XLA_COMBINE_BYTES = 30 * 1024 * 1024 + 7
-
-
-def combine_limit(combine_bytes: float | None, framework: str = "jax") -> float:
+def combine_limit(combine_bytes: float | None, runtime_bytes: float = XLA_COMBINE_BYTES) -> float:
     """The bytes a combined all-gather or reduce-scatter of parameters stays within: the topology's
-    ``calibration.collectives.combine_bytes`` where it states one (0 on XLA:CPU, which combines none); else XLA's
-    default threshold (:data:`XLA_COMBINE_BYTES`) for an XLA program (``framework`` ``jax``: the runner, MaxText,
-    any traced JAX step), and no bound for a PyTorch one (FSDP's one flat parameter per unit). The one rule the
-    plan's model (testbed.sim.facts) and the traced program's combiner (testbed.sim.traced) both read."""
-    if combine_bytes is not None:
-        return float(combine_bytes)
-    return float(XLA_COMBINE_BYTES) if framework == "jax" else math.inf
+    ``calibration.collectives.combine_bytes`` where it states one (0 on XLA:CPU, which combines none), else the
+    program's ``runtime.gather_combine_bytes``. Read by the plan's model (testbed.sim.facts) and the traced
+    program's combiner (testbed.sim.traced)."""
+    return float(combine_bytes) if combine_bytes is not None else float(runtime_bytes)
 
 
 def combined_sizes(sizes: tuple[float, ...], combine_bytes: float) -> tuple[float, ...]:

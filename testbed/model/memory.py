@@ -201,11 +201,6 @@ def _larger(*terms: tuple[str, int]) -> tuple[str, int]:
     return max(terms, key=lambda t: t[1])
 
 
-def _layer_param_bytes(plan: Plan) -> int:
-    """One layer's parameters on one tensor rank in compute precision (what a gather materialises)."""
-    return plan.precision.compute_bytes * _layer_params_per_device(plan)
-
-
 def _attention_workspace(plan: Plan) -> int:
     """Transient score-sized buffers of one layer's attention backward.
 

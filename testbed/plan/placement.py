@@ -82,9 +82,6 @@ class Placement:
             self._groups[axis] = cached
         return cached
 
-    def group_of(self, axis: Axis | str, device: int) -> tuple[int, ...]:
-        return next(g for g in self.groups(axis) if device in g)
-
     def coords(self, device: int) -> dict[Axis, int]:
         """Mesh coordinate of ``device`` along each axis."""
         index = np.argwhere(self.device_ids == device)[0]

@@ -40,6 +40,31 @@ _LAZY_GRADS = (
     "unsharded_accumulated_grad only from the first backward on (to_accumulated_grad_if_needed) and frees it after "
     "the step's reduce-scatter, so no gradient buffer exists at a step's start")
 
+#: How an eager PyTorch program runs where XLA's compiler would decide (``{}``: the stack), per field of
+#: testbed.plan.runtime.PYTORCH_PROGRAM.
+_EAGER_SOURCES = {
+    "microbatch_scan": (
+        "{}: gradient accumulation is a Python loop calling forward and backward once per microbatch "
+        "(Megatron-Core pipeline_parallel/schedules.py forward_backward_no_pipelining; DDP's no_sync and FSDP's "
+        "accumulation likewise), autograd adding each backward's gradients into .grad: no compiled loop, no fusion "
+        "of the add into the backward's GEMMs"),
+    "allreduce_combiner": (
+        "{}: collectives are NCCL calls issued eagerly as hooks and autograd reach them (DDP/Megatron gradient "
+        "buckets, FSDP's per-unit reduce-scatter); no compiler pass (XLA's AllReduceCombiner) merges independent ones"),
+    "gather_combine_bytes": (
+        "{}: a sharded unit's parameters are one flat buffer gathered and reduce-scattered by one collective "
+        "whatever its size (FSDP's FlatParameter, FSDP2's one all-gather per fully_shard group, ZeRO-3's "
+        "partitioned parameter groups): no combine threshold"),
+    "fsdp_edge_blocks": (
+        "{}: the FSDP wrapping of the embedding and the head is the stack's auto-wrap policy, not stated per stack "
+        "here; testbed.model.blocks.own_blocks lets them ride with the first and the last layer's unit "
+        "(Composer's FSDP keeps them in the root unit; a per-stack value is a known limit)"),
+}
+_EAGER_STACKS = {"megatron": "Megatron-LM (PyTorch)", "nemo": "Megatron-Bridge (Megatron-Core on PyTorch)",
+                 "deepspeed": "DeepSpeed (PyTorch)", "fsdp": "torch.distributed.fsdp",
+                 "torchtitan": "torchtitan (PyTorch FSDP2)", "llm-foundry": "llm-foundry (Composer on PyTorch)",
+                 "meta": "Meta's Llama 3 stack (PyTorch, arXiv:2407.21783 Sec. 3.3.4)"}
+
 #: ``{(profile, field): "where the value comes from"}`` (a file and line of the stack, or its docs).
 SOURCES: dict[tuple[str, str], str] = {
     ("megatron", "recompute"): _MEGATRON_BLOCK,
@@ -213,3 +238,5 @@ SOURCES: dict[tuple[str, str], str] = {
         "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "
         "previous layer's compute, bounded by its memory limit: the next block's weights, one ahead",
 }
+SOURCES.update({(profile, field): text.format(stack) for profile, stack in _EAGER_STACKS.items()
+                for field, text in _EAGER_SOURCES.items()})

@@ -49,7 +49,12 @@ from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, Stage
 
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
-           "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
+           "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes", "MATMULS_PER_LAYER"]
+
+#: Kernels a layer's FLOPs are divided over where the calibration prices matmuls by size, not by shape
+#: (testbed.sim.compute.compute_seconds' ``efficiency_half_flops``, fitted with this count): a dense layer's four
+#: weight GEMMs, QKV, the attention output and the MLP's two (Narayanan et al. 2021, Sec. 5.1's FLOP count).
+MATMULS_PER_LAYER = 4
 
 
 
@@ -303,7 +308,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     o_ways = sharding.ways(plan, "optimizer")
     per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
     reductions = parameter_reductions(plan, sharding.optimizer)
-    combine = combine_limit(combine_bytes, plan.runtime.framework)
+    combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
@@ -325,7 +330,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                  ) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
-    kernels = max(1, 4 * cost.layers)
+    kernels = max(1, MATMULS_PER_LAYER * cost.layers)
     n_moe = moe_layers(plan.model, span)
     p, v = plan.mesh.stage, plan.schedule.virtual_stages
     expert_params = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
@@ -335,7 +340,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe, bool(tail[1]))
                     for kind in kinds)
     gathering = gathers_parameters(plan, "F")
-    own = (gathering and plan.runtime.framework == "jax" and (cost.has_embedding or cost.has_head)  # own_blocks
+    own = (gathering and plan.runtime.fsdp_edge_blocks and (cost.has_embedding or cost.has_head)  # own_blocks
            and cost.layers >= 1 and plan.mesh.context == 1 and not any(a.chain or a.overlap for a in actions))
     blocks = (own_blocks(cost.layers, cost.has_embedding, cost.has_head) if own
               else max(1, cost.layers) if gathering else 1)

@@ -53,8 +53,9 @@ def summed_after_the_loop(plan: Plan) -> bool:
     (testbed.runner.step._accumulated, testbed.runner.replicas.sum_replicas): in the accumulator's dtype, the
     norms' parameters' too, where the partitioner's sum of one microbatch's gradients reduces the norms' fp32
     partial sums (:func:`reduced_bytes`). JAX's one SPMD step only: pipelines, whose stages also sum the
-    replicas after the microbatches, and the PyTorch stacks are not counted here (no traced step checks them)."""
-    return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.framework == "jax"
+    replicas after the microbatches, and eager loops (``runtime.microbatch_scan`` false) are not counted here (no
+    traced step checks them)."""
+    return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.microbatch_scan
 
 
 def sequence_replicated(plan: Plan) -> bool:
@@ -120,7 +121,7 @@ def summed_in_the_step(plan: Plan) -> bool:
     (tests/test_program_vs_plan.py). Only with data replicas, the case checked: without them there is no sum over
     data to leave beside, and the merged gathers of :func:`token_table_last` stay in the backward."""
     rt = plan.runtime
-    return (sequence_replicated(plan) and rt.framework == "jax" and plan.mesh.data > 1 and plan.mesh.stage == 1
+    return (sequence_replicated(plan) and rt.allreduce_combiner and plan.mesh.data > 1 and plan.mesh.stage == 1
             and plan.mesh.context == 1
             and plan.schedule.virtual_stages == 1 and plan.batch.microbatches == 1 and not rt.grad_reduce_overlap
             and not rt.tp_comm_overlap)
@@ -199,11 +200,11 @@ def accumulated_in_the_backward(plan: Plan) -> bool:
     plan's last backward carries them in its last span, where testbed.model.spans puts the weight gradients
     (testbed.sim.facts): they hide beside those matmuls as the traced ones do. Traced/plan over the data x tensor
     corners at 2 microbatches without sequence parallelism (benchmarks/program_vs_plan.py): TPU slice
-    0.888-0.973, superpod 0.929-0.992 with an add of its own; 0.973-1.015 and 0.964-1.030 now. Not where the
+    0.973-1.015, superpod 0.964-1.030 (0.888-0.973 and 0.929-0.992 with an add of its own). Not where the
     gradients accumulate sharded (the add follows a reduce-scatter) nor under ``runtime.grad_accumulate_fp32``
     (a cast and an fp32 add, kernels of their own)."""
     rt = plan.runtime
-    return (plan.batch.microbatches > 1 and plan.mesh.stage == 1 and rt.framework == "jax"
+    return (plan.batch.microbatches > 1 and plan.mesh.stage == 1 and rt.microbatch_scan
             and not (rt.grad_accumulate_fp32 and plan.precision.mixed)
             and not state_sharding(plan).split_axes(plan, "grads"))
 
@@ -213,8 +214,9 @@ def loop_kept(plan: Plan) -> bool:
     testbed.runner.step._scan_sum's ``lax.scan``), one iteration's body at a time: a microbatch begins once the one
     before it has ended, its collectives too (an asynchronous collective starts and ends inside the body). XLA:GPU
     at its default settings neither unrolls the loop, nor hoists its loop-invariant parameter gathers, nor
-    pipelines its collectives across iterations (docs/program.md, "Gradient accumulation")."""
-    return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.framework == "jax"
+    pipelines its collectives across iterations (docs/program.md, "The microbatch loop XLA keeps");
+    ``runtime.microbatch_scan``."""
+    return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.microbatch_scan
 
 
 def accumulated_bytes(plan: Plan, params: int, weight_gradients: bool) -> float:

@@ -304,7 +304,7 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     are a scheduler resource of their own, ``device.collective_resources: per_kind``, an all-gather no earlier than
     the one before it can be done).
     """
-    limit = combine_limit(topology.calibration.collectives.combine_bytes, "jax")
+    limit = combine_limit(topology.calibration.collectives.combine_bytes)
     workload = hoist_collectives(defer_consumers(combine_collectives(workload, limit)))
     if topology.device.gathers_apart():
         workload = chain_gathers(workload, _op_seconds(workload, topology, device_ids))
