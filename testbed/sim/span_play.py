@@ -15,6 +15,8 @@ Without a tensor axis actions have no collectives between spans: nothing changes
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from testbed.model.gemm import scaled
 from testbed.model.blocks import PIECE_PARTS
 from testbed.sim.block_spans import block_spans, span_reads
@@ -23,7 +25,25 @@ from testbed.sim.span_order import START, WAITING, BlockPlay, block_plays, merge
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
 
-__all__ = ["SpanPlay", "action_plays"]
+__all__ = ["SpanPlay", "action_plays", "GradBucket", "grad_bucket"]
+
+
+class GradBucket(NamedTuple):
+    """One bucket of a chunk's gradients as the task graph reduces it (testbed.sim.grad_tasks.reduce_tasks): its
+    bytes, its special parameters' bytes (ChunkFacts.special), its tasks' label, its collectives (``leaves``; 0:
+    one) and the token table's part reduced apart (ChunkFacts.tail)."""
+
+    nbytes: float
+    special: tuple[float, float]
+    label: str
+    leaves: int
+    tail: tuple[float, float] = (0.0, 0.0)
+
+
+def grad_bucket(chunk: ChunkFacts, share: float, reduce_bytes: float, label: str, leaves: int,
+                tail: tuple[float, float] = (0.0, 0.0)) -> GradBucket:
+    """The bucket of ``share`` of ``chunk``'s gradients, reduced in ``reduce_bytes`` per value."""
+    return GradBucket(chunk.reduced[1] * share, chunk.special(share, reduce_bytes), label, leaves, tail)
 
 
 def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: bool, sequence_parallel: bool,
@@ -116,8 +136,7 @@ class SpanPlay:
     def _span_buckets(self, s: int, chunk: ChunkFacts, label: str, after: int, k: int, buckets) -> None:
         """Block ``k``'s gradient ``buckets`` (ChunkFacts.bucket), reduced after ``after``."""
         for fraction, count in buckets:
-            self._bucket(s, after, (chunk.reduced[1] * fraction, chunk.special(fraction, self.facts.reduce_bytes),
-                                    f"{label}/{k}", count, (0.0, 0.0)))
+            self._bucket(s, after, grad_bucket(chunk, fraction, self.facts.reduce_bytes, f"{label}/{k}", count))
 
     def _span(self, s: int, chunk: ChunkFacts, name: str, flops: float, gemms, matmuls: tuple, nbytes: float,
               deps: list[int], passes: float = 0.0) -> int:
