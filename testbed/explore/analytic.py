@@ -193,12 +193,21 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
                     capacity_bytes=int(memory.capacity), fits=bool(memory.fits))
 
 
+class PricedSend(NamedTuple):
+    """One send of an action, priced: its destination stage, its seconds on the sender's pipe stream, and the
+    receivers' all-gather seconds of a split send (StepFacts.scatter_sends; 0: a whole send)."""
+
+    dst: int
+    seconds: float
+    gather: float
+
+
 class _Priced(NamedTuple):
     """One F/B/W action of one chunk, priced: its compute seconds (all of it, and one gradient bucket's piece
     of the chunk's last backward, in ``pieces``), blocking tensor (and exposed all-to-all and ring) seconds,
     the gather it waits for, one bucket's reduction, an earlier microbatch's reduce-scatter, its sends
-    ``(dst, seconds, the receivers' all-gather seconds of a split send)``, the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier
-    microbatch, of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
+    (:class:`PricedSend`), the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier microbatch,
+    of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
     beside the compute (``runtime.tp_comm_overlap``: the tensor collectives; 0 without)."""
 
     compute: float
@@ -208,7 +217,7 @@ class _Priced(NamedTuple):
     pieces: int
     bucket: float
     scatter: float
-    sends: tuple[tuple[int, float, float], ...]
+    sends: tuple[PricedSend, ...]
     acc: float
     syncs: tuple[Syncs, Syncs]
     bucket_syncs: Syncs
@@ -324,17 +333,17 @@ class _Step:
         spans = gathering and not chain and not ringed  # the blocks played span by span, as the task graph's
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
-                       send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
+                       send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
                        scatter_each=scatter_each,
                        after_tp=first_tail_bucket(facts, chunk, work, pieces), chain=bool(chain),
                        **(self._plays(s, chunk, work, pieces, last and reduces, bool(scatter_each)) if spans else {}))
 
-    def _sends(self, s: int, work: ActionWork) -> tuple[tuple[int, float, float], ...]:
-        """An action's sends ``(dst, seconds, the receivers' all-gather seconds)``: split sends (StepFacts
-        .scatter_sends) each rank's share, then the receivers' all-gather over tensor (their recv stream)."""
+    def _sends(self, s: int, work: ActionWork) -> tuple[PricedSend, ...]:
+        """An action's sends: split sends (StepFacts.scatter_sends) each rank's share, then the receivers' all-gather
+        over tensor (their recv stream)."""
         reps, ways, topology = self.facts.representatives, self.facts.scatter_sends, self.topology
-        return tuple((dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
-                      self.coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
+        return tuple(PricedSend(dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
+                                self.coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
                      for dst, _, nbytes in work.sends)
 
     def _syncs(self, chunk: ChunkFacts, work: ActionWork, plain: bool, scatter: bool, bucket_syncs: Syncs,

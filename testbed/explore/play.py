@@ -12,7 +12,7 @@ action's reductions leave (:meth:`Play._slowed`), so its buckets and its end car
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
@@ -28,6 +28,17 @@ if TYPE_CHECKING:
     from testbed.explore.analytic import _Priced, _Step
 
 __all__ = ["Play"]
+
+class _Replay(NamedTuple):
+    """What an action's blocks were played from, to play them again slowed (``device.comm_slowdown``): each block's
+    gather seconds, the action's start, when the stage's gathers were free, the previous gathering action's blocks'
+    ends."""
+
+    gathers: tuple[float, ...]
+    start: float
+    gather_free: float
+    before: list[float]
+
 
 #: A gradient reduction leaving for the grad stream: (when, its seconds, the share of its action's compute before it).
 Release = tuple[float, float, float]
@@ -49,7 +60,7 @@ class Play:
         self.block_ends: list[list[float]] = [[] for _ in range(p)]  # the last gathering action's blocks' ends
         # With a slowdown, the last action's block gathers in flight, and what its blocks were played from.
         self.gathered: list[tuple[float, float]] = []
-        self.replay: tuple[tuple[float, ...], float, float, list[float]] = ((), 0.0, 0.0, [])
+        self.replay = _Replay((), 0.0, 0.0, [])
         self.played: Played | None = None  # the last action's blocks played span by span (span_times)
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.early = [0.0] * p  # the sequence-replicated gradients' sum done (_Priced.early: its own stream)
@@ -90,33 +101,22 @@ class Play:
 
     def _gather(self, s: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
         """An action's gathers block by block (testbed.sim.program's): (when its first block computes, the seconds
-        the later blocks wait for their gathers). Block ``i``'s gather waits for block ``i - 1 - prefetch``; with
-        equal blocks of gather ``g`` and compute ``c`` the action computes a block every ``max(g, c)`` (``g + c``
-        without prefetch). The stage's next gather may start as this action's last ``prefetch`` blocks compute."""
+        the later blocks wait for their gathers), each block's gather and compute its own where they differ (a
+        block's merged collectives; the embedding's and the head's blocks), else equal shares (:meth:`_gathered_blocks`)."""
         n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
         g, c = priced.gather / n, compute / n
+        # Without prefetch each gather, exposed, first meets its group after a block's computing.
         wait = skewed.barrier_wait(self.facts.params_ways, c) if skewed is not None and d == 0 else 0.0
-        if priced.block_gathers or priced.parts:
-            gathers = priced.block_gathers or (g,) * n
-            parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
-            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts),
-                                         priced.plays)
-        self.block_ends[s] = []
-        g += wait  # each gather, exposed, first meets its group after a block's computing
-        period = g + c if d == 0 else max(g, c)
-        first = max(start, self.gather_free[s] + g)
-        self.comm[s] += first - start
-        # When the stage's next gather may start: after this action's gathers, and once block n - 1 - d is done.
-        self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
-        return first, (n - 1) * (period - c)
+        gathers = priced.block_gathers or (g,) * n
+        parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
+        return self._gathered_blocks(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts),
+                                     priced.plays)
 
-    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
+    def _gathered_blocks(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
                          own: bool, plays: tuple = ()) -> tuple[float, float]:
-        """:meth:`_gather` with each block's own gather and compute seconds (a block's merged collectives differ in
-        size; the embedding's and the head's blocks compute their own share): block
-        ``i``'s gather starts after block ``i - 1``'s and once block ``i - 1 - prefetch`` has computed (of the stage's
-        previous gathering action when negative), its compute
-        once its gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
+        """:meth:`_gather` with each block's gather and compute seconds: block ``i``'s gather starts after block
+        ``i - 1``'s and once the block testbed.sim.step_rules.gather_after names has computed, its compute once its
+        gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
         blocks compute their own shares (with a slowdown, kept to play them again, each slowed: :meth:`_slowed`);
         ``plays``: the blocks played span by span (testbed.explore.span_times), each done once its collectives are."""
         n, d, before = len(gathers), self.facts.prefetch, self.block_ends[s]
@@ -125,7 +125,7 @@ class Play:
         if plays:
             self.played = played = play_blocks(plays, gathers, start, self.gather_free[s], before, d, (self.slow,) * n)
             if replay:
-                self.replay, self.gathered = (gathers, start, self.gather_free[s], before), played.flying
+                self.replay, self.gathered = _Replay(gathers, start, self.gather_free[s], before), played.flying
             first = played.starts[0]
             self.comm[s] += first - start
             self.gather_free[s] = _next_gathers(played.gather_end, played.dones, d)
@@ -133,7 +133,7 @@ class Play:
             return first, played.ends[-1] - first - sum(parts)
         ends, gather_end, self.gathered = _blocks(gathers, parts, start, self.gather_free[s], before, d, replay)
         if replay:
-            self.replay = (gathers, start, self.gather_free[s], before)
+            self.replay = _Replay(gathers, start, self.gather_free[s], before)
         first = ends[0] - parts[0]
         self.comm[s] += first - start
         self.gather_free[s], self.block_ends[s] = _next_gathers(gather_end, ends, d), ends
@@ -386,7 +386,7 @@ class Play:
 
 def _blocks(gathers: tuple[float, ...], parts: tuple[float, ...], start: float, gather_free: float,
             before: list[float], prefetch: int, spans: bool) -> tuple[list[float], float, list[tuple[float, float]]]:
-    """Blocks of ``gathers`` and ``parts`` seconds played (:meth:`Play._unequal_gathers`): (each block's end, when
+    """Blocks of ``gathers`` and ``parts`` seconds played (:meth:`Play._gathered_blocks`): (each block's end, when
     the last gather ends, when each gather is in flight if ``spans``)."""
     gather_end, ends, flying = gather_free, [], []
     for i, (g, c) in enumerate(zip(gathers, parts)):

@@ -78,7 +78,7 @@ from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.grad_tasks import reduce_tasks
-from testbed.sim.span_play import GradBucket, SpanPlay, grad_bucket
+from testbed.sim.span_play import BlockWork, GradBucket, SpanPlay, grad_bucket
 from testbed.sim.step_rules import (Dispatch, GatherMode, Gradients, Microbatches, action_dispatch, first_tail_bucket,
                                     gather_after, gather_mode, gradients, iteration, runs_serially, sequence_apart,
                                     step_dispatch, update_dispatch, waits_for_sends)
@@ -303,7 +303,7 @@ class _Graph(SpanPlay):
                                               summed[waits] if waits >= 0 and summed[waits] >= 0 else None)
                 deps = [*deps, gathered] if gathered is not None else deps
             if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.span_play)
-                last, deps, tasks, done, sums = self._span_block(s, chunk, label, k, pieces, by_span[k], (
+                last, deps, tasks, done, sums = self._span_block(s, chunk, label, k, pieces, by_span[k], BlockWork(
                     flops, part, part_gemms, kernels // pieces, replicated, split), deps,
                     self.merge_tasks if gathered is not None else None, scatter)
                 computes += tasks

@@ -25,7 +25,7 @@ from testbed.sim.span_order import START, WAITING, BlockPlay, block_plays, merge
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
 
-__all__ = ["SpanPlay", "action_plays", "GradBucket", "grad_bucket"]
+__all__ = ["SpanPlay", "action_plays", "BlockWork", "GradBucket", "grad_bucket"]
 
 
 class GradBucket(NamedTuple):
@@ -38,6 +38,18 @@ class GradBucket(NamedTuple):
     label: str
     leaves: int
     tail: tuple[float, float] = (0.0, 0.0)
+
+
+class BlockWork(NamedTuple):
+    """What the spans of one block of an action share (:meth:`SpanPlay._span`): the action's FLOPs, the block's share
+    of them, the block's GEMMs, its kernels, and the action's replicated and split activation bytes."""
+
+    flops: float
+    part: float
+    gemms: tuple
+    kernels: int
+    replicated: float
+    split: float
 
 
 def grad_bucket(chunk: ChunkFacts, share: float, reduce_bytes: float, label: str, leaves: int,
@@ -89,7 +101,7 @@ class SpanPlay:
         return action_plays(chunk, work, pieces, self.facts.gathers("B"), self.plan.sequence_parallel, reduce)
 
     def _span_block(self, s: int, chunk: ChunkFacts, label: str, k: int, pieces: int, play: BlockPlay,
-                    matmuls: tuple, deps: list[int], gathers: list[int] | None, accumulate: bool = False
+                    matmuls: BlockWork, deps: list[int], gathers: list[int] | None, accumulate: bool = False
                     ) -> tuple[int, list[int], int]:
         """Block ``k`` of ``pieces`` played (``play``; ``matmuls``: :meth:`_span`'s work; ``deps``: what it starts
         after, the block's last gather last where it has one; ``gathers``: the task of each of the block's merged
@@ -107,7 +119,6 @@ class SpanPlay:
             return [*previous, gathers[min(m, len(gathers) - 1)]] if gathers and m >= 0 else previous
         ids: list[int] = []
         tasks: list[int] = []
-        flops, kernels = matmuls[0], matmuls[3]
         for item in play.items:
             after = [x for d in item.deps for x in ([ids[d]] if d >= 0 else token(d))]
             if item.stream == "compute":
@@ -138,12 +149,12 @@ class SpanPlay:
         for fraction, count in buckets:
             self._bucket(s, after, grad_bucket(chunk, fraction, self.facts.reduce_bytes, f"{label}/{k}", count))
 
-    def _span(self, s: int, chunk: ChunkFacts, name: str, flops: float, gemms, matmuls: tuple, nbytes: float,
+    def _span(self, s: int, chunk: ChunkFacts, name: str, flops: float, gemms, matmuls: BlockWork, nbytes: float,
               deps: list[int], passes: float = 0.0) -> int:
         """One span of ``flops`` on the compute stream (:meth:`_spans`): a roofline of its matmuls and its
         ``nbytes`` (testbed.sim.compute's spans), its FLOPs' share of the block's kernels, and ``passes`` (its
         share of the block's bytes) of the activations' bytes an elementwise calibration prices instead
-        (``matmuls``: the action's FLOPs, the block's share, GEMMs, kernels, replicated and split bytes)."""
+        (``matmuls``: the block's :class:`BlockWork`)."""
         whole, part, _, kernels, replicated, split = matmuls
         return self.b.add(name=name, device=self.reps[s], stream="compute", kind=TaskKind.COMPUTE, deps=tuple(deps),
                           flops=flops, hbm_bytes=nbytes, replicated_bytes=replicated * part * passes,
