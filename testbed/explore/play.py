@@ -1,5 +1,6 @@
 """One play of the analytic tier's schedule table: every action in execution order on its stage, then each
-stage's gradient tail and update (testbed.explore.analytic prices the actions; this module plays them).
+stage's gradient tail and update (testbed.explore.analytic prices the actions; this module plays them by
+testbed.sim.step_rules, the rules the task graph is built by).
 
 An action starts once its stage is free, its dispatch is out and what it waits for has arrived; it computes,
 then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`` hides: testbed.sim.tp_overlap),

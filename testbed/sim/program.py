@@ -1,7 +1,8 @@
 """Plan + placement -> the task graph of one training step (the shared IR).
 
 The step is worked out once (testbed.sim.facts' :class:`~testbed.sim.facts.StepFacts`, which the
-analytic tier plays too); :func:`program_of` turns those facts into tasks, one small builder per stream.
+analytic tier plays too) and when each part may run is testbed.sim.step_rules' (the analytic tier asks the same
+rules); :func:`program_of` turns those facts into tasks, one small builder per stream.
 
 Every task runs on one *representative* device: data replicas, fsdp ranks
 and tensor ranks of a pipeline stage execute identical tasks at the same
