@@ -223,8 +223,7 @@ class _Graph(SpanPlay):
             deps.append(self.iteration[0])
         if loop.begins:
             self.began = len(b.tasks)
-        dispatch = action_dispatch(self.facts, s, action.chunk, action.kind, accumulated)
-        if self.controller and dispatch:
+        if self.controller and (dispatch := action_dispatch(self.facts, s, action.chunk, action.kind, accumulated)):
             deps.append(self._dispatch(f"dispatch {label}@{s}", dispatch))
         deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in waits]
         if gather_mode(self.facts, work) is GatherMode.WHOLE:
