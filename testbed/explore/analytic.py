@@ -57,8 +57,8 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds
 from testbed.model.spans import scaled_spans
-from testbed.sim.grad_bytes import loop_kept, summed_each_microbatch, summed_in_the_step
-from testbed.sim.grad_tasks import after_tensor
+from testbed.sim.step_rules import (GatherMode, first_tail_bucket, gather_mode, gradients, runs_serially,
+                                    sequence_apart, serial_host)
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
 from testbed.explore.span_times import priced_plays
@@ -193,12 +193,21 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
                     capacity_bytes=int(memory.capacity), fits=bool(memory.fits))
 
 
+class PricedSend(NamedTuple):
+    """One send of an action, priced: its destination stage, its seconds on the sender's pipe stream, and the
+    receivers' all-gather seconds of a split send (StepFacts.scatter_sends; 0: a whole send)."""
+
+    dst: int
+    seconds: float
+    gather: float
+
+
 class _Priced(NamedTuple):
     """One F/B/W action of one chunk, priced: its compute seconds (all of it, and one gradient bucket's piece
     of the chunk's last backward, in ``pieces``), blocking tensor (and exposed all-to-all and ring) seconds,
     the gather it waits for, one bucket's reduction, an earlier microbatch's reduce-scatter, its sends
-    ``(dst, seconds, the receivers' all-gather seconds of a split send)``, the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier
-    microbatch, of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
+    (:class:`PricedSend`), the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier microbatch,
+    of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
     beside the compute (``runtime.tp_comm_overlap``: the tensor collectives; 0 without)."""
 
     compute: float
@@ -208,7 +217,7 @@ class _Priced(NamedTuple):
     pieces: int
     bucket: float
     scatter: float
-    sends: tuple[tuple[int, float, float], ...]
+    sends: tuple[PricedSend, ...]
     acc: float
     syncs: tuple[Syncs, Syncs]
     bucket_syncs: Syncs
@@ -225,6 +234,7 @@ class _Priced(NamedTuple):
     plays_last: tuple = ()  # the same, of the microbatch that releases the chunk's gradient buckets
     plays_scatter: tuple = ()  # the same, of an earlier microbatch reduce-scattering bucket by bucket (loop_kept)
     scatter_each: tuple[float, ...] = ()  # an earlier microbatch's reduce-scatter bucket by bucket (grad_bytes.loop_kept)
+    chain: bool = False  # an MoE chain (testbed.sim.step_rules.gradients reads it)
 
 
 class _Step:
@@ -240,7 +250,7 @@ class _Step:
         # Programs over several devices one at a time (testbed.sim.program's ``serial``): each action and update
         # starts once the previous one has completed, and its end is a meeting of the stage's devices.
         self.per_stage = topology.num_devices // p
-        self.serial = cal.host is not None and cal.host.serial_programs and p > 1 and self.per_stage > 1
+        self.serial = runs_serially(serial_host(cal), p, self.per_stage)
         self.ends = ((self.per_stage, 1.0),) if self.serial else ()
         reps = facts.representatives  # no ring: each rank its own (what the groups of one say)
         rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
@@ -250,9 +260,10 @@ class _Step:
             for c, chunk in enumerate(facts.chunks[s]):
                 for work in chunk.actions:
                     gather, per_block = 0.0, ()
-                    if facts.params_ways > 1 and work.chain:
+                    mode = gather_mode(facts, work) if facts.params_ways > 1 else GatherMode.NONE
+                    if mode is GatherMode.WHOLE:
                         gather = self._gather_seconds(s, (chunk.moved[0], chunk.leaves), 1)
-                    elif facts.params_ways > 1:
+                    elif mode is GatherMode.BLOCKS:
                         per_block = self._block_gather_seconds(s, chunk, work.kind)
                         gather = sum(per_block)
                     self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)._replace(
@@ -278,7 +289,7 @@ class _Step:
 
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> _Priced:
         """One action's :class:`_Priced` (``gather``: the seconds of a gather of its chunk's parameters)."""
-        facts, topology, dtype, coll, plan = self.facts, self.topology, self.dtype, self.coll, self.facts.plan
+        facts, topology, dtype, plan = self.facts, self.topology, self.dtype, self.facts.plan
         cost, kind, overlap = chunk.cost, work.kind, work.overlap
         flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
         gemms = overlap.gemms if overlap else work.gemms
@@ -292,33 +303,19 @@ class _Step:
                 topology, dtype, flops / n, hbm / n, max(1, chunk.kernels // n), rep_b / n, split_b / n,
                 cost.tensor_bytes, scaled(gemms, 1 / n), scaled_spans(work.spans, 1 / n))
         ring_s = ringed[1] if ringed else 0.0
-        last, reduces, per_microbatch = kind == facts.last_backward, bool(facts.reductions), facts.per_microbatch
+        last, reduces = kind == facts.last_backward, bool(facts.reductions)
         pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)
         piece = bucket = scatter = acc = sequence_s = 0.0
         bucket_syncs: Syncs = ()
         each: tuple[float, ...] = ()
         if last and reduces:  # the program reduces even a one-layer chunk's gradients
-            piece = compute_seconds(topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces),
-                                    rep_b / pieces, split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces),
-                                    scaled_spans(work.spans, 1 / pieces))
-            piece = whole / pieces if ringed or chain else piece
+            piece = whole / pieces if ringed or chain else compute_seconds(
+                topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces), rep_b / pieces,
+                split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces), scaled_spans(work.spans, 1 / pieces))
             parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
-            early = summed_in_the_step(plan) or summed_each_microbatch(plan)  # the sequence-replicated sum leaves as
-            # the compute ends (its own stream; each microbatch's is the same small sum, counted once)
-            bucket, bucket_syncs = self._reduce(s, chunk.reduced[1] / pieces,
-                                                chunk.special(1 / pieces, facts.reduce_bytes), chunk.leaves / pieces,
-                                                chunk.tail if pieces == 1 else (0.0, 0.0), False if early else None)
-            sequence_s = self._reduce(s, chunk.reduced[1], chunk.special(1.0, facts.reduce_bytes),
-                                      select=True)[0] if early else 0.0
-            if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):  # each bucket its block's merged sizes
-                each = tuple(sum(self._reduce(s, chunk.reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
-                                 for f, n in chunk.bucket(pieces, k)) for k in range(pieces))
-            elif chunk.leaves and chunk.leaves % pieces:  # the task graph's buckets: each its own count of them
-                own = {n: self._reduce(s, chunk.reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
-                       for n in {bucket_share(chunk.leaves, pieces, k) for k in range(pieces)}}
-                each = tuple(own[bucket_share(chunk.leaves, pieces, k)] for k in range(pieces))
+            bucket, bucket_syncs, sequence_s, each = self._buckets(s, chunk, pieces)
         scatter_each: tuple[float, ...] = ()
-        if last and per_microbatch and facts.microbatches > 1:
+        if last and facts.per_microbatch and facts.microbatches > 1:
             scatter, scatter_each = self._scatters(s, chunk, bool(chain))
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
@@ -330,30 +327,60 @@ class _Step:
                         self._tensor_seconds(s, blk.rest)) for blk in (overlap.blocks if overlap else ()))
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
-        reps = facts.representatives
-        ways = facts.scatter_sends  # split sends: each rank's share, then the receivers' all-gather (recv stream)
-        sends = tuple((dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
-                       coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
-                      for dst, _, nbytes in work.sends)
-        # The action's collectives as barriers among its kernels (testbed.sim.program's interleave): the tensor
-        # collectives, then an earlier microbatch's reduce-scatters or the last one's buckets. Gathers meet on
-        # their own stream ahead of the action, with next to no computing since the last meeting (no wait here;
-        # the task graph's prefetched gathers wait next to nothing too).
+        sends = self._sends(s, work)
         gathering = facts.gathers(kind) and facts.params_ways > 1
-        own = [(plan.mesh.tensor, n) for _, n, _ in work.tensor if plan.mesh.tensor > 1]
-        plain, ends = not chain and not ringed, self.ends  # the task graph's interleaved actions
-        g_ways = math.prod(plan.mesh.degree(a) for a in per_microbatch)
-        syncs = (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]) if plain else ends,
-                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)])
-                 if plain else ends)
+        syncs = self._syncs(chunk, work, not chain and not ringed, bool(scatter), bucket_syncs, pieces)
         spans = gathering and not chain and not ringed  # the blocks played span by span, as the task graph's
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
-                       send_s=sum(x[1] for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
+                       send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
                        scatter_each=scatter_each,
-                       after_tp=after_tensor(plan, bool(chunk.block_shares(kind, pieces)),
-                                             bool(work.tensor) and overlap is None, pieces),
+                       after_tp=first_tail_bucket(facts, chunk, work, pieces), chain=bool(chain),
                        **(self._plays(s, chunk, work, pieces, last and reduces, bool(scatter_each)) if spans else {}))
+
+    def _sends(self, s: int, work: ActionWork) -> tuple[PricedSend, ...]:
+        """An action's sends: split sends (StepFacts.scatter_sends) each rank's share, then the receivers' all-gather
+        over tensor (their recv stream)."""
+        reps, ways, topology = self.facts.representatives, self.facts.scatter_sends, self.topology
+        return tuple(PricedSend(dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
+                                self.coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
+                     for dst, _, nbytes in work.sends)
+
+    def _syncs(self, chunk: ChunkFacts, work: ActionWork, plain: bool, scatter: bool, bucket_syncs: Syncs,
+               pieces: int) -> tuple[Syncs, Syncs]:
+        """The action's collectives as barriers among its kernels (testbed.sim.program's interleave; ``plain``: not
+        a chain nor a ring): the tensor collectives, then an earlier microbatch's reduce-scatters (``scatter``) or
+        the last one's buckets. Gathers meet on their own stream ahead of the action, with next to no computing
+        since the last meeting (no wait here; the task graph's prefetched gathers wait next to nothing too)."""
+        facts, mesh, ends = self.facts, self.facts.plan.mesh, self.ends
+        if not plain:
+            return ends, ends
+        own = [(mesh.tensor, n) for _, n, _ in work.tensor if mesh.tensor > 1]
+        g_ways = math.prod(mesh.degree(a) for a in facts.per_microbatch)
+        return (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]),
+                merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)]))
+
+    def _buckets(self, s: int, chunk: ChunkFacts, pieces: int) -> tuple[float, Syncs, float, tuple[float, ...]]:
+        """The chunk's last backward's ``pieces`` gradient buckets: (one bucket's reduction seconds, its barriers,
+        the sequence-replicated gradients' sum as the compute ends (its own stream; each microbatch's is the same
+        small sum, counted once), each bucket's own seconds where they differ: its block's merged sizes, or its own
+        count of collectives as the task graph's buckets; empty: all alike)."""
+        facts, reduced = self.facts, chunk.reduced
+        early = sequence_apart(facts)
+        bucket, syncs = self._reduce(s, reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
+                                     chunk.leaves / pieces, chunk.tail if pieces == 1 else (0.0, 0.0),
+                                     False if early else None)
+        sequence_s = self._reduce(s, reduced[1], chunk.special(1.0, facts.reduce_bytes),
+                                  select=True)[0] if early else 0.0
+        each: tuple[float, ...] = ()
+        if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):
+            each = tuple(sum(self._reduce(s, reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
+                             for f, n in chunk.bucket(pieces, k)) for k in range(pieces))
+        elif chunk.leaves and chunk.leaves % pieces:
+            own = {n: self._reduce(s, reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
+                   for n in {bucket_share(chunk.leaves, pieces, k) for k in range(pieces)}}
+            each = tuple(own[bucket_share(chunk.leaves, pieces, k)] for k in range(pieces))
+        return bucket, syncs, sequence_s, each
 
     def _plays(self, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, final: bool, scatters: bool
                ) -> dict[str, tuple]:
@@ -371,7 +398,7 @@ class _Step:
         bucket as the backward makes them (empty: one, after the backward)."""
         coll, axes, n = self.coll, self.facts.per_microbatch, max(1, chunk.leaves)
         each: tuple[float, ...] = ()
-        if loop_kept(self.facts.plan) and not chain and chunk.buckets > 1:
+        if gradients(self.facts, self.facts.last_backward, chain, 1).each and chunk.buckets > 1:
             each = tuple(self._accumulated(s, chunk, chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
         return n * coll.time("reduce_scatter", axes, s, chunk.reduced[0] / n), each
 

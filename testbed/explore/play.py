@@ -1,5 +1,6 @@
 """One play of the analytic tier's schedule table: every action in execution order on its stage, then each
-stage's gradient tail and update (testbed.explore.analytic prices the actions; this module plays them).
+stage's gradient tail and update (testbed.explore.analytic prices the actions; this module plays them by
+testbed.sim.step_rules, the rules the task graph is built by).
 
 An action starts once its stage is free, its dispatch is out and what it waits for has arrived; it computes,
 then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`` hides: testbed.sim.tp_overlap),
@@ -12,21 +13,33 @@ action's reductions leave (:meth:`Play._slowed`), so its buckets and its end car
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from testbed.model import buffers
 from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
 from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.compute import compute_seconds
-from testbed.sim.grad_bytes import loop_kept
+from testbed.sim.step_rules import (Gradients, Microbatches, action_dispatch, dispatch_seconds, gather_after,
+                                    gradients, iteration, prepare_seconds, step_dispatch, update_dispatch,
+                                    waits_for_sends)
 from testbed.sim.tp_overlap import overlap_end
 
 if TYPE_CHECKING:
     from testbed.explore.analytic import _Priced, _Step
 
 __all__ = ["Play"]
+
+class _Replay(NamedTuple):
+    """What an action's blocks were played from, to play them again slowed (``device.comm_slowdown``): each block's
+    gather seconds, the action's start, when the stage's gathers were free, the previous gathering action's blocks'
+    ends."""
+
+    gathers: tuple[float, ...]
+    start: float
+    gather_free: float
+    before: list[float]
+
 
 #: A gradient reduction leaving for the grad stream: (when, its seconds, the share of its action's compute before it).
 Release = tuple[float, float, float]
@@ -48,19 +61,19 @@ class Play:
         self.block_ends: list[list[float]] = [[] for _ in range(p)]  # the last gathering action's blocks' ends
         # With a slowdown, the last action's block gathers in flight, and what its blocks were played from.
         self.gathered: list[tuple[float, float]] = []
-        self.replay: tuple[tuple[float, ...], float, float, list[float]] = ((), 0.0, 0.0, [])
+        self.replay = _Replay((), 0.0, 0.0, [])
         self.played: Played | None = None  # the last action's blocks played span by span (span_times)
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.early = [0.0] * p  # the sequence-replicated gradients' sum done (_Priced.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
-        self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
+        self.microbatches = Microbatches(facts)
         self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
         self.launch = 0.0  # with ``serial``: when the previous program completed
         self.host, controller = 0.0, step.controller
         if controller is not None:
-            self.host = controller.step_s + (controller.pipeline_step_s if p > 1 else 0.0)
-            if p == 1:
-                self.host += controller.overhead_s + buffers.spmd_step_buffers(self.plan) * controller.buffer_s
+            self.host = prepare_seconds(controller, p > 1)
+            if dispatch := step_dispatch(facts):
+                self.host += dispatch_seconds(controller, *dispatch)
 
     def run(self) -> tuple[float, list[float], list[float], float]:
         """(step seconds, per-stage compute, per-stage communication, the controller's seconds)."""
@@ -71,15 +84,15 @@ class Play:
             step = max(step, self.update(s), self.host)
         return step, self.busy, self.comm, self.host
 
-    def _start(self, s: int, c: int, kind: str, priced: _Priced, deps: tuple[tuple, ...]) -> float:
-        """When an action starts: after its stage's previous action (and program), its dispatch, its
-        dependencies and its parameter gather (the wait for which is communication)."""
+    def _start(self, s: int, c: int, kind: str, accumulated: bool, deps: tuple[tuple, ...]) -> float:
+        """When an action starts: after its stage's previous action (and program), its dispatch
+        (``accumulated``: testbed.sim.step_rules.action_dispatch's), its dependencies and its parameter gather (the
+        wait for which is communication)."""
         step, controller = self.step, self.step.controller
         start = max(self.free[s], self.launch) if step.serial else self.free[s]
         if controller is not None:
-            if self.facts.stages > 1:
-                n_buffers = self.facts.dispatch_buffers(s, c, kind, self.remaining[(s, c)] < self.facts.microbatches)
-                self.host += (1 + len(priced.sends)) * controller.overhead_s + n_buffers * controller.buffer_s
+            if dispatch := action_dispatch(self.facts, s, c, kind, accumulated):
+                self.host += dispatch_seconds(controller, *dispatch)
             start = max(start, self.host)
         for key in deps:
             t = self.end[key] if key[0] == s else self.arrive[key]
@@ -89,33 +102,22 @@ class Play:
 
     def _gather(self, s: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
         """An action's gathers block by block (testbed.sim.program's): (when its first block computes, the seconds
-        the later blocks wait for their gathers). Block ``i``'s gather waits for block ``i - 1 - prefetch``; with
-        equal blocks of gather ``g`` and compute ``c`` the action computes a block every ``max(g, c)`` (``g + c``
-        without prefetch). The stage's next gather may start as this action's last ``prefetch`` blocks compute."""
+        the later blocks wait for their gathers), each block's gather and compute its own where they differ (a
+        block's merged collectives; the embedding's and the head's blocks), else equal shares (:meth:`_gathered_blocks`)."""
         n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
         g, c = priced.gather / n, compute / n
+        # Without prefetch each gather, exposed, first meets its group after a block's computing.
         wait = skewed.barrier_wait(self.facts.params_ways, c) if skewed is not None and d == 0 else 0.0
-        if priced.block_gathers or priced.parts:
-            gathers = priced.block_gathers or (g,) * n
-            parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
-            return self._unequal_gathers(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts),
-                                         priced.plays)
-        self.block_ends[s] = []
-        g += wait  # each gather, exposed, first meets its group after a block's computing
-        period = g + c if d == 0 else max(g, c)
-        first = max(start, self.gather_free[s] + g)
-        self.comm[s] += first - start
-        # When the stage's next gather may start: after this action's gathers, and once block n - 1 - d is done.
-        self.gather_free[s] = max(first + (n - 1) * g, first + (n - 1 - d) * period + c if n > d else 0.0)
-        return first, (n - 1) * (period - c)
+        gathers = priced.block_gathers or (g,) * n
+        parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
+        return self._gathered_blocks(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts),
+                                     priced.plays)
 
-    def _unequal_gathers(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
+    def _gathered_blocks(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
                          own: bool, plays: tuple = ()) -> tuple[float, float]:
-        """:meth:`_gather` with each block's own gather and compute seconds (a block's merged collectives differ in
-        size; the embedding's and the head's blocks compute their own share): block
-        ``i``'s gather starts after block ``i - 1``'s and once block ``i - 1 - prefetch`` has computed (of the stage's
-        previous gathering action when negative), its compute
-        once its gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
+        """:meth:`_gather` with each block's gather and compute seconds: block ``i``'s gather starts after block
+        ``i - 1``'s and once the block testbed.sim.step_rules.gather_after names has computed, its compute once its
+        gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
         blocks compute their own shares (with a slowdown, kept to play them again, each slowed: :meth:`_slowed`);
         ``plays``: the blocks played span by span (testbed.explore.span_times), each done once its collectives are."""
         n, d, before = len(gathers), self.facts.prefetch, self.block_ends[s]
@@ -124,36 +126,37 @@ class Play:
         if plays:
             self.played = played = play_blocks(plays, gathers, start, self.gather_free[s], before, d, (self.slow,) * n)
             if replay:
-                self.replay, self.gathered = (gathers, start, self.gather_free[s], before), played.flying
+                self.replay, self.gathered = _Replay(gathers, start, self.gather_free[s], before), played.flying
             first = played.starts[0]
             self.comm[s] += first - start
-            self.gather_free[s] = max(played.gather_end, played.dones[n - 1 - d] if n > d else 0.0)
+            self.gather_free[s] = _next_gathers(played.gather_end, played.dones, d)
             self.block_ends[s] = played.dones
             return first, played.ends[-1] - first - sum(parts)
         ends, gather_end, self.gathered = _blocks(gathers, parts, start, self.gather_free[s], before, d, replay)
         if replay:
-            self.replay = (gathers, start, self.gather_free[s], before)
+            self.replay = _Replay(gathers, start, self.gather_free[s], before)
         first = ends[0] - parts[0]
         self.comm[s] += first - start
-        self.gather_free[s], self.block_ends[s] = max(gather_end, ends[n - 1 - d] if n > d else 0.0), ends
+        self.gather_free[s], self.block_ends[s] = _next_gathers(gather_end, ends, d), ends
         return first, ends[-1] - first - sum(parts)
 
     def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
         """Plays one F/B/W action of stage ``s``."""
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.prices[(s, c, kind)]
-        final = kind == self.facts.last_backward and self.remaining[(s, c)] == 1 and bool(self.facts.reductions)
-        earlier = kind == self.facts.last_backward and self.remaining[(s, c)] > 1  # an earlier microbatch's
-        plays = priced.plays_last if final else priced.plays_scatter or priced.plays if earlier else priced.plays
+        accumulated, left = self.microbatches.begin(s, c, kind)
+        grads = gradients(self.facts, kind, priced.chain, left)
+        plays = priced.plays_last if grads.release else (priced.plays_scatter or priced.plays) if grads.each \
+            else priced.plays
         if plays:  # its blocks span by span: the tensor among them
             parts = tuple(block.compute for block in plays)
             priced = priced._replace(compute=sum(parts), parts=parts, tensor=0.0, hidden=0.0, plays=plays)
         else:
             priced = priced._replace(plays=())
         compute = self.slow * priced.compute
-        if kind == "F" and mb > 0 and loop_kept(self.plan):
+        if iteration(self.facts, action).waits:
             self._iteration(s)
-        start, stretch = self._start(s, c, kind, priced, deps), 0.0
+        start, stretch = self._start(s, c, kind, accumulated, deps), 0.0
         skewed = self.step.skewed
         if priced.gather:
             start, stretch = self._gather(s, priced, start, compute)
@@ -164,7 +167,7 @@ class Play:
         wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
         last, releases = kind == self.facts.last_backward, ()
         if last:
-            compute, wait, releases = self._backward_end(s, c, priced, start, compute)
+            compute, wait, releases = self._backward_end(s, priced, start, compute, grads, left)
         elif skewed is not None:
             wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
             self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
@@ -193,29 +196,37 @@ class Play:
         if self.step.serial:  # the program ends with its reductions too
             self.launch = max(finish, self.grad[s])
         self.end[(s, kind, mb, c)] = finish
+        if priced.sends:
+            self._sends(s, (s, kind, mb, c), priced, finish)
+
+    def _sends(self, s: int, key: tuple, priced: _Priced, finish: float) -> None:
+        """An action's sends, one after another on its stage's pipe stream from ``finish`` (``key``: the action's),
+        a split send's receivers' all-gather on their recv stream of its direction; with blocking sends the stage
+        waits for them (testbed.sim.step_rules.waits_for_sends)."""
+        kind = key[1]
         for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
-            self.arrive[(s, kind, mb, c)] = self.pipe[s]
-            if gather:  # the receivers' all-gather of a split send (their recv stream of this direction)
+            self.arrive[key] = self.pipe[s]
+            if gather:
                 recv = self.recv.get((dst, kind), 0.0)
-                self.recv[(dst, kind)] = self.arrive[(s, kind, mb, c)] = max(recv, self.pipe[s]) + gather
-        if priced.sends and self.plan.runtime.pipeline_blocking_sends:  # the stage waits for its sends
+                self.recv[(dst, kind)] = self.arrive[key] = max(recv, self.pipe[s]) + gather
+        if waits_for_sends(self.facts):
             self.comm[s] += max(0.0, self.pipe[s] - self.free[s])
             self.free[s] = max(self.free[s], self.pipe[s])
             if self.step.serial:
                 self.launch = max(self.launch, self.free[s])
 
-    def _backward_end(self, s: int, c: int, priced: _Priced, start: float, compute: float
+    def _backward_end(self, s: int, priced: _Priced, start: float, compute: float, grads: Gradients, left: int
                       ) -> tuple[float, float, tuple[Release, ...]]:
-        """A microbatch's last backward action (B, or W when split): (its compute seconds, its barriers' wait, its
-        reductions ``(when it leaves, seconds, the share of the compute before)``). The last microbatch's buckets
-        reduce as its pieces finish (or once, after the stage's backward, when gradients do not accumulate
-        sharded); an earlier one's gradients are reduce-scattered."""
+        """A microbatch's last backward action (B, or W when split; ``left``: the chunk's microbatches after it):
+        (its compute seconds, its barriers' wait, its reductions ``(when it leaves, seconds, the share of the compute
+        before)``). The last microbatch's buckets reduce as its pieces finish (or once, after the stage's backward,
+        when gradients do not accumulate sharded); an earlier one's gradients are reduce-scattered
+        (testbed.sim.step_rules.gradients)."""
         piece, acc, pieces, skewed = self.slow * priced.piece, self.slow * priced.acc, priced.pieces, self.step.skewed
-        self.remaining[(s, c)] -= 1
-        last_mb = self.remaining[(s, c)] == 0
+        last_mb = left == 0
         parts = tuple(self.slow * x for x in priced.parts) if priced.parts and len(priced.parts) == pieces else ()
-        if last_mb and piece:
+        if grads.release and piece:
             compute = sum(parts) if parts else pieces * piece
         wait = 0.0
         if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the accumulator's add
@@ -230,7 +241,7 @@ class Play:
             compute += wait
             piece += wait / pieces
         releases: tuple[Release, ...] = ()
-        if last_mb and piece:
+        if grads.release and piece:
             if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
                 self.once[s] += pieces * priced.bucket
                 self.early[s] = max(self.early[s], start + compute) + priced.early  # its own stream, from here
@@ -247,14 +258,14 @@ class Play:
                 tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= priced.after_tp else 0.0
                 out.append((max(done, tp), own, before / total if parts and total else (k + 1) / pieces))
             releases = tuple(out)
-        elif not last_mb and priced.plays and self.played is not None and self.played.releases:  # as played
+        elif grads.each and priced.plays and self.played is not None and self.played.releases:  # as played
             releases = tuple((at, x, 1.0) for at, x in self.played.releases)
-        elif not last_mb and priced.scatter_each:  # a loop XLA keeps: bucket by bucket as the backward makes them
+        elif grads.each and priced.scatter_each:  # a loop XLA keeps: bucket by bucket as the backward makes them
             n = len(priced.scatter_each)
             ends = self.block_ends[s] if priced.gather and len(self.block_ends[s]) == n else ()
             releases = tuple((ends[k] if ends else start + compute * (k + 1) / n, x, (k + 1) / n)
                              for k, x in enumerate(priced.scatter_each) if x)
-        elif not last_mb and priced.scatter:
+        elif grads.scatter and priced.scatter:
             releases = ((start + compute, priced.scatter, 1.0),)
         return compute + acc, wait, releases
 
@@ -292,8 +303,8 @@ class Play:
         spread = rate * min(max(0.0, total - sum(each)), priced.hidden + priced.send_s) / (total or 1.0)
         longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
         slowed, gather_end, _ = _blocks(gathers, longer, start, gather_free, before, facts.prefetch, False)
-        n, d = len(slowed), facts.prefetch
-        self.gather_free[s], self.block_ends[s] = max(gather_end, slowed[n - 1 - d] if n > d else 0.0), slowed
+        n = len(slowed)
+        self.gather_free[s], self.block_ends[s] = _next_gathers(gather_end, slowed, facts.prefetch), slowed
         out, i, done = [], 0, parts[0]
         for t, x, f in releases:  # each after the block its share of the compute ends in
             while i < n - 1 and (done < f * total * (1 - 1e-9) or not parts[i + 1]):  # (the last of equal ends)
@@ -331,9 +342,7 @@ class Play:
         longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
         scale = tuple(self.slow * x / c if c else self.slow for x, c in zip(longer, parts))
         again = play_blocks(priced.plays, gathers, start, gather_free, before, d, scale)
-        n = len(again.ends)
-        self.gather_free[s], self.block_ends[s] = max(again.gather_end, again.dones[n - 1 - d] if n > d else 0.0), \
-            again.dones
+        self.gather_free[s], self.block_ends[s] = _next_gathers(again.gather_end, again.dones, d), again.dones
         first = played.starts[0]
         if again.releases or not releases:
             out = tuple((at, x, 1.0) for at, x in again.releases) if releases else releases
@@ -349,8 +358,8 @@ class Play:
                 skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
             self.carry[s] = 0.0
         ready = max(self.free[s], self.grad[s], self.launch, self.early[s])
-        if controller is not None and self.facts.stages > 1:
-            self.host += controller.overhead_s + buffers.update_buffers(self.plan, s) * controller.buffer_s
+        if controller is not None and (dispatch := update_dispatch(self.facts, s)):
+            self.host += dispatch_seconds(controller, *dispatch)
             ready = max(ready, self.host)
         self.comm[s] += max(0.0, max(self.grad[s], self.early[s]) - self.free[s])
         opt = self.slow * compute_seconds(step.topology, step.dtype, update.flops, update.hbm_bytes, 1)
@@ -378,17 +387,23 @@ class Play:
 
 def _blocks(gathers: tuple[float, ...], parts: tuple[float, ...], start: float, gather_free: float,
             before: list[float], prefetch: int, spans: bool) -> tuple[list[float], float, list[tuple[float, float]]]:
-    """Blocks of ``gathers`` and ``parts`` seconds played (:meth:`Play._unequal_gathers`): (each block's end, when
+    """Blocks of ``gathers`` and ``parts`` seconds played (:meth:`Play._gathered_blocks`): (each block's end, when
     the last gather ends, when each gather is in flight if ``spans``)."""
     gather_end, ends, flying = gather_free, [], []
     for i, (g, c) in enumerate(zip(gathers, parts)):
-        j = i - 1 - prefetch
-        after = ends[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
+        after = gather_after(i, prefetch, ends, before) or 0.0
         gather_end = max(gather_end, after) + g
         if spans:
             flying.append((gather_end - g, gather_end))
         ends.append(max(ends[-1] if ends else start, gather_end) + c)
     return ends, gather_end, flying
+
+
+def _next_gathers(gather_end: float, dones: list[float], prefetch: int) -> float:
+    """When the stage's next gathering action's gathers may start: after this action's (``gather_end``) and once the
+    block its first gather waits for (testbed.sim.step_rules.gather_after of ``dones``, this action's blocks) is
+    done."""
+    return max(gather_end, gather_after(0, prefetch, (), dones) or 0.0)
 
 
 def _later(t: float, dones: list[float], again: list[float]) -> float:

@@ -17,6 +17,7 @@ from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import ActionWork, ChunkFacts
 from testbed.sim.span_order import BlockPlay, span_kernels, time_block
 from testbed.sim.span_play import action_plays
+from testbed.sim.step_rules import gather_after
 
 if TYPE_CHECKING:
     from testbed.explore.analytic import _Step
@@ -93,16 +94,15 @@ class Played(NamedTuple):
 def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], start: float, gather_free: float,
                 before: list[float], prefetch: int, scale: tuple[float, ...]) -> Played:
     """The blocks of ``plays`` timed (testbed.explore.play's ``_blocks`` for blocks played by spans): block
-    ``i``'s gather (``gathers``) after the previous one and once block ``i - 1 - prefetch`` is done (of the
-    stage's previous gathering action, ``before``, when negative), and the unlinked last layer's once the head's
+    ``i``'s gather (``gathers``) after the previous one and once the block testbed.sim.step_rules.gather_after names
+    is done (``before``: the stage's previous gathering action's), and the unlinked last layer's once the head's
     input gradient is summed (testbed.sim.span_order's ``waits``); each span of the block once what the previous
     block leaves (from ``start``) and the merged gathers it reads are done (each merge landing in its share of the
     block's gather: testbed.sim.span_order), its compute items ``scale`` times as long."""
     gather_end, compute, tensor = gather_free, start, start
     starts, ends, dones, flying, releases, summed = [], [], [], [], [], []
     for i, (g, block) in enumerate(zip(gathers, plays)):
-        j = i - 1 - prefetch
-        after = dones[j] if j >= 0 else before[len(before) + j] if len(before) + j >= 0 else 0.0
+        after = gather_after(i, prefetch, dones, before) or 0.0
         if block.play.waits >= 0:  # the unlinked last layer's, after the head's summed input gradient
             after = max(after, summed[block.play.waits])
         begin = max(gather_end, after)

@@ -55,6 +55,7 @@ from testbed.sim.pricing import Priced, controller_seconds, price
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
 from testbed.sim.program import STREAMS, Program, TaskKind, build_program
+from testbed.sim.step_rules import serial_host
 from testbed.sim.timeline import CATEGORIES, Report, Timeline
 from testbed.topology import Calibration, HostCalibration, Topology
 
@@ -325,10 +326,9 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 
 def simulate(plan: Plan, topology: Topology) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
-    host = topology.calibration.host
     program = build_program(plan, place(plan, topology), controller=topology.calibration.controller is not None,
                             combine_bytes=topology.calibration.collectives.combine_bytes,
-                            serial=host is not None and host.serial_programs,
+                            serial=serial_host(topology.calibration),
                             chained_gathers=topology.device.gathers_apart())
     priced = price(program, topology, plan.precision.compute_dtype)
     timeline = run(program, priced, calibration=topology.calibration)

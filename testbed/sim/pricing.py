@@ -22,6 +22,7 @@ import numpy as np
 from testbed.collectives import timing, torus
 from testbed.sim.compute import compute_seconds
 from testbed.sim.contention import normalised_loads
+from testbed.sim.step_rules import dispatch_seconds, prepare_seconds
 from testbed.sim.tasks import Program, Task, TaskKind
 from testbed.topology import Calibration, Form, Topology
 
@@ -40,18 +41,17 @@ class Priced:
 
 
 def controller_seconds(calibration: Calibration, task: Task) -> float:
-    """Controller time of a host task: the step's preparation, or a dispatch (per program and per device buffer).
+    """Controller time of a host task: the step's preparation, or a dispatch (per program and per device buffer;
+    testbed.sim.step_rules' costs, which the analytic tier reads too).
 
     0 when the calibration has no ``controller`` group (such a topology's programs have no host tasks).
     """
     controller = calibration.controller
     if controller is None:
         return 0.0
-    if task.op == "step":
-        return controller.step_s
-    if task.op == "pipeline step":
-        return controller.step_s + controller.pipeline_step_s
-    return task.count * controller.overhead_s + task.buffers * controller.buffer_s
+    if task.op in ("step", "pipeline step"):
+        return prepare_seconds(controller, task.op == "pipeline step")
+    return dispatch_seconds(controller, task.count, task.buffers)
 
 
 

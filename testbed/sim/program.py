@@ -1,7 +1,8 @@
 """Plan + placement -> the task graph of one training step (the shared IR).
 
 The step is worked out once (testbed.sim.facts' :class:`~testbed.sim.facts.StepFacts`, which the
-analytic tier plays too); :func:`program_of` turns those facts into tasks, one small builder per stream.
+analytic tier plays too) and when each part may run is testbed.sim.step_rules' (the analytic tier asks the same
+rules); :func:`program_of` turns those facts into tasks, one small builder per stream.
 
 Every task runs on one *representative* device: data replicas, fsdp ranks
 and tensor ranks of a pipeline stage execute identical tasks at the same
@@ -69,7 +70,6 @@ import itertools
 
 import numpy as np
 
-from testbed.model import buffers
 from testbed.model.gemm import scaled
 from testbed.pipeline.schedules import Action, Schedule
 from testbed.model.layout import holds
@@ -78,9 +78,11 @@ from testbed.plan.placement import Placement
 from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
-from testbed.sim.grad_bytes import loop_kept, summed_each_microbatch, summed_in_the_step
-from testbed.sim.grad_tasks import after_tensor, reduce_tasks
-from testbed.sim.span_play import SpanPlay
+from testbed.sim.grad_tasks import reduce_tasks
+from testbed.sim.span_play import BlockWork, GradBucket, SpanPlay, grad_bucket
+from testbed.sim.step_rules import (Dispatch, GatherMode, Gradients, Microbatches, action_dispatch, first_tail_bucket,
+                                    gather_after, gather_mode, gradients, iteration, runs_serially, sequence_apart,
+                                    step_dispatch, update_dispatch, waits_for_sends)
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
@@ -117,7 +119,7 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
         graph.action(s, action, waits)
     for s in range(facts.stages):
         graph.update(s)
-    if serial and facts.stages > 1:
+    if runs_serially(serial, facts.stages, placement.device_ids[0].size):
         graph.b.serialize(graph.programs)
     return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
 
@@ -149,15 +151,15 @@ class _Graph(SpanPlay):
         self.sent: dict[tuple, int] = {}  # (that key, dst stage) -> its send task
         self.pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # _stage_pairs, memoized
         self.reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
-        self.once: dict[int, list[tuple]] = {s: [] for s in range(p)}  # buckets reduced after the backward
-        self.remaining = {(s, c): facts.microbatches for s in range(p) for c in range(facts.virtual)}
+        self.once: dict[int, list[GradBucket]] = {s: [] for s in range(p)}  # buckets reduced after the backward
+        self.microbatches = Microbatches(facts)
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
         self.merge_tasks, self.block_gemms, self.span_end = [], [], None  # (SpanPlay)
         self.iteration: tuple[int, ...] = ()  # the loop's barrier: what an iteration's first tasks wait for
         self.began = -1  # the first task of the loop iteration (microbatch) running
-        self.tail: list[tuple] = []  # the last block's buckets, reduced after the action's tensor collectives
+        self.tail: list[GradBucket] = []  # the last block's buckets, reduced after the action's tensor collectives
         # The programs over several devices, in dispatch order (run one at a time with ``serial``): an MPMD
         # stage's actions and updates; an SPMD step is one program.
         self.programs: list[tuple[range, int]] = []
@@ -165,8 +167,8 @@ class _Graph(SpanPlay):
         if controller:
             self.b.add(name="prepare step", device=self.host, stream="host", kind=TaskKind.HOST,
                        op="step" if p == 1 else "pipeline step", count=0)
-        if controller and p == 1:
-            self.previous[0] = self._dispatch("dispatch step", buffers.spmd_step_buffers(self.plan))
+        if controller and (dispatch := step_dispatch(facts)):
+            self.previous[0] = self._dispatch("dispatch step", dispatch)
 
     def _stage_pairs(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
         """Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate (made for the stage
@@ -179,53 +181,21 @@ class _Graph(SpanPlay):
 
     def action(self, s: int, action: Action, waits: tuple[tuple, ...]) -> None:
         """Adds one F/B/W action of stage ``s``: its dispatch, gather, compute (with its MoE chain and ring),
-        gradient reductions, tensor collectives, accumulation and sends."""
-        facts, b, v = self.facts, self.b, self.facts.virtual
+        gradient reductions, tensor collectives, accumulation and sends (testbed.sim.step_rules' rules)."""
+        facts, b = self.facts, self.b
         chunk = facts.chunks[s][action.chunk]
-        work = chunk.action(action.kind)
-        label = action.label(v)
+        work, label = chunk.action(action.kind), action.label(facts.virtual)
         first = len(b.tasks)  # the action's tasks from here (its program; barriers)
-        deps: list[int] = [self.previous[s]] if s in self.previous else []
-        if action.kind == "F" and loop_kept(self.plan):  # a microbatch begins once the one before it has ended
-            if self.began >= 0:
-                self.iteration = (b.add(name=f"iteration {action.microbatch}", device=self.reps[s],
-                                        stream="compute", kind=TaskKind.COMPUTE,
-                                        deps=tuple(range(self.began, len(b.tasks)))),)
-                deps.append(self.iteration[0])
-            self.began = len(b.tasks)
-        if self.controller and facts.stages > 1:
-            accumulated = self.remaining[(s, action.chunk)] < facts.microbatches
-            deps.append(self._dispatch(f"dispatch {label}@{s}", facts.dispatch_buffers(
-                s, action.chunk, action.kind, accumulated), count=1 + len(work.sends)))
-        deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in waits]
-        gathering = facts.gathers(action.kind)
-        if gathering and work.chain:  # an MoE chain: the chunk's gather ahead of it, whole
-            deps.append(self._gather(s, chunk, label))
-        gathering = gathering and not work.chain  # else block by block, each gathered before it computes
-        pieces, scatter, reduce = chunk.blocks if gathering else 1, False, False
-        if action.kind == facts.last_backward:
-            self.remaining[(s, action.chunk)] -= 1
-            if self.remaining[(s, action.chunk)] == 0 and facts.reductions:
-                pieces, reduce = chunk.buckets, True  # module docstring: buckets, or one after the backward
-            # An earlier microbatch: its gradients are reduce-scattered into the sharded accumulator, in a loop XLA
-            # keeps bucket by bucket as the backward makes them (the loop body's reduce-scatters), else after it.
-            scatter = self.remaining[(s, action.chunk)] > 0 and bool(facts.per_microbatch)
-            if scatter and loop_kept(self.plan) and not work.chain:
-                pieces, scatter = chunk.buckets, None
-        self.span_end = None
-        if work.chain:
-            last, computes = self._chain(s, chunk, work, label, deps, pieces if reduce else 0), []
-        else:
-            last, computes = self._compute(s, chunk, work, label, deps, pieces, reduce, gathering, scatter is None)
-        if scatter:
-            self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
-        if (reduce and summed_in_the_step(self.plan)  # the tensor-replicated gradients' sum leaves as compute ends
-                or action.kind == facts.last_backward and summed_each_microbatch(self.plan)):  # each microbatch's
+        accumulated, left = self.microbatches.begin(s, action.chunk, action.kind)
+        deps = self._starts(s, action, chunk, work, label, waits, accumulated)
+        grads, mode = gradients(facts, action.kind, bool(work.chain), left), gather_mode(facts, work)
+        last, computes = self._work(s, chunk, work, label, deps, grads, mode)
+        if grads.summed:  # the tensor-replicated gradients' sum leaves as the compute ends (its own stream)
             self.reduce_tasks[s].extend(reduce_tasks(
                 self.b, facts.reductions, self.groups, self.plan, s, self.reps[s], last, chunk.reduced[1],
                 chunk.special(1.0, facts.reduce_bytes), label, 0, select=True, stream="sequence"))
         last = self._tensor(s, chunk, work, label, last, tuple(deps))
-        for bucket_of in self.tail:  # buckets reduced after the tensor collectives (after_tensor)
+        for bucket_of in self.tail:  # buckets reduced after the tensor collectives (first_tail_bucket)
             self._bucket(s, last, bucket_of)
         self.tail = []
         if action.kind == facts.last_backward and (acc := accumulate_bytes(self.plan, chunk.cost.params,
@@ -236,14 +206,59 @@ class _Graph(SpanPlay):
         if not work.chain:  # the action's collectives run among its kernels (a shared host's barriers); XLA
             # hoists the parameter gathers (they need only the parameters) ahead of the kernels: those meet alone.
             b.interleave(computes, [i for i in range(first, len(b.tasks)) if b.tasks[i].stream != "gather"])
-        if action.kind == "F" and holds(s, action.chunk, facts.stages, v)[1]:
+        self._ends(s, action, work, label, last, first)
+
+    def _starts(self, s: int, action: Action, chunk: ChunkFacts, work: ActionWork, label: str,
+                waits: tuple[tuple, ...], accumulated: bool) -> list[int]:
+        """What an action's first tasks wait for: the stage's previous action, the loop's iteration barrier
+        (step_rules.iteration), the controller's dispatch (``accumulated``: step_rules.action_dispatch's), what
+        ``waits`` names (this stage's actions, or other stages' sends) and an MoE chain's whole gather
+        (step_rules.gather_mode)."""
+        b = self.b
+        deps: list[int] = [self.previous[s]] if s in self.previous else []
+        loop = iteration(self.facts, action)
+        if loop.waits:  # a microbatch begins once the one before it has ended
+            self.iteration = (b.add(name=f"iteration {action.microbatch}", device=self.reps[s], stream="compute",
+                                    kind=TaskKind.COMPUTE, deps=tuple(range(self.began, len(b.tasks)))),)
+            deps.append(self.iteration[0])
+        if loop.begins:
+            self.began = len(b.tasks)
+        if self.controller and (dispatch := action_dispatch(self.facts, s, action.chunk, action.kind, accumulated)):
+            deps.append(self._dispatch(f"dispatch {label}@{s}", dispatch))
+        deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in waits]
+        if gather_mode(self.facts, work) is GatherMode.WHOLE:
+            deps.append(self._gather(s, chunk, label))
+        return deps
+
+    def _work(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], grads: Gradients,
+              mode: GatherMode) -> tuple[int, list[int]]:
+        """An action's compute and gradient reductions, in pieces: the chunk's blocks when it gathers block by
+        block, its gradient buckets when it releases them or reduce-scatters them bucket by bucket
+        (step_rules.gradients); returns its last task and its compute tasks."""
+        gathering = mode is GatherMode.BLOCKS
+        pieces = chunk.buckets if grads.release or grads.each else chunk.blocks if gathering else 1
+        self.span_end = None
+        if work.chain:
+            last, computes = self._chain(s, chunk, work, label, deps, pieces if grads.release else 0), []
+        else:
+            last, computes = self._compute(s, chunk, work, label, deps, pieces, grads.release, gathering,
+                                           grads.each)
+        if grads.scatter and not grads.each:
+            self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
+        return last, computes
+
+    def _ends(self, s: int, action: Action, work: ActionWork, label: str, last: int, first: int) -> None:
+        """An action's end: the loss's all-reduces after the head's forward, its program, and its sends (the stage's
+        next action waits for them with blocking sends: step_rules.waits_for_sends)."""
+        facts = self.facts
+        if action.kind == "F" and holds(s, action.chunk, facts.stages, facts.virtual)[1]:
             self._loss(s, action, last)
         key = (s, action.kind, action.microbatch, action.chunk)
         self.done[key] = self.previous[s] = last
         self._program(s, first)
         for dst, _, nbytes in work.sends:
             self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last, action.kind)
-            if self.plan.runtime.pipeline_blocking_sends:  # the stage goes on once its send has arrived
+            if waits_for_sends(facts):  # the stage goes on once its send has arrived
                 self.previous[s] = self.last_send
 
     def _program(self, s: int, first: int) -> None:
@@ -252,10 +267,10 @@ class _Graph(SpanPlay):
         if size > 1:
             self.programs.append((range(first, len(self.b.tasks)), size))
 
-    def _dispatch(self, name: str, n_buffers: int, count: int = 1) -> int:
-        """The controller's dispatch of ``count`` programs passing ``n_buffers`` device buffers (host stream)."""
-        return self.b.add(name=name, device=self.host, stream="host", kind=TaskKind.HOST, count=count,
-                          buffers=n_buffers)
+    def _dispatch(self, name: str, dispatch: Dispatch) -> int:
+        """The controller's ``dispatch`` (host stream; testbed.sim.pricing prices it)."""
+        return self.b.add(name=name, device=self.host, stream="host", kind=TaskKind.HOST, count=dispatch.programs,
+                          buffers=dispatch.buffers)
 
     def _gather(self, s: int, chunk: ChunkFacts, label: str) -> int:
         """The all-gather of a chunk's sharded parameters before an MoE chain (gather stream, prefetched)."""
@@ -288,7 +303,7 @@ class _Graph(SpanPlay):
                                               summed[waits] if waits >= 0 and summed[waits] >= 0 else None)
                 deps = [*deps, gathered] if gathered is not None else deps
             if by_span:  # span by span, each span's tensor collectives after it (testbed.sim.span_play)
-                last, deps, tasks, done, sums = self._span_block(s, chunk, label, k, pieces, by_span[k], (
+                last, deps, tasks, done, sums = self._span_block(s, chunk, label, k, pieces, by_span[k], BlockWork(
                     flops, part, part_gemms, kernels // pieces, replicated, split), deps,
                     self.merge_tasks if gathered is not None else None, scatter)
                 computes += tasks
@@ -310,23 +325,26 @@ class _Graph(SpanPlay):
             if scatter:
                 self._accumulate(s, chunk, name, last, chunk.bucket(pieces, k))
             if reduce:
-                # Bucket k holds its share of the chunk's gradients (ChunkFacts.bucket): reduced while the backward
-                # continues when they accumulate sharded, else once the stage's backward is done.
-                tail = k >= after_tensor(self.plan, bool(own), bool(work.tensor) and work.overlap is None, pieces)
-                for fraction, count in chunk.bucket(pieces, k):
-                    bucket_of = (chunk.reduced[1] * fraction, chunk.special(fraction, self.facts.reduce_bytes),
-                                 label if pieces == 1 else f"{label}/{k}", count,
-                                 chunk.tail if pieces == 1 else (0.0, 0.0))
-                    if tail:
-                        self.tail.append(bucket_of)
-                    else:
-                        self._bucket(s, last, bucket_of)
+                self._buckets_of(s, chunk, label, pieces, k, last, k >= first_tail_bucket(self.facts, chunk, work,
+                                                                                           pieces))
         if gathering:
             self.blocks_done[s] = ends
         self.span_end = deps[-1] if by_span else None  # the last span's tensor collectives end the action (_tensor)
         if overlap:
             last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
+
+    def _buckets_of(self, s: int, chunk: ChunkFacts, label: str, pieces: int, k: int, last: int, tail: bool) -> None:
+        """Bucket ``k`` of ``pieces``, its share of the chunk's gradients (ChunkFacts.bucket), after ``last``:
+        reduced while the backward continues when they accumulate sharded, else once the stage's backward is done;
+        ``tail``: only after the action's tensor collectives (step_rules.first_tail_bucket)."""
+        for fraction, count in chunk.bucket(pieces, k):
+            bucket_of = grad_bucket(chunk, fraction, self.facts.reduce_bytes, label if pieces == 1 else f"{label}/{k}",
+                                    count, chunk.tail if pieces == 1 else (0.0, 0.0))
+            if tail:
+                self.tail.append(bucket_of)
+            else:
+                self._bucket(s, last, bucket_of)
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
                       ends: list[int], cotangent: int | None = None) -> int | None:
@@ -337,10 +355,8 @@ class _Graph(SpanPlay):
         into an earlier block's collective); ``merge_tasks``: each merge's task (testbed.sim.span_play waits for
         the merges a span reads). ``cotangent``: a task the gathers wait for too (the head's summed input
         gradient, for the unlinked last layer's backward gather: testbed.sim.span_order.cotangent_block)."""
-        rep, j = self.reps[s], k - 1 - self.facts.prefetch
-        before = self.blocks_done.get(s, [])
-        after = (ends[j],) if j >= 0 else (before[len(before) + j],) if len(before) + j >= 0 and before else ()
-        after += (cotangent,) if cotangent is not None else ()
+        rep, freed = self.reps[s], gather_after(k, self.facts.prefetch, ends, self.blocks_done.get(s, []))
+        after = ((freed,) if freed is not None else ()) + ((cotangent,) if cotangent is not None else ())
         last = None
         self.merge_tasks = []
         for size, run in itertools.groupby(chunk.gather_sizes(kind)[k]):
@@ -378,11 +394,10 @@ class _Graph(SpanPlay):
             ids.append(last)
             bucket += piece.layer_end
             if piece.layer_end and bucket in closes:
-                share, done_buckets = 1 / len(closes), done_buckets + 1
-                grad_b = self.facts.reduce_bytes
-                self._bucket(s, last, (chunk.reduced[1] * share, chunk.special(share, grad_b),
-                                       f"{label}/{done_buckets - 1}",
-                                       bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
+                done_buckets += 1
+                self._bucket(s, last, grad_bucket(chunk, 1 / len(closes), self.facts.reduce_bytes,
+                                                  f"{label}/{done_buckets - 1}",
+                                                  bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
         return last
 
     def _ring(self, s: int, tasks: list, deps: list[int], tensor_bytes: float) -> int | None:
@@ -428,7 +443,7 @@ class _Graph(SpanPlay):
                           deps=(send,), op="all_gather", nbytes=nbytes, group=rep_group(groups, rep),
                           instances=groups)
 
-    def _bucket(self, s: int, after: int, bucket_of: tuple) -> None:
+    def _bucket(self, s: int, after: int, bucket_of: GradBucket) -> None:
         """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
         if self.facts.reduce_in_backward:
             self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of))
@@ -455,11 +470,9 @@ class _Graph(SpanPlay):
                 leaves: int, tail: tuple[float, float] = (0.0, 0.0)) -> list[int]:
         """One bucket's gradient reduction tasks (testbed.sim.grad_tasks.reduce_tasks; ``tail``: ChunkFacts.tail),
         but the sequence-replicated parameters' where they left at the backward's end
-        (testbed.sim.grad_bytes.summed_in_the_step);
-        returns the last one(s)."""
+        (testbed.sim.step_rules.sequence_apart); returns the last one(s)."""
         return reduce_tasks(self.b, self.facts.reductions, self.groups, self.plan, s, self.reps[s], after, nbytes,
-                            special, label, leaves, tail,
-                            select=False if summed_in_the_step(self.plan) or summed_each_microbatch(self.plan) else None)
+                            special, label, leaves, tail, select=False if sequence_apart(self.facts) else None)
 
     def update(self, s: int) -> None:
         """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute
@@ -468,8 +481,8 @@ class _Graph(SpanPlay):
         for bucket_of in self.once[s]:
             self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of))
         waits = list(self.reduce_tasks[s])
-        if self.controller and self.facts.stages > 1:
-            waits.append(self._dispatch(f"dispatch optimizer@{s}", buffers.update_buffers(self.plan, s)))
+        if self.controller and (dispatch := update_dispatch(self.facts, s)):
+            waits.append(self._dispatch(f"dispatch optimizer@{s}", dispatch))
         opt = b.add(name="optimizer", device=rep, stream="compute", kind=TaskKind.COMPUTE, deps=tuple(waits),
                     flops=update.flops, hbm_bytes=update.hbm_bytes, kernels=1)
         if update.regathers:

@@ -15,6 +15,8 @@ Without a tensor axis actions have no collectives between spans: nothing changes
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from testbed.model.gemm import scaled
 from testbed.model.blocks import PIECE_PARTS
 from testbed.sim.block_spans import block_spans, span_reads
@@ -23,7 +25,37 @@ from testbed.sim.span_order import START, WAITING, BlockPlay, block_plays, merge
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
 
-__all__ = ["SpanPlay", "action_plays"]
+__all__ = ["SpanPlay", "action_plays", "BlockWork", "GradBucket", "grad_bucket"]
+
+
+class GradBucket(NamedTuple):
+    """One bucket of a chunk's gradients as the task graph reduces it (testbed.sim.grad_tasks.reduce_tasks): its
+    bytes, its special parameters' bytes (ChunkFacts.special), its tasks' label, its collectives (``leaves``; 0:
+    one) and the token table's part reduced apart (ChunkFacts.tail)."""
+
+    nbytes: float
+    special: tuple[float, float]
+    label: str
+    leaves: int
+    tail: tuple[float, float] = (0.0, 0.0)
+
+
+class BlockWork(NamedTuple):
+    """What the spans of one block of an action share (:meth:`SpanPlay._span`): the action's FLOPs, the block's share
+    of them, the block's GEMMs, its kernels, and the action's replicated and split activation bytes."""
+
+    flops: float
+    part: float
+    gemms: tuple
+    kernels: int
+    replicated: float
+    split: float
+
+
+def grad_bucket(chunk: ChunkFacts, share: float, reduce_bytes: float, label: str, leaves: int,
+                tail: tuple[float, float] = (0.0, 0.0)) -> GradBucket:
+    """The bucket of ``share`` of ``chunk``'s gradients, reduced in ``reduce_bytes`` per value."""
+    return GradBucket(chunk.reduced[1] * share, chunk.special(share, reduce_bytes), label, leaves, tail)
 
 
 def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: bool, sequence_parallel: bool,
@@ -69,7 +101,7 @@ class SpanPlay:
         return action_plays(chunk, work, pieces, self.facts.gathers("B"), self.plan.sequence_parallel, reduce)
 
     def _span_block(self, s: int, chunk: ChunkFacts, label: str, k: int, pieces: int, play: BlockPlay,
-                    matmuls: tuple, deps: list[int], gathers: list[int] | None, accumulate: bool = False
+                    matmuls: BlockWork, deps: list[int], gathers: list[int] | None, accumulate: bool = False
                     ) -> tuple[int, list[int], int]:
         """Block ``k`` of ``pieces`` played (``play``; ``matmuls``: :meth:`_span`'s work; ``deps``: what it starts
         after, the block's last gather last where it has one; ``gathers``: the task of each of the block's merged
@@ -87,7 +119,6 @@ class SpanPlay:
             return [*previous, gathers[min(m, len(gathers) - 1)]] if gathers and m >= 0 else previous
         ids: list[int] = []
         tasks: list[int] = []
-        flops, kernels = matmuls[0], matmuls[3]
         for item in play.items:
             after = [x for d in item.deps for x in ([ids[d]] if d >= 0 else token(d))]
             if item.stream == "compute":
@@ -116,15 +147,14 @@ class SpanPlay:
     def _span_buckets(self, s: int, chunk: ChunkFacts, label: str, after: int, k: int, buckets) -> None:
         """Block ``k``'s gradient ``buckets`` (ChunkFacts.bucket), reduced after ``after``."""
         for fraction, count in buckets:
-            self._bucket(s, after, (chunk.reduced[1] * fraction, chunk.special(fraction, self.facts.reduce_bytes),
-                                    f"{label}/{k}", count, (0.0, 0.0)))
+            self._bucket(s, after, grad_bucket(chunk, fraction, self.facts.reduce_bytes, f"{label}/{k}", count))
 
-    def _span(self, s: int, chunk: ChunkFacts, name: str, flops: float, gemms, matmuls: tuple, nbytes: float,
+    def _span(self, s: int, chunk: ChunkFacts, name: str, flops: float, gemms, matmuls: BlockWork, nbytes: float,
               deps: list[int], passes: float = 0.0) -> int:
         """One span of ``flops`` on the compute stream (:meth:`_spans`): a roofline of its matmuls and its
         ``nbytes`` (testbed.sim.compute's spans), its FLOPs' share of the block's kernels, and ``passes`` (its
         share of the block's bytes) of the activations' bytes an elementwise calibration prices instead
-        (``matmuls``: the action's FLOPs, the block's share, GEMMs, kernels, replicated and split bytes)."""
+        (``matmuls``: the block's :class:`BlockWork`)."""
         whole, part, _, kernels, replicated, split = matmuls
         return self.b.add(name=name, device=self.reps[s], stream="compute", kind=TaskKind.COMPUTE, deps=tuple(deps),
                           flops=flops, hbm_bytes=nbytes, replicated_bytes=replicated * part * passes,

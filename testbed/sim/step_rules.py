@@ -1,0 +1,198 @@
+"""When things happen in one training step: the timing rules both tiers play, written once.
+
+testbed.sim.facts says what a step is made of; this module says when each part may run. The task graph
+(testbed.sim.program) turns each rule into tasks and dependencies, the analytic tier (testbed.explore.play)
+into times on a few streams; both ask the same functions:
+
+- the controller's cost (:func:`prepare_seconds`, :func:`dispatch_seconds`) and what it dispatches
+  (:func:`step_dispatch`, :func:`action_dispatch`, :func:`update_dispatch`): one preparation of the step, then
+  one program for an SPMD step, or per pipeline action (with its sends) and per stage update;
+- programs one at a time on a shared host (:func:`runs_serially`);
+- the gather prefetch (:func:`gather_after`): block ``k``'s all-gather waits for block ``k - 1 - prefetch`` to
+  free its weights, of the stage's previous gathering action when that index is negative;
+- how an action gathers (:func:`gather_mode`): not at all, the whole chunk ahead of an MoE chain, or block by block;
+- what an action does with its gradients (:func:`gradients`, counted by :class:`Microbatches`): the last
+  microbatch's buckets leave, an earlier one's reduce-scatter into the sharded accumulator (bucket by bucket in a
+  loop XLA keeps), the sequence-replicated gradients' sum;
+- which buckets leave only after the action's tensor collectives (:func:`first_tail_bucket`);
+- the per-microbatch iteration barrier of a loop XLA keeps (:func:`iteration`);
+- blocking sends (:func:`waits_for_sends`).
+
+Sources: each rule's own docstring (and the modules it names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import NamedTuple, TypeVar
+
+from testbed.model import buffers
+from testbed.pipeline.schedules import Action
+from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts
+from testbed.sim.grad_bytes import loop_kept, summed_each_microbatch, summed_in_the_step
+from testbed.sim.grad_tasks import after_tensor
+from testbed.topology import Calibration
+
+__all__ = ["Dispatch", "prepare_seconds", "dispatch_seconds", "step_dispatch", "action_dispatch", "update_dispatch",
+           "serial_host", "runs_serially", "gather_after", "GatherMode", "gather_mode", "Gradients", "gradients",
+           "Microbatches", "sequence_apart", "first_tail_bucket", "Iteration", "iteration", "waits_for_sends"]
+
+T = TypeVar("T")
+
+
+class Dispatch(NamedTuple):
+    """One dispatch by the controller: ``programs`` launched, passing ``buffers`` device buffers."""
+
+    programs: int
+    buffers: int
+
+
+def prepare_seconds(controller, pipeline: bool) -> float:
+    """The controller's preparation of the step (the batch; with ``pipeline`` stages, its microbatches per stage):
+    ``calibration.controller``'s ``step_s`` (plus ``pipeline_step_s``; testbed.topology.ControllerCalibration)."""
+    return controller.step_s + controller.pipeline_step_s if pipeline else controller.step_s
+
+
+def dispatch_seconds(controller, programs: int, n_buffers: int) -> float:
+    """The controller's seconds dispatching ``programs`` programs that pass ``n_buffers`` device buffers:
+    ``overhead_s`` per program, ``buffer_s`` per buffer (testbed.topology.ControllerCalibration)."""
+    return programs * controller.overhead_s + n_buffers * controller.buffer_s
+
+
+def step_dispatch(facts: StepFacts) -> Dispatch | None:
+    """An SPMD step's one dispatch, before its first action (None: a pipeline dispatches per action)."""
+    return Dispatch(1, buffers.spmd_step_buffers(facts.plan)) if facts.stages == 1 else None
+
+
+def action_dispatch(facts: StepFacts, s: int, c: int, kind: str, accumulated: bool) -> Dispatch | None:
+    """A pipeline action's dispatch (MPMD: one program per action on its stage's devices, which also issues the
+    action's sends; ``accumulated``: an earlier microbatch's gradients are in the accumulator,
+    testbed.model.buffers). None: an SPMD step dispatches once (:func:`step_dispatch`)."""
+    if facts.stages == 1:
+        return None
+    sends = len(facts.chunks[s][c].action(kind).sends)
+    return Dispatch(1 + sends, facts.dispatch_buffers(s, c, kind, accumulated))
+
+
+def update_dispatch(facts: StepFacts, s: int) -> Dispatch | None:
+    """A pipeline stage's optimizer update: one more program (None: part of an SPMD step's one program)."""
+    return Dispatch(1, buffers.update_buffers(facts.plan, s)) if facts.stages > 1 else None
+
+
+def serial_host(calibration: Calibration) -> bool:
+    """Whether the host runs a process's programs over several devices one at a time, each once the previous has
+    completed, in dispatch order (``calibration.host.serial_programs``: XLA:CPU's PjRt client)."""
+    return calibration.host is not None and calibration.host.serial_programs
+
+
+def runs_serially(serial: bool, stages: int, devices_per_stage: int) -> bool:
+    """Whether a step's programs run one at a time (``serial``: :func:`serial_host`): only a pipeline's, whose
+    stages are programs of their own, and only those over several devices (a stage of one device each still
+    overlaps the others)."""
+    return serial and stages > 1 and devices_per_stage > 1
+
+
+def gather_after(k: int, prefetch: int, ends: Sequence[T], before: Sequence[T]) -> T | None:
+    """What block ``k``'s parameter all-gather waits for (``runtime.fsdp_prefetch`` blocks ahead of the compute):
+    block ``k - 1 - prefetch`` freeing its gathered weights, of this action (``ends``: its blocks so far) or, when
+    that index is negative, of the stage's previous gathering action (``before``: its blocks); None: nothing.
+    ``gather_after(0, prefetch, (), ends)``: what the stage's next gathering action's first gather waits for."""
+    j = k - 1 - prefetch
+    if j >= 0:
+        return ends[j]
+    return before[len(before) + j] if len(before) + j >= 0 else None
+
+
+class GatherMode(Enum):
+    """How an action all-gathers its chunk's sharded parameters (fsdp, ZeRO-3)."""
+
+    NONE = "none"
+    WHOLE = "whole"  # the chunk's gather ahead of an MoE chain, whole
+    BLOCKS = "blocks"  # block by block, each gathered before it computes (:func:`gather_after`)
+
+
+def gather_mode(facts: StepFacts, work: ActionWork) -> GatherMode:
+    """How a ``work.kind`` action gathers its parameters (testbed.plan.sharding.gathers_parameters)."""
+    if not facts.gathers(work.kind):
+        return GatherMode.NONE
+    return GatherMode.WHOLE if work.chain else GatherMode.BLOCKS
+
+
+class Gradients(NamedTuple):
+    """What one action does with its chunk's gradients.
+
+    ``release``: it ends the chunk's last microbatch's backward and the chunk's gradient buckets leave (reduced as
+    they come when they accumulate sharded or with ``runtime.grad_reduce_overlap``, else once after the stage's
+    backward: StepFacts.reduce_in_backward); ``scatter``: it ends an earlier microbatch's backward and its gradients
+    are reduce-scattered into the sharded accumulator; ``each``: that reduce-scatter is bucket by bucket as the
+    backward makes them (a loop XLA keeps: testbed.sim.grad_bytes.loop_kept, not an MoE chain), else one after the
+    backward; ``summed``: the sequence-replicated gradients' sum leaves as its compute ends, on its own stream
+    (testbed.sim.grad_bytes.summed_in_the_step, summed_each_microbatch)."""
+
+    release: bool
+    scatter: bool
+    each: bool
+    summed: bool
+
+
+def sequence_apart(facts: StepFacts) -> bool:
+    """Whether the sequence-replicated gradients are summed apart from the gradient buckets, as the backward's compute
+    ends (testbed.sim.grad_bytes.summed_in_the_step, summed_each_microbatch): the buckets' reductions leave them
+    out."""
+    return summed_in_the_step(facts.plan) or summed_each_microbatch(facts.plan)
+
+
+def gradients(facts: StepFacts, kind: str, chain: bool, left: int) -> Gradients:
+    """:class:`Gradients` of a ``kind`` action (``chain``: an MoE chain; ``left``: the chunk's microbatches whose
+    backward is still to end after this action, :meth:`Microbatches.begin`)."""
+    plan, last = facts.plan, kind == facts.last_backward
+    release = last and left == 0 and bool(facts.reductions)
+    scatter = last and left > 0 and bool(facts.per_microbatch)
+    summed = release and summed_in_the_step(plan) or last and summed_each_microbatch(plan)
+    return Gradients(release, scatter, scatter and loop_kept(plan) and not chain, summed)
+
+
+class Microbatches:
+    """Each chunk's microbatches whose backward is still to end, counted as a tier plays the step's actions."""
+
+    def __init__(self, facts: StepFacts) -> None:
+        self.total, self.last = facts.microbatches, facts.last_backward
+        self.left = {(s, c): facts.microbatches for s in range(facts.stages) for c in range(facts.virtual)}
+
+    def begin(self, s: int, c: int, kind: str) -> tuple[bool, int]:
+        """A ``kind`` action of chunk ``c`` of stage ``s`` begins: (whether an earlier microbatch's gradients are in
+        the accumulator already, the chunk's microbatches left after it)."""
+        left = self.left[(s, c)]
+        accumulated = left < self.total
+        if kind == self.last:
+            left = self.left[(s, c)] = left - 1
+        return accumulated, left
+
+
+def first_tail_bucket(facts: StepFacts, chunk: ChunkFacts, work: ActionWork, pieces: int) -> int:
+    """The first of ``pieces`` gradient buckets of a chunk's last backward reduced only after the action's blocking
+    tensor collectives (testbed.sim.grad_tasks.after_tensor; ``pieces`` when none)."""
+    own = bool(chunk.block_shares(work.kind, pieces))
+    return after_tensor(facts.plan, own, bool(work.tensor) and work.overlap is None, pieces)
+
+
+class Iteration(NamedTuple):
+    """An action and the loop XLA keeps (testbed.sim.grad_bytes.loop_kept: JAX's one SPMD step accumulating its
+    microbatches in a ``lax.scan``): ``begins``: it begins a microbatch's iteration (a forward); ``waits``: that
+    iteration waits for the one before it to end, its collectives and sums too, and gathers nothing before."""
+
+    begins: bool
+    waits: bool
+
+
+def iteration(facts: StepFacts, action: Action) -> Iteration:
+    """:class:`Iteration` of ``action``."""
+    begins = action.kind == "F" and loop_kept(facts.plan)
+    return Iteration(begins, begins and action.microbatch > 0)
+
+
+def waits_for_sends(facts: StepFacts) -> bool:
+    """Whether a stage's next action waits for the previous action's sends to arrive
+    (``runtime.pipeline_blocking_sends``: a blocking send, testbed.plan.runtime)."""
+    return facts.plan.runtime.pipeline_blocking_sends
