@@ -70,12 +70,12 @@ def test_an_spmd_step_dispatches_once_and_a_pipeline_per_action_and_update() -> 
     assert runs_serially(True, 2, 4) and not runs_serially(True, 1, 8) and not runs_serially(True, 8, 1)
 
 
-@pytest.mark.parametrize("framework", ["jax", "pytorch"])
-def test_each_chunk_releases_its_buckets_once_and_scatters_the_earlier_microbatches(framework: str) -> None:
+@pytest.mark.parametrize("scan", [True, False])
+def test_each_chunk_releases_its_buckets_once_and_scatters_the_earlier_microbatches(scan: bool) -> None:
     base = preset_plan("gpt-125m")
     facts = _facts(mesh=dataclasses.replace(base.mesh, data=2, fsdp=4, tensor=1, stage=1),
                    batch=dataclasses.replace(base.batch, microbatches=4),
-                   runtime=dataclasses.replace(base.runtime, framework=framework))
+                   runtime=dataclasses.replace(base.runtime, microbatch_scan=scan))
     counter, release, scatter, each, waits = Microbatches(facts), 0, 0, 0, 0
     for s, action, _ in facts.order:
         work = facts.chunks[s][action.chunk].action(action.kind)
@@ -84,8 +84,8 @@ def test_each_chunk_releases_its_buckets_once_and_scatters_the_earlier_microbatc
         waits += iteration(facts, action).waits
         assert gather_mode(facts, work) is GatherMode.BLOCKS
     assert (release, scatter) == (1, 3)
-    kept = framework == "jax"  # JAX's one SPMD step: a loop XLA keeps (testbed.sim.grad_bytes.loop_kept)
-    assert (each, waits) == ((3, 3) if kept else (0, 0))
+    # JAX's one SPMD step: a microbatch loop XLA keeps (runtime.microbatch_scan, testbed.sim.grad_bytes.loop_kept)
+    assert (each, waits) == ((3, 3) if scan else (0, 0))
     assert iteration(facts, Action("F", 0, 0)).waits is False
 
 

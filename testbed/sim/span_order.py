@@ -34,7 +34,7 @@ latency-hiding scheduler, testbed.sim.overlap) hold:
   fsdp 128 x tensor 2 sequence parallel bf16 d_model 2048 seq 1024 step computes its first layer's norm and
   attention once the merge holding them (issued with the embedding's block) has landed (0.783 ms), before that
   layer's own merges, its MLP's weights (0.983 and 1.251 ms), and the superpod's traced step the same; the
-  embedding's lookup, and its vocab-parallel sum, read only the token table (docs/program.md, session 11).
+  embedding's lookup, and its vocab-parallel sum, read only the token table (docs/program.md, "FSDP blocks span by span").
 - The backward's gather of the chunk's last layer, which the runner does not link (testbed.model.leaves.linked_layer:
   it waits for its own cotangent, testbed.model.leaves.backward_waits), starts once the head's block has summed
   its input gradient over tensor (the collectives after the head's input-gradient span: Megatron's all-reduce,
