@@ -210,7 +210,7 @@ def test_a_ring_step_is_priced_as_a_loop_step_even_over_one_block(attention):
     """The ring carries fp32 dq, dK and dV across its steps whatever the block: a rank holding one K/V block (plain
     attention's whole ``s_l``, or flash's ``s_l <= block``) is priced as the flash loop, not as the single-device
     one-block program's four fp32 tiles (memory_vs_xla's plain ``long-b4-cp2``)."""
-    from testbed.model.memory import _attention_workspace
+    from testbed.model.workspace import attention_workspace as _attention_workspace
     plan = make_plan(context=2, seq=64, attention=attention, microbatches=1)
     b, heads, s_l, d = plan.microbatch_size, 4, 32, 64
     tile = b * heads * s_l * s_l                                # one s_l x s_l block, every query head
@@ -223,7 +223,8 @@ def test_the_rings_messages_ride_beside_a_later_steps_half_tiles(context):
     """Step 0 attends to the rank's own K/V (no message in flight); with one K/V block a ring step, each later step
     computes half a block (testbed.plan.context's units: 4, then 2), so the messages add only what they exceed
     half the tiles by. A blockwise step keeps its whole tiles beside them."""
-    from testbed.model.memory import _attention_workspace, _sublayer_workspace
+    from testbed.model.workspace import attention_workspace as _attention_workspace
+    from testbed.model.workspace import sublayer_workspace as _sublayer_workspace
     plan = make_plan(context=context, seq=64 * context, attention="plain", microbatches=1)
     b, heads, s_l = plan.microbatch_size, 4, 64
     tiles = b * heads * s_l * s_l * (2 * 4 + 4)  # two fp32 tiles and the score gradient

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.model import kept
+from testbed.model import kept, workspace
 from testbed.model.activations import FLASH_BYTES, activation_bytes_per_layer, head_activation_bytes
 from testbed.model.memory import memory_breakdown
 from testbed.plan.io import plan_from_dict
@@ -166,7 +166,7 @@ def test_a_layers_backward_workspace_is_its_larger_sublayer() -> None:
     plan = _plan("llama3-8b", "testbed", remat="none", batch={"global_batch": 1, "microbatches": 1}, mesh={})
     spec, n = plan.model, plan.model.seq_len
     hidden = 2 * n * (2 * spec.d_model + spec.mlp_matrices * spec.d_ff)
-    assert memory._sublayer_workspace(plan) == max(memory._attention_workspace(plan), hidden)
+    assert workspace.sublayer_workspace(plan) == max(workspace.attention_workspace(plan), hidden)
 
 
 #: Published runs that trained and that the memory model used to put over their devices' memory (issue 35):

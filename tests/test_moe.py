@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from testbed.explore.analytic import estimate
-from testbed.model import costs, layout, memory, moe
+from testbed.model import costs, layout, memory, moe, workspace
 from testbed.model.gemm import chunk_gemms, gemm_flops
 from testbed.model.memory import memory_breakdown
 from testbed.plan.presets import PUBLISHED_ACTIVE_PARAMS, PUBLISHED_PARAMS, preset
@@ -236,5 +236,5 @@ def test_capacity_padding_grows_buffers_not_state():
     assert (a.params, a.optimizer) == (b.params, b.optimizer) and b.grads <= a.grads
     # The peak instants differ (the padded plan's is a layer's backward): compare the terms themselves.
     assert moe.activation_bytes_swap(padded, 1) > moe.activation_bytes_swap(plan, 1) and b.total > a.total
-    assert memory._layer_workspace(padded) - memory._layer_workspace(plan) >= 2 * moe.dispatch_bytes(plan)
+    assert workspace.layer_workspace(padded) - workspace.layer_workspace(plan) >= 2 * moe.dispatch_bytes(plan)
     assert moe.dispatch_bytes(padded) == 2 * moe.dispatch_bytes(plan) == 2 * 16 * 2 * 32 * 4

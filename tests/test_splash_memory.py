@@ -7,7 +7,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from testbed.model import memory
+from testbed.model import memory, workspace
 from testbed.model.memory import gathered_bytes, memory_breakdown
 from testbed.model.splash import splash_workspace
 from testbed.plan.io import plan_from_dict
@@ -36,21 +36,21 @@ def test_splash_workspace_is_dq_dk_dv_and_two_fp32_rows_per_head() -> None:
     plan = _plan()
     n = 4096
     assert splash_workspace(plan) == 2 * n * 4096 + 2 * 2 * n * 1024 + 2 * 4 * n * 32
-    assert memory._attention_workspace(plan) == splash_workspace(plan)
+    assert workspace.attention_workspace(plan) == splash_workspace(plan)
     # Doubling the sequence doubles it (linear in tokens): the runner's flash scan grows with its tiles too.
     longer = _plan(seq=8192)
     assert splash_workspace(longer) == 2 * splash_workspace(plan)
-    assert memory._attention_workspace(_plan("runner", seq=8192)) > 4 * splash_workspace(longer)
+    assert workspace.attention_workspace(_plan("runner", seq=8192)) > 4 * splash_workspace(longer)
 
 
 def test_the_kernel_only_changes_flash_attention() -> None:
     """Plain attention materialises its scores whatever the kernel's name; the runner's kernel keeps its scan, and
     so does a context-parallel ring (its steps carry fp32 accumulators whatever the kernel)."""
     plain, plain_splash = _plan("runner", attention="plain", seq=1024), _plan(attention="plain", seq=1024)
-    assert memory._attention_workspace(plain) == memory._attention_workspace(plain_splash)
-    assert memory._attention_workspace(_plan("runner")) == memory._flash_workspace(_plan("runner"))
+    assert workspace.attention_workspace(plain) == workspace.attention_workspace(plain_splash)
+    assert workspace.attention_workspace(_plan("runner")) == workspace.flash_workspace(_plan("runner"))
     ring, ring_splash = _plan("runner", fsdp=4, context=2), _plan(fsdp=4, context=2)
-    assert memory._attention_workspace(ring_splash) == memory._attention_workspace(ring) > splash_workspace(ring)
+    assert workspace.attention_workspace(ring_splash) == workspace.attention_workspace(ring) > splash_workspace(ring)
 
 
 def test_a_layers_backward_holds_that_layer_and_the_next_gathered() -> None:
@@ -81,10 +81,10 @@ def test_published_layer_bound_rows_fit_and_the_rule_can_fail(monkeypatch) -> No
     got = memory_breakdown(plan, topology)
     assert plan.runtime.attention_kernel == "splash" and got.fits and not got.delayed_gathers
     runner = replace(plan, runtime=replace(plan.runtime, attention_kernel="runner"))
-    # A layer's backward workspace is its larger sublayer's (memory._sublayer_workspace): here the MLP's, larger
+    # A layer's backward workspace is its larger sublayer's (workspace.sublayer_workspace): here the MLP's, larger
     # than either attention kernel's, so the runner's flash scan fits too; its attention workspace is larger.
     assert memory_breakdown(runner, topology).fits
-    assert memory._attention_workspace(runner) > memory._attention_workspace(plan)
+    assert workspace.attention_workspace(runner) > workspace.attention_workspace(plan)
     plan, topology = _case("maxtext-llama31-70b-v6e-32chip")
     assert memory_breakdown(plan, topology).fits
     runner = replace(plan, runtime=replace(plan.runtime, attention_kernel="runner"))
