@@ -17,6 +17,7 @@ libtpu (one line).
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from testbed.cli.basic import plan_topology
@@ -55,9 +56,10 @@ def execute_compile(args: argparse.Namespace) -> CommandResult:
     missing = libtpu_missing()
     if missing:
         raise InputError(missing, field="--compile")
-    from testbed.cli.check_sharding import _host_only
+    if "jax" not in sys.modules:  # JAX on one host CPU device: the slice's devices are libtpu's, deviceless
+        from testbed.runner import devices
 
-    _host_only()
+        devices.prepare(devices.DeviceRequest(kind="emulated", count=1))
     from testbed.runner.tpu_compile import compile_plan, versions
 
     error = None
