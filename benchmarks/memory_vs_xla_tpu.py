@@ -141,7 +141,10 @@ def collect(names: list[str] | None, limit: float, again: bool) -> dict:
     """Compile every entry (or ``names``) not yet recorded, each in a subprocess under ``limit`` seconds."""
     DATA.mkdir(parents=True, exist_ok=True)
     done = []
-    for entry in entries():
+    listed = entries()
+    if names:  # in the order asked for
+        listed = sorted((e for e in listed if e["plan"]["name"] in names), key=lambda e: names.index(e["plan"]["name"]))
+    for entry in listed:
         name = entry["plan"]["name"]
         path = DATA / f"{name}.json"
         if (names and name not in names) or (path.exists() and not again and not names):

@@ -20,6 +20,7 @@ FLOPs are one microbatch's). Nothing is allocated or run.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,9 @@ def target_devices(target: CompileTarget) -> list[Any]:
     missing = libtpu_missing()
     if missing:
         raise InputError(missing, field="--compile")
+    # libtpu takes a lock file (/tmp/libtpu_lockfile) for the chips of this host; a deviceless compile uses
+    # none, so it runs beside a training process or another compile (libtpu's documented opt-out).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     extra = {} if target.host_bounds is None else {"chips_per_host_bounds": list(target.host_bounds)}
