@@ -10,6 +10,7 @@ memory per device, collectives per mesh axis per step, fusions, FLOPs), or a
 
 from __future__ import annotations
 
+import datetime
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,9 @@ class XlaRecord:
     file: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.date, str) or not isinstance(self.command, str) or not self.command:
+            raise ValueError(f"date and command must be text, got {self.date!r} and {self.command!r}")
+        datetime.datetime.fromisoformat(self.date)  # ValueError unless an ISO 8601 date and time
         if self.status not in STATUSES:
             raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
         if self.status == "ok":
