@@ -111,6 +111,14 @@ def markdown_table(result: dict[str, Any]) -> str:
                      f"{_gb(parts.get('peak'))} | {_gb(r['xla'])} | {r['error']:+.1%} | "
                      f"{'yes' if r['predicted_fits'] else 'no'} / {'yes' if r['xla_fits'] else 'no'} | "
                      f"{'yes' if r['collectives_equal'] else 'no'} |")
+    lines += ["", "| plan | axes, kind | testbed count | XLA:TPU count | testbed bytes | XLA:TPU bytes |",
+              "|---|---|---|---|---|---|"]
+    for r in result["plans"]:
+        mine, xla = r["predicted_collectives"], r["xla_collectives"]
+        for key in sorted(set(mine) | set(xla)):
+            a, b = mine.get(key, {"count": 0, "bytes": 0}), xla.get(key, {"count": 0, "bytes": 0})
+            lines.append(f"| {r['plan']} | {key} | {a['count']} | {b['count']} | {_gb(a['bytes'])} | "
+                         f"{_gb(b['bytes'])} |")
     multi = result["multi_chip"]
     if multi["count"]:
         lines.append("")
