@@ -11,6 +11,12 @@ checked on a laptop. Exit 0 when the step lowers, 1 on a sharding error
 
 JAX starts here on the host CPU with one device, whatever the plan's size:
 the lowering needs no real device.
+
+``--compile tpu:FAMILY:DIMS`` (e.g. ``tpu:v5e:4x4``) compiles instead: XLA:TPU
+compiles the runner's step for that slice without its chips (libtpu's
+deviceless topology, :mod:`testbed.runner.tpu_compile`) and reports XLA's
+memory per device, the compiled collectives per mesh axis with their async
+pairs, fusions and FLOPs (:mod:`testbed.cli.compile_report`). Needs libtpu.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", required=True, help="plan YAML file (or a bundled plan name, e.g. demo)")
     parser.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
     add_devices_argument(parser)
+    parser.add_argument("--compile", metavar="TARGET",
+                        help="compile with XLA:TPU for a slice, e.g. tpu:v5e:4x4, tpu:v5p:2x2x2 (needs libtpu)")
 
 
 def _host_only() -> None:
@@ -87,6 +95,10 @@ def _check_work(plan) -> None:
 
 
 def execute(args: argparse.Namespace) -> CommandResult:
+    if getattr(args, "compile", None):
+        from testbed.cli.compile_report import execute_compile
+
+        return execute_compile(args)
     plan = load_plan(args.plan)
     try:
         topology = plan_topology(plan, args.topology, args.plan, args.devices)

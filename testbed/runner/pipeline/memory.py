@@ -134,8 +134,12 @@ def stage_peak(row: Sequence[Action], split_backward: bool, residuals: Sequence[
     return best
 
 
-def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]) -> list[StageProgramMemory]:
+def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]],
+                    compiled: list[tuple[str, int, Any]] | None = None) -> list[StageProgramMemory]:
     """Per stage this process holds, bytes per device at its peak, from the compiled programs.
+
+    ``compiled``, when given, receives ``(name, runs per step, jax.stages.Compiled)`` of every program
+    compiled here (``stage0.chunk0.F``, ..., ``stage0.update``), for reports that read their HLO.
 
     Compiles (does not run) the MPMD engine's F, B (and W) and gradient
     accumulation programs of each of the stage's chunks and its optimizer
@@ -163,6 +167,7 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             forward = engine._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0, g == last,
                                               params[s][c], x, targets).compile()
             stats = forward.memory_analysis()
+            _keep(compiled, f"stage{s}.chunk{c}.F", sch.microbatches, forward)
             if stats is None:
                 return []
             y, pullback = abstract_outputs(forward)
@@ -176,12 +181,16 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
                 dparams.append(abstract_outputs(first))
                 backward = engine._pull_weight.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
                 kept.append(device_bytes(cot))
+                _keep(compiled, f"stage{s}.chunk{c}.W", sch.microbatches, backward)
                 if g > 0:  # the engine skips B's input gradient on the first chunk
-                    work[("B", c)] = _transient(engine._pull_input.lower(prep, pullback, params[s][c], cot).compile())
+                    pull_input = engine._pull_input.lower(prep, pullback, params[s][c], cot).compile()
+                    _keep(compiled, f"stage{s}.chunk{c}.B", sch.microbatches, pull_input)
+                    work[("B", c)] = _transient(pull_input)
             else:
                 first = engine._pull.lower(prep, pullback, params[s][c], cot).compile()
                 dparams.append(abstract_outputs(first)[0])
                 backward = engine._pull.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
+                _keep(compiled, f"stage{s}.chunk{c}.B", sch.microbatches, backward)
             # A later microbatch's backward adds into the accumulated gradients (state) in place; the
             # first writes them: its output is not in the state yet when it runs.
             work[("W" if sch.split_backward else "B", c)] = max(
@@ -191,10 +200,17 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
         # The update first moves the gradients into its input layout: a copy where the layouts differ.
         moved = any(not d.sharding.is_equivalent_to(z.sharding, len(d.shape))
                     for d, z in zip(jax.tree.leaves(dparams), jax.tree.leaves(zero)))
-        update = program_bytes(trainer.update_programs[s].lower(params[s], states[s], zero).compile()) or 0
+        update_program = trainer.update_programs[s].lower(params[s], states[s], zero).compile()
+        _keep(compiled, f"stage{s}.update", 1, update_program)
+        update = program_bytes(update_program) or 0
         held, running = stage_peak(sch.actions[s], sch.split_backward, residuals, work, kept)
         out.append(StageProgramMemory(
             stage=s, state=device_bytes(params[s]) + device_bytes(states[s]) + grads, residuals=tuple(residuals),
             inflight=peak_inflight(sch, release="W")[s], activations=held, workspace=running,
             update=update + (grads if moved else 0)))
     return out
+
+
+def _keep(sink: list[tuple[str, int, Any]] | None, name: str, runs: int, program: Any) -> None:
+    if sink is not None:
+        sink.append((name, runs, program))

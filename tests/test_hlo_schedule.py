@@ -1,0 +1,115 @@
+"""The compiled-HLO reader of check-sharding --compile: collectives per mesh axis, loop trip counts, async pairs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from testbed.runner import hlo_schedule as hs
+
+# A scheduled module in XLA:TPU's forms (2x2 mesh, axes data and tensor): an all-gather-start/done pair with
+# two instructions between, a reduce-scatter inside an async-start wrapper, a synchronous all-reduce in a while
+# body whose condition compares with 4, and a group-of-one all-reduce that moves nothing.
+_HLO = """HloModule jit_step, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_computation (p: f32[8,16]) -> f32[8,16] {
+  %p = f32[8,16]{1,0} parameter(0)
+  ROOT %n = f32[8,16]{1,0} negate(%p)
+}
+
+%async_rs (x: f32[8,16]) -> f32[4,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  ROOT %reduce-scatter.1 = f32[4,16]{1,0} reduce-scatter(%x), channel_id=3, replica_groups=[2,2]<=[2,2]T(1,0), dimensions={0}, to_apply=%add
+}
+
+%cond (c: (s32[], f32[8,16])) -> pred[] {
+  %c = (s32[]{:T(128)}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%c), index=0
+  %limit = s32[]{:T(128)} constant(4)
+  ROOT %lt = pred[] compare(%i, %limit), direction=LT
+}
+
+%body (c: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %c = (s32[]{:T(128)}, f32[8,16]{1,0}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%c), index=0
+  %v = f32[8,16]{1,0} get-tuple-element(%c), index=1
+  %all-reduce.2 = f32[8,16]{1,0} all-reduce(%v), channel_id=4, replica_groups=[2,2]<=[4], use_global_device_ids=true, to_apply=%add
+  %fusion.2 = f32[8,16]{1,0} fusion(%all-reduce.2), kind=kLoop, calls=%fused_computation
+  ROOT %t = (s32[], f32[8,16]{1,0}) tuple(%i, %fusion.2)
+}
+
+ENTRY %main (p0: f32[4,16], p1: f32[8,16]) -> f32[8,16] {
+  %p0 = f32[4,16]{1,0} parameter(0)
+  %p1 = f32[8,16]{1,0} parameter(1)
+  %all-gather-start.1 = (f32[4,16]{1,0}, f32[8,16]{1,0}) all-gather-start(%p0), channel_id=1, replica_groups={{0,1},{2,3}}, dimensions={0}, use_global_device_ids=true
+  %fusion.1 = f32[8,16]{1,0} fusion(%p1), kind=kLoop, calls=%fused_computation
+  %neg = f32[8,16]{1,0} negate(%fusion.1)
+  %all-gather-done.1 = f32[8,16]{1,0} all-gather-done(%all-gather-start.1)
+  %async-start.1 = ((f32[8,16]{1,0}), f32[4,16]{1,0}, s32[]) async-start(%neg), calls=%async_rs
+  %copy = f32[8,16]{1,0} copy(%neg)
+  %async-done.1 = f32[4,16]{1,0} async-done(%async-start.1)
+  %single = f32[8,16]{1,0} all-reduce(%copy), channel_id=5, replica_groups={{0},{1},{2},{3}}, to_apply=%add
+  %zero = s32[]{:T(128)} constant(0)
+  %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %single)
+  %loop = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,16]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+_AXES = ("data", "tensor")
+
+
+def test_collectives_map_groups_to_axes_and_read_async_pairs_and_loops():
+    found = {c.name: c for c in hs.collectives(_HLO, (2, 2), _AXES)}
+    assert set(found) == {"all-gather-start.1", "reduce-scatter.1", "all-reduce.2"}  # the group of one moves nothing
+    gather, scatter, reduce = found["all-gather-start.1"], found["reduce-scatter.1"], found["all-reduce.2"]
+    # Partition i is the mesh's i-th device row-major: {0,1} varies the last axis, [2,2]<=[2,2]T(1,0) the first.
+    assert (gather.axes, scatter.axes, reduce.axes) == ("tensor", "data", "tensor")
+    assert gather.bytes == 8 * 16 * 4  # the gathered output, read from the done
+    assert scatter.bytes == 4 * 16 * 4 * 2  # result times the group: its whole input
+    assert (gather.overlap, scatter.overlap, reduce.overlap) == (2, 1, None)
+    assert scatter.computation == "main" and scatter.executions == 1
+    assert reduce.executions == 4 and not reduce.asynchronous
+
+
+def test_per_axis_counts_executions_and_bytes():
+    rows = {(r.axes, r.kind): r for r in hs.per_axis(hs.collectives(_HLO, (2, 2), _AXES))}
+    assert rows[("tensor", "all-reduce")].count == 4
+    assert rows[("tensor", "all-reduce")].instructions == 1
+    assert rows[("tensor", "all-reduce")].bytes == 4 * 8 * 16 * 4
+    assert rows[("tensor", "all-gather")].asynchronous == 1
+    assert rows[("data", "reduce-scatter")].overlap == 1
+
+
+def test_fusions_counted_per_text_and_per_execution():
+    assert hs.fusion_count(_HLO) == {"instructions": 2, "executions": 1 + 4}
+
+
+def test_known_trip_count_wins_over_the_condition():
+    text = _HLO.replace("condition=%cond, body=%body",
+                        'condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}')
+    assert hs.multiplicities(hs.computations(text))["body"] == 7
+
+
+def test_xla_cpu_compile_of_a_sharded_step():
+    """On an XLA:CPU compile (4 of the 8 test devices as data 2 x tensor 2): the gradient reduction over data."""
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), _AXES)
+    w = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+
+    def grad(w, x):
+        return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+
+    text = jax.jit(grad, out_shardings=NamedSharding(mesh, P())).lower(w, x).compile().as_text()
+    rows = {(r.axes, r.kind): r for r in hs.per_axis(hs.collectives(text, (2, 2), _AXES))}
+    assert ("data", "all-reduce") in rows
+    assert rows[("data", "all-reduce")].bytes == 64 * 64 * 4
+    assert all(axes == "data" for axes, _ in rows)

@@ -1,0 +1,97 @@
+"""Recorded XLA:TPU compiles (benchmarks/xla_tpu/): well-formed, still the benchmark's plans, and today's
+predictions against them (issue 54's Done-when: memory median <= 5%, max <= 10%, OOM verdicts agree,
+collectives per mesh axis equal)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from testbed.compiled.compare import compare_all
+from testbed.compiled.records import load_record, load_records
+from testbed.errors import InputError
+from testbed.plan.io import plan_from_dict, plan_to_dict
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / "xla_tpu"
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("memory_vs_xla_tpu", ROOT / "benchmarks" / "memory_vs_xla_tpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RECORDS = load_records(DATA)
+OK = [r for r in RECORDS if r.ok]
+MULTI = [r for r in OK if r.target.chips > 1]
+
+
+def test_records_are_recorded_and_well_formed():
+    assert OK, "no ok record in benchmarks/xla_tpu/"
+    for r in RECORDS:
+        datetime.datetime.fromisoformat(r.date)
+        assert "memory_vs_xla_tpu.py" in r.command and r.name in r.command
+    for r in OK:
+        assert r.versions["libtpu"] != "unknown" and r.compile_s > 0
+        assert r.fusions > 0 and r.flops > 0
+        if r.memory is not None:
+            assert r.memory.total == r.memory_total and r.memory.temp >= 0
+        if r.plan.mesh.size > 1:
+            assert r.collectives, f"{r.name}: a multi-device step with no collectives"
+        axes = {a for c in r.collectives for a in c.axes.split("+")}
+        assert axes <= {a for a in ("data", "fsdp", "tensor", "expert", "context", "stage")
+                        if r.plan.mesh.degree(a) > 1}, f"{r.name}: collectives over {axes}"
+
+
+def test_every_recorded_plan_is_still_the_benchmark_plan():
+    entries = {e["plan"]["name"]: e for e in _benchmark().entries()}
+    for r in RECORDS:
+        assert r.name in entries, f"{r.name} is no longer in benchmarks/memory_vs_xla_tpu.py"
+        entry = entries[r.name]
+        assert r.target.name == entry["target"]
+        assert plan_to_dict(r.plan) == plan_to_dict(plan_from_dict(entry["plan"], default_name=r.name))
+
+
+def test_a_malformed_record_names_its_file(tmp_path):
+    good = json.loads(next(DATA.glob("*.json")).read_text())
+    for change in ({"status": "done"}, {"target": "v5e:4x4"}, {"date": None}):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(InputError) as err:
+            load_record(path)
+        assert str(path) in str(err.value)
+
+
+RESULT = compare_all(RECORDS)
+ROWS = [r for r in RESULT["plans"] if r["chips"] > 1]
+ERRORS = [abs(r["error"]) for r in ROWS]
+MEDIAN, MAX = statistics.median(ERRORS), max(ERRORS)
+DIFFER = [r["plan"] for r in ROWS if not r["collectives_equal"]]
+
+
+DISAGREE = [r["plan"] for r in RESULT["plans"] if r["predicted_fits"] != r["xla_fits"]]
+
+
+@pytest.mark.xfail(strict=True, reason="out-of-memory verdicts differ from XLA:TPU's on {} of {} recorded plans: "
+                   "{}".format(len(DISAGREE), len(RESULT["plans"]), ", ".join(DISAGREE)))
+def test_out_of_memory_verdicts_agree():
+    assert DISAGREE == []
+
+
+@pytest.mark.xfail(strict=True, reason="testbed's memory model vs XLA:TPU over the recorded multi-chip set: "
+                   "median |error| {:.0%}, max {:.0%} (issue 54 asks <= 5% and <= 10%)".format(MEDIAN, MAX))
+def test_memory_within_the_issue_tolerance():
+    assert MEDIAN <= 0.05 and MAX <= 0.10
+
+
+@pytest.mark.xfail(strict=True, reason="collectives per mesh axis (kind, count, bytes) differ from XLA:TPU's "
+                   "compiled HLO on {} of {} recorded multi-chip plans".format(len(DIFFER), len(ROWS)))
+def test_collectives_per_axis_equal_the_compiled_hlo():
+    assert DIFFER == []
