@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             "wall_s": round(time.perf_counter() - began, 1)}
     write_atomic(out / "runs.json", json.dumps(runs, indent=1) + "\n")
     print(json.dumps({k: v for k, v in runs.items() if k != "plans"}
-                     | {"plans": [{k: r.get(k) for k in ("plan", "ok", "median_s", "mfu", "compile_s")}
-                                  for r in rows]}))
+                     | {"plans": [{k: r[k] for k in ("plan", "ok", "median_s", "mfu", "compile_s", "skipped", "error")
+                                   if k in r} for r in rows]}))
     return 0
 
 
