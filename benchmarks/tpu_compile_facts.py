@@ -97,11 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", default="v5e:1x1", help="libtpu topology name (default v5e:1x1)")
     parser.add_argument("--hlo", default=None, help="folder to write each plan's optimized HLO text in")
+    parser.add_argument("--rows", default=None, help="file to append each plan's row to as soon as it is compiled")
     parser.add_argument("plans", nargs="*", help="plans (default plans/validation-1dev/*.yaml)")
     args = parser.parse_args(argv)
     paths = args.plans or sorted(glob.glob(str(ROOT / "plans/validation-1dev/*.yaml")))
     devices = tpu_devices(args.topology)
-    rows = [plan_facts(p, devices[:1], args.hlo) for p in paths]
+    rows = []
+    for path in paths:
+        rows.append(plan_facts(path, devices[:1], args.hlo))
+        if args.rows:
+            with open(args.rows, "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
     print(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                       "versions": versions(), "topology": args.topology,
                       "device_kind": devices[0].device_kind,
