@@ -38,7 +38,7 @@ from testbed.calibration.fit import Fit, Sample, fit_line, fit_quality, nonnegat
 from testbed.errors import InputError
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.compute import compute_seconds, host_devices, pass_seconds
+from testbed.sim.compute import compute_seconds, host_devices, pass_seconds, plan_matmul_dtype
 from testbed.sim.engine import simulate
 from testbed.sim.program import TaskKind, build_program
 from testbed.topology import Topology
@@ -133,7 +133,7 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     reports = [simulate(p, topology).report for p in plans]
     comm = np.array([rep.step_time_s - rep.compute_s for rep in reports])
     measured = np.array([r.seconds for r in rows])
-    dtypes = [p.precision.compute_dtype for p in plans]
+    dtypes = [plan_matmul_dtype(p, topology) for p in plans]  # an fp32 step on a TPU: bf16 passes
     # Seconds per elementwise pass over each plan's replicated, split and cached activation bytes
     # (the columns of the passes' least squares).
     traffic = np.array([[pass_seconds(topology, b) for b in _pass_bytes(topology, ts)]

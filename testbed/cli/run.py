@@ -77,7 +77,7 @@ def _devices_for(plan: Plan, request: Any) -> list[Any]:
 
 
 def _execute_run(args: argparse.Namespace) -> CommandResult:
-    from testbed.runner import devices, launch, train
+    from testbed.runner import devices, train
 
     plan = load_plan(args.plan)
     _check_steps(args.steps)
@@ -99,6 +99,8 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
         if request.count != plan.mesh.size:
             raise InputError(f"emulated:{request.count} does not match the plan's mesh of {plan.mesh.size} devices",
                              field="--devices")
+        from testbed.runner import launch  # the launcher only where workers start: one process needs no socket
+
         payload = {"plan": plan_to_dict(plan), "steps": args.steps}
         try:
             if args.cluster is not None:

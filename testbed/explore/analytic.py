@@ -55,7 +55,7 @@ from testbed.pipeline.schedules import peak_inflight
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, merge
-from testbed.sim.compute import compute_seconds
+from testbed.sim.compute import compute_seconds, plan_matmul_dtype
 from testbed.model.spans import scaled_spans
 from testbed.sim.step_rules import (GatherMode, first_tail_bucket, gather_mode, gradients, runs_serially,
                                     sequence_apart, serial_host)
@@ -243,7 +243,7 @@ class _Step:
 
     def __init__(self, facts: StepFacts, topology: Topology, ids) -> None:
         cal, p = topology.calibration, facts.stages
-        self.facts, self.topology, self.dtype = facts, topology, facts.plan.precision.compute_dtype
+        self.facts, self.topology, self.dtype = facts, topology, plan_matmul_dtype(facts.plan, topology)
         self.coll = _Collectives(topology, ids)
         self.controller = cal.controller
         self.skewed = cal.host if cal.host is not None and cal.host.skew_s else None  # a shared host's stragglers

@@ -57,6 +57,9 @@ class RuntimeSpec:
     moe_dispatch: str = "gather"
     #: The fused kernel flash attention runs in (:data:`ATTENTION_KERNELS`; testbed.sim.attention_kernels).
     attention_kernel: str = "runner"
+    #: The precision of fp32 matmuls (:data:`MATMUL_PRECISIONS`): the backend's default (a TPU's one bf16 pass,
+    #: priced at the bf16 rate where ``device.fp32_matmuls: bf16``) or ``highest`` (the runner sets it in JAX).
+    matmul_precision: str = "default"
     #: How an fp8 matmul's operands find their scale (:data:`FP8_SCALINGS`), priced under fp8-mixed only.
     fp8_scaling: str = "delayed"
     #: Under fp8-mixed each linear keeps the fp8 cast of its input for the weight gradient. Memory only.
@@ -131,6 +134,9 @@ class RuntimeSpec:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise InputError(f"unknown attention_kernel `{self.attention_kernel!s:.40}`; valid: "
                              f"{', '.join(ATTENTION_KERNELS)}", field="runtime.attention_kernel")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise InputError(f"unknown matmul_precision `{self.matmul_precision!s:.40}`; valid: "
+                             f"{', '.join(MATMUL_PRECISIONS)}", field="runtime.matmul_precision")
         if self.state_dtype not in STATE_DTYPES:
             raise InputError(f"unknown state_dtype `{self.state_dtype!s:.40}`; valid: {', '.join(STATE_DTYPES)}",
                              field="runtime.state_dtype")
@@ -161,6 +167,8 @@ GRAD_REDUCE_DTYPES = ("grad", "fp32")
 MOE_DISPATCH = ("gather", "einsum", "megablox")
 #: Values of :attr:`RuntimeSpec.attention_kernel`.
 ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash")
+#: Values of :attr:`RuntimeSpec.matmul_precision`.
+MATMUL_PRECISIONS = ("default", "highest")
 #: Values of :attr:`RuntimeSpec.fp8_scaling`.
 FP8_SCALINGS = ("delayed", "current", "blockwise")
 #: Values of :attr:`RuntimeSpec.state_dtype`.
@@ -196,9 +204,10 @@ PROFILES: dict[str, dict[str, Any]] = {
 def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
     """The fields of ``spec`` whose values the runner does not execute (it runs its own behaviour, the defaults):
     the simulator prices them, the runner says it runs without them (testbed.runner.train). The runner executes
-    ``recompute: save-dots`` (testbed.runner.model.stage_forward; under full remat the value is its own)."""
+    ``recompute: save-dots`` (testbed.runner.model.stage_forward; under full remat the value is its own) and
+    ``matmul_precision: highest`` (testbed.runner.precision.matmul_precision)."""
     default = RuntimeSpec()
-    executed = {"recompute": ("save-dots",)}
+    executed = {"recompute": ("save-dots",), "matmul_precision": ("highest",)}
     return tuple(f.name for f in fields(RuntimeSpec)
                  if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name)
                  and getattr(spec, f.name) not in executed.get(f.name, ()))

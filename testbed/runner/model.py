@@ -41,6 +41,7 @@ from testbed.runner import moe
 from testbed.runner.attention import flash_attention, plain_attention
 from testbed.runner.norms import layer_norm as _layer_norm
 from testbed.runner.ring_attention import ContextShards
+from testbed.runner.tpu_attention import AttentionKernel, splash_attention
 from testbed.model import layout
 from testbed.model.layout import Init, ParamSpec, Part
 from testbed.model.leaves import linked_layer
@@ -123,6 +124,7 @@ class _Arch(NamedTuple):
     head_dim: int | None = None         # one head's width; None: d_model / heads
     parallel: bool = False              # a parallel block (PaLM, GPT-J): attention and MLP read one norm's output
     window: int | None = None           # sliding-window attention of this many keys, or None (full causal)
+    kernel: AttentionKernel = AttentionKernel.SCAN  # flash attention's kernel (testbed.runner.tpu_attention)
 
 
 def _arch(spec: ModelSpec | _Arch | int) -> _Arch:
@@ -254,7 +256,8 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, arch: _Arch, remat: Remat 
     if arch.context is not None:  # ring attention over the context axis (plain or blockwise per ring step)
         attended = arch.context.attend(q, k, v, arch.flash_block)
     elif arch.flash_block is not None:  # keeps only q, k, v, its output and the row log-sum-exp: remat has no more to drop
-        attended = flash_attention(q, k, v, arch.flash_block, arch.window)
+        attended = (splash_attention(q, k, v, arch.window) if arch.kernel is AttentionKernel.SPLASH
+                    else flash_attention(q, k, v, arch.flash_block, arch.window))
     elif Remat(remat) is Remat.SELECTIVE:
         attended = jax.checkpoint(plain_attention, static_argnums=(3,))(q, k, v, arch.window)
     else:
@@ -337,7 +340,8 @@ def _moe_mlp(p: Params, x: jax.Array, h: jax.Array, arch: _Arch) -> jax.Array:
 def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
                   remat: Remat | str = Remat.NONE, seq: Any = None, fsdp: Any = None,
                   context: ContextShards | None = None, experts: moe.ExpertShards | None = None,
-                  aux_weight: float | None = None, save_dots: bool = False) -> jax.Array:
+                  aux_weight: float | None = None, save_dots: bool = False,
+                  kernel: AttentionKernel | str = AttentionKernel.SCAN) -> jax.Array:
     """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
     ``seq``: sequence parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.param_shards.ParamShards,
     each block in its own map, so a block's gathered weights live from its forward to its backward, or with full
@@ -345,10 +349,12 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
     testbed.runner.moe.ExpertShards, or None; ``aux_weight``: the objective's weight of one sequence's MoE
     load-balancing loss, None: ``1 / rows of x``, right when the objective is the mean over these rows;
     ``save_dots``: each block checkpointed with JAX's policy saving the outputs of dots without batch dimensions,
-    the weight matmuls', and recomputing the rest, attention included)."""
+    the weight matmuls', and recomputing the rest, attention included; ``kernel``: flash attention's kernel,
+    testbed.runner.tpu_attention.attention_kernel's choice)."""
     remat = Remat(remat)
     weight = 1.0 / x.shape[0] if aux_weight is None else float(aux_weight)
-    arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context, experts=experts, aux_weight=weight)
+    arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context, experts=experts, aux_weight=weight,
+                                kernel=AttentionKernel(kernel))
     if save_dots:  # the policy decides what the whole block keeps: no inner attention checkpoint
         step = jax.checkpoint(_block, static_argnums=(2, 3, 5),
                               policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
@@ -406,19 +412,19 @@ def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec:
                  precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE,
                  seq: Any = None, fsdp: Any = None, context: ContextShards | None = None,
                  experts: moe.ExpertShards | None = None, aux_weight: float | None = None,
-                 save_dots: bool = False) -> jax.Array:
+                 save_dots: bool = False, kernel: AttentionKernel | str = AttentionKernel.SCAN) -> jax.Array:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
     parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.param_shards.ParamShards, or None;
     ``context``: testbed.runner.ring_attention.ContextShards, tokens and targets in its zigzag order, or None).
 
     MoE models: ``experts`` (testbed.runner.moe.ExpertShards, or None) and ``aux_weight`` as :func:`stage_forward`
     (None: ``1 / rows of tokens``); the load-balancing loss enters the gradients, not the returned value.
-    ``save_dots``: as :func:`stage_forward`.
+    ``save_dots``, ``kernel``: as :func:`stage_forward`.
     """
     p = cast_params(params, precision)
     x = embed(p["embed"], tokens, seq, fsdp, context)
     weight = 1.0 / tokens.shape[0] if aux_weight is None else aux_weight
-    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp, context, experts, weight, save_dots)
+    x = stage_forward(p["layers"], x, spec, remat, seq, fsdp, context, experts, weight, save_dots, kernel)
     tied = p["embed"]["tokens"] if spec.tied_embeddings else None
     return head_loss(p["head"], x, targets, tied, spec, seq, fsdp)
 

@@ -27,6 +27,7 @@ over ``fsdp``, and over ``data`` for ZeRO stage >= 1.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import jax
@@ -40,7 +41,7 @@ from testbed.runner.padding import FlatState, refold
 from testbed.errors import InputError
 from testbed.plan.spec import Plan, Precision
 
-__all__ = ["make_optimizer", "MasterState", "Optimizer", "check_precision", "has_fp8"]
+__all__ = ["make_optimizer", "MasterState", "Optimizer", "check_precision", "has_fp8", "matmul_precision"]
 
 #: CUDA compute capability from which NVIDIA GPUs have fp8 tensor cores (Ada 8.9, Hopper 9.0).
 FP8_COMPUTE_CAPABILITY = 8.9
@@ -77,6 +78,16 @@ def check_precision(plan: Plan, devices: Any = None) -> None:
                          field="precision")
     raise InputError("the runner does not execute `fp8-mixed` matmuls yet (these devices have fp8 units); run "
                      "with `precision: bf16-mixed`, or simulate fp8 with `testbed simulate`", field="precision")
+
+
+def matmul_precision(plan: Plan) -> contextlib.AbstractContextManager:
+    """The context the plan's steps trace and compile in: ``jax.default_matmul_precision("highest")`` under
+    ``runtime.matmul_precision: highest`` (fp32 matmuls in full fp32: several bf16 passes on a TPU), else JAX's
+    default (the backend's: one bf16 pass for an fp32 matmul on a TPU; JAX's ``jax.default_matmul_precision``
+    docs), what testbed.topology.parts.matmul_dtype prices."""
+    if plan.runtime.matmul_precision == "highest":
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
 
 
 def make_optimizer(plan: Plan) -> optax.GradientTransformation:

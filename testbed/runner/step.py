@@ -43,6 +43,7 @@ from testbed.runner.pipeline.memory import program_bytes
 from testbed.runner.replicas import (Scatter, Spread, replica_axis, replica_value_and_grad, replicas, scatters,
                                      sum_replicas)
 from testbed.runner.ring_attention import context_shards
+from testbed.runner.tpu_attention import AttentionKernel, attention_kernel
 from testbed.plan.spec import BatchSpec, Plan
 
 __all__ = ["step_batch", "place_tree", "host_tree", "state_shardings", "SpmdTrainer",
@@ -109,18 +110,25 @@ def state_shardings(opt_shape: Any, params: Any, moment_shardings: Any, replicat
 
 
 def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None, context: Any = None, experts: Any = None,
-             aux_weight: float | None = None):
+             aux_weight: float | None = None, kernel: AttentionKernel = AttentionKernel.SCAN):
     def loss(params: Any, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return model.forward_loss(params, tokens, targets, spec=plan.model, precision=plan.precision,
                                   remat=plan.remat, seq=seq, fsdp=fsdp, context=context, experts=experts,
-                                  aux_weight=aux_weight, save_dots=saves_dots(plan))
+                                  aux_weight=aux_weight, save_dots=saves_dots(plan), kernel=kernel)
     return loss
+
+
+def mesh_attention_kernel(plan: Plan, mesh: Any, context: Any = None) -> AttentionKernel:
+    """Flash attention's kernel for the plan's step on ``mesh`` (testbed.runner.tpu_attention.attention_kernel)."""
+    return attention_kernel(flash=plan.model.attention == "flash", platform=mesh.devices.flat[0].platform,
+                            devices=mesh.devices.size, seq=plan.model.seq_len, context=context is not None)
 
 
 def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
                  grad_shardings: Any | None, spread: Spread | None = None, seq: Any = None,
                  fsdp: tuple[Any, Any] = (None, None), context: Any = None,
-                 experts: Any = None, scatter: Any = None) -> tuple[jax.Array, Any]:
+                 experts: Any = None, scatter: Any = None,
+                 kernel: AttentionKernel = AttentionKernel.SCAN) -> tuple[jax.Array, Any]:
     """Mean loss and gradient over the microbatches (``tokens``: ``[M, batch/M, seq]``).
 
     With ``spread`` (data replicas, testbed.runner.replicas) the loop accumulates
@@ -128,10 +136,11 @@ def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
     it: one data-parallel reduction per step, not one per microbatch.
     ``scatter`` (ZeRO-2, testbed.runner.replicas.Scatter; ``spread`` then spreads over every data rank):
     each microbatch's per-replica gradients are reduce-scattered into their ``data`` shards in the loop.
+    ``kernel``: flash attention's kernel (:func:`mesh_attention_kernel`).
     ``experts``: testbed.runner.moe.ExpertShards, or None; an MoE layer's load-balancing loss weighs
     ``microbatches / global batch`` per sequence in each microbatch's gradient (their mean is the step's).
     """
-    moe = dict(experts=experts, aux_weight=plan.batch.microbatches / plan.batch.global_batch)
+    moe = dict(experts=experts, aux_weight=plan.batch.microbatches / plan.batch.global_batch, kernel=kernel)
     value_and_grad = jax.value_and_grad(_loss_fn(plan, seq, fsdp[0], context, **moe))
     if tokens.shape[0] == 1:
         return value_and_grad(params, tokens[0], targets[0])
@@ -219,10 +228,11 @@ class SpmdTrainer:
         # FSDP / ZeRO-3 (testbed.runner.param_shards.ParamShards): whole batch, and per data replica on spread parameters.
         fsdp = (param_shards(plan, mesh), param_shards(plan, mesh, spread=True) if spread is not None else None)
         experts = expert_shards(plan, mesh)  # expert parallelism (testbed.runner.moe): all-to-all over `expert`, or None
+        self.attention_kernel = kernel = mesh_attention_kernel(plan, mesh, context)
 
         def train_step(params: Any, opt_state: Any, tokens: jax.Array, targets: jax.Array) -> tuple:
             loss, grads = _accumulated(plan, params, tokens, targets, grad_sh, spread, seq, fsdp, context, experts,
-                                       scatter)
+                                       scatter, kernel)
             grads = jax.lax.with_sharding_constraint(grads, grad_sh)
             out = (*opt.update(params, opt_state, grads), loss)
             return out + (grads,) if return_grads else out

@@ -40,6 +40,7 @@ from testbed.runner.results import RunResult, VerifyResult, device_peak_flops
 from testbed.plan.io import plan_from_dict
 from testbed.plan.spec import Plan, Precision
 from testbed.sim.measured import measured_report
+from testbed.topology.parts import PLATFORM_FP32_MATMULS, matmul_dtype
 
 __all__ = ["build_trainer", "run_plan", "verify_plan", "worker_body", "verify_worker_body", "merge_worker_results", "THRESHOLDS",
            "RunResult", "VerifyResult"]
@@ -109,11 +110,21 @@ def _loss_value(loss: Any) -> float | None:
 
 def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: bool = False,
              peak_flops: float | None = None, progress: Progress | None = None) -> RunResult:
+    """:func:`_run_plan` at the plan's ``runtime.matmul_precision`` (testbed.runner.precision.matmul_precision)."""
+    from testbed.runner.precision import matmul_precision
+
+    with matmul_precision(plan):
+        return _run_plan(plan, devices, steps, compiled_memory=compiled_memory, peak_flops=peak_flops,
+                         progress=progress)
+
+
+def _run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: bool = False,
+              peak_flops: float | None = None, progress: Progress | None = None) -> RunResult:
     """Warm-up step (compiles), then ``steps`` timed steps; their times, losses and measured Report.
 
     The Report (:func:`testbed.sim.measured.measured_report`) has the median
     step time; MFU with ``peak_flops`` (the device's peak FLOP/s in the
-    plan's compute dtype; default: the datasheet peak of a known
+    dtype the plan's matmuls run at, testbed.topology.parts.matmul_dtype; default: the datasheet peak of a known
     accelerator, :func:`testbed.runner.results.device_peak_flops`, None on CPU);
     memory, XLA's compiled bytes per device, only with ``compiled_memory``
     (it compiles the step's programs once more, after the timed steps). ``progress(phase, done, total)``
@@ -144,8 +155,9 @@ def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: boo
         tell("steps", i, steps)
     info = describe(devices)
     if peak_flops is None:
-        peak_flops = device_peak_flops(info["platform"], str(info.get("device_kind", "")),
-                                       plan.precision.compute_dtype)
+        dtype = matmul_dtype(plan.precision.compute_dtype, plan.runtime.matmul_precision,
+                             fp32_matmuls=PLATFORM_FP32_MATMULS.get(info["platform"], "fp32"))
+        peak_flops = device_peak_flops(info["platform"], str(info.get("device_kind", "")), dtype)
     memory = trainer.compiled_memory(state) if compiled_memory else None  # None when XLA gives no analysis
     report = measured_report(plan, statistics.median(times), devices=len(devices), peak_flops=peak_flops,
                              memory_bytes=memory)
@@ -177,6 +189,15 @@ def _tree_errors(a: Any, b: Any) -> tuple[float, float]:
 
 def verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool = True,
                 peak_flops: float | None = None, progress: Progress | None = None) -> VerifyResult:
+    """:func:`_verify_plan` at the plan's ``runtime.matmul_precision`` (the reference too)."""
+    from testbed.runner.precision import matmul_precision
+
+    with matmul_precision(plan):
+        return _verify_plan(plan, devices, steps, check_hlo, peak_flops, progress)
+
+
+def _verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool = True,
+                 peak_flops: float | None = None, progress: Progress | None = None) -> VerifyResult:
     """Run the plan and the single-device reference for ``steps`` steps and compare (see module doc).
 
     The plan's steps after the first are timed (:class:`testbed.runner.results.VerifyResult`); ``peak_flops``

@@ -53,12 +53,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from testbed.model.gemm import Gemm
+from testbed.plan.spec import Plan
 from testbed.sim.attention_kernels import kernel_efficiency
 from testbed.sim.grouped_kernels import grouped_rate
 from testbed.topology import Topology
 from testbed.topology.calibration import ComputeCalibration
 
-__all__ = ["compute_seconds", "pass_seconds", "gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model",
+__all__ = ["compute_seconds", "plan_matmul_dtype", "pass_seconds", "gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model",
            "GEMM_OPERAND_BYTES", "FP8_BLOCK_SCALED_SHARE", "fp8_cast_bytes"]
 
 #: The share of the fp8 cap a block-scaled fp8 GEMM reaches (``runtime.fp8_scaling`` ``blockwise``: 1 x 128
@@ -73,6 +74,13 @@ __all__ = ["compute_seconds", "pass_seconds", "gemm_efficiency", "gemm_seconds",
 FP8_BLOCK_SCALED_SHARE = 0.892
 #: Bytes per (input, output) value of a GEMM, by compute dtype (fp8 GEMMs read fp8 operands and write bf16).
 GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1, 2)}
+
+
+def plan_matmul_dtype(plan: Plan, topology: Topology) -> str:
+    """The dtype whose rate the plan's matmuls run at on ``topology`` (both simulator tiers price with it): the
+    plan's compute dtype under its ``runtime.matmul_precision``, by testbed.topology.parts.DeviceSpec.matmul_dtype
+    (an fp32 plan at the default precision on a TPU: bf16). A GEMM's operand bytes follow the same dtype."""
+    return topology.device.matmul_dtype(plan.precision.compute_dtype, plan.runtime.matmul_precision)
 
 
 def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,

@@ -213,10 +213,10 @@ def _shifts(groups: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int], ...]:
     return tuple((g[k], g[(k + 1) % len(g)]) for g in groups if len(g) > 1 for k in range(len(g)))
 
 
-def matmul_dtype(topology: Topology, dtype: str) -> str:
-    """The dtype a traced program's ``dtype`` matmuls run in on ``topology``: fp32 for bf16 where the device's
-    compiler runs bf16 matmuls in fp32 between converts (``device.bf16_matmuls: fp32``, XLA:CPU)."""
-    return "fp32" if dtype == "bf16" and topology.device.bf16_matmuls == "fp32" else dtype
+def matmul_dtype(topology: Topology, dtype: str, precision: str = "default") -> str:
+    """The dtype a traced program's ``dtype`` matmuls run in on ``topology`` at ``precision`` (a plan's
+    ``runtime.matmul_precision``): testbed.topology.parts.DeviceSpec.matmul_dtype's rule."""
+    return topology.device.matmul_dtype(dtype, precision)
 
 
 def convert_bytes(gemm: Gemm) -> float:

@@ -106,8 +106,8 @@ def _link_end(value: Any, field: str) -> int | str:
 def _device(data: Any) -> DeviceSpec:
     data = expect_mapping(data, "device")
     check_keys(data, ("name", "flops", "memory", "memory_bandwidth", "power_limit", "power_curve",
-                      "comm_slowdown", "bf16_matmuls", "sustained", "collective_resources", "buffer_rules"),
-               "device",
+                      "comm_slowdown", "bf16_matmuls", "fp32_matmuls", "sustained", "collective_resources",
+                      "buffer_rules"), "device",
                required=("flops", "memory", "memory_bandwidth"))
     flops = expect_mapping(data["flops"], "device.flops")
     curve = data.get("power_curve", [])
@@ -123,6 +123,7 @@ def _device(data: Any) -> DeviceSpec:
         power_curve=tuple((_watts(w, "device.power_curve"), _fraction(f, "device.power_curve")) for w, f in curve),
         comm_slowdown=data.get("comm_slowdown", 0.0),
         bf16_matmuls=data.get("bf16_matmuls", "native"),
+        fp32_matmuls=data.get("fp32_matmuls", "fp32"),
         sustained=data.get("sustained", 1.0),
         collective_resources=data.get("collective_resources", "per_kind"),
         buffer_rules=data.get("buffer_rules", "xla"),
@@ -347,6 +348,8 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
         out["device"]["comm_slowdown"] = dev.comm_slowdown
     if dev.bf16_matmuls != "native":
         out["device"]["bf16_matmuls"] = dev.bf16_matmuls
+    if dev.fp32_matmuls != "fp32":
+        out["device"]["fp32_matmuls"] = dev.fp32_matmuls
     if dev.sustained != 1.0:
         out["device"]["sustained"] = dev.sustained
     if dev.collective_resources != "per_kind":

@@ -45,10 +45,29 @@ class Form(StrEnum):
 
 #: How a device's compiler may run bf16 matmuls and convolutions (:attr:`DeviceSpec.bf16_matmuls`).
 BF16_MATMULS = ("native", "fp32")
+#: How a device runs an fp32 matmul at its backend's default precision (:attr:`DeviceSpec.fp32_matmuls`).
+FP32_MATMULS = ("fp32", "bf16")
 #: How the device's compiler schedules asynchronous collectives (:attr:`DeviceSpec.collective_resources`).
 COLLECTIVE_RESOURCES = ("per_kind", "shared")
 #: Whose buffer assignment the memory model follows for the runner's XLA programs (:attr:`DeviceSpec.buffer_rules`).
 BUFFER_RULES = ("xla", "xla-tpu")
+
+
+#: ``fp32_matmuls`` of a JAX platform's devices (:attr:`DeviceSpec.fp32_matmuls`; others: ``fp32``): the runner's
+#: MFU reads it where it has a JAX device and no topology.
+PLATFORM_FP32_MATMULS = {"tpu": "bf16"}
+
+
+def matmul_dtype(dtype: str, precision: str = "default", *, fp32_matmuls: str = "fp32",
+                 bf16_matmuls: str = "native") -> str:
+    """The dtype whose rate a ``dtype`` matmul runs at under ``precision`` (``runtime.matmul_precision``) on a
+    device of these ``fp32_matmuls`` and ``bf16_matmuls`` (:class:`DeviceSpec`): bf16 for fp32 at the default
+    precision where that is one bf16 pass; fp32 for bf16 where the compiler runs bf16 in fp32; else ``dtype``."""
+    if dtype == "fp32" and precision == "default" and fp32_matmuls == "bf16":
+        return "bf16"
+    if dtype == "bf16" and bf16_matmuls == "fp32":
+        return "fp32"
+    return dtype
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +89,13 @@ class DeviceSpec:
     convolution is an f32 one whose operands and result pass through convert loops). A traced program's
     bf16 matmuls are then priced at the fp32 peak plus the converts (testbed.sim.traced); plan-driven
     simulation keeps the listed bf16 peak, which ``calibrate`` fits to its bf16 GPT steps, converts included.
+
+    ``fp32_matmuls``: how the device runs an fp32 matmul at the backend's default precision (a plan's
+    ``runtime.matmul_precision: default``): ``fp32`` (the default: at the fp32 peak) or ``bf16`` (one bf16 pass
+    with fp32 accumulation, at the bf16 peak: a TPU, where JAX's ``Precision.DEFAULT`` is "the fastest mode,
+    bfloat16 on TPU"; jax.lax.Precision's docstring and the ``jax_default_matmul_precision`` option, whose
+    ``'bfloat16'`` = "DEFAULT"). ``matmul_precision: highest`` is priced at the fp32 peak on every device
+    (:meth:`matmul_dtype`).
 
     ``collective_resources``: the resources XLA's latency-hiding scheduler holds an asynchronous collective on,
     each with one collective in flight: ``per_kind`` (the default: one per kind, all-gathers apart from
@@ -103,6 +129,7 @@ class DeviceSpec:
     power_curve: tuple[tuple[float, float], ...] = ()
     comm_slowdown: float = 0.0
     bf16_matmuls: str = "native"
+    fp32_matmuls: str = "fp32"
     sustained: float = 1.0
     collective_resources: str = "per_kind"
     buffer_rules: str = "xla"
@@ -112,6 +139,10 @@ class DeviceSpec:
             raise InputError(f"must be one of {', '.join(BF16_MATMULS)} (how the compiler runs bf16 matmuls: at "
                              f"the bf16 peak, or in fp32 between converts as XLA:CPU does), got "
                              f"{self.bf16_matmuls!r:.40}", field="device.bf16_matmuls")
+        if self.fp32_matmuls not in FP32_MATMULS:
+            raise InputError(f"must be one of {', '.join(FP32_MATMULS)} (how an fp32 matmul runs at the backend's "
+                             f"default precision: at the fp32 peak, or as one bf16 pass as on a TPU), got "
+                             f"{self.fp32_matmuls!r:.40}", field="device.fp32_matmuls")
         if self.collective_resources not in COLLECTIVE_RESOURCES:
             raise InputError(f"must be one of {', '.join(COLLECTIVE_RESOURCES)} (the resources XLA's scheduler "
                              f"holds collectives on: one per kind, as its open default and a TPU, or one shared by "
@@ -183,6 +214,15 @@ class DeviceSpec:
         if dtype == "fp8" and "bf16" in self.peak_flops:
             return self.peak_flops["bf16"]
         return min(self.peak_flops.values())
+
+    def matmul_dtype(self, dtype: str, precision: str = "default") -> str:
+        """The dtype whose rate a ``dtype`` matmul runs at on this device under a plan's ``runtime.matmul_precision``
+        (both simulator tiers and the traced programs price with it): bf16 for an fp32 matmul at the default
+        precision on a device whose default is one bf16 pass (``fp32_matmuls: bf16``); fp32 for a bf16 one where
+        the compiler runs bf16 matmuls in fp32 (``bf16_matmuls: fp32``, XLA:CPU); else ``dtype``."""
+        if "bf16" not in self.peak_flops:
+            return dtype
+        return matmul_dtype(dtype, precision, fp32_matmuls=self.fp32_matmuls, bf16_matmuls=self.bf16_matmuls)
 
     def has_fp8(self) -> bool:
         """Whether the device lists an fp8 peak (fp8 tensor cores)."""

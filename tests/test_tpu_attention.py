@@ -1,0 +1,79 @@
+"""Flash attention's kernel choice: the Pallas splash kernels on one TPU device, the scan kernel elsewhere.
+
+The choice is checked as a rule on CPU; the TPU path is checked to lower and compile for a TPU v5e chip by a
+deviceless XLA:TPU compile in a fresh process, which needs libtpu: importable, or unpacked in the folder
+``TESTBED_LIBTPU_PATH`` names (skipped without it, as on CI).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testbed.runner.tpu_attention import AttentionKernel, attention_kernel, splash_block
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("platform, devices, seq, context, want", [
+    ("tpu", 1, 2048, False, AttentionKernel.SPLASH),
+    ("tpu", 1, 384, False, AttentionKernel.SPLASH),
+    ("tpu", 4, 2048, False, AttentionKernel.SCAN),     # a sharded mesh: GSPMD cannot split a Pallas call
+    ("tpu", 1, 200, False, AttentionKernel.SCAN),      # the kernel's 128 lanes do not tile 200 keys
+    ("tpu", 1, 2048, True, AttentionKernel.SCAN),      # ring attention keeps its own blockwise kernel
+    ("cpu", 1, 2048, False, AttentionKernel.SCAN),
+    ("gpu", 1, 2048, False, AttentionKernel.SCAN),
+])
+def test_kernel_choice(platform: str, devices: int, seq: int, context: bool, want: AttentionKernel) -> None:
+    assert attention_kernel(flash=True, platform=platform, devices=devices, seq=seq, context=context) is want
+    assert attention_kernel(flash=False, platform=platform, devices=devices, seq=seq) is AttentionKernel.SCAN
+
+
+def test_splash_block_is_the_largest_tile_dividing_seq() -> None:
+    assert [splash_block(s) for s in (4096, 2048, 768, 384, 200)] == [512, 512, 256, 128, None]
+
+
+def test_cpu_trainer_keeps_the_scan_kernel() -> None:
+    import jax
+
+    from testbed.plan.io import plan_from_dict
+    from testbed.runner.train import build_trainer
+
+    plan = plan_from_dict({"model": {"layers": 1, "d_model": 128, "heads": 1, "d_ff": 256, "seq_len": 256,
+                                     "vocab": 256, "attention": "flash"},
+                           "batch": {"global_batch": 2}, "mesh": {"data": 1}})
+    assert build_trainer(plan, jax.devices()[:1]).attention_kernel is AttentionKernel.SCAN
+
+
+def _libtpu_path() -> str | None:
+    """Where libtpu is importable from: ``TESTBED_LIBTPU_PATH``, or "" when installed; None when absent."""
+    path = os.environ.get("TESTBED_LIBTPU_PATH")
+    if path:
+        return path if (Path(path) / "libtpu").is_dir() else None
+    return "" if importlib.util.find_spec("libtpu") is not None else None
+
+
+def test_splash_lowers_for_a_tpu_chip(tmp_path: Path) -> None:
+    """A one-layer flash plan's train step compiles for a v5e chip with the splash kernels in it (forward,
+    its recomputation under full remat, dq and dK/dV: four Pallas calls) and no scan over K/V blocks."""
+    path = _libtpu_path()
+    if path is None:
+        pytest.skip("libtpu is not importable (set TESTBED_LIBTPU_PATH to an unpacked libtpu wheel's folder)")
+    plan = tmp_path / "flash.yaml"
+    plan.write_text("model: {layers: 1, d_model: 128, heads: 1, d_ff: 256, seq_len: 256, vocab: 384, "
+                    "mlp: swiglu, norm: rmsnorm, position: rope, bias: false, attention: flash}\n"
+                    "batch: {global_batch: 2}\nmesh: {data: 1}\nprecision: bf16-mixed\nremat: full\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (path, str(ROOT)) if p), JAX_PLATFORMS="")
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks/tpu_compile_facts.py"), str(plan)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout)["plans"][0]
+    assert row["hlo"]["pallas_calls"] == 4
+    assert row["memory"]["total"] > 0
