@@ -172,12 +172,14 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     with progress_bar("searching") as bar:
         tasks: dict[str, Any] = {}
 
-        def progress(phase: str, done: int, total: int) -> None:
+        def progress(phase: str, done: int, total: int, left_s: float | None = None) -> None:
+            label = {"bounds": "plans (memory and step floors)", "analytic": "plans (analytic tier)"}.get(
+                phase, "best plans (DES replay)")
+            if left_s is not None:  # the search's own estimate (testbed.explore.eta)
+                label += f", about {format_time(left_s)} left"
             if phase not in tasks:
-                label = {"bounds": "plans (memory and step floors)", "analytic": "plans (analytic tier)"}.get(
-                    phase, "best plans (DES replay)")
                 tasks[phase] = bar.add_task(label, total=total)
-            bar.update(tasks[phase], completed=done, total=total)
+            bar.update(tasks[phase], completed=done, total=total, description=label)
 
         result = run_search(plan, topology, space, objective=args.objective, memory_cap=args.memory_cap,
                             replay=args.replay, top=args.top, price_per_device_hour=args.price, progress=progress)

@@ -8,11 +8,14 @@ checks it on sampled plans), so what the search replays is unchanged.
 
 from __future__ import annotations
 
+import functools
+
 from testbed.collectives.bounds import max_injection_bandwidth
 from testbed.collectives.routed import topology_memo
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, scaled
 from testbed.model.spans import action_spans, scaled_spans
+from testbed.pipeline.schedules import Schedule, build_schedule, peak_inflight, splits_backward
 from testbed.plan.sharding import gathers_parameters
 from testbed.plan.spec import Plan
 from testbed.sim.action_work import action_work
@@ -20,7 +23,7 @@ from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
-__all__ = ["step_floor", "played_floor"]
+__all__ = ["step_floor", "played_floor", "cached_table", "cached_peaks"]
 
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
@@ -37,6 +40,27 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
     exceeds the estimates it would have to beat to be replayed, without changing what it replays.
     """
+    memo = topology_memo(topology).setdefault("step_floor_plans", {})
+    key = _floor_key(plan)
+    if key in memo:
+        return memo[key]
+    if len(memo) > 200_000:
+        memo.clear()
+    memo[key] = floor = _step_floor(plan, topology)
+    return floor
+
+
+def _floor_key(plan: Plan) -> tuple:
+    """What :func:`step_floor` reads of ``plan``: all of it but the ZeRO stage (only whether the backward gathers
+    the parameters again) and the schedule's name (only whether it splits the backward): plans alike but in those
+    share one floor."""
+    return (plan.model, plan.mesh, plan.schedule.virtual_stages, _splits_backward(plan), plan.batch,
+            plan.precision, plan.remat, plan.sequence_parallel, plan.layers_per_stage, plan.runtime,
+            plan.expert_imbalance, gathers_parameters(plan, "B"))
+
+
+def _step_floor(plan: Plan, topology: Topology) -> float | None:
+    """:func:`step_floor`, not memoized."""
     priced = _stage_floors(plan, topology)
     if priced is None:
         return None
@@ -153,10 +177,27 @@ def _tensor_floor(plan: Plan, topology: Topology, transfers: tuple[tuple[str, in
     if t == 1 or not transfers or plan.runtime.tp_comm_overlap:
         return 0.0
     moved = sum(count * nbytes for _, count, nbytes in transfers) * (t - 1) / t
-    return moved / max_injection_bandwidth(topology)
+    memo = topology_memo(topology)
+    if "max_injection_bandwidth" not in memo:  # a pass over every device: once per topology
+        memo["max_injection_bandwidth"] = max_injection_bandwidth(topology)
+    return moved / memo["max_injection_bandwidth"]
 
 
 def _splits_backward(plan: Plan) -> bool:
     """Whether ``plan``'s schedule splits the backward into B (input gradients) and W (weight gradients)."""
-    return cached_order(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
-                           plan.schedule.virtual_stages)[0].split_backward
+    return splits_backward(plan.schedule.name)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_table(name: str, stages: int, microbatches: int, virtual: int) -> Schedule:
+    """The schedule table alone (testbed.pipeline.schedules.build_schedule), memoized: the bounds read it for
+    every plan, and its execution order with dependency keys (testbed.sim.memo.cached_order), which costs far
+    more at hundreds of microbatches, only the plans they estimate need."""
+    return build_schedule(name, stages, microbatches, virtual)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_peaks(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """Per stage, the schedule's peak of activation sets held (testbed.pipeline.schedules.peak_inflight, as
+    testbed.model.memory.inflight_microbatches), memoized from :func:`cached_table`."""
+    return tuple(int(n) for n in peak_inflight(cached_table(name, stages, microbatches, virtual)))
