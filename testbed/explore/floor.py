@@ -9,6 +9,7 @@ checks it on sampled plans), so what the search replays is unchanged.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from testbed.collectives.bounds import max_injection_bandwidth
 from testbed.collectives.routed import topology_memo
@@ -23,7 +24,8 @@ from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
-__all__ = ["step_floor", "played_floor", "cached_table", "cached_peaks"]
+__all__ = ["step_floor", "played_floor", "cached_step_floor", "floor_key", "group_floor_key", "cached_table",
+           "cached_peaks"]
 
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
@@ -40,23 +42,38 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
     exceeds the estimates it would have to beat to be replayed, without changing what it replays.
     """
+    return cached_step_floor(floor_key(plan), lambda: plan, topology)
+
+
+def cached_step_floor(key: tuple, build: Callable[[], Plan], topology: Topology) -> float | None:
+    """:func:`step_floor` of the plan ``build`` makes, whose :func:`floor_key` is ``key``; memoized per topology on
+    the key, so a plan alike in what the floor reads to one already bounded is not built."""
     memo = topology_memo(topology).setdefault("step_floor_plans", {})
-    key = _floor_key(plan)
     if key in memo:
         return memo[key]
     if len(memo) > 200_000:
         memo.clear()
-    memo[key] = floor = _step_floor(plan, topology)
+    memo[key] = floor = _step_floor(build(), topology)
     return floor
 
 
-def _floor_key(plan: Plan) -> tuple:
-    """What :func:`step_floor` reads of ``plan``: all of it but the ZeRO stage (only whether the backward gathers
-    the parameters again) and the schedule's name (only whether it splits the backward): plans alike but in those
-    share one floor."""
-    return (plan.model, plan.mesh, plan.schedule.virtual_stages, _splits_backward(plan), plan.batch,
-            plan.precision, plan.remat, plan.sequence_parallel, plan.layers_per_stage, plan.runtime,
+def group_floor_key(plan: Plan) -> tuple:
+    """The part of :func:`floor_key` that plans alike but in microbatches, remat, sequence parallelism and runtime
+    share (a testbed.explore.space.CandidateGroup's)."""
+    mesh = plan.mesh
+    return (plan.model, mesh.tensor, mesh.stage, mesh.context, mesh.expert, mesh.expert_tensor,
+            plan.schedule.virtual_stages, _splits_backward(plan), plan.precision, plan.layers_per_stage,
             plan.expert_imbalance, gathers_parameters(plan, "B"))
+
+
+def floor_key(plan: Plan) -> tuple:
+    """What :func:`step_floor` reads of ``plan``: its chunks' costs and GEMMs (testbed.sim.memo's keys: the mesh's
+    tensor, stage, context and expert degrees, not its data and fsdp degrees nor its order), the microbatches and
+    their size, and of the ZeRO stage and fsdp degree only whether the backward gathers the parameters again
+    (``state_sharding``, which the runtime's searched knobs leave alone), of the schedule's name only whether it
+    splits the backward. Plans alike in those share one floor."""
+    return (*group_floor_key(plan), plan.batch.microbatches, plan.microbatch_size, plan.remat,
+            plan.sequence_parallel, plan.runtime)
 
 
 def _step_floor(plan: Plan, topology: Topology) -> float | None:

@@ -20,6 +20,7 @@ space lists several precisions (MFU counts each against its own peak).
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from testbed.errors import InputError
 from testbed.explore.analytic import Estimate, estimate, plan_memory
 from testbed.explore.eta import TimeLeft
-from testbed.explore.floor import cached_peaks, played_floor, step_floor
+from testbed.explore.floor import cached_peaks, cached_step_floor, group_floor_key, played_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.space import CandidateGroup, SearchSpace, candidate_groups, candidates
 from testbed.model.costs import model_flops_per_step
@@ -261,10 +262,11 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
 @dataclass
 class _Tier:
     """What the analytic pass over the candidates found: the estimated plans, the plans skipped for their
-    step floor (``deferred``: (floor, plan), for :func:`_settle`), the memory floors memo and the counts."""
+    step floor (``deferred``: (floor, the plan or its (group, index), built by :func:`_built`), for :func:`_settle`),
+    the memory floors memo and the counts."""
 
     shortlist: list[Candidate] = field(default_factory=list)
-    deferred: list[tuple[float, Plan]] = field(default_factory=list)
+    deferred: list[tuple[float, Plan | tuple[CandidateGroup, int]]] = field(default_factory=list)
     floors: dict = field(default_factory=dict)
     #: Deferred plans :func:`_settle` estimated after all (those that fit).
     revived: list[Candidate] = field(default_factory=list)
@@ -295,7 +297,7 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     eta = eta or TimeLeft()
     eta.update("bounds" if by_time else "analytic", 0)
     limit = memory_cap * int(topology.device.memory_bytes)  # as MemoryBreakdown.capacity
-    bounded: list[tuple[float, int, Plan]] = []
+    bounded: list[tuple[float, int, tuple[CandidateGroup, int]]] = []
     for group in groups:
         if _states_overflow(group.head, limit, tier.floors):
             tier.pruned += group.size
@@ -306,11 +308,15 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
                                  f"{topology.num_devices:,} devices whose model states fit (each is bounded, and "
                                  f"kept, in memory); narrow it: fewer --schedules, --microbatches or "
                                  f"--max-microbatches, one --precisions, or fewer --devices", field="space")
-            for plan in group.plans():
-                if not by_time:
+            if not by_time:
+                for plan in group.plans():
                     _estimate_into(tier, plan, topology, memory_cap, rank, None, keep)
-                else:  # no floor (context, expert parallelism, a shared host): estimated first
-                    bounded.append((step_floor(plan, topology) or 0.0, len(bounded), plan))
+            else:  # no floor (context, expert parallelism, a shared host): estimated first
+                shared, replicas = group_floor_key(group.head), group.head.replicas
+                for j, (mb, remat, sp, runtime) in enumerate(group.choices()):
+                    key = (*shared, mb, group.head.batch.global_batch // (replicas * mb), remat, sp, runtime)
+                    floor = cached_step_floor(key, functools.partial(group.plan, j), topology)
+                    bounded.append((floor or 0.0, len(bounded), (group, j)))
         done += group.size
         if progress is not None:
             phase = "analytic" if not by_time else "bounds"
@@ -322,11 +328,12 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     fastest: list[float] = []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
     eta.update("analytic", 0)
     before, floors = total - len(bounded), [x[0] for x in bounded]
-    for k, (floor, _, plan) in enumerate(bounded):
+    for k, (floor, _, (group, j)) in enumerate(bounded):
         if len(fastest) >= keep and floor > -fastest[0] * (1 + margin):
             tier.bounded += len(bounded) - k
-            tier.deferred.extend((f, p) for f, _, p in bounded[k:])
+            tier.deferred.extend((f, ref) for f, _, ref in bounded[k:])
             break
+        plan = group.plan(j)
         if _overflows(plan, topology, memory_cap, tier.floors):  # its stages' exact peaks, now it may be estimated
             tier.pruned += 1
             continue
@@ -345,6 +352,11 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     if progress is not None:
         progress("analytic", total, total)
     return tier
+
+
+def _built(ref: Plan | tuple[CandidateGroup, int]) -> Plan:
+    """The plan of a deferred entry: itself, or the ``index``-th of its ``(group, index)``."""
+    return ref if isinstance(ref, Plan) else ref[0].plan(ref[1])
 
 
 def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: float, rank: Callable,
@@ -389,7 +401,7 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
     out: list[Candidate] = []
     while len(out) < SETTLE_LIMIT:
         while deferred and deferred[0][0] * (1 + margin) < best:  # its estimate may beat the best: estimate it
-            plan = deferred.pop(0)[1]
+            plan = _built(deferred.pop(0)[1])
             est = evaluate(plan, topology, memory_cap, tier.floors)
             if est is None:
                 tier.pruned += 1

@@ -238,6 +238,18 @@ class CandidateGroup(NamedTuple):
     micro: tuple[int, ...]
     inner: tuple[tuple, ...]  # (remat, sequence_parallel, mesh's runtime) choices, in order
 
+    def plan(self, index: int) -> Plan:
+        """The ``index``-th plan of :meth:`plans`, built alone."""
+        remat, sp, runtime = self.inner[index % len(self.inner)]
+        batch = BatchSpec(global_batch=self.head.batch.global_batch, microbatches=self.micro[index // len(self.inner)])
+        return replace(self.head, batch=batch, remat=remat, sequence_parallel=sp, runtime=runtime)
+
+    def choices(self) -> Iterator[tuple[int, Remat, bool, RuntimeSpec]]:
+        """(microbatches, remat, sequence_parallel, runtime) of each plan of :meth:`plans`, in order, unbuilt."""
+        for mb in self.micro:
+            for remat, sp, runtime in self.inner:
+                yield mb, remat, sp, runtime
+
     def plans(self) -> Iterator[Plan]:
         """Every plan of the group, ``head`` first."""
         base = self.head
