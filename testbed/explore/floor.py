@@ -18,6 +18,7 @@ from testbed.model.gemm import ChunkGemms, scaled
 from testbed.model.spans import action_spans, scaled_spans
 from testbed.pipeline.schedules import Schedule, build_schedule, peak_inflight, splits_backward
 from testbed.plan.sharding import gathers_parameters
+from testbed.plan.stages import chunk_counts
 from testbed.plan.spec import Plan
 from testbed.sim.action_work import action_work
 from testbed.sim.compute import compute_seconds
@@ -140,16 +141,24 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
     split = _splits_backward(plan)
     kinds = ("F", "B", "W") if split else ("F", "B")
     priced: dict[tuple, dict[tuple[int, str], float]] = {}
+    chunks: dict[tuple, dict[str, float]] = {}  # a dense chunk's floors: by its layer count and the ends it holds
+    per = chunk_counts(plan.stage_layers, v)
     out = []
     for s in range(p):
         key = (plan.stage_layers[s], s == 0, s == p - 1)
         if key not in priced:
             seconds = {}
             for c in range(v):
-                cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
-                for kind in kinds:
-                    whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype)
-                    seconds[(c, kind)] = whole + _tensor_floor(plan, topology, tensor)
+                # A dense model's layers are alike, so a chunk's cost and GEMMs (testbed.model.costs.chunk_cost:
+                # its layer count, embedding and head) are those of any chunk alike in them: priced once.
+                alike = (per[s][c], (s, c) == (0, 0), (s, c) == (p - 1, v - 1))
+                if alike not in chunks:
+                    cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
+                    chunks[alike] = {}
+                    for kind in kinds:
+                        whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype)
+                        chunks[alike][kind] = whole + _tensor_floor(plan, topology, tensor)
+                seconds.update({(c, kind): x for kind, x in chunks[alike].items()})
             priced[key] = seconds
         out.append(priced[key])
     return out
