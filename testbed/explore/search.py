@@ -40,8 +40,9 @@ from testbed.topology import Topology
 
 __all__ = ["OBJECTIVES", "Candidate", "SearchResult", "search", "objective_value", "evaluate", "exhaustive_optimum"]
 
-#: Layouts a search enumerates at most (about 1 KB each, kept with their estimates; ~20 s of analytic tier).
-MAX_CANDIDATES = 100_000
+#: Layouts whose model states fit that a search bounds at most (each kept as its step floor and a reference into
+#: its candidate group, about 200 bytes; a plan is built only once it may be estimated).
+MAX_CANDIDATES = 1_000_000
 #: Objective -> True when higher is better.
 OBJECTIVES: dict[str, bool] = {"step_time": False, "tokens_per_s": True, "mfu": True, "cost": True}
 
