@@ -179,7 +179,7 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         def progress(phase: str, done: int, total: int, left_s: float | None = None) -> None:
             label = {"bounds": "plans (memory and step floors)", "analytic": "plans (analytic tier)"}.get(
                 phase, "best plans (DES replay)")
-            if left_s is not None:  # the search's own estimate (testbed.explore.eta)
+            if left_s is not None and done < total:  # the search's own estimate (testbed.explore.eta)
                 label += f", about {format_time(left_s)} left"
             if phase not in tasks:
                 tasks[phase] = bar.add_task(label, total=total)
