@@ -26,6 +26,7 @@ from testbed.explore.search import _analytic_tier, _overflows, evaluate, search
 from testbed.explore.space import SearchSpace, candidate_groups, candidates, preset_plan
 from testbed.model.memory import state_floor
 from testbed.plan.io import load_plan
+from testbed.plan.spec import ScheduleSpec
 from testbed.plan.stages import balanced_ends, near_even
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology
@@ -180,8 +181,8 @@ def test_best_first_tier_estimates_the_fastest_as_estimating_all_does() -> None:
 def test_llama3_405b_search_finds_a_plan_no_slower_than_metas(capsys) -> None:
     """`testbed search --model llama3-405b --topology llama3-h100-16k --global-batch 2048` as typed (issue 35):
     the command's own path and defaults (a preset starts from flash attention and sequence parallelism, the
-    runner's runtime), and the DES step of its best plan at most that of the paper's TP8/PP16/DP128 plan, priced
-    under the same runtime and under Meta's stack (`runtime: meta`, the bundled plan's). Its wall time is a
+    runner's runtime), and the DES step of its best plan at most that of the paper's TP8/PP16/DP128 plan (1F1B
+    and interleaved x 8, issue 61), priced under the same runtime and under Meta's stack (`runtime: meta`, the bundled plan's). Its wall time is a
     measurement (docs/explore.md), not asserted here."""
     from testbed.cli.main import main
     from testbed.plan.runtime import RuntimeSpec
@@ -192,7 +193,10 @@ def test_llama3_405b_search_finds_a_plan_no_slower_than_metas(capsys) -> None:
     data = json.loads(out.out)
     best = data["ranked"][0]
     topology, paper = load_topology("llama3-h100-16k"), load_plan("llama3-405b")
-    same_runtime = simulate(replace(paper, runtime=RuntimeSpec()), topology).report.step_time_s
+    # Meta's layout as the paper ran it: interleaved over 8 virtual stages (the bundled plan keeps 1F1B).
+    interleaved = replace(paper, schedule=ScheduleSpec(name="interleaved", virtual_stages=8))
+    same_runtime = min(simulate(replace(p, runtime=RuntimeSpec()), topology).report.step_time_s
+                       for p in (paper, interleaved))
     metas = simulate(paper, topology).report.step_time_s
     assert data["devices"] == 16_384 and best["memory_bytes"] <= best["capacity_bytes"]
     assert (data["best_plan"].get("runtime") or {"profile": "testbed"})["profile"] == "testbed"
