@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/flagship_search.py
 
 Runs `testbed search --model llama3-405b --topology llama3-h100-16k --global-batch 2048 --json` in this process
-and prices Meta's published layout (`plans/llama3-405b.yaml`: TP 8 / PP 16 / DP 128) under the runner's runtime
+and prices Meta's published layout (`plans/llama3-405b.yaml`: TP 8 / PP 16 / DP 128, interleaved over 8 virtual stages) under the runner's runtime
 and under its own `runtime: meta`. Prints one JSON object: the search's counts, its best plan's step and memory,
 Meta's two steps, ``no_slower_than_metas`` (the property: the best plan's DES step at most Meta's under either
 runtime), ``fits``, ``wall_s`` and ``cpu_s``. Exits 1 when the property fails, the best plan does not fit, or the

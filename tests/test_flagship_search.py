@@ -24,7 +24,7 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate, plan_memory
 from testbed.explore.floor import played_floor, step_floor
 from testbed.explore.search import _analytic_tier, _overflows, evaluate
-from testbed.explore.space import SearchSpace, candidates, preset_plan
+from testbed.explore.space import SearchSpace, candidate_groups, candidates, preset_plan
 from testbed.model.memory import state_floor
 from testbed.plan.stages import balanced_ends, near_even
 from testbed.topology.io import load_topology
@@ -162,10 +162,12 @@ def test_best_first_tier_estimates_the_fastest_as_estimating_all_does() -> None:
     """The tier estimates in step-floor order and skips the rest once their floors pass the replay list: its
     fastest estimates are those of estimating every plan that fits, with fewer estimates."""
     topology = load_topology("dgx-h100-x4")
-    plans = list(candidates(preset_plan("gpt-1.3b"), 32, SearchSpace(remat=("none", "full"), microbatches=(1, 4, 8))))
+    groups = list(candidate_groups(preset_plan("gpt-1.3b"), 32, SearchSpace(remat=("none", "full"),
+                                                                          microbatches=(1, 4, 8))))
+    plans = [p for g in groups for p in g.plans()]
     every = sorted(e.step_time_s for p in plans if (e := evaluate(p, topology)) is not None)
     keep, margin = 8, 0.02
-    tier = _analytic_tier(plans, topology, 1.0, keep, margin, True, lambda plan, t: t, None)
+    tier = _analytic_tier(groups, topology, 1.0, keep, margin, True, lambda plan, t: t, None)
     found = sorted(c.estimate.step_time_s for c in tier.shortlist)
     assert found[:keep] == every[:keep]
     assert [t for t in every if t <= every[0] * (1 + margin)] == [t for t in found if t <= found[0] * (1 + margin)]

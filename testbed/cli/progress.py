@@ -134,14 +134,20 @@ class LineProgress:
         self._stream.flush()
 
 
-def phase_progress(bar: Any, labels: Mapping[str, str]) -> Callable[[str, int, int], None]:
-    """A ``progress(phase, done, total)`` callback (the search's, the runner's) showing each phase as a task of
-    ``bar``, described by ``labels[phase]`` (else the phase's own name)."""
+def phase_progress(bar: Any, labels: Mapping[str, str]) -> Callable[..., None]:
+    """A ``progress(phase, done, total, left_s=None)`` callback (the search's, the runner's) showing each phase as a
+    task of ``bar``, described by ``labels[phase]`` (else the phase's own name) and, where the caller estimates it
+    (the search: testbed.explore.eta), the time left."""
+    from testbed.units import format_time
+
     tasks: dict[str, Any] = {}
 
-    def progress(phase: str, done: int, total: int) -> None:
+    def progress(phase: str, done: int, total: int, left_s: float | None = None) -> None:
+        label = labels.get(phase, phase)
+        if left_s is not None and done < total:
+            label += f", about {format_time(left_s)} left"
         if phase not in tasks:
-            tasks[phase] = bar.add_task(labels.get(phase, phase), total=total)
-        bar.update(tasks[phase], completed=done, total=total)
+            tasks[phase] = bar.add_task(label, total=total)
+        bar.update(tasks[phase], completed=done, total=total, description=label)
 
     return progress

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -55,8 +54,10 @@ def _add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=5, help="how many plans to show (default 5)")
     parser.add_argument("--replay", type=int, default=16, help="best estimates replayed with the DES (default 16)")
     parser.add_argument("--schedules", help="comma-separated schedules to consider (default: all)")
-    parser.add_argument("--microbatches", help="comma-separated microbatch counts (default: divisors up to 64)")
-    parser.add_argument("--remat", help="comma-separated remat modes (default: none,selective,full)")
+    parser.add_argument("--microbatches", help="comma-separated microbatch counts (default: every divisor of the batch per replica)")
+    parser.add_argument("--virtual-stages", help="comma-separated virtual-stage counts of the interleaved schedule "
+                                                 "(default: every count dividing the fullest stage's layers)")
+    parser.add_argument("--remat", help="comma-separated remat modes (default: none,selective,full,save-dots; save-dots where the runtime is XLA's)")
     parser.add_argument("--zero", help="comma-separated ZeRO stages (default: 0,1,2,3)")
     parser.add_argument("--precision", help="comma-separated precisions (default: keep the plan's)")
     parser.add_argument("--contexts", help="comma-separated context-parallel degrees (default: 1, and for sequences "
@@ -123,6 +124,8 @@ def _space(args: argparse.Namespace, preset: bool = False):
         fields["microbatches"] = _csv(args.microbatches)
     if args.remat:
         fields["remat"] = _csv(args.remat)
+    if getattr(args, "virtual_stages", None):
+        fields["virtual_stages"] = _csv(args.virtual_stages)
     if args.zero:
         fields["zero"] = _csv(args.zero)
     if args.precision:

@@ -8,19 +8,25 @@ checks it on sampled plans), so what the search replays is unchanged.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from testbed.collectives.bounds import max_injection_bandwidth
 from testbed.collectives.routed import topology_memo
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, scaled
 from testbed.model.spans import action_spans, scaled_spans
+from testbed.pipeline.schedules import Schedule, build_schedule, peak_inflight, splits_backward
 from testbed.plan.sharding import gathers_parameters
+from testbed.plan.stages import chunk_counts
 from testbed.plan.spec import Plan
 from testbed.sim.action_work import action_work
 from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
-__all__ = ["step_floor", "played_floor"]
+__all__ = ["step_floor", "played_floor", "cached_step_floor", "floor_key", "group_floor_key", "cached_table",
+           "cached_peaks"]
 
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
@@ -37,6 +43,42 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
     exceeds the estimates it would have to beat to be replayed, without changing what it replays.
     """
+    return cached_step_floor(floor_key(plan), lambda: plan, topology)
+
+
+def cached_step_floor(key: tuple, build: Callable[[], Plan], topology: Topology) -> float | None:
+    """:func:`step_floor` of the plan ``build`` makes, whose :func:`floor_key` is ``key``; memoized per topology on
+    the key, so a plan alike in what the floor reads to one already bounded is not built."""
+    memo = topology_memo(topology).setdefault("step_floor_plans", {})
+    if key in memo:
+        return memo[key]
+    if len(memo) > 200_000:
+        memo.clear()
+    memo[key] = floor = _step_floor(build(), topology)
+    return floor
+
+
+def group_floor_key(plan: Plan) -> tuple:
+    """The part of :func:`floor_key` that plans alike but in microbatches, remat, sequence parallelism and runtime
+    share (a testbed.explore.space.CandidateGroup's)."""
+    mesh = plan.mesh
+    return (plan.model, mesh.tensor, mesh.stage, mesh.context, mesh.expert, mesh.expert_tensor,
+            plan.schedule.virtual_stages, _splits_backward(plan), plan.precision, plan.layers_per_stage,
+            plan.expert_imbalance, gathers_parameters(plan, "B"))
+
+
+def floor_key(plan: Plan) -> tuple:
+    """What :func:`step_floor` reads of ``plan``: its chunks' costs and GEMMs (testbed.sim.memo's keys: the mesh's
+    tensor, stage, context and expert degrees, not its data and fsdp degrees nor its order), the microbatches and
+    their size, and of the ZeRO stage and fsdp degree only whether the backward gathers the parameters again
+    (``state_sharding``, which the runtime's searched knobs leave alone), of the schedule's name only whether it
+    splits the backward. Plans alike in those share one floor."""
+    return (*group_floor_key(plan), plan.batch.microbatches, plan.microbatch_size, plan.remat,
+            plan.sequence_parallel, plan.runtime)
+
+
+def _step_floor(plan: Plan, topology: Topology) -> float | None:
+    """:func:`step_floor`, not memoized."""
     priced = _stage_floors(plan, topology)
     if priced is None:
         return None
@@ -99,16 +141,24 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
     split = _splits_backward(plan)
     kinds = ("F", "B", "W") if split else ("F", "B")
     priced: dict[tuple, dict[tuple[int, str], float]] = {}
+    chunks: dict[tuple, dict[str, float]] = {}  # a dense chunk's floors: by its layer count and the ends it holds
+    per = chunk_counts(plan.stage_layers, v)
     out = []
     for s in range(p):
         key = (plan.stage_layers[s], s == 0, s == p - 1)
         if key not in priced:
             seconds = {}
             for c in range(v):
-                cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
-                for kind in kinds:
-                    whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype)
-                    seconds[(c, kind)] = whole + _tensor_floor(plan, topology, tensor)
+                # A dense model's layers are alike, so a chunk's cost and GEMMs (testbed.model.costs.chunk_cost:
+                # its layer count, embedding and head) are those of any chunk alike in them: priced once.
+                alike = (per[s][c], (s, c) == (0, 0), (s, c) == (p - 1, v - 1))
+                if alike not in chunks:
+                    cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
+                    chunks[alike] = {}
+                    for kind in kinds:
+                        whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype)
+                        chunks[alike][kind] = whole + _tensor_floor(plan, topology, tensor)
+                seconds.update({(c, kind): x for kind, x in chunks[alike].items()})
             priced[key] = seconds
         out.append(priced[key])
     return out
@@ -153,10 +203,27 @@ def _tensor_floor(plan: Plan, topology: Topology, transfers: tuple[tuple[str, in
     if t == 1 or not transfers or plan.runtime.tp_comm_overlap:
         return 0.0
     moved = sum(count * nbytes for _, count, nbytes in transfers) * (t - 1) / t
-    return moved / max_injection_bandwidth(topology)
+    memo = topology_memo(topology)
+    if "max_injection_bandwidth" not in memo:  # a pass over every device: once per topology
+        memo["max_injection_bandwidth"] = max_injection_bandwidth(topology)
+    return moved / memo["max_injection_bandwidth"]
 
 
 def _splits_backward(plan: Plan) -> bool:
     """Whether ``plan``'s schedule splits the backward into B (input gradients) and W (weight gradients)."""
-    return cached_order(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
-                           plan.schedule.virtual_stages)[0].split_backward
+    return splits_backward(plan.schedule.name)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_table(name: str, stages: int, microbatches: int, virtual: int) -> Schedule:
+    """The schedule table alone (testbed.pipeline.schedules.build_schedule), memoized: the bounds read it for
+    every plan, and its execution order with dependency keys (testbed.sim.memo.cached_order), which costs far
+    more at hundreds of microbatches, only the plans they estimate need."""
+    return build_schedule(name, stages, microbatches, virtual)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_peaks(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """Per stage, the schedule's peak of activation sets held (testbed.pipeline.schedules.peak_inflight, as
+    testbed.model.memory.inflight_microbatches), memoized from :func:`cached_table`."""
+    return tuple(int(n) for n in peak_inflight(cached_table(name, stages, microbatches, virtual)))

@@ -20,17 +20,18 @@ space lists several precisions (MFU counts each against its own peak).
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from testbed.errors import InputError
-from testbed.explore.analytic import Estimate, cached_inflight, estimate, plan_memory
-from testbed.explore.floor import played_floor, step_floor
+from testbed.explore.analytic import Estimate, estimate, plan_memory
+from testbed.explore.eta import TimeLeft
+from testbed.explore.floor import cached_peaks, cached_step_floor, group_floor_key, played_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
-from testbed.explore.space import SearchSpace, candidates
+from testbed.explore.space import CandidateGroup, SearchSpace, candidate_groups, candidates
 from testbed.model.costs import model_flops_per_step
 from testbed.plan.spec import Plan
 from testbed.sim.engine import simulate
@@ -39,8 +40,9 @@ from testbed.topology import Topology
 
 __all__ = ["OBJECTIVES", "Candidate", "SearchResult", "search", "objective_value", "evaluate", "exhaustive_optimum"]
 
-#: Layouts a search enumerates at most (about 1 KB each, kept with their estimates; ~20 s of analytic tier).
-MAX_CANDIDATES = 100_000
+#: Layouts whose model states fit that a search bounds at most (each kept as its step floor and a reference into
+#: its candidate group, about 200 bytes; a plan is built only once it may be estimated).
+MAX_CANDIDATES = 1_000_000
 #: Objective -> True when higher is better.
 OBJECTIVES: dict[str, bool] = {"step_time": False, "tokens_per_s": True, "mfu": True, "cost": True}
 
@@ -169,19 +171,26 @@ def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0,
     return estimate(plan, topology, memory)
 
 
-def _overflows(plan: Plan, topology: Topology, memory_cap: float, floors: dict | None) -> bool:
-    """Whether one of ``plan``'s devices certainly needs more than ``memory_cap`` of its memory, by the two
-    cheap exact lower bounds :func:`evaluate` describes (False: it may still overflow elsewhere)."""
-    limit = memory_cap * int(topology.device.memory_bytes)  # as MemoryBreakdown.capacity
+def _states_overflow(plan: Plan, limit: float, floors: dict | None) -> bool:
+    """Whether ``plan``'s model states alone (testbed.model.memory.state_floor, the same for every plan of its
+    candidate group) need more than ``limit`` bytes on some device; memoized in ``floors`` when given."""
     key = (plan.mesh, plan.zero, plan.precision, plan.schedule.virtual_stages, plan.layers_per_stage)
     floor = None if floors is None else floors.get(key)
     if floor is None:
         floor = state_floor(plan)
         if floors is not None:
             floors[key] = floor
-    if floor > limit:
+    return floor > limit
+
+
+def _overflows(plan: Plan, topology: Topology, memory_cap: float, floors: dict | None) -> bool:
+    """Whether one of ``plan``'s devices certainly needs more than ``memory_cap`` of its memory, by the two
+    cheap exact lower bounds :func:`evaluate` describes (False: it may still overflow elsewhere)."""
+    limit = memory_cap * int(topology.device.memory_bytes)  # as MemoryBreakdown.capacity
+    if _states_overflow(plan, limit, floors):
         return True
-    inflight = cached_inflight(plan)
+    inflight = cached_peaks(plan.schedule.name.value, plan.mesh.stage, plan.batch.microbatches,
+                            plan.schedule.virtual_stages)
     capacity = int(topology.device.memory_bytes)
     rules = topology.device.buffer_rules
     return any(stage_memory(plan, s, inflight[s], capacity, rules).total > limit for s in probe_stages(plan))
@@ -199,10 +208,12 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         memory_cap: fraction of device memory a plan may use (0, 1].
         replay: how many analytically best candidates the DES replays; also
             every one within ``margin`` (relative) of the best estimate.
-        progress: called with ("bounds", done, total) while every plan's memory
-            and step floor are bounded (ranking by step time), ("analytic", done,
-            total) as the analytic tier advances, then ("replay", done, total)
-            during the DES replay.
+        progress: called with ("bounds", done, total, left_s) while every plan's
+            model states and step floor are bounded (ranking by step time),
+            ("analytic", done, total, left_s) as the analytic tier advances, then
+            ("replay", done, total, left_s) during the DES replay; ``left_s`` is
+            the search's estimate of its seconds left (testbed.explore.eta), or
+            None while it has no rate to go by.
     """
     if objective not in OBJECTIVES:
         raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
@@ -212,14 +223,8 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         raise InputError(f"must be at least 1, got {min(replay, top)}", field="--top")
     if objective == "cost":
         objective_value(objective, base, topology, 1.0, price_per_device_hour)  # validates the price first
-    plans = list(itertools.islice(filter(_within_limits, candidates(base, topology.num_devices, space)),
-                                  MAX_CANDIDATES + 1))
-    if len(plans) > MAX_CANDIDATES:
-        raise InputError(f"the search space holds more than {MAX_CANDIDATES:,} layouts of this model on "
-                         f"{topology.num_devices:,} devices (each is estimated, and kept, in memory); narrow it: "
-                         f"fewer --schedules, --microbatches or --max-microbatches, one --precisions, or fewer "
-                         f"--devices", field="space")
-    if not plans:
+    groups = [g for g in candidate_groups(base, topology.num_devices, space) if _within_limits(g.head)]
+    if not groups:
         raise InputError(f"no layout of this model and batch divides over {topology.num_devices} devices within "
                          f"the plan limits (testbed.plan.limits)",
                          field="--devices")
@@ -230,7 +235,8 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
     def rank(plan: Plan, step_time_s: float) -> float:
         return objective_value(objective, plan, topology, step_time_s, price_per_device_hour)
 
-    tier = _analytic_tier(plans, topology, memory_cap, max(replay, top), margin, by_time, rank, progress)
+    eta = TimeLeft()
+    tier = _analytic_tier(groups, topology, memory_cap, max(replay, top), margin, by_time, rank, progress, eta)
     analytic_s = time.perf_counter() - start
     shortlist = sorted(tier.shortlist, key=lambda c: _sort_key(objective, c))
     chosen = shortlist[:max(replay, top)]
@@ -239,15 +245,17 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         chosen += [c for c in shortlist[len(chosen):] if c.estimate.step_time_s <= best_est * (1 + margin)]
     start = time.perf_counter()
     replayed = []
+    eta.update("replay", 0)
     for k, c in enumerate(chosen):
         replayed.append(_replayed(c, topology, rank))
         if progress is not None:
-            progress("replay", k + 1, len(chosen))
+            eta.update("replay", k + 1)
+            progress("replay", k + 1, len(chosen), eta.seconds("replay", len(chosen) - k - 1))
     if by_time and replayed:
         replayed += _settle(shortlist[len(chosen):], tier, replayed, topology, memory_cap, margin, rank, progress)
         shortlist = sorted([*shortlist, *tier.revived], key=lambda c: _sort_key(objective, c))
     replayed.sort(key=lambda c: _sort_key(objective, c))
-    return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=len(plans),
+    return SearchResult(ranked=tuple(replayed), objective=objective, enumerated=tier.enumerated,
                         pruned_memory=tier.pruned, pruned_bound=tier.bounded - len(tier.revived), estimated=len(shortlist),
                         replayed=len(replayed), analytic_s=analytic_s, replay_s=time.perf_counter() - start,
                         shortlist=tuple(shortlist))
@@ -256,24 +264,29 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
 @dataclass
 class _Tier:
     """What the analytic pass over the candidates found: the estimated plans, the plans skipped for their
-    step floor (``deferred``: (floor, plan), for :func:`_settle`), the memory floors memo and the counts."""
+    step floor (``deferred``: (floor, the plan or its (group, index), built by :func:`_built`), for :func:`_settle`),
+    the memory floors memo and the counts."""
 
     shortlist: list[Candidate] = field(default_factory=list)
-    deferred: list[tuple[float, Plan]] = field(default_factory=list)
+    deferred: list[tuple[float, Plan | tuple[CandidateGroup, int]]] = field(default_factory=list)
     floors: dict = field(default_factory=dict)
     #: Deferred plans :func:`_settle` estimated after all (those that fit).
     revived: list[Candidate] = field(default_factory=list)
     pruned: int = 0
     bounded: int = 0
+    enumerated: int = 0
 
 
-def _analytic_tier(plans: list[Plan], topology: Topology, memory_cap: float, keep: int, margin: float,
-                   by_time: bool, rank: Callable, progress) -> _Tier:
+def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap: float, keep: int, margin: float,
+                   by_time: bool, rank: Callable, progress, eta: TimeLeft | None = None) -> _Tier:
     """Every candidate's memory bound, and the estimate of each that fits unless its step floor cannot reach the
     ``keep`` fastest estimates (plus ``margin``).
 
-    Ranked by step time (``by_time``), it is best-first: the floors of all the plans that may fit first, then
-    the estimates in floor order, so the ``keep`` fastest estimates are found early and every plan whose floor
+    A group of candidates (testbed.explore.space.CandidateGroup) whose model states alone overflow is dropped
+    whole before its plans are built (their states' bytes are the same). Ranked by step time (``by_time``), it
+    is best-first: the step floors of all the other plans first, then, in floor order, each plan's exact stage
+    peaks (:func:`_overflows`: the schedule's in-flight activations, which at hundreds of microbatches cost more
+    than the floor, so only for plans that could still be estimated) and its estimate, so the ``keep`` fastest estimates are found early and every plan whose floor
     is above them is skipped (once one is, all later ones are: the floors only grow, the bar only falls). A
     plan whose estimate could reach the replay list has a floor below it, so it is estimated in either order.
     Before its estimate, a plan's schedule is played at its floors (:func:`testbed.explore.floor.played_floor`,
@@ -281,28 +294,51 @@ def _analytic_tier(plans: list[Plan], topology: Topology, memory_cap: float, kee
     the bar only falls, so it would be above the final bar too, and the plans estimated at or below the final
     bar are the same.
     """
-    tier = _Tier()
+    tier = _Tier(enumerated=sum(g.size for g in groups))
+    total, done, kept = tier.enumerated, 0, 0
+    eta = eta or TimeLeft()
+    eta.update("bounds" if by_time else "analytic", 0)
+    limit = memory_cap * int(topology.device.memory_bytes)  # as MemoryBreakdown.capacity
+    bounded: list[tuple[float, int, tuple[CandidateGroup, int]]] = []
+    for group in groups:
+        if _states_overflow(group.head, limit, tier.floors):
+            tier.pruned += group.size
+        else:
+            kept += group.size
+            if kept > MAX_CANDIDATES:
+                raise InputError(f"the search space holds more than {MAX_CANDIDATES:,} layouts of this model on "
+                                 f"{topology.num_devices:,} devices whose model states fit (each is bounded, and "
+                                 f"kept, in memory); narrow it: fewer --schedules, --microbatches or "
+                                 f"--max-microbatches, one --precisions, or fewer --devices", field="space")
+            if not by_time:
+                for plan in group.plans():
+                    _estimate_into(tier, plan, topology, memory_cap, rank, None, keep)
+            else:  # no floor (context, expert parallelism, a shared host): estimated first
+                shared, replicas = group_floor_key(group.head), group.head.replicas
+                for j, (mb, remat, sp, runtime) in enumerate(group.choices()):
+                    key = (*shared, mb, group.head.batch.global_batch // (replicas * mb), remat, sp, runtime)
+                    floor = cached_step_floor(key, functools.partial(group.plan, j), topology)
+                    bounded.append((floor or 0.0, len(bounded), (group, j)))
+        done += group.size
+        if progress is not None:
+            phase = "analytic" if not by_time else "bounds"
+            eta.update(phase, done)
+            progress(phase, done, total, eta.seconds(phase, total - done, replays=keep))
     if not by_time:
-        for i, plan in enumerate(plans):
-            _estimate_into(tier, plan, topology, memory_cap, rank, None, keep)
-            if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
-                progress("analytic", i + 1, len(plans))
         return tier
-    bounded: list[tuple[float, int, Plan]] = []
-    for i, plan in enumerate(plans):
-        if _overflows(plan, topology, memory_cap, tier.floors):
-            tier.pruned += 1
-        else:  # no floor (context, expert parallelism, a shared host): estimated first
-            bounded.append((step_floor(plan, topology) or 0.0, i, plan))
-        if progress is not None and (i % 64 == 0 or i == len(plans) - 1):
-            progress("bounds", i + 1, len(plans))
     bounded.sort(key=lambda x: x[:2])
     fastest: list[float] = []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
-    for k, (floor, _, plan) in enumerate(bounded):
+    eta.update("analytic", 0)
+    before, floors = total - len(bounded), [x[0] for x in bounded]
+    for k, (floor, _, (group, j)) in enumerate(bounded):
         if len(fastest) >= keep and floor > -fastest[0] * (1 + margin):
             tier.bounded += len(bounded) - k
-            tier.deferred.extend((f, p) for f, _, p in bounded[k:])
+            tier.deferred.extend((f, ref) for f, _, ref in bounded[k:])
             break
+        plan = group.plan(j)
+        if _overflows(plan, topology, memory_cap, tier.floors):  # its stages' exact peaks, now it may be estimated
+            tier.pruned += 1
+            continue
         if len(fastest) >= keep and floor:  # the schedule played at its floors (the bubble): skipped if too slow
             played = max(floor, played_floor(plan, topology) or 0.0)
             if played > -fastest[0] * (1 + margin):
@@ -310,11 +346,19 @@ def _analytic_tier(plans: list[Plan], topology: Topology, memory_cap: float, kee
                 tier.deferred.append((played, plan))
                 continue
         _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep)
-        if progress is not None and (k % 8 == 0):  # an estimate at flagship scale takes tens of ms
-            progress("analytic", tier.pruned + k + 1, len(plans))
+        if progress is not None:
+            eta.update("analytic", k + 1)
+            bar = -fastest[0] * (1 + margin) if len(fastest) >= keep else float("inf")
+            may = bisect.bisect_right(floors, bar, lo=k + 1) - (k + 1)  # plans whose floor may still be estimated
+            progress("analytic", before + k + 1, total, eta.seconds("analytic", may, replays=keep))
     if progress is not None:
-        progress("analytic", len(plans), len(plans))
+        progress("analytic", total, total)
     return tier
+
+
+def _built(ref: Plan | tuple[CandidateGroup, int]) -> Plan:
+    """The plan of a deferred entry: itself, or the ``index``-th of its ``(group, index)``."""
+    return ref if isinstance(ref, Plan) else ref[0].plan(ref[1])
 
 
 def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: float, rank: Callable,
@@ -359,7 +403,7 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
     out: list[Candidate] = []
     while len(out) < SETTLE_LIMIT:
         while deferred and deferred[0][0] * (1 + margin) < best:  # its estimate may beat the best: estimate it
-            plan = deferred.pop(0)[1]
+            plan = _built(deferred.pop(0)[1])
             est = evaluate(plan, topology, memory_cap, tier.floors)
             if est is None:
                 tier.pruned += 1
@@ -372,7 +416,7 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
         out.append(_replayed(pending.pop(0), topology, rank))
         best = min(best, out[-1].report.step_time_s)
         if progress is not None:
-            progress("replay", len(replayed) + len(out), len(replayed) + len(out))
+            progress("replay", len(replayed) + len(out), len(replayed) + len(out), None)
     return out
 
 

@@ -24,18 +24,27 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import NamedTuple
 from dataclasses import dataclass, replace
 
 from testbed.errors import InputError, closest
 from testbed.plan import presets
 from testbed.plan.io import plan_from_dict
+from testbed.plan.limits import MAX_MICROBATCHES, MAX_PIPELINE_ACTIONS
+from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.stages import chunks_fit, near_even
-from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Precision, Remat, ScheduleName, ScheduleSpec, MeshSpec
+from testbed.plan.spec import (MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, Precision, Remat, ScheduleName,
+                               ScheduleSpec)
 from testbed.topology import Form, Topology
 
-__all__ = ["SearchSpace", "preset_plan", "candidates", "factorisations", "count_candidates", "context_degrees",
+__all__ = ["SearchSpace", "SAVE_DOTS", "preset_plan", "candidates", "candidate_groups", "CandidateGroup",
+           "virtual_stage_counts", "factorisations", "count_candidates", "context_degrees",
            "expert_degrees",
            "resize_topology", "shrink_plan", "LONG_SEQUENCE", "MIN_CONTEXT_TOKENS"]
+
+#: The space's name for selective remat under ``runtime.recompute: save-dots`` (:attr:`SearchSpace.remat`).
+SAVE_DOTS = "save-dots"
+
 
 def _choices(values, name: str, parse) -> tuple:
     try:
@@ -62,11 +71,19 @@ class SearchSpace:
     """
 
     schedules: tuple[str, ...] = tuple(s.value for s in ScheduleName)
-    virtual_stages: tuple[int, ...] = (2, 3, 4)
+    #: Virtual stages of the interleaved schedule. None: every count above 1 that divides the fullest stage's
+    #: layers and whose chunks hold a layer each (testbed.plan.stages.chunk_counts; Meta's 8 on 126 layers over 16
+    #: stages as ``7, 8 x 14, 7``).
+    virtual_stages: tuple[int, ...] | None = None
     microbatches: tuple[int, ...] | None = None
-    max_microbatches: int = 64
+    #: The most microbatches a candidate splits a replica's batch into. None: the batch per replica (one sequence a
+    #: microbatch).
+    max_microbatches: int | None = None
     zero: tuple[int, ...] = (0, 1, 2, 3)
-    remat: tuple[str, ...] = tuple(r.value for r in Remat)
+    #: Remat modes, and ``save-dots``: selective remat under ``runtime.recompute: save-dots`` (MaxText's
+    #: ``minimal``: every weight matmul's output saved), tried where XLA's checkpoint policies decide what a step
+    #: keeps (``runtime.framework: jax``) and the base runtime recomputes as the runner does.
+    remat: tuple[str, ...] = (*(r.value for r in Remat), SAVE_DOTS)
     precisions: tuple[str, ...] | None = None
     #: Context-parallel degrees (ring attention). None: 1, and for sequences of at least LONG_SEQUENCE tokens every
     #: degree that divides the devices and leaves each rank MIN_CONTEXT_TOKENS or more in whole zigzag chunks.
@@ -80,19 +97,32 @@ class SearchSpace:
     #: MoE parallel folding (``mesh.expert_tensor`` 1: each expert whole, the experts over expert x tensor), tried
     #: where an MoE model has a tensor axis. None: both (false: the experts split over tensor like the dense MLP).
     fold_experts: tuple[bool, ...] | None = None
+    #: Runtime knobs of the user's stack (testbed.plan.runtime), each tried where it acts: gradient bucket bytes
+    #: where gradients are reduced, overlapped reductions of replicated gradients, tensor collectives overlapped
+    #: with their GEMMs, fsdp blocks gathered ahead. None: the base plan's runtime value.
+    grad_bucket_bytes: tuple[float, ...] | None = None
+    grad_reduce_overlap: tuple[bool, ...] | None = None
+    tp_comm_overlap: tuple[bool, ...] | None = None
+    fsdp_prefetch: tuple[int, ...] | None = None
+    #: Placement orders of the mesh axes, outermost first (``mesh.order``). None: the canonical order
+    #: (testbed.plan.spec.MESH_AXES, Megatron's tp-cp-ep-dp-pp innermost first).
+    mesh_orders: tuple[tuple[str, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedules", _choices(self.schedules, "space.schedules",
                                                        lambda s: ScheduleName(s).value))
-        object.__setattr__(self, "virtual_stages", _positive_ints(self.virtual_stages, "space.virtual_stages"))
+        if self.virtual_stages is not None:
+            object.__setattr__(self, "virtual_stages", _positive_ints(self.virtual_stages, "space.virtual_stages"))
         if self.microbatches is not None:
             object.__setattr__(self, "microbatches", _positive_ints(self.microbatches, "space.microbatches"))
-        _positive_ints((self.max_microbatches,), "space.max_microbatches")
+        if self.max_microbatches is not None:
+            _positive_ints((self.max_microbatches,), "space.max_microbatches")
         zero = _choices(self.zero, "space.zero", int)
         if any(z not in (0, 1, 2, 3) for z in zero):
             raise InputError(f"ZeRO stages are 0..3, got {list(self.zero)}", field="space.zero")
         object.__setattr__(self, "zero", zero)
-        object.__setattr__(self, "remat", _choices(self.remat, "space.remat", lambda r: Remat(r).value))
+        object.__setattr__(self, "remat", _choices(self.remat, "space.remat",
+                                                   lambda r: r if r == SAVE_DOTS else Remat(r).value))
         if self.contexts is not None:
             object.__setattr__(self, "contexts", _positive_ints(self.contexts, "space.contexts"))
         if self.experts is not None:
@@ -112,6 +142,29 @@ class SearchSpace:
         if self.precisions is not None:
             object.__setattr__(self, "precisions", _choices(self.precisions, "space.precisions",
                                                             lambda p: Precision(p).value))
+        for name in ("grad_reduce_overlap", "tp_comm_overlap"):
+            if getattr(self, name) is not None:
+                flags = _choices(getattr(self, name), f"space.{name}", lambda v: v)
+                if any(not isinstance(v, bool) for v in flags):
+                    raise InputError(f"must be true or false values, got {list(flags)}", field=f"space.{name}")
+                object.__setattr__(self, name, flags)
+        if self.grad_bucket_bytes is not None:
+            buckets = _choices(self.grad_bucket_bytes, "space.grad_bucket_bytes", float)
+            if any(b < 0 for b in buckets):
+                raise InputError(f"must be bytes >= 0 (0: one bucket per layer), got {list(buckets)}",
+                                 field="space.grad_bucket_bytes")
+            object.__setattr__(self, "grad_bucket_bytes", buckets)
+        if self.fsdp_prefetch is not None:
+            prefetch = _choices(self.fsdp_prefetch, "space.fsdp_prefetch", int)
+            if any(isinstance(v, bool) or v < 0 for v in prefetch):
+                raise InputError(f"must be whole numbers >= 0, got {list(prefetch)}", field="space.fsdp_prefetch")
+            object.__setattr__(self, "fsdp_prefetch", prefetch)
+        if self.mesh_orders is not None:
+            orders = _choices(self.mesh_orders, "space.mesh_orders", lambda o: tuple(Axis(a).value for a in o))
+            if any(sorted(o) != sorted(a.value for a in Axis) for o in orders):
+                raise InputError(f"each order lists every mesh axis once ({', '.join(a.value for a in MESH_AXES)}), "
+                                 f"got {[list(o) for o in orders]}", field="space.mesh_orders")
+            object.__setattr__(self, "mesh_orders", orders)
 
 
 def preset_plan(name: str, global_batch: int | None = None, seq_len: int | None = None) -> Plan:
@@ -175,48 +228,131 @@ def expert_degrees(base: Plan, devices: int, space: SearchSpace) -> tuple[int, .
     return tuple(e for e in chosen if devices % e == 0 and experts % e == 0)
 
 
+class CandidateGroup(NamedTuple):
+    """Candidates alike in all their model states' bytes depend on (mesh, schedule, ZeRO, precision, stage
+    split): they differ in microbatches, remat, sequence parallelism and runtime knobs only. ``head`` is the
+    first of them; :meth:`plans` builds them all (``head`` first), ``size`` counts them without building them."""
+
+    head: Plan
+    size: int
+    micro: tuple[int, ...]
+    inner: tuple[tuple, ...]  # (remat, sequence_parallel, mesh's runtime) choices, in order
+
+    def plan(self, index: int) -> Plan:
+        """The ``index``-th plan of :meth:`plans`, built alone."""
+        remat, sp, runtime = self.inner[index % len(self.inner)]
+        batch = BatchSpec(global_batch=self.head.batch.global_batch, microbatches=self.micro[index // len(self.inner)])
+        return replace(self.head, batch=batch, remat=remat, sequence_parallel=sp, runtime=runtime)
+
+    def choices(self) -> Iterator[tuple[int, Remat, bool, RuntimeSpec]]:
+        """(microbatches, remat, sequence_parallel, runtime) of each plan of :meth:`plans`, in order, unbuilt."""
+        for mb in self.micro:
+            for remat, sp, runtime in self.inner:
+                yield mb, remat, sp, runtime
+
+    def plans(self) -> Iterator[Plan]:
+        """Every plan of the group, ``head`` first."""
+        base = self.head
+        for mb in self.micro:
+            batch = BatchSpec(global_batch=base.batch.global_batch, microbatches=mb)
+            for remat, sp, runtime in self.inner:
+                yield replace(base, batch=batch, remat=remat, sequence_parallel=sp, runtime=runtime)
+
+
 def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> Iterator[Plan]:
     """Every plan of ``space`` on ``devices`` devices that the runner accepts (module docstring), in a fixed order."""
+    for group in candidate_groups(base, devices, space):
+        yield from group.plans()
+
+
+def candidate_groups(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> Iterator[CandidateGroup]:
+    """:func:`candidates` group by group (:class:`CandidateGroup`), in the same order; a search bounds a group's
+    model states once, before it builds its plans. Microbatch counts past testbed.plan.limits' pipeline actions
+    are left out."""
     m = base.model
     precisions = space.precisions or (base.precision.value,)
     meshes = ((c, e, *f) for c in context_degrees(base, devices, space) for e in expert_degrees(base, devices // c, space)
               for f in factorisations(devices // (c * e)))
+    orders = space.mesh_orders or (tuple(a.value for a in MESH_AXES),)
     for context, expert, data, fsdp, tensor, stage in meshes:
         replicas = data * fsdp * expert  # the expert axis splits the batch in the dense parts
         if (m.heads % tensor or m.d_ff % tensor or m.vocab % tensor or m.layers < stage
                 or base.batch.global_batch % replicas or (stage > 1 and m.tied_embeddings)):
             continue
         folds = _expert_tensor(base, space, tensor, expert)
-        if not folds:
-            continue
-        meshes_here = [MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage, context=context, expert=expert,
-                                expert_tensor=f) for f in folds]
         split = near_even(m.layers, stage)  # None: the even split; else uneven, the ends lighter
         per_replica = base.batch.global_batch // replicas
-        micro = [x for x in (space.microbatches or _divisors(per_replica, space.max_microbatches))
-                 if per_replica % x == 0]
+        micro = tuple(x for x in (space.microbatches or _divisors(per_replica, space.max_microbatches or per_replica))
+                      if per_replica % x == 0 and x <= MAX_MICROBATCHES)
         sp_choices = _sequence_parallel(base, space, tensor, context)
-        schedules: list[ScheduleSpec] = []
-        for name in (space.schedules if stage > 1 else (ScheduleName.ONE_F_ONE_B.value,)):
-            if name == ScheduleName.INTERLEAVED.value:  # uneven stages' chunks split as testbed.plan.stages says
-                schedules.extend(ScheduleSpec(name=name, virtual_stages=v) for v in space.virtual_stages
-                                 if v > 1 and (m.layers % (stage * v) == 0 if split is None else chunks_fit(split, v)))
-            else:
-                schedules.append(ScheduleSpec(name=name))
-        if stage == 1 and ScheduleName.ONE_F_ONE_B.value not in space.schedules and space.schedules:
-            schedules = [ScheduleSpec(name=ScheduleName.ONE_F_ONE_B)]  # one program: the name does not matter
-        for schedule in schedules:
-            for mb in micro:
-                if schedule.name is ScheduleName.INTERLEAVED and mb % stage:
-                    continue
-                batch = BatchSpec(global_batch=base.batch.global_batch, microbatches=mb)
-                for zero in (space.zero if data > 1 else (0,)):
-                    for remat, precision, sp, mesh in itertools.product(space.remat, precisions, sp_choices,
-                                                                        meshes_here):
-                        # The base's layers_per_stage fits its own mesh only: each candidate gets its own.
-                        yield replace(base, mesh=mesh, schedule=schedule, batch=batch, zero=zero,
-                                      remat=Remat(remat), precision=Precision(precision), layers_per_stage=split,
-                                      sequence_parallel=sp)
+        for schedule, mesh in itertools.product(_schedules(base, space, stage, split),
+                                                [MeshSpec(data=data, fsdp=fsdp, tensor=tensor, stage=stage,
+                                                          context=context, expert=expert, expert_tensor=f, order=o)
+                                                 for f in folds for o in orders]):
+            v = schedule.virtual_stages
+            fit = tuple(mb for mb in micro if (schedule.name is not ScheduleName.INTERLEAVED or mb % stage == 0)
+                        and 3 * stage * mb * v <= MAX_PIPELINE_ACTIONS)
+            if not fit:
+                continue
+            for zero, precision in itertools.product(space.zero if data > 1 else (0,), precisions):
+                inner = tuple((Remat.SELECTIVE if remat == SAVE_DOTS else Remat(remat), sp, runtime)
+                              for remat in _remats(base, space) for sp in sp_choices
+                              for runtime in _runtimes(base, space, mesh, zero, remat == SAVE_DOTS))
+                # The base's layers_per_stage fits its own mesh only: each candidate gets its own.
+                head = replace(base, mesh=mesh, schedule=schedule, zero=zero, precision=Precision(precision),
+                               layers_per_stage=split, batch=BatchSpec(global_batch=base.batch.global_batch,
+                                                                       microbatches=fit[0]),
+                               remat=inner[0][0], sequence_parallel=inner[0][1], runtime=inner[0][2])
+                yield CandidateGroup(head=head, size=len(fit) * len(inner), micro=fit, inner=inner)
+
+
+def virtual_stage_counts(layers: int, stage: int, split: tuple[int, ...] | None,
+                         space: SearchSpace = SearchSpace()) -> tuple[int, ...]:
+    """The interleaved schedule's virtual-stage counts of ``stage`` stages holding ``split`` (None: the even
+    split) of ``layers`` layers: :attr:`SearchSpace.virtual_stages`, or every count above 1 dividing the fullest
+    stage's layers; those whose chunks each hold a layer only (an even split: ``layers`` divisible by
+    ``stage x virtual``; uneven: testbed.plan.stages.chunks_fit)."""
+    fullest = max(split) if split is not None else layers // stage
+    chosen = space.virtual_stages or tuple(v for v in range(2, fullest + 1) if fullest % v == 0)
+    return tuple(v for v in chosen
+                 if v > 1 and (layers % (stage * v) == 0 if split is None else chunks_fit(split, v)))
+
+
+def _schedules(base: Plan, space: SearchSpace, stage: int, split: tuple[int, ...] | None) -> list[ScheduleSpec]:
+    """The schedules of a ``stage``-stage mesh: the space's, interleaved once per virtual-stage count
+    (:func:`virtual_stage_counts`); a single stage runs ``1f1b`` only (one program: the name does not matter)."""
+    if stage == 1:
+        return [ScheduleSpec(name=ScheduleName.ONE_F_ONE_B)]
+    out: list[ScheduleSpec] = []
+    for name in space.schedules:
+        if name == ScheduleName.INTERLEAVED.value:
+            out.extend(ScheduleSpec(name=name, virtual_stages=v)
+                       for v in virtual_stage_counts(base.model.layers, stage, split, space))
+        else:
+            out.append(ScheduleSpec(name=name))
+    return out
+
+
+def _remats(base: Plan, space: SearchSpace) -> tuple[str, ...]:
+    """The space's remat modes for ``base``: ``save-dots`` only where the runtime's framework is XLA's and its
+    recompute the runner's (elsewhere the stack's own policy decides what selective remat saves)."""
+    dots = base.runtime.framework == "jax" and base.runtime.recompute == "runner"
+    return tuple(r for r in space.remat if r != SAVE_DOTS or dots)
+
+
+def _runtimes(base: Plan, space: SearchSpace, mesh: MeshSpec, zero: int, save_dots: bool) -> list[RuntimeSpec]:
+    """The base runtime with each knob of the space (:attr:`SearchSpace.grad_bucket_bytes` and the others) set to
+    each of its values where it acts on ``mesh`` and ``zero``, and ``recompute: save-dots`` for ``save_dots``."""
+    runtime = replace(base.runtime, recompute="save-dots") if save_dots else base.runtime
+    reduces = mesh.size // (mesh.tensor * mesh.stage) > 1  # some axis reduces gradients
+    acts = {"grad_bucket_bytes": reduces, "grad_reduce_overlap": mesh.data > 1 and zero < 2,
+            "tp_comm_overlap": mesh.tensor > 1, "fsdp_prefetch": mesh.fsdp > 1 or (mesh.data > 1 and zero == 3)}
+    out = [runtime]
+    for name, active in acts.items():
+        values = getattr(space, name)
+        if values is not None and active:
+            out = [replace(r, **{name: v}) for r in out for v in values]
+    return out
 
 
 def _expert_tensor(base: Plan, space: SearchSpace, tensor: int, expert: int) -> tuple[int | None, ...]:
@@ -247,8 +383,8 @@ def _sequence_parallel(base: Plan, space: SearchSpace, tensor: int, context: int
 
 
 def count_candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> int:
-    """How many plans :func:`candidates` yields (for a progress bar's total)."""
-    return sum(1 for _ in candidates(base, devices, space))
+    """How many plans :func:`candidates` yields (for a progress bar's total), without building them."""
+    return sum(g.size for g in candidate_groups(base, devices, space))
 
 
 def resize_topology(topology: Topology, devices: int) -> Topology:

@@ -28,7 +28,7 @@ from testbed.plan.limits import MAX_STAGES
 from testbed.plan.spec import Plan, ScheduleName
 
 __all__ = [
-    "Action", "Schedule", "Send", "KINDS", "build_schedule", "dependencies", "validate",
+    "splits_backward", "Action", "Schedule", "Send", "KINDS", "build_schedule", "dependencies", "validate",
     "execution_order", "peak_inflight", "held_during", "peak_deferred_weight_grads", "held_by_gradient_chunks",
     "sends", "schedule_names",
     "schedule_for_plan", "dependency_keys", "MAX_ACTIONS", "check_schedule_size",
@@ -407,6 +407,12 @@ def check_schedule_size(kind: ScheduleName, stages: int, microbatches: int, virt
                          f"{MAX_ZERO_BUBBLE_TICKS:,} scheduling steps; use fewer stages", field="stages")
 
 
+def splits_backward(name: str | ScheduleName) -> bool:
+    """Whether schedule ``name`` splits the backward into B (input gradients) and W (weight gradients): the
+    zero-bubble schedules (a table's ``split_backward``, known without building it)."""
+    return ScheduleName(str(name).lower()) in (ScheduleName.ZB_H1, ScheduleName.ZB_H2)
+
+
 def build_schedule(name: str | ScheduleName, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The table of schedule ``name`` for ``stages`` x ``microbatches`` (``virtual`` chunks for interleaved)."""
     try:
@@ -424,7 +430,7 @@ def build_schedule(name: str | ScheduleName, stages: int, microbatches: int, vir
         raise InputError(f"virtual > 1 needs schedule `interleaved`, not `{kind}`", field="virtual")
     if kind is ScheduleName.INTERLEAVED and p > 1 and m % p:
         raise InputError(f"interleaved needs microbatches ({m}) divisible by stages ({p})", field="microbatches")
-    split = kind in (ScheduleName.ZB_H1, ScheduleName.ZB_H2)
+    split = splits_backward(kind)
     if kind is ScheduleName.GPIPE:
         rows = _gpipe(p, m)
     elif kind is ScheduleName.ONE_F_ONE_B:
