@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from testbed.errors import InputError
-from testbed.model import kept, xla_tpu
+from testbed.model import kept, workspace, xla_tpu
 from testbed.model.memory import memory_breakdown
 from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
@@ -78,7 +78,23 @@ def test_the_head_keeps_compute_dtype_logits_beside_one_fp32_buffer() -> None:
 def test_other_stacks_keep_their_own_rules_on_a_tpu() -> None:
     plan = _plan(remat="full")
     assert xla_tpu.applies(plan, "xla-tpu") and not xla_tpu.applies(plan, "xla")
-    for runtime in (RuntimeSpec(framework="pytorch"), RuntimeSpec(fused_loss=True), RuntimeSpec(vocab_tiles=4)):
+    for runtime in (RuntimeSpec(framework="pytorch"), RuntimeSpec(vocab_tiles=4), RuntimeSpec(recompute="block")):
         other = replace(plan, runtime=runtime)
         assert not xla_tpu.applies(other, "xla-tpu")
         assert memory_breakdown(other, TPU).total == memory_breakdown(other, _as_cpu_rules(TPU)).total
+
+
+def test_the_loss_floor_rematerialises_the_fp32_buffer() -> None:
+    """Under the compiler's loss floor (testbed.model.floors: ``fused_loss``) the loss holds its compute-dtype
+    gradient, not the fp32 log-softmax."""
+    plan = _plan(remat="full")
+    floored = replace(plan, runtime=RuntimeSpec(fused_loss=True))
+    assert xla_tpu.applies(floored, "xla-tpu")
+    assert 2 * xla_tpu.loss_workspace_bytes(floored) == xla_tpu.loss_workspace_bytes(plan)
+
+
+def test_selective_remat_holds_two_score_buffers_on_a_tpu() -> None:
+    plan = _plan(remat="selective")
+    score = 2 * plan.microbatch_size * SPEC.heads * SPEC.seq_len ** 2
+    assert workspace.attention_workspace(plan, tpu=True) == 2 * score
+    assert workspace.attention_workspace(plan) == 4 * score  # XLA:CPU materialises the recompute beside them

@@ -12,18 +12,20 @@ from testbed.plan.spec import Attention, Plan, Remat
 __all__ = ["attention_workspace", "flash_workspace", "flash_tile", "layer_workspace", "sublayer_workspace"]
 
 
-def attention_workspace(plan: Plan) -> int:
+def attention_workspace(plan: Plan, tpu: bool = False) -> int:
     """Transient score-sized buffers of one layer's attention backward.
 
     The softmax is not fused into one kernel: its backward materialises the
     gradient of the probabilities and of the scores (2 buffers); selective
-    remat first recomputes the scores and probabilities (2 more).
+    remat first recomputes the scores and probabilities (2 more), except under
+    XLA:TPU (``tpu``), which recomputes them inside the softmax backward's fusion
+    (testbed.model.xla_tpu).
     """
     spec, c = rank_spec(plan), plan.precision.compute_bytes
     if spec.attention is Attention.FLASH:
         return splash_workspace(plan) if splash_kernel(plan) else flash_workspace(plan)
     score = c * plan.microbatch_size * spec.heads * spec.seq_len ** 2 // plan.mesh.tensor
-    return score * (4 if plan.remat is Remat.SELECTIVE else 2)
+    return score * (4 if plan.remat is Remat.SELECTIVE and not tpu else 2)
 
 
 def flash_workspace(plan: Plan) -> int:
@@ -63,10 +65,10 @@ def layer_workspace(plan: Plan, tpu: bool = False) -> int:
     plus what remat recomputes and the collectives' buffers (testbed.model.kept)."""
     recompute = xla_tpu.recompute_workspace_bytes(plan) if tpu else kept.recompute_workspace_bytes(plan)
     recompute += kept.tensor_collective_workspace(plan)
-    return sublayer_workspace(plan) + recompute + moe.dispatch_workspace(plan)
+    return sublayer_workspace(plan, tpu) + recompute + moe.dispatch_workspace(plan)
 
 
-def sublayer_workspace(plan: Plan) -> int:
+def sublayer_workspace(plan: Plan, tpu: bool = False) -> int:
     """The larger of a layer's attention-backward transients (score or flash tiles, the ring's messages) and its
     MLP-backward transients (the hidden and residual gradients): the MLP's backward ends, and frees them, before
     the attention's begins (XLA:CPU's scheduled steps in ``benchmarks/memory_vs_xla.py``: no MLP-backward buffer
@@ -76,7 +78,7 @@ def sublayer_workspace(plan: Plan) -> int:
     n = plan.microbatch_size * spec.seq_len
     residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
     hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
-    attention = attention_workspace(plan)
+    attention = attention_workspace(plan, tpu)
     if plan.mesh.context > 1 and not splash_kernel(plan):  # the ring's messages beside a later step's tiles
         tiles = flash_tile(plan) * (2 * costs.FLASH_BYTES + plan.precision.compute_bytes)
         attention = ring_attention_workspace(plan, attention, tiles)

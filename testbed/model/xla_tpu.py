@@ -13,8 +13,13 @@ runner's step compiled deviceless for ``v5e`` slices, ``benchmarks/memory_vs_xla
   logits-sized fp32 buffer at the loss (:func:`head_kept_bytes`, :func:`loss_workspace_bytes`); no block's
   recompute is scheduled beside it and no logits-sized buffer waits for a deferred weight gradient.
 
-These rules cover the runner's own mechanisms (``runtime.recompute: runner``, no fused or tiled loss, no
-offloading); any other stack keeps testbed.model.kept's rules (:func:`applies`).
+Selective remat's recomputed scores and probabilities stay inside the softmax backward's fusion: its attention
+backward holds two score-sized buffers, as without remat (testbed.model.workspace). Against the device's limit the
+compiler's floors apply as on XLA:CPU (testbed.model.floors): under the loss floor (``fused_loss``) the loss's fp32
+buffer is rematerialised and its gradient is one compute-dtype logits buffer.
+
+These rules cover the runner's own mechanisms (``runtime.recompute: runner``, no tiled loss, no offloading); any
+other stack keeps testbed.model.kept's rules (:func:`applies`).
 """
 
 from __future__ import annotations
@@ -33,8 +38,7 @@ def applies(plan: Plan, buffer_rules: str) -> bool:
     """Whether the plan's step is priced by XLA:TPU's rules: a ``xla-tpu`` device and the runner's own program."""
     runtime = plan.runtime
     return (buffer_rules == "xla-tpu" and xla_program(plan) and runtime.recompute == "runner"
-            and not runtime.fused_loss and runtime.vocab_tiles == 1 and not runtime.offload_activations
-            and not runtime.scan_layers)
+            and runtime.vocab_tiles == 1 and not runtime.offload_activations and not runtime.scan_layers)
 
 
 def _residual(plan: Plan) -> int:
@@ -89,5 +93,8 @@ def head_kept_bytes(plan: Plan) -> int:
 
 
 def loss_workspace_bytes(plan: Plan) -> int:
-    """The loss's transient: one fp32 logits-sized buffer (the log-softmax the loss and its gradient read)."""
+    """The loss's transient: one fp32 logits-sized buffer (the log-softmax the loss and its gradient read), or
+    under ``runtime.fused_loss`` (the compiler's loss floor, testbed.model.floors) the compute-dtype gradient."""
+    if plan.runtime.fused_loss:
+        return plan.precision.compute_bytes * _logits(plan)
     return LOSS_BYTES * _logits(plan)
