@@ -57,6 +57,7 @@ from testbed.plan.spec import Plan
 from testbed.sim.attention_kernels import kernel_efficiency
 from testbed.sim.grouped_kernels import grouped_rate
 from testbed.topology import Topology
+from testbed.topology.parts import matmul_dtype
 from testbed.topology.calibration import ComputeCalibration
 
 __all__ = ["compute_seconds", "plan_matmul_dtype", "pass_seconds", "gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model",
@@ -79,8 +80,13 @@ GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1,
 def plan_matmul_dtype(plan: Plan, topology: Topology) -> str:
     """The dtype whose rate the plan's matmuls run at on ``topology`` (both simulator tiers price with it): the
     plan's compute dtype under its ``runtime.matmul_precision``, by testbed.topology.parts.DeviceSpec.matmul_dtype
-    (an fp32 plan at the default precision on a TPU: bf16). A GEMM's operand bytes follow the same dtype."""
-    return topology.device.matmul_dtype(plan.precision.compute_dtype, plan.runtime.matmul_precision)
+    (an fp32 plan at the default precision on a TPU: bf16). A GEMM's operand bytes follow the same dtype. A bf16
+    plan keeps the listed bf16 peak on every device: ``device.bf16_matmuls`` prices traced programs only
+    (calibrate fits the bf16 peak to its bf16 steps, converts included)."""
+    device, dtype = topology.device, plan.precision.compute_dtype
+    if "bf16" not in device.peak_flops:
+        return dtype
+    return matmul_dtype(dtype, plan.runtime.matmul_precision, fp32_matmuls=device.fp32_matmuls)
 
 
 def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
