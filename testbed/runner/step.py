@@ -119,9 +119,14 @@ def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None, context: Any = None,
 
 
 def mesh_attention_kernel(plan: Plan, mesh: Any, context: Any = None) -> AttentionKernel:
-    """Flash attention's kernel for the plan's step on ``mesh`` (testbed.runner.tpu_attention.attention_kernel)."""
-    return attention_kernel(flash=plan.model.attention == "flash", platform=mesh.devices.flat[0].platform,
-                            devices=mesh.devices.size, seq=plan.model.seq_len, context=context is not None)
+    """Flash attention's kernel for the plan's step on ``mesh`` (testbed.runner.tpu_attention.attention_kernel); an
+    abstract mesh (check-sharding's lowering, no devices) names its platform by its abstract device, if any."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        platform = getattr(getattr(mesh, "abstract_device", None), "platform", None) or "cpu"
+    else:
+        platform = mesh.devices.flat[0].platform
+    return attention_kernel(flash=plan.model.attention == "flash", platform=platform, devices=mesh.size,
+                            seq=plan.model.seq_len, context=context is not None)
 
 
 def _accumulated(plan: Plan, params: Any, tokens: jax.Array, targets: jax.Array,
