@@ -114,6 +114,8 @@ def user_code(spec: str, folder: str | None, timeout_s: float) -> Iterator[None]
             raise KeyboardInterrupt
 
         _Interrupted.seen = False
+        hook = sys.unraisablehook  # an alarm landing in a callback Python cannot raise from (JAX's gc callback)
+        sys.unraisablehook = lambda u: None if isinstance(u.exc_value, ProgramTimedOut) else hook(u)
         signal.signal(signal.SIGALRM, alarm)
         signal.signal(signal.SIGINT, interrupt)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
@@ -127,4 +129,5 @@ def user_code(spec: str, folder: str | None, timeout_s: float) -> Iterator[None]
             signal.setitimer(signal.ITIMER_REAL, 0)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            sys.unraisablehook = hook
         sys.path[:] = saved_path
