@@ -45,7 +45,12 @@ class XlaMemory:
 
     @property
     def total(self) -> int:
+        """Arguments + outputs + temporaries - aliased (donated) bytes: what the program holds at once."""
         return self.argument + self.output + self.temp - self.alias
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {"argument": self.argument, "output": self.output, "temp": self.temp, "alias": self.alias,
+                "generated_code": self.generated_code, "peak": self.peak, "total": self.total}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

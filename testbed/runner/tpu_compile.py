@@ -28,12 +28,13 @@ from typing import Any
 import jax
 
 from testbed.errors import InputError
+from testbed.compiled.records import XlaMemory
 from testbed.plan.spec import MESH_AXES, Plan
 from testbed.runner import hlo_schedule
 from testbed.runner.devices import STAGE_MESH_AXES, build_mesh, plan_placement, stage_mesh
 from testbed.topology.compile_target import CompileTarget, libtpu_missing
 
-__all__ = ["versions", "target_devices", "MemoryStats", "ProgramReport",
+__all__ = ["versions", "target_devices", "memory_stats", "ProgramReport",
            "CompileReport", "compile_plan"]
 
 def versions() -> dict[str, str]:
@@ -62,37 +63,13 @@ def target_devices(target: CompileTarget) -> list[Any]:
     return sorted(desc.devices, key=lambda d: d.id)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MemoryStats:
-    """XLA's ``CompiledMemoryStats`` of one program, bytes per device; ``peak`` where XLA reports it."""
-
-    argument: int
-    output: int
-    temp: int
-    alias: int
-    generated_code: int
-    peak: int | None = None
-
-    def __post_init__(self) -> None:
-        if min(self.argument, self.output, self.temp, self.alias, self.generated_code) < 0:
-            raise ValueError("byte counts must be >= 0")
-
-    @property
-    def total(self) -> int:
-        """Arguments + outputs + temporaries - aliased (donated) bytes: what the program holds at once."""
-        return self.argument + self.output + self.temp - self.alias
-
-    @classmethod
-    def of(cls, compiled: Any) -> MemoryStats:
-        m = compiled.memory_analysis()
-        peak = getattr(m, "peak_memory_in_bytes", None)
-        return cls(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
-                   temp=int(m.temp_size_in_bytes), alias=int(m.alias_size_in_bytes),
-                   generated_code=int(m.generated_code_size_in_bytes), peak=None if peak is None else int(peak))
-
-    def to_dict(self) -> dict[str, int | None]:
-        return {"argument": self.argument, "output": self.output, "temp": self.temp, "alias": self.alias,
-                "generated_code": self.generated_code, "peak": self.peak, "total": self.total}
+def memory_stats(compiled: Any) -> XlaMemory:
+    """XLA's ``CompiledMemoryStats`` of one compiled program, bytes per device; ``peak`` where XLA reports it."""
+    m = compiled.memory_analysis()
+    peak = getattr(m, "peak_memory_in_bytes", None)
+    return XlaMemory(argument=int(m.argument_size_in_bytes), output=int(m.output_size_in_bytes),
+                     temp=int(m.temp_size_in_bytes), alias=int(m.alias_size_in_bytes),
+                     generated_code=int(m.generated_code_size_in_bytes), peak=None if peak is None else int(peak))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,7 +78,7 @@ class ProgramReport:
 
     name: str
     runs: int
-    memory: MemoryStats
+    memory: XlaMemory
     collectives: tuple[hlo_schedule.AxisCollectives, ...]
     fusions: dict[str, int]
     flops: float | None
@@ -157,7 +134,7 @@ def _report(name: str, runs: int, compiled: Any, mesh: Any, seconds: float) -> P
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     flops = cost.get("flops") if cost else None
-    return ProgramReport(name=name, runs=runs, memory=MemoryStats.of(compiled),
+    return ProgramReport(name=name, runs=runs, memory=memory_stats(compiled),
                          collectives=tuple(hlo_schedule.per_axis(found)), fusions=hlo_schedule.fusion_count(text),
                          flops=None if flops is None else float(flops), seconds=seconds)
 
