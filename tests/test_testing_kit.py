@@ -135,8 +135,8 @@ def test_asking_for_more_devices_than_the_session_has_names_both_numbers(tmp_pat
         "    assert len(testbed_devices[:4]) == 4 and mesh_factory((2, 2), ('a', 'b')).size == 4\n")
     run = _pytest_in(tmp_path, "--testbed-devices", "4")
     assert run.returncode == 1 and "2 failed, 1 passed" in run.stdout, run.stdout[-3000:]
-    assert "testbed_devices[:8] asks for 8 devices, but this session has 4" in run.stdout
-    assert "mesh (2, 4) needs 8 devices, but this session has 4" in run.stdout
+    assert "testbed_devices[:8] asks for 8 devices, but this pytest run has 4" in run.stdout
+    assert "mesh (2, 4) needs 8 devices, but this pytest run has 4" in run.stdout
     assert "run with --testbed-devices 8 or more" in run.stdout
 
 

@@ -109,7 +109,7 @@ class DeviceList(list):
             stop = index.stop
             if stop is not None and stop > len(self):
                 pytest.fail(f"testbed_devices[{index.start or ''}:{stop}] asks for {stop - (index.start or 0)} "
-                            f"devices, but this session has {len(self)} (--testbed-devices / ini testbed_devices "
+                            f"devices, but this pytest run has {len(self)} (--testbed-devices / ini testbed_devices "
                             f"{len(self)}): run with --testbed-devices {stop} or more", pytrace=False)
         return super().__getitem__(index)
 
@@ -129,7 +129,7 @@ def mesh_factory(testbed_devices: list[Any]) -> Callable[..., Any]:
         pool = list(devices if devices is not None else testbed_devices)
         size = math.prod(shape)
         if size > len(pool):
-            pytest.fail(f"mesh {shape} needs {size} devices, but this session has {len(pool)} "
+            pytest.fail(f"mesh {shape} needs {size} devices, but this pytest run has {len(pool)} "
                         f"(--testbed-devices / ini testbed_devices): run with --testbed-devices {size} or more",
                         pytrace=False)
         if isinstance(axis_types, str):
