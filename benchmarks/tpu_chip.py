@@ -117,19 +117,13 @@ def time_plan(path: Path, devices: list, steps: int, rounds: int) -> dict:
     from testbed.runner.devices import describe
     from testbed.runner.hlo_facts import hlo_facts
     from testbed.runner.precision import matmul_precision
-    from testbed.runner.results import device_peak_flops
-    from testbed.runner.train import build_trainer
+    from testbed.runner.train import build_trainer, first_step, plan_peak_flops
     from testbed.model.costs import model_flops_per_step
-    from testbed.topology.parts import PLATFORM_FP32_MATMULS, matmul_dtype
 
     plan = load_plan(str(path))
     with matmul_precision(plan):
         trainer = build_trainer(plan, devices)
-        start = time.perf_counter()
-        state = trainer.init()
-        state, loss = trainer.step(state, 0)
-        jax.block_until_ready((state, loss))
-        compile_s = time.perf_counter() - start
+        state, loss, compile_s = first_step(trainer)
         times: list[list[float]] = []
         for r in range(rounds):
             row = []
@@ -141,10 +135,7 @@ def time_plan(path: Path, devices: list, steps: int, rounds: int) -> dict:
             times.append(row)
         compiled = trainer.compiled_programs(state)[0]
     median = statistics.median(statistics.median(row) for row in times)
-    info = describe(devices)
-    dtype = matmul_dtype(plan.precision.compute_dtype, plan.runtime.matmul_precision,
-                         fp32_matmuls=PLATFORM_FP32_MATMULS.get(info["platform"], "fp32"))
-    peak = device_peak_flops(info["platform"], str(info.get("device_kind", "")), dtype)
+    dtype, peak = plan_peak_flops(plan, describe(devices))
     batch = plan.batch.global_batch // plan.batch.microbatches
     return {"plan": path.stem, "ok": True, "compile_s": round(compile_s, 3), "step_times_s": times,
             "median_s": median, "loss": float(loss), "matmul_dtype": dtype,

@@ -108,6 +108,25 @@ def _loss_value(loss: Any) -> float | None:
     return scalar(loss) if loss is not None and loss.addressable_shards else None
 
 
+def first_step(trainer: Any) -> tuple[Any, Any, float]:
+    """The trainer's state initialised and its first (compiling) step run: (state, loss, seconds both took)."""
+    import jax
+
+    start = time.perf_counter()
+    state = trainer.init()
+    state, loss = trainer.step(state, 0)
+    jax.block_until_ready((state, loss))
+    return state, loss, time.perf_counter() - start
+
+
+def plan_peak_flops(plan: Plan, info: dict[str, Any]) -> tuple[str, float | None]:
+    """The dtype the plan's matmuls run at on the devices ``info`` describes (testbed.runner.devices.describe; the
+    rule: testbed.topology.parts.matmul_dtype) and that device's datasheet peak in it (None where unknown)."""
+    dtype = matmul_dtype(plan.precision.compute_dtype, plan.runtime.matmul_precision,
+                         fp32_matmuls=PLATFORM_FP32_MATMULS.get(info["platform"], "fp32"))
+    return dtype, device_peak_flops(info["platform"], str(info.get("device_kind", "")), dtype)
+
+
 def run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: bool = False,
              peak_flops: float | None = None, progress: Progress | None = None) -> RunResult:
     """:func:`_run_plan` at the plan's ``runtime.matmul_precision`` (testbed.runner.precision.matmul_precision)."""
@@ -137,11 +156,7 @@ def _run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: bo
     tell = progress or _silent
     tell("compile", 0, 1)
     trainer = build_trainer(plan, devices)
-    start = time.perf_counter()
-    state = trainer.init()
-    state, loss = trainer.step(state, 0)
-    jax.block_until_ready((state, loss))
-    compile_s = time.perf_counter() - start
+    state, loss, compile_s = first_step(trainer)
     tell("compile", 1, 1)
     times, starts, losses, first = [], [], [], None
     for i in range(1, steps + 1):
@@ -155,9 +170,7 @@ def _run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: bo
         tell("steps", i, steps)
     info = describe(devices)
     if peak_flops is None:
-        dtype = matmul_dtype(plan.precision.compute_dtype, plan.runtime.matmul_precision,
-                             fp32_matmuls=PLATFORM_FP32_MATMULS.get(info["platform"], "fp32"))
-        peak_flops = device_peak_flops(info["platform"], str(info.get("device_kind", "")), dtype)
+        peak_flops = plan_peak_flops(plan, info)[1]
     memory = trainer.compiled_memory(state) if compiled_memory else None  # None when XLA gives no analysis
     report = measured_report(plan, statistics.median(times), devices=len(devices), peak_flops=peak_flops,
                              memory_bytes=memory)
