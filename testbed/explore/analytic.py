@@ -161,7 +161,8 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory."""
     ids = place(plan, topology).device_ids
     return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
-                                  chained_gathers=topology.device.gathers_apart()), topology, ids,
+                                  chained_gathers=topology.device.gathers_apart(),
+                                  native_reductions=topology.device.native_reductions()), topology, ids,
                        memory or plan_memory(plan, topology))
 
 

@@ -179,7 +179,8 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
     if hit is not None and hit[0] is cost and hit[1] is gemms:  # the very objects (ids are reused once freed)
         return hit[2]
     kernels = max(1, 4 * cost.layers)
-    flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat)
+    # the loss's maximum at its fewest bytes (the logits' dtype, as a compiler reducing natively moves it): a bound
+    flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat, float(plan.precision.compute_bytes))
     shapes = gemms.action(kind, split)
     spans = action_spans(plan, cost, kind, split)  # no MoE here (step_floor: None)
     whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes, shapes, spans)

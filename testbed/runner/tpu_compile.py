@@ -83,10 +83,14 @@ class ProgramReport:
     fusions: dict[str, int]
     flops: float | None
     seconds: float
+    #: Each collective instruction in schedule order: what a combiner merged and a decomposition made.
+    instructions: tuple[hlo_schedule.HloCollective, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "runs_per_step": self.runs, "memory": self.memory.to_dict(),
                 "collectives": [c.to_dict() for c in self.collectives], "fusions": self.fusions,
+                "instructions": [{"kind": c.kind, "axes": c.axes, "bytes": c.bytes, "executions": c.executions,
+                                  "async": c.overlap is not None} for c in self.instructions],
                 "flops": self.flops, "compile_s": round(self.seconds, 3)}
 
 
@@ -136,7 +140,7 @@ def _report(name: str, runs: int, compiled: Any, mesh: Any, seconds: float) -> P
     flops = cost.get("flops") if cost else None
     return ProgramReport(name=name, runs=runs, memory=memory_stats(compiled),
                          collectives=tuple(hlo_schedule.per_axis(found)), fusions=hlo_schedule.fusion_count(text),
-                         flops=None if flops is None else float(flops), seconds=seconds)
+                         flops=None if flops is None else float(flops), seconds=seconds, instructions=tuple(found))
 
 
 def _spmd(plan: Plan, devices: list[Any]) -> tuple[list[ProgramReport], int, list[dict[str, Any]]]:

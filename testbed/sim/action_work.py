@@ -7,13 +7,14 @@ The one reading of :class:`testbed.model.costs.ChunkCost` per action kind (F, B,
 
 from __future__ import annotations
 
+from testbed.model.activations import LOSS_BYTES
 from testbed.model.costs import ChunkCost
 from testbed.plan.spec import Remat
 
 __all__ = ["action_work", "tensor_transfers"]
 
 
-def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
+def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes: float = 4.0,
                 ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
     """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
 
@@ -29,7 +30,7 @@ def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
     forward = cost.forward_traffic
     if kind == "F":
         return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
-            tensor_transfers(cost, "F", remat)
+            tensor_transfers(cost, "F", remat, max_bytes)
     if kind == "B":
         flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
@@ -39,17 +40,20 @@ def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat,
     return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
 
 
-def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str) -> tuple[tuple[str, int, int], ...]:
+def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: float = 4.0
+                     ) -> tuple[tuple[str, int, int], ...]:
     """``(op, count, bytes each)`` of the tensor collectives of one action, the one decision the task graph
     and the analytic tier read (through :class:`ActionWork`): :meth:`ChunkCost.tensor_collectives`
     (``tensor_allreduce_bytes`` each); the head's forward's vocab-parallel loss, three all-reduces of one
     fp32 value per token (``loss_allreduce_bytes``: the logits' maximum and the target's logit merged, as
     XLA's combiner does, then the sum of exponentials); with sequence parallelism and a learned position
     table, which the runner adds to each rank's sequence shard, the embedding's backward's all-gather of
-    the table's gradient (``position_gather_bytes``)."""
+    the table's gradient (``position_gather_bytes``). ``max_bytes``: bytes of the maximum per token (4: XLA:CPU
+    reduces it in fp32; the logits' dtype where the compiler reduces bf16 natively, testbed.sim.facts)."""
     out = [(op, count, cost.tensor_allreduce_bytes) for op, count in cost.tensor_collectives(kind, remat)]
     if kind == "F" and cost.loss_allreduce_bytes:
-        out += [("all_reduce", 1, 2 * cost.loss_allreduce_bytes), ("all_reduce", 1, cost.loss_allreduce_bytes)]
+        merged = cost.loss_allreduce_bytes + int(cost.loss_allreduce_bytes * max_bytes / LOSS_BYTES)
+        out += [("all_reduce", 1, merged), ("all_reduce", 1, cost.loss_allreduce_bytes)]
     if kind == "B" and cost.position_gather_bytes:
         out.append(("all_gather", 1, cost.position_gather_bytes))
     return tuple(out)

@@ -286,7 +286,8 @@ class StepFacts:
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
-               schedule: Schedule | None = None, chained_gathers: bool = False) -> StepFacts:
+               schedule: Schedule | None = None, chained_gathers: bool = False,
+               native_reductions: bool = False) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
@@ -296,6 +297,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         chained_gathers: all-gathers are a scheduler resource of their own, one in flight (the topology's
             ``device.collective_resources: per_kind``): a layer's re-gathered weights arrive one gather after
             another, so a weight gradient that reads none of them runs first (ChunkFacts.bucket_early).
+        native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: testbed.topology.DeviceSpec
+            .native_reductions): the norms' gradients and the loss's maximum move in their own dtype.
     """
     mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
     p = mesh.stage
@@ -313,7 +316,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
                                       bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
-                                      chained_gathers)
+                                      chained_gathers, native_reductions)
                          for c in range(v))
                    for s in range(p))
     updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
@@ -326,8 +329,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
 
 
 def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
-                 reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False
-                 ) -> ChunkFacts:
+                 reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
+                 native: bool = False) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, MATMULS_PER_LAYER * cost.layers)
@@ -337,7 +340,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                                   plan.mesh.tensor, 1, plan.mesh.expert, True, plan.mesh.expert_tensor) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     tail = token_table_last(plan, cost, combine, reduce_b) if reduces else (0.0, 0.0)
-    actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe, bool(tail[1]))
+    actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe, bool(tail[1]), native)
                     for kind in kinds)
     gathering = gathers_parameters(plan, "F")
     own = (gathering and plan.runtime.fsdp_edge_blocks and (cost.has_embedding or cost.has_head)  # own_blocks
@@ -349,7 +352,7 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
     buckets = (blocks if blocks > 1 and sharded_accumulation else gradient_buckets(plan, cost.layers,
                                                                                     moved[2] * reduce_b)) if during else 1
     leaves = parameter_collectives(plan, s, c, combine, param_b)
-    sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b) if reduces else (0.0, 0.0)
+    sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b, native) if reduces else (0.0, 0.0)
     regather = regathered(plan, s, c, moved[0], leaves, combine, param_b)
     sizes = tuple(block_gathers(plan, s, c, kind, blocks, n, combine, param_b)
                   for kind, n in (("F", moved[0]), ("B", regather[0]))) if leaves else ((), ())
@@ -366,8 +369,8 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       regather=regather, block_sizes=sizes, block_holds=holds, block_work=block_work,
                       bucket_sizes=bucket_sizes,
                       bucket_reads=bucket_reads, bucket_early=bucket_early, bucket_cuts=bucket_cuts,
-                      reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads"),
-                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer") - position_saved
+                      reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads", native),
+                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer", native) - position_saved
                                + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),
                       sequence_bytes=sequence_b, tail=tail)
 
@@ -393,10 +396,12 @@ def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bo
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
-            kernels: int, n_moe: int, tail_gather: bool = False) -> ActionWork:
-    """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s`` (``tail_gather``: ChunkFacts.tail's)."""
+            kernels: int, n_moe: int, tail_gather: bool = False, native: bool = False) -> ActionWork:
+    """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s`` (``tail_gather``: ChunkFacts.tail's;
+    ``native``: step_facts' ``native_reductions``)."""
     split = schedule.split_backward
-    flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat)
+    max_b = float(plan.precision.compute_bytes) if native else 4.0
+    flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat, max_b)
     hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B")))  # the adds
     if tail_gather and kind == "B":
         tensor = without_embedding_gathers(tensor)

@@ -37,13 +37,14 @@ def reduce_bytes(plan: Plan, grad_bytes: float) -> float:
     return 4.0 if plan.runtime.grad_reduce_dtype == "fp32" else float(grad_bytes)
 
 
-def reduced_bytes(plan: Plan, s: int, c: int, moved: int, reduce_b: float, which: str) -> float:
+def reduced_bytes(plan: Plan, s: int, c: int, moved: int, reduce_b: float, which: str, native: bool = False) -> float:
     """Bytes one reduction of chunk ``c``'s gradients moves on a device (``moved`` elements sharded as ``which``):
     ``reduce_b`` per value, but where the partitioner sums replicated gradients (nothing shards them) the norms'
     parameters' reduce in fp32 (testbed.model.leaves.NORM_PARTS: JAX sums bf16 in fp32 and the partitioner
     reduces the fp32 partial sums), 4 bytes each. Sharded gradients are reduce-scattered by the runner's own
-    ``psum_scatter`` of the bf16 gradient (testbed.runner.param_shards, testbed.runner.replicas)."""
-    if reduce_b >= 4.0 or state_sharding(plan).split_axes(plan, "grads") or summed_after_the_loop(plan):
+    ``psum_scatter`` of the bf16 gradient (testbed.runner.param_shards, testbed.runner.replicas). ``native``: the
+    compiler reduces bf16 in bf16 (XLA:TPU, testbed.topology.DeviceSpec.native_reductions), the norms' too."""
+    if native or reduce_b >= 4.0 or state_sharding(plan).split_axes(plan, "grads") or summed_after_the_loop(plan):
         return moved * reduce_b
     return moved * reduce_b + norm_elements(plan, s, c, which) * (4.0 - reduce_b)
 
@@ -89,10 +90,10 @@ def sequence_apart(plan: Plan) -> bool:
     return plan.sequence_parallel and plan.mesh.tensor > 1 and bool(state_sharding(plan).split_axes(plan, "params"))
 
 
-def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float, float]:
+def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float, native: bool = False) -> tuple[float, float]:
     """(bytes of chunk ``c``'s tensor-replicated parameters' gradients, reduced over tensor too; bytes the position
     table's reduction saves) under :func:`sequence_replicated` or :func:`sequence_apart`, else zeros (nothing
-    saved under the latter). The norms' at 4 bytes each
+    saved under the latter). The norms' at 4 bytes each unless ``native``
     (:func:`reduced_bytes`). The learned position table's gradient is reduced as each tensor rank's 1/t shard of
     the positions (the runner adds positions to its sequence shard), then gathered over tensor
     (testbed.model.costs.ChunkCost.position_gather_bytes)."""
@@ -106,7 +107,7 @@ def sequence_reduced(plan: Plan, s: int, c: int, reduce_b: float) -> tuple[float
             positions = q.path == ("positions",) and not apart and not summed_each_microbatch(plan)
             saved += copies * q.device_elements(t, 1, 1) * reduce_b * (1 - 1 / t) if positions else 0
         elif q.tensor_dim is None and not q.is_expert:
-            replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS else reduce_b)
+            replicated += copies * q.device_elements(t, 1, 1) * (4.0 if q.path[0] in NORM_PARTS and not native else reduce_b)
     return replicated, saved
 
 

@@ -193,6 +193,12 @@ class CollectiveCalibration(_Group):
         the stack's own (testbed.model.leaves.combine_limit): XLA's default
         threshold, 30 MiB, for a JAX program; no bound, one per chunk, for
         PyTorch FSDP's flat parameter per unit.
+    allreduce_combine_bytes: the bytes a merged all-reduce stays within (XLA's
+        all-reduce combiner merges independent ones of one device group;
+        testbed.model.leaves.combined_sizes). None (default): no bound, every
+        independent one merged (XLA:CPU and XLA:GPU's defaults); XLA:TPU:
+        120 MiB (deviceless compiles of v5e and v5p slices,
+        benchmarks/xla_tpu_collectives.py).
     launch_s: per collective and per send, whatever its rounds and ranks:
         issuing the one operation a whole collective is where the hardware
         moves every step (a TPU's ICI collective is one XLA op whose hops the
@@ -212,6 +218,7 @@ class CollectiveCalibration(_Group):
     overhead_s: float = 0.0
     rendezvous_s: float = 0.0
     combine_bytes: float | None = None
+    allreduce_combine_bytes: float | None = None
     launch_s: float = 0.0
     rounds_overlap: bool = False
 
@@ -219,8 +226,9 @@ class CollectiveCalibration(_Group):
         self._nonnegative("overhead_s", "rendezvous_s", "launch_s")
         if not isinstance(self.rounds_overlap, bool):
             raise InputError(f"expected true or false, got {self.rounds_overlap!r}", field=self._path("rounds_overlap"))
-        if self.combine_bytes is not None:
-            self._nonnegative("combine_bytes")
+        for name in ("combine_bytes", "allreduce_combine_bytes"):
+            if getattr(self, name) is not None:
+                self._nonnegative(name)
 
 
 #: Group name -> class, in YAML order.

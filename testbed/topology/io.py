@@ -199,7 +199,7 @@ def _calibration_value(group: str, name: str, value: Any) -> Any:
         return tuple(sorted(points))
     if name.endswith("_s"):
         return parse_time(value, path)
-    if name in ("cache_bytes", "combine_bytes"):
+    if name in ("cache_bytes", "combine_bytes", "allreduce_combine_bytes"):
         return float(parse_bytes(value, path, allow_zero=True))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InputError(f"expected a number, got {quote(value)}", field=path)

@@ -234,6 +234,13 @@ class DeviceSpec:
         gradient that reads none of a layer's re-gathered weights first (testbed.sim.facts.step_facts)."""
         return self.collective_resources == "per_kind"
 
+    def native_reductions(self) -> bool:
+        """Whether the compiler all-reduces bf16 values in bf16 (XLA:TPU, ``buffer_rules: xla-tpu``: the recorded
+        compiles' data all-reduce moves the norms' gradients at 2 bytes and the vocab-parallel loss's maximum
+        in the logits' dtype, benchmarks/xla_tpu/) where XLA:CPU's partitioner reduces their fp32 partial sums
+        (testbed.sim.grad_bytes.reduced_bytes)."""
+        return self.buffer_rules == "xla-tpu"
+
 
 #: in-network reduction a level may declare -> the link kind whose switches do it.
 IN_NETWORK_REDUCTION = {"nvls": LinkKind.NVSWITCH, "sharp": LinkKind.INFINIBAND}
