@@ -62,6 +62,7 @@ from testbed.sim.step_rules import (GatherMode, first_tail_bucket, gather_mode, 
 from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
                                step_facts)
 from testbed.explore.span_times import priced_plays
+from testbed.sim.grad_tasks import allreduce_count
 from testbed.sim.moe import Piece
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
 from testbed.topology import Topology
@@ -162,7 +163,9 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     ids = place(plan, topology).device_ids
     return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
                                   chained_gathers=topology.device.gathers_apart(),
-                                  native_reductions=topology.device.native_reductions()), topology, ids,
+                                  native_reductions=topology.device.native_reductions(),
+                                  allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes),
+                       topology, ids,
                        memory or plan_memory(plan, topology))
 
 
@@ -369,7 +372,7 @@ class _Step:
         facts, reduced = self.facts, chunk.reduced
         early = sequence_apart(facts)
         bucket, syncs = self._reduce(s, reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
-                                     chunk.leaves / pieces, chunk.tail if pieces == 1 else (0.0, 0.0),
+                                     chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0),
                                      False if early else None)
         sequence_s = self._reduce(s, reduced[1], chunk.special(1.0, facts.reduce_bytes),
                                   select=True)[0] if early else 0.0
@@ -377,10 +380,10 @@ class _Step:
         if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):
             each = tuple(sum(self._reduce(s, reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
                              for f, n in chunk.bucket(pieces, k)) for k in range(pieces))
-        elif chunk.leaves and chunk.leaves % pieces:
+        elif chunk.reduction_collectives and chunk.reduction_collectives % pieces:
             own = {n: self._reduce(s, reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
-                   for n in {bucket_share(chunk.leaves, pieces, k) for k in range(pieces)}}
-            each = tuple(own[bucket_share(chunk.leaves, pieces, k)] for k in range(pieces))
+                   for n in {bucket_share(chunk.reduction_collectives, pieces, k) for k in range(pieces)}}
+            each = tuple(own[bucket_share(chunk.reduction_collectives, pieces, k)] for k in range(pieces))
         return bucket, syncs, sequence_s, each
 
     def _plays(self, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, final: bool, scatters: bool
@@ -463,8 +466,9 @@ class _Step:
                 t += n * self.coll.time("reduce_scatter", r.sharded, stage, size / n)
                 syncs.append((r.ways, n))
             if r.rest:
-                t += self.coll.time("all_reduce", r.rest, stage, (size - token) / r.ways)
-                syncs.append((math.prod(mesh.degree(a) for a in r.rest), 1))
+                n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes)
+                t += n_ar * self.coll.time("all_reduce", r.rest, stage, (size - token) / r.ways / n_ar)
+                syncs.append((math.prod(mesh.degree(a) for a in r.rest), n_ar))
             if token:  # the embedding's merged gather over tensor, then the token table's sum
                 t += self.coll.time("all_gather", (Axis.TENSOR,), stage, tail[1])
                 t += self.coll.time("all_reduce", r.rest, stage, token / r.ways)

@@ -20,7 +20,7 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes", "backward_merges", "backward_groups", "backward_waits", "linked_layer",
-           "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "NORM_PARTS", "norm_elements"]
+           "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "gradient_allreduces", "NORM_PARTS", "norm_elements"]
 
 #: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
 #: norms (testbed.runner.norms) sum their gradients over the tokens with ``jnp.sum``, which accumulates bf16 in
@@ -291,6 +291,34 @@ def _regathered_count(spec: ModelSpec, stages: int, v: int, stage_layers: tuple[
     sizes = [tuple(q.gathered_elements(tensor, ways, expert, expert_tensor) * bytes_per_element
                    for q in issue_order(piece) if regathered_in_backward(q)) for piece in reversed(pieces)]
     return max(1, len(backward_merges(sizes, combine_bytes, backward_waits(len(pieces) - int(head), head))))
+
+
+def gradient_allreduces(plan: Plan, stage: int, chunk: int, bytes_per_element: float,
+                        allreduce_bytes: float | None) -> int:
+    """How many all-reduces sum a chunk's replicated dense gradients (nothing shards them): XLA's all-reduce
+    combiner merges the independent per-leaf sums in the backward's order (the head, the layers from the last,
+    each piece's leaves in :func:`issue_order`, the embedding's last: the backward's last gradient) while a merge
+    stays within ``allreduce_bytes`` (the topology's ``calibration.collectives.allreduce_combine_bytes``; None:
+    every one merged, one all-reduce) by :func:`combined_sizes`' rule; the recorded XLA:TPU compiles
+    (benchmarks/xla_tpu/) merge exactly so."""
+    if allreduce_bytes is None or math.isinf(allreduce_bytes):
+        return 1
+    mesh = plan.mesh
+    return _allreduce_count(plan.model, mesh.stage, plan.schedule.virtual_stages, plan.stage_layers, stage, chunk,
+                            mesh.tensor, float(allreduce_bytes), float(bytes_per_element))
+
+
+@functools.lru_cache(maxsize=8192)
+def _allreduce_count(spec: ModelSpec, stages: int, v: int, stage_layers: tuple[int, ...] | None, s: int, c: int,
+                     tensor: int, bound: float, bytes_per_element: float) -> int:
+    """:func:`gradient_allreduces` of the plan facts it depends on."""
+    embed, head = layout.holds(s, c, stages, v)
+    pieces = [layout.head_params(spec)] if head else []
+    pieces += [layout.layer_params(spec, i) for i in reversed(layout.chunk_layers(spec, stages, v, stage_layers)[s][c])]
+    pieces += [layout.embedding_params(spec)] if embed else []
+    sizes = tuple(q.device_elements(tensor) * bytes_per_element for piece in pieces for q in issue_order(piece)
+                  if not q.is_expert)
+    return max(1, len(combined_sizes(sizes, bound)))
 
 
 def bucket_share(leaves: int, buckets: int, k: int) -> int:

@@ -347,11 +347,13 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
     else:
         layer_grads = grad_b * _layer_params_per_device(plan, grad_ways)
         head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
-        instants = [(layer_acts + head_acts, head_grads, _work(loss, (GATHERED, gathered)))]
-        gathered_at = _gathered_at(plan, stage, gathered)
         # XLA's deferred weight gradients: their operands live through the layers' backward, no weight gradient yet.
+        # XLA:TPU defers them too, the head's as well: its buffer assignment has no weight gradient before the
+        # combined all-reduces that follow the backward (gpt1k-data4 and -fp32 of benchmarks/xla_tpu/, live ranges).
         deferred = kept.deferred_backward_bytes(plan, holds_head) if defer and not tpu else 0
-        later = defer and not tpu and kept.weight_grads_deferred(plan)
+        later = defer and kept.weight_grads_deferred(plan)
+        instants = [(layer_acts + head_acts, 0 if later and tpu else head_grads, _work(loss, (GATHERED, gathered)))]
+        gathered_at = _gathered_at(plan, stage, gathered)
         for done in range(layers):
             instants.append((kept.device_layer_sets(plan, layers - done) * per_layer,
                              0 if later else head_grads + (done + 1) * layer_grads,

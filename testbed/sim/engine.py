@@ -330,7 +330,8 @@ def simulate(plan: Plan, topology: Topology) -> Simulation:
                             combine_bytes=topology.calibration.collectives.combine_bytes,
                             serial=serial_host(topology.calibration),
                             chained_gathers=topology.device.gathers_apart(),
-                            native_reductions=topology.device.native_reductions())
+                            native_reductions=topology.device.native_reductions(),
+                            allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes)
     priced = price(program, topology, plan_matmul_dtype(plan, topology))
     timeline = run(program, priced, calibration=topology.calibration)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

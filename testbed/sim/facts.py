@@ -30,7 +30,8 @@ from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_layers, chunk_params, held_elements
 from testbed.model.blocks import (block_gathers, block_scatters, gather_holds, own_blocks, scatter_cuts, scatter_early,
                                    scatter_reads)
-from testbed.model.leaves import bucket_share, combine_limit, moved_elements, parameter_collectives, regathered
+from testbed.model.leaves import (bucket_share, combine_limit, gradient_allreduces, moved_elements,
+                                  parameter_collectives, regathered)
 from testbed.model.memory import state_bytes_per_param
 from testbed.model.moe import moe_layers
 from testbed.model.spans import action_spans
@@ -138,6 +139,8 @@ class ChunkFacts:
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, for each bucket of its ``bucket_reads`` the share
     #: of that block's weight-gradient matmuls it reads (testbed.model.blocks.scatter_cuts); empty: all of it.
     bucket_cuts: tuple[tuple[tuple[float, ...], ...], ...] = ()
+    #: The merged all-reduces that sum the chunk's replicated gradients (testbed.model.leaves.gradient_allreduces).
+    allreduces: int = 1
     #: (token table's gradient bytes summed after the rest, the gather's between): grad_bytes.token_table_last.
     tail: tuple[float, float] = (0.0, 0.0)
 
@@ -178,7 +181,14 @@ class ChunkFacts:
         else one equal share of :func:`bucket_share`'s count."""
         if self.bucket_sizes and pieces == len(self.bucket_sizes):
             return tuple((share, 1) for share in self.bucket_sizes[k])
-        return ((1 / pieces, bucket_share(self.leaves, pieces, k)),)
+        return ((1 / pieces, bucket_share(self.reduction_collectives, pieces, k)),)
+
+    @property
+    def reduction_collectives(self) -> int:
+        """The collectives one reduction of the chunk's gradients is: its reduce-scatters (``leaves``) when the
+        parameters are sharded, else its merged all-reduces where a bound splits them (``allreduces`` > 1), else 0
+        (one per bucket); testbed.sim.grad_tasks.allreduce_count shares them per parameter kind."""
+        return self.leaves or (self.allreduces if self.allreduces > 1 else 0)
 
     def reads(self, pieces: int, k: int) -> tuple[tuple[int, ...], ...]:
         """Per reduction of :meth:`bucket` ``k``, the buckets whose weight gradients it reads (``bucket_reads``;
@@ -287,7 +297,7 @@ class StepFacts:
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                schedule: Schedule | None = None, chained_gathers: bool = False,
-               native_reductions: bool = False) -> StepFacts:
+               native_reductions: bool = False, allreduce_bytes: float | None = None) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
@@ -299,6 +309,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
             another, so a weight gradient that reads none of them runs first (ChunkFacts.bucket_early).
         native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: testbed.topology.DeviceSpec
             .native_reductions): the norms' gradients and the loss's maximum move in their own dtype.
+        allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
     """
     mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
     p = mesh.stage
@@ -316,7 +327,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
                                       bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
-                                      chained_gathers, native_reductions)
+                                      chained_gathers, native_reductions, allreduce_bytes)
                          for c in range(v))
                    for s in range(p))
     updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
@@ -330,7 +341,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
 
 def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
-                 native: bool = False) -> ChunkFacts:
+                 native: bool = False, allreduce_bytes: float | None = None) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, MATMULS_PER_LAYER * cost.layers)
@@ -372,7 +383,9 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads", native),
                                reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer", native) - position_saved
                                + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),
-                      sequence_bytes=sequence_b, tail=tail)
+                      sequence_bytes=sequence_b, tail=tail,
+                      allreduces=gradient_allreduces(plan, s, c, reduce_b, allreduce_bytes) if reduces and not leaves
+                      else 1)
 
 
 def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bool

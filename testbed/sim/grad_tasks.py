@@ -45,6 +45,16 @@ from testbed.sim.tasks import Builder, TaskKind, axis_groups_cached, rep_group
 __all__ = ["reduce_tasks", "after_tensor"]
 
 
+def allreduce_count(reductions: tuple, leaves: float, size: float, nbytes: float) -> int:
+    """All-reduces one parameter kind's share (``size`` of the bucket's ``nbytes``) of a bucket is summed in: where
+    nothing shards the gradients, the bucket's ``leaves`` are XLA's merged all-reduces (ChunkFacts.bucket,
+    testbed.model.leaves.gradient_allreduces), a share of them per kind; else one (a shard's sum after the
+    reduce-scatter). The one rule the task graph and the analytic tier count by."""
+    if not leaves or any(r.sharded for r in reductions):
+        return 1
+    return max(1, round(leaves * size / nbytes))
+
+
 def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int, rep: int, after: int, nbytes: float,
                  special: tuple[float, float], label: str, leaves: int, tail: tuple[float, float] = (0.0, 0.0),
                  select: bool | None = None, stream: str = "grad") -> list[int]:
@@ -77,9 +87,10 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
         token = tail[0] if not (r.expert or r.sequence or r.sharded) else 0.0
         if r.rest:
             g = axis_groups_cached(groups, plan, list(r.rest), s)
+            n = allreduce_count(reductions, leaves, size, nbytes)
             last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream=stream, kind=TaskKind.COLLECTIVE,
-                         deps=(last,), op="all_reduce", nbytes=(size - token) / r.ways, group=rep_group(g, rep),
-                         instances=g)
+                         deps=(last,), op="all_reduce", nbytes=(size - token) / r.ways / n, count=n,
+                         group=rep_group(g, rep), instances=g)
         if token and r.rest:  # the embedding's merged gather over tensor, then the token table's sum
             t = axis_groups_cached(groups, plan, [Axis.TENSOR], s)
             last = b.add(name=f"gather {label} embedding", device=rep, stream=stream, kind=TaskKind.COLLECTIVE,

@@ -95,7 +95,8 @@ STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv
 
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
                   controller: bool = False, combine_bytes: float | None = None, serial: bool = False,
-                  chained_gathers: bool = False, native_reductions: bool = False) -> Program:
+                  chained_gathers: bool = False, native_reductions: bool = False,
+                  allreduce_bytes: float | None = None) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -108,9 +109,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         chained_gathers: the topology's all-gathers are a scheduler resource of their own
             (``device.collective_resources: per_kind``; testbed.sim.facts.step_facts).
         native_reductions: the compiler reduces bf16 in bf16 (testbed.topology.DeviceSpec.native_reductions).
+        allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
     """
     return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule, chained_gathers,
-                                 native_reductions), placement,
+                                 native_reductions, allreduce_bytes), placement,
                       controller=controller, serial=serial)
 
 
