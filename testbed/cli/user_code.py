@@ -3,7 +3,8 @@
 :func:`user_code` is the scope the user's module is imported and called
 in: its folder on ``sys.path`` for the scope only (``sys.path`` is restored
 after, so a stray ``./matplotlib.py`` is not imported later by testbed's own
-``--gantt``), and a time limit: SIGALRM raises :class:`ProgramTimedOut` in
+``--gantt``), what it prints sent to stderr (stdout is testbed's report or
+its ``--json``), and a time limit: SIGALRM raises :class:`ProgramTimedOut` in
 the main thread after ``timeout_s``, and where that cannot land (a call that
 blocks in C, or code that catches BaseException) a watchdog thread ends the
 process with exit status 2 and the same paragraph ``GRACE_S`` later.
@@ -120,7 +121,8 @@ def user_code(spec: str, folder: str | None, timeout_s: float) -> Iterator[None]
         signal.signal(signal.SIGINT, interrupt)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):  # the user's prints: testbed's stdout (its --json) stays its own
+            yield
     except ProgramTimedOut as exc:  # the alarm landed in testbed's own code between the user's calls
         raise InputError(str(exc.args[0]), field="--program") from None
     finally:
