@@ -205,8 +205,8 @@ def test_a_raw_pmap_is_refused_with_a_hint(edges: Path, capsys: pytest.CaptureFi
     assert "PmapStep(fn, axis_name)" in err and "jax.jit" in err and "jax.shard_map" in err
 
 
-# dgx-h100: 8 devices, as many as this process has (a concrete mesh); tpu-v5e-4x4: 16 (an abstract mesh)
-@pytest.mark.parametrize("topology", ["dgx-h100", "tpu-v5e-4x4"])
+# dgx-h100: 8 devices, as many as this process has (a concrete mesh); dgx-h100@16: 16 (an abstract mesh)
+@pytest.mark.parametrize("topology", ["dgx-h100", "dgx-h100@16"])
 @pytest.mark.parametrize("function, named", [("pure", "jax.pure_callback(`echo`)"),
                                              ("impure", "jax.experimental.io_callback(`log_it`)")])
 def test_a_host_callback_is_named_and_assumed_on_request(edges: Path, function: str, named: str, topology: str,
@@ -233,7 +233,7 @@ def test_an_exit_while_traced_is_one_paragraph(edges: Path, function: str, words
     assert f"'user_edges.py:{function}' raised {words} (while being traced" in err
 
 
-@pytest.mark.parametrize("topology, mesh", [("dgx-h100", "Mesh"), ("tpu-v5e-4x4", "AbstractMesh")])
+@pytest.mark.parametrize("topology, mesh", [("dgx-h100", "Mesh"), ("dgx-h100@16", "AbstractMesh")])
 def test_the_function_is_called_once(edges: Path, topology: str, mesh: str, capsys: pytest.CaptureFixture) -> None:
     assert main(_simulate(edges, "counted", topology, "--json")) == 0
     out = capsys.readouterr()
@@ -246,3 +246,10 @@ def test_a_malformed_spec_cites_an_example_that_exists(capsys: pytest.CaptureFix
     err = _bad(["simulate", "--program", "no_colon_here", "--topology", "dgx-h100"], capsys)
     cited = re.search(r"e\.g\. (\S+\.py):predict", err).group(1)
     assert (Path(__file__).resolve().parent.parent / cited).is_file(), cited
+
+
+def test_describe_keeps_the_last_line_of_a_traceback_in_a_message() -> None:
+    text = ("INTERNAL: CpuCallback error calling callback: Traceback (most recent call last):\n  File \"x.py\", "
+            "line 1, in <lambda>\nZeroDivisionError: division by zero\n")
+    assert describe(RuntimeError(text)) == ("RuntimeError: INTERNAL: CpuCallback error calling callback: "
+                                            "ZeroDivisionError: division by zero")

@@ -26,7 +26,7 @@ from testbed.errors import InputError, quote
 from testbed.text import markup
 from testbed.topology import Topology
 
-__all__ = ["parse_mesh", "load_function", "trace_program", "program_folder", "local_mesh", "call_program",
+__all__ = ["parse_axes", "parse_mesh", "load_function", "trace_program", "program_folder", "local_mesh", "call_program",
            "trace_returned"]
 
 _CONTRACT = ("it must return (step, args): the step (a function, a jax.jit-ed function or "
@@ -34,10 +34,8 @@ _CONTRACT = ("it must return (step, args): the step (a function, a jax.jit-ed fu
              "on the mesh it is given, or arrays)")
 
 
-def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
-    """``data=64,tensor=8`` as ``{axis: size}`` (mesh order); default one ``data`` axis over every device."""
-    if not text:
-        return {"data": topology.num_devices}
+def parse_axes(text: str) -> dict[str, int]:
+    """``data=64,tensor=8`` as ``{axis: size}`` (mesh order): distinct identifiers, sizes >= 1."""
     mesh: dict[str, int] = {}
     for part in text.split(","):
         name, sep, size = part.partition("=")
@@ -46,6 +44,14 @@ def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
             raise InputError(f"{quote(part)} is not `axis=size` (e.g. --mesh data=64,tensor=8: distinct axis names, "
                              "sizes >= 1)", field="--mesh")
         mesh[name] = int(size)
+    return mesh
+
+
+def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
+    """``data=64,tensor=8`` as ``{axis: size}`` (mesh order); default one ``data`` axis over every device."""
+    if not text:
+        return {"data": topology.num_devices}
+    mesh = parse_axes(text)
     if math.prod(mesh.values()) != topology.num_devices:
         raise InputError(f"the mesh {mesh} has {math.prod(mesh.values())} devices but topology `{topology.name}` has "
                          f"{topology.num_devices}; give sizes that multiply to {topology.num_devices}", field="--mesh")
@@ -112,8 +118,9 @@ def trace_program(spec: str, mesh: dict[str, int], on_unknown: str = "refuse",
 
     with user_code(spec, program_folder(spec), timeout_s), reported(spec, "running"):
         concrete = local_mesh(mesh)
-        step, args = call_program(spec, concrete if concrete is not None else abstract_mesh(mesh), mesh)
-        workload = trace_returned(spec, step, args, mesh, on_unknown)
+        target = concrete if concrete is not None else abstract_mesh(mesh)
+        step, args = call_program(spec, target, mesh)
+        workload = trace_returned(spec, step, args, target, on_unknown)
         return workload if concrete is None else _with_xla_memory(workload, step, args, mesh)
 
 
@@ -160,18 +167,20 @@ def _is_raw_pmap(step: Any) -> bool:
     return type(step).__name__ == "PmapFunction" or Path(filename).parts[-3:] == ("jax", "_src", "pmap.py")
 
 
-def trace_returned(spec: str, step: Any, args: Any, mesh: dict[str, int], on_unknown: str) -> Any:
-    """The Workload of the step the ``--program`` function returned, traced on the abstract mesh of ``mesh``; an
-    error of the tracer (a host callback, an unknown custom call) names the program."""
+def trace_returned(spec: str, step: Any, args: Any, target: Any, on_unknown: str) -> Any:
+    """The Workload of the step the ``--program`` function returned for ``target`` (the AbstractMesh or Mesh it was
+    called with); an error of the tracer (a host callback, an unknown custom call) names the program."""
     from testbed.runner.program import PmapStep, abstract_mesh, trace, trace_pmap
 
     name = spec.rpartition(":")[2]
+    abstract = abstract_mesh(target)
+    mesh = dict(zip(abstract.axis_names, (int(s) for s in abstract.axis_sizes)))
     try:
         with reported(spec, f"being traced on the mesh {mesh}"):  # a JAX error while tracing or partitioning it
             if isinstance(step, PmapStep):
                 return trace_pmap(step.fn, *args, axis_name=step.axis_name, devices=next(iter(mesh.values())),
                                   in_axes=step.in_axes, name=name, on_unknown=on_unknown)
-            return trace(step, *args, mesh=abstract_mesh(mesh), name=name, on_unknown=on_unknown)
+            return trace(step, *args, mesh=target, name=name, on_unknown=on_unknown)
     except InputError as exc:
         if exc.field is not None:
             raise

@@ -62,6 +62,10 @@ def describe(exc: BaseException) -> str:
         text = "(its message could not be made: its __str__ raised)"
     if isinstance(exc, SystemExit):
         text = f"exit status {exc.code!r}" if not isinstance(exc.code, str) else exc.code
+    head, marker, trace = text.partition("Traceback (most recent call last):")
+    if marker:  # a message carrying a traceback (JAX's error from a host callback): its last line, what was raised
+        lines = [line for line in trace.splitlines() if line.strip()]
+        text = f"{head.strip()} {lines[-1].strip() if lines else ''}"
     text = " ".join(text.split())
     return f"{name}: {text}" if text else name
 

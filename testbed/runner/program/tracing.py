@@ -85,19 +85,22 @@ def trace(fn: Callable, *args: Any, mesh: Any, in_shardings: Any = None, out_sha
     Args:
         fn: the step: a plain function or one already ``jax.jit``-ed (then without ``in_shardings``).
         args: ``jax.ShapeDtypeStruct`` s (with ``sharding=NamedSharding(mesh, ...)``) or arrays, pytrees.
-        mesh: an AbstractMesh (or Mesh, or ``{axis: size}``) of the target size.
+        mesh: an AbstractMesh (or ``{axis: size}``) of the target size, or a concrete Mesh of this process's
+            devices (the step is then lowered on them: a shard_map over that Mesh traces only there).
         in_shardings, out_shardings: as for ``jax.jit`` (PartitionSpecs are taken on ``mesh``).
         on_unknown: ``"refuse"`` (an unknown custom call or host callback raises InputError naming it)
             or ``"assume"`` (priced as a memory-bound op, stated in the workload's assumptions).
     """
     import jax
 
-    mesh = abstract_mesh(mesh)
+    given, mesh = mesh, abstract_mesh(mesh)
+    concrete = isinstance(given, jax.sharding.Mesh)  # the devices are here: lowered on them, as JAX would
     if hasattr(fn, "trace") and in_shardings is None and out_shardings is None:
         jitted = fn
     else:
-        jitted = jax.jit(fn, in_shardings=_named(mesh, in_shardings), out_shardings=_named(mesh, out_shardings))
-    with jax.sharding.use_abstract_mesh(mesh):
+        on = given if concrete else mesh
+        jitted = jax.jit(fn, in_shardings=_named(on, in_shardings), out_shardings=_named(on, out_shardings))
+    with contextlib.nullcontext() if concrete else jax.sharding.use_abstract_mesh(mesh):
         traced = jitted.trace(*_abstract(args))
         callbacks = host_callbacks(traced.jaxpr.jaxpr)
         if callbacks and on_unknown == "refuse":
