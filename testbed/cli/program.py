@@ -26,7 +26,7 @@ from testbed.errors import InputError, quote
 from testbed.text import markup
 from testbed.topology import Topology
 
-__all__ = ["parse_axes", "parse_mesh", "load_function", "trace_program", "program_folder", "local_mesh", "call_program",
+__all__ = ["memory_source", "parse_axes", "parse_mesh", "load_function", "trace_program", "program_folder", "local_mesh", "call_program",
            "trace_returned"]
 
 _CONTRACT = ("it must return (step, args): the step (a function, a jax.jit-ed function or "
@@ -209,6 +209,17 @@ def _with_xla_memory(workload: Any, step: Any, args: Any, mesh: dict[str, int]) 
     return dataclasses.replace(workload, memory={**memory, "live_range_estimate": estimate})
 
 
+def memory_source(memory: dict[str, Any]) -> str:
+    """Whose figure a traced program's memory is, for the text output: XLA's analysis of the compiled step (the
+    estimate beside it) or the live-range estimate."""
+    from testbed.units import format_bytes
+
+    if memory.get("live_range_estimate") is not None:
+        return (f"XLA's memory analysis of the compiled step; live-range estimate "
+                f"{format_bytes(memory['live_range_estimate'])}")
+    return f"live-range estimate, not compiled; arguments {format_bytes(memory.get('arguments', 0))}"
+
+
 def execute(args: Any) -> Any:
     """`testbed simulate --program ...`: trace, price and report (the same outputs as for a plan)."""
     from testbed.output import CommandResult
@@ -255,8 +266,7 @@ def execute(args: Any) -> Any:
             console.print(f"  over {markup(label or '-')}: {moved} per device")
         fits = "[green]fits[/green]" if r.memory.get("fits") else "[red]does not fit[/red]"
         console.print(f"memory         {format_bytes(r.memory.get('total', 0))} of "
-                      f"{format_bytes(r.memory.get('capacity', 0))} per device: {fits} (live-range estimate; "
-                      f"arguments {format_bytes(r.memory.get('arguments', 0))})")
+                      f"{format_bytes(r.memory.get('capacity', 0))} per device: {fits} ({memory_source(r.memory)})")
         for note in data["assumptions"]:
             console.print(f"[yellow]assumed[/yellow]: {markup(note, 600)}")
         for f in files:
