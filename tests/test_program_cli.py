@@ -107,3 +107,27 @@ def test_a_pmap_step_needs_a_one_axis_mesh_and_shard_map_its_axes(spec, capsys) 
     err = _bad(["simulate", "--program", f"{EXAMPLES / spec}:predict", "--topology", "dgx-h100", "--mesh", mesh],
                capsys)
     assert "one axis" in err if spec == "pmap_mlp.py" else "'model'" in err or "model" in err
+
+
+TINY = textwrap.dedent("""\
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    def predict(mesh):
+        loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
+        return jax.jit(jax.grad(loss)), (jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P())),
+                                         jax.ShapeDtypeStruct((128, 64), jnp.float32,
+                                                              sharding=NamedSharding(mesh, P("data"))))
+    """)
+
+
+@pytest.mark.parametrize("topology, label", [
+    ("dgx-h100", "(XLA's memory analysis of the compiled step; live-range estimate "),  # 8 devices here: compiled
+    ("dgx-h100@16", "(live-range estimate, not compiled; arguments ")])                  # 16: traced only
+def test_the_memory_line_says_whose_figure_it_is(topology, label, tmp_path, capsys) -> None:
+    (tmp_path / "tiny_step.py").write_text(TINY)
+    code, out, _ = run_cli(["simulate", "--program", f"{tmp_path / 'tiny_step.py'}:predict", "--topology", topology],
+                           capsys)
+    memory = " ".join(out[out.index("memory   "):].split())
+    assert code == 0 and " ".join(label.split()) in memory

@@ -15,7 +15,7 @@ import numpy as np
 
 from testbed.sim.timeline import Report
 
-__all__ = ["relative_error", "compare_reports", "REPORT_FIELDS", "validation_summary"]
+__all__ = ["relative_error", "compare_reports", "REPORT_FIELDS", "validation_summary", "collective_rows"]
 
 #: Fields :func:`compare_reports` compares (``memory``: the ``total`` bytes per device).
 REPORT_FIELDS: tuple[str, ...] = ("step_time_s", "compute_s", "exposed_comm_s", "bubble_fraction", "mfu", "memory")
@@ -126,3 +126,15 @@ def validation_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "diagnostics": {"median_abs_error_at_calibrated_speed": median_steady,
                         "max_abs_error_at_calibrated_speed": max_steady},
     }
+
+
+def collective_rows(predicted: Mapping[str, Mapping[str, float]],
+                    compiled: Mapping[str, Mapping[str, float]]) -> list[dict[str, Any]]:
+    """Per mesh axes and kind (``{axes: {kind: bytes}}`` both sides, per device per step): the predicted and the
+    compiled program's bytes side by side (0 where a side has none), sorted; ``equal`` where they match."""
+    keys = sorted({(a, k) for side in (predicted, compiled) for a, kinds in side.items() for k in kinds})
+    rows = []
+    for axes, kind in keys:
+        p, c = float(predicted.get(axes, {}).get(kind, 0.0)), float(compiled.get(axes, {}).get(kind, 0.0))
+        rows.append({"axes": axes, "kind": kind, "predicted_bytes": p, "compiled_bytes": c, "equal": p == c})
+    return rows

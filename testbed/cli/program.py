@@ -1,7 +1,8 @@
 """`testbed simulate --program module:function`: predict a user's own JAX step on a topology.
 
-The function is called with a ``jax.sharding.AbstractMesh`` of the target size (``--mesh``, default
-one ``data`` axis over every device) and returns ``(step, args)``: the step (a function, a jitted
+The function is called once, with a ``jax.sharding.AbstractMesh`` of the target size (``--mesh``, default
+one ``data`` axis over every device; a concrete ``Mesh`` where the process has that many devices) and returns
+``(step, args)``: the step (a function, a jitted
 function, or ``testbed.runner.program.PmapStep`` for a pmap step) and its arguments, ``jax.ShapeDtypeStruct`` s
 carrying ``NamedSharding`` s on that mesh (or arrays). testbed.runner.program traces it without devices and
 testbed.sim.traced prices it. Every mistake in the module path, the function or what it returns is
@@ -25,17 +26,16 @@ from testbed.errors import InputError, quote
 from testbed.text import markup
 from testbed.topology import Topology
 
-__all__ = ["parse_mesh", "load_function", "trace_program", "program_folder"]
+__all__ = ["memory_source", "parse_axes", "parse_mesh", "load_function", "trace_program", "program_folder", "local_mesh", "call_program",
+           "trace_returned"]
 
 _CONTRACT = ("it must return (step, args): the step (a function, a jax.jit-ed function or "
              "testbed.runner.program.PmapStep) and a tuple of its arguments (jax.ShapeDtypeStructs with NamedShardings "
              "on the mesh it is given, or arrays)")
 
 
-def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
-    """``data=64,tensor=8`` as ``{axis: size}`` (mesh order); default one ``data`` axis over every device."""
-    if not text:
-        return {"data": topology.num_devices}
+def parse_axes(text: str) -> dict[str, int]:
+    """``data=64,tensor=8`` as ``{axis: size}`` (mesh order): distinct identifiers, sizes >= 1."""
     mesh: dict[str, int] = {}
     for part in text.split(","):
         name, sep, size = part.partition("=")
@@ -44,6 +44,14 @@ def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
             raise InputError(f"{quote(part)} is not `axis=size` (e.g. --mesh data=64,tensor=8: distinct axis names, "
                              "sizes >= 1)", field="--mesh")
         mesh[name] = int(size)
+    return mesh
+
+
+def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
+    """``data=64,tensor=8`` as ``{axis: size}`` (mesh order); default one ``data`` axis over every device."""
+    if not text:
+        return {"data": topology.num_devices}
+    mesh = parse_axes(text)
     if math.prod(mesh.values()) != topology.num_devices:
         raise InputError(f"the mesh {mesh} has {math.prod(mesh.values())} devices but topology `{topology.name}` has "
                          f"{topology.num_devices}; give sizes that multiply to {topology.num_devices}", field="--mesh")
@@ -53,7 +61,7 @@ def parse_mesh(text: str | None, topology: Topology) -> dict[str, int]:
 def _split(spec: str) -> tuple[str, str]:
     module_name, sep, function = spec.rpartition(":")
     if not sep or not module_name or not function.isidentifier():
-        raise InputError(f"{quote(spec)} is not `module:function` (e.g. examples/vision/cnn.py:predict or "
+        raise InputError(f"{quote(spec)} is not `module:function` (e.g. examples/predict/vision_cnn.py:predict or "
                          "mypackage.train:predict)", field="--program")
     return module_name, function
 
@@ -99,34 +107,84 @@ def load_function(spec: str) -> Any:
 
 def trace_program(spec: str, mesh: dict[str, int], on_unknown: str = "refuse",
                   timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-    """Call the ``--program`` function with the abstract mesh and trace what it returns (a Workload), all within
-    ``timeout_s`` and with the program's folder on ``sys.path`` until it is done (:mod:`testbed.cli.user_code`)."""
+    """Call the ``--program`` function once and trace what it returns (a Workload), all within ``timeout_s`` and
+    with the program's folder on ``sys.path`` until it is done (:mod:`testbed.cli.user_code`).
+
+    Where this process has the mesh's devices (emulated CPU devices, e.g. under the testing kit) the function is
+    called with a concrete mesh of them, traced on its abstract mesh and compiled for XLA's memory analysis (the
+    live-range estimate kept beside it); otherwise with an AbstractMesh.
+    """
+    from testbed.runner.program import abstract_mesh
+
     with user_code(spec, program_folder(spec), timeout_s), reported(spec, "running"):
-        return _trace_program(spec, mesh, on_unknown)
+        concrete = local_mesh(mesh)
+        target = concrete if concrete is not None else abstract_mesh(mesh)
+        step, args = call_program(spec, target, mesh)
+        workload = trace_returned(spec, step, args, target, on_unknown)
+        return workload if concrete is None else _with_xla_memory(workload, step, args, mesh)
 
 
-def _trace_program(spec: str, mesh: dict[str, int], on_unknown: str) -> Any:
-    from testbed.runner.program import PmapStep, abstract_mesh, trace, trace_pmap
+def local_mesh(mesh: dict[str, int], devices: list[Any] | None = None) -> Any:
+    """A concrete ``jax.sharding.Mesh`` over ``devices`` (default: this process's first devices, in mesh order),
+    or None when there are fewer than the mesh needs."""
+    import jax
+    import numpy as np
+
+    count = math.prod(mesh.values())
+    devices = list(jax.devices()) if devices is None else list(devices)
+    if len(devices) < count:
+        return None
+    grid = np.array(devices[:count], dtype=object).reshape(tuple(mesh.values()))
+    return jax.sharding.Mesh(grid, tuple(mesh), axis_types=(jax.sharding.AxisType.Auto,) * len(mesh))
+
+
+def call_program(spec: str, target: Any, mesh: dict[str, int]) -> tuple[Any, Any]:
+    """``(step, args)``: the ``--program`` function called once with ``target`` (a mesh), its result checked."""
+    from testbed.runner.program import PmapStep
 
     fn = load_function(spec)
-    abstract = abstract_mesh(mesh)
     with reported(spec, f"being called with the mesh {mesh}"):
-        returned = fn(abstract)
+        returned = fn(target)
     if not (isinstance(returned, tuple) and len(returned) == 2 and isinstance(returned[1], (tuple, list))
             and (callable(returned[0]) or isinstance(returned[0], PmapStep))):
         raise InputError(f"{quote(spec)} returned {_shown(returned)}; {_CONTRACT}", field="--program")
     step, args = returned
-    name = spec.rpartition(":")[2]
+    if _is_raw_pmap(step):
+        raise InputError(f"{quote(spec)} returned a jax.pmap-ed function, which is bound to its own devices and "
+                         "cannot be traced for the mesh it is given; return "
+                         "testbed.runner.program.PmapStep(fn, axis_name) around the function pmap would map (its "
+                         "arguments with the leading device dimension; --mesh AXIS=N), or wrap the step in jax.jit "
+                         "(NamedShardings on the mesh) or jax.shard_map over the mesh", field="--program")
     if isinstance(step, PmapStep) and len(mesh) != 1:
         raise InputError(f"a pmap step runs over one axis, but the mesh is {mesh}; give --mesh "
                          f"{step.axis_name}=N", field="--mesh")
-    with reported(spec, f"being traced on the mesh {mesh}"):  # a JAX error while tracing or partitioning the step
-        if isinstance(step, PmapStep):
-            workload = trace_pmap(step.fn, *args, axis_name=step.axis_name, devices=next(iter(mesh.values())),
+    return step, args
+
+
+def _is_raw_pmap(step: Any) -> bool:
+    """Whether ``step`` is what ``jax.pmap`` returns (a C++ PmapFunction, or JAX 0.10's wrapper in jax/_src/pmap.py)."""
+    filename = getattr(getattr(step, "__code__", None), "co_filename", "")
+    return type(step).__name__ == "PmapFunction" or Path(filename).parts[-3:] == ("jax", "_src", "pmap.py")
+
+
+def trace_returned(spec: str, step: Any, args: Any, target: Any, on_unknown: str) -> Any:
+    """The Workload of the step the ``--program`` function returned for ``target`` (the AbstractMesh or Mesh it was
+    called with); an error of the tracer (a host callback, an unknown custom call) names the program."""
+    from testbed.runner.program import PmapStep, abstract_mesh, trace, trace_pmap
+
+    name = spec.rpartition(":")[2]
+    abstract = abstract_mesh(target)
+    mesh = dict(zip(abstract.axis_names, (int(s) for s in abstract.axis_sizes)))
+    try:
+        with reported(spec, f"being traced on the mesh {mesh}"):  # a JAX error while tracing or partitioning it
+            if isinstance(step, PmapStep):
+                return trace_pmap(step.fn, *args, axis_name=step.axis_name, devices=next(iter(mesh.values())),
                                   in_axes=step.in_axes, name=name, on_unknown=on_unknown)
-        else:
-            workload = trace(step, *args, mesh=abstract, name=name, on_unknown=on_unknown)
-    return _with_xla_memory(workload, fn, mesh)
+            return trace(step, *args, mesh=target, name=name, on_unknown=on_unknown)
+    except InputError as exc:
+        if exc.field is not None:
+            raise
+        raise InputError(f"{quote(spec)}: {exc.message}", field="--program") from None
 
 
 def _shown(value: Any) -> str:
@@ -137,29 +195,29 @@ def _shown(value: Any) -> str:
         return f"a {type(value).__name__} (its repr raised)"
 
 
-def _with_xla_memory(workload: Any, fn: Any, mesh: dict[str, int]) -> Any:
-    """The workload with XLA's memory analysis where this process has the devices to compile the step on
-    (emulated CPU devices, e.g. under the testing kit); the live-range estimate otherwise."""
+def _with_xla_memory(workload: Any, step: Any, args: Any, mesh: dict[str, int]) -> Any:
+    """The workload with XLA's memory analysis of the step compiled on this process's devices (its arguments on
+    the concrete mesh the function was called with); unchanged where it does not compile here."""
     import dataclasses
-
-    import jax
 
     from testbed.runner.program import compiled_memory
 
-    devices = math.prod(mesh.values())
-    if len(jax.devices()) < devices:
-        return workload
-    concrete = jax.make_mesh(tuple(mesh.values()), tuple(mesh), devices=jax.devices()[:devices],
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh))
-    try:
-        step, args = fn(concrete)
-    except Exception:  # it traced on the abstract mesh; a concrete one is only a bonus
-        return workload
-    memory = compiled_memory(step, args, devices)
+    memory = compiled_memory(step, args, math.prod(mesh.values()))
     if memory is None:
         return workload
     estimate = workload.memory.get("total")
     return dataclasses.replace(workload, memory={**memory, "live_range_estimate": estimate})
+
+
+def memory_source(memory: dict[str, Any]) -> str:
+    """Whose figure a traced program's memory is, for the text output: XLA's analysis of the compiled step (the
+    estimate beside it) or the live-range estimate."""
+    from testbed.units import format_bytes
+
+    if memory.get("live_range_estimate") is not None:
+        return (f"XLA's memory analysis of the compiled step; live-range estimate "
+                f"{format_bytes(memory['live_range_estimate'])}")
+    return f"live-range estimate, not compiled; arguments {format_bytes(memory.get('arguments', 0))}"
 
 
 def execute(args: Any) -> Any:
@@ -208,8 +266,7 @@ def execute(args: Any) -> Any:
             console.print(f"  over {markup(label or '-')}: {moved} per device")
         fits = "[green]fits[/green]" if r.memory.get("fits") else "[red]does not fit[/red]"
         console.print(f"memory         {format_bytes(r.memory.get('total', 0))} of "
-                      f"{format_bytes(r.memory.get('capacity', 0))} per device: {fits} (live-range estimate; "
-                      f"arguments {format_bytes(r.memory.get('arguments', 0))})")
+                      f"{format_bytes(r.memory.get('capacity', 0))} per device: {fits} ({memory_source(r.memory)})")
         for note in data["assumptions"]:
             console.print(f"[yellow]assumed[/yellow]: {markup(note, 600)}")
         for f in files:

@@ -29,7 +29,7 @@ from testbed.text import markup
 __all__ = ["run", "verify"]
 
 def _common_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
-    parser.add_argument("--plan", default="demo", help="plan YAML file or bundled plan name (default: demo)")
+    parser.add_argument("--plan", default=None, help="plan YAML file or bundled plan name (default: demo)")
     parser.add_argument("--devices", default=None,
                         help="emulated:N (N host devices) or local (jax.devices()); default emulated:<mesh size>")
     parser.add_argument("--steps", type=int, default=steps, help=f"training steps (default {steps})")
@@ -79,7 +79,11 @@ def _devices_for(plan: Plan, request: Any) -> list[Any]:
 def _execute_run(args: argparse.Namespace) -> CommandResult:
     from testbed.runner import devices, train
 
-    plan = load_plan(args.plan)
+    if args.program:
+        from testbed.cli.program_run import execute_program
+
+        return execute_program(args, "run")
+    plan = load_plan(args.plan or "demo")
     _check_steps(args.steps)
     _check_run_arguments(args)
     if args.trace:
@@ -165,7 +169,7 @@ def _run_render(data: dict[str, Any], files: list[str]):
 def _execute_verify(args: argparse.Namespace) -> CommandResult:
     from testbed.runner import devices, train
 
-    plan = load_plan(args.plan)
+    plan = load_plan(args.plan or "demo")
     _check_steps(args.steps)
     request = devices.parse_devices(args.devices, plan.mesh.size)
     if args.cluster is not None:
@@ -231,7 +235,14 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run on emulated cluster NAME (testbed cluster up): one worker per node, in its "
                              "namespace, over the shaped links")
     parser.add_argument("--timeout", type=float, default=None,
-                        help="with --processes: stop all workers after this many seconds (a deadlocked job)")
+                        help="with --processes: stop all workers after this many seconds (a deadlocked job); with "
+                             "--program: the time limit for importing, calling and tracing it (default 600 s)")
+    from testbed.cli.program_run import add_program_arguments
+
+    add_program_arguments(parser, timeout=False)
+    parser.add_argument("--topology", default=None,
+                        help="with --program: predict the step on this topology (bundled name or YAML path; its "
+                             "device count the mesh's) and show it beside the measurement")
     parser.add_argument("--trace", default=None, metavar="F",
                         help="write the timed steps as a Perfetto/Chrome trace to F (one span per step; "
                              "the format of `testbed simulate --trace`)")

@@ -3,7 +3,8 @@
 :func:`user_code` is the scope the user's module is imported and called
 in: its folder on ``sys.path`` for the scope only (``sys.path`` is restored
 after, so a stray ``./matplotlib.py`` is not imported later by testbed's own
-``--gantt``), and a time limit: SIGALRM raises :class:`ProgramTimedOut` in
+``--gantt``), what it prints sent to stderr (stdout is testbed's report or
+its ``--json``), and a time limit: SIGALRM raises :class:`ProgramTimedOut` in
 the main thread after ``timeout_s``, and where that cannot land (a call that
 blocks in C, or code that catches BaseException) a watchdog thread ends the
 process with exit status 2 and the same paragraph ``GRACE_S`` later.
@@ -61,6 +62,10 @@ def describe(exc: BaseException) -> str:
         text = "(its message could not be made: its __str__ raised)"
     if isinstance(exc, SystemExit):
         text = f"exit status {exc.code!r}" if not isinstance(exc.code, str) else exc.code
+    head, marker, trace = text.partition("Traceback (most recent call last):")
+    if marker:  # a message carrying a traceback (JAX's error from a host callback): its last line, what was raised
+        lines = [line for line in trace.splitlines() if line.strip()]
+        text = f"{head.strip()} {lines[-1].strip() if lines else ''}"
     text = " ".join(text.split())
     return f"{name}: {text}" if text else name
 
@@ -120,7 +125,8 @@ def user_code(spec: str, folder: str | None, timeout_s: float) -> Iterator[None]
         signal.signal(signal.SIGINT, interrupt)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):  # the user's prints: testbed's stdout (its --json) stays its own
+            yield
     except ProgramTimedOut as exc:  # the alarm landed in testbed's own code between the user's calls
         raise InputError(str(exc.args[0]), field="--program") from None
     finally:

@@ -40,7 +40,7 @@ __all__ = ["validate"]
 
 
 def _validate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("plans", nargs="+", metavar="PLAN", help="plan YAML files (or bundled plan names)")
+    parser.add_argument("plans", nargs="*", metavar="PLAN", help="plan YAML files (or bundled plan names)")
     parser.add_argument("--topology", required=True, help="calibrated topology (YAML path or bundled name)")
     parser.add_argument("--devices", default=None, help="emulated:N or local (default emulated:<mesh size>)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan after one warm-up (default 5)")
@@ -50,6 +50,9 @@ def _validate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cluster", default=None, metavar="NAME",
                         help="measure on emulated cluster NAME (testbed cluster up) against the topology "
                              "`testbed calibrate --cluster NAME` wrote (docs/cluster.md)")
+    from testbed.cli.program_run import add_program_arguments
+
+    add_program_arguments(parser, timeout=True)
 
 
 def _validate(args: argparse.Namespace) -> CommandResult:
@@ -59,6 +62,12 @@ def _validate(args: argparse.Namespace) -> CommandResult:
         raise InputError(f"must be at least 1, got {args.steps}", field="--steps")
     if args.rounds < 1:
         raise InputError(f"must be at least 1, got {args.rounds}", field="--rounds")
+    if args.program:
+        from testbed.cli.program_run import execute_program
+
+        return execute_program(args, "validate")
+    if not args.plans:
+        raise InputError("give plan files (or bundled plan names) or --program MODULE:FUNCTION", field="plans")
     if args.cluster is not None:
         from testbed.cli.validate_cluster import validate_on_cluster
 

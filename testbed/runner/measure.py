@@ -33,7 +33,7 @@ from testbed.calibration.steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_S
 from testbed.model.costs import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
-           "compiled_memory", "collective_sample", "PlanTimer", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS",
+           "compiled_memory", "collective_sample", "StepTimer", "PlanTimer", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS",
            "measurement_order", "least_disturbed"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
@@ -336,24 +336,25 @@ def compiled_memory(trainer: Any, state: Any) -> float | None:
     return None if value is None else float(value)
 
 
-class PlanTimer:
-    """A plan's runner trainer, compiled once, timed in rounds of a few steps.
+class StepTimer:
+    """A trainer (``init()``, ``step(state, i) -> (state, outputs)``), compiled once, timed in rounds of a few steps.
 
     Why rounds of one compiled trainer: on a shared host the same program's
     step time moves in level shifts lasting seconds (this project's 2-core
     VM: dp8 at 95-155 ms from one round of ten steps to the next, steady
-    within a round), so a plan is best measured as the least disturbed of
+    within a round), so a step is best measured as the least disturbed of
     several short rounds spread over minutes; recompiling for every round
     would cost more than the rounds themselves. The constructor compiles
-    (one warm-up step); :meth:`round` times ``steps`` more.
+    (one warm-up step, :func:`testbed.runner.train.first_step`: ``compile_s``);
+    :meth:`round` times ``steps`` more. The runner's plans are a :class:`PlanTimer`;
+    a user's own step (``--program``) is :class:`testbed.runner.program.measure.ProgramTrainer`.
     """
 
-    def __init__(self, plan: Any, devices: list[Any]) -> None:
-        self.plan = plan
-        self.trainer = _trainer(plan, devices)
-        self.state = self.trainer.init()
-        self.state, loss = self.trainer.step(self.state, 0)  # compiles
-        jax.block_until_ready((self.state, loss))
+    def __init__(self, trainer: Any) -> None:
+        from testbed.runner.train import first_step
+
+        self.trainer = trainer
+        self.state, _, self.compile_s = first_step(trainer)
         self.steps_done = 1
 
     def round(self, steps: int) -> tuple[float, list[float], list[float]]:
@@ -375,4 +376,12 @@ class PlanTimer:
     def memory(self) -> float | None:
         """XLA's compiled bytes per device at the trainer's peak (:func:`compiled_memory`)."""
         return compiled_memory(self.trainer, self.state)
+
+
+class PlanTimer(StepTimer):
+    """A plan's runner trainer (:func:`testbed.runner.train.build_trainer`) as a :class:`StepTimer`."""
+
+    def __init__(self, plan: Any, devices: list[Any]) -> None:
+        self.plan = plan
+        super().__init__(_trainer(plan, devices))
 

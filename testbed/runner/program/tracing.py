@@ -19,14 +19,18 @@ the memory-bound kernels (testbed.runner.program.compile says how they are appro
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from testbed.errors import InputError
 from testbed.sim.workload import Workload
 
-__all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text", "compiled_memory"]
+__all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text", "compiled_memory",
+           "host_callbacks"]
 
 #: Platform the step is lowered for (Shardy's partitioning does not depend on it).
 PLATFORM = "cpu"
@@ -81,23 +85,90 @@ def trace(fn: Callable, *args: Any, mesh: Any, in_shardings: Any = None, out_sha
     Args:
         fn: the step: a plain function or one already ``jax.jit``-ed (then without ``in_shardings``).
         args: ``jax.ShapeDtypeStruct`` s (with ``sharding=NamedSharding(mesh, ...)``) or arrays, pytrees.
-        mesh: an AbstractMesh (or Mesh, or ``{axis: size}``) of the target size.
+        mesh: an AbstractMesh (or ``{axis: size}``) of the target size, or a concrete Mesh of this process's
+            devices (the step is then lowered on them: a shard_map over that Mesh traces only there).
         in_shardings, out_shardings: as for ``jax.jit`` (PartitionSpecs are taken on ``mesh``).
         on_unknown: ``"refuse"`` (an unknown custom call or host callback raises InputError naming it)
             or ``"assume"`` (priced as a memory-bound op, stated in the workload's assumptions).
     """
     import jax
 
-    mesh = abstract_mesh(mesh)
+    given, mesh = mesh, abstract_mesh(mesh)
+    concrete = isinstance(given, jax.sharding.Mesh)  # the devices are here: lowered on them, as JAX would
     if hasattr(fn, "trace") and in_shardings is None and out_shardings is None:
         jitted = fn
     else:
-        jitted = jax.jit(fn, in_shardings=_named(mesh, in_shardings), out_shardings=_named(mesh, out_shardings))
-    with jax.sharding.use_abstract_mesh(mesh):
-        lowered = jitted.trace(*_abstract(args)).lower(lowering_platforms=(PLATFORM,))
+        on = given if concrete else mesh
+        jitted = jax.jit(fn, in_shardings=_named(on, in_shardings), out_shardings=_named(on, out_shardings))
+    with contextlib.nullcontext() if concrete else jax.sharding.use_abstract_mesh(mesh):
+        traced = jitted.trace(*_abstract(args))
+        callbacks = host_callbacks(traced.jaxpr.jaxpr)
+        if callbacks and on_unknown == "refuse":
+            raise InputError(f"the step calls the host callback{'s' * (len(callbacks) > 1)} {', '.join(callbacks)}: "
+                             "Python run on the host, whose time is not in "
+                             "the program's text, so the simulator cannot price it. Remove it from the traced step, "
+                             "or trace with on_unknown='assume' (CLI: --unknown-ops assume) to price each as a "
+                             "memory-bound op over its operands and results")
+        with _callbacks_lowerable(bool(callbacks)):
+            lowered = traced.lower(lowering_platforms=(PLATFORM,))
     sizes = dict(zip(mesh.axis_names, (int(s) for s in mesh.axis_sizes)))
     label = name or getattr(fn, "__name__", None) or "program"
-    return workload_from_text(lowered.as_text(), sizes, label, on_unknown)
+    workload = workload_from_text(lowered.as_text(), sizes, label, on_unknown)
+    if not callbacks:
+        return workload
+    note = f"the step calls {', '.join(callbacks)}: each priced as the host callback's custom call below"
+    return dataclasses.replace(workload, assumptions=(note, *workload.assumptions))
+
+
+#: JAX's host-callback primitives (they need devices to lower) and what the user's code calls them by.
+_CALLBACKS = {"pure_callback": "jax.pure_callback", "io_callback": "jax.experimental.io_callback"}
+
+
+def host_callbacks(jaxpr: Any) -> list[str]:
+    """Each host callback a jaxpr calls, nested jaxprs included, as ``jax.pure_callback(`name`)`` (its Python
+    function's qualified name), in order of appearance, each once."""
+    found: list[str] = []
+
+    def walk(j: Any) -> None:
+        for eqn in j.eqns:
+            if eqn.primitive.name in _CALLBACKS:
+                func = getattr(eqn.params.get("callback"), "callback_func", None)
+                name = f"{_CALLBACKS[eqn.primitive.name]}(`{getattr(func, '__qualname__', '?')}`)"
+                if name not in found:
+                    found.append(name)
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(jaxpr)
+    return found
+
+
+@contextlib.contextmanager
+def _callbacks_lowerable(active: bool) -> Iterator[None]:
+    """While active, JAX lowers host callbacks without devices (an abstract mesh).
+
+    JAX refuses to lower a jaxpr holding a primitive in ``jax._src.dispatch.prim_requires_devices_during_lowering``
+    on an abstract mesh; its callbacks are there because a compiled callback is registered with a backend. The
+    lowered text needs no device: the callback's custom call (``xla_ffi_python_cpu_callback``, a maximal sharding on
+    device 0, exactly what JAX emits with devices) is read and never compiled. So, for the lowering only, the two
+    callback primitives leave that set (JAX 0.10's private registry and its cache), and return after.
+    """
+    if not active:
+        yield
+        return
+    from jax._src import callback, dispatch
+
+    removed = {callback.pure_callback_p, callback.io_callback_p} & dispatch.prim_requires_devices_during_lowering
+    dispatch.prim_requires_devices_during_lowering.difference_update(removed)
+    dispatch.jaxpr_has_prim_requiring_devices.cache_clear()
+    try:
+        yield
+    finally:
+        dispatch.prim_requires_devices_during_lowering.update(removed)
+        dispatch.jaxpr_has_prim_requiring_devices.cache_clear()
 
 
 def trace_pmap(fn: Callable, *args: Any, axis_name: str, devices: int, in_axes: Any = 0, name: str | None = None,

@@ -1,0 +1,150 @@
+"""Held-out accuracy benchmark: eight users' programs that are not in ``examples/`` (``benchmarks/heldout/``),
+predicted on ``host-cpu-8`` and measured on 8 emulated CPU devices of this host.
+
+The programs, each a ``predict(mesh)`` as ``testbed simulate --program`` takes it, written for this benchmark and
+never used to fit or tune anything:
+
+- ``cnn``: a ResNet-like CNN, fp32, ``jit`` data parallel, SGD with momentum (``data=8``);
+- ``mixer``: an MLP-Mixer, fp32, ``jit`` data parallel (``data=8``);
+- ``vit``: a Vision Transformer, bf16, ``jit`` data parallel, optax Adam (``data=8``);
+- ``tp_transformer``: transformer blocks in ``shard_map``, tensor + sequence parallel with ``all_gather`` /
+  ``psum_scatter`` (``data=2, model=4``);
+- ``fsdp_adamw``: an MLP stack, every parameter and moment sharded, optax AdamW (``data=2, fsdp=4``);
+- ``scan_remat``: ``lax.scan`` over layers under ``jax.checkpoint`` with a ``custom_vjp`` activation, tensor
+  parallel by annotations (``data=4, model=2``);
+- ``moe``: top-1 mixture of experts in ``shard_map`` with ``all_to_all`` dispatch and combine (``expert=8``);
+- ``pipeline``: a GPipe-style pipeline in ``shard_map`` passing microbatches with ``ppermute`` (``stage=4, data=2``).
+
+Each is called once with a concrete mesh of the 8 devices, traced and priced as ``testbed run --program`` does,
+then compiled and timed by the same code (:class:`testbed.runner.program.measure.ProgramTrainer` driven by the
+runner's :class:`~testbed.runner.measure.StepTimer`): ``--rounds`` rounds of ``--steps`` steps, every other round
+in reverse order, each round's median, the least disturbed kept; calibrate's reference step is timed after every
+round (``host_speeds``: the host's speed against its calibration; the errors ``at_calibrated_speed`` scale each
+round's median by it, as ``testbed validate`` does).
+
+Goal (issue 56): at the calibrated host speed, step time median <= 10%, max <= 20%; memory (the live-range
+estimate against XLA's memory analysis of the compiled step) median <= 5%, max <= 10%; bytes per mesh axis equal
+to the compiled HLO's on every program. Prints ONE JSON object: per program the predicted and measured step,
+errors raw and at the calibrated speed, the memory estimate, XLA's and their error, the bytes per axis and kind
+both ways; the medians and maxima; the load average before and after.
+
+    python benchmarks/program_heldout.py [--steps S] [--rounds R] [--only NAME ...] [--topology T]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "heldout"
+
+#: program -> its mesh on the 8 devices (mesh order).
+PROGRAMS = {"cnn": {"data": 8}, "mixer": {"data": 8}, "vit": {"data": 8}, "tp_transformer": {"data": 2, "model": 4},
+            "fsdp_adamw": {"data": 2, "fsdp": 4}, "scan_remat": {"data": 4, "model": 2}, "moe": {"expert": 8},
+            "pipeline": {"stage": 4, "data": 2}}
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"heldout_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prepared(name: str, devices, topology) -> dict:
+    """The program called once on the devices' mesh, traced and priced, and its compiled step's timer."""
+    from testbed.cli.program import local_mesh
+    from testbed.runner.measure import StepTimer
+    from testbed.runner.program import trace
+    from testbed.runner.program.measure import ProgramTrainer
+    from testbed.sim.traced import simulate_workload
+
+    mesh = PROGRAMS[name]
+    concrete = local_mesh(mesh, devices)
+    step, args = _module(name).predict(concrete)
+    workload = trace(step, *args, mesh=concrete, name=name)
+    report = simulate_workload(workload, topology).report
+    trainer = ProgramTrainer(step, args, concrete)
+    return {"mesh": mesh, "concrete": concrete, "workload": workload, "predicted_s": report.step_time_s,
+            "trainer": trainer, "timer": StepTimer(trainer), "medians": [], "speeds": []}
+
+
+def _row(case: dict) -> dict:
+    """One program's predicted vs measured figures."""
+    from testbed.calibration.validation import collective_rows, relative_error
+    from testbed.runner.program.measure import compiled_collectives
+
+    workload, trainer = case["workload"], case["trainer"]
+    measured = min(case["medians"])
+    at_calibrated = statistics.median(m * v for m, v in zip(case["medians"], case["speeds"]))
+    xla = trainer.memory()
+    estimate = float(workload.memory["total"])
+    rows = collective_rows(workload.collective_bytes(), compiled_collectives(trainer.hlo_text(), case["concrete"]))
+    return {"mesh": case["mesh"], "dtype": workload.dtype, "predicted_s": case["predicted_s"], "measured_s": measured,
+            "error": relative_error(case["predicted_s"], measured),
+            "measured_at_calibrated_speed_s": at_calibrated,
+            "error_at_calibrated_speed": relative_error(case["predicted_s"], at_calibrated),
+            "memory_estimate": estimate, "memory_xla": float(xla.total),
+            "memory_error": relative_error(estimate, float(xla.total)), "xla_memory": xla.to_dict(),
+            "collectives": rows, "bytes_per_axis_equal": all(r["equal"] for r in rows),
+            "flops_per_device": workload.flops(), "compile_s": case["timer"].compile_s,
+            "round_medians_s": case["medians"], "host_speeds": case["speeds"],
+            "assumptions": list(workload.assumptions)}
+
+
+def _summary(rows: dict) -> dict:
+    def median_max(key: str) -> dict:
+        values = [abs(r[key]) for r in rows.values()]
+        return {"median_abs": statistics.median(values), "max_abs": max(values)}
+
+    return {"step_time": median_max("error"), "step_time_at_calibrated_speed": median_max("error_at_calibrated_speed"),
+            "memory_vs_xla": median_max("memory_error"),
+            "bytes_per_axis_equal": {"all": all(r["bytes_per_axis_equal"] for r in rows.values()),
+                                     "programs": sum(r["bytes_per_axis_equal"] for r in rows.values())}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; the least disturbed median kept (default 5)")
+    parser.add_argument("--only", nargs="*", default=None, help="programs to run (default all eight)")
+    parser.add_argument("--topology", default="host-cpu-8", help="host topology to price on (default host-cpu-8)")
+    args = parser.parse_args(argv)
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from testbed.topology.io import load_topology
+
+    topology = load_topology(args.topology)
+    load_before = os.getloadavg()
+    import jax
+
+    from testbed.runner.validate import ReferenceStep
+
+    devices = jax.devices()[:8]
+    names = args.only or list(PROGRAMS)
+    cases = {name: prepared(name, devices, topology) for name in names}
+    reference = ReferenceStep(topology, devices)
+    for r in range(args.rounds):
+        for name in names[::1 if r % 2 == 0 else -1]:  # a slow spell of the host does not hit the same ones twice
+            cases[name]["medians"].append(cases[name]["timer"].round(args.steps)[0])
+            cases[name]["speeds"].append(reference.time()["speed"])
+    rows = {name: _row(cases[name]) for name in names}
+    print(json.dumps({
+        "benchmark": "program_heldout", "topology": topology.name, "devices": "emulated:8", **_summary(rows),
+        "goal": {"step_time_at_calibrated_speed": {"median_abs": 0.10, "max_abs": 0.20},
+                 "memory_vs_xla": {"median_abs": 0.05, "max_abs": 0.10}, "bytes_per_axis_equal": "all"},
+        "reference_step": {"plan": reference.timer.plan.name, "predicted_s": reference.predicted_s},
+        "rows": rows, "steps": args.steps, "rounds": args.rounds,
+        "load_average": {"before": [round(x, 2) for x in load_before],
+                         "after": [round(x, 2) for x in os.getloadavg()]}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
