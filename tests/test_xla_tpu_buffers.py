@@ -15,6 +15,7 @@ from testbed.model import kept, workspace, xla_tpu
 from testbed.model.memory import memory_breakdown
 from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
+from testbed.topology.compile_target import parse_target, target_topology
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
 TPU = load_topology("tpu-v5e-4x4")
@@ -98,6 +99,33 @@ def test_selective_remat_holds_two_score_buffers_on_a_tpu() -> None:
     score = 2 * plan.microbatch_size * SPEC.heads * SPEC.seq_len ** 2
     assert workspace.attention_workspace(plan, tpu=True) == 2 * score
     assert workspace.attention_workspace(plan) == 4 * score  # XLA:CPU materialises the recompute beside them
+
+
+def test_without_remat_the_softmax_gradients_are_one_fp32_buffer_on_a_tpu() -> None:
+    """XLA:TPU without remat: one fp32 score-sized buffer beside the kept probabilities, whatever the dtype (two
+    compute-dtype buffers on XLA:CPU: equal bytes in bf16, twice them in fp32)."""
+    scores = 2 * SPEC.heads * SPEC.seq_len ** 2  # a microbatch of 2 on each of the 16 fsdp ranks
+    for precision, cpu in (("bf16-mixed", 4 * scores), ("fp32", 8 * scores)):
+        plan = _plan(remat="none", precision=precision)
+        assert workspace.attention_workspace(plan, tpu=True) == 4 * scores
+        assert workspace.attention_workspace(plan) == cpu
+
+
+def test_an_fp32_loss_reads_the_kept_logits_on_a_tpu() -> None:
+    """No cast to hold apart: the fp32 step's loss has no logits-sized buffer of its own (gpt1k-data4-fp32)."""
+    assert xla_tpu.loss_workspace_bytes(_plan(remat="full", precision="fp32")) == 0
+    assert xla_tpu.loss_workspace_bytes(_plan(remat="full")) > 0
+
+
+def test_weight_gradients_wait_for_the_backwards_end_on_a_tpu() -> None:
+    """A step that reduces its gradients over devices holds no weight gradient at any backward instant on XLA:TPU
+    (the combined all-reduces follow the backward), the head's included: its peak counts no gradients."""
+    plan = _plan(remat="none", mesh={"data": 16})
+    assert memory_breakdown(plan, TPU).grads == 0
+    single = _plan(remat="none", mesh={"data": 1}, batch=2)
+    chip = target_topology(parse_target("tpu:v5e:1x1"))
+    assert chip.device.buffer_rules == "xla-tpu"
+    assert memory_breakdown(single, chip).grads > 0  # one device reduces nothing: interleaved
 
 
 def test_single_chip_memory_matches_xla_tpus_recorded_compiles() -> None:

@@ -11,6 +11,9 @@ from testbed.plan.spec import Attention, Plan, Remat
 
 __all__ = ["attention_workspace", "flash_workspace", "flash_tile", "layer_workspace", "sublayer_workspace"]
 
+#: Bytes of an fp32 value.
+FP32_BYTES = 4
+
 
 def attention_workspace(plan: Plan, tpu: bool = False) -> int:
     """Transient score-sized buffers of one layer's attention backward.
@@ -19,13 +22,18 @@ def attention_workspace(plan: Plan, tpu: bool = False) -> int:
     gradient of the probabilities and of the scores (2 buffers); selective
     remat first recomputes the scores and probabilities (2 more), except under
     XLA:TPU (``tpu``), which recomputes them inside the softmax backward's fusion
-    (testbed.model.xla_tpu).
+    (testbed.model.xla_tpu). Without remat XLA:TPU fuses the two gradients into
+    one fp32 score-sized buffer beside the kept probabilities (llama2k-fsdp4-fp32
+    of benchmarks/xla_tpu/: one f32 buffer in each layer's attention backward; the
+    same bytes as two bf16 ones).
     """
     spec, c = rank_spec(plan), plan.precision.compute_bytes
     if spec.attention is Attention.FLASH:
         return splash_workspace(plan) if splash_kernel(plan) else flash_workspace(plan)
-    score = c * plan.microbatch_size * spec.heads * spec.seq_len ** 2 // plan.mesh.tensor
-    return score * (4 if plan.remat is Remat.SELECTIVE and not tpu else 2)
+    scores = plan.microbatch_size * spec.heads * spec.seq_len ** 2 // plan.mesh.tensor
+    if tpu and plan.remat is Remat.NONE:
+        return FP32_BYTES * scores
+    return c * scores * (4 if plan.remat is Remat.SELECTIVE and not tpu else 2)
 
 
 def flash_workspace(plan: Plan) -> int:
