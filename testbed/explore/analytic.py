@@ -59,8 +59,9 @@ from testbed.sim.compute import compute_seconds, plan_matmul_dtype
 from testbed.model.spans import scaled_spans
 from testbed.sim.step_rules import (GatherMode, first_tail_bucket, gather_mode, gradients, runs_serially,
                                     sequence_apart, serial_host)
-from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
-                               step_facts)
+from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, alike_key, bucket_share,
+                               cached_order, step_facts)
+from testbed.model.layout import chunk_layers
 from testbed.explore.span_times import priced_plays
 from testbed.sim.moe import Piece
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
@@ -256,9 +257,19 @@ class _Step:
         rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
                  else (reps[s], reps[s]) for s in range(p)]
         self.prices: dict[tuple[int, int, str], _Priced] = {}
+        plan, v = facts.plan, facts.virtual
+        spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):
+            alike: dict[tuple, _Priced] = {}  # the stage's chunks alike (testbed.sim.facts.alike_key): priced once
             for c, chunk in enumerate(facts.chunks[s]):
+                key = alike_key(plan, p, v, s, c, spans[s][c])
                 for work in chunk.actions:
+                    hit = alike.get((key, work.kind))
+                    if hit is not None:  # all but its sends are the alike chunk's
+                        sends = self._sends(s, work)
+                        self.prices[(s, c, work.kind)] = hit._replace(
+                            sends=sends, send_s=sum(x.seconds for x in sends) if sends else 0.0)
+                        continue
                     gather, per_block = 0.0, ()
                     mode = gather_mode(facts, work) if facts.params_ways > 1 else GatherMode.NONE
                     if mode is GatherMode.WHOLE:
@@ -266,8 +277,9 @@ class _Step:
                     elif mode is GatherMode.BLOCKS:
                         per_block = self._block_gather_seconds(s, chunk, work.kind)
                         gather = sum(per_block)
-                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)._replace(
-                        block_gathers=per_block if len(set(per_block)) > 1 else ())
+                    self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = self._price(
+                        s, chunk, work, rings[s], gather)._replace(block_gathers=per_block if len(set(per_block)) > 1
+                                                                   else ())
 
     def _gather_seconds(self, s: int, moved: tuple[int, int], pieces: int) -> float:
         """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces``
