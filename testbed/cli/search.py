@@ -171,7 +171,9 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     from testbed.plan.presets import PRESETS
 
     space = _space(args, preset=args.model in PRESETS)
-    with progress_bar("searching", eta=True, heartbeat=True) as bar:
+    # The time left is the search's own (testbed.explore.eta, in each phase's label): a best-first search skips
+    # most plans at once, so the bar's share-done extrapolation would overstate it many times over.
+    with progress_bar("searching", heartbeat=True) as bar:
         progress = phase_progress(bar, {"bounds": "plans (memory and step floors)",
                                         "analytic": "plans (analytic tier)", "replay": "best plans (DES replay)"})
         result = run_search(plan, topology, space, objective=args.objective, memory_cap=args.memory_cap,

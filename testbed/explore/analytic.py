@@ -57,10 +57,11 @@ from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds, plan_matmul_dtype
 from testbed.model.spans import scaled_spans
-from testbed.sim.step_rules import (GatherMode, first_tail_bucket, gather_mode, gradients, runs_serially,
+from testbed.sim.step_rules import (GatherMode, Gradients, first_tail_bucket, gather_mode, gradients, runs_serially,
                                     sequence_apart, serial_host)
-from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, cached_order,
-                               step_facts)
+from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, alike_key, bucket_share,
+                               cached_order, step_facts)
+from testbed.model.layout import chunk_layers
 from testbed.explore.span_times import priced_plays
 from testbed.sim.grad_tasks import allreduce_count
 from testbed.sim.moe import Piece
@@ -260,9 +261,20 @@ class _Step:
         rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
                  else (reps[s], reps[s]) for s in range(p)]
         self.prices: dict[tuple[int, int, str], _Priced] = {}
+        self._played: dict[tuple, _Priced] = {}  # :meth:`played`'s memo
+        plan, v = facts.plan, facts.virtual
+        spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):
+            alike: dict[tuple, _Priced] = {}  # the stage's chunks alike (testbed.sim.facts.alike_key): priced once
             for c, chunk in enumerate(facts.chunks[s]):
+                key = alike_key(plan, p, v, s, c, spans[s][c])
                 for work in chunk.actions:
+                    hit = alike.get((key, work.kind))
+                    if hit is not None:  # all but its sends are the alike chunk's
+                        sends = self._sends(s, work)
+                        self.prices[(s, c, work.kind)] = hit._replace(
+                            sends=sends, send_s=sum(x.seconds for x in sends) if sends else 0.0)
+                        continue
                     gather, per_block = 0.0, ()
                     mode = gather_mode(facts, work) if facts.params_ways > 1 else GatherMode.NONE
                     if mode is GatherMode.WHOLE:
@@ -270,8 +282,27 @@ class _Step:
                     elif mode is GatherMode.BLOCKS:
                         per_block = self._block_gather_seconds(s, chunk, work.kind)
                         gather = sum(per_block)
-                    self.prices[(s, c, work.kind)] = self._price(s, chunk, work, rings[s], gather)._replace(
-                        block_gathers=per_block if len(set(per_block)) > 1 else ())
+                    self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = self._price(
+                        s, chunk, work, rings[s], gather)._replace(block_gathers=per_block if len(set(per_block)) > 1
+                                                                   else ())
+
+    def played(self, s: int, c: int, kind: str, grads: Gradients) -> _Priced:
+        """The price of chunk ``c``'s ``kind`` action on stage ``s`` as played with ``grads`` (testbed.sim.step_rules'
+        Gradients): where its blocks are played span by span, the play it releases its gradients by (its compute their
+        computes', its tensor among them), else none. Memoized: every microbatch's action reads one."""
+        key = (s, c, kind, grads.release, grads.each)
+        out = self._played.get(key)
+        if out is None:
+            priced = self.prices[(s, c, kind)]
+            plays = priced.plays_last if grads.release else (priced.plays_scatter or priced.plays) if grads.each \
+                else priced.plays
+            if plays:  # its blocks span by span: the tensor among them
+                parts = tuple(block.compute for block in plays)
+                out = priced._replace(compute=sum(parts), parts=parts, tensor=0.0, hidden=0.0, plays=plays)
+            else:
+                out = priced._replace(plays=())
+            self._played[key] = out
+        return out
 
     def _gather_seconds(self, s: int, moved: tuple[int, int], pieces: int) -> float:
         """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces``

@@ -67,6 +67,7 @@ class Play:
         self.early = [0.0] * p  # the sequence-replicated gradients' sum done (_Priced.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
         self.microbatches = Microbatches(facts)
+        self._gradients: dict[tuple[str, bool, bool], Gradients] = {}
         self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
         self.launch = 0.0  # with ``serial``: when the previous program completed
         self.host, controller = 0.0, step.controller
@@ -145,14 +146,11 @@ class Play:
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.prices[(s, c, kind)]
         accumulated, left = self.microbatches.begin(s, c, kind)
-        grads = gradients(self.facts, kind, priced.chain, left)
-        plays = priced.plays_last if grads.release else (priced.plays_scatter or priced.plays) if grads.each \
-            else priced.plays
-        if plays:  # its blocks span by span: the tensor among them
-            parts = tuple(block.compute for block in plays)
-            priced = priced._replace(compute=sum(parts), parts=parts, tensor=0.0, hidden=0.0, plays=plays)
-        else:
-            priced = priced._replace(plays=())
+        grads = self._gradients.get((kind, priced.chain, left == 0))
+        if grads is None:  # a pure function of these (left only as zero or not): one per kind
+            grads = self._gradients[(kind, priced.chain, left == 0)] = gradients(self.facts, kind, priced.chain,
+                                                                                  left)
+        priced = self.step.played(s, c, kind, grads)
         compute = self.slow * priced.compute
         if iteration(self.facts, action).waits:
             self._iteration(s)

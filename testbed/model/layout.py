@@ -289,7 +289,7 @@ def _stage_counts(spec: ModelSpec, stages: int, virtual: int, stage_layers: tupl
 
 
 def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1,
-                 stage_layers: tuple[int, ...] | None = None) -> list[list[range]]:
+                 stage_layers: tuple[int, ...] | None = None) -> tuple[tuple[range, ...], ...]:
     """``[stage][chunk] -> range`` of layer indices (Megatron interleaving).
 
     Model chunk ``c * stages + s`` lives on stage ``s`` as its virtual chunk
@@ -298,8 +298,14 @@ def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1,
     None: ``layers / stages`` each), split over its chunks by
     :func:`testbed.plan.stages.chunk_counts` (as evenly as possible, the
     model's two end chunks the lighter). Every pipeline split of layers is
-    decided here.
+    decided here. Memoized (a search reads it for every chunk of every plan): the answer is immutable.
     """
+    return _chunk_layers(spec, stages, virtual, None if stage_layers is None else tuple(stage_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_layers(spec: ModelSpec, stages: int, virtual: int, stage_layers: tuple[int, ...] | None
+                  ) -> tuple[tuple[range, ...], ...]:
     per = chunk_counts(_stage_counts(spec, stages, virtual, stage_layers), virtual)
     out: list[list[range]] = [[range(0)] * virtual for _ in range(stages)]
     start = 0
@@ -307,7 +313,7 @@ def chunk_layers(spec: ModelSpec, stages: int, virtual: int = 1,
         for s in range(stages):
             out[s][c] = range(start, start + per[s][c])
             start += per[s][c]
-    return out
+    return tuple(map(tuple, out))
 
 
 def embedding_holder(stages: int, virtual: int = 1) -> tuple[int, int]:

@@ -22,7 +22,7 @@ testbed.sim.grad_bytes'.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from testbed.model import buffers
 from testbed.model.costs import ChunkCost
@@ -325,11 +325,18 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
-    chunks = tuple(tuple(_chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
-                                      bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
-                                      chained_gathers, native_reductions, allreduce_bytes)
-                         for c in range(v))
-                   for s in range(p))
+    alike: dict[tuple, ChunkFacts] = {}  # chunks alike in their layers and ends: worked out once
+
+    def facts_of(s: int, c: int) -> ChunkFacts:
+        key = alike_key(plan, p, v, s, c, spans[s][c])
+        if key in alike:
+            return _sent(alike[key], schedule, chunk_costs, s, c)
+        alike[key] = out = _chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
+                                        bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
+                                        chained_gathers, native_reductions, allreduce_bytes)
+        return out
+
+    chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))
     updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
                     for s in range(p))
     return StepFacts(plan=plan, schedule=schedule, order=order,
@@ -337,6 +344,23 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                      param_bytes=param_b, grad_bytes=grad_b, params_axes=sharding.params,
                      params_ways=sharding.ways(plan, "params"), optimizer_ways=o_ways, per_microbatch=per_microbatch,
                      reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates)
+
+
+def alike_key(plan: Plan, stages: int, virtual: int, s: int, c: int, span: range) -> tuple:
+    """What a chunk's :class:`ChunkFacts` but its sends (the stages they reach) follow from, beside the plan: the
+    kind of each of its layers in order (testbed.model.layout's layer kinds: MoE or dense; every parameter,
+    cost and GEMM of a layer is its kind's) and whether it holds the embedding or the head. Chunks alike in it
+    have equal facts (tests/test_alike_chunks.py checks it chunk by chunk)."""
+    kinds = tuple(plan.model.is_moe_layer(i) for i in span) if plan.model.experts else len(span)
+    return kinds, (s, c) == (0, 0), (s, c) == (stages - 1, virtual - 1)
+
+
+def _sent(chunk: ChunkFacts, schedule: Schedule, chunk_costs, s: int, c: int) -> ChunkFacts:
+    """``chunk``'s facts (those of a chunk alike: :func:`alike_key`) as chunk ``c`` of stage ``s``: its actions'
+    sends its own."""
+    actions = tuple(a if (sends := tuple(_sends(schedule, s, a.kind, c, chunk_costs))) == a.sends
+                    else replace(a, sends=sends) for a in chunk.actions)
+    return chunk if actions == chunk.actions else replace(chunk, actions=actions)
 
 
 def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
