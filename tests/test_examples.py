@@ -257,9 +257,10 @@ def test_a_classic_bug_in_a_step_is_diagnosed_by_experiment(name: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n", [2, 4, 6])
+@pytest.mark.parametrize("n", [2, 6])
 def test_the_classic_bugs_are_diagnosed_at_other_device_counts(n: int) -> None:
-    """The twins at 2, 4 and 6 shards (the correct versions pass there in the examples' own tests)."""
+    """The twins at 2 and 6 shards, the fewest and a count no power of two (the correct versions pass at 2, 4 and 6
+    in the examples' own tests)."""
     for name in sorted(DIAGNOSED):
         _check_twin(name, n, correct_too=False)
 

@@ -14,9 +14,11 @@ import pytest
 
 from testbed.model import kept, workspace
 from testbed.model.activations import FLASH_BYTES, activation_bytes_per_layer, head_activation_bytes
-from testbed.model.memory import memory_breakdown
+from testbed.model.memory import MICROBATCH_GRADS, memory_breakdown
 from testbed.plan.io import plan_from_dict
+from testbed.plan.runtime import PYTORCH_PROGRAM
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan, Remat
+from testbed.topology.io import load_topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "published"))
 import runs  # noqa: E402
@@ -75,7 +77,7 @@ def test_the_runners_selective_remat_drops_only_the_softmax_output_under_xla() -
     n, scores = 8 * spec.seq_len, 4 * 8 * spec.heads * spec.seq_len ** 2
     assert kept.selective_copies_bytes(plan) == 4 * 2 * n * spec.d_model  # Q and K, fp32
     assert kept.layer_kept_bytes(plan) == kept.layer_kept_bytes(replace(plan, remat=Remat.NONE)) - scores
-    torch = replace(plan, runtime=replace(plan.runtime, framework="pytorch"))
+    torch = replace(plan, runtime=replace(plan.runtime, **PYTORCH_PROGRAM))
     assert kept.selective_copies_bytes(torch) == 0
     assert kept.layer_kept_bytes(torch) == activation_bytes_per_layer(spec, 8, plan.precision, Remat.SELECTIVE)
     assert kept.selective_copies_bytes(replace(plan, model=replace(spec, attention="flash"))) == 0
@@ -117,7 +119,7 @@ def test_xla_terms_are_jaxs_alone(tensor: int, sp: bool) -> None:
     under SP the gathered input is the rest of the sequence, (t - 1) / t of the whole."""
     plan = _plan("llama3-8b", "testbed", remat="none", mesh={"tensor": tensor}, sequence_parallel=sp,
                  batch={"global_batch": 1, "microbatches": 1})
-    torch = replace(plan, runtime=replace(plan.runtime, framework="pytorch"))
+    torch = replace(plan, runtime=replace(plan.runtime, **PYTORCH_PROGRAM))
     c, n, d = 2, plan.model.seq_len, plan.model.d_model
     for term in (kept.sp_gathered_bytes, kept.normalized_input_bytes, kept.tensor_collective_workspace,
                  kept.residual_summand_bytes, kept.loss_instant_recompute):
@@ -126,6 +128,35 @@ def test_xla_terms_are_jaxs_alone(tensor: int, sp: bool) -> None:
     assert kept.normalized_input_bytes(plan) == (0 if tensor == 1 else c * n * d // (tensor if sp else 1))
     assert kept.tensor_collective_workspace(plan) == (0 if tensor == 1 else 2 * 2 * c * n * d)
     assert kept.layer_kept_bytes(plan) >= kept.layer_kept_bytes(torch)
+
+
+
+_TERMS = {"sp_gathered_inputs": kept.sp_gathered_bytes, "in_place_collectives": kept.tensor_collective_workspace,
+          "weight_grads_last": lambda plan: kept.deferred_backward_bytes(plan, False),
+          "framework": kept.normalized_input_bytes}
+
+
+@pytest.mark.parametrize("field", sorted(_TERMS))
+def test_each_xla_buffer_is_its_own_runtime_field(field: str) -> None:
+    """One runtime field set to its PyTorch value removes its own XLA term and leaves the others as they were."""
+    plan = _plan("llama3-8b", "testbed", remat="none", mesh={"tensor": 4, "data": 2}, sequence_parallel=True,
+                 batch={"global_batch": 2, "microbatches": 1})
+    flipped = replace(plan, runtime=replace(plan.runtime, **{field: PYTORCH_PROGRAM[field]}))
+    for name, term in _TERMS.items():
+        assert term(plan) > 0
+        assert term(flipped) == (0 if name == field else term(plan)), name
+
+
+
+def test_autograds_hooks_write_no_whole_microbatch_gradients() -> None:
+    """Replicated gradients under accumulation: the runner's step writes a microbatch's gradients whole before adding
+    them to the accumulator; autograd's hooks (``runtime.grad_hooks``, PyTorch) add them into ``.grad`` in place."""
+    plan = _plan("gpt-125m", "testbed", remat="full", mesh={"data": 8}, batch={"global_batch": 16, "microbatches": 2})
+    hooks = replace(plan, runtime=replace(plan.runtime, grad_hooks=True))
+    h100 = load_topology("dgx-h100")
+    xla, torch = (dict(memory_breakdown(p, h100).workspace_parts) for p in (plan, hooks))
+    assert xla[MICROBATCH_GRADS] == memory_breakdown(plan, h100).grads > 0
+    assert torch.get(MICROBATCH_GRADS, 0) == 0
 
 
 def test_the_runners_full_remat_keeps_the_residual_summands() -> None:
@@ -146,7 +177,7 @@ def test_xla_defers_weight_gradients_after_a_collective(mesh: dict) -> None:
     step; a step with a collective defers every weight gradient and also holds the kept logits and the MLP's
     input-matrix output gradients (per tensor rank); PyTorch stacks hold none of it."""
     plan = _plan("llama3-8b", "testbed", remat="none", mesh=mesh, batch={"global_batch": 2, "microbatches": 1})
-    torch = replace(plan, runtime=replace(plan.runtime, framework="pytorch"))
+    torch = replace(plan, runtime=replace(plan.runtime, **PYTORCH_PROGRAM))
     assert kept.deferred_backward_bytes(torch, True) == 0 and not kept.weight_grads_deferred(torch)
     spec, t = kept.rank_spec(plan), plan.mesh.tensor
     logits = plan.microbatch_size * spec.seq_len * spec.padded_vocab // t

@@ -6,15 +6,14 @@ of keeping them, and the latency-hiding scheduler ranks staying under the limit 
 Each floor here is the plan as the compiler would leave it (:func:`compiler_floors`, in order, each on top of the
 one before); testbed.model.memory takes them, one after another, only while the stage would overflow, so a
 program that fits keeps everything the runner's program keeps. Memory only: what the floors cost in time (a
-recomputed loss, a gather overlapped less) is not priced. PyTorch programs (``runtime.framework: pytorch``) have
-no floor.
+recomputed loss, a gather overlapped less) is not priced. Programs not compiled against the limit
+(``runtime.limit_aware_compile`` false: PyTorch's) have no floor.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from testbed.model import kept
 from testbed.plan.sharding import gathered_blocks
 from testbed.plan.spec import Plan
 
@@ -24,7 +23,7 @@ __all__ = ["loss_floor_plan", "prefetch_floor_plan", "compiler_floors", "deepest
 def loss_floor_plan(plan: Plan) -> Plan | None:
     """``plan`` with the loss at its floor, or None when its loss has no buffers a compiler could drop.
 
-    An XLA program (``runtime.framework: jax``) compiled for a device with a memory limit runs XLA's
+    An XLA program (``runtime.limit_aware_compile``) compiled for a device with a memory limit runs XLA's
     rematerialisation pass (``HloRematerialization``, openxla/xla ``hlo_rematerialization.cc``) against that
     limit: when the program would not fit, it recomputes cheap values at their uses instead of keeping them.
     The runner's loss keeps fp32 logits and writes two fp32 logits-sized buffers (testbed.model.kept), all
@@ -42,7 +41,7 @@ def loss_floor_plan(plan: Plan) -> Plan | None:
 
 def _loss_fields(plan: Plan) -> dict | None:
     """The runtime fields :func:`loss_floor_plan` sets, or None."""
-    return None if not kept.xla_program(plan) or plan.runtime.fused_loss else {"fused_loss": True}
+    return None if not plan.runtime.limit_aware_compile or plan.runtime.fused_loss else {"fused_loss": True}
 
 
 def prefetch_floor_plan(plan: Plan) -> Plan | None:
@@ -60,7 +59,7 @@ def prefetch_floor_plan(plan: Plan) -> Plan | None:
 
 def _prefetch_fields(plan: Plan) -> dict | None:
     """The runtime fields :func:`prefetch_floor_plan` sets, or None."""
-    if not kept.xla_program(plan) or plan.runtime.fsdp_prefetch == 0 or not gathered_blocks(plan):
+    if not plan.runtime.limit_aware_compile or plan.runtime.fsdp_prefetch == 0 or not gathered_blocks(plan):
         return None
     return {"fsdp_prefetch": 0}
 

@@ -18,17 +18,16 @@ them here, one rule per mechanism:
   :func:`loss_workspace_bytes`).
 - ``vocab_tiles`` (MaxText's ``num_vocab_tiling``): no logits kept; one tile's recomputed logits and loss buffers
   at a time.
-- ``framework: jax`` (the runner; XLA's buffer assignment, read from the compiled HLO of
-  ``benchmarks/memory_vs_xla.py``'s steps): under sequence parallelism the all-gathered input of each
-  column-parallel matmul (:func:`sp_gathered_bytes`); with a tensor axis each layer's LayerNorm-backward
-  normalised input, computed in the forward (:func:`normalized_input_bytes`), and both halves of the
-  backward's tensor collectives (:func:`tensor_collective_workspace`); under full remat the residual
-  stream's summands (:func:`residual_summand_bytes`) and the last block's recompute beside the loss
-  backward (:func:`loss_instant_recompute`); under the runner's selective remat the head-major Q and K
-  copies, made outside its checkpoint (:func:`selective_copies_bytes`); the operands of the weight gradients
-  XLA schedules after the layers' input-gradient chain, live through every layer's backward
-  (:func:`deferred_backward_bytes`).
-  ``pytorch`` keeps Korthikanti et al. (2022)'s accounting.
+- The runner's XLA program (read from the compiled HLO of ``benchmarks/memory_vs_xla.py``'s steps), one field a
+  mechanism: ``sp_gathered_inputs``, the all-gathered input of each column-parallel matmul under sequence
+  parallelism (:func:`sp_gathered_bytes`); ``in_place_collectives`` false, both halves of the backward's tensor
+  collectives (:func:`tensor_collective_workspace`); ``weight_grads_last``, the operands of the weight gradients
+  scheduled after the layers' input-gradient chain (:func:`deferred_backward_bytes`); ``framework: jax``, the
+  rest: each layer's LayerNorm-backward normalised input under a tensor axis (:func:`normalized_input_bytes`), the
+  residual stream's summands and the last block's recompute beside the loss backward under full remat
+  (:func:`residual_summand_bytes`, :func:`loss_instant_recompute`), the head-major Q and K copies under the
+  runner's selective remat (:func:`selective_copies_bytes`). The PyTorch values keep Korthikanti et al. (2022)'s
+  accounting.
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ from testbed.model.activations import (FLASH_BYTES, LOSS_BYTES, activation_bytes
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
 
-__all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes",
-           "head_kept_bytes", "saves_dots", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
+__all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes", "head_kept_bytes",
+           "saves_dots", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
            "loss_instant_recompute", "device_layer_sets", "selective_copies_bytes", "weight_grads_deferred",
            "deferred_backward_bytes"]
@@ -160,7 +159,7 @@ def recompute_workspace_bytes(plan: Plan) -> int:
 
 
 def xla_program(plan: Plan) -> bool:
-    """Whether XLA's buffer assignment decides what the step keeps (``runtime.framework: jax``)."""
+    """Whether XLA's buffer assignment decides the kept terms no other runtime field states (``runtime.framework``)."""
     return plan.runtime.framework == "jax"
 
 
@@ -199,9 +198,9 @@ def sp_gathered_bytes(plan: Plan) -> int:
     Under sequence parallelism the runner all-gathers the sequence before each column-parallel matmul (QKV,
     MLP-in, the head) and XLA keeps the all-gather's output, the whole ``[tokens, d_model]``, as the
     weight-gradient matmul's operand; Megatron-LM and Transformer Engine keep the shard and gather it again in
-    the backward (``framework: pytorch``, Korthikanti et al. 2022: ``1/t`` each). 0 without SP."""
+    the backward (``runtime.sp_gathered_inputs`` false, Korthikanti et al. 2022: ``1/t`` each). 0 without SP."""
     t = plan.mesh.tensor
-    if not plan.sequence_parallel or t == 1 or not xla_program(plan):
+    if not plan.sequence_parallel or t == 1 or not plan.runtime.sp_gathered_inputs:
         return 0
     return plan.precision.compute_bytes * (t - 1) * _residual_values(plan)
 
@@ -225,8 +224,8 @@ def tensor_collective_workspace(plan: Plan) -> int:
     partial input gradient that is reduced over the tensor axis (all-reduce; reduce-scatter under SP, whose
     row-parallel side all-gathers the output gradient whole). XLA's collectives are out of place: the operand
     and the result are both live, two whole ``[tokens, d_model]`` buffers per collective. 0 without a tensor
-    axis or for PyTorch stacks (NCCL all-reduces in place)."""
-    if plan.mesh.tensor == 1 or not xla_program(plan):
+    axis or with ``runtime.in_place_collectives`` (PyTorch's NCCL all-reduces)."""
+    if plan.mesh.tensor == 1 or plan.runtime.in_place_collectives:
         return 0
     spec = rank_spec(plan)
     return norms(spec) * 2 * plan.precision.compute_bytes * plan.microbatch_size * spec.seq_len * spec.d_model
@@ -308,8 +307,9 @@ def weight_grads_deferred(plan: Plan) -> bool:
     Read from XLA:CPU's scheduled steps (``benchmarks/memory_vs_xla.py``, ``--xla_dump_to``: the live-range
     reports): whenever the step reduces its gradients or its loss over devices (data, fsdp, expert, tensor or
     context ranks; the gradients feed one combined all-reduce), no weight gradient is live at any layer's
-    backward instant; the single-device step interleaves them. Not for PyTorch stacks (autograd's order)."""
-    return xla_program(plan) and plan.replicas * plan.mesh.tensor * plan.mesh.context > 1
+    backward instant; the single-device step interleaves them. ``runtime.weight_grads_last`` false (autograd's
+    order, PyTorch stacks): never."""
+    return plan.runtime.weight_grads_last and plan.replicas * plan.mesh.tensor * plan.mesh.context > 1
 
 
 def deferred_backward_bytes(plan: Plan, holds_head: bool) -> int:
@@ -322,9 +322,9 @@ def deferred_backward_bytes(plan: Plan, holds_head: bool) -> int:
     When the weight gradients are deferred (:func:`weight_grads_deferred`) the step also keeps the kept logits
     until the loss value, reduced over the ranks, is taken (``long-b8-flash-dp8``, ``long-b4-tp4``,
     ``long-b4-cp4``; not ``long-b4-cp2``), and during a layer's attention backward the MLP's input-matrix
-    output gradients (``[tokens, d_ff / t]`` each: the first matrices' weight-gradient operands). 0 for PyTorch
-    stacks."""
-    if not xla_program(plan):
+    output gradients (``[tokens, d_ff / t]`` each: the first matrices' weight-gradient operands). 0 without
+    ``runtime.weight_grads_last`` (PyTorch stacks)."""
+    if not plan.runtime.weight_grads_last:
         return 0
     head = 0
     if holds_head and plan.runtime.vocab_tiles == 1:

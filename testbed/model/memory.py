@@ -53,10 +53,10 @@ Against the device's memory limit an XLA program is compiled to fit where it can
 only when the program would not fit otherwise): the loss's fp32 buffers rematerialised (:func:`loss_floor_plan`),
 then no block's gather started ahead of the peak (:func:`prefetch_floor_plan`).
 
-``runtime.framework`` decides the terms only XLA's buffer assignment keeps (``testbed.model.kept``: tensor-
-parallel backward buffers, the residual summands under full remat) and how a microbatch's gradients live:
-XLA's step writes them whole before it reduces them, PyTorch accumulates replicated gradients in place and
-reduce-scatters sharded ones per block in the backward.
+The runtime fields of the XLA program decide the terms only XLA's buffer assignment keeps (``testbed.model.kept``:
+tensor-parallel backward buffers, the residual summands under full remat) and ``runtime.grad_hooks`` how a
+microbatch's gradients live: XLA's step writes them whole before it reduces them, PyTorch's hooks accumulate
+replicated gradients in place and reduce-scatter sharded ones per block in the backward.
 
 The breakdown is taken at each stage's peak instant: without gradient
 accumulation (one microbatch) activations are freed layer by layer while
@@ -319,7 +319,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
     # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
     # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
     unsharded = grad_b * (_stage_blocks(plan, stage)[0] if gathered else held)
-    if not kept.xla_program(plan):
+    if plan.runtime.grad_hooks:
         # PyTorch: autograd accumulates replicated gradients into .grad in place; sharded ones (FSDP, ZeRO-2/3)
         # are reduce-scattered block by block in the backward (post-backward hooks), one block's unsharded.
         unsharded = grad_b * _stage_blocks(plan, stage)[0] if grad_ways > 1 else 0

@@ -66,8 +66,19 @@ class RuntimeSpec:
     fp8_saved_inputs: bool = False
     #: The loss is one fused kernel over the compute-dtype logits, with no fp32 copy. Memory only.
     fused_loss: bool = False
-    #: Whose autograd decides which buffers a step keeps (:data:`FRAMEWORKS`; testbed.model.kept). Memory only.
+    #: Whose compiler or autograd decides the kept buffers no other field states (:data:`FRAMEWORKS`;
+    #: testbed.model.kept). Memory only.
     framework: str = "jax"
+    #: Under SP a column-parallel matmul keeps its all-gathered input, not its shard (testbed.model.kept). Memory only.
+    sp_gathered_inputs: bool = True
+    #: A layer's backward tensor collectives write their input's buffer, not a second one. Memory only.
+    in_place_collectives: bool = False
+    #: A microbatch's gradients reach the accumulator as the backward writes them (autograd's hooks). Memory only.
+    grad_hooks: bool = False
+    #: Every weight gradient is computed after the backward's whole input-gradient chain. Memory only.
+    weight_grads_last: bool = True
+    #: The program is compiled against the device's memory limit (testbed.model.floors). Memory only.
+    limit_aware_compile: bool = True
     #: The layers run as one ``lax.scan`` over stacked parameters (MaxText's ``scan_layers``). Memory only.
     scan_layers: bool = False
     #: A pipeline send blocks its sender until it has arrived (DeepSpeed, Megatron-LM's 1F1B).
@@ -148,7 +159,8 @@ class RuntimeSpec:
                              field="runtime.gather_combine_bytes")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
                      "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params",
-                     "cast_weights", "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks"):
+                     "cast_weights", "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs",
+                     "in_place_collectives", "grad_hooks", "weight_grads_last", "limit_aware_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
@@ -156,7 +168,9 @@ class RuntimeSpec:
 
 #: The fields of every PyTorch stack's profile that say its program is eager PyTorch rather than one XLA program.
 PYTORCH_PROGRAM = {"framework": "pytorch", "microbatch_scan": False, "allreduce_combiner": False,
-          "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False}
+                   "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False, "sp_gathered_inputs": False,
+                   "in_place_collectives": True, "grad_hooks": True, "weight_grads_last": False,
+                   "limit_aware_compile": False}
 #: Values of :attr:`RuntimeSpec.recompute`.
 RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots")
 #: Values of :attr:`RuntimeSpec.framework`.

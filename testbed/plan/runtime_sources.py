@@ -59,6 +59,30 @@ _EAGER_SOURCES = {
         "{}: the FSDP wrapping of the embedding and the head is the stack's auto-wrap policy, not stated per stack "
         "here; testbed.model.blocks.own_blocks lets them ride with the first and the last layer's unit "
         "(Composer's FSDP keeps them in the root unit; a per-stack value is a known limit)"),
+    "sp_gathered_inputs": (
+        "{}: under sequence parallelism a column-parallel linear saves its sequence shard and all-gathers it again in "
+        "the backward for the weight gradient (Megatron-Core tensor_parallel/layers.py "
+        "LinearWithGradAccumulationAndAsyncCommunication: ctx.save_for_backward(input) before the forward's "
+        "all-gather into the global 'mpu' buffer, dist_all_gather_func again in backward; Korthikanti et al. 2022 "
+        "Sec. 4.2.2); the same rule for every PyTorch stack (a per-stack value is a known limit)"),
+    "in_place_collectives": (
+        "{}: a tensor-parallel collective is a c10d call on the autograd tensor, torch.distributed.all_reduce "
+        "reducing it in place (Megatron-Core tensor_parallel/mappings.py _reduce: "
+        "torch.distributed.all_reduce(input_, group=group); reduce_scatter_tensor writes a 1/t output)"),
+    "grad_hooks": (
+        "{}: autograd's AccumulateGrad adds each backward's gradient into the parameter's .grad (or the stack's "
+        "gradient buffer) in place, and sharded gradients are reduce-scattered unit by unit by the post-backward hook "
+        "(torch/distributed/fsdp/_runtime_utils.py `_post_backward_hook`, FSDP2's post-backward, DeepSpeed ZeRO's "
+        "reduce_ready_partitions_and_remove_grads hooks): no microbatch's gradients exist whole beside the accumulator"),
+    "weight_grads_last": (
+        "{}: autograd runs each node's backward whole: a linear's weight gradient in the same call as its input "
+        "gradient (torch's MmBackward/AddmmBackward, tools/autograd/derivatives.yaml; Megatron-Core's "
+        "LinearWithGradAccumulationAndAsyncCommunication.backward computes grad_input then grad_weight), layer by "
+        "layer, no scheduler moving the weight gradients after the input-gradient chain"),
+    "limit_aware_compile": (
+        "{}: eager kernels and the CUDA caching allocator hold what autograd saves; no compiler sees the device's "
+        "memory limit (nothing plays XLA's HloRematerialization or the latency-hiding scheduler's memory-pressure "
+        "policy)"),
 }
 _EAGER_STACKS = {"megatron": "Megatron-LM (PyTorch)", "nemo": "Megatron-Bridge (Megatron-Core on PyTorch)",
                  "deepspeed": "DeepSpeed (PyTorch)", "fsdp": "torch.distributed.fsdp",

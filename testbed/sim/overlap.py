@@ -63,35 +63,11 @@ def _iteration_spans(workload: Workload) -> dict[int, tuple[int, int]]:
 
 
 def hoist_collectives(workload: Workload) -> Workload:
-    """``workload`` with each collective moved up to just after the last matmul or collective it reads.
-
-    XLA's latency-hiding scheduler issues an asynchronous collective's start as soon as its operands are
-    ready, so the compute between its last producer and its first consumer runs beside it. The tracer's
-    compute segments run in program order (one in-order stream), so a collective JAX emits after
-    unrelated compute would otherwise wait for that compute: the runner's fsdp backward gather of a
-    block, whose link (a slice of the residual stream's gradient) JAX emits after the next block's
-    backward, waited for it. The rule, by data flow: a collective, with the memory-bound ops it reads
-    through memory-bound ops only (the small fusions that make its operand: a cast, a link's add), goes
-    just after the latest matmul or collective it depends on (the program's start when none). Where that
-    latest dependency is a collective (the last layer's fsdp backward gather reads the final norm's
-    backward, which reads the all-reduce over tensor of the head's input gradient), the chain goes just
-    after that collective, ahead of the compute JAX emitted in between (the head's weight-gradient matmul):
-    the in-order compute stream waits for that collective there, and the collective the chain feeds starts
-    before that compute rather than after it. So does XLA's scheduler: scheduling bottom-up, it holds back an
-    async start whose latency is not yet covered while independent compute is ready (``kLessStall`` in
-    xla/service/latency_hiding_scheduler.cc), so that compute lands between the start and its done, and the
-    start's operand chain above the start. The chain moves only with its collective (:func:`_with_its_chain`):
-    where the collective also waits for later compute (the runner's merged all-reduce over data of every
-    layer's gradient shards under hybrid sharding), the chain stays where it is, which keeps the compute stream
-    from waiting on a collective for nothing (GPT-1.3B on 4,096 devices: 1.128 with every such chain moved up,
-    0.982 with the rule). Memory-bound ops that read a collective but feed none stay where
-    :func:`defer_consumers` put them, before their first consumer. Bounded as XLA's scheduler bounds an
-    async start: by its operands (never above a producer), and by one collective in flight per kind and
-    device groups (a stream per kind and axes in the task graph runs them in order: XLA's default overlap
-    limit of 1 for each kind); no memory-pressure bound (the
-    scheduler's memory limit is not modelled). Ties keep program order, so collectives that read the
-    same producers stay in the order they were issued.
-    """
+    """``workload`` with each collective, and the memory-bound chain making its operand, moved up to just after the
+    latest matmul or collective it reads, as XLA's latency-hiding scheduler issues an async start (``kLessStall``,
+    xla/service/latency_hiding_scheduler.cc); the chain moves only with its collective; never above a producer, one
+    collective in flight per kind and device groups, ties in program order. Why and the cases that set each rule:
+    docs/program.md, "Order, as XLA's latency-hiding scheduler would"."""
     ops = workload.ops
     n = len(ops)
     if not any(op.kind is OpKind.COLLECTIVE for op in ops):
@@ -153,26 +129,12 @@ def _with_its_chain(ops: tuple, g: int, base: list[int], moved: list[bool], floo
 
 def chain_gathers(workload: Workload, seconds: Sequence[float] | None = None) -> Workload:
     """``workload`` with each all-gather placed no earlier than the previous one of its stream can be done, where
-    the compute from there to its own first reader covers it (``seconds``: each op's estimated time; None: always).
-
-    Where all-gathers are a scheduler resource of their own with one in flight (``device.collective_resources:
-    per_kind``: ``all_gather_overlap_limit = 1`` in ``SchedulerConfig``, xla/service/latency_hiding_scheduler.h),
-    XLA's program reads start 0, done 0, start 1, done 1: a gather's start comes after the previous gather's done,
-    and the dones come in start order. The scheduler (bottom-up) places a done as late as it can
-    (``kScheduleDone``): before the first op reading it and before every later done, so before the first reader of
-    that gather or of any later one; the next start goes just above it. So a gather goes there, where
-    :func:`hoist_collectives` put it earlier, when the compute from there to its own first reader covers its
-    estimated time. When it does not, the scheduler holds that start back no further than its latency allows
-    (``kLessStall``: a start waits while its latency is not covered) and the previous done floats above its reader
-    to make room (``kFreeBackedupResource``): the gather stays where it was hoisted. The stream's order is kept (the
-    tracer's in-order stream per kind and axes runs one gather at a time; an earlier gather never goes below a later
-    one). A gather's place in the order is what compute it waits for (the segment holding its operand ends at it),
-    so a backward gather, whose operand is a cotangent, waits for the compute up to there; a forward gather, reading
-    only the step's parameters, still starts when the gather before it ends. Reduce-scatters are not chained: the
-    optimizer alone reads them, so the scheduler moves a done up to the next start, not down to its reader. A stream
-    is one loop iteration's gathers over one set of axes (XLA schedules a loop body on its own), and no gather moves
-    below its iteration's last op. The estimate is all or nothing: a place between the two would split the
-    tracer's roofline segments where XLA's kernels are not split (the fsdp 256 point at 1.15 for 1.04)."""
+    the compute from there to its own first reader covers it (``seconds``: each op's estimated time; None: always),
+    else left where :func:`hoist_collectives` put it: XLA's scheduler with all-gathers a resource of their own, one
+    in flight (``kScheduleDone``, ``kLessStall``; docs/program.md). A stream is one loop iteration's gathers over one
+    set of axes, its order kept; no gather moves below its iteration's last op; reduce-scatters are not chained
+    (only the optimizer reads them); the estimate is all or nothing (a split would cut the tracer's roofline
+    segments where XLA's kernels are not split)."""
     ops = workload.ops
     n = len(ops)
     first = [n] * n  # each collective's first reader that is not a collective
