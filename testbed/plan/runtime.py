@@ -62,6 +62,11 @@ class RuntimeSpec:
     matmul_precision: str = "default"
     #: How an fp8 matmul's operands find their scale (:data:`FP8_SCALINGS`), priced under fp8-mixed only.
     fp8_scaling: str = "delayed"
+    #: Under fp8-mixed the output layer (the LM head) runs in fp8 too; by default it stays in bf16, as every stack's
+    #: fp8 recipe leaves it (Megatron-Core's output_layer is a plain ColumnParallelLinear outside Transformer
+    #: Engine's fp8_autocast; torchtitan's Llama configs filter ``output`` from Float8; llm-foundry's MPT head is
+    #: the tied embedding's F.linear, not a te.Linear).
+    fp8_head: bool = False
     #: Under fp8-mixed each linear keeps the fp8 cast of its input for the weight gradient. Memory only.
     fp8_saved_inputs: bool = False
     #: The loss is one fused kernel over the compute-dtype logits, with no fp32 copy. Memory only.
@@ -147,7 +152,7 @@ class RuntimeSpec:
             raise InputError(f"must be a number of bytes >= 0 (.inf: no bound), got {self.gather_combine_bytes}",
                              field="runtime.gather_combine_bytes")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
-                     "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params",
+                     "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params", "fp8_head",
                      "cast_weights", "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
