@@ -99,7 +99,7 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
     default = RuntimeSpec()
     without = {field: error(simulate(replace(plan, runtime=replace(plan.runtime, **{field: getattr(default, field)})),
                                      topology).report.step_time_s)
-               for field in runner_differences(plan.runtime)}
+               for field in runner_differences(plan.runtime) if not _inert(plan, field)}
     if topology.device.power_limit:  # the device held below its rated power: the error at the rated power
         rated = replace(topology, device=replace(topology.device, power_limit=0.0))
         without["device.power_limit"] = error(simulate(plan, rated).report.step_time_s)
@@ -115,6 +115,14 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
             "runtime": plan.runtime.profile, "predicted": round(tokens / report.step_time_s / gpus, 1),
             "published": published, "error": error(report.step_time_s), "runner_error": error(runner),
             "mechanisms": without, **_memory(plan, topology)}
+
+
+def _inert(plan: Plan, field: str) -> bool:
+    """Whether a runtime field cannot change this plan, so its ablation is not simulated: ``pad_sequence_shards``
+    without sequence parallelism over a tensor degree that leaves the sequence uneven."""
+    if field == "pad_sequence_shards":
+        return not (plan.sequence_parallel and (plan.model.seq_len // plan.mesh.context) % plan.mesh.tensor)
+    return False
 
 
 def _memory(plan: Plan, topology: Topology) -> dict:

@@ -62,6 +62,10 @@ class RuntimeSpec:
     matmul_precision: str = "default"
     #: How an fp8 matmul's operands find their scale (:data:`FP8_SCALINGS`), priced under fp8-mixed only.
     fp8_scaling: str = "delayed"
+    #: Sequence parallelism over a tensor degree that does not divide the sequence pads each rank's shard to
+    #: ``ceil(seq / t)`` tokens (XLA's GSPMD: an uneven shard rounded up, the last padded) instead of refusing the plan
+    #: (Megatron-LM's split_tensor_along_first_dim needs the sequence divisible).
+    pad_sequence_shards: bool = False
     #: Under fp8-mixed the output layer (the LM head) runs in fp8 too; by default it stays in bf16, as every stack's
     #: fp8 recipe leaves it (Megatron-Core's output_layer is a plain ColumnParallelLinear outside Transformer
     #: Engine's fp8_autocast; torchtitan's Llama configs filter ``output`` from Float8; llm-foundry's MPT head is
@@ -153,6 +157,7 @@ class RuntimeSpec:
                              field="runtime.gather_combine_bytes")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
                      "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params", "fp8_head",
+                     "pad_sequence_shards",
                      "cast_weights", "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
@@ -185,7 +190,7 @@ STATE_DTYPES = ("fp32", "bf16")
 PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
-    "xla": {"fsdp_prefetch": 1, "scan_layers": True},
+    "xla": {"fsdp_prefetch": 1, "scan_layers": True, "pad_sequence_shards": True},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
                  "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
                  **PYTORCH_PROGRAM, "pipeline_blocking_sends": True},

@@ -122,6 +122,12 @@ SOURCES: dict[tuple[str, str], str] = {
     ("fsdp", "framework"): _PYTORCH.format("torch.distributed.fsdp"),
     ("torchtitan", "framework"): _PYTORCH.format("torchtitan (github.com/pytorch/torchtitan)"),
     ("llm-foundry", "framework"): _PYTORCH.format("llm-foundry (Composer on PyTorch)"),
+    ("xla", "pad_sequence_shards"): (
+        "GSPMD (Xu et al. 2021, arXiv:2105.04663, Sec. 3.3 'Static constraints', uneven partitioning): a dimension "
+        "not divisible by its shard count is split into ceil(size / shards) per shard, the last padded, so an "
+        "activation sharded over a 12-way model axis at sequence 2048 compiles (171 tokens a shard, 4 padded); "
+        "Megatron-LM instead asserts divisibility (megatron/core/tensor_parallel/mappings.py "
+        "_split_along_first_dim: 'First dimension of the tensor should be divisible by tensor parallel size')"),
     ("xla", "scan_layers"): (
         "MaxText MaxText/configs/base.yml: scan_layers: True (the decoder's layers run as one nn.scan over stacked "
         "parameters; its runs log 'Config param scan_layers: True')"),
