@@ -32,6 +32,7 @@ import yaml
 
 from testbed.explore.space import resize_topology
 from testbed.model.memory import memory_breakdown
+from testbed.model.moe import sequence_dispatch
 from testbed.plan.io import plan_from_dict
 from testbed.plan.runtime import RuntimeSpec, runner_differences
 from testbed.plan.spec import Plan
@@ -119,9 +120,12 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
 
 def _inert(plan: Plan, field: str) -> bool:
     """Whether a runtime field cannot change this plan, so its ablation is not simulated: ``pad_sequence_shards``
-    without sequence parallelism over a tensor degree that leaves the sequence uneven."""
+    without sequence parallelism over a tensor degree that leaves the sequence uneven, ``moe_sequence_dispatch``
+    where testbed.model.moe.sequence_dispatch does not apply."""
     if field == "pad_sequence_shards":
         return not (plan.sequence_parallel and (plan.model.seq_len // plan.mesh.context) % plan.mesh.tensor)
+    if field == "moe_sequence_dispatch":
+        return not sequence_dispatch(plan)
     return False
 
 

@@ -62,6 +62,10 @@ class RuntimeSpec:
     matmul_precision: str = "default"
     #: How an fp8 matmul's operands find their scale (:data:`FP8_SCALINGS`), priced under fp8-mixed only.
     fp8_scaling: str = "delayed"
+    #: Under sequence and expert parallelism each tensor rank dispatches its own sequence shard over the expert group
+    #: and the experts' tensor ranks all-gather what arrives (Megatron-Core's MoEAlltoAllTokenDispatcher), instead of
+    #: every tensor rank dispatching the whole sequence (testbed.model.moe.sequence_dispatch).
+    moe_sequence_dispatch: bool = False
     #: Sequence parallelism over a tensor degree that does not divide the sequence pads each rank's shard to
     #: ``ceil(seq / t)`` tokens (XLA's GSPMD: an uneven shard rounded up, the last padded) instead of refusing the plan
     #: (Megatron-LM's split_tensor_along_first_dim needs the sequence divisible).
@@ -157,7 +161,7 @@ class RuntimeSpec:
                              field="runtime.gather_combine_bytes")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
                      "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params", "fp8_head",
-                     "pad_sequence_shards",
+                     "pad_sequence_shards", "moe_sequence_dispatch",
                      "cast_weights", "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
@@ -193,9 +197,10 @@ PROFILES: dict[str, dict[str, Any]] = {
     "xla": {"fsdp_prefetch": 1, "scan_layers": True, "pad_sequence_shards": True},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
                  "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
-                 **PYTORCH_PROGRAM, "pipeline_blocking_sends": True},
+                 **PYTORCH_PROGRAM, "pipeline_blocking_sends": True, "moe_sequence_dispatch": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
-             "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM, "fp8_params": True},
+             "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM, "fp8_params": True,
+             "moe_sequence_dispatch": True},
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, **PYTORCH_PROGRAM,
                   "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True, "pipeline_blocking_sends": True,
                   "grad_all_reduce": True, "grad_accumulate_fp32": True},
