@@ -313,8 +313,11 @@ class Plan:
         if m.experts and m.experts % mesh.expert_parallel:
             folded = "" if mesh.expert_parallel == mesh.expert else \
                 f" x (mesh.tensor {mesh.tensor} / mesh.expert_tensor {mesh.expert_tensor_degree})"
+            hint = (f"; with expert_tensor 1 the tensor ranks are expert ranks too, so Megatron-Core's "
+                    f"--expert-model-parallel-size EP is mesh.expert x mesh.tensor: for EP {m.experts} write mesh.expert "
+                    f"{m.experts // mesh.tensor}" if folded and m.experts % mesh.tensor == 0 else "")
             raise InputError(f"model.experts {m.experts} must be divisible by the expert-parallel degree mesh.expert "
-                             f"{mesh.expert}{folded} = {mesh.expert_parallel}",
+                             f"{mesh.expert}{folded} = {mesh.expert_parallel}{hint}",
                              field="mesh.expert_tensor" if folded else "mesh.expert")
         if m.experts and m.expert_width % mesh.expert_tensor_degree:
             raise InputError(f"expert width {m.expert_width} (expert_d_ff, or d_ff) must be divisible by the experts' "
