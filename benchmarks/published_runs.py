@@ -27,6 +27,11 @@ each parameter fitted over a category of ``runs``, with its in-sample and leave-
 data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext cases, tpu_fit.py;
 ``gpu_compute_A100``, ``gpu_compute_H100``: each GPU generation's ``device.sustained`` over its runs.yaml cases
 and, for A100, Table 1, gpu_fit.py, which simulates each GPU case twice more).
+``held_out`` (benchmarks/published/held_out.py) refits every one of those end-to-end fits without one stack, and
+without one source (a case's ``url``), at a time and predicts what was held out: ``in_sample``,
+``leave_one_stack_out`` and ``leave_one_source_out``, each ``overall`` and per held-out group (with the refitted
+values and any fallback), and ``rows`` (each case's held-out error); each fit under ``fits`` names the cases it is
+fitted on (``held_out.<parameter>.fitted_on``) with its own rows' held-out summaries.
 The largest Megatron rows take about a minute each to simulate.
 
 With ``collectives`` run, ``fits`` also carries ``nccl_multinode``: testbed.collectives.nccl_fit's
