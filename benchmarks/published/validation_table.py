@@ -160,7 +160,7 @@ def _held_out(data: dict) -> list[str]:
     for kind, key, title in (("leave_one_stack_out", "stack", "stack"), ("leave_one_source_out", "source", "source")):
         groups = (held.get(kind) or {}).get("groups") or {}
         inside = held["in_sample"].get("groups", {}).get(key, {})
-        rows = [(f"{name}", g.get("cases", ""), _pct(inside.get(name, {}).get("median_abs_error")),
+        rows = [(name.removeprefix("https://"), g.get("cases", ""), _pct(inside.get(name, {}).get("median_abs_error")),
                  _pct(inside.get(name, {}).get("max_abs_error")), _pct(g.get("median_abs_error")),
                  _pct(g.get("max_abs_error")), ", ".join(f"{p} {v:g}" for p, v in sorted(g.get("refitted", {}).items())))
                 for name, g in groups.items()]
