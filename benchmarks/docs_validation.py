@@ -108,6 +108,16 @@ backward, the backlog is exposed at the step's end. The task graph lets a reduce
 collectives only while both are in flight. The paper's words ("shards the optimizer states and gradients",
 "reduce-scatter gradients in FP32") decide the cases' ZeRO 2.
 
+### Held out by stack and by source
+
+Every number fitted over the published runs (each GPU generation's `device.sustained`, each TPU generation's matmul
+`efficiency`) is refitted without one stack, and without one source (a case's `url`), at a time; the held-out cases
+are predicted with the refits (`benchmarks/published/held_out.py`). A TPU generation with no case left takes its other
+generations' fit, and with no TPU case left at all (every TPU case is MaxText's) the bundled TPU files' unfitted 0.7:
+leaving MaxText out is the test of a new stack on a TPU. `runtime.moe_sequence_dispatch` and
+`runtime.pad_sequence_shards` move no case of the suite (none runs sequence-parallel experts split like the dense MLP,
+none an uneven sequence shard); their tests show the steps they change.
+
 ### MaxText's v5p table as measured
 
 The v5p rows take their model, batch and mesh from the commit that published `MaxText/configs/v5p/README.md`

@@ -27,6 +27,11 @@ each parameter fitted over a category of ``runs``, with its in-sample and leave-
 data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext cases, tpu_fit.py;
 ``gpu_compute_A100``, ``gpu_compute_H100``: each GPU generation's ``device.sustained`` over its runs.yaml cases
 and, for A100, Table 1, gpu_fit.py, which simulates each GPU case twice more).
+``held_out`` (benchmarks/published/held_out.py) refits every one of those end-to-end fits without one stack, and
+without one source (a case's ``url``), at a time and predicts what was held out: ``in_sample``,
+``leave_one_stack_out`` and ``leave_one_source_out``, each ``overall`` and per held-out group (with the refitted
+values and any fallback), and ``rows`` (each case's held-out error); each fit under ``fits`` names the cases it is
+fitted on (``held_out.<parameter>.fitted_on``) with its own rows' held-out summaries.
 The largest Megatron rows take about a minute each to simulate.
 
 With ``collectives`` run, ``fits`` also carries ``nccl_multinode``: testbed.collectives.nccl_fit's
@@ -49,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "published"))
 import collectives as published_collectives  # noqa: E402
 import end_to_end as published_end_to_end  # noqa: E402
 import gpu_fit  # noqa: E402
+import held_out  # noqa: E402
 import memory as published_memory  # noqa: E402
 import runs as published_runs  # noqa: E402
 import tpu_fit  # noqa: E402
@@ -77,6 +83,25 @@ def nccl_fit() -> dict:
     return published_collectives.fit(leave_one_out=True)
 
 
+def _compute_fits() -> tuple[dict, list[dict]]:
+    """``fits``' end-to-end entries (tpu_fit.py's, gpu_fit.py's) and their rows as held_out.py reads them: each
+    case decomposed once for both."""
+    tpu, gpu = tpu_fit.category_rows(), gpu_fit.all_rows()
+    fits = {"tpu_compute": tpu_fit.fit_report(rows=tpu), **gpu_fit.fits(gpu_fit.fit_report(rows=gpu))}
+    return fits, held_out.tpu_rows(tpu) + held_out.gpu_rows(gpu)
+
+
+def _held_out(rows: list[dict], pooled: list[dict], fits: dict) -> dict:
+    """held_out.py's report over every fitted case (``pooled``: the benchmark's errors); each fit of ``fits``
+    gains the rows it was fitted on and their held-out summaries (``by_fit``, under the fit's own name)."""
+    errors = {r["case"]: r["error"] for r in pooled}
+    report = held_out.report([r for r in rows if r["case"] in errors], errors)
+    for parameter, entry in report.pop("by_fit").items():
+        name = "tpu_compute" if parameter.startswith("tpu_") else parameter
+        fits[name].setdefault("held_out", {})[parameter] = entry
+    return report
+
+
 def run(only: list[str] | None = None) -> dict:
     categories, results, pooled, out = {}, {}, [], {}
     for name, evaluate in CATEGORIES.items():
@@ -97,9 +122,11 @@ def run(only: list[str] | None = None) -> dict:
             pooled += rows
             out["runtime_mechanisms"] = published_runs.mechanisms(rows)
             out["predicted_out_of_memory"] = [r["case"] for r in rows if not r["fits"]]
-            out["fits"] = {"tpu_compute": tpu_fit.fit_report(), **gpu_fit.fits(gpu_fit.fit_report())}
+            out["fits"], fitted_rows = _compute_fits()
     if "collectives" in categories:
         out["fits"] = {**out.get("fits", {}), "nccl_multinode": nccl_fit()}
+    if pooled and "fits" in out:
+        out["held_out"] = _held_out(fitted_rows, pooled, out["fits"])
     if pooled:
         out["end_to_end_all"] = published_runs.summary(pooled)
         out["end_to_end_by"] = published_runs.by_category(pooled)

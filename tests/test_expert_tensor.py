@@ -195,3 +195,19 @@ def test_the_search_command_takes_fold_experts(tmp_path: Path, capsys) -> None:
     assert ranked and all(r["expert_tensor"] == r["tensor"] for r in ranked) and any(r["tensor"] > 1 for r in ranked)
     assert main(argv + ["--fold-experts", "maybe"]) == 2
     assert "--fold-experts" in capsys.readouterr().err
+
+
+def test_folded_experts_that_do_not_divide_say_how_to_write_megatron_s_expert_parallel_size():
+    """EP 8 with TP 2 and ETP 1 in Megatron-Core is mesh.expert 4 here (the tensor ranks fold into expert ranks)."""
+    import pytest as _pytest
+
+    from testbed.errors import InputError as _InputError
+    from testbed.plan.io import plan_from_dict as _plan_from_dict
+
+    spec = {"name": "m", "model": {"layers": 4, "d_model": 2048, "heads": 16, "d_ff": 4096, "seq_len": 4096,
+                                   "vocab": 32000, "experts": 8, "top_k": 2},
+            "batch": {"global_batch": 32, "microbatches": 1}, "mesh": {"expert": 8, "tensor": 2, "expert_tensor": 1}}
+    with _pytest.raises(_InputError, match="write mesh.expert 4"):
+        _plan_from_dict(spec, default_name="m")
+    assert _plan_from_dict({**spec, "mesh": {"expert": 4, "tensor": 2, "expert_tensor": 1}},
+                           default_name="m").mesh.expert_parallel == 8

@@ -156,8 +156,9 @@ def test_a_case_splits_into_math_and_the_rest_named_by_its_base_topology():
 
     topology = resize_topology(load_topology("dgx-h100-superpod"), 8)
     at_one = simulate(_plan(), gpu_fit.held(topology, 1.0)).report.step_time_s
-    row = gpu_fit._split("p", "runs x", _plan(), topology, published_s=at_one, base="dgx-h100-superpod")
-    assert row["topology"] == "dgx-h100-superpod" and row["generation"] == "H100"
+    row = gpu_fit._split("p", "runs x", _plan(), topology, published_s=at_one, base="dgx-h100-superpod",
+                         origin=("x", "https://example.org/table"))
+    assert row["topology"] == "dgx-h100-superpod" and row["generation"] == "H100" and row["stack"] == "x"
     assert row["math_s"] > 0 and row["other_s"] >= 0
     assert gpu_fit.error(row, 1.0) == pytest.approx(0.0, abs=1e-9)
     assert gpu_fit.shipped([row])["H100"]

@@ -44,6 +44,7 @@ def test_case_cites_states_and_simulates(case: dict) -> None:
     case's devices on its topology, and the simulated throughput is finite and within 3x of the published one
     (a guard against unit slips such as sequences for tokens, not an accuracy bound)."""
     assert isinstance(case["source"], str) and len(case["source"]) >= 30
+    assert str(case["url"]).startswith("https://")  # the document leave-one-source-out holds out (held_out.py)
     assert any(ch.isdigit() for ch in case["source"])  # a table, section, release or the number itself
     assert case["assumptions"] and all(isinstance(a, str) and len(a) >= 15 for a in case["assumptions"])
     assert case["stack"] and case["device"] and case["precision"] in ("bf16", "fp8")

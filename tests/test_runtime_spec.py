@@ -62,8 +62,9 @@ def test_a_bad_runtime_value_exits_2_naming_the_field(tmp_path, capsys, runtime,
 def test_runner_differences_name_the_fields_the_runner_does_not_execute():
     from testbed.plan.runtime import runner_differences
     assert runner_differences(RuntimeSpec()) == ()
-    # MaxText's scanned layer loop is the xla profile's one difference (memory only; the runner unrolls its layers).
-    assert runner_differences(plan_from_dict(_plan_dict("xla")).runtime) == ("scan_layers",)
+    # MaxText's scanned layer loop (memory only; the runner unrolls its layers) and XLA's padded uneven sequence
+    # shards (the runner does not shard the sequence) are the xla profile's differences.
+    assert set(runner_differences(plan_from_dict(_plan_dict("xla")).runtime)) == {"scan_layers", "pad_sequence_shards"}
     nemo = plan_from_dict(_plan_dict("nemo")).runtime
     assert set(runner_differences(nemo)) == set(PROFILES["nemo"])
     # MaxText's remat_policy minimal is the runner's too (testbed.runner.model.stage_forward's ``save_dots``).

@@ -146,3 +146,25 @@ def test_published_runs_reports_what_each_mechanism_added_to_a_run() -> None:
 
     row = {"error": 0.1, "mechanisms": {"attention_kernel": 0.15, "framework": 0.1, "device.power_limit": 0.05}}
     assert published_runs._moved(row) == {"attention_kernel": -0.05, "device.power_limit": 0.05}
+
+
+def test_held_out_tables_sit_beside_the_in_sample_ones() -> None:
+    """published_runs.py's ``held_out``: overall rows per kind, a table per grouping, and each fitted parameter with
+    its cases, stacks and sources."""
+    summary = {"cases": 2, "median_abs_error": 0.05, "max_abs_error": 0.09, "median_signed_error": -0.01}
+    held = {"in_sample": {"overall": summary, "groups": {"stack": {"maxtext": summary},
+                                                        "source": {"https://example.org/t": summary}}},
+            "leave_one_stack_out": {"overall": {**summary, "median_abs_error": 0.21},
+                                    "groups": {"maxtext": {**summary, "refitted": {"tpu_compute_TPU-v5p": 0.7}}}},
+            "leave_one_source_out": {"overall": summary,
+                                     "groups": {"https://example.org/t": {**summary, "refitted": {"x": 0.8}}}}}
+    data = {**_json(), "held_out": held}
+    data["fits"]["tpu_compute"]["held_out"] = {"tpu_compute_TPU-v5p": {
+        "fitted_on": ["a", "b"], "stacks": ["maxtext"], "sources": ["https://example.org/t"],
+        "leave_one_stack_out": {**summary, "median_abs_error": 0.21}, "leave_one_source_out": summary}}
+    text = vt.section(data)
+    assert "| a stack held out | 2 | 21.0% | 9.0% |" in text
+    assert "| maxtext | 2 | 5.0% | 9.0% | 5.0% | 9.0% | tpu_compute_TPU-v5p 0.7 |" in text
+    assert "| example.org/t | 2 |" in text
+    assert "| `tpu_compute_TPU-v5p` | 2 | maxtext | 1 | 21.0% | 9.0% | 5.0% | 9.0% |" in text
+    assert "Held out" not in vt.section(_json())

@@ -66,12 +66,15 @@ def held(topology: Topology, sustained: float) -> Topology:
     return replace(topology, device=replace(topology.device, sustained=sustained))
 
 
-def _split(name: str, category: str, plan, topology: Topology, published_s: float, base: str) -> dict:
+def _split(name: str, category: str, plan, topology: Topology, published_s: float, base: str,
+           origin: tuple[str, str]) -> dict:
     """One case's step as ``other_s + math_s / sustained`` and the step time its published rate means (``base``:
-    the name of the topology the case resizes)."""
+    the name of the topology the case resizes; ``origin``: its stack and source url; ``shipped``: the value its
+    topology carries)."""
     step = {x: simulate(plan, held(topology, x)).report.step_time_s for x in (1.0, PROBE)}
     math = (step[PROBE] - step[1.0]) / (1 / PROBE - 1)
     return {"case": name, "category": category, "generation": generation(topology), "topology": base,
+            "stack": origin[0], "source": origin[1], "shipped": topology.device.sustained,
             "math_s": math, "other_s": step[1.0] - math, "published_s": published_s}
 
 
@@ -85,7 +88,8 @@ def run_rows(path=runs.CASES) -> list[dict]:
             continue
         tokens = plan.batch.global_batch * plan.model.seq_len
         out.append(_split(case["name"], f"runs {case['stack']}", plan, topology,
-                          tokens / float(case["tokens_per_s_per_gpu"]) / int(case["gpus"]), case["topology"]))
+                          tokens / float(case["tokens_per_s_per_gpu"]) / int(case["gpus"]), case["topology"],
+                          (case["stack"], case["url"])))
     return out
 
 
@@ -102,8 +106,13 @@ def table1_rows(path=end_to_end.CASES) -> list[dict]:
         gpus = int(row["gpus"])
         published_s = end_to_end.executed_flops(plan) / (float(row["tflops_per_gpu"]) * 1e12 * gpus)
         out.append(_split(spec["name"], "end_to_end megatron-lm", plan, resize_topology(base, gpus), published_s,
-                          setup["topology"]))
+                          setup["topology"], ("megatron-lm", data["url"])))
     return out
+
+
+def all_rows(path=runs.CASES, table1=end_to_end.CASES) -> list[dict]:
+    """Every GPU case decomposed: runs.yaml's and Table 1's."""
+    return run_rows(path) + table1_rows(table1)
 
 
 def error(row: dict, sustained: float) -> float:
@@ -178,10 +187,11 @@ def stale(ships: dict, fitted: dict[str, float]) -> dict:
             for value, names in values.items() for name in names if float(value) != fitted[g]}
 
 
-def fit_report(path=runs.CASES, table1=end_to_end.CASES) -> dict:
+def fit_report(path=runs.CASES, table1=end_to_end.CASES, rows: list[dict] | None = None) -> dict:
     """Per generation: the fit, its errors and what ships (``ship``: the value each generation's topologies must
-    state; ``stale``: those that do not); the one-value alternative."""
-    rows = run_rows(path) + table1_rows(table1)
+    state; ``stale``: those that do not); the one-value alternative (``rows``: :func:`all_rows`, computed when
+    not given)."""
+    rows = all_rows(path, table1) if rows is None else rows
     fits = {g: generation_report([r for r in rows if r["generation"] == g]) for g in GENERATIONS}
     ship = {g: fits[g]["fitted"] for g in GENERATIONS}
     ships = shipped(rows, path)

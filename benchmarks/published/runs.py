@@ -32,6 +32,7 @@ import yaml
 
 from testbed.explore.space import resize_topology
 from testbed.model.memory import memory_breakdown
+from testbed.model.moe import sequence_dispatch
 from testbed.plan.io import plan_from_dict
 from testbed.plan.runtime import RuntimeSpec, runner_differences
 from testbed.plan.spec import Plan
@@ -86,7 +87,8 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
     """One case simulated: predicted and published tokens/s/device, the error and the case's categories; the
     error under the runner's mechanisms (``runner_error``) and without each of the case's runtime fields
     (``mechanisms``: {field: the error with that field at the runner's value}; ``device.power_limit``: the error
-    with the device at its rated power, where its topology holds it below)."""
+    with the device at its rated power, where its topology holds it below; ``fp8_head``: under fp8-mixed, the error
+    with the LM head in fp8 too, what leaving it in bf16 changed)."""
     gpus = int(case["gpus"])
     plan, topology = case_plan(case), case_topology(case, inline)
     report = simulate(plan, topology).report
@@ -99,7 +101,10 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
     default = RuntimeSpec()
     without = {field: error(simulate(replace(plan, runtime=replace(plan.runtime, **{field: getattr(default, field)})),
                                      topology).report.step_time_s)
-               for field in runner_differences(plan.runtime)}
+               for field in runner_differences(plan.runtime) if not _inert(plan, field)}
+    if plan.precision.value == "fp8-mixed" and not plan.runtime.fp8_head:  # the head left in bf16, as every stack
+        without["fp8_head"] = error(simulate(replace(plan, runtime=replace(plan.runtime, fp8_head=True)),
+                                             topology).report.step_time_s)  # its error with the head in fp8 too
     if topology.device.power_limit:  # the device held below its rated power: the error at the rated power
         rated = replace(topology, device=replace(topology.device, power_limit=0.0))
         without["device.power_limit"] = error(simulate(plan, rated).report.step_time_s)
@@ -115,6 +120,17 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
             "runtime": plan.runtime.profile, "predicted": round(tokens / report.step_time_s / gpus, 1),
             "published": published, "error": error(report.step_time_s), "runner_error": error(runner),
             "mechanisms": without, **_memory(plan, topology)}
+
+
+def _inert(plan: Plan, field: str) -> bool:
+    """Whether a runtime field cannot change this plan, so its ablation is not simulated: ``pad_sequence_shards``
+    without sequence parallelism over a tensor degree that leaves the sequence uneven, ``moe_sequence_dispatch``
+    where testbed.model.moe.sequence_dispatch does not apply."""
+    if field == "pad_sequence_shards":
+        return not (plan.sequence_parallel and (plan.model.seq_len // plan.mesh.context) % plan.mesh.tensor)
+    if field == "moe_sequence_dispatch":
+        return not sequence_dispatch(plan)
+    return False
 
 
 def _memory(plan: Plan, topology: Topology) -> dict:

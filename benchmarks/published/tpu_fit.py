@@ -83,7 +83,8 @@ def decompose(case: dict, inline: dict[str, Topology]) -> dict:
     ideal = step(1.0, 0.0)
     matmul = step(0.5, 0.0) - ideal
     tokens = plan.batch.global_batch * plan.model.seq_len
-    return {"case": case["name"], "device": case["device"], "matmul_s": matmul, "pass_s": step(1.0, 1.0) - ideal,
+    return {"case": case["name"], "device": case["device"], "stack": case["stack"], "source": case["url"],
+            "shipped": topology.calibration.compute.efficiency, "matmul_s": matmul, "pass_s": step(1.0, 1.0) - ideal,
             "other_s": ideal - matmul, "published_s": tokens / float(case["tokens_per_s_per_gpu"]) / int(case["gpus"])}
 
 
@@ -122,12 +123,14 @@ def leave_one_out(rows: list[dict]) -> list[float]:
 def fit_per_device(rows: list[dict], passes: float = PER_DEVICE_PASSES) -> tuple[dict[str, float], float]:
     """({device: efficiency}, passes) of least summed :func:`loss` over ``rows``: one efficiency per device
     generation (``row["device"]``) at the given elementwise ``passes`` (ties: the first on the grid)."""
-    chosen = {}
-    for device in sorted({r["device"] for r in rows}):
-        own = [r for r in rows if r["device"] == device]
-        cost = {e: sum(loss(error(r, e, passes)) for r in own) for e in _grid(*EFFICIENCY_GRID)}
-        chosen[device] = min(cost, key=lambda e: (round(cost[e], 12), e))
-    return chosen, passes
+    return {device: fit_efficiency([r for r in rows if r["device"] == device], passes)
+            for device in sorted({r["device"] for r in rows})}, passes
+
+
+def fit_efficiency(rows: list[dict], passes: float = PER_DEVICE_PASSES) -> float:
+    """The efficiency of least summed :func:`loss` over ``rows`` at the given ``passes`` (ties: the lowest)."""
+    cost = {e: sum(loss(error(r, e, passes)) for r in rows) for e in _grid(*EFFICIENCY_GRID)}
+    return min(cost, key=lambda e: (round(cost[e], 12), e))
 
 
 def _device_error(row: dict, efficiencies: dict[str, float], passes: float, shared: float) -> float:
@@ -185,12 +188,19 @@ def stale(cases: list[dict], inline: dict[str, Topology], fitted: dict) -> dict:
     return out
 
 
-def fit_report(path=runs.CASES) -> dict:
+def category_rows(path=runs.CASES) -> list[dict]:
+    """The category's cases (runs.yaml's :data:`STACK` cases), decomposed."""
+    cases, inline = runs.load_cases(path)
+    return [decompose(c, inline) for c in cases if c["stack"] == STACK]
+
+
+def fit_report(path=runs.CASES, rows: list[dict] | None = None) -> dict:
     """The per-generation fit over the category, its in-sample and leave-one-out errors, the values runs.yaml
-    ships (``stale``: the topologies whose values are not the fit's), and the shared-value alternative."""
+    ships (``stale``: the topologies whose values are not the fit's), and the shared-value alternative (``rows``:
+    :func:`category_rows`, computed when not given)."""
     cases, inline = runs.load_cases(path)
     cases = [c for c in cases if c["stack"] == STACK]
-    rows = [decompose(c, inline) for c in cases]
+    rows = [decompose(c, inline) for c in cases] if rows is None else rows
     alternative = shared_report(rows)
     report = per_device_report(rows, alternative["fitted"]["efficiency"])
     fitted = report.pop("fitted")

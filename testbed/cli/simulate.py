@@ -10,9 +10,10 @@ from testbed.cli.basic import add_devices_argument, plan_topology
 from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.plan.spec import Plan
-from testbed.plan.io import load_plan
+from testbed.plan.io import load_plan_stating_runtime
 from testbed.sim.engine import Simulation, simulate as run_simulation
 from testbed.sim.moe import exposed_stream_s
+from testbed.sim.profile_spread import profile_spread
 from testbed.sim.ring import RING_STREAM, exposed_ring_s
 from testbed.sim.trace_args import write_outputs
 from testbed.topology import Topology
@@ -47,6 +48,17 @@ def _summary(sim: Simulation) -> dict[str, Any]:
     return out
 
 
+def _band(spread: dict | None) -> str:
+    """`` (7.6-9.1 s over runtime profiles)``: the least and most step time of the named profiles, in the unit of
+    the larger (empty without a spread)."""
+    if not spread:
+        return ""
+    high = format_time(spread["high_s"])
+    value, unit = high.split(" ")
+    scale = spread["high_s"] / float(value)
+    return f" ({spread['low_s'] / scale:.3g}-{value} {unit} over runtime profiles)"
+
+
 # -- testbed simulate ----------------------------------------------------------------
 
 def _simulate_add(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +82,9 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-trace-bytes", default="256MiB",
                         help="refuse a --trace estimated larger than this (default 256MiB; e.g. 4GiB)")
     parser.add_argument("--gantt", help="write a Gantt chart PNG of the representative streams")
+    parser.add_argument("--no-profile-spread", action="store_true",
+                        help="for a plan without `runtime:`, skip simulating it under every named runtime profile "
+                             "(the step time's band over them)")
     parser.add_argument("--fail-if-oom", action="store_true",
                         help="exit 1 when the fullest device's memory overflows (as `memory --fail-if-oom`)")
 
@@ -82,10 +97,12 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
     if not args.plan:
         raise InputError("give --plan (a plan YAML file or bundled name) or --program MODULE:FUNCTION", field="--plan")
     max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
-    plan = load_plan(args.plan)
+    plan, states_runtime = load_plan_stating_runtime(args.plan)
     topology = plan_topology(plan, args.topology, args.plan, args.devices)
     sim = simulate_file_plan(plan, topology, args.plan)
     data = _summary(sim)
+    if not states_runtime and not args.no_profile_spread:  # the stack unknown: the band the named profiles give
+        data["runtime_spread"] = profile_spread(plan, topology, sim.report.step_time_s).to_dict()
     written = write_outputs(sim.timeline, sim.program, topology, args.trace, args.gantt, max_trace,
                             title=f"{plan.name} on {topology.name}")
     data.update({k: getattr(args, k) for k in written})
@@ -95,7 +112,7 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
         m = data["memory"]
         console.print(f"[bold]{markup(plan.name)}[/bold] on [bold]{markup(topology.name)}[/bold] ({topology.num_devices} devices, "
                       f"{sim.report.tasks} tasks)")
-        console.print(f"step time      {format_time(data['step_time_s'])}")
+        console.print(f"step time      {format_time(data['step_time_s'])}{_band(data.get('runtime_spread'))}")
         console.print(f"compute        {format_time(data['compute_s'])}")
         console.print(f"exposed comm   {format_time(data['exposed_comm_s'])}")
         if "exposed_all_to_all_s" in data:

@@ -512,7 +512,7 @@ class _Step:
         total = 0.0
         for i, piece in enumerate(chain):
             if piece.transfer:
-                a2a = piece.count * self.coll.time("all_to_all", (Axis.EXPERT,), stage, piece.nbytes)
+                a2a = piece.count * self.coll.time(piece.op, (Axis(piece.axis),), stage, piece.nbytes)
                 beside = chain[i + 1] if i + 1 < len(chain) and chain[i + 1].name.endswith("shared") else None
                 overlap = compute_seconds(self.topology, self.dtype, beside.flops, 0.0, beside.kernels,
                                           gemms=beside.gemms) if beside else 0.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from testbed.plan.spec import Attention, ModelSpec, Norm, Precision, Remat
 
-__all__ = ["LOSS_BYTES", "DROPOUT_MASK_BYTES", "FLASH_BYTES", "activation_bytes_per_layer", "layer_traffic_bytes",
+__all__ = ["sequence_share", "LOSS_BYTES", "DROPOUT_MASK_BYTES", "FLASH_BYTES", "activation_bytes_per_layer", "layer_traffic_bytes",
            "xla_only_bytes_per_layer", "megatron_activation_bytes_per_layer", "head_activation_bytes",
            "projection_outputs", "norm_stats", "norms"]
 
@@ -51,7 +51,7 @@ def activation_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision:
     remat = Remat(remat)
     if remat is Remat.FULL:
         block_input = Precision(precision).compute_bytes * microbatch_size * spec.seq_len * spec.d_model
-        return block_input // tensor if sequence_parallel else block_input
+        return sequence_share(block_input, spec.seq_len, tensor) if sequence_parallel else block_input
     replicated, split = layer_traffic_bytes(spec, microbatch_size, precision, tensor, sequence_parallel)
     if remat is Remat.NONE or spec.attention is Attention.FLASH:
         return replicated + split
@@ -127,6 +127,16 @@ def _layer_traffic(spec: ModelSpec, microbatch_size: int, precision: Precision |
     return replicated, split
 
 
+def sequence_share(nbytes: int, seq_len: int, tensor: int) -> int:
+    """A tensor rank's bytes of ``nbytes`` spread evenly over ``seq_len`` tokens split over the sequence on ``tensor``
+    ranks (sequence parallelism): ``nbytes // tensor`` when ``tensor`` divides the sequence, else the padded
+    shard's, ``ceil(seq_len / tensor)`` tokens (``runtime.pad_sequence_shards``: GSPMD rounds an uneven shard up
+    and pads the last, Xu et al. 2021, arXiv:2105.04663, Sec. 3.3)."""
+    if seq_len % tensor == 0:
+        return nbytes // tensor
+    return -(-nbytes * -(-seq_len // tensor) // seq_len)
+
+
 def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
                         tensor: int = 1, sequence_parallel: bool = False) -> tuple[int, int]:
     """(replicated, split) bytes of the activations one layer's forward writes, for one microbatch.
@@ -136,7 +146,7 @@ def layer_traffic_bytes(spec: ModelSpec, microbatch_size: int, precision: Precis
     still priced as the residual stream's elementwise passes.
     """
     replicated, split = _layer_traffic(spec, microbatch_size, precision, tensor)
-    return (replicated // tensor if sequence_parallel else replicated), split
+    return (sequence_share(replicated, spec.seq_len, tensor) if sequence_parallel else replicated), split
 
 
 def xla_only_bytes_per_layer(spec: ModelSpec, microbatch_size: int, precision: Precision | str,
@@ -169,4 +179,4 @@ def head_activation_bytes(spec: ModelSpec, microbatch_size: int, precision: Prec
     """
     n, c = microbatch_size * spec.seq_len, Precision(precision).compute_bytes
     norm = c * n * (2 * spec.d_model + norm_stats(spec))
-    return (norm // tensor if sequence_parallel else norm) + LOSS_BYTES * n * (spec.padded_vocab // tensor + 1)
+    return (sequence_share(norm, spec.seq_len, tensor) if sequence_parallel else norm) + LOSS_BYTES * n * (spec.padded_vocab // tensor + 1)

@@ -301,6 +301,8 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     if head:
         kept += head_activation_bytes(spec, b, plan.precision, t, sp)
     n_bytes = b * spec.seq_len * spec.d_model * c
+    if sp and spec.seq_len % t:  # uneven sequence shards (runtime.pad_sequence_shards): the collectives move the padded
+        n_bytes = b * -(-spec.seq_len // t) * t * spec.d_model * c  # sequence, t shards of ceil(seq / t) tokens
     forward_bytes = params * c + kept + n_bytes
     replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t, sp))
     scores = 0 if spec.attention is Attention.FLASH else b * spec.heads * spec.seq_len ** 2 // t

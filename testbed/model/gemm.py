@@ -51,7 +51,7 @@ from testbed.model.dispatch import einsum_shapes
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
-from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
+from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 
 __all__ = ["Gemm", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
            "chunk_gemms", "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
@@ -86,7 +86,8 @@ class Gemm:
     kernel a routed expert's GEMM runs in (the plan's ``runtime.moe_dispatch`` ``megablox``; None: the device's
     dense matmul, testbed.sim.grouped_kernels); ``block_scaled``: under fp8 its operands carry a scale per block
     (``runtime.fp8_scaling`` ``blockwise``), which the GEMM applies in its main loop
-    (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE).
+    (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE); ``high_precision``: under fp8 it still runs in bf16 (the LM
+    head outside the stack's fp8 recipe, ``runtime.fp8_head`` false).
     """
 
     m: int
@@ -99,6 +100,7 @@ class Gemm:
     amax_pass: bool = False
     grouped: str | None = None
     block_scaled: bool = False
+    high_precision: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0:
@@ -207,7 +209,7 @@ def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]
 def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
     """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
     return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention, g.amax_pass,  # not replace()
-                      g.grouped, g.block_scaled) for g in gemms)
+                      g.grouped, g.block_scaled, g.high_precision) for g in gemms)
 
 
 def gemm_flops(gemms: tuple[Gemm, ...]) -> float:
@@ -383,6 +385,8 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
         out = _ring_steps(plan, out, len(span))
     if head:
         (h,) = head_gemms(spec, b, t)
+        if plan.precision is Precision.FP8_MIXED and not plan.runtime.fp8_head:
+            h = replace(h, high_precision=True)  # the stack's fp8 recipe leaves the output layer in bf16
         out[0], out[1], out[2] = out[0] + (h,), out[1] + (h.input_grad(),), out[2] + (h.weight_grad(),)
     out = [fp8_scaled(plan, o) for o in out]
     return ChunkGemms(forward=out[0], backward_input=out[1], backward_weight=out[2], recompute=out[3])

@@ -33,6 +33,7 @@ them here, one rule per mechanism:
 from __future__ import annotations
 
 from testbed.model.activations import (FLASH_BYTES, LOSS_BYTES, activation_bytes_per_layer, head_activation_bytes,
+                                       sequence_share,
                                        norms, xla_only_bytes_per_layer)
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
@@ -89,7 +90,7 @@ def op_saved_bytes(plan: Plan) -> int:
     """
     spec, b, t, sp = rank_spec(plan), plan.microbatch_size, plan.mesh.tensor, plan.sequence_parallel
     c, n = plan.precision.compute_bytes, b * spec.seq_len
-    residual = n * spec.d_model // (t if sp else 1)  # the block input; SP shards it over the sequence
+    residual = sequence_share(n * spec.d_model, spec.seq_len, t) if sp else n * spec.d_model  # SP: its shard
     saved = sum(block_matmul_outputs(spec, n, t)[::2])
     attention = n * spec.q_dim // t
     scatters = norms(spec) * residual if sp and t > 1 else 0  # one reduce-scatter per row-parallel matmul
@@ -139,7 +140,7 @@ def fp8_input_savings(plan: Plan) -> int:
     """
     spec, t, sp = rank_spec(plan), plan.mesh.tensor, plan.sequence_parallel
     c, n = plan.precision.compute_bytes, plan.microbatch_size * spec.seq_len
-    norm_outputs = norms(spec) * n * spec.d_model // (t if sp else 1)
+    norm_outputs = norms(spec) * (sequence_share(n * spec.d_model, spec.seq_len, t) if sp else n * spec.d_model)
     down_input = n * spec.d_ff // t
     return (c - 1) * (norm_outputs + down_input) - n * spec.q_dim // t
 
@@ -167,7 +168,7 @@ def _residual_values(plan: Plan) -> int:
     """Values of one ``[tokens, d_model]`` residual-stream tensor on one device (its sequence shard under SP)."""
     spec = rank_spec(plan)
     n = plan.microbatch_size * spec.seq_len * spec.d_model
-    return n // plan.mesh.tensor if plan.sequence_parallel else n
+    return sequence_share(n, spec.seq_len, plan.mesh.tensor) if plan.sequence_parallel else n
 
 
 def selective_copies_bytes(plan: Plan) -> int:

@@ -49,7 +49,7 @@ from testbed.model import layout
 from testbed.plan.spec import ModelSpec, Plan, Precision
 
 __all__ = ["moe_layers", "expert_capacity", "active_param_count", "expert_load", "expert_tokens", "local_tokens",
-           "dispatch_bytes", "routed_rows", "mlp_flops_swap", "recompute_flops_swap", "model_flops_swap",
+           "dispatch_bytes", "sequence_dispatch", "routed_rows", "mlp_flops_swap", "recompute_flops_swap", "model_flops_swap",
            "activation_bytes_swap", "hidden_workspace", "dispatch_workspace", "ROUTER_BYTES"]
 
 #: Bytes per router logit and probability (fp32 for a stable softmax, as Switch and Mixtral keep them).
@@ -118,6 +118,17 @@ def dispatch_bytes(plan: Plan) -> float:
     by the load is what the (uniform) collective timing prices.
     """
     return float(routed_rows(plan) * plan.model.d_model * plan.precision.compute_bytes)
+
+
+def sequence_dispatch(plan: Plan) -> bool:
+    """Whether each tensor rank dispatches only its own sequence shard (``runtime.moe_sequence_dispatch``, Megatron-
+    Core's all-to-all dispatcher): with sequence parallelism over ``t`` > 1 tensor ranks, experts split like the dense
+    MLP (``expert_tensor`` = ``tensor``) and ``expert`` > 1, a rank's all-to-all carries ``1 / t`` of
+    :func:`dispatch_bytes` and the experts' tensor ranks all-gather the received rows (the combine reduce-scatters
+    them first). Folded experts (``expert_tensor`` 1) already take ``1 / t`` each (:func:`routed_rows`)."""
+    mesh = plan.mesh
+    return (plan.runtime.moe_sequence_dispatch and plan.sequence_parallel and mesh.tensor > 1 and mesh.expert > 1
+            and mesh.expert_tensor_degree == mesh.tensor)
 
 
 def routed_rows(plan: Plan) -> int:

@@ -36,7 +36,8 @@ no spans, the action is one roofline.
 
 from __future__ import annotations
 
-from testbed.model.activations import LOSS_BYTES, head_activation_bytes, layer_traffic_bytes, norm_stats, norms
+from testbed.model.activations import (LOSS_BYTES, head_activation_bytes, layer_traffic_bytes, norm_stats, norms,
+                                       sequence_share)
 from testbed.model.costs import ChunkCost, _layer_matmul_flops, head_forward_flops
 from testbed.plan.sharding import gathers_parameters
 from testbed.plan.spec import Attention, Plan
@@ -88,7 +89,8 @@ def action_spans(plan: Plan, cost: ChunkCost, kind: str, split: bool, moe_layers
     elif spans:
         spans[0][3] += n_bytes  # the chunk's input, read by its first block
     if cost.has_head:
-        head_norm = c * n * (2 * d + norm_stats(spec)) / (t if sp else 1)
+        head_norm = c * n * (2 * d + norm_stats(spec))
+        head_norm = float(sequence_share(head_norm, spec.seq_len, t) if sp else head_norm)
         kept = head_activation_bytes(spec, b, plan.precision, t, sp)
         spans += [["norm", 0.0, 0.0, head_norm]] * sp + [
             ["head", head_forward_flops(spec, b, t), 0.0, head_w + kept - head_norm * sp]]

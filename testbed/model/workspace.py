@@ -5,6 +5,7 @@ testbed.model.memory)."""
 from __future__ import annotations
 
 from testbed.model import costs, kept, moe, xla_tpu
+from testbed.model.activations import sequence_share
 from testbed.model.ring import rank_spec, ring_attention_workspace
 from testbed.model.splash import splash_kernel, splash_workspace
 from testbed.plan.spec import Attention, Plan, Remat
@@ -84,8 +85,9 @@ def sublayer_workspace(plan: Plan, tpu: bool = False) -> int:
     counts)."""
     spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
     n = plan.microbatch_size * spec.seq_len
-    residual = 2 * spec.d_model // (t if plan.sequence_parallel else 1)  # SP: the residual stream's shards
-    hidden = max(c * n * (residual + spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
+    residual = 2 * n * spec.d_model  # SP: the residual stream's shards
+    residual = sequence_share(residual, spec.seq_len, t) if plan.sequence_parallel else residual
+    hidden = max(c * (residual + n * spec.mlp_matrices * spec.d_ff // t), moe.hidden_workspace(plan))
     attention = attention_workspace(plan, tpu)
     if plan.mesh.context > 1 and not splash_kernel(plan):  # the ring's messages beside a later step's tiles
         tiles = flash_tile(plan) * (2 * costs.FLASH_BYTES + plan.precision.compute_bytes)

@@ -48,12 +48,19 @@ def resolve_plan_path(name_or_path: str) -> tuple[str, str]:
 
 def load_plan(name_or_path: str) -> Plan:
     """Load and validate a plan YAML file (or a bundled plan by name)."""
+    return load_plan_stating_runtime(name_or_path)[0]
+
+
+def load_plan_stating_runtime(name_or_path: str) -> tuple[Plan, bool]:
+    """:func:`load_plan`, and whether the file states ``runtime:`` (a plan that does not runs as testbed's runner
+    does; `testbed simulate` then shows the spread over the named profiles, testbed.sim.profile_spread)."""
     display, text = resolve_plan_path(name_or_path)
     data = load_yaml(display, text)
     try:
-        return plan_from_dict(data, default_name=Path(display).stem)
+        plan = plan_from_dict(data, default_name=Path(display).stem)
     except InputError as exc:
         raise exc.with_file(display) from None
+    return plan, isinstance(data, dict) and data.get("runtime") is not None
 
 
 def _enum(data: dict, key: str, enum: type, default: Any) -> Any:

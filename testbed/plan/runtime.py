@@ -62,6 +62,19 @@ class RuntimeSpec:
     matmul_precision: str = "default"
     #: How an fp8 matmul's operands find their scale (:data:`FP8_SCALINGS`), priced under fp8-mixed only.
     fp8_scaling: str = "delayed"
+    #: Under sequence and expert parallelism each tensor rank dispatches its own sequence shard over the expert group
+    #: and the experts' tensor ranks all-gather what arrives (Megatron-Core's MoEAlltoAllTokenDispatcher), instead of
+    #: every tensor rank dispatching the whole sequence (testbed.model.moe.sequence_dispatch).
+    moe_sequence_dispatch: bool = False
+    #: Sequence parallelism over a tensor degree that does not divide the sequence pads each rank's shard to
+    #: ``ceil(seq / t)`` tokens (XLA's GSPMD: an uneven shard rounded up, the last padded) instead of refusing the plan
+    #: (Megatron-LM's split_tensor_along_first_dim needs the sequence divisible).
+    pad_sequence_shards: bool = False
+    #: Under fp8-mixed the output layer (the LM head) runs in fp8 too; by default it stays in bf16, as every stack's
+    #: fp8 recipe leaves it (Megatron-Core's output_layer is a plain ColumnParallelLinear outside Transformer
+    #: Engine's fp8_autocast; torchtitan's Llama configs filter ``output`` from Float8; llm-foundry's MPT head is
+    #: the tied embedding's F.linear, not a te.Linear).
+    fp8_head: bool = False
     #: Under fp8-mixed each linear keeps the fp8 cast of its input for the weight gradient. Memory only.
     fp8_saved_inputs: bool = False
     #: The loss is one fused kernel over the compute-dtype logits, with no fp32 copy. Memory only.
@@ -159,8 +172,9 @@ class RuntimeSpec:
                              field="runtime.gather_combine_bytes")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
                      "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params",
-                     "cast_weights", "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs",
-                     "in_place_collectives", "grad_hooks", "weight_grads_last", "limit_aware_compile"):
+                     "fp8_head", "pad_sequence_shards", "moe_sequence_dispatch", "cast_weights", "microbatch_scan",
+                     "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs", "in_place_collectives",
+                     "grad_hooks", "weight_grads_last", "limit_aware_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
@@ -194,12 +208,13 @@ STATE_DTYPES = ("fp32", "bf16")
 PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
-    "xla": {"fsdp_prefetch": 1, "scan_layers": True},
+    "xla": {"fsdp_prefetch": 1, "scan_layers": True, "pad_sequence_shards": True},
     "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
                  "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
-                 **PYTORCH_PROGRAM, "pipeline_blocking_sends": True},
+                 **PYTORCH_PROGRAM, "pipeline_blocking_sends": True, "moe_sequence_dispatch": True},
     "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
-             "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM, "fp8_params": True},
+             "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM, "fp8_params": True,
+             "moe_sequence_dispatch": True},
     "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, **PYTORCH_PROGRAM,
                   "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True, "pipeline_blocking_sends": True,
                   "grad_all_reduce": True, "grad_accumulate_fp32": True},

@@ -90,6 +90,12 @@ _EAGER_STACKS = {"megatron": "Megatron-LM (PyTorch)", "nemo": "Megatron-Bridge (
                  "meta": "Meta's Llama 3 stack (PyTorch, arXiv:2407.21783 Sec. 3.3.4)"}
 
 #: ``{(profile, field): "where the value comes from"}`` (a file and line of the stack, or its docs).
+_MCORE_DISPATCH = ("Megatron-Core megatron/core/transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher: "
+                   "token_dispatch all-to-alls each rank's own tokens (its sequence-parallel shard) over the expert "
+                   "group, then dispatch_postprocess gathers them over the tensor group when tp_size > 1 "
+                   "(gather_from_sequence_parallel_region(global_input_tokens, group=self.tp_group)); the combine "
+                   "reduce-scatters over the tensor group (reduce_scatter_to_sequence_parallel_region) before its "
+                   "all-to-all")
 SOURCES: dict[tuple[str, str], str] = {
     ("megatron", "recompute"): _MEGATRON_BLOCK,
     ("megatron", "grad_bucket_bytes"): _MEGATRON_BUCKET,
@@ -146,6 +152,14 @@ SOURCES: dict[tuple[str, str], str] = {
     ("fsdp", "framework"): _PYTORCH.format("torch.distributed.fsdp"),
     ("torchtitan", "framework"): _PYTORCH.format("torchtitan (github.com/pytorch/torchtitan)"),
     ("llm-foundry", "framework"): _PYTORCH.format("llm-foundry (Composer on PyTorch)"),
+    ("megatron", "moe_sequence_dispatch"): _MCORE_DISPATCH,
+    ("nemo", "moe_sequence_dispatch"): _MCORE_DISPATCH + " (Megatron-Bridge runs Megatron-Core)",
+    ("xla", "pad_sequence_shards"): (
+        "GSPMD (Xu et al. 2021, arXiv:2105.04663, Sec. 3.3 'Static constraints', uneven partitioning): a dimension "
+        "not divisible by its shard count is split into ceil(size / shards) per shard, the last padded, so an "
+        "activation sharded over a 12-way model axis at sequence 2048 compiles (171 tokens a shard, 4 padded); "
+        "Megatron-LM instead asserts divisibility (megatron/core/tensor_parallel/mappings.py "
+        "_split_along_first_dim: 'First dimension of the tensor should be divisible by tensor parallel size')"),
     ("xla", "scan_layers"): (
         "MaxText MaxText/configs/base.yml: scan_layers: True (the decoder's layers run as one nn.scan over stacked "
         "parameters; its runs log 'Config param scan_layers: True')"),

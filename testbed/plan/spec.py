@@ -283,9 +283,10 @@ class Plan:
             raise InputError("sequence_parallel shards the norm and dropout regions over the tensor axis, so it needs "
                              "mesh.tensor > 1 (got 1); set mesh.tensor to 2 or more, or sequence_parallel: false",
                              field="sequence_parallel")
-        if self.sequence_parallel and m.seq_len % mesh.tensor:
+        if self.sequence_parallel and m.seq_len % mesh.tensor and not self.runtime.pad_sequence_shards:
             raise InputError(f"sequence_parallel splits the sequence over the tensor ranks: model.seq_len "
-                             f"{m.seq_len} must be divisible by mesh.tensor {mesh.tensor}", field="model.seq_len")
+                             f"{m.seq_len} must be divisible by mesh.tensor {mesh.tensor} (or set "
+                             "runtime.pad_sequence_shards: true, as XLA pads uneven shards)", field="model.seq_len")
         if self.schedule.name is ScheduleName.INTERLEAVED and mesh.stage > 1 and b.microbatches % mesh.stage:
             raise InputError(f"interleaved needs microbatches ({b.microbatches}) divisible by mesh.stage ({mesh.stage})",
                              field="batch.microbatches")
@@ -297,9 +298,10 @@ class Plan:
             raise InputError(f"context parallelism cuts each sequence into 2 x context chunks (two per rank, "
                              f"load-balanced): model.seq_len {m.seq_len} must be divisible by 2 x mesh.context = "
                              f"{2 * mesh.context}", field="mesh.context")
-        if self.sequence_parallel and (m.seq_len // mesh.context) % mesh.tensor:
+        if self.sequence_parallel and (m.seq_len // mesh.context) % mesh.tensor and not self.runtime.pad_sequence_shards:
             raise InputError(f"sequence_parallel splits each rank's {m.seq_len // mesh.context} tokens over the tensor "
-                             f"ranks: seq_len / context must be divisible by mesh.tensor {mesh.tensor}",
+                             f"ranks: seq_len / context must be divisible by mesh.tensor {mesh.tensor} (or set "
+                             "runtime.pad_sequence_shards: true, as XLA pads uneven shards)",
                              field="model.seq_len")
         if mesh.expert > 1 and not m.experts:
             raise InputError(f"mesh.expert {mesh.expert} splits the experts of mixture-of-experts layers, but the "
@@ -311,8 +313,11 @@ class Plan:
         if m.experts and m.experts % mesh.expert_parallel:
             folded = "" if mesh.expert_parallel == mesh.expert else \
                 f" x (mesh.tensor {mesh.tensor} / mesh.expert_tensor {mesh.expert_tensor_degree})"
+            hint = (f"; with expert_tensor 1 the tensor ranks are expert ranks too, so Megatron-Core's "
+                    f"--expert-model-parallel-size EP is mesh.expert x mesh.tensor: for EP {m.experts} write mesh.expert "
+                    f"{m.experts // mesh.tensor}" if folded and m.experts % mesh.tensor == 0 else "")
             raise InputError(f"model.experts {m.experts} must be divisible by the expert-parallel degree mesh.expert "
-                             f"{mesh.expert}{folded} = {mesh.expert_parallel}",
+                             f"{mesh.expert}{folded} = {mesh.expert_parallel}{hint}",
                              field="mesh.expert_tensor" if folded else "mesh.expert")
         if m.experts and m.expert_width % mesh.expert_tensor_degree:
             raise InputError(f"expert width {m.expert_width} (expert_d_ff, or d_ff) must be divisible by the experts' "

@@ -184,12 +184,13 @@ def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts:
     if gemm.count <= 0:
         return 0.0
     key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass,
-           gemm.grouped, gemm.block_scaled)
+           gemm.grouped, gemm.block_scaled, gemm.high_precision)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, Gemm(gemm.m, gemm.n, gemm.k, gemm.batch, 1.0,
                                                                        gemm.flash, gemm.attention, gemm.amax_pass,
-                                                                       gemm.grouped, gemm.block_scaled), casts)
+                                                                       gemm.grouped, gemm.block_scaled,
+                                                                       gemm.high_precision), casts)
     return gemm.count * one
 
 
@@ -209,10 +210,10 @@ def _memo(topology: Topology) -> dict:
 def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool) -> float:
     """Seconds of one product of ``gemm`` (``count`` 1): the calibrated roofline, the fp8 recipe's casts."""
     cal = topology.calibration
-    if dtype == "fp8" and (not topology.device.has_fp8() or gemm.flash):
+    if dtype == "fp8" and (not topology.device.has_fp8() or gemm.flash or gemm.high_precision):
         # no fp8 units: fp8-mixed matmuls run (and read their operands) in bf16; flash attention runs in
         # bf16 under Transformer Engine's fp8 recipe too (its DotProductAttention is bf16 unless fp8
-        # attention is asked for)
+        # attention is asked for); so does a product the fp8 recipe leaves out (the LM head, gemm.high_precision)
         dtype = "bf16"
     one = gemm.flops
     named = kernel_efficiency(topology.device.name, gemm.attention) if gemm.flash and gemm.attention else None

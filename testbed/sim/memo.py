@@ -57,7 +57,7 @@ def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context,
            plan.runtime.recompute, plan.runtime.moe_dispatch, plan.runtime.attention_kernel, plan.runtime.fp8_scaling, plan.precision,
-           plan.mesh.expert_tensor)
+           plan.mesh.expert_tensor, plan.runtime.fp8_head)
     shapes = _GEMMS.get(key)
     if shapes is None:
         if len(_GEMMS) > 100_000:

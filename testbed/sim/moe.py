@@ -11,7 +11,10 @@ holding ``n`` MoE layers as ``n`` links of a chain, each::
                                 -> combine (all_to_all, stream "expert")    || shared experts, second half
 
 so the shared experts' compute overlaps the all-to-alls (it needs no dispatched token) and the next
-layer waits for the combine. The routed and shared experts' GEMMs are exactly theirs
+layer waits for the combine. Under ``runtime.moe_sequence_dispatch`` (testbed.model.moe.sequence_dispatch:
+Megatron-Core's dispatcher with sequence parallelism) each all-to-all carries the rank's own sequence shard,
+``1 / tensor`` of the buffer, and the experts' tensor ranks all-gather what arrived before the routed experts
+and reduce-scatter their outputs before the combine (both on the same stream, over the tensor groups). The routed and shared experts' GEMMs are exactly theirs
 (testbed.model.gemm.moe_gemms, with the action's gradients and recompute); the rest of the action
 (attention, router, norms, dense layers, embedding and head) is split evenly into ``n + 1`` parts: one
 before each link and one after the last combine (under context parallelism the ring takes all of it,
@@ -80,7 +83,10 @@ def moe_pieces(plan: Plan, moe_layers: int, kind: str, split: bool, flops: float
     rest = without(gemms, scaled(routed + shared, n))
     rest_flops = max(0.0, flops - n * (gemm_flops(routed) + gemm_flops(shared)))
     full = plan.remat is Remat.FULL and kind == "B"
-    a2a = dict(nbytes=moe.dispatch_bytes(plan), count=2 if full else 1)  # full remat redoes the forward's too
+    shard = moe.sequence_dispatch(plan)  # each tensor rank all-to-alls its own sequence shard, then a tensor gather
+    a2a = dict(nbytes=moe.dispatch_bytes(plan) / (plan.mesh.tensor if shard else 1),
+               count=2 if full else 1)  # full remat redoes the forward's too
+    tensor = dict(nbytes=moe.dispatch_bytes(plan), count=a2a["count"], axis="tensor")
     per = max(1, kernels // (n + 1))
     share = dict(hbm_bytes=hbm / (n + 1), replicated_bytes=traffic[0] / (n + 1), split_bytes=traffic[1] / (n + 1),
                  flops=rest_flops / (n + 1), kernels=per, gemms=tuple(replace(g, count=g.count / (n + 1)) for g in rest))
@@ -93,12 +99,19 @@ def moe_pieces(plan: Plan, moe_layers: int, kind: str, split: bool, flops: float
         if half:
             pieces.append(Piece(name=f"{tag} shared", stream="compute", after=(pre,), flops=gemm_flops(half),
                                 gemms=half))
+        if shard:  # the experts' tensor ranks gather the rows each received
+            pieces.append(Piece(name=f"{tag} gather", stream=A2A_STREAM, after=(dispatch,), op="all_gather", **tensor))
+            dispatch = len(pieces) - 1
         pieces.append(Piece(name=f"{tag} experts", stream="compute", after=(dispatch,),
                             flops=gemm_flops(routed), gemms=routed, kernels=len(routed)))
+        experts = len(pieces) - 1
+        if shard:  # and reduce-scatter the experts' partial outputs before the combine
+            pieces.append(Piece(name=f"{tag} scatter", stream=A2A_STREAM, after=(experts,), op="reduce_scatter",
+                                **tensor))
         pieces.append(Piece(name=f"{tag} combine", stream=A2A_STREAM, after=(len(pieces) - 1,), **a2a))
         combine = len(pieces) - 1
         if half:
-            pieces.append(Piece(name=f"{tag} shared", stream="compute", after=(combine - 1,), flops=gemm_flops(half),
+            pieces.append(Piece(name=f"{tag} shared", stream="compute", after=(experts,), flops=gemm_flops(half),
                                 gemms=half))
         # The next part of the action needs the layer's output: the combine (and, FIFO, the shared experts).
         name = f"/moe{layer + 1} pre" if layer + 1 < n else "/moe post"

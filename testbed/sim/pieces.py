@@ -36,6 +36,9 @@ class ActionTask:
     nbytes: float = 0.0
     count: int = 1
     layer_end: bool = False
+    #: A transfer's collective and the mesh axis of its groups (the MoE dispatch: ``all_to_all`` over ``expert``).
+    op: str = "all_to_all"
+    axis: str = "expert"
 
     @property
     def transfer(self) -> bool:

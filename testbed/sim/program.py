@@ -384,7 +384,7 @@ class _Graph(SpanPlay):
         if buckets:
             closes = {max(1, round((k + 1) * sum(x.layer_end for x in work.chain) / buckets)) for k in range(buckets)}
         ids: list[int] = []
-        groups, last = self.experts[s], -1
+        groups, last = {"expert": self.experts[s], "tensor": self.tensor[s]}, -1
         for piece in work.chain:
             a2a = piece.transfer
             last = b.add(name=f"{label}{piece.name}", device=rep, stream=piece.stream,
@@ -392,8 +392,9 @@ class _Graph(SpanPlay):
                          deps=tuple(deps) if piece.after is None else tuple(ids[j] for j in piece.after),
                          flops=piece.flops, hbm_bytes=piece.hbm_bytes, replicated_bytes=piece.replicated_bytes,
                          split_bytes=piece.split_bytes, tensor_bytes=0.0 if a2a else cost.tensor_bytes,
-                         kernels=piece.kernels, op="all_to_all" if a2a else "", nbytes=piece.nbytes, count=piece.count,
-                         group=rep_group(groups, rep) if a2a else (), instances=groups if a2a else (),
+                         kernels=piece.kernels, op=piece.op if a2a else "", nbytes=piece.nbytes, count=piece.count,
+                         group=rep_group(groups[piece.axis], rep) if a2a else (),
+                         instances=groups[piece.axis] if a2a else (),
                          pipeline=True, gemms=piece.gemms)
             ids.append(last)
             bucket += piece.layer_end
