@@ -274,3 +274,51 @@ def test_any_megatron_mlp_mesh_is_read_by_the_formulas(data, tensor, rows, d, h)
     if data > 1:
         expected["data"] = {"all_reduce": 2 * d * local_h * 4}
     assert w.collective_bytes() == expected
+
+
+def _every_kind(x):
+    """A bf16 shard_map body running every collective kind (tests below)."""
+    y = lax.psum(x, "model") + lax.pmax(x, "model")
+    y = lax.all_gather(lax.psum_scatter(y, "model", tiled=True), "data", tiled=True)
+    y = lax.all_to_all(y, "model", 0, 1, tiled=True)
+    return lax.ppermute(y, "data", [(0, 1), (1, 0)])
+
+
+def _bf16_data_parallel(w, x):
+    return jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w).astype(jnp.float32) ** 2))(w)
+
+
+def _fp8_moves(x):
+    return lax.ppermute(lax.all_gather(x, "model", tiled=True), "data", [(0, 1), (1, 0)])
+
+
+@pytest.mark.parametrize("program", ["every_kind", "data_parallel", "fp8"])
+def test_xla_cpu_moves_bf16_collectives_in_f32(program) -> None:
+    """XLA:CPU widens every bf16 collective to f32 and every f8 one to f16 (its float normalization): on 8 emulated
+    devices the compiled bytes per axis and kind are the traced ones as host-cpu-8's compiler moves them
+    (testbed.sim.traced.device_collectives), twice the traced bytes; a GPU's compiler keeps them."""
+    from testbed.runner.program.measure import compiled_collectives
+    from testbed.sim.traced import device_collectives
+    from testbed.topology.io import load_topology
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    if program == "every_kind":
+        step = jax.jit(jax.shard_map(_every_kind, mesh=mesh, in_specs=P("data", "model"), out_specs=P("data", "model"),
+                                     check_vma=False))
+        args = (sd((16, 32), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "model"))),)
+    elif program == "fp8":
+        step = jax.jit(jax.shard_map(_fp8_moves, mesh=mesh, in_specs=P("data", "model"), out_specs=P("data"),
+                                     check_vma=False))
+        args = (sd((16, 32), jnp.float8_e4m3fn, sharding=NamedSharding(mesh, P("data", "model"))),)
+    else:
+        step = jax.jit(_bf16_data_parallel)
+        args = (sd((32, 16), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+                sd((64, 32), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "model")))))
+    compiled = compiled_collectives(step.trace(*args).lower().compile().as_text(), mesh)
+    workload = trace(step, *args, mesh=mesh)
+    host = device_collectives(workload, load_topology("host-cpu-8")).collective_bytes()
+    assert host == compiled
+    assert host == {axes: {kind: 2 * b for kind, b in row.items()} for axes, row in workload.collective_bytes().items()}
+    assert device_collectives(workload, load_topology("dgx-h100")) is workload
+    assert program != "every_kind" or {k for row in compiled.values() for k in row} == {
+        "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute"}

@@ -92,6 +92,9 @@ class Node:
     #: A collective's channel id as XLA will see it: the program's own (``channel_handle``; 0 without one),
     #: None for one the partitioner inserts (a reshard: XLA's partitioner gives each a new channel).
     channel: int | None = None
+    #: A reduction's combining ops (``stablehlo.add``; ``stablehlo.maximum`` for a ``pmax``): part of what makes
+    #: two collectives identical to XLA's CSE (its ``to_apply``).
+    reducer: tuple = ()
     blocks: list = field(default_factory=list)
     trips: int = 1
     callee: str = ""
@@ -185,16 +188,18 @@ class _Reader:
         attrs = op.attributes
         if name in reshards.KINDS or name in reshards.MANUAL:
             read = reshards._collective if name in reshards.KINDS else reshards._manual
-            kind, axes, group, nbytes, _, _ = read(op, self.sizes, self.order)
+            kind, axes, group, nbytes, _, element = read(op, self.sizes, self.order)
             out = str(attrs["out_sharding"]) if "out_sharding" in attrs else None
             self.define(results, [out] * len(results) if out else self._shardings(op))
             if name in reshards.MANUAL:  # one device's block: also split over the body's free axes
                 nbytes = self.nbytes(results[0] if kind == "all-gather" else operands[0])
             handle = _CHANNEL.search(str(attrs["channel_handle"])) if "channel_handle" in attrs else None
             channel = None if name in reshards.KINDS else int(handle.group(1)) if handle else 0
+            reducer = tuple(inner.operation.name for region in op.regions for b in region.blocks
+                            for inner in b.operations)
             return Node(kind="collective", name=name, operands=operands, results=results,
-                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes),
-                        writes=[self.nbytes(r) for r in results], channel=channel)
+                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element),
+                        writes=[self.nbytes(r) for r in results], channel=channel, reducer=reducer)
         if name in LOCAL_SLICES:  # its results are sharded as its out_sharding says (no sdy.sharding attribute)
             self.define(results, [str(attrs["out_sharding"])] * len(results))
         else:
