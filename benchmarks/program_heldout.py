@@ -70,7 +70,8 @@ def prepared(name: str, devices, topology) -> dict:
     workload = trace(step, *args, mesh=concrete, name=name)
     report = simulate_workload(workload, topology).report
     trainer = ProgramTrainer(step, args, concrete)
-    return {"mesh": mesh, "concrete": concrete, "workload": workload, "predicted_s": report.step_time_s,
+    return {"mesh": mesh, "concrete": concrete, "workload": workload, "topology": topology,
+            "predicted_s": report.step_time_s,
             "trainer": trainer, "timer": StepTimer(trainer), "medians": [], "speeds": []}
 
 
@@ -78,13 +79,15 @@ def _row(case: dict) -> dict:
     """One program's predicted vs measured figures."""
     from testbed.calibration.validation import collective_rows, relative_error
     from testbed.runner.program.measure import compiled_collectives
+    from testbed.sim.traced import device_collectives
 
     workload, trainer = case["workload"], case["trainer"]
     measured = min(case["medians"])
     at_calibrated = statistics.median(m * v for m, v in zip(case["medians"], case["speeds"]))
     xla = trainer.memory()
     estimate = float(workload.memory["total"])
-    rows = collective_rows(workload.collective_bytes(), compiled_collectives(trainer.hlo_text(), case["concrete"]))
+    moved = device_collectives(workload, case["topology"]).collective_bytes()  # as the topology's compiler moves them
+    rows = collective_rows(moved, compiled_collectives(trainer.hlo_text(), case["concrete"]))
     return {"mesh": case["mesh"], "dtype": workload.dtype, "predicted_s": case["predicted_s"], "measured_s": measured,
             "error": relative_error(case["predicted_s"], measured),
             "measured_at_calibrated_speed_s": at_calibrated,

@@ -274,3 +274,87 @@ def test_any_megatron_mlp_mesh_is_read_by_the_formulas(data, tensor, rows, d, h)
     if data > 1:
         expected["data"] = {"all_reduce": 2 * d * local_h * 4}
     assert w.collective_bytes() == expected
+
+
+def _every_kind(x):
+    """A bf16 shard_map body running every collective kind (tests below)."""
+    y = lax.psum(x, "model") + lax.pmax(x, "model")
+    y = lax.all_gather(lax.psum_scatter(y, "model", tiled=True), "data", tiled=True)
+    y = lax.all_to_all(y, "model", 0, 1, tiled=True)
+    return lax.ppermute(y, "data", [(0, 1), (1, 0)])
+
+
+def _bf16_data_parallel(w, x):
+    return jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w).astype(jnp.float32) ** 2))(w)
+
+
+def _fp8_moves(x):
+    return lax.ppermute(lax.all_gather(x, "model", tiled=True), "data", [(0, 1), (1, 0)])
+
+
+@pytest.mark.parametrize("program", ["every_kind", "data_parallel", "fp8"])
+def test_xla_cpu_moves_bf16_collectives_in_f32(program) -> None:
+    """XLA:CPU widens every bf16 collective to f32 and every f8 one to f16 (its float normalization): on 8 emulated
+    devices the compiled bytes per axis and kind are the traced ones as host-cpu-8's compiler moves them
+    (testbed.sim.traced.device_collectives), twice the traced bytes; a GPU's compiler keeps them."""
+    from testbed.runner.program.measure import compiled_collectives
+    from testbed.sim.traced import device_collectives
+    from testbed.topology.io import load_topology
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    if program == "every_kind":
+        step = jax.jit(jax.shard_map(_every_kind, mesh=mesh, in_specs=P("data", "model"), out_specs=P("data", "model"),
+                                     check_vma=False))
+        args = (sd((16, 32), jnp.bfloat16, sharding=NamedSharding(mesh, P("data", "model"))),)
+    elif program == "fp8":
+        step = jax.jit(jax.shard_map(_fp8_moves, mesh=mesh, in_specs=P("data", "model"), out_specs=P("data"),
+                                     check_vma=False))
+        args = (sd((16, 32), jnp.float8_e4m3fn, sharding=NamedSharding(mesh, P("data", "model"))),)
+    else:
+        step = jax.jit(_bf16_data_parallel)
+        args = (sd((32, 16), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+                sd((64, 32), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "model")))))
+    compiled = compiled_collectives(step.trace(*args).lower().compile().as_text(), mesh)
+    workload = trace(step, *args, mesh=mesh)
+    host = device_collectives(workload, load_topology("host-cpu-8")).collective_bytes()
+    assert host == compiled
+    assert host == {axes: {kind: 2 * b for kind, b in row.items()} for axes, row in workload.collective_bytes().items()}
+    assert device_collectives(workload, load_topology("dgx-h100")) is workload
+    assert program != "every_kind" or {k for row in compiled.values() for k in row} == {
+        "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "collective_permute"}
+
+
+def _fsdp_grad(w, x, gather):
+    """The weight gradient of a one-matmul FSDP model; ``gather``: the weight gathered explicitly first."""
+    def loss(w):
+        return jnp.sum((x @ (lax.with_sharding_constraint(w, gather) if gather is not None else w)) ** 2)
+
+    return jax.grad(loss)(w)
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_an_fsdp_weight_is_gathered_by_xla_where_shardy_moves_the_activation(explicit) -> None:
+    """A weight sharded over fsdp on its contracting dim times an activation sharded over (data, fsdp): XLA's SPMD
+    partitioner gathers the weight whole; Shardy's explicit reshards (the tracer's) move the activation with an
+    all-to-all and all-reduce the partial products, and the workload says so. Gathered explicitly
+    (``with_sharding_constraint(w, P())``), the traced bytes per axis and kind are XLA:CPU's compiled ones."""
+    from testbed.runner.program.compile import MOVED_DOTS
+    from testbed.runner.program.measure import compiled_collectives
+
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    # Shardy weighs the two by their bytes: at 64 x 32 by 32 x 64 it gathers the weight too
+    w = sd((256, 1024), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    x = sd((128, 256), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+    gather = NamedSharding(mesh, P()) if explicit else None
+    step = jax.jit(lambda w, x: _fsdp_grad(w, x, gather), out_shardings=w.sharding)
+    compiled = compiled_collectives(step.trace(w, x).lower().compile().as_text(), mesh)
+    workload = trace(step, w, x, mesh=mesh)
+    assert compiled["fsdp"]["all_gather"] == 256 * 1024 * 4  # the weight, whole
+    note = any(MOVED_DOTS.split("{s}")[1][:60] in a for a in workload.assumptions)
+    if explicit:
+        assert workload.collective_bytes() == compiled and not note
+    else:
+        assert "all_to_all" in workload.collective_bytes()["fsdp"] and note
+        # GSPMD: the weight gathered, its full gradient all-reduced over fsdp, then its shard over data
+        weight = 256 * 1024 * 4
+        assert compiled == {"fsdp": {"all_gather": weight, "all_reduce": weight}, "data": {"all_reduce": weight / 4}}

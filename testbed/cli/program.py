@@ -224,7 +224,7 @@ def execute(args: Any) -> Any:
     """`testbed simulate --program ...`: trace, price and report (the same outputs as for a plan)."""
     from testbed.output import CommandResult
     from testbed.sim.trace_args import write_outputs
-    from testbed.sim.traced import simulate_workload
+    from testbed.sim.traced import device_collectives, simulate_workload
     from testbed.topology.io import load_topology
     from testbed.cli.user_code import check_timeout
     from testbed.units import format_bytes, format_time, parse_bytes
@@ -245,7 +245,8 @@ def execute(args: Any) -> Any:
         "bubble_fraction": r.bubble_fraction, "mfu": r.mfu, "memory": r.memory, "program": args.program,
         "topology": topology.name, "devices": topology.num_devices, "tasks": r.tasks, "mesh": mesh,
         "dtype": workload.dtype, "flops_per_device": summary["flops_per_device"],
-        "hbm_bytes_per_device": summary["hbm_bytes_per_device"], "collective_bytes": summary["collective_bytes"],
+        "hbm_bytes_per_device": summary["hbm_bytes_per_device"],
+        "collective_bytes": device_collectives(workload, topology).collective_bytes(),
         "assumptions": summary["assumptions"]}
     written = write_outputs(sim.timeline, sim.program, topology, args.trace, args.gantt, max_trace,
                             title=f"{workload.name} on {topology.name}")

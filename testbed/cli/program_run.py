@@ -172,18 +172,19 @@ def program_data(args: argparse.Namespace, mesh: dict[str, int], devices: list[A
 def _predicted(workload: Any, topology: Any, m: Any) -> dict[str, Any]:
     """The prediction on ``topology`` beside the measurement: step time, memory, bytes per axis."""
     from testbed.calibration.validation import collective_rows, relative_error
-    from testbed.sim.traced import simulate_workload
+    from testbed.sim.traced import device_collectives, simulate_workload
 
     report = simulate_workload(workload, topology).report
     estimate = float(workload.memory["total"])
-    rows = collective_rows(workload.collective_bytes(), m.collectives)
+    moved = device_collectives(workload, topology).collective_bytes()  # as the topology's compiler moves them
+    rows = collective_rows(moved, m.collectives)
     measured_memory = None if m.memory is None else float(m.memory.total)
     return {"topology": topology.name, "predicted_s": report.step_time_s,
             "error": relative_error(report.step_time_s, m.measured_s),
             "predicted_memory": estimate, "predicted_memory_method": workload.memory.get("method"),
             "memory_error": None if measured_memory is None else relative_error(estimate, measured_memory),
             "collectives": rows, "bytes_per_axis_equal": all(r["equal"] for r in rows),
-            "predicted_collectives": workload.collective_bytes(), "dtype": workload.dtype,
+            "predicted_collectives": moved, "dtype": workload.dtype,
             "assumptions": list(workload.assumptions)}
 
 

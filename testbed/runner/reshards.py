@@ -128,8 +128,9 @@ def _dims(sharding: str, sizes: dict[str, int]) -> list[list[tuple[str, int]]]:
 
 
 def _dtype_bytes(element: str) -> int:
-    bits = re.search(r"(\d+)", element)
-    return max(1, int(bits.group(1)) // 8) if bits else 4
+    from testbed.sim.workload import element_bytes
+
+    return element_bytes(element)
 
 
 def _trip_count(op: Any) -> int | None:

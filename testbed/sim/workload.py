@@ -17,16 +17,24 @@ moves and merges none across an iteration's start or end (docs/program.md, "Grad
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
 
-__all__ = ["OpKind", "TracedOp", "Workload", "COLLECTIVE_KINDS"]
+__all__ = ["OpKind", "TracedOp", "Workload", "COLLECTIVE_KINDS", "element_bytes"]
 
 #: Collective kinds (DESIGN.md / testbed.collectives spelling) a workload may hold.
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
+
+
+def element_bytes(element: str) -> int:
+    """Bytes of one element of a StableHLO element type (``bf16`` 2, ``f32`` 4, ``f8E4M3FN`` 1; a sub-byte type
+    or ``i1`` counts 1 byte, no type 4): the tracer's reading of a value's bytes."""
+    bits = re.search(r"(\d+)", element)
+    return max(1, int(bits.group(1)) // 8) if bits else 4
 
 
 class OpKind(StrEnum):
@@ -45,7 +53,9 @@ class TracedOp:
     ``memory`` ops ``hbm_bytes`` (reads and writes the fused kernels around it make, as the tracer
     approximates them); ``collective`` ops ``collective`` (a :data:`COLLECTIVE_KINDS` entry),
     ``axes`` (the mesh axes its device groups span, in mesh order), ``group`` (devices in one group)
-    and ``nbytes`` per device. ``deps`` index earlier ops of the workload whose results it reads.
+    ``nbytes`` per device and ``element``, the element type of the buffer it moves as traced (StableHLO's spelling,
+    ``bf16``; empty where unknown): the compiler may move another (testbed.sim.traced.device_collectives).
+    ``deps`` index earlier ops of the workload whose results it reads.
     ``iteration``: 0 outside loops; inside one, the innermost loop iteration the op runs in, a number of its own
     per iteration walked (increasing in program order; an op after an inner loop has its enclosing iteration's).
     """
@@ -60,6 +70,7 @@ class TracedOp:
     axes: tuple[str, ...] = ()
     group: int = 1
     nbytes: float = 0.0
+    element: str = ""
     count: int = 1
     iteration: int = 0
 

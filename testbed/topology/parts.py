@@ -9,7 +9,8 @@ from types import MappingProxyType
 
 from testbed.errors import InputError
 
-__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "RANGES", "BF16_MATMULS", "BUFFER_RULES"]
+__all__ = ["LinkKind", "Form", "DeviceSpec", "Level", "LinkSpec", "IN_NETWORK_REDUCTION", "RANGES", "BF16_MATMULS",
+           "BUFFER_RULES", "XLA_CPU_WIDENED"]
 
 #: Stated ranges of a topology's rates and times: far beyond any hardware on both sides, and narrow enough
 #: that no byte count or FLOP count of a plan divided by them overflows or divides by zero.
@@ -53,6 +54,14 @@ COLLECTIVE_RESOURCES = ("per_kind", "shared")
 BUFFER_RULES = ("xla", "xla-tpu")
 
 
+#: Element types XLA:CPU computes in a wider one, StableHLO spelling: its compiler's ``FloatNormalization`` passes, each
+#: with a bare ``FloatSupport(low, high)`` that supports the low type on no compute op (xla/service/cpu/cpu_compiler.cc,
+#: ``RunHloPassesThroughLayoutAssn``: bf16 -> f32, every f8 and f4 type -> f16, f8E8M0FNU -> f32; s4 and u4 -> 8 bits,
+#: which the tracer already counts as a byte). A device with ``bf16_matmuls: fp32`` is that compiler
+#: (:meth:`DeviceSpec.collective_element`).
+XLA_CPU_WIDENED = {"bf16": "f32", "f8E5M2": "f16", "f8E4M3": "f16", "f8E4M3FN": "f16", "f8E4M3B11FNUZ": "f16",
+                   "f8E5M2FNUZ": "f16", "f8E4M3FNUZ": "f16", "f8E3M4": "f16", "f4E2M1FN": "f16", "f8E8M0FNU": "f32"}
+
 #: ``fp32_matmuls`` of a JAX platform's devices (:attr:`DeviceSpec.fp32_matmuls`; others: ``fp32``): the runner's
 #: MFU reads it where it has a JAX device and no topology.
 PLATFORM_FP32_MATMULS = {"tpu": "bf16"}
@@ -86,7 +95,8 @@ class DeviceSpec:
 
     ``bf16_matmuls``: how the device's compiler runs a bf16 matmul or convolution: ``native`` (the default:
     at the listed bf16 peak) or ``fp32`` (in fp32 between converts: XLA:CPU's compiled HLO of a bf16 dot or
-    convolution is an f32 one whose operands and result pass through convert loops). A traced program's
+    convolution is an f32 one whose operands and result pass through convert loops; its collectives are widened
+    too: :meth:`collective_element`). A traced program's
     bf16 matmuls are then priced at the fp32 peak plus the converts (testbed.sim.traced); plan-driven
     simulation keeps the listed bf16 peak, which ``calibrate`` fits to its bf16 GPT steps, converts included.
 
@@ -233,6 +243,21 @@ class DeviceSpec:
         one in flight: the tracer chains them (testbed.sim.overlap.chain_gathers) and the plan computes a weight
         gradient that reads none of a layer's re-gathered weights first (testbed.sim.facts.step_facts)."""
         return self.collective_resources == "per_kind"
+
+    def collective_element(self, element: str) -> str:
+        """The element type a collective of ``element`` (StableHLO spelling) moves on this device's compiler.
+
+        Where the compiler runs bf16 in fp32 (``bf16_matmuls: fp32``, XLA:CPU), its float normalization widens every
+        op of a low-precision type but control flow, collectives of every kind included (:data:`XLA_CPU_WIDENED`).
+        Measured (jax 0.10.2, 4 emulated CPU devices, ``compiled.as_text()``): a bf16 ``psum``, ``pmax``,
+        ``psum_scatter``, ``all_gather``, ``all_to_all``, ``ppermute`` and a partitioner's all-gather all compile
+        to f32 collectives between converts; f8E4M3FN and f8E5M2 ones to f16; f16 ones stay f16. Elsewhere the
+        type is kept: XLA:GPU supports bf16 and f8 collectives (``GpuFloatSupport::IsSupported``,
+        xla/service/gpu/gpu_float_support.cc: collectives and data movement), XLA:TPU reduces bf16 in bf16
+        (:meth:`native_reductions`)."""
+        if self.bf16_matmuls == "fp32":
+            return XLA_CPU_WIDENED.get(element, element)
+        return element
 
     def native_reductions(self) -> bool:
         """Whether the compiler all-reduces bf16 values in bf16 (XLA:TPU, ``buffer_rules: xla-tpu``: the recorded

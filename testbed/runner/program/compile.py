@@ -92,6 +92,9 @@ class Node:
     #: A collective's channel id as XLA will see it: the program's own (``channel_handle``; 0 without one),
     #: None for one the partitioner inserts (a reshard: XLA's partitioner gives each a new channel).
     channel: int | None = None
+    #: A reduction's combining ops (``stablehlo.add``; ``stablehlo.maximum`` for a ``pmax``): part of what makes
+    #: two collectives identical to XLA's CSE (its ``to_apply``).
+    reducer: tuple = ()
     blocks: list = field(default_factory=list)
     trips: int = 1
     callee: str = ""
@@ -151,6 +154,7 @@ class _Reader:
         self.dtypes: dict[str, float] = {}
         self.assumptions: list[str] = []
         self.unknown: list[str] = []
+        self.moved_dots = 0  # dots Shardy partitioned by moving an activation (_moved_to_the_contraction)
 
     def nbytes(self, value: Any) -> int:
         shape, b = self.shape.get(value, ((), 0))
@@ -185,16 +189,18 @@ class _Reader:
         attrs = op.attributes
         if name in reshards.KINDS or name in reshards.MANUAL:
             read = reshards._collective if name in reshards.KINDS else reshards._manual
-            kind, axes, group, nbytes, _, _ = read(op, self.sizes, self.order)
+            kind, axes, group, nbytes, _, element = read(op, self.sizes, self.order)
             out = str(attrs["out_sharding"]) if "out_sharding" in attrs else None
             self.define(results, [out] * len(results) if out else self._shardings(op))
             if name in reshards.MANUAL:  # one device's block: also split over the body's free axes
                 nbytes = self.nbytes(results[0] if kind == "all-gather" else operands[0])
             handle = _CHANNEL.search(str(attrs["channel_handle"])) if "channel_handle" in attrs else None
             channel = None if name in reshards.KINDS else int(handle.group(1)) if handle else 0
+            reducer = tuple(inner.operation.name for region in op.regions for b in region.blocks
+                            for inner in b.operations)
             return Node(kind="collective", name=name, operands=operands, results=results,
-                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes),
-                        writes=[self.nbytes(r) for r in results], channel=channel)
+                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element),
+                        writes=[self.nbytes(r) for r in results], channel=channel, reducer=reducer)
         if name in LOCAL_SLICES:  # its results are sharded as its out_sharding says (no sdy.sharding attribute)
             self.define(results, [str(attrs["out_sharding"])] * len(results))
         else:
@@ -272,6 +278,7 @@ class _Reader:
         n = math.prod(out[nb + n_lhs_free:])
         k = math.prod(lhs[d] for d in ints.get("lhs_contracting_dimensions", []))
         self._dtype(operands[0])
+        self.moved_dots += _moved_to_the_contraction(operands, results)
         return self._gemm("stablehlo.dot_general", operands, results, Gemm(m=max(1, m), n=max(1, n), k=max(1, k),
                                                                          batch=max(1, batch)))
 
@@ -321,6 +328,28 @@ class _Reader:
         return node
 
 
+def _op_name(owner: Any) -> str:
+    return str(getattr(getattr(owner, "operation", owner), "name", ""))
+
+
+def _moved_to_the_contraction(operands: list, results: list) -> bool:
+    """Whether Shardy partitioned a dot by moving an operand with an all-to-all onto the contracting dim and
+    all-reducing the partial product: its resolution of a weight sharded on its contracting dim against an
+    activation sharded on the same axis (FSDP in plain ``jit``). XLA's SPMD partitioner (GSPMD, which XLA's compile
+    runs after Shardy's propagation: its pass dump, ``shardy-xla`` then ``spmd-partitioning``) gathers that weight
+    whole instead, so the compiled collectives differ there (docs/program.md, "Where XLA partitions otherwise")."""
+    moved = any(_op_name(v.owner) == "sdy.all_to_all" for v in operands)
+    return moved and any(_op_name(use.owner) == "sdy.all_reduce" for r in results for use in r.uses)
+
+
+#: The assumption a workload states when Shardy moved activations where XLA gathers weights (one per program).
+MOVED_DOTS = ("{n} matmul{s} partitioned by Shardy's explicit reshards: an activation moved onto the contracting dim "
+              "with an all-to-all and the partial products all-reduced, against a weight sharded on that dim (FSDP in "
+              "plain jit); XLA's SPMD partitioner partitions such matmuls otherwise (it gathers the weight whole), so "
+              "the compiled step's collectives differ. Gather the weights explicitly (jax.lax.with_sharding_constraint(w, P())) for a "
+              "trace that follows XLA (docs/program.md, \"Where XLA partitions otherwise\")")
+
+
 def compile_module(module: Any, context: Any, sizes: dict[str, int], on_unknown: str = "refuse") -> Compiled:
     """Read a partitioned module (testbed.runner.reshards.partition) into blocks.
 
@@ -343,6 +372,8 @@ def compile_module(module: Any, context: Any, sizes: dict[str, int], on_unknown:
             blocks[name] = reader.block(func.regions[0].blocks[0], shardings)
         entry = blocks.pop(entry_name)
         arg_bytes = [reader.nbytes(a) for a in entry.args]
+    if reader.moved_dots:
+        reader.assumptions.append(MOVED_DOTS.format(n=reader.moved_dots, s="s" * (reader.moved_dots > 1)))
     if reader.unknown:
         found = sorted(set(reader.unknown))
         raise InputError(f"the program holds {', '.join(found)}, which the simulator cannot price: its time is "

@@ -126,24 +126,25 @@ class _Emitter:
         Megatron's sequence parallelism does for the weight gradient, reuses the forward's gather; the
         compiled step has none: tests/test_check_sharding.py).
 
-        Same means identical to XLA's CSE (HloInstruction::Identical), channel id included: the program's own
+        Same means identical to XLA's CSE (HloInstruction::Identical), channel id and reduction included (a ``psum``
+        and a ``pmax`` of one value are two all-reduces): the program's own
         collectives (a shard_map's: JAX lowers them all with channel handle 1) merge with each other; one
         the partitioner inserts (a reshard, e.g. where a value enters a map's body in another sharding) gets
         a channel of its own from XLA's SPMD partitioner, so it merges with none, not even with the program's
         gather of the same value (XLA:CPU's compiled fsdp x tensor SP step keeps both:
         tests/test_program_trace.py)."""
         vals = [self.env.get(o, _EMPTY) for o in node.operands]
-        key = (self.scope, node.collective, node.channel, tuple(node.writes), tuple(map(id, vals)))
+        key = (self.scope, node.collective, node.reducer, node.channel, tuple(node.writes), tuple(map(id, vals)))
         if node.channel is None:  # the partitioner's: a new channel, identical to nothing
             key = None
         elif vals and not any(v == _EMPTY or v.constant for v in vals) and key in self.computed:
             for r, v in zip(node.results, self.computed[key][1]):
                 self.env[r] = v
             return
-        op, axes, group, nbytes = node.collective
+        op, axes, group, nbytes, element = node.collective
         ids = self.add(TracedOp(name=f"{op} {'+'.join(axes) or '-'}", kind=OpKind.COLLECTIVE,
                                 deps=tuple(sorted(self.deps(node.operands))), collective=op, axes=tuple(axes),
-                                group=group, nbytes=float(nbytes), count=self.count,
+                                group=group, nbytes=float(nbytes), element=element, count=self.count,
                                 iteration=self.scope))
         out = [_Val(ids, True, w) for w in node.writes]
         for r, v in zip(node.results, out):
