@@ -4,9 +4,10 @@ Shardy's partitioning (what the tracer reads) reduces or gathers every parameter
 all-reduce, all-gather and reduce-scatter combiners merge collectives of one kind over the same device
 groups that do not depend on each other into one:
 
-- all-reduces merge whenever they are independent, on every backend (XLA:CPU too: the vision
-  example's three gradient all-reduces and its loss's compile to one on 8 emulated devices, and the
-  shard_map example's over ``data`` to one; tests/test_program_trace.py);
+- all-reduces merge whenever they are independent (XLA:CPU: the vision example's three gradient all-reduces
+  and its loss's compile to one on 8 emulated devices, and the shard_map example's over ``data`` to one;
+  tests/test_program_trace.py), on XLA:TPU within 120 MiB (the topology's
+  ``calibration.collectives.allreduce_combine_bytes``, benchmarks/xla_tpu_collectives.py);
 - all-gathers and reduce-scatters merge within a bound (testbed.sim.traced passes
   testbed.model.leaves.combine_limit: the topology's ``calibration.collectives.combine_bytes``, 0 on XLA:CPU,
   else XLA's default 30 MiB; the bound plan-driven simulation counts fsdp gathers with,
@@ -80,18 +81,21 @@ def _merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[int]:
     return merge
 
 
-def combine_collectives(workload: Workload, combine_bytes: float | None) -> Workload:
+def combine_collectives(workload: Workload, combine_bytes: float | None,
+                        allreduce_bytes: float | None = None) -> Workload:
     """``workload`` with its independent same-kind, same-axes collectives merged (module docstring): one pass
     per kind in :data:`PASSES`' order (then any other kind, all-to-all or collective-permute, within the bound as
-    an all-gather), one key (kind, axes) at a time, each on the last one's result."""
+    an all-gather), one key (kind, axes) at a time, each on the last one's result. All-reduces merge within
+    ``allreduce_bytes`` (the topology's ``calibration.collectives.allreduce_combine_bytes``; None: no bound)."""
     workload = drop_trivial_collectives(workload)
     limit = math.inf if combine_bytes is None else float(combine_bytes)
+    reduce_limit = math.inf if allreduce_bytes is None else float(allreduce_bytes)
     kinds = dict.fromkeys(op.collective for op in workload.ops if op.kind is OpKind.COLLECTIVE)
     for kind in (*PASSES, *sorted(set(kinds) - set(PASSES))):
         keys = dict.fromkeys((op.collective, op.axes) for op in workload.ops
                              if op.kind is OpKind.COLLECTIVE and op.collective == kind)
         for key in keys:
-            workload = _merged(workload, _merges(workload.ops, key, math.inf if kind == "all_reduce" else limit))
+            workload = _merged(workload, _merges(workload.ops, key, reduce_limit if kind == "all_reduce" else limit))
     return workload
 
 

@@ -321,8 +321,10 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     are a scheduler resource of their own, ``device.collective_resources: per_kind``, an all-gather no earlier than
     the one before it can be done).
     """
-    limit = combine_limit(topology.calibration.collectives.combine_bytes)
-    workload = hoist_collectives(defer_consumers(combine_collectives(device_collectives(workload, topology), limit)))
+    collectives = topology.calibration.collectives
+    limit = combine_limit(collectives.combine_bytes)
+    workload = hoist_collectives(defer_consumers(combine_collectives(device_collectives(workload, topology), limit,
+                                                                     collectives.allreduce_combine_bytes)))
     if topology.device.gathers_apart():
         workload = chain_gathers(workload, _op_seconds(workload, topology, device_ids))
     program = workload_program(workload, topology, device_ids)
