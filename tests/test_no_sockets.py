@@ -1,6 +1,6 @@
 """One process on ``--devices local`` needs no sockets: a TPU VM that allows none runs the runner's commands.
 
-``run`` and ``verify`` of a one-device plan run in a fresh process (as a user's would: JAX's own local
+``run`` then ``verify`` of a one-device plan run in one fresh process (as a user's would: JAX's own local
 devices) whose ``socket.socket`` raises; the launcher and cluster code (testbed.runner.launch, testbed.cluster)
 stay unimported.
 """
@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = """
-import json, socket, sys
+import io, json, socket, sys
+from contextlib import redirect_stdout
 
 class NoSocket(socket.socket):
     def __init__(self, *args, **kwargs):
@@ -24,28 +25,34 @@ class NoSocket(socket.socket):
 
 socket.socket = NoSocket
 from testbed.cli.main import main
-status = main(sys.argv[1:])
-loaded = [m for m in sys.modules if m.startswith(("testbed.runner.launch", "testbed.cluster"))]
-print(json.dumps({"status": status, "loaded": loaded}), file=sys.stderr)
+for argv in json.loads(sys.argv[1]):
+    with redirect_stdout(io.StringIO()) as out:
+        status = main(argv)
+    loaded = [m for m in sys.modules if m.startswith(("testbed.runner.launch", "testbed.cluster"))]
+    print(json.dumps({"status": status, "loaded": loaded, "stdout": out.getvalue()}))
 """
 
 
-def _run(*args: str) -> tuple[dict, dict]:
+def _run(*commands: list[str]) -> list[tuple[dict, dict]]:
+    """Each command's ``--json`` output and what the process had loaded after it: one process runs them all in
+    turn (one JAX start), as a user's session would."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run([sys.executable, "-c", _CHILD, *args, "--json"], capture_output=True, text=True,
+    argvs = [[*argv, "--json"] for argv in commands]
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(argvs)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=600)
-    tail = json.loads(done.stderr.strip().splitlines()[-1])
-    assert done.returncode == 0 and tail["status"] == 0, done.stderr[-3000:]
-    return json.loads(done.stdout), tail
+    tails = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and len(tails) == len(commands), done.stdout[-2000:] + done.stderr[-3000:]
+    assert all(t["status"] == 0 for t in tails), done.stdout[-2000:] + done.stderr[-3000:]
+    return [(json.loads(t["stdout"]), t) for t in tails]
 
 
 def test_local_run_and_verify_open_no_socket(tmp_path: Path) -> None:
     plan = tmp_path / "one.yaml"
     plan.write_text("model: {layers: 2, d_model: 64, heads: 2, d_ff: 128, seq_len: 32, vocab: 128}\n"
                     "batch: {global_batch: 4, microbatches: 2}\nmesh: {data: 1}\n")
-    ran, tail = _run("run", "--plan", str(plan), "--devices", "local", "--steps", "2")
+    (ran, tail), (verified, tail2) = _run(["run", "--plan", str(plan), "--devices", "local", "--steps", "2"],
+                                          ["verify", "--plan", str(plan), "--devices", "local"])
     assert ran["devices"] == 1 and ran["processes"] == 1 and len(ran["step_times_s"]) == 2
     assert tail["loaded"] == []
-    verified, tail = _run("verify", "--plan", str(plan), "--devices", "local")
-    assert verified["ok"] and tail["loaded"] == []
+    assert verified["ok"] and tail2["loaded"] == []

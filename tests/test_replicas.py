@@ -83,8 +83,10 @@ def test_backward_programs_leave_the_data_reduction_to_the_update(kwargs: dict) 
     trainer = build_trainer(plan, dev.select_devices(plan.mesh.size))
     assert trainer.replicas == plan.mesh.data > 1
     state = trainer.init()
+    shape = tuple(plan.mesh.degree(a) for a in dev.STAGE_MESH_AXES)
     for text in _backward_texts(trainer, state):
         # Tensor-parallel all-reduces stay inside the chunk; none over data. With tensor 1 there are none at all.
+        assert _data_reductions(text, shape) == (set(), 0)
         if plan.mesh.tensor == 1:
             assert _count(text, "all-reduce") == 0 and _count(text, "reduce-scatter") == 0
     params, states = state
@@ -92,6 +94,7 @@ def test_backward_programs_leave_the_data_reduction_to_the_update(kwargs: dict) 
         update = trainer.update_programs[s].lower(params[s], states[s],
                                                   trainer.engine_grads_shape(params[s], s)).compile().as_text()
         assert _count(update, "all-reduce") + _count(update, "reduce-scatter") >= 1
+        assert _data_reductions(update, shape)[0] & {"all-reduce", "reduce-scatter"}  # the update's, over data
     if plan.mesh.tensor > 1:  # the others' kinds are among test_runner's plans (6 devices, hypothesis)
         result = verify_plan(plan, dev.select_devices(plan.mesh.size), steps=2, check_hlo=False)
         assert result["ok"], result["errors"]

@@ -9,8 +9,6 @@ pass the runner's verify.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -168,22 +166,23 @@ def test_search_command_takes_the_context_and_expert_degrees(tmp_path: Path, cap
 
 
 @pytest.mark.slow
-def test_written_plan_shrunk_to_8_devices_passes_verify(tmp_path: Path) -> None:
-    """The searched plan (32 devices) shrunk to 8 emulated devices runs and matches one device."""
+def test_written_plan_shrunk_to_8_devices_passes_verify(tmp_path: Path, capsys) -> None:
+    """The searched plan (32 devices) shrunk to 8 emulated devices runs and matches one device: both commands
+    in this process (conftest's 8 emulated devices are what ``--devices emulated:8`` asks for)."""
+    from testbed.cli.main import main
+
     out, small = tmp_path / "best.yaml", tmp_path / "best8.yaml"
-    cmd = [sys.executable, "-m", "testbed.cli", "search", "--model", "gpt-tiny", "--topology", "dgx-h100-x4",
-           "--microbatches", "1,2,4", "--remat", "none,full", "--out", str(out), "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    data = json.loads(done.stdout)
+    assert main(["search", "--model", "gpt-tiny", "--topology", "dgx-h100-x4", "--microbatches", "1,2,4",
+                 "--remat", "none,full", "--out", str(out), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert data["ranked"][0]["step_time_s"] <= data["ranked"][-1]["step_time_s"]
     plan = load_plan(str(out))
     assert plan.mesh.size == 32
     small.write_text(dump_plan(shrink_plan(plan, 8)))
-    verify = [sys.executable, "-m", "testbed.cli", "verify", "--plan", str(small), "--devices", "emulated:8", "--json"]
-    done = subprocess.run(verify, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert json.loads(done.stdout)["ok"] is True
+    code = main(["verify", "--plan", str(small), "--devices", "emulated:8", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out[-2000:] + captured.err[-2000:]
+    assert json.loads(captured.out)["ok"] is True
 
 
 # The issue's hand loop on gpt-1b-cluster (every mesh x schedule of 32 devices, simulated) against the search:
