@@ -46,14 +46,14 @@ from collections import Counter
 from functools import lru_cache
 from typing import NamedTuple
 
-from testbed.collectives.routed import topology_memo
-from testbed.collectives.timing import groups_time, send_time, timed_groups
+from testbed.collectives.timing import send_time
 from testbed.explore.play import Play
+from testbed.explore.stage_collectives import StageCollectives, stage_groups
 from testbed.model.gemm import scaled
 from testbed.model.memory import MemoryBreakdown, memory_breakdown
 from testbed.pipeline.schedules import peak_inflight
 from testbed.plan.placement import place
-from testbed.plan.spec import MESH_AXES, Axis, Plan
+from testbed.plan.spec import Axis, Plan
 from testbed.sim.barriers import Syncs, merge
 from testbed.sim.compute import compute_seconds, plan_matmul_dtype
 from testbed.model.spans import scaled_spans
@@ -92,55 +92,6 @@ class Estimate:
     def __post_init__(self) -> None:
         if not self.step_time_s >= 0:
             raise ValueError(f"step_time_s must be >= 0, got {self.step_time_s}")
-
-
-def _groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], ...]:
-    """All device groups of ``stage`` varying along ``axes`` (mesh order), the representative's first."""
-    dims = [MESH_AXES.index(a) for a in axes]
-    block = ids[stage]  # dims: MESH_AXES but stage
-    keep = [d - 1 for d in range(1, ids.ndim) if d not in dims]
-    moved = block.transpose(keep + [d - 1 for d in sorted(dims)])
-    size = 1
-    for d in dims:
-        size *= ids.shape[d]
-    return tuple(map(tuple, moved.reshape(-1, size).tolist()))  # Python ints, as int(x) each
-
-
-#: (placement, axes, stage) -> that stage's device groups along the axes: a pure function of its key, kept
-#: across plans since building the groups of a 16,384-device mesh takes longer than pricing them.
-_GROUPS: dict = {}
-#: At most this many collective prices kept per topology by :meth:`_Collectives.time`.
-_SECONDS = 100_000
-
-
-class _Collectives:
-    """Seconds of one collective over every group of one stage at once (groups share links)."""
-
-    def __init__(self, topology: Topology, ids) -> None:
-        self.topology, self.ids = topology, ids
-        self.placement = (ids.shape, ids.tobytes())  # plans of one mesh share their groups (a search meets many)
-
-    def time(self, op: str, axes: tuple[Axis, ...], stage: int, nbytes: float) -> float:
-        # Memoized by placement rather than by the groups themselves: groups_time's own memo hashes every group's
-        # every rank per call (thousands at 16,384 devices), while the placement's bytes hash once.
-        memo = topology_memo(self.topology).setdefault("analytic", {})  # one entry of it (its size bounds it)
-        seconds = memo.get((self.placement, axes, stage, op, nbytes))
-        if seconds is None:
-            key = (self.placement, axes, stage)
-            timed = memo.get(key)  # the groups groups_time times for all of them (one, when they are copies)
-            if timed is None:
-                groups = _GROUPS.get(key)
-                if groups is None:
-                    if len(_GROUPS) > 4096:
-                        _GROUPS.clear()
-                    groups = _GROUPS[key] = _groups(self.ids, axes, stage)
-                timed = memo[key] = timed_groups(self.topology, groups)
-            seconds = 0.0 if nbytes <= 0 or len(timed[0]) < 2 else groups_time(self.topology, op, timed,
-                                                                                nbytes).time_s
-            if len(memo) > _SECONDS:
-                memo.clear()
-            memo[(self.placement, axes, stage, op, nbytes)] = seconds
-        return seconds
 
 
 @lru_cache(maxsize=4096)
@@ -249,7 +200,7 @@ class _Step:
     def __init__(self, facts: StepFacts, topology: Topology, ids) -> None:
         cal, p = topology.calibration, facts.stages
         self.facts, self.topology, self.dtype = facts, topology, plan_matmul_dtype(facts.plan, topology)
-        self.coll = _Collectives(topology, ids)
+        self.coll = StageCollectives(topology, ids)
         self.controller = cal.controller
         self.skewed = cal.host if cal.host is not None and cal.host.skew_s else None  # a shared host's stragglers
         # Programs over several devices one at a time (testbed.sim.program's ``serial``): each action and update
@@ -258,7 +209,7 @@ class _Step:
         self.serial = runs_serially(serial_host(cal), p, self.per_stage)
         self.ends = ((self.per_stage, 1.0),) if self.serial else ()
         reps = facts.representatives  # no ring: each rank its own (what the groups of one say)
-        rings = [ring_neighbours(_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
+        rings = [ring_neighbours(stage_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
                  else (reps[s], reps[s]) for s in range(p)]
         self.prices: dict[tuple[int, int, str], _Priced] = {}
         self._played: dict[tuple, _Priced] = {}  # :meth:`played`'s memo

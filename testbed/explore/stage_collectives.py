@@ -1,0 +1,61 @@
+"""Seconds of one collective over every device group of a pipeline stage at once, memoized per placement: the
+analytic tier's price of a collective (testbed.explore.analytic), the groups sharing the topology's links
+(testbed.collectives.timing.groups_time)."""
+
+from __future__ import annotations
+
+from testbed.collectives.routed import topology_memo
+from testbed.collectives.timing import groups_time, timed_groups
+from testbed.plan.spec import MESH_AXES, Axis
+from testbed.topology import Topology
+
+__all__ = ["StageCollectives", "stage_groups"]
+
+
+def stage_groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], ...]:
+    """All device groups of ``stage`` varying along ``axes`` (mesh order), the representative's first."""
+    dims = [MESH_AXES.index(a) for a in axes]
+    block = ids[stage]  # dims: MESH_AXES but stage
+    keep = [d - 1 for d in range(1, ids.ndim) if d not in dims]
+    moved = block.transpose(keep + [d - 1 for d in sorted(dims)])
+    size = 1
+    for d in dims:
+        size *= ids.shape[d]
+    return tuple(map(tuple, moved.reshape(-1, size).tolist()))  # Python ints, as int(x) each
+
+
+#: (placement, axes, stage) -> that stage's device groups along the axes: a pure function of its key, kept
+#: across plans since building the groups of a 16,384-device mesh takes longer than pricing them.
+_GROUPS: dict = {}
+#: At most this many collective prices kept per topology by :meth:`StageCollectives.time`.
+_SECONDS = 100_000
+
+
+class StageCollectives:
+    """Seconds of one collective over every group of one stage at once (groups share links)."""
+
+    def __init__(self, topology: Topology, ids) -> None:
+        self.topology, self.ids = topology, ids
+        self.placement = (ids.shape, ids.tobytes())  # plans of one mesh share their groups (a search meets many)
+
+    def time(self, op: str, axes: tuple[Axis, ...], stage: int, nbytes: float) -> float:
+        # Memoized by placement rather than by the groups themselves: groups_time's own memo hashes every group's
+        # every rank per call (thousands at 16,384 devices), while the placement's bytes hash once.
+        memo = topology_memo(self.topology).setdefault("analytic", {})  # one entry of it (its size bounds it)
+        seconds = memo.get((self.placement, axes, stage, op, nbytes))
+        if seconds is None:
+            key = (self.placement, axes, stage)
+            timed = memo.get(key)  # the groups groups_time times for all of them (one, when they are copies)
+            if timed is None:
+                groups = _GROUPS.get(key)
+                if groups is None:
+                    if len(_GROUPS) > 4096:
+                        _GROUPS.clear()
+                    groups = _GROUPS[key] = stage_groups(self.ids, axes, stage)
+                timed = memo[key] = timed_groups(self.topology, groups)
+            seconds = 0.0 if nbytes <= 0 or len(timed[0]) < 2 else groups_time(self.topology, op, timed,
+                                                                                nbytes).time_s
+            if len(memo) > _SECONDS:
+                memo.clear()
+            memo[(self.placement, axes, stage, op, nbytes)] = seconds
+        return seconds
