@@ -342,12 +342,9 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
         if _overflows(plan, topology, memory_cap, tier.floors):  # its stages' exact peaks, now it may be estimated
             tier.pruned += 1
             continue
-        if len(fastest) >= keep and floor:  # its gathers one after another, then the schedule played at its floors
-            bar = -fastest[0] * (1 + margin)  # (the bubble): skipped if too slow
-            played = max(floor, gather_floor(plan, topology))
-            if played <= bar:
-                played = max(played, played_floor(plan, topology) or 0.0)
-            if played > bar:
+        if len(fastest) >= keep and floor:  # its gathers, then the schedule played at its floors: skipped if too slow
+            played = _played_above(plan, topology, floor, -fastest[0] * (1 + margin))
+            if played is not None:
                 tier.bounded += 1
                 tier.deferred.append((played, plan))
                 continue
@@ -360,6 +357,16 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     if progress is not None:
         progress("analytic", total, total)
     return tier
+
+
+def _played_above(plan: Plan, topology: Topology, floor: float, bar: float) -> float | None:
+    """A lower bound of ``plan``'s estimate above ``bar`` (its step ``floor``, its gathers one after another:
+    testbed.explore.gather_floor, its schedule played at its floors: testbed.explore.floor.played_floor), or None
+    where none is; the played floor only where the gathers are not already above."""
+    played = max(floor, gather_floor(plan, topology))
+    if played <= bar:
+        played = max(played, played_floor(plan, topology) or 0.0)
+    return played if played > bar else None
 
 
 def _built(ref: Plan | tuple[CandidateGroup, int]) -> Plan:
