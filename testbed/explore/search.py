@@ -30,6 +30,7 @@ from testbed.errors import InputError
 from testbed.explore.analytic import Estimate, estimate, plan_memory
 from testbed.explore.eta import TimeLeft
 from testbed.explore.floor import cached_peaks, cached_step_floor, group_floor_key, played_floor
+from testbed.explore.gather_floor import gather_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.space import CandidateGroup, SearchSpace, candidate_groups, candidates
 from testbed.model.costs import model_flops_per_step
@@ -289,8 +290,10 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     than the floor, so only for plans that could still be estimated) and its estimate, so the ``keep`` fastest estimates are found early and every plan whose floor
     is above them is skipped (once one is, all later ones are: the floors only grow, the bar only falls). A
     plan whose estimate could reach the replay list has a floor below it, so it is estimated in either order.
-    Before its estimate, a plan's schedule is played at its floors (:func:`testbed.explore.floor.played_floor`,
-    a lower bound of the estimate that counts the pipeline's bubble) and skipped when that is above the bar:
+    Before its estimate, a plan's parameter gathers are summed as its stages play them one after another
+    (:func:`testbed.explore.gather_floor.gather_floor`) and its schedule is played at its floors
+    (:func:`testbed.explore.floor.played_floor`, a lower bound of the estimate that counts the pipeline's bubble),
+    and it is skipped when either is above the bar:
     the bar only falls, so it would be above the final bar too, and the plans estimated at or below the final
     bar are the same.
     """
@@ -339,9 +342,9 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
         if _overflows(plan, topology, memory_cap, tier.floors):  # its stages' exact peaks, now it may be estimated
             tier.pruned += 1
             continue
-        if len(fastest) >= keep and floor:  # the schedule played at its floors (the bubble): skipped if too slow
-            played = max(floor, played_floor(plan, topology) or 0.0)
-            if played > -fastest[0] * (1 + margin):
+        if len(fastest) >= keep and floor:  # its gathers, then the schedule played at its floors: skipped if too slow
+            played = _played_above(plan, topology, floor, -fastest[0] * (1 + margin))
+            if played is not None:
                 tier.bounded += 1
                 tier.deferred.append((played, plan))
                 continue
@@ -354,6 +357,16 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     if progress is not None:
         progress("analytic", total, total)
     return tier
+
+
+def _played_above(plan: Plan, topology: Topology, floor: float, bar: float) -> float | None:
+    """A lower bound of ``plan``'s estimate above ``bar`` (its step ``floor``, its gathers one after another:
+    testbed.explore.gather_floor, its schedule played at its floors: testbed.explore.floor.played_floor), or None
+    where none is; the played floor only where the gathers are not already above."""
+    played = max(floor, gather_floor(plan, topology))
+    if played <= bar:
+        played = max(played, played_floor(plan, topology) or 0.0)
+    return played if played > bar else None
 
 
 def _built(ref: Plan | tuple[CandidateGroup, int]) -> Plan:

@@ -1,0 +1,113 @@
+"""The search's gather floor: a lower bound of a step's seconds from its fsdp/ZeRO-3 parameter gathers alone.
+
+The analytic tier plays every forward and backward's gathers of a chunk's sharded parameters block by block on the
+stage's one gather stream (testbed.explore.play ``_gather``: ``_blocks`` and testbed.explore.span_times.play_blocks
+start each block's gather once the one before it has ended, ``gather_free`` carrying that across actions; a
+shared host's wait only adds), and the stage's last block computes after its gather, so a stage's step is at least
+the sum of its actions' gather seconds: ``microbatches`` times each chunk's forward and backward gathers
+(testbed.plan.sharding.gathers_parameters), each block's collectives priced as the tier prices them
+(``_Step._block_gather_seconds``: every all-gather of testbed.model.blocks.block_gathers at its merged size, by
+``_Collectives.time``). The task graph runs the same collectives one after another on its ``gather`` stream
+(testbed.sim.program), each timed by testbed.collectives.timing and slowed only by sharing links
+(tests/test_gather_floor.py checks both tiers on sampled plans). A chunk's blocks follow whether the embedding
+and the head are blocks of their own (testbed.sim.facts: ``runtime.fsdp_edge_blocks`` where no action overlaps or
+chains); where they may be, the cheaper of both splits is taken. The first, middle and last stages are summed (the
+slowest of them bounds the slowest of all), chunks alike in layers, embedding and head priced once. Only plans
+testbed.explore.floor bounds (no context or expert parallelism, no shared host) are bounded here; MoE chains'
+whole gathers are not counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from testbed.collectives.routed import topology_memo
+from testbed.explore.analytic import _Collectives
+from testbed.model.blocks import block_gathers, own_blocks
+from testbed.model.leaves import combine_limit, moved_elements, parameter_collectives, regathered
+from testbed.model.memory import state_bytes_per_param
+from testbed.plan.placement import place
+from testbed.plan.sharding import gathers_parameters, state_sharding
+from testbed.plan.spec import Plan
+from testbed.sim.memo import cached_chunk_cost
+from testbed.topology import Topology
+
+__all__ = ["gather_floor", "gather_seconds_per_microbatch", "gather_key"]
+
+
+def gather_floor(plan: Plan, topology: Topology) -> float:
+    """A lower bound of both tiers' step seconds from ``plan``'s parameter gathers (module docstring); 0 where
+    nothing shards the parameters or it is not bounded (an MoE model, context parallelism, a shared host)."""
+    return plan.batch.microbatches * gather_seconds_per_microbatch(plan, topology)
+
+
+def gather_key(plan: Plan) -> tuple:
+    """What :func:`gather_seconds_per_microbatch` reads of ``plan`` (not its microbatches, their size or remat):
+    plans alike in it share one bound."""
+    return (plan.model, plan.mesh, plan.zero, plan.runtime, plan.precision, plan.schedule.virtual_stages,
+            plan.stage_layers)
+
+
+def gather_seconds_per_microbatch(plan: Plan, topology: Topology) -> float:
+    """The gather seconds of one microbatch (every chunk's forward and backward gathers, the analytic tier's
+    prices) on the slowest of the first, middle and last stages, memoized per topology on :func:`gather_key`."""
+    memo = topology_memo(topology).setdefault("gather_floor", {})
+    key = gather_key(plan)
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) > 100_000:
+            memo.clear()
+        hit = memo[key] = _per_microbatch(plan, topology)
+    return hit
+
+
+def _per_microbatch(plan: Plan, topology: Topology) -> float:
+    """:func:`gather_seconds_per_microbatch`, not memoized."""
+    sharding = state_sharding(plan)
+    if (not gathers_parameters(plan, "F") or sharding.ways(plan, "params") < 2 or plan.model.experts
+            or plan.mesh.context > 1 or topology.calibration.host is not None):
+        return 0.0
+    param_b = state_bytes_per_param(plan)[0]
+    combine = combine_limit(topology.calibration.collectives.combine_bytes, plan.runtime.gather_combine_bytes)
+    coll = _Collectives(topology, place(plan, topology).device_ids)
+    axes, priced, sizes, p = sharding.params, {}, {}, plan.mesh.stage
+    worst = 0.0
+    for s in sorted({0, p // 2, p - 1}):  # a few stages (the ends, which hold the embedding and head): a bound
+        total = 0.0
+        for c in range(plan.schedule.virtual_stages):
+            cost = cached_chunk_cost(plan, s, c)
+            alike = (cost.layers, cost.has_embedding, cost.has_head)  # a dense chunk's gathers follow these alone
+            if alike not in sizes:
+                sizes[alike] = _chunk_sizes(plan, s, c, combine, param_b, cost)
+            total += min((sum(_block_seconds(coll, axes, s, kind, priced) for kind in split) for split in sizes[alike]),
+                         default=0.0)
+        worst = max(worst, total)
+    return worst
+
+
+def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cost) -> list[tuple]:
+    """Per way the chunk's blocks may be split, each gathering action's block gathers' bytes
+    (testbed.model.blocks.block_gathers); empty when the chunk gathers nothing."""
+    leaves = parameter_collectives(plan, s, c, combine, param_b)
+    if not leaves:
+        return []
+    moved = moved_elements(plan, s, c, "params")
+    elements = {"F": moved, "B": regathered(plan, s, c, moved, leaves, combine, param_b)[0]}
+    splits = {max(1, cost.layers)}
+    if plan.runtime.fsdp_edge_blocks and (cost.has_embedding or cost.has_head) and cost.layers >= 1:
+        splits.add(own_blocks(cost.layers, cost.has_embedding, cost.has_head))
+    return [tuple(block_gathers(plan, s, c, kind, blocks, n, combine, param_b) for kind, n in elements.items()
+                  if gathers_parameters(plan, kind)) for blocks in splits]
+
+
+def _block_seconds(coll: _Collectives, axes: tuple, s: int, sizes: tuple[tuple[float, ...], ...],
+                   priced: dict) -> float:
+    """Seconds of an action's block gathers ``sizes`` (per block, each all-gather's bytes), as
+    ``_Step._block_gather_seconds`` prices them (each block memoized in ``priced``)."""
+    total = 0.0
+    for block in sizes:
+        key = (s, block)
+        if key not in priced:
+            priced[key] = sum(count * coll.time("all_gather", axes, s, n) for n, count in Counter(block).items())
+        total += priced[key]
+    return total
