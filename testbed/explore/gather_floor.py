@@ -7,7 +7,7 @@ shared host's wait only adds), and the stage's last block computes after its gat
 the sum of its actions' gather seconds: ``microbatches`` times each chunk's forward and backward gathers
 (testbed.plan.sharding.gathers_parameters), each block's collectives priced as the tier prices them
 (``_Step._block_gather_seconds``: every all-gather of testbed.model.blocks.block_gathers at its merged size, by
-``_Collectives.time``). The task graph runs the same collectives one after another on its ``gather`` stream
+``StageCollectives.time``). The task graph runs the same collectives one after another on its ``gather`` stream
 (testbed.sim.program), each timed by testbed.collectives.timing and slowed only by sharing links
 (tests/test_gather_floor.py checks both tiers on sampled plans). A chunk's blocks follow whether the embedding
 and the head are blocks of their own (testbed.sim.facts: ``runtime.fsdp_edge_blocks`` where no action overlaps or
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 
 from testbed.collectives.routed import topology_memo
-from testbed.explore.analytic import _Collectives
+from testbed.explore.stage_collectives import StageCollectives
 from testbed.model.blocks import block_gathers, own_blocks
 from testbed.model.leaves import combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.memory import state_bytes_per_param
@@ -69,7 +69,7 @@ def _per_microbatch(plan: Plan, topology: Topology) -> float:
         return 0.0
     param_b = state_bytes_per_param(plan)[0]
     combine = combine_limit(topology.calibration.collectives.combine_bytes, plan.runtime.gather_combine_bytes)
-    coll = _Collectives(topology, place(plan, topology).device_ids)
+    coll = StageCollectives(topology, place(plan, topology).device_ids)
     axes, priced, sizes, p = sharding.params, {}, {}, plan.mesh.stage
     worst = 0.0
     for s in sorted({0, p // 2, p - 1}):  # a few stages (the ends, which hold the embedding and head): a bound
@@ -100,7 +100,7 @@ def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cos
                   if gathers_parameters(plan, kind)) for blocks in splits]
 
 
-def _block_seconds(coll: _Collectives, axes: tuple, s: int, sizes: tuple[tuple[float, ...], ...],
+def _block_seconds(coll: StageCollectives, axes: tuple, s: int, sizes: tuple[tuple[float, ...], ...],
                    priced: dict) -> float:
     """Seconds of an action's block gathers ``sizes`` (per block, each all-gather's bytes), as
     ``_Step._block_gather_seconds`` prices them (each block memoized in ``priced``)."""
