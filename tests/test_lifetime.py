@@ -127,7 +127,7 @@ def test_the_packages_own_files_are_never_outputs(path):
 
 @pytest.mark.parametrize("delay", [0.3, 0.8, 1.5])
 def test_ctrl_c_at_any_moment_prints_no_traceback(tmp_path, delay):
-    proc = subprocess.Popen([sys.executable, "-c", "from testbed.cli import main; raise SystemExit(main())",
+    proc = subprocess.Popen([sys.executable, "-m", "testbed.cli",  # the command as its console script runs it
                              "simulate", "--plan", "demo", "--topology", "host-cpu-8", "--json"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(delay)

@@ -8,6 +8,6 @@ at any moment of a command, its first imports included, lands in
 :func:`main`'s handler: ``interrupted`` on stderr, exit 130, no traceback.
 """
 
-from testbed.cli.main import COMMANDS, main
+from testbed.cli.main import COMMANDS, command, main
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "command", "COMMANDS"]

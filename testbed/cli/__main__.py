@@ -1,7 +1,5 @@
 """``python -m testbed.cli``: the ``testbed`` command."""
 
-import sys
+from testbed.cli.main import command
 
-from testbed.cli.main import main
-
-sys.exit(main())
+command()

@@ -114,6 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def command() -> None:
+    """The ``testbed`` command (console script, ``python -m testbed.cli``): :func:`main`'s status as the process's,
+    with Ctrl-C ignored from main's return to the interpreter's exit, where a SIGINT in CPython's shutdown
+    (``threading._shutdown``) prints "Exception ignored ... KeyboardInterrupt" with a traceback."""
+    status = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise SystemExit(status)
+
+
 def _main(argv: Sequence[str] | None) -> int:
     from testbed.errors import InputError
     from testbed.output import CommandResult, command_inputs
