@@ -54,14 +54,19 @@ def attention_kernel(*, flash: bool, platform: str, devices: int, seq: int, cont
 
 @lru_cache(maxsize=32)
 def _kernel(heads: int, seq: int, window: int | None, block: int):
-    """The splash kernel object of ``heads`` query heads over ``seq`` keys (causal, or a sliding ``window``)."""
+    """The splash kernel object of ``heads`` query heads over ``seq`` keys (causal, or a sliding ``window``).
+
+    Built at compile time (``jax.ensure_compile_time_eval``): its mask arrays are concrete, never tracers of the
+    trace that first asked for it, which this cache would leak into later traces (under ``jax.checkpoint`` they
+    became extra inputs of the step that an ahead-of-time ``Compiled`` call does not pass)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     shape = (seq, seq)
     one = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, (window - 1, 0), 0)
     blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                                block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha_single_device(splash.MultiHeadMask([one] * heads), block_sizes=blocks)
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mha_single_device(splash.MultiHeadMask([one] * heads), block_sizes=blocks)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None) -> jax.Array:
