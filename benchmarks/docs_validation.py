@@ -4,6 +4,8 @@ The page is generated, never edited by hand: its tables come from
 
 - ``benchmarks/results/published_runs.json`` (what ``benchmarks/published_runs.py`` printed; when and with which
   command in ``published_runs.meta.json`` beside it), through benchmarks/published/validation_table.py;
+- ``benchmarks/results/tpu_chip_fit.json`` (what ``benchmarks/tpu_chip_fit.py --out`` wrote from the chip's
+  recorded suite, ``benchmarks/tpu_chip/``);
 - ``benchmarks/host_runs/DATE/run-N/validate_host.json`` (what ``benchmarks/validate_host.py`` printed on the
   2-core host, each run with the code of its day);
 
@@ -35,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "validation.md"
 PUBLISHED = ROOT / "benchmarks" / "results" / "published_runs.json"
 HOST_RUNS = ROOT / "benchmarks" / "host_runs"
+CHIP = ROOT / "benchmarks" / "results" / "tpu_chip_fit.json"
 
 HEADER = """\
 # Calibration and validation
@@ -276,14 +279,44 @@ def published_section(data: dict, meta: dict) -> list[str]:
     return out + [line.replace("#### ", "### ", 1) if line.startswith("#### ") else line for line in body]
 
 
-def page(published: dict, meta: dict, runs: list[tuple[str, dict]]) -> str:
+def chip_section(chip: dict) -> list[str]:
+    """The single-chip suite measured on a TPU v5e chip (benchmarks/tpu_chip_fit.py's JSON)."""
+    rec, fit = chip["recorded"], chip["fitted"]
+    versions = ", ".join(f"{k} {v}" for k, v in rec["versions"].items() if v)
+    out = ["## Measured on a TPU v5e chip", "",
+           f"One {rec['device_kind']} chip, {rec['date'][:10]} ({versions}): the runner's step of each plan of "
+           "`benchmarks/tpu_chip/` timed by `benchmarks/tpu_chip.py` (median of 3 rounds of 5 steps) beside the "
+           "simulator's step on one chip of the bundled v5e topologies, and XLA:TPU's "
+           "`memory_analysis()` of the compiled step (arguments + outputs + temporaries - aliases) beside testbed's "
+           "memory model. The v5e calibration is the chip's measured matmul and memory rates plus "
+           f"{len(fit)} values fitted over these plans (`benchmarks/tpu_chip_fit.py`: "
+           + ", ".join(f"{k} {v:g}" for k, v in fit.items()) + "); in sample median "
+           f"{_f(chip['in_sample']['median_abs'])}, max {_f(chip['in_sample']['max_abs'])}; each plan left out of the "
+           f"fit: median {_f(chip['leave_one_out']['median_abs'])}, max {_f(chip['leave_one_out']['max_abs'])}.", ""]
+    rows = []
+    for r in chip["chip"]:
+        left = chip["per_plan"].get(r["plan"], {}).get("leave_one_out")
+        if r["ok"]:
+            rows.append((r["plan"], f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}",
+                         _signed(r["predicted_s"] / r["measured_s"] - 1), _signed(left), f"{r['mfu'] * 100:.1f}%",
+                         f"{r['measured_memory'] / 1e9:.2f}", f"{r['predicted_memory'] / 1e9:.2f}",
+                         _signed(r["predicted_memory"] / r["measured_memory"] - 1)))
+        else:
+            rows.append((r["plan"], "out of HBM", "", "", "", "", "", f"{r['predicted_memory'] / 1e9:.2f}",
+                         "predicted not to fit" if r["predicted_memory"] > 16e9 else "predicted to fit"))
+    return out + vt._table(("plan", "step ms", "predicted ms", "error", "left out", "runner MFU", "XLA:TPU GB",
+                            "predicted GB", "memory error"), rows)
+
+
+def page(published: dict, meta: dict, runs: list[tuple[str, dict]], chip: dict) -> str:
     """The whole of docs/validation.md."""
-    lines = [HEADER.rstrip("\n"), ""] + host_section(runs) + [""] + published_section(published, meta)
+    lines = ([HEADER.rstrip("\n"), ""] + chip_section(chip) + [""] + host_section(runs) + [""]
+             + published_section(published, meta))
     text = "\n".join(lines).rstrip("\n") + "\n\n" + NOTES + "\n" + LIMITS
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
 
 
-def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS) -> str:
+def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS, chip_path: Path = CHIP) -> str:
     """The page from the committed results (:class:`PageInputError` on bad input)."""
     try:
         published = vt.validate(_read_json(published_path), str(published_path))
@@ -291,7 +324,7 @@ def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS) -> str:
         raise PageInputError(str(exc)) from None
     meta_path = published_path.with_name(published_path.stem + ".meta.json")
     meta = _read_json(meta_path) if meta_path.exists() else {}
-    return page(published, meta, host_runs(host_root))
+    return page(published, meta, host_runs(host_root), _read_json(chip_path))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,12 +39,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: The suite (plans/validation-1dev/): GPT and Llama-style, bf16 and fp32, remat none / selective / full,
-#: gradient accumulation, flash attention, seq 1024-4096; every one predicted to fit a 16 GiB v5e chip.
+#: The suite (plans/validation-1dev/): GPT and Llama-style, bf16 and fp32 (default and HIGHEST precision), remat none /
+#: selective / full, gradient accumulation, flash attention, seq 1024-4096; every one predicted to fit a 16 GiB v5e chip.
 SUITE = (
-    "gpt125m-fp32", "gpt125m-bf16", "gpt125m-bf16-accum4", "gpt125m-bf16-flash-seq4096",
-    "gpt350m-bf16-selective-accum2", "gpt350m-bf16-full-accum2", "llama150m-fp32-flash",
-    "llama400m-bf16-full", "llama400m-bf16-flash-seq4096", "llama1b-bf16-flash-full",
+    "gpt125m-fp32", "gpt125m-fp32-highest", "gpt125m-bf16", "gpt125m-bf16-accum4", "gpt125m-bf16-flash-seq4096",
+    "gpt350m-bf16-selective-accum2", "gpt350m-bf16-full-accum2", "llama150m-fp32-flash", "llama400m-bf16-flash",
+    "llama400m-bf16-full", "llama400m-bf16-flash-seq4096", "llama1b-bf16-flash", "llama1b-bf16-flash-full",
 )
 
 #: ``--quick``'s plans: small shapes covering the same switches (fp32 / bf16, remat, accumulation, flash).
@@ -159,6 +159,55 @@ def suite_paths(args: argparse.Namespace, out: Path) -> list[Path]:
     return [Path(shutil.copy(p, out / "plans" / p.name)) for p in sources]
 
 
+def _relative(command: str) -> str:
+    """A recorded command with the checkout's and the device machine's folders left out (``plans/...``, ``OUT``)."""
+    words = []
+    for word in command.split():
+        if "/plans/" in word:
+            word = "plans/" + word.split("/plans/", 1)[1]
+        elif word.startswith("/"):
+            word = "OUT"
+        words.append(word)
+    return " ".join(words)
+
+
+def merge_runs(calls: list[dict]) -> dict:
+    """Several calls' ``runs.json`` as one (a session's device time comes in calls of under 10 minutes): each
+    call's date, command and wall time under ``calls``; one row per plan, from the first call where it ran (or,
+    where it never ran, its last failure), its other successful runs' medians under ``repeats``."""
+    rows: dict[str, dict] = {}
+    for index, call in enumerate(calls):
+        for row in call["plans"]:
+            row = dict(row, call=index)
+            kept = rows.get(row["plan"])
+            if kept is None or (not kept["ok"] and (row["ok"] or "skipped" not in row)):
+                rows[row["plan"]] = row | ({"repeats": kept.get("repeats", [])} if kept else {})
+            elif kept["ok"] and row["ok"]:
+                kept.setdefault("repeats", []).append({"call": index, "median_s": row["median_s"]})
+    first = calls[0]
+    calibrated = [c["calibration"] for c in calls if c.get("calibration")]
+    return {"date": first["date"], "versions": first["versions"], "platform": first["platform"],
+            "device_kind": first["device_kind"], "command": " ; ".join(_relative(c["command"]) for c in calls),
+            "steps": first["steps"], "rounds": first["rounds"],
+            "calibration": None if not calibrated else {k: v for k, v in calibrated[0].items() if k != "topology"},
+            "calls": [{"date": c["date"], "command": _relative(c["command"]), "wall_s": c["wall_s"],
+                       "versions": c["versions"]} for c in calls],
+            "plans": list(rows.values())}
+
+
+def merge_main(out: Path, sources: list[str]) -> int:
+    """``--merge``: the calls' ``runs.json`` files merged into ``OUT/runs.json`` (:func:`merge_runs`)."""
+    calls = sorted((json.loads(Path(s).read_text()) for s in sources), key=lambda c: c["date"])
+    if len({c["device_kind"] for c in calls}) != 1 or len({json.dumps(c["versions"]) for c in calls}) != 1:
+        print("tpu_chip.py --merge: the calls ran on different devices or JAX/libtpu versions", file=sys.stderr)
+        return 2
+    merged = merge_runs(calls)
+    write_atomic(out / "runs.json", json.dumps(merged, indent=1) + "\n")
+    print(json.dumps({"calls": len(calls), "plans": len(merged["plans"]),
+                      "ok": sum(r["ok"] for r in merged["plans"])}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the data files (benchmarks/tpu_chip/'s layout)")
@@ -168,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="seconds after which plans left are skipped (default 480: one 9-minute call)")
     parser.add_argument("--skip-calibrate", action="store_true", help="time the plans only")
+    parser.add_argument("--merge", nargs="+", metavar="RUNS_JSON",
+                        help="merge several calls' runs.json into OUT/runs.json instead of running anything")
     parser.add_argument("plans", nargs="*", help=f"plans (default: {', '.join(SUITE)})")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge_main(Path(args.out), args.merge)
     steps = args.steps or (2 if args.quick else 5)
     rounds = args.rounds or (2 if args.quick else 3)
     out = Path(args.out)

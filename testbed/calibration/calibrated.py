@@ -27,7 +27,7 @@ from testbed.topology.io import bundled_names, load_topology
 from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
                               HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
 
-__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fit_saved", "saved_base",
+__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fit_saved", "fit_accelerator", "saved_base",
            "fitted_values", "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
 
 #: Name of the level joining the processes (the emulated hosts).
@@ -259,8 +259,32 @@ def fit_saved(raw: Mapping[str, Any], base: Topology, name: str | None = None
               ) -> tuple[Topology, dict[str, Any], list[fit.Fit]]:
     """:func:`fit_all` on a ``.measurements.json``'s samples, with the host facts it recorded (``host_cpus``,
     ``cache_bytes``): what ``testbed calibrate`` fits, live or ``--from-measurements``."""
-    return fit_all(base, fit.samples_from_rows(raw["samples"]), name=name, host_cpus=int(raw.get("host_cpus", 0)),
+    samples = fit.samples_from_rows(raw["samples"])
+    if raw.get("platform", "cpu") != "cpu":
+        return fit_accelerator(base, samples, name=name)
+    return fit_all(base, samples, name=name, host_cpus=int(raw.get("host_cpus", 0)),
                    cache_bytes=float(raw.get("cache_bytes", 0)))
+
+
+def fit_accelerator(base: Topology, samples: list[fit.Sample], name: str | None = None
+                    ) -> tuple[Topology, dict[str, Any], list[fit.Fit]]:
+    """A local GPU's or TPU's calibration: the base topology with the device's measured rates in place (each
+    dtype's matmul rate, the matmul cap, the memory bandwidth: :func:`calibrated_topology`'s rule) and the rest of
+    its calibration kept, the fields fitted over real steps of that device (the bundled v5e's over the chip's
+    suite, benchmarks/tpu_chip_fit.py; the H100's GEMM shapes over measured GEMMs). A device that runs a step as
+    one program is not priced by calibrate's small training steps: on a v5e chip their dispatch-bound times
+    (4-64 ms) fitted an efficiency of 1.4 at a median residual of 62% (benchmarks/tpu_chip/calibration.json)."""
+    launch = fit.fit_dispatch(samples)
+    rates, _, fits = fit.fit_compute(samples, launch)
+    memory_bw, memory_fit = fit.fit_memory(samples, launch)
+    fits.append(memory_fit)
+    measured = calibrated_topology(base, rates=rates, half_flops=0.0, memory_bandwidth=memory_bw,
+                                   launch_s=base.calibration.compute.launch_overhead_s, host_cores=0,
+                                   collectives=None, name=name)
+    calibration = base.calibration.updated(compute={"efficiency": measured.calibration.compute.efficiency},
+                                           memory={"efficiency": measured.calibration.memory.efficiency})
+    topo = replace(measured, calibration=calibration)
+    return topo, fitted_values(topo, shared=0.0, rates=rates, memory_bandwidth=memory_bw), fits
 
 
 def fitted_values(topo: Topology, *, shared: float, rates: Mapping[str, float], memory_bandwidth: float,

@@ -1,0 +1,218 @@
+"""The TPU v5e compute calibration: the chip's measured rates, and what they leave fitted over the chip's suite.
+
+Sources, all measured on one v5e chip (``benchmarks/tpu_chip/``, recorded by benchmarks/tpu_chip.py):
+
+- the matmul cap, ``compute.efficiency``: ``testbed calibrate --devices local``'s bf16 matmul rate
+  (``calibration.json``, fit ``matmul bf16``: dispatch subtracted, 256-8192 square products) over the
+  197 TFLOP/s datasheet peak;
+- the fp32 peak: the same fit's fp32 rate (products at ``HIGHEST``, XLA:TPU's six bf16 passes) over the cap;
+- ``memory.efficiency``: the fit ``memory`` (a read and a write of 2-512 MiB) over the 819 GB/s datasheet
+  bandwidth.
+
+What the microbenchmarks cannot see is fitted over the category of the single-chip suite (every plan
+``runs.json`` records as run: GPT and Llama-style, bf16 and fp32, remat none / selective / full, gradient
+accumulation, the splash kernel, seq 1024-4096), four non-negative values shared by all:
+``elementwise.replicated_passes`` and ``split_passes`` (memory passes over the activations a layer writes,
+testbed.model.activations.layer_traffic_bytes: the residual stream's, and the rest), ``compute.flash_efficiency``
+(the splash kernels' fraction of the peak) and ``compute.gemm_latency_s`` (a fixed time per matmul).
+
+One device, no communication: a step's simulated time is linear in the passes, the latency and
+``1 / flash_efficiency``, so each plan is simulated five times (a base and one unit of each) and the fit is linear
+least squares of the relative error, bounded below by 0 (scipy's ``lsq_linear``); each leave-one-out refit
+likewise. The errors printed are the simulator's own at the fitted values (not the decomposition's).
+
+    python benchmarks/tpu_chip_fit.py [--check]
+
+prints ONE JSON object: the sources, the fitted values, in-sample and leave-one-out errors per plan and
+summarised, and the values the bundled ``topologies/tpu-v5e-*.yaml`` ship; ``--check`` exits 1 when those are
+not the fit's (rounded as shipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / "tpu_chip"
+#: Cloud TPU v5e datasheet: bf16 peak and HBM bandwidth per chip.
+PEAK_BF16, BANDWIDTH = 197e12, 819e9
+#: The fitted values, in the order of the decomposition's columns.
+FITTED = ("replicated_passes", "split_passes", "gemm_latency_s", "inverse_flash_efficiency")
+#: The least per-matmul latency: a positive one prices matmuls by shape (testbed.sim.compute), the only pricing that
+#: keeps the splash kernel's products apart (ComputeCalibration.shapes).
+MIN_LATENCY_S = 1e-9
+#: Rounding of what the topologies ship.
+DIGITS = {"efficiency": 3, "memory_efficiency": 3, "fp32_tflops": 1, "replicated_passes": 2, "split_passes": 2,
+          "gemm_latency_s": 9, "flash_efficiency": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One recorded plan: its measured median step and its simulated step's decomposition."""
+
+    plan: str
+    measured_s: float
+    base_s: float
+    units: tuple[float, ...]  #: seconds each FITTED value adds per unit
+
+    def predicted(self, values: np.ndarray) -> float:
+        return self.base_s + float(np.dot(self.units, values))
+
+
+def sources() -> dict:
+    """The chip's microbenchmark rates (calibration.json's fits) as the topology's fields."""
+    fits = json.loads((DATA / "calibration.json").read_text())["fits"]
+    bf16, fp32 = fits["matmul bf16"]["values"]["flops_per_s"], fits["matmul fp32"]["values"]["flops_per_s"]
+    efficiency = bf16 / PEAK_BF16
+    return {"efficiency": round(efficiency, DIGITS["efficiency"]),
+            "fp32_tflops": round(fp32 / efficiency / 1e12, DIGITS["fp32_tflops"]),
+            "memory_efficiency": round(fits["memory"]["values"]["bytes_per_s"] / BANDWIDTH, DIGITS["memory_efficiency"])}
+
+
+def topology(values: dict):
+    """The bundled one-chip v5e topology with ``values`` (sources and fitted fields) in place."""
+    from testbed.calibration.calibrated import base_topology
+
+    base = base_topology(None, "tpu", 1, "TPU v5 lite")
+    device = replace(base.device, peak_flops={"bf16": PEAK_BF16, "fp32": values["fp32_tflops"] * 1e12})
+    flash = values["flash_efficiency"]
+    calibration = base.calibration.updated(
+        compute={"efficiency": values["efficiency"], "flash_efficiency": flash,
+                 "gemm_latency_s": values["gemm_latency_s"]},
+        memory={"efficiency": values["memory_efficiency"]},
+        elementwise={"replicated_passes": values["replicated_passes"], "split_passes": values["split_passes"]})
+    return replace(base, device=device, calibration=calibration)
+
+
+def recorded() -> list[tuple[object, dict]]:
+    """(plan, runs.json row) of every plan the chip ran."""
+    from testbed.plan.io import load_plan
+
+    runs = json.loads((DATA / "runs.json").read_text())
+    return [(load_plan(str(DATA / "plans" / f"{r['plan']}.yaml")), r) for r in runs["plans"] if r["ok"]]
+
+
+def step_s(plan, values: dict) -> float:
+    from testbed.sim.engine import simulate
+
+    return simulate(plan, topology(values)).report.step_time_s
+
+
+def decompose(plans: list[tuple[object, dict]], src: dict) -> list[Row]:
+    """Each plan simulated at a base (no passes, no latency, flash at the cap's rate... of 1) and one unit of each
+    fitted value: its step time as ``base + units . values``."""
+    zero = src | {"replicated_passes": 0.0, "split_passes": 0.0, "gemm_latency_s": MIN_LATENCY_S, "flash_efficiency": 1.0}
+    bumps = ({"replicated_passes": 1.0}, {"split_passes": 1.0}, {"gemm_latency_s": 1e-6}, {"flash_efficiency": 0.5})
+    scale = (1.0, 1.0, 1e6, 1.0)  # per unit: a pass, a second of latency, one more of 1 / flash_efficiency
+    rows = []
+    for plan, row in plans:
+        base = step_s(plan, zero)
+        units = tuple((step_s(plan, zero | bump) - base) * k for bump, k in zip(bumps, scale))
+        rows.append(Row(row["plan"], row["median_s"], base - units[3] - units[2] * MIN_LATENCY_S, units))
+    return rows
+
+
+def fit(rows: list[Row]) -> np.ndarray:
+    """Non-negative least squares of the relative error over ``rows``: the FITTED values."""
+    from scipy.optimize import lsq_linear
+
+    a = np.array([[u / r.measured_s for u in r.units] for r in rows])
+    b = np.array([1.0 - r.base_s / r.measured_s for r in rows])
+    return lsq_linear(a, b, bounds=([0.0, 0.0, MIN_LATENCY_S, 1.0], np.inf)).x
+
+
+def as_fields(x: np.ndarray) -> dict:
+    values = dict(zip(FITTED, (float(v) for v in x)))
+    inverse = max(values.pop("inverse_flash_efficiency"), 1.0)
+    values["flash_efficiency"] = 1.0 / inverse
+    return {k: round(v, DIGITS[k]) for k, v in values.items()}
+
+
+def _summary(errors: list[float]) -> dict:
+    return {"median_abs": round(statistics.median(abs(e) for e in errors), 4),
+            "max_abs": round(max(abs(e) for e in errors), 4)}
+
+
+def shipped() -> dict:
+    """The values the bundled one-chip v5e topology ships."""
+    from testbed.calibration.calibrated import base_topology
+
+    t = base_topology(None, "tpu", 1, "TPU v5 lite")
+    c, e = t.calibration.compute, t.calibration.elementwise
+    return {"efficiency": c.efficiency, "fp32_tflops": round(t.device.peak_flops["fp32"] / 1e12, 1),
+            "memory_efficiency": t.calibration.memory.efficiency,
+            "replicated_passes": e.replicated_passes if e else 0.0, "split_passes": e.split_passes if e else 0.0,
+            "gemm_latency_s": c.gemm_latency_s, "flash_efficiency": c.flash_efficiency}
+
+
+def report() -> dict:
+    plans = recorded()
+    src = sources()
+    rows = decompose(plans, src)
+    values = src | as_fields(fit(rows))
+    in_sample = {r.plan: step_s(p, values) / r.measured_s - 1 for (p, _), r in zip(plans, rows)}
+    left_out = {}
+    for i, ((plan, _), row) in enumerate(zip(plans, rows)):
+        left_out[row.plan] = step_s(plan, src | as_fields(fit(rows[:i] + rows[i + 1:]))) / row.measured_s - 1
+    return {"sources": src, "fitted": {k: values[k] for k in values if k not in src}, "plans": len(rows),
+            "recorded": {k: recorded_meta(k) for k in ("date", "versions", "device_kind")},
+            "chip": chip_rows(values),
+            "in_sample": _summary(list(in_sample.values())), "leave_one_out": _summary(list(left_out.values())),
+            "per_plan": {p: {"in_sample": round(in_sample[p], 4), "leave_one_out": round(left_out[p], 4)}
+                         for p in in_sample},
+            "shipped": shipped(), "values": values}
+
+
+def recorded_meta(key: str):
+    """runs.json's provenance field ``key`` (date, versions, device kind), as recorded."""
+    return json.loads((DATA / "runs.json").read_text())[key]
+
+
+def chip_rows(values: dict) -> list[dict]:
+    """Per recorded plan: measured step and MFU, the step predicted at ``values`` (the fit), memory measured by
+    XLA:TPU (``memory_analysis``: arguments + outputs + temporaries - aliases) and predicted; a plan the chip did
+    not run, its error (out of HBM) and the predicted total."""
+    from testbed.model.memory import memory_breakdown
+
+    topo, rows = topology(values), []
+    for row in json.loads((DATA / "runs.json").read_text())["plans"]:
+        from testbed.plan.io import load_plan
+
+        plan = load_plan(str(DATA / "plans" / f"{row['plan']}.yaml"))
+        out = {"plan": row["plan"], "ok": row["ok"], "predicted_memory": memory_breakdown(plan, topo).total}
+        if row["ok"]:
+            out |= {"measured_s": row["median_s"], "mfu": row["mfu"], "predicted_s": step_s(plan, values),
+                    "measured_memory": row["memory"]["total"], "attention_kernel": row["attention_kernel"]}
+        else:
+            out["error"] = row.get("error", row.get("skipped", ""))[:120]
+        rows.append(out)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the bundled topologies ship other values")
+    parser.add_argument("--out", help="also write the JSON here, atomically (benchmarks/results/tpu_chip_fit.json, "
+                                      "which docs/validation.md's chip table is generated from)")
+    args = parser.parse_args(argv)
+    out = report()
+    print(json.dumps(out))
+    if args.out:
+        from tpu_chip import write_atomic
+
+        write_atomic(Path(args.out), json.dumps(out, indent=1) + "\n")
+    if args.check and any(abs(out["shipped"][k] - v) > 10 ** -DIGITS[k] for k, v in out["values"].items()):
+        print("tpu_chip_fit.py: topologies/tpu-v5e-*.yaml do not ship the fit's values", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
