@@ -39,6 +39,23 @@ def test_splash_block_is_the_largest_tile_dividing_seq() -> None:
     assert [splash_block(s) for s in (4096, 2048, 768, 384, 200)] == [512, 512, 256, 128, None]
 
 
+def test_the_cached_splash_kernel_holds_no_tracer() -> None:
+    """Asked for first inside a trace (as a checkpointed block does), the cached kernel's mask arrays are still
+    concrete: a tracer kept there leaks into later traces, where JAX passes it as an extra step input that an
+    ahead-of-time ``Compiled`` call does not (full-remat splash plans failed on the chip that way)."""
+    import jax
+    import jax.numpy as jnp
+
+    from testbed.runner import tpu_attention
+
+    tpu_attention._kernel.cache_clear()
+    held = []
+    jax.jit(lambda x: held.append(tpu_attention._kernel(2, 256, None, 256)) or x)(jnp.zeros(()))
+    leaves = jax.tree.leaves(held[0])
+    tpu_attention._kernel.cache_clear()
+    assert leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+
+
 def test_cpu_trainer_keeps_the_scan_kernel() -> None:
     import jax
 
