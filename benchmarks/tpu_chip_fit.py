@@ -24,7 +24,7 @@ likewise. The errors printed are the simulator's own at the fitted values (not t
     python benchmarks/tpu_chip_fit.py [--check]
 
 prints ONE JSON object: the sources, the fitted values, in-sample and leave-one-out errors per plan and
-summarised, and the values the bundled ``topologies/tpu-v5e-*.yaml`` ship; ``--check`` exits 1 when those are
+summarised, and the values the bundled ``topologies/tpu-v5e-1.yaml`` ships; ``--check`` exits 1 when those are
 not the fit's (rounded as shipped).
 """
 
@@ -106,7 +106,7 @@ def step_s(plan, values: dict) -> float:
 
 
 def decompose(plans: list[tuple[object, dict]], src: dict) -> list[Row]:
-    """Each plan simulated at a base (no passes, no latency, flash at the cap's rate... of 1) and one unit of each
+    """Each plan simulated at a base (no passes, the least latency, flash at the peak) and one unit of each
     fitted value: its step time as ``base + units . values``."""
     zero = src | {"replicated_passes": 0.0, "split_passes": 0.0, "gemm_latency_s": MIN_LATENCY_S, "flash_efficiency": 1.0}
     bumps = ({"replicated_passes": 1.0}, {"split_passes": 1.0}, {"gemm_latency_s": 1e-6}, {"flash_efficiency": 0.5})
@@ -198,7 +198,7 @@ def chip_rows(values: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when the bundled topologies ship other values")
+    parser.add_argument("--check", action="store_true", help="exit 1 when topologies/tpu-v5e-1.yaml ships other values")
     parser.add_argument("--out", help="also write the JSON here, atomically (benchmarks/results/tpu_chip_fit.json, "
                                       "which docs/validation.md's chip table is generated from)")
     args = parser.parse_args(argv)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
         write_atomic(Path(args.out), json.dumps(out, indent=1) + "\n")
     if args.check and any(abs(out["shipped"][k] - v) > 10 ** -DIGITS[k] for k, v in out["values"].items()):
-        print("tpu_chip_fit.py: topologies/tpu-v5e-*.yaml do not ship the fit's values", file=sys.stderr)
+        print("tpu_chip_fit.py: topologies/tpu-v5e-1.yaml does not ship the fit's values", file=sys.stderr)
         return 1
     return 0
 

@@ -63,6 +63,16 @@ def _chip(name: str) -> str:
     return " ".join(tokens[:2]) if tokens and tokens[0] == "tpu" else (tokens[0] if tokens else "")
 
 
+#: JAX's device kinds of the TPUs whose marketing name differs ("TPU v5 lite" is a v5e chip, "TPU v5" a v5p).
+_TPU_KINDS = {"tpu v5 lite": "tpu v5e", "tpu v6 lite": "tpu v6e", "tpu v5": "tpu v5p"}
+
+
+def jax_kind_chip(device_kind: str) -> str:
+    """JAX's ``device_kind`` lower-cased, a TPU's in its chip's name: ``TPU v5 lite`` -> ``tpu v5e``."""
+    kind = device_kind.lower().replace("-", " ").strip()
+    return _TPU_KINDS.get(kind, kind)
+
+
 def base_topology(base: str | None, platform: str, num_devices: int, device_kind: str = "") -> Topology:
     """The topology to calibrate: ``--base`` if given, else one matching the detected devices.
 
@@ -78,7 +88,7 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
             raise InputError(f"the base topology has {topo.num_devices} devices but {num_devices} are measured; "
                              f"pass a --base with {num_devices} devices", field="--base")
         return topo
-    kind = device_kind.lower().replace("-", " ")
+    kind = jax_kind_chip(device_kind)
     bundled = [load_topology(name) for name in bundled_names()]
     if platform == "cpu":
         matches = [t for t in bundled if t.name == "host-cpu-8"]
