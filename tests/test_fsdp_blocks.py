@@ -29,6 +29,8 @@ from testbed.runner.train import verify_plan
 from testbed.sim.facts import step_facts
 from testbed.sim.program import build_program
 
+from helpers import merging_tpu
+
 MODEL = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=8, vocab=64)
 
 
@@ -317,7 +319,7 @@ def test_a_merged_reduce_scatter_leaves_once_the_weight_gradients_it_reads_are_c
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=32768)
     plan = Plan(name="reads", model=model, batch=BatchSpec(global_batch=64), mesh=MeshSpec(fsdp=64, tensor=4),
                 precision="bf16-mixed", sequence_parallel=sequence_parallel)
-    topology = _merging_tpu()
+    topology = merging_tpu()
     # merges at XLA's default bound (the traced program's), not the TPU topology's per-leaf collectives
     chunk = step_facts(plan, place(plan, topology).device_ids, XLA_COMBINE_BYTES).chunks[0][0]
     plays = action_plays(chunk, chunk.action("B"), chunk.blocks, True, sequence_parallel, True)
@@ -446,7 +448,7 @@ def test_a_layers_output_projection_gradient_merged_alone_leaves_before_its_inpu
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
     plan = Plan(name="w2-early", model=model, mesh=MeshSpec(fsdp=128, tensor=2), precision="bf16-mixed",
                 batch=BatchSpec(global_batch=128, microbatches=1), sequence_parallel=True)
-    topology = _merging_tpu()
+    topology = merging_tpu()
     ops = simulate_workload(trace_plan(plan), topology).workload.ops
     shapes = [((g.m, g.n, g.k), i) for i, op in enumerate(ops) if op.kind is not OpKind.COLLECTIVE
               for g in op.gemms]
@@ -509,7 +511,7 @@ def test_a_held_blocks_weight_gradients_are_cut_by_the_merges_that_read_them() -
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
     plan = Plan(name="cut", model=model, mesh=MeshSpec(fsdp=128, tensor=2), precision="fp32",
                 batch=BatchSpec(global_batch=128, microbatches=1), sequence_parallel=True)
-    topology = _merging_tpu()
+    topology = merging_tpu()
     chunk = step_facts(plan, place(plan, topology).device_ids, topology.calibration.collectives.combine_bytes,
                        chained_gathers=True).chunks[0][0]
     play = action_plays(chunk, chunk.action("B"), chunk.blocks, True, True, True)[1]
@@ -526,15 +528,3 @@ def test_a_held_blocks_weight_gradients_are_cut_by_the_merges_that_read_them() -
         assert play.items[i].flops / first.flops == pytest.approx(cuts[m][0] / early[0], rel=1e-6)
     assert play.items[weights[-1]].flops / first.flops == pytest.approx(
         (1 - early[0] - sum(cuts[m][0] for m in own)) / early[0], rel=1e-6)
-
-
-def _merging_tpu():
-    """tpu-v5e-16x16 with XLA's default merge bound (``calibration.collectives.combine_bytes`` None): the merged
-    gathers and reduce-scatters these tests hold; XLA:TPU itself merges none (benchmarks/xla_tpu_collectives.py)."""
-    from dataclasses import replace as _replace
-
-    from testbed.topology.io import load_topology as _load
-
-    topology = _load("tpu-v5e-16x16")
-    c = topology.calibration
-    return _replace(topology, calibration=_replace(c, collectives=_replace(c.collectives, combine_bytes=None)))

@@ -16,6 +16,8 @@ from testbed.cli.main import main
 from testbed.cli.user_code import describe
 from testbed.interpreter import python_argv, python_env
 
+from helpers import refused
+
 USER = textwrap.dedent("""\
     import time
 
@@ -54,14 +56,6 @@ USER = textwrap.dedent("""\
     """)
 
 
-def _bad(argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    return err
-
-
 @pytest.fixture
 def module(tmp_path: Path) -> Path:
     path = tmp_path / "user_prog.py"
@@ -75,28 +69,28 @@ def module(tmp_path: Path) -> Path:
                                              ("odd", "Odd: (its message could not be made")])
 def test_every_kind_of_exception_is_one_paragraph(module: Path, function: str, words: str,
                                                   capsys: pytest.CaptureFixture) -> None:
-    err = _bad(["simulate", "--program", f"{module}:{function}", "--topology", "dgx-h100"], capsys)
+    err = refused(["simulate", "--program", f"{module}:{function}", "--topology", "dgx-h100"], capsys)
     assert f"{function}' raised {words}" in err and "(while being called with the mesh" in err
 
 
 def test_an_import_that_exits_is_one_paragraph(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (tmp_path / "exits_on_import.py").write_text("raise SystemExit(5)\n")
-    err = _bad(["simulate", "--program", f"{tmp_path / 'exits_on_import.py'}:f", "--topology", "dgx-h100"], capsys)
+    err = refused(["simulate", "--program", f"{tmp_path / 'exits_on_import.py'}:f", "--topology", "dgx-h100"], capsys)
     assert "raised SystemExit: exit status 5 (while being imported)" in err
 
 
 @pytest.mark.parametrize("function", ["spins", "sleeps"])
 def test_a_hanging_program_stops_at_its_time_limit(module: Path, function: str,
                                                    capsys: pytest.CaptureFixture) -> None:
-    err = _bad(["simulate", "--program", f"{module}:{function}", "--topology", "dgx-h100", "--timeout", "0.5"],
-               capsys)
+    err = refused(["simulate", "--program", f"{module}:{function}", "--topology", "dgx-h100", "--timeout", "0.5"],
+                  capsys)
     assert "ran past its time limit of 0.5 s" in err and "--timeout" in err
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
 def test_a_bad_timeout_is_refused(module: Path, value: str, capsys: pytest.CaptureFixture) -> None:
-    assert "--timeout" in _bad(["simulate", "--program", f"{module}:spins", "--topology", "dgx-h100",
-                                "--timeout", value], capsys)
+    assert "--timeout" in refused(["simulate", "--program", f"{module}:spins", "--topology", "dgx-h100",
+                                   "--timeout", value], capsys)
 
 
 @pytest.mark.slow  # the watchdog's grace period (10 s) passes
@@ -112,7 +106,7 @@ def test_the_working_directory_leaves_sys_path_after_a_dotted_program(tmp_path: 
     (tmp_path / "dotted_user.py").write_text("def f(mesh):\n    return 42\n")
     monkeypatch.chdir(tmp_path)
     before = list(sys.path)
-    _bad(["simulate", "--program", "dotted_user:f", "--topology", "dgx-h100"], capsys)
+    refused(["simulate", "--program", "dotted_user:f", "--topology", "dgx-h100"], capsys)
     assert sys.path == before  # neither the working directory nor "" stays
 
 
@@ -200,7 +194,7 @@ def _simulate(module: Path, function: str, topology: str, *extra: str) -> list[s
 
 
 def test_a_raw_pmap_is_refused_with_a_hint(edges: Path, capsys: pytest.CaptureFixture) -> None:
-    err = _bad(_simulate(edges, "raw_pmap", "dgx-h100"), capsys)
+    err = refused(_simulate(edges, "raw_pmap", "dgx-h100"), capsys)
     assert "'user_edges.py:raw_pmap' returned a jax.pmap-ed function" in err
     assert "PmapStep(fn, axis_name)" in err and "jax.jit" in err and "jax.shard_map" in err
 
@@ -211,7 +205,7 @@ def test_a_raw_pmap_is_refused_with_a_hint(edges: Path, capsys: pytest.CaptureFi
                                              ("impure", "jax.experimental.io_callback(`log_it`)")])
 def test_a_host_callback_is_named_and_assumed_on_request(edges: Path, function: str, named: str, topology: str,
                                                          capsys: pytest.CaptureFixture) -> None:
-    err = _bad(_simulate(edges, function, topology), capsys)
+    err = refused(_simulate(edges, function, topology), capsys)
     assert f"'user_edges.py:{function}': the step calls the host callback {named}" in err and "--unknown-ops assume" in err
     assert main(_simulate(edges, function, topology, "--unknown-ops", "assume", "--json")) == 0
     data = json.loads(capsys.readouterr().out)
@@ -229,7 +223,7 @@ def test_the_users_prints_stay_off_json(edges: Path, capsys: pytest.CaptureFixtu
                                              ("interrupted_while_traced", "KeyboardInterrupt")])
 def test_an_exit_while_traced_is_one_paragraph(edges: Path, function: str, words: str,
                                                capsys: pytest.CaptureFixture) -> None:
-    err = _bad(_simulate(edges, function, "dgx-h100"), capsys)
+    err = refused(_simulate(edges, function, "dgx-h100"), capsys)
     assert f"'user_edges.py:{function}' raised {words} (while being traced" in err
 
 
@@ -243,7 +237,7 @@ def test_the_function_is_called_once(edges: Path, topology: str, mesh: str, caps
 
 
 def test_a_malformed_spec_cites_an_example_that_exists(capsys: pytest.CaptureFixture) -> None:
-    err = _bad(["simulate", "--program", "no_colon_here", "--topology", "dgx-h100"], capsys)
+    err = refused(["simulate", "--program", "no_colon_here", "--topology", "dgx-h100"], capsys)
     cited = re.search(r"e\.g\. (\S+\.py):predict", err).group(1)
     assert (Path(__file__).resolve().parent.parent / cited).is_file(), cited
 

@@ -14,6 +14,8 @@ import pytest
 from testbed.cli.main import main
 from testbed.interpreter import python_argv, python_env
 
+from helpers import refused
+
 PROGRAMS = textwrap.dedent("""\
     import jax
     import jax.numpy as jnp
@@ -102,24 +104,16 @@ def test_validate_times_rounds_and_the_host_drift(programs: Path, capsys: pytest
         data["predicted_s"] / drift["measured_at_calibrated_speed_s"] - 1)
 
 
-def _bad(argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    return err
-
-
 def test_bad_measurements_are_one_paragraph(programs: Path, capsys: pytest.CaptureFixture) -> None:
     spec = f"{programs}:mlp"
-    assert "not both" in _bad(["run", "--program", spec, "--plan", "demo"], capsys)
-    assert "--processes" in _bad(["run", "--program", spec, "--processes", "2"], capsys)
-    assert "emulated:4 does not match" in _bad(["run", "--program", spec, "--mesh", "data=2", "--devices",
-                                                "emulated:4"], capsys)
-    assert "multiply to 4" in _bad(["validate", "--program", spec, "--mesh", "data=2", "--topology",
-                                    "host-cpu-8@4"], capsys)
-    assert "--program" in _bad(["validate", "--topology", "host-cpu-8"], capsys)
-    err = _bad(["run", "--program", f"{programs}:broken_at_run", "--mesh", "data=1", "--devices", "local"], capsys)
+    assert "not both" in refused(["run", "--program", spec, "--plan", "demo"], capsys)
+    assert "--processes" in refused(["run", "--program", spec, "--processes", "2"], capsys)
+    assert "emulated:4 does not match" in refused(["run", "--program", spec, "--mesh", "data=2", "--devices",
+                                                   "emulated:4"], capsys)
+    assert "multiply to 4" in refused(["validate", "--program", spec, "--mesh", "data=2", "--topology",
+                                       "host-cpu-8@4"], capsys)
+    assert "--program" in refused(["validate", "--topology", "host-cpu-8"], capsys)
+    err = refused(["run", "--program", f"{programs}:broken_at_run", "--mesh", "data=1", "--devices", "local"], capsys)
     assert "'user_programs.py:broken_at_run' raised" in err and "(while being run on the devices)" in err
 
 

@@ -46,6 +46,8 @@ from testbed.sim.tasks import TaskKind
 from testbed.sim.traced import collective_bytes, simulate_workload
 from testbed.topology.io import load_topology
 
+from helpers import with_xla_merges
+
 pytestmark = pytest.mark.slow  # each example traces and prices a 256-1024-device step: ~10 s of CPU
 
 #: Topologies and the device counts their meshes fill.
@@ -95,8 +97,7 @@ MERGES = "+merges"
 def _both(plan: Plan, topology_name: str):
     topology = load_topology(topology_name.removesuffix(MERGES))
     if topology_name.endswith(MERGES):
-        c = topology.calibration
-        topology = replace(topology, calibration=replace(c, collectives=replace(c.collectives, combine_bytes=None)))
+        topology = with_xla_merges(topology)
     traced = simulate_workload(trace_plan(plan), topology)
     planned = simulate(plan, topology)
     ids, names = place(plan, topology).device_ids, tuple(a.value for a in MESH_AXES)

@@ -19,6 +19,8 @@ from testbed.sim.span_order import START, WAITING, BlockPlay, Item, merge_of, me
 from testbed.sim.span_play import action_plays
 from testbed.topology.io import load_topology
 
+from helpers import merging_tpu
+
 MODEL = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
 
 
@@ -47,7 +49,7 @@ def test_a_merge_sits_at_its_last_members_place_and_holds_leaves_of_the_next_pie
     interrupts (the position table with the first layer's attention, norms and biases), as the traced program
     issues them; the first layer's block then holds its MLP's matrices (``w1`` alone; ``w2`` with the second
     layer's first leaves)."""
-    topology = _merging_tpu()
+    topology = merging_tpu()
     chunk = _chunk(_plan(), topology)
     holds = chunk.gather_holds("F")
     assert holds[0] == (frozenset({"tokens"}), frozenset({"positions"}))
@@ -62,7 +64,7 @@ def test_each_span_waits_for_the_merges_holding_the_leaves_it_reads() -> None:
     none of its block's merges (their leaves came with the embedding's block), its MLP for the merge holding
     ``w2`` (the block's last); the second layer's first three spans for its first merge. The backward reads a
     layer's leaves in reverse: its first span (the MLP's input gradient) waits for the merge holding ``w2``."""
-    topology = _merging_tpu()
+    topology = merging_tpu()
     chunk = _chunk(_plan(), topology)
     forward = action_plays(chunk, chunk.action("F"), chunk.blocks, True, True, False)
     assert _waits(forward[0]) == [0]
@@ -106,7 +108,7 @@ def test_the_plans_first_layer_starts_on_the_merge_the_traced_one_starts_on() ->
     from testbed.sim.engine import simulate
     from testbed.sim.traced import simulate_workload
 
-    plan, topology = _plan(), _merging_tpu()
+    plan, topology = _plan(), merging_tpu()
     traced = simulate_workload(trace_plan(plan), topology).timeline
     planned = simulate(plan, topology).timeline
 
@@ -126,15 +128,3 @@ def test_the_plans_first_layer_starts_on_the_merge_the_traced_one_starts_on() ->
     assert span["F0/1.0"] == pytest.approx(embedding, abs=20e-6)
     assert span["F0/1.1"] < max(e for _, e in layer)
     assert span["F0/1.0"] == pytest.approx(fsdp[1][1], abs=20e-6)
-
-
-def _merging_tpu():
-    """tpu-v5e-16x16 with XLA's default merge bound (``calibration.collectives.combine_bytes`` None): the merged
-    gathers and reduce-scatters these tests hold; XLA:TPU itself merges none (benchmarks/xla_tpu_collectives.py)."""
-    from dataclasses import replace as _replace
-
-    from testbed.topology.io import load_topology as _load
-
-    topology = _load("tpu-v5e-16x16")
-    c = topology.calibration
-    return _replace(topology, calibration=_replace(c, collectives=_replace(c.collectives, combine_bytes=None)))

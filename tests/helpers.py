@@ -1,0 +1,32 @@
+"""Helpers several test modules share; a test module imports them by name (``from helpers import ...``), pytest
+putting ``tests/`` on ``sys.path``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from testbed.cli.main import main
+from testbed.topology.io import load_topology
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """The command's standard error for ``argv``, asserting it exits 2 with one line and no traceback."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def with_xla_merges(topology):
+    """``topology`` with XLA's default merge bound (``calibration.collectives.combine_bytes`` None): the merged
+    gathers and reduce-scatters a test holds, where XLA:TPU itself merges none (benchmarks/xla_tpu_collectives.py)."""
+    c = topology.calibration
+    return replace(topology, calibration=replace(c, collectives=replace(c.collectives, combine_bytes=None)))
+
+
+def merging_tpu():
+    """tpu-v5e-16x16 with XLA's default merge bound (``with_xla_merges``)."""
+    return with_xla_merges(load_topology("tpu-v5e-16x16"))
