@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from testbed.model.activations import LOSS_BYTES
 from testbed.model.costs import chunk_cost, param_count
 from testbed.model.spans import SOFTMAX_PASSES, action_spans
 from testbed.model.blocks import SHARE_QUANTUM
@@ -41,7 +42,6 @@ from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.runner.program.plans import trace_plan
 from testbed.sim.engine import simulate
-from testbed.sim.program import LOSS_BYTES
 from testbed.sim.tasks import TaskKind
 from testbed.sim.traced import collective_bytes, simulate_workload
 from testbed.topology.io import load_topology

@@ -70,6 +70,7 @@ import itertools
 
 import numpy as np
 
+from testbed.model.activations import LOSS_BYTES
 from testbed.model.gemm import scaled
 from testbed.pipeline.schedules import Action, Schedule
 from testbed.model.layout import holds
@@ -126,10 +127,6 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
     if runs_serially(serial, facts.stages, placement.device_ids[0].size):
         graph.b.serialize(graph.programs)
     return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
-
-
-#: Bytes of the loss each of its all-reduces moves: one fp32 value.
-LOSS_BYTES = 4.0
 
 
 class _Graph(SpanPlay):
@@ -428,7 +425,7 @@ class _Graph(SpanPlay):
             if per_microbatch or final:
                 g = axis_groups_cached(self.groups, self.plan, list(axes), s)
                 self.b.add(name=f"loss {action.label(self.facts.virtual)}", device=rep, stream="loss",
-                           kind=TaskKind.COLLECTIVE, deps=(last,), op="all_reduce", nbytes=LOSS_BYTES,
+                           kind=TaskKind.COLLECTIVE, deps=(last,), op="all_reduce", nbytes=float(LOSS_BYTES),
                            group=rep_group(g, rep), instances=g)
 
     def _send(self, s: int, dst: int, label: str, nbytes: float, last: int, kind: str) -> int:
