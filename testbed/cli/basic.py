@@ -146,6 +146,14 @@ def add_devices_argument(parser: argparse.ArgumentParser) -> None:
                              "devices; the same as --topology NAME@N")
 
 
+def add_program_argument(parser: argparse.ArgumentParser, verb: str, note: str = "") -> None:
+    """``--program MODULE:FUNCTION``, the user's own JAX step in place of a plan; its help says what the command
+    does with it (``verb``: predict, measure) and ends with ``note``."""
+    parser.add_argument("--program", metavar="MODULE:FUNCTION",
+                        help=f"{verb} your own JAX step instead of a plan: FUNCTION(mesh) returns (step, args) "
+                             f"(docs/program.md){note}")
+
+
 def placement_report(plan: Plan, topology: Topology, placement: Placement) -> dict:
     """Per axis: degree, number of groups, first group and the levels it spans."""
     axes = {}

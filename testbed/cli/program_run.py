@@ -25,6 +25,7 @@ import math
 import sys
 from typing import Any
 
+from testbed.cli.basic import add_program_argument
 from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.text import markup
@@ -34,9 +35,7 @@ __all__ = ["add_program_arguments", "execute_program"]
 
 def add_program_arguments(parser: argparse.ArgumentParser, *, timeout: bool) -> None:
     """``--program``, ``--mesh``, ``--unknown-ops``, and ``--timeout`` where the command has none of its own."""
-    parser.add_argument("--program", metavar="MODULE:FUNCTION",
-                        help="measure your own JAX step instead of a plan: FUNCTION(mesh) returns (step, args) "
-                             "(docs/program.md)")
+    add_program_argument(parser, "measure")
     parser.add_argument("--mesh", help="with --program: mesh axes and sizes, e.g. data=2,model=4 "
                                        "(default: data over every device)")
     parser.add_argument("--unknown-ops", choices=("refuse", "assume"), default="refuse",

@@ -6,7 +6,7 @@ import argparse
 from types import SimpleNamespace
 from typing import Any
 
-from testbed.cli.basic import add_devices_argument, plan_topology
+from testbed.cli.basic import add_devices_argument, add_program_argument, plan_topology
 from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.plan.spec import Plan
@@ -63,9 +63,7 @@ def _band(spread: dict | None) -> str:
 
 def _simulate_add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", help="plan YAML file or bundled plan name (e.g. demo)")
-    parser.add_argument("--program", metavar="MODULE:FUNCTION",
-                        help="predict your own JAX step instead of a plan: FUNCTION(mesh) returns (step, args) "
-                             "(docs/program.md); needs --topology")
+    add_program_argument(parser, "predict", "; needs --topology")
     from testbed.cli.user_code import DEFAULT_TIMEOUT_S
 
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
