@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,6 +132,26 @@ def test_calibration_times_separate_programs_on_every_device_count():
     assert sorted(b.ranks for b in benches if b.kind == "programs") == [2, 4, 8]
     assert not any(b.kind == "programs" for b in plan_benchmarks("cpu", 1))
     assert sorted(b.ranks for b in plan_benchmarks("cpu", 6, quick=True) if b.kind == "programs") == [2, 3, 6]
+
+
+def test_an_accelerator_times_no_training_step_and_keeps_its_base_step_fields():
+    """On a GPU or TPU calibrate times rates (matmuls, streams, dispatch, collectives), no small training step; the
+    fit keeps the base's step-level fields and takes the measured rates (the v5e chip's recorded samples)."""
+    from testbed.calibration.calibrated import fit_saved, saved_base
+    from testbed.runner.measure import plan_benchmarks
+
+    for platform, devices in (("tpu", 1), ("gpu", 8)):
+        kinds = {b.kind for b in plan_benchmarks(platform, devices)}
+        assert {"dispatch", "matmul", "memory"} <= kinds and not kinds & {"step", "pipeline"}
+        assert ("collective" in kinds) == (devices > 1)
+    root = Path(__file__).resolve().parent.parent
+    raw = json.loads((root / "benchmarks" / "tpu_chip" / "calibrated.measurements.json").read_text())
+    base = saved_base(raw)
+    topo = fit_saved(raw, base)[0]
+    kept = ("flash_efficiency", "gemm_latency_s", "launch_overhead_s")
+    assert base.name == "tpu-v5e-1" and topo.calibration.elementwise == base.calibration.elementwise
+    assert all(getattr(topo.calibration.compute, k) == getattr(base.calibration.compute, k) for k in kept)
+    assert topo.calibration.compute.efficiency == pytest.approx(0.949, abs=1e-3)  # 186.9 of 197 TFLOP/s
 
 
 @pytest.mark.parametrize("shared", [1.0, 1.5, 2.0, 2.7])

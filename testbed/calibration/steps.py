@@ -49,7 +49,8 @@ __all__ = ["STEP_SHAPES", "DEEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "
 
 #: Single-device training steps ``calibrate`` times to fit compute efficiency on
 #: the model's own kernels: name -> (model fields, global batch). ``cpu-*`` for
-#: host devices, ``acc-*`` for GPUs and TPUs (large enough not to be launch bound).
+#: host devices; ``acc-m`` is ``validate``'s reference step on GPUs and TPUs (calibrate times
+#: no step there: testbed.calibration.calibrated.fit_accelerator).
 STEP_SHAPES: dict[str, tuple[dict[str, int], int]] = {
     "cpu-xxs": ({"layers": 2, "d_model": 64, "heads": 4, "d_ff": 256, "seq_len": 32, "vocab": 256}, 1),
     "cpu-xs": ({"layers": 2, "d_model": 128, "heads": 8, "d_ff": 512, "seq_len": 64, "vocab": 512}, 1),

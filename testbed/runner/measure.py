@@ -71,6 +71,16 @@ class Benchmark:
         return f"{self.kind} {self.size}" if self.size else self.kind
 
 
+def _collective_benchmarks(num_devices: int, messages: list[int], quick: bool) -> list[Benchmark]:
+    """Every collective over groups of 2, 8, 64 and all devices (fewer ops and groups when ``quick``)."""
+    groups = sorted({g for g in (2, 8, 64) if g < num_devices and num_devices % g == 0} | {num_devices})
+    if quick:
+        groups = sorted({groups[0], num_devices})
+    ops = ("psum", "all_gather", "ppermute") if quick else COLLECTIVE_OPS
+    return [Benchmark(kind="collective", op=op, ranks=g, size=b)
+            for op in ops for g in groups if g > 1 for b in messages] if num_devices > 1 else []
+
+
 def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> list[Benchmark]:
     """The benchmarks to run on ``num_devices`` devices of ``platform`` (cpu, gpu, tpu)."""
     cpu = platform == "cpu"
@@ -102,14 +112,10 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         out += [Benchmark(kind="barriers", size=k, ranks=g) for k in ((8,) if quick else (1, 8, 64))
                 for g in sorted({2, max(2, num_devices // 2), num_devices}) if num_devices % g == 0]
     out += [Benchmark(kind="memory", size=b) for b in streams]
-    groups = sorted({g for g in (2, 8, 64) if g < num_devices and num_devices % g == 0} | {num_devices})
-    if quick:
-        groups = sorted({groups[0], num_devices})
-    ops = ("psum", "all_gather", "ppermute") if quick else COLLECTIVE_OPS
-    if num_devices > 1:
-        out += [Benchmark(kind="collective", op=op, ranks=g, size=b)
-                for op in ops for g in groups if g > 1 for b in messages]
-    prefix = "cpu-" if cpu else "acc-"
+    out += _collective_benchmarks(num_devices, messages, quick)
+    if not cpu:  # a GPU's or TPU's steps are priced from its rates and its base's step fields (fit_accelerator)
+        return out
+    prefix = "cpu-"
     shapes = [name for name in STEP_SHAPES if name.startswith(prefix) and name not in DEEP_SHAPES]
     out += [Benchmark(kind="step", op=name) for name in (shapes[:3:2] if quick else shapes)]
     # A deep step (more arrays per program): the controller's cost per buffer on real programs.
@@ -127,7 +133,7 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         out += [Benchmark(kind="step", op=f"{name}-t{t}") for name in wide]
     if num_devices >= 2 and num_devices % 2 == 0:
         # The single controller's cost per program: two-stage pipelines of two microbatch counts.
-        out += [Benchmark(kind="pipeline", op=f"{'cpu-s' if cpu else 'acc-s'}-m{m}") for m in PIPELINE_MICROBATCHES]
+        out += [Benchmark(kind="pipeline", op=f"cpu-s-m{m}") for m in PIPELINE_MICROBATCHES]
     return out
 
 
