@@ -137,7 +137,7 @@ def test_calibration_times_separate_programs_on_every_device_count():
 def test_an_accelerator_times_no_training_step_and_keeps_its_base_step_fields():
     """On a GPU or TPU calibrate times rates (matmuls, streams, dispatch, collectives), no small training step; the
     fit keeps the base's step-level fields and takes the measured rates (the v5e chip's recorded samples)."""
-    from testbed.calibration.calibrated import fit_saved, saved_base
+    from testbed.calibration.calibrated import base_topology, fit_saved, saved_base
     from testbed.runner.measure import plan_benchmarks
 
     for platform, devices in (("tpu", 1), ("gpu", 8)):
@@ -150,6 +150,8 @@ def test_an_accelerator_times_no_training_step_and_keeps_its_base_step_fields():
     topo = fit_saved(raw, base)[0]
     kept = ("flash_efficiency", "gemm_latency_s", "launch_overhead_s")
     assert base.name == "tpu-v5e-1" and topo.calibration.elementwise == base.calibration.elementwise
+    # JAX names a v5e chip "TPU v5 lite": the one-chip v5e is the base it is calibrated against
+    assert base_topology(None, "tpu", 1, "TPU v5 lite") == base
     assert all(getattr(topo.calibration.compute, k) == getattr(base.calibration.compute, k) for k in kept)
     assert topo.calibration.compute.efficiency == pytest.approx(0.949, abs=1e-3)  # 186.9 of 197 TFLOP/s
 

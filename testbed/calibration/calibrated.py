@@ -27,8 +27,8 @@ from testbed.topology.io import bundled_names, load_topology
 from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
                               HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
 
-__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fit_saved", "fit_accelerator", "saved_base",
-           "fitted_values", "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
+__all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fit_saved", "fit_accelerator",
+           "saved_base", "fitted_values", "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
 
 #: Name of the level joining the processes (the emulated hosts).
 OUTER_LEVEL = "cluster"
@@ -67,7 +67,7 @@ def _chip(name: str) -> str:
 _TPU_KINDS = {"tpu v5 lite": "tpu v5e", "tpu v6 lite": "tpu v6e", "tpu v5": "tpu v5p"}
 
 
-def jax_kind_chip(device_kind: str) -> str:
+def _kind_chip(device_kind: str) -> str:
     """JAX's ``device_kind`` lower-cased, a TPU's in its chip's name: ``TPU v5 lite`` -> ``tpu v5e``."""
     kind = device_kind.lower().replace("-", " ").strip()
     return _TPU_KINDS.get(kind, kind)
@@ -88,7 +88,7 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
             raise InputError(f"the base topology has {topo.num_devices} devices but {num_devices} are measured; "
                              f"pass a --base with {num_devices} devices", field="--base")
         return topo
-    kind = jax_kind_chip(device_kind)
+    kind = _kind_chip(device_kind)
     bundled = [load_topology(name) for name in bundled_names()]
     if platform == "cpu":
         matches = [t for t in bundled if t.name == "host-cpu-8"]
@@ -283,7 +283,8 @@ def fit_accelerator(base: Topology, samples: list[fit.Sample], name: str | None 
     its calibration kept, the fields fitted over real steps of that device (the bundled v5e's over the chip's
     suite, benchmarks/tpu_chip_fit.py; the H100's GEMM shapes over measured GEMMs). A device that runs a step as
     one program is not priced by calibrate's small training steps: on a v5e chip their dispatch-bound times
-    (4-64 ms) fitted an efficiency of 1.4 at a median residual of 62% (benchmarks/tpu_chip/calibration.json)."""
+    (4-64 ms) fitted an efficiency over 1.1 of the peak at a median residual of 62%
+    (benchmarks/tpu_chip/calibration.json)."""
     launch = fit.fit_dispatch(samples)
     rates, _, fits = fit.fit_compute(samples, launch)
     memory_bw, memory_fit = fit.fit_memory(samples, launch)
