@@ -150,3 +150,12 @@ def test_runner_mfu_without_full_remat_and_at_1b() -> None:
     f"{p} {m:.1%}" for p, m in BELOW.items()))
 def test_runner_mfu_on_every_llama_flash_plan() -> None:
     assert not BELOW
+
+
+def test_the_published_chip_table_is_todays() -> None:
+    """docs/validation.md's chip table is generated from benchmarks/results/tpu_chip_fit.json: its predictions are
+    today's (a model change that moves them reruns ``benchmarks/tpu_chip_fit.py --out`` and the page)."""
+    published = json.loads((ROOT / "benchmarks" / "results" / "tpu_chip_fit.json").read_text())
+    recorded = {r["plan"]: r["predicted_s"] / r["measured_s"] - 1 for r in published["chip"] if r["ok"]}
+    assert recorded.keys() == BUNDLED.keys()
+    assert all(abs(recorded[p] - e) < 1e-6 for p, e in BUNDLED.items()), (recorded, BUNDLED)
