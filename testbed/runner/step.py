@@ -326,7 +326,9 @@ class ReferenceTrainer:
 
     def init(self) -> tuple[Any, Any]:
         full = jax.device_put(host_tree(model.init_params(self.plan.model, self.plan.seed)), self.device)
-        return jax.jit(self.optimizer.held)(full), jax.jit(self.optimizer.init)(full)
+        # Committed to the device like the states the step returns: an uncommitted leaf (the optimizer's zeros depend
+        # on no input) would make the step's second call compile its program again.
+        return jax.device_put((jax.jit(self.optimizer.held)(full), jax.jit(self.optimizer.init)(full)), self.device)
 
     def step(self, state: tuple[Any, Any], step: int) -> tuple[tuple[Any, Any], jax.Array]:
         tokens, targets = jax.device_put(step_batch(self.plan, step), self.device)
