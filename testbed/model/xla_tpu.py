@@ -9,6 +9,8 @@ runner's step compiled deviceless for ``v5e`` slices, ``benchmarks/memory_vs_xla
 - a layer keeps its norms' inputs, Q, K, V, the attention output, the MLP's input-matrix outputs (the activation
   function's output is recomputed), and without remat the attention probabilities (:func:`layer_kept_bytes`);
   under full remat only the block input, no residual summands (the unrolled CPU step's extra);
+- with the splash kernels (one TPU device, testbed.model.flash_kernel) a layer keeps Q, K, V and the attention
+  output again in the kernel's heads-first layout (:func:`splash_copies_bytes`);
 - the head keeps its norm's input and the logits in the compute dtype; the loss's fp32 log-softmax is one
   logits-sized fp32 buffer at the loss (:func:`head_kept_bytes`, :func:`loss_workspace_bytes`); no block's
   recompute is scheduled beside it and no logits-sized buffer waits for a deferred weight gradient.
@@ -27,11 +29,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from testbed.model.activations import FLASH_BYTES, LOSS_BYTES, norms
+from testbed.model.flash_kernel import AttentionKernel, attention_kernel
 from testbed.model.kept import sp_gathered_bytes, xla_program
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, Plan, Remat
 
-__all__ = ["applies", "layer_kept_bytes", "recompute_workspace_bytes", "head_kept_bytes", "loss_workspace_bytes"]
+__all__ = ["applies", "layer_kept_bytes", "splash_copies_bytes", "recompute_workspace_bytes", "head_kept_bytes",
+           "loss_workspace_bytes"]
 
 
 def applies(plan: Plan, buffer_rules: str) -> bool:
@@ -66,10 +70,25 @@ def layer_kept_bytes(plan: Plan) -> int:
     values += (spec.mlp_matrices - 1) * n * spec.d_ff // t
     kept = c * values + norms(spec) * sp_gathered_bytes(plan)
     if spec.attention is Attention.FLASH:
-        return kept + FLASH_BYTES * b * spec.heads * spec.seq_len // t
+        return kept + FLASH_BYTES * b * spec.heads * spec.seq_len // t + splash_copies_bytes(plan)
     if plan.remat is Remat.NONE:
         kept += c * b * spec.heads * spec.score_rows * spec.seq_len // t
     return kept
+
+
+def splash_copies_bytes(plan: Plan) -> int:
+    """What a layer keeps besides under the splash kernels (testbed.model.flash_kernel: one TPU device): Q, K, V and
+    the attention output a second time, in the kernel's heads-first layout ``[b, heads, s, head_dim]`` that the
+    runner transposes them to and from, for the kernel's backward (``2 n (q_dim + kv_dim)`` values). XLA:TPU's
+    compiled steps, 2 and 4 layers apart (deviceless, v5e): 4.1 ``[n, d]`` buffers a layer for GPT-2's MHA and 3.1
+    for GQA 16/4 over the scan kernel's, against 4 and 2.5 here."""
+    spec = plan.model
+    kernel = attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=spec.seq_len,
+                              context=plan.mesh.context > 1)
+    if kernel is not AttentionKernel.SPLASH or plan.remat is Remat.FULL:
+        return 0
+    n = plan.microbatch_size * spec.seq_len
+    return plan.precision.compute_bytes * 2 * n * (spec.q_dim + spec.kv_dim)
 
 
 def recompute_workspace_bytes(plan: Plan) -> int:

@@ -1,7 +1,7 @@
 """Flash attention on a TPU: JAX's Pallas splash-attention kernels, and when the runner uses them.
 
 ``attention: flash`` runs :func:`testbed.runner.attention.flash_attention` (a ``lax.scan`` over K/V
-blocks that XLA compiles on any backend) except where :func:`attention_kernel` picks
+blocks that XLA compiles on any backend) except where :func:`attention_kernel` (testbed.model.flash_kernel) picks
 :data:`AttentionKernel.SPLASH`: on a TPU, for a plan whose step is one device's program (a Pallas call is
 opaque to GSPMD, which would run it replicated on a sharded mesh), with a sequence the kernel's 128-key
 lanes tile. The splash kernels (``jax.experimental.pallas.ops.tpu.splash_attention``, the kernels
@@ -14,42 +14,14 @@ multiple of K/V heads). On CPUs and GPUs the scan kernel runs unchanged.
 from __future__ import annotations
 
 import math
-from enum import StrEnum
 from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
 
+from testbed.model.flash_kernel import LANES, AttentionKernel, attention_kernel, splash_block
+
 __all__ = ["AttentionKernel", "attention_kernel", "splash_block", "splash_attention", "LANES"]
-
-#: The TPU vector unit's lane count: splash attention's K/V compute blocks are multiples of it
-#: (``splash_attention_kernel.NUM_LANES``).
-LANES = 128
-
-#: Splash block sizes tried, largest first: MaxText's default ``sa_block_*`` is 512 (configs/base.yml).
-SPLASH_BLOCKS = (512, 256, 128)
-
-
-class AttentionKernel(StrEnum):
-    """Which kernel computes ``attention: flash``."""
-
-    SCAN = "scan"      # testbed.runner.attention.flash_attention: XLA, any backend
-    SPLASH = "splash"  # jax.experimental.pallas.ops.tpu.splash_attention: Pallas, TPU only
-
-
-def splash_block(seq: int) -> int | None:
-    """The splash kernel's query and K/V block for ``seq`` keys: the largest of :data:`SPLASH_BLOCKS` dividing
-    it, or None when none does (a sequence the kernel's lanes do not tile)."""
-    return next((b for b in SPLASH_BLOCKS if seq % b == 0), None)
-
-
-def attention_kernel(*, flash: bool, platform: str, devices: int, seq: int, context: bool = False) -> AttentionKernel:
-    """The kernel of flash attention for a step on ``devices`` devices of ``platform`` (``"tpu"``, ``"gpu"``,
-    ``"cpu"``): splash on one TPU device for a sequence :func:`splash_block` tiles, without context
-    parallelism (its ring attention has its own blockwise kernel); the scan kernel otherwise."""
-    if flash and platform == "tpu" and devices == 1 and not context and splash_block(seq) is not None:
-        return AttentionKernel.SPLASH
-    return AttentionKernel.SCAN
 
 
 @lru_cache(maxsize=32)

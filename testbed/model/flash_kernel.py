@@ -1,0 +1,44 @@
+"""Which kernel computes ``attention: flash``: JAX's Pallas splash kernels on one TPU device, the runner's scan
+kernel elsewhere. Both interpreters read this one rule: the runner to run the kernel
+(testbed.runner.tpu_attention), the memory model for what XLA:TPU keeps around it (testbed.model.xla_tpu).
+
+A Pallas call is opaque to GSPMD (which would run it replicated on a sharded mesh), so splash runs only where the
+step is one device's program, and only for a sequence the kernel's 128-key lanes tile; context parallelism keeps
+its ring's own blockwise kernel. (A stack's own kernel, ``runtime.attention_kernel``, is priced by
+testbed.sim.attention_kernels and its workspace by testbed.model.splash.)
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "LANES", "SPLASH_BLOCKS"]
+
+#: The TPU vector unit's lane count: splash attention's K/V compute blocks are multiples of it
+#: (``splash_attention_kernel.NUM_LANES``).
+LANES = 128
+
+#: Splash block sizes tried, largest first: MaxText's default ``sa_block_*`` is 512 (configs/base.yml).
+SPLASH_BLOCKS = (512, 256, 128)
+
+
+class AttentionKernel(StrEnum):
+    """Which kernel computes ``attention: flash``."""
+
+    SCAN = "scan"      # testbed.runner.attention.flash_attention: XLA, any backend
+    SPLASH = "splash"  # jax.experimental.pallas.ops.tpu.splash_attention: Pallas, TPU only
+
+
+def splash_block(seq: int) -> int | None:
+    """The splash kernel's query and K/V block for ``seq`` keys: the largest of :data:`SPLASH_BLOCKS` dividing
+    it, or None when none does (a sequence the kernel's lanes do not tile)."""
+    return next((b for b in SPLASH_BLOCKS if seq % b == 0), None)
+
+
+def attention_kernel(*, flash: bool, platform: str, devices: int, seq: int, context: bool = False) -> AttentionKernel:
+    """The kernel of flash attention for a step on ``devices`` devices of ``platform`` (``"tpu"``, ``"gpu"``,
+    ``"cpu"``): splash on one TPU device for a sequence :func:`splash_block` tiles, without context
+    parallelism (its ring attention has its own blockwise kernel); the scan kernel otherwise."""
+    if flash and platform == "tpu" and devices == 1 and not context and splash_block(seq) is not None:
+        return AttentionKernel.SPLASH
+    return AttentionKernel.SCAN
