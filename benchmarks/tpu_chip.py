@@ -178,7 +178,7 @@ def merge_runs(calls: list[dict]) -> dict:
     rows: dict[str, dict] = {}
     for index, call in enumerate(calls):
         for row in call["plans"]:
-            row = dict(row, call=index)
+            row = {k: v for k, v in row.items() if k != "trace"} | {"call": index}  # a trace names the machine's paths
             kept = rows.get(row["plan"])
             if kept is None or (not kept["ok"] and (row["ok"] or "skipped" not in row)):
                 rows[row["plan"]] = row | ({"repeats": kept.get("repeats", [])} if kept else {})
