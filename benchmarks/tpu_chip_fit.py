@@ -108,7 +108,8 @@ def step_s(plan, values: dict) -> float:
 def decompose(plans: list[tuple[object, dict]], src: dict) -> list[Row]:
     """Each plan simulated at a base (no passes, the least latency, flash at the peak) and one unit of each
     fitted value: its step time as ``base + units . values``."""
-    zero = src | {"replicated_passes": 0.0, "split_passes": 0.0, "gemm_latency_s": MIN_LATENCY_S, "flash_efficiency": 1.0}
+    zero = src | {"replicated_passes": 0.0, "split_passes": 0.0, "gemm_latency_s": MIN_LATENCY_S,
+                  "flash_efficiency": 1.0}
     bumps = ({"replicated_passes": 1.0}, {"split_passes": 1.0}, {"gemm_latency_s": 1e-6}, {"flash_efficiency": 0.5})
     scale = (1.0, 1.0, 1e6, 1.0)  # per unit: a pass, a second of latency, one more of 1 / flash_efficiency
     rows = []
@@ -180,11 +181,10 @@ def chip_rows(values: dict) -> list[dict]:
     XLA:TPU (``memory_analysis``: arguments + outputs + temporaries - aliases) and predicted; a plan the chip did
     not run, its error (out of HBM) and the predicted total."""
     from testbed.model.memory import memory_breakdown
+    from testbed.plan.io import load_plan
 
     topo, rows = topology(values), []
     for row in json.loads((DATA / "runs.json").read_text())["plans"]:
-        from testbed.plan.io import load_plan
-
         plan = load_plan(str(DATA / "plans" / f"{row['plan']}.yaml"))
         out = {"plan": row["plan"], "ok": row["ok"], "predicted_memory": memory_breakdown(plan, topo).total}
         if row["ok"]:
