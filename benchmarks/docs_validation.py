@@ -285,7 +285,8 @@ def chip_section(chip: dict) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in rec["versions"].items() if v)
     out = ["## Measured on a TPU v5e chip", "",
            f"One {rec['device_kind']} chip, {rec['date'][:10]} ({versions}): the runner's step of each plan of "
-           "`benchmarks/tpu_chip/` timed by `benchmarks/tpu_chip.py` (median of 3 rounds of 5 steps) beside the "
+           "`benchmarks/tpu_chip/` timed by `benchmarks/tpu_chip.py` (median of "
+           f"{rec['rounds']} rounds of {rec['steps']} steps) beside the "
            "simulator's step on the bundled one-chip `tpu-v5e-1`, and XLA:TPU's "
            "`memory_analysis()` of the compiled step (arguments + outputs + temporaries - aliases) beside testbed's "
            "memory model. The v5e calibration is the chip's measured matmul and memory rates plus "

@@ -91,12 +91,16 @@ def topology(values: dict):
     return replace(base, device=device, calibration=calibration)
 
 
+def runs() -> dict:
+    """``runs.json``: what the chip recorded."""
+    return json.loads((DATA / "runs.json").read_text())
+
+
 def recorded() -> list[tuple[object, dict]]:
     """(plan, runs.json row) of every plan the chip ran."""
     from testbed.plan.io import load_plan
 
-    runs = json.loads((DATA / "runs.json").read_text())
-    return [(load_plan(str(DATA / "plans" / f"{r['plan']}.yaml")), r) for r in runs["plans"] if r["ok"]]
+    return [(load_plan(str(DATA / "plans" / f"{r['plan']}.yaml")), r) for r in runs()["plans"] if r["ok"]]
 
 
 def step_s(plan, values: dict) -> float:
@@ -163,17 +167,12 @@ def report() -> dict:
     for i, ((plan, _), row) in enumerate(zip(plans, rows)):
         left_out[row.plan] = step_s(plan, src | as_fields(fit(rows[:i] + rows[i + 1:]))) / row.measured_s - 1
     return {"sources": src, "fitted": {k: values[k] for k in values if k not in src}, "plans": len(rows),
-            "recorded": {k: recorded_meta(k) for k in ("date", "versions", "device_kind")},
+            "recorded": {k: runs()[k] for k in ("date", "versions", "device_kind", "steps", "rounds")},
             "chip": chip_rows(values),
             "in_sample": _summary(list(in_sample.values())), "leave_one_out": _summary(list(left_out.values())),
             "per_plan": {p: {"in_sample": round(in_sample[p], 4), "leave_one_out": round(left_out[p], 4)}
                          for p in in_sample},
             "shipped": shipped(), "values": values}
-
-
-def recorded_meta(key: str):
-    """runs.json's provenance field ``key`` (date, versions, device kind), as recorded."""
-    return json.loads((DATA / "runs.json").read_text())[key]
 
 
 def chip_rows(values: dict) -> list[dict]:
@@ -184,7 +183,7 @@ def chip_rows(values: dict) -> list[dict]:
     from testbed.plan.io import load_plan
 
     topo, rows = topology(values), []
-    for row in json.loads((DATA / "runs.json").read_text())["plans"]:
+    for row in runs()["plans"]:
         plan = load_plan(str(DATA / "plans" / f"{row['plan']}.yaml"))
         out = {"plan": row["plan"], "ok": row["ok"], "predicted_memory": memory_breakdown(plan, topo).total}
         if row["ok"]:

@@ -280,3 +280,14 @@ def test_the_cached_fraction_is_the_share_of_the_cache_a_device_holds(cache, ten
     assert c.cached_fraction(tensor, devices * 2) <= f
     assert Calibration(elementwise=ElementwiseCalibration(cache_bytes=0.0)).cached_fraction(tensor, devices) == 0.0
     assert c.cached_fraction(0.0, devices) == 0.0
+
+
+def test_a_device_kind_names_its_chip():
+    """JAX's device kinds against topologies' device names (testbed.topology.chips): TPUs by their chip's name."""
+    from testbed.topology.chips import chip, is_chip, kind_chip
+
+    assert [chip(n) for n in ("H100-SXM5-80GB", "TPU-v5e", "TPU-v5p")] == ["h100", "tpu v5e", "tpu v5p"]
+    assert [kind_chip(k) for k in ("TPU v5 lite", "TPU v5", "TPU v6 lite", "TPU v4")] == \
+        ["tpu v5e", "tpu v5p", "tpu v6e", "tpu v4"]
+    assert is_chip("TPU-v5e", "TPU v5 lite") and not is_chip("TPU-v5p", "TPU v5 lite")
+    assert is_chip("H100-SXM5-80GB", "NVIDIA H100 80GB HBM3") and not is_chip("A100-SXM4-80GB", "NVIDIA H100 80GB HBM3")

@@ -23,6 +23,7 @@ from testbed.calibration import fit
 from testbed.calibration import steps as cal_steps
 from testbed.collectives import timing as collective_timing
 from testbed.errors import InputError
+from testbed.topology.chips import chip, is_chip
 from testbed.topology.io import bundled_names, load_topology
 from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
                               HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
@@ -57,22 +58,6 @@ def simulator_collective_time(topology: Topology, sample: fit.Sample, reference:
     return float(collective_timing.collective_time(topology, op, group, sample.bytes, algorithm).time_s)
 
 
-def _chip(name: str) -> str:
-    """The chip of a device name: ``H100-SXM5-80GB`` -> ``h100``, ``TPU-v5e`` -> ``tpu v5e``."""
-    tokens = name.lower().replace("-", " ").replace("_", " ").split()
-    return " ".join(tokens[:2]) if tokens and tokens[0] == "tpu" else (tokens[0] if tokens else "")
-
-
-#: JAX's device kinds of the TPUs whose marketing name differs ("TPU v5 lite" is a v5e chip, "TPU v5" a v5p).
-_TPU_KINDS = {"tpu v5 lite": "tpu v5e", "tpu v6 lite": "tpu v6e", "tpu v5": "tpu v5p"}
-
-
-def _kind_chip(device_kind: str) -> str:
-    """JAX's ``device_kind`` lower-cased, a TPU's in its chip's name: ``TPU v5 lite`` -> ``tpu v5e``."""
-    kind = device_kind.lower().replace("-", " ").strip()
-    return _TPU_KINDS.get(kind, kind)
-
-
 def base_topology(base: str | None, platform: str, num_devices: int, device_kind: str = "") -> Topology:
     """The topology to calibrate: ``--base`` if given, else one matching the detected devices.
 
@@ -88,12 +73,11 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
             raise InputError(f"the base topology has {topo.num_devices} devices but {num_devices} are measured; "
                              f"pass a --base with {num_devices} devices", field="--base")
         return topo
-    kind = _kind_chip(device_kind)
     bundled = [load_topology(name) for name in bundled_names()]
     if platform == "cpu":
         matches = [t for t in bundled if t.name == "host-cpu-8"]
     else:
-        matches = [t for t in bundled if _chip(t.device.name) and _chip(t.device.name) in kind]
+        matches = [t for t in bundled if is_chip(t.device.name, device_kind)]
         matches = matches or [t for t in bundled if t.name == ("dgx-h100" if platform == "gpu" else "tpu-v5e-4x4")]
     matches.sort(key=lambda t: t.num_devices != num_devices)
     template = matches[0]
@@ -101,7 +85,7 @@ def base_topology(base: str | None, platform: str, num_devices: int, device_kind
         return template
     level = template.levels[0]
     return generators.switch(num_devices, device=template.device, bandwidth=level.bandwidth, latency=level.latency,
-                             kind=level.kind, level=level.name, name=f"{_chip(template.device.name).replace(' ', '-')}"
+                             kind=level.kind, level=level.name, name=f"{chip(template.device.name).replace(' ', '-')}"
                              f"-{num_devices}", calibration=template.calibration)
 
 

@@ -177,10 +177,6 @@ class VerifyResult:
                    report=None if report is None else Report.from_dict(report))
 
 
-#: JAX device kinds that name a chip otherwise: a v5e chip reports itself as ``TPU v5 lite`` (seen on the chip).
-KIND_ALIASES = {"tpu v5 lite": "tpu v5e"}
-
-
 def device_peak_flops(platform: str, device_kind: str, dtype: str) -> float | None:
     """The datasheet peak FLOP/s of ``device_kind`` from the bundled topology of its chip, else None.
 
@@ -188,17 +184,13 @@ def device_peak_flops(platform: str, device_kind: str, dtype: str) -> float | No
     accelerator whose chip no bundled topology names is unknown: None, so a
     measured Report's MFU is left unknown rather than guessed.
     """
+    from testbed.topology.chips import is_chip
     from testbed.topology.io import bundled_names, load_topology
 
     if platform == "cpu":
         return None
-    kind = device_kind.lower().replace("-", " ").replace("_", " ")
-    kind = next((chip for alias, chip in KIND_ALIASES.items() if alias in kind), kind)
     for name in bundled_names():
         device = load_topology(name).device
-        # The chip of a device name: H100-SXM5-80GB -> h100, TPU-v5e -> tpu v5e.
-        tokens = device.name.lower().replace("-", " ").replace("_", " ").split()
-        chip = " ".join(tokens[:2]) if tokens and tokens[0] == "tpu" else (tokens[0] if tokens else "")
-        if chip and chip in kind:
+        if is_chip(device.name, device_kind):
             return device.flops(dtype)
     return None
