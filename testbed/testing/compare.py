@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping, Sequence
 from testbed.testing.devices import ReferenceDevice, is_key, to_host
 from testbed.testing.diagnose import DEFAULT_BUDGET, diagnose
 from testbed.testing.hints import equal_blocks_hint, per_device_hint, replica_hint
-from testbed.testing.precision import Tolerance, resolve_tolerance
+from testbed.testing.precision import Tolerance, highest_removes, resolve_tolerance
 from testbed.testing.structure import statistics_check
 
 __all__ = ["assert_parallel_equal", "assert_outputs_equal"]
@@ -28,7 +28,10 @@ def assert_parallel_equal(parallel_fn: Callable[..., Any], reference_fn: Callabl
     (TPU bf16 passes, GPU tf32; ``precision`` names a backend to simulate, or is a
     :class:`testbed.testing.precision.MatmulPrecision`; bf16 arguments count too), the bound that precision
     implies for a contraction of ``contraction`` (default: the arguments' largest dim) over ``depth`` chained
-    matmuls; a mismatch within that bound says so (testbed.testing.precision). On a difference the AssertionError names the leaf path, the worst index and both
+    matmuls; a mismatch within that bound says so (testbed.testing.precision). Where this backend's own setting
+    reduces the precision, a failing comparison reruns both at ``jax.default_matmul_precision("highest")``: with
+    tolerances unset, outputs that then agree at float32's pass (a bound on one matmul does not carry through
+    nonlinearities); with given ones, the message says whether the precision explains the difference. On a difference the AssertionError names the leaf path, the worst index and both
     values, and adds hints: a constant ratio that is a device count or a ``mesh`` axis size
     (``axis_sizes`` adds others) -- psum where pmean was meant --, also on the change from an input
     (an updated parameter); an error confined to one shard; NaN where the reference is finite (a
@@ -88,7 +91,9 @@ def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float | None = 
                     extra.append(per_device_hint(_rerun[0], _rerun[1], pa, counts, rtol, atol))
             failures.append(message + "".join(f"\n  hint: {h}" for h in extra if h))
     if failures:
-        _fail(failures, len(par_leaves), differing, reference, tol, _rerun, _diagnose)
+        experiment = _precision_experiment(_rerun, tol)
+        if not (tol.auto and experiment):
+            _fail(failures, len(par_leaves), differing, reference, tol, _rerun, _diagnose, experiment)
     axes = [(n, what) for n, what in counts if what.startswith("mesh axis")]
     if _rerun is not None and len(_rerun) > 2 and axes:  # equal within the tolerance: the error's structure
         found = statistics_check(_rerun[2], _rerun[0], _rerun[1], parallel, reference, axes)
@@ -97,19 +102,53 @@ def assert_outputs_equal(parallel: Any, reference: Any, *, rtol: float | None = 
 
 
 def _fail(failures: Sequence[str], leaves: int, differing: Sequence[tuple[Any, Any]], reference: Any,
-          tol: Tolerance, rerun: Any, budget: int) -> None:
-    """Raise the comparison's AssertionError: the leaves' messages, the precision's note, the diagnosis."""
+          tol: Tolerance, rerun: Any, budget: int, experiment: bool | None = None) -> None:
+    """Raise the comparison's AssertionError: the leaves' messages, the precision's note (``experiment``: what
+    :func:`_precision_experiment` found), the diagnosis."""
     __tracebackhide__ = True
     text = "\n\n".join(failures)
     if len(failures) > 1:
         text += f"\n({len(failures)} of {leaves} leaves differ)"
     note = tol.note(differing) if len(differing) == len(failures) else None
+    if experiment is not None:
+        note = _experiment_note(experiment, tol)
     if note:
         text += f"\n\n{note}"
     if rerun is not None and len(rerun) > 2 and budget > 0 and not (note or "").startswith("within precision"):
         found = diagnose(rerun[2], rerun[1], lambda out: _matches(out, reference, tol), budget)
         text += f"\n\n{found}" if found else ""
     raise AssertionError(text)
+
+
+#: The comparison at ``highest`` precision: float32's usual tolerances.
+_FP32 = Tolerance(rtol=1e-5, atol=1e-6)
+
+
+def _precision_experiment(rerun: Any, tol: Tolerance) -> bool | None:
+    """Where the backend's matmuls run below float32: whether the parallel function and the reference, both rerun
+    under ``jax.default_matmul_precision("highest")``, agree at float32's tolerances (True: the difference was the
+    precision's; False: it is not); None where no rerun is possible or ``highest`` would not change the precision
+    (testbed.testing.precision.highest_removes). A bound on one matmul does not carry through nonlinearities (a
+    tanh's output is small where its input's error is not); the rerun does."""
+    if rerun is None or len(rerun) < 3 or tol.precision is None or not highest_removes(tol.precision):
+        return None
+    import jax
+
+    with jax.default_matmul_precision("highest"):
+        parallel = rerun[2](*rerun[1])
+        reference = rerun[0](*rerun[1])
+    return _matches(parallel, reference, _FP32)
+
+
+def _experiment_note(agrees: bool, tol: Tolerance) -> str:
+    """What :func:`_precision_experiment` found, for the failure's message."""
+    how = (f"rerun at jax.default_matmul_precision('highest'), the parallel function and the reference "
+           f"{'agree' if agrees else 'still differ'} at float32's tolerances (rtol 1e-5, atol 1e-6)")
+    if agrees:
+        return (f"within precision: every difference is the backend's matmul precision ({tol.precision.describe()}): "
+                f"{how} -- leave rtol/atol unset (the kit then compares this way), or compute at "
+                f"jax.default_matmul_precision('highest')")
+    return f"beyond precision: {how}, so the backend's matmul precision does not explain the differences"
 
 
 def _matches(output: Any, reference: Any, tol: Tolerance) -> bool:

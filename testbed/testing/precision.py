@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["MatmulPrecision", "matmul_precision", "FP32_BITS"]
+__all__ = ["MatmulPrecision", "matmul_precision", "highest_removes", "FP32_BITS"]
 
 #: float32's significand bits (implicit bit included): u32 = 2^-24, the accumulation's unit roundoff.
 FP32_BITS = 24
@@ -56,6 +56,8 @@ class MatmulPrecision:
     backend: str
     setting: str
     bits: int
+    #: Whether arguments in a narrower float type than float32 were seen (no precision setting widens them).
+    narrowed: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in _BITS:
@@ -118,12 +120,21 @@ def matmul_precision(backend: str | None = None, setting: str | None = None,
     text = None if raw is None else str(raw).lower().replace("precision.", "")
     if text not in _LEVEL:
         raise ValueError(f"matmul precision setting {raw!r} is not one of {sorted(k for k in _LEVEL if k)}")
-    bits = _BITS[name][_LEVEL[text]]
+    bits, narrowed = _BITS[name][_LEVEL[text]], False
     for leaf in jax.tree.leaves(list(args)):
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and jax.numpy.issubdtype(dtype, jax.numpy.floating) and np.dtype(dtype).itemsize < 4:
-            bits = min(bits, int(jax.numpy.finfo(dtype).nmant) + 1)
-    return MatmulPrecision(backend=name, setting=text or "default", bits=bits)
+            bits, narrowed = min(bits, int(jax.numpy.finfo(dtype).nmant) + 1), True
+    return MatmulPrecision(backend=name, setting=text or "default", bits=bits, narrowed=narrowed)
+
+
+def highest_removes(precision: MatmulPrecision) -> bool:
+    """Whether computing at ``jax.default_matmul_precision("highest")`` here would remove ``precision``'s rounding:
+    it is reduced, it is this backend's (not one simulated by name) and its bits are the setting's own (not capped
+    by arguments already in a narrower float type, which no setting widens)."""
+    name = _backend_of(None)
+    name = "gpu" if name in ("cuda", "rocm") else name
+    return precision.reduced and precision.backend == name and not precision.narrowed
 
 
 def contraction_of(args: Sequence[Any]) -> int:
