@@ -215,10 +215,13 @@ def test_gpu_and_tpu_topologies_have_no_host_or_controller_group():
             continue
         assert c.host is None and c.controller is None, name
         # NVIDIA GPU topologies price memory-bound kernels (docs/validation.md, "Published runs"): 2 passes, no cache;
-        # the one-chip v5e its passes fitted over the chip's suite (benchmarks/tpu_chip_fit.py), no cache either
-        passes = (2.0, 2.0) if name != "tpu-v5e-1" else (5.56, 0.23)
-        assert c.elementwise is None or (c.elementwise.replicated_passes, c.elementwise.split_passes,
-                                         c.elementwise.cache_bytes) == (*passes, 0.0), name
+        # the one-chip v5e its passes fitted over the chip's suite (benchmarks/tpu_chip_fit.py; tests/test_tpu_chip.py
+        # holds them equal to the fit), no cache either
+        if name == "tpu-v5e-1":
+            assert c.elementwise.replicated_passes > 0 and c.elementwise.cache_bytes == 0.0
+        else:
+            assert c.elementwise is None or (c.elementwise.replicated_passes, c.elementwise.split_passes,
+                                             c.elementwise.cache_bytes) == (2.0, 2.0, 0.0), name
         assert not c.shares_host and c.host_share(8) == 1.0 and c.cached_fraction(1.0, 8) == 0.0
         assert isinstance(c.compute, ComputeCalibration) and isinstance(c.memory, MemoryCalibration)
         # a software cost per collective: per round (GPUs, NCCL) or per launch (TPUs: one op per collective)

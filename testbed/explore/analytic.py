@@ -116,6 +116,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
                                   chained_gathers=topology.device.gathers_apart(),
                                   native_reductions=topology.device.native_reductions(),
+                                  fused_updates=topology.device.fused_updates(),
                                   allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes),
                        topology, ids,
                        memory or plan_memory(plan, topology))

@@ -19,7 +19,7 @@ from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
 from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.barriers import interleaved_wait, step_end_wait
-from testbed.sim.compute import compute_seconds
+from testbed.sim.update_facts import update_seconds
 from testbed.sim.step_rules import (Gradients, Microbatches, action_dispatch, dispatch_seconds, gather_after,
                                     gradients, iteration, prepare_seconds, step_dispatch, update_dispatch,
                                     waits_for_sends)
@@ -360,7 +360,7 @@ class Play:
             self.host += dispatch_seconds(controller, *dispatch)
             ready = max(ready, self.host)
         self.comm[s] += max(0.0, max(self.grad[s], self.early[s]) - self.free[s])
-        opt = self.slow * compute_seconds(step.topology, step.dtype, update.flops, update.hbm_bytes, 1)
+        opt = self.slow * update_seconds(step.topology, step.dtype, update)
         self.busy[s] += opt
         done = ready + opt
         self.carry[s] += opt

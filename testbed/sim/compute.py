@@ -132,6 +132,16 @@ def host_devices(topology: Topology) -> int:
     return topology.levels[0].size if topology.levels else topology.num_devices
 
 
+def epilogue_seconds(topology: Topology, dtype: str, flops: float, nbytes: float) -> float:
+    """Seconds of a memory pass of ``nbytes`` that runs under matmuls of ``flops`` (priced elsewhere) as their
+    epilogue: the part of the pass's own time the pair does not add, the shorter of the two (the matmuls at the
+    calibrated cap). 0 without matmuls."""
+    if flops <= 0 or nbytes <= 0:
+        return 0.0
+    rate = topology.device.sustained_flops(dtype) * topology.calibration.compute.cap(dtype)
+    return min(pass_seconds(topology, nbytes), flops / rate)
+
+
 def pass_seconds(topology: Topology, nbytes: float) -> float:
     """Seconds one memory pass over ``nbytes`` takes at the calibrated bandwidth (the roofline's and the passes')."""
     return nbytes / (topology.device.memory_bandwidth * topology.calibration.memory.efficiency)
@@ -222,7 +232,8 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
         return cal.compute.gemm_latency_s + one * work / (topology.device.sustained_flops(dtype) * eff)
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
         eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
-        return cal.compute.gemm_latency_s + one / (topology.device.sustained_flops(dtype) * eff)
+        return cal.compute.gemm_latency_s + one / (topology.device.sustained_flops(dtype) * eff
+                                                   * systolic_share(topology.device.systolic_width, gemm))
     rate = grouped_rate(topology.device.name, gemm.grouped)  # a grouped-matmul kernel's (1: the dense matmul)
     math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype) * rate)
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
@@ -230,6 +241,14 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
     cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0
     return cal.compute.gemm_latency_s + max(math, memory) + cast
+
+
+def systolic_share(width: int, gemm: Gemm) -> float:
+    """The share of a ``width``-wide systolic matrix unit a product's narrowest dimension fills (1 without one):
+    a flash kernel's products are a head dim wide (QK^T contracts over it, PV outputs it), and a 64-wide product
+    leaves half of a 128 x 128 MXU idle; the chip's profiles show splash at head dim 64 at 0.39-0.46 of its rate
+    at 128 (benchmarks/tpu_chip/profiles.json)."""
+    return min(1.0, min(gemm.m, gemm.n, gemm.k) / width) if width else 1.0
 
 
 def gemms_seconds(topology: Topology, dtype: str, gemms: Iterable[Gemm]) -> float:

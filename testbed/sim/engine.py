@@ -331,6 +331,7 @@ def simulate(plan: Plan, topology: Topology) -> Simulation:
                             serial=serial_host(topology.calibration),
                             chained_gathers=topology.device.gathers_apart(),
                             native_reductions=topology.device.native_reductions(),
+                            fused_updates=topology.device.fused_updates(),
                             allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes)
     priced = price(program, topology, plan_matmul_dtype(plan, topology))
     timeline = run(program, priced, calibration=topology.calibration)

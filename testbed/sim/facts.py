@@ -297,7 +297,8 @@ class StepFacts:
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                schedule: Schedule | None = None, chained_gathers: bool = False,
-               native_reductions: bool = False, allreduce_bytes: float | None = None) -> StepFacts:
+               native_reductions: bool = False, allreduce_bytes: float | None = None,
+               fused_updates: bool = False) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
@@ -310,6 +311,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: testbed.topology.DeviceSpec
             .native_reductions): the norms' gradients and the loss's maximum move in their own dtype.
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
+        fused_updates: the compiler runs the optimizer's update of a weight matrix in its gradient matmul's
+            epilogue where nothing sums that gradient (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
     """
     mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
     p = mesh.stage
@@ -337,8 +340,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))
-    updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b)
-                    for s in range(p))
+    updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b,
+                                 fused_updates) for s in range(p))
     return StepFacts(plan=plan, schedule=schedule, order=order,
                      representatives=tuple(int(device_ids[s].flat[0]) for s in range(p)),
                      param_bytes=param_b, grad_bytes=grad_b, params_axes=sharding.params,

@@ -97,7 +97,7 @@ STREAMS = ("compute", "tensor", A2A_STREAM, RING_STREAM, "gather", "pipe", "recv
 def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = None,
                   controller: bool = False, combine_bytes: float | None = None, serial: bool = False,
                   chained_gathers: bool = False, native_reductions: bool = False,
-                  allreduce_bytes: float | None = None) -> Program:
+                  allreduce_bytes: float | None = None, fused_updates: bool = False) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -111,9 +111,10 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
             (``device.collective_resources: per_kind``; testbed.sim.facts.step_facts).
         native_reductions: the compiler reduces bf16 in bf16 (testbed.topology.DeviceSpec.native_reductions).
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
+        fused_updates: the compiler fuses updates into the weight gradients (DeviceSpec.fused_updates).
     """
     return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule, chained_gathers,
-                                 native_reductions, allreduce_bytes), placement,
+                                 native_reductions, allreduce_bytes, fused_updates), placement,
                       controller=controller, serial=serial)
 
 
@@ -486,7 +487,8 @@ class _Graph(SpanPlay):
         if self.controller and (dispatch := update_dispatch(self.facts, s)):
             waits.append(self._dispatch(f"dispatch optimizer@{s}", dispatch))
         opt = b.add(name="optimizer", device=rep, stream="compute", kind=TaskKind.COMPUTE, deps=tuple(waits),
-                    flops=update.flops, hbm_bytes=update.hbm_bytes, kernels=1)
+                    flops=update.flops, hbm_bytes=update.hbm_bytes, kernels=1, epilogue_flops=update.fused_flops,
+                    epilogue_bytes=update.fused_bytes)
         if update.regathers:
             groups = self.data_groups[s]
             b.add(name="gather params", device=rep, stream="grad", kind=TaskKind.COLLECTIVE, deps=(opt,),

@@ -52,7 +52,9 @@ class Task:
     kernels, and a collective counted there is ``interleaved`` (it does not
     wait for stragglers again). ``spans``: a compute task's spans between blocking tensor collectives (share of
     its matmuls, HBM bytes; testbed.model.spans), each its own roofline where the calibration has no
-    elementwise passes (testbed.sim.compute.compute_seconds).
+    elementwise passes (testbed.sim.compute.compute_seconds). ``epilogue_flops``/``epilogue_bytes``: of a compute
+    task's ``hbm_bytes``, those that run as the epilogue of other tasks' matmuls of that many FLOPs
+    (testbed.sim.compute.epilogue_seconds; the optimizer update fused into the weight gradients').
     """
 
     name: str
@@ -77,6 +79,8 @@ class Task:
     syncs: tuple[tuple[int, float], ...] = ()
     interleaved: bool = False
     spans: tuple[tuple[float, float], ...] = ()
+    epilogue_flops: float = 0.0
+    epilogue_bytes: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from testbed.model import costs
+from testbed.model import costs, layout
+from testbed.model.param_spec import Part
 from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.sharding import reduction_axes, state_sharding
+from testbed.sim.compute import compute_seconds, epilogue_seconds
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.grad_bytes import sequence_apart, sequence_replicated, summed_each_microbatch
 
-__all__ = ["OPTIMIZER_FLOPS_PER_PARAM", "StageUpdate", "Reduction", "stage_update", "update_bytes", "parameter_reductions"]
+__all__ = ["OPTIMIZER_FLOPS_PER_PARAM", "StageUpdate", "Reduction", "stage_update", "fused_update", "update_seconds",
+           "update_bytes", "parameter_reductions"]
 
 #: Adam(W) update FLOPs per parameter (moments, bias correction, sqrt, divide, decay).
 OPTIMIZER_FLOPS_PER_PARAM = 12
@@ -32,6 +35,10 @@ class StageUpdate:
     hbm_bytes: float
     regathers: int
     regather_bytes: float
+    #: Where the compiler runs each weight matrix's update in its gradient matmul's epilogue (:func:`fused_update`):
+    #: those matmuls' FLOPs on the device, and the part of ``hbm_bytes`` that is those matrices' update (0: none).
+    fused_flops: float = 0.0
+    fused_bytes: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,16 +66,42 @@ class Reduction:
 
 
 def stage_update(plan: Plan, s: int, stage_costs, o_ways: int, p_ways: int, combine: float, param_b: float,
-            grad_b: float) -> StageUpdate:
+            grad_b: float, fused_updates: bool = False) -> StageUpdate:
     """Stage ``s``'s :class:`StageUpdate`: the optimizer over its shard (by the layout's one rule), and with
-    ZeRO-1/2 the updated shards gathered over data, as many collectives as the rule counts (per leaf)."""
+    ZeRO-1/2 the updated shards gathered over data, as many collectives as the rule counts (per leaf).
+    ``fused_updates``: the compiler fuses updates into the weight-gradient matmuls (:func:`fused_update`)."""
     shard = costs.device_stage_params(plan, s, o_ways)
     regathers, regather_bytes = 0, 0.0
     if o_ways > p_ways and plan.mesh.data > 1:
         regathers = max(1, parameter_collectives(plan, s, None, combine, param_b, which="optimizer"))
         regather_bytes = moved_elements(plan, s, None, "optimizer") / plan.mesh.fsdp * param_b / regathers
-    return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard, hbm_bytes=shard * update_bytes(plan, param_b, grad_b),
-                       regathers=regathers, regather_bytes=regather_bytes)
+    per_param = update_bytes(plan, param_b, grad_b)
+    matrices = fused_update(plan, s) if fused_updates else 0
+    return StageUpdate(flops=OPTIMIZER_FLOPS_PER_PARAM * shard, hbm_bytes=shard * per_param,
+                       regathers=regathers, regather_bytes=regather_bytes,
+                       fused_flops=2.0 * plan.batch.global_batch * plan.model.seq_len * matrices,
+                       fused_bytes=matrices * per_param)
+
+
+def fused_update(plan: Plan, s: int) -> int:
+    """Weight-matrix elements of stage ``s`` on one device whose optimizer update XLA:TPU runs in the epilogue
+    of their weight-gradient matmul (0: none). Seen in the chip's per-op profiles (benchmarks/tpu_chip/
+    profiles.json): with one microbatch and no gradient sum over devices, each matrix's AdamW update is one
+    output fusion with its gradient's convolution, which takes the longer of the two; the token table (its
+    gradient a scatter), the norms and an accumulated (the loop's sum) or reduced gradient are updated apart."""
+    if plan.batch.microbatches > 1 or reduction_axes(plan) or plan.model.experts or plan.mesh.stage > 1:
+        return 0
+    held = layout.chunk_params(plan.model, s, 0, 1)
+    return sum(copies * p.device_elements(plan.mesh.tensor) for p, copies in held
+               if p.part is not Part.EMBEDDING and len(p.shape) >= 2)
+
+
+def update_seconds(topology, dtype: str, update: StageUpdate) -> float:
+    """Seconds of a stage's optimizer update past its gradients' matmuls: its roofline, less the part it runs
+    under the weight-gradient matmuls it is fused into (:func:`fused_update`: each such pair takes the longer
+    of the two, and the matmuls are priced in the backward already). Both tiers price the update here."""
+    return (compute_seconds(topology, dtype, update.flops, update.hbm_bytes, 1)
+            - epilogue_seconds(topology, dtype, update.fused_flops, update.fused_bytes))
 
 
 def update_bytes(plan: Plan, param_b: float, grad_b: float) -> float:

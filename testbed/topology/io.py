@@ -107,7 +107,7 @@ def _device(data: Any) -> DeviceSpec:
     data = expect_mapping(data, "device")
     check_keys(data, ("name", "flops", "memory", "memory_bandwidth", "power_limit", "power_curve",
                       "comm_slowdown", "bf16_matmuls", "fp32_matmuls", "sustained", "collective_resources",
-                      "buffer_rules"), "device",
+                      "buffer_rules", "systolic_width"), "device",
                required=("flops", "memory", "memory_bandwidth"))
     flops = expect_mapping(data["flops"], "device.flops")
     curve = data.get("power_curve", [])
@@ -127,6 +127,7 @@ def _device(data: Any) -> DeviceSpec:
         sustained=data.get("sustained", 1.0),
         collective_resources=data.get("collective_resources", "per_kind"),
         buffer_rules=data.get("buffer_rules", "xla"),
+        systolic_width=data.get("systolic_width", 0),
     )
 
 
@@ -356,6 +357,8 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
         out["device"]["collective_resources"] = dev.collective_resources
     if dev.buffer_rules != "xla":
         out["device"]["buffer_rules"] = dev.buffer_rules
+    if dev.systolic_width:
+        out["device"]["systolic_width"] = dev.systolic_width
     if topology.form is Form.LEVELS:
         out["levels"] = [{"name": l.name, "size": l.size, "bandwidth": l.bandwidth, "latency": l.latency,
                           "kind": str(l.kind), "attach": l.attach,

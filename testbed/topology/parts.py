@@ -122,6 +122,10 @@ class DeviceSpec:
     (XLA:TPU's fusion keeps fewer buffers: testbed.model.xla_tpu, read from deviceless XLA:TPU compiles). A plan of
     another stack (``runtime.framework: pytorch``) is priced by its own rules on every device.
 
+    ``systolic_width``: the side of the device's systolic matrix unit (a TPU's MXU: 128 x 128 on v4, v5e and
+    v5p, Cloud TPU system architecture docs), 0 for none. A fused attention kernel whose products are narrower
+    than it (a head dim of 64) fills that share of its cells (testbed.sim.compute).
+
     ``sustained``: the fraction of the calibrated matmul rates the device's math holds over a whole training
     step (1, the default: the rates as calibrated). The GPU calibrations' caps are short measurements of one
     matmul at a time (mamf-finder's Maximum Achievable Matmul FLOPS); a long step runs at lower clocks under
@@ -143,6 +147,7 @@ class DeviceSpec:
     sustained: float = 1.0
     collective_resources: str = "per_kind"
     buffer_rules: str = "xla"
+    systolic_width: int = 0
 
     def __post_init__(self) -> None:
         if self.bf16_matmuls not in BF16_MATMULS:
@@ -162,6 +167,11 @@ class DeviceSpec:
             raise InputError(f"must be one of {', '.join(BUFFER_RULES)} (whose buffer assignment the memory model "
                              f"follows: XLA's as measured on CPU, or XLA:TPU's), got {self.buffer_rules!r:.40}",
                              field="device.buffer_rules")
+        width = self.systolic_width
+        if isinstance(width, bool) or not isinstance(width, int) or not 0 <= width <= 4096:
+            raise InputError(f"must be a whole number of multiply-accumulate cells along a side of the device's "
+                             f"systolic matrix unit (128 for a TPU v4/v5e/v5p MXU; 0: none), got {width!r:.40}",
+                             field="device.systolic_width")
         if not self.peak_flops:
             raise InputError("needs at least one dtype with its peak FLOP/s, e.g. {bf16: 989TFLOP/s}", field="device.flops")
         for dtype, value in self.peak_flops.items():
@@ -264,6 +274,12 @@ class DeviceSpec:
         compiles' data all-reduce moves the norms' gradients at 2 bytes and the vocab-parallel loss's maximum
         in the logits' dtype, benchmarks/xla_tpu/) where XLA:CPU's partitioner reduces their fp32 partial sums
         (testbed.sim.grad_bytes.reduced_bytes)."""
+        return self.buffer_rules == "xla-tpu"
+
+    def fused_updates(self) -> bool:
+        """Whether the compiler runs a weight matrix's optimizer update in its gradient matmul's epilogue where
+        nothing sums that gradient (XLA:TPU, ``buffer_rules: xla-tpu``: one output fusion per matrix in the chip's
+        per-op profiles, benchmarks/tpu_chip/profiles.json; testbed.sim.update_facts.fused_update)."""
         return self.buffer_rules == "xla-tpu"
 
 

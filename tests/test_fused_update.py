@@ -1,0 +1,82 @@
+"""XLA:TPU's optimizer update in the weight gradients' epilogue, and the MXU's width under a fused attention kernel:
+two rules read from the chip's per-op profiles (benchmarks/tpu_chip/profiles.json), priced once for both tiers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from testbed.errors import InputError
+from testbed.explore.analytic import estimate
+from testbed.model.gemm import Gemm
+from testbed.plan.io import load_plan
+from testbed.sim.compute import epilogue_seconds, pass_seconds, plan_matmul_dtype, systolic_share
+from testbed.sim.engine import simulate
+from testbed.sim.pricing import price
+from testbed.sim.update_facts import fused_update
+from testbed.topology.io import load_topology
+
+ROOT = Path(__file__).resolve().parent.parent
+PLANS = ROOT / "benchmarks" / "tpu_chip" / "plans"
+
+
+def _plan(name: str):
+    return load_plan(str(PLANS / f"{name}.yaml"))
+
+
+def test_the_update_fuses_only_where_nothing_sums_the_gradient() -> None:
+    one = _plan("llama1b-bf16-flash")
+    matrices = fused_update(one, 0)
+    spec = one.model
+    assert matrices == pytest.approx(spec.layers * (2 * spec.d_model * spec.q_dim + 2 * spec.d_model * spec.kv_dim
+                                                    + 3 * spec.d_model * spec.d_ff) + spec.vocab * spec.d_model,
+                                     rel=1e-3)  # the layers' and the head's matrices, not the token table or norms
+    assert fused_update(_plan("gpt125m-bf16-accum4"), 0) == 0  # the loop's summed gradient: updated apart
+    data2 = replace(one, mesh=replace(one.mesh, data=2), batch=replace(one.batch, global_batch=2))
+    assert fused_update(data2, 0) == 0  # summed over data first
+
+
+def test_a_fused_update_costs_what_its_pass_exceeds_the_matmuls_by() -> None:
+    topo = load_topology("tpu-v5e-1")
+    assert epilogue_seconds(topo, "bf16", 0.0, 1e9) == 0.0
+    assert epilogue_seconds(topo, "bf16", 1e15, 1e9) == pytest.approx(pass_seconds(topo, 1e9))  # hidden whole
+    rate = topo.device.sustained_flops("bf16") * topo.calibration.compute.cap("bf16")
+    assert epilogue_seconds(topo, "bf16", 1e9, 1e12) == pytest.approx(1e9 / rate)  # the matmuls' share only
+
+
+def test_both_tiers_price_the_fused_update_and_the_chip_profile_agrees() -> None:
+    """The update left after fusion is what the chip's profile shows outside the matmul fusions (the token table's
+    update), on the plans where the matmuls outlast the update; and the analytic tier agrees with the task graph."""
+    topo = load_topology("tpu-v5e-1")
+    profiles = {p["plan"]: p["planes"]["/device:TPU:0"]["classes_ns_per_step"]
+                for p in json.loads((ROOT / "benchmarks/tpu_chip/profiles.json").read_text())["plans"]}
+    for name in ("gpt125m-bf16", "llama1b-bf16-flash-full", "llama400m-bf16-full"):
+        plan = _plan(name)
+        sim = simulate(plan, topo)
+        durations = price(sim.program, topo, plan_matmul_dtype(plan, topo)).durations
+        (left,) = [d for t, d in zip(sim.program.tasks, durations) if t.name == "optimizer"]
+        assert left == pytest.approx(profiles[name]["optimizer"] / 1e9, rel=0.15), name
+        assert estimate(plan, topo).step_time_s == pytest.approx(sim.report.step_time_s, rel=0.03), name
+        unfused = replace(topo, device=replace(topo.device, buffer_rules="xla"))
+        assert simulate(plan, unfused).report.step_time_s > sim.report.step_time_s + 0.5 * left, name
+
+
+def test_a_flash_product_narrower_than_the_mxu_fills_its_share() -> None:
+    assert systolic_share(128, Gemm(m=2048, n=2048, k=64)) == 0.5
+    assert systolic_share(128, Gemm(m=2048, n=128, k=2048)) == 1.0
+    assert systolic_share(0, Gemm(m=2048, n=2048, k=64)) == 1.0
+    topo = load_topology("tpu-v5e-1")
+    plan = _plan("llama400m-bf16-full")  # head dim 64
+    wide = replace(topo, device=replace(topo.device, systolic_width=0))
+    assert simulate(plan, topo).report.step_time_s > simulate(plan, wide).report.step_time_s
+
+
+def test_a_bad_systolic_width_is_refused_naming_the_field() -> None:
+    topo = load_topology("tpu-v5e-1")
+    for bad in (-1, 1.5, True, 10**6):
+        with pytest.raises(InputError, match="systolic matrix unit") as caught:
+            replace(topo.device, systolic_width=bad)
+        assert caught.value.field == "device.systolic_width"
