@@ -1,0 +1,94 @@
+"""One matmul by its shape on a host: calibrate's grid of GEMM shapes, its fit, and the traced tier pricing with it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from testbed.calibration.fit import Sample, samples_from_rows, samples_to_rows
+from testbed.calibration.gemm_shapes import (fit_gemm_shapes, gemm_rows, leave_one_out, one_device_launch,
+                                             predicted_seconds)
+from testbed.errors import InputError
+from testbed.model.gemm import Gemm
+from testbed.sim.compute import compute_seconds, gemm_seconds
+from testbed.sim.traced import price_workload, traced_topology, workload_program
+from testbed.sim.workload import OpKind, TracedOp, Workload
+from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
+
+FIELDS = {"matmul_efficiency": 0.6, "matmul_half_mn": 40.0, "matmul_half_k": 25.0, "matmul_latency_s": 20e-6}
+LAUNCH = 12e-6
+
+
+def _host(**compute):
+    host = load_topology("host-cpu-8")
+    return replace(host, calibration=host.calibration.updated(compute=compute)) if compute else host
+
+
+def _samples(grid) -> list[Sample]:
+    """What calibrate would measure on a host whose matmuls follow FIELDS exactly (plus the empty program)."""
+    truth = _host(**FIELDS)
+    rows = [Sample(kind="dispatch", seconds=LAUNCH)]
+    for m, n, k in grid:
+        seconds = LAUNCH + predicted_seconds(truth, FIELDS, (1, m, n, k, 0.0))
+        rows.append(Sample(kind="gemm", seconds=seconds, flops=2.0 * m * n * k, m=m, n=n, k=k))
+    return rows
+
+
+def test_the_grid_is_not_square_and_stays_in_its_flops_range() -> None:
+    from testbed.runner.measure import GEMM_FLOPS, gemm_grid, plan_benchmarks
+
+    grid = gemm_grid()
+    assert len(grid) > 30 and any(n < m for m, n, _ in grid) and any(k < n for _, n, k in grid)
+    assert all(GEMM_FLOPS[0] <= 2 * m * n * k <= GEMM_FLOPS[1] for m, n, k in grid)
+    assert {b.shape for b in plan_benchmarks("cpu", 8) if b.kind == "gemm"} == set(grid)
+    assert not [b for b in plan_benchmarks("tpu", 8) if b.kind == "gemm"]  # an accelerator keeps its base's
+
+
+def test_a_gemm_sample_keeps_its_shape_through_the_measurements_file() -> None:
+    rows = samples_to_rows([Sample(kind="gemm", seconds=1e-4, flops=2.0 * 64 * 16 * 256, m=64, n=16, k=256)])
+    (back,) = samples_from_rows(rows)
+    assert (back.m, back.n, back.k) == (64, 16, 256)
+    with pytest.raises(InputError, match=r"samples\[0\]"):
+        samples_from_rows([{**rows[0], "m": -1}])
+
+
+def test_the_fit_recovers_the_shape_model_it_was_measured_from() -> None:
+    grid = [(m, n, k) for m in (16, 256, 1024) for n in (16, 64, 1024) for k in (32, 512)]
+    samples = _samples(grid)
+    assert one_device_launch(samples) == LAUNCH and len(gemm_rows(samples, LAUNCH)) == len(grid)
+    fitted, fit = fit_gemm_shapes(samples, _host())
+    assert fit.max_abs_rel < 1e-3
+    for name, value in FIELDS.items():
+        assert fitted[name] == pytest.approx(value, rel=0.02), name
+    assert max(map(abs, leave_one_out(gemm_rows(samples, LAUNCH)[:8], _host()))) < 0.01
+    assert fit_gemm_shapes(samples[:3], _host()) is None  # too few shapes to fit four fields
+
+
+def test_a_traced_matmul_is_priced_by_its_own_shape_and_a_plan_keeps_its_fields() -> None:
+    """With the matmul_* fields a narrow product (n = 8) costs more per FLOP than a square one of the same FLOPs;
+    the traced task is the shape model's price of its GEMMs; a plan's compute task ignores the fields."""
+    plain, shaped = _host(), _host(**FIELDS)
+    narrow, square = Gemm(m=4096, n=8, k=512), Gemm(m=256, n=256, k=256)
+    traced = traced_topology(shaped)
+    assert traced.calibration.compute.gemm_half_mn == FIELDS["matmul_half_mn"]
+    assert traced.calibration.compute.efficiency == FIELDS["matmul_efficiency"]
+    assert gemm_seconds(traced, "fp32", narrow) > 1.5 * gemm_seconds(traced, "fp32", square)
+    op = TracedOp(name="dot", kind=OpKind.GEMM, flops=narrow.flops, gemms=(narrow,))
+    w = Workload(name="w", mesh={"data": 8}, ops=(op,), dtype="fp32")
+    program = workload_program(w, shaped)
+    (task,) = [i for i, t in enumerate(program.tasks) if t.flops > 0]
+    seconds = price_workload(program, shaped, "fp32").durations[task]
+    assert seconds == pytest.approx(shaped.calibration.compute.launch_overhead_s + gemm_seconds(traced, "fp32", narrow))
+    assert seconds != pytest.approx(price_workload(workload_program(w, plain), plain, "fp32").durations[task])
+    assert (compute_seconds(shaped, "fp32", narrow.flops, 0.0, gemms=(narrow,))
+            == compute_seconds(plain, "fp32", narrow.flops, 0.0, gemms=(narrow,)))
+
+
+def test_the_fields_round_trip_and_a_bad_one_is_named() -> None:
+    data = topology_to_dict(_host(**FIELDS))
+    assert topology_from_dict(data).calibration.compute.matmul_half_k == FIELDS["matmul_half_k"]
+    data["calibration"]["compute"]["matmul_efficiency"] = 2.0
+    with pytest.raises(InputError) as info:
+        topology_from_dict(data)
+    assert info.value.field == "calibration.compute.matmul_efficiency"
