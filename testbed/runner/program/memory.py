@@ -1,13 +1,15 @@
 """A live-range estimate of one device's peak memory over a partitioned program (no devices, no compile).
 
-The step's arguments are live throughout. Walking each block in program order, a materialized value
-(testbed.runner.program.compile's fusion approximation: what a matmul, collective, reduction, loop or call
-writes, or an elementwise result a matmul or collective reads) is allocated when it is produced and
-freed after its last reader in the block (a loop's carried values when the loop ends, a block's results
-when the block ends). A loop, call or shard_map body adds its own peak above what is live around it,
-once (iterations reuse their buffers). XLA's buffer reuse across unrelated values, in-place updates,
-rematerialization and its scheduler's reordering are not modeled: an estimate of the order of what the
-program keeps alive, not XLA's buffer assignment.
+The step's arguments are live throughout. The program is read as XLA compiles it: a shard_map body is inlined
+(XLA's partitioner leaves no region), a passthrough (reshape, transpose, broadcast) reads its source's buffer.
+Walking each block in program order, a materialized value (testbed.runner.program.compile's fusion
+approximation: what a matmul, collective, reduction, loop or call writes, or what such an op reads; and an
+elementwise result read after a matmul or collective when XLA would not recompute it there, :func:`_readers`)
+is allocated when it is produced and freed after its last reader in the block (a loop's carried values when
+the loop ends, a block's results when the block ends). A loop or call body adds its own peak above what is
+live around it, once (iterations reuse their buffers). XLA's buffer reuse across unrelated values, in-place
+updates and its scheduler's reordering are not modeled: an estimate of what the program keeps alive, not XLA's
+buffer assignment (docs/program.md).
 """
 
 from __future__ import annotations
@@ -72,10 +74,11 @@ def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
     taken through passthroughs to the one it reads.
 
     A barrier is a matmul, collective, loop, call or custom call: no fusion reaches across one (the fusion
-    estimate's multi-output rule: testbed.runner.program.evaluate). An elementwise result read after one is
-    recomputed in its reader's kernel when it is cheap (XLA's fusion duplicates a cheap producer into each
-    consumer: its operands are then read there, and so on back to values in HBM) and kept in HBM until then
-    when it is expensive (a transcendental or a division: a forward's GELU ``tanh`` read by its backward)."""
+    estimate's multi-output rule: testbed.runner.program.evaluate). An elementwise result read after one is read
+    from HBM where it is there anyway (a matmul's operand), else recomputed in its reader's kernel when it is
+    cheap (XLA's fusion duplicates a cheap producer into each consumer: its operands are then read there, and so
+    on back to values in HBM) and kept in HBM until then when it is expensive (a transcendental or a division:
+    a forward's GELU ``tanh`` read by its backward)."""
     nodes, alias = _flatten(block)
     last: dict = {}
     made: dict = {}    # elementwise result -> (barriers before it, its node)
@@ -84,14 +87,14 @@ def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
     barriers = 0
 
     def read(v, i: int) -> None:
-        last[v] = i
+        last[v] = i  # in HBM anyway (an operand of a matmul, say): read from there
         when, node = made.get(v, (barriers, None))
         if when == barriers or v in far:
             return
         if node.name in EXPENSIVE or any(node.roots):
             far.add(v)
             return
-        for o in node.operands:  # recomputed here: its operands are read here
+        for o in node.operands:  # else recomputed here when it is cheap: its operands are read here
             read(_root(alias, o), i)
 
     for i, node in enumerate(nodes):
@@ -117,6 +120,9 @@ def _block_peak(block: Block, functions: dict, memo: dict) -> float:
     last, sunk, far = _readers(block, functions)
     nodes, alias = _flatten(block)
     yields = {_root(alias, v) for v in block.yields}
+    dying: dict = {}
+    for v, j in last.items():
+        dying.setdefault(j, []).append(v)
     size: dict = {}
     live = peak = 0.0
     for i, node in enumerate(nodes):
@@ -132,7 +138,7 @@ def _block_peak(block: Block, functions: dict, memo: dict) -> float:
         for r, w in zip(node.results, node.writes):
             if r in kept:
                 size[r] = w
-        for v in [v for v, j in last.items() if j == i] + [r for r in kept if r not in last]:
+        for v in dying.get(i, []) + [r for r in kept if r not in last]:
             if v in size and v not in yields:  # freed after its last reader (at once if nothing reads it)
                 live -= size.pop(v)
     memo[key] = peak
