@@ -1,22 +1,23 @@
 """Accuracy benchmark: one matmul by its shape on this host, the GEMM shape model that prices traced programs.
 
 ``testbed calibrate`` on emulated host devices times a grid of fp32 GEMM shapes (every ``m, n, k`` of 16, 64,
-256 and 1024 from 1 MFLOP to 0.5 GFLOP: testbed.runner.measure.gemm_grid) one at a time on one device, and fits
-``compute.matmul_efficiency``, ``matmul_half_mn``, ``matmul_half_k`` and ``matmul_latency_s``
-(testbed.calibration.gemm_shapes) under the topology's fp32 peak and bandwidth. This benchmark does the same with
-calibrate's own code, the grid timed in ``--rounds`` rounds (every other one reversed, each shape's median round
-kept, as calibrate keeps it), validate's reference step timed after each round (``host_speeds``: the host's speed
-against its calibration then), and reports twice, on the raw times (``raw``) and on each round's times scaled by
-its speed (``at_calibrated_speed``: the fields for a topology calibrated when the host was quiet, as the bundled
-``host-cpu-8`` was):
+256 and 1024 from 1 MFLOP to 0.5 GFLOP: testbed.runner.measure.gemm_grid), each on every device at once as one
+SPMD program, and fits ``compute.matmul_efficiency``, ``matmul_half_mn``, ``matmul_half_k`` and
+``matmul_latency_s`` (testbed.calibration.gemm_shapes: net of the empty program, times the host's share of one
+device's speed when all compute) under the topology's fp32 peak and bandwidth. This benchmark does the same with
+calibrate's own code on 8 emulated devices, the grid timed in ``--rounds`` rounds (every other one reversed,
+each shape's median round kept, as calibrate keeps it), validate's reference step timed after each round
+(``host_speeds``: the host's speed against its calibration then), and reports twice, on the raw times (``raw``)
+and on each round's times scaled by its speed (``at_calibrated_speed``: the fields for a topology calibrated
+when the host was quiet, as the bundled ``host-cpu-8`` was; the reference step is an 8-device program too):
 
 - ``fitted``: the four fields on ``--topology``;
 - ``in_sample`` and ``leave_one_out``: the net time's relative error on the grid, fitted on all shapes and with
   each shape left out of its own fit in turn (median, max, and per shape);
 - ``heldout``: the matmuls of the eight programs of benchmarks/program_heldout.py (their ``dot_general`` s, with
-  their batch), never in the grid, timed in the same rounds, priced by the fitted model and, for comparison, by
+  their batch), never in the grid, timed in the same rounds and the same way, priced by the fitted model and, for comparison, by
   the FLOPs curve traced programs took without it (``efficiency x f / (f + compute.kernel_half_flops)`` of peak);
-- ``samples``: each round's samples and speed (refit them without measuring: :func:`refit`);
+- ``samples``: each round's samples (testbed.calibration.fit.samples_to_rows) and speed, to refit without measuring;
 - the load average before and after.
 
 Prints ONE JSON object.
@@ -57,24 +58,28 @@ def heldout_shapes(devices) -> list[tuple[int, int, int, int]]:
 
 
 def _timer(devices, shape: tuple[int, int, int, int]):
+    """A held-out shape timed as calibrate times the grid: on every device at once, one SPMD program."""
     import jax
     import jax.numpy as jnp
 
     from testbed.runner.host_sharing import time_call
 
     b, m, n, k = shape
-    x = jax.device_put(jnp.ones((b, m, k), jnp.float32), devices[0])
-    y = jax.device_put(jnp.ones((b, k, n), jnp.float32), devices[0])
-    fn = jax.jit(lambda u, v: jnp.einsum("bmk,bkn->bmn", u, v))
+    mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
+    rows, whole = jax.NamedSharding(mesh, jax.P("d")), jax.NamedSharding(mesh, jax.P())
+    x = jax.device_put(jnp.ones((len(devices), b, m, k), jnp.float32), rows)
+    y = jax.device_put(jnp.ones((b, k, n), jnp.float32), whole)
+    fn = jax.jit(lambda u, v: jnp.einsum("dbmk,bkn->dbmn", u, v), out_shardings=rows)
     return lambda: time_call(lambda: fn(x, y), repeats=15, budget_s=0.5)
 
 
 def timed(devices, rounds: int, grid: list, heldout: list, reference) -> list[dict]:
-    """Per round: the grid's samples (calibrate's code) with a one-device empty program's, the held-out shapes'
-    times, and the host's speed against its calibration then (``reference``: validate's reference step)."""
+    """Per round: the grid's samples (calibrate's code) with the empty program's over the devices, the held-out
+    shapes' times, and the host's speed against its calibration then (``reference``: validate's reference step)."""
     from testbed.runner.measure import Benchmark, run_benchmark
 
-    benches = [Benchmark(kind="dispatch", size=1, ranks=1)] + [Benchmark(kind="gemm", shape=s) for s in grid]
+    n = len(devices)
+    benches = [Benchmark(kind="dispatch", size=n, ranks=1)] + [Benchmark(kind="gemm", shape=s, ranks=n) for s in grid]
     timers = {s: _timer(devices, s) for s in heldout}
     out = []
     for r in range(rounds):
@@ -106,26 +111,29 @@ def _at_speed(rounds: list[dict], scaled: bool) -> tuple[list, dict]:
 
 
 def _report(topology, samples: list, held_times: dict) -> dict:
-    """The fit on the grid, its in-sample and leave-one-out errors, and its error on the held-out shapes."""
-    from testbed.calibration.gemm_shapes import (fit_gemm_shapes, gemm_rows, leave_one_out, one_device_launch,
+    """The fit on the grid, its in-sample and leave-one-out errors, and its error on the held-out shapes (each
+    converted to one device alone as the grid is: net of the empty program, times the host's share)."""
+    from testbed.calibration.gemm_shapes import (fit_gemm_shapes, gemm_rows, launch_seconds, leave_one_out,
                                                  predicted_seconds)
 
-    launch = one_device_launch(samples)
+    devices = samples[0].devices
+    launch = launch_seconds(samples, devices)
+    share = topology.calibration.host.share(devices) if topology.calibration.host else 1.0
     fields, fit = fit_gemm_shapes(samples, topology)
-    rows = gemm_rows(samples, launch)
+    rows = gemm_rows(samples, topology)
     loo = leave_one_out(rows, topology)
     heldout = []
     for shape, seconds in held_times.items():
-        net = seconds - launch
-        heldout.append({"shape": list(shape), "measured_s": seconds, "net_s": net,
+        net = (seconds - launch) * share
+        heldout.append({"shape": list(shape), "measured_s": seconds, "net_alone_s": net,
                         "model_error": predicted_seconds(topology, fields, (*shape, 0.0)) / net - 1.0,
                         "flops_curve_error": _curve_seconds(topology, shape) / net - 1.0})
-    return {"launch_s": launch, "fitted": fields, "in_sample": {**_errors(list(fit.rel_residuals)),
-                                                                "samples": fit.samples},
+    return {"launch_s": launch, "share": share, "fitted": fields,
+            "in_sample": {**_errors(list(fit.rel_residuals)), "samples": fit.samples},
             "leave_one_out": _errors(loo),
             "heldout": {"model": _errors([h["model_error"] for h in heldout]),
                         "flops_curve": _errors([h["flops_curve_error"] for h in heldout]), "shapes": len(heldout)},
-            "grid": [{"shape": [r[1], r[2], r[3]], "net_s": 2.0 * r[1] * r[2] * r[3] / r[4], "in_sample": e,
+            "grid": [{"shape": [r[1], r[2], r[3]], "net_alone_s": 2.0 * r[1] * r[2] * r[3] / r[4], "in_sample": e,
                       "loo": o} for r, e, o in zip(rows, fit.rel_residuals, loo)],
             "heldout_rows": heldout}
 

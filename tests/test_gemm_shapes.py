@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from testbed.calibration.fit import Sample, samples_from_rows, samples_to_rows
-from testbed.calibration.gemm_shapes import (fit_gemm_shapes, gemm_rows, leave_one_out, one_device_launch,
+from testbed.calibration.gemm_shapes import (fit_gemm_shapes, gemm_rows, launch_seconds, leave_one_out,
                                              predicted_seconds)
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
@@ -25,13 +25,15 @@ def _host(**compute):
     return replace(host, calibration=host.calibration.updated(compute=compute)) if compute else host
 
 
-def _samples(grid) -> list[Sample]:
-    """What calibrate would measure on a host whose matmuls follow FIELDS exactly (plus the empty program)."""
+def _samples(grid, devices: int = 1) -> list[Sample]:
+    """What calibrate would measure on a host whose matmuls follow FIELDS exactly (plus the empty program): on
+    ``devices`` devices at once, each slowed by the host's share of its speed alone."""
     truth = _host(**FIELDS)
-    rows = [Sample(kind="dispatch", seconds=LAUNCH)]
+    share = truth.calibration.host.share(devices)
+    rows = [Sample(kind="dispatch", seconds=LAUNCH, devices=devices)]
     for m, n, k in grid:
-        seconds = LAUNCH + predicted_seconds(truth, FIELDS, (1, m, n, k, 0.0))
-        rows.append(Sample(kind="gemm", seconds=seconds, flops=2.0 * m * n * k, m=m, n=n, k=k))
+        seconds = LAUNCH + predicted_seconds(truth, FIELDS, (1, m, n, k, 0.0)) / share
+        rows.append(Sample(kind="gemm", seconds=seconds, flops=2.0 * m * n * k, devices=devices, m=m, n=n, k=k))
     return rows
 
 
@@ -41,7 +43,7 @@ def test_the_grid_is_not_square_and_stays_in_its_flops_range() -> None:
     grid = gemm_grid()
     assert len(grid) > 30 and any(n < m for m, n, _ in grid) and any(k < n for _, n, k in grid)
     assert all(GEMM_FLOPS[0] <= 2 * m * n * k <= GEMM_FLOPS[1] for m, n, k in grid)
-    assert {b.shape for b in plan_benchmarks("cpu", 8) if b.kind == "gemm"} == set(grid)
+    assert {(b.shape, b.ranks) for b in plan_benchmarks("cpu", 8) if b.kind == "gemm"} == {(g, 8) for g in grid}
     assert not [b for b in plan_benchmarks("tpu", 8) if b.kind == "gemm"]  # an accelerator keeps its base's
 
 
@@ -53,15 +55,18 @@ def test_a_gemm_sample_keeps_its_shape_through_the_measurements_file() -> None:
         samples_from_rows([{**rows[0], "m": -1}])
 
 
-def test_the_fit_recovers_the_shape_model_it_was_measured_from() -> None:
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_fit_recovers_the_shape_model_it_was_measured_from(devices) -> None:
+    """Measured on every device at once, each sample is taken back to one device alone by the host's share."""
     grid = [(m, n, k) for m in (16, 256, 1024) for n in (16, 64, 1024) for k in (32, 512)]
-    samples = _samples(grid)
-    assert one_device_launch(samples) == LAUNCH and len(gemm_rows(samples, LAUNCH)) == len(grid)
+    samples = _samples(grid, devices)
+    assert launch_seconds(samples, devices) == LAUNCH and launch_seconds(samples, devices + 1) == 0.0
+    assert len(gemm_rows(samples, _host())) == len(grid)
     fitted, fit = fit_gemm_shapes(samples, _host())
     assert fit.max_abs_rel < 1e-3
     for name, value in FIELDS.items():
         assert fitted[name] == pytest.approx(value, rel=0.02), name
-    assert max(map(abs, leave_one_out(gemm_rows(samples, LAUNCH)[:8], _host()))) < 0.01
+    assert max(map(abs, leave_one_out(gemm_rows(samples, _host())[:8], _host()))) < 0.01
     assert fit_gemm_shapes(samples[:3], _host()) is None  # too few shapes to fit four fields
 
 

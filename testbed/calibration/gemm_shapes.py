@@ -1,8 +1,10 @@
 """One matmul's speed by its shape on a host: the GEMM shape model fitted to ``calibrate``'s grid of GEMMs.
 
-``testbed calibrate`` on emulated host devices times one ``m x k`` by ``k x n`` fp32 product alone on one
-device for every shape of a non-square grid (``gemm`` samples, testbed.runner.measure). Net of the empty
-program on one device, each is what one matmul of that shape costs inside a program. testbed.sim.compute's
+``testbed calibrate`` on emulated host devices times one ``m x k`` by ``k x n`` fp32 product on every device at
+once, one SPMD program, for every shape of a non-square grid (``gemm`` samples, testbed.runner.measure), as a
+traced program's devices run its matmuls. Net of the empty program over as many devices, and times the share
+of its speed alone each device gets when all compute (the host's throughput curve, which the simulator applies
+back), each is what one matmul of that shape costs a device inside a program. testbed.sim.compute's
 shape model (``eff = min(cap, s(m) s(n) s_k(k))``, the operands' memory bound, a fixed time per GEMM) is
 fitted to them by :func:`testbed.sim.compute.fit_shape_model` (least squares in log time), giving
 ``compute.matmul_half_mn``, ``matmul_half_k``, ``matmul_latency_s`` and the cap ``matmul_efficiency`` of the
@@ -25,7 +27,7 @@ from testbed.calibration.fit import Fit, Sample, fit_quality, of_kind
 from testbed.model.gemm import Gemm
 from testbed.topology import Topology
 
-__all__ = ["GemmRow", "one_device_launch", "gemm_rows", "predicted_seconds", "fit_gemm_shapes", "leave_one_out", "FIELDS"]
+__all__ = ["GemmRow", "launch_seconds", "gemm_rows", "predicted_seconds", "fit_gemm_shapes", "leave_one_out", "FIELDS"]
 
 #: The fitted fields (testbed.topology.calibration.ComputeCalibration) by fit_shape_model's names.
 FIELDS = {"efficiency": "matmul_efficiency", "gemm_half_mn": "matmul_half_mn", "gemm_half_k": "matmul_half_k",
@@ -36,19 +38,23 @@ GemmRow = tuple[int, int, int, int, float]
 _BYTES = 4.0
 
 
-def one_device_launch(samples: Sequence[Sample]) -> float:
-    """The time of an empty program on one device taking one array (the median of such ``dispatch`` samples; 0
-    without one): what a ``gemm`` sample, one product alone on one device, pays beside its matmul."""
-    times = [s.seconds for s in of_kind(samples, "dispatch") if s.devices == 1 and s.ranks == 1]
+def launch_seconds(samples: Sequence[Sample], devices: int) -> float:
+    """The time of an empty program over ``devices`` devices taking one array (the median of such ``dispatch``
+    samples; 0 without one): what a ``gemm`` sample on that many devices pays beside its matmuls."""
+    times = [s.seconds for s in of_kind(samples, "dispatch") if s.devices == devices and s.ranks == 1]
     return float(np.median(times)) if times else 0.0
 
 
-def gemm_rows(samples: Sequence[Sample], launch_s: float) -> list[GemmRow]:
-    """``(batch, m, n, k, FLOP/s)`` of each fp32 ``gemm`` sample, net of the empty program's time (a sample
-    no slower than an empty program is left out: nothing of it is the matmul's)."""
+def gemm_rows(samples: Sequence[Sample], topology: Topology) -> list[GemmRow]:
+    """``(batch, m, n, k, FLOP/s)`` of each fp32 ``gemm`` sample as one device alone would run it: its time net of
+    the empty program over as many devices, times the share of its speed alone each of them gets when they all
+    compute at once (the host's throughput curve, ``topology.calibration.host``: the simulator slows each
+    device's kernels by as much when they compute together). A sample no slower than the empty program is left
+    out: nothing of it is the matmul's."""
+    host = topology.calibration.host
     out = []
     for s in of_kind(samples, "gemm"):
-        net = s.seconds - launch_s
+        net = (s.seconds - launch_seconds(samples, s.devices)) * (host.share(s.devices) if host else 1.0)
         if s.dtype == "fp32" and net > 0 and min(s.m, s.n, s.k) > 0:
             out.append((1, s.m, s.n, s.k, 2.0 * s.m * s.n * s.k / net))
     return out
@@ -83,10 +89,10 @@ def predicted_seconds(topology: Topology, fields: dict[str, float], row: GemmRow
 
 
 def fit_gemm_shapes(samples: Sequence[Sample], topology: Topology) -> tuple[dict[str, float], Fit] | None:
-    """The four ``compute.matmul_*`` fields fitted to the ``gemm`` samples net of :func:`one_device_launch`, on
-    ``topology`` (its fp32 peak and calibrated bandwidth), and the fit's residuals on the net times (the
-    simulator's own price of each shape against them); None without at least four usable samples."""
-    rows = gemm_rows(samples, one_device_launch(samples))
+    """The four ``compute.matmul_*`` fields fitted to the ``gemm`` samples (:func:`gemm_rows`) on ``topology`` (its
+    fp32 peak, calibrated bandwidth and host), and the fit's residuals on the net times (the simulator's own
+    price of each shape against them); None without at least four usable samples."""
+    rows = gemm_rows(samples, topology)
     if len(rows) < 4:
         return None
     fields = _fit(rows, topology)

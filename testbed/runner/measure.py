@@ -101,7 +101,7 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
            for a in (1, DISPATCH_ARRAYS)]
     out += [Benchmark(kind="matmul", size=n, dtype=d) for d in dtypes for n in sizes]
     if cpu:  # one matmul by its shape: traced programs' narrow products (testbed.calibration.gemm_shapes)
-        out += [Benchmark(kind="gemm", shape=shape) for shape in gemm_grid(quick)]
+        out += [Benchmark(kind="gemm", shape=shape, ranks=num_devices) for shape in gemm_grid(quick)]
     if num_devices > 1:
         # Emulated devices share the host's cores: how much slower is everyone at once.
         # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.fit.fit_host_throughput).
@@ -156,15 +156,17 @@ def gemm_grid(quick: bool = False) -> list[tuple[int, int, int]]:
 
 
 def _gemm(bench: Benchmark, devices: Sequence[Any]) -> Sample:
-    """One fp32 ``m x k`` by ``k x n`` product alone on the first device (the empty program's time included)."""
+    """One fp32 ``m x k`` by ``k x n`` product on each of ``bench.ranks`` devices at once, one SPMD program without
+    communication (a traced program's matmul, as its devices run it; the program's launch included)."""
     m, n, k = bench.shape
-    a = jax.device_put(jnp.ones((m, k), jnp.float32), devices[0])
-    b = jax.device_put(jnp.ones((k, n), jnp.float32), devices[0])
-    seconds = time_call(lambda: _DOT(a, b), repeats=15, budget_s=0.5)
-    return Sample(kind="gemm", seconds=seconds, flops=2.0 * m * n * k, m=m, n=n, k=k)
-
-
-_DOT = jax.jit(jnp.matmul)
+    ranks = max(1, bench.ranks)
+    mesh = jax.make_mesh((ranks,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices[:ranks]))
+    rows, whole = jax.NamedSharding(mesh, jax.P("d")), jax.NamedSharding(mesh, jax.P())
+    a = jax.device_put(jnp.ones((ranks, m, k), jnp.float32), rows)
+    b = jax.device_put(jnp.ones((k, n), jnp.float32), whole)
+    fn = jax.jit(jnp.matmul, out_shardings=rows)
+    seconds = time_call(lambda: fn(a, b), repeats=15, budget_s=0.5)
+    return Sample(kind="gemm", seconds=seconds, flops=2.0 * m * n * k, devices=ranks, m=m, n=n, k=k)
 
 
 def _matmul(bench: Benchmark, devices: Sequence[Any]) -> Sample:
