@@ -97,3 +97,30 @@ def test_the_fields_round_trip_and_a_bad_one_is_named() -> None:
     with pytest.raises(InputError) as info:
         topology_from_dict(data)
     assert info.value.field == "calibration.compute.matmul_efficiency"
+
+
+def test_a_calibration_with_a_gemm_grid_carries_the_fields_and_its_plans_are_priced_as_without() -> None:
+    """calibrate's fit (a kept host run's samples, plus a GEMM grid on 8 devices) writes the four fields; the
+    table shows them; a plan simulated on the calibrated topology is priced as on the one without them."""
+    import json
+    from pathlib import Path
+
+    from testbed.calibration.calibrated import fit_saved, saved_base
+    from testbed.cli.calibration_table import calibration_rows
+    from testbed.plan.io import load_plan
+    from testbed.sim.engine import simulate
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / "benchmarks/host_runs/2026-12-02/run-8/measurements.json"
+    raw = json.loads(path.read_text())
+    grid = [(m, n, k) for m in (64, 256, 1024) for n in (16, 256) for k in (64, 1024)]
+    raw["samples"] = ([s for s in raw["samples"] if not (s["kind"] == "dispatch" and s.get("devices", 1) == 8)]
+                      + samples_to_rows(_samples(grid, devices=8)))
+    topo, fitted, fits = fit_saved(raw, saved_base(raw))
+    compute = topo.calibration.compute
+    assert compute.matmul_half_mn > 0 and compute.matmul_efficiency > 0 and "gemm shapes fp32" in {f.name for f in fits}
+    assert any(field.startswith("matmul_efficiency") for _, field, _ in calibration_rows(fitted))
+    plain = replace(topo, calibration=topo.calibration.updated(compute={
+        "matmul_efficiency": 0.0, "matmul_half_mn": 0.0, "matmul_half_k": 0.0, "matmul_latency_s": 0.0}))
+    plan = load_plan(str(root / "plans/validation/dp8.yaml"))
+    assert simulate(plan, topo).report.step_time_s == simulate(plan, plain).report.step_time_s
