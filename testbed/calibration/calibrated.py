@@ -3,7 +3,7 @@
 ``testbed calibrate`` measures (:mod:`testbed.runner.measure`) and calls
 :func:`fit_all`, which runs every fit of this package in order (dispatch,
 compute, memory, host cores and throughput, collectives, controller, the
-training steps' compute) and returns the topology with its fitted
+training steps' compute, one matmul by its shape) and returns the topology with its fitted
 :class:`~testbed.topology.Calibration`: its ``compute``, ``memory`` and
 ``collectives`` groups always, ``elementwise``, ``host`` and ``controller``
 only where the measurements found them. Pure: no JAX, no files.
@@ -21,6 +21,7 @@ import numpy as np
 from testbed.calibration import collectives as cal_coll
 from testbed.calibration import fit
 from testbed.calibration import steps as cal_steps
+from testbed.calibration.gemm_shapes import fit_gemm_shapes
 from testbed.collectives import timing as collective_timing
 from testbed.errors import InputError
 from testbed.topology.chips import chip, is_chip
@@ -238,6 +239,10 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
                                        controller_pipeline_step_s=pipeline_step_s, passes=passes,
                                        host_throughput=curve, host_programs=programs, host_serial=serial,
                                        host_skew=skew, cache_bytes=cache_bytes, matmul_half_flops=matmul_half)
+    shapes = fit_gemm_shapes(samples, topo)  # one matmul by its shape, under the final cap (traced programs)
+    if shapes is not None:
+        topo = replace(topo, calibration=topo.calibration.updated(compute=shapes[0]))
+        fits.append(shapes[1])
     return topo, fitted_values(topo, shared=shared, rates=rates, memory_bandwidth=memory_bw), fits
 
 

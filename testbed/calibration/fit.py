@@ -42,11 +42,11 @@ __all__ = [
     "samples_to_rows", "samples_from_rows",
 ]
 
-#: Kinds of measurement rows: an empty program, a matmul on one device, a small
+#: Kinds of measurement rows: an empty program, a matmul on one device (square, or a ``gemm`` of any shape), a small
 #: MLP training step on ``devices`` devices at once, a memory stream, a
 #: collective, a data-parallel training step of a model, a pipeline (MPMD)
 #: training step of a model.
-SAMPLE_KINDS = ("dispatch", "matmul", "concurrent", "programs", "launches", "barriers", "memory", "collective",
+SAMPLE_KINDS = ("dispatch", "matmul", "gemm", "concurrent", "programs", "launches", "barriers", "memory", "collective",
                 "step", "pipeline")
 #: Collectives in a ``barriers`` sample's chain (one between each two of its matmuls).
 BARRIER_COLLECTIVES = 24
@@ -80,6 +80,7 @@ class Sample:
         in the same rounds.
     count: ``barriers``: how many times the chain's groups meet (0:
         :data:`BARRIER_COLLECTIVES`).
+    m, n, k: a ``gemm``'s shape, an ``m x k`` by ``k x n`` product (0 for other kinds).
     """
 
     kind: str
@@ -93,6 +94,9 @@ class Sample:
     host_s: float = 0.0
     alone_s: float = 0.0
     count: int = 0
+    m: int = 0
+    n: int = 0
+    k: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in SAMPLE_KINDS:
@@ -100,7 +104,7 @@ class Sample:
         if not (self.seconds > 0 and math.isfinite(self.seconds)):
             raise InputError(f"must be a positive finite time, got {self.seconds}", field="seconds")
         if (self.flops < 0 or self.bytes < 0 or self.host_s < 0 or self.alone_s < 0 or self.devices < 1
-                or self.ranks < 1 or self.count < 0):
+                or self.ranks < 1 or self.count < 0 or min(self.m, self.n, self.k) < 0):
             raise InputError("flops, bytes and count must be non-negative, devices and ranks positive", field=self.kind)
 
 
@@ -403,6 +407,8 @@ def samples_from_rows(rows: Sequence[Mapping[str, Any]]) -> list[Sample]:
         for name in ("devices", "ranks"):
             values[name] = get_int(row, name, field, default=1, maximum=MAX_DEVICES)
         values["count"] = get_int(row, "count", field, default=0, minimum=0)
+        for name in ("m", "n", "k"):
+            values[name] = get_int(row, name, field, default=0, minimum=0, maximum=1 << 24)
         values["dtype"] = get_str(row, "dtype", field, default="fp32", max_length=32)
         values["op"] = get_str(row, "op", field, default="", max_length=200)
         try:

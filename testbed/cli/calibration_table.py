@@ -31,6 +31,10 @@ def calibration_rows(fitted: dict[str, Any]) -> list[tuple[str, str, str]]:
              ("compute", "launch_overhead_s", format_time(c["launch_overhead_s"]))]
     if c.get("matmul_half_flops") is not None:
         rows.append(("compute", "matmul_half_flops", f"{c['matmul_half_flops']:.3g} (one matmul alone: traced kernels)"))
+    if c.get("matmul_half_mn") or c.get("matmul_half_k") or c.get("matmul_latency_s"):
+        rows.append(("compute", "matmul_efficiency, matmul_half_mn, matmul_half_k, matmul_latency_s",
+                     f"{c['matmul_efficiency']:.3f}, {c['matmul_half_mn']:.3g}, {c['matmul_half_k']:.3g}, "
+                     f"{format_time(c['matmul_latency_s'])} (one matmul by its shape: traced matmuls)"))
     rows.append(("memory", "efficiency", f"{groups['memory']['efficiency']:.3f}"))
     e = groups["elementwise"]
     if e is None:

@@ -34,7 +34,7 @@ from testbed.model.costs import model_flops_per_step
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
            "compiled_memory", "collective_sample", "StepTimer", "PlanTimer", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS",
-           "measurement_order", "least_disturbed"]
+           "measurement_order", "least_disturbed", "gemm_grid"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -49,6 +49,7 @@ class Benchmark:
     dtype: str = "fp32"
     op: str = ""
     ranks: int = 1
+    shape: tuple[int, int, int] = (0, 0, 0)  # a ``gemm``'s (m, n, k)
 
     @property
     def label(self) -> str:
@@ -60,6 +61,8 @@ class Benchmark:
             return f"pipeline step {self.op}"
         if self.kind == "matmul":
             return f"matmul {self.dtype} {self.size}^3"
+        if self.kind == "gemm":
+            return "gemm {} {}x{}x{}".format(self.dtype, *self.shape)
         if self.kind == "concurrent":
             return f"MLP step, {self.size} tokens, on {self.ranks} device(s) at once"
         if self.kind == "programs":
@@ -97,6 +100,8 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
     out = [Benchmark(kind="dispatch", size=k, ranks=a) for k in sorted({1, max(1, num_devices // 2), num_devices})
            for a in (1, DISPATCH_ARRAYS)]
     out += [Benchmark(kind="matmul", size=n, dtype=d) for d in dtypes for n in sizes]
+    if cpu:  # one matmul by its shape: traced programs' narrow products (testbed.calibration.gemm_shapes)
+        out += [Benchmark(kind="gemm", shape=shape, ranks=num_devices) for shape in gemm_grid(quick)]
     if num_devices > 1:
         # Emulated devices share the host's cores: how much slower is everyone at once.
         # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.fit.fit_host_throughput).
@@ -135,6 +140,33 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         # The single controller's cost per program: two-stage pipelines of two microbatch counts.
         out += [Benchmark(kind="pipeline", op=f"cpu-s-m{m}") for m in PIPELINE_MICROBATCHES]
     return out
+
+
+#: The sides of calibrate's grid of GEMM shapes on a host: every m, n, k of them from :data:`GEMM_FLOPS`' least to
+#: its most. Below 1 MFLOP a product alone is bimodal on XLA:CPU (on the calling thread, ~10 us, or handed to the
+#: intra-op pool, ~50 us, from one call to the next), which is the host's noise, not the shape's price.
+GEMM_SIDES, GEMM_QUICK_SIDES = (16, 64, 256, 1024), (32, 256, 1024)
+GEMM_FLOPS = (2 ** 20, 2 ** 29)
+
+
+def gemm_grid(quick: bool = False) -> list[tuple[int, int, int]]:
+    """The (m, n, k) shapes calibrate times one at a time on a host: square, narrow and flat."""
+    sides = GEMM_QUICK_SIDES if quick else GEMM_SIDES
+    return [(m, n, k) for m in sides for n in sides for k in sides if GEMM_FLOPS[0] <= 2 * m * n * k <= GEMM_FLOPS[1]]
+
+
+def _gemm(bench: Benchmark, devices: Sequence[Any]) -> Sample:
+    """One fp32 ``m x k`` by ``k x n`` product on each of ``bench.ranks`` devices at once, one SPMD program without
+    communication (a traced program's matmul, as its devices run it; the program's launch included)."""
+    m, n, k = bench.shape
+    ranks = max(1, bench.ranks)
+    mesh = jax.make_mesh((ranks,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=list(devices[:ranks]))
+    rows, whole = jax.NamedSharding(mesh, jax.P("d")), jax.NamedSharding(mesh, jax.P())
+    a = jax.device_put(jnp.ones((ranks, m, k), jnp.float32), rows)
+    b = jax.device_put(jnp.ones((k, n), jnp.float32), whole)
+    fn = jax.jit(jnp.matmul, out_shardings=rows)
+    seconds = time_call(lambda: fn(a, b), repeats=15, budget_s=0.5)
+    return Sample(kind="gemm", seconds=seconds, flops=2.0 * m * n * k, devices=ranks, m=m, n=n, k=k)
 
 
 def _matmul(bench: Benchmark, devices: Sequence[Any]) -> Sample:
@@ -260,6 +292,8 @@ def run_benchmark(bench: Benchmark, devices: Sequence[Any], timers: dict[Benchma
         return _step(bench, devices, timers)
     if bench.kind == "matmul":
         return _matmul(bench, devices)
+    if bench.kind == "gemm":
+        return _gemm(bench, devices)
     if bench.kind == "concurrent":
         return concurrent_sample(bench, devices)
     if bench.kind == "programs":
@@ -283,8 +317,10 @@ STEP_KINDS = ("step", "pipeline")
 #: within minutes (T(4) / T(8) read 0.75-0.97 from one ten-second curve to the next), so each point of a
 #: calibration's curve is the median of rounds spread over it rather than one taken at a single moment.
 PAIRED_KINDS = ("barriers", "concurrent", "programs")
-#: Measured in every round: the training steps and the paired comparisons.
-REPEATED_KINDS = (*STEP_KINDS, *PAIRED_KINDS)
+#: Measured in every round: the training steps, the paired comparisons and the grid of GEMM shapes. A GEMM keeps
+#: its median round: on XLA:CPU a small product's time is bimodal (run on the calling thread, ~10 us, or handed
+#: to the intra-op pool, ~50 us), and its fastest round would keep the rare one.
+REPEATED_KINDS = (*STEP_KINDS, *PAIRED_KINDS, "gemm")
 
 
 def measurement_order(benches: Sequence[Benchmark], rounds: int = 1) -> list[int]:
@@ -301,8 +337,8 @@ def measurement_order(benches: Sequence[Benchmark], rounds: int = 1) -> list[int
 def least_disturbed(samples: Sequence[Sample]) -> Sample:
     """The sample of the fastest round: other load on the host only ever slows a benchmark down. A
     comparison (:data:`PAIRED_KINDS`) keeps its round of the median ratio to its own reference (a
-    one-device ``concurrent`` sample, which has none, its median time)."""
-    if samples and samples[0].kind in PAIRED_KINDS:
+    one-device ``concurrent`` sample, which has none, its median time), a ``gemm`` its median round."""
+    if samples and samples[0].kind in (*PAIRED_KINDS, "gemm"):
         return sorted(samples, key=lambda s: s.seconds / s.alone_s if s.alone_s > 0 else s.seconds)[len(samples) // 2]
     return min(samples, key=lambda s: s.seconds)
 

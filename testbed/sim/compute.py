@@ -50,6 +50,7 @@ fields (host CPUs, TPUs here) keeps the FLOPs-only roofline
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from testbed.model.gemm import Gemm
@@ -258,12 +259,13 @@ def gemms_seconds(topology: Topology, dtype: str, gemms: Iterable[Gemm]) -> floa
 
 
 def fit_shape_model(rows: Sequence[tuple[int, int, int, int, float]], peak: float, bandwidth: float,
-                    efficiency: float, dtype_bytes: float = 2.0) -> dict[str, float]:
+                    efficiency: float | None, dtype_bytes: float = 2.0) -> dict[str, float]:
     """Least-squares fit (log time) of ``gemm_half_mn``, ``gemm_half_k`` and ``gemm_latency_s`` to measurements.
 
     ``rows``: ``(batch, m, n, k, measured FLOP/s)``; ``peak`` the datasheet FLOP/s, ``efficiency`` the cap
-    (the device's maximum achievable matmul FLOP/s over peak). Returns the three fields and the fit's
-    median and max relative error. Needs numpy and scipy (a benchmark-time tool, not the simulator's).
+    (the device's maximum achievable matmul FLOP/s over peak), or None to fit the cap too (returned as
+    ``efficiency``, at most 1.5). Halves are at least one element, the latency at least 1 ns. Returns the fields and the fit's median and max relative error. Needs numpy and scipy
+    (a fit-time tool, not the simulator's; scipy comes with JAX).
     """
     import numpy as np
     from scipy.optimize import least_squares
@@ -274,12 +276,18 @@ def fit_shape_model(rows: Sequence[tuple[int, int, int, int, float]], peak: floa
     operands = b * (m * k + k * n + m * n) * dtype_bytes / bandwidth
 
     def model(p):
-        half_mn, half_k, latency = np.exp(p)
-        eff = np.minimum(efficiency, b * m / (b * m + half_mn) * n / (n + half_mn) * k / (k + half_k))
+        half_mn, half_k, latency = np.exp(p[:3])
+        cap = efficiency if efficiency is not None else float(np.exp(p[3]))
+        eff = np.minimum(cap, b * m / (b * m + half_mn) * n / (n + half_mn) * k / (k + half_k))
         return latency + np.maximum(flops / (peak * eff), operands)
 
-    res = least_squares(lambda p: np.log(model(p) / measured), np.log([100.0, 100.0, 3e-6]))
-    half_mn, half_k, latency = (float(x) for x in np.exp(res.x))
+    # halves of at least one element (a GEMM dimension's factor is at most 1/2 at size 1), latency at least 1 ns
+    start = [100.0, 100.0, 3e-6] + ([] if efficiency is not None else [0.5])
+    low = [0.0, 0.0, math.log(1e-9)] + ([] if efficiency is not None else [math.log(0.01)])
+    high = [math.log(1e6), math.log(1e6), math.log(1.0)] + ([] if efficiency is not None else [math.log(1.5)])
+    res = least_squares(lambda p: np.log(model(p) / measured), np.log(start), bounds=(low, high))
+    half_mn, half_k, latency = (float(x) for x in np.exp(res.x[:3]))
     err = np.abs(model(res.x) / measured - 1)
-    return {"gemm_half_mn": half_mn, "gemm_half_k": half_k, "gemm_latency_s": latency,
+    cap = efficiency if efficiency is not None else float(np.exp(res.x[3]))
+    return {"gemm_half_mn": half_mn, "gemm_half_k": half_k, "gemm_latency_s": latency, "efficiency": cap,
             "median_abs_error": float(np.median(err)), "max_abs_error": float(err.max())}

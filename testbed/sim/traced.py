@@ -54,7 +54,7 @@ from testbed.sim.timeline import Report, Timeline
 from testbed.sim.workload import OpKind, Workload, element_bytes
 from testbed.topology import Topology
 
-__all__ = ["TracedSimulation", "workload_program", "price_workload", "memory_seconds", "simulate_workload",
+__all__ = ["TracedSimulation", "workload_program", "price_workload", "traced_topology", "memory_seconds", "simulate_workload",
            "mesh_groups", "collective_bytes", "workload_report", "matmul_dtype", "convert_bytes", "device_collectives"]
 
 
@@ -265,20 +265,28 @@ def memory_seconds(topology: Topology, hbm_bytes: float) -> float:
     return pass_seconds(topology, hbm_bytes)
 
 
+def traced_topology(topology: Topology) -> Topology:
+    """``topology`` with the compute group a traced program's kernels take (ComputeCalibration.traced): the size
+    curve's half-efficiency FLOPs of one matmul alone (``compute.kernel_half_flops``), and where calibrate measured
+    its grid of GEMM shapes, each matmul priced by its own shape (``compute.matmul_half_mn``, ``matmul_half_k``,
+    ``matmul_latency_s``). A plan's fields, refitted to training steps, also price the work between its matmuls
+    that a plan does not count, which a traced program counts itself (its memory-bound ops)."""
+    compute = topology.calibration.compute
+    traced = compute.traced()
+    if traced == compute:
+        return topology
+    return replace(topology, calibration=replace(topology.calibration, compute=traced))
+
+
 def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
     """testbed.sim.pricing's prices of a traced program's tasks, memory-bound tasks by :func:`memory_seconds`,
     and the calibrated launch overhead paid once.
 
     ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
     pays it per action, each a program; a traced step is one program, so only its first compute task does.
-    Its kernels take the size curve's half-efficiency FLOPs of one matmul alone
-    (``compute.kernel_half_flops``): a plan's, refitted to training steps, also prices the work between its
-    matmuls that a plan does not count, which a traced program counts itself (its memory-bound ops).
+    Its kernels are priced as one matmul timed alone is (:func:`traced_topology`).
     """
-    compute = topology.calibration.compute
-    if compute.kernel_half_flops != compute.efficiency_half_flops:
-        topology = replace(topology, calibration=topology.calibration.updated(
-            compute={"efficiency_half_flops": compute.kernel_half_flops}))
+    topology = traced_topology(topology)
     priced = price(program, topology, matmul_dtype(topology, dtype))
     launch = topology.calibration.compute.launch_overhead_s
     durations = list(priced.durations)
@@ -343,6 +351,7 @@ def _op_seconds(workload: Workload, topology: Topology, device_ids: np.ndarray |
     taken as this project's prices."""
     program = workload_program(workload, topology, device_ids)
     durations = price_workload(program, topology, workload.dtype).durations
+    topology = traced_topology(topology)
     collectives = iter(d for t, d in zip(program.tasks, durations) if t.kind in (TaskKind.COLLECTIVE, TaskKind.SEND))
     dtype, passes = matmul_dtype(topology, workload.dtype), topology.calibration.elementwise is not None
     out = []

@@ -70,6 +70,12 @@ class ComputeCalibration(_Group):
         their uncounted work between the matmuls with them). A traced
         program counts its memory-bound ops itself (testbed.sim.traced), so
         its kernels take this one. None: the same as ``efficiency_half_flops``.
+    matmul_efficiency, matmul_half_mn, matmul_half_k, matmul_latency_s: the
+        GEMM shape model of one matmul timed alone (``calibrate``'s grid of
+        GEMM shapes on a host: testbed.calibration.gemm_shapes), in place of
+        ``efficiency``, ``gemm_half_mn``, ``gemm_half_k`` and
+        ``gemm_latency_s`` for a traced program's matmuls and convolutions
+        (:meth:`traced`); a plan's compute keeps its own. All 0: none measured.
     """
 
     GROUP: ClassVar[str] = "compute"
@@ -83,6 +89,10 @@ class ComputeCalibration(_Group):
     fp8_efficiency: float = 0.0
     fp8_gemm_half_k: float = 0.0
     matmul_half_flops: float | None = None
+    matmul_efficiency: float = 0.0
+    matmul_half_mn: float = 0.0
+    matmul_half_k: float = 0.0
+    matmul_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.matmul_half_flops is not None:
@@ -92,8 +102,10 @@ class ComputeCalibration(_Group):
             self._fraction("flash_efficiency")
         if self.fp8_efficiency:
             self._fraction("fp8_efficiency")
+        if self.matmul_efficiency:
+            self._fraction("matmul_efficiency")
         self._nonnegative("efficiency_half_flops", "launch_overhead_s", "gemm_half_mn", "gemm_half_k",
-                          "gemm_latency_s", "fp8_gemm_half_k")
+                          "gemm_latency_s", "fp8_gemm_half_k", "matmul_half_mn", "matmul_half_k", "matmul_latency_s")
 
     def cap(self, dtype: str) -> float:
         """The efficiency of a very large matmul in ``dtype`` (``fp8_efficiency`` for fp8 where set)."""
@@ -104,6 +116,15 @@ class ComputeCalibration(_Group):
         """The half-efficiency FLOPs of a traced program's kernels: ``matmul_half_flops`` where measured, else
         ``efficiency_half_flops``."""
         return self.efficiency_half_flops if self.matmul_half_flops is None else self.matmul_half_flops
+
+    def traced(self) -> ComputeCalibration:
+        """The group a traced program's kernels are priced with: one matmul's own half-efficiency FLOPs
+        (:attr:`kernel_half_flops`) and, where measured, one matmul's own GEMM shape model (``matmul_*``)."""
+        out = replace(self, efficiency_half_flops=self.kernel_half_flops)
+        if self.matmul_half_mn > 0 or self.matmul_half_k > 0 or self.matmul_latency_s > 0:
+            out = replace(out, gemm_half_mn=self.matmul_half_mn, gemm_half_k=self.matmul_half_k,
+                          gemm_latency_s=self.matmul_latency_s, efficiency=self.matmul_efficiency or self.efficiency)
+        return out
 
     @property
     def shapes(self) -> bool:

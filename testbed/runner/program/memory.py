@@ -1,13 +1,15 @@
 """A live-range estimate of one device's peak memory over a partitioned program (no devices, no compile).
 
-The step's arguments are live throughout. Walking each block in program order, a materialized value
-(testbed.runner.program.compile's fusion approximation: what a matmul, collective, reduction, loop or call
-writes, or an elementwise result a matmul or collective reads) is allocated when it is produced and
-freed after its last reader in the block (a loop's carried values when the loop ends, a block's results
-when the block ends). A loop, call or shard_map body adds its own peak above what is live around it,
-once (iterations reuse their buffers). XLA's buffer reuse across unrelated values, in-place updates,
-rematerialization and its scheduler's reordering are not modeled: an estimate of the order of what the
-program keeps alive, not XLA's buffer assignment.
+The step's arguments are live throughout. The program is read as XLA compiles it: a shard_map body is inlined
+(XLA's partitioner leaves no region), a passthrough (reshape, transpose, broadcast) reads its source's buffer.
+Walking each block in program order, a materialized value (testbed.runner.program.compile's fusion
+approximation: what a matmul, collective, reduction, loop or call writes, or what such an op reads; and an
+elementwise result read after a matmul or collective when XLA would not recompute it there, :func:`_readers`)
+is allocated when it is produced and freed after its last reader in the block (a loop's carried values when
+the loop ends, a block's results when the block ends). A loop or call body adds its own peak above what is
+live around it, once (iterations reuse their buffers). XLA's buffer reuse across unrelated values, in-place
+updates and its scheduler's reordering are not modeled: an estimate of what the program keeps alive, not XLA's
+buffer assignment (docs/program.md).
 """
 
 from __future__ import annotations
@@ -30,42 +32,115 @@ def _uses(block: Block, functions: dict) -> set:
     return out
 
 
+def _flatten(block: Block) -> tuple[list, dict]:
+    """The block's nodes with each shard_map body (``sdy.manual_computation``) inlined, as XLA's partitioner leaves
+    it (the compiled step has no such region: its fusion and buffer assignment see one graph), and the aliases
+    that makes: a body's argument -> the operand it is, a region's result -> the body's yield, a passthrough's
+    result (reshape, transpose, broadcast) -> the value whose buffer it reads."""
+    nodes: list = []
+    alias: dict = {}
+    for node in block.nodes:
+        if node.kind == "region" and len(node.blocks) == 1:
+            inner, more = _flatten(node.blocks[0])
+            alias.update(more)
+            alias.update(zip(node.blocks[0].args, node.operands))
+            alias.update(zip(node.results, node.blocks[0].yields))
+            nodes += inner
+            continue
+        if node.kind == "passthrough" and node.operands:
+            sources = node.operands if len(node.operands) == len(node.results) else node.operands[:1] * len(node.results)
+            alias.update(zip(node.results, sources))
+        nodes.append(node)
+    return nodes, alias
+
+
+def _root(alias: dict, v):
+    """The value ``v`` reads the buffer of, through :func:`_flatten`'s aliases."""
+    seen = 0
+    while v in alias and seen < 10_000:
+        v, seen = alias[v], seen + 1
+    return v
+
+
+#: Elementwise ops XLA's fusion does not duplicate into a second consumer (``HloInstruction::IsExpensive``,
+#: xla/hlo/ir/hlo_instruction.cc): a result of one read across a barrier stays in HBM until then.
+EXPENSIVE = frozenset(f"stablehlo.{op}" for op in (
+    "divide", "exponential", "exponential_minus_one", "log", "log_plus_one", "power", "rsqrt", "sqrt", "cbrt",
+    "tanh", "logistic", "atan2", "cosine", "sine", "tan", "remainder", "erf")) | {"chlo.erf", "chlo.tan"}
+
+
+def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
+    """(value -> index of its last reader, values an HBM reader reads, values read across a barrier), each value
+    taken through passthroughs to the one it reads.
+
+    A barrier is a matmul, collective, loop, call or custom call: no fusion reaches across one (the fusion
+    estimate's multi-output rule: testbed.runner.program.evaluate). An elementwise result read after one is read
+    from HBM where it is there anyway (a matmul's operand), else recomputed in its reader's kernel when it is
+    cheap (XLA's fusion duplicates a cheap producer into each consumer: its operands are then read there, and so
+    on back to values in HBM) and kept in HBM until then when it is expensive (a transcendental or a division:
+    a forward's GELU ``tanh`` read by its backward)."""
+    nodes, alias = _flatten(block)
+    last: dict = {}
+    made: dict = {}    # elementwise result -> (barriers before it, its node)
+    sunk = {_root(alias, v) for v in block.yields}
+    far: set = set()
+    barriers = 0
+
+    def read(v, i: int) -> None:
+        last[v] = i  # in HBM anyway (an operand of a matmul, say): read from there
+        when, node = made.get(v, (barriers, None))
+        if when == barriers or v in far:
+            return
+        if node.name in EXPENSIVE or any(node.roots):
+            far.add(v)
+            return
+        for o in node.operands:  # else recomputed here when it is cheap: its operands are read here
+            read(_root(alias, o), i)
+
+    for i, node in enumerate(nodes):
+        sink = node.kind in _SINKS or node.name == "stablehlo.custom_call"
+        reads = [_root(alias, v) for v in node.operands]
+        reads += [_root(alias, v) for inner in node.blocks for v in _uses(inner, functions)]
+        for v in reads:
+            read(v, i)
+        if sink:
+            sunk.update(reads)
+        barriers += sink
+        if node.kind == "memory":
+            made.update((r, (barriers, node)) for r in node.results)
+    return last, sunk, far
+
+
 def _block_peak(block: Block, functions: dict, memo: dict) -> float:
     """Peak bytes the block allocates above what is live when it starts (its arguments not counted)."""
     key = id(block)
     if key in memo:
         return memo[key]
     memo[key] = 0.0  # guards recursion
-    last: dict = {}
-    sunk = set(block.yields)
-    for i, node in enumerate(block.nodes):
-        for v in node.operands:
-            last[v] = i
-        for inner in node.blocks:
-            for v in _uses(inner, functions):
-                last[v] = i
-        if node.kind in _SINKS or node.name == "stablehlo.custom_call":
-            sunk.update(node.operands)
+    last, sunk, far = _readers(block, functions)
+    nodes, alias = _flatten(block)
+    yields = {_root(alias, v) for v in block.yields}
+    dying: dict = {}
+    for v, j in last.items():
+        dying.setdefault(j, []).append(v)
     size: dict = {}
     live = peak = 0.0
-    for i, node in enumerate(block.nodes):
+    for i, node in enumerate(nodes):
         inner = max((_block_peak(b, functions, memo) for b in node.blocks), default=0.0)
         if node.kind == "call" and node.callee in functions:
             inner = _block_peak(functions[node.callee], functions, memo)
         kept = [r for r, root in zip(node.results, node.roots or [True] * len(node.results))
-                if node.kind in ("gemm", "collective", *_NESTED) or root or r in sunk]
+                if node.kind in ("gemm", "collective", *_NESTED) or root or r in sunk or r in far]
         new = sum(w for r, w in zip(node.results, node.writes) if r in kept)
-        peak = max(peak, live + inner + new)
+        # a loop's, call's or shard_map body's results are its block's yields, live at its end: in its own peak
+        peak = max(peak, live + (max(inner, new) if node.blocks or node.kind == "call" else new))
         live += new
         for r, w in zip(node.results, node.writes):
             if r in kept:
                 size[r] = w
-        for v in node.operands:
-            if last.get(v) == i and v in size and v not in block.yields:
+        for v in dying.get(i, []) + [r for r in kept if r not in last]:
+            if v in size and v not in yields:  # freed after its last reader (at once if nothing reads it)
                 live -= size.pop(v)
-        for r in kept:  # results nothing reads are freed at once
-            if r not in last and r not in block.yields and r in size:
-                live -= size.pop(r)
     memo[key] = peak
     return peak
 

@@ -1,0 +1,58 @@
+"""The live-range estimate of a traced program's memory (testbed.runner.program.memory): which values it keeps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from testbed.runner.program import abstract_mesh, trace
+
+sd = jax.ShapeDtypeStruct
+N, D = 64, 128
+ARRAY = N * D * 4  # one n x d fp32 activation
+
+
+def _total(fn, *shapes) -> float:
+    return trace(fn, *(sd(s, jnp.float32) for s in shapes), mesh={"data": 1}).memory["total"]
+
+
+def _args(*shapes) -> int:
+    return sum(4 * a * b for a, b in shapes)
+
+
+def _across(activation):
+    """``activation(x)`` is computed first and read only after two matmuls (as a forward's GELU by its backward)."""
+    def fn(x, w1, w2):
+        t = activation(x)
+        return (x @ w1) @ w2 + t
+    return fn
+
+
+def test_an_expensive_result_read_across_a_matmul_stays_and_a_cheap_one_is_recomputed() -> None:
+    """tanh(x) is kept from where it is computed to the add after the matmuls (XLA does not duplicate an expensive
+    producer into a later kernel); x * 2 is recomputed from x by the add, never in memory."""
+    shapes = ((N, D), (D, D), (D, D))
+    expensive, cheap = _total(_across(jnp.tanh), *shapes), _total(_across(lambda x: x * 2), *shapes)
+    # at the second matmul: x @ w1 and its result live, and tanh(x) too where it is kept
+    assert cheap == _args(*shapes) + 2 * ARRAY
+    assert expensive == cheap + ARRAY
+
+
+def test_a_value_a_matmul_reads_through_a_reshape_is_in_memory() -> None:
+    def fn(x, w):
+        return jnp.tanh(x).reshape(N // 2, 2 * D) @ w
+
+    shapes = ((N, D), (2 * D, D))
+    assert _total(fn, *shapes) == _args(*shapes) + ARRAY + (N // 2) * D * 4
+
+
+def test_a_shard_map_body_is_counted_as_the_same_program_unwrapped() -> None:
+    """XLA's partitioner leaves no region: the body's values and results are the program's own, counted once."""
+    def body(x, w1, w2):
+        return jnp.tanh(jnp.tanh(x @ w1) @ w2)
+
+    mesh = abstract_mesh({"data": 1})
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=P())
+    shapes = ((N, D), (D, D), (D, D))
+    assert _total(mapped, *shapes) == _total(body, *shapes)
