@@ -15,7 +15,7 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.plan.io import plan_from_dict
 from testbed.plan.runtime import RuntimeSpec
-from testbed.sim.compute import plan_matmul_dtype
+from testbed.sim.compute import plan_matmul_dtype, rate_dtype
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology
 from testbed.topology.parts import DeviceSpec, matmul_dtype
@@ -43,7 +43,7 @@ def test_tpu_fp32_default_is_priced_at_the_bf16_rate_in_both_tiers() -> None:
     tpu = load_topology("tpu-v5e-4x4")
     assert tpu.device.fp32_matmuls == "bf16"
     default, highest, bf16 = _plan("fp32"), _plan("fp32", "highest"), _plan("bf16-mixed")
-    assert plan_matmul_dtype(default, tpu) == "bf16" and plan_matmul_dtype(highest, tpu) == "fp32"
+    assert rate_dtype(plan_matmul_dtype(default, tpu)) == "bf16" and plan_matmul_dtype(highest, tpu) == "fp32"
     for step in (lambda p: simulate(p, tpu).report.step_time_s, lambda p: estimate(p, tpu).step_time_s):
         fast, slow, half = step(default), step(highest), step(bf16)
         assert fast < slow

@@ -61,7 +61,8 @@ from testbed.topology import Topology
 from testbed.topology.parts import matmul_dtype
 from testbed.topology.calibration import ComputeCalibration
 
-__all__ = ["compute_seconds", "plan_matmul_dtype", "pass_seconds", "gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model",
+__all__ = ["compute_seconds", "plan_matmul_dtype", "rate_dtype", "FP32_BF16_PASS", "pass_seconds", "epilogue_seconds",
+           "systolic_share", "gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model",
            "GEMM_OPERAND_BYTES", "FP8_BLOCK_SCALED_SHARE", "fp8_cast_bytes"]
 
 #: The share of the fp8 cap a block-scaled fp8 GEMM reaches (``runtime.fp8_scaling`` ``blockwise``: 1 x 128
@@ -74,20 +75,31 @@ __all__ = ["compute_seconds", "plan_matmul_dtype", "pass_seconds", "gemm_efficie
 #: 3.3% (max 18.5%); the per-tensor cap alone is 9.6% fast on them (max 30.6%). Hopper's figure: the fp8 caps
 #: testbed holds are Hopper's (topologies/dgx-h100*.yaml).
 FP8_BLOCK_SCALED_SHARE = 0.892
+#: The matmul dtype of an fp32 plan whose products run as one bf16 pass (``device.fp32_matmuls: bf16`` at the
+#: default precision, a TPU): at the bf16 rate, its operands read and written as the fp32 values they are. The
+#: chip's profiles (benchmarks/tpu_chip/profiles.json): the 125M fp32 step's attention products, bound by their
+#: operands' bytes, take 1.8-2.0x their bf16 twins'.
+FP32_BF16_PASS = "fp32-bf16-pass"
 #: Bytes per (input, output) value of a GEMM, by compute dtype (fp8 GEMMs read fp8 operands and write bf16).
-GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1, 2)}
+GEMM_OPERAND_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "fp8": (1, 2), FP32_BF16_PASS: (4, 4)}
+
+
+def rate_dtype(dtype: str) -> str:
+    """The dtype whose peak and cap a matmul of ``dtype`` (:func:`plan_matmul_dtype`'s) runs at."""
+    return "bf16" if dtype == FP32_BF16_PASS else dtype
 
 
 def plan_matmul_dtype(plan: Plan, topology: Topology) -> str:
     """The dtype whose rate the plan's matmuls run at on ``topology`` (both simulator tiers price with it): the
     plan's compute dtype under its ``runtime.matmul_precision``, by testbed.topology.parts.DeviceSpec.matmul_dtype
-    (an fp32 plan at the default precision on a TPU: bf16). A GEMM's operand bytes follow the same dtype. A bf16
+    (an fp32 plan at the default precision on a TPU: :data:`FP32_BF16_PASS`, the bf16 rate on fp32 operands). A bf16
     plan keeps the listed bf16 peak on every device: ``device.bf16_matmuls`` prices traced programs only
     (calibrate fits the bf16 peak to its bf16 steps, converts included)."""
     device, dtype = topology.device, plan.precision.compute_dtype
     if "bf16" not in device.peak_flops:
         return dtype
-    return matmul_dtype(dtype, plan.runtime.matmul_precision, fp32_matmuls=device.fp32_matmuls)
+    runs = matmul_dtype(dtype, plan.runtime.matmul_precision, fp32_matmuls=device.fp32_matmuls)
+    return FP32_BF16_PASS if dtype == "fp32" and runs == "bf16" else runs
 
 
 def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
@@ -107,9 +119,9 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     if gemms and compute.shapes:
         t = gemms_seconds(topology, dtype, gemms)
     elif flops > 0:
-        per_kernel = flops / max(1, kernels)
-        eff = compute.cap(dtype) * per_kernel / (per_kernel + compute.efficiency_half_flops)
-        t = (flops + _grouped_extra_flops(dev.name, gemms)) / (dev.sustained_flops(dtype) * eff)
+        per_kernel, rate = flops / max(1, kernels), rate_dtype(dtype)
+        eff = compute.cap(rate) * per_kernel / (per_kernel + compute.efficiency_half_flops)
+        t = (flops + _grouped_extra_flops(dev.name, gemms)) / (dev.sustained_flops(rate) * eff)
     if spans and passes is None:
         t = sum(max(share * t, pass_seconds(topology, nbytes)) for share, nbytes in spans)
     elif hbm_bytes > 0:
@@ -139,6 +151,7 @@ def epilogue_seconds(topology: Topology, dtype: str, flops: float, nbytes: float
     calibrated cap). 0 without matmuls."""
     if flops <= 0 or nbytes <= 0:
         return 0.0
+    dtype = rate_dtype(dtype)
     rate = topology.device.sustained_flops(dtype) * topology.calibration.compute.cap(dtype)
     return min(pass_seconds(topology, nbytes), flops / rate)
 
@@ -221,11 +234,13 @@ def _memo(topology: Topology) -> dict:
 def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool) -> float:
     """Seconds of one product of ``gemm`` (``count`` 1): the calibrated roofline, the fp8 recipe's casts."""
     cal = topology.calibration
+    read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
+    dtype = rate_dtype(dtype)
     if dtype == "fp8" and (not topology.device.has_fp8() or gemm.flash or gemm.high_precision):
         # no fp8 units: fp8-mixed matmuls run (and read their operands) in bf16; flash attention runs in
         # bf16 under Transformer Engine's fp8 recipe too (its DotProductAttention is bf16 unless fp8
         # attention is asked for); so does a product the fp8 recipe leaves out (the LM head, gemm.high_precision)
-        dtype = "bf16"
+        dtype, (read, write) = "bf16", GEMM_OPERAND_BYTES["bf16"]
     one = gemm.flops
     named = kernel_efficiency(topology.device.name, gemm.attention) if gemm.flash and gemm.attention else None
     if named is not None:  # the stack's kernel at its published speed, over the products it computes
@@ -237,7 +252,6 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
                                                    * systolic_share(topology.device.systolic_width, gemm))
     rate = grouped_rate(topology.device.name, gemm.grouped)  # a grouped-matmul kernel's (1: the dense matmul)
     math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype) * rate)
-    read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
     cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0

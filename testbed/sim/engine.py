@@ -49,7 +49,7 @@ import numpy as np
 from testbed.model.costs import model_flops_per_step
 from testbed.model.memory import memory_breakdown
 from testbed.sim.barriers import interleaved_wait, step_end_wait
-from testbed.sim.compute import compute_seconds, pass_seconds, plan_matmul_dtype
+from testbed.sim.compute import compute_seconds, pass_seconds, plan_matmul_dtype, rate_dtype
 from testbed.sim.contention import Flow, LinkLedger
 from testbed.sim.pricing import Priced, controller_seconds, price
 from testbed.plan.placement import place
@@ -315,7 +315,7 @@ def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end,
 def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -> Report:
     """Step time, compute, exposed comm, bubble, MFU and memory of a simulated (or measured) step."""
     step = timeline.step_time_s
-    peak = topology.device.flops(plan_matmul_dtype(plan, topology))
+    peak = topology.device.flops(rate_dtype(plan_matmul_dtype(plan, topology)))
     mfu = model_flops_per_step(plan) / (topology.num_devices * peak * step) if step > 0 else 0.0
     memory = memory_breakdown(plan, topology).as_dict()
     memory.pop("per_stage", None)

@@ -1,5 +1,6 @@
-"""XLA:TPU's optimizer update in the weight gradients' epilogue, and the MXU's width under a fused attention kernel:
-two rules read from the chip's per-op profiles (benchmarks/tpu_chip/profiles.json), priced once for both tiers."""
+"""XLA:TPU rules read from the chip's per-op profiles: the optimizer update in the weight gradients' epilogue, the MXU's
+width under a fused attention kernel, fp32 operands under one bf16 pass (benchmarks/tpu_chip/profiles.json), each priced
+once for both tiers."""
 
 from __future__ import annotations
 
@@ -80,3 +81,18 @@ def test_a_bad_systolic_width_is_refused_naming_the_field() -> None:
         with pytest.raises(InputError, match="systolic matrix unit") as caught:
             replace(topo.device, systolic_width=bad)
         assert caught.value.field == "device.systolic_width"
+
+
+def test_an_fp32_step_on_a_tpu_runs_bf16_passes_on_fp32_operands() -> None:
+    from testbed.sim.compute import FP32_BF16_PASS, gemm_seconds, rate_dtype
+
+    topo = load_topology("tpu-v5e-1")
+    plan = _plan("gpt125m-fp32")
+    assert plan_matmul_dtype(plan, topo) == FP32_BF16_PASS and rate_dtype(FP32_BF16_PASS) == "bf16"
+    highest = replace(plan, runtime=replace(plan.runtime, matmul_precision="highest"))
+    assert plan_matmul_dtype(highest, topo) == "fp32"
+    scores = Gemm(m=1024, n=1024, k=64, batch=96)  # memory-bound: its operands' bytes decide
+    assert gemm_seconds(topo, FP32_BF16_PASS, scores) > 1.5 * gemm_seconds(topo, "bf16", scores)
+    square = Gemm(m=8192, n=8192, k=8192)  # compute-bound: the bf16 rate
+    assert gemm_seconds(topo, FP32_BF16_PASS, square) == pytest.approx(gemm_seconds(topo, "bf16", square))
+    assert 0.1 < simulate(plan, topo).report.mfu < 1  # against the bf16 peak the products run at (fp32's: 1.6)
