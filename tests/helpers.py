@@ -11,6 +11,12 @@ from testbed.cli.main import main
 from testbed.topology.io import load_topology
 
 
+#: ``XLA_FLAGS`` for a test's child process that compiles: conftest's LLVM optimisation level 0 (the tests check what
+#: programs compute, never how fast the compiled code runs; a compile at level 0 takes about half the CPU) and no
+#: device count (the child sets its own).
+CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     """The command's standard error for ``argv``, asserting it exits 2 with one line and no traceback."""
     code = main(argv)
