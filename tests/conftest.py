@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 # TESTBED_TEST_DEVICES=1 is the one-device mode (tests/test_kit_one_device.py, what a single TPU chip runs).
 _count = int(os.environ.get("TESTBED_TEST_DEVICES", "8"))
@@ -26,6 +27,27 @@ else:
 # collectives, buffer assignment) are untouched. A level set by the caller is kept.
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+
+def _jaxlib_knows(flag: str) -> bool:
+    """Whether the installed jaxlib parses ``--flag`` (an unknown flag in XLA_FLAGS aborts JAX's start): its name is
+    in jaxlib's shared libraries."""
+    import mmap
+    from importlib.util import find_spec
+
+    root = Path(find_spec("jaxlib").origin).parent
+    for lib in sorted(root.rglob("*.so"), key=lambda p: -p.stat().st_size):
+        with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if m.find(flag.encode()) >= 0:
+                return True
+    return False
+
+
+# The same for the fusions' code: XLA:CPU's MLIR fusion emitters take a third more CPU to compile these programs
+# than its LLVM IR emitters (tests/test_runner.py: 66 -> 45 s of CPU); what the programs compute, their HLO and
+# their buffers are the same. Set where this jaxlib has the flag and the caller has not.
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"] and _jaxlib_knows("xla_cpu_use_fusion_emitters"):
+    os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402

@@ -3,12 +3,20 @@ putting ``tests/`` on ``sys.path``."""
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import replace
 
 import pytest
 
 from testbed.cli.main import main
 from testbed.topology.io import load_topology
+
+
+#: ``XLA_FLAGS`` for a test's child process that compiles: conftest's compile flags (LLVM optimisation level 0, the
+#: fusion emitters: the tests check what programs compute, never how fast the compiled code runs) without its device
+#: count (the child sets its own).
+CHILD_XLA_FLAGS = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture) -> str:

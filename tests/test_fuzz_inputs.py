@@ -317,7 +317,7 @@ def test_trace_above_the_limit_is_refused_before_writing(tmp_path, capsys):
 def test_trace_size_estimate_is_close():
     from testbed.plan.io import load_plan
     from testbed.sim.engine import simulate
-    from testbed.sim.timeline import trace_bytes, write_trace
+    from testbed.sim.trace_files import trace_bytes, write_trace
     from testbed.topology.io import load_topology
 
     plan = load_plan("demo")
@@ -331,7 +331,7 @@ def test_trace_size_estimate_is_close():
 
 
 def test_ctrl_c_during_a_trace_exits_130_and_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import testbed.sim.timeline as timeline
+    import testbed.sim.trace_files as timeline
 
     class Interrupting:
         """json whose dumps is interrupted once the trace file is being written."""

@@ -13,6 +13,8 @@ import pytest
 from testbed.interpreter import project_root, python_argv, python_env, safe_pythonpath
 from testbed.runner import launch
 
+from helpers import CHILD_XLA_FLAGS
+
 #: Modules named like the standard library's: each writes a marker file when imported.
 PLANTED = ("json", "logging", "socket", "subprocess")
 
@@ -82,7 +84,7 @@ def test_testbed_run_with_two_processes_from_a_folder_of_planted_modules(tmp_pat
     command = [str(script)] if script.exists() else python_argv("-m", "testbed.cli")
     out = subprocess.run([*command, "run", "--plan", "tiny.yaml", "--devices", "emulated:2", "--processes", "2",
                           "--steps", "1", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=400,
-                         env={**os.environ, "XLA_FLAGS": ""})
+                         env={**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS})
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["processes"] == 2
     assert not list(markers.iterdir())

@@ -133,7 +133,7 @@ def test_xla_terms_are_jaxs_alone(tensor: int, sp: bool) -> None:
 
 _TERMS = {"sp_gathered_inputs": kept.sp_gathered_bytes, "in_place_collectives": kept.tensor_collective_workspace,
           "weight_grads_last": lambda plan: kept.deferred_backward_bytes(plan, False),
-          "framework": kept.normalized_input_bytes}
+          "kept_norm_inputs": kept.normalized_input_bytes}
 
 
 @pytest.mark.parametrize("field", sorted(_TERMS))
@@ -146,6 +146,19 @@ def test_each_xla_buffer_is_its_own_runtime_field(field: str) -> None:
         assert term(plan) > 0
         assert term(flipped) == (0 if name == field else term(plan)), name
 
+
+
+@pytest.mark.parametrize("field, remat, terms", [
+    ("kept_layout_copies", "selective", (kept.selective_copies_bytes,)),
+    ("fused_residual_adds", "full", (kept.residual_summand_bytes, kept.loss_instant_recompute))])
+def test_each_remat_xla_buffer_is_its_own_runtime_field(field: str, remat: str, terms: tuple) -> None:
+    """The remat-mode XLA terms: each vanishes with its own field at its PyTorch value, the norm inputs stay."""
+    plan = _plan("llama3-8b", "testbed", remat=remat, mesh={"tensor": 4}, batch={"global_batch": 1, "microbatches": 1},
+                 model={"preset": "llama3-8b", "seq_len": 1024})  # dense attention: XLA's layout copies
+    flipped = replace(plan, runtime=replace(plan.runtime, **{field: PYTORCH_PROGRAM[field]}))
+    for term in terms:
+        assert term(plan) > 0 and term(flipped) == 0, term.__name__
+    assert kept.normalized_input_bytes(flipped) == kept.normalized_input_bytes(plan) > 0
 
 
 def test_autograds_hooks_write_no_whole_microbatch_gradients() -> None:

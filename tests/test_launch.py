@@ -19,6 +19,8 @@ from testbed.runner.devices import select_devices
 from testbed.errors import InputError
 from testbed.plan.io import load_plan, plan_to_dict
 
+from helpers import CHILD_XLA_FLAGS
+
 PLAN = """
 name: small-pipeline
 model: {kind: gpt, layers: 2, d_model: 16, heads: 4, d_ff: 32, seq_len: 8, vocab: 32}
@@ -53,7 +55,7 @@ def test_two_processes_match_one(plan_file: Path) -> None:
     """A pipeline plan (stage 2: transfers cross the two processes) gives the single-process loss."""
     out = subprocess.run([sys.executable, "-m", "testbed.cli", "run", "--plan", str(plan_file), "--processes", "2",
                           "--steps", "2", "--json"], capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "XLA_FLAGS": ""})
+                         env={**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS})
     assert out.returncode == 0, out.stderr[-2000:]
     multi = json.loads(out.stdout)
     single = run_plan(load_plan(str(plan_file)), select_devices(8), steps=2)

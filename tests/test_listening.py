@@ -9,6 +9,7 @@ import time
 import uuid
 from pathlib import Path
 
+from helpers import CHILD_XLA_FLAGS
 from test_launch import _ours as _workers  # live processes whose environment carries a token
 
 PLAN = """
@@ -68,7 +69,7 @@ def test_workers_listen_on_loopback_only(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "testbed.cli", "run", "--plan", str(plan), "--devices",
                              "emulated:2", "--processes", "2", "--steps", "30", "--json", "--timeout", "200"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "XLA_FLAGS": "", "TESTBED_LISTEN_TOKEN": token})
+                            env={**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS, "TESTBED_LISTEN_TOKEN": token})
     seen: set[str] = set()
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import CHILD_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _CHILD = """
@@ -36,7 +38,7 @@ for argv in json.loads(sys.argv[1]):
 def _run(*commands: list[str]) -> list[tuple[dict, dict]]:
     """Each command's ``--json`` output and what the process had loaded after it: one process runs them all in
     turn (one JAX start), as a user's session would."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env = {**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS}
     env["JAX_PLATFORMS"] = "cpu"
     argvs = [[*argv, "--json"] for argv in commands]
     done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(argvs)], capture_output=True, text=True,

@@ -17,7 +17,8 @@ from testbed.calibration.validation import REPORT_FIELDS, compare_reports, relat
 from testbed.plan.io import load_plan
 from testbed.sim.engine import simulate
 from testbed.sim.measured import measured_report, measured_timeline
-from testbed.sim.timeline import Report, write_trace
+from testbed.sim.timeline import Report
+from testbed.sim.trace_files import write_trace
 from testbed.topology.io import load_topology
 
 

@@ -168,12 +168,14 @@ def test_search_command_takes_the_context_and_expert_degrees(tmp_path: Path, cap
 @pytest.mark.slow
 def test_written_plan_shrunk_to_8_devices_passes_verify(tmp_path: Path, capsys) -> None:
     """The searched plan (32 devices) shrunk to 8 emulated devices runs and matches one device: both commands
-    in this process (conftest's 8 emulated devices are what ``--devices emulated:8`` asks for)."""
+    in this process (conftest's 8 emulated devices are what ``--devices emulated:8`` asks for). 1F1B only: the
+    best plan then shrinks to 2 stages of one program each way per chunk (the 4-stage ZB-H1 optimum compiled
+    twice the programs; split backwards are verified in tests/test_runner.py and tests/test_replicas.py)."""
     from testbed.cli.main import main
 
     out, small = tmp_path / "best.yaml", tmp_path / "best8.yaml"
     assert main(["search", "--model", "gpt-tiny", "--topology", "dgx-h100-x4", "--microbatches", "1,2,4",
-                 "--remat", "none,full", "--out", str(out), "--json"]) == 0
+                 "--remat", "none,full", "--schedules", "1f1b", "--out", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["ranked"][0]["step_time_s"] <= data["ranked"][-1]["step_time_s"]
     plan = load_plan(str(out))

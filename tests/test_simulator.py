@@ -20,7 +20,8 @@ from testbed.model.leaves import combine_limit
 from testbed.pipeline.timing import ActionCosts, play
 from testbed.pipeline.schedules import build_schedule
 from testbed.sim.engine import price, run, simulate
-from testbed.sim.timeline import CATEGORIES, chrome_trace, write_trace
+from testbed.sim.timeline import CATEGORIES
+from testbed.sim.trace_files import chrome_trace, write_trace
 from testbed.topology import Calibration, CollectiveCalibration, ComputeCalibration, DeviceSpec, Level, LinkKind
 from testbed.topology.io import load_topology
 
@@ -219,7 +220,7 @@ def test_trace_parses_and_has_every_device(tmp_path):
 
 
 def test_gantt_png_is_written(tmp_path):
-    from testbed.sim.timeline import write_gantt
+    from testbed.sim.trace_files import write_gantt
 
     sim = simulate(make_plan(data=2, tensor=2, stage=2), TOPOLOGIES["switch8"])
     path = write_gantt(sim.timeline, tmp_path / "g.png")

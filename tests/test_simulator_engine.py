@@ -14,7 +14,8 @@ from testbed.sim.contention import Flow, LinkLedger, fair_rates, normalised_load
 from testbed.errors import InputError
 from testbed.sim.program import Program, Task, TaskKind
 from testbed.sim.engine import Priced, compute_seconds, run
-from testbed.sim.timeline import Report, Timeline, chrome_trace
+from testbed.sim.timeline import Report, Timeline
+from testbed.sim.trace_files import chrome_trace
 from testbed.topology.generators import switch
 from testbed.topology import (Calibration, ComputeCalibration, DeviceSpec, ElementwiseCalibration, HostCalibration,
                               MemoryCalibration)

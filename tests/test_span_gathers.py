@@ -17,7 +17,6 @@ from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 from testbed.sim.facts import step_facts
 from testbed.sim.span_order import START, WAITING, BlockPlay, Item, merge_of, merged, span_needs, time_block
 from testbed.sim.span_play import action_plays
-from testbed.topology.io import load_topology
 
 from helpers import merging_tpu
 

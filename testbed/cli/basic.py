@@ -154,6 +154,15 @@ def add_program_argument(parser: argparse.ArgumentParser, verb: str, note: str =
                              f"(docs/program.md){note}")
 
 
+def add_program_mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--mesh`` and ``--unknown-ops``, the options every ``--program`` command reads: declared here once."""
+    parser.add_argument("--mesh", help="with --program: mesh axes and sizes, e.g. data=2,tensor=4 "
+                                       "(default: data over every device)")
+    parser.add_argument("--unknown-ops", choices=("refuse", "assume"), default="refuse",
+                        help="with --program: refuse a custom call or host callback in the prediction (default), "
+                             "or price it as a memory-bound op and say so")
+
+
 def placement_report(plan: Plan, topology: Topology, placement: Placement) -> dict:
     """Per axis: degree, number of groups, first group and the levels it spans."""
     axes = {}

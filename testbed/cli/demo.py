@@ -61,7 +61,7 @@ def execute(args: argparse.Namespace) -> CommandResult:
     from testbed.cli.compare import compare_rows, draw_breakdown
     from testbed.model.memory import memory_breakdown
     from testbed.sim.engine import simulate
-    from testbed.sim.timeline import write_gantt, write_trace
+    from testbed.sim.trace_files import write_gantt, write_trace
 
     if args.steps < 1:
         raise InputError(f"must be at least 1, got {args.steps}", field="--steps")

@@ -25,7 +25,7 @@ import math
 import sys
 from typing import Any
 
-from testbed.cli.basic import add_program_argument
+from testbed.cli.basic import add_program_argument, add_program_mesh_arguments
 from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.text import markup
@@ -36,11 +36,7 @@ __all__ = ["add_program_arguments", "execute_program"]
 def add_program_arguments(parser: argparse.ArgumentParser, *, timeout: bool) -> None:
     """``--program``, ``--mesh``, ``--unknown-ops``, and ``--timeout`` where the command has none of its own."""
     add_program_argument(parser, "measure")
-    parser.add_argument("--mesh", help="with --program: mesh axes and sizes, e.g. data=2,model=4 "
-                                       "(default: data over every device)")
-    parser.add_argument("--unknown-ops", choices=("refuse", "assume"), default="refuse",
-                        help="with --program: refuse a custom call or host callback in the prediction (default), "
-                             "or price it as a memory-bound op and say so")
+    add_program_mesh_arguments(parser)
     if timeout:
         parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                             help="with --program: the time limit for importing, calling and tracing it "

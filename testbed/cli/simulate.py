@@ -6,7 +6,7 @@ import argparse
 from types import SimpleNamespace
 from typing import Any
 
-from testbed.cli.basic import add_devices_argument, add_program_argument, plan_topology
+from testbed.cli.basic import add_devices_argument, add_program_argument, add_program_mesh_arguments, plan_topology
 from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.plan.spec import Plan
@@ -69,11 +69,7 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help="with --program: the time limit for importing, calling and tracing it (default 600 s); "
                              "past it the command stops with exit status 2")
-    parser.add_argument("--mesh", help="with --program: mesh axes and sizes, e.g. data=64,tensor=8 "
-                                       "(default: data over every device)")
-    parser.add_argument("--unknown-ops", choices=("refuse", "assume"), default="refuse",
-                        help="with --program: refuse a custom call or host callback (default), or price it as a "
-                             "memory-bound op and say so")
+    add_program_mesh_arguments(parser)
     parser.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
     add_devices_argument(parser)
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON (open in ui.perfetto.dev)")

@@ -22,12 +22,12 @@ them here, one rule per mechanism:
   mechanism: ``sp_gathered_inputs``, the all-gathered input of each column-parallel matmul under sequence
   parallelism (:func:`sp_gathered_bytes`); ``in_place_collectives`` false, both halves of the backward's tensor
   collectives (:func:`tensor_collective_workspace`); ``weight_grads_last``, the operands of the weight gradients
-  scheduled after the layers' input-gradient chain (:func:`deferred_backward_bytes`); ``framework: jax``, the
-  rest: each layer's LayerNorm-backward normalised input under a tensor axis (:func:`normalized_input_bytes`), the
-  residual stream's summands and the last block's recompute beside the loss backward under full remat
-  (:func:`residual_summand_bytes`, :func:`loss_instant_recompute`), the head-major Q and K copies under the
-  runner's selective remat (:func:`selective_copies_bytes`). The PyTorch values keep Korthikanti et al. (2022)'s
-  accounting.
+  scheduled after the layers' input-gradient chain (:func:`deferred_backward_bytes`); ``kept_norm_inputs``, each
+  layer's LayerNorm-backward normalised input under a tensor axis (:func:`normalized_input_bytes`);
+  ``fused_residual_adds``, the residual stream's summands and the last block's recompute beside the loss backward
+  under full remat (:func:`residual_summand_bytes`, :func:`loss_instant_recompute`); ``kept_layout_copies``, the
+  head-major Q and K copies under the runner's selective remat (:func:`selective_copies_bytes`). The PyTorch values
+  keep Korthikanti et al. (2022)'s accounting.
 """
 
 from __future__ import annotations
@@ -160,7 +160,8 @@ def recompute_workspace_bytes(plan: Plan) -> int:
 
 
 def xla_program(plan: Plan) -> bool:
-    """Whether XLA's buffer assignment decides the kept terms no other runtime field states (``runtime.framework``)."""
+    """Whether the program is one XLA program (``runtime.framework``), for a compiler's own rules
+    (testbed.model.xla_tpu); the kept terms here each read their own runtime field."""
     return plan.runtime.framework == "jax"
 
 
@@ -182,7 +183,8 @@ def selective_copies_bytes(plan: Plan) -> int:
     ``[b, heads, seq, head_dim]`` reshape copies live from its forward to its backward), and selective drops the
     softmax output alone. The no-remat set's copies (testbed.model.activations' ``xla_only_bytes_per_layer``);
     0 for flash attention (it makes none), the per-op and save-dots policies (their own sets) and PyTorch."""
-    if plan.remat is not Remat.SELECTIVE or plan.runtime.recompute in ("op", "save-dots") or not xla_program(plan):
+    if plan.remat is not Remat.SELECTIVE or plan.runtime.recompute in ("op", "save-dots") \
+            or not plan.runtime.kept_layout_copies:
         return 0
     return xla_only_bytes_per_layer(rank_spec(plan), plan.microbatch_size, plan.precision, Remat.NONE,
                                     plan.mesh.tensor)
@@ -213,7 +215,7 @@ def normalized_input_bytes(plan: Plan) -> int:
     previous row-parallel matmul), and XLA materialises one normalised input per layer in the forward, kept
     until that layer's backward (``(x - mean) * rstd`` fusions in the compiled step; without a tensor axis
     the backward recomputes it from the kept input). One residual-stream tensor, its shard under SP."""
-    if plan.mesh.tensor == 1 or not xla_program(plan):
+    if plan.mesh.tensor == 1 or not plan.runtime.kept_norm_inputs:
         return 0
     return plan.precision.compute_bytes * _residual_values(plan)
 
@@ -257,8 +259,8 @@ def loss_instant_recompute(plan: Plan) -> int:
 
 def _unrolled_runner_remat(plan: Plan) -> bool:
     """Full remat as the runner's ``jax.checkpoint`` per block over an unrolled layer loop, compiled by XLA."""
-    return (plan.remat is Remat.FULL and plan.runtime.recompute in ("runner", "save-dots") and xla_program(plan)
-            and not plan.runtime.scan_layers)
+    return (plan.remat is Remat.FULL and plan.runtime.recompute in ("runner", "save-dots")
+            and plan.runtime.fused_residual_adds and not plan.runtime.scan_layers)
 
 
 def head_kept_bytes(plan: Plan) -> int:

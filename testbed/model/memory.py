@@ -297,7 +297,7 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
     holds_head = stage == layout.head_holder(p, v)[0]
     layers = plan.stage_layers[stage]  # all the stage's chunks (layers_per_stage, or the even split)
     terms = _kept_terms(plan, stage, xla_tpu.applies(plan, rules))
-    per_layer, tpu = terms.per_layer, terms.tpu
+    per_layer = terms.per_layer
     # The head chunk's share of the stage's in-flight (microbatch, chunk) pairs.
     head_acts = math.ceil(inflight / v) * terms.head if holds_head else 0
     # In-flight pairs spread over the stage's chunks (as the head term assumes): the mean chunk's layers each,
@@ -345,34 +345,65 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
                 instants = [((layer_acts + head_acts) * held // peak, grads * chunks // v, ws)
                             for held, chunks in pairs]
     else:
-        layer_grads = grad_b * _layer_params_per_device(plan, grad_ways)
-        head_grads = max(grads - layers * layer_grads, 0) if holds_head else 0
-        # XLA's deferred weight gradients: their operands live through the layers' backward, no weight gradient yet.
-        # XLA:TPU defers them too, the head's as well: its buffer assignment has no weight gradient before the
-        # combined all-reduces that follow the backward (gpt1k-data4 and -fp32 of benchmarks/xla_tpu/, live ranges).
-        deferred = kept.deferred_backward_bytes(plan, holds_head) if defer and not tpu else 0
-        later = defer and kept.weight_grads_deferred(plan)
-        instants = [(layer_acts + head_acts, 0 if later and tpu else head_grads, _work(loss, (GATHERED, gathered)))]
-        gathered_at = _gathered_at(plan, stage, gathered)
-        for done in range(layers):
-            instants.append((kept.device_layer_sets(plan, layers - done) * per_layer,
-                             0 if later else head_grads + (done + 1) * layer_grads,
-                             _work(layer, (DEFERRED, deferred), (GATHERED, gathered_at(done + holds_head)))))
-        instants.append((0, grads, _work((REDUCTION, reduce_ws))))
+        instants = _one_microbatch_instants(plan, stage, _Live(layer_acts + head_acts, per_layer, grads, gathered,
+                                                               loss, layer, reduce_ws), defer, terms.tpu)
     acts, live_grads, work = max(instants, key=lambda i: i[0] + i[1] + sum(b for _, b in i[2]))
-    # fp8-mixed (Transformer Engine): from the step's first microbatch on, each weight is also kept cast to
-    # fp8 with its transpose for the backward (1 byte each); sharded weights only for the gathered layer.
-    # The amax histories (a few KB per layer) are left out.
-    params = param_b * param_held
-    if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_params:
-        # fp8 parameters (1 byte) and their fp8 transposes (1 byte); a sharded parameter's shard is fp8 data only,
-        # its gathered block (gathered_bytes, 2 bytes a value) holds both.
-        params = param_held * (2 if param_ways == 1 else 1)
-    elif plan.precision is Precision.FP8_MIXED:
-        params += 2 * (held if param_ways == 1 else _layer_params_per_device(plan))
+    params = _param_bytes(plan, param_b, param_held, held, param_ways)
     return StageMemory(stage=stage, params_count=param_held, params=params,
                        grads=live_grads, optimizer=opt_b * opt_held, activations=acts,
                        workspace=sum(b for _, b in work), inflight=inflight, workspace_parts=work)
+
+
+@dataclass(frozen=True, slots=True)
+class _Live:
+    """What a stage holds at its forward's end, for its peak instants: activations (all layers' and the head's),
+    one layer's kept bytes, the stage's gradients, its gathered blocks, the loss and layer backward workspaces
+    and the data reduction's."""
+
+    acts: int
+    per_layer: int
+    grads: int
+    gathered: int
+    loss: tuple[str, int]
+    layer: tuple[str, int]
+    reduce_ws: int
+
+
+def _one_microbatch_instants(plan: Plan, stage: int, live: _Live, defer: bool, tpu: bool) -> list[tuple]:
+    """The peak candidates of a step that accumulates nothing: the loss backward, each layer's backward (its
+    activations freed as it writes its gradients), after the backward; ``(activations, gradients, workspace)``."""
+    layers, holds_head = plan.stage_layers[stage], stage == layout.head_holder(plan.mesh.stage,
+                                                                              plan.schedule.virtual_stages)[0]
+    grad_ways = state_sharding(plan).ways(plan, "grads")
+    layer_grads = held_state_bytes(plan)[1] * _layer_params_per_device(plan, grad_ways)
+    head_grads = max(live.grads - layers * layer_grads, 0) if holds_head else 0
+    # XLA's deferred weight gradients: their operands live through the layers' backward, no weight gradient yet.
+    # XLA:TPU defers them too, the head's as well: its buffer assignment has no weight gradient before the
+    # combined all-reduces that follow the backward (gpt1k-data4 and -fp32 of benchmarks/xla_tpu/, live ranges).
+    deferred = kept.deferred_backward_bytes(plan, holds_head) if defer and not tpu else 0
+    later = defer and kept.weight_grads_deferred(plan)
+    instants = [(live.acts, 0 if later and tpu else head_grads, _work(live.loss, (GATHERED, live.gathered)))]
+    gathered_at = _gathered_at(plan, stage, live.gathered)
+    for done in range(layers):
+        instants.append((kept.device_layer_sets(plan, layers - done) * live.per_layer,
+                         0 if later else head_grads + (done + 1) * layer_grads,
+                         _work(live.layer, (DEFERRED, deferred), (GATHERED, gathered_at(done + holds_head)))))
+    instants.append((0, live.grads, _work((REDUCTION, live.reduce_ws))))
+    return instants
+
+
+def _param_bytes(plan: Plan, param_b: int, param_held: int, held: int, param_ways: int) -> int:
+    """Bytes of the stage's parameters on one device. fp8-mixed (Transformer Engine): from the step's first
+    microbatch on, each weight is also kept cast to fp8 with its transpose for the backward (1 byte each);
+    sharded weights only for the gathered layer. The amax histories (a few KB per layer) are left out."""
+    if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_params:
+        # fp8 parameters (1 byte) and their fp8 transposes (1 byte); a sharded parameter's shard is fp8 data only,
+        # its gathered block (gathered_bytes, 2 bytes a value) holds both.
+        return param_held * (2 if param_ways == 1 else 1)
+    params = param_b * param_held
+    if plan.precision is Precision.FP8_MIXED:
+        params += 2 * (held if param_ways == 1 else _layer_params_per_device(plan))
+    return params
 
 
 def lazy_grad_instants(plan: Plan, stage: int) -> tuple[tuple[int, int], ...]:

@@ -79,9 +79,17 @@ class RuntimeSpec:
     fp8_saved_inputs: bool = False
     #: The loss is one fused kernel over the compute-dtype logits, with no fp32 copy. Memory only.
     fused_loss: bool = False
-    #: Whose compiler or autograd decides the kept buffers no other field states (:data:`FRAMEWORKS`;
-    #: testbed.model.kept). Memory only.
+    #: Whose compiler or autograd runs the program (:data:`FRAMEWORKS`). Memory only.
     framework: str = "jax"
+    #: With a tensor axis each layer's normalised input ``(x - mean) * rstd`` is kept from its forward to its
+    #: backward (XLA's fusions; testbed.model.kept). Memory only.
+    kept_norm_inputs: bool = True
+    #: Under the runner's selective remat, attention's head-major Q and K copies are kept to the backward (XLA's
+    #: layout assignment; testbed.model.kept). Memory only.
+    kept_layout_copies: bool = True
+    #: Under the runner's full remat over unrolled layers, the residual stream's summands stay live to the backward
+    #: (XLA fuses the adds into their consumers; testbed.model.kept). Memory only.
+    fused_residual_adds: bool = True
     #: Under SP a column-parallel matmul keeps its all-gathered input, not its shard (testbed.model.kept). Memory only.
     sp_gathered_inputs: bool = True
     #: A layer's backward tensor collectives write their input's buffer, not a second one. Memory only.
@@ -174,7 +182,8 @@ class RuntimeSpec:
                      "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params",
                      "fp8_head", "pad_sequence_shards", "moe_sequence_dispatch", "cast_weights", "microbatch_scan",
                      "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs", "in_place_collectives",
-                     "grad_hooks", "weight_grads_last", "limit_aware_compile"):
+                     "grad_hooks", "weight_grads_last", "limit_aware_compile", "kept_norm_inputs",
+                     "kept_layout_copies", "fused_residual_adds"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
@@ -184,7 +193,8 @@ class RuntimeSpec:
 PYTORCH_PROGRAM = {"framework": "pytorch", "microbatch_scan": False, "allreduce_combiner": False,
                    "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False, "sp_gathered_inputs": False,
                    "in_place_collectives": True, "grad_hooks": True, "weight_grads_last": False,
-                   "limit_aware_compile": False}
+                   "limit_aware_compile": False, "kept_norm_inputs": False, "kept_layout_copies": False,
+                   "fused_residual_adds": False}
 #: Values of :attr:`RuntimeSpec.recompute`.
 RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots")
 #: Values of :attr:`RuntimeSpec.framework`.

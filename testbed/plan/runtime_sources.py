@@ -83,6 +83,18 @@ _EAGER_SOURCES = {
         "{}: eager kernels and the CUDA caching allocator hold what autograd saves; no compiler sees the device's "
         "memory limit (nothing plays XLA's HloRematerialization or the latency-hiding scheduler's memory-pressure "
         "policy)"),
+    "kept_norm_inputs": (
+        "{}: autograd's layer-norm node saves its input with the row mean and rstd and its backward recomputes the "
+        "normalised input from them (PyTorch tools/autograd/derivatives.yaml `native_layer_norm`: "
+        "native_layer_norm_backward(grad, input, normalized_shape, result1, result2, weight, bias); Apex/Transformer "
+        "Engine's fused norms likewise save input, mean and rstd): no normalised copy lives from forward to backward"),
+    "kept_layout_copies": (
+        "{}: attention's Q and K are the tensors the attention function saves as its own inputs; no compiler layout "
+        "pass writes a head-major copy of them outside a checkpoint (nothing plays XLA's layout assignment)"),
+    "fused_residual_adds": (
+        "{}: the residual add is an eager kernel that writes the sum, and torch.utils.checkpoint (Megatron-Core's "
+        "tensor_parallel/random.py CheckpointFunction) saves only the checkpointed block's inputs: the summands are "
+        "freed once the add has run (no compiler fuses the add into its consumers)"),
 }
 _EAGER_STACKS = {"megatron": "Megatron-LM (PyTorch)", "nemo": "Megatron-Bridge (Megatron-Core on PyTorch)",
                  "deepspeed": "DeepSpeed (PyTorch)", "fsdp": "torch.distributed.fsdp",

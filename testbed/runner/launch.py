@@ -13,6 +13,8 @@ launcher watches all of them:
   kills every worker's process group and raises :class:`WorkerFailed` naming
   the worker, its exit status and the tail of its stderr;
 - a coordinator port that turns out busy is retried on a fresh port;
+- workers run under the caller's ``XLA_FLAGS`` as a one-process run does, each with its own device count
+  (:func:`testbed.runner.devices.prepare` replaces the caller's);
 - a SIGKILLed launcher cannot stop its workers, so each worker dies with it
   (a parent-death signal and a watchdog, :func:`testbed.lifetime.die_with_parent`),
   and the next launch removes the scratch folder it left.
@@ -146,7 +148,6 @@ def _run_once(payload: dict, processes: int, local_devices: int, port: int, work
             if hosts:  # an emulated cluster: the coordinator on the first node, each worker on its node's address
                 env[_ENV] = json.dumps({**json.loads(env[_ENV]), "coordinator": f"{hosts[0]}:{port}",
                                         "bind_host": hosts[i]})
-            env.pop("XLA_FLAGS", None)
             env[_LAUNCHER_ENV] = str(os.getpid())  # the worker dies with this process (testbed.lifetime)
             with open(errs[i], "wb") as err:
                 prefix = list(prefixes[i]) if prefixes else []  # e.g. `ip netns exec NS`: a worker per namespace

@@ -10,7 +10,7 @@ types with ``source="measured"``:
   every device repeats device 0's row (the host cannot see one device's
   part of a step). Its ``step_time_s`` is the end of the last timed step,
   so the timeline covers the whole timed run and :func:`write_trace
-  <testbed.sim.timeline.write_trace>` writes it like a simulated step.
+  <testbed.sim.trace_files.write_trace>` writes it like a simulated step.
 - :func:`measured_report`: the measured step time (``run``: the median
   of the timed steps); MFU from the model's
   FLOPs (:func:`testbed.model.costs.model_flops_per_step`) when the

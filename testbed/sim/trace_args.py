@@ -22,7 +22,8 @@ from typing import Any
 
 from testbed.errors import InputError
 from testbed.sim.tasks import Program, Task, TaskKind
-from testbed.sim.timeline import Timeline, write_gantt, write_trace
+from testbed.sim.timeline import Timeline
+from testbed.sim.trace_files import write_gantt, write_trace
 from testbed.topology import Topology
 
 __all__ = ["span_args", "write_outputs", "MAX_LINKS"]
@@ -86,7 +87,7 @@ def _task_args(topology: Topology, task: Task, memo: dict) -> dict[str, Any]:
 
 
 def span_args(program: Program, timeline: Timeline, topology: Topology) -> tuple[Mapping[str, Any] | None, ...]:
-    """One ``args`` mapping (or None) per span of ``timeline``, for :func:`testbed.sim.timeline.write_trace`."""
+    """One ``args`` mapping (or None) per span of ``timeline``, for :func:`testbed.sim.trace_files.write_trace`."""
     out: list[Mapping[str, Any] | None] = [None] * len(timeline.label)
     memo: dict = {}
     tasks = program.tasks
