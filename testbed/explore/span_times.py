@@ -117,8 +117,8 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
         merges = tuple(itertools.accumulate((begin, *(x * g / total for x in block.merges))))[1:] if total else ()
         previous = ends[-1] if ends else start
         t0 = max(previous, gather_end)
-        seconds = tuple(x * scale[i] if item.stream == "compute" else x
-                        for x, item in zip(block.seconds, block.play.items))
+        seconds = block.seconds if scale[i] == 1.0 else tuple(x * scale[i] if item.stream == "compute" else x
+                                                               for x, item in zip(block.seconds, block.play.items))
         end, done, compute, tensor, out, first, sums = time_block(block.play, seconds, t0, previous, merges,
                                                                   gather_end, compute, tensor)
         summed.append(sums)
