@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 from testbed.collectives.timing import send_time
 from testbed.explore.play import Play
+from testbed.explore.play_floor import AboveBar
 from testbed.explore.stage_collectives import StageCollectives, stage_groups
 from testbed.model.gemm import scaled
 from testbed.model.memory import MemoryBreakdown, memory_breakdown
@@ -110,19 +111,24 @@ def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
                                                       plan.batch.microbatches, plan.schedule.virtual_stages))
 
 
-def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None) -> Estimate:
-    """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory."""
+def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None,
+             bar: float = math.inf) -> Estimate | float:
+    """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory; with a
+    finite ``bar``, where the step is certainly above it, a lower bound of the step above ``bar`` instead
+    (testbed.explore.play_floor: the play stops there)."""
     ids = place(plan, topology).device_ids
     return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
                                   chained_gathers=topology.device.gathers_apart(),
                                   native_reductions=topology.device.native_reductions(),
                                   allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes),
                        topology, ids,
-                       memory or plan_memory(plan, topology))
+                       memory or plan_memory(plan, topology), bar)
 
 
-def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: MemoryBreakdown) -> Estimate:
-    """The analytic estimate of the step ``facts`` describes, placed as ``device_ids`` on ``topology``.
+def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: MemoryBreakdown,
+                bar: float = math.inf) -> Estimate | float:
+    """The analytic estimate of the step ``facts`` describes, placed as ``device_ids`` on ``topology`` (``bar``: as
+    :func:`estimate`'s; a shared host's plays are not stopped).
 
     A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
     computing at once in P programs (a pipeline's stages). One program (no stages): all its devices compute
@@ -131,7 +137,10 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
     """
     priced = _Step(facts, topology, device_ids)
     cal, p, per_stage = topology.calibration, facts.stages, priced.per_stage
-    step, busy, comm, host = Play(priced, 1.0).run()
+    try:
+        step, busy, comm, host = Play(priced, 1.0).run(math.inf if cal.shares_host else bar)
+    except AboveBar as above:
+        return above.floor
     if cal.shares_host and p == 1:
         step, busy, comm, host = Play(priced, 1.0 / cal.host_share(topology.num_devices)).run()
     elif cal.shares_host and priced.serial:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -155,8 +156,9 @@ def _sort_key(objective: str, c: Candidate) -> tuple:
 
 
 def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0,
-             floors: dict | None = None) -> Estimate | None:
-    """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory.
+             floors: dict | None = None, bar: float = math.inf) -> Estimate | float | None:
+    """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory (with a
+    finite ``bar``, a lower bound of the estimate above ``bar`` where it certainly is: testbed.explore.analytic).
 
     Before the exact memory of every stage, two exact lower bounds drop most plans that overflow cheaply:
     the model states of the fullest-looking stage (:func:`testbed.model.memory.state_floor`, the same for
@@ -169,7 +171,7 @@ def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0,
     memory = plan_memory(plan, topology)
     if memory.total > memory_cap * memory.capacity:
         return None
-    return estimate(plan, topology, memory)
+    return estimate(plan, topology, memory, bar)
 
 
 def _states_overflow(plan: Plan, limit: float, floors: dict | None) -> bool:
@@ -373,7 +375,7 @@ def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, mem
                                waiting[0][0] if waiting else float("inf")):
                     heapq.heappush(waiting, (tight, order, plan))
                     continue
-        _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep)
+        _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep, margin)
         if progress is not None:
             eta.update("analytic", k)
             bar = -fastest[0] * (1 + margin) if len(fastest) >= keep else float("inf")
@@ -400,12 +402,17 @@ def _built(ref: Plan | tuple[CandidateGroup, int]) -> Plan:
 
 
 def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: float, rank: Callable,
-                   fastest: list[float] | None, keep: int) -> None:
+                   fastest: list[float] | None, keep: int, margin: float = 0.0) -> None:
     """Estimate ``plan`` into ``tier``'s shortlist (or count it pruned when it does not fit), keeping the heap of
     the ``keep`` fastest estimates when given."""
-    est = evaluate(plan, topology, memory_cap, tier.floors)
+    bar = -fastest[0] * (1 + margin) if fastest is not None and len(fastest) >= keep else math.inf
+    est = evaluate(plan, topology, memory_cap, tier.floors, bar)
     if est is None:
         tier.pruned += 1
+        return
+    if isinstance(est, float):  # its estimate is certainly above the bar: skipped as its floor would have it
+        tier.bounded += 1
+        tier.deferred.append((est, plan))
         return
     tier.shortlist.append(Candidate(plan=plan, estimate=est, value=rank(plan, est.step_time_s)))
     if fastest is not None:
