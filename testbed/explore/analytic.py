@@ -411,8 +411,13 @@ class _Step:
             return ()
         flops, hbm, rep_b, split_b = work.work
         kernels, tensor_bytes = max(1, chunk.kernels // pieces), chunk.cost.tensor_bytes
-        return tuple(compute_seconds(self.topology, self.dtype, flops * w, hbm * w, kernels, rep_b * w, split_b * w,
-                                     tensor_bytes, gemms, scaled_spans(work.spans, w)) for w, gemms in shares)
+        alike: dict[tuple[float, int], float] = {}  # the layers' blocks: one share, one GEMMs tuple
+        for w, gemms in shares:
+            if (w, id(gemms)) not in alike:
+                alike[(w, id(gemms))] = compute_seconds(self.topology, self.dtype, flops * w, hbm * w, kernels,
+                                                        rep_b * w, split_b * w, tensor_bytes, gemms,
+                                                        scaled_spans(work.spans, w))
+        return tuple(alike[(w, id(gemms))] for w, gemms in shares)
 
     def _tensor_seconds(self, s: int, transfers) -> float:
         """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""
