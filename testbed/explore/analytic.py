@@ -222,6 +222,7 @@ class _Step:
                  else (reps[s], reps[s]) for s in range(p)]
         self.prices: dict[tuple[int, int, str], _Priced] = {}
         self._played: dict[tuple, _Priced] = {}  # :meth:`played`'s memo
+        self._reduced: dict[tuple, tuple[float, Syncs]] = {}  # :meth:`_reduce`'s memo
         plan, v = facts.plan, facts.virtual
         spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):
@@ -450,7 +451,16 @@ class _Step:
         collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
         all-reduce over the rest (with ``tail``, ChunkFacts.tail, the token table's apart after a tensor
         all-gather; ``select``: testbed.sim.grad_tasks.reduce_tasks'). Its seconds and its collectives as barriers
-        (testbed.sim.barriers), the first first."""
+        (testbed.sim.barriers), the first first. Memoized per step (a chunk's alike buckets and blocks)."""
+        key = (stage, nbytes, special, leaves, tail, select)
+        hit = self._reduced.get(key)
+        if hit is None:
+            hit = self._reduced[key] = self._reduce_of(stage, nbytes, special, leaves, tail, select)
+        return hit
+
+    def _reduce_of(self, stage: int, nbytes: float, special: tuple, leaves: float, tail: tuple[float, float],
+                   select: bool | None) -> tuple[float, Syncs]:
+        """:meth:`_reduce`, not memoized."""
         mesh, t, syncs = self.facts.plan.mesh, 0.0, []
         for r in self.facts.reductions:
             size = r.size(nbytes, special)
