@@ -22,8 +22,8 @@ def played_gathers(monkeypatch) -> dict:
     seen: dict = {}
     run = play.Play.run
 
-    def recorded(self):
-        out = run(self)
+    def recorded(self, *bar):
+        out = run(self, *bar)
         per = [0.0] * self.facts.stages
         for s, action, _ in self.facts.order:
             per[s] += self.step.prices[(s, action.chunk, action.kind)].gather

@@ -48,6 +48,7 @@ from typing import NamedTuple
 
 from testbed.collectives.timing import send_time
 from testbed.explore.play import Play
+from testbed.explore.play_floor import AboveBar
 from testbed.explore.stage_collectives import StageCollectives, stage_groups
 from testbed.model.gemm import scaled
 from testbed.model.memory import MemoryBreakdown, memory_breakdown
@@ -110,8 +111,11 @@ def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
                                                       plan.batch.microbatches, plan.schedule.virtual_stages))
 
 
-def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None) -> Estimate:
-    """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory."""
+def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None,
+             bar: float = math.inf) -> Estimate | float:
+    """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory; with a
+    finite ``bar``, where the step is certainly above it, a lower bound of the step above ``bar`` instead
+    (testbed.explore.play_floor: the play stops there)."""
     ids = place(plan, topology).device_ids
     return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
                                   chained_gathers=topology.device.gathers_apart(),
@@ -119,11 +123,13 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
                                   fused_updates=topology.device.fused_updates(),
                                   allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes),
                        topology, ids,
-                       memory or plan_memory(plan, topology))
+                       memory or plan_memory(plan, topology), bar)
 
 
-def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: MemoryBreakdown) -> Estimate:
-    """The analytic estimate of the step ``facts`` describes, placed as ``device_ids`` on ``topology``.
+def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: MemoryBreakdown,
+                bar: float = math.inf) -> Estimate | float:
+    """The analytic estimate of the step ``facts`` describes, placed as ``device_ids`` on ``topology`` (``bar``: as
+    :func:`estimate`'s; a shared host's plays are not stopped).
 
     A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
     computing at once in P programs (a pipeline's stages). One program (no stages): all its devices compute
@@ -132,7 +138,10 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
     """
     priced = _Step(facts, topology, device_ids)
     cal, p, per_stage = topology.calibration, facts.stages, priced.per_stage
-    step, busy, comm, host = Play(priced, 1.0).run()
+    try:
+        step, busy, comm, host = Play(priced, 1.0).run(math.inf if cal.shares_host else bar)
+    except AboveBar as above:
+        return above.floor
     if cal.shares_host and p == 1:
         step, busy, comm, host = Play(priced, 1.0 / cal.host_share(topology.num_devices)).run()
     elif cal.shares_host and priced.serial:
@@ -214,6 +223,7 @@ class _Step:
                  else (reps[s], reps[s]) for s in range(p)]
         self.prices: dict[tuple[int, int, str], _Priced] = {}
         self._played: dict[tuple, _Priced] = {}  # :meth:`played`'s memo
+        self._reduced: dict[tuple, tuple[float, Syncs]] = {}  # :meth:`_reduce`'s memo
         plan, v = facts.plan, facts.virtual
         spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):
@@ -403,8 +413,13 @@ class _Step:
             return ()
         flops, hbm, rep_b, split_b = work.work
         kernels, tensor_bytes = max(1, chunk.kernels // pieces), chunk.cost.tensor_bytes
-        return tuple(compute_seconds(self.topology, self.dtype, flops * w, hbm * w, kernels, rep_b * w, split_b * w,
-                                     tensor_bytes, gemms, scaled_spans(work.spans, w)) for w, gemms in shares)
+        alike: dict[tuple[float, int], float] = {}  # the layers' blocks: one share, one GEMMs tuple
+        for w, gemms in shares:
+            if (w, id(gemms)) not in alike:
+                alike[(w, id(gemms))] = compute_seconds(self.topology, self.dtype, flops * w, hbm * w, kernels,
+                                                        rep_b * w, split_b * w, tensor_bytes, gemms,
+                                                        scaled_spans(work.spans, w))
+        return tuple(alike[(w, id(gemms))] for w, gemms in shares)
 
     def _tensor_seconds(self, s: int, transfers) -> float:
         """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""
@@ -437,7 +452,16 @@ class _Step:
         collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
         all-reduce over the rest (with ``tail``, ChunkFacts.tail, the token table's apart after a tensor
         all-gather; ``select``: testbed.sim.grad_tasks.reduce_tasks'). Its seconds and its collectives as barriers
-        (testbed.sim.barriers), the first first."""
+        (testbed.sim.barriers), the first first. Memoized per step (a chunk's alike buckets and blocks)."""
+        key = (stage, nbytes, special, leaves, tail, select)
+        hit = self._reduced.get(key)
+        if hit is None:
+            hit = self._reduced[key] = self._reduce_of(stage, nbytes, special, leaves, tail, select)
+        return hit
+
+    def _reduce_of(self, stage: int, nbytes: float, special: tuple, leaves: float, tail: tuple[float, float],
+                   select: bool | None) -> tuple[float, Syncs]:
+        """:meth:`_reduce`, not memoized."""
         mesh, t, syncs = self.facts.plan.mesh, 0.0, []
         for r in self.facts.reductions:
             size = r.size(nbytes, special)

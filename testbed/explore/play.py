@@ -13,10 +13,12 @@ action's reductions leave (:meth:`Play._slowed`), so its buckets and its end car
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
+from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, stage_rests
 from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.update_facts import update_seconds
@@ -76,14 +78,33 @@ class Play:
             if dispatch := step_dispatch(facts):
                 self.host += dispatch_seconds(controller, *dispatch)
 
-    def run(self) -> tuple[float, list[float], list[float], float]:
-        """(step seconds, per-stage compute, per-stage communication, the controller's seconds)."""
-        for s, action, deps in self.facts.order:
-            self.action(s, action, deps)
+    def run(self, bar: float = math.inf) -> tuple[float, list[float], list[float], float]:
+        """(step seconds, per-stage compute, per-stage communication, the controller's seconds). With a finite
+        ``bar`` (compute unslowed), raises testbed.explore.play_floor.AboveBar as soon as the step is certainly
+        above it."""
+        if bar < math.inf:
+            self._bounded(bar)
+        else:
+            for s, action, deps in self.facts.order:
+                self.action(s, action, deps)
         step = 0.0
         for s in range(self.facts.stages):
             step = max(step, self.update(s), self.host)
         return step, self.busy, self.comm, self.host
+
+    def _bounded(self, bar: float) -> None:
+        """Every action played as :meth:`run`, stopping once a stage's free time and the floors of what it has left
+        (testbed.explore.play_floor) pass ``bar``."""
+        floors = action_floors(self.step)
+        rests, keep = stage_rests(self.step, floors), 1.0 - SAFETY
+        if max(rests) * keep > bar:
+            raise AboveBar(max(rests) * keep)
+        free = self.free
+        for s, action, deps in self.facts.order:
+            self.action(s, action, deps)
+            rests[s] -= floors[(s, action.chunk, action.kind)]
+            if (free[s] + rests[s]) * keep > bar:
+                raise AboveBar((free[s] + rests[s]) * keep)
 
     def _start(self, s: int, c: int, kind: str, accumulated: bool, deps: tuple[tuple, ...]) -> float:
         """When an action starts: after its stage's previous action (and program), its dispatch

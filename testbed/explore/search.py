@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -155,8 +156,9 @@ def _sort_key(objective: str, c: Candidate) -> tuple:
 
 
 def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0,
-             floors: dict | None = None) -> Estimate | None:
-    """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory.
+             floors: dict | None = None, bar: float = math.inf) -> Estimate | float | None:
+    """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory (with a
+    finite ``bar``, a lower bound of the estimate above ``bar`` where it certainly is: testbed.explore.analytic).
 
     Before the exact memory of every stage, two exact lower bounds drop most plans that overflow cheaply:
     the model states of the fullest-looking stage (:func:`testbed.model.memory.state_floor`, the same for
@@ -169,7 +171,7 @@ def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0,
     memory = plan_memory(plan, topology)
     if memory.total > memory_cap * memory.capacity:
         return None
-    return estimate(plan, topology, memory)
+    return estimate(plan, topology, memory, bar)
 
 
 def _states_overflow(plan: Plan, limit: float, floors: dict | None) -> bool:
@@ -330,43 +332,68 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     if not by_time:
         return tier
     bounded.sort(key=lambda x: x[:2])
-    fastest: list[float] = []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
     eta.update("analytic", 0)
-    before, floors = total - len(bounded), [x[0] for x in bounded]
-    for k, (floor, _, (group, j)) in enumerate(bounded):
-        if len(fastest) >= keep and floor > -fastest[0] * (1 + margin):
-            tier.bounded += len(bounded) - k
-            tier.deferred.extend((f, ref) for f, _, ref in bounded[k:])
-            break
-        plan = group.plan(j)
-        if _overflows(plan, topology, memory_cap, tier.floors):  # its stages' exact peaks, now it may be estimated
-            tier.pruned += 1
-            continue
-        if len(fastest) >= keep and floor:  # its gathers, then the schedule played at its floors: skipped if too slow
-            played = _played_above(plan, topology, floor, -fastest[0] * (1 + margin))
-            if played is not None:
-                tier.bounded += 1
-                tier.deferred.append((played, plan))
-                continue
-        _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep)
-        if progress is not None:
-            eta.update("analytic", k + 1)
-            bar = -fastest[0] * (1 + margin) if len(fastest) >= keep else float("inf")
-            may = bisect.bisect_right(floors, bar, lo=k + 1) - (k + 1)  # plans whose floor may still be estimated
-            progress("analytic", before + k + 1, total, eta.seconds("analytic", may, replays=keep))
+    _best_first(tier, bounded, total - len(bounded), topology, memory_cap, keep, margin, rank, progress, eta)
     if progress is not None:
         progress("analytic", total, total)
     return tier
 
 
-def _played_above(plan: Plan, topology: Topology, floor: float, bar: float) -> float | None:
-    """A lower bound of ``plan``'s estimate above ``bar`` (its step ``floor``, its gathers one after another:
-    testbed.explore.gather_floor, its schedule played at its floors: testbed.explore.floor.played_floor), or None
-    where none is; the played floor only where the gathers are not already above."""
+def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, memory_cap: float, keep: int,
+                margin: float, rank: Callable, progress, eta: TimeLeft) -> None:
+    """:func:`_analytic_tier`'s best-first pass over ``bounded`` ((step floor, order, (group, index)), sorted), in the
+    order of each plan's best known lower bound: a plan whose gather or played floor (:func:`_tightened`) puts it
+    behind the next plan waits in a heap at that floor, so plans are estimated cheapest-floor first and the bar
+    falls sooner. Every plan is estimated, dropped for memory, or deferred (``tier.deferred``) with a proven
+    floor above the bar at that time, which only falls: the plans estimated at or below the final bar are those
+    of the plain floor order."""
+    fastest: list[float] = []  # the ``keep`` fastest estimates so far, negated (a max-heap of them)
+    waiting: list[tuple[float, int, Plan]] = []  # (tightened floor, order, plan): behind the next plan's floor
+    floors, k, total = [x[0] for x in bounded], 0, before + len(bounded)
+    while k < len(bounded) or waiting:
+        bar = -fastest[0] * (1 + margin) if len(fastest) >= keep else float("inf")
+        if waiting and (k >= len(bounded) or waiting[0][:2] < bounded[k][:2]):
+            if waiting[0][0] > bar:  # every floor left is at least this one's
+                break
+            plan = heapq.heappop(waiting)[2]
+        else:
+            floor, order, (group, j) = bounded[k]
+            if floor > bar:
+                break
+            k += 1
+            plan = group.plan(j)
+            if _overflows(plan, topology, memory_cap, tier.floors):  # its stages' exact peaks, now it may be estimated
+                tier.pruned += 1
+                continue
+            if floor:  # its gathers, then the schedule played at its floors: skipped if too slow, else in its place
+                tight = _tightened(plan, topology, floor, bar)
+                if tight > bar:
+                    tier.bounded += 1
+                    tier.deferred.append((tight, plan))
+                    continue
+                if tight > min(floors[k] if k < len(bounded) else float("inf"),
+                               waiting[0][0] if waiting else float("inf")):
+                    heapq.heappush(waiting, (tight, order, plan))
+                    continue
+        _estimate_into(tier, plan, topology, memory_cap, rank, fastest, keep, margin)
+        if progress is not None:
+            eta.update("analytic", k)
+            bar = -fastest[0] * (1 + margin) if len(fastest) >= keep else float("inf")
+            may = bisect.bisect_right(floors, bar, lo=k) - k + len(waiting)  # plans whose floor may be estimated
+            progress("analytic", before + k - len(waiting), total, eta.seconds("analytic", may, replays=keep))
+    tier.bounded += len(bounded) - k + len(waiting)
+    tier.deferred.extend((f, ref) for f, _, ref in bounded[k:])
+    tier.deferred.extend((f, plan) for f, _, plan in waiting)
+
+
+def _tightened(plan: Plan, topology: Topology, floor: float, bar: float) -> float:
+    """A lower bound of ``plan``'s estimate at least its step ``floor``: its gathers one after another
+    (testbed.explore.gather_floor), then, where that is not above ``bar``, its schedule played at its floors
+    (testbed.explore.floor.played_floor)."""
     played = max(floor, gather_floor(plan, topology))
     if played <= bar:
         played = max(played, played_floor(plan, topology) or 0.0)
-    return played if played > bar else None
+    return played
 
 
 def _built(ref: Plan | tuple[CandidateGroup, int]) -> Plan:
@@ -375,12 +402,17 @@ def _built(ref: Plan | tuple[CandidateGroup, int]) -> Plan:
 
 
 def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: float, rank: Callable,
-                   fastest: list[float] | None, keep: int) -> None:
+                   fastest: list[float] | None, keep: int, margin: float = 0.0) -> None:
     """Estimate ``plan`` into ``tier``'s shortlist (or count it pruned when it does not fit), keeping the heap of
     the ``keep`` fastest estimates when given."""
-    est = evaluate(plan, topology, memory_cap, tier.floors)
+    bar = -fastest[0] * (1 + margin) if fastest is not None and len(fastest) >= keep else math.inf
+    est = evaluate(plan, topology, memory_cap, tier.floors, bar)
     if est is None:
         tier.pruned += 1
+        return
+    if isinstance(est, float):  # its estimate is certainly above the bar: skipped as its floor would have it
+        tier.bounded += 1
+        tier.deferred.append((est, plan))
         return
     tier.shortlist.append(Candidate(plan=plan, estimate=est, value=rank(plan, est.step_time_s)))
     if fastest is not None:

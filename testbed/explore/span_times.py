@@ -53,6 +53,7 @@ def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, piece
     sizes = chunk.gather_sizes(work.kind) if facts.params_ways > 1 else ()
     time, axes = step.coll.time, facts.params_axes
     out = []
+    spans: dict[tuple, float] = {}  # a compute item's seconds by what it is priced from (the layers' are alike)
     for k, play in enumerate(plays):
         part = own[k][0]
         seconds, buckets = [], []
@@ -60,10 +61,14 @@ def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, piece
             nbytes = 0.0
             if item.stream == "compute":
                 j, share = item.gemms
-                n = span_kernels(kernels, item.flops, flops * part)
-                seconds.append(compute_seconds(step.topology, step.dtype, item.flops, item.nbytes, n,
-                                               replicated * part * item.passes, split * part * item.passes,
-                                               tensor_bytes, scaled(own[j][1], share), ((1.0, item.nbytes),)))
+                key = (id(own[j][1]), share, part, item.flops, item.nbytes, item.passes)
+                x = spans.get(key)
+                if x is None:
+                    n = span_kernels(kernels, item.flops, flops * part)
+                    x = spans[key] = compute_seconds(step.topology, step.dtype, item.flops, item.nbytes, n,
+                                                     replicated * part * item.passes, split * part * item.passes,
+                                                     tensor_bytes, scaled(own[j][1], share), ((1.0, item.nbytes),))
+                seconds.append(x)
             elif item.stream == "tensor":
                 seconds.append(step._tensor_seconds(s, item.transfers))
             else:
@@ -112,8 +117,8 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
         merges = tuple(itertools.accumulate((begin, *(x * g / total for x in block.merges))))[1:] if total else ()
         previous = ends[-1] if ends else start
         t0 = max(previous, gather_end)
-        seconds = tuple(x * scale[i] if item.stream == "compute" else x
-                        for x, item in zip(block.seconds, block.play.items))
+        seconds = block.seconds if scale[i] == 1.0 else tuple(x * scale[i] if item.stream == "compute" else x
+                                                               for x, item in zip(block.seconds, block.play.items))
         end, done, compute, tensor, out, first, sums = time_block(block.play, seconds, t0, previous, merges,
                                                                   gather_end, compute, tensor)
         summed.append(sums)

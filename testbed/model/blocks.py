@@ -21,6 +21,22 @@ from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 __all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "scatter_early",
            "scatter_cuts", "gather_holds", "span_leaves", "PIECE_PARTS", "SHARE_QUANTUM"]
 
+#: One mesh per (stage, tensor, expert, expert_tensor) degrees: the memoized merges below read no other field of the
+#: mesh, so plans whose meshes differ only in data, fsdp, context, order or tile share their entries.
+_MESHES: dict[tuple, MeshSpec] = {}
+
+
+def _merge_mesh(mesh: MeshSpec) -> MeshSpec:
+    """The mesh the memoized merges are keyed on for ``mesh`` (:data:`_MESHES`)."""
+    key = (mesh.stage, mesh.tensor, mesh.expert, mesh.expert_tensor)
+    hit = _MESHES.get(key)
+    if hit is None:
+        if len(_MESHES) > 4096:
+            _MESHES.clear()
+        hit = _MESHES[key] = mesh
+    return hit
+
+
 def own_blocks(layers: int, embed: bool, head: bool) -> int:
     """Blocks an fsdp action of a chunk of ``layers`` layers is split into when the embedding and the head are
     blocks of their own (``embed``, ``head``: the chunk holds them): each layer, and the embedding and the head
@@ -59,7 +75,7 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
     ``elements`` (the action's gathered elements, :meth:`testbed.sim.facts.ChunkFacts.gather`) above the leaves'
     (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
     graph and the analytic tier both price."""
-    return _block_gathers(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+    return _block_gathers(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                           state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, elements,
                           combine_bytes, bytes_per_element)
 
@@ -105,8 +121,10 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
              for *_, q in walk]
     groups: list[tuple[float, int, tuple[int, ...]]] = []  # (bytes, block, members' walk indices)
     if kind != "F" and not math.isinf(combine_bytes):
-        backward = [(block, tuple(n for (_, i, _), n in zip(walk, sizes) if i == j))
-                    for j, (block, _) in reversed(order)]
+        each: dict[int, list[float]] = {}  # each piece's leaves' sizes, in walk order
+        for (_, i, _), n in zip(walk, sizes):
+            each.setdefault(i, []).append(n)
+        backward = [(block, tuple(each.get(j, ()))) for j, (block, _) in reversed(order)]
         head = any(what == "head" for _, what, _ in held)
         waits = backward_waits(len(backward) - int(head), head)
         groups = [(size, backward[k][0], members) for size, k, members in
@@ -137,7 +155,7 @@ def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, ele
     own leaves the merge holds (None: what :func:`block_gathers` adds beyond the leaves, a tied table's copy,
     holding anything). XLA starts an op once its operands are ready: a span of the block waits for the merges
     holding the leaves it reads (testbed.sim.span_order), not for all of its block's."""
-    spec, mesh = plan.model, plan.mesh
+    spec, mesh = plan.model, _merge_mesh(plan.mesh)
     merges = _gather_merges(spec, mesh, plan.schedule.virtual_stages, plan.stage_layers,
                             state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
                             bytes_per_element)
@@ -202,7 +220,7 @@ def block_scatters(plan: Plan, stage: int, chunk: int, blocks: int, combine_byte
     block of its last leaf, whose gradients end it (unbounded: one per block). The gradient buckets at their real
     merged sizes, where equal shares of the chunk's would price the head's large table as a layer's share and
     split it into equal collectives."""
-    return _block_scatters(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+    return _block_scatters(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                            state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
                            bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
 
@@ -227,7 +245,7 @@ def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     XLA's combiner made is one collective reading every member's operand (xla/service/reduce_scatter_combiner.h:
     "combines small non-dependent ReduceScatter ops"), so where all of a small model's gradients fit one merge it
     waits for every layer's weight gradients."""
-    merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+    merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
                              bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
     return tuple(tuple(tuple(sorted(blocks - 1 - b for b in read)) for _, read, *_ in block) for block in merges)
@@ -248,7 +266,7 @@ def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     scheduler resource of their own (testbed.sim.facts.step_facts' ``chained_gathers``): the input gradient
     waits for the layer's re-gathered weights, which arrive one gather after another; where they do not (the
     superpod's traced step) the weight gradient follows the layer's input gradients."""
-    merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+    merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
                              bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
     return tuple(tuple(early for _, _, early, _ in block) for block in merges)
@@ -264,7 +282,7 @@ def scatter_cuts(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes:
     operands are ready, computes a merge's weight-gradient matmuls and starts it before the block's other weight
     gradients: the traced layer cuts its weight gradients by the merges that read them (testbed.sim.span_order),
     not all of them before its first merge leaves."""
-    merges = _scatter_merges(plan.model, plan.mesh, plan.schedule.virtual_stages, plan.stage_layers,
+    merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
                              bytes_per_element, plan.sequence_parallel and plan.mesh.tensor > 1)
     return tuple(tuple(tuple(dict(cuts).get(b, 0.0) for b in sorted(read, reverse=True)) for _, read, _, cuts in block)

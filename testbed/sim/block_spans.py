@@ -75,16 +75,41 @@ def block_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ..
     or the collectives are not exactly one per span boundary as above (full remat's redone ones).
     ``spans``: the action's (testbed.model.spans.action_spans); ``transfers``: its tensor collectives
     (testbed.sim.facts.tensor_transfers); ``gathered``: the head's weight is gathered again for the backward."""
-    return tuple(tuple((share, nbytes, tuple((op, 1, b) for op, b in a)) for share, nbytes, a, _ in block)
-                 for block in _cut(cost, kind, spans, transfers, gathered, blocks))
+    return _cut(cost, kind, spans, transfers, gathered, blocks)[0]
 
 
 def span_reads(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
                gathered: bool, blocks: int) -> tuple[tuple[frozenset[str] | None, ...], ...]:
     """Per block and span of :func:`block_spans`, the block's leaves the span reads (their first path parts;
     None: all of them): testbed.model.blocks.span_leaves of each piece of work the span is made of."""
+    return _cut(cost, kind, spans, transfers, gathered, blocks)[1]
+
+
+#: :func:`_cut`'s answers by (the chunk cost's id, the rest of its arguments), each beside its cost object (so the id
+#: is not reused while kept): many plans share one memoized chunk cost (testbed.sim.memo).
+_CUTS: dict[tuple, tuple] = {}
+
+
+def _cut(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
+         gathered: bool, blocks: int) -> tuple[tuple, tuple]:
+    """(:func:`block_spans`, :func:`span_reads`) of one action, memoized (:data:`_CUTS`)."""
+    key = (id(cost), kind, spans, transfers, gathered, blocks)
+    hit = _CUTS.get(key)
+    if hit is not None and hit[0] is cost:
+        return hit[1]
+    cut = _cut_spans(cost, kind, spans, transfers, gathered, blocks)
+    out = (tuple(tuple((share, nbytes, tuple((op, 1, b) for op, b in a)) for share, nbytes, a, _ in block)
+                 for block in cut), _reads(cost, kind, cut))
+    if len(_CUTS) > 20_000:
+        _CUTS.clear()
+    _CUTS[key] = (cost, out)
+    return out
+
+
+def _reads(cost: ChunkCost, kind: str, cut: list[list[list]]) -> tuple[tuple[frozenset[str] | None, ...], ...]:
+    """:func:`span_reads` of :func:`_cut_spans`' blocks."""
     out = []
-    for block in _cut(cost, kind, spans, transfers, gathered, blocks):
+    for block in cut:
         mine = []
         for *_, labels in block:
             reads = [span_leaves(p, what, n, kind, cost.sequence_parallel, cost.parallel_block)
@@ -94,8 +119,8 @@ def span_reads(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...
     return tuple(out)
 
 
-def _cut(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
-         gathered: bool, blocks: int) -> list[list[list]]:
+def _cut_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
+               gathered: bool, blocks: int) -> list[list[list]]:
     """:func:`block_spans`' spans, each as [share, bytes, its collectives (op, bytes), its labels]."""
     pieces = int(cost.has_embedding) + cost.layers + int(cost.has_head)
     labels = _labels(cost, kind, gathered) if kind in ("F", "B") else []
@@ -110,19 +135,14 @@ def _cut(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], tra
         expected[(op, b)] += n
     if Counter(x for a in after for x in a) != expected:
         return []
-    order = list(dict.fromkeys(piece for piece, _, _ in labels))
-    out = []
-    for piece in order:
-        mine: list[list] = []
-        for label, (share, nbytes), a in zip(labels, spans, after):
-            if label[0] != piece:
-                continue
-            if mine and not mine[-1][2] and label[1] != "head":
-                mine[-1][0] += share
-                mine[-1][1] += nbytes
-                mine[-1][2] = a
-                mine[-1][3].append(label)
-            else:  # (the head's matmuls after the loss's gradient read its gathered weight: a segment of their own)
-                mine.append([share, nbytes, a, [label]])
-        out.append(mine)
-    return out
+    by_piece: dict[str, list[list]] = {}  # each piece's spans, the pieces in their first span's order
+    for label, (share, nbytes), a in zip(labels, spans, after):
+        mine = by_piece.setdefault(label[0], [])
+        if mine and not mine[-1][2] and label[1] != "head":
+            mine[-1][0] += share
+            mine[-1][1] += nbytes
+            mine[-1][2] = a
+            mine[-1][3].append(label)
+        else:  # (the head's matmuls after the loss's gradient read its gathered weight: a segment of their own)
+            mine.append([share, nbytes, a, [label]])
+    return list(by_piece.values())

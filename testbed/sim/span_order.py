@@ -325,16 +325,26 @@ def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, previo
         m = merge_of(d)
         return max(previous, merges[m] if m < len(merges) else gathered) if m >= 0 else previous
     for item, s in zip(play.items, seconds):
-        at = max((when(d) for d in item.deps), default=start)
-        if item.stream == "compute":
-            at = max(at, compute)
+        deps = item.deps
+        if len(deps) == 1:  # (most items: the one before)
+            d = deps[0]
+            at = ends[d] if d >= 0 else when(d)
+        else:
+            at = max((when(d) for d in deps), default=start)
+        stream = item.stream
+        if stream == "compute":
+            if compute > at:
+                at = compute
             compute = at + s
             first = at if first is None else first
-        elif item.stream == "tensor":
-            at = max(at, tensor)
+        elif stream == "tensor":
+            if tensor > at:
+                at = tensor
             tensor = at + s
         else:
             releases.append((len(ends), at))
-        ends.append(at + s if item.stream != "buckets" else at)
+            ends.append(at)
+            continue
+        ends.append(at + s)
     return (max(when(d) for d in play.after), when(play.done[-1]), compute, tensor, releases,
             start if first is None else first, ends[play.summed] if play.summed >= 0 else 0.0)

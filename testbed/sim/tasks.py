@@ -147,8 +147,10 @@ class Builder:
             if t.kind is TaskKind.COLLECTIVE and len(t.group) > 1:
                 parts.append((len(t.group), t.count / len(computes)))
                 self.tasks[i] = replace(t, interleaved=True)
+        alone = merge(parts)  # a compute without barriers of its own gains these (the same sums)
         for i in computes:
-            self.tasks[i] = replace(self.tasks[i], syncs=merge((*self.tasks[i].syncs, *parts)))
+            own = self.tasks[i].syncs
+            self.tasks[i] = replace(self.tasks[i], syncs=merge((*own, *parts)) if own else alone)
 
     def serialize(self, programs: Sequence[tuple[range, int]]) -> None:
         """Run ``programs`` (``(task ids, devices)``, in dispatch order) one at a time, each once the previous

@@ -1,0 +1,64 @@
+"""A lower bound of the analytic tier's step while it plays (testbed.explore.play), so an estimate that cannot reach
+the search's bar stops early.
+
+A stage's play (:class:`testbed.explore.play.Play`) starts each action no earlier than the stage is free and frees
+it no earlier than the action's compute has run: its priced compute (the least of the ways the play may price it: whole,
+in gradient-bucket pieces, or its blocks played span by span, testbed.explore.span_times), the accumulator's add of a
+microbatch's last backward, and its blocking tensor collectives less the part ``runtime.tp_comm_overlap`` hides
+(none where its blocks play their collectives among them); barriers, gathers, sends, the comm slowdown and the
+iteration joins only add. The stage's update then runs its optimizer after the stage is free. So at any point of the
+play the step is at least the stage's free time plus the floors of its actions still to play and its optimizer:
+:func:`stage_rests` gives those sums before the play, :func:`action_floors` each action's share.
+tests/test_play_floor.py holds the bound under the estimate on sampled plans, at every action.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from testbed.sim.compute import compute_seconds
+
+if TYPE_CHECKING:
+    from testbed.explore.analytic import _Step
+
+__all__ = ["action_floors", "stage_rests", "SAFETY", "AboveBar"]
+
+#: The bound is taken this much under its sum (a sum of hundreds of floats, and the play's, round apart).
+SAFETY = 1e-9
+
+
+class AboveBar(Exception):
+    """A play stopped once its step could no longer be at most the bar: ``floor``, a lower bound of that step, is
+    above it."""
+
+    def __init__(self, floor: float) -> None:
+        super().__init__(floor)
+        self.floor = floor
+
+
+def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
+    """Each priced action's floor ``(stage, chunk, kind) -> seconds`` (module docstring), compute unslowed."""
+    last = step.facts.last_backward
+    out = {}
+    for key, p in step.prices.items():
+        plays = [v for v in (p.plays, p.plays_last, p.plays_scatter) if v]
+        ways = [p.compute, *(sum(block.compute for block in v) for v in plays)]
+        extra = 0.0
+        if key[2] == last:
+            if p.piece:
+                ways.append(p.pieces * p.piece)
+            if p.parts and len(p.parts) == p.pieces:
+                ways.append(sum(p.parts))
+            extra = p.acc
+        tensor = 0.0 if plays else max(0.0, p.tensor - p.hidden)
+        out[key] = min(ways) + extra + tensor
+    return out
+
+
+def stage_rests(step: _Step, floors: dict[tuple[int, int, str], float]) -> list[float]:
+    """Per stage, the floors of all its actions in the schedule's order and its optimizer's compute."""
+    facts = step.facts
+    rests = [compute_seconds(step.topology, step.dtype, u.flops, u.hbm_bytes, 1) for u in facts.updates]
+    for s, action, _ in facts.order:
+        rests[s] += floors[(s, action.chunk, action.kind)]
+    return rests

@@ -1,0 +1,68 @@
+"""The play floor (testbed.explore.play_floor): at every action of the analytic tier's play, a stage's free time plus
+the floors of what it has left never passes the step the play ends at, and an estimate stopped at a bar is above it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from testbed.explore.analytic import _Step, estimate
+from testbed.explore.play import Play
+from testbed.explore.play_floor import action_floors, stage_rests
+from testbed.explore.space import SearchSpace, candidates, preset_plan
+from testbed.plan.placement import place
+from testbed.sim.facts import step_facts
+from testbed.topology.io import load_topology
+
+SPACE = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
+                    remat=("none", "selective", "full"))
+
+
+def _plans(model: str, devices: int, count: int, seed: int) -> list:
+    plans = list(candidates(preset_plan(model), devices, SPACE))
+    random.Random(seed).shuffle(plans)
+    return plans[:count]
+
+
+def _bounds(plan, topology) -> tuple[list[float], float]:
+    """Each stage's free time plus its floors left, after each action of the plan's play, and the step it ends at."""
+    ids = place(plan, topology).device_ids
+    facts = step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
+                       chained_gathers=topology.device.gathers_apart(),
+                       native_reductions=topology.device.native_reductions(),
+                       allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes)
+    step = _Step(facts, topology, ids)
+    floors = action_floors(step)
+    rests = stage_rests(step, floors)
+    play, bounds = Play(step, 1.0), [max(rests)]
+    for s, action, deps in facts.order:
+        play.action(s, action, deps)
+        rests[s] -= floors[(s, action.chunk, action.kind)]
+        bounds.append(play.free[s] + rests[s])
+    return bounds, max(max(play.update(s) for s in range(facts.stages)), play.host)
+
+
+@pytest.mark.parametrize(("model", "topology_name", "devices"), [("gpt-1.3b", "dgx-h100-x4@16", 16),
+                                                                 ("llama3-8b", "dgx-h100-x4", 32)])
+def test_play_floor_never_passes_the_step(model: str, topology_name: str, devices: int) -> None:
+    topology = load_topology(topology_name)
+    for plan in _plans(model, devices, 10, 5):
+        bounds, step = _bounds(plan, topology)
+        assert step == pytest.approx(estimate(plan, topology).step_time_s, rel=1e-12)
+        assert max(bounds) <= step * (1 + 1e-12)
+        assert 0 < bounds[0] <= step  # it bounds something before the play
+
+
+def test_an_estimate_stops_only_above_its_bar() -> None:
+    topology = load_topology("dgx-h100-x4@16")
+    for plan in _plans("gpt-1.3b", 16, 8, 11):
+        whole = estimate(plan, topology)
+        for bar in (0.5 * whole.step_time_s, 0.95 * whole.step_time_s, whole.step_time_s, math.inf):
+            out = estimate(plan, topology, bar=bar)
+            if isinstance(out, float):
+                assert bar < out <= whole.step_time_s
+            else:
+                assert out == whole
+        assert isinstance(estimate(plan, topology, bar=0.5 * whole.step_time_s), float) or whole.step_time_s == 0
