@@ -32,7 +32,8 @@ def _bounds(plan, topology) -> tuple[list[float], float]:
     facts = step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
                        chained_gathers=topology.device.gathers_apart(),
                        native_reductions=topology.device.native_reductions(),
-                       allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes)
+                       allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes,
+                       fused_updates=topology.device.fused_updates())
     step = _Step(facts, topology, ids)
     floors = action_floors(step)
     rests = stage_rests(step, floors)
@@ -53,6 +54,22 @@ def test_play_floor_never_passes_the_step(model: str, topology_name: str, device
         assert step == pytest.approx(estimate(plan, topology).step_time_s, rel=1e-12)
         assert max(bounds) <= step * (1 + 1e-12)
         assert 0 < bounds[0] <= step  # it bounds something before the play
+
+
+def test_play_floor_counts_the_update_left_after_fusion() -> None:
+    """On one v5e chip the optimizer's update runs in the weight gradients' epilogue (testbed.sim.update_facts
+    .fused_update): the floor prices what is left of it, as the play does, so it stays under the step."""
+    from pathlib import Path
+
+    from testbed.plan.io import load_plan
+
+    topology = load_topology("tpu-v5e-1")
+    plans = Path(__file__).resolve().parent.parent / "benchmarks" / "tpu_chip" / "plans"
+    for name in ("llama1b-bf16-flash", "gpt125m-bf16", "llama400m-bf16-full"):
+        plan = load_plan(str(plans / f"{name}.yaml"))
+        bounds, step = _bounds(plan, topology)
+        assert step == pytest.approx(estimate(plan, topology).step_time_s, rel=1e-12)
+        assert max(bounds) <= step * (1 + 1e-12), name
 
 
 def test_an_estimate_stops_only_above_its_bar() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from testbed.sim.compute import compute_seconds
+from testbed.sim.update_facts import update_seconds
 
 if TYPE_CHECKING:
     from testbed.explore.analytic import _Step
@@ -58,7 +58,7 @@ def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
 def stage_rests(step: _Step, floors: dict[tuple[int, int, str], float]) -> list[float]:
     """Per stage, the floors of all its actions in the schedule's order and its optimizer's compute."""
     facts = step.facts
-    rests = [compute_seconds(step.topology, step.dtype, u.flops, u.hbm_bytes, 1) for u in facts.updates]
+    rests = [update_seconds(step.topology, step.dtype, u) for u in facts.updates]  # what play.py's update costs
     for s, action, _ in facts.order:
         rests[s] += floors[(s, action.chunk, action.kind)]
     return rests
