@@ -159,7 +159,7 @@ def suite_paths(args: argparse.Namespace, out: Path) -> list[Path]:
     return [Path(shutil.copy(p, out / "plans" / p.name)) for p in sources]
 
 
-def _relative(command: str) -> str:
+def relative_command(command: str) -> str:
     """A recorded command with the checkout's and the device machine's folders left out (``plans/...``, ``OUT``)."""
     words = []
     for word in command.split():
@@ -187,10 +187,10 @@ def merge_runs(calls: list[dict]) -> dict:
     first = calls[0]
     calibrated = [c["calibration"] for c in calls if c.get("calibration")]
     return {"date": first["date"], "versions": first["versions"], "platform": first["platform"],
-            "device_kind": first["device_kind"], "command": " ; ".join(_relative(c["command"]) for c in calls),
+            "device_kind": first["device_kind"], "command": " ; ".join(relative_command(c["command"]) for c in calls),
             "steps": first["steps"], "rounds": first["rounds"],
             "calibration": None if not calibrated else {k: v for k, v in calibrated[0].items() if k != "topology"},
-            "calls": [{"date": c["date"], "command": _relative(c["command"]), "wall_s": c["wall_s"],
+            "calls": [{"date": c["date"], "command": relative_command(c["command"]), "wall_s": c["wall_s"],
                        "versions": c["versions"]} for c in calls],
             "plans": list(rows.values())}
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tpu_chip import _relative, versions, write_atomic  # noqa: E402
+from tpu_chip import relative_command, versions, write_atomic  # noqa: E402
 
 #: Classes an op's time is summed into (:func:`op_class`); ``control`` (a while loop, a call) holds ops that the
 #: trace also lists one by one, so it is left out of the classes' total.
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.clear_caches()
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "versions": versions(), "platform": devices[0].platform, "device_kind": devices[0].device_kind,
-           "command": "python benchmarks/tpu_profile.py " + _relative(" ".join(sys.argv[1:] if argv is None else argv)),
+           "command": "python benchmarks/tpu_profile.py " + relative_command(" ".join(sys.argv[1:] if argv is None else argv)),
            "plans": rows, "wall_s": round(time.perf_counter() - began, 1)}
     write_atomic(Path(args.out) / "profiles.json", json.dumps(out, indent=1) + "\n")
     print(json.dumps({"plans": [{"plan": r["plan"], "ok": r["ok"], **({"error": r["error"][:200]} if "error" in r

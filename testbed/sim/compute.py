@@ -104,7 +104,8 @@ def plan_matmul_dtype(plan: Plan, topology: Topology) -> str:
 
 def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: float, kernels: int = 1,
                     replicated_bytes: float = 0.0, split_bytes: float = 0.0, tensor_bytes: float = 0.0,
-                    gemms: Sequence[Gemm] = (), spans: Sequence[tuple[float, float]] = ()) -> float:
+                    gemms: Sequence[Gemm] = (), spans: Sequence[tuple[float, float]] = (),
+                    epilogue: tuple[float, float] = (0.0, 0.0)) -> float:
     """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes).
 
     With the calibration's GEMM shape model (``compute.shapes``) and the task's ``gemms`` (whose FLOPs are
@@ -113,6 +114,8 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     matmuls and its HBM bytes); without an elementwise calibration each is a roofline of its own, the slower of
     its matmuls and its bytes, summed (its bytes in place of ``hbm_bytes``): a device that runs its fusions one
     at a time hides a span's memory traffic under its own matmuls only. Ignored with an elementwise calibration.
+    ``epilogue``: (FLOPs, bytes): of ``hbm_bytes``, those that run as the epilogue of matmuls of that many FLOPs
+    priced elsewhere (:func:`epilogue_seconds` less).
     """
     compute, passes, dev = topology.calibration.compute, topology.calibration.elementwise, topology.device
     t = 0.0
@@ -131,7 +134,9 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
         activations = (f * passes.cached_passes * (replicated_bytes + split_bytes)
                        + (1 - f) * (passes.replicated_passes * replicated_bytes + passes.split_passes * split_bytes))
         t += pass_seconds(topology, activations)
-    return compute.launch_overhead_s + t if (flops > 0 or hbm_bytes > 0) else 0.0
+    if not (flops > 0 or hbm_bytes > 0):
+        return 0.0
+    return compute.launch_overhead_s + t - epilogue_seconds(topology, dtype, *epilogue)
 
 
 def _grouped_extra_flops(device_name: str, gemms: Sequence[Gemm]) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from testbed.collectives import timing, torus
-from testbed.sim.compute import compute_seconds, epilogue_seconds
+from testbed.sim.compute import compute_seconds
 from testbed.sim.contention import normalised_loads
 from testbed.sim.step_rules import dispatch_seconds, prepare_seconds
 from testbed.sim.tasks import Program, Task, TaskKind
@@ -91,8 +91,7 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
         if task.kind is TaskKind.COMPUTE:
             durations.append(compute_seconds(topology, dtype, task.flops, task.hbm_bytes, task.kernels,
                                              task.replicated_bytes, task.split_bytes, task.tensor_bytes, task.gemms,
-                                             task.spans)
-                             - epilogue_seconds(topology, dtype, task.epilogue_flops, task.epilogue_bytes))
+                                             task.spans, (task.epilogue_flops, task.epilogue_bytes)))
             loads.append(None)
             continue
         key = (task.kind, task.op, task.group, task.nbytes, task.count, id(task.instances))

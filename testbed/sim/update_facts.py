@@ -15,7 +15,7 @@ from testbed.model.param_spec import Part
 from testbed.model.leaves import moved_elements, parameter_collectives
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.sharding import reduction_axes, state_sharding
-from testbed.sim.compute import compute_seconds, epilogue_seconds
+from testbed.sim.compute import compute_seconds
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 from testbed.sim.grad_bytes import sequence_apart, sequence_replicated, summed_each_microbatch
 
@@ -100,8 +100,8 @@ def update_seconds(topology, dtype: str, update: StageUpdate) -> float:
     """Seconds of a stage's optimizer update past its gradients' matmuls: its roofline, less the part it runs
     under the weight-gradient matmuls it is fused into (:func:`fused_update`: each such pair takes the longer
     of the two, and the matmuls are priced in the backward already). Both tiers price the update here."""
-    return (compute_seconds(topology, dtype, update.flops, update.hbm_bytes, 1)
-            - epilogue_seconds(topology, dtype, update.fused_flops, update.fused_bytes))
+    return compute_seconds(topology, dtype, update.flops, update.hbm_bytes, 1,
+                           epilogue=(update.fused_flops, update.fused_bytes))
 
 
 def update_bytes(plan: Plan, param_b: float, grad_b: float) -> float:
