@@ -45,6 +45,7 @@ from testbed.errors import InputError
 from testbed.model.gemm import Gemm
 from testbed.model.leaves import combine_limit
 from testbed.sim.engine import run
+from testbed.sim.matmul_fusion import matmul_fusions
 from testbed.sim.overlap import chain_gathers, defer_consumers, hoist_collectives
 from testbed.sim.combine import combine_collectives
 from testbed.sim.compute import gemms_seconds, pass_seconds
@@ -94,7 +95,6 @@ def _placement(workload: Workload, topology: Topology, device_ids: np.ndarray | 
 def workload_program(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None) -> Program:
     """The task graph of ``workload`` on ``topology`` (module docstring)."""
     ids = _placement(workload, topology, device_ids)
-    names = tuple(workload.mesh)
     rep = int(ids.flat[0])
     groups: dict[tuple[str, ...], tuple] = {}
     b = Builder()
@@ -103,10 +103,9 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     previous: tuple[int, ...] = ()
     passes = topology.calibration.elementwise is not None
     upcast = workload.dtype == "bf16" and topology.device.bf16_matmuls == "fp32"
+    fusing = passes and topology.device.fuses_into_matmuls()  # without passes a segment is one roofline already
     if topology.calibration.controller is not None:
-        prep = b.add(name="prepare step", device=rep, stream="host", kind=TaskKind.HOST, op="step", count=0)
-        previous = (b.add(name="dispatch step", device=rep, stream="host", kind=TaskKind.HOST, deps=(prep,),
-                          buffers=workload.buffers),)
+        previous = _controller_tasks(b, rep, workload.buffers)
 
     def close() -> None:
         if not segment:
@@ -120,6 +119,9 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
         hbm = sum(op.hbm_bytes * op.count for op in ops) + (sum(map(convert_bytes, gemms)) if upcast else 0.0)
         tasks = []
         kernels = max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))
+        if fusing:  # each matmul a kernel with what fuses into it; the rest memory-bound after
+            tasks, hbm = _fused_kernels(b, workload, segment, readers, rep, tuple(deps))
+            flops, gemms = 0.0, ()
         if not passes and flops + hbm > 0:  # the roofline: matmuls and memory-bound ops overlap
             tasks.append(b.add(name=f"{ops[0].name}..{len(ops)} ops", device=rep, stream="compute",
                                kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms, hbm_bytes=hbm,
@@ -157,7 +159,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
             continue
         close()
         if op.axes not in groups:
-            groups[op.axes] = mesh_groups(ids, names, op.axes)
+            groups[op.axes] = mesh_groups(ids, tuple(workload.mesh), op.axes)
         group = next(g for g in groups[op.axes] if rep in g)
         deps = sorted({t for d in op.deps for t in done[d]} | set(previous))
         kind, instances = TaskKind.COLLECTIVE, groups[op.axes]
@@ -170,6 +172,28 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     close()
     representative = np.full(workload.devices, rep, dtype=np.int64)
     return Program(tasks=tuple(b.tasks), representative=representative)
+
+
+def _controller_tasks(b: Builder, rep: int, buffers: int) -> tuple[int]:
+    """The controller's preparation and dispatch of the step (one program passing ``buffers`` device buffers)."""
+    prep = b.add(name="prepare step", device=rep, stream="host", kind=TaskKind.HOST, op="step", count=0)
+    return (b.add(name="dispatch step", device=rep, stream="host", kind=TaskKind.HOST, deps=(prep,), buffers=buffers),)
+
+
+def _fused_kernels(b: Builder, workload: Workload, segment: list[int], readers: list[list[int]], rep: int,
+                   deps: tuple[int, ...]) -> tuple[list[int], float]:
+    """A segment's matmuls as kernels of their own, each with the memory-bound ops XLA:TPU fuses into it
+    (testbed.sim.matmul_fusion), one after another from ``deps``: (their tasks, the bytes of the ops left unfused)."""
+    fusions, tasks = matmul_fusions(workload, segment, readers), []
+    for i in (i for i in segment if workload.ops[i].kind is OpKind.GEMM):
+        op = workload.ops[i]
+        tasks.append(b.add(name=op.name, device=rep, stream="compute", kind=TaskKind.COMPUTE,
+                           deps=tuple(tasks[-1:]) or deps, flops=op.flops * op.count, kernels=op.count,
+                           gemms=tuple(g if op.count == 1 else _repeat(g, op.count) for g in op.gemms),
+                           hbm_bytes=fusions.bytes.get(i, 0.0)))
+    left = sum(workload.ops[i].hbm_bytes * workload.ops[i].count for i in segment
+               if workload.ops[i].kind is OpKind.MEMORY and i not in fusions.fused)
+    return tasks, left
 
 
 def _fused_producers(workload: Workload, readers: list[list[int]], segment: list[int], first: int) -> set[int]:

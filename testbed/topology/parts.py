@@ -282,6 +282,11 @@ class DeviceSpec:
         per-op profiles, benchmarks/tpu_chip/profiles.json; testbed.sim.update_facts.fused_update)."""
         return self.buffer_rules == "xla-tpu"
 
+    def fuses_into_matmuls(self) -> bool:
+        """Whether the compiler fuses a traced program's elementwise producers and consumers into its matmuls'
+        kernels (XLA:TPU, ``buffer_rules: xla-tpu``: benchmarks/tpu_chip/programs.json; testbed.sim.matmul_fusion)."""
+        return self.buffer_rules == "xla-tpu"
+
 
 #: in-network reduction a level may declare -> the link kind whose switches do it.
 IN_NETWORK_REDUCTION = {"nvls": LinkKind.NVSWITCH, "sharp": LinkKind.INFINIBAND}
