@@ -45,14 +45,17 @@ from testbed.sim.tasks import Builder, TaskKind, axis_groups_cached, rep_group
 __all__ = ["reduce_tasks", "after_tensor"]
 
 
-def allreduce_count(reductions: tuple, leaves: float, size: float, nbytes: float) -> int:
+def allreduce_count(reductions: tuple, leaves: float, size: float, nbytes: float, experts: float = 0.0,
+                    expert: bool = False) -> int:
     """All-reduces one parameter kind's share (``size`` of the bucket's ``nbytes``) of a bucket is summed in: where
-    nothing shards the gradients, the bucket's ``leaves`` are XLA's merged all-reduces (ChunkFacts.bucket,
-    testbed.model.leaves.gradient_allreduces), a share of them per kind; else one (a shard's sum after the
-    reduce-scatter). The one rule the task graph and the analytic tier count by."""
+    nothing shards the gradients, the bucket's ``leaves`` are XLA's merged all-reduces of its dense gradients
+    (ChunkFacts.bucket, testbed.model.leaves.gradient_allreduces: the routed experts' left out, as their sums run
+    over other axes), a share of them per dense kind by its part of the dense bytes (``nbytes`` less the routed
+    experts' ``experts``), the routed experts' (``expert``) by their part of the bucket; else one (a shard's sum
+    after the reduce-scatter). The one rule the task graph and the analytic tier count by."""
     if not leaves or any(r.sharded for r in reductions):
         return 1
-    return max(1, round(leaves * size / nbytes))
+    return max(1, round(leaves * size / (nbytes if expert else max(nbytes - experts, size))))
 
 
 def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int, rep: int, after: int, nbytes: float,
@@ -89,7 +92,7 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
         extra = loss if not (r.expert or r.sequence or r.sharded) else 0.0
         if r.rest:
             g = axis_groups_cached(groups, plan, list(r.rest), s)
-            n = allreduce_count(reductions, leaves, size, nbytes)
+            n = allreduce_count(reductions, leaves, size, nbytes, special[0], r.expert)
             last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream=stream, kind=TaskKind.COLLECTIVE,
                          deps=(last,), op="all_reduce", nbytes=((size - token) / r.ways + extra) / n, count=n,
                          group=rep_group(g, rep), instances=g)

@@ -398,9 +398,9 @@ class _Graph(SpanPlay):
             bucket += piece.layer_end
             if piece.layer_end and bucket in closes:
                 done_buckets += 1
+                share = bucket_share(chunk.reduction_collectives, len(closes), done_buckets - 1)
                 self._bucket(s, last, grad_bucket(chunk, 1 / len(closes), self.facts.reduce_bytes,
-                                                  f"{label}/{done_buckets - 1}",
-                                                  bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
+                                                  f"{label}/{done_buckets - 1}", share))
         return last
 
     def _ring(self, s: int, tasks: list, deps: list[int], tensor_bytes: float) -> int | None:
