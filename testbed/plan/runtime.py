@@ -85,6 +85,9 @@ class RuntimeSpec:
     fused_loss: bool = False
     #: Whose compiler or autograd runs the program (:data:`FRAMEWORKS`). Memory only.
     framework: str = "jax"
+    #: The program's buffers are placed by XLA's buffer assignment (one compiled program), so a device's compiler
+    #: rules apply (``device.buffer_rules``: testbed.model.xla_tpu's on XLA:TPU). Memory only.
+    compiler_buffers: bool = True
     #: With a tensor axis each layer's normalised input ``(x - mean) * rstd`` is kept from its forward to its
     #: backward (XLA's fusions; testbed.model.kept). Memory only.
     kept_norm_inputs: bool = True
@@ -187,14 +190,14 @@ class RuntimeSpec:
                      "fp8_head", "pad_sequence_shards", "moe_sequence_dispatch", "moe_padded_dropless", "cast_weights", "microbatch_scan",
                      "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs", "in_place_collectives",
                      "grad_hooks", "weight_grads_last", "limit_aware_compile", "kept_norm_inputs",
-                     "kept_layout_copies", "fused_residual_adds"):
+                     "kept_layout_copies", "fused_residual_adds", "compiler_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
 
 
 #: The fields of every PyTorch stack's profile that say its program is eager PyTorch rather than one XLA program.
-PYTORCH_PROGRAM = {"framework": "pytorch", "microbatch_scan": False, "allreduce_combiner": False,
+PYTORCH_PROGRAM = {"framework": "pytorch", "compiler_buffers": False, "microbatch_scan": False, "allreduce_combiner": False,
                    "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False, "sp_gathered_inputs": False,
                    "in_place_collectives": True, "grad_hooks": True, "weight_grads_last": False,
                    "limit_aware_compile": False, "kept_norm_inputs": False, "kept_layout_copies": False,

@@ -43,6 +43,10 @@ _LAZY_GRADS = (
 #: How an eager PyTorch program runs where XLA's compiler would decide (``{}``: the stack), per field of
 #: testbed.plan.runtime.PYTORCH_PROGRAM.
 _EAGER_SOURCES = {
+    "compiler_buffers": (
+        "{}: eager kernels allocate their outputs from the CUDA caching allocator and autograd's saved tensors "
+        "keep what the backward reads; no compiler assigns the step's buffers (nothing plays XLA's buffer "
+        "assignment, whose kept sets testbed.model.xla_tpu states for XLA:TPU)"),
     "microbatch_scan": (
         "{}: gradient accumulation is a Python loop calling forward and backward once per microbatch "
         "(Megatron-Core pipeline_parallel/schedules.py forward_backward_no_pipelining; DDP's no_sync and FSDP's "
