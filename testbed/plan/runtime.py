@@ -187,21 +187,21 @@ class RuntimeSpec:
                              field="runtime.gather_combine_bytes")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
                      "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params",
-                     "fp8_head", "pad_sequence_shards", "moe_sequence_dispatch", "moe_padded_dropless", "cast_weights", "microbatch_scan",
-                     "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs", "in_place_collectives",
-                     "grad_hooks", "weight_grads_last", "limit_aware_compile", "kept_norm_inputs",
-                     "kept_layout_copies", "fused_residual_adds", "compiler_buffers"):
+                     "fp8_head", "pad_sequence_shards", "moe_sequence_dispatch", "moe_padded_dropless", "cast_weights",
+                     "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs",
+                     "in_place_collectives", "grad_hooks", "weight_grads_last", "limit_aware_compile",
+                     "kept_norm_inputs", "kept_layout_copies", "fused_residual_adds", "compiler_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
 
 
 #: The fields of every PyTorch stack's profile that say its program is eager PyTorch rather than one XLA program.
-PYTORCH_PROGRAM = {"framework": "pytorch", "compiler_buffers": False, "microbatch_scan": False, "allreduce_combiner": False,
-                   "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False, "sp_gathered_inputs": False,
-                   "in_place_collectives": True, "grad_hooks": True, "weight_grads_last": False,
-                   "limit_aware_compile": False, "kept_norm_inputs": False, "kept_layout_copies": False,
-                   "fused_residual_adds": False}
+PYTORCH_PROGRAM = {"framework": "pytorch", "compiler_buffers": False, "microbatch_scan": False,
+                   "allreduce_combiner": False, "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False,
+                   "sp_gathered_inputs": False, "in_place_collectives": True, "grad_hooks": True,
+                   "weight_grads_last": False, "limit_aware_compile": False, "kept_norm_inputs": False,
+                   "kept_layout_copies": False, "fused_residual_adds": False}
 #: Every stack's dropless MoE runs the routed tokens alone (grouped GEMMs over per-expert token counts), where the
 #: runner pads each expert's buffer to the sequence (:attr:`RuntimeSpec.moe_padded_dropless`).
 ROUTED_DROPLESS = {"moe_padded_dropless": False}
@@ -233,11 +233,11 @@ PROFILES: dict[str, dict[str, Any]] = {
                  "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
                  **PYTORCH_PROGRAM, "pipeline_blocking_sends": True, "moe_sequence_dispatch": True},
     "nemo": {**ROUTED_DROPLESS, "recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True,
-             "grad_reduce_overlap": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM, "fp8_params": True,
-             "moe_sequence_dispatch": True},
+             "grad_reduce_overlap": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM,
+             "fp8_params": True, "moe_sequence_dispatch": True},
     "deepspeed": {**ROUTED_DROPLESS, "recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1,
-                  **PYTORCH_PROGRAM, "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True, "pipeline_blocking_sends": True,
-                  "grad_all_reduce": True, "grad_accumulate_fp32": True},
+                  **PYTORCH_PROGRAM, "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True,
+                  "pipeline_blocking_sends": True, "grad_all_reduce": True, "grad_accumulate_fp32": True},
     "fsdp": {**ROUTED_DROPLESS, "recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1,
              **PYTORCH_PROGRAM},
     "torchtitan": {**ROUTED_DROPLESS, "recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
@@ -247,7 +247,8 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "attention_kernel": "triton", "fused_loss": True, **PYTORCH_PROGRAM},
     # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
     # (fp32 gradient reduce-scatter) are stated, and PyTorch FSDP's gradient lifetime (see SOURCES).
-    "meta": {**ROUTED_DROPLESS, **PYTORCH_PROGRAM, "grad_reduce_dtype": "fp32", "context_all_gather": True, "lazy_grads": True},
+    "meta": {**ROUTED_DROPLESS, **PYTORCH_PROGRAM, "grad_reduce_dtype": "fp32", "context_all_gather": True,
+             "lazy_grads": True},
 }
 
 

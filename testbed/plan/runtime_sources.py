@@ -305,8 +305,8 @@ _ROUTED_DROPLESS = {
                  "dropless, no padding to a capacity (moe_pad_expert_input_to_capacity off)"),
     "nemo": ("Megatron-Bridge runs Megatron-Core's MoE layer: experts.py GroupedMLP over tokens_per_expert, dropless "
              "without a capacity factor"),
-    "deepspeed": ("DeepSpeed deepspeed/moe/sharded_moe.py top1gating/top2gating: with drop_tokens False the capacity is "
-                  "the busiest expert's count (torch.max(exp_counts), all-reduced MAX over the group), the "
+    "deepspeed": ("DeepSpeed deepspeed/moe/sharded_moe.py top1gating/top2gating: with drop_tokens False the capacity "
+                  "is the busiest expert's count (torch.max(exp_counts), all-reduced MAX over the group), the "
                   "plan's expert_imbalance, not the sequence"),
     "fsdp": ("torch.distributed.fsdp shards parameters and moves no tokens: an MoE layer under it is the model's own "
              "PyTorch code, priced as PyTorch's dropless grouped GEMM over the routed tokens (" + _TITAN_GROUPED + ")"),
