@@ -58,8 +58,8 @@ def test_bytes_per_axis_equal_the_compiled_hlo_on_the_recorded_plans():
     bf16 (the norms' gradients, the loss's maximum), on every recorded plan that does not shard its parameters
     (fsdp: XLA:TPU gathers again what it recomputes and mixes reduce-scatters with all-reduces and permutes, not yet
     modelled; docs/xla_tpu.md). Known differences, by mechanism: under sequence parallelism
-    with selective remat XLA gathers the layers' inputs again in the backward (the remat policy saves no gathered
-    input); a whole-slice reduce-scatter XLA lowers as an all-reduce (listed by the probes' benchmark). A pipeline's
+    with selective remat XLA:TPU gathers the sequence-parallel activations again for each use (50 tensor all-gathers
+    against 11, 37 of them in the forward: the all-gather counts are skipped there); a whole-slice reduce-scatter XLA lowers as an all-reduce (listed by the probes' benchmark). A pipeline's
     data replicas average their losses after the schedule (the compile's ``stageN.loss`` program), MoE's
     all-to-alls move the runner's padded slots (runtime.moe_padded_dropless) and the ring's collective-permutes
     its messages: checked here too."""
