@@ -9,7 +9,8 @@ on a CPU host). The program compiled is the runner's own, on the runner's own de
   state donated), lowered on ``ShapeDtypeStruct`` arguments (:func:`testbed.runner.check_sharding.spmd_step`);
 - pipelines: every F, B (W) and update program of every stage of
   :class:`testbed.runner.pipeline.trainer.PipelineTrainer` on the stage's sub-mesh, and the stage's
-  peak memory walked over its schedule row (:func:`testbed.runner.pipeline.memory.pipeline_memory`).
+  peak memory walked over its schedule row (:func:`testbed.runner.pipeline.memory.pipeline_memory`), and
+  the mean of the per-replica losses the trainer runs after the schedule (``stageN.loss``).
 
 Per program it reports XLA's memory per device (``memory_analysis()``), the collectives per mesh axis
 as XLA scheduled them (:mod:`testbed.runner.hlo_schedule`), the fusion count and XLA's FLOPs
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from testbed.errors import InputError
 from testbed.compiled.records import XlaMemory
@@ -170,6 +172,24 @@ def _abstract_state(trainer: Any) -> tuple[list[Any], list[Any]]:
     return params, states
 
 
+def _loss_program(trainer: Any, mesh: Any) -> list[tuple[str, int, Any]]:
+    """The step's mean of the microbatches' per-replica losses (testbed.runner.pipeline.engine.mean_loss), which
+    the trainer runs once after its schedule, outside the stages' programs: the last stage's all-reduce of the loss
+    over data. None when the loss is one value per microbatch already (nothing left to reduce)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from testbed.runner.pipeline.engine import mean_loss
+    from testbed.runner.replicas import AXIS
+
+    if trainer.loss_replicas <= 1:
+        return []
+    loss = jax.ShapeDtypeStruct((trainer.loss_replicas,), jnp.float32,
+                                sharding=NamedSharding(mesh, PartitionSpec(AXIS)))
+    losses = [loss] * trainer.plan.batch.microbatches
+    stage = trainer.plan.mesh.stage - 1
+    return [(f"stage{stage}.loss", 1, jax.jit(mean_loss).lower(losses).compile())]
+
+
 def _pipeline(plan: Plan, devices: list[Any]) -> tuple[list[ProgramReport], int, list[dict[str, Any]]]:
     from testbed.runner.pipeline.memory import pipeline_memory
     from testbed.runner.pipeline.trainer import PipelineTrainer
@@ -180,6 +200,7 @@ def _pipeline(plan: Plan, devices: list[Any]) -> tuple[list[ProgramReport], int,
     compiled: list[tuple[str, int, Any]] = []
     start = time.perf_counter()
     stages = pipeline_memory(trainer, _abstract_state(trainer), compiled)
+    compiled += _loss_program(trainer, meshes[-1])
     seconds = (time.perf_counter() - start) / max(1, len(compiled))
     reports = [_report(name, runs, program, meshes[int(name[5:name.index(".")])], seconds)
                for name, runs, program in compiled]

@@ -138,7 +138,9 @@ class PipelineTrainer:
             return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last, fsdp=fsdps[last_stage])
 
         # ParamShards' maps take spread parameters themselves; otherwise each replica runs in a vmap.
-        if copies > 1 and fsdps[0] is None:
+        # The loss per replica (``[copies]`` over data), averaged by the engine's mean_loss after the schedule.
+        self.loss_replicas = copies if copies > 1 and fsdps[0] is None else 1
+        if self.loss_replicas > 1:
             chunk_forward = per_replica_forward(chunk_forward, copies, stage_meshes, axis)
             loss_fn = per_replica_losses(loss_fn, copies, stage_meshes[last_stage], axis)
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
