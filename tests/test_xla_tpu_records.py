@@ -98,6 +98,8 @@ MEMORY_APART = {
     "gpt1k-fsdp4-full": "fsdp under full remat on 4 chips: XLA's buffers of the re-gathered weights",
     "gpt2k-fsdp8-tensor8-sp": "fsdp x tensor with sequence parallelism: XLA's buffers of the re-gathered inputs",
     "gpt2k-data4-tensor4-full": "data x tensor under full remat: the layer backward's workspace",
+    "llama1b-fsdp256-flash": "fsdp over a whole slice, 16 scanned layers: XLA gathers the token table and the MLP "
+                             "weights again inside the layers' loop (27x the gather bytes)",
 }
 
 
