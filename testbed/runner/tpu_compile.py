@@ -21,6 +21,7 @@ FLOPs are one microbatch's). Nothing is allocated or run.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from testbed.runner.devices import STAGE_MESH_AXES, build_mesh, plan_placement, 
 from testbed.topology.compile_target import CompileTarget, libtpu_missing
 
 __all__ = ["versions", "target_devices", "memory_stats", "ProgramReport",
-           "CompileReport", "compile_plan"]
+           "CompileReport", "compile_plan", "target_mesh", "compile_program"]
 
 def versions() -> dict[str, str]:
     """jax, jaxlib and libtpu versions of this environment."""
@@ -63,6 +64,28 @@ def target_devices(target: CompileTarget) -> list[Any]:
     extra = {} if target.host_bounds is None else {"chips_per_host_bounds": list(target.host_bounds)}
     desc = topologies.get_topology_desc(topology_name=target.libtpu_name, platform="tpu", **extra)
     return sorted(desc.devices, key=lambda d: d.id)
+
+
+def target_mesh(target: CompileTarget, axes: dict[str, int]) -> Any:
+    """A ``Mesh`` of ``axes`` (name -> size, mesh order) over the slice's deviceless devices; InputError when the
+    sizes do not multiply to its device count."""
+    import numpy as np
+
+    devices = target_devices(target)
+    if math.prod(axes.values()) != len(devices):
+        raise InputError(f"the mesh {axes} has {math.prod(axes.values()):,} devices but {target.name} has "
+                         f"{len(devices):,}; give --mesh sizes that multiply to {len(devices):,}", field="--mesh")
+    grid = np.array(devices, dtype=object).reshape(tuple(axes.values()))
+    return jax.sharding.Mesh(grid, tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def compile_program(step: Any, args: Any, mesh: Any, name: str) -> ProgramReport:
+    """A user's step (a jitted function or a plain one, its arguments carrying shardings on ``mesh``, a
+    :func:`target_mesh`) compiled by XLA:TPU for the slice: memory, collectives per axis, fusions, FLOPs."""
+    start = time.perf_counter()
+    jitted = step if hasattr(step, "lower") else jax.jit(step)
+    compiled = jitted.lower(*args).compile()
+    return _report(name, 1, compiled, mesh, time.perf_counter() - start)
 
 
 def memory_stats(compiled: Any) -> XlaMemory:

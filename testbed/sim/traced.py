@@ -259,9 +259,10 @@ def _repeat(gemm, count: int):
 
 
 def workload_report(workload: Workload, topology: Topology, timeline: Timeline, tasks: int) -> Report:
-    """Step time, compute, exposed communication, MFU (the traced matmul FLOPs) and memory of a priced workload."""
+    """Step time, compute, exposed communication, MFU (the traced matmul FLOPs over the peak of the rate they run
+    at: an fp32 program's at a TPU's bf16 rate, :func:`matmul_dtype`) and memory of a priced workload."""
     step = timeline.step_time_s
-    peak = topology.device.flops(workload.dtype)
+    peak = topology.device.flops(matmul_dtype(topology, workload.dtype))
     mfu = workload.flops() / (peak * step) if step > 0 else 0.0
     memory = dict(workload.memory)
     memory["capacity"] = topology.device.memory_bytes
