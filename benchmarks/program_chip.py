@@ -15,8 +15,13 @@ program at its recorded sizes on one CPU device, prices it on today's ``tpu-v5e-
 per program the recorded measurement, today's prediction and its error; the medians and maxima. Goal (issue 56):
 step time median <= 10%.
 
+``--deviceless FILE`` (a host with libtpu, no chip) compiles each recorded program for one v5e chip with XLA:TPU
+(testbed.runner.tpu_compile.compile_program, what ``testbed simulate --program --compile`` does) and prints its
+memory analysis beside the chip's.
+
     python benchmarks/program_chip.py --out OUT [--only NAME ...] [--steps S] [--rounds R]
     python benchmarks/program_chip.py --report benchmarks/tpu_chip/programs.json [--only NAME ...]
+    PYTHONPATH=LIBTPU python benchmarks/program_chip.py --deviceless benchmarks/tpu_chip/programs.json
 """
 
 from __future__ import annotations
@@ -172,18 +177,42 @@ def report(path: Path, only: list[str] | None) -> dict:
             "memory_vs_xla": summary["memory_error"], "goal": GOAL, "rows": rows, "failed": recorded["failed"]}
 
 
+def deviceless(path: Path, only: list[str] | None) -> dict:
+    """Each recorded program compiled by XLA:TPU for one v5e chip without it, its memory beside the chip's."""
+    from testbed.runner.tpu_compile import compile_program, target_mesh
+    from testbed.topology.compile_target import parse_target
+
+    recorded, rows = json.loads(path.read_text()), {}
+    for name, row in recorded["rows"].items():
+        if only and name not in only:
+            continue
+        mesh = target_mesh(parse_target("tpu:v5e:1x1"), row["mesh"])
+        step, args = sized_module(name, row["sizes"]).predict(mesh)
+        memory = compile_program(step, args, mesh, name).memory.to_dict()
+        rows[name] = {"deviceless": memory, "chip": row["xla_memory"],
+                      "equal": all(memory[k] == row["xla_memory"][k] for k in ("argument", "output", "temp", "alias"))}
+    return {"benchmark": "program_chip --deviceless", "target": "tpu:v5e:1x1", "rows": rows,
+            "all_equal": all(r["equal"] for r in rows.values())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="folder to write programs.json into (records on this host's first device)")
     parser.add_argument("--report", help="a recorded programs.json: print today's predictions against it")
+    parser.add_argument("--deviceless", help="a recorded programs.json: compile them for one v5e chip with libtpu, "
+                                             "no chip, and print XLA:TPU's memory beside the chip's")
     parser.add_argument("--only", nargs="*", default=None, help="programs (default all eight)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; the least disturbed median kept (default 3)")
     parser.add_argument("--profile", type=int, default=3, help="steps profiled per program after the rounds "
                         "(per-op classes and the longest ops: tpu_profile.read_trace; 0: none; default 3)")
     args = parser.parse_args(argv)
-    if bool(args.out) == bool(args.report):
-        parser.error("give one of --out (record) or --report (compare)")
+    if sum(map(bool, (args.out, args.report, args.deviceless))) != 1:
+        parser.error("give one of --out (record), --report (compare) or --deviceless (compile without a chip)")
+    if args.deviceless:
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        print(json.dumps(deviceless(Path(args.deviceless), args.only)))
+        return 0
     if args.report:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         print(json.dumps(report(Path(args.report), args.only)))

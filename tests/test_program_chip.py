@@ -58,3 +58,14 @@ def test_step_time_median_on_the_chip() -> None:
     if median > STEP_MEDIAN:
         beyond = ", ".join(f"{name} {e:+.0%}" for name, e in sorted(errors.items()) if abs(e) > STEP_MEDIAN)
         pytest.xfail(f"users' programs on the chip: median |error| {median:.1%} (goal 10%); beyond 10%: {beyond}")
+
+
+def test_the_deviceless_compile_is_the_chips_memory_analysis() -> None:
+    """benchmarks/results/program_chip_deviceless.json (``program_chip.py --deviceless``, libtpu on a CPU host):
+    every recorded program compiled for one v5e chip without it has the chip's memory analysis, part by part."""
+    result = json.loads((ROOT / "benchmarks" / "results" / "program_chip_deviceless.json").read_text())
+    chip = json.loads(RECORD.read_text())["rows"]
+    assert result["rows"].keys() == chip.keys() and result["all_equal"]
+    for name, row in result["rows"].items():
+        assert row["chip"] == chip[name]["xla_memory"]
+        assert all(row["deviceless"][k] == row["chip"][k] for k in ("argument", "output", "temp", "alias", "peak"))
