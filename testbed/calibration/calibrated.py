@@ -20,6 +20,7 @@ import numpy as np
 
 from testbed.calibration import collectives as cal_coll
 from testbed.calibration import fit
+from testbed.calibration import host as host_fit
 from testbed.calibration import steps as cal_steps
 from testbed.calibration.gemm_shapes import fit_gemm_shapes
 from testbed.collectives import timing as collective_timing
@@ -192,7 +193,7 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
                                host_cores=host.cores, collectives=collectives, name=name, host_throughput=host.curve,
                                host_programs=host.programs, host_serial=host.serial, cache_bytes=cache_bytes)
     # The stragglers' wait at a barrier, net of the collectives' own time as the fitted topology prices them.
-    skew = fit.fit_host_skew(samples, lambda s: collective_timing.collective_time(
+    skew = host_fit.fit_host_skew(samples, lambda s: collective_timing.collective_time(
         topo, "all_gather", tuple(range(s.ranks)), s.bytes).time_s) if host.curve else ((), 0.0, 0.0)
     if skew[0]:
         topo = replace(topo, calibration=topo.calibration.updated(
@@ -238,10 +239,10 @@ class _HostFit:
 def _fit_host(samples: list[fit.Sample], host_cpus: int) -> _HostFit:
     """The :class:`_HostFit` of ``samples``: devices that share a host saturate its ``host_cpus`` cores once
     that many compute at once, and training steps then fit the rest."""
-    shared = fit.fit_host_cores(samples)
-    curve = fit.fit_host_throughput(samples)
-    programs = fit.fit_host_programs(samples) if curve else ()
-    serial = bool(fit.fit_host_serial(samples)) if curve else False
+    shared = host_fit.fit_host_cores(samples)
+    curve = host_fit.fit_host_throughput(samples)
+    programs = host_fit.fit_host_programs(samples) if curve else ()
+    serial = bool(host_fit.fit_host_serial(samples)) if curve else False
     has_steps = any(s.kind == "step" for s in samples)
     cores = float(host_cpus) if shared and host_cpus and has_steps else shared
     return _HostFit(shared=shared, cores=cores, curve=curve, programs=programs, serial=serial)
