@@ -23,6 +23,7 @@ testbed.sim.grad_bytes'.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Generic, NamedTuple, TypeVar
 
 from testbed.model import buffers
 from testbed.model.costs import ChunkCost
@@ -48,7 +49,8 @@ from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
 from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
 
-__all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "StageUpdate", "Reduction", "StepFacts", "step_facts",
+__all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts", "ForwardBackward", "Moved",
+           "Reduced", "Gathered", "StageUpdate", "Reduction", "StepFacts", "step_facts",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
            "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes", "MATMULS_PER_LAYER"]
 
@@ -57,6 +59,45 @@ __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "ActionWork", "ChunkFacts"
 #: weight GEMMs, QKV, the attention output and the MLP's two (Narayanan et al. 2021, Sec. 5.1's FLOP count).
 MATMULS_PER_LAYER = 4
 
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBackward(Generic[T]):
+    """One value per direction of a chunk's parameter gathers: the forward's (``F``) and the backward's (any other
+    kind of action)."""
+
+    forward: T
+    backward: T
+
+    def of(self, kind: str) -> T:
+        """The ``kind`` action's value."""
+        return self.forward if kind == "F" else self.backward
+
+
+class Moved(NamedTuple):
+    """Elements one collective over the shard axes of a chunk's parameters, gradients and optimizer state moves on
+    a device (testbed.model.leaves.moved_elements: padded shards' padding included)."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+
+class Reduced(NamedTuple):
+    """Bytes a device's reduction of a chunk's gradients moves: a microbatch's reduce-scatter into the sharded
+    accumulator (over ``Moved.grads``) and the last one (over ``Moved.optimizer``)."""
+
+    each_microbatch: float
+    last: float
+
+
+class Gathered(NamedTuple):
+    """What an action's gathers of a chunk's sharded parameters are on a device: elements moved, collectives."""
+
+    elements: int
+    collectives: int
 
 
 
@@ -102,7 +143,7 @@ class ChunkFacts:
     the shard axes of the parameters, the gradients and the optimizer state moves for the chunk on a device
     (testbed.model.leaves.moved_elements: padded shards' padding included, so bytes are conserved).
     ``reduced``: the bytes a device's reduction of the chunk's gradients moves, a microbatch's reduce-scatter
-    into the sharded accumulator (over ``moved[1]``) and the last one (over ``moved[2]``), at
+    into the sharded accumulator (over ``moved.grads``) and the last one (over ``moved.optimizer``), at
     :func:`reduce_bytes` each but the norms' parameters' at 4 (:func:`reduced_bytes`); ``sequence_bytes`` of
     the last, the tensor-replicated parameters' under sequence parallelism (:func:`sequence_reduced`).
     """
@@ -115,15 +156,15 @@ class ChunkFacts:
     expert_params: int
     buckets: int
     actions: tuple[ActionWork, ...]
-    moved: tuple[int, int, int]
+    moved: Moved
     blocks: int = 1
-    regather: tuple[int, int] = (0, 0)
-    reduced: tuple[float, float] = (0.0, 0.0)
+    regather: Gathered = Gathered(0, 0)
+    reduced: Reduced = Reduced(0.0, 0.0)
     sequence_bytes: float = 0.0
-    block_sizes: tuple[tuple[tuple[float, ...], ...], ...] = ((), ())
+    block_sizes: ForwardBackward[tuple[tuple[float, ...], ...]] = ForwardBackward((), ())
     #: As ``block_sizes``, each merge's block's own leaves (their first path parts; None: anything), where the
     #: blocks are the chunk's own pieces (testbed.model.blocks.gather_holds); empty: not known.
-    block_holds: tuple[tuple[tuple[frozenset[str] | None, ...], ...], ...] = ((), ())
+    block_holds: ForwardBackward[tuple[tuple[frozenset[str] | None, ...], ...]] = ForwardBackward((), ())
     #: Per action kind, (kind, each block's (share of the action's work, its GEMMs)) where the embedding and the
     #: head are blocks of their own (testbed.model.blocks.own_blocks); empty: equal shares of the action.
     block_work: tuple[tuple[str, tuple[tuple[float, tuple[Gemm, ...]], ...]], ...] = ()
@@ -146,24 +187,24 @@ class ChunkFacts:
 
     def special(self, share: float, reduce_b: float) -> tuple[float, float]:
         """(routed experts', sequence-replicated) bytes of ``share`` of the chunk's last gradient reduction: the
-        parameter kinds reduced over axes of their own (:class:`Reduction`); the rest of ``reduced[1]`` is dense."""
+        parameter kinds reduced over axes of their own (:class:`Reduction`); the rest of ``reduced.last`` is dense."""
         return self.expert_params * share * reduce_b, self.sequence_bytes * share
 
-    def gather(self, kind: str) -> tuple[int, int]:
+    def gather(self, kind: str) -> Gathered:
         """(elements, collectives) a ``kind`` action's gathers of the chunk's sharded parameters move on a device:
-        the forward all of them (``moved[0]``, ``leaves``); the backward all but the embedding's, whose backward
+        the forward all of them (``moved.params``, ``leaves``); the backward all but the embedding's, whose backward
         (a scatter-add of the rows' gradients) reads no weight (``regather``)."""
-        return (self.moved[0], self.leaves) if kind == "F" else self.regather
+        return Gathered(self.moved.params, self.leaves) if kind == "F" else self.regather
 
     def gather_sizes(self, kind: str) -> tuple[tuple[float, ...], ...]:
         """Per block, the bytes of each all-gather a ``kind`` action's gathers issue (``block_sizes``: the
         forward's, then the backward's; testbed.model.blocks.block_gathers): the merges' real sizes."""
-        return self.block_sizes[0 if kind == "F" else 1]
+        return self.block_sizes.of(kind)
 
     def gather_holds(self, kind: str) -> tuple[tuple[frozenset[str] | None, ...], ...]:
         """Per block, per all-gather of :meth:`gather_sizes`, the block's own leaves it holds (``block_holds``;
         empty: not known, every span of a block waits for all of its gathers)."""
-        return self.block_holds[0 if kind == "F" else 1]
+        return self.block_holds.of(kind)
 
     def action(self, kind: str) -> ActionWork:
         return next(a for a in self.actions if a.kind == kind)
@@ -385,19 +426,21 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
            and cost.layers >= 1 and plan.mesh.context == 1 and not any(a.chain or a.overlap for a in actions))
     blocks = (own_blocks(cost.layers, cost.has_embedding, cost.has_head) if own
               else max(1, cost.layers) if gathering else 1)
-    moved = tuple(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer"))
+    moved = Moved(*(moved_elements(plan, s, c, w) for w in ("params", "grads", "optimizer")))
     during = sharded_accumulation or plan.runtime.grad_reduce_overlap  # buckets reduce while the backward goes on
-    buckets = (blocks if blocks > 1 and sharded_accumulation else gradient_buckets(plan, cost.layers,
-                                                                                    moved[2] * reduce_b)) if during else 1
+    buckets = (blocks if blocks > 1 and sharded_accumulation
+               else gradient_buckets(plan, cost.layers, moved.optimizer * reduce_b)) if during else 1
     leaves = parameter_collectives(plan, s, c, combine, param_b)
     sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b, native) if reduces else (0.0, 0.0)
-    regather = regathered(plan, s, c, moved[0], leaves, combine, param_b)
-    sizes = tuple(block_gathers(plan, s, c, kind, blocks, n, combine, param_b)
-                  for kind, n in (("F", moved[0]), ("B", regather[0]))) if leaves else ((), ())
+    regather = Gathered(*regathered(plan, s, c, moved.params, leaves, combine, param_b))
+    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b)
+                              for kind, n in (("F", moved.params), ("B", regather.elements)))) \
+        if leaves else ForwardBackward((), ())
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
-    holds = tuple(gather_holds(plan, s, c, kind, blocks, n, combine, param_b)
-                  for kind, n in (("F", moved[0]), ("B", regather[0]))) if leaves and own else ((), ())
+    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b)
+                              for kind, n in (("F", moved.params), ("B", regather.elements)))) \
+        if leaves and own else ForwardBackward((), ())
     bucket_sizes = block_scatters(plan, s, c, blocks, combine, reduce_b) if own and buckets == blocks else ()
     bucket_reads = scatter_reads(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
     bucket_early = scatter_early(plan, s, c, blocks, combine, reduce_b) if bucket_sizes and chained else ()
@@ -407,9 +450,10 @@ def _chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, sp
                       regather=regather, block_sizes=sizes, block_holds=holds, block_work=block_work,
                       bucket_sizes=bucket_sizes,
                       bucket_reads=bucket_reads, bucket_early=bucket_early, bucket_cuts=bucket_cuts,
-                      reduced=(reduced_bytes(plan, s, c, moved[1], reduce_b, "grads", native),
-                               reduced_bytes(plan, s, c, moved[2], reduce_b, "optimizer", native) - position_saved
-                               + (sequence_b if summed_each_microbatch(plan) and sequence_replicated(plan) else 0.0)),
+                      reduced=Reduced(reduced_bytes(plan, s, c, moved.grads, reduce_b, "grads", native),
+                                      reduced_bytes(plan, s, c, moved.optimizer, reduce_b, "optimizer", native)
+                                      - position_saved + (sequence_b if summed_each_microbatch(plan)
+                                                          and sequence_replicated(plan) else 0.0)),
                       sequence_bytes=sequence_b, tail=tail,
                       allreduces=gradient_allreduces(plan, s, c, reduce_b, allreduce_bytes) if reduces and not leaves
                       else 1)

@@ -55,7 +55,7 @@ class BlockWork(NamedTuple):
 def grad_bucket(chunk: ChunkFacts, share: float, reduce_bytes: float, label: str, leaves: int,
                 tail: tuple[float, float] = (0.0, 0.0)) -> GradBucket:
     """The bucket of ``share`` of ``chunk``'s gradients, reduced in ``reduce_bytes`` per value."""
-    return GradBucket(chunk.reduced[1] * share, chunk.special(share, reduce_bytes), label, leaves, tail)
+    return GradBucket(chunk.reduced.last * share, chunk.special(share, reduce_bytes), label, leaves, tail)
 
 
 def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: bool, sequence_parallel: bool,
