@@ -776,7 +776,7 @@ def test_concurrent_benchmark_times_one_device_alone_in_the_same_rounds():
     assert pair.flops == alone.flops
     # The curve takes the paired time; the one-device sample is only a fallback.
     done = 2 * pair.alone_s / pair.seconds
-    assert cal._work_done([alone, pair]) == {2: [pytest.approx(done)]}
+    assert cal_host._work_done([alone, pair]) == {2: [pytest.approx(done)]}
 
 
 def test_programs_benchmark_times_one_program_in_the_same_rounds():
