@@ -60,8 +60,8 @@ from testbed.sim.compute import compute_seconds, plan_matmul_dtype
 from testbed.model.spans import scaled_spans
 from testbed.sim.step_rules import (GatherMode, Gradients, first_tail_bucket, gather_mode, gradients, runs_serially,
                                     sequence_apart, serial_host)
-from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, alike_key, bucket_share,
-                               cached_order, step_facts)
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.facts import StepFacts, accumulate_bytes, alike_key, bucket_share, cached_order, step_facts
 from testbed.model.layout import chunk_layers
 from testbed.explore.span_times import priced_plays
 from testbed.sim.grad_tasks import allreduce_count

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from testbed.model.gemm import scaled
 from testbed.sim.compute import compute_seconds
-from testbed.sim.facts import ActionWork, ChunkFacts
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.span_order import BlockPlay, span_kernels, time_block
 from testbed.sim.span_play import action_plays
 from testbed.sim.step_rules import gather_after

@@ -78,7 +78,8 @@ from testbed.model.spans import scaled_spans
 from testbed.plan.placement import Placement
 from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
-from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.grad_tasks import reduce_tasks
 from testbed.sim.span_play import BlockWork, GradBucket, SpanPlay, grad_bucket
 from testbed.sim.step_rules import (Dispatch, GatherMode, Gradients, Microbatches, action_dispatch, first_tail_bucket,

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from testbed.model.gemm import scaled
 from testbed.model.blocks import PIECE_PARTS
 from testbed.sim.block_spans import block_spans, span_reads
-from testbed.sim.facts import ActionWork, ChunkFacts
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.span_order import START, WAITING, BlockPlay, block_plays, merge_of, span_kernels, span_needs
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
