@@ -31,8 +31,8 @@ from testbed.sim.memo import cached_chunk_gemms
 from testbed.sim.moe import Piece, expert_gemms, moe_pieces
 from testbed.sim.tp_overlap import TpOverlap, tp_overlap
 
-__all__ = ["ActionWork", "ChunkFacts", "ForwardBackward", "Moved", "Reduced", "Gathered", "MATMULS_PER_LAYER",
-           "chunk_facts", "action_sends"]
+__all__ = ["ActionWork", "ChunkFacts", "Work", "Outgoing", "ForwardBackward", "Moved", "Reduced", "Gathered",
+           "MATMULS_PER_LAYER", "chunk_facts", "action_sends"]
 
 #: Kernels a layer's FLOPs are divided over where the calibration prices matmuls by size, not by shape
 #: (testbed.sim.compute.compute_seconds' ``efficiency_half_flops``, fitted with this count): a dense layer's four
@@ -81,27 +81,45 @@ class Gathered(NamedTuple):
 
 
 
+class Work(NamedTuple):
+    """An action's work on a device (testbed.sim.action_work.action_work): its FLOPs, HBM bytes, and the
+    replicated and split activation bytes its elementwise passes read."""
+
+    flops: float
+    hbm_bytes: float
+    replicated_bytes: float
+    split_bytes: float
+
+
+class Outgoing(NamedTuple):
+    """What an action sends another stage: the destination stage, its chunk there, and the bytes."""
+
+    stage: int
+    chunk: int
+    nbytes: float
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ActionWork:
     """One F/B/W action of one chunk, one microbatch: its work, collectives, MoE chain, ring part and sends.
 
-    ``work`` is (FLOPs, HBM bytes, replicated activation bytes, split activation bytes) (:func:`action_work`);
+    ``work`` is its :class:`Work` (:func:`action_work`);
     ``tensor`` its tensor collectives as ``(op, count, bytes each)``; ``chain`` the per-layer MoE chain under expert
     parallelism (testbed.sim.moe; empty without), after the ring when context parallelism plays one too;
     ``ring_work`` and ``ring_gemms`` what the ring plays (all the work, or all but the routed and shared
-    experts' when there is a chain); ``sends`` the (destination stage, its chunk, bytes) it produces;
+    experts' when there is a chain); ``sends`` what it sends other stages (:class:`Outgoing`);
     ``overlap`` its tensor collectives GEMM by GEMM under ``runtime.tp_comm_overlap`` (testbed.sim.tp_overlap;
     None: they follow the compute, or with the overlap on an MoE chunk run beside the whole action).
     """
 
     kind: str
-    work: tuple[float, float, float, float]
+    work: Work
     tensor: tuple[tuple[str, int, int], ...]
     gemms: tuple[Gemm, ...]
     chain: tuple[Piece, ...]
-    ring_work: tuple[float, float, float, float]
+    ring_work: Work
     ring_gemms: tuple[Gemm, ...]
-    sends: tuple[tuple[int, int, float], ...]
+    sends: tuple[Outgoing, ...]
     overlap: TpOverlap | None = None
     #: Its spans between blocking tensor collectives (testbed.model.spans; empty: one span), each a roofline of its
     #: own without an elementwise calibration (testbed.sim.compute.compute_seconds).
@@ -298,7 +316,7 @@ def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bo
         own = {"F": (shapes.forward[-1],), "W": (shapes.backward_weight[-1],),
                "B": (shapes.backward_input[-1],) + (() if split else (shapes.backward_weight[-1],))}[kind]
     rest = without(work.gemms, own)
-    flops = work.work[0]
+    flops = work.work.flops
     share = gemm_flops(own) / flops if flops > 0 else 0.0
     layer = ((1.0 - share) / layers, scaled(rest, 1 / layers))
     blocks = [(0.0, ())] * int(cost.has_embedding) + [layer] * layers + [(share, own)] * int(head)
@@ -317,32 +335,32 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
         tensor = without_embedding_gathers(tensor)
     gemms = shapes.action(kind, split)
     chain = moe_pieces(plan, n_moe, kind, split, flops, hbm, (replicated, split_b), gemms, kernels)
-    ring_work, ring_gemms = (flops, hbm, replicated, split_b), gemms
+    ring_work, ring_gemms = Work(flops, hbm, replicated, split_b), gemms
     if chain and plan.mesh.context > 1:
         # Both rings: the ring plays all but the routed and shared experts' work, then the MoE chain plays those
         # alone (its own rest is empty).
         moe_g = expert_gemms(plan, n_moe, kind, split)
-        ring_work, ring_gemms = (flops - gemm_flops(moe_g), hbm, replicated, split_b), without(gemms, moe_g)
+        ring_work, ring_gemms = Work(flops - gemm_flops(moe_g), hbm, replicated, split_b), without(gemms, moe_g)
         chain = moe_pieces(plan, n_moe, kind, split, gemm_flops(moe_g), 0.0, (0.0, 0.0), moe_g, len(moe_g))
     overlap = None if chain or gathers_parameters(plan, kind) else tp_overlap(
         plan, chunk_costs[s][c], kind, split, (flops, hbm, replicated, split_b), gemms, tensor,
         chunk_costs[s][c].layers, n_moe)
     spans = () if chain or overlap else in_last_span(action_spans(plan, chunk_costs[s][c], kind, split, n_moe), acc)
-    return ActionWork(kind=kind, work=(flops, hbm, replicated, split_b), tensor=tensor, gemms=gemms,
+    return ActionWork(kind=kind, work=Work(flops, hbm, replicated, split_b), tensor=tensor, gemms=gemms,
                       chain=tuple(chain), ring_work=ring_work, ring_gemms=ring_gemms,
                       sends=tuple(action_sends(schedule, s, kind, c, chunk_costs)), overlap=overlap, spans=spans)
 
 
-def action_sends(schedule: Schedule, stage: int, kind: str, chunk: int, chunk_costs) -> list[tuple[int, int, float]]:
-    """(destination stage, its chunk, bytes) of what a ``kind`` action of ``chunk`` sends: an activation
+def action_sends(schedule: Schedule, stage: int, kind: str, chunk: int, chunk_costs) -> list[Outgoing]:
+    """What a ``kind`` action of ``chunk`` sends (:class:`Outgoing`): an activation
     forward, a gradient backward, when the next (previous) model chunk is on another stage."""
     g = schedule.model_chunk(stage, chunk)
     if kind == "F" and g < schedule.chunks - 1:
         dst, c = schedule.locate(g + 1)
         if dst != stage:
-            return [(dst, c, float(chunk_costs[stage][chunk].activation_out_bytes))]
+            return [Outgoing(dst, c, float(chunk_costs[stage][chunk].activation_out_bytes))]
     elif kind == "B" and g > 0:
         dst, c = schedule.locate(g - 1)
         if dst != stage:
-            return [(dst, c, float(chunk_costs[dst][c].activation_out_bytes))]
+            return [Outgoing(dst, c, float(chunk_costs[dst][c].activation_out_bytes))]
     return []

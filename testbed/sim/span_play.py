@@ -70,7 +70,7 @@ def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: b
     spans = block_spans(chunk.cost, work.kind, work.spans, work.tensor, gathered, pieces)
     if not spans:
         return ()
-    flops = work.work[0]
+    flops = work.work.flops
     return block_plays(spans, tuple(flops * part for part, _ in own), flops, work.kind, sequence_parallel,
                        chunk.cost.has_embedding, tuple(chunk.reads(pieces, k) for k in range(pieces))
                        if reduce else None, _needs(chunk, work, pieces, gathered),
