@@ -6,6 +6,8 @@ The page is generated, never edited by hand: its tables come from
   command in ``published_runs.meta.json`` beside it), through benchmarks/published/validation_table.py;
 - ``benchmarks/results/tpu_chip_fit.json`` (what ``benchmarks/tpu_chip_fit.py --out`` wrote from the chip's
   recorded suite, ``benchmarks/tpu_chip/``);
+- ``benchmarks/results/program_chip.json`` (what ``benchmarks/program_chip.py --report`` printed: users' programs
+  measured on the chip against today's predictions);
 - ``benchmarks/host_runs/DATE/run-N/validate_host.json`` (what ``benchmarks/validate_host.py`` printed on the
   2-core host, each run with the code of its day);
 
@@ -38,6 +40,7 @@ DOC = ROOT / "docs" / "validation.md"
 PUBLISHED = ROOT / "benchmarks" / "results" / "published_runs.json"
 HOST_RUNS = ROOT / "benchmarks" / "host_runs"
 CHIP = ROOT / "benchmarks" / "results" / "tpu_chip_fit.json"
+PROGRAMS = ROOT / "benchmarks" / "results" / "program_chip.json"
 
 HEADER = """\
 # Calibration and validation
@@ -309,15 +312,33 @@ def chip_section(chip: dict) -> list[str]:
                             "predicted GB", "memory error"), rows)
 
 
-def page(published: dict, meta: dict, runs: list[tuple[str, dict]], chip: dict) -> str:
+def programs_section(data: dict) -> list[str]:
+    """Users' programs measured on the chip (benchmarks/program_chip.py --report's JSON)."""
+    rec, step, memory = data["recorded"], data["step_time"], data["memory_vs_xla"]
+    out = ["### Users' programs on the chip", "",
+           f"The eight held-out programs of `benchmarks/heldout/` at chip sizes on one-device meshes, timed on the "
+           f"{rec['device_kind']} chip ({rec['date']}, `{rec['command']}`) and predicted on today's `tpu-v5e-1` by the "
+           f"traced tier: step time median {_f(step['median_abs'])}, max {_f(step['max_abs'])} (goal: median 10%). "
+           "The traced memory estimate follows XLA:CPU's buffers, not XLA:TPU's fusions: median "
+           f"{_f(memory['median_abs'])}, max {_f(memory['max_abs'])} above XLA:TPU's memory analysis.", ""]
+    rows = [(name, r["dtype"], f"{r['flops_per_device'] / 1e9:.0f}", f"{r['measured_s'] * 1e3:.2f}",
+             f"{r['predicted_s'] * 1e3:.2f}", _signed(r["error"]), f"{r['memory_xla'] / 1e9:.2f}",
+             f"{r['memory_estimate'] / 1e9:.2f}") for name, r in data["rows"].items()]
+    return out + vt._table(("program", "dtype", "GFLOP", "step ms", "predicted ms", "error", "XLA:TPU GB",
+                            "estimate GB"), rows)
+
+
+def page(published: dict, meta: dict, runs: list[tuple[str, dict]], chip: dict, programs: dict) -> str:
     """The whole of docs/validation.md."""
-    lines = ([HEADER.rstrip("\n"), ""] + chip_section(chip) + [""] + host_section(runs) + [""]
+    lines = ([HEADER.rstrip("\n"), ""] + chip_section(chip) + [""] + programs_section(programs) + [""]
+             + host_section(runs) + [""]
              + published_section(published, meta))
     text = "\n".join(lines).rstrip("\n") + "\n\n" + NOTES + "\n" + LIMITS
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
 
 
-def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS, chip_path: Path = CHIP) -> str:
+def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS, chip_path: Path = CHIP,
+          programs_path: Path = PROGRAMS) -> str:
     """The page from the committed results (:class:`PageInputError` on bad input)."""
     try:
         published = vt.validate(_read_json(published_path), str(published_path))
@@ -325,7 +346,7 @@ def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS, chip_pa
         raise PageInputError(str(exc)) from None
     meta_path = published_path.with_name(published_path.stem + ".meta.json")
     meta = _read_json(meta_path) if meta_path.exists() else {}
-    return page(published, meta, host_runs(host_root), _read_json(chip_path))
+    return page(published, meta, host_runs(host_root), _read_json(chip_path), _read_json(programs_path))
 
 
 def main(argv: list[str] | None = None) -> int:

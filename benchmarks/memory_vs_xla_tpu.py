@@ -100,6 +100,8 @@ def _plans() -> list[dict]:
         _plan("gpt2k-fsdp1024-full", "tpu:v5p:8x8x16", gpt2k, 1024, {"fsdp": 1024}, remat="full"),
         _plan("gpt2k-data4-b64-oom", "tpu:v5e:2x2", gpt2k, 64, {"data": 4}),
         _plan("gpt1k-data4-fp32", "tpu:v5e:2x2", gpt1k, 8, {"data": 4}, precision="fp32", remat="selective"),
+        _plan("llama1b-fsdp256-flash", "tpu:v5e:16x16",  # the chip suite's 0.85B Llama whole, as users shard it
+              _model(_LLAMA, 2048, 16, 2048, 16, kv_heads=4, d_ff=5632, attention="flash"), 256, {"fsdp": 256}),
     ]
 
 

@@ -4,7 +4,10 @@ inside a node (expert innermost: NVLink).
 
 For each case, simulated by the discrete-event engine and by the analytic tier: step time, exposed
 communication and the MoE all-to-alls' share of it (testbed.sim.moe.exposed_stream_s), MFU, memory per device,
-and the seconds the simulation took. These are the rows of docs/llms.md's "Mixture of experts" table.
+and the seconds the simulation took. These are the rows of docs/llms.md's "Mixture of experts" table. The
+routed experts run a dropless grouped GEMM over the routed tokens (``runtime.moe_padded_dropless: false``, as
+Megatron-Core's GroupedMLP), where ``expert_imbalance`` paces them; testbed's runner pads every expert's slots to
+the sequence instead.
 Prints one JSON object. Usage: ``python benchmarks/moe_placement.py``.
 """
 
@@ -39,7 +42,7 @@ def main() -> dict:
         for where, order in (("across nodes", ACROSS), ("inside a node", INSIDE)):
             plan = plan_from_dict({"name": name, "model": model, "batch": {"global_batch": batch},
                                    "mesh": {**mesh, "order": order}, "precision": "bf16-mixed", "remat": "full",
-                                   "expert_imbalance": imbalance})
+                                   "expert_imbalance": imbalance, "runtime": {"moe_padded_dropless": False}})
             start = time.perf_counter()
             sim = simulate(plan, topology)
             seconds = time.perf_counter() - start

@@ -9,6 +9,13 @@ Sources, all measured on one v5e chip (``benchmarks/tpu_chip/``, recorded by ben
 - ``memory.efficiency``: the fit ``memory`` (a read and a write of 2-512 MiB) over the 819 GB/s datasheet
   bandwidth.
 
+- the controller, ``controller.overhead_s`` and ``buffer_s``: what a step takes beyond its XLA program on the
+  chip's own trace (the measured step less the profile's ``XLA Modules`` time per step: dispatch, the buffers'
+  hand-over, the wait for the result), fitted as one program's overhead plus a time per device buffer it passes
+  (in and out) over every profiled step: the suite's plans (``profiles.json``, buffers as
+  testbed.model.buffers.spmd_step_buffers counts them) and users' programs (``programs.json``, their traced
+  argument buffers); least squares of the relative error, leave-one-out printed.
+
 What the microbenchmarks cannot see is fitted over the category of the single-chip suite (every plan
 ``runs.json`` records as run: GPT and Llama-style, bf16 and fp32, remat none / selective / full, gradient
 accumulation, the splash kernel, seq 1024-4096), four non-negative values shared by all:
@@ -50,7 +57,7 @@ FITTED = ("replicated_passes", "split_passes", "gemm_latency_s", "inverse_flash_
 MIN_LATENCY_S = 1e-9
 #: Rounding of what the topologies ship.
 DIGITS = {"efficiency": 3, "memory_efficiency": 3, "fp32_tflops": 1, "replicated_passes": 2, "split_passes": 2,
-          "gemm_latency_s": 9, "flash_efficiency": 3}
+          "gemm_latency_s": 9, "flash_efficiency": 3, "controller_overhead_s": 6, "controller_buffer_s": 8}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +73,73 @@ class Row:
         return self.base_s + float(np.dot(self.units, values))
 
 
-def sources() -> dict:
-    """The chip's microbenchmark rates (calibration.json's fits) as the topology's fields."""
+def sources(controller: dict) -> dict:
+    """The chip's microbenchmark rates (calibration.json's fits) and ``controller`` (:func:`controller_report`) as
+    the topology's fields."""
     fits = json.loads((DATA / "calibration.json").read_text())["fits"]
     bf16, fp32 = fits["matmul bf16"]["values"]["flops_per_s"], fits["matmul fp32"]["values"]["flops_per_s"]
     efficiency = bf16 / PEAK_BF16
-    return {"efficiency": round(efficiency, DIGITS["efficiency"]),
+    return {"controller_overhead_s": controller["controller_overhead_s"],
+            "controller_buffer_s": controller["controller_buffer_s"],
+            "efficiency": round(efficiency, DIGITS["efficiency"]),
             "fp32_tflops": round(fp32 / efficiency / 1e12, DIGITS["fp32_tflops"]),
             "memory_efficiency": round(fits["memory"]["values"]["bytes_per_s"] / BANDWIDTH, DIGITS["memory_efficiency"])}
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """One profiled step: its device buffers and what it took beyond its XLA program."""
+
+    step: str
+    buffers: int
+    gap_s: float
+
+
+def step_gaps() -> list[Gap]:
+    """The profiled plans' and programs' steps beyond their programs (module docstring)."""
+    import os
+
+    from testbed.model.buffers import spmd_step_buffers
+    from testbed.plan.io import load_plan
+
+    def modules_s(planes: dict) -> float:
+        return next(iter(planes.values()))["lines_ns_per_step"]["XLA Modules"] * 1e-9
+
+    measured = {r["plan"]: r["median_s"] for r in runs()["plans"] if r["ok"]}
+    gaps = [Gap(p["plan"], spmd_step_buffers(load_plan(str(DATA / "plans" / f"{p['plan']}.yaml"))),
+                measured[p["plan"]] - modules_s(p["planes"]))
+            for p in json.loads((DATA / "profiles.json").read_text())["plans"] if p["ok"] and p["planes"]]
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import jax
+    from program_chip import traced
+
+    for name, row in json.loads((DATA / "programs.json").read_text())["rows"].items():
+        workload = traced(name, jax.devices("cpu")[0], row["sizes"])[0]
+        gaps.append(Gap(name, workload.buffers, row["measured_s"] - modules_s(row["profile"])))
+    return gaps
+
+
+def controller_fit(gaps: list[Gap]) -> tuple[float, float]:
+    """(overhead_s, buffer_s): least squares of the relative error of ``overhead + buffers x buffer_s``."""
+    a = np.array([[1.0 / g.gap_s, g.buffers / g.gap_s] for g in gaps])
+    overhead, per_buffer = np.linalg.lstsq(a, np.ones(len(gaps)), rcond=None)[0]
+    return float(overhead), float(per_buffer)
+
+
+def controller_report(gaps: list[Gap]) -> dict:
+    """The controller's fit, its in-sample and leave-one-out errors per step."""
+    overhead, per_buffer = controller_fit(gaps)
+    rows = {}
+    for i, g in enumerate(gaps):
+        o, b = controller_fit(gaps[:i] + gaps[i + 1:])
+        rows[g.step] = {"buffers": g.buffers, "gap_s": round(g.gap_s, 6),
+                        "in_sample": round((overhead + per_buffer * g.buffers) / g.gap_s - 1, 4),
+                        "leave_one_out": round((o + b * g.buffers) / g.gap_s - 1, 4)}
+    return {"controller_overhead_s": round(overhead, DIGITS["controller_overhead_s"]),
+            "controller_buffer_s": round(per_buffer, DIGITS["controller_buffer_s"]), "steps": rows,
+            "in_sample": _summary([r["in_sample"] for r in rows.values()]),
+            "leave_one_out": _summary([r["leave_one_out"] for r in rows.values()])}
 
 
 def topology(values: dict):
@@ -87,7 +153,8 @@ def topology(values: dict):
         compute={"efficiency": values["efficiency"], "flash_efficiency": flash,
                  "gemm_latency_s": values["gemm_latency_s"]},
         memory={"efficiency": values["memory_efficiency"]},
-        elementwise={"replicated_passes": values["replicated_passes"], "split_passes": values["split_passes"]})
+        elementwise={"replicated_passes": values["replicated_passes"], "split_passes": values["split_passes"]},
+        controller={"overhead_s": values["controller_overhead_s"], "buffer_s": values["controller_buffer_s"]})
     return replace(base, device=device, calibration=calibration)
 
 
@@ -150,8 +217,9 @@ def shipped() -> dict:
     from testbed.calibration.calibrated import base_topology
 
     t = base_topology(None, "tpu", 1, "TPU v5 lite")
-    c, e = t.calibration.compute, t.calibration.elementwise
-    return {"efficiency": c.efficiency, "fp32_tflops": round(t.device.peak_flops["fp32"] / 1e12, 1),
+    c, e, h = t.calibration.compute, t.calibration.elementwise, t.calibration.controller
+    return {"controller_overhead_s": h.overhead_s if h else 0.0, "controller_buffer_s": h.buffer_s if h else 0.0,
+            "efficiency": c.efficiency, "fp32_tflops": round(t.device.peak_flops["fp32"] / 1e12, 1),
             "memory_efficiency": t.calibration.memory.efficiency,
             "replicated_passes": e.replicated_passes if e else 0.0, "split_passes": e.split_passes if e else 0.0,
             "gemm_latency_s": c.gemm_latency_s, "flash_efficiency": c.flash_efficiency}
@@ -159,7 +227,8 @@ def shipped() -> dict:
 
 def report() -> dict:
     plans = recorded()
-    src = sources()
+    controller = controller_report(step_gaps())
+    src = sources(controller)
     rows = decompose(plans, src)
     values = src | as_fields(fit(rows))
     in_sample = {r.plan: step_s(p, values) / r.measured_s - 1 for (p, _), r in zip(plans, rows)}
@@ -167,6 +236,7 @@ def report() -> dict:
     for i, ((plan, _), row) in enumerate(zip(plans, rows)):
         left_out[row.plan] = step_s(plan, src | as_fields(fit(rows[:i] + rows[i + 1:]))) / row.measured_s - 1
     return {"sources": src, "fitted": {k: values[k] for k in values if k not in src}, "plans": len(rows),
+            "controller": controller,
             "recorded": {k: runs()[k] for k in ("date", "versions", "device_kind", "steps", "rounds")},
             "chip": chip_rows(values),
             "in_sample": _summary(list(in_sample.values())), "leave_one_out": _summary(list(left_out.values())),

@@ -146,8 +146,10 @@ def _sim(plan, topology):
 
 def test_ring_across_nodes_is_slower_by_the_topology_and_more_exposed():
     topo = load_topology("dgx-h100-x4")  # NVSwitch inside a node, one 400 Gb/s NIC per GPU across
-    inside = make_plan(context=4, data=8, seq=4096, d_model=512, heads=8, precision="bf16-mixed")
-    across = make_plan(context=4, data=8, seq=4096, d_model=512, heads=8, precision="bf16-mixed",
+    # Sequences of 8192: a step's two ppermutes (testbed.model.ring.STEP_MESSAGES) are large enough that the links'
+    # bandwidths, not their latencies, set the ratio below.
+    inside = make_plan(context=4, data=8, seq=8192, d_model=512, heads=8, precision="bf16-mixed")
+    across = make_plan(context=4, data=8, seq=8192, d_model=512, heads=8, precision="bf16-mixed",
                        order=["stage", "context", "data", "fsdp", "expert", "tensor"])
     (sim_in, exposed_in), (sim_out, exposed_out) = _sim(inside, topo), _sim(across, topo)
     durations = []

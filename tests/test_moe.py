@@ -23,6 +23,7 @@ from testbed.model import costs, layout, memory, moe, workspace
 from testbed.model.gemm import chunk_gemms, gemm_flops
 from testbed.model.memory import memory_breakdown
 from testbed.plan.presets import PUBLISHED_ACTIVE_PARAMS, PUBLISHED_PARAMS, preset
+from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.placement import place
 from testbed.plan.sharding import reduction_axes
 from testbed.plan.spec import Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
@@ -160,11 +161,15 @@ def test_reduction_axes_by_kind():
 
 
 def test_imbalance_and_capacity_scale_expert_work():
-    """The busiest expert rank's load paces the routed experts (dropless); a capacity factor pads them."""
+    """The busiest expert rank's load paces the routed experts (a dropless grouped GEMM); a capacity factor pads
+    them, and so does the runner's dropless routing (every expert ``seq_len`` slots: ``experts / top_k``)."""
     spec = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=16, vocab=64, experts=4, top_k=2)
-    plan = Plan(model=spec, batch=BatchSpec(global_batch=4), mesh=MeshSpec(expert=4), schedule=ScheduleSpec())
+    runner = Plan(model=spec, batch=BatchSpec(global_batch=4), mesh=MeshSpec(expert=4), schedule=ScheduleSpec())
+    plan = replace(runner, runtime=RuntimeSpec(moe_padded_dropless=False))
     base = moe.expert_tokens(plan)
     assert base == 4 * 16 * 2 // 4  # ep N top_k / E
+    assert moe.expert_tokens(runner) == 4 * 16 == base * spec.experts // spec.top_k
+    assert moe.expert_tokens(replace(runner, expert_imbalance=1.5)) == moe.expert_tokens(runner)
     assert moe.expert_tokens(replace(plan, expert_imbalance=1.5)) == 1.5 * base
     padded = replace(plan, model=replace(spec, capacity_factor=1.25), expert_imbalance=2.0)
     assert moe.expert_tokens(padded) == 1.25 * base
@@ -226,10 +231,10 @@ def test_context_and_expert_parallelism_compose():
 
 def test_capacity_padding_grows_buffers_not_state():
     """A capacity factor pads the dispatched tokens: activations, dispatch workspace and the all-to-all bytes
-    grow with it; parameters, gradients and optimizer state do not."""
+    grow with it over a dropless grouped GEMM's routed tokens; parameters, gradients and optimizer state do not."""
     spec = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=16, vocab=64, experts=4, top_k=2)
     plan = Plan(model=spec, batch=BatchSpec(global_batch=8), mesh=MeshSpec(expert=4, data=2),
-                schedule=ScheduleSpec(), precision="fp32")
+                schedule=ScheduleSpec(), precision="fp32", runtime=RuntimeSpec(moe_padded_dropless=False))
     padded = replace(plan, model=replace(spec, capacity_factor=2.0))
     a, b = memory_breakdown(plan, HOST).per_stage[0], memory_breakdown(padded, HOST).per_stage[0]
     # Gradients live at the peak instant: none at a layer's backward, where XLA defers them (kept.weight_grads_deferred).

@@ -22,7 +22,7 @@ from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, step_facts
 from testbed.sim.grad_bytes import accumulated_in_the_backward, loop_kept
 from testbed.sim.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
-from testbed.plan.sharding import gradient_reduction, state_sharding
+from testbed.plan.sharding import gradient_reduction, loss_merged, state_sharding
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
 
@@ -388,7 +388,8 @@ def test_host_counts_one_collective_per_leaf():
 def test_the_norms_gradients_are_reduced_in_fp32_where_the_partitioner_sums_them(precision, fsdp):
     """Under bf16-mixed the replicated gradients are all-reduced at 2 bytes each, but the norms' at 4: JAX sums
     bf16 in fp32 and the partitioner reduces those fp32 partial sums (the traced runner step's bytes,
-    tests/test_program_vs_plan.py). Sharded gradients are the runner's own bf16 psum_scatter: no extra."""
+    tests/test_program_vs_plan.py). Sharded gradients are the runner's own bf16 psum_scatter: no extra. fp32 sums
+    take the loss's 4 bytes along (XLA's combiner merges all-reduces of one element type)."""
     plan = replace(make_plan(data=2 // fsdp, fsdp=fsdp, microbatches=1), precision=precision)
     _, program = _program(plan)
     moved = sum(t.nbytes * t.count for t in program.tasks
@@ -398,7 +399,8 @@ def test_the_norms_gradients_are_reduced_in_fp32_where_the_partitioner_sums_them
     norms = sum(math.prod(p.shape) * (plan.model.layers if p.part is layout.Part.LAYER else 1) for p in params
                 if p.path[0] in ("ln1", "ln2", "norm"))
     grad_b = 2 if precision == "bf16-mixed" else 4
-    assert moved == everything * grad_b + (norms * 2 if grad_b == 2 and fsdp == 1 else 0)
+    loss = 4 if loss_merged(plan, grad_b) else 0  # fp32 gradient sums carry the loss (testbed.plan.sharding)
+    assert moved == everything * grad_b + (norms * 2 if grad_b == 2 and fsdp == 1 else 0) + loss
 
 
 @pytest.mark.parametrize("zero", [0, 1])

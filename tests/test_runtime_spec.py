@@ -63,8 +63,10 @@ def test_runner_differences_name_the_fields_the_runner_does_not_execute():
     from testbed.plan.runtime import runner_differences
     assert runner_differences(RuntimeSpec()) == ()
     # MaxText's scanned layer loop (memory only; the runner unrolls its layers) and XLA's padded uneven sequence
-    # shards (the runner does not shard the sequence) are the xla profile's differences.
-    assert set(runner_differences(plan_from_dict(_plan_dict("xla")).runtime)) == {"scan_layers", "pad_sequence_shards"}
+    # shards (the runner does not shard the sequence) are the xla profile's differences, and MaxText's dropless
+    # grouped matmul over the routed tokens (the runner pads every expert's slots to the sequence).
+    assert set(runner_differences(plan_from_dict(_plan_dict("xla")).runtime)) == {"scan_layers", "pad_sequence_shards",
+                                                                                  "moe_padded_dropless"}
     nemo = plan_from_dict(_plan_dict("nemo")).runtime
     assert set(runner_differences(nemo)) == set(PROFILES["nemo"])
     # MaxText's remat_policy minimal is the runner's too (testbed.runner.model.stage_forward's ``save_dots``).

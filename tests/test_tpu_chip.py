@@ -95,7 +95,8 @@ def test_the_bundled_calibration_is_the_chip_fit() -> None:
     spec = importlib.util.spec_from_file_location("tpu_chip_fit", ROOT / "benchmarks" / "tpu_chip_fit.py")
     module = sys.modules["tpu_chip_fit"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
     spec.loader.exec_module(module)
-    fitted = module.sources() | module.as_fields(module.fit(module.decompose(module.recorded(), module.sources())))
+    src = module.sources(module.controller_report(module.step_gaps()))
+    fitted = src | module.as_fields(module.fit(module.decompose(module.recorded(), src)))
     shipped = module.shipped()
     assert all(abs(shipped[k] - v) <= 10 ** -module.DIGITS[k] for k, v in fitted.items()), (shipped, fitted)
 

@@ -80,11 +80,26 @@ def test_a_traced_memory_bound_byte_costs_one_pass_of_the_calibrated_stream(name
 
 
 def test_without_elementwise_passes_a_segment_is_one_roofline_task() -> None:
-    topology = load_topology("tpu-v5e-4x4")
-    w = workload([gemm(), memory((0,), nbytes=1e3)], mesh={"data": 16})
+    topology = load_topology("eth-4x2")
+    w = workload([gemm(), memory((0,), nbytes=1e3)], mesh={"data": 8})
     program = workload_program(w, topology)
     computes = [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
     assert len(computes) == 1 and computes[0].hbm_bytes == 1e3 and computes[0].flops == w.ops[0].flops
+
+
+def test_on_xla_tpu_memory_bound_ops_fuse_into_the_matmul_they_read_or_feed() -> None:
+    """XLA:TPU (testbed.sim.matmul_fusion): a consumer of a matmul runs in its kernel, less the matmul's result it
+    reads; a producer that only matmuls read, in its first reader's; an op that reads no matmul and feeds a memory-bound
+    op is left memory-bound. Each matmul is a task of its own, the slower of its product and its fused bytes."""
+    topology = load_topology("tpu-v5e-1")
+    first = gemm()
+    result = first.gemms[0].m * first.gemms[0].n * 2  # bf16
+    ops = [memory((), nbytes=5e6), first, memory((1,), nbytes=result + 7e6), memory((), nbytes=3e6),
+           memory((3,), nbytes=2e6), gemm((0, 2))]
+    program = workload_program(workload(ops, mesh={"data": 1}), topology)
+    computes = [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
+    assert [t.hbm_bytes for t in computes] == [pytest.approx(7e6), pytest.approx(5e6), pytest.approx(5e6)]
+    assert [t.flops > 0 for t in computes] == [True, True, False]
 
 
 def test_an_independent_collective_overlaps_compute_a_needed_one_blocks() -> None:
@@ -111,7 +126,11 @@ def test_a_matmul_that_reads_a_gather_waits_for_it_and_the_matmuls_before_it_do_
 
 
 def _computes(ops) -> list:
-    program = workload_program(workload(ops, mesh={"data": 16}), load_topology("tpu-v5e-4x4"))
+    """The compute tasks on a TPU slice without XLA:TPU's matmul fusions (the segments alone; those fusions have a
+    test of their own)."""
+    topology = load_topology("tpu-v5e-4x4")
+    topology = replace(topology, device=replace(topology.device, buffer_rules="xla"))
+    program = workload_program(workload(ops, mesh={"data": 16}), topology)
     return [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
 
 

@@ -13,7 +13,7 @@ import pytest
 from testbed.errors import InputError
 from testbed.model import kept, workspace, xla_tpu
 from testbed.model.memory import memory_breakdown
-from testbed.plan.runtime import RuntimeSpec
+from testbed.plan.runtime import PROFILES, RuntimeSpec
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 from testbed.topology.compile_target import parse_target, target_topology
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
@@ -79,7 +79,8 @@ def test_the_head_keeps_compute_dtype_logits_beside_one_fp32_buffer() -> None:
 def test_other_stacks_keep_their_own_rules_on_a_tpu() -> None:
     plan = _plan(remat="full")
     assert xla_tpu.applies(plan, "xla-tpu") and not xla_tpu.applies(plan, "xla")
-    for runtime in (RuntimeSpec(framework="pytorch"), RuntimeSpec(vocab_tiles=4), RuntimeSpec(recompute="block")):
+    for runtime in (RuntimeSpec(compiler_buffers=False), RuntimeSpec(vocab_tiles=4), RuntimeSpec(recompute="block"),
+                    RuntimeSpec(profile="megatron", **PROFILES["megatron"])):
         other = replace(plan, runtime=runtime)
         assert not xla_tpu.applies(other, "xla-tpu")
         assert memory_breakdown(other, TPU).total == memory_breakdown(other, _as_cpu_rules(TPU)).total

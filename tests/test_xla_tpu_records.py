@@ -87,6 +87,27 @@ def test_out_of_memory_verdicts_agree():
 
 OVER = [f"{r['plan']} {r['error']:+.1%}" for r in ROWS if abs(r["error"]) > 0.10]
 
+#: The recorded multi-chip plans whose memory is still over 10% from XLA:TPU's, by what testbed does not model yet
+#: (docs/xla_tpu.md, "Known differences").
+MEMORY_APART = {
+    "llama4k-fsdp64-tensor4-sp": "XLA's peak is three score-sized buffers at the softmax backward, without the "
+                                 "recomputed layer's activations, tensor buffers and gathered weights testbed adds",
+    "llama2k-fsdp64": "fsdp over a whole slice: reductions lowered as all-reduces, weights gathered again per use",
+    "gpt2k-fsdp16-full": "fsdp over a whole slice: reductions lowered as all-reduces, weights gathered again per use",
+    "gpt2k-fsdp256-full": "fsdp over a whole slice: reductions lowered as all-reduces, weights gathered again per use",
+    "gpt1k-fsdp4-full": "fsdp under full remat on 4 chips: XLA's buffers of the re-gathered weights",
+    "gpt2k-fsdp8-tensor8-sp": "fsdp x tensor with sequence parallelism: XLA's buffers of the re-gathered inputs",
+    "gpt2k-data4-tensor4-full": "data x tensor under full remat: the layer backward's workspace",
+    "llama1b-fsdp256-flash": "fsdp over a whole slice, 16 scanned layers: XLA gathers the token table and the MLP "
+                             "weights again inside the layers' loop (27x the gather bytes)",
+}
+
+
+def test_memory_is_within_10_percent_but_on_the_named_plans():
+    """Every recorded multi-chip plan within 10% of XLA:TPU's memory but those :data:`MEMORY_APART` names, and each
+    of those still over (a plan that comes within is taken off the list)."""
+    assert sorted(o.split()[0] for o in OVER) == sorted(MEMORY_APART), OVER
+
 
 @pytest.mark.xfail(strict=True, reason="memory vs XLA:TPU over {} recorded multi-chip plans: median |error| {:.1%}, "
                    "max {:.1%}; over 10%: {}".format(len(ROWS), MEDIAN, MAX, ", ".join(OVER)))
@@ -104,7 +125,27 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
         assert not _overflows(record.plan, target_topology(record.target), 1.0, None), record.name
 
 
+#: What XLA:TPU does to the recorded plans' collectives that the task graph does not yet (docs/xla_tpu.md).
+FSDP = ("fsdp: XLA:TPU gathers a parameter again per use (1.6-5x the gather bytes), lowers a reduce-scatter over a "
+        "whole v5e 4x4+ or v5p slice as an all-reduce and all-reduces the token table's and the head's gradients")
+SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU gathers the activations again per use (50 "
+                "tensor all-gathers against 11, 37 in the forward)")
+#: The recorded multi-chip plans whose collectives per mesh axis differ from XLA:TPU's, by mechanism.
+COLLECTIVES_APART = {
+    **{r.name: FSDP for r in MULTI if r.plan.mesh.fsdp > 1},
+    "gpt1k-tensor4-sp-selective": SP_SELECTIVE,
+}
+
+
+def test_collectives_equal_the_compiled_hlo_but_on_the_named_plans():
+    """Every recorded multi-chip plan's collectives per mesh axis (kind, count, bytes) equal XLA:TPU's compiled HLO
+    but those :data:`COLLECTIVES_APART` names, and each of those still differs (one that comes to equal is taken
+    off the list)."""
+    assert sorted(DIFFER) == sorted(COLLECTIVES_APART), DIFFER
+
+
 @pytest.mark.xfail(strict=True, reason="collectives per mesh axis (kind, count, bytes) differ from XLA:TPU's "
-                   "compiled HLO on {} of {} recorded multi-chip plans".format(len(DIFFER), len(ROWS)))
+                   "compiled HLO on {} of {} recorded multi-chip plans: {}".format(
+                       len(DIFFER), len(ROWS), "; ".join(sorted(set(COLLECTIVES_APART.values())))))
 def test_collectives_per_axis_equal_the_compiled_hlo():
     assert DIFFER == []

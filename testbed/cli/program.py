@@ -106,22 +106,52 @@ def load_function(spec: str) -> Any:
 
 
 def trace_program(spec: str, mesh: dict[str, int], on_unknown: str = "refuse",
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
+                  timeout_s: float = DEFAULT_TIMEOUT_S, compile_target: Any = None) -> Any:
     """Call the ``--program`` function once and trace what it returns (a Workload), all within ``timeout_s`` and
     with the program's folder on ``sys.path`` until it is done (:mod:`testbed.cli.user_code`).
 
-    Where this process has the mesh's devices (emulated CPU devices, e.g. under the testing kit) the function is
-    called with a concrete mesh of them, traced on its abstract mesh and compiled for XLA's memory analysis (the
-    live-range estimate kept beside it); otherwise with an AbstractMesh.
+    With ``compile_target`` (a TPU slice, testbed.topology.compile_target) the function is called with a mesh of
+    the slice's deviceless devices and its step compiled by XLA:TPU for them: the workload's memory is XLA:TPU's
+    analysis (the live-range estimate beside it) and ``compiled`` its report. Else, where this process has the
+    mesh's devices (emulated CPU devices, e.g. under the testing kit), with a concrete mesh of them, compiled for
+    XLA's memory analysis likewise; otherwise with an AbstractMesh.
     """
     from testbed.runner.program import abstract_mesh
 
     with user_code(spec, program_folder(spec), timeout_s), reported(spec, "running"):
-        concrete = local_mesh(mesh)
+        concrete = _target_mesh(compile_target, mesh) if compile_target is not None else local_mesh(mesh)
         target = concrete if concrete is not None else abstract_mesh(mesh)
         step, args = call_program(spec, target, mesh)
         workload = trace_returned(spec, step, args, target, on_unknown)
+        if compile_target is not None:
+            return _with_tpu_memory(spec, workload, step, args, concrete, compile_target)
         return workload if concrete is None else _with_xla_memory(workload, step, args, mesh)
+
+
+def _target_mesh(target: Any, mesh: dict[str, int]) -> Any:
+    from testbed.runner.tpu_compile import target_mesh
+
+    return target_mesh(target, mesh)
+
+
+def _with_tpu_memory(spec: str, workload: Any, step: Any, args: Any, mesh: Any, target: Any) -> Any:
+    """The workload with XLA:TPU's memory analysis of the step compiled for ``target`` (``compiled``: the report);
+    a step XLA:TPU refuses (e.g. more memory than the chip has) is one paragraph naming the program."""
+    import dataclasses
+
+    from testbed.runner.program import PmapStep
+    from testbed.runner.tpu_compile import compile_program
+
+    if isinstance(step, PmapStep):
+        raise InputError(f"{quote(spec)}: --compile takes a jit or shard_map step, not a PmapStep", field="--compile")
+    with reported(spec, f"being compiled by XLA:TPU for {target.name}"):
+        report = compile_program(step, args, mesh, spec.rpartition(":")[2])
+    m = report.memory
+    memory = {"arguments": float(m.argument), "outputs": float(m.output), "temporaries": float(m.temp),
+              "total": float(m.total), "live_range_estimate": workload.memory.get("total"),
+              "method": f"XLA:TPU's memory analysis of the step compiled for {target.name} (deviceless)",
+              "compiled": report.to_dict()}
+    return dataclasses.replace(workload, memory={**workload.memory, **memory})
 
 
 def local_mesh(mesh: dict[str, int], devices: list[Any] | None = None) -> Any:
@@ -209,11 +239,31 @@ def _with_xla_memory(workload: Any, step: Any, args: Any, mesh: dict[str, int]) 
     return dataclasses.replace(workload, memory={**memory, "live_range_estimate": estimate})
 
 
+def compile_target(text: str | None, topology: Topology) -> Any:
+    """``--compile TARGET`` for a program: the slice (testbed.topology.compile_target), which must be the
+    topology's devices, libtpu importable; None without the option. InputError otherwise."""
+    if not text:
+        return None
+    from testbed.topology.compile_target import libtpu_missing, parse_target
+
+    target = parse_target(text)
+    if topology.device.name != target.device_name or topology.num_devices != target.devices:
+        raise InputError(f"{target.name} compiles for {target.devices:,} {target.device_name} devices but the "
+                         f"topology {topology.name} has {topology.num_devices:,} {topology.device.name} devices; pass "
+                         "a --topology of the target's devices", field="--compile")
+    missing = libtpu_missing()
+    if missing:
+        raise InputError(missing, field="--compile")
+    return target
+
+
 def memory_source(memory: dict[str, Any]) -> str:
     """Whose figure a traced program's memory is, for the text output: XLA's analysis of the compiled step (the
     estimate beside it) or the live-range estimate."""
     from testbed.units import format_bytes
 
+    if memory.get("compiled") is not None:
+        return (f"{memory['method']}; live-range estimate {format_bytes(memory['live_range_estimate'])}")
     if memory.get("live_range_estimate") is not None:
         return (f"XLA's memory analysis of the compiled step; live-range estimate "
                 f"{format_bytes(memory['live_range_estimate'])}")
@@ -236,7 +286,8 @@ def execute(args: Any) -> Any:
     max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
     topology = load_topology(args.topology, getattr(args, "devices", None))
     mesh = parse_mesh(args.mesh, topology)
-    workload = trace_program(args.program, mesh, args.unknown_ops, check_timeout(args.timeout))
+    target = compile_target(getattr(args, "compile", None), topology)
+    workload = trace_program(args.program, mesh, args.unknown_ops, check_timeout(args.timeout), target)
     sim = simulate_workload(workload, topology)
     r = sim.report
     summary = workload.summary()

@@ -70,6 +70,9 @@ def _simulate_add(parser: argparse.ArgumentParser) -> None:
                         help="with --program: the time limit for importing, calling and tracing it (default 600 s); "
                              "past it the command stops with exit status 2")
     add_program_mesh_arguments(parser)
+    parser.add_argument("--compile", metavar="TARGET",
+                        help="with --program: compile it with XLA:TPU for a slice of --topology's devices (e.g. "
+                             "tpu:v5e:1x1, no chip needed; needs libtpu) and report XLA:TPU's memory")
     parser.add_argument("--topology", help="bundled name or YAML path, NAME@DEVICES resizes it (default: the plan's `topology:`)")
     add_devices_argument(parser)
     parser.add_argument("--trace", help="write a Chrome/Perfetto trace JSON (open in ui.perfetto.dev)")
@@ -90,6 +93,9 @@ def _simulate_execute(args: argparse.Namespace) -> CommandResult:
         return execute(args)
     if not args.plan:
         raise InputError("give --plan (a plan YAML file or bundled name) or --program MODULE:FUNCTION", field="--plan")
+    if args.compile:
+        raise InputError("--compile takes --program; a plan compiles with `testbed check-sharding --plan P --compile "
+                         "TARGET`", field="--compile")
     max_trace = parse_bytes(args.max_trace_bytes, field="--max-trace-bytes")
     plan, states_runtime = load_plan_stating_runtime(args.plan)
     topology = plan_topology(plan, args.topology, args.plan, args.devices)

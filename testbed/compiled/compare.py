@@ -33,8 +33,10 @@ PARTS = ("params", "grads", "optimizer", "activations", "workspace")
 
 
 def predicted_collectives(plan: Plan, topology: Topology) -> dict[str, dict[str, int]]:
-    """``"axes kind" -> {count, bytes}`` per step of the plan-driven task graph (groups of 2+ devices)."""
+    """``"axes kind" -> {count, bytes}`` per step of the plan-driven task graph (groups of 2+ devices); the ring
+    attention's sends (testbed.sim.ring) are the collective-permutes ``lax.ppermute`` compiles to."""
     from testbed.sim.engine import simulate
+    from testbed.sim.ring import RING_STREAM
     from testbed.sim.tasks import TaskKind
 
     ids = place(plan, topology).device_ids
@@ -42,11 +44,13 @@ def predicted_collectives(plan: Plan, topology: Topology) -> dict[str, dict[str,
     names = tuple(a.value for a in MESH_AXES)
     out: dict[str, dict[str, int]] = {}
     for task in simulate(plan, topology).program.tasks:
-        if task.kind is not TaskKind.COLLECTIVE or len(task.group) < 2:
+        permute = task.kind is TaskKind.SEND and task.stream == RING_STREAM  # a ring's ppermute
+        if not (task.kind is TaskKind.COLLECTIVE or permute) or len(task.group) < 2:
             continue
         members = np.array([coords[d] for d in task.group])
         axes = "+".join(names[k] for k in range(members.shape[1]) if len(set(members[:, k].tolist())) > 1)
-        row = out.setdefault(f"{axes} {task.op.replace('_', '-')}", {"count": 0, "bytes": 0})
+        kind = "collective-permute" if permute else task.op.replace("_", "-")
+        row = out.setdefault(f"{axes} {kind}", {"count": 0, "bytes": 0})
         row["count"] += task.count
         row["bytes"] += int(round(task.nbytes * task.count))
     return dict(sorted(out.items()))

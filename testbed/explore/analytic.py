@@ -474,7 +474,7 @@ class _Step:
                 t += n * self.coll.time("reduce_scatter", r.sharded, stage, size / n)
                 syncs.append((r.ways, n))
             if r.rest:
-                n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes)
+                n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes, special[0], r.expert)
                 t += n_ar * self.coll.time("all_reduce", r.rest, stage, (size - token) / r.ways / n_ar)
                 syncs.append((math.prod(mesh.degree(a) for a in r.rest), n_ar))
             if token:  # the embedding's merged gather over tensor, then the token table's sum

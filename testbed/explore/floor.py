@@ -64,7 +64,7 @@ def group_floor_key(plan: Plan) -> tuple:
     mesh = plan.mesh
     return (plan.model, mesh.tensor, mesh.stage, mesh.context, mesh.expert, mesh.expert_tensor,
             plan.schedule.virtual_stages, _splits_backward(plan), plan.precision, plan.layers_per_stage,
-            plan.expert_imbalance, gathers_parameters(plan, "B"))
+            plan.expert_imbalance, plan.runtime.moe_padded_dropless, gathers_parameters(plan, "B"))
 
 
 def floor_key(plan: Plan) -> tuple:

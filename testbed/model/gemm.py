@@ -87,7 +87,9 @@ class Gemm:
     dense matmul, testbed.sim.grouped_kernels); ``block_scaled``: under fp8 its operands carry a scale per block
     (``runtime.fp8_scaling`` ``blockwise``), which the GEMM applies in its main loop
     (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE); ``high_precision``: under fp8 it still runs in bf16 (the LM
-    head outside the stack's fp8 recipe, ``runtime.fp8_head`` false).
+    head outside the stack's fp8 recipe, ``runtime.fp8_head`` false); ``stored_lhs``: a convolution's left operand
+    as it is stored, elements per product (its input: an implicit GEMM reads it, never the ``m x k`` window matrix;
+    0: the ``m x k`` matrix itself).
     """
 
     m: int
@@ -101,15 +103,21 @@ class Gemm:
     grouped: str | None = None
     block_scaled: bool = False
     high_precision: bool = False
+    stored_lhs: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0:
+        if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0 or self.stored_lhs < 0:
             raise ValueError(f"a GEMM needs positive dims and a non-negative count, got {self}")
 
     @property
     def flops(self) -> float:
         """All FLOPs of the ``count`` x ``batch`` products."""
         return 2.0 * self.m * self.n * self.k * self.batch * self.count
+
+    @property
+    def lhs_elements(self) -> int:
+        """Elements of one product's left operand as read from memory (``stored_lhs``, else ``m x k``)."""
+        return self.stored_lhs or self.m * self.k
 
     def input_grad(self) -> "Gemm":
         """``dX = dY W^T``: ``m x k``, reducing over ``n``."""

@@ -160,9 +160,9 @@ def recompute_workspace_bytes(plan: Plan) -> int:
 
 
 def xla_program(plan: Plan) -> bool:
-    """Whether the program is one XLA program (``runtime.framework``), for a compiler's own rules
-    (testbed.model.xla_tpu); the kept terms here each read their own runtime field."""
-    return plan.runtime.framework == "jax"
+    """Whether XLA's buffer assignment places the program's buffers (``runtime.compiler_buffers``), for a
+    compiler's own rules (testbed.model.xla_tpu); the kept terms here each read their own runtime field."""
+    return plan.runtime.compiler_buffers
 
 
 def _residual_values(plan: Plan) -> int:

@@ -89,9 +89,12 @@ def expert_capacity(spec: ModelSpec) -> int:
 
 def expert_load(plan: Plan) -> float:
     """The routed experts' work over even routing: the capacity buffers' padding (:func:`expert_capacity` over
-    the even share ``seq_len x top_k / experts``) when a capacity is set, else ``expert_imbalance``."""
+    the even share ``seq_len x top_k / experts``) when a capacity is set or the stack pads dropless buffers to the
+    sequence (``runtime.moe_padded_dropless``, the runner: ``experts / top_k``; its all-to-alls then move the whole
+    ``[experts, seq_len, d]`` slot buffer of each sequence, as XLA:TPU's compiles of moe1k-expert4 and
+    moe1k-data4-expert4 show, benchmarks/xla_tpu/), else ``expert_imbalance``."""
     m = plan.model
-    if m.capacity_factor:
+    if m.capacity_factor or (m.experts and plan.runtime.moe_padded_dropless):
         return expert_capacity(m) * m.experts / (m.seq_len * m.top_k)
     return float(plan.expert_imbalance)
 

@@ -23,9 +23,12 @@ GEMM shapes and the memory model all come here):
 - **Sends** (per layer, one microbatch, one tensor rank; ``kv`` = the rank's K
   and V in the compute dtype, ``grad`` = its dK and dV accumulators in fp32):
   forward ``c - 1`` sends of ``kv``; backward ``c - 1`` sends of ``kv + grad``
-  (the accumulators travel with their K/V) and a last send of ``grad`` that
-  brings each accumulator home. Every rank sends to rank ``r + 1`` of its
-  ring at once (``lax.ppermute``), a point-to-point transfer per pair.
+  (the accumulators travel with their K/V) and a last send that brings each
+  accumulator home, cast to the compute dtype (``kv`` bytes). Every rank sends to
+  rank ``r + 1`` of its ring at once (``lax.ppermute``), a point-to-point transfer
+  per pair; a step's send is :data:`STEP_MESSAGES` ppermutes of half its bytes each
+  (forward K and V apart, backward the stacked K/V and the stacked dK/dV; XLA:TPU
+  compiles them as that many collective-permutes, benchmarks/xla_tpu/).
 - **Overlap.** The send that brings step ``k + 1``'s block depends on no
   compute of step ``k``, so it runs while step ``k`` computes: per step,
   ``max(0, send - compute)`` is exposed. Step 0 (4 units) hides the first
@@ -53,7 +56,7 @@ from dataclasses import dataclass, replace
 from testbed.plan.context import ring_step_units
 from testbed.plan.spec import Attention, ModelSpec, Plan, Remat
 
-__all__ = ["GRAD_BYTES", "RingPhase", "rank_spec", "step_units", "unit_flops", "extra_attention_flops",
+__all__ = ["GRAD_BYTES", "STEP_MESSAGES", "RingPhase", "rank_spec", "step_units", "unit_flops", "extra_attention_flops",
            "kv_bytes", "grad_bytes", "ring_bytes_per_layer", "ring_phases", "ring_workspace",
            "ring_attention_workspace", "merge_bytes"]
 
@@ -113,6 +116,11 @@ def _kv_width(plan: Plan) -> int:
     return spec.kv_dim // t if spec.kv_split(t) else spec.kv_dim
 
 
+#: The ppermutes of one ring step (testbed.runner.ring_attention: ``_shift`` sends K and V apart forward,
+#: ``_shift_packed`` the stacked K/V and the stacked dK/dV backward), each half of the step's bytes.
+STEP_MESSAGES = 2
+
+
 def kv_bytes(plan: Plan) -> int:
     """One rank's K and V for one microbatch on one tensor rank, in the compute dtype: one forward message."""
     tokens = plan.microbatch_size * plan.model.seq_len // plan.mesh.context
@@ -127,14 +135,14 @@ def grad_bytes(plan: Plan) -> int:
 
 def ring_bytes_per_layer(plan: Plan) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends per attention layer and microbatch (module docstring):
-    ``(c-1) kv`` and ``(c-1) (kv + grad) + grad``; (0, 0) without context parallelism."""
+    ``(c-1) kv`` and ``(c-1) (kv + grad) + kv``; (0, 0) without context parallelism."""
     c = plan.mesh.context
     if c == 1:
         return 0, 0
     kv, grad = kv_bytes(plan), grad_bytes(plan)
     if plan.runtime.context_all_gather:
         return (c - 1) * kv, (c - 1) * (grad + (kv if plan.remat is Remat.FULL else 0))
-    return (c - 1) * kv, (c - 1) * (kv + grad) + grad
+    return (c - 1) * kv, (c - 1) * (kv + grad) + kv
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,12 +168,14 @@ class RingPhase:
 
 
 def _pass(plan: Plan, kind: str, nbytes: int) -> list[RingPhase]:
-    c = plan.mesh.context
+    """One pass around the ring, each step's send of ``nbytes`` as :data:`STEP_MESSAGES` messages."""
+    c, m = plan.mesh.context, STEP_MESSAGES
     units = step_units(c)
-    phases = [RingPhase(name=f"ring {kind} step 0", kind=kind, units=units[0], sends=1, nbytes=nbytes, first=True)]
+    phases = [RingPhase(name=f"ring {kind} step 0", kind=kind, units=units[0], sends=m, nbytes=nbytes // m,
+                        first=True)]
     if c > 2:
         phases.append(RingPhase(name=f"ring {kind} steps 1-{c - 2}", kind=kind, units=sum(units[1:-1]),
-                                sends=c - 2, nbytes=nbytes, after_ring=True))
+                                sends=(c - 2) * m, nbytes=nbytes // m, after_ring=True))
     phases.append(RingPhase(name=f"ring {kind} step {c - 1}", kind=kind, units=units[-1], sends=0, nbytes=0,
                             after_ring=True))
     return phases
@@ -184,7 +194,7 @@ def ring_phases(plan: Plan, kind: str) -> tuple[RingPhase, ...]:
         return tuple(_pass(plan, "F", kv))
     phases = _pass(plan, "F", kv) if plan.remat is Remat.FULL else []
     phases += _pass(plan, "B", kv + grad_bytes(plan))
-    phases.append(RingPhase(name="ring B home", kind="B", units=0, sends=1, nbytes=grad_bytes(plan)))
+    phases.append(RingPhase(name="ring B home", kind="B", units=0, sends=1, nbytes=kv))  # in K/V's dtype
     return tuple(phases)
 
 

@@ -66,6 +66,10 @@ class RuntimeSpec:
     #: and the experts' tensor ranks all-gather what arrives (Megatron-Core's MoEAlltoAllTokenDispatcher), instead of
     #: every tensor rank dispatching the whole sequence (testbed.model.moe.sequence_dispatch).
     moe_sequence_dispatch: bool = False
+    #: Without a capacity factor (dropless) every expert still has ``seq_len`` slots per sequence, and the dispatch,
+    #: the experts' GEMMs and their activations run over all of them (the runner's routing into
+    #: testbed.model.moe.expert_capacity's slots), not over the routed tokens alone (testbed.model.moe.expert_load).
+    moe_padded_dropless: bool = True
     #: Sequence parallelism over a tensor degree that does not divide the sequence pads each rank's shard to
     #: ``ceil(seq / t)`` tokens (XLA's GSPMD: an uneven shard rounded up, the last padded) instead of refusing the plan
     #: (Megatron-LM's split_tensor_along_first_dim needs the sequence divisible).
@@ -81,6 +85,9 @@ class RuntimeSpec:
     fused_loss: bool = False
     #: Whose compiler or autograd runs the program (:data:`FRAMEWORKS`). Memory only.
     framework: str = "jax"
+    #: The program's buffers are placed by XLA's buffer assignment (one compiled program), so a device's compiler
+    #: rules apply (``device.buffer_rules``: testbed.model.xla_tpu's on XLA:TPU). Memory only.
+    compiler_buffers: bool = True
     #: With a tensor axis each layer's normalised input ``(x - mean) * rstd`` is kept from its forward to its
     #: backward (XLA's fusions; testbed.model.kept). Memory only.
     kept_norm_inputs: bool = True
@@ -180,21 +187,24 @@ class RuntimeSpec:
                              field="runtime.gather_combine_bytes")
         for name in ("pipeline_blocking_sends", "grad_all_reduce", "grad_accumulate_fp32", "lazy_grads",
                      "context_all_gather", "context_merge_fp32", "shard_context", "offload_activations", "fp8_params",
-                     "fp8_head", "pad_sequence_shards", "moe_sequence_dispatch", "cast_weights", "microbatch_scan",
-                     "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs", "in_place_collectives",
-                     "grad_hooks", "weight_grads_last", "limit_aware_compile", "kept_norm_inputs",
-                     "kept_layout_copies", "fused_residual_adds"):
+                     "fp8_head", "pad_sequence_shards", "moe_sequence_dispatch", "moe_padded_dropless", "cast_weights",
+                     "microbatch_scan", "allreduce_combiner", "fsdp_edge_blocks", "sp_gathered_inputs",
+                     "in_place_collectives", "grad_hooks", "weight_grads_last", "limit_aware_compile",
+                     "kept_norm_inputs", "kept_layout_copies", "fused_residual_adds", "compiler_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(f"{name} must be true or false, got {getattr(self, name)!r:.40}",
                                  field=f"runtime.{name}")
 
 
 #: The fields of every PyTorch stack's profile that say its program is eager PyTorch rather than one XLA program.
-PYTORCH_PROGRAM = {"framework": "pytorch", "microbatch_scan": False, "allreduce_combiner": False,
-                   "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False, "sp_gathered_inputs": False,
-                   "in_place_collectives": True, "grad_hooks": True, "weight_grads_last": False,
-                   "limit_aware_compile": False, "kept_norm_inputs": False, "kept_layout_copies": False,
-                   "fused_residual_adds": False}
+PYTORCH_PROGRAM = {"framework": "pytorch", "compiler_buffers": False, "microbatch_scan": False,
+                   "allreduce_combiner": False, "gather_combine_bytes": float("inf"), "fsdp_edge_blocks": False,
+                   "sp_gathered_inputs": False, "in_place_collectives": True, "grad_hooks": True,
+                   "weight_grads_last": False, "limit_aware_compile": False, "kept_norm_inputs": False,
+                   "kept_layout_copies": False, "fused_residual_adds": False}
+#: Every stack's dropless MoE runs the routed tokens alone (grouped GEMMs over per-expert token counts), where the
+#: runner pads each expert's buffer to the sequence (:attr:`RuntimeSpec.moe_padded_dropless`).
+ROUTED_DROPLESS = {"moe_padded_dropless": False}
 #: Values of :attr:`RuntimeSpec.recompute`.
 RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots")
 #: Values of :attr:`RuntimeSpec.framework`.
@@ -218,25 +228,27 @@ STATE_DTYPES = ("fp32", "bf16")
 PROFILES: dict[str, dict[str, Any]] = {
     "testbed": {},
     # testbed's runner is a JAX program compiled by XLA: an XLA program's mechanisms are the runner's own.
-    "xla": {"fsdp_prefetch": 1, "scan_layers": True, "pad_sequence_shards": True},
-    "megatron": {"recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
+    "xla": {**ROUTED_DROPLESS, "fsdp_prefetch": 1, "scan_layers": True, "pad_sequence_shards": True},
+    "megatron": {**ROUTED_DROPLESS, "recompute": "block", "grad_bucket_bytes": 160e6, "grad_reduce_dtype": "fp32",
                  "pipeline_scatter_gather": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True,
                  **PYTORCH_PROGRAM, "pipeline_blocking_sends": True, "moe_sequence_dispatch": True},
-    "nemo": {"recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True, "grad_reduce_overlap": True,
-             "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM, "fp8_params": True,
-             "moe_sequence_dispatch": True},
-    "deepspeed": {"recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1, **PYTORCH_PROGRAM,
-                  "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True, "pipeline_blocking_sends": True,
-                  "grad_all_reduce": True, "grad_accumulate_fp32": True},
-    "fsdp": {"recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1, **PYTORCH_PROGRAM},
-    "torchtitan": {"recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
+    "nemo": {**ROUTED_DROPLESS, "recompute": "block", "grad_bucket_bytes": 160e6, "tp_comm_overlap": True,
+             "grad_reduce_overlap": True, "attention_kernel": "cudnn", "fp8_saved_inputs": True, **PYTORCH_PROGRAM,
+             "fp8_params": True, "moe_sequence_dispatch": True},
+    "deepspeed": {**ROUTED_DROPLESS, "recompute": "block", "grad_bucket_bytes": 1e9, "fsdp_prefetch": 1,
+                  **PYTORCH_PROGRAM, "grad_reduce_dtype": "fp32", "pipeline_scatter_gather": True,
+                  "pipeline_blocking_sends": True, "grad_all_reduce": True, "grad_accumulate_fp32": True},
+    "fsdp": {**ROUTED_DROPLESS, "recompute": "block", "grad_reduce_overlap": True, "fsdp_prefetch": 1,
+             **PYTORCH_PROGRAM},
+    "torchtitan": {**ROUTED_DROPLESS, "recompute": "op", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                    "fsdp_prefetch": 1, "attention_kernel": "flash2", "fp8_scaling": "current", **PYTORCH_PROGRAM,
                    "context_merge_fp32": True, "shard_context": True, "lazy_grads": True},
-    "llm-foundry": {"recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
+    "llm-foundry": {**ROUTED_DROPLESS, "recompute": "block", "grad_reduce_overlap": True, "grad_reduce_dtype": "fp32",
                     "attention_kernel": "triton", "fused_loss": True, **PYTORCH_PROGRAM},
     # Meta's Llama 3 stack is not public; of its mechanisms the framework and what the Llama 3 paper states
     # (fp32 gradient reduce-scatter) are stated, and PyTorch FSDP's gradient lifetime (see SOURCES).
-    "meta": {**PYTORCH_PROGRAM, "grad_reduce_dtype": "fp32", "context_all_gather": True, "lazy_grads": True},
+    "meta": {**ROUTED_DROPLESS, **PYTORCH_PROGRAM, "grad_reduce_dtype": "fp32", "context_all_gather": True,
+             "lazy_grads": True},
 }
 
 

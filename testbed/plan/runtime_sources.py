@@ -43,6 +43,10 @@ _LAZY_GRADS = (
 #: How an eager PyTorch program runs where XLA's compiler would decide (``{}``: the stack), per field of
 #: testbed.plan.runtime.PYTORCH_PROGRAM.
 _EAGER_SOURCES = {
+    "compiler_buffers": (
+        "{}: eager kernels allocate their outputs from the CUDA caching allocator and autograd's saved tensors "
+        "keep what the backward reads; no compiler assigns the step's buffers (nothing plays XLA's buffer "
+        "assignment, whose kept sets testbed.model.xla_tpu states for XLA:TPU)"),
     "microbatch_scan": (
         "{}: gradient accumulation is a Python loop calling forward and backward once per microbatch "
         "(Megatron-Core pipeline_parallel/schedules.py forward_backward_no_pipelining; DDP's no_sync and FSDP's "
@@ -288,5 +292,30 @@ SOURCES: dict[tuple[str, str], str] = {
         "--xla_gpu_enable_latency_hiding_scheduler on GPU) starts a layer's async all-gather during the "
         "previous layer's compute, bounded by its memory limit: the next block's weights, one ahead",
 }
+_TITAN_GROUPED = ("torchtitan torchtitan/models/moe/moe.py: GroupedExperts runs torch._grouped_mm over the tokens "
+                  "each expert was routed (offsets from num_tokens_per_expert, padded only to the kernel's alignment); "
+                  "no capacity, no drop")
+#: A dropless MoE over the routed tokens alone (testbed.plan.runtime.ROUTED_DROPLESS), per profile.
+_ROUTED_DROPLESS = {
+    "xla": ("MaxText src/maxtext/configs/base.yml: megablox: true, sparse_matmul: true, capacity_factor: -1.0 "
+            "('no dropping by default'): the routed experts run megablox's grouped matmul (ragged dot) over the "
+            "sorted routed tokens (src/maxtext/layers/moe.py sparse_matmul), no capacity buffers"),
+    "megatron": ("Megatron-Core megatron/core/transformer/moe/experts.py GroupedMLP/TEGroupedMLP: the grouped GEMM "
+                 "over the permuted tokens with tokens_per_expert; moe_expert_capacity_factor None (the default) is "
+                 "dropless, no padding to a capacity (moe_pad_expert_input_to_capacity off)"),
+    "nemo": ("Megatron-Bridge runs Megatron-Core's MoE layer: experts.py GroupedMLP over tokens_per_expert, dropless "
+             "without a capacity factor"),
+    "deepspeed": ("DeepSpeed deepspeed/moe/sharded_moe.py top1gating/top2gating: with drop_tokens False the capacity "
+                  "is the busiest expert's count (torch.max(exp_counts), all-reduced MAX over the group), the "
+                  "plan's expert_imbalance, not the sequence"),
+    "fsdp": ("torch.distributed.fsdp shards parameters and moves no tokens: an MoE layer under it is the model's own "
+             "PyTorch code, priced as PyTorch's dropless grouped GEMM over the routed tokens (" + _TITAN_GROUPED + ")"),
+    "torchtitan": _TITAN_GROUPED,
+    "llm-foundry": ("llm-foundry llmfoundry/models/layers/ffn.py build_mb_dmoe: MoE layers are MegaBlocks' dMoE, "
+                    "block-sparse grouped matmuls over the routed tokens (Gale et al. 2022, dropless)"),
+    "meta": ("Llama 3 is dense (arXiv:2407.21783 Sec. 3.1); the stack's MoE is not published: priced as PyTorch's "
+             "dropless grouped GEMM over the routed tokens (" + _TITAN_GROUPED + ")"),
+}
+SOURCES.update({(profile, "moe_padded_dropless"): text for profile, text in _ROUTED_DROPLESS.items()})
 SOURCES.update({(profile, field): text.format(stack) for profile, stack in _EAGER_STACKS.items()
                 for field, text in _EAGER_SOURCES.items()})

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 from testbed.plan.spec import MESH_AXES, Axis, Plan
 
+#: Bytes of the loss value each of :func:`loss_reductions` moves (fp32).
+LOSS_VALUE_BYTES = 4
+
 __all__ = ["StateSharding", "state_sharding", "gradient_reduction", "reduction_axes", "loss_reductions",
-           "gathers_parameters", "gathered_blocks", "expert_axes"]
+           "loss_merged", "gathers_parameters", "gathered_blocks", "expert_axes"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +112,23 @@ def loss_reductions(plan: Plan) -> tuple[tuple[tuple[Axis, ...], bool], ...]:
         return ((axes, False),) if axes else ()
     inner = tuple(a for a in axes if a is not Axis.DATA)
     return (((inner, True),) if inner else ()) + (((Axis.DATA,), False),) * (Axis.DATA in axes)
+
+
+def loss_merged(plan: Plan, reduce_bytes: float) -> bool:
+    """Whether the step's loss all-reduce is merged into its gradients' all-reduce: XLA's all-reduce combiner merges
+    only all-reduces of one key, whose element type is the reduction's (xla/service/all_reduce_key.cc,
+    ``GetAllReduceKey``: the ``to_apply`` root's type), so the fp32 loss joins the gradient sums where those are
+    fp32 too (``reduce_bytes`` 4: fp32 training, or ``runtime.grad_reduce_dtype: fp32``) and stays apart from bf16
+    ones. Only in one SPMD step of one microbatch (the loss reduced once, over the axes the dense gradients sum
+    over), with nothing sharding the gradients (their sums are all-reduces over those axes, after the backward)
+    and the combiner on.
+    Recorded XLA:TPU compiles (benchmarks/xla_tpu/): gpt1k-data4-fp32 moves the gradients' bytes and the loss's 4
+    in three all-reduces over data, gpt1k-data4 (bf16) the loss in an all-reduce of its own."""
+    rt = plan.runtime
+    return (reduce_bytes == LOSS_VALUE_BYTES and rt.allreduce_combiner and not rt.grad_reduce_overlap
+            and plan.mesh.stage == 1
+            and plan.batch.microbatches == 1 and bool(reduction_axes(plan))
+            and not state_sharding(plan).split_axes(plan, "optimizer"))
 
 
 def gathers_parameters(plan: Plan, kind: str) -> bool:

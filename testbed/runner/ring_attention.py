@@ -23,8 +23,9 @@ Backward: a ``custom_vjp`` that keeps only q, k, v, the output and the fp32 row 
 ``s_local x s_full`` buffer) and runs the ring again: each step recomputes its block's
 probabilities from the log-sum-exp, adds to dQ locally, and adds dK, dV into fp32 accumulators
 that travel around the ring with the K/V they belong to; one last ``ppermute`` brings each
-accumulator home. Communication per layer: ``c - 1`` K/V sends forward, ``c - 1`` K/V + dK/dV
-sends and one dK/dV send backward.
+accumulator home, cast to K/V's dtype first (XLA:TPU moves the cast ahead of that send by itself).
+Communication per layer: ``c - 1`` K/V sends forward (K and V apart), ``c - 1`` K/V + dK/dV sends
+(two stacked messages each) and one dK/dV send backward.
 
 ``block`` (flash attention, ``ModelSpec.flash_block``): each ring step also loops over key blocks
 of ``gcd(block, s_local / 2)`` keys, so no buffer is larger than ``s_local x block`` per head;
@@ -204,9 +205,10 @@ def _ring_bwd(axis: str, block: int | None, window: int | None, res: tuple, g: j
             return dq.at[:, cs:].add(dq_t), dk + dk_t, dv + dv_t
 
         dq, dk, dv = jax.lax.cond(src < rank, earlier, later, (dq, dk, dv))
+    dk, dv = dk.astype(k.dtype), dv.astype(v.dtype)  # cast before the home send: the same values, half the bytes
     if size > 1:
         dk, dv = _shift_packed(((dk, dv),), axis, size)   # home: rank r holds the accumulators of rank r + 1's K/V
-    return dq.astype(q.dtype).reshape(b, s, heads, d), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype).reshape(b, s, heads, d), dk, dv
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -9,7 +9,8 @@ on a CPU host). The program compiled is the runner's own, on the runner's own de
   state donated), lowered on ``ShapeDtypeStruct`` arguments (:func:`testbed.runner.check_sharding.spmd_step`);
 - pipelines: every F, B (W) and update program of every stage of
   :class:`testbed.runner.pipeline.trainer.PipelineTrainer` on the stage's sub-mesh, and the stage's
-  peak memory walked over its schedule row (:func:`testbed.runner.pipeline.memory.pipeline_memory`).
+  peak memory walked over its schedule row (:func:`testbed.runner.pipeline.memory.pipeline_memory`), and
+  the mean of the per-replica losses the trainer runs after the schedule (``stageN.loss``).
 
 Per program it reports XLA's memory per device (``memory_analysis()``), the collectives per mesh axis
 as XLA scheduled them (:mod:`testbed.runner.hlo_schedule`), the fusion count and XLA's FLOPs
@@ -20,12 +21,14 @@ FLOPs are one microbatch's). Nothing is allocated or run.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from testbed.errors import InputError
 from testbed.compiled.records import XlaMemory
@@ -35,7 +38,7 @@ from testbed.runner.devices import STAGE_MESH_AXES, build_mesh, plan_placement, 
 from testbed.topology.compile_target import CompileTarget, libtpu_missing
 
 __all__ = ["versions", "target_devices", "memory_stats", "ProgramReport",
-           "CompileReport", "compile_plan"]
+           "CompileReport", "compile_plan", "target_mesh", "compile_program"]
 
 def versions() -> dict[str, str]:
     """jax, jaxlib and libtpu versions of this environment."""
@@ -61,6 +64,28 @@ def target_devices(target: CompileTarget) -> list[Any]:
     extra = {} if target.host_bounds is None else {"chips_per_host_bounds": list(target.host_bounds)}
     desc = topologies.get_topology_desc(topology_name=target.libtpu_name, platform="tpu", **extra)
     return sorted(desc.devices, key=lambda d: d.id)
+
+
+def target_mesh(target: CompileTarget, axes: dict[str, int]) -> Any:
+    """A ``Mesh`` of ``axes`` (name -> size, mesh order) over the slice's deviceless devices; InputError when the
+    sizes do not multiply to its device count."""
+    import numpy as np
+
+    devices = target_devices(target)
+    if math.prod(axes.values()) != len(devices):
+        raise InputError(f"the mesh {axes} has {math.prod(axes.values()):,} devices but {target.name} has "
+                         f"{len(devices):,}; give --mesh sizes that multiply to {len(devices):,}", field="--mesh")
+    grid = np.array(devices, dtype=object).reshape(tuple(axes.values()))
+    return jax.sharding.Mesh(grid, tuple(axes), axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+
+
+def compile_program(step: Any, args: Any, mesh: Any, name: str) -> ProgramReport:
+    """A user's step (a jitted function or a plain one, its arguments carrying shardings on ``mesh``, a
+    :func:`target_mesh`) compiled by XLA:TPU for the slice: memory, collectives per axis, fusions, FLOPs."""
+    start = time.perf_counter()
+    jitted = step if hasattr(step, "lower") else jax.jit(step)
+    compiled = jitted.lower(*args).compile()
+    return _report(name, 1, compiled, mesh, time.perf_counter() - start)
 
 
 def memory_stats(compiled: Any) -> XlaMemory:
@@ -170,6 +195,24 @@ def _abstract_state(trainer: Any) -> tuple[list[Any], list[Any]]:
     return params, states
 
 
+def _loss_program(trainer: Any, mesh: Any) -> list[tuple[str, int, Any]]:
+    """The step's mean of the microbatches' per-replica losses (testbed.runner.pipeline.engine.mean_loss), which
+    the trainer runs once after its schedule, outside the stages' programs: the last stage's all-reduce of the loss
+    over data. None when the loss is one value per microbatch already (nothing left to reduce)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from testbed.runner.pipeline.engine import mean_loss
+    from testbed.runner.replicas import AXIS
+
+    if trainer.loss_replicas <= 1:
+        return []
+    loss = jax.ShapeDtypeStruct((trainer.loss_replicas,), jnp.float32,
+                                sharding=NamedSharding(mesh, PartitionSpec(AXIS)))
+    losses = [loss] * trainer.plan.batch.microbatches
+    stage = trainer.plan.mesh.stage - 1
+    return [(f"stage{stage}.loss", 1, jax.jit(mean_loss).lower(losses).compile())]
+
+
 def _pipeline(plan: Plan, devices: list[Any]) -> tuple[list[ProgramReport], int, list[dict[str, Any]]]:
     from testbed.runner.pipeline.memory import pipeline_memory
     from testbed.runner.pipeline.trainer import PipelineTrainer
@@ -180,6 +223,7 @@ def _pipeline(plan: Plan, devices: list[Any]) -> tuple[list[ProgramReport], int,
     compiled: list[tuple[str, int, Any]] = []
     start = time.perf_counter()
     stages = pipeline_memory(trainer, _abstract_state(trainer), compiled)
+    compiled += _loss_program(trainer, meshes[-1])
     seconds = (time.perf_counter() - start) / max(1, len(compiled))
     reports = [_report(name, runs, program, meshes[int(name[5:name.index(".")])], seconds)
                for name, runs, program in compiled]

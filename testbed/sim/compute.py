@@ -213,13 +213,13 @@ def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts:
     if gemm.count <= 0:
         return 0.0
     key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass,
-           gemm.grouped, gemm.block_scaled, gemm.high_precision)
+           gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, Gemm(gemm.m, gemm.n, gemm.k, gemm.batch, 1.0,
                                                                        gemm.flash, gemm.attention, gemm.amax_pass,
                                                                        gemm.grouped, gemm.block_scaled,
-                                                                       gemm.high_precision), casts)
+                                                                       gemm.high_precision, gemm.stored_lhs), casts)
     return gemm.count * one
 
 
@@ -257,7 +257,7 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
                                                    * systolic_share(topology.device.systolic_width, gemm))
     rate = grouped_rate(topology.device.name, gemm.grouped)  # a grouped-matmul kernel's (1: the dense matmul)
     math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype) * rate)
-    operands = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
+    operands = gemm.batch * ((gemm.lhs_elements + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
     cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0
     return cal.compute.gemm_latency_s + max(math, memory) + cast

@@ -45,26 +45,30 @@ from testbed.sim.tasks import Builder, TaskKind, axis_groups_cached, rep_group
 __all__ = ["reduce_tasks", "after_tensor"]
 
 
-def allreduce_count(reductions: tuple, leaves: float, size: float, nbytes: float) -> int:
+def allreduce_count(reductions: tuple, leaves: float, size: float, nbytes: float, experts: float = 0.0,
+                    expert: bool = False) -> int:
     """All-reduces one parameter kind's share (``size`` of the bucket's ``nbytes``) of a bucket is summed in: where
-    nothing shards the gradients, the bucket's ``leaves`` are XLA's merged all-reduces (ChunkFacts.bucket,
-    testbed.model.leaves.gradient_allreduces), a share of them per kind; else one (a shard's sum after the
-    reduce-scatter). The one rule the task graph and the analytic tier count by."""
+    nothing shards the gradients, the bucket's ``leaves`` are XLA's merged all-reduces of its dense gradients
+    (ChunkFacts.bucket, testbed.model.leaves.gradient_allreduces: the routed experts' left out, as their sums run
+    over other axes), a share of them per dense kind by its part of the dense bytes (``nbytes`` less the routed
+    experts' ``experts``), the routed experts' (``expert``) by their part of the bucket; else one (a shard's sum
+    after the reduce-scatter). The one rule the task graph and the analytic tier count by."""
     if not leaves or any(r.sharded for r in reductions):
         return 1
-    return max(1, round(leaves * size / nbytes))
+    return max(1, round(leaves * size / (nbytes if expert else max(nbytes - experts, size))))
 
 
 def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int, rep: int, after: int, nbytes: float,
                  special: tuple[float, float], label: str, leaves: int, tail: tuple[float, float] = (0.0, 0.0),
-                 select: bool | None = None, stream: str = "grad") -> list[int]:
+                 select: bool | None = None, stream: str = "grad", loss: float = 0.0) -> list[int]:
     """Gradient reduction tasks of one bucket of ``nbytes`` of stage ``s`` (representative ``rep``), after task
     ``after``; returns the last task of each parameter kind. ``special``: those of the bytes that are routed
     experts' weights and sequence-replicated parameters' (ChunkFacts.special); ``leaves``: the collectives the
     bucket's reduce-scatter is when the parameters are sharded (testbed.sim.facts.bucket_share; 0: one);
     ``groups``: the graph's memo of groups by axes; ``tail``: the token table's bytes summed after the rest of the
     dense ones and the tensor all-gather between (ChunkFacts.tail); ``select``: only the sequence-replicated
-    parameters' reduction (True), all but it (False), or all (None), on ``stream``.
+    parameters' reduction (True), all but it (False), or all (None), on ``stream``; ``loss``: the loss's bytes the
+    dense parameters' all-reduce carries besides (testbed.plan.sharding.loss_merged).
 
     Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
     data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of
@@ -85,11 +89,12 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter", nbytes=size / n, count=n,
                          group=rep_group(g, rep), instances=g)
         token = tail[0] if not (r.expert or r.sequence or r.sharded) else 0.0
+        extra = loss if not (r.expert or r.sequence or r.sharded) else 0.0
         if r.rest:
             g = axis_groups_cached(groups, plan, list(r.rest), s)
-            n = allreduce_count(reductions, leaves, size, nbytes)
+            n = allreduce_count(reductions, leaves, size, nbytes, special[0], r.expert)
             last = b.add(name=f"all_reduce {label}{kind}", device=rep, stream=stream, kind=TaskKind.COLLECTIVE,
-                         deps=(last,), op="all_reduce", nbytes=(size - token) / r.ways / n, count=n,
+                         deps=(last,), op="all_reduce", nbytes=((size - token) / r.ways + extra) / n, count=n,
                          group=rep_group(g, rep), instances=g)
         if token and r.rest:  # the embedding's merged gather over tensor, then the token table's sum
             t = axis_groups_cached(groups, plan, [Axis.TENSOR], s)

@@ -34,11 +34,11 @@ def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tup
 
 def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
     """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
-    layers per stage, ``runtime.recompute`` and ``moe_dispatch``, ``mesh.expert_tensor``)."""
+    layers per stage, ``runtime.recompute``, ``moe_dispatch`` and ``moe_padded_dropless``, ``mesh.expert_tensor``)."""
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
            plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute,
-           plan.runtime.moe_dispatch, plan.mesh.expert_tensor)
+           plan.runtime.moe_dispatch, plan.mesh.expert_tensor, plan.runtime.moe_padded_dropless)
     cost = _CHUNKS.get(key)
     if cost is None:
         if len(_CHUNKS) > 100_000:
@@ -57,7 +57,7 @@ def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
     key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
            plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context,
            plan.runtime.recompute, plan.runtime.moe_dispatch, plan.runtime.attention_kernel, plan.runtime.fp8_scaling, plan.precision,
-           plan.mesh.expert_tensor, plan.runtime.fp8_head)
+           plan.mesh.expert_tensor, plan.runtime.fp8_head, plan.runtime.moe_padded_dropless)
     shapes = _GEMMS.get(key)
     if shapes is None:
         if len(_GEMMS) > 100_000:

@@ -76,7 +76,7 @@ from testbed.pipeline.schedules import Action, Schedule
 from testbed.model.layout import holds
 from testbed.model.spans import scaled_spans
 from testbed.plan.placement import Placement
-from testbed.plan.sharding import loss_reductions
+from testbed.plan.sharding import loss_merged, loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
@@ -399,9 +399,9 @@ class _Graph(SpanPlay):
             bucket += piece.layer_end
             if piece.layer_end and bucket in closes:
                 done_buckets += 1
+                share = bucket_share(chunk.reduction_collectives, len(closes), done_buckets - 1)
                 self._bucket(s, last, grad_bucket(chunk, 1 / len(closes), self.facts.reduce_bytes,
-                                                  f"{label}/{done_buckets - 1}",
-                                                  bucket_share(chunk.leaves, len(closes), done_buckets - 1)))
+                                                  f"{label}/{done_buckets - 1}", share))
         return last
 
     def _ring(self, s: int, tasks: list, deps: list[int], tensor_bytes: float) -> int | None:
@@ -424,7 +424,7 @@ class _Graph(SpanPlay):
         fp32 value each; loss stream: nothing waits for them)."""
         rep, final = self.reps[s], action.microbatch == self.facts.microbatches - 1
         for axes, per_microbatch in loss_reductions(self.plan):
-            if per_microbatch or final:
+            if (per_microbatch or final) and not loss_merged(self.plan, self.facts.reduce_bytes):
                 g = axis_groups_cached(self.groups, self.plan, list(axes), s)
                 self.b.add(name=f"loss {action.label(self.facts.virtual)}", device=rep, stream="loss",
                            kind=TaskKind.COLLECTIVE, deps=(last,), op="all_reduce", nbytes=float(LOSS_BYTES),
@@ -471,19 +471,21 @@ class _Graph(SpanPlay):
                           group=rep_group(groups, rep), instances=groups)
 
     def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,
-                leaves: int, tail: tuple[float, float] = (0.0, 0.0)) -> list[int]:
+                leaves: int, tail: tuple[float, float] = (0.0, 0.0), loss: float = 0.0) -> list[int]:
         """One bucket's gradient reduction tasks (testbed.sim.grad_tasks.reduce_tasks; ``tail``: ChunkFacts.tail),
         but the sequence-replicated parameters' where they left at the backward's end
         (testbed.sim.step_rules.sequence_apart); returns the last one(s)."""
         return reduce_tasks(self.b, self.facts.reductions, self.groups, self.plan, s, self.reps[s], after, nbytes,
-                            special, label, leaves, tail, select=False if sequence_apart(self.facts) else None)
+                            special, label, leaves, tail, select=False if sequence_apart(self.facts) else None,
+                            loss=loss)
 
     def update(self, s: int) -> None:
         """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute
         stream) after every reduction, and with ZeRO-1/2 the updated shards gathered over data (grad stream)."""
         b, rep, first, update = self.b, self.reps[s], len(self.b.tasks), self.facts.updates[s]
-        for bucket_of in self.once[s]:
-            self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of))
+        for k, bucket_of in enumerate(self.once[s]):  # the loss's sum merged into the first (loss_merged)
+            loss = LOSS_BYTES if k == 0 and loss_merged(self.plan, self.facts.reduce_bytes) else 0.0
+            self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of, loss=loss))
         waits = list(self.reduce_tasks[s])
         if self.controller and (dispatch := update_dispatch(self.facts, s)):
             waits.append(self._dispatch(f"dispatch optimizer@{s}", dispatch))

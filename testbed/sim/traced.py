@@ -45,6 +45,7 @@ from testbed.errors import InputError
 from testbed.model.gemm import Gemm
 from testbed.model.leaves import combine_limit
 from testbed.sim.engine import run
+from testbed.sim.matmul_fusion import matmul_fusions
 from testbed.sim.overlap import chain_gathers, defer_consumers, hoist_collectives
 from testbed.sim.combine import combine_collectives
 from testbed.sim.compute import gemms_seconds, pass_seconds
@@ -131,11 +132,10 @@ class _Segments:
         self.readers = workload.readers()
         self.passes = topology.calibration.elementwise is not None
         self.upcast = workload.dtype == "bf16" and topology.device.bf16_matmuls == "fp32"
+        # Without passes a segment is one roofline already.
+        self.fusing = self.passes and topology.device.fuses_into_matmuls()
         if topology.calibration.controller is not None:
-            prep = self.b.add(name="prepare step", device=self.rep, stream="host", kind=TaskKind.HOST, op="step",
-                              count=0)
-            self.previous = (self.b.add(name="dispatch step", device=self.rep, stream="host", kind=TaskKind.HOST,
-                                        deps=(prep,), buffers=workload.buffers),)
+            self.previous = _controller_tasks(self.b, self.rep, workload.buffers)
 
     def compute(self, i: int) -> None:
         """Compute op ``i`` joins the open segment; the first that reads a collective no segment has waited for
@@ -151,8 +151,9 @@ class _Segments:
         segment.append(i)
 
     def close(self) -> None:
-        """The open segment's tasks: its matmuls, and its memory-bound bytes as a second task with an
-        ``elementwise`` calibration, else one roofline task of both."""
+        """The open segment's tasks: its matmuls (each a kernel with what fuses into it where the device fuses
+        elementwise work into matmuls: :func:`_fused_kernels`), and its memory-bound bytes as a task after them with
+        an ``elementwise`` calibration, else one roofline task of both."""
         if not self.segment:
             return
         b, rep, segment = self.b, self.rep, self.segment
@@ -165,6 +166,9 @@ class _Segments:
         hbm = sum(op.hbm_bytes * op.count for op in ops) + (sum(map(convert_bytes, gemms)) if self.upcast else 0.0)
         tasks = []
         kernels = max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))
+        if self.fusing:  # each matmul a kernel with what fuses into it; the rest memory-bound after
+            tasks, hbm = _fused_kernels(b, self.workload, segment, self.readers, rep, tuple(deps))
+            flops, gemms = 0.0, ()
         if not self.passes and flops + hbm > 0:  # the roofline: matmuls and memory-bound ops overlap
             tasks.append(b.add(name=f"{ops[0].name}..{len(ops)} ops", device=rep, stream="compute",
                                kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms, hbm_bytes=hbm,
@@ -197,6 +201,28 @@ class _Segments:
         self.done[i] = (self.b.add(name=op.name, device=rep, stream=f"{op.collective} {'+'.join(op.axes)}",
                                    kind=kind, deps=tuple(deps), op=op.collective, nbytes=op.nbytes,
                                    count=op.count, group=group, instances=instances),)
+
+
+def _controller_tasks(b: Builder, rep: int, buffers: int) -> tuple[int]:
+    """The controller's preparation and dispatch of the step (one program passing ``buffers`` device buffers)."""
+    prep = b.add(name="prepare step", device=rep, stream="host", kind=TaskKind.HOST, op="step", count=0)
+    return (b.add(name="dispatch step", device=rep, stream="host", kind=TaskKind.HOST, deps=(prep,), buffers=buffers),)
+
+
+def _fused_kernels(b: Builder, workload: Workload, segment: list[int], readers: list[list[int]], rep: int,
+                   deps: tuple[int, ...]) -> tuple[list[int], float]:
+    """A segment's matmuls as kernels of their own, each with the memory-bound ops XLA:TPU fuses into it
+    (testbed.sim.matmul_fusion), one after another from ``deps``: (their tasks, the bytes of the ops left unfused)."""
+    fusions, tasks = matmul_fusions(workload, segment, readers), []
+    for i in (i for i in segment if workload.ops[i].kind is OpKind.GEMM):
+        op = workload.ops[i]
+        tasks.append(b.add(name=op.name, device=rep, stream="compute", kind=TaskKind.COMPUTE,
+                           deps=tuple(tasks[-1:]) or deps, flops=op.flops * op.count, kernels=op.count,
+                           gemms=tuple(g if op.count == 1 else _repeat(g, op.count) for g in op.gemms),
+                           hbm_bytes=fusions.bytes.get(i, 0.0)))
+    left = sum(workload.ops[i].hbm_bytes * workload.ops[i].count for i in segment
+               if workload.ops[i].kind is OpKind.MEMORY and i not in fusions.fused)
+    return tasks, left
 
 
 def _fused_producers(workload: Workload, readers: list[list[int]], segment: list[int], first: int) -> set[int]:
@@ -262,9 +288,10 @@ def _repeat(gemm, count: int):
 
 
 def workload_report(workload: Workload, topology: Topology, timeline: Timeline, tasks: int) -> Report:
-    """Step time, compute, exposed communication, MFU (the traced matmul FLOPs) and memory of a priced workload."""
+    """Step time, compute, exposed communication, MFU (the traced matmul FLOPs over the peak of the rate they run
+    at: an fp32 program's at a TPU's bf16 rate, :func:`matmul_dtype`) and memory of a priced workload."""
     step = timeline.step_time_s
-    peak = topology.device.flops(workload.dtype)
+    peak = topology.device.flops(matmul_dtype(topology, workload.dtype))
     mfu = workload.flops() / (peak * step) if step > 0 else 0.0
     memory = dict(workload.memory)
     memory["capacity"] = topology.device.memory_bytes

@@ -120,7 +120,8 @@ class DeviceSpec:
     ``buffer_rules``: which compiler's buffer assignment the memory model follows for the runner's XLA programs:
     ``xla`` (the default: the rules read from XLA:CPU's compiled steps, testbed.model.kept) or ``xla-tpu``
     (XLA:TPU's fusion keeps fewer buffers: testbed.model.xla_tpu, read from deviceless XLA:TPU compiles). A plan of
-    another stack (``runtime.framework: pytorch``) is priced by its own rules on every device.
+    another stack (``runtime.compiler_buffers: false``, every PyTorch profile) is priced by its own rules on every
+    device.
 
     ``systolic_width``: the side of the device's systolic matrix unit (a TPU's MXU: 128 x 128 on v4, v5e and
     v5p, Cloud TPU system architecture docs), 0 for none. A fused attention kernel whose products are narrower
@@ -280,6 +281,11 @@ class DeviceSpec:
         """Whether the compiler runs a weight matrix's optimizer update in its gradient matmul's epilogue where
         nothing sums that gradient (XLA:TPU, ``buffer_rules: xla-tpu``: one output fusion per matrix in the chip's
         per-op profiles, benchmarks/tpu_chip/profiles.json; testbed.sim.update_facts.fused_update)."""
+        return self.buffer_rules == "xla-tpu"
+
+    def fuses_into_matmuls(self) -> bool:
+        """Whether the compiler fuses a traced program's elementwise producers and consumers into its matmuls'
+        kernels (XLA:TPU, ``buffer_rules: xla-tpu``: benchmarks/tpu_chip/programs.json; testbed.sim.matmul_fusion)."""
         return self.buffer_rules == "xla-tpu"
 
 

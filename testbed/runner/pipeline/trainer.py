@@ -108,6 +108,8 @@ class PipelineTrainer:
         par = _stage_parallel(plan, stage_meshes, self.replicas)
         copies, scatter = par.copies, par.scatter
         self.context_order = None if par.ctxs[0] is None else par.ctxs[0].order
+        # The loss per replica (``[copies]`` over data), averaged by the engine's mean_loss after the schedule.
+        self.loss_replicas = copies if copies > 1 and par.fsdps[0] is None else 1
         chunk_forward, loss_fn = _chunk_functions(plan, self.schedule, par, stage_meshes)
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
         mb = plan.batch.global_batch // plan.batch.microbatches

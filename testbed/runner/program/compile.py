@@ -284,10 +284,12 @@ class _Reader:
 
     def convolution(self, op: Any, operands: list, results: list) -> Node:
         """A convolution as its implicit GEMM: (batch x output positions) by output features, reducing over the
-        kernel window and the input features of a group (feature groups as a batch of GEMMs)."""
+        kernel window and the input features of a group (feature groups as a batch of GEMMs); its left operand read
+        as the input it is (``Gemm.stored_lhs``), not as the window matrix it stands for."""
         text = str(op.attributes["dimension_numbers"])
         lists = [[x.strip() for x in part.split(",")] for part in re.findall(r"\[([^\]]*)\]", text)]
         kernel_dims, out_dims = lists[1], lists[2]
+        lhs, _ = self.shape.get(operands[0], ((), 0))
         kernel, _ = self.shape.get(operands[1], ((), 0))
         out, _ = self.shape.get(results[0], ((), 0))
         groups = 1
@@ -298,7 +300,9 @@ class _Reader:
         n = math.prod(out[i] for i, d in enumerate(out_dims) if d == "f")
         k = math.prod(kernel[i] for i, d in enumerate(kernel_dims) if d != "o")
         self._dtype(operands[0])
-        gemm = Gemm(m=max(1, m), n=max(1, n // groups), k=max(1, k), batch=groups)
+        stored = math.prod(lhs) // groups if lhs else 0  # the input an implicit GEMM reads (Gemm.stored_lhs)
+        gemm = Gemm(m=max(1, m), n=max(1, n // groups), k=max(1, k), batch=groups,
+                    stored_lhs=stored if 0 < stored < m * k else 0)
         return self._gemm("stablehlo.convolution", operands, results, gemm)
 
     def _gemm(self, name: str, operands: list, results: list, gemm: Gemm) -> Node:
