@@ -17,7 +17,7 @@ never used to fit or tune anything:
 
 Each is called once with a concrete mesh of the 8 devices, traced and priced as ``testbed run --program`` does,
 then compiled and timed by the same code (:class:`testbed.runner.program.measure.ProgramTrainer` driven by the
-runner's :class:`~testbed.runner.measure.StepTimer`): ``--rounds`` rounds of ``--steps`` steps, every other round
+runner's :class:`~testbed.runner.step_timer.StepTimer`): ``--rounds`` rounds of ``--steps`` steps, every other round
 in reverse order, each round's median, the least disturbed kept; calibrate's reference step is timed after every
 round (``host_speeds``: the host's speed against its calibration; the errors ``at_calibrated_speed`` scale each
 round's median by it, as ``testbed validate`` does).
@@ -64,7 +64,7 @@ def prepared(name: str, devices, topology, mesh: dict | None = None) -> dict:
     """The program called once on the devices' mesh (``mesh``, default its own), traced and priced, and its
     compiled step's timer."""
     from testbed.cli.program import local_mesh
-    from testbed.runner.measure import StepTimer
+    from testbed.runner.step_timer import StepTimer
     from testbed.runner.program import trace
     from testbed.runner.program.measure import ProgramTrainer
     from testbed.sim.traced import simulate_workload

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from testbed.calibration import fit
+from testbed.calibration import host as host_fit
 from testbed.calibration.fit import BARRIER_COLLECTIVES, Sample
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate
@@ -160,10 +161,10 @@ def test_fit_host_skew_recovers_the_stragglers_and_round_trips(tau: float, sat: 
     """Samples made by the model give its parameters back (on the fit's grid of onsets and saturations)."""
     truth = {2: 2e-5, 4: 1.5e-4, 8: 5e-4}
     samples = _barrier_samples(truth, tau, sat, priced=5e-5)
-    skew, onset, saturation = fit.fit_host_skew(samples, lambda s: 5e-5)
+    skew, onset, saturation = host_fit.fit_host_skew(samples, lambda s: 5e-5)
     assert (onset, saturation) == (pytest.approx(tau, rel=1e-6), pytest.approx(sat, rel=1e-6))
     assert dict(skew) == pytest.approx(truth, rel=1e-6)
-    assert fit.fit_host_skew([], lambda s: 0.0) == ((), 0.0, 0.0)
+    assert host_fit.fit_host_skew([], lambda s: 0.0) == ((), 0.0, 0.0)
     assert fit.samples_from_rows(fit.samples_to_rows(samples)) == samples
     data = topology_to_dict(load_topology("host-cpu-8"))
     data["calibration"]["host"].update(skew_s=dict(skew), skew_onset_s=onset, skew_saturation_s=saturation)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from testbed.calibration.calibrated import simulator_collective_time
 from testbed.calibration import fit as cal
+from testbed.calibration import host as cal_host
 from testbed.calibration import calibrated
 from testbed.calibration import collectives as cal_coll
 from testbed.calibration import steps as cal_steps
@@ -71,10 +72,10 @@ def test_fit_host_cores_from_concurrency(cores):
     k, t1 = 8, 1e-3
     samples = [Sample(kind="concurrent", seconds=t1, flops=1e6),
                Sample(kind="concurrent", seconds=t1 * k / cores, flops=1e6, devices=k)]
-    assert cal.fit_host_cores(samples) == pytest.approx(cores)
+    assert cal_host.fit_host_cores(samples) == pytest.approx(cores)
     # Devices that do not share anything: no slowdown when all compute at once.
     parallel = [samples[0], Sample(kind="concurrent", seconds=1.05 * t1, flops=1e6, devices=k)]
-    assert cal.fit_host_cores(parallel) == 0
+    assert cal_host.fit_host_cores(parallel) == 0
 
 
 def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp_path):
@@ -82,17 +83,17 @@ def test_fit_host_throughput_recovers_the_curve_and_round_trips_through_yaml(tmp
     truth = {1: 1.0, 2: 1.25, 4: 1.5, 8: 1.7}
     samples = [Sample(kind="concurrent", seconds=t1 * k / done, flops=f, devices=k)
                for t1, f in ((0.01, 1e6), (0.04, 4e6)) for k, done in truth.items()]
-    curve = cal.fit_host_throughput(samples)
+    curve = cal_host.fit_host_throughput(samples)
     assert dict(curve) == {k: pytest.approx(v) for k, v in truth.items()}
     parallel = [Sample(kind="concurrent", seconds=0.01 * (1 + 0.01 * k), flops=1e6, devices=k) for k in truth]
-    assert cal.fit_host_throughput(parallel) == () and cal.fit_host_throughput(samples[:1]) == ()
+    assert cal_host.fit_host_throughput(parallel) == () and cal_host.fit_host_throughput(samples[:1]) == ()
     # A sample's own one-device time, measured in the same rounds, wins over the one-device sample (here
     # timed while the host ran twice as fast: alone it would halve every T).
     paired = [Sample(kind="concurrent", seconds=0.005, flops=1e6)] + [
         Sample(kind="concurrent", seconds=0.01 * k / done, flops=1e6, devices=k, alone_s=0.01)
         for k, done in truth.items() if k > 1]
-    assert dict(cal.fit_host_throughput(paired)) == {k: pytest.approx(v) for k, v in truth.items()}
-    assert cal.fit_host_cores(paired) == pytest.approx(truth[8])
+    assert dict(cal_host.fit_host_throughput(paired)) == {k: pytest.approx(v) for k, v in truth.items()}
+    assert cal_host.fit_host_cores(paired) == pytest.approx(truth[8])
     assert cal.samples_from_rows(cal.samples_to_rows(paired)) == paired
     base = load_topology("host-cpu-8")
     topo = calibrated.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10, launch_s=0.0,
@@ -113,9 +114,9 @@ def test_fit_host_programs_recovers_the_slowdown_and_round_trips_through_yaml(tm
     truth = {2: 1.1, 4: 1.3, 8: 1.25}  # a dip is kept at the level before it
     samples = [Sample(kind="programs", seconds=t * s, alone_s=t, flops=f, devices=8, ranks=k)
                for t, f in ((0.01, 1e6), (0.04, 4e6)) for k, s in truth.items()]
-    curve = cal.fit_host_programs(samples)
+    curve = cal_host.fit_host_programs(samples)
     assert dict(curve) == {1: 1.0, 2: pytest.approx(1.1), 4: pytest.approx(1.3), 8: pytest.approx(1.3)}
-    assert cal.fit_host_programs([]) == () and cal.samples_from_rows(cal.samples_to_rows(samples)) == samples
+    assert cal_host.fit_host_programs([]) == () and cal.samples_from_rows(cal.samples_to_rows(samples)) == samples
     base = load_topology("host-cpu-8")
     topo = calibrated.calibrated_topology(base, rates={"fp32": 4e10}, half_flops=0.0, memory_bandwidth=1e10,
                                             launch_s=0.0, host_cores=2.0, collectives=None, efficiency=0.5,
@@ -382,11 +383,11 @@ def test_training_steps_are_measured_in_rounds_and_keep_the_least_disturbed():
 @pytest.fixture
 def built(monkeypatch) -> list[str]:
     """The names of the plans testbed.runner.measure builds a trainer for (each build compiles), in order."""
-    from testbed.runner import measure
+    from testbed.runner import step_timer
 
     names: list[str] = []
-    trainer = measure._trainer
-    monkeypatch.setattr(measure, "_trainer", lambda plan, devices: names.append(plan.name) or trainer(plan, devices))
+    trainer = step_timer._trainer
+    monkeypatch.setattr(step_timer, "_trainer", lambda plan, devices: names.append(plan.name) or trainer(plan, devices))
     return names
 
 
@@ -775,7 +776,7 @@ def test_concurrent_benchmark_times_one_device_alone_in_the_same_rounds():
     assert pair.flops == alone.flops
     # The curve takes the paired time; the one-device sample is only a fallback.
     done = 2 * pair.alone_s / pair.seconds
-    assert cal._work_done([alone, pair]) == {2: [pytest.approx(done)]}
+    assert cal_host._work_done([alone, pair]) == {2: [pytest.approx(done)]}
 
 
 def test_programs_benchmark_times_one_program_in_the_same_rounds():
@@ -788,7 +789,7 @@ def test_programs_benchmark_times_one_program_in_the_same_rounds():
     sample = run_benchmark(Benchmark(kind="programs", size=16, ranks=4), devices)
     assert sample.kind == "programs" and sample.devices == 4 and sample.ranks == 4
     assert sample.seconds > 0 and sample.alone_s > 0
-    assert dict(cal.fit_host_programs([sample])) == {1: 1.0, 4: pytest.approx(
+    assert dict(cal_host.fit_host_programs([sample])) == {1: 1.0, 4: pytest.approx(
         min(4.0, max(1.0, sample.seconds / sample.alone_s)))}
 
 
@@ -807,10 +808,10 @@ def test_xla_cpu_runs_programs_over_several_devices_one_at_a_time():
     sample = run_benchmark(Benchmark(kind="launches", size=256, ranks=len(devices) // 2), devices)
     assert sample.devices == len(devices) and sample.ranks == len(devices) // 2
     assert 0 < sample.alone_s <= sample.seconds
-    assert sample.alone_s / sample.seconds < cal.SERIAL_SHARE
-    assert cal.fit_host_serial([sample]) is True
-    assert cal.fit_host_serial([replace(sample, alone_s=0.95 * sample.seconds)]) is False
-    assert cal.fit_host_serial([]) is None
+    assert sample.alone_s / sample.seconds < cal_host.SERIAL_SHARE
+    assert cal_host.fit_host_serial([sample]) is True
+    assert cal_host.fit_host_serial([replace(sample, alone_s=0.95 * sample.seconds)]) is False
+    assert cal_host.fit_host_serial([]) is None
 
 
 def test_calibrate_table_is_grouped_and_says_which_groups_are_absent():

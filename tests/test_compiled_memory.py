@@ -13,7 +13,7 @@ import pytest
 
 from testbed.runner import devices as dev
 from testbed.runner.train import build_trainer
-from testbed.runner.measure import compiled_memory
+from testbed.runner.step_timer import compiled_memory
 from testbed.runner.pipeline.memory import StageProgramMemory, device_bytes, stage_peak
 from testbed.runner.step import ReferenceTrainer
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec

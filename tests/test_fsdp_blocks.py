@@ -220,7 +220,7 @@ def test_each_blocks_gradients_are_reduce_scattered_at_their_merged_sizes() -> N
 def test_an_fsdp_by_tensor_step_plays_each_spans_tensor_collectives_after_it(sequence_parallel: bool) -> None:
     """fsdp x tensor, the blocks the runner's own pieces: each span's tensor collectives follow that span and the
     next span waits for them (testbed.sim.span_play), not all after the action's compute; every collective of
-    the action is played once (the same ops and bytes as :func:`testbed.sim.facts.tensor_transfers`), and each
+    the action is played once (the same ops and bytes as :func:`testbed.sim.action_work.tensor_transfers`), and each
     action's compute is its blocks' (the FLOPs add up)."""
     plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
     placement = place(plan, num_devices=4)

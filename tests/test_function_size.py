@@ -1,5 +1,6 @@
-"""The house's function sizes, measured from the source with ``ast``: no function in ``testbed/`` reaches 100
-lines, and the simulator and the search (``testbed/sim``, ``testbed/explore``) keep theirs to about 80."""
+"""The house's function sizes, measured from the source with ``ast``: no function in ``testbed/`` passes 60 lines
+(nested functions count inside the one that holds them, and on their own), but for the named exceptions below,
+each held to its present length."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMIT = 100
-CORE_LIMIT = 80  # testbed/sim and testbed/explore: one step worked out once, played by small functions
+LIMIT = 60
+#: ``path:name`` -> its length now, the most it may have: functions still to be split by meaning.
+#: ``explore/search.py:search``: the search's driver (bounds, analytic tier, replay), split with the search's
+#: own phases.
+EXCEPTIONS = {"testbed/explore/search.py:search": 63}
 
 
 def _functions(folder: Path, root: Path = ROOT) -> list[tuple[int, str]]:
@@ -28,14 +32,16 @@ def test_the_measure_counts_nested_functions(tmp_path: Path) -> None:
     assert sorted(_functions(tmp_path, tmp_path)) == [(6, "m.py:inner"), (8, "m.py:outer")]
 
 
-def test_no_function_in_testbed_reaches_100_lines() -> None:
+def test_no_function_in_testbed_passes_60_lines() -> None:
     functions = _functions(ROOT / "testbed")
     assert len(functions) > 500  # the whole package was read
-    too_long = sorted((n, name) for n, name in functions if n > LIMIT)
+    too_long = sorted((n, name) for n, name in functions if n > EXCEPTIONS.get(name, LIMIT))
     assert not too_long, f"functions over {LIMIT} lines (split them by meaning): {too_long}"
 
 
-def test_simulator_and_search_functions_stay_near_80_lines() -> None:
-    too_long = sorted((n, name) for folder in ("sim", "explore") for n, name in _functions(ROOT / "testbed" / folder)
-                      if n > CORE_LIMIT)
-    assert not too_long, f"functions over {CORE_LIMIT} lines in testbed/sim or testbed/explore: {too_long}"
+def test_every_exception_is_still_needed() -> None:
+    lengths: dict[str, int] = {}
+    for n, name in _functions(ROOT / "testbed"):
+        lengths[name] = max(n, lengths.get(name, 0))
+    stale = sorted(name for name in EXCEPTIONS if lengths.get(name, 0) <= LIMIT)
+    assert not stale, f"within {LIMIT} lines now (or gone): remove them from EXCEPTIONS: {stale}"

@@ -232,7 +232,7 @@ def test_memory_matches_xla(options: dict, mesh: dict) -> None:
     """The memory model within 5% of XLA's compiled bytes for the runner's step (2 microbatches), as for the
     dense and flash models of tests/test_compiled_memory.py; the parallel block on 2 tensor ranks through
     testbed.runner.parallel.TensorShards' maps."""
-    from testbed.runner.measure import compiled_memory
+    from testbed.runner.step_timer import compiled_memory
     from testbed.runner.train import build_trainer
 
     spec = ModelSpec(layers=2, d_model=64, heads=4, d_ff=256, seq_len=64, vocab=128, **options)

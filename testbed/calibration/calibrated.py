@@ -13,21 +13,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from testbed.calibration import collectives as cal_coll
 from testbed.calibration import fit
+from testbed.calibration import host as host_fit
 from testbed.calibration import steps as cal_steps
 from testbed.calibration.gemm_shapes import fit_gemm_shapes
 from testbed.collectives import timing as collective_timing
 from testbed.errors import InputError
 from testbed.topology.chips import chip, is_chip
 from testbed.topology.io import bundled_names, load_topology
-from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, ElementwiseCalibration,
-                              HostCalibration, Level, LinkKind, MemoryCalibration, Topology, generators)
+from testbed.topology import (Calibration, ComputeCalibration, ControllerCalibration, DeviceSpec,
+                              ElementwiseCalibration, HostCalibration, Level, LinkKind, MemoryCalibration, Topology,
+                              generators)
 
 __all__ = ["base_topology", "cluster_topology", "calibrated_topology", "fit_all", "fit_saved", "fit_accelerator",
            "saved_base", "fitted_values", "simulator_collective_time", "JAX_TO_OP", "OUTER_LEVEL"]
@@ -102,63 +104,28 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                         host_skew: tuple[tuple[tuple[int, float], ...], float, float] = ((), 0.0, 0.0),
                         passes: tuple[float, float, float] = (0.0, 0.0, 0.0),
                         cache_bytes: float = 0.0, matmul_half_flops: float | None = None) -> Topology:
-    """The base topology with fitted device rates, calibration and link parameters.
+    """The base topology with fitted device rates, calibration and link parameters (docs/calibration.md).
 
-    Peaks: the matmul rate's fraction of the base device's peak (median over
-    dtypes, at most 1) is ``e``; each dtype's peak becomes ``rate / e`` (so
-    ``peak * e`` is its measured rate and the ratios between dtypes are
-    measured). ``compute.efficiency`` is ``efficiency`` when given (the fit on
-    training steps, :func:`fit_step_compute`), else ``e``; ``half_flops`` is
-    the steps' half then and ``matmul_half_flops`` the matmul samples' own. Memory bandwidth
-    likewise (``memory.efficiency``). Dtypes not measured keep their base
-    peak; ``peak_scales`` (from the training steps) multiply a dtype's peak
-    last. ``collectives`` is the base's until ``collectives`` (the fitted
-    link parameters) replace it.
-
-    The groups only some machines have are made only when measured: the
-    ``controller`` group when any of ``controller_s`` and
-    ``controller_step_s`` (the controller's CPU time per dispatched program
-    and per step), ``controller_pipeline_step_s`` (a pipeline step's extra,
-    :func:`testbed.calibration.steps.fit_controller`) and
-    ``controller_buffer_s`` (per device buffer a program passes,
-    :func:`testbed.calibration.steps.fit_controller_buffers`) is positive;
-    the ``elementwise`` group when ``passes`` (the (replicated, split,
-    cached) passes fitted on the training steps) or ``cache_bytes`` (the
-    largest activation whose passes run from cache, measured on the host)
-    is; the ``host`` group when the devices share a host.
-
-    A measured ``host_throughput`` curve (:func:`fit_host_throughput`) is
-    written as it is, with ``host.cores`` (the host's CPUs) beside it for
-    the reader, and no efficiency scaling. Without one, shared host throughput
-    ``host_cores = r`` (e.g. 1.5 cores' worth) is
-    written as the whole ``ceil(r)`` with ``compute.efficiency`` scaled by
-    ``r / ceil(r)``: the simulator gives ``n`` devices computing at once
-    ``min(1, cores / n)`` of their speed each, so this is exact whenever at
-    least ``ceil(r)`` devices compute at once (a device alone is then
-    predicted up to ``r / ceil(r)`` slower).
+    Peaks and memory bandwidth: :func:`_fitted_device`. ``compute.efficiency`` is ``efficiency`` when given (the
+    training steps' fit, :func:`fit_step_compute`; ``half_flops`` is then the steps' half and
+    ``matmul_half_flops`` the matmul samples' own), else the matmul efficiency. ``collectives`` (fitted link
+    parameters) replace the base's when given. The ``controller``, ``elementwise`` and ``host`` groups are made
+    only when measured: a positive controller time, ``passes`` or ``cache_bytes``, shared host cores. Without a
+    measured ``host_throughput`` curve, ``host_cores = r`` is written as ``ceil(r)`` cores with
+    ``compute.efficiency`` scaled by ``r / ceil(r)``: exact whenever at least ``ceil(r)`` devices compute at
+    once (the simulator gives ``n`` devices ``min(1, cores / n)`` of their speed each).
     """
-    device = base.device
-    ratios = [rates[d] / device.peak_flops[d] for d in rates if d in device.peak_flops]
-    matmul_efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
-    peaks = dict(device.peak_flops)
-    peaks.update({d: r / matmul_efficiency for d, r in rates.items()})
-    peaks.update({d: peaks[d] * x for d, x in (peak_scales or {}).items() if d in peaks})
-    memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
-    # the measured rates are what the device sustained as it ran, power limit included: none is applied again
-    device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency, power_limit=0.0,
-                     sustained=1.0)
+    device, matmul_efficiency, memory_efficiency = _fitted_device(base.device, rates, memory_bandwidth, peak_scales)
     cores = math.ceil(host_cores - 1e-9) if host_cores > 0 else 0
     efficiency = matmul_efficiency if efficiency is None else efficiency
     if cores and not host_throughput:
         efficiency *= host_cores / cores
-    elementwise = host = controller = None
+    elementwise = None
     if any(passes) or cache_bytes > 0:
         elementwise = ElementwiseCalibration(replicated_passes=passes[0], split_passes=passes[1],
                                              cached_passes=passes[2], cache_bytes=cache_bytes)
-    if cores or host_throughput:
-        host = HostCalibration(cores=cores, throughput=tuple(host_throughput), programs=tuple(host_programs),
-                               serial_programs=host_serial, skew_s=tuple(host_skew[0]), skew_onset_s=host_skew[1],
-                               skew_saturation_s=host_skew[2])
+    host = _host_group(cores, host_throughput, host_programs, host_serial, host_skew)
+    controller = None
     if controller_s or controller_step_s or controller_pipeline_step_s or controller_buffer_s:
         controller = ControllerCalibration(overhead_s=controller_s, step_s=controller_step_s,
                                            pipeline_step_s=controller_pipeline_step_s, buffer_s=controller_buffer_s)
@@ -172,6 +139,32 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     if collectives is not None:
         out = cal_coll.with_collective_params(out, collectives)
     return out
+
+
+def _fitted_device(device: DeviceSpec, rates: Mapping[str, float], memory_bandwidth: float,
+                   peak_scales: Mapping[str, float] | None) -> tuple[DeviceSpec, float, float]:
+    """(device with fitted peaks and bandwidth, matmul efficiency, memory efficiency): each measured dtype's peak
+    is ``rate / e`` with ``e`` the median measured fraction of the base peak (at most 1), scaled last by
+    ``peak_scales``; the measured rates include any power limit, so none is applied again."""
+    ratios = [rates[d] / device.peak_flops[d] for d in rates if d in device.peak_flops]
+    matmul_efficiency = min(1.0, float(np.median(ratios))) if ratios else 1.0
+    peaks = dict(device.peak_flops)
+    peaks.update({d: r / matmul_efficiency for d, r in rates.items()})
+    peaks.update({d: peaks[d] * x for d, x in (peak_scales or {}).items() if d in peaks})
+    memory_efficiency = min(1.0, memory_bandwidth / device.memory_bandwidth)
+    device = replace(device, peak_flops=peaks, memory_bandwidth=memory_bandwidth / memory_efficiency, power_limit=0.0,
+                     sustained=1.0)
+    return device, matmul_efficiency, memory_efficiency
+
+
+def _host_group(cores: int, throughput: tuple[tuple[int, float], ...], programs: tuple[tuple[int, float], ...],
+                serial: bool, skew: tuple[tuple[tuple[int, float], ...], float, float]) -> HostCalibration | None:
+    """The ``host`` group when the devices share a host (whole ``cores`` or a measured throughput curve)."""
+    if not (cores or throughput):
+        return None
+    return HostCalibration(cores=cores, throughput=tuple(throughput), programs=tuple(programs),
+                           serial_programs=serial, skew_s=tuple(skew[0]), skew_onset_s=skew[1],
+                           skew_saturation_s=skew[2])
 
 
 def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, host_cpus: int = 0,
@@ -189,13 +182,7 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
         fits.append(memory_fit)
     except InputError:  # noisy streams on a busy host: keep the base topology's bandwidth
         memory_bw = base.device.memory_bandwidth * base.calibration.memory.efficiency
-    shared = fit.fit_host_cores(samples)
-    curve = fit.fit_host_throughput(samples)
-    programs = fit.fit_host_programs(samples) if curve else ()
-    serial = bool(fit.fit_host_serial(samples)) if curve else False
-    # Devices that share a host saturate its cores once that many compute at once; steps then fit the rest.
-    has_steps = any(s.kind == "step" for s in samples)
-    cores = float(host_cpus) if shared and host_cpus and has_steps else shared
+    host = _fit_host(samples, host_cpus)
     collectives = None
     # Collective samples are already per collective inside a program (testbed.runner.measure loops them).
     rows = [s for s in samples if s.kind == "collective"]
@@ -203,47 +190,91 @@ def fit_all(base: Topology, samples: list[fit.Sample], name: str | None = None, 
         collectives, coll_fit = cal_coll.fit_collectives(base, rows, simulator_collective_time)
         fits.append(coll_fit)
     topo = calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw, launch_s=launch,
-                                   host_cores=cores, collectives=collectives, name=name, host_throughput=curve,
-                                   host_programs=programs, host_serial=serial, cache_bytes=cache_bytes)
+                               host_cores=host.cores, collectives=collectives, name=name, host_throughput=host.curve,
+                               host_programs=host.programs, host_serial=host.serial, cache_bytes=cache_bytes)
     # The stragglers' wait at a barrier, net of the collectives' own time as the fitted topology prices them.
-    skew = fit.fit_host_skew(samples, lambda s: collective_timing.collective_time(
-        topo, "all_gather", tuple(range(s.ranks)), s.bytes).time_s) if curve else ((), 0.0, 0.0)
+    skew = host_fit.fit_host_skew(samples, lambda s: collective_timing.collective_time(
+        topo, "all_gather", tuple(range(s.ranks)), s.bytes).time_s) if host.curve else ((), 0.0, 0.0)
     if skew[0]:
         topo = replace(topo, calibration=topo.calibration.updated(
             host={"skew_s": skew[0], "skew_onset_s": skew[1], "skew_saturation_s": skew[2]}))
-    buffers = cal_steps.fit_controller_buffers(samples)
-    buffer_s = 0.0
-    if buffers is not None:
-        buffer_s, buffer_fit = buffers
-        fits.append(buffer_fit)
-    controller = cal_steps.fit_controller(samples, buffer_s)
-    controller_step_s = controller_s = pipeline_step_s = 0.0
-    if controller is not None:  # its buffer cost: real steps' when they tell it, else the empty programs'
-        controller_step_s, controller_s, pipeline_step_s, buffer_s, controller_fit = controller
-        fits.append(controller_fit)
-    if controller is not None or buffer_s:  # the steps' own host time is the controller's, not their compute
+    controller = _fit_controller(samples, fits)
+    if controller.fitted or controller.buffer_s:  # the steps' own host time is the controller's, not their compute
         topo = replace(topo, calibration=topo.calibration.updated(controller={
-            "overhead_s": controller_s, "step_s": controller_step_s, "pipeline_step_s": pipeline_step_s,
-            "buffer_s": buffer_s}))
+            "overhead_s": controller.overhead_s, "step_s": controller.step_s,
+            "pipeline_step_s": controller.pipeline_step_s, "buffer_s": controller.buffer_s}))
     steps = cal_steps.fit_step_compute(topo, samples)
     efficiency, scales, passes, matmul_half = None, None, (0.0, 0.0, 0.0), None
     if steps is not None:  # the steps refit the half; one matmul alone keeps its own (traced programs')
         matmul_half = half
         efficiency, half, scales, passes, step_fit = steps
         fits.append(step_fit)
-    if steps is not None or controller is not None or buffer_s:
+    if steps is not None or controller.fitted or controller.buffer_s:
         topo = calibrated_topology(base, rates=rates, half_flops=half, memory_bandwidth=memory_bw,
-                                       launch_s=launch, host_cores=cores, collectives=collectives, name=name,
-                                       efficiency=efficiency, peak_scales=scales, controller_s=controller_s,
-                                       controller_step_s=controller_step_s, controller_buffer_s=buffer_s,
-                                       controller_pipeline_step_s=pipeline_step_s, passes=passes,
-                                       host_throughput=curve, host_programs=programs, host_serial=serial,
-                                       host_skew=skew, cache_bytes=cache_bytes, matmul_half_flops=matmul_half)
+                                   launch_s=launch, host_cores=host.cores, collectives=collectives, name=name,
+                                   efficiency=efficiency, peak_scales=scales, controller_s=controller.overhead_s,
+                                   controller_step_s=controller.step_s, controller_buffer_s=controller.buffer_s,
+                                   controller_pipeline_step_s=controller.pipeline_step_s, passes=passes,
+                                   host_throughput=host.curve, host_programs=host.programs, host_serial=host.serial,
+                                   host_skew=skew, cache_bytes=cache_bytes, matmul_half_flops=matmul_half)
     shapes = fit_gemm_shapes(samples, topo)  # one matmul by its shape, under the final cap (traced programs)
     if shapes is not None:
         topo = replace(topo, calibration=topo.calibration.updated(compute=shapes[0]))
         fits.append(shapes[1])
-    return topo, fitted_values(topo, shared=shared, rates=rates, memory_bandwidth=memory_bw), fits
+    return topo, fitted_values(topo, shared=host.shared, rates=rates, memory_bandwidth=memory_bw), fits
+
+
+@dataclass(frozen=True)
+class _HostFit:
+    """The shared host as the samples tell it: ``shared`` cores' worth of throughput (0: not shared), the cores
+    written to the calibration, and the measured throughput curve, per-program costs and serial dispatch."""
+
+    shared: float
+    cores: float
+    curve: tuple[tuple[int, float], ...]
+    programs: tuple[tuple[int, float], ...]
+    serial: bool
+
+
+def _fit_host(samples: list[fit.Sample], host_cpus: int) -> _HostFit:
+    """The :class:`_HostFit` of ``samples``: devices that share a host saturate its ``host_cpus`` cores once
+    that many compute at once, and training steps then fit the rest."""
+    shared = host_fit.fit_host_cores(samples)
+    curve = host_fit.fit_host_throughput(samples)
+    programs = host_fit.fit_host_programs(samples) if curve else ()
+    serial = bool(host_fit.fit_host_serial(samples)) if curve else False
+    has_steps = any(s.kind == "step" for s in samples)
+    cores = float(host_cpus) if shared and host_cpus and has_steps else shared
+    return _HostFit(shared=shared, cores=cores, curve=curve, programs=programs, serial=serial)
+
+
+@dataclass(frozen=True)
+class _ControllerFit:
+    """The controller's fitted CPU times (``ControllerCalibration``'s fields); ``fitted``: the pipeline samples
+    gave a line (:func:`testbed.calibration.steps.fit_controller`)."""
+
+    overhead_s: float = 0.0
+    step_s: float = 0.0
+    pipeline_step_s: float = 0.0
+    buffer_s: float = 0.0
+    fitted: bool = False
+
+
+def _fit_controller(samples: list[fit.Sample], fits: list[fit.Fit]) -> _ControllerFit:
+    """The controller's times from ``samples``, appending the fits made to ``fits``: its buffer cost from real
+    steps when they tell it, else from the empty programs'."""
+    buffers = cal_steps.fit_controller_buffers(samples)
+    buffer_s = 0.0
+    if buffers is not None:
+        buffer_s, buffer_fit = buffers
+        fits.append(buffer_fit)
+    controller = cal_steps.fit_controller(samples, buffer_s)
+    if controller is None:
+        return _ControllerFit(buffer_s=buffer_s)
+    step_s, overhead_s, pipeline_step_s, buffer_s, controller_fit = controller
+    fits.append(controller_fit)
+    return _ControllerFit(overhead_s=overhead_s, step_s=step_s, pipeline_step_s=pipeline_step_s, buffer_s=buffer_s,
+                          fitted=True)
 
 
 def saved_base(raw: Mapping[str, Any], base: str | None = None) -> Topology:

@@ -29,7 +29,7 @@ Pure: plans in, numbers out.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -127,6 +127,39 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     rows = of_kind(samples, "step")
     if not rows:
         return None
+    steps = _measured_steps(topology, rows)
+    main = "fp32" if "fp32" in steps.dtypes else steps.dtypes[0]
+    e, h = _grid_efficiency(topology, steps, main)
+    x = _cost(topology, steps, e, h, {}, main)[1]
+    scales = {d: min((_cost(topology, steps, e, h, {d: k}, d, x)[0], k) for k in np.geomspace(0.02, 50, 200))[1]
+              for d in sorted(set(steps.dtypes) - {main})}
+    r2, residuals = fit_quality(_matmul_seconds(topology, steps, e, h, scales) + steps.traffic @ np.array(x),
+                                steps.measured)
+    fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h),
+                                             "replicated_passes": x[0], "split_passes": x[1],
+                                             "cached_passes": x[2],
+                                             **{f"peak_scale_{d}": float(k) for d, k in scales.items()}},
+              r2=r2, rel_residuals=residuals, samples=len(rows))
+    return float(e), float(h), {d: float(k) for d, k in scales.items()}, x, fit
+
+
+@dataclass(frozen=True)
+class _MeasuredSteps:
+    """The step samples as :func:`fit_step_compute` fits them: each plan's representative compute tasks and
+    matmul dtype, its host slowdown, the simulated rest of its step, its measured seconds, and the seconds per
+    elementwise pass over its replicated, split and cached activation bytes (one row per sample)."""
+
+    tasks: list[list]
+    dtypes: list[str]
+    slowdown: np.ndarray
+    comm: np.ndarray
+    measured: np.ndarray
+    traffic: np.ndarray
+    separate: bool  # replicated and split passes told apart (samples out of cache at two tensor degrees)
+
+
+def _measured_steps(topology: Topology, rows: Sequence[Sample]) -> _MeasuredSteps:
+    """The :class:`_MeasuredSteps` of ``rows`` at ``topology``'s starting calibration."""
     plans = [step_plan(r.op, r.devices) for r in rows]
     tasks = [[t for t in build_program(p, place(p, num_devices=r.devices)).tasks
               if t.kind is TaskKind.COMPUTE and t.device == 0] for p, r in zip(plans, rows)]
@@ -142,53 +175,58 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
     # Replicated and split passes over memory are told apart by samples out of cache at two tensor
     # degrees (their replicated shares differ); otherwise one count prices both.
     separate = len({p.mesh.tensor for p, row in zip(plans, traffic) if row[:2].any()}) > 1
+    return _MeasuredSteps(tasks=tasks, dtypes=dtypes, slowdown=slowdown, comm=comm, measured=measured,
+                          traffic=traffic, separate=separate)
 
-    def matmul(eff: float, half: float, scales: Mapping[str, float]) -> np.ndarray:
-        device = replace(topology.device, peak_flops={d: v * scales.get(d, 1.0) for d, v in
-                                                      topology.device.peak_flops.items()})
-        stub = SimpleNamespace(device=device, calibration=topology.calibration.updated(
-            compute={"efficiency": eff, "efficiency_half_flops": half}, elementwise=None))
-        work = np.array([sum(compute_seconds(stub, d, t.flops, t.hbm_bytes, t.kernels) for t in ts)
-                         for d, ts in zip(dtypes, tasks)])
-        return work * slowdown + comm
 
-    def passes(base: np.ndarray, mask: np.ndarray) -> tuple[float, float, float]:
-        columns = traffic[mask] / measured[mask, None]
-        # Unknowns: (replicated, split) or one count for both, and cached; a column no sample has is left out.
-        groups = [g for g in ([[0], [1]] if separate else [[0, 1]]) + [[2]] if columns[:, g].any()]
-        x = nonnegative_lstsq(np.stack([columns[:, g].sum(axis=1) for g in groups], axis=1),
-                              1.0 - base[mask] / measured[mask]) if groups else []
-        fitted = {i: float(value) for g, value in zip(groups, x) for i in g}
-        cached = fitted.get(2, 0.0)
-        # Passes from memory that no sample made (every activation fit in cache) cost at least the cached count.
-        return fitted.get(0, cached), fitted.get(1, cached), cached
+def _matmul_seconds(topology: Topology, steps: _MeasuredSteps, eff: float, half: float,
+                    scales: Mapping[str, float]) -> np.ndarray:
+    """Each sample's predicted step without its elementwise passes, at efficiency ``eff``, half-efficiency FLOPs
+    ``half`` and per-dtype peak ``scales``."""
+    device = replace(topology.device, peak_flops={d: v * scales.get(d, 1.0) for d, v in
+                                                  topology.device.peak_flops.items()})
+    stub = SimpleNamespace(device=device, calibration=topology.calibration.updated(
+        compute={"efficiency": eff, "efficiency_half_flops": half}, elementwise=None))
+    work = np.array([sum(compute_seconds(stub, d, t.flops, t.hbm_bytes, t.kernels) for t in ts)
+                     for d, ts in zip(steps.dtypes, steps.tasks)])
+    return work * steps.slowdown + steps.comm
 
-    def cost(eff: float, half: float, scales: Mapping[str, float], dtype: str,
-             fixed: tuple[float, float, float] | None = None,
-             ) -> tuple[float, tuple[float, float, float]]:
-        mask = np.array([d == dtype for d in dtypes])
-        base = matmul(eff, half, scales)
-        x = passes(base, mask) if fixed is None else fixed
-        predicted = base + traffic @ np.array(x)
-        return float(np.sum((predicted[mask] / measured[mask] - 1.0) ** 2)), x
 
-    main = "fp32" if "fp32" in dtypes else dtypes[0]
+def _passes(steps: _MeasuredSteps, base: np.ndarray, mask: np.ndarray) -> tuple[float, float, float]:
+    """(replicated, split, cached) elementwise passes: the non-negative least squares of the ``mask`` samples'
+    relative errors left by ``base``."""
+    columns = steps.traffic[mask] / steps.measured[mask, None]
+    # Unknowns: (replicated, split) or one count for both, and cached; a column no sample has is left out.
+    groups = [g for g in ([[0], [1]] if steps.separate else [[0, 1]]) + [[2]] if columns[:, g].any()]
+    x = nonnegative_lstsq(np.stack([columns[:, g].sum(axis=1) for g in groups], axis=1),
+                          1.0 - base[mask] / steps.measured[mask]) if groups else []
+    fitted = {i: float(value) for g, value in zip(groups, x) for i in g}
+    cached = fitted.get(2, 0.0)
+    # Passes from memory that no sample made (every activation fit in cache) cost at least the cached count.
+    return fitted.get(0, cached), fitted.get(1, cached), cached
+
+
+def _cost(topology: Topology, steps: _MeasuredSteps, eff: float, half: float, scales: Mapping[str, float],
+          dtype: str, fixed: tuple[float, float, float] | None = None,
+          ) -> tuple[float, tuple[float, float, float]]:
+    """(sum of squared relative errors of the ``dtype`` samples, the passes): passes fitted, or ``fixed``."""
+    mask = np.array([d == dtype for d in steps.dtypes])
+    base = _matmul_seconds(topology, steps, eff, half, scales)
+    x = _passes(steps, base, mask) if fixed is None else fixed
+    predicted = base + steps.traffic @ np.array(x)
+    return float(np.sum((predicted[mask] / steps.measured[mask] - 1.0) ** 2)), x
+
+
+def _grid_efficiency(topology: Topology, steps: _MeasuredSteps, main: str) -> tuple[float, float]:
+    """(efficiency, half-efficiency FLOPs) that best fit the ``main`` dtype's samples: a grid refined three
+    times around its best point."""
     effs, halves = np.geomspace(0.01, 1.5, 40), np.concatenate([[0.0], np.geomspace(1e3, 1e11, 33)])
     for span in (1.3, 1.06, 1.01, None):  # refine around the best point, each grid finer
-        _, e, h = min((cost(e, h, {}, main)[0], e, h) for e in effs for h in halves)
+        _, e, h = min((_cost(topology, steps, e, h, {}, main)[0], e, h) for e in effs for h in halves)
         if span is not None:
             effs = np.clip(np.geomspace(e / span, e * span, 13), 1e-3, 1.5)
             halves = np.unique([0.0, *np.geomspace(max(h, 1e3) / span ** 4, max(h, 1e3) * span ** 4, 13)])
-    x = cost(e, h, {}, main)[1]
-    scales = {d: min((cost(e, h, {d: k}, d, x)[0], k) for k in np.geomspace(0.02, 50, 200))[1]
-              for d in sorted(set(dtypes) - {main})}
-    r2, residuals = fit_quality(matmul(e, h, scales) + traffic @ np.array(x), measured)
-    fit = Fit(name="training steps", values={"compute_efficiency": float(e), "efficiency_half_flops": float(h),
-                                             "replicated_passes": x[0], "split_passes": x[1],
-                                             "cached_passes": x[2],
-                                             **{f"peak_scale_{d}": float(k) for d, k in scales.items()}},
-              r2=r2, rel_residuals=residuals, samples=len(rows))
-    return float(e), float(h), {d: float(k) for d, k in scales.items()}, x, fit
+    return e, h
 
 
 def _pass_bytes(topology: Topology, tasks: Sequence) -> list[float]:

@@ -23,6 +23,7 @@ import contextlib
 from pathlib import Path
 
 from testbed.cluster import netns, state
+from testbed.cluster.signals import leaving_on_signals, signals_held
 from testbed.cluster.spec import ClusterSpec, check_name, cluster_spec
 from testbed.cluster.state import state_dir
 from testbed.errors import InputError
@@ -89,7 +90,7 @@ def _up(args: argparse.Namespace) -> dict[str, object]:
     if any(c.name == spec.name for c in netns.clusters()):
         raise InputError(f"a cluster `{spec.name}` is already up (or being built); `testbed cluster down {spec.name}` "
                          "first or pick another name", field="name")
-    with netns.leaving_on_signals():  # any signal from here on removes what was built: no half-built cluster
+    with leaving_on_signals():  # any signal from here on removes what was built: no half-built cluster
         try:
             made = netns.build(spec, "keep")
         except netns.ClusterError as exc:
@@ -99,7 +100,7 @@ def _up(args: argparse.Namespace) -> dict[str, object]:
             state.write_state(spec.name, _topology_source(args.topology), spec.scale, spec.mtu)
             queue = netns.queue_in_use(spec, "keep")
         except BaseException:
-            with netns.signals_held():
+            with signals_held():
                 netns.remove(spec.name, "keep")
                 state.remove_state(spec.name)
             raise

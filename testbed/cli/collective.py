@@ -158,35 +158,10 @@ def execute(args: argparse.Namespace) -> CommandResult:
         data["execute"] = executed
 
     def render(console) -> None:
-        from rich.table import Table
-
-        from testbed.cli.tables import Col, fitted_table
-
         console.print(f"[bold]{op}[/] on [bold]{markup(topology.name)}[/] over {markup(args.over)}: {len(groups)} "
                       f"group(s) of {n} ranks, {format_bytes(nbytes)}")
-        columns = [Col(header="algorithm", key=True, justify="left"), Col(header="time"), Col(header="algbw"),
-                   Col(header="busbw"), Col(header="bound", drop=1), Col(header="rounds", drop=2)]
-        cells = [[f"{row['algorithm']}{' *' if row['algorithm'] == result.algorithm else ''}",
-                  format_time(row["time_s"]), format_bandwidth(row["algbw"]), format_bandwidth(row["busbw"]),
-                  format_time(row["bound_s"]), str(row["rounds"])] for row in compared]
-        console.print(fitted_table(console, columns, cells))
-        console.print("algbw: bytes / time; busbw: algbw x nccl-tests' bus factor (all-reduce 2(n-1)/n); bound: the "
-                      "links' lower bound on the time; rounds: steps of the algorithm's program (NCCL's: one call)")
-        fastest = min(compared, key=lambda row: row["time_s"])["algorithm"] if compared else result.algorithm
-        how = ("requested" if algorithm != "auto" else "auto: fastest" if result.algorithm == fastest
-               else "auto: NCCL's tuning model's pick")  # on NVIDIA hierarchies NCCL chooses, not the fastest
-        console.print(f"* chosen ({how})")
-        if how.startswith("auto: NCCL"):
-            console.print(_why_nccl(topology, op, groups[0], nbytes, result.algorithm, fastest))
-        if sweep_rows:
-            for name in dict.fromkeys(r["algorithm"] for r in sweep_rows):
-                sweep = Table(title=f"{name}")
-                for column in ("size", "time", "algbw", "busbw"):
-                    sweep.add_column(column, justify="right")
-                for r in (r for r in sweep_rows if r["algorithm"] == name):
-                    sweep.add_row(format_bytes(r["bytes"]), format_time(r["time_s"]), format_bandwidth(r["algbw"]),
-                                  format_bandwidth(r["busbw"]))
-                console.print(sweep)
+        _render_algorithms(console, compared, result, algorithm, topology, op, groups[0], nbytes)
+        _render_sweep(console, sweep_rows)
         if executed is not None and "cluster" in executed:
             render_cluster_execution(console, executed)
         elif executed is not None:
@@ -196,6 +171,42 @@ def execute(args: argparse.Namespace) -> CommandResult:
 
     failed = executed is not None and not executed["ok"]
     return CommandResult(data, render, exit_code=1 if failed else 0, files=files)
+
+
+def _render_algorithms(console: Any, compared: list[dict[str, Any]], result: CollectiveTiming, algorithm: str,
+                       topology: Topology, op: Op, group: tuple[int, ...], nbytes: float) -> None:
+    """Every applicable algorithm's time, bandwidths, bound and rounds, the chosen one starred with why (on
+    NVIDIA hierarchies NCCL's tuning model chooses, not the fastest)."""
+    from testbed.cli.tables import Col, fitted_table
+
+    columns = [Col(header="algorithm", key=True, justify="left"), Col(header="time"), Col(header="algbw"),
+               Col(header="busbw"), Col(header="bound", drop=1), Col(header="rounds", drop=2)]
+    cells = [[f"{row['algorithm']}{' *' if row['algorithm'] == result.algorithm else ''}",
+              format_time(row["time_s"]), format_bandwidth(row["algbw"]), format_bandwidth(row["busbw"]),
+              format_time(row["bound_s"]), str(row["rounds"])] for row in compared]
+    console.print(fitted_table(console, columns, cells))
+    console.print("algbw: bytes / time; busbw: algbw x nccl-tests' bus factor (all-reduce 2(n-1)/n); bound: the "
+                  "links' lower bound on the time; rounds: steps of the algorithm's program (NCCL's: one call)")
+    fastest = min(compared, key=lambda row: row["time_s"])["algorithm"] if compared else result.algorithm
+    how = ("requested" if algorithm != "auto" else "auto: fastest" if result.algorithm == fastest
+           else "auto: NCCL's tuning model's pick")  # on NVIDIA hierarchies NCCL chooses, not the fastest
+    console.print(f"* chosen ({how})")
+    if how.startswith("auto: NCCL"):
+        console.print(_why_nccl(topology, op, group, nbytes, result.algorithm, fastest))
+
+
+def _render_sweep(console: Any, sweep_rows: list[dict[str, Any]]) -> None:
+    """One table per swept algorithm: size, time, algbw, busbw."""
+    from rich.table import Table
+
+    for name in dict.fromkeys(r["algorithm"] for r in sweep_rows):
+        sweep = Table(title=f"{name}")
+        for column in ("size", "time", "algbw", "busbw"):
+            sweep.add_column(column, justify="right")
+        for r in (r for r in sweep_rows if r["algorithm"] == name):
+            sweep.add_row(format_bytes(r["bytes"]), format_time(r["time_s"]), format_bandwidth(r["algbw"]),
+                          format_bandwidth(r["busbw"]))
+        console.print(sweep)
 
 
 # -- --execute: the step program on devices -------------------------------------------------------

@@ -57,7 +57,7 @@ def _stage(console: Any, text: str) -> float:
 def execute(args: argparse.Namespace) -> CommandResult:
     from rich.console import Console
 
-    from testbed.calibration.validation import compare_reports, relative_error
+    from testbed.calibration.validation import compare_reports
     from testbed.cli.compare import compare_rows, draw_breakdown
     from testbed.model.memory import memory_breakdown
     from testbed.sim.engine import simulate
@@ -84,51 +84,12 @@ def execute(args: argparse.Namespace) -> CommandResult:
     files.append(str(write_gantt(sim.timeline, out / "demo-gantt.png", title=f"{plan.name} on {topology.name}")))
     predicted = sim.report.to_dict()
 
-    measured: dict[str, Any] | None = None
-    verified: dict[str, Any] | None = None
-    run = None
-    if not args.no_run:
-        from testbed.runner import devices as dev
-
-        request = dev.parse_devices(None, plan.mesh.size)
-        _stage(console, f"3/6 run {args.steps} steps on {request} (compiles first)")
-        dev.prepare(request)
-        devices = dev.select_devices(plan.mesh.size)
-        from testbed.runner.train import run_plan, verify_plan
-        from testbed.runner.validate import ReferenceStep
-
-        # The prediction's peak FLOP/s, so predicted and measured MFU compare; XLA's memory analysis
-        # compiles the run's programs once more without running them (pipelines: every stage's).
-        peak = topology.device.flops(plan.precision.compute_dtype)
-        run = run_plan(plan, devices, args.steps, compiled_memory=True, peak_flops=peak)
-        files.append(str(write_trace(run.timeline, out / "demo-measured-trace.json")))
-        measured = run.to_dict()
-        measured["compiled_memory_bytes"] = run.report.memory_total
-        # Calibrate's own step right after: how fast the host runs now against its calibration.
-        measured["reference_step"] = ReferenceStep(topology, devices).time()
-        _stage(console, "4/6 verify against the single-device fp32 reference (2 steps)")
-        verified = verify_plan(plan, devices, steps=2, peak_flops=peak).to_dict()
+    run, measured, verified = (None, None, None) if args.no_run else _run_and_verify(console, args, plan, topology,
+                                                                                    out, files)
 
     _stage(console, "5/6 predicted vs measured")
-    # Field by field, the simulator's Report against the run's (source "measured").
     errors = compare_reports(sim.report, run.report) if run else None
-    side_by_side: dict[str, dict[str, Any]] = {
-        "step_time_s": {"predicted": sim.report.step_time_s, "measured": run.report.step_time_s if run else None,
-                        "error": errors["step_time_s"] if errors else None},
-        "memory_bytes": {"predicted": sim.report.memory_total, "measured": run.report.memory_total if run else None,
-                         "error": errors["memory"] if errors else None},
-        "mfu": {"predicted": sim.report.mfu, "measured": run.report.mfu if run else None,
-                "error": errors["mfu"] if errors else None},
-    }
-    if measured:
-        # The step as if the host ran at its calibrated speed: the model's error apart from the host's drift.
-        ref = measured["reference_step"]
-        side_by_side["reference_step_s"] = {"predicted": ref["predicted_s"], "measured": ref["measured_s"]}
-        side_by_side["step_time_at_calibrated_speed_s"] = {
-            "predicted": sim.report.step_time_s, "measured": run.report.step_time_s * ref["speed"]}
-        for name in ("reference_step_s", "step_time_at_calibrated_speed_s"):
-            row = side_by_side[name]
-            row["error"] = relative_error(row["predicted"], row["measured"])
+    side_by_side = _side_by_side(sim.report, run, measured, errors)
 
     _stage(console, f"6/6 compare across {', '.join(COMPARE_TOPOLOGIES)} (data degree scaled)")
     rows = compare_rows(plan, [load_topology(t) for t in COMPARE_TOPOLOGIES], args.plan, scale="data")
@@ -147,6 +108,59 @@ def execute(args: argparse.Namespace) -> CommandResult:
     files.append(str(write_atomic(out / "demo.json", json.dumps(to_jsonable(data), indent=1, default=str))))
     exit_code = 1 if verified is not None and not verified["ok"] else 0
     return CommandResult(data, lambda c: _render(c, data), exit_code=exit_code, files=files)
+
+
+def _run_and_verify(console: Any, args: argparse.Namespace, plan: Any, topology: Any, out: Path,
+                    files: list[str]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Steps 3-4: (the run, its dict with XLA's compiled memory and calibrate's reference step, the verification's
+    dict); the measured trace is appended to ``files``."""
+    from testbed.runner import devices as dev
+    from testbed.sim.trace_files import write_trace
+
+    request = dev.parse_devices(None, plan.mesh.size)
+    _stage(console, f"3/6 run {args.steps} steps on {request} (compiles first)")
+    dev.prepare(request)
+    devices = dev.select_devices(plan.mesh.size)
+    from testbed.runner.train import run_plan, verify_plan
+    from testbed.runner.validate import ReferenceStep
+
+    # The prediction's peak FLOP/s, so predicted and measured MFU compare; XLA's memory analysis
+    # compiles the run's programs once more without running them (pipelines: every stage's).
+    peak = topology.device.flops(plan.precision.compute_dtype)
+    run = run_plan(plan, devices, args.steps, compiled_memory=True, peak_flops=peak)
+    files.append(str(write_trace(run.timeline, out / "demo-measured-trace.json")))
+    measured = run.to_dict()
+    measured["compiled_memory_bytes"] = run.report.memory_total
+    # Calibrate's own step right after: how fast the host runs now against its calibration.
+    measured["reference_step"] = ReferenceStep(topology, devices).time()
+    _stage(console, "4/6 verify against the single-device fp32 reference (2 steps)")
+    verified = verify_plan(plan, devices, steps=2, peak_flops=peak).to_dict()
+    return run, measured, verified
+
+
+def _side_by_side(predicted: Any, run: Any, measured: dict[str, Any] | None,
+                  errors: dict[str, float] | None) -> dict[str, dict[str, Any]]:
+    """Step 5: field by field, the simulator's Report against the run's (source "measured"), and the step as if
+    the host ran at its calibrated speed: the model's error apart from the host's drift."""
+    from testbed.calibration.validation import relative_error
+
+    side_by_side: dict[str, dict[str, Any]] = {
+        "step_time_s": {"predicted": predicted.step_time_s, "measured": run.report.step_time_s if run else None,
+                        "error": errors["step_time_s"] if errors else None},
+        "memory_bytes": {"predicted": predicted.memory_total, "measured": run.report.memory_total if run else None,
+                         "error": errors["memory"] if errors else None},
+        "mfu": {"predicted": predicted.mfu, "measured": run.report.mfu if run else None,
+                "error": errors["mfu"] if errors else None},
+    }
+    if measured:
+        ref = measured["reference_step"]
+        side_by_side["reference_step_s"] = {"predicted": ref["predicted_s"], "measured": ref["measured_s"]}
+        side_by_side["step_time_at_calibrated_speed_s"] = {
+            "predicted": predicted.step_time_s, "measured": run.report.step_time_s * ref["speed"]}
+        for name in ("reference_step_s", "step_time_at_calibrated_speed_s"):
+            row = side_by_side[name]
+            row["error"] = relative_error(row["predicted"], row["measured"])
+    return side_by_side
 
 
 def _fmt(value: float | None, kind: str) -> str:

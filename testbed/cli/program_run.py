@@ -6,7 +6,7 @@ emulated:N|local``; ``--mesh``, default one ``data`` axis over them), in the sco
 :mod:`testbed.cli.user_code` (time limit, ``sys.path``, its prints on stderr, every error one paragraph). The
 step it returns is traced as ``simulate --program`` traces it and priced on ``--topology`` (``validate``
 requires one; ``run`` predicts where one is given), then compiled and timed on the devices
-(:func:`testbed.runner.program.measure.measure_program`, the runner's :class:`~testbed.runner.measure.StepTimer`).
+(:func:`testbed.runner.program.measure.measure_program`, the runner's :class:`~testbed.runner.step_timer.StepTimer`).
 ``validate`` also times calibrate's reference step after every round, as for plans: the host's speed, a
 diagnostic of drift apart from the headline. JAX is imported after :func:`testbed.runner.devices.prepare`.
 

@@ -94,32 +94,13 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
     if args.cluster is not None:
         args.processes = _cluster_processes(args.cluster, args.processes, request)
     if args.processes > 1:
-        if request.kind != "emulated":
-            raise InputError("--processes K starts local CPU workers and needs --devices emulated:N; on a cluster "
-                             "start one process per host (srun) instead", field="--processes")
-        if request.count % args.processes:
-            raise InputError(f"emulated:{request.count} devices cannot be split evenly over {args.processes} "
-                             f"processes", field="--processes")
-        if request.count != plan.mesh.size:
-            raise InputError(f"emulated:{request.count} does not match the plan's mesh of {plan.mesh.size} devices",
-                             field="--devices")
         from testbed.runner import launch  # the launcher only where workers start: one process needs no socket
 
-        payload = {"plan": plan_to_dict(plan), "steps": args.steps}
         try:
-            if args.cluster is not None:
-                from testbed.cli.cluster import saved_spec
-                from testbed.runner.on_cluster import cluster_launch
-
-                results = cluster_launch(saved_spec(args.cluster), "keep", payload, timeout_s=args.timeout)
-            else:
-                results = launch.launch(payload, processes=args.processes,
-                                        local_devices=request.count // args.processes, port=args.port,
-                                        timeout_s=args.timeout)
+            result = _run_workers(args, plan, request)
         except launch.WorkerFailed as exc:
             return CommandResult({"ok": False, "error": str(exc), "worker": exc.worker}, _error_render(str(exc)),
                                  exit_code=1)
-        result = train.merge_worker_results(results)
     elif args.distributed:
         # One process per host, started by the cluster (srun, a TPU pod); JAX reads the job from the environment.
         if request.kind != "local":
@@ -144,6 +125,32 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
     if args.trace:
         data["trace"] = args.trace
     return CommandResult(data, _run_render(data, files), files=files)
+
+
+def _run_workers(args: argparse.Namespace, plan: Plan, request: Any) -> Any:
+    """The plan run by ``--processes`` local CPU workers (or a saved ``--cluster``'s), their results merged; raises
+    ``launch.WorkerFailed`` when a worker fails."""
+    from testbed.runner import launch, train
+
+    if request.kind != "emulated":
+        raise InputError("--processes K starts local CPU workers and needs --devices emulated:N; on a cluster "
+                         "start one process per host (srun) instead", field="--processes")
+    if request.count % args.processes:
+        raise InputError(f"emulated:{request.count} devices cannot be split evenly over {args.processes} "
+                         f"processes", field="--processes")
+    if request.count != plan.mesh.size:
+        raise InputError(f"emulated:{request.count} does not match the plan's mesh of {plan.mesh.size} devices",
+                         field="--devices")
+    payload = {"plan": plan_to_dict(plan), "steps": args.steps}
+    if args.cluster is not None:
+        from testbed.cli.cluster import saved_spec
+        from testbed.runner.on_cluster import cluster_launch
+
+        results = cluster_launch(saved_spec(args.cluster), "keep", payload, timeout_s=args.timeout)
+    else:
+        results = launch.launch(payload, processes=args.processes, local_devices=request.count // args.processes,
+                                port=args.port, timeout_s=args.timeout)
+    return train.merge_worker_results(results)
 
 
 def _error_render(message: str):

@@ -14,13 +14,16 @@ import argparse
 import os
 from dataclasses import replace
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from testbed.errors import InputError
 from testbed.output import CommandResult, output_target, write_atomic
 from testbed.plan.spec import Plan
 from testbed.text import markup, shown
 from testbed.units import format_bytes, format_time
+
+if TYPE_CHECKING:
+    from testbed.topology import Topology
 
 __all__ = ["search", "base_plan"]
 
@@ -148,28 +151,13 @@ def _space(args: argparse.Namespace, preset: bool = False):
 
 
 def _execute(args: argparse.Namespace) -> CommandResult:
-    from testbed.cli.basic import plan_topology
     from testbed.cli.progress import phase_progress, progress_bar
     from testbed.explore.search import search as run_search
     from testbed.topology.resize import sized_name
     from testbed.plan.io import dump_plan, plan_to_dict
-    from testbed.sim.engine import simulate
-
-    plan = base_plan(args.model, args.global_batch, args.seq)
-    if args.runtime is not None:
-        from testbed.plan.runtime import runtime_from_dict
-
-        try:
-            plan = replace(plan, runtime=runtime_from_dict({"profile": args.runtime}))
-        except InputError as exc:
-            raise InputError(exc.message, field="--runtime") from None
-    if args.topology is None and plan.topology is None:
-        raise InputError("give --topology (a preset model names none)", field="--topology")
-    topology = plan_topology(plan, args.topology, devices=args.devices)
-    if args.out:
-        output_target(args.out, "--out")  # refused before the search, not after it
     from testbed.plan.presets import PRESETS
 
+    plan, topology = _plan_and_topology(args)
     space = _space(args, preset=args.model in PRESETS)
     # The time left is the search's own (testbed.explore.eta, in each phase's label): a best-first search skips
     # most plans at once, so the bar's share-done extrapolation would overstate it many times over.
@@ -179,12 +167,7 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         result = run_search(plan, topology, space, objective=args.objective, memory_cap=args.memory_cap,
                             replay=args.replay, top=args.top, price_per_device_hour=args.price, progress=progress)
     best = result.best
-    baseline = None
-    if plan.mesh.size == topology.num_devices and plan.topology:
-        try:
-            baseline = simulate(plan, topology).report.step_time_s
-        except InputError:
-            baseline = None
+    baseline = _baseline(plan, topology)
     name = f"{plan.name}-searched"
     # The plan names the topology it was searched on, resized as it was (NAME@DEVICES), so that it runs as is.
     written = replace(best.plan, name=name, topology=sized_name(args.topology or plan.topology, args.devices))
@@ -202,37 +185,13 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out}
 
     def render(console) -> None:
-        from testbed.cli.tables import Col, compact, fitted_table
-
         console.print(f"[bold]{markup(plan.name)}[/bold] on [bold]{markup(topology.name)}[/bold] "
                       f"({topology.num_devices} devices): {result.enumerated} plans, {result.pruned_memory} over "
                       f"memory, {result.pruned_bound} too slow to replay by their step floor, {result.estimated} estimated "
                       f"({result.plans_per_minute:,.0f}/min), {result.replayed} replayed")
         if start:
             console.print(f"from the preset with {start}; runtime {markup(plan.runtime.profile)}")
-        # The layout (mesh, schedule, microbatches, ZeRO, remat) identifies a candidate; comm, bubble and
-        # memory go first when the terminal is narrow.
-        columns = [Col(header="#"), Col(header="d.f.t.s", key=True, justify="left"),
-                   Col(header="schedule", key=True, justify="left"), Col(header="mb", key=True),
-                   Col(header="Z", key=True), Col(header="remat", key=True, justify="left"), Col(header="step"),
-                   Col(header="comm", drop=3), Col(header="bubble", drop=2), Col(header="MFU"),
-                   Col(header="memory", drop=1)]
-        cells = []
-        for i, r in enumerate(rows, 1):
-            sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
-            mesh = f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}" + (
-                f" ep{r['expert']}" if r.get("expert", 1) > 1 else "") + (  # MoE: the expert degree beside
-                " etp1" if r.get("expert_tensor", r["tensor"]) != r["tensor"] else "") + (  # folded experts
-                f" cp{r['context']}" if r.get("context", 1) > 1 else "") + (  # context parallelism likewise
-                " sp" if r.get("sequence_parallel") else "")  # and sequence parallelism
-            cells.append([str(i), mesh, sched, str(r["microbatches"]), str(r["zero"]), r["remat"],
-                          format_time(r["step_time_s"]), format_time(r.get("exposed_comm_s", 0.0)),
-                          f"{r.get('bubble_fraction', 0.0):.0%}", f"{r.get('mfu', 0.0):.0%}",
-                          format_bytes(r["memory_bytes"])])
-        console.print(fitted_table(console, columns, cells, **compact()))
-        console.print("d.f.t.s: data.fsdp.tensor.stage degrees (ep expert, etp1 experts whole, cp context, sp "
-                      "sequence parallel); mb: microbatches; Z: ZeRO stage; step: simulated step; comm: exposed "
-                      "communication; bubble: idle pipeline share; memory: the fullest device")
+        _render_ranked(console, rows)
         if baseline:
             console.print(f"the plan as written: {format_time(baseline)} per step; best: "
                           f"{format_time(best.step_time_s)} ({baseline / best.step_time_s:.2f}x faster)")
@@ -240,6 +199,67 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             console.print(f"wrote {markup(f)}")
 
     return CommandResult(data, render, files=files)
+
+
+def _plan_and_topology(args: argparse.Namespace) -> tuple[Plan, Topology]:
+    """The plan the search starts from (``--model``, ``--runtime``) and the topology it searches on; ``--out``
+    is checked before the search, not after it."""
+    from testbed.cli.basic import plan_topology
+
+    plan = base_plan(args.model, args.global_batch, args.seq)
+    if args.runtime is not None:
+        from testbed.plan.runtime import runtime_from_dict
+
+        try:
+            plan = replace(plan, runtime=runtime_from_dict({"profile": args.runtime}))
+        except InputError as exc:
+            raise InputError(exc.message, field="--runtime") from None
+    if args.topology is None and plan.topology is None:
+        raise InputError("give --topology (a preset model names none)", field="--topology")
+    topology = plan_topology(plan, args.topology, devices=args.devices)
+    if args.out:
+        output_target(args.out, "--out")  # refused before the search, not after it
+    return plan, topology
+
+
+def _baseline(plan: Plan, topology: Topology) -> float | None:
+    """The simulated step of the plan as written, when it names a topology of its own size (else None)."""
+    from testbed.sim.engine import simulate
+
+    if plan.mesh.size == topology.num_devices and plan.topology:
+        try:
+            return simulate(plan, topology).report.step_time_s
+        except InputError:
+            return None
+    return None
+
+
+def _render_ranked(console, rows: list[dict[str, Any]]) -> None:
+    """The ranked plans' table: the layout (mesh, schedule, microbatches, ZeRO, remat) identifies a candidate;
+    comm, bubble and memory go first when the terminal is narrow."""
+    from testbed.cli.tables import Col, compact, fitted_table
+
+    columns = [Col(header="#"), Col(header="d.f.t.s", key=True, justify="left"),
+               Col(header="schedule", key=True, justify="left"), Col(header="mb", key=True),
+               Col(header="Z", key=True), Col(header="remat", key=True, justify="left"), Col(header="step"),
+               Col(header="comm", drop=3), Col(header="bubble", drop=2), Col(header="MFU"),
+               Col(header="memory", drop=1)]
+    cells = []
+    for i, r in enumerate(rows, 1):
+        sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
+        mesh = f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}" + (
+            f" ep{r['expert']}" if r.get("expert", 1) > 1 else "") + (  # MoE: the expert degree beside
+            " etp1" if r.get("expert_tensor", r["tensor"]) != r["tensor"] else "") + (  # folded experts
+            f" cp{r['context']}" if r.get("context", 1) > 1 else "") + (  # context parallelism likewise
+            " sp" if r.get("sequence_parallel") else "")  # and sequence parallelism
+        cells.append([str(i), mesh, sched, str(r["microbatches"]), str(r["zero"]), r["remat"],
+                      format_time(r["step_time_s"]), format_time(r.get("exposed_comm_s", 0.0)),
+                      f"{r.get('bubble_fraction', 0.0):.0%}", f"{r.get('mfu', 0.0):.0%}",
+                      format_bytes(r["memory_bytes"])])
+    console.print(fitted_table(console, columns, cells, **compact()))
+    console.print("d.f.t.s: data.fsdp.tensor.stage degrees (ep expert, etp1 experts whole, cp context, sp "
+                  "sequence parallel); mb: microbatches; Z: ZeRO stage; step: simulated step; comm: exposed "
+                  "communication; bubble: idle pipeline share; memory: the fullest device")
 
 
 search = SimpleNamespace(add_arguments=_add, execute=_execute)

@@ -75,44 +75,11 @@ def _points_table(console: Any, points: list[dict[str, Any]]) -> Any:
 
 
 def _execute(args: argparse.Namespace) -> CommandResult:
-    from testbed.explore.sweep import read_rows, run_sweep
-    from testbed.explore.sweep_spec import load_sweep_spec
+    from testbed.explore.sweep import read_rows
 
-    if args.spec is not None and not args.spec.strip():  # "" is not a SPEC (nor the absence of one)
-        raise InputError("is empty; give the sweep SPEC YAML path", field="spec")
-    if args.db is not None and not args.db.strip():
-        raise InputError("is empty; give the DuckDB file path (without --db: NAME.duckdb)", field="--db")
-    if args.spec is None and (args.db is None or args.plot is None):
-        raise InputError("give a SPEC to sweep, or --db FILE --plot DIR to plot a database", field="spec")
-    from testbed.explore.sweep_spec import MAX_POINTS
-
-    max_points = MAX_POINTS if args.max_points is None else args.max_points
-    if max_points < 1:
-        raise InputError(f"must be a whole number >= 1, got {max_points}", field="--max-points")
-    spec = load_sweep_spec(args.spec, max_points=max_points) if args.spec else None
+    spec = _spec(args)
     db = args.db or f"{spec.name}.duckdb"
-    summary = None
-    if spec is not None:
-        output_target(db, "--db")  # refuses a folder, a device or one of the command's inputs
-        from testbed.cli.progress import progress_bar
-
-        with progress_bar("sweeping", eta=True) as bar:
-            state: dict[str, Any] = {}
-
-            def progress(done: int, total: int) -> None:
-                if "task" not in state:  # points already in the database do not count towards the ETA
-                    state["base"] = done
-                    label = markup(spec.name) + (f" ({done} already done)" if done else "")
-                    state["task"] = bar.add_task(label, total=total - done)
-                bar.update(state["task"], completed=done - state["base"])
-
-            def on_row(row: dict[str, Any]) -> None:
-                if args.verbose:
-                    sys.stderr.write(f"point {row['point']} {shown(row['key'], 200)}: {_row_text(row)}\n")
-                    sys.stderr.flush()
-
-            summary = run_sweep(spec, db, executor=args.executor, workers=args.workers, address=args.address,
-                                progress=progress, on_row=on_row)
+    summary = _run(args, spec, db) if spec is not None else None
     rows = read_rows(db, spec.name if spec else None)
     files: list[str] = []
     if args.plot is not None:
@@ -146,6 +113,48 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             console.print(f"wrote {markup(f)}")
 
     return CommandResult(data, render, files=files)
+
+
+def _spec(args: argparse.Namespace) -> Any:
+    """The sweep SPEC the command runs (None: only plot ``--db``), its flags checked first."""
+    from testbed.explore.sweep_spec import MAX_POINTS, load_sweep_spec
+
+    if args.spec is not None and not args.spec.strip():  # "" is not a SPEC (nor the absence of one)
+        raise InputError("is empty; give the sweep SPEC YAML path", field="spec")
+    if args.db is not None and not args.db.strip():
+        raise InputError("is empty; give the DuckDB file path (without --db: NAME.duckdb)", field="--db")
+    if args.spec is None and (args.db is None or args.plot is None):
+        raise InputError("give a SPEC to sweep, or --db FILE --plot DIR to plot a database", field="spec")
+    max_points = MAX_POINTS if args.max_points is None else args.max_points
+    if max_points < 1:
+        raise InputError(f"must be a whole number >= 1, got {max_points}", field="--max-points")
+    return load_sweep_spec(args.spec, max_points=max_points) if args.spec else None
+
+
+def _run(args: argparse.Namespace, spec: Any, db: str) -> Any:
+    """Sweep ``spec`` into ``db`` with a progress bar whose ETA leaves out the points already there; each row on
+    stderr with ``--verbose``. The run's summary."""
+    from testbed.cli.progress import progress_bar
+    from testbed.explore.sweep import run_sweep
+
+    output_target(db, "--db")  # refuses a folder, a device or one of the command's inputs
+    with progress_bar("sweeping", eta=True) as bar:
+        state: dict[str, Any] = {}
+
+        def progress(done: int, total: int) -> None:
+            if "task" not in state:  # points already in the database do not count towards the ETA
+                state["base"] = done
+                label = markup(spec.name) + (f" ({done} already done)" if done else "")
+                state["task"] = bar.add_task(label, total=total - done)
+            bar.update(state["task"], completed=done - state["base"])
+
+        def on_row(row: dict[str, Any]) -> None:
+            if args.verbose:
+                sys.stderr.write(f"point {row['point']} {shown(row['key'], 200)}: {_row_text(row)}\n")
+                sys.stderr.flush()
+
+        return run_sweep(spec, db, executor=args.executor, workers=args.workers, address=args.address,
+                         progress=progress, on_row=on_row)
 
 
 sweep = SimpleNamespace(add_arguments=_add, execute=_execute)

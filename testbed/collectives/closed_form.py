@@ -137,16 +137,7 @@ def closed_form_time(topology: Topology, op: Op | str, algorithm: str, group: Se
     if kind == "ring" and algorithm not in ("ring", "bidir_ring"):
         return None
     if algorithm in ("ring", "bidir_ring"):
-        if op is Op.BROADCAST:
-            if algorithm == "bidir_ring":
-                return None
-            pieces = min(TREE_PIECES, n)
-            rounds = n - 1 + pieces - 1
-            return rounds * (u + s / pieces * beta), rounds
-        share = s / n / (2 if kind == "ring" and algorithm == "bidir_ring" else 1)
-        rounds = (2 if op is Op.ALL_REDUCE else 1) * (n - 1)
-        overhead = topology.calibration.collectives.overhead_s
-        return rounds * round_s(alpha + share * beta, overhead, gloo_pipelined(topology, op, algorithm)), rounds
+        return _ring_form(topology, op, algorithm, kind, n, alpha, s, beta)
     if algorithm == "direct":
         if op is Op.ALL_REDUCE:
             return 2 * (u + (n - 1) * s / n * beta), 2
@@ -160,18 +151,42 @@ def closed_form_time(topology: Topology, op: Op | str, algorithm: str, group: Se
     if algorithm == "pairwise":
         return (n - 1) * (u + s / n * beta), n - 1
     if algorithm == "halving_doubling":
-        p = 1 << (n.bit_length() - 1)
-        steps = p.bit_length() - 1
-        if op is Op.BROADCAST:
-            rounds = math.ceil(math.log2(n))
-            return rounds * (u + s * beta), rounds
-        if op is Op.ALL_REDUCE:
-            time = 2 * steps * u + 2 * (p - 1) / p * s * beta
-            rounds = 2 * steps
-            if n > p:
-                time += 2 * (u + s * beta)
-                rounds += 2
-            return time, rounds
-        if n == p:
-            return steps * u + (n - 1) / n * s * beta, steps
+        return _halving_doubling_form(op, n, u, s, beta)
+    return None
+
+
+def _ring_form(topology: Topology, op: Op, algorithm: str, kind: str, n: int, alpha: float, s: float,
+               beta: float) -> tuple[float, int] | None:
+    """(seconds, rounds) of a (bidirectional) ring over a symmetric group of ``n`` with per-hop ``alpha`` and
+    seconds per byte ``beta``; a broadcast is a pipelined chain of ``TREE_PIECES`` pieces."""
+    u = alpha + topology.calibration.collectives.overhead_s
+    if op is Op.BROADCAST:
+        if algorithm == "bidir_ring":
+            return None
+        pieces = min(TREE_PIECES, n)
+        rounds = n - 1 + pieces - 1
+        return rounds * (u + s / pieces * beta), rounds
+    share = s / n / (2 if kind == "ring" and algorithm == "bidir_ring" else 1)
+    rounds = (2 if op is Op.ALL_REDUCE else 1) * (n - 1)
+    overhead = topology.calibration.collectives.overhead_s
+    return rounds * round_s(alpha + share * beta, overhead, gloo_pipelined(topology, op, algorithm)), rounds
+
+
+def _halving_doubling_form(op: Op, n: int, u: float, s: float, beta: float) -> tuple[float, int] | None:
+    """(seconds, rounds) of recursive halving/doubling over ``n`` ranks (a power of two, or all-reduce and
+    broadcast on any ``n``); ``u`` is one round's latency, ``beta`` seconds per byte."""
+    p = 1 << (n.bit_length() - 1)
+    steps = p.bit_length() - 1
+    if op is Op.BROADCAST:
+        rounds = math.ceil(math.log2(n))
+        return rounds * (u + s * beta), rounds
+    if op is Op.ALL_REDUCE:
+        time = 2 * steps * u + 2 * (p - 1) / p * s * beta
+        rounds = 2 * steps
+        if n > p:
+            time += 2 * (u + s * beta)
+            rounds += 2
+        return time, rounds
+    if n == p:
+        return steps * u + (n - 1) / n * s * beta, steps
     return None

@@ -233,7 +233,6 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
     groups = _normalized(groups)
     if not groups or len(set(map(len, groups))) != 1 or not groups[0]:
         raise InputError("needs one or more groups of the same non-zero size", field="over")
-    n = len(groups[0])
     if len(groups) > 1 and _copies(topology, groups):
         # Translates on disjoint links: together they take one group's time (one representative group).
         one = groups_time(topology, op, groups[:1], nbytes, algorithm, root, peer, use_closed_form)
@@ -241,59 +240,81 @@ def groups_time(topology: Topology, op: Op | str, groups: Sequence[Sequence[int]
         memo[key] = result
         return result
     if algorithm == "auto":
-        able = applicable_algorithms(topology, op, groups[0])
-        nccl = [a for a in able if a in NCCL_ALGORITHMS]
-        if not nccl:
-            # Routed programs too large to time for all the groups are left out (a closed form times any size).
-            closed_ok = use_closed_form and _closed_applies(topology, groups)
-            sized = [a for a in able if closed_ok and closed_form_time(topology, op, a, groups[0], nbytes) is not None
-                     or routed_cost(topology, a, groups[0], len(groups), op) <= MAX_ROUTED_TRANSFERS]
-            if not sized:
-                fitting = able or _fitting(topology, op, groups[0])
-                sizes = ", ".join(f"{a} ~{routed_cost(topology, a, groups[0], len(groups), op):,}" for a in fitting)
-                raise InputError(f"{op} over {len(groups)} group(s) of {n} ranks on `{topology.name}`: every "
-                                 f"algorithm for it is a routed step program of more than {MAX_ROUTED_TRANSFERS:,} "
-                                 f"transfer-hops for these groups ({sizes or 'none fits the group'}), too large to "
-                                 f"time here, and none has a closed form for them; pick smaller groups with --over",
-                                 field="over")
-            able = sized
-        # On an NVIDIA GPU hierarchy NCCL runs the collective: the algorithm its own tuning model picks; on CPU
-        # hosts across a network gloo does: the one algorithm XLA:CPU asks of it for the op (collectives/gloo.py).
-        gloo = gloo_algorithm(topology, op)
-        picked = [nccl_best(topology, op, groups[0], nbytes)[0]] if nccl else [gloo] if gloo in able else able
+        picked = _auto_algorithms(topology, op, groups, nbytes, use_closed_form)
         candidates = [groups_time(topology, op, groups, nbytes, a, root, peer, use_closed_form) for a in picked]
         result = min(candidates, key=lambda c: (c.time_s, c.rounds))
     elif algorithm in NCCL_ALGORITHMS:
-        _check_applicable(topology, op, groups[0], algorithm)
-        name, protocol, time_s = nccl_best(topology, op, groups[0], nbytes, algorithm)
-        time_s += _rendezvous(topology, n)
-        bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
-        algbw = nbytes / time_s if time_s > 0 else 0.0
-        result = CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
-                                  algbw=algbw, busbw=algbw * BUS_FACTOR[op](n), bound_s=bound, rounds=1,
-                                  groups=len(groups), closed_form=True, protocol=protocol)
+        result = _nccl_timing(topology, op, algorithm, groups, nbytes, root, peer)
     else:
-        _check_applicable(topology, op, groups[0], algorithm, len(groups))
-        closed = closed_form_time(topology, op, algorithm, groups[0], nbytes) \
-            if use_closed_form and _closed_applies(topology, groups) else None
-        if closed is not None:
-            time_s, rounds = closed
-        else:
-            size = routed_cost(topology, algorithm, groups[0], len(groups), op)
-            if size > MAX_ROUTED_TRANSFERS:
-                raise InputError(f"`{algorithm}` {op} over {len(groups)} group(s) of {n} ranks is a routed step "
-                                 f"program of about {size:,} transfer-hops, more than the {MAX_ROUTED_TRANSFERS:,} "
-                                 f"that can be timed here; pick a smaller group or another algorithm",
-                                 field="algorithm")
-            time_s, rounds = program_time(topology, op, algorithm, groups, nbytes, root, peer)
-        time_s += _rendezvous(topology, n)
-        bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
-        algbw = nbytes / time_s if time_s > 0 else 0.0
-        result = CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
-                                  algbw=algbw, busbw=algbw * BUS_FACTOR[op](n), bound_s=bound, rounds=rounds,
-                                  groups=len(groups), closed_form=closed is not None)
+        result = _routed_timing(topology, op, algorithm, groups, nbytes, root, peer, use_closed_form)
     memo[key] = result
     return result
+
+
+def _auto_algorithms(topology: Topology, op: Op, groups: tuple[tuple[int, ...], ...], nbytes: float,
+                     use_closed_form: bool) -> list[str]:
+    """The algorithms ``algorithm='auto'`` times for ``groups``: NCCL's own pick on an NVIDIA GPU hierarchy, gloo's
+    one algorithm on CPU hosts across a network (collectives/gloo.py), else every applicable one small enough to
+    time."""
+    n = len(groups[0])
+    able = applicable_algorithms(topology, op, groups[0])
+    nccl = [a for a in able if a in NCCL_ALGORITHMS]
+    if not nccl:
+        # Routed programs too large to time for all the groups are left out (a closed form times any size).
+        closed_ok = use_closed_form and _closed_applies(topology, groups)
+        sized = [a for a in able if closed_ok and closed_form_time(topology, op, a, groups[0], nbytes) is not None
+                 or routed_cost(topology, a, groups[0], len(groups), op) <= MAX_ROUTED_TRANSFERS]
+        if not sized:
+            fitting = able or _fitting(topology, op, groups[0])
+            sizes = ", ".join(f"{a} ~{routed_cost(topology, a, groups[0], len(groups), op):,}" for a in fitting)
+            raise InputError(f"{op} over {len(groups)} group(s) of {n} ranks on `{topology.name}`: every "
+                             f"algorithm for it is a routed step program of more than {MAX_ROUTED_TRANSFERS:,} "
+                             f"transfer-hops for these groups ({sizes or 'none fits the group'}), too large to "
+                             f"time here, and none has a closed form for them; pick smaller groups with --over",
+                             field="over")
+        able = sized
+    gloo = gloo_algorithm(topology, op)
+    return [nccl_best(topology, op, groups[0], nbytes)[0]] if nccl else [gloo] if gloo in able else able
+
+
+def _nccl_timing(topology: Topology, op: Op, algorithm: str, groups: tuple[tuple[int, ...], ...], nbytes: float,
+                 root: int, peer: int | None) -> CollectiveTiming:
+    """``op`` on ``groups`` with an NCCL algorithm: NCCL's tuning model's time for its best protocol."""
+    n = len(groups[0])
+    _check_applicable(topology, op, groups[0], algorithm)
+    name, protocol, time_s = nccl_best(topology, op, groups[0], nbytes, algorithm)
+    time_s += _rendezvous(topology, n)
+    bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
+    algbw = nbytes / time_s if time_s > 0 else 0.0
+    return CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
+                            algbw=algbw, busbw=algbw * BUS_FACTOR[op](n), bound_s=bound, rounds=1,
+                            groups=len(groups), closed_form=True, protocol=protocol)
+
+
+def _routed_timing(topology: Topology, op: Op, algorithm: str, groups: tuple[tuple[int, ...], ...],
+                   nbytes: float, root: int, peer: int | None, use_closed_form: bool) -> CollectiveTiming:
+    """``op`` on ``groups`` with a named algorithm: its closed form where one applies, else its routed step
+    program (refused past ``MAX_ROUTED_TRANSFERS`` transfer-hops)."""
+    n = len(groups[0])
+    _check_applicable(topology, op, groups[0], algorithm, len(groups))
+    closed = closed_form_time(topology, op, algorithm, groups[0], nbytes) \
+        if use_closed_form and _closed_applies(topology, groups) else None
+    if closed is not None:
+        time_s, rounds = closed
+    else:
+        size = routed_cost(topology, algorithm, groups[0], len(groups), op)
+        if size > MAX_ROUTED_TRANSFERS:
+            raise InputError(f"`{algorithm}` {op} over {len(groups)} group(s) of {n} ranks is a routed step "
+                             f"program of about {size:,} transfer-hops, more than the {MAX_ROUTED_TRANSFERS:,} "
+                             f"that can be timed here; pick a smaller group or another algorithm",
+                             field="algorithm")
+        time_s, rounds = program_time(topology, op, algorithm, groups, nbytes, root, peer)
+    time_s += _rendezvous(topology, n)
+    bound = nbytes * _bound_per_byte(topology, op, groups, root, peer)
+    algbw = nbytes / time_s if time_s > 0 else 0.0
+    return CollectiveTiming(op=str(op), algorithm=algorithm, ranks=n, bytes=nbytes, time_s=time_s,
+                            algbw=algbw, busbw=algbw * BUS_FACTOR[op](n), bound_s=bound, rounds=rounds,
+                            groups=len(groups), closed_form=closed is not None)
 
 
 class _Groups(tuple):

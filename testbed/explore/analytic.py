@@ -60,8 +60,8 @@ from testbed.sim.compute import compute_seconds, plan_matmul_dtype
 from testbed.model.spans import scaled_spans
 from testbed.sim.step_rules import (GatherMode, Gradients, first_tail_bucket, gather_mode, gradients, runs_serially,
                                     sequence_apart, serial_host)
-from testbed.sim.facts import (ActionWork, ChunkFacts, StepFacts, accumulate_bytes, alike_key, bucket_share,
-                               cached_order, step_facts)
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.facts import StepFacts, accumulate_bytes, alike_key, bucket_share, cached_order, step_facts
 from testbed.model.layout import chunk_layers
 from testbed.explore.span_times import priced_plays
 from testbed.sim.grad_tasks import allreduce_count
@@ -240,7 +240,7 @@ class _Step:
                     gather, per_block = 0.0, ()
                     mode = gather_mode(facts, work) if facts.params_ways > 1 else GatherMode.NONE
                     if mode is GatherMode.WHOLE:
-                        gather = self._gather_seconds(s, (chunk.moved[0], chunk.leaves), 1)
+                        gather = self._gather_seconds(s, (chunk.moved.params, chunk.leaves), 1)
                     elif mode is GatherMode.BLOCKS:
                         per_block = self._block_gather_seconds(s, chunk, work.kind)
                         gather = sum(per_block)
@@ -364,17 +364,17 @@ class _Step:
         count of collectives as the task graph's buckets; empty: all alike)."""
         facts, reduced = self.facts, chunk.reduced
         early = sequence_apart(facts)
-        bucket, syncs = self._reduce(s, reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
+        bucket, syncs = self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
                                      chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0),
                                      False if early else None)
-        sequence_s = self._reduce(s, reduced[1], chunk.special(1.0, facts.reduce_bytes),
+        sequence_s = self._reduce(s, reduced.last, chunk.special(1.0, facts.reduce_bytes),
                                   select=True)[0] if early else 0.0
         each: tuple[float, ...] = ()
         if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):
-            each = tuple(sum(self._reduce(s, reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
+            each = tuple(sum(self._reduce(s, reduced.last * f, chunk.special(f, facts.reduce_bytes), n)[0]
                              for f, n in chunk.bucket(pieces, k)) for k in range(pieces))
         elif chunk.reduction_collectives and chunk.reduction_collectives % pieces:
-            own = {n: self._reduce(s, reduced[1] / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
+            own = {n: self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
                    for n in {bucket_share(chunk.reduction_collectives, pieces, k) for k in range(pieces)}}
             each = tuple(own[bucket_share(chunk.reduction_collectives, pieces, k)] for k in range(pieces))
         return bucket, syncs, sequence_s, each
@@ -397,13 +397,14 @@ class _Step:
         each: tuple[float, ...] = ()
         if gradients(self.facts, self.facts.last_backward, chain, 1).each and chunk.buckets > 1:
             each = tuple(self._accumulated(s, chunk, chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
-        return n * coll.time("reduce_scatter", axes, s, chunk.reduced[0] / n), each
+        return n * coll.time("reduce_scatter", axes, s, chunk.reduced.each_microbatch / n), each
 
     def _accumulated(self, s: int, chunk: ChunkFacts, buckets) -> float:
         """Seconds of an earlier microbatch's reduce-scatters of ``buckets`` (ChunkFacts.bucket's (share,
         collectives)) into the sharded accumulator, as testbed.sim.program's tasks."""
         time, axes = self.coll.time, self.facts.per_microbatch
-        return sum(max(1, m) * time("reduce_scatter", axes, s, chunk.reduced[0] * f / max(1, m)) for f, m in buckets)
+        each = chunk.reduced.each_microbatch
+        return sum(max(1, m) * time("reduce_scatter", axes, s, each * f / max(1, m)) for f, m in buckets)
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's

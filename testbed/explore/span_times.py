@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from testbed.model.gemm import scaled
 from testbed.sim.compute import compute_seconds
-from testbed.sim.facts import ActionWork, ChunkFacts
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.span_order import BlockPlay, span_kernels, time_block
 from testbed.sim.span_play import action_plays
 from testbed.sim.step_rules import gather_after
@@ -75,7 +75,7 @@ def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, piece
                 j, lo, hi = item.bucket
                 seconds.append(0.0)
                 nbytes = step._accumulated(s, chunk, chunk.bucket(pieces, j)[lo:hi]) if accumulate else sum(
-                    step._reduce(s, chunk.reduced[1] * f, chunk.special(f, facts.reduce_bytes), n)[0]
+                    step._reduce(s, chunk.reduced.last * f, chunk.special(f, facts.reduce_bytes), n)[0]
                     for f, n in chunk.bucket(pieces, j)[lo:hi])
             buckets.append(nbytes)
         compute = sum(x for x, item in zip(seconds, play.items) if item.stream == "compute")

@@ -47,7 +47,7 @@ def own_blocks(layers: int, embed: bool, head: bool) -> int:
     stack's split is its wrapping policy, which differs (torchtitan wraps the token embedding and the norm with
     the output as units of their own; Composer's FSDP keeps them in the root unit with the model) and is not
     stated per stack: there the layers' blocks stay, the embedding riding with the first, the head with the last.
-    The one split the plan's model (testbed.sim.facts.ChunkFacts.blocks) and its gathers (:func:`block_gathers`)
+    The one split the plan's model (testbed.sim.chunk_facts.ChunkFacts.blocks) and its gathers (:func:`block_gathers`)
     read."""
     return max(1, layers) + int(embed) + int(head)
 
@@ -72,7 +72,7 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
     reads. Merges as :func:`parameter_collectives` (forward:
     the chunk's leaves in :func:`issue_order`) and :func:`regathered` (backward: :func:`backward_merges`) count
     them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
-    ``elements`` (the action's gathered elements, :meth:`testbed.sim.facts.ChunkFacts.gather`) above the leaves'
+    ``elements`` (the action's gathered elements, :meth:`testbed.sim.chunk_facts.ChunkFacts.gather`) above the leaves'
     (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
     graph and the analytic tier both price."""
     return _block_gathers(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,

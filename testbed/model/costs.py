@@ -283,6 +283,49 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     span = chunk_layers(spec, p, v, split)[stage][chunk]
     layers, moe_layers = len(span), moe.moe_layers(spec, span)
     embed, head = layout.holds(stage, chunk, p, v)
+    flops = _chunk_flops(plan, spec, layers, moe_layers, head)
+    params = _chunk_params(plan.model, stage, chunk, p, v, t, 1, split, plan.mesh.expert, None, plan.mesh.expert_tensor)
+    sp = plan.sequence_parallel  # the residual stream split over the sequence on the tensor ranks
+    kept = layers * activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp)
+    kept += moe_layers * moe.activation_bytes_swap(plan, t) if moe_layers else 0
+    if head:
+        kept += head_activation_bytes(spec, b, plan.precision, t, sp)
+    n_bytes = b * spec.seq_len * spec.d_model * c
+    if sp and spec.seq_len % t:  # uneven sequence shards (runtime.pad_sequence_shards): the collectives move the padded
+        n_bytes = b * -(-spec.seq_len // t) * t * spec.d_model * c  # sequence, t shards of ceil(seq / t) tokens
+    forward_bytes = params * c + kept + n_bytes
+    forward_traffic, recompute_traffic = _chunk_traffic(plan, spec, layers, embed, head, n_bytes)
+    tp = t > 1
+    return ChunkCost(
+        layers=layers, forward_flops=flops.forward, backward_input_flops=flops.backward_input,
+        backward_weight_flops=flops.backward_weight, recompute_flops=flops.recompute,
+        forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
+        activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=forward_traffic,
+        recompute_traffic=recompute_traffic, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
+        tensor_allreduces_forward=(_norms(spec) * layers + int(embed)) if tp else 0,
+        tensor_allreduces_backward=(_norms(spec) * layers + int(head)) if tp else 0,
+        has_embedding=embed, has_head=head, sequence_parallel=sp,
+        loss_allreduce_bytes=LOSS_BYTES * b * spec.seq_len if tp and head else 0,
+        position_gather_bytes=spec.seq_len * spec.d_model * c
+        if tp and sp and embed and spec.position is Position.LEARNED else 0, parallel_block=spec.parallel_block,
+        recompute_block=plan.remat is Remat.FULL and plan.runtime.recompute in ("block", "op"))
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkFlops:
+    """A chunk's FLOPs for one microbatch on one device: forward, backward (input and weight gradients) and the
+    recompute its remat policy adds."""
+
+    forward: int
+    backward_input: int
+    backward_weight: int
+    recompute: int
+
+
+def _chunk_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers: int, head: bool) -> _ChunkFlops:
+    """The :class:`_ChunkFlops` of ``layers`` layers (``moe_layers`` of them MoE) at the rank's shape ``spec``, with
+    the head's when the chunk holds it; context parallelism adds its ring's attention steps after the first."""
+    b, t = plan.microbatch_size, plan.mesh.tensor
     dense, attention = _layer_matmul_flops(spec, b, t)
     swap = round(moe_layers * moe.mlp_flops_swap(plan)) if moe_layers else 0  # MoE blocks for dense MLPs
     einsum = dispatch.einsum_flops(plan, moe_layers)  # runtime.moe_dispatch: (forward, backward, recompute)
@@ -294,16 +337,18 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
     if head:
         hf = head_forward_flops(spec, b, t)
         forward, b_flops, w_flops = forward + hf, b_flops + hf, w_flops + hf
-    params = _chunk_params(plan.model, stage, chunk, p, v, t, 1, split, plan.mesh.expert, None, plan.mesh.expert_tensor)
-    sp = plan.sequence_parallel  # the residual stream split over the sequence on the tensor ranks
-    kept = layers * activation_bytes_per_layer(spec, b, plan.precision, Remat.NONE, t, sp)
-    kept += moe_layers * moe.activation_bytes_swap(plan, t) if moe_layers else 0
-    if head:
-        kept += head_activation_bytes(spec, b, plan.precision, t, sp)
-    n_bytes = b * spec.seq_len * spec.d_model * c
-    if sp and spec.seq_len % t:  # uneven sequence shards (runtime.pad_sequence_shards): the collectives move the padded
-        n_bytes = b * -(-spec.seq_len // t) * t * spec.d_model * c  # sequence, t shards of ceil(seq / t) tokens
-    forward_bytes = params * c + kept + n_bytes
+    recompute = layers * recompute_flops_per_layer(spec, b, plan.remat, t) + steps // 2 + (
+        steps if plan.remat is Remat.FULL else 0) + (
+        round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0) \
+        + gemm.policy_recompute_flops(plan, spec, layers, moe_layers) + einsum[2]
+    return _ChunkFlops(forward=forward, backward_input=b_flops, backward_weight=w_flops, recompute=recompute)
+
+
+def _chunk_traffic(plan: Plan, spec: ModelSpec, layers: int, embed: bool, head: bool, n_bytes: int,
+                   ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((replicated, split) elementwise bytes of the chunk's forward, (replicated, split) of its recompute):
+    the layers' traffic, the embedding's output and the head's norm and loss; the recompute's by remat policy."""
+    b, c, t, sp = plan.microbatch_size, plan.precision.compute_bytes, plan.mesh.tensor, plan.sequence_parallel
     replicated, split = (layers * x for x in layer_traffic_bytes(spec, b, plan.precision, t, sp))
     scores = 0 if spec.attention is Attention.FLASH else b * spec.heads * spec.seq_len ** 2 // t
     dropped = (DROPOUT_MASK_BYTES + c) * scores if spec.dropout > 0 else 0
@@ -318,23 +363,7 @@ def chunk_cost(plan: Plan, stage: int, chunk: int = 0) -> ChunkCost:
         n = b * spec.seq_len
         replicated += c * n * (2 * spec.d_model + _norm_stats(spec)) // (t if sp else 1)
         split += LOSS_BYTES * n * (spec.padded_vocab // t + 1)
-    tp = t > 1
-    return ChunkCost(
-        layers=layers, forward_flops=forward, backward_input_flops=b_flops, backward_weight_flops=w_flops,
-        recompute_flops=layers * recompute_flops_per_layer(spec, b, plan.remat, t) + steps // 2 + (
-            steps if plan.remat is Remat.FULL else 0) + (
-            round(moe_layers * moe.recompute_flops_swap(plan)) if moe_layers and plan.remat is Remat.FULL else 0)
-        + gemm.policy_recompute_flops(plan, spec, layers, moe_layers) + einsum[2],
-        forward_bytes=forward_bytes, backward_bytes=2 * forward_bytes, params=params,
-        activation_out_bytes=0 if head else (n_bytes // t if sp else n_bytes), forward_traffic=(replicated, split),
-        recompute_traffic=recompute, tensor_bytes=n_bytes, tensor_allreduce_bytes=n_bytes if tp else 0,
-        tensor_allreduces_forward=(_norms(spec) * layers + int(embed)) if tp else 0,
-        tensor_allreduces_backward=(_norms(spec) * layers + int(head)) if tp else 0,
-        has_embedding=embed, has_head=head, sequence_parallel=sp,
-        loss_allreduce_bytes=LOSS_BYTES * b * spec.seq_len if tp and head else 0,
-        position_gather_bytes=spec.seq_len * spec.d_model * c
-        if tp and sp and embed and spec.position is Position.LEARNED else 0, parallel_block=spec.parallel_block,
-        recompute_block=plan.remat is Remat.FULL and plan.runtime.recompute in ("block", "op"))
+    return (replicated, split), recompute
 
 
 def model_flops_per_step(plan: Plan) -> float:

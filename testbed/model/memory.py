@@ -315,38 +315,11 @@ def _stage_peak(plan: Plan, stage: int, inflight: int, defer: bool = True, rules
     if (mesh.data > 1 or mesh.expert > 1) and mesh.fsdp == 1:  # dense gradients are all-reduced over expert too
         reduce_ws = grad_b * costs.device_stage_params(plan, stage, mesh.data if plan.zero >= 1 else 1)
     loss, layer = (LOSS_BACKWARD, terms.loss if holds_head else 0), (LAYER_BACKWARD, terms.layer)
-    # (activations, gradients, workspace) at each candidate peak instant.
-    # A microbatch's gradients unsharded: the whole stage's, or with sharded parameters one block's at a time
-    # (each block's gradients are reduce-scattered in its backward, testbed.runner.param_shards.ParamShards).
-    unsharded = grad_b * (_stage_blocks(plan, stage)[0] if gathered else held)
-    if plan.runtime.grad_hooks:
-        # PyTorch: autograd accumulates replicated gradients into .grad in place; sharded ones (FSDP, ZeRO-2/3)
-        # are reduce-scattered block by block in the backward (post-backward hooks), one block's unsharded.
-        unsharded = grad_b * _stage_blocks(plan, stage)[0] if grad_ways > 1 else 0
+    live = _Live(layer_acts + head_acts, per_layer, grads, gathered, loss, layer, reduce_ws)
     if plan.batch.microbatches > 1:
-        # A microbatch's gradients are written whole before they join the accumulator. The
-        # one-program step's accumulation loop adds them after the microbatch's backward, and
-        # reduces over data after the loop (when activations are gone). The pipeline engine's
-        # backward adds replicated gradients into its donated accumulator in place, but
-        # reduce-scatters sharded ones (fsdp, ZeRO-2/3) after the backward; XLA combines the
-        # layers' reduce-scatters, so all are live at once. (Measured with XLA:CPU.)
-        if p == 1:
-            instants = [(layer_acts + head_acts, grads, _work(_larger(loss, layer), (GATHERED, gathered),
-                                                              (MICROBATCH_GRADS, unsharded))),
-                        (0, grads, _work((REDUCTION, reduce_ws)))]
-        else:
-            # The axes reduced after every microbatch (testbed.plan.sharding's one rule, as program and runner).
-            whole = unsharded if gradient_reduction(plan)[0] else 0
-            instants = [(layer_acts + head_acts, grads, _work(_larger(loss, layer, (REDUCTION, reduce_ws)),
-                                                              (GATHERED, gathered), (MICROBATCH_GRADS, whole)))]
-            if plan.runtime.lazy_grads:  # gradients grow chunk by chunk with the stage's backwards
-                ws, pairs = instants[0][2], lazy_grad_instants(plan, stage)
-                peak = max(held for held, _ in pairs) or 1
-                instants = [((layer_acts + head_acts) * held // peak, grads * chunks // v, ws)
-                            for held, chunks in pairs]
+        instants = _accumulating_instants(plan, stage, live, _microbatch_grads(plan, stage, held, gathered))
     else:
-        instants = _one_microbatch_instants(plan, stage, _Live(layer_acts + head_acts, per_layer, grads, gathered,
-                                                               loss, layer, reduce_ws), defer, terms.tpu)
+        instants = _one_microbatch_instants(plan, stage, live, defer, terms.tpu)
     acts, live_grads, work = max(instants, key=lambda i: i[0] + i[1] + sum(b for _, b in i[2]))
     params = _param_bytes(plan, param_b, param_held, held, param_ways)
     return StageMemory(stage=stage, params_count=param_held, params=params,
@@ -389,6 +362,45 @@ def _one_microbatch_instants(plan: Plan, stage: int, live: _Live, defer: bool, t
                          0 if later else head_grads + (done + 1) * layer_grads,
                          _work(live.layer, (DEFERRED, deferred), (GATHERED, gathered_at(done + holds_head)))))
     instants.append((0, live.grads, _work((REDUCTION, live.reduce_ws))))
+    return instants
+
+
+def _microbatch_grads(plan: Plan, stage: int, held: int, gathered: int) -> int:
+    """Bytes of one microbatch's gradients before they join the accumulator: the whole stage's, or with sharded
+    parameters one block's at a time (each block's gradients are reduce-scattered in its backward,
+    testbed.runner.param_shards.ParamShards)."""
+    grad_b = held_state_bytes(plan)[1]
+    unsharded = grad_b * (_stage_blocks(plan, stage)[0] if gathered else held)
+    if plan.runtime.grad_hooks:
+        # PyTorch: autograd accumulates replicated gradients into .grad in place; sharded ones (FSDP, ZeRO-2/3)
+        # are reduce-scattered block by block in the backward (post-backward hooks), one block's unsharded.
+        unsharded = grad_b * _stage_blocks(plan, stage)[0] if state_sharding(plan).ways(plan, "grads") > 1 else 0
+    return unsharded
+
+
+def _accumulating_instants(plan: Plan, stage: int, live: _Live, unsharded: int) -> list[tuple]:
+    """The peak candidates of a step that accumulates microbatches' gradients; ``(activations, gradients,
+    workspace)``.
+
+    A microbatch's gradients (``unsharded``) are written whole before they join the accumulator. The one-program
+    step's accumulation loop adds them after the microbatch's backward, and reduces over data after the loop
+    (when activations are gone). The pipeline engine's backward adds replicated gradients into its donated
+    accumulator in place, but reduce-scatters sharded ones (fsdp, ZeRO-2/3) after the backward; XLA combines
+    the layers' reduce-scatters, so all are live at once. (Measured with XLA:CPU.)
+    """
+    if plan.mesh.stage == 1:
+        return [(live.acts, live.grads, _work(_larger(live.loss, live.layer), (GATHERED, live.gathered),
+                                              (MICROBATCH_GRADS, unsharded))),
+                (0, live.grads, _work((REDUCTION, live.reduce_ws)))]
+    # The axes reduced after every microbatch (testbed.plan.sharding's one rule, as program and runner).
+    whole = unsharded if gradient_reduction(plan)[0] else 0
+    instants = [(live.acts, live.grads, _work(_larger(live.loss, live.layer, (REDUCTION, live.reduce_ws)),
+                                              (GATHERED, live.gathered), (MICROBATCH_GRADS, whole)))]
+    if plan.runtime.lazy_grads:  # gradients grow chunk by chunk with the stage's backwards
+        ws, pairs = instants[0][2], lazy_grad_instants(plan, stage)
+        peak = max(held for held, _ in pairs) or 1
+        v = plan.schedule.virtual_stages
+        instants = [(live.acts * held // peak, live.grads * chunks // v, ws) for held, chunks in pairs]
     return instants
 
 

@@ -123,48 +123,10 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
     data = expect_mapping(data, None)
     check_keys(data, keys[""], None, required=("model", "batch"))
     model_spec = _model_from_dict(expect_mapping(data["model"], "model"), keys["model"])
-    batch = expect_mapping(data["batch"], "batch")
-    check_keys(batch, keys["batch"], "batch", required=("global_batch",))
-    batch_spec = BatchSpec(global_batch=get_int(batch, "global_batch", "batch"),
-                           microbatches=get_int(batch, "microbatches", "batch", default=1))
-    mesh = expect_mapping(data.get("mesh", {}) or {}, "mesh")
-    check_keys(mesh, keys["mesh"], "mesh")
-    order = mesh.get("order")
-    if order is not None:
-        valid = [a.value for a in Axis]
-        if not isinstance(order, list) or any(str(a) not in valid for a in order):
-            bad = next((a for a in (order if isinstance(order, list) else [order]) if str(a) not in valid), order)
-            hint = closest(str(bad), valid)
-            raise InputError(f"expected a list of the axes {', '.join(valid)} (outermost first); `{bad}` is not one"
-                             + (f" (did you mean `{hint}`?)" if hint else ""), field="mesh.order")
-        order = tuple(Axis(a) for a in order)
-    expert_tensor = None if mesh.get("expert_tensor") is None else get_int(mesh, "expert_tensor", "mesh")
-    tile = mesh.get("tile") or []
-    if not isinstance(tile, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile):
-        raise InputError(f"expected a list of positive integers, one tile size per topology level (innermost "
-                         f"first), got {tile!r}", field="mesh.tile")
-    mesh_spec = MeshSpec(**{a.value: get_int(mesh, a.value, "mesh", default=1) for a in Axis},
-                         **({"order": order} if order is not None else {}), expert_tensor=expert_tensor,
-                         tile=tuple(tile))
-    raw_schedule = data.get("schedule", "1f1b")
-    names = [s.value for s in ScheduleName]
-    if isinstance(raw_schedule, str):
-        sched = {"name": raw_schedule}
-    else:
-        sched = dict(expect_mapping(raw_schedule, "schedule"))
-        check_keys(sched, keys["schedule"], "schedule", required=("name",))
-    schedule_spec = ScheduleSpec(
-        name=ScheduleName(get_str(sched, "name", "schedule", choices=names)),
-        virtual_stages=get_int(sched, "virtual_stages", "schedule", default=2 if sched["name"] == "interleaved" else 1),
-    )
-    opt = expect_mapping(data.get("optimizer", {}) or {}, "optimizer")
-    check_keys(opt, keys["optimizer"], "optimizer")
-    defaults = OptimizerSpec()
-    optimizer = OptimizerSpec(
-        name=get_str(opt, "name", "optimizer", default="adamw", choices=["adamw", "adam", "sgd"]),
-        **{k: get_float(opt, k, "optimizer", default=getattr(defaults, k), minimum=0.0)
-           for k in ("learning_rate", "b1", "b2", "eps", "weight_decay")},
-    )
+    batch_spec = _batch_from_dict(data["batch"], keys["batch"])
+    mesh_spec = _mesh_from_dict(data.get("mesh", {}), keys["mesh"])
+    schedule_spec = _schedule_from_dict(data.get("schedule", "1f1b"), keys["schedule"])
+    optimizer = _optimizer_from_dict(data.get("optimizer", {}), keys["optimizer"])
     topology = data.get("topology")
     if topology is not None and not isinstance(topology, str):
         raise InputError(f"expected a topology name or path, got {topology!r}", field="topology")
@@ -183,6 +145,63 @@ def plan_from_dict(data: Any, default_name: str = "plan") -> Plan:
         expert_imbalance=get_float(data, "expert_imbalance", None, default=1.0, minimum=1.0),
         runtime=runtime_from_dict(data.get("runtime")),
     ))
+
+
+def _batch_from_dict(data: Any, keys: tuple[str, ...]) -> BatchSpec:
+    """``batch:``: the global batch and its microbatches."""
+    batch = expect_mapping(data, "batch")
+    check_keys(batch, keys, "batch", required=("global_batch",))
+    return BatchSpec(global_batch=get_int(batch, "global_batch", "batch"),
+                     microbatches=get_int(batch, "microbatches", "batch", default=1))
+
+
+def _mesh_from_dict(data: Any, keys: tuple[str, ...]) -> MeshSpec:
+    """``mesh:``: axis sizes, their order (outermost first), the experts' tensor axis and per-level tiles."""
+    mesh = expect_mapping(data or {}, "mesh")
+    check_keys(mesh, keys, "mesh")
+    order = mesh.get("order")
+    if order is not None:
+        valid = [a.value for a in Axis]
+        if not isinstance(order, list) or any(str(a) not in valid for a in order):
+            bad = next((a for a in (order if isinstance(order, list) else [order]) if str(a) not in valid), order)
+            hint = closest(str(bad), valid)
+            raise InputError(f"expected a list of the axes {', '.join(valid)} (outermost first); `{bad}` is not one"
+                             + (f" (did you mean `{hint}`?)" if hint else ""), field="mesh.order")
+        order = tuple(Axis(a) for a in order)
+    expert_tensor = None if mesh.get("expert_tensor") is None else get_int(mesh, "expert_tensor", "mesh")
+    tile = mesh.get("tile") or []
+    if not isinstance(tile, list) or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile):
+        raise InputError(f"expected a list of positive integers, one tile size per topology level (innermost "
+                         f"first), got {tile!r}", field="mesh.tile")
+    return MeshSpec(**{a.value: get_int(mesh, a.value, "mesh", default=1) for a in Axis},
+                    **({"order": order} if order is not None else {}), expert_tensor=expert_tensor,
+                    tile=tuple(tile))
+
+
+def _schedule_from_dict(raw_schedule: Any, keys: tuple[str, ...]) -> ScheduleSpec:
+    """``schedule:``: a name, or a mapping of the name and its virtual stages."""
+    names = [s.value for s in ScheduleName]
+    if isinstance(raw_schedule, str):
+        sched = {"name": raw_schedule}
+    else:
+        sched = dict(expect_mapping(raw_schedule, "schedule"))
+        check_keys(sched, keys, "schedule", required=("name",))
+    return ScheduleSpec(
+        name=ScheduleName(get_str(sched, "name", "schedule", choices=names)),
+        virtual_stages=get_int(sched, "virtual_stages", "schedule", default=2 if sched["name"] == "interleaved" else 1),
+    )
+
+
+def _optimizer_from_dict(data: Any, keys: tuple[str, ...]) -> OptimizerSpec:
+    """``optimizer:``: its name and hyperparameters (the defaults of :class:`OptimizerSpec`)."""
+    opt = expect_mapping(data or {}, "optimizer")
+    check_keys(opt, keys, "optimizer")
+    defaults = OptimizerSpec()
+    return OptimizerSpec(
+        name=get_str(opt, "name", "optimizer", default="adamw", choices=["adamw", "adam", "sgd"]),
+        **{k: get_float(opt, k, "optimizer", default=getattr(defaults, k), minimum=0.0)
+           for k in ("learning_rate", "b1", "b2", "eps", "weight_decay")},
+    )
 
 
 def _layers_per_stage(value: Any) -> tuple[int, ...] | str | None:

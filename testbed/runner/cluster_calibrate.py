@@ -141,7 +141,6 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
     under 64 KiB (default 4 KiB); ``capped``: an op only below its size (:func:`calls_for`); the job's timeout
     grows with its calls' priced seconds.
     """
-    import statistics
     import tempfile
     from pathlib import Path
 
@@ -150,17 +149,9 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
     from testbed.runner.link_phases import run_phases
 
     specs = [cluster_spec(spec.topology, name=spec.name, scale=s, mtu=spec.mtu) for s in scales]
-    probes, calls, loads = [], [], [_load()]
-    for one in specs:
-        reshape(spec, owner, one.scale)
-        measured = tcp_probe.measure(one, owner)
-        probes.append(HostProbe(loopback_bandwidth=measured.loopback_bandwidth,
-                                loopback_latency_s=measured.loopback_latency_s,
-                                across_latency_s=measured.across_latency_s))
-        calls.append([[op, size, repeats_for(one, probes[-1], op, size, repeats, tiny_repeats),
-                       warmup_for(one, probes[-1], op, size)]
-                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s, tiny)
-                      if size < (capped or {}).get(op, float("inf"))])
+    loads = [_load()]
+    probes, calls = _probe_scales(spec, owner, specs, ops, max_call_s, repeats, tiny_repeats, min_call_s, tiny,
+                                  capped)
     phases = [str(i) for i in range(len(specs))] * rounds
     if timeout_s:  # the job's calls priced at the links' goodput, twice over, with a margin for the host
         timeout_s = max(timeout_s, 2 * rounds * sum(priced_s(one, p, c) for one, p, c in zip(specs, probes, calls))
@@ -181,13 +172,7 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
     queue = queue_in_use(spec, owner)
     out = []
     for i, one in enumerate(specs):
-        passes = [slowest_medians([{"rows": r["phases"][k]} for r in results]) for k, n in enumerate(phases)
-                  if n == str(i)]
-        rows = []
-        for same in zip(*passes):
-            pooled = [t for row in same for t in row["calls_s"]]
-            rows.append({**same[0], "measured_s": statistics.median(pooled), "calls_s": pooled,
-                         "ok": all(row["ok"] for row in same)})
+        rows = _pooled_rows(results, phases, i)
         out.append({"cluster": one.name, "topology": one.topology.name, "scale": one.scale, "mtu": one.mtu,
                     "bucket_bytes": bucket_bytes(min(link.rate_bps for link in one.links), one.mtu),
                     "queue": _queue_at(queue, one), "link_rate_bps": min(link.rate_bps for link in one.links),
@@ -196,3 +181,39 @@ def measure_interleaved(spec: ClusterSpec, owner: str, scales: Sequence[float], 
                     "repeats": repeats, "rounds": rounds, "load_before": loads[0], "load_after": loads[-1],
                     "seconds": time.perf_counter() - started})
     return out
+
+
+def _probe_scales(spec: ClusterSpec, owner: str, specs: Sequence[ClusterSpec], ops: tuple[str, ...],
+                  max_call_s: float, repeats: int, tiny_repeats: int, min_call_s: float, tiny: Sequence[int],
+                  capped: Mapping[str, int] | None) -> tuple[list[HostProbe], list[list[list[Any]]]]:
+    """Per link scale of ``specs`` (the links reshaped to each): the TCP probe, and the calls
+    ``[op, size, repeats, warmup]`` its phase times."""
+    from testbed.cluster.netns import reshape
+
+    probes, calls = [], []
+    for one in specs:
+        reshape(spec, owner, one.scale)
+        measured = tcp_probe.measure(one, owner)
+        probes.append(HostProbe(loopback_bandwidth=measured.loopback_bandwidth,
+                                loopback_latency_s=measured.loopback_latency_s,
+                                across_latency_s=measured.across_latency_s))
+        calls.append([[op, size, repeats_for(one, probes[-1], op, size, repeats, tiny_repeats),
+                       warmup_for(one, probes[-1], op, size)]
+                      for op in ops for size in sizes_for(one, probes[-1], op, max_call_s, min_call_s, tiny)
+                      if size < (capped or {}).get(op, float("inf"))])
+    return probes, calls
+
+
+def _pooled_rows(results: list[dict[str, Any]], phases: list[str], i: int) -> list[dict[str, Any]]:
+    """Scale ``i``'s rows: each size's calls from every pass over its phase pooled (median of the slowest
+    process's per call)."""
+    import statistics
+
+    passes = [slowest_medians([{"rows": r["phases"][k]} for r in results]) for k, n in enumerate(phases)
+              if n == str(i)]
+    rows = []
+    for same in zip(*passes):
+        pooled = [t for row in same for t in row["calls_s"]]
+        rows.append({**same[0], "measured_s": statistics.median(pooled), "calls_s": pooled,
+                     "ok": all(row["ok"] for row in same)})
+    return rows

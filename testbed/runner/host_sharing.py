@@ -98,7 +98,7 @@ def launches_sample(bench: Benchmark, devices: Sequence[Any], width: int = 128) 
     over :data:`LAUNCH_ROUNDS` rounds; completion polled every 50 us). Run at once, the two complete
     together (on a host whose cores they share, both later than either alone); run one at a time, as
     XLA:CPU runs programs over several devices, the first completes in half the time both take
-    (testbed.calibration.fit.fit_host_serial)."""
+    (testbed.calibration.host.fit_host_serial)."""
     half, t, d = bench.ranks, bench.size, width
     programs = (mlp_program(devices[:half], t, d), mlp_program(devices[half:2 * half], t, d))
     jax.block_until_ready([run() for run in programs])

@@ -3,7 +3,7 @@
 Each benchmark is compiled once, run until it has ``repeats`` timings (or a
 time budget is spent) with ``block_until_ready``, and reported as the median,
 one :class:`testbed.calibration.fit.Sample` per benchmark. Training steps (and
-``testbed validate``'s plans) are a :class:`PlanTimer` instead: compiled once,
+``testbed validate``'s plans) are a :class:`~testbed.runner.step_timer.PlanTimer` instead: compiled once,
 timed in rounds spread over the run, the least disturbed round kept. Collectives run under
 ``jax.shard_map`` over the ``group`` axis of a ``(rest, group)`` mesh of
 consecutive devices, so a group of ``g`` ranks is ``g`` neighbouring device
@@ -31,10 +31,11 @@ from testbed.runner.host_sharing import barriers_sample, concurrent_sample, laun
 from testbed.calibration.fit import Sample
 from testbed.calibration.steps import DEEP_SHAPES, PIPELINE_MICROBATCHES, STEP_SHAPES, pipeline_plan, step_plan
 from testbed.model.costs import model_flops_per_step
+from testbed.runner.step_timer import PlanTimer
 
 __all__ = ["Benchmark", "plan_benchmarks", "run_benchmark", "measure", "time_call", "COLLECTIVE_OPS",
-           "compiled_memory", "collective_sample", "StepTimer", "PlanTimer", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS",
-           "measurement_order", "least_disturbed", "gemm_grid"]
+           "collective_sample", "STEP_KINDS", "PAIRED_KINDS", "REPEATED_KINDS", "measurement_order", "least_disturbed",
+           "gemm_grid"]
 
 COLLECTIVE_OPS = ("psum", "all_gather", "psum_scatter", "ppermute", "all_to_all")
 _DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}
@@ -104,7 +105,7 @@ def plan_benchmarks(platform: str, num_devices: int, *, quick: bool = False) -> 
         out += [Benchmark(kind="gemm", shape=shape, ranks=num_devices) for shape in gemm_grid(quick)]
     if num_devices > 1:
         # Emulated devices share the host's cores: how much slower is everyone at once.
-        # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.fit.fit_host_throughput).
+        # At 1, 2, N/2 and N devices: the host's throughput curve (testbed.calibration.host.fit_host_throughput).
         out += [Benchmark(kind="concurrent", size=t, ranks=k) for t in ((256,) if quick else (128, 512))
                 for k in sorted({1, 2, max(1, num_devices // 2), num_devices})]
         # The same work as one-device programs at once (an MPMD pipeline's one-device stages; fit_host_programs).
@@ -356,74 +357,3 @@ def measure(devices: Sequence[Any], *, quick: bool = False, rounds: int = 1,
             progress(benches[i], done, len(order))
         runs.setdefault(i, []).append(run_benchmark(benches[i], devices, timers))
     return [least_disturbed(runs[i]) for i in range(len(benches))]
-
-
-def _trainer(plan: Any, devices: list[Any]) -> Any:
-    """The runner's trainer for ``plan`` (``testbed.runner.train.build_trainer``: the one training step there is)."""
-    from testbed.runner.train import build_trainer
-
-    return build_trainer(plan, list(devices))
-
-
-def compiled_memory(trainer: Any, state: Any) -> float | None:
-    """XLA's compiled bytes per device at the trainer's peak (its ``compiled_memory(state)`` method).
-
-    SPMD trainers: arguments + outputs + temporaries - aliased of the step
-    program; pipeline trainers: the fullest stage's peak over its programs
-    (``testbed.runner.pipeline.memory``). None when the trainer has no such method or
-    XLA gives no memory analysis.
-    """
-    method = getattr(trainer, "compiled_memory", None)
-    value = method(state) if callable(method) else None
-    return None if value is None else float(value)
-
-
-class StepTimer:
-    """A trainer (``init()``, ``step(state, i) -> (state, outputs)``), compiled once, timed in rounds of a few steps.
-
-    Why rounds of one compiled trainer: on a shared host the same program's
-    step time moves in level shifts lasting seconds (this project's 2-core
-    VM: dp8 at 95-155 ms from one round of ten steps to the next, steady
-    within a round), so a step is best measured as the least disturbed of
-    several short rounds spread over minutes; recompiling for every round
-    would cost more than the rounds themselves. The constructor compiles
-    (one warm-up step, :func:`testbed.runner.train.first_step`: ``compile_s``);
-    :meth:`round` times ``steps`` more. The runner's plans are a :class:`PlanTimer`;
-    a user's own step (``--program``) is :class:`testbed.runner.program.measure.ProgramTrainer`.
-    """
-
-    def __init__(self, trainer: Any) -> None:
-        from testbed.runner.train import first_step
-
-        self.trainer = trainer
-        self.state, _, self.compile_s = first_step(trainer)
-        self.steps_done = 1
-
-    def round(self, steps: int) -> tuple[float, list[float], list[float]]:
-        """(median seconds, every step's seconds, the controller thread's CPU seconds per step) of ``steps`` steps.
-
-        The controller time is what this thread spent in a step until it had
-        dispatched everything: what testbed's ``controller_overhead_s`` models.
-        """
-        times, host = [], []
-        for _ in range(steps):
-            start, cpu = time.perf_counter(), time.thread_time()
-            self.state, loss = self.trainer.step(self.state, self.steps_done)
-            host.append(time.thread_time() - cpu)
-            jax.block_until_ready((self.state, loss))
-            times.append(time.perf_counter() - start)
-            self.steps_done += 1
-        return statistics.median(times), times, host
-
-    def memory(self) -> float | None:
-        """XLA's compiled bytes per device at the trainer's peak (:func:`compiled_memory`)."""
-        return compiled_memory(self.trainer, self.state)
-
-
-class PlanTimer(StepTimer):
-    """A plan's runner trainer (:func:`testbed.runner.train.build_trainer`) as a :class:`StepTimer`."""
-
-    def __init__(self, plan: Any, devices: list[Any]) -> None:
-        self.plan = plan
-        super().__init__(_trainer(plan, devices))
-

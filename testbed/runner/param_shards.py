@@ -239,18 +239,33 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
     of ``link`` is zero times one element of this piece's own cotangent: the previous piece's gather may start
     as soon as this piece's backward does.
     """
-    meta: dict[str, Any] = {}
-
-    def tied(out: Any) -> Any:
-        return (out, jnp.zeros((1,), jnp.float32)) if linked else out
+    rule = _Regather(fn, gather, again, linked, probe, link is not None)
 
     @jax.custom_vjp
     def piece(params: Any, batch: tuple[jax.Array, ...], link: jax.Array | None) -> Any:
         # ``link`` is not read: it is an input only so that its cotangent reaches the piece before this one.
-        return tied(fn(gather(params), *batch))
+        return rule.tied(fn(gather(params), *batch))
 
-    def forward(params: Any, batch: tuple[jax.Array, ...], link: jax.Array | None) -> tuple[Any, Any]:
-        full = gather(params)
+    piece.defvjp(rule.forward, rule.backward)
+    return piece(params, batch, link)
+
+
+class _Regather:
+    """The forward and backward of :func:`_regathered`'s custom VJP (its arguments of the same names;
+    ``has_link``: a ``link`` was given). ``meta`` carries from the forward to the backward the VJP's tree and
+    which of its residual leaves are gathered weights (the backward gathers those again)."""
+
+    def __init__(self, fn: Any, gather: Any, again: list[bool], linked: bool, probe: Any, has_link: bool) -> None:
+        self.fn, self.gather, self.again, self.linked, self.probe, self.has_link = (fn, gather, again, linked, probe,
+                                                                                   has_link)
+        self.meta: dict[str, Any] = {}
+
+    def tied(self, out: Any) -> Any:
+        return (out, jnp.zeros((1,), jnp.float32)) if self.linked else out
+
+    def forward(self, params: Any, batch: tuple[jax.Array, ...], link: jax.Array | None) -> tuple[Any, Any]:
+        fn, meta, again, probe = self.fn, self.meta, self.again, self.probe
+        full = self.gather(params)
         out, vjp = jax.vjp(lambda w, b: fn(w, *b), full, batch)
         leaves, meta["tree"] = jax.tree.flatten(vjp)
         where = {id(w): i for i, w in enumerate(jax.tree.leaves(full)) if again[i]}
@@ -258,11 +273,12 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
         kept = [x for j, x in enumerate(leaves) if j not in meta["gathered"]]
         # With a probe, one element of each gathered leaf, which the backward's gather reads (see above).
         taken = None if probe is None else probe[0](full)
-        return tied(out), (params, kept, taken)
+        return self.tied(out), (params, kept, taken)
 
-    def backward(res: Any, cts: Any) -> tuple[Any, Any, Any]:
+    def backward(self, res: Any, cts: Any) -> tuple[Any, Any, Any]:
+        gather, meta, probe = self.gather, self.meta, self.probe
         params, kept, taken = res
-        ct, after = cts if linked else (cts, None)
+        ct, after = cts if self.linked else (cts, None)
         own = jnp.ravel(jax.tree.leaves(ct)[0])[0]
         # Zero, from a cotangent and a residual: never a constant XLA could fold (a loss's cotangent is one).
         zero = ((own if after is None else after[0]) + sum(jnp.ravel(r)[0] for r in kept[:1])) * 0
@@ -273,11 +289,8 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
                   for j in range(len(meta["gathered"]) + len(kept))]
         d_full, d_batch = jax.tree.unflatten(meta["tree"], leaves)(ct)
         (d_params,) = jax.vjp(gather, params)[1](d_full)
-        d_link = None if link is None else jnp.broadcast_to(own.astype(jnp.float32) * 0, (1,))
+        d_link = None if not self.has_link else jnp.broadcast_to(own.astype(jnp.float32) * 0, (1,))
         return d_params, d_batch, d_link
-
-    piece.defvjp(forward, backward)
-    return piece(params, batch, link)
 
 
 def _spec_leaves(tree: Any) -> list[P]:

@@ -33,7 +33,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from testbed.runner.results import RunResult, VerifyResult, device_peak_flops
@@ -220,7 +220,7 @@ def _verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool
     import jax
 
     from testbed.runner.hlo import check_collectives
-    from testbed.runner.step import ReferenceTrainer, scalar
+    from testbed.runner.step import ReferenceTrainer
 
     tell = progress or _silent
     tell("plan", 0, steps)
@@ -228,31 +228,10 @@ def _verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool
     plan = runner_plan(plan)  # the reference and the expected collectives follow the program the runner built
     # With several processes (an emulated cluster) each runs the reference on a device of its own.
     reference = ReferenceTrainer(plan, next(d for d in devices if d.process_index == jax.process_index()))
-    state, ref_state = trainer.init(), reference.init()
-    losses, ref_losses, loss_rel, grad_rel, max_abs = [], [], [], [], 0.0
-    times, starts, first = [], [], None
-    for i in range(steps):
-        t = time.perf_counter()
-        tell("plan", i, steps)
-        state, loss = trainer.step(state, i)
-        jax.block_until_ready((state, loss))
-        tell("plan", i + 1, steps)
-        if i > 0:  # step 0 compiles
-            first = t if first is None else first
-            times.append(time.perf_counter() - t)
-            starts.append(t - first)
-        tell("reference", i, steps)
-        ref_state, ref_loss = reference.step(ref_state, i)
-        ref_loss = jax.block_until_ready(ref_loss)
-        tell("reference", i + 1, steps)
-        losses.append(scalar(loss))
-        ref_losses.append(scalar(ref_loss))
-        loss_rel.append(abs(losses[-1] - ref_losses[-1]) / abs(ref_losses[-1]))
-        max_abs = max(max_abs, abs(losses[-1] - ref_losses[-1]))
-        if i == 0:  # later steps start from parameters Adam already pulled apart (see module doc)
-            diff, scale = _tree_errors(trainer.full_grads(), reference.full_grads())
-            grad_rel.append(diff / scale)
-            max_abs = max(max_abs, diff)
+    run = _run_beside_reference(trainer, reference, steps, tell)
+    state, ref_state = run.state, run.ref_state
+    losses, ref_losses, loss_rel, grad_rel = run.losses, run.ref_losses, run.loss_rel, run.grad_rel
+    max_abs, times, starts = run.max_abs, run.times, run.starts
     param_abs, param_scale = _tree_errors(trainer.full_params(state), reference.full_params(ref_state))
     param_steps = param_abs / (plan.optimizer.learning_rate * steps)
     tol = THRESHOLDS[plan.precision]
@@ -273,6 +252,56 @@ def _verify_plan(plan: Plan, devices: list[Any], steps: int = 2, check_hlo: bool
                         thresholds=tol, loss=losses, reference_loss=ref_losses, steps=steps, plan=plan.name,
                         devices=len(devices), platform=devices[0].platform, collectives=collectives,
                         step_times_s=times, step_starts_s=starts, report=report)
+
+
+@dataclass
+class _BesideReference:
+    """``steps`` of a plan and of its single-device reference, side by side: the last states, both losses per
+    step with their relative error, the first step's gradient error, the largest absolute error, and the
+    plan's timed steps (after the first, which compiles) with their starts."""
+
+    state: Any
+    ref_state: Any
+    losses: list[float] = field(default_factory=list)
+    ref_losses: list[float] = field(default_factory=list)
+    loss_rel: list[float] = field(default_factory=list)
+    grad_rel: list[float] = field(default_factory=list)
+    max_abs: float = 0.0
+    times: list[float] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+
+
+def _run_beside_reference(trainer: Any, reference: Any, steps: int, tell: Progress) -> _BesideReference:
+    """Run ``trainer`` and ``reference`` for ``steps`` steps from their initial states (:class:`_BesideReference`)."""
+    import jax
+
+    from testbed.runner.step import scalar
+
+    run = _BesideReference(state=trainer.init(), ref_state=reference.init())
+    first = None
+    for i in range(steps):
+        t = time.perf_counter()
+        tell("plan", i, steps)
+        run.state, loss = trainer.step(run.state, i)
+        jax.block_until_ready((run.state, loss))
+        tell("plan", i + 1, steps)
+        if i > 0:  # step 0 compiles
+            first = t if first is None else first
+            run.times.append(time.perf_counter() - t)
+            run.starts.append(t - first)
+        tell("reference", i, steps)
+        run.ref_state, ref_loss = reference.step(run.ref_state, i)
+        ref_loss = jax.block_until_ready(ref_loss)
+        tell("reference", i + 1, steps)
+        run.losses.append(scalar(loss))
+        run.ref_losses.append(scalar(ref_loss))
+        run.loss_rel.append(abs(run.losses[-1] - run.ref_losses[-1]) / abs(run.ref_losses[-1]))
+        run.max_abs = max(run.max_abs, abs(run.losses[-1] - run.ref_losses[-1]))
+        if i == 0:  # later steps start from parameters Adam already pulled apart (see module doc)
+            diff, scale = _tree_errors(trainer.full_grads(), reference.full_grads())
+            run.grad_rel.append(diff / scale)
+            run.max_abs = max(run.max_abs, diff)
+    return run
 
 
 def worker_body(payload: dict[str, Any]) -> dict[str, Any]:

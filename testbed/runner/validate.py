@@ -1,6 +1,6 @@
 """Time plans beside their predictions: what ``testbed validate`` measures.
 
-Each plan's trainer is compiled once (:class:`testbed.runner.measure.PlanTimer`) and
+Each plan's trainer is compiled once (:class:`testbed.runner.step_timer.PlanTimer`) and
 timed in ``rounds`` rounds (later rounds in reverse order), and after every
 round of a plan the reference step (:class:`ReferenceStep`) is timed too: the
 host's speed for that round: a diagnostic of host drift, kept apart from the
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.runner import measure
+from testbed.runner.step_timer import PlanTimer
 from testbed.calibration import steps as cal_steps
 from testbed.plan.spec import Plan
 from testbed.sim.engine import controller_seconds, simulate
@@ -44,28 +44,15 @@ def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str
     ``measured_at_calibrated_speed_s`` (host drift, not model accuracy).
     ``progress(description, rounds done)`` is called before each plan's round.
     """
-    c = topology.calibration
-    rows = []
-    for path, plan in zip(paths, plans):
-        sim = simulate(plan, topology)
-        report = sim.report
-        rows.append({"plan": plan.name, "file": str(path), "predicted_report": report,
-                     "predicted_s": report.step_time_s,
-                     "predicted_memory": float(report.memory["total"]),
-                     # The controller: CPU seconds the dispatching thread spends per step, as the simulation
-                     # priced its host tasks, and as measured.
-                     "predicted_controller_s": sum(controller_seconds(c, t) for t in sim.program.tasks
-                                                   if t.kind is TaskKind.HOST),
-                     "round_medians_s": [], "step_times_s": [], "controller_s": [],
-                     "diagnostics": {"host_speeds": []}})
-    # Each plan's trainer is compiled once and timed in every round (testbed.runner.measure.PlanTimer) when all of
+    rows = [_predicted_row(topology, plan, path) for path, plan in zip(paths, plans)]
+    # Each plan's trainer is compiled once and timed in every round (testbed.runner.step_timer.PlanTimer) when all of
     # them fit in a device's memory at once (half of it, by the simulator's estimates); else it is rebuilt per round.
     keep = sum(row["predicted_memory"] for row in rows) <= 0.5 * topology.device.memory_bytes
     timers: dict[int, Any] = {}
 
     def timer(i: int) -> Any:
         if i not in timers:
-            timers[i] = measure.PlanTimer(plans[i], list(devices))
+            timers[i] = PlanTimer(plans[i], list(devices))
         return timers[i]
 
     reference_step = ReferenceStep(topology, devices)
@@ -91,18 +78,36 @@ def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str
     reference = dict(min(references, key=lambda ref: ref["measured_s"]),
                      measured_rounds_s=[ref["measured_s"] for ref in references])
     for plan, row in zip(plans, rows):
-        # Other load only ever slows a step: the least disturbed round is the best estimate of the plan's own time.
-        row["measured_s"] = min(row["round_medians_s"])
-        peak = topology.device.flops(plan.precision.compute_dtype)  # the prediction's peak: MFUs compare
-        row["measured_report"] = measured_report(plan, row["measured_s"], devices=len(devices), peak_flops=peak,
-                                                 memory_bytes=row.get("measured_memory"), topology=topology.name)
-        # Diagnostic of the host, not of the model: each round's median as if the host had run at its calibrated
-        # speed (the reference step's speed beside it), i.e. the model's error apart from the host's drift.
-        diagnostics = row["diagnostics"]
-        diagnostics["measured_at_calibrated_speed_s"] = float(np.median(np.array(row["round_medians_s"])
-                                                                        * np.array(diagnostics["host_speeds"])))
-        row["measured_controller_s"] = float(np.median(row.pop("controller_s")))
+        _finish_row(topology, plan, row, len(devices))
     return rows, reference
+
+
+def _predicted_row(topology: Topology, plan: Plan, path: str) -> dict[str, Any]:
+    """A plan's row before it is measured: its simulated Report and the controller's CPU seconds per step, as the
+    simulation priced its host tasks."""
+    sim = simulate(plan, topology)
+    report = sim.report
+    return {"plan": plan.name, "file": str(path), "predicted_report": report,
+            "predicted_s": report.step_time_s,
+            "predicted_memory": float(report.memory["total"]),
+            "predicted_controller_s": sum(controller_seconds(topology.calibration, t) for t in sim.program.tasks
+                                          if t.kind is TaskKind.HOST),
+            "round_medians_s": [], "step_times_s": [], "controller_s": [],
+            "diagnostics": {"host_speeds": []}}
+
+
+def _finish_row(topology: Topology, plan: Plan, row: dict[str, Any], devices: int) -> None:
+    """A measured row's summary: the least disturbed round (other load only ever slows a step) as its measured
+    Report at the prediction's peak, and, as a diagnostic of the host, each round's median as if the host had
+    run at its calibrated speed."""
+    row["measured_s"] = min(row["round_medians_s"])
+    peak = topology.device.flops(plan.precision.compute_dtype)  # the prediction's peak: MFUs compare
+    row["measured_report"] = measured_report(plan, row["measured_s"], devices=devices, peak_flops=peak,
+                                             memory_bytes=row.get("measured_memory"), topology=topology.name)
+    diagnostics = row["diagnostics"]
+    diagnostics["measured_at_calibrated_speed_s"] = float(np.median(np.array(row["round_medians_s"])
+                                                                    * np.array(diagnostics["host_speeds"])))
+    row["measured_controller_s"] = float(np.median(row.pop("controller_s")))
 
 
 class ReferenceStep:
@@ -113,13 +118,13 @@ class ReferenceStep:
     ``compute_efficiency`` was fitted on, so ``speed = predicted / measured``
     far from 1 says the host's speed has drifted since calibration (other
     load on a shared machine, clock changes) and every plan's error carries
-    that drift. Compiled once (testbed.runner.measure.PlanTimer); ``validate``
+    that drift. Compiled once (testbed.runner.step_timer.PlanTimer); ``validate``
     times it after every plan's round: the host's speed for that round.
     """
 
     def __init__(self, topology: Topology, devices: Sequence[Any]) -> None:
         plan = cal_steps.step_plan("cpu-m" if devices[0].platform == "cpu" else "acc-m", len(devices))
-        self.timer = measure.PlanTimer(plan, list(devices))
+        self.timer = PlanTimer(plan, list(devices))
         self.predicted_s = simulate(plan, topology).report.step_time_s
 
     def time(self) -> dict[str, Any]:

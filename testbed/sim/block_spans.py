@@ -74,7 +74,7 @@ def block_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ..
     after each (module docstring); empty where the blocks are not the chunk's own pieces, the action is one span,
     or the collectives are not exactly one per span boundary as above (full remat's redone ones).
     ``spans``: the action's (testbed.model.spans.action_spans); ``transfers``: its tensor collectives
-    (testbed.sim.facts.tensor_transfers); ``gathered``: the head's weight is gathered again for the backward."""
+    (testbed.sim.action_work.tensor_transfers); ``gathered``: the head's weight is gathered again for the backward."""
     return _cut(cost, kind, spans, transfers, gathered, blocks)[0]
 
 

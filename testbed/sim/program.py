@@ -78,7 +78,8 @@ from testbed.model.spans import scaled_spans
 from testbed.plan.placement import Placement
 from testbed.plan.sharding import loss_merged, loss_reductions
 from testbed.plan.spec import Axis, Plan
-from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts, accumulate_bytes, bucket_share, step_facts
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.grad_tasks import reduce_tasks
 from testbed.sim.span_play import BlockWork, GradBucket, SpanPlay, grad_bucket
 from testbed.sim.step_rules import (Dispatch, GatherMode, Gradients, Microbatches, action_dispatch, first_tail_bucket,
@@ -194,7 +195,7 @@ class _Graph(SpanPlay):
         last, computes = self._work(s, chunk, work, label, deps, grads, mode)
         if grads.summed:  # the tensor-replicated gradients' sum leaves as the compute ends (its own stream)
             self.reduce_tasks[s].extend(reduce_tasks(
-                self.b, facts.reductions, self.groups, self.plan, s, self.reps[s], last, chunk.reduced[1],
+                self.b, facts.reductions, self.groups, self.plan, s, self.reps[s], last, chunk.reduced.last,
                 chunk.special(1.0, facts.reduce_bytes), label, 0, select=True, stream="sequence"))
         last = self._tensor(s, chunk, work, label, last, tuple(deps))
         for bucket_of in self.tail:  # buckets reduced after the tensor collectives (first_tail_bucket)
@@ -278,7 +279,7 @@ class _Graph(SpanPlay):
         """The all-gather of a chunk's sharded parameters before an MoE chain (gather stream, prefetched)."""
         rep, leaves = self.reps[s], chunk.leaves
         return self.b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                          op="all_gather", nbytes=chunk.moved[0] * self.facts.param_bytes / leaves, count=leaves,
+                          op="all_gather", nbytes=chunk.moved.params * self.facts.param_bytes / leaves, count=leaves,
                           group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
 
     def _compute(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], pieces: int,
@@ -466,7 +467,7 @@ class _Graph(SpanPlay):
         rep, groups, leaves = self.reps[s], self.g_groups[s], count or max(1, chunk.leaves)
         return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
                           kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                          nbytes=chunk.reduced[0] * fraction / leaves, count=leaves,
+                          nbytes=chunk.reduced.each_microbatch * fraction / leaves, count=leaves,
                           group=rep_group(groups, rep), instances=groups)
 
     def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from testbed.model.gemm import scaled
 from testbed.model.blocks import PIECE_PARTS
 from testbed.sim.block_spans import block_spans, span_reads
-from testbed.sim.facts import ActionWork, ChunkFacts
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.span_order import START, WAITING, BlockPlay, block_plays, merge_of, span_kernels, span_needs
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
@@ -55,7 +55,7 @@ class BlockWork(NamedTuple):
 def grad_bucket(chunk: ChunkFacts, share: float, reduce_bytes: float, label: str, leaves: int,
                 tail: tuple[float, float] = (0.0, 0.0)) -> GradBucket:
     """The bucket of ``share`` of ``chunk``'s gradients, reduced in ``reduce_bytes`` per value."""
-    return GradBucket(chunk.reduced[1] * share, chunk.special(share, reduce_bytes), label, leaves, tail)
+    return GradBucket(chunk.reduced.last * share, chunk.special(share, reduce_bytes), label, leaves, tail)
 
 
 def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: bool, sequence_parallel: bool,
@@ -70,7 +70,7 @@ def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: b
     spans = block_spans(chunk.cost, work.kind, work.spans, work.tensor, gathered, pieces)
     if not spans:
         return ()
-    flops = work.work[0]
+    flops = work.work.flops
     return block_plays(spans, tuple(flops * part for part, _ in own), flops, work.kind, sequence_parallel,
                        chunk.cost.has_embedding, tuple(chunk.reads(pieces, k) for k in range(pieces))
                        if reduce else None, _needs(chunk, work, pieces, gathered),

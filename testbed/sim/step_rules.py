@@ -29,7 +29,8 @@ from typing import NamedTuple, TypeVar
 
 from testbed.model import buffers
 from testbed.pipeline.schedules import Action
-from testbed.sim.facts import ActionWork, ChunkFacts, StepFacts
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.facts import StepFacts
 from testbed.sim.grad_bytes import loop_kept, summed_each_microbatch, summed_in_the_step
 from testbed.sim.grad_tasks import after_tensor
 from testbed.topology import Calibration

@@ -95,34 +95,81 @@ def _placement(workload: Workload, topology: Topology, device_ids: np.ndarray | 
 def workload_program(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None) -> Program:
     """The task graph of ``workload`` on ``topology`` (module docstring)."""
     ids = _placement(workload, topology, device_ids)
-    rep = int(ids.flat[0])
-    groups: dict[tuple[str, ...], tuple] = {}
-    b = Builder()
-    done: list[tuple[int, ...]] = []  # op -> the task(s) whose end makes its result available
-    segment: list[int] = []           # ops of the open segment (their task ids are filled at close)
-    previous: tuple[int, ...] = ()
-    passes = topology.calibration.elementwise is not None
-    upcast = workload.dtype == "bf16" and topology.device.bf16_matmuls == "fp32"
-    fusing = passes and topology.device.fuses_into_matmuls()  # without passes a segment is one roofline already
-    if topology.calibration.controller is not None:
-        previous = _controller_tasks(b, rep, workload.buffers)
+    graph = _Segments(workload, topology, ids)
+    follows = {it: loop[j - 1] for loop in workload.loops for j, it in enumerate(loop) if j}
+    began: dict[int, int] = {}  # loop iteration -> its first task
+    for i, op in enumerate(workload.ops):
+        graph.done.append(())
+        if op.iteration not in began:
+            graph.previous = _iteration_begins(graph.b, graph.rep, op.iteration, follows, began, graph.close,
+                                               graph.previous)
+        if op.kind is OpKind.COLLECTIVE:
+            graph.close()
+            graph.collective(i)
+        else:
+            graph.compute(i)
+    graph.close()
+    representative = np.full(workload.devices, graph.rep, dtype=np.int64)
+    return Program(tasks=tuple(graph.b.tasks), representative=representative)
 
-    def close() -> None:
-        if not segment:
+
+class _Segments:
+    """The representative's tasks as :func:`workload_program` builds them, op by op: compute ops gather into the
+    open segment, which :meth:`close` turns into its compute task(s); each collective is one task.
+
+    ``done[op]``: the task(s) whose end makes the op's result available; ``previous``: what every task from here
+    waits for besides its data (the dispatch, an iteration's join)."""
+
+    def __init__(self, workload: Workload, topology: Topology, ids: np.ndarray) -> None:
+        self.workload, self.ids, self.names = workload, ids, tuple(workload.mesh)
+        self.rep = int(ids.flat[0])
+        self.b = Builder()
+        self.groups: dict[tuple[str, ...], tuple] = {}
+        self.done: list[tuple[int, ...]] = []
+        self.segment: list[int] = []  # ops of the open segment (their task ids are filled at close)
+        self.previous: tuple[int, ...] = ()
+        self.waited: set[int] = set()  # collectives a segment has waited for: complete for every later one
+        self.readers = workload.readers()
+        self.passes = topology.calibration.elementwise is not None
+        self.upcast = workload.dtype == "bf16" and topology.device.bf16_matmuls == "fp32"
+        # Without passes a segment is one roofline already.
+        self.fusing = self.passes and topology.device.fuses_into_matmuls()
+        if topology.calibration.controller is not None:
+            self.previous = _controller_tasks(self.b, self.rep, workload.buffers)
+
+    def compute(self, i: int) -> None:
+        """Compute op ``i`` joins the open segment; the first that reads a collective no segment has waited for
+        starts a new one (with the memory-bound producers XLA fuses into its kernel, :func:`_fused_producers`)."""
+        workload, op, segment = self.workload, self.workload.ops[i], self.segment
+        reads = {d for d in op.deps if workload.ops[d].kind is OpKind.COLLECTIVE}
+        if reads - self.waited:  # the first kernel that waits for that collective; the compute before it does not
+            later = _fused_producers(workload, self.readers, segment, i) if op.kind is OpKind.MEMORY else set()
+            segment[:] = [k for k in segment if k not in later]
+            self.close()
+            segment.extend(sorted(later))
+        self.waited.update(reads)
+        segment.append(i)
+
+    def close(self) -> None:
+        """The open segment's tasks: its matmuls (each a kernel with what fuses into it where the device fuses
+        elementwise work into matmuls: :func:`_fused_kernels`), and its memory-bound bytes as a task after them with
+        an ``elementwise`` calibration, else one roofline task of both."""
+        if not self.segment:
             return
+        b, rep, segment = self.b, self.rep, self.segment
         inside = set(segment)
-        deps = sorted({t for i in segment for d in workload.ops[i].deps if d not in inside for t in done[d]}
-                      | set(previous))
-        ops = [workload.ops[i] for i in segment]
+        deps = sorted({t for i in segment for d in self.workload.ops[i].deps if d not in inside for t in self.done[d]}
+                      | set(self.previous))
+        ops = [self.workload.ops[i] for i in segment]
         gemms = tuple(g if op.count == 1 else _repeat(g, op.count) for op in ops for g in op.gemms)
         flops = sum(op.flops * op.count for op in ops)
-        hbm = sum(op.hbm_bytes * op.count for op in ops) + (sum(map(convert_bytes, gemms)) if upcast else 0.0)
+        hbm = sum(op.hbm_bytes * op.count for op in ops) + (sum(map(convert_bytes, gemms)) if self.upcast else 0.0)
         tasks = []
         kernels = max(1, sum(op.count for op in ops if op.kind is OpKind.GEMM))
-        if fusing:  # each matmul a kernel with what fuses into it; the rest memory-bound after
-            tasks, hbm = _fused_kernels(b, workload, segment, readers, rep, tuple(deps))
+        if self.fusing:  # each matmul a kernel with what fuses into it; the rest memory-bound after
+            tasks, hbm = _fused_kernels(b, self.workload, segment, self.readers, rep, tuple(deps))
             flops, gemms = 0.0, ()
-        if not passes and flops + hbm > 0:  # the roofline: matmuls and memory-bound ops overlap
+        if not self.passes and flops + hbm > 0:  # the roofline: matmuls and memory-bound ops overlap
             tasks.append(b.add(name=f"{ops[0].name}..{len(ops)} ops", device=rep, stream="compute",
                                kind=TaskKind.COMPUTE, deps=tuple(deps), flops=flops, gemms=gemms, hbm_bytes=hbm,
                                kernels=kernels))
@@ -136,42 +183,24 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
                                kernels=max(1, sum(op.count for op in ops if op.kind is OpKind.MEMORY))))
         last = (tasks[-1],) if tasks else tuple(deps)
         for i in segment:
-            done[i] = last
+            self.done[i] = last
         segment.clear()
 
-    waited: set[int] = set()  # collectives a segment has waited for: complete for every later one
-    follows = {it: loop[j - 1] for loop in workload.loops for j, it in enumerate(loop) if j}
-    began: dict[int, int] = {}  # loop iteration -> its first task
-    readers = workload.readers()
-    for i, op in enumerate(workload.ops):
-        done.append(())
-        if op.iteration not in began:
-            previous = _iteration_begins(b, rep, op.iteration, follows, began, close, previous)
-        if op.kind is not OpKind.COLLECTIVE:
-            reads = {d for d in op.deps if workload.ops[d].kind is OpKind.COLLECTIVE}
-            if reads - waited:  # the first kernel that waits for that collective; the compute before it does not
-                later = _fused_producers(workload, readers, segment, i) if op.kind is OpKind.MEMORY else set()
-                segment[:] = [k for k in segment if k not in later]
-                close()
-                segment.extend(sorted(later))
-            waited.update(reads)
-            segment.append(i)
-            continue
-        close()
+    def collective(self, i: int) -> None:
+        """Collective op ``i``: one task over the representative's group along its axes, every group at once; a
+        collective-permute is a send from each device to the next of its group."""
+        op, rep, groups = self.workload.ops[i], self.rep, self.groups
         if op.axes not in groups:
-            groups[op.axes] = mesh_groups(ids, tuple(workload.mesh), op.axes)
+            groups[op.axes] = mesh_groups(self.ids, self.names, op.axes)
         group = next(g for g in groups[op.axes] if rep in g)
-        deps = sorted({t for d in op.deps for t in done[d]} | set(previous))
+        deps = sorted({t for d in op.deps for t in self.done[d]} | set(self.previous))
         kind, instances = TaskKind.COLLECTIVE, groups[op.axes]
         if op.collective == "collective_permute" and len(group) > 1:  # each device sends to the next of its group
             kind, instances = TaskKind.SEND, _shifts(groups[op.axes])
             group = next(pair for pair in instances if pair[0] == rep)
-        done[i] = (b.add(name=op.name, device=rep, stream=f"{op.collective} {'+'.join(op.axes)}",
-                         kind=kind, deps=tuple(deps), op=op.collective, nbytes=op.nbytes,
-                         count=op.count, group=group, instances=instances),)
-    close()
-    representative = np.full(workload.devices, rep, dtype=np.int64)
-    return Program(tasks=tuple(b.tasks), representative=representative)
+        self.done[i] = (self.b.add(name=op.name, device=rep, stream=f"{op.collective} {'+'.join(op.axes)}",
+                                   kind=kind, deps=tuple(deps), op=op.collective, nbytes=op.nbytes,
+                                   count=op.count, group=group, instances=instances),)
 
 
 def _controller_tasks(b: Builder, rep: int, buffers: int) -> tuple[int]:

@@ -2,7 +2,7 @@
 curve of ``(n, value)`` points, and how a straggler's lag grows with the time devices computed since they last met.
 
 Pure functions of plain numbers, shared by the calibration group that prices them and by the fit that fits them
-(testbed.calibration.fit.fit_host_skew), so both use one shape.
+(testbed.calibration.host.fit_host_skew), so both use one shape.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["skew_growth", "interpolate"]
 def skew_growth(seconds: float, onset: float, saturation: float) -> float:
     """A straggler's lag after ``seconds`` of computing, per ``sqrt(skew_s)``: ``sqrt(min(t, saturation)) *
     min(1, sqrt(t / onset))`` (0 for either: no limit). The one shape :meth:`HostCalibration.barrier_wait`
-    prices and testbed.calibration.fit.fit_host_skew fits."""
+    prices and testbed.calibration.host.fit_host_skew fits."""
     if seconds <= 0:
         return 0.0
     grown = min(seconds, saturation) if saturation > 0 else seconds

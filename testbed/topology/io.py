@@ -275,62 +275,72 @@ def topology_from_dict(data: Any, default_name: str = "topology") -> Topology:
     description = get_str(data, "description", None, default="", max_length=MAX_DESCRIPTION)
     device = _device(data["device"])
     calibration = _calibration(data.get("calibration"))
-    form = forms[0]
-    if form == "levels":
-        raw = data["levels"]
-        if not isinstance(raw, list) or not raw:
-            raise InputError("expected a non-empty list of tiers, innermost first", field="levels")
-        levels = [_level(item, f"levels[{i}]") for i, item in enumerate(raw)]
-        _device_count(math.prod(l.size for l in levels), "levels")
-        topo = generators.hierarchical(levels, device=device, name=name, calibration=calibration)
-    elif form == "torus":
-        t = expect_mapping(data["torus"], "torus")
-        check_keys(t, ("dims", "names", "wraparound", "bandwidth", "latency", "kind", "slices"), "torus",
-                   required=("dims", "bandwidth"))
-        dims = t["dims"]
-        if not isinstance(dims, list) or not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
-            raise InputError(f"expected a list of positive whole numbers, got {quote(dims)}", field="torus.dims")
-        slices = _slices(t["slices"]) if t.get("slices") is not None else None
-        _device_count(math.prod(dims) * (slices.size if slices else 1), "torus.slices.count" if slices else "torus.dims")
-        wrap = t.get("wraparound", True)
-        if not (isinstance(wrap, bool) or (isinstance(wrap, list) and all(isinstance(w, bool) for w in wrap))):
-            raise InputError(f"expected true/false or a list of them per dim, got {quote(wrap)}", field="torus.wraparound")
-        names = t.get("names")
-        if names is not None and not (isinstance(names, list) and all(
-                isinstance(n, str) and 0 < len(n) <= MAX_NAME for n in names)):
-            raise InputError(f"expected a list of dim names (strings), one per dim, got {quote(names)}",
-                             field="torus.names")
-        topo = generators.torus(
-            dims, device=device, bandwidth=parse_bandwidth(t["bandwidth"], "torus.bandwidth"),
-            latency=parse_time(t.get("latency", 0), "torus.latency"), kind=_kind(t.get("kind", "ici"), "torus.kind"),
-            names=names, wraparound=wrap, name=name, calibration=calibration, slices=slices)
-    else:
-        g = expect_mapping(data["graph"], "graph")
-        check_keys(g, ("devices", "switches", "links", "levels"), "graph", required=("devices", "links"))
-        n = get_int(g, "devices", "graph", maximum=MAX_DEVICES)
-        switches = g.get("switches", []) or []
-        if not isinstance(switches, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_NAME for s in switches):
-            raise InputError("expected a list of switch names (strings)", field="graph.switches")
-        raw_links = g["links"]
-        if not isinstance(raw_links, list):
-            raise InputError("expected a list of links {a, b, bandwidth, latency, kind}", field="graph.links")
-        links = []
-        for i, item in enumerate(raw_links):
-            f = f"graph.links[{i}]"
-            item = expect_mapping(item, f)
-            check_keys(item, ("a", "b", "bandwidth", "latency", "kind"), f, required=("a", "b", "bandwidth"))
-            links.append(LinkSpec(a=_link_end(item["a"], f"{f}.a"), b=_link_end(item["b"], f"{f}.b"), bandwidth=parse_bandwidth(item["bandwidth"], f"{f}.bandwidth"),
-                                  latency=parse_time(item.get("latency", 0), f"{f}.latency"),
-                                  kind=_kind(item.get("kind", "pcie"), f"{f}.kind")))
-        raw_levels = g.get("levels", []) or []
-        if not isinstance(raw_levels, list):
-            raise InputError("expected a list of groups {name, size}, innermost first", field="graph.levels")
-        levels = [_level(item, f"graph.levels[{i}]", group_only=True) for i, item in enumerate(raw_levels)]
-        topo = generators.explicit(n, links, device=device, switches=switches, levels=levels, name=name, calibration=calibration)
+    build = {"levels": _levels_form, "torus": _torus_form, "graph": _graph_form}[forms[0]]
+    topo = build(data, device, name, calibration)
     price = get_float(data, "price_per_device_hour", None, positive=True) if "price_per_device_hour" in data else None
     if description or price is not None:
         topo = replace(topo, description=description, price_per_device_hour=price)
     return topo
+
+
+def _levels_form(data: dict[str, Any], device: DeviceSpec, name: str, calibration: Calibration) -> Topology:
+    """``levels:``: a hierarchy of switched tiers, innermost first."""
+    raw = data["levels"]
+    if not isinstance(raw, list) or not raw:
+        raise InputError("expected a non-empty list of tiers, innermost first", field="levels")
+    levels = [_level(item, f"levels[{i}]") for i, item in enumerate(raw)]
+    _device_count(math.prod(l.size for l in levels), "levels")
+    return generators.hierarchical(levels, device=device, name=name, calibration=calibration)
+
+
+def _torus_form(data: dict[str, Any], device: DeviceSpec, name: str, calibration: Calibration) -> Topology:
+    """``torus:``: a torus of ``dims`` (wraparound per dim), optionally copied into ``slices``."""
+    t = expect_mapping(data["torus"], "torus")
+    check_keys(t, ("dims", "names", "wraparound", "bandwidth", "latency", "kind", "slices"), "torus",
+               required=("dims", "bandwidth"))
+    dims = t["dims"]
+    if not isinstance(dims, list) or not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims):
+        raise InputError(f"expected a list of positive whole numbers, got {quote(dims)}", field="torus.dims")
+    slices = _slices(t["slices"]) if t.get("slices") is not None else None
+    _device_count(math.prod(dims) * (slices.size if slices else 1), "torus.slices.count" if slices else "torus.dims")
+    wrap = t.get("wraparound", True)
+    if not (isinstance(wrap, bool) or (isinstance(wrap, list) and all(isinstance(w, bool) for w in wrap))):
+        raise InputError(f"expected true/false or a list of them per dim, got {quote(wrap)}", field="torus.wraparound")
+    names = t.get("names")
+    if names is not None and not (isinstance(names, list) and all(
+            isinstance(n, str) and 0 < len(n) <= MAX_NAME for n in names)):
+        raise InputError(f"expected a list of dim names (strings), one per dim, got {quote(names)}",
+                         field="torus.names")
+    return generators.torus(
+        dims, device=device, bandwidth=parse_bandwidth(t["bandwidth"], "torus.bandwidth"),
+        latency=parse_time(t.get("latency", 0), "torus.latency"), kind=_kind(t.get("kind", "ici"), "torus.kind"),
+        names=names, wraparound=wrap, name=name, calibration=calibration, slices=slices)
+
+
+def _graph_form(data: dict[str, Any], device: DeviceSpec, name: str, calibration: Calibration) -> Topology:
+    """``graph:``: explicit devices, switches and links, with optional named groups of devices."""
+    g = expect_mapping(data["graph"], "graph")
+    check_keys(g, ("devices", "switches", "links", "levels"), "graph", required=("devices", "links"))
+    n = get_int(g, "devices", "graph", maximum=MAX_DEVICES)
+    switches = g.get("switches", []) or []
+    if not isinstance(switches, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_NAME for s in switches):
+        raise InputError("expected a list of switch names (strings)", field="graph.switches")
+    raw_links = g["links"]
+    if not isinstance(raw_links, list):
+        raise InputError("expected a list of links {a, b, bandwidth, latency, kind}", field="graph.links")
+    links = []
+    for i, item in enumerate(raw_links):
+        f = f"graph.links[{i}]"
+        item = expect_mapping(item, f)
+        check_keys(item, ("a", "b", "bandwidth", "latency", "kind"), f, required=("a", "b", "bandwidth"))
+        links.append(LinkSpec(a=_link_end(item["a"], f"{f}.a"), b=_link_end(item["b"], f"{f}.b"), bandwidth=parse_bandwidth(item["bandwidth"], f"{f}.bandwidth"),
+                              latency=parse_time(item.get("latency", 0), f"{f}.latency"),
+                              kind=_kind(item.get("kind", "pcie"), f"{f}.kind")))
+    raw_levels = g.get("levels", []) or []
+    if not isinstance(raw_levels, list):
+        raise InputError("expected a list of groups {name, size}, innermost first", field="graph.levels")
+    levels = [_level(item, f"graph.levels[{i}]", group_only=True) for i, item in enumerate(raw_levels)]
+    return generators.explicit(n, links, device=device, switches=switches, levels=levels, name=name, calibration=calibration)
 
 
 def topology_to_dict(topology: Topology) -> dict[str, Any]:

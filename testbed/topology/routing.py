@@ -108,60 +108,77 @@ def build_graph(topology: Topology) -> nx.Graph:
     graph._node.update({device: {"kind": "device"} for device in range(topology.num_devices)})
     graph._adj.update({device: {} for device in range(topology.num_devices)})
     if topology.form is Form.TORUS:
-        ids = np.arange(topology.num_devices, dtype=np.int64)
-        stride = 1
-        ends, attrs = [], []
-        for i, level in enumerate(topology.levels):
-            if level.switched:  # the last level, slices: links to the data-center switch below, no ring
-                continue
-            coord = ids // stride % level.size
-            nxt = coord + 1
-            keep = (nxt < level.size) | bool(level.wraparound and level.size > 2)
-            if level.size == 1:
-                keep = np.zeros_like(keep)
-            ends.append((np.where(keep, ids, -1), ids + (nxt % level.size - coord) * stride))
-            attrs.append(_attrs(level))
-            stride *= level.size
-        if ends:
-            us = np.stack([u for u, _ in ends], axis=1).reshape(-1)  # device-major, level-minor
-            vs = np.stack([v for _, v in ends], axis=1).reshape(-1)
-            which = np.tile(np.arange(len(ends)), topology.num_devices)
-            keep = us >= 0
-            _add_edges(graph, us[keep].tolist(), vs[keep].tolist(), [attrs[k] for k in which[keep].tolist()])
-        k = topology.slice_level
-        if k is not None and topology.levels[k].size > 1:  # every chip's own link to the data-center switch
-            switch = slice_switch(topology)
-            graph.add_node(switch, kind="switch", level=topology.levels[k].name)
-            _add_edges(graph, ids.tolist(), [switch] * topology.num_devices,
-                       [_attrs(topology.levels[k])] * topology.num_devices)
+        _add_torus(graph, topology)
     elif topology.form is Form.LEVELS:
-        ids = np.arange(topology.num_devices, dtype=np.int64)
-        block = 1
-        for k, level in enumerate(topology.levels):
-            inner_block = block
-            block *= level.size
-            switches = [f"{level.name}{j}" for j in range(topology.num_devices // block)]
-            graph.add_nodes_from(switches, kind="switch", level=level.name)
-            attr = _attrs(level)
-            if level.attach == "device" or k == 0:
-                lower, upper = ids.tolist(), [switches[j] for j in (ids // block).tolist()]
-            else:
-                below = topology.levels[k - 1].name
-                lower = [f"{below}{j}" for j in range(topology.num_devices // inner_block)]
-                upper = [switches[j * inner_block // block] for j in range(len(lower))]
-            _add_edges(graph, lower, upper, [attr] * len(lower))
+        _add_levels(graph, topology)
     else:
-        graph.add_nodes_from(topology.switches, kind="switch")
-        known = set(range(topology.num_devices)) | set(topology.switches)
-        for i, link in enumerate(topology.links):
-            for end in (link.a, link.b):
-                if end not in known:
-                    raise InputError(
-                        f"link end {end!r} is neither a device id 0..{topology.num_devices - 1} nor a declared switch",
-                        field=f"graph.links[{i}]",
-                    )
-            _edge(graph, link.a, link.b, link)
+        _add_links(graph, topology)
     return graph
+
+
+def _add_torus(graph: nx.Graph, topology: Topology) -> None:
+    """A torus's ring links, device-major and level-minor, then every chip's link to the data-center switch
+    when it has slices."""
+    ids = np.arange(topology.num_devices, dtype=np.int64)
+    stride = 1
+    ends, attrs = [], []
+    for i, level in enumerate(topology.levels):
+        if level.switched:  # the last level, slices: links to the data-center switch below, no ring
+            continue
+        coord = ids // stride % level.size
+        nxt = coord + 1
+        keep = (nxt < level.size) | bool(level.wraparound and level.size > 2)
+        if level.size == 1:
+            keep = np.zeros_like(keep)
+        ends.append((np.where(keep, ids, -1), ids + (nxt % level.size - coord) * stride))
+        attrs.append(_attrs(level))
+        stride *= level.size
+    if ends:
+        us = np.stack([u for u, _ in ends], axis=1).reshape(-1)  # device-major, level-minor
+        vs = np.stack([v for _, v in ends], axis=1).reshape(-1)
+        which = np.tile(np.arange(len(ends)), topology.num_devices)
+        keep = us >= 0
+        _add_edges(graph, us[keep].tolist(), vs[keep].tolist(), [attrs[k] for k in which[keep].tolist()])
+    k = topology.slice_level
+    if k is not None and topology.levels[k].size > 1:  # every chip's own link to the data-center switch
+        switch = slice_switch(topology)
+        graph.add_node(switch, kind="switch", level=topology.levels[k].name)
+        _add_edges(graph, ids.tolist(), [switch] * topology.num_devices,
+                   [_attrs(topology.levels[k])] * topology.num_devices)
+
+
+def _add_levels(graph: nx.Graph, topology: Topology) -> None:
+    """A hierarchy's switches, level by level, each linked to the devices or switches one level below."""
+    ids = np.arange(topology.num_devices, dtype=np.int64)
+    block = 1
+    for k, level in enumerate(topology.levels):
+        inner_block = block
+        block *= level.size
+        switches = [f"{level.name}{j}" for j in range(topology.num_devices // block)]
+        graph.add_nodes_from(switches, kind="switch", level=level.name)
+        attr = _attrs(level)
+        if level.attach == "device" or k == 0:
+            lower, upper = ids.tolist(), [switches[j] for j in (ids // block).tolist()]
+        else:
+            below = topology.levels[k - 1].name
+            lower = [f"{below}{j}" for j in range(topology.num_devices // inner_block)]
+            upper = [switches[j * inner_block // block] for j in range(len(lower))]
+        _add_edges(graph, lower, upper, [attr] * len(lower))
+
+
+def _add_links(graph: nx.Graph, topology: Topology) -> None:
+    """An explicit graph's switches and links, each link end checked against the devices and switches."""
+    graph.add_nodes_from(topology.switches, kind="switch")
+    known = set(range(topology.num_devices)) | set(topology.switches)
+    for i, link in enumerate(topology.links):
+        for end in (link.a, link.b):
+            if end not in known:
+                raise InputError(
+                    f"link end {end!r} is neither a device id 0..{topology.num_devices - 1} nor a declared switch",
+                    field=f"graph.links[{i}]",
+                )
+        _edge(graph, link.a, link.b, link)
+
 
 
 # -- routing ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from testbed.errors import InputError
 from testbed.text import plot_label
@@ -104,33 +105,8 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
     fig, ax = plt.subplots(figsize=(width, 0.5 * len(rows) + 1.8))
     # Character budget: a label fits if its bar is wider than ~0.7 em of the axes at this size.
     char_width = horizon / (width * 72 / 7.0)
-    used: list[str] = []
-    # One broken_barh call per (row, category): drawing bar by bar is far too slow
-    # for simulator timelines with thousands of spans.
-    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    for b in all_bars:
-        groups.setdefault((b.row, b.category), []).append((b.start, b.end - b.start))
-        if b.category not in used:
-            used.append(b.category)
-    for (row, category), spans in groups.items():
-        colour = CATEGORY_COLOURS[category]
-        y = len(rows) - 1 - row
-        if category == "bubble":
-            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors="white", edgecolors=colour, hatch="///", linewidth=0.0)
-        else:
-            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.6)
-    # A label runs along its bar where it fits, else across it when the bar is a character wide and the row tall
-    # enough (rows are 0.5 inch: 0.4 of bar, about 4 characters of 7 points per 0.1 inch... 6 characters).
-    shown = 0
-    for b in bars:
-        if not b.label or shown >= 2000:
-            continue
-        span, across = b.end - b.start, len(b.label) <= 6
-        if span > char_width * (len(b.label) + 0.5) or (across and span > char_width * 1.3):
-            rotation = 0 if span > char_width * (len(b.label) + 0.5) else 90
-            ax.text((b.start + b.end) / 2, len(rows) - 1 - b.row, plot_label(b.label), ha="center", va="center",
-                    fontsize=7 if rotation == 0 else 6, color="white", rotation=rotation)
-            shown += 1
+    used = _draw_bars(ax, all_bars, len(rows))
+    _draw_labels(ax, bars, len(rows), char_width)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([plot_label(row, 40) for row in reversed(list(rows))])
     ax.set_xlim(0, horizon)
@@ -143,9 +119,51 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
                     textcoords="offset points", fontsize=8, color="#555555", va="top")
     for spine in ("top", "right"):
         ax.spines[spine].set_visible(False)
-    handles = []
+    _draw_legend(ax, used)
+    if title:
+        ax.set_title(plot_label(title, 160))
+    return save_figure(fig, path)
+
+
+def _draw_bars(ax: Any, bars: Sequence[Bar], rows: int) -> list[str]:
+    """Draw ``bars`` (idle gaps hatched), one ``broken_barh`` call per (row, category): drawing bar by bar is far
+    too slow for simulator timelines with thousands of spans. The categories drawn, in first-seen order."""
+    used: list[str] = []
+    groups: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    for b in bars:
+        groups.setdefault((b.row, b.category), []).append((b.start, b.end - b.start))
+        if b.category not in used:
+            used.append(b.category)
+    for (row, category), spans in groups.items():
+        colour = CATEGORY_COLOURS[category]
+        y = rows - 1 - row
+        if category == "bubble":
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors="white", edgecolors=colour, hatch="///", linewidth=0.0)
+        else:
+            ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.6)
+    return used
+
+
+def _draw_labels(ax: Any, bars: Sequence[Bar], rows: int, char_width: float) -> None:
+    """At most 2,000 labels: along a bar where it fits, else across it when the bar is a character wide and the
+    label short (rows are 0.5 inch: 0.4 of bar holds about 6 characters)."""
+    shown = 0
+    for b in bars:
+        if not b.label or shown >= 2000:
+            continue
+        span, across = b.end - b.start, len(b.label) <= 6
+        if span > char_width * (len(b.label) + 0.5) or (across and span > char_width * 1.3):
+            rotation = 0 if span > char_width * (len(b.label) + 0.5) else 90
+            ax.text((b.start + b.end) / 2, rows - 1 - b.row, plot_label(b.label), ha="center", va="center",
+                    fontsize=7 if rotation == 0 else 6, color="white", rotation=rotation)
+            shown += 1
+
+
+def _draw_legend(ax: Any, used: Sequence[str]) -> None:
+    """The legend of the ``used`` categories, in :data:`CATEGORY_COLOURS`' order, right of the axes."""
     from matplotlib.patches import Patch
 
+    handles = []
     order = list(CATEGORY_COLOURS)
     for category in sorted(used, key=order.index):
         colour = CATEGORY_COLOURS[category]
@@ -155,6 +173,3 @@ def draw_gantt(rows: Sequence[str], bars: Sequence[Bar], path: str | Path, *, ti
         else:
             handles.append(Patch(facecolor=colour, label=name))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    if title:
-        ax.set_title(plot_label(title, 160))
-    return save_figure(fig, path)

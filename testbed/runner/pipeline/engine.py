@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -282,6 +282,47 @@ class MpmdEngine:
             shapes.append(x)
         return shapes
 
+    def _receive_slots(self, params: Sequence[Sequence[Any]], x0: Any) -> tuple[dict, dict]:
+        """(activation into chunk g >= 1, cotangent of chunk g < last's output) receive slots per ``(g, mb)``:
+        NaN-filled with ``nan_slots`` (the leak check), else empty."""
+        sch, m = self.schedule, self.schedule.microbatches
+        if not self.nan_slots:
+            return {}, {}
+        shapes = self._shapes(params, x0)
+        act = {(g, mb): _nan_like(shapes[g - 1], self.shardings[sch.locate(g)[0]])
+               for g in range(1, sch.chunks) for mb in range(m)}
+        cot = {(g, mb): _nan_like(shapes[g], self.shardings[sch.locate(g)[0]])
+               for g in range(self._last) for mb in range(m)}
+        return act, cot
+
+    def _run_forward(self, flight: _Flight, g: int, mb: int, params_g: Any, targets: Any, put: Any) -> None:
+        """``F`` of model chunk ``g`` on microbatch ``mb``: its pullback kept, its output sent to the next chunk's
+        stage (the last chunk's: the loss)."""
+        act = flight.act
+        if g == self._last:
+            loss, flight.pullbacks[(g, mb)] = self._f(g, params_g, act[(g, mb)], targets)
+            flight.losses.append(loss)
+        else:
+            y, flight.pullbacks[(g, mb)] = self._f(g, params_g, act[(g, mb)])
+            act[(g + 1, mb)] = put(y, self.shardings[self.schedule.locate(g + 1)[0]])
+        del act[(g, mb)]
+
+    def _run_backward(self, flight: _Flight, stage: int, g: int, mb: int, params_g: Any, put: Any) -> None:
+        """``B`` of model chunk ``g``: the input gradient sent to the previous chunk's stage; in ZB schedules the
+        output cotangent kept for ``W``, else the weight gradients accumulated here too."""
+        sch = self.schedule
+        cotangent = loss_seed(flight.losses[0], sch.microbatches) if g == self._last else flight.cot.pop((g, mb))
+        prep = self._prepare[stage]
+        if sch.split_backward:
+            dx = _pull_input(prep, flight.pullbacks[(g, mb)], params_g, cotangent) if g > 0 else None
+            flight.kept[(g, mb)] = cotangent
+        else:
+            flight.grads[g], *dx = _pull(prep, flight.pullbacks.pop((g, mb)), params_g, cotangent,
+                                         flight.grads.get(g))
+            dx = dx[0] if dx else None
+        if g > 0:
+            flight.cot[(g - 1, mb)] = put(dx, self.shardings[sch.locate(g - 1)[0]])
+
     def step(self, params: Sequence[Sequence[Any]], inputs: Sequence[Any], targets: Sequence[Any]
              ) -> tuple[jax.Array, list[list[Any]]]:
         """Run every action of the table; returns (mean loss, gradients ``[stage][chunk]``).
@@ -298,52 +339,35 @@ class MpmdEngine:
         put = (lambda a, sh: jax.device_put(a, sh) if sh is not None else jnp.asarray(a))
         inputs = [put(x, first_sharding) for x in inputs]
         targets = [put(t, last_sharding) for t in targets]
-        # Receive slots: activation into chunk g (g >= 1), cotangent of chunk g's output (g < last).
-        act: dict[tuple[int, int], Any] = {}
-        cot: dict[tuple[int, int], Any] = {}
-        if self.nan_slots:
-            shapes = self._shapes(params, inputs[0])
-            act = {(g, mb): _nan_like(shapes[g - 1], self.shardings[sch.locate(g)[0]])
-                   for g in range(1, sch.chunks) for mb in range(m)}
-            cot = {(g, mb): _nan_like(shapes[g], self.shardings[sch.locate(g)[0]])
-                   for g in range(self._last) for mb in range(m)}
-        act.update({(0, mb): inputs[mb] for mb in range(m)})
-        pullbacks: dict[tuple[int, int], Any] = {}
-        kept: dict[tuple[int, int], Any] = {}
-        grads: dict[int, Any] = {}
-        losses = []
+        flight = _Flight(*self._receive_slots(params, inputs[0]))
+        flight.act.update({(0, mb): inputs[mb] for mb in range(m)})
         for stage, action in self._order:
             g, mb = sch.model_chunk(stage, action.chunk), action.microbatch
             params_g = params[stage][action.chunk]
             if action.kind == "F":
-                if g == self._last:
-                    loss, pullbacks[(g, mb)] = self._f(g, params_g, act[(g, mb)], targets[mb])
-                    losses.append(loss)
-                else:
-                    y, pullbacks[(g, mb)] = self._f(g, params_g, act[(g, mb)])
-                    act[(g + 1, mb)] = put(y, self.shardings[sch.locate(g + 1)[0]])
-                del act[(g, mb)]
-                continue
-            if action.kind == "B":
-                if g == self._last:
-                    cotangent = loss_seed(losses[0], m)
-                else:
-                    cotangent = cot.pop((g, mb))
-                prep = self._prepare[stage]
-                if sch.split_backward:
-                    dx = _pull_input(prep, pullbacks[(g, mb)], params_g, cotangent) if g > 0 else None
-                    kept[(g, mb)] = cotangent
-                else:
-                    grads[g], *dx = _pull(prep, pullbacks.pop((g, mb)), params_g, cotangent, grads.get(g))
-                    dx = dx[0] if dx else None
-                if g > 0:
-                    cot[(g - 1, mb)] = put(dx, self.shardings[sch.locate(g - 1)[0]])
-                continue
-            grads[g] = _pull_weight(self._prepare[stage], pullbacks.pop((g, mb)), params_g, kept.pop((g, mb)),
-                                    grads.get(g))
-        loss = mean_loss(losses)
-        out = [[grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] for s in range(sch.stages)]
+                self._run_forward(flight, g, mb, params_g, targets[mb], put)
+            elif action.kind == "B":
+                self._run_backward(flight, stage, g, mb, params_g, put)
+            else:
+                flight.grads[g] = _pull_weight(self._prepare[stage], flight.pullbacks.pop((g, mb)), params_g,
+                                               flight.kept.pop((g, mb)), flight.grads.get(g))
+        loss = mean_loss(flight.losses)
+        out = [[flight.grads[sch.model_chunk(s, c)] for c in range(sch.virtual)] for s in range(sch.stages)]
         return loss, out
+
+
+@dataclass
+class _Flight:
+    """One engine step's state: the receive slots (activation into chunk g, cotangent of chunk g's output), the
+    pullbacks of forwards not yet pulled, the cotangents ``B`` keeps for ``W``, the gradients per model chunk and
+    the last chunk's losses; keys ``(model chunk, microbatch)``."""
+
+    act: dict[tuple[int, int], Any]
+    cot: dict[tuple[int, int], Any]
+    pullbacks: dict[tuple[int, int], Any] = field(default_factory=dict)
+    kept: dict[tuple[int, int], Any] = field(default_factory=dict)
+    grads: dict[int, Any] = field(default_factory=dict)
+    losses: list[Any] = field(default_factory=list)
 
 
 def run_schedule(schedule: Schedule, stage_forward: StageForward, loss_fn: LossFn,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -148,53 +148,16 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
     no memory analysis.
     """
     params, states = state
-    sch, last = trainer.schedule, trainer.schedule.chunks - 1
-    ids = jax.ShapeDtypeStruct(trainer.act_shape[:2], jnp.int32)
+    sch = trainer.schedule
     out = []
     for s in range(sch.stages):
         if params[s] is None:
             continue
-        sh = trainer.act_shardings[s]
-        residuals: list[int] = []
-        kept: list[int] = []
-        dparams: list[Any] = []
-        work: dict[tuple[str, int], int] = {}
+        programs = _StagePrograms()
         for c in range(sch.virtual):
-            g = sch.model_chunk(s, c)
-            x = (jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == 0
-                 else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh))
-            targets = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == last else None
-            forward = engine._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0, g == last,
-                                              params[s][c], x, targets).compile()
-            stats = forward.memory_analysis()
-            _keep(compiled, f"stage{s}.chunk{c}.F", sch.microbatches, forward)
-            if stats is None:
+            if not _compile_chunk(trainer, params[s][c], s, c, programs, compiled):
                 return []
-            y, pullback = abstract_outputs(forward)
-            residuals.append(int(stats.output_size_in_bytes) - device_bytes(y))
-            work[("F", c)] = int(stats.temp_size_in_bytes) + device_bytes(y)
-            # The output cotangent arrives on this stage's activation sharding (the loss seed: like the loss).
-            cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
-            prep = trainer.prepare[s]
-            if sch.split_backward:
-                first = engine._pull_weight.lower(prep, pullback, params[s][c], cot).compile()
-                dparams.append(abstract_outputs(first))
-                backward = engine._pull_weight.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
-                kept.append(device_bytes(cot))
-                _keep(compiled, f"stage{s}.chunk{c}.W", sch.microbatches, backward)
-                if g > 0:  # the engine skips B's input gradient on the first chunk
-                    pull_input = engine._pull_input.lower(prep, pullback, params[s][c], cot).compile()
-                    _keep(compiled, f"stage{s}.chunk{c}.B", sch.microbatches, pull_input)
-                    work[("B", c)] = _transient(pull_input)
-            else:
-                first = engine._pull.lower(prep, pullback, params[s][c], cot).compile()
-                dparams.append(abstract_outputs(first)[0])
-                backward = engine._pull.lower(prep, pullback, params[s][c], cot, dparams[c]).compile()
-                _keep(compiled, f"stage{s}.chunk{c}.B", sch.microbatches, backward)
-            # A later microbatch's backward adds into the accumulated gradients (state) in place; the
-            # first writes them: its output is not in the state yet when it runs.
-            work[("W" if sch.split_backward else "B", c)] = max(
-                _transient(backward), _transient(first) - device_bytes(dparams[c]))
+        residuals, kept, dparams, work = programs.residuals, programs.kept, programs.dparams, programs.work
         grads = device_bytes(dparams)
         zero = trainer.engine_grads_shape(params[s], s)
         # The update first moves the gradients into its input layout: a copy where the layouts differ.
@@ -209,6 +172,69 @@ def pipeline_memory(trainer: PipelineTrainer, state: tuple[list[Any], list[Any]]
             inflight=peak_inflight(sch, release="W")[s], activations=held, workspace=running,
             update=update + (grads if moved else 0)))
     return out
+
+
+@dataclass
+class _StagePrograms:
+    """What a stage's compiled chunk programs tell, chunk by chunk: the bytes one microbatch's pullback holds
+    (``residuals``), the output cotangent ``B`` keeps for ``W`` (``kept``), the gradients' abstract values
+    (``dparams``) and each action's program workspace (``work``, ``(kind, chunk) -> bytes``)."""
+
+    residuals: list[int] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    dparams: list[Any] = field(default_factory=list)
+    work: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+def _compile_chunk(trainer: PipelineTrainer, params: Any, s: int, c: int, programs: _StagePrograms,
+                   compiled: list[tuple[str, int, Any]] | None) -> bool:
+    """Compile chunk ``c`` of stage ``s``'s forward and backward programs into ``programs``; False where XLA gives
+    no memory analysis."""
+    sch, last = trainer.schedule, trainer.schedule.chunks - 1
+    ids = jax.ShapeDtypeStruct(trainer.act_shape[:2], jnp.int32)
+    sh = trainer.act_shardings[s]
+    g = sch.model_chunk(s, c)
+    x = (jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == 0
+         else jax.ShapeDtypeStruct(trainer.act_shape, trainer.act_dtype, sharding=sh))
+    targets = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh) if g == last else None
+    forward = engine._forward.lower(trainer.chunk_forward, trainer.loss_fn, trainer.prepare[s], s, c, g == 0, g == last,
+                                      params, x, targets).compile()
+    stats = forward.memory_analysis()
+    _keep(compiled, f"stage{s}.chunk{c}.F", sch.microbatches, forward)
+    if stats is None:
+        return False
+    y, pullback = abstract_outputs(forward)
+    programs.residuals.append(int(stats.output_size_in_bytes) - device_bytes(y))
+    programs.work[("F", c)] = int(stats.temp_size_in_bytes) + device_bytes(y)
+    # The output cotangent arrives on this stage's activation sharding (the loss seed: like the loss).
+    cot = y if g == last else jax.ShapeDtypeStruct(y.shape, y.dtype, sharding=sh)
+    _compile_backward(trainer, params, s, c, g, pullback, cot, programs, compiled)
+    return True
+
+
+def _compile_backward(trainer: PipelineTrainer, params: Any, s: int, c: int, g: int, pullback: Any, cot: Any,
+                      programs: _StagePrograms, compiled: list[tuple[str, int, Any]] | None) -> None:
+    """Chunk ``c``'s backward programs (``B`` and ``W`` apart in ZB schedules) into ``programs``."""
+    sch, prep, dparams, work = trainer.schedule, trainer.prepare[s], programs.dparams, programs.work
+    if sch.split_backward:
+        first = engine._pull_weight.lower(prep, pullback, params, cot).compile()
+        dparams.append(abstract_outputs(first))
+        backward = engine._pull_weight.lower(prep, pullback, params, cot, dparams[c]).compile()
+        programs.kept.append(device_bytes(cot))
+        _keep(compiled, f"stage{s}.chunk{c}.W", sch.microbatches, backward)
+        if g > 0:  # the engine skips B's input gradient on the first chunk
+            pull_input = engine._pull_input.lower(prep, pullback, params, cot).compile()
+            _keep(compiled, f"stage{s}.chunk{c}.B", sch.microbatches, pull_input)
+            work[("B", c)] = _transient(pull_input)
+    else:
+        first = engine._pull.lower(prep, pullback, params, cot).compile()
+        dparams.append(abstract_outputs(first)[0])
+        backward = engine._pull.lower(prep, pullback, params, cot, dparams[c]).compile()
+        _keep(compiled, f"stage{s}.chunk{c}.B", sch.microbatches, backward)
+    # A later microbatch's backward adds into the accumulated gradients (state) in place; the
+    # first writes them: its output is not in the state yet when it runs.
+    work[("W" if sch.split_backward else "B", c)] = max(
+        _transient(backward), _transient(first) - device_bytes(dparams[c]))
 
 
 def _keep(sink: list[tuple[str, int, Any]] | None, name: str, runs: int, program: Any) -> None:

@@ -32,7 +32,7 @@ one program waits for its fullest stage anyway.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -141,83 +141,106 @@ def spmd_schedule(schedule: Schedule, stage_fn: Callable[[Any, jax.Array], jax.A
     validate(schedule)
     if schedule.virtual != 1:
         raise ValueError("spmd_schedule runs one chunk per stage; use MpmdEngine for interleaved tables")
-    p, m = schedule.stages, schedule.microbatches
     kinds_np, mbs_np = _tick_table(schedule)
-    ticks = kinds_np.shape[0]
-    forward_perm = [(s, s + 1) for s in range(p - 1)]
-    backward_perm = [(s + 1, s) for s in range(p - 1)]
 
     def local(params: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, Any]:
-        params = jax.tree.map(lambda a: a[0], params)
-        stage = jax.lax.axis_index(stage_axis)
-        is_last = stage == p - 1
-        kinds, mbs = jnp.asarray(kinds_np), jnp.asarray(mbs_np)
-        nan_all = jnp.full_like(inputs, jnp.nan)
-        nan_msg = jax.lax.pcast(nan_all[0], (stage_axis,), to="varying")
-        zero_grads = jax.tree.map(jnp.zeros_like, params)
-
-        def head(prm, x, t):  # the last stage's output is the loss, earlier stages' their activation
-            return loss_fn(stage_fn(prm, x), t)
-
-        def run_f(state, mb):
-            saved_x, saved_g, recv_x, recv_g, grads, loss = state
-            x = jnp.where(stage == 0, inputs[mb], recv_x[mb])
-            y = stage_fn(params, x)
-            loss = loss + jnp.where(is_last, head(params, x, targets[mb]), 0.0)
-            return (saved_x.at[mb].set(x), saved_g, recv_x, recv_g, grads, loss), y, True, nan_msg, False
-
-        def pullback(mb, saved_x, g_out):
-            x = saved_x[mb]
-            return jax.lax.cond(
-                is_last,
-                lambda: jax.vjp(lambda prm, h: head(prm, h, targets[mb]), params, x)[1](
-                    jax.lax.pcast(jnp.asarray(1.0 / m, loss_dtype), (stage_axis,), to="varying")),
-                lambda: jax.vjp(stage_fn, params, x)[1](g_out))
-
-        def run_b(state, mb, split: bool):
-            saved_x, saved_g, recv_x, recv_g, grads, loss = state
-            g_out = recv_g[mb]
-            dparams, dx = pullback(mb, saved_x, g_out)
-            if split:
-                saved_g = saved_g.at[mb].set(g_out)
-            else:
-                grads = jax.tree.map(jnp.add, grads, dparams)
-            return (saved_x, saved_g, recv_x, recv_g, grads, loss), nan_msg, False, dx, True
-
-        def run_w(state, mb):
-            saved_x, saved_g, recv_x, recv_g, grads, loss = state
-            dparams, _ = pullback(mb, saved_x, saved_g[mb])
-            grads = jax.tree.map(jnp.add, grads, dparams)
-            return (saved_x, saved_g, recv_x, recv_g, grads, loss), nan_msg, False, nan_msg, False
-
-        def run_idle(state, mb):
-            return state, nan_msg, False, nan_msg, False
-
-        branches = [run_idle, run_f, lambda s, mb: run_b(s, mb, schedule.split_backward), run_w]
-
-        def tick(t, state):
-            kind, mb = kinds[t, stage], mbs[t, stage]
-            state, y, y_ok, dx, dx_ok = jax.lax.switch(kind, branches, state, mb)
-            y_ok, dx_ok = jnp.asarray(y_ok), jnp.asarray(dx_ok)
-            msg = (y, y_ok, mb), (dx, dx_ok, mb)
-            if p > 1:
-                msg = (jax.lax.ppermute(msg[0], stage_axis, forward_perm),
-                       jax.lax.ppermute(msg[1], stage_axis, backward_perm))
-            (y_in, y_in_ok, y_mb), (g_in, g_in_ok, g_mb) = msg
-            saved_x, saved_g, recv_x, recv_g, grads, loss = state
-            # Only delivered messages are stored; a stage without a sender receives zeros and a False flag.
-            recv_x = recv_x.at[y_mb].set(jnp.where(y_in_ok, y_in, recv_x[y_mb]))
-            recv_g = recv_g.at[g_mb].set(jnp.where(g_in_ok, g_in, recv_g[g_mb]))
-            return saved_x, saved_g, recv_x, recv_g, grads, loss
-
-        loss_dtype = jax.eval_shape(loss_fn, jax.eval_shape(stage_fn, params, inputs[0]), targets[0]).dtype
-        buffers, loss0 = jax.lax.pcast((nan_all, jnp.zeros((), loss_dtype)), (stage_axis,), to="varying")
-        start = (buffers, buffers, buffers, buffers, zero_grads, loss0)
-        state = jax.lax.fori_loop(0, ticks, tick, start)
-        loss = jax.lax.psum(jnp.where(is_last, state[5], 0.0), stage_axis) / m
-        return loss, jax.tree.map(lambda a: a[None], state[4])
+        ticks = _StageTicks(schedule, stage_fn, loss_fn, stage_axis, params, inputs, targets, kinds_np, mbs_np)
+        return ticks.run(kinds_np.shape[0])
 
     return _over_stages(local, mesh, stage_axis)
+
+
+class _TickState(NamedTuple):
+    """What one stage carries from tick to tick of :func:`spmd_schedule`'s loop: per microbatch the stored stage
+    inputs and (ZB) output gradients, the received activations and gradients; the gradients and loss so far."""
+
+    saved_x: jax.Array
+    saved_g: jax.Array
+    recv_x: jax.Array
+    recv_g: jax.Array
+    grads: Any
+    loss: jax.Array
+
+
+class _StageTicks:
+    """One stage's program inside :func:`spmd_schedule`'s map: its action per tick (``lax.switch`` over idle, F,
+    B, W), and the ``ppermute`` each way after it. ``params`` are the stage's slice of the stacked parameters."""
+
+    def __init__(self, schedule: Schedule, stage_fn: Callable, loss_fn: Callable, stage_axis: str, params: Any,
+                 inputs: jax.Array, targets: jax.Array, kinds_np: np.ndarray, mbs_np: np.ndarray) -> None:
+        p = schedule.stages
+        self.schedule, self.stage_fn, self.loss_fn, self.axis = schedule, stage_fn, loss_fn, stage_axis
+        self.m, self.inputs, self.targets = schedule.microbatches, inputs, targets
+        self.forward_perm = [(s, s + 1) for s in range(p - 1)]
+        self.backward_perm = [(s + 1, s) for s in range(p - 1)]
+        self.params = jax.tree.map(lambda a: a[0], params)
+        self.stage = jax.lax.axis_index(stage_axis)
+        self.is_last = self.stage == p - 1
+        self.kinds, self.mbs = jnp.asarray(kinds_np), jnp.asarray(mbs_np)
+        self.nan_all = jnp.full_like(inputs, jnp.nan)
+        self.nan_msg = jax.lax.pcast(self.nan_all[0], (stage_axis,), to="varying")
+        self.zero_grads = jax.tree.map(jnp.zeros_like, self.params)
+        self.loss_dtype = jax.eval_shape(loss_fn, jax.eval_shape(stage_fn, self.params, inputs[0]), targets[0]).dtype
+
+    def run(self, ticks: int) -> tuple[jax.Array, Any]:
+        """(the mean loss, summed over stages, this stage's gradients with a leading stage dimension)."""
+        buffers, loss0 = jax.lax.pcast((self.nan_all, jnp.zeros((), self.loss_dtype)), (self.axis,), to="varying")
+        start = _TickState(buffers, buffers, buffers, buffers, self.zero_grads, loss0)
+        state = jax.lax.fori_loop(0, ticks, self.tick, start)
+        loss = jax.lax.psum(jnp.where(self.is_last, state.loss, 0.0), self.axis) / self.m
+        return loss, jax.tree.map(lambda a: a[None], state.grads)
+
+    def head(self, prm: Any, x: jax.Array, t: jax.Array) -> jax.Array:
+        """The last stage's output is the loss, earlier stages' their activation."""
+        return self.loss_fn(self.stage_fn(prm, x), t)
+
+    def run_f(self, state: _TickState, mb: jax.Array) -> tuple:
+        x = jnp.where(self.stage == 0, self.inputs[mb], state.recv_x[mb])
+        y = self.stage_fn(self.params, x)
+        loss = state.loss + jnp.where(self.is_last, self.head(self.params, x, self.targets[mb]), 0.0)
+        return state._replace(saved_x=state.saved_x.at[mb].set(x), loss=loss), y, True, self.nan_msg, False
+
+    def pullback(self, mb: jax.Array, saved_x: jax.Array, g_out: jax.Array) -> tuple[Any, jax.Array]:
+        """The stage forward recomputed from its stored input, pulled back (the last stage: from the loss)."""
+        x, params, targets = saved_x[mb], self.params, self.targets
+        return jax.lax.cond(
+            self.is_last,
+            lambda: jax.vjp(lambda prm, h: self.head(prm, h, targets[mb]), params, x)[1](
+                jax.lax.pcast(jnp.asarray(1.0 / self.m, self.loss_dtype), (self.axis,), to="varying")),
+            lambda: jax.vjp(self.stage_fn, params, x)[1](g_out))
+
+    def run_b(self, state: _TickState, mb: jax.Array) -> tuple:
+        g_out = state.recv_g[mb]
+        dparams, dx = self.pullback(mb, state.saved_x, g_out)
+        if self.schedule.split_backward:
+            state = state._replace(saved_g=state.saved_g.at[mb].set(g_out))
+        else:
+            state = state._replace(grads=jax.tree.map(jnp.add, state.grads, dparams))
+        return state, self.nan_msg, False, dx, True
+
+    def run_w(self, state: _TickState, mb: jax.Array) -> tuple:
+        dparams, _ = self.pullback(mb, state.saved_x, state.saved_g[mb])
+        state = state._replace(grads=jax.tree.map(jnp.add, state.grads, dparams))
+        return state, self.nan_msg, False, self.nan_msg, False
+
+    def run_idle(self, state: _TickState, mb: jax.Array) -> tuple:
+        return state, self.nan_msg, False, self.nan_msg, False
+
+    def tick(self, t: jax.Array, state: _TickState) -> _TickState:
+        """Tick ``t``: this stage's action, then the messages each way; only delivered ones are stored (a stage
+        without a sender receives zeros and a False flag)."""
+        kind, mb = self.kinds[t, self.stage], self.mbs[t, self.stage]
+        branches = [self.run_idle, self.run_f, self.run_b, self.run_w]
+        state, y, y_ok, dx, dx_ok = jax.lax.switch(kind, branches, state, mb)
+        y_ok, dx_ok = jnp.asarray(y_ok), jnp.asarray(dx_ok)
+        msg = (y, y_ok, mb), (dx, dx_ok, mb)
+        if self.schedule.stages > 1:
+            msg = (jax.lax.ppermute(msg[0], self.axis, self.forward_perm),
+                   jax.lax.ppermute(msg[1], self.axis, self.backward_perm))
+        (y_in, y_in_ok, y_mb), (g_in, g_in_ok, g_mb) = msg
+        recv_x = state.recv_x.at[y_mb].set(jnp.where(y_in_ok, y_in, state.recv_x[y_mb]))
+        recv_g = state.recv_g.at[g_mb].set(jnp.where(g_in_ok, g_in, state.recv_g[g_mb]))
+        return state._replace(recv_x=recv_x, recv_g=recv_g)
 
 
 def _over_stages(local: Callable, mesh: jax.sharding.Mesh, stage_axis: str) -> Callable:

@@ -12,6 +12,7 @@ interface of the trainers of :mod:`testbed.runner.step`.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -100,49 +101,16 @@ class PipelineTrainer:
         self.optimizer = Optimizer(plan)
         self.schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
                                        plan.schedule.virtual_stages)
-        spec, precision, remat, dots = plan.model, plan.precision, plan.remat, saves_dots(plan)
-
+        spec, precision = plan.model, plan.precision
         # Data replicas keep their gradients apart until the update, and their losses until the step's end:
         # one reduction per step (testbed.runner.replicas), none per microbatch.
         self.replicas = replicas(plan)
-        # ZeRO-2: whole parameters run spread too, and each microbatch's gradients are reduce-scattered into
-        # their `data` shards (testbed.runner.replicas.Scatter); none is left per replica for the update.
-        scatter = scatters(plan)
-        copies = plan.mesh.data if scatter else self.replicas
-        # FSDP / ZeRO-3 (testbed.runner.param_shards.ParamShards) per stage sub-mesh, on spread parameters with replicas.
-        fsdps = [param_shards(plan, m, spread=self.replicas > 1) for m in stage_meshes]
-        # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None; run per replica
-        # when the chunks are (below).
-        axis = replica_axis(plan) if copies > 1 and fsdps[0] is None else None
-        seqs = [q.per_replica if axis and q is not None else q
-                for q in (sequence_shards(plan, m) for m in stage_meshes)]
-        last_stage = self.schedule.locate(self.schedule.chunks - 1)[0]
-        last = seqs[last_stage]
-        # Context parallelism per stage sub-mesh (testbed.runner.ring_attention): stages pass the context shards on.
-        ctxs = [context_shards(plan, m) for m in stage_meshes]
-        self.context_order = None if ctxs[0] is None else ctxs[0].order
-        # Expert parallelism per stage sub-mesh (testbed.runner.moe); the engine's loss seeds weigh each microbatch's
-        # mean 1/microbatches, so one sequence's MoE load-balancing loss weighs 1/global batch.
-        exps = [e.per_replica if axis and e is not None else e
-                for e in (expert_shards(plan, m) for m in stage_meshes)]
-        aux_weight = 1.0 / plan.batch.global_batch
-
-        # The held parameters are already in the compute dtype (testbed.runner.precision): no cast here.
-        def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
-            if _EMBED in params:
-                x = model.embed(params[_EMBED], x, seqs[stage], fsdps[stage], ctxs[stage])
-            return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage], fsdps[stage], ctxs[stage],
-                                       exps[stage], aux_weight, dots)
-
-        def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-            return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last, fsdp=fsdps[last_stage])
-
-        # ParamShards' maps take spread parameters themselves; otherwise each replica runs in a vmap.
+        par = _stage_parallel(plan, stage_meshes, self.replicas)
+        copies, scatter = par.copies, par.scatter
+        self.context_order = None if par.ctxs[0] is None else par.ctxs[0].order
         # The loss per replica (``[copies]`` over data), averaged by the engine's mean_loss after the schedule.
-        self.loss_replicas = copies if copies > 1 and fsdps[0] is None else 1
-        if self.loss_replicas > 1:
-            chunk_forward = per_replica_forward(chunk_forward, copies, stage_meshes, axis)
-            loss_fn = per_replica_losses(loss_fn, copies, stage_meshes[last_stage], axis)
+        self.loss_replicas = copies if copies > 1 and par.fsdps[0] is None else 1
+        chunk_forward, loss_fn = _chunk_functions(plan, self.schedule, par, stage_meshes)
         self.chunk_forward, self.loss_fn = chunk_forward, loss_fn
         mb = plan.batch.global_batch // plan.batch.microbatches
         self.act_shape = (mb, spec.seq_len, spec.d_model)
@@ -283,3 +251,66 @@ class PipelineTrainer:
     def transfers(self) -> int:
         """Activation and gradient transfers between stages per step (cross-mesh ``device_put``)."""
         return len(sends(self.schedule))
+
+
+@dataclass(frozen=True)
+class _StageParallel:
+    """How a pipeline plan's chunks run on each stage's sub-mesh: ``copies`` data replicas they run spread over
+    (``axis``: the replica axis where each runs in a vmap, else None), ZeRO-2's per-microbatch ``scatter``, and
+    per stage its FSDP/ZeRO-3 shards, sequence-parallel, context-parallel and expert-parallel shards (or None)."""
+
+    copies: int
+    scatter: bool
+    axis: Any
+    fsdps: list[Any]
+    seqs: list[Any]
+    ctxs: list[Any]
+    exps: list[Any]
+
+
+def _stage_parallel(plan: Plan, stage_meshes: list[Any], data_replicas: int) -> _StageParallel:
+    """The :class:`_StageParallel` of ``plan`` on ``stage_meshes`` (``data_replicas``: its data replicas)."""
+    # ZeRO-2: whole parameters run spread too, and each microbatch's gradients are reduce-scattered into
+    # their `data` shards (testbed.runner.replicas.Scatter); none is left per replica for the update.
+    scatter = scatters(plan)
+    copies = plan.mesh.data if scatter else data_replicas
+    # FSDP / ZeRO-3 (testbed.runner.param_shards.ParamShards) per stage sub-mesh, on spread parameters with replicas.
+    fsdps = [param_shards(plan, m, spread=data_replicas > 1) for m in stage_meshes]
+    # Megatron sequence parallelism per stage sub-mesh (testbed.runner.parallel), or None; run per replica
+    # when the chunks are (below).
+    axis = replica_axis(plan) if copies > 1 and fsdps[0] is None else None
+    seqs = [q.per_replica if axis and q is not None else q
+            for q in (sequence_shards(plan, m) for m in stage_meshes)]
+    # Context parallelism per stage sub-mesh (testbed.runner.ring_attention): stages pass the context shards on.
+    ctxs = [context_shards(plan, m) for m in stage_meshes]
+    # Expert parallelism per stage sub-mesh (testbed.runner.moe).
+    exps = [e.per_replica if axis and e is not None else e
+            for e in (expert_shards(plan, m) for m in stage_meshes)]
+    return _StageParallel(copies=copies, scatter=scatter, axis=axis, fsdps=fsdps, seqs=seqs, ctxs=ctxs, exps=exps)
+
+
+def _chunk_functions(plan: Plan, schedule: Any, par: _StageParallel, stage_meshes: list[Any]) -> tuple[Any, Any]:
+    """(chunk_forward(stage, chunk, params, x), loss_fn(params, y, targets)) the engine runs; each replica in a
+    vmap where the chunks run spread without FSDP's maps (which take spread parameters themselves). The engine's
+    loss seeds weigh each microbatch's mean 1/microbatches, so one sequence's MoE load-balancing loss weighs
+    1/global batch."""
+    spec, remat, dots = plan.model, plan.remat, saves_dots(plan)
+    fsdps, seqs, ctxs, exps = par.fsdps, par.seqs, par.ctxs, par.exps
+    last_stage = schedule.locate(schedule.chunks - 1)[0]
+    last = seqs[last_stage]
+    aux_weight = 1.0 / plan.batch.global_batch
+
+    # The held parameters are already in the compute dtype (testbed.runner.precision): no cast here.
+    def chunk_forward(stage: int, chunk: int, params: Any, x: jax.Array) -> jax.Array:
+        if _EMBED in params:
+            x = model.embed(params[_EMBED], x, seqs[stage], fsdps[stage], ctxs[stage])
+        return model.stage_forward(params[_LAYERS], x, spec, remat, seqs[stage], fsdps[stage], ctxs[stage],
+                                   exps[stage], aux_weight, dots)
+
+    def loss_fn(params: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+        return model.head_loss(params[_HEAD], y, targets, spec=spec, seq=last, fsdp=fsdps[last_stage])
+
+    if par.copies > 1 and fsdps[0] is None:
+        chunk_forward = per_replica_forward(chunk_forward, par.copies, stage_meshes, par.axis)
+        loss_fn = per_replica_losses(loss_fn, par.copies, stage_meshes[last_stage], par.axis)
+    return chunk_forward, loss_fn

@@ -4,7 +4,7 @@ The step the ``--program`` function returned for a concrete mesh is compiled onc
 ``lower(...).compile()``; a :class:`~testbed.runner.program.PmapStep` through ``jax.pmap`` over the mesh's
 devices) on arguments of the declared shapes and shardings (random normal values x 0.1 for floats, 0 or 1
 for integers: labels and token ids stay in range), and timed as ``validate`` times a plan: a
-:class:`testbed.runner.measure.StepTimer` (the first step compiles; rounds of steps, each round's median,
+:class:`testbed.runner.step_timer.StepTimer` (the first step compiles; rounds of steps, each round's median,
 the least disturbed round kept: other load only ever slows a step down). A step returning values of its
 arguments' structure, shapes and dtypes (a training step returning its next state) is fed its own outputs,
 so one that donates its arguments runs; any other is called on the same arguments every time.
@@ -160,7 +160,7 @@ def measure_program(step: Any, args: Any, mesh: Any, *, steps: int, rounds: int,
     ``after_round()`` (validate's reference step) returns the host's speed, timed after each round;
     ``progress(phase, done, total)`` hears of ``compile`` and ``steps`` as ``testbed run`` shows them.
     """
-    from testbed.runner.measure import StepTimer
+    from testbed.runner.step_timer import StepTimer
 
     tell = progress or (lambda phase, done, total: None)
     tell("compile", 0, 1)
