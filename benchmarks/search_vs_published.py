@@ -9,9 +9,13 @@ prediction). ``published_fits``: whether the published layout fits testbed's mem
 so false is the memory model's miss; the search keeps to plans that fit). ``wall_s`` and ``cpu_s``: the
 search's own time (the load average beside them says how shared the machine was).
 
-Prints one JSON object: ``runs`` (one row each), ``worst_ratio``, ``all_no_slower``, ``max_wall_s``.
+Prints one JSON object: ``runs`` (one row each, smallest device count first), ``worst_ratio``, ``all_no_slower``,
+``max_wall_s``, ``max_cpu_s``, ``failed`` (runs the search found no layout for: their row's ``error``),
+``not_run`` (runs left out by ``--cases``/``--max-devices``). With ``--rows FILE`` each row is also appended to
+FILE (JSON lines) as its search ends, and the runs already there are kept, not searched again: a long run
+resumes where it stopped.
 
-Run: ``.venv/bin/python benchmarks/search_vs_published.py [--cases SUBSTRING,...] [--max-devices N]``.
+Run: ``.venv/bin/python benchmarks/search_vs_published.py [--cases SUBSTRING,...] [--max-devices N] [--rows FILE]``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "published"))
 from end_to_end import CASES as MEGATRON, plan_dict  # noqa: E402
 from runs import case_plan, case_topology, load_cases  # noqa: E402
 
+from testbed.errors import InputError  # noqa: E402
 from testbed.explore.search import search  # noqa: E402
 from testbed.explore.space import SearchSpace, resize_topology  # noqa: E402
 from testbed.model.memory import memory_breakdown  # noqa: E402
@@ -62,7 +67,13 @@ def compare(name: str, plan: Plan, topology: Topology, space: SearchSpace = SPAC
     """One run: the published layout's DES step, the search's best, their ratio and the search's time."""
     published = simulate(plan, topology).report.step_time_s
     start, cpu = time.perf_counter(), time.process_time()
-    result = search(plan, topology, space)
+    try:
+        result = search(plan, topology, space)
+    except InputError as exc:  # the search found no layout: the run fails the check, its reason kept
+        return {"run": name, "devices": topology.num_devices, "published_s": round(published, 4),
+                "published_fits": memory_breakdown(plan, topology).fits, "best_s": None, "ratio": None,
+                "error": str(exc), "wall_s": round(time.perf_counter() - start, 1),
+                "cpu_s": round(time.process_time() - cpu, 1)}
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     best = result.best
     return {"run": name, "devices": topology.num_devices, "published_s": round(published, 4),
@@ -78,18 +89,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", help="comma-separated substrings of the run names to keep (default: all)")
     parser.add_argument("--max-devices", type=int, help="keep the runs on at most this many devices")
+    parser.add_argument("--rows", type=Path, help="JSON lines of finished rows: appended to, and resumed from")
     args = parser.parse_args()
     keep = [s for s in (args.cases or "").split(",") if s]
-    rows = []
-    for name, plan, topology in published_runs():
+    done = {}
+    if args.rows is not None and args.rows.exists():
+        done = {row["run"]: row for row in map(json.loads, args.rows.read_text().splitlines()) if row}
+    rows, skipped = [], []
+    for name, plan, topology in sorted(published_runs(), key=lambda run: run[2].num_devices):
         if (keep and not any(k in name for k in keep)) or (args.max_devices and topology.num_devices > args.max_devices):
+            skipped.append(name)
             continue
-        rows.append(compare(name, plan, topology))
-        print(f"{name}: ratio {rows[-1]['ratio']}, {rows[-1]['wall_s']} s", file=sys.stderr, flush=True)
-    ratios = [r["ratio"] for r in rows]
+        row = done.get(name)
+        if row is None:
+            row = {**compare(name, plan, topology), "load_average": round(os.getloadavg()[0], 2)}
+            if args.rows is not None:
+                with args.rows.open("a") as out:
+                    out.write(json.dumps(row) + "\n")
+        rows.append(row)
+        print(f"{name}: ratio {row['ratio']}, {row['cpu_s']} CPU s {row.get('error', '')}", file=sys.stderr,
+              flush=True)
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
     print(json.dumps({"runs": rows, "worst_ratio": max(ratios, default=None),
-                      "all_no_slower": all(r <= 1.0 for r in ratios),
+                      "all_no_slower": len(ratios) == len(rows) and all(r <= 1.0 for r in ratios),
+                      "failed": [r["run"] for r in rows if r["ratio"] is None],
                       "max_wall_s": max((r["wall_s"] for r in rows), default=None),
+                      "max_cpu_s": max((r["cpu_s"] for r in rows), default=None), "not_run": skipped,
                       "load_average": os.getloadavg()[0], "cpus": os.cpu_count()}))
 
 

@@ -83,3 +83,29 @@ def test_an_estimate_stops_only_above_its_bar() -> None:
             else:
                 assert out == whole
         assert isinstance(estimate(plan, topology, bar=0.5 * whole.step_time_s), float) or whole.step_time_s == 0
+
+
+def test_play_floor_counts_the_comm_slowdown_beside_gathers() -> None:
+    """fsdp plans on a device whose compute slows beside its communication (``device.comm_slowdown``): the floor of
+    an action priced whole counts the slowdown over its gathers, and still never passes the step."""
+    from dataclasses import replace
+
+    topology = load_topology("dgx-h100-superpod@64")
+    assert topology.device.comm_slowdown > 0
+    plain = replace(topology, device=replace(topology.device, comm_slowdown=0.0))
+    plans = [p for p in _plans("llama3-8b", 64, 200, 7) if p.mesh.fsdp > 1][:6]
+    assert plans
+    slowed = 0
+    for plan in plans:
+        bounds, step = _bounds(plan, topology)
+        assert max(bounds) <= step * (1 + 1e-12)
+        ids = place(plan, topology).device_ids
+        facts = step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
+                           chained_gathers=topology.device.gathers_apart(),
+                           native_reductions=topology.device.native_reductions(),
+                           allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes,
+                           fused_updates=topology.device.fused_updates())
+        with_rate, without = action_floors(_Step(facts, topology, ids)), action_floors(_Step(facts, plain, ids))
+        assert all(with_rate[k] >= without[k] for k in without)
+        slowed += sum(with_rate[k] > without[k] for k in without)
+    assert slowed  # some actions' floors count it

@@ -25,7 +25,7 @@ from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
-__all__ = ["step_floor", "played_floor", "cached_step_floor", "floor_key", "group_floor_key", "cached_table",
+__all__ = ["step_floor", "played_floor", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
            "cached_peaks"]
 
 
@@ -110,8 +110,26 @@ def played_floor(plan: Plan, topology: Topology) -> float | None:
     one chunk per stage; its (a) and (b) are paths of this play, so but for rounding it is never below.
     The optimizer, gathers and gradient reductions are left out (they only add). At one action per
     microsecond or so it costs far less than an estimate, so the search plays it only for plans
-    :func:`step_floor` did not already rule out.
+    :func:`step_floor` did not already rule out (memoized: :func:`cached_played_floor`).
     """
+    return cached_played_floor(floor_key(plan), plan, topology)
+
+
+def cached_played_floor(key: tuple, plan: Plan, topology: Topology) -> float | None:
+    """:func:`played_floor` of ``plan``, whose :func:`floor_key` is ``key``; memoized per topology on the key and
+    the schedule's name (all it reads: plans alike in them play one order at the same floors)."""
+    memo = topology_memo(topology).setdefault("played_floor", {})
+    key = (key, plan.schedule.name)
+    hit = memo.get(key, memo)
+    if hit is memo:
+        if len(memo) > 100_000:
+            memo.clear()
+        hit = memo[key] = _played_floor(plan, topology)
+    return hit
+
+
+def _played_floor(plan: Plan, topology: Topology) -> float | None:
+    """:func:`played_floor`, not memoized."""
     priced = _stage_floors(plan, topology)
     if priced is None:
         return None

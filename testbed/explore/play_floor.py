@@ -5,9 +5,13 @@ A stage's play (:class:`testbed.explore.play.Play`) starts each action no earlie
 it no earlier than the action's compute has run: its priced compute (the least of the ways the play may price it: whole,
 in gradient-bucket pieces, or its blocks played span by span, testbed.explore.span_times), the accumulator's add of a
 microbatch's last backward, and its blocking tensor collectives less the part ``runtime.tp_comm_overlap`` hides
-(none where its blocks play their collectives among them); barriers, gathers, sends, the comm slowdown and the
-iteration joins only add. The stage's update then runs its optimizer after the stage is free. So at any point of the
-play the step is at least the stage's free time plus the floors of its actions still to play and its optimizer:
+(none where its blocks play their collectives among them); barriers, gathers, sends and the iteration joins only
+add. The comm slowdown (``device.comm_slowdown``) is counted where the play prices it from the action's own prices
+(:meth:`testbed.explore.play.Play._slowed` on an action neither played span by span nor block by block with its
+own parts: ``slowdown x min(compute, communication beside it)``, what a gather wait absorbs still lengthening the
+action), at the action's least compute. The stage's update then runs its optimizer after the stage is free. So at
+any point of the play the step is at least the stage's free time plus the floors of its actions still to play and its
+optimizer:
 :func:`stage_rests` gives those sums before the play, :func:`action_floors` each action's share.
 tests/test_play_floor.py holds the bound under the estimate on sampled plans, at every action.
 """
@@ -37,8 +41,9 @@ class AboveBar(Exception):
 
 
 def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
-    """Each priced action's floor ``(stage, chunk, kind) -> seconds`` (module docstring), compute unslowed."""
-    last = step.facts.last_backward
+    """Each priced action's floor ``(stage, chunk, kind) -> seconds`` (module docstring)."""
+    facts = step.facts
+    last, rate = facts.last_backward, step.topology.device.comm_slowdown
     out = {}
     for key, p in step.prices.items():
         plays = [v for v in (p.plays, p.plays_last, p.plays_scatter) if v]
@@ -50,9 +55,20 @@ def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
             if p.parts and len(p.parts) == p.pieces:
                 ways.append(sum(p.parts))
             extra = p.acc
+        compute = min(ways) + extra
         tensor = 0.0 if plays else max(0.0, p.tensor - p.hidden)
-        out[key] = min(ways) + extra + tensor
+        out[key] = compute + tensor + (rate * min(compute, _beside(step, p)) if rate and not plays
+                                       and not (p.gather and p.parts) else 0.0)
     return out
+
+
+def _beside(step: _Step, p) -> float:
+    """The communication :meth:`testbed.explore.play.Play._slowed` counts beside an action's compute: its hidden
+    tensor collectives, its sends, its gradient reductions (the buckets where they reduce in the backward, else an
+    earlier microbatch's reduce-scatter, the larger) and, with prefetch, its gathers."""
+    facts = step.facts
+    buckets = p.bucket * p.pieces if facts.reduce_in_backward else 0.0
+    return p.hidden + p.send_s + max(p.scatter, buckets) + p.gather * bool(facts.prefetch)
 
 
 def stage_rests(step: _Step, floors: dict[tuple[int, int, str], float]) -> list[float]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from testbed.errors import InputError
 from testbed.explore.analytic import Estimate, estimate, plan_memory
 from testbed.explore.eta import TimeLeft
-from testbed.explore.floor import cached_peaks, cached_step_floor, group_floor_key, played_floor
+from testbed.explore.floor import cached_peaks, cached_played_floor, cached_step_floor, group_floor_key
 from testbed.explore.gather_floor import gather_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.space import CandidateGroup, SearchSpace, candidate_groups, candidates
@@ -267,11 +267,11 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
 @dataclass
 class _Tier:
     """What the analytic pass over the candidates found: the estimated plans, the plans skipped for their
-    step floor (``deferred``: (floor, the plan or its (group, index), built by :func:`_built`), for :func:`_settle`),
+    step floor (``deferred``: (floor, the plan or its (group, index, floor key), built by :func:`_built`), for :func:`_settle`),
     the memory floors memo and the counts."""
 
     shortlist: list[Candidate] = field(default_factory=list)
-    deferred: list[tuple[float, Plan | tuple[CandidateGroup, int]]] = field(default_factory=list)
+    deferred: list[tuple[float, Plan | tuple[CandidateGroup, int, tuple]]] = field(default_factory=list)
     floors: dict = field(default_factory=dict)
     #: Deferred plans :func:`_settle` estimated after all (those that fit).
     revived: list[Candidate] = field(default_factory=list)
@@ -292,10 +292,12 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     than the floor, so only for plans that could still be estimated) and its estimate, so the ``keep`` fastest estimates are found early and every plan whose floor
     is above them is skipped (once one is, all later ones are: the floors only grow, the bar only falls). A
     plan whose estimate could reach the replay list has a floor below it, so it is estimated in either order.
-    Before its estimate, a plan's parameter gathers are summed as its stages play them one after another
-    (:func:`testbed.explore.gather_floor.gather_floor`) and its schedule is played at its floors
-    (:func:`testbed.explore.floor.played_floor`, a lower bound of the estimate that counts the pipeline's bubble),
-    and it is skipped when either is above the bar:
+    Before its memory and estimate, a plan's schedule is played at its floors (:func:`testbed.explore.floor
+    .played_floor`, a lower bound of the estimate that counts the pipeline's bubble, memoized across plans alike in
+    it), and before its estimate its parameter gathers are summed as its stages play them one after another
+    (:func:`testbed.explore.gather_floor.gather_floor`); it is skipped when either is above the bar (a plan so
+    skipped that would not fit is counted as skipped, not over memory; :func:`_settle` checks its memory before it
+    could be estimated):
     the bar only falls, so it would be above the final bar too, and the plans estimated at or below the final
     bar are the same.
     """
@@ -323,7 +325,7 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
                 for j, (mb, remat, sp, runtime) in enumerate(group.choices()):
                     key = (*shared, mb, group.head.batch.global_batch // (replicas * mb), remat, sp, runtime)
                     floor = cached_step_floor(key, functools.partial(group.plan, j), topology)
-                    bounded.append((floor or 0.0, len(bounded), (group, j)))
+                    bounded.append((floor or 0.0, len(bounded), (group, j, key)))
         done += group.size
         if progress is not None:
             phase = "analytic" if not by_time else "bounds"
@@ -341,8 +343,8 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
 
 def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, memory_cap: float, keep: int,
                 margin: float, rank: Callable, progress, eta: TimeLeft) -> None:
-    """:func:`_analytic_tier`'s best-first pass over ``bounded`` ((step floor, order, (group, index)), sorted), in the
-    order of each plan's best known lower bound: a plan whose gather or played floor (:func:`_tightened`) puts it
+    """:func:`_analytic_tier`'s best-first pass over ``bounded`` ((step floor, order, (group, index, floor key)), sorted), in the
+    order of each plan's best known lower bound: a plan whose played or gather floor puts it
     behind the next plan waits in a heap at that floor, so plans are estimated cheapest-floor first and the bar
     falls sooner. Every plan is estimated, dropped for memory, or deferred (``tier.deferred``) with a proven
     floor above the bar at that time, which only falls: the plans estimated at or below the final bar are those
@@ -357,16 +359,20 @@ def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, mem
                 break
             plan = heapq.heappop(waiting)[2]
         else:
-            floor, order, (group, j) = bounded[k]
+            floor, order, (group, j, key) = bounded[k]
             if floor > bar:
                 break
             k += 1
             plan = group.plan(j)
-            if _overflows(plan, topology, memory_cap, tier.floors):  # its stages' exact peaks, now it may be estimated
+            # Its schedule played at its floors (memoized across plans alike), then its stages' exact peaks, then
+            # its gathers: skipped if too slow, else estimated in its place.
+            tight = max(floor, cached_played_floor(key, plan, topology) or 0.0) if floor else floor
+            if tight <= bar and _overflows(plan, topology, memory_cap, tier.floors):
                 tier.pruned += 1
                 continue
-            if floor:  # its gathers, then the schedule played at its floors: skipped if too slow, else in its place
-                tight = _tightened(plan, topology, floor, bar)
+            if floor:
+                if tight <= bar:
+                    tight = max(tight, gather_floor(plan, topology))
                 if tight > bar:
                     tier.bounded += 1
                     tier.deferred.append((tight, plan))
@@ -386,18 +392,8 @@ def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, mem
     tier.deferred.extend((f, plan) for f, _, plan in waiting)
 
 
-def _tightened(plan: Plan, topology: Topology, floor: float, bar: float) -> float:
-    """A lower bound of ``plan``'s estimate at least its step ``floor``: its gathers one after another
-    (testbed.explore.gather_floor), then, where that is not above ``bar``, its schedule played at its floors
-    (testbed.explore.floor.played_floor)."""
-    played = max(floor, gather_floor(plan, topology))
-    if played <= bar:
-        played = max(played, played_floor(plan, topology) or 0.0)
-    return played
-
-
-def _built(ref: Plan | tuple[CandidateGroup, int]) -> Plan:
-    """The plan of a deferred entry: itself, or the ``index``-th of its ``(group, index)``."""
+def _built(ref: Plan | tuple[CandidateGroup, int, tuple]) -> Plan:
+    """The plan of a deferred entry: itself, or the ``index``-th of its ``(group, index, floor key)``."""
     return ref if isinstance(ref, Plan) else ref[0].plan(ref[1])
 
 

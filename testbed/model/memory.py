@@ -65,6 +65,7 @@ gradients appear, so the two never peak together.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -426,9 +427,16 @@ def lazy_grad_instants(plan: Plan, stage: int) -> tuple[tuple[int, int], ...]:
     forward runs before the first backward (interleaved, ``microbatches <= stages``, the first half of the stages)
     the activation peak has only the first backward's chunk of gradients beside it, and the gradients peak when
     the activations are gone."""
-    schedule = build_schedule(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
-                              plan.schedule.virtual_stages)
-    return tuple((held, chunks) for chunks, held in enumerate(held_by_gradient_chunks(schedule)[stage]))
+    rows = _gradient_chunk_rows(plan.schedule.name, plan.mesh.stage, plan.batch.microbatches,
+                                plan.schedule.virtual_stages)
+    return tuple((held, chunks) for chunks, held in enumerate(rows[stage]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _gradient_chunk_rows(name, stages: int, microbatches: int, virtual: int) -> tuple[tuple[int, ...], ...]:
+    """testbed.pipeline.schedules.held_by_gradient_chunks of the schedule table, memoized on what builds it (a
+    search asks it of every stage of every plan)."""
+    return held_by_gradient_chunks(build_schedule(name, stages, microbatches, virtual))
 
 
 def memory_breakdown(plan: Plan, topology: Topology, inflight: tuple[int, ...] | None = None) -> MemoryBreakdown:

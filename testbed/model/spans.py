@@ -36,6 +36,8 @@ no spans, the action is one roofline.
 
 from __future__ import annotations
 
+import functools
+
 from testbed.model.activations import (LOSS_BYTES, head_activation_bytes, layer_traffic_bytes, norm_stats, norms,
                                        sequence_share)
 from testbed.model.costs import ChunkCost, _layer_matmul_flops, head_forward_flops
@@ -62,18 +64,28 @@ def action_spans(plan: Plan, cost: ChunkCost, kind: str, split: bool, moe_layers
     if (t <= 1 or kind == "W" or moe_layers or mesh.context > 1 or plan.runtime.tp_comm_overlap
             or not cost.tensor_allreduce_bytes):
         return ()
-    b, c = plan.microbatch_size, plan.precision.compute_bytes
+    gathered = cost.has_head and kind != "F" and gathers_parameters(plan, "B")
+    return _action_spans(spec, t, sp, plan.microbatch_size, plan.precision, cost.layers, cost.has_embedding,
+                         cost.has_head, cost.params, kind, split, gathered)
+
+
+@functools.lru_cache(maxsize=1 << 14)  # the search's bounds ask it of many plans alike in all it reads
+def _action_spans(spec, t: int, sp: bool, b: int, precision, layers: int, has_embedding: bool, has_head: bool,
+                  params: float, kind: str, split: bool, gathered: bool) -> tuple[Span, ...]:
+    """:func:`action_spans` of a dense action from what it reads (``gathered``: the head's weight gathered again
+    for the backward)."""
+    c = precision.compute_bytes
     n, d = b * spec.seq_len, spec.d_model
     dense, products = (x / t for x in _layer_matmul_flops(spec, b, t))
     mlp_flops = 2 * n * spec.mlp_matrices * d * spec.d_ff / t
-    replicated, split_b = layer_traffic_bytes(spec, b, plan.precision, t, sp)
+    replicated, split_b = layer_traffic_bytes(spec, b, precision, t, sp)
     hidden = c * spec.mlp_matrices * n * spec.d_ff / t
     scores = 0 if spec.attention is Attention.FLASH else c * b * spec.heads * spec.seq_len ** 2 / t
     norm = replicated / norms(spec)
     mlp_w = c * spec.mlp_matrices * d * spec.d_ff / t
     attn_w = c * (d * (spec.q_dim + 2 * spec.kv_dim) + spec.q_dim * d) / t
-    head_w = c * d * spec.padded_vocab / t if cost.has_head else 0.0
-    embed_w = max(0.0, cost.params * c - cost.layers * (attn_w + mlp_w) - head_w)
+    head_w = c * d * spec.padded_vocab / t if has_head else 0.0
+    embed_w = max(0.0, params * c - layers * (attn_w + mlp_w) - head_w)
     # (what, projection FLOPs, attention products' FLOPs, forward bytes); a block's norm first, a span of its own
     # under sequence parallelism (on the sequence shard, between a reduce-scatter and an all-gather).
     attn = ("attention", dense - mlp_flops, products, attn_w + split_b - hidden + (SOFTMAX_PASSES["F"] - 1) * scores)
@@ -82,22 +94,21 @@ def action_spans(plan: Plan, cost: ChunkCost, kind: str, split: bool, moe_layers
     layer = []
     for what, proj, prod, nbytes in blocks:
         layer += [("norm", 0.0, 0.0, norm), (what, proj, prod, nbytes)] if sp else [(what, proj, prod, nbytes + norm)]
-    spans = [list(x) for _ in range(cost.layers) for x in layer]
+    spans = [list(x) for _ in range(layers) for x in layer]
     n_bytes = c * n * d
-    if cost.has_embedding:
+    if has_embedding:
         spans.insert(0, ["lookup", 0.0, 0.0, embed_w + n_bytes])
     elif spans:
         spans[0][3] += n_bytes  # the chunk's input, read by its first block
-    if cost.has_head:
+    if has_head:
         head_norm = c * n * (2 * d + norm_stats(spec))
         head_norm = float(sequence_share(head_norm, spec.seq_len, t) if sp else head_norm)
-        kept = head_activation_bytes(spec, b, plan.precision, t, sp)
+        kept = head_activation_bytes(spec, b, precision, t, sp)
         spans += [["norm", 0.0, 0.0, head_norm]] * sp + [
             ["head", head_forward_flops(spec, b, t), 0.0, head_w + kept - head_norm * sp]]
     if kind == "F":
-        loss = [["loss", 0.0, 0.0, LOSS_BYTES * n * spec.padded_vocab / t]] if cost.has_head else []
+        loss = [["loss", 0.0, 0.0, LOSS_BYTES * n * spec.padded_vocab / t]] if has_head else []
         return _shares([(proj + prod, nbytes) for _, proj, prod, nbytes in spans + loss])
-    gathered = cost.has_head and gathers_parameters(plan, "B")  # the head's weight gathered again for B
     logits = LOSS_BYTES * n * (spec.padded_vocab // t + 1) if gathered else 0.0
     return _shares(_backward(spans, scores, split, logits))
 
