@@ -218,14 +218,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
             the search's estimate of its seconds left (testbed.explore.eta), or
             None while it has no rate to go by.
     """
-    if objective not in OBJECTIVES:
-        raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
-    if not 0 < memory_cap <= 1:
-        raise InputError(f"must be a fraction of device memory in (0, 1], got {memory_cap}", field="--memory-cap")
-    if replay < 1 or top < 1:
-        raise InputError(f"must be at least 1, got {min(replay, top)}", field="--top")
-    if objective == "cost":
-        objective_value(objective, base, topology, 1.0, price_per_device_hour)  # validates the price first
+    _check_arguments(base, topology, objective, memory_cap, replay, top, price_per_device_hour)
     groups = [g for g in candidate_groups(base, topology.num_devices, space) if _within_limits(g.head)]
     if not groups:
         raise InputError(f"no layout of this model and batch divides over {topology.num_devices} devices within "
@@ -247,13 +240,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         best_est = shortlist[0].estimate.step_time_s
         chosen += [c for c in shortlist[len(chosen):] if c.estimate.step_time_s <= best_est * (1 + margin)]
     start = time.perf_counter()
-    replayed = []
-    eta.update("replay", 0)
-    for k, c in enumerate(chosen):
-        replayed.append(_replayed(c, topology, rank))
-        if progress is not None:
-            eta.update("replay", k + 1)
-            progress("replay", k + 1, len(chosen), eta.seconds("replay", len(chosen) - k - 1))
+    replayed = _replay_all(chosen, topology, rank, progress, eta)
     if by_time and replayed:
         replayed += _settle(shortlist[len(chosen):], tier, replayed, topology, memory_cap, margin, rank, progress)
         shortlist = sorted([*shortlist, *tier.revived], key=lambda c: _sort_key(objective, c))
@@ -262,6 +249,31 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
                         pruned_memory=tier.pruned, pruned_bound=tier.bounded - len(tier.revived), estimated=len(shortlist),
                         replayed=len(replayed), analytic_s=analytic_s, replay_s=time.perf_counter() - start,
                         shortlist=tuple(shortlist))
+
+
+def _check_arguments(base: Plan, topology: Topology, objective: str, memory_cap: float, replay: int, top: int,
+                     price_per_device_hour: float | None) -> None:
+    """:func:`search`'s arguments, each refused with the option it came from."""
+    if objective not in OBJECTIVES:
+        raise InputError(f"unknown objective `{objective}`; valid: {', '.join(OBJECTIVES)}", field="--objective")
+    if not 0 < memory_cap <= 1:
+        raise InputError(f"must be a fraction of device memory in (0, 1], got {memory_cap}", field="--memory-cap")
+    if replay < 1 or top < 1:
+        raise InputError(f"must be at least 1, got {min(replay, top)}", field="--top")
+    if objective == "cost":
+        objective_value(objective, base, topology, 1.0, price_per_device_hour)  # validates the price first
+
+
+def _replay_all(chosen: list, topology: Topology, rank: Callable, progress: Callable | None, eta: TimeLeft) -> list:
+    """The chosen candidates replayed by the DES, one after another, the progress told after each."""
+    replayed = []
+    eta.update("replay", 0)
+    for k, c in enumerate(chosen):
+        replayed.append(_replayed(c, topology, rank))
+        if progress is not None:
+            eta.update("replay", k + 1)
+            progress("replay", k + 1, len(chosen), eta.seconds("replay", len(chosen) - k - 1))
+    return replayed
 
 
 @dataclass
