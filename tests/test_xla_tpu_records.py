@@ -153,7 +153,8 @@ def test_fsdp_moves_the_predicted_bytes_where_it_lowers_collectives_as_all_reduc
         assert abs(moved["xla"] - moved["predicted"]) <= 1024, (row["plan"], moved)
 
 
-#: The recorded fsdp-only plans without remat whose records hold the chain-aware reading (v5p compiles have no chains).
+#: The recorded bf16-mixed fsdp-only plans without remat (under fp32, llama2k-fsdp4-fp32, XLA:TPU gathers the matmul
+#: weights in bf16, their dots' default precision: half testbed's gather bytes).
 FSDP_ONLY = ("llama1b-fsdp256-flash", "llama2k-fsdp8")
 
 
