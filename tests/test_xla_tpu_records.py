@@ -130,8 +130,8 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 FSDP = ("fsdp: XLA:TPU lowers a reduce-scatter over a whole v5e 4x4+ or v5p slice as an all-reduce, and an "
         "all-gather of small shards over a whole slice too, all-reduces the token table's and the head's gradients, "
         "and under remat gathers some leaves again for the recomputation")
-SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU gathers some activations again for the "
-                "recomputation (16 tensor all-gathers against 11)")
+SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU gathers some activations again in the "
+                "backward (16 tensor all-gathers against 11)")
 #: The recorded multi-chip plans whose collectives per mesh axis differ from XLA:TPU's, by mechanism.
 COLLECTIVES_APART = {
     **{r.name: FSDP for r in MULTI if r.plan.mesh.fsdp > 1},
