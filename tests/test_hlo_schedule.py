@@ -99,6 +99,72 @@ def test_known_trip_count_wins_over_the_condition():
     assert hs.multiplicities(hs.computations(text))["body"] == 7
 
 
+# XLA:TPU's async collective fusion (the form of libtpu 0.0.42's compile of the runner's fsdp step, abridged): one
+# all-gather over the 4 devices as a chain: its AsyncCollectiveStart fusion, a step fused into a while body of 16
+# trips, a step in the entry, and its AsyncCollectiveDone fusion; each holds a copy of the all-gather (chain 7).
+_AG = ('bf16[8,16]{{1,0}} all-gather(%{p}), channel_id=1, replica_groups={{{{0,1,2,3}}}}, dimensions={{0}}, '
+       'use_global_device_ids=true, frontend_attributes={{chain_id="7"}}, backend_config={{"async_collective_fusion_'
+       'config":{{"flag_start":"{f}","flag_end":"{e}"}}}}')
+_CHAIN = f"""HloModule jit_step, is_scheduled=true
+
+%start_comp (s: bf16[2,16]) -> (bf16[2,16], bf16[8,16]) {{
+  %s = bf16[2,16]{{1,0}} parameter(0)
+  %all-gather.1 = {_AG.format(p="s", f=-1, e=-1)}
+  ROOT %cc.1 = (bf16[2,16]{{1,0}}, bf16[8,16]{{1,0}}) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}}
+
+%step_comp (a: bf16[2,16], b: bf16[8,16]) -> bf16[8,16] {{
+  %a = bf16[2,16]{{1,0}} parameter(0)
+  %b = bf16[8,16]{{1,0}} parameter(1)
+  ROOT %all-gather.2 = {_AG.format(p="a", f=2, e=8)}
+}}
+
+%done_comp (a: bf16[2,16], b: bf16[8,16]) -> bf16[8,16] {{
+  %a = bf16[2,16]{{1,0}} parameter(0)
+  %b = bf16[8,16]{{1,0}} parameter(1)
+  %all-gather.3 = {_AG.format(p="a", f=2, e=8)}
+  ROOT %cc.2 = bf16[8,16]{{1,0}} custom-call(%a, %b, %all-gather.3), custom_call_target="AsyncCollectiveDone"
+}}
+
+%cond (c: (s32[], bf16[2,16], bf16[8,16])) -> pred[] {{
+  %c = (s32[], bf16[2,16]{{1,0}}, bf16[8,16]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %limit = s32[] constant(16)
+  ROOT %lt = pred[] compare(%i, %limit), direction=LT
+}}
+
+%body (c: (s32[], bf16[2,16], bf16[8,16])) -> (s32[], bf16[2,16], bf16[8,16]) {{
+  %c = (s32[], bf16[2,16]{{1,0}}, bf16[8,16]{{1,0}}) parameter(0)
+  %i = s32[] get-tuple-element(%c), index=0
+  %a = bf16[2,16]{{1,0}} get-tuple-element(%c), index=1
+  %b = bf16[8,16]{{1,0}} get-tuple-element(%c), index=2
+  %async_collective_fusion.1 = bf16[8,16]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%step_comp
+  ROOT %t = (s32[], bf16[2,16]{{1,0}}, bf16[8,16]{{1,0}}) tuple(%i, %a, %async_collective_fusion.1)
+}}
+
+ENTRY %main (p0: bf16[2,16]) -> bf16[8,16] {{
+  %p0 = bf16[2,16]{{1,0}} parameter(0)
+  %async-collective-start.1 = (bf16[2,16]{{1,0}}, bf16[8,16]{{1,0}}) fusion(%p0), kind=kCustom, calls=%start_comp
+  %a = bf16[2,16]{{1,0}} get-tuple-element(%async-collective-start.1), index=0
+  %b = bf16[8,16]{{1,0}} get-tuple-element(%async-collective-start.1), index=1
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[2,16]{{1,0}}, bf16[8,16]{{1,0}}) tuple(%zero, %a, %b)
+  %loop = (s32[], bf16[2,16]{{1,0}}, bf16[8,16]{{1,0}}) while(%init), condition=%cond, body=%body
+  %b2 = bf16[8,16]{{1,0}} get-tuple-element(%loop), index=2
+  %async_collective_fusion.2 = bf16[8,16]{{1,0}} fusion(%a, %b2), kind=kCustom, calls=%step_comp
+  ROOT %async-collective-done.1 = bf16[8,16]{{1,0}} fusion(%a, %async_collective_fusion.2), kind=kCustom, calls=%done_comp
+}}
+"""
+
+
+def test_an_async_collective_fusion_chain_is_one_collective_at_its_start():
+    """XLA:TPU's chain (start, steps in and out of a loop, done) is one all-gather, run once, asynchronous."""
+    (gather,) = hs.collectives(_CHAIN, (4,), ("fsdp",))
+    assert (gather.kind, gather.axes, gather.bytes) == ("all-gather", "fsdp", 8 * 16 * 2)
+    assert (gather.computation, gather.position, gather.executions) == ("main", 1, 1)
+    assert gather.overlap == 7  # the instructions between the start and the done, the loop and a step among them
+
+
 def test_xla_cpu_compile_of_a_sharded_step():
     """On an XLA:CPU compile (4 of the 8 test devices as data 2 x tensor 2): the gradient reduction over data."""
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), _AXES)

@@ -14,6 +14,18 @@ inside an ``async-start``/``async-done`` wrapper) count once, and the
 instructions scheduled between start and done are reported: what the
 collective can overlap with.
 
+XLA:TPU's async collective fusion (libtpu's
+``xla_tpu_enable_async_collective_fusion`` with ``..._fuse_all_gather`` and
+``..._multiple_steps``, the flags MaxText's TPU configs set) splits one
+collective into a chain: a fusion whose root is the custom call
+``AsyncCollectiveStart``, steps fused into the compute that runs meanwhile
+(in a ``while`` body too: the flash-attention loop), and a fusion whose root
+is ``AsyncCollectiveDone``; each holds a copy of the collective instruction
+with the chain's ``chain_id`` frontend attribute. A chain is one collective,
+counted at its start (as often as the start runs, asynchronous, overlapping
+the instructions up to its done); the copies in its steps and done move
+nothing more.
+
 Bytes follow :mod:`testbed.runner.hlo` (the nccl-tests convention): per
 device, the buffer of an all-reduce, all-to-all or collective-permute, the
 gathered buffer of an all-gather, the whole input (result times group) of a
@@ -45,6 +57,9 @@ _CALLEES = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CONSTANT = re.compile(r"s(?:32|64)\[\](?:\{[^}]*\})?\s*constant\((\d+)\)")
+_CHAIN = re.compile(r'\bchain_id="(\d+)"')
+_FUSION_CALL = re.compile(r"\bfusion\(.*?\bcalls=%?([\w.\-]+)")
+_CHAIN_START, _CHAIN_DONE = 'custom_call_target="AsyncCollectiveStart"', 'custom_call_target="AsyncCollectiveDone"'
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -180,14 +195,48 @@ def _async_wrappers(comps: dict[str, Computation]) -> dict[str, tuple[str, int, 
     return out
 
 
+def _chain_wrappers(comps: dict[str, Computation]) -> tuple[dict[str, tuple[str, int, int | None]], set[str]]:
+    """XLA:TPU's async collective fusion chains: the fused computation of each chain's ``AsyncCollectiveStart`` ->
+    (its caller, the start's position, instructions until the chain's done in that caller, if there), and the
+    fused computations of the chains' steps and dones (their collectives are the start's, not counted again)."""
+    calls = {}
+    for comp in comps.values():
+        for i, line in enumerate(comp.lines):
+            fused = _FUSION_CALL.search(line)
+            if fused:
+                calls[fused.group(1)] = (comp.name, i)
+    starts, dones, steps = {}, {}, set()
+    for comp in comps.values():
+        body = "\n".join(comp.lines)
+        chain = _CHAIN.search(body) if "async_collective_fusion_config" in body else None
+        if chain is None or comp.name not in calls:
+            continue
+        if _CHAIN_START in body:
+            starts[chain.group(1)] = comp.name
+        else:
+            steps.add(comp.name)
+            if _CHAIN_DONE in body:
+                dones[chain.group(1)] = calls[comp.name]
+    out = {}
+    for chain, name in starts.items():
+        caller, i = calls[name]
+        done = dones.get(chain)
+        out[name] = (caller, i, done[1] - i - 1 if done and done[0] == caller and done[1] > i else None)
+    return out, steps
+
+
 def collectives(text: str, mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> list[HloCollective]:
-    """Every collective instruction of a compiled program moving bytes, in schedule order per computation."""
+    """Every collective of a compiled program moving bytes, in schedule order per computation (an async collective
+    fusion chain once, at its start)."""
     comps = computations(text)
     runs = multiplicities(comps)
-    wrappers = _async_wrappers(comps)
+    chains, steps = _chain_wrappers(comps)
+    wrappers = {**_async_wrappers(comps), **chains}
     devices = math.prod(mesh_shape)
     out = []
     for comp in comps.values():
+        if comp.name in steps:
+            continue
         names = [(_NAME.match(line) or [None, None])[1] for line in comp.lines]
         for i, line in enumerate(comp.lines):
             match = _COLLECTIVE.search(line)
