@@ -21,7 +21,7 @@ from testbed.model.spans import SOFTMAX_PASSES, action_spans, scaled_spans
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.sim.compute import compute_seconds
 from testbed.sim.engine import simulate
-from testbed.sim import facts
+from testbed.sim import chunk_facts
 from testbed.sim.action_work import action_work
 from testbed.topology.io import load_topology
 
@@ -104,7 +104,7 @@ def test_both_tiers_price_the_spans(monkeypatch) -> None:
     overlapped = replace(plan, runtime=replace(plan.runtime, tp_comm_overlap=True))
     assert action_spans(overlapped, chunk_cost(overlapped, 0), "F", False) == ()
     with monkeypatch.context() as m:
-        m.setattr(facts, "action_spans", lambda *args, **kwargs: ())
+        m.setattr(chunk_facts, "action_spans", lambda *args, **kwargs: ())
         graph_one, analytic_one = simulate(plan, topology).report.step_time_s, estimate(plan, topology).step_time_s
     graph, analytic = simulate(plan, topology).report.step_time_s, estimate(plan, topology).step_time_s
     assert graph > graph_one and analytic > analytic_one
