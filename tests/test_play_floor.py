@@ -13,7 +13,7 @@ from testbed.explore.play import Play
 from testbed.explore.play_floor import action_floors, stage_rests
 from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.placement import place
-from testbed.sim.facts import step_facts
+from testbed.sim.facts import step_facts, topology_rules
 from testbed.topology.io import load_topology
 
 SPACE = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
@@ -29,11 +29,7 @@ def _plans(model: str, devices: int, count: int, seed: int) -> list:
 def _bounds(plan, topology) -> tuple[list[float], float]:
     """Each stage's free time plus its floors left, after each action of the plan's play, and the step it ends at."""
     ids = place(plan, topology).device_ids
-    facts = step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
-                       chained_gathers=topology.device.gathers_apart(),
-                       native_reductions=topology.device.native_reductions(),
-                       allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes,
-                       fused_updates=topology.device.fused_updates())
+    facts = step_facts(plan, ids, **topology_rules(topology))
     step = _Step(facts, topology, ids)
     floors = action_floors(step)
     rests = stage_rests(step, floors)
@@ -100,11 +96,7 @@ def test_play_floor_counts_the_comm_slowdown_beside_gathers() -> None:
         bounds, step = _bounds(plan, topology)
         assert max(bounds) <= step * (1 + 1e-12)
         ids = place(plan, topology).device_ids
-        facts = step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
-                           chained_gathers=topology.device.gathers_apart(),
-                           native_reductions=topology.device.native_reductions(),
-                           allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes,
-                           fused_updates=topology.device.fused_updates())
+        facts = step_facts(plan, ids, **topology_rules(topology))
         with_rate, without = action_floors(_Step(facts, topology, ids)), action_floors(_Step(facts, plain, ids))
         assert all(with_rate[k] >= without[k] for k in without)
         slowed += sum(with_rate[k] > without[k] for k in without)

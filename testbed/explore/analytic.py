@@ -61,7 +61,8 @@ from testbed.model.spans import scaled_spans
 from testbed.sim.step_rules import (GatherMode, Gradients, first_tail_bucket, gather_mode, gradients, runs_serially,
                                     sequence_apart, serial_host)
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
-from testbed.sim.facts import StepFacts, accumulate_bytes, alike_key, bucket_share, cached_order, step_facts
+from testbed.sim.facts import (StepFacts, accumulate_bytes, alike_key, bucket_share, cached_order, step_facts,
+                               topology_rules)
 from testbed.model.layout import chunk_layers
 from testbed.explore.span_times import priced_plays
 from testbed.sim.grad_tasks import allreduce_count
@@ -117,12 +118,7 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     finite ``bar``, where the step is certainly above it, a lower bound of the step above ``bar`` instead
     (testbed.explore.play_floor: the play stops there)."""
     ids = place(plan, topology).device_ids
-    return estimate_of(step_facts(plan, ids, topology.calibration.collectives.combine_bytes,
-                                  chained_gathers=topology.device.gathers_apart(),
-                                  native_reductions=topology.device.native_reductions(),
-                                  fused_updates=topology.device.fused_updates(),
-                                  allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes),
-                       topology, ids,
+    return estimate_of(step_facts(plan, ids, **topology_rules(topology)), topology, ids,
                        memory or plan_memory(plan, topology), bar)
 
 

@@ -55,6 +55,7 @@ from testbed.sim.pricing import Priced, controller_seconds, price
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
 from testbed.sim.program import STREAMS, Program, TaskKind, build_program
+from testbed.sim.facts import topology_rules
 from testbed.sim.step_rules import serial_host
 from testbed.sim.timeline import CATEGORIES, Report, Timeline
 from testbed.topology import Calibration, HostCalibration, Topology
@@ -327,12 +328,7 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 def simulate(plan: Plan, topology: Topology) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
     program = build_program(plan, place(plan, topology), controller=topology.calibration.controller is not None,
-                            combine_bytes=topology.calibration.collectives.combine_bytes,
-                            serial=serial_host(topology.calibration),
-                            chained_gathers=topology.device.gathers_apart(),
-                            native_reductions=topology.device.native_reductions(),
-                            fused_updates=topology.device.fused_updates(),
-                            allreduce_bytes=topology.calibration.collectives.allreduce_combine_bytes)
+                            serial=serial_host(topology.calibration), **topology_rules(topology))
     priced = price(program, topology, plan_matmul_dtype(plan, topology))
     timeline = run(program, priced, calibration=topology.calibration)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

@@ -23,6 +23,7 @@ testbed.sim.grad_bytes'.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from testbed.model import buffers
 from testbed.model.layout import chunk_layers
@@ -37,7 +38,11 @@ from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
 
+if TYPE_CHECKING:
+    from testbed.topology import Topology
+
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "StageUpdate", "Reduction", "StepFacts", "step_facts", "alike_key",
+           "topology_rules",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
            "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
 
@@ -123,6 +128,16 @@ class StepFacts:
         sends = len(self.chunks[stage][chunk].action(kind).sends)
         return buffers.action_buffers(self.plan, stage, chunk, kind, accumulated) + sends * buffers.send_buffers(
             self.plan)
+
+
+def topology_rules(topology: Topology) -> dict[str, Any]:
+    """What :func:`step_facts` (and testbed.sim.program.build_program) take from ``topology``, read here once for
+    both tiers: its compiler's merge bounds (``calibration.collectives``) and device rules (gathers on a resource of
+    their own, bf16 reduced in bf16, the optimizer fused into the weight gradients)."""
+    collectives, device = topology.calibration.collectives, topology.device
+    return {"combine_bytes": collectives.combine_bytes, "allreduce_bytes": collectives.allreduce_combine_bytes,
+            "chained_gathers": device.gathers_apart(), "native_reductions": device.native_reductions(),
+            "fused_updates": device.fused_updates()}
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
