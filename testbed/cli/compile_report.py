@@ -26,7 +26,8 @@ from testbed.output import CommandResult
 from testbed.plan.io import load_plan
 from testbed.plan.placement import place
 from testbed.text import markup
-from testbed.topology.compile_target import CompileTarget, libtpu_missing, parse_target, target_topology
+from testbed.topology.compile_target import (CompileTarget, check_target_devices, libtpu_missing, parse_target,
+                                             target_topology)
 from testbed.units import format_bytes
 
 __all__ = ["execute_compile", "compile_topology"]
@@ -37,11 +38,8 @@ def compile_topology(plan: Any, target: CompileTarget, topology_arg: str | None,
     if not topology_arg and not plan.topology:
         return target_topology(target)
     topology = plan_topology(plan, topology_arg, plan_file)
-    if topology.device.name != target.device_name or topology.num_devices != target.devices:
-        raise InputError(f"{target.name} compiles for {target.devices:,} {target.device_name} devices but the "
-                         f"topology {topology.name} has {topology.num_devices:,} {topology.device.name} devices; pass "
-                         f"--topology with the target's devices, or a plan without `topology:` (the target's own "
-                         f"topology is used)", field="--compile")
+    check_target_devices(target, topology, "pass --topology with the target's devices, or a plan without "
+                         "`topology:` (the target's own topology is used)")
     return topology
 
 

@@ -244,13 +244,10 @@ def compile_target(text: str | None, topology: Topology) -> Any:
     topology's devices, libtpu importable; None without the option. InputError otherwise."""
     if not text:
         return None
-    from testbed.topology.compile_target import libtpu_missing, parse_target
+    from testbed.topology.compile_target import check_target_devices, libtpu_missing, parse_target
 
     target = parse_target(text)
-    if topology.device.name != target.device_name or topology.num_devices != target.devices:
-        raise InputError(f"{target.name} compiles for {target.devices:,} {target.device_name} devices but the "
-                         f"topology {topology.name} has {topology.num_devices:,} {topology.device.name} devices; pass "
-                         "a --topology of the target's devices", field="--compile")
+    check_target_devices(target, topology, "pass a --topology of the target's devices")
     missing = libtpu_missing()
     if missing:
         raise InputError(missing, field="--compile")

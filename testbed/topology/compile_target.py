@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from testbed.errors import InputError, quote
 
-__all__ = ["CompileTarget", "parse_target", "target_topology", "MISSING_LIBTPU", "libtpu_missing", "FAMILIES", "FAMILY_TOPOLOGY", "TARGET_FORMS"]
+__all__ = ["CompileTarget", "parse_target", "target_topology", "check_target_devices", "MISSING_LIBTPU", "libtpu_missing", "FAMILIES", "FAMILY_TOPOLOGY", "TARGET_FORMS"]
 
 #: TPU generation -> (torus dimensions, devices per chip in libtpu's deviceless topology).
 FAMILIES: dict[str, tuple[int, int]] = {"v2": (2, 2), "v3": (2, 2), "v4": (3, 2), "v5e": (2, 1), "v5p": (3, 1),
@@ -123,6 +123,15 @@ def _wraparound(target: CompileTarget) -> tuple[bool, ...]:
         return tuple(d == 16 for d in target.dims)
     cube = all(d % 4 == 0 for d in target.dims)
     return (cube,) * len(target.dims)
+
+
+def check_target_devices(target: CompileTarget, topology, hint: str) -> None:
+    """InputError (field ``--compile``) unless ``topology`` has the target's devices: its TPU family's device and as
+    many of them. ``hint`` ends the message: what the user can pass instead."""
+    if topology.device.name != target.device_name or topology.num_devices != target.devices:
+        raise InputError(f"{target.name} compiles for {target.devices:,} {target.device_name} devices but the "
+                         f"topology {topology.name} has {topology.num_devices:,} {topology.device.name} devices; "
+                         f"{hint}", field="--compile")
 
 
 def target_topology(target: CompileTarget):
