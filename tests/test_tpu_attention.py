@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from testbed.model.flash_kernel import SPLASH_FUSED_BACKWARD
 from testbed.runner.tpu_attention import AttentionKernel, attention_kernel, splash_block
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +37,7 @@ def test_kernel_choice(platform: str, devices: int, seq: int, context: bool, wan
 
 
 def test_splash_block_is_the_largest_tile_dividing_seq() -> None:
-    assert [splash_block(s) for s in (4096, 2048, 768, 384, 200)] == [512, 512, 256, 128, None]
+    assert [splash_block(s) for s in (4096, 2048, 1536, 768, 384, 200)] == [1024, 1024, 512, 256, 128, None]
 
 
 def test_the_cached_splash_kernel_holds_no_tracer() -> None:
@@ -78,7 +79,8 @@ def _libtpu_path() -> str | None:
 
 def test_splash_lowers_for_a_tpu_chip(tmp_path: Path) -> None:
     """A one-layer flash plan's train step compiles for a v5e chip with the splash kernels in it (forward,
-    its recomputation under full remat, dq and dK/dV: four Pallas calls) and no scan over K/V blocks."""
+    its recomputation under full remat, and the fused dQ/dK/dV backward: three Pallas calls) and no scan over K/V
+    blocks."""
     path = _libtpu_path()
     if path is None:
         pytest.skip("libtpu is not importable (set TESTBED_LIBTPU_PATH to an unpacked libtpu wheel's folder)")
@@ -92,5 +94,18 @@ def test_splash_lowers_for_a_tpu_chip(tmp_path: Path) -> None:
                           capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     row = json.loads(done.stdout)["plans"][0]
-    assert row["hlo"]["pallas_calls"] == 4
+    assert row["hlo"]["pallas_calls"] == (3 if SPLASH_FUSED_BACKWARD else 4)
     assert row["memory"]["total"] > 0
+
+
+def test_the_runners_splash_blocks_are_the_fastest_measured_on_the_chip() -> None:
+    """The block sizes and backward the runner uses (testbed.model.flash_kernel) are, at every attention shape of the
+    chip's record (benchmarks/tpu_chip/splash_blocks.json), the configuration measured fastest forward + backward."""
+    record = json.loads((ROOT / "benchmarks" / "tpu_chip" / "splash_blocks.json").read_text())
+    assert record["device_kind"].startswith("TPU")
+    for name, row in record["shapes"].items():
+        block = splash_block(row["shape"]["seq"])
+        ours = f"q{block}-kv{block}" + ("-fused" if SPLASH_FUSED_BACKWARD else "")
+        timed = {c: r["forward_backward_s"] for c, r in row["configs"].items() if "error" not in r}
+        assert len(timed) >= 5 and ours in timed, name
+        assert timed[ours] == min(timed.values()), (name, ours, min(timed, key=timed.get))

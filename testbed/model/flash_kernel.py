@@ -12,14 +12,19 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "LANES", "SPLASH_BLOCKS"]
+__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "LANES", "SPLASH_BLOCKS", "SPLASH_FUSED_BACKWARD"]
 
 #: The TPU vector unit's lane count: splash attention's K/V compute blocks are multiples of it
 #: (``splash_attention_kernel.NUM_LANES``).
 LANES = 128
 
-#: Splash block sizes tried, largest first: MaxText's default ``sa_block_*`` is 512 (configs/base.yml).
-SPLASH_BLOCKS = (512, 256, 128)
+#: Splash block sizes tried, largest first (every forward and backward block alike), and whether the backward is the
+#: one fused dQ/dK/dV kernel (``BlockSizes.use_fused_bwd_kernel``). Measured on a v5e chip at the suite's attention
+#: shapes (benchmarks/tpu_chip/splash_blocks.json, benchmarks/tpu_splash_blocks.py): 1024-blocks with the fused
+#: backward were the fastest of ten configurations at all four (head dim 64 and 128, seq 2048 and 4096), forward +
+#: backward 16-24% faster than MaxText's default 512-blocks and two backward kernels (configs/base.yml).
+SPLASH_BLOCKS = (1024, 512, 256, 128)
+SPLASH_FUSED_BACKWARD = True
 
 
 class AttentionKernel(StrEnum):

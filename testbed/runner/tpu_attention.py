@@ -19,7 +19,7 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 
-from testbed.model.flash_kernel import LANES, AttentionKernel, attention_kernel, splash_block
+from testbed.model.flash_kernel import LANES, SPLASH_FUSED_BACKWARD, AttentionKernel, attention_kernel, splash_block
 
 __all__ = ["AttentionKernel", "attention_kernel", "splash_block", "splash_attention", "LANES"]
 
@@ -35,8 +35,10 @@ def _kernel(heads: int, seq: int, window: int | None, block: int):
 
     shape = (seq, seq)
     one = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, (window - 1, 0), 0)
+    dq = {} if SPLASH_FUSED_BACKWARD else {"block_q_dq": block, "block_kv_dq": block}
     blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+                               block_kv_dkv=block, block_kv_dkv_compute=block,
+                               use_fused_bwd_kernel=SPLASH_FUSED_BACKWARD, **dq)
     with jax.ensure_compile_time_eval():
         return splash.make_splash_mha_single_device(splash.MultiHeadMask([one] * heads), block_sizes=blocks)
 

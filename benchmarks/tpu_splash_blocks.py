@@ -1,0 +1,166 @@
+"""The splash attention kernels' speed by their block sizes on a TPU chip, for the attention shapes of the single-chip
+suite's flash plans: forward and forward + backward of each configuration, recorded as data.
+
+JAX's Pallas splash kernels (``jax.experimental.pallas.ops.tpu.splash_attention``) take block sizes for the forward
+(``block_q``, ``block_kv``, ``block_kv_compute``), for the K/V gradient kernel and for the Q gradient kernel, or one
+fused backward kernel (``use_fused_bwd_kernel``); their docstring: "those parameters have negligible effect on
+numerics, but affect performance greatly". Each configuration of :data:`CONFIGS` is compiled for each shape (the
+runner's call: q scaled, heads first, one kernel call per batch row by ``vmap``), run ``CALLS`` times back to back
+(dispatch overlaps the kernels) in five rounds; the least round's mean is one call's seconds.
+
+Writes ``OUT/splash_blocks.json`` atomically (date, versions, device kind, the command; per shape and configuration
+the forward and forward + backward seconds and the attention FLOPs the kernels compute) and prints a summary as ONE
+JSON object (the fastest configuration per shape). ``--quick`` on a CPU host checks the script's plumbing with the
+kernels in interpret mode on one small shape.
+
+    python benchmarks/tpu_splash_blocks.py --out OUT [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tpu_chip import relative_command, versions, write_atomic  # noqa: E402
+
+# (batch, heads, kv_heads, seq, head_dim) of the suite's single-chip flash plans (benchmarks/tpu_chip/plans).
+SHAPES = {
+    "llama400m-seq2048": (8, 16, 4, 2048, 64),
+    "llama400m-seq4096": (2, 16, 4, 4096, 64),
+    "llama1b-seq2048": (4, 16, 4, 2048, 128),
+    "gpt125m-seq4096": (2, 12, 12, 4096, 64),
+}
+CALLS, ROUNDS = 8, 5
+
+
+def _blocks(q: int, kv: int, compute: int, fused: bool) -> dict:
+    """Keyword arguments of ``BlockSizes``: the forward and backward blocks alike; no dq blocks when fused."""
+    out = {"block_q": q, "block_kv": kv, "block_kv_compute": compute, "block_q_dkv": q, "block_kv_dkv": kv,
+           "block_kv_dkv_compute": compute, "use_fused_bwd_kernel": fused}
+    if not fused:
+        out |= {"block_q_dq": q, "block_kv_dq": kv}
+    return out
+
+
+CONFIGS = {
+    "q512-kv512": (512, 512, 512, False),
+    "q512-kv512-fused": (512, 512, 512, True),
+    "q512-kv1024-c512": (512, 1024, 512, False),
+    "q512-kv1024-c512-fused": (512, 1024, 512, True),
+    "q1024-kv1024": (1024, 1024, 1024, False),
+    "q1024-kv1024-fused": (1024, 1024, 1024, True),
+    "q1024-kv512-fused": (1024, 512, 512, True),
+    "q256-kv256": (256, 256, 256, False),
+    "q256-kv512-fused": (256, 512, 512, True),
+    "q2048-kv512-fused": (2048, 512, 512, True),
+}
+
+
+def _attention(shape: tuple, blocks: dict, interpret: bool):
+    """The runner's splash call (testbed.runner.tpu_attention) with ``blocks``: q, k, v ``[b, s, h, d]`` -> out."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    b, heads, kv_heads, seq, head_dim = shape
+    mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * heads)
+    with jax.ensure_compile_time_eval():
+        kernel = splash.make_splash_mha_single_device(mask, block_sizes=splash.BlockSizes(**blocks),
+                                                      interpret=interpret)
+
+    def attend(q, k, v):
+        q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
+        out = jax.vmap(kernel)(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)))
+        return out.transpose(0, 2, 1, 3)
+
+    return attend
+
+
+def _timed(fn, args) -> float:
+    """One call's seconds: the least over ROUNDS of CALLS back-to-back calls' mean."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = math.inf
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / CALLS)
+    return best
+
+
+def measure(shape: tuple, blocks: dict, interpret: bool) -> dict:
+    """Forward and forward + backward seconds of one configuration on one shape, or the error it raised."""
+    import jax
+    import jax.numpy as jnp
+
+    b, heads, kv_heads, seq, head_dim = shape
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, seq, heads, head_dim), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, seq, kv_heads, head_dim), jnp.bfloat16) for key in keys[1:])
+    attend = _attention(shape, blocks, interpret)
+    forward = jax.jit(attend)
+    both = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    try:
+        return {"forward_s": _timed(forward, (q, k, v)), "forward_backward_s": _timed(both, (q, k, v))}
+    except Exception as exc:  # a block size the kernel refuses for this shape: recorded, not fatal
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+
+
+def causal_flops(shape: tuple) -> dict:
+    """The attention matmul FLOPs of the causal half: forward (QK^T, PV) and its backward (dQ, dK, dV, dP)."""
+    b, heads, _, seq, head_dim = shape
+    one = 2 * b * heads * seq * seq * head_dim // 2
+    return {"forward": 2 * one, "backward": 4 * one}
+
+
+def _record(rows: dict, start: float) -> dict:
+    """The data file's content so far (written after every configuration: a cut call keeps what it measured)."""
+    import jax
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "versions": versions(), "device_kind": jax.devices()[0].device_kind,
+            "command": "python benchmarks/tpu_splash_blocks.py " + relative_command(" ".join(sys.argv[1:])),
+            "calls": CALLS, "rounds": ROUNDS,
+            "wall_s": round(time.perf_counter() - start, 1), "shapes": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for splash_blocks.json")
+    parser.add_argument("--quick", action="store_true", help="one small shape in interpret mode (a host check)")
+    parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting configurations after this")
+    args = parser.parse_args(argv)
+    shapes = {"quick": (1, 2, 1, 256, 128)} if args.quick else SHAPES
+    configs = {"q128-kv128": (128, 128, 128, False), "q128-kv128-fused": (128, 128, 128, True)} if args.quick \
+        else CONFIGS
+    start, rows = time.perf_counter(), {}
+    for name, shape in shapes.items():
+        seq = shape[3]
+        rows[name] = {"shape": dict(zip(("batch", "heads", "kv_heads", "seq", "head_dim"), shape)),
+                      "flops": causal_flops(shape), "configs": {}}
+        for config, (q, kv, compute, fused) in configs.items():
+            if seq % q or seq % kv or time.perf_counter() - start > args.budget_s:
+                continue
+            rows[name]["configs"][config] = measure(shape, _blocks(q, kv, compute, fused), args.quick)
+            print(name, config, rows[name]["configs"][config], file=sys.stderr, flush=True)
+            record = _record(rows, start)
+            write_atomic(Path(args.out) / "splash_blocks.json", json.dumps(record, indent=1) + "\n")
+    best = {name: min((c for c in row["configs"].items() if "error" not in c[1]),
+                      key=lambda c: c[1]["forward_backward_s"], default=(None, None))[0]
+            for name, row in rows.items()}
+    print(json.dumps({"shapes": len(rows), "fastest": best, "wall_s": _record(rows, start)["wall_s"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
