@@ -60,3 +60,11 @@ def test_a_spread_needs_a_step():
     with pytest.raises(ValueError):
         ProfileSpread(())
     assert ProfileSpread((("a", 2.0), ("b", 1.0))).to_dict()["low_s"] == 1.0
+
+
+def test_the_band_rounds_each_end_on_its_own() -> None:
+    """The low end in the high end's unit, not scaled by the high end's rounding (110.5 ms read as 111 ms)."""
+    from testbed.cli.simulate import _band
+
+    assert _band({"low_s": 0.11046, "high_s": 0.11954}) == " (110-120 ms over runtime profiles)"
+    assert _band({"low_s": 0.87, "high_s": 1.03}) == " (0.87-1.03 s over runtime profiles)"

@@ -53,10 +53,10 @@ def _band(spread: dict | None) -> str:
     the larger (empty without a spread)."""
     if not spread:
         return ""
-    high = format_time(spread["high_s"])
-    value, unit = high.split(" ")
-    scale = spread["high_s"] / float(value)
-    return f" ({spread['low_s'] / scale:.3g}-{value} {unit} over runtime profiles)"
+    value, unit = format_time(spread["high_s"]).split(" ")
+    scale = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}[unit]
+    decimals = len(value.partition(".")[2])  # the low end to the high end's last digit
+    return f" ({spread['low_s'] / scale:.{decimals}f}-{value} {unit} over runtime profiles)"
 
 
 # -- testbed simulate ----------------------------------------------------------------
