@@ -187,6 +187,19 @@ def test_written_plan_shrunk_to_8_devices_passes_verify(tmp_path: Path, capsys) 
     assert json.loads(captured.out)["ok"] is True
 
 
+def test_search_png_draws_the_ranked_plans(tmp_path, capsys) -> None:
+    """``--png``: one bar per ranked plan, labelled by rank and layout, beside the table; a bad path is refused
+    before the search (exit 2)."""
+    from testbed.cli.main import main
+
+    png = tmp_path / "ranked.png"
+    assert main(["search", "--model", "gpt-tiny", "--topology", "dgx-h100", "--microbatches", "1,2",
+                 "--remat", "none", "--schedules", "1f1b", "--top", "3", "--png", str(png), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert png.stat().st_size > 10_000 and len(data["ranked"]) == 3
+    assert main(["search", "--model", "gpt-tiny", "--topology", "dgx-h100", "--png", str(tmp_path)]) == 2
+
+
 # The issue's hand loop on gpt-1b-cluster (every mesh x schedule of 32 devices, simulated) against the search:
 # benchmarks/search_vs_loop.py (a minute of CPU); the exact property on small grids is
 # test_top1_equals_exhaustive_des_optimum above.

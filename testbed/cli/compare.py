@@ -25,7 +25,7 @@ from testbed.output import CommandResult
 from testbed.plan.spec import Plan
 from testbed.topology import Topology
 
-__all__ = ["compare", "compare_rows", "draw_breakdown", "plan_variants", "MEMORY_PARTS"]
+__all__ = ["compare", "compare_row", "compare_rows", "draw_breakdown", "plan_variants", "MEMORY_PARTS"]
 
 
 
@@ -139,6 +139,11 @@ def _row(variant: Variant, topology: Topology, scale: str | None, named: bool = 
             "idle_s": max(0.0, r.step_time_s - r.compute_s - r.exposed_comm_s),
             "bubble_fraction": r.bubble_fraction, "mfu": r.mfu, "fits": bool(r.memory.get("fits")),
             "memory_total": r.memory.get("total"), "memory": memory}
+
+
+def compare_row(variant: Variant, topology: Topology) -> dict[str, Any]:
+    """One plan's summary row on ``topology`` as ``compare`` tabulates and draws it."""
+    return _row(variant, topology, None)
 
 
 def compare_rows(plan: Plan, topologies: list[Topology], plan_file: str, scale: str | None = None) -> list[dict]:

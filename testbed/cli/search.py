@@ -23,6 +23,8 @@ from testbed.text import markup, shown
 from testbed.units import format_bytes, format_time
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from testbed.topology import Topology
 
 __all__ = ["search", "base_plan"]
@@ -76,6 +78,7 @@ def _add(parser: argparse.ArgumentParser) -> None:
                         "(testbed, xla, megatron, nemo, deepspeed, fsdp, torchtitan, llm-foundry, meta; default: the "
                         "plan's, testbed's runner for a preset); it decides what a microbatch keeps and how work overlaps")
     parser.add_argument("--out", help="write the best plan as YAML")
+    parser.add_argument("--png", help="write the ranked plans' time and memory breakdowns as stacked bars")
 
 
 #: What a search from a model preset starts from beyond the preset's shape, context and batch: FlashAttention
@@ -177,6 +180,9 @@ def _execute(args: argparse.Namespace) -> CommandResult:
                   f"{format_time(best.step_time_s)} per step (DES).\n")
         files.append(str(write_atomic(args.out, header + dump_plan(written), "--out")))
     rows = [c.summary() for c in result.ranked[:args.top]]
+    if args.png:
+        files.append(str(draw_ranked(result.ranked[:args.top], topology, args.png,
+                                     f"{plan.name} on {topology.name}: the best plans found")))
     start = PRESET_START if args.model in PRESETS else None
     data = {"model": plan.name, "preset_start": start, "topology": topology.name, "devices": topology.num_devices,
             "objective": args.objective, "enumerated": result.enumerated, "pruned_memory": result.pruned_memory,
@@ -201,6 +207,32 @@ def _execute(args: argparse.Namespace) -> CommandResult:
     return CommandResult(data, render, files=files)
 
 
+def draw_ranked(candidates: list, topology: Topology, path: str, title: str) -> Path:
+    """``--png``: the ranked plans side by side as ``testbed compare`` draws plans (testbed.cli.compare_render), each
+    simulated again for its breakdown and labelled by its rank and layout."""
+    from testbed.cli.compare import Variant, compare_row
+    from testbed.cli.compare_render import draw_breakdown
+
+    rows = []
+    for rank, candidate in enumerate(candidates, 1):
+        row = compare_row(Variant(plan=candidate.plan, source="search"), topology)
+        summary = candidate.summary()
+        schedule = summary["schedule"] + (f"x{summary['virtual_stages']}" if summary["virtual_stages"] > 1 else "")
+        rows.append(row | {"label": f"#{rank} {layout_label(summary)} {schedule} mb{summary['microbatches']} "
+                                    f"Z{summary['zero']} {summary['remat']}"})
+    return draw_breakdown(rows, path, title=title)
+
+
+def layout_label(row: dict[str, Any]) -> str:
+    """``d.f.t.s`` degrees (and expert, context, SP marks) with the schedule: how the ranked table names a plan."""
+    mesh = f"{row['data']}.{row['fsdp']}.{row['tensor']}.{row['stage']}" + (
+        f" ep{row['expert']}" if row.get("expert", 1) > 1 else "") + (  # MoE: the expert degree beside
+        " etp1" if row.get("expert_tensor", row["tensor"]) != row["tensor"] else "") + (  # folded experts
+        f" cp{row['context']}" if row.get("context", 1) > 1 else "") + (  # context parallelism likewise
+        " sp" if row.get("sequence_parallel") else "")  # and sequence parallelism
+    return mesh
+
+
 def _plan_and_topology(args: argparse.Namespace) -> tuple[Plan, Topology]:
     """The plan the search starts from (``--model``, ``--runtime``) and the topology it searches on; ``--out``
     is checked before the search, not after it."""
@@ -217,8 +249,9 @@ def _plan_and_topology(args: argparse.Namespace) -> tuple[Plan, Topology]:
     if args.topology is None and plan.topology is None:
         raise InputError("give --topology (a preset model names none)", field="--topology")
     topology = plan_topology(plan, args.topology, devices=args.devices)
-    if args.out:
-        output_target(args.out, "--out")  # refused before the search, not after it
+    for flag, path in (("--out", args.out), ("--png", args.png)):
+        if path:
+            output_target(path, flag)  # refused before the search, not after it
     return plan, topology
 
 
@@ -247,12 +280,7 @@ def _render_ranked(console, rows: list[dict[str, Any]]) -> None:
     cells = []
     for i, r in enumerate(rows, 1):
         sched = r["schedule"] + (f"x{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
-        mesh = f"{r['data']}.{r['fsdp']}.{r['tensor']}.{r['stage']}" + (
-            f" ep{r['expert']}" if r.get("expert", 1) > 1 else "") + (  # MoE: the expert degree beside
-            " etp1" if r.get("expert_tensor", r["tensor"]) != r["tensor"] else "") + (  # folded experts
-            f" cp{r['context']}" if r.get("context", 1) > 1 else "") + (  # context parallelism likewise
-            " sp" if r.get("sequence_parallel") else "")  # and sequence parallelism
-        cells.append([str(i), mesh, sched, str(r["microbatches"]), str(r["zero"]), r["remat"],
+        cells.append([str(i), layout_label(r), sched, str(r["microbatches"]), str(r["zero"]), r["remat"],
                       format_time(r["step_time_s"]), format_time(r.get("exposed_comm_s", 0.0)),
                       f"{r.get('bubble_fraction', 0.0):.0%}", f"{r.get('mfu', 0.0):.0%}",
                       format_bytes(r["memory_bytes"])])
