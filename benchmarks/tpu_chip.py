@@ -45,6 +45,7 @@ SUITE = (
     "gpt125m-fp32", "gpt125m-fp32-highest", "gpt125m-bf16", "gpt125m-bf16-accum4", "gpt125m-bf16-flash-seq4096",
     "gpt350m-bf16-selective-accum2", "gpt350m-bf16-full-accum2", "llama150m-fp32-flash", "llama400m-bf16-flash",
     "llama400m-bf16-full", "llama400m-bf16-flash-seq4096", "llama1b-bf16-flash", "llama1b-bf16-flash-full",
+    "gpt125m-bf16-accum8", "gpt125m-bf16-accum2", "gpt350m-bf16-selective-accum4",
 )
 
 #: ``--quick``'s plans: small shapes covering the same switches (fp32 / bf16, remat, accumulation, flash).
@@ -195,13 +196,29 @@ def merge_runs(calls: list[dict]) -> dict:
             "plans": list(rows.values())}
 
 
-def merge_main(out: Path, sources: list[str]) -> int:
+def extend_runs(recorded: dict, calls: list[dict]) -> dict:
+    """A merged ``runs.json`` extended by later calls made after the runner changed: each call added under
+    ``calls``; a plan a later call ran replaces the recorded row (it measures today's runner), the others stay."""
+    merged = dict(recorded, calls=list(recorded["calls"]), command=recorded["command"])
+    rows = {r["plan"]: r for r in recorded["plans"]}
+    for call in calls:
+        index = len(merged["calls"])
+        merged["calls"].append({"date": call["date"], "command": relative_command(call["command"]),
+                                "wall_s": call["wall_s"], "versions": call["versions"]})
+        merged["command"] += " ; " + relative_command(call["command"])
+        rows |= {r["plan"]: {k: v for k, v in r.items() if k != "trace"} | {"call": index}
+                 for r in call["plans"] if r["ok"]}
+    return merged | {"plans": list(rows.values())}
+
+
+def merge_main(out: Path, sources: list[str], extend: str | None = None) -> int:
     """``--merge``: the calls' ``runs.json`` files merged into ``OUT/runs.json`` (:func:`merge_runs`)."""
     calls = sorted((json.loads(Path(s).read_text()) for s in sources), key=lambda c: c["date"])
-    if len({c["device_kind"] for c in calls}) != 1 or len({json.dumps(c["versions"]) for c in calls}) != 1:
+    kinds = calls + ([json.loads(Path(extend).read_text())] if extend else [])
+    if len({c["device_kind"] for c in kinds}) != 1 or len({json.dumps(c["versions"]) for c in kinds}) != 1:
         print("tpu_chip.py --merge: the calls ran on different devices or JAX/libtpu versions", file=sys.stderr)
         return 2
-    merged = merge_runs(calls)
+    merged = merge_runs(calls) if extend is None else extend_runs(json.loads(Path(extend).read_text()), calls)
     write_atomic(out / "runs.json", json.dumps(merged, indent=1) + "\n")
     print(json.dumps({"calls": len(calls), "plans": len(merged["plans"]),
                       "ok": sum(r["ok"] for r in merged["plans"])}))
@@ -219,10 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-calibrate", action="store_true", help="time the plans only")
     parser.add_argument("--merge", nargs="+", metavar="RUNS_JSON",
                         help="merge several calls' runs.json into OUT/runs.json instead of running anything")
+    parser.add_argument("--extend", metavar="RUNS_JSON",
+                        help="with --merge: add the calls to this merged runs.json, their rows replacing its rows")
     parser.add_argument("plans", nargs="*", help=f"plans (default: {', '.join(SUITE)})")
     args = parser.parse_args(argv)
     if args.merge:
-        return merge_main(Path(args.out), args.merge)
+        return merge_main(Path(args.out), args.merge, args.extend)
     steps = args.steps or (2 if args.quick else 5)
     rounds = args.rounds or (2 if args.quick else 3)
     out = Path(args.out)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 
 from testbed.model import layout
 from testbed.model.dispatch import einsum_shapes
+from testbed.model.flash_kernel import AttentionKernel, attention_kernel
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
@@ -89,7 +90,9 @@ class Gemm:
     (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE); ``high_precision``: under fp8 it still runs in bf16 (the LM
     head outside the stack's fp8 recipe, ``runtime.fp8_head`` false); ``stored_lhs``: a convolution's left operand
     as it is stored, elements per product (its input: an implicit GEMM reads it, never the ``m x k`` window matrix;
-    0: the ``m x k`` matrix itself).
+    0: the ``m x k`` matrix itself); ``score_cells``: an attention product outside a fused kernel, the elements of
+    the score matrix (``rows x keys``) that one of its operands or its output is, per product (0: none;
+    testbed.sim.vmem keeps it on chip where the compiler does).
     """
 
     m: int
@@ -104,9 +107,11 @@ class Gemm:
     block_scaled: bool = False
     high_precision: bool = False
     stored_lhs: int = 0
+    score_cells: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0 or self.stored_lhs < 0:
+        if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0 or min(self.stored_lhs,
+                                                                                      self.score_cells) < 0:
             raise ValueError(f"a GEMM needs positive dims and a non-negative count, got {self}")
 
     @property
@@ -200,7 +205,9 @@ def _attention(spec: ModelSpec, batch: int, tensor: int) -> tuple[Gemm, Gemm]:
     against :attr:`~testbed.plan.spec.ModelSpec.score_rows` query rows (``seq``, fewer with a flash sliding window)."""
     s, rows, dh = spec.seq_len, spec.score_rows, spec.head_size
     heads, flash = batch * spec.heads // tensor, spec.attention is Attention.FLASH
-    return Gemm(rows, s, dh, batch=heads, flash=flash), Gemm(rows, dh, s, batch=heads, flash=flash)
+    cells = 0 if flash else rows * s
+    return (Gemm(rows, s, dh, batch=heads, flash=flash, score_cells=cells),
+            Gemm(rows, dh, s, batch=heads, flash=flash, score_cells=cells))
 
 
 def layer_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]:
@@ -217,7 +224,7 @@ def head_gemms(spec: ModelSpec, batch: int, tensor: int = 1) -> tuple[Gemm, ...]
 def scaled(gemms: tuple[Gemm, ...], factor: float) -> tuple[Gemm, ...]:
     """The same GEMMs ``factor`` times as often (layers; a bucket's fraction of an action)."""
     return tuple(Gemm(g.m, g.n, g.k, g.batch, g.count * factor, g.flash, g.attention, g.amax_pass,  # not replace()
-                      g.grouped, g.block_scaled, g.high_precision) for g in gemms)
+                      g.grouped, g.block_scaled, g.high_precision, g.stored_lhs, g.score_cells) for g in gemms)
 
 
 def gemm_flops(gemms: tuple[Gemm, ...]) -> float:
@@ -242,13 +249,21 @@ def ring_step_gemms(plan: Plan, kind: str, first: bool) -> tuple[Gemm, ...]:
 
 
 def _marked(plan: Plan, attention: tuple[Gemm, Gemm], keys: int, causal: bool) -> tuple[Gemm, Gemm]:
-    """The forward attention products tagged with the plan's named kernel (:class:`AttentionPass`); untouched under
-    the runner's kernel or without flash attention, so the default's task graphs stay as they were."""
+    """The forward attention products tagged with the plan's named kernel (:class:`AttentionPass`), or ``runner``
+    where the runner's kernel would be splash (:func:`_runner_splash`); untouched otherwise and without flash."""
     kernel = plan.runtime.attention_kernel
-    if kernel == "runner" or not attention[0].flash:
+    if not attention[0].flash or kernel == "runner" and not _runner_splash(plan, keys):
         return attention
     mark = AttentionPass(kernel=kernel, backward=False, causal=causal, seq=keys, head_dim=plan.model.head_size)
     return replace(attention[0], attention=mark), replace(attention[1], attention=mark)
+
+
+def _runner_splash(plan: Plan, keys: int) -> bool:
+    """Whether the runner's flash attention runs in the splash kernels where its programs compile for a TPU
+    (testbed.model.flash_kernel); its products are then marked ``runner`` for testbed.sim.compute to price the
+    kernel's skipped tiles on a device whose compiler is XLA:TPU."""
+    return attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=keys,
+                            context=plan.mesh.context > 1) is AttentionKernel.SPLASH
 
 
 def backward_pass(gemm: Gemm) -> Gemm:

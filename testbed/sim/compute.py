@@ -55,8 +55,9 @@ from collections.abc import Iterable, Sequence
 
 from testbed.model.gemm import Gemm
 from testbed.plan.spec import Plan
-from testbed.sim.attention_kernels import kernel_efficiency
+from testbed.sim.attention_kernels import CAUSAL_WORK, kernel_efficiency
 from testbed.sim.grouped_kernels import grouped_rate
+from testbed.sim.vmem import on_chip_bytes
 from testbed.topology import Topology
 from testbed.topology.parts import matmul_dtype
 from testbed.topology.calibration import ComputeCalibration
@@ -213,13 +214,14 @@ def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts:
     if gemm.count <= 0:
         return 0.0
     key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass,
-           gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs)
+           gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs, gemm.score_cells)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, Gemm(gemm.m, gemm.n, gemm.k, gemm.batch, 1.0,
                                                                        gemm.flash, gemm.attention, gemm.amax_pass,
                                                                        gemm.grouped, gemm.block_scaled,
-                                                                       gemm.high_precision, gemm.stored_lhs), casts)
+                                                                       gemm.high_precision, gemm.stored_lhs,
+                                                                       gemm.score_cells), casts)
     return gemm.count * one
 
 
@@ -253,14 +255,25 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
         return cal.compute.gemm_latency_s + one * work / (topology.device.sustained_flops(dtype) * eff)
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
         eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
+        one *= runner_kernel_work(topology, gemm)
         return cal.compute.gemm_latency_s + one / (topology.device.sustained_flops(dtype) * eff
                                                    * systolic_share(topology.device.systolic_width, gemm))
     rate = grouped_rate(topology.device.name, gemm.grouped)  # a grouped-matmul kernel's (1: the dense matmul)
     math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype) * rate)
     operands = gemm.batch * ((gemm.lhs_elements + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
+    operands -= on_chip_bytes(topology.device, gemm, read, write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
     cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0
     return cal.compute.gemm_latency_s + max(math, memory) + cast
+
+
+def runner_kernel_work(topology: Topology, gemm: Gemm) -> float:
+    """The fraction of a flash product's counted FLOPs the runner's kernel computes: the splash kernels (a product
+    marked ``runner``, testbed.model.gemm) skip the tiles above a causal block's diagonal where the runner's programs
+    compile for a TPU (``buffer_rules: xla-tpu``), :data:`CAUSAL_WORK`; the scan kernel computes whole blocks."""
+    mark = gemm.attention
+    splash = mark is not None and mark.kernel == "runner" and mark.causal
+    return CAUSAL_WORK if splash and topology.device.buffer_rules == "xla-tpu" else 1.0
 
 
 def systolic_share(width: int, gemm: Gemm) -> float:

@@ -107,7 +107,7 @@ def _device(data: Any) -> DeviceSpec:
     data = expect_mapping(data, "device")
     check_keys(data, ("name", "flops", "memory", "memory_bandwidth", "power_limit", "power_curve",
                       "comm_slowdown", "bf16_matmuls", "fp32_matmuls", "sustained", "collective_resources",
-                      "buffer_rules", "systolic_width"), "device",
+                      "buffer_rules", "systolic_width", "vmem"), "device",
                required=("flops", "memory", "memory_bandwidth"))
     flops = expect_mapping(data["flops"], "device.flops")
     curve = data.get("power_curve", [])
@@ -128,6 +128,7 @@ def _device(data: Any) -> DeviceSpec:
         collective_resources=data.get("collective_resources", "per_kind"),
         buffer_rules=data.get("buffer_rules", "xla"),
         systolic_width=data.get("systolic_width", 0),
+        vmem_bytes=parse_bytes(data["vmem"], "device.vmem") if "vmem" in data else 0.0,
     )
 
 
@@ -369,6 +370,8 @@ def topology_to_dict(topology: Topology) -> dict[str, Any]:
         out["device"]["buffer_rules"] = dev.buffer_rules
     if dev.systolic_width:
         out["device"]["systolic_width"] = dev.systolic_width
+    if dev.vmem_bytes:
+        out["device"]["vmem"] = dev.vmem_bytes
     if topology.form is Form.LEVELS:
         out["levels"] = [{"name": l.name, "size": l.size, "bandwidth": l.bandwidth, "latency": l.latency,
                           "kind": str(l.kind), "attach": l.attach,

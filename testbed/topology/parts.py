@@ -127,6 +127,9 @@ class DeviceSpec:
     v5p, Cloud TPU system architecture docs), 0 for none. A fused attention kernel whose products are narrower
     than it (a head dim of 64) fills that share of its cells (testbed.sim.compute).
 
+    ``vmem_bytes``: the device's on-chip vector memory that the compiler may place whole buffers in (a TPU's VMEM:
+    128 MiB on v5e, jax-ml/scaling-book), 0 for none; testbed.sim.vmem says what it keeps there.
+
     ``sustained``: the fraction of the calibrated matmul rates the device's math holds over a whole training
     step (1, the default: the rates as calibrated). The GPU calibrations' caps are short measurements of one
     matmul at a time (mamf-finder's Maximum Achievable Matmul FLOPS); a long step runs at lower clocks under
@@ -149,6 +152,7 @@ class DeviceSpec:
     collective_resources: str = "per_kind"
     buffer_rules: str = "xla"
     systolic_width: int = 0
+    vmem_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bf16_matmuls not in BF16_MATMULS:
@@ -178,6 +182,9 @@ class DeviceSpec:
         for dtype, value in self.peak_flops.items():
             _check_range(value, "flops", f"device.flops.{dtype}", "peak FLOP/s")
         _check_range(self.memory_bytes, "memory", "device.memory", "memory")
+        if not 0 <= self.vmem_bytes < self.memory_bytes:
+            raise InputError(f"must be the device's on-chip vector memory, at least 0 and less than its memory "
+                             f"(128MiB on a TPU v5e; 0: none), got {self.vmem_bytes!r:.40}", field="device.vmem")
         _check_range(self.memory_bandwidth, "bandwidth", "device.memory_bandwidth", "memory bandwidth")
         object.__setattr__(self, "peak_flops", MappingProxyType(dict(self.peak_flops)))
         self._check_power()
