@@ -14,6 +14,7 @@ from testbed.explore.play_floor import action_floors, stage_rests
 from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.placement import place
 from testbed.sim.facts import step_facts, topology_rules
+from testbed.sim.step_rules import action_steps
 from testbed.topology.io import load_topology
 
 SPACE = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
@@ -34,8 +35,9 @@ def _bounds(plan, topology) -> tuple[list[float], float]:
     floors = action_floors(step)
     rests = stage_rests(step, floors)
     play, bounds = Play(step, 1.0), [max(rests)]
-    for s, action, deps in facts.order:
-        play.action(s, action, deps)
+    for ruled in action_steps(facts):
+        play.action(ruled)
+        s, action = ruled.stage, ruled.action
         rests[s] -= floors[(s, action.chunk, action.kind)]
         bounds.append(play.free[s] + rests[s])
     return bounds, max(max(play.update(s) for s in range(facts.stages)), play.host)

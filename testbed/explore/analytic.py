@@ -60,6 +60,7 @@ from testbed.sim.compute import compute_seconds, plan_matmul_dtype
 from testbed.model.spans import scaled_spans
 from testbed.sim.step_rules import (GatherMode, Gradients, first_tail_bucket, gather_mode, gradients, runs_serially,
                                     sequence_apart, serial_host)
+from testbed.sim.step_rules import pieces as step_pieces
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import (StepFacts, accumulate_bytes, alike_key, bucket_share, cached_order, step_facts,
                                topology_rules)
@@ -297,7 +298,8 @@ class _Step:
                 cost.tensor_bytes, scaled(gemms, 1 / n), scaled_spans(work.spans, 1 / n))
         ring_s = ringed[1] if ringed else 0.0
         last, reduces = kind == facts.last_backward, bool(facts.reductions)
-        pieces = chunk.buckets if last and reduces else 1  # the program's buckets (one when they wait for the end)
+        # The buckets of the microbatch that releases them (its blocks, when it gathers, are priced apart).
+        pieces = step_pieces(chunk, gradients(facts, kind, bool(chain), 0), GatherMode.NONE)
         piece = bucket = scatter = acc = sequence_s = 0.0
         bucket_syncs: Syncs = ()
         each: tuple[float, ...] = ()

@@ -16,15 +16,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
-from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, stage_rests
+from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, beside_compute, stage_rests
 from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.update_facts import update_seconds
-from testbed.sim.step_rules import (Gradients, Microbatches, action_dispatch, dispatch_seconds, gather_after,
-                                    gradients, iteration, prepare_seconds, step_dispatch, update_dispatch,
-                                    waits_for_sends)
+from testbed.sim.step_rules import (ActionStep, Gradients, action_dispatch, action_steps, dispatch_seconds,
+                                    gather_after, prepare_seconds, step_dispatch, update_dispatch)
 from testbed.sim.tp_overlap import overlap_end
 
 if TYPE_CHECKING:
@@ -68,8 +66,6 @@ class Play:
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.early = [0.0] * p  # the sequence-replicated gradients' sum done (_Priced.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
-        self.microbatches = Microbatches(facts)
-        self._gradients: dict[tuple[str, bool, bool], Gradients] = {}
         self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
         self.launch = 0.0  # with ``serial``: when the previous program completed
         self.host, controller = 0.0, step.controller
@@ -85,8 +81,8 @@ class Play:
         if bar < math.inf:
             self._bounded(bar)
         else:
-            for s, action, deps in self.facts.order:
-                self.action(s, action, deps)
+            for step in action_steps(self.facts):
+                self.action(step)
         step = 0.0
         for s in range(self.facts.stages):
             step = max(step, self.update(s), self.host)
@@ -100,8 +96,9 @@ class Play:
         if max(rests) * keep > bar:
             raise AboveBar(max(rests) * keep)
         free = self.free
-        for s, action, deps in self.facts.order:
-            self.action(s, action, deps)
+        for step in action_steps(self.facts):
+            self.action(step)
+            s, action = step.stage, step.action
             rests[s] -= floors[(s, action.chunk, action.kind)]
             if (free[s] + rests[s]) * keep > bar:
                 raise AboveBar((free[s] + rests[s]) * keep)
@@ -162,20 +159,15 @@ class Play:
         self.gather_free[s], self.block_ends[s] = _next_gathers(gather_end, ends, d), ends
         return first, ends[-1] - first - sum(parts)
 
-    def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
-        """Plays one F/B/W action of stage ``s``."""
+    def action(self, step: ActionStep) -> None:
+        """Plays one F/B/W action as ``step`` (testbed.sim.step_rules.action_steps) rules it."""
+        s, action, grads, left = step.stage, step.action, step.gradients, step.left
         c, kind, mb = action.chunk, action.kind, action.microbatch
-        priced = self.step.prices[(s, c, kind)]
-        accumulated, left = self.microbatches.begin(s, c, kind)
-        grads = self._gradients.get((kind, priced.chain, left == 0))
-        if grads is None:  # a pure function of these (left only as zero or not): one per kind
-            grads = self._gradients[(kind, priced.chain, left == 0)] = gradients(self.facts, kind, priced.chain,
-                                                                                  left)
         priced = self.step.played(s, c, kind, grads)
         compute = self.slow * priced.compute
-        if iteration(self.facts, action).waits:
+        if step.iteration.waits:
             self._iteration(s)
-        start, stretch = self._start(s, c, kind, accumulated, deps), 0.0
+        start, stretch = self._start(s, c, kind, step.accumulated, step.waits), 0.0
         skewed = self.step.skewed
         if priced.gather:
             start, stretch = self._gather(s, priced, start, compute)
@@ -216,12 +208,12 @@ class Play:
             self.launch = max(finish, self.grad[s])
         self.end[(s, kind, mb, c)] = finish
         if priced.sends:
-            self._sends(s, (s, kind, mb, c), priced, finish)
+            self._sends(s, (s, kind, mb, c), priced, finish, step.blocking)
 
-    def _sends(self, s: int, key: tuple, priced: _Priced, finish: float) -> None:
+    def _sends(self, s: int, key: tuple, priced: _Priced, finish: float, blocking: bool) -> None:
         """An action's sends, one after another on its stage's pipe stream from ``finish`` (``key``: the action's),
-        a split send's receivers' all-gather on their recv stream of its direction; with blocking sends the stage
-        waits for them (testbed.sim.step_rules.waits_for_sends)."""
+        a split send's receivers' all-gather on their recv stream of its direction; with ``blocking`` sends the
+        stage waits for them (testbed.sim.step_rules.ActionStep)."""
         kind = key[1]
         for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
@@ -229,7 +221,7 @@ class Play:
             if gather:
                 recv = self.recv.get((dst, kind), 0.0)
                 self.recv[(dst, kind)] = self.arrive[key] = max(recv, self.pipe[s]) + gather
-        if waits_for_sends(self.facts):
+        if blocking:
             self.comm[s] += max(0.0, self.pipe[s] - self.free[s])
             self.free[s] = max(self.free[s], self.pipe[s])
             if self.step.serial:
@@ -310,9 +302,7 @@ class Play:
         if priced.plays and self.played is not None:
             return self._slowed_spans(s, priced, releases)
         if not (priced.gather and priced.parts):  # (the buckets are beside no compute when they wait for the end)
-            buckets = priced.bucket * priced.pieces if facts.reduce_in_backward else 0.0
-            beside = priced.hidden + priced.send_s + max(priced.scatter, buckets) + priced.gather * bool(facts.prefetch)
-            extra = rate * min(compute, beside)
+            extra = rate * min(compute, beside_compute(self.step, priced))
             late = extra - min(stretch, extra)
             return extra, stretch - min(stretch, extra), tuple((t + late * f, x, f) for t, x, f in releases)
         ends, parts = self.block_ends[s], tuple(self.slow * x for x in priced.parts)

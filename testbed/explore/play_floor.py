@@ -25,7 +25,7 @@ from testbed.sim.update_facts import update_seconds
 if TYPE_CHECKING:
     from testbed.explore.analytic import _Step
 
-__all__ = ["action_floors", "stage_rests", "SAFETY", "AboveBar"]
+__all__ = ["action_floors", "stage_rests", "beside_compute", "SAFETY", "AboveBar"]
 
 #: The bound is taken this much under its sum (a sum of hundreds of floats, and the play's, round apart).
 SAFETY = 1e-9
@@ -57,13 +57,14 @@ def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
             extra = p.acc
         compute = min(ways) + extra
         tensor = 0.0 if plays else max(0.0, p.tensor - p.hidden)
-        out[key] = compute + tensor + (rate * min(compute, _beside(step, p)) if rate and not plays
+        out[key] = compute + tensor + (rate * min(compute, beside_compute(step, p)) if rate and not plays
                                        and not (p.gather and p.parts) else 0.0)
     return out
 
 
-def _beside(step: _Step, p) -> float:
-    """The communication :meth:`testbed.explore.play.Play._slowed` counts beside an action's compute: its hidden
+def beside_compute(step: _Step, p) -> float:
+    """The communication beside an action's compute (``p``: its price) that ``device.comm_slowdown`` slows it by
+    (testbed.explore.play.Play._slowed, where its blocks do not play their own gathers; and this floor): its hidden
     tensor collectives, its sends, its gradient reductions (the buckets where they reduce in the backward, else an
     earlier microbatch's reduce-scatter, the larger) and, with prefetch, its gathers."""
     facts = step.facts

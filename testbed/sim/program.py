@@ -82,9 +82,9 @@ from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.grad_tasks import reduce_tasks
 from testbed.sim.span_play import BlockWork, GradBucket, SpanPlay, grad_bucket
-from testbed.sim.step_rules import (Dispatch, GatherMode, Gradients, Microbatches, action_dispatch, first_tail_bucket,
-                                    gather_after, gather_mode, gradients, iteration, runs_serially, sequence_apart,
-                                    step_dispatch, update_dispatch, waits_for_sends)
+from testbed.sim.step_rules import (ActionStep, Dispatch, GatherMode, action_dispatch, action_steps,
+                                    first_tail_bucket, gather_after, runs_serially, sequence_apart, step_dispatch,
+                                    update_dispatch)
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
@@ -122,8 +122,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
 def program_of(facts: StepFacts, placement: Placement, controller: bool = False, serial: bool = False) -> Program:
     """The task graph of the step ``facts`` describes, on ``placement`` (:func:`build_program`'s arguments)."""
     graph = _Graph(facts, placement, controller)
-    for s, action, waits in facts.order:
-        graph.action(s, action, waits)
+    for step in action_steps(facts):
+        graph.action(step)
     for s in range(facts.stages):
         graph.update(s)
     if runs_serially(serial, facts.stages, placement.device_ids[0].size):
@@ -155,7 +155,6 @@ class _Graph(SpanPlay):
         self.pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # _stage_pairs, memoized
         self.reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
         self.once: dict[int, list[GradBucket]] = {s: [] for s in range(p)}  # buckets reduced after the backward
-        self.microbatches = Microbatches(facts)
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
@@ -182,17 +181,16 @@ class _Graph(SpanPlay):
             pairs = self.pairs[(a, b)] = tuple(zip(ids[a].ravel().tolist(), ids[b].ravel().tolist()))
         return pairs
 
-    def action(self, s: int, action: Action, waits: tuple[tuple, ...]) -> None:
-        """Adds one F/B/W action of stage ``s``: its dispatch, gather, compute (with its MoE chain and ring),
-        gradient reductions, tensor collectives, accumulation and sends (testbed.sim.step_rules' rules)."""
-        facts, b = self.facts, self.b
+    def action(self, step: ActionStep) -> None:
+        """Adds one F/B/W action: its dispatch, gather, compute (with its MoE chain and ring), gradient reductions,
+        tensor collectives, accumulation and sends, as ``step`` (testbed.sim.step_rules.action_steps) rules them."""
+        facts, b, s, action = self.facts, self.b, step.stage, step.action
         chunk = facts.chunks[s][action.chunk]
         work, label = chunk.action(action.kind), action.label(facts.virtual)
         first = len(b.tasks)  # the action's tasks from here (its program; barriers)
-        accumulated, left = self.microbatches.begin(s, action.chunk, action.kind)
-        deps = self._starts(s, action, chunk, work, label, waits, accumulated)
-        grads, mode = gradients(facts, action.kind, bool(work.chain), left), gather_mode(facts, work)
-        last, computes = self._work(s, chunk, work, label, deps, grads, mode)
+        deps = self._starts(step, chunk, label)
+        last, computes = self._work(step, chunk, work, label, deps)
+        grads = step.gradients
         if grads.summed:  # the tensor-replicated gradients' sum leaves as the compute ends (its own stream)
             self.reduce_tasks[s].extend(reduce_tasks(
                 self.b, facts.reductions, self.groups, self.plan, s, self.reps[s], last, chunk.reduced.last,
@@ -209,37 +207,35 @@ class _Graph(SpanPlay):
         if not work.chain:  # the action's collectives run among its kernels (a shared host's barriers); XLA
             # hoists the parameter gathers (they need only the parameters) ahead of the kernels: those meet alone.
             b.interleave(computes, [i for i in range(first, len(b.tasks)) if b.tasks[i].stream != "gather"])
-        self._ends(s, action, work, label, last, first)
+        self._ends(step, work, label, last, first)
 
-    def _starts(self, s: int, action: Action, chunk: ChunkFacts, work: ActionWork, label: str,
-                waits: tuple[tuple, ...], accumulated: bool) -> list[int]:
-        """What an action's first tasks wait for: the stage's previous action, the loop's iteration barrier
-        (step_rules.iteration), the controller's dispatch (``accumulated``: step_rules.action_dispatch's), what
-        ``waits`` names (this stage's actions, or other stages' sends) and an MoE chain's whole gather
-        (step_rules.gather_mode)."""
-        b = self.b
+    def _starts(self, step: ActionStep, chunk: ChunkFacts, label: str) -> list[int]:
+        """What an action's first tasks wait for: the stage's previous action, the loop's iteration barrier, the
+        controller's dispatch, what ``step.waits`` names (this stage's actions, or other stages' sends) and an MoE
+        chain's whole gather (step_rules.ActionStep)."""
+        b, s, action = self.b, step.stage, step.action
         deps: list[int] = [self.previous[s]] if s in self.previous else []
-        loop = iteration(self.facts, action)
+        loop = step.iteration
         if loop.waits:  # a microbatch begins once the one before it has ended
             self.iteration = (b.add(name=f"iteration {action.microbatch}", device=self.reps[s], stream="compute",
                                     kind=TaskKind.COMPUTE, deps=tuple(range(self.began, len(b.tasks)))),)
             deps.append(self.iteration[0])
         if loop.begins:
             self.began = len(b.tasks)
-        if self.controller and (dispatch := action_dispatch(self.facts, s, action.chunk, action.kind, accumulated)):
+        if self.controller and (dispatch := action_dispatch(self.facts, s, action.chunk, action.kind,
+                                                            step.accumulated)):
             deps.append(self._dispatch(f"dispatch {label}@{s}", dispatch))
-        deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in waits]
-        if gather_mode(self.facts, work) is GatherMode.WHOLE:
+        deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in step.waits]
+        if step.gather is GatherMode.WHOLE:
             deps.append(self._gather(s, chunk, label))
         return deps
 
-    def _work(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], grads: Gradients,
-              mode: GatherMode) -> tuple[int, list[int]]:
-        """An action's compute and gradient reductions, in pieces: the chunk's blocks when it gathers block by
-        block, its gradient buckets when it releases them or reduce-scatters them bucket by bucket
-        (step_rules.gradients); returns its last task and its compute tasks."""
-        gathering = mode is GatherMode.BLOCKS
-        pieces = chunk.buckets if grads.release or grads.each else chunk.blocks if gathering else 1
+    def _work(self, step: ActionStep, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int]
+              ) -> tuple[int, list[int]]:
+        """An action's compute and gradient reductions, in ``step.pieces`` (step_rules.pieces: the chunk's blocks
+        when it gathers block by block, its gradient buckets when it releases them or reduce-scatters them bucket by
+        bucket); returns its last task and its compute tasks."""
+        s, grads, gathering, pieces = step.stage, step.gradients, step.gather is GatherMode.BLOCKS, step.pieces
         self.span_end = None
         if work.chain:
             last, computes = self._chain(s, chunk, work, label, deps, pieces if grads.release else 0), []
@@ -250,10 +246,10 @@ class _Graph(SpanPlay):
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
         return last, computes
 
-    def _ends(self, s: int, action: Action, work: ActionWork, label: str, last: int, first: int) -> None:
+    def _ends(self, step: ActionStep, work: ActionWork, label: str, last: int, first: int) -> None:
         """An action's end: the loss's all-reduces after the head's forward, its program, and its sends (the stage's
-        next action waits for them with blocking sends: step_rules.waits_for_sends)."""
-        facts = self.facts
+        next action waits for them with blocking sends: ``step.blocking``)."""
+        facts, s, action = self.facts, step.stage, step.action
         if action.kind == "F" and holds(s, action.chunk, facts.stages, facts.virtual)[1]:
             self._loss(s, action, last)
         key = (s, action.kind, action.microbatch, action.chunk)
@@ -261,7 +257,7 @@ class _Graph(SpanPlay):
         self._program(s, first)
         for dst, _, nbytes in work.sends:
             self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last, action.kind)
-            if waits_for_sends(facts):  # the stage goes on once its send has arrived
+            if step.blocking:  # the stage goes on once its send has arrived
                 self.previous[s] = self.last_send
 
     def _program(self, s: int, first: int) -> None:
