@@ -29,8 +29,9 @@ the pipeline schedule table, stage by stage, with the same prices:
   the optimizer runs and, with ZeRO-1/2, the data axis re-gathers parameters;
 - the single controller (when the topology calibrates one) dispatches every program serially, and devices
   computing at once on a shared host slow each other by ``calibration.host_share``; an action's compute is
-  ``device.comm_slowdown`` longer for the communication beside it (gathers, reductions, sends, hidden tensor;
-  block by block where its blocks play their own gathers), before its gradient reductions leave.
+  ``device.comm_slowdown`` longer for the communication beside it (gathers, the reductions it starts, sends, hidden
+  tensor, the ring's sends; block by block where its blocks play their own gathers, GEMM by GEMM beside
+  ``tp_comm_overlap``'s chunks), before its gradient reductions leave.
 
 What it leaves out is what the DES adds: max-min link sharing between concurrent streams (gathers and reductions
 vs. sends), and a shared host's share varying as stages idle. So the estimate is a fast, honest ranking signal,
@@ -198,6 +199,7 @@ class _Priced(NamedTuple):
     plays_scatter: tuple = ()  # the same, of an earlier microbatch reduce-scattering bucket by bucket (loop_kept)
     scatter_each: tuple[float, ...] = ()  # an earlier microbatch's reduce-scatter bucket by bucket (grad_bytes.loop_kept)
     chain: bool = False  # an MoE chain (testbed.sim.step_rules.gradients reads it)
+    ring_hidden: float = 0.0  # the ring's sends beside its compute (context parallelism: testbed.sim.ring)
 
 
 class _Step:
@@ -297,6 +299,7 @@ class _Step:
                 topology, dtype, flops / n, hbm / n, max(1, chunk.kernels // n), rep_b / n, split_b / n,
                 cost.tensor_bytes, scaled(gemms, 1 / n), scaled_spans(work.spans, 1 / n))
         ring_s = ringed[1] if ringed else 0.0
+        ring_hidden = ringed[2] - ringed[1] if ringed else 0.0  # its sends beside the ring's compute
         last, reduces = kind == facts.last_backward, bool(facts.reductions)
         # The buckets of the microbatch that releases them (its blocks, when it gathers, are priced apart).
         pieces = step_pieces(chunk, gradients(facts, kind, bool(chain), 0), GatherMode.NONE)
@@ -329,7 +332,7 @@ class _Step:
         return _Priced(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
                        send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
-                       scatter_each=scatter_each,
+                       scatter_each=scatter_each, ring_hidden=ring_hidden,
                        after_tp=first_tail_bucket(facts, chunk, work, pieces), chain=bool(chain),
                        **(self._plays(s, chunk, work, pieces, last and reduces, bool(scatter_each)) if spans else {}))
 
@@ -425,8 +428,8 @@ class _Step:
         return sum(count * self.coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in transfers)
 
     def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
-                 ) -> tuple[float, tuple[float, float] | None, tuple[Piece, ...]]:
-        """(compute seconds, the ring's (compute, exposed sends) seconds or None, the MoE chain) of one action,
+                 ) -> tuple[float, tuple[float, float, float] | None, tuple[Piece, ...]]:
+        """(compute seconds, the ring's (compute, exposed sends, all sends) seconds or None, the MoE chain) of one action,
         priced as the task graph splits it: whole, as the ring's tasks under context parallelism (testbed.sim.ring),
         and the chain's compute tasks each as the graph prices them."""
         topology, dtype, cost = self.topology, self.dtype, chunk.cost

@@ -23,7 +23,7 @@ from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.update_facts import update_seconds
 from testbed.sim.step_rules import (ActionStep, Gradients, action_dispatch, action_steps, dispatch_seconds,
                                     gather_after, prepare_seconds, step_dispatch, update_dispatch)
-from testbed.sim.tp_overlap import overlap_end
+from testbed.sim.tp_overlap import slowed_overlap
 
 if TYPE_CHECKING:
     from testbed.explore.analytic import _Priced, _Step
@@ -189,7 +189,7 @@ class Play:
             n = priced.blocks
             self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
         if self.slowdown:  # compute is longer for the communication beside it, before its reductions leave
-            extra, stretch, releases = self._slowed(s, priced, compute - wait, stretch, releases)
+            extra, stretch, releases = self._slowed(s, priced, grads, compute - wait, stretch, releases)
             compute += extra
         for at, seconds, _ in releases:  # the gradient buckets (or reduce-scatter) on the grad stream
             self.grad[s] = max(self.grad[s], at) + seconds
@@ -198,8 +198,7 @@ class Play:
             tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
         gemms = blocks = 0.0
         if priced.overlap:  # tp_comm_overlap GEMM by GEMM, after the rest
-            gemms = self.slow * sum(g for _, g, _ in priced.overlap)
-            blocks = overlap_end(tuple((f, self.slow * g, r) for f, g, r in priced.overlap))
+            blocks, gemms = slowed_overlap(tuple((f, self.slow * g, r) for f, g, r in priced.overlap), self.slowdown)
         finish = start + compute + stretch + blocks + tensor
         self.busy[s] += compute - wait + gemms
         self.comm[s] += tensor + wait + stretch + blocks - gemms
@@ -287,8 +286,8 @@ class Play:
         self.comm[s] += end - self.free[s]
         self.free[s], self.gather_free[s] = end, max(self.gather_free[s], end)
 
-    def _slowed(self, s: int, priced: _Priced, compute: float, stretch: float, releases: tuple[Release, ...]
-                ) -> tuple[float, float, tuple[Release, ...]]:
+    def _slowed(self, s: int, priced: _Priced, grads: Gradients, compute: float, stretch: float,
+                releases: tuple[Release, ...]) -> tuple[float, float, tuple[Release, ...]]:
         """``device.comm_slowdown``: (the action's extra compute, its gather waits left, its reductions' releases
         ``(when, seconds, share of the compute before)`` later by the extra computed before each). The extra is the
         slowdown times the communication beside the compute (gathers, reductions, sends, tensor), at most the
@@ -302,7 +301,7 @@ class Play:
         if priced.plays and self.played is not None:
             return self._slowed_spans(s, priced, releases)
         if not (priced.gather and priced.parts):  # (the buckets are beside no compute when they wait for the end)
-            extra = rate * min(compute, beside_compute(self.step, priced))
+            extra = rate * min(compute, beside_compute(self.step, priced, grads))
             late = extra - min(stretch, extra)
             return extra, stretch - min(stretch, extra), tuple((t + late * f, x, f) for t, x, f in releases)
         ends, parts = self.block_ends[s], tuple(self.slow * x for x in priced.parts)
