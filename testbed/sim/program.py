@@ -61,7 +61,8 @@ action's program, so the action's sends leave after it (the runner's MPMD stage 
 and Megatron-LM's backward both finish the add before the gradient goes out).
 
 Parameter and gradient sharding, the gradient buckets and how many collectives they are:
-testbed.sim.grad_tasks, whose builders the graph calls.
+testbed.sim.grad_tasks, whose builders the graph calls; the gradient reductions' tasks of an action are
+testbed.sim.grad_play's (a mixin of the graph, as testbed.sim.span_play's tensor collectives are).
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ from testbed.plan.sharding import loss_merged, loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
-from testbed.sim.grad_tasks import reduce_tasks
-from testbed.sim.span_play import BlockWork, GradBucket, SpanPlay, grad_bucket
+from testbed.sim.grad_play import GradBucket, GradPlay, grad_bucket
+from testbed.sim.span_play import BlockWork, SpanPlay
 from testbed.sim.step_rules import (ActionStep, Dispatch, GatherMode, action_dispatch, action_steps,
-                                    first_tail_bucket, gather_after, runs_serially, sequence_apart, step_dispatch,
+                                    first_tail_bucket, gather_after, runs_serially, step_dispatch,
                                     update_dispatch)
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
@@ -131,7 +132,7 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
     return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
 
 
-class _Graph(SpanPlay):
+class _Graph(SpanPlay, GradPlay):
     """The task graph while it is built from a step's facts: one small builder per stream, and the bookkeeping
     that links them (each action's last task, the sends between stages, the gradient reductions)."""
 
@@ -192,9 +193,7 @@ class _Graph(SpanPlay):
         last, computes = self._work(step, chunk, work, label, deps)
         grads = step.gradients
         if grads.summed:  # the tensor-replicated gradients' sum leaves as the compute ends (its own stream)
-            self.reduce_tasks[s].extend(reduce_tasks(
-                self.b, facts.reductions, self.groups, self.plan, s, self.reps[s], last, chunk.reduced.last,
-                chunk.special(1.0, facts.reduce_bytes), label, 0, select=True, stream="sequence"))
+            self._summed(s, chunk, label, last)
         last = self._tensor(s, chunk, work, label, last, tuple(deps))
         for bucket_of in self.tail:  # buckets reduced after the tensor collectives (first_tail_bucket)
             self._bucket(s, last, bucket_of)
@@ -333,18 +332,6 @@ class _Graph(SpanPlay):
             last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
 
-    def _buckets_of(self, s: int, chunk: ChunkFacts, label: str, pieces: int, k: int, last: int, tail: bool) -> None:
-        """Bucket ``k`` of ``pieces``, its share of the chunk's gradients (ChunkFacts.bucket), after ``last``:
-        reduced while the backward continues when they accumulate sharded, else once the stage's backward is done;
-        ``tail``: only after the action's tensor collectives (step_rules.first_tail_bucket)."""
-        for fraction, count in chunk.bucket(pieces, k):
-            bucket_of = grad_bucket(chunk, fraction, self.facts.reduce_bytes, label if pieces == 1 else f"{label}/{k}",
-                                    count, chunk.tail if pieces == 1 else (0.0, 0.0))
-            if tail:
-                self.tail.append(bucket_of)
-            else:
-                self._bucket(s, last, bucket_of)
-
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
                       ends: list[int], cotangent: int | None = None) -> int | None:
         """The all-gathers of block ``k`` of ``pieces`` of a chunk's sharded parameters (gather stream), each at its
@@ -443,45 +430,11 @@ class _Graph(SpanPlay):
                           deps=(send,), op="all_gather", nbytes=nbytes, group=rep_group(groups, rep),
                           instances=groups)
 
-    def _bucket(self, s: int, after: int, bucket_of: GradBucket) -> None:
-        """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
-        if self.facts.reduce_in_backward:
-            self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of))
-        else:
-            self.once[s].append(bucket_of)
-
-    def _accumulate(self, s: int, chunk: ChunkFacts, label: str, after: int, buckets) -> None:
-        """An earlier microbatch's ``buckets`` (ChunkFacts.bucket of one block) reduce-scattered into the sharded
-        accumulator once ``after`` is done: in a loop XLA keeps, bucket by bucket as the backward makes them."""
-        for fraction, count in buckets:
-            self.reduce_tasks[s].append(self._scatter(s, chunk, label, after, fraction, count))
-
-    def _scatter(self, s: int, chunk: ChunkFacts, label: str, last: int, fraction: float = 1.0,
-                 count: int = 0) -> int:
-        """An earlier microbatch's gradients (``fraction`` of them, in ``count`` collectives; default all, one per
-        leaf) reduce-scattered into the sharded accumulator (grad stream)."""
-        rep, groups, leaves = self.reps[s], self.g_groups[s], count or max(1, chunk.leaves)
-        return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
-                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                          nbytes=chunk.reduced.each_microbatch * fraction / leaves, count=leaves,
-                          group=rep_group(groups, rep), instances=groups)
-
-    def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,
-                leaves: int, tail: tuple[float, float] = (0.0, 0.0), loss: float = 0.0) -> list[int]:
-        """One bucket's gradient reduction tasks (testbed.sim.grad_tasks.reduce_tasks; ``tail``: ChunkFacts.tail),
-        but the sequence-replicated parameters' where they left at the backward's end
-        (testbed.sim.step_rules.sequence_apart); returns the last one(s)."""
-        return reduce_tasks(self.b, self.facts.reductions, self.groups, self.plan, s, self.reps[s], after, nbytes,
-                            special, label, leaves, tail, select=False if sequence_apart(self.facts) else None,
-                            loss=loss)
-
     def update(self, s: int) -> None:
         """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute
         stream) after every reduction, and with ZeRO-1/2 the updated shards gathered over data (grad stream)."""
         b, rep, first, update = self.b, self.reps[s], len(self.b.tasks), self.facts.updates[s]
-        for k, bucket_of in enumerate(self.once[s]):  # the loss's sum merged into the first (loss_merged)
-            loss = LOSS_BYTES if k == 0 and loss_merged(self.plan, self.facts.reduce_bytes) else 0.0
-            self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of, loss=loss))
+        self._reduce_kept(s)
         waits = list(self.reduce_tasks[s])
         if self.controller and (dispatch := update_dispatch(self.facts, s)):
             waits.append(self._dispatch(f"dispatch optimizer@{s}", dispatch))
