@@ -132,7 +132,7 @@ def test_only_the_reductions_an_action_starts_slow_its_compute():
     the earlier ones' backward is not slowed by buckets that do not leave (an MoE pipeline with the buckets
     reduced in the backward, 32 microbatches, where counting them on every microbatch put the analytic tier 10%
     over the DES), and a tp_comm_overlap GEMM is slowed beside its chunks as the engine slows it."""
-    from testbed.explore.analytic import _Step
+    from testbed.explore.prices import StepPrices
     from testbed.explore.play_floor import beside_compute
     from testbed.plan.placement import place
     from testbed.sim.facts import step_facts, topology_rules
@@ -149,7 +149,7 @@ def test_only_the_reductions_an_action_starts_slow_its_compute():
                            "runtime": {"profile": "megatron", "grad_reduce_overlap": True, "tp_comm_overlap": True,
                                        "pipeline_blocking_sends": False}}, default_name="moe")
     ids = place(plan, topology).device_ids
-    step = _Step(step_facts(plan, ids, **topology_rules(topology)), topology, ids)
+    step = StepPrices(step_facts(plan, ids, **topology_rules(topology)), topology, ids)
     p = step.prices[(0, 0, "B")]
     last, earlier = (gradients(step.facts, "B", p.chain, left) for left in (0, 1))
     assert p.bucket > 0 and beside_compute(step, p, earlier) == pytest.approx(

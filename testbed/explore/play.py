@@ -26,7 +26,7 @@ from testbed.sim.step_rules import (ActionStep, Gradients, action_dispatch, acti
 from testbed.sim.tp_overlap import slowed_overlap
 
 if TYPE_CHECKING:
-    from testbed.explore.analytic import _Priced, _Step
+    from testbed.explore.prices import ActionPrice, StepPrices
 
 __all__ = ["Play"]
 
@@ -49,7 +49,7 @@ class Play:
     """One play of the schedule table, stage by stage, with compute slowed ``slow`` times: every action in
     execution order (:meth:`action`), then each stage's gradient tail and update (:meth:`update`)."""
 
-    def __init__(self, step: _Step, slow: float) -> None:
+    def __init__(self, step: StepPrices, slow: float) -> None:
         facts, p = step.facts, step.facts.stages
         self.step, self.facts, self.slow, self.plan = step, facts, slow, facts.plan
         self.slowdown = step.topology.device.comm_slowdown  # read per action
@@ -64,7 +64,7 @@ class Play:
         self.replay = _Replay((), 0.0, 0.0, [])
         self.played: Played | None = None  # the last action's blocks played span by span (span_times)
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
-        self.early = [0.0] * p  # the sequence-replicated gradients' sum done (_Priced.early: its own stream)
+        self.early = [0.0] * p  # the sequence-replicated gradients' sum done (ActionPrice.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
         self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
         self.launch = 0.0  # with ``serial``: when the previous program completed
@@ -119,7 +119,7 @@ class Play:
                 start = t
         return start
 
-    def _gather(self, s: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
+    def _gather(self, s: int, priced: ActionPrice, start: float, compute: float) -> tuple[float, float]:
         """An action's gathers block by block (testbed.sim.program's): (when its first block computes, the seconds
         the later blocks wait for their gathers), each block's gather and compute its own where they differ (a
         block's merged collectives; the embedding's and the head's blocks), else equal shares (:meth:`_gathered_blocks`)."""
@@ -209,7 +209,7 @@ class Play:
         if priced.sends:
             self._sends(s, (s, kind, mb, c), priced, finish, step.blocking)
 
-    def _sends(self, s: int, key: tuple, priced: _Priced, finish: float, blocking: bool) -> None:
+    def _sends(self, s: int, key: tuple, priced: ActionPrice, finish: float, blocking: bool) -> None:
         """An action's sends, one after another on its stage's pipe stream from ``finish`` (``key``: the action's),
         a split send's receivers' all-gather on their recv stream of its direction; with ``blocking`` sends the
         stage waits for them (testbed.sim.step_rules.ActionStep)."""
@@ -226,7 +226,7 @@ class Play:
             if self.step.serial:
                 self.launch = max(self.launch, self.free[s])
 
-    def _backward_end(self, s: int, priced: _Priced, start: float, compute: float, grads: Gradients, left: int
+    def _backward_end(self, s: int, priced: ActionPrice, start: float, compute: float, grads: Gradients, left: int
                       ) -> tuple[float, float, tuple[Release, ...]]:
         """A microbatch's last backward action (B, or W when split; ``left``: the chunk's microbatches after it):
         (its compute seconds, its barriers' wait, its reductions ``(when it leaves, seconds, the share of the compute
@@ -286,7 +286,7 @@ class Play:
         self.comm[s] += end - self.free[s]
         self.free[s], self.gather_free[s] = end, max(self.gather_free[s], end)
 
-    def _slowed(self, s: int, priced: _Priced, grads: Gradients, compute: float, stretch: float,
+    def _slowed(self, s: int, priced: ActionPrice, grads: Gradients, compute: float, stretch: float,
                 releases: tuple[Release, ...]) -> tuple[float, float, tuple[Release, ...]]:
         """``device.comm_slowdown``: (the action's extra compute, its gather waits left, its reductions' releases
         ``(when, seconds, share of the compute before)`` later by the extra computed before each). The extra is the
@@ -334,7 +334,7 @@ class Play:
             spans.append((grad - x, grad))
         return sorted(spans)
 
-    def _slowed_spans(self, s: int, priced: _Priced, releases: tuple[Release, ...]
+    def _slowed_spans(self, s: int, priced: ActionPrice, releases: tuple[Release, ...]
                       ) -> tuple[float, float, tuple[Release, ...]]:
         """:meth:`_slowed` of an action whose blocks are played span by span (testbed.explore.span_times): each
         block's compute longer by the slowdown times the communication beside the block (its gathers, the stage's

@@ -24,7 +24,7 @@ from testbed.sim.step_rules import Gradients, gradients
 from testbed.sim.update_facts import update_seconds
 
 if TYPE_CHECKING:
-    from testbed.explore.analytic import _Step
+    from testbed.explore.prices import StepPrices
 
 __all__ = ["action_floors", "stage_rests", "beside_compute", "SAFETY", "AboveBar"]
 
@@ -41,7 +41,7 @@ class AboveBar(Exception):
         self.floor = floor
 
 
-def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
+def action_floors(step: StepPrices) -> dict[tuple[int, int, str], float]:
     """Each priced action's floor ``(stage, chunk, kind) -> seconds`` (module docstring)."""
     facts = step.facts
     last, rate = facts.last_backward, step.topology.device.comm_slowdown
@@ -63,7 +63,7 @@ def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
     return out
 
 
-def beside_compute(step: _Step, p, grads: Gradients) -> float:
+def beside_compute(step: StepPrices, p, grads: Gradients) -> float:
     """The communication beside an action's compute (``p``: its price; ``grads``: what it does with its gradients,
     testbed.sim.step_rules.gradients) that ``device.comm_slowdown`` slows it by (testbed.explore.play.Play._slowed,
     where its blocks do not play their own gathers; and this floor): its hidden tensor collectives, its sends, the
@@ -75,7 +75,7 @@ def beside_compute(step: _Step, p, grads: Gradients) -> float:
             + p.ring_hidden)
 
 
-def _least_beside(step: _Step, p, kind: str) -> float:
+def _least_beside(step: StepPrices, p, kind: str) -> float:
     """:func:`beside_compute` of a ``kind`` action, the least over its chunk's microbatches (the last releases the
     buckets, an earlier one reduce-scatters)."""
     facts = step.facts
@@ -83,7 +83,7 @@ def _least_beside(step: _Step, p, kind: str) -> float:
     return min(beside_compute(step, p, gradients(facts, kind, p.chain, left)) for left in lefts)
 
 
-def stage_rests(step: _Step, floors: dict[tuple[int, int, str], float]) -> list[float]:
+def stage_rests(step: StepPrices, floors: dict[tuple[int, int, str], float]) -> list[float]:
     """Per stage, the floors of all its actions in the schedule's order and its optimizer's compute."""
     facts = step.facts
     rests = [update_seconds(step.topology, step.dtype, u) for u in facts.updates]  # what play.py's update costs
