@@ -125,3 +125,34 @@ def test_replicas_summing_after_the_backward_slow_no_compute():
     plan = _plan({"data": 8})
     before, after = _both(plan, load_topology("dgx-h100")), _both(plan, _slowed(SOURCED))
     assert all(before[tier] <= after[tier] < 1.01 * before[tier] for tier in (0, 1))
+
+
+def test_only_the_reductions_an_action_starts_slow_its_compute():
+    """Of a chunk's many microbatches only the last releases its gradient buckets (testbed.sim.step_rules.gradients):
+    the earlier ones' backward is not slowed by buckets that do not leave (an MoE pipeline with the buckets
+    reduced in the backward, 32 microbatches, where counting them on every microbatch put the analytic tier 10%
+    over the DES), and a tp_comm_overlap GEMM is slowed beside its chunks as the engine slows it."""
+    from testbed.explore.prices import StepPrices
+    from testbed.explore.play_floor import beside_compute
+    from testbed.plan.placement import place
+    from testbed.sim.facts import step_facts, topology_rules
+    from testbed.sim.step_rules import gradients
+
+    topology = _slowed(SOURCED, "dgx-h100-x4")
+    plan = plan_from_dict({"name": "moe", "model": {"layers": 8, "d_model": 1024, "heads": 16, "kv_heads": 4,
+                                                    "d_ff": 2048, "seq_len": 2048, "vocab": 32000, "mlp": "swiglu",
+                                                    "attention": "flash", "experts": 8, "top_k": 2},
+                           "batch": {"global_batch": 128, "microbatches": 16},
+                           "mesh": {"data": 2, "expert": 4, "tensor": 2, "stage": 2, "expert_tensor": 1},
+                           "schedule": {"name": "interleaved", "virtual_stages": 2}, "sequence_parallel": True,
+                           "precision": "bf16-mixed", "zero": 1,
+                           "runtime": {"profile": "megatron", "grad_reduce_overlap": True, "tp_comm_overlap": True,
+                                       "pipeline_blocking_sends": False}}, default_name="moe")
+    ids = place(plan, topology).device_ids
+    step = StepPrices(step_facts(plan, ids, **topology_rules(topology)), topology, ids)
+    p = step.prices[(0, 0, "B")]
+    last, earlier = (gradients(step.facts, "B", p.chain, left) for left in (0, 1))
+    assert p.bucket > 0 and beside_compute(step, p, earlier) == pytest.approx(
+        beside_compute(step, p, last) - p.bucket * p.pieces)
+    des, analytic = _both(plan, topology)
+    assert analytic == pytest.approx(des, rel=0.03)

@@ -8,12 +8,14 @@ import random
 
 import pytest
 
-from testbed.explore.analytic import _Step, estimate
+from testbed.explore.analytic import estimate
+from testbed.explore.prices import StepPrices
 from testbed.explore.play import Play
 from testbed.explore.play_floor import action_floors, stage_rests
 from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.placement import place
 from testbed.sim.facts import step_facts, topology_rules
+from testbed.sim.step_rules import action_steps
 from testbed.topology.io import load_topology
 
 SPACE = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
@@ -30,12 +32,13 @@ def _bounds(plan, topology) -> tuple[list[float], float]:
     """Each stage's free time plus its floors left, after each action of the plan's play, and the step it ends at."""
     ids = place(plan, topology).device_ids
     facts = step_facts(plan, ids, **topology_rules(topology))
-    step = _Step(facts, topology, ids)
+    step = StepPrices(facts, topology, ids)
     floors = action_floors(step)
     rests = stage_rests(step, floors)
     play, bounds = Play(step, 1.0), [max(rests)]
-    for s, action, deps in facts.order:
-        play.action(s, action, deps)
+    for ruled in action_steps(facts):
+        play.action(ruled)
+        s, action = ruled.stage, ruled.action
         rests[s] -= floors[(s, action.chunk, action.kind)]
         bounds.append(play.free[s] + rests[s])
     return bounds, max(max(play.update(s) for s in range(facts.stages)), play.host)
@@ -97,7 +100,7 @@ def test_play_floor_counts_the_comm_slowdown_beside_gathers() -> None:
         assert max(bounds) <= step * (1 + 1e-12)
         ids = place(plan, topology).device_ids
         facts = step_facts(plan, ids, **topology_rules(topology))
-        with_rate, without = action_floors(_Step(facts, topology, ids)), action_floors(_Step(facts, plain, ids))
+        with_rate, without = action_floors(StepPrices(facts, topology, ids)), action_floors(StepPrices(facts, plain, ids))
         assert all(with_rate[k] >= without[k] for k in without)
         slowed += sum(with_rate[k] > without[k] for k in without)
     assert slowed  # some actions' floors count it

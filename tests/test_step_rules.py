@@ -18,7 +18,7 @@ from testbed.pipeline.schedules import Action
 from testbed.plan.placement import place
 from testbed.sim.facts import step_facts
 from testbed.sim.pricing import controller_seconds
-from testbed.sim.step_rules import (Dispatch, GatherMode, Microbatches, action_dispatch, dispatch_seconds,
+from testbed.sim.step_rules import (Dispatch, GatherMode, action_dispatch, action_steps, dispatch_seconds,
                                     gather_after, gather_mode, gradients, iteration, prepare_seconds, runs_serially,
                                     step_dispatch, update_dispatch)
 from testbed.sim.tasks import Task, TaskKind
@@ -29,8 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent / "testbed"
 #: Fields only testbed.sim.step_rules reads in the simulator and the search (attribute names).
 RULE_FIELDS = {"overhead_s": "controller", "buffer_s": "controller", "step_s": "controller",
                "pipeline_step_s": "controller", "serial_programs": "host", "pipeline_blocking_sends": "runtime"}
-#: Functions only testbed.sim.step_rules calls there (the kept loop and the sequence-replicated sums).
-RULE_CALLS = {"loop_kept", "summed_in_the_step", "summed_each_microbatch", "after_tensor"}
+#: Functions only testbed.sim.step_rules calls there (the kept loop and the sequence-replicated sums; the walk that
+#: applies the rules to each action, step_rules.action_steps, whose records both tiers play).
+RULE_CALLS = {"loop_kept", "summed_in_the_step", "summed_each_microbatch", "after_tensor", "Microbatches", "iteration",
+              "waits_for_sends"}
 
 
 def _facts(**changes):
@@ -76,13 +78,16 @@ def test_each_chunk_releases_its_buckets_once_and_scatters_the_earlier_microbatc
     facts = _facts(mesh=dataclasses.replace(base.mesh, data=2, fsdp=4, tensor=1, stage=1),
                    batch=dataclasses.replace(base.batch, microbatches=4),
                    runtime=dataclasses.replace(base.runtime, microbatch_scan=scan))
-    counter, release, scatter, each, waits = Microbatches(facts), 0, 0, 0, 0
-    for s, action, _ in facts.order:
-        work = facts.chunks[s][action.chunk].action(action.kind)
-        g = gradients(facts, action.kind, bool(work.chain), counter.begin(s, action.chunk, action.kind)[1])
+    release, scatter, each, waits = 0, 0, 0, 0
+    for ruled in action_steps(facts):
+        s, action, g = ruled.stage, ruled.action, ruled.gradients
+        chunk = facts.chunks[s][action.chunk]
+        work = chunk.action(action.kind)
+        assert g == gradients(facts, action.kind, bool(work.chain), ruled.left)
         release, scatter, each = release + g.release, scatter + g.scatter, each + g.each
-        waits += iteration(facts, action).waits
-        assert gather_mode(facts, work) is GatherMode.BLOCKS
+        waits += ruled.iteration.waits
+        assert ruled.gather is gather_mode(facts, work) is GatherMode.BLOCKS
+        assert ruled.pieces == (chunk.buckets if g.release or g.each else chunk.blocks)
     assert (release, scatter) == (1, 3)
     # JAX's one SPMD step: a microbatch loop XLA keeps (runtime.microbatch_scan, testbed.sim.grad_bytes.loop_kept)
     assert (each, waits) == ((3, 3) if scan else (0, 0))

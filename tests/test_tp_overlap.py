@@ -12,7 +12,7 @@ from testbed.plan.placement import place
 from testbed.sim.engine import simulate
 from testbed.sim.facts import step_facts
 from testbed.sim.program import build_program
-from testbed.sim.tp_overlap import exposed_share, overlap_end
+from testbed.sim.tp_overlap import exposed_share, overlap_end, slowed_overlap
 from testbed.topology.io import load_topology
 
 TOPOLOGY = "dgx-h100"
@@ -73,6 +73,16 @@ def test_overlap_end_hides_the_chunks_a_gemm_covers():
     assert overlap_end(((1.0, 2.0, 3.0),)) == 4.0
     # the MLP block's chunks follow the attention block's on the tensor stream
     assert overlap_end(((1.0, 2.0, 3.0), (1.0, 10.0, 3.0))) == 15.0
+
+
+def test_a_gemm_beside_the_tensor_streams_chunks_is_slower_until_they_end():
+    """device.comm_slowdown on the overlapped GEMMs: slowed while the tensor stream's chunks run, at full speed
+    after (the engine's rule for a compute task beside its device's communication)."""
+    blocks = ((1.0, 2.0, 3.0), (1.0, 10.0, 3.0))
+    assert slowed_overlap(blocks, 0.0) == (overlap_end(blocks), 12.0)
+    # chunks end at 8: the first GEMM 1-4 slowed whole, the second from 5: 3 s slowed (2 s of work), 8 s after
+    assert slowed_overlap(blocks, 0.5) == (16.0, 14.0)
+    assert slowed_overlap(((1.0, 10.0, 3.0),), 0.5) == (12.0, 11.0)
 
 
 @pytest.mark.parametrize("over", [{}, {"sequence_parallel": False}, {"remat": "full"},

@@ -6,7 +6,7 @@ start each block's gather once the one before it has ended, ``gather_free`` carr
 shared host's wait only adds), and the stage's last block computes after its gather, so a stage's step is at least
 the sum of its actions' gather seconds: ``microbatches`` times each chunk's forward and backward gathers
 (testbed.plan.sharding.gathers_parameters), each block's collectives priced as the tier prices them
-(``_Step._block_gather_seconds``: every all-gather of testbed.model.blocks.block_gathers at its merged size, by
+(``StepPrices._block_gather_seconds``: every all-gather of testbed.model.blocks.block_gathers at its merged size, by
 ``StageCollectives.time``). The task graph runs the same collectives one after another on its ``gather`` stream
 (testbed.sim.program), each timed by testbed.collectives.timing and slowed only by sharing links
 (tests/test_gather_floor.py checks both tiers on sampled plans). A chunk's blocks follow whether the embedding
@@ -103,7 +103,7 @@ def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cos
 def _block_seconds(coll: StageCollectives, axes: tuple, s: int, sizes: tuple[tuple[float, ...], ...],
                    priced: dict) -> float:
     """Seconds of an action's block gathers ``sizes`` (per block, each all-gather's bytes), as
-    ``_Step._block_gather_seconds`` prices them (each block memoized in ``priced``)."""
+    ``StepPrices._block_gather_seconds`` prices them (each block memoized in ``priced``)."""
     total = 0.0
     for block in sizes:
         key = (s, block)

@@ -16,19 +16,17 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from testbed.pipeline.schedules import Action
 from testbed.plan.spec import Axis
-from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, stage_rests
+from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, beside_compute, stage_rests
 from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.update_facts import update_seconds
-from testbed.sim.step_rules import (Gradients, Microbatches, action_dispatch, dispatch_seconds, gather_after,
-                                    gradients, iteration, prepare_seconds, step_dispatch, update_dispatch,
-                                    waits_for_sends)
-from testbed.sim.tp_overlap import overlap_end
+from testbed.sim.step_rules import (ActionStep, Gradients, action_dispatch, action_steps, dispatch_seconds,
+                                    gather_after, prepare_seconds, step_dispatch, update_dispatch)
+from testbed.sim.tp_overlap import slowed_overlap
 
 if TYPE_CHECKING:
-    from testbed.explore.analytic import _Priced, _Step
+    from testbed.explore.prices import ActionPrice, StepPrices
 
 __all__ = ["Play"]
 
@@ -51,7 +49,7 @@ class Play:
     """One play of the schedule table, stage by stage, with compute slowed ``slow`` times: every action in
     execution order (:meth:`action`), then each stage's gradient tail and update (:meth:`update`)."""
 
-    def __init__(self, step: _Step, slow: float) -> None:
+    def __init__(self, step: StepPrices, slow: float) -> None:
         facts, p = step.facts, step.facts.stages
         self.step, self.facts, self.slow, self.plan = step, facts, slow, facts.plan
         self.slowdown = step.topology.device.comm_slowdown  # read per action
@@ -66,10 +64,8 @@ class Play:
         self.replay = _Replay((), 0.0, 0.0, [])
         self.played: Played | None = None  # the last action's blocks played span by span (span_times)
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
-        self.early = [0.0] * p  # the sequence-replicated gradients' sum done (_Priced.early: its own stream)
+        self.early = [0.0] * p  # the sequence-replicated gradients' sum done (ActionPrice.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
-        self.microbatches = Microbatches(facts)
-        self._gradients: dict[tuple[str, bool, bool], Gradients] = {}
         self.carry = [0.0] * p  # a shared host's stragglers: computing since the stage's devices last met
         self.launch = 0.0  # with ``serial``: when the previous program completed
         self.host, controller = 0.0, step.controller
@@ -85,8 +81,8 @@ class Play:
         if bar < math.inf:
             self._bounded(bar)
         else:
-            for s, action, deps in self.facts.order:
-                self.action(s, action, deps)
+            for step in action_steps(self.facts):
+                self.action(step)
         step = 0.0
         for s in range(self.facts.stages):
             step = max(step, self.update(s), self.host)
@@ -100,8 +96,9 @@ class Play:
         if max(rests) * keep > bar:
             raise AboveBar(max(rests) * keep)
         free = self.free
-        for s, action, deps in self.facts.order:
-            self.action(s, action, deps)
+        for step in action_steps(self.facts):
+            self.action(step)
+            s, action = step.stage, step.action
             rests[s] -= floors[(s, action.chunk, action.kind)]
             if (free[s] + rests[s]) * keep > bar:
                 raise AboveBar((free[s] + rests[s]) * keep)
@@ -122,7 +119,7 @@ class Play:
                 start = t
         return start
 
-    def _gather(self, s: int, priced: _Priced, start: float, compute: float) -> tuple[float, float]:
+    def _gather(self, s: int, priced: ActionPrice, start: float, compute: float) -> tuple[float, float]:
         """An action's gathers block by block (testbed.sim.program's): (when its first block computes, the seconds
         the later blocks wait for their gathers), each block's gather and compute its own where they differ (a
         block's merged collectives; the embedding's and the head's blocks), else equal shares (:meth:`_gathered_blocks`)."""
@@ -162,20 +159,15 @@ class Play:
         self.gather_free[s], self.block_ends[s] = _next_gathers(gather_end, ends, d), ends
         return first, ends[-1] - first - sum(parts)
 
-    def action(self, s: int, action: Action, deps: tuple[tuple, ...]) -> None:
-        """Plays one F/B/W action of stage ``s``."""
+    def action(self, step: ActionStep) -> None:
+        """Plays one F/B/W action as ``step`` (testbed.sim.step_rules.action_steps) rules it."""
+        s, action, grads, left = step.stage, step.action, step.gradients, step.left
         c, kind, mb = action.chunk, action.kind, action.microbatch
-        priced = self.step.prices[(s, c, kind)]
-        accumulated, left = self.microbatches.begin(s, c, kind)
-        grads = self._gradients.get((kind, priced.chain, left == 0))
-        if grads is None:  # a pure function of these (left only as zero or not): one per kind
-            grads = self._gradients[(kind, priced.chain, left == 0)] = gradients(self.facts, kind, priced.chain,
-                                                                                  left)
         priced = self.step.played(s, c, kind, grads)
         compute = self.slow * priced.compute
-        if iteration(self.facts, action).waits:
+        if step.iteration.waits:
             self._iteration(s)
-        start, stretch = self._start(s, c, kind, accumulated, deps), 0.0
+        start, stretch = self._start(s, c, kind, step.accumulated, step.waits), 0.0
         skewed = self.step.skewed
         if priced.gather:
             start, stretch = self._gather(s, priced, start, compute)
@@ -197,7 +189,7 @@ class Play:
             n = priced.blocks
             self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
         if self.slowdown:  # compute is longer for the communication beside it, before its reductions leave
-            extra, stretch, releases = self._slowed(s, priced, compute - wait, stretch, releases)
+            extra, stretch, releases = self._slowed(s, priced, grads, compute - wait, stretch, releases)
             compute += extra
         for at, seconds, _ in releases:  # the gradient buckets (or reduce-scatter) on the grad stream
             self.grad[s] = max(self.grad[s], at) + seconds
@@ -206,8 +198,7 @@ class Play:
             tensor += max(0.0, priced.hidden - (compute - (self.slow * priced.acc if last else 0.0))) - priced.hidden
         gemms = blocks = 0.0
         if priced.overlap:  # tp_comm_overlap GEMM by GEMM, after the rest
-            gemms = self.slow * sum(g for _, g, _ in priced.overlap)
-            blocks = overlap_end(tuple((f, self.slow * g, r) for f, g, r in priced.overlap))
+            blocks, gemms = slowed_overlap(tuple((f, self.slow * g, r) for f, g, r in priced.overlap), self.slowdown)
         finish = start + compute + stretch + blocks + tensor
         self.busy[s] += compute - wait + gemms
         self.comm[s] += tensor + wait + stretch + blocks - gemms
@@ -216,12 +207,12 @@ class Play:
             self.launch = max(finish, self.grad[s])
         self.end[(s, kind, mb, c)] = finish
         if priced.sends:
-            self._sends(s, (s, kind, mb, c), priced, finish)
+            self._sends(s, (s, kind, mb, c), priced, finish, step.blocking)
 
-    def _sends(self, s: int, key: tuple, priced: _Priced, finish: float) -> None:
+    def _sends(self, s: int, key: tuple, priced: ActionPrice, finish: float, blocking: bool) -> None:
         """An action's sends, one after another on its stage's pipe stream from ``finish`` (``key``: the action's),
-        a split send's receivers' all-gather on their recv stream of its direction; with blocking sends the stage
-        waits for them (testbed.sim.step_rules.waits_for_sends)."""
+        a split send's receivers' all-gather on their recv stream of its direction; with ``blocking`` sends the
+        stage waits for them (testbed.sim.step_rules.ActionStep)."""
         kind = key[1]
         for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
@@ -229,13 +220,13 @@ class Play:
             if gather:
                 recv = self.recv.get((dst, kind), 0.0)
                 self.recv[(dst, kind)] = self.arrive[key] = max(recv, self.pipe[s]) + gather
-        if waits_for_sends(self.facts):
+        if blocking:
             self.comm[s] += max(0.0, self.pipe[s] - self.free[s])
             self.free[s] = max(self.free[s], self.pipe[s])
             if self.step.serial:
                 self.launch = max(self.launch, self.free[s])
 
-    def _backward_end(self, s: int, priced: _Priced, start: float, compute: float, grads: Gradients, left: int
+    def _backward_end(self, s: int, priced: ActionPrice, start: float, compute: float, grads: Gradients, left: int
                       ) -> tuple[float, float, tuple[Release, ...]]:
         """A microbatch's last backward action (B, or W when split; ``left``: the chunk's microbatches after it):
         (its compute seconds, its barriers' wait, its reductions ``(when it leaves, seconds, the share of the compute
@@ -295,8 +286,8 @@ class Play:
         self.comm[s] += end - self.free[s]
         self.free[s], self.gather_free[s] = end, max(self.gather_free[s], end)
 
-    def _slowed(self, s: int, priced: _Priced, compute: float, stretch: float, releases: tuple[Release, ...]
-                ) -> tuple[float, float, tuple[Release, ...]]:
+    def _slowed(self, s: int, priced: ActionPrice, grads: Gradients, compute: float, stretch: float,
+                releases: tuple[Release, ...]) -> tuple[float, float, tuple[Release, ...]]:
         """``device.comm_slowdown``: (the action's extra compute, its gather waits left, its reductions' releases
         ``(when, seconds, share of the compute before)`` later by the extra computed before each). The extra is the
         slowdown times the communication beside the compute (gathers, reductions, sends, tensor), at most the
@@ -310,9 +301,7 @@ class Play:
         if priced.plays and self.played is not None:
             return self._slowed_spans(s, priced, releases)
         if not (priced.gather and priced.parts):  # (the buckets are beside no compute when they wait for the end)
-            buckets = priced.bucket * priced.pieces if facts.reduce_in_backward else 0.0
-            beside = priced.hidden + priced.send_s + max(priced.scatter, buckets) + priced.gather * bool(facts.prefetch)
-            extra = rate * min(compute, beside)
+            extra = rate * min(compute, beside_compute(self.step, priced, grads))
             late = extra - min(stretch, extra)
             return extra, stretch - min(stretch, extra), tuple((t + late * f, x, f) for t, x, f in releases)
         ends, parts = self.block_ends[s], tuple(self.slow * x for x in priced.parts)
@@ -345,7 +334,7 @@ class Play:
             spans.append((grad - x, grad))
         return sorted(spans)
 
-    def _slowed_spans(self, s: int, priced: _Priced, releases: tuple[Release, ...]
+    def _slowed_spans(self, s: int, priced: ActionPrice, releases: tuple[Release, ...]
                       ) -> tuple[float, float, tuple[Release, ...]]:
         """:meth:`_slowed` of an action whose blocks are played span by span (testbed.explore.span_times): each
         block's compute longer by the slowdown times the communication beside the block (its gathers, the stage's

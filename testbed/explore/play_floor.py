@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from testbed.sim.step_rules import Gradients, gradients
 from testbed.sim.update_facts import update_seconds
 
 if TYPE_CHECKING:
-    from testbed.explore.analytic import _Step
+    from testbed.explore.prices import StepPrices
 
-__all__ = ["action_floors", "stage_rests", "SAFETY", "AboveBar"]
+__all__ = ["action_floors", "stage_rests", "beside_compute", "SAFETY", "AboveBar"]
 
 #: The bound is taken this much under its sum (a sum of hundreds of floats, and the play's, round apart).
 SAFETY = 1e-9
@@ -40,7 +41,7 @@ class AboveBar(Exception):
         self.floor = floor
 
 
-def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
+def action_floors(step: StepPrices) -> dict[tuple[int, int, str], float]:
     """Each priced action's floor ``(stage, chunk, kind) -> seconds`` (module docstring)."""
     facts = step.facts
     last, rate = facts.last_backward, step.topology.device.comm_slowdown
@@ -57,21 +58,32 @@ def action_floors(step: _Step) -> dict[tuple[int, int, str], float]:
             extra = p.acc
         compute = min(ways) + extra
         tensor = 0.0 if plays else max(0.0, p.tensor - p.hidden)
-        out[key] = compute + tensor + (rate * min(compute, _beside(step, p)) if rate and not plays
+        out[key] = compute + tensor + (rate * min(compute, _least_beside(step, p, key[2])) if rate and not plays
                                        and not (p.gather and p.parts) else 0.0)
     return out
 
 
-def _beside(step: _Step, p) -> float:
-    """The communication :meth:`testbed.explore.play.Play._slowed` counts beside an action's compute: its hidden
-    tensor collectives, its sends, its gradient reductions (the buckets where they reduce in the backward, else an
-    earlier microbatch's reduce-scatter, the larger) and, with prefetch, its gathers."""
+def beside_compute(step: StepPrices, p, grads: Gradients) -> float:
+    """The communication beside an action's compute (``p``: its price; ``grads``: what it does with its gradients,
+    testbed.sim.step_rules.gradients) that ``device.comm_slowdown`` slows it by (testbed.explore.play.Play._slowed,
+    where its blocks do not play their own gathers; and this floor): its hidden tensor collectives, its sends, the
+    gradient reductions it starts (its buckets where it releases them and they reduce in the backward, or an
+    earlier microbatch's reduce-scatter), with prefetch its gathers, and the ring's sends beside its compute."""
     facts = step.facts
-    buckets = p.bucket * p.pieces if facts.reduce_in_backward else 0.0
-    return p.hidden + p.send_s + max(p.scatter, buckets) + p.gather * bool(facts.prefetch)
+    buckets = p.bucket * p.pieces if grads.release and facts.reduce_in_backward else 0.0
+    return (p.hidden + p.send_s + max(p.scatter if grads.scatter else 0.0, buckets) + p.gather * bool(facts.prefetch)
+            + p.ring_hidden)
 
 
-def stage_rests(step: _Step, floors: dict[tuple[int, int, str], float]) -> list[float]:
+def _least_beside(step: StepPrices, p, kind: str) -> float:
+    """:func:`beside_compute` of a ``kind`` action, the least over its chunk's microbatches (the last releases the
+    buckets, an earlier one reduce-scatters)."""
+    facts = step.facts
+    lefts = (0, 1) if facts.microbatches > 1 else (0,)
+    return min(beside_compute(step, p, gradients(facts, kind, p.chain, left)) for left in lefts)
+
+
+def stage_rests(step: StepPrices, floors: dict[tuple[int, int, str], float]) -> list[float]:
     """Per stage, the floors of all its actions in the schedule's order and its optimizer's compute."""
     facts = step.facts
     rests = [update_seconds(step.topology, step.dtype, u) for u in facts.updates]  # what play.py's update costs

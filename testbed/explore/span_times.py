@@ -20,7 +20,7 @@ from testbed.sim.span_play import action_plays
 from testbed.sim.step_rules import gather_after
 
 if TYPE_CHECKING:
-    from testbed.explore.analytic import _Step
+    from testbed.explore.prices import StepPrices
 
 __all__ = ["PricedBlock", "priced_plays", "play_blocks"]
 
@@ -36,7 +36,7 @@ class PricedBlock(NamedTuple):
     merges: tuple[float, ...] = ()
 
 
-def priced_plays(step: _Step, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
+def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
                  accumulate: bool = False) -> tuple[PricedBlock, ...]:
     """Each block of an action's play (testbed.sim.span_play.action_plays; empty: not played by spans), priced:
     a compute item as testbed.sim.span_play's ``_span`` prices its task (a roofline of its matmuls and its bytes,

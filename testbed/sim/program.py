@@ -61,7 +61,8 @@ action's program, so the action's sends leave after it (the runner's MPMD stage 
 and Megatron-LM's backward both finish the add before the gradient goes out).
 
 Parameter and gradient sharding, the gradient buckets and how many collectives they are:
-testbed.sim.grad_tasks, whose builders the graph calls.
+testbed.sim.grad_tasks, whose builders the graph calls; the gradient reductions' tasks of an action are
+testbed.sim.grad_play's (a mixin of the graph, as testbed.sim.span_play's tensor collectives are).
 """
 
 from __future__ import annotations
@@ -80,11 +81,11 @@ from testbed.plan.sharding import loss_merged, loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
-from testbed.sim.grad_tasks import reduce_tasks
-from testbed.sim.span_play import BlockWork, GradBucket, SpanPlay, grad_bucket
-from testbed.sim.step_rules import (Dispatch, GatherMode, Gradients, Microbatches, action_dispatch, first_tail_bucket,
-                                    gather_after, gather_mode, gradients, iteration, runs_serially, sequence_apart,
-                                    step_dispatch, update_dispatch, waits_for_sends)
+from testbed.sim.grad_play import GradBucket, GradPlay, grad_bucket
+from testbed.sim.span_play import BlockWork, SpanPlay
+from testbed.sim.step_rules import (ActionStep, Dispatch, GatherMode, action_dispatch, action_steps,
+                                    first_tail_bucket, gather_after, runs_serially, step_dispatch,
+                                    update_dispatch)
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
@@ -122,8 +123,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
 def program_of(facts: StepFacts, placement: Placement, controller: bool = False, serial: bool = False) -> Program:
     """The task graph of the step ``facts`` describes, on ``placement`` (:func:`build_program`'s arguments)."""
     graph = _Graph(facts, placement, controller)
-    for s, action, waits in facts.order:
-        graph.action(s, action, waits)
+    for step in action_steps(facts):
+        graph.action(step)
     for s in range(facts.stages):
         graph.update(s)
     if runs_serially(serial, facts.stages, placement.device_ids[0].size):
@@ -131,7 +132,7 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
     return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
 
 
-class _Graph(SpanPlay):
+class _Graph(SpanPlay, GradPlay):
     """The task graph while it is built from a step's facts: one small builder per stream, and the bookkeeping
     that links them (each action's last task, the sends between stages, the gradient reductions)."""
 
@@ -155,7 +156,6 @@ class _Graph(SpanPlay):
         self.pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # _stage_pairs, memoized
         self.reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
         self.once: dict[int, list[GradBucket]] = {s: [] for s in range(p)}  # buckets reduced after the backward
-        self.microbatches = Microbatches(facts)
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
         self.last_send = -1  # the latest send task (runtime.pipeline_blocking_sends: the stage waits for it)
         self.blocks_done: dict[int, list[int]] = {}  # stage -> the blocks of its last gathering action (prefetch)
@@ -182,21 +182,18 @@ class _Graph(SpanPlay):
             pairs = self.pairs[(a, b)] = tuple(zip(ids[a].ravel().tolist(), ids[b].ravel().tolist()))
         return pairs
 
-    def action(self, s: int, action: Action, waits: tuple[tuple, ...]) -> None:
-        """Adds one F/B/W action of stage ``s``: its dispatch, gather, compute (with its MoE chain and ring),
-        gradient reductions, tensor collectives, accumulation and sends (testbed.sim.step_rules' rules)."""
-        facts, b = self.facts, self.b
+    def action(self, step: ActionStep) -> None:
+        """Adds one F/B/W action: its dispatch, gather, compute (with its MoE chain and ring), gradient reductions,
+        tensor collectives, accumulation and sends, as ``step`` (testbed.sim.step_rules.action_steps) rules them."""
+        facts, b, s, action = self.facts, self.b, step.stage, step.action
         chunk = facts.chunks[s][action.chunk]
         work, label = chunk.action(action.kind), action.label(facts.virtual)
         first = len(b.tasks)  # the action's tasks from here (its program; barriers)
-        accumulated, left = self.microbatches.begin(s, action.chunk, action.kind)
-        deps = self._starts(s, action, chunk, work, label, waits, accumulated)
-        grads, mode = gradients(facts, action.kind, bool(work.chain), left), gather_mode(facts, work)
-        last, computes = self._work(s, chunk, work, label, deps, grads, mode)
+        deps = self._starts(step, chunk, label)
+        last, computes = self._work(step, chunk, work, label, deps)
+        grads = step.gradients
         if grads.summed:  # the tensor-replicated gradients' sum leaves as the compute ends (its own stream)
-            self.reduce_tasks[s].extend(reduce_tasks(
-                self.b, facts.reductions, self.groups, self.plan, s, self.reps[s], last, chunk.reduced.last,
-                chunk.special(1.0, facts.reduce_bytes), label, 0, select=True, stream="sequence"))
+            self._summed(s, chunk, label, last)
         last = self._tensor(s, chunk, work, label, last, tuple(deps))
         for bucket_of in self.tail:  # buckets reduced after the tensor collectives (first_tail_bucket)
             self._bucket(s, last, bucket_of)
@@ -209,37 +206,35 @@ class _Graph(SpanPlay):
         if not work.chain:  # the action's collectives run among its kernels (a shared host's barriers); XLA
             # hoists the parameter gathers (they need only the parameters) ahead of the kernels: those meet alone.
             b.interleave(computes, [i for i in range(first, len(b.tasks)) if b.tasks[i].stream != "gather"])
-        self._ends(s, action, work, label, last, first)
+        self._ends(step, work, label, last, first)
 
-    def _starts(self, s: int, action: Action, chunk: ChunkFacts, work: ActionWork, label: str,
-                waits: tuple[tuple, ...], accumulated: bool) -> list[int]:
-        """What an action's first tasks wait for: the stage's previous action, the loop's iteration barrier
-        (step_rules.iteration), the controller's dispatch (``accumulated``: step_rules.action_dispatch's), what
-        ``waits`` names (this stage's actions, or other stages' sends) and an MoE chain's whole gather
-        (step_rules.gather_mode)."""
-        b = self.b
+    def _starts(self, step: ActionStep, chunk: ChunkFacts, label: str) -> list[int]:
+        """What an action's first tasks wait for: the stage's previous action, the loop's iteration barrier, the
+        controller's dispatch, what ``step.waits`` names (this stage's actions, or other stages' sends) and an MoE
+        chain's whole gather (step_rules.ActionStep)."""
+        b, s, action = self.b, step.stage, step.action
         deps: list[int] = [self.previous[s]] if s in self.previous else []
-        loop = iteration(self.facts, action)
+        loop = step.iteration
         if loop.waits:  # a microbatch begins once the one before it has ended
             self.iteration = (b.add(name=f"iteration {action.microbatch}", device=self.reps[s], stream="compute",
                                     kind=TaskKind.COMPUTE, deps=tuple(range(self.began, len(b.tasks)))),)
             deps.append(self.iteration[0])
         if loop.begins:
             self.began = len(b.tasks)
-        if self.controller and (dispatch := action_dispatch(self.facts, s, action.chunk, action.kind, accumulated)):
+        if self.controller and (dispatch := action_dispatch(self.facts, s, action.chunk, action.kind,
+                                                            step.accumulated)):
             deps.append(self._dispatch(f"dispatch {label}@{s}", dispatch))
-        deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in waits]
-        if gather_mode(self.facts, work) is GatherMode.WHOLE:
+        deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in step.waits]
+        if step.gather is GatherMode.WHOLE:
             deps.append(self._gather(s, chunk, label))
         return deps
 
-    def _work(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], grads: Gradients,
-              mode: GatherMode) -> tuple[int, list[int]]:
-        """An action's compute and gradient reductions, in pieces: the chunk's blocks when it gathers block by
-        block, its gradient buckets when it releases them or reduce-scatters them bucket by bucket
-        (step_rules.gradients); returns its last task and its compute tasks."""
-        gathering = mode is GatherMode.BLOCKS
-        pieces = chunk.buckets if grads.release or grads.each else chunk.blocks if gathering else 1
+    def _work(self, step: ActionStep, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int]
+              ) -> tuple[int, list[int]]:
+        """An action's compute and gradient reductions, in ``step.pieces`` (step_rules.pieces: the chunk's blocks
+        when it gathers block by block, its gradient buckets when it releases them or reduce-scatters them bucket by
+        bucket); returns its last task and its compute tasks."""
+        s, grads, gathering, pieces = step.stage, step.gradients, step.gather is GatherMode.BLOCKS, step.pieces
         self.span_end = None
         if work.chain:
             last, computes = self._chain(s, chunk, work, label, deps, pieces if grads.release else 0), []
@@ -250,10 +245,10 @@ class _Graph(SpanPlay):
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
         return last, computes
 
-    def _ends(self, s: int, action: Action, work: ActionWork, label: str, last: int, first: int) -> None:
+    def _ends(self, step: ActionStep, work: ActionWork, label: str, last: int, first: int) -> None:
         """An action's end: the loss's all-reduces after the head's forward, its program, and its sends (the stage's
-        next action waits for them with blocking sends: step_rules.waits_for_sends)."""
-        facts = self.facts
+        next action waits for them with blocking sends: ``step.blocking``)."""
+        facts, s, action = self.facts, step.stage, step.action
         if action.kind == "F" and holds(s, action.chunk, facts.stages, facts.virtual)[1]:
             self._loss(s, action, last)
         key = (s, action.kind, action.microbatch, action.chunk)
@@ -261,7 +256,7 @@ class _Graph(SpanPlay):
         self._program(s, first)
         for dst, _, nbytes in work.sends:
             self.sent[(key, dst)] = self._send(s, dst, label, nbytes, last, action.kind)
-            if waits_for_sends(facts):  # the stage goes on once its send has arrived
+            if step.blocking:  # the stage goes on once its send has arrived
                 self.previous[s] = self.last_send
 
     def _program(self, s: int, first: int) -> None:
@@ -336,18 +331,6 @@ class _Graph(SpanPlay):
         if overlap:
             last = self._overlap(s, chunk, overlap, label, last)
         return last, computes
-
-    def _buckets_of(self, s: int, chunk: ChunkFacts, label: str, pieces: int, k: int, last: int, tail: bool) -> None:
-        """Bucket ``k`` of ``pieces``, its share of the chunk's gradients (ChunkFacts.bucket), after ``last``:
-        reduced while the backward continues when they accumulate sharded, else once the stage's backward is done;
-        ``tail``: only after the action's tensor collectives (step_rules.first_tail_bucket)."""
-        for fraction, count in chunk.bucket(pieces, k):
-            bucket_of = grad_bucket(chunk, fraction, self.facts.reduce_bytes, label if pieces == 1 else f"{label}/{k}",
-                                    count, chunk.tail if pieces == 1 else (0.0, 0.0))
-            if tail:
-                self.tail.append(bucket_of)
-            else:
-                self._bucket(s, last, bucket_of)
 
     def _gather_block(self, s: int, chunk: ChunkFacts, kind: str, name: str, k: int, pieces: int,
                       ends: list[int], cotangent: int | None = None) -> int | None:
@@ -447,45 +430,11 @@ class _Graph(SpanPlay):
                           deps=(send,), op="all_gather", nbytes=nbytes, group=rep_group(groups, rep),
                           instances=groups)
 
-    def _bucket(self, s: int, after: int, bucket_of: GradBucket) -> None:
-        """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
-        if self.facts.reduce_in_backward:
-            self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of))
-        else:
-            self.once[s].append(bucket_of)
-
-    def _accumulate(self, s: int, chunk: ChunkFacts, label: str, after: int, buckets) -> None:
-        """An earlier microbatch's ``buckets`` (ChunkFacts.bucket of one block) reduce-scattered into the sharded
-        accumulator once ``after`` is done: in a loop XLA keeps, bucket by bucket as the backward makes them."""
-        for fraction, count in buckets:
-            self.reduce_tasks[s].append(self._scatter(s, chunk, label, after, fraction, count))
-
-    def _scatter(self, s: int, chunk: ChunkFacts, label: str, last: int, fraction: float = 1.0,
-                 count: int = 0) -> int:
-        """An earlier microbatch's gradients (``fraction`` of them, in ``count`` collectives; default all, one per
-        leaf) reduce-scattered into the sharded accumulator (grad stream)."""
-        rep, groups, leaves = self.reps[s], self.g_groups[s], count or max(1, chunk.leaves)
-        return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
-                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
-                          nbytes=chunk.reduced.each_microbatch * fraction / leaves, count=leaves,
-                          group=rep_group(groups, rep), instances=groups)
-
-    def _reduce(self, s: int, after: int, nbytes: float, special: tuple[float, float], label: str,
-                leaves: int, tail: tuple[float, float] = (0.0, 0.0), loss: float = 0.0) -> list[int]:
-        """One bucket's gradient reduction tasks (testbed.sim.grad_tasks.reduce_tasks; ``tail``: ChunkFacts.tail),
-        but the sequence-replicated parameters' where they left at the backward's end
-        (testbed.sim.step_rules.sequence_apart); returns the last one(s)."""
-        return reduce_tasks(self.b, self.facts.reductions, self.groups, self.plan, s, self.reps[s], after, nbytes,
-                            special, label, leaves, tail, select=False if sequence_apart(self.facts) else None,
-                            loss=loss)
-
     def update(self, s: int) -> None:
         """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute
         stream) after every reduction, and with ZeRO-1/2 the updated shards gathered over data (grad stream)."""
         b, rep, first, update = self.b, self.reps[s], len(self.b.tasks), self.facts.updates[s]
-        for k, bucket_of in enumerate(self.once[s]):  # the loss's sum merged into the first (loss_merged)
-            loss = LOSS_BYTES if k == 0 and loss_merged(self.plan, self.facts.reduce_bytes) else 0.0
-            self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of, loss=loss))
+        self._reduce_kept(s)
         waits = list(self.reduce_tasks[s])
         if self.controller and (dispatch := update_dispatch(self.facts, s)):
             waits.append(self._dispatch(f"dispatch optimizer@{s}", dispatch))

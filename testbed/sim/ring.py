@@ -105,19 +105,21 @@ def _merges(plan: Plan, phase: ring.RingPhase, steps: int) -> float:
 
 def ring_action_seconds(plan: Plan, topology: Topology, dtype: str, pair: tuple[int, int], kind: str, layers: int,
                         work: tuple[float, float, float, float], gemms: tuple[Gemm, ...], kernels: int,
-                        tensor_bytes: float) -> tuple[float, float] | None:
-    """(compute seconds, exposed ring seconds) of a whole F or B action's :func:`ring_tasks`, each compute task
-    priced as the task graph prices it (testbed.sim.compute) and each message as a send from ``pair[0]`` to
-    ``pair[1]``; a phase leaves ``max(0, sends - its compute)`` exposed (testbed.model.ring's overlap rule), the
-    home send all of it. None without a ring: the analytic tier's price of what the engine plays."""
+                        tensor_bytes: float) -> tuple[float, float, float] | None:
+    """(compute seconds, exposed ring seconds, all the ring's send seconds) of a whole F or B action's
+    :func:`ring_tasks`, each compute task priced as the task graph prices it (testbed.sim.compute) and each message
+    as a send from ``pair[0]`` to ``pair[1]``; a phase leaves ``max(0, sends - its compute)`` exposed
+    (testbed.model.ring's overlap rule), the home send all of it. None without a ring: the analytic tier's price of
+    what the engine plays."""
     tasks = ring_tasks(plan, kind, "", layers, 1.0, work, gemms, kernels)
     if not tasks:
         return None
-    compute, exposed, pending = 0.0, 0.0, 0.0  # pending: the sends of the phase whose compute comes next
+    compute, exposed, pending, sent = 0.0, 0.0, 0.0, 0.0  # pending: the sends of the phase whose compute comes next
     for i, t in enumerate(tasks):
         if t.transfer:
             exposed += pending
             pending = send_time(topology, pair[0], pair[1], t.nbytes) * t.count
+            sent += pending
             continue
         seconds = compute_seconds(topology, dtype, t.flops, t.hbm_bytes, t.kernels, t.replicated_bytes,
                                   t.split_bytes, tensor_bytes, t.gemms)
@@ -126,7 +128,7 @@ def ring_action_seconds(plan: Plan, topology: Topology, dtype: str, pair: tuple[
             # waits for them (runtime.context_all_gather's gather)
             exposed += pending if i - 1 in (t.after or ()) else max(0.0, pending - seconds)
             pending = 0.0
-    return compute, exposed + pending
+    return compute, exposed + pending, sent
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:

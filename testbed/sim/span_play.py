@@ -21,23 +21,12 @@ from testbed.model.gemm import scaled
 from testbed.model.blocks import PIECE_PARTS
 from testbed.sim.block_spans import block_spans, span_reads
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.grad_play import grad_bucket
 from testbed.sim.span_order import START, WAITING, BlockPlay, block_plays, merge_of, span_kernels, span_needs
 from testbed.sim.tasks import TaskKind, rep_group
 from testbed.sim.tp_overlap import TpOverlap
 
-__all__ = ["SpanPlay", "action_plays", "BlockWork", "GradBucket", "grad_bucket"]
-
-
-class GradBucket(NamedTuple):
-    """One bucket of a chunk's gradients as the task graph reduces it (testbed.sim.grad_tasks.reduce_tasks): its
-    bytes, its special parameters' bytes (ChunkFacts.special), its tasks' label, its collectives (``leaves``; 0:
-    one) and the token table's part reduced apart (ChunkFacts.tail)."""
-
-    nbytes: float
-    special: tuple[float, float]
-    label: str
-    leaves: int
-    tail: tuple[float, float] = (0.0, 0.0)
+__all__ = ["SpanPlay", "action_plays", "BlockWork"]
 
 
 class BlockWork(NamedTuple):
@@ -50,12 +39,6 @@ class BlockWork(NamedTuple):
     kernels: int
     replicated: float
     split: float
-
-
-def grad_bucket(chunk: ChunkFacts, share: float, reduce_bytes: float, label: str, leaves: int,
-                tail: tuple[float, float] = (0.0, 0.0)) -> GradBucket:
-    """The bucket of ``share`` of ``chunk``'s gradients, reduced in ``reduce_bytes`` per value."""
-    return GradBucket(chunk.reduced.last * share, chunk.special(share, reduce_bytes), label, leaves, tail)
 
 
 def action_plays(chunk: ChunkFacts, work: ActionWork, pieces: int, gathered_b: bool, sequence_parallel: bool,

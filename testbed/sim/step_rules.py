@@ -18,12 +18,15 @@ into times on a few streams; both ask the same functions:
 - the per-microbatch iteration barrier of a loop XLA keeps (:func:`iteration`);
 - blocking sends (:func:`waits_for_sends`).
 
+:func:`action_steps` walks the step's actions in execution order and applies these rules to each, once: both tiers
+play the :class:`ActionStep` records it yields, none asks the rules of an action itself.
+
 Sources: each rule's own docstring (and the modules it names).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from enum import Enum
 from typing import NamedTuple, TypeVar
 
@@ -37,7 +40,8 @@ from testbed.topology import Calibration
 
 __all__ = ["Dispatch", "prepare_seconds", "dispatch_seconds", "step_dispatch", "action_dispatch", "update_dispatch",
            "serial_host", "runs_serially", "gather_after", "GatherMode", "gather_mode", "Gradients", "gradients",
-           "Microbatches", "sequence_apart", "first_tail_bucket", "Iteration", "iteration", "waits_for_sends"]
+           "Microbatches", "sequence_apart", "first_tail_bucket", "Iteration", "iteration", "waits_for_sends",
+           "pieces", "ActionStep", "action_steps"]
 
 T = TypeVar("T")
 
@@ -197,3 +201,54 @@ def waits_for_sends(facts: StepFacts) -> bool:
     """Whether a stage's next action waits for the previous action's sends to arrive
     (``runtime.pipeline_blocking_sends``: a blocking send, testbed.plan.runtime)."""
     return facts.plan.runtime.pipeline_blocking_sends
+
+
+def pieces(chunk: ChunkFacts, grads: Gradients, mode: GatherMode) -> int:
+    """How many pieces an action's compute is cut into: the chunk's gradient buckets when it releases them or
+    reduce-scatters them bucket by bucket (:func:`gradients`), else its blocks when it gathers block by block
+    (:func:`gather_mode`), else one."""
+    if grads.release or grads.each:
+        return chunk.buckets
+    return chunk.blocks if mode is GatherMode.BLOCKS else 1
+
+
+class ActionStep(NamedTuple):
+    """One action of the step and the rules that time it, named in the order its parts run: the loop's barrier
+    (``iteration``), the controller's dispatch (``accumulated``: :func:`action_dispatch`'s), what it waits for
+    (``waits``: its stage's actions, other stages' sends, as testbed.sim.facts' order keys them), its gather
+    (``gather``), its compute in ``pieces`` and what it does with its gradients (``gradients``; ``left``: the
+    chunk's microbatches whose backward is still to end after it), then (each tier's own) its tensor collectives,
+    the buckets after them (:func:`first_tail_bucket`), the accumulator's add, and its sends (``blocking``: the
+    stage's next action waits for them)."""
+
+    stage: int
+    action: Action
+    waits: tuple[tuple[int, str, int, int], ...]
+    iteration: Iteration
+    accumulated: bool
+    gather: GatherMode
+    gradients: Gradients
+    left: int
+    pieces: int
+    blocking: bool
+
+
+def action_steps(facts: StepFacts) -> Iterator[ActionStep]:
+    """Every action of the step in execution order (``facts.order``) with the rules applied to it
+    (:class:`ActionStep`): the walk both tiers play."""
+    counter, blocking = Microbatches(facts), waits_for_sends(facts)
+    ruled: dict[tuple, tuple[Gradients, GatherMode, int]] = {}  # (s, c, kind, left == 0) -> its rules
+    loops: dict[tuple[str, bool], Iteration] = {}  # (kind, microbatch > 0) -> its iteration
+    for s, action, waits in facts.order:
+        c, kind = action.chunk, action.kind
+        accumulated, left = counter.begin(s, c, kind)
+        rules = ruled.get((s, c, kind, left == 0))
+        if rules is None:  # gradients read ``left`` only as zero or not
+            chunk = facts.chunks[s][c]
+            work = chunk.action(kind)
+            grads, mode = gradients(facts, kind, bool(work.chain), left), gather_mode(facts, work)
+            rules = ruled[(s, c, kind, left == 0)] = (grads, mode, pieces(chunk, grads, mode))
+        loop = loops.get((kind, action.microbatch > 0))
+        if loop is None:
+            loop = loops[(kind, action.microbatch > 0)] = iteration(facts, action)
+        yield ActionStep(s, action, waits, loop, accumulated, rules[1], rules[0], left, rules[2], blocking)

@@ -38,7 +38,8 @@ from testbed.model.gemm import Gemm, gemm_flops, projection_sides, scaled, witho
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Plan
 
-__all__ = ["OverlapBlock", "TpOverlap", "tp_overlap", "overlap_end", "exposed_share", "PIPELINE_SPLITS"]
+__all__ = ["OverlapBlock", "TpOverlap", "tp_overlap", "overlap_end", "slowed_overlap", "exposed_share",
+           "PIPELINE_SPLITS"]
 
 Transfers = tuple[tuple[str, int, float], ...]
 
@@ -131,4 +132,24 @@ def overlap_end(blocks: tuple[tuple[float, float, float], ...]) -> float:
         compute = max(compute, ready) + gemm
         tensor = ready + rest
     return max(compute, tensor)
+
+
+def slowed_overlap(blocks: tuple[tuple[float, float, float], ...], slowdown: float) -> tuple[float, float]:
+    """:func:`overlap_end` with each GEMM ``1 + slowdown`` times slower while the tensor stream's chunks are in flight
+    beside it (``device.comm_slowdown``, as the task graph's engine slows a compute task beside its device's
+    communication): (the blocks' end, the GEMMs' seconds). The tensor stream waits for no GEMM, so its chunks run
+    back to back from the start to its end."""
+    if not slowdown:
+        return overlap_end(blocks), sum(gemm for _, gemm, _ in blocks)
+    end = sum(first + rest for first, _, rest in blocks)  # the tensor stream's end
+    compute = tensor = busy = 0.0
+    for first, gemm, rest in blocks:
+        ready = tensor + first
+        start = max(compute, ready)
+        slowed = gemm * (1.0 + slowdown)
+        compute = start + slowed if start + slowed <= end else max(start, end) + gemm - max(0.0, end - start) / (
+            1.0 + slowdown)
+        busy += compute - start
+        tensor = ready + rest
+    return max(compute, tensor), busy
 

@@ -1,0 +1,374 @@
+"""The analytic tier's prices of one step: every F/B/W action of the step's facts priced on a topology by the
+simulator's own cost functions, as the task graph splits it (:class:`StepPrices`, one :class:`ActionPrice` per
+action). testbed.explore.play plays them, testbed.explore.play_floor bounds that play, and
+testbed.explore.analytic estimates the step from it (its docstring: what each action costs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import NamedTuple
+
+from testbed.collectives.timing import send_time
+from testbed.explore.span_times import priced_plays
+from testbed.explore.stage_collectives import StageCollectives, stage_groups
+from testbed.model.gemm import scaled
+from testbed.model.layout import chunk_layers
+from testbed.model.spans import scaled_spans
+from testbed.plan.spec import Axis
+from testbed.sim.barriers import Syncs, merge
+from testbed.sim.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.compute import compute_seconds, plan_matmul_dtype
+from testbed.sim.facts import StepFacts, accumulate_bytes, alike_key, bucket_share
+from testbed.sim.grad_tasks import allreduce_count
+from testbed.sim.moe import Piece
+from testbed.sim.ring import ring_action_seconds, ring_neighbours
+from testbed.sim.step_rules import (GatherMode, Gradients, first_tail_bucket, gather_mode, gradients, runs_serially,
+                                    sequence_apart, serial_host)
+from testbed.sim.step_rules import pieces as step_pieces
+from testbed.topology import Topology
+
+__all__ = ["StepPrices", "ActionPrice", "PricedSend"]
+
+
+class PricedSend(NamedTuple):
+    """One send of an action, priced: its destination stage, its seconds on the sender's pipe stream, and the
+    receivers' all-gather seconds of a split send (StepFacts.scatter_sends; 0: a whole send)."""
+
+    dst: int
+    seconds: float
+    gather: float
+
+
+class ActionPrice(NamedTuple):
+    """One F/B/W action of one chunk, priced: its compute seconds (all of it, and one gradient bucket's piece
+    of the chunk's last backward, in ``pieces``), blocking tensor (and exposed all-to-all and ring) seconds,
+    the gather it waits for, one bucket's reduction, an earlier microbatch's reduce-scatter, its sends
+    (:class:`PricedSend`), the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier microbatch,
+    of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
+    beside the compute (``runtime.tp_comm_overlap``: the tensor collectives; 0 without)."""
+
+    compute: float
+    tensor: float
+    gather: float
+    piece: float
+    pieces: int
+    bucket: float
+    scatter: float
+    sends: tuple[PricedSend, ...]
+    acc: float
+    syncs: tuple[Syncs, Syncs]
+    bucket_syncs: Syncs
+    hidden: float = 0.0
+    blocks: int = 1
+    overlap: tuple[tuple[float, float, float], ...] = ()
+    block_gathers: tuple[float, ...] = ()  # each block's gather seconds (empty: ``gather`` in equal shares)
+    bucket_each: tuple[float, ...] = ()  # each bucket's reduction, of its own count of collectives (empty: ``bucket``)
+    send_s: float = 0.0  # the sends' seconds together (read by every play of the action)
+    parts: tuple[float, ...] = ()  # each block's (or bucket piece's) compute where they differ (empty: equal shares)
+    after_tp: int = 1 << 30  # the first bucket reduced after the tensor collectives (testbed.sim.grad_tasks.after_tensor)
+    early: float = 0.0  # the sequence-replicated gradients' sum as the compute ends (grad_bytes.summed_in_the_step)
+    plays: tuple = ()  # its blocks played span by span (testbed.explore.span_times; empty: not so played)
+    plays_last: tuple = ()  # the same, of the microbatch that releases the chunk's gradient buckets
+    plays_scatter: tuple = ()  # the same, of an earlier microbatch reduce-scattering bucket by bucket (loop_kept)
+    scatter_each: tuple[float, ...] = ()  # an earlier microbatch's reduce-scatter bucket by bucket (grad_bytes.loop_kept)
+    chain: bool = False  # an MoE chain (testbed.sim.step_rules.gradients reads it)
+    ring_hidden: float = 0.0  # the ring's sends beside its compute (context parallelism: testbed.sim.ring)
+
+
+class StepPrices:
+    """The step's facts priced on a topology: every action's :class:`ActionPrice`, and what the play reads of the
+    calibration (the controller, a shared host's stragglers, programs one at a time)."""
+
+    def __init__(self, facts: StepFacts, topology: Topology, ids) -> None:
+        cal, p = topology.calibration, facts.stages
+        self.facts, self.topology, self.dtype = facts, topology, plan_matmul_dtype(facts.plan, topology)
+        self.coll = StageCollectives(topology, ids)
+        self.controller = cal.controller
+        self.skewed = cal.host if cal.host is not None and cal.host.skew_s else None  # a shared host's stragglers
+        # Programs over several devices one at a time (testbed.sim.program's ``serial``): each action and update
+        # starts once the previous one has completed, and its end is a meeting of the stage's devices.
+        self.per_stage = topology.num_devices // p
+        self.serial = runs_serially(serial_host(cal), p, self.per_stage)
+        self.ends = ((self.per_stage, 1.0),) if self.serial else ()
+        reps = facts.representatives  # no ring: each rank its own (what the groups of one say)
+        rings = [ring_neighbours(stage_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
+                 else (reps[s], reps[s]) for s in range(p)]
+        self.prices: dict[tuple[int, int, str], ActionPrice] = {}
+        self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo
+        self._reduced: dict[tuple, tuple[float, Syncs]] = {}  # :meth:`_reduce`'s memo
+        plan, v = facts.plan, facts.virtual
+        spans = chunk_layers(plan.model, p, v, plan.stage_layers)
+        for s in range(p):
+            alike: dict[tuple, ActionPrice] = {}  # the stage's chunks alike (testbed.sim.facts.alike_key): priced once
+            for c, chunk in enumerate(facts.chunks[s]):
+                key = alike_key(plan, p, v, s, c, spans[s][c])
+                for work in chunk.actions:
+                    hit = alike.get((key, work.kind))
+                    if hit is not None:  # all but its sends are the alike chunk's
+                        sends = self._sends(s, work)
+                        self.prices[(s, c, work.kind)] = hit._replace(
+                            sends=sends, send_s=sum(x.seconds for x in sends) if sends else 0.0)
+                        continue
+                    gather, per_block = 0.0, ()
+                    mode = gather_mode(facts, work) if facts.params_ways > 1 else GatherMode.NONE
+                    if mode is GatherMode.WHOLE:
+                        gather = self._gather_seconds(s, (chunk.moved.params, chunk.leaves), 1)
+                    elif mode is GatherMode.BLOCKS:
+                        per_block = self._block_gather_seconds(s, chunk, work.kind)
+                        gather = sum(per_block)
+                    self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = self._price(
+                        s, chunk, work, rings[s], gather)._replace(block_gathers=per_block if len(set(per_block)) > 1
+                                                                   else ())
+
+    def played(self, s: int, c: int, kind: str, grads: Gradients) -> ActionPrice:
+        """The price of chunk ``c``'s ``kind`` action on stage ``s`` as played with ``grads`` (testbed.sim.step_rules'
+        Gradients): where its blocks are played span by span, the play it releases its gradients by (its compute their
+        computes', its tensor among them), else none. Memoized: every microbatch's action reads one."""
+        key = (s, c, kind, grads.release, grads.each)
+        out = self._played.get(key)
+        if out is None:
+            priced = self.prices[(s, c, kind)]
+            plays = priced.plays_last if grads.release else (priced.plays_scatter or priced.plays) if grads.each \
+                else priced.plays
+            if plays:  # its blocks span by span: the tensor among them
+                parts = tuple(block.compute for block in plays)
+                out = priced._replace(compute=sum(parts), parts=parts, tensor=0.0, hidden=0.0, plays=plays)
+            else:
+                out = priced._replace(plays=())
+            self._played[key] = out
+        return out
+
+    def _gather_seconds(self, s: int, moved: tuple[int, int], pieces: int) -> float:
+        """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces``
+        equal shares (an MoE chain's whole gather, as testbed.sim.program's)."""
+        elements, leaves = moved
+        total, per = 0.0, elements * self.facts.param_bytes / pieces
+        for count, times in Counter(bucket_share(leaves, pieces, k) for k in range(pieces)).items():
+            total += times * count * self.coll.time("all_gather", self.facts.params_axes, s, per / count)
+        return total
+
+    def _block_gather_seconds(self, s: int, chunk: ChunkFacts, kind: str) -> tuple[float, ...]:
+        """Each block's seconds of a ``kind`` action's gathers, each collective at its merged size
+        (:meth:`ChunkFacts.gather_sizes`, as testbed.sim.program's tasks)."""
+        time, axes, memo = self.coll.time, self.facts.params_axes, {}
+        for block in chunk.gather_sizes(kind):  # the middle layers' blocks alike: each kind priced once
+            if block not in memo:
+                memo[block] = sum(count * time("all_gather", axes, s, n) for n, count in Counter(block).items())
+        return tuple(memo[block] for block in chunk.gather_sizes(kind))
+
+    def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> ActionPrice:
+        """One action's :class:`ActionPrice` (``gather``: the seconds of a gather of its chunk's parameters)."""
+        facts, topology, dtype, plan = self.facts, self.topology, self.dtype, self.facts.plan
+        cost, kind, overlap = chunk.cost, work.kind, work.overlap
+        flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
+        gemms = overlap.gemms if overlap else work.gemms
+        whole, ringed, chain = self._compute(chunk, work, ring)
+        parts: tuple[float, ...] = ()  # each block's compute where the blocks differ (the embedding's, the head's)
+        if facts.gathers(kind) and not chain and not ringed and chunk.blocks > 1:
+            # the task graph's blocks, each after its own gather, are compute tasks of their own (each launched)
+            n = chunk.blocks
+            parts = self._parts(chunk, work, n)
+            whole = sum(parts) if parts else n * compute_seconds(
+                topology, dtype, flops / n, hbm / n, max(1, chunk.kernels // n), rep_b / n, split_b / n,
+                cost.tensor_bytes, scaled(gemms, 1 / n), scaled_spans(work.spans, 1 / n))
+        ring_s = ringed[1] if ringed else 0.0
+        ring_hidden = ringed[2] - ringed[1] if ringed else 0.0  # its sends beside the ring's compute
+        # Priced as the chunk's last microbatch plays it, which releases the buckets where any (step_rules.gradients);
+        # its blocks, when it gathers, are priced apart.
+        last, grads = kind == facts.last_backward, gradients(facts, kind, bool(chain), 0)
+        release, pieces = grads.release, step_pieces(chunk, grads, GatherMode.NONE)
+        piece = bucket = scatter = acc = sequence_s = 0.0
+        bucket_syncs: Syncs = ()
+        each: tuple[float, ...] = ()
+        if release:  # the program reduces even a one-layer chunk's gradients
+            piece = whole / pieces if ringed or chain else compute_seconds(
+                topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces), rep_b / pieces,
+                split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces), scaled_spans(work.spans, 1 / pieces))
+            parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
+            bucket, bucket_syncs, sequence_s, each = self._buckets(s, chunk, pieces)
+        scatter_each: tuple[float, ...] = ()
+        if last and facts.per_microbatch and facts.microbatches > 1:
+            scatter, scatter_each = self._scatters(s, chunk, bool(chain))
+        if last:  # the add into the gradient accumulator (a task of its own in the graph)
+            acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
+        tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
+        hidden = tp_s if plan.runtime.tp_comm_overlap and not overlap else 0.0  # beside the compute (the join)
+        blocks = tuple((self._tensor_seconds(s, blk.first),  # GEMM by GEMM (testbed.sim.tp_overlap)
+                        compute_seconds(topology, dtype, blk.flops, blk.hbm_bytes, max(1, len(blk.gemms)),
+                                        tensor_bytes=cost.tensor_bytes, gemms=blk.gemms),
+                        self._tensor_seconds(s, blk.rest)) for blk in (overlap.blocks if overlap else ()))
+        tp_s += self._exposed_all_to_all(chain, s)
+        tp_s += ring_s
+        sends = self._sends(s, work)
+        gathering = facts.gathers(kind) and facts.params_ways > 1
+        syncs = self._syncs(chunk, work, not chain and not ringed, bool(scatter), bucket_syncs, pieces)
+        spans = gathering and not chain and not ringed  # the blocks played span by span, as the task graph's
+        return ActionPrice(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
+                       send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
+                       scatter_each=scatter_each, ring_hidden=ring_hidden,
+                       after_tp=first_tail_bucket(facts, chunk, work, pieces), chain=bool(chain),
+                       **(self._plays(s, chunk, work, pieces, release, bool(scatter_each)) if spans else {}))
+
+    def _sends(self, s: int, work: ActionWork) -> tuple[PricedSend, ...]:
+        """An action's sends: split sends (StepFacts.scatter_sends) each rank's share, then the receivers' all-gather
+        over tensor (their recv stream)."""
+        reps, ways, topology = self.facts.representatives, self.facts.scatter_sends, self.topology
+        return tuple(PricedSend(dst, send_time(topology, reps[s], reps[dst], nbytes / ways),
+                                self.coll.time("all_gather", (Axis.TENSOR,), dst, nbytes) if ways > 1 else 0.0)
+                     for dst, _, nbytes in work.sends)
+
+    def _syncs(self, chunk: ChunkFacts, work: ActionWork, plain: bool, scatter: bool, bucket_syncs: Syncs,
+               pieces: int) -> tuple[Syncs, Syncs]:
+        """The action's collectives as barriers among its kernels (testbed.sim.program's interleave; ``plain``: not
+        a chain nor a ring): the tensor collectives, then an earlier microbatch's reduce-scatters (``scatter``) or
+        the last one's buckets. Gathers meet on their own stream ahead of the action, with next to no computing
+        since the last meeting (no wait here; the task graph's prefetched gathers wait next to nothing too)."""
+        facts, mesh, ends = self.facts, self.facts.plan.mesh, self.ends
+        if not plain:
+            return ends, ends
+        own = [(mesh.tensor, n) for _, n, _ in work.tensor if mesh.tensor > 1]
+        g_ways = math.prod(mesh.degree(a) for a in facts.per_microbatch)
+        return (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]),
+                merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)]))
+
+    def _buckets(self, s: int, chunk: ChunkFacts, pieces: int) -> tuple[float, Syncs, float, tuple[float, ...]]:
+        """The chunk's last backward's ``pieces`` gradient buckets: (one bucket's reduction seconds, its barriers,
+        the sequence-replicated gradients' sum as the compute ends (its own stream; each microbatch's is the same
+        small sum, counted once), each bucket's own seconds where they differ: its block's merged sizes, or its own
+        count of collectives as the task graph's buckets; empty: all alike)."""
+        facts, reduced = self.facts, chunk.reduced
+        early = sequence_apart(facts)
+        bucket, syncs = self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
+                                     chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0),
+                                     False if early else None)
+        sequence_s = self._reduce(s, reduced.last, chunk.special(1.0, facts.reduce_bytes),
+                                  select=True)[0] if early else 0.0
+        each: tuple[float, ...] = ()
+        if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):
+            each = tuple(sum(self._reduce(s, reduced.last * f, chunk.special(f, facts.reduce_bytes), n)[0]
+                             for f, n in chunk.bucket(pieces, k)) for k in range(pieces))
+        elif chunk.reduction_collectives and chunk.reduction_collectives % pieces:
+            own = {n: self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
+                   for n in {bucket_share(chunk.reduction_collectives, pieces, k) for k in range(pieces)}}
+            each = tuple(own[bucket_share(chunk.reduction_collectives, pieces, k)] for k in range(pieces))
+        return bucket, syncs, sequence_s, each
+
+    def _plays(self, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, final: bool, scatters: bool
+               ) -> dict[str, tuple]:
+        """An action's blocks played span by span (testbed.explore.span_times): ``plays`` (a microbatch releasing no
+        gradients), ``plays_last`` (the one releasing the chunk's gradient buckets: ``final``) and ``plays_scatter``
+        (an earlier one reduce-scattering into the accumulator bucket by bucket: ``scatters``)."""
+        return {"plays": priced_plays(self, s, chunk, work, chunk.blocks, False),
+                "plays_last": priced_plays(self, s, chunk, work, pieces, True) if final else (),
+                "plays_scatter": priced_plays(self, s, chunk, work, chunk.buckets, True, accumulate=True)
+                if scatters else ()}
+
+    def _scatters(self, s: int, chunk: ChunkFacts, chain: bool) -> tuple[float, tuple[float, ...]]:
+        """An earlier microbatch's reduce-scatter into the sharded accumulator: its seconds, and in a loop XLA keeps
+        (testbed.sim.grad_bytes.loop_kept) each bucket's as testbed.sim.program reduce-scatters them, bucket by
+        bucket as the backward makes them (empty: one, after the backward)."""
+        coll, axes, n = self.coll, self.facts.per_microbatch, max(1, chunk.leaves)
+        each: tuple[float, ...] = ()
+        if gradients(self.facts, self.facts.last_backward, chain, 1).each and chunk.buckets > 1:
+            each = tuple(self._accumulated(s, chunk, chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
+        return n * coll.time("reduce_scatter", axes, s, chunk.reduced.each_microbatch / n), each
+
+    def _accumulated(self, s: int, chunk: ChunkFacts, buckets) -> float:
+        """Seconds of an earlier microbatch's reduce-scatters of ``buckets`` (ChunkFacts.bucket's (share,
+        collectives)) into the sharded accumulator, as testbed.sim.program's tasks."""
+        time, axes = self.coll.time, self.facts.per_microbatch
+        each = chunk.reduced.each_microbatch
+        return sum(max(1, m) * time("reduce_scatter", axes, s, each * f / max(1, m)) for f, m in buckets)
+
+    def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
+        """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's
+        (:meth:`ChunkFacts.block_shares`, as testbed.sim.program's tasks); empty where its blocks are equal."""
+        shares = chunk.block_shares(work.kind, pieces)
+        if not shares:
+            return ()
+        flops, hbm, rep_b, split_b = work.work
+        kernels, tensor_bytes = max(1, chunk.kernels // pieces), chunk.cost.tensor_bytes
+        alike: dict[tuple[float, int], float] = {}  # the layers' blocks: one share, one GEMMs tuple
+        for w, gemms in shares:
+            if (w, id(gemms)) not in alike:
+                alike[(w, id(gemms))] = compute_seconds(self.topology, self.dtype, flops * w, hbm * w, kernels,
+                                                        rep_b * w, split_b * w, tensor_bytes, gemms,
+                                                        scaled_spans(work.spans, w))
+        return tuple(alike[(w, id(gemms))] for w, gemms in shares)
+
+    def _tensor_seconds(self, s: int, transfers) -> float:
+        """Seconds of tensor collectives ``(op, count, bytes each)`` one after another."""
+        return sum(count * self.coll.time(op, (Axis.TENSOR,), s, nbytes) for op, count, nbytes in transfers)
+
+    def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
+                 ) -> tuple[float, tuple[float, float, float] | None, tuple[Piece, ...]]:
+        """(compute seconds, the ring's (compute, exposed sends, all sends) seconds or None, the MoE chain) of one action,
+        priced as the task graph splits it: whole, as the ring's tasks under context parallelism (testbed.sim.ring),
+        and the chain's compute tasks each as the graph prices them."""
+        topology, dtype, cost = self.topology, self.dtype, chunk.cost
+        overlap = work.overlap  # its blocks' GEMMs are priced beside their collectives (_price)
+        flops, hbm, rep_b, split_b = overlap.work if overlap else work.work
+        whole = compute_seconds(topology, dtype, flops, hbm, chunk.kernels, rep_b, split_b, cost.tensor_bytes,
+                                overlap.gemms if overlap else work.gemms, work.spans)
+        ringed = ring_action_seconds(self.facts.plan, topology, dtype, ring, work.kind, cost.layers,
+                                     overlap.work if overlap else work.ring_work,
+                                     overlap.gemms if overlap else work.ring_gemms, chunk.kernels, cost.tensor_bytes)
+        whole = ringed[0] if ringed else whole
+        if work.chain:
+            whole = (ringed[0] if ringed else 0.0) + sum(
+                compute_seconds(topology, dtype, x.flops, x.hbm_bytes, x.kernels, x.replicated_bytes,
+                                x.split_bytes, cost.tensor_bytes, x.gemms) for x in work.chain if not x.transfer)
+        return whole, ringed, work.chain
+
+    def _reduce(self, stage: int, nbytes: float, special: tuple, leaves: float = 0.0,
+                tail: tuple[float, float] = (0.0, 0.0), select: bool | None = None) -> tuple[float, Syncs]:
+        """One gradient bucket's reduction (testbed.sim.program's ``_reduce``, by the facts' reductions): per
+        parameter kind, a reduce-scatter over its reduction axes the optimizer state is sharded on (``leaves``
+        collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
+        all-reduce over the rest (with ``tail``, ChunkFacts.tail, the token table's apart after a tensor
+        all-gather; ``select``: testbed.sim.grad_tasks.reduce_tasks'). Its seconds and its collectives as barriers
+        (testbed.sim.barriers), the first first. Memoized per step (a chunk's alike buckets and blocks)."""
+        key = (stage, nbytes, special, leaves, tail, select)
+        hit = self._reduced.get(key)
+        if hit is None:
+            hit = self._reduced[key] = self._reduce_of(stage, nbytes, special, leaves, tail, select)
+        return hit
+
+    def _reduce_of(self, stage: int, nbytes: float, special: tuple, leaves: float, tail: tuple[float, float],
+                   select: bool | None) -> tuple[float, Syncs]:
+        """:meth:`_reduce`, not memoized."""
+        mesh, t, syncs = self.facts.plan.mesh, 0.0, []
+        for r in self.facts.reductions:
+            size = r.size(nbytes, special)
+            if size <= 0 or (select is not None and r.sequence != select):
+                continue
+            token = tail[0] if not (r.expert or r.sequence or r.sharded) and r.rest else 0.0
+            if r.sharded:
+                n = max(1.0, leaves * size / nbytes) if leaves else 1.0
+                t += n * self.coll.time("reduce_scatter", r.sharded, stage, size / n)
+                syncs.append((r.ways, n))
+            if r.rest:
+                n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes, special[0], r.expert)
+                t += n_ar * self.coll.time("all_reduce", r.rest, stage, (size - token) / r.ways / n_ar)
+                syncs.append((math.prod(mesh.degree(a) for a in r.rest), n_ar))
+            if token:  # the embedding's merged gather over tensor, then the token table's sum
+                t += self.coll.time("all_gather", (Axis.TENSOR,), stage, tail[1])
+                t += self.coll.time("all_reduce", r.rest, stage, token / r.ways)
+                syncs += [(mesh.tensor, 1), (math.prod(mesh.degree(a) for a in r.rest), 1)]
+        return t, tuple(syncs)
+
+    def _exposed_all_to_all(self, chain: tuple[Piece, ...], stage: int) -> float:
+        """Seconds an action's MoE all-to-alls block it (testbed.sim.moe's chain): each all-to-all less the shared
+        experts' compute the chain runs beside it (the piece that follows it, when it is one)."""
+        total = 0.0
+        for i, piece in enumerate(chain):
+            if piece.transfer:
+                a2a = piece.count * self.coll.time(piece.op, (Axis(piece.axis),), stage, piece.nbytes)
+                beside = chain[i + 1] if i + 1 < len(chain) and chain[i + 1].name.endswith("shared") else None
+                overlap = compute_seconds(self.topology, self.dtype, beside.flops, 0.0, beside.kernels,
+                                          gemms=beside.gemms) if beside else 0.0
+                total += max(0.0, a2a - overlap)
+        return total
