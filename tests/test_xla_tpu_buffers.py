@@ -119,7 +119,8 @@ def test_full_remat_holds_one_score_gradient_beside_the_recomputed_probabilities
     plan = _plan(remat="full")
     score = 2 * plan.microbatch_size * SPEC.heads * SPEC.seq_len ** 2
     assert workspace.attention_workspace(plan, tpu=True) == score
-    assert xla_tpu.recompute_workspace_bytes(plan) == xla_tpu.layer_kept_bytes(replace(plan, remat="none"))
+    residual = 2 * plan.microbatch_size * SPEC.seq_len * SPEC.d_model  # the second norm's input, not held then
+    assert xla_tpu.recompute_workspace_bytes(plan) == xla_tpu.layer_kept_bytes(replace(plan, remat="none")) - residual
     assert workspace.attention_workspace(plan) == 2 * score
 
 

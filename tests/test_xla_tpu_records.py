@@ -122,8 +122,9 @@ PEAK = [r for r in ROWS if r["error_vs_peak"] is not None]
 OVER_PEAK = [f"{r['plan']} {r['error_vs_peak']:+.1%}" for r in PEAK if abs(r["error_vs_peak"]) > 0.10]
 #: The recorded multi-chip plans over 10% from XLA:TPU's live peak (``peak_memory``), by mechanism.
 PEAK_APART = {
-    "llama4k-fsdp256-tensor4": "full remat over fsdp x tensor: testbed's layer backward holds the recomputed layer's "
-                               "projections and the gathered blocks beside the two score-sized buffers",
+    "llama4k-fsdp256-tensor4": "full remat over fsdp x tensor: testbed's layer backward holds the recomputed MLP's "
+                               "hidden values and two gathered blocks beside the two score-sized buffers, XLA:TPU the "
+                               "attention's gathered leaves and whole weight gradients",
     "llama4k-fsdp64-tensor4-sp": "the same layer backward under sequence parallelism",
     "gpt2k-fsdp16-full": "at the loss XLA:TPU holds the head's gathered table twice (the forward's and the "
                          "backward's gather in flight), testbed once",

@@ -119,9 +119,16 @@ def scan_flash_fp32_bytes(plan: Plan) -> int:
 
 def recompute_workspace_bytes(plan: Plan) -> int:
     """What a layer's backward recomputes and holds besides its kept set: under full remat the layer's no-remat
-    set as XLA:TPU keeps it (:func:`layer_kept_bytes`); selective remat's recomputed scores are the attention
-    workspace's (testbed.model.memory); 0 otherwise."""
-    return layer_kept_bytes(replace(plan, remat=Remat.NONE)) if plan.remat is Remat.FULL else 0
+    set as XLA:TPU keeps it (:func:`layer_kept_bytes`) but its norms' inputs, with the gradient flowing back beside
+    it (one residual-sized buffer): the first norm reads the kept block input and the MLP's norm input is freed
+    with the MLP's backward, before the attention's (benchmarks/xla_tpu/: at the softmax backward of
+    gpt2k-data4-tensor4-full and llama4k-fsdp256-tensor4 the residual-sized buffers are the kept block inputs
+    and the flowing gradient). Selective remat's recomputed scores are the attention workspace's
+    (testbed.model.workspace); 0 otherwise."""
+    if plan.remat is not Remat.FULL:
+        return 0
+    norm_inputs = (norms(rank_spec(plan)) - 1) * plan.precision.compute_bytes * _residual(plan)
+    return layer_kept_bytes(replace(plan, remat=Remat.NONE)) - norm_inputs
 
 
 def _logits(plan: Plan) -> int:
