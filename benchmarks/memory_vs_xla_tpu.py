@@ -15,8 +15,10 @@ ONE JSON object: per plan testbed's memory (``testbed.model.memory``: total and
 parts) beside XLA:TPU's (argument, output, temp, alias, total) and the error,
 the out-of-memory verdicts, and testbed's predicted collectives per mesh axis
 (the plan-driven task graph, :mod:`testbed.compiled.compare`) beside the
-compiled HLO's; the median and max memory error over the multi-chip plans, the
-verdicts that disagree and the plans whose collectives differ. ``--table PATH``
+compiled HLO's; the median and max memory error over the multi-chip plans against XLA's
+total and against its peak (the arguments and the most temporaries live at once, what
+testbed's instants price; ``benchmarks/xla_tpu_heap.py`` reads what the total holds beyond
+it), the verdicts that disagree and the plans whose collectives differ. ``--table PATH``
 also writes the markdown table of docs/xla_tpu.md.
 
     PYTHONPATH=/tmp/tpusite nice python benchmarks/memory_vs_xla_tpu.py --collect [--only NAME ...] [--limit CPU_S]

@@ -102,14 +102,74 @@ def test_selective_remat_holds_two_score_buffers_on_a_tpu() -> None:
     assert workspace.attention_workspace(plan) == 4 * score  # XLA:CPU materialises the recompute beside them
 
 
-def test_without_remat_the_softmax_gradients_are_one_fp32_buffer_on_a_tpu() -> None:
-    """XLA:TPU without remat: one fp32 score-sized buffer beside the kept probabilities, whatever the dtype (two
-    compute-dtype buffers on XLA:CPU: equal bytes in bf16, twice them in fp32)."""
+def test_without_remat_the_softmax_gradients_are_one_compute_dtype_buffer_on_a_tpu() -> None:
+    """XLA:TPU without remat: one score-sized buffer in the compute dtype beside the kept probabilities (the
+    scores' gradient written over them); two on XLA:CPU, and two for a pipeline's backward program, which reads
+    the kept probabilities as an argument it does not own."""
     scores = 2 * SPEC.heads * SPEC.seq_len ** 2  # a microbatch of 2 on each of the 16 fsdp ranks
-    for precision, cpu in (("bf16-mixed", 4 * scores), ("fp32", 8 * scores)):
+    for precision, c in (("bf16-mixed", 2), ("fp32", 4)):
         plan = _plan(remat="none", precision=precision)
-        assert workspace.attention_workspace(plan, tpu=True) == 4 * scores
-        assert workspace.attention_workspace(plan) == cpu
+        assert workspace.attention_workspace(plan, tpu=True) == c * scores
+        assert workspace.attention_workspace(plan) == 2 * c * scores
+    piped = _plan(remat="none", mesh={"stage": 2, "fsdp": 8}, mb=2)
+    assert workspace.attention_workspace(piped, tpu=True) == 2 * 2 * piped.microbatch_size * SPEC.heads * SPEC.seq_len ** 2
+
+
+def test_full_remat_holds_one_score_gradient_beside_the_recomputed_probabilities_on_a_tpu() -> None:
+    plan = _plan(remat="full")
+    score = 2 * plan.microbatch_size * SPEC.heads * SPEC.seq_len ** 2
+    assert workspace.attention_workspace(plan, tpu=True) == score
+    residual = 2 * plan.microbatch_size * SPEC.seq_len * SPEC.d_model  # the second norm's input, not held then
+    assert xla_tpu.recompute_workspace_bytes(plan) == xla_tpu.layer_kept_bytes(replace(plan, remat="none")) - residual
+    assert workspace.attention_workspace(plan) == 2 * score
+
+
+def test_tensor_collectives_are_not_live_beside_the_attention_transients_on_a_tpu() -> None:
+    """XLA:TPU reduces an input gradient over the tensor axis after its sublayer's dots: the collective's two
+    whole buffers replace the transients, where XLA:CPU adds both collectives' buffers to them."""
+    plan = _plan(remat="full", mesh={"fsdp": 4, "tensor": 4}, batch=8)
+    tensor = kept.tensor_collective_workspace(plan)
+    assert tensor > 0
+    recompute = xla_tpu.recompute_workspace_bytes(plan)
+    assert workspace.layer_workspace(plan, tpu=True) == recompute + max(workspace.sublayer_workspace(plan, True),
+                                                                        tensor // 2)
+    assert workspace.layer_workspace(plan) == (workspace.sublayer_workspace(plan) + kept.recompute_workspace_bytes(plan)
+                                               + tensor)
+
+
+def test_sequence_parallel_inputs_are_gathered_again_on_a_tpu() -> None:
+    """XLA:TPU keeps a layer's sequence shards and gathers the column-parallel matmuls' inputs again in the
+    backward (the records' extra tensor all-gathers); XLA:CPU keeps the gathered inputs."""
+    plan = _plan(remat="none", mesh={"fsdp": 4, "tensor": 4}, batch=8, sequence_parallel=True)
+    assert kept.sp_gathered_bytes(plan) > 0
+    whole = replace(plan, sequence_parallel=False)
+    n, t = plan.microbatch_size * SPEC.seq_len, 4
+    assert xla_tpu.layer_kept_bytes(whole) - xla_tpu.layer_kept_bytes(plan) == 2 * 2 * n * SPEC.d_model * (t - 1) // t
+    assert xla_tpu.head_kept_bytes(whole) - xla_tpu.head_kept_bytes(plan) == 2 * n * SPEC.d_model * (t - 1) // t
+
+
+def test_the_scan_flash_kernel_keeps_two_fp32_buffers_a_layer_on_a_tpu() -> None:
+    """The runner's scan kernel on a sharded step: each layer's fp32 dq accumulator and fp32 output, held until its
+    backward; none under full remat, with context parallelism (the ring's kernel) or for plain attention."""
+    flash = replace(SPEC, attention="flash")
+    plan = _plan(remat="none", model=flash)
+    n = plan.microbatch_size * SPEC.seq_len
+    assert xla_tpu.scan_flash_fp32_bytes(plan) == 2 * 4 * n * SPEC.d_model
+    assert xla_tpu.scan_flash_fp32_bytes(replace(plan, remat="full")) == 0
+    assert xla_tpu.scan_flash_fp32_bytes(_plan(remat="none")) == 0
+    assert xla_tpu.scan_flash_fp32_bytes(_plan(remat="none", model=flash, mesh={"fsdp": 4, "context": 4},
+                                               batch=8)) == 0
+
+
+def test_at_the_loss_a_tpu_holds_the_head_block_alone() -> None:
+    """Under fsdp XLA:TPU holds the gathered head block beside the loss's buffers and gathers the next block
+    after them; the layers' instants keep the blocks gathered ahead."""
+    from testbed.model.gathered import gathered_bytes, head_block_bytes
+
+    plan = _plan(remat="full")
+    head = head_block_bytes(plan, 0)
+    assert 0 < head < gathered_bytes(plan, 0)
+    assert head_block_bytes(_plan(remat="full", mesh={"data": 16}), 0) == 0
 
 
 def test_an_fp32_loss_reads_the_kept_logits_on_a_tpu() -> None:

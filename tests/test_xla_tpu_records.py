@@ -87,21 +87,14 @@ def test_out_of_memory_verdicts_agree():
 
 OVER = [f"{r['plan']} {r['error']:+.1%}" for r in ROWS if abs(r["error"]) > 0.10]
 
-WHOLE_SLICE = "fsdp over a whole slice under full remat: reductions lowered as all-reduces of whole gradients"
-#: The recorded multi-chip plans whose memory is still over 10% from XLA:TPU's, by what testbed does not model yet
+SLACK = ("XLA:TPU's temporaries beyond its live peak (twice its heap's fragmentation: benchmarks/xla_tpu_heap.py): "
+         "testbed prices the live peak, within 15% here")
+#: The recorded multi-chip plans whose memory is still over 10% from XLA:TPU's total, by what testbed does not model
 #: (docs/xla_tpu.md, "Known differences").
-MEMORY_APART = {
-    "llama4k-fsdp64-tensor4-sp": "XLA's peak is three score-sized buffers at the softmax backward, without the "
-                                 "recomputed layer's activations, tensor buffers and gathered weights testbed adds",
-    "llama2k-fsdp64": WHOLE_SLICE,
-    "gpt2k-fsdp16-full": WHOLE_SLICE,
-    "gpt2k-fsdp256-full": WHOLE_SLICE,
-    "gpt1k-fsdp4-full": "fsdp under full remat on 4 chips: XLA's buffers of the re-gathered weights",
-    "gpt2k-fsdp8-tensor8-sp": "fsdp x tensor with sequence parallelism: XLA's buffers of the re-gathered inputs",
-    "gpt2k-data4-tensor4-full": "data x tensor under full remat: the layer backward's workspace",
-    "llama1b-fsdp256-flash": "fsdp over a whole slice, 16 unrolled blocks: XLA:TPU issues every block's forward "
-                             "gather before the first block (all 48 gathered MLP weights live at its peak)",
-}
+MEMORY_APART = {name: SLACK for name in (
+    "gpt1k-fsdp16-context4", "gpt2k-fsdp1024-full", "gpt2k-fsdp16-full", "gpt2k-fsdp16-tensor4-sp", "gpt2k-fsdp256-full",
+    "gpt2k-fsdp8-tensor8-sp", "llama1b-fsdp256-flash", "llama2k-fsdp4-tensor4-sp", "llama2k-fsdp64",
+    "llama4k-fsdp256-tensor4")}
 
 
 def test_memory_is_within_10_percent_but_on_the_named_plans():
@@ -115,6 +108,37 @@ def test_memory_is_within_10_percent_but_on_the_named_plans():
 def test_memory_within_the_issue_tolerance():
     """Issue 54's tolerance over the recorded multi-chip set: median |error| <= 5%, max <= 10%."""
     assert MEDIAN <= 0.05 and MAX <= 0.10, f"median |error| {MEDIAN:.1%}, max {MAX:.1%}"
+
+
+def test_the_plans_apart_miss_by_xlas_heap_slack():
+    """Each plan :data:`MEMORY_APART` names is under XLA:TPU's total by less than the temporaries XLA holds beyond
+    its live peak, and within 15% of that peak."""
+    for row in (r for r in ROWS if r["plan"] in MEMORY_APART):
+        assert row["error"] < 0 and abs(row["error_vs_peak"]) <= 0.15, row["plan"]
+        assert row["xla"] - row["predicted"] < row["xla_slack"] + 0.10 * row["xla"], row["plan"]
+
+
+PEAK = [r for r in ROWS if r["error_vs_peak"] is not None]
+OVER_PEAK = [f"{r['plan']} {r['error_vs_peak']:+.1%}" for r in PEAK if abs(r["error_vs_peak"]) > 0.10]
+#: The recorded multi-chip plans over 10% from XLA:TPU's live peak (``peak_memory``), by mechanism.
+PEAK_APART = {
+    "llama4k-fsdp256-tensor4": "full remat over fsdp x tensor: testbed's layer backward holds the recomputed MLP's "
+                               "hidden values and two gathered blocks beside the two score-sized buffers, XLA:TPU the "
+                               "attention's gathered leaves and whole weight gradients",
+    "llama4k-fsdp64-tensor4-sp": "the same layer backward under sequence parallelism",
+    "gpt2k-fsdp16-full": "at the loss XLA:TPU holds the head's gathered table twice (the forward's and the "
+                         "backward's gather in flight), testbed once",
+    "moe1k-expert4": "the MoE layers' dispatch buffers",
+}
+
+
+def test_memory_is_within_10_percent_of_xlas_live_peak_but_on_the_named_plans():
+    """testbed's memory against XLA:TPU's peak (arguments and the most temporaries live at once, what its instants
+    price): median |error| <= 5% over the recorded multi-chip plans, each within 10% but those
+    :data:`PEAK_APART` names (each of those still over)."""
+    assert len(PEAK) == RESULT["multi_chip"]["peak_count"] >= 25
+    assert statistics.median(abs(r["error_vs_peak"]) for r in PEAK) <= 0.05
+    assert sorted(o.split()[0] for o in OVER_PEAK) == sorted(PEAK_APART), OVER_PEAK
 
 
 def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
@@ -170,3 +194,22 @@ def test_collectives_equal_the_compiled_hlo_but_on_the_named_plans():
                        len(DIFFER), len(ROWS), "; ".join(sorted(set(COLLECTIVES_APART.values())))))
 def test_collectives_per_axis_equal_the_compiled_hlo():
     assert DIFFER == []
+
+
+def test_xlas_temporaries_exceed_its_heap_by_the_heaps_fragmentation():
+    """benchmarks/xla_tpu_heap.json (the recorded compiles' buffer assignments): XLA:TPU's reported temporaries
+    exceed its preallocated heap by at least as much as the heap exceeds the live peak, by as much within 1% of
+    them on all but four of the recorded single-program compiles; the live peak read from the buffer assignment is
+    XLA's peak less the arguments (within 0.5% but where buffers live inside a loop's body, which the top
+    level's live ranges leave out: the accumulation loop, the ring's)."""
+    spec = importlib.util.spec_from_file_location("xla_tpu_heap", ROOT / "benchmarks" / "xla_tpu_heap.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.compare()
+    assert result["count"] == len([r for r in OK if r.plan.mesh.stage == 1]) >= 30
+    assert result["within_1_percent"] >= result["count"] - 4
+    for row in result["plans"]:
+        assert row["temp_minus_heap"] >= row["fragmentation"] - 0.01 * row["temp"], row["plan"]
+        plan = next(r for r in OK if r.name == row["plan"]).plan
+        loop = plan.batch.microbatches > 1 or plan.mesh.context > 1
+        assert loop or abs(row["live_difference_of_peak"]) <= 0.005, row["plan"]

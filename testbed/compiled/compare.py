@@ -72,6 +72,7 @@ def compare_record(record: XlaRecord) -> dict[str, Any]:
             "argument": record.memory.argument, "output": record.memory.output, "temp": record.memory.temp,
             "alias": record.memory.alias, "peak": record.memory.peak},
         "error": predicted.total / record.memory_total - 1, "capacity": capacity,
+        **_live_peak(predicted.total, record),
         "predicted_fits": predicted.total <= capacity, "xla_fits": record.memory_total <= capacity,
         "predicted_collectives": mine, "xla_collectives": xla["collectives"],
         "collectives_equal": mine == xla["collectives"],
@@ -79,11 +80,27 @@ def compare_record(record: XlaRecord) -> dict[str, Any]:
     }
 
 
+def _live_peak(predicted: int, record: XlaRecord) -> dict[str, Any]:
+    """testbed's memory beside XLA's peak (``peak_memory``: the arguments and the most bytes live at once, the
+    quantity the memory model's instants price) and what XLA's total holds beyond it (``xla_slack``: the
+    temporaries beyond the live peak, its heap's placement; the recorded compiles' buffer assignments show
+    it twice the heap's fragmentation: temp - heap = heap - live peak). None where XLA reports no peak
+    (pipelines, whose total walks the schedule)."""
+    memory = record.memory
+    if memory is None or not memory.peak:
+        return {"xla_peak": None, "error_vs_peak": None, "xla_slack": None}
+    return {"xla_peak": memory.peak, "error_vs_peak": predicted / memory.peak - 1,
+            "xla_slack": record.memory_total - memory.peak}
+
+
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(r["error"]) for r in rows]
+    live = [abs(r["error_vs_peak"]) for r in rows if r["error_vs_peak"] is not None]
     return {"count": len(rows), "median_abs_error": statistics.median(errors) if errors else None,
             "max_abs_error": max(errors, default=None),
             "median_error": statistics.median([r["error"] for r in rows]) if rows else None,
+            "peak_count": len(live), "median_abs_error_vs_peak": statistics.median(live) if live else None,
+            "max_abs_error_vs_peak": max(live, default=None),
             "verdicts_disagree": [r["plan"] for r in rows if r["predicted_fits"] != r["xla_fits"]],
             "collectives_differ": [r["plan"] for r in rows if not r["collectives_equal"]],
             "collective_kinds_differ": [r["plan"] for r in rows if not r["collective_kinds_equal"]]}
@@ -106,13 +123,14 @@ def _gb(n: int | None) -> str:
 def markdown_table(result: dict[str, Any]) -> str:
     """The table of docs/xla_tpu.md: per plan testbed's memory beside XLA:TPU's parts, error and verdicts."""
     lines = ["| plan | target | testbed memory | XLA:TPU argument | output | temp | alias | peak | XLA:TPU total "
-             "| error | fits (testbed / XLA) | collectives equal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| error | error vs peak | fits (testbed / XLA) | collectives equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["plans"]:
         parts = r["xla_parts"] or {}
+        vs_peak = "-" if r["error_vs_peak"] is None else f"{r['error_vs_peak']:+.1%}"
         lines.append(f"| {r['plan']} | {r['target']} | {_gb(r['predicted'])} | {_gb(parts.get('argument'))} | "
                      f"{_gb(parts.get('output'))} | {_gb(parts.get('temp'))} | {_gb(parts.get('alias'))} | "
-                     f"{_gb(parts.get('peak'))} | {_gb(r['xla'])} | {r['error']:+.1%} | "
+                     f"{_gb(parts.get('peak'))} | {_gb(r['xla'])} | {r['error']:+.1%} | {vs_peak} | "
                      f"{'yes' if r['predicted_fits'] else 'no'} / {'yes' if r['xla_fits'] else 'no'} | "
                      f"{'yes' if r['collectives_equal'] else 'no'} |")
     lines += ["", "| plan | axes, kind | testbed count | XLA:TPU count | testbed bytes | XLA:TPU bytes |",
@@ -127,7 +145,9 @@ def markdown_table(result: dict[str, Any]) -> str:
     if multi["count"]:
         lines.append("")
         lines.append(f"Multi-chip plans: {multi['count']}, median |error| {multi['median_abs_error']:.1%}, "
-                     f"max {multi['max_abs_error']:.1%}; verdicts that disagree: "
+                     f"max {multi['max_abs_error']:.1%}; against XLA's peak ({multi['peak_count']} plans) median "
+                     f"{multi['median_abs_error_vs_peak']:.1%}, max {multi['max_abs_error_vs_peak']:.1%}; "
+                     f"verdicts that disagree: "
                      f"{', '.join(multi['verdicts_disagree']) or 'none'}; collectives per axis equal on "
                      f"{multi['count'] - len(multi['collectives_differ'])} of {multi['count']}.")
     for r in result["not_compiled"]:

@@ -17,7 +17,7 @@ from testbed.model import layout
 from testbed.plan.sharding import gathered_blocks
 from testbed.plan.spec import ModelSpec, Plan
 
-__all__ = ["gathered_bytes"]
+__all__ = ["gathered_bytes", "head_block_bytes"]
 
 
 def gathered_bytes(plan: Plan, stage: int) -> int:
@@ -52,6 +52,19 @@ def _gathered_at(plan: Plan, stage: int, bound: int):
     running = (0, *itertools.accumulate([*tables[0], *sizes * plan.stage_layers[stage], *tables[1]]))
     last, b = len(running) - 1, plan.precision.compute_bytes
     return lambda position: b * (running[min(position + blocks, last)] - running[min(position, last)])
+
+
+def head_block_bytes(plan: Plan, stage: int) -> int:
+    """Bytes of the head block gathered whole on a device of ``stage`` (its norm, its matrix or the tied token
+    table), in compute precision; 0 when nothing is sharded or the stage does not hold the head. XLA:TPU holds
+    this block alone at the loss (testbed.model.memory): the recorded compiles' buffer assignments
+    (benchmarks/xla_tpu/) show one gathered head table beside the fp32 logits in gpt2k-fsdp256-full,
+    llama2k-fsdp64 and gpt2k-fsdp8-tensor8-sp, and the next block's gather issued after them."""
+    if not gathered_blocks(plan) or not layout.holds(stage, 0, plan.mesh.stage, 1)[1]:
+        return 0
+    mesh = plan.mesh
+    return plan.precision.compute_bytes * _block_sizes(plan.model, mesh.tensor, mesh.expert, False, True, 0,
+                                                       mesh.expert_tensor)[0]
 
 
 def _stage_blocks(plan: Plan, stage: int) -> tuple[int, ...]:

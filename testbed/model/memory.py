@@ -72,7 +72,8 @@ from dataclasses import dataclass
 from testbed.model import costs
 from testbed.model import kept, layout, moe, workspace, xla_tpu
 from testbed.model.floors import compiler_floors, deepest_floor, loss_floor_plan, prefetch_floor_plan
-from testbed.model.gathered import _gathered_at, _layer_params_per_device, _stage_blocks, gathered_bytes
+from testbed.model.gathered import (_gathered_at, _layer_params_per_device, _stage_blocks, gathered_bytes,
+                                    head_block_bytes)
 from testbed.model.ring import rank_spec
 from testbed.pipeline.schedules import build_schedule, held_by_gradient_chunks, peak_inflight
 from testbed.plan.spec import Plan, Precision, Remat
@@ -356,7 +357,8 @@ def _one_microbatch_instants(plan: Plan, stage: int, live: _Live, defer: bool, t
     # combined all-reduces that follow the backward (gpt1k-data4 and -fp32 of benchmarks/xla_tpu/, live ranges).
     deferred = kept.deferred_backward_bytes(plan, holds_head) if defer and not tpu else 0
     later = defer and kept.weight_grads_deferred(plan)
-    instants = [(live.acts, 0 if later and tpu else head_grads, _work(live.loss, (GATHERED, live.gathered)))]
+    at_loss = head_block_bytes(plan, stage) if tpu and plan.schedule.virtual_stages == 1 else live.gathered
+    instants = [(live.acts, 0 if later and tpu else head_grads, _work(live.loss, (GATHERED, at_loss)))]
     gathered_at = _gathered_at(plan, stage, live.gathered)
     for done in range(layers):
         instants.append((kept.device_layer_sets(plan, layers - done) * live.per_layer,

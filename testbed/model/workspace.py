@@ -5,7 +5,7 @@ testbed.model.memory)."""
 from __future__ import annotations
 
 from testbed.model import costs, kept, moe, xla_tpu
-from testbed.model.activations import sequence_share
+from testbed.model.activations import norms, sequence_share
 from testbed.model.ring import rank_spec, ring_attention_workspace
 from testbed.model.splash import splash_kernel, splash_workspace
 from testbed.plan.spec import Attention, Plan, Remat
@@ -21,20 +21,28 @@ def attention_workspace(plan: Plan, tpu: bool = False) -> int:
 
     The softmax is not fused into one kernel: its backward materialises the
     gradient of the probabilities and of the scores (2 buffers); selective
-    remat first recomputes the scores and probabilities (2 more), except under
-    XLA:TPU (``tpu``), which recomputes them inside the softmax backward's fusion
-    (testbed.model.xla_tpu). Without remat XLA:TPU fuses the two gradients into
-    one fp32 score-sized buffer beside the kept probabilities (llama2k-fsdp4-fp32
-    of benchmarks/xla_tpu/: one f32 buffer in each layer's attention backward; the
-    same bytes as two bf16 ones).
+    remat first recomputes the scores and probabilities (2 more).
+
+    XLA:TPU (``tpu``, testbed.model.xla_tpu) writes one new score-sized buffer, the probabilities' gradient in
+    the compute dtype, and writes the scores' gradient over the probabilities, whose last reader it is, where the
+    program owns them: the recorded compiles' buffer assignments (benchmarks/xla_tpu/:
+    ``transpose(jvp(bhqk,bkhd->bqhd))/dot_general`` the one score-sized temporary of each layer's backward, bf16
+    in gpt1k-tensor4 and llama2k-fsdp8, fp32 in llama2k-fsdp4-fp32, beside the kept probabilities; beside the
+    recomputed ones (``rematted_computation``) under full remat in gpt2k-data4-tensor4-full, gpt2k-fsdp256-full,
+    llama2k-fsdp64 and both llama4k plans). Under selective remat the recomputed probabilities are a second
+    score-sized buffer (under full remat they are counted with the layer's recompute,
+    testbed.model.xla_tpu.recompute_workspace_bytes). A pipeline's backward program reads the kept
+    probabilities as an argument it does not own, so the scores' gradient is a second buffer too
+    (gpt1k-stage2-data2's ``stage0.chunk0.B``: 282 MB of temporaries, two 134 MB score-sized buffers).
     """
     spec, c = rank_spec(plan), plan.precision.compute_bytes
     if spec.attention is Attention.FLASH:
         return splash_workspace(plan) if splash_kernel(plan) else flash_workspace(plan)
     scores = plan.microbatch_size * spec.heads * spec.seq_len ** 2 // plan.mesh.tensor
-    if tpu and plan.remat is Remat.NONE:
-        return FP32_BYTES * scores
-    return c * scores * (4 if plan.remat is Remat.SELECTIVE and not tpu else 2)
+    if tpu:
+        argument = plan.remat is Remat.NONE and plan.mesh.stage > 1
+        return c * scores * (2 if plan.remat is Remat.SELECTIVE or argument else 1)
+    return c * scores * (4 if plan.remat is Remat.SELECTIVE else 2)
 
 
 def flash_workspace(plan: Plan) -> int:
@@ -71,10 +79,19 @@ def flash_tile(plan: Plan) -> int:
 
 def layer_workspace(plan: Plan, tpu: bool = False) -> int:
     """One layer's backward: the larger of its attention's and its MLP's transients (:func:`sublayer_workspace`),
-    plus what remat recomputes and the collectives' buffers (testbed.model.kept)."""
+    plus what remat recomputes and the collectives' buffers (testbed.model.kept).
+
+    XLA:TPU (``tpu``) runs a tensor collective of an input gradient after the dots of its sublayer's backward
+    that free the score-sized and hidden transients, one collective at a time: its operand and result (two
+    whole ``[tokens, d_model]`` buffers) are live beside what remat recomputes, never beside those transients
+    (benchmarks/xla_tpu/: at the softmax backward of gpt2k-data4-tensor4-full, llama4k-fsdp256-tensor4 and
+    llama4k-fsdp64-tensor4-sp one residual-sized buffer, the flowing gradient, beside the two score-sized ones)."""
     recompute = xla_tpu.recompute_workspace_bytes(plan) if tpu else kept.recompute_workspace_bytes(plan)
-    recompute += kept.tensor_collective_workspace(plan)
-    return sublayer_workspace(plan, tpu) + recompute + moe.dispatch_workspace(plan)
+    tensor = kept.tensor_collective_workspace(plan)
+    if tpu:
+        transients = max(sublayer_workspace(plan, tpu), tensor // norms(rank_spec(plan)))
+        return transients + recompute + moe.dispatch_workspace(plan)
+    return sublayer_workspace(plan, tpu) + recompute + tensor + moe.dispatch_workspace(plan)
 
 
 def sublayer_workspace(plan: Plan, tpu: bool = False) -> int:

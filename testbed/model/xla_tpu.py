@@ -8,15 +8,22 @@ runner's step compiled deviceless for ``v5e`` slices, ``benchmarks/memory_vs_xla
 
 - a layer keeps its norms' inputs, Q, K, V, the attention output, the MLP's input-matrix outputs (the activation
   function's output is recomputed), and without remat the attention probabilities (:func:`layer_kept_bytes`);
-  under full remat only the block input, no residual summands (the unrolled CPU step's extra);
+  under full remat only the block input, no residual summands (the unrolled CPU step's extra); under sequence
+  parallelism only the sequence shards: the column-parallel matmuls' inputs are gathered again in the backward
+  (the records' extra tensor all-gathers; gpt2k-fsdp8-tensor8-sp's buffer assignment holds no whole
+  ``[tokens, d_model]`` input at its peak);
 - with the splash kernels (one TPU device, testbed.model.flash_kernel) a layer keeps Q, K, V and the attention
-  output again in the kernel's heads-first layout (:func:`splash_copies_bytes`);
-- the head keeps its norm's input and the logits in the compute dtype; the loss's fp32 log-softmax is one
+  output again in the kernel's heads-first layout (:func:`splash_copies_bytes`); with the runner's scan kernel
+  (sharded steps) every layer's backward fp32 buffers are allocated ahead of it (:func:`scan_flash_fp32_bytes`);
+- the head keeps its norm's input (its shard under SP) and the logits in the compute dtype; the loss's fp32
+  log-softmax is one
   logits-sized fp32 buffer at the loss (:func:`head_kept_bytes`, :func:`loss_workspace_bytes`); no block's
   recompute is scheduled beside it and no logits-sized buffer waits for a deferred weight gradient.
 
-Selective remat's recomputed scores and probabilities stay inside the softmax backward's fusion: its attention
-backward holds two score-sized buffers, as without remat (testbed.model.workspace). Against the device's limit the
+A layer's attention backward writes one score-sized buffer, the probabilities' gradient, and the scores'
+gradient over the probabilities it owns (testbed.model.workspace.attention_workspace); its tensor collectives
+follow the dots that free those buffers (testbed.model.workspace.layer_workspace); under fsdp the loss holds the
+head's gathered block alone (testbed.model.gathered.head_block_bytes). Against the device's limit the
 compiler's floors apply as on XLA:CPU (testbed.model.floors): under the loss floor (``fused_loss``) the loss's fp32
 buffer is rematerialised and its gradient is one compute-dtype logits buffer.
 
@@ -30,12 +37,12 @@ from dataclasses import replace
 
 from testbed.model.activations import FLASH_BYTES, LOSS_BYTES, norms
 from testbed.model.flash_kernel import AttentionKernel, attention_kernel
-from testbed.model.kept import sp_gathered_bytes, xla_program
+from testbed.model.kept import xla_program
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, Plan, Remat
 
-__all__ = ["applies", "layer_kept_bytes", "splash_copies_bytes", "recompute_workspace_bytes", "head_kept_bytes",
-           "loss_workspace_bytes"]
+__all__ = ["applies", "layer_kept_bytes", "splash_copies_bytes", "scan_flash_fp32_bytes", "recompute_workspace_bytes",
+           "head_kept_bytes", "loss_workspace_bytes"]
 
 
 def applies(plan: Plan, buffer_rules: str) -> bool:
@@ -57,9 +64,10 @@ def layer_kept_bytes(plan: Plan) -> int:
 
     Full remat: the block input. Otherwise the norms' inputs (residual stream), Q, K, V and the attention output
     (split over the tensor ranks; GQA's K and V whole where the degree does not divide ``kv_heads``), the MLP's
-    ``mlp_matrices - 1`` input-matrix outputs, under SP the column-parallel matmuls' gathered inputs
-    (testbed.model.kept.sp_gathered_bytes, as XLA:CPU), and the attention's softmax output without remat (plain
-    attention) or its fp32 row log-sum-exp (flash)."""
+    ``mlp_matrices - 1`` input-matrix outputs, and the attention's softmax output without remat (plain
+    attention) or its fp32 row log-sum-exp (flash). Under SP the residual stream's sequence shards only (XLA:TPU
+    gathers the column-parallel matmuls' inputs again in the backward; XLA:CPU keeps them,
+    testbed.model.kept.sp_gathered_bytes)."""
     spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
     if plan.remat is Remat.FULL:
         return c * _residual(plan)
@@ -68,9 +76,10 @@ def layer_kept_bytes(plan: Plan) -> int:
     kv = 2 * n * spec.kv_dim // (t if spec.kv_split(t) else 1)
     values = norms(spec) * _residual(plan) + 2 * n * spec.q_dim // t + kv
     values += (spec.mlp_matrices - 1) * n * spec.d_ff // t
-    kept = c * values + norms(spec) * sp_gathered_bytes(plan)
+    kept = c * values
     if spec.attention is Attention.FLASH:
-        return kept + FLASH_BYTES * b * spec.heads * spec.seq_len // t + splash_copies_bytes(plan)
+        lse = FLASH_BYTES * b * spec.heads * spec.seq_len // t
+        return kept + lse + splash_copies_bytes(plan) + scan_flash_fp32_bytes(plan)
     if plan.remat is Remat.NONE:
         kept += c * b * spec.heads * spec.score_rows * spec.seq_len // t
     return kept
@@ -91,11 +100,35 @@ def splash_copies_bytes(plan: Plan) -> int:
     return plan.precision.compute_bytes * 2 * n * (spec.q_dim + spec.kv_dim)
 
 
+def scan_flash_fp32_bytes(plan: Plan) -> int:
+    """What a layer holds besides under the runner's scan flash kernel (testbed.runner.attention, sharded steps
+    without context parallelism) from its forward, or the backward's start, to its own backward: two
+    ``[tokens, q_dim / t]`` fp32 buffers, the backward's dq accumulator (its zeros a ``custom-call
+    AllocateBuffer`` XLA:TPU places in the forward) and the attention output cast to fp32 for the row sums
+    (``convert_element_type`` scheduled at the backward's start). llama1b-fsdp256-flash of benchmarks/xla_tpu/
+    (buffer assignment): one of each per layer, 16 of each live at the head's backward, 537 MB. 0 under full
+    remat (the layer's forward runs again in its backward) and for other kernels."""
+    spec = rank_spec(plan)
+    kernel = attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=plan.model.seq_len,
+                              context=plan.mesh.context > 1)
+    if spec.attention is not Attention.FLASH or kernel is not AttentionKernel.SCAN or plan.mesh.context > 1 \
+            or plan.remat is Remat.FULL:
+        return 0
+    return 2 * FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.q_dim // plan.mesh.tensor
+
+
 def recompute_workspace_bytes(plan: Plan) -> int:
     """What a layer's backward recomputes and holds besides its kept set: under full remat the layer's no-remat
-    set as XLA:TPU keeps it (:func:`layer_kept_bytes`); selective remat's recomputed scores are the attention
-    workspace's (testbed.model.memory); 0 otherwise."""
-    return layer_kept_bytes(replace(plan, remat=Remat.NONE)) if plan.remat is Remat.FULL else 0
+    set as XLA:TPU keeps it (:func:`layer_kept_bytes`) but its norms' inputs, with the gradient flowing back beside
+    it (one residual-sized buffer): the first norm reads the kept block input and the MLP's norm input is freed
+    with the MLP's backward, before the attention's (benchmarks/xla_tpu/: at the softmax backward of
+    gpt2k-data4-tensor4-full and llama4k-fsdp256-tensor4 the residual-sized buffers are the kept block inputs
+    and the flowing gradient). Selective remat's recomputed scores are the attention workspace's
+    (testbed.model.workspace); 0 otherwise."""
+    if plan.remat is not Remat.FULL:
+        return 0
+    norm_inputs = (norms(rank_spec(plan)) - 1) * plan.precision.compute_bytes * _residual(plan)
+    return layer_kept_bytes(replace(plan, remat=Remat.NONE)) - norm_inputs
 
 
 def _logits(plan: Plan) -> int:
@@ -105,10 +138,10 @@ def _logits(plan: Plan) -> int:
 
 
 def head_kept_bytes(plan: Plan) -> int:
-    """Bytes the head keeps per microbatch: its norm's input (and under SP the gathered input) and the logits in
-    the compute dtype."""
+    """Bytes the head keeps per microbatch: its norm's input (under SP its sequence shard) and the logits in the
+    compute dtype."""
     c = plan.precision.compute_bytes
-    return c * _residual(plan) + sp_gathered_bytes(plan) + c * _logits(plan)
+    return c * _residual(plan) + c * _logits(plan)
 
 
 def loss_workspace_bytes(plan: Plan) -> int:
