@@ -1,0 +1,98 @@
+"""Where XLA:TPU keeps a layer's attention scores: the on-chip memory (VMEM, memory space ``S(1)``) or HBM, read from
+deviceless compiles of the runner's single-chip step at several microbatch sizes.
+
+XLA:TPU's memory-space assignment may place a buffer in the chip's VMEM, where the passes over it (the softmax, the
+score matmuls' reads and writes) cost no HBM traffic; the step's compiled HLO marks such a buffer's layout ``S(1)``.
+For each variant of :data:`VARIANTS` (a single-chip suite plan at another microbatch size) this compiles the
+runner's step for ``tpu:v5e:1x1`` (libtpu, no chip needed) and records whether any instruction producing a
+``[microbatch, heads, seq, seq]`` bf16 score tensor does so in ``S(1)``, beside the tensor's bytes.
+
+Writes ``OUT/vmem_scores.json`` atomically (date, versions, the command, one row per variant) and prints it as ONE
+JSON object. Needs libtpu (``PYTHONPATH`` to an unpacked libtpu wheel, ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``); each
+compile takes 1-4 minutes of CPU.
+
+    python benchmarks/tpu_vmem_scores.py --out OUT [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tpu_chip import write_atomic  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "plans" / "validation-1dev"
+#: name: (suite plan, global batch, microbatches) — microbatch sizes 2 to 8 of the GPT-2 small and medium shapes.
+VARIANTS = {
+    "gpt125m-mb2": ("gpt125m-bf16-accum4", 16, 8),
+    "gpt125m-mb4": ("gpt125m-bf16-accum4", 16, 4),
+    "gpt125m-mb5": ("gpt125m-bf16-accum4", 10, 2),
+    "gpt125m-mb6": ("gpt125m-bf16-accum4", 24, 4),
+    "gpt125m-mb8": ("gpt125m-bf16-accum4", 8, 1),
+    "gpt350m-mb3": ("gpt350m-bf16-selective-accum2", 6, 2),
+    "gpt350m-mb4": ("gpt350m-bf16-selective-accum2", 8, 2),
+}
+
+
+def placed(text: str, microbatch: int, heads: int, seq: int) -> dict:
+    """How many instructions of the compiled HLO ``text`` produce the bf16 score tensor, and how many in ``S(1)``."""
+    shape = re.compile(r"^\s*(?:ROOT )?%%\S+ = bf16\[%d,%d,%d,%d\]\{([^}]*)\} " % (microbatch, heads, seq, seq), re.M)
+    layouts = [m.group(1) for m in shape.finditer(text)]
+    return {"producers": len(layouts), "in_vmem": sum("S(1)" in layout for layout in layouts)}
+
+
+def compile_variant(name: str) -> dict:
+    """One variant compiled deviceless for a v5e chip: its score tensor's bytes and where XLA:TPU keeps it."""
+    import yaml
+
+    from testbed.plan.io import plan_from_dict
+    from testbed.runner.check_sharding import spmd_step
+    from testbed.runner.devices import build_mesh, plan_placement
+    from testbed.runner.tpu_compile import target_devices
+    from testbed.topology.compile_target import parse_target
+
+    base, batch, microbatches = VARIANTS[name]
+    spec = yaml.safe_load((SUITE / f"{base}.yaml").read_text())
+    spec |= {"name": name, "batch": {"global_batch": batch, "microbatches": microbatches}}
+    plan = plan_from_dict(spec)
+    devices = target_devices(parse_target("tpu:v5e:1x1"))
+    _, step, _, args = spmd_step(plan, build_mesh(plan_placement(plan, devices), devices))
+    text = step.lower(*args).compile().as_text()
+    model, mb = spec["model"], batch // microbatches
+    return {"variant": name, "plan": base, "microbatch": mb, "heads": model["heads"], "seq": model["seq_len"],
+            "score_bytes": 2 * mb * model["heads"] * model["seq_len"] ** 2,
+            **placed(text, mb, model["heads"], model["seq_len"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for vmem_scores.json")
+    parser.add_argument("--only", nargs="*", help="variants to compile (default: all)")
+    args = parser.parse_args(argv)
+    from testbed.runner import devices
+
+    devices.prepare(devices.DeviceRequest(kind="emulated", count=1))
+    from testbed.runner.tpu_compile import versions
+
+    rows = []
+    for name in args.only or list(VARIANTS):
+        rows.append(compile_variant(name))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    only = "" if not args.only else " --only " + " ".join(args.only)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "versions": versions(), "target": "tpu:v5e:1x1",
+              "command": f"python benchmarks/tpu_vmem_scores.py --out OUT{only}", "rows": rows}
+    write_atomic(Path(args.out) / "vmem_scores.json", json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
