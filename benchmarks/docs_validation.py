@@ -74,8 +74,8 @@ error apart from the host's drift.
 
 **Published runs** (`benchmarks/published_runs.py`) price published measurements from real clusters: nccl-tests
 bus bandwidths, TPU ICI collective times, Megatron-LM's SC21 Table 1, other stacks' training runs (NeMo,
-torchtitan, llm-foundry, Megatron-DeepSpeed, Meta's Llama 3, MaxText; A100, H100, TPU v5p/v6e; BF16 and FP8;
-dense and MoE; 8 to 16,384 devices) and ZeRO's model-state table. Each case runs under its stack's runtime
+torchtitan, llm-foundry, Megatron-DeepSpeed, Meta's Llama 3, MaxText, AXLearn, PaLM's Pathways; A100, H100, TPU
+v4/v5e/v5p/v6e; BF16 and FP8; dense and MoE; 8 to 16,384 devices) and ZeRO's model-state table. Each case runs under its stack's runtime
 profile (testbed.plan.runtime: every field's value cites the stack's source); every case's configuration and
 source are in `benchmarks/published/*.yaml`. No constant is fitted to one case: device constants come from
 datasheets and microbenchmarks cited in the topology files, and the few parameters fitted over a category are
@@ -118,9 +118,15 @@ collectives only while both are in flight. The paper's words ("shards the optimi
 
 Every number fitted over the published runs (each GPU generation's `device.sustained`, each TPU generation's matmul
 `efficiency`) is refitted without one stack, and without one source (a case's `url`), at a time; the held-out cases
-are predicted with the refits (`benchmarks/published/held_out.py`). A TPU generation with no case left takes its other
-generations' fit, and with no TPU case left at all (every TPU case is MaxText's) the bundled TPU files' unfitted 0.7:
-leaving MaxText out is the test of a new stack on a TPU. `runtime.moe_sequence_dispatch` and
+are predicted with the refits (`benchmarks/published/held_out.py`). A generation left with fewer than two cases of
+its own takes the fit over every case of its family left (GPU or TPU, pooled), never a value fitted to one case.
+Three stacks have TPU cases (MaxText; AXLearn's paper and `fuji.py`; PaLM 540B on two v4 pods), so leaving MaxText
+out predicts its 49 cases from the other two stacks' six, and leaving AXLearn out predicts its five from MaxText's
+fit. The stacks disagree at one efficiency per generation: at what ships AXLearn's 7B steps run slower than the
+simulator says (v5p +15%, v5e +55%) and its 70B v6e steps +12%, where its 70B v5p row is -6% and PaLM's v4 row +6%;
+held out by stack, the MaxText cases are off by 20% at the median and the AXLearn cases by 16%, where each GPU stack
+is off by 1.6-16%.
+`runtime.moe_sequence_dispatch` and
 `runtime.pad_sequence_shards` move no case of the suite (none runs sequence-parallel experts split like the dense MLP,
 none an uneven sequence shard); their tests show the steps they change.
 

@@ -7,8 +7,9 @@ Categories:
 - ``end_to_end``: Megatron-LM training throughput (benchmarks/published/end_to_end.py,
   Narayanan et al. 2021 Table 1 in megatron.yaml), predicted vs published TFLOP/s per GPU;
 - ``runs``: other stacks' training throughput (benchmarks/published/runs.py, runs.yaml:
-  Megatron-Bridge/NeMo, torchtitan, llm-foundry, Megatron-DeepSpeed, Meta's Llama 3 and MaxText on A100,
-  H100, TPU v5p and v6e, BF16 and FP8, dense and MoE, 8 to 16,384 devices), predicted vs published tokens/s per device;
+  Megatron-Bridge/NeMo, torchtitan, llm-foundry, Megatron-DeepSpeed, Meta's Llama 3 on A100 and H100, MaxText,
+  AXLearn and PaLM's Pathways on TPU v4, v5e, v5p and v6e, BF16 and FP8, dense and MoE, 8 to 16,384 devices),
+  predicted vs published tokens/s per device;
 - ``ici``: TPU collective times over ICI (benchmarks/published/collectives.py, cases in ici.yaml),
   predicted vs published microseconds, error as bandwidth (published / predicted time - 1);
 - ``memory``: model states per device under ZeRO 1-3 (benchmarks/published/memory.py,
@@ -24,7 +25,7 @@ and ``runs``; ``end_to_end_all`` summarises the pool. Every case runs under its 
 ``runtime_mechanisms`` says what each of the profiles' fields changed (runs.py ``mechanisms``; its
 ``device.power_limit``: what a topology's device power limit changed). ``fits`` prints
 each parameter fitted over a category of ``runs``, with its in-sample and leave-one-out errors and the values the
-data files ship (``tpu_compute``: runs.yaml's TPU calibration over the maxtext cases, tpu_fit.py;
+data files ship (``tpu_compute``: runs.yaml's TPU calibration over its TPU cases, tpu_fit.py;
 ``gpu_compute_A100``, ``gpu_compute_H100``: each GPU generation's ``device.sustained`` over its runs.yaml cases
 and, for A100, Table 1, gpu_fit.py, which simulates each GPU case twice more).
 ``held_out`` (benchmarks/published/held_out.py) refits every one of those end-to-end fits without one stack, and
@@ -39,15 +40,25 @@ With ``collectives`` run, ``fits`` also carries ``nccl_multinode``: testbed.coll
 leave-one-sweep-out errors (collectives.py ``fit``: one refit per case and per sweep sharing one memo of
 every case's error per fit, about 20 s on the shared 2-core machine).
 
-    .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|runs|memory]
+``--cases REGEX`` keeps only the runs.yaml cases whose name matches (``re.search``), for a quick look at part of
+the suite (``--only runs --cases 'maxtext|axlearn'``: every TPU case, their fit and its held-out report, about a
+fifth of the full run's time); a fit whose category lost a generation's every row is left out, so the printed
+``fits`` and ``held_out`` cover the kept cases only. What benchmarks/results/published_runs.json records is the
+full run.
+
+    .venv/bin/python benchmarks/published_runs.py [--only collectives|end_to_end|runs|memory] [--cases REGEX]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import tempfile
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "published"))
 
@@ -83,12 +94,26 @@ def nccl_fit() -> dict:
     return published_collectives.fit(leave_one_out=True)
 
 
-def _compute_fits() -> tuple[dict, list[dict]]:
-    """``fits``' end-to-end entries (tpu_fit.py's, gpu_fit.py's) and their rows as held_out.py reads them: each
-    case decomposed once for both."""
-    tpu, gpu = tpu_fit.category_rows(), gpu_fit.all_rows()
-    fits = {"tpu_compute": tpu_fit.fit_report(rows=tpu), **gpu_fit.fits(gpu_fit.fit_report(rows=gpu))}
+def _compute_fits(path: Path, table1: bool) -> tuple[dict, list[dict]]:
+    """``fits``' end-to-end entries (tpu_fit.py's, gpu_fit.py's) over ``path``'s cases (and Table 1's with
+    ``table1``) and their rows as held_out.py reads them: each case decomposed once for both. A GPU fit runs only
+    with a row of every generation it fits (a ``--cases`` selection may keep none)."""
+    tpu, gpu = tpu_fit.category_rows(path), gpu_fit.run_rows(path) + (gpu_fit.table1_rows() if table1 else [])
+    fits = {"tpu_compute": tpu_fit.fit_report(path, rows=tpu)} if tpu else {}
+    if {r["generation"] for r in gpu} >= set(gpu_fit.GENERATIONS):
+        fits.update(gpu_fit.fits(gpu_fit.fit_report(rows=gpu)))
+    else:
+        gpu = []
     return fits, held_out.tpu_rows(tpu) + held_out.gpu_rows(gpu)
+
+
+def selected_cases(pattern: str, directory: str) -> Path:
+    """runs.yaml with only the cases whose name matches ``pattern`` (``re.search``), written into ``directory``."""
+    data = yaml.safe_load(published_runs.CASES.read_text())
+    data["cases"] = [c for c in data["cases"] if re.search(pattern, c["name"])]
+    out = Path(directory) / "runs.yaml"
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
 
 
 def _held_out(rows: list[dict], pooled: list[dict], fits: dict) -> dict:
@@ -102,12 +127,19 @@ def _held_out(rows: list[dict], pooled: list[dict], fits: dict) -> dict:
     return report
 
 
-def run(only: list[str] | None = None) -> dict:
+def run(only: list[str] | None = None, cases: str | None = None) -> dict:
+    """Every category of :data:`CATEGORIES` (or those of ``only``), runs.yaml's cases matching ``cases``
+    (with ``cases``, the GPU fits leave Table 1 out)."""
+    with tempfile.TemporaryDirectory() as directory:
+        return _run(only, selected_cases(cases, directory) if cases else published_runs.CASES, table1=not cases)
+
+
+def _run(only: list[str] | None, path: Path, table1: bool) -> dict:
     categories, results, pooled, out = {}, {}, [], {}
     for name, evaluate in CATEGORIES.items():
         if only and name not in only:
             continue
-        rows = evaluate()
+        rows = published_runs.evaluate(path) if name == "runs" else evaluate()
         categories[name] = {**published_collectives.summary(rows), "unit": UNITS[name]}
         results[name] = [{"case": r["case"], "source": r.get("source", ""), "predicted": r["predicted"],
                           "published": r["published"], "error": r["error"],
@@ -122,7 +154,7 @@ def run(only: list[str] | None = None) -> dict:
             pooled += rows
             out["runtime_mechanisms"] = published_runs.mechanisms(rows)
             out["predicted_out_of_memory"] = [r["case"] for r in rows if not r["fits"]]
-            out["fits"], fitted_rows = _compute_fits()
+            out["fits"], fitted_rows = _compute_fits(path, table1)
     if "collectives" in categories:
         out["fits"] = {**out.get("fits", {}), "nccl_multinode": nccl_fit()}
     if pooled and "fits" in out:
@@ -136,8 +168,16 @@ def run(only: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", choices=sorted(CATEGORIES), help="run only this category")
+    parser.add_argument("--cases", metavar="REGEX", help="keep only the runs.yaml cases whose name matches")
     args = parser.parse_args(argv)
-    json.dump(run(args.only), sys.stdout, indent=1)
+    if args.cases:
+        try:
+            re.compile(args.cases)
+        except re.error as exc:
+            print(f"--cases: `{args.cases}` is not a regular expression ({exc}); give one that matches case "
+                  f"names of {published_runs.CASES.name}, e.g. 'maxtext|axlearn'", file=sys.stderr)
+            raise SystemExit(2) from None
+    json.dump(run(args.only, args.cases), sys.stdout, indent=1)
     print()
 
 

@@ -62,3 +62,17 @@ def test_report_names_each_fit_s_rows_and_every_grouping():
     assert entry["fitted_on"] == ["a1", "b1", "b2"] and entry["stacks"] == ["a", "b"]
     assert entry["leave_one_source_out"]["cases"] == 3
     assert report["in_sample"]["groups"]["source"]["s1"]["cases"] == 2
+
+
+def test_a_parameter_left_with_one_row_takes_its_family_s_fit_not_a_value_fitted_to_that_row():
+    tpu = dict(family="tpu")
+    rows = [_row("p1", "maxtext", "s1", 0.8, parameter="tpu_compute_TPU-v5p", **tpu),
+            _row("e1", "maxtext", "s1", 0.6, parameter="tpu_compute_TPU-v5e", **tpu),
+            _row("p2", "axlearn", "s2", 0.8, parameter="tpu_compute_TPU-v5p", **tpu),
+            _row("p3", "axlearn", "s2", 0.8, parameter="tpu_compute_TPU-v5p", math=20, **tpu),
+            _row("e2", "axlearn", "s2", 0.5, parameter="tpu_compute_TPU-v5e", **tpu)]
+    report = held_out.held_out(rows, "stack", _benchmark(rows))
+    refitted = report["groups"]["maxtext"]["refitted"]
+    assert refitted["tpu_compute_TPU-v5p"] == pytest.approx(0.8, abs=0.003)  # two rows of its own: its own fit
+    assert 0.5 < refitted["tpu_compute_TPU-v5e"] < 0.8  # one row left (0.5): the pooled fit, not that row's value
+    assert "1 row(s) of its own" in report["groups"]["maxtext"]["fallback"]["tpu_compute_TPU-v5e"]

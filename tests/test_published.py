@@ -183,3 +183,15 @@ def test_every_ici_case_has_a_source_and_a_line_or_neighbour_of_its_slice():
     for row in rows:
         # error is the bandwidth ratio: published time over predicted time, minus one
         assert row["error"] == pytest.approx(row["published"] / row["predicted"] - 1, abs=1e-3)
+
+
+def test_published_runs_cases_keeps_the_matching_runs_and_refuses_a_bad_pattern(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import published_runs
+
+    kept = yaml.safe_load(published_runs.selected_cases("^axlearn-", str(tmp_path)).read_text())
+    assert kept["cases"] and all(c["name"].startswith("axlearn-") for c in kept["cases"])
+    assert kept["topologies"] == yaml.safe_load((PUBLISHED / "runs.yaml").read_text())["topologies"]
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "published_runs.py"), "--cases", "("],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "--cases" in bad.stderr and "Traceback" not in bad.stderr

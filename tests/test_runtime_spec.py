@@ -118,3 +118,18 @@ def test_verify_hands_the_runner_the_plan_as_given(monkeypatch):
     with pytest.raises(RuntimeError, match="built"):
         train.verify_plan(plan, jax.devices())
     assert seen == [plan] and seen[0].runtime.shard_context
+
+
+def test_the_runner_refuses_uneven_sequence_shards_it_cannot_split():
+    """runtime.pad_sequence_shards is priced by the simulator; the runner's shard_map maps split evenly: exit 2."""
+    import jax
+
+    from testbed.errors import InputError
+    from testbed.runner.train import _check_runnable
+    spec = {**_plan_dict("xla"), "precision": "fp32", "sequence_parallel": True}
+    spec["model"] = {**spec["model"], "seq_len": 33}  # over the demo's 2 tensor ranks
+    plan = plan_from_dict(spec)
+    assert plan.runtime.pad_sequence_shards and plan.model.seq_len % plan.mesh.tensor
+    with pytest.raises(InputError, match="pad_sequence_shards") as info:
+        _check_runnable(plan, jax.devices())
+    assert info.value.field == "model.seq_len"

@@ -89,7 +89,7 @@ def test_per_device_leave_one_out_falls_back_to_the_shared_value_for_a_lone_devi
 
 def test_stale_names_each_topology_whose_calibration_is_not_the_fit():
     cases, inline = runs.load_cases()
-    cases = [c for c in cases if c["stack"] == tpu_fit.STACK]
+    cases = [c for c in cases if tpu_fit.in_category(c)]
     shipped = {c["device"]: inline[c["topology"]].calibration.compute.efficiency for c in cases}
     fitted = {"efficiency": dict(shipped), "elementwise_passes": 0.0}
     assert tpu_fit.stale(cases, inline, fitted) == {}

@@ -8,9 +8,10 @@ that decomposition, as the fits themselves are.
 
 Held out (:func:`held_out`): every row of one group (a stack, or a source) leaves every fit at once; each
 parameter is refitted over its remaining rows by its own fit (gpu_fit.fit, tpu_fit.fit_efficiency) and the
-held-out rows are predicted with the refits. A parameter with no row left takes the fit over the remaining rows
-of its family (the other GPU or TPU generations, pooled) and, with none of those either, the value a topology
-carries without a fit (:data:`UNFITTED`); the report names each such fallback. A held-out row's error scales the
+held-out rows are predicted with the refits. A parameter with fewer than :data:`MIN_OWN_ROWS` rows left (no value is
+fitted to one row) takes the fit over the remaining rows of its family (every GPU or TPU generation's, its own
+included, pooled) and, with none of those either, the value a topology carries without a fit (:data:`UNFITTED`);
+the report names each such fallback. A held-out row's error scales the
 benchmark's own prediction by the decomposition's rate at the refit over its rate at the shipped value, so a
 row whose refit equals what ships keeps the benchmark's error exactly.
 """
@@ -26,6 +27,8 @@ import tpu_fit
 #: cap, testbed.topology.parts.DeviceSpec's default) and the TPU efficiency the bundled TPU topologies carry
 #: (topologies/tpu-*.yaml: 0.7, not fitted).
 UNFITTED = {"gpu": 1.0, "tpu": 0.7}
+#: The fewest rows a parameter is refitted on by itself; with fewer it takes its family's fit (:func:`refits`).
+MIN_OWN_ROWS = 2
 #: The groupings held out: a row's key for each.
 GROUPINGS = {"leave_one_stack_out": "stack", "leave_one_source_out": "source"}
 
@@ -51,19 +54,20 @@ def fit(rows: list[dict]) -> float:
 
 
 def refits(rows: list[dict], kept: list[dict], parameters: set[str]) -> tuple[dict[str, float], dict[str, str]]:
-    """Each of ``parameters`` fitted over the ``kept`` rows, and for those with none of their own the fallback
-    used: ``({parameter: value}, {parameter: what it fell back to})``."""
+    """Each of ``parameters`` fitted over the ``kept`` rows, and for those with fewer than :data:`MIN_OWN_ROWS` of
+    their own the fallback used: ``({parameter: value}, {parameter: what it fell back to})``."""
     family_of = {r["parameter"]: r["family"] for r in rows}
     values, fallbacks = {}, {}
     for parameter in sorted(parameters):
         own = [r for r in kept if r["parameter"] == parameter]
         family = [r for r in kept if r["family"] == family_of[parameter]]
-        if own:
+        if len(own) >= MIN_OWN_ROWS:
             values[parameter] = fit(own)
         elif family:
             values[parameter] = fit(family)
-            fallbacks[parameter] = "the family's other generations: " + ", ".join(
-                sorted({r["parameter"] for r in family}))
+            fallbacks[parameter] = f"{len(own)} row(s) of its own: the family's fit over " + ", ".join(
+                f"{name} ({sum(r['parameter'] == name for r in family)})"
+                for name in sorted({r["parameter"] for r in family}))
         else:
             values[parameter] = UNFITTED[family_of[parameter]]
             fallbacks[parameter] = f"no row of its family left: the unfitted value {UNFITTED[family_of[parameter]]:g}"

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import yaml
 
+from testbed.errors import InputError
 from testbed.explore.space import resize_topology
 from testbed.model.memory import memory_breakdown
 from testbed.model.moe import sequence_dispatch
@@ -46,7 +47,7 @@ STACK_PROFILES = {"megatron-lm": "megatron", "megatron-bridge": "nemo", "nemo": 
                   "megatron-deepspeed": "deepspeed", "torchtitan": "torchtitan", "llm-foundry": "llm-foundry",
                   "fsdp": "fsdp", "pytorch-fsdp": "fsdp", "maxtext": "xla", "jax": "xla", "xla": "xla", "pax": "xla",
                   # Meta's Llama 3 training stack is not public: what its paper states (testbed.plan.runtime).
-                  "meta-llama3": "meta"}
+                  "meta-llama3": "meta", "pathways": "xla", "axlearn": "xla"}
 #: Scale bands of the category report (devices, inclusive upper bounds).
 SCALES = (("<=64", 64), ("65-512", 512), ("513-4096", 4096), (">4096", float("inf")))
 #: The categories errors are reported by: each row's own key, or (scale) its band of ``gpus``.
@@ -85,7 +86,8 @@ def case_topology(case: dict, inline: dict[str, Topology]) -> Topology:
 
 def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
     """One case simulated: predicted and published tokens/s/device, the error and the case's categories; the
-    error under the runner's mechanisms (``runner_error``) and without each of the case's runtime fields
+    error under the runner's mechanisms (``runner_error``; None where the plan needs its runtime to be written)
+    and without each of the case's runtime fields
     (``mechanisms``: {field: the error with that field at the runner's value}; ``device.power_limit``: the error
     with the device at its rated power, where its topology holds it below; ``fp8_head``: under fp8-mixed, the error
     with the LM head in fp8 too, what leaving it in bf16 changed)."""
@@ -98,18 +100,16 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
     def error(step_s: float) -> float:
         return round(tokens / step_s / gpus / published - 1, 4)
 
-    default = RuntimeSpec()
-    without = {field: error(simulate(replace(plan, runtime=replace(plan.runtime, **{field: getattr(default, field)})),
-                                     topology).report.step_time_s)
-               for field in runner_differences(plan.runtime) if not _inert(plan, field)}
+    without = {field: error(simulate(ablated, topology).report.step_time_s)
+               for field in runner_differences(plan.runtime) if not _inert(plan, field)
+               if (ablated := _without(plan, field)) is not None}
     if plan.precision.value == "fp8-mixed" and not plan.runtime.fp8_head:  # the head left in bf16, as every stack
         without["fp8_head"] = error(simulate(replace(plan, runtime=replace(plan.runtime, fp8_head=True)),
                                              topology).report.step_time_s)  # its error with the head in fp8 too
     if topology.device.power_limit:  # the device held below its rated power: the error at the rated power
         rated = replace(topology, device=replace(topology.device, power_limit=0.0))
         without["device.power_limit"] = error(simulate(plan, rated).report.step_time_s)
-    runner = simulate(replace(plan, runtime=default), topology).report.step_time_s \
-        if runner_differences(plan.runtime) else report.step_time_s
+    runner = _runner_step(plan, topology, report.step_time_s)
     return {"case": case["name"], "source": case["source"], "stack": case["stack"],
             "device": case["device"], "precision": case["precision"], "gpus": gpus,
             "architecture": architecture(plan),
@@ -118,8 +118,30 @@ def evaluate_case(case: dict, inline: dict[str, Topology]) -> dict:
             "exposed_comm_s": round(report.exposed_comm_s or 0.0, 3),
             "bubble_fraction": round(report.bubble_fraction or 0.0, 4),
             "runtime": plan.runtime.profile, "predicted": round(tokens / report.step_time_s / gpus, 1),
-            "published": published, "error": error(report.step_time_s), "runner_error": error(runner),
+            "published": published, "error": error(report.step_time_s),
+            "runner_error": None if runner is None else error(runner),
             "mechanisms": without, **_memory(plan, topology)}
+
+
+def _runner_step(plan: Plan, topology: Topology, step_s: float) -> float | None:
+    """The step under the runner's own behaviour (the default runtime), ``step_s`` where the plan's runtime is the
+    runner's, None where the plan cannot be written without its runtime (:func:`_without`)."""
+    if not runner_differences(plan.runtime):
+        return step_s
+    try:
+        plain = replace(plan, runtime=RuntimeSpec())
+    except InputError:
+        return None
+    return simulate(plain, topology).report.step_time_s
+
+
+def _without(plan: Plan, field: str) -> Plan | None:
+    """``plan`` with one runtime field at the runner's value, or None where the plan cannot be written without it
+    (``pad_sequence_shards`` under a tensor degree the sequence does not divide: the plan is refused)."""
+    try:
+        return replace(plan, runtime=replace(plan.runtime, **{field: getattr(RuntimeSpec(), field)}))
+    except InputError:
+        return None
 
 
 def _inert(plan: Plan, field: str) -> bool:
@@ -186,7 +208,8 @@ def by_category(rows: list[dict]) -> dict:
 
 def main() -> None:
     rows = evaluate()
-    json.dump({**summary(rows), "runner": summary([{**r, "error": r["runner_error"]} for r in rows]),
+    ran = [{**r, "error": r["runner_error"]} for r in rows if r["runner_error"] is not None]
+    json.dump({**summary(rows), "runner": summary(ran),
                "categories": by_category(rows), "mechanisms": mechanisms(rows),
                "predicted_out_of_memory": [r["case"] for r in rows if not r["fits"]], "results": rows},
               sys.stdout, indent=1)

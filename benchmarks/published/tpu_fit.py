@@ -1,4 +1,4 @@
-"""The TPU compute calibration of runs.yaml's MaxText cases, fitted over the category with its leave-one-out error.
+"""The TPU compute calibration of runs.yaml's TPU cases, fitted over the category with its leave-one-out error.
 
 Cloud TPU documents each chip's peak (bf16 FLOP/s, HBM bandwidth) but no
 fraction of it that an XLA training step reaches, and XLA's fusions leave
@@ -10,13 +10,13 @@ over 2.77: 166). Two kinds of number describe that on every TPU topology of runs
 - ``efficiency``: ``calibration.compute.efficiency``, the fraction of the
   bf16 peak a matmul reaches, one per TPU generation (v5p, v6e);
 - ``passes``: ``calibration.elementwise.replicated_passes`` and
-  ``split_passes`` (equal: the MaxText cases have no tensor axis), memory
+  ``split_passes`` (equal: the TPU cases have no tensor axis), memory
   passes at the device's HBM bandwidth over each byte of activations a compute
   task writes (testbed.model.costs.layer_traffic_bytes), one for all.
 
-Fitted over every ``maxtext`` case of runs.yaml (the category: one stack, two
-TPU generations, dense and MoE, 8-512 chips) by least squares of the relative error
-of tokens/s, on a grid (efficiency step 0.005, passes step 0.1). A case's step
+Fitted over every TPU case of runs.yaml (the category: a case whose ``device`` is a
+TPU; three stacks, MaxText, AXLearn and PaLM's Pathways, four TPU generations, dense and MoE, 8-8,192 chips) by
+least squares of the relative error of tokens/s, on a grid (efficiency step 0.005, passes step 0.1). A case's step
 time is linear in ``1 / efficiency`` and ``passes`` while compute dominates
 (every case here: its exposed communication is what the simulator says,
 unchanged by either), so each case is simulated three times (ideal compute
@@ -50,8 +50,13 @@ from testbed.sim.engine import simulate
 from testbed.topology.calibration import ElementwiseCalibration
 from testbed.topology.spec import Topology
 
-#: The category fitted: runs.yaml's cases of this stack.
-STACK = "maxtext"
+#: The category fitted: runs.yaml's cases whose ``device`` starts with this (every stack's TPU cases).
+DEVICE_PREFIX = "TPU"
+
+
+def in_category(case: dict) -> bool:
+    """Whether a runs.yaml case belongs to the fitted category (it runs on a TPU)."""
+    return case["device"].startswith(DEVICE_PREFIX)
 #: The grids searched: efficiency and passes, (low, high, step).
 EFFICIENCY_GRID = (0.5, 0.95, 0.005)
 PASSES_GRID = (0.0, 8.0, 0.1)
@@ -189,9 +194,9 @@ def stale(cases: list[dict], inline: dict[str, Topology], fitted: dict) -> dict:
 
 
 def category_rows(path=runs.CASES) -> list[dict]:
-    """The category's cases (runs.yaml's :data:`STACK` cases), decomposed."""
+    """The category's cases (runs.yaml's TPU cases, :func:`in_category`), decomposed."""
     cases, inline = runs.load_cases(path)
-    return [decompose(c, inline) for c in cases if c["stack"] == STACK]
+    return [decompose(c, inline) for c in cases if in_category(c)]
 
 
 def fit_report(path=runs.CASES, rows: list[dict] | None = None) -> dict:
@@ -199,12 +204,12 @@ def fit_report(path=runs.CASES, rows: list[dict] | None = None) -> dict:
     ships (``stale``: the topologies whose values are not the fit's), and the shared-value alternative (``rows``:
     :func:`category_rows`, computed when not given)."""
     cases, inline = runs.load_cases(path)
-    cases = [c for c in cases if c["stack"] == STACK]
+    cases = [c for c in cases if in_category(c)]
     rows = [decompose(c, inline) for c in cases] if rows is None else rows
     alternative = shared_report(rows)
     report = per_device_report(rows, alternative["fitted"]["efficiency"])
     fitted = report.pop("fitted")
-    return {"category": f"stack {STACK}", "objective": "least squares of the relative error", "cases": len(rows),
+    return {"category": "every TPU case", "objective": "least squares of the relative error", "cases": len(rows),
             "fitted": fitted, "shipped": shipped(inline), "stale": stale(cases, inline, fitted), **report,
             "shared_alternative": alternative}
 

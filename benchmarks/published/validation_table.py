@@ -152,8 +152,9 @@ def _held_out(data: dict) -> list[str]:
     out = ["", "#### Held out: every fitted number refitted without a stack, or without a source", "",
            "Each held-out group's cases leave every end-to-end fit (GPU `device.sustained`, TPU matmul "
            "`efficiency`) at once; each is refitted over the other groups and predicts the held-out cases "
-           "(benchmarks/published/held_out.py; a parameter with no case left takes its other generations' fit, "
-           "then its unfitted value, as `fallback` in the JSON says).", ""]
+           "(benchmarks/published/held_out.py; a parameter with fewer than two cases of its own left takes its "
+           "family's fit over every case of the family left, then its unfitted value, as `fallback` in the JSON "
+           "says).", ""]
     out += _table(("errors", "cases", "median abs error", "max abs error", "median signed error"),
                   [_summary_row(title, held[k]["overall"]) + (_pct(held[k]["overall"].get("median_signed_error"),
                                                                    True),) for k, title in kinds if k in held])

@@ -76,6 +76,21 @@ def runner_plan(plan: Plan) -> Plan:
     return replace(plan, runtime=replace(plan.runtime, shard_context=False)) if plan.runtime.shard_context else plan
 
 
+def _check_sequence_shards(plan: Plan) -> None:
+    """Refuse (exit 2) sequence parallelism over a tensor degree that does not divide each rank's sequence: the
+    runner's sequence-parallel maps (testbed.runner.parallel.SequenceShards, ``jax.shard_map``) split the sequence
+    evenly, so ``runtime.pad_sequence_shards`` (XLA's padded shards) is priced by the simulator only."""
+    from testbed.errors import InputError
+
+    tokens = plan.model.seq_len // plan.mesh.context
+    if plan.sequence_parallel and tokens % plan.mesh.tensor:
+        raise InputError(f"the runner splits the sequence evenly over the tensor ranks under sequence parallelism, "
+                         f"and {tokens} tokens per context rank do not divide over {plan.mesh.tensor}; "
+                         f"runtime.pad_sequence_shards (uneven, padded shards) is priced by `simulate` only: give a "
+                         f"seq_len whose share per context rank mesh.tensor divides, or sequence_parallel: false",
+                         field="model.seq_len")
+
+
 def _check_runnable(plan: Plan, devices: list[Any]) -> None:
     """Refuse (exit 2) a plan these devices cannot run (fp8 matmuls) or would abort on rather than run.
 
@@ -87,6 +102,7 @@ def _check_runnable(plan: Plan, devices: list[Any]) -> None:
     from testbed.plan.sharding import state_sharding
 
     check_precision(plan, devices)  # fp8 (check-sharding lowers for devices it does not have: not checked there)
+    _check_sequence_shards(plan)
     from testbed.plan.runtime import runner_differences
 
     if differs := runner_differences(plan.runtime):  # priced by the simulator; the runner runs its own program
