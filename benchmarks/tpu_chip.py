@@ -45,7 +45,8 @@ SUITE = (
     "gpt125m-fp32", "gpt125m-fp32-highest", "gpt125m-bf16", "gpt125m-bf16-accum4", "gpt125m-bf16-flash-seq4096",
     "gpt350m-bf16-selective-accum2", "gpt350m-bf16-full-accum2", "llama150m-fp32-flash", "llama400m-bf16-flash",
     "llama400m-bf16-full", "llama400m-bf16-flash-seq4096", "llama1b-bf16-flash", "llama1b-bf16-flash-full",
-    "gpt125m-bf16-accum8", "gpt125m-bf16-accum2", "gpt350m-bf16-selective-accum4",
+    "gpt125m-bf16-accum8", "gpt125m-bf16-accum2", "gpt350m-bf16-selective-accum4", "gpt350m-bf16-selective-accum6",
+    "llama400m-bf16-flash-seq1024",
 )
 
 #: ``--quick``'s plans: small shapes covering the same switches (fp32 / bf16, remat, accumulation, flash).
