@@ -596,9 +596,6 @@ def _gather_starts(timeline, prefix: str) -> list[float]:
                   if timeline.rows[timeline.row[i]][0] == rep and timeline.label[i].startswith(prefix))
 
 
-@pytest.mark.xfail(strict=True, reason="with the v5e matmul efficiency fitted over MaxText's runs (0.725, was 0.7) "
-                   "the plan starts the last layer's gather at 3.879 ms, the traced step at 4.029 ms: 0.150 ms apart "
-                   "against the 0.15 ms bound")
 def test_the_unlinked_last_layers_backward_gather_waits_for_the_heads_summed_input_gradient() -> None:
     """fsdp 32 x tensor 8 bf16 on the TPU slice, d_model 2048, sequence 2048: the runner does not link the last
     layer (testbed.model.leaves.linked_layer), so its backward gather waits for its own cotangent, the head's
