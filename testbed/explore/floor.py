@@ -15,6 +15,8 @@ from testbed.collectives.bounds import max_injection_bandwidth
 from testbed.collectives.routed import topology_memo
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, scaled
+from testbed.model.layout import chunk_layers
+from testbed.model.moe import moe_layers
 from testbed.model.spans import action_spans, scaled_spans
 from testbed.pipeline.schedules import Schedule, build_schedule, peak_inflight, splits_backward
 from testbed.plan.sharding import gathers_parameters
@@ -22,7 +24,8 @@ from testbed.plan.stages import chunk_counts
 from testbed.plan.spec import Plan
 from testbed.sim.action_work import action_work
 from testbed.sim.compute import compute_seconds
-from testbed.sim.facts import BUCKETS, cached_chunk_cost, cached_chunk_gemms, cached_order
+from testbed.sim.facts import BUCKETS, alike_key, cached_chunk_cost, cached_chunk_gemms, cached_order
+from testbed.sim.moe import moe_pieces
 from testbed.topology import Topology
 
 __all__ = ["step_floor", "played_floor", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
@@ -31,7 +34,7 @@ __all__ = ["step_floor", "played_floor", "cached_step_floor", "cached_played_flo
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
     """A lower bound of :func:`estimate`'s step seconds from compute and tensor collectives, at a few stages' cost; None where
-    the plan's actions are not plain compute (context or expert parallelism) or the host is shared.
+    the plan's actions are not plain compute (context parallelism's ring) or the host is shared.
 
     :func:`estimate` plays every action on its stage's one stream for at least its compute seconds and its
     blocking tensor collectives' (:func:`_tensor_floor`: a bandwidth bound of them), in the
@@ -40,7 +43,8 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     last stage's whole forward and backward, and the last microbatch's backward back through the others
     (weight gradients of split backwards left out of (b): they need not be on that path). Compute as the
     estimate prices it; the gradient-bucket split of the last backward is taken at the cheaper of its two
-    prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
+    prices; an MoE chain's (expert parallelism) as the sum of its compute pieces, its all-to-alls left out. Stages
+    alike in their layers' kinds, embedding and head are priced once. The search drops a plan whose floor
     exceeds the estimates it would have to beat to be replayed, without changing what it replays.
     """
     return cached_step_floor(floor_key(plan), lambda: plan, topology)
@@ -153,28 +157,32 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
     blocking tensor collectives', :func:`_tensor_floor`); None where no floor applies (:func:`step_floor`).
     Stages alike in layers, embedding and head share one dict."""
     mesh, v = plan.mesh, plan.schedule.virtual_stages
-    if mesh.context > 1 or plan.model.experts or topology.calibration.host is not None:
+    if mesh.context > 1 or topology.calibration.host is not None:
         return None
     p, dtype = mesh.stage, plan.precision.compute_dtype
     split = _splits_backward(plan)
     kinds = ("F", "B", "W") if split else ("F", "B")
     priced: dict[tuple, dict[tuple[int, str], float]] = {}
-    chunks: dict[tuple, dict[str, float]] = {}  # a dense chunk's floors: by its layer count and the ends it holds
+    chunks: dict[tuple, dict[str, float]] = {}  # a chunk's floors: by its layers' kinds and the ends it holds
     per = chunk_counts(plan.stage_layers, v)
+    spans = chunk_layers(plan.model, p, v, plan.stage_layers) if plan.model.experts else None
     out = []
     for s in range(p):
-        key = (plan.stage_layers[s], s == 0, s == p - 1)
+        key = (plan.stage_layers[s], s == 0, s == p - 1) if spans is None else (
+            tuple(alike_key(plan, p, v, s, c, spans[s][c]) for c in range(v)))
         if key not in priced:
             seconds = {}
             for c in range(v):
-                # A dense model's layers are alike, so a chunk's cost and GEMMs (testbed.model.costs.chunk_cost:
-                # its layer count, embedding and head) are those of any chunk alike in them: priced once.
-                alike = (per[s][c], (s, c) == (0, 0), (s, c) == (p - 1, v - 1))
+                # A chunk's cost and GEMMs (testbed.model.costs.chunk_cost) follow its layers' kinds (a dense model's:
+                # its layer count) and the embedding and head it holds (testbed.sim.facts.alike_key): priced once.
+                alike = (per[s][c], (s, c) == (0, 0), (s, c) == (p - 1, v - 1)) if spans is None else \
+                    alike_key(plan, p, v, s, c, spans[s][c])
                 if alike not in chunks:
                     cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
+                    n_moe = moe_layers(plan.model, spans[s][c]) if spans is not None else 0
                     chunks[alike] = {}
                     for kind in kinds:
-                        whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype)
+                        whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype, n_moe)
                         chunks[alike][kind] = whole + _tensor_floor(plan, topology, tensor)
                 seconds.update({(c, kind): x for kind, x in chunks[alike].items()})
             priced[key] = seconds
@@ -183,16 +191,19 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
 
 
 def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkGemms, kind: str, split: bool,
-                  dtype: str) -> tuple[float, tuple[tuple[str, int, int], ...]]:
-    """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``: its
-    compute as the estimate prices it, a microbatch's last backward at the cheaper of whole and split into gradient
-    buckets. Memoized per topology on the chunk's (memoized, testbed.sim.memo) cost and GEMMs: plans that differ in
-    ZeRO, schedule or data degree share them; their spans between tensor collectives (testbed.model.spans) also
-    follow ``runtime.tp_comm_overlap`` and whether the backward gathers the parameters again (the loss's gradient a
-    span of its own), which the chunk's cost does not, so the key holds both."""
+                  dtype: str, n_moe: int = 0) -> tuple[float, tuple[tuple[str, int, int], ...]]:
+    """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``
+    holding ``n_moe`` MoE layers: its compute as the estimate prices it, a microbatch's last backward at the cheaper
+    of whole and split into gradient buckets; an MoE chain's (expert parallelism: testbed.sim.moe) as the sum of its
+    compute pieces, its all-to-alls left out (they only add). Memoized per topology on the chunk's (memoized,
+    testbed.sim.memo) cost and GEMMs: plans that differ in ZeRO, schedule or data degree share them; their spans
+    between tensor collectives (testbed.model.spans) also follow ``runtime.tp_comm_overlap`` and whether the
+    backward gathers the parameters again (the loss's gradient a span of its own), and an MoE chain
+    ``runtime.moe_sequence_dispatch``, which the chunk's cost does not, so the key holds them."""
     remat = plan.remat
     memo = topology_memo(topology).setdefault("step_floor", {})
-    key = (id(cost), id(gemms), kind, split, remat, dtype, plan.runtime.tp_comm_overlap, gathers_parameters(plan, "B"))
+    key = (id(cost), id(gemms), kind, split, remat, dtype, plan.runtime.tp_comm_overlap, gathers_parameters(plan, "B"),
+           n_moe, n_moe and plan.runtime.moe_sequence_dispatch)
     hit = memo.get(key)
     if hit is not None and hit[0] is cost and hit[1] is gemms:  # the very objects (ids are reused once freed)
         return hit[2]
@@ -200,7 +211,13 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
     # the loss's maximum at its fewest bytes (the logits' dtype, as a compiler reducing natively moves it): a bound
     flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat, float(plan.precision.compute_bytes))
     shapes = gemms.action(kind, split)
-    spans = action_spans(plan, cost, kind, split)  # no MoE here (step_floor: None)
+    chain = moe_pieces(plan, n_moe, kind, split, flops, hbm, (rep_b, split_b), shapes, kernels)
+    if chain:  # the estimate's compute of an MoE chain: its compute pieces, each priced on its own, never split
+        whole = sum(compute_seconds(topology, dtype, x.flops, x.hbm_bytes, x.kernels, x.replicated_bytes,
+                                    x.split_bytes, cost.tensor_bytes, x.gemms) for x in chain if not x.transfer)
+        memo[key] = (cost, gemms, (whole, tensor))
+        return whole, tensor
+    spans = action_spans(plan, cost, kind, split, n_moe)
     whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes, shapes, spans)
     pieces = min(BUCKETS, max(1, cost.layers))
     if kind == ("W" if split else "B") and pieces > 1:
