@@ -49,7 +49,7 @@ from typing import NamedTuple
 from testbed.collectives.timing import send_time
 from testbed.explore.play import Play
 from testbed.explore.play_floor import AboveBar
-from testbed.explore.stage_collectives import StageCollectives, stage_groups
+from testbed.explore.stage_collectives import StageCollectives, stage_groups, tied_seconds
 from testbed.model.gemm import scaled
 from testbed.model.memory import MemoryBreakdown, memory_breakdown
 from testbed.pipeline.schedules import peak_inflight
@@ -217,6 +217,7 @@ class _Step:
         reps = facts.representatives  # no ring: each rank its own (what the groups of one say)
         rings = [ring_neighbours(stage_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
                  else (reps[s], reps[s]) for s in range(p)]
+        self.tied_s = tied_seconds(topology, ids, facts.tied_bytes)
         self.prices: dict[tuple[int, int, str], _Priced] = {}
         self._played: dict[tuple, _Priced] = {}  # :meth:`played`'s memo
         self._reduced: dict[tuple, tuple[float, Syncs]] = {}  # :meth:`_reduce`'s memo

@@ -80,7 +80,7 @@ from testbed.plan.sharding import loss_merged, loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
-from testbed.sim.grad_tasks import reduce_tasks
+from testbed.sim.grad_tasks import tied_task, reduce_tasks
 from testbed.sim.span_play import BlockWork, GradBucket, SpanPlay, grad_bucket
 from testbed.sim.step_rules import (Dispatch, GatherMode, Gradients, Microbatches, action_dispatch, first_tail_bucket,
                                     gather_after, gather_mode, gradients, iteration, runs_serially, sequence_apart,
@@ -124,8 +124,13 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
     graph = _Graph(facts, placement, controller)
     for s, action, waits in facts.order:
         graph.action(s, action, waits)
+    ends = (0, facts.stages - 1) if facts.tied_bytes else ()
+    for s in ends:  # the tied table's sum (testbed.sim.grad_tasks.tied_task) waits for both ends' kept reductions
+        graph.kept(s)
+    if ends:
+        tied_task(graph.b, facts.tied_bytes, graph.reps, graph.previous, graph.reduce_tasks, graph.stage_pairs(*ends))
     for s in range(facts.stages):
-        graph.update(s)
+        graph.update(s, kept=s not in ends)
     if runs_serially(serial, facts.stages, placement.device_ids[0].size):
         graph.b.serialize(graph.programs)
     return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
@@ -173,7 +178,7 @@ class _Graph(SpanPlay):
         if controller and (dispatch := step_dispatch(facts)):
             self.previous[0] = self._dispatch("dispatch step", dispatch)
 
-    def _stage_pairs(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
+    def stage_pairs(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
         """Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate (made for the stage
         pairs that send, when they first do)."""
         pairs = self.pairs.get((a, b))
@@ -438,7 +443,7 @@ class _Graph(SpanPlay):
         ways, rep = self.facts.scatter_sends, self.reps[dst]
         send = self.last_send = self.b.add(
             name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND, deps=(last,),
-            nbytes=nbytes / ways, group=(self.reps[s], rep), instances=self._stage_pairs(s, dst))
+            nbytes=nbytes / ways, group=(self.reps[s], rep), instances=self.stage_pairs(s, dst))
         if ways == 1:
             return send
         groups = self.tensor[dst]
@@ -479,13 +484,19 @@ class _Graph(SpanPlay):
                             special, label, leaves, tail, select=False if sequence_apart(self.facts) else None,
                             loss=loss)
 
-    def update(self, s: int) -> None:
-        """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute
-        stream) after every reduction, and with ZeRO-1/2 the updated shards gathered over data (grad stream)."""
-        b, rep, first, update = self.b, self.reps[s], len(self.b.tasks), self.facts.updates[s]
+    def kept(self, s: int) -> None:
+        """The replicas' one reduction of the buckets kept for stage ``s``'s update."""
         for k, bucket_of in enumerate(self.once[s]):  # the loss's sum merged into the first (loss_merged)
             loss = LOSS_BYTES if k == 0 and loss_merged(self.plan, self.facts.reduce_bytes) else 0.0
             self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of, loss=loss))
+
+    def update(self, s: int, kept: bool = True) -> None:
+        """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it (:meth:`kept`, unless made),
+        the optimizer (compute stream) after every reduction, and with ZeRO-1/2 the updated shards gathered over
+        data (grad stream)."""
+        b, rep, first, update = self.b, self.reps[s], len(self.b.tasks), self.facts.updates[s]
+        if kept:
+            self.kept(s)
         waits = list(self.reduce_tasks[s])
         if self.controller and (dispatch := update_dispatch(self.facts, s)):
             waits.append(self._dispatch(f"dispatch optimizer@{s}", dispatch))
