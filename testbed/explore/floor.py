@@ -43,7 +43,7 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     last stage's whole forward and backward, and the last microbatch's backward back through the others
     (weight gradients of split backwards left out of (b): they need not be on that path). Compute as the
     estimate prices it; the gradient-bucket split of the last backward is taken at the cheaper of its two
-    prices; an MoE chain's (expert parallelism) bounded by the action as one kernel, its all-to-alls left out; each
+    prices; an MoE chain's (expert parallelism) bounded by the action as one kernel and its all-to-alls' bound; each
     microbatch's add into the gradient accumulator after its last backward, as the estimate prices it. Stages
     alike in their layers' kinds, embedding and head are priced once. The search drops a plan whose floor
     exceeds the estimates it would have to beat to be replayed, without changing what it replays.
@@ -234,10 +234,10 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
     """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``
     holding ``n_moe`` MoE layers: its compute as the estimate prices it, a microbatch's last backward at the cheaper
     of whole and split into gradient buckets. An MoE chain's (expert parallelism: testbed.sim.moe), which the
-    estimate prices as the sum of its compute pieces' (the action's work and GEMMs split among them), its
-    all-to-alls left out (they only add), is bounded by the whole action as one kernel: its GEMMs' seconds are the
-    pieces' summed (or, priced by FLOPs, at an efficiency no piece's exceeds: one kernel's is the highest), its
-    memory pass no longer than theirs, its one launch no more than their several."""
+    estimate prices as the sum of its compute pieces' (the action's work and GEMMs split among them) and its exposed
+    all-to-alls, is bounded by the whole action as one kernel (its GEMMs' seconds are the pieces' summed, or, priced
+    by FLOPs, at an efficiency no piece's exceeds: one kernel's is the highest; its memory pass no longer than
+    theirs, its one launch no more than their several) and :func:`_all_to_all_floor`."""
     remat = plan.remat
     kernels = max(1, 4 * cost.layers)
     # the loss's maximum at its fewest bytes (the logits' dtype, as a compiler reducing natively moves it): a bound
