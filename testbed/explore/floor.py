@@ -170,6 +170,8 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
     shared = _chunk_key(plan, split, dtype)
     moe = _moe_chunks(plan.model, p, v, plan.stage_layers) if plan.model.experts else None
     per = chunk_counts(plan.stage_layers, v)
+    accumulates = accumulate_bytes(plan, 1, 1.0) > 0  # each microbatch adds into the accumulator: by chunk params
+    added: dict[int, float] = {}
     out = []
     for s in range(p):
         key = (plan.stage_layers[s], s == 0, s == p - 1) if moe is None else moe[s]
@@ -193,7 +195,10 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
                         memo.clear()
                     memo[alike] = hit = (hit, cost.params)
                 seconds.update({(c, kind): x for kind, x in hit[0].items()})
-                seconds[(c, kinds[-1])] += _accumulate_floor(plan, topology, hit[1])
+                if accumulates:
+                    if hit[1] not in added:
+                        added[hit[1]] = _accumulate_floor(plan, topology, hit[1])
+                    seconds[(c, kinds[-1])] += added[hit[1]]
             priced[key] = seconds
         out.append(priced[key])
     return out
