@@ -162,8 +162,7 @@ LIMITS = """\
   constants are H100's: no A100 shape table was found); a PyTorch stack's FSDP wrapping of the embedding and the
   head is not stated per stack (`runtime.fsdp_edge_blocks`).
 - **Simulator**: one device stands in for each stage (exact on hierarchies and symmetric tori, an approximation on
-  lopsided explicit graphs); the tied-embedding gradient all-reduce between the first and last stage is not
-  modelled.
+  lopsided explicit graphs).
 - **Runner**: multi-process pipelines use the lockstep executor (correct, about 9x slower per step than one
   process); tied embeddings with `stage > 1` are rejected.
 """

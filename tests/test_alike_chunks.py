@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-import testbed.explore.analytic as analytic
+import testbed.explore.prices as prices
 import testbed.sim.facts as facts_module
 from testbed.explore.analytic import estimate
 from testbed.plan.io import load_plan
@@ -59,7 +59,7 @@ def test_alike_chunks_share_facts_and_prices_without_changing_them(make, topolog
             for c, span in enumerate(row)}
     assert len(keys) < plan.mesh.stage * plan.schedule.virtual_stages  # some chunks are alike: the memo is used
     monkeypatch.setattr(facts_module, "alike_key", _unique)
-    monkeypatch.setattr(analytic, "alike_key", _unique)
+    monkeypatch.setattr(prices, "alike_key", _unique)
     own = step_facts(plan, ids, combine)
     assert shared.chunks == own.chunks
     assert estimate(plan, topology) == shared_estimate

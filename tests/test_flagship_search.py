@@ -128,6 +128,24 @@ def test_pruning_bounds_are_lower_bounds() -> None:
         assert floor is not None and floor <= est.step_time_s
 
 
+def test_moe_floors_are_lower_bounds() -> None:
+    """MoE plans, with and without expert parallelism's chains (Mixtral's every layer MoE; DeepSeek-MoE's first layer
+    dense, shared experts beside the all-to-alls): the step floor and the played floor never above the estimate."""
+    for name, seed in (("mixtral-8x7b", 4), ("deepseek-moe-16b", 5)):
+        topology = load_topology("dgx-h100-x4")
+        plans = [p for p in candidates(preset_plan(name), 32, SearchSpace(remat=("none", "full"), microbatches=(1, 4, 8),
+                                                                          sequence_parallel=(False, True)))
+                 if p.mesh.context == 1]
+        random.Random(seed).shuffle(plans)
+        chains = 0
+        for plan in plans[:40]:
+            est = estimate(plan, topology).step_time_s
+            floor, played = step_floor(plan, topology), played_floor(plan, topology)
+            assert floor is not None and floor * (1 - 1e-12) <= played <= est
+            chains += plan.mesh.expert > 1
+        assert chains >= 10
+
+
 def test_played_floor_is_a_lower_bound_above_the_step_floor() -> None:
     """The schedule played at each action's floor: never above the estimate, never below the step floor (but for
     rounding), and above it where a pipeline has a bubble (interleaved and zero-bubble schedules included)."""

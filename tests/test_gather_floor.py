@@ -89,12 +89,24 @@ def test_gather_floor_is_below_the_task_graphs_step() -> None:
     assert checked >= 3
 
 
-def test_gather_floor_leaves_moe_and_unsharded_plans_alone() -> None:
-    """No bound where the tiers play MoE chains' whole gathers, nor where nothing shards the parameters."""
+def test_gather_floor_bounds_moe_plans_and_leaves_unsharded_plans_alone() -> None:
+    """MoE plans, an MoE chain's whole gathers (expert parallelism) and blocks (none) alike: the gather floor never
+    above the estimate nor the DES; no bound where nothing shards the parameters."""
     topology = load_topology("dgx-h100-x4")
-    moe = next(p for p in candidates(preset_plan("mixtral-8x7b", 64), 32, SearchSpace(zero=(3,), experts=(4,)))
-               if p.zero == 3)
-    assert gather_floor(moe, topology) == 0.0 and step_floor(moe, topology) is None
+    plans = [p for p in candidates(preset_plan("deepseek-moe-16b", 64), 32, SearchSpace(zero=(3,), microbatches=(2,),
+                                                                                        remat=("full",)))
+             if p.mesh.context == 1 and p.mesh.stage <= 2]
+    random.Random(3).shuffle(plans)
+    experts = set()
+    for plan in plans[:14]:
+        gathers = gather_floor(plan, topology)
+        if not gathers:  # nothing shards the parameters (data 1)
+            continue
+        assert gathers <= estimate(plan, topology).step_time_s and step_floor(plan, topology) > 0
+        if (plan.mesh.expert > 1) not in experts:  # the DES once each
+            assert gathers <= simulate(plan, topology).report.step_time_s
+        experts.add(plan.mesh.expert > 1)
+    assert experts == {False, True}
     dense = next(p for p in candidates(preset_plan("gpt-1.3b"), 32, SearchSpace(zero=(1,)))
                  if p.mesh.fsdp == 1)
     assert gather_floor(dense, topology) == 0.0

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from testbed.errors import InputError
 from testbed.output import CommandResult, output_target, write_atomic
+from testbed.plan.runtime import runner_refusal
 from testbed.plan.spec import Plan
 from testbed.text import markup, shown
 from testbed.units import format_bytes, format_time
@@ -188,7 +189,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
             "objective": args.objective, "enumerated": result.enumerated, "pruned_memory": result.pruned_memory,
             "pruned_bound": result.pruned_bound, "estimated": result.estimated, "replayed": result.replayed, "analytic_s": result.analytic_s,
             "replay_s": result.replay_s, "plans_per_minute": result.plans_per_minute,
-            "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out}
+            "baseline_step_time_s": baseline, "ranked": rows, "best_plan": plan_to_dict(written), "out": args.out,
+            "runner_refuses": runner_refusal(best.plan)}
 
     def render(console) -> None:
         console.print(f"[bold]{markup(plan.name)}[/bold] on [bold]{markup(topology.name)}[/bold] "
@@ -201,6 +203,8 @@ def _execute(args: argparse.Namespace) -> CommandResult:
         if baseline:
             console.print(f"the plan as written: {format_time(baseline)} per step; best: "
                           f"{format_time(best.step_time_s)} ({baseline / best.step_time_s:.2f}x faster)")
+        if data["runner_refuses"]:
+            console.print(f"note: `testbed run` refuses the best plan: {markup(data['runner_refuses'])}")
         for f in files:
             console.print(f"wrote {markup(f)}")
 

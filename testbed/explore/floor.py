@@ -15,14 +15,17 @@ from testbed.collectives.bounds import max_injection_bandwidth
 from testbed.collectives.routed import topology_memo
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, scaled
+from testbed.model.layout import chunk_layers
+from testbed.model.moe import dispatch_bytes, moe_layers, sequence_dispatch
 from testbed.model.spans import action_spans, scaled_spans
 from testbed.pipeline.schedules import Schedule, build_schedule, peak_inflight, splits_backward
-from testbed.plan.sharding import gathers_parameters
+from testbed.plan.sharding import gathers_parameters, state_sharding
+from testbed.model.memory import state_bytes_per_param
 from testbed.plan.stages import chunk_counts
-from testbed.plan.spec import Plan
+from testbed.plan.spec import Plan, Remat
 from testbed.sim.action_work import action_work
 from testbed.sim.compute import compute_seconds
-from testbed.sim.facts import BUCKETS, cached_chunk_cost, cached_chunk_gemms, cached_order
+from testbed.sim.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
 __all__ = ["step_floor", "played_floor", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
@@ -31,7 +34,7 @@ __all__ = ["step_floor", "played_floor", "cached_step_floor", "cached_played_flo
 
 def step_floor(plan: Plan, topology: Topology) -> float | None:
     """A lower bound of :func:`estimate`'s step seconds from compute and tensor collectives, at a few stages' cost; None where
-    the plan's actions are not plain compute (context or expert parallelism) or the host is shared.
+    the plan's actions are not plain compute (context parallelism's ring) or the host is shared.
 
     :func:`estimate` plays every action on its stage's one stream for at least its compute seconds and its
     blocking tensor collectives' (:func:`_tensor_floor`: a bandwidth bound of them), in the
@@ -40,7 +43,9 @@ def step_floor(plan: Plan, topology: Topology) -> float | None:
     last stage's whole forward and backward, and the last microbatch's backward back through the others
     (weight gradients of split backwards left out of (b): they need not be on that path). Compute as the
     estimate prices it; the gradient-bucket split of the last backward is taken at the cheaper of its two
-    prices. Stages alike in layers, embedding and head are priced once. The search drops a plan whose floor
+    prices; an MoE chain's (expert parallelism) bounded by the action as one kernel and its all-to-alls' bound; each
+    microbatch's add into the gradient accumulator after its last backward, as the estimate prices it. Stages
+    alike in their layers' kinds, embedding and head are priced once. The search drops a plan whose floor
     exceeds the estimates it would have to beat to be replayed, without changing what it replays.
     """
     return cached_step_floor(floor_key(plan), lambda: plan, topology)
@@ -64,14 +69,16 @@ def group_floor_key(plan: Plan) -> tuple:
     mesh = plan.mesh
     return (plan.model, mesh.tensor, mesh.stage, mesh.context, mesh.expert, mesh.expert_tensor,
             plan.schedule.virtual_stages, _splits_backward(plan), plan.precision, plan.layers_per_stage,
-            plan.expert_imbalance, plan.runtime.moe_padded_dropless, gathers_parameters(plan, "B"))
+            plan.expert_imbalance, plan.runtime.moe_padded_dropless, gathers_parameters(plan, "B"),
+            state_sharding(plan).ways(plan, "grads"))
 
 
 def floor_key(plan: Plan) -> tuple:
     """What :func:`step_floor` reads of ``plan``: its chunks' costs and GEMMs (testbed.sim.memo's keys: the mesh's
     tensor, stage, context and expert degrees, not its data and fsdp degrees nor its order), the microbatches and
-    their size, and of the ZeRO stage and fsdp degree only whether the backward gathers the parameters again
-    (``state_sharding``, which the runtime's searched knobs leave alone), of the schedule's name only whether it
+    their size, and of the ZeRO stage and the data and fsdp degrees only whether the backward gathers the
+    parameters again and the ways the gradients are sharded (the add into the accumulator's bytes;
+    ``state_sharding``, which the runtime's searched knobs leave alone), of the schedule's name only whether it
     splits the backward. Plans alike in those share one floor."""
     return (*group_floor_key(plan), plan.batch.microbatches, plan.microbatch_size, plan.remat,
             plan.sequence_parallel, plan.runtime)
@@ -153,64 +160,127 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
     blocking tensor collectives', :func:`_tensor_floor`); None where no floor applies (:func:`step_floor`).
     Stages alike in layers, embedding and head share one dict."""
     mesh, v = plan.mesh, plan.schedule.virtual_stages
-    if mesh.context > 1 or plan.model.experts or topology.calibration.host is not None:
+    if mesh.context > 1 or topology.calibration.host is not None:
         return None
     p, dtype = mesh.stage, plan.precision.compute_dtype
     split = _splits_backward(plan)
     kinds = ("F", "B", "W") if split else ("F", "B")
     priced: dict[tuple, dict[tuple[int, str], float]] = {}
-    chunks: dict[tuple, dict[str, float]] = {}  # a dense chunk's floors: by its layer count and the ends it holds
+    memo = topology_memo(topology).setdefault("chunk_floors", {})
+    shared = _chunk_key(plan, split, dtype)
+    moe = _moe_chunks(plan.model, p, v, plan.stage_layers) if plan.model.experts else None
     per = chunk_counts(plan.stage_layers, v)
+    accumulates = accumulate_bytes(plan, 1, 1.0) > 0  # each microbatch adds into the accumulator: by chunk params
+    added: dict[int, float] = {}
     out = []
     for s in range(p):
-        key = (plan.stage_layers[s], s == 0, s == p - 1)
+        key = (plan.stage_layers[s], s == 0, s == p - 1) if moe is None else moe[s]
         if key not in priced:
             seconds = {}
             for c in range(v):
-                # A dense model's layers are alike, so a chunk's cost and GEMMs (testbed.model.costs.chunk_cost:
-                # its layer count, embedding and head) are those of any chunk alike in them: priced once.
-                alike = (per[s][c], (s, c) == (0, 0), (s, c) == (p - 1, v - 1))
-                if alike not in chunks:
+                # A chunk's cost and GEMMs (testbed.model.costs.chunk_cost) follow its layers' kinds (a dense model's:
+                # its layer count) and the embedding and head it holds (testbed.sim.facts.alike_key) beside what
+                # :func:`_chunk_key` holds: priced once per topology, whichever plan, stage and chunk holds it.
+                alike = (shared, per[s][c], (s, c) == (0, 0), (s, c) == (p - 1, v - 1)) if moe is None else \
+                    (shared, *moe[s][c])
+                hit = memo.get(alike)
+                if hit is None:
                     cost, gemms = cached_chunk_cost(plan, s, c), cached_chunk_gemms(plan, s, c)
-                    chunks[alike] = {}
+                    n_moe = 0 if moe is None else moe[s][c][-1]
+                    hit = {}
                     for kind in kinds:
-                        whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype)
-                        chunks[alike][kind] = whole + _tensor_floor(plan, topology, tensor)
-                seconds.update({(c, kind): x for kind, x in chunks[alike].items()})
+                        whole, tensor = _action_floor(topology, plan, cost, gemms, kind, split, dtype, n_moe)
+                        hit[kind] = whole + _tensor_floor(plan, topology, tensor)
+                    if len(memo) > 100_000:
+                        memo.clear()
+                    memo[alike] = hit = (hit, cost.params)
+                seconds.update({(c, kind): x for kind, x in hit[0].items()})
+                if accumulates:
+                    if hit[1] not in added:
+                        added[hit[1]] = _accumulate_floor(plan, topology, hit[1])
+                    seconds[(c, kinds[-1])] += added[hit[1]]
             priced[key] = seconds
         out.append(priced[key])
     return out
 
 
+def _accumulate_floor(plan: Plan, topology: Topology, params: int) -> float:
+    """Seconds of the add of a microbatch's gradients of a chunk of ``params`` into the accumulator after its last
+    backward (testbed.sim.grad_bytes.accumulate_bytes, priced as the estimate prices it: a memory pass of its own;
+    0 where there is none)."""
+    nbytes = accumulate_bytes(plan, params, state_bytes_per_param(plan)[1])
+    return compute_seconds(topology, plan.precision.compute_dtype, 0.0, nbytes) if nbytes > 0 else 0.0
+
+
+def _chunk_key(plan: Plan, split: bool, dtype: str) -> tuple:
+    """What a chunk's action floors read of ``plan`` beside its layers and ends: what its cost and GEMMs read
+    (testbed.sim.memo's keys, but for the stage split and the chunk's place), the backward's split, the dtype,
+    and what the spans and tensor floor read (``runtime.tp_comm_overlap``, whether the backward gathers the
+    parameters again); an MoE chain's ``runtime.moe_sequence_dispatch``."""
+    mesh, rt = plan.mesh, plan.runtime
+    return (plan.model, mesh.tensor, plan.microbatch_size, plan.precision, plan.remat, plan.sequence_parallel,
+            mesh.expert, plan.expert_imbalance, mesh.context, mesh.expert_tensor, rt.recompute, rt.moe_dispatch,
+            rt.attention_kernel, rt.fp8_scaling, rt.fp8_head, rt.moe_padded_dropless, rt.tp_comm_overlap,
+            rt.moe_sequence_dispatch, gathers_parameters(plan, "B"), split, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _moe_chunks(spec, p: int, v: int, stage_layers: tuple[int, ...]) -> tuple[tuple[tuple, ...], ...]:
+    """Per stage, each chunk's kinds of layers (MoE or dense, in order), whether it holds the embedding and the head
+    (testbed.sim.facts.alike_key's rule) and its MoE layers' count, of an MoE model split so (memoized: plans alike
+    in the split share it)."""
+    spans = chunk_layers(spec, p, v, stage_layers)
+    return tuple(tuple((tuple(map(spec.is_moe_layer, spans[s][c])), (s, c) == (0, 0), (s, c) == (p - 1, v - 1),
+                        moe_layers(spec, spans[s][c])) for c in range(v)) for s in range(p))
+
+
 def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkGemms, kind: str, split: bool,
-                  dtype: str) -> tuple[float, tuple[tuple[str, int, int], ...]]:
-    """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``: its
-    compute as the estimate prices it, a microbatch's last backward at the cheaper of whole and split into gradient
-    buckets. Memoized per topology on the chunk's (memoized, testbed.sim.memo) cost and GEMMs: plans that differ in
-    ZeRO, schedule or data degree share them; their spans between tensor collectives (testbed.model.spans) also
-    follow ``runtime.tp_comm_overlap`` and whether the backward gathers the parameters again (the loss's gradient a
-    span of its own), which the chunk's cost does not, so the key holds both."""
+                  dtype: str, n_moe: int = 0) -> tuple[float, tuple[tuple[str, int, int], ...]]:
+    """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``
+    holding ``n_moe`` MoE layers: its compute as the estimate prices it, a microbatch's last backward at the cheaper
+    of whole and split into gradient buckets. An MoE chain's (expert parallelism: testbed.sim.moe), which the
+    estimate prices as the sum of its compute pieces' (the action's work and GEMMs split among them) and its exposed
+    all-to-alls, is bounded by the whole action as one kernel (its GEMMs' seconds are the pieces' summed, or, priced
+    by FLOPs, at an efficiency no piece's exceeds: one kernel's is the highest; its memory pass no longer than
+    theirs, its one launch no more than their several) and :func:`_all_to_all_floor`."""
     remat = plan.remat
-    memo = topology_memo(topology).setdefault("step_floor", {})
-    key = (id(cost), id(gemms), kind, split, remat, dtype, plan.runtime.tp_comm_overlap, gathers_parameters(plan, "B"))
-    hit = memo.get(key)
-    if hit is not None and hit[0] is cost and hit[1] is gemms:  # the very objects (ids are reused once freed)
-        return hit[2]
     kernels = max(1, 4 * cost.layers)
     # the loss's maximum at its fewest bytes (the logits' dtype, as a compiler reducing natively moves it): a bound
     flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat, float(plan.precision.compute_bytes))
     shapes = gemms.action(kind, split)
-    spans = action_spans(plan, cost, kind, split)  # no MoE here (step_floor: None)
+    if n_moe and plan.mesh.expert > 1 and kind != "W":  # an MoE chain (testbed.sim.moe.moe_pieces): a bound of it
+        whole = compute_seconds(topology, dtype, flops, hbm, 1, rep_b, split_b, cost.tensor_bytes, shapes)
+        return whole + _all_to_all_floor(plan, topology, n_moe, kind), tensor
+    spans = action_spans(plan, cost, kind, split, n_moe)
     whole = compute_seconds(topology, dtype, flops, hbm, kernels, rep_b, split_b, cost.tensor_bytes, shapes, spans)
     pieces = min(BUCKETS, max(1, cost.layers))
     if kind == ("W" if split else "B") and pieces > 1:
         whole = min(whole, pieces * compute_seconds(
             topology, dtype, flops / pieces, hbm / pieces, max(1, kernels // pieces), rep_b / pieces,
             split_b / pieces, cost.tensor_bytes, scaled(shapes, 1 / pieces), scaled_spans(spans, 1 / pieces)))
-    if len(memo) > 100_000:
-        memo.clear()
-    memo[key] = (cost, gemms, (whole, tensor))
     return whole, tensor
+
+
+def _all_to_all_floor(plan: Plan, topology: Topology, n_moe: int, kind: str) -> float:
+    """A lower bound of the seconds an F or B action's MoE chain blocks for its all-to-alls (the estimate's
+    ``_exposed_all_to_all``): without shared experts, whose compute runs beside them, each layer's dispatch and
+    combine (twice under full remat's backward) whole, each rank of a group of ``e`` sending at least ``(e - 1) / e``
+    of the buffer (testbed.collectives.bounds) at the topology's largest injection bandwidth; 0 with shared
+    experts."""
+    e = plan.mesh.expert
+    if plan.model.shared_experts:
+        return 0.0
+    nbytes = dispatch_bytes(plan) / (plan.mesh.tensor if sequence_dispatch(plan) else 1)
+    count = 2 if plan.remat is Remat.FULL and kind == "B" else 1
+    return n_moe * 2 * count * nbytes * (e - 1) / e / _max_injection(topology)
+
+
+def _max_injection(topology: Topology) -> float:
+    """The topology's largest injection bandwidth (testbed.collectives.bounds), once per topology."""
+    memo = topology_memo(topology)
+    if "max_injection_bandwidth" not in memo:  # a pass over every device: once per topology
+        memo["max_injection_bandwidth"] = max_injection_bandwidth(topology)
+    return memo["max_injection_bandwidth"]
 
 
 def _tensor_floor(plan: Plan, topology: Topology, transfers: tuple[tuple[str, int, int], ...]) -> float:
@@ -222,10 +292,7 @@ def _tensor_floor(plan: Plan, topology: Topology, transfers: tuple[tuple[str, in
     if t == 1 or not transfers or plan.runtime.tp_comm_overlap:
         return 0.0
     moved = sum(count * nbytes for _, count, nbytes in transfers) * (t - 1) / t
-    memo = topology_memo(topology)
-    if "max_injection_bandwidth" not in memo:  # a pass over every device: once per topology
-        memo["max_injection_bandwidth"] = max_injection_bandwidth(topology)
-    return moved / memo["max_injection_bandwidth"]
+    return moved / _max_injection(topology)
 
 
 def _splits_backward(plan: Plan) -> bool:

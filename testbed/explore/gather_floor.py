@@ -12,9 +12,10 @@ the sum of its actions' gather seconds: ``microbatches`` times each chunk's forw
 (tests/test_gather_floor.py checks both tiers on sampled plans). A chunk's blocks follow whether the embedding
 and the head are blocks of their own (testbed.sim.facts: ``runtime.fsdp_edge_blocks`` where no action overlaps or
 chains); where they may be, the cheaper of both splits is taken. The first, middle and last stages are summed (the
-slowest of them bounds the slowest of all), chunks alike in layers, embedding and head priced once. Only plans
-testbed.explore.floor bounds (no context or expert parallelism, no shared host) are bounded here; MoE chains'
-whole gathers are not counted.
+slowest of them bounds the slowest of all), chunks alike in their layers' kinds, embedding and head priced once.
+An MoE chain's actions (expert parallelism: testbed.sim.moe) gather their chunk whole, one block of all its
+collectives, as both tiers play them. Only plans testbed.explore.floor bounds (no context parallelism, no shared
+host) are bounded here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from testbed.collectives.routed import topology_memo
 from testbed.explore.stage_collectives import StageCollectives
 from testbed.model.blocks import block_gathers, own_blocks
 from testbed.model.leaves import combine_limit, moved_elements, parameter_collectives, regathered
+from testbed.model.layout import chunk_layers
 from testbed.model.memory import state_bytes_per_param
+from testbed.model.moe import moe_layers
 from testbed.plan.placement import place
 from testbed.plan.sharding import gathers_parameters, state_sharding
 from testbed.plan.spec import Plan
@@ -37,7 +40,7 @@ __all__ = ["gather_floor", "gather_seconds_per_microbatch", "gather_key"]
 
 def gather_floor(plan: Plan, topology: Topology) -> float:
     """A lower bound of both tiers' step seconds from ``plan``'s parameter gathers (module docstring); 0 where
-    nothing shards the parameters or it is not bounded (an MoE model, context parallelism, a shared host)."""
+    nothing shards the parameters or it is not bounded (context parallelism, a shared host)."""
     return plan.batch.microbatches * gather_seconds_per_microbatch(plan, topology)
 
 
@@ -64,34 +67,42 @@ def gather_seconds_per_microbatch(plan: Plan, topology: Topology) -> float:
 def _per_microbatch(plan: Plan, topology: Topology) -> float:
     """:func:`gather_seconds_per_microbatch`, not memoized."""
     sharding = state_sharding(plan)
-    if (not gathers_parameters(plan, "F") or sharding.ways(plan, "params") < 2 or plan.model.experts
+    if (not gathers_parameters(plan, "F") or sharding.ways(plan, "params") < 2
             or plan.mesh.context > 1 or topology.calibration.host is not None):
         return 0.0
     param_b = state_bytes_per_param(plan)[0]
     combine = combine_limit(topology.calibration.collectives.combine_bytes, plan.runtime.gather_combine_bytes)
     coll = StageCollectives(topology, place(plan, topology).device_ids)
-    axes, priced, sizes, p = sharding.params, {}, {}, plan.mesh.stage
+    axes, priced, sizes, p, v = sharding.params, {}, {}, plan.mesh.stage, plan.schedule.virtual_stages
+    spans = chunk_layers(plan.model, p, v, plan.stage_layers) if plan.model.experts else None
     worst = 0.0
     for s in sorted({0, p // 2, p - 1}):  # a few stages (the ends, which hold the embedding and head): a bound
         total = 0.0
-        for c in range(plan.schedule.virtual_stages):
+        for c in range(v):
             cost = cached_chunk_cost(plan, s, c)
-            alike = (cost.layers, cost.has_embedding, cost.has_head)  # a dense chunk's gathers follow these alone
+            # a chunk's gathers follow its layers' kinds (a dense model's: their count), embedding and head alone
+            kinds = cost.layers if spans is None else tuple(map(plan.model.is_moe_layer, spans[s][c]))
+            alike = (kinds, cost.has_embedding, cost.has_head)
             if alike not in sizes:
-                sizes[alike] = _chunk_sizes(plan, s, c, combine, param_b, cost)
+                chained = spans is not None and plan.mesh.expert > 1 and moe_layers(plan.model, spans[s][c]) > 0
+                sizes[alike] = _chunk_sizes(plan, s, c, combine, param_b, cost, chained)
             total += min((sum(_block_seconds(coll, axes, s, kind, priced) for kind in split) for split in sizes[alike]),
                          default=0.0)
         worst = max(worst, total)
     return worst
 
 
-def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cost) -> list[tuple]:
+def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cost, chained: bool) -> list[tuple]:
     """Per way the chunk's blocks may be split, each gathering action's block gathers' bytes
-    (testbed.model.blocks.block_gathers); empty when the chunk gathers nothing."""
+    (testbed.model.blocks.block_gathers; ``chained``: its F and B actions are MoE chains, testbed.sim.moe, which
+    gather the chunk whole); empty when the chunk gathers nothing."""
     leaves = parameter_collectives(plan, s, c, combine, param_b)
     if not leaves:
         return []
     moved = moved_elements(plan, s, c, "params")
+    if chained:  # an MoE chain's actions gather whole: one block of the chunk's collectives, as the tiers price it
+        whole = ((moved * param_b / leaves,) * leaves,)
+        return [tuple(whole for kind in ("F", "B") if gathers_parameters(plan, kind))]
     elements = {"F": moved, "B": regathered(plan, s, c, moved, leaves, combine, param_b)[0]}
     splits = {max(1, cost.layers)}
     if plan.runtime.fsdp_edge_blocks and (cost.has_embedding or cost.has_head) and cost.layers >= 1:

@@ -83,6 +83,8 @@ class Play:
         else:
             for step in action_steps(self.facts):
                 self.action(step)
+        if self.facts.tied_bytes:
+            self._tied()
         step = 0.0
         for s in range(self.facts.stages):
             step = max(step, self.update(s), self.host)
@@ -358,13 +360,28 @@ class Play:
             out = tuple((t + _later(t, played.dones, again.dones), x, f) for t, x, f in releases)
         return sum(longer) - total, again.ends[-1] - first - sum(longer), out
 
+    def _tied(self) -> None:
+        """The tied token table's gradient summed between the first and last stage (StepFacts.tied_bytes): once both
+        stages' kept reductions (played here, :meth:`_kept`) and backward are done; both updates wait for it."""
+        ends = (0, self.facts.stages - 1)
+        for s in ends:
+            self._kept(s)
+        start = max(max(self.free[s], self.grad[s], self.launch, self.early[s]) for s in ends)
+        for s in ends:
+            self.grad[s] = start + self.step.tied_s
+
+    def _kept(self, s: int) -> None:
+        """Stage ``s``'s kept reductions, the replicas' one sum after the backward (once: they are then done)."""
+        if self.once[s]:  # the replicas meet first (a shared host's stragglers)
+            skewed = self.step.skewed
+            self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.once[s] + (
+                skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
+            self.carry[s], self.once[s] = 0.0, 0.0
+
     def update(self, s: int) -> float:
         """Plays stage ``s``'s gradient tail, optimizer and (ZeRO-1/2) re-gather; returns when the stage is done."""
         step, skewed, update, controller = self.step, self.step.skewed, self.facts.updates[s], self.step.controller
-        if self.once[s]:  # the replicas meet first (a shared host's stragglers)
-            self.grad[s] = max(self.grad[s], self.free[s], self.launch) + self.once[s] + (
-                skewed.barrier_wait(self.once_group[s], self.carry[s]) if skewed else 0.0)
-            self.carry[s] = 0.0
+        self._kept(s)
         ready = max(self.free[s], self.grad[s], self.launch, self.early[s])
         if controller is not None and (dispatch := update_dispatch(self.facts, s)):
             self.host += dispatch_seconds(controller, *dispatch)

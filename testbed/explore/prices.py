@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from testbed.collectives.timing import send_time
 from testbed.explore.span_times import priced_plays
-from testbed.explore.stage_collectives import StageCollectives, stage_groups
+from testbed.explore.stage_collectives import StageCollectives, stage_groups, tied_seconds
 from testbed.model.gemm import scaled
 from testbed.model.layout import chunk_layers
 from testbed.model.spans import scaled_spans
@@ -95,6 +95,7 @@ class StepPrices:
         reps = facts.representatives  # no ring: each rank its own (what the groups of one say)
         rings = [ring_neighbours(stage_groups(ids, (Axis.CONTEXT,), s), reps[s])[0] if facts.plan.mesh.context > 1
                  else (reps[s], reps[s]) for s in range(p)]
+        self.tied_s = tied_seconds(topology, ids, facts.tied_bytes)
         self.prices: dict[tuple[int, int, str], ActionPrice] = {}
         self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo
         self._reduced: dict[tuple, tuple[float, Syncs]] = {}  # :meth:`_reduce`'s memo

@@ -332,7 +332,7 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
             if not by_time:
                 for plan in group.plans():
                     _estimate_into(tier, plan, topology, memory_cap, rank, None, keep)
-            else:  # no floor (context, expert parallelism, a shared host): estimated first
+            else:  # no floor (context parallelism, a shared host): estimated first
                 shared, replicas = group_floor_key(group.head), group.head.replicas
                 for j, (mb, remat, sp, runtime) in enumerate(group.choices()):
                     key = (*shared, mb, group.head.batch.global_batch // (replicas * mb), remat, sp, runtime)

@@ -12,12 +12,13 @@ stages; times a context degree for long sequences:
 :attr:`SearchSpace.contexts`, and an expert degree for MoE models:
 :attr:`SearchSpace.experts`), the pipeline schedule (interleaved with each listed
 virtual-stage count), the microbatch count, the ZeRO stage and the remat
-mode. :func:`candidates` yields only plans the runner accepts: the
-divisibility rules of :class:`~testbed.plan.spec.Plan` (checked cheaply
-before a Plan is built), no tied embeddings across stages (the pipeline
-runner refuses them), ZeRO only with a data axis to shard over (with data 1
-every stage is the same plan), and a single-stage mesh runs ``1f1b`` only
-(every schedule is the same single program there).
+mode. :func:`candidates` yields the plans the runner accepts (the
+divisibility rules of :class:`~testbed.plan.spec.Plan`, checked cheaply
+before a Plan is built; ZeRO only with a data axis to shard over, with data 1
+every stage being the same plan; a single-stage mesh runs ``1f1b`` only,
+every schedule being the same single program there), and tied embeddings
+across stages, which the simulator prices as Megatron-LM runs them and the
+runner refuses (testbed.plan.runtime.runner_refusal).
 """
 
 from __future__ import annotations
@@ -260,7 +261,8 @@ class CandidateGroup(NamedTuple):
 
 
 def candidates(base: Plan, devices: int, space: SearchSpace = SearchSpace()) -> Iterator[Plan]:
-    """Every plan of ``space`` on ``devices`` devices that the runner accepts (module docstring), in a fixed order."""
+    """Every plan of ``space`` on ``devices`` devices (module docstring: those the runner accepts, and tied embeddings
+    across stages), in a fixed order."""
     for group in candidate_groups(base, devices, space):
         yield from group.plans()
 
@@ -277,7 +279,7 @@ def candidate_groups(base: Plan, devices: int, space: SearchSpace = SearchSpace(
     for context, expert, data, fsdp, tensor, stage in meshes:
         replicas = data * fsdp * expert  # the expert axis splits the batch in the dense parts
         if (m.heads % tensor or m.d_ff % tensor or m.vocab % tensor or m.layers < stage
-                or base.batch.global_batch % replicas or (stage > 1 and m.tied_embeddings)):
+                or base.batch.global_batch % replicas):
             continue
         folds = _expert_tensor(base, space, tensor, expert)
         split = near_even(m.layers, stage)  # None: the even split; else uneven, the ends lighter

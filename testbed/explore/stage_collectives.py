@@ -9,7 +9,7 @@ from testbed.collectives.timing import groups_time, timed_groups
 from testbed.plan.spec import MESH_AXES, Axis
 from testbed.topology import Topology
 
-__all__ = ["StageCollectives", "stage_groups"]
+__all__ = ["StageCollectives", "stage_groups", "tied_seconds"]
 
 
 def stage_groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], ...]:
@@ -59,3 +59,12 @@ class StageCollectives:
                 memo.clear()
             memo[(self.placement, axes, stage, op, nbytes)] = seconds
         return seconds
+
+
+def tied_seconds(topology: Topology, ids, nbytes: float) -> float:
+    """Seconds of the tied token table's gradient sum (testbed.sim.facts.StepFacts.tied_bytes: ``nbytes`` per device)
+    over every pair of a first-stage device and its last-stage peer at once (0 where there is none)."""
+    if nbytes <= 0 or ids.shape[0] < 2:
+        return 0.0
+    pairs = tuple(zip(ids[0].ravel().tolist(), ids[-1].ravel().tolist()))  # the representatives' pair first
+    return groups_time(topology, "all_reduce", timed_groups(topology, pairs), nbytes).time_s

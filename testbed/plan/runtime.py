@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from testbed.errors import InputError
 from testbed.fields import check_keys, expect_mapping, get_str
 from testbed.plan.runtime_sources import SOURCES
 
+if TYPE_CHECKING:
+    from testbed.plan.spec import Plan
+
 __all__ = ["RuntimeSpec", "PROFILES", "SOURCES", "RECOMPUTE", "GRAD_REDUCE_DTYPES", "MOE_DISPATCH", "ATTENTION_KERNELS",
-           "FP8_SCALINGS", "FRAMEWORKS", "STATE_DTYPES", "XLA_COMBINE_BYTES", "PYTORCH_PROGRAM", "runner_differences", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
+           "FP8_SCALINGS", "FRAMEWORKS", "STATE_DTYPES", "XLA_COMBINE_BYTES", "PYTORCH_PROGRAM", "runner_differences", "runner_refusal", "runtime_from_dict", "runtime_to_dict", "runtime_fields"]
 
 #: XLA's default all-gather and reduce-scatter combine thresholds (xla/service/collective_utils.h:
 #: ``kDefaultAllGatherCombineThreshold``, ``kDefaultReduceScatterCombineThreshold``, ``30 * 1024 * 1024 + 7`` bytes).
@@ -262,6 +265,18 @@ def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
     return tuple(f.name for f in fields(RuntimeSpec)
                  if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name)
                  and getattr(spec, f.name) not in executed.get(f.name, ()))
+
+
+def runner_refusal(plan: Plan) -> str | None:
+    """Why the runner refuses ``plan``, which the simulator prices, or None: tied embeddings across pipeline stages
+    (priced as Megatron-LM runs them, testbed.sim.grad_bytes.tied_copy_bytes; the runner's pipeline keeps no copy of
+    the token table on the last stage). The runner's pipeline trainer refuses with this message; the search says it
+    of a best plan it finds so."""
+    if plan.model.tied_embeddings and plan.mesh.stage > 1:
+        return ("tied embeddings across pipeline stages are not supported by the runner yet (the simulator prices "
+                "them as Megatron-LM runs them: a copy of the token table on the last stage, its gradient all-reduced "
+                "with the first stage's each step); set model.tied_embeddings false or mesh.stage 1")
+    return None
 
 
 def runtime_fields() -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from testbed.plan.sharding import gathers_parameters, gradient_reduction, state_
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ChunkFacts, action_sends, chunk_facts
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
-                                     gradient_buckets, reduce_bytes)
+                                     gradient_buckets, reduce_bytes, tied_copy_bytes)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
 
@@ -73,6 +73,9 @@ class StepFacts:
     combine_bytes: float
     chunks: tuple[tuple[ChunkFacts, ...], ...]
     updates: tuple[StageUpdate, ...]
+    #: Bytes per device of the tied token table's gradient all-reduced between the first and the last stage before
+    #: their updates (testbed.sim.grad_bytes.tied_copy_bytes; 0: none).
+    tied_bytes: float = 0.0
 
     @property
     def stages(self) -> int:
@@ -191,7 +194,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                      representatives=tuple(int(device_ids[s].flat[0]) for s in range(p)),
                      param_bytes=param_b, grad_bytes=grad_b, params_axes=sharding.params,
                      params_ways=sharding.ways(plan, "params"), optimizer_ways=o_ways, per_microbatch=per_microbatch,
-                     reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates)
+                     reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates,
+                     tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)))
 
 
 def alike_key(plan: Plan, stages: int, virtual: int, s: int, c: int, span: range) -> tuple:

@@ -20,7 +20,7 @@ from testbed.plan.spec import Plan
 __all__ = ["BUCKETS", "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "reduce_bytes", "reduced_bytes",
            "summed_after_the_loop", "summed_each_microbatch", "sequence_replicated", "sequence_apart", "sequence_reduced",
            "summed_in_the_step", "token_table_last", "without_embedding_gathers", "gradient_buckets",
-           "accumulate_bytes", "accumulated_in_the_backward", "accumulated_bytes", "in_last_span"]
+           "accumulate_bytes", "accumulated_in_the_backward", "accumulated_bytes", "in_last_span", "tied_copy_bytes"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -35,6 +35,17 @@ FP32_ACCUMULATE_BYTES = 2 + 4 + 4 + 4 + 4
 def reduce_bytes(plan: Plan, grad_bytes: float) -> float:
     """Bytes per gradient value as they are reduced (``runtime.grad_reduce_dtype``: their own, or fp32's 4)."""
     return 4.0 if plan.runtime.grad_reduce_dtype == "fp32" else float(grad_bytes)
+
+
+def tied_copy_bytes(plan: Plan, reduce_b: float) -> float:
+    """Bytes per device of the tied token table's gradient summed between the first stage's table and the last
+    stage's copy each step, after the replicas' sums and before the optimizer (Megatron-LM
+    ``finalize_model_grads._allreduce_embedding_grads``: an all-reduce over the ``embd_group`` of each pipeline's
+    first and last rank); ``reduce_b`` per value, of the table's share a device holds (its tensor split, and the
+    gradient's sharding where it is sharded). 0 without tied embeddings across stages."""
+    if not plan.model.tied_embeddings or plan.mesh.stage == 1:
+        return 0.0
+    return tied_table(plan.model).device_elements(plan.mesh.tensor, state_sharding(plan).ways(plan, "grads")) * reduce_b
 
 
 def reduced_bytes(plan: Plan, s: int, c: int, moved: int, reduce_b: float, which: str, native: bool = False) -> float:

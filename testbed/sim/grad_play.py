@@ -94,7 +94,7 @@ class GradPlay:
                             special, label, leaves, tail, select=False if sequence_apart(self.facts) else None,
                             loss=loss)
 
-    def _reduce_kept(self, s: int) -> None:
+    def reduce_kept(self, s: int) -> None:
         """The replicas' one reduction of the buckets kept for stage ``s``'s update, after its last action (the loss's
         sum merged into the first: testbed.plan.sharding.loss_merged)."""
         for k, bucket_of in enumerate(self.once[s]):

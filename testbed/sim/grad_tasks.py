@@ -42,7 +42,7 @@ from __future__ import annotations
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.tasks import Builder, TaskKind, axis_groups_cached, rep_group
 
-__all__ = ["reduce_tasks", "after_tensor"]
+__all__ = ["reduce_tasks", "after_tensor", "tied_task"]
 
 
 def allreduce_count(reductions: tuple, leaves: float, size: float, nbytes: float, experts: float = 0.0,
@@ -118,3 +118,18 @@ def after_tensor(plan: Plan, own_blocks: bool, blocking_tensor: bool, pieces: in
     if not own_blocks or not blocking_tensor or plan.mesh.tensor <= 1 or plan.runtime.tp_comm_overlap:
         return pieces
     return pieces - 1
+
+
+
+def tied_task(b: Builder, nbytes: float, reps: tuple[int, ...], previous: dict[int, int],
+              reduce_tasks: dict[int, list[int]], pairs: tuple[tuple[int, int], ...]) -> None:
+    """The tied token table's gradient summed between the first stage's table and the last stage's copy
+    (testbed.sim.grad_bytes.tied_copy_bytes: ``nbytes``) once both stages' last actions (``previous``) and
+    reductions are done: one all-reduce over each of ``pairs`` (a first-stage device and its last-stage peer), on
+    the grad stream; both stages' updates wait for it (it joins their ``reduce_tasks``)."""
+    ends = (0, len(reps) - 1)
+    deps = {previous[s] for s in ends} | {t for s in ends for t in reduce_tasks[s]}
+    task = b.add(name="all_reduce tied embedding", device=reps[0], stream="grad", kind=TaskKind.COLLECTIVE,
+                 deps=tuple(sorted(deps)), op="all_reduce", nbytes=nbytes, group=(reps[0], reps[-1]), instances=pairs)
+    for s in ends:
+        reduce_tasks[s].append(task)

@@ -82,6 +82,7 @@ from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
 from testbed.sim.grad_play import GradBucket, GradPlay, grad_bucket
+from testbed.sim.grad_tasks import tied_task
 from testbed.sim.span_play import BlockWork, SpanPlay
 from testbed.sim.step_rules import (ActionStep, Dispatch, GatherMode, action_dispatch, action_steps,
                                     first_tail_bucket, gather_after, runs_serially, step_dispatch,
@@ -125,8 +126,13 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
     graph = _Graph(facts, placement, controller)
     for step in action_steps(facts):
         graph.action(step)
+    ends = (0, facts.stages - 1) if facts.tied_bytes else ()
+    for s in ends:  # the tied table's sum (testbed.sim.grad_tasks.tied_task) waits for both ends' kept reductions
+        graph.reduce_kept(s)
+    if ends:
+        tied_task(graph.b, facts.tied_bytes, graph.reps, graph.previous, graph.reduce_tasks, graph.stage_pairs(*ends))
     for s in range(facts.stages):
-        graph.update(s)
+        graph.update(s, kept=s not in ends)
     if runs_serially(serial, facts.stages, placement.device_ids[0].size):
         graph.b.serialize(graph.programs)
     return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
@@ -153,7 +159,7 @@ class _Graph(SpanPlay, GradPlay):
         self.groups: dict = {"placement": placement}  # gradient reduction groups by axes, memoized (_reduce)
         self.done: dict[tuple, int] = {}  # (stage, kind, microbatch, chunk) -> the action's last task
         self.sent: dict[tuple, int] = {}  # (that key, dst stage) -> its send task
-        self.pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # _stage_pairs, memoized
+        self.pairs: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # stage_pairs, memoized
         self.reduce_tasks: dict[int, list[int]] = {s: [] for s in range(p)}
         self.once: dict[int, list[GradBucket]] = {s: [] for s in range(p)}  # buckets reduced after the backward
         self.previous: dict[int, int] = {}  # stage -> last task of its previous action (tensor collectives block)
@@ -173,7 +179,7 @@ class _Graph(SpanPlay, GradPlay):
         if controller and (dispatch := step_dispatch(facts)):
             self.previous[0] = self._dispatch("dispatch step", dispatch)
 
-    def _stage_pairs(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
+    def stage_pairs(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
         """Sender/receiver pairs between two stages: the same (data, fsdp, tensor) coordinate (made for the stage
         pairs that send, when they first do)."""
         pairs = self.pairs.get((a, b))
@@ -421,7 +427,7 @@ class _Graph(SpanPlay, GradPlay):
         ways, rep = self.facts.scatter_sends, self.reps[dst]
         send = self.last_send = self.b.add(
             name=f"send {label}->{dst}", device=self.reps[s], stream="pipe", kind=TaskKind.SEND, deps=(last,),
-            nbytes=nbytes / ways, group=(self.reps[s], rep), instances=self._stage_pairs(s, dst))
+            nbytes=nbytes / ways, group=(self.reps[s], rep), instances=self.stage_pairs(s, dst))
         if ways == 1:
             return send
         groups = self.tensor[dst]
@@ -430,11 +436,13 @@ class _Graph(SpanPlay, GradPlay):
                           deps=(send,), op="all_gather", nbytes=nbytes, group=rep_group(groups, rep),
                           instances=groups)
 
-    def update(self, s: int) -> None:
-        """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it, the optimizer (compute
-        stream) after every reduction, and with ZeRO-1/2 the updated shards gathered over data (grad stream)."""
+    def update(self, s: int, kept: bool = True) -> None:
+        """Stage ``s``'s update: the replicas' one reduction of the buckets kept for it (unless made already), the
+        optimizer (compute stream) after every reduction, and with ZeRO-1/2 the updated shards gathered over data
+        (grad stream)."""
         b, rep, first, update = self.b, self.reps[s], len(self.b.tasks), self.facts.updates[s]
-        self._reduce_kept(s)
+        if kept:
+            self.reduce_kept(s)
         waits = list(self.reduce_tasks[s])
         if self.controller and (dispatch := update_dispatch(self.facts, s)):
             waits.append(self._dispatch(f"dispatch optimizer@{s}", dispatch))

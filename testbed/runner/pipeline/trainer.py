@@ -34,6 +34,7 @@ from testbed.runner.replicas import (Scatter, Spread, per_replica_forward, per_r
 from testbed.runner.ring_attention import context_shards
 from testbed.runner.step import host_tree, place_tree, state_shardings, step_batch
 from testbed.errors import InputError
+from testbed.plan.runtime import runner_refusal
 from testbed.model.layout import Part, chunk_layers, embedding_holder, head_holder, holds
 from testbed.plan.spec import Plan
 from testbed.pipeline.schedules import build_schedule, sends
@@ -93,9 +94,8 @@ class PipelineTrainer:
         from testbed.runner.devices import owns
         from testbed.runner.pipeline.engine import MpmdEngine
 
-        if plan.model.tied_embeddings:
-            raise InputError("tied embeddings across pipeline stages are not supported by the runner; "
-                             "set model.tied_embeddings false or mesh.stage 1", field="model.tied_embeddings")
+        if refused := runner_refusal(plan):
+            raise InputError(refused, field="model.tied_embeddings")
         model.warn_dropout(plan.model)
         self.plan, self.meshes, self.return_grads = plan, stage_meshes, return_grads
         self.optimizer = Optimizer(plan)
