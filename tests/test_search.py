@@ -233,9 +233,10 @@ def test_search_settles_when_the_des_is_slower_than_the_analytic_tier(monkeypatc
     def slow_des(plan, topology):  # every plan of the analytic tier's favourite tensor degree replays 1.6x slower
         est = estimate(plan, topology).step_time_s
         return types.SimpleNamespace(report=types.SimpleNamespace(
-            step_time_s=est * (1.6 if plan.mesh.tensor == first.mesh.tensor else 1.0)))
+            step_time_s=est * (1.6 if plan.mesh.tensor == first.mesh.tensor else 1.0)), timeline=None)
 
     monkeypatch.setattr(search_module, "simulate", slow_des)
+    monkeypatch.setattr(search_module, "exposed_by_kind", lambda timeline: {})  # the stand-in has no timeline
     optimum = min(slow_des(p, topology).report.step_time_s for p in fitting)
     assert optimum > estimate(first, topology).step_time_s  # the stand-in moves the optimum
     found = search(base, topology, space, replay=2, top=2)

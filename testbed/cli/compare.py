@@ -23,9 +23,10 @@ from testbed.cli.compare_render import MEMORY_PARTS, draw_breakdown
 from testbed.errors import InputError, quote
 from testbed.output import CommandResult
 from testbed.plan.spec import Plan
+from testbed.sim.timeline import Report
 from testbed.topology import Topology
 
-__all__ = ["compare", "compare_row", "compare_rows", "draw_breakdown", "plan_variants", "MEMORY_PARTS"]
+__all__ = ["compare", "breakdown_row", "compare_rows", "draw_breakdown", "plan_variants", "MEMORY_PARTS"]
 
 
 
@@ -129,21 +130,19 @@ def _row(variant: Variant, topology: Topology, scale: str | None, named: bool = 
     if scale == "data":
         plan = scale_data(plan, topology.num_devices, f"topology `{topology.name}`")
     sim = simulate_file_plan(plan, topology, variant.source)
-    r = sim.report
-    memory = {k: r.memory.get(k) for k in ("params", "grads", "optimizer", "activations", "workspace", "total",
-                                            "capacity")}
     return {"label": variant.label(named), "plan": plan.name, "varied": dict(variant.varied), "topology": topology.name,
             "devices": topology.num_devices, "data": plan.mesh.data, "global_batch": plan.batch.global_batch,
-            "step_time_s": r.step_time_s, "compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
-            "exposed_by_kind": exposed_by_kind(sim.timeline),
-            "idle_s": max(0.0, r.step_time_s - r.compute_s - r.exposed_comm_s),
+            **breakdown_row(sim.report, exposed_by_kind(sim.timeline))}
+
+
+def breakdown_row(r: Report, exposed: dict[str, float]) -> dict[str, Any]:
+    """A simulated step's time and memory breakdowns as a compared row holds them (``exposed``: by kind)."""
+    memory = {k: r.memory.get(k) for k in ("params", "grads", "optimizer", "activations", "workspace", "total",
+                                            "capacity")}
+    return {"step_time_s": r.step_time_s, "compute_s": r.compute_s, "exposed_comm_s": r.exposed_comm_s,
+            "exposed_by_kind": exposed, "idle_s": max(0.0, r.step_time_s - r.compute_s - r.exposed_comm_s),
             "bubble_fraction": r.bubble_fraction, "mfu": r.mfu, "fits": bool(r.memory.get("fits")),
             "memory_total": r.memory.get("total"), "memory": memory}
-
-
-def compare_row(variant: Variant, topology: Topology) -> dict[str, Any]:
-    """One plan's summary row on ``topology`` as ``compare`` tabulates and draws it."""
-    return _row(variant, topology, None)
 
 
 def compare_rows(plan: Plan, topologies: list[Topology], plan_file: str, scale: str | None = None) -> list[dict]:

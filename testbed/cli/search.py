@@ -212,14 +212,14 @@ def _execute(args: argparse.Namespace) -> CommandResult:
 
 
 def draw_ranked(candidates: list, topology: Topology, path: str, title: str) -> Path:
-    """``--png``: the ranked plans side by side as ``testbed compare`` draws plans (testbed.cli.compare_render), each
-    simulated again for its breakdown and labelled by its rank and layout."""
-    from testbed.cli.compare import Variant, compare_row
+    """``--png``: the ranked plans side by side as ``testbed compare`` draws plans (testbed.cli.compare_render), from
+    their replays' breakdowns, each labelled by its rank and layout."""
+    from testbed.cli.compare import breakdown_row
     from testbed.cli.compare_render import draw_breakdown
 
     rows = []
     for rank, candidate in enumerate(candidates, 1):
-        row = compare_row(Variant(plan=candidate.plan, source="search"), topology)
+        row = breakdown_row(candidate.report, candidate.exposed_by_kind) | {"topology": topology.name}
         summary = candidate.summary()
         schedule = summary["schedule"] + (f"x{summary['virtual_stages']}" if summary["virtual_stages"] > 1 else "")
         rows.append(row | {"label": f"#{rank} {layout_label(summary)} {schedule} mb{summary['microbatches']} "

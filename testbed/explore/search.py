@@ -37,6 +37,7 @@ from testbed.explore.space import CandidateGroup, SearchSpace, candidate_groups,
 from testbed.model.costs import model_flops_per_step
 from testbed.plan.spec import Plan
 from testbed.sim.engine import simulate
+from testbed.sim.exposed import exposed_by_kind
 from testbed.sim.timeline import Report
 from testbed.topology import Topology
 
@@ -87,6 +88,8 @@ class Candidate:
     estimate: Estimate
     report: Report | None = None
     value: float
+    #: Once replayed: the DES step's exposed communication by kind (testbed.sim.exposed.exposed_by_kind).
+    exposed_by_kind: dict[str, float] = field(default_factory=dict)
 
     @property
     def step_time_s(self) -> float:
@@ -430,9 +433,9 @@ def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: floa
 
 
 def _replayed(c: Candidate, topology: Topology, rank: Callable) -> Candidate:
-    report = simulate(c.plan, topology).report
-    return Candidate(plan=c.plan, estimate=c.estimate, report=report,
-                     value=rank(c.plan, report.step_time_s))
+    sim = simulate(c.plan, topology)
+    return Candidate(plan=c.plan, estimate=c.estimate, report=sim.report, exposed_by_kind=exposed_by_kind(sim.timeline),
+                     value=rank(c.plan, sim.report.step_time_s))
 
 
 #: At most this many replays beyond the replay list while settling (:func:`_settle`).
