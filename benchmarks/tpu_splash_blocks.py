@@ -5,7 +5,7 @@ JAX's Pallas splash kernels (``jax.experimental.pallas.ops.tpu.splash_attention`
 (``block_q``, ``block_kv``, ``block_kv_compute``), for the K/V gradient kernel and for the Q gradient kernel, or one
 fused backward kernel (``use_fused_bwd_kernel``); their docstring: "those parameters have negligible effect on
 numerics, but affect performance greatly". Each configuration of :data:`CONFIGS` is compiled for each shape (the
-runner's call: q scaled, heads first, one kernel call per batch row by ``vmap``), run ``CALLS`` times back to back
+runner's own call, testbed.runner.tpu_attention.splash_attention, at those blocks), run ``CALLS`` times back to back
 (dispatch overlaps the kernels) in five rounds; the least round's mean is one call's seconds.
 
 Writes ``OUT/splash_blocks.json`` atomically (date, versions, device kind, the command; per shape and configuration
@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tpu_chip import relative_command, versions, write_atomic  # noqa: E402
 
+from testbed.model.flash_kernel import SplashBlocks  # noqa: E402
+
 # (batch, heads, kv_heads, seq, head_dim) of the suite's single-chip flash plans (benchmarks/tpu_chip/plans).
 SHAPES = {
     "llama400m-seq2048": (8, 16, 4, 2048, 64),
@@ -40,47 +42,11 @@ SHAPES = {
 CALLS, ROUNDS = 8, 5
 
 
-def _blocks(q: int, kv: int, compute: int, fused: bool) -> dict:
-    """Keyword arguments of ``BlockSizes``: the forward and backward blocks alike; no dq blocks when fused."""
-    out = {"block_q": q, "block_kv": kv, "block_kv_compute": compute, "block_q_dkv": q, "block_kv_dkv": kv,
-           "block_kv_dkv_compute": compute, "use_fused_bwd_kernel": fused}
-    if not fused:
-        out |= {"block_q_dq": q, "block_kv_dq": kv}
-    return out
-
-
-CONFIGS = {
-    "q512-kv512": (512, 512, 512, False),
-    "q512-kv512-fused": (512, 512, 512, True),
-    "q512-kv1024-c512": (512, 1024, 512, False),
-    "q512-kv1024-c512-fused": (512, 1024, 512, True),
-    "q1024-kv1024": (1024, 1024, 1024, False),
-    "q1024-kv1024-fused": (1024, 1024, 1024, True),
-    "q1024-kv512-fused": (1024, 512, 512, True),
-    "q256-kv256": (256, 256, 256, False),
-    "q256-kv512-fused": (256, 512, 512, True),
-    "q2048-kv512-fused": (2048, 512, 512, True),
-}
-
-
-def _attention(shape: tuple, blocks: dict, interpret: bool):
-    """The runner's splash call (testbed.runner.tpu_attention) with ``blocks``: q, k, v ``[b, s, h, d]`` -> out."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    b, heads, kv_heads, seq, head_dim = shape
-    mask = splash.MultiHeadMask([splash.CausalMask((seq, seq))] * heads)
-    with jax.ensure_compile_time_eval():
-        kernel = splash.make_splash_mha_single_device(mask, block_sizes=splash.BlockSizes(**blocks),
-                                                      interpret=interpret)
-
-    def attend(q, k, v):
-        q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
-        out = jax.vmap(kernel)(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)))
-        return out.transpose(0, 2, 1, 3)
-
-    return attend
+CONFIGS = {blocks.name: blocks for blocks in (
+    SplashBlocks(512, 512, 512, False), SplashBlocks(512, 512, 512, True), SplashBlocks(512, 1024, 512, False),
+    SplashBlocks(512, 1024, 512, True), SplashBlocks(1024, 1024, 1024, False), SplashBlocks(1024, 1024, 1024, True),
+    SplashBlocks(1024, 512, 512, True), SplashBlocks(256, 256, 256, False), SplashBlocks(256, 512, 512, True),
+    SplashBlocks(2048, 512, 512, True))}
 
 
 def _timed(fn, args) -> float:
@@ -98,7 +64,7 @@ def _timed(fn, args) -> float:
     return best
 
 
-def measure(shape: tuple, blocks: dict, interpret: bool) -> dict:
+def measure(shape: tuple, blocks: SplashBlocks, interpret: bool) -> dict:
     """Forward and forward + backward seconds of one configuration on one shape, or the error it raised."""
     import jax
     import jax.numpy as jnp
@@ -107,7 +73,11 @@ def measure(shape: tuple, blocks: dict, interpret: bool) -> dict:
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (b, seq, heads, head_dim), jnp.bfloat16)
     k, v = (jax.random.normal(key, (b, seq, kv_heads, head_dim), jnp.bfloat16) for key in keys[1:])
-    attend = _attention(shape, blocks, interpret)
+    from testbed.runner.tpu_attention import splash_attention
+
+    def attend(q, k, v):  # the runner's call (testbed.runner.tpu_attention) at these blocks
+        return splash_attention(q, k, v, blocks=blocks, interpret=interpret)
+
     forward = jax.jit(attend)
     both = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
     try:
@@ -141,17 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting configurations after this")
     args = parser.parse_args(argv)
     shapes = {"quick": (1, 2, 1, 256, 128)} if args.quick else SHAPES
-    configs = {"q128-kv128": (128, 128, 128, False), "q128-kv128-fused": (128, 128, 128, True)} if args.quick \
-        else CONFIGS
+    configs = {b.name: b for b in (SplashBlocks(128, 128, 128, False), SplashBlocks(128, 128, 128, True))} \
+        if args.quick else CONFIGS
     start, rows = time.perf_counter(), {}
     for name, shape in shapes.items():
         seq = shape[3]
         rows[name] = {"shape": dict(zip(("batch", "heads", "kv_heads", "seq", "head_dim"), shape)),
                       "flops": causal_flops(shape), "configs": {}}
-        for config, (q, kv, compute, fused) in configs.items():
-            if seq % q or seq % kv or time.perf_counter() - start > args.budget_s:
+        for config, blocks in configs.items():
+            if seq % blocks.q or seq % blocks.kv or time.perf_counter() - start > args.budget_s:
                 continue
-            rows[name]["configs"][config] = measure(shape, _blocks(q, kv, compute, fused), args.quick)
+            rows[name]["configs"][config] = measure(shape, blocks, args.quick)
             print(name, config, rows[name]["configs"][config], file=sys.stderr, flush=True)
             record = _record(rows, start)
             write_atomic(Path(args.out) / "splash_blocks.json", json.dumps(record, indent=1) + "\n")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.model.flash_kernel import SPLASH_FUSED_BACKWARD
+from testbed.model.flash_kernel import SPLASH_FUSED_BACKWARD, SplashBlocks
 from testbed.runner.tpu_attention import AttentionKernel, attention_kernel, splash_block
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def test_the_cached_splash_kernel_holds_no_tracer() -> None:
 
     tpu_attention._kernel.cache_clear()
     held = []
-    jax.jit(lambda x: held.append(tpu_attention._kernel(2, 256, None, 256)) or x)(jnp.zeros(()))
+    jax.jit(lambda x: held.append(tpu_attention._kernel(2, 256, None, tpu_attention.SplashBlocks.for_seq(256))) or x)(jnp.zeros(()))
     leaves = jax.tree.leaves(held[0])
     tpu_attention._kernel.cache_clear()
     assert leaves and not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
@@ -104,8 +104,7 @@ def test_the_runners_splash_blocks_are_the_fastest_measured_on_the_chip() -> Non
     record = json.loads((ROOT / "benchmarks" / "tpu_chip" / "splash_blocks.json").read_text())
     assert record["device_kind"].startswith("TPU")
     for name, row in record["shapes"].items():
-        block = splash_block(row["shape"]["seq"])
-        ours = f"q{block}-kv{block}" + ("-fused" if SPLASH_FUSED_BACKWARD else "")
+        ours = SplashBlocks.for_seq(row["shape"]["seq"]).name
         timed = {c: r["forward_backward_s"] for c, r in row["configs"].items() if "error" not in r}
         assert len(timed) >= 5 and ours in timed, name
         assert timed[ours] == min(timed.values()), (name, ours, min(timed, key=timed.get))

@@ -10,9 +10,11 @@ testbed.sim.attention_kernels and its workspace by testbed.model.splash.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "LANES", "SPLASH_BLOCKS", "SPLASH_FUSED_BACKWARD"]
+__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "SplashBlocks", "LANES", "SPLASH_BLOCKS",
+           "SPLASH_FUSED_BACKWARD"]
 
 #: The TPU vector unit's lane count: splash attention's K/V compute blocks are multiples of it
 #: (``splash_attention_kernel.NUM_LANES``).
@@ -32,6 +34,40 @@ class AttentionKernel(StrEnum):
 
     SCAN = "scan"      # testbed.runner.attention.flash_attention: XLA, any backend
     SPLASH = "splash"  # jax.experimental.pallas.ops.tpu.splash_attention: Pallas, TPU only
+
+
+@dataclass(frozen=True, slots=True)
+class SplashBlocks:
+    """The splash kernels' blocks: queries ``q``, keys and values ``kv`` (``compute`` of them at a time), the same in
+    the backward, and whether the backward is the one fused dQ/dK/dV kernel (``BlockSizes`` of JAX's kernels)."""
+
+    q: int
+    kv: int
+    compute: int
+    fused: bool
+
+    def __post_init__(self) -> None:
+        if min(self.q, self.kv, self.compute) < LANES or self.kv % self.compute:
+            raise ValueError(f"splash blocks need sides of {LANES}+ and compute dividing kv, got {self}")
+
+    @classmethod
+    def for_seq(cls, seq: int) -> "SplashBlocks | None":
+        """The runner's blocks for ``seq`` keys (:func:`splash_block`, :data:`SPLASH_FUSED_BACKWARD`); None when
+        the kernel's lanes do not tile it."""
+        block = splash_block(seq)
+        return None if block is None else cls(block, block, block, SPLASH_FUSED_BACKWARD)
+
+    @property
+    def name(self) -> str:
+        """``q1024-kv1024-fused``: how benchmarks/tpu_chip/splash_blocks.json names a configuration."""
+        compute = "" if self.compute == self.kv else f"-c{self.compute}"
+        return f"q{self.q}-kv{self.kv}{compute}" + ("-fused" if self.fused else "")
+
+    def block_sizes(self) -> dict[str, int | bool]:
+        """Keyword arguments of ``splash_attention_kernel.BlockSizes``: no dQ blocks under the fused backward."""
+        out = {"block_q": self.q, "block_kv": self.kv, "block_kv_compute": self.compute, "block_q_dkv": self.q,
+               "block_kv_dkv": self.kv, "block_kv_dkv_compute": self.compute, "use_fused_bwd_kernel": self.fused}
+        return out if self.fused else out | {"block_q_dq": self.q, "block_kv_dq": self.kv}
 
 
 def splash_block(seq: int) -> int | None:

@@ -19,13 +19,13 @@ from functools import lru_cache
 import jax
 import jax.numpy as jnp
 
-from testbed.model.flash_kernel import LANES, SPLASH_FUSED_BACKWARD, AttentionKernel, attention_kernel, splash_block
+from testbed.model.flash_kernel import LANES, AttentionKernel, SplashBlocks, attention_kernel, splash_block
 
-__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "splash_attention", "LANES"]
+__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "splash_attention", "SplashBlocks", "LANES"]
 
 
 @lru_cache(maxsize=32)
-def _kernel(heads: int, seq: int, window: int | None, block: int):
+def _kernel(heads: int, seq: int, window: int | None, blocks: SplashBlocks, interpret: bool = False):
     """The splash kernel object of ``heads`` query heads over ``seq`` keys (causal, or a sliding ``window``).
 
     Built at compile time (``jax.ensure_compile_time_eval``): its mask arrays are concrete, never tracers of the
@@ -35,24 +35,25 @@ def _kernel(heads: int, seq: int, window: int | None, block: int):
 
     shape = (seq, seq)
     one = splash.CausalMask(shape) if window is None else splash.LocalMask(shape, (window - 1, 0), 0)
-    dq = {} if SPLASH_FUSED_BACKWARD else {"block_q_dq": block, "block_kv_dq": block}
-    blocks = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                               block_kv_dkv=block, block_kv_dkv_compute=block,
-                               use_fused_bwd_kernel=SPLASH_FUSED_BACKWARD, **dq)
+    sizes = splash.BlockSizes(**blocks.block_sizes())
     with jax.ensure_compile_time_eval():
-        return splash.make_splash_mha_single_device(splash.MultiHeadMask([one] * heads), block_sizes=blocks)
+        return splash.make_splash_mha_single_device(splash.MultiHeadMask([one] * heads), block_sizes=sizes,
+                                                    interpret=interpret)
 
 
-def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None) -> jax.Array:
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None,
+                     blocks: SplashBlocks | None = None, interpret: bool = False) -> jax.Array:
     """Causal attention (a sliding ``window`` of that many keys: ``q - window < k <= q``) by the splash kernels:
     q ``[batch, seq, heads, head_dim]``, k and v ``[batch, seq, kv_heads, head_dim]`` -> ``[batch, seq, heads,
     head_dim]`` in q's dtype. The kernel takes heads before positions and no softmax scale: q is scaled by
-    ``1 / sqrt(head_dim)`` first (as MaxText does), and each batch row is one kernel call (``vmap``)."""
+    ``1 / sqrt(head_dim)`` first (as MaxText does), and each batch row is one kernel call (``vmap``). ``blocks``:
+    the runner's for ``seq`` unless given (benchmarks/tpu_splash_blocks.py times others); ``interpret``: Pallas's
+    interpreter (a CPU host)."""
     b, seq, heads, head_dim = q.shape
-    block = splash_block(seq)
-    if block is None:
+    blocks = blocks or SplashBlocks.for_seq(seq)
+    if blocks is None:
         raise ValueError(f"splash attention needs seq a multiple of {LANES}, not {seq}")
-    kernel = _kernel(heads, seq, window, block)
+    kernel = _kernel(heads, seq, window, blocks, interpret)
     q = q * jnp.asarray(1.0 / math.sqrt(head_dim), q.dtype)
     heads_first = (0, 2, 1, 3)
     out = jax.vmap(kernel)(*(x.transpose(heads_first) for x in (q, k, v)))
