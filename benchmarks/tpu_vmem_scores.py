@@ -38,7 +38,14 @@ VARIANTS = {
     "gpt125m-mb8": ("gpt125m-bf16-accum4", 8, 1),
     "gpt350m-mb3": ("gpt350m-bf16-selective-accum2", 6, 2),
     "gpt350m-mb4": ("gpt350m-bf16-selective-accum2", 8, 2),
+    "gpt125m-mb1": ("gpt125m-bf16-accum4", 16, 16),
+    "gpt125m-mb3": ("gpt125m-bf16-accum4", 12, 4),
+    "gpt350m-mb1": ("gpt350m-bf16-selective-accum2", 8, 8),
+    "gpt350m-mb2": ("gpt350m-bf16-selective-accum2", 8, 4),
 }
+#: Opcodes whose operands and results are views or control, not memory traffic.
+_NO_TRAFFIC = {"bitcast", "get-tuple-element", "tuple", "parameter", "while", "call", "conditional", "constant"}
+_FUSED = re.compile(r"calls=%?([\w.\-]+)")
 
 
 def placed(text: str, microbatch: int, heads: int, seq: int) -> dict:
@@ -48,7 +55,33 @@ def placed(text: str, microbatch: int, heads: int, seq: int) -> dict:
     return {"producers": len(layouts), "in_vmem": sum("S(1)" in layout for layout in layouts)}
 
 
-def compile_variant(name: str) -> dict:
+def touches(text: str, microbatch: int, heads: int, seq: int) -> dict:
+    """The score tensor's operand and result slots of the compiled HLO's top-level instructions (outside fusion
+    bodies; views and control left out), by opcode: how many in all and how many in ``S(1)`` (VMEM). The share
+    of a step's score bytes that stays on chip is ``in_vmem / slots`` summed over the opcodes that move bytes."""
+    shape = re.compile(r"bf16\[%d,%d,%d,%d\]\{([^}]*)\}" % (microbatch, heads, seq, seq))
+    fused = {m.group(1) for line in text.splitlines() if " fusion(" in line for m in _FUSED.finditer(line)}
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            current = line.split()[1] if line.startswith("ENTRY") else line.split()[0]
+            current = current.lstrip("%")
+        elif current is not None and current not in fused and " = " in line:
+            rhs = line.split(" = ", 1)[1]
+            opcode = re.search(r"\s([a-z][a-z0-9\-]*)\(", rhs)
+            op = opcode.group(1) if opcode else "?"
+            if op in _NO_TRAFFIC:
+                continue
+            layouts = [m.group(1) for m in shape.finditer(line)]
+            if layouts:
+                row = out.setdefault(op, {"slots": 0, "in_vmem": 0})
+                row["slots"] += len(layouts)
+                row["in_vmem"] += sum("S(1)" in layout for layout in layouts)
+    return out
+
+
+def compile_variant(name: str, hlo_dir: Path | None = None) -> dict:
     """One variant compiled deviceless for a v5e chip: its score tensor's bytes and where XLA:TPU keeps it."""
     import yaml
 
@@ -65,16 +98,22 @@ def compile_variant(name: str) -> dict:
     devices = target_devices(parse_target("tpu:v5e:1x1"))
     _, step, _, args = spmd_step(plan, build_mesh(plan_placement(plan, devices), devices))
     text = step.lower(*args).compile().as_text()
+    if hlo_dir is not None:
+        import gzip
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        (hlo_dir / f"{name}.hlo.txt.gz").write_bytes(gzip.compress(text.encode()))
     model, mb = spec["model"], batch // microbatches
+    shape = (mb, model["heads"], model["seq_len"])
     return {"variant": name, "plan": base, "microbatch": mb, "heads": model["heads"], "seq": model["seq_len"],
             "score_bytes": 2 * mb * model["heads"] * model["seq_len"] ** 2,
-            **placed(text, mb, model["heads"], model["seq_len"])}
+            **placed(text, *shape), "touches": touches(text, *shape)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for vmem_scores.json")
     parser.add_argument("--only", nargs="*", help="variants to compile (default: all)")
+    parser.add_argument("--hlo", action="store_true", help="also keep each compiled HLO text (OUT/hlo/NAME.hlo.txt.gz)")
     args = parser.parse_args(argv)
     from testbed.runner import devices
 
@@ -83,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for name in args.only or list(VARIANTS):
-        rows.append(compile_variant(name))
+        rows.append(compile_variant(name, Path(args.out) / "hlo" if args.hlo else None))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     only = "" if not args.only else " --only " + " ".join(args.only)
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
