@@ -19,10 +19,9 @@ the simulator (each of gloo's rounds the longer of its host cost and its
 wire, :mod:`testbed.collectives.gloo`); the headline fits from the 4 KiB
 calls up (what ``calibrate --cluster`` fits; why, :mod:`testbed.cluster.fit`).
 Beside it: the efficiency carried as a host cost per byte independent of
-the rate; the headline fitted from 64 KiB (the cut-off of runs 1-12, whose
-links had a bucket of 1 ms of rate); and each round's host cost added to its
-wire (the simulator's form until gloo's pipelining was modelled), fitted
-from 4 KiB and from 64 KiB. The held-out errors of the sizes from 64 KiB up are the result. The 1-minute
+the rate; the headline fitted from 64 KiB (the cut-off for runs whose links had a
+bucket of 1 ms of rate); and each round's host cost added to its wire,
+fitted from 4 KiB and from 64 KiB. The held-out errors of the sizes from 64 KiB up are the result. The 1-minute
 load average is recorded beside every rate (the host is shared).
 
 Needs root or CAP_NET_ADMIN. Prints one JSON object. Goal (issue 37): every
@@ -116,10 +115,9 @@ def leave_one_rate_out(doc: dict, *, per_byte: bool = False, form: str = "hidden
 
 
 #: The variants beside the headline (``leave_one_rate_out``: the simulator's form, each round's host cost hidden under
-#: a ring's wire, fitted from 4 KiB, the reduce-scatter's 4 KiB call in the fit): the rings alone fitted (as until
-#: run 21); every reduce-scatter call fitted; the per-byte cost carried; the headline fitted from 64 KiB (the
-#: cut-off of runs 1-12, whose links had a bucket of 1 ms of rate); each round's host cost added to its wire (the
-#: simulator's form until gloo's two segments in flight were modelled), from 4 KiB and from 64 KiB.
+#: a ring's wire, fitted from 4 KiB, the rings alone fitted): the reduce-scatter's 4 KiB call fitted too; every
+#: reduce-scatter call fitted; the per-byte cost carried; the headline fitted from 64 KiB (the cut-off for links
+#: with a bucket of 1 ms of rate); each round's host cost added to its wire, from 4 KiB and from 64 KiB.
 VARIANTS = {"leave_one_rate_out_reduce_scatter_4KiB": {"capped": dict(CAPPED_OPS)},
             "leave_one_rate_out_every_reduce_scatter": {"capped": {}},
             "leave_one_rate_out_per_byte": {"per_byte": True},
