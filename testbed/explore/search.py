@@ -33,7 +33,8 @@ from testbed.explore.eta import TimeLeft
 from testbed.explore.floor import cached_peaks, cached_played_floor, cached_step_floor, group_floor_key
 from testbed.explore.gather_floor import gather_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
-from testbed.explore.space import CandidateGroup, SearchSpace, candidate_groups, candidates
+from testbed.explore.space import SearchSpace
+from testbed.explore.candidates import CandidateGroup, candidate_groups, candidates
 from testbed.model.costs import model_flops_per_step
 from testbed.plan.spec import Plan
 from testbed.sim.engine import simulate

@@ -27,7 +27,8 @@ from typing import Any
 
 from testbed.errors import InputError, quote
 from testbed.explore.search import OBJECTIVES
-from testbed.explore.space import SearchSpace, preset_plan
+from testbed.explore.space import SearchSpace
+from testbed.explore.base_plan import preset_plan
 from testbed.plan.presets import PRESETS
 from testbed.fields import check_keys, expect_mapping, load_yaml
 from testbed.output import read_input
