@@ -261,7 +261,7 @@ def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: i
     return {"measured": f"{when}, nice {os.nice(0)}, rounds {rounds}", "topology": TOPOLOGY, "runs": runs}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="10,30,100", help="link rates in Mb/s (default 10,30,100)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -293,42 +293,58 @@ def main(argv: list[str] | None = None) -> int:
                         help="price every size with the costs fitted to FILE's other rates (a saved --save run) "
                              "instead of leave-one-rate-out within this run (e.g. --rates 100 --max-call-s 12: "
                              "one rate up to 64 MiB)")
-    args = parser.parse_args(argv)
-    started = time.time()
+    return parser
+
+
+def _document(args: argparse.Namespace) -> dict | None:
+    """The runs to fit: a saved run (``--refit``), two joined (``--combine``) or measured now (None, after printing
+    why, where this machine cannot build a cluster); written to ``--save`` where it is new."""
     if args.refit:
         with open(args.refit) as f:
-            doc = json.load(f)
-    elif args.combine:
+            return json.load(f)
+    if args.combine:
         with open(args.combine[0]) as f, open(args.combine[1]) as g:
             doc = combine(json.load(f), json.load(g))
-        if args.save:
-            with open(args.save, "w") as f:
-                json.dump(doc, f, indent=1)
     else:
         problem = netns.unavailable()
         if problem:
             print(json.dumps({"skipped": problem}))
-            return 0
+            return None
         doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats, args.rounds,
                             args.min_call_s, tuple(int(t) for t in args.tiny.split(",")),
                             tuple(op.strip() for op in args.ops.split(",")),
                             tuple(op.strip() for op in args.tiny_ops.split(",") if op.strip()))
         if args.note:
             doc["note"] = args.note
-        if args.save:
-            with open(args.save, "w") as f:
-                json.dump(doc, f, indent=1)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+def _result(args: argparse.Namespace, doc: dict) -> dict:
+    """The fits of ``doc``: priced by another run's costs (``--costs-from``), else :func:`refit` with the headline's
+    sizes kept (each measured beside its held-out price) and the variants' dropped."""
     if args.costs_from:
         with open(args.costs_from) as f:
-            result = {"costs_from": args.costs_from, "held_out_by_file": priced_by(doc, json.load(f))}
-    else:
-        result = refit(doc)
-        if args.png:
-            plot(result, args.png)
-        for key in [key for key in result if key.startswith("leave_one_rate_out")]:
-            rows = result[key].pop("rows")
-            if key == "leave_one_rate_out":  # the headline's sizes, each measured beside its held-out price
-                result[key]["rows"] = [{k: r[k] for k in ROW_FIELDS} for r in rows]
+            return {"costs_from": args.costs_from, "held_out_by_file": priced_by(doc, json.load(f))}
+    result = refit(doc)
+    if args.png:
+        plot(result, args.png)
+    for key in [key for key in result if key.startswith("leave_one_rate_out")]:
+        rows = result[key].pop("rows")
+        if key == "leave_one_rate_out":
+            result[key]["rows"] = [{k: r[k] for k in ROW_FIELDS} for r in rows]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.time()
+    doc = _document(args)
+    if doc is None:
+        return 0
+    result = _result(args, doc)
     print(json.dumps({"topology": TOPOLOGY, "nodes": 4, "devices_per_node": 2, "rates_mbps":
                       [run["rate_mbps"] for run in doc["runs"]],
                       "algorithm": "gloo's: ring (all-reduce, all-gather), halving-doubling (reduce-scatter)",
@@ -337,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
                       "goal": "every all-reduce and all-gather size from 64 KiB within 15%, median within 10% "
                               "(the reduce-scatter reported apart)"}))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
