@@ -14,7 +14,7 @@ import json
 import time
 
 from testbed.explore.analytic import estimate
-from testbed.topology.resize import resize_topology
+from testbed.explore.space import resize_topology
 from testbed.plan.io import plan_from_dict
 from testbed.sim.engine import simulate
 from testbed.sim.ring import exposed_ring_s

@@ -37,9 +37,7 @@ import os
 import time
 
 from testbed.explore.search import evaluate, exhaustive_optimum, search
-from testbed.explore.space import SearchSpace
-from testbed.explore.candidates import candidates
-from testbed.explore.base_plan import preset_plan
+from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.io import load_plan
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology

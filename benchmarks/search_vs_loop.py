@@ -25,7 +25,7 @@ from dataclasses import replace
 from testbed.errors import InputError
 from testbed.explore.analytic import plan_memory
 from testbed.explore.search import search
-from testbed.explore.candidates import factorisations
+from testbed.explore.space import factorisations
 from testbed.plan.io import load_plan
 from testbed.plan.spec import MeshSpec, ScheduleSpec
 from testbed.sim.engine import simulate

@@ -37,8 +37,7 @@ from runs import case_plan, case_topology, load_cases  # noqa: E402
 
 from testbed.errors import InputError  # noqa: E402
 from testbed.explore.search import search  # noqa: E402
-from testbed.explore.space import SearchSpace  # noqa: E402
-from testbed.topology.resize import resize_topology  # noqa: E402
+from testbed.explore.space import SearchSpace, resize_topology  # noqa: E402
 from testbed.model.memory import memory_breakdown  # noqa: E402
 from testbed.plan.io import plan_from_dict  # noqa: E402
 from testbed.plan.spec import Plan  # noqa: E402

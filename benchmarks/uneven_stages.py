@@ -39,7 +39,7 @@ from testbed.runner.pipeline.spmd import (masked_layers, spmd_gpipe, spmd_schedu
 from testbed.runner.pipeline.trainer import PipelineTrainer  # noqa: E402
 from testbed.runner.step import ReferenceTrainer  # noqa: E402
 from testbed.runner.train import _tree_errors  # noqa: E402
-from testbed.topology.resize import resize_topology  # noqa: E402
+from testbed.explore.space import resize_topology  # noqa: E402
 from testbed.model.layout import chunk_layers  # noqa: E402
 from testbed.model.memory import memory_breakdown  # noqa: E402
 from testbed.pipeline.schedules import build_schedule  # noqa: E402

@@ -108,9 +108,7 @@ def test_a_plain_large_yaml_is_not_called_an_alias_bomb(tmp_path):
 def test_search_space_beyond_the_plan_limits_is_not_enumerated():
     """A layout whose pipeline needs more actions than the limit is no candidate (it would not fit in memory)."""
     from testbed.explore.search import _within_limits
-    from testbed.explore.space import SearchSpace
-    from testbed.explore.candidates import candidates
-    from testbed.explore.base_plan import preset_plan
+    from testbed.explore.space import SearchSpace, candidates, preset_plan
     from testbed.plan.limits import MAX_PIPELINE_ACTIONS
 
     base = preset_plan("gpt-tiny", global_batch=1 << 17)

@@ -61,7 +61,7 @@ def test_no_communication_beside_the_compute_costs_nothing():
     """One device: no collective runs, so the slowdown changes nothing in either tier."""
     plan = _plan({"data": 1}, microbatches=1)
     topology = load_topology("dgx-h100")
-    from testbed.topology.resize import resize_topology
+    from testbed.explore.space import resize_topology
     one, slowed_one = resize_topology(topology, 1), resize_topology(_slowed(0.4), 1)
     assert _both(plan, slowed_one) == _both(plan, one)
 

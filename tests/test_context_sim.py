@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from testbed.collectives.timing import send_time
 from testbed.explore.analytic import estimate
-from testbed.explore.space import LONG_SEQUENCE, SearchSpace
-from testbed.explore.candidates import candidates, context_degrees
+from testbed.explore.space import LONG_SEQUENCE, SearchSpace, candidates, context_degrees
 from testbed.model import costs, gemm, ring
 from testbed.model.memory import memory_breakdown
 from testbed.plan.context import DIAGONAL, EMPTY, FULL, context_chunks, ring_step_pairs, ring_step_units

@@ -160,8 +160,7 @@ def test_analytic_tier_follows_the_simulator_on_folded_plans(order: tuple[str, .
 def test_the_search_space_tries_folding_where_it_is_valid() -> None:
     """An MoE model on 8 devices: with a tensor axis both splits of the experts (folded where the expert and tensor
     ranks divide the experts), without one only the plain; ``fold_experts`` narrows it; dense models unchanged."""
-    from testbed.explore.space import SearchSpace
-    from testbed.explore.candidates import candidates
+    from testbed.explore.space import SearchSpace, candidates
 
     spec = ModelSpec(**MODEL, expert_d_ff=6)  # width 6: a tensor degree of 4 can only fold
     base = Plan(model=spec, batch=BatchSpec(global_batch=8), precision="fp32")

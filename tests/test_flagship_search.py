@@ -24,9 +24,7 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate, plan_memory
 from testbed.explore.floor import played_floor, step_floor
 from testbed.explore.search import _analytic_tier, _overflows, evaluate
-from testbed.explore.space import SearchSpace
-from testbed.explore.candidates import candidate_groups, candidates
-from testbed.explore.base_plan import preset_plan
+from testbed.explore.space import SearchSpace, candidate_groups, candidates, preset_plan
 from testbed.model.memory import state_floor
 from testbed.plan.stages import balanced_ends, near_even
 from testbed.topology.io import load_topology

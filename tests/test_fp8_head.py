@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from testbed.explore.analytic import estimate
-from testbed.topology.resize import resize_topology
+from testbed.explore.space import resize_topology
 from testbed.model.gemm import chunk_gemms, head_gemms
 from testbed.plan.io import plan_from_dict
 from testbed.sim.compute import gemms_seconds

@@ -129,7 +129,7 @@ def test_prefetch_hides_the_gathers_and_both_tiers_agree_without_accumulation() 
     behind compute. With one microbatch (no gradient reduce-scatters sharing the links) the analytic tier plays
     the task graph's blocks exactly; with accumulation the DES also shares links between the streams."""
     from testbed.explore.analytic import estimate
-    from testbed.topology.resize import resize_topology
+    from testbed.explore.space import resize_topology
     from testbed.sim.engine import simulate
     from testbed.topology.io import load_topology
 
@@ -251,7 +251,7 @@ def test_the_analytic_tier_times_the_task_graphs_span_play(sequence_parallel: bo
     accumulator as well); the analytic tier's step is the task graph's within 1% (it was 2.4-2.8% fast when it
     played the collectives after the action's compute)."""
     from testbed.explore.analytic import estimate
-    from testbed.topology.resize import resize_topology
+    from testbed.explore.space import resize_topology
     from testbed.sim.engine import simulate
     from testbed.topology.io import load_topology
 

@@ -11,9 +11,7 @@ import testbed.explore.play as play
 from testbed.explore.analytic import estimate, plan_memory
 from testbed.explore.floor import played_floor, step_floor
 from testbed.explore.gather_floor import gather_floor
-from testbed.explore.space import SearchSpace
-from testbed.explore.candidates import candidates
-from testbed.explore.base_plan import preset_plan
+from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology
 

@@ -152,7 +152,7 @@ def test_stale_names_each_topology_whose_shipped_value_is_not_its_generation_s_f
 def test_a_case_splits_into_math_and_the_rest_named_by_its_base_topology():
     """The split reproduces the simulated step at sustained 1 and (within the linear model) at the probe, and names
     the topology the case resizes, which :func:`gpu_fit.shipped` loads."""
-    from testbed.topology.resize import resize_topology
+    from testbed.explore.space import resize_topology
 
     topology = resize_topology(load_topology("dgx-h100-superpod"), 8)
     at_one = simulate(_plan(), gpu_fit.held(topology, 1.0)).report.step_time_s

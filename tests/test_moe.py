@@ -196,8 +196,7 @@ def test_analytic_tier_follows_the_simulator_on_moe_plans():
 
 def test_search_space_has_the_expert_axis():
     """MoE models get expert degrees dividing the experts and the devices; dense ones only 1."""
-    from testbed.explore.space import SearchSpace
-    from testbed.explore.candidates import candidates
+    from testbed.explore.space import SearchSpace, candidates
 
     spec = ModelSpec(layers=2, d_model=32, heads=4, d_ff=64, seq_len=16, vocab=64, experts=4)
     base = Plan(model=spec, batch=BatchSpec(global_batch=8), schedule=ScheduleSpec(), precision="fp32")

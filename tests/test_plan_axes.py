@@ -111,7 +111,7 @@ def test_the_new_keys_round_trip():
 @pytest.mark.parametrize("mesh", [{"data": 4, "expert": 4, "context": 2, "tensor": 2},
                                   {"expert": 8, "context": 4, "tensor": 2, "stage": 2}])
 def test_shrinking_keeps_the_expert_and_context_axes_valid(mesh):
-    from testbed.explore.base_plan import shrink_plan
+    from testbed.explore.space import shrink_plan
 
     big = plan(mesh, {"experts": 8, "top_k": 2, "shared_experts": 2, "seq_len": 32, "layers": 8},
                batch=64, sequence_parallel=True)

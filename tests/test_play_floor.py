@@ -12,9 +12,7 @@ from testbed.explore.analytic import estimate
 from testbed.explore.prices import StepPrices
 from testbed.explore.play import Play
 from testbed.explore.play_floor import action_floors, stage_rests
-from testbed.explore.space import SearchSpace
-from testbed.explore.candidates import candidates
-from testbed.explore.base_plan import preset_plan
+from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.placement import place
 from testbed.sim.facts import step_facts, topology_rules
 from testbed.sim.step_rules import action_steps

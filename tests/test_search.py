@@ -17,10 +17,7 @@ import pytest
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate, plan_memory
 from testbed.explore.search import exhaustive_optimum, search
-from testbed.explore.space import SearchSpace
-from testbed.explore.candidates import candidates, factorisations
-from testbed.explore.base_plan import preset_plan, shrink_plan
-from testbed.topology.resize import resize_topology
+from testbed.explore.space import SearchSpace, candidates, factorisations, preset_plan, resize_topology, shrink_plan
 from testbed.model.memory import memory_breakdown
 from testbed.plan.io import dump_plan, load_plan
 from testbed.sim.engine import simulate

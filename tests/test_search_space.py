@@ -16,9 +16,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from testbed.explore.analytic import estimate, plan_memory
 from testbed.explore.eta import REPLAY_PER_ESTIMATE, TimeLeft
 from testbed.explore.floor import played_floor, step_floor
-from testbed.explore.space import SAVE_DOTS, SearchSpace
-from testbed.explore.candidates import candidate_groups, candidates, count_candidates, virtual_stage_counts
-from testbed.explore.base_plan import preset_plan
+from testbed.explore.space import (SAVE_DOTS, SearchSpace, candidate_groups, candidates, count_candidates,
+                                   preset_plan, virtual_stage_counts)
 from testbed.model.memory import state_floor
 from testbed.plan.spec import Remat
 from testbed.sim.engine import simulate

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.explore.base_plan import preset_plan
+from testbed.explore.space import preset_plan
 from testbed.pipeline.schedules import Action
 from testbed.plan.placement import place
 from testbed.sim.facts import step_facts

@@ -9,9 +9,7 @@ from dataclasses import replace
 import pytest
 
 from testbed.explore.analytic import estimate
-from testbed.explore.space import SearchSpace
-from testbed.explore.candidates import candidates
-from testbed.explore.base_plan import preset_plan
+from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.model.layout import tied_table
 from testbed.plan.io import plan_from_dict, plan_to_dict
 from testbed.plan.runtime import runner_refusal

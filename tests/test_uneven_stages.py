@@ -26,9 +26,7 @@ from testbed.runner.pipeline.trainer import PipelineTrainer
 from testbed.runner.step import ReferenceTrainer
 from testbed.runner.train import _tree_errors
 from testbed.errors import InputError
-from testbed.explore.space import SearchSpace
-from testbed.explore.candidates import candidates
-from testbed.topology.resize import resize_topology
+from testbed.explore.space import SearchSpace, candidates, resize_topology
 from testbed.model import costs
 from testbed.model.layout import chunk_layers, chunk_params
 from testbed.model.memory import memory_breakdown

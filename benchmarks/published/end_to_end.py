@@ -44,7 +44,7 @@ from pathlib import Path
 import yaml
 
 from collectives import summary  # the same per-category summary (this folder is on sys.path)
-from testbed.topology.resize import resize_topology
+from testbed.explore.space import resize_topology
 from testbed.model.costs import step_flops_per_device
 from testbed.plan.io import plan_from_dict
 from testbed.sim.engine import simulate

@@ -42,7 +42,7 @@ import runs
 import yaml
 from tpu_fit import loss
 
-from testbed.topology.resize import resize_topology
+from testbed.explore.space import resize_topology
 from testbed.plan.io import plan_from_dict
 from testbed.sim.engine import simulate
 from testbed.topology.io import load_topology

@@ -31,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from testbed.errors import InputError
-from testbed.topology.resize import resize_topology
+from testbed.explore.space import resize_topology
 from testbed.model.memory import memory_breakdown
 from testbed.model.moe import sequence_dispatch
 from testbed.plan.io import plan_from_dict

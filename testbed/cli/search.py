@@ -122,7 +122,7 @@ def base_plan(model: str, global_batch: int | None = None, seq: int | None = Non
 
 def _space(args: argparse.Namespace, preset: bool = False):
     """The search space of the command's flags (``preset``: the model is a preset, :data:`PRESET_START`)."""
-    from testbed.explore.space import SearchSpace
+    from testbed.explore.choices import SearchSpace
 
     fields: dict[str, Any] = {}
     if args.schedules:

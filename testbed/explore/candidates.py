@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
-from testbed.explore.space import LONG_SEQUENCE, MIN_CONTEXT_TOKENS, SAVE_DOTS, SearchSpace
+from testbed.explore.choices import LONG_SEQUENCE, MIN_CONTEXT_TOKENS, SAVE_DOTS, SearchSpace
 from testbed.plan.limits import MAX_MICROBATCHES, MAX_PIPELINE_ACTIONS
 from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.stages import chunks_fit, near_even
