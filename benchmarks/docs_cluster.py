@@ -294,7 +294,7 @@ LIMITS = """\
 - **Small packets first, by size.** Unlike fq_codel the htb tree reorders a flow whose small packet passes its own
   queued data (TCP then retransmits segments that were not lost; it costs no time the calls show). A kernel without
   htb or u32 gets tbf's FIFO, whose deep queue delays gloo's rendezvous messages behind bulk data (the 30 Mb/s
-  all-gather of 1-16 MiB is then 5-15% slower than priced).
+  all-gather of 1-16 MiB then runs slower than priced: measure with `cluster_qdisc_probe.py --queue fifo`).
 - **One link per node.** A node's NICs (`attach: device`) are emulated as one link of their summed rate; the
   emulated topology says so (`attach: switch`), and the simulator prices that.
 - **Rootless.** An unprivileged user gets `CAP_NET_ADMIN` as root of a new user namespace where the kernel allows
