@@ -11,7 +11,7 @@ Why: the 30 Mb/s all-gather at 1-16 MiB was measured 7-15% slower than predicted
 all-reduce and the other rates were within a few %; this shows whether the links dropped packets (and TCP
 recovered by timeouts) during those calls, and what changes when the nodes' TCP settings (``--sysctl``), the
 switch ends' rate (``--switch-factor``) or the links' queue (``--latency-ms``, tbf's latency) change. Needs
-root or CAP_NET_ADMIN. docs/cluster.md, "The 30 Mb/s all-gather at 1-16 MiB", has the results and commands.
+root or CAP_NET_ADMIN. docs/cluster.md, "Rerunning the measurements", says what it measures.
 """
 
 from __future__ import annotations

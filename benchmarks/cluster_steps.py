@@ -11,7 +11,7 @@ host's part) in turn, ``rate-0, unshaped, rate-1, unshaped, ...``,
 ``--rounds`` passes (:func:`testbed.runner.on_cluster.steps_at_rates`): the
 same processes and compiled program at every rate, so a change of load
 reaches all of them, and the slow/fast ratio compares steps timed minutes
-apart at most. ``--separate`` times as until steps run 10: one cluster and
+apart at most. ``--separate`` times one cluster and
 job per rate and plan, shaped and unshaped interleaved, each rate in its own
 minutes. Each step is the slowest process's; a phase's median is reported.
 
@@ -22,9 +22,8 @@ once per buffer, 30 calls a step for ``dp8-small``'s gradients, 13 for
 ``tp8-small``) priced one by one by the simulator (``predicted_s``, what
 ``testbed validate --cluster`` reports: each of gloo's rounds the longer of
 its host cost and its wire); beside it the same calls with each round's host
-cost added to its wire, the costs fitted that way (``by_call_added_s``, the
-prediction of steps runs 12-15), each whole call's host part hidden under its
-wire (``by_call_overlapped_s``, the prediction of steps runs 10-11), and the
+cost added to its wire, the costs fitted that way (``by_call_added_s``), each whole call's host part hidden under its
+wire (``by_call_overlapped_s``), and the
 simulator's plan step on the calibrated topology less its step unshaped
 (``by_plan_s``). Per plan it also compares the slowest rate's
 step with the fastest's (measured and predicted ratio). The 1-minute load
@@ -69,7 +68,7 @@ def program_calls(name: str) -> list[dict]:
 
 
 def measure(rates: list[float], plans: list[str], steps: int, rounds: int = 2) -> dict:
-    """One job per rate and plan (the method until steps run 10): each rate's cluster built, calibrated and its
+    """One job per rate and plan: each rate's cluster built, calibrated and its
     plans timed in turn, so each rate carries the load of its own minutes."""
     from testbed.runner.cluster_calibrate import measure as measure_collectives
     from testbed.runner.on_cluster import host_and_shaped_steps
@@ -94,7 +93,7 @@ def measure_interleaved(rates: list[float], plans: list[str], steps: int, rounds
     (:func:`testbed.runner.cluster_calibrate.measure_interleaved`, one pass); per plan one job timing every
     rate and the links unshaped in turn, ``rounds`` passes (:func:`testbed.runner.on_cluster.steps_at_rates`).
     A change of load then reaches every rate of a plan alike, and the host's part pools every unshaped phase.
-    ``queue``: the links' queue (:mod:`testbed.cluster.queue`; ``fifo`` as in steps runs 1-16)."""
+    ``queue``: the links' queue (:mod:`testbed.cluster.queue`; ``fifo``: tbf's one FIFO)."""
     from testbed.runner.cluster_calibrate import measure_interleaved as collectives_interleaved
     from testbed.runner.on_cluster import steps_at_rates
 
@@ -131,8 +130,7 @@ def predictions(doc: dict) -> list[dict]:
         probe = HostProbe.from_dict(run["calibration"]["probe"])
         costs = fit_host_costs(spec, probe, run["calibration"]["rows"], min_bytes=fit_from_bytes(run["calibration"]))
         calibrated = emulated(spec, probe, costs)
-        # The form of the runs until gloo's pipelining was modelled: the costs fitted with each round's host cost
-        # added to its wire, which then cancels between a call shaped and unshaped (so priced here as 0).
+        # For comparison: the costs fitted with each round's host cost added to its wire, which then cancels between a call shaped and unshaped (so priced here as 0).
         added = fit_host_costs(spec, probe, run["calibration"]["rows"], form="added",
                                min_bytes=fit_from_bytes(run["calibration"]))
         added_links = emulated(spec, probe, replace(added, call_s=0.0, overhead_s=0.0))
@@ -142,8 +140,8 @@ def predictions(doc: dict) -> list[dict]:
             prediction = predict_step(plan, calibrated, timed["unshaped"]["median_step_s"], calls)
             measured = timed["shaped"]["median_step_s"]
             # The headline (predicted_s: the calls priced by the simulator) is validate --cluster's; beside it
-            # the plan's links, the calls with each round's host cost added to its wire (the prediction of steps
-            # runs 12-15), and each whole call's host part hidden under its wire (steps runs 10-11).
+            # the plan's links, the calls with each round's host cost added to its wire, and each whole call's
+            # host part hidden under its wire.
             others = {"by_plan": prediction.host_step_s + prediction.plan_links_s,
                       "by_call_added": prediction.host_step_s + calls_links(calls, added_links),
                       "by_call_overlapped": prediction.host_step_s + calls_links(calls, calibrated, overlap=True)}
@@ -204,14 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2,
                         help="passes over the phases per plan, in one job (default 2: 2 x --steps steps each)")
     parser.add_argument("--separate", action="store_true",
-                        help="one job per rate and plan (the method until steps run 10) instead of the rates "
+                        help="one job per rate and plan instead of the rates "
                              "interleaved in one job per plan")
     parser.add_argument("--save", default=None, metavar="FILE", help="write the raw runs to FILE")
     parser.add_argument("--refit", default=None, metavar="FILE", help="only the predictions of a saved --save file")
     parser.add_argument("--png", default=None, help="plot step time against link rate")
     parser.add_argument("--queue", choices=("sparse-first", "fifo"), default="sparse-first",
-                        help="the links' queue (default sparse-first, as built; fifo: tbf's one FIFO, as until steps "
-                             "run 16)")
+                        help="the links' queue (default sparse-first, as built; fifo: tbf's one FIFO, where a kernel "
+                             "has no htb)")
     args = parser.parse_args(argv)
     started = time.time()
     if args.refit:

@@ -19,10 +19,9 @@ the simulator (each of gloo's rounds the longer of its host cost and its
 wire, :mod:`testbed.collectives.gloo`); the headline fits from the 4 KiB
 calls up (what ``calibrate --cluster`` fits; why, :mod:`testbed.cluster.fit`).
 Beside it: the efficiency carried as a host cost per byte independent of
-the rate; the headline fitted from 64 KiB (the cut-off of runs 1-12, whose
-links had a bucket of 1 ms of rate); and each round's host cost added to its
-wire (the simulator's form until gloo's pipelining was modelled), fitted
-from 4 KiB and from 64 KiB. The held-out errors of the sizes from 64 KiB up are the result. The 1-minute
+the rate; the headline fitted from 64 KiB (the cut-off for runs whose links had a
+bucket of 1 ms of rate); and each round's host cost added to its wire,
+fitted from 4 KiB and from 64 KiB. The held-out errors of the sizes from 64 KiB up are the result. The 1-minute
 load average is recorded beside every rate (the host is shared).
 
 Needs root or CAP_NET_ADMIN. Prints one JSON object. Goal (issue 37): every
@@ -69,6 +68,7 @@ from testbed.topology.io import load_topology
 TOPOLOGY = "eth-4x2"
 GOAL_MIN_BYTES = 2**16  # issue 37's sizes: 64 KiB up
 GOAL_OPS = ("all_reduce", "all_gather")  # issue 37's ops; the reduce-scatter is reported beside them
+ROW_FIELDS = ("rate_mbps", "op", "bytes", "measured_s", "predicted_s", "error")  # a priced size in the output
 
 
 def _spec(topology, rate_mbps: float):
@@ -115,10 +115,9 @@ def leave_one_rate_out(doc: dict, *, per_byte: bool = False, form: str = "hidden
 
 
 #: The variants beside the headline (``leave_one_rate_out``: the simulator's form, each round's host cost hidden under
-#: a ring's wire, fitted from 4 KiB, the reduce-scatter's 4 KiB call in the fit): the rings alone fitted (as until
-#: run 21); every reduce-scatter call fitted; the per-byte cost carried; the headline fitted from 64 KiB (the
-#: cut-off of runs 1-12, whose links had a bucket of 1 ms of rate); each round's host cost added to its wire (the
-#: simulator's form until gloo's two segments in flight were modelled), from 4 KiB and from 64 KiB.
+#: a ring's wire, fitted from 4 KiB, the rings alone fitted): the reduce-scatter's 4 KiB call fitted too; every
+#: reduce-scatter call fitted; the per-byte cost carried; the headline fitted from 64 KiB (the cut-off for links
+#: with a bucket of 1 ms of rate); each round's host cost added to its wire, from 4 KiB and from 64 KiB.
 VARIANTS = {"leave_one_rate_out_reduce_scatter_4KiB": {"capped": dict(CAPPED_OPS)},
             "leave_one_rate_out_every_reduce_scatter": {"capped": {}},
             "leave_one_rate_out_per_byte": {"per_byte": True},
@@ -262,7 +261,7 @@ def measure_rates(rates: list[float], max_call_s: float, repeats: int, rounds: i
     return {"measured": f"{when}, nice {os.nice(0)}, rounds {rounds}", "topology": TOPOLOGY, "runs": runs}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="10,30,100", help="link rates in Mb/s (default 10,30,100)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -294,40 +293,58 @@ def main(argv: list[str] | None = None) -> int:
                         help="price every size with the costs fitted to FILE's other rates (a saved --save run) "
                              "instead of leave-one-rate-out within this run (e.g. --rates 100 --max-call-s 12: "
                              "one rate up to 64 MiB)")
-    args = parser.parse_args(argv)
-    started = time.time()
+    return parser
+
+
+def _document(args: argparse.Namespace) -> dict | None:
+    """The runs to fit: a saved run (``--refit``), two joined (``--combine``) or measured now (None, after printing
+    why, where this machine cannot build a cluster); written to ``--save`` where it is new."""
     if args.refit:
         with open(args.refit) as f:
-            doc = json.load(f)
-    elif args.combine:
+            return json.load(f)
+    if args.combine:
         with open(args.combine[0]) as f, open(args.combine[1]) as g:
             doc = combine(json.load(f), json.load(g))
-        if args.save:
-            with open(args.save, "w") as f:
-                json.dump(doc, f, indent=1)
     else:
         problem = netns.unavailable()
         if problem:
             print(json.dumps({"skipped": problem}))
-            return 0
+            return None
         doc = measure_rates([float(r) for r in args.rates.split(",")], args.max_call_s, args.repeats, args.rounds,
                             args.min_call_s, tuple(int(t) for t in args.tiny.split(",")),
                             tuple(op.strip() for op in args.ops.split(",")),
                             tuple(op.strip() for op in args.tiny_ops.split(",") if op.strip()))
         if args.note:
             doc["note"] = args.note
-        if args.save:
-            with open(args.save, "w") as f:
-                json.dump(doc, f, indent=1)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(doc, f, indent=1)
+    return doc
+
+
+def _result(args: argparse.Namespace, doc: dict) -> dict:
+    """The fits of ``doc``: priced by another run's costs (``--costs-from``), else :func:`refit` with the headline's
+    sizes kept (each measured beside its held-out price) and the variants' dropped."""
     if args.costs_from:
         with open(args.costs_from) as f:
-            result = {"costs_from": args.costs_from, "held_out_by_file": priced_by(doc, json.load(f))}
-    else:
-        result = refit(doc)
-        if args.png:
-            plot(result, args.png)
-        for key in [key for key in result if key.startswith("leave_one_rate_out")]:
-            result[key].pop("rows")
+            return {"costs_from": args.costs_from, "held_out_by_file": priced_by(doc, json.load(f))}
+    result = refit(doc)
+    if args.png:
+        plot(result, args.png)
+    for key in [key for key in result if key.startswith("leave_one_rate_out")]:
+        rows = result[key].pop("rows")
+        if key == "leave_one_rate_out":
+            result[key]["rows"] = [{k: r[k] for k in ROW_FIELDS} for r in rows]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    started = time.time()
+    doc = _document(args)
+    if doc is None:
+        return 0
+    result = _result(args, doc)
     print(json.dumps({"topology": TOPOLOGY, "nodes": 4, "devices_per_node": 2, "rates_mbps":
                       [run["rate_mbps"] for run in doc["runs"]],
                       "algorithm": "gloo's: ring (all-reduce, all-gather), halving-doubling (reduce-scatter)",
@@ -336,7 +353,6 @@ def main(argv: list[str] | None = None) -> int:
                       "goal": "every all-reduce and all-gather size from 64 KiB within 15%, median within 10% "
                               "(the reduce-scatter reported apart)"}))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -218,6 +218,33 @@ def _processes() -> list[int]:
     return found
 
 
+def _tally(counts: dict[str, int], per_command: dict[str, dict[str, int]], failures: list[dict[str, Any]], o, *,
+           victim: bool, new: set[str], root: bool) -> None:
+    """One case's outcome ``o`` counted: its exit code per command, its problems (a touched victim file, the foreign
+    namespace removed, namespaces left, which are removed here) and, for the first 20 with problems, the case."""
+    counts["cases"] += 1
+    mine = per_command.setdefault(o.command, {})
+    mine[str(o.exit_code)] = mine.get(str(o.exit_code), 0) + 1
+    problems = o.problems()
+    if not victim:
+        problems.append("victim.json touched")
+    if root and not Path(f"/run/netns/{FOREIGN}").exists():
+        problems.append("the foreign namespace was removed")
+    if new:
+        problems.append(f"namespaces left: {sorted(new)}")
+        for ns in new:
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+    counts["tracebacks"] += "Traceback" in o.stderr
+    counts["wrong_exit_codes"] += o.exit_code not in (0, 1, 2)
+    counts["timeouts"] += o.escaped == "CaseTimeout" or bool(o.killed and o.killed.startswith("over time"))
+    counts["killed"] += bool(o.killed)
+    counts["victim_touched"] += not victim
+    counts["namespaces_left"] += len(new)
+    counts["problems"] += bool(problems)
+    if problems and len(failures) < 20:
+        failures.append({"argv": [a[:100] for a in o.argv], "problems": problems, "stderr": o.stderr[-300:]})
+
+
 def fuzz(n: int, time_limit: float = 60.0, seed: int = 0, memory_gib: float = 4.0) -> dict[str, Any]:
     from hypothesis import HealthCheck, given, settings, seed as hseed
 
@@ -254,28 +281,8 @@ def fuzz(n: int, time_limit: float = 60.0, seed: int = 0, memory_gib: float = 4.
                 counts["clusters_built"] += 1
                 netns.remove(built[0].split("-")[1], "keep")
                 new = _namespaces() - before
-        counts["cases"] += 1
         slowest = max(slowest, o.seconds)
-        mine = per_command.setdefault(o.command, {})
-        mine[str(o.exit_code)] = mine.get(str(o.exit_code), 0) + 1
-        problems = o.problems()
-        if not victim:
-            problems.append("victim.json touched")
-        if root and not Path(f"/run/netns/{FOREIGN}").exists():
-            problems.append("the foreign namespace was removed")
-        if new:
-            problems.append(f"namespaces left: {sorted(new)}")
-            for ns in new:
-                subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
-        counts["tracebacks"] += "Traceback" in o.stderr
-        counts["wrong_exit_codes"] += o.exit_code not in (0, 1, 2)
-        counts["timeouts"] += o.escaped == "CaseTimeout" or bool(o.killed and o.killed.startswith("over time"))
-        counts["killed"] += bool(o.killed)
-        counts["victim_touched"] += not victim
-        counts["namespaces_left"] += len(new)
-        counts["problems"] += bool(problems)
-        if problems and len(failures) < 20:
-            failures.append({"argv": [a[:100] for a in o.argv], "problems": problems, "stderr": o.stderr[-300:]})
+        _tally(counts, per_command, failures, o, victim=victim, new=new, root=root)
 
     warm_imports()
     try:

@@ -143,7 +143,7 @@ def _scored(measured: dict, predicted_s: dict[str, float], scale: float) -> dict
             "at_calibrated_speed": {"median_abs_error": statistics.median(calibrated), "max_abs_error": max(calibrated)}}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round (default 10)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the least disturbed median kept (default 5)")
@@ -154,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="more host topologies to price the same measurements on (reported under `also`)")
     parser.add_argument("--from-json", default=None,
                         help="price the measurements of a previous run's JSON instead of measuring (no timing)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.from_json:
         return _from_json(args)
     flags = os.environ.get("XLA_FLAGS", "")

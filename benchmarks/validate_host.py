@@ -46,7 +46,7 @@ def _testbed(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", default="emulated:8", help="emulated:8 (default) or local (a GPU/TPU machine)")
     parser.add_argument("--quick", action="store_true", help="calibrate --quick")
@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None, help="folder to keep the calibrated topology and measurements in")
     parser.add_argument("plans", nargs="*", help="plans (default plans/validation/*.yaml; with --devices local "
                                                  "plans/validation-1dev/*.yaml)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     suite = "validation-1dev" if args.devices == "local" else "validation"
     plans = args.plans or sorted(glob.glob(str(ROOT / "plans" / suite / "*.yaml")))
     load_before = os.getloadavg()

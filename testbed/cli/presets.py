@@ -18,7 +18,7 @@ __all__ = ["presets", "preset_rows"]
 
 def preset_rows(names: list[str] | None = None) -> list[dict]:
     """One row per preset: name, the full model mapping, parameters, default global batch and source."""
-    from testbed.explore.space import preset_plan
+    from testbed.explore.base_plan import preset_plan
     from testbed.plan import presets as p
     from testbed.model.costs import param_count
     from testbed.plan.io import plan_to_dict

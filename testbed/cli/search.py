@@ -94,7 +94,7 @@ PRESET_START = "flash attention; sequence parallelism where there is a tensor ax
 def base_plan(model: str, global_batch: int | None = None, seq: int | None = None) -> Plan:
     """The plan a search starts from: a preset's (with flash attention: :data:`PRESET_START`), or a plan file's
     with the batch and sequence overridden."""
-    from testbed.explore.space import preset_plan
+    from testbed.explore.base_plan import preset_plan
     from testbed.plan.spec import Attention
     from testbed.plan.presets import PRESETS
     from testbed.plan.io import load_plan
@@ -122,7 +122,7 @@ def base_plan(model: str, global_batch: int | None = None, seq: int | None = Non
 
 def _space(args: argparse.Namespace, preset: bool = False):
     """The search space of the command's flags (``preset``: the model is a preset, :data:`PRESET_START`)."""
-    from testbed.explore.space import SearchSpace
+    from testbed.explore.choices import SearchSpace
 
     fields: dict[str, Any] = {}
     if args.schedules:

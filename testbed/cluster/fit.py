@@ -30,17 +30,17 @@ rows of :data:`FIT_MIN_BYTES` (4 KiB) and up by a grid over the three (for a
 given efficiency the time is a function of the two costs evaluated on their
 whole grid at once).
 
-Why each round's host cost hides under its wire: on a quiet host (the
-lead's run 16) a 64 KiB all-reduce at 100 Mb/s took 13.0 ms where its 4 KiB
+Why each round's host cost hides under its wire: on a quiet host
+(``benchmarks/cluster_runs/run16.json``) a 64 KiB all-reduce at 100 Mb/s took 13.0 ms where its 4 KiB
 call, all host cost, took 6.7 ms and its wire alone is 9.6 ms: the sum (16.3
 ms) is 25% over, the longer of the two plus the call's own cost is not. Added
-(``form="added"``, the simulator's form until then, :func:`price_rows`) the
-4 KiB calls' costs overprice the 64 KiB calls at 100 Mb/s by 35-40%, which
-is what made a fit from 64 KiB look better; hidden, the fit from 4 KiB is
+(``form="added"``, kept for comparison, :func:`price_rows`) the
+4 KiB calls' costs overprice the 64 KiB calls at 100 Mb/s by 35-40%, which a
+fit from 64 KiB hides by leaving them out; hidden, the fit from 4 KiB is
 within 9.3% at every size held out by rate (``benchmarks/emulated_cluster.py``).
-On the loaded runs 13-15 the added form holds more sizes (22-23 of 24
-against 21-22): a round's host time there is mostly a wait for a core,
-which does not overlap the wire (docs/cluster.md).
+On a loaded host the added form can hold more sizes: a round's host time
+there is mostly a wait for a core, which does not overlap the wire
+(docs/cluster.md, "Known limits").
 
 Why the reduce-scatter is timed (identifiability): a call's cost and a
 round's show together in the host-bound calls, ``call + rounds x round``,
@@ -61,12 +61,10 @@ show in a call only where they outlast the wire; at 10 and 30 Mb/s that is
 the 4 KiB calls alone (a 64 KiB all-reduce there is 32-96 ms of wire against
 a host cost of about a millisecond a round), so a fit from 64 KiB leaves them
 unidentified (fitted as 0 at those rates) and carries nothing of them to
-another rate. ``calibrate --cluster`` times 4 KiB for that reason. Until
-tbf's bucket was two frames at every rate
-(:func:`testbed.cluster.netns.bucket_bytes`) the fit started at 64 KiB: a
-bucket of 1 ms of rate gave the links back the host's idle time, so the 4
-KiB calls did not carry the larger ones' costs; measurements that record no
-bucket are still fitted that way (:func:`fit_from_bytes`).
+another rate. ``calibrate --cluster`` times 4 KiB for that reason. Measurements that record
+no ``bucket_bytes`` were taken on links with a bucket of 1 ms of rate, which
+gave the links back the host's idle time, so their 4 KiB calls do not carry
+the larger ones' costs: they are fitted from 64 KiB (:func:`fit_from_bytes`).
 """
 
 from __future__ import annotations
@@ -89,7 +87,7 @@ __all__ = ["CAPPED_OPS", "FITTED_OPS", "FIT_MIN_BYTES", "fit_from_bytes", "FORMS
 #: The smallest call the fit uses (see the module doc): ``calibrate --cluster``'s tiny call.
 FIT_MIN_BYTES = 2**12
 #: How a round's host cost meets its wire: ``hidden`` under it (``max``, the simulator's for gloo's rings) or
-#: ``added`` (the simulator's until gloo's two segments in flight were modelled; kept for comparison).
+#: ``added`` (each round's host cost added to its wire; kept for comparison).
 FORMS = ("hidden", "added")
 _EFFICIENCIES = [round(0.40 + 0.005 * k, 3) for k in range(121)]  # 0.40 .. 1.00
 _OVERHEADS = np.arange(101) * 2e-5  # 0 .. 2 ms a round
@@ -101,12 +99,12 @@ _CALLS = np.arange(121) * 2.5e-4  # 0 .. 30 ms a call
 #: beyond their 4 KiB call, 1.7-3.6x their priced wire in the (loaded) runs that timed them
 #: (``cluster_runs/rs-probe-loaded.json``, docs/cluster.md), links idle for a reason not found yet, which would pull
 #: the links' efficiency the rings are scored on. They are reported, not fitted. ``{"reduce_scatter": 0}``: the
-#: rings alone (the fits until the reduce-scatter was timed).
+#: rings alone.
 CAPPED_OPS: Mapping[str, int] = {"reduce_scatter": 2**16}
 
 #: The ops the fit takes (its default ``capped``): the rings alone. The reduce-scatter's 4 KiB call shares the
-#: rings' per-call and per-round costs only if it sits on their line ``call + rounds x round``; on the quiet run 22
-#: (``cluster_runs/run22.json``, the rule stated before it was timed) it sat above that line at every rate
+#: rings' per-call and per-round costs only if it sits on their line ``call + rounds x round``; on a quiet run
+#: (``cluster_runs/run22.json``) it sat above that line at every rate
 #: (10 / 30 / 100 Mb/s: 7.63 / 7.86 / 5.27 ms measured, the rings' line at its 4 rounds 6.51 / 7.04 / 4.19 ms), a
 #: call cost of its own; fitted with the rings it moved the 10 Mb/s split (a call 0.25 ms, the rings alone 1.25)
 #: and priced that rate's 64 KiB all-gather 15.3% under (the rings alone: every size within 13.6%, in sample and
@@ -121,7 +119,7 @@ LEGACY_FIT_MIN_BYTES = 2**16
 
 def fit_from_bytes(measurements: Mapping[str, Any]) -> int:
     """The smallest call to fit for a measurement (``calibrate --cluster``'s raw dict): :data:`FIT_MIN_BYTES` where
-    it records the links' bucket, :data:`LEGACY_FIT_MIN_BYTES` for the earlier measurements, refitted as they were."""
+    it records the links' bucket, :data:`LEGACY_FIT_MIN_BYTES` for measurements taken with a bucket of 1 ms of rate."""
     return FIT_MIN_BYTES if measurements.get("bucket_bytes") else LEGACY_FIT_MIN_BYTES
 
 
@@ -261,7 +259,7 @@ def price_rows(spec: ClusterSpec, probe: HostProbe, costs: HostCosts, rows: Sequ
                form: str = "hidden") -> list[float]:
     """Seconds of each row priced with ``costs``: by the simulator (``hidden``: each of gloo's rounds
     ``max(overhead, wire)``, :func:`testbed.collectives.gloo.round_s`), or with each round's host cost added to
-    its wire (``added``, the simulator's form until gloo's pipelining was modelled; the ring's rounds on the
+    its wire (``added``, kept for comparison; the ring's rounds on the
     cluster are alike, so a round's wire is the call's wire over its rounds)."""
     _check_form(form)
     if form == "hidden":

@@ -17,8 +17,8 @@ serves a flow with no packets queued ahead of the flows that keep a queue (RFC 8
 flows; tc-fq_codel(8)). On the emulated cluster the flows that keep no queue are those carrying only gloo's
 48-byte rendezvous messages (NOTIFY_SEND_READY / NOTIFY_RECV_READY, ``gloo/transport/tcp/pair.cc``) and TCP's
 pure acknowledgements: a ring rank's connection towards the rank it receives from carries nothing else. In
-tbf's one FIFO those waited behind up to ``limit`` bytes of the node's outgoing data (50 ms of the rate), and
-the sender on the other end idled (docs/cluster.md, "The 30 Mb/s all-gather at 1-16 MiB"). This kernel has
+tbf's one FIFO those wait behind up to ``limit`` bytes of the node's outgoing data (50 ms of the rate), and
+the sender on the other end idled (docs/cluster.md, "The links"). This kernel has
 neither fq_codel nor prio, sfq or skbedit, but it has htb (strict priority between classes: ``prio``, tc-htb(8))
 and u32, so the sparse flows are recognised by what their packets are, small: a pure ACK is at most 80 bytes of
 IP (20 IP, 20 TCP, 40 of options), a gloo message 100 (48 bytes, TCP/IP with timestamps), while bulk data
@@ -28,7 +28,7 @@ leaves in full-MSS segments. ``SPARSE_BELOW`` (256) sits between the two: counte
 which load no queue, against 5,200-50,000 under 128; so any threshold from 128 to 1024 serves the same packets of
 the goal's sizes first: not a fitted value.
 
-The queue's depth is tbf's, as before: ``QUEUE_S`` (50 ms) of the rate plus the bucket, in bytes, each class's
+The queue's depth is tbf's: ``QUEUE_S`` (50 ms) of the rate plus the bucket, in bytes, each class's
 bfifo at that limit. Unlike fq_codel, which never reorders a flow, a small packet of a flow that has data
 queued (a gloo message behind its own connection's segments) passes them; docs/cluster.md says what that costs.
 """

@@ -65,7 +65,7 @@ def cached_step_floor(key: tuple, build: Callable[[], Plan], topology: Topology)
 
 def group_floor_key(plan: Plan) -> tuple:
     """The part of :func:`floor_key` that plans alike but in microbatches, remat, sequence parallelism and runtime
-    share (a testbed.explore.space.CandidateGroup's)."""
+    share (a testbed.explore.candidates.CandidateGroup's)."""
     mesh = plan.mesh
     return (plan.model, mesh.tensor, mesh.stage, mesh.context, mesh.expert, mesh.expert_tensor,
             plan.schedule.virtual_stages, _splits_backward(plan), plan.precision, plan.layers_per_stage,

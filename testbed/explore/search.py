@@ -1,6 +1,6 @@
 """Search for the best plan: enumerate, prune by memory, rank analytically, replay the best with the DES.
 
-1. :func:`testbed.explore.space.candidates` enumerates the plans the runner
+1. :func:`testbed.explore.candidates.candidates` enumerates the plans the runner
    accepts (divisibility is pruned there, before any cost is computed);
 2. each candidate's memory comes from testbed.model.memory, exactly; those
    over ``memory_cap`` x device memory are dropped;
@@ -33,7 +33,8 @@ from testbed.explore.eta import TimeLeft
 from testbed.explore.floor import cached_peaks, cached_played_floor, cached_step_floor, group_floor_key
 from testbed.explore.gather_floor import gather_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
-from testbed.explore.space import CandidateGroup, SearchSpace, candidate_groups, candidates
+from testbed.explore.choices import SearchSpace
+from testbed.explore.candidates import CandidateGroup, candidate_groups, candidates
 from testbed.model.costs import model_flops_per_step
 from testbed.plan.spec import Plan
 from testbed.sim.engine import simulate
@@ -209,7 +210,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
     """Find the best layout of ``base`` on ``topology``: the DES-ranked best ``max(top, replay)`` candidates.
 
     Args:
-        space: what may vary (testbed.explore.space).
+        space: what may vary (testbed.explore.choices).
         objective: one of :data:`OBJECTIVES`.
         memory_cap: fraction of device memory a plan may use (0, 1].
         replay: how many analytically best candidates the DES replays; also
@@ -300,7 +301,7 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     """Every candidate's memory bound, and the estimate of each that fits unless its step floor cannot reach the
     ``keep`` fastest estimates (plus ``margin``).
 
-    A group of candidates (testbed.explore.space.CandidateGroup) whose model states alone overflow is dropped
+    A group of candidates (testbed.explore.candidates.CandidateGroup) whose model states alone overflow is dropped
     whole before its plans are built (their states' bytes are the same). Ranked by step time (``by_time``), it
     is best-first: the step floors of all the other plans first, then, in floor order, each plan's exact stage
     peaks (:func:`_overflows`: the schedule's in-flight activations, which at hundreds of microbatches cost more

@@ -27,7 +27,8 @@ from typing import Any
 
 from testbed.errors import InputError, quote
 from testbed.explore.search import OBJECTIVES
-from testbed.explore.space import SearchSpace, preset_plan
+from testbed.explore.choices import SearchSpace
+from testbed.explore.base_plan import preset_plan
 from testbed.plan.presets import PRESETS
 from testbed.fields import check_keys, expect_mapping, load_yaml
 from testbed.output import read_input
@@ -57,7 +58,7 @@ _SEGMENT = re.compile(r"[A-Za-z0-9_+-]{1,64}")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SearchOptions:
-    """``search:`` of a SPEC: the space (testbed.explore.space.SearchSpace fields) and the search's knobs."""
+    """``search:`` of a SPEC: the space (testbed.explore.choices.SearchSpace fields) and the search's knobs."""
 
     space: dict = field(default_factory=dict)
     objective: str = "step_time"

@@ -121,7 +121,7 @@ def _backward(forward: list[list], scores: float, split: bool, logits: float = 0
 
     ``logits``: the fp32 logits' bytes (with their log-sum-exp) when the head's weight is gathered over fsdp for
     the backward. The head's input-gradient matmul then reads a gather of its own (testbed.model.leaves: the
-    head's backward merge is alone), where testbed.sim.traced starts a new segment (a matmul that reads a
+    head's backward merge is alone), where testbed.sim.traced_graph starts a new segment (a matmul that reads a
     collective's result the segment has not yet read), so the loss's gradient before it is a span of its own,
     without matmuls, with the logits' share of the head's backward bytes. No fusion undoes that split: XLA
     materializes the loss's gradient, which both of the head's gradient matmuls read, as a fusion of its own

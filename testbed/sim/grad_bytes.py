@@ -208,7 +208,7 @@ def accumulated_in_the_backward(plan: Plan) -> bool:
     not a memory-bound kernel of its own after it: JAX's one SPMD step (no pipeline stages) adds the whole
     gradients in its microbatch loop (testbed.runner.step._scan_sum), each weight's add a consumer of the GEMM
     that produces its gradient (one XLA can fuse into that GEMM's output). The traced loop body has the adds in
-    the segment of the weight gradients' GEMMs, which no collective waits for (testbed.sim.traced), so the
+    the segment of the weight gradients' GEMMs, which no collective waits for (testbed.sim.traced_graph), so the
     plan's last backward carries them in its last span, where testbed.model.spans puts the weight gradients
     (testbed.sim.facts): they hide beside those matmuls as the traced ones do. Traced/plan over the data x tensor
     corners at 2 microbatches without sequence parallelism (benchmarks/program_vs_plan.py): TPU slice

@@ -98,7 +98,7 @@ class Workload:
     (bytes; ``method`` names how it was made); ``buffers`` the device buffers one dispatch of the step
     passes (its argument arrays, for a controller's calibrated per-buffer cost); ``loops`` each loop the tracer
     unrolled, its iterations' ``TracedOp.iteration`` numbers in order (XLA runs one iteration's body at a time:
-    testbed.sim.traced starts an iteration once the one before it, inner loops included, has ended).
+    testbed.sim.traced_graph starts an iteration once the one before it, inner loops included, has ended).
     """
 
     name: str
