@@ -8,6 +8,7 @@ gathers them, one per chunk (chunks alike worked out once), into the step's fact
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
@@ -16,7 +17,7 @@ from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_params, held_elements
 from testbed.model.blocks import (block_gathers, block_scatters, gather_holds, own_blocks, scatter_cuts, scatter_early,
                                    scatter_reads)
-from testbed.model.leaves import (bucket_share, gradient_allreduces, moved_elements, parameter_collectives,
+from testbed.model.leaves import (bucket_share, combine_limit, gradient_allreduces, moved_elements, parameter_collectives,
                                   regathered)
 from testbed.model.moe import moe_layers
 from testbed.model.spans import action_spans
@@ -253,8 +254,11 @@ class ChunkFacts:
 
 def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
-                 native: bool = False, allreduce_bytes: float | None = None) -> ChunkFacts:
-    """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
+                 native: bool = False, allreduce_bytes: float | None = None, scatter_allreduce: bool = False,
+                 recompute_gathers: bool = False) -> ChunkFacts:
+    """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers). ``scatter_allreduce``: the
+    gradients' reduce-scatters compile to all-reduces, merged within ``allreduce_bytes`` (testbed.sim.xla_tpu);
+    ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, MATMULS_PER_LAYER * cost.layers)
     n_moe = moe_layers(plan.model, span)
@@ -285,10 +289,11 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b)
                               for kind, n in (("F", moved.params), ("B", regather.elements)))) \
         if leaves and own else ForwardBackward((), ())
-    bucket_sizes = block_scatters(plan, s, c, blocks, combine, reduce_b) if own and buckets == blocks else ()
-    bucket_reads = scatter_reads(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
-    bucket_early = scatter_early(plan, s, c, blocks, combine, reduce_b) if bucket_sizes and chained else ()
-    bucket_cuts = scatter_cuts(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
+    merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
+    bucket_sizes = block_scatters(plan, s, c, blocks, merge, reduce_b) if own and buckets == blocks else ()
+    bucket_reads = scatter_reads(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()
+    bucket_early = scatter_early(plan, s, c, blocks, merge, reduce_b) if bucket_sizes and chained else ()
+    bucket_cuts = scatter_cuts(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_holds=holds, block_work=block_work,
