@@ -23,7 +23,7 @@ from testbed.model.moe import moe_layers
 from testbed.model.spans import action_spans
 from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters
-from testbed.plan.spec import Plan
+from testbed.plan.spec import Plan, Remat
 from testbed.sim.action_work import action_work
 from testbed.sim.grad_bytes import (accumulated_bytes, gradient_buckets, in_last_span, reduced_bytes, sequence_reduced,
                                      sequence_replicated, summed_each_microbatch, token_table_last,
@@ -280,13 +280,14 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
                else gradient_buckets(plan, cost.layers, moved.optimizer * reduce_b)) if during else 1
     leaves = parameter_collectives(plan, s, c, combine, param_b)
     sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b, native) if reduces else (0.0, 0.0)
-    regather = Gathered(*regathered(plan, s, c, moved.params, leaves, combine, param_b))
-    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b)
+    again = recompute_gathers and plan.remat is Remat.FULL  # XLA:TPU: the recomputation's own gathers
+    regather = Gathered(*regathered(plan, s, c, moved.params, leaves, combine, param_b, again))
+    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B")
                               for kind, n in (("F", moved.params), ("B", regather.elements)))) \
         if leaves else ForwardBackward((), ())
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
-    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b)
+    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B")
                               for kind, n in (("F", moved.params), ("B", regather.elements)))) \
         if leaves and own else ForwardBackward((), ())
     merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
