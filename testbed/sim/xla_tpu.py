@@ -29,15 +29,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from testbed.model.leaves import RECOMPUTE_SKIPS
 from testbed.plan.spec import MeshSpec
 from testbed.topology.parts import Form, LinkKind
 from testbed.topology.spec import Topology
 
 __all__ = ["scatters_as_allreduce", "lowered_reductions", "regathers_for_recompute", "RECOMPUTE_SKIPS"]
-
-#: A layer's leaves (path) its recomputed forward under full remat does not read: the MLP's output projection.
-RECOMPUTE_SKIPS = (("mlp", "w2"), ("mlp", "b2"))
-
 
 def scatters_as_allreduce(topology: Topology) -> bool:
     """Whether a reduce-scatter over every device of ``topology`` compiles to an all-reduce (module docstring): an
