@@ -50,10 +50,11 @@ def predicted_collectives(plan: Plan, topology: Topology) -> dict[str, dict[str,
         members = np.array([coords[d] for d in task.group])
         axes = "+".join(names[k] for k in range(members.shape[1]) if len(set(members[:, k].tolist())) > 1)
         kind = "collective-permute" if permute else task.op.replace("_", "-")
-        row = out.setdefault(f"{axes} {kind}", {"count": 0, "bytes": 0})
+        row = out.setdefault(f"{axes} {kind}", {"count": 0, "bytes": 0.0})
         row["count"] += task.count
-        row["bytes"] += int(round(task.nbytes * task.count))
-    return dict(sorted(out.items()))
+        row["bytes"] += task.nbytes * task.count
+    # Rounded once per row: a bucket's share of a chunk's gradient bytes is a fraction of a byte off its leaves'.
+    return {key: {"count": row["count"], "bytes": int(round(row["bytes"]))} for key, row in sorted(out.items())}
 
 
 def compare_record(record: XlaRecord) -> dict[str, Any]:

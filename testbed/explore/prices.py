@@ -349,7 +349,7 @@ class StepPrices:
             token = tail[0] if not (r.expert or r.sequence or r.sharded) and r.rest else 0.0
             if r.sharded:
                 n = max(1.0, leaves * size / nbytes) if leaves else 1.0
-                t += n * self.coll.time("reduce_scatter", r.sharded, stage, size / n)
+                t += n * self.coll.time(r.scatter_op, r.sharded, stage, size / n)
                 syncs.append((r.ways, n))
             if r.rest:
                 n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes, special[0], r.expert)

@@ -14,7 +14,7 @@ import functools
 import math
 
 from testbed.model import layout
-from testbed.model.leaves import backward_groups as backward_merges_members, backward_waits, issue_order, regathered_in_backward
+from testbed.model.leaves import backward_groups as backward_merges_members, backward_waits, backward_walk, issue_order
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
@@ -63,7 +63,8 @@ def block_pieces(layers: int, embed: bool, head: bool, blocks: int) -> tuple[int
 
 
 def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
-                  combine_bytes: float = math.inf, bytes_per_element: float = 4.0) -> tuple[tuple[float, ...], ...]:
+                  combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False
+                  ) -> tuple[tuple[float, ...], ...]:
     """Bytes of each all-gather a ``kind`` action's block of a chunk's sharded parameters issues, per block in the
     order the action computes them (the backward's from the head): the
     real merged sizes, not equal shares (at many ranks a collective's time is concave in its bytes, so equal
@@ -74,10 +75,10 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
     them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
     ``elements`` (the action's gathered elements, :meth:`testbed.sim.chunk_facts.ChunkFacts.gather`) above the leaves'
     (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
-    graph and the analytic tier both price."""
+    graph and the analytic tier both price. ``recompute``: as testbed.model.leaves.regathered's."""
     return _block_gathers(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                           state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, elements,
-                          combine_bytes, bytes_per_element)
+                          combine_bytes, bytes_per_element, recompute)
 
 
 def _chunk_pieces(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], stage: int, chunk: int,
@@ -95,28 +96,31 @@ def _chunk_pieces(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[i
 @functools.lru_cache(maxsize=1 << 14)  # a search prices the same chunk under many schedules and microbatch counts
 def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                    chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float,
-                   bytes_per_element: float) -> tuple[tuple[float, ...], ...]:
+                   bytes_per_element: float, recompute: bool = False) -> tuple[tuple[float, ...], ...]:
     """:func:`block_gathers` from what it depends on."""
     merges = _gather_merges(spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, combine_bytes,
-                            bytes_per_element)
+                            bytes_per_element, recompute)
     out = [[size for size, _ in block] for block in merges]
     return _with_rest(out, elements * bytes_per_element, blocks - 1, reverse=kind != "F")
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
-                   chunk: int, kind: str, blocks: int, combine_bytes: float, bytes_per_element: float
-                   ) -> tuple[tuple[tuple[float, frozenset[tuple[int, str]]], ...], ...]:
+                   chunk: int, kind: str, blocks: int, combine_bytes: float, bytes_per_element: float,
+                   recompute: bool = False) -> tuple[tuple[tuple[float, frozenset[tuple[int, str]]], ...], ...]:
     """Per block (forward order), each merged all-gather of a ``kind`` action as (bytes, its members as (block,
     the leaf's first path part)), in the order the traced program issues them: a merge at its last member's
     place (testbed.sim.combine; XLA's combiner puts the combined collective after all its operands), so a leaf
     over the bound (the token table) goes before the open merge it interrupts. A merge is in the block of its
-    first member (:func:`block_gathers`)."""
+    first member (:func:`block_gathers`); ``recompute``: a layer's backward gathers its recomputation's leaves
+    first (testbed.model.leaves.backward_walk)."""
     held = _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
-    pieces = [(b, params) for b, what, params in held if kind == "F" or what != "embedding"]
-    order = list(enumerate(pieces))
-    walk = [(block, j, q) for j, (block, piece) in (reversed(order) if kind != "F" else order)
-            for q in issue_order(piece) if kind == "F" or regathered_in_backward(q)]
+    pieces = [(b, params, recompute and what == "layer") for b, what, params in held
+              if kind == "F" or what != "embedding"]
+    order = [(j, (block, piece)) for j, (block, piece, _) in enumerate(pieces)]
+    walk = [(block, j, q) for j, (block, piece, again) in (reversed(list(enumerate(pieces))) if kind != "F"
+                                                          else enumerate(pieces))
+            for q in (issue_order(piece) if kind == "F" else backward_walk(piece, again))]
     sizes = [q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
              for *_, q in walk]
     groups: list[tuple[float, int, tuple[int, ...]]] = []  # (bytes, block, members' walk indices)
@@ -148,7 +152,7 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
 
 
 def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
-                 combine_bytes: float = math.inf, bytes_per_element: float = 4.0
+                 combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False
                  ) -> tuple[tuple[frozenset[str] | None, ...], ...]:
     """Per block of a ``kind`` action (in the order it computes them, as :func:`block_gathers`), per merged
     all-gather (as its sizes), the first path parts (``attn``, ``ln1``, ``mlp``, ``tokens``, ...) of the block's
@@ -158,8 +162,8 @@ def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, ele
     spec, mesh = plan.model, _merge_mesh(plan.mesh)
     merges = _gather_merges(spec, mesh, plan.schedule.virtual_stages, plan.stage_layers,
                             state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
-                            bytes_per_element)
-    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element)
+                            bytes_per_element, recompute)
+    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element, recompute)
     ordered = merges if kind == "F" else tuple(reversed(merges))
     out = []
     for k, (block, total) in enumerate(zip(ordered, sizes)):

@@ -20,7 +20,7 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["gathered_leaves", "moved_elements", "padded_params", "runner_whole_params", "combined_sizes", "backward_merges", "backward_groups", "backward_waits", "linked_layer",
-           "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "bucket_share", "gradient_allreduces", "NORM_PARTS", "norm_elements"]
+           "XLA_COMBINE_BYTES", "combine_limit", "issue_order", "parameter_collectives", "regathered", "regathered_in_backward", "recomputed", "backward_walk", "RECOMPUTE_SKIPS", "bucket_share", "gradient_allreduces", "NORM_PARTS", "norm_elements"]
 
 #: The norms' parameters (LayerNorm/RMSNorm scale and shift), by the first name on their path. The runner's
 #: norms (testbed.runner.norms) sum their gradients over the tokens with ``jnp.sum``, which accumulates bf16 in
@@ -238,6 +238,14 @@ def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_byt
     return max(1, len(combined_sizes(tuple(n * bytes_per_element for n in leaves), combine_bytes)))
 
 
+def backward_walk(piece, recompute: bool = False) -> list[layout.ParamSpec]:
+    """A piece's leaves its backward gathers, in order: with ``recompute`` (a full-remat layer on XLA:TPU) its
+    :func:`recomputed` ones for the recomputation first, then those :func:`regathered_in_backward` for its
+    gradients; each in :func:`issue_order`."""
+    order = issue_order(piece)
+    return [q for q in order if recompute and recomputed(q)] + [q for q in order if regathered_in_backward(q)]
+
+
 def regathered_in_backward(param: layout.ParamSpec) -> bool:
     """Whether a backward pass all-gathers ``param`` again under fsdp/ZeRO-3: every parameter the backward reads,
     so all but the additive ones (:attr:`~testbed.model.param_spec.ParamSpec.additive`: biases, LayerNorm
@@ -247,18 +255,42 @@ def regathered_in_backward(param: layout.ParamSpec) -> bool:
     return not param.additive
 
 
+#: A layer's leaves (path) a full-remat recomputation does not read: the MLP's output projection, whose output only
+#: joins the residual sum (testbed.sim.xla_tpu: XLA:TPU gathers the others again for the recomputation).
+RECOMPUTE_SKIPS = (("mlp", "w2"), ("mlp", "b2"))
+
+
+def recomputed(param: layout.ParamSpec) -> bool:
+    """Whether a layer's full-remat recomputation reads ``param`` (all the layer's leaves but
+    :data:`RECOMPUTE_SKIPS`): the leaves XLA:TPU gathers a second time in the layer's backward (testbed.sim.xla_tpu)."""
+    return tuple(param.path[:2]) not in RECOMPUTE_SKIPS
+
+
 def regathered(plan: Plan, s: int, c: int, moved: int, leaves: int, combine_bytes: float = math.inf,
-               bytes_per_element: float = 4.0) -> tuple[int, int]:
+               bytes_per_element: float = 4.0, recompute: bool = False) -> tuple[int, int]:
     """(elements, collectives) of the backward's gathers of a chunk: all but the embedding's leaves (its backward,
     a scatter-add of the rows' gradients, reads no table) and the additive ones (:func:`regathered_in_backward`).
     Collectives: under a finite ``combine_bytes`` (:func:`combine_limit`) as :func:`backward_merges` merges the
     pieces' leaves in :func:`issue_order`, from the head (XLA's combiner rule on the runner's program: a merge
-    spans at most two adjacent pieces); unbounded, the whole chunk's count."""
+    spans at most two adjacent pieces); unbounded, the whole chunk's count. ``recompute``: each layer's
+    backward also gathers its :func:`recomputed` leaves for its recomputation (XLA:TPU under full remat), first."""
     if not leaves:
         return moved, leaves
+    again = _recompute_elements(plan, s, c) if recompute else 0
     if not math.isinf(combine_bytes):
-        return moved - _unread(plan, s, c), _regathered_collectives(plan, s, c, combine_bytes, bytes_per_element)
-    return moved - _unread(plan, s, c), leaves
+        return moved - _unread(plan, s, c) + again, _regathered_collectives(plan, s, c, combine_bytes,
+                                                                            bytes_per_element, recompute)
+    return moved - _unread(plan, s, c) + again, leaves
+
+
+def _recompute_elements(plan: Plan, s: int, c: int) -> int:
+    """Elements of a chunk's layers' :func:`recomputed` leaves, as gathered (:func:`regathered`)."""
+    ways, mesh, spec = state_sharding(plan).ways(plan, "params"), plan.mesh, plan.model
+    ends = set(layout.embedding_params(spec)) | set(layout.head_params(spec))
+    held = layout.chunk_params(spec, s, c, mesh.stage, plan.schedule.virtual_stages, stage_layers=plan.stage_layers,
+                               tied_copy=False)
+    again = tuple((q, n) for q, n in held if q not in ends and recomputed(q))
+    return ways * layout.held_elements(again, mesh.tensor, ways, mesh.expert, expert_tensor=mesh.expert_tensor)
 
 
 def _unread(plan: Plan, s: int, c: int) -> int:
@@ -272,24 +304,26 @@ def _unread(plan: Plan, s: int, c: int) -> int:
     return ways * layout.held_elements(skipped, mesh.tensor, ways, mesh.expert, expert_tensor=mesh.expert_tensor)
 
 
-def _regathered_collectives(plan: Plan, s: int, c: int, combine_bytes: float, bytes_per_element: float) -> int:
+def _regathered_collectives(plan: Plan, s: int, c: int, combine_bytes: float, bytes_per_element: float,
+                            recompute: bool = False) -> int:
     """The backward's gather collectives of a chunk (pieces: a layer; the head), as :func:`backward_merges`."""
     mesh = plan.mesh
     return _regathered_count(plan.model, mesh.stage, plan.schedule.virtual_stages, plan.stage_layers, s, c,
                              state_sharding(plan).ways(plan, "params"), mesh.tensor, mesh.expert, mesh.expert_tensor,
-                             combine_bytes, bytes_per_element)
+                             combine_bytes, bytes_per_element, recompute)
 
 
 @functools.lru_cache(maxsize=8192)  # a search prices the chunks of thousands of plans that differ elsewhere
 def _regathered_count(spec: ModelSpec, stages: int, v: int, stage_layers: tuple[int, ...], s: int, c: int, ways: int,
                       tensor: int, expert: int, expert_tensor: int | None, combine_bytes: float,
-                      bytes_per_element: float) -> int:
+                      bytes_per_element: float, recompute: bool = False) -> int:
     """:func:`_regathered_collectives` of the plan facts it depends on."""
     _, head = layout.holds(s, c, stages, v)
-    pieces = [layout.layer_params(spec, i) for i in layout.chunk_layers(spec, stages, v, stage_layers)[s][c]]
-    pieces += [layout.head_params(spec)] if head else []
+    pieces = [(layout.layer_params(spec, i), recompute)
+              for i in layout.chunk_layers(spec, stages, v, stage_layers)[s][c]]
+    pieces += [(layout.head_params(spec), False)] if head else []
     sizes = [tuple(q.gathered_elements(tensor, ways, expert, expert_tensor) * bytes_per_element
-                   for q in issue_order(piece) if regathered_in_backward(q)) for piece in reversed(pieces)]
+                   for q in backward_walk(piece, again)) for piece, again in reversed(pieces)]
     return max(1, len(backward_merges(sizes, combine_bytes, backward_waits(len(pieces) - int(head), head))))
 
 

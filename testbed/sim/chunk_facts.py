@@ -8,6 +8,7 @@ gathers them, one per chunk (chunks alike worked out once), into the step's fact
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
@@ -16,13 +17,13 @@ from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_params, held_elements
 from testbed.model.blocks import (block_gathers, block_scatters, gather_holds, own_blocks, scatter_cuts, scatter_early,
                                    scatter_reads)
-from testbed.model.leaves import (bucket_share, gradient_allreduces, moved_elements, parameter_collectives,
+from testbed.model.leaves import (bucket_share, combine_limit, gradient_allreduces, moved_elements, parameter_collectives,
                                   regathered)
 from testbed.model.moe import moe_layers
 from testbed.model.spans import action_spans
 from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters
-from testbed.plan.spec import Plan
+from testbed.plan.spec import Plan, Remat
 from testbed.sim.action_work import action_work
 from testbed.sim.grad_bytes import (accumulated_bytes, gradient_buckets, in_last_span, reduced_bytes, sequence_reduced,
                                      sequence_replicated, summed_each_microbatch, token_table_last,
@@ -253,8 +254,11 @@ class ChunkFacts:
 
 def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
-                 native: bool = False, allreduce_bytes: float | None = None) -> ChunkFacts:
-    """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers)."""
+                 native: bool = False, allreduce_bytes: float | None = None, scatter_allreduce: bool = False,
+                 recompute_gathers: bool = False) -> ChunkFacts:
+    """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers). ``scatter_allreduce``: the
+    gradients' reduce-scatters compile to all-reduces, merged within ``allreduce_bytes`` (testbed.sim.xla_tpu);
+    ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, MATMULS_PER_LAYER * cost.layers)
     n_moe = moe_layers(plan.model, span)
@@ -276,19 +280,21 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
                else gradient_buckets(plan, cost.layers, moved.optimizer * reduce_b)) if during else 1
     leaves = parameter_collectives(plan, s, c, combine, param_b)
     sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b, native) if reduces else (0.0, 0.0)
-    regather = Gathered(*regathered(plan, s, c, moved.params, leaves, combine, param_b))
-    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b)
+    again = recompute_gathers and plan.remat is Remat.FULL  # XLA:TPU: the recomputation's own gathers
+    regather = Gathered(*regathered(plan, s, c, moved.params, leaves, combine, param_b, again))
+    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B")
                               for kind, n in (("F", moved.params), ("B", regather.elements)))) \
         if leaves else ForwardBackward((), ())
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
-    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b)
+    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B")
                               for kind, n in (("F", moved.params), ("B", regather.elements)))) \
         if leaves and own else ForwardBackward((), ())
-    bucket_sizes = block_scatters(plan, s, c, blocks, combine, reduce_b) if own and buckets == blocks else ()
-    bucket_reads = scatter_reads(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
-    bucket_early = scatter_early(plan, s, c, blocks, combine, reduce_b) if bucket_sizes and chained else ()
-    bucket_cuts = scatter_cuts(plan, s, c, blocks, combine, reduce_b) if bucket_sizes else ()
+    merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
+    bucket_sizes = block_scatters(plan, s, c, blocks, merge, reduce_b) if own and buckets == blocks else ()
+    bucket_reads = scatter_reads(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()
+    bucket_early = scatter_early(plan, s, c, blocks, merge, reduce_b) if bucket_sizes and chained else ()
+    bucket_cuts = scatter_cuts(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_holds=holds, block_work=block_work,

@@ -37,6 +37,7 @@ from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_
                                      gradient_buckets, reduce_bytes, tied_copy_bytes)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
+from testbed.sim.xla_tpu import lowered_reductions, regathers_for_recompute, scatters_as_allreduce
 
 if TYPE_CHECKING:
     from testbed.topology import Topology
@@ -140,13 +141,15 @@ def topology_rules(topology: Topology) -> dict[str, Any]:
     collectives, device = topology.calibration.collectives, topology.device
     return {"combine_bytes": collectives.combine_bytes, "allreduce_bytes": collectives.allreduce_combine_bytes,
             "chained_gathers": device.gathers_apart(), "native_reductions": device.native_reductions(),
-            "fused_updates": device.fused_updates()}
+            "fused_updates": device.fused_updates(), "whole_slice_scatters": scatters_as_allreduce(topology),
+            "recompute_gathers": regathers_for_recompute(topology)}
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                schedule: Schedule | None = None, chained_gathers: bool = False,
                native_reductions: bool = False, allreduce_bytes: float | None = None,
-               fused_updates: bool = False) -> StepFacts:
+               fused_updates: bool = False, whole_slice_scatters: bool = False,
+               recompute_gathers: bool = False) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
@@ -161,6 +164,10 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
         fused_updates: the compiler runs the optimizer's update of a weight matrix in its gradient matmul's
             epilogue where nothing sums that gradient (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
+        whole_slice_scatters: a reduce-scatter over every device compiles to an all-reduce, merged by the all-reduce
+            combiner (XLA:TPU on a whole slice: testbed.sim.xla_tpu.scatters_as_allreduce).
+        recompute_gathers: under full remat a layer's backward gathers what its recomputation reads apart from
+            what its gradients read (XLA:TPU: testbed.sim.xla_tpu.regathers_for_recompute).
     """
     mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
     p = mesh.stage
@@ -172,7 +179,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     sharding = state_sharding(plan)
     o_ways = sharding.ways(plan, "optimizer")
     per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
-    reductions = parameter_reductions(plan, sharding.optimizer)
+    reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
     combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
@@ -184,7 +191,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
             return _sent(alike[key], schedule, chunk_costs, s, c)
         alike[key] = out = chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
                                         bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
-                                        chained_gathers, native_reductions, allreduce_bytes)
+                                        chained_gathers, native_reductions, allreduce_bytes,
+                                        any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers)
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))

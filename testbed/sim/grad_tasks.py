@@ -81,12 +81,12 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
         if size <= 0 or (select is not None and r.sequence != select):
             continue
         kind, last = " experts" if r.expert else " sequence" if r.sequence else "", after
-        if r.sharded:
+        if r.sharded:  # a reduce-scatter, or the all-reduce XLA:TPU makes of it (Reduction.scatter_op)
             g = axis_groups_cached(groups, plan, list(r.sharded), s)
             # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
             n = max(1, round(leaves * size / nbytes)) if leaves else 1
-            last = b.add(name=f"reduce_scatter {label}{kind}", device=rep, stream=stream,
-                         kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter", nbytes=size / n, count=n,
+            last = b.add(name=f"{r.scatter_op} {label}{kind}", device=rep, stream=stream,
+                         kind=TaskKind.COLLECTIVE, deps=(last,), op=r.scatter_op, nbytes=size / n, count=n,
                          group=rep_group(g, rep), instances=g)
         token = tail[0] if not (r.expert or r.sequence or r.sharded) else 0.0
         extra = loss if not (r.expert or r.sequence or r.sharded) else 0.0

@@ -57,6 +57,10 @@ class Reduction:
     #: Whether the sequence-replicated parameters' bytes stay in this (dense) reduction although a ``sequence``
     #: one sums them over tensor too (:func:`sequence_apart`); False: that reduction takes them out of this one.
     holds_sequence: bool = False
+    #: The collective the ``sharded`` sum compiles to: ``reduce_scatter``, or ``all_reduce`` where the compiler
+    #: lowers a reduce-scatter over the whole slice as an all-reduce of the whole gradient (testbed.sim.xla_tpu:
+    #: the same bytes, merged by the all-reduce combiner).
+    scatter_op: str = "reduce_scatter"
 
     def size(self, nbytes: float, special: tuple[float, float]) -> float:
         """Bytes this reduction sums of a bucket of ``nbytes`` (``special``: ChunkFacts.special's shares)."""
