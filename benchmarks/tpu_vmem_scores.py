@@ -48,9 +48,14 @@ _NO_TRAFFIC = {"bitcast", "get-tuple-element", "tuple", "parameter", "while", "c
 _FUSED = re.compile(r"calls=%?([\w.\-]+)")
 
 
+def _dims(microbatch: int, heads: int, seq: int) -> str:
+    """The score tensor's dimensions as a pattern: a microbatch of one sequence may lose its unit dimension."""
+    return ("(?:1,)?" if microbatch == 1 else f"{microbatch},") + f"{heads},{seq},{seq}"
+
+
 def placed(text: str, microbatch: int, heads: int, seq: int) -> dict:
     """How many instructions of the compiled HLO ``text`` produce the bf16 score tensor, and how many in ``S(1)``."""
-    shape = re.compile(r"^\s*(?:ROOT )?%%\S+ = bf16\[%d,%d,%d,%d\]\{([^}]*)\} " % (microbatch, heads, seq, seq), re.M)
+    shape = re.compile(r"^\s*(?:ROOT )?%%\S+ = bf16\[%s\]\{([^}]*)\} " % _dims(microbatch, heads, seq), re.M)
     layouts = [m.group(1) for m in shape.finditer(text)]
     return {"producers": len(layouts), "in_vmem": sum("S(1)" in layout for layout in layouts)}
 
@@ -59,7 +64,7 @@ def touches(text: str, microbatch: int, heads: int, seq: int) -> dict:
     """The score tensor's operand and result slots of the compiled HLO's top-level instructions (outside fusion
     bodies; views and control left out), by opcode: how many in all and how many in ``S(1)`` (VMEM). The share
     of a step's score bytes that stays on chip is ``in_vmem / slots`` summed over the opcodes that move bytes."""
-    shape = re.compile(r"bf16\[%d,%d,%d,%d\]\{([^}]*)\}" % (microbatch, heads, seq, seq))
+    shape = re.compile(r"bf16\[%s\]\{([^}]*)\}" % _dims(microbatch, heads, seq))
     fused = {m.group(1) for line in text.splitlines() if " fusion(" in line for m in _FUSED.finditer(line)}
     out: dict[str, dict[str, int]] = {}
     current = None

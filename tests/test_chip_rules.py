@@ -15,7 +15,9 @@ from testbed.explore.analytic import estimate
 from testbed.model.gemm import Gemm
 from testbed.plan.io import load_plan
 from testbed.sim.compute import epilogue_seconds, pass_seconds, plan_matmul_dtype, systolic_share
+from testbed.model.costs import param_count
 from testbed.sim.engine import simulate
+from testbed.sim.grad_bytes import ACCUMULATE_PASSES, FUSED_ACCUMULATE_PASSES, accumulated_bytes
 from testbed.sim.pricing import price
 from testbed.sim.update_facts import fused_update
 from testbed.topology.io import load_topology
@@ -63,6 +65,27 @@ def test_both_tiers_price_the_fused_update_and_the_chip_profile_agrees() -> None
         assert estimate(plan, topo).step_time_s == pytest.approx(sim.report.step_time_s, rel=0.03), name
         unfused = replace(topo, device=replace(topo.device, buffer_rules="xla"))
         assert simulate(plan, unfused).report.step_time_s > sim.report.step_time_s + 0.5 * left, name
+
+
+def test_the_accumulation_fuses_into_the_gradient_matmuls_as_the_chip_compiles_it() -> None:
+    """XLA:TPU adds each microbatch's weight gradient into the accumulator inside the gradient's matmul (the compiled
+    loop bodies of benchmarks/tpu_chip/accumulate.json): one read of the accumulator, not an add of its own; both
+    tiers price it so, and a device without the rule pays the add's three passes."""
+    record = json.loads((ROOT / "benchmarks/tpu_chip/accumulate.json").read_text())
+    topo = load_topology("tpu-v5e-1")
+    assert record["rows"] and topo.device.fused_updates()
+    for row in record["rows"]:
+        assert row["gradient_matmuls"] > 0 and row["add_fused"] == row["gradient_matmuls"], row
+        plan = _plan(row["plan"])
+        params = param_count(plan.model)
+        assert accumulated_bytes(plan, params, True, fused=True) == pytest.approx(
+            accumulated_bytes(plan, params, True) * FUSED_ACCUMULATE_PASSES / ACCUMULATE_PASSES)
+        sim = simulate(plan, topo)
+        unfused = replace(topo, device=replace(topo.device, buffer_rules="xla"))
+        backward = [t.hbm_bytes for t in sim.program.tasks if t.name.startswith("B")]
+        assert sum(backward) < sum(t.hbm_bytes for t in simulate(plan, unfused).program.tasks
+                                   if t.name.startswith("B")), row["plan"]
+        assert estimate(plan, topo).step_time_s == pytest.approx(sim.report.step_time_s, rel=0.03), row["plan"]
 
 
 def test_a_flash_product_narrower_than_the_mxu_fills_its_share() -> None:

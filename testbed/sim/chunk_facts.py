@@ -255,7 +255,7 @@ class ChunkFacts:
 def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
                  native: bool = False, allreduce_bytes: float | None = None, scatter_allreduce: bool = False,
-                 recompute_gathers: bool = False) -> ChunkFacts:
+                 recompute_gathers: bool = False, fused: bool = False) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers). ``scatter_allreduce``: the
     gradients' reduce-scatters compile to all-reduces, merged within ``allreduce_bytes`` (testbed.sim.xla_tpu);
     ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart."""
@@ -267,8 +267,8 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
                                   plan.mesh.tensor, 1, plan.mesh.expert, True, plan.mesh.expert_tensor) if reduces else 0
     kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
     tail = token_table_last(plan, cost, combine, reduce_b) if reduces else (0.0, 0.0)
-    actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe, bool(tail[1]), native)
-                    for kind in kinds)
+    actions = tuple(_action(plan, schedule, chunk_costs, s, c, kind, shapes, kernels, n_moe, bool(tail[1]), native,
+                            fused) for kind in kinds)
     gathering = gathers_parameters(plan, "F")
     own = (gathering and plan.runtime.fsdp_edge_blocks and (cost.has_embedding or cost.has_head)  # own_blocks
            and cost.layers >= 1 and plan.mesh.context == 1 and not any(a.chain or a.overlap for a in actions))
@@ -330,13 +330,15 @@ def _block_work(shapes: ChunkGemms, work: ActionWork, cost: ChunkCost, split: bo
 
 
 def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: str, shapes: ChunkGemms,
-            kernels: int, n_moe: int, tail_gather: bool = False, native: bool = False) -> ActionWork:
+            kernels: int, n_moe: int, tail_gather: bool = False, native: bool = False, fused: bool = False
+            ) -> ActionWork:
     """:class:`ActionWork` of one ``kind`` action of chunk ``c`` of stage ``s`` (``tail_gather``: ChunkFacts.tail's;
-    ``native``: step_facts' ``native_reductions``)."""
+    ``native``: step_facts' ``native_reductions``; ``fused``: its ``fused_updates``, the adds into the accumulator
+    in the weight gradients' matmuls)."""
     split = schedule.split_backward
     max_b = float(plan.precision.compute_bytes) if native else 4.0
     flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat, max_b)
-    hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B")))  # the adds
+    hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B"), fused))
     if tail_gather and kind == "B":
         tensor = without_embedding_gathers(tensor)
     gemms = shapes.action(kind, split)

@@ -192,7 +192,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         alike[key] = out = chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
                                         bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
                                         chained_gathers, native_reductions, allreduce_bytes,
-                                        any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers)
+                                        any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers,
+                                        fused_updates)
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))

@@ -17,7 +17,7 @@ from testbed.model.memory import state_bytes_per_param
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import Plan
 
-__all__ = ["BUCKETS", "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "reduce_bytes", "reduced_bytes",
+__all__ = ["BUCKETS", "ACCUMULATE_PASSES", "FUSED_ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "reduce_bytes", "reduced_bytes",
            "summed_after_the_loop", "summed_each_microbatch", "sequence_replicated", "sequence_apart", "sequence_reduced",
            "summed_in_the_step", "token_table_last", "without_embedding_gathers", "gradient_buckets",
            "accumulate_bytes", "accumulated_in_the_backward", "accumulated_bytes", "in_last_span", "tied_copy_bytes"]
@@ -27,6 +27,12 @@ BUCKETS = 4
 #: Memory passes of adding one microbatch's gradients into the step's accumulator: read both, write one (an
 #: unfused add, as Megatron-LM's autograd accumulation into ``param.grad`` and XLA's accumulation loops run it).
 ACCUMULATE_PASSES = 3
+#: Memory passes of the add where the compiler fuses it into the weight gradient's matmul (XLA:TPU,
+#: testbed.topology.DeviceSpec.fused_updates): the matmul reads the accumulator and writes the sum in place of the
+#: gradient, one read more than its own. The v5e chip's compiled loop body (benchmarks/tpu_chip/accumulate.json, the
+#: runner's gpt125m step at 16 microbatches): every weight gradient's matmul is a ``kOutput`` fusion of the
+#: convolution and the add into the loop-carried accumulator.
+FUSED_ACCUMULATE_PASSES = 1
 #: Bytes per parameter of ``runtime.grad_accumulate_fp32``'s two kernels a microbatch: the fp32 copy of the
 #: compute-dtype gradient (read 2, write 4) and its add into the fp32 accumulator (read 4 + 4, write 4).
 FP32_ACCUMULATE_BYTES = 2 + 4 + 4 + 4 + 4
@@ -231,13 +237,15 @@ def loop_kept(plan: Plan) -> bool:
     return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.microbatch_scan
 
 
-def accumulated_bytes(plan: Plan, params: int, weight_gradients: bool) -> float:
+def accumulated_bytes(plan: Plan, params: int, weight_gradients: bool, fused: bool = False) -> float:
     """HBM bytes a microbatch's weight-gradient action (``weight_gradients``) of ``params`` carries for the add into
     the accumulator under :func:`accumulated_in_the_backward`: :data:`ACCUMULATE_PASSES` over the device's
-    gradients; else 0."""
+    gradients, or with ``fused`` (the compiler fuses the add into the gradient's matmul as its output fusion) the
+    one read of the accumulator (:data:`FUSED_ACCUMULATE_PASSES`); else 0."""
     if not (weight_gradients and accumulated_in_the_backward(plan)):
         return 0.0
-    return _added_bytes(plan, params, state_bytes_per_param(plan)[1])
+    added = _added_bytes(plan, params, state_bytes_per_param(plan)[1])
+    return added * FUSED_ACCUMULATE_PASSES / ACCUMULATE_PASSES if fused else added
 
 
 def in_last_span(spans: tuple[tuple[float, float], ...], acc: float) -> tuple[tuple[float, float], ...]:
