@@ -46,7 +46,7 @@ SUITE = (
     "gpt350m-bf16-selective-accum2", "gpt350m-bf16-full-accum2", "llama150m-fp32-flash", "llama400m-bf16-flash",
     "llama400m-bf16-full", "llama400m-bf16-flash-seq4096", "llama1b-bf16-flash", "llama1b-bf16-flash-full",
     "gpt125m-bf16-accum8", "gpt125m-bf16-accum2", "gpt350m-bf16-selective-accum4", "gpt350m-bf16-selective-accum6",
-    "llama400m-bf16-flash-seq1024",
+    "llama400m-bf16-flash-seq1024", "gpt125m-bf16-accum16", "gpt350m-bf16-selective-accum8",
 )
 
 #: ``--quick``'s plans: small shapes covering the same switches (fp32 / bf16, remat, accumulation, flash).

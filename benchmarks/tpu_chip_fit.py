@@ -18,10 +18,11 @@ Sources, all measured on one v5e chip (``benchmarks/tpu_chip/``, recorded by ben
 
 What the microbenchmarks cannot see is fitted over the category of the single-chip suite (every plan
 ``runs.json`` records as run: GPT and Llama-style, bf16 and fp32, remat none / selective / full, gradient
-accumulation, the splash kernel, seq 1024-4096), four non-negative values shared by all:
+accumulation, the splash kernel, seq 1024-4096), three non-negative values shared by all:
 ``elementwise.replicated_passes`` and ``split_passes`` (memory passes over the activations a layer writes,
-testbed.model.activations.layer_traffic_bytes: the residual stream's, and the rest), ``compute.flash_efficiency``
-(the splash kernels' fraction of the peak) and ``compute.gemm_latency_s`` (a fixed time per matmul).
+testbed.model.activations.layer_traffic_bytes: the residual stream's, and the rest) and ``compute.flash_efficiency``
+(the splash kernels' fraction of the peak). ``compute.gemm_latency_s`` (a fixed time per matmul) is the chip's GEMM
+sweep's (``gemm_shapes.json``), not fitted to steps: fitted there it took up what no per-matmul cost explains.
 
 One device, no communication: a step's simulated time is linear in the passes, the latency and
 ``1 / flash_efficiency``, so each plan is simulated five times (a base and one unit of each) and the fit is linear
@@ -52,6 +53,8 @@ DATA = ROOT / "benchmarks" / "tpu_chip"
 PEAK_BF16, BANDWIDTH = 197e12, 819e9
 #: The fitted values, in the order of the decomposition's columns.
 FITTED = ("replicated_passes", "split_passes", "gemm_latency_s", "inverse_flash_efficiency")
+#: The latency's column: measured by the GEMM sweep (:func:`sweep_latency`), not fitted.
+LATENCY = FITTED.index("gemm_latency_s")
 #: The least per-matmul latency: a positive one prices matmuls by shape (testbed.sim.compute), the only pricing that
 #: keeps the splash kernel's products apart (ComputeCalibration.shapes).
 MIN_LATENCY_S = 1e-9
@@ -83,7 +86,19 @@ def sources(controller: dict) -> dict:
             "controller_buffer_s": controller["controller_buffer_s"],
             "efficiency": round(efficiency, DIGITS["efficiency"]),
             "fp32_tflops": round(fp32 / efficiency / 1e12, DIGITS["fp32_tflops"]),
-            "memory_efficiency": round(fits["memory"]["values"]["bytes_per_s"] / BANDWIDTH, DIGITS["memory_efficiency"])}
+            "memory_efficiency": round(fits["memory"]["values"]["bytes_per_s"] / BANDWIDTH, DIGITS["memory_efficiency"]),
+            "gemm_latency_s": sweep_latency(efficiency)}
+
+
+def sweep_latency(efficiency: float) -> float:
+    """The per-matmul latency the chip's GEMM sweep shows (gemm_shapes.json: 62 shapes timed one matmul at a time,
+    fitted by testbed.sim.compute.fit_shape_model at the measured cap), at least :data:`MIN_LATENCY_S`."""
+    from testbed.sim.compute import fit_shape_model
+
+    sweep = json.loads((DATA / "gemm_shapes.json").read_text())
+    rows = [(1, r["m"], r["n"], r["k"], r["flops_per_s"]) for r in sweep["rows"]]
+    fitted = fit_shape_model(rows, PEAK_BF16, BANDWIDTH, efficiency, dtype_bytes=4.0 if sweep["dtype"] == "fp32" else 2.0)
+    return round(max(MIN_LATENCY_S, fitted["gemm_latency_s"]), DIGITS["gemm_latency_s"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,13 +206,15 @@ def decompose(plans: list[tuple[object, dict]], src: dict) -> list[Row]:
     return rows
 
 
-def fit(rows: list[Row]) -> np.ndarray:
-    """Non-negative least squares of the relative error over ``rows``: the FITTED values."""
+def fit(rows: list[Row], latency_s: float) -> np.ndarray:
+    """Non-negative least squares of the relative error over ``rows``: the FITTED values, the per-matmul latency
+    held at ``latency_s`` (the GEMM sweep's, :func:`sweep_latency`)."""
     from scipy.optimize import lsq_linear
 
     a = np.array([[u / r.measured_s for u in r.units] for r in rows])
-    b = np.array([1.0 - r.base_s / r.measured_s for r in rows])
-    return lsq_linear(a, b, bounds=([0.0, 0.0, MIN_LATENCY_S, 1.0], np.inf)).x
+    b = np.array([1.0 - r.base_s / r.measured_s for r in rows]) - a[:, LATENCY] * latency_s
+    x = lsq_linear(np.delete(a, LATENCY, axis=1), b, bounds=([0.0, 0.0, 1.0], np.inf)).x
+    return np.insert(x, LATENCY, latency_s)
 
 
 def as_fields(x: np.ndarray) -> dict:
@@ -230,11 +247,12 @@ def report() -> dict:
     controller = controller_report(step_gaps())
     src = sources(controller)
     rows = decompose(plans, src)
-    values = src | as_fields(fit(rows))
+    values = src | as_fields(fit(rows, src["gemm_latency_s"]))
     in_sample = {r.plan: step_s(p, values) / r.measured_s - 1 for (p, _), r in zip(plans, rows)}
     left_out = {}
     for i, ((plan, _), row) in enumerate(zip(plans, rows)):
-        left_out[row.plan] = step_s(plan, src | as_fields(fit(rows[:i] + rows[i + 1:]))) / row.measured_s - 1
+        refit = as_fields(fit(rows[:i] + rows[i + 1:], src["gemm_latency_s"]))
+        left_out[row.plan] = step_s(plan, src | refit) / row.measured_s - 1
     return {"sources": src, "fitted": {k: values[k] for k in values if k not in src}, "plans": len(rows),
             "controller": controller,
             "recorded": {k: runs()[k] for k in ("date", "versions", "device_kind", "steps", "rounds")},
