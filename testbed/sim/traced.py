@@ -180,7 +180,8 @@ class _Segments:
         if hbm > 0:
             tasks.append(b.add(name=f"memory-bound ({sum(op.kind is OpKind.MEMORY for op in ops)} ops)", device=rep,
                                stream="compute", kind=TaskKind.COMPUTE, deps=tuple(tasks or deps), hbm_bytes=hbm,
-                               kernels=max(1, sum(op.count for op in ops if op.kind is OpKind.MEMORY))))
+                               kernels=max(1, sum(op.count for op in ops
+                                                      if op.kind is OpKind.MEMORY and op.hbm_bytes > 0))))
         last = (tasks[-1],) if tasks else tuple(deps)
         for i in segment:
             self.done[i] = last
@@ -338,19 +339,22 @@ def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
 
     ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
     pays it per action, each a program; a traced step is one program, so only its first compute task does.
-    Its kernels are priced as one matmul timed alone is (:func:`traced_topology`).
+    Its kernels are priced as one matmul timed alone is (:func:`traced_topology`), each with the calibration's
+    ``compute.kernel_s`` on top (the host's cost of running one more kernel: XLA:CPU's thunk per fusion).
     """
     topology = traced_topology(topology)
     priced = price(program, topology, matmul_dtype(topology, dtype))
     launch = topology.calibration.compute.launch_overhead_s
     durations = list(priced.durations)
     computes = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and durations[i] > 0]
+    per_kernel = topology.calibration.compute.kernel_s
     for k, i in enumerate(computes):
         task = program.tasks[i]
         if task.flops == 0 and task.hbm_bytes > 0:
             durations[i] = launch + memory_seconds(topology, task.hbm_bytes)
         if k > 0:
             durations[i] = max(0.0, durations[i] - launch)
+        durations[i] += per_kernel * task.kernels
     return replace(priced, durations=tuple(durations))
 
 
