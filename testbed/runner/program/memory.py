@@ -6,7 +6,9 @@ Walking each block in program order, a materialized value (testbed.runner.progra
 approximation: what a matmul, collective, reduction, loop or call writes, or what such an op reads; and an
 elementwise result read after a matmul or collective when XLA would not recompute it there, :func:`_readers`)
 is allocated when it is produced and freed after its last reader in the block (a loop's carried values when
-the loop ends, a block's results when the block ends). A loop or call body adds its own peak above what is
+the loop ends, a block's results when the block ends). All-reduces that XLA's combiner merges into one
+(:func:`_combined`) run as that one: every member's operand is kept until the last member's place, where all
+their results are allocated at once. A loop or call body adds its own peak above what is
 live around it, once (iterations reuse their buffers). XLA's buffer reuse across unrelated values, in-place
 updates and its scheduler's reordering are not modeled: an estimate of what the program keeps alive, not XLA's
 buffer assignment (docs/program.md).
@@ -111,6 +113,40 @@ def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
     return last, sunk, far
 
 
+def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
+    """Each all-reduce of ``nodes`` that XLA's all-reduce combiner merges with others -> the index of its group's
+    last member, where the merged one runs.
+
+    XLA's ``CombineInstructionsByKey`` (xla/service/collective_combiner_utils.h, which the all-reduce combiner
+    calls): walking in order, a group of one key (here the mesh axes, the element type and the reduction) takes
+    each next all-reduce of that key unless it is reachable in the data flow from a member already taken; the
+    first that is opens the next group (testbed.sim.combine follows the same rule on the workload). XLA:CPU's
+    compiled programs run the merged one: a pipeline's per-tick weight-gradient all-reduces are one tuple
+    all-reduce whose operands and results are all live at once."""
+    produced: dict = {}     # value -> bit set of the all-reduces it depends on
+    groups: dict = {}       # key -> (members, their bits)
+    last: dict[int, int] = {}
+    for i, node in enumerate(nodes):
+        reads = [_root(alias, v) for v in node.operands]
+        reads += [_root(alias, v) for inner in node.blocks for v in _uses(inner, functions)]
+        below = 0
+        for v in reads:
+            below |= produced.get(v, 0)
+        if node.kind == "collective" and node.collective and node.collective[0] == "all_reduce":
+            key = (node.collective[1], node.collective[4], node.reducer)
+            members, bits = groups.get(key, ([], 0))
+            if below & bits:
+                members, bits = [], 0
+            members.append(i)
+            groups[key] = (members, bits | (1 << i))
+            for m in members:
+                last[m] = i
+            below |= 1 << i
+        for r in node.results:
+            produced[r] = below
+    return {m: end for m, end in last.items() if end != m or sum(1 for e in last.values() if e == end) > 1}
+
+
 def _block_peak(block: Block, functions: dict, memo: dict) -> float:
     """Peak bytes the block allocates above what is live when it starts (its arguments not counted)."""
     key = id(block)
@@ -120,6 +156,10 @@ def _block_peak(block: Block, functions: dict, memo: dict) -> float:
     last, sunk, far = _readers(block, functions)
     nodes, alias = _flatten(block)
     yields = {_root(alias, v) for v in block.yields}
+    merged = _combined(nodes, alias, functions)
+    for m, end in merged.items():  # a member's operands and results live until its group runs, at least
+        for v in [_root(alias, o) for o in nodes[m].operands] + list(nodes[m].results):
+            last[v] = max(last.get(v, end), end)
     dying: dict = {}
     for v, j in last.items():
         dying.setdefault(j, []).append(v)
@@ -131,11 +171,19 @@ def _block_peak(block: Block, functions: dict, memo: dict) -> float:
             inner = _block_peak(functions[node.callee], functions, memo)
         kept = [r for r, root in zip(node.results, node.roots or [True] * len(node.results))
                 if node.kind in ("gemm", "collective", *_NESTED) or root or r in sunk or r in far]
-        new = sum(w for r, w in zip(node.results, node.writes) if r in kept)
+        written = list(zip(node.results, node.writes))
+        if merged.get(i, i) != i:  # its results are written where its group runs
+            kept = []
+        elif i in merged:
+            more = [(r, w) for m, end in merged.items() if end == i and m != i
+                    for r, w in zip(nodes[m].results, nodes[m].writes)]
+            written += more
+            kept += [r for r, _ in more]
+        new = sum(w for r, w in written if r in kept)
         # a loop's, call's or shard_map body's results are its block's yields, live at its end: in its own peak
         peak = max(peak, live + (max(inner, new) if node.blocks or node.kind == "call" else new))
         live += new
-        for r, w in zip(node.results, node.writes):
+        for r, w in written:
             if r in kept:
                 size[r] = w
         for v in dying.get(i, []) + [r for r in kept if r not in last]:
