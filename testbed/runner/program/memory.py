@@ -147,7 +147,7 @@ def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
     return {m: end for m, end in last.items() if end != m or sum(1 for e in last.values() if e == end) > 1}
 
 
-def _block_peak(block: Block, functions: dict, memo: dict) -> float:
+def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None) -> float:
     """Peak bytes the block allocates above what is live when it starts (its arguments not counted)."""
     key = id(block)
     if key in memo:
@@ -164,11 +164,21 @@ def _block_peak(block: Block, functions: dict, memo: dict) -> float:
     for v, j in last.items():
         dying.setdefault(j, []).append(v)
     size: dict = {}
+    copies: dict = {}
+    last_gemm: dict = {}
+    for i, node in enumerate(nodes):
+        if node.kind == "gemm":
+            for o in node.operands:
+                last_gemm[_root(alias, o)] = i
+
+    def sizes_of(v):
+        return size if v in size else (upcast or {})
+
     live = peak = 0.0
     for i, node in enumerate(nodes):
-        inner = max((_block_peak(b, functions, memo) for b in node.blocks), default=0.0)
+        inner = max((_block_peak(b, functions, memo, upcast) for b in node.blocks), default=0.0)
         if node.kind == "call" and node.callee in functions:
-            inner = _block_peak(functions[node.callee], functions, memo)
+            inner = _block_peak(functions[node.callee], functions, memo, upcast)
         kept = [r for r, root in zip(node.results, node.roots or [True] * len(node.results))
                 if node.kind in ("gemm", "collective", *_NESTED) or root or r in sunk or r in far]
         written = list(zip(node.results, node.writes))
@@ -179,6 +189,14 @@ def _block_peak(block: Block, functions: dict, memo: dict) -> float:
                     for r, w in zip(nodes[m].results, nodes[m].writes)]
             written += more
             kept += [r for r, _ in more]
+        if upcast is not None and node.kind == "gemm" and _half(node):
+            for v in (_root(alias, o) for o in node.operands):
+                if v in copies or v not in sizes_of(v):
+                    continue
+                copies[v] = 2 * sizes_of(v)[v]  # its f32 copy, made once (CSE) and kept to its last matmul
+                live += copies[v]
+                size[("f32", v)] = copies[v]
+                dying.setdefault(last_gemm[v], []).append(("f32", v))
         new = sum(w for r, w in written if r in kept)
         # a loop's, call's or shard_map body's results are its block's yields, live at its end: in its own peak
         peak = max(peak, live + (max(inner, new) if node.blocks or node.kind == "call" else new))
@@ -189,10 +207,17 @@ def _block_peak(block: Block, functions: dict, memo: dict) -> float:
         for v in dying.get(i, []) + [r for r in kept if r not in last]:
             if v in size and v not in yields:  # freed after its last reader (at once if nothing reads it)
                 live -= size.pop(v)
+        peak = max(peak, live)
     memo[key] = peak
     return peak
 
 
-def peak_bytes(compiled: Compiled) -> float:
+def _half(node) -> bool:
+    g = node.gemm
+    return g is not None and node.writes and node.writes[0] == 2 * g.batch * g.m * g.n
+
+
+def peak_bytes(compiled: Compiled, upcast: bool = False) -> float:
     """The step's arguments plus the peak of what its program keeps alive above them (module docstring)."""
-    return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {})
+    args = dict(zip(compiled.entry.args, compiled.arg_bytes)) if upcast else None
+    return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {}, args)
