@@ -148,7 +148,8 @@ def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
 
 
 def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None) -> float:
-    """Peak bytes the block allocates above what is live when it starts (its arguments not counted)."""
+    """Peak bytes the block allocates above what is live when it starts (its arguments not counted); ``upcast``:
+    the entry's argument sizes where each bf16 matmul operand also has an f32 copy (:func:`_f32_copies`)."""
     key = id(block)
     if key in memo:
         return memo[key]
@@ -164,16 +165,7 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
     for v, j in last.items():
         dying.setdefault(j, []).append(v)
     size: dict = {}
-    copies: dict = {}
-    last_gemm: dict = {}
-    for i, node in enumerate(nodes):
-        if node.kind == "gemm":
-            for o in node.operands:
-                last_gemm[_root(alias, o)] = i
-
-    def sizes_of(v):
-        return size if v in size else (upcast or {})
-
+    copies = _F32Copies(nodes, alias, upcast, size, dying)
     live = peak = 0.0
     for i, node in enumerate(nodes):
         inner = max((_block_peak(b, functions, memo, upcast) for b in node.blocks), default=0.0)
@@ -189,14 +181,7 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
                     for r, w in zip(nodes[m].results, nodes[m].writes)]
             written += more
             kept += [r for r, _ in more]
-        if upcast is not None and node.kind == "gemm" and _half(node):
-            for v in (_root(alias, o) for o in node.operands):
-                if v in copies or v not in sizes_of(v):
-                    continue
-                copies[v] = 2 * sizes_of(v)[v]  # its f32 copy, made once (CSE) and kept to its last matmul
-                live += copies[v]
-                size[("f32", v)] = copies[v]
-                dying.setdefault(last_gemm[v], []).append(("f32", v))
+        live += copies.made(node)
         new = sum(w for r, w in written if r in kept)
         # a loop's, call's or shard_map body's results are its block's yields, live at its end: in its own peak
         peak = max(peak, live + (max(inner, new) if node.blocks or node.kind == "call" else new))
@@ -210,6 +195,37 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
         peak = max(peak, live)
     memo[key] = peak
     return peak
+
+
+class _F32Copies:
+    """XLA:CPU's f32 copies of bf16 matmul operands (``device.bf16_matmuls: fp32``): FloatNormalization converts
+    each operand of a bf16 dot to f32; after CSE one convert per value, its result kept until the value's last
+    matmul. A copy is allocated in ``size`` (keyed ``("f32", value)``) at the first matmul reading the value and
+    queued in ``dying`` at its last; ``upcast`` None: none (the estimate as the value's own compiler keeps it)."""
+
+    def __init__(self, nodes: list, alias: dict, upcast: dict | None, size: dict, dying: dict) -> None:
+        self.alias, self.upcast, self.size, self.dying = alias, upcast, size, dying
+        self.last: dict = {}
+        for i, node in enumerate(nodes):
+            if node.kind == "gemm":
+                for o in node.operands:
+                    self.last[_root(alias, o)] = i
+        self.done: set = set()
+
+    def made(self, node) -> float:
+        """Bytes of the copies ``node`` makes (0 unless it is a bf16 matmul reading a value without one yet)."""
+        if self.upcast is None or node.kind != "gemm" or not _half(node):
+            return 0.0
+        made = 0.0
+        for v in (_root(self.alias, o) for o in node.operands):
+            nbytes = self.size.get(v, self.upcast.get(v))
+            if v in self.done or nbytes is None:
+                continue
+            self.done.add(v)
+            self.size[("f32", v)] = 2 * nbytes
+            self.dying.setdefault(self.last[v], []).append(("f32", v))
+            made += 2 * nbytes
+        return made
 
 
 def _half(node) -> bool:
