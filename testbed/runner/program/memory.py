@@ -114,18 +114,21 @@ def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
 
 
 def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
-    """Each all-reduce of ``nodes`` that XLA's all-reduce combiner merges with others -> the index of its group's
-    last member, where the merged one runs.
+    """Each all-reduce of ``nodes`` that XLA's all-reduce combiner merges with others -> the index of the member
+    where the merged one runs: the first whose place is past every member's operands (its scheduler issues the
+    merged op once they are ready, and the readers of its results after it).
 
     XLA's ``CombineInstructionsByKey`` (xla/service/collective_combiner_utils.h, which the all-reduce combiner
     calls): walking in order, a group of one key (here the mesh axes, the element type and the reduction) takes
     each next all-reduce of that key unless it is reachable in the data flow from a member already taken; the
     first that is opens the next group (testbed.sim.combine follows the same rule on the workload). XLA:CPU's
     compiled programs run the merged one: a pipeline's per-tick weight-gradient all-reduces are one tuple
-    all-reduce whose operands and results are all live at once."""
+    all-reduce whose operands and results are all live at once; a pmap step's gradient pmeans and its loss's
+    pmean (after the update in program order) are one, before the update."""
     produced: dict = {}     # value -> bit set of the all-reduces it depends on
-    groups: dict = {}       # key -> (members, their bits)
-    last: dict[int, int] = {}
+    made: dict = {}         # value -> index of the node writing it
+    open_groups: dict = {}  # key -> (members, their bits)
+    groups: list = []
     for i, node in enumerate(nodes):
         reads = [_root(alias, v) for v in node.operands]
         reads += [_root(alias, v) for inner in node.blocks for v in _uses(inner, functions)]
@@ -134,17 +137,21 @@ def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
             below |= produced.get(v, 0)
         if node.kind == "collective" and node.collective and node.collective[0] == "all_reduce":
             key = (node.collective[1], node.collective[4], node.reducer)
-            members, bits = groups.get(key, ([], 0))
-            if below & bits:
+            members, bits = open_groups.get(key, ([], 0))
+            if below & bits or not members:
                 members, bits = [], 0
+                groups.append(members)
             members.append(i)
-            groups[key] = (members, bits | (1 << i))
-            for m in members:
-                last[m] = i
+            open_groups[key] = (members, bits | (1 << i))
             below |= 1 << i
         for r in node.results:
-            produced[r] = below
-    return {m: end for m, end in last.items() if end != m or sum(1 for e in last.values() if e == end) > 1}
+            produced[r], made[r] = below, i
+    out: dict[int, int] = {}
+    for members in (g for g in groups if len(g) > 1):
+        ready = max((made.get(_root(alias, o), -1) for m in members for o in nodes[m].operands), default=-1)
+        runs = min(m for m in members if m >= ready)
+        out.update((m, runs) for m in members)
+    return out
 
 
 def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None) -> float:
