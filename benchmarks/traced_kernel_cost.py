@@ -14,7 +14,13 @@ Left out of the fit, with their residual reported: the bf16 steps (XLA:CPU's bf1
 the eight-way tensor-parallel steps (their replicated activations, which the plan-driven price charges at its
 calibrated passes per byte): both gaps grow with the step's size, not with its kernels.
 
-    python benchmarks/traced_kernel_cost.py [--topology host-cpu-8] [--devices 8]
+``--runs FILE ...`` checks the mechanism against measured steps too: each kept calibration's samples
+(``benchmarks/host_runs/DATE/run-N/measurements.json``) refitted as ``testbed calibrate --from-measurements`` does,
+the same traced steps priced on it and the cost fitted to that day's measured steps (``measured_runs``: per run the
+fitted cost, the traced steps' median and max error with it and without, and the plan-driven price's own median
+error on the same steps).
+
+    python benchmarks/traced_kernel_cost.py [--topology host-cpu-8] [--devices 8] [--runs FILE ...]
 
 Prints ONE JSON object: the fitted ``kernel_s``, per step the plan-driven and traced step (with and without it),
 the kernels, the in-sample and leave-one-out errors, their medians and maxima.
@@ -27,6 +33,7 @@ import json
 import statistics
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 #: The calibration's fp32 steps of at most two-way tensor parallelism (the fit) and the others (reported).
 FIT_STEPS = ("cpu-xxs", "cpu-xs", "cpu-s", "cpu-m", "cpu-l", "cpu-xl", "cpu-deep", "cpu-xs-t2", "cpu-s-t2",
@@ -52,10 +59,36 @@ def fit(rows: dict[str, dict]) -> float:
     return max(0.0, -sum(x * y for x, y in zip(a, b)) / sum(y * y for y in b))
 
 
+def measured_run(path: str, workloads: dict, devices: int) -> dict:
+    """One kept calibration: the cost fitted to its measured steps on its refitted topology (module docstring)."""
+    from testbed.calibration.calibrated import fit_saved, saved_base
+    from testbed.calibration.measurements import read_measurements
+    from testbed.calibration.steps import step_plan
+    from testbed.sim.engine import simulate
+
+    raw = read_measurements(path)
+    topology = with_kernel_s(fit_saved(raw, saved_base(raw))[0], 0.0)
+    measured = {s["op"]: float(s["seconds"]) for s in raw["samples"] if s.get("kind") == "step"}
+    rows = {}
+    for name in (n for n in FIT_STEPS if n in measured):
+        t0 = _traced_s(workloads[name], topology, 0.0)
+        rows[name] = {"plan_s": measured[name], "traced0_s": t0,
+                      "slope": (_traced_s(workloads[name], topology, 10e-6) - t0) / 10e-6}
+    kernel_s = fit(rows)
+    with_cost = [abs(_traced_s(workloads[n], topology, kernel_s) / measured[n] - 1) for n in rows]
+    without = [abs(r["traced0_s"] / r["plan_s"] - 1) for r in rows.values()]
+    planned = [abs(simulate(step_plan(n, devices), topology).report.step_time_s / measured[n] - 1) for n in rows]
+    return {"run": str(Path(path).parent.name), "steps": len(rows), "kernel_s": kernel_s,
+            "traced": {"median_abs": statistics.median(with_cost), "max_abs": max(with_cost)},
+            "traced_without_kernel_s": {"median_abs": statistics.median(without), "max_abs": max(without)},
+            "plan_median_abs": statistics.median(planned)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", default="host-cpu-8")
     parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--runs", nargs="*", default=[], help="kept calibrations' measurements.json to check against")
     args = parser.parse_args(argv)
     from testbed.calibration.steps import step_plan
     from testbed.runner.program.plans import trace_plan
@@ -90,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                                              max(rows[n]["kernel_s_without"] for n in FIT_STEPS)]},
         "without_kernel_s": {"median_abs": statistics.median(abs(rows[n]["error_without_kernel_s"]) for n in FIT_STEPS),
                              "max_abs": max(abs(rows[n]["error_without_kernel_s"]) for n in FIT_STEPS)},
-        "steps": {n: {k: v for k, v in r.items() if k != "slope"} for n, r in rows.items()}}))
+        "steps": {n: {k: v for k, v in r.items() if k != "slope"} for n, r in rows.items()},
+        "measured_runs": [measured_run(path, workloads, args.devices) for path in args.runs]}))
     return 0
 
 
