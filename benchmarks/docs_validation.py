@@ -91,9 +91,10 @@ NOTES = """\
 MLP in `jax.shard_map`, bf16; a data-parallel CNN, bf16) as `testbed simulate --program` does, prices them on
 `host-cpu-8` and times their compiled steps on 8 emulated devices as `validate` times plans. The traced side prices
 memory-bound bytes at the calibrated memory stream and bf16 matmuls at XLA:CPU's fp32 rate (XLA:CPU computes them
-through fp32 converts). On a quiet host (2026-12-04): pmap MLP +18.7%, shard_map MLP -6.3%, CNN -6.3% raw; at the
-calibrated speed +3.1%, -15.5%, -15.6%. What remains in the pmap MLP is mostly the host's all-reduce
-([program.md](program.md), "The host's collectives").
+through fp32 converts), and each kernel the host's per-thunk cost (`compute.kernel_s`). On 2026-12-06 (load average
+4.9 before, 6.1 after: `benchmarks/results/program_host.json`), at the calibrated speed: pmap MLP +6.5%, shard_map
+MLP -6.0%, CNN -23.7% (median 6.5%; raw -24%, -34%, -46% on the loaded host). The held-out programs of
+`benchmarks/heldout/` are in [program.md](program.md), "Against plan-driven simulation".
 
 ### Llama 3 405B on 8,192 GPUs: what the memory model was checked against
 

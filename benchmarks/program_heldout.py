@@ -84,13 +84,13 @@ def _row(case: dict) -> dict:
     """One program's predicted vs measured figures."""
     from testbed.calibration.validation import collective_rows, relative_error
     from testbed.runner.program.measure import compiled_collectives
-    from testbed.sim.traced import device_collectives
+    from testbed.sim.traced import device_collectives, device_memory
 
     workload, trainer = case["workload"], case["trainer"]
     measured = min(case["medians"])
     at_calibrated = statistics.median(m * v for m, v in zip(case["medians"], case["speeds"]))
     xla = trainer.memory()
-    estimate = float(workload.memory["total"])
+    estimate = float(device_memory(workload, case["topology"])["total"])
     moved = device_collectives(workload, case["topology"]).collective_bytes()  # as the topology's compiler moves them
     rows = collective_rows(moved, compiled_collectives(trainer.hlo_text(), case["concrete"]))
     return {"mesh": case["mesh"], "dtype": workload.dtype, "predicted_s": case["predicted_s"], "measured_s": measured,

@@ -79,6 +79,25 @@ def test_a_traced_memory_bound_byte_costs_one_pass_of_the_calibrated_stream(name
     assert memory_seconds(topology, 3e9) == pytest.approx(3e9 / bandwidth, rel=1e-12)
 
 
+def test_each_traced_kernel_pays_the_calibrated_kernel_cost() -> None:
+    """``compute.kernel_s`` (XLA:CPU's thunk per fusion) is paid once per matmul and once per memory-bound op that
+    moves bytes (a fused op, 0 bytes, is no kernel), on top of what their FLOPs and bytes cost."""
+    base = load_topology("host-cpu-8", devices=1)
+    cal = base.calibration
+    costly = replace(base, calibration=replace(cal, compute=replace(cal.compute, kernel_s=1e-3)))
+    free = replace(base, calibration=replace(cal, compute=replace(cal.compute, kernel_s=0.0)))
+    ops = [gemm(m=64, n=64, k=64), memory((0,), nbytes=1e4), memory((1,), nbytes=0.0), memory((2,), nbytes=2e4),
+           gemm((3,), m=64, n=64, k=64)]
+    w = replace(workload(ops, mesh={"data": 1}), dtype="fp32")
+    extra = simulate_workload(w, costly).report.step_time_s - simulate_workload(w, free).report.step_time_s
+    assert extra == pytest.approx(4e-3, rel=1e-9)  # two matmuls, two memory-bound ops that move bytes
+
+
+@pytest.mark.parametrize("name", ["dgx-h100", "tpu-v5e-1", "eth-4x2"])
+def test_accelerators_carry_no_kernel_cost(name) -> None:
+    assert load_topology(name).calibration.compute.kernel_s == 0.0
+
+
 def test_without_elementwise_passes_a_segment_is_one_roofline_task() -> None:
     topology = load_topology("eth-4x2")
     w = workload([gemm(), memory((0,), nbytes=1e3)], mesh={"data": 8})
@@ -443,8 +462,8 @@ def test_bf16_matmuls_run_in_fp32_between_converts_where_the_devices_compiler_do
         matmul = next(i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and t.flops > 0)
         kernels = replace(topology, calibration=topology.calibration.updated(  # a traced kernel's half
             compute={"efficiency_half_flops": topology.calibration.compute.kernel_half_flops}))
-        assert priced.durations[matmul] == pytest.approx(compute_seconds(kernels, dtype, g.flops, 0.0, 1,
-                                                                         gemms=(g,)), rel=1e-12)
+        assert priced.durations[matmul] == pytest.approx(compute_seconds(kernels, dtype, g.flops, 0.0, 1, gemms=(g,))
+                                                         + topology.calibration.compute.kernel_s, rel=1e-12)
     # fp32 programs are priced alike on both
     w32 = replace(w, dtype="fp32")
     assert simulate_workload(w32, host).report.step_time_s == simulate_workload(w32, native).report.step_time_s
@@ -485,7 +504,8 @@ def test_a_traced_kernel_takes_one_matmuls_half_where_calibrate_measured_it() ->
         program = workload_program(w, topology)
         (matmuls,) = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE]
         seconds = price_workload(program, topology, "fp32").durations[matmuls]
-        assert seconds == pytest.approx(compute.launch_overhead_s + (flops + 3 * half) / rate, rel=1e-9)
+        assert seconds == pytest.approx(compute.launch_overhead_s + (flops + 3 * half) / rate + 3 * compute.kernel_s,
+                                        rel=1e-9)
     # plan-driven pricing keeps the steps' half
     assert compute_seconds(host, "fp32", flops, 0.0, 3) == compute_seconds(steps, "fp32", flops, 0.0, 3)
 
@@ -499,3 +519,15 @@ def test_a_bad_matmul_half_flops_names_the_field(value) -> None:
     with pytest.raises(InputError) as info:
         topology_from_dict(data)
     assert "calibration.compute.matmul_half_flops" in str(info.value)
+
+
+def test_the_hosts_kernel_cost_is_the_recorded_fit() -> None:
+    """host-cpu-8's ``compute.kernel_s`` is benchmarks/traced_kernel_cost.py's fit (3 figures), whose leave-one-out
+    error over the calibration's fp32 steps is small: one cost per kernel, not a per-step factor."""
+    import json
+    from pathlib import Path
+
+    record = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+                         / "traced_kernel_cost.json").read_text())
+    assert load_topology("host-cpu-8").calibration.compute.kernel_s == pytest.approx(record["kernel_s"], rel=5e-3)
+    assert record["leave_one_out"]["median_abs"] < 0.05 and len(record["fit_steps"]) >= 8

@@ -109,7 +109,8 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
     Peaks and memory bandwidth: :func:`_fitted_device`. ``compute.efficiency`` is ``efficiency`` when given (the
     training steps' fit, :func:`fit_step_compute`; ``half_flops`` is then the steps' half and
     ``matmul_half_flops`` the matmul samples' own), else the matmul efficiency. ``collectives`` (fitted link
-    parameters) replace the base's when given. The ``controller``, ``elementwise`` and ``host`` groups are made
+    parameters) replace the base's when given; the base's ``compute.kernel_s`` is kept (fitted over traced steps
+    by ``benchmarks/traced_kernel_cost.py``, which needs the tracer). The ``controller``, ``elementwise`` and ``host`` groups are made
     only when measured: a positive controller time, ``passes`` or ``cache_bytes``, shared host cores. Without a
     measured ``host_throughput`` curve, ``host_cores = r`` is written as ``ceil(r)`` cores with
     ``compute.efficiency`` scaled by ``r / ceil(r)``: exact whenever at least ``ceil(r)`` devices compute at
@@ -131,7 +132,7 @@ def calibrated_topology(base: Topology, *, rates: Mapping[str, float], half_flop
                                            pipeline_step_s=controller_pipeline_step_s, buffer_s=controller_buffer_s)
     calibration = Calibration(
         compute=ComputeCalibration(efficiency=efficiency, efficiency_half_flops=half_flops, launch_overhead_s=launch_s,
-                                   matmul_half_flops=matmul_half_flops),
+                                   matmul_half_flops=matmul_half_flops, kernel_s=base.calibration.compute.kernel_s),
         memory=MemoryCalibration(efficiency=memory_efficiency), elementwise=elementwise,
         collectives=base.calibration.collectives, host=host, controller=controller)
     out = replace(base, device=device, calibration=calibration, name=name or f"{base.name}-calibrated",

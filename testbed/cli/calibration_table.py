@@ -54,6 +54,8 @@ def _compute_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append(("compute", "matmul_efficiency, matmul_half_mn, matmul_half_k, matmul_latency_s",
                      f"{c['matmul_efficiency']:.3f}, {c['matmul_half_mn']:.3g}, {c['matmul_half_k']:.3g}, "
                      f"{format_time(c['matmul_latency_s'])} (one matmul by its shape: traced matmuls)"))
+    if c.get("kernel_s"):
+        rows.append(("compute", "kernel_s", f"{format_time(c['kernel_s'])} (each traced kernel on its device alone)"))
     return rows
 
 

@@ -167,10 +167,10 @@ def program_data(args: argparse.Namespace, mesh: dict[str, int], devices: list[A
 def _predicted(workload: Any, topology: Any, m: Any) -> dict[str, Any]:
     """The prediction on ``topology`` beside the measurement: step time, memory, bytes per axis."""
     from testbed.calibration.validation import collective_rows, relative_error
-    from testbed.sim.traced import device_collectives, simulate_workload
+    from testbed.sim.traced import device_collectives, device_memory, simulate_workload
 
     report = simulate_workload(workload, topology).report
-    estimate = float(workload.memory["total"])
+    estimate = float(device_memory(workload, topology)["total"])
     moved = device_collectives(workload, topology).collective_bytes()  # as the topology's compiler moves them
     rows = collective_rows(moved, m.collectives)
     measured_memory = None if m.memory is None else float(m.memory.total)

@@ -30,7 +30,7 @@ from testbed.sim.workload import OpKind, Workload, element_bytes
 from testbed.topology import Topology
 
 #: The task graph's names (testbed.sim.traced_graph) are importable from here too: this is the traced tier's API.
-__all__ = ["TracedSimulation", "workload_program", "price_workload", "traced_topology", "memory_seconds", "simulate_workload",
+__all__ = ["TracedSimulation", "workload_program", "device_memory", "price_workload", "traced_topology", "memory_seconds", "simulate_workload",
            "mesh_groups", "collective_bytes", "workload_report", "matmul_dtype", "convert_bytes", "device_collectives"]
 
 
@@ -56,13 +56,26 @@ def workload_report(workload: Workload, topology: Topology, timeline: Timeline, 
     step = timeline.step_time_s
     peak = topology.device.flops(matmul_dtype(topology, workload.dtype))
     mfu = workload.flops() / (peak * step) if step > 0 else 0.0
-    memory = dict(workload.memory)
+    memory = device_memory(workload, topology)
     memory["capacity"] = topology.device.memory_bytes
     if "total" in memory:
         memory["fits"] = bool(memory["total"] <= topology.device.memory_bytes)
     return Report(step_time_s=step, compute_s=timeline.compute_s(), exposed_comm_s=timeline.exposed_comm_s(),
                   bubble_fraction=0.0, mfu=mfu, memory=memory, plan=workload.name, topology=topology.name,
                   devices=topology.num_devices, tasks=tasks, source=timeline.source)
+
+
+def device_memory(workload: Workload, topology: Topology) -> dict:
+    """The workload's memory estimate as the topology's compiler holds it: where it runs bf16 matmuls in fp32
+    between converts (``device.bf16_matmuls: fp32``, XLA:CPU) and the estimate carries ``total_fp32_matmuls``
+    (each bf16 matmul operand's f32 copy, made once and kept to its last matmul: testbed.runner.program.memory),
+    that total; else the estimate as it is."""
+    memory = dict(workload.memory)
+    upcast = memory.pop("total_fp32_matmuls", None)
+    if upcast is not None and topology.device.bf16_matmuls == "fp32" and "total" in memory:
+        memory["temporaries"] = memory.get("temporaries", 0.0) + upcast - memory["total"]
+        memory["total"] = upcast
+    return memory
 
 
 def memory_seconds(topology: Topology, hbm_bytes: float) -> float:
@@ -101,19 +114,22 @@ def price_workload(program: Program, topology: Topology, dtype: str) -> Priced:
 
     ``launch_overhead_s`` is the time of an empty program (docs/calibration.md): plan-driven simulation
     pays it per action, each a program; a traced step is one program, so only its first compute task does.
-    Its kernels are priced as one matmul timed alone is (:func:`traced_topology`).
+    Its kernels are priced as one matmul timed alone is (:func:`traced_topology`), each with the calibration's
+    ``compute.kernel_s`` on top (the host's cost of running one more kernel: XLA:CPU's thunk per fusion).
     """
     topology = traced_topology(topology)
     priced = price(program, topology, matmul_dtype(topology, dtype))
     launch = topology.calibration.compute.launch_overhead_s
     durations = list(priced.durations)
     computes = [i for i, t in enumerate(program.tasks) if t.kind is TaskKind.COMPUTE and durations[i] > 0]
+    per_kernel = topology.calibration.compute.kernel_s
     for k, i in enumerate(computes):
         task = program.tasks[i]
         if task.flops == 0 and task.hbm_bytes > 0:
             durations[i] = launch + memory_seconds(topology, task.hbm_bytes)
         if k > 0:
             durations[i] = max(0.0, durations[i] - launch)
+        durations[i] += per_kernel * task.kernels
     return replace(priced, durations=tuple(durations))
 
 

@@ -159,7 +159,8 @@ class _Segments:
         if hbm > 0:
             tasks.append(b.add(name=f"memory-bound ({sum(op.kind is OpKind.MEMORY for op in ops)} ops)", device=rep,
                                stream="compute", kind=TaskKind.COMPUTE, deps=tuple(tasks or deps), hbm_bytes=hbm,
-                               kernels=max(1, sum(op.count for op in ops if op.kind is OpKind.MEMORY))))
+                               kernels=max(1, sum(op.count for op in ops
+                                                      if op.kind is OpKind.MEMORY and op.hbm_bytes > 0))))
         last = (tasks[-1],) if tasks else tuple(deps)
         for i in segment:
             self.done[i] = last

@@ -76,6 +76,11 @@ class ComputeCalibration(_Group):
         ``efficiency``, ``gemm_half_mn``, ``gemm_half_k`` and
         ``gemm_latency_s`` for a traced program's matmuls and convolutions
         (:meth:`traced`); a plan's compute keeps its own. All 0: none measured.
+    kernel_s: seconds each kernel of a traced program (a matmul, a memory-bound op of the fusion estimate) costs
+        on its device alone beyond its work: XLA:CPU runs every fusion as a thunk of its own, dispatched and
+        split over the host's thread pool per device. Fitted over the calibration's fp32 training steps traced,
+        against the plan-driven price of the same steps (``benchmarks/traced_kernel_cost.py``, leave-one-out
+        error reported there); 0: none (accelerators, where a kernel's launch is in ``launch_overhead_s``).
     """
 
     GROUP: ClassVar[str] = "compute"
@@ -93,6 +98,7 @@ class ComputeCalibration(_Group):
     matmul_half_mn: float = 0.0
     matmul_half_k: float = 0.0
     matmul_latency_s: float = 0.0
+    kernel_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.matmul_half_flops is not None:
@@ -105,7 +111,8 @@ class ComputeCalibration(_Group):
         if self.matmul_efficiency:
             self._fraction("matmul_efficiency")
         self._nonnegative("efficiency_half_flops", "launch_overhead_s", "gemm_half_mn", "gemm_half_k",
-                          "gemm_latency_s", "fp8_gemm_half_k", "matmul_half_mn", "matmul_half_k", "matmul_latency_s")
+                          "gemm_latency_s", "fp8_gemm_half_k", "matmul_half_mn", "matmul_half_k", "matmul_latency_s",
+                          "kernel_s")
 
     def cap(self, dtype: str) -> float:
         """The efficiency of a very large matmul in ``dtype`` (``fp8_efficiency`` for fp8 where set)."""

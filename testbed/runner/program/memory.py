@@ -6,7 +6,9 @@ Walking each block in program order, a materialized value (testbed.runner.progra
 approximation: what a matmul, collective, reduction, loop or call writes, or what such an op reads; and an
 elementwise result read after a matmul or collective when XLA would not recompute it there, :func:`_readers`)
 is allocated when it is produced and freed after its last reader in the block (a loop's carried values when
-the loop ends, a block's results when the block ends). A loop or call body adds its own peak above what is
+the loop ends, a block's results when the block ends). All-reduces that XLA's combiner merges into one
+(:func:`_combined`) run as that one: every member's operand is kept until the last member's place, where all
+their results are allocated at once. A loop or call body adds its own peak above what is
 live around it, once (iterations reuse their buffers). XLA's buffer reuse across unrelated values, in-place
 updates and its scheduler's reordering are not modeled: an estimate of what the program keeps alive, not XLA's
 buffer assignment (docs/program.md).
@@ -111,8 +113,50 @@ def _readers(block: Block, functions: dict) -> tuple[dict, set, set]:
     return last, sunk, far
 
 
-def _block_peak(block: Block, functions: dict, memo: dict) -> float:
-    """Peak bytes the block allocates above what is live when it starts (its arguments not counted)."""
+def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
+    """Each all-reduce of ``nodes`` that XLA's all-reduce combiner merges with others -> the index of the member
+    where the merged one runs: the first whose place is past every member's operands (its scheduler issues the
+    merged op once they are ready, and the readers of its results after it).
+
+    XLA's ``CombineInstructionsByKey`` (xla/service/collective_combiner_utils.h, which the all-reduce combiner
+    calls): walking in order, a group of one key (here the mesh axes, the element type and the reduction) takes
+    each next all-reduce of that key unless it is reachable in the data flow from a member already taken; the
+    first that is opens the next group (testbed.sim.combine follows the same rule on the workload). XLA:CPU's
+    compiled programs run the merged one: a pipeline's per-tick weight-gradient all-reduces are one tuple
+    all-reduce whose operands and results are all live at once; a pmap step's gradient pmeans and its loss's
+    pmean (after the update in program order) are one, before the update."""
+    produced: dict = {}     # value -> bit set of the all-reduces it depends on
+    made: dict = {}         # value -> index of the node writing it
+    open_groups: dict = {}  # key -> (members, their bits)
+    groups: list = []
+    for i, node in enumerate(nodes):
+        reads = [_root(alias, v) for v in node.operands]
+        reads += [_root(alias, v) for inner in node.blocks for v in _uses(inner, functions)]
+        below = 0
+        for v in reads:
+            below |= produced.get(v, 0)
+        if node.kind == "collective" and node.collective and node.collective[0] == "all_reduce":
+            key = (node.collective[1], node.collective[4], node.reducer)
+            members, bits = open_groups.get(key, ([], 0))
+            if below & bits or not members:
+                members, bits = [], 0
+                groups.append(members)
+            members.append(i)
+            open_groups[key] = (members, bits | (1 << i))
+            below |= 1 << i
+        for r in node.results:
+            produced[r], made[r] = below, i
+    out: dict[int, int] = {}
+    for members in (g for g in groups if len(g) > 1):
+        ready = max((made.get(_root(alias, o), -1) for m in members for o in nodes[m].operands), default=-1)
+        runs = min(m for m in members if m >= ready)
+        out.update((m, runs) for m in members)
+    return out
+
+
+def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None) -> float:
+    """Peak bytes the block allocates above what is live when it starts (its arguments not counted); ``upcast``:
+    the entry's argument sizes where each bf16 matmul operand also has an f32 copy (:func:`_f32_copies`)."""
     key = id(block)
     if key in memo:
         return memo[key]
@@ -120,31 +164,83 @@ def _block_peak(block: Block, functions: dict, memo: dict) -> float:
     last, sunk, far = _readers(block, functions)
     nodes, alias = _flatten(block)
     yields = {_root(alias, v) for v in block.yields}
+    merged = _combined(nodes, alias, functions)
+    for m, end in merged.items():  # a member's operands and results live until its group runs, at least
+        for v in [_root(alias, o) for o in nodes[m].operands] + list(nodes[m].results):
+            last[v] = max(last.get(v, end), end)
     dying: dict = {}
     for v, j in last.items():
         dying.setdefault(j, []).append(v)
     size: dict = {}
+    copies = _F32Copies(nodes, alias, upcast, size, dying)
     live = peak = 0.0
     for i, node in enumerate(nodes):
-        inner = max((_block_peak(b, functions, memo) for b in node.blocks), default=0.0)
+        inner = max((_block_peak(b, functions, memo, upcast) for b in node.blocks), default=0.0)
         if node.kind == "call" and node.callee in functions:
-            inner = _block_peak(functions[node.callee], functions, memo)
+            inner = _block_peak(functions[node.callee], functions, memo, upcast)
         kept = [r for r, root in zip(node.results, node.roots or [True] * len(node.results))
                 if node.kind in ("gemm", "collective", *_NESTED) or root or r in sunk or r in far]
-        new = sum(w for r, w in zip(node.results, node.writes) if r in kept)
+        written = list(zip(node.results, node.writes))
+        if merged.get(i, i) != i:  # its results are written where its group runs
+            kept = []
+        elif i in merged:
+            more = [(r, w) for m, end in merged.items() if end == i and m != i
+                    for r, w in zip(nodes[m].results, nodes[m].writes)]
+            written += more
+            kept += [r for r, _ in more]
+        live += copies.made(node)
+        new = sum(w for r, w in written if r in kept)
         # a loop's, call's or shard_map body's results are its block's yields, live at its end: in its own peak
         peak = max(peak, live + (max(inner, new) if node.blocks or node.kind == "call" else new))
         live += new
-        for r, w in zip(node.results, node.writes):
+        for r, w in written:
             if r in kept:
                 size[r] = w
         for v in dying.get(i, []) + [r for r in kept if r not in last]:
             if v in size and v not in yields:  # freed after its last reader (at once if nothing reads it)
                 live -= size.pop(v)
+        peak = max(peak, live)
     memo[key] = peak
     return peak
 
 
-def peak_bytes(compiled: Compiled) -> float:
+class _F32Copies:
+    """XLA:CPU's f32 copies of bf16 matmul operands (``device.bf16_matmuls: fp32``): FloatNormalization converts
+    each operand of a bf16 dot to f32; after CSE one convert per value, its result kept until the value's last
+    matmul. A copy is allocated in ``size`` (keyed ``("f32", value)``) at the first matmul reading the value and
+    queued in ``dying`` at its last; ``upcast`` None: none (the estimate as the value's own compiler keeps it)."""
+
+    def __init__(self, nodes: list, alias: dict, upcast: dict | None, size: dict, dying: dict) -> None:
+        self.alias, self.upcast, self.size, self.dying = alias, upcast, size, dying
+        self.last: dict = {}
+        for i, node in enumerate(nodes):
+            if node.kind == "gemm":
+                for o in node.operands:
+                    self.last[_root(alias, o)] = i
+        self.done: set = set()
+
+    def made(self, node) -> float:
+        """Bytes of the copies ``node`` makes (0 unless it is a bf16 matmul reading a value without one yet)."""
+        if self.upcast is None or node.kind != "gemm" or not _half(node):
+            return 0.0
+        made = 0.0
+        for v in (_root(self.alias, o) for o in node.operands):
+            nbytes = self.size.get(v, self.upcast.get(v))
+            if v in self.done or nbytes is None:
+                continue
+            self.done.add(v)
+            self.size[("f32", v)] = 2 * nbytes
+            self.dying.setdefault(self.last[v], []).append(("f32", v))
+            made += 2 * nbytes
+        return made
+
+
+def _half(node) -> bool:
+    g = node.gemm
+    return g is not None and node.writes and node.writes[0] == 2 * g.batch * g.m * g.n
+
+
+def peak_bytes(compiled: Compiled, upcast: bool = False) -> float:
     """The step's arguments plus the peak of what its program keeps alive above them (module docstring)."""
-    return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {})
+    args = dict(zip(compiled.entry.args, compiled.arg_bytes)) if upcast else None
+    return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {}, args)
