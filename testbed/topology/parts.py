@@ -285,9 +285,11 @@ class DeviceSpec:
         return self.buffer_rules == "xla-tpu"
 
     def fused_updates(self) -> bool:
-        """Whether the compiler runs a weight matrix's optimizer update in its gradient matmul's epilogue where
-        nothing sums that gradient (XLA:TPU, ``buffer_rules: xla-tpu``: one output fusion per matrix in the chip's
-        per-op profiles, benchmarks/tpu_chip/profiles.json; testbed.sim.update_facts.fused_update)."""
+        """Whether the compiler fuses a weight gradient's consumer into its matmul's output: the optimizer's update
+        where nothing sums that gradient, the add into a microbatch loop's accumulator (XLA:TPU, ``buffer_rules:
+        xla-tpu``: one output fusion per matrix in the chip's per-op profiles and compiled loop bodies,
+        benchmarks/tpu_chip/profiles.json, accumulate.json; testbed.sim.update_facts.fused_update,
+        testbed.sim.grad_bytes.FUSED_ACCUMULATE_PASSES)."""
         return self.buffer_rules == "xla-tpu"
 
     def fuses_into_matmuls(self) -> bool:
