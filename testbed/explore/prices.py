@@ -275,14 +275,15 @@ class StepPrices:
         each: tuple[float, ...] = ()
         if gradients(self.facts, self.facts.last_backward, chain, 1).each and chunk.buckets > 1:
             each = tuple(self._accumulated(s, chunk, chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
-        return n * coll.time("reduce_scatter", axes, s, chunk.reduced.each_microbatch / n), each
+        return n * coll.time(self.facts.accumulate_op, axes, s, chunk.reduced.each_microbatch / n), each
 
     def _accumulated(self, s: int, chunk: ChunkFacts, buckets) -> float:
         """Seconds of an earlier microbatch's reduce-scatters of ``buckets`` (ChunkFacts.bucket's (share,
         collectives)) into the sharded accumulator, as testbed.sim.program's tasks."""
         time, axes = self.coll.time, self.facts.per_microbatch
         each = chunk.reduced.each_microbatch
-        return sum(max(1, m) * time("reduce_scatter", axes, s, each * f / max(1, m)) for f, m in buckets)
+        op = self.facts.accumulate_op
+        return sum(max(1, m) * time(op, axes, s, each * f / max(1, m)) for f, m in buckets)
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's

@@ -37,7 +37,7 @@ from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_
                                      gradient_buckets, reduce_bytes, tied_copy_bytes)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
-from testbed.sim.xla_tpu import lowered_reductions, regathers_for_recompute, scatters_as_allreduce
+from testbed.sim.xla_tpu import accumulate_op, lowered_reductions, regathers_for_recompute, scatters_as_allreduce
 
 if TYPE_CHECKING:
     from testbed.topology import Topology
@@ -77,6 +77,9 @@ class StepFacts:
     #: Bytes per device of the tied token table's gradient all-reduced between the first and the last stage before
     #: their updates (testbed.sim.grad_bytes.tied_copy_bytes; 0: none).
     tied_bytes: float = 0.0
+    #: The collective an earlier microbatch's gradients are summed into the sharded accumulator with over
+    #: ``per_microbatch`` (testbed.sim.xla_tpu.accumulate_op: ``reduce_scatter``, or XLA:TPU's all-reduce of it).
+    accumulate_op: str = "reduce_scatter"
 
     @property
     def stages(self) -> int:
@@ -156,14 +159,13 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound,
             testbed.model.leaves.combine_limit: XLA's default threshold, or none for PyTorch's flat parameters).
         schedule: the pipeline table to follow (default: the plan's schedule, memoized).
-        chained_gathers: all-gathers are a scheduler resource of their own, one in flight (the topology's
-            ``device.collective_resources: per_kind``): a layer's re-gathered weights arrive one gather after
-            another, so a weight gradient that reads none of them runs first (ChunkFacts.bucket_early).
+        chained_gathers: all-gathers are a scheduler resource of their own (``device.collective_resources:
+            per_kind``): a layer's re-gathers arrive one by one, a weight gradient reading none runs first.
         native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: testbed.topology.DeviceSpec
             .native_reductions): the norms' gradients and the loss's maximum move in their own dtype.
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
-        fused_updates: the compiler runs the optimizer's update of a weight matrix in its gradient matmul's
-            epilogue where nothing sums that gradient (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
+        fused_updates: the compiler fuses a weight gradient's update (where nothing sums it) and its add into the
+            accumulator into its matmul (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
         whole_slice_scatters: a reduce-scatter over every device compiles to an all-reduce, merged by the all-reduce
             combiner (XLA:TPU on a whole slice: testbed.sim.xla_tpu.scatters_as_allreduce).
         recompute_gathers: under full remat a layer's backward gathers what its recomputation reads apart from
@@ -204,7 +206,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                      param_bytes=param_b, grad_bytes=grad_b, params_axes=sharding.params,
                      params_ways=sharding.ways(plan, "params"), optimizer_ways=o_ways, per_microbatch=per_microbatch,
                      reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates,
-                     tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)))
+                     tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)),
+                     accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters))
 
 
 def alike_key(plan: Plan, stages: int, virtual: int, s: int, c: int, span: range) -> tuple:

@@ -80,8 +80,9 @@ class GradPlay:
         """An earlier microbatch's gradients (``fraction`` of them, in ``count`` collectives; default all, one per
         leaf) reduce-scattered into the sharded accumulator (grad stream)."""
         rep, groups, leaves = self.reps[s], self.g_groups[s], count or max(1, chunk.leaves)
-        return self.b.add(name=f"reduce_scatter {label} (accumulate)", device=rep, stream="grad",
-                          kind=TaskKind.COLLECTIVE, deps=(last,), op="reduce_scatter",
+        op = self.facts.accumulate_op
+        return self.b.add(name=f"{op} {label} (accumulate)", device=rep, stream="grad",
+                          kind=TaskKind.COLLECTIVE, deps=(last,), op=op,
                           nbytes=chunk.reduced.each_microbatch * fraction / leaves, count=leaves,
                           group=rep_group(groups, rep), instances=groups)
 

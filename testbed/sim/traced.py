@@ -27,6 +27,7 @@ from testbed.sim.tasks import Program, TaskKind
 from testbed.sim.timeline import Report, Timeline
 from testbed.sim.traced_graph import collective_bytes, convert_bytes, mesh_groups, repeat_gemm, workload_program
 from testbed.sim.workload import OpKind, Workload, element_bytes
+from testbed.sim.xla_tpu import lowered_scatters, scatters_as_allreduce
 from testbed.topology import Topology
 
 #: The task graph's names (testbed.sim.traced_graph) are importable from here too: this is the traced tier's API.
@@ -153,7 +154,8 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     """Price and play ``workload`` on ``topology`` (raises InputError when the mesh does not fill it).
 
     First each collective's bytes are those of the element type the topology's compiler moves it in
-    (:func:`device_collectives`: XLA:CPU widens bf16 to f32); then independent collectives are merged as the
+    (:func:`device_collectives`: XLA:CPU widens bf16 to f32), and a reduce-scatter over every device is the
+    all-reduce XLA:TPU makes of it on a whole slice (testbed.sim.xla_tpu.lowered_scatters); then independent collectives are merged as the
     topology's compiler would (testbed.sim.combine, by data-flow
     reachability within testbed.model.leaves.combine_limit: the topology's ``calibration.collectives.combine_bytes``,
     else XLA's default threshold, as the plan's model counts them), on the traced order, since XLA's combiners
@@ -164,7 +166,8 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     """
     collectives = topology.calibration.collectives
     limit = combine_limit(collectives.combine_bytes)
-    workload = hoist_collectives(defer_consumers(combine_collectives(device_collectives(workload, topology), limit,
+    lowered = lowered_scatters(device_collectives(workload, topology), scatters_as_allreduce(topology))
+    workload = hoist_collectives(defer_consumers(combine_collectives(lowered, limit,
                                                                      collectives.allreduce_combine_bytes)))
     if topology.device.gathers_apart():
         workload = chain_gathers(workload, _op_seconds(workload, topology, device_ids))

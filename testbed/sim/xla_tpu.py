@@ -28,13 +28,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from testbed.model.leaves import RECOMPUTE_SKIPS
 from testbed.plan.spec import MeshSpec
 from testbed.topology.parts import Form, LinkKind
 from testbed.topology.spec import Topology
 
-__all__ = ["scatters_as_allreduce", "lowered_reductions", "regathers_for_recompute", "RECOMPUTE_SKIPS"]
+if TYPE_CHECKING:
+    from testbed.sim.workload import Workload
+
+__all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowered_scatters", "regathers_for_recompute",
+           "RECOMPUTE_SKIPS"]
+
 
 def scatters_as_allreduce(topology: Topology) -> bool:
     """Whether a reduce-scatter over every device of ``topology`` compiles to an all-reduce (module docstring): an
@@ -57,6 +63,26 @@ def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> 
     return tuple(replace(r, scatter_op="all_reduce")
                  if r.sharded and math.prod(mesh.degree(a) for a in r.sharded) == mesh.size else r
                  for r in reductions)
+
+
+def accumulate_op(axes: tuple, mesh: MeshSpec, whole_slice: bool) -> str:
+    """The collective an earlier microbatch's gradients are summed into the sharded accumulator with over ``axes``:
+    ``all_reduce`` where ``whole_slice`` and ``axes`` span every device of the mesh (:func:`lowered_reductions`'s
+    rule), else ``reduce_scatter``."""
+    spans = bool(axes) and math.prod(mesh.degree(a) for a in axes) == mesh.size
+    return "all_reduce" if whole_slice and spans else "reduce_scatter"
+
+
+def lowered_scatters(workload: "Workload", whole_slice: bool) -> "Workload":
+    """A traced program's ``workload`` with each reduce-scatter over every device of its mesh an all-reduce of the
+    same bytes where ``whole_slice`` (:func:`scatters_as_allreduce` of the topology): the rule
+    :func:`lowered_reductions` applies to a plan's gradients, for the traced tier."""
+    if not whole_slice:
+        return workload
+    ops = tuple(replace(op, collective="all_reduce", name=op.name.replace("reduce_scatter", "all_reduce", 1))
+                if op.collective == "reduce_scatter" and op.group == workload.devices else op
+                for op in workload.ops)
+    return replace(workload, ops=ops) if ops != workload.ops else workload
 
 
 def regathers_for_recompute(topology: Topology) -> bool:
