@@ -30,14 +30,14 @@ from testbed.model.layout import chunk_layers
 from testbed.model.leaves import bucket_share, combine_limit
 from testbed.model.memory import state_bytes_per_param
 from testbed.pipeline.schedules import Schedule
-from testbed.plan.sharding import gathers_parameters, gradient_reduction, state_sharding
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, loss_merged, state_sharding
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ChunkFacts, action_sends, chunk_facts
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
                                      gradient_buckets, reduce_bytes, tied_copy_bytes)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
-from testbed.sim.xla_tpu import lowered_reductions, regathers_for_recompute, scatters_as_allreduce
+from testbed.sim.xla_tpu import lowered_reductions, merges_loss, regathers_for_recompute, scatters_as_allreduce
 
 if TYPE_CHECKING:
     from testbed.topology import Topology
@@ -100,6 +100,12 @@ class StepFacts:
         """Bytes per gradient value as gradients are reduced: their own, or 4 with ``runtime.grad_reduce_dtype``
         ``fp32``."""
         return reduce_bytes(self.plan, self.grad_bytes)
+
+    @property
+    def loss_merged(self) -> bool:
+        """Whether the loss's all-reduce rides in the gradients' (testbed.plan.sharding.loss_merged; their
+        reduce-scatter an all-reduce over the loss's axes where testbed.sim.xla_tpu.merges_loss)."""
+        return loss_merged(self.plan, self.reduce_bytes, merges_loss(self.reductions))
 
     @property
     def scatter_sends(self) -> int:

@@ -77,7 +77,7 @@ from testbed.pipeline.schedules import Action, Schedule
 from testbed.model.layout import holds
 from testbed.model.spans import scaled_spans
 from testbed.plan.placement import Placement
-from testbed.plan.sharding import loss_merged, loss_reductions
+from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
@@ -416,7 +416,7 @@ class _Graph(SpanPlay, GradPlay):
         fp32 value each; loss stream: nothing waits for them)."""
         rep, final = self.reps[s], action.microbatch == self.facts.microbatches - 1
         for axes, per_microbatch in loss_reductions(self.plan):
-            if (per_microbatch or final) and not loss_merged(self.plan, self.facts.reduce_bytes):
+            if (per_microbatch or final) and not self.facts.loss_merged:
                 g = axis_groups_cached(self.groups, self.plan, list(axes), s)
                 self.b.add(name=f"loss {action.label(self.facts.virtual)}", device=rep, stream="loss",
                            kind=TaskKind.COLLECTIVE, deps=(last,), op="all_reduce", nbytes=float(LOSS_BYTES),

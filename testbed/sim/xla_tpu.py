@@ -34,7 +34,8 @@ from testbed.plan.spec import MeshSpec
 from testbed.topology.parts import Form, LinkKind
 from testbed.topology.spec import Topology
 
-__all__ = ["scatters_as_allreduce", "lowered_reductions", "regathers_for_recompute", "RECOMPUTE_SKIPS"]
+__all__ = ["scatters_as_allreduce", "lowered_reductions", "merges_loss", "regathers_for_recompute",
+           "RECOMPUTE_SKIPS"]
 
 def scatters_as_allreduce(topology: Topology) -> bool:
     """Whether a reduce-scatter over every device of ``topology`` compiles to an all-reduce (module docstring): an
@@ -57,6 +58,13 @@ def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> 
     return tuple(replace(r, scatter_op="all_reduce")
                  if r.sharded and math.prod(mesh.degree(a) for a in r.sharded) == mesh.size else r
                  for r in reductions)
+
+
+def merges_loss(reductions: tuple) -> bool:
+    """Whether the dense gradients' sum is one all-reduce over the axes the loss sums over (:func:`lowered_reductions`:
+    a whole slice's reduce-scatter, nothing summed after it), which the combiner lets an fp32 loss join
+    (testbed.plan.sharding.loss_merged; llama2k-fsdp16-fp32-selective: the loss's 4 bytes in a gradient all-reduce)."""
+    return any(r.scatter_op == "all_reduce" and not r.rest and not (r.expert or r.sequence) for r in reductions)
 
 
 def regathers_for_recompute(topology: Topology) -> bool:
