@@ -151,13 +151,14 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 
 
 #: What XLA:TPU does to the recorded plans' collectives that the task graph does not yet (docs/xla_tpu.md). Modelled
-#: (testbed.sim.xla_tpu): a reduce-scatter over a whole v5e 4x4+ or v5p slice is an all-reduce, merged within 120 MiB;
-#: under full remat a layer's backward gathers its recomputation's leaves apart.
+#: (testbed.sim.xla_tpu): a reduce-scatter over a whole v5e 4x4+ or v5p slice is an all-reduce, merged within 120 MiB,
+#: which an fp32 loss joins; under full remat a layer's backward gathers its recomputation's leaves apart; under fp32
+#: the weight matrices are gathered in bf16.
 FSDP = ("fsdp: XLA:TPU lowers an all-gather of small shards over a whole slice as an all-reduce, a reduce-scatter "
         "over part of a slice (or a whole 2x2 one) of a leaf whose shard is not lane-aligned, and of the norms, as "
-        "an all-reduce of a padded buffer and collective-permutes, and under fp32 gathers the matmul weights in bf16")
+        "an all-reduce of a padded buffer and collective-permutes")
 #: The recorded fsdp plans whose collectives equal XLA:TPU's by testbed.sim.xla_tpu's rules.
-FSDP_EQUAL = ("llama2k-fsdp8", "gpt2k-fsdp16-full")
+FSDP_EQUAL = ("llama2k-fsdp8", "gpt2k-fsdp16-full", "llama2k-fsdp16-fp32-selective")
 SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU gathers some activations again in the "
                 "backward (16 tensor all-gathers against 11)")
 #: The recorded multi-chip plans whose collectives per mesh axis differ from XLA:TPU's, by mechanism.
@@ -181,9 +182,23 @@ def test_fsdp_moves_the_predicted_bytes_where_it_lowers_collectives_as_all_reduc
         assert abs(moved["xla"] - moved["predicted"]) <= 1024, (row["plan"], moved)
 
 
-#: The recorded bf16-mixed fsdp-only plans without remat (under fp32, llama2k-fsdp4-fp32, XLA:TPU gathers the matmul
-#: weights in bf16, their dots' default precision: half testbed's gather bytes).
+#: The recorded bf16-mixed fsdp-only plans without remat (llama2k-fsdp4-fp32's reduce-scatters over a 2x2 slice
+#: move padded buffers and collective-permutes).
 FSDP_ONLY = ("llama1b-fsdp256-flash", "llama2k-fsdp8")
+
+
+def test_fp32_plans_gather_weight_matrices_in_bf16():
+    """Under fp32 XLA:TPU gathers the layers' weight matrices and the head's in the backward in bf16, the norms, the
+    token table and the head's forward gather in fp32 (testbed.sim.xla_tpu.matmul_gather_bytes): the fsdp
+    all-gathers of both recorded fp32 fsdp plans equal XLA:TPU's, and the fp32 loss rides in a gradient all-reduce
+    over a whole 4x4 slice (testbed.sim.xla_tpu.merges_loss)."""
+    rows = {r["plan"]: r for r in ROWS}
+    for name in ("llama2k-fsdp4-fp32", "llama2k-fsdp16-fp32-selective"):
+        gathers = [rows[name][f"{side}_collectives"]["fsdp all-gather"] for side in ("predicted", "xla")]
+        assert gathers[0] == gathers[1] and gathers[0]["count"] == 37, (name, gathers)
+    reduced = [rows["llama2k-fsdp16-fp32-selective"][f"{side}_collectives"]["fsdp all-reduce"]
+               for side in ("predicted", "xla")]
+    assert reduced[0] == reduced[1] and reduced[0]["bytes"] % 4096 == 4, reduced
 
 
 def test_xla_tpu_rules_make_the_named_fsdp_plans_equal():

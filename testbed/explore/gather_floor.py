@@ -33,6 +33,7 @@ from testbed.plan.placement import place
 from testbed.plan.sharding import gathers_parameters, state_sharding
 from testbed.plan.spec import Plan
 from testbed.sim.memo import cached_chunk_cost
+from testbed.sim.xla_tpu import matmul_gather_bytes, narrows_gathers
 from testbed.topology import Topology
 
 __all__ = ["gather_floor", "gather_seconds_per_microbatch", "gather_key"]
@@ -71,6 +72,7 @@ def _per_microbatch(plan: Plan, topology: Topology) -> float:
             or plan.mesh.context > 1 or topology.calibration.host is not None):
         return 0.0
     param_b = state_bytes_per_param(plan)[0]
+    matmul_b = matmul_gather_bytes(plan, param_b) if narrows_gathers(topology) else 0.0
     combine = combine_limit(topology.calibration.collectives.combine_bytes, plan.runtime.gather_combine_bytes)
     coll = StageCollectives(topology, place(plan, topology).device_ids)
     axes, priced, sizes, p, v = sharding.params, {}, {}, plan.mesh.stage, plan.schedule.virtual_stages
@@ -85,14 +87,15 @@ def _per_microbatch(plan: Plan, topology: Topology) -> float:
             alike = (kinds, cost.has_embedding, cost.has_head)
             if alike not in sizes:
                 chained = spans is not None and plan.mesh.expert > 1 and moe_layers(plan.model, spans[s][c]) > 0
-                sizes[alike] = _chunk_sizes(plan, s, c, combine, param_b, cost, chained)
+                sizes[alike] = _chunk_sizes(plan, s, c, combine, param_b, cost, chained, matmul_b)
             total += min((sum(_block_seconds(coll, axes, s, kind, priced) for kind in split) for split in sizes[alike]),
                          default=0.0)
         worst = max(worst, total)
     return worst
 
 
-def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cost, chained: bool) -> list[tuple]:
+def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cost, chained: bool,
+                 matmul_b: float = 0.0) -> list[tuple]:
     """Per way the chunk's blocks may be split, each gathering action's block gathers' bytes
     (testbed.model.blocks.block_gathers; ``chained``: its F and B actions are MoE chains, testbed.sim.moe, which
     gather the chunk whole); empty when the chunk gathers nothing."""
@@ -107,7 +110,8 @@ def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cos
     splits = {max(1, cost.layers)}
     if plan.runtime.fsdp_edge_blocks and (cost.has_embedding or cost.has_head) and cost.layers >= 1:
         splits.add(own_blocks(cost.layers, cost.has_embedding, cost.has_head))
-    return [tuple(block_gathers(plan, s, c, kind, blocks, n, combine, param_b) for kind, n in elements.items()
+    return [tuple(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, matmul_bytes=matmul_b)
+                  for kind, n in elements.items()
                   if gathers_parameters(plan, kind)) for blocks in splits]
 
 

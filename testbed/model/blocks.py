@@ -19,7 +19,7 @@ from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
 __all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "scatter_early",
-           "scatter_cuts", "gather_holds", "span_leaves", "PIECE_PARTS", "SHARE_QUANTUM"]
+           "scatter_cuts", "gather_holds", "span_leaves", "narrowed", "PIECE_PARTS", "SHARE_QUANTUM"]
 
 #: One mesh per (stage, tensor, expert, expert_tensor) degrees: the memoized merges below read no other field of the
 #: mesh, so plans whose meshes differ only in data, fsdp, context, order or tile share their entries.
@@ -62,9 +62,20 @@ def block_pieces(layers: int, embed: bool, head: bool, blocks: int) -> tuple[int
     return (0,) * int(embed) + tuple(min(j, last) for j in range(layers)) + (last,) * int(head)
 
 
+def narrowed(param: layout.ParamSpec, piece: str, kind: str) -> bool:
+    """Whether a ``kind`` action's gather of ``param`` (of a ``piece``: embedding, layer, head) moves the dtype its
+    matmuls read rather than the parameter's own (``matmul_bytes`` of :func:`block_gathers`; XLA:TPU under fp32:
+    testbed.sim.xla_tpu.matmul_gather_bytes): a weight matrix of a layer or of the head, read only by matmuls, so
+    the compiler rounds it before the gather. Not the embedding's tables (a lookup, an addition), not the norms'
+    scales or the biases (elementwise), and not the head's matrix in the forward, whose gathered copy the loss's
+    piece also reads whole-width (a corner kept for its backward's gather: testbed.runner.param_shards)."""
+    return (param.part is not layout.Part.EMBEDDING and len(param.shape) >= 2
+            and not (piece == "head" and kind == "F"))
+
+
 def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
-                  combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False
-                  ) -> tuple[tuple[float, ...], ...]:
+                  combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False,
+                  matmul_bytes: float = 0.0) -> tuple[tuple[float, ...], ...]:
     """Bytes of each all-gather a ``kind`` action's block of a chunk's sharded parameters issues, per block in the
     order the action computes them (the backward's from the head): the
     real merged sizes, not equal shares (at many ranks a collective's time is concave in its bytes, so equal
@@ -75,10 +86,11 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
     them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
     ``elements`` (the action's gathered elements, :meth:`testbed.sim.chunk_facts.ChunkFacts.gather`) above the leaves'
     (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
-    graph and the analytic tier both price. ``recompute``: as testbed.model.leaves.regathered's."""
+    graph and the analytic tier both price. ``recompute``: as testbed.model.leaves.regathered's; ``matmul_bytes``:
+    bytes per element of the leaves :func:`narrowed` gathers (0: ``bytes_per_element``)."""
     return _block_gathers(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                           state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, elements,
-                          combine_bytes, bytes_per_element, recompute)
+                          combine_bytes, bytes_per_element, recompute, matmul_bytes)
 
 
 def _chunk_pieces(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], stage: int, chunk: int,
@@ -96,18 +108,25 @@ def _chunk_pieces(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[i
 @functools.lru_cache(maxsize=1 << 14)  # a search prices the same chunk under many schedules and microbatch counts
 def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                    chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float,
-                   bytes_per_element: float, recompute: bool = False) -> tuple[tuple[float, ...], ...]:
+                   bytes_per_element: float, recompute: bool = False, matmul_bytes: float = 0.0
+                   ) -> tuple[tuple[float, ...], ...]:
     """:func:`block_gathers` from what it depends on."""
     merges = _gather_merges(spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, combine_bytes,
-                            bytes_per_element, recompute)
+                            bytes_per_element, recompute, matmul_bytes)
     out = [[size for size, _ in block] for block in merges]
-    return _with_rest(out, elements * bytes_per_element, blocks - 1, reverse=kind != "F")
+    rest = elements * bytes_per_element  # what the action gathers beyond its leaves (a tied table's copy)
+    if matmul_bytes:
+        rest += sum(map(sum, out)) - sum(size for block in _gather_merges(
+            spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, combine_bytes, bytes_per_element,
+            recompute) for size, _ in block)
+    return _with_rest(out, rest, blocks - 1, reverse=kind != "F")
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                    chunk: int, kind: str, blocks: int, combine_bytes: float, bytes_per_element: float,
-                   recompute: bool = False) -> tuple[tuple[tuple[float, frozenset[tuple[int, str]]], ...], ...]:
+                   recompute: bool = False, matmul_bytes: float = 0.0
+                   ) -> tuple[tuple[tuple[float, frozenset[tuple[int, str]]], ...], ...]:
     """Per block (forward order), each merged all-gather of a ``kind`` action as (bytes, its members as (block,
     the leaf's first path part)), in the order the traced program issues them: a merge at its last member's
     place (testbed.sim.combine; XLA's combiner puts the combined collective after all its operands), so a leaf
@@ -115,18 +134,18 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
     first member (:func:`block_gathers`); ``recompute``: a layer's backward gathers its recomputation's leaves
     first (testbed.model.leaves.backward_walk)."""
     held = _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
-    pieces = [(b, params, recompute and what == "layer") for b, what, params in held
-              if kind == "F" or what != "embedding"]
+    pieces = [(b, params, what) for b, what, params in held if kind == "F" or what != "embedding"]
     order = [(j, (block, piece)) for j, (block, piece, _) in enumerate(pieces)]
-    walk = [(block, j, q) for j, (block, piece, again) in (reversed(list(enumerate(pieces))) if kind != "F"
-                                                          else enumerate(pieces))
-            for q in (issue_order(piece) if kind == "F" else backward_walk(piece, again))]
-    sizes = [q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-             for *_, q in walk]
+    walk = [(block, j, q, what) for j, (block, piece, what) in (reversed(list(enumerate(pieces))) if kind != "F"
+                                                               else enumerate(pieces))
+            for q in (issue_order(piece) if kind == "F" else backward_walk(piece, recompute and what == "layer"))]
+    sizes = [q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor)
+             * (matmul_bytes if matmul_bytes and narrowed(q, what, kind) else bytes_per_element)
+             for *_, q, what in walk]
     groups: list[tuple[float, int, tuple[int, ...]]] = []  # (bytes, block, members' walk indices)
     if kind != "F" and not math.isinf(combine_bytes):
         each: dict[int, list[float]] = {}  # each piece's leaves' sizes, in walk order
-        for (_, i, _), n in zip(walk, sizes):
+        for (_, i, _, _), n in zip(walk, sizes):
             each.setdefault(i, []).append(n)
         backward = [(block, tuple(each.get(j, ()))) for j, (block, _) in reversed(order)]
         head = any(what == "head" for _, what, _ in held)
@@ -135,7 +154,7 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
                   backward_merges_members([n for _, n in backward], combine_bytes, waits)]
     else:
         run: list | None = None  # the open merge: [bytes, block, members, key, its index]
-        for i, ((block, _, _), size) in enumerate(zip(walk, sizes)):
+        for i, ((block, *_), size) in enumerate(zip(walk, sizes)):
             key = block if math.isinf(combine_bytes) else 0  # what merges: the whole chunk; a block, unbounded
             if size > combine_bytes:
                 groups.append((size, block, (i,)))  # combined_sizes' rule: alone, the open merge goes on
@@ -152,8 +171,8 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
 
 
 def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
-                 combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False
-                 ) -> tuple[tuple[frozenset[str] | None, ...], ...]:
+                 combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False,
+                 matmul_bytes: float = 0.0) -> tuple[tuple[frozenset[str] | None, ...], ...]:
     """Per block of a ``kind`` action (in the order it computes them, as :func:`block_gathers`), per merged
     all-gather (as its sizes), the first path parts (``attn``, ``ln1``, ``mlp``, ``tokens``, ...) of the block's
     own leaves the merge holds (None: what :func:`block_gathers` adds beyond the leaves, a tied table's copy,
@@ -162,8 +181,9 @@ def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, ele
     spec, mesh = plan.model, _merge_mesh(plan.mesh)
     merges = _gather_merges(spec, mesh, plan.schedule.virtual_stages, plan.stage_layers,
                             state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
-                            bytes_per_element, recompute)
-    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element, recompute)
+                            bytes_per_element, recompute, matmul_bytes)
+    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element, recompute,
+                          matmul_bytes)
     ordered = merges if kind == "F" else tuple(reversed(merges))
     out = []
     for k, (block, total) in enumerate(zip(ordered, sizes)):

@@ -255,10 +255,11 @@ class ChunkFacts:
 def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
                  native: bool = False, allreduce_bytes: float | None = None, scatter_allreduce: bool = False,
-                 recompute_gathers: bool = False, fused: bool = False) -> ChunkFacts:
+                 recompute_gathers: bool = False, fused: bool = False, matmul_b: float = 0.0) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers). ``scatter_allreduce``: the
     gradients' reduce-scatters compile to all-reduces, merged within ``allreduce_bytes`` (testbed.sim.xla_tpu);
-    ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart."""
+    ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart; ``matmul_b``: bytes
+    per element of the weight matrices' gathers (testbed.sim.xla_tpu.matmul_gather_bytes; 0: ``param_b``)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, MATMULS_PER_LAYER * cost.layers)
     n_moe = moe_layers(plan.model, span)
@@ -282,12 +283,14 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b, native) if reduces else (0.0, 0.0)
     again = recompute_gathers and plan.remat is Remat.FULL  # XLA:TPU: the recomputation's own gathers
     regather = Gathered(*regathered(plan, s, c, moved.params, leaves, combine, param_b, again))
-    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B")
+    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B",
+                                            matmul_b)
                               for kind, n in (("F", moved.params), ("B", regather.elements)))) \
         if leaves else ForwardBackward((), ())
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
-    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B")
+    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B",
+                                           matmul_b)
                               for kind, n in (("F", moved.params), ("B", regather.elements)))) \
         if leaves and own else ForwardBackward((), ())
     merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges

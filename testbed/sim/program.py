@@ -101,7 +101,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                   controller: bool = False, combine_bytes: float | None = None, serial: bool = False,
                   chained_gathers: bool = False, native_reductions: bool = False,
                   allreduce_bytes: float | None = None, fused_updates: bool = False,
-                  whole_slice_scatters: bool = False, recompute_gathers: bool = False) -> Program:
+                  whole_slice_scatters: bool = False, recompute_gathers: bool = False,
+                  narrowed_gathers: bool = False) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -116,11 +117,12 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         native_reductions: the compiler reduces bf16 in bf16 (testbed.topology.DeviceSpec.native_reductions).
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
         fused_updates: the compiler fuses updates into the weight gradients (DeviceSpec.fused_updates).
-        whole_slice_scatters, recompute_gathers: XLA:TPU's collective rules (testbed.sim.xla_tpu; step_facts).
+        whole_slice_scatters, recompute_gathers, narrowed_gathers: XLA:TPU's collective rules (testbed.sim.xla_tpu;
+            step_facts).
     """
     return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule, chained_gathers,
                                  native_reductions, allreduce_bytes, fused_updates, whole_slice_scatters,
-                                 recompute_gathers), placement,
+                                 recompute_gathers, narrowed_gathers), placement,
                       controller=controller, serial=serial)
 
 

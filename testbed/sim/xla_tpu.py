@@ -20,6 +20,14 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   gpt2k-fsdp16-full: 63 fsdp all-gathers, 10 a layer more than the forward's and the backward's (the norms'
   scales and shifts, ``attn/*``, ``mlp/w1``, ``mlp/b1``); llama4k-fsdp256-tensor4 and llama4k-fsdp64-tensor4-sp:
   ``attn/wq``, ``attn/wkv``, ``attn/wo``, ``mlp/w1`` and ``mlp/w3`` once more a layer.
+- **Under fp32 the weight matrices are gathered in bf16** (:func:`narrows_gathers`, :func:`matmul_gather_bytes`): a matmul of the default
+  precision reads its fp32 operands rounded to bf16 (one pass), and XLA:TPU rounds a gathered weight read only by
+  matmuls before its all-gather, so the gather moves half the bytes (testbed.model.blocks.narrowed: every weight
+  matrix of a layer, the head's in the backward). The norms' scales stay fp32 (elementwise), and so do the token
+  table (a lookup) and the head's forward gather, whose gathered copy the loss's piece also reads
+  (testbed.runner.param_shards' corner for its backward gather). llama2k-fsdp16-fp32-selective (v5e 4x4) and
+  llama2k-fsdp4-fp32 (v5e 2x2): 37 fsdp all-gathers, the tables' 262 MB twice and the head's 131 MB once, the
+  layers' matrices (``attn/wq`` 8.4 MB, ``attn/wkv`` 4.2 MB, ``mlp/w1`` 22 MB) at 2 bytes, the norms' 8 KB at 4.
 
 Pure: no JAX.
 """
@@ -30,12 +38,17 @@ import math
 from dataclasses import replace
 
 from testbed.model.leaves import RECOMPUTE_SKIPS
-from testbed.plan.spec import MeshSpec
+from testbed.plan.spec import MeshSpec, Plan
 from testbed.topology.parts import Form, LinkKind
 from testbed.topology.spec import Topology
 
 __all__ = ["scatters_as_allreduce", "lowered_reductions", "merges_loss", "regathers_for_recompute",
-           "RECOMPUTE_SKIPS"]
+           "narrows_gathers", "matmul_gather_bytes",
+           "MATMUL_GATHER_BYTES", "RECOMPUTE_SKIPS"]
+
+#: Bytes per element of a weight matrix XLA:TPU gathers for matmuls of the backend's default precision (one bf16
+#: pass: the operand rounded to bf16, the rounding moved before the all-gather).
+MATMUL_GATHER_BYTES = 2.0
 
 def scatters_as_allreduce(topology: Topology) -> bool:
     """Whether a reduce-scatter over every device of ``topology`` compiles to an all-reduce (module docstring): an
@@ -65,6 +78,22 @@ def merges_loss(reductions: tuple) -> bool:
     a whole slice's reduce-scatter, nothing summed after it), which the combiner lets an fp32 loss join
     (testbed.plan.sharding.loss_merged; llama2k-fsdp16-fp32-selective: the loss's 4 bytes in a gradient all-reduce)."""
     return any(r.scatter_op == "all_reduce" and not r.rest and not (r.expert or r.sequence) for r in reductions)
+
+
+def narrows_gathers(topology: Topology) -> bool:
+    """Whether the compiler gathers weight matrices in the dtype their matmuls read (module docstring; the bytes:
+    :func:`matmul_gather_bytes`): XLA:TPU's rule."""
+    return topology.device.buffer_rules == "xla-tpu"
+
+
+def matmul_gather_bytes(plan: Plan, param_bytes: float) -> float:
+    """Bytes per element the sharded weight matrices' all-gathers move where :func:`narrows_gathers`
+    (testbed.model.blocks.narrowed; 0: the parameters' own ``param_bytes``): with parameters wider than bf16
+    (fp32 training) and matmuls of the default precision (``runtime.matmul_precision``),
+    :data:`MATMUL_GATHER_BYTES`."""
+    if param_bytes <= MATMUL_GATHER_BYTES or plan.runtime.matmul_precision == "highest":
+        return 0.0
+    return MATMUL_GATHER_BYTES
 
 
 def regathers_for_recompute(topology: Topology) -> bool:
