@@ -37,8 +37,8 @@ from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_
                                      gradient_buckets, reduce_bytes, tied_copy_bytes)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
-from testbed.sim.xla_tpu import (lowered_reductions, matmul_gather_bytes, merges_loss, narrows_gathers,
-                                 regathers_for_recompute, scatters_as_allreduce)
+from testbed.sim.xla_tpu import (gather_allreduce_bytes, lowered_reductions, lowering_of, matmul_gather_bytes,
+                                 merges_loss, narrows_gathers, regathers_for_recompute, scatters_as_allreduce)
 
 if TYPE_CHECKING:
     from testbed.topology import Topology
@@ -150,14 +150,15 @@ def topology_rules(topology: Topology) -> dict[str, Any]:
             "chained_gathers": device.gathers_apart(), "native_reductions": device.native_reductions(),
             "fused_updates": device.fused_updates(), "whole_slice_scatters": scatters_as_allreduce(topology),
             "recompute_gathers": regathers_for_recompute(topology),
-            "narrowed_gathers": narrows_gathers(topology)}
+            "narrowed_gathers": narrows_gathers(topology), "gather_allreduce": gather_allreduce_bytes(topology)}
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                schedule: Schedule | None = None, chained_gathers: bool = False,
                native_reductions: bool = False, allreduce_bytes: float | None = None,
                fused_updates: bool = False, whole_slice_scatters: bool = False,
-               recompute_gathers: bool = False, narrowed_gathers: bool = False) -> StepFacts:
+               recompute_gathers: bool = False, narrowed_gathers: bool = False,
+               gather_allreduce: float = 0.0) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
@@ -178,6 +179,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
             what its gradients read (XLA:TPU: testbed.sim.xla_tpu.regathers_for_recompute).
         narrowed_gathers: the compiler gathers fp32 weight matrices for default-precision matmuls in bf16
             (XLA:TPU: testbed.sim.xla_tpu.matmul_gather_bytes).
+        gather_allreduce: the largest buffer a gather over every device compiles to an all-reduce of, merged by the
+            all-reduce combiner (XLA:TPU: testbed.sim.xla_tpu.gather_allreduce_bytes; 0: none).
     """
     mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
     p = mesh.stage
@@ -192,6 +195,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
     combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
     matmul_b = matmul_gather_bytes(plan, param_b) if narrowed_gathers else 0.0
+    lowering = lowering_of(gather_allreduce, allreduce_bytes, plan, sharding.ways(plan, "params"))
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     alike: dict[tuple, ChunkFacts] = {}  # chunks alike in their layers and ends: worked out once
@@ -204,7 +208,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                                         bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
                                         chained_gathers, native_reductions, allreduce_bytes,
                                         any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers,
-                                        fused_updates, matmul_b)
+                                        fused_updates, matmul_b, lowering)
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from testbed.model.gather_lowering import NO_LOWERING, Lowering
 from testbed.model.leaves import RECOMPUTE_SKIPS
 from testbed.plan.spec import MeshSpec, Plan
 from testbed.topology.parts import Form, LinkKind
@@ -44,7 +45,7 @@ from testbed.topology.spec import Topology
 
 __all__ = ["scatters_as_allreduce", "lowered_reductions", "merges_loss", "regathers_for_recompute",
            "narrows_gathers", "matmul_gather_bytes",
-           "MATMUL_GATHER_BYTES", "RECOMPUTE_SKIPS"]
+           "MATMUL_GATHER_BYTES", "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS"]
 
 #: Bytes per element of a weight matrix XLA:TPU gathers for matmuls of the backend's default precision (one bf16
 #: pass: the operand rounded to bf16, the rounding moved before the all-gather).
@@ -94,6 +95,42 @@ def matmul_gather_bytes(plan: Plan, param_bytes: float) -> float:
     if param_bytes <= MATMUL_GATHER_BYTES or plan.runtime.matmul_precision == "highest":
         return 0.0
     return MATMUL_GATHER_BYTES
+
+
+#: Per v5e slice (its two torus dims, smaller first), the largest gathered buffer (bytes per device) an all-gather
+#: over every chip compiles to an all-reduce of (benchmarks/xla_tpu_probes/collectives.json: 16 MiB on 8x8 and
+#: 16x16, 16.5 MiB not; 4 MiB on 8x16, 4.06 MiB not). Slices not listed (4x4, 2x4, 4x8 probed): none.
+V5E_GATHER_ALLREDUCE_BYTES = {(8, 8): 16 * 2 ** 20, (16, 16): 16 * 2 ** 20, (8, 16): 4 * 2 ** 20}
+
+
+def gather_allreduce_bytes(topology: Topology) -> float:
+    """The largest buffer an all-gather over every device of ``topology`` compiles to an all-reduce of (module
+    docstring; 0: none): a v5e slice's from :data:`V5E_GATHER_ALLREDUCE_BYTES`; a 3-D slice every dim of which
+    spans 4+ chips, any (v5p 4x4x4, 4x4x8, 8x8x16 probed up to 256 MiB; 2x2x2, 2x2x4, 2x4x4 none)."""
+    if topology.device.buffer_rules != "xla-tpu" or topology.form is not Form.TORUS:
+        return 0.0
+    if any(level.switched or level.kind is not LinkKind.ICI for level in topology.levels):
+        return 0.0
+    dims = tuple(sorted(level.size for level in topology.levels if level.size > 1))
+    if len(dims) >= 3:
+        return math.inf if dims[0] >= 4 else 0.0
+    return float(V5E_GATHER_ALLREDUCE_BYTES.get(dims, 0)) if "v5e" in topology.device.name.lower() else 0.0
+
+
+def gather_lowering(topology: Topology, plan: Plan, ways: int) -> Lowering:
+    """The gathers of ``plan``'s parameters (sharded ``ways`` ways) that compile to all-reduces, merged by the
+    all-reduce combiner (testbed.model.gather_lowering): over a whole slice (every device of the mesh),
+    :func:`gather_allreduce_bytes`; none over part of one (the probes: 16 or 64 of 256 chips, 16 of 64)."""
+    return lowering_of(gather_allreduce_bytes(topology), topology.calibration.collectives.allreduce_combine_bytes,
+                       plan, ways)
+
+
+def lowering_of(bound: float, allreduce_bytes: float | None, plan: Plan, ways: int) -> Lowering:
+    """:func:`gather_lowering` from the topology's ``bound`` (:func:`gather_allreduce_bytes`) and its all-reduce
+    combiner's bound (None: unbounded)."""
+    if not bound or ways != plan.mesh.size:
+        return NO_LOWERING
+    return Lowering(bound, math.inf if allreduce_bytes is None else float(allreduce_bytes))
 
 
 def regathers_for_recompute(topology: Topology) -> bool:
