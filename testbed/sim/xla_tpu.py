@@ -97,16 +97,18 @@ def matmul_gather_bytes(plan: Plan, param_bytes: float) -> float:
     return MATMUL_GATHER_BYTES
 
 
-#: Per v5e slice (its two torus dims, smaller first), the largest gathered buffer (bytes per device) an all-gather
-#: over every chip compiles to an all-reduce of (benchmarks/xla_tpu_probes/collectives.json: 16 MiB on 8x8 and
-#: 16x16, 16.5 MiB not; 4 MiB on 8x16, 4.06 MiB not). Slices not listed (4x4, 2x4, 4x8 probed): none.
-V5E_GATHER_ALLREDUCE_BYTES = {(8, 8): 16 * 2 ** 20, (16, 16): 16 * 2 ** 20, (8, 16): 4 * 2 ** 20}
+#: The largest gathered buffer (bytes per device, as its tiles hold it: rows padded to 128 lanes) an all-gather over
+#: every chip of a v5e slice of 8+ chips a side compiles to an all-reduce of (benchmarks/xla_tpu_probes/
+#: collectives.json: 16 MiB on 8x8, 8x16 and 16x16, 16.5 MiB not; 32 lanes wide, 4 MiB on 8x16 and 4.06 MiB not).
+#: Smaller v5e slices (4x4, 2x4, 4x8 probed): none. testbed counts a leaf's own bytes, its rows a multiple of 128
+#: lanes in the recorded models.
+V5E_GATHER_ALLREDUCE_BYTES = 16 * 2 ** 20
 
 
 def gather_allreduce_bytes(topology: Topology) -> float:
     """The largest buffer an all-gather over every device of ``topology`` compiles to an all-reduce of (module
-    docstring; 0: none): a v5e slice's from :data:`V5E_GATHER_ALLREDUCE_BYTES`; a 3-D slice every dim of which
-    spans 4+ chips, any (v5p 4x4x4, 4x4x8, 8x8x16 probed up to 256 MiB; 2x2x2, 2x2x4, 2x4x4 none)."""
+    docstring; 0: none): on a v5e slice of 8+ chips a side :data:`V5E_GATHER_ALLREDUCE_BYTES`; on a 3-D slice every
+    dim of which spans 4+ chips, any (v5p 4x4x4, 4x4x8, 8x8x16 probed up to 256 MiB; 2x2x2, 2x2x4, 2x4x4 none)."""
     if topology.device.buffer_rules != "xla-tpu" or topology.form is not Form.TORUS:
         return 0.0
     if any(level.switched or level.kind is not LinkKind.ICI for level in topology.levels):
@@ -114,7 +116,8 @@ def gather_allreduce_bytes(topology: Topology) -> float:
     dims = tuple(sorted(level.size for level in topology.levels if level.size > 1))
     if len(dims) >= 3:
         return math.inf if dims[0] >= 4 else 0.0
-    return float(V5E_GATHER_ALLREDUCE_BYTES.get(dims, 0)) if "v5e" in topology.device.name.lower() else 0.0
+    v5e = "v5e" in topology.device.name.lower()
+    return float(V5E_GATHER_ALLREDUCE_BYTES) if v5e and len(dims) == 2 and dims[0] >= 8 else 0.0
 
 
 def gather_lowering(topology: Topology, plan: Plan, ways: int) -> Lowering:
