@@ -261,6 +261,14 @@ class ChunkFacts:
         return (0.0,) * len(self.bucket(pieces, k))
 
 
+def _directions(rule, plan: Plan, s: int, c: int, blocks: int, gathers: dict[str, int], combine: float,
+                param_b: float, again: bool, matmul_b: float, lowering: Lowering) -> ForwardBackward:
+    """``rule`` (testbed.model.blocks' block_gathers, block_ops or gather_holds) of the forward's and the backward's
+    gathers (``gathers``: the elements each moves), as :func:`chunk_facts` reads them."""
+    return ForwardBackward(*(rule(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B", matmul_b,
+                                  lowering) for kind, n in gathers.items()))
+
+
 def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
                  native: bool = False, allreduce_bytes: float | None = None, scatter_allreduce: bool = False,
@@ -294,20 +302,13 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b, native) if reduces else (0.0, 0.0)
     again = recompute_gathers and plan.remat is Remat.FULL  # XLA:TPU: the recomputation's own gathers
     regather = Gathered(*regathered(plan, s, c, moved.params, leaves, combine, param_b, again))
-    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B",
-                                            matmul_b, lowering)
-                              for kind, n in (("F", moved.params), ("B", regather.elements)))) \
-        if leaves else ForwardBackward((), ())
-    ops = ForwardBackward(*(block_ops(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B",
-                                      matmul_b, lowering)
-                            for kind, n in (("F", moved.params), ("B", regather.elements)))) \
-        if leaves and lowering.nbytes else ForwardBackward((), ())
+    gathers = {"F": moved.params, "B": regather.elements}
+    sizes, ops, holds = (_directions(rule, plan, s, c, blocks, gathers, combine, param_b, again, matmul_b, lowering)
+                         if wanted else ForwardBackward((), ())
+                         for rule, wanted in ((block_gathers, leaves), (block_ops, leaves and lowering.nbytes),
+                                              (gather_holds, leaves and own)))
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
-    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B",
-                                           matmul_b, lowering)
-                              for kind, n in (("F", moved.params), ("B", regather.elements)))) \
-        if leaves and own else ForwardBackward((), ())
     merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
     bucket_sizes = block_scatters(plan, s, c, blocks, merge, reduce_b) if own and buckets == blocks else ()
     bucket_reads = scatter_reads(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()

@@ -162,40 +162,33 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
-        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound,
-            testbed.model.leaves.combine_limit: XLA's default threshold, or none for PyTorch's flat parameters).
+        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound:
+            testbed.model.leaves.combine_limit).
         schedule: the pipeline table to follow (default: the plan's schedule, memoized).
-        chained_gathers: all-gathers are a scheduler resource of their own, one in flight (the topology's
-            ``device.collective_resources: per_kind``): a layer's re-gathered weights arrive one gather after
-            another, so a weight gradient that reads none of them runs first (ChunkFacts.bucket_early).
-        native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: testbed.topology.DeviceSpec
-            .native_reductions): the norms' gradients and the loss's maximum move in their own dtype.
+        chained_gathers: all-gathers are a scheduler resource of their own, one in flight (``device.collective_
+            resources: per_kind``): a weight gradient that reads no re-gathered weight runs first (bucket_early).
+        native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: DeviceSpec.native_reductions).
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
-        fused_updates: the compiler runs the optimizer's update of a weight matrix in its gradient matmul's
-            epilogue where nothing sums that gradient (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
+        fused_updates: the compiler runs a weight matrix's update in its gradient matmul's epilogue where nothing
+            sums that gradient (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
         whole_slice_scatters: a reduce-scatter over every device compiles to an all-reduce, merged by the all-reduce
             combiner (XLA:TPU on a whole slice: testbed.sim.xla_tpu.scatters_as_allreduce).
-        recompute_gathers: under full remat a layer's backward gathers what its recomputation reads apart from
-            what its gradients read (XLA:TPU: testbed.sim.xla_tpu.regathers_for_recompute).
-        narrowed_gathers: the compiler gathers fp32 weight matrices for default-precision matmuls in bf16
-            (XLA:TPU: testbed.sim.xla_tpu.matmul_gather_bytes).
-        gather_allreduce: the largest buffer a gather over every device compiles to an all-reduce of, merged by the
-            all-reduce combiner (XLA:TPU: testbed.sim.xla_tpu.gather_allreduce_bytes; 0: none).
+        recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
+            gradients' (XLA:TPU: testbed.sim.xla_tpu.regathers_for_recompute).
+        narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weight matrices in bf16, and over a whole slice
+            small buffers as merged all-reduces (testbed.sim.xla_tpu.matmul_gather_bytes, gather_allreduce_bytes).
     """
-    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
-    p = mesh.stage
-    if schedule is None:
-        schedule, order = cached_order(plan.schedule.name.value, p, m, v)
-    else:
-        order = order_of(schedule)
+    mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
+    schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
+                                                                                               order_of(schedule))
     param_b, grad_b, _ = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     o_ways = sharding.ways(plan, "optimizer")
     per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
     reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
     combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
-    matmul_b = matmul_gather_bytes(plan, param_b) if narrowed_gathers else 0.0
-    lowering = lowering_of(gather_allreduce, allreduce_bytes, plan, sharding.ways(plan, "params"))
+    gathered = (matmul_gather_bytes(plan, param_b) if narrowed_gathers else 0.0,  # XLA:TPU's gathers' rules
+                lowering_of(gather_allreduce, allreduce_bytes, plan, sharding.ways(plan, "params")))
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     alike: dict[tuple, ChunkFacts] = {}  # chunks alike in their layers and ends: worked out once
@@ -208,7 +201,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                                         bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
                                         chained_gathers, native_reductions, allreduce_bytes,
                                         any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers,
-                                        fused_updates, matmul_b, lowering)
+                                        fused_updates, *gathered)
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))
