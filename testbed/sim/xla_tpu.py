@@ -13,6 +13,14 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   (v5e 4x4), llama2k-fsdp64 (v5e 8x8), gpt2k-fsdp256-full and llama1b-fsdp256-flash (v5e 16x16),
   gpt2k-fsdp1024-full (v5p 8x8x16) reduce no gradient by a reduce-scatter, and llama2k-fsdp8's and
   gpt2k-fsdp16-full's four gradient all-reduces are their leaves merged within the combiner's 120 MiB.
+- **An fp32 loss rides in the gradients' all-reduce** (:func:`merges_loss`) where that is one over the loss's axes:
+  llama2k-fsdp16-fp32-selective's six fp32 fsdp all-reduces carry the loss's 4 bytes.
+- **A whole slice's all-gather of a small buffer is an all-reduce** (:func:`gather_allreduce_bytes`,
+  :func:`gather_lowering`): of the zero-padded buffer, the same bytes, merged by the all-reduce combiner as
+  testbed.model.gather_lowering says. The probes: over every chip of a v5e 8x8, 8x16 or 16x16 slice up to 16 MiB
+  (as the buffer's tiles hold it: 16.5 MiB not), of a v5p 4x4x4, 4x4x8 or 8x8x16 slice any size probed (to
+  256 MiB); over a v5e 4x4 or 4x8, a v5p 2x4x4 or 2x2x4, or part of a slice (64 or 16 of 256 chips, 16 of 64),
+  none. llama2k-fsdp64, gpt2k-fsdp256-full, gpt2k-fsdp1024-full equal XLA:TPU's collectives by it.
 - **Full remat gathers a layer's weights for its recomputation too** (:func:`regathers_for_recompute`): under
   ``remat: full`` the backward of a layer gathers the leaves its recomputed forward reads, apart from the gathers
   of the leaves its gradients read: every leaf of the layer but the MLP's output projection (``mlp/w2``,
