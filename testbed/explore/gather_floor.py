@@ -115,12 +115,15 @@ def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cos
         splits.add(own_blocks(cost.layers, cost.has_embedding, cost.has_head))
     args = {"matmul_bytes": matmul_b, "lowering": lowering}
     return [tuple(_paired(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, **args),
-                          block_ops(plan, s, c, kind, blocks, n, combine, param_b, **args))
+                          block_ops(plan, s, c, kind, blocks, n, combine, param_b, **args) if lowering.nbytes
+                          else None)
                   for kind, n in elements.items() if gathers_parameters(plan, kind)) for blocks in splits]
 
 
-def _paired(sizes: tuple[tuple[float, ...], ...], ops: tuple[tuple[str, ...], ...]) -> tuple:
-    """Per block, each collective as (bytes, op)."""
+def _paired(sizes: tuple[tuple[float, ...], ...], ops: tuple[tuple[str, ...], ...] | None) -> tuple:
+    """Per block, each collective as (bytes, op) (``ops`` None: every one an all-gather)."""
+    if ops is None:
+        return tuple(tuple((n, "all_gather") for n in block) for block in sizes)
     return tuple(tuple(zip(block, block_ops)) for block, block_ops in zip(sizes, ops))
 
 
