@@ -11,8 +11,10 @@ Without ``--collect`` it reads that record (no JAX) and prints ONE JSON object: 
 the instructions XLA made beside what testbed's TPU rules say (all-reduces merged while the
 merge stays within the topology's ``calibration.collectives.allreduce_combine_bytes``,
 testbed.model.leaves.combined_sizes; all-gathers and reduce-scatters one per operand,
-``combine_bytes: 0``), and the probes where XLA lowered a reduce-scatter as an all-reduce
-(listed, not modelled: a choice of libtpu's that these probes do not pin to one rule).
+``combine_bytes: 0``; an all-gather over a whole slice of a buffer within the slice's bound an
+all-reduce, merged as all-reduces are: testbed.sim.xla_tpu.gather_allreduce_bytes), and the
+probes where XLA lowered a reduce-scatter as an all-reduce (listed: testbed.sim.xla_tpu models
+the whole slices' among them).
 
     PYTHONPATH=<libtpu site> python benchmarks/xla_tpu_collectives.py --collect
     python benchmarks/xla_tpu_collectives.py
@@ -47,6 +49,17 @@ PROBES = [
     ("v5e:4x4", "16", "a", "rs", 4, 1, 1024), ("v5e:4x4", "16", "a", "rs", 4, 8, 1024),
     ("v5p:2x2x2", "2x4", "a", "rs", 4, 1, 1024), ("v5p:2x2x2", "8", "a", "rs", 4, 1, 1024),
     ("v5e:8x8", "64", "a", "rs", 4, 1, 1024), ("v5e:8x8", "4x16", "b", "rs", 4, 1, 1024),
+    # All-gathers over a whole slice of a buffer of F MiB (F / group each; 128 lanes wide): lowered as all-reduces up
+    # to a bound per slice (testbed.sim.xla_tpu.gather_allreduce_bytes), pinned from both sides; none over part of a
+    # slice. 32 wide, the buffer's tiles pad each row to 128 lanes: the bound holds for the padded bytes.
+    *[(t, m, "a", "ag", k, f / int(m), w) for t, m, k, f, w in (
+        ("v5e:8x8", "64", 2, 8, 128), ("v5e:8x8", "64", 1, 16, 128), ("v5e:8x8", "64", 1, 16.5, 128),
+        ("v5e:16x16", "256", 1, 16, 128), ("v5e:16x16", "256", 1, 16.5, 128), ("v5e:8x16", "128", 1, 16, 128),
+        ("v5e:8x16", "128", 1, 16.5, 128), ("v5e:8x16", "128", 1, 4, 32), ("v5e:8x16", "128", 1, 4.0625, 32),
+        ("v5e:4x4", "16", 1, 0.25, 128), ("v5e:4x8", "32", 1, 0.25, 128), ("v5p:4x4x4", "64", 1, 128, 128),
+        ("v5p:4x4x8", "128", 1, 64, 128), ("v5p:8x8x16", "1024", 1, 256, 128), ("v5p:2x4x4", "32", 1, 0.25, 128),
+        ("v5p:2x2x4", "16", 1, 0.25, 128))],
+    ("v5e:16x16", "64x4", "a", "ag", 1, 0.25 / 64, 128), ("v5p:4x4x4", "4x16", "b", "ag", 1, 0.25 / 16, 128),
 ]
 _KINDS = {"ar": "all-reduce", "ag": "all-gather", "rs": "reduce-scatter"}
 _INSTRUCTION = re.compile(r"=\s*(.*?)\s*\b(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)"
@@ -82,7 +95,7 @@ def _probe(topo: str, shape: str, axes: str, kind: str, k: int, mib: float, widt
             elements = sum(int(np.prod([int(x) for x in d.split(",")])) for d in dims_found)
             found.append({"kind": m.group(2), "members": len(dims_found), "mib": round(elements * 4 / MIB, 4)})
     return {"slice": topo, "mesh": shape, "axes": axes, "group": group, "kind": _KINDS[kind], "collectives": k,
-            "mib_each": mib, "rank": 1 if width == 1 else 2, "compiled": found}
+            "mib_each": mib, "rank": 1 if width == 1 else 2, "width": width, "compiled": found}
 
 
 def collect() -> dict:
@@ -103,6 +116,21 @@ def collect() -> dict:
     return {"collected": len(probes), "file": str(DATA.relative_to(ROOT))}
 
 
+def _expected_kind(p: dict) -> str:
+    """The kind testbed's rules say a probe compiles to: an all-gather over a whole slice of at most the slice's
+    bound an all-reduce (testbed.sim.xla_tpu.gather_allreduce_bytes), else the probe's own kind."""
+    from testbed.sim.xla_tpu import gather_allreduce_bytes
+    from testbed.topology.compile_target import parse_target, target_topology
+
+    if p["kind"] != "all-gather":
+        return p["kind"]
+    topology = target_topology(parse_target(f"tpu:{p['slice']}"))
+    whole = p["group"] == topology.num_devices
+    lanes = 1 if p["rank"] == 1 else -(-p["width"] // 128) * 128 / p["width"]  # a tile's row: 128 lanes
+    tiled = p["mib_each"] * p["group"] * MIB * lanes
+    return "all-reduce" if whole and tiled <= gather_allreduce_bytes(topology) else p["kind"]
+
+
 def compare(record: dict) -> dict:
     """Each probe's compiled instructions beside testbed's TPU rules (module docstring)."""
     from testbed.model.leaves import combined_sizes
@@ -113,10 +141,11 @@ def compare(record: dict) -> dict:
     for p in record["probes"]:
         each = p["mib_each"] * MIB * (p["group"] if p["kind"] == "all-gather" else 1) \
             * (p["group"] if p["kind"] == "reduce-scatter" else 1)
-        bound = collectives.allreduce_combine_bytes if p["kind"] == "all-reduce" else collectives.combine_bytes
+        kind = _expected_kind(p)
+        bound = collectives.allreduce_combine_bytes if kind == "all-reduce" else collectives.combine_bytes
         predicted = [round(s / MIB, 4) for s in combined_sizes((each,) * p["collectives"], bound)]
         compiled = [c["mib"] * (p["group"] if c["kind"] == "reduce-scatter" else 1) for c in p["compiled"]]
-        lowered = sorted({c["kind"] for c in p["compiled"]} - {p["kind"]})
+        lowered = sorted({c["kind"] for c in p["compiled"]} - {kind})
         same = not lowered and sorted(predicted) == sorted(round(c, 4) for c in compiled)
         agree += same
         rows.append({"probe": f"{p['slice']} mesh {p['mesh']} over {p['axes']}: {p['collectives']} x {p['kind']} "
@@ -125,8 +154,12 @@ def compare(record: dict) -> dict:
     return {"probes": len(rows), "agree": agree, "versions": record["versions"], "date": record["date"],
             "allreduce_combine_bytes": collectives.allreduce_combine_bytes,
             "combine_bytes": collectives.combine_bytes,
-            "reduce_scatter_lowered_as_all_reduce": [r["probe"] for r in rows if r["lowered_as"]],
-            "disagree": [r for r in rows if not r["agree"] and not r["lowered_as"]], "rows": rows}
+            "reduce_scatter_lowered_as_all_reduce": [r["probe"] for r, p in zip(rows, record["probes"])
+                                                     if r["lowered_as"] and p["kind"] == "reduce-scatter"],
+            "gathers_lowered_as_all_reduce": [r["probe"] for r, p in zip(rows, record["probes"])
+                                              if p["kind"] == "all-gather" and _expected_kind(p) == "all-reduce"],
+            "disagree": [r for r, p in zip(rows, record["probes"])
+                         if not r["agree"] and not (r["lowered_as"] and p["kind"] == "reduce-scatter")], "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:

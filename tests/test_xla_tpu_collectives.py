@@ -76,3 +76,22 @@ def test_bytes_per_axis_equal_the_compiled_hlo_on_the_recorded_plans():
             assert mine[key]["bytes"] == xla[key]["bytes"], (record.name, key, mine[key], xla[key])
             checked += 1
     assert checked >= 6
+
+
+def test_the_gather_lowering_bound_is_pinned_from_both_sides():
+    """testbed.sim.xla_tpu.gather_allreduce_bytes against the probes: a whole v5e 8x8, 8x16 or 16x16 slice's
+    all-gather of 16 MiB (tiled bytes; 4 MiB 32 lanes wide) is an all-reduce and one of 16.5 MiB (4.06 MiB) an
+    all-gather; on a v5p 4x4x4, 4x4x8 or 8x8x16 slice any size probed is an all-reduce; over smaller slices, or
+    part of a slice, none is."""
+    result = _benchmark().compare(PROBES)
+    lowered = set(result["gathers_lowered_as_all_reduce"])
+    gathers = [(p, r) for p, r in zip(PROBES["probes"], result["rows"]) if p["kind"] == "all-gather"]
+    kinds = {(p["slice"], p["mesh"], round(p["mib_each"] * p["group"], 4), p["width"]):
+             sorted({c["kind"] for c in p["compiled"]}) for p, _ in gathers}
+    for key in (("v5e:8x8", "64", 16.0, 128), ("v5e:16x16", "256", 16.0, 128), ("v5e:8x16", "128", 4.0, 32),
+                ("v5p:8x8x16", "1024", 256.0, 128)):
+        assert kinds[key] == ["all-reduce"], key
+    for key in (("v5e:8x8", "64", 16.5, 128), ("v5e:16x16", "256", 16.5, 128), ("v5e:8x16", "128", 4.0625, 32),
+                ("v5e:4x4", "16", 0.25, 128), ("v5p:2x4x4", "32", 0.25, 128), ("v5e:16x16", "64x4", 0.25, 128)):
+        assert kinds[key] == ["all-gather"], key
+    assert len(lowered) >= 8 and all(r["agree"] for _, r in gathers)

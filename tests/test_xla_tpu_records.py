@@ -151,13 +151,16 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 
 
 #: What XLA:TPU does to the recorded plans' collectives that the task graph does not yet (docs/xla_tpu.md). Modelled
-#: (testbed.sim.xla_tpu): a reduce-scatter over a whole v5e 4x4+ or v5p slice is an all-reduce, merged within 120 MiB;
-#: under full remat a layer's backward gathers its recomputation's leaves apart.
-FSDP = ("fsdp: XLA:TPU lowers an all-gather of small shards over a whole slice as an all-reduce, a reduce-scatter "
-        "over part of a slice (or a whole 2x2 one) of a leaf whose shard is not lane-aligned, and of the norms, as "
-        "an all-reduce of a padded buffer and collective-permutes, and under fp32 gathers the matmul weights in bf16")
+#: (testbed.sim.xla_tpu): a reduce-scatter over a whole v5e 4x4+ or v5p slice is an all-reduce, merged within 120 MiB,
+#: which an fp32 loss joins; under full remat a layer's backward gathers its recomputation's leaves apart; under fp32
+#: the weight matrices are gathered in bf16; a whole slice's all-gather of a small buffer (any on a v5p slice) is an
+#: all-reduce, merged by the all-reduce combiner (testbed.model.gather_lowering).
+FSDP = ("fsdp: XLA:TPU lowers a reduce-scatter over part of a slice (or a whole 2x2 one) of a leaf whose shard is "
+        "not lane-aligned, and of the norms, as an all-reduce of a padded buffer and collective-permutes, merges "
+        "HSDP's data all-reduces, and packs the gradients' all-reduces of a 16-layer model to the combiner's bound")
 #: The recorded fsdp plans whose collectives equal XLA:TPU's by testbed.sim.xla_tpu's rules.
-FSDP_EQUAL = ("llama2k-fsdp8", "gpt2k-fsdp16-full")
+FSDP_EQUAL = ("llama2k-fsdp8", "gpt2k-fsdp16-full", "llama2k-fsdp16-fp32-selective", "llama2k-fsdp64",
+              "gpt2k-fsdp256-full", "gpt2k-fsdp1024-full")
 SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU gathers some activations again in the "
                 "backward (16 tensor all-gathers against 11)")
 #: The recorded multi-chip plans whose collectives per mesh axis differ from XLA:TPU's, by mechanism.
@@ -181,9 +184,43 @@ def test_fsdp_moves_the_predicted_bytes_where_it_lowers_collectives_as_all_reduc
         assert abs(moved["xla"] - moved["predicted"]) <= 1024, (row["plan"], moved)
 
 
-#: The recorded bf16-mixed fsdp-only plans without remat (under fp32, llama2k-fsdp4-fp32, XLA:TPU gathers the matmul
-#: weights in bf16, their dots' default precision: half testbed's gather bytes).
+#: The recorded bf16-mixed fsdp-only plans without remat (llama2k-fsdp4-fp32's reduce-scatters over a 2x2 slice
+#: move padded buffers and collective-permutes).
 FSDP_ONLY = ("llama1b-fsdp256-flash", "llama2k-fsdp8")
+
+
+def test_whole_slice_gathers_of_small_buffers_are_merged_all_reduces():
+    """A whole slice's all-gather of at most 16 MiB on a v5e 8x8 or 16x16 slice, of any size on a v5p 8x8x16 one, is
+    an all-reduce, merged by the all-reduce combiner (testbed.model.gather_lowering): llama2k-fsdp64 and
+    gpt2k-fsdp256-full keep 19 all-gathers (the tables, the MLP's matrices) and all-reduce the rest in 4 merges
+    beside their 4 gradient all-reduces and the loss's; gpt2k-fsdp1024-full all-reduces everything in 15;
+    llama1b-fsdp256-flash (16 layers) keeps its 99 all-gathers and all-reduces the rest in 3 forward merges and 9
+    backward ones (its gradients' all-reduces one more than XLA:TPU's 14, which packs them to the bound)."""
+    rows = {r["plan"]: r for r in ROWS}
+    for name, gathers, reduces in (("llama2k-fsdp64", 19, 9), ("gpt2k-fsdp256-full", 19, 9),
+                                   ("gpt2k-fsdp1024-full", 0, 15)):
+        mine, xla = rows[name]["predicted_collectives"], rows[name]["xla_collectives"]
+        assert mine == xla, name
+        assert mine.get("fsdp all-gather", {"count": 0})["count"] == gathers, name
+        assert mine["fsdp all-reduce"]["count"] == reduces, name
+    mine, xla = (rows["llama1b-fsdp256-flash"][f"{side}_collectives"] for side in ("predicted", "xla"))
+    assert mine["fsdp all-gather"] == xla["fsdp all-gather"] and xla["fsdp all-gather"]["count"] == 99
+    assert mine["fsdp all-reduce"]["bytes"] == xla["fsdp all-reduce"]["bytes"]
+    assert mine["fsdp all-reduce"]["count"] == xla["fsdp all-reduce"]["count"] + 1
+
+
+def test_fp32_plans_gather_weight_matrices_in_bf16():
+    """Under fp32 XLA:TPU gathers the layers' weight matrices and the head's in the backward in bf16, the norms, the
+    token table and the head's forward gather in fp32 (testbed.sim.xla_tpu.matmul_gather_bytes): the fsdp
+    all-gathers of both recorded fp32 fsdp plans equal XLA:TPU's, and the fp32 loss rides in a gradient all-reduce
+    over a whole 4x4 slice (testbed.sim.xla_tpu.merges_loss)."""
+    rows = {r["plan"]: r for r in ROWS}
+    for name in ("llama2k-fsdp4-fp32", "llama2k-fsdp16-fp32-selective"):
+        gathers = [rows[name][f"{side}_collectives"]["fsdp all-gather"] for side in ("predicted", "xla")]
+        assert gathers[0] == gathers[1] and gathers[0]["count"] == 37, (name, gathers)
+    reduced = [rows["llama2k-fsdp16-fp32-selective"][f"{side}_collectives"]["fsdp all-reduce"]
+               for side in ("predicted", "xla")]
+    assert reduced[0] == reduced[1] and reduced[0]["bytes"] % 4096 == 4, reduced
 
 
 def test_xla_tpu_rules_make_the_named_fsdp_plans_equal():

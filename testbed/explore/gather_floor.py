@@ -24,7 +24,8 @@ from collections import Counter
 
 from testbed.collectives.routed import topology_memo
 from testbed.explore.stage_collectives import StageCollectives
-from testbed.model.blocks import block_gathers, own_blocks
+from testbed.model.blocks import block_gathers, block_ops, own_blocks
+from testbed.model.gather_lowering import NO_LOWERING, Lowering
 from testbed.model.leaves import combine_limit, moved_elements, parameter_collectives, regathered
 from testbed.model.layout import chunk_layers
 from testbed.model.memory import state_bytes_per_param
@@ -33,6 +34,7 @@ from testbed.plan.placement import place
 from testbed.plan.sharding import gathers_parameters, state_sharding
 from testbed.plan.spec import Plan
 from testbed.sim.memo import cached_chunk_cost
+from testbed.sim.xla_tpu import gather_lowering, matmul_gather_bytes, narrows_gathers
 from testbed.topology import Topology
 
 __all__ = ["gather_floor", "gather_seconds_per_microbatch", "gather_key"]
@@ -71,6 +73,8 @@ def _per_microbatch(plan: Plan, topology: Topology) -> float:
             or plan.mesh.context > 1 or topology.calibration.host is not None):
         return 0.0
     param_b = state_bytes_per_param(plan)[0]
+    matmul_b = matmul_gather_bytes(plan, param_b) if narrows_gathers(topology) else 0.0
+    lowering = gather_lowering(topology, plan, sharding.ways(plan, "params"))
     combine = combine_limit(topology.calibration.collectives.combine_bytes, plan.runtime.gather_combine_bytes)
     coll = StageCollectives(topology, place(plan, topology).device_ids)
     axes, priced, sizes, p, v = sharding.params, {}, {}, plan.mesh.stage, plan.schedule.virtual_stages
@@ -85,40 +89,52 @@ def _per_microbatch(plan: Plan, topology: Topology) -> float:
             alike = (kinds, cost.has_embedding, cost.has_head)
             if alike not in sizes:
                 chained = spans is not None and plan.mesh.expert > 1 and moe_layers(plan.model, spans[s][c]) > 0
-                sizes[alike] = _chunk_sizes(plan, s, c, combine, param_b, cost, chained)
+                sizes[alike] = _chunk_sizes(plan, s, c, combine, param_b, cost, chained, matmul_b, lowering)
             total += min((sum(_block_seconds(coll, axes, s, kind, priced) for kind in split) for split in sizes[alike]),
                          default=0.0)
         worst = max(worst, total)
     return worst
 
 
-def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cost, chained: bool) -> list[tuple]:
+def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cost, chained: bool,
+                 matmul_b: float = 0.0, lowering: Lowering = NO_LOWERING) -> list[tuple]:
     """Per way the chunk's blocks may be split, each gathering action's block gathers' bytes
     (testbed.model.blocks.block_gathers; ``chained``: its F and B actions are MoE chains, testbed.sim.moe, which
-    gather the chunk whole); empty when the chunk gathers nothing."""
+    gather the chunk whole; ``lowering``: the gathers lowered as all-reduces, each block's as (size, op) pairs);
+    empty when the chunk gathers nothing."""
     leaves = parameter_collectives(plan, s, c, combine, param_b)
     if not leaves:
         return []
     moved = moved_elements(plan, s, c, "params")
     if chained:  # an MoE chain's actions gather whole: one block of the chunk's collectives, as the tiers price it
-        whole = ((moved * param_b / leaves,) * leaves,)
+        whole = (tuple((moved * param_b / leaves, "all_gather") for _ in range(leaves)),)
         return [tuple(whole for kind in ("F", "B") if gathers_parameters(plan, kind))]
     elements = {"F": moved, "B": regathered(plan, s, c, moved, leaves, combine, param_b)[0]}
     splits = {max(1, cost.layers)}
     if plan.runtime.fsdp_edge_blocks and (cost.has_embedding or cost.has_head) and cost.layers >= 1:
         splits.add(own_blocks(cost.layers, cost.has_embedding, cost.has_head))
-    return [tuple(block_gathers(plan, s, c, kind, blocks, n, combine, param_b) for kind, n in elements.items()
-                  if gathers_parameters(plan, kind)) for blocks in splits]
+    args = {"matmul_bytes": matmul_b, "lowering": lowering}
+    return [tuple(_paired(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, **args),
+                          block_ops(plan, s, c, kind, blocks, n, combine, param_b, **args) if lowering.nbytes
+                          else None)
+                  for kind, n in elements.items() if gathers_parameters(plan, kind)) for blocks in splits]
+
+
+def _paired(sizes: tuple[tuple[float, ...], ...], ops: tuple[tuple[str, ...], ...] | None) -> tuple:
+    """Per block, each collective as (bytes, op) (``ops`` None: every one an all-gather)."""
+    if ops is None:
+        return tuple(tuple((n, "all_gather") for n in block) for block in sizes)
+    return tuple(tuple(zip(block, block_ops)) for block, block_ops in zip(sizes, ops))
 
 
 def _block_seconds(coll: StageCollectives, axes: tuple, s: int, sizes: tuple[tuple[float, ...], ...],
                    priced: dict) -> float:
-    """Seconds of an action's block gathers ``sizes`` (per block, each all-gather's bytes), as
+    """Seconds of an action's block gathers ``sizes`` (per block, each collective's (bytes, op)), as
     ``StepPrices._block_gather_seconds`` prices them (each block memoized in ``priced``)."""
     total = 0.0
     for block in sizes:
         key = (s, block)
         if key not in priced:
-            priced[key] = sum(count * coll.time("all_gather", axes, s, n) for n, count in Counter(block).items())
+            priced[key] = sum(count * coll.time(op, axes, s, n) for (n, op), count in Counter(block).items())
         total += priced[key]
     return total

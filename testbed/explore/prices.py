@@ -154,10 +154,11 @@ class StepPrices:
         """Each block's seconds of a ``kind`` action's gathers, each collective at its merged size
         (:meth:`ChunkFacts.gather_sizes`, as testbed.sim.program's tasks)."""
         time, axes, memo = self.coll.time, self.facts.params_axes, {}
-        for block in chunk.gather_sizes(kind):  # the middle layers' blocks alike: each kind priced once
+        blocks = tuple(zip(chunk.gather_sizes(kind), chunk.gather_ops(kind)))  # ops: lowered gathers all-reduces
+        for block in blocks:  # the middle layers' blocks alike: each kind priced once
             if block not in memo:
-                memo[block] = sum(count * time("all_gather", axes, s, n) for n, count in Counter(block).items())
-        return tuple(memo[block] for block in chunk.gather_sizes(kind))
+                memo[block] = sum(count * time(op, axes, s, n) for (n, op), count in Counter(zip(*block)).items())
+        return tuple(memo[block] for block in blocks)
 
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> ActionPrice:
         """One action's :class:`ActionPrice` (``gather``: the seconds of a gather of its chunk's parameters)."""

@@ -51,6 +51,7 @@ def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, 
     flops, _, replicated, split = work.work
     kernels, tensor_bytes = chunk.kernels // pieces, chunk.cost.tensor_bytes
     sizes = chunk.gather_sizes(work.kind) if facts.params_ways > 1 else ()
+    ops = chunk.gather_ops(work.kind) if sizes else ()
     time, axes = step.coll.time, facts.params_axes
     out = []
     spans: dict[tuple, float] = {}  # a compute item's seconds by what it is priced from (the layers' are alike)
@@ -79,7 +80,7 @@ def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, 
                     for f, n in chunk.bucket(pieces, j)[lo:hi])
             buckets.append(nbytes)
         compute = sum(x for x, item in zip(seconds, play.items) if item.stream == "compute")
-        merges = tuple(time("all_gather", axes, s, n) for n in sizes[k]) if k < len(sizes) else ()
+        merges = tuple(time(op, axes, s, n) for n, op in zip(sizes[k], ops[k])) if k < len(sizes) else ()
         out.append(PricedBlock(play, tuple(seconds), tuple(buckets), compute, merges))
     return tuple(out)
 

@@ -14,12 +14,14 @@ import functools
 import math
 
 from testbed.model import layout
-from testbed.model.leaves import backward_groups as backward_merges_members, backward_waits, backward_walk, issue_order
+from testbed.model.gather_lowering import NO_LOWERING, Lowering, backward_segments, lowered_merges
+from testbed.model.leaves import (backward_groups as backward_merges_members, backward_waits, backward_walk, issue_order,
+                                  recomputed)
 from testbed.plan.sharding import state_sharding
 from testbed.plan.spec import MeshSpec, ModelSpec, Plan
 
-__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_scatters", "scatter_reads", "scatter_early",
-           "scatter_cuts", "gather_holds", "span_leaves", "PIECE_PARTS", "SHARE_QUANTUM"]
+__all__ = ["own_blocks", "block_pieces", "block_gathers", "block_ops", "block_scatters", "scatter_reads", "scatter_early",
+           "scatter_cuts", "gather_holds", "span_leaves", "narrowed", "PIECE_PARTS", "SHARE_QUANTUM"]
 
 #: One mesh per (stage, tensor, expert, expert_tensor) degrees: the memoized merges below read no other field of the
 #: mesh, so plans whose meshes differ only in data, fsdp, context, order or tile share their entries.
@@ -62,9 +64,20 @@ def block_pieces(layers: int, embed: bool, head: bool, blocks: int) -> tuple[int
     return (0,) * int(embed) + tuple(min(j, last) for j in range(layers)) + (last,) * int(head)
 
 
+def narrowed(param: layout.ParamSpec, piece: str, kind: str) -> bool:
+    """Whether a ``kind`` action's gather of ``param`` (of a ``piece``: embedding, layer, head) moves the dtype its
+    matmuls read rather than the parameter's own (``matmul_bytes`` of :func:`block_gathers`; XLA:TPU under fp32:
+    testbed.sim.xla_tpu.matmul_gather_bytes): a weight matrix of a layer or of the head, read only by matmuls, so
+    the compiler rounds it before the gather. Not the embedding's tables (a lookup, an addition), not the norms'
+    scales or the biases (elementwise), and not the head's matrix in the forward, whose gathered copy the loss's
+    piece also reads whole-width (a corner kept for its backward's gather: testbed.runner.param_shards)."""
+    return (param.part is not layout.Part.EMBEDDING and len(param.shape) >= 2
+            and not (piece == "head" and kind == "F"))
+
+
 def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
-                  combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False
-                  ) -> tuple[tuple[float, ...], ...]:
+                  combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False,
+                  matmul_bytes: float = 0.0, lowering: Lowering = NO_LOWERING) -> tuple[tuple[float, ...], ...]:
     """Bytes of each all-gather a ``kind`` action's block of a chunk's sharded parameters issues, per block in the
     order the action computes them (the backward's from the head): the
     real merged sizes, not equal shares (at many ranks a collective's time is concave in its bytes, so equal
@@ -75,10 +88,28 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
     them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
     ``elements`` (the action's gathered elements, :meth:`testbed.sim.chunk_facts.ChunkFacts.gather`) above the leaves'
     (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
-    graph and the analytic tier both price. ``recompute``: as testbed.model.leaves.regathered's."""
+    graph and the analytic tier both price. ``recompute``: as testbed.model.leaves.regathered's; ``matmul_bytes``:
+    bytes per element of the leaves :func:`narrowed` gathers (0: ``bytes_per_element``); ``lowering``: the gathers
+    lowered as all-reduces and merged (:class:`Lowering`; their ops: :func:`block_ops`)."""
     return _block_gathers(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                           state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, elements,
-                          combine_bytes, bytes_per_element, recompute)
+                          combine_bytes, bytes_per_element, recompute, matmul_bytes, lowering)
+
+
+def block_ops(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
+              combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False,
+              matmul_bytes: float = 0.0, lowering: Lowering = NO_LOWERING) -> tuple[tuple[str, ...], ...]:
+    """As :func:`block_gathers`, each collective's op: ``all_gather``, or ``all_reduce`` where ``lowering`` lowers
+    it (testbed.model.gather_lowering)."""
+    mesh = _merge_mesh(plan.mesh)
+    merges = _gather_merges(plan.model, mesh, plan.schedule.virtual_stages, plan.stage_layers,
+                            state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
+                            bytes_per_element, recompute, matmul_bytes, lowering)
+    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element, recompute,
+                          matmul_bytes, lowering)
+    ordered = merges if kind == "F" else tuple(reversed(merges))
+    return tuple(tuple(op for *_, op in block) + ("all_gather",) * (len(total) - len(block))
+                 for block, total in zip(ordered, sizes))
 
 
 def _chunk_pieces(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], stage: int, chunk: int,
@@ -96,37 +127,45 @@ def _chunk_pieces(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[i
 @functools.lru_cache(maxsize=1 << 14)  # a search prices the same chunk under many schedules and microbatch counts
 def _block_gathers(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                    chunk: int, kind: str, blocks: int, elements: int, combine_bytes: float,
-                   bytes_per_element: float, recompute: bool = False) -> tuple[tuple[float, ...], ...]:
+                   bytes_per_element: float, recompute: bool = False, matmul_bytes: float = 0.0,
+                   lowering: Lowering = NO_LOWERING) -> tuple[tuple[float, ...], ...]:
     """:func:`block_gathers` from what it depends on."""
     merges = _gather_merges(spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, combine_bytes,
-                            bytes_per_element, recompute)
-    out = [[size for size, _ in block] for block in merges]
-    return _with_rest(out, elements * bytes_per_element, blocks - 1, reverse=kind != "F")
+                            bytes_per_element, recompute, matmul_bytes, lowering)
+    out = [[size for size, *_ in block] for block in merges]
+    rest = elements * bytes_per_element  # what the action gathers beyond its leaves (a tied table's copy)
+    if matmul_bytes:
+        rest += sum(map(sum, out)) - sum(size for block in _gather_merges(
+            spec, mesh, v, stage_layers, ways, stage, chunk, kind, blocks, combine_bytes, bytes_per_element,
+            recompute) for size, *_ in block)
+    return _with_rest(out, rest, blocks - 1, reverse=kind != "F")
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[int, ...], ways: int, stage: int,
                    chunk: int, kind: str, blocks: int, combine_bytes: float, bytes_per_element: float,
-                   recompute: bool = False) -> tuple[tuple[tuple[float, frozenset[tuple[int, str]]], ...], ...]:
+                   recompute: bool = False, matmul_bytes: float = 0.0, lowering: Lowering = NO_LOWERING
+                   ) -> tuple[tuple[tuple[float, frozenset[tuple[int, str]], str], ...], ...]:
     """Per block (forward order), each merged all-gather of a ``kind`` action as (bytes, its members as (block,
-    the leaf's first path part)), in the order the traced program issues them: a merge at its last member's
+    the leaf's first path part), its op: ``all_gather``, or ``all_reduce`` where ``lowering`` lowers and merges
+    it, at its first member's place: :func:`_lowered`), in the order the traced program issues them: a merge at its last member's
     place (testbed.sim.combine; XLA's combiner puts the combined collective after all its operands), so a leaf
     over the bound (the token table) goes before the open merge it interrupts. A merge is in the block of its
     first member (:func:`block_gathers`); ``recompute``: a layer's backward gathers its recomputation's leaves
     first (testbed.model.leaves.backward_walk)."""
     held = _chunk_pieces(spec, mesh, v, stage_layers, stage, chunk, blocks)
-    pieces = [(b, params, recompute and what == "layer") for b, what, params in held
-              if kind == "F" or what != "embedding"]
+    pieces = [(b, params, what) for b, what, params in held if kind == "F" or what != "embedding"]
     order = [(j, (block, piece)) for j, (block, piece, _) in enumerate(pieces)]
-    walk = [(block, j, q) for j, (block, piece, again) in (reversed(list(enumerate(pieces))) if kind != "F"
-                                                          else enumerate(pieces))
-            for q in (issue_order(piece) if kind == "F" else backward_walk(piece, again))]
-    sizes = [q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor) * bytes_per_element
-             for *_, q in walk]
+    walk = [(block, j, q, what, phase) for j, (block, piece, what) in (reversed(list(enumerate(pieces)))
+                                                                      if kind != "F" else enumerate(pieces))
+            for phase, q in _phased(piece, kind, recompute and what == "layer")]
+    sizes = [q.gathered_elements(mesh.tensor, ways, mesh.expert, mesh.expert_tensor)
+             * (matmul_bytes if matmul_bytes and narrowed(q, what, kind) else bytes_per_element)
+             for _, _, q, what, _ in walk]
     groups: list[tuple[float, int, tuple[int, ...]]] = []  # (bytes, block, members' walk indices)
     if kind != "F" and not math.isinf(combine_bytes):
         each: dict[int, list[float]] = {}  # each piece's leaves' sizes, in walk order
-        for (_, i, _), n in zip(walk, sizes):
+        for (_, i, *_), n in zip(walk, sizes):
             each.setdefault(i, []).append(n)
         backward = [(block, tuple(each.get(j, ()))) for j, (block, _) in reversed(order)]
         head = any(what == "head" for _, what, _ in held)
@@ -135,7 +174,7 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
                   backward_merges_members([n for _, n in backward], combine_bytes, waits)]
     else:
         run: list | None = None  # the open merge: [bytes, block, members, key, its index]
-        for i, ((block, _, _), size) in enumerate(zip(walk, sizes)):
+        for i, ((block, *_), size) in enumerate(zip(walk, sizes)):
             key = block if math.isinf(combine_bytes) else 0  # what merges: the whole chunk; a block, unbounded
             if size > combine_bytes:
                 groups.append((size, block, (i,)))  # combined_sizes' rule: alone, the open merge goes on
@@ -145,14 +184,42 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
             else:
                 run = [size, block, (i,), key, len(groups)]
                 groups.append((size, block, (i,)))
+    ops = ["all_gather"] * len(groups)
+    if lowering.nbytes:
+        groups, ops = _lowered(groups, walk, kind, lowering)
     out: list[list] = [[] for _ in range(blocks)]
-    for size, block, members in sorted(groups, key=lambda g: g[2][-1]):
-        out[block].append((size, frozenset((walk[i][0], walk[i][2].path[0]) for i in members)))
+    for (size, block, members), op in sorted(zip(groups, ops), key=lambda g: g[0][2][0 if g[1] == "all_reduce" else -1]):
+        out[block].append((size, frozenset((walk[i][0], walk[i][2].path[0]) for i in members), op))
     return tuple(tuple(block) for block in out)
 
 
+def _phased(piece, kind: str, recompute: bool) -> list[tuple[int, layout.ParamSpec]]:
+    """A piece's gathered leaves in a ``kind`` action, in order, each with its set (0; the backward's under
+    ``recompute``: 0 for the recomputation's, 1 for the gradients': testbed.model.leaves.backward_walk)."""
+    if kind == "F":
+        return [(0, q) for q in issue_order(piece)]
+    again = sum(1 for q in issue_order(piece) if recompute and recomputed(q))
+    return [(int(k >= again), q) for k, q in enumerate(backward_walk(piece, recompute))]
+
+
+def _lowered(groups: list, walk: list, kind: str, lowering: Lowering) -> tuple[list, list[str]]:
+    """``groups`` (bytes, block, members) with those ``lowering`` lowers merged into all-reduces (the block of their
+    first member), and each one's op (testbed.model.gather_lowering)."""
+    if kind == "F":
+        segments = [0] * len(groups)
+    else:
+        segments = backward_segments([(walk[m[0]][3] == "head", (walk[m[0]][1], walk[m[0]][4]))
+                                      for _, _, m in groups])
+    lowered, merges = lowered_merges([g[0] for g in groups], segments, lowering.nbytes, lowering.allreduce_bytes)
+    kept = [g for i, g in enumerate(groups) if i not in lowered]
+    merged = [(m.nbytes, groups[m.members[0]][1], tuple(sorted(x for i in m.members for x in groups[i][2])))
+              for m in merges]
+    return kept + merged, ["all_gather"] * len(kept) + ["all_reduce"] * len(merged)
+
+
 def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, elements: int,
-                 combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False
+                 combine_bytes: float = math.inf, bytes_per_element: float = 4.0, recompute: bool = False,
+                 matmul_bytes: float = 0.0, lowering: Lowering = NO_LOWERING
                  ) -> tuple[tuple[frozenset[str] | None, ...], ...]:
     """Per block of a ``kind`` action (in the order it computes them, as :func:`block_gathers`), per merged
     all-gather (as its sizes), the first path parts (``attn``, ``ln1``, ``mlp``, ``tokens``, ...) of the block's
@@ -162,13 +229,14 @@ def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, ele
     spec, mesh = plan.model, _merge_mesh(plan.mesh)
     merges = _gather_merges(spec, mesh, plan.schedule.virtual_stages, plan.stage_layers,
                             state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
-                            bytes_per_element, recompute)
-    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element, recompute)
+                            bytes_per_element, recompute, matmul_bytes, lowering)
+    sizes = block_gathers(plan, stage, chunk, kind, blocks, elements, combine_bytes, bytes_per_element, recompute,
+                          matmul_bytes, lowering)
     ordered = merges if kind == "F" else tuple(reversed(merges))
     out = []
     for k, (block, total) in enumerate(zip(ordered, sizes)):
         own = blocks - 1 - k if kind != "F" else k
-        holds = [frozenset(part for b, part in members if b == own) for _, members in block]
+        holds = [frozenset(part for b, part in members if b == own) for _, members, _ in block]
         out.append(tuple(holds) + (None,) * (len(total) - len(holds)))
     return tuple(out)
 

@@ -114,7 +114,7 @@ def loss_reductions(plan: Plan) -> tuple[tuple[tuple[Axis, ...], bool], ...]:
     return (((inner, True),) if inner else ()) + (((Axis.DATA,), False),) * (Axis.DATA in axes)
 
 
-def loss_merged(plan: Plan, reduce_bytes: float) -> bool:
+def loss_merged(plan: Plan, reduce_bytes: float, scatter_allreduce: bool = False) -> bool:
     """Whether the step's loss all-reduce is merged into its gradients' all-reduce: XLA's all-reduce combiner merges
     only all-reduces of one key, whose element type is the reduction's (xla/service/all_reduce_key.cc,
     ``GetAllReduceKey``: the ``to_apply`` root's type), so the fp32 loss joins the gradient sums where those are
@@ -122,13 +122,16 @@ def loss_merged(plan: Plan, reduce_bytes: float) -> bool:
     ones. Only in one SPMD step of one microbatch (the loss reduced once, over the axes the dense gradients sum
     over), with nothing sharding the gradients (their sums are all-reduces over those axes, after the backward)
     and the combiner on.
+    ``scatter_allreduce``: the sharded gradients' reduce-scatter compiles to one all-reduce over the loss's axes
+    (XLA:TPU over a whole slice: testbed.sim.xla_tpu.merges_loss), which the loss joins as it joins unsharded sums.
     Recorded XLA:TPU compiles (benchmarks/xla_tpu/): gpt1k-data4-fp32 moves the gradients' bytes and the loss's 4
-    in three all-reduces over data, gpt1k-data4 (bf16) the loss in an all-reduce of its own."""
+    in three all-reduces over data, gpt1k-data4 (bf16) the loss in an all-reduce of its own; llama2k-fsdp16-fp32-
+    selective (fsdp over a whole v5e 4x4) the loss's 4 bytes in one of its six fp32 gradient all-reduces."""
     rt = plan.runtime
     return (reduce_bytes == LOSS_VALUE_BYTES and rt.allreduce_combiner and not rt.grad_reduce_overlap
             and plan.mesh.stage == 1
             and plan.batch.microbatches == 1 and bool(reduction_axes(plan))
-            and not state_sharding(plan).split_axes(plan, "optimizer"))
+            and (scatter_allreduce or not state_sharding(plan).split_axes(plan, "optimizer")))
 
 
 def gathers_parameters(plan: Plan, kind: str) -> bool:

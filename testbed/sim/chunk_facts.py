@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
 
 from testbed.model.costs import ChunkCost
+from testbed.model.gather_lowering import NO_LOWERING, Lowering
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_params, held_elements
-from testbed.model.blocks import (block_gathers, block_scatters, gather_holds, own_blocks, scatter_cuts, scatter_early,
-                                   scatter_reads)
+from testbed.model.blocks import (block_gathers, block_ops, block_scatters, gather_holds, own_blocks, scatter_cuts,
+                                  scatter_early, scatter_reads)
 from testbed.model.leaves import (bucket_share, combine_limit, gradient_allreduces, moved_elements, parameter_collectives,
                                   regathered)
 from testbed.model.moe import moe_layers
@@ -164,6 +165,9 @@ class ChunkFacts:
     #: As ``block_sizes``, each merge's block's own leaves (their first path parts; None: anything), where the
     #: blocks are the chunk's own pieces (testbed.model.blocks.gather_holds); empty: not known.
     block_holds: ForwardBackward[tuple[tuple[frozenset[str] | None, ...], ...]] = ForwardBackward((), ())
+    #: As ``block_sizes``, each collective's op (``all_reduce`` where the compiler lowers a gather as one:
+    #: testbed.model.gather_lowering); empty: every one an all-gather.
+    block_ops: ForwardBackward[tuple[tuple[str, ...], ...]] = ForwardBackward((), ())
     #: Per action kind, (kind, each block's (share of the action's work, its GEMMs)) where the embedding and the
     #: head are blocks of their own (testbed.model.blocks.own_blocks); empty: equal shares of the action.
     block_work: tuple[tuple[str, tuple[tuple[float, tuple[Gemm, ...]], ...]], ...] = ()
@@ -199,6 +203,11 @@ class ChunkFacts:
         """Per block, the bytes of each all-gather a ``kind`` action's gathers issue (``block_sizes``: the
         forward's, then the backward's; testbed.model.blocks.block_gathers): the merges' real sizes."""
         return self.block_sizes.of(kind)
+
+    def gather_ops(self, kind: str) -> tuple[tuple[str, ...], ...]:
+        """Per block, per collective of :meth:`gather_sizes`, its op (``block_ops``; else ``all_gather``)."""
+        ops = self.block_ops.of(kind) if self.block_ops.forward or self.block_ops.backward else ()
+        return ops or tuple(("all_gather",) * len(block) for block in self.gather_sizes(kind))
 
     def gather_holds(self, kind: str) -> tuple[tuple[frozenset[str] | None, ...], ...]:
         """Per block, per all-gather of :meth:`gather_sizes`, the block's own leaves it holds (``block_holds``;
@@ -252,13 +261,24 @@ class ChunkFacts:
         return (0.0,) * len(self.bucket(pieces, k))
 
 
+def _directions(rule, plan: Plan, s: int, c: int, blocks: int, gathers: dict[str, int], combine: float,
+                param_b: float, again: bool, matmul_b: float, lowering: Lowering) -> ForwardBackward:
+    """``rule`` (testbed.model.blocks' block_gathers, block_ops or gather_holds) of the forward's and the backward's
+    gathers (``gathers``: the elements each moves), as :func:`chunk_facts` reads them."""
+    return ForwardBackward(*(rule(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B", matmul_b,
+                                  lowering) for kind, n in gathers.items()))
+
+
 def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, span, combine: float, param_b: float,
                  reduces: bool, sharded_accumulation: bool, reduce_b: float = 2.0, chained: bool = False,
                  native: bool = False, allreduce_bytes: float | None = None, scatter_allreduce: bool = False,
-                 recompute_gathers: bool = False, fused: bool = False) -> ChunkFacts:
+                 recompute_gathers: bool = False, fused: bool = False, matmul_b: float = 0.0,
+                 lowering: Lowering = NO_LOWERING) -> ChunkFacts:
     """:class:`ChunkFacts` of chunk ``c`` of stage ``s`` (``span``: its layers). ``scatter_allreduce``: the
     gradients' reduce-scatters compile to all-reduces, merged within ``allreduce_bytes`` (testbed.sim.xla_tpu);
-    ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart."""
+    ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart; ``matmul_b``: bytes
+    per element of the weight matrices' gathers (testbed.sim.xla_tpu.matmul_gather_bytes; 0: ``param_b``);
+    ``lowering``: the gathers lowered as all-reduces (testbed.model.gather_lowering)."""
     cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
     kernels = max(1, MATMULS_PER_LAYER * cost.layers)
     n_moe = moe_layers(plan.model, span)
@@ -282,14 +302,13 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     sequence_b, position_saved = sequence_reduced(plan, s, c, reduce_b, native) if reduces else (0.0, 0.0)
     again = recompute_gathers and plan.remat is Remat.FULL  # XLA:TPU: the recomputation's own gathers
     regather = Gathered(*regathered(plan, s, c, moved.params, leaves, combine, param_b, again))
-    sizes = ForwardBackward(*(block_gathers(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B")
-                              for kind, n in (("F", moved.params), ("B", regather.elements)))) \
-        if leaves else ForwardBackward((), ())
+    gathers = {"F": moved.params, "B": regather.elements}
+    sizes, ops, holds = (_directions(rule, plan, s, c, blocks, gathers, combine, param_b, again, matmul_b, lowering)
+                         if wanted else ForwardBackward((), ())
+                         for rule, wanted in ((block_gathers, leaves), (block_ops, leaves and lowering.nbytes),
+                                              (gather_holds, leaves and own)))
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
-    holds = ForwardBackward(*(gather_holds(plan, s, c, kind, blocks, n, combine, param_b, again and kind == "B")
-                              for kind, n in (("F", moved.params), ("B", regather.elements)))) \
-        if leaves and own else ForwardBackward((), ())
     merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
     bucket_sizes = block_scatters(plan, s, c, blocks, merge, reduce_b) if own and buckets == blocks else ()
     bucket_reads = scatter_reads(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()
@@ -297,7 +316,7 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     bucket_cuts = scatter_cuts(plan, s, c, blocks, merge, reduce_b) if bucket_sizes else ()
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
-                      regather=regather, block_sizes=sizes, block_holds=holds, block_work=block_work,
+                      regather=regather, block_sizes=sizes, block_ops=ops, block_holds=holds, block_work=block_work,
                       bucket_sizes=bucket_sizes,
                       bucket_reads=bucket_reads, bucket_early=bucket_early, bucket_cuts=bucket_cuts,
                       reduced=Reduced(reduced_bytes(plan, s, c, moved.grads, reduce_b, "grads", native),

@@ -30,14 +30,16 @@ from testbed.model.layout import chunk_layers
 from testbed.model.leaves import bucket_share, combine_limit
 from testbed.model.memory import state_bytes_per_param
 from testbed.pipeline.schedules import Schedule
-from testbed.plan.sharding import gathers_parameters, gradient_reduction, state_sharding
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, loss_merged, state_sharding
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ChunkFacts, action_sends, chunk_facts
 from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
                                      gradient_buckets, reduce_bytes, tied_copy_bytes)
 from testbed.sim.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
 from testbed.sim.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
-from testbed.sim.xla_tpu import accumulate_op, lowered_reductions, regathers_for_recompute, scatters_as_allreduce
+from testbed.sim.xla_tpu import (accumulate_op, gather_allreduce_bytes, lowered_reductions, lowering_of,
+                                 matmul_gather_bytes, merges_loss, narrows_gathers, regathers_for_recompute,
+                                 scatters_as_allreduce)
 
 if TYPE_CHECKING:
     from testbed.topology import Topology
@@ -105,6 +107,12 @@ class StepFacts:
         return reduce_bytes(self.plan, self.grad_bytes)
 
     @property
+    def loss_merged(self) -> bool:
+        """Whether the loss's all-reduce rides in the gradients' (testbed.plan.sharding.loss_merged; their
+        reduce-scatter an all-reduce over the loss's axes where testbed.sim.xla_tpu.merges_loss)."""
+        return loss_merged(self.plan, self.reduce_bytes, merges_loss(self.reductions))
+
+    @property
     def scatter_sends(self) -> int:
         """The tensor degree a pipeline send is split over (``runtime.pipeline_scatter_gather`` without sequence
         parallelism, whose sends are split already: the receiver all-gathers the pieces); 1: whole sends."""
@@ -145,44 +153,46 @@ def topology_rules(topology: Topology) -> dict[str, Any]:
     return {"combine_bytes": collectives.combine_bytes, "allreduce_bytes": collectives.allreduce_combine_bytes,
             "chained_gathers": device.gathers_apart(), "native_reductions": device.native_reductions(),
             "fused_updates": device.fused_updates(), "whole_slice_scatters": scatters_as_allreduce(topology),
-            "recompute_gathers": regathers_for_recompute(topology)}
+            "recompute_gathers": regathers_for_recompute(topology),
+            "narrowed_gathers": narrows_gathers(topology), "gather_allreduce": gather_allreduce_bytes(topology)}
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                schedule: Schedule | None = None, chained_gathers: bool = False,
                native_reductions: bool = False, allreduce_bytes: float | None = None,
                fused_updates: bool = False, whole_slice_scatters: bool = False,
-               recompute_gathers: bool = False) -> StepFacts:
+               recompute_gathers: bool = False, narrowed_gathers: bool = False,
+               gather_allreduce: float = 0.0) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
-        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound,
-            testbed.model.leaves.combine_limit: XLA's default threshold, or none for PyTorch's flat parameters).
+        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound:
+            testbed.model.leaves.combine_limit).
         schedule: the pipeline table to follow (default: the plan's schedule, memoized).
-        chained_gathers: all-gathers are a scheduler resource of their own (``device.collective_resources:
-            per_kind``): a layer's re-gathers arrive one by one, a weight gradient reading none runs first.
-        native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: testbed.topology.DeviceSpec
-            .native_reductions): the norms' gradients and the loss's maximum move in their own dtype.
+        chained_gathers: all-gathers are a scheduler resource of their own, one in flight (``device.collective_
+            resources: per_kind``): a weight gradient that reads no re-gathered weight runs first (bucket_early).
+        native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: DeviceSpec.native_reductions).
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
         fused_updates: the compiler fuses a weight gradient's update (where nothing sums it) and its add into the
             accumulator into its matmul (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
         whole_slice_scatters: a reduce-scatter over every device compiles to an all-reduce, merged by the all-reduce
             combiner (XLA:TPU on a whole slice: testbed.sim.xla_tpu.scatters_as_allreduce).
-        recompute_gathers: under full remat a layer's backward gathers what its recomputation reads apart from
-            what its gradients read (XLA:TPU: testbed.sim.xla_tpu.regathers_for_recompute).
+        recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
+            gradients' (XLA:TPU: testbed.sim.xla_tpu.regathers_for_recompute).
+        narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weight matrices in bf16, and over a whole slice
+            small buffers as merged all-reduces (testbed.sim.xla_tpu.matmul_gather_bytes, gather_allreduce_bytes).
     """
-    mesh, v, m = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches
-    p = mesh.stage
-    if schedule is None:
-        schedule, order = cached_order(plan.schedule.name.value, p, m, v)
-    else:
-        order = order_of(schedule)
+    mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
+    schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
+                                                                                               order_of(schedule))
     param_b, grad_b, _ = state_bytes_per_param(plan)
     sharding = state_sharding(plan)
     o_ways = sharding.ways(plan, "optimizer")
     per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
     reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
     combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
+    gathered = (matmul_gather_bytes(plan, param_b) if narrowed_gathers else 0.0,  # XLA:TPU's gathers' rules
+                lowering_of(gather_allreduce, allreduce_bytes, plan, sharding.ways(plan, "params")))
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     alike: dict[tuple, ChunkFacts] = {}  # chunks alike in their layers and ends: worked out once
@@ -195,7 +205,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                                         bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
                                         chained_gathers, native_reductions, allreduce_bytes,
                                         any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers,
-                                        fused_updates)
+                                        fused_updates, *gathered)
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from testbed.model.activations import LOSS_BYTES
-from testbed.plan.sharding import loss_merged
 from testbed.sim.chunk_facts import ChunkFacts
 from testbed.sim.grad_tasks import reduce_tasks
 from testbed.sim.step_rules import sequence_apart
@@ -64,8 +63,9 @@ class GradPlay:
 
     def _bucket(self, s: int, after: int, bucket_of: GradBucket) -> None:
         """One bucket of gradients: reduced at once when they accumulate sharded, else kept for the update."""
-        if self.facts.reduce_in_backward:
-            self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of))
+        if self.facts.reduce_in_backward:  # the loss's sum rides in the stage's first where merged (loss_merged)
+            first = self.facts.loss_merged and not self.reduce_tasks[s]
+            self.reduce_tasks[s].extend(self._reduce(s, after, *bucket_of, loss=LOSS_BYTES if first else 0.0))
         else:
             self.once[s].append(bucket_of)
 
@@ -99,5 +99,5 @@ class GradPlay:
         """The replicas' one reduction of the buckets kept for stage ``s``'s update, after its last action (the loss's
         sum merged into the first: testbed.plan.sharding.loss_merged)."""
         for k, bucket_of in enumerate(self.once[s]):
-            loss = LOSS_BYTES if k == 0 and loss_merged(self.plan, self.facts.reduce_bytes) else 0.0
+            loss = LOSS_BYTES if k == 0 and self.facts.loss_merged else 0.0
             self.reduce_tasks[s].extend(self._reduce(s, self.previous[s], *bucket_of, loss=loss))

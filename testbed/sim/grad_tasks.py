@@ -85,8 +85,10 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
             g = axis_groups_cached(groups, plan, list(r.sharded), s)
             # Of the bucket's collectives, the parameter kinds' shares (a piece of each as its bytes are).
             n = max(1, round(leaves * size / nbytes)) if leaves else 1
+            # The loss rides in a whole slice's all-reduce of the dense gradients (testbed.sim.xla_tpu.merges_loss).
+            merged = loss if r.scatter_op == "all_reduce" and not (r.expert or r.sequence or r.rest) else 0.0
             last = b.add(name=f"{r.scatter_op} {label}{kind}", device=rep, stream=stream,
-                         kind=TaskKind.COLLECTIVE, deps=(last,), op=r.scatter_op, nbytes=size / n, count=n,
+                         kind=TaskKind.COLLECTIVE, deps=(last,), op=r.scatter_op, nbytes=(size + merged) / n, count=n,
                          group=rep_group(g, rep), instances=g)
         token = tail[0] if not (r.expert or r.sequence or r.sharded) else 0.0
         extra = loss if not (r.expert or r.sequence or r.sharded) else 0.0

@@ -77,7 +77,7 @@ from testbed.pipeline.schedules import Action, Schedule
 from testbed.model.layout import holds
 from testbed.model.spans import scaled_spans
 from testbed.plan.placement import Placement
-from testbed.plan.sharding import loss_merged, loss_reductions
+from testbed.plan.sharding import loss_reductions
 from testbed.plan.spec import Axis, Plan
 from testbed.sim.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_facts
@@ -101,7 +101,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                   controller: bool = False, combine_bytes: float | None = None, serial: bool = False,
                   chained_gathers: bool = False, native_reductions: bool = False,
                   allreduce_bytes: float | None = None, fused_updates: bool = False,
-                  whole_slice_scatters: bool = False, recompute_gathers: bool = False) -> Program:
+                  whole_slice_scatters: bool = False, recompute_gathers: bool = False,
+                  narrowed_gathers: bool = False, gather_allreduce: float = 0.0) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -116,11 +117,12 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         native_reductions: the compiler reduces bf16 in bf16 (testbed.topology.DeviceSpec.native_reductions).
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
         fused_updates: the compiler fuses updates into the weight gradients (DeviceSpec.fused_updates).
-        whole_slice_scatters, recompute_gathers: XLA:TPU's collective rules (testbed.sim.xla_tpu; step_facts).
+        whole_slice_scatters, recompute_gathers, narrowed_gathers, gather_allreduce: XLA:TPU's collective rules
+            (testbed.sim.xla_tpu; step_facts).
     """
     return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule, chained_gathers,
                                  native_reductions, allreduce_bytes, fused_updates, whole_slice_scatters,
-                                 recompute_gathers), placement,
+                                 recompute_gathers, narrowed_gathers, gather_allreduce), placement,
                       controller=controller, serial=serial)
 
 
@@ -354,10 +356,10 @@ class _Graph(SpanPlay, GradPlay):
         after = ((freed,) if freed is not None else ()) + ((cotangent,) if cotangent is not None else ())
         last = None
         self.merge_tasks = []
-        for size, run in itertools.groupby(chunk.gather_sizes(kind)[k]):
-            count = len(list(run))
+        for (size, op), run in itertools.groupby(zip(chunk.gather_sizes(kind)[k], chunk.gather_ops(kind)[k])):
+            count = len(list(run))  # op: all_reduce where the compiler lowers the gather (ChunkFacts.gather_ops)
             last = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                              op="all_gather", deps=(*after, *self.iteration) if last is None else (last,),
+                              op=op, deps=(*after, *self.iteration) if last is None else (last,),
                               nbytes=size, count=count,
                               group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
             self.merge_tasks += [last] * count
@@ -416,7 +418,7 @@ class _Graph(SpanPlay, GradPlay):
         fp32 value each; loss stream: nothing waits for them)."""
         rep, final = self.reps[s], action.microbatch == self.facts.microbatches - 1
         for axes, per_microbatch in loss_reductions(self.plan):
-            if (per_microbatch or final) and not loss_merged(self.plan, self.facts.reduce_bytes):
+            if (per_microbatch or final) and not self.facts.loss_merged:
                 g = axis_groups_cached(self.groups, self.plan, list(axes), s)
                 self.b.add(name=f"loss {action.label(self.facts.virtual)}", device=rep, stream="loss",
                            kind=TaskKind.COLLECTIVE, deps=(last,), op="all_reduce", nbytes=float(LOSS_BYTES),

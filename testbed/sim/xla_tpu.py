@@ -13,6 +13,14 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   (v5e 4x4), llama2k-fsdp64 (v5e 8x8), gpt2k-fsdp256-full and llama1b-fsdp256-flash (v5e 16x16),
   gpt2k-fsdp1024-full (v5p 8x8x16) reduce no gradient by a reduce-scatter, and llama2k-fsdp8's and
   gpt2k-fsdp16-full's four gradient all-reduces are their leaves merged within the combiner's 120 MiB.
+- **An fp32 loss rides in the gradients' all-reduce** (:func:`merges_loss`) where that is one over the loss's axes:
+  llama2k-fsdp16-fp32-selective's six fp32 fsdp all-reduces carry the loss's 4 bytes.
+- **A whole slice's all-gather of a small buffer is an all-reduce** (:func:`gather_allreduce_bytes`,
+  :func:`gather_lowering`): of the zero-padded buffer, the same bytes, merged by the all-reduce combiner as
+  testbed.model.gather_lowering says. The probes: over every chip of a v5e 8x8, 8x16 or 16x16 slice up to 16 MiB
+  (as the buffer's tiles hold it: 16.5 MiB not), of a v5p 4x4x4, 4x4x8 or 8x8x16 slice any size probed (to
+  256 MiB); over a v5e 4x4 or 4x8, a v5p 2x4x4 or 2x2x4, or part of a slice (64 or 16 of 256 chips, 16 of 64),
+  none. llama2k-fsdp64, gpt2k-fsdp256-full, gpt2k-fsdp1024-full equal XLA:TPU's collectives by it.
 - **Full remat gathers a layer's weights for its recomputation too** (:func:`regathers_for_recompute`): under
   ``remat: full`` the backward of a layer gathers the leaves its recomputed forward reads, apart from the gathers
   of the leaves its gradients read: every leaf of the layer but the MLP's output projection (``mlp/w2``,
@@ -20,6 +28,14 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   gpt2k-fsdp16-full: 63 fsdp all-gathers, 10 a layer more than the forward's and the backward's (the norms'
   scales and shifts, ``attn/*``, ``mlp/w1``, ``mlp/b1``); llama4k-fsdp256-tensor4 and llama4k-fsdp64-tensor4-sp:
   ``attn/wq``, ``attn/wkv``, ``attn/wo``, ``mlp/w1`` and ``mlp/w3`` once more a layer.
+- **Under fp32 the weight matrices are gathered in bf16** (:func:`narrows_gathers`, :func:`matmul_gather_bytes`): a matmul of the default
+  precision reads its fp32 operands rounded to bf16 (one pass), and XLA:TPU rounds a gathered weight read only by
+  matmuls before its all-gather, so the gather moves half the bytes (testbed.model.blocks.narrowed: every weight
+  matrix of a layer, the head's in the backward). The norms' scales stay fp32 (elementwise), and so do the token
+  table (a lookup) and the head's forward gather, whose gathered copy the loss's piece also reads
+  (testbed.runner.param_shards' corner for its backward gather). llama2k-fsdp16-fp32-selective (v5e 4x4) and
+  llama2k-fsdp4-fp32 (v5e 2x2): 37 fsdp all-gathers, the tables' 262 MB twice and the head's 131 MB once, the
+  layers' matrices (``attn/wq`` 8.4 MB, ``attn/wkv`` 4.2 MB, ``mlp/w1`` 22 MB) at 2 bytes, the norms' 8 KB at 4.
 
 Pure: no JAX.
 """
@@ -30,17 +46,22 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from testbed.model.gather_lowering import NO_LOWERING, Lowering
 from testbed.model.leaves import RECOMPUTE_SKIPS
-from testbed.plan.spec import MeshSpec
+from testbed.plan.spec import MeshSpec, Plan
 from testbed.topology.parts import Form, LinkKind
 from testbed.topology.spec import Topology
 
 if TYPE_CHECKING:
     from testbed.sim.workload import Workload
 
-__all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowered_scatters", "regathers_for_recompute",
-           "RECOMPUTE_SKIPS"]
+__all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
+           "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
+           "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS"]
 
+#: Bytes per element of a weight matrix XLA:TPU gathers for matmuls of the backend's default precision (one bf16
+#: pass: the operand rounded to bf16, the rounding moved before the all-gather).
+MATMUL_GATHER_BYTES = 2.0
 
 def scatters_as_allreduce(topology: Topology) -> bool:
     """Whether a reduce-scatter over every device of ``topology`` compiles to an all-reduce (module docstring): an
@@ -83,6 +104,68 @@ def lowered_scatters(workload: "Workload", whole_slice: bool) -> "Workload":
                 if op.collective == "reduce_scatter" and op.group == workload.devices else op
                 for op in workload.ops)
     return replace(workload, ops=ops) if ops != workload.ops else workload
+
+
+def merges_loss(reductions: tuple) -> bool:
+    """Whether the dense gradients' sum is one all-reduce over the axes the loss sums over (:func:`lowered_reductions`:
+    a whole slice's reduce-scatter, nothing summed after it), which the combiner lets an fp32 loss join
+    (testbed.plan.sharding.loss_merged; llama2k-fsdp16-fp32-selective: the loss's 4 bytes in a gradient all-reduce)."""
+    return any(r.scatter_op == "all_reduce" and not r.rest and not (r.expert or r.sequence) for r in reductions)
+
+
+def narrows_gathers(topology: Topology) -> bool:
+    """Whether the compiler gathers weight matrices in the dtype their matmuls read (module docstring; the bytes:
+    :func:`matmul_gather_bytes`): XLA:TPU's rule."""
+    return topology.device.buffer_rules == "xla-tpu"
+
+
+def matmul_gather_bytes(plan: Plan, param_bytes: float) -> float:
+    """Bytes per element the sharded weight matrices' all-gathers move where :func:`narrows_gathers`
+    (testbed.model.blocks.narrowed; 0: the parameters' own ``param_bytes``): with parameters wider than bf16
+    (fp32 training) and matmuls of the default precision (``runtime.matmul_precision``),
+    :data:`MATMUL_GATHER_BYTES`."""
+    if param_bytes <= MATMUL_GATHER_BYTES or plan.runtime.matmul_precision == "highest":
+        return 0.0
+    return MATMUL_GATHER_BYTES
+
+
+#: The largest gathered buffer (bytes per device, as its tiles hold it: rows padded to 128 lanes) an all-gather over
+#: every chip of a v5e slice of 8+ chips a side compiles to an all-reduce of (benchmarks/xla_tpu_probes/
+#: collectives.json: 16 MiB on 8x8, 8x16 and 16x16, 16.5 MiB not; 32 lanes wide, 4 MiB on 8x16 and 4.06 MiB not).
+#: Smaller v5e slices (4x4, 2x4, 4x8 probed): none. testbed counts a leaf's own bytes, its rows a multiple of 128
+#: lanes in the recorded models.
+V5E_GATHER_ALLREDUCE_BYTES = 16 * 2 ** 20
+
+
+def gather_allreduce_bytes(topology: Topology) -> float:
+    """The largest buffer an all-gather over every device of ``topology`` compiles to an all-reduce of (module
+    docstring; 0: none): on a v5e slice of 8+ chips a side :data:`V5E_GATHER_ALLREDUCE_BYTES`; on a 3-D slice every
+    dim of which spans 4+ chips, any (v5p 4x4x4, 4x4x8, 8x8x16 probed up to 256 MiB; 2x2x2, 2x2x4, 2x4x4 none)."""
+    if topology.device.buffer_rules != "xla-tpu" or topology.form is not Form.TORUS:
+        return 0.0
+    if any(level.switched or level.kind is not LinkKind.ICI for level in topology.levels):
+        return 0.0
+    dims = tuple(sorted(level.size for level in topology.levels if level.size > 1))
+    if len(dims) >= 3:
+        return math.inf if dims[0] >= 4 else 0.0
+    v5e = "v5e" in topology.device.name.lower()
+    return float(V5E_GATHER_ALLREDUCE_BYTES) if v5e and len(dims) == 2 and dims[0] >= 8 else 0.0
+
+
+def gather_lowering(topology: Topology, plan: Plan, ways: int) -> Lowering:
+    """The gathers of ``plan``'s parameters (sharded ``ways`` ways) that compile to all-reduces, merged by the
+    all-reduce combiner (testbed.model.gather_lowering): over a whole slice (every device of the mesh),
+    :func:`gather_allreduce_bytes`; none over part of one (the probes: 16 or 64 of 256 chips, 16 of 64)."""
+    return lowering_of(gather_allreduce_bytes(topology), topology.calibration.collectives.allreduce_combine_bytes,
+                       plan, ways)
+
+
+def lowering_of(bound: float, allreduce_bytes: float | None, plan: Plan, ways: int) -> Lowering:
+    """:func:`gather_lowering` from the topology's ``bound`` (:func:`gather_allreduce_bytes`) and its all-reduce
+    combiner's bound (None: unbounded)."""
+    if not bound or ways != plan.mesh.size:
+        return NO_LOWERING
+    return Lowering(bound, math.inf if allreduce_bytes is None else float(allreduce_bytes))
 
 
 def regathers_for_recompute(topology: Topology) -> bool:
