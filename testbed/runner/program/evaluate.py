@@ -130,14 +130,13 @@ class _Emitter:
         and a ``pmax`` of one value are two all-reduces): the program's own
         collectives (a shard_map's: JAX lowers them all with channel handle 1) merge with each other; one
         the partitioner inserts (a reshard, e.g. where a value enters a map's body in another sharding) gets
-        a channel of its own from XLA's SPMD partitioner, so it merges with none, not even with the program's
-        gather of the same value (XLA:CPU's compiled fsdp x tensor SP step keeps both:
-        tests/test_program_trace.py)."""
+        a channel of its own from XLA's SPMD partitioner, so it never merges with the program's gather of the
+        same value (XLA:CPU's compiled fsdp x tensor SP step keeps both: tests/test_program_trace.py); two of the
+        partitioner's reshards of one value alike are one (its per-value reshard cache,
+        ``PartitionedHlo::Reshard``: an FSDP step's input gradient all-to-all'd once for its two users)."""
         vals = [self.env.get(o, _EMPTY) for o in node.operands]
         key = (self.scope, node.collective, node.reducer, node.channel, tuple(node.writes), tuple(map(id, vals)))
-        if node.channel is None:  # the partitioner's: a new channel, identical to nothing
-            key = None
-        elif vals and not any(v == _EMPTY or v.constant for v in vals) and key in self.computed:
+        if vals and not any(v == _EMPTY or v.constant for v in vals) and key in self.computed:
             for r, v in zip(node.results, self.computed[key][1]):
                 self.env[r] = v
             return
