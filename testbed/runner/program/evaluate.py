@@ -115,6 +115,8 @@ class _Emitter:
                 env[r] = _Val(ids, True, w)
         elif kind == "collective":
             self.collective(node)
+        elif kind == "memory" and node.attributes:
+            self.once(node, sunk)
         elif kind == "memory":
             self.memory(node, sunk)
         else:
@@ -150,6 +152,17 @@ class _Emitter:
             self.env[r] = v
         if key is not None:
             self.computed[key] = (vals, out)  # the operands kept alive: their ids stay theirs
+
+    def once(self, node: Node, sunk: frozenset) -> None:
+        """A static slice, or nothing when the same slice of the same values ran before in this scope (XLA's CSE)."""
+        vals = [self.env.get(o, _EMPTY) for o in node.operands]
+        key = (self.scope, node.name, node.attributes, tuple(map(id, vals)))
+        if key in self.computed:
+            for r, v in zip(node.results, self.computed[key][1]):
+                self.env[r] = v
+            return
+        self.memory(node, sunk)
+        self.computed[key] = (vals, [self.env.get(r, _EMPTY) for r in node.results])
 
     def memory(self, node: Node, sunk: frozenset) -> None:
         """An elementwise or data-movement op: the materialized values its fusion has not read yet, plus the
