@@ -157,12 +157,12 @@ def _dot_dims(op: Any) -> DotDims:
                    tuple(numbers.lhs_contracting_dimensions), tuple(numbers.rhs_contracting_dimensions))
 
 
-def _reshard(value: Any, sharding: Sharding, before: Any) -> Any:
+def _reshard(value: Any, sharding: Sharding, at: Any, location: Any) -> Any:
+    """An ``sdy.reshard`` of ``value`` to ``sharding`` at insertion point ``at``."""
     from jaxlib.mlir import ir
 
     op = ir.Operation.create("sdy.reshard", results=[value.type], operands=[value],
-                             attributes={"sharding": ir.Attribute.parse(sharding.text())},
-                             loc=before.location, ip=ir.InsertionPoint(before))
+                             attributes={"sharding": ir.Attribute.parse(sharding.text())}, loc=location, ip=at)
     return op.results[0]
 
 
@@ -175,23 +175,15 @@ def _apply(op: Any, plan: DotPlan, cache: dict) -> None:
         value = op.operands[plan.operand]
         key = (value, plan.sharding, op.operation.block)
         if key not in cache:
-            cache[key] = _reshard(value, plan.sharding, op)
+            cache[key] = _reshard(value, plan.sharding, ir.InsertionPoint(op), op.location)
         op.operands[plan.operand] = cache[key]
         return
     result = op.results[0]
     propagated = _value_sharding(result)
     op.attributes["sdy.sharding"] = ir.Attribute.parse(
         f"#sdy.sharding_per_value<[{plan.sharding.text().removeprefix('#sdy.sharding')}]>")
-    after = op.operation.block.operations[_position(op) + 1]
-    moved = _reshard(result, propagated, after)
+    moved = _reshard(result, propagated, ir.InsertionPoint.after(op), op.location)
     result.replace_all_uses_except(moved, moved.owner.operation)
-
-
-def _position(op: Any) -> int:
-    for i, other in enumerate(op.operation.block.operations):
-        if other.operation == op.operation:
-            return i
-    raise ValueError("op not in its block")
 
 
 def _dots(op: Any) -> list:
@@ -229,12 +221,12 @@ def _axes(text: str) -> list[str]:
     return _NAME.findall(text)
 
 
-def _collective(kind: str, value: Any, attributes: dict, before: Any) -> Any:
+def _collective(kind: str, value: Any, attributes: dict, at: Any, location: Any) -> Any:
     from jaxlib.mlir import ir
 
     op = ir.Operation.create(kind, results=[value.type], operands=[value],
                              attributes={k: ir.Attribute.parse(v) for k, v in attributes.items()},
-                             loc=before.location, ip=ir.InsertionPoint(before))
+                             loc=location, ip=at)
     return op.results[0]
 
 
@@ -242,6 +234,8 @@ def split_reductions(module: Any) -> int:
     """XLA's AllReduceSplitter on a partitioned module (module docstring): each ``sdy.all_reduce`` over A whose one
     use is an ``sdy.all_slice`` over S, S a proper subset of A, becomes an all-reduce over S, the slice, and an
     all-reduce over A minus S; the number split. Call inside the module's context."""
+    from jaxlib.mlir import ir
+
     split = 0
     for func in module.body.operations:
         for op in _ops(func, "sdy.all_reduce"):
@@ -254,12 +248,12 @@ def split_reductions(module: Any) -> int:
                 continue
             first = _collective("sdy.all_reduce", op.operands[0], {
                 "reduction_axes": "#sdy<axis_ref_list{" + ", ".join(f'"{a}"' for a in reduced if a in over) + "}>",
-                "out_sharding": str(op.attributes["out_sharding"])}, op)
+                "out_sharding": str(op.attributes["out_sharding"])}, ir.InsertionPoint(op), op.location)
             sliced.operands[0] = first
-            after = sliced.operation.block.operations[_position(sliced) + 1]
             rest = _collective("sdy.all_reduce", sliced.results[0], {
                 "reduction_axes": "#sdy<axis_ref_list{" + ", ".join(f'"{a}"' for a in reduced if a not in over) + "}>",
-                "out_sharding": str(sliced.attributes["out_sharding"])}, after)
+                "out_sharding": str(sliced.attributes["out_sharding"])}, ir.InsertionPoint.after(sliced),
+                sliced.location)
             sliced.results[0].replace_all_uses_except(rest, rest.owner.operation)
             op.operation.erase()
             split += 1
