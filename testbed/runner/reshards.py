@@ -214,15 +214,27 @@ def _manual(op: Any, sizes: dict[str, int], order: list[str], manual: frozenset[
     return kind, axes, group, local, shape, element
 
 
-def partition(text: str) -> Any:
-    """Run :data:`PASSES` on a lowered module's text; the partitioned ``ir.Module`` and its context."""
+def partition(text: str, follow_xla: bool = False) -> Any:
+    """Run :data:`PASSES` on a lowered module's text; the partitioned ``ir.Module`` and its context.
+
+    ``follow_xla``: partition the matmuls where XLA's SPMD partitioner differs from Shardy's explicit reshards
+    as XLA does, and split the all-reduces XLA splits (testbed.runner.gspmd_dots)."""
     from jax.interpreters import mlir as jmlir
     from jaxlib.mlir import ir, passmanager
+
+    from testbed.runner import gspmd_dots
 
     context = jmlir.make_ir_context()
     with context:
         module = ir.Module.parse(text)
-        passmanager.PassManager.parse(PASSES).run(module.operation)
+        if not follow_xla:
+            passmanager.PassManager.parse(PASSES).run(module.operation)
+            return module, context
+        propagate, reshard = PASSES.split(",", 1)
+        passmanager.PassManager.parse(propagate + ")").run(module.operation)
+        gspmd_dots.follow_gspmd(module)
+        passmanager.PassManager.parse("builtin.module(" + reshard).run(module.operation)
+        gspmd_dots.split_reductions(module)
     return module, context
 
 

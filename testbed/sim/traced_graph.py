@@ -24,7 +24,9 @@ plan-driven simulation does for a step without pipeline stages. Its ops become t
 Dependencies are the program's data flow: a collective waits for the segments that produce its
 operand, a segment for the collectives whose results it reads. A collective whose result is needed
 later overlaps the compute in between, as XLA's asynchronous collectives do; one that the next op
-needs blocks. With a controller calibration the host prepares the step and dispatches the one program;
+needs blocks. Where the device's compiler runs collectives synchronously on the device's thread (XLA:CPU:
+:meth:`~testbed.topology.parts.DeviceSpec.synchronous_collectives`) each collective waits for the compute
+issued before it and the compute after it waits for the collective. With a controller calibration the host prepares the step and dispatches the one program;
 a ``lax.scan``'s iterations run one after another (:func:`_iteration_begins`).
 
 Device ``i`` of the mesh (row-major coordinate, as ``jax.make_mesh`` numbers devices) is topology
@@ -77,6 +79,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     graph = _Segments(workload, topology, ids)
     follows = {it: loop[j - 1] for loop in workload.loops for j, it in enumerate(loop) if j}
     began: dict[int, int] = {}  # loop iteration -> its first task
+    blocking = topology.device.synchronous_collectives()
     for i, op in enumerate(workload.ops):
         graph.done.append(())
         if op.iteration not in began:
@@ -84,7 +87,11 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
                                                graph.previous)
         if op.kind is OpKind.COLLECTIVE:
             graph.close()
+            if blocking and graph.b.tasks:  # it waits for the compute issued before it ...
+                graph.previous = (len(graph.b.tasks) - 1,)
             graph.collective(i)
+            if blocking:  # ... and the compute after it waits for it
+                graph.previous = graph.done[i]
         else:
             graph.compute(i)
     graph.close()

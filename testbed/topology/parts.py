@@ -292,6 +292,16 @@ class DeviceSpec:
         testbed.sim.grad_bytes.FUSED_ACCUMULATE_PASSES)."""
         return self.buffer_rules == "xla-tpu"
 
+    def synchronous_collectives(self) -> bool:
+        """Whether the compiler runs each collective as a blocking op on the device's own thread, in program order
+        with its compute (XLA:CPU, ``bf16_matmuls: fp32``: the compiled HLO of the held-out programs on 8 emulated
+        devices holds plain ``all-reduce``, ``all-gather``, ``all-to-all`` and ``collective-permute`` ops, no
+        asynchronous ``-start``/``-done`` pairs, and its in-process collectives copy through host memory on the
+        same cores; benchmarks/heldout/). A traced program's collective then waits for the compute before it and
+        the compute after it for the collective (testbed.sim.traced_graph); elsewhere they overlap as XLA's
+        latency-hiding scheduler places them."""
+        return self.bf16_matmuls == "fp32"
+
     def fuses_into_matmuls(self) -> bool:
         """Whether the compiler fuses a traced program's elementwise producers and consumers into its matmuls'
         kernels (XLA:TPU, ``buffer_rules: xla-tpu``: benchmarks/tpu_chip/programs.json; testbed.sim.matmul_fusion)."""

@@ -55,6 +55,9 @@ ROOTS = frozenset({"stablehlo.reduce", "stablehlo.reduce_window", "stablehlo.sor
 LOCAL_SLICES = frozenset({"sdy.all_slice"})
 #: Ops that read only as many bytes as they write (a slice of a materialized operand).
 SLICES = frozenset({"stablehlo.slice", "stablehlo.dynamic_slice", "stablehlo.gather"}) | LOCAL_SLICES
+#: Slices XLA's CSE (HloCSE) merges when they read the same value alike: an unrolled loop's ``weights[0, layer]``
+#: sliced again at every tick is one slice (the pipeline program's compiled HLO on 8 emulated devices).
+CSE_OPS = frozenset({"stablehlo.slice"})
 #: Ops that read and write only their update operand (in place).
 UPDATES = {"stablehlo.dynamic_update_slice": 1, "stablehlo.scatter": 2}
 #: Custom calls that are annotations, not work.
@@ -98,6 +101,8 @@ class Node:
     blocks: list = field(default_factory=list)
     trips: int = 1
     callee: str = ""
+    #: A static slice's attributes (:data:`CSE_OPS`): with its operands, what makes two of them one to XLA's CSE.
+    attributes: str = ""
 
 
 @dataclass(slots=True)
@@ -239,7 +244,9 @@ class _Reader:
             return self.convolution(op, operands, results)
         if name == "stablehlo.custom_call":
             return self.custom_call(op, operands, results)
-        return self.memory(name, operands, results)
+        node = self.memory(name, operands, results)
+        node.attributes = ";".join(f"{k}={attrs[k]}" for k in attrs) if name in CSE_OPS else ""
+        return node
 
     def _shardings(self, op: Any) -> list[str] | None:
         if "sdy.sharding" not in op.attributes:

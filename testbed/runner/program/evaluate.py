@@ -115,6 +115,8 @@ class _Emitter:
                 env[r] = _Val(ids, True, w)
         elif kind == "collective":
             self.collective(node)
+        elif kind == "memory" and node.attributes:
+            self.once(node, sunk)
         elif kind == "memory":
             self.memory(node, sunk)
         else:
@@ -130,14 +132,13 @@ class _Emitter:
         and a ``pmax`` of one value are two all-reduces): the program's own
         collectives (a shard_map's: JAX lowers them all with channel handle 1) merge with each other; one
         the partitioner inserts (a reshard, e.g. where a value enters a map's body in another sharding) gets
-        a channel of its own from XLA's SPMD partitioner, so it merges with none, not even with the program's
-        gather of the same value (XLA:CPU's compiled fsdp x tensor SP step keeps both:
-        tests/test_program_trace.py)."""
+        a channel of its own from XLA's SPMD partitioner, so it never merges with the program's gather of the
+        same value (XLA:CPU's compiled fsdp x tensor SP step keeps both: tests/test_program_trace.py); two of the
+        partitioner's reshards of one value alike are one (its per-value reshard cache,
+        ``PartitionedHlo::Reshard``: an FSDP step's input gradient all-to-all'd once for its two users)."""
         vals = [self.env.get(o, _EMPTY) for o in node.operands]
         key = (self.scope, node.collective, node.reducer, node.channel, tuple(node.writes), tuple(map(id, vals)))
-        if node.channel is None:  # the partitioner's: a new channel, identical to nothing
-            key = None
-        elif vals and not any(v == _EMPTY or v.constant for v in vals) and key in self.computed:
+        if vals and not any(v == _EMPTY or v.constant for v in vals) and key in self.computed:
             for r, v in zip(node.results, self.computed[key][1]):
                 self.env[r] = v
             return
@@ -151,6 +152,17 @@ class _Emitter:
             self.env[r] = v
         if key is not None:
             self.computed[key] = (vals, out)  # the operands kept alive: their ids stay theirs
+
+    def once(self, node: Node, sunk: frozenset) -> None:
+        """A static slice, or nothing when the same slice of the same values ran before in this scope (XLA's CSE)."""
+        vals = [self.env.get(o, _EMPTY) for o in node.operands]
+        key = (self.scope, node.name, node.attributes, tuple(map(id, vals)))
+        if key in self.computed:
+            for r, v in zip(node.results, self.computed[key][1]):
+                self.env[r] = v
+            return
+        self.memory(node, sunk)
+        self.computed[key] = (vals, [self.env.get(r, _EMPTY) for r in node.results])
 
     def memory(self, node: Node, sunk: frozenset) -> None:
         """An elementwise or data-movement op: the materialized values its fusion has not read yet, plus the

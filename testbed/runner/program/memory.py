@@ -9,7 +9,8 @@ is allocated when it is produced and freed after its last reader in the block (a
 the loop ends, a block's results when the block ends). All-reduces that XLA's combiner merges into one
 (:func:`_combined`) run as that one: every member's operand is kept until the last member's place, where all
 their results are allocated at once. A loop or call body adds its own peak above what is
-live around it, once (iterations reuse their buffers). XLA's buffer reuse across unrelated values, in-place
+live around it, once (iterations reuse their buffers). The step's outputs are allocations of their own, apart
+from the heap of temporaries, as XLA's buffer assignment makes them (:class:`_OutputSlots`). XLA's buffer reuse across unrelated values, in-place
 updates and its scheduler's reordering are not modeled: an estimate of what the program keeps alive, not XLA's
 buffer assignment (docs/program.md).
 """
@@ -154,9 +155,10 @@ def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
     return out
 
 
-def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None) -> float:
+def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None = None, apart: bool = False) -> float:
     """Peak bytes the block allocates above what is live when it starts (its arguments not counted); ``upcast``:
-    the entry's argument sizes where each bf16 matmul operand also has an f32 copy (:func:`_f32_copies`)."""
+    the entry's argument sizes where each bf16 matmul operand also has an f32 copy (:func:`_f32_copies`);
+    ``apart``: the block's results are the step's outputs, each an allocation of its own (:class:`_OutputSlots`)."""
     key = id(block)
     if key in memo:
         return memo[key]
@@ -174,6 +176,7 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
     size: dict = {}
     copies = _F32Copies(nodes, alias, upcast, size, dying)
     live = peak = 0.0
+    slots = _OutputSlots(nodes, yields) if apart else None
     for i, node in enumerate(nodes):
         inner = max((_block_peak(b, functions, memo, upcast) for b in node.blocks), default=0.0)
         if node.kind == "call" and node.callee in functions:
@@ -189,9 +192,11 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
             written += more
             kept += [r for r, _ in more]
         live += copies.made(node)
+        if slots is not None:  # a loop's carried outputs live in their own allocations all through it
+            inner -= sum(w for r, w in written if r in slots.outputs) if node.blocks else 0.0
+            kept = slots.produce(written, kept)
         new = sum(w for r, w in written if r in kept)
-        # a loop's, call's or shard_map body's results are its block's yields, live at its end: in its own peak
-        peak = max(peak, live + (max(inner, new) if node.blocks or node.kind == "call" else new))
+        peak = max(peak, _while_written(node, live, size, slots, inner, [w for r, w in written if r in kept]))
         live += new
         for r, w in written:
             if r in kept:
@@ -199,7 +204,9 @@ def _block_peak(block: Block, functions: dict, memo: dict, upcast: dict | None =
         for v in dying.get(i, []) + [r for r in kept if r not in last]:
             if v in size and v not in yields:  # freed after its last reader (at once if nothing reads it)
                 live -= size.pop(v)
-        peak = max(peak, live)
+        peak = max(peak, live if slots is None else slots.heap(size, []))
+    if slots is not None:
+        peak += slots.total
     memo[key] = peak
     return peak
 
@@ -243,4 +250,46 @@ def _half(node) -> bool:
 def peak_bytes(compiled: Compiled, upcast: bool = False) -> float:
     """The step's arguments plus the peak of what its program keeps alive above them (module docstring)."""
     args = dict(zip(compiled.entry.args, compiled.arg_bytes)) if upcast else None
-    return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {}, args)
+    return float(sum(compiled.arg_bytes)) + _block_peak(compiled.entry, compiled.functions, {}, args, apart=True)
+
+
+def _while_written(node, live: float, size: dict, slots, inner: float, new: list) -> float:
+    """What is live while ``node`` writes ``new`` (its bytes per result) above ``live`` (``size``'s values); a
+    loop's, call's or shard_map body's results are its block's yields, live at its end: in its own peak
+    ``inner``. With ``slots``, the heap of temporaries alone (:class:`_OutputSlots`)."""
+    nested = bool(node.blocks) or node.kind == "call"
+    if slots is None:
+        return live + (max(inner, sum(new)) if nested else sum(new))
+    return slots.heap(size, [], max(inner, sum(new))) if nested else slots.heap(size, new)
+
+
+class _OutputSlots:
+    """XLA:CPU's buffer assignment of the step's outputs: each output its own allocation (``maybe-live-out``),
+    apart from the one heap of temporaries (``preallocated-temp``); a temporary that fits in an output's
+    allocation and dies before that output is written lives there instead of the heap (the buffer-assignment
+    dump of the FSDP step: 18 output allocations holding its small temporaries, its 1 MiB gradients in the heap).
+    A loop's or call's body is many buffers: its peak fills the free output allocations as a fluid (a scan's
+    carried gradients are written in place into the update's outputs)."""
+
+    def __init__(self, nodes: list, yields: set) -> None:
+        self.pending = {r: w for node in nodes for r, w in zip(node.results, node.writes) if r in yields}
+        self.outputs = set(self.pending)
+        self.total = float(sum(self.pending.values()))
+
+    def produce(self, written: list, kept: list) -> list:
+        """The kept results that are temporaries (each output written is taken off the free allocations)."""
+        for r, _ in written:
+            self.pending.pop(r, None)
+        return [r for r in kept if r not in self.outputs]
+
+    def heap(self, size: dict, extra: list, lump: float = 0.0) -> float:
+        """The heap's bytes when ``size``'s values and ``extra`` are live: each, largest first, in the largest free
+        output allocation it fits, else in the heap."""
+        free = sorted(self.pending.values(), reverse=True)
+        heap, j = 0.0, 0
+        for nbytes in sorted([*size.values(), *extra], reverse=True):
+            if j < len(free) and nbytes <= free[j]:
+                j += 1
+            else:
+                heap += nbytes
+        return heap + max(0.0, lump - sum(free))

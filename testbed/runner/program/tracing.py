@@ -207,7 +207,7 @@ def workload_from_text(text: str, sizes: dict[str, int], name: str, on_unknown: 
     from testbed.runner.program.memory import peak_bytes
     from testbed.runner.reshards import partition
 
-    module, context = partition(text)
+    module, context = partition(text, follow_xla=True)
     compiled = compile_module(module, context, sizes, on_unknown)
     with context:
         ops, notes, loops = emit(compiled)
