@@ -185,8 +185,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
     schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
                                                                                                order_of(schedule))
-    param_b, grad_b, _ = state_bytes_per_param(plan)
-    sharding = state_sharding(plan)
+    (param_b, grad_b, _), sharding = state_bytes_per_param(plan), state_sharding(plan)
     o_ways = sharding.ways(plan, "optimizer")
     per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
     reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
