@@ -22,7 +22,7 @@ from testbed.collectives.bounds import distinct_groups, lower_bound
 from testbed.collectives.timing import groups_time, timed_groups
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate, plan_memory
-from testbed.explore.floor import played_floor, step_floor
+from testbed.explore.floor import placed_floor, played_floor, step_floor
 from testbed.explore.search import _analytic_tier, _overflows, evaluate
 from testbed.explore.space import SearchSpace, candidate_groups, candidates, preset_plan
 from testbed.model.memory import state_floor
@@ -144,6 +144,39 @@ def test_moe_floors_are_lower_bounds() -> None:
             assert floor is not None and floor * (1 - 1e-12) <= played <= est
             chains += plan.mesh.expert > 1
         assert chains >= 10
+
+
+def test_placed_floor_is_a_lower_bound_above_the_step_floor() -> None:
+    """The step floor with each plan's tensor collectives priced on its own placement: never above the estimate,
+    never below the step floor where it applies, above it for most tensor-parallel plans (dense and MoE models, SP
+    on and off, one node and a superpod, the flagship's)."""
+    space = SearchSpace(remat=("none", "full"), microbatches=(1, 4, 8), sequence_parallel=(False, True))
+    cases = [("gpt-1.3b", "dgx-h100-x4", 32, space, 0), ("mixtral-8x7b", "dgx-h100-x4", 32, space, 1),
+             ("deepseek-moe-16b", "dgx-h100-x4", 32, space, 2),
+             ("gpt-1.3b", "dgx-a100-superpod@64", 64, SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"),
+                                                                   sequence_parallel=(False, True)), 3)]
+    applied = tighter = 0
+    for name, topology_name, devices, sampled, seed in cases:
+        topology = load_topology(topology_name)
+        plans = [p for p in candidates(preset_plan(name), devices, sampled) if p.mesh.tensor > 1 and p.mesh.context == 1]
+        random.Random(seed).shuffle(plans)
+        for plan in plans[:20]:
+            placed, floor = placed_floor(plan, topology), step_floor(plan, topology)
+            assert placed <= estimate(plan, topology).step_time_s
+            if placed:
+                assert placed >= floor * (1 - 1e-12)
+                applied += 1
+                tighter += placed > floor * (1 + 1e-6)
+    assert applied >= 30 and tighter >= 0.8 * applied
+    topology, flash = load_topology("llama3-h100-16k"), preset_plan("llama3-405b", 2048)
+    flash = replace(flash, model=replace(flash.model, attention=type(flash.model.attention)("flash")))
+    plans = [p for p in candidates(flash, 16_384, SearchSpace(schedules=("1f1b", "interleaved"), zero=(1,),
+                                                             remat=("full",), sequence_parallel=(False, True)))
+             if p.mesh.tensor > 1]
+    plans = [p for p in plans if p.mesh.fsdp == 1]  # (fsdp gathers: no placed floor)
+    random.Random(4).shuffle(plans)
+    for plan in plans[:8]:
+        assert step_floor(plan, topology) <= placed_floor(plan, topology) <= estimate(plan, topology).step_time_s
 
 
 def test_played_floor_is_a_lower_bound_above_the_step_floor() -> None:

@@ -214,3 +214,28 @@ def test_a_plan_without_stages_has_no_bubble_even_when_it_waits_on_communication
         report = simulate(plan, load_topology(plan.topology)).report
         assert plan.mesh.stage == 1 and report.exposed_comm_s > 0
         assert report.bubble_fraction == 0.0
+
+
+def test_simulate_memo_reuses_a_timeline_only_for_an_equal_program() -> None:
+    """A plan whose task graph equals one already played (here: the same layout under another name) reuses its
+    timeline; another layout is played anew, as without the memo; the memo keeps at most MEMO_PROGRAMS programs."""
+    from testbed.explore.space import SearchSpace, candidates, preset_plan
+    from testbed.sim.engine import MEMO_PROGRAMS, simulate
+    from testbed.topology.io import load_topology
+
+    topology = load_topology("dgx-h100")
+    plan = next(p for p in candidates(preset_plan("gpt-125m"), 8, SearchSpace(microbatches=(1,)))
+                if p.mesh.data == 8)
+    memo: dict = {}
+    first = simulate(plan, topology, memo)
+    again = simulate(replace(plan, name="renamed"), topology, memo)
+    assert again.timeline is first.timeline and again.report.plan == "renamed"
+    other = replace(plan, batch=replace(plan.batch, microbatches=2 * plan.batch.microbatches))
+    played = simulate(other, topology, memo)
+    assert played.timeline is not first.timeline
+    assert played.report.step_time_s == simulate(other, topology).report.step_time_s
+    for k in range(MEMO_PROGRAMS + 2):
+        simulate(replace(plan, batch=replace(plan.batch, global_batch=plan.batch.global_batch * (k + 2))), topology, memo)
+    assert len(memo) == MEMO_PROGRAMS + 1  # the programs and the topology's entry
+    with pytest.raises(ValueError):
+        simulate(plan, load_topology("dgx-h100-x4"), memo)

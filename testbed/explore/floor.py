@@ -19,16 +19,18 @@ from testbed.model.layout import chunk_layers
 from testbed.model.moe import dispatch_bytes, moe_layers, sequence_dispatch
 from testbed.model.spans import action_spans, scaled_spans
 from testbed.pipeline.schedules import Schedule, build_schedule, peak_inflight, splits_backward
+from testbed.explore.stage_collectives import StageCollectives
+from testbed.plan.placement import place
 from testbed.plan.sharding import gathers_parameters, state_sharding
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.stages import chunk_counts
-from testbed.plan.spec import Plan, Remat
+from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.action_work import action_work
 from testbed.sim.compute import compute_seconds
 from testbed.sim.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
-__all__ = ["step_floor", "played_floor", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
+__all__ = ["step_floor", "placed_floor", "played_floor", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
            "cached_peaks"]
 
 
@@ -87,8 +89,59 @@ def floor_key(plan: Plan) -> tuple:
 def _step_floor(plan: Plan, topology: Topology) -> float | None:
     """:func:`step_floor`, not memoized."""
     priced = _stage_floors(plan, topology)
+    return None if priced is None else _combined(plan, priced)
+
+
+def placed_floor(plan: Plan, topology: Topology) -> float:
+    """:func:`step_floor` with each action's blocking tensor collectives priced as the estimate prices them on
+    ``plan``'s own placement (testbed.explore.stage_collectives: every tensor group of the stage at once, the
+    collectives one after another) instead of their bandwidth bound, which holds wherever the groups lie; 0 where
+    it does not apply (no tensor parallelism, ``runtime.tp_comm_overlap``, parameters gathered, whose actions play
+    their tensor collectives among their blocks, or no step floor). A chunk holding the embedding keeps the bound (its
+    backward may merge the embedding's gathers into the gradient sums: testbed.sim.grad_bytes). The transfers are
+    :func:`testbed.sim.action_work.action_work`'s, the loss's at its fewest bytes, as the estimate's or fewer.
+    Memoized per topology on :func:`floor_key` and the mesh (what the placement follows)."""
+    memo = topology_memo(topology).setdefault("placed_floor", {})
+    key = (floor_key(plan), plan.mesh)
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) > 100_000:
+            memo.clear()
+        hit = memo[key] = _placed_floor(plan, topology)
+    return hit
+
+
+def _placed_floor(plan: Plan, topology: Topology) -> float:
+    """:func:`placed_floor`, not memoized."""
+    if plan.mesh.tensor == 1 or plan.runtime.tp_comm_overlap or (
+            gathers_parameters(plan, "F") and state_sharding(plan).ways(plan, "params") > 1):
+        return 0.0
+    priced = _stage_floors(plan, topology)
     if priced is None:
-        return None
+        return 0.0
+    coll = StageCollectives(topology, place(plan, topology).device_ids)
+    split, size = _splits_backward(plan), float(plan.precision.compute_bytes)
+    extra: dict[tuple, float] = {}
+    out = []
+    for s, chunks in enumerate(priced):
+        seconds = dict(chunks)
+        for c, kind in chunks:
+            if (s, c) == (0, 0):
+                continue  # the embedding's chunk: its bound
+            cost = cached_chunk_cost(plan, s, c)
+            transfers = action_work(cost, kind, split, plan.remat, size)[3]
+            key = (s, transfers)
+            if key not in extra:
+                exact = sum(n * coll.time(op, (Axis.TENSOR,), s, nbytes) for op, n, nbytes in transfers)
+                extra[key] = max(0.0, exact - _tensor_floor(plan, topology, transfers))
+            seconds[(c, kind)] += extra[key]
+        out.append(seconds)
+    return _combined(plan, out)
+
+
+def _combined(plan: Plan, priced: list[dict[tuple[int, str], float]]) -> float:
+    """:func:`step_floor` from each stage's action floors ``(chunk, kind) -> seconds``: (a) the busiest stage's
+    every action, (b) with one chunk per stage, the first microbatch's way to the last stage and back."""
     m, p = plan.batch.microbatches, plan.mesh.stage
     sums: dict[int, dict[str, float]] = {}  # stages alike share one dict of floors, and one of their sums
     for chunks in priced:

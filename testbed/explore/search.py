@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from testbed.errors import InputError
 from testbed.explore.analytic import Estimate, estimate, plan_memory
 from testbed.explore.eta import TimeLeft
-from testbed.explore.floor import cached_peaks, cached_played_floor, cached_step_floor, group_floor_key
+from testbed.explore.floor import cached_peaks, cached_played_floor, cached_step_floor, group_floor_key, placed_floor
 from testbed.explore.gather_floor import gather_floor
 from testbed.model.memory import probe_stages, stage_memory, state_floor
 from testbed.explore.choices import SearchSpace
@@ -244,7 +244,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         best_est = shortlist[0].estimate.step_time_s
         chosen += [c for c in shortlist[len(chosen):] if c.estimate.step_time_s <= best_est * (1 + margin)]
     start = time.perf_counter()
-    replayed = _replay_all(chosen, topology, rank, progress, eta)
+    replayed = _replay_all(chosen, topology, rank, progress, eta, tier.played)
     if by_time and replayed:
         replayed += _settle(shortlist[len(chosen):], tier, replayed, topology, memory_cap, margin, rank, progress)
         shortlist = sorted([*shortlist, *tier.revived], key=lambda c: _sort_key(objective, c))
@@ -268,12 +268,13 @@ def _check_arguments(base: Plan, topology: Topology, objective: str, memory_cap:
         objective_value(objective, base, topology, 1.0, price_per_device_hour)  # validates the price first
 
 
-def _replay_all(chosen: list, topology: Topology, rank: Callable, progress: Callable | None, eta: TimeLeft) -> list:
-    """The chosen candidates replayed by the DES, one after another, the progress told after each."""
+def _replay_all(chosen: list, topology: Topology, rank: Callable, progress: Callable | None, eta: TimeLeft,
+                memo: dict) -> list:
+    """The chosen candidates replayed by the DES (``memo``: simulate's), one by one, the progress told after each."""
     replayed = []
     eta.update("replay", 0)
     for k, c in enumerate(chosen):
-        replayed.append(_replayed(c, topology, rank))
+        replayed.append(_replayed(c, topology, rank, memo))
         if progress is not None:
             eta.update("replay", k + 1)
             progress("replay", k + 1, len(chosen), eta.seconds("replay", len(chosen) - k - 1))
@@ -289,6 +290,7 @@ class _Tier:
     shortlist: list[Candidate] = field(default_factory=list)
     deferred: list[tuple[float, Plan | tuple[CandidateGroup, int, tuple]]] = field(default_factory=list)
     floors: dict = field(default_factory=dict)
+    played: dict = field(default_factory=dict)  # the DES's timelines by program (testbed.sim.engine.simulate)
     #: Deferred plans :func:`_settle` estimated after all (those that fit).
     revived: list[Candidate] = field(default_factory=list)
     pruned: int = 0
@@ -311,11 +313,11 @@ def _analytic_tier(groups: list[CandidateGroup], topology: Topology, memory_cap:
     Before its memory and estimate, a plan's schedule is played at its floors (:func:`testbed.explore.floor
     .played_floor`, a lower bound of the estimate that counts the pipeline's bubble, memoized across plans alike in
     it), and before its estimate its parameter gathers are summed as its stages play them one after another
-    (:func:`testbed.explore.gather_floor.gather_floor`); it is skipped when either is above the bar (a plan so
+    (:func:`testbed.explore.gather_floor.gather_floor`), then its step floor taken with its own tensor groups'
+    collectives (:func:`testbed.explore.floor.placed_floor`); it is skipped when any is above the bar (a plan so
     skipped that would not fit is counted as skipped, not over memory; :func:`_settle` checks its memory before it
-    could be estimated):
-    the bar only falls, so it would be above the final bar too, and the plans estimated at or below the final
-    bar are the same.
+    could be estimated): the bar only falls, so it would be above the final bar too, and the plans estimated at
+    or below the final bar are the same.
     """
     tier = _Tier(enumerated=sum(g.size for g in groups))
     total, done, kept = tier.enumerated, 0, 0
@@ -380,15 +382,15 @@ def _best_first(tier: _Tier, bounded: list, before: int, topology: Topology, mem
                 break
             k += 1
             plan = group.plan(j)
-            # Its schedule played at its floors (memoized across plans alike), then its stages' exact peaks, then
-            # its gathers: skipped if too slow, else estimated in its place.
+            # Its schedule played at its floors (memoized across plans alike), then its stages' exact peaks, its
+            # gathers and its own tensor groups' collectives: skipped if too slow, else estimated in its place.
             tight = max(floor, cached_played_floor(key, plan, topology) or 0.0) if floor else floor
             if tight <= bar and _overflows(plan, topology, memory_cap, tier.floors):
                 tier.pruned += 1
                 continue
             if floor:
-                if tight <= bar:
-                    tight = max(tight, gather_floor(plan, topology))
+                for bound in (gather_floor, placed_floor):
+                    tight = max(tight, bound(plan, topology)) if tight <= bar else tight
                 if tight > bar:
                     tier.bounded += 1
                     tier.deferred.append((tight, plan))
@@ -433,8 +435,8 @@ def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: floa
             heapq.heappop(fastest)
 
 
-def _replayed(c: Candidate, topology: Topology, rank: Callable) -> Candidate:
-    sim = simulate(c.plan, topology)
+def _replayed(c: Candidate, topology: Topology, rank: Callable, memo: dict) -> Candidate:
+    sim = simulate(c.plan, topology, memo)
     return Candidate(plan=c.plan, estimate=c.estimate, report=sim.report, exposed_by_kind=exposed_by_kind(sim.timeline),
                      value=rank(c.plan, sim.report.step_time_s))
 
@@ -470,7 +472,7 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
             bisect.insort(pending, tier.revived[-1], key=lambda c: c.estimate.step_time_s)
         if not pending or pending[0].estimate.step_time_s * (1 + margin) >= best:
             break
-        out.append(_replayed(pending.pop(0), topology, rank))
+        out.append(_replayed(pending.pop(0), topology, rank, tier.played))
         best = min(best, out[-1].report.step_time_s)
         if progress is not None:
             progress("replay", len(replayed) + len(out), len(replayed) + len(out), None)

@@ -325,10 +325,34 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
                   topology=topology.name, devices=topology.num_devices, tasks=tasks, source=timeline.source)
 
 
-def simulate(plan: Plan, topology: Topology) -> Simulation:
-    """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh)."""
+#: Programs a :func:`simulate` memo keeps (each with its tasks, to compare whole on a hit), the latest.
+MEMO_PROGRAMS = 16
+
+
+def simulate(plan: Plan, topology: Topology, memo: dict | None = None) -> Simulation:
+    """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh).
+
+    ``memo`` (one dict per topology, empty at first): the timelines of the last :data:`MEMO_PROGRAMS` programs
+    played, by content. A plan whose task graph (its tasks, device map and matmul dtype: all :func:`price` and
+    :func:`run` read beside the topology) equals, task for task, one played before reuses its timeline; its
+    report is its own (memory, MFU).
+    """
     program = build_program(plan, place(plan, topology), controller=topology.calibration.controller is not None,
                             serial=serial_host(topology.calibration), **topology_rules(topology))
-    priced = price(program, topology, plan_matmul_dtype(plan, topology))
-    timeline = run(program, priced, calibration=topology.calibration)
+    dtype = plan_matmul_dtype(plan, topology)
+    content = (program.tasks, program.representative.tobytes(), dtype)
+    key = hash(content) if memo is not None else None
+    timeline = None
+    if memo is not None:
+        if memo.setdefault("topology", topology) is not topology:
+            raise ValueError("a simulate memo holds the programs of one topology")
+        hit = memo.get(key)
+        timeline = hit[1] if hit is not None and hit[0] == content else None
+    if timeline is None:
+        timeline = run(program, price(program, topology, dtype), calibration=topology.calibration)
+        if memo is not None:
+            memo.pop(key, None)
+            memo[key] = (content, timeline)
+            if len(memo) > MEMO_PROGRAMS + 1:  # the oldest program played (after the topology's entry)
+                del memo[next(k for k in memo if k != "topology")]
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)
