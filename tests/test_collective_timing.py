@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from testbed.topology import generators
-from testbed.collectives.algorithms import NCCL_ALGORITHMS, SUPPORTED_OPS, step_program
+from testbed.collectives.algorithms import GRID_ALGORITHMS, NCCL_ALGORITHMS, SUPPORTED_OPS, step_program
+from testbed.collectives.routed import group_grid
 from testbed.collectives.closed_form import closed_form_time, symmetry
 from testbed.collectives.timing import (applicable_algorithms, collective_time, groups_time, link_loads,
                                        program_time, send_time)
@@ -605,3 +606,14 @@ def test_gloo_rings_hide_a_rounds_host_cost_under_its_wire(group):
     assert topology_from_text("t", dump_topology(slow)).calibration.collectives.rounds_overlap is True
     with pytest.raises(InputError, match="rounds_overlap"):
         CollectiveCalibration(rounds_overlap="yes")
+
+
+def test_groups_of_which_one_is_no_grid_are_timed_by_programs_that_fit_every_group() -> None:
+    """On a torus a group along one dimension is a grid and a group across a row's end is not: the automatic pick
+    times them together with programs every group can run (a grid program needs every group a grid), not a grid
+    program it cannot lay out (it had raised a TypeError in a search on a v4 slice of 384 chips)."""
+    torus = load_topology("tpu-v4-4x4x4")
+    along, across = (0, 1, 2, 3), (3, 4, 5, 6)
+    assert group_grid(torus, along) is not None and group_grid(torus, across) is None
+    timed = groups_time(torus, "all_gather", (along, across), 1e6)
+    assert timed.time_s > 0 and timed.algorithm not in GRID_ALGORITHMS and timed.groups == 2

@@ -258,6 +258,9 @@ def _auto_algorithms(topology: Topology, op: Op, groups: tuple[tuple[int, ...], 
     time."""
     n = len(groups[0])
     able = applicable_algorithms(topology, op, groups[0])
+    if len(groups) > 1 and any(a in GRID_ALGORITHMS for a in able):  # a grid program needs every group a grid
+        grids = all(group_grid(topology, g) is not None for g in groups[1:])
+        able = [a for a in able if grids or a not in GRID_ALGORITHMS]
     nccl = [a for a in able if a in NCCL_ALGORITHMS]
     if not nccl:
         # Routed programs too large to time for all the groups are left out (a closed form times any size).
