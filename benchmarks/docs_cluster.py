@@ -23,6 +23,10 @@ from pathlib import Path
 
 from testbed.output import write_atomic
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from docs_validation import PageInputError, _read_json  # noqa: E402  (the results pages read their JSON alike)
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cluster.md"
 RAW = ROOT / "benchmarks" / "cluster_runs"
@@ -309,22 +313,6 @@ LIMITS = """\
 - **gloo's TCP rendezvous** bytes (two 48-byte messages per segment) are not counted as wire; they show only in the
   4 KiB calls, which are fitted, not scored.
 """
-
-
-class PageInputError(ValueError):
-    """A results file is missing or does not have its benchmark's shape (the message names file and field)."""
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise PageInputError(f"{path}: cannot be read ({exc.strerror}); it is a committed benchmark result.") from None
-    except json.JSONDecodeError as exc:
-        raise PageInputError(f"{path}: not JSON (line {exc.lineno}: {exc.msg}).") from None
-    if not isinstance(data, dict):
-        raise PageInputError(f"{path}: field '(top level)' is not a JSON object.")
-    return data
 
 
 def _need(data: dict, path: Path, *keys: str) -> None:

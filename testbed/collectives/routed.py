@@ -29,7 +29,7 @@ from testbed.errors import InputError
 from testbed.topology import Form, Topology
 
 __all__ = ["MAX_ROUTED_TRANSFERS", "RING_FAMILY", "routed_cost", "routed_transfers", "ring_streams", "flow_rounds",
-           "group_grid", "place_program", "program_flows", "profile", "topology_memo", "parallel_copies"]
+           "group_grid", "place_program", "program_flows", "profile", "topology_memo", "memoized", "parallel_copies"]
 
 Link = tuple[object, object]
 
@@ -46,6 +46,18 @@ def topology_memo(topology: Topology) -> dict:
         entry = (topology, {})
         _MEMO[id(topology)] = entry
     return entry[1]
+
+
+def memoized(topology: Topology, table: str, key, compute, limit: int = 100_000):
+    """``compute()`` memoized under ``key`` in this topology's ``table`` (:func:`topology_memo`; the table emptied
+    past ``limit`` entries)."""
+    memo = topology_memo(topology).setdefault(table, {})
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) > limit:
+            memo.clear()
+        hit = memo[key] = compute()
+    return hit
 
 
 

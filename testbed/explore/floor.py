@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 
 from testbed.collectives.bounds import max_injection_bandwidth
-from testbed.collectives.routed import topology_memo
+from testbed.collectives.routed import memoized, topology_memo
 from testbed.model.costs import ChunkCost
 from testbed.model.gemm import ChunkGemms, scaled
 from testbed.model.layout import chunk_layers
@@ -101,14 +101,7 @@ def placed_floor(plan: Plan, topology: Topology) -> float:
     backward may merge the embedding's gathers into the gradient sums: testbed.sim.grad_bytes). The transfers are
     :func:`testbed.sim.action_work.action_work`'s, the loss's at its fewest bytes, as the estimate's or fewer.
     Memoized per topology on :func:`floor_key` and the mesh (what the placement follows)."""
-    memo = topology_memo(topology).setdefault("placed_floor", {})
-    key = (floor_key(plan), plan.mesh)
-    hit = memo.get(key)
-    if hit is None:
-        if len(memo) > 100_000:
-            memo.clear()
-        hit = memo[key] = _placed_floor(plan, topology)
-    return hit
+    return memoized(topology, "placed_floor", (floor_key(plan), plan.mesh), lambda: _placed_floor(plan, topology))
 
 
 def _placed_floor(plan: Plan, topology: Topology) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from testbed.collectives.routed import topology_memo
+from testbed.collectives.routed import memoized
 from testbed.explore.stage_collectives import StageCollectives
 from testbed.model.blocks import block_gathers, block_ops, own_blocks
 from testbed.model.gather_lowering import NO_LOWERING, Lowering
@@ -56,14 +56,7 @@ def gather_key(plan: Plan) -> tuple:
 def gather_seconds_per_microbatch(plan: Plan, topology: Topology) -> float:
     """The gather seconds of one microbatch (every chunk's forward and backward gathers, the analytic tier's
     prices) on the slowest of the first, middle and last stages, memoized per topology on :func:`gather_key`."""
-    memo = topology_memo(topology).setdefault("gather_floor", {})
-    key = gather_key(plan)
-    hit = memo.get(key)
-    if hit is None:
-        if len(memo) > 100_000:
-            memo.clear()
-        hit = memo[key] = _per_microbatch(plan, topology)
-    return hit
+    return memoized(topology, "gather_floor", gather_key(plan), lambda: _per_microbatch(plan, topology))
 
 
 def _per_microbatch(plan: Plan, topology: Topology) -> float:
