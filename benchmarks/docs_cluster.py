@@ -25,7 +25,7 @@ from testbed.output import write_atomic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from docs_validation import PageInputError, _read_json  # noqa: E402  (the results pages read their JSON alike)
+from docs_validation import PageInputError, _read_json, publish  # noqa: E402  (the results pages read their JSON alike)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cluster.md"
@@ -490,18 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.refit:
         refit_all(Path(args.results))
-    try:
-        text = build(Path(args.results))
-    except PageInputError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    doc = Path(args.doc)
-    current = doc.read_text() if doc.exists() else ""
-    if args.check:
-        return 0 if current == text else 1
-    if current != text:
-        write_atomic(doc, text, "--doc")
-    return 0
+    return publish(lambda: build(Path(args.results)), Path(args.doc), args.check)
 
 
 if __name__ == "__main__":

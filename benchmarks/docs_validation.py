@@ -362,14 +362,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", default=str(DOC), help="the page to write (default docs/validation.md)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
     args = parser.parse_args(argv)
+    return publish(lambda: build(Path(args.published), Path(args.host_runs)), Path(args.doc), args.check)
+
+
+def publish(build_page, doc: Path, check: bool) -> int:
+    """Write the page ``build_page()`` makes to ``doc`` where it changed (exit status 0), or with ``check`` say
+    whether it is current (0, else 1); a bad results file is one paragraph on stderr and exit status 2."""
     try:
-        text = build(Path(args.published), Path(args.host_runs))
+        text = build_page()
     except PageInputError as exc:
         print(exc, file=sys.stderr)
         return 2
-    doc = Path(args.doc)
     current = doc.read_text() if doc.exists() else ""
-    if args.check:
+    if check:
         return 0 if current == text else 1
     if current != text:
         write_atomic(doc, text, "--doc")
