@@ -124,9 +124,12 @@ its own takes the fit over every case of its family left (GPU or TPU, pooled), n
 Three stacks have TPU cases (MaxText; AXLearn's paper and `fuji.py`; PaLM 540B on two v4 pods), so leaving MaxText
 out predicts its 49 cases from the other two stacks' six, and leaving AXLearn out predicts its five from MaxText's
 fit. The stacks disagree at one efficiency per generation: at what ships AXLearn's 7B steps run slower than the
-simulator says (v5p +15%, v5e +55%) and its 70B v6e steps +12%, where its 70B v5p row is -6% and PaLM's v4 row +6%;
+simulator says (v5p +16%, v5e +50%) and its 70B v6e steps +12%, where its 70B v5p row is -5% and PaLM's v4 row +6%;
 held out by stack, the MaxText cases are off by 20% at the median and the AXLearn cases by 16%, where each GPU stack
-is off by 1.6-16%.
+is off by 1.6-16%. AXLearn's v5e step (`fuji.py`'s comment, measured at f2326c53) ran JAX's first Pallas TPU flash
+kernel at 512 blocks (`runtime.attention_kernel: tpu-flash`), which has no measured speed here and is priced as a
+kernel without a figure (`benchmarks/tpu_flash_kernels.py` measures it on a chip), and `prevent_cse=True` around
+each layer's remat, which is not priced.
 `runtime.moe_sequence_dispatch` and
 `runtime.pad_sequence_shards` move no case of the suite (none runs sequence-parallel experts split like the dense MLP,
 none an uneven sequence shard); their tests show the steps they change.
@@ -138,7 +141,10 @@ The v5p rows take their model, batch and mesh from the commit that published `Ma
 `per_device_batch_size=8` over fsdp 16 x tensor 4. Under `runtime.recompute: save-dots` the step keeps what JAX's
 partial evaluation saves under `checkpoint_dots_with_no_batch_dims`: the block input, Q, K, V, a sequential block's
 out projection and the MLP's input projections, not the down projection, whose output only feeds the residual add
-(`tests/test_saved_dots.py` checks it with `print_saved_residuals`).
+(`tests/test_saved_dots.py` checks it with `print_saved_residuals`). The flash kernel's output is no dot (MaxText's
+`minimal` saves "all except context"), so each layer's backward reruns the attention's forward
+(`testbed.model.gemm.dots_rerun_attention`); `save-dots-flash` (MaxText's `minimal_with_context`, AXLearn's v5p rule)
+keeps the kernel's output and log-sum-exp instead.
 """
 
 LIMITS = """\

@@ -356,7 +356,7 @@ def _chunk_traffic(plan: Plan, spec: ModelSpec, layers: int, embed: bool, head: 
                  Remat.SELECTIVE: (0, layers * (c * scores + dropped))}[plan.remat]
     if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "op":  # per-op: the block's elementwise work
         recompute = (replicated, split // 2)  # again, and about half the projections' outputs (those recomputed)
-    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots":  # MaxText's minimal: the norms
+    if plan.remat is Remat.SELECTIVE and plan.runtime.recompute in ("save-dots", "save-dots-flash"):  # the norms
         recompute = (replicated, recompute[1] + layers * c * b * spec.seq_len * (spec.d_ff // t))  # and activation
     replicated += (n_bytes // t if sp else n_bytes) if embed else 0
     if head:

@@ -56,7 +56,7 @@ from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 
 __all__ = ["Gemm", "AttentionPass", "ChunkGemms", "projection_sides", "layer_gemms", "head_gemms", "moe_gemms",
            "chunk_gemms", "gemm_flops", "scaled", "ring_step_gemms", "without", "alternate_matmuls", "recompute_gemms",
-           "policy_recompute_flops", "SAVED_PROJECTIONS", "grouped_kernel", "fp8_scaled"]
+           "policy_recompute_flops", "dots_rerun_attention", "SAVED_PROJECTIONS", "grouped_kernel", "fp8_scaled"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,8 +331,9 @@ def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention
     (testbed.plan.runtime): full, all but the out projections ``outs`` (``runner``) or all (``block``, ``op``), or
     on a ``dense`` layer the runner's less the projections a :data:`SAVED_PROJECTIONS` policy saves;
     selective, the scores (``runner``, ``block``) or every other matmul (``op``, :func:`alternate_matmuls`, on a
-    ``dense`` layer; an MoE layer keeps the scores). Flash attention's backward recomputes the scores besides,
-    but under selective remat (whose recompute they are)."""
+    ``dense`` layer; an MoE layer keeps the scores), or under ``save-dots`` with flash attention the attention's
+    forward (:func:`dots_rerun_attention`). Flash attention's backward recomputes the scores besides, but under
+    selective remat (whose recompute they are)."""
     scores, values = attention
     policy = plan.runtime.recompute
     if plan.remat is Remat.NONE:
@@ -344,9 +345,30 @@ def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention
     elif policy == "op" and dense:
         spec = rank_spec(plan)
         out = list(alternate_matmuls(spec, plan.microbatch_size * spec.seq_len, plan.mesh.tensor))
+    elif dots_rerun_attention(plan):
+        return [scores, values, backward_pass(scores)]
     else:
         return [backward_pass(scores)]
     return out + ([backward_pass(scores)] if scores.flash else [])
+
+
+def dots_rerun_attention(plan: Plan) -> bool:
+    """Whether each layer's backward reruns its flash attention's forward: ``runtime.recompute: save-dots`` under
+    selective remat checkpoints the block with a JAX dots policy (MaxText's ``minimal``,
+    ``checkpoint_dots_with_no_batch_dims``; AXLearn's ``dots_saveable``), which may save a ``dot_general``'s output
+    and nothing else; a flash kernel's residuals (its output and row statistics) are a Pallas call's outputs, or
+    come from dots with batch dimensions in the runner's scan, so the backward reruns the kernel's forward to get
+    them (testbed.model.kept.dots_saved_bytes keeps none of them; MaxText's ``Decoder.get_remat_policy``: ``minimal``
+    "save all except context", the attention's output). ``save-dots-flash`` saves them by name (MaxText's
+    ``minimal_with_context``, formerly ``minimal_flash``; AXLearn's ``save_or_offload_flash_attention_policy`` beside
+    ``dots_saveable``): no rerun."""
+    return (plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots"
+            and plan.model.attention is Attention.FLASH)
+
+
+def dense_layers_attention_flops(spec: ModelSpec, batch: int, tensor: int, layers: int) -> int:
+    """Forward FLOPs of ``layers`` layers' attention products (scores and values) on one tensor rank."""
+    return layers * 2 * 2 * batch * spec.score_rows * spec.seq_len * spec.q_dim // tensor
 
 
 def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers: int) -> int:
@@ -357,8 +379,10 @@ def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers:
     (which flash attention's backward recomputes anyway)."""
     policy, t, b = plan.runtime.recompute, plan.mesh.tensor, plan.microbatch_size
     n = b * spec.seq_len
-    if policy in ("runner", "save-dots") or plan.remat is Remat.NONE:  # save-dots: selective's, or the runner's
-        return 0
+    if dots_rerun_attention(plan):  # the attention's forward again: the scores and values products
+        return dense_layers_attention_flops(spec, b, t, layers)
+    if policy in ("runner", "save-dots", "save-dots-flash") or plan.remat is Remat.NONE:  # selective's, or the
+        return 0  # runner's
     dense = layers - moe_layers
     if plan.remat is Remat.FULL and policy in SAVED_PROJECTIONS:  # fewer than the runner's: the saved ones
         weights, _ = _projections(spec, n, t)

@@ -36,7 +36,7 @@ from testbed.model.activations import (FLASH_BYTES, LOSS_BYTES, activation_bytes
                                        sequence_share,
                                        norms, xla_only_bytes_per_layer)
 from testbed.model.ring import rank_spec
-from testbed.plan.spec import ModelSpec, Plan, Precision, Remat
+from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes", "head_kept_bytes",
            "saves_dots", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
@@ -98,11 +98,17 @@ def op_saved_bytes(plan: Plan) -> int:
     return c * (residual + saved + attention + scatters) + lse
 
 
+#: ``runtime.recompute`` values checkpointing each block with a JAX dots policy: ``save-dots`` (the dots alone) and
+#: ``save-dots-flash`` (the dots and the flash kernel's output and row log-sum-exp, :func:`dots_saved_bytes`).
+DOTS_POLICIES = ("save-dots", "save-dots-flash")
+
+
 def saves_dots(plan: Plan) -> bool:
     """Whether each block is checkpointed with ``checkpoint_dots_with_no_batch_dims`` (``runtime.recompute:
-    save-dots`` under selective remat; under full remat the value is the runner's full remat): the memory model
-    here and the runner (testbed.runner.model.stage_forward) both read it."""
-    return plan.remat is Remat.SELECTIVE and plan.runtime.recompute == "save-dots"
+    save-dots`` or ``save-dots-flash`` under selective remat; under full remat the value is the runner's full
+    remat): the memory model here and the runner (testbed.runner.model.stage_forward, which runs ``save-dots``
+    for both and says so of ``save-dots-flash``) both read it."""
+    return plan.remat is Remat.SELECTIVE and plan.runtime.recompute in DOTS_POLICIES
 
 
 def dots_saved_bytes(plan: Plan) -> int:
@@ -127,7 +133,11 @@ def dots_saved_bytes(plan: Plan) -> int:
     outputs = block_matmul_outputs(spec, plan.microbatch_size * spec.seq_len, t)
     columns = sum(outputs[:3]) + sum(outputs[4:-1])  # Q, K, V; the MLP's input projections
     # The input, and a sequential block's out projection: one residual-stream tensor per norm.
-    return plan.precision.compute_bytes * (columns + norms(spec) * _residual_values(plan))
+    kept = plan.precision.compute_bytes * (columns + norms(spec) * _residual_values(plan))
+    if plan.runtime.recompute == "save-dots-flash" and spec.attention is Attention.FLASH:  # the kernel's residuals
+        n = plan.microbatch_size * spec.seq_len
+        kept += plan.precision.compute_bytes * n * spec.q_dim // t + FLASH_BYTES * n * spec.heads // t
+    return kept
 
 
 def fp8_input_savings(plan: Plan) -> int:
@@ -183,7 +193,7 @@ def selective_copies_bytes(plan: Plan) -> int:
     ``[b, heads, seq, head_dim]`` reshape copies live from its forward to its backward), and selective drops the
     softmax output alone. The no-remat set's copies (testbed.model.activations' ``xla_only_bytes_per_layer``);
     0 for flash attention (it makes none), the per-op and save-dots policies (their own sets) and PyTorch."""
-    if plan.remat is not Remat.SELECTIVE or plan.runtime.recompute in ("op", "save-dots") \
+    if plan.remat is not Remat.SELECTIVE or plan.runtime.recompute in ("op", *DOTS_POLICIES) \
             or not plan.runtime.kept_layout_copies:
         return 0
     return xla_only_bytes_per_layer(rank_spec(plan), plan.microbatch_size, plan.precision, Remat.NONE,
@@ -259,7 +269,7 @@ def loss_instant_recompute(plan: Plan) -> int:
 
 def _unrolled_runner_remat(plan: Plan) -> bool:
     """Full remat as the runner's ``jax.checkpoint`` per block over an unrolled layer loop, compiled by XLA."""
-    return (plan.remat is Remat.FULL and plan.runtime.recompute in ("runner", "save-dots")
+    return (plan.remat is Remat.FULL and plan.runtime.recompute in ("runner", *DOTS_POLICIES)
             and plan.runtime.fused_residual_adds and not plan.runtime.scan_layers)
 
 

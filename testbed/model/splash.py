@@ -28,17 +28,22 @@ from testbed.model.activations import FLASH_BYTES
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Plan
 
-__all__ = ["SPLASH", "splash_kernel", "splash_workspace"]
+__all__ = ["SPLASH", "PALLAS_TPU_KERNELS", "splash_kernel", "splash_workspace"]
 
 #: The ``runtime.attention_kernel`` value naming TPU splash attention (testbed.plan.runtime).
 SPLASH = "splash"
+#: The ``runtime.attention_kernel`` values whose backward writes what splash's does: splash, and JAX's first Pallas
+#: TPU kernel (``jax.experimental.pallas.ops.tpu.flash_attention``: its ``_flash_attention_bwd`` writes ``di`` in
+#: fp32, dK and dV from ``_flash_attention_bwd_dkv`` and dq from ``_flash_attention_bwd_dq`` in q's dtype, its
+#: tiles in VMEM scratch).
+PALLAS_TPU_KERNELS = (SPLASH, "tpu-flash")
 
 
 def splash_kernel(plan: Plan) -> bool:
-    """Whether the plan's flash attention runs in the splash kernel (its backward workspace is
-    :func:`splash_workspace`, not the runner's flash scan). Not under context parallelism: the ring's steps
-    carry fp32 dq, dK and dV accumulators across the kernel's calls whatever the kernel."""
-    return plan.runtime.attention_kernel == SPLASH and plan.mesh.context == 1
+    """Whether the plan's flash attention runs in a Pallas TPU kernel (:data:`PALLAS_TPU_KERNELS`; its backward
+    workspace is :func:`splash_workspace`, not the runner's flash scan). Not under context parallelism: the ring's
+    steps carry fp32 dq, dK and dV accumulators across the kernel's calls whatever the kernel."""
+    return plan.runtime.attention_kernel in PALLAS_TPU_KERNELS and plan.mesh.context == 1
 
 
 def splash_workspace(plan: Plan) -> int:

@@ -209,7 +209,7 @@ PYTORCH_PROGRAM = {"framework": "pytorch", "compiler_buffers": False, "microbatc
 #: runner pads each expert's buffer to the sequence (:attr:`RuntimeSpec.moe_padded_dropless`).
 ROUTED_DROPLESS = {"moe_padded_dropless": False}
 #: Values of :attr:`RuntimeSpec.recompute`.
-RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots")
+RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots", "save-dots-flash")
 #: Values of :attr:`RuntimeSpec.framework`.
 FRAMEWORKS = ("jax", "pytorch")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
@@ -217,7 +217,7 @@ GRAD_REDUCE_DTYPES = ("grad", "fp32")
 #: Values of :attr:`RuntimeSpec.moe_dispatch` (testbed.model.dispatch reads the same names).
 MOE_DISPATCH = ("gather", "einsum", "megablox")
 #: Values of :attr:`RuntimeSpec.attention_kernel`.
-ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash")
+ATTENTION_KERNELS = ("runner", "flash2", "flash3", "cudnn", "triton", "splash", "tpu-flash")
 #: Values of :attr:`RuntimeSpec.matmul_precision`.
 MATMUL_PRECISIONS = ("default", "highest")
 #: Values of :attr:`RuntimeSpec.fp8_scaling`.
