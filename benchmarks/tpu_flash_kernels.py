@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tpu_chip import relative_command, versions, write_atomic  # noqa: E402
+from tpu_splash_blocks import _timed as splash_timed  # noqa: E402
 
 SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 TOKENS, HIDDEN = 16384, 2048
@@ -44,17 +45,8 @@ AXLEARN_BLOCK = 512
 
 
 def _timed(fn, args) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    best = math.inf
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / CALLS)
-    return best
+    """One call's seconds, timed as the splash-block benchmark times its kernels (here CALLS x ROUNDS)."""
+    return splash_timed(fn, args, ROUNDS, CALLS)
 
 
 def _attend(kernel: str, causal: bool, seq: int, interpret: bool):

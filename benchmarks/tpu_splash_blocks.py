@@ -49,18 +49,18 @@ CONFIGS = {blocks.name: blocks for blocks in (
     SplashBlocks(2048, 512, 512, True))}
 
 
-def _timed(fn, args) -> float:
-    """One call's seconds: the least over ROUNDS of CALLS back-to-back calls' mean."""
+def _timed(fn, args, rounds: int = ROUNDS, calls: int = CALLS) -> float:
+    """One call's seconds: the least over ``rounds`` of ``calls`` back-to-back calls' mean (after one warm call)."""
     import jax
 
     jax.block_until_ready(fn(*args))
     best = math.inf
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         start = time.perf_counter()
-        for _ in range(CALLS):
+        for _ in range(calls):
             out = fn(*args)
         jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - start) / CALLS)
+        best = min(best, (time.perf_counter() - start) / calls)
     return best
 
 
