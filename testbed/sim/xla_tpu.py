@@ -81,15 +81,14 @@ def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> 
     the mesh."""
     if not whole_slice:
         return reductions
-    return tuple(replace(r, scatter_op="all_reduce")
-                 if r.sharded and math.prod(mesh.degree(a) for a in r.sharded) == mesh.size else r
+    return tuple(replace(r, scatter_op="all_reduce") if accumulate_op(r.sharded, mesh, True) == "all_reduce" else r
                  for r in reductions)
 
 
 def accumulate_op(axes: tuple, mesh: MeshSpec, whole_slice: bool) -> str:
-    """The collective an earlier microbatch's gradients are summed into the sharded accumulator with over ``axes``:
-    ``all_reduce`` where ``whole_slice`` and ``axes`` span every device of the mesh (:func:`lowered_reductions`'s
-    rule), else ``reduce_scatter``."""
+    """The collective gradients are reduce-scattered with over ``axes`` (an earlier microbatch's into the sharded
+    accumulator, or the step's, :func:`lowered_reductions`): ``all_reduce`` where ``whole_slice`` and ``axes`` span
+    every device of the mesh, else ``reduce_scatter``."""
     spans = bool(axes) and math.prod(mesh.degree(a) for a in axes) == mesh.size
     return "all_reduce" if whole_slice and spans else "reduce_scatter"
 
