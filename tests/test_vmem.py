@@ -14,7 +14,7 @@ import pytest
 
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
-from testbed.sim.vmem import on_chip_bytes, scores_on_chip
+from testbed.sim.vmem import PARTIAL_ON_CHIP, on_chip_bytes, score_on_chip_share, scores_on_chip
 from testbed.topology.io import load_topology
 
 RECORD = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "tpu_chip" / "vmem_scores.json")
@@ -33,15 +33,31 @@ def test_the_rule_places_each_score_matrix_where_xla_tpu_did(row: dict) -> None:
     assert scores_on_chip(V5E.device, row["score_bytes"]) == (row["in_vmem"] > 0)
 
 
+@pytest.mark.parametrize("row", RECORD["rows"], ids=lambda row: row["variant"])
+def test_the_share_on_chip_is_the_compilers_share_of_the_score_traffic(row: dict) -> None:
+    """The share of the score matrix's top-level reads and writes the compile made in VMEM, within 2 points."""
+    assert score_on_chip_share(V5E.device, row["score_bytes"]) == pytest.approx(row["traffic"]["scores"]["on_chip"],
+                                                                                abs=0.02)
+
+
+def test_the_partial_share_is_the_records_mean_where_one_score_matrix_fits_and_two_do_not() -> None:
+    budget = 0.75 * V5E.device.vmem_bytes
+    partial = [row["traffic"]["scores"]["on_chip"] for row in RECORD["rows"]
+               if 2 * row["score_bytes"] > budget >= row["score_bytes"]]
+    assert len(partial) >= 3 and PARTIAL_ON_CHIP == pytest.approx(sum(partial) / len(partial), abs=0.005)
+
+
 def _scores(microbatch: int) -> tuple[Gemm, ...]:
     """GPT-2 small's score product and its two gradients at ``microbatch`` sequences of 1024 (12 heads)."""
     qk = Gemm(1024, 1024, 64, batch=12 * microbatch, score_cells=1024 * 1024)
     return qk, qk.input_grad(), qk.weight_grad()
 
 
-def test_a_score_matrix_that_fits_leaves_one_operand_in_hbm_less() -> None:
-    for gemm in _scores(4):  # 96 MiB of bf16 scores: on chip
+def test_a_score_matrix_that_fits_leaves_its_share_of_one_operand_in_hbm_less() -> None:
+    for gemm in _scores(2):  # 48 MiB of bf16 scores: two fit 3/4 of the VMEM, all on chip
         assert on_chip_bytes(V5E.device, gemm, 2, 2) == gemm.batch * 1024 * 1024 * 2
+    for gemm in _scores(4):  # 96 MiB: one fits, the partial share on chip
+        assert on_chip_bytes(V5E.device, gemm, 2, 2) == pytest.approx(PARTIAL_ON_CHIP * gemm.batch * 1024 * 1024 * 2)
     for gemm in _scores(8):  # 192 MiB: in HBM
         assert on_chip_bytes(V5E.device, gemm, 2, 2) == 0
 
