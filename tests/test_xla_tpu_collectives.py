@@ -95,3 +95,18 @@ def test_the_gather_lowering_bound_is_pinned_from_both_sides():
                 ("v5e:4x4", "16", 0.25, 128), ("v5p:2x4x4", "32", 0.25, 128), ("v5e:16x16", "64x4", 0.25, 128)):
         assert kinds[key] == ["all-gather"], key
     assert len(lowered) >= 8 and all(r["agree"] for _, r in gathers)
+
+
+def test_fp32_gathers_only_matmuls_read_are_moved_in_bf16():
+    """benchmarks/xla_tpu_narrowing.py's recorded probes (v5e 2x2): an fp32 all-gather read only by a default-precision
+    matmul compiles to a bf16 one, an activation's (sequence parallelism) as a weight's (fsdp), and one an
+    elementwise op reads too stays fp32: testbed.sim.xla_tpu.gather_element_bytes, the traced tier's rule
+    (lowered_gathers: a gather every reader of which is a matmul)."""
+    spec = importlib.util.spec_from_file_location("xla_tpu_narrowing", ROOT / "benchmarks" / "xla_tpu_narrowing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    record = json.loads(module.DATA.read_text())
+    assert record["versions"]["libtpu"] and record["command"].endswith("--collect")
+    assert [p["probe"] for p in record["probes"]] == [name for name, *_ in module.PROBES]
+    result = module.compare(record)
+    assert result["agree"] == result["probes"] == 3, result["rows"]

@@ -67,11 +67,14 @@ def block_pieces(layers: int, embed: bool, head: bool, blocks: int) -> tuple[int
 def narrowed(param: layout.ParamSpec, piece: str, kind: str) -> bool:
     """Whether a ``kind`` action's gather of ``param`` (of a ``piece``: embedding, layer, head) moves the dtype its
     matmuls read rather than the parameter's own (``matmul_bytes`` of :func:`block_gathers`; XLA:TPU under fp32:
-    testbed.sim.xla_tpu.matmul_gather_bytes): a weight matrix of a layer or of the head, read only by matmuls, so
-    the compiler rounds it before the gather. Not the embedding's tables (a lookup, an addition), not the norms'
-    scales or the biases (elementwise), and not the head's matrix in the forward, whose gathered copy the loss's
-    piece also reads whole-width (a corner kept for its backward's gather: testbed.runner.param_shards)."""
+    testbed.sim.xla_tpu.matmul_gather_bytes): a weight matrix of a layer or of the head (drawn at random; the
+    biases and norms start constant), read only by matmuls, so the compiler rounds it before the gather. Not the
+    embedding's tables (a lookup, an addition), not the norms' scales or the biases, 2-D ones (``attn/bqkv``
+    [3, d]) included (elementwise: the traced program's adds read them, testbed.sim.xla_tpu.lowered_gathers),
+    and not the head's matrix in the forward, whose gathered copy the loss's piece also reads whole-width (a
+    corner kept for its backward's gather: testbed.runner.param_shards)."""
     return (param.part is not layout.Part.EMBEDDING and len(param.shape) >= 2
+            and param.init in (layout.Init.NORMAL, layout.Init.NORMAL_RESIDUAL)
             and not (piece == "head" and kind == "F"))
 
 

@@ -26,7 +26,7 @@ Pure: no JAX.
 
 from __future__ import annotations
 
-__all__ = ["Lowering", "NO_LOWERING", "LoweredMerge", "lowered_merges", "backward_segments"]
+__all__ = ["Lowering", "NO_LOWERING", "LoweredMerge", "lowered_merges", "backward_segments", "lowers"]
 
 import math
 from typing import Hashable, NamedTuple
@@ -44,6 +44,13 @@ class Lowering(NamedTuple):
 NO_LOWERING = Lowering()
 
 
+def lowers(nbytes: float, lowering: Lowering) -> bool:
+    """Whether an all-gather of ``nbytes`` (gathered bytes per device) is one ``lowering`` makes an all-reduce: any
+    lowering at all (``lowering.nbytes`` > 0) and at most its bound. The plan's gathers (:func:`lowered_merges`)
+    and a traced program's (testbed.sim.xla_tpu.lowered_gathers) are lowered by this one test."""
+    return 0 < lowering.nbytes and nbytes <= lowering.nbytes
+
+
 class LoweredMerge(NamedTuple):
     """One all-reduce the lowered gathers are merged into: its bytes and its members (indices of the gathers)."""
 
@@ -57,7 +64,7 @@ def lowered_merges(sizes: list[float], segments: list[int], lowered_bytes: float
     order) where ``segments[i]`` is what gather ``i`` may merge with (module docstring: one for the forward; the
     head's, then a pair of sets each, for the backward): each gather of at most ``lowered_bytes`` an all-reduce,
     merged with the open merge of its segment while within ``allreduce_bytes`` (over it: alone)."""
-    lowered = {i for i, n in enumerate(sizes) if n <= lowered_bytes}
+    lowered = {i for i, n in enumerate(sizes) if lowers(n, Lowering(lowered_bytes, allreduce_bytes))}
     merges: list[LoweredMerge] = []
     open_: dict[int, int] = {}  # segment -> index of its open merge in ``merges``
     for i in sorted(lowered):

@@ -62,9 +62,14 @@ PASSES = ("all_gather", "all_reduce", "reduce_scatter")
 TRIVIAL_KINDS = frozenset(PASSES)
 
 
+def _key(op: TracedOp) -> tuple:
+    """What a collective merges by: its kind, its axes and its combiner (``TracedOp.combiner``)."""
+    return op.collective, op.axes, op.combiner
+
+
 def _merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[int]:
     """Per op, the merge it belongs to (named by its first member; an op alone is its own), merging the
-    collectives of ``key`` (kind, axes) by CombineInstructionsByKey's rule (module docstring). ``after[i]``: the
+    collectives of ``key`` (kind, axes, combiner: :func:`_key`) by CombineInstructionsByKey's rule (module docstring). ``after[i]``: the
     newest group of this key op ``i`` depends on (groups open in walk order, so depending on the open one is
     ``after >= first``); the ops' other merges are already single ops, so the data flow is exact."""
     merge = list(range(len(ops)))
@@ -72,7 +77,7 @@ def _merges(ops: tuple[TracedOp, ...], key: tuple, bound: float) -> list[int]:
     first, size = -1, 0.0
     for i, op in enumerate(ops):
         newest = max((after[d] for d in op.deps), default=-1)
-        if (op.kind is OpKind.COLLECTIVE and op.count == 1 and (op.collective, op.axes) == key
+        if (op.kind is OpKind.COLLECTIVE and op.count == 1 and _key(op) == key
                 and op.nbytes <= bound):  # one over the bound alone is never merged; the group goes on
             if first < 0 or newest >= first or size + op.nbytes > bound or op.iteration != ops[first].iteration:
                 first, size = i, 0.0  # reachable from the group, over the bound, or another loop iteration: the next
@@ -92,7 +97,7 @@ def combine_collectives(workload: Workload, combine_bytes: float | None,
     reduce_limit = math.inf if allreduce_bytes is None else float(allreduce_bytes)
     kinds = dict.fromkeys(op.collective for op in workload.ops if op.kind is OpKind.COLLECTIVE)
     for kind in (*PASSES, *sorted(set(kinds) - set(PASSES))):
-        keys = dict.fromkeys((op.collective, op.axes) for op in workload.ops
+        keys = dict.fromkeys(_key(op) for op in workload.ops
                              if op.kind is OpKind.COLLECTIVE and op.collective == kind)
         for key in keys:
             workload = _merged(workload, _merges(workload.ops, key, reduce_limit if kind == "all_reduce" else limit))

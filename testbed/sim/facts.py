@@ -191,7 +191,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
     reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
     combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
     gathered = (matmul_gather_bytes(plan, param_b) if narrowed_gathers else 0.0,  # XLA:TPU's gathers' rules
-                lowering_of(gather_allreduce, allreduce_bytes, plan, sharding.ways(plan, "params")))
+                lowering_of(gather_allreduce, allreduce_bytes, sharding.ways(plan, "params"), mesh.size))
     spans = chunk_layers(plan.model, p, v, plan.stage_layers)
     chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
     alike: dict[tuple, ChunkFacts] = {}  # chunks alike in their layers and ends: worked out once

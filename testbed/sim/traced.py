@@ -27,12 +27,13 @@ from testbed.sim.tasks import Program, TaskKind
 from testbed.sim.timeline import Report, Timeline
 from testbed.sim.traced_graph import collective_bytes, convert_bytes, mesh_groups, repeat_gemm, workload_program
 from testbed.sim.workload import OpKind, Workload, element_bytes
-from testbed.sim.xla_tpu import lowered_scatters, scatters_as_allreduce
+from testbed.sim.xla_tpu import lowered_gathers, lowered_scatters, scatters_as_allreduce
 from testbed.topology import Topology
 
 #: The task graph's names (testbed.sim.traced_graph) are importable from here too: this is the traced tier's API.
 __all__ = ["TracedSimulation", "workload_program", "device_memory", "price_workload", "traced_topology", "memory_seconds", "simulate_workload",
-           "mesh_groups", "collective_bytes", "workload_report", "matmul_dtype", "convert_bytes", "device_collectives"]
+           "mesh_groups", "collective_bytes", "workload_report", "matmul_dtype", "convert_bytes", "device_collectives",
+           "compiled_collectives"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,16 +150,26 @@ def device_collectives(workload: Workload, topology: Topology) -> Workload:
     return replace(workload, ops=tuple(ops)) if widened else workload
 
 
+def compiled_collectives(workload: Workload, topology: Topology) -> Workload:
+    """``workload``'s collectives as the topology's compiler moves them, before its combiners merge them: in its
+    element type (:func:`device_collectives`), a whole slice's reduce-scatters and XLA:TPU's all-gathers lowered
+    (testbed.sim.xla_tpu.lowered_scatters, lowered_gathers). The first step of :func:`simulate_workload`."""
+    moved = lowered_scatters(device_collectives(workload, topology), scatters_as_allreduce(topology))
+    return lowered_gathers(moved, topology)
+
+
 def simulate_workload(workload: Workload, topology: Topology, device_ids: np.ndarray | None = None
                       ) -> TracedSimulation:
     """Price and play ``workload`` on ``topology`` (raises InputError when the mesh does not fill it).
 
     First each collective's bytes are those of the element type the topology's compiler moves it in
     (:func:`device_collectives`: XLA:CPU widens bf16 to f32), and a reduce-scatter over every device is the
-    all-reduce XLA:TPU makes of it on a whole slice (testbed.sim.xla_tpu.lowered_scatters); then independent collectives are merged as the
-    topology's compiler would (testbed.sim.combine, by data-flow
-    reachability within testbed.model.leaves.combine_limit: the topology's ``calibration.collectives.combine_bytes``,
-    else XLA's default threshold, as the plan's model counts them), on the traced order, since XLA's combiners
+    all-reduce XLA:TPU makes of it on a whole slice (testbed.sim.xla_tpu.lowered_scatters), and the all-gathers are
+    XLA:TPU's (testbed.sim.xla_tpu.lowered_gathers: an fp32 weight read only by matmuls gathered in bf16, a small
+    buffer over a whole slice all-reduced); then independent collectives are merged as the topology's compiler
+    would (testbed.sim.combine, by data-flow reachability within testbed.model.leaves.combine_limit: the
+    topology's ``calibration.collectives.combine_bytes``, else XLA's default threshold, as the plan's model counts
+    them), on the traced order, since XLA's combiners
     run before its scheduler; then the ops are ordered as that scheduler would (testbed.sim.overlap: collectives'
     results read as late as possible, each collective started once its operands are ready, and, where all-gathers
     are a scheduler resource of their own, ``device.collective_resources: per_kind``, an all-gather no earlier than
@@ -166,9 +177,8 @@ def simulate_workload(workload: Workload, topology: Topology, device_ids: np.nda
     """
     collectives = topology.calibration.collectives
     limit = combine_limit(collectives.combine_bytes)
-    lowered = lowered_scatters(device_collectives(workload, topology), scatters_as_allreduce(topology))
-    workload = hoist_collectives(defer_consumers(combine_collectives(lowered, limit,
-                                                                     collectives.allreduce_combine_bytes)))
+    merged = combine_collectives(compiled_collectives(workload, topology), limit, collectives.allreduce_combine_bytes)
+    workload = hoist_collectives(defer_consumers(merged))
     if topology.device.gathers_apart():
         workload = chain_gathers(workload, _op_seconds(workload, topology, device_ids))
     program = workload_program(workload, topology, device_ids)

@@ -16,7 +16,9 @@ plan-driven simulation does for a step without pipeline stages. Its ops become t
   memory-bound bytes: with the calibration's ``elementwise`` group a second task after the matmuls, without
   one a single task (priced as a roofline by testbed.sim.traced); where the device fuses elementwise work into
   matmuls, each matmul a kernel with what fuses into it (testbed.sim.matmul_fusion);
-- collectives: one task each, on a stream per kind and mesh axes (``all_reduce data``), over the
+- collectives: one task each, on a stream per kind, mesh axes and combiner (``all_reduce data``; the gathers
+  XLA:TPU lowers as all-reduces on one of their own, ``all_reduce fsdp gather``, as the plan's gathers' stream
+  holds them: testbed.sim.xla_tpu.lowered_gathers), over the
   representative's group along those axes, every group of the mesh running it at once (``instances``);
   ``count`` executions back to back. A collective-permute is a send from each device to the next of its
   group (a ring shift, as ring attention's K/V sends are priced: testbed.sim.ring).
@@ -185,7 +187,8 @@ class _Segments:
         if op.collective == "collective_permute" and len(group) > 1:  # each device sends to the next of its group
             kind, instances = TaskKind.SEND, _shifts(groups[op.axes])
             group = next(pair for pair in instances if pair[0] == rep)
-        self.done[i] = (self.b.add(name=op.name, device=rep, stream=f"{op.collective} {'+'.join(op.axes)}",
+        stream = " ".join(filter(None, (op.collective, "+".join(op.axes), op.combiner)))
+        self.done[i] = (self.b.add(name=op.name, device=rep, stream=stream,
                                    kind=kind, deps=tuple(deps), op=op.collective, nbytes=op.nbytes,
                                    count=op.count, group=group, instances=instances),)
 

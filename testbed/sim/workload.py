@@ -58,6 +58,9 @@ class TracedOp:
     ``deps`` index earlier ops of the workload whose results it reads.
     ``iteration``: 0 outside loops; inside one, the innermost loop iteration the op runs in, a number of its own
     per iteration walked (increasing in program order; an op after an inner loop has its enclosing iteration's).
+    ``combiner``: the collectives a compiler's combiner merges it with beyond its kind and axes (empty: all of
+    them; ``gather``: an all-gather XLA:TPU lowers as an all-reduce merges with such ones only,
+    testbed.sim.xla_tpu.lowered_gathers).
     """
 
     name: str
@@ -73,6 +76,7 @@ class TracedOp:
     element: str = ""
     count: int = 1
     iteration: int = 0
+    combiner: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))

@@ -37,6 +37,11 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   llama2k-fsdp4-fp32 (v5e 2x2): 37 fsdp all-gathers, the tables' 262 MB twice and the head's 131 MB once, the
   layers' matrices (``attn/wq`` 8.4 MB, ``attn/wkv`` 4.2 MB, ``mlp/w1`` 22 MB) at 2 bytes, the norms' 8 KB at 4.
 
+A traced program (testbed.sim.traced) follows the gather rules by the same functions (:func:`lowered_gathers`:
+:func:`gather_element_bytes` for a gather every reader of which is a matmul, :func:`lowering_of` and
+testbed.model.gather_lowering.lowers for a whole slice's small gather) and the reduce-scatter rule by
+:func:`lowered_scatters`.
+
 Pure: no JAX.
 """
 
@@ -46,10 +51,11 @@ import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from testbed.model.gather_lowering import NO_LOWERING, Lowering
+from testbed.model.gather_lowering import NO_LOWERING, Lowering, lowers
 from testbed.model.leaves import RECOMPUTE_SKIPS
 from testbed.plan.spec import MeshSpec, Plan
 from testbed.topology.parts import Form, LinkKind
+from testbed.sim.workload import OpKind, element_bytes
 from testbed.topology.spec import Topology
 
 if TYPE_CHECKING:
@@ -57,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
+           "gather_element_bytes", "lowered_gathers",
            "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS"]
 
 #: Bytes per element of a weight matrix XLA:TPU gathers for matmuls of the backend's default precision (one bf16
@@ -120,10 +127,17 @@ def narrows_gathers(topology: Topology) -> bool:
 
 def matmul_gather_bytes(plan: Plan, param_bytes: float) -> float:
     """Bytes per element the sharded weight matrices' all-gathers move where :func:`narrows_gathers`
-    (testbed.model.blocks.narrowed; 0: the parameters' own ``param_bytes``): with parameters wider than bf16
-    (fp32 training) and matmuls of the default precision (``runtime.matmul_precision``),
-    :data:`MATMUL_GATHER_BYTES`."""
-    if param_bytes <= MATMUL_GATHER_BYTES or plan.runtime.matmul_precision == "highest":
+    (testbed.model.blocks.narrowed; 0: the parameters' own ``param_bytes``): :func:`gather_element_bytes` at the
+    plan's ``runtime.matmul_precision``."""
+    return gather_element_bytes(param_bytes, plan.runtime.matmul_precision)
+
+
+def gather_element_bytes(param_bytes: float, precision: str = "default") -> float:
+    """Bytes per element XLA:TPU gathers a weight of ``param_bytes``-byte elements in where only matmuls at
+    ``precision`` read it (0: its own): with elements wider than bf16 (fp32 training) and matmuls of the default
+    precision, :data:`MATMUL_GATHER_BYTES`. The plan's gathers (:func:`matmul_gather_bytes`) and a traced
+    program's (:func:`lowered_gathers`) are narrowed by this one rule."""
+    if param_bytes <= MATMUL_GATHER_BYTES or precision == "highest":
         return 0.0
     return MATMUL_GATHER_BYTES
 
@@ -156,15 +170,43 @@ def gather_lowering(topology: Topology, plan: Plan, ways: int) -> Lowering:
     all-reduce combiner (testbed.model.gather_lowering): over a whole slice (every device of the mesh),
     :func:`gather_allreduce_bytes`; none over part of one (the probes: 16 or 64 of 256 chips, 16 of 64)."""
     return lowering_of(gather_allreduce_bytes(topology), topology.calibration.collectives.allreduce_combine_bytes,
-                       plan, ways)
+                       ways, plan.mesh.size)
 
 
-def lowering_of(bound: float, allreduce_bytes: float | None, plan: Plan, ways: int) -> Lowering:
-    """:func:`gather_lowering` from the topology's ``bound`` (:func:`gather_allreduce_bytes`) and its all-reduce
-    combiner's bound (None: unbounded)."""
-    if not bound or ways != plan.mesh.size:
+def lowering_of(bound: float, allreduce_bytes: float | None, ways: int, devices: int) -> Lowering:
+    """:func:`gather_lowering` of gathers over ``ways`` of a mesh's ``devices`` from the topology's ``bound``
+    (:func:`gather_allreduce_bytes`) and its all-reduce combiner's bound (None: unbounded): none unless
+    ``ways`` is every device."""
+    if not bound or ways != devices:
         return NO_LOWERING
     return Lowering(bound, math.inf if allreduce_bytes is None else float(allreduce_bytes))
+
+
+def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
+    """A traced program's ``workload`` with its all-gathers as XLA:TPU compiles them on ``topology``: the rules the
+    plan's gathers follow (module docstring), for the traced tier. Where :func:`narrows_gathers`, an all-gather
+    every reader of which is a matmul moves :func:`gather_element_bytes` per element (the traced tier prices every
+    matmul at the default precision: testbed.sim.traced.matmul_dtype); then one over every device of the mesh
+    that :func:`lowering_of` lowers (testbed.model.gather_lowering.lowers) is an all-reduce of the same bytes,
+    which testbed.sim.combine's all-reduce combiner merges by data flow, as XLA's does."""
+    narrow, readers = narrows_gathers(topology), workload.readers()
+    bound = gather_allreduce_bytes(topology)
+    allreduce_bytes = topology.calibration.collectives.allreduce_combine_bytes
+    ops = list(workload.ops)
+    for i, op in enumerate(ops):
+        if op.kind is not OpKind.COLLECTIVE or op.collective != "all_gather":
+            continue
+        width = element_bytes(op.element) if op.element else 0
+        narrowed = gather_element_bytes(width) if narrow and width and readers[i] and all(
+            workload.ops[r].kind is OpKind.GEMM for r in readers[i]) else 0.0
+        if narrowed:
+            op = replace(op, nbytes=op.nbytes * narrowed / width, element="bf16")
+        if lowers(op.nbytes, lowering_of(bound, allreduce_bytes, op.group, workload.devices)):
+            op = replace(op, collective="all_reduce", name=op.name.replace("all_gather", "all_reduce", 1),
+                         combiner="gather")
+        ops[i] = op
+    ops_t = tuple(ops)
+    return replace(workload, ops=ops_t) if ops_t != workload.ops else workload
 
 
 def regathers_for_recompute(topology: Topology) -> bool:
