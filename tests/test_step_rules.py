@@ -16,8 +16,11 @@ import pytest
 from testbed.explore.space import preset_plan
 from testbed.pipeline.schedules import Action
 from testbed.plan.placement import place
+from testbed.plan.presets import preset
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 from testbed.sim.facts import step_facts
 from testbed.sim.pricing import controller_seconds
+from testbed.sim.program import build_program
 from testbed.sim.step_rules import (Dispatch, GatherMode, action_dispatch, action_steps, dispatch_seconds,
                                     first_tail_bucket, gather_after, gather_mode, gradients, iteration,
                                     prepare_seconds, runs_serially, step_dispatch, step_prepare, update_dispatch)
@@ -118,3 +121,20 @@ def test_the_rules_fields_are_read_only_by_the_rules() -> None:
                 found[path.name] = sorted(fields | calls)
     assert "step_rules.py" not in found
     assert not found, f"timing rules read outside testbed.sim.step_rules: {found}"
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_an_moe_chains_whole_gather_waits_as_its_one_block(prefetch: int) -> None:
+    """The whole gather ahead of an MoE chain is the chain's one block (gather_after): without prefetch the
+    backward's waits for the forward's chain to free its weights, with one block of prefetch for nothing."""
+    spec = dataclasses.replace(ModelSpec(**preset("mixtral-8x7b")), layers=2, seq_len=256)
+    plan = Plan(model=spec, batch=BatchSpec(global_batch=8), precision="bf16-mixed", mesh=MeshSpec(fsdp=4, expert=2),
+                runtime=dataclasses.replace(preset_plan("gpt-125m").runtime, fsdp_prefetch=prefetch))
+    facts = step_facts(plan, place(plan, load_topology("dgx-h100")).device_ids)
+    assert {step.gather for step in action_steps(facts)} == {GatherMode.WHOLE}
+    tasks = build_program(plan, place(plan, load_topology("dgx-h100"))).tasks
+    gathers = [t for t in tasks if t.stream == "gather"]
+    assert len(gathers) == 2 and not gathers[0].deps
+    assert bool(gathers[1].deps) == (prefetch == 0)
+    if prefetch == 0:
+        assert tasks[gathers[1].deps[0]].stream != "gather"  # the forward's chain, its last task

@@ -214,7 +214,8 @@ class Play:
     def _sends(self, s: int, key: tuple, priced: ActionPrice, finish: float, blocking: bool) -> None:
         """An action's sends, one after another on its stage's pipe stream from ``finish`` (``key``: the action's),
         a split send's receivers' all-gather on their recv stream of its direction; with ``blocking`` sends the
-        stage waits for them (testbed.sim.step_rules.ActionStep)."""
+        stage waits for them (testbed.sim.step_rules.ActionStep). A send is no program's own: with programs one at
+        a time the next one waits for the action's end only (testbed.sim.tasks.Builder.serialize)."""
         kind = key[1]
         for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
@@ -225,8 +226,6 @@ class Play:
         if blocking:
             self.comm[s] += max(0.0, self.pipe[s] - self.free[s])
             self.free[s] = max(self.free[s], self.pipe[s])
-            if self.step.serial:
-                self.launch = max(self.launch, self.free[s])
 
     def _backward_end(self, s: int, priced: ActionPrice, start: float, compute: float, step: ActionStep
                       ) -> tuple[float, float, tuple[Release, ...]]:

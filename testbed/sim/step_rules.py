@@ -5,16 +5,19 @@ testbed.sim.facts says what a step is made of; this module says when each part m
 into times on a few streams; both ask the same functions:
 
 - the controller's cost (:func:`prepare_seconds`, :func:`dispatch_seconds`), what it prepares (:func:`step_prepare`)
-  and what it dispatches (:func:`step_dispatch`, :func:`action_dispatch`, :func:`update_dispatch`): one preparation of the step, then
-  one program for an SPMD step, or per pipeline action (with its sends) and per stage update;
+  and dispatches (:func:`step_dispatch`, :func:`action_dispatch`, :func:`update_dispatch`): one preparation of
+  the step, then one program for an SPMD step, or per pipeline action (with its sends) and per stage update;
 - programs one at a time on a shared host (:func:`runs_serially`);
 - the gather prefetch (:func:`gather_after`): block ``k``'s all-gather waits for block ``k - 1 - prefetch`` to
-  free its weights, of the stage's previous gathering action when that index is negative;
+  free its weights, of the stage's previous gathering action when that index is negative (an MoE chain's whole
+  gather is its one block);
 - how an action gathers (:func:`gather_mode`): not at all, the whole chunk ahead of an MoE chain, or block by block;
-- what an action does with its gradients (:func:`gradients`, counted by :class:`Microbatches`): the last
-  microbatch's buckets leave, an earlier one's reduce-scatter into the sharded accumulator (bucket by bucket in a
-  loop XLA keeps), the sequence-replicated gradients' sum;
-- which buckets leave only after the action's tensor collectives (:func:`first_tail_bucket`);
+- what an action does with its gradients (:func:`gradients`, counted by :class:`Microbatches`): it ends a
+  microbatch's backward (the accumulator's add ends it); the last microbatch's buckets leave, an earlier one's
+  reduce-scatter into the sharded accumulator (bucket by bucket in a loop XLA keeps), the sequence-replicated
+  gradients' sum;
+- which buckets leave only after the action's tensor collectives (:func:`first_tail_bucket`, none of an MoE
+  chain);
 - the per-microbatch iteration barrier of a loop XLA keeps (:func:`iteration`);
 - blocking sends (:func:`waits_for_sends`).
 
