@@ -116,3 +116,22 @@ def test_bad_serial_programs_names_the_field(value) -> None:
         topology_from_dict(data)
     data["calibration"]["host"]["serial_programs"] = False
     assert not topology_from_dict(data).calibration.host.serial_programs
+
+
+@pytest.mark.parametrize("name", ["pp2-gpipe-dp4", "pp4-1f1b-dp2"])
+def test_blocking_sends_hold_their_stage_not_the_next_program(name: str) -> None:
+    """With blocking sends (runtime.pipeline_blocking_sends) the stage waits for its send; the send is no program's
+    own, so the next program waits for the action only. Both tiers play it alike: the analytic tier's gap to the
+    DES (without the controller and the skew) is the one it has with sends that do not block, and the step is
+    longer."""
+    plan = load_plan(f"plans/validation/{name}.yaml")
+    topo = _host(True, skew=False)
+    topo = replace(topo, calibration=replace(topo.calibration, controller=None))
+    gaps, steps = [], []
+    for blocking in (False, True):
+        each = replace(plan, runtime=replace(plan.runtime, pipeline_blocking_sends=blocking))
+        des = simulate(each, topo).report.step_time_s
+        gaps.append(estimate(each, topo).step_time_s / des - 1.0)
+        steps.append(des)
+    assert abs(gaps[1] - gaps[0]) < 1e-5 and abs(gaps[0]) < 1e-3
+    assert steps[1] > steps[0]

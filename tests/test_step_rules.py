@@ -16,11 +16,14 @@ import pytest
 from testbed.explore.space import preset_plan
 from testbed.pipeline.schedules import Action
 from testbed.plan.placement import place
+from testbed.plan.presets import preset
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 from testbed.sim.facts import step_facts
 from testbed.sim.pricing import controller_seconds
+from testbed.sim.program import build_program
 from testbed.sim.step_rules import (Dispatch, GatherMode, action_dispatch, action_steps, dispatch_seconds,
-                                    gather_after, gather_mode, gradients, iteration, prepare_seconds, runs_serially,
-                                    step_dispatch, update_dispatch)
+                                    first_tail_bucket, gather_after, gather_mode, gradients, iteration,
+                                    prepare_seconds, runs_serially, step_dispatch, step_prepare, update_dispatch)
 from testbed.sim.tasks import Task, TaskKind
 from testbed.topology.io import load_topology
 
@@ -32,7 +35,7 @@ RULE_FIELDS = {"overhead_s": "controller", "buffer_s": "controller", "step_s": "
 #: Functions only testbed.sim.step_rules calls there (the kept loop and the sequence-replicated sums; the walk that
 #: applies the rules to each action, step_rules.action_steps, whose records both tiers play).
 RULE_CALLS = {"loop_kept", "summed_in_the_step", "summed_each_microbatch", "after_tensor", "Microbatches", "iteration",
-              "waits_for_sends"}
+              "waits_for_sends", "first_tail_bucket"}
 
 
 def _facts(**changes):
@@ -52,9 +55,10 @@ def test_controller_costs_are_the_rules_in_both_tiers() -> None:
     controller = load_topology("host-cpu-8").calibration.controller
     assert controller is not None
     calibration = load_topology("host-cpu-8").calibration
-    for op, pipeline in (("step", False), ("pipeline step", True)):
+    for op in ("step", "pipeline step"):
         task = Task(name="prepare", device=0, stream="host", kind=TaskKind.HOST, op=op, count=0)
-        assert controller_seconds(calibration, task) == prepare_seconds(controller, pipeline)
+        assert controller_seconds(calibration, task) == prepare_seconds(controller, op)
+    assert prepare_seconds(controller, "pipeline step") == controller.step_s + controller.pipeline_step_s
     task = Task(name="dispatch", device=0, stream="host", kind=TaskKind.HOST, count=3, buffers=7)
     assert controller_seconds(calibration, task) == dispatch_seconds(controller, 3, 7) == pytest.approx(
         3 * controller.overhead_s + 7 * controller.buffer_s)
@@ -64,6 +68,7 @@ def test_an_spmd_step_dispatches_once_and_a_pipeline_per_action_and_update() -> 
     mesh = preset_plan("gpt-125m").mesh
     spmd, mpmd = _facts(mesh=dataclasses.replace(mesh, data=8)), _facts(mesh=dataclasses.replace(mesh, data=4, stage=2))
     assert step_dispatch(spmd) is not None and action_dispatch(spmd, 0, 0, "F", False) is None
+    assert (step_prepare(spmd), step_prepare(mpmd)) == ("step", "pipeline step")
     assert update_dispatch(spmd, 0) is None and step_dispatch(mpmd) is None
     s, action, _ = mpmd.order[0]
     sends = len(mpmd.chunks[s][action.chunk].action(action.kind).sends)
@@ -88,6 +93,8 @@ def test_each_chunk_releases_its_buckets_once_and_scatters_the_earlier_microbatc
         waits += ruled.iteration.waits
         assert ruled.gather is gather_mode(facts, work) is GatherMode.BLOCKS
         assert ruled.pieces == (chunk.buckets if g.release or g.each else chunk.blocks)
+        assert g.ends == (action.kind == facts.last_backward)
+        assert ruled.tail_from == (first_tail_bucket(facts, chunk, work, ruled.pieces) if g.release else ruled.pieces)
     assert (release, scatter) == (1, 3)
     # JAX's one SPMD step: a microbatch loop XLA keeps (runtime.microbatch_scan, testbed.sim.grad_bytes.loop_kept)
     assert (each, waits) == ((3, 3) if scan else (0, 0))
@@ -114,3 +121,20 @@ def test_the_rules_fields_are_read_only_by_the_rules() -> None:
                 found[path.name] = sorted(fields | calls)
     assert "step_rules.py" not in found
     assert not found, f"timing rules read outside testbed.sim.step_rules: {found}"
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_an_moe_chains_whole_gather_waits_as_its_one_block(prefetch: int) -> None:
+    """The whole gather ahead of an MoE chain is the chain's one block (gather_after): without prefetch the
+    backward's waits for the forward's chain to free its weights, with one block of prefetch for nothing."""
+    spec = dataclasses.replace(ModelSpec(**preset("mixtral-8x7b")), layers=2, seq_len=256)
+    plan = Plan(model=spec, batch=BatchSpec(global_batch=8), precision="bf16-mixed", mesh=MeshSpec(fsdp=4, expert=2),
+                runtime=dataclasses.replace(preset_plan("gpt-125m").runtime, fsdp_prefetch=prefetch))
+    facts = step_facts(plan, place(plan, load_topology("dgx-h100")).device_ids)
+    assert {step.gather for step in action_steps(facts)} == {GatherMode.WHOLE}
+    tasks = build_program(plan, place(plan, load_topology("dgx-h100"))).tasks
+    gathers = [t for t in tasks if t.stream == "gather"]
+    assert len(gathers) == 2 and not gathers[0].deps
+    assert bool(gathers[1].deps) == (prefetch == 0)
+    if prefetch == 0:
+        assert tasks[gathers[1].deps[0]].stream != "gather"  # the forward's chain, its last task

@@ -22,7 +22,7 @@ from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.barriers import interleaved_wait, step_end_wait
 from testbed.sim.update_facts import update_seconds
 from testbed.sim.step_rules import (ActionStep, Gradients, action_dispatch, action_steps, dispatch_seconds,
-                                    gather_after, prepare_seconds, step_dispatch, update_dispatch)
+                                    gather_after, prepare_seconds, step_dispatch, step_prepare, update_dispatch)
 from testbed.sim.tp_overlap import slowed_overlap
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class Play:
         self.launch = 0.0  # with ``serial``: when the previous program completed
         self.host, controller = 0.0, step.controller
         if controller is not None:
-            self.host = prepare_seconds(controller, p > 1)
+            self.host = prepare_seconds(controller, step_prepare(facts))
             if dispatch := step_dispatch(facts):
                 self.host += dispatch_seconds(controller, *dispatch)
 
@@ -150,7 +150,7 @@ class Play:
                 self.replay, self.gathered = _Replay(gathers, start, self.gather_free[s], before), played.flying
             first = played.starts[0]
             self.comm[s] += first - start
-            self.gather_free[s] = _next_gathers(played.gather_end, played.dones, d)
+            self.gather_free[s] = played.gather_end
             self.block_ends[s] = played.dones
             return first, played.ends[-1] - first - sum(parts)
         ends, gather_end, self.gathered = _blocks(gathers, parts, start, self.gather_free[s], before, d, replay)
@@ -158,12 +158,12 @@ class Play:
             self.replay = _Replay(gathers, start, self.gather_free[s], before)
         first = ends[0] - parts[0]
         self.comm[s] += first - start
-        self.gather_free[s], self.block_ends[s] = _next_gathers(gather_end, ends, d), ends
+        self.gather_free[s], self.block_ends[s] = gather_end, ends
         return first, ends[-1] - first - sum(parts)
 
     def action(self, step: ActionStep) -> None:
         """Plays one F/B/W action as ``step`` (testbed.sim.step_rules.action_steps) rules it."""
-        s, action, grads, left = step.stage, step.action, step.gradients, step.left
+        s, action, grads = step.stage, step.action, step.gradients
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.played(s, c, kind, grads)
         compute = self.slow * priced.compute
@@ -178,9 +178,9 @@ class Play:
                 # action ended (or later): nothing computed since (the task graph's gathers, testbed.sim.barriers).
                 self.carry[s] = 0.0
         wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
-        last, releases = kind == self.facts.last_backward, ()
+        last, releases = grads.ends, ()
         if last:
-            compute, wait, releases = self._backward_end(s, priced, start, compute, grads, left)
+            compute, wait, releases = self._backward_end(s, priced, start, compute, step)
         elif skewed is not None:
             wait = interleaved_wait(skewed, priced.syncs[0], compute, self.carry[s])
             self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
@@ -214,7 +214,8 @@ class Play:
     def _sends(self, s: int, key: tuple, priced: ActionPrice, finish: float, blocking: bool) -> None:
         """An action's sends, one after another on its stage's pipe stream from ``finish`` (``key``: the action's),
         a split send's receivers' all-gather on their recv stream of its direction; with ``blocking`` sends the
-        stage waits for them (testbed.sim.step_rules.ActionStep)."""
+        stage waits for them (testbed.sim.step_rules.ActionStep). A send is no program's own: with programs one at
+        a time the next one waits for the action's end only (testbed.sim.tasks.Builder.serialize)."""
         kind = key[1]
         for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
@@ -225,18 +226,16 @@ class Play:
         if blocking:
             self.comm[s] += max(0.0, self.pipe[s] - self.free[s])
             self.free[s] = max(self.free[s], self.pipe[s])
-            if self.step.serial:
-                self.launch = max(self.launch, self.free[s])
 
-    def _backward_end(self, s: int, priced: ActionPrice, start: float, compute: float, grads: Gradients, left: int
+    def _backward_end(self, s: int, priced: ActionPrice, start: float, compute: float, step: ActionStep
                       ) -> tuple[float, float, tuple[Release, ...]]:
-        """A microbatch's last backward action (B, or W when split; ``left``: the chunk's microbatches after it):
-        (its compute seconds, its barriers' wait, its reductions ``(when it leaves, seconds, the share of the compute
-        before)``). The last microbatch's buckets reduce as its pieces finish (or once, after the stage's backward,
-        when gradients do not accumulate sharded); an earlier one's gradients are reduce-scattered
-        (testbed.sim.step_rules.gradients)."""
+        """A microbatch's last backward action (B, or W when split; ``step.left``: the chunk's microbatches after
+        it): (its compute seconds, its barriers' wait, its reductions ``(when it leaves, seconds, the share of the
+        compute before)``). The last microbatch's buckets reduce as its pieces finish, from ``step.tail_from`` on
+        after its tensor collectives (or once, after the stage's backward, when gradients do not accumulate
+        sharded); an earlier one's gradients are reduce-scattered (testbed.sim.step_rules.gradients)."""
         piece, acc, pieces, skewed = self.slow * priced.piece, self.slow * priced.acc, priced.pieces, self.step.skewed
-        last_mb = left == 0
+        grads, last_mb = step.gradients, step.left == 0
         parts = tuple(self.slow * x for x in priced.parts) if priced.parts and len(priced.parts) == pieces else ()
         if grads.release and piece:
             compute = sum(parts) if parts else pieces * piece
@@ -267,7 +266,7 @@ class Play:
                 own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
                 done = ends[k] if ends else done + (parts[k] + wait / pieces if parts else piece)
                 before += parts[k] if parts else 0.0
-                tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= priced.after_tp else 0.0
+                tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= step.tail_from else 0.0
                 out.append((max(done, tp), own, before / total if parts and total else (k + 1) / pieces))
             releases = tuple(out)
         elif grads.each and priced.plays and self.played is not None and self.played.releases:  # as played
@@ -314,7 +313,7 @@ class Play:
         longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
         slowed, gather_end, _ = _blocks(gathers, longer, start, gather_free, before, facts.prefetch, False)
         n = len(slowed)
-        self.gather_free[s], self.block_ends[s] = _next_gathers(gather_end, slowed, facts.prefetch), slowed
+        self.gather_free[s], self.block_ends[s] = gather_end, slowed
         out, i, done = [], 0, parts[0]
         for t, x, f in releases:  # each after the block its share of the compute ends in
             while i < n - 1 and (done < f * total * (1 - 1e-9) or not parts[i + 1]):  # (the last of equal ends)
@@ -352,7 +351,7 @@ class Play:
         longer = tuple(c + rate * o + spread * c for o, c in zip(each, parts))
         scale = tuple(self.slow * x / c if c else self.slow for x, c in zip(longer, parts))
         again = play_blocks(priced.plays, gathers, start, gather_free, before, d, scale)
-        self.gather_free[s], self.block_ends[s] = _next_gathers(again.gather_end, again.dones, d), again.dones
+        self.gather_free[s], self.block_ends[s] = again.gather_end, again.dones
         first = played.starts[0]
         if again.releases or not releases:
             out = tuple((at, x, 1.0) for at, x in again.releases) if releases else releases
@@ -422,13 +421,6 @@ def _blocks(gathers: tuple[float, ...], parts: tuple[float, ...], start: float, 
             flying.append((gather_end - g, gather_end))
         ends.append(max(ends[-1] if ends else start, gather_end) + c)
     return ends, gather_end, flying
-
-
-def _next_gathers(gather_end: float, dones: list[float], prefetch: int) -> float:
-    """When the stage's next gathering action's gathers may start: after this action's (``gather_end``) and once the
-    block its first gather waits for (testbed.sim.step_rules.gather_after of ``dones``, this action's blocks) is
-    done."""
-    return max(gather_end, gather_after(0, prefetch, (), dones) or 0.0)
 
 
 def _later(t: float, dones: list[float], again: list[float]) -> float:

@@ -24,8 +24,8 @@ from testbed.sim.facts import StepFacts, accumulate_bytes, alike_key, bucket_sha
 from testbed.sim.grad_tasks import allreduce_count
 from testbed.sim.moe import Piece
 from testbed.sim.ring import ring_action_seconds, ring_neighbours
-from testbed.sim.step_rules import (GatherMode, Gradients, first_tail_bucket, gather_mode, gradients, runs_serially,
-                                    sequence_apart, serial_host)
+from testbed.sim.step_rules import (GatherMode, Gradients, gather_mode, gradients, runs_serially, sequence_apart,
+                                    serial_host)
 from testbed.sim.step_rules import pieces as step_pieces
 from testbed.topology import Topology
 
@@ -67,7 +67,6 @@ class ActionPrice(NamedTuple):
     bucket_each: tuple[float, ...] = ()  # each bucket's reduction, of its own count of collectives (empty: ``bucket``)
     send_s: float = 0.0  # the sends' seconds together (read by every play of the action)
     parts: tuple[float, ...] = ()  # each block's (or bucket piece's) compute where they differ (empty: equal shares)
-    after_tp: int = 1 << 30  # the first bucket reduced after the tensor collectives (testbed.sim.grad_tasks.after_tensor)
     early: float = 0.0  # the sequence-replicated gradients' sum as the compute ends (grad_bytes.summed_in_the_step)
     plays: tuple = ()  # its blocks played span by span (testbed.explore.span_times; empty: not so played)
     plays_last: tuple = ()  # the same, of the microbatch that releases the chunk's gradient buckets
@@ -113,7 +112,7 @@ class StepPrices:
                             sends=sends, send_s=sum(x.seconds for x in sends) if sends else 0.0)
                         continue
                     gather, per_block = 0.0, ()
-                    mode = gather_mode(facts, work) if facts.params_ways > 1 else GatherMode.NONE
+                    mode = gather_mode(facts, work)
                     if mode is GatherMode.WHOLE:
                         gather = self._gather_seconds(s, (chunk.moved.params, chunk.leaves), 1)
                     elif mode is GatherMode.BLOCKS:
@@ -179,7 +178,8 @@ class StepPrices:
         ring_hidden = ringed[2] - ringed[1] if ringed else 0.0  # its sends beside the ring's compute
         # Priced as the chunk's last microbatch plays it, which releases the buckets where any (step_rules.gradients);
         # its blocks, when it gathers, are priced apart.
-        last, grads = kind == facts.last_backward, gradients(facts, kind, bool(chain), 0)
+        grads = gradients(facts, kind, bool(chain), 0)
+        last = grads.ends
         release, pieces = grads.release, step_pieces(chunk, grads, GatherMode.NONE)
         piece = bucket = scatter = acc = sequence_s = 0.0
         bucket_syncs: Syncs = ()
@@ -204,14 +204,14 @@ class StepPrices:
         tp_s += self._exposed_all_to_all(chain, s)
         tp_s += ring_s
         sends = self._sends(s, work)
-        gathering = facts.gathers(kind) and facts.params_ways > 1
+        gathering = gather_mode(facts, work) is not GatherMode.NONE
         syncs = self._syncs(chunk, work, not chain and not ringed, bool(scatter), bucket_syncs, pieces)
         spans = gathering and not chain and not ringed  # the blocks played span by span, as the task graph's
         return ActionPrice(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
                        bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
                        send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
                        scatter_each=scatter_each, ring_hidden=ring_hidden,
-                       after_tp=first_tail_bucket(facts, chunk, work, pieces), chain=bool(chain),
+                       chain=bool(chain),
                        **(self._plays(s, chunk, work, pieces, release, bool(scatter_each)) if spans else {}))
 
     def _sends(self, s: int, work: ActionWork) -> tuple[PricedSend, ...]:

@@ -441,8 +441,7 @@ def chunk_gemms(plan: Plan, stage: int, chunk: int = 0) -> ChunkGemms:
 
 def fp8_scaled(plan: Plan, gemms: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
     """``gemms`` with their fp8 casts' own amax read (``amax_pass``) under fp8 current scaling, or their block
-    scales (``block_scaled``) under blockwise scaling; untouched otherwise (flash products are not cast), so other
-    plans' task graphs stay as they were."""
+    scales (``block_scaled``) under blockwise scaling; untouched otherwise (flash products are not cast)."""
     scaling = plan.runtime.fp8_scaling
     if scaling not in ("current", "blockwise") or "fp8" not in plan.precision.value:
         return gemms

@@ -157,7 +157,7 @@ def token_table_last(plan: Plan, cost: ChunkCost, combine_bytes: float, reduce_b
     independent gathers within its bound (``combine_bytes``: testbed.model.leaves.combine_limit); the token table's
     gradient is the scatter-add of the gathered cotangent, so its all-reduce then depends on the position table's,
     and the all-reduce combiner cannot merge the two: the step sums the rest, gathers, then sums the token table
-    (the tied head's gradient included), in series where one merged all-reduce was counted before."""
+    (the tied head's gradient included), in series, not as one merged all-reduce."""
     gathered = cost.tensor_allreduce_bytes + cost.position_gather_bytes
     if not (summed_in_the_step(plan) and cost.position_gather_bytes and gathered <= combine_bytes):
         return 0.0, 0.0

@@ -22,7 +22,7 @@ import numpy as np
 from testbed.collectives import timing, torus
 from testbed.sim.compute import compute_seconds
 from testbed.sim.contention import normalised_loads
-from testbed.sim.step_rules import dispatch_seconds, prepare_seconds
+from testbed.sim.step_rules import PREPARE_PIPELINE, PREPARE_STEP, dispatch_seconds, prepare_seconds
 from testbed.sim.tasks import Program, Task, TaskKind
 from testbed.topology import Calibration, Form, Topology
 
@@ -49,8 +49,8 @@ def controller_seconds(calibration: Calibration, task: Task) -> float:
     controller = calibration.controller
     if controller is None:
         return 0.0
-    if task.op in ("step", "pipeline step"):
-        return prepare_seconds(controller, task.op == "pipeline step")
+    if task.op in (PREPARE_STEP, PREPARE_PIPELINE):  # testbed.sim.step_rules.step_prepare
+        return prepare_seconds(controller, task.op)
     return dispatch_seconds(controller, task.count, task.buffers)
 
 

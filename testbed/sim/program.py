@@ -84,9 +84,8 @@ from testbed.sim.facts import StepFacts, accumulate_bytes, bucket_share, step_fa
 from testbed.sim.grad_play import GradBucket, GradPlay, grad_bucket
 from testbed.sim.grad_tasks import tied_task
 from testbed.sim.span_play import BlockWork, SpanPlay
-from testbed.sim.step_rules import (ActionStep, Dispatch, GatherMode, action_dispatch, action_steps,
-                                    first_tail_bucket, gather_after, runs_serially, step_dispatch,
-                                    update_dispatch)
+from testbed.sim.step_rules import (ActionStep, Dispatch, GatherMode, action_dispatch, action_steps, gather_after,
+                                    runs_serially, step_dispatch, step_prepare, update_dispatch)
 from testbed.sim.moe import A2A_STREAM
 from testbed.sim.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
@@ -180,7 +179,7 @@ class _Graph(SpanPlay, GradPlay):
         self.host = reps[0]
         if controller:
             self.b.add(name="prepare step", device=self.host, stream="host", kind=TaskKind.HOST,
-                       op="step" if p == 1 else "pipeline step", count=0)
+                       op=step_prepare(facts), count=0)
         if controller and (dispatch := step_dispatch(facts)):
             self.previous[0] = self._dispatch("dispatch step", dispatch)
 
@@ -209,8 +208,7 @@ class _Graph(SpanPlay, GradPlay):
         for bucket_of in self.tail:  # buckets reduced after the tensor collectives (first_tail_bucket)
             self._bucket(s, last, bucket_of)
         self.tail = []
-        if action.kind == facts.last_backward and (acc := accumulate_bytes(self.plan, chunk.cost.params,
-                                                                           facts.grad_bytes)):
+        if grads.ends and (acc := accumulate_bytes(self.plan, chunk.cost.params, facts.grad_bytes)):
             # The add into the accumulator ends the action's program: its sends leave after it.
             last = b.add(name=f"accumulate {label}", device=self.reps[s], stream="compute", kind=TaskKind.COMPUTE,
                          deps=(last,), hbm_bytes=acc, pipeline=True)
@@ -249,9 +247,11 @@ class _Graph(SpanPlay, GradPlay):
         self.span_end = None
         if work.chain:
             last, computes = self._chain(s, chunk, work, label, deps, pieces if grads.release else 0), []
+            if step.gather is GatherMode.WHOLE:  # the chain frees its gathered weights as it ends (its one block)
+                self.blocks_done[s] = [last]
         else:
-            last, computes = self._compute(s, chunk, work, label, deps, pieces, grads.release, gathering,
-                                           grads.each)
+            last, computes = self._compute(s, chunk, work, label, deps, pieces,
+                                           step.tail_from if grads.release else None, gathering, grads.each)
         if grads.scatter and not grads.each:
             self.reduce_tasks[s].append(self._scatter(s, chunk, label, last))
         return last, computes
@@ -282,18 +282,23 @@ class _Graph(SpanPlay, GradPlay):
                           buffers=dispatch.buffers)
 
     def _gather(self, s: int, chunk: ChunkFacts, label: str) -> int:
-        """The all-gather of a chunk's sharded parameters before an MoE chain (gather stream, prefetched)."""
+        """The all-gather of a chunk's sharded parameters before an MoE chain (gather stream, prefetched): the
+        chain's one block, so it waits as block 0 does (testbed.sim.step_rules.gather_after, of the stage's previous
+        gathering action) and for the loop's iteration barrier."""
         rep, leaves = self.reps[s], chunk.leaves
+        freed = gather_after(0, self.facts.prefetch, (), self.blocks_done.get(s, []))
         return self.b.add(name=f"gather {label}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
                           op="all_gather", nbytes=chunk.moved.params * self.facts.param_bytes / leaves, count=leaves,
+                          deps=((freed,) if freed is not None else ()) + self.iteration,
                           group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
 
     def _compute(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], pieces: int,
-                 reduce: bool, gathering: bool = False, scatter: bool = False) -> tuple[int, list[int]]:
+                 tail_from: int | None, gathering: bool = False, scatter: bool = False) -> tuple[int, list[int]]:
         """A dense action's compute (compute stream, or the ring's steps and sends under context parallelism),
         split into ``pieces`` (the chunk's blocks when it gathers its sharded parameters, each after its own
-        gather; gradient buckets when it ends the chunk's backward); returns its last task and its compute
-        tasks."""
+        gather; gradient buckets when it ends the chunk's backward, reduced as they come but from ``tail_from``
+        on, ActionStep.tail_from; None: it reduces none); returns its last task and its compute tasks."""
+        reduce = tail_from is not None
         b, rep, cost, overlap = self.b, self.reps[s], chunk.cost, work.overlap
         whole, gemms = (overlap.work, overlap.gemms) if overlap else (work.work, work.gemms)
         flops, hbm, replicated, split = whole
@@ -334,8 +339,7 @@ class _Graph(SpanPlay, GradPlay):
             if scatter:
                 self._accumulate(s, chunk, name, last, chunk.bucket(pieces, k))
             if reduce:
-                self._buckets_of(s, chunk, label, pieces, k, last, k >= first_tail_bucket(self.facts, chunk, work,
-                                                                                           pieces))
+                self._buckets_of(s, chunk, label, pieces, k, last, k >= tail_from)
         if gathering:
             self.blocks_done[s] = ends
         self.span_end = deps[-1] if by_span else None  # the last span's tensor collectives end the action (_tensor)

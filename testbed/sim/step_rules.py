@@ -4,17 +4,20 @@ testbed.sim.facts says what a step is made of; this module says when each part m
 (testbed.sim.program) turns each rule into tasks and dependencies, the analytic tier (testbed.explore.play)
 into times on a few streams; both ask the same functions:
 
-- the controller's cost (:func:`prepare_seconds`, :func:`dispatch_seconds`) and what it dispatches
-  (:func:`step_dispatch`, :func:`action_dispatch`, :func:`update_dispatch`): one preparation of the step, then
-  one program for an SPMD step, or per pipeline action (with its sends) and per stage update;
+- the controller's cost (:func:`prepare_seconds`, :func:`dispatch_seconds`), what it prepares (:func:`step_prepare`)
+  and dispatches (:func:`step_dispatch`, :func:`action_dispatch`, :func:`update_dispatch`): one preparation of
+  the step, then one program for an SPMD step, or per pipeline action (with its sends) and per stage update;
 - programs one at a time on a shared host (:func:`runs_serially`);
 - the gather prefetch (:func:`gather_after`): block ``k``'s all-gather waits for block ``k - 1 - prefetch`` to
-  free its weights, of the stage's previous gathering action when that index is negative;
+  free its weights, of the stage's previous gathering action when that index is negative (an MoE chain's whole
+  gather is its one block);
 - how an action gathers (:func:`gather_mode`): not at all, the whole chunk ahead of an MoE chain, or block by block;
-- what an action does with its gradients (:func:`gradients`, counted by :class:`Microbatches`): the last
-  microbatch's buckets leave, an earlier one's reduce-scatter into the sharded accumulator (bucket by bucket in a
-  loop XLA keeps), the sequence-replicated gradients' sum;
-- which buckets leave only after the action's tensor collectives (:func:`first_tail_bucket`);
+- what an action does with its gradients (:func:`gradients`, counted by :class:`Microbatches`): it ends a
+  microbatch's backward (the accumulator's add ends it); the last microbatch's buckets leave, an earlier one's
+  reduce-scatter into the sharded accumulator (bucket by bucket in a loop XLA keeps), the sequence-replicated
+  gradients' sum;
+- which buckets leave only after the action's tensor collectives (:func:`first_tail_bucket`, none of an MoE
+  chain);
 - the per-microbatch iteration barrier of a loop XLA keeps (:func:`iteration`);
 - blocking sends (:func:`waits_for_sends`).
 
@@ -38,7 +41,7 @@ from testbed.sim.grad_bytes import loop_kept, summed_each_microbatch, summed_in_
 from testbed.sim.grad_tasks import after_tensor
 from testbed.topology import Calibration
 
-__all__ = ["Dispatch", "prepare_seconds", "dispatch_seconds", "step_dispatch", "action_dispatch", "update_dispatch",
+__all__ = ["Dispatch", "PREPARE_STEP", "PREPARE_PIPELINE", "step_prepare", "prepare_seconds", "dispatch_seconds", "step_dispatch", "action_dispatch", "update_dispatch",
            "serial_host", "runs_serially", "gather_after", "GatherMode", "gather_mode", "Gradients", "gradients",
            "Microbatches", "sequence_apart", "first_tail_bucket", "Iteration", "iteration", "waits_for_sends",
            "pieces", "ActionStep", "action_steps"]
@@ -53,10 +56,20 @@ class Dispatch(NamedTuple):
     buffers: int
 
 
-def prepare_seconds(controller, pipeline: bool) -> float:
-    """The controller's preparation of the step (the batch; with ``pipeline`` stages, its microbatches per stage):
-    ``calibration.controller``'s ``step_s`` (plus ``pipeline_step_s``; testbed.topology.ControllerCalibration)."""
-    return controller.step_s + controller.pipeline_step_s if pipeline else controller.step_s
+#: The controller's preparation of a step: an SPMD step's batch, or a pipeline's batch and its microbatches per stage.
+PREPARE_STEP, PREPARE_PIPELINE = "step", "pipeline step"
+
+
+def step_prepare(facts: StepFacts) -> str:
+    """What the controller prepares before it dispatches the step: :data:`PREPARE_PIPELINE` for a pipeline (its
+    microbatches per stage too), else :data:`PREPARE_STEP`."""
+    return PREPARE_PIPELINE if facts.stages > 1 else PREPARE_STEP
+
+
+def prepare_seconds(controller, prepare: str) -> float:
+    """The controller's seconds preparing ``prepare`` (:func:`step_prepare`): ``calibration.controller``'s
+    ``step_s``, plus ``pipeline_step_s`` for a pipeline (testbed.topology.ControllerCalibration)."""
+    return controller.step_s + controller.pipeline_step_s if prepare == PREPARE_PIPELINE else controller.step_s
 
 
 def dispatch_seconds(controller, programs: int, n_buffers: int) -> float:
@@ -127,7 +140,8 @@ def gather_mode(facts: StepFacts, work: ActionWork) -> GatherMode:
 class Gradients(NamedTuple):
     """What one action does with its chunk's gradients.
 
-    ``release``: it ends the chunk's last microbatch's backward and the chunk's gradient buckets leave (reduced as
+    ``ends``: it ends a microbatch's backward (B, or W when the backward is split): the add into the step's
+    accumulator ends its program, before its sends (testbed.sim.facts.accumulate_bytes); ``release``: it ends the chunk's last microbatch's backward and the chunk's gradient buckets leave (reduced as
     they come when they accumulate sharded or with ``runtime.grad_reduce_overlap``, else once after the stage's
     backward: StepFacts.reduce_in_backward); ``scatter``: it ends an earlier microbatch's backward and its gradients
     are reduce-scattered into the sharded accumulator; ``each``: that reduce-scatter is bucket by bucket as the
@@ -135,6 +149,7 @@ class Gradients(NamedTuple):
     backward; ``summed``: the sequence-replicated gradients' sum leaves as its compute ends, on its own stream
     (testbed.sim.grad_bytes.summed_in_the_step, summed_each_microbatch)."""
 
+    ends: bool
     release: bool
     scatter: bool
     each: bool
@@ -155,7 +170,7 @@ def gradients(facts: StepFacts, kind: str, chain: bool, left: int) -> Gradients:
     release = last and left == 0 and bool(facts.reductions)
     scatter = last and left > 0 and bool(facts.per_microbatch)
     summed = release and summed_in_the_step(plan) or last and summed_each_microbatch(plan)
-    return Gradients(release, scatter, scatter and loop_kept(plan) and not chain, summed)
+    return Gradients(last, release, scatter, scatter and loop_kept(plan) and not chain, summed)
 
 
 class Microbatches:
@@ -177,7 +192,10 @@ class Microbatches:
 
 def first_tail_bucket(facts: StepFacts, chunk: ChunkFacts, work: ActionWork, pieces: int) -> int:
     """The first of ``pieces`` gradient buckets of a chunk's last backward reduced only after the action's blocking
-    tensor collectives (testbed.sim.grad_tasks.after_tensor; ``pieces`` when none)."""
+    tensor collectives (testbed.sim.grad_tasks.after_tensor; ``pieces`` when none: an MoE chain's buckets close
+    among its layers, testbed.sim.moe)."""
+    if work.chain:
+        return pieces
     own = bool(chunk.block_shares(work.kind, pieces))
     return after_tensor(facts.plan, own, bool(work.tensor) and work.overlap is None, pieces)
 
@@ -218,8 +236,8 @@ class ActionStep(NamedTuple):
     (``waits``: its stage's actions, other stages' sends, as testbed.sim.facts' order keys them), its gather
     (``gather``), its compute in ``pieces`` and what it does with its gradients (``gradients``; ``left``: the
     chunk's microbatches whose backward is still to end after it), then (each tier's own) its tensor collectives,
-    the buckets after them (:func:`first_tail_bucket`), the accumulator's add, and its sends (``blocking``: the
-    stage's next action waits for them)."""
+    the buckets from ``tail_from`` on after them (:func:`first_tail_bucket`; ``pieces`` when none or it releases
+    none), the accumulator's add, and its sends (``blocking``: the stage's next action waits for them)."""
 
     stage: int
     action: Action
@@ -230,6 +248,7 @@ class ActionStep(NamedTuple):
     gradients: Gradients
     left: int
     pieces: int
+    tail_from: int
     blocking: bool
 
 
@@ -237,7 +256,7 @@ def action_steps(facts: StepFacts) -> Iterator[ActionStep]:
     """Every action of the step in execution order (``facts.order``) with the rules applied to it
     (:class:`ActionStep`): the walk both tiers play."""
     counter, blocking = Microbatches(facts), waits_for_sends(facts)
-    ruled: dict[tuple, tuple[Gradients, GatherMode, int]] = {}  # (s, c, kind, left == 0) -> its rules
+    ruled: dict[tuple, tuple[Gradients, GatherMode, int, int]] = {}  # (s, c, kind, left == 0) -> its rules
     loops: dict[tuple[str, bool], Iteration] = {}  # (kind, microbatch > 0) -> its iteration
     for s, action, waits in facts.order:
         c, kind = action.chunk, action.kind
@@ -247,8 +266,10 @@ def action_steps(facts: StepFacts) -> Iterator[ActionStep]:
             chunk = facts.chunks[s][c]
             work = chunk.action(kind)
             grads, mode = gradients(facts, kind, bool(work.chain), left), gather_mode(facts, work)
-            rules = ruled[(s, c, kind, left == 0)] = (grads, mode, pieces(chunk, grads, mode))
+            n = pieces(chunk, grads, mode)
+            tail = first_tail_bucket(facts, chunk, work, n) if grads.release else n
+            rules = ruled[(s, c, kind, left == 0)] = (grads, mode, n, tail)
         loop = loops.get((kind, action.microbatch > 0))
         if loop is None:
             loop = loops[(kind, action.microbatch > 0)] = iteration(facts, action)
-        yield ActionStep(s, action, waits, loop, accumulated, rules[1], rules[0], left, rules[2], blocking)
+        yield ActionStep(s, action, waits, loop, accumulated, rules[1], rules[0], left, rules[2], rules[3], blocking)
