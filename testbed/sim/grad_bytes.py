@@ -263,11 +263,12 @@ def accumulating_gemms(plan: Plan, shapes: ChunkGemms, fused: bool, moe_layers: 
     into the accumulator inside the gradient's matmul (``fused``: testbed.topology.DeviceSpec.fused_updates, under
     :func:`accumulated_in_the_backward`): XLA:TPU compiles every weight gradient of the loop body as a ``kOutput``
     fusion of the convolution and the add (benchmarks/tpu_chip/accumulate.json), a kernel that takes the longer of
-    its math and its bytes with the accumulator's read (testbed.sim.compute). The chip's per-op profile of the
-    125M step at 16 microbatches (benchmarks/tpu_chip/profiles.json) has these fusions 2-11 us over a forward
-    matmul of the same FLOPs (28.7 and 37.7 us vs 26.2 for the MLP's), the head's 557 us beside its 423 us of
-    math at the cap: far under the accumulator's pass added to the backward's bytes. Without MoE layers (their
-    expert GEMMs are priced apart, testbed.sim.moe); :func:`accumulated_bytes` keeps the rest's read."""
+    its math and its bytes with the accumulator's read (testbed.sim.compute). The chip's per-op profiles of the
+    125M step at 16, 8 and 4 microbatches (benchmarks/tpu_chip/profiles.json): the MLP input projection's weight
+    gradient, its add fused, takes 28.7, 53.1 and 104.6 us a microbatch beside 26.2, 52.2 and 104.5 us for the
+    forward product of its FLOPs (priced 26.7, 51.7, 103.4): the add's read hides under the math, where the add as a
+    kernel of its own would take 22 us more and its read as a pass 7 us. Without MoE layers (their expert GEMMs are
+    priced apart, testbed.sim.moe); :func:`accumulated_bytes` keeps the other parameters' read."""
     if not (fused and moe_layers == 0 and accumulated_in_the_backward(plan)):
         return shapes
     return replace(shapes, backward_weight=tuple(replace(g, accumulates=True) for g in shapes.backward_weight))
