@@ -92,7 +92,9 @@ class Gemm:
     as it is stored, elements per product (its input: an implicit GEMM reads it, never the ``m x k`` window matrix;
     0: the ``m x k`` matrix itself); ``score_cells``: an attention product outside a fused kernel, the elements of
     the score matrix (``rows x keys``) that one of its operands or its output is, per product (0: none;
-    testbed.sim.vmem keeps it on chip where the compiler does).
+    testbed.sim.vmem keeps it on chip where the compiler does); ``accumulates``: a weight gradient the compiler adds
+    into the step's accumulator inside its own kernel (testbed.sim.grad_bytes.accumulating_gemms): the kernel reads
+    the ``m x n`` accumulator too and writes the sum in place of the gradient.
     """
 
     m: int
@@ -108,6 +110,7 @@ class Gemm:
     high_precision: bool = False
     stored_lhs: int = 0
     score_cells: int = 0
+    accumulates: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0 or min(self.stored_lhs,

@@ -26,7 +26,7 @@ from testbed.pipeline.schedules import Schedule
 from testbed.plan.sharding import gathers_parameters
 from testbed.plan.spec import Plan, Remat
 from testbed.sim.action_work import action_work
-from testbed.sim.grad_bytes import (accumulated_bytes, gradient_buckets, in_last_span, reduced_bytes, sequence_reduced,
+from testbed.sim.grad_bytes import (accumulated_bytes, accumulated_elements, accumulating_gemms, gradient_buckets, in_last_span, reduced_bytes, sequence_reduced,
                                      sequence_replicated, summed_each_microbatch, token_table_last,
                                      without_embedding_gathers)
 from testbed.sim.memo import cached_chunk_gemms
@@ -279,9 +279,9 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     ``recompute_gathers``: a full-remat layer's backward gathers its recomputation's leaves apart; ``matmul_b``: bytes
     per element of the weight matrices' gathers (testbed.sim.xla_tpu.matmul_gather_bytes; 0: ``param_b``);
     ``lowering``: the gathers lowered as all-reduces (testbed.model.gather_lowering)."""
-    cost, shapes = chunk_costs[s][c], cached_chunk_gemms(plan, s, c)
-    kernels = max(1, MATMULS_PER_LAYER * cost.layers)
     n_moe = moe_layers(plan.model, span)
+    cost, shapes = chunk_costs[s][c], accumulating_gemms(plan, cached_chunk_gemms(plan, s, c), fused, n_moe)
+    kernels = max(1, MATMULS_PER_LAYER * cost.layers)
     p, v = plan.mesh.stage, plan.schedule.virtual_stages
     expert_params = held_elements(chunk_params(plan.model, s, c, p, v, stage_layers=plan.stage_layers),
                                   plan.mesh.tensor, 1, plan.mesh.expert, True, plan.mesh.expert_tensor) if reduces else 0
@@ -357,7 +357,8 @@ def _action(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, kind: s
     split = schedule.split_backward
     max_b = float(plan.precision.compute_bytes) if native else 4.0
     flops, hbm, (replicated, split_b), tensor = action_work(chunk_costs[s][c], kind, split, plan.remat, max_b)
-    hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B"), fused))
+    hbm += (acc := accumulated_bytes(plan, chunk_costs[s][c].params, kind == ("W" if split else "B"), fused,
+                                     accumulated_elements(shapes)))
     if tail_gather and kind == "B":
         tensor = without_embedding_gathers(tensor)
     gemms = shapes.action(kind, split)

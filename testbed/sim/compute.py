@@ -51,6 +51,7 @@ fields (host CPUs, TPUs here) keeps the FLOPs-only roofline
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Iterable, Sequence
 
 from testbed.model.gemm import Gemm
@@ -214,14 +215,10 @@ def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts:
     if gemm.count <= 0:
         return 0.0
     key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass,
-           gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs, gemm.score_cells)
+           gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs, gemm.score_cells, gemm.accumulates)
     one = memo.get(key)
     if one is None:
-        one = memo[key] = _one_product_seconds(topology, dtype, Gemm(gemm.m, gemm.n, gemm.k, gemm.batch, 1.0,
-                                                                       gemm.flash, gemm.attention, gemm.amax_pass,
-                                                                       gemm.grouped, gemm.block_scaled,
-                                                                       gemm.high_precision, gemm.stored_lhs,
-                                                                       gemm.score_cells), casts)
+        one = memo[key] = _one_product_seconds(topology, dtype, replace(gemm, count=1.0), casts)
     return gemm.count * one
 
 
@@ -239,7 +236,9 @@ def _memo(topology: Topology) -> dict:
 
 
 def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool) -> float:
-    """Seconds of one product of ``gemm`` (``count`` 1): the calibrated roofline, the fp8 recipe's casts."""
+    """Seconds of one product of ``gemm`` (``count`` 1): the calibrated roofline, the fp8 recipe's casts. A product
+    that ``accumulates`` is one kernel with the add into the accumulator (XLA:TPU's output fusion): the longer of its
+    math and its bytes, the accumulator's read among them (its write is the product's own)."""
     cal = topology.calibration
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     dtype = rate_dtype(dtype)
@@ -260,7 +259,8 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
                                                    * systolic_share(topology.device.systolic_width, gemm))
     rate = grouped_rate(topology.device.name, gemm.grouped)  # a grouped-matmul kernel's (1: the dense matmul)
     math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype) * rate)
-    operands = gemm.batch * ((gemm.lhs_elements + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
+    operands = gemm.batch * ((gemm.lhs_elements + gemm.k * gemm.n) * read + gemm.m * gemm.n * write
+                             * (2 if gemm.accumulates else 1))
     operands -= on_chip_bytes(topology.device, gemm, read, write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
     cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0

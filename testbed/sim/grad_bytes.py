@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import replace
+
 from testbed.model.costs import ChunkCost
+from testbed.model.gemm import ChunkGemms
 from testbed.model.layout import Part, chunk_params, tied_table
 from testbed.model.leaves import NORM_PARTS, norm_elements
 from testbed.model.memory import state_bytes_per_param
@@ -20,7 +23,9 @@ from testbed.plan.spec import Plan
 __all__ = ["BUCKETS", "ACCUMULATE_PASSES", "FUSED_ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "reduce_bytes", "reduced_bytes",
            "summed_after_the_loop", "summed_each_microbatch", "sequence_replicated", "sequence_apart", "sequence_reduced",
            "summed_in_the_step", "token_table_last", "without_embedding_gathers", "gradient_buckets",
-           "accumulate_bytes", "accumulated_in_the_backward", "accumulated_bytes", "in_last_span", "tied_copy_bytes"]
+           "accumulate_bytes", "accumulated_in_the_backward", "accumulated_bytes", "accumulating_gemms",
+           "accumulated_elements", "in_last_span",
+           "tied_copy_bytes"]
 
 #: Most gradient buckets per chunk (split of the chunk's last backward action).
 BUCKETS = 4
@@ -237,15 +242,41 @@ def loop_kept(plan: Plan) -> bool:
     return plan.batch.microbatches > 1 and plan.mesh.stage == 1 and plan.runtime.microbatch_scan
 
 
-def accumulated_bytes(plan: Plan, params: int, weight_gradients: bool, fused: bool = False) -> float:
+def accumulated_bytes(plan: Plan, params: int, weight_gradients: bool, fused: bool = False,
+                      in_matmuls: float = 0.0) -> float:
     """HBM bytes a microbatch's weight-gradient action (``weight_gradients``) of ``params`` carries for the add into
     the accumulator under :func:`accumulated_in_the_backward`: :data:`ACCUMULATE_PASSES` over the device's
-    gradients, or with ``fused`` (the compiler fuses the add into the gradient's matmul as its output fusion) the
-    one read of the accumulator (:data:`FUSED_ACCUMULATE_PASSES`); else 0."""
+    gradients; with ``fused`` (the compiler fuses the add into the gradient's producer) the one read of the
+    accumulator (:data:`FUSED_ACCUMULATE_PASSES`) over the parameters whose gradients no matmul of
+    :func:`accumulating_gemms` adds in its own kernel (``in_matmuls`` of them per device: the lookup tables', the
+    norms' and biases'); else 0."""
     if not (weight_gradients and accumulated_in_the_backward(plan)):
         return 0.0
-    added = _added_bytes(plan, params, state_bytes_per_param(plan)[1])
-    return added * FUSED_ACCUMULATE_PASSES / ACCUMULATE_PASSES if fused else added
+    if not fused:
+        return _added_bytes(plan, params, state_bytes_per_param(plan)[1])
+    rest = _added_bytes(plan, max(0.0, params - in_matmuls), state_bytes_per_param(plan)[1])
+    return rest * FUSED_ACCUMULATE_PASSES / ACCUMULATE_PASSES
+
+
+def accumulating_gemms(plan: Plan, shapes: ChunkGemms, fused: bool, moe_layers: int = 0) -> ChunkGemms:
+    """A chunk's GEMMs with its weight gradients marked ``accumulates`` where the compiler adds each microbatch's
+    into the accumulator inside the gradient's matmul (``fused``: testbed.topology.DeviceSpec.fused_updates, under
+    :func:`accumulated_in_the_backward`): XLA:TPU compiles every weight gradient of the loop body as a ``kOutput``
+    fusion of the convolution and the add (benchmarks/tpu_chip/accumulate.json), a kernel that takes the longer of
+    its math and its bytes with the accumulator's read (testbed.sim.compute). The chip's per-op profiles of the
+    125M step at 16, 8 and 4 microbatches (benchmarks/tpu_chip/profiles.json): the MLP input projection's weight
+    gradient, its add fused, takes 28.7, 53.1 and 104.6 us a microbatch beside 26.2, 52.2 and 104.5 us for the
+    forward product of its FLOPs (priced 26.7, 51.7, 103.4): the add's read hides under the math, where the add as a
+    kernel of its own would take 22 us more and its read as a pass 7 us. Without MoE layers (their expert GEMMs are
+    priced apart, testbed.sim.moe); :func:`accumulated_bytes` keeps the other parameters' read."""
+    if not (fused and moe_layers == 0 and accumulated_in_the_backward(plan)):
+        return shapes
+    return replace(shapes, backward_weight=tuple(replace(g, accumulates=True) for g in shapes.backward_weight))
+
+
+def accumulated_elements(shapes: ChunkGemms) -> float:
+    """Gradient elements per device the ``accumulates`` weight-gradient GEMMs of ``shapes`` write (one microbatch)."""
+    return sum(g.m * g.n * g.batch * g.count for g in shapes.backward_weight if g.accumulates)
 
 
 def in_last_span(spans: tuple[tuple[float, float], ...], acc: float) -> tuple[tuple[float, float], ...]:
