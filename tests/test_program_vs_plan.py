@@ -364,6 +364,30 @@ def test_an_fsdp_by_tensor_step_time_on_a_tpu_slice(d_model: int, seq_len: int, 
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_fp32_sequence_gathers_only_matmuls_read_move_bf16_on_both_tiers(remat: str) -> None:
+    """fsdp 8 x tensor 2 with sequence parallelism in fp32 on a v5e 4x4 slice: XLA:TPU gathers an fp32 activation only
+    matmuls read in bf16 (benchmarks/xla_tpu_narrowing.py), the traced tier by the gathers' readers
+    (testbed.sim.xla_tpu.lowered_gathers), the plan by which sequence gather it is (testbed.sim.xla_tpu.
+    sequence_gather_bytes: all but the embedding backward's and the position table's): their tensor all-gathers
+    one for one, full remat's recomputation's too."""
+    model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
+    plan = Plan(name="sp-narrowed", model=model, batch=BatchSpec(global_batch=8), mesh=MeshSpec(fsdp=8, tensor=2),
+                schedule=ScheduleSpec(name="1f1b"), precision="fp32", remat=remat, sequence_parallel=True)
+    topology = load_topology("tpu-v5e-4x4")
+    rep = int(place(plan, topology).device_ids.flat[0])
+
+    def gathers(program) -> list[float]:
+        return sorted(float(t.nbytes) for t in program.tasks for _ in range(t.count)
+                      if t.kind is TaskKind.COLLECTIVE and t.op == "all_gather" and rep in t.group
+                      and len(t.group) == plan.mesh.tensor)
+
+    traced, planned = simulate_workload(trace_plan(plan), topology), simulate(plan, topology)
+    whole = 4 * model.seq_len * model.d_model  # one fp32 [tokens, d_model] buffer
+    assert gathers(planned.program) == gathers(traced.program)
+    assert gathers(planned.program).count(whole) == 2  # the embedding backward's and the position table's
+
+
 #: Sequence parallelism in fp32 on a TPU slice: XLA:TPU moves an fp32 activation's all-gather that only matmuls read
 #: in bf16, as a weight's (benchmarks/xla_tpu_narrowing.py's probes), and so does the traced tier
 #: (testbed.sim.xla_tpu.lowered_gathers: 9 of the 11 tensor all-gathers of a 2-layer step, all but the embedding
