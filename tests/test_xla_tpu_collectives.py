@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from testbed.compiled.compare import compare_record
 from testbed.compiled.records import load_records
+from testbed.model.costs import chunk_cost
 from testbed.model.leaves import combined_sizes
+from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
+from testbed.sim.action_work import tensor_transfers
+from testbed.sim.xla_tpu import narrows_gathers, sequence_gather_bytes
 from testbed.topology.io import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,3 +115,26 @@ def test_fp32_gathers_only_matmuls_read_are_moved_in_bf16():
     assert [p["probe"] for p in record["probes"]] == [name for name, *_ in module.PROBES]
     result = module.compare(record)
     assert result["agree"] == result["probes"] == 3, result["rows"]
+
+
+def test_the_plans_sequence_gathers_are_narrowed_by_the_same_rule():
+    """testbed.sim.xla_tpu.sequence_gather_bytes: a sequence-parallel fp32 plan's all-gathers that only matmuls read
+    move half the bytes where the topology's compiler narrows (XLA:TPU), by gather_element_bytes (the traced tier's
+    rule): none in bf16-mixed (already 2 bytes), at ``matmul_precision: highest``, without sequence parallelism or on
+    another compiler. The backward lists the embedding's (its cotangent read by the table's scatter-add) first, whole."""
+    model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
+    plan = Plan(name="sp", model=model, batch=BatchSpec(global_batch=8), mesh=MeshSpec(fsdp=8, tensor=2),
+                schedule=ScheduleSpec(name="1f1b"), precision="fp32", remat="none", sequence_parallel=True)
+    tpu, gpu = (narrows_gathers(load_topology(name)) for name in ("tpu-v5e-4x4", "dgx-h100-superpod"))
+    assert tpu and not gpu
+    n = chunk_cost(plan, 0).tensor_allreduce_bytes
+    assert sequence_gather_bytes(plan, n, tpu) == n // 2 and sequence_gather_bytes(plan, n, gpu) == 0
+    highest = replace(plan, runtime=replace(plan.runtime, matmul_precision="highest"))
+    for other in (replace(plan, precision="bf16-mixed"), highest, replace(plan, sequence_parallel=False)):
+        assert sequence_gather_bytes(other, chunk_cost(other, 0).tensor_allreduce_bytes, tpu) == 0
+    cost = chunk_cost(plan, 0)
+    forward = [x for x in tensor_transfers(cost, "F", "none", matmul_gather=n // 2) if x[0] == "all_gather"]
+    backward = [x for x in tensor_transfers(cost, "B", "none", matmul_gather=n // 2) if x[0] == "all_gather"]
+    assert forward == [("all_gather", 5, n // 2)]  # each norm's output (two a layer) and the head's
+    assert backward[:2] == [("all_gather", 1, n), ("all_gather", 4, n // 2)]  # the lookup's cotangent, the layers'
+    assert backward[2][2] == cost.position_gather_bytes  # the position table's gradient, whole

@@ -27,6 +27,7 @@ from testbed.plan.stages import chunk_counts
 from testbed.plan.spec import Axis, Plan, Remat
 from testbed.sim.action_work import action_work
 from testbed.sim.compute import compute_seconds
+from testbed.sim.xla_tpu import narrows_gathers, sequence_gather_bytes
 from testbed.sim.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
@@ -99,7 +100,8 @@ def placed_floor(plan: Plan, topology: Topology) -> float:
     it does not apply (no tensor parallelism, ``runtime.tp_comm_overlap``, parameters gathered, whose actions play
     their tensor collectives among their blocks, or no step floor). A chunk holding the embedding keeps the bound (its
     backward may merge the embedding's gathers into the gradient sums: testbed.sim.grad_bytes). The transfers are
-    :func:`testbed.sim.action_work.action_work`'s, the loss's at its fewest bytes, as the estimate's or fewer.
+    :func:`testbed.sim.action_work.action_work`'s, the loss's at its fewest bytes, as the estimate's or fewer (the
+    sequence's gathers as the compiler narrows them: testbed.sim.xla_tpu.sequence_gather_bytes).
     Memoized per topology on :func:`floor_key` and the mesh (what the placement follows)."""
     return memoized(topology, "placed_floor", (floor_key(plan), plan.mesh), lambda: _placed_floor(plan, topology))
 
@@ -122,7 +124,8 @@ def _placed_floor(plan: Plan, topology: Topology) -> float:
             if (s, c) == (0, 0):
                 continue  # the embedding's chunk: its bound
             cost = cached_chunk_cost(plan, s, c)
-            transfers = action_work(cost, kind, split, plan.remat, size)[3]
+            narrow = sequence_gather_bytes(plan, cost.tensor_allreduce_bytes, narrows_gathers(topology))
+            transfers = action_work(cost, kind, split, plan.remat, size, narrow)[3]
             key = (s, transfers)
             if key not in extra:
                 exact = sum(n * coll.time(op, (Axis.TENSOR,), s, nbytes) for op, n, nbytes in transfers)
@@ -292,7 +295,9 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
     remat = plan.remat
     kernels = max(1, 4 * cost.layers)
     # the loss's maximum at its fewest bytes (the logits' dtype, as a compiler reducing natively moves it): a bound
-    flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat, float(plan.precision.compute_bytes))
+    narrow = sequence_gather_bytes(plan, cost.tensor_allreduce_bytes, narrows_gathers(topology))  # as the estimate
+    flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat, float(plan.precision.compute_bytes),
+                                                       narrow)
     shapes = gemms.action(kind, split)
     if n_moe and plan.mesh.expert > 1 and kind != "W":  # an MoE chain (testbed.sim.moe.moe_pieces): a bound of it
         whole = compute_seconds(topology, dtype, flops, hbm, 1, rep_b, split_b, cost.tensor_bytes, shapes)

@@ -14,7 +14,7 @@ from testbed.plan.spec import Remat
 __all__ = ["action_work", "tensor_transfers"]
 
 
-def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes: float = 4.0,
+def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes: float = 4.0, matmul_gather: int = 0,
                 ) -> tuple[float, float, tuple[float, float], tuple[tuple[str, int, int], ...]]:
     """(FLOPs, HBM bytes, (replicated, split) activation bytes, tensor collectives) of one action, one microbatch.
 
@@ -25,22 +25,23 @@ def action_work(cost: ChunkCost, kind: str, split: bool, remat: Remat, max_bytes
     the attention output's tensor all-reduce runs again (one per layer);
     selective remat redoes no all-reduce. The tensor collectives are
     ``(op, count, bytes each)`` from :func:`tensor_transfers`
-    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters; the loss's all-reduces).
+    (all-reduces, or with sequence parallelism all-gathers and reduce-scatters; the loss's all-reduces;
+    ``matmul_gather``: its argument).
     """
     forward = cost.forward_traffic
     if kind == "F":
         return float(cost.forward_flops), float(cost.forward_bytes), tuple(map(float, forward)), \
-            tensor_transfers(cost, "F", remat, max_bytes)
+            tensor_transfers(cost, "F", remat, max_bytes, matmul_gather)
     if kind == "B":
         flops = cost.backward_input_flops + cost.recompute_flops + (0 if split else cost.backward_weight_flops)
         hbm = cost.backward_bytes / 2 if split else cost.backward_bytes
         times = 1 if split else 2
         traffic = tuple(float(times * f + r) for f, r in zip(forward, cost.recompute_traffic))
-        return float(flops), float(hbm), traffic, tensor_transfers(cost, "B", remat)
+        return float(flops), float(hbm), traffic, tensor_transfers(cost, "B", remat, matmul_gather=matmul_gather)
     return float(cost.backward_weight_flops), cost.backward_bytes / 2, tuple(map(float, forward)), ()
 
 
-def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: float = 4.0
+def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: float = 4.0, matmul_gather: int = 0,
                      ) -> tuple[tuple[str, int, int], ...]:
     """``(op, count, bytes each)`` of the tensor collectives of one action, the one decision the task graph
     and the analytic tier read (through :class:`ActionWork`): :meth:`ChunkCost.tensor_collectives`
@@ -49,8 +50,18 @@ def tensor_transfers(cost: ChunkCost, kind: str, remat: Remat | str, max_bytes: 
     XLA's combiner does, then the sum of exponentials); with sequence parallelism and a learned position
     table, which the runner adds to each rank's sequence shard, the embedding's backward's all-gather of
     the table's gradient (``position_gather_bytes``). ``max_bytes``: bytes of the maximum per token (4: XLA:CPU
-    reduces it in fp32; the logits' dtype where the compiler reduces bf16 natively, testbed.sim.facts)."""
-    out = [(op, count, cost.tensor_allreduce_bytes) for op, count in cost.tensor_collectives(kind, remat)]
+    reduces it in fp32; the logits' dtype where the compiler reduces bf16 natively, testbed.sim.facts).
+    ``matmul_gather``: bytes of each sequence all-gather only matmuls read, every one but the embedding backward's
+    (its cotangent feeds the table's scatter-add), where the compiler narrows it (testbed.sim.xla_tpu.
+    sequence_gather_bytes; 0: ``tensor_allreduce_bytes``); the embedding's is listed first."""
+    nbytes = cost.tensor_allreduce_bytes
+    out: list[tuple[str, int, int]] = []
+    for op, count in cost.tensor_collectives(kind, remat):
+        if op != "all_gather" or not matmul_gather or matmul_gather == nbytes:
+            out.append((op, count, nbytes))
+            continue
+        own = min(count, int(kind == "B" and cost.has_embedding))  # the lookup's cotangent: a scatter-add reads it
+        out += [(op, n, b) for n, b in ((own, nbytes), (count - own, matmul_gather)) if n]
     if kind == "F" and cost.loss_allreduce_bytes:
         merged = cost.loss_allreduce_bytes + int(cost.loss_allreduce_bytes * max_bytes / LOSS_BYTES)
         out += [("all_reduce", 1, merged), ("all_reduce", 1, cost.loss_allreduce_bytes)]

@@ -50,15 +50,15 @@ def _labels(cost: ChunkCost, kind: str, gathered: bool) -> list[tuple[str, str, 
             + [("embedding", "lookup", 0)] * cost.has_embedding)
 
 
-def _after(cost: ChunkCost, kind: str, what: str, loss: list[Transfer], position: list[Transfer]
+def _after(cost: ChunkCost, kind: str, what: str, loss: list[Transfer], position: list[Transfer], gather: int
            ) -> list[tuple[str, int]]:
-    """(op, bytes) of the collectives after one span (module docstring)."""
+    """(op, bytes) of the collectives after one span (module docstring; ``gather``: a norm's all-gather's bytes)."""
     main = "reduce_scatter" if cost.sequence_parallel else "all_reduce"
     nbytes = cost.tensor_allreduce_bytes
     if not nbytes:  # no tensor axis: no collective between the spans
         return []
     if what == "norm":
-        return [("all_gather", nbytes)]
+        return [("all_gather", gather)]
     if kind == "F":
         if what in ("lookup", "block"):
             return [(main, nbytes)]
@@ -66,6 +66,18 @@ def _after(cost: ChunkCost, kind: str, what: str, loss: list[Transfer], position
     if what in ("head", "block"):
         return [(main, nbytes)]
     return [(op, b) for op, _, b in position] if what == "lookup" else []
+
+
+def _norm_gathers(cost: ChunkCost, kind: str, labels: list[tuple[str, str, int]], transfers: tuple[Transfer, ...]
+                  ) -> list[int]:
+    """Per span of ``labels``, the bytes of the sequence all-gather after it where it is a norm: those of
+    ``transfers``' gathers only matmuls read (testbed.sim.action_work.tensor_transfers' ``matmul_gather``), but the
+    backward's last norm's in a chunk holding the embedding (the lookup's cotangent: ``tensor_allreduce_bytes``)."""
+    nbytes = cost.tensor_allreduce_bytes
+    narrowed = next((b for op, _, b in transfers if op == "all_gather" and b != nbytes), nbytes)
+    norms = [i for i, (_, what, _) in enumerate(labels) if what == "norm"]
+    own = norms[-1] if kind == "B" and cost.has_embedding and norms else -1
+    return [nbytes if i == own else narrowed for i in range(len(labels))]
 
 
 def block_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...], transfers: tuple[Transfer, ...],
@@ -128,8 +140,9 @@ def _cut_spans(cost: ChunkCost, kind: str, spans: tuple[tuple[float, float], ...
         return []
     extra = 2 if kind == "F" and cost.loss_allreduce_bytes else int(kind == "B" and bool(cost.position_gather_bytes))
     tail = list(transfers[len(transfers) - extra:])
-    after = [_after(cost, kind, what, tail if kind == "F" else [], tail if kind == "B" else [])
-             for _, what, _ in labels]
+    gathers = _norm_gathers(cost, kind, labels, transfers[:len(transfers) - extra])
+    after = [_after(cost, kind, what, tail if kind == "F" else [], tail if kind == "B" else [], g)
+             for (_, what, _), g in zip(labels, gathers)]
     expected: Counter = Counter()
     for op, n, b in transfers:
         expected[(op, b)] += n

@@ -179,8 +179,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
             (XLA:TPU on a whole slice: testbed.sim.xla_tpu.scatters_as_allreduce).
         recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
             gradients' (XLA:TPU: testbed.sim.xla_tpu.regathers_for_recompute).
-        narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weight matrices in bf16, and over a whole slice
-            small buffers as merged all-reduces (testbed.sim.xla_tpu.matmul_gather_bytes, gather_allreduce_bytes).
+        narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weights and activations only matmuls read in bf16, over
+            a whole slice small buffers as merged all-reduces (testbed.sim.xla_tpu).
     """
     mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
     schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
@@ -204,7 +204,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                                         bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
                                         chained_gathers, native_reductions, allreduce_bytes,
                                         any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers,
-                                        fused_updates, *gathered)
+                                        fused_updates, *gathered, narrowed_gathers)
         return out
 
     chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))

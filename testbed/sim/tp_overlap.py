@@ -102,10 +102,10 @@ def tp_overlap(plan: Plan, cost: ChunkCost, kind: str, split: bool, work: tuple[
     t = plan.mesh.tensor
     spec = rank_spec(plan)
     sides = projection_sides(plan, spec, plan.microbatch_size * spec.seq_len, t)
-    paired = [(op, count, cost.tensor_allreduce_bytes) for op, count in cost.tensor_collectives(kind, plan.remat)]
-    after = list(transfers)
-    for x in paired:
-        after.remove(x)  # what is left sits beside no GEMM
+    # ChunkCost.tensor_collectives' entries come first (their gathers perhaps narrowed); the loss's and the
+    # position table's after them sit beside no GEMM
+    extra = 2 if kind == "F" and cost.loss_allreduce_bytes else int(kind == "B" and bool(cost.position_gather_bytes))
+    paired, after = list(transfers[:len(transfers) - extra]), list(transfers[len(transfers) - extra:])
     flops, hbm, replicated, split_b = work
     blocks = []
     for i, (name, side) in enumerate(zip(("attention", "mlp"), sides)):

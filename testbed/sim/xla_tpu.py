@@ -36,6 +36,11 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   (testbed.runner.param_shards' corner for its backward gather). llama2k-fsdp16-fp32-selective (v5e 4x4) and
   llama2k-fsdp4-fp32 (v5e 2x2): 37 fsdp all-gathers, the tables' 262 MB twice and the head's 131 MB once, the
   layers' matrices (``attn/wq`` 8.4 MB, ``attn/wkv`` 4.2 MB, ``mlp/w1`` 22 MB) at 2 bytes, the norms' 8 KB at 4.
+- **So are fp32 activations only matmuls read** (:func:`sequence_gather_bytes`): benchmarks/xla_tpu_narrowing.py's
+  probes (v5e 2x2) compile an fp32 activation's all-gather every reader of which is a default-precision matmul to a
+  bf16 all-gather, as a weight's, and one an elementwise op reads too to an f32 one. Sequence parallelism's
+  all-gathers (testbed.sim.action_work.tensor_transfers) are read by matmuls but for the embedding backward's (the
+  lookup's cotangent, which the table's scatter-add reads) and the position table's gradient's.
 
 A traced program (testbed.sim.traced) follows the gather rules by the same functions (:func:`lowered_gathers`:
 :func:`gather_element_bytes` for a gather every reader of which is a matmul, :func:`lowering_of` and
@@ -63,6 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
+           "sequence_gather_bytes",
            "gather_element_bytes", "lowered_gathers",
            "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS"]
 
@@ -130,6 +136,15 @@ def matmul_gather_bytes(plan: Plan, param_bytes: float) -> float:
     (testbed.model.blocks.narrowed; 0: the parameters' own ``param_bytes``): :func:`gather_element_bytes` at the
     plan's ``runtime.matmul_precision``."""
     return gather_element_bytes(param_bytes, plan.runtime.matmul_precision)
+
+
+def sequence_gather_bytes(plan: Plan, nbytes: int, narrows: bool) -> int:
+    """Bytes of each of a chunk's sequence-parallel all-gathers that only matmuls read (``nbytes``: the compute
+    dtype's, ChunkCost.tensor_allreduce_bytes) where ``narrows`` (:func:`narrows_gathers`): :func:`gather_element_bytes`
+    of the compute dtype at the plan's ``runtime.matmul_precision`` (module docstring); 0: not narrowed."""
+    c = plan.precision.compute_bytes
+    narrowed = matmul_gather_bytes(plan, float(c)) if narrows and plan.sequence_parallel else 0.0
+    return int(nbytes * narrowed / c) if narrowed else 0
 
 
 def gather_element_bytes(param_bytes: float, precision: str = "default") -> float:
