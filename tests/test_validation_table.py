@@ -186,3 +186,6 @@ def test_the_attribution_table_lists_each_stack_and_case_priced_exactly_beside_t
     assert "| none (as predicted) |  | 5.0% | 9.0% | 21.0% | 9.0% | 5.0% | 9.0% |" in text
     assert "| stack axlearn | 5 | 2.0% | 4.0% | 2.0% | 4.0% | 2.0% | 4.0% |" in text
     assert "| case axlearn-v5e (+49.8%) | 1 | 2.0% |" in text
+    held["attribution"]["by_case"]["axlearn-v5e"].update(
+        leave_one_stack_out={**summary, "median_abs_error": 0.205}, leave_one_source_out=summary)
+    assert "| case axlearn-v5e" not in vt.section({**_json(), "held_out": held})  # moves nothing by a point
