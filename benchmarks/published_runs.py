@@ -31,7 +31,9 @@ and, for A100, Table 1, gpu_fit.py, which simulates each GPU case twice more).
 ``held_out`` (benchmarks/published/held_out.py) refits every one of those end-to-end fits without one stack, and
 without one source (a case's ``url``), at a time and predicts what was held out: ``in_sample``,
 ``leave_one_stack_out`` and ``leave_one_source_out``, each ``overall`` and per held-out group (with the refitted
-values and any fallback), and ``rows`` (each case's held-out error); each fit under ``fits`` names the cases it is
+values and any fallback), and ``rows`` (each case's held-out error); ``attribution``: the same overall errors with one
+stack's cases, then one case (each over 10% in sample), priced exactly, so where the held-out error comes from shows
+(held_out.py ``attribution``); each fit under ``fits`` names the cases it is
 fitted on (``held_out.<parameter>.fitted_on``) with its own rows' held-out summaries.
 The largest Megatron rows take about a minute each to simulate.
 

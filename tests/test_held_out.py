@@ -57,7 +57,7 @@ def test_a_parameter_with_no_row_left_falls_back_to_its_family_then_to_the_unfit
 def test_report_names_each_fit_s_rows_and_every_grouping():
     rows = [_row("a1", "a", "s1", 0.7), _row("b1", "b", "s1", 0.72), _row("b2", "b", "s2", 0.68)]
     report = held_out.report(rows, _benchmark(rows))
-    assert set(report) == {"in_sample", "leave_one_stack_out", "leave_one_source_out", "by_fit"}
+    assert set(report) == {"in_sample", "leave_one_stack_out", "leave_one_source_out", "attribution", "by_fit"}
     entry = report["by_fit"]["gpu_compute_H100"]
     assert entry["fitted_on"] == ["a1", "b1", "b2"] and entry["stacks"] == ["a", "b"]
     assert entry["leave_one_source_out"]["cases"] == 3
@@ -76,3 +76,24 @@ def test_a_parameter_left_with_one_row_takes_its_family_s_fit_not_a_value_fitted
     assert refitted["tpu_compute_TPU-v5p"] == pytest.approx(0.8, abs=0.003)  # two rows of its own: its own fit
     assert 0.5 < refitted["tpu_compute_TPU-v5e"] < 0.8  # one row left (0.5): the pooled fit, not that row's value
     assert "1 row(s) of its own" in report["groups"]["maxtext"]["fallback"]["tpu_compute_TPU-v5e"]
+
+
+def test_a_case_priced_exactly_keeps_every_other_case_and_its_own_error_becomes_zero():
+    rows = [_row("a1", "a", "s1", 0.7), _row("c1", "c", "s2", 0.6, other=0.0)]
+    priced, benchmark = held_out.exact(rows, _benchmark(rows), {"c1"})
+    assert held_out.error(priced[1], priced[1]["shipped"]) == pytest.approx(0.0, abs=1e-12)
+    assert priced[0] == rows[0] and benchmark == {"a1": pytest.approx(0.0), "c1": 0.0}
+
+
+def test_attribution_finds_the_stack_and_the_case_the_held_out_error_comes_from():
+    rows = [_row("a1", "a", "s1", 0.7), _row("a2", "a", "s1", 0.7, math=5), _row("b1", "b", "s2", 0.7, math=20),
+            _row("b2", "b", "s2", 0.71), _row("c1", "c", "s3", 0.55, other=0.0)]  # c ran 0.55 of the others' 0.7
+    benchmark = _benchmark(rows)
+    report = held_out.attribution(rows, benchmark)
+    stack_out = held_out.held_out(rows, "stack", benchmark)["overall"]
+    without_c = report["by_stack"]["c"]["leave_one_stack_out"]
+    assert without_c["max_abs_error"] < 0.02 < stack_out["max_abs_error"]  # c's bias was the held-out error
+    assert report["by_stack"]["a"]["leave_one_stack_out"]["max_abs_error"] > 0.2  # a priced exactly changes little
+    assert report["by_stack"]["c"]["cases"] == 1 and report["by_stack"]["c"]["in_sample"]["max_abs_error"] < 0.02
+    assert list(report["by_case"]) == ["c1"]  # the one case whose in-sample error is over ATTRIBUTED_ERROR
+    assert report["by_case"]["c1"]["in_sample_error"] == pytest.approx(benchmark["c1"], abs=1e-4)

@@ -168,3 +168,24 @@ def test_held_out_tables_sit_beside_the_in_sample_ones() -> None:
     assert "| example.org/t | 2 |" in text
     assert "| `tpu_compute_TPU-v5p` | 2 | maxtext | 1 | 21.0% | 9.0% | 5.0% | 9.0% |" in text
     assert "Held out" not in vt.section(_json())
+    assert "Where the held-out error comes from" not in text  # no attribution in the JSON: no table
+
+
+def test_the_attribution_table_lists_each_stack_and_case_priced_exactly_beside_the_errors_as_predicted() -> None:
+    summary = {"cases": 2, "median_abs_error": 0.05, "max_abs_error": 0.09, "median_signed_error": -0.01}
+    better = {**summary, "median_abs_error": 0.02, "max_abs_error": 0.04}
+    held = {"in_sample": {"overall": summary, "groups": {}},
+            "leave_one_stack_out": {"overall": {**summary, "median_abs_error": 0.21}, "groups": {}},
+            "leave_one_source_out": {"overall": summary, "groups": {}},
+            "attribution": {"by_stack": {"axlearn": {"cases": 5, "in_sample": better, "leave_one_stack_out": better,
+                                                     "leave_one_source_out": better}},
+                            "by_case": {"axlearn-v5e": {"in_sample_error": 0.498, "in_sample": better,
+                                                        "leave_one_stack_out": better,
+                                                        "leave_one_source_out": better}}}}
+    text = vt.section({**_json(), "held_out": held})
+    assert "| none (as predicted) |  | 5.0% | 9.0% | 21.0% | 9.0% | 5.0% | 9.0% |" in text
+    assert "| stack axlearn | 5 | 2.0% | 4.0% | 2.0% | 4.0% | 2.0% | 4.0% |" in text
+    assert "| case axlearn-v5e (+49.8%) | 1 | 2.0% |" in text
+    held["attribution"]["by_case"]["axlearn-v5e"].update(
+        leave_one_stack_out={**summary, "median_abs_error": 0.205}, leave_one_source_out=summary)
+    assert "| case axlearn-v5e" not in vt.section({**_json(), "held_out": held})  # moves nothing by a point

@@ -31,6 +31,8 @@ UNFITTED = {"gpu": 1.0, "tpu": 0.7}
 MIN_OWN_ROWS = 2
 #: The groupings held out: a row's key for each.
 GROUPINGS = {"leave_one_stack_out": "stack", "leave_one_source_out": "source"}
+#: The in-sample error over which a case's own share of the held-out error is reported (:func:`attribution`).
+ATTRIBUTED_ERROR = 0.10
 
 
 def gpu_rows(rows: list[dict]) -> list[dict]:
@@ -114,11 +116,40 @@ def per_fit(rows: list[dict], reports: dict[str, dict]) -> dict[str, dict]:
     return out
 
 
+def exact(rows: list[dict], benchmark: dict[str, float], cases: set[str]) -> tuple[list[dict], dict[str, float]]:
+    """``rows`` and ``benchmark`` with ``cases`` priced exactly in sample: each one's published step the
+    decomposition's at its shipped value, its benchmark error 0."""
+    priced = [{**r, "published_s": r["other_s"] + r["math_s"] / r["shipped"]} if r["case"] in cases else r
+              for r in rows]
+    return priced, {case: 0.0 if case in cases else e for case, e in benchmark.items()}
+
+
+def _overall(rows: list[dict], benchmark: dict[str, float]) -> dict:
+    """Each grouping's overall held-out summary, and the in-sample one, over ``rows``."""
+    return {"in_sample": summary([benchmark[r["case"]] for r in rows]),
+            **{name: held_out(rows, key, benchmark)["overall"] for name, key in GROUPINGS.items()}}
+
+
+def attribution(rows: list[dict], benchmark: dict[str, float]) -> dict:
+    """Where the held-out error comes from: the overall summaries (:func:`_overall`) with each stack's cases priced
+    exactly (``by_stack``), and with each case whose in-sample error is over :data:`ATTRIBUTED_ERROR` priced exactly
+    alone (``by_case``)."""
+    by_stack = {name: {"cases": sum(r["stack"] == name for r in rows),
+                       **_overall(*exact(rows, benchmark, {r["case"] for r in rows if r["stack"] == name}))}
+                for name in sorted({r["stack"] for r in rows})}
+    by_case = {r["case"]: {"in_sample_error": round(benchmark[r["case"]], 4),
+                           **_overall(*exact(rows, benchmark, {r["case"]}))}
+               for r in sorted(rows, key=lambda r: -abs(benchmark[r["case"]]))
+               if abs(benchmark[r["case"]]) > ATTRIBUTED_ERROR}
+    return {"by_stack": by_stack, "by_case": by_case}
+
+
 def report(rows: list[dict], benchmark: dict[str, float]) -> dict:
     """``in_sample`` (the benchmark's errors over the fitted rows), each grouping of :data:`GROUPINGS` held out,
-    and ``by_fit`` (:func:`per_fit`)."""
+    ``attribution`` (:func:`attribution`) and ``by_fit`` (:func:`per_fit`)."""
     reports = {name: held_out(rows, key, benchmark) for name, key in GROUPINGS.items()}
     in_sample = {"overall": summary([benchmark[r["case"]] for r in rows]),
                  "groups": {key: {name: summary([benchmark[r["case"]] for r in rows if r[key] == name])
                                   for name in sorted({r[key] for r in rows})} for key in GROUPINGS.values()}}
-    return {"in_sample": in_sample, **reports, "by_fit": per_fit(rows, reports)}
+    return {"in_sample": in_sample, **reports, "attribution": attribution(rows, benchmark),
+            "by_fit": per_fit(rows, reports)}

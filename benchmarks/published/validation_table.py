@@ -167,7 +167,38 @@ def _held_out(data: dict) -> list[str]:
                 for name, g in groups.items()]
         out += ["", f"By {title} held out:", ""] + _table(
             (title, "cases", "in-sample median", "in-sample max", "held-out median", "held-out max", "refitted"), rows)
-    return out + _held_out_fits(data)
+    return out + _attribution(held) + _held_out_fits(data)
+
+
+def _attribution(held: dict) -> list[str]:
+    """held_out.py's ``attribution``: the overall errors with one stack's cases, then one case, priced exactly in
+    sample, beside the errors as predicted: where the held-out error comes from."""
+    found = held.get("attribution") or {}
+    if not found:
+        return []
+    kinds = ("in_sample", "leave_one_stack_out", "leave_one_source_out")
+
+    def cells(entry: dict) -> tuple:
+        return tuple(_pct((entry.get(k) or {}).get(m)) for k in kinds for m in ("median_abs_error", "max_abs_error"))
+
+    predicted = {"in_sample": held["in_sample"]["overall"], **{k: held[k]["overall"] for k in kinds[1:] if k in held}}
+    rows = [("none (as predicted)", "", *cells(predicted))]
+    rows += [(f"stack {name}", entry.get("cases", ""), *cells(entry))
+             for name, entry in (found.get("by_stack") or {}).items()]
+    rows += [(f"case {name} ({_pct(entry.get('in_sample_error'), True)})", 1, *cells(entry))
+             for name, entry in (found.get("by_case") or {}).items() if _moves(entry, predicted)]
+    return ["", "Where the held-out error comes from: the same errors with one stack's cases, or one case (each whose "
+            "in-sample error is over 10% and whose exact price moves a held-out median or max by a point or more; "
+            "every such case is in the JSON), priced exactly in sample and every fit refitted (held_out.py "
+            "`attribution`):", ""] + _table(
+        ("priced exactly", "cases", "in-sample median", "in-sample max", "stack-out median", "stack-out max",
+         "source-out median", "source-out max"), rows)
+
+
+def _moves(entry: dict, predicted: dict) -> bool:
+    """Whether pricing a case exactly moves a held-out median or max by a point (0.01) or more."""
+    return any(abs((entry.get(k) or {}).get(m, 0.0) - (predicted.get(k) or {}).get(m, 0.0)) >= 0.01
+               for k in ("leave_one_stack_out", "leave_one_source_out") for m in ("median_abs_error", "max_abs_error"))
 
 
 def _held_out_fits(data: dict) -> list[str]:
