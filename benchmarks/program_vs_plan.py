@@ -12,9 +12,9 @@ collective bytes per axis agree), ``outside_5pct`` (the points whose ratio is of
 ``bytes_differ``, and per family and topology the count, the number outside and the largest miss.
 
 ``--microbatches M`` gives each replica M sequences (gradient accumulation over the runner's microbatch loop;
-default 1, the drawn space).
+default 1, the drawn space); repeated, it walks each count and keys ``groups`` by family, topology and ``mbM``.
 
-Run: ``.venv/bin/python benchmarks/program_vs_plan.py [--family data|fsdp] [--topology NAME] [--microbatches M]``.
+Run: ``.venv/bin/python benchmarks/program_vs_plan.py [--family data|fsdp] [--topology NAME] [--microbatches M ...]``.
 """
 
 from __future__ import annotations
@@ -73,16 +73,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=FAMILIES, action="append")
     parser.add_argument("--topology", choices=sorted(TOPOLOGIES), action="append")
-    parser.add_argument("--microbatches", type=int, default=1,
-                        help="sequences per replica, accumulated over a loop of microbatches (default 1)")
+    parser.add_argument("--microbatches", type=int, action="append",
+                        help="sequences per replica, accumulated over a loop of microbatches (default 1; repeat "
+                             "for several)")
     args = parser.parse_args()
-    if args.microbatches < 1:
-        parser.error(f"--microbatches must be a positive integer, got {args.microbatches}")
-    points = [point(plan, topology) for family in (args.family or FAMILIES)
-              for topology in (args.topology or sorted(TOPOLOGIES)) for plan in plans(family, topology, args.microbatches)]
+    counts = args.microbatches or [1]
+    if min(counts) < 1:
+        parser.error(f"--microbatches must be a positive integer, got {min(counts)}")
+    points = [dict(point(plan, topology), microbatches=m) for m in counts for family in (args.family or FAMILIES)
+              for topology in (args.topology or sorted(TOPOLOGIES)) for plan in plans(family, topology, m)]
     groups = {}
     for p in points:
-        key = f"{p['plan'].split('-')[0]} {p['topology']}"
+        key = f"{p['plan'].split('-')[0]} {p['topology']}" + (f" mb{p['microbatches']}" if len(counts) > 1 else "")
         g = groups.setdefault(key, {"count": 0, "outside_5pct": 0, "largest_miss": 0.0})
         g["count"] += 1
         g["outside_5pct"] += abs(p["ratio"] - 1) > 0.05
