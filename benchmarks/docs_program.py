@@ -90,6 +90,16 @@ def step_cell(rows: list[dict]) -> str:
     return f"{len(misses)} of {len(rows)} outside 5% ({largest}): {_missing(misses)}"
 
 
+def bytes_cell(per: dict[str, list[dict]]) -> str:
+    """Whether the collective bytes per axis agree, per topology the results hold."""
+    cells = []
+    for name, head in COLUMNS:
+        differ = [p for p in per[name] if not p["bytes_equal"]]
+        if per[name]:
+            cells.append(f"{head}: " + (f"differ on {len(differ)} of {len(per[name])}" if differ else "equal on all"))
+    return "; ".join(cells)
+
+
 def table(rows: list[dict]) -> list[str]:
     """The table's lines: a row per family and microbatch count the results hold."""
     out = ["| family | microbatches | corners per topology | bytes per axis | "
@@ -100,9 +110,7 @@ def table(rows: list[dict]) -> list[str]:
             mine = [p for p in rows if p["plan"].startswith(family + "-") and _microbatches(p) == m]
             per = {name: [p for p in mine if p["topology"] == name] for name, _ in COLUMNS}
             counts = sorted({len(v) for v in per.values() if v})
-            differ = [p for p in mine if not p["bytes_equal"]]
-            bytes_cell = "equal on all" if not differ else f"differ on {len(differ)} of {len(mine)}"
-            out.append(f"| {label} | {m} | {' or '.join(map(str, counts))} | {bytes_cell} | "
+            out.append(f"| {label} | {m} | {' or '.join(map(str, counts))} | {bytes_cell(per)} | "
                        + " | ".join(step_cell(per[name]) for name, _ in COLUMNS) + " |")
     return out
 

@@ -42,9 +42,9 @@ def test_the_table_counts_misses_names_them_and_says_not_rerun(tmp_path: Path) -
     text = doc.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{docs_program.END}\nafter\n") and "stale" not in text
     one, two = (line for line in text.splitlines() if line.startswith("| fsdp x tensor"))
-    assert one.startswith("| fsdp x tensor | 1 | 3 | differ on 1 of 3 | not rerun | 2 of 3 outside 5% "
+    assert one.startswith("| fsdp x tensor | 1 | 3 | TPU slice: differ on 1 of 3 | not rerun | 2 of 3 outside 5% "
                           "(largest miss 7.00%, traced/plan 0.930): t8-sp-fp32 x2 |"), one
-    assert "| 2 | 1 | equal on all | not rerun | 1 of 1 outside 5%" in two and "t1-fp32 (d1024-s1024)" in two
+    assert "| 2 | 1 | TPU slice: equal on all | not rerun | 1 of 1 outside 5%" in two and "t1-fp32 (d1024-s1024)" in two
     assert "data x tensor" not in text
     assert docs_program.main(["--results", str(results), "--doc", str(doc), "--check"]) == 0
 
