@@ -11,11 +11,13 @@ search's own time (the load average beside them says how shared the machine was)
 
 Prints one JSON object: ``runs`` (one row each, smallest device count first), ``worst_ratio``, ``all_no_slower``,
 ``max_wall_s``, ``max_cpu_s``, ``failed`` (runs the search found no layout for: their row's ``error``),
-``not_run`` (runs left out by ``--cases``/``--max-devices``). With ``--rows FILE`` each row is also appended to
+``not_run`` (runs left out by ``--cases``/``--max-devices``), ``stopped`` (runs whose search passed ``--cpu-limit`` CPU
+seconds: their row's ``stopped_after_cpu_s``, no ratio). With ``--rows FILE`` each row is also appended to
 FILE (JSON lines) as its search ends, and the runs already there are kept, not searched again: a long run
 resumes where it stopped.
 
-Run: ``.venv/bin/python benchmarks/search_vs_published.py [--cases SUBSTRING,...] [--max-devices N] [--rows FILE]``.
+Run: ``.venv/bin/python benchmarks/search_vs_published.py [--cases SUBSTRING,...] [--max-devices N] [--rows FILE]
+[--cpu-limit S]``.
 """
 
 from __future__ import annotations
@@ -63,12 +65,36 @@ def published_runs() -> list[tuple[str, Plan, Topology]]:
     return out
 
 
-def compare(name: str, plan: Plan, topology: Topology, space: SearchSpace = SPACE) -> dict:
-    """One run: the published layout's DES step, the search's best, their ratio and the search's time."""
+class _Stopped(Exception):
+    """A search stopped at the benchmark's CPU limit."""
+
+
+def _limit(seconds: float | None):
+    """A search progress callback that stops the search once this process has spent ``seconds`` more CPU seconds
+    (None: no limit); the search calls it after each group bounded, estimate and replay."""
+    if seconds is None:
+        return None
+    until = time.process_time() + seconds
+
+    def progress(*_args) -> None:
+        if time.process_time() > until:
+            raise _Stopped
+    return progress
+
+
+def compare(name: str, plan: Plan, topology: Topology, space: SearchSpace = SPACE,
+            cpu_limit: float | None = None) -> dict:
+    """One run: the published layout's DES step, the search's best, their ratio and the search's time (a search
+    past ``cpu_limit`` CPU seconds is stopped: its row says so, with no ratio)."""
     published = simulate(plan, topology).report.step_time_s
     start, cpu = time.perf_counter(), time.process_time()
     try:
-        result = search(plan, topology, space)
+        result = search(plan, topology, space, progress=_limit(cpu_limit))
+    except _Stopped:
+        return {"run": name, "devices": topology.num_devices, "published_s": round(published, 4),
+                "published_fits": memory_breakdown(plan, topology).fits, "best_s": None, "ratio": None,
+                "stopped_after_cpu_s": round(time.process_time() - cpu, 1),
+                "wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(time.process_time() - cpu, 1)}
     except InputError as exc:  # the search found no layout: the run fails the check, its reason kept
         return {"run": name, "devices": topology.num_devices, "published_s": round(published, 4),
                 "published_fits": memory_breakdown(plan, topology).fits, "best_s": None, "ratio": None,
@@ -90,6 +116,7 @@ def main() -> None:
     parser.add_argument("--cases", help="comma-separated substrings of the run names to keep (default: all)")
     parser.add_argument("--max-devices", type=int, help="keep the runs on at most this many devices")
     parser.add_argument("--rows", type=Path, help="JSON lines of finished rows: appended to, and resumed from")
+    parser.add_argument("--cpu-limit", type=float, help="stop a search past this many CPU seconds (its row says so)")
     args = parser.parse_args()
     keep = [s for s in (args.cases or "").split(",") if s]
     done = {}
@@ -102,7 +129,7 @@ def main() -> None:
             continue
         row = done.get(name)
         if row is None:
-            row = {**compare(name, plan, topology), "load_average": round(os.getloadavg()[0], 2)}
+            row = {**compare(name, plan, topology, cpu_limit=args.cpu_limit), "load_average": round(os.getloadavg()[0], 2)}
             if args.rows is not None:
                 with args.rows.open("a") as out:
                     out.write(json.dumps(row) + "\n")
@@ -110,9 +137,11 @@ def main() -> None:
         print(f"{name}: ratio {row['ratio']}, {row['cpu_s']} CPU s {row.get('error', '')}", file=sys.stderr,
               flush=True)
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    stopped = [r["run"] for r in rows if "stopped_after_cpu_s" in r]
     print(json.dumps({"runs": rows, "worst_ratio": max(ratios, default=None),
                       "all_no_slower": len(ratios) == len(rows) and all(r <= 1.0 for r in ratios),
-                      "failed": [r["run"] for r in rows if r["ratio"] is None],
+                      "failed": [r["run"] for r in rows if r["ratio"] is None and r["run"] not in stopped],
+                      "stopped": stopped,
                       "max_wall_s": max((r["wall_s"] for r in rows), default=None),
                       "max_cpu_s": max((r["cpu_s"] for r in rows), default=None), "not_run": skipped,
                       "load_average": os.getloadavg()[0], "cpus": os.cpu_count()}))

@@ -236,7 +236,7 @@ def test_search_settles_when_the_des_is_slower_than_the_analytic_tier(monkeypatc
             step_time_s=est * (1.6 if plan.mesh.tensor == first.mesh.tensor else 1.0)), timeline=None)
 
     monkeypatch.setattr(search_module, "simulate", slow_des)
-    monkeypatch.setattr(search_module, "exposed_by_kind", lambda timeline: {})  # the stand-in has no timeline
+    monkeypatch.setattr(search_module, "cached_exposed_by_kind", lambda timeline, memo: {})  # the stand-in has no timeline
     optimum = min(slow_des(p, topology).report.step_time_s for p in fitting)
     assert optimum > estimate(first, topology).step_time_s  # the stand-in moves the optimum
     found = search(base, topology, space, replay=2, top=2)

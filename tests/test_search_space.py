@@ -107,3 +107,14 @@ def test_time_left_prices_each_phase_at_its_own_rate() -> None:
     now[0] = 5.0
     eta.update("replay", 1)
     assert eta.seconds("replay", 3) == 6.0
+
+
+def test_a_vocabulary_the_tensor_degree_does_not_divide_is_searched_padded() -> None:
+    """GPT-2's 50,257 tokens divide by no tensor degree; a plan pads them (Megatron's rule), so the space keeps
+    the tensor-parallel layouts, each with a head its tensor ranks split."""
+    base = preset_plan("gpt-125m")
+    base = replace(base, model=replace(base.model, vocab=50257))
+    tensors = {p.mesh.tensor for p in candidates(base, 8, SearchSpace(schedules=("1f1b",), microbatches=(1,)))}
+    assert tensors == {1, 2, 4}  # (12 heads: no 8)
+    for p in candidates(base, 8, SearchSpace(schedules=("1f1b",), microbatches=(1,))):
+        assert p.model.padded_vocab % p.mesh.tensor == 0 and p.model.padded_vocab >= 50257

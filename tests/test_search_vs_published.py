@@ -23,3 +23,10 @@ def test_search_is_no_slower_than_the_published_layout(name: str) -> None:
     plan, topology = runs[name]
     row = search_vs_published.compare(name, plan, topology)
     assert row["published_fits"] and row["ratio"] <= 1.0, row
+
+
+def test_a_search_past_the_cpu_limit_is_recorded_as_stopped() -> None:
+    name = SAMPLE[0]
+    runs = {n: (plan, topology) for n, plan, topology in search_vs_published.published_runs() if n == name}
+    row = search_vs_published.compare(name, *runs[name], cpu_limit=0.0)
+    assert row["ratio"] is None and row["stopped_after_cpu_s"] >= 0.0 and "error" not in row, row

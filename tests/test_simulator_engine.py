@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from testbed.sim.contention import Flow, LinkLedger, fair_rates, normalised_loads
 from testbed.errors import InputError
 from testbed.sim.program import Program, Task, TaskKind
+from testbed.sim.tasks import rep_group
 from testbed.sim.engine import Priced, compute_seconds, run
 from testbed.sim.timeline import Report, Timeline
 from testbed.sim.trace_files import chrome_trace
@@ -62,6 +63,29 @@ def test_ledger_matches_fair_rates():
     assert ledger.rates() == pytest.approx({1: 0.5, 2: 0.5})
     ledger.remove(1)
     assert ledger.rates() == {2: 1.0}
+
+
+def test_ledger_matches_fair_rates_through_random_arrivals_and_departures():
+    """The ledger's kept rates (re-filled only when a flow crosses a full link) equal a fresh fill at every step."""
+    rng = np.random.default_rng(7)
+    bandwidth = {link: float(rng.uniform(5, 20)) for link in "abcdef"}
+    ledger, live = LinkLedger(bandwidth), {}
+    for key in range(300):
+        if live and rng.random() < 0.45:
+            gone = list(live)[int(rng.integers(len(live)))]
+            ledger.remove(gone)
+            del live[gone]
+        else:
+            links = rng.choice(list(bandwidth), size=int(rng.integers(1, 4)), replace=False)
+            live[key] = Flow(float(rng.uniform(0.2, 2.0)), {str(link): float(rng.uniform(1, 15)) for link in links})
+            ledger.add(key, live[key])
+        assert ledger.rates() == pytest.approx(dict(zip(live, fair_rates(list(live.values()), bandwidth))), rel=1e-9)
+
+
+def test_rep_group_is_the_first_group_holding_the_device():
+    groups = ((0, 1), (2, 3), (1, 4))
+    assert [rep_group(groups, d) for d in range(5)] == [(0, 1), (0, 1), (2, 3), (2, 3), (1, 4)]
+    assert rep_group(((5, 1), (0, 9)), 1) == (5, 1)  # another groups object: its own map
 
 
 def test_normalised_loads_keep_standalone_time():

@@ -125,7 +125,7 @@ def candidate_groups(base: Plan, devices: int, space: SearchSpace = SearchSpace(
     orders = space.mesh_orders or (tuple(a.value for a in MESH_AXES),)
     for context, expert, data, fsdp, tensor, stage in meshes:
         replicas = data * fsdp * expert  # the expert axis splits the batch in the dense parts
-        if (m.heads % tensor or m.d_ff % tensor or m.vocab % tensor or m.layers < stage
+        if (m.heads % tensor or m.d_ff % tensor or _padded_vocab(m, tensor) % tensor or m.layers < stage
                 or base.batch.global_batch % replicas):
             continue
         folds = _expert_tensor(base, space, tensor, expert)
@@ -153,6 +153,14 @@ def candidate_groups(base: Plan, devices: int, space: SearchSpace = SearchSpace(
                                                                        microbatches=fit[0]),
                                remat=inner[0][0], sequence_parallel=inner[0][1], runtime=inner[0][2])
                 yield CandidateGroup(head=head, size=len(fit) * len(inner), micro=fit, inner=inner)
+
+
+def _padded_vocab(model, tensor: int) -> int:
+    """The head's rows at tensor degree ``tensor``: the vocabulary padded as a plan on such a mesh pads it
+    (ModelSpec.vocab_multiple_for, which testbed.plan.spec resolves and checks), so a vocabulary the tensor degree
+    does not divide is searched as the runner trains it (padded) rather than left out."""
+    multiple = model.vocab_multiple_for(tensor)
+    return -(-model.vocab // multiple) * multiple
 
 
 def virtual_stage_counts(layers: int, stage: int, split: tuple[int, ...] | None,

@@ -38,7 +38,7 @@ from testbed.explore.candidates import CandidateGroup, candidate_groups, candida
 from testbed.model.costs import model_flops_per_step
 from testbed.plan.spec import Plan
 from testbed.sim.engine import simulate
-from testbed.sim.exposed import exposed_by_kind
+from testbed.sim.exposed import cached_exposed_by_kind
 from testbed.sim.timeline import Report
 from testbed.topology import Topology
 
@@ -244,7 +244,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
         best_est = shortlist[0].estimate.step_time_s
         chosen += [c for c in shortlist[len(chosen):] if c.estimate.step_time_s <= best_est * (1 + margin)]
     start = time.perf_counter()
-    replayed = _replay_all(chosen, topology, rank, progress, eta, tier.played)
+    replayed = _replay_all(chosen, topology, rank, progress, eta, tier)
     if by_time and replayed:
         replayed += _settle(shortlist[len(chosen):], tier, replayed, topology, memory_cap, margin, rank, progress)
         shortlist = sorted([*shortlist, *tier.revived], key=lambda c: _sort_key(objective, c))
@@ -269,12 +269,12 @@ def _check_arguments(base: Plan, topology: Topology, objective: str, memory_cap:
 
 
 def _replay_all(chosen: list, topology: Topology, rank: Callable, progress: Callable | None, eta: TimeLeft,
-                memo: dict) -> list:
-    """The chosen candidates replayed by the DES (``memo``: simulate's), one by one, the progress told after each."""
+                tier: _Tier) -> list:
+    """The chosen candidates replayed by the DES (:func:`_replayed`), one by one, the progress told after each."""
     replayed = []
     eta.update("replay", 0)
     for k, c in enumerate(chosen):
-        replayed.append(_replayed(c, topology, rank, memo))
+        replayed.append(_replayed(c, topology, rank, tier))
         if progress is not None:
             eta.update("replay", k + 1)
             progress("replay", k + 1, len(chosen), eta.seconds("replay", len(chosen) - k - 1))
@@ -283,16 +283,15 @@ def _replay_all(chosen: list, topology: Topology, rank: Callable, progress: Call
 
 @dataclass
 class _Tier:
-    """What the analytic pass over the candidates found: the estimated plans, the plans skipped for their
-    step floor (``deferred``: (floor, the plan or its (group, index, floor key), built by :func:`_built`), for :func:`_settle`),
-    the memory floors memo and the counts."""
+    """What the analytic pass found: the estimated plans, the plans skipped for their step floor (``deferred``: (floor,
+    the plan or its (group, index, floor key), built by :func:`_built`), for :func:`_settle`), memos and counts."""
 
     shortlist: list[Candidate] = field(default_factory=list)
     deferred: list[tuple[float, Plan | tuple[CandidateGroup, int, tuple]]] = field(default_factory=list)
     floors: dict = field(default_factory=dict)
     played: dict = field(default_factory=dict)  # the DES's timelines by program (testbed.sim.engine.simulate)
-    #: Deferred plans :func:`_settle` estimated after all (those that fit).
-    revived: list[Candidate] = field(default_factory=list)
+    exposed: dict = field(default_factory=dict)  # testbed.sim.exposed.cached_exposed_by_kind's memo
+    revived: list[Candidate] = field(default_factory=list)  # deferred plans _settle estimated after all (that fit)
     pruned: int = 0
     bounded: int = 0
     enumerated: int = 0
@@ -435,10 +434,11 @@ def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: floa
             heapq.heappop(fastest)
 
 
-def _replayed(c: Candidate, topology: Topology, rank: Callable, memo: dict) -> Candidate:
-    sim = simulate(c.plan, topology, memo)
-    return Candidate(plan=c.plan, estimate=c.estimate, report=sim.report, exposed_by_kind=exposed_by_kind(sim.timeline),
-                     value=rank(c.plan, sim.report.step_time_s))
+def _replayed(c: Candidate, topology: Topology, rank: Callable, tier: _Tier) -> Candidate:
+    """``c`` replayed by the DES, with ``tier``'s memos of timelines (simulate's) and of their exposed kinds."""
+    sim = simulate(c.plan, topology, tier.played)
+    return Candidate(plan=c.plan, estimate=c.estimate, report=sim.report, value=rank(c.plan, sim.report.step_time_s),
+                     exposed_by_kind=cached_exposed_by_kind(sim.timeline, tier.exposed))
 
 
 #: At most this many replays beyond the replay list while settling (:func:`_settle`).
@@ -472,7 +472,7 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
             bisect.insort(pending, tier.revived[-1], key=lambda c: c.estimate.step_time_s)
         if not pending or pending[0].estimate.step_time_s * (1 + margin) >= best:
             break
-        out.append(_replayed(pending.pop(0), topology, rank, tier.played))
+        out.append(_replayed(pending.pop(0), topology, rank, tier))
         best = min(best, out[-1].report.step_time_s)
         if progress is not None:
             progress("replay", len(replayed) + len(out), len(replayed) + len(out), None)

@@ -152,20 +152,25 @@ class LinkLedger:
 
     def add(self, key: Hashable, flow: Flow) -> None:
         self.flows[key] = flow
-        ids = []
+        ids, wants, full = [], [], False
+        demand, bandwidth, number_of = self.demand, self.bandwidth, self.number
         for link, b in flow.loads.items():
-            d = self.demand.get(link, 0.0) + flow.cap * b
-            self.demand[link] = d
-            if d > self.bandwidth[link] * (1 + 1e-9):
+            want = flow.cap * b
+            d = demand.get(link, 0.0) + want
+            demand[link] = d
+            bw = bandwidth[link]
+            if d > bw * (1 + 1e-9):
                 self.over.add(link)
-            number = self.number.get(link)
+            full = full or d > bw * (1 + 1e-12)  # as :meth:`_full` once every link is added (each once)
+            number = number_of.get(link)
             if number is None:
-                number = self.number[link] = len(self.capacity)
-                self.capacity.append(self.bandwidth[link])
+                number = number_of[link] = len(self.capacity)
+                self.capacity.append(bw)
             ids.append(number)
-        self.arrays[key] = (ids, [flow.cap * b for b in flow.loads.values()])
+            wants.append(want)
+        self.arrays[key] = (ids, wants)
         if self.last is not None:
-            if any(self._full(link) for link in flow.loads):
+            if full:
                 self.last = None
             else:
                 self.last[key] = flow.cap
@@ -173,16 +178,19 @@ class LinkLedger:
     def remove(self, key: Hashable) -> None:
         flow = self.flows.pop(key)
         del self.arrays[key]
+        full = False
+        demand, bandwidth = self.demand, self.bandwidth
+        for link, b in flow.loads.items():
+            before, bw = demand[link], bandwidth[link]
+            full = full or before > bw * (1 + 1e-12)  # as :meth:`_full` before the flow leaves
+            d = demand[link] = before - flow.cap * b
+            if d <= bw * (1 + 1e-9):
+                self.over.discard(link)
         if self.last is not None:
-            if any(self._full(link) for link in flow.loads):
+            if full:
                 self.last = None
             else:
                 self.last.pop(key, None)
-        for link, b in flow.loads.items():
-            d = self.demand[link] - flow.cap * b
-            self.demand[link] = d
-            if d <= self.bandwidth[link] * (1 + 1e-9):
-                self.over.discard(link)
 
     def rates(self) -> dict[Hashable, float]:
         """Rate of every transfer in flight (its cap unless some link is oversubscribed)."""

@@ -203,13 +203,19 @@ class _Fluid:
             self.rate.update(self.ledger.rates())
             self.dirty_comm = False
         if self.dirty_compute:
-            comp = [i for i in self.active if not self.is_comm[i]]
-            programs = len({self.tasks[i].device for i in comp if self.tasks[i].kind is TaskKind.COMPUTE}) or 1
-            share = self.sharing.host_share(sum(self.weight[i] for i in comp), programs) \
-                if self.sharing.shares_host else 1.0
-            talking = {self.tasks[j].device for j in self.active if self.is_comm[j]} if self.beside > 1.0 else ()
-            for i in comp:
-                self.rate[i] = share / self.durations[i] / (self.beside if self.tasks[i].device in talking else 1.0)
+            tasks, is_comm, durations, rate = self.tasks, self.is_comm, self.durations, self.rate
+            comp = [i for i in self.active if not is_comm[i]]
+            share = 1.0
+            if self.sharing.shares_host:
+                programs = len({tasks[i].device for i in comp if tasks[i].kind is TaskKind.COMPUTE}) or 1
+                share = self.sharing.host_share(sum(self.weight[i] for i in comp), programs)
+            if self.beside > 1.0:
+                talking = {tasks[j].device for j in self.active if is_comm[j]}
+                for i in comp:
+                    rate[i] = share / durations[i] / (self.beside if tasks[i].device in talking else 1.0)
+            else:
+                for i in comp:
+                    rate[i] = share / durations[i]
             self.dirty_compute = False
 
     def advance(self) -> None:

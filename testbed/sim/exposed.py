@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from testbed.sim.timeline import Timeline
 
-__all__ = ["COMM_KINDS", "KIND_LEGEND", "exposed_by_kind"]
+__all__ = ["COMM_KINDS", "KIND_LEGEND", "exposed_by_kind", "cached_exposed_by_kind"]
 
 #: Communication stream -> the kind a table and a plot name it by.
 COMM_KINDS: dict[str, str] = {
@@ -63,3 +63,14 @@ def exposed_by_kind(timeline: Timeline) -> dict[str, float]:
         active[kind] = active.get(kind, 0) + step
         last = time
     return {k: v for k, v in sorted(out.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def cached_exposed_by_kind(timeline: Timeline, memo: dict) -> dict[str, float]:
+    """:func:`exposed_by_kind` of ``timeline``, kept in ``memo`` by the timeline's identity (a search's replays of
+    equal task graphs share one timeline: testbed.sim.engine.simulate's memo); a copy each call."""
+    hit = memo.get(id(timeline))
+    if hit is None or hit[0] is not timeline:
+        if len(memo) > 64:
+            memo.clear()
+        hit = memo[id(timeline)] = (timeline, exposed_by_kind(timeline))
+    return dict(hit[1])

@@ -146,11 +146,11 @@ class Builder:
             t = self.tasks[i]
             if t.kind is TaskKind.COLLECTIVE and len(t.group) > 1:
                 parts.append((len(t.group), t.count / len(computes)))
-                self.tasks[i] = replace(t, interleaved=True)
+                _set(t, interleaved=True)
         alone = merge(parts)  # a compute without barriers of its own gains these (the same sums)
         for i in computes:
-            own = self.tasks[i].syncs
-            self.tasks[i] = replace(self.tasks[i], syncs=merge((*own, *parts)) if own else alone)
+            task = self.tasks[i]
+            _set(task, syncs=merge((*task.syncs, *parts)) if task.syncs else alone)
 
     def serialize(self, programs: Sequence[tuple[range, int]]) -> None:
         """Run ``programs`` (``(task ids, devices)``, in dispatch order) one at a time, each once the previous
@@ -177,8 +177,30 @@ class Builder:
             previous = tuple(i for i in own if i not in needed) or previous
 
 
+def _set(task: Task, **changes) -> None:
+    """Changes a task the builder holds in place: its tasks are its own (each :meth:`Builder.add` makes a new one,
+    none is shared until the program is made), so this is ``replace`` without the copy of every field."""
+    for name, value in changes.items():
+        object.__setattr__(task, name, value)
+
+
+#: id(groups) -> (groups, {device: the first of its groups holding it}), for :func:`rep_group`.
+_GROUP_OF: dict[int, tuple[tuple, dict[int, tuple[int, ...]]]] = {}
+
+
 def rep_group(groups: tuple[tuple[int, ...], ...], rep: int) -> tuple[int, ...]:
-    return next(g for g in groups if rep in g)
+    """The first of ``groups`` that holds device ``rep`` (a map of each device's, kept per groups object: a
+    program's builder asks it of the same groups once per task)."""
+    hit = _GROUP_OF.get(id(groups))
+    if hit is None or hit[0] is not groups:
+        if len(_GROUP_OF) > 4096:
+            _GROUP_OF.clear()
+        first: dict[int, tuple[int, ...]] = {}
+        for g in groups:
+            for device in g:
+                first.setdefault(device, g)
+        hit = _GROUP_OF[id(groups)] = (groups, first)
+    return hit[1][rep]
 
 
 def axis_groups_cached(cache: dict, plan: Plan, axes: list[Axis], stage: int) -> tuple[tuple[int, ...], ...]:
