@@ -2,7 +2,7 @@
 
 For each case, the same model, global batch and device count with ``mesh.context`` 1 and > 1 (the rest of
 the mesh chosen to fit where it can), simulated by the discrete-event engine and by the analytic tier:
-step time, exposed communication and the ring's share of it (testbed.sim.ring.exposed_ring_s), memory per
+step time, exposed communication and the ring's share of it (testbed.sim.graph.ring.exposed_ring_s), memory per
 device and whether it fits, and the seconds the simulation took. One row also moves the context ring
 across nodes (``mesh.order`` with context outermost) to show what placement does to the ring.
 Prints one JSON object. Usage: ``python benchmarks/context_parallel.py``.
@@ -16,8 +16,8 @@ import time
 from testbed.explore.analytic import estimate
 from testbed.explore.space import resize_topology
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
-from testbed.sim.ring import exposed_ring_s
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.ring import exposed_ring_s
 from testbed.topology.io import load_topology
 
 ACROSS = ["stage", "context", "data", "fsdp", "expert", "tensor"]  # the context ring outermost: across nodes

@@ -25,7 +25,7 @@ from dataclasses import replace
 from testbed.cli.main import main as testbed_main
 from testbed.plan.io import load_plan
 from testbed.plan.runtime import RuntimeSpec
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 ARGV = ["search", "--model", "llama3-405b", "--topology", "llama3-h100-16k", "--global-batch", "2048", "--json"]

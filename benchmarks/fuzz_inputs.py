@@ -327,7 +327,7 @@ def warm_imports() -> None:
     import rich.table  # noqa: F401
 
     import testbed.explore.sweep  # noqa: F401
-    import testbed.sim.engine  # noqa: F401
+    import testbed.sim.graph.engine  # noqa: F401
     from testbed.viz.plots import pyplot
 
     pyplot()

@@ -3,7 +3,7 @@ groups across nodes (``mesh.order`` with expert outermost: one rank per node, th
 inside a node (expert innermost: NVLink).
 
 For each case, simulated by the discrete-event engine and by the analytic tier: step time, exposed
-communication and the MoE all-to-alls' share of it (testbed.sim.moe.exposed_stream_s), MFU, memory per device,
+communication and the MoE all-to-alls' share of it (testbed.sim.step.moe.exposed_stream_s), MFU, memory per device,
 and the seconds the simulation took. These are the rows of docs/llms.md's "Mixture of experts" table. The
 routed experts run a dropless grouped GEMM over the routed tokens (``runtime.moe_padded_dropless: false``, as
 Megatron-Core's GroupedMLP), where ``expert_imbalance`` paces them; testbed's runner pads every expert's slots to
@@ -18,8 +18,8 @@ import time
 
 from testbed.explore.analytic import estimate
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
-from testbed.sim.moe import exposed_stream_s
+from testbed.sim.graph.engine import simulate
+from testbed.sim.step.moe import exposed_stream_s
 from testbed.topology.io import load_topology
 
 ACROSS = ["stage", "expert", "data", "fsdp", "context", "tensor"]  # one rank of every expert group per node

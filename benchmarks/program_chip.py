@@ -82,7 +82,7 @@ def traced(name: str, device, sizes: dict):
 
 def priced(workload) -> dict:
     """Today's prediction of a traced program on one v5e chip."""
-    from testbed.sim.traced import simulate_workload
+    from testbed.sim.graph.traced import simulate_workload
     from testbed.topology.io import load_topology
 
     report = simulate_workload(workload, load_topology(TOPOLOGY)).report

@@ -67,7 +67,7 @@ def prepared(name: str, devices, topology, mesh: dict | None = None) -> dict:
     from testbed.runner.step_timer import StepTimer
     from testbed.runner.program import trace
     from testbed.runner.program.measure import ProgramTrainer
-    from testbed.sim.traced import simulate_workload
+    from testbed.sim.graph.traced import simulate_workload
 
     mesh = mesh or PROGRAMS[name]
     concrete = local_mesh(mesh, devices)
@@ -84,7 +84,7 @@ def _row(case: dict) -> dict:
     """One program's predicted vs measured figures."""
     from testbed.calibration.validation import collective_rows, relative_error
     from testbed.runner.program.measure import compiled_collectives
-    from testbed.sim.traced import device_collectives, device_memory
+    from testbed.sim.graph.traced import device_collectives, device_memory
 
     workload, trainer = case["workload"], case["trainer"]
     measured = min(case["medians"])

@@ -66,7 +66,7 @@ def _example(name: str, sizes: dict):
 def predicted(module, mesh: dict[str, int], topology) -> float:
     """The step time ``testbed simulate --program`` predicts on ``topology`` (traced on an abstract mesh)."""
     from testbed.runner.program import PmapStep, abstract_mesh, trace, trace_pmap
-    from testbed.sim.traced import simulate_workload
+    from testbed.sim.graph.traced import simulate_workload
 
     step, args = module.predict(abstract_mesh(mesh))
     if isinstance(step, PmapStep):
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from testbed.runner.validate import ReferenceStep
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     names = args.only or list(HOST_SIZES)
     modules = {name: _example(name, HOST_SIZES[name][1]) for name in names}
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 def _from_json(args) -> int:
     """``--from-json``: the saved run's rounds priced on ``--topology`` (and ``--also``), nothing timed."""
     from testbed.calibration.steps import step_plan
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     saved = json.loads(Path(args.from_json).read_text())

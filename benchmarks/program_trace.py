@@ -36,8 +36,8 @@ def main() -> None:
     from testbed.plan.spec import MESH_AXES
     from testbed.runner.program.plans import trace_plan
     from testbed.runner import devices
-    from testbed.sim.engine import simulate
-    from testbed.sim.traced import collective_bytes, simulate_workload
+    from testbed.sim.graph.engine import simulate
+    from testbed.sim.graph.traced import collective_bytes, simulate_workload
 
     devices.prepare(devices.DeviceRequest(kind="emulated", count=1))
     plan = Plan(name="gpt-1.3b-4096", model=GPT_1_3B, batch=BatchSpec(global_batch=512, microbatches=1),

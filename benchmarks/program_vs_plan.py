@@ -26,8 +26,8 @@ import json
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.runner.program.plans import trace_plan
-from testbed.sim.engine import simulate
-from testbed.sim.traced import collective_bytes, simulate_workload
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.traced import collective_bytes, simulate_workload
 from testbed.topology.io import load_topology
 
 #: Topologies and the device counts their meshes fill (as in tests/test_program_vs_plan.py).

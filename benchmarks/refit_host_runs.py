@@ -57,7 +57,7 @@ def refit_run(folder: Path) -> dict:
     from testbed.calibration.steps import step_plan
     from testbed.calibration.calibrated import fit_saved, saved_base
     from testbed.plan.io import load_plan
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     raw = read_measurements(str(folder / "measurements.json"))
     topo, _, _ = fit_saved(raw, saved_base(raw))  # as `testbed calibrate --from-measurements` refits

@@ -39,7 +39,7 @@ import time
 from testbed.explore.search import evaluate, exhaustive_optimum, search
 from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.io import load_plan
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 SMALL = SearchSpace(schedules=("gpipe", "1f1b", "interleaved", "zb-h1"), virtual_stages=(2,), microbatches=(1, 2, 4),

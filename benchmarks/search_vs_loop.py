@@ -28,7 +28,7 @@ from testbed.explore.search import search
 from testbed.explore.space import factorisations
 from testbed.plan.io import load_plan
 from testbed.plan.spec import MeshSpec, ScheduleSpec
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-h2", 1))

@@ -43,7 +43,7 @@ from testbed.explore.space import SearchSpace, resize_topology  # noqa: E402
 from testbed.model.memory import memory_breakdown  # noqa: E402
 from testbed.plan.io import plan_from_dict  # noqa: E402
 from testbed.plan.spec import Plan  # noqa: E402
-from testbed.sim.engine import simulate  # noqa: E402
+from testbed.sim.graph.engine import simulate  # noqa: E402
 from testbed.topology.io import load_topology  # noqa: E402
 from testbed.topology.spec import Topology  # noqa: E402
 

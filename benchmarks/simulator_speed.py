@@ -23,7 +23,7 @@ import time
 
 from testbed.topology.generators import hierarchical
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology import Calibration, CollectiveCalibration, ComputeCalibration, DeviceSpec, Level, LinkKind
 
 H100 = DeviceSpec(name="H100-like", peak_flops={"bf16": 989e12, "fp32": 67e12}, memory_bytes=80e9,

@@ -1,7 +1,7 @@
 """The analytic tier against the task graph on every bundled plan and every published run.
 
-Both tiers play one walk of the step (testbed.sim.step_rules.action_steps): the task graph (testbed.sim.program,
-played by the DES, testbed.sim.engine) and the analytic tier (testbed.explore.analytic). Their step times differ by
+Both tiers play one walk of the step (testbed.sim.step.step_rules.action_steps): the task graph (testbed.sim.graph.program,
+played by the DES, testbed.sim.graph.engine) and the analytic tier (testbed.explore.analytic). Their step times differ by
 what the DES adds (link sharing between concurrent streams, a shared host's share as stages idle), so the gap on
 a plan measures that, not two readings of a rule. Plans: ``plans/*.yaml`` and ``plans/validation/`` on their own
 topology, ``plans/validation-1dev/`` on ``tpu-v5e-1``, and every published run of ``benchmarks/published/`` (as
@@ -27,7 +27,7 @@ from search_vs_published import published_runs  # noqa: E402
 
 from testbed.explore.analytic import estimate  # noqa: E402
 from testbed.plan.io import load_plan  # noqa: E402
-from testbed.sim.engine import simulate  # noqa: E402
+from testbed.sim.graph.engine import simulate  # noqa: E402
 from testbed.topology.io import load_topology  # noqa: E402
 
 

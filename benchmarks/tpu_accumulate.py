@@ -4,7 +4,7 @@ the runner's single-chip step with gradient accumulation (``lax.scan`` over the 
 For each matrix the loop carries (a weight's gradient accumulator: a carried bf16 or f32 array of two or more
 dimensions), this finds the loop body's matmul fusions that write an array of its shape and records whether their
 fused body holds the ``add`` (the accumulation fused into the gradient's matmul, its output fusion) or not (an add
-of its own). testbed.sim.grad_bytes.FUSED_ACCUMULATE_PASSES prices the fused add from this record.
+of its own). testbed.sim.step.grad_bytes.FUSED_ACCUMULATE_PASSES prices the fused add from this record.
 
 Writes ``OUT/accumulate.json`` atomically (date, versions, the command, one row per plan) and prints it as ONE JSON
 object. Needs libtpu (``PYTHONPATH`` to an unpacked libtpu wheel, ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``); a compile takes

@@ -55,7 +55,7 @@ PEAK_BF16, BANDWIDTH = 197e12, 819e9
 FITTED = ("replicated_passes", "split_passes", "gemm_latency_s", "inverse_flash_efficiency")
 #: The latency's column: measured by the GEMM sweep (:func:`sweep_latency`), not fitted.
 LATENCY = FITTED.index("gemm_latency_s")
-#: The least per-matmul latency: a positive one prices matmuls by shape (testbed.sim.compute), the only pricing that
+#: The least per-matmul latency: a positive one prices matmuls by shape (testbed.sim.price.compute), the only pricing that
 #: keeps the splash kernel's products apart (ComputeCalibration.shapes).
 MIN_LATENCY_S = 1e-9
 #: Rounding of what the topologies ship.
@@ -92,8 +92,8 @@ def sources(controller: dict) -> dict:
 
 def sweep_latency(efficiency: float) -> float:
     """The per-matmul latency the chip's GEMM sweep shows (gemm_shapes.json: 62 shapes timed one matmul at a time,
-    fitted by testbed.sim.compute.fit_shape_model at the measured cap), at least :data:`MIN_LATENCY_S`."""
-    from testbed.sim.compute import fit_shape_model
+    fitted by testbed.sim.price.compute.fit_shape_model at the measured cap), at least :data:`MIN_LATENCY_S`."""
+    from testbed.sim.price.compute import fit_shape_model
 
     sweep = json.loads((DATA / "gemm_shapes.json").read_text())
     rows = [(1, r["m"], r["n"], r["k"], r["flops_per_s"]) for r in sweep["rows"]]
@@ -186,7 +186,7 @@ def recorded() -> list[tuple[object, dict]]:
 
 
 def step_s(plan, values: dict) -> float:
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     return simulate(plan, topology(values)).report.step_time_s
 

@@ -9,7 +9,7 @@
 Each shape is FlashAttention-3's benchmark setting (16k tokens a batch, hidden 2048: batch ``16384 / seq``, heads
 ``2048 / head_dim``), causal and not; the forward and the forward + backward of each are compiled, run ``CALLS``
 times back to back in ``ROUNDS`` rounds, the least round's mean one call's seconds. The FLOPs are the kernel
-papers' count (testbed.sim.attention_kernels): forward ``4 b s^2 h d``, halved when causal; backward 2.5 times the
+papers' count (testbed.sim.price.attention_kernels): forward ``4 b s^2 h d``, halved when causal; backward 2.5 times the
 forward. A bf16 GEMM at a 7B layer's MLP shape (4096 x 4096 x 11008) is timed the same way beside them.
 
 Writes ``OUT/flash_kernels.json`` atomically (date, versions, device kind, the command, per kernel, head dim,

@@ -48,7 +48,7 @@ def with_kernel_s(topology, kernel_s: float):
 
 
 def _traced_s(workload, topology, kernel_s: float) -> float:
-    from testbed.sim.traced import simulate_workload
+    from testbed.sim.graph.traced import simulate_workload
     return simulate_workload(workload, with_kernel_s(topology, kernel_s)).report.step_time_s
 
 
@@ -64,7 +64,7 @@ def measured_run(path: str, workloads: dict, devices: int) -> dict:
     from testbed.calibration.calibrated import fit_saved, saved_base
     from testbed.calibration.measurements import read_measurements
     from testbed.calibration.steps import step_plan
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     raw = read_measurements(path)
     topology = with_kernel_s(fit_saved(raw, saved_base(raw))[0], 0.0)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from testbed.calibration.steps import step_plan
     from testbed.runner.program.plans import trace_plan
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     topology = with_kernel_s(load_topology(args.topology), 0.0)

@@ -12,8 +12,8 @@ the instructions XLA made beside what testbed's TPU rules say (all-reduces merge
 merge stays within the topology's ``calibration.collectives.allreduce_combine_bytes``,
 testbed.model.leaves.combined_sizes; all-gathers and reduce-scatters one per operand,
 ``combine_bytes: 0``; an all-gather over a whole slice of a buffer within the slice's bound an
-all-reduce, merged as all-reduces are: testbed.sim.xla_tpu.gather_allreduce_bytes), and the
-probes where XLA lowered a reduce-scatter as an all-reduce (listed: testbed.sim.xla_tpu models
+all-reduce, merged as all-reduces are: testbed.sim.xla.xla_tpu.gather_allreduce_bytes), and the
+probes where XLA lowered a reduce-scatter as an all-reduce (listed: testbed.sim.xla.xla_tpu models
 the whole slices' among them).
 
     PYTHONPATH=<libtpu site> python benchmarks/xla_tpu_collectives.py --collect
@@ -50,7 +50,7 @@ PROBES = [
     ("v5p:2x2x2", "2x4", "a", "rs", 4, 1, 1024), ("v5p:2x2x2", "8", "a", "rs", 4, 1, 1024),
     ("v5e:8x8", "64", "a", "rs", 4, 1, 1024), ("v5e:8x8", "4x16", "b", "rs", 4, 1, 1024),
     # All-gathers over a whole slice of a buffer of F MiB (F / group each; 128 lanes wide): lowered as all-reduces up
-    # to a bound per slice (testbed.sim.xla_tpu.gather_allreduce_bytes), pinned from both sides; none over part of a
+    # to a bound per slice (testbed.sim.xla.xla_tpu.gather_allreduce_bytes), pinned from both sides; none over part of a
     # slice. 32 wide, the buffer's tiles pad each row to 128 lanes: the bound holds for the padded bytes.
     *[(t, m, "a", "ag", k, f / int(m), w) for t, m, k, f, w in (
         ("v5e:8x8", "64", 2, 8, 128), ("v5e:8x8", "64", 1, 16, 128), ("v5e:8x8", "64", 1, 16.5, 128),
@@ -118,8 +118,8 @@ def collect() -> dict:
 
 def _expected_kind(p: dict) -> str:
     """The kind testbed's rules say a probe compiles to: an all-gather over a whole slice of at most the slice's
-    bound an all-reduce (testbed.sim.xla_tpu.gather_allreduce_bytes), else the probe's own kind."""
-    from testbed.sim.xla_tpu import gather_allreduce_bytes
+    bound an all-reduce (testbed.sim.xla.xla_tpu.gather_allreduce_bytes), else the probe's own kind."""
+    from testbed.sim.xla.xla_tpu import gather_allreduce_bytes
     from testbed.topology.compile_target import parse_target, target_topology
 
     if p["kind"] != "all-gather":

@@ -7,8 +7,8 @@ fsdp a weight (the contracted rows sharded), and once read by an elementwise op 
 the compiled all-gather as ``benchmarks/xla_tpu_probes/narrowing.json`` with the date, the versions and the command.
 
 Without ``--collect`` it reads that record (no JAX) and prints ONE JSON object: per probe the compiled element
-beside testbed's rule (testbed.sim.xla_tpu.gather_element_bytes: an fp32 gather every reader of which is a
-default-precision matmul moves bf16; the rule the traced tier applies, testbed.sim.xla_tpu.lowered_gathers).
+beside testbed's rule (testbed.sim.xla.xla_tpu.gather_element_bytes: an fp32 gather every reader of which is a
+default-precision matmul moves bf16; the rule the traced tier applies, testbed.sim.xla.xla_tpu.lowered_gathers).
 
     PYTHONPATH=<libtpu site> python benchmarks/xla_tpu_narrowing.py --collect
     python benchmarks/xla_tpu_narrowing.py
@@ -76,7 +76,7 @@ def collect() -> dict:
 
 def compare(record: dict) -> dict:
     """Each probe's compiled element beside testbed's rule (module docstring)."""
-    from testbed.sim.xla_tpu import gather_element_bytes
+    from testbed.sim.xla.xla_tpu import gather_element_bytes
 
     rows = []
     for p in record["probes"]:

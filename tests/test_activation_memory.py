@@ -31,8 +31,8 @@ from testbed.model.memory import memory_breakdown
 from testbed.plan.io import plan_from_dict, plan_to_dict
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, Remat
-from testbed.sim.facts import step_facts
-from testbed.sim.program import build_program
+from testbed.sim.step.facts import step_facts
+from testbed.sim.graph.program import build_program
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv:2205.05198, Table 2"
@@ -149,7 +149,7 @@ def _bus_bytes(tasks: list, n: int) -> float:
 def test_simulator_replaces_all_reduces_with_gathers_and_scatters(kw) -> None:
     """SP's gathers and scatters replace the all-reduces of the [tokens, d_model] activations, moving the same bus
     bytes; the vocab-parallel loss's small all-reduces are the same either way, and SP adds the learned position
-    table's gradient gather (testbed.sim.action_work.tensor_transfers)."""
+    table's gradient gather (testbed.sim.step.action_work.tensor_transfers)."""
     plans = _plan(False, **dict(kw)), _plan(True, **dict(kw))
     buffer = chunk_cost(plans[0], 0).tensor_allreduce_bytes
     (plain, plain_rest), (sp, sp_rest) = ([[t for t in tasks if (t.nbytes == buffer) == keep] for keep in (True, False)]
@@ -171,7 +171,7 @@ def test_full_remat_redoes_two_gathers_and_a_scatter_per_layer() -> None:
     per_op = {op: sum(t.count for t in sp if t.op == op) for op in ("all_gather", "reduce_scatter")}
     layers = plan.model.layers
     # Forward 2L + head, backward 2L + embedding, recompute 2L gathers, and the learned position table's gradient
-    # gathered (testbed.sim.action_work.tensor_transfers); scatters 2L + 1 twice, plus L.
+    # gathered (testbed.sim.step.action_work.tensor_transfers); scatters 2L + 1 twice, plus L.
     assert plan.model.position.value == "learned"
     assert per_op == {"all_gather": 6 * layers + 3, "reduce_scatter": 5 * layers + 2}
 
@@ -182,7 +182,7 @@ def test_analytic_tier_prices_the_same_collectives() -> None:
     devices meet twice as often, and each meeting waits for the last of them (tests/test_barriers.py). RoPE: no
     learned position table, whose gradient SP gathers (an extra collective, tests above). SP adds one
     collective: the tensor-replicated parameters' gradients (norms, row-parallel biases), partial sums over the
-    sequence shards, all-reduced over tensor (testbed.sim.grad_bytes.sequence_reduced)."""
+    sequence shards, all-reduced over tensor (testbed.sim.step.grad_bytes.sequence_reduced)."""
     data = topology_to_dict(load_topology("host-cpu-8"))
     data["calibration"]["host"].pop("skew_s")
     host = topology_from_dict(data)

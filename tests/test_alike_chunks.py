@@ -1,5 +1,5 @@
 """Chunks alike are worked out once: a step's facts and the analytic tier's prices of chunks alike in their layers
-and ends (testbed.sim.facts.alike_key) are shared, and sharing them changes nothing.
+and ends (testbed.sim.step.facts.alike_key) are shared, and sharing them changes nothing.
 
 Each check works the step out twice, once with every chunk its own (``alike_key`` made unique per chunk), and
 compares: the facts chunk by chunk (their sends included) and the analytic estimate exactly.
@@ -12,12 +12,12 @@ from dataclasses import replace
 import pytest
 
 import testbed.explore.prices as prices
-import testbed.sim.facts as facts_module
+import testbed.sim.step.facts as facts_module
 from testbed.explore.analytic import estimate
 from testbed.plan.io import load_plan
 from testbed.plan.placement import place
 from testbed.plan.spec import ScheduleName, ScheduleSpec
-from testbed.sim.facts import step_facts
+from testbed.sim.step.facts import step_facts
 from testbed.topology.io import load_topology
 
 

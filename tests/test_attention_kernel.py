@@ -12,10 +12,10 @@ from testbed.model.gemm import AttentionPass, Gemm, chunk_gemms
 from testbed.plan.io import plan_from_dict
 from testbed.plan.placement import place
 from testbed.plan.runtime import ATTENTION_KERNELS, PROFILES, RuntimeSpec
-from testbed.sim.attention_kernels import CAUSAL_WORK, KERNEL_TFLOPS, SOURCES, kernel_efficiency
-from testbed.sim.compute import gemm_seconds
-from testbed.sim.engine import simulate
-from testbed.sim.program import build_program
+from testbed.sim.price.attention_kernels import CAUSAL_WORK, KERNEL_TFLOPS, SOURCES, kernel_efficiency
+from testbed.sim.price.compute import gemm_seconds
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import build_program
 from testbed.topology.io import load_topology
 
 

@@ -1,4 +1,4 @@
-"""A shared host's stragglers (testbed.sim.barriers): the wait rule, the engine and the analytic tier playing it,
+"""A shared host's stragglers (testbed.sim.price.barriers): the wait rule, the engine and the analytic tier playing it,
 the task graph's barriers, and the fit of ``calibration.host.skew_s`` from ``barriers`` samples."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.plan.io import load_plan
 from testbed.plan.placement import place
-from testbed.sim.barriers import interleaved_wait, step_end_wait
-from testbed.sim.engine import Priced, run, simulate
-from testbed.sim.program import Program, Task, TaskKind, build_program
+from testbed.sim.price.barriers import interleaved_wait, step_end_wait
+from testbed.sim.graph.engine import Priced, run, simulate
+from testbed.sim.graph.program import Program, Task, TaskKind, build_program
 from testbed.topology import Calibration, HostCalibration
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
@@ -96,7 +96,7 @@ def test_the_task_graph_counts_the_collectives_an_action_runs_among_its_kernels(
     tensor parallelism's all-reduces among both (testbed.model.costs counts them). The counted
     collectives are marked and wait no more."""
     from testbed.model.costs import chunk_cost
-    from testbed.sim.action_work import tensor_transfers
+    from testbed.sim.step.action_work import tensor_transfers
 
     topo = load_topology("host-cpu-8")
     fsdp = load_plan("plans/validation/fsdp8.yaml")

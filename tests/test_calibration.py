@@ -516,7 +516,7 @@ def _one_device_host(controller: dict | None = None):
 
 
 def _step_samples(truth, names) -> list:
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     return [Sample(kind="step", op=name, seconds=simulate(cal_steps.step_plan(name), truth).report.step_time_s)
             for name in names]
@@ -539,7 +539,7 @@ def test_fit_step_compute_tells_replicated_from_split_passes_with_tensor_paralle
     of the activation bytes is larger); the data-parallel ones alone get one
     count for both.
     """
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None)
@@ -564,7 +564,7 @@ def test_fit_step_compute_scales_the_bf16_peak_over_every_bf16_step():
     """Steps simulated with the bf16 peak at 0.3 of the base's: the dtype's scale is fitted over both bf16 steps
     calibrate times (a large shape and the reference shape's small tensor-parallel kernels)."""
     from testbed.runner.measure import plan_benchmarks
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     bf16 = [b.op for b in plan_benchmarks("cpu", 8) if b.kind == "step" and b.op.endswith("-bf16")]
     assert bf16 == ["cpu-l-bf16", "cpu-m-t2-bf16"]
@@ -589,7 +589,7 @@ def test_fit_step_compute_tells_cached_passes_from_passes_over_memory():
     passes give the cached count back, and the passes over memory predict a held-out eight-way plan. (The two
     eight-way samples have one ratio of replicated to split bytes, so they fix the sum the passes cost, not
     each count.)"""
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     base = calibrated.calibrated_topology(load_topology("host-cpu-8"), rates={"fp32": 5e10}, half_flops=0.0,
                                    memory_bandwidth=2e10, launch_s=1e-5, host_cores=0, collectives=None,
@@ -840,7 +840,7 @@ def test_calibrate_keeps_one_matmuls_half_beside_the_steps_refit_half(tmp_path):
     """The training steps refit ``compute.efficiency_half_flops`` (it prices a plan's uncounted work between its
     matmuls too); the matmul samples' own half is kept as ``matmul_half_flops`` (a traced program's kernels'),
     and only then: without steps the one half is the matmul samples'."""
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     base = load_topology("host-cpu-8")
     samples = _synthetic_measurements(base)  # matmuls: half 2e6

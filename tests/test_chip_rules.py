@@ -16,13 +16,13 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.model.gemm import Gemm, chunk_gemms
 from testbed.plan.io import load_plan
-from testbed.sim.compute import epilogue_seconds, gemm_seconds, pass_seconds, plan_matmul_dtype, systolic_share
+from testbed.sim.price.compute import epilogue_seconds, gemm_seconds, pass_seconds, plan_matmul_dtype, systolic_share
 from testbed.model.costs import param_count
-from testbed.sim.engine import simulate
-from testbed.sim.grad_bytes import (ACCUMULATE_PASSES, FUSED_ACCUMULATE_PASSES, accumulated_bytes,
+from testbed.sim.graph.engine import simulate
+from testbed.sim.step.grad_bytes import (ACCUMULATE_PASSES, FUSED_ACCUMULATE_PASSES, accumulated_bytes,
                                      accumulated_elements, accumulating_gemms)
-from testbed.sim.pricing import price
-from testbed.sim.update_facts import fused_update
+from testbed.sim.graph.pricing import price
+from testbed.sim.step.update_facts import fused_update
 from testbed.topology.io import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def test_a_bad_systolic_width_is_refused_naming_the_field() -> None:
 
 
 def test_an_fp32_step_on_a_tpu_runs_bf16_passes_on_fp32_operands() -> None:
-    from testbed.sim.compute import FP32_BF16_PASS, gemm_seconds, rate_dtype
+    from testbed.sim.price.compute import FP32_BF16_PASS, gemm_seconds, rate_dtype
 
     topo = load_topology("tpu-v5e-1")
     plan = _plan("gpt125m-fp32")
@@ -127,7 +127,7 @@ def test_an_fp32_step_on_a_tpu_runs_bf16_passes_on_fp32_operands() -> None:
 def test_an_accumulating_weight_gradient_costs_its_matmuls_roofline_as_the_chip_profiles_it() -> None:
     """The MLP input projection's weight gradient (``bf16[768,3072]``, the add into the accumulator fused into it:
     accumulate.json) on the chip's per-op profiles of the 125M step at 16, 8 and 4 microbatches: within 12% of its
-    product priced as one kernel with the accumulator's read (testbed.sim.grad_bytes.accumulating_gemms), over the
+    product priced as one kernel with the accumulator's read (testbed.sim.step.grad_bytes.accumulating_gemms), over the
     product without the add by less than that read's own pass (the read hides under the math, where the backward's
     bytes counted it whole). On a device that does not fuse it, nothing is marked and the three passes stay."""
     profiles = {p["plan"]: p for p in json.loads((ROOT / "benchmarks/tpu_chip/profiles.json").read_text())["plans"]}

@@ -387,7 +387,7 @@ def test_torus_translation_symmetry_is_exact(monkeypatch, dims, mesh):
     gives the step that checking every group as it is gives (shifting loads wrongly, or dropping a
     contending group, changes it by 10-80%)."""
     from testbed.collectives import torus
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     device = DeviceSpec(name="d", peak_flops={"fp32": 1e12}, memory_bytes=1e9, memory_bandwidth=1e11)
 
@@ -403,7 +403,7 @@ def test_data_parallel_on_a_whole_torus_simulates_without_routing(monkeypatch):
     """4,096 data-parallel replicas on a 16x16x16 torus: the gradient all-reduce is one whole-torus group,
     timed and loaded by formula (the routed path raises; trees and rings are too large to try)."""
     from testbed.collectives import routed, timing
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     def refuse(*args, **kwargs):
         raise AssertionError("routed or built a program")
@@ -460,7 +460,7 @@ def test_a_16k_device_hierarchy_is_timed_without_routing(monkeypatch):
     """16,384 devices, 8 per node on a switch, nodes on Ethernet, not an NVIDIA GPU: the all-reduce and a
     data-parallel step use the hierarchical closed form (the routed path raises)."""
     from testbed.collectives import routed, timing
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     def refuse(*args, **kwargs):
         raise AssertionError("routed or built a program")

@@ -3,7 +3,7 @@ overlap (NCCL kernels hold SMs and HBM bandwidth), in both tiers, and nothing el
 
 Lee et al. 2025 (arXiv:2507.03114) measure an average 18.9% computational slowdown when compute and
 communication overlap (A100, H100, MI250, MI210; GPT and Llama training), against the same compute alone.
-testbed.sim.engine slows a compute task while one of its device's transfers is in flight; testbed.explore.analytic
+testbed.sim.graph.engine slows a compute task while one of its device's transfers is in flight; testbed.explore.analytic
 lengthens an action by the slowdown times the communication that runs beside it.
 """
 
@@ -19,7 +19,7 @@ from testbed.cli import main
 from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
 SOURCED = 0.189  # Lee et al. 2025's average (topologies/dgx-h100-superpod.yaml states it with its source)
@@ -128,15 +128,15 @@ def test_replicas_summing_after_the_backward_slow_no_compute():
 
 
 def test_only_the_reductions_an_action_starts_slow_its_compute():
-    """Of a chunk's many microbatches only the last releases its gradient buckets (testbed.sim.step_rules.gradients):
+    """Of a chunk's many microbatches only the last releases its gradient buckets (testbed.sim.step.step_rules.gradients):
     the earlier ones' backward is not slowed by buckets that do not leave (an MoE pipeline with the buckets
     reduced in the backward, 32 microbatches, where counting them on every microbatch put the analytic tier 10%
     over the DES), and a tp_comm_overlap GEMM is slowed beside its chunks as the engine slows it."""
     from testbed.explore.prices import StepPrices
     from testbed.explore.play_floor import beside_compute
     from testbed.plan.placement import place
-    from testbed.sim.facts import step_facts, topology_rules
-    from testbed.sim.step_rules import gradients
+    from testbed.sim.step.facts import step_facts, topology_rules
+    from testbed.sim.step.step_rules import gradients
 
     topology = _slowed(SOURCED, "dgx-h100-x4")
     plan = plan_from_dict({"name": "moe", "model": {"layers": 8, "d_model": 1024, "heads": 16, "kv_heads": 4,

@@ -16,8 +16,8 @@ import yaml
 
 from testbed.cli.main import main
 from testbed.plan.io import load_plan
-from testbed.sim.engine import simulate
-from testbed.sim.exposed import exposed_by_kind
+from testbed.sim.graph.engine import simulate
+from testbed.sim.report.exposed import exposed_by_kind
 from testbed.topology.io import load_topology
 
 

@@ -17,9 +17,9 @@ from testbed.model.memory import memory_breakdown
 from testbed.plan.context import DIAGONAL, EMPTY, FULL, context_chunks, ring_step_pairs, ring_step_units
 from testbed.plan.io import bundled_plan_names, load_plan, plan_from_dict
 from testbed.plan.placement import place
-from testbed.sim.engine import simulate
-from testbed.sim.program import build_program
-from testbed.sim.ring import RING_STREAM, exposed_ring_s, ring_tasks
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import build_program
+from testbed.sim.graph.ring import RING_STREAM, exposed_ring_s, ring_tasks
 from testbed.topology.io import load_topology
 
 

@@ -14,7 +14,7 @@ from testbed.model.activations import FLASH_BYTES
 from testbed.model.gemm import chunk_gemms, dots_rerun_attention, gemm_flops
 from testbed.model.splash import splash_kernel, splash_workspace
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 

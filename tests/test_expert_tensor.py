@@ -28,8 +28,8 @@ from testbed.plan.placement import place
 from testbed.plan.presets import preset
 from testbed.plan.sharding import expert_axes
 from testbed.plan.spec import Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.engine import simulate
-from testbed.sim.program import build_program
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import build_program
 from testbed.topology.io import load_topology
 
 MODEL = {"layers": 2, "d_model": 32, "heads": 4, "d_ff": 64, "seq_len": 16, "vocab": 64, "experts": 8, "top_k": 2}

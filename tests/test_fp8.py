@@ -7,7 +7,7 @@ import pytest
 from testbed.model.memory import memory_breakdown, state_bytes_per_param
 from testbed.plan.io import plan_from_dict
 from testbed.plan.spec import Precision
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 
@@ -45,7 +45,7 @@ def test_fp8_is_faster_than_bf16_on_h100_for_a_compute_bound_plan():
 
 def test_fp8_gemm_runs_at_its_measured_cap_and_pays_its_casts():
     from testbed.model.gemm import Gemm
-    from testbed.sim.compute import fp8_cast_bytes, gemm_seconds, pass_seconds
+    from testbed.sim.price.compute import fp8_cast_bytes, gemm_seconds, pass_seconds
 
     topo = load_topology("dgx-h100")
     compute = topo.calibration.compute

@@ -11,8 +11,8 @@ from testbed.explore.analytic import estimate
 from testbed.explore.space import resize_topology
 from testbed.model.gemm import chunk_gemms, head_gemms
 from testbed.plan.io import plan_from_dict
-from testbed.sim.compute import gemms_seconds
-from testbed.sim.engine import simulate
+from testbed.sim.price.compute import gemms_seconds
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 TOPOLOGY = resize_topology(load_topology("dgx-h100"), 1)

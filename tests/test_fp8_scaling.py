@@ -12,9 +12,9 @@ from testbed.model.gemm import Gemm, chunk_gemms
 from testbed.plan.io import plan_from_dict
 from testbed.plan.placement import place
 from testbed.plan.runtime import FP8_SCALINGS, PROFILES, RuntimeSpec
-from testbed.sim.compute import FP8_BLOCK_SCALED_SHARE, fp8_cast_bytes, gemm_seconds, pass_seconds
-from testbed.sim.engine import simulate
-from testbed.sim.program import build_program
+from testbed.sim.price.compute import FP8_BLOCK_SCALED_SHARE, fp8_cast_bytes, gemm_seconds, pass_seconds
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import build_program
 from testbed.topology.io import load_topology
 
 
@@ -93,7 +93,7 @@ def test_blockwise_tags_every_cast_gemm_and_runs_them_at_the_block_scaled_share_
 
 
 def test_blockwise_is_slower_than_delayed_in_both_tiers_with_expert_parallel_moe_layers():
-    """An MoE layer's chain takes its experts' GEMMs out of the action's by shape and tag (testbed.sim.moe): the
+    """An MoE layer's chain takes its experts' GEMMs out of the action's by shape and tag (testbed.sim.step.moe): the
     tags must survive scaling (a regression: blockwise failed with 'not among the GEMMs')."""
     topology = load_topology("dgx-h100")
     spec = {**_SPEC, "model": {**_SPEC["model"], "experts": 4, "top_k": 2}, "mesh": {"expert": 4, "tensor": 2},

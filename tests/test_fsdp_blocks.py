@@ -1,7 +1,7 @@
 """FSDP/ZeRO-3 gathers per block, forward and backward, with a stated prefetch depth: one rule for all.
 
 testbed.plan.sharding.gathered_blocks (``1 + runtime.fsdp_prefetch``) is what testbed.model.memory counts
-live, what testbed.sim.program and testbed.explore.analytic time (a gather per block, block ``i``'s waiting
+live, what testbed.sim.graph.program and testbed.explore.analytic time (a gather per block, block ``i``'s waiting
 for block ``i - 1 - prefetch``), and what the runner executes: each block in its own map, the backward
 gathering the block's shards again (testbed.runner.param_shards._regathered) rather than keeping the forward's
 gathered weights; the runner still equals the single-device reference.
@@ -26,8 +26,8 @@ from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
 from testbed.runner import devices as dev
 from testbed.runner.check_sharding import compiled_spmd
 from testbed.runner.train import verify_plan
-from testbed.sim.facts import step_facts
-from testbed.sim.program import build_program
+from testbed.sim.step.facts import step_facts
+from testbed.sim.graph.program import build_program
 
 from helpers import merging_tpu
 
@@ -130,7 +130,7 @@ def test_prefetch_hides_the_gathers_and_both_tiers_agree_without_accumulation() 
     the task graph's blocks exactly; with accumulation the DES also shares links between the streams."""
     from testbed.explore.analytic import estimate
     from testbed.explore.space import resize_topology
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     topo = resize_topology(load_topology("dgx-h100-x4"), 8)
@@ -219,8 +219,8 @@ def test_each_blocks_gradients_are_reduce_scattered_at_their_merged_sizes() -> N
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_an_fsdp_by_tensor_step_plays_each_spans_tensor_collectives_after_it(sequence_parallel: bool) -> None:
     """fsdp x tensor, the blocks the runner's own pieces: each span's tensor collectives follow that span and the
-    next span waits for them (testbed.sim.span_play), not all after the action's compute; every collective of
-    the action is played once (the same ops and bytes as :func:`testbed.sim.action_work.tensor_transfers`), and each
+    next span waits for them (testbed.sim.graph.span_play), not all after the action's compute; every collective of
+    the action is played once (the same ops and bytes as :func:`testbed.sim.step.action_work.tensor_transfers`), and each
     action's compute is its blocks' (the FLOPs add up)."""
     plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
     placement = place(plan, num_devices=4)
@@ -245,14 +245,14 @@ def test_an_fsdp_by_tensor_step_plays_each_spans_tensor_collectives_after_it(seq
 
 @pytest.mark.parametrize(("sequence_parallel", "microbatches"), [(False, 1), (True, 1), (False, 2), (True, 2)])
 def test_the_analytic_tier_times_the_task_graphs_span_play(sequence_parallel: bool, microbatches: int) -> None:
-    """fsdp x tensor: both tiers play the blocks span by span from one decision (testbed.sim.span_order), each
+    """fsdp x tensor: both tiers play the blocks span by span from one decision (testbed.sim.step.span_order), each
     span's tensor collectives among the blocks, a block done once its collectives are, the weight gradients held
     for the bucket that reads them (at 2 microbatches an earlier microbatch's reduce-scatters into the
     accumulator as well); the analytic tier's step is the task graph's within 1% (it was 2.4-2.8% fast when it
     played the collectives after the action's compute)."""
     from testbed.explore.analytic import estimate
     from testbed.explore.space import resize_topology
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     topo = resize_topology(load_topology("dgx-h100-x4"), 8)
@@ -262,10 +262,10 @@ def test_the_analytic_tier_times_the_task_graphs_span_play(sequence_parallel: bo
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_a_span_play_computes_each_blocks_work_once_and_releases_each_bucket_once(sequence_parallel: bool) -> None:
-    """testbed.sim.span_order's plays of an fsdp x tensor chunk's actions: every item waits only for earlier ones;
+    """testbed.sim.step.span_order's plays of an fsdp x tensor chunk's actions: every item waits only for earlier ones;
     a block's spans and its weight gradients (wherever they are held to) add up to the action's FLOPs; with the
     buckets released, each block's gradient reductions leave exactly once, after the compute of its weights."""
-    from testbed.sim.span_play import action_plays
+    from testbed.sim.graph.span_play import action_plays
 
     plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
     facts = step_facts(plan, place(plan, num_devices=4).device_ids, math.inf)
@@ -306,14 +306,14 @@ def _released_after(chunk, plays) -> list[tuple[int, int, int, dict[int, int]]]:
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_a_merged_reduce_scatter_leaves_once_the_weight_gradients_it_reads_are_computed(
         sequence_parallel: bool) -> None:
-    """testbed.model.blocks.scatter_reads and testbed.sim.span_order on fsdp64 x tensor 4 on the TPU slice (d_model
+    """testbed.model.blocks.scatter_reads and testbed.sim.step.span_order on fsdp64 x tensor 4 on the TPU slice (d_model
     2048, sequence 2048, bf16): each merged gradient reduce-scatter leaves after the weight gradients of every
     block it reads and right after the last of them, as XLA starts a collective once its operands are ready.
     Under sequence parallelism every layer's merge is issued in the embedding's block (it reads the backward's
     all-reduce of the tensor-replicated gradients), yet the traced program's last-layer merge (x14) leaves beside
     the first layer's weight gradients and only the first layer's (x12) after them: the plan had released every
     merge after all held weight gradients (0.949 against the traced step)."""
-    from testbed.sim.span_play import action_plays
+    from testbed.sim.graph.span_play import action_plays
     from testbed.topology.io import load_topology
 
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=32768)
@@ -339,11 +339,11 @@ def test_a_merged_reduce_scatter_leaves_once_the_weight_gradients_it_reads_are_c
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_an_earlier_microbatch_plays_its_blocks_as_the_last_one_does(sequence_parallel: bool) -> None:
-    """fsdp x tensor at 2 microbatches in the loop XLA keeps (testbed.sim.grad_bytes.loop_kept): the first
+    """fsdp x tensor at 2 microbatches in the loop XLA keeps (testbed.sim.step.grad_bytes.loop_kept): the first
     microbatch's backward reduce-scatters its gradients into the accumulator bucket by bucket, reading the same
     weight gradients as the last one's buckets, so the task graph plays its blocks as the last microbatch's
     (the weight gradients held for the merges that read them, each merge leaving once they are computed:
-    testbed.sim.span_order), each of its reduce-scatters after the same compute. On the TPU slice the traced
+    testbed.sim.step.span_order), each of its reduce-scatters after the same compute. On the TPU slice the traced
     program computes the first layer's weight gradients after the embedding's scatter-add in both iterations;
     the plan had played them right after the layer's spans in the first (0.948 at fsdp128 x tensor 2, d_model
     2048, sequence parallel, bf16)."""
@@ -365,11 +365,11 @@ def test_an_earlier_microbatch_plays_its_blocks_as_the_last_one_does(sequence_pa
 
 
 def test_under_sequence_parallelism_a_blocks_weight_gradients_run_beside_its_last_collectives() -> None:
-    """testbed.sim.span_order under sequence parallelism: a layer's weight gradients start as its last span ends,
+    """testbed.sim.step.span_order under sequence parallelism: a layer's weight gradients start as its last span ends,
     beside that span's collectives (the cotangent's all-gather the next block reads), not after them, and the
     next block waits for both; without sequence parallelism they wait for the collectives (the traced program's
     order on tpu-v5e-16x16: docs/program.md)."""
-    from testbed.sim.span_play import action_plays
+    from testbed.sim.graph.span_play import action_plays
 
     for sequence_parallel in (False, True):
         plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=sequence_parallel)
@@ -389,14 +389,14 @@ def test_under_sequence_parallelism_a_blocks_weight_gradients_run_beside_its_las
 def test_no_combiner_merges_a_forward_gather_with_a_backward_one() -> None:
     """The runner's backward gathers read the forward's (param_shards._regathered; the head's, whose loss
     cotangent is a constant, through one element of each gathered leaf): XLA's all-gather combiner (as
-    testbed.sim.combine merges the traced program's) cannot merge a forward gather, which reads only
+    testbed.sim.xla.combine merges the traced program's) cannot merge a forward gather, which reads only
     parameters, with a backward one. On TPU fsdp32 x t8 d2048 bf16 the head's backward gather of its norm
     scale read only the head's input and was merged into the head's forward gather, which then waited for the
     whole forward."""
     from testbed.model.leaves import combine_limit
     from testbed.runner.program.plans import trace_plan
-    from testbed.sim.combine import combine_collectives
-    from testbed.sim.workload import OpKind
+    from testbed.sim.xla.combine import combine_collectives
+    from testbed.sim.xla.workload import OpKind
     from testbed.topology.io import load_topology
 
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
@@ -415,12 +415,12 @@ def test_no_combiner_merges_a_forward_gather_with_a_backward_one() -> None:
 
 def test_under_sequence_parallelism_the_embeddings_block_computes_held_weight_gradients_beside_its_collectives(
         ) -> None:
-    """testbed.sim.span_order under sequence parallelism: the embedding's block (the backward's last) starts the
+    """testbed.sim.step.span_order under sequence parallelism: the embedding's block (the backward's last) starts the
     weight gradients it holds (the first layer's) as its last span ends, beside that span's all-gather, as a
     layer's block does, and the action ends once both have (the traced program, TPU fsdp32 x tensor 8 sequence
     parallel bf16 d_model 2048 seq 2048: the weight-gradient matmuls run beside the last merged all-gather,
     docs/program.md)."""
-    from testbed.sim.span_play import action_plays
+    from testbed.sim.graph.span_play import action_plays
 
     plan = replace(_plan(fsdp=2, tensor=2), sequence_parallel=True)
     chunk = step_facts(plan, place(plan, num_devices=4).device_ids, math.inf).chunks[0][0]
@@ -440,9 +440,9 @@ def test_a_layers_output_projection_gradient_merged_alone_leaves_before_its_inpu
     the merge after it, holding only the rest to its end (before: all of them, priced 0.376 ms where the traced
     held matmuls take 0.218 ms)."""
     from testbed.runner.program.plans import trace_plan
-    from testbed.sim.span_play import action_plays
-    from testbed.sim.traced import simulate_workload
-    from testbed.sim.workload import OpKind
+    from testbed.sim.graph.span_play import action_plays
+    from testbed.sim.graph.traced import simulate_workload
+    from testbed.sim.xla.workload import OpKind
     from testbed.topology.io import load_topology
 
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)
@@ -479,7 +479,7 @@ def test_the_unlinked_last_layers_backward_gather_waits_for_the_heads_summed_inp
     """The runner does not link the chunk's last layer (testbed.model.leaves.linked_layer): its backward gather
     waits for its own cotangent, the head's input gradient summed over tensor (the all-reduce after the head's
     input-gradient span; under sequence parallelism its reduce-scatter), on top of the prefetch rule's wait
-    (testbed.sim.span_order.cotangent_block)."""
+    (testbed.sim.step.span_order.cotangent_block)."""
     tasks, by_name = _backward_tasks(sequence_parallel)
     op = "reduce_scatter" if sequence_parallel else "all_reduce"
     gather = tasks[by_name["gather B0/1"]]
@@ -489,8 +489,8 @@ def test_the_unlinked_last_layers_backward_gather_waits_for_the_heads_summed_inp
 
 def test_the_heads_loss_gradient_runs_beside_the_heads_backward_gather() -> None:
     """The head's backward starts with the loss's gradient, a span of its own that reads the forward's logits and
-    not the head's re-gathered weight (testbed.sim.block_spans): it waits for the forward, not for the head's
-    backward gather; the head's matmuls wait for both (testbed.sim.span_order's PREVIOUS)."""
+    not the head's re-gathered weight (testbed.sim.step.block_spans): it waits for the forward, not for the head's
+    backward gather; the head's matmuls wait for both (testbed.sim.step.span_order's PREVIOUS)."""
     tasks, by_name = _backward_tasks(False)
     gather = by_name["gather B0/0"]
     loss, matmul = tasks[by_name["B0/0.0"]], tasks[by_name["B0/0.1"]]
@@ -499,13 +499,13 @@ def test_the_heads_loss_gradient_runs_beside_the_heads_backward_gather() -> None
 
 
 def test_a_held_blocks_weight_gradients_are_cut_by_the_merges_that_read_them() -> None:
-    """testbed.model.blocks.scatter_cuts and testbed.sim.span_order's cut on fsdp128 x tensor 2 sequence parallel
+    """testbed.model.blocks.scatter_cuts and testbed.sim.step.span_order's cut on fsdp128 x tensor 2 sequence parallel
     fp32 on the TPU slice (d_model 2048, sequence 1024): the last layer's held weight gradients are cut by the
     merged reduce-scatters that read them, each computing its members' matmuls (its share of the layer's matrices)
     and leaving right after, as the traced layer does (its weight-gradient matmuls 0.498, 0.499, 0.373 ms, a
     merge leaving after each), not all of them before the first merge leaves; what a later block's merge reads
     last. (The superpod's d2048 seq 2048 tensor 2 SP fp32 point 0.972 -> 0.993.)"""
-    from testbed.sim.span_play import action_plays
+    from testbed.sim.graph.span_play import action_plays
     from testbed.topology.io import load_topology
 
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=1024, vocab=32768)

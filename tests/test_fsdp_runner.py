@@ -4,7 +4,7 @@ The compiled step of a small GPT on the emulated CPU devices: over ``fsdp``
 (and over ``data`` at ZeRO 3) the weights are all-gathered for use and their
 gradients reduce-scattered, once per sharded leaf, with the bytes of the
 leaf's tensor-rank shard, and no activation crosses those axes (the batch
-stays split over them), as testbed.sim.program and testbed.model.memory
+stays split over them), as testbed.sim.graph.program and testbed.model.memory
 model FSDP; check-sharding's abstract lowering finds the same axes and kinds.
 Without testbed.runner.param_shards.ParamShards XLA's propagation split the weights'
 d_model (contracting) dim over fsdp and all-reduced activations there in
@@ -188,7 +188,7 @@ def test_compiled_gradient_all_reduces_are_combined_into_one() -> None:
     combiner merges them: the compiled step runs one all-reduce over data, as the task graph prices one
     reduction per bucket (its gathers and reduce-scatters, which no pass merges, are counted leaf by leaf)."""
     from testbed.plan.placement import place
-    from testbed.sim.program import build_program
+    from testbed.sim.graph.program import build_program
 
     for plan in (_plan(data=2), _plan(data=2, tensor=2), _plan(data=2, zero=1)):
         _, found, _ = _compiled(plan)

@@ -131,7 +131,7 @@ def test_a_case_over_the_memory_limit_is_stopped_and_reported():
 def test_option_seed_plans_are_valid_and_use_every_newer_key(name, tmp_path):
     """The seeds the newer keys are mutated from must start valid (else every mutation only repeats one error)."""
     from testbed.plan.io import plan_from_dict
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     doc = fuzz.OPTION_PLANS[name]
@@ -316,8 +316,8 @@ def test_trace_above_the_limit_is_refused_before_writing(tmp_path, capsys):
 
 def test_trace_size_estimate_is_close():
     from testbed.plan.io import load_plan
-    from testbed.sim.engine import simulate
-    from testbed.sim.trace_files import trace_bytes, write_trace
+    from testbed.sim.graph.engine import simulate
+    from testbed.sim.report.trace_files import trace_bytes, write_trace
     from testbed.topology.io import load_topology
 
     plan = load_plan("demo")
@@ -331,7 +331,7 @@ def test_trace_size_estimate_is_close():
 
 
 def test_ctrl_c_during_a_trace_exits_130_and_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import testbed.sim.trace_files as timeline
+    import testbed.sim.report.trace_files as timeline
 
     class Interrupting:
         """json whose dumps is interrupted once the trace file is being written."""

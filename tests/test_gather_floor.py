@@ -12,7 +12,7 @@ from testbed.explore.analytic import estimate, plan_memory
 from testbed.explore.floor import played_floor, step_floor
 from testbed.explore.gather_floor import gather_floor
 from testbed.explore.space import SearchSpace, candidates, preset_plan
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 

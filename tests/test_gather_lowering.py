@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from testbed.model.gather_lowering import NO_LOWERING, Lowering, backward_segments, lowered_merges
-from testbed.sim.xla_tpu import gather_allreduce_bytes, gather_lowering
+from testbed.sim.xla.xla_tpu import gather_allreduce_bytes, gather_lowering
 from testbed.plan.io import plan_from_dict
 from testbed.topology.compile_target import parse_target, target_topology
 

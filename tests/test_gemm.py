@@ -11,8 +11,8 @@ from hypothesis import given, settings, strategies as st
 from testbed.model import costs
 from testbed.model.gemm import Gemm, chunk_gemms, gemm_flops
 from testbed.plan.io import plan_from_dict
-from testbed.sim.compute import gemm_efficiency, gemm_seconds
-from testbed.sim.engine import compute_seconds, simulate
+from testbed.sim.price.compute import gemm_efficiency, gemm_seconds
+from testbed.sim.graph.engine import compute_seconds, simulate
 from testbed.topology.io import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,9 +11,9 @@ from testbed.calibration.gemm_shapes import (fit_gemm_shapes, gemm_rows, launch_
                                              predicted_seconds)
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
-from testbed.sim.compute import compute_seconds, gemm_seconds
-from testbed.sim.traced import price_workload, traced_topology, workload_program
-from testbed.sim.workload import OpKind, TracedOp, Workload
+from testbed.sim.price.compute import compute_seconds, gemm_seconds
+from testbed.sim.graph.traced import price_workload, traced_topology, workload_program
+from testbed.sim.xla.workload import OpKind, TracedOp, Workload
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
 FIELDS = {"matmul_efficiency": 0.6, "matmul_half_mn": 40.0, "matmul_half_k": 25.0, "matmul_latency_s": 20e-6}
@@ -109,7 +109,7 @@ def test_a_calibration_with_a_gemm_grid_carries_the_fields_and_its_plans_are_pri
     from testbed.calibration.calibrated import fit_saved, saved_base
     from testbed.cli.calibration_table import calibration_rows
     from testbed.plan.io import load_plan
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     root = Path(__file__).resolve().parents[1]
     path = root / "benchmarks/host_runs/2026-12-02/run-8/measurements.json"

@@ -21,9 +21,9 @@ from testbed.explore.analytic import estimate
 from testbed.model.gemm import Gemm
 from testbed.plan.io import plan_from_dict
 from testbed.plan.placement import place
-from testbed.sim.compute import gemm_seconds, pass_seconds
-from testbed.sim.engine import simulate
-from testbed.sim.program import build_program
+from testbed.sim.price.compute import gemm_seconds, pass_seconds
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import build_program
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "benchmarks" / "published"

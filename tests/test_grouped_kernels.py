@@ -1,5 +1,5 @@
 """``runtime.moe_dispatch: megablox``: the routed experts' GEMMs at MaxText's megablox kernel's published rate
-(testbed.sim.grouped_kernels), issue 34.
+(testbed.sim.price.grouped_kernels), issue 34.
 
 Small MoE GPTs: the value parses and a bad one is refused by name; the routed experts' GEMMs (and only they) carry
 the kernel through the backward and the recompute; on TPU v5p each costs ``1 / rate`` times its dense time, so
@@ -18,9 +18,9 @@ from testbed.explore.analytic import estimate
 from testbed.model import costs
 from testbed.model.gemm import chunk_gemms, gemm_flops
 from testbed.plan.io import plan_from_dict
-from testbed.sim.compute import compute_seconds
-from testbed.sim.engine import simulate
-from testbed.sim.grouped_kernels import RATES, SOURCES, grouped_rate
+from testbed.sim.price.compute import compute_seconds
+from testbed.sim.graph.engine import simulate
+from testbed.sim.price.grouped_kernels import RATES, SOURCES, grouped_rate
 from testbed.topology.io import load_topology
 
 MODEL = {"layers": 4, "d_model": 256, "heads": 8, "d_ff": 512, "seq_len": 128, "vocab": 512, "experts": 4,

@@ -15,7 +15,7 @@ from testbed.model.memory import inflight_microbatches, memory_breakdown
 from testbed.pipeline.schedules import build_schedule, held_by_gradient_chunks
 from testbed.plan.io import load_plan
 from testbed.plan.spec import Attention, Remat, ScheduleName, ScheduleSpec
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "published"))

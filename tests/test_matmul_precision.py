@@ -2,7 +2,7 @@
 
 At JAX's default precision a TPU runs an fp32 matmul as one bf16 pass (jax.lax.Precision.DEFAULT: "bfloat16 on
 TPU"); the bundled TPU topologies say so (``device.fp32_matmuls: bf16``). Both simulator tiers price with
-testbed.sim.compute.plan_matmul_dtype; ``highest`` keeps the fp32 peak; GPUs are unchanged.
+testbed.sim.price.compute.plan_matmul_dtype; ``highest`` keeps the fp32 peak; GPUs are unchanged.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.plan.io import plan_from_dict
 from testbed.plan.runtime import RuntimeSpec
-from testbed.sim.compute import plan_matmul_dtype, rate_dtype
-from testbed.sim.engine import simulate
+from testbed.sim.price.compute import plan_matmul_dtype, rate_dtype
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 from testbed.topology.parts import DeviceSpec, matmul_dtype
 

@@ -20,7 +20,7 @@ from testbed.collectives.timing import collective_time
 from testbed.model import moe
 from testbed.plan.io import load_plan
 from testbed.plan.placement import place
-from testbed.sim.program import axis_groups
+from testbed.sim.graph.program import axis_groups
 from testbed.topology.io import load_topology
 
 TOPOLOGY = "dgx-h100-x4"

@@ -251,8 +251,8 @@ def test_traced_step_moves_the_plans_tensor_bytes(parallel: bool, sp: bool) -> N
     from testbed.plan.placement import place
     from testbed.plan.spec import MESH_AXES
     from testbed.runner.program.plans import trace_plan
-    from testbed.sim.engine import simulate
-    from testbed.sim.traced import collective_bytes, simulate_workload
+    from testbed.sim.graph.engine import simulate
+    from testbed.sim.graph.traced import collective_bytes, simulate_workload
 
     topology = load_topology("dgx-h100-x4")
     model = ModelSpec(layers=2, d_model=1024, heads=16, head_dim=96, d_ff=4096, seq_len=1024, vocab=32768,

@@ -27,9 +27,9 @@ from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.placement import place
 from testbed.plan.sharding import reduction_axes
 from testbed.plan.spec import Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.engine import simulate
-from testbed.sim.moe import A2A_STREAM
-from testbed.sim.program import TaskKind, axis_groups, build_program
+from testbed.sim.graph.engine import simulate
+from testbed.sim.step.moe import A2A_STREAM
+from testbed.sim.graph.program import TaskKind, axis_groups, build_program
 from testbed.topology.io import load_topology
 
 HOST = load_topology("host-cpu-8")

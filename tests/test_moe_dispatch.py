@@ -17,7 +17,7 @@ from testbed.model import costs
 from testbed.model.dispatch import einsum_flops, einsum_shapes
 from testbed.model.gemm import chunk_gemms, gemm_flops
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 MODEL = {"layers": 4, "d_model": 256, "heads": 8, "d_ff": 512, "seq_len": 128, "vocab": 512, "experts": 4,

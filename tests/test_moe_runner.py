@@ -349,13 +349,13 @@ def test_folded_map_flops_are_the_model_gemms() -> None:
 @pytest.mark.slow  # two 8-device SPMD steps compiled
 def test_folded_step_moves_the_simulated_all_to_all_bytes() -> None:
     """XLA's compiled step of a folded plan (data 2 x expert 2 x tensor 2) moves over ``expert`` exactly the
-    all-to-all bytes testbed.sim.program's task graph carries (``1 / tensor`` of the unfolded plan's), and over
+    all-to-all bytes testbed.sim.graph.program's task graph carries (``1 / tensor`` of the unfolded plan's), and over
     ``tensor`` fewer bytes than the unfolded plan (whose expert map all-reduces the capacity-padded outputs)."""
     from testbed.plan.placement import place
     from testbed.plan.spec import Axis
     from testbed.runner import reshards
     from testbed.runner.check_sharding import compiled_spmd
-    from testbed.sim.program import axis_groups, build_program
+    from testbed.sim.graph.program import axis_groups, build_program
     from testbed.topology.io import load_topology
 
     host = load_topology("host-cpu-8")

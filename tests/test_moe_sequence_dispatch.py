@@ -11,7 +11,7 @@ import pytest
 from testbed.explore.analytic import estimate
 from testbed.model import moe
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 TOPOLOGY = load_topology("dgx-h100-x4")

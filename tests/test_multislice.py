@@ -28,7 +28,7 @@ from testbed.collectives.timing import applicable_algorithms, collective_time, l
 from testbed.collectives import torus as torus_forms
 from testbed.errors import InputError
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import price, simulate
+from testbed.sim.graph.engine import price, simulate
 from testbed.topology import DeviceSpec, generators
 from testbed.topology.io import dump_topology, load_topology, topology_from_dict, topology_from_text, topology_to_dict
 from testbed.topology.parts import Level, LinkKind

@@ -10,7 +10,7 @@ from testbed.explore.analytic import estimate
 from testbed.model.activations import activation_bytes_per_layer, sequence_share
 from testbed.model.memory import memory_breakdown
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import topology_from_dict
 
 D, SEQ, T = 3072, 2048, 12

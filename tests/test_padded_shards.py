@@ -26,7 +26,7 @@ from testbed.runner import devices as dev
 from testbed.runner.parallel import _path_names
 from testbed.runner.padding import FlatState, flat_shape, flatten, unflatten
 from testbed.runner.train import build_trainer, verify_plan
-from testbed.sim.program import build_program
+from testbed.sim.graph.program import build_program
 from testbed.topology.io import load_topology
 
 HOST = load_topology("host-cpu-8")

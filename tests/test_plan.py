@@ -140,7 +140,7 @@ def test_every_bundled_plan_loads_and_simulates_on_its_mesh():
     import math
 
     from testbed.topology.generators import switch
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     files = sorted(glob.glob("plans/**/*.yaml", recursive=True))

@@ -14,8 +14,8 @@ from testbed.explore.play import Play
 from testbed.explore.play_floor import action_floors, stage_rests
 from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.plan.placement import place
-from testbed.sim.facts import step_facts, topology_rules
-from testbed.sim.step_rules import action_steps
+from testbed.sim.step.facts import step_facts, topology_rules
+from testbed.sim.step.step_rules import action_steps
 from testbed.topology.io import load_topology
 
 SPACE = SearchSpace(schedules=("1f1b", "interleaved", "zb-h1"), microbatches=(1, 4, 8), zero=(0, 1, 3),
@@ -56,7 +56,7 @@ def test_play_floor_never_passes_the_step(model: str, topology_name: str, device
 
 
 def test_play_floor_counts_the_update_left_after_fusion() -> None:
-    """On one v5e chip the optimizer's update runs in the weight gradients' epilogue (testbed.sim.update_facts
+    """On one v5e chip the optimizer's update runs in the weight gradients' epilogue (testbed.sim.step.update_facts
     .fused_update): the floor prices what is left of it, as the play does, so it stays under the step."""
     from pathlib import Path
 

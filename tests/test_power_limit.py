@@ -1,7 +1,7 @@
 """A device held below its rated power: ``device.power_limit`` on its ``power_curve`` slows its math and nothing else.
 
 The curve maps board watts to the fraction of the listed peak FLOP/s the device sustains (testbed.topology.parts
-DeviceSpec); the simulator prices matmuls at that rate (testbed.sim.compute), memory passes at the unchanged HBM
+DeviceSpec); the simulator prices matmuls at that rate (testbed.sim.price.compute), memory passes at the unchanged HBM
 bandwidth, and a device without a limit prices exactly as before.
 """
 
@@ -18,9 +18,9 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.model.gemm import Gemm
 from testbed.plan.io import plan_from_dict
-from testbed.sim.compute import gemm_seconds, pass_seconds
-from testbed.sim.engine import simulate
-from testbed.sim.program import build_program
+from testbed.sim.price.compute import gemm_seconds, pass_seconds
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import build_program
 from testbed.plan.placement import place
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 

@@ -1,5 +1,5 @@
 """`testbed simulate` on a plan without ``runtime:``: the step time's band over the named runtime profiles
-(testbed.sim.profile_spread), in the text and as ``--json`` fields; a plan stating ``runtime:`` has none."""
+(testbed.sim.graph.profile_spread), in the text and as ``--json`` fields; a plan stating ``runtime:`` has none."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import yaml
 from testbed.cli import main
 from testbed.plan.io import load_plan
 from testbed.plan.runtime import PROFILES, runtime_from_dict
-from testbed.sim.engine import simulate
-from testbed.sim.profile_spread import ProfileSpread, profile_spread
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.profile_spread import ProfileSpread, profile_spread
 from testbed.topology.io import load_topology
 
 PLAN = {"name": "band", "topology": "dgx-h100", "precision": "bf16-mixed", "remat": "full",

@@ -17,10 +17,10 @@ from testbed.plan.placement import place
 from testbed.plan.runtime import PYTORCH_PROGRAM
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.model.spans import action_spans
-from testbed.sim.action_work import action_work
-from testbed.sim.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, step_facts
-from testbed.sim.grad_bytes import accumulated_in_the_backward, loop_kept
-from testbed.sim.program import TaskKind, axis_groups, build_program
+from testbed.sim.step.action_work import action_work
+from testbed.sim.step.facts import BUCKETS, OPTIMIZER_FLOPS_PER_PARAM, step_facts
+from testbed.sim.step.grad_bytes import accumulated_in_the_backward, loop_kept
+from testbed.sim.graph.program import TaskKind, axis_groups, build_program
 from testbed.pipeline.schedules import build_schedule, sends
 from testbed.plan.sharding import gradient_reduction, loss_merged, state_sharding
 
@@ -186,7 +186,7 @@ def test_axis_groups_partition_each_stage():
     (3, 1, {"reduce_scatter", "all_gather"}), (0, 2, {"reduce_scatter", "all_reduce", "all_gather"}),
 ])
 def test_sharding_model(zero, fsdp, ops):
-    """Which collectives each ZeRO stage / fsdp uses (module docstring of testbed.sim.program)."""
+    """Which collectives each ZeRO stage / fsdp uses (module docstring of testbed.sim.graph.program)."""
     plan = make_plan(data=2, fsdp=fsdp, zero=zero)
     _, program = _program(plan)
     used = {t.op for t in program.tasks if t.kind is TaskKind.COLLECTIVE and t.stream != "loss"}
@@ -225,7 +225,7 @@ def test_the_loss_is_all_reduced_over_the_batch_axes(microbatches, expected):
 def test_each_microbatch_adds_its_gradients_into_the_accumulator(plan):
     """One `accumulate` task per chunk and microbatch (none with one microbatch), after the chunk's weight
     gradients: three passes over the device's gradients, or over its shard when they accumulate sharded. In JAX's
-    one SPMD step (testbed.sim.grad_bytes.accumulated_in_the_backward) the three passes are the weight-gradient
+    one SPMD step (testbed.sim.step.grad_bytes.accumulated_in_the_backward) the three passes are the weight-gradient
     action's own bytes instead, in its last span (where its weight gradients are), and no task of their own."""
     placement, program = _program(plan)
     _, grad_b, _ = state_bytes_per_param(plan)
@@ -350,7 +350,7 @@ def test_host_counts_one_collective_per_leaf():
     within XLA's default threshold (testbed.model.leaves.combine_limit), one per block of this small GPT."""
     from testbed.plan.io import load_plan
     from testbed.model.leaves import combined_sizes, gathered_leaves
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     host = load_topology("host-cpu-8")
@@ -410,7 +410,7 @@ def test_sequence_parallel_replicated_gradients_are_summed_over_tensor_too(zero)
     learned position table's over data as each rank's 1/t shard (the traced runner step's reductions). With the
     optimizer state sharded (ZeRO-1) the plan keeps the dense rule. In one SPMD step of one microbatch the sum over
     data and tensor leaves as the backward's compute ends, on a stream of its own
-    (testbed.sim.grad_bytes.summed_in_the_step)."""
+    (testbed.sim.step.grad_bytes.summed_in_the_step)."""
     plan = replace(make_plan(data=2, tensor=2, microbatches=1, zero=zero), sequence_parallel=True,
                    precision="bf16-mixed")
     placement, program = _program(plan)

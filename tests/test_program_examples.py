@@ -72,7 +72,7 @@ def test_program_host_prices_a_saved_run_without_measuring(tmp_path, capsys) -> 
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from testbed.calibration.steps import step_plan
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     mesh, sizes = bench.HOST_SIZES["vision_cnn"]

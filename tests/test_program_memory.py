@@ -89,7 +89,7 @@ def test_xla_cpu_holds_an_f32_copy_of_each_bf16_matmul_operand() -> None:
     """XLA:CPU computes a bf16 dot in f32 between converts (``device.bf16_matmuls: fp32``): each operand's f32 copy
     is in memory while the dot runs (a ViT's compiled step: 60 ``wrapped_convert`` fusions, its memory analysis
     within 0.1% of the estimate with them). The host's report counts them, a GPU's does not, fp32 programs alike."""
-    from testbed.sim.traced import device_memory
+    from testbed.sim.graph.traced import device_memory
     from testbed.topology.io import load_topology
 
     def fn(x, w):

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from testbed.errors import InputError
 from testbed.runner.program import abstract_mesh, trace, trace_pmap
 from testbed.runner.program.evaluate import UNROLL_NODES
-from testbed.sim.workload import OpKind
+from testbed.sim.xla.workload import OpKind
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sd = jax.ShapeDtypeStruct
@@ -49,7 +49,7 @@ def test_an_adam_update_is_one_multi_output_fusion() -> None:
     """optax's AdamW over an fp32 master from bf16 gradients: XLA fuses the moments' and the parameters'
     updates into one kernel with several outputs, so each parameter costs its reads (bf16 gradient, fp32
     master and two moments: 14 bytes) and writes (master, moments, bf16 copy: 14 bytes) once - the 28 bytes
-    plan-driven simulation charges (testbed.sim.facts: grad + param + 2 x (4 + 4 x moments)). The new
+    plan-driven simulation charges (testbed.sim.step.facts: grad + param + 2 x (4 + 4 x moments)). The new
     moments, written because the step returns them, are not read back."""
     import optax
 
@@ -217,7 +217,7 @@ def test_the_traced_collectives_are_those_xla_compiles(example, shape, names, si
     from collections import Counter
 
     from testbed.runner.reshards import compiled_axes
-    from testbed.sim.combine import combine_collectives
+    from testbed.sim.xla.combine import combine_collectives
 
     monkeypatch.syspath_prepend(str(EXAMPLES / "predict"))
     module = importlib.import_module(example)
@@ -296,9 +296,9 @@ def _fp8_moves(x):
 def test_xla_cpu_moves_bf16_collectives_in_f32(program) -> None:
     """XLA:CPU widens every bf16 collective to f32 and every f8 one to f16 (its float normalization): on 8 emulated
     devices the compiled bytes per axis and kind are the traced ones as host-cpu-8's compiler moves them
-    (testbed.sim.traced.device_collectives), twice the traced bytes; a GPU's compiler keeps them."""
+    (testbed.sim.graph.traced.device_collectives), twice the traced bytes; a GPU's compiler keeps them."""
     from testbed.runner.program.measure import compiled_collectives
-    from testbed.sim.traced import device_collectives
+    from testbed.sim.graph.traced import device_collectives
     from testbed.topology.io import load_topology
 
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

@@ -1,7 +1,7 @@
 """testbed's own GPT step traced like a user's program and priced, against plan-driven simulation of the plan.
 
 Issue 36's check: the runner's SPMD step (testbed.runner.program.plans.trace_plan) priced on a topology
-(testbed.sim.traced) agrees with testbed.sim.engine.simulate. Plans are drawn at realistic sizes on
+(testbed.sim.graph.traced) agrees with testbed.sim.graph.engine.simulate. Plans are drawn at realistic sizes on
 abstract meshes of whole topologies (tracing needs no devices): a tiny model's step is a few kernel and
 collective latencies, where the two descriptions' fixed costs, not the model, decide the time.
 
@@ -15,9 +15,9 @@ with or without sequence parallelism, and data x fsdp x tensor with leaves the f
 flat and padded on both sides), every axis's bytes exactly, and the step time within 5% for fsdp x tensor on
 both at one and two microbatches (drawn tests; every corner, benchmarks/program_vs_plan.py). Both sides merge
 parameter gathers and gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit, XLA's
-default 30 MiB) by XLA's combiner rule (testbed.sim.combine: by data-flow reachability; the plan's model counts what
+default 30 MiB) by XLA's combiner rule (testbed.sim.xla.combine: by data-flow reachability; the plan's model counts what
 it gives the runner's program, the backward's gathers of two adjacent pieces together); the tracer starts each collective once its
-operands are ready (testbed.sim.overlap.hoist_collectives) and the plan's model makes the embedding and the head
+operands are ready (testbed.sim.xla.overlap.hoist_collectives) and the plan's model makes the embedding and the head
 fsdp blocks of their own (testbed.model.blocks.own_blocks), reduce-scattering each block's gradients at their
 merged sizes: fsdp over the whole superpod (fp32, and d_model 2048 bf16) and over a TPU slice agree within 5%.
 At 2 microbatches (the runner's accumulation loop): data x tensor with or without sequence parallelism within
@@ -42,9 +42,9 @@ from testbed.model.blocks import SHARE_QUANTUM
 from testbed.plan.placement import place
 from testbed.plan.spec import MESH_AXES, Axis, BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
 from testbed.runner.program.plans import trace_plan
-from testbed.sim.engine import simulate
-from testbed.sim.tasks import TaskKind
-from testbed.sim.traced import collective_bytes, compiled_collectives, simulate_workload, workload_program
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.tasks import TaskKind
+from testbed.sim.graph.traced import collective_bytes, compiled_collectives, simulate_workload, workload_program
 from testbed.topology.io import load_topology
 
 from helpers import with_xla_merges
@@ -84,7 +84,7 @@ def _program_dtypes(topology):
     gradient all-reduces and reduces the loss's maximum in bf16 (testbed.topology.DeviceSpec.native_reductions,
     read from its compiles), which the tracer, reading the JAX program's fp32 sums, does not; the bytes are
     compared on the program's dtypes (the traced program's collectives as that topology's compiler moves them:
-    testbed.sim.traced.compiled_collectives), the step times on the topology as it is."""
+    testbed.sim.graph.traced.compiled_collectives), the step times on the topology as it is."""
     if not topology.device.native_reductions():
         return topology
     return replace(topology, device=replace(topology.device, buffer_rules="xla"))
@@ -138,9 +138,9 @@ def test_data_tensor_and_sequence_parallel_step_times_agree_on_a_superpod(drawn)
 def test_fsdp_tensor_and_sequence_parallel_step_times_agree_on_a_superpod(drawn) -> None:
     """fsdp x tensor (sequence parallel or not), bf16-mixed or fp32, at one or two microbatches on the superpod:
     within 5%. Every one of the 112 corners is (benchmarks/program_vs_plan.py, and with ``--microbatches 2``;
-    largest misses 4.9% and 4.8%): the blocks played span by span (testbed.sim.span_order), the microbatch loop XLA
-    keeps in both tiers (testbed.sim.grad_bytes.loop_kept), the tracer's hoisted operand chains
-    (testbed.sim.overlap)."""
+    largest misses 4.9% and 4.8%): the blocks played span by span (testbed.sim.step.span_order), the microbatch loop XLA
+    keeps in both tiers (testbed.sim.step.grad_bytes.loop_kept), the tracer's hoisted operand chains
+    (testbed.sim.xla.overlap)."""
     _step_times_agree(drawn)
 
 
@@ -151,9 +151,9 @@ def test_fsdp_tensor_and_sequence_parallel_step_times_agree_on_a_tpu_slice(drawn
     """fsdp x tensor (sequence parallel or not), bf16-mixed or fp32, at one or two microbatches on the TPU slice,
     where the fsdp and tensor groups share the torus's links: within 5% (every corner: benchmarks/program_vs_plan.py
     --family fsdp --topology tpu-v5e-16x16, and with ``--microbatches 2``), both tiers gathering as XLA:TPU does
-    (testbed.sim.xla_tpu: fp32 gathers only matmuls read in bf16, a whole slice's small ones all-reduced). Besides
+    (testbed.sim.xla.xla_tpu: fp32 gathers only matmuls read in bf16, a whole slice's small ones all-reduced). Besides
     the superpod's rules, each span waits only for the merged gathers holding the
-    leaves it reads (testbed.sim.span_order.span_needs), the unlinked last layer's backward gather for the head's
+    leaves it reads (testbed.sim.step.span_order.span_needs), the unlinked last layer's backward gather for the head's
     summed input gradient (span_order.cotangent_block), and a held block's weight gradients are cut by the merges
     that read them (testbed.model.blocks.scatter_cuts); docs/program.md, "FSDP blocks span by span"."""
     _step_times_agree(drawn)
@@ -223,7 +223,7 @@ def test_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
     backward gathers again only the parameters it reads (testbed.model.leaves.regathered_in_backward: no bias
     or norm shift), the padded leaves are gathered and reduce-scattered flat (testbed.runner.padding), and under
     sequence parallelism the tensor-replicated gradients are summed over tensor on their own
-    (testbed.sim.grad_bytes.sequence_apart)."""
+    (testbed.sim.step.grad_bytes.sequence_apart)."""
     plan, topology = drawn
     _, _, moved, expected = _both(plan, topology)
     assert moved == expected
@@ -250,7 +250,7 @@ def _fsdp_sizes(program, plan: Plan, topology_name: str) -> dict[str, list[float
 @given(spmd_plans(fsdp=True))
 def test_fsdp_steps_merge_the_plans_gathers_and_reduce_scatters(drawn) -> None:
     """fsdp x tensor: the traced step's parameter gathers and gradient reduce-scatters, as XLA's combiner merges
-    them (testbed.sim.combine), are the plan's merged collectives one for one, at their sizes: the backward's
+    them (testbed.sim.xla.combine), are the plan's merged collectives one for one, at their sizes: the backward's
     gathers as testbed.model.leaves.backward_merges counts them from the runner's links
     (testbed.model.leaves.linked_layer: the last layer's gather waits for the head's backward, so the head's
     merges with none), the reduce-scatters in the order the transposed gathers issue a piece's gradients, each
@@ -280,7 +280,7 @@ def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, 
     parameter gathers and the gradient reduce-scatters within one bound (testbed.model.leaves.combine_limit: XLA's
     default 30 MiB), so the traced step's merged gathers of the later blocks run while the first block computes,
     as the plan's model prefetches block by block; the tracer starts each collective once its operands are ready
-    (testbed.sim.overlap.hoist_collectives), so the backward's gathers run one block ahead on both sides; and the
+    (testbed.sim.xla.overlap.hoist_collectives), so the backward's gathers run one block ahead on both sides; and the
     plan's model makes the embedding and the head blocks of their own (testbed.model.blocks.own_blocks), whose
     gradients are reduce-scattered at their merged sizes as soon as each is computed, as the runner's are."""
     plan = Plan(name=f"fsdp{fsdp}", model=ModelSpec(layers=layers, d_model=d_model, heads=16, d_ff=4 * d_model,
@@ -295,7 +295,7 @@ def test_an_fsdp_step_time(layers: int, fsdp: int, topology: str, d_model: int, 
 def test_an_fsdp_by_tensor_bf16_step_time(sequence_parallel: bool) -> None:
     """8 layers, fsdp 128 x tensor 8 in bf16-mixed on the superpod (1.46 and 1.52 before): the runner casts each
     leaf's fp32 shard to bf16 before its gather, and JAX emits a layer's casts and gathers after the layer before
-    it. XLA's combiner rule (testbed.sim.combine: by data-flow reachability, not program order) merges the
+    it. XLA's combiner rule (testbed.sim.xla.combine: by data-flow reachability, not program order) merges the
     forward's gathers across layers within the bound, as the plan's model does, and the backward's of two
     adjacent pieces (a piece's gather waits for a cotangent computed two pieces back), as the plan's model now
     counts them (testbed.model.leaves.backward_merges)."""
@@ -315,8 +315,8 @@ def test_an_fp32_fsdp_by_tensor_step_time_at_sequence_2048_on_a_superpod(d_model
     runner's last layer is not linked to the head, so its backward gather reads the final norm's backward, which
     reads the head's input gradient summed over tensor; the tracer issued it after the head's weight-gradient
     matmul, which JAX emits in between (3.6 ms at d_model 2048 in fp32), where XLA's scheduler runs that matmul
-    under the started gather (testbed.sim.overlap.hoist_collectives); with sequence parallelism the no-op
-    all-reduces over groups of one device had also merged the two (testbed.sim.combine.drop_trivial_collectives)."""
+    under the started gather (testbed.sim.xla.overlap.hoist_collectives); with sequence parallelism the no-op
+    all-reduces over groups of one device had also merged the two (testbed.sim.xla.combine.drop_trivial_collectives)."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=2048, vocab=32768)
     plan = Plan(name="fsdp-tp-fp32", model=model, batch=BatchSpec(global_batch=1024 // tensor),
                 mesh=MeshSpec(fsdp=1024 // tensor, tensor=tensor), schedule=ScheduleSpec(name="1f1b"),
@@ -349,13 +349,13 @@ def test_an_fsdp_by_tensor_step_time_on_a_tpu_slice(d_model: int, seq_len: int, 
     """fsdp 64 x tensor 4 on a TPU slice, where the fsdp and tensor groups share the torus's links: the plan's
     merges and their order are the traced step's (test_fsdp_steps_merge_the_plans_gathers_and_reduce_scatters),
     and the last block's gradients, which the traced program completes among the backward's tensor all-reduces,
-    are reduce-scattered after them on both tiers (testbed.sim.grad_tasks.after_tensor), not beside them on
+    are reduce-scattered after them on both tiers (testbed.sim.step.step_rules.after_tensor), not beside them on
     shared links (1.04, 1.06, 1.08 before). d_model 1024 at sequence 2048 was a strict xfail (1.34, 1.27, 1.125,
     1.084) until the tracer started the unlinked last layer's backward gather right after the head's input gradient
-    and its tensor all-reduce, ahead of the head's weight-gradient matmul (testbed.sim.overlap.hoist_collectives):
+    and its tensor all-reduce, ahead of the head's weight-gradient matmul (testbed.sim.xla.overlap.hoist_collectives):
     1.038. That tracer rule took d_model 2048 fp32 from 0.993 to 0.945 (a strict xfail: the plan played each
     action's tensor all-reduces after its compute), until the plan played each block span by span, its weight
-    gradients where the program computes them (testbed.sim.span_play): 0.967."""
+    gradients where the program computes them (testbed.sim.graph.span_play): 0.967."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=seq_len, vocab=32768)
     plan = Plan(name="fsdp-tp-tpu", model=model, batch=BatchSpec(global_batch=64), mesh=MeshSpec(fsdp=64, tensor=4),
                 schedule=ScheduleSpec(name="1f1b"), precision=precision, remat="none",
@@ -368,7 +368,7 @@ def test_an_fsdp_by_tensor_step_time_on_a_tpu_slice(d_model: int, seq_len: int, 
 def test_fp32_sequence_gathers_only_matmuls_read_move_bf16_on_both_tiers(remat: str) -> None:
     """fsdp 8 x tensor 2 with sequence parallelism in fp32 on a v5e 4x4 slice: XLA:TPU gathers an fp32 activation only
     matmuls read in bf16 (benchmarks/xla_tpu_narrowing.py), the traced tier by the gathers' readers
-    (testbed.sim.xla_tpu.lowered_gathers), the plan by which sequence gather it is (testbed.sim.xla_tpu.
+    (testbed.sim.xla.xla_tpu.lowered_gathers), the plan by which sequence gather it is (testbed.sim.xla.xla_tpu.
     sequence_gather_bytes: all but the embedding backward's and the position table's): their tensor all-gathers
     one for one, full remat's recomputation's too."""
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
@@ -393,8 +393,8 @@ def test_fp32_sequence_gathers_only_matmuls_read_move_bf16_on_both_tiers(remat: 
 #: fp32): traced/plan 0.935 and 0.941. The rest is the backward's tail: the traced program sums the
 #: sequence-replicated gradients over tensor in one merged all-reduce as the first layer's weight gradients end, and
 #: the small merged reduce-scatters issued in the embedding's block leave then, beside the embedding's fp32 tensor
-#: all-gathers; the plan releases that block's merges after those gathers (testbed.sim.grad_tasks.after_tensor) and
-#: sums each merge's shard over tensor after its reduce-scatter, one all-reduce each (testbed.sim.grad_tasks.
+#: all-gathers; the plan releases that block's merges after those gathers (testbed.sim.step.step_rules.after_tensor) and
+#: sums each merge's shard over tensor after its reduce-scatter, one all-reduce each (testbed.sim.graph.grad_tasks.
 #: reduce_tasks).
 SEQUENCE_GRADIENTS_TAIL = pytest.mark.xfail(strict=True, reason=(
     "fp32 sequence parallelism on the TPU slice: the plan releases the embedding block's merged reduce-scatters "
@@ -410,7 +410,7 @@ def test_a_sequence_parallel_fsdp_by_tensor_step_time(topology: str, devices: in
     """fsdp x tensor 2 with sequence parallelism, fp32: the traced program computes a layer's weight gradients
     after its last span, beside the all-gather of the cotangent the next layer reads, and the first layer's after
     the embedding's scatter-add, beside the table's reduce-scatter; the plan's blocks play them so
-    (testbed.sim.span_order; 0.938 on the TPU slice and 0.946 on the superpod when the plan spread them over the
+    (testbed.sim.step.span_order; 0.938 on the TPU slice and 0.946 on the superpod when the plan spread them over the
     spans, beside each span's collectives)."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=seq_len, vocab=32768)
     plan = Plan(name="fsdp-sp", model=model, batch=BatchSpec(global_batch=devices // 2),
@@ -427,7 +427,7 @@ def test_a_sequence_parallel_layers_gradients_leave_after_its_own_weight_gradien
     """fsdp x tensor with sequence parallelism on the TPU slice, d_model 2048, sequence 2048: every layer's merged
     reduce-scatter is issued in the embedding's block (it reads the backward's all-reduce of the tensor-replicated
     gradients), but each leaves once its own layer's weight gradients are computed, the last layer's beside the
-    first layer's (testbed.model.blocks.scatter_reads, testbed.sim.span_order); the plan released every merge
+    first layer's (testbed.model.blocks.scatter_reads, testbed.sim.step.span_order); the plan released every merge
     after all weight gradients: 0.949 and 0.949."""
     plan = _sequence_parallel_fsdp_by_tensor("fsdp-sp-reads", 256, tensor, 2048, precision)
     traced, planned, _, _ = _both(plan, "tpu-v5e-16x16")
@@ -472,7 +472,7 @@ def _gathers_as_compiled(program) -> tuple[list[float], list[float]]:
 @pytest.mark.parametrize(("layers", "fsdp", "topology"), [(4, 16, "tpu-v5e-4x4"), (2, 256, "tpu-v5e-16x16")])
 def test_traced_fp32_gathers_follow_xla_tpus_rules_as_the_plans_do(layers: int, fsdp: int, topology: str) -> None:
     """fsdp over a whole TPU slice in fp32: the traced step's gathers follow XLA:TPU's rules by the functions the
-    plan's do (testbed.sim.xla_tpu.lowered_gathers): the weight matrices read only by matmuls gathered in bf16
+    plan's do (testbed.sim.xla.xla_tpu.lowered_gathers): the weight matrices read only by matmuls gathered in bf16
     (the tables, the norms, the biases, 2-D ``attn/bqkv`` included, and the head's forward gather in fp32), and on
     the 16x16 slice the buffers of at most 16 MiB all-reduced, merged by the all-reduce combiner by data flow as
     the plan merges them (testbed.model.gather_lowering: the forward's one, the head's backward norm alone, the
@@ -504,7 +504,7 @@ def test_a_sequence_parallel_fp32_step_with_learned_positions_on_a_superpod() ->
     """A point of the superpod draw space that was 1.06 while the tracer merged all-gathers without a bound and the
     plan counted one data all-reduce. The embedding backward's tensor all-gather merges with the learned position
     table's gradient gather, which follows the data all-reduce, and puts two data all-reduces in series; the plan
-    counts them so now (testbed.sim.grad_bytes.token_table_last; 0.974 before, with one)."""
+    counts them so now (testbed.sim.step.grad_bytes.token_table_last; 0.974 before, with one)."""
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name="sp", model=model, batch=BatchSpec(global_batch=256), mesh=MeshSpec(data=256, tensor=4),
                 schedule=ScheduleSpec(name="1f1b"), precision="fp32", remat="none", sequence_parallel=True)
@@ -532,10 +532,10 @@ def _all_reduce_sizes(program, plan: Plan, topology_name: str) -> dict[tuple[str
 def test_data_steps_sum_the_gradients_in_the_plans_all_reduces(drawn) -> None:
     """Data x tensor with or without sequence parallelism, bf16-mixed or fp32: the traced step's all-reduces over
     each set of mesh axes are the plan's one for one, at their sizes (XLA's all-reduce combiner merges the
-    independent ones: testbed.sim.combine). Under sequence parallelism with a learned position table the embedding
+    independent ones: testbed.sim.xla.combine). Under sequence parallelism with a learned position table the embedding
     backward's all-gather of the lookup's cotangent merges with the position table's gradient gather, which waits
     for that gradient's sum over data, so the token table's sum over data is an all-reduce of its own after the
-    rest (testbed.sim.grad_bytes.token_table_last); the tensor-replicated gradients' sum over data and tensor is one
+    rest (testbed.sim.step.grad_bytes.token_table_last); the tensor-replicated gradients' sum over data and tensor is one
     more. The loss's one fp32 value, which XLA merges into the first sum and the plan's model reduces on its own, is
     the 4 bytes set apart."""
     plan, topology = drawn
@@ -553,7 +553,7 @@ def test_a_data_by_tensor_2_sequence_parallel_bf16_step_time_on_a_superpod(d_mod
     """data 512 x tensor 2 with sequence parallelism in bf16-mixed, sequence 1024 (1.052 and 1.057 before): the step
     is the gradients' sums over 512 replicas after the backward. The traced program sums the token table's gradient
     after the rest (test_data_steps_sum_the_gradients_in_the_plans_all_reduces) and the tensor-replicated
-    gradients' as the layers' backward ends, beside the rest of it (testbed.sim.grad_bytes.summed_in_the_step); the
+    gradients' as the layers' backward ends, beside the rest of it (testbed.sim.step.grad_bytes.summed_in_the_step); the
     plan's model had one all-reduce and that sum after it."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=1024, vocab=32768)
     plan = Plan(name="data-tp-sp", model=model, batch=BatchSpec(global_batch=512), mesh=MeshSpec(data=512, tensor=2),
@@ -568,9 +568,9 @@ def test_accumulating_data_steps_move_the_plans_bytes_on_every_axis(drawn) -> No
     """Data x tensor with or without sequence parallelism at 2 microbatches (gradient accumulation), bf16-mixed or
     fp32: every axis's bytes exactly. The runner accumulates each replica's gradients over the microbatch loop and
     sums the replicas once after it, in the gradients' dtype (testbed.runner.replicas.sum_replicas: the norms' too,
-    testbed.sim.grad_bytes.summed_after_the_loop), as the plan reduces them once after the last backward; under
+    testbed.sim.step.grad_bytes.summed_after_the_loop), as the plan reduces them once after the last backward; under
     sequence parallelism the tensor-replicated gradients are summed over tensor every microbatch, then over data
-    with the rest, the position table's whole (testbed.sim.grad_bytes.summed_each_microbatch)."""
+    with the rest, the position table's whole (testbed.sim.step.grad_bytes.summed_each_microbatch)."""
     plan, topology = drawn
     _, _, moved, expected = _both(plan, topology)
     assert moved == expected
@@ -594,7 +594,7 @@ def test_an_accumulating_bf16_data_step_sums_its_gradients_once_in_bf16() -> Non
 def test_accumulating_data_step_times_agree(drawn) -> None:
     """Data x tensor with or without sequence parallelism at 2 microbatches, on both topologies: within 5%. The
     traced loop body adds each microbatch's gradients into the accumulator beside the weight gradients' GEMMs (its
-    last segment), and so does the plan's backward (testbed.sim.grad_bytes.accumulated_in_the_backward: its last
+    last segment), and so does the plan's backward (testbed.sim.step.grad_bytes.accumulated_in_the_backward: its last
     span), where an add of its own after the backward made the plan 3-11% slower on the TPU slice; the traced
     sequence-parallel step slices its replica's position table locally (sdy.all_slice). benchmarks/
     program_vs_plan.py --microbatches 2: all 112 data corners 0.950-1.030."""
@@ -620,16 +620,16 @@ def test_an_accumulating_sequence_parallel_step_slices_the_position_table_locall
 def test_accumulating_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> None:
     """fsdp x tensor with or without sequence parallelism at 2 microbatches: every axis's bytes exactly, each
     microbatch's gradients reduce-scattered in the loop, under sequence parallelism each after the
-    tensor-replicated ones' sum over tensor (testbed.sim.grad_bytes.summed_each_microbatch)."""
+    tensor-replicated ones' sum over tensor (testbed.sim.step.grad_bytes.summed_each_microbatch)."""
     plan, topology = drawn
     _, _, moved, expected = _both(plan, topology)
     assert moved == expected
 
 
 #: fsdp over a whole TPU slice at 2 microbatches in fp32: traced/plan 1.058 with both tiers gathering as XLA:TPU does
-#: (testbed.sim.xla_tpu.lowered_gathers). The plan starts the layers' merged backward gather (an all-reduce) after
+#: (testbed.sim.xla.xla_tpu.lowered_gathers). The plan starts the layers' merged backward gather (an all-reduce) after
 #: the head's forward, where the traced program's waits for the head's input gradient (the unlinked last layer's
-#: cotangent: testbed.sim.span_order.cotangent_block is not applied to that merge), and the traced layers' segments
+#: cotangent: testbed.sim.step.span_order.cotangent_block is not applied to that merge), and the traced layers' segments
 #: price 20-35% over the plan's spans.
 WHOLE_SLICE_FP32 = pytest.mark.xfail(strict=True, reason=(
     "the plan's lowered backward gather of the layers does not wait for the head's input gradient, the traced "
@@ -640,7 +640,7 @@ WHOLE_SLICE_FP32 = pytest.mark.xfail(strict=True, reason=(
                                                  pytest.param("tpu-v5e-16x16", 1, marks=WHOLE_SLICE_FP32)])
 def test_an_accumulating_fsdp_step_time(topology: str, tensor: int) -> None:
     """fsdp (x tensor) fp32 at 2 microbatches: XLA keeps the runner's microbatch loop and runs one iteration's body at
-    a time (testbed.sim.grad_bytes.loop_kept; docs/program.md, "The microbatch loop XLA keeps"), so neither side
+    a time (testbed.sim.step.grad_bytes.loop_kept; docs/program.md, "The microbatch loop XLA keeps"), so neither side
     gathers the second microbatch's parameters before the first has ended, its reduce-scatters included, and both
     reduce-scatter the first's gradients bucket by bucket as its backward makes them. Before, the traced side hoisted
     and merged the second microbatch's gathers across the unrolled loop and the plan overlapped the first's one
@@ -661,7 +661,7 @@ def test_an_accumulating_fsdp_by_tensor_step_holds_the_first_microbatchs_weight_
     its gradients into the accumulator from the same weight gradients as the last one's buckets, and the traced
     program computes them as it does in the last (the first layer's after the embedding's scatter-add, the table's
     reduce-scatter beside them); the plan plays the first microbatch's blocks as the last one's
-    (testbed.sim.program, testbed.explore.play). It had played each block's weight gradients after its spans
+    (testbed.sim.graph.program, testbed.explore.play). It had played each block's weight gradients after its spans
     there: 0.948 and 0.948."""
     model = ModelSpec(layers=2, d_model=d_model, heads=16, d_ff=4 * d_model, seq_len=1024, vocab=32768)
     plan = Plan(name="accumulate-tp", model=model, batch=BatchSpec(global_batch=256, microbatches=2),
@@ -683,7 +683,7 @@ def test_the_unlinked_last_layers_backward_gather_waits_for_the_heads_summed_inp
     """fsdp 32 x tensor 8 bf16 on the TPU slice, d_model 2048, sequence 2048: the runner does not link the last
     layer (testbed.model.leaves.linked_layer), so its backward gather waits for its own cotangent, the head's
     input gradient summed over tensor (then the final norm's backward); the plan starts it there
-    (testbed.sim.span_order.cotangent_block), within 0.15 ms of the traced step's (4.054 ms traced, 3.908
+    (testbed.sim.step.span_order.cotangent_block), within 0.15 ms of the traced step's (4.054 ms traced, 3.908
     planned), where the prefetch rule had started it beside the head's backward (3.229) and the step read 1.054.
     Both programs' gathers one for one: the forward's three, the head's, the last layer's."""
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=32768)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from testbed.sim.engine import compute_seconds
+from testbed.sim.graph.engine import compute_seconds
 from testbed.topology.io import load_topology
 
 ROOT = Path(__file__).resolve().parents[1]

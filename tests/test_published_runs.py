@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from testbed.explore.analytic import estimate
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 
 PUBLISHED = Path(__file__).resolve().parents[1] / "benchmarks" / "published"
 sys.path.insert(0, str(PUBLISHED))

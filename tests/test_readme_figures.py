@@ -106,7 +106,7 @@ def test_bundled_topology_count():
 def test_demo_block_predictions_are_the_simulator_s():
     """The demo block is a dated run (its measured figures are that host's); its predictions are checked."""
     from testbed.plan.io import load_plan
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
     from testbed.units import format_time
 

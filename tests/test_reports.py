@@ -15,10 +15,10 @@ from testbed.runner.results import RunResult, VerifyResult, device_peak_flops
 from testbed.runner.train import merge_worker_results
 from testbed.calibration.validation import REPORT_FIELDS, compare_reports, relative_error
 from testbed.plan.io import load_plan
-from testbed.sim.engine import simulate
-from testbed.sim.measured import measured_report, measured_timeline
-from testbed.sim.timeline import Report
-from testbed.sim.trace_files import write_trace
+from testbed.sim.graph.engine import simulate
+from testbed.sim.report.measured import measured_report, measured_timeline
+from testbed.sim.report.timeline import Report
+from testbed.sim.report.trace_files import write_trace
 from testbed.topology.io import load_topology
 
 

@@ -2,7 +2,7 @@
 and the default (the runner's behaviour) leaves every prediction as it was.
 
 Plans are small GPTs on an 8-GPU H100 node (tensor, data and pipeline degrees as each mechanism needs);
-testbed.plan.runtime documents the fields, testbed.model.gemm and testbed.sim.facts price them.
+testbed.plan.runtime documents the fields, testbed.model.gemm and testbed.sim.step.facts price them.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from testbed.model.leaves import norm_elements
 from testbed.plan.io import plan_from_dict
 from testbed.plan.placement import place
 from testbed.plan.runtime import PROFILES, RECOMPUTE, RuntimeSpec
-from testbed.sim.engine import simulate
-from testbed.sim.facts import BUCKETS, step_facts
-from testbed.sim.program import build_program
-from testbed.sim.grad_bytes import summed_after_the_loop
+from testbed.sim.graph.engine import simulate
+from testbed.sim.step.facts import BUCKETS, step_facts
+from testbed.sim.graph.program import build_program
+from testbed.sim.step.grad_bytes import summed_after_the_loop
 from testbed.topology.io import load_topology
 
 TOPOLOGY = "dgx-h100"
@@ -218,7 +218,7 @@ def test_fp32_gradient_reduction_moves_twice_the_bytes(microbatches):
         return sum(t.nbytes * t.count for t in build_program(p, placement).tasks
                    if t.stream == "grad" and t.op in ("all_reduce", "reduce_scatter"))
 
-    # One microbatch: the norms' gradients reduce in fp32 already (testbed.sim.grad_bytes.reduced_bytes), 4 bytes
+    # One microbatch: the norms' gradients reduce in fp32 already (testbed.sim.step.grad_bytes.reduced_bytes), 4 bytes
     # each either way; accumulated over a loop, the replicas are summed after it in the gradients' dtype.
     norms = sum(norm_elements(plan, s, c) for s in range(plan.mesh.stage) for c in range(plan.schedule.virtual_stages))
     fp32_norms = 0 if summed_after_the_loop(plan) else norms
@@ -315,7 +315,7 @@ def test_grad_accumulate_fp32_casts_and_adds_every_microbatch_in_fp32(microbatch
     """DeepSpeed's BF16_Optimizer: each microbatch's bf16 gradients are copied to fp32 and added into the fp32
     accumulator (18 bytes a parameter), the first microbatch's too, kernels of their own, where the runner's
     bf16 adds are the backward's own bytes; both tiers slower; a full-precision plan has no compute-dtype gradients to cast."""
-    from testbed.sim.facts import FP32_ACCUMULATE_BYTES
+    from testbed.sim.step.facts import FP32_ACCUMULATE_BYTES
     topology = load_topology(TOPOLOGY)
     over = {"batch": {"global_batch": 16, "microbatches": microbatches}, "zero": 1}
     plan, fp32 = _plan(**over), _plan({"grad_accumulate_fp32": True}, **over)
@@ -328,7 +328,7 @@ def test_grad_accumulate_fp32_casts_and_adds_every_microbatch_in_fp32(microbatch
 
     params = costs.chunk_cost(plan, 0, 0).params
     assert adds(fp32) == pytest.approx([FP32_ACCUMULATE_BYTES * params] * microbatches)
-    assert adds(plan) == []  # the bf16 add is the backward's own (testbed.sim.grad_bytes.accumulated_in_the_backward)
+    assert adds(plan) == []  # the bf16 add is the backward's own (testbed.sim.step.grad_bytes.accumulated_in_the_backward)
     (d0, a0), (d1, a1) = _both(plan), _both(fp32)
     assert d1 > d0 and a1 > a0
     full = {**over, "precision": "fp32"}

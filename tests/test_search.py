@@ -20,7 +20,7 @@ from testbed.explore.search import exhaustive_optimum, search
 from testbed.explore.space import SearchSpace, candidates, factorisations, preset_plan, resize_topology, shrink_plan
 from testbed.model.memory import memory_breakdown
 from testbed.plan.io import dump_plan, load_plan
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 SMALL = SearchSpace(schedules=("gpipe", "1f1b", "interleaved", "zb-h1"), virtual_stages=(2,), microbatches=(1, 2, 4),

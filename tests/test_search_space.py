@@ -20,7 +20,7 @@ from testbed.explore.space import (SAVE_DOTS, SearchSpace, candidate_groups, can
                                    preset_plan, virtual_stage_counts)
 from testbed.model.memory import state_floor
 from testbed.plan.spec import Remat
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 

@@ -12,8 +12,8 @@ from testbed.errors import InputError
 from testbed.explore.analytic import estimate
 from testbed.plan.io import load_plan
 from testbed.plan.placement import place
-from testbed.sim.engine import simulate
-from testbed.sim.program import TaskKind, build_program
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import TaskKind, build_program
 from testbed.topology.io import load_topology, topology_from_dict, topology_to_dict
 
 PIPELINES = ["pp4-1f1b-dp2", "pp2-gpipe-dp4", "pp2-zbh1-dp4", "pp2-interleaved-tp2-dp2", "mix-zero1-dp2-tp2-pp2-bf16"]

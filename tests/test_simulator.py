@@ -15,14 +15,14 @@ from testbed.plan.sharding import loss_merged
 from testbed.topology.generators import hierarchical, switch, torus
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.program import TaskKind, build_program
+from testbed.sim.graph.program import TaskKind, build_program
 from testbed.model.costs import chunk_cost
 from testbed.model.leaves import combine_limit
 from testbed.pipeline.timing import ActionCosts, play
 from testbed.pipeline.schedules import build_schedule
-from testbed.sim.engine import price, run, simulate
-from testbed.sim.timeline import CATEGORIES
-from testbed.sim.trace_files import chrome_trace, write_trace
+from testbed.sim.graph.engine import price, run, simulate
+from testbed.sim.report.timeline import CATEGORIES
+from testbed.sim.report.trace_files import chrome_trace, write_trace
 from testbed.topology import Calibration, CollectiveCalibration, ComputeCalibration, DeviceSpec, Level, LinkKind
 from testbed.topology.io import load_topology
 
@@ -222,7 +222,7 @@ def test_trace_parses_and_has_every_device(tmp_path):
 
 
 def test_gantt_png_is_written(tmp_path):
-    from testbed.sim.trace_files import write_gantt
+    from testbed.sim.report.trace_files import write_gantt
 
     sim = simulate(make_plan(data=2, tensor=2, stage=2), TOPOLOGIES["switch8"])
     path = write_gantt(sim.timeline, tmp_path / "g.png")
@@ -329,7 +329,7 @@ def test_a_topology_without_a_controller_group_prices_no_controller():
     """A GPU topology has no ``controller`` (nor ``host``) calibration group: no host tasks, no host time."""
     from dataclasses import replace
 
-    from testbed.sim.engine import controller_seconds
+    from testbed.sim.graph.engine import controller_seconds
 
     topo = load_topology("dgx-h100")
     assert topo.calibration.controller is None and topo.calibration.host is None

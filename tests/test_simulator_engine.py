@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from testbed.sim.contention import Flow, LinkLedger, fair_rates, normalised_loads
+from testbed.sim.price.contention import Flow, LinkLedger, fair_rates, normalised_loads
 from testbed.errors import InputError
-from testbed.sim.program import Program, Task, TaskKind
-from testbed.sim.tasks import rep_group
-from testbed.sim.engine import Priced, compute_seconds, run
-from testbed.sim.timeline import Report, Timeline
-from testbed.sim.trace_files import chrome_trace
+from testbed.sim.graph.program import Program, Task, TaskKind
+from testbed.sim.graph.tasks import rep_group
+from testbed.sim.graph.engine import Priced, compute_seconds, run
+from testbed.sim.report.timeline import Report, Timeline
+from testbed.sim.report.trace_files import chrome_trace
 from testbed.topology.generators import switch
 from testbed.topology import (Calibration, ComputeCalibration, DeviceSpec, ElementwiseCalibration, HostCalibration,
                               MemoryCalibration)
@@ -230,7 +230,7 @@ def test_measured_timeline_and_report_share_the_types():
 def test_a_plan_without_stages_has_no_bubble_even_when_it_waits_on_communication():
     """fsdp waits on its gathers, an MoE layer on its all-to-alls: exposed communication, not pipeline bubble."""
     from testbed.plan.io import load_plan
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import load_topology
 
     for name in ("fsdp-tpu", "mixtral-8x7b"):
@@ -244,7 +244,7 @@ def test_simulate_memo_reuses_a_timeline_only_for_an_equal_program() -> None:
     """A plan whose task graph equals one already played (here: the same layout under another name) reuses its
     timeline; another layout is played anew, as without the memo; the memo keeps at most MEMO_PROGRAMS programs."""
     from testbed.explore.space import SearchSpace, candidates, preset_plan
-    from testbed.sim.engine import MEMO_PROGRAMS, simulate
+    from testbed.sim.graph.engine import MEMO_PROGRAMS, simulate
     from testbed.topology.io import load_topology
 
     topology = load_topology("dgx-h100")

@@ -1,8 +1,8 @@
-"""An fsdp block's spans wait only for the merged all-gathers holding the leaves they read (testbed.sim.span_order).
+"""An fsdp block's spans wait only for the merged all-gathers holding the leaves they read (testbed.sim.step.span_order).
 
 XLA starts an op once its operands are ready, and its all-gather combiner merges a chunk's gathers into several
 collectives that cross the runner's pieces (testbed.model.blocks.gather_holds), each placed at its last
-member's position (testbed.sim.combine). The traced TPU fsdp 128 x tensor 2 sequence parallel bf16 d_model 2048
+member's position (testbed.sim.xla.combine). The traced TPU fsdp 128 x tensor 2 sequence parallel bf16 d_model 2048
 seq 1024 step computes its first layer's norm and attention once the merge issued with the embedding's block
 (the position table and the layer's first leaves) has landed, long before the layer's own merges (its MLP's
 weights); both tiers play the same decision.
@@ -14,9 +14,9 @@ import pytest
 
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
-from testbed.sim.facts import step_facts
-from testbed.sim.span_order import START, WAITING, BlockPlay, Item, merge_of, merged, span_needs, time_block
-from testbed.sim.span_play import action_plays
+from testbed.sim.step.facts import step_facts
+from testbed.sim.step.span_order import START, WAITING, BlockPlay, Item, merge_of, merged, span_needs, time_block
+from testbed.sim.graph.span_play import action_plays
 
 from helpers import merging_tpu
 
@@ -88,7 +88,7 @@ def test_span_needs_reads_what_a_merge_holds() -> None:
 
 
 def test_the_analytic_tier_starts_a_span_once_the_merge_it_reads_has_landed() -> None:
-    """testbed.sim.span_order.time_block: a span waiting for merge 0 starts when that merge lands (and the
+    """testbed.sim.step.span_order.time_block: a span waiting for merge 0 starts when that merge lands (and the
     previous block is done), not when the block's last merge does; one waiting for all (START) at ``start``."""
     play = BlockPlay((Item("compute", ".0", (merged(0),)), Item("compute", ".1", (0, merged(1)))), (WAITING, 1),
                      (1,), 1)
@@ -104,8 +104,8 @@ def test_the_plans_first_layer_starts_on_the_merge_the_traced_one_starts_on() ->
     embedding's block's last gather ends too (within 20 us), and its attention before the layer's own gathers
     end (before the rule: after them, 0.37 ms later)."""
     from testbed.runner.program.plans import trace_plan
-    from testbed.sim.engine import simulate
-    from testbed.sim.traced import simulate_workload
+    from testbed.sim.graph.engine import simulate
+    from testbed.sim.graph.traced import simulate_workload
 
     plan, topology = _plan(), merging_tpu()
     traced = simulate_workload(trace_plan(plan), topology).timeline

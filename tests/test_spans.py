@@ -1,7 +1,7 @@
 """An action's spans between blocking tensor collectives (testbed.model.spans) and their pricing.
 
 Where the calibration has no elementwise passes (the TPU topologies) each span is a roofline of its own
-(testbed.sim.compute.compute_seconds): an action's memory-bound work hides under its own span's matmuls only.
+(testbed.sim.price.compute.compute_seconds): an action's memory-bound work hides under its own span's matmuls only.
 Invariants: without a tensor axis nothing changes; the spans carry the plan's bytes, plus the softmax's passes
 and the loss's read of the logits, and all its matmuls; the span rule never prices an action below its one
 roofline; a topology with elementwise passes ignores it; both tiers read it.
@@ -19,10 +19,10 @@ from testbed.model.activations import LOSS_BYTES
 from testbed.model.costs import chunk_cost
 from testbed.model.spans import SOFTMAX_PASSES, action_spans, scaled_spans
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.compute import compute_seconds
-from testbed.sim.engine import simulate
-from testbed.sim import chunk_facts
-from testbed.sim.action_work import action_work
+from testbed.sim.price.compute import compute_seconds
+from testbed.sim.graph.engine import simulate
+from testbed.sim.step import chunk_facts
+from testbed.sim.step.action_work import action_work
 from testbed.topology.io import load_topology
 
 
@@ -116,7 +116,7 @@ def test_both_tiers_price_the_spans(monkeypatch) -> None:
 def test_with_the_heads_weight_gathered_the_loss_gradient_is_a_span_of_its_own() -> None:
     """fsdp x tensor: the head's input-gradient matmul reads the head's backward gather (a merge of its own), so
     the loss's gradient before it is a span without matmuls (the traced segments split there too,
-    testbed.sim.traced): the fp32 logits' share of the head's backward bytes, moved out of the head's span; the
+    testbed.sim.graph.traced): the fp32 logits' share of the head's backward bytes, moved out of the head's span; the
     backward's bytes and FLOPs shares are unchanged."""
     data = _plan(tensor=4)
     fsdp = replace(data, mesh=MeshSpec(fsdp=data.mesh.data, tensor=4))
@@ -131,7 +131,7 @@ def test_with_the_heads_weight_gathered_the_loss_gradient_is_a_span_of_its_own()
 
 
 def test_a_plans_floor_does_not_take_the_spans_of_a_plan_sharing_its_chunk_costs() -> None:
-    """Plans that differ only in ZeRO share their chunks' costs (testbed.sim.memo), but not their spans: ZeRO-3
+    """Plans that differ only in ZeRO share their chunks' costs (testbed.sim.step.memo), but not their spans: ZeRO-3
     gathers the head's weight again for the backward, so its loss gradient is a span of its own. The search's floor
     memo (per topology) keys on that, so a plan's floor is the same whether or not a ZeRO-3 plan was floored first."""
     plain = replace(_plan(tensor=4), batch=BatchSpec(global_batch=4), mesh=MeshSpec(data=4, tensor=4))

@@ -1,7 +1,7 @@
 """One step, worked out once: the task graph and the analytic tier both play one StepFacts object.
 
-testbed.sim.facts works out a step's stages, chunks, schedule order, sharding, costs, collectives and
-sends; testbed.sim.program builds the task graph from it and testbed.explore.analytic plays it. These
+testbed.sim.step.facts works out a step's stages, chunks, schedule order, sharding, costs, collectives and
+sends; testbed.sim.graph.program builds the task graph from it and testbed.explore.analytic plays it. These
 tests build both from one facts object and check that each reads it (and only it): what the facts say
 is what the graph holds, and a change to the facts moves both.
 """
@@ -17,8 +17,8 @@ from testbed.explore.analytic import estimate, estimate_of, plan_memory
 from testbed.plan.io import load_plan
 from testbed.plan.placement import place
 from testbed.plan.spec import Precision
-from testbed.sim.facts import OPTIMIZER_FLOPS_PER_PARAM, StepFacts, step_facts
-from testbed.sim.program import TaskKind, build_program, program_of
+from testbed.sim.step.facts import OPTIMIZER_FLOPS_PER_PARAM, StepFacts, step_facts
+from testbed.sim.graph.program import TaskKind, build_program, program_of
 from testbed.topology.io import load_topology
 
 CASES = [("gpt-small-dgx", "dgx-h100"), ("mixtral-8x7b", "dgx-h100-x4"), ("llama-tiny", "host-cpu-8")]

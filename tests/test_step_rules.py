@@ -1,4 +1,4 @@
-"""The step's timing rules (testbed.sim.step_rules) are written once: both tiers ask them, none re-derives them.
+"""The step's timing rules (testbed.sim.step.step_rules) are written once: both tiers ask them, none re-derives them.
 
 Reference values of each rule, and a reading of the simulator's and the search's source (``ast``) that finds the
 calibration and runtime fields the rules read (the controller's costs, programs one at a time, blocking sends, the
@@ -18,21 +18,21 @@ from testbed.pipeline.schedules import Action
 from testbed.plan.placement import place
 from testbed.plan.presets import preset
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan
-from testbed.sim.facts import step_facts
-from testbed.sim.pricing import controller_seconds
-from testbed.sim.program import build_program
-from testbed.sim.step_rules import (Dispatch, GatherMode, action_dispatch, action_steps, dispatch_seconds,
+from testbed.sim.step.facts import step_facts
+from testbed.sim.graph.pricing import controller_seconds
+from testbed.sim.graph.program import build_program
+from testbed.sim.step.step_rules import (Dispatch, GatherMode, action_dispatch, action_steps, dispatch_seconds,
                                     first_tail_bucket, gather_after, gather_mode, gradients, iteration,
                                     prepare_seconds, runs_serially, step_dispatch, step_prepare, update_dispatch)
-from testbed.sim.tasks import Task, TaskKind
+from testbed.sim.graph.tasks import Task, TaskKind
 from testbed.topology.io import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent / "testbed"
 
-#: Fields only testbed.sim.step_rules reads in the simulator and the search (attribute names).
+#: Fields only testbed.sim.step.step_rules reads in the simulator and the search (attribute names).
 RULE_FIELDS = {"overhead_s": "controller", "buffer_s": "controller", "step_s": "controller",
                "pipeline_step_s": "controller", "serial_programs": "host", "pipeline_blocking_sends": "runtime"}
-#: Functions only testbed.sim.step_rules calls there (the kept loop and the sequence-replicated sums; the walk that
+#: Functions only testbed.sim.step.step_rules calls there (the kept loop and the sequence-replicated sums; the walk that
 #: applies the rules to each action, step_rules.action_steps, whose records both tiers play).
 RULE_CALLS = {"loop_kept", "summed_in_the_step", "summed_each_microbatch", "after_tensor", "Microbatches", "iteration",
               "waits_for_sends", "first_tail_bucket"}
@@ -96,7 +96,7 @@ def test_each_chunk_releases_its_buckets_once_and_scatters_the_earlier_microbatc
         assert g.ends == (action.kind == facts.last_backward)
         assert ruled.tail_from == (first_tail_bucket(facts, chunk, work, ruled.pieces) if g.release else ruled.pieces)
     assert (release, scatter) == (1, 3)
-    # JAX's one SPMD step: a microbatch loop XLA keeps (runtime.microbatch_scan, testbed.sim.grad_bytes.loop_kept)
+    # JAX's one SPMD step: a microbatch loop XLA keeps (runtime.microbatch_scan, testbed.sim.step.grad_bytes.loop_kept)
     assert (each, waits) == ((3, 3) if scan else (0, 0))
     assert iteration(facts, Action("F", 0, 0)).waits is False
 
@@ -111,7 +111,7 @@ def _reads(path: Path) -> tuple[set[str], set[str]]:
 
 def test_the_rules_fields_are_read_only_by_the_rules() -> None:
     """No module of the simulator or the search but step_rules (and the modules that define the kept loop and the
-    sums, testbed.sim.grad_bytes, and their users below the step: the bytes, not the timing) reads them."""
+    sums, testbed.sim.step.grad_bytes, and their users below the step: the bytes, not the timing) reads them."""
     allowed = {"step_rules.py", "grad_bytes.py", "grad_tasks.py", "facts.py", "chunk_facts.py", "update_facts.py"}
     found = {}
     for folder in ("sim", "explore"):
@@ -120,7 +120,7 @@ def test_the_rules_fields_are_read_only_by_the_rules() -> None:
             if (fields or calls) and path.name not in allowed:
                 found[path.name] = sorted(fields | calls)
     assert "step_rules.py" not in found
-    assert not found, f"timing rules read outside testbed.sim.step_rules: {found}"
+    assert not found, f"timing rules read outside testbed.sim.step.step_rules: {found}"
 
 
 @pytest.mark.parametrize("prefetch", [0, 1])

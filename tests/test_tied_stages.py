@@ -13,8 +13,8 @@ from testbed.explore.space import SearchSpace, candidates, preset_plan
 from testbed.model.layout import tied_table
 from testbed.plan.io import plan_from_dict, plan_to_dict
 from testbed.plan.runtime import runner_refusal
-from testbed.sim.engine import simulate
-from testbed.sim.program import build_program
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import build_program
 from testbed.plan.placement import place
 from testbed.topology.io import load_topology
 

@@ -1,4 +1,4 @@
-"""``runtime.tp_comm_overlap`` priced GEMM by GEMM (testbed.sim.tp_overlap): each block's tensor collectives beside
+"""``runtime.tp_comm_overlap`` priced GEMM by GEMM (testbed.sim.step.tp_overlap): each block's tensor collectives beside
 its own GEMMs, the first chunk exposed; work and bytes conserved; both tiers play the same timeline."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from testbed.explore.analytic import estimate
 from testbed.model.gemm import gemm_flops
 from testbed.plan.io import plan_from_dict
 from testbed.plan.placement import place
-from testbed.sim.engine import simulate
-from testbed.sim.facts import step_facts
-from testbed.sim.program import build_program
-from testbed.sim.tp_overlap import exposed_share, overlap_end, slowed_overlap
+from testbed.sim.graph.engine import simulate
+from testbed.sim.step.facts import step_facts
+from testbed.sim.graph.program import build_program
+from testbed.sim.step.tp_overlap import exposed_share, overlap_end, slowed_overlap
 from testbed.topology.io import load_topology
 
 TOPOLOGY = "dgx-h100"

@@ -48,7 +48,7 @@ def _calibrated():
 
 
 def _step_errors(topology) -> dict[str, float]:
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     return {r["plan"]: simulate(_plan(r["plan"]), topology).report.step_time_s / r["median_s"] - 1
             for r in RUNS["plans"] if r["ok"]}

@@ -13,7 +13,7 @@ sys.path.insert(0, str(PUBLISHED))
 import runs  # noqa: E402
 import tpu_fit  # noqa: E402
 
-from testbed.sim.engine import simulate  # noqa: E402
+from testbed.sim.graph.engine import simulate  # noqa: E402
 
 
 def _row(matmul: float, passes: float, other: float, efficiency: float, elementwise: float,

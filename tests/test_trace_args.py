@@ -6,10 +6,10 @@ import json
 
 from testbed.cli import main
 from testbed.plan.io import load_plan
-from testbed.sim.engine import simulate
-from testbed.sim.tasks import TaskKind
-from testbed.sim.trace_files import chrome_trace, trace_bytes, write_trace
-from testbed.sim.trace_args import span_args
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.tasks import TaskKind
+from testbed.sim.report.trace_files import chrome_trace, trace_bytes, write_trace
+from testbed.sim.graph.trace_args import span_args
 from testbed.topology.io import load_topology
 
 

@@ -1,4 +1,4 @@
-"""testbed.sim.vmem: a layer's attention scores priced on chip where XLA:TPU keeps them in VMEM.
+"""testbed.sim.xla.vmem: a layer's attention scores priced on chip where XLA:TPU keeps them in VMEM.
 
 The rule is held to the compiler's own placement (benchmarks/tpu_chip/vmem_scores.json: deviceless XLA:TPU compiles
 of the runner's single-chip steps at several microbatch sizes) and to the pricing of the products it changes.
@@ -14,7 +14,7 @@ import pytest
 
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
-from testbed.sim.vmem import PARTIAL_ON_CHIP, on_chip_bytes, score_on_chip_share, scores_on_chip
+from testbed.sim.xla.vmem import PARTIAL_ON_CHIP, on_chip_bytes, score_on_chip_share, scores_on_chip
 from testbed.topology.io import load_topology
 
 RECORD = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "tpu_chip" / "vmem_scores.json")

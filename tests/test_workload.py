@@ -11,14 +11,14 @@ from hypothesis import given, strategies as st
 
 from testbed.errors import InputError
 from testbed.model.gemm import Gemm
-from testbed.sim.combine import combine_collectives, drop_trivial_collectives
-from testbed.sim.compute import gemms_seconds, pass_seconds
-from testbed.sim.overlap import chain_gathers, defer_consumers, hoist_collectives
-from testbed.sim.tasks import TaskKind
-from testbed.sim.engine import run
-from testbed.sim.traced import (collective_bytes, memory_seconds, mesh_groups, price_workload, simulate_workload,
+from testbed.sim.xla.combine import combine_collectives, drop_trivial_collectives
+from testbed.sim.price.compute import gemms_seconds, pass_seconds
+from testbed.sim.xla.overlap import chain_gathers, defer_consumers, hoist_collectives
+from testbed.sim.graph.tasks import TaskKind
+from testbed.sim.graph.engine import run
+from testbed.sim.graph.traced import (collective_bytes, memory_seconds, mesh_groups, price_workload, simulate_workload,
                                  workload_program)
-from testbed.sim.workload import OpKind, TracedOp, Workload
+from testbed.sim.xla.workload import OpKind, TracedOp, Workload
 from testbed.topology.io import load_topology
 
 
@@ -107,7 +107,7 @@ def test_without_elementwise_passes_a_segment_is_one_roofline_task() -> None:
 
 
 def test_on_xla_tpu_memory_bound_ops_fuse_into_the_matmul_they_read_or_feed() -> None:
-    """XLA:TPU (testbed.sim.matmul_fusion): a consumer of a matmul runs in its kernel, less the matmul's result it
+    """XLA:TPU (testbed.sim.xla.matmul_fusion): a consumer of a matmul runs in its kernel, less the matmul's result it
     reads; a producer that only matmuls read, in its first reader's; an op that reads no matmul and feeds a memory-bound
     op is left memory-bound. Each matmul is a task of its own, the slower of its product and its fused bytes."""
     topology = load_topology("tpu-v5e-1")
@@ -445,8 +445,8 @@ def test_bf16_matmuls_run_in_fp32_between_converts_where_the_devices_compiler_do
     a device running bf16 natively keeps the bf16 peak and no converts."""
     from dataclasses import replace
 
-    from testbed.sim.compute import compute_seconds
-    from testbed.sim.traced import convert_bytes, price_workload
+    from testbed.sim.price.compute import compute_seconds
+    from testbed.sim.graph.traced import convert_bytes, price_workload
 
     host = load_topology("host-cpu-8")
     assert host.device.bf16_matmuls == "fp32" and load_topology("dgx-h100").device.bf16_matmuls == "native"
@@ -489,8 +489,8 @@ def test_a_traced_kernel_takes_one_matmuls_half_where_calibrate_measured_it() ->
     the field the steps' half, as plans are priced."""
     from dataclasses import replace
 
-    from testbed.sim.compute import compute_seconds
-    from testbed.sim.traced import price_workload
+    from testbed.sim.price.compute import compute_seconds
+    from testbed.sim.graph.traced import price_workload
 
     host = load_topology("host-cpu-8")
     compute = host.calibration.compute

@@ -13,8 +13,8 @@ from testbed.compiled.records import load_records
 from testbed.model.costs import chunk_cost
 from testbed.model.leaves import combined_sizes
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.action_work import tensor_transfers
-from testbed.sim.xla_tpu import narrows_gathers, sequence_gather_bytes
+from testbed.sim.step.action_work import tensor_transfers
+from testbed.sim.xla.xla_tpu import narrows_gathers, sequence_gather_bytes
 from testbed.topology.io import load_topology
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +84,7 @@ def test_bytes_per_axis_equal_the_compiled_hlo_on_the_recorded_plans():
 
 
 def test_the_gather_lowering_bound_is_pinned_from_both_sides():
-    """testbed.sim.xla_tpu.gather_allreduce_bytes against the probes: a whole v5e 8x8, 8x16 or 16x16 slice's
+    """testbed.sim.xla.xla_tpu.gather_allreduce_bytes against the probes: a whole v5e 8x8, 8x16 or 16x16 slice's
     all-gather of 16 MiB (tiled bytes; 4 MiB 32 lanes wide) is an all-reduce and one of 16.5 MiB (4.06 MiB) an
     all-gather; on a v5p 4x4x4, 4x4x8 or 8x8x16 slice any size probed is an all-reduce; over smaller slices, or
     part of a slice, none is."""
@@ -105,7 +105,7 @@ def test_the_gather_lowering_bound_is_pinned_from_both_sides():
 def test_fp32_gathers_only_matmuls_read_are_moved_in_bf16():
     """benchmarks/xla_tpu_narrowing.py's recorded probes (v5e 2x2): an fp32 all-gather read only by a default-precision
     matmul compiles to a bf16 one, an activation's (sequence parallelism) as a weight's (fsdp), and one an
-    elementwise op reads too stays fp32: testbed.sim.xla_tpu.gather_element_bytes, the traced tier's rule
+    elementwise op reads too stays fp32: testbed.sim.xla.xla_tpu.gather_element_bytes, the traced tier's rule
     (lowered_gathers: a gather every reader of which is a matmul)."""
     spec = importlib.util.spec_from_file_location("xla_tpu_narrowing", ROOT / "benchmarks" / "xla_tpu_narrowing.py")
     module = importlib.util.module_from_spec(spec)
@@ -118,7 +118,7 @@ def test_fp32_gathers_only_matmuls_read_are_moved_in_bf16():
 
 
 def test_the_plans_sequence_gathers_are_narrowed_by_the_same_rule():
-    """testbed.sim.xla_tpu.sequence_gather_bytes: a sequence-parallel fp32 plan's all-gathers that only matmuls read
+    """testbed.sim.xla.xla_tpu.sequence_gather_bytes: a sequence-parallel fp32 plan's all-gathers that only matmuls read
     move half the bytes where the topology's compiler narrows (XLA:TPU), by gather_element_bytes (the traced tier's
     rule): none in bf16-mixed (already 2 bytes), at ``matmul_precision: highest``, without sequence parallelism or on
     another compiler. The backward lists the embedding's (its cotangent read by the table's scatter-add) first, whole."""

@@ -151,14 +151,14 @@ def test_the_search_prunes_no_recorded_plan_that_xla_tpu_fits():
 
 
 #: What XLA:TPU does to the recorded plans' collectives that the task graph does not yet (docs/xla_tpu.md). Modelled
-#: (testbed.sim.xla_tpu): a reduce-scatter over a whole v5e 4x4+ or v5p slice is an all-reduce, merged within 120 MiB,
+#: (testbed.sim.xla.xla_tpu): a reduce-scatter over a whole v5e 4x4+ or v5p slice is an all-reduce, merged within 120 MiB,
 #: which an fp32 loss joins; under full remat a layer's backward gathers its recomputation's leaves apart; under fp32
 #: the weight matrices are gathered in bf16; a whole slice's all-gather of a small buffer (any on a v5p slice) is an
 #: all-reduce, merged by the all-reduce combiner (testbed.model.gather_lowering).
 FSDP = ("fsdp: XLA:TPU lowers a reduce-scatter over part of a slice (or a whole 2x2 one) of a leaf whose shard is "
         "not lane-aligned, and of the norms, as an all-reduce of a padded buffer and collective-permutes, merges "
         "HSDP's data all-reduces, and packs the gradients' all-reduces of a 16-layer model to the combiner's bound")
-#: The recorded fsdp plans whose collectives equal XLA:TPU's by testbed.sim.xla_tpu's rules.
+#: The recorded fsdp plans whose collectives equal XLA:TPU's by testbed.sim.xla.xla_tpu's rules.
 FSDP_EQUAL = ("llama2k-fsdp8", "gpt2k-fsdp16-full", "llama2k-fsdp16-fp32-selective", "llama2k-fsdp64",
               "gpt2k-fsdp256-full", "gpt2k-fsdp1024-full")
 SP_SELECTIVE = ("sequence parallelism with selective remat: XLA:TPU gathers some activations again in the "
@@ -211,9 +211,9 @@ def test_whole_slice_gathers_of_small_buffers_are_merged_all_reduces():
 
 def test_fp32_plans_gather_weight_matrices_in_bf16():
     """Under fp32 XLA:TPU gathers the layers' weight matrices and the head's in the backward in bf16, the norms, the
-    token table and the head's forward gather in fp32 (testbed.sim.xla_tpu.matmul_gather_bytes): the fsdp
+    token table and the head's forward gather in fp32 (testbed.sim.xla.xla_tpu.matmul_gather_bytes): the fsdp
     all-gathers of both recorded fp32 fsdp plans equal XLA:TPU's, and the fp32 loss rides in a gradient all-reduce
-    over a whole 4x4 slice (testbed.sim.xla_tpu.merges_loss)."""
+    over a whole 4x4 slice (testbed.sim.xla.xla_tpu.merges_loss)."""
     rows = {r["plan"]: r for r in ROWS}
     for name in ("llama2k-fsdp4-fp32", "llama2k-fsdp16-fp32-selective"):
         gathers = [rows[name][f"{side}_collectives"]["fsdp all-gather"] for side in ("predicted", "xla")]

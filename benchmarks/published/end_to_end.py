@@ -47,7 +47,7 @@ from collectives import summary  # the same per-category summary (this folder is
 from testbed.explore.space import resize_topology
 from testbed.model.costs import step_flops_per_device
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 
 CASES = Path(__file__).with_name("megatron.yaml")

@@ -1,7 +1,7 @@
 """Fit testbed's GEMM shape model to published matmul measurements (benchmarks/published/gemm_h100.yaml).
 
 The table is XLA's measured sm_90 (H100 SXM) BF16 matmul throughput. The
-fit (testbed.sim.compute.fit_shape_model) keeps ``efficiency`` at the
+fit (testbed.sim.price.compute.fit_shape_model) keeps ``efficiency`` at the
 device's measured maximum achievable matmul FLOP/s over peak (mamf-finder)
 and finds ``gemm_half_mn``, ``gemm_half_k`` and ``gemm_latency_s``: the
 constants in the H100 topology files (and, by assumption, the A100 ones).
@@ -10,7 +10,7 @@ FP8: ``fit_fp8`` fits the H100's ``fp8_efficiency`` and ``fp8_gemm_half_k`` (the
 an fp8 GEMM over the fp8 peak, ``fp8_efficiency k / (k + fp8_gemm_half_k)``; everything
 else the bf16 fit's) to measured per-tensor-scaled H800 FP8 GEMMs (gemm_fp8_h800.yaml),
 and reports its in-sample and leave-one-out errors. ``fit_blockwise`` fits the share of that cap a
-block-scaled fp8 GEMM reaches (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE) to DeepGEMM's block-scaled
+block-scaled fp8 GEMM reaches (testbed.sim.price.compute.FP8_BLOCK_SCALED_SHARE) to DeepGEMM's block-scaled
 GEMMs at training shapes, with its in-sample and leave-one-out errors.
 
     .venv/bin/python benchmarks/published/gemm.py   # one JSON object
@@ -29,7 +29,7 @@ import math
 import statistics
 
 from testbed.model.gemm import Gemm
-from testbed.sim.compute import FP8_BLOCK_SCALED_SHARE, fit_shape_model, gemm_seconds
+from testbed.sim.price.compute import FP8_BLOCK_SCALED_SHARE, fit_shape_model, gemm_seconds
 from testbed.topology.io import load_topology
 
 TABLE = Path(__file__).with_name("gemm_h100.yaml")
@@ -100,7 +100,7 @@ def fit_fp8(path: Path | str = FP8_TABLE) -> dict:
 def fit_blockwise(path: Path | str = FP8_TABLE) -> dict:
     """The share of the per-tensor fp8 cap a block-scaled fp8 GEMM reaches, fitted over DeepGEMM's training-shape
     rows (least squares of the log error: the cap binds at these shapes, so the share is ``exp(-mean)`` of the
-    per-tensor pricing's log errors), the shipped value (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE) priced as the
+    per-tensor pricing's log errors), the shipped value (testbed.sim.price.compute.FP8_BLOCK_SCALED_SHARE) priced as the
     simulator prices a ``block_scaled`` GEMM (in-sample), leave-one-out errors, and the per-tensor pricing's."""
     data = yaml.safe_load(Path(path).read_text())
     topology = load_topology(data["topology"])

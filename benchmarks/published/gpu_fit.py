@@ -44,7 +44,7 @@ from tpu_fit import loss
 
 from testbed.explore.space import resize_topology
 from testbed.plan.io import plan_from_dict
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology
 from testbed.topology.spec import Topology
 

@@ -37,7 +37,7 @@ from testbed.model.moe import sequence_dispatch
 from testbed.plan.io import plan_from_dict
 from testbed.plan.runtime import RuntimeSpec, runner_differences
 from testbed.plan.spec import Plan
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.io import load_topology, topology_from_dict
 from testbed.topology.spec import Topology
 

@@ -46,7 +46,7 @@ from dataclasses import replace
 
 import runs
 
-from testbed.sim.engine import simulate
+from testbed.sim.graph.engine import simulate
 from testbed.topology.calibration import ElementwiseCalibration
 from testbed.topology.spec import Topology
 

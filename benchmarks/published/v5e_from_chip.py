@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runs import case_plan, case_topology, load_cases  # noqa: E402
 
-from testbed.sim.engine import simulate  # noqa: E402
+from testbed.sim.graph.engine import simulate  # noqa: E402
 from testbed.topology.io import load_topology  # noqa: E402
 
 SLICES = "tpu-v5e-16x16-dcn"

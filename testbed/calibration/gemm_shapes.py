@@ -4,13 +4,13 @@
 once, one SPMD program, for every shape of a non-square grid (``gemm`` samples, testbed.runner.measure), as a
 traced program's devices run its matmuls. Net of the empty program over as many devices, and times the share
 of its speed alone each device gets when all compute (the host's throughput curve, which the simulator applies
-back), each is what one matmul of that shape costs a device inside a program. testbed.sim.compute's
+back), each is what one matmul of that shape costs a device inside a program. testbed.sim.price.compute's
 shape model (``eff = min(cap, s(m) s(n) s_k(k))``, the operands' memory bound, a fixed time per GEMM) is
-fitted to them by :func:`testbed.sim.compute.fit_shape_model` (least squares in log time), giving
+fitted to them by :func:`testbed.sim.price.compute.fit_shape_model` (least squares in log time), giving
 ``compute.matmul_half_mn``, ``matmul_half_k``, ``matmul_latency_s`` and the cap ``matmul_efficiency`` of the
 fp32 peak (what the largest GEMMs reach on one device alone; ``compute.efficiency`` is refitted to training
 steps). A traced program's matmuls and convolutions are priced by their own shapes with them
-(testbed.sim.traced.traced_topology): narrow products (``n`` or ``k`` of 16-64) run at a fraction of a square
+(testbed.sim.graph.traced.traced_topology): narrow products (``n`` or ``k`` of 16-64) run at a fraction of a square
 one's rate on XLA:CPU, which one FLOPs curve cannot say.
 
 :func:`leave_one_out` refits without each sample in turn (benchmarks/host_gemm_shapes.py reports it).
@@ -32,7 +32,7 @@ __all__ = ["GemmRow", "launch_seconds", "gemm_rows", "predicted_seconds", "fit_g
 #: The fitted fields (testbed.topology.calibration.ComputeCalibration) by fit_shape_model's names.
 FIELDS = {"efficiency": "matmul_efficiency", "gemm_half_mn": "matmul_half_mn", "gemm_half_k": "matmul_half_k",
           "gemm_latency_s": "matmul_latency_s"}
-#: ``(batch, m, n, k, FLOP/s)``: one measured GEMM, as testbed.sim.compute.fit_shape_model takes it.
+#: ``(batch, m, n, k, FLOP/s)``: one measured GEMM, as testbed.sim.price.compute.fit_shape_model takes it.
 GemmRow = tuple[int, int, int, int, float]
 #: fp32 operands and result: XLA:CPU runs a bf16 matmul in fp32 between converts (``device.bf16_matmuls``).
 _BYTES = 4.0
@@ -68,7 +68,7 @@ def _constants(topology: Topology) -> dict[str, float]:
 
 
 def _fit(rows: Sequence[GemmRow], topology: Topology) -> dict[str, float]:
-    from testbed.sim.compute import fit_shape_model
+    from testbed.sim.price.compute import fit_shape_model
 
     out = fit_shape_model(rows, **_constants(topology))
     return {field: out[name] for name, field in FIELDS.items()}
@@ -76,11 +76,11 @@ def _fit(rows: Sequence[GemmRow], topology: Topology) -> dict[str, float]:
 
 def predicted_seconds(topology: Topology, fields: dict[str, float], row: GemmRow) -> float:
     """One product of ``row``'s shape as the simulator prices a traced matmul with ``fields``
-    (testbed.sim.compute.gemm_seconds on the traced compute group)."""
+    (testbed.sim.price.compute.gemm_seconds on the traced compute group)."""
     from dataclasses import replace
 
-    from testbed.sim.compute import gemm_seconds
-    from testbed.sim.traced import traced_topology
+    from testbed.sim.price.compute import gemm_seconds
+    from testbed.sim.graph.traced import traced_topology
 
     calibration = topology.calibration.updated(compute=fields)
     traced = traced_topology(replace(topology, calibration=calibration))

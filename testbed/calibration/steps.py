@@ -18,7 +18,7 @@ calibrate`` times small plans of :data:`STEP_SHAPES` with the runner:
 - ``pipeline`` samples, two pipeline stages run as per-action programs
   (MPMD) with two microbatch counts: :func:`fit_controller` fits the CPU time
   the controller thread spent per step, less its buffers' part, as a line in
-  the programs the simulator's controller dispatches (testbed.sim.program): the
+  the programs the simulator's controller dispatches (testbed.sim.graph.program): the
   slope is ``controller.overhead_s``; the intercept is the step samples' own
   per-step time (``controller.step_s``, every step) plus what only a
   pipeline step pays (``controller.pipeline_step_s``).
@@ -38,9 +38,9 @@ from testbed.calibration.fit import Fit, Sample, fit_line, fit_quality, nonnegat
 from testbed.errors import InputError
 from testbed.plan.placement import place
 from testbed.plan.spec import BatchSpec, MeshSpec, ModelSpec, Plan, ScheduleSpec
-from testbed.sim.compute import compute_seconds, host_devices, pass_seconds, plan_matmul_dtype
-from testbed.sim.engine import simulate
-from testbed.sim.program import TaskKind, build_program
+from testbed.sim.price.compute import compute_seconds, host_devices, pass_seconds, plan_matmul_dtype
+from testbed.sim.graph.engine import simulate
+from testbed.sim.graph.program import TaskKind, build_program
 from testbed.topology import Topology
 
 __all__ = ["STEP_SHAPES", "DEEP_SHAPES", "PIPELINE_MICROBATCHES", "step_plan", "pipeline_plan", "fit_step_compute",
@@ -105,7 +105,7 @@ def fit_step_compute(topology: Topology, samples: Sequence[Sample],
 
     A step sample is the plan of :func:`step_plan` on ``devices`` devices.
     Its predicted time is the representative's compute tasks
-    (:func:`testbed.sim.engine.compute_seconds`, slowed by the host's share
+    (:func:`testbed.sim.graph.engine.compute_seconds`, slowed by the host's share
     of ``devices`` computing at once, ``Calibration.host_share``) plus the rest of
     the step the simulator finds at the starting calibration beyond its compute
     (exposed communication, and the controller's host time when ``topology``
@@ -266,7 +266,7 @@ def pipeline_plan(name: str, devices: int = 2) -> Plan:
 
 
 def controller_programs(plan: Plan) -> int:
-    """Programs the single controller dispatches in one step of ``plan`` (testbed.sim.program's host tasks)."""
+    """Programs the single controller dispatches in one step of ``plan`` (testbed.sim.graph.program's host tasks)."""
     return controller_load(plan)[0]
 
 

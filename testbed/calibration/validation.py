@@ -1,6 +1,6 @@
 """Predicted against measured: relative errors, field by field, and the ``testbed validate`` summary (pure; no JAX).
 
-:func:`compare_reports` compares two :class:`~testbed.sim.timeline.Report`
+:func:`compare_reports` compares two :class:`~testbed.sim.report.timeline.Report`
 (the simulator's prediction and a runner's measurement) field by field;
 :func:`validation_summary` builds validate's JSON from per-plan rows with it.
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from testbed.sim.timeline import Report
+from testbed.sim.report.timeline import Report
 
 __all__ = ["relative_error", "compare_reports", "REPORT_FIELDS", "validation_summary", "collective_rows"]
 

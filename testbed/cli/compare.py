@@ -5,7 +5,7 @@ field, repeatable: every combination) give the plans; ``--topology T...``
 (``NAME@DEVICES`` resizes, ``--devices N`` resizes them all) the topologies,
 else each plan's own. One row per (plan, topology): the step's time split
 into compute, the exposed communication of each kind
-(:mod:`testbed.sim.exposed`) and idle time, and the fullest device's memory
+(:mod:`testbed.sim.report.exposed`) and idle time, and the fullest device's memory
 split into parameters, gradients, optimizer state, activations and
 workspace; ``--png`` draws both as stacked bars on linear axes.
 """
@@ -23,7 +23,7 @@ from testbed.cli.compare_render import MEMORY_PARTS, draw_breakdown
 from testbed.errors import InputError, quote
 from testbed.output import CommandResult
 from testbed.plan.spec import Plan
-from testbed.sim.timeline import Report
+from testbed.sim.report.timeline import Report
 from testbed.topology import Topology
 
 __all__ = ["compare", "breakdown_row", "compare_rows", "draw_breakdown", "plan_variants", "MEMORY_PARTS"]
@@ -124,7 +124,7 @@ def plan_variants(plans: list[tuple[Plan, str]], vary: list[str]) -> list[Varian
 def _row(variant: Variant, topology: Topology, scale: str | None, named: bool = True) -> dict[str, Any]:
     from testbed.cli.simulate import simulate_file_plan
     from testbed.plan.scale import scale_data
-    from testbed.sim.exposed import exposed_by_kind
+    from testbed.sim.report.exposed import exposed_by_kind
 
     plan = variant.plan
     if scale == "data":

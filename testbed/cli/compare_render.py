@@ -51,7 +51,7 @@ def render_rows(console: Any, rows: list[dict], title: str, files: list[str]) ->
     from rich.text import Text
 
     from testbed.cli.tables import Col, compact, fitted_table
-    from testbed.sim.exposed import KIND_LEGEND
+    from testbed.sim.report.exposed import KIND_LEGEND
 
     keys, kinds = _keys(rows), comm_kinds(rows)
     scaled = len({r["data"] for r in rows}) > 1

@@ -28,7 +28,7 @@ from testbed.errors import InputError
 from testbed.output import CommandResult, output_folder, write_atomic
 from testbed.plan.placement import place
 from testbed.plan.io import load_plan
-from testbed.sim.trace_args import span_args
+from testbed.sim.graph.trace_args import span_args
 from testbed.text import markup, shown
 from testbed.topology.io import load_topology
 from testbed.units import format_bytes, format_time
@@ -60,8 +60,8 @@ def execute(args: argparse.Namespace) -> CommandResult:
     from testbed.calibration.validation import compare_reports
     from testbed.cli.compare import compare_rows, draw_breakdown
     from testbed.model.memory import memory_breakdown
-    from testbed.sim.engine import simulate
-    from testbed.sim.trace_files import write_gantt, write_trace
+    from testbed.sim.graph.engine import simulate
+    from testbed.sim.report.trace_files import write_gantt, write_trace
 
     if args.steps < 1:
         raise InputError(f"must be at least 1, got {args.steps}", field="--steps")
@@ -115,7 +115,7 @@ def _run_and_verify(console: Any, args: argparse.Namespace, plan: Any, topology:
     """Steps 3-4: (the run, its dict with XLA's compiled memory and calibrate's reference step, the verification's
     dict); the measured trace is appended to ``files``."""
     from testbed.runner import devices as dev
-    from testbed.sim.trace_files import write_trace
+    from testbed.sim.report.trace_files import write_trace
 
     request = dev.parse_devices(None, plan.mesh.size)
     _stage(console, f"3/6 run {args.steps} steps on {request} (compiles first)")

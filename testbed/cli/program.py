@@ -5,7 +5,7 @@ one ``data`` axis over every device; a concrete ``Mesh`` where the process has t
 ``(step, args)``: the step (a function, a jitted
 function, or ``testbed.runner.program.PmapStep`` for a pmap step) and its arguments, ``jax.ShapeDtypeStruct`` s
 carrying ``NamedSharding`` s on that mesh (or arrays). testbed.runner.program traces it without devices and
-testbed.sim.traced prices it. Every mistake in the module path, the function or what it returns is
+testbed.sim.graph.traced prices it. Every mistake in the module path, the function or what it returns is
 bad input: exit status 2 and one paragraph, whatever the code raises (testbed.cli.user_code); importing,
 calling and tracing it have a time limit (``--timeout``, default 600 s). The program's folder (a ``.py``
 file's own, or the working directory for a dotted module) is on ``sys.path`` only while its code runs.
@@ -270,8 +270,8 @@ def memory_source(memory: dict[str, Any]) -> str:
 def execute(args: Any) -> Any:
     """`testbed simulate --program ...`: trace, price and report (the same outputs as for a plan)."""
     from testbed.output import CommandResult
-    from testbed.sim.trace_args import write_outputs
-    from testbed.sim.traced import device_collectives, simulate_workload
+    from testbed.sim.graph.trace_args import write_outputs
+    from testbed.sim.graph.traced import device_collectives, simulate_workload
     from testbed.topology.io import load_topology
     from testbed.cli.user_code import check_timeout
     from testbed.units import format_bytes, format_time, parse_bytes

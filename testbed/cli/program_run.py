@@ -167,7 +167,7 @@ def program_data(args: argparse.Namespace, mesh: dict[str, int], devices: list[A
 def _predicted(workload: Any, topology: Any, m: Any) -> dict[str, Any]:
     """The prediction on ``topology`` beside the measurement: step time, memory, bytes per axis."""
     from testbed.calibration.validation import collective_rows, relative_error
-    from testbed.sim.traced import device_collectives, device_memory, simulate_workload
+    from testbed.sim.graph.traced import device_collectives, device_memory, simulate_workload
 
     report = simulate_workload(workload, topology).report
     estimate = float(device_memory(workload, topology)["total"])

@@ -118,7 +118,7 @@ def _execute_run(args: argparse.Namespace) -> CommandResult:
             result = train.run_plan(plan, _devices_for(plan, request), args.steps, progress=progress)
     files = []
     if args.trace:
-        from testbed.sim.trace_files import write_trace
+        from testbed.sim.report.trace_files import write_trace
 
         files.append(str(write_trace(result.timeline, args.trace)))
     data = result.to_dict()

@@ -261,7 +261,7 @@ def _plan_and_topology(args: argparse.Namespace) -> tuple[Plan, Topology]:
 
 def _baseline(plan: Plan, topology: Topology) -> float | None:
     """The simulated step of the plan as written, when it names a topology of its own size (else None)."""
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
 
     if plan.mesh.size == topology.num_devices and plan.topology:
         try:

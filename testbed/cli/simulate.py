@@ -11,11 +11,11 @@ from testbed.errors import InputError
 from testbed.output import CommandResult
 from testbed.plan.spec import Plan
 from testbed.plan.io import load_plan_stating_runtime
-from testbed.sim.engine import Simulation, simulate as run_simulation
-from testbed.sim.moe import exposed_stream_s
-from testbed.sim.profile_spread import profile_spread
-from testbed.sim.ring import RING_STREAM, exposed_ring_s
-from testbed.sim.trace_args import write_outputs
+from testbed.sim.graph.engine import Simulation, simulate as run_simulation
+from testbed.sim.step.moe import exposed_stream_s
+from testbed.sim.graph.profile_spread import profile_spread
+from testbed.sim.graph.ring import RING_STREAM, exposed_ring_s
+from testbed.sim.graph.trace_args import write_outputs
 from testbed.topology import Topology
 from testbed.text import markup, plot_label, shown
 from testbed.topology.io import load_topology

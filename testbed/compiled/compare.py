@@ -5,7 +5,7 @@ topology (:func:`testbed.topology.compile_target.target_topology`: the
 family's bundled device, so the capacity is the chip's HBM) against XLA's
 arguments + outputs + temporaries - aliased bytes; a plan fits when its
 bytes are at most the capacity, for both. Collectives: the plan-driven task
-graph (:func:`testbed.sim.engine.simulate`) per mesh-axes label and kind,
+graph (:func:`testbed.sim.graph.engine.simulate`) per mesh-axes label and kind,
 executions (``count``) and bytes per device per step summed over the
 pipeline stages' representatives, against the compiled HLO's
 (:mod:`testbed.runner.hlo_schedule`, recorded). Pure: no JAX.
@@ -34,10 +34,10 @@ PARTS = ("params", "grads", "optimizer", "activations", "workspace")
 
 def predicted_collectives(plan: Plan, topology: Topology) -> dict[str, dict[str, int]]:
     """``"axes kind" -> {count, bytes}`` per step of the plan-driven task graph (groups of 2+ devices); the ring
-    attention's sends (testbed.sim.ring) are the collective-permutes ``lax.ppermute`` compiles to."""
-    from testbed.sim.engine import simulate
-    from testbed.sim.ring import RING_STREAM
-    from testbed.sim.tasks import TaskKind
+    attention's sends (testbed.sim.graph.ring) are the collective-permutes ``lax.ppermute`` compiles to."""
+    from testbed.sim.graph.engine import simulate
+    from testbed.sim.graph.ring import RING_STREAM
+    from testbed.sim.graph.tasks import TaskKind
 
     ids = place(plan, topology).device_ids
     coords = {int(d): c for c, d in np.ndenumerate(np.asarray(ids))}

@@ -1,17 +1,17 @@
 """The search's fast tier: a plan's step time from the simulator's own cost functions, without the DES.
 
-Where the discrete-event simulator (testbed.sim.engine) builds the step's
+Where the discrete-event simulator (testbed.sim.graph.engine) builds the step's
 task graph and plays it as fluids sharing links, this tier plays the same
-step facts (testbed.sim.facts, from which the task graph is built) over
+step facts (testbed.sim.step.facts, from which the task graph is built) over
 the pipeline schedule table, stage by stage, with the same prices:
 
-- each F/B/W action costs :func:`testbed.sim.compute.compute_seconds` of the
+- each F/B/W action costs :func:`testbed.sim.price.compute.compute_seconds` of the
   work the facts give it (``chunk_cost`` of testbed.model.costs, split
   into gradient buckets as the program splits it), plus its blocking
   tensor-parallel all-reduces timed by testbed.collectives.timing over every
   tensor group at once (``groups_time``: the groups share links); under
   ``runtime.tp_comm_overlap`` each block's collectives beside its own GEMMs
-  (testbed.sim.tp_overlap, played by testbed.explore.play);
+  (testbed.sim.step.tp_overlap, played by testbed.explore.play);
 - fsdp/ZeRO-3 parameter gathers run block by block on their own stream, at
   most ``runtime.fsdp_prefetch`` blocks ahead of the compute: an action of
   ``n`` blocks waits for its first block's gather, then runs a block every
@@ -19,10 +19,10 @@ the pipeline schedule table, stage by stage, with the same prices:
 - activations and gradients cross stages with ``send_time`` on the sender's
   pipe stream (serial, as the program's);
 - under context parallelism an action is priced as the task graph splits
-  it (testbed.sim.ring's ``ring_action_seconds``), and the ring's sends
+  it (testbed.sim.graph.ring's ``ring_action_seconds``), and the ring's sends
   left exposed beside each step's attention block it;
 - under expert parallelism each MoE layer's dispatch and combine all-to-alls
-  (testbed.sim.moe's chain) block the action but for the shared experts'
+  (testbed.sim.step.moe's chain) block the action but for the shared experts'
   compute running beside each: ``max(0, all-to-all - shared half)`` twice;
 - gradient buckets reduce on the grad stream while the backward goes on
   (all-reduce, reduce-scatter or HSDP, testbed.plan.sharding's rule), then
@@ -52,7 +52,7 @@ from testbed.model.memory import MemoryBreakdown, memory_breakdown
 from testbed.pipeline.schedules import peak_inflight
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
-from testbed.sim.facts import StepFacts, cached_order, step_facts, topology_rules
+from testbed.sim.step.facts import StepFacts, cached_order, step_facts, topology_rules
 from testbed.topology import Topology
 
 __all__ = ["Estimate", "estimate", "estimate_of", "plan_memory", "cached_inflight"]

@@ -25,10 +25,10 @@ from testbed.plan.sharding import gathers_parameters, state_sharding
 from testbed.model.memory import state_bytes_per_param
 from testbed.plan.stages import chunk_counts
 from testbed.plan.spec import Axis, Plan, Remat
-from testbed.sim.action_work import action_work
-from testbed.sim.compute import compute_seconds
-from testbed.sim.xla_tpu import narrows_gathers, sequence_gather_bytes
-from testbed.sim.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms, cached_order
+from testbed.sim.step.action_work import action_work
+from testbed.sim.price.compute import compute_seconds
+from testbed.sim.xla.xla_tpu import narrows_gathers, sequence_gather_bytes
+from testbed.sim.step.facts import BUCKETS, accumulate_bytes, cached_chunk_cost, cached_chunk_gemms, cached_order
 from testbed.topology import Topology
 
 __all__ = ["step_floor", "placed_floor", "played_floor", "cached_step_floor", "cached_played_floor", "floor_key", "group_floor_key", "cached_table",
@@ -77,7 +77,7 @@ def group_floor_key(plan: Plan) -> tuple:
 
 
 def floor_key(plan: Plan) -> tuple:
-    """What :func:`step_floor` reads of ``plan``: its chunks' costs and GEMMs (testbed.sim.memo's keys: the mesh's
+    """What :func:`step_floor` reads of ``plan``: its chunks' costs and GEMMs (testbed.sim.step.memo's keys: the mesh's
     tensor, stage, context and expert degrees, not its data and fsdp degrees nor its order), the microbatches and
     their size, and of the ZeRO stage and the data and fsdp degrees only whether the backward gathers the
     parameters again and the ways the gradients are sharded (the add into the accumulator's bytes;
@@ -99,9 +99,9 @@ def placed_floor(plan: Plan, topology: Topology) -> float:
     collectives one after another) instead of their bandwidth bound, which holds wherever the groups lie; 0 where
     it does not apply (no tensor parallelism, ``runtime.tp_comm_overlap``, parameters gathered, whose actions play
     their tensor collectives among their blocks, or no step floor). A chunk holding the embedding keeps the bound (its
-    backward may merge the embedding's gathers into the gradient sums: testbed.sim.grad_bytes). The transfers are
-    :func:`testbed.sim.action_work.action_work`'s, the loss's at its fewest bytes, as the estimate's or fewer (the
-    sequence's gathers as the compiler narrows them: testbed.sim.xla_tpu.sequence_gather_bytes).
+    backward may merge the embedding's gathers into the gradient sums: testbed.sim.step.grad_bytes). The transfers are
+    :func:`testbed.sim.step.action_work.action_work`'s, the loss's at its fewest bytes, as the estimate's or fewer (the
+    sequence's gathers as the compiler narrows them: testbed.sim.xla.xla_tpu.sequence_gather_bytes).
     Memoized per topology on :func:`floor_key` and the mesh (what the placement follows)."""
     return memoized(topology, "placed_floor", (floor_key(plan), plan.mesh), lambda: _placed_floor(plan, topology))
 
@@ -159,7 +159,7 @@ def played_floor(plan: Plan, topology: Topology) -> float | None:
     The estimate's play (testbed.explore.play) starts an action no earlier than its stage's previous action
     ends and than each action it waits for ends (a send arrives after its sender ends), and runs it for at
     least its compute and blocking tensor floor (the per-action terms of :func:`step_floor`); so replaying
-    the same order (testbed.sim.memo's ``cached_order``, its dependency keys) with ``start = max(stage free,
+    the same order (testbed.sim.step.memo's ``cached_order``, its dependency keys) with ``start = max(stage free,
     dependencies' ends)`` and ``end = start + floor`` gives, at each action, an end no later than the
     estimate's, and the latest end no later than its step. It counts the pipeline's fill and drain (the
     bubble of any schedule, interleaved and zero-bubble included), which :func:`step_floor` bounds only for
@@ -228,7 +228,7 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
             seconds = {}
             for c in range(v):
                 # A chunk's cost and GEMMs (testbed.model.costs.chunk_cost) follow its layers' kinds (a dense model's:
-                # its layer count) and the embedding and head it holds (testbed.sim.facts.alike_key) beside what
+                # its layer count) and the embedding and head it holds (testbed.sim.step.facts.alike_key) beside what
                 # :func:`_chunk_key` holds: priced once per topology, whichever plan, stage and chunk holds it.
                 alike = (shared, per[s][c], (s, c) == (0, 0), (s, c) == (p - 1, v - 1)) if moe is None else \
                     (shared, *moe[s][c])
@@ -255,7 +255,7 @@ def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], 
 
 def _accumulate_floor(plan: Plan, topology: Topology, params: int) -> float:
     """Seconds of the add of a microbatch's gradients of a chunk of ``params`` into the accumulator after its last
-    backward (testbed.sim.grad_bytes.accumulate_bytes, priced as the estimate prices it: a memory pass of its own;
+    backward (testbed.sim.step.grad_bytes.accumulate_bytes, priced as the estimate prices it: a memory pass of its own;
     0 where there is none)."""
     nbytes = accumulate_bytes(plan, params, state_bytes_per_param(plan)[1])
     return compute_seconds(topology, plan.precision.compute_dtype, 0.0, nbytes) if nbytes > 0 else 0.0
@@ -263,7 +263,7 @@ def _accumulate_floor(plan: Plan, topology: Topology, params: int) -> float:
 
 def _chunk_key(plan: Plan, split: bool, dtype: str) -> tuple:
     """What a chunk's action floors read of ``plan`` beside its layers and ends: what its cost and GEMMs read
-    (testbed.sim.memo's keys, but for the stage split and the chunk's place), the backward's split, the dtype,
+    (testbed.sim.step.memo's keys, but for the stage split and the chunk's place), the backward's split, the dtype,
     and what the spans and tensor floor read (``runtime.tp_comm_overlap``, whether the backward gathers the
     parameters again); an MoE chain's ``runtime.moe_sequence_dispatch``."""
     mesh, rt = plan.mesh, plan.runtime
@@ -276,7 +276,7 @@ def _chunk_key(plan: Plan, split: bool, dtype: str) -> tuple:
 @functools.lru_cache(maxsize=1024)
 def _moe_chunks(spec, p: int, v: int, stage_layers: tuple[int, ...]) -> tuple[tuple[tuple, ...], ...]:
     """Per stage, each chunk's kinds of layers (MoE or dense, in order), whether it holds the embedding and the head
-    (testbed.sim.facts.alike_key's rule) and its MoE layers' count, of an MoE model split so (memoized: plans alike
+    (testbed.sim.step.facts.alike_key's rule) and its MoE layers' count, of an MoE model split so (memoized: plans alike
     in the split share it)."""
     spans = chunk_layers(spec, p, v, stage_layers)
     return tuple(tuple((tuple(map(spec.is_moe_layer, spans[s][c])), (s, c) == (0, 0), (s, c) == (p - 1, v - 1),
@@ -287,7 +287,7 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
                   dtype: str, n_moe: int = 0) -> tuple[float, tuple[tuple[str, int, int], ...]]:
     """(compute seconds, blocking tensor transfers) of one ``kind`` action of a chunk of ``cost`` and ``gemms``
     holding ``n_moe`` MoE layers: its compute as the estimate prices it, a microbatch's last backward at the cheaper
-    of whole and split into gradient buckets. An MoE chain's (expert parallelism: testbed.sim.moe), which the
+    of whole and split into gradient buckets. An MoE chain's (expert parallelism: testbed.sim.step.moe), which the
     estimate prices as the sum of its compute pieces' (the action's work and GEMMs split among them) and its exposed
     all-to-alls, is bounded by the whole action as one kernel (its GEMMs' seconds are the pieces' summed, or, priced
     by FLOPs, at an efficiency no piece's exceeds: one kernel's is the highest; its memory pass no longer than
@@ -299,7 +299,7 @@ def _action_floor(topology: Topology, plan: Plan, cost: ChunkCost, gemms: ChunkG
     flops, hbm, (rep_b, split_b), tensor = action_work(cost, kind, split, remat, float(plan.precision.compute_bytes),
                                                        narrow)
     shapes = gemms.action(kind, split)
-    if n_moe and plan.mesh.expert > 1 and kind != "W":  # an MoE chain (testbed.sim.moe.moe_pieces): a bound of it
+    if n_moe and plan.mesh.expert > 1 and kind != "W":  # an MoE chain (testbed.sim.step.moe.moe_pieces): a bound of it
         whole = compute_seconds(topology, dtype, flops, hbm, 1, rep_b, split_b, cost.tensor_bytes, shapes)
         return whole + _all_to_all_floor(plan, topology, n_moe, kind), tensor
     spans = action_spans(plan, cost, kind, split, n_moe)
@@ -354,7 +354,7 @@ def _splits_backward(plan: Plan) -> bool:
 @functools.lru_cache(maxsize=4096)
 def cached_table(name: str, stages: int, microbatches: int, virtual: int) -> Schedule:
     """The schedule table alone (testbed.pipeline.schedules.build_schedule), memoized: the bounds read it for
-    every plan, and its execution order with dependency keys (testbed.sim.memo.cached_order), which costs far
+    every plan, and its execution order with dependency keys (testbed.sim.step.memo.cached_order), which costs far
     more at hundreds of microbatches, only the plans they estimate need."""
     return build_schedule(name, stages, microbatches, virtual)
 

@@ -8,12 +8,12 @@ the sum of its actions' gather seconds: ``microbatches`` times each chunk's forw
 (testbed.plan.sharding.gathers_parameters), each block's collectives priced as the tier prices them
 (``StepPrices._block_gather_seconds``: every all-gather of testbed.model.blocks.block_gathers at its merged size, by
 ``StageCollectives.time``). The task graph runs the same collectives one after another on its ``gather`` stream
-(testbed.sim.program), each timed by testbed.collectives.timing and slowed only by sharing links
+(testbed.sim.graph.program), each timed by testbed.collectives.timing and slowed only by sharing links
 (tests/test_gather_floor.py checks both tiers on sampled plans). A chunk's blocks follow whether the embedding
-and the head are blocks of their own (testbed.sim.facts: ``runtime.fsdp_edge_blocks`` where no action overlaps or
+and the head are blocks of their own (testbed.sim.step.facts: ``runtime.fsdp_edge_blocks`` where no action overlaps or
 chains); where they may be, the cheaper of both splits is taken. The first, middle and last stages are summed (the
 slowest of them bounds the slowest of all), chunks alike in their layers' kinds, embedding and head priced once.
-An MoE chain's actions (expert parallelism: testbed.sim.moe) gather their chunk whole, one block of all its
+An MoE chain's actions (expert parallelism: testbed.sim.step.moe) gather their chunk whole, one block of all its
 collectives, as both tiers play them. Only plans testbed.explore.floor bounds (no context parallelism, no shared
 host) are bounded here.
 """
@@ -33,8 +33,8 @@ from testbed.model.moe import moe_layers
 from testbed.plan.placement import place
 from testbed.plan.sharding import gathers_parameters, state_sharding
 from testbed.plan.spec import Plan
-from testbed.sim.memo import cached_chunk_cost
-from testbed.sim.xla_tpu import gather_lowering, matmul_gather_bytes, narrows_gathers
+from testbed.sim.step.memo import cached_chunk_cost
+from testbed.sim.xla.xla_tpu import gather_lowering, matmul_gather_bytes, narrows_gathers
 from testbed.topology import Topology
 
 __all__ = ["gather_floor", "gather_seconds_per_microbatch", "gather_key"]
@@ -92,7 +92,7 @@ def _per_microbatch(plan: Plan, topology: Topology) -> float:
 def _chunk_sizes(plan: Plan, s: int, c: int, combine: float, param_b: float, cost, chained: bool,
                  matmul_b: float = 0.0, lowering: Lowering = NO_LOWERING) -> list[tuple]:
     """Per way the chunk's blocks may be split, each gathering action's block gathers' bytes
-    (testbed.model.blocks.block_gathers; ``chained``: its F and B actions are MoE chains, testbed.sim.moe, which
+    (testbed.model.blocks.block_gathers; ``chained``: its F and B actions are MoE chains, testbed.sim.step.moe, which
     gather the chunk whole; ``lowering``: the gathers lowered as all-reduces, each block's as (size, op) pairs);
     empty when the chunk gathers nothing."""
     leaves = parameter_collectives(plan, s, c, combine, param_b)

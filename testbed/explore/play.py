@@ -1,13 +1,13 @@
 """One play of the analytic tier's schedule table: every action in execution order on its stage, then each
 stage's gradient tail and update (testbed.explore.analytic prices the actions; this module plays them by
-testbed.sim.step_rules, the rules the task graph is built by).
+testbed.sim.step.step_rules, the rules the task graph is built by).
 
 An action starts once its stage is free, its dispatch is out and what it waits for has arrived; it computes,
-then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`` hides: testbed.sim.tp_overlap),
+then blocks for its tensor collectives (less the part ``runtime.tp_comm_overlap`` hides: testbed.sim.step.tp_overlap),
 and its sends leave on the stage's pipe stream (serial; with ``runtime.pipeline_blocking_sends`` the stage waits
 for them). Gathers (fsdp/ZeRO-3) run block by block ahead of the compute, gradient buckets reduce on the grad
 stream, and a shared host's stragglers wait at the action's barriers
-(testbed.sim.barriers). With ``device.comm_slowdown`` the compute beside communication is slower before the
+(testbed.sim.price.barriers). With ``device.comm_slowdown`` the compute beside communication is slower before the
 action's reductions leave (:meth:`Play._slowed`), so its buckets and its end carry the extra once.
 """
 
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, NamedTuple
 from testbed.plan.spec import Axis
 from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, beside_compute, stage_rests
 from testbed.explore.span_times import Played, play_blocks
-from testbed.sim.barriers import interleaved_wait, step_end_wait
-from testbed.sim.update_facts import update_seconds
-from testbed.sim.step_rules import (ActionStep, Gradients, action_dispatch, action_steps, dispatch_seconds,
+from testbed.sim.price.barriers import interleaved_wait, step_end_wait
+from testbed.sim.step.update_facts import update_seconds
+from testbed.sim.step.step_rules import (ActionStep, Gradients, action_dispatch, action_steps, dispatch_seconds,
                                     gather_after, prepare_seconds, step_dispatch, step_prepare, update_dispatch)
-from testbed.sim.tp_overlap import slowed_overlap
+from testbed.sim.step.tp_overlap import slowed_overlap
 
 if TYPE_CHECKING:
     from testbed.explore.prices import ActionPrice, StepPrices
@@ -107,7 +107,7 @@ class Play:
 
     def _start(self, s: int, c: int, kind: str, accumulated: bool, deps: tuple[tuple, ...]) -> float:
         """When an action starts: after its stage's previous action (and program), its dispatch
-        (``accumulated``: testbed.sim.step_rules.action_dispatch's), its dependencies and its parameter gather (the
+        (``accumulated``: testbed.sim.step.step_rules.action_dispatch's), its dependencies and its parameter gather (the
         wait for which is communication)."""
         step, controller = self.step, self.step.controller
         start = max(self.free[s], self.launch) if step.serial else self.free[s]
@@ -122,7 +122,7 @@ class Play:
         return start
 
     def _gather(self, s: int, priced: ActionPrice, start: float, compute: float) -> tuple[float, float]:
-        """An action's gathers block by block (testbed.sim.program's): (when its first block computes, the seconds
+        """An action's gathers block by block (testbed.sim.graph.program's): (when its first block computes, the seconds
         the later blocks wait for their gathers), each block's gather and compute its own where they differ (a
         block's merged collectives; the embedding's and the head's blocks), else equal shares (:meth:`_gathered_blocks`)."""
         n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
@@ -137,7 +137,7 @@ class Play:
     def _gathered_blocks(self, s: int, gathers: tuple[float, ...], start: float, parts: tuple[float, ...],
                          own: bool, plays: tuple = ()) -> tuple[float, float]:
         """:meth:`_gather` with each block's gather and compute seconds: block ``i``'s gather starts after block
-        ``i - 1``'s and once the block testbed.sim.step_rules.gather_after names has computed, its compute once its
+        ``i - 1``'s and once the block testbed.sim.step.step_rules.gather_after names has computed, its compute once its
         gather and block ``i - 1`` are done, block by block as the task graph plays them. ``own``: the
         blocks compute their own shares (with a slowdown, kept to play them again, each slowed: :meth:`_slowed`);
         ``plays``: the blocks played span by span (testbed.explore.span_times), each done once its collectives are."""
@@ -162,7 +162,7 @@ class Play:
         return first, ends[-1] - first - sum(parts)
 
     def action(self, step: ActionStep) -> None:
-        """Plays one F/B/W action as ``step`` (testbed.sim.step_rules.action_steps) rules it."""
+        """Plays one F/B/W action as ``step`` (testbed.sim.step.step_rules.action_steps) rules it."""
         s, action, grads = step.stage, step.action, step.gradients
         c, kind, mb = action.chunk, action.kind, action.microbatch
         priced = self.step.played(s, c, kind, grads)
@@ -175,7 +175,7 @@ class Play:
             start, stretch = self._gather(s, priced, start, compute)
             if skewed is not None and priced.blocks > self.facts.prefetch:
                 # Its first prefetch + 1 blocks' gathers met the shard group as the stage's previous gathering
-                # action ended (or later): nothing computed since (the task graph's gathers, testbed.sim.barriers).
+                # action ended (or later): nothing computed since (the task graph's gathers, testbed.sim.price.barriers).
                 self.carry[s] = 0.0
         wait = 0.0  # at the action's barriers (a shared host's stragglers): communication, not compute
         last, releases = grads.ends, ()
@@ -186,7 +186,7 @@ class Play:
             self.carry[s] = 0.0 if priced.syncs[0] else self.carry[s] + compute
             compute += wait
         if skewed is not None and priced.gather and priced.blocks > 1:
-            # Each block's gather is a meeting of the shard group (testbed.sim.barriers): the last one runs as
+            # Each block's gather is a meeting of the shard group (testbed.sim.price.barriers): the last one runs as
             # block n - 1 - prefetch starts, so only the blocks from there on are computed since.
             n = priced.blocks
             self.carry[s] = min(self.carry[s], min(n, self.facts.prefetch + 1) * (compute - wait) / n)
@@ -214,8 +214,8 @@ class Play:
     def _sends(self, s: int, key: tuple, priced: ActionPrice, finish: float, blocking: bool) -> None:
         """An action's sends, one after another on its stage's pipe stream from ``finish`` (``key``: the action's),
         a split send's receivers' all-gather on their recv stream of its direction; with ``blocking`` sends the
-        stage waits for them (testbed.sim.step_rules.ActionStep). A send is no program's own: with programs one at
-        a time the next one waits for the action's end only (testbed.sim.tasks.Builder.serialize)."""
+        stage waits for them (testbed.sim.step.step_rules.ActionStep). A send is no program's own: with programs one at
+        a time the next one waits for the action's end only (testbed.sim.graph.tasks.Builder.serialize)."""
         kind = key[1]
         for dst, seconds, gather in priced.sends:
             self.pipe[s] = max(self.pipe[s], finish) + seconds
@@ -233,14 +233,14 @@ class Play:
         it): (its compute seconds, its barriers' wait, its reductions ``(when it leaves, seconds, the share of the
         compute before)``). The last microbatch's buckets reduce as its pieces finish, from ``step.tail_from`` on
         after its tensor collectives (or once, after the stage's backward, when gradients do not accumulate
-        sharded); an earlier one's gradients are reduce-scattered (testbed.sim.step_rules.gradients)."""
+        sharded); an earlier one's gradients are reduce-scattered (testbed.sim.step.step_rules.gradients)."""
         piece, acc, pieces, skewed = self.slow * priced.piece, self.slow * priced.acc, priced.pieces, self.step.skewed
         grads, last_mb = step.gradients, step.left == 0
         parts = tuple(self.slow * x for x in priced.parts) if priced.parts and len(priced.parts) == pieces else ()
         if grads.release and piece:
             compute = sum(parts) if parts else pieces * piece
         wait = 0.0
-        if skewed is not None:  # the action's barriers (testbed.sim.barriers), then the accumulator's add
+        if skewed is not None:  # the action's barriers (testbed.sim.price.barriers), then the accumulator's add
             own = priced.syncs[1] if last_mb else priced.syncs[0]
             if last_mb and piece and pieces > 1:  # the task graph's bucket pieces: an equal share each
                 share = tuple((g, n / pieces) for g, n in own)
@@ -281,8 +281,8 @@ class Play:
         return compute + acc, wait, releases
 
     def _iteration(self, s: int) -> None:
-        """A microbatch of a loop XLA keeps (testbed.sim.grad_bytes.loop_kept) begins once the one before it has
-        ended, its reduce-scatters and sums too, and gathers nothing before (testbed.sim.program's join)."""
+        """A microbatch of a loop XLA keeps (testbed.sim.step.grad_bytes.loop_kept) begins once the one before it has
+        ended, its reduce-scatters and sums too, and gathers nothing before (testbed.sim.graph.program's join)."""
         end = max(self.free[s], self.grad[s], self.early[s])
         self.comm[s] += end - self.free[s]
         self.free[s], self.gather_free[s] = end, max(self.gather_free[s], end)

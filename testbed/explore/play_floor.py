@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from testbed.sim.step_rules import Gradients, gradients
-from testbed.sim.update_facts import update_seconds
+from testbed.sim.step.step_rules import Gradients, gradients
+from testbed.sim.step.update_facts import update_seconds
 
 if TYPE_CHECKING:
     from testbed.explore.prices import StepPrices
@@ -65,7 +65,7 @@ def action_floors(step: StepPrices) -> dict[tuple[int, int, str], float]:
 
 def beside_compute(step: StepPrices, p, grads: Gradients) -> float:
     """The communication beside an action's compute (``p``: its price; ``grads``: what it does with its gradients,
-    testbed.sim.step_rules.gradients) that ``device.comm_slowdown`` slows it by (testbed.explore.play.Play._slowed,
+    testbed.sim.step.step_rules.gradients) that ``device.comm_slowdown`` slows it by (testbed.explore.play.Play._slowed,
     where its blocks do not play their own gathers; and this floor): its hidden tensor collectives, its sends, the
     gradient reductions it starts (its buckets where it releases them and they reduce in the backward, or an
     earlier microbatch's reduce-scatter), with prefetch its gathers, and the ring's sends beside its compute."""

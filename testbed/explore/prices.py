@@ -17,16 +17,16 @@ from testbed.model.gemm import scaled
 from testbed.model.layout import chunk_layers
 from testbed.model.spans import scaled_spans
 from testbed.plan.spec import Axis
-from testbed.sim.barriers import Syncs, merge
-from testbed.sim.chunk_facts import ActionWork, ChunkFacts
-from testbed.sim.compute import compute_seconds, plan_matmul_dtype
-from testbed.sim.facts import StepFacts, accumulate_bytes, alike_key, bucket_share
-from testbed.sim.grad_tasks import allreduce_count
-from testbed.sim.moe import Piece
-from testbed.sim.ring import ring_action_seconds, ring_neighbours
-from testbed.sim.step_rules import (GatherMode, Gradients, gather_mode, gradients, runs_serially, sequence_apart,
+from testbed.sim.price.barriers import Syncs, merge
+from testbed.sim.step.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.price.compute import compute_seconds, plan_matmul_dtype
+from testbed.sim.step.facts import StepFacts, accumulate_bytes, alike_key, bucket_share
+from testbed.sim.graph.grad_tasks import allreduce_count
+from testbed.sim.step.moe import Piece
+from testbed.sim.graph.ring import ring_action_seconds, ring_neighbours
+from testbed.sim.step.step_rules import (GatherMode, Gradients, gather_mode, gradients, runs_serially, sequence_apart,
                                     serial_host)
-from testbed.sim.step_rules import pieces as step_pieces
+from testbed.sim.step.step_rules import pieces as step_pieces
 from testbed.topology import Topology
 
 __all__ = ["StepPrices", "ActionPrice", "PricedSend"]
@@ -45,7 +45,7 @@ class ActionPrice(NamedTuple):
     """One F/B/W action of one chunk, priced: its compute seconds (all of it, and one gradient bucket's piece
     of the chunk's last backward, in ``pieces``), blocking tensor (and exposed all-to-all and ring) seconds,
     the gather it waits for, one bucket's reduction, an earlier microbatch's reduce-scatter, its sends
-    (:class:`PricedSend`), the accumulator's add, and its barriers (testbed.sim.barriers: of an earlier microbatch,
+    (:class:`PricedSend`), the accumulator's add, and its barriers (testbed.sim.price.barriers: of an earlier microbatch,
     of the last; then the bucket reduction's own). ``hidden``: the part of ``tensor`` that runs
     beside the compute (``runtime.tp_comm_overlap``: the tensor collectives; 0 without)."""
 
@@ -72,8 +72,8 @@ class ActionPrice(NamedTuple):
     plays_last: tuple = ()  # the same, of the microbatch that releases the chunk's gradient buckets
     plays_scatter: tuple = ()  # the same, of an earlier microbatch reduce-scattering bucket by bucket (loop_kept)
     scatter_each: tuple[float, ...] = ()  # an earlier microbatch's reduce-scatter bucket by bucket (grad_bytes.loop_kept)
-    chain: bool = False  # an MoE chain (testbed.sim.step_rules.gradients reads it)
-    ring_hidden: float = 0.0  # the ring's sends beside its compute (context parallelism: testbed.sim.ring)
+    chain: bool = False  # an MoE chain (testbed.sim.step.step_rules.gradients reads it)
+    ring_hidden: float = 0.0  # the ring's sends beside its compute (context parallelism: testbed.sim.graph.ring)
 
 
 class StepPrices:
@@ -86,7 +86,7 @@ class StepPrices:
         self.coll = StageCollectives(topology, ids)
         self.controller = cal.controller
         self.skewed = cal.host if cal.host is not None and cal.host.skew_s else None  # a shared host's stragglers
-        # Programs over several devices one at a time (testbed.sim.program's ``serial``): each action and update
+        # Programs over several devices one at a time (testbed.sim.graph.program's ``serial``): each action and update
         # starts once the previous one has completed, and its end is a meeting of the stage's devices.
         self.per_stage = topology.num_devices // p
         self.serial = runs_serially(serial_host(cal), p, self.per_stage)
@@ -101,7 +101,7 @@ class StepPrices:
         plan, v = facts.plan, facts.virtual
         spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):
-            alike: dict[tuple, ActionPrice] = {}  # the stage's chunks alike (testbed.sim.facts.alike_key): priced once
+            alike: dict[tuple, ActionPrice] = {}  # the stage's chunks alike (testbed.sim.step.facts.alike_key): priced once
             for c, chunk in enumerate(facts.chunks[s]):
                 key = alike_key(plan, p, v, s, c, spans[s][c])
                 for work in chunk.actions:
@@ -123,7 +123,7 @@ class StepPrices:
                                                                    else ())
 
     def played(self, s: int, c: int, kind: str, grads: Gradients) -> ActionPrice:
-        """The price of chunk ``c``'s ``kind`` action on stage ``s`` as played with ``grads`` (testbed.sim.step_rules'
+        """The price of chunk ``c``'s ``kind`` action on stage ``s`` as played with ``grads`` (testbed.sim.step.step_rules'
         Gradients): where its blocks are played span by span, the play it releases its gradients by (its compute their
         computes', its tensor among them), else none. Memoized: every microbatch's action reads one."""
         key = (s, c, kind, grads.release, grads.each)
@@ -142,7 +142,7 @@ class StepPrices:
 
     def _gather_seconds(self, s: int, moved: tuple[int, int], pieces: int) -> float:
         """Seconds of the gathers of ``moved`` (elements, collectives: :meth:`ChunkFacts.gather`) in ``pieces``
-        equal shares (an MoE chain's whole gather, as testbed.sim.program's)."""
+        equal shares (an MoE chain's whole gather, as testbed.sim.graph.program's)."""
         elements, leaves = moved
         total, per = 0.0, elements * self.facts.param_bytes / pieces
         for count, times in Counter(bucket_share(leaves, pieces, k) for k in range(pieces)).items():
@@ -151,7 +151,7 @@ class StepPrices:
 
     def _block_gather_seconds(self, s: int, chunk: ChunkFacts, kind: str) -> tuple[float, ...]:
         """Each block's seconds of a ``kind`` action's gathers, each collective at its merged size
-        (:meth:`ChunkFacts.gather_sizes`, as testbed.sim.program's tasks)."""
+        (:meth:`ChunkFacts.gather_sizes`, as testbed.sim.graph.program's tasks)."""
         time, axes, memo = self.coll.time, self.facts.params_axes, {}
         blocks = tuple(zip(chunk.gather_sizes(kind), chunk.gather_ops(kind)))  # ops: lowered gathers all-reduces
         for block in blocks:  # the middle layers' blocks alike: each kind priced once
@@ -197,7 +197,7 @@ class StepPrices:
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
         hidden = tp_s if plan.runtime.tp_comm_overlap and not overlap else 0.0  # beside the compute (the join)
-        blocks = tuple((self._tensor_seconds(s, blk.first),  # GEMM by GEMM (testbed.sim.tp_overlap)
+        blocks = tuple((self._tensor_seconds(s, blk.first),  # GEMM by GEMM (testbed.sim.step.tp_overlap)
                         compute_seconds(topology, dtype, blk.flops, blk.hbm_bytes, max(1, len(blk.gemms)),
                                         tensor_bytes=cost.tensor_bytes, gemms=blk.gemms),
                         self._tensor_seconds(s, blk.rest)) for blk in (overlap.blocks if overlap else ()))
@@ -224,7 +224,7 @@ class StepPrices:
 
     def _syncs(self, chunk: ChunkFacts, work: ActionWork, plain: bool, scatter: bool, bucket_syncs: Syncs,
                pieces: int) -> tuple[Syncs, Syncs]:
-        """The action's collectives as barriers among its kernels (testbed.sim.program's interleave; ``plain``: not
+        """The action's collectives as barriers among its kernels (testbed.sim.graph.program's interleave; ``plain``: not
         a chain nor a ring): the tensor collectives, then an earlier microbatch's reduce-scatters (``scatter``) or
         the last one's buckets. Gathers meet on their own stream ahead of the action, with next to no computing
         since the last meeting (no wait here; the task graph's prefetched gathers wait next to nothing too)."""
@@ -270,7 +270,7 @@ class StepPrices:
 
     def _scatters(self, s: int, chunk: ChunkFacts, chain: bool) -> tuple[float, tuple[float, ...]]:
         """An earlier microbatch's reduce-scatter into the sharded accumulator: its seconds, and in a loop XLA keeps
-        (testbed.sim.grad_bytes.loop_kept) each bucket's as testbed.sim.program reduce-scatters them, bucket by
+        (testbed.sim.step.grad_bytes.loop_kept) each bucket's as testbed.sim.graph.program reduce-scatters them, bucket by
         bucket as the backward makes them (empty: one, after the backward)."""
         coll, axes, n = self.coll, self.facts.per_microbatch, max(1, chunk.leaves)
         each: tuple[float, ...] = ()
@@ -280,7 +280,7 @@ class StepPrices:
 
     def _accumulated(self, s: int, chunk: ChunkFacts, buckets) -> float:
         """Seconds of an earlier microbatch's reduce-scatters of ``buckets`` (ChunkFacts.bucket's (share,
-        collectives)) into the sharded accumulator, as testbed.sim.program's tasks."""
+        collectives)) into the sharded accumulator, as testbed.sim.graph.program's tasks."""
         time, axes = self.coll.time, self.facts.per_microbatch
         each = chunk.reduced.each_microbatch
         op = self.facts.accumulate_op
@@ -288,7 +288,7 @@ class StepPrices:
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's
-        (:meth:`ChunkFacts.block_shares`, as testbed.sim.program's tasks); empty where its blocks are equal."""
+        (:meth:`ChunkFacts.block_shares`, as testbed.sim.graph.program's tasks); empty where its blocks are equal."""
         shares = chunk.block_shares(work.kind, pieces)
         if not shares:
             return ()
@@ -309,7 +309,7 @@ class StepPrices:
     def _compute(self, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int],
                  ) -> tuple[float, tuple[float, float, float] | None, tuple[Piece, ...]]:
         """(compute seconds, the ring's (compute, exposed sends, all sends) seconds or None, the MoE chain) of one action,
-        priced as the task graph splits it: whole, as the ring's tasks under context parallelism (testbed.sim.ring),
+        priced as the task graph splits it: whole, as the ring's tasks under context parallelism (testbed.sim.graph.ring),
         and the chain's compute tasks each as the graph prices them."""
         topology, dtype, cost = self.topology, self.dtype, chunk.cost
         overlap = work.overlap  # its blocks' GEMMs are priced beside their collectives (_price)
@@ -328,12 +328,12 @@ class StepPrices:
 
     def _reduce(self, stage: int, nbytes: float, special: tuple, leaves: float = 0.0,
                 tail: tuple[float, float] = (0.0, 0.0), select: bool | None = None) -> tuple[float, Syncs]:
-        """One gradient bucket's reduction (testbed.sim.program's ``_reduce``, by the facts' reductions): per
+        """One gradient bucket's reduction (testbed.sim.graph.program's ``_reduce``, by the facts' reductions): per
         parameter kind, a reduce-scatter over its reduction axes the optimizer state is sharded on (``leaves``
         collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
         all-reduce over the rest (with ``tail``, ChunkFacts.tail, the token table's apart after a tensor
-        all-gather; ``select``: testbed.sim.grad_tasks.reduce_tasks'). Its seconds and its collectives as barriers
-        (testbed.sim.barriers), the first first. Memoized per step (a chunk's alike buckets and blocks)."""
+        all-gather; ``select``: testbed.sim.graph.grad_tasks.reduce_tasks'). Its seconds and its collectives as barriers
+        (testbed.sim.price.barriers), the first first. Memoized per step (a chunk's alike buckets and blocks)."""
         key = (stage, nbytes, special, leaves, tail, select)
         hit = self._reduced.get(key)
         if hit is None:
@@ -364,7 +364,7 @@ class StepPrices:
         return t, tuple(syncs)
 
     def _exposed_all_to_all(self, chain: tuple[Piece, ...], stage: int) -> float:
-        """Seconds an action's MoE all-to-alls block it (testbed.sim.moe's chain): each all-to-all less the shared
+        """Seconds an action's MoE all-to-alls block it (testbed.sim.step.moe's chain): each all-to-all less the shared
         experts' compute the chain runs beside it (the piece that follows it, when it is one)."""
         total = 0.0
         for i, piece in enumerate(chain):

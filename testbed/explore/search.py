@@ -37,9 +37,9 @@ from testbed.explore.choices import SearchSpace
 from testbed.explore.candidates import CandidateGroup, candidate_groups, candidates
 from testbed.model.costs import model_flops_per_step
 from testbed.plan.spec import Plan
-from testbed.sim.engine import simulate
-from testbed.sim.exposed import cached_exposed_by_kind
-from testbed.sim.timeline import Report
+from testbed.sim.graph.engine import simulate
+from testbed.sim.report.exposed import cached_exposed_by_kind
+from testbed.sim.report.timeline import Report
 from testbed.topology import Topology
 
 __all__ = ["OBJECTIVES", "Candidate", "SearchResult", "search", "objective_value", "evaluate", "exhaustive_optimum"]
@@ -89,7 +89,7 @@ class Candidate:
     estimate: Estimate
     report: Report | None = None
     value: float
-    #: Once replayed: the DES step's exposed communication by kind (testbed.sim.exposed.exposed_by_kind).
+    #: Once replayed: the DES step's exposed communication by kind (testbed.sim.report.exposed.exposed_by_kind).
     exposed_by_kind: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -289,8 +289,8 @@ class _Tier:
     shortlist: list[Candidate] = field(default_factory=list)
     deferred: list[tuple[float, Plan | tuple[CandidateGroup, int, tuple]]] = field(default_factory=list)
     floors: dict = field(default_factory=dict)
-    played: dict = field(default_factory=dict)  # the DES's timelines by program (testbed.sim.engine.simulate)
-    exposed: dict = field(default_factory=dict)  # testbed.sim.exposed.cached_exposed_by_kind's memo
+    played: dict = field(default_factory=dict)  # the DES's timelines by program (testbed.sim.graph.engine.simulate)
+    exposed: dict = field(default_factory=dict)  # testbed.sim.report.exposed.cached_exposed_by_kind's memo
     revived: list[Candidate] = field(default_factory=list)  # deferred plans _settle estimated after all (that fit)
     pruned: int = 0
     bounded: int = 0

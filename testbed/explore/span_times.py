@@ -1,5 +1,5 @@
-"""The analytic tier's fsdp blocks played span by span: testbed.sim.span_order's plays (the ones the task graph
-builds its tasks from, testbed.sim.span_play), each item priced as the task graph prices its task
+"""The analytic tier's fsdp blocks played span by span: testbed.sim.step.span_order's plays (the ones the task graph
+builds its tasks from, testbed.sim.graph.span_play), each item priced as the task graph prices its task
 (:func:`priced_plays`) and each block timed on its compute and tensor streams (:func:`play_blocks`).
 
 Where an action's blocks are so played, its tensor collectives sit among its blocks (the action has none after
@@ -13,11 +13,11 @@ import itertools
 from typing import TYPE_CHECKING, NamedTuple
 
 from testbed.model.gemm import scaled
-from testbed.sim.compute import compute_seconds
-from testbed.sim.chunk_facts import ActionWork, ChunkFacts
-from testbed.sim.span_order import BlockPlay, span_kernels, time_block
-from testbed.sim.span_play import action_plays
-from testbed.sim.step_rules import gather_after
+from testbed.sim.price.compute import compute_seconds
+from testbed.sim.step.chunk_facts import ActionWork, ChunkFacts
+from testbed.sim.step.span_order import BlockPlay, span_kernels, time_block
+from testbed.sim.graph.span_play import action_plays
+from testbed.sim.step.step_rules import gather_after
 
 if TYPE_CHECKING:
     from testbed.explore.prices import StepPrices
@@ -38,8 +38,8 @@ class PricedBlock(NamedTuple):
 
 def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
                  accumulate: bool = False) -> tuple[PricedBlock, ...]:
-    """Each block of an action's play (testbed.sim.span_play.action_plays; empty: not played by spans), priced:
-    a compute item as testbed.sim.span_play's ``_span`` prices its task (a roofline of its matmuls and its bytes,
+    """Each block of an action's play (testbed.sim.graph.span_play.action_plays; empty: not played by spans), priced:
+    a compute item as testbed.sim.graph.span_play's ``_span`` prices its task (a roofline of its matmuls and its bytes,
     its FLOPs' share of its block's kernels, its share of the block's replicated and split bytes), a tensor item
     its collectives one after another, a bucket item its reductions (``reduce``: the action releases them;
     ``accumulate``: as an earlier microbatch's reduce-scatters into the sharded accumulator)."""
@@ -100,11 +100,11 @@ class Played(NamedTuple):
 def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], start: float, gather_free: float,
                 before: list[float], prefetch: int, scale: tuple[float, ...]) -> Played:
     """The blocks of ``plays`` timed (testbed.explore.play's ``_blocks`` for blocks played by spans): block
-    ``i``'s gather (``gathers``) after the previous one and once the block testbed.sim.step_rules.gather_after names
+    ``i``'s gather (``gathers``) after the previous one and once the block testbed.sim.step.step_rules.gather_after names
     is done (``before``: the stage's previous gathering action's), and the unlinked last layer's once the head's
-    input gradient is summed (testbed.sim.span_order's ``waits``); each span of the block once what the previous
+    input gradient is summed (testbed.sim.step.span_order's ``waits``); each span of the block once what the previous
     block leaves (from ``start``) and the merged gathers it reads are done (each merge landing in its share of the
-    block's gather: testbed.sim.span_order), its compute items ``scale`` times as long."""
+    block's gather: testbed.sim.step.span_order), its compute items ``scale`` times as long."""
     gather_end, compute, tensor = gather_free, start, start
     starts, ends, dones, flying, releases, summed = [], [], [], [], [], []
     for i, (g, block) in enumerate(zip(gathers, plays)):

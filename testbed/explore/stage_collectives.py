@@ -62,7 +62,7 @@ class StageCollectives:
 
 
 def tied_seconds(topology: Topology, ids, nbytes: float) -> float:
-    """Seconds of the tied token table's gradient sum (testbed.sim.facts.StepFacts.tied_bytes: ``nbytes`` per device)
+    """Seconds of the tied token table's gradient sum (testbed.sim.step.facts.StepFacts.tied_bytes: ``nbytes`` per device)
     over every pair of a first-stage device and its last-stage peer at once (0 where there is none)."""
     if nbytes <= 0 or ids.shape[0] < 2:
         return 0.0

@@ -47,7 +47,7 @@ def _param_text(value: Any) -> str:
 def evaluate_point(task: PointTask) -> dict[str, Any]:
     """The database row of one point: its parameters, the plan it ran and the DES breakdown (pure, picklable)."""
     from testbed.plan.io import plan_from_dict
-    from testbed.sim.engine import simulate
+    from testbed.sim.graph.engine import simulate
     from testbed.topology.io import topology_from_dict
 
     start = time.perf_counter()

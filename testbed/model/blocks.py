@@ -4,7 +4,7 @@ sizes.
 
 The runner (testbed.runner.param_shards.ParamShards) gathers, computes and reduce-scatters each piece of a JAX
 program as a unit of its own; XLA's combiners merge the collectives of consecutive pieces
-(:mod:`testbed.model.leaves` counts them). The task graph (testbed.sim.facts, testbed.sim.grad_tasks) and the
+(:mod:`testbed.model.leaves` counts them). The task graph (testbed.sim.step.facts, testbed.sim.graph.grad_tasks) and the
 analytic tier read the one split and the merged sizes here.
 """
 
@@ -49,7 +49,7 @@ def own_blocks(layers: int, embed: bool, head: bool) -> int:
     stack's split is its wrapping policy, which differs (torchtitan wraps the token embedding and the norm with
     the output as units of their own; Composer's FSDP keeps them in the root unit with the model) and is not
     stated per stack: there the layers' blocks stay, the embedding riding with the first, the head with the last.
-    The one split the plan's model (testbed.sim.chunk_facts.ChunkFacts.blocks) and its gathers (:func:`block_gathers`)
+    The one split the plan's model (testbed.sim.step.chunk_facts.ChunkFacts.blocks) and its gathers (:func:`block_gathers`)
     read."""
     return max(1, layers) + int(embed) + int(head)
 
@@ -67,10 +67,10 @@ def block_pieces(layers: int, embed: bool, head: bool, blocks: int) -> tuple[int
 def narrowed(param: layout.ParamSpec, piece: str, kind: str) -> bool:
     """Whether a ``kind`` action's gather of ``param`` (of a ``piece``: embedding, layer, head) moves the dtype its
     matmuls read rather than the parameter's own (``matmul_bytes`` of :func:`block_gathers`; XLA:TPU under fp32:
-    testbed.sim.xla_tpu.matmul_gather_bytes): a weight matrix of a layer or of the head (drawn at random; the
+    testbed.sim.xla.xla_tpu.matmul_gather_bytes): a weight matrix of a layer or of the head (drawn at random; the
     biases and norms start constant), read only by matmuls, so the compiler rounds it before the gather. Not the
     embedding's tables (a lookup, an addition), not the norms' scales or the biases, 2-D ones (``attn/bqkv``
-    [3, d]) included (elementwise: the traced program's adds read them, testbed.sim.xla_tpu.lowered_gathers),
+    [3, d]) included (elementwise: the traced program's adds read them, testbed.sim.xla.xla_tpu.lowered_gathers),
     and not the head's matrix in the forward, whose gathered copy the loss's piece also reads whole-width (a
     corner kept for its backward's gather: testbed.runner.param_shards)."""
     return (param.part is not layout.Part.EMBEDDING and len(param.shape) >= 2
@@ -89,7 +89,7 @@ def block_gathers(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, el
     reads. Merges as :func:`parameter_collectives` (forward:
     the chunk's leaves in :func:`issue_order`) and :func:`regathered` (backward: :func:`backward_merges`) count
     them; unbounded ``combine_bytes``: one collective per block (a flat parameter per unit).
-    ``elements`` (the action's gathered elements, :meth:`testbed.sim.chunk_facts.ChunkFacts.gather`) above the leaves'
+    ``elements`` (the action's gathered elements, :meth:`testbed.sim.step.chunk_facts.ChunkFacts.gather`) above the leaves'
     (a tied table's copy on the head's chunk) is one more collective of the last block. The one split the task
     graph and the analytic tier both price. ``recompute``: as testbed.model.leaves.regathered's; ``matmul_bytes``:
     bytes per element of the leaves :func:`narrowed` gathers (0: ``bytes_per_element``); ``lowering``: the gathers
@@ -152,7 +152,7 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
     """Per block (forward order), each merged all-gather of a ``kind`` action as (bytes, its members as (block,
     the leaf's first path part), its op: ``all_gather``, or ``all_reduce`` where ``lowering`` lowers and merges
     it, at its first member's place: :func:`_lowered`), in the order the traced program issues them: a merge at its last member's
-    place (testbed.sim.combine; XLA's combiner puts the combined collective after all its operands), so a leaf
+    place (testbed.sim.xla.combine; XLA's combiner puts the combined collective after all its operands), so a leaf
     over the bound (the token table) goes before the open merge it interrupts. A merge is in the block of its
     first member (:func:`block_gathers`); ``recompute``: a layer's backward gathers its recomputation's leaves
     first (testbed.model.leaves.backward_walk)."""
@@ -228,7 +228,7 @@ def gather_holds(plan: Plan, stage: int, chunk: int, kind: str, blocks: int, ele
     all-gather (as its sizes), the first path parts (``attn``, ``ln1``, ``mlp``, ``tokens``, ...) of the block's
     own leaves the merge holds (None: what :func:`block_gathers` adds beyond the leaves, a tied table's copy,
     holding anything). XLA starts an op once its operands are ready: a span of the block waits for the merges
-    holding the leaves it reads (testbed.sim.span_order), not for all of its block's."""
+    holding the leaves it reads (testbed.sim.step.span_order), not for all of its block's."""
     spec, mesh = plan.model, _merge_mesh(plan.mesh)
     merges = _gather_merges(spec, mesh, plan.schedule.virtual_stages, plan.stage_layers,
                             state_sharding(plan).ways(plan, "params"), stage, chunk, kind, blocks, combine_bytes,
@@ -252,15 +252,15 @@ _LAYER_READS = {True: (("norm", 0, ("ln1",)), ("block", 0, ("attn",)), ("norm", 
 
 def span_leaves(piece: str, what: str, nth: int, kind: str, sequence_parallel: bool, parallel_block: bool
                 ) -> frozenset[str] | None:
-    """The leaves (first path parts) of its piece a span of an fsdp block's work reads (testbed.sim.block_spans'
+    """The leaves (first path parts) of its piece a span of an fsdp block's work reads (testbed.sim.step.block_spans'
     labels: ``piece`` embedding, layer<i> or head; ``what`` the span; ``nth`` which of the piece's spans of that
     kind, forward order), None where all of them. XLA starts an op once its operands are ready, so a span waits
-    only for the merged all-gathers holding these (testbed.sim.span_order). The embedding's lookup reads the token
+    only for the merged all-gathers holding these (testbed.sim.step.span_order). The embedding's lookup reads the token
     table (the position table is added after the lookup's vocab-parallel sum: testbed.runner.model.embed, so the
     next block's first span reads it); a layer's attention its ``attn`` leaves, its MLP its ``mlp`` leaves, each
     norm its own (the backward their transposes: the same weights); the head its norm and weight; the loss, and
     the backward's loss gradient (it reads the forward's logits), none. Leaves none of these name
-    (:data:`PIECE_PARTS`) are read by every span (testbed.sim.span_order). A parallel block keeps waiting for all
+    (:data:`PIECE_PARTS`) are read by every span (testbed.sim.step.span_order). A parallel block keeps waiting for all
     of its block's gathers."""
     if piece == "embedding":
         return frozenset(("tokens",)) if kind == "F" else frozenset()
@@ -316,7 +316,7 @@ def scatter_reads(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     order) whose weight gradients it reads: those of its members but the tensor-replicated ones under sequence
     parallelism, which it reads from the backward's one merged all-reduce over tensor (:func:`_scatter_walk`).
     XLA issues a reduce-scatter as soon as its operands are ready, so a merge the backward's end holds leaves once
-    the weight gradients of its own blocks are computed, not after every block's (testbed.sim.span_order); a merge
+    the weight gradients of its own blocks are computed, not after every block's (testbed.sim.step.span_order); a merge
     XLA's combiner made is one collective reading every member's operand (xla/service/reduce_scatter_combiner.h:
     "combines small non-dependent ReduceScatter ops"), so where all of a small model's gradients fit one merge it
     waits for every layer's weight gradients."""
@@ -338,7 +338,7 @@ def scatter_early(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes
     weight gradient and starts its reduce-scatter before the layer's input gradients (the traced TPU fsdp x tensor
     2 sequence parallel bf16 d_model 2048 step: the last layer's ``w2`` gradient, a third of its weight-gradient
     matmuls, at the layer's start), not with the weight gradients held to its end. Only where all-gathers are a
-    scheduler resource of their own (testbed.sim.facts.step_facts' ``chained_gathers``): the input gradient
+    scheduler resource of their own (testbed.sim.step.facts.step_facts' ``chained_gathers``): the input gradient
     waits for the layer's re-gathered weights, which arrive one gather after another; where they do not (the
     superpod's traced step) the weight gradient follows the layer's input gradients."""
     merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
@@ -355,7 +355,7 @@ def scatter_cuts(plan: Plan, stage: int, chunk: int, blocks: int, combine_bytes:
 
     A merge reads only its members' weight gradients, so XLA's scheduler, which starts a reduce-scatter once its
     operands are ready, computes a merge's weight-gradient matmuls and starts it before the block's other weight
-    gradients: the traced layer cuts its weight gradients by the merges that read them (testbed.sim.span_order),
+    gradients: the traced layer cuts its weight gradients by the merges that read them (testbed.sim.step.span_order),
     not all of them before its first merge leaves."""
     merges = _scatter_merges(plan.model, _merge_mesh(plan.mesh), plan.schedule.virtual_stages, plan.stage_layers,
                              state_sharding(plan).ways(plan, "grads"), stage, chunk, blocks, combine_bytes,
@@ -418,7 +418,7 @@ def _scatter_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple
             groups.append(group)
     # A merged collective is issued once its last member is (XLA's combiner puts it after all its operands); one
     # holding a tensor-replicated gradient reads the merged all-reduce of the backward's last layer: it is issued
-    # in the backward's last block, after the others (after its tensor collectives: testbed.sim.grad_tasks).
+    # in the backward's last block, after the others (after its tensor collectives: testbed.sim.graph.grad_tasks).
     for g in groups:
         if g[3]:
             g[1], g[2] = 0, ended + g[2]
@@ -443,7 +443,7 @@ def _scatter_walk(pieces: list[tuple[int, str, list]], apart: bool) -> list[tupl
     gathered over the ranks) is reduce-scattered from its sum over the tensor ranks. XLA's all-reduce combiner
     (which runs first) merges the whole backward's sums into one all-reduce, which the last piece holding such
     a gradient issues before its reduce-scatters: the earlier pieces' are walked there, at that piece's start,
-    in its block (the traced program's merges, testbed.sim.combine; one for one in
+    in its block (the traced program's merges, testbed.sim.xla.combine; one for one in
     tests/test_program_vs_plan.py)."""
     walk = [(q, block, apart and what != "embedding" and q.tensor_dim is None and not q.is_expert)
             for block, what, params in reversed(pieces) for q in reversed(issue_order(params))]

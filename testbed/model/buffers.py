@@ -16,8 +16,8 @@ residuals ``jax.vjp`` keeps per block, per remat mode; the optimizer state
 of testbed.runner.precision: ``moments x P + 1`` arrays for ``P`` parameter
 arrays, ``(moments + 1) x P + 1`` under bf16-mixed, whose state also holds
 the fp32 master); tests/test_dispatch.py checks them against the runner
-for both precisions. testbed.sim.program
-puts the sum on each controller task (:attr:`testbed.sim.program.Task.buffers`)
+for both precisions. testbed.sim.graph.program
+puts the sum on each controller task (:attr:`testbed.sim.graph.program.Task.buffers`)
 and the simulator prices it at ``calibration.controller.buffer_s``.
 """
 

@@ -205,7 +205,7 @@ class ChunkCost:
     gradient. With ``sequence_parallel`` each becomes an all-gather and a
     reduce-scatter (:meth:`tensor_collectives`), the residual stream's traffic
     and ``activation_out_bytes`` are ``1/t`` per rank. The loss's and the position
-    table's tensor collectives: testbed.sim.action_work.tensor_transfers.
+    table's tensor collectives: testbed.sim.step.action_work.tensor_transfers.
     """
 
     layers: int
@@ -242,7 +242,7 @@ class ChunkCost:
 
     def tensor_collectives(self, kind: str, remat: Remat | str) -> tuple[tuple[str, int], ...]:
         """``(op, count)`` of the tensor-axis collectives one ``F``, ``B`` or ``W`` action runs, each over a
-        ``tensor_allreduce_bytes`` buffer: the one decision the task graph (testbed.sim.program) and the
+        ``tensor_allreduce_bytes`` buffer: the one decision the task graph (testbed.sim.graph.program) and the
         analytic tier (testbed.explore.analytic) both read.
 
         Without sequence parallelism, the all-reduces above (``B`` also redoes, under full remat, the

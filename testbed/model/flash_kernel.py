@@ -5,7 +5,7 @@ kernel elsewhere. Both interpreters read this one rule: the runner to run the ke
 A Pallas call is opaque to GSPMD (which would run it replicated on a sharded mesh), so splash runs only where the
 step is one device's program, and only for a sequence the kernel's 128-key lanes tile; context parallelism keeps
 its ring's own blockwise kernel. (A stack's own kernel, ``runtime.attention_kernel``, is priced by
-testbed.sim.attention_kernels and its workspace by testbed.model.splash.)
+testbed.sim.price.attention_kernels and its workspace by testbed.model.splash.)
 """
 
 from __future__ import annotations

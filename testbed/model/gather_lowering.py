@@ -1,5 +1,5 @@
 """Which of an action's parameter all-gathers a compiler lowers as all-reduces, and how its all-reduce combiner
-merges them: the merges testbed.model.blocks issues where ``lowered_bytes`` (testbed.sim.xla_tpu.
+merges them: the merges testbed.model.blocks issues where ``lowered_bytes`` (testbed.sim.xla.xla_tpu.
 gather_allreduce_bytes: XLA:TPU over a whole slice) is set.
 
 An all-gather of a buffer of at most ``lowered_bytes`` (its gathered bytes per device) is an all-reduce of the
@@ -47,7 +47,7 @@ NO_LOWERING = Lowering()
 def lowers(nbytes: float, lowering: Lowering) -> bool:
     """Whether an all-gather of ``nbytes`` (gathered bytes per device) is one ``lowering`` makes an all-reduce: any
     lowering at all (``lowering.nbytes`` > 0) and at most its bound. The plan's gathers (:func:`lowered_merges`)
-    and a traced program's (testbed.sim.xla_tpu.lowered_gathers) are lowered by this one test."""
+    and a traced program's (testbed.sim.xla.xla_tpu.lowered_gathers) are lowered by this one test."""
     return 0 < lowering.nbytes and nbytes <= lowering.nbytes
 
 

@@ -2,7 +2,7 @@
 
 testbed.model.costs counts a layer's matmul FLOPs; this module lists the
 same matmuls as shapes, because an accelerator's speed on a matmul depends
-on its shape, not only on its FLOPs (testbed.sim.compute prices them: small
+on its shape, not only on its FLOPs (testbed.sim.price.compute prices them: small
 and skinny GEMMs are far from peak). A :class:`Gemm` multiplies an
 ``m x k`` matrix by a ``k x n`` one, ``batch`` times (the attention's
 per-head products are batched), ``count`` times over (layers, and a
@@ -17,7 +17,7 @@ them; ``N = microbatch x seq`` tokens, ``t`` the tensor degree):
   for SwiGLU), MLP out ``N x d x f/t``;
 - attention, batched over ``microbatch x heads / t``: scores ``s x s x
   d_head`` and values ``s x d_head x s`` (``flash``: inside one fused
-  kernel that keeps the scores on chip, testbed.sim.compute prices them at
+  kernel that keeps the scores on chip, testbed.sim.price.compute prices them at
   the device's flash attention efficiency, or tagged with the plan's
   ``runtime.attention_kernel`` and their pass, :class:`AttentionPass`, at
   that kernel's published speed);
@@ -81,19 +81,19 @@ class Gemm:
     """``count`` x ``batch`` products of an ``m x k`` and a ``k x n`` matrix (``2 m n k`` FLOPs each).
 
     ``flash``: a product inside a fused flash attention kernel (its operands and output stay on chip);
-    ``attention``: the named kernel and pass it runs in (None: the runner's kernel, testbed.sim.compute);
+    ``attention``: the named kernel and pass it runs in (None: the runner's kernel, testbed.sim.price.compute);
     ``amax_pass``: under fp8 its operand's cast finds the amax in a read pass of its own (the plan's
-    ``runtime.fp8_scaling`` ``current``, testbed.sim.compute.fp8_cast_bytes); ``grouped``: the grouped-matmul
+    ``runtime.fp8_scaling`` ``current``, testbed.sim.price.compute.fp8_cast_bytes); ``grouped``: the grouped-matmul
     kernel a routed expert's GEMM runs in (the plan's ``runtime.moe_dispatch`` ``megablox``; None: the device's
-    dense matmul, testbed.sim.grouped_kernels); ``block_scaled``: under fp8 its operands carry a scale per block
+    dense matmul, testbed.sim.price.grouped_kernels); ``block_scaled``: under fp8 its operands carry a scale per block
     (``runtime.fp8_scaling`` ``blockwise``), which the GEMM applies in its main loop
-    (testbed.sim.compute.FP8_BLOCK_SCALED_SHARE); ``high_precision``: under fp8 it still runs in bf16 (the LM
+    (testbed.sim.price.compute.FP8_BLOCK_SCALED_SHARE); ``high_precision``: under fp8 it still runs in bf16 (the LM
     head outside the stack's fp8 recipe, ``runtime.fp8_head`` false); ``stored_lhs``: a convolution's left operand
     as it is stored, elements per product (its input: an implicit GEMM reads it, never the ``m x k`` window matrix;
     0: the ``m x k`` matrix itself); ``score_cells``: an attention product outside a fused kernel, the elements of
     the score matrix (``rows x keys``) that one of its operands or its output is, per product (0: none;
-    testbed.sim.vmem keeps it on chip where the compiler does); ``accumulates``: a weight gradient the compiler adds
-    into the step's accumulator inside its own kernel (testbed.sim.grad_bytes.accumulating_gemms): the kernel reads
+    testbed.sim.xla.vmem keeps it on chip where the compiler does); ``accumulates``: a weight gradient the compiler adds
+    into the step's accumulator inside its own kernel (testbed.sim.step.grad_bytes.accumulating_gemms): the kernel reads
     the ``m x n`` accumulator too and writes the sum in place of the gradient.
     """
 
@@ -169,7 +169,7 @@ def projection_sides(plan: Plan, spec: ModelSpec, tokens: int, tensor: int,
                      ) -> tuple[tuple[Gemm, ...], tuple[Gemm, ...]]:
     """One dense layer's weight GEMMs on one rank by block: (the attention block's QKV and out projections, the
     MLP's input and out projections), ``tokens`` tokens, marked as :func:`chunk_gemms` marks them
-    (testbed.sim.tp_overlap pairs each block with its tensor collectives)."""
+    (testbed.sim.step.tp_overlap pairs each block with its tensor collectives)."""
     weights, mlp_out = _projections(spec, tokens, tensor)
     attention = len(weights) - (spec.mlp_matrices - 1)
     return fp8_scaled(plan, tuple(weights[:attention])), fp8_scaled(plan, (*weights[attention:], mlp_out))
@@ -263,7 +263,7 @@ def _marked(plan: Plan, attention: tuple[Gemm, Gemm], keys: int, causal: bool) -
 
 def _runner_splash(plan: Plan, keys: int) -> bool:
     """Whether the runner's flash attention runs in the splash kernels where its programs compile for a TPU
-    (testbed.model.flash_kernel); its products are then marked ``runner`` for testbed.sim.compute to price the
+    (testbed.model.flash_kernel); its products are then marked ``runner`` for testbed.sim.price.compute to price the
     kernel's skipped tiles on a device whose compiler is XLA:TPU."""
     return attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=keys,
                             context=plan.mesh.context > 1) is AttentionKernel.SPLASH

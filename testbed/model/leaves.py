@@ -81,7 +81,7 @@ def moved_elements(plan: Plan, stage: int, chunk: int | None, which: str = "para
     bytes are conserved (each rank's shard times the shard count); the chunk's unsharded elements when
     nothing shards ``which``. Every held parameter counts, a tied token-table copy included (as
     :attr:`testbed.model.costs.ChunkCost.params`, which it equals when every shard divides evenly).
-    ``chunk`` None: the stage's chunks together. testbed.sim.program's collectives carry these bytes."""
+    ``chunk`` None: the stage's chunks together. testbed.sim.graph.program's collectives carry these bytes."""
     v, mesh = plan.schedule.virtual_stages, plan.mesh
     if chunk is None:
         return sum(moved_elements(plan, stage, c, which) for c in range(v))
@@ -141,8 +141,8 @@ def runner_whole_params(plan: Plan) -> dict[str, tuple[str, ...]]:
 def combine_limit(combine_bytes: float | None, runtime_bytes: float = XLA_COMBINE_BYTES) -> float:
     """The bytes a combined all-gather or reduce-scatter of parameters stays within: the topology's
     ``calibration.collectives.combine_bytes`` where it states one (0 on XLA:CPU, which combines none), else the
-    program's ``runtime.gather_combine_bytes``. Read by the plan's model (testbed.sim.facts) and the traced
-    program's combiner (testbed.sim.traced)."""
+    program's ``runtime.gather_combine_bytes``. Read by the plan's model (testbed.sim.step.facts) and the traced
+    program's combiner (testbed.sim.graph.traced)."""
     return float(combine_bytes) if combine_bytes is not None else float(runtime_bytes)
 
 
@@ -193,7 +193,7 @@ def backward_merges(pieces: list[tuple[float, ...]], combine_bytes: float, waits
                     ) -> list[tuple[float, int]]:
     """(bytes, piece) of each backward gather of a chunk, ``pieces`` the bytes of each piece's regathered leaves
     in the backward's order (the head, then the layers from the last): XLA's combiner rule
-    (CombineInstructionsByKey, testbed.sim.combine) on the runner's program, where piece ``k``'s gather waits for
+    (CombineInstructionsByKey, testbed.sim.xla.combine) on the runner's program, where piece ``k``'s gather waits for
     the backward of piece ``waits[k]`` (:func:`backward_waits`; default: every piece linked, ``k - 2``), so it is
     reachable from the gathers of that piece and those before it: a merge takes the next piece's leaves while
     none of its pieces is among those, runs while its bytes stay within ``combine_bytes``, and a leaf over it
@@ -230,7 +230,7 @@ def parameter_collectives(plan: Plan, stage: int, chunk: int | None, combine_byt
     gradients): one per gathered leaf (:func:`gathered_leaves`) as ``combine_bytes`` merges them
     (:func:`combined_sizes`; the topology's ``calibration.collectives.combine_bytes``: 0 on XLA:CPU, which
     combines none, unbounded where one flat buffer per chunk moves). At least 1 whenever parameters are
-    sharded, so a chunk whose leaves all stay whole still counts its one gather, as testbed.sim.program prices
+    sharded, so a chunk whose leaves all stay whole still counts its one gather, as testbed.sim.graph.program prices
     it; 0 when nothing shards them. ``chunk`` and ``which`` as in :func:`gathered_leaves`."""
     if not state_sharding(plan).split_axes(plan, which):
         return 0
@@ -256,13 +256,13 @@ def regathered_in_backward(param: layout.ParamSpec) -> bool:
 
 
 #: A layer's leaves (path) a full-remat recomputation does not read: the MLP's output projection, whose output only
-#: joins the residual sum (testbed.sim.xla_tpu: XLA:TPU gathers the others again for the recomputation).
+#: joins the residual sum (testbed.sim.xla.xla_tpu: XLA:TPU gathers the others again for the recomputation).
 RECOMPUTE_SKIPS = (("mlp", "w2"), ("mlp", "b2"))
 
 
 def recomputed(param: layout.ParamSpec) -> bool:
     """Whether a layer's full-remat recomputation reads ``param`` (all the layer's leaves but
-    :data:`RECOMPUTE_SKIPS`): the leaves XLA:TPU gathers a second time in the layer's backward (testbed.sim.xla_tpu)."""
+    :data:`RECOMPUTE_SKIPS`): the leaves XLA:TPU gathers a second time in the layer's backward (testbed.sim.xla.xla_tpu)."""
     return tuple(param.path[:2]) not in RECOMPUTE_SKIPS
 
 

@@ -39,7 +39,7 @@ GEMM shapes and the memory model all come here):
   it ends, and is needed only when the next step adds to it: it too has one
   step's compute to hide behind, which the phases count as one message.)
   :func:`ring_phases` lists these stretches; the task graph plays them
-  (testbed.sim.ring) and the analytic tier prices the same tasks.
+  (testbed.sim.graph.ring) and the analytic tier prices the same tasks.
 - **Memory.** Activations as flash attention's for ``s_l`` tokens (q, k, v,
   the output, the fp32 log-sum-exp); in flight, two K/V blocks (the one in
   use and the one arriving), in the backward two ``kv + grad`` blocks

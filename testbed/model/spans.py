@@ -5,8 +5,8 @@ sequence parallelism each all-gather and reduce-scatter), and the vocab-parallel
 what follows them, which needs their result. A device that runs its fusions one at a time, each about its own
 roofline (a TPU: no ``elementwise`` calibration), can hide an op's memory traffic under the matmuls of its own
 span only, never under another span's across a collective. :func:`action_spans` attributes the plan's bytes
-to those spans (testbed.sim.compute prices each span as a roofline of its own where there is no
-elementwise calibration: the traced program's segments' rule, testbed.sim.traced). Each span is
+to those spans (testbed.sim.price.compute prices each span as a roofline of its own where there is no
+elementwise calibration: the traced program's segments' rule, testbed.sim.graph.traced). Each span is
 ``(share of the action's matmul FLOPs, HBM bytes)``, forward in program order:
 
 - the embedding lookup (before the embedding's all-reduce): the embedding's parameters and the residual stream
@@ -121,7 +121,7 @@ def _backward(forward: list[list], scores: float, split: bool, logits: float = 0
 
     ``logits``: the fp32 logits' bytes (with their log-sum-exp) when the head's weight is gathered over fsdp for
     the backward. The head's input-gradient matmul then reads a gather of its own (testbed.model.leaves: the
-    head's backward merge is alone), where testbed.sim.traced_graph starts a new segment (a matmul that reads a
+    head's backward merge is alone), where testbed.sim.graph.traced_graph starts a new segment (a matmul that reads a
     collective's result the segment has not yet read), so the loss's gradient before it is a span of its own,
     without matmuls, with the logits' share of the head's backward bytes. No fusion undoes that split: XLA
     materializes the loss's gradient, which both of the head's gradient matmuls read, as a fusion of its own

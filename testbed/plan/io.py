@@ -53,7 +53,7 @@ def load_plan(name_or_path: str) -> Plan:
 
 def load_plan_stating_runtime(name_or_path: str) -> tuple[Plan, bool]:
     """:func:`load_plan`, and whether the file states ``runtime:`` (a plan that does not runs as testbed's runner
-    does; `testbed simulate` then shows the spread over the named profiles, testbed.sim.profile_spread)."""
+    does; `testbed simulate` then shows the spread over the named profiles, testbed.sim.graph.profile_spread)."""
     display, text = resolve_plan_path(name_or_path)
     data = load_yaml(display, text)
     try:

@@ -44,7 +44,7 @@ class RuntimeSpec:
     profile: str = "testbed"
     #: How the plan's ``remat`` is carried out (:data:`RECOMPUTE`: which outputs are saved, which recomputed).
     recompute: str = "runner"
-    #: Tensor-parallel collectives overlap their action's GEMMs (NeMo's userbuffers; testbed.sim.tp_overlap).
+    #: Tensor-parallel collectives overlap their action's GEMMs (NeMo's userbuffers; testbed.sim.step.tp_overlap).
     tp_comm_overlap: bool = False
     #: Replicated gradients (ZeRO 0/1) reduce bucket by bucket during the last backward, not after it.
     grad_reduce_overlap: bool = False
@@ -58,7 +58,7 @@ class RuntimeSpec:
     fsdp_prefetch: int = 1
     #: How an MoE layer moves tokens to its experts and back (:data:`MOE_DISPATCH`).
     moe_dispatch: str = "gather"
-    #: The fused kernel flash attention runs in (:data:`ATTENTION_KERNELS`; testbed.sim.attention_kernels).
+    #: The fused kernel flash attention runs in (:data:`ATTENTION_KERNELS`; testbed.sim.price.attention_kernels).
     attention_kernel: str = "runner"
     #: The precision of fp32 matmuls (:data:`MATMUL_PRECISIONS`): the backend's default (a TPU's one bf16 pass,
     #: priced at the bf16 rate where ``device.fp32_matmuls: bf16``) or ``highest`` (the runner sets it in JAX).
@@ -136,7 +136,7 @@ class RuntimeSpec:
     state_dtype: str = "fp32"
     #: Under mixed precision the fp32 weights are the only copy, cast per use (MaxText's default). Memory only.
     cast_weights: bool = False
-    #: Without stages, the microbatches run as one compiled loop (``lax.scan``; testbed.sim.grad_bytes).
+    #: Without stages, the microbatches run as one compiled loop (``lax.scan``; testbed.sim.step.grad_bytes).
     microbatch_scan: bool = True
     #: Independent all-reduces of one kind and group merge (XLA's AllReduceCombiner).
     allreduce_combiner: bool = True
@@ -269,7 +269,7 @@ def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
 
 def runner_refusal(plan: Plan) -> str | None:
     """Why the runner refuses ``plan``, which the simulator prices, or None: tied embeddings across pipeline stages
-    (priced as Megatron-LM runs them, testbed.sim.grad_bytes.tied_copy_bytes; the runner's pipeline keeps no copy of
+    (priced as Megatron-LM runs them, testbed.sim.step.grad_bytes.tied_copy_bytes; the runner's pipeline keeps no copy of
     the token table on the last stage). The runner's pipeline trainer refuses with this message; the search says it
     of a best plan it finds so."""
     if plan.model.tied_embeddings and plan.mesh.stage > 1:

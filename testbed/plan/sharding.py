@@ -65,7 +65,7 @@ def gradient_reduction(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     sharded, so every microbatch's are reduce-scattered over it as they
     come. Over the replica axes they are replicated on (data when zero < 2)
     each replica accumulates its own and the replicas are summed once per
-    step. testbed.sim.program builds these reductions; testbed.runner.replicas and the
+    step. testbed.sim.graph.program builds these reductions; testbed.runner.replicas and the
     runner's shardings execute them.
     """
     sharded = state_sharding(plan).split_axes(plan, "grads")
@@ -81,7 +81,7 @@ def reduction_axes(plan: Plan, expert: bool = False) -> tuple[Axis, ...]:
     (``testbed.model.layout.ParamSpec.is_expert``) is split over ``expert``: each expert rank holds other
     experts, whose gradients already hold every token dispatched to them from the whole expert group, so
     it is summed over the other axes only. How each sum runs (reduce-scatter over the sharded axes, then
-    all-reduce) is testbed.sim.program's; the runner's shardings follow the same rule.
+    all-reduce) is testbed.sim.graph.program's; the runner's shardings follow the same rule.
     """
     axes = (Axis.DATA, Axis.FSDP, Axis.CONTEXT) if expert else (Axis.DATA, Axis.FSDP, Axis.EXPERT, Axis.CONTEXT)
     return tuple(a for a in MESH_AXES if a in axes and plan.mesh.degree(a) > 1)
@@ -123,7 +123,7 @@ def loss_merged(plan: Plan, reduce_bytes: float, scatter_allreduce: bool = False
     over), with nothing sharding the gradients (their sums are all-reduces over those axes, after the backward)
     and the combiner on.
     ``scatter_allreduce``: the sharded gradients' reduce-scatter compiles to one all-reduce over the loss's axes
-    (XLA:TPU over a whole slice: testbed.sim.xla_tpu.merges_loss), which the loss joins as it joins unsharded sums.
+    (XLA:TPU over a whole slice: testbed.sim.xla.xla_tpu.merges_loss), which the loss joins as it joins unsharded sums.
     Recorded XLA:TPU compiles (benchmarks/xla_tpu/): gpt1k-data4-fp32 moves the gradients' bytes and the loss's 4
     in three all-reduces over data, gpt1k-data4 (bf16) the loss in an all-reduce of its own; llama2k-fsdp16-fp32-
     selective (fsdp over a whole v5e 4x4) the loss's 4 bytes in one of its six fp32 gradient all-reduces."""
@@ -150,7 +150,7 @@ def gathers_parameters(plan: Plan, kind: str) -> bool:
 def gathered_blocks(plan: Plan) -> int:
     """How many blocks' gathered parameters are live at once under fsdp/ZeRO-3: the one computing and the
     ``runtime.fsdp_prefetch`` gathered ahead of it (testbed.plan.runtime), forward and backward; 0 when nothing
-    shards the parameters. The one rule testbed.model.memory counts, testbed.sim.program and
+    shards the parameters. The one rule testbed.model.memory counts, testbed.sim.graph.program and
     testbed.explore.analytic time (block ``i``'s gather waits for block ``i - 1 - prefetch``) and the runner
     executes (each block in its own map, gathered again in the backward)."""
     if not state_sharding(plan).split_axes(plan, "params"):

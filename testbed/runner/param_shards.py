@@ -1,6 +1,6 @@
 """FSDP and ZeRO-3 in the runner: each piece of the model runs on the device's batch rows with its sharded
 parameters gathered for use, per block, and gathered again in the backward (the one rule
-testbed.plan.sharding.gathered_blocks states; testbed.model.memory and testbed.sim.program count it).
+testbed.plan.sharding.gathered_blocks states; testbed.model.memory and testbed.sim.graph.program count it).
 
 Split from testbed.runner.parallel, whose leaf shardings and sequence shards these maps nest with.
 """
@@ -30,7 +30,7 @@ class ParamShards:
 
     Parameters sharded over ``fsdp`` (and over ``data`` under ZeRO 3) are all-gathered where a layer uses
     them and their gradients reduce-scattered back into the shards (PyTorch FSDP, Zhao et al. 2023; ZeRO-3,
-    Rajbhandari et al. 2020), as testbed.sim.program and testbed.model.memory model them. Left to XLA's
+    Rajbhandari et al. 2020), as testbed.sim.graph.program and testbed.model.memory model them. Left to XLA's
     propagation, the sharded dim (a weight's ``d_model``, contracting) splits the matmuls instead, and XLA
     all-reduces activations over ``fsdp`` in every layer, as over a second tensor axis.
 
@@ -41,7 +41,7 @@ class ParamShards:
     (explicit collectives: XLA:CPU lowers a constrained partial sum to an all-reduce and a slice). The
     gathered weights are left out of the residuals (:func:`_regathered`): the backward gathers each piece again, as PyTorch FSDP with
     ``reshard_after_forward`` and ZeRO-3 do, so a stage never holds all its weights gathered
-    (testbed.plan.sharding.gathered_blocks, the rule testbed.model.memory counts and testbed.sim.program times).
+    (testbed.plan.sharding.gathered_blocks, the rule testbed.model.memory counts and testbed.sim.graph.program times).
 
     A leaf no free dim of which the shard count divides is held flat and padded (testbed.runner.padding, the
     one rule's padded partition): its flat shards are gathered and the leaf rebuilt in the map, its gradient
@@ -234,7 +234,7 @@ def _regathered(fn: Any, gather: Any, params: Any, batch: tuple[jax.Array, ...],
     ``loss``) each shard also reads one element of every leaf the forward gathered (one-element residuals):
     no combiner can then merge the backward's gather with the forward's, as a merge would depend on itself.
     Read from the piece's input residual alone, the head's backward gather of its norm scale was ready with
-    that input and XLA's all-gather combiner (as testbed.sim.combine) merged it into the head's forward
+    that input and XLA's all-gather combiner (as testbed.sim.xla.combine) merged it into the head's forward
     gather, which then waited for the whole forward instead of being prefetched during it. The cotangent
     of ``link`` is zero times one element of this piece's own cotangent: the previous piece's gather may start
     as soon as this piece's backward does.

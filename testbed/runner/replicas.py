@@ -4,7 +4,7 @@ A pipeline stage runs its backward once per microbatch, as its own program
 (testbed.runner.pipeline.engine). Differentiating parameters that are replicated over the
 ``data`` axis makes XLA all-reduce their gradients inside every backward
 program: ``m`` reductions per step, where the plan, and testbed's simulator
-(testbed.sim.program), reduce once after the stage's last backward.
+(testbed.sim.graph.program), reduce once after the stage's last backward.
 
 Here each stage's parameters are *spread*: one copy per data replica, on a
 new leading axis sharded over ``data``, so every device holds its own

@@ -128,7 +128,7 @@ def _dims(sharding: str, sizes: dict[str, int]) -> list[list[tuple[str, int]]]:
 
 
 def _dtype_bytes(element: str) -> int:
-    from testbed.sim.workload import element_bytes
+    from testbed.sim.xla.workload import element_bytes
 
     return element_bytes(element)
 

@@ -2,9 +2,9 @@
 
 :class:`RunResult` (:func:`testbed.runner.train.run_plan`) and
 :class:`VerifyResult` (:func:`testbed.runner.train.verify_plan`) hold what the
-runner measured, plus a :class:`~testbed.sim.timeline.Report` with
-``source="measured"`` and a measured :class:`~testbed.sim.timeline.Timeline`
-(:mod:`testbed.sim.measured`), so a prediction and a run compare field by
+runner measured, plus a :class:`~testbed.sim.report.timeline.Report` with
+``source="measured"`` and a measured :class:`~testbed.sim.report.timeline.Timeline`
+(:mod:`testbed.sim.report.measured`), so a prediction and a run compare field by
 field (:func:`testbed.calibration.validation.compare_reports`) and the run's
 trace is written like the simulator's.
 
@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from testbed.sim.measured import measured_timeline
-from testbed.sim.timeline import Report, Timeline
+from testbed.sim.report.measured import measured_timeline
+from testbed.sim.report.timeline import Report, Timeline
 
 __all__ = ["RunResult", "VerifyResult", "device_peak_flops"]
 
@@ -83,7 +83,7 @@ class RunResult:
 
     @property
     def timeline(self) -> Timeline:
-        """The timed steps as a measured Timeline: one span per step (:func:`testbed.sim.measured.measured_timeline`)."""
+        """The timed steps as a measured Timeline: one span per step (:func:`testbed.sim.report.measured.measured_timeline`)."""
         return measured_timeline(self.step_starts_s, self.step_times_s, self.devices)
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ The trainer is :class:`testbed.runner.step.SpmdTrainer` for one-stage plans and
 :class:`testbed.runner.pipeline.trainer.PipelineTrainer` otherwise; the reference
 is :class:`testbed.runner.step.ReferenceTrainer` on one device. Both return typed
 results (:mod:`testbed.runner.results`) carrying the simulator's
-:class:`~testbed.sim.timeline.Report` with ``source="measured"`` and a
+:class:`~testbed.sim.report.timeline.Report` with ``source="measured"`` and a
 measured Timeline, so a run compares with its prediction field by field.
 
 verify's errors (documented in the JSON under ``errors`` and ``thresholds``):
@@ -39,7 +39,7 @@ from typing import Any
 from testbed.runner.results import RunResult, VerifyResult, device_peak_flops
 from testbed.plan.io import plan_from_dict
 from testbed.plan.spec import Plan, Precision
-from testbed.sim.measured import measured_report
+from testbed.sim.report.measured import measured_report
 from testbed.topology.parts import PLATFORM_FP32_MATMULS, matmul_dtype
 
 __all__ = ["build_trainer", "run_plan", "verify_plan", "worker_body", "verify_worker_body", "merge_worker_results", "THRESHOLDS",
@@ -157,7 +157,7 @@ def _run_plan(plan: Plan, devices: list[Any], steps: int, *, compiled_memory: bo
               peak_flops: float | None = None, progress: Progress | None = None) -> RunResult:
     """Warm-up step (compiles), then ``steps`` timed steps; their times, losses and measured Report.
 
-    The Report (:func:`testbed.sim.measured.measured_report`) has the median
+    The Report (:func:`testbed.sim.report.measured.measured_report`) has the median
     step time; MFU with ``peak_flops`` (the device's peak FLOP/s in the
     dtype the plan's matmuls run at, testbed.topology.parts.matmul_dtype; default: the datasheet peak of a known
     accelerator, :func:`testbed.runner.results.device_peak_flops`, None on CPU);

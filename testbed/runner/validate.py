@@ -5,7 +5,7 @@ timed in ``rounds`` rounds (later rounds in reverse order), and after every
 round of a plan the reference step (:class:`ReferenceStep`) is timed too: the
 host's speed for that round: a diagnostic of host drift, kept apart from the
 headline. Each plan's prediction and measurement are the simulator's
-:class:`~testbed.sim.timeline.Report` (``source`` predicted / measured); the
+:class:`~testbed.sim.report.timeline.Report` (``source`` predicted / measured); the
 summary, :func:`testbed.calibration.validation.validation_summary`, compares
 them field by field.
 """
@@ -20,9 +20,9 @@ import numpy as np
 from testbed.runner.step_timer import PlanTimer
 from testbed.calibration import steps as cal_steps
 from testbed.plan.spec import Plan
-from testbed.sim.engine import controller_seconds, simulate
-from testbed.sim.measured import measured_report
-from testbed.sim.program import TaskKind
+from testbed.sim.graph.engine import controller_seconds, simulate
+from testbed.sim.report.measured import measured_report
+from testbed.sim.graph.program import TaskKind
 from testbed.topology import Topology
 
 __all__ = ["measure_plans", "ReferenceStep"]
@@ -35,7 +35,7 @@ def measure_plans(topology: Topology, plans: Sequence[Plan], paths: Sequence[str
 
     Returns ``(rows, reference)``: the rows :func:`validation_summary` reads,
     and the least disturbed reference timing with every round's. A row has
-    ``predicted_report`` (the simulator's :class:`~testbed.sim.timeline.Report`)
+    ``predicted_report`` (the simulator's :class:`~testbed.sim.report.timeline.Report`)
     and ``measured_report`` (``source="measured"``: the least disturbed
     round's median step, XLA's memory, MFU at the topology's peak), their
     numbers as ``predicted_s``, ``measured_s``, ``predicted_memory``,

@@ -1,14 +1,15 @@
 """The simulator: a plan's step as a task graph, priced on a topology and played by a discrete-event engine.
 
-:mod:`~testbed.sim.facts` works a step out once (:class:`StepFacts`, which the analytic tier plays
-too), :mod:`~testbed.sim.program` builds the task graph (the shared IR) from it,
-:mod:`~testbed.sim.engine` prices and plays it with link sharing from
-:mod:`~testbed.sim.contention`, and :mod:`~testbed.sim.timeline` holds what
-one step did (a :class:`Timeline` and its :class:`Report`, predicted or
-measured) with its Perfetto trace and Gantt chart.
+One package per concept, each importing only those listed before it: :mod:`testbed.sim.report` (what one
+step did, predicted or measured: a :class:`Timeline` and its :class:`Report`, with its Perfetto trace and
+Gantt chart), :mod:`testbed.sim.xla` (a traced program as XLA holds it, and what the compiler does that a
+program does not say), :mod:`testbed.sim.price` (what a task costs alone), :mod:`testbed.sim.step` (what a
+step is made of, worked out once as :class:`~testbed.sim.step.facts.StepFacts`, and its timing rules: both
+tiers read them) and :mod:`testbed.sim.graph` (the task graph, the shared IR, built from the step's facts
+or from a user's traced program, priced and played by the engine).
 """
 
-from testbed.sim.engine import Simulation, simulate
-from testbed.sim.timeline import Report, Timeline
+from testbed.sim.graph.engine import Simulation, simulate
+from testbed.sim.report.timeline import Report, Timeline
 
 __all__ = ["simulate", "Simulation", "Report", "Timeline"]

@@ -48,7 +48,7 @@ class ComputeCalibration(_Group):
         FLOPs runs at ``efficiency * f / (f + efficiency_half_flops)``.
     launch_overhead_s: fixed cost per compute task (kernel/program dispatch).
     gemm_half_mn, gemm_half_k, gemm_latency_s: the GEMM shape model
-        (testbed.sim.compute), used when any is positive: a compute task's
+        (testbed.sim.price.compute), used when any is positive: a compute task's
         matmuls are priced one shape at a time, an ``m x k`` by ``k x n``
         GEMM (``batch`` times) at ``min(efficiency, s(batch m) s(n) s_k(k))``
         of peak, ``s(x) = x / (x + gemm_half_mn)`` and ``s_k(k) = k / (k +
@@ -68,7 +68,7 @@ class ComputeCalibration(_Group):
         (``calibrate``'s matmul samples), where ``efficiency_half_flops`` was
         refitted to training steps of a plan (whose compute tasks it prices,
         their uncounted work between the matmuls with them). A traced
-        program counts its memory-bound ops itself (testbed.sim.traced), so
+        program counts its memory-bound ops itself (testbed.sim.graph.traced), so
         its kernels take this one. None: the same as ``efficiency_half_flops``.
     matmul_efficiency, matmul_half_mn, matmul_half_k, matmul_latency_s: the
         GEMM shape model of one matmul timed alone (``calibrate``'s grid of

@@ -49,7 +49,7 @@ class HostCalibration(_Group):
         launches one program with collectives at a time ("we only created
         enough threads for one collective to complete"), and counts every
         program over several devices as one. An MPMD pipeline's stages of 2+
-        devices then never compute at once (testbed.sim.program). Measured by
+        devices then never compute at once (testbed.sim.graph.program). Measured by
         ``calibrate`` (its ``launches`` samples: of two programs over half the
         devices each, dispatched back to back, the first completes in half the
         time both take). False: programs run as soon as their inputs are ready.
@@ -138,7 +138,7 @@ class ControllerCalibration(_Group):
     """The single controller: one host thread that dispatches every program (JAX on one process).
 
     Absent: no controller is simulated (programs start when their inputs are
-    ready). Present, the simulator adds host tasks (testbed.sim.program):
+    ready). Present, the simulator adds host tasks (testbed.sim.graph.program):
 
     overhead_s: host time per program it dispatches (one per pipeline action
         and its sends).

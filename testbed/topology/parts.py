@@ -97,7 +97,7 @@ class DeviceSpec:
     at the listed bf16 peak) or ``fp32`` (in fp32 between converts: XLA:CPU's compiled HLO of a bf16 dot or
     convolution is an f32 one whose operands and result pass through convert loops; its collectives are widened
     too: :meth:`collective_element`). A traced program's
-    bf16 matmuls are then priced at the fp32 peak plus the converts (testbed.sim.traced); plan-driven
+    bf16 matmuls are then priced at the fp32 peak plus the converts (testbed.sim.graph.traced); plan-driven
     simulation keeps the listed bf16 peak, which ``calibrate`` fits to its bf16 GPT steps, converts included.
 
     ``fp32_matmuls``: how the device runs an fp32 matmul at the backend's default precision (a plan's
@@ -114,7 +114,7 @@ class DeviceSpec:
     libtpu, not public, and taken as these) or ``shared`` (one for every kind: XLA:GPU's ``GpuAsyncTracker`` maps
     every async collective to ``kGpuAsyncStreamCollectives``, xla/service/gpu/gpu_latency_hiding_scheduler.cc,
     limited by ``xla_gpu_experimental_parallel_collective_overlap_limit``, default 1, debug_options_flags.cc).
-    Read by traced programs (testbed.sim.overlap.chain_gathers runs where all-gathers are a resource of their
+    Read by traced programs (testbed.sim.xla.overlap.chain_gathers runs where all-gathers are a resource of their
     own); it says what XLA's scheduler does, so it does not apply to a plan of another stack (Megatron, PyTorch).
 
     ``buffer_rules``: which compiler's buffer assignment the memory model follows for the runner's XLA programs:
@@ -125,10 +125,10 @@ class DeviceSpec:
 
     ``systolic_width``: the side of the device's systolic matrix unit (a TPU's MXU: 128 x 128 on v4, v5e and
     v5p, Cloud TPU system architecture docs), 0 for none. A fused attention kernel whose products are narrower
-    than it (a head dim of 64) fills that share of its cells (testbed.sim.compute).
+    than it (a head dim of 64) fills that share of its cells (testbed.sim.price.compute).
 
     ``vmem_bytes``: the device's on-chip vector memory that the compiler may place whole buffers in (a TPU's VMEM:
-    128 MiB on v5e, jax-ml/scaling-book), 0 for none; testbed.sim.vmem says what it keeps there.
+    128 MiB on v5e, jax-ml/scaling-book), 0 for none; testbed.sim.xla.vmem says what it keeps there.
 
     ``sustained``: the fraction of the calibrated matmul rates the device's math holds over a whole training
     step (1, the default: the rates as calibrated). The GPU calibrations' caps are short measurements of one
@@ -258,8 +258,8 @@ class DeviceSpec:
 
     def gathers_apart(self) -> bool:
         """Whether XLA's scheduler holds all-gathers on a resource of their own (``collective_resources: per_kind``),
-        one in flight: the tracer chains them (testbed.sim.overlap.chain_gathers) and the plan computes a weight
-        gradient that reads none of a layer's re-gathered weights first (testbed.sim.facts.step_facts)."""
+        one in flight: the tracer chains them (testbed.sim.xla.overlap.chain_gathers) and the plan computes a weight
+        gradient that reads none of a layer's re-gathered weights first (testbed.sim.step.facts.step_facts)."""
         return self.collective_resources == "per_kind"
 
     def collective_element(self, element: str) -> str:
@@ -281,15 +281,15 @@ class DeviceSpec:
         """Whether the compiler all-reduces bf16 values in bf16 (XLA:TPU, ``buffer_rules: xla-tpu``: the recorded
         compiles' data all-reduce moves the norms' gradients at 2 bytes and the vocab-parallel loss's maximum
         in the logits' dtype, benchmarks/xla_tpu/) where XLA:CPU's partitioner reduces their fp32 partial sums
-        (testbed.sim.grad_bytes.reduced_bytes)."""
+        (testbed.sim.step.grad_bytes.reduced_bytes)."""
         return self.buffer_rules == "xla-tpu"
 
     def fused_updates(self) -> bool:
         """Whether the compiler fuses a weight gradient's consumer into its matmul's output: the optimizer's update
         where nothing sums that gradient, the add into a microbatch loop's accumulator (XLA:TPU, ``buffer_rules:
         xla-tpu``: one output fusion per matrix in the chip's per-op profiles and compiled loop bodies,
-        benchmarks/tpu_chip/profiles.json, accumulate.json; testbed.sim.update_facts.fused_update,
-        testbed.sim.grad_bytes.FUSED_ACCUMULATE_PASSES)."""
+        benchmarks/tpu_chip/profiles.json, accumulate.json; testbed.sim.step.update_facts.fused_update,
+        testbed.sim.step.grad_bytes.FUSED_ACCUMULATE_PASSES)."""
         return self.buffer_rules == "xla-tpu"
 
     def synchronous_collectives(self) -> bool:
@@ -298,13 +298,13 @@ class DeviceSpec:
         devices holds plain ``all-reduce``, ``all-gather``, ``all-to-all`` and ``collective-permute`` ops, no
         asynchronous ``-start``/``-done`` pairs, and its in-process collectives copy through host memory on the
         same cores; benchmarks/heldout/). A traced program's collective then waits for the compute before it and
-        the compute after it for the collective (testbed.sim.traced_graph); elsewhere they overlap as XLA's
+        the compute after it for the collective (testbed.sim.graph.traced_graph); elsewhere they overlap as XLA's
         latency-hiding scheduler places them."""
         return self.bf16_matmuls == "fp32"
 
     def fuses_into_matmuls(self) -> bool:
         """Whether the compiler fuses a traced program's elementwise producers and consumers into its matmuls'
-        kernels (XLA:TPU, ``buffer_rules: xla-tpu``: benchmarks/tpu_chip/programs.json; testbed.sim.matmul_fusion)."""
+        kernels (XLA:TPU, ``buffer_rules: xla-tpu``: benchmarks/tpu_chip/programs.json; testbed.sim.xla.matmul_fusion)."""
         return self.buffer_rules == "xla-tpu"
 
 

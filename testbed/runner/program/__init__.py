@@ -1,8 +1,8 @@
 """Predict a user's own JAX step: trace it on an abstract mesh into a workload the simulator prices.
 
 Part of the runner (it reads the runner's partitioner), but importing it starts no JAX backend: jax is
-imported inside the functions. ``trace`` / ``trace_pmap`` return a :class:`testbed.sim.workload.Workload`;
-:func:`testbed.sim.traced.simulate_workload` prices it on a topology.
+imported inside the functions. ``trace`` / ``trace_pmap`` return a :class:`testbed.sim.xla.workload.Workload`;
+:func:`testbed.sim.graph.traced.simulate_workload` prices it on a topology.
 """
 
 from testbed.runner.program.tracing import (PmapStep, abstract_mesh, compiled_memory, trace, trace_pmap,

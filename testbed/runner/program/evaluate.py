@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from testbed.runner.program.compile import Block, Compiled, Node
-from testbed.sim.workload import OpKind, TracedOp
+from testbed.sim.xla.workload import OpKind, TracedOp
 
 __all__ = ["emit", "UNROLL_NODES"]
 

@@ -122,7 +122,7 @@ def _combined(nodes: list, alias: dict, functions: dict) -> dict[int, int]:
     XLA's ``CombineInstructionsByKey`` (xla/service/collective_combiner_utils.h, which the all-reduce combiner
     calls): walking in order, a group of one key (here the mesh axes, the element type and the reduction) takes
     each next all-reduce of that key unless it is reachable in the data flow from a member already taken; the
-    first that is opens the next group (testbed.sim.combine follows the same rule on the workload). XLA:CPU's
+    first that is opens the next group (testbed.sim.xla.combine follows the same rule on the workload). XLA:CPU's
     compiled programs run the merged one: a pipeline's per-tick weight-gradient all-reduces are one tuple
     all-reduce whose operands and results are all live at once; a pmap step's gradient pmeans and its loss's
     pmean (after the update in program order) are one, before the update."""

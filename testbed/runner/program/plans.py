@@ -2,7 +2,7 @@
 
 The runner's SPMD trainer (testbed.runner.step.SpmdTrainer) is built on the plan's abstract mesh (axes in
 ``MESH_AXES`` order, as check-sharding builds it) and its jitted step traced like any user program, so the
-traced workload and ``testbed.sim.engine.simulate`` of the same plan price the same step two ways.
+traced workload and ``testbed.sim.graph.engine.simulate`` of the same plan price the same step two ways.
 Pipelines (``stage > 1``) run one program per action, not one SPMD program, and are refused.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from testbed.errors import InputError
 from testbed.plan.spec import Plan
-from testbed.sim.workload import Workload
+from testbed.sim.xla.workload import Workload
 
 __all__ = ["trace_plan"]
 

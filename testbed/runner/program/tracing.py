@@ -6,7 +6,7 @@
 run; Shardy, the partitioner JAX lowers to, runs on the lowered StableHLO instead
 (testbed.runner.reshards: propagation, explicit reshards, reshards to collectives). The partitioned
 module is read per device (testbed.runner.program.compile) and walked in program order
-(testbed.runner.program.evaluate) into a :class:`~testbed.sim.workload.Workload`.
+(testbed.runner.program.evaluate) into a :class:`~testbed.sim.xla.workload.Workload`.
 
 :func:`trace_pmap` does the same for a ``jax.pmap`` step: ``pmap(f, axis_name)`` over ``n`` devices is
 ``shard_map`` of ``f`` over a one-axis mesh of ``n`` devices named ``axis_name``, each device's block of
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from testbed.errors import InputError
-from testbed.sim.workload import Workload
+from testbed.sim.xla.workload import Workload
 
 __all__ = ["trace", "trace_pmap", "PmapStep", "abstract_mesh", "workload_from_text", "compiled_memory",
            "host_callbacks"]

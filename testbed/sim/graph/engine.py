@@ -1,0 +1,364 @@
+"""Discrete-event simulation of a task graph on a topology: one training step.
+
+Pricing (:func:`~testbed.sim.graph.pricing.price`, re-exported here) turns each task into a
+standalone duration and, for communication, the bytes it moves over each directed link:
+
+- compute (calibration groups ``compute``, ``memory``, ``elementwise``):
+  ``launch_overhead_s + max(flops / (peak * eff(f)), bytes / bw) +
+  (replicated_passes * replicated_bytes + split_passes * split_bytes) / bw``,
+  ``cached_passes * (replicated_bytes + split_bytes) / bw`` instead for the
+  part of the task's ``[tokens, d_model]`` activation its device's share of
+  ``cache_bytes`` holds (``Calibration.cached_fraction``),
+  with the precision's peak FLOP/s, ``bw = memory_bandwidth *
+  memory.efficiency`` and ``eff(f) = compute.efficiency * f / (f +
+  compute.efficiency_half_flops)`` for a kernel of ``f`` FLOPs: the roofline
+  of the calibrated device, plus the memory-bound elementwise passes over the
+  activations the task writes (none without an ``elementwise`` group); with the
+  calibration's GEMM shape model the matmuls are priced by shape instead
+  (testbed.sim.price.compute, which holds this pricing);
+- host (the ``controller`` group, when the topology has one):
+  ``step_s`` for the step's preparation (plus ``pipeline_step_s`` for a
+  pipeline's), ``count * overhead_s + buffers * buffer_s`` for a
+  dispatch (:func:`controller_seconds`);
+- collectives and sends: timed by testbed.collectives.timing; their link
+  loads are what every group running the task at once puts on the links the
+  representative's own traffic crosses (its ring neighbours' routes, or the
+  send route).
+
+The engine (:func:`run`) keeps every representative's streams as FIFOs; a
+task starts when it heads its stream and its dependencies are done. Tasks in
+flight progress as fluids: transfers share links max-min fairly
+(testbed.sim.price.contention), re-evaluated whenever a task starts or finishes; with
+a shared host (the calibration's ``host`` group) the devices
+computing at once (and the controller thread while it works) share its
+throughput, and devices that meet wait for the last of them (testbed.sim.price.barriers:
+a collective standing alone before it starts, a compute task with ``syncs`` after
+its work, the step's end). The result is
+a :class:`~testbed.sim.report.timeline.Timeline` over the representatives (and the
+device -> representative map) and a :class:`~testbed.sim.report.timeline.Report`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from testbed.model.costs import model_flops_per_step
+from testbed.model.memory import memory_breakdown
+from testbed.sim.price.barriers import interleaved_wait, step_end_wait
+from testbed.sim.price.compute import compute_seconds, pass_seconds, plan_matmul_dtype, rate_dtype
+from testbed.sim.price.contention import Flow, LinkLedger
+from testbed.sim.graph.pricing import Priced, controller_seconds, price
+from testbed.plan.placement import place
+from testbed.plan.spec import Plan
+from testbed.sim.graph.program import STREAMS, Program, TaskKind, build_program
+from testbed.sim.step.facts import topology_rules
+from testbed.sim.step.step_rules import serial_host
+from testbed.sim.report.timeline import CATEGORIES, Report, Timeline
+from testbed.topology import Calibration, HostCalibration, Topology
+
+__all__ = ["Priced", "Simulation", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run", "simulate",
+           "report"]
+
+#: Fraction of a task's work below which it counts as finished (rounding of the fluid steps).
+_DONE = 1e-9
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Simulation:
+    """What :func:`simulate` returns: the report, the timeline and the program it ran."""
+
+    report: Report
+    timeline: Timeline
+    program: Program
+
+
+def run(program: Program, priced: Priced, host_cores: int = 0, calibration: Calibration | None = None) -> Timeline:
+    """Play ``program`` with ``priced`` durations as a fluid discrete-event simulation.
+
+    Devices computing at once share the host as ``calibration.host_share``
+    says (or, without a calibration, ``host_cores`` cores as
+    :class:`~testbed.topology.HostCalibration` says; 0: none shared).
+    """
+    if calibration is None:
+        calibration = Calibration(host=HostCalibration(cores=host_cores)) if host_cores > 0 else Calibration()
+    fluid = _Fluid(program, priced, calibration)
+    fluid.try_rows(range(len(fluid.rows)))
+    while fluid.active or fluid.holds:
+        fluid.advance()
+    return fluid.timeline()
+
+
+class _Fluid:
+    """The state of one play: every (device, stream) row's FIFO, the tasks in flight with the fraction of their
+    work left and their rates, and a shared host's stragglers."""
+
+    def __init__(self, program: Program, priced: Priced, calibration: Calibration) -> None:
+        self.program, self.sharing = program, calibration
+        tasks = self.tasks = program.tasks
+        self.durations, self.loads = priced.durations, priced.loads
+        n = len(tasks)
+        keys = dict.fromkeys((t.device, t.stream) for t in tasks)
+        self.rows = sorted(keys, key=lambda k: (k[0], STREAMS.index(k[1]) if k[1] in STREAMS else len(STREAMS), k[1]))
+        row_index = {k: i for i, k in enumerate(self.rows)}
+        self.row_of = [row_index[(t.device, t.stream)] for t in tasks]
+        self.queues: list[deque] = [deque() for _ in self.rows]
+        for i, r in enumerate(self.row_of):
+            self.queues[r].append(i)
+        self.pending = [len(t.deps) for t in tasks]
+        self.dependents: list[list[int]] = [[] for _ in range(n)]
+        for i, t in enumerate(tasks):
+            for d in t.deps:
+                self.dependents[d].append(i)
+        self.is_comm = [t.kind not in (TaskKind.COMPUTE, TaskKind.HOST) for t in tasks]
+        # Devices computing at once share the host's cores, and so does the (single-threaded) controller.
+        self.weight = [1 if t.kind is TaskKind.HOST else program.multiplicity[t.device] for t in tasks]
+        self.start = [math.nan] * n
+        self.end = [math.nan] * n
+        self.busy = [False] * len(self.rows)
+        self.active: dict[int, float] = {}  # task -> remaining fraction of its work
+        self.rate: dict[int, float] = {}
+        self.now = 0.0
+        self.dirty_comm = self.dirty_compute = False
+        # A shared host's stragglers (testbed.sim.price.barriers): per device, computing since its group last met; tasks
+        # waiting for the last member -> (seconds left, whether the task's own work follows).
+        self.host = calibration.host
+        self.skewed = self.host is not None and bool(self.host.skew_s)
+        self.carry: dict[int, float] = {}
+        self.holds: dict[int, tuple[float, bool]] = {}
+        # Compute task -> when its work was done (it then waited for the last device).
+        self.worked: dict[int, float] = {}
+        self.ledger = LinkLedger(priced.bandwidth)
+        # Compute beside its device's own collectives and sends runs 1 + slowdown times longer (DeviceSpec).
+        self.beside = 1.0 + priced.comm_slowdown
+
+    def try_rows(self, rows) -> None:
+        """Starts the head task of each of ``rows`` that is free and whose dependencies are done (and of the rows
+        that frees in turn)."""
+        work, queues, pending = list(rows), self.queues, self.pending
+        while work:
+            r = work.pop()
+            if self.busy[r] or not queues[r] or pending[queues[r][0]]:
+                continue
+            i = queues[r].popleft()
+            self.busy[r] = True
+            self.start[i] = self.now
+            t = self.tasks[i]
+            if self.skewed and t.kind is TaskKind.COLLECTIVE and not t.interleaved and len(t.group) > 1:
+                # A collective standing alone: its group waits for the last member first (testbed.sim.price.barriers).
+                wait = self.host.barrier_wait(len(t.group), self.carry.get(t.device, 0.0))
+                self.carry[t.device] = 0.0
+                if wait > 0:
+                    self.holds[i] = (wait, True)
+                    continue
+            work.extend(self.begin(i))
+
+    def begin(self, i: int) -> list[int]:
+        """Task ``i``'s work starts (a transfer joins the link ledger); returns the rows it frees (none unless it
+        takes no time)."""
+        if self.durations[i] <= 0:
+            return self.finish(i)
+        self.active[i] = 1.0
+        if self.is_comm[i]:
+            self.ledger.add(i, Flow(1.0 / self.durations[i], self.loads[i] or {}))
+            self.dirty_comm = True
+            self.dirty_compute = self.dirty_compute or self.beside > 1.0
+        else:
+            self.dirty_compute = True
+        return []
+
+    def computed(self, i: int) -> list[int]:
+        """A task's work is done: a compute task on a skewed host may still wait at its barriers."""
+        t = self.tasks[i]
+        if self.skewed and t.kind is TaskKind.COMPUTE:
+            seconds, before = self.now - self.start[i], self.carry.get(t.device, 0.0)
+            self.carry[t.device] = 0.0 if t.syncs else before + seconds
+            wait = interleaved_wait(self.host, t.syncs, seconds, before)
+            if wait > 0:
+                self.holds[i] = (wait, False)
+                self.worked[i] = self.now
+                return []
+        return self.finish(i)
+
+    def finish(self, i: int) -> list[int]:
+        """Task ``i`` is done: its row and the rows of the dependents it was the last wait of may start more."""
+        self.end[i] = self.now
+        self.busy[self.row_of[i]] = False
+        rows = [self.row_of[i]]
+        for d in self.dependents[i]:
+            self.pending[d] -= 1
+            if self.pending[d] == 0:
+                rows.append(self.row_of[d])
+        return rows
+
+    def _rates(self) -> None:
+        """Re-evaluates the rates that changed: transfers' max-min shares of the links, computes' share of the
+        host (the programs computing at once: one per stage representative, MPMD pipeline stages being separate
+        programs and an SPMD step one, share the host worse than one program's devices do), slowed while a
+        collective or send of their device is in flight (``DeviceSpec.comm_slowdown``)."""
+        if self.dirty_comm:
+            self.rate.update(self.ledger.rates())
+            self.dirty_comm = False
+        if self.dirty_compute:
+            tasks, is_comm, durations, rate = self.tasks, self.is_comm, self.durations, self.rate
+            comp = [i for i in self.active if not is_comm[i]]
+            share = 1.0
+            if self.sharing.shares_host:
+                programs = len({tasks[i].device for i in comp if tasks[i].kind is TaskKind.COMPUTE}) or 1
+                share = self.sharing.host_share(sum(self.weight[i] for i in comp), programs)
+            if self.beside > 1.0:
+                talking = {tasks[j].device for j in self.active if is_comm[j]}
+                for i in comp:
+                    rate[i] = share / durations[i] / (self.beside if tasks[i].device in talking else 1.0)
+            else:
+                for i in comp:
+                    rate[i] = share / durations[i]
+            self.dirty_compute = False
+
+    def advance(self) -> None:
+        """Moves time to the next event (a task's work done, or a barrier's wait over) and starts what follows."""
+        self._rates()
+        active, rate, holds = self.active, self.rate, self.holds
+        first = min(active, key=lambda i: active[i] / rate[i]) if active else -1
+        dt = active[first] / rate[first] if active else math.inf
+        held = min(holds, key=lambda i: holds[i][0]) if holds else -1
+        if holds and holds[held][0] < dt:
+            first, dt = -1, holds[held][0]
+        self.now += dt
+        done = []
+        for i in active:
+            left = active[i] - rate[i] * dt
+            active[i] = left
+            if left <= _DONE or i == first:
+                done.append(i)
+        rows: list[int] = []
+        for i in [i for i in holds if (first < 0 and i == held) or holds[i][0] <= dt]:
+            _, work_follows = holds.pop(i)
+            rows.extend(self.begin(i) if work_follows else self.finish(i))
+        for i in holds:
+            holds[i] = (holds[i][0] - dt, holds[i][1])
+        for i in done:
+            del active[i]
+            del rate[i]
+            if self.is_comm[i]:
+                self.ledger.remove(i)
+                self.dirty_comm = True
+                self.dirty_compute = self.dirty_compute or self.beside > 1.0
+            else:
+                self.dirty_compute = True
+            rows.extend(self.computed(i))
+        self.try_rows(rows)
+
+    def timeline(self) -> Timeline:
+        """The played step's timeline: it ends when the last device of every stage is done (each
+        representative's devices meet there)."""
+        tasks, end = self.tasks, self.end
+        if any(math.isnan(e) for e in end):
+            stuck = [tasks[i].name for i in range(len(tasks)) if math.isnan(end[i])][:5]
+            raise RuntimeError(f"the task graph deadlocks; unfinished tasks include {stuck}")
+        last: dict[int, float] = {}
+        for t, e in zip(tasks, end):
+            last[t.device] = max(last.get(t.device, 0.0), e)
+        multiplicity = self.program.multiplicity
+        step = max((e + step_end_wait(self.host, multiplicity[d], self.carry.get(d, 0.0)) if self.skewed else e
+                    for d, e in last.items()), default=0.0)
+        return _timeline(self.program, self.rows, self.row_of, self.start, end, step, self.worked)
+
+
+def _timeline(program: Program, rows: list[tuple[int, str]], row_of, start, end, step: float,
+              worked: dict[int, float]) -> Timeline:
+    """The spans of the played program (a compute task that waited at its barriers: its work, then the wait
+    as communication), and the schedule's bubbles."""
+    tasks = program.tasks
+    starts, ends = np.asarray(start), np.asarray(end)
+    step = max(step, float(ends.max(initial=0.0)))
+    pipeline = [i for i, t in enumerate(tasks) if t.pipeline]
+    phase = float(ends[pipeline].max()) if pipeline else step
+    names = {TaskKind.COMPUTE: "compute", TaskKind.HOST: "host"}
+    cats = [CATEGORIES.index(names.get(t.kind, "comm")) for t in tasks]
+    labels = [t.name for t in tasks]
+    out_rows, out_start, out_end, out_cat, out_label = list(row_of), list(start), list(end), cats, labels
+    for i, t in worked.items():
+        out_end[i] = t
+        out_rows.append(row_of[i])
+        out_start.append(t)
+        out_end.append(end[i])
+        out_cat.append(CATEGORIES.index("comm"))
+        out_label.append(f"wait {labels[i]}")
+    # Bubble spans: when a stage runs no pipeline action (F/B/W and their tensor all-reduces) inside the
+    # pipeline phase -- the idle time of the schedule table, whatever else (optimizer, waits) fills it.
+    by_device: dict[int, list[int]] = {}
+    for i in pipeline:
+        by_device.setdefault(tasks[i].device, []).append(i)
+    # Without pipeline stages there is no schedule to idle in: a wait on fsdp gathers or all-to-alls is
+    # exposed communication, not bubble (counting it twice would let compute + comm + bubble exceed the step).
+    staged = len(set(np.asarray(program.representative).tolist())) > 1
+    for device in dict.fromkeys(t.device for t in tasks) if staged else ():
+        idx = by_device.get(device, [])
+        compute_row = rows.index((device, "compute")) if (device, "compute") in rows else 0
+        t = 0.0
+        for i in sorted(idx, key=lambda i: start[i]):
+            if start[i] > t:
+                out_rows.append(compute_row)
+                out_start.append(t)
+                out_end.append(start[i])
+                out_cat.append(CATEGORIES.index("bubble"))
+                out_label.append("bubble")
+            t = max(t, end[i])
+        if t < phase:
+            out_rows.append(compute_row)
+            out_start.append(t)
+            out_end.append(phase)
+            out_cat.append(CATEGORIES.index("bubble"))
+            out_label.append("bubble")
+    return Timeline(rows=tuple(rows), row=np.asarray(out_rows), start=np.asarray(out_start),
+                    end=np.asarray(out_end), category=np.asarray(out_cat), label=tuple(out_label),
+                    representative=program.representative, step_time_s=step, pipeline_end_s=phase)
+
+
+def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -> Report:
+    """Step time, compute, exposed comm, bubble, MFU and memory of a simulated (or measured) step."""
+    step = timeline.step_time_s
+    peak = topology.device.flops(rate_dtype(plan_matmul_dtype(plan, topology)))
+    mfu = model_flops_per_step(plan) / (topology.num_devices * peak * step) if step > 0 else 0.0
+    memory = memory_breakdown(plan, topology).as_dict()
+    memory.pop("per_stage", None)
+    return Report(step_time_s=step, compute_s=timeline.compute_s(), exposed_comm_s=timeline.exposed_comm_s(),
+                  bubble_fraction=timeline.bubble_fraction(), mfu=mfu, memory=memory, plan=plan.name,
+                  topology=topology.name, devices=topology.num_devices, tasks=tasks, source=timeline.source)
+
+
+#: Programs a :func:`simulate` memo keeps (each with its tasks, to compare whole on a hit), the latest.
+MEMO_PROGRAMS = 16
+
+
+def simulate(plan: Plan, topology: Topology, memo: dict | None = None) -> Simulation:
+    """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh).
+
+    ``memo`` (one dict per topology, empty at first): the timelines of the last :data:`MEMO_PROGRAMS` programs
+    played, by content. A plan whose task graph (its tasks, device map and matmul dtype: all :func:`price` and
+    :func:`run` read beside the topology) equals, task for task, one played before reuses its timeline; its
+    report is its own (memory, MFU).
+    """
+    program = build_program(plan, place(plan, topology), controller=topology.calibration.controller is not None,
+                            serial=serial_host(topology.calibration), **topology_rules(topology))
+    dtype = plan_matmul_dtype(plan, topology)
+    content = (program.tasks, program.representative.tobytes(), dtype)
+    key = hash(content) if memo is not None else None
+    timeline = None
+    if memo is not None:
+        if memo.setdefault("topology", topology) is not topology:
+            raise ValueError("a simulate memo holds the programs of one topology")
+        hit = memo.get(key)
+        timeline = hit[1] if hit is not None and hit[0] == content else None
+    if timeline is None:
+        timeline = run(program, price(program, topology, dtype), calibration=topology.calibration)
+        if memo is not None:
+            memo.pop(key, None)
+            memo[key] = (content, timeline)
+            if len(memo) > MEMO_PROGRAMS + 1:  # the oldest program played (after the topology's entry)
+                del memo[next(k for k in memo if k != "topology")]
+    return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

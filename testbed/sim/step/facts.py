@@ -1,0 +1,238 @@
+"""The facts of one training step, worked out once: what both the task graph and the analytic tier play.
+
+A plan on a placement decides, before anything is timed, which pipeline
+stages and virtual chunks there are, the schedule table and an order of its
+actions in which every dependency comes first, how the model state is
+sharded (``ways``), what each chunk costs (testbed.model.costs,
+testbed.model.gemm), each F/B/W action's work and tensor collectives, its
+MoE chain (testbed.sim.step.moe) and the part of it the context ring plays
+(testbed.sim.graph.ring), the sends it makes, how many collectives a gather of a
+chunk's sharded parameters is (``leaves``, under the calibration's
+``combine_bytes``), the gradient buckets and how each is reduced, and each
+stage's optimizer update (testbed.sim.step.update_facts); a chunk's own facts are testbed.sim.step.chunk_facts'.
+:func:`step_facts` works these out once into a frozen :class:`StepFacts`; testbed.sim.graph.program builds the task graph from it
+(one small builder per stream) and testbed.explore.analytic plays the same
+facts without the graph. The plan's ``runtime:`` (testbed.plan.runtime) is read
+here too: the gradient buckets, whether replicated gradients reduce during the
+backward, the bytes they are reduced in, and whether pipeline sends are split.
+The memos it reads (schedule orders, chunk costs and GEMMs) are testbed.sim.step.memo's; the rules of the
+gradients' bytes (buckets, reduction dtype, sequence parallelism's replicated parameters, accumulation) are
+testbed.sim.step.grad_bytes'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from testbed.model import buffers
+from testbed.model.layout import chunk_layers
+from testbed.model.leaves import bucket_share, combine_limit
+from testbed.model.memory import state_bytes_per_param
+from testbed.pipeline.schedules import Schedule
+from testbed.plan.sharding import gathers_parameters, gradient_reduction, loss_merged, state_sharding
+from testbed.plan.spec import Axis, Plan
+from testbed.sim.step.chunk_facts import ChunkFacts, action_sends, chunk_facts
+from testbed.sim.step.grad_bytes import (ACCUMULATE_PASSES, BUCKETS, FP32_ACCUMULATE_BYTES, accumulate_bytes,
+                                     gradient_buckets, reduce_bytes, tied_copy_bytes)
+from testbed.sim.step.memo import OrderedAction, cached_chunk_cost, cached_chunk_gemms, cached_order, order_of
+from testbed.sim.step.update_facts import OPTIMIZER_FLOPS_PER_PARAM, Reduction, StageUpdate, parameter_reductions, stage_update
+from testbed.sim.xla.xla_tpu import (accumulate_op, gather_allreduce_bytes, lowered_reductions, lowering_of,
+                                 matmul_gather_bytes, merges_loss, narrows_gathers, regathers_for_recompute,
+                                 scatters_as_allreduce)
+
+if TYPE_CHECKING:
+    from testbed.topology import Topology
+
+__all__ = ["cached_chunk_cost", "cached_chunk_gemms", "StageUpdate", "Reduction", "StepFacts", "step_facts", "alike_key",
+           "topology_rules",
+           "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
+           "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepFacts:
+    """Everything one training step of ``plan`` on a placement is made of, before any of it is timed.
+
+    ``order``: every action with the keys it waits for, dependencies first (stages keep their table order);
+    ``representatives``: each stage's representative device (mesh coordinate ``(stage, 0, 0, 0)``);
+    ``params_axes``/``params_ways``, ``optimizer_ways``: the state sharding; ``per_microbatch``: the axes
+    gradients are reduce-scattered over as each microbatch's come (sharded accumulation);
+    ``reductions``: how each parameter kind's gradients are summed (empty: nothing reduces them);
+    ``chunks[s][c]`` and ``updates[s]`` the per-chunk and per-stage facts.
+    """
+
+    plan: Plan
+    schedule: Schedule
+    order: tuple[OrderedAction, ...]
+    representatives: tuple[int, ...]
+    param_bytes: float
+    grad_bytes: float
+    params_axes: tuple[Axis, ...]
+    params_ways: int
+    optimizer_ways: int
+    per_microbatch: tuple[Axis, ...]
+    reductions: tuple[Reduction, ...]
+    combine_bytes: float
+    chunks: tuple[tuple[ChunkFacts, ...], ...]
+    updates: tuple[StageUpdate, ...]
+    #: Bytes per device of the tied token table's gradient all-reduced between the first and the last stage before
+    #: their updates (testbed.sim.step.grad_bytes.tied_copy_bytes; 0: none).
+    tied_bytes: float = 0.0
+    #: The collective an earlier microbatch's gradients are summed into the sharded accumulator with over
+    #: ``per_microbatch`` (testbed.sim.xla.xla_tpu.accumulate_op: ``reduce_scatter``, or XLA:TPU's all-reduce of it).
+    accumulate_op: str = "reduce_scatter"
+
+    @property
+    def stages(self) -> int:
+        return self.schedule.stages
+
+    @property
+    def virtual(self) -> int:
+        return self.plan.schedule.virtual_stages
+
+    @property
+    def microbatches(self) -> int:
+        return self.plan.batch.microbatches
+
+    @property
+    def last_backward(self) -> str:
+        """The kind of action that ends a microbatch's gradients: W when the backward is split, else B."""
+        return "W" if self.schedule.split_backward else "B"
+
+    @property
+    def reduce_bytes(self) -> float:
+        """Bytes per gradient value as gradients are reduced: their own, or 4 with ``runtime.grad_reduce_dtype``
+        ``fp32``."""
+        return reduce_bytes(self.plan, self.grad_bytes)
+
+    @property
+    def loss_merged(self) -> bool:
+        """Whether the loss's all-reduce rides in the gradients' (testbed.plan.sharding.loss_merged; their
+        reduce-scatter an all-reduce over the loss's axes where testbed.sim.xla.xla_tpu.merges_loss)."""
+        return loss_merged(self.plan, self.reduce_bytes, merges_loss(self.reductions))
+
+    @property
+    def scatter_sends(self) -> int:
+        """The tensor degree a pipeline send is split over (``runtime.pipeline_scatter_gather`` without sequence
+        parallelism, whose sends are split already: the receiver all-gathers the pieces); 1: whole sends."""
+        plan = self.plan
+        split = plan.runtime.pipeline_scatter_gather and plan.mesh.tensor > 1 and not plan.sequence_parallel
+        return plan.mesh.tensor if split else 1
+
+    @property
+    def reduce_in_backward(self) -> bool:
+        """Whether the last microbatch's gradient buckets reduce while its backward goes on: always when they
+        accumulate sharded, and replicated ones too with ``runtime.grad_reduce_overlap`` (else the replicas
+        sum once, after the stage's backward)."""
+        return bool(self.per_microbatch) or self.plan.runtime.grad_reduce_overlap
+
+    def gathers(self, kind: str) -> bool:
+        """Whether a ``kind`` action all-gathers its chunk's sharded parameters (block by block)."""
+        return gathers_parameters(self.plan, kind)
+
+    @property
+    def prefetch(self) -> int:
+        """Blocks gathered ahead of the one computing (``runtime.fsdp_prefetch``): block ``i``'s gather waits
+        for block ``i - 1 - prefetch`` to finish, whose gathered weights it replaces."""
+        return self.plan.runtime.fsdp_prefetch
+
+    def dispatch_buffers(self, stage: int, chunk: int, kind: str, accumulated: bool) -> int:
+        """Device buffers the controller passes dispatching one action's program and its sends
+        (testbed.model.buffers)."""
+        sends = len(self.chunks[stage][chunk].action(kind).sends)
+        return buffers.action_buffers(self.plan, stage, chunk, kind, accumulated) + sends * buffers.send_buffers(
+            self.plan)
+
+
+def topology_rules(topology: Topology) -> dict[str, Any]:
+    """What :func:`step_facts` (and testbed.sim.graph.program.build_program) take from ``topology``, read here once for
+    both tiers: its compiler's merge bounds (``calibration.collectives``) and device rules (gathers on a resource of
+    their own, bf16 reduced in bf16, the optimizer fused into the weight gradients)."""
+    collectives, device = topology.calibration.collectives, topology.device
+    return {"combine_bytes": collectives.combine_bytes, "allreduce_bytes": collectives.allreduce_combine_bytes,
+            "chained_gathers": device.gathers_apart(), "native_reductions": device.native_reductions(),
+            "fused_updates": device.fused_updates(), "whole_slice_scatters": scatters_as_allreduce(topology),
+            "recompute_gathers": regathers_for_recompute(topology),
+            "narrowed_gathers": narrows_gathers(topology), "gather_allreduce": gather_allreduce_bytes(topology)}
+
+
+def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
+               schedule: Schedule | None = None, chained_gathers: bool = False,
+               native_reductions: bool = False, allreduce_bytes: float | None = None,
+               fused_updates: bool = False, whole_slice_scatters: bool = False,
+               recompute_gathers: bool = False, narrowed_gathers: bool = False,
+               gather_allreduce: float = 0.0) -> StepFacts:
+    """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
+
+    Args:
+        combine_bytes: the topology's ``calibration.collectives.combine_bytes`` (None: the stack's own bound:
+            testbed.model.leaves.combine_limit).
+        schedule: the pipeline table to follow (default: the plan's schedule, memoized).
+        chained_gathers: all-gathers are a scheduler resource of their own, one in flight (``device.collective_
+            resources: per_kind``): a weight gradient that reads no re-gathered weight runs first (bucket_early).
+        native_reductions: the compiler all-reduces bf16 in bf16 (XLA:TPU: DeviceSpec.native_reductions).
+        allreduce_bytes: the topology's ``calibration.collectives.allreduce_combine_bytes`` (None: unbounded).
+        fused_updates: the compiler fuses a weight gradient's update (where nothing sums it) and its add into the
+            accumulator into its matmul (XLA:TPU: testbed.topology.DeviceSpec.fused_updates).
+        whole_slice_scatters: a reduce-scatter over every device is an all-reduce merged by the all-reduce combiner
+            (XLA:TPU on a whole slice: testbed.sim.xla.xla_tpu.scatters_as_allreduce).
+        recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
+            gradients' (XLA:TPU: testbed.sim.xla.xla_tpu.regathers_for_recompute).
+        narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weights and activations only matmuls read in bf16, over
+            a whole slice small buffers as merged all-reduces (testbed.sim.xla.xla_tpu).
+    """
+    mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
+    schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
+                                                                                               order_of(schedule))
+    (param_b, grad_b, _), sharding = state_bytes_per_param(plan), state_sharding(plan)
+    o_ways = sharding.ways(plan, "optimizer")
+    per_microbatch = tuple(Axis(a) for a in gradient_reduction(plan)[0])
+    reductions = lowered_reductions(parameter_reductions(plan, sharding.optimizer), mesh, whole_slice_scatters)
+    combine = combine_limit(combine_bytes, plan.runtime.gather_combine_bytes)
+    gathered = (matmul_gather_bytes(plan, param_b) if narrowed_gathers else 0.0,  # XLA:TPU's gathers' rules
+                lowering_of(gather_allreduce, allreduce_bytes, sharding.ways(plan, "params"), mesh.size))
+    spans = chunk_layers(plan.model, p, v, plan.stage_layers)
+    chunk_costs = [[cached_chunk_cost(plan, s, c) for c in range(v)] for s in range(p)]
+    alike: dict[tuple, ChunkFacts] = {}  # chunks alike in their layers and ends: worked out once
+
+    def facts_of(s: int, c: int) -> ChunkFacts:
+        key = alike_key(plan, p, v, s, c, spans[s][c])
+        if key in alike:
+            return _sent(alike[key], schedule, chunk_costs, s, c)
+        alike[key] = out = chunk_facts(plan, schedule, chunk_costs, s, c, spans[s][c], combine, param_b,
+                                        bool(reductions), bool(per_microbatch), reduce_bytes(plan, grad_b),
+                                        chained_gathers, native_reductions, allreduce_bytes,
+                                        any(r.scatter_op == "all_reduce" for r in reductions), recompute_gathers,
+                                        fused_updates, *gathered, narrowed_gathers)
+        return out
+
+    chunks = tuple(tuple(facts_of(s, c) for c in range(v)) for s in range(p))
+    updates = tuple(stage_update(plan, s, chunk_costs[s], o_ways, sharding.ways(plan, "params"), combine, param_b, grad_b,
+                                 fused_updates) for s in range(p))
+    return StepFacts(plan=plan, schedule=schedule, order=order,
+                     representatives=tuple(int(device_ids[s].flat[0]) for s in range(p)),
+                     param_bytes=param_b, grad_bytes=grad_b, params_axes=sharding.params,
+                     params_ways=sharding.ways(plan, "params"), optimizer_ways=o_ways, per_microbatch=per_microbatch,
+                     reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates,
+                     tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)),
+                     accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters))
+
+
+def alike_key(plan: Plan, stages: int, virtual: int, s: int, c: int, span: range) -> tuple:
+    """What a chunk's :class:`ChunkFacts` but its sends (the stages they reach) follow from, beside the plan: the
+    kind of each of its layers in order (testbed.model.layout's layer kinds: MoE or dense; every parameter,
+    cost and GEMM of a layer is its kind's) and whether it holds the embedding or the head. Chunks alike in it
+    have equal facts (tests/test_alike_chunks.py checks it chunk by chunk)."""
+    kinds = tuple(plan.model.is_moe_layer(i) for i in span) if plan.model.experts else len(span)
+    return kinds, (s, c) == (0, 0), (s, c) == (stages - 1, virtual - 1)
+
+
+def _sent(chunk: ChunkFacts, schedule: Schedule, chunk_costs, s: int, c: int) -> ChunkFacts:
+    """``chunk``'s facts (those of a chunk alike: :func:`alike_key`) as chunk ``c`` of stage ``s``: its actions'
+    sends its own."""
+    actions = tuple(a if (sends := tuple(action_sends(schedule, s, a.kind, c, chunk_costs))) == a.sends
+                    else replace(a, sends=sends) for a in chunk.actions)
+    return chunk if actions == chunk.actions else replace(chunk, actions=actions)
+
+

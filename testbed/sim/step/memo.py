@@ -1,0 +1,69 @@
+"""Memos of the step's facts: the schedule's execution order and each chunk's cost and GEMMs, kept across plans.
+
+A search prices thousands of plans that share schedule tables and chunk shapes; these memoize the pure
+functions testbed.sim.step.facts reads (keyed on exactly what each reads), so each is worked out once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from testbed.model import costs
+from testbed.model.costs import ChunkCost
+from testbed.model.gemm import ChunkGemms, chunk_gemms
+from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
+from testbed.plan.spec import Plan
+
+__all__ = ["OrderedAction", "cached_order", "cached_chunk_cost", "cached_chunk_gemms", "order_of"]
+
+#: One action in execution order: (stage, action, the (stage, kind, microbatch, chunk) keys it waits for).
+OrderedAction = tuple[int, Action, tuple[tuple[int, str, int, int], ...]]
+
+
+def order_of(schedule: Schedule) -> tuple[OrderedAction, ...]:
+    return tuple((s, a, tuple(dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
+                 for s, a in execution_order(schedule))
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_order(name: str, stages: int, microbatches: int, virtual: int) -> tuple[Schedule, tuple[OrderedAction, ...]]:
+    """(schedule table, its execution order with dependency keys), memoized: many plans share a table."""
+    schedule = build_schedule(name, stages, microbatches, virtual)
+    return schedule, order_of(schedule)
+
+
+def cached_chunk_cost(plan: Plan, stage: int, chunk: int) -> ChunkCost:
+    """``chunk_cost`` memoized on what it reads (model, stages, virtual, tensor, microbatch size, precision, remat,
+    layers per stage, ``runtime.recompute``, ``moe_dispatch`` and ``moe_padded_dropless``, ``mesh.expert_tensor``)."""
+    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
+           plan.precision, plan.remat, plan.sequence_parallel, stage, chunk, plan.layers_per_stage,
+           plan.mesh.expert, plan.expert_imbalance, plan.mesh.context, plan.runtime.recompute,
+           plan.runtime.moe_dispatch, plan.mesh.expert_tensor, plan.runtime.moe_padded_dropless)
+    cost = _CHUNKS.get(key)
+    if cost is None:
+        if len(_CHUNKS) > 100_000:
+            _CHUNKS.clear()
+        cost = _CHUNKS[key] = costs.chunk_cost(plan, stage, chunk)
+    return cost
+
+
+_CHUNKS: dict[tuple, ChunkCost] = {}
+
+
+def cached_chunk_gemms(plan: Plan, stage: int, chunk: int) -> ChunkGemms:
+    """``testbed.model.gemm.chunk_gemms`` memoized on what it reads (as :func:`cached_chunk_cost`, and
+    ``runtime.attention_kernel``, which tags the attention products, and ``runtime.fp8_scaling`` with the
+    precision, which tag the fp8 casts' amax passes)."""
+    key = (plan.model, plan.mesh.stage, plan.schedule.virtual_stages, plan.mesh.tensor, plan.microbatch_size,
+           plan.remat, stage, chunk, plan.layers_per_stage, plan.mesh.expert, plan.expert_imbalance, plan.mesh.context,
+           plan.runtime.recompute, plan.runtime.moe_dispatch, plan.runtime.attention_kernel, plan.runtime.fp8_scaling, plan.precision,
+           plan.mesh.expert_tensor, plan.runtime.fp8_head, plan.runtime.moe_padded_dropless)
+    shapes = _GEMMS.get(key)
+    if shapes is None:
+        if len(_GEMMS) > 100_000:
+            _GEMMS.clear()
+        shapes = _GEMMS[key] = chunk_gemms(plan, stage, chunk)
+    return shapes
+
+
+_GEMMS: dict[tuple, ChunkGemms] = {}

@@ -1,0 +1,230 @@
+"""What XLA:TPU does to a step's collectives that the plan's own program does not say: rules keyed by the compiler.
+
+Each rule holds where the topology's device follows XLA:TPU (``device.buffer_rules: xla-tpu``) and is read from
+XLA:TPU's own compiles (libtpu 0.0.42): the probes of benchmarks/xla_tpu_probes/collectives.json and the recorded
+plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's collectives beside theirs).
+
+- **A reduce-scatter over a whole slice is an all-reduce** (:func:`scatters_as_allreduce`): the probes' reduce-scatters
+  over every chip of a v5e 4x4 or 8x8 slice (a 1-D or a 2-D mesh) and of a v5p 2x2x2 slice compile to all-reduces
+  of the whole buffer (the same bytes per device), merged by the all-reduce combiner (four 16 MiB inputs over 16 chips
+  into one; four 64 MiB inputs over 64 chips not); over part of a slice (4 or 8 of 16 chips, 16 of 64) and over
+  every chip of a v5e 2x4 slice they stay reduce-scatters (a v5e 2x2 slice's choice depends on the operand: not
+  modelled). The recorded fsdp plans over a whole slice agree: llama2k-fsdp8 (v5p 2x2x2), gpt2k-fsdp16-full
+  (v5e 4x4), llama2k-fsdp64 (v5e 8x8), gpt2k-fsdp256-full and llama1b-fsdp256-flash (v5e 16x16),
+  gpt2k-fsdp1024-full (v5p 8x8x16) reduce no gradient by a reduce-scatter, and llama2k-fsdp8's and
+  gpt2k-fsdp16-full's four gradient all-reduces are their leaves merged within the combiner's 120 MiB.
+- **An fp32 loss rides in the gradients' all-reduce** (:func:`merges_loss`) where that is one over the loss's axes:
+  llama2k-fsdp16-fp32-selective's six fp32 fsdp all-reduces carry the loss's 4 bytes.
+- **A whole slice's all-gather of a small buffer is an all-reduce** (:func:`gather_allreduce_bytes`,
+  :func:`gather_lowering`): of the zero-padded buffer, the same bytes, merged by the all-reduce combiner as
+  testbed.model.gather_lowering says. The probes: over every chip of a v5e 8x8, 8x16 or 16x16 slice up to 16 MiB
+  (as the buffer's tiles hold it: 16.5 MiB not), of a v5p 4x4x4, 4x4x8 or 8x8x16 slice any size probed (to
+  256 MiB); over a v5e 4x4 or 4x8, a v5p 2x4x4 or 2x2x4, or part of a slice (64 or 16 of 256 chips, 16 of 64),
+  none. llama2k-fsdp64, gpt2k-fsdp256-full, gpt2k-fsdp1024-full equal XLA:TPU's collectives by it.
+- **Full remat gathers a layer's weights for its recomputation too** (:func:`regathers_for_recompute`): under
+  ``remat: full`` the backward of a layer gathers the leaves its recomputed forward reads, apart from the gathers
+  of the leaves its gradients read: every leaf of the layer but the MLP's output projection (``mlp/w2``,
+  ``mlp/b2``), whose output only joins the residual sum (the recomputation stops before it). gpt1k-fsdp4-full and
+  gpt2k-fsdp16-full: 63 fsdp all-gathers, 10 a layer more than the forward's and the backward's (the norms'
+  scales and shifts, ``attn/*``, ``mlp/w1``, ``mlp/b1``); llama4k-fsdp256-tensor4 and llama4k-fsdp64-tensor4-sp:
+  ``attn/wq``, ``attn/wkv``, ``attn/wo``, ``mlp/w1`` and ``mlp/w3`` once more a layer.
+- **Under fp32 the weight matrices are gathered in bf16** (:func:`narrows_gathers`, :func:`matmul_gather_bytes`): a matmul of the default
+  precision reads its fp32 operands rounded to bf16 (one pass), and XLA:TPU rounds a gathered weight read only by
+  matmuls before its all-gather, so the gather moves half the bytes (testbed.model.blocks.narrowed: every weight
+  matrix of a layer, the head's in the backward). The norms' scales stay fp32 (elementwise), and so do the token
+  table (a lookup) and the head's forward gather, whose gathered copy the loss's piece also reads
+  (testbed.runner.param_shards' corner for its backward gather). llama2k-fsdp16-fp32-selective (v5e 4x4) and
+  llama2k-fsdp4-fp32 (v5e 2x2): 37 fsdp all-gathers, the tables' 262 MB twice and the head's 131 MB once, the
+  layers' matrices (``attn/wq`` 8.4 MB, ``attn/wkv`` 4.2 MB, ``mlp/w1`` 22 MB) at 2 bytes, the norms' 8 KB at 4.
+- **So are fp32 activations only matmuls read** (:func:`sequence_gather_bytes`): benchmarks/xla_tpu_narrowing.py's
+  probes (v5e 2x2) compile an fp32 activation's all-gather every reader of which is a default-precision matmul to a
+  bf16 all-gather, as a weight's, and one an elementwise op reads too to an f32 one. Sequence parallelism's
+  all-gathers (testbed.sim.step.action_work.tensor_transfers) are read by matmuls but for the embedding backward's (the
+  lookup's cotangent, which the table's scatter-add reads) and the position table's gradient's.
+
+A traced program (testbed.sim.graph.traced) follows the gather rules by the same functions (:func:`lowered_gathers`:
+:func:`gather_element_bytes` for a gather every reader of which is a matmul, :func:`lowering_of` and
+testbed.model.gather_lowering.lowers for a whole slice's small gather) and the reduce-scatter rule by
+:func:`lowered_scatters`.
+
+Pure: no JAX.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from testbed.model.gather_lowering import NO_LOWERING, Lowering, lowers
+from testbed.model.leaves import RECOMPUTE_SKIPS
+from testbed.plan.spec import MeshSpec, Plan
+from testbed.topology.parts import Form, LinkKind
+from testbed.sim.xla.workload import OpKind, element_bytes
+from testbed.topology.spec import Topology
+
+if TYPE_CHECKING:
+    from testbed.sim.xla.workload import Workload
+
+__all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowered_scatters", "merges_loss",
+           "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
+           "sequence_gather_bytes",
+           "gather_element_bytes", "lowered_gathers",
+           "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS"]
+
+#: Bytes per element of a weight matrix XLA:TPU gathers for matmuls of the backend's default precision (one bf16
+#: pass: the operand rounded to bf16, the rounding moved before the all-gather).
+MATMUL_GATHER_BYTES = 2.0
+
+def scatters_as_allreduce(topology: Topology) -> bool:
+    """Whether a reduce-scatter over every device of ``topology`` compiles to an all-reduce (module docstring): an
+    XLA:TPU slice (one torus of ICI links) of a 3-D torus, or of 2-D one whose every dim spans 4+ chips."""
+    if topology.device.buffer_rules != "xla-tpu" or topology.form is not Form.TORUS:
+        return False
+    levels = topology.levels
+    if any(level.switched or level.kind is not LinkKind.ICI for level in levels):
+        return False
+    dims = [level.size for level in levels if level.size > 1]
+    return len(dims) >= 3 or (len(dims) == 2 and min(dims) >= 4)
+
+
+def lowered_reductions(reductions: tuple, mesh: MeshSpec, whole_slice: bool) -> tuple:
+    """``reductions`` (testbed.sim.step.update_facts.Reduction) with ``scatter_op`` ``all_reduce`` where
+    ``whole_slice`` (:func:`scatters_as_allreduce` of the topology) and the reduce-scatter spans every device of
+    the mesh."""
+    if not whole_slice:
+        return reductions
+    return tuple(replace(r, scatter_op="all_reduce") if accumulate_op(r.sharded, mesh, True) == "all_reduce" else r
+                 for r in reductions)
+
+
+def accumulate_op(axes: tuple, mesh: MeshSpec, whole_slice: bool) -> str:
+    """The collective gradients are reduce-scattered with over ``axes`` (an earlier microbatch's into the sharded
+    accumulator, or the step's, :func:`lowered_reductions`): ``all_reduce`` where ``whole_slice`` and ``axes`` span
+    every device of the mesh, else ``reduce_scatter``."""
+    spans = bool(axes) and math.prod(mesh.degree(a) for a in axes) == mesh.size
+    return "all_reduce" if whole_slice and spans else "reduce_scatter"
+
+
+def lowered_scatters(workload: "Workload", whole_slice: bool) -> "Workload":
+    """A traced program's ``workload`` with each reduce-scatter over every device of its mesh an all-reduce of the
+    same bytes where ``whole_slice`` (:func:`scatters_as_allreduce` of the topology): the rule
+    :func:`lowered_reductions` applies to a plan's gradients, for the traced tier."""
+    if not whole_slice:
+        return workload
+    ops = tuple(replace(op, collective="all_reduce", name=op.name.replace("reduce_scatter", "all_reduce", 1))
+                if op.collective == "reduce_scatter" and op.group == workload.devices else op
+                for op in workload.ops)
+    return replace(workload, ops=ops) if ops != workload.ops else workload
+
+
+def merges_loss(reductions: tuple) -> bool:
+    """Whether the dense gradients' sum is one all-reduce over the axes the loss sums over (:func:`lowered_reductions`:
+    a whole slice's reduce-scatter, nothing summed after it), which the combiner lets an fp32 loss join
+    (testbed.plan.sharding.loss_merged; llama2k-fsdp16-fp32-selective: the loss's 4 bytes in a gradient all-reduce)."""
+    return any(r.scatter_op == "all_reduce" and not r.rest and not (r.expert or r.sequence) for r in reductions)
+
+
+def narrows_gathers(topology: Topology) -> bool:
+    """Whether the compiler gathers weight matrices in the dtype their matmuls read (module docstring; the bytes:
+    :func:`matmul_gather_bytes`): XLA:TPU's rule."""
+    return topology.device.buffer_rules == "xla-tpu"
+
+
+def matmul_gather_bytes(plan: Plan, param_bytes: float) -> float:
+    """Bytes per element the sharded weight matrices' all-gathers move where :func:`narrows_gathers`
+    (testbed.model.blocks.narrowed; 0: the parameters' own ``param_bytes``): :func:`gather_element_bytes` at the
+    plan's ``runtime.matmul_precision``."""
+    return gather_element_bytes(param_bytes, plan.runtime.matmul_precision)
+
+
+def sequence_gather_bytes(plan: Plan, nbytes: int, narrows: bool) -> int:
+    """Bytes of each of a chunk's sequence-parallel all-gathers that only matmuls read (``nbytes``: the compute
+    dtype's, ChunkCost.tensor_allreduce_bytes) where ``narrows`` (:func:`narrows_gathers`): :func:`gather_element_bytes`
+    of the compute dtype at the plan's ``runtime.matmul_precision`` (module docstring); 0: not narrowed."""
+    c = plan.precision.compute_bytes
+    narrowed = matmul_gather_bytes(plan, float(c)) if narrows and plan.sequence_parallel else 0.0
+    return int(nbytes * narrowed / c) if narrowed else 0
+
+
+def gather_element_bytes(param_bytes: float, precision: str = "default") -> float:
+    """Bytes per element XLA:TPU gathers a weight of ``param_bytes``-byte elements in where only matmuls at
+    ``precision`` read it (0: its own): with elements wider than bf16 (fp32 training) and matmuls of the default
+    precision, :data:`MATMUL_GATHER_BYTES`. The plan's gathers (:func:`matmul_gather_bytes`) and a traced
+    program's (:func:`lowered_gathers`) are narrowed by this one rule."""
+    if param_bytes <= MATMUL_GATHER_BYTES or precision == "highest":
+        return 0.0
+    return MATMUL_GATHER_BYTES
+
+
+#: The largest gathered buffer (bytes per device, as its tiles hold it: rows padded to 128 lanes) an all-gather over
+#: every chip of a v5e slice of 8+ chips a side compiles to an all-reduce of (benchmarks/xla_tpu_probes/
+#: collectives.json: 16 MiB on 8x8, 8x16 and 16x16, 16.5 MiB not; 32 lanes wide, 4 MiB on 8x16 and 4.06 MiB not).
+#: Smaller v5e slices (4x4, 2x4, 4x8 probed): none. testbed counts a leaf's own bytes, its rows a multiple of 128
+#: lanes in the recorded models.
+V5E_GATHER_ALLREDUCE_BYTES = 16 * 2 ** 20
+
+
+def gather_allreduce_bytes(topology: Topology) -> float:
+    """The largest buffer an all-gather over every device of ``topology`` compiles to an all-reduce of (module
+    docstring; 0: none): on a v5e slice of 8+ chips a side :data:`V5E_GATHER_ALLREDUCE_BYTES`; on a 3-D slice every
+    dim of which spans 4+ chips, any (v5p 4x4x4, 4x4x8, 8x8x16 probed up to 256 MiB; 2x2x2, 2x2x4, 2x4x4 none)."""
+    if topology.device.buffer_rules != "xla-tpu" or topology.form is not Form.TORUS:
+        return 0.0
+    if any(level.switched or level.kind is not LinkKind.ICI for level in topology.levels):
+        return 0.0
+    dims = tuple(sorted(level.size for level in topology.levels if level.size > 1))
+    if len(dims) >= 3:
+        return math.inf if dims[0] >= 4 else 0.0
+    v5e = "v5e" in topology.device.name.lower()
+    return float(V5E_GATHER_ALLREDUCE_BYTES) if v5e and len(dims) == 2 and dims[0] >= 8 else 0.0
+
+
+def gather_lowering(topology: Topology, plan: Plan, ways: int) -> Lowering:
+    """The gathers of ``plan``'s parameters (sharded ``ways`` ways) that compile to all-reduces, merged by the
+    all-reduce combiner (testbed.model.gather_lowering): over a whole slice (every device of the mesh),
+    :func:`gather_allreduce_bytes`; none over part of one (the probes: 16 or 64 of 256 chips, 16 of 64)."""
+    return lowering_of(gather_allreduce_bytes(topology), topology.calibration.collectives.allreduce_combine_bytes,
+                       ways, plan.mesh.size)
+
+
+def lowering_of(bound: float, allreduce_bytes: float | None, ways: int, devices: int) -> Lowering:
+    """:func:`gather_lowering` of gathers over ``ways`` of a mesh's ``devices`` from the topology's ``bound``
+    (:func:`gather_allreduce_bytes`) and its all-reduce combiner's bound (None: unbounded): none unless
+    ``ways`` is every device."""
+    if not bound or ways != devices:
+        return NO_LOWERING
+    return Lowering(bound, math.inf if allreduce_bytes is None else float(allreduce_bytes))
+
+
+def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
+    """A traced program's ``workload`` with its all-gathers as XLA:TPU compiles them on ``topology``: the rules the
+    plan's gathers follow (module docstring), for the traced tier. Where :func:`narrows_gathers`, an all-gather
+    every reader of which is a matmul moves :func:`gather_element_bytes` per element (the traced tier prices every
+    matmul at the default precision: testbed.sim.graph.traced.matmul_dtype); then one over every device of the mesh
+    that :func:`lowering_of` lowers (testbed.model.gather_lowering.lowers) is an all-reduce of the same bytes,
+    which testbed.sim.xla.combine's all-reduce combiner merges by data flow, as XLA's does."""
+    narrow, readers = narrows_gathers(topology), workload.readers()
+    bound = gather_allreduce_bytes(topology)
+    allreduce_bytes = topology.calibration.collectives.allreduce_combine_bytes
+    ops = list(workload.ops)
+    for i, op in enumerate(ops):
+        if op.kind is not OpKind.COLLECTIVE or op.collective != "all_gather":
+            continue
+        width = element_bytes(op.element) if op.element else 0
+        narrowed = gather_element_bytes(width) if narrow and width and readers[i] and all(
+            workload.ops[r].kind is OpKind.GEMM for r in readers[i]) else 0.0
+        if narrowed:
+            op = replace(op, nbytes=op.nbytes * narrowed / width, element="bf16")
+        if lowers(op.nbytes, lowering_of(bound, allreduce_bytes, op.group, workload.devices)):
+            op = replace(op, collective="all_reduce", name=op.name.replace("all_gather", "all_reduce", 1),
+                         combiner="gather")
+        ops[i] = op
+    ops_t = tuple(ops)
+    return replace(workload, ops=ops_t) if ops_t != workload.ops else workload
+
+
+def regathers_for_recompute(topology: Topology) -> bool:
+    """Whether a full-remat layer's backward gathers the leaves its recomputation reads apart from its gradients'
+    (module docstring): XLA:TPU's rule."""
+    return topology.device.buffer_rules == "xla-tpu"
