@@ -162,19 +162,25 @@ def compare(record: dict) -> dict:
                          if not r["agree"] and not (r["lowered_as"] and p["kind"] == "reduce-scatter")], "rows": rows}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def probe_main(argv: list[str] | None, doc: str, data: Path, collect, compare) -> int:
+    """A probe benchmark's command: ``--collect`` compiles the probes (``collect()``, needs libtpu) and prints
+    them; else ``compare(record)`` over the recorded ``data`` is printed (exit 2, one line, when none is recorded)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--collect", action="store_true", help="compile the probes with XLA:TPU (needs libtpu)")
     args = parser.parse_args(argv)
     if args.collect:
         print(json.dumps(collect()))
         return 0
-    if not DATA.exists():
-        print(f"{DATA.relative_to(ROOT)}: no recorded probes; run with --collect on a host with libtpu",
+    if not data.exists():
+        print(f"{data.relative_to(ROOT)}: no recorded probes; run with --collect on a host with libtpu",
               file=sys.stderr)
         return 2
-    print(json.dumps(compare(json.loads(DATA.read_text()))))
+    print(json.dumps(compare(json.loads(data.read_text()))))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return probe_main(argv, __doc__, DATA, collect, compare)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,16 @@ default-precision matmul moves bf16; the rule the traced tier applies, testbed.s
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from xla_tpu_collectives import probe_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "xla_tpu_probes" / "narrowing.json"
@@ -88,18 +91,7 @@ def compare(record: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--collect", action="store_true", help="compile the probes with XLA:TPU (needs libtpu)")
-    args = parser.parse_args(argv)
-    if args.collect:
-        print(json.dumps(collect()))
-        return 0
-    if not DATA.exists():
-        print(f"{DATA.relative_to(ROOT)}: no recorded probes; run with --collect on a host with libtpu",
-              file=sys.stderr)
-        return 2
-    print(json.dumps(compare(json.loads(DATA.read_text()))))
-    return 0
+    return probe_main(argv, __doc__, DATA, collect, compare)
 
 
 if __name__ == "__main__":
