@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from testbed.model.gemm import Gemm
     from testbed.topology.parts import DeviceSpec
 
-__all__ = ["SCORE_SHARE", "PARTIAL_ON_CHIP", "score_on_chip_share", "scores_on_chip", "on_chip_bytes"]
+__all__ = ["SCORE_SHARE", "PARTIAL_ON_CHIP", "score_on_chip_share", "on_chip_bytes"]
 
 #: The largest score matrix XLA:TPU placed in VMEM, over the VMEM's size: 96 of 128 MiB (vmem_scores.json: placed
 #: at 48, 64 and 96 MiB; not at 120, 128, 144, 192 MiB).
@@ -42,12 +42,6 @@ def score_on_chip_share(device: "DeviceSpec", score_bytes: float) -> float:
     if budget <= 0 or score_bytes > budget:
         return 0.0
     return 1.0 if 2 * score_bytes <= budget else PARTIAL_ON_CHIP
-
-
-def scores_on_chip(device: "DeviceSpec", score_bytes: float) -> bool:
-    """Whether any of a layer's score matrix of ``score_bytes`` (one microbatch, one device) stays in ``device``'s
-    VMEM."""
-    return score_on_chip_share(device, score_bytes) > 0
 
 
 def on_chip_bytes(device: "DeviceSpec", gemm: "Gemm", read: int, write: int) -> float:
