@@ -41,7 +41,8 @@ from testbed.sim.step.facts import StepFacts
 from testbed.sim.step.grad_bytes import loop_kept, summed_each_microbatch, summed_in_the_step
 from testbed.topology import Calibration
 
-__all__ = ["after_tensor", "Dispatch", "PREPARE_STEP", "PREPARE_PIPELINE", "step_prepare", "prepare_seconds", "dispatch_seconds", "step_dispatch", "action_dispatch", "update_dispatch",
+__all__ = ["after_tensor", "Dispatch", "PREPARE_STEP", "PREPARE_PIPELINE", "step_prepare", "prepare_seconds",
+           "dispatch_seconds", "step_dispatch", "action_dispatch", "update_dispatch",
            "serial_host", "runs_serially", "gather_after", "GatherMode", "gather_mode", "Gradients", "gradients",
            "Microbatches", "sequence_apart", "first_tail_bucket", "Iteration", "iteration", "waits_for_sends",
            "pieces", "ActionStep", "action_steps"]
