@@ -69,8 +69,9 @@ def test_runner_differences_name_the_fields_the_runner_does_not_execute():
                                                                                   "moe_padded_dropless"}
     nemo = plan_from_dict(_plan_dict("nemo")).runtime
     assert set(runner_differences(nemo)) == set(PROFILES["nemo"])
-    # MaxText's remat_policy minimal is the runner's too (testbed.runner.model.stage_forward's ``save_dots``).
+    # MaxText's remat_policy minimal (and minimal_with_context) is the runner's too (stage_forward's ``save_dots``).
     assert runner_differences(RuntimeSpec(recompute="save-dots")) == ()
+    assert runner_differences(RuntimeSpec(recompute="save-dots-flash")) == ()
     assert runner_differences(RuntimeSpec(recompute="op")) == ("recompute",)
 
 

@@ -25,19 +25,18 @@ import pytest
 from testbed.model import kept
 from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan
-from testbed.runner.model import block, cast_params, init_params
+from testbed.runner.model import _dots_policy, block, cast_params, init_params
 
 MODEL = ModelSpec(layers=2, d_model=64, heads=4, kv_heads=2, d_ff=160, seq_len=32, vocab=128, mlp="swiglu",
                   norm="rmsnorm", position="rope", bias=False)
 
 
-def _saved_bytes(spec: ModelSpec, batch: int) -> tuple[int, list[str]]:
-    """Bytes of the residuals JAX saves for one bf16 block under the policy, the parameters left out (model
-    states, counted apart), and what each residual is."""
+def _saved_bytes(spec: ModelSpec, batch: int, policy: str = "save-dots") -> tuple[int, list[str]]:
+    """Bytes of the residuals JAX saves for one bf16 block under the runner's ``policy``, the parameters left out
+    (model states, counted apart), and what each residual is."""
     layer = cast_params(init_params(spec, 0)["layers"][0], "bf16-mixed")
     x = jnp.ones((batch, spec.seq_len, spec.d_model), jnp.bfloat16)
-    step = jax.checkpoint(lambda p, h: block(p, h, spec),
-                          policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+    step = jax.checkpoint(lambda p, h: block(p, h, spec), policy=_dots_policy(policy))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # one line a residual: "bf16[2,32,64] output of dot_general from ..."
         print_saved_residuals(lambda p, h: jnp.sum(step(p, h).astype(jnp.float32)), layer, x)
@@ -69,3 +68,22 @@ def test_the_policy_keeps_the_input_and_every_dot_the_backward_reads(attention: 
     inputs = spec.mlp_matrices - 1  # the MLP's input projections: SwiGLU's gate and up, GELU's one
     assert measured == 2 * (residuals * n * d + n * (spec.q_dim + 2 * spec.kv_dim + inputs * spec.d_ff))
     assert measured + down != kept.dots_saved_bytes(plan)
+
+
+@pytest.mark.parametrize("kv_heads, batch, parallel", [(2, 2, False), (4, 1, True)])
+def test_save_dots_flash_keeps_the_flash_output_and_log_sum_exp_besides(kv_heads: int, batch: int,
+                                                                         parallel: bool) -> None:
+    """``save-dots-flash`` (MaxText's ``minimal_with_context``): the runner's policy keeps the flash kernel's
+    output and row log-sum-exp by name, as testbed.model.kept counts them; a plain-attention model has none."""
+    spec = replace(MODEL, attention="flash", kv_heads=kv_heads, parallel_block=parallel)
+    plan = Plan(name="t", model=spec, batch=BatchSpec(global_batch=batch), precision="bf16-mixed",
+                remat="selective", runtime=RuntimeSpec(recompute="save-dots-flash"))
+    assert kept.dots_policy(plan) == "save-dots-flash"
+    measured, what = _saved_bytes(spec, batch, "save-dots-flash")
+    assert kept.dots_saved_bytes(plan) == measured, what
+    dots, _ = _saved_bytes(spec, batch)
+    n = batch * spec.seq_len
+    assert measured - dots == 2 * n * spec.q_dim + 4 * n * spec.heads  # bf16 output, fp32 log-sum-exp
+    plain = replace(plan, model=replace(spec, attention="plain"))
+    assert kept.dots_policy(plain) == "save-dots" and _saved_bytes(plain.model, batch, "save-dots-flash")[0] == \
+        _saved_bytes(plain.model, batch)[0]

@@ -39,7 +39,7 @@ from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes", "head_kept_bytes",
-           "saves_dots", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
+           "saves_dots", "saves_flash_residuals", "dots_policy", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
            "loss_instant_recompute", "device_layer_sets", "selective_copies_bytes", "weight_grads_deferred",
            "deferred_backward_bytes"]
@@ -106,9 +106,25 @@ DOTS_POLICIES = ("save-dots", "save-dots-flash")
 def saves_dots(plan: Plan) -> bool:
     """Whether each block is checkpointed with ``checkpoint_dots_with_no_batch_dims`` (``runtime.recompute:
     save-dots`` or ``save-dots-flash`` under selective remat; under full remat the value is the runner's full
-    remat): the memory model here and the runner (testbed.runner.model.stage_forward, which runs ``save-dots``
-    for both and says so of ``save-dots-flash``) both read it."""
+    remat): the memory model here and the runner (testbed.runner.model.stage_forward) both read it."""
     return plan.remat is Remat.SELECTIVE and plan.runtime.recompute in DOTS_POLICIES
+
+
+def saves_flash_residuals(plan: Plan) -> bool:
+    """Whether the dots policy also keeps flash attention's output and row log-sum-exp, saved by name
+    (``runtime.recompute: save-dots-flash`` of a flash model: MaxText's ``minimal_with_context``), so the backward
+    does not rerun the kernel's forward: :func:`dots_saved_bytes` counts them, testbed.runner.model.stage_forward
+    keeps them."""
+    return (saves_dots(plan) and plan.runtime.recompute == "save-dots-flash"
+            and plan.model.attention is Attention.FLASH)
+
+
+def dots_policy(plan: Plan) -> str | None:
+    """The dots policy the runner checkpoints each block with: ``"save-dots-flash"`` where
+    :func:`saves_flash_residuals`, ``"save-dots"`` where :func:`saves_dots` alone, else None."""
+    if saves_flash_residuals(plan):
+        return "save-dots-flash"
+    return "save-dots" if saves_dots(plan) else None
 
 
 def dots_saved_bytes(plan: Plan) -> int:
@@ -134,7 +150,7 @@ def dots_saved_bytes(plan: Plan) -> int:
     columns = sum(outputs[:3]) + sum(outputs[4:-1])  # Q, K, V; the MLP's input projections
     # The input, and a sequential block's out projection: one residual-stream tensor per norm.
     kept = plan.precision.compute_bytes * (columns + norms(spec) * _residual_values(plan))
-    if plan.runtime.recompute == "save-dots-flash" and spec.attention is Attention.FLASH:  # the kernel's residuals
+    if saves_flash_residuals(plan):  # the kernel's residuals
         n = plan.microbatch_size * spec.seq_len
         kept += plan.precision.compute_bytes * n * spec.q_dim // t + FLASH_BYTES * n * spec.heads // t
     return kept

@@ -258,10 +258,11 @@ PROFILES: dict[str, dict[str, Any]] = {
 def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
     """The fields of ``spec`` whose values the runner does not execute (it runs its own behaviour, the defaults):
     the simulator prices them, the runner says it runs without them (testbed.runner.train). The runner executes
-    ``recompute: save-dots`` (testbed.runner.model.stage_forward; under full remat the value is its own) and
+    ``recompute: save-dots`` and ``save-dots-flash`` (testbed.runner.model.stage_forward; under full remat the
+    value is its own) and
     ``matmul_precision: highest`` (testbed.runner.precision.matmul_precision)."""
     default = RuntimeSpec()
-    executed = {"recompute": ("save-dots",), "matmul_precision": ("highest",)}
+    executed = {"recompute": ("save-dots", "save-dots-flash"), "matmul_precision": ("highest",)}
     return tuple(f.name for f in fields(RuntimeSpec)
                  if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name)
                  and getattr(spec, f.name) not in executed.get(f.name, ()))

@@ -10,7 +10,8 @@ query heads are viewed as ``[kv_heads, group]`` (no K/V copies).
 - :func:`flash_attention` is FlashAttention-2's algorithm (Dao 2023) written for XLA:
   a scan over K/V blocks of ``block`` keys with an online softmax (running row max,
   row sum and rescaled output, in fp32), saving only q, k, v, the output and the
-  per-row log-sum-exp. Its backward (a ``custom_vjp``) scans the K/V blocks again,
+  per-row log-sum-exp (both named :data:`FLASH_RESIDUALS` for a checkpoint policy that
+  keeps them: ``runtime.recompute: save-dots-flash``). Its backward (a ``custom_vjp``) scans the K/V blocks again,
   recomputing each block's scores and probabilities from the log-sum-exp, and
   accumulates dq while writing dk, dv block by block. No buffer of the compiled
   program is ``seq x seq``: the largest attention temporaries are ``seq x block``
@@ -32,10 +33,15 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from testbed.plan.model import window_rows
 
-__all__ = ["plain_attention", "flash_attention", "key_mask"]
+__all__ = ["plain_attention", "flash_attention", "key_mask", "FLASH_RESIDUALS"]
+
+#: The checkpoint name of a flash kernel's output and row log-sum-exp (this scan's and the splash kernels',
+#: testbed.runner.tpu_attention): ``jax.checkpoint_policies.save_only_these_names`` of it keeps them.
+FLASH_RESIDUALS = "flash_residuals"
 
 
 @jax.custom_vjp
@@ -177,7 +183,7 @@ def _flash(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int | N
 
 
 def _flash_fwd(q: jax.Array, k: jax.Array, v: jax.Array, block: int, window: int | None):
-    out, lse = _flash_forward(q, k, v, block, window)
+    out, lse = (checkpoint_name(x, FLASH_RESIDUALS) for x in _flash_forward(q, k, v, block, window))
     return out, (q, k, v, out, lse)
 
 

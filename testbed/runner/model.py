@@ -20,8 +20,9 @@ fp32 parameters with a bf16 compute dtype).
 
 Remat: ``selective`` checkpoints the core attention (scores, softmax, values),
 ``full`` checkpoints each whole block; ``save_dots`` (``runtime.recompute: save-dots`` under selective:
-MaxText's ``minimal``, testbed.model.kept.saves_dots) checkpoints each whole block with
-``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims``. Attention (``testbed.runner.attention``): plain
+MaxText's ``minimal``, testbed.model.kept.dots_policy) checkpoints each whole block with
+``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims`` (``save-dots-flash``: and keeping flash
+attention's output and row log-sum-exp by name). Attention (``testbed.runner.attention``): plain
 (dense scores) or flash (blockwise, recomputing its scores in the backward, so
 ``selective`` changes nothing for it).
 """
@@ -38,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from testbed.runner import moe
-from testbed.runner.attention import flash_attention, plain_attention
+from testbed.runner.attention import FLASH_RESIDUALS, flash_attention, plain_attention
 from testbed.runner.norms import layer_norm as _layer_norm
 from testbed.runner.ring_attention import ContextShards
 from testbed.runner.tpu_attention import AttentionKernel, splash_attention
@@ -340,7 +341,7 @@ def _moe_mlp(p: Params, x: jax.Array, h: jax.Array, arch: _Arch) -> jax.Array:
 def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec | int,
                   remat: Remat | str = Remat.NONE, seq: Any = None, fsdp: Any = None,
                   context: ContextShards | None = None, experts: moe.ExpertShards | None = None,
-                  aux_weight: float | None = None, save_dots: bool = False,
+                  aux_weight: float | None = None, save_dots: str | None = None,
                   kernel: AttentionKernel | str = AttentionKernel.SCAN) -> jax.Array:
     """Run a contiguous run of blocks (a pipeline chunk) on activations ``x`` (``spec``: as :func:`block`;
     ``seq``: sequence parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.param_shards.ParamShards,
@@ -349,15 +350,15 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
     testbed.runner.moe.ExpertShards, or None; ``aux_weight``: the objective's weight of one sequence's MoE
     load-balancing loss, None: ``1 / rows of x``, right when the objective is the mean over these rows;
     ``save_dots``: each block checkpointed with JAX's policy saving the outputs of dots without batch dimensions,
-    the weight matmuls', and recomputing the rest, attention included; ``kernel``: flash attention's kernel,
+    the weight matmuls', and recomputing the rest, attention included; ``"save-dots-flash"``: and keeping flash
+    attention's output and row log-sum-exp (testbed.model.kept.saves_flash_residuals); ``kernel``: flash attention's kernel,
     testbed.runner.tpu_attention.attention_kernel's choice)."""
     remat = Remat(remat)
     weight = 1.0 / x.shape[0] if aux_weight is None else float(aux_weight)
     arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context, experts=experts, aux_weight=weight,
                                 kernel=AttentionKernel(kernel))
     if save_dots:  # the policy decides what the whole block keeps: no inner attention checkpoint
-        step = jax.checkpoint(_block, static_argnums=(2, 3, 5),
-                              policy=jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)
+        step = jax.checkpoint(_block, static_argnums=(2, 3, 5), policy=_dots_policy(save_dots))
         remat = Remat.NONE
     else:
         step = jax.checkpoint(_block, static_argnums=(2, 3, 5)) if remat is Remat.FULL else _block
@@ -365,6 +366,16 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
     for k, layer in enumerate(params_layers):
         x, link = step(layer, x, arch, remat, link, linked_layer(k, len(params_layers)))
     return x
+
+
+def _dots_policy(save_dots: str):
+    """``checkpoint_dots_with_no_batch_dims``, and with ``save_dots == "save-dots-flash"`` the flash kernel's
+    output and row log-sum-exp besides (named ``FLASH_RESIDUALS``; MaxText's ``minimal_with_context``)."""
+    policies = jax.checkpoint_policies
+    if save_dots == "save-dots-flash":
+        return policies.save_from_both_policies(policies.checkpoint_dots_with_no_batch_dims,
+                                                policies.save_only_these_names(FLASH_RESIDUALS))
+    return policies.checkpoint_dots_with_no_batch_dims
 
 
 def _block(params_layer: Params, x: jax.Array, arch: _Arch, remat: Remat, link: jax.Array | None = None,
@@ -412,7 +423,7 @@ def forward_loss(params: Params, tokens: jax.Array, targets: jax.Array, *, spec:
                  precision: Precision | str = Precision.FP32, remat: Remat | str = Remat.NONE,
                  seq: Any = None, fsdp: Any = None, context: ContextShards | None = None,
                  experts: moe.ExpertShards | None = None, aux_weight: float | None = None,
-                 save_dots: bool = False, kernel: AttentionKernel | str = AttentionKernel.SCAN) -> jax.Array:
+                 save_dots: str | None = None, kernel: AttentionKernel | str = AttentionKernel.SCAN) -> jax.Array:
     """Mean cross-entropy of the whole model (single device or under GSPMD shardings; ``seq``: sequence
     parallelism's testbed.runner.parallel.SequenceShards, or None; ``fsdp``: testbed.runner.param_shards.ParamShards, or None;
     ``context``: testbed.runner.ring_attention.ContextShards, tokens and targets in its zigzag order, or None).

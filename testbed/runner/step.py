@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.runner import model
-from testbed.model.kept import saves_dots
+from testbed.model.kept import dots_policy
 from testbed.runner.moe_folded import expert_shards
 from testbed.runner.param_shards import param_shards
 from testbed.runner.parallel import batch_axes, batch_spec, layout_for, sequence_shards
@@ -114,7 +114,7 @@ def _loss_fn(plan: Plan, seq: Any = None, fsdp: Any = None, context: Any = None,
     def loss(params: Any, tokens: jax.Array, targets: jax.Array) -> jax.Array:
         return model.forward_loss(params, tokens, targets, spec=plan.model, precision=plan.precision,
                                   remat=plan.remat, seq=seq, fsdp=fsdp, context=context, experts=experts,
-                                  aux_weight=aux_weight, save_dots=saves_dots(plan), kernel=kernel)
+                                  aux_weight=aux_weight, save_dots=dots_policy(plan), kernel=kernel)
     return loss
 
 

@@ -6,7 +6,8 @@ blocks that XLA compiles on any backend) except where :func:`attention_kernel` (
 opaque to GSPMD, which would run it replicated on a sharded mesh), with a sequence the kernel's 128-key
 lanes tile. The splash kernels (``jax.experimental.pallas.ops.tpu.splash_attention``, the kernels
 MaxText's ``attention: flash`` calls on TPU) compute FlashAttention-2's algorithm in VMEM with the same
-residuals (q, k, v, output, row log-sum-exp) and the same matmul FLOPs per computed block; blocks wholly
+residuals (q, k, v, output, row log-sum-exp; the last two named ``FLASH_RESIDUALS`` for a checkpoint
+policy, as testbed.runner.attention names its scan's) and the same matmul FLOPs per computed block; blocks wholly
 above the causal diagonal are skipped. Grouped-query attention is native to the kernel (query heads a
 multiple of K/V heads). On CPUs and GPUs the scan kernel runs unchanged.
 """
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from testbed.model.flash_kernel import LANES, AttentionKernel, SplashBlocks, attention_kernel, splash_block
+from testbed.runner.attention import FLASH_RESIDUALS
 
 __all__ = ["AttentionKernel", "attention_kernel", "splash_block", "splash_attention", "SplashBlocks", "LANES"]
 
@@ -38,7 +40,7 @@ def _kernel(heads: int, seq: int, window: int | None, blocks: SplashBlocks, inte
     sizes = splash.BlockSizes(**blocks.block_sizes())
     with jax.ensure_compile_time_eval():
         return splash.make_splash_mha_single_device(splash.MultiHeadMask([one] * heads), block_sizes=sizes,
-                                                    interpret=interpret)
+                                                    interpret=interpret, residual_checkpoint_name=FLASH_RESIDUALS)
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None,

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from testbed.runner import model
-from testbed.model.kept import saves_dots
+from testbed.model.kept import dots_policy
 from testbed.runner.moe_folded import expert_shards
 from testbed.runner.pipeline.lockstep import lockstep_step
 from testbed.runner.param_shards import param_shards
@@ -294,7 +294,7 @@ def _chunk_functions(plan: Plan, schedule: Any, par: _StageParallel, stage_meshe
     vmap where the chunks run spread without FSDP's maps (which take spread parameters themselves). The engine's
     loss seeds weigh each microbatch's mean 1/microbatches, so one sequence's MoE load-balancing loss weighs
     1/global batch."""
-    spec, remat, dots = plan.model, plan.remat, saves_dots(plan)
+    spec, remat, dots = plan.model, plan.remat, dots_policy(plan)
     fsdps, seqs, ctxs, exps = par.fsdps, par.seqs, par.ctxs, par.exps
     last_stage = schedule.locate(schedule.chunks - 1)[0]
     last = seqs[last_stage]
