@@ -16,7 +16,7 @@ Writes ``OUT/flash_kernels.json`` atomically (date, versions, device kind, the c
 mask and sequence the seconds and TFLOP/s) after every shape, and prints a summary as ONE JSON object. ``--quick``
 on a CPU host checks the plumbing with the kernels in interpret mode on one small shape.
 
-    python benchmarks/tpu_flash_kernels.py --out OUT [--quick] [--budget-s 420]
+    python benchmarks/tpu_flash_kernels.py --out OUT [--quick] [--budget-s 420] [--runs splash/64 ...]
 """
 
 from __future__ import annotations
@@ -125,9 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="folder for flash_kernels.json")
     parser.add_argument("--quick", action="store_true", help="one small shape in interpret mode (a host check)")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop starting shapes after this")
+    parser.add_argument("--runs", nargs="+", metavar="KERNEL/HEAD_DIM", help="of RUNS, these only (e.g. splash/64)")
     args = parser.parse_args(argv)
     seqs, tokens = ((256,), 512) if args.quick else (SEQS, TOKENS)
     runs = RUNS[:2] if args.quick else RUNS
+    if args.runs:
+        runs = [run for run in runs if f"{run[0]}/{run[1]}" in args.runs]
     start, rows = time.perf_counter(), {}
     gemm = gemm_tflops(args.quick)
     for kernel, head_dim in runs:

@@ -27,8 +27,8 @@ head's gathered block alone (testbed.model.gathered.head_block_bytes). Against t
 compiler's floors apply as on XLA:CPU (testbed.model.floors): under the loss floor (``fused_loss``) the loss's fp32
 buffer is rematerialised and its gradient is one compute-dtype logits buffer.
 
-These rules cover the runner's own mechanisms (``runtime.recompute: runner``, no tiled loss, no offloading); any
-other stack keeps testbed.model.kept's rules (:func:`applies`).
+These rules cover the runner's own mechanisms (``runtime.recompute: runner`` or the dots policies it executes, no
+tiled loss, no offloading); any other stack keeps testbed.model.kept's rules (:func:`applies`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import replace
 
 from testbed.model.activations import FLASH_BYTES, LOSS_BYTES, norms
 from testbed.model.flash_kernel import AttentionKernel, attention_kernel
-from testbed.model.kept import xla_program
+from testbed.model.kept import DOTS_POLICIES, dots_saved_bytes, saves_dots, xla_program
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, Plan, Remat
 
@@ -46,9 +46,10 @@ __all__ = ["applies", "layer_kept_bytes", "splash_copies_bytes", "scan_flash_fp3
 
 
 def applies(plan: Plan, buffer_rules: str) -> bool:
-    """Whether the plan's step is priced by XLA:TPU's rules: a ``xla-tpu`` device and the runner's own program."""
+    """Whether the plan's step is priced by XLA:TPU's rules: a ``xla-tpu`` device and the runner's own program
+    (its remat, or a JAX dots policy the runner executes, testbed.model.kept.dots_policy)."""
     runtime = plan.runtime
-    return (buffer_rules == "xla-tpu" and xla_program(plan) and runtime.recompute == "runner"
+    return (buffer_rules == "xla-tpu" and xla_program(plan) and runtime.recompute in ("runner", *DOTS_POLICIES)
             and runtime.vocab_tiles == 1 and not runtime.offload_activations and not runtime.scan_layers)
 
 
@@ -71,6 +72,8 @@ def layer_kept_bytes(plan: Plan) -> int:
     spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
     if plan.remat is Remat.FULL:
         return c * _residual(plan)
+    if saves_dots(plan):  # the policy's saved set (no splash copies: the transposes are no dots)
+        return dots_saved_bytes(plan)
     b = plan.microbatch_size
     n = b * spec.seq_len
     kv = 2 * n * spec.kv_dim // (t if spec.kv_split(t) else 1)
@@ -124,7 +127,11 @@ def recompute_workspace_bytes(plan: Plan) -> int:
     with the MLP's backward, before the attention's (benchmarks/xla_tpu/: at the softmax backward of
     gpt2k-data4-tensor4-full and llama4k-fsdp256-tensor4 the residual-sized buffers are the kept block inputs
     and the flowing gradient). Selective remat's recomputed scores are the attention workspace's
-    (testbed.model.workspace); 0 otherwise."""
+    (testbed.model.workspace). Under a dots policy what the layer would keep without remat beyond the policy's
+    saved set (the norms' outputs, RoPE's and the kernel's layouts, the activation), recomputed in its backward;
+    0 otherwise."""
+    if saves_dots(plan):
+        return max(layer_kept_bytes(replace(plan, remat=Remat.NONE)) - dots_saved_bytes(plan), 0)
     if plan.remat is not Remat.FULL:
         return 0
     norm_inputs = (norms(rank_spec(plan)) - 1) * plan.precision.compute_bytes * _residual(plan)
