@@ -59,6 +59,26 @@ def test_save_dots_flash_keeps_the_kernel_output_and_row_statistics():
         _plan("save-dots", attention="plain"))
 
 
+def test_save_flash_keeps_the_kernel_residuals_under_full_remat_and_skips_its_forward():
+    """``save-flash`` (AXLearn's ``save_or_offload_flash_attention_policy`` alone): full remat but the flash
+    kernel's forward, whose output and row statistics each layer keeps."""
+    full, kept_flash = _plan("runner", remat="full"), _plan("save-flash", remat="full")
+    assert kept.keeps_flash_under_full(kept_flash) and not kept.keeps_flash_under_full(full)
+    assert not kept.keeps_flash_under_full(_plan("save-flash", attention="plain", remat="full"))
+    assert not kept.keeps_flash_under_full(_plan("save-flash", remat="selective"))
+    rerun = _attention_forward(chunk_gemms(full, 0).recompute)
+    assert rerun and not _attention_forward(chunk_gemms(kept_flash, 0).recompute)
+    fewer = costs.chunk_cost(full, 0).recompute_flops - costs.chunk_cost(kept_flash, 0).recompute_flops
+    assert fewer == pytest.approx(gemm_flops(tuple(rerun)), rel=1e-9)
+    n = full.microbatch_size * full.model.seq_len
+    residuals = 2 * n * full.model.q_dim + FLASH_BYTES * n * full.model.heads
+    assert kept.layer_kept_bytes(kept_flash) - kept.layer_kept_bytes(full) == residuals
+    from testbed.model import xla_tpu
+    assert xla_tpu.layer_kept_bytes(kept_flash) - xla_tpu.layer_kept_bytes(full) == residuals
+    topology = load_topology("tpu-v5e-8x4")
+    assert simulate(kept_flash, topology).report.step_time_s < simulate(full, topology).report.step_time_s
+
+
 def test_the_first_pallas_tpu_kernel_writes_splash_backward_buffers():
     legacy, splash = _plan(kernel="tpu-flash"), _plan(kernel="splash")
     assert splash_kernel(legacy) and splash_workspace(legacy) == splash_workspace(splash)

@@ -59,8 +59,10 @@ def plans(draw) -> Plan:
         schedule = "1f1b"
     microbatches = draw(st.sampled_from([stage, 2 * stage])) if stage > 1 else draw(st.sampled_from([1, 2]))
     remat = draw(st.sampled_from(["none", "selective", "full"]))
-    # MaxText's remat_policy minimal (runtime.recompute save-dots; save-dots-flash: and the flash residuals).
-    recompute = draw(st.sampled_from(["runner", "save-dots", "save-dots-flash"])) if remat == "selective" else "runner"
+    # MaxText's remat_policy minimal (runtime.recompute save-dots; save-dots-flash: and the flash residuals); under
+    # full remat save-flash keeps the flash residuals alone.
+    policies = {"selective": ["runner", "save-dots", "save-dots-flash"], "full": ["runner", "save-flash"]}
+    recompute = draw(st.sampled_from(policies.get(remat, ["runner"])))
     return _plan(data=data, fsdp=fsdp, tensor=tensor, stage=stage, microbatches=microbatches, schedule=schedule,
                  virtual=virtual, zero=draw(st.integers(0, 3)), remat=remat,
                  precision=draw(st.sampled_from(["fp32", "fp32", "bf16-mixed"])), recompute=recompute)
@@ -81,7 +83,9 @@ def test_random_plans_on_8_devices_match_reference(plan: Plan) -> None:
     dict(fsdp=2, tensor=2, remat="selective", recompute="save-dots", precision="bf16-mixed"),
     dict(stage=2, microbatches=2, remat="selective", recompute="save-dots-flash",
          model=replace(MODEL, attention="flash", attention_block=4)),
-], ids=["1", "2", "3", "4", "6", "4-save-dots", "2-stages-save-dots-flash"])
+    dict(fsdp=2, remat="full", recompute="save-flash", precision="bf16-mixed",
+         model=replace(MODEL, attention="flash", attention_block=4)),
+], ids=["1", "2", "3", "4", "6", "4-save-dots", "2-stages-save-dots-flash", "2-save-flash"])
 def test_device_counts(degrees: dict) -> None:
     plan = _plan(**degrees)
     n = plan.mesh.size

@@ -25,6 +25,7 @@ import pytest
 from testbed.model import kept
 from testbed.plan.runtime import RuntimeSpec
 from testbed.plan.spec import BatchSpec, ModelSpec, Plan
+from testbed.runner.attention import FLASH_RESIDUALS
 from testbed.runner.model import _dots_policy, block, cast_params, init_params
 
 MODEL = ModelSpec(layers=2, d_model=64, heads=4, kv_heads=2, d_ff=160, seq_len=32, vocab=128, mlp="swiglu",
@@ -87,3 +88,28 @@ def test_save_dots_flash_keeps_the_flash_output_and_log_sum_exp_besides(kv_heads
     plain = replace(plan, model=replace(spec, attention="plain"))
     assert kept.dots_policy(plain) == "save-dots" and _saved_bytes(plain.model, batch, "save-dots-flash")[0] == \
         _saved_bytes(plain.model, batch)[0]
+
+
+def test_save_flash_keeps_the_block_input_and_the_flash_residuals_alone() -> None:
+    """``save-flash`` under full remat: the runner's block checkpoint keeps, besides the block input, the flash
+    kernel's output and row log-sum-exp (testbed.model.kept.flash_kept_bytes), nothing else."""
+    spec = replace(MODEL, attention="flash")
+    layer = cast_params(init_params(spec, 0)["layers"][0], "bf16-mixed")
+    x = jnp.ones((2, spec.seq_len, spec.d_model), jnp.bfloat16)
+    saved = {}
+    for name, policy in (("full", None), ("save-flash", jax.checkpoint_policies.save_only_these_names(
+            FLASH_RESIDUALS))):
+        step = jax.checkpoint(lambda p, h: block(p, h, spec), policy=policy)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(lambda p, h: jnp.sum(step(p, h).astype(jnp.float32)), layer, x)
+        saved[name] = [line for line in out.getvalue().splitlines() if line and "argument p" not in line
+                       and "from a constant" not in line]
+    plan = Plan(name="t", model=spec, batch=BatchSpec(global_batch=2), precision="bf16-mixed", remat="full",
+                runtime=RuntimeSpec(recompute="save-flash"))
+    assert kept.dots_policy(plan) == "save-flash"
+    extra = [line for line in saved["save-flash"] if line not in saved["full"]]
+    sizes = {"bf16": 2, "f32": 4}
+    measured = sum(sizes[d] * math.prod(int(n) for n in shape.split(",") if n)
+                   for d, shape in (re.match(r"(\w+)\[([\d,]*)\]", line).groups() for line in extra))
+    assert len(extra) == 2 and measured == kept.flash_kept_bytes(plan), extra

@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from testbed.model import layout
 from testbed.model.dispatch import einsum_shapes
 from testbed.model.flash_kernel import AttentionKernel, attention_kernel
+from testbed.model.kept import keeps_flash_under_full
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens, moe_layers
 from testbed.model.ring import rank_spec
@@ -343,6 +344,8 @@ def recompute_gemms(plan: Plan, weights: list[Gemm], outs: list[Gemm], attention
         out: list[Gemm] = []
     elif plan.remat is Remat.FULL and dense and policy in SAVED_PROJECTIONS:
         out = [*weights[_saved_count(plan, policy):], scores, values]
+    elif keeps_flash_under_full(plan):  # the kernel's output and row statistics kept: its forward not rerun
+        out = list(weights)
     elif plan.remat is Remat.FULL:
         out = [*weights, *(outs if policy in ("block", "op") else ()), scores, values]
     elif policy == "op" and dense:
@@ -376,7 +379,8 @@ def dense_layers_attention_flops(spec: ModelSpec, batch: int, tensor: int, layer
 
 def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers: int) -> int:
     """The FLOPs ``runtime.recompute`` adds to the runner's remat in one chunk of ``layers`` layers
-    (testbed.model.costs adds them to its count; :func:`recompute_gemms` lists the same GEMMs): ``block`` (or
+    (testbed.model.costs adds them to its count; :func:`recompute_gemms` lists the same GEMMs): ``save-flash``
+    under full remat the flash kernel's forward fewer (negative), ``block`` (or
     ``op``) under full remat reruns the out projections too, a :data:`SAVED_PROJECTIONS` policy fewer
     (negative); ``op`` under selective reruns every other matmul of a dense layer in place of the scores
     (which flash attention's backward recomputes anyway)."""
@@ -384,6 +388,8 @@ def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers:
     n = b * spec.seq_len
     if dots_rerun_attention(plan):  # the attention's forward again: the scores and values products
         return dense_layers_attention_flops(spec, b, t, layers)
+    if keeps_flash_under_full(plan):  # full remat without the flash kernel's forward: kept, not rerun
+        return -dense_layers_attention_flops(spec, b, t, layers)
     if policy in ("runner", "save-dots", "save-dots-flash") or plan.remat is Remat.NONE:  # selective's, or the
         return 0  # runner's
     dense = layers - moe_layers

@@ -39,7 +39,7 @@ from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, ModelSpec, Plan, Precision, Remat
 
 __all__ = ["layer_kept_bytes", "op_saved_bytes", "fp8_input_savings", "recompute_workspace_bytes", "head_kept_bytes",
-           "saves_dots", "saves_flash_residuals", "dots_policy", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
+           "saves_dots", "saves_flash_residuals", "keeps_flash_under_full", "flash_kept_bytes", "dots_policy", "dots_saved_bytes", "loss_workspace_bytes", "block_matmul_outputs", "sp_gathered_bytes", "xla_program",
            "normalized_input_bytes", "tensor_collective_workspace", "residual_summand_bytes",
            "loss_instant_recompute", "device_layer_sets", "selective_copies_bytes", "weight_grads_deferred",
            "deferred_backward_bytes"]
@@ -54,7 +54,7 @@ def layer_kept_bytes(plan: Plan) -> int:
         return dots_saved_bytes(plan)
     kept = activation_bytes_per_layer(spec, b, plan.precision, plan.remat, t, sp)
     kept += residual_summand_bytes(plan) if plan.remat is Remat.FULL else _xla_layer_extra(plan)
-    kept += selective_copies_bytes(plan)
+    kept += selective_copies_bytes(plan) + (flash_kept_bytes(plan) if keeps_flash_under_full(plan) else 0)
     if plan.precision is Precision.FP8_MIXED and plan.runtime.fp8_saved_inputs and plan.remat is not Remat.FULL:
         kept -= fp8_input_savings(plan)
     return kept
@@ -119,11 +119,31 @@ def saves_flash_residuals(plan: Plan) -> bool:
             and plan.model.attention is Attention.FLASH)
 
 
+def keeps_flash_under_full(plan: Plan) -> bool:
+    """Whether each fully rematerialised block keeps its flash kernel's output and row log-sum-exp
+    (``runtime.recompute: save-flash`` of a flash model under full remat: AXLearn's
+    ``save_or_offload_flash_attention_policy`` alone, axlearn/common/flash_attention/remat.py; MaxText's
+    ``remat_policy: custom`` with ``context: device``), the backward not rerunning the kernel's forward
+    (:func:`flash_kept_bytes`; testbed.model.gemm.recompute_gemms)."""
+    return (plan.remat is Remat.FULL and plan.runtime.recompute == "save-flash"
+            and plan.model.attention is Attention.FLASH)
+
+
+def flash_kept_bytes(plan: Plan) -> int:
+    """One layer's flash kernel output (compute dtype) and fp32 row log-sum-exp on one tensor rank."""
+    spec, t = rank_spec(plan), plan.mesh.tensor
+    n = plan.microbatch_size * spec.seq_len
+    return plan.precision.compute_bytes * n * spec.q_dim // t + FLASH_BYTES * n * spec.heads // t
+
+
 def dots_policy(plan: Plan) -> str | None:
-    """The dots policy the runner checkpoints each block with: ``"save-dots-flash"`` where
-    :func:`saves_flash_residuals`, ``"save-dots"`` where :func:`saves_dots` alone, else None."""
+    """The checkpoint policy the runner gives each block beyond its remat: ``"save-dots-flash"`` where
+    :func:`saves_flash_residuals`, ``"save-dots"`` where :func:`saves_dots` alone, ``"save-flash"`` where
+    :func:`keeps_flash_under_full`, else None."""
     if saves_flash_residuals(plan):
         return "save-dots-flash"
+    if keeps_flash_under_full(plan):
+        return "save-flash"
     return "save-dots" if saves_dots(plan) else None
 
 
@@ -151,8 +171,7 @@ def dots_saved_bytes(plan: Plan) -> int:
     # The input, and a sequential block's out projection: one residual-stream tensor per norm.
     kept = plan.precision.compute_bytes * (columns + norms(spec) * _residual_values(plan))
     if saves_flash_residuals(plan):  # the kernel's residuals
-        n = plan.microbatch_size * spec.seq_len
-        kept += plan.precision.compute_bytes * n * spec.q_dim // t + FLASH_BYTES * n * spec.heads // t
+        kept += flash_kept_bytes(plan)
     return kept
 
 
@@ -285,7 +304,7 @@ def loss_instant_recompute(plan: Plan) -> int:
 
 def _unrolled_runner_remat(plan: Plan) -> bool:
     """Full remat as the runner's ``jax.checkpoint`` per block over an unrolled layer loop, compiled by XLA."""
-    return (plan.remat is Remat.FULL and plan.runtime.recompute in ("runner", *DOTS_POLICIES)
+    return (plan.remat is Remat.FULL and plan.runtime.recompute in ("runner", "save-flash", *DOTS_POLICIES)
             and plan.runtime.fused_residual_adds and not plan.runtime.scan_layers)
 
 

@@ -37,7 +37,8 @@ from dataclasses import replace
 
 from testbed.model.activations import FLASH_BYTES, LOSS_BYTES, norms
 from testbed.model.flash_kernel import AttentionKernel, attention_kernel
-from testbed.model.kept import DOTS_POLICIES, dots_saved_bytes, saves_dots, xla_program
+from testbed.model.kept import (DOTS_POLICIES, dots_saved_bytes, flash_kept_bytes, keeps_flash_under_full, saves_dots,
+                                xla_program)
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, Plan, Remat
 
@@ -49,7 +50,7 @@ def applies(plan: Plan, buffer_rules: str) -> bool:
     """Whether the plan's step is priced by XLA:TPU's rules: a ``xla-tpu`` device and the runner's own program
     (its remat, or a JAX dots policy the runner executes, testbed.model.kept.dots_policy)."""
     runtime = plan.runtime
-    return (buffer_rules == "xla-tpu" and xla_program(plan) and runtime.recompute in ("runner", *DOTS_POLICIES)
+    return (buffer_rules == "xla-tpu" and xla_program(plan) and runtime.recompute in ("runner", "save-flash", *DOTS_POLICIES)
             and runtime.vocab_tiles == 1 and not runtime.offload_activations and not runtime.scan_layers)
 
 
@@ -63,7 +64,8 @@ def _residual(plan: Plan) -> int:
 def layer_kept_bytes(plan: Plan) -> int:
     """Bytes one dense layer keeps from its forward to its backward, one microbatch, on one device.
 
-    Full remat: the block input. Otherwise the norms' inputs (residual stream), Q, K, V and the attention output
+    Full remat: the block input (and under ``save-flash`` the flash kernel's output and row log-sum-exp,
+    testbed.model.kept.keeps_flash_under_full). Otherwise the norms' inputs (residual stream), Q, K, V and the attention output
     (split over the tensor ranks; GQA's K and V whole where the degree does not divide ``kv_heads``), the MLP's
     ``mlp_matrices - 1`` input-matrix outputs, and the attention's softmax output without remat (plain
     attention) or its fp32 row log-sum-exp (flash). Under SP the residual stream's sequence shards only (XLA:TPU
@@ -71,7 +73,7 @@ def layer_kept_bytes(plan: Plan) -> int:
     testbed.model.kept.sp_gathered_bytes)."""
     spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
     if plan.remat is Remat.FULL:
-        return c * _residual(plan)
+        return c * _residual(plan) + (flash_kept_bytes(plan) if keeps_flash_under_full(plan) else 0)
     if saves_dots(plan):  # the policy's saved set (no splash copies: the transposes are no dots)
         return dots_saved_bytes(plan)
     b = plan.microbatch_size

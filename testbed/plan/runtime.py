@@ -209,7 +209,7 @@ PYTORCH_PROGRAM = {"framework": "pytorch", "compiler_buffers": False, "microbatc
 #: runner pads each expert's buffer to the sequence (:attr:`RuntimeSpec.moe_padded_dropless`).
 ROUTED_DROPLESS = {"moe_padded_dropless": False}
 #: Values of :attr:`RuntimeSpec.recompute`.
-RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots", "save-dots-flash")
+RECOMPUTE = ("runner", "block", "op", "save-qkv", "save-attention-dots", "save-dots", "save-dots-flash", "save-flash")
 #: Values of :attr:`RuntimeSpec.framework`.
 FRAMEWORKS = ("jax", "pytorch")
 #: Values of :attr:`RuntimeSpec.grad_reduce_dtype`.
@@ -258,11 +258,11 @@ PROFILES: dict[str, dict[str, Any]] = {
 def runner_differences(spec: RuntimeSpec) -> tuple[str, ...]:
     """The fields of ``spec`` whose values the runner does not execute (it runs its own behaviour, the defaults):
     the simulator prices them, the runner says it runs without them (testbed.runner.train). The runner executes
-    ``recompute: save-dots`` and ``save-dots-flash`` (testbed.runner.model.stage_forward; under full remat the
-    value is its own) and
+    ``recompute: save-dots``, ``save-dots-flash`` and ``save-flash`` (testbed.runner.model.stage_forward; under
+    a remat they do not act on the value is its own) and
     ``matmul_precision: highest`` (testbed.runner.precision.matmul_precision)."""
     default = RuntimeSpec()
-    executed = {"recompute": ("save-dots", "save-dots-flash"), "matmul_precision": ("highest",)}
+    executed = {"recompute": ("save-dots", "save-dots-flash", "save-flash"), "matmul_precision": ("highest",)}
     return tuple(f.name for f in fields(RuntimeSpec)
                  if f.name != "profile" and getattr(spec, f.name) != getattr(default, f.name)
                  and getattr(spec, f.name) not in executed.get(f.name, ()))

@@ -22,7 +22,7 @@ Remat: ``selective`` checkpoints the core attention (scores, softmax, values),
 ``full`` checkpoints each whole block; ``save_dots`` (``runtime.recompute: save-dots`` under selective:
 MaxText's ``minimal``, testbed.model.kept.dots_policy) checkpoints each whole block with
 ``jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims`` (``save-dots-flash``: and keeping flash
-attention's output and row log-sum-exp by name). Attention (``testbed.runner.attention``): plain
+attention's output and row log-sum-exp by name); ``save-flash`` under full remat keeps those two alone. Attention (``testbed.runner.attention``): plain
 (dense scores) or flash (blockwise, recomputing its scores in the backward, so
 ``selective`` changes nothing for it).
 """
@@ -351,17 +351,21 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
     load-balancing loss, None: ``1 / rows of x``, right when the objective is the mean over these rows;
     ``save_dots``: each block checkpointed with JAX's policy saving the outputs of dots without batch dimensions,
     the weight matmuls', and recomputing the rest, attention included; ``"save-dots-flash"``: and keeping flash
-    attention's output and row log-sum-exp (testbed.model.kept.saves_flash_residuals); ``kernel``: flash attention's kernel,
+    attention's output and row log-sum-exp (testbed.model.kept.saves_flash_residuals); ``"save-flash"`` under full
+    remat: each block checkpointed keeping only those two (testbed.model.kept.keeps_flash_under_full); ``kernel``: flash attention's kernel,
     testbed.runner.tpu_attention.attention_kernel's choice)."""
     remat = Remat(remat)
     weight = 1.0 / x.shape[0] if aux_weight is None else float(aux_weight)
     arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context, experts=experts, aux_weight=weight,
                                 kernel=AttentionKernel(kernel))
-    if save_dots:  # the policy decides what the whole block keeps: no inner attention checkpoint
+    if save_dots in ("save-dots", "save-dots-flash"):  # the policy decides what the whole block keeps
         step = jax.checkpoint(_block, static_argnums=(2, 3, 5), policy=_dots_policy(save_dots))
-        remat = Remat.NONE
+        remat = Remat.NONE  # no inner attention checkpoint
+    elif remat is Remat.FULL:
+        kept = jax.checkpoint_policies.save_only_these_names(FLASH_RESIDUALS) if save_dots == "save-flash" else None
+        step = jax.checkpoint(_block, static_argnums=(2, 3, 5), policy=kept)
     else:
-        step = jax.checkpoint(_block, static_argnums=(2, 3, 5)) if remat is Remat.FULL else _block
+        step = _block
     link = None
     for k, layer in enumerate(params_layers):
         x, link = step(layer, x, arch, remat, link, linked_layer(k, len(params_layers)))
