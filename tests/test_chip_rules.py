@@ -147,3 +147,20 @@ def test_an_accumulating_weight_gradient_costs_its_matmuls_roofline_as_the_chip_
         rest = accumulated_bytes(plan, params, True, fused=True, in_matmuls=accumulated_elements(shapes))
         assert 0 < rest < accumulated_bytes(plan, params, True, fused=True), name
         assert accumulating_gemms(plan, chunk_gemms(plan, 0), False) == chunk_gemms(plan, 0), name
+
+
+def test_a_kept_splash_output_is_tiled_to_the_lanes_as_the_chip_allocated_it() -> None:
+    """``save-flash`` keeps each layer's splash output in the kernel's heads-first layout, whose head dim of 64
+    XLA:TPU tiles to 128 lanes: every recorded output buffer of the plan's compiled step (the chip's buffer
+    assignment, benchmarks/tpu_chip/saveflash_buffers.json) is what testbed.model.xla_tpu.kept_flash_bytes keeps
+    less the row log-sum-exp, twice the output's values."""
+    from testbed.model import kept, xla_tpu
+    from testbed.model.activations import FLASH_BYTES
+
+    record = json.loads((ROOT / "benchmarks" / "tpu_chip" / "saveflash_buffers.json").read_text())
+    plan = load_plan(str(ROOT / "plans" / "validation-1dev" / f"{record['plan']}.yaml"))
+    n, spec = plan.microbatch_size * plan.model.seq_len, plan.model
+    lse = FLASH_BYTES * n * spec.heads
+    assert len(record["outputs"]) == spec.layers
+    assert {o["buffer_bytes"] for o in record["outputs"]} == {xla_tpu.kept_flash_bytes(plan) - lse}
+    assert xla_tpu.kept_flash_bytes(plan) - lse == 2 * (kept.flash_kept_bytes(plan) - lse)

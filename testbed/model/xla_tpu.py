@@ -36,13 +36,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from testbed.model.activations import FLASH_BYTES, LOSS_BYTES, norms
-from testbed.model.flash_kernel import AttentionKernel, attention_kernel
+from testbed.model.flash_kernel import LANES, AttentionKernel, attention_kernel
 from testbed.model.kept import (DOTS_POLICIES, dots_saved_bytes, flash_kept_bytes, keeps_flash_under_full, saves_dots,
-                                xla_program)
+                                saves_flash_residuals, xla_program)
 from testbed.model.ring import rank_spec
 from testbed.plan.spec import Attention, Plan, Remat
 
-__all__ = ["applies", "layer_kept_bytes", "splash_copies_bytes", "scan_flash_fp32_bytes", "recompute_workspace_bytes",
+__all__ = ["applies", "layer_kept_bytes", "kept_flash_bytes", "splash_copies_bytes", "scan_flash_fp32_bytes", "recompute_workspace_bytes",
            "head_kept_bytes", "loss_workspace_bytes"]
 
 
@@ -73,9 +73,10 @@ def layer_kept_bytes(plan: Plan) -> int:
     testbed.model.kept.sp_gathered_bytes)."""
     spec, t, c = rank_spec(plan), plan.mesh.tensor, plan.precision.compute_bytes
     if plan.remat is Remat.FULL:
-        return c * _residual(plan) + (flash_kept_bytes(plan) if keeps_flash_under_full(plan) else 0)
+        return c * _residual(plan) + (kept_flash_bytes(plan) if keeps_flash_under_full(plan) else 0)
     if saves_dots(plan):  # the policy's saved set (no splash copies: the transposes are no dots)
-        return dots_saved_bytes(plan)
+        flash = kept_flash_bytes(plan) - flash_kept_bytes(plan) if saves_flash_residuals(plan) else 0
+        return dots_saved_bytes(plan) + flash
     b = plan.microbatch_size
     n = b * spec.seq_len
     kv = 2 * n * spec.kv_dim // (t if spec.kv_split(t) else 1)
@@ -88,6 +89,27 @@ def layer_kept_bytes(plan: Plan) -> int:
     if plan.remat is Remat.NONE:
         kept += c * b * spec.heads * spec.score_rows * spec.seq_len // t
     return kept
+
+
+def kept_flash_bytes(plan: Plan) -> int:
+    """One layer's flash output and row log-sum-exp as a policy keeps them by name (``save-flash``,
+    ``save-dots-flash``; testbed.model.kept.flash_kept_bytes): under the splash kernels the output in their
+    heads-first layout ``[b, heads, s, head_dim]``, whose minor dimension XLA:TPU tiles to :data:`LANES` lanes
+    (llama400m-bf16-full-saveflash's buffer assignment on the chip, benchmarks/tpu_chip/runs.json: every layer's
+    ``bf16[8,16,2048,64]`` output a 67,108,864-byte buffer, twice its values; the plan's memory 11.89 GB against
+    10.24 GB without the policy)."""
+    if not _splash(plan):
+        return flash_kept_bytes(plan)
+    spec, t = rank_spec(plan), plan.mesh.tensor
+    n, lanes = plan.microbatch_size * spec.seq_len, -(-spec.head_size // LANES) * LANES
+    return plan.precision.compute_bytes * n * spec.heads * lanes // t + FLASH_BYTES * n * spec.heads // t
+
+
+def _splash(plan: Plan) -> bool:
+    """Whether the plan's flash attention runs in the splash kernels (testbed.model.flash_kernel)."""
+    kernel = attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=plan.model.seq_len,
+                              context=plan.mesh.context > 1)
+    return kernel is AttentionKernel.SPLASH
 
 
 def splash_copies_bytes(plan: Plan) -> int:
