@@ -133,3 +133,32 @@ def test_ring_attention_computes_the_causal_half_of_the_sequence_per_rank(contex
         tagged, plain = _plan("flash2", remat=remat, **layout), _plan(remat=remat, **layout)
         assert simulate(tagged, h100).report.step_time_s != simulate(plain, h100).report.step_time_s
         assert estimate(tagged, h100).step_time_s != estimate(plain, h100).step_time_s
+
+
+def test_the_v5e_tpu_flash_figures_are_the_chips_record_and_price_a_slice_without_shapes():
+    """JAX's first Pallas TPU kernel on v5e: its table is benchmarks/tpu_chip/flash_kernels.json's TFLOP/s (the
+    causal backward measured too), and on a slice without a GEMM shape model its products are priced by it while
+    the other FLOPs keep the calibrated rate."""
+    import json
+    from pathlib import Path
+
+    from testbed.sim.price.compute import compute_seconds
+
+    record = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "tpu_chip" /
+                         "flash_kernels.json").read_text())["kernels"]
+    table = KERNEL_TFLOPS[("tpu-flash", "TPU-v5e")]
+    for (name, key), index in {("full", "forward"): 0, ("causal", "forward_causal"): 0, ("full", "backward"): 1,
+                               ("causal", "backward_causal"): 1}.items():
+        for dim in (64, 128):
+            rows = record[f"tpu-flash/d{dim}/{name}"]
+            assert table[key][dim] == tuple(rows[s][("forward_tflops", "backward_tflops")[index]] for s in rows)
+    slice_ = load_topology("tpu-v5e-4x4")
+    assert not slice_.calibration.compute.shapes
+    mark = AttentionPass(kernel="tpu-flash", backward=True, causal=True, seq=4096, head_dim=128)
+    flash = Gemm(4096, 4096, 128, batch=8, flash=True, attention=mark)
+    dense = Gemm(4096, 4096, 4096)
+    both = compute_seconds(slice_, "bf16", flash.flops + dense.flops, 0.0, gemms=(flash, dense))
+    alone = compute_seconds(slice_, "bf16", dense.flops, 0.0, gemms=(dense,))
+    assert both - alone == pytest.approx(gemm_seconds(slice_, "bf16", flash), rel=1e-6)
+    assert gemm_seconds(slice_, "bf16", flash) == pytest.approx(
+        flash.flops * CAUSAL_WORK / (197e12 * 50.75 / 197.0), rel=1e-3)

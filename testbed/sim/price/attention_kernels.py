@@ -17,7 +17,8 @@ attention in; testbed.model.gemm tags the attention products with it and with th
   are without the mask: a causal backward is priced at them). Interpolated linearly in the head
   dimension and in ``log2`` of the sequence length between the published points, held at the ends.
 
-Only the devices the papers measured have figures (H100 SXM5 here); a kernel on any other device
+Only the devices the papers measured have figures (H100 SXM5 here), and JAX's first Pallas TPU kernel on the
+v5e chip testbed measured (its causal backward measured too); a kernel on any other device
 returns None and the product is priced as the runner's kernel (the calibration's
 ``flash_efficiency``, or by shape). The tables are data with their sources, nothing is fitted.
 """
@@ -37,8 +38,9 @@ CAUSAL_WORK = 0.5
 #: Sequence lengths of the published points (FlashAttention-3 Figures 5 and 6: 512 to 16k).
 SEQ_POINTS = (512, 1024, 2048, 4096, 8192, 16384)
 
-#: ``{(kernel, device family): {pass: {head_dim: TFLOP/s at SEQ_POINTS}}}``; pass ``forward``, ``forward_causal``
-#: or ``backward``. Dense bf16/fp16 peaks: H100 SXM5 989 TFLOP/s.
+#: ``{(kernel, device family): {pass: {head_dim: TFLOP/s at SEQ_POINTS}}}``; pass ``forward``, ``forward_causal``,
+#: ``backward`` or, where measured, ``backward_causal`` (else a causal backward is priced at ``backward``).
+#: Dense bf16/fp16 peaks: H100 SXM5 989 TFLOP/s, TPU v5e 197.
 KERNEL_TFLOPS: dict[tuple[str, str], dict[str, dict[int, tuple[float, ...]]]] = {
     ("flash2", "H100"): {
         "forward": {64: (282, 306, 318, 321, 322, 324), 128: (309, 350, 362, 368, 370, 370),
@@ -58,6 +60,20 @@ KERNEL_TFLOPS: dict[tuple[str, str], dict[str, dict[int, tuple[float, ...]]]] = 
         "forward_causal": {128: (292, 423, 521, 579, 602, 616), 256: (286, 427, 537, 612, 628, 642)},
         "backward": {64: (272, 363, 422, 453, 472, 474), 128: (316, 424, 501, 542, 559, 561)},
     },
+    ("tpu-flash", "TPU-v5e"): {
+        "forward": {
+            64: (22.96, 31.91, 41.42, 48.8, 53.63, 56.55),
+            128: (48.96, 64.37, 85.85, 103.46, 115.77, 123.37)},
+        "forward_causal": {
+            64: (11.42, 17.1, 25.23, 34.2, 41.81, 48.31),
+            128: (24.07, 33.94, 51.62, 71.94, 89.21, 104.41)},
+        "backward": {
+            64: (16.81, 24.64, 34.14, 41.82, 47.45, 50.75),
+            128: (32.73, 48.62, 67.04, 82.75, 94.42, 102.02)},
+        "backward_causal": {
+            64: (8.42, 12.99, 19.22, 25.93, 31.88, 36.04),
+            128: (16.47, 25.69, 37.53, 50.75, 62.61, 71.17)},
+    },
 }
 
 _FA3 = ("Shah et al., 'FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision', "
@@ -65,19 +81,25 @@ _FA3 = ("Shah et al., 'FlashAttention-3: Fast and Accurate Attention with Asynch
         "head dim 64/128/256, sequence 512-16k at 16k tokens per batch, 2048 hidden) and Figure 6 (backward speed, "
         "head dim 64/128, without the causal mask); the bar labels, TFLOP/s. The causal forward panel for head dim "
         "64 is not used (held at 128's)")
+_V5E = ("measured on one TPU v5e chip (benchmarks/tpu_chip/flash_kernels.json: benchmarks/tpu_flash_kernels.py, "
+        "2026-12-06, JAX 0.10.2, libtpu 0.0.42.1) in FlashAttention-3's setting (16k tokens a batch, hidden 2048) "
+        "with AXLearn's blocks of 512; forward_tflops and backward_tflops, the causal ones over the halved count")
 #: Where each table comes from.
 SOURCES = {("flash2", "H100"): _FA3 + "; the FlashAttention-2 bars",
            ("cudnn", "H100"): _FA3 + "; the cuDNN bars",
-           ("flash3", "H100"): _FA3 + "; the FlashAttention-3 bars"}
+           ("flash3", "H100"): _FA3 + "; the FlashAttention-3 bars",
+           ("tpu-flash", "TPU-v5e"): "JAX's first Pallas TPU flash kernel (jax.experimental.pallas.ops.tpu."
+                                    "flash_attention), " + _V5E}
 
-#: Peak dense bf16 TFLOP/s the tables' efficiencies are taken against, per device family.
-_PEAK_TFLOPS = {"H100": 989.0}
+#: Peak dense bf16 TFLOP/s the tables' efficiencies are taken against, per device family (TPU v5e: Google Cloud's
+#: datasheet, 197 TFLOP/s).
+_PEAK_TFLOPS = {"H100": 989.0, "TPU-v5e": 197.0}
 
 
 def device_family(name: str) -> str | None:
     """The family a topology's device name belongs to (``H100-SXM5-80GB`` -> ``H100``), None when unknown."""
     upper = name.upper()
-    return next((family for family in _PEAK_TFLOPS if upper.startswith(family)), None)
+    return next((family for family in _PEAK_TFLOPS if upper.startswith(family.upper())), None)
 
 
 def _interpolate(points: dict[int, tuple[float, ...]], head_dim: int, seq: int) -> float:
@@ -108,6 +130,8 @@ def kernel_tflops(kernel: str, family: str, mark: AttentionPass) -> float | None
     if table is None:
         return None
     key = "backward" if mark.backward else "forward_causal" if mark.causal else "forward"
+    if mark.backward and mark.causal and "backward_causal" in table:  # a measured causal backward
+        key = "backward_causal"
     return _interpolate(table[key], mark.head_dim, mark.seq)
 
 

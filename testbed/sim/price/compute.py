@@ -111,7 +111,9 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     """Time of a compute task of ``kernels`` equal kernels on one device (calibrated roofline + elementwise passes).
 
     With the calibration's GEMM shape model (``compute.shapes``) and the task's ``gemms`` (whose FLOPs are
-    its ``flops``), the matmuls are priced shape by shape (testbed.sim.price.compute) instead of by FLOPs.
+    its ``flops``), the matmuls are priced shape by shape (testbed.sim.price.compute) instead of by FLOPs; without
+    it, the flash products of a kernel with figures on the device (testbed.sim.price.attention_kernels) are
+    priced by them and the rest by FLOPs.
     ``spans``: the task's spans between blocking tensor collectives (testbed.model.spans: each its share of the
     matmuls and its HBM bytes); without an elementwise calibration each is a roofline of its own, the slower of
     its matmuls and its bytes, summed (its bytes in place of ``hbm_bytes``): a device that runs its fusions one
@@ -124,9 +126,12 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
     if gemms and compute.shapes:
         t = gemms_seconds(topology, dtype, gemms)
     elif flops > 0:
-        per_kernel, rate = flops / max(1, kernels), rate_dtype(dtype)
+        named = [g for g in gemms if g.flash and g.attention and kernel_efficiency(dev.name, g.attention)]
+        rest = flops - sum(g.flops for g in named)  # a named kernel's products at its measured speed
+        per_kernel, rate = rest / max(1, kernels), rate_dtype(dtype)
         eff = compute.cap(rate) * per_kernel / (per_kernel + compute.efficiency_half_flops)
-        t = (flops + _grouped_extra_flops(dev.name, gemms)) / (dev.sustained_flops(rate) * eff)
+        t = (rest + _grouped_extra_flops(dev.name, gemms)) / (dev.sustained_flops(rate) * eff) if rest > 0 else 0.0
+        t += gemms_seconds(topology, dtype, named)
     if spans and passes is None:
         t = sum(max(share * t, pass_seconds(topology, nbytes)) for share, nbytes in spans)
     elif hbm_bytes > 0:
