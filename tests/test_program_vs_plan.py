@@ -650,8 +650,8 @@ def test_accumulating_fsdp_steps_move_the_plans_bytes_on_every_axis(drawn) -> No
 #: price 20-35% over the plan's spans.
 WHOLE_SLICE_FP32 = pytest.mark.xfail(strict=True, reason=(
     "the plan's lowered backward gather of the layers does not wait for the head's input gradient, the traced "
-    "one does; the traced layers' compute is priced over the plan's spans (traced/plan 1.058; 1.234 with XLA:TPU's "
-    "blocking all-reduces, BLOCKING_LOWERED)"))
+    "one does; the traced layers' compute is priced over the plan's spans (traced/plan 1.234, the whole slice's "
+    "blocking all-reduces of BLOCKING_LOWERED included)"))
 
 
 @pytest.mark.parametrize(("topology", "tensor"), [("dgx-h100-superpod", 2),

@@ -309,7 +309,11 @@ class DeviceSpec:
         every all-reduce of the recorded compiles, benchmarks/xla_tpu/, is a plain ``all-reduce``, no
         ``all-reduce-start``/``-done`` pair or async collective fusion chain, and libtpu 0.0.42 places a data-parallel
         gradient bucket as soon as its gradients are ready, among the backward's matmuls, with nothing beside it:
-        benchmarks/xla_tpu_probes/allreduce_schedule.json). Both tiers play such a collective on the compute stream."""
+        benchmarks/xla_tpu_probes/allreduce_schedule.json). A traced program's such collective waits for the compute
+        issued before it, and the compute after it for the collective (testbed.sim.graph.traced_graph). The plan's tiers sum a replicated gradient once after the backward
+        (testbed.sim.step.facts.StepFacts.reduce_in_backward), which this rule agrees with; they do not read it yet,
+        so a whole slice's gathers and reduce-scatters lowered as all-reduces still run beside their compute there
+        (tests/test_program_vs_plan.py, ``BLOCKING_LOWERED``)."""
         if self.synchronous_collectives():
             return frozenset(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"))
         return frozenset(("all_reduce",)) if self.buffer_rules == "xla-tpu" else frozenset()
