@@ -138,3 +138,26 @@ def test_the_plans_sequence_gathers_are_narrowed_by_the_same_rule():
     assert forward == [("all_gather", 5, n // 2)]  # each norm's output (two a layer) and the head's
     assert backward[:2] == [("all_gather", 1, n), ("all_gather", 4, n // 2)]  # the lookup's cotangent, the layers'
     assert backward[2][2] == cost.position_gather_bytes  # the position table's gradient, whole
+
+
+def test_xla_tpu_runs_every_all_reduce_blocking_and_the_rule_says_so():
+    """benchmarks/xla_tpu_allreduce_schedule.py's recorded probes (a data-parallel step on v5e 2x2 and 4x4, libtpu's
+    default flags): every gradient all-reduce is a plain ``all-reduce`` (no start/done pair, no async collective
+    fusion chain), the first bucket scheduled among the backward's matmuls as soon as its gradient is ready; every
+    all-reduce of the recorded plan compiles (benchmarks/xla_tpu/) is synchronous too. The rule both the traced
+    tier and the device's description read: testbed.topology.parts.DeviceSpec.blocking_collectives."""
+    spec = importlib.util.spec_from_file_location("xla_tpu_allreduce_schedule",
+                                                  ROOT / "benchmarks" / "xla_tpu_allreduce_schedule.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    record = json.loads(module.DATA.read_text())
+    assert record["versions"]["libtpu"] and record["command"].endswith("--collect")
+    assert [p["slice"] for p in record["probes"]] == [s for s, *_ in module.PROBES]
+    result = module.compare(record)
+    assert result["agree"], result
+    assert all(r["all_reduces"] >= 2 and r["among_backward_matmuls"] >= 1 for r in result["probes"]), result["probes"]
+    recorded = result["recorded_plan_compiles"]
+    assert recorded["instructions"] > 100 and recorded["asynchronous"] == 0
+    for path in sorted((ROOT / "topologies").glob("tpu-v5*.yaml")):
+        assert load_topology(path).device.blocking_collectives() == {"all_reduce"}, path.name
+    assert load_topology("dgx-h100-superpod").device.blocking_collectives() == frozenset()

@@ -302,6 +302,22 @@ class DeviceSpec:
         latency-hiding scheduler places them."""
         return self.bf16_matmuls == "fp32"
 
+    def blocking_collectives(self) -> frozenset[str]:
+        """The collective kinds (testbed.sim.xla.workload.COLLECTIVE_KINDS spelling) the compiler runs as blocking ops
+        in program order with the device's compute, none overlapping it: every kind where its collectives are
+        synchronous (:meth:`synchronous_collectives`, XLA:CPU); all-reduces on XLA:TPU (``buffer_rules: xla-tpu``:
+        every all-reduce of the recorded compiles, benchmarks/xla_tpu/, is a plain ``all-reduce``, no
+        ``all-reduce-start``/``-done`` pair or async collective fusion chain, and libtpu 0.0.42 places a data-parallel
+        gradient bucket as soon as its gradients are ready, among the backward's matmuls, with nothing beside it:
+        benchmarks/xla_tpu_probes/allreduce_schedule.json). A traced program's such collective waits for the compute
+        issued before it, and the compute after it for the collective (testbed.sim.graph.traced_graph). The plan's tiers sum a replicated gradient once after the backward
+        (testbed.sim.step.facts.StepFacts.reduce_in_backward), which this rule agrees with; they do not read it yet,
+        so a whole slice's gathers and reduce-scatters lowered as all-reduces still run beside their compute there
+        (tests/test_program_vs_plan.py, ``BLOCKING_LOWERED``)."""
+        if self.synchronous_collectives():
+            return frozenset(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"))
+        return frozenset(("all_reduce",)) if self.buffer_rules == "xla-tpu" else frozenset()
+
     def fuses_into_matmuls(self) -> bool:
         """Whether the compiler fuses a traced program's elementwise producers and consumers into its matmuls'
         kernels (XLA:TPU, ``buffer_rules: xla-tpu``: benchmarks/tpu_chip/programs.json; testbed.sim.xla.matmul_fusion)."""

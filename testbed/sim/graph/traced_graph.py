@@ -26,9 +26,9 @@ plan-driven simulation does for a step without pipeline stages. Its ops become t
 Dependencies are the program's data flow: a collective waits for the segments that produce its
 operand, a segment for the collectives whose results it reads. A collective whose result is needed
 later overlaps the compute in between, as XLA's asynchronous collectives do; one that the next op
-needs blocks. Where the device's compiler runs collectives synchronously on the device's thread (XLA:CPU:
-:meth:`~testbed.topology.parts.DeviceSpec.synchronous_collectives`) each collective waits for the compute
-issued before it and the compute after it waits for the collective. With a controller calibration the host prepares the step and dispatches the one program;
+needs blocks. Where the device's compiler runs a collective's kind as a blocking op in program order
+(:meth:`~testbed.topology.parts.DeviceSpec.blocking_collectives`: every kind on XLA:CPU, all-reduces on XLA:TPU)
+each such collective waits for the compute issued before it and the compute after it waits for the collective. With a controller calibration the host prepares the step and dispatches the one program;
 a ``lax.scan``'s iterations run one after another (:func:`_iteration_begins`).
 
 Device ``i`` of the mesh (row-major coordinate, as ``jax.make_mesh`` numbers devices) is topology
@@ -81,7 +81,7 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     graph = _Segments(workload, topology, ids)
     follows = {it: loop[j - 1] for loop in workload.loops for j, it in enumerate(loop) if j}
     began: dict[int, int] = {}  # loop iteration -> its first task
-    blocking = topology.device.synchronous_collectives()
+    blocking_kinds = topology.device.blocking_collectives()
     for i, op in enumerate(workload.ops):
         graph.done.append(())
         if op.iteration not in began:
@@ -89,8 +89,9 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
                                                graph.previous)
         if op.kind is OpKind.COLLECTIVE:
             graph.close()
-            if blocking and graph.b.tasks:  # it waits for the compute issued before it ...
-                graph.previous = (len(graph.b.tasks) - 1,)
+            blocking = op.collective in blocking_kinds
+            if blocking and graph.b.tasks:  # it waits for the compute (and blocking collectives) issued before it ...
+                graph.previous = _last_blocking(graph.b.tasks, blocking_kinds)
             graph.collective(i)
             if blocking:  # ... and the compute after it waits for it
                 graph.previous = graph.done[i]
@@ -99,6 +100,13 @@ def workload_program(workload: Workload, topology: Topology, device_ids: np.ndar
     graph.close()
     representative = np.full(workload.devices, graph.rep, dtype=np.int64)
     return Program(tasks=tuple(graph.b.tasks), representative=representative)
+
+
+def _last_blocking(tasks, kinds: frozenset[str]) -> tuple[int, ...]:
+    """The last of ``tasks`` that is no asynchronous collective: a compute or host task, or a collective of a
+    blocking kind (an asynchronous collective in flight before a blocking one does not hold it back)."""
+    return next(((i,) for i in range(len(tasks) - 1, -1, -1)
+                 if tasks[i].kind not in (TaskKind.COLLECTIVE, TaskKind.SEND) or tasks[i].op in kinds), ())
 
 
 class _Segments:

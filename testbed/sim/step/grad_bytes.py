@@ -223,7 +223,7 @@ def accumulated_in_the_backward(plan: Plan) -> bool:
     plan's last backward carries them in its last span, where testbed.model.spans puts the weight gradients
     (testbed.sim.step.facts): they hide beside those matmuls as the traced ones do. Traced/plan over the data x tensor
     corners at 2 microbatches without sequence parallelism (benchmarks/results/program_vs_plan.json): superpod
-    0.964-1.030; TPU slice 0.984-1.033 but for two d_model 1024 fp32 corners at tensor 1 (1.13, 1.29). Not where the
+    0.964-1.030; TPU slice 0.984-1.046 but for three fp32 corners at tensor 1 (1.06, 1.15, 1.31). Not where the
     gradients accumulate sharded (the add follows a reduce-scatter) nor under ``runtime.grad_accumulate_fp32``
     (a cast and an fp32 add, kernels of their own)."""
     rt = plan.runtime
