@@ -21,7 +21,6 @@ matmuls; over the recorded compiles the all-reduce instructions and the asynchro
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from xla_tpu_collectives import probe_main  # noqa: E402
+from xla_tpu_collectives import probe_main, record_probes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "xla_tpu_probes" / "allreduce_schedule.json"
@@ -95,24 +94,12 @@ def schedule(text: str) -> list[dict]:
 
 def collect() -> dict:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    import jax
-    import jaxlib
-    from importlib.metadata import version
-
     probes = []
     for topo, layers, d in PROBES:
         text = _compile(topo, layers, d)
         probes.append({"slice": topo, "layers": layers, "d": d, "async_pairs": len(re.findall(r"all-reduce-start\(", text)),
                        "async_chains": text.count("AsyncCollectiveStart"), "all_reduces": schedule(text)})
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python benchmarks/xla_tpu_allreduce_schedule.py --collect",
-              "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": version("libtpu")},
-              "probes": probes}
-    DATA.parent.mkdir(parents=True, exist_ok=True)
-    tmp = DATA.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, DATA)
-    return {"collected": len(probes), "file": str(DATA.relative_to(ROOT))}
+    return record_probes(DATA, "python benchmarks/xla_tpu_allreduce_schedule.py --collect", probes)
 
 
 def recorded_all_reduces() -> dict:

@@ -100,20 +100,25 @@ def _probe(topo: str, shape: str, axes: str, kind: str, k: int, mib: float, widt
 
 def collect() -> dict:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    probes = [_probe(*p) for p in PROBES]
+    return record_probes(DATA, "python benchmarks/xla_tpu_collectives.py --collect", probes)
+
+
+def record_probes(data: Path, command: str, probes: list) -> dict:
+    """Write a probe benchmark's record atomically (date, the command, jax/jaxlib/libtpu versions, the probes)."""
     import jax
     import jaxlib
     from importlib.metadata import version
 
-    probes = [_probe(*p) for p in PROBES]
     record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python benchmarks/xla_tpu_collectives.py --collect",
+              "command": command,
               "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "libtpu": version("libtpu")},
               "probes": probes}
-    DATA.parent.mkdir(parents=True, exist_ok=True)
-    tmp = DATA.with_suffix(".tmp")
+    data.parent.mkdir(parents=True, exist_ok=True)
+    tmp = data.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, DATA)
-    return {"collected": len(probes), "file": str(DATA.relative_to(ROOT))}
+    os.replace(tmp, data)
+    return {"collected": len(probes), "file": str(data.relative_to(ROOT))}
 
 
 def _expected_kind(p: dict) -> str:
