@@ -147,3 +147,17 @@ def test_an_accumulating_weight_gradient_costs_its_matmuls_roofline_as_the_chip_
         rest = accumulated_bytes(plan, params, True, fused=True, in_matmuls=accumulated_elements(shapes))
         assert 0 < rest < accumulated_bytes(plan, params, True, fused=True), name
         assert accumulating_gemms(plan, chunk_gemms(plan, 0), False) == chunk_gemms(plan, 0), name
+
+
+def test_an_accumulate_and_a_traced_fusion_are_one_epilogue_rule() -> None:
+    """The plan's accumulating weight gradient and a traced program's matmul with the same bytes fused into its kernel
+    (testbed.sim.xla.matmul_fusion) cost the same: one kernel, the longer of its math and all its bytes."""
+    topo = load_topology("tpu-v5e-1")
+    bound = Gemm(m=768, n=3072, k=256)  # memory-bound: the fused bytes add to its operands'
+    read = bound.m * bound.n * 2  # the bf16 accumulator
+    assert gemm_seconds(topo, "bf16", replace(bound, accumulates=True)) == pytest.approx(
+        gemm_seconds(topo, "bf16", replace(bound, fused_bytes=read)))
+    assert gemm_seconds(topo, "bf16", replace(bound, fused_bytes=read)) - gemm_seconds(topo, "bf16", bound) \
+        == pytest.approx(pass_seconds(topo, read))
+    square = Gemm(m=8192, n=8192, k=8192)  # compute-bound: its fused bytes hide under the math
+    assert gemm_seconds(topo, "bf16", replace(square, fused_bytes=1e6)) == gemm_seconds(topo, "bf16", square)

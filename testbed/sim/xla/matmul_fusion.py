@@ -3,8 +3,9 @@
 XLA:TPU fuses a matmul's elementwise producers and consumers into its convolution fusion: on the chip's per-op
 profiles of users' programs (benchmarks/tpu_chip/programs.json) 85-98% of a step's XLA time is in fusions whose
 body holds the convolution, with the bias adds, activations, norms' scalings and SGD/Adam updates beside it, and
-the memory-bound fusions left on their own take 1-13%. Such a kernel takes the longer of its matmul and the HBM
-traffic of what is fused into it; the value a fused consumer reads from the matmul never reaches HBM.
+the memory-bound fusions left on their own take 1-13%. Such a kernel takes the longer of its math and all its HBM
+traffic, its operands and result with what is fused into it (testbed.sim.price.compute.epilogue_bytes, the rule that
+prices a plan's accumulating weight gradients too); the value a fused consumer reads from the matmul never reaches HBM.
 
 The rule, on devices whose compiler does this (``DeviceSpec.fuses_into_matmuls``) and whose calibration prices
 memory-bound kernels apart (an ``elementwise`` group: one chip; without it each segment between collectives is one
