@@ -193,9 +193,13 @@ def _played_floor(plan: Plan, topology: Topology) -> float | None:
     _, order = cached_order(plan.schedule.name.value, p, m, v)
     end: dict[tuple, float] = {}
     free = [0.0] * p
-    for s, action, deps in order:
+    for s, action, (ends, receives) in order:
         start = free[s]
-        for key in deps:
+        for key in ends:
+            t = end[key]
+            if t > start:
+                start = t
+        for key in receives:  # a send arrives no earlier than its sender ends
             t = end[key]
             if t > start:
                 start = t
