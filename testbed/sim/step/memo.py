@@ -33,7 +33,8 @@ class Waits(NamedTuple):
 
 
 def waits(stage: int, keys: list[ActionKey]) -> Waits:
-    """:class:`Waits` of an action of ``stage`` that depends on ``keys`` (testbed.pipeline.schedules.dependency_keys)."""
+    """:class:`Waits` of an action of ``stage`` that depends on ``keys``
+    (testbed.pipeline.schedules.dependency_keys)."""
     return Waits(tuple(k for k in keys if k[0] == stage), tuple(k for k in keys if k[0] != stage))
 
 
