@@ -159,5 +159,7 @@ def test_an_accumulate_and_a_traced_fusion_are_one_epilogue_rule() -> None:
         gemm_seconds(topo, "bf16", replace(bound, fused_bytes=read)))
     assert gemm_seconds(topo, "bf16", replace(bound, fused_bytes=read)) - gemm_seconds(topo, "bf16", bound) \
         == pytest.approx(pass_seconds(topo, read))
+    on_chip = replace(bound, fused_bytes=read, result_on_chip=True)  # its consumer's bytes in place of its result
+    assert gemm_seconds(topo, "bf16", on_chip) == pytest.approx(gemm_seconds(topo, "bf16", bound))
     square = Gemm(m=8192, n=8192, k=8192)  # compute-bound: its fused bytes hide under the math
     assert gemm_seconds(topo, "bf16", replace(square, fused_bytes=1e6)) == gemm_seconds(topo, "bf16", square)

@@ -96,7 +96,8 @@ class Gemm:
     into the step's accumulator inside its own kernel (testbed.sim.step.grad_bytes.accumulating_gemms): the kernel reads
     the ``m x n`` accumulator too and writes the sum in place of the gradient; ``fused_bytes``: HBM bytes per
     product of the memory-bound ops the compiler runs in the product's kernel (a traced program's,
-    testbed.sim.xla.matmul_fusion). Both are priced by one rule, testbed.sim.price.compute.epilogue_bytes.
+    testbed.sim.xla.matmul_fusion); ``result_on_chip``: only those ops read its result, which never reaches HBM. All
+    three are priced by one rule, testbed.sim.price.compute.epilogue_bytes.
     """
 
     m: int
@@ -114,6 +115,7 @@ class Gemm:
     score_cells: int = 0
     accumulates: bool = False
     fused_bytes: float = 0.0
+    result_on_chip: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0 or min(self.stored_lhs,

@@ -217,7 +217,7 @@ def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts:
         return 0.0
     key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass,
            gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs, gemm.score_cells, gemm.accumulates,
-           gemm.fused_bytes)
+           gemm.fused_bytes, gemm.result_on_chip)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, replace(gemm, count=1.0), casts)
@@ -270,22 +270,24 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
 
 def epilogue_bytes(gemm: Gemm, write: int) -> float:
     """HBM bytes one product's kernel moves for the memory-bound work XLA:TPU fuses into it (its output fusion, and
-    the elementwise producers and consumers of a traced program's matmul): the accumulator a weight gradient that
-    ``accumulates`` reads to add into (its write is the product's own result, ``write`` bytes an element), and the
-    fused ops' ``fused_bytes`` (testbed.sim.xla.matmul_fusion). Both tiers price such a kernel by this one rule:
-    the longer of its math and all its bytes, these with its operands and result (the chip's per-op profiles,
-    benchmarks/tpu_chip/profiles.json and programs.json: one fusion holding the convolution)."""
-    acc = gemm.batch * gemm.m * gemm.n * write if gemm.accumulates else 0.0
-    return acc + gemm.fused_bytes
+    the elementwise producers and consumers of a traced program's matmul), beyond its operands and its result
+    (``write`` bytes an element): the accumulator a weight gradient that ``accumulates`` reads to add into (its
+    write is the product's own result), the fused ops' ``fused_bytes`` (testbed.sim.xla.matmul_fusion), less the
+    result where only those ops read it (``result_on_chip``). Both tiers price such a kernel by this one rule: the
+    longer of its math and all its bytes (the chip's per-op profiles, benchmarks/tpu_chip/profiles.json and
+    programs.json: one fusion holding the convolution)."""
+    result = gemm.batch * gemm.m * gemm.n * write
+    return (result if gemm.accumulates else 0.0) + gemm.fused_bytes - (result if gemm.result_on_chip else 0.0)
 
 
-def with_epilogue(gemms: Sequence[Gemm], nbytes: float) -> tuple[Gemm, ...]:
+def with_epilogue(gemms: Sequence[Gemm], nbytes: float, result_on_chip: bool = False) -> tuple[Gemm, ...]:
     """``gemms`` with ``nbytes`` of memory-bound work fused into their kernels, spread evenly over their products
-    (each product's ``fused_bytes``; :func:`epilogue_bytes`)."""
+    (each product's ``fused_bytes``), their results on chip where only that work reads them (:func:`epilogue_bytes`)."""
     products = sum(g.count for g in gemms)
-    if nbytes <= 0 or products <= 0:
+    if (nbytes <= 0 and not result_on_chip) or products <= 0:
         return tuple(gemms)
-    return tuple(replace(g, fused_bytes=g.fused_bytes + nbytes / products) for g in gemms)
+    return tuple(replace(g, fused_bytes=g.fused_bytes + max(0.0, nbytes) / products, result_on_chip=result_on_chip)
+                 for g in gemms)
 
 
 def runner_kernel_work(topology: Topology, gemm: Gemm) -> float:
