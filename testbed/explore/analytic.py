@@ -125,8 +125,9 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
         step, busy, comm, host = Play(priced, 1.0).run(math.inf if cal.shares_host else bar)
     except AboveBar as above:
         return above.floor
-    if cal.shares_host and p == 1:  # the controller's dispatch precedes the compute (controller_load)
-        step, busy, comm, host = Play(priced, 1.0 / cal.host_share(topology.num_devices)).run()
+    if cal.shares_host and p == 1:  # all devices compute together; the controller's dispatch precedes them
+        share = cal.host_share(topology.num_devices + controller_load(p, host, step))
+        step, busy, comm, host = Play(priced, 1.0 / share).run()
     elif cal.shares_host and priced.serial:
         # One stage's program computes at a time, beside the controller for the share of the step it works.
         for _ in range(2):
