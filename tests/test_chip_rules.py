@@ -164,3 +164,19 @@ def test_a_kept_splash_output_is_tiled_to_the_lanes_as_the_chip_allocated_it() -
     assert len(record["outputs"]) == spec.layers
     assert {o["buffer_bytes"] for o in record["outputs"]} == {xla_tpu.kept_flash_bytes(plan) - lse}
     assert xla_tpu.kept_flash_bytes(plan) - lse == 2 * (kept.flash_kept_bytes(plan) - lse)
+
+
+def test_an_accumulate_and_a_traced_fusion_are_one_epilogue_rule() -> None:
+    """The plan's accumulating weight gradient and a traced program's matmul with the same bytes fused into its kernel
+    (testbed.sim.xla.matmul_fusion) cost the same: one kernel, the longer of its math and all its bytes."""
+    topo = load_topology("tpu-v5e-1")
+    bound = Gemm(m=768, n=3072, k=256)  # memory-bound: the fused bytes add to its operands'
+    read = bound.m * bound.n * 2  # the bf16 accumulator
+    assert gemm_seconds(topo, "bf16", replace(bound, accumulates=True)) == pytest.approx(
+        gemm_seconds(topo, "bf16", replace(bound, fused_bytes=read)))
+    assert gemm_seconds(topo, "bf16", replace(bound, fused_bytes=read)) - gemm_seconds(topo, "bf16", bound) \
+        == pytest.approx(pass_seconds(topo, read))
+    on_chip = replace(bound, fused_bytes=read, result_on_chip=True)  # its consumer's bytes in place of its result
+    assert gemm_seconds(topo, "bf16", on_chip) == pytest.approx(gemm_seconds(topo, "bf16", bound))
+    square = Gemm(m=8192, n=8192, k=8192)  # compute-bound: its fused bytes hide under the math
+    assert gemm_seconds(topo, "bf16", replace(square, fused_bytes=1e6)) == gemm_seconds(topo, "bf16", square)

@@ -75,9 +75,18 @@ def test_facts_are_frozen_and_the_order_puts_dependencies_first() -> None:
     _, _, _, facts = _facts("gpt-small-dgx", "dgx-h100")
     with pytest.raises(AttributeError):
         facts.params_ways = 3  # type: ignore[misc]
+    _, _, _, piped = _facts("gpt-1b-cluster", "dgx-h100-x4")  # interleaved over 4 stages
+    for facts in (facts, piped):
+        _dependencies_first(facts)
+    assert any(waits.receives for _, _, waits in piped.order)
+
+
+def _dependencies_first(facts) -> None:
     seen: set[tuple] = set()
     for s, action, waits in facts.order:
-        assert all(key in seen for key in waits)
+        assert all(key in seen for key in waits.ends + waits.receives)
+        # its own stage's actions it waits for as they end, other stages' as their sends arrive (both tiers)
+        assert all(key[0] == s for key in waits.ends) and all(key[0] != s for key in waits.receives)
         seen.add((s, action.kind, action.microbatch, action.chunk))
     assert len(seen) == sum(len(row) for row in facts.schedule.actions)
 

@@ -109,7 +109,8 @@ def test_without_elementwise_passes_a_segment_is_one_roofline_task() -> None:
 def test_on_xla_tpu_memory_bound_ops_fuse_into_the_matmul_they_read_or_feed() -> None:
     """XLA:TPU (testbed.sim.xla.matmul_fusion): a consumer of a matmul runs in its kernel, less the matmul's result it
     reads; a producer that only matmuls read, in its first reader's; an op that reads no matmul and feeds a memory-bound
-    op is left memory-bound. Each matmul is a task of its own, the slower of its product and its fused bytes."""
+    op is left memory-bound. Each matmul is a task of its own, its fused bytes on its products (priced with their
+    operands, testbed.sim.price.compute.epilogue_bytes), its result on chip where only its fused consumers read it."""
     topology = load_topology("tpu-v5e-1")
     first = gemm()
     result = first.gemms[0].m * first.gemms[0].n * 2  # bf16
@@ -117,7 +118,11 @@ def test_on_xla_tpu_memory_bound_ops_fuse_into_the_matmul_they_read_or_feed() ->
            memory((3,), nbytes=2e6), gemm((0, 2))]
     program = workload_program(workload(ops, mesh={"data": 1}), topology)
     computes = [t for t in program.tasks if t.kind is TaskKind.COMPUTE]
-    assert [t.hbm_bytes for t in computes] == [pytest.approx(7e6), pytest.approx(5e6), pytest.approx(5e6)]
+    fused = [sum(g.fused_bytes * g.count for g in t.gemms) for t in computes]
+    assert fused == [pytest.approx(7e6), pytest.approx(5e6), 0.0]
+    assert [t.hbm_bytes for t in computes] == [0.0, 0.0, pytest.approx(5e6)]
+    # the first matmul's result only its fused consumer reads: it never reaches HBM; the second's is the output
+    assert [g.result_on_chip for t in computes[:2] for g in t.gemms] == [True, False]
     assert [t.flops > 0 for t in computes] == [True, True, False]
 
 

@@ -28,7 +28,8 @@ the pipeline schedule table, stage by stage, with the same prices:
   (all-reduce, reduce-scatter or HSDP, testbed.plan.sharding's rule), then
   the optimizer runs and, with ZeRO-1/2, the data axis re-gathers parameters;
 - the single controller (when the topology calibrates one) dispatches every program serially, and devices
-  computing at once on a shared host slow each other by ``calibration.host_share``; an action's compute is
+  computing at once on a shared host slow each other by ``calibration.host_share``, the controller among them for
+  its share of a pipeline's step (testbed.sim.price.host_threads); an action's compute is
   ``device.comm_slowdown`` longer for the communication beside it (gathers, the reductions it starts, sends, hidden
   tensor, the ring's sends; block by block where its blocks play their own gathers, GEMM by GEMM beside
   ``tp_comm_overlap``'s chunks), before its gradient reductions leave.
@@ -52,6 +53,7 @@ from testbed.model.memory import MemoryBreakdown, memory_breakdown
 from testbed.pipeline.schedules import peak_inflight
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
+from testbed.sim.price.host_threads import controller_load
 from testbed.sim.step.facts import StepFacts, cached_order, step_facts, topology_rules
 from testbed.topology import Topology
 
@@ -123,17 +125,19 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
         step, busy, comm, host = Play(priced, 1.0).run(math.inf if cal.shares_host else bar)
     except AboveBar as above:
         return above.floor
-    if cal.shares_host and p == 1:
-        step, busy, comm, host = Play(priced, 1.0 / cal.host_share(topology.num_devices)).run()
+    if cal.shares_host and p == 1:  # all devices compute together; the controller's dispatch precedes them
+        share = cal.host_share(topology.num_devices + controller_load(p, host, step))
+        step, busy, comm, host = Play(priced, 1.0 / share).run()
     elif cal.shares_host and priced.serial:
         # One stage's program computes at a time, beside the controller for the share of the step it works.
         for _ in range(2):
-            share = cal.host_share(per_stage + (min(1.0, host / step) if step > 0 else 0.0))
+            share = cal.host_share(per_stage + controller_load(p, host, step))
             step, busy, comm, host = Play(priced, 1.0 / share).run()
     elif cal.shares_host:
         for _ in range(2):
             stages = sum(busy) / step if step > 0 else 1.0
-            step, busy, comm, host = Play(priced, 1.0 / cal.host_share(stages * per_stage, max(1.0, stages))).run()
+            share = cal.host_share(stages * per_stage + controller_load(p, host, step), max(1.0, stages))
+            step, busy, comm, host = Play(priced, 1.0 / share).run()
     worst = max(range(p), key=lambda s: busy[s] + comm[s])
     return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
                     bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),

@@ -189,19 +189,27 @@ def _played_floor(plan: Plan, topology: Topology) -> float | None:
     priced = _stage_floors(plan, topology)
     if priced is None:
         return None
-    p, m, v = plan.mesh.stage, plan.batch.microbatches, plan.schedule.virtual_stages
-    _, order = cached_order(plan.schedule.name.value, p, m, v)
+    p = plan.mesh.stage
     end: dict[tuple, float] = {}
     free = [0.0] * p
-    for s, action, deps in order:
+    for s, key, action, deps in _floor_order(plan.schedule.name.value, p, plan.batch.microbatches,
+                                             plan.schedule.virtual_stages):
         start = free[s]
-        for key in deps:
-            t = end[key]
+        for dep in deps:
+            t = end[dep]
             if t > start:
                 start = t
-        free[s] = end[(s, action.kind, action.microbatch, action.chunk)] = start + priced[s][(action.chunk,
-                                                                                             action.kind)]
+        free[s] = end[key] = start + priced[s][action]
     return max(free)
+
+
+@functools.lru_cache(maxsize=4096)
+def _floor_order(name: str, p: int, m: int, v: int) -> tuple[tuple[int, tuple, tuple[int, str], tuple], ...]:
+    """The schedule's execution order (testbed.sim.step.memo.cached_order) as :func:`_played_floor` plays it: per
+    action its stage, its key, its ``(chunk, kind)`` and every key it waits for, its stage's and other stages' alike
+    (a send arrives no earlier than its sender ends: testbed.sim.step.memo.Waits)."""
+    return tuple((s, (s, a.kind, a.microbatch, a.chunk), (a.chunk, a.kind), w.ends + w.receives)
+                 for s, a, w in cached_order(name, p, m, v)[1])
 
 
 def _stage_floors(plan: Plan, topology: Topology) -> list[dict[tuple[int, str], float]] | None:

@@ -20,6 +20,7 @@ from testbed.plan.spec import Axis
 from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, beside_compute, stage_rests
 from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.price.barriers import interleaved_wait, step_end_wait
+from testbed.sim.step.memo import Waits
 from testbed.sim.step.update_facts import update_seconds
 from testbed.sim.step.step_rules import (ActionStep, Gradients, action_dispatch, action_steps, dispatch_seconds,
                                     gather_after, prepare_seconds, step_dispatch, step_prepare, update_dispatch)
@@ -105,18 +106,23 @@ class Play:
             if (free[s] + rests[s]) * keep > bar:
                 raise AboveBar((free[s] + rests[s]) * keep)
 
-    def _start(self, s: int, c: int, kind: str, accumulated: bool, deps: tuple[tuple, ...]) -> float:
+    def _start(self, s: int, c: int, kind: str, accumulated: bool, waits: Waits) -> float:
         """When an action starts: after its stage's previous action (and program), its dispatch
-        (``accumulated``: testbed.sim.step.step_rules.action_dispatch's), its dependencies and its parameter gather (the
-        wait for which is communication)."""
+        (``accumulated``: testbed.sim.step.step_rules.action_dispatch's), what it waits for (``waits``: its stage's
+        actions' ends, other stages' sends' arrival) and its parameter gather (the wait for which is communication)."""
         step, controller = self.step, self.step.controller
         start = max(self.free[s], self.launch) if step.serial else self.free[s]
         if controller is not None:
             if dispatch := action_dispatch(self.facts, s, c, kind, accumulated):
                 self.host += dispatch_seconds(controller, *dispatch)
             start = max(start, self.host)
-        for key in deps:
-            t = self.end[key] if key[0] == s else self.arrive[key]
+        ends, receives = waits
+        for key in ends:
+            t = self.end[key]
+            if t > start:
+                start = t
+        for key in receives:
+            t = self.arrive[key]
             if t > start:
                 start = t
         return start

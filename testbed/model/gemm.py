@@ -95,7 +95,10 @@ class Gemm:
     the score matrix (``rows x keys``) that one of its operands or its output is, per product (0: none;
     testbed.sim.xla.vmem keeps it on chip where the compiler does); ``accumulates``: a weight gradient the compiler adds
     into the step's accumulator inside its own kernel (testbed.sim.step.grad_bytes.accumulating_gemms): the kernel reads
-    the ``m x n`` accumulator too and writes the sum in place of the gradient.
+    the ``m x n`` accumulator too and writes the sum in place of the gradient; ``fused_bytes``: HBM bytes per
+    product of the memory-bound ops the compiler runs in the product's kernel (a traced program's,
+    testbed.sim.xla.matmul_fusion); ``result_on_chip``: only those ops read its result, which never reaches HBM. All
+    three are priced by one rule, testbed.sim.price.compute.epilogue_bytes.
     """
 
     m: int
@@ -112,10 +115,13 @@ class Gemm:
     stored_lhs: int = 0
     score_cells: int = 0
     accumulates: bool = False
+    fused_bytes: float = 0.0
+    result_on_chip: bool = False
 
     def __post_init__(self) -> None:
         if min(self.m, self.n, self.k, self.batch) < 1 or not self.count >= 0 or min(self.stored_lhs,
-                                                                                      self.score_cells) < 0:
+                                                                                      self.score_cells,
+                                                                                      self.fused_bytes) < 0:
             raise ValueError(f"a GEMM needs positive dims and a non-negative count, got {self}")
 
     @property

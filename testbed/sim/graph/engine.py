@@ -51,6 +51,7 @@ from testbed.model.memory import memory_breakdown
 from testbed.sim.price.barriers import interleaved_wait, step_end_wait
 from testbed.sim.price.compute import compute_seconds, pass_seconds, plan_matmul_dtype, rate_dtype
 from testbed.sim.price.contention import Flow, LinkLedger
+from testbed.sim.price.host_threads import CONTROLLER_THREADS
 from testbed.sim.graph.pricing import Priced, controller_seconds, price
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
@@ -114,8 +115,8 @@ class _Fluid:
             for d in t.deps:
                 self.dependents[d].append(i)
         self.is_comm = [t.kind not in (TaskKind.COMPUTE, TaskKind.HOST) for t in tasks]
-        # Devices computing at once share the host's cores, and so does the (single-threaded) controller.
-        self.weight = [1 if t.kind is TaskKind.HOST else program.multiplicity[t.device] for t in tasks]
+        # Devices computing at once share the host's cores, and so does the controller while it works (host_threads).
+        self.weight = [CONTROLLER_THREADS if t.kind is TaskKind.HOST else program.multiplicity[t.device] for t in tasks]
         self.start = [math.nan] * n
         self.end = [math.nan] * n
         self.busy = [False] * len(self.rows)

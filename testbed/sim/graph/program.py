@@ -233,7 +233,7 @@ class _Graph(SpanPlay, GradPlay):
         if self.controller and (dispatch := action_dispatch(self.facts, s, action.chunk, action.kind,
                                                             step.accumulated)):
             deps.append(self._dispatch(f"dispatch {label}@{s}", dispatch))
-        deps += [self.done[key] if key[0] == s else self.sent[(key, s)] for key in step.waits]
+        deps += [self.done[key] for key in step.waits.ends] + [self.sent[(key, s)] for key in step.waits.receives]
         if step.gather is GatherMode.WHOLE:
             deps.append(self._gather(s, chunk, label))
         return deps

@@ -46,6 +46,7 @@ from testbed.errors import InputError
 from testbed.model.gemm import Gemm
 from testbed.sim.xla.matmul_fusion import matmul_fusions
 from testbed.sim.graph.tasks import Builder, Program, TaskKind
+from testbed.sim.price.compute import with_epilogue
 from testbed.sim.xla.workload import OpKind, Workload
 from testbed.topology import Topology
 
@@ -210,14 +211,16 @@ def _controller_tasks(b: Builder, rep: int, buffers: int) -> tuple[int]:
 def _fused_kernels(b: Builder, workload: Workload, segment: list[int], readers: list[list[int]], rep: int,
                    deps: tuple[int, ...]) -> tuple[list[int], float]:
     """A segment's matmuls as kernels of their own, each with the memory-bound ops XLA:TPU fuses into it
-    (testbed.sim.xla.matmul_fusion), one after another from ``deps``: (their tasks, the bytes of the ops left unfused)."""
+    (testbed.sim.xla.matmul_fusion; priced with the matmul's products, testbed.sim.price.compute.epilogue_bytes), one
+    after another from ``deps``: (their tasks, the bytes of the ops left unfused)."""
     fusions, tasks = matmul_fusions(workload, segment, readers), []
     for i in (i for i in segment if workload.ops[i].kind is OpKind.GEMM):
         op = workload.ops[i]
+        gemms = tuple(g if op.count == 1 else repeat_gemm(g, op.count) for g in op.gemms)
+        fused = fusions.bytes.get(i, 0.0)
         tasks.append(b.add(name=op.name, device=rep, stream="compute", kind=TaskKind.COMPUTE,
                            deps=tuple(tasks[-1:]) or deps, flops=op.flops * op.count, kernels=op.count,
-                           gemms=tuple(g if op.count == 1 else repeat_gemm(g, op.count) for g in op.gemms),
-                           hbm_bytes=fusions.bytes.get(i, 0.0)))
+                           gemms=with_epilogue(gemms, fused, i in fusions.on_chip), hbm_bytes=0.0 if gemms else fused))
     left = sum(workload.ops[i].hbm_bytes * workload.ops[i].count for i in segment
                if workload.ops[i].kind is OpKind.MEMORY and i not in fusions.fused)
     return tasks, left

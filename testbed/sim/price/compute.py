@@ -64,8 +64,8 @@ from testbed.topology.parts import matmul_dtype
 from testbed.topology.calibration import ComputeCalibration
 
 __all__ = ["compute_seconds", "plan_matmul_dtype", "rate_dtype", "FP32_BF16_PASS", "pass_seconds", "epilogue_seconds",
-           "systolic_share", "gemm_efficiency", "gemm_seconds", "gemms_seconds", "fit_shape_model",
-           "GEMM_OPERAND_BYTES", "FP8_BLOCK_SCALED_SHARE", "fp8_cast_bytes"]
+           "systolic_share", "epilogue_bytes", "with_epilogue", "gemm_efficiency", "gemm_seconds", "gemms_seconds",
+           "fit_shape_model", "GEMM_OPERAND_BYTES", "FP8_BLOCK_SCALED_SHARE", "fp8_cast_bytes"]
 
 #: The share of the fp8 cap a block-scaled fp8 GEMM reaches (``runtime.fp8_scaling`` ``blockwise``: 1 x 128
 #: activation and 128 x 128 weight scales, DeepSeek-V3's recipe, Transformer Engine's ``Float8BlockScaling``). On
@@ -132,6 +132,7 @@ def compute_seconds(topology: Topology, dtype: str, flops: float, hbm_bytes: flo
         eff = compute.cap(rate) * per_kernel / (per_kernel + compute.efficiency_half_flops)
         t = (rest + _grouped_extra_flops(dev.name, gemms)) / (dev.sustained_flops(rate) * eff) if rest > 0 else 0.0
         t += gemms_seconds(topology, dtype, named)
+        hbm_bytes += sum(g.fused_bytes * g.count for g in gemms)  # the roofline of FLOPs and bytes: theirs join
     if spans and passes is None:
         t = sum(max(share * t, pass_seconds(topology, nbytes)) for share, nbytes in spans)
     elif hbm_bytes > 0:
@@ -220,7 +221,8 @@ def _gemm_seconds(memo: dict, topology: Topology, dtype: str, gemm: Gemm, casts:
     if gemm.count <= 0:
         return 0.0
     key = (dtype, gemm.m, gemm.n, gemm.k, gemm.batch, gemm.flash, casts, gemm.attention, gemm.amax_pass,
-           gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs, gemm.score_cells, gemm.accumulates)
+           gemm.grouped, gemm.block_scaled, gemm.high_precision, gemm.stored_lhs, gemm.score_cells, gemm.accumulates,
+           gemm.fused_bytes, gemm.result_on_chip)
     one = memo.get(key)
     if one is None:
         one = memo[key] = _one_product_seconds(topology, dtype, replace(gemm, count=1.0), casts)
@@ -241,9 +243,8 @@ def _memo(topology: Topology) -> dict:
 
 
 def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool) -> float:
-    """Seconds of one product of ``gemm`` (``count`` 1): the calibrated roofline, the fp8 recipe's casts. A product
-    that ``accumulates`` is one kernel with the add into the accumulator (XLA:TPU's output fusion): the longer of its
-    math and its bytes, the accumulator's read among them (its write is the product's own)."""
+    """Seconds of one product of ``gemm`` (``count`` 1): the calibrated roofline (its memory side with what is fused
+    into its kernel, :func:`epilogue_bytes`), the fp8 recipe's casts."""
     cal = topology.calibration
     read, write = GEMM_OPERAND_BYTES.get(dtype, (2, 2))
     dtype = rate_dtype(dtype)
@@ -252,24 +253,46 @@ def _one_product_seconds(topology: Topology, dtype: str, gemm: Gemm, casts: bool
         # bf16 under Transformer Engine's fp8 recipe too (its DotProductAttention is bf16 unless fp8
         # attention is asked for); so does a product the fp8 recipe leaves out (the LM head, gemm.high_precision)
         dtype, (read, write) = "bf16", GEMM_OPERAND_BYTES["bf16"]
-    one = gemm.flops
+    one, fused = gemm.flops, epilogue_bytes(gemm, write)
     named = kernel_efficiency(topology.device.name, gemm.attention) if gemm.flash and gemm.attention else None
     if named is not None:  # the stack's kernel at its published speed, over the products it computes
         eff, work = named
-        return cal.compute.gemm_latency_s + one * work / (topology.device.sustained_flops(dtype) * eff)
+        math = one * work / (topology.device.sustained_flops(dtype) * eff)
+        return cal.compute.gemm_latency_s + max(math, pass_seconds(topology, fused))
     if gemm.flash:  # fused: the scores stay on chip, so no operand roofline; the kernel's own efficiency
         eff = cal.compute.flash_efficiency or gemm_efficiency(cal.compute, gemm, dtype)
-        one *= runner_kernel_work(topology, gemm)
-        return cal.compute.gemm_latency_s + one / (topology.device.sustained_flops(dtype) * eff
-                                                   * systolic_share(topology.device.systolic_width, gemm))
+        math = one * runner_kernel_work(topology, gemm) / (topology.device.sustained_flops(dtype) * eff
+                                                           * systolic_share(topology.device.systolic_width, gemm))
+        return cal.compute.gemm_latency_s + max(math, pass_seconds(topology, fused))
     rate = grouped_rate(topology.device.name, gemm.grouped)  # a grouped-matmul kernel's (1: the dense matmul)
     math = one / (topology.device.sustained_flops(dtype) * gemm_efficiency(cal.compute, gemm, dtype) * rate)
-    operands = gemm.batch * ((gemm.lhs_elements + gemm.k * gemm.n) * read + gemm.m * gemm.n * write
-                             * (2 if gemm.accumulates else 1))
-    operands -= on_chip_bytes(topology.device, gemm, read, write)
+    operands = gemm.batch * ((gemm.lhs_elements + gemm.k * gemm.n) * read + gemm.m * gemm.n * write)
+    operands += fused - on_chip_bytes(topology.device, gemm, read, write)
     memory = operands / (topology.device.memory_bandwidth * cal.memory.efficiency)
     cast = pass_seconds(topology, fp8_cast_bytes(gemm)) if dtype == "fp8" and casts else 0.0
     return cal.compute.gemm_latency_s + max(math, memory) + cast
+
+
+def epilogue_bytes(gemm: Gemm, write: int) -> float:
+    """HBM bytes one product's kernel moves for the memory-bound work XLA:TPU fuses into it (its output fusion, and
+    the elementwise producers and consumers of a traced program's matmul), beyond its operands and its result
+    (``write`` bytes an element): the accumulator a weight gradient that ``accumulates`` reads to add into (its
+    write is the product's own result), the fused ops' ``fused_bytes`` (testbed.sim.xla.matmul_fusion), less the
+    result where only those ops read it (``result_on_chip``). Both tiers price such a kernel by this one rule: the
+    longer of its math and all its bytes (the chip's per-op profiles, benchmarks/tpu_chip/profiles.json and
+    programs.json: one fusion holding the convolution)."""
+    result = gemm.batch * gemm.m * gemm.n * write
+    return (result if gemm.accumulates else 0.0) + gemm.fused_bytes - (result if gemm.result_on_chip else 0.0)
+
+
+def with_epilogue(gemms: Sequence[Gemm], nbytes: float, result_on_chip: bool = False) -> tuple[Gemm, ...]:
+    """``gemms`` with ``nbytes`` of memory-bound work fused into their kernels, spread evenly over their products
+    (each product's ``fused_bytes``), their results on chip where only that work reads them (:func:`epilogue_bytes`)."""
+    products = sum(g.count for g in gemms)
+    if (nbytes <= 0 and not result_on_chip) or products <= 0:
+        return tuple(gemms)
+    return tuple(replace(g, fused_bytes=g.fused_bytes + max(0.0, nbytes) / products, result_on_chip=result_on_chip)
+                 for g in gemms)
 
 
 def runner_kernel_work(topology: Topology, gemm: Gemm) -> float:

@@ -7,6 +7,7 @@ functions testbed.sim.step.facts reads (keyed on exactly what each reads), so ea
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 from testbed.model import costs
 from testbed.model.costs import ChunkCost
@@ -14,14 +15,36 @@ from testbed.model.gemm import ChunkGemms, chunk_gemms
 from testbed.pipeline.schedules import Action, Schedule, build_schedule, dependency_keys, execution_order
 from testbed.plan.spec import Plan
 
-__all__ = ["OrderedAction", "cached_order", "cached_chunk_cost", "cached_chunk_gemms", "order_of"]
+__all__ = ["ActionKey", "Waits", "waits", "OrderedAction", "cached_order", "cached_chunk_cost", "cached_chunk_gemms",
+           "order_of"]
 
-#: One action in execution order: (stage, action, the (stage, kind, microbatch, chunk) keys it waits for).
-OrderedAction = tuple[int, Action, tuple[tuple[int, str, int, int], ...]]
+#: An action's key: (stage, kind, microbatch, chunk).
+ActionKey = tuple[int, str, int, int]
+
+
+class Waits(NamedTuple):
+    """What an action waits for beyond its stage's previous action, by the one rule both tiers play: ``ends``, its own
+    stage's actions it depends on (their ends); ``receives``, other stages' actions whose sends it receives (those
+    sends' arrival: testbed.sim.graph.program's send tasks, testbed.explore.play's pipe streams). A lower bound may
+    take a send's arrival as its sender's end (testbed.explore.floor)."""
+
+    ends: tuple[ActionKey, ...]
+    receives: tuple[ActionKey, ...]
+
+
+def waits(stage: int, keys: list[ActionKey]) -> Waits:
+    """:class:`Waits` of an action of ``stage`` that depends on ``keys``
+    (testbed.pipeline.schedules.dependency_keys)."""
+    return Waits(tuple(k for k in keys if k[0] == stage), tuple(k for k in keys if k[0] != stage))
+
+
+#: One action in execution order: (stage, action, what it waits for).
+OrderedAction = tuple[int, Action, Waits]
 
 
 def order_of(schedule: Schedule) -> tuple[OrderedAction, ...]:
-    return tuple((s, a, tuple(dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
+    """Every action of ``schedule`` in execution order with its :class:`Waits`."""
+    return tuple((s, a, waits(s, dependency_keys(schedule, s, a.kind, a.microbatch, a.chunk)))
                  for s, a in execution_order(schedule))
 
 

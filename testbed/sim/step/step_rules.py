@@ -39,6 +39,7 @@ from testbed.plan.spec import Plan
 from testbed.sim.step.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.step.facts import StepFacts
 from testbed.sim.step.grad_bytes import loop_kept, summed_each_microbatch, summed_in_the_step
+from testbed.sim.step.memo import Waits
 from testbed.topology import Calibration
 
 __all__ = ["after_tensor", "Dispatch", "PREPARE_STEP", "PREPARE_PIPELINE", "step_prepare", "prepare_seconds",
@@ -248,7 +249,7 @@ def pieces(chunk: ChunkFacts, grads: Gradients, mode: GatherMode) -> int:
 class ActionStep(NamedTuple):
     """One action of the step and the rules that time it, named in the order its parts run: the loop's barrier
     (``iteration``), the controller's dispatch (``accumulated``: :func:`action_dispatch`'s), what it waits for
-    (``waits``: its stage's actions, other stages' sends, as testbed.sim.step.facts' order keys them), its gather
+    (``waits``: its stage's actions' ends, other stages' sends' arrival, testbed.sim.step.memo.Waits), its gather
     (``gather``), its compute in ``pieces`` and what it does with its gradients (``gradients``; ``left``: the
     chunk's microbatches whose backward is still to end after it), then (each tier's own) its tensor collectives,
     the buckets from ``tail_from`` on after them (:func:`first_tail_bucket`; ``pieces`` when none or it releases
@@ -256,7 +257,7 @@ class ActionStep(NamedTuple):
 
     stage: int
     action: Action
-    waits: tuple[tuple[int, str, int, int], ...]
+    waits: Waits
     iteration: Iteration
     accumulated: bool
     gather: GatherMode

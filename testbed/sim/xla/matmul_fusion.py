@@ -3,8 +3,9 @@
 XLA:TPU fuses a matmul's elementwise producers and consumers into its convolution fusion: on the chip's per-op
 profiles of users' programs (benchmarks/tpu_chip/programs.json) 85-98% of a step's XLA time is in fusions whose
 body holds the convolution, with the bias adds, activations, norms' scalings and SGD/Adam updates beside it, and
-the memory-bound fusions left on their own take 1-13%. Such a kernel takes the longer of its matmul and the HBM
-traffic of what is fused into it; the value a fused consumer reads from the matmul never reaches HBM.
+the memory-bound fusions left on their own take 1-13%. Such a kernel takes the longer of its math and all its HBM
+traffic, its operands and result with what is fused into it (testbed.sim.price.compute.epilogue_bytes, the rule that
+prices a plan's accumulating weight gradients too); the value a fused consumer reads from the matmul never reaches HBM.
 
 The rule, on devices whose compiler does this (``DeviceSpec.fuses_into_matmuls``) and whose calibration prices
 memory-bound kernels apart (an ``elementwise`` group: one chip; without it each segment between collectives is one
@@ -13,7 +14,8 @@ matmul it reads (the last such, as a consumer; its bytes less the matmul's resul
 that read it, into the first of them (as a producer; its bytes), where that matmul runs in the same segment of the
 program (between the same collectives: a kernel waits for every collective what it fuses reads). The tracer's fusion estimate counts each op's
 reads and writes of materialized values (testbed.runner.program.compile), so these are the bytes the fused kernel
-adds to the matmul's own operands and result.
+adds to the matmul's own operands and result; a matmul whose result only its fused consumers read writes none of
+it (``MatmulFusions.on_chip``).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ __all__ = ["MatmulFusions", "matmul_fusions"]
 
 @dataclass(frozen=True, slots=True)
 class MatmulFusions:
-    """``bytes``: matmul op -> the HBM bytes of the memory-bound ops fused into it; ``fused``: those ops."""
+    """``bytes``: matmul op -> the HBM bytes of the memory-bound ops fused into it; ``fused``: those ops;
+    ``on_chip``: the matmul ops whose result only ops fused into their own kernel read (it never reaches HBM)."""
 
     bytes: dict[int, float] = field(default_factory=dict)
     fused: frozenset[int] = frozenset()
+    on_chip: frozenset[int] = frozenset()
 
 
 def _result_bytes(workload: Workload, gemm_op: int) -> float:
@@ -44,6 +48,7 @@ def matmul_fusions(workload: Workload, segment: list[int], readers: list[list[in
     ``readers``) fused into its matmuls, and the bytes each matmul's kernel gains."""
     ops, inside = workload.ops, set(segment)
     gained: dict[int, float] = {}
+    consumed: dict[int, int] = {}  # a consumer fused into the matmul it reads -> that matmul
     fused: set[int] = set()
     for i in segment:
         op = ops[i]
@@ -52,10 +57,12 @@ def matmul_fusions(workload: Workload, segment: list[int], readers: list[list[in
         read = [d for d in op.deps if ops[d].kind is OpKind.GEMM and d in inside]
         if read:
             gemm, nbytes = read[-1], max(0.0, op.hbm_bytes * op.count - _result_bytes(workload, read[-1]))
+            consumed[i] = gemm
         elif readers[i] and readers[i][0] in inside and all(ops[r].kind is OpKind.GEMM for r in readers[i]):
             gemm, nbytes = readers[i][0], op.hbm_bytes * op.count
         else:
             continue
         gained[gemm] = gained.get(gemm, 0.0) + nbytes
         fused.add(i)
-    return MatmulFusions(gained, frozenset(fused))
+    on_chip = frozenset(g for g in set(consumed.values()) if all(consumed.get(r) == g for r in readers[g]))
+    return MatmulFusions(gained, frozenset(fused), on_chip)
