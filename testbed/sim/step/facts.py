@@ -22,7 +22,7 @@ testbed.sim.step.grad_bytes'.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from testbed.model import buffers
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from testbed.topology import Topology
 
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "StageUpdate", "Reduction", "StepFacts", "step_facts", "alike_key",
+           "facts_key",
            "topology_rules",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
            "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
@@ -217,6 +218,21 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                      reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates,
                      tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)),
                      accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters))
+
+
+def facts_key(facts: StepFacts, device_ids, controller: bool) -> tuple:
+    """What both tiers' timing of the step ``facts`` describes follows from beside the topology, known before either
+    plays it: the facts but their plan, every plan field but its name, and the device ids (``controller``: the
+    topology's calibration has one). Each tier reads the plan's remat only through the facts (its recompute's
+    FLOPs, bytes and gathers are in the chunk facts) but for the controller's dispatch buffers
+    (testbed.model.buffers) and ring attention's steps (testbed.sim.graph.ring, context > 1), so elsewhere the
+    remat is left out: plans alike but for a remat that adds no work (selective under flash attention) share one
+    key (tests/test_graph_key.py holds equal keys to equal task graphs, DES steps and estimates)."""
+    plan = facts.plan
+    remat = plan.remat if controller or plan.mesh.context > 1 else None
+    plan_fields = tuple(getattr(plan, f.name) for f in fields(plan) if f.compare and f.name not in ("name", "remat"))
+    rest = tuple(getattr(facts, f.name) for f in fields(facts) if f.name != "plan")
+    return rest, plan_fields, remat, device_ids.shape, device_ids.tobytes()
 
 
 def alike_key(plan: Plan, stages: int, virtual: int, s: int, c: int, span: range) -> tuple:
