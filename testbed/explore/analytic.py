@@ -53,7 +53,7 @@ from testbed.model.memory import MemoryBreakdown, memory_breakdown
 from testbed.pipeline.schedules import peak_inflight
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
-from testbed.sim.step.facts import StepFacts, cached_order, facts_key, step_facts, topology_rules
+from testbed.sim.step.facts import StepFacts, cached_order, facts_key, keep, recall, step_facts, topology_rules
 from testbed.topology import Topology
 
 __all__ = ["Estimate", "estimate", "estimate_of", "plan_memory", "cached_inflight"]
@@ -98,7 +98,7 @@ def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
                                                       plan.batch.microbatches, plan.schedule.virtual_stages))
 
 
-#: Plays an :func:`estimate` memo keeps (their step times by testbed.sim.step.facts.facts_key), the latest.
+#: Plans' keys an :func:`estimate` memo keeps plays of (testbed.sim.step.facts.facts_key), the latest.
 MEMO_PLAYS = 64
 
 
@@ -119,15 +119,12 @@ def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = No
     if plays.setdefault("topology", topology) is not topology:
         raise ValueError("an estimate memo holds the plays of one topology")
     key = facts_key(facts, ids, topology.calibration.controller is not None)
-    split = plays.get(key)
+    split = recall(plays, key)
     if split is None or split.step_time_s > bar:
         split = _played(facts, topology, ids, bar)
         if isinstance(split, float):
             return split
-        plays.pop(key, None)
-        plays[key] = split
-        if len(plays) > MEMO_PLAYS + 1:  # the oldest play (after the topology's entry)
-            del plays[next(k for k in plays if k != "topology")]
+        keep(plays, key, split, MEMO_PLAYS)
     return _estimate(split, memory)
 
 

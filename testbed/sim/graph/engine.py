@@ -52,16 +52,16 @@ from testbed.sim.price.barriers import interleaved_wait, step_end_wait
 from testbed.sim.price.compute import compute_seconds, pass_seconds, plan_matmul_dtype, rate_dtype
 from testbed.sim.price.contention import Flow, LinkLedger
 from testbed.sim.graph.pricing import Priced, controller_seconds, price
-from testbed.plan.placement import Placement, place
+from testbed.plan.placement import place
 from testbed.plan.spec import Plan
 from testbed.sim.graph.program import STREAMS, Program, TaskKind, program_of
-from testbed.sim.step.facts import StepFacts, facts_key, step_facts, topology_rules
+from testbed.sim.step.facts import facts_key, keep, recall, step_facts, topology_rules
 from testbed.sim.step.step_rules import serial_host
 from testbed.sim.report.timeline import CATEGORIES, Report, Timeline
 from testbed.topology import Calibration, HostCalibration, Topology
 
 __all__ = ["Priced", "Simulation", "compute_seconds", "pass_seconds", "controller_seconds", "price", "run", "simulate",
-           "graph_key", "report"]
+           "report"]
 
 #: Fraction of a task's work below which it counts as finished (rounding of the fluid steps).
 _DONE = 1e-9
@@ -335,36 +335,28 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
 MEMO_PROGRAMS = 16
 
 
-def graph_key(facts: StepFacts, placement: Placement, controller: bool, serial: bool, dtype: str) -> tuple:
-    """What the played step of ``facts`` on ``placement`` follows from, known before its task graph is built:
-    :func:`~testbed.sim.graph.program.program_of`'s arguments (testbed.sim.step.facts.facts_key: the facts but
-    their plan, the plan's fields but its name, and its remat only where the graph reads it beyond the facts) and
-    the matmul dtype :func:`price` reads (with the topology, :func:`run`'s rest)."""
-    return facts_key(facts, placement.device_ids, controller), placement.order, serial, dtype
-
-
 def simulate(plan: Plan, topology: Topology, memo: dict | None = None) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh).
 
     ``memo`` (one dict per topology, empty at first): the programs and timelines of the last :data:`MEMO_PROGRAMS`
-    played, by :func:`graph_key`. A plan whose key equals one played before is neither built nor played again:
-    it reuses that program and timeline; its report is its own (memory, MFU).
+    plans' keys played (testbed.sim.step.facts.facts_key: what program_of reads, known before it builds). A plan
+    whose key equals one played before is neither built nor played again: it reuses that program and timeline;
+    its report is its own (memory, MFU).
     """
     placement = place(plan, topology)
     controller, serial = topology.calibration.controller is not None, serial_host(topology.calibration)
     facts = step_facts(plan, placement.device_ids, **topology_rules(topology))
     dtype = plan_matmul_dtype(plan, topology)
-    key = graph_key(facts, placement, controller, serial, dtype) if memo is not None else None
+    # What program_of and price read beyond the step facts: the placement's order and the matmul dtype.
+    key, extra = facts_key(facts, placement.device_ids, controller), (placement.order, serial, dtype)
     if memo is not None and memo.setdefault("topology", topology) is not topology:
         raise ValueError("a simulate memo holds the programs of one topology")
-    hit = memo.get(key) if memo is not None else None
+    hit = recall(memo, key, extra) if memo is not None else None
     if hit is not None:
         program, timeline = hit
     else:
         program = program_of(facts, placement, controller=controller, serial=serial)
         timeline = run(program, price(program, topology, dtype), calibration=topology.calibration)
         if memo is not None:
-            memo[key] = (program, timeline)
-            if len(memo) > MEMO_PROGRAMS + 1:  # the oldest program played (after the topology's entry)
-                del memo[next(k for k in memo if k != "topology")]
+            keep(memo, key, (program, timeline), MEMO_PROGRAMS, extra)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)
