@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from testbed.explore.play import Play
 from testbed.explore.play_floor import AboveBar
@@ -54,7 +55,7 @@ from testbed.pipeline.schedules import peak_inflight
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
 from testbed.sim.price.host_threads import controller_load
-from testbed.sim.step.facts import StepFacts, cached_order, step_facts, topology_rules
+from testbed.sim.step.facts import StepFacts, cached_order, facts_key, keep, recall, step_facts, topology_rules
 from testbed.topology import Topology
 
 __all__ = ["Estimate", "estimate", "estimate_of", "plan_memory", "cached_inflight"]
@@ -99,20 +100,60 @@ def plan_memory(plan: Plan, topology: Topology) -> MemoryBreakdown:
                                                       plan.batch.microbatches, plan.schedule.virtual_stages))
 
 
+#: Plans' keys an :func:`estimate` memo keeps plays of (testbed.sim.step.facts.facts_key), the latest.
+MEMO_PLAYS = 64
+
+
 def estimate(plan: Plan, topology: Topology, memory: MemoryBreakdown | None = None,
-             bar: float = math.inf) -> Estimate | float:
+             bar: float = math.inf, plays: dict | None = None) -> Estimate | float:
     """Analytic seconds per step of ``plan`` on ``topology`` (see the module docstring) and its exact memory; with a
     finite ``bar``, where the step is certainly above it, a lower bound of the step above ``bar`` instead
-    (testbed.explore.play_floor: the play stops there)."""
+    (testbed.explore.play_floor: the play stops there).
+
+    ``plays`` (one dict per topology, empty at first): the last :data:`MEMO_PLAYS` whole plays by
+    :func:`~testbed.sim.step.facts.facts_key`; a plan whose key was played to a step at most ``bar`` reuses it
+    (a play stops only once its step's floors, lower bounds, pass the bar, so it would have played whole).
+    """
     ids = place(plan, topology).device_ids
-    return estimate_of(step_facts(plan, ids, **topology_rules(topology)), topology, ids,
-                       memory or plan_memory(plan, topology), bar)
+    facts, memory = step_facts(plan, ids, **topology_rules(topology)), memory or plan_memory(plan, topology)
+    if plays is None:
+        return estimate_of(facts, topology, ids, memory, bar)
+    if plays.setdefault("topology", topology) is not topology:
+        raise ValueError("an estimate memo holds the plays of one topology")
+    key = facts_key(facts, ids, topology.calibration.controller is not None)
+    split = recall(plays, key)
+    if split is None or split.step_time_s > bar:
+        split = _played(facts, topology, ids, bar)
+        if isinstance(split, float):
+            return split
+        keep(plays, key, split, MEMO_PLAYS)
+    return _estimate(split, memory)
+
+
+class _Split(NamedTuple):
+    """A whole play's step and the busiest stage's compute and communication."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+
+
+def _estimate(split: _Split, memory: MemoryBreakdown) -> Estimate:
+    step, compute, comm = split
+    return Estimate(step_time_s=step, compute_s=compute, comm_s=comm, bubble_s=max(0.0, step - compute - comm),
+                    memory_bytes=int(memory.total), capacity_bytes=int(memory.capacity), fits=bool(memory.fits))
 
 
 def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: MemoryBreakdown,
                 bar: float = math.inf) -> Estimate | float:
     """The analytic estimate of the step ``facts`` describes, placed as ``device_ids`` on ``topology`` (``bar``: as
-    :func:`estimate`'s; a shared host's plays are not stopped).
+    :func:`estimate`'s; a shared host's plays are not stopped)."""
+    split = _played(facts, topology, device_ids, bar)
+    return split if isinstance(split, float) else _estimate(split, memory)
+
+
+def _played(facts: StepFacts, topology: Topology, device_ids, bar: float = math.inf) -> _Split | float:
+    """:func:`estimate_of`'s play: the step and its busiest stage's split, or the floor above ``bar`` it stopped at.
 
     A shared host (emulated devices): each device computing runs at host_share(n, P) of its speed with n
     computing at once in P programs (a pipeline's stages). One program (no stages): all its devices compute
@@ -139,6 +180,4 @@ def estimate_of(facts: StepFacts, topology: Topology, device_ids, memory: Memory
             share = cal.host_share(stages * per_stage + controller_load(p, host, step), max(1.0, stages))
             step, busy, comm, host = Play(priced, 1.0 / share).run()
     worst = max(range(p), key=lambda s: busy[s] + comm[s])
-    return Estimate(step_time_s=step, compute_s=busy[worst], comm_s=comm[worst],
-                    bubble_s=max(0.0, step - busy[worst] - comm[worst]), memory_bytes=int(memory.total),
-                    capacity_bytes=int(memory.capacity), fits=bool(memory.fits))
+    return _Split(step, busy[worst], comm[worst])

@@ -159,8 +159,8 @@ def _sort_key(objective: str, c: Candidate) -> tuple:
     return value, c.estimate.memory_bytes
 
 
-def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0,
-             floors: dict | None = None, bar: float = math.inf) -> Estimate | float | None:
+def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0, floors: dict | None = None,
+             bar: float = math.inf, plays: dict | None = None) -> Estimate | float | None:
     """The analytic estimate of ``plan``, or None when it needs more than ``memory_cap`` of device memory (with a
     finite ``bar``, a lower bound of the estimate above ``bar`` where it certainly is: testbed.explore.analytic).
 
@@ -168,14 +168,14 @@ def evaluate(plan: Plan, topology: Topology, memory_cap: float = 1.0,
     the model states of the fullest-looking stage (:func:`testbed.model.memory.state_floor`, the same for
     every schedule, microbatch count and remat of a mesh, so kept in ``floors`` across calls when given),
     then those stages' whole peak bytes (:func:`testbed.model.memory.stage_memory`). Neither changes which
-    plans fit: a plan is dropped only when some device of it overflows.
+    plans fit: a plan is dropped only when some device of it overflows (``plays``: estimate's memo of plays).
     """
     if _overflows(plan, topology, memory_cap, floors):
         return None
     memory = plan_memory(plan, topology)
     if memory.total > memory_cap * memory.capacity:
         return None
-    return estimate(plan, topology, memory, bar)
+    return estimate(plan, topology, memory, bar, plays)
 
 
 def _states_overflow(plan: Plan, limit: float, floors: dict | None) -> bool:
@@ -226,8 +226,7 @@ def search(base: Plan, topology: Topology, space: SearchSpace = SearchSpace(), *
     groups = [g for g in candidate_groups(base, topology.num_devices, space) if _within_limits(g.head)]
     if not groups:
         raise InputError(f"no layout of this model and batch divides over {topology.num_devices} devices within "
-                         f"the plan limits (testbed.plan.limits)",
-                         field="--devices")
+                         f"the plan limits (testbed.plan.limits)", field="--devices")
     start = time.perf_counter()
     # Every objective but MFU ranks plans of one model, batch and device count as step time does (MFU also
     # weighs each precision's peak): only then may a plan be skipped for its step-time floor.
@@ -289,7 +288,8 @@ class _Tier:
     shortlist: list[Candidate] = field(default_factory=list)
     deferred: list[tuple[float, Plan | tuple[CandidateGroup, int, tuple]]] = field(default_factory=list)
     floors: dict = field(default_factory=dict)
-    played: dict = field(default_factory=dict)  # the DES's timelines by program (testbed.sim.graph.engine.simulate)
+    played: dict = field(default_factory=dict)  # memos: the DES's programs and timelines (engine.simulate) and
+    plays: dict = field(default_factory=dict)  # the analytic tier's whole plays (testbed.explore.analytic.estimate)
     exposed: dict = field(default_factory=dict)  # testbed.sim.report.exposed.cached_exposed_by_kind's memo
     revived: list[Candidate] = field(default_factory=list)  # deferred plans _settle estimated after all (that fit)
     pruned: int = 0
@@ -419,7 +419,7 @@ def _estimate_into(tier: _Tier, plan: Plan, topology: Topology, memory_cap: floa
     """Estimate ``plan`` into ``tier``'s shortlist (or count it pruned when it does not fit), keeping the heap of
     the ``keep`` fastest estimates when given."""
     bar = -fastest[0] * (1 + margin) if fastest is not None and len(fastest) >= keep else math.inf
-    est = evaluate(plan, topology, memory_cap, tier.floors, bar)
+    est = evaluate(plan, topology, memory_cap, tier.floors, bar, tier.plays)
     if est is None:
         tier.pruned += 1
         return
@@ -463,7 +463,7 @@ def _settle(rest: list[Candidate], tier: _Tier, replayed: list[Candidate], topol
     while len(out) < SETTLE_LIMIT:
         while deferred and deferred[0][0] * (1 + margin) < best:  # its estimate may beat the best: estimate it
             plan = _built(deferred.pop(0)[1])
-            est = evaluate(plan, topology, memory_cap, tier.floors)
+            est = evaluate(plan, topology, memory_cap, tier.floors, plays=tier.plays)
             if est is None:
                 tier.pruned += 1
                 tier.bounded -= 1

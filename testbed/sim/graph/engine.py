@@ -55,8 +55,8 @@ from testbed.sim.price.host_threads import CONTROLLER_THREADS
 from testbed.sim.graph.pricing import Priced, controller_seconds, price
 from testbed.plan.placement import place
 from testbed.plan.spec import Plan
-from testbed.sim.graph.program import STREAMS, Program, TaskKind, build_program
-from testbed.sim.step.facts import topology_rules
+from testbed.sim.graph.program import STREAMS, Program, TaskKind, program_of
+from testbed.sim.step.facts import facts_key, keep, recall, step_facts, topology_rules
 from testbed.sim.step.step_rules import serial_host
 from testbed.sim.report.timeline import CATEGORIES, Report, Timeline
 from testbed.topology import Calibration, HostCalibration, Topology
@@ -332,34 +332,32 @@ def report(plan: Plan, topology: Topology, timeline: Timeline, tasks: int = 0) -
                   topology=topology.name, devices=topology.num_devices, tasks=tasks, source=timeline.source)
 
 
-#: Programs a :func:`simulate` memo keeps (each with its tasks, to compare whole on a hit), the latest.
+#: Programs a :func:`simulate` memo keeps (each with its timeline), the latest.
 MEMO_PROGRAMS = 16
 
 
 def simulate(plan: Plan, topology: Topology, memo: dict | None = None) -> Simulation:
     """Simulate one training step of ``plan`` on ``topology`` (raises InputError on a mismatched mesh).
 
-    ``memo`` (one dict per topology, empty at first): the timelines of the last :data:`MEMO_PROGRAMS` programs
-    played, by content. A plan whose task graph (its tasks, device map and matmul dtype: all :func:`price` and
-    :func:`run` read beside the topology) equals, task for task, one played before reuses its timeline; its
-    report is its own (memory, MFU).
+    ``memo`` (one dict per topology, empty at first): the programs and timelines of the last :data:`MEMO_PROGRAMS`
+    plans' keys played (testbed.sim.step.facts.facts_key: what program_of reads, known before it builds). A plan
+    whose key equals one played before is neither built nor played again: it reuses that program and timeline;
+    its report is its own (memory, MFU).
     """
-    program = build_program(plan, place(plan, topology), controller=topology.calibration.controller is not None,
-                            serial=serial_host(topology.calibration), **topology_rules(topology))
+    placement = place(plan, topology)
+    controller, serial = topology.calibration.controller is not None, serial_host(topology.calibration)
+    facts = step_facts(plan, placement.device_ids, **topology_rules(topology))
     dtype = plan_matmul_dtype(plan, topology)
-    content = (program.tasks, program.representative.tobytes(), dtype)
-    key = hash(content) if memo is not None else None
-    timeline = None
-    if memo is not None:
-        if memo.setdefault("topology", topology) is not topology:
-            raise ValueError("a simulate memo holds the programs of one topology")
-        hit = memo.get(key)
-        timeline = hit[1] if hit is not None and hit[0] == content else None
-    if timeline is None:
+    # What program_of and price read beyond the step facts: the placement's order and the matmul dtype.
+    key, extra = facts_key(facts, placement.device_ids, controller), (placement.order, serial, dtype)
+    if memo is not None and memo.setdefault("topology", topology) is not topology:
+        raise ValueError("a simulate memo holds the programs of one topology")
+    hit = recall(memo, key, extra) if memo is not None else None
+    if hit is not None:
+        program, timeline = hit
+    else:
+        program = program_of(facts, placement, controller=controller, serial=serial)
         timeline = run(program, price(program, topology, dtype), calibration=topology.calibration)
         if memo is not None:
-            memo.pop(key, None)
-            memo[key] = (content, timeline)
-            if len(memo) > MEMO_PROGRAMS + 1:  # the oldest program played (after the topology's entry)
-                del memo[next(k for k in memo if k != "topology")]
+            keep(memo, key, (program, timeline), MEMO_PROGRAMS, extra)
     return Simulation(report=report(plan, topology, timeline, len(program.tasks)), timeline=timeline, program=program)

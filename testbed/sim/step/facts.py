@@ -22,8 +22,8 @@ testbed.sim.step.grad_bytes'.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from testbed.model import buffers
 from testbed.model.layout import chunk_layers
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from testbed.topology import Topology
 
 __all__ = ["cached_chunk_cost", "cached_chunk_gemms", "StageUpdate", "Reduction", "StepFacts", "step_facts", "alike_key",
+           "facts_key", "FactsKey", "recall", "keep",
            "topology_rules",
            "accumulate_bytes", "cached_order", "bucket_share", "BUCKETS", "OPTIMIZER_FLOPS_PER_PARAM",
            "ACCUMULATE_PASSES", "FP32_ACCUMULATE_BYTES", "gradient_buckets", "reduce_bytes"]
@@ -217,6 +218,45 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                      reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates,
                      tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)),
                      accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters))
+
+
+class FactsKey(NamedTuple):
+    """:func:`facts_key`: ``plan`` (hashed: the plan's fields but its name, the device ids) and ``facts`` (the step
+    facts but their plan, compared only between keys of equal ``plan``: hashing thousands of ordered actions
+    costs as much as working them out)."""
+
+    plan: tuple
+    facts: tuple
+
+
+def facts_key(facts: StepFacts, device_ids, controller: bool) -> FactsKey:
+    """What both tiers' timing of the step ``facts`` describes follows from beside the topology, known before either
+    plays it: the facts but their plan, every plan field but its name, and the device ids (``controller``: the
+    topology's calibration has one). Each tier reads the plan's remat only through the facts (its recompute's
+    FLOPs, bytes and gathers are in the chunk facts) but for the controller's dispatch buffers
+    (testbed.model.buffers) and ring attention's steps (testbed.sim.graph.ring, context > 1), so elsewhere the
+    remat is left out: plans alike but for a remat that adds no work (selective under flash attention) share one
+    key (tests/test_graph_key.py holds equal keys to equal task graphs, DES steps and estimates)."""
+    plan = facts.plan
+    remat = plan.remat if controller or plan.mesh.context > 1 else None
+    plan_fields = tuple(getattr(plan, f.name) for f in fields(plan) if f.compare and f.name not in ("name", "remat"))
+    rest = tuple(getattr(facts, f.name) for f in fields(facts) if f.name != "plan")
+    return FactsKey((plan_fields, remat, device_ids.shape, device_ids.tobytes()), rest)
+
+
+def recall(memo: dict, key: FactsKey, extra: tuple = ()) -> Any:
+    """The value :func:`keep` put in ``memo`` under ``key`` (and ``extra``), or None."""
+    return next((value for facts, value in memo.get((key.plan, extra), ()) if facts == key.facts), None)
+
+
+def keep(memo: dict, key: FactsKey, value: Any, limit: int, extra: tuple = ()) -> None:
+    """Puts ``value`` in ``memo`` under ``key`` (and ``extra``), as the latest of at most ``limit`` plan keys (its
+    other entries: the memo's own, such as its topology, are kept)."""
+    entries = memo.pop((key.plan, extra), [])
+    memo[(key.plan, extra)] = [*(e for e in entries if e[0] != key.facts), (key.facts, value)]
+    keys = [k for k in memo if isinstance(k, tuple)]
+    if len(keys) > limit:  # the oldest
+        del memo[keys[0]]
 
 
 def alike_key(plan: Plan, stages: int, virtual: int, s: int, c: int, span: range) -> tuple:
