@@ -258,9 +258,10 @@ class Play:
             compute += wait
             piece += wait / pieces
         releases: tuple[Release, ...] = ()
+        held = 0.0  # the reductions' seconds held with the compute (step_rules.held_stream), as they leave
         if grads.release and piece:
             if not self.facts.reduce_in_backward:  # the replicas' one sum, after the stage's backward (program.py)
-                self.once[s] += pieces * priced.bucket
+                self.once[s] += pieces * (priced.bucket + priced.bucket_held)
                 self.early[s] = max(self.early[s], start + compute) + priced.early  # its own stream, from here
                 self.once_group[s] = self.once_group[s] or (priced.bucket_syncs[0][0] if priced.bucket_syncs else 1)
             # Each bucket once its piece has computed: where the blocks played their own gathers, when each ended.
@@ -273,7 +274,8 @@ class Play:
                 done = ends[k] if ends else done + (parts[k] + wait / pieces if parts else piece)
                 before += parts[k] if parts else 0.0
                 tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= step.tail_from else 0.0
-                out.append((max(done, tp), own, before / total if parts and total else (k + 1) / pieces))
+                out.append((max(done, tp) + held, own, before / total if parts and total else (k + 1) / pieces))
+                held += priced.held_each[k] if priced.held_each else priced.bucket_held
             releases = tuple(out)
         elif grads.each and priced.plays and self.played is not None and self.played.releases:  # as played
             releases = tuple((at, x, 1.0) for at, x in self.played.releases)
@@ -282,9 +284,11 @@ class Play:
             ends = self.block_ends[s] if priced.gather and len(self.block_ends[s]) == n else ()
             releases = tuple((ends[k] if ends else start + compute * (k + 1) / n, x, (k + 1) / n)
                              for k, x in enumerate(priced.scatter_each) if x)
-        elif grads.scatter and priced.scatter:
-            releases = ((start + compute, priced.scatter, 1.0),)
-        return compute + acc, wait, releases
+            held = priced.scatter_held
+        elif grads.scatter and (priced.scatter or priced.scatter_held):
+            releases = ((start + compute, priced.scatter, 1.0),) if priced.scatter else ()
+            held = priced.scatter_held
+        return compute + acc + held, wait + held, releases
 
     def _iteration(self, s: int) -> None:
         """A microbatch of a loop XLA keeps (testbed.sim.step.grad_bytes.loop_kept) begins once the one before it has

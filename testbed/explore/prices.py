@@ -24,12 +24,21 @@ from testbed.sim.step.facts import StepFacts, accumulate_bytes, alike_key, bucke
 from testbed.sim.graph.grad_tasks import allreduce_count
 from testbed.sim.step.moe import Piece
 from testbed.sim.graph.ring import ring_action_seconds, ring_neighbours
-from testbed.sim.step.step_rules import (GatherMode, Gradients, gather_mode, gradients, runs_serially, sequence_apart,
-                                    serial_host)
+from testbed.sim.step.step_rules import (GatherMode, Gradients, gather_mode, gradients, held_stream, runs_serially,
+                                    sequence_apart, serial_host)
 from testbed.sim.step.step_rules import pieces as step_pieces
 from testbed.topology import Topology
 
-__all__ = ["StepPrices", "ActionPrice", "PricedSend"]
+__all__ = ["StepPrices", "ActionPrice", "PricedSend", "Reduced"]
+
+
+class Reduced(NamedTuple):
+    """One gradient bucket's reduction, priced: its seconds on the grad stream, its collectives as barriers, and its
+    seconds held in program order with the compute (testbed.sim.step.step_rules.held_stream: XLA:TPU's all-reduces)."""
+
+    seconds: float
+    syncs: Syncs
+    held: float = 0.0
 
 
 class PricedSend(NamedTuple):
@@ -74,6 +83,9 @@ class ActionPrice(NamedTuple):
     scatter_each: tuple[float, ...] = ()  # an earlier microbatch's reduce-scatter bucket by bucket (grad_bytes.loop_kept)
     chain: bool = False  # an MoE chain (testbed.sim.step.step_rules.gradients reads it)
     ring_hidden: float = 0.0  # the ring's sends beside its compute (context parallelism: testbed.sim.graph.ring)
+    bucket_held: float = 0.0  # one bucket's reduction seconds held with the compute (step_rules.held_stream)
+    held_each: tuple[float, ...] = ()  # each bucket's so held where they differ (empty: ``bucket_held``)
+    scatter_held: float = 0.0  # an earlier microbatch's reduce-scatter seconds held with the compute
 
 
 class StepPrices:
@@ -97,7 +109,7 @@ class StepPrices:
         self.tied_s = tied_seconds(topology, ids, facts.tied_bytes)
         self.prices: dict[tuple[int, int, str], ActionPrice] = {}
         self._played: dict[tuple, ActionPrice] = {}  # :meth:`played`'s memo
-        self._reduced: dict[tuple, tuple[float, Syncs]] = {}  # :meth:`_reduce`'s memo
+        self._reduced: dict[tuple, Reduced] = {}  # :meth:`_reduce`'s memo
         plan, v = facts.plan, facts.virtual
         spans = chunk_layers(plan.model, p, v, plan.stage_layers)
         for s in range(p):
@@ -181,7 +193,7 @@ class StepPrices:
         grads = gradients(facts, kind, bool(chain), 0)
         last = grads.ends
         release, pieces = grads.release, step_pieces(chunk, grads, GatherMode.NONE)
-        piece = bucket = scatter = acc = sequence_s = 0.0
+        piece = bucket = scatter = acc = sequence_s = held = scatter_held = 0.0
         bucket_syncs: Syncs = ()
         each: tuple[float, ...] = ()
         if release:  # the program reduces even a one-layer chunk's gradients
@@ -189,10 +201,10 @@ class StepPrices:
                 topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces), rep_b / pieces,
                 split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces), scaled_spans(work.spans, 1 / pieces))
             parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
-            bucket, bucket_syncs, sequence_s, each = self._buckets(s, chunk, pieces)
+            bucket, bucket_syncs, sequence_s, each, held = self._buckets(s, chunk, pieces)
         scatter_each: tuple[float, ...] = ()
         if last and facts.per_microbatch and facts.microbatches > 1:
-            scatter, scatter_each = self._scatters(s, chunk, bool(chain))
+            scatter, scatter_each, scatter_held = self._scatters(s, chunk, bool(chain))
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
@@ -208,10 +220,11 @@ class StepPrices:
         syncs = self._syncs(chunk, work, not chain and not ringed, bool(scatter), bucket_syncs, pieces)
         spans = gathering and not chain and not ringed  # the blocks played span by span, as the task graph's
         return ActionPrice(whole, tp_s, gather if gathering else 0.0, piece, pieces, bucket, scatter, sends, acc, syncs,
-                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks, bucket_each=each,
+                       bucket_syncs, hidden, 1 if work.chain else chunk.blocks, blocks,
+                       bucket_each=tuple(r.seconds for r in each), held_each=tuple(r.held for r in each),
                        send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
                        scatter_each=scatter_each, ring_hidden=ring_hidden,
-                       chain=bool(chain),
+                       chain=bool(chain), bucket_held=held, scatter_held=scatter_held,
                        **(self._plays(s, chunk, work, pieces, release, bool(scatter_each)) if spans else {}))
 
     def _sends(self, s: int, work: ActionWork) -> tuple[PricedSend, ...]:
@@ -236,27 +249,29 @@ class StepPrices:
         return (merge([*ends, *own, *([(g_ways, max(1, chunk.leaves))] if scatter else [])]),
                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)]))
 
-    def _buckets(self, s: int, chunk: ChunkFacts, pieces: int) -> tuple[float, Syncs, float, tuple[float, ...]]:
+    def _buckets(self, s: int, chunk: ChunkFacts, pieces: int
+                 ) -> tuple[float, Syncs, float, tuple[Reduced, ...], float]:
         """The chunk's last backward's ``pieces`` gradient buckets: (one bucket's reduction seconds, its barriers,
         the sequence-replicated gradients' sum as the compute ends (its own stream; each microbatch's is the same
         small sum, counted once), each bucket's own seconds where they differ: its block's merged sizes, or its own
-        count of collectives as the task graph's buckets; empty: all alike)."""
+        count of collectives as the task graph's buckets, :class:`Reduced`; empty: all alike; one bucket's seconds
+        held with the compute)."""
         facts, reduced = self.facts, chunk.reduced
         early = sequence_apart(facts)
-        bucket, syncs = self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
+        bucket, syncs, held = self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
                                      chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0),
                                      False if early else None)
         sequence_s = self._reduce(s, reduced.last, chunk.special(1.0, facts.reduce_bytes),
                                   select=True)[0] if early else 0.0
-        each: tuple[float, ...] = ()
+        each: tuple[Reduced, ...] = ()
         if chunk.bucket_sizes and pieces == len(chunk.bucket_sizes):
-            each = tuple(sum(self._reduce(s, reduced.last * f, chunk.special(f, facts.reduce_bytes), n)[0]
-                             for f, n in chunk.bucket(pieces, k)) for k in range(pieces))
+            each = tuple(_summed([self._reduce(s, reduced.last * f, chunk.special(f, facts.reduce_bytes), n)
+                                  for f, n in chunk.bucket(pieces, k)]) for k in range(pieces))
         elif chunk.reduction_collectives and chunk.reduction_collectives % pieces:
-            own = {n: self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)[0]
+            own = {n: self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)
                    for n in {bucket_share(chunk.reduction_collectives, pieces, k) for k in range(pieces)}}
             each = tuple(own[bucket_share(chunk.reduction_collectives, pieces, k)] for k in range(pieces))
-        return bucket, syncs, sequence_s, each
+        return bucket, syncs, sequence_s, each, held
 
     def _plays(self, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, final: bool, scatters: bool
                ) -> dict[str, tuple]:
@@ -268,15 +283,19 @@ class StepPrices:
                 "plays_scatter": priced_plays(self, s, chunk, work, chunk.buckets, True, accumulate=True)
                 if scatters else ()}
 
-    def _scatters(self, s: int, chunk: ChunkFacts, chain: bool) -> tuple[float, tuple[float, ...]]:
+    def _scatters(self, s: int, chunk: ChunkFacts, chain: bool) -> tuple[float, tuple[float, ...], float]:
         """An earlier microbatch's reduce-scatter into the sharded accumulator: its seconds, and in a loop XLA keeps
         (testbed.sim.step.grad_bytes.loop_kept) each bucket's as testbed.sim.graph.program reduce-scatters them, bucket by
-        bucket as the backward makes them (empty: one, after the backward)."""
+        bucket as the backward makes them (empty: one, after the backward); the seconds of it held with the compute
+        (all of it where the compiler runs its collective blocking: step_rules.held_stream; then the others are 0)."""
         coll, axes, n = self.coll, self.facts.per_microbatch, max(1, chunk.leaves)
         each: tuple[float, ...] = ()
         if gradients(self.facts, self.facts.last_backward, chain, 1).each and chunk.buckets > 1:
             each = tuple(self._accumulated(s, chunk, chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
-        return n * coll.time(self.facts.accumulate_op, axes, s, chunk.reduced.each_microbatch / n), each
+        total = n * coll.time(self.facts.accumulate_op, axes, s, chunk.reduced.each_microbatch / n)
+        if held_stream(self.facts, self.facts.accumulate_op, "grad") == "compute":
+            return 0.0, tuple(0.0 for _ in each), sum(each) if each else total
+        return total, each, 0.0
 
     def _accumulated(self, s: int, chunk: ChunkFacts, buckets) -> float:
         """Seconds of an earlier microbatch's reduce-scatters of ``buckets`` (ChunkFacts.bucket's (share,
@@ -327,13 +346,15 @@ class StepPrices:
         return whole, ringed, work.chain
 
     def _reduce(self, stage: int, nbytes: float, special: tuple, leaves: float = 0.0,
-                tail: tuple[float, float] = (0.0, 0.0), select: bool | None = None) -> tuple[float, Syncs]:
+                tail: tuple[float, float] = (0.0, 0.0), select: bool | None = None) -> Reduced:
         """One gradient bucket's reduction (testbed.sim.graph.program's ``_reduce``, by the facts' reductions): per
         parameter kind, a reduce-scatter over its reduction axes the optimizer state is sharded on (``leaves``
         collectives of the bucket when the parameters are sharded, a share of them per kind; 0: one), then an
         all-reduce over the rest (with ``tail``, ChunkFacts.tail, the token table's apart after a tensor
-        all-gather; ``select``: testbed.sim.graph.grad_tasks.reduce_tasks'). Its seconds and its collectives as barriers
-        (testbed.sim.price.barriers), the first first. Memoized per step (a chunk's alike buckets and blocks)."""
+        all-gather; ``select``: testbed.sim.graph.grad_tasks.reduce_tasks'). Its seconds (those the compiler runs
+        blocking held with the compute: step_rules.held_stream, but the sequence-replicated gradients' sum's, on their
+        own stream) and its collectives as barriers (testbed.sim.price.barriers), the first first. Memoized per step
+        (a chunk's alike buckets and blocks)."""
         key = (stage, nbytes, special, leaves, tail, select)
         hit = self._reduced.get(key)
         if hit is None:
@@ -341,9 +362,13 @@ class StepPrices:
         return hit
 
     def _reduce_of(self, stage: int, nbytes: float, special: tuple, leaves: float, tail: tuple[float, float],
-                   select: bool | None) -> tuple[float, Syncs]:
+                   select: bool | None) -> Reduced:
         """:meth:`_reduce`, not memoized."""
-        mesh, t, syncs = self.facts.plan.mesh, 0.0, []
+        mesh, syncs, facts = self.facts.plan.mesh, [], self.facts
+        times = {False: 0.0, True: 0.0}  # held with the compute or not -> seconds
+
+        def add(op: str, seconds: float) -> None:
+            times[select is not True and held_stream(facts, op, "grad") == "compute"] += seconds
         for r in self.facts.reductions:
             size = r.size(nbytes, special)
             if size <= 0 or (select is not None and r.sequence != select):
@@ -351,17 +376,17 @@ class StepPrices:
             token = tail[0] if not (r.expert or r.sequence or r.sharded) and r.rest else 0.0
             if r.sharded:
                 n = max(1.0, leaves * size / nbytes) if leaves else 1.0
-                t += n * self.coll.time(r.scatter_op, r.sharded, stage, size / n)
+                add(r.scatter_op, n * self.coll.time(r.scatter_op, r.sharded, stage, size / n))
                 syncs.append((r.ways, n))
             if r.rest:
                 n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes, special[0], r.expert)
-                t += n_ar * self.coll.time("all_reduce", r.rest, stage, (size - token) / r.ways / n_ar)
+                add("all_reduce", n_ar * self.coll.time("all_reduce", r.rest, stage, (size - token) / r.ways / n_ar))
                 syncs.append((math.prod(mesh.degree(a) for a in r.rest), n_ar))
             if token:  # the embedding's merged gather over tensor, then the token table's sum
-                t += self.coll.time("all_gather", (Axis.TENSOR,), stage, tail[1])
-                t += self.coll.time("all_reduce", r.rest, stage, token / r.ways)
+                add("all_gather", self.coll.time("all_gather", (Axis.TENSOR,), stage, tail[1]))
+                add("all_reduce", self.coll.time("all_reduce", r.rest, stage, token / r.ways))
                 syncs += [(mesh.tensor, 1), (math.prod(mesh.degree(a) for a in r.rest), 1)]
-        return t, tuple(syncs)
+        return Reduced(times[False], tuple(syncs), times[True])
 
     def _exposed_all_to_all(self, chain: tuple[Piece, ...], stage: int) -> float:
         """Seconds an action's MoE all-to-alls block it (testbed.sim.step.moe's chain): each all-to-all less the shared
@@ -375,3 +400,8 @@ class StepPrices:
                                           gemms=beside.gemms) if beside else 0.0
                 total += max(0.0, a2a - overlap)
         return total
+
+
+def _summed(reduced: list[Reduced]) -> Reduced:
+    """Reductions one after another, as one (their barriers' count is not read)."""
+    return Reduced(sum(r.seconds for r in reduced), (), sum(r.held for r in reduced))

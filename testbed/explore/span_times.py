@@ -17,7 +17,7 @@ from testbed.sim.price.compute import compute_seconds
 from testbed.sim.step.chunk_facts import ActionWork, ChunkFacts
 from testbed.sim.step.span_order import BlockPlay, span_kernels, time_block
 from testbed.sim.graph.span_play import action_plays
-from testbed.sim.step.step_rules import gather_after
+from testbed.sim.step.step_rules import gather_after, held_stream
 
 if TYPE_CHECKING:
     from testbed.explore.prices import StepPrices
@@ -26,14 +26,17 @@ __all__ = ["PricedBlock", "priced_plays", "play_blocks"]
 
 
 class PricedBlock(NamedTuple):
-    """One block's play, each item's seconds (a bucket item's: 0), each bucket item's reductions' seconds, the
-    block's compute seconds, and each of its merged gathers' seconds (ChunkFacts.gather_sizes)."""
+    """One block's play, each item's seconds (a bucket item's: those of its reductions held with the compute,
+    testbed.sim.step.step_rules.held_stream), each bucket item's reductions' seconds on the grad stream, the block's
+    compute seconds, each of its merged gathers' seconds (ChunkFacts.gather_sizes), and which of them are held with
+    the compute."""
 
     play: BlockPlay
     seconds: tuple[float, ...]
     buckets: tuple[float, ...]
     compute: float
     merges: tuple[float, ...] = ()
+    held: tuple[bool, ...] = ()
 
 
 def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, reduce: bool,
@@ -74,14 +77,21 @@ def priced_plays(step: StepPrices, s: int, chunk: ChunkFacts, work: ActionWork, 
                 seconds.append(step._tensor_seconds(s, item.transfers))
             else:
                 j, lo, hi = item.bucket
-                seconds.append(0.0)
-                nbytes = step._accumulated(s, chunk, chunk.bucket(pieces, j)[lo:hi]) if accumulate else sum(
-                    step._reduce(s, chunk.reduced.last * f, chunk.special(f, facts.reduce_bytes), n)[0]
-                    for f, n in chunk.bucket(pieces, j)[lo:hi])
+                if accumulate:
+                    x = step._accumulated(s, chunk, chunk.bucket(pieces, j)[lo:hi])
+                    held = held_stream(facts, facts.accumulate_op, "grad") == "compute"
+                    seconds.append(x if held else 0.0)
+                    nbytes = 0.0 if held else x
+                else:
+                    reduced = [step._reduce(s, chunk.reduced.last * f, chunk.special(f, facts.reduce_bytes), n)
+                               for f, n in chunk.bucket(pieces, j)[lo:hi]]
+                    seconds.append(sum(r.held for r in reduced))
+                    nbytes = sum(r.seconds for r in reduced)
             buckets.append(nbytes)
         compute = sum(x for x, item in zip(seconds, play.items) if item.stream == "compute")
         merges = tuple(time(op, axes, s, n) for n, op in zip(sizes[k], ops[k])) if k < len(sizes) else ()
-        out.append(PricedBlock(play, tuple(seconds), tuple(buckets), compute, merges))
+        held = tuple(held_stream(facts, op, "gather") == "compute" for op in ops[k]) if k < len(sizes) else ()
+        out.append(PricedBlock(play, tuple(seconds), tuple(buckets), compute, merges, held))
     return tuple(out)
 
 
@@ -104,24 +114,38 @@ def play_blocks(plays: tuple[PricedBlock, ...], gathers: tuple[float, ...], star
     is done (``before``: the stage's previous gathering action's), and the unlinked last layer's once the head's
     input gradient is summed (testbed.sim.step.span_order's ``waits``); each span of the block once what the previous
     block leaves (from ``start``) and the merged gathers it reads are done (each merge landing in its share of the
-    block's gather: testbed.sim.step.span_order), its compute items ``scale`` times as long."""
+    block's gather: testbed.sim.step.span_order), its compute items ``scale`` times as long. A block's merges the
+    compiler runs blocking (PricedBlock.held) run on the compute stream once it and the gather's wait are done,
+    before the block's compute (testbed.sim.step.step_rules.held_stream)."""
     gather_end, compute, tensor = gather_free, start, start
     starts, ends, dones, flying, releases, summed = [], [], [], [], [], []
     for i, (g, block) in enumerate(zip(gathers, plays)):
         after = gather_after(i, prefetch, dones, before) or 0.0
         if block.play.waits >= 0:  # the unlinked last layer's, after the head's summed input gradient
             after = max(after, summed[block.play.waits])
-        begin = max(gather_end, after)
-        gather_end = begin + g
-        flying.append((begin, gather_end))
-        total = sum(block.merges)  # each merge lands in its share of the block's gather (g: with a barrier's wait)
-        merges = tuple(itertools.accumulate((begin, *(x * g / total for x in block.merges))))[1:] if total else ()
         previous = ends[-1] if ends else start
-        t0 = max(previous, gather_end)
+        total = sum(block.merges)  # each merge lands in its share of the block's gather (g: with a barrier's wait)
+        if any(block.held):  # those the compiler runs blocking: on the compute stream before the block
+            held = sum(x for x, h in zip(block.merges, block.held) if h) * g / total
+            begin = max(gather_end, after)
+            gather_end = begin + g - held
+            compute = max(compute, previous, after) + held
+            flying.append((begin, gather_end))
+            free = itertools.accumulate((begin, *(0.0 if h else x * g / total for x, h in zip(block.merges,
+                                                                                               block.held))))
+            merges = tuple(compute if h else at for at, h in zip(tuple(free)[1:], block.held))
+            landed = max(gather_end, compute)
+        else:
+            begin = max(gather_end, after)
+            gather_end = begin + g
+            flying.append((begin, gather_end))
+            merges = tuple(itertools.accumulate((begin, *(x * g / total for x in block.merges))))[1:] if total else ()
+            landed = gather_end
+        t0 = max(previous, landed)
         seconds = block.seconds if scale[i] == 1.0 else tuple(x * scale[i] if item.stream == "compute" else x
                                                                for x, item in zip(block.seconds, block.play.items))
         end, done, compute, tensor, out, first, sums = time_block(block.play, seconds, t0, previous, merges,
-                                                                  gather_end, compute, tensor)
+                                                                  landed, compute, tensor)
         summed.append(sums)
         starts.append(min(t0, first))
         ends.append(end)

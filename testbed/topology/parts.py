@@ -310,13 +310,20 @@ class DeviceSpec:
         ``all-reduce-start``/``-done`` pair or async collective fusion chain, and libtpu 0.0.42 places a data-parallel
         gradient bucket as soon as its gradients are ready, among the backward's matmuls, with nothing beside it:
         benchmarks/xla_tpu_probes/allreduce_schedule.json). A traced program's such collective waits for the compute
-        issued before it, and the compute after it for the collective (testbed.sim.graph.traced_graph). The plan's tiers sum a replicated gradient once after the backward
-        (testbed.sim.step.facts.StepFacts.reduce_in_backward), which this rule agrees with; they do not read it yet,
-        so a whole slice's gathers and reduce-scatters lowered as all-reduces still run beside their compute there
-        (tests/test_program_vs_plan.py, ``BLOCKING_LOWERED``)."""
+        issued before it, and the compute after it for the collective (testbed.sim.graph.traced_graph); the plan's
+        tiers read it through :meth:`held_collectives`."""
         if self.synchronous_collectives():
             return frozenset(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute"))
         return frozenset(("all_reduce",)) if self.buffer_rules == "xla-tpu" else frozenset()
+
+    def held_collectives(self) -> frozenset[str]:
+        """The collective kinds the plan's tiers play in program order with the compute (testbed.sim.step.step_rules.
+        held_stream): :meth:`blocking_collectives` where the compiler runs the others asynchronously (XLA:TPU's
+        all-reduces: a whole slice's parameter gathers and gradient reduce-scatters lowered as all-reduces,
+        testbed.sim.xla.xla_tpu, hold the compute as the traced tier's do). None where every collective is synchronous
+        (XLA:CPU): the host's plan prices its collectives on their calibrated streams and shared-host barriers
+        (testbed.topology.host_calibration, testbed.sim.price.barriers), fitted with them there."""
+        return frozenset() if self.synchronous_collectives() else self.blocking_collectives()
 
     def fuses_into_matmuls(self) -> bool:
         """Whether the compiler fuses a traced program's elementwise producers and consumers into its matmuls'

@@ -24,7 +24,8 @@ backward's compute ends, testbed.sim.step.grad_bytes.summed_in_the_step) and ``e
 all-to-alls under expert parallelism, beside the shared experts' compute:
 testbed.sim.step.moe) and ``ring`` (ring attention's K/V sends to the next
 context rank, beside each ring step's attention: testbed.sim.graph.ring). A stream runs its tasks in program order, one at a
-time; a task also waits for its ``deps``.
+time; a task also waits for its ``deps``. A gather or gradient reduction the compiler runs blocking (XLA:TPU's
+all-reduces) plays on the ``compute`` stream in its place in program order (testbed.sim.step.step_rules.held_stream).
 
 The controller (``build_program(..., controller=True)``): one host thread
 prepares the step (task ``op="step"``, ``"pipeline step"`` for a pipeline:
@@ -68,6 +69,7 @@ testbed.sim.graph.grad_play's (a mixin of the graph, as testbed.sim.graph.span_p
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 
@@ -85,7 +87,7 @@ from testbed.sim.graph.grad_play import GradBucket, GradPlay, grad_bucket
 from testbed.sim.graph.grad_tasks import tied_task
 from testbed.sim.graph.span_play import BlockWork, SpanPlay
 from testbed.sim.step.step_rules import (ActionStep, Dispatch, GatherMode, action_dispatch, action_steps, gather_after,
-                                    runs_serially, step_dispatch, step_prepare, update_dispatch)
+                                    held_stream, runs_serially, step_dispatch, step_prepare, update_dispatch)
 from testbed.sim.step.moe import A2A_STREAM
 from testbed.sim.graph.ring import RING_STREAM, layers_share, ring_neighbours, ring_tasks
 from testbed.sim.graph.tasks import Builder, Program, Task, TaskKind, axis_groups, axis_groups_cached, rep_group
@@ -101,7 +103,8 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
                   chained_gathers: bool = False, native_reductions: bool = False,
                   allreduce_bytes: float | None = None, fused_updates: bool = False,
                   whole_slice_scatters: bool = False, recompute_gathers: bool = False,
-                  narrowed_gathers: bool = False, gather_allreduce: float = 0.0) -> Program:
+                  narrowed_gathers: bool = False, gather_allreduce: float = 0.0,
+                  held: frozenset[str] = frozenset()) -> Program:
     """The task graph of one training step of ``plan`` on ``placement``.
 
     Args:
@@ -118,10 +121,11 @@ def build_program(plan: Plan, placement: Placement, schedule: Schedule | None = 
         fused_updates: the compiler fuses updates into the weight gradients (DeviceSpec.fused_updates).
         whole_slice_scatters, recompute_gathers, narrowed_gathers, gather_allreduce: XLA:TPU's collective rules
             (testbed.sim.xla.xla_tpu; step_facts).
+        held: the collective kinds played in program order with the compute (DeviceSpec.held_collectives).
     """
     return program_of(step_facts(plan, placement.device_ids, combine_bytes, schedule, chained_gathers,
                                  native_reductions, allreduce_bytes, fused_updates, whole_slice_scatters,
-                                 recompute_gathers, narrowed_gathers, gather_allreduce), placement,
+                                 recompute_gathers, narrowed_gathers, gather_allreduce, held), placement,
                       controller=controller, serial=serial)
 
 
@@ -139,6 +143,9 @@ def program_of(facts: StepFacts, placement: Placement, controller: bool = False,
         graph.update(s, kept=s not in ends)
     if runs_serially(serial, facts.stages, placement.device_ids[0].size):
         graph.b.serialize(graph.programs)
+    if facts.held:  # the collectives the compiler runs blocking, in program order on the compute stream
+        graph.b.tasks = [t if (stream := held_stream(facts, t.op, t.stream)) == t.stream or t.kind is not
+                         TaskKind.COLLECTIVE else replace(t, stream=stream) for t in graph.b.tasks]
     return Program(tasks=tuple(graph.b.tasks), representative=graph.representative, schedule=facts.schedule)
 
 

@@ -83,6 +83,9 @@ class StepFacts:
     #: The collective an earlier microbatch's gradients are summed into the sharded accumulator with over
     #: ``per_microbatch`` (testbed.sim.xla.xla_tpu.accumulate_op: ``reduce_scatter``, or XLA:TPU's all-reduce of it).
     accumulate_op: str = "reduce_scatter"
+    #: The collective kinds played in program order with the compute (testbed.topology.parts.DeviceSpec.
+    #: held_collectives; testbed.sim.step.step_rules.held_stream).
+    held: frozenset[str] = frozenset()
 
     @property
     def stages(self) -> int:
@@ -149,13 +152,15 @@ class StepFacts:
 def topology_rules(topology: Topology) -> dict[str, Any]:
     """What :func:`step_facts` (and testbed.sim.graph.program.build_program) take from ``topology``, read here once for
     both tiers: its compiler's merge bounds (``calibration.collectives``) and device rules (gathers on a resource of
-    their own, bf16 reduced in bf16, the optimizer fused into the weight gradients)."""
+    their own, bf16 reduced in bf16, the optimizer fused into the weight gradients, the collectives held in program
+    order with the compute)."""
     collectives, device = topology.calibration.collectives, topology.device
     return {"combine_bytes": collectives.combine_bytes, "allreduce_bytes": collectives.allreduce_combine_bytes,
             "chained_gathers": device.gathers_apart(), "native_reductions": device.native_reductions(),
             "fused_updates": device.fused_updates(), "whole_slice_scatters": scatters_as_allreduce(topology),
             "recompute_gathers": regathers_for_recompute(topology),
-            "narrowed_gathers": narrows_gathers(topology), "gather_allreduce": gather_allreduce_bytes(topology)}
+            "narrowed_gathers": narrows_gathers(topology), "gather_allreduce": gather_allreduce_bytes(topology),
+            "held": device.held_collectives()}
 
 
 def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
@@ -163,7 +168,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                native_reductions: bool = False, allreduce_bytes: float | None = None,
                fused_updates: bool = False, whole_slice_scatters: bool = False,
                recompute_gathers: bool = False, narrowed_gathers: bool = False,
-               gather_allreduce: float = 0.0) -> StepFacts:
+               gather_allreduce: float = 0.0, held: frozenset[str] = frozenset()) -> StepFacts:
     """The facts of one step of ``plan`` placed as ``device_ids`` (testbed.plan.placement's array).
 
     Args:
@@ -181,8 +186,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
             gradients' (XLA:TPU: testbed.sim.xla.xla_tpu.regathers_for_recompute).
         narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weights and activations only matmuls read in bf16, over
-            a whole slice small buffers as merged all-reduces (testbed.sim.xla.xla_tpu).
-    """
+            a whole slice small buffers as merged all-reduces (testbed.sim.xla.xla_tpu). held: the collective kinds
+            played in program order with the compute (DeviceSpec.held_collectives)."""
     mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
     schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
                                                                                                order_of(schedule))
@@ -217,7 +222,7 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
                      params_ways=sharding.ways(plan, "params"), optimizer_ways=o_ways, per_microbatch=per_microbatch,
                      reductions=reductions, combine_bytes=combine, chunks=chunks, updates=updates,
                      tied_bytes=tied_copy_bytes(plan, reduce_bytes(plan, grad_b)),
-                     accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters))
+                     accumulate_op=accumulate_op(per_microbatch, mesh, whole_slice_scatters), held=frozenset(held))
 
 
 class FactsKey(NamedTuple):

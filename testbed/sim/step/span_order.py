@@ -309,8 +309,9 @@ def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, previo
     ``previous`` (the previous block's) and that merge (``merges``: when each of the block's lands; none: at
     ``gathered``) are, :data:`WAITING` at ``gathered``). Returns (when what the next block waits for is done, when
     the block is done, the compute stream's and the tensor stream's end, each ``buckets`` item's index and when it
-    leaves, when its first compute item starts, when its input gradient is summed: ``play.summed``'s end, 0 where
-    none)."""
+    leaves (its seconds: those of its reductions held on the compute stream,
+    testbed.sim.step.step_rules.held_stream), when its first compute item starts, when its input gradient is summed:
+    ``play.summed``'s end, 0 where none)."""
     ends: list[float] = []
     releases = []
     first = None
@@ -341,9 +342,12 @@ def time_block(play: BlockPlay, seconds: tuple[float, ...], start: float, previo
             if tensor > at:
                 at = tensor
             tensor = at + s
-        else:
+        else:  # a bucket: its reductions leave for the grad stream, those held (``s``) run on the compute stream
+            if s:
+                at = max(at, compute)
+                compute = at + s
             releases.append((len(ends), at))
-            ends.append(at)
+            ends.append(at + s)
             continue
         ends.append(at + s)
     return (max(when(d) for d in play.after), when(play.done[-1]), compute, tensor, releases,

@@ -19,7 +19,9 @@ into times on a few streams; both ask the same functions:
 - which buckets leave only after the action's tensor collectives (:func:`first_tail_bucket`, none of an MoE
   chain);
 - the per-microbatch iteration barrier of a loop XLA keeps (:func:`iteration`);
-- blocking sends (:func:`waits_for_sends`).
+- blocking sends (:func:`waits_for_sends`);
+- the parameter gathers and gradient reductions the compiler runs blocking (:func:`held_stream`: XLA:TPU's
+  all-reduces), played in program order on the compute stream.
 
 :func:`action_steps` walks the step's actions in execution order and applies these rules to each, once: both tiers
 play the :class:`ActionStep` records it yields, none asks the rules of an action itself.
@@ -44,7 +46,7 @@ from testbed.topology import Calibration
 
 __all__ = ["after_tensor", "Dispatch", "PREPARE_STEP", "PREPARE_PIPELINE", "step_prepare", "prepare_seconds",
            "dispatch_seconds", "step_dispatch", "action_dispatch", "update_dispatch",
-           "serial_host", "runs_serially", "gather_after", "GatherMode", "gather_mode", "Gradients", "gradients",
+           "serial_host", "runs_serially", "HELD_STREAMS", "held_stream", "gather_after", "GatherMode", "gather_mode", "Gradients", "gradients",
            "Microbatches", "sequence_apart", "first_tail_bucket", "Iteration", "iteration", "waits_for_sends",
            "pieces", "ActionStep", "action_steps"]
 
@@ -104,6 +106,19 @@ def serial_host(calibration: Calibration) -> bool:
     """Whether the host runs a process's programs over several devices one at a time, each once the previous has
     completed, in dispatch order (``calibration.host.serial_programs``: XLA:CPU's PjRt client)."""
     return calibration.host is not None and calibration.host.serial_programs
+
+
+#: The side streams whose collectives the compiler may run blocking: the parameter gathers' and the gradient
+#: reductions' (testbed.sim.graph.program's streams).
+HELD_STREAMS = ("gather", "grad")
+
+
+def held_stream(facts: StepFacts, op: str, stream: str) -> str:
+    """The stream a parameter gather or gradient reduction ``op`` (on its own ``stream``) plays on: the compute's
+    where the compiler runs ``op`` blocking (StepFacts.held: testbed.topology.parts.DeviceSpec.held_collectives,
+    XLA:TPU's all-reduces), waiting for the compute issued before it and the compute after it waiting for it, as
+    the traced tier plays it (testbed.sim.graph.traced_graph); else its own."""
+    return "compute" if stream in HELD_STREAMS and op in facts.held else stream
 
 
 def runs_serially(serial: bool, stages: int, devices_per_stage: int) -> bool:
