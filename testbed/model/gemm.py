@@ -396,7 +396,7 @@ def policy_recompute_flops(plan: Plan, spec: ModelSpec, layers: int, moe_layers:
         return dense_layers_attention_flops(spec, b, t, layers)
     if keeps_flash_under_full(plan):  # full remat without the flash kernel's forward: kept, not rerun
         return -dense_layers_attention_flops(spec, b, t, layers)
-    if policy in ("runner", "save-dots", "save-dots-flash") or plan.remat is Remat.NONE:  # selective's, or the
+    if policy in ("runner", "save-dots", "save-dots-flash", "save-flash") or plan.remat is Remat.NONE:  # selective's, or the
         return 0  # runner's
     dense = layers - moe_layers
     if plan.remat is Remat.FULL and policy in SAVED_PROJECTIONS:  # fewer than the runner's: the saved ones
