@@ -44,6 +44,7 @@ from testbed.runner.norms import layer_norm as _layer_norm
 from testbed.runner.ring_attention import ContextShards
 from testbed.runner.tpu_attention import AttentionKernel, splash_attention
 from testbed.model import layout
+from testbed.model.kept import DOTS_POLICIES
 from testbed.model.layout import Init, ParamSpec, Part
 from testbed.model.leaves import linked_layer
 from testbed.plan.spec import Attention, ModelSpec, Norm, Position, Precision, Remat
@@ -358,7 +359,7 @@ def stage_forward(params_layers: Sequence[Params], x: jax.Array, spec: ModelSpec
     weight = 1.0 / x.shape[0] if aux_weight is None else float(aux_weight)
     arch = _arch(spec)._replace(seq=seq, fsdp=fsdp, context=context, experts=experts, aux_weight=weight,
                                 kernel=AttentionKernel(kernel))
-    if save_dots in ("save-dots", "save-dots-flash"):  # the policy decides what the whole block keeps
+    if save_dots in DOTS_POLICIES:  # the policy decides what the whole block keeps
         step = jax.checkpoint(_block, static_argnums=(2, 3, 5), policy=_dots_policy(save_dots))
         remat = Remat.NONE  # no inner attention checkpoint
     elif remat is Remat.FULL:
