@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-__all__ = ["AttentionKernel", "attention_kernel", "splash_block", "SplashBlocks", "LANES", "SPLASH_BLOCKS",
+if TYPE_CHECKING:
+    from testbed.plan.spec import Plan
+
+__all__ = ["AttentionKernel", "attention_kernel", "tpu_kernel", "splash_block", "SplashBlocks", "LANES", "SPLASH_BLOCKS",
            "SPLASH_FUSED_BACKWARD"]
 
 #: The TPU vector unit's lane count: splash attention's K/V compute blocks are multiples of it
@@ -83,3 +87,10 @@ def attention_kernel(*, flash: bool, platform: str, devices: int, seq: int, cont
     if flash and platform == "tpu" and devices == 1 and not context and splash_block(seq) is not None:
         return AttentionKernel.SPLASH
     return AttentionKernel.SCAN
+
+
+def tpu_kernel(plan: "Plan", seq: int | None = None) -> AttentionKernel:
+    """:func:`attention_kernel` of the plan's step compiled for a TPU (its devices, its context parallelism) over
+    ``seq`` keys, the model's sequence unless given: what the memory and pricing rules keyed by XLA:TPU read."""
+    return attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size,
+                            seq=plan.model.seq_len if seq is None else seq, context=plan.mesh.context > 1)

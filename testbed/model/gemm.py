@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 
 from testbed.model import layout
 from testbed.model.dispatch import einsum_shapes
-from testbed.model.flash_kernel import AttentionKernel, attention_kernel
+from testbed.model.flash_kernel import AttentionKernel, tpu_kernel
 from testbed.model.kept import keeps_flash_under_full
 from testbed.model.layout import chunk_layers
 from testbed.model.moe import expert_tokens, moe_layers
@@ -272,8 +272,7 @@ def _runner_splash(plan: Plan, keys: int) -> bool:
     """Whether the runner's flash attention runs in the splash kernels where its programs compile for a TPU
     (testbed.model.flash_kernel); its products are then marked ``runner`` for testbed.sim.price.compute to price the
     kernel's skipped tiles on a device whose compiler is XLA:TPU."""
-    return attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=keys,
-                            context=plan.mesh.context > 1) is AttentionKernel.SPLASH
+    return tpu_kernel(plan, keys) is AttentionKernel.SPLASH
 
 
 def backward_pass(gemm: Gemm) -> Gemm:

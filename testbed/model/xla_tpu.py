@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from testbed.model.activations import FLASH_BYTES, LOSS_BYTES, norms
-from testbed.model.flash_kernel import LANES, AttentionKernel, attention_kernel
+from testbed.model.flash_kernel import LANES, AttentionKernel, tpu_kernel
 from testbed.model.kept import (DOTS_POLICIES, dots_saved_bytes, flash_kept_bytes, keeps_flash_under_full, saves_dots,
                                 saves_flash_residuals, xla_program)
 from testbed.model.ring import rank_spec
@@ -98,18 +98,11 @@ def kept_flash_bytes(plan: Plan) -> int:
     (llama400m-bf16-full-saveflash's buffer assignment on the chip, benchmarks/tpu_chip/runs.json: every layer's
     ``bf16[8,16,2048,64]`` output a 67,108,864-byte buffer, twice its values; the plan's memory 11.89 GB against
     10.24 GB without the policy)."""
-    if not _splash(plan):
+    if tpu_kernel(plan) is not AttentionKernel.SPLASH:
         return flash_kept_bytes(plan)
     spec, t = rank_spec(plan), plan.mesh.tensor
     n, lanes = plan.microbatch_size * spec.seq_len, -(-spec.head_size // LANES) * LANES
     return plan.precision.compute_bytes * n * spec.heads * lanes // t + FLASH_BYTES * n * spec.heads // t
-
-
-def _splash(plan: Plan) -> bool:
-    """Whether the plan's flash attention runs in the splash kernels (testbed.model.flash_kernel)."""
-    kernel = attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=plan.model.seq_len,
-                              context=plan.mesh.context > 1)
-    return kernel is AttentionKernel.SPLASH
 
 
 def splash_copies_bytes(plan: Plan) -> int:
@@ -119,9 +112,7 @@ def splash_copies_bytes(plan: Plan) -> int:
     compiled steps, 2 and 4 layers apart (deviceless, v5e): 4.1 ``[n, d]`` buffers a layer for GPT-2's MHA and 3.1
     for GQA 16/4 over the scan kernel's, against 4 and 2.5 here."""
     spec = plan.model
-    kernel = attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=spec.seq_len,
-                              context=plan.mesh.context > 1)
-    if kernel is not AttentionKernel.SPLASH or plan.remat is Remat.FULL:
+    if tpu_kernel(plan) is not AttentionKernel.SPLASH or plan.remat is Remat.FULL:
         return 0
     n = plan.microbatch_size * spec.seq_len
     return plan.precision.compute_bytes * 2 * n * (spec.q_dim + spec.kv_dim)
@@ -136,9 +127,7 @@ def scan_flash_fp32_bytes(plan: Plan) -> int:
     (buffer assignment): one of each per layer, 16 of each live at the head's backward, 537 MB. 0 under full
     remat (the layer's forward runs again in its backward) and for other kernels."""
     spec = rank_spec(plan)
-    kernel = attention_kernel(flash=True, platform="tpu", devices=plan.mesh.size, seq=plan.model.seq_len,
-                              context=plan.mesh.context > 1)
-    if spec.attention is not Attention.FLASH or kernel is not AttentionKernel.SCAN or plan.mesh.context > 1 \
+    if spec.attention is not Attention.FLASH or tpu_kernel(plan) is not AttentionKernel.SCAN or plan.mesh.context > 1 \
             or plan.remat is Remat.FULL:
         return 0
     return 2 * FLASH_BYTES * plan.microbatch_size * spec.seq_len * spec.q_dim // plan.mesh.tensor
