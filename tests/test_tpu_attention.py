@@ -40,6 +40,18 @@ def test_splash_block_is_the_largest_tile_dividing_seq() -> None:
     assert [splash_block(s) for s in (4096, 2048, 1536, 768, 384, 200)] == [1024, 1024, 512, 256, 128, None]
 
 
+def test_splash_blocks_shrink_past_head_dim_128_as_the_chip_failed_to_compile_them() -> None:
+    """1024-blocks at head dim 256 ran out of the fused dK/dV kernel's scoped VMEM on the chip (the proxies'
+    record); the runner then takes 512-blocks, and keeps 1024 at head dims 64 and 128."""
+    record = json.loads((ROOT / "benchmarks" / "tpu_chip" / "proxies" / "runs-1024blocks.json").read_text())
+    failed = [r for r in record["plans"] if not r["ok"]]
+    assert len(failed) == 5 and all("CompileTimeScopedVmemOom" in r["error"] and "splash_mha_dkv" in r["error"]
+                                    and ",256]" in r["error"] for r in failed)
+    assert [splash_block(4096, d) for d in (64, 128, 256, 512)] == [1024, 1024, 512, 256]
+    assert SplashBlocks.for_seq(2048, 256).name == "q512-kv512-fused"
+    assert splash_block(200, 256) is None
+
+
 def test_the_cached_splash_kernel_holds_no_tracer() -> None:
     """Asked for first inside a trace (as a checkpointed block does), the cached kernel's mask arrays are still
     concrete: a tracer kept there leaks into later traces, where JAX passes it as an extra step input that an

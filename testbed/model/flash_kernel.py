@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from testbed.plan.spec import Plan
 
 __all__ = ["AttentionKernel", "attention_kernel", "tpu_kernel", "splash_block", "SplashBlocks", "LANES", "SPLASH_BLOCKS",
-           "SPLASH_FUSED_BACKWARD"]
+           "SPLASH_FUSED_BACKWARD", "SPLASH_BLOCK_AREA"]
 
 #: The TPU vector unit's lane count: splash attention's K/V compute blocks are multiples of it
 #: (``splash_attention_kernel.NUM_LANES``).
@@ -31,6 +31,12 @@ LANES = 128
 #: backward 16-24% faster than MaxText's default 512-blocks and two backward kernels (configs/base.yml).
 SPLASH_BLOCKS = (1024, 512, 256, 128)
 SPLASH_FUSED_BACKWARD = True
+
+#: The largest block side x head dim the splash kernels compile with: the fused dK/dV kernel's VMEM buffers grow
+#: with both, and XLA:TPU caps a kernel's scoped VMEM at 16 MiB. 1024-blocks compile at head dim 64 and 128
+#: (splash_blocks.json); at head dim 256 they need 17.4-18.4 MiB and fail to compile (E1001 CompileTimeScopedVmemOom,
+#: benchmarks/tpu_chip/proxies/runs-1024blocks.json), so a head dim over 128 takes smaller blocks.
+SPLASH_BLOCK_AREA = 1024 * 128
 
 
 class AttentionKernel(StrEnum):
@@ -55,10 +61,10 @@ class SplashBlocks:
             raise ValueError(f"splash blocks need sides of {LANES}+ and compute dividing kv, got {self}")
 
     @classmethod
-    def for_seq(cls, seq: int) -> "SplashBlocks | None":
-        """The runner's blocks for ``seq`` keys (:func:`splash_block`, :data:`SPLASH_FUSED_BACKWARD`); None when
-        the kernel's lanes do not tile it."""
-        block = splash_block(seq)
+    def for_seq(cls, seq: int, head_dim: int = LANES) -> "SplashBlocks | None":
+        """The runner's blocks for ``seq`` keys of ``head_dim`` (:func:`splash_block`,
+        :data:`SPLASH_FUSED_BACKWARD`); None when the kernel's lanes do not tile it."""
+        block = splash_block(seq, head_dim)
         return None if block is None else cls(block, block, block, SPLASH_FUSED_BACKWARD)
 
     @property
@@ -74,10 +80,12 @@ class SplashBlocks:
         return out if self.fused else out | {"block_q_dq": self.q, "block_kv_dq": self.kv}
 
 
-def splash_block(seq: int) -> int | None:
-    """The splash kernel's query and K/V block for ``seq`` keys: the largest of :data:`SPLASH_BLOCKS` dividing
-    it, or None when none does (a sequence the kernel's lanes do not tile)."""
-    return next((b for b in SPLASH_BLOCKS if seq % b == 0), None)
+def splash_block(seq: int, head_dim: int = LANES) -> int | None:
+    """The splash kernel's query and K/V block for ``seq`` keys of ``head_dim``: the largest of
+    :data:`SPLASH_BLOCKS` dividing it within :data:`SPLASH_BLOCK_AREA` (the smallest block at any head dim), or
+    None when none divides it (a sequence the kernel's lanes do not tile)."""
+    fitting = [b for b in SPLASH_BLOCKS if b * head_dim <= SPLASH_BLOCK_AREA] or [SPLASH_BLOCKS[-1]]
+    return next((b for b in fitting if seq % b == 0), None)
 
 
 def attention_kernel(*, flash: bool, platform: str, devices: int, seq: int, context: bool = False) -> AttentionKernel:

@@ -49,10 +49,10 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     q ``[batch, seq, heads, head_dim]``, k and v ``[batch, seq, kv_heads, head_dim]`` -> ``[batch, seq, heads,
     head_dim]`` in q's dtype. The kernel takes heads before positions and no softmax scale: q is scaled by
     ``1 / sqrt(head_dim)`` first (as MaxText does), and each batch row is one kernel call (``vmap``). ``blocks``:
-    the runner's for ``seq`` unless given (benchmarks/tpu_splash_blocks.py times others); ``interpret``: Pallas's
+    the runner's for ``seq`` and ``head_dim`` unless given (benchmarks/tpu_splash_blocks.py times others); ``interpret``: Pallas's
     interpreter (a CPU host)."""
     b, seq, heads, head_dim = q.shape
-    blocks = blocks or SplashBlocks.for_seq(seq)
+    blocks = blocks or SplashBlocks.for_seq(seq, head_dim)
     if blocks is None:
         raise ValueError(f"splash attention needs seq a multiple of {LANES}, not {seq}")
     kernel = _kernel(heads, seq, window, blocks, interpret)
