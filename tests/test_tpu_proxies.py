@@ -1,0 +1,88 @@
+"""Today's predictions against one v5e chip's share of published v5e runs, measured on the chip.
+
+benchmarks/tpu_chip/proxies/: each published v5e run's model (AXLearn Fuji-7B, MaxText 16B-128B) with 1-4 of its
+layers at a chip's share of the batch, as one-chip plans; ``predicted.json`` holds testbed's predictions made before
+they ran, ``runs.json`` the runner's times and XLA:TPU's memory on the chip. The single-chip suite's goals hold here
+too (step time median 8% / max 15% with the bundled v5e topology; memory median 3% / max 8%); goals not met today
+are strict xfails that name the plans, so a change that meets one fails its xfail and one that drifts fails too.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / "tpu_chip" / "proxies"
+RUNS = json.loads((DATA / "runs.json").read_text())
+PREDICTED = json.loads((DATA / "predicted.json").read_text())
+STEP, MEMORY = (0.08, 0.15), (0.03, 0.08)
+
+
+def _plan(name: str):
+    from testbed.plan.io import load_plan
+
+    return load_plan(str(DATA / f"{name}.yaml"))
+
+
+def _errors(measure, measured) -> dict[str, float]:
+    """Each proxy's ``measure(plan, topology)`` on the bundled tpu-v5e-1 over ``measured(row)`` of its record, - 1."""
+    from testbed.topology.io import load_topology
+
+    topology = load_topology("tpu-v5e-1")
+    return {r["plan"]: measure(_plan(r["plan"]), topology) / measured(r) - 1 for r in RUNS["plans"]}
+
+
+def _step(plan, topology) -> float:
+    from testbed.sim.graph.engine import simulate
+
+    return simulate(plan, topology).report.step_time_s
+
+
+def _memory(plan, topology) -> float:
+    from testbed.model.memory import memory_breakdown
+
+    return memory_breakdown(plan, topology).total
+
+
+STEPS = _errors(_step, lambda row: row["median_s"])
+MEMORIES = _errors(_memory, lambda row: row["memory"]["total"])
+
+
+def _worst(errors: dict[str, float], limit: float) -> list[str]:
+    return sorted(p for p, e in errors.items() if abs(e) > limit)
+
+
+def test_every_proxy_ran_on_the_chip_and_was_predicted_first() -> None:
+    assert RUNS["device_kind"] == "TPU v5 lite" and RUNS["versions"]["libtpu"] and RUNS["command"]
+    assert all(r["ok"] for r in RUNS["plans"]) and len(RUNS["plans"]) == len(PREDICTED["plans"]) == 7
+    assert PREDICTED["predicted_on"] <= RUNS["date"][:10]
+    assert sorted(p.stem for p in DATA.glob("*.yaml")) == sorted(PREDICTED["plans"])
+
+
+def test_the_step_time_median_meets_the_chip_goal() -> None:
+    assert statistics.median(abs(e) for e in STEPS.values()) <= STEP[0], STEPS
+
+
+def test_the_step_time_misses_past_the_max_are_the_named_ones() -> None:
+    """MaxText's 128B tensor shard is priced 15% slow (its [32768 x 10240] x [10240 x 1024] products)."""
+    assert _worst(STEPS, STEP[1]) == ["proxy-maxtext128b-v5e-l2"], STEPS
+
+
+@pytest.mark.xfail(strict=True, reason="proxy-maxtext128b-v5e-l2 is predicted +15.1% (goal 15%)")
+def test_the_step_time_max_meets_the_chip_goal() -> None:
+    assert max(abs(e) for e in STEPS.values()) <= STEP[1]
+
+
+@pytest.mark.xfail(strict=True, reason="the MaxText proxies' memory is +23% to +48% over XLA:TPU's "
+                                       "(128B's shard -12.5%), not explained; the Fuji proxies are within 6%")
+def test_the_memory_meets_the_chip_goal() -> None:
+    assert statistics.median(abs(e) for e in MEMORIES.values()) <= MEMORY[0]
+    assert max(abs(e) for e in MEMORIES.values()) <= MEMORY[1]
+
+
+def test_the_fuji_proxies_memory_is_within_the_goal() -> None:
+    assert all(abs(MEMORIES[p]) <= MEMORY[1] for p in MEMORIES if "fuji" in p), MEMORIES
