@@ -8,6 +8,8 @@ The page is generated, never edited by hand: its tables come from
   recorded suite, ``benchmarks/tpu_chip/``);
 - ``benchmarks/results/program_chip.json`` (what ``benchmarks/program_chip.py --report`` printed: users' programs
   measured on the chip against today's predictions);
+- ``benchmarks/results/v5e_per_chip.json`` (what ``benchmarks/published/v5e_per_chip.py`` printed: one chip's share
+  of published v5e runs measured on the chip);
 - ``benchmarks/host_runs/DATE/run-N/validate_host.json`` (what ``benchmarks/validate_host.py`` printed on the
   2-core host, each run with the code of its day);
 
@@ -41,6 +43,7 @@ PUBLISHED = ROOT / "benchmarks" / "results" / "published_runs.json"
 HOST_RUNS = ROOT / "benchmarks" / "host_runs"
 CHIP = ROOT / "benchmarks" / "results" / "tpu_chip_fit.json"
 PROGRAMS = ROOT / "benchmarks" / "results" / "program_chip.json"
+PER_CHIP = ROOT / "benchmarks" / "results" / "v5e_per_chip.json"
 
 HEADER = """\
 # Calibration and validation
@@ -340,9 +343,33 @@ def programs_section(data: dict) -> list[str]:
                             "estimate GB"), rows)
 
 
-def page(published: dict, meta: dict, runs: list[tuple[str, dict]], chip: dict, programs: dict) -> str:
+def per_chip_section(data: dict) -> list[str]:
+    """One chip's share of published v5e runs, measured on the chip (benchmarks/published/v5e_per_chip.py's JSON)."""
+    summary = data["summary"]
+    out = ["### Published v5e runs: one chip's share", "",
+           f"Each published v5e run's model with 1-4 of its layers at one chip's share of the batch (a tensor shard "
+           f"of each layer under tensor parallelism), SGD and the runner's splash kernel, as one-chip plans "
+           f"(`benchmarks/tpu_chip/proxies/`), predicted on `tpu-v5e-1` before they ran on the {data['device_kind']} "
+           f"chip ({data['date'][:10]}): median {_f(summary['median_abs_error'])}, max "
+           f"{_f(summary['max_abs_error'])}.", ""]
+    rows = [(name, f"{r['measured_s'] * 1e3:.1f}", f"{r['predicted_s'] * 1e3:.1f}", _signed(r["error"]),
+             f"{r['mfu_measured'] * 100:.1f}%") for name, r in data["proxies"].items()]
+    out += vt._table(("proxy", "step ms", "predicted ms", "error", "runner MFU"), rows)
+    out += ["", "Scaled to all of each run's layers (today's prediction of the full-depth proxy over the proxy's), "
+            "the chip's own work beside the published step and testbed's prediction of the run on its slices "
+            "(`benchmarks/published/v5e_per_chip.py`):", ""]
+    rows = [(name, str(r["layers"]), f"{r['chip_step_s']:.2f}", f"{r['published_step_s']:.2f}",
+             f"{r['compute_share'] * 100:.0f}%", f"{r['predicted_step_s']:.2f}", f"{r['predicted_compute_s']:.2f}")
+            for name, r in data["runs"].items()]
+    return out + vt._table(("published run", "layers", "chip's work s", "published step s", "share",
+                            "predicted step s", "predicted compute s"), rows)
+
+
+def page(published: dict, meta: dict, runs: list[tuple[str, dict]], chip: dict, programs: dict,
+         per_chip: dict) -> str:
     """The whole of docs/validation.md."""
     lines = ([HEADER.rstrip("\n"), ""] + chip_section(chip) + [""] + programs_section(programs) + [""]
+             + per_chip_section(per_chip) + [""]
              + host_section(runs) + [""]
              + published_section(published, meta))
     text = "\n".join(lines).rstrip("\n") + "\n\n" + NOTES + "\n" + LIMITS
@@ -350,7 +377,7 @@ def page(published: dict, meta: dict, runs: list[tuple[str, dict]], chip: dict, 
 
 
 def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS, chip_path: Path = CHIP,
-          programs_path: Path = PROGRAMS) -> str:
+          programs_path: Path = PROGRAMS, per_chip_path: Path = PER_CHIP) -> str:
     """The page from the committed results (:class:`PageInputError` on bad input)."""
     try:
         published = vt.validate(_read_json(published_path), str(published_path))
@@ -358,7 +385,8 @@ def build(published_path: Path = PUBLISHED, host_root: Path = HOST_RUNS, chip_pa
         raise PageInputError(str(exc)) from None
     meta_path = published_path.with_name(published_path.stem + ".meta.json")
     meta = _read_json(meta_path) if meta_path.exists() else {}
-    return page(published, meta, host_runs(host_root), _read_json(chip_path), _read_json(programs_path))
+    return page(published, meta, host_runs(host_root), _read_json(chip_path), _read_json(programs_path),
+                _read_json(per_chip_path))
 
 
 def main(argv: list[str] | None = None) -> int:
