@@ -266,3 +266,41 @@ def test_xlas_temporaries_exceed_its_heap_by_the_heaps_fragmentation():
         plan = next(r for r in OK if r.name == row["plan"]).plan
         loop = plan.batch.microbatches > 1 or plan.mesh.context > 1
         assert loop or abs(row["live_difference_of_peak"]) <= 0.005, row["plan"]
+
+
+def _heap_comparison() -> dict:
+    spec = importlib.util.spec_from_file_location("xla_tpu_heap", ROOT / "benchmarks" / "xla_tpu_heap.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.compare()
+
+
+def test_xla_tpu_places_temporaries_in_schedule_order():
+    """benchmarks/xla_tpu_heap.json: over the loop-free recorded steps (no ``while``, so the dumped live ranges hold
+    every buffer), placing the buffers in schedule order at the best-fitting gap (testbed.model.heap) comes
+    within 2% of XLA:TPU's heap on 21 of 30 and within 9% on all, and gives the fsdp steps' large fragmentation
+    (100 MB or more: llama2k-fsdp64, llama2k-fsdp8, gpt2k-fsdp256-full, llama4k-fsdp256-tensor4) within 10% of
+    it; XLA's open-source decreasing-size placement packs 21 of the 30 more than 2%
+    tighter than XLA:TPU does (up to 22%), so that is not how XLA:TPU places them."""
+    result = _heap_comparison()
+    replays = result["replays"]
+    assert replays["loop_free"] >= 30
+    assert replays["replay_within_2_percent"] >= replays["loop_free"] - 9
+    assert replays["max_abs_replay_difference"] <= 0.09
+    assert replays["decreasing_size_below_heap"] >= replays["loop_free"] - 9
+    assert replays["median_abs_decreasing_size_difference"] > 2 * replays["median_abs_replay_difference"]
+    fsdp = {r.name for r in OK if r.plan.mesh.fsdp > 1}
+    large = [r for r in result["plans"] if r.get("while_loops") == 0 and r["fragmentation"] >= 100e6
+             and r["plan"] in fsdp]
+    assert len(large) >= 4
+    for row in large:
+        assert abs(row["replay_fragmentation"] - row["fragmentation"]) <= 0.1 * row["fragmentation"], row["plan"]
+
+
+def test_the_recorded_fragmentation_is_what_testbed_misses_of_xlas_total():
+    """testbed's memory prices the live peak: with twice the recorded fragmentation added (what XLA:TPU's total holds
+    beyond its peak) its multi-chip median error falls from over 5% to under 3% (docs/xla_tpu.md)."""
+    multi = _heap_comparison()["with_recorded_fragmentation"]["multi_chip"]
+    assert multi["median_abs_error"] > 0.05
+    assert multi["median_abs_error_with_fragmentation"] < 0.03
+
