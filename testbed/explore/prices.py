@@ -136,7 +136,7 @@ class StepPrices:
                         per_block = self._block_gather_seconds(s, chunk, work.kind)
                         gather = sum(per_block)
                     priced = self._price(s, chunk, work, rings[s], gather)
-                    if (priced.held_parts or priced.scatter_parts) and mode is GatherMode.BLOCKS:  # beside the held reductions (held_blocks)
+                    if (priced.held_parts or priced.scatter_parts) and mode is GatherMode.BLOCKS:  # (held_blocks)
                         merges = self._block_gather_parts(s, chunk, work.kind)
                     self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = priced._replace(
                         block_gathers=per_block if len(set(per_block)) > 1 else (), gather_parts=merges)
@@ -274,9 +274,9 @@ class StepPrices:
         held with the compute, and each bucket's held collectives: empty where none)."""
         facts, reduced = self.facts, chunk.reduced
         early = sequence_apart(facts)
-        bucket, syncs, held, parts = self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
-                                     chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0),
-                                     False if early else None)
+        bucket, syncs, held, parts = self._reduce(
+            s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
+            chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0), False if early else None)
         sequence_s = self._reduce(s, reduced.last, chunk.special(1.0, facts.reduce_bytes),
                                   select=True)[0] if early else 0.0
         each: tuple[Reduced, ...] = ()
