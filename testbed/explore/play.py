@@ -17,6 +17,7 @@ import math
 from typing import TYPE_CHECKING, NamedTuple
 
 from testbed.plan.spec import Axis
+from testbed.explore.held_blocks import held_blocks
 from testbed.explore.play_floor import SAFETY, AboveBar, action_floors, beside_compute, stage_rests
 from testbed.explore.span_times import Played, play_blocks
 from testbed.sim.price.barriers import interleaved_wait, step_end_wait
@@ -64,6 +65,7 @@ class Play:
         self.gathered: list[tuple[float, float]] = []
         self.replay = _Replay((), 0.0, 0.0, [])
         self.played: Played | None = None  # the last action's blocks played span by span (span_times)
+        self.held: list[float] | None = None  # the last action's held reductions' seconds per block (held_blocks)
         self.once_group = [0] * p  # the group the first of a stage's once-reductions meets
         self.early = [0.0] * p  # the sequence-replicated gradients' sum done (ActionPrice.early: its own stream)
         self.busy, self.comm = [0.0] * p, [0.0] * p
@@ -127,16 +129,23 @@ class Play:
                 start = t
         return start
 
-    def _gather(self, s: int, priced: ActionPrice, start: float, compute: float) -> tuple[float, float]:
+    def _gather(self, s: int, priced: ActionPrice, start: float, compute: float, grads: Gradients
+                ) -> tuple[float, float]:
         """An action's gathers block by block (testbed.sim.graph.program's): (when its first block computes, the seconds
         the later blocks wait for their gathers), each block's gather and compute its own where they differ (a
-        block's merged collectives; the embedding's and the head's blocks), else equal shares (:meth:`_gathered_blocks`)."""
+        block's merged collectives; the embedding's and the head's blocks), else equal shares (:meth:`_gathered_blocks`).
+        Where its gradients (``grads``) leave bucket by bucket, one a block, and the compiler holds their reductions
+        (or reduce-scatters into the accumulator) with the compute, each block's run after it beside the later
+        gathers (:meth:`_held_blocks`)."""
         n, d, skewed = priced.blocks, self.facts.prefetch, self.step.skewed
         g, c = priced.gather / n, compute / n
         # Without prefetch each gather, exposed, first meets its group after a block's computing.
         wait = skewed.barrier_wait(self.facts.params_ways, c) if skewed is not None and d == 0 else 0.0
         gathers = priced.block_gathers or (g,) * n
         parts = tuple(self.slow * x for x in priced.parts) if priced.parts else (c,) * n
+        held = priced.held_parts if grads.release else priced.scatter_parts if grads.each else ()
+        if priced.gather_parts and len(held) == n and not priced.plays:
+            return self._held_blocks(s, priced, held, wait, start, parts)
         return self._gathered_blocks(s, tuple(x + wait for x in gathers), start, parts, bool(priced.parts),
                                      priced.plays)
 
@@ -149,7 +158,7 @@ class Play:
         ``plays``: the blocks played span by span (testbed.explore.span_times), each done once its collectives are."""
         n, d, before = len(gathers), self.facts.prefetch, self.block_ends[s]
         replay = own and bool(self.slowdown)
-        self.played = None
+        self.played, self.held = None, None
         if plays:
             self.played = played = play_blocks(plays, gathers, start, self.gather_free[s], before, d, (self.slow,) * n)
             if replay:
@@ -167,6 +176,21 @@ class Play:
         self.gather_free[s], self.block_ends[s] = gather_end, ends
         return first, ends[-1] - first - sum(parts)
 
+    def _held_blocks(self, s: int, priced: ActionPrice, held: tuple, wait: float, start: float,
+                     parts: tuple[float, ...]) -> tuple[float, float]:
+        """:meth:`_gather` of an action whose blocks' held reductions share links with the gathers beside them
+        (testbed.explore.held_blocks): the seconds each block's held reductions took are kept for
+        :meth:`_backward_end`, and the later blocks' waits for their gathers leave them out."""
+        gathers = tuple(((wait, None), *merges) if wait else merges for merges in priced.gather_parts)
+        coll = self.step.coll
+        played = held_blocks(gathers, parts, held, start, self.gather_free[s], self.block_ends[s],
+                             self.facts.prefetch, lambda a, b: coll.factor(s, a, b))
+        self.played, self.held, self.gathered = None, played.held, played.flying if self.slowdown else []
+        first = played.ends[0] - parts[0]
+        self.comm[s] += first - start
+        self.gather_free[s], self.block_ends[s] = played.gather_end, played.ends
+        return first, played.ends[-1] - first - sum(parts) - sum(played.held[:-1])
+
     def action(self, step: ActionStep) -> None:
         """Plays one F/B/W action as ``step`` (testbed.sim.step.step_rules.action_steps) rules it."""
         s, action, grads = step.stage, step.action, step.gradients
@@ -178,7 +202,7 @@ class Play:
         start, stretch = self._start(s, c, kind, step.accumulated, step.waits), 0.0
         skewed = self.step.skewed
         if priced.gather:
-            start, stretch = self._gather(s, priced, start, compute)
+            start, stretch = self._gather(s, priced, start, compute, grads)
             if skewed is not None and priced.blocks > self.facts.prefetch:
                 # Its first prefetch + 1 blocks' gathers met the shard group as the stage's previous gathering
                 # action ended (or later): nothing computed since (the task graph's gathers, testbed.sim.price.barriers).
@@ -269,13 +293,15 @@ class Play:
             done, total, before, out = start, sum(parts), 0.0, []
             if priced.plays and self.played is not None and self.facts.reduce_in_backward:  # as the play releases
                 return compute + acc, wait, tuple((at, x, 1.0) for at, x in self.played.releases)
+            played = self.held if ends else None  # the held reductions played among the blocks (_held_blocks)
             for k in range(pieces if self.facts.reduce_in_backward else 0):
                 own = priced.bucket_each[k] if priced.bucket_each else priced.bucket
                 done = ends[k] if ends else done + (parts[k] + wait / pieces if parts else piece)
                 before += parts[k] if parts else 0.0
                 tp = (ends[-1] if ends else start + compute) + priced.tensor if k >= step.tail_from else 0.0
-                out.append((max(done, tp) + held, own, before / total if parts and total else (k + 1) / pieces))
-                held += priced.held_each[k] if priced.held_each else priced.bucket_held
+                out.append((max(done, tp) + (0.0 if played else held), own,
+                            before / total if parts and total else (k + 1) / pieces))
+                held += played[k] if played else priced.held_each[k] if priced.held_each else priced.bucket_held
             releases = tuple(out)
         elif grads.each and priced.plays and self.played is not None and self.played.releases:  # as played
             releases = tuple((at, x, 1.0) for at, x in self.played.releases)
@@ -284,7 +310,7 @@ class Play:
             ends = self.block_ends[s] if priced.gather and len(self.block_ends[s]) == n else ()
             releases = tuple((ends[k] if ends else start + compute * (k + 1) / n, x, (k + 1) / n)
                              for k, x in enumerate(priced.scatter_each) if x)
-            held = priced.scatter_held
+            held = sum(self.held) if ends and self.held else priced.scatter_held  # (played among the blocks)
         elif grads.scatter and (priced.scatter or priced.scatter_held):
             releases = ((start + compute, priced.scatter, 1.0),) if priced.scatter else ()
             held = priced.scatter_held
@@ -311,7 +337,9 @@ class Play:
         rate, facts = self.slowdown, self.facts
         if priced.plays and self.played is not None:
             return self._slowed_spans(s, priced, releases)
-        if not (priced.gather and priced.parts):  # (the buckets are beside no compute when they wait for the end)
+        # (the buckets are beside no compute when they wait for the end; blocks played with their held reductions,
+        # testbed.explore.held_blocks, are not played again: the extra is spread over the action's compute)
+        if not (priced.gather and priced.parts) or self.held is not None:
             extra = rate * min(compute, beside_compute(self.step, priced, grads))
             late = extra - min(stretch, extra)
             return extra, stretch - min(stretch, extra), tuple((t + late * f, x, f) for t, x, f in releases)

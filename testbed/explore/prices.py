@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from testbed.collectives.timing import send_time
 from testbed.explore.span_times import priced_plays
+from testbed.explore.held_blocks import Part
 from testbed.explore.stage_collectives import StageCollectives, stage_groups, tied_seconds
 from testbed.model.gemm import scaled
 from testbed.model.layout import chunk_layers
@@ -39,6 +40,7 @@ class Reduced(NamedTuple):
     seconds: float
     syncs: Syncs
     held: float = 0.0
+    held_parts: tuple[Part, ...] = ()  # the held collectives one after another: (seconds, what each moves)
 
 
 class PricedSend(NamedTuple):
@@ -86,6 +88,9 @@ class ActionPrice(NamedTuple):
     bucket_held: float = 0.0  # one bucket's reduction seconds held with the compute (step_rules.held_stream)
     held_each: tuple[float, ...] = ()  # each bucket's so held where they differ (empty: ``bucket_held``)
     scatter_held: float = 0.0  # an earlier microbatch's reduce-scatter seconds held with the compute
+    held_parts: tuple[tuple[Part, ...], ...] = ()  # each bucket's held collectives (testbed.explore.held_blocks)
+    scatter_parts: tuple[tuple[Part, ...], ...] = ()  # each bucket's held reduce-scatters of an earlier microbatch
+    gather_parts: tuple[tuple[Part, ...], ...] = ()  # each block's merged gathers, where reductions are held
 
 
 class StepPrices:
@@ -123,16 +128,18 @@ class StepPrices:
                         self.prices[(s, c, work.kind)] = hit._replace(
                             sends=sends, send_s=sum(x.seconds for x in sends) if sends else 0.0)
                         continue
-                    gather, per_block = 0.0, ()
+                    gather, per_block, merges = 0.0, (), ()
                     mode = gather_mode(facts, work)
                     if mode is GatherMode.WHOLE:
                         gather = self._gather_seconds(s, (chunk.moved.params, chunk.leaves), 1)
                     elif mode is GatherMode.BLOCKS:
                         per_block = self._block_gather_seconds(s, chunk, work.kind)
                         gather = sum(per_block)
-                    self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = self._price(
-                        s, chunk, work, rings[s], gather)._replace(block_gathers=per_block if len(set(per_block)) > 1
-                                                                   else ())
+                    priced = self._price(s, chunk, work, rings[s], gather)
+                    if (priced.held_parts or priced.scatter_parts) and mode is GatherMode.BLOCKS:  # (held_blocks)
+                        merges = self._block_gather_parts(s, chunk, work.kind)
+                    self.prices[(s, c, work.kind)] = alike[(key, work.kind)] = priced._replace(
+                        block_gathers=per_block if len(set(per_block)) > 1 else (), gather_parts=merges)
 
     def played(self, s: int, c: int, kind: str, grads: Gradients) -> ActionPrice:
         """The price of chunk ``c``'s ``kind`` action on stage ``s`` as played with ``grads`` (testbed.sim.step.step_rules'
@@ -171,6 +178,12 @@ class StepPrices:
                 memo[block] = sum(count * time(op, axes, s, n) for (n, op), count in Counter(zip(*block)).items())
         return tuple(memo[block] for block in blocks)
 
+    def _block_gather_parts(self, s: int, chunk: ChunkFacts, kind: str) -> tuple[tuple[Part, ...], ...]:
+        """Each block's merged gathers of a ``kind`` action in program order (:meth:`_block_gather_seconds`' each)."""
+        time, axes = self.coll.time, self.facts.params_axes
+        return tuple(tuple((time(op, axes, s, n), (op, axes, n)) for n, op in zip(*block))
+                     for block in zip(chunk.gather_sizes(kind), chunk.gather_ops(kind)))
+
     def _price(self, s: int, chunk: ChunkFacts, work: ActionWork, ring: tuple[int, int], gather: float) -> ActionPrice:
         """One action's :class:`ActionPrice` (``gather``: the seconds of a gather of its chunk's parameters)."""
         facts, topology, dtype, plan = self.facts, self.topology, self.dtype, self.facts.plan
@@ -196,15 +209,17 @@ class StepPrices:
         piece = bucket = scatter = acc = sequence_s = held = scatter_held = 0.0
         bucket_syncs: Syncs = ()
         each: tuple[float, ...] = ()
+        held_parts: tuple[tuple[Part, ...], ...] = ()
         if release:  # the program reduces even a one-layer chunk's gradients
             piece = whole / pieces if ringed or chain else compute_seconds(
                 topology, dtype, flops / pieces, hbm / pieces, max(1, chunk.kernels // pieces), rep_b / pieces,
                 split_b / pieces, cost.tensor_bytes, scaled(gemms, 1 / pieces), scaled_spans(work.spans, 1 / pieces))
             parts = () if ringed or chain else self._parts(chunk, work, pieces) or parts
-            bucket, bucket_syncs, sequence_s, each, held = self._buckets(s, chunk, pieces)
+            bucket, bucket_syncs, sequence_s, each, held, held_parts = self._buckets(s, chunk, pieces)
         scatter_each: tuple[float, ...] = ()
+        scatter_parts: tuple[tuple[Part, ...], ...] = ()
         if last and facts.per_microbatch and facts.microbatches > 1:
-            scatter, scatter_each, scatter_held = self._scatters(s, chunk, bool(chain))
+            scatter, scatter_each, scatter_held, scatter_parts = self._scatters(s, chunk, bool(chain))
         if last:  # the add into the gradient accumulator (a task of its own in the graph)
             acc = compute_seconds(topology, dtype, 0.0, accumulate_bytes(plan, cost.params, facts.grad_bytes))
         tp_s = self._tensor_seconds(s, overlap.after if overlap else work.tensor)
@@ -224,7 +239,8 @@ class StepPrices:
                        bucket_each=tuple(r.seconds for r in each), held_each=tuple(r.held for r in each),
                        send_s=sum(x.seconds for x in sends) if sends else 0.0, parts=parts, early=sequence_s,
                        scatter_each=scatter_each, ring_hidden=ring_hidden,
-                       chain=bool(chain), bucket_held=held, scatter_held=scatter_held,
+                       chain=bool(chain), bucket_held=held, scatter_held=scatter_held, held_parts=held_parts,
+                       scatter_parts=scatter_parts,
                        **(self._plays(s, chunk, work, pieces, release, bool(scatter_each)) if spans else {}))
 
     def _sends(self, s: int, work: ActionWork) -> tuple[PricedSend, ...]:
@@ -250,17 +266,17 @@ class StepPrices:
                 merge([*ends, *own, *((g, n * pieces) for g, n in bucket_syncs if facts.reduce_in_backward)]))
 
     def _buckets(self, s: int, chunk: ChunkFacts, pieces: int
-                 ) -> tuple[float, Syncs, float, tuple[Reduced, ...], float]:
+                 ) -> tuple[float, Syncs, float, tuple[Reduced, ...], float, tuple[tuple[Part, ...], ...]]:
         """The chunk's last backward's ``pieces`` gradient buckets: (one bucket's reduction seconds, its barriers,
         the sequence-replicated gradients' sum as the compute ends (its own stream; each microbatch's is the same
         small sum, counted once), each bucket's own seconds where they differ: its block's merged sizes, or its own
         count of collectives as the task graph's buckets, :class:`Reduced`; empty: all alike; one bucket's seconds
-        held with the compute)."""
+        held with the compute, and each bucket's held collectives: empty where none)."""
         facts, reduced = self.facts, chunk.reduced
         early = sequence_apart(facts)
-        bucket, syncs, held = self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
-                                     chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0),
-                                     False if early else None)
+        bucket, syncs, held, parts = self._reduce(
+            s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes),
+            chunk.reduction_collectives / pieces, chunk.tail if pieces == 1 else (0.0, 0.0), False if early else None)
         sequence_s = self._reduce(s, reduced.last, chunk.special(1.0, facts.reduce_bytes),
                                   select=True)[0] if early else 0.0
         each: tuple[Reduced, ...] = ()
@@ -271,7 +287,8 @@ class StepPrices:
             own = {n: self._reduce(s, reduced.last / pieces, chunk.special(1 / pieces, facts.reduce_bytes), n)
                    for n in {bucket_share(chunk.reduction_collectives, pieces, k) for k in range(pieces)}}
             each = tuple(own[bucket_share(chunk.reduction_collectives, pieces, k)] for k in range(pieces))
-        return bucket, syncs, sequence_s, each, held
+        held_parts = tuple(r.held_parts for r in each) if each else (parts,) * pieces
+        return bucket, syncs, sequence_s, each, held, held_parts if any(held_parts) else ()
 
     def _plays(self, s: int, chunk: ChunkFacts, work: ActionWork, pieces: int, final: bool, scatters: bool
                ) -> dict[str, tuple]:
@@ -283,27 +300,37 @@ class StepPrices:
                 "plays_scatter": priced_plays(self, s, chunk, work, chunk.buckets, True, accumulate=True)
                 if scatters else ()}
 
-    def _scatters(self, s: int, chunk: ChunkFacts, chain: bool) -> tuple[float, tuple[float, ...], float]:
+    def _scatters(self, s: int, chunk: ChunkFacts, chain: bool
+                  ) -> tuple[float, tuple[float, ...], float, tuple[tuple[Part, ...], ...]]:
         """An earlier microbatch's reduce-scatter into the sharded accumulator: its seconds, and in a loop XLA keeps
         (testbed.sim.step.grad_bytes.loop_kept) each bucket's as testbed.sim.graph.program reduce-scatters them, bucket by
         bucket as the backward makes them (empty: one, after the backward); the seconds of it held with the compute
-        (all of it where the compiler runs its collective blocking: step_rules.held_stream; then the others are 0)."""
+        (all of it where the compiler runs its collective blocking: step_rules.held_stream; then the others are 0),
+        and then each bucket's held collectives (testbed.explore.held_blocks; empty: none, or one after the
+        backward)."""
         coll, axes, n = self.coll, self.facts.per_microbatch, max(1, chunk.leaves)
-        each: tuple[float, ...] = ()
+        parts: tuple[tuple[Part, ...], ...] = ()
         if gradients(self.facts, self.facts.last_backward, chain, 1).each and chunk.buckets > 1:
-            each = tuple(self._accumulated(s, chunk, chunk.bucket(chunk.buckets, k)) for k in range(chunk.buckets))
+            parts = tuple(self._accumulated_parts(s, chunk, chunk.bucket(chunk.buckets, k))
+                          for k in range(chunk.buckets))
+        each = tuple(sum(x for x, _ in bucket) for bucket in parts)
         total = n * coll.time(self.facts.accumulate_op, axes, s, chunk.reduced.each_microbatch / n)
         if held_stream(self.facts, self.facts.accumulate_op, "grad") == "compute":
-            return 0.0, tuple(0.0 for _ in each), sum(each) if each else total
-        return total, each, 0.0
+            return 0.0, tuple(0.0 for _ in each), sum(each) if each else total, parts
+        return total, each, 0.0, ()
 
     def _accumulated(self, s: int, chunk: ChunkFacts, buckets) -> float:
         """Seconds of an earlier microbatch's reduce-scatters of ``buckets`` (ChunkFacts.bucket's (share,
         collectives)) into the sharded accumulator, as testbed.sim.graph.program's tasks."""
+        return sum(x for x, _ in self._accumulated_parts(s, chunk, buckets))
+
+    def _accumulated_parts(self, s: int, chunk: ChunkFacts, buckets) -> tuple[Part, ...]:
+        """:meth:`_accumulated`'s collectives one after another: (seconds, what each moves)."""
         time, axes = self.coll.time, self.facts.per_microbatch
         each = chunk.reduced.each_microbatch
         op = self.facts.accumulate_op
-        return sum(max(1, m) * time(op, axes, s, each * f / max(1, m)) for f, m in buckets)
+        return tuple((max(1, m) * time(op, axes, s, each * f / max(1, m)), (op, axes, each * f / max(1, m)))
+                     for f, m in buckets)
 
     def _parts(self, chunk: ChunkFacts, work: ActionWork, pieces: int) -> tuple[float, ...]:
         """Each block's compute seconds of an action whose blocks are the embedding's, each layer's and the head's
@@ -366,9 +393,13 @@ class StepPrices:
         """:meth:`_reduce`, not memoized."""
         mesh, syncs, facts = self.facts.plan.mesh, [], self.facts
         times = {False: 0.0, True: 0.0}  # held with the compute or not -> seconds
+        held: list[Part] = []
 
-        def add(op: str, seconds: float) -> None:
-            times[select is not True and held_stream(facts, op, "grad") == "compute"] += seconds
+        def add(op: str, seconds: float, axes: tuple[Axis, ...], each: float) -> None:
+            blocking = select is not True and held_stream(facts, op, "grad") == "compute"
+            times[blocking] += seconds
+            if blocking and seconds:
+                held.append((seconds, (op, axes, each)))
         for r in self.facts.reductions:
             size = r.size(nbytes, special)
             if size <= 0 or (select is not None and r.sequence != select):
@@ -376,17 +407,18 @@ class StepPrices:
             token = tail[0] if not (r.expert or r.sequence or r.sharded) and r.rest else 0.0
             if r.sharded:
                 n = max(1.0, leaves * size / nbytes) if leaves else 1.0
-                add(r.scatter_op, n * self.coll.time(r.scatter_op, r.sharded, stage, size / n))
+                add(r.scatter_op, n * self.coll.time(r.scatter_op, r.sharded, stage, size / n), r.sharded, size / n)
                 syncs.append((r.ways, n))
             if r.rest:
                 n_ar = allreduce_count(self.facts.reductions, leaves, size, nbytes, special[0], r.expert)
-                add("all_reduce", n_ar * self.coll.time("all_reduce", r.rest, stage, (size - token) / r.ways / n_ar))
+                each = (size - token) / r.ways / n_ar
+                add("all_reduce", n_ar * self.coll.time("all_reduce", r.rest, stage, each), r.rest, each)
                 syncs.append((math.prod(mesh.degree(a) for a in r.rest), n_ar))
             if token:  # the embedding's merged gather over tensor, then the token table's sum
-                add("all_gather", self.coll.time("all_gather", (Axis.TENSOR,), stage, tail[1]))
-                add("all_reduce", self.coll.time("all_reduce", r.rest, stage, token / r.ways))
+                add("all_gather", self.coll.time("all_gather", (Axis.TENSOR,), stage, tail[1]), (Axis.TENSOR,), tail[1])
+                add("all_reduce", self.coll.time("all_reduce", r.rest, stage, token / r.ways), r.rest, token / r.ways)
                 syncs += [(mesh.tensor, 1), (math.prod(mesh.degree(a) for a in r.rest), 1)]
-        return Reduced(times[False], tuple(syncs), times[True])
+        return Reduced(times[False], tuple(syncs), times[True], tuple(held))
 
     def _exposed_all_to_all(self, chain: tuple[Piece, ...], stage: int) -> float:
         """Seconds an action's MoE all-to-alls block it (testbed.sim.step.moe's chain): each all-to-all less the shared
@@ -404,4 +436,5 @@ class StepPrices:
 
 def _summed(reduced: list[Reduced]) -> Reduced:
     """Reductions one after another, as one (their barriers' count is not read)."""
-    return Reduced(sum(r.seconds for r in reduced), (), sum(r.held for r in reduced))
+    return Reduced(sum(r.seconds for r in reduced), (), sum(r.held for r in reduced),
+                   tuple(p for r in reduced for p in r.held_parts))

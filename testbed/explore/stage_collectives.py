@@ -6,10 +6,15 @@ from __future__ import annotations
 
 from testbed.collectives.routed import topology_memo
 from testbed.collectives.timing import groups_time, timed_groups
+from testbed.sim.graph.pricing import collective_flow
+from testbed.sim.price.contention import shared_factor
 from testbed.plan.spec import MESH_AXES, Axis
 from testbed.topology import Topology
 
-__all__ = ["StageCollectives", "stage_groups", "tied_seconds"]
+__all__ = ["StageCollectives", "Transfer", "stage_groups", "tied_seconds"]
+
+#: One collective of a stage: (op, axes, bytes), as :meth:`StageCollectives.time` prices it.
+Transfer = tuple[str, tuple[Axis, ...], float]
 
 
 def stage_groups(ids, axes: tuple[Axis, ...], stage: int) -> tuple[tuple[int, ...], ...]:
@@ -59,6 +64,30 @@ class StageCollectives:
                 memo.clear()
             memo[(self.placement, axes, stage, op, nbytes)] = seconds
         return seconds
+
+
+    def factor(self, stage: int, a: Transfer, b: Transfer) -> float:
+        """The share of its standalone speed each of two collectives of ``stage`` in flight together runs at, as the
+        task graph's engine shares their links (testbed.sim.price.contention.shared_factor over their flows,
+        testbed.sim.graph.pricing.collective_flow). Memoized per placement."""
+        memo = topology_memo(self.topology).setdefault("shared", {})
+        key = (self.placement, stage, a, b)
+        hit = memo.get(key)
+        if hit is None:
+            (fa, bandwidth), (fb, _) = self._flow(stage, a), self._flow(stage, b)
+            hit = 1.0 if fa is None or fb is None else shared_factor(fa, fb, bandwidth)
+            if len(memo) > _SECONDS:
+                memo.clear()
+            memo[key] = memo[(self.placement, stage, b, a)] = hit
+        return hit
+
+    def _flow(self, stage: int, transfer: Transfer):
+        """testbed.sim.graph.pricing.collective_flow of ``transfer`` over ``stage``'s groups."""
+        op, axes, nbytes = transfer
+        groups = _GROUPS.get((self.placement, axes, stage)) or stage_groups(self.ids, axes, stage)
+        if nbytes <= 0 or len(groups[0]) < 2:
+            return None, {}
+        return collective_flow(self.topology, op, groups, nbytes)
 
 
 def tied_seconds(topology: Topology, ids, nbytes: float) -> float:

@@ -21,12 +21,13 @@ import numpy as np
 
 from testbed.collectives import timing, torus
 from testbed.sim.price.compute import compute_seconds
-from testbed.sim.price.contention import normalised_loads
+from testbed.collectives.routed import topology_memo
+from testbed.sim.price.contention import Flow, normalised_loads
 from testbed.sim.step.step_rules import PREPARE_PIPELINE, PREPARE_STEP, dispatch_seconds, prepare_seconds
 from testbed.sim.graph.tasks import Program, Task, TaskKind
 from testbed.topology import Calibration, Form, Topology
 
-__all__ = ["Priced", "price", "controller_seconds"]
+__all__ = ["Priced", "price", "controller_seconds", "collective_flow"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,6 +103,28 @@ def price(program: Program, topology: Topology, dtype: str) -> Priced:
         loads.append(cached[1])
     return Priced(durations=tuple(durations), loads=tuple(loads), bandwidth=bandwidth,
                   comm_slowdown=topology.device.comm_slowdown)
+
+
+def collective_flow(topology: Topology, op: str, groups: tuple[tuple[int, ...], ...], nbytes: float
+                    ) -> tuple[Flow | None, Mapping]:
+    """One collective ``op`` of ``nbytes`` over every one of ``groups`` at once (the first holds the representative
+    device, its first member) as :func:`price` prices its task for the engine: a Flow at its standalone speed over
+    its normalised loads on the representative's links (None: it moves nothing), and the links' bandwidths. For a
+    tier that plays transfers side by side without the engine (testbed.sim.price.contention.shared_factor)."""
+    memo = topology_memo(topology).setdefault("flow pricing", {})
+    if not memo:
+        memo["bandwidth"], memo["sym"] = {}, _Symmetry(topology)
+    bandwidth = memo["bandwidth"]
+
+    def bw(link) -> float:
+        value = bandwidth.get(link)
+        if value is None:
+            value = bandwidth[link] = float(topology.graph.edges[link]["bandwidth"])
+        return value
+    task = Task(name=op, device=groups[0][0], stream="", kind=TaskKind.COLLECTIVE, op=op, nbytes=nbytes,
+                group=groups[0], instances=groups)
+    seconds, loads = _price_transfer(topology, timing, task, bw, memo["sym"])
+    return (Flow(1.0 / seconds, loads) if seconds > 0 and loads else None), bandwidth
 
 
 class _Symmetry:

@@ -15,7 +15,7 @@ import heapq
 import math
 from collections.abc import Hashable, Mapping, Sequence
 
-__all__ = ["Flow", "LinkLedger", "fair_rates", "normalised_loads"]
+__all__ = ["Flow", "LinkLedger", "fair_rates", "normalised_loads", "shared_factor"]
 
 Link = Hashable
 
@@ -63,6 +63,15 @@ def fair_rates(flows: Sequence[Flow], bandwidth: Mapping[Link, float]) -> list[f
         demands.append([flow.cap * b for b in flow.loads.values()])
     factor = _fill(ids, demands, [bandwidth[link] for link in index])
     return [float(f) * flow.cap if math.isfinite(flow.cap) else math.inf for f, flow in zip(factor, flows)]
+
+
+def shared_factor(a: Flow, b: Flow, bandwidth: Mapping[Link, float]) -> float:
+    """The share of its standalone speed each of two transfers in flight together runs at (:func:`fair_rates`: the
+    same for both, as they freeze on the link they fill together; 1 where they fill none): how the engine shares
+    their links, for a tier that plays the two side by side without it (testbed.explore.held_blocks)."""
+    if not a.loads or not b.loads or not math.isfinite(a.cap) or a.cap <= 0:
+        return 1.0
+    return min(1.0, fair_rates((a, b), bandwidth)[0] / a.cap)
 
 
 def _fill(ids: Sequence[Sequence[int]], demands: Sequence[Sequence[float]], capacity: Sequence[float]) -> list[float]:
