@@ -70,7 +70,8 @@ __all__ = ["scatters_as_allreduce", "lowered_reductions", "accumulate_op", "lowe
            "regathers_for_recompute", "narrows_gathers", "matmul_gather_bytes", "MATMUL_GATHER_BYTES",
            "sequence_gather_bytes",
            "gather_element_bytes", "lowered_gathers",
-           "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS"]
+           "gather_allreduce_bytes", "gather_lowering", "lowering_of", "V5E_GATHER_ALLREDUCE_BYTES", "RECOMPUTE_SKIPS",
+           "VECTOR_LANES", "vector_gather_lowers", "lowers_vectors"]
 
 #: Bytes per element of a weight matrix XLA:TPU gathers for matmuls of the backend's default precision (one bf16
 #: pass: the operand rounded to bf16, the rounding moved before the all-gather).
@@ -227,4 +228,25 @@ def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
 def regathers_for_recompute(topology: Topology) -> bool:
     """Whether a full-remat layer's backward gathers the leaves its recomputation reads apart from its gradients'
     (module docstring): XLA:TPU's rule."""
+    return topology.device.buffer_rules == "xla-tpu"
+
+
+#: The lanes of a TPU vector register row: a rank-1 buffer's tiles hold 128-element rows (``T(1024)(128)`` and
+#: ``T(256)(128)`` layouts in the compiled HLO).
+VECTOR_LANES = 128
+
+
+def vector_gather_lowers(shard_elements: int) -> bool:
+    """Whether XLA:TPU compiles the all-gather of a rank-1 buffer of ``shard_elements`` per device to an all-reduce
+    of the zero-padded vector (merged by the all-reduce combiner; module docstring): where the shard is not a whole
+    number of :data:`VECTOR_LANES` rows. benchmarks/xla_tpu_probes/vectors.json: shards of 64 and 96 elements
+    all-reduced, of 128 and 256 gathered, over whole v5e 2x2 and 4x4 and v5p 2x2x2 slices and over part of v5e 4x4
+    and 8x8 ones, bf16 and fp32; the recorded plans' norms (llama4k-fsdp256-tensor4: 16 elements a device) and
+    biases (gpt2k-fsdp16-tensor4-sp: ``attn/b_qkv``, 96) agree."""
+    return shard_elements % VECTOR_LANES != 0
+
+
+def lowers_vectors(topology: Topology) -> bool:
+    """Whether the compiler lowers rank-1 gathers and reduce-scatters as all-reduces (:func:`vector_gather_lowers`,
+    :func:`vector_scatters_as_allreduce`): XLA:TPU's rule."""
     return topology.device.buffer_rules == "xla-tpu"
