@@ -188,8 +188,11 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
                 run = [size, block, (i,), key, len(groups)]
                 groups.append((size, block, (i,)))
     ops = ["all_gather"] * len(groups)
-    if lowering.nbytes:
-        groups, ops = _lowered(groups, walk, kind, lowering)
+    if lowering.active:
+        lanes = lowering.lanes
+        vectors = frozenset(k for k, (_, _, members) in enumerate(groups) if lanes and len(members) == 1
+                            and _misaligned(walk[members[0]][2], mesh, ways, lanes))
+        groups, ops = _lowered(groups, walk, kind, lowering, vectors)
     out: list[list] = [[] for _ in range(blocks)]
     for (size, block, members), op in sorted(zip(groups, ops), key=lambda g: g[0][2][0 if g[1] == "all_reduce" else -1]):
         out[block].append((size, frozenset((walk[i][0], walk[i][2].path[0]) for i in members), op))
@@ -205,15 +208,28 @@ def _phased(piece, kind: str, recompute: bool) -> list[tuple[int, layout.ParamSp
     return [(int(k >= again), q) for k, q in enumerate(backward_walk(piece, recompute))]
 
 
-def _lowered(groups: list, walk: list, kind: str, lowering: Lowering) -> tuple[list, list[str]]:
-    """``groups`` (bytes, block, members) with those ``lowering`` lowers merged into all-reduces (the block of their
-    first member), and each one's op (testbed.model.gather_lowering)."""
+def _misaligned(q: layout.ParamSpec, mesh: MeshSpec, ways: int, lanes: int) -> bool:
+    """Whether ``q`` is gathered ``ways`` ways as a rank-1 buffer (a rank-1 leaf, or one held flat and padded:
+    ParamSpec.padded) whose shard per device is not a whole number of ``lanes`` elements: the vectors
+    testbed.sim.xla.xla_tpu.vector_gather_lowers gathers by an all-reduce."""
+    args = (mesh.tensor, ways, mesh.expert, mesh.expert_tensor)
+    if ways < 2 or not (len(q.shape) == 1 or q.padded(*args)):
+        return False
+    return q.device_elements(*args) % lanes != 0
+
+
+def _lowered(groups: list, walk: list, kind: str, lowering: Lowering,
+             vectors: frozenset[int] = frozenset()) -> tuple[list, list[str]]:
+    """``groups`` (bytes, block, members) with those ``lowering`` lowers (by size, and ``vectors``: the rank-1
+    leaves' gathers it lowers) merged into all-reduces (the block of their first member), and each one's op
+    (testbed.model.gather_lowering)."""
     if kind == "F":
         segments = [0] * len(groups)
     else:
         segments = backward_segments([(walk[m[0]][3] == "head", (walk[m[0]][1], walk[m[0]][4]))
                                       for _, _, m in groups])
-    lowered, merges = lowered_merges([g[0] for g in groups], segments, lowering.nbytes, lowering.allreduce_bytes)
+    lowered, merges = lowered_merges([g[0] for g in groups], segments, lowering.nbytes, lowering.allreduce_bytes,
+                                     vectors)
     kept = [g for i, g in enumerate(groups) if i not in lowered]
     merged = [(m.nbytes, groups[m.members[0]][1], tuple(sorted(x for i in m.members for x in groups[i][2])))
               for m in merges]

@@ -307,7 +307,7 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     gathers = {"F": moved.params, "B": regather.elements}
     sizes, ops, holds = (_directions(rule, plan, s, c, blocks, gathers, combine, param_b, again, matmul_b, lowering)
                          if wanted else ForwardBackward((), ())
-                         for rule, wanted in ((block_gathers, leaves), (block_ops, leaves and lowering.nbytes),
+                         for rule, wanted in ((block_gathers, leaves), (block_ops, leaves and lowering.active),
                                               (gather_holds, leaves and own)))
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()

@@ -184,18 +184,21 @@ def gather_allreduce_bytes(topology: Topology) -> float:
 def gather_lowering(topology: Topology, plan: Plan, ways: int) -> Lowering:
     """The gathers of ``plan``'s parameters (sharded ``ways`` ways) that compile to all-reduces, merged by the
     all-reduce combiner (testbed.model.gather_lowering): over a whole slice (every device of the mesh),
-    :func:`gather_allreduce_bytes`; none over part of one (the probes: 16 or 64 of 256 chips, 16 of 64)."""
+    :func:`gather_allreduce_bytes`, none by size over part of one (the probes: 16 or 64 of 256 chips, 16 of 64);
+    the misaligned rank-1 leaves over any part of an XLA:TPU slice (:func:`vector_gather_lowers`)."""
     return lowering_of(gather_allreduce_bytes(topology), topology.calibration.collectives.allreduce_combine_bytes,
-                       ways, plan.mesh.size)
+                       ways, plan.mesh.size, VECTOR_LANES if lowers_vectors(topology) else 0)
 
 
-def lowering_of(bound: float, allreduce_bytes: float | None, ways: int, devices: int) -> Lowering:
+def lowering_of(bound: float, allreduce_bytes: float | None, ways: int, devices: int, lanes: int = 0) -> Lowering:
     """:func:`gather_lowering` of gathers over ``ways`` of a mesh's ``devices`` from the topology's ``bound``
-    (:func:`gather_allreduce_bytes`) and its all-reduce combiner's bound (None: unbounded): none unless
-    ``ways`` is every device."""
+    (:func:`gather_allreduce_bytes`) and its all-reduce combiner's bound (None: unbounded): by size none unless
+    ``ways`` is every device; the rank-1 leaves whose shards are not whole rows of ``lanes`` elements over any
+    part of a slice (:func:`vector_gather_lowers`; 0: none)."""
+    combined = math.inf if allreduce_bytes is None else float(allreduce_bytes)
     if not bound or ways != devices:
-        return NO_LOWERING
-    return Lowering(bound, math.inf if allreduce_bytes is None else float(allreduce_bytes))
+        return Lowering(0.0, combined, lanes) if lanes and ways > 1 else NO_LOWERING
+    return Lowering(bound, combined, lanes)
 
 
 def lowered_gathers(workload: "Workload", topology: Topology) -> "Workload":
