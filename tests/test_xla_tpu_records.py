@@ -235,6 +235,23 @@ def test_xla_tpu_rules_make_the_named_fsdp_plans_equal():
         assert gathers[0] == gathers[1] and gathers[0]["count"] == 63, (name, gathers)
 
 
+def test_rank_one_gathers_and_reduce_scatters_are_merged_all_reduces():
+    """XLA:TPU gathers a rank-1 (or flat) parameter whose shard is not whole 128-lane rows, and reduces every rank-1
+    gradient, by merged all-reduces (benchmarks/xla_tpu_probes/vectors.json; testbed.sim.xla.xla_tpu.
+    vector_gather_lowers): the fsdp all-gathers equal XLA:TPU's on every recorded plan (llama4k's norms, 16 and 64
+    elements a device; gpt2k-fsdp*-tensor*-sp's flat ``attn/bqkv``, 96), and every fsdp collective of the plans whose
+    other fsdp gradients stay reduce-scatters (over 4 of a v5e 4x4's chips, 8 of a v5p 4x4x4's)."""
+    rows = {r["plan"]: r for r in ROWS}
+    for name, row in rows.items():
+        mine, xla = (row[f"{side}_collectives"].get("fsdp all-gather") for side in ("predicted", "xla"))
+        assert mine == xla, name
+    for name in ("llama2k-fsdp4-tensor4-sp", "gpt2k-fsdp8-tensor8-sp"):
+        mine, xla = ({k: c for k, c in rows[name][f"{side}_collectives"].items() if k.startswith("fsdp ")}
+                     for side in ("predicted", "xla"))
+        assert mine == xla, name
+        assert mine["fsdp all-reduce"]["count"] == (2 if name.startswith("llama") else 3), name
+
+
 def test_collectives_equal_the_compiled_hlo_but_on_the_named_plans():
     """Every recorded multi-chip plan's collectives per mesh axis (kind, count, bytes) equal XLA:TPU's compiled HLO
     but those :data:`COLLECTIVES_APART` names, and each of those still differs (one that comes to equal is taken
