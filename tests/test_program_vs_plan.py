@@ -480,7 +480,9 @@ def test_traced_fp32_gathers_follow_xla_tpus_rules_as_the_plans_do(layers: int, 
     (the tables, the norms, the biases, 2-D ``attn/bqkv`` included, and the head's forward gather in fp32), and on
     the 16x16 slice the buffers of at most 16 MiB all-reduced, merged by the all-reduce combiner by data flow as
     the plan merges them (testbed.model.gather_lowering: the forward's one, the head's backward norm alone, the
-    layers' two sets together). Every axis's bytes, each all-gather and each lowered merge the plan's."""
+    layers' two sets together); on the 4x4 slice the rank-1 leaves (64 elements a device: not whole 128-lane rows,
+    testbed.sim.xla.xla_tpu.vector_gather_lowers) merged so. Every axis's bytes, each all-gather and each lowered
+    merge the plan's."""
     model = ModelSpec(layers=layers, d_model=1024, heads=16, d_ff=4096, seq_len=1024, vocab=32768)
     plan = Plan(name=f"fsdp{fsdp}-fp32", model=model, batch=BatchSpec(global_batch=fsdp), mesh=MeshSpec(fsdp=fsdp),
                 schedule=ScheduleSpec(name="1f1b"), precision="fp32", remat="none")
@@ -490,7 +492,8 @@ def test_traced_fp32_gathers_follow_xla_tpus_rules_as_the_plans_do(layers: int, 
     (gathers, lowered), (expected, expected_lowered) = map(_gathers_as_compiled, (traced.program, planned.program))
     assert gathers == pytest.approx(expected, rel=1e-12) and lowered == pytest.approx(expected_lowered, rel=1e-12)
     wqkv, bqkv = 1024 * 3072 * 2, 3072 * 4  # the bf16 gather of a matrix, the fp32 one of its 2-D bias
-    assert (wqkv in gathers and bqkv in gathers and not lowered) if fsdp == 16 else len(lowered) == 3
+    # 4x4: the forward's vectors, the head's backward norm, two pairs of layers; 16x16: by size as well, three merges.
+    assert (wqkv in gathers and bqkv in gathers and len(lowered) == 4) if fsdp == 16 else len(lowered) == 3
 
 
 def test_hybrid_sharded_steps_with_padded_leaves_move_the_plans_bytes_on_every_axis() -> None:
@@ -665,12 +668,14 @@ def test_an_accumulating_fsdp_by_tensor_step_holds_the_first_microbatchs_weight_
     assert traced.report.step_time_s == pytest.approx(planned.report.step_time_s, rel=0.05)
 
 
-def _gather_starts(timeline, prefix: str) -> list[float]:
-    """When each fsdp all-gather starts on the first representative device, in order (the plan's tasks are named
-    ``gather <action>/<block>``, the traced program's ``all_gather fsdp``)."""
+def _gather_starts(timeline, prefix: str, stream: str = "") -> list[float]:
+    """When each fsdp gather starts on the first representative device, in order (the plan's tasks are named
+    ``gather <action>/<block>``, the traced program's ``all_gather fsdp``; ``stream``: the traced gathers XLA:TPU
+    lowers as all-reduces, on a stream of their own)."""
     rep = timeline.representative[0]
     return sorted(float(timeline.start[i]) for i in range(len(timeline.label))
-                  if timeline.rows[timeline.row[i]][0] == rep and timeline.label[i].startswith(prefix))
+                  if timeline.rows[timeline.row[i]][0] == rep and (timeline.label[i].startswith(prefix) or (
+                      stream and timeline.rows[timeline.row[i]][1] == stream)))
 
 
 def test_the_unlinked_last_layers_backward_gather_waits_for_the_heads_summed_input_gradient() -> None:
@@ -679,12 +684,14 @@ def test_the_unlinked_last_layers_backward_gather_waits_for_the_heads_summed_inp
     input gradient summed over tensor (then the final norm's backward); the plan starts it there
     (testbed.sim.step.span_order.cotangent_block), within 0.15 ms of the traced step's (4.054 ms traced, 3.908
     planned), where the prefetch rule had started it beside the head's backward (3.229) and the step read 1.054.
-    Both programs' gathers one for one: the forward's three, the head's, the last layer's."""
+    Both programs' gathers one for one: the forward's three, the head's, the last layer's, and the rank-1 leaves'
+    all-reduces (64 elements a device: testbed.sim.xla.xla_tpu.vector_gather_lowers)."""
     model = ModelSpec(layers=2, d_model=2048, heads=16, d_ff=8192, seq_len=2048, vocab=32768)
     plan = Plan(name="fsdp-unlinked", model=model, batch=BatchSpec(global_batch=32), mesh=MeshSpec(fsdp=32, tensor=8),
                 schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none")
     traced, planned, _, _ = _both(plan, "tpu-v5e-16x16" + MERGES)
-    ours, theirs = _gather_starts(planned.timeline, "gather "), _gather_starts(traced.timeline, "all_gather fsdp")
+    ours = _gather_starts(planned.timeline, "gather ")  # the rank-1 leaves' lowered all-reduces among them
+    theirs = _gather_starts(traced.timeline, "all_gather fsdp", "all_reduce fsdp gather")
     last_layer = _gather_starts(planned.timeline, "gather B0/1")[0]
     assert len(ours) == len(theirs)
     assert last_layer == pytest.approx(theirs[ours.index(last_layer)], abs=1.5e-4)

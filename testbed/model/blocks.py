@@ -166,6 +166,9 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
              * (matmul_bytes if matmul_bytes and narrowed(q, what, kind) else bytes_per_element)
              for _, _, q, what, _ in walk]
     groups: list[tuple[float, int, tuple[int, ...]]] = []  # (bytes, block, members' walk indices)
+    # The gathers the compiler lowers as all-reduces one by one, before its all-gather combiner merges the rest.
+    alone = frozenset(i for i, (_, _, q, *_) in enumerate(walk)
+                      if lowering.lanes and _misaligned(q, mesh, ways, lowering.lanes))
     if kind != "F" and not math.isinf(combine_bytes):
         each: dict[int, list[float]] = {}  # each piece's leaves' sizes, in walk order
         for (_, i, *_), n in zip(walk, sizes):
@@ -174,12 +177,12 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
         head = any(what == "head" for _, what, _ in held)
         waits = backward_waits(len(backward) - int(head), head)
         groups = [(size, backward[k][0], members) for size, k, members in
-                  backward_merges_members([n for _, n in backward], combine_bytes, waits)]
+                  backward_merges_members([n for _, n in backward], combine_bytes, waits, alone)]
     else:
         run: list | None = None  # the open merge: [bytes, block, members, key, its index]
         for i, ((block, *_), size) in enumerate(zip(walk, sizes)):
             key = block if math.isinf(combine_bytes) else 0  # what merges: the whole chunk; a block, unbounded
-            if size > combine_bytes:
+            if size > combine_bytes or i in alone:
                 groups.append((size, block, (i,)))  # combined_sizes' rule: alone, the open merge goes on
             elif run is not None and run[3] == key and run[0] + size <= combine_bytes:
                 run[0], run[2] = run[0] + size, run[2] + (i,)
@@ -189,9 +192,7 @@ def _gather_merges(spec: ModelSpec, mesh: MeshSpec, v: int, stage_layers: tuple[
                 groups.append((size, block, (i,)))
     ops = ["all_gather"] * len(groups)
     if lowering.active:
-        lanes = lowering.lanes
-        vectors = frozenset(k for k, (_, _, members) in enumerate(groups) if lanes and len(members) == 1
-                            and _misaligned(walk[members[0]][2], mesh, ways, lanes))
+        vectors = frozenset(k for k, (_, _, members) in enumerate(groups) if members[0] in alone)
         groups, ops = _lowered(groups, walk, kind, lowering, vectors)
     out: list[list] = [[] for _ in range(blocks)]
     for (size, block, members), op in sorted(zip(groups, ops), key=lambda g: g[0][2][0 if g[1] == "all_reduce" else -1]):

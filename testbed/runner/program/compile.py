@@ -187,6 +187,15 @@ class _Reader:
             nodes.append(node)
         return Block(args=args, nodes=nodes, yields=yields, size=size)
 
+    def vector_shard(self, kind: str, operands: list, results: list) -> int:
+        """Elements per device of the shard a collective of rank-1 buffers moves (an all-gather's operand, a
+        reduce-scatter's result, one dim of which is wider than 1 on a device; 0: not rank-1, or another kind):
+        what XLA:TPU lowers as all-reduces (testbed.sim.xla.xla_tpu.vector_gather_lowers)."""
+        value = operands[0] if kind == "all-gather" else results[0] if kind == "reduce-scatter" else None
+        shape = self.shape.get(value, ((), 0))[0] if value is not None else ()
+        wide = [d for d in shape if d > 1]  # a tensor-split dim of one row a device leaves a rank-1 buffer
+        return int(wide[0]) if len(wide) == 1 else 0
+
     def node(self, op: Any, name: str) -> Node:
         from testbed.runner import reshards
 
@@ -204,7 +213,8 @@ class _Reader:
             reducer = tuple(inner.operation.name for region in op.regions for b in region.blocks
                             for inner in b.operations)
             return Node(kind="collective", name=name, operands=operands, results=results,
-                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element),
+                        collective=(_COLLECTIVE_NAMES[kind], axes, group, nbytes, element,
+                                    self.vector_shard(kind, operands, results)),
                         writes=[self.nbytes(r) for r in results], channel=channel, reducer=reducer)
         if name in LOCAL_SLICES:  # its results are sharded as its out_sharding says (no sdy.sharding attribute)
             self.define(results, [str(attrs["out_sharding"])] * len(results))

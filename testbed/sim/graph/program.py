@@ -362,19 +362,26 @@ class _Graph(SpanPlay, GradPlay):
         action's; ``ends`` this action's blocks so far). Returns the last (None: the block's leaves were merged
         into an earlier block's collective); ``merge_tasks``: each merge's task (testbed.sim.graph.span_play waits for
         the merges a span reads). ``cotangent``: a task the gathers wait for too (the head's summed input
-        gradient, for the unlinked last layer's backward gather: testbed.sim.step.span_order.cotangent_block)."""
+        gradient, for the unlinked last layer's backward gather: testbed.sim.step.span_order.cotangent_block). The
+        gathers the compiler lowers as all-reduces (ChunkFacts.gather_ops) chain apart from the all-gathers: XLA issues
+        each once its parameter is ready, and an all-reduce is not on the all-gathers' resource."""
         rep, freed = self.reps[s], gather_after(k, self.facts.prefetch, ends, self.blocks_done.get(s, []))
         after = ((freed,) if freed is not None else ()) + ((cotangent,) if cotangent is not None else ())
-        last = None
+        last: dict[bool, int] = {}  # the all-gathers' chain and the lowered all-reduces', apart
         self.merge_tasks = []
         for (size, op), run in itertools.groupby(zip(chunk.gather_sizes(kind)[k], chunk.gather_ops(kind)[k])):
             count = len(list(run))  # op: all_reduce where the compiler lowers the gather (ChunkFacts.gather_ops)
-            last = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
-                              op=op, deps=(*after, *self.iteration) if last is None else (last,),
-                              nbytes=size, count=count,
-                              group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
-            self.merge_tasks += [last] * count
-        return last
+            # A lowered gather is an all-reduce, not on the all-gathers' resource: neither waits for the other.
+            chain = op == "all_gather"
+            last[chain] = self.b.add(name=f"gather {name}", device=rep, stream="gather", kind=TaskKind.COLLECTIVE,
+                                     op=op, deps=(*after, *self.iteration) if chain not in last else (last[chain],),
+                                     nbytes=size, count=count,
+                                     group=rep_group(self.p_groups[s], rep), instances=self.p_groups[s])
+            self.merge_tasks += [last[chain]] * count
+        if len(last) == 2:  # the block waits for both: an empty join of the two chains on the compute stream
+            last[True] = self.b.add(name=f"{name} gathered", device=rep, stream="compute",
+                                    kind=TaskKind.COMPUTE, deps=(last[True], last[False]))
+        return last.get(True, last.get(False))
 
     def _chain(self, s: int, chunk: ChunkFacts, work: ActionWork, label: str, deps: list[int], buckets: int) -> int:
         """An MoE action under expert parallelism: its per-layer chain (testbed.sim.step.moe; the all-to-alls on the
