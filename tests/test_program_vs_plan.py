@@ -162,7 +162,7 @@ def test_fsdp_tensor_and_sequence_parallel_step_times_agree_on_a_tpu_slice(drawn
     the superpod's rules, each span waits only for the merged gathers holding the
     leaves it reads (testbed.sim.step.span_order.span_needs), the unlinked last layer's backward gather for the head's
     summed input gradient (span_order.cotangent_block), and a held block's weight gradients are cut by the merges
-    that read them (testbed.model.blocks.scatter_cuts); docs/program.md, "FSDP blocks span by span"."""
+    that read them (testbed.model.block_scatters.scatter_cuts); docs/program.md, "FSDP blocks span by span"."""
     _step_times_agree(drawn)
 
 
@@ -261,7 +261,7 @@ def test_fsdp_steps_merge_the_plans_gathers_and_reduce_scatters(drawn) -> None:
     gathers as testbed.model.leaves.backward_merges counts them from the runner's links
     (testbed.model.leaves.linked_layer: the last layer's gather waits for the head's backward, so the head's
     merges with none), the reduce-scatters in the order the transposed gathers issue a piece's gradients, each
-    merge where its last member is (testbed.model.blocks.block_scatters). The plan's shares are multiples of
+    merge where its last member is (testbed.model.block_scatters.block_scatters). The plan's shares are multiples of
     testbed.model.blocks.SHARE_QUANTUM of the chunk's bytes, each rounded, the last the rest: the reduce-scatters
     equal to that, the gathers exactly. With sequence parallelism too: the tensor-replicated gradients (norms,
     row-parallel biases) of the pieces before the last that holds one are walked at that piece's start, where
@@ -429,7 +429,7 @@ def test_a_sequence_parallel_layers_gradients_leave_after_its_own_weight_gradien
     """fsdp x tensor with sequence parallelism on the TPU slice, d_model 2048, sequence 2048: every layer's merged
     reduce-scatter is issued in the embedding's block (it reads the backward's all-reduce of the tensor-replicated
     gradients), but each leaves once its own layer's weight gradients are computed, the last layer's beside the
-    first layer's (testbed.model.blocks.scatter_reads, testbed.sim.step.span_order); the plan released every merge
+    first layer's (testbed.model.block_scatters.scatter_reads, testbed.sim.step.span_order); the plan released every merge
     after all weight gradients: 0.949 and 0.949."""
     plan = _sequence_parallel_fsdp_by_tensor("fsdp-sp-reads", 256, tensor, 2048, precision)
     traced, planned, _, _ = _both(plan, "tpu-v5e-16x16")
@@ -453,7 +453,7 @@ def test_an_fsdp_by_tensor_8_bf16_step_whose_gradients_fit_one_merge(seq_len: in
     """fsdp32 x tensor 8, bf16, d_model 1024 on tpu-v5e-16x16: every gradient of the step fits one merged
     reduce-scatter (25.2 MB within XLA's 30 MiB), which XLA's combiner makes one collective reading every layer's
     weight gradients; the plan's embedding block releases it after them, not after the table's scatter-add
-    (testbed.model.blocks.scatter_reads; 1.076 and 1.057 when it left before them)."""
+    (testbed.model.block_scatters.scatter_reads; 1.076 and 1.057 when it left before them)."""
     model = ModelSpec(layers=2, d_model=1024, heads=16, d_ff=4096, seq_len=seq_len, vocab=32768)
     plan = Plan(name="fsdp-t8", model=model, batch=BatchSpec(global_batch=32), mesh=MeshSpec(fsdp=32, tensor=8),
                 schedule=ScheduleSpec(name="1f1b"), precision="bf16-mixed", remat="none",

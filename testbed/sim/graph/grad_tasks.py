@@ -70,7 +70,7 @@ def reduce_tasks(b: Builder, reductions: tuple, groups: dict, plan: Plan, s: int
     parameters' reduction (True), all but it (False), or all (None), on ``stream``; ``loss``: the loss's bytes the
     dense parameters' all-reduce carries besides (testbed.plan.sharding.loss_merged); ``op``: the collective the
     dense parameters' reduce-scatter compiles to where another (XLA:TPU's rank-1 gradients' all-reduce,
-    testbed.model.blocks.scatter_ops; empty: Reduction.scatter_op).
+    testbed.model.block_scatters.scatter_ops; empty: Reduction.scatter_op).
 
     Each kind of parameter is summed over its axes (testbed.plan.sharding.reduction_axes: dense ones over
     data, fsdp, expert and context, routed experts' over those but expert): a reduce-scatter over those of

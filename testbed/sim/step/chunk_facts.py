@@ -16,8 +16,8 @@ from testbed.model.costs import ChunkCost
 from testbed.model.gather_lowering import NO_LOWERING, Lowering
 from testbed.model.gemm import ChunkGemms, Gemm, gemm_flops, scaled, without
 from testbed.model.layout import chunk_params, held_elements
-from testbed.model.blocks import (block_gathers, block_ops, block_scatters, gather_holds, own_blocks, scatter_cuts,
-                                  scatter_early, scatter_ops, scatter_reads)
+from testbed.model.block_scatters import block_scatters, scatter_cuts, scatter_early, scatter_ops, scatter_reads
+from testbed.model.blocks import block_gathers, block_ops, gather_holds, own_blocks
 from testbed.model.leaves import (bucket_share, combine_limit, gradient_allreduces, moved_elements, parameter_collectives,
                                   regathered)
 from testbed.model.moe import moe_layers
@@ -87,7 +87,7 @@ class Gathered(NamedTuple):
 class BucketMerge(NamedTuple):
     """One reduction of a gradient bucket (ChunkFacts.bucket): its share of the chunk's gradients, its collectives
     (0: one) and the op the compiler makes of it where not the parameter kind's own (empty; ``all_reduce``: XLA:TPU's
-    rank-1 gradients, testbed.model.blocks.scatter_ops)."""
+    rank-1 gradients, testbed.model.block_scatters.scatter_ops)."""
 
     share: float
     count: int
@@ -183,19 +183,19 @@ class ChunkFacts:
     #: head are blocks of their own (testbed.model.blocks.own_blocks); empty: equal shares of the action.
     block_work: tuple[tuple[str, tuple[tuple[float, tuple[Gemm, ...]], ...]], ...] = ()
     #: Per gradient bucket of the last backward (from the head), each merged reduce-scatter's share of the
-    #: gradients, at the blocks' real sizes (testbed.model.blocks.block_scatters); empty: equal shares.
+    #: gradients, at the blocks' real sizes (testbed.model.block_scatters.block_scatters); empty: equal shares.
     bucket_sizes: tuple[tuple[float, ...], ...] = ()
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the buckets (blocks) whose weight gradients it
-    #: reads (testbed.model.blocks.scatter_reads); empty: each reads its own.
+    #: reads (testbed.model.block_scatters.scatter_reads); empty: each reads its own.
     bucket_reads: tuple[tuple[tuple[int, ...], ...], ...] = ()
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the share of its block's weight-gradient matmuls
-    #: it reads where it leaves before the block's input gradients, else 0 (testbed.model.blocks.scatter_early).
+    #: it reads where it leaves before the block's input gradients, else 0 (testbed.model.block_scatters.scatter_early).
     bucket_early: tuple[tuple[float, ...], ...] = ()
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, for each bucket of its ``bucket_reads`` the share
-    #: of that block's weight-gradient matmuls it reads (testbed.model.blocks.scatter_cuts); empty: all of it.
+    #: of that block's weight-gradient matmuls it reads (testbed.model.block_scatters.scatter_cuts); empty: all of it.
     bucket_cuts: tuple[tuple[tuple[float, ...], ...], ...] = ()
     #: Per bucket of ``bucket_sizes``, per merged reduce-scatter, the op the compiler makes of it where another
-    #: (``all_reduce``: XLA:TPU's rank-1 gradients, testbed.model.blocks.scatter_ops), else empty; empty: none.
+    #: (``all_reduce``: XLA:TPU's rank-1 gradients, testbed.model.block_scatters.scatter_ops), else empty; empty: none.
     bucket_ops: tuple[tuple[str, ...], ...] = ()
     #: The merged all-reduces that sum the chunk's replicated gradients (testbed.model.leaves.gradient_allreduces).
     allreduces: int = 1
@@ -326,8 +326,7 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     block_work = tuple((a.kind, _block_work(shapes, a, cost, split=schedule.split_backward)) for a in actions) \
         if own else ()
     merge = combine_limit(allreduce_bytes, math.inf) if scatter_allreduce else combine  # the combiner that merges
-    # XLA:TPU: the rank-1 gradients' reduce-scatters are one merged all-reduce (testbed.sim.xla.xla_tpu.lowers_vectors)
-    vectors = bool(lowering.lanes) and reduces and not scatter_allreduce
+    vectors = bool(lowering.lanes) and reduces and not scatter_allreduce  # XLA:TPU's rank-1 gradients' all-reduce
     bucket_sizes = block_scatters(plan, s, c, blocks, merge, reduce_b, vectors) if own and buckets == blocks else ()
     bucket_reads = scatter_reads(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes else ()
     bucket_early = scatter_early(plan, s, c, blocks, merge, reduce_b, vectors) if bucket_sizes and chained else ()
@@ -336,9 +335,8 @@ def chunk_facts(plan: Plan, schedule: Schedule, chunk_costs, s: int, c: int, spa
     return ChunkFacts(cost=cost, gemms=shapes, kernels=kernels, moe_layers=n_moe, expert_params=expert_params,
                       leaves=leaves, buckets=buckets, actions=actions, moved=moved, blocks=blocks,
                       regather=regather, block_sizes=sizes, block_ops=ops, block_holds=holds, block_work=block_work,
-                      bucket_sizes=bucket_sizes,
-                      bucket_reads=bucket_reads, bucket_early=bucket_early, bucket_cuts=bucket_cuts,
-                      bucket_ops=bucket_ops,
+                      bucket_sizes=bucket_sizes, bucket_reads=bucket_reads, bucket_early=bucket_early,
+                      bucket_cuts=bucket_cuts, bucket_ops=bucket_ops,
                       reduced=Reduced(reduced_bytes(plan, s, c, moved.grads, reduce_b, "grads", native),
                                       reduced_bytes(plan, s, c, moved.optimizer, reduce_b, "optimizer", native)
                                       - position_saved + (sequence_b if summed_each_microbatch(plan)

@@ -186,10 +186,8 @@ def step_facts(plan: Plan, device_ids, combine_bytes: float | None = None,
         recompute_gathers: under full remat a layer's backward gathers its recomputation's leaves apart from its
             gradients' (XLA:TPU: testbed.sim.xla.xla_tpu.regathers_for_recompute).
         narrowed_gathers, gather_allreduce: XLA:TPU gathers fp32 weights and activations only matmuls read in bf16, over
-            a whole slice small buffers as merged all-reduces (testbed.sim.xla.xla_tpu). vector_lanes: rank-1 leaves
-            whose shards are not whole rows of this many elements are gathered and reduced by merged all-reduces
-            (XLA:TPU: testbed.sim.xla.xla_tpu.vector_gather_lowers; 0: none). held: the collective kinds
-            played in program order with the compute (DeviceSpec.held_collectives)."""
+            a whole slice small buffers as merged all-reduces, and (``vector_lanes``; 0: none) rank-1 leaves too
+            (testbed.sim.xla.xla_tpu). held: the collective kinds played in program order with the compute."""
     mesh, v, m, p = plan.mesh, plan.schedule.virtual_stages, plan.batch.microbatches, plan.mesh.stage
     schedule, order = cached_order(plan.schedule.name.value, p, m, v) if schedule is None else (schedule,
                                                                                                order_of(schedule))

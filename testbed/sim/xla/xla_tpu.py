@@ -49,7 +49,7 @@ plans of benchmarks/xla_tpu/ (testbed.compiled.compare sets the task graph's col
   ones, bf16 and fp32, merged by the all-reduce combiner. A plan's rank-1 leaves (norms, biases) and those held flat
   (ParamSpec.padded: ``attn/bqkv`` under tensor parallelism) follow it: their gathers merged as the whole slice's
   small gathers are (testbed.model.gather_lowering), their gradients' reduce-scatters one all-reduce at the
-  backward's end (testbed.model.blocks.scatter_ops). Every recorded plan's fsdp all-gathers equal XLA:TPU's by it
+  backward's end (testbed.model.block_scatters.scatter_ops). Every recorded plan's fsdp all-gathers equal XLA:TPU's by it
   (llama4k-fsdp256-tensor4: 51 all-gathers to 37 and four all-reduces of the norms, 16 elements a device), and
   llama2k-fsdp4-tensor4-sp's and gpt2k-fsdp8-tensor8-sp's fsdp collectives all.
 
